@@ -1,0 +1,5 @@
+"""``python -m infermeter`` is the ``infermeter`` command."""
+
+from infermeter.cli import main
+
+raise SystemExit(main())

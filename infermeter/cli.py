@@ -1,0 +1,147 @@
+"""The ``infermeter`` command: one entry point, one subcommand per part of the platform.
+
+Configuration is loaded here, once, and handed down; errors a user can fix (a bad config file, a
+port in use) end the program with a one-line message and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from infermeter import __version__
+from infermeter.config import Config, ConfigError, default_config_path, load_config
+from infermeter.netutil import PortInUseError
+
+__all__ = ["main"]
+
+Handler = Callable[[argparse.Namespace, Config], int]
+
+
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="infermeter.yaml to use (default: $INFERMETER_CONFIG, else the embedded demo fleet)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser, with every subcommand and its help text."""
+    parser = argparse.ArgumentParser(
+        prog="infermeter",
+        description="Observability and cost chargeback for GPU inference fleets that serve vLLM.",
+    )
+    parser.add_argument("--version", action="version", version=f"infermeter {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    sim = sub.add_parser(
+        "simulate",
+        help="run a simulated vLLM fleet and dcgm-exporter stand-ins (no GPU needed)",
+        description=(
+            "Start every replica of the configuration as a vLLM-compatible server (one process "
+            "each, on its upstream_url) and a dcgm-exporter stand-in per node (on its "
+            "dcgm_exporter_url). Ctrl-C stops everything."
+        ),
+    )
+    _add_config(sim)
+    only = sim.add_mutually_exclusive_group()
+    only.add_argument("--replica", metavar="ID", help="serve only this replica, in this process")
+    only.add_argument("--dcgm", action="store_true", help="serve only the dcgm-exporter stand-ins")
+    only.add_argument("--traffic-only", action="store_true", help="only send traffic to a running fleet")
+    sim.add_argument("--traffic", action="store_true", help="also generate traffic from several teams")
+    sim.add_argument("--via-sidecars", action="store_true", help="send traffic to the sidecars, not the replicas")
+    sim.add_argument("--peak-rps", type=float, default=6.0, help="traffic: requests/s at the morning peak")
+    sim.add_argument("--day-seconds", type=float, default=600.0, help="traffic: wall seconds per simulated day")
+    sim.add_argument("--duration", type=float, default=None, help="traffic: stop after this many seconds")
+    sim.add_argument("--seed", type=int, default=None, help="override simulator.seed")
+    sim.set_defaults(handler=_simulate)
+
+    demo = sub.add_parser(
+        "demo",
+        help="run the whole platform on a simulated fleet, with traffic",
+        description="The simulated fleet, its traffic and every infermeter service, on loopback.",
+    )
+    _add_config(demo)
+    demo.add_argument("--peak-rps", type=float, default=6.0, help="requests/s at the morning peak")
+    demo.add_argument("--day-seconds", type=float, default=600.0, help="wall seconds per simulated day")
+    demo.set_defaults(handler=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse arguments, load the configuration, run the subcommand."""
+    args = build_parser().parse_args(argv)
+    if getattr(args, "seed", None) is not None:
+        os.environ["INFERMETER__SIMULATOR__SEED"] = str(args.seed)
+    try:
+        config = load_config(args.config)
+        handler: Handler = args.handler
+        return handler(args, config)
+    except ConfigError as exc:
+        for line in str(exc).splitlines():
+            print(f"infermeter: config error: {line}", file=sys.stderr)
+        return 2
+    except PortInUseError as exc:
+        print(f"infermeter: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+def _config_path(args: argparse.Namespace) -> str:
+    return str(args.config or default_config_path())
+
+
+def _simulate(args: argparse.Namespace, config: Config) -> int:
+    from simulator import serve, traffic
+
+    if args.replica:
+        try:
+            config.replica(args.replica)
+        except KeyError:
+            print(f"infermeter: no replica {args.replica!r} in {_config_path(args)}", file=sys.stderr)
+            return 2
+        asyncio.run(serve.serve_replica(config, args.replica))
+        return 0
+    if args.dcgm:
+        asyncio.run(serve.serve_dcgm(config))
+        return 0
+    if args.traffic_only:
+        gen = traffic.TrafficGenerator(
+            traffic.default_targets(config, args.via_sidecars),
+            traffic.demo_teams(config),
+            traffic.TrafficProfile(
+                peak_requests_per_second=args.peak_rps,
+                day_seconds=args.day_seconds,
+                seed=config.simulator.seed,
+            ),
+        )
+        try:
+            asyncio.run(gen.run(args.duration))
+        except KeyboardInterrupt:
+            pass
+        print("traffic summary:\n" + gen.summary())
+        return 0
+    from infermeter import fleet
+
+    children = fleet.simulator_children(config, _config_path(args))
+    if args.traffic:
+        children.append(fleet.traffic_child(_config_path(args), args))
+    return fleet.run(children, fleet.simulator_urls(config))
+
+
+def _demo(args: argparse.Namespace, config: Config) -> int:
+    from infermeter import fleet
+
+    path = _config_path(args)
+    args.via_sidecars = False
+    args.duration = None
+    children = fleet.simulator_children(config, path)
+    children.append(fleet.traffic_child(path, args))
+    return fleet.run(children, fleet.simulator_urls(config))

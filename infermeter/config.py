@@ -1,0 +1,403 @@
+"""One typed configuration for every infermeter process.
+
+The YAML file is parsed once, at start, into frozen pydantic models and passed down; nothing
+below the command line reads files or the environment for settings. Every model forbids unknown
+keys, so a typo fails at start instead of silently falling back to a default.
+
+Environment overrides: a variable ``INFERMETER__<PATH>`` replaces one value of the file before
+validation. ``<PATH>`` is the key path joined by double underscores, case-insensitive; list
+entries are addressed by their ``name`` (teams, models, nodes) or ``id`` (replicas), or by index:
+
+    INFERMETER__PRICES__USD_PER_KWH=0.21
+    INFERMETER__TEAMS__SEARCH__BUDGET_USD_PER_MONTH=12000
+    INFERMETER__REPLICAS__LARGE_0__UPSTREAM_URL=http://10.0.0.7:8000
+
+Values are read as YAML scalars (``0.21`` is a number, ``true`` a boolean). ``INFERMETER_CONFIG``
+names the file when ``--config`` is not given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "ENV_PREFIX",
+    "Config",
+    "ConfigError",
+    "GpuProfile",
+    "Model",
+    "Node",
+    "Prices",
+    "Replica",
+    "ScalingPolicy",
+    "Sla",
+    "Team",
+    "TeamLimits",
+    "default_config_path",
+    "hash_key",
+    "load_config",
+]
+
+ENV_PREFIX = "INFERMETER__"
+DEFAULT_CONFIG = Path(__file__).with_name("defaults.yaml")
+
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")]
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+NonNegative = Annotated[float, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]
+
+
+def hash_key(key: str) -> str:
+    """SHA-256 hex digest of an API key: the only form in which a key is ever stored."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used, with where and why.
+
+    The message is one line per problem, ``file: key.path = value: reason``, so an operator can
+    fix the file without reading a traceback.
+    """
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__("\n".join(f"{source}: {p}" for p in problems))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TeamLimits(_Strict):
+    """Per-team admission limits applied by every sidecar; ``None`` means unlimited."""
+
+    requests_per_minute: Annotated[int, Field(gt=0)] | None = None
+    tokens_per_minute: Annotated[int, Field(gt=0)] | None = None
+    max_concurrent: Annotated[int, Field(gt=0)] | None = None
+
+
+class Team(_Strict):
+    """An internal team that is charged for what its requests use."""
+
+    name: Name
+    api_key_sha256: list[Sha256] = Field(default_factory=list)
+    budget_usd_per_month: NonNegative = 0.0
+    limits: TeamLimits = TeamLimits()
+    priority: int = 0
+
+
+class Sla(_Strict):
+    """Latency and speed targets of one use case; checked by alerts and dashboards."""
+
+    ttft_p95_seconds: Positive = 2.0
+    min_output_tokens_per_second: NonNegative = 0.0
+    max_error_ratio: Annotated[float, Field(ge=0, le=1)] = 0.01
+
+
+class Model(_Strict):
+    """A model name clients ask for, and the served versions that are approved for it."""
+
+    name: Name
+    approved_versions: list[Name]
+    serve_version: Name | None = None
+    use_case: Name = "interactive"
+    sla: Sla = Sla()
+    max_model_len: Annotated[int, Field(gt=0)] = 8192
+
+    @model_validator(mode="after")
+    def _serve_version_is_approved(self) -> Model:
+        if not self.approved_versions:
+            raise ValueError("approved_versions must list at least one served model version")
+        if self.serve_version is not None and self.serve_version not in self.approved_versions:
+            raise ValueError(
+                f"serve_version {self.serve_version!r} is not in approved_versions "
+                f"{self.approved_versions}"
+            )
+        return self
+
+    @property
+    def current_version(self) -> str:
+        """The served version requests for this model are routed to."""
+        return self.serve_version or self.approved_versions[0]
+
+
+class Replica(_Strict):
+    """One vLLM engine: where it listens, what it serves, and which GPUs it owns."""
+
+    id: Name
+    model: Name
+    upstream_url: Annotated[str, StringConstraints(pattern=r"^https?://[^/\s]+(/\S*)?$")]
+    sidecar_listen: str | None = None
+    served_version: Name | None = None
+    node: Name
+    gpu_model: Name
+    gpu_count: Annotated[int, Field(gt=0)] = 1
+    gpus: list[int | str] = Field(default_factory=list)
+    idle_policy: Literal["spread", "platform", "owner"] = "spread"
+    owner_team: Name | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Replica:
+        if self.gpus and len(self.gpus) != self.gpu_count:
+            raise ValueError(f"gpus lists {len(self.gpus)} GPUs but gpu_count is {self.gpu_count}")
+        if self.idle_policy == "owner" and self.owner_team is None:
+            raise ValueError("idle_policy 'owner' needs owner_team")
+        return self
+
+
+class Node(_Strict):
+    """A GPU host; ``dcgm_exporter_url`` is scraped by the collector when set."""
+
+    name: Name
+    dcgm_exporter_url: str | None = None
+    gpu_model: Name | None = None
+    gpu_count: Annotated[int, Field(ge=0)] = 0
+
+
+class Prices(_Strict):
+    """The price book: GPU time by GPU model, plus energy."""
+
+    usd_per_gpu_hour: dict[Name, NonNegative]
+    usd_per_kwh: NonNegative = 0.0
+    pue: Annotated[float, Field(ge=1.0, le=3.0)] = 1.0
+    currency: Literal["USD"] = "USD"
+
+
+class ScalingPolicy(_Strict):
+    """Autoscaling defaults; see alerts/ for how each is used."""
+
+    min_replicas: Annotated[int, Field(ge=0)] = 2
+    max_replicas: Annotated[int, Field(gt=0)] | None = None
+    scale_up_queue_depth: Annotated[int, Field(ge=0)] = 10
+    scale_up_after_seconds: Positive = 30
+    scale_down_gpu_utilization: Annotated[float, Field(ge=0, le=1)] = 0.30
+    scale_down_after_seconds: Positive = 300
+    cooldown_seconds: NonNegative = 180
+    startup_seconds: NonNegative = 180
+    monthly_budget_cap_usd: NonNegative | None = None
+
+
+class GpuProfile(_Strict):
+    """Electrical and memory facts of a GPU model, used by the simulator's power model."""
+
+    idle_watts: Positive
+    max_watts: Positive
+    memory_mib: Annotated[int, Field(gt=0)]
+    product_name: str
+
+    @model_validator(mode="after")
+    def _idle_below_max(self) -> GpuProfile:
+        if self.idle_watts >= self.max_watts:
+            raise ValueError("idle_watts must be below max_watts")
+        return self
+
+
+class EngineProfile(_Strict):
+    """Continuous-batching timing of a simulated vLLM engine.
+
+    One engine step decodes one token for every running sequence and prefills newly admitted
+    prompts; it lasts ``step_base_ms + step_per_seq_ms * running + prefill_tokens / prefill_rate``.
+    """
+
+    max_num_seqs: Annotated[int, Field(gt=0)] = 64
+    kv_cache_tokens: Annotated[int, Field(gt=0)] = 200_000
+    block_size: Annotated[int, Field(gt=0)] = 16
+    step_base_ms: Positive = 12.0
+    step_per_seq_ms: NonNegative = 0.25
+    prefill_tokens_per_second: Positive = 20_000.0
+    mean_output_tokens: Positive = 180.0
+
+
+class Simulator(_Strict):
+    """Settings of the simulated fleet (``infermeter simulate``)."""
+
+    seed: int = 7
+    gpus: dict[Name, GpuProfile] = Field(default_factory=dict)
+    engines: dict[Name, EngineProfile] = Field(default_factory=dict)
+
+    def engine_for(self, model: str) -> EngineProfile:
+        """The timing profile of ``model``'s engines, or the default one."""
+        return self.engines.get(model, EngineProfile())
+
+
+class Config(_Strict):
+    """The whole configuration, validated across sections."""
+
+    teams: list[Team]
+    models: list[Model]
+    replicas: list[Replica]
+    nodes: list[Node] = Field(default_factory=list)
+    prices: Prices
+    scaling: ScalingPolicy = ScalingPolicy()
+    simulator: Simulator = Simulator()
+    admin_token_sha256: list[Sha256] = Field(default_factory=list)
+
+    @field_validator("teams", "models", "replicas", "nodes")
+    @classmethod
+    def _unique(cls, items: list[Any]) -> list[Any]:
+        seen: set[str] = set()
+        for item in items:
+            key = getattr(item, "id", None) or item.name
+            if key in seen:
+                raise ValueError(f"duplicate {key!r}")
+            seen.add(key)
+        return items
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> Config:
+        models = {m.name: m for m in self.models}
+        teams = {t.name for t in self.teams}
+        problems = []
+        for r in self.replicas:
+            model = models.get(r.model)
+            if model is None:
+                problems.append(f"replica {r.id!r} names unknown model {r.model!r}")
+            elif r.served_version and r.served_version not in model.approved_versions:
+                problems.append(
+                    f"replica {r.id!r} serves {r.served_version!r}, "
+                    f"not an approved version of {r.model!r}"
+                )
+            if r.gpu_model not in self.prices.usd_per_gpu_hour:
+                problems.append(f"replica {r.id!r}: no price for GPU model {r.gpu_model!r}")
+            if r.owner_team is not None and r.owner_team not in teams:
+                problems.append(f"replica {r.id!r} names unknown owner_team {r.owner_team!r}")
+        keys = [k for t in self.teams for k in t.api_key_sha256]
+        if len(keys) != len(set(keys)):
+            problems.append("the same API key hash is listed for more than one team")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def model(self, name: str) -> Model:
+        """The model called ``name``; KeyError if there is none."""
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def replica(self, replica_id: str) -> Replica:
+        """The replica with id ``replica_id``; KeyError if there is none."""
+        for r in self.replicas:
+            if r.id == replica_id:
+                return r
+        raise KeyError(replica_id)
+
+    def node_names(self) -> list[str]:
+        """Every node named by ``nodes`` or by a replica, in first-seen order."""
+        names = [n.name for n in self.nodes]
+        names += [r.node for r in self.replicas if r.node not in names]
+        return list(dict.fromkeys(names))
+
+
+def default_config_path() -> Path:
+    """The file ``--config`` falls back to: ``$INFERMETER_CONFIG`` or the embedded demo fleet."""
+    env = os.environ.get("INFERMETER_CONFIG")
+    return Path(env) if env else DEFAULT_CONFIG
+
+
+def load_config(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """Read, override from the environment, and validate one configuration file."""
+    path = path or default_config_path()
+    environ = os.environ if environ is None else environ
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(source, [f"cannot read file: {exc.strerror or exc}"]) from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        reason = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(source, [f"{where}malformed YAML: {reason}"]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(source, ["the top level must be a mapping of sections"])
+    raw = apply_env_overrides(raw, environ, source)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(source, [_describe(err, raw) for err in exc.errors()]) from None
+
+
+def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str], source: str) -> dict[str, Any]:
+    """Return ``raw`` with every ``INFERMETER__`` variable applied, in sorted order."""
+    for var in sorted(environ):
+        if not var.upper().startswith(ENV_PREFIX):
+            continue
+        parts = [p for p in var[len(ENV_PREFIX) :].split("__") if p]
+        if not parts:
+            continue
+        try:
+            _set_path(raw, parts, yaml.safe_load(environ[var]))
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ConfigError(source, [f"environment variable {var}: no such key ({exc})"]) from None
+    return raw
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "_", text.lower())
+
+
+def _set_path(node: Any, parts: list[str], value: Any) -> None:
+    head, rest = parts[0], parts[1:]
+    if isinstance(node, dict):
+        key = next((k for k in node if _norm(str(k)) == _norm(head)), head.lower())
+        if not rest:
+            node[key] = value
+            return
+        if key not in node:
+            node[key] = {}
+        _set_path(node[key], rest, value)
+    elif isinstance(node, list):
+        index = _list_index(node, head)
+        if not rest:
+            node[index] = value
+            return
+        _set_path(node[index], rest, value)
+    else:
+        raise TypeError(f"{head!r} is below a plain value")
+
+
+def _list_index(items: list[Any], head: str) -> int:
+    for i, item in enumerate(items):
+        if isinstance(item, dict):
+            ident = item.get("id", item.get("name"))
+            if ident is not None and _norm(str(ident)) == _norm(head):
+                return i
+    if head.isdigit() and int(head) < len(items):
+        return int(head)
+    raise KeyError(head)
+
+
+def _describe(err: Any, raw: Any) -> str:
+    """Turn one pydantic error into ``key.path = value: reason``."""
+    path = ""
+    for part in err["loc"]:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    reason = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        return f"{path}: unknown key"
+    if err["type"] == "missing":
+        return f"{path}: required key is missing"
+    value = err.get("input")
+    if isinstance(value, dict | list):
+        return f"{path or '(top level)'}: {reason}"
+    return f"{path} = {value!r}: {reason}"

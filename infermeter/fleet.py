@@ -1,0 +1,71 @@
+"""The processes of a local fleet, as the ``simulate`` and ``demo`` commands start them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from infermeter.config import Config
+from infermeter.netutil import ensure_free, host_port
+from infermeter.supervisor import Child, ChildFailedError, Supervisor
+
+__all__ = ["run", "simulator_children", "simulator_urls", "traffic_child"]
+
+
+def _infermeter(*args: str) -> list[str]:
+    return [sys.executable, "-m", "infermeter", *args]
+
+
+def simulator_children(config: Config, config_path: str) -> list[Child]:
+    """One process per replica and one for all dcgm-exporter stand-ins."""
+    children = []
+    for r in config.replicas:
+        ensure_free(*host_port(r.upstream_url), f"replica {r.id} upstream_url")
+        children.append(
+            Child(f"replica {r.id}", _infermeter("simulate", "--config", config_path, "--replica", r.id),
+                  f"{r.upstream_url.rstrip('/')}/health")  # fmt: skip
+        )
+    dcgm = [n for n in config.nodes if n.dcgm_exporter_url]
+    for n in dcgm:
+        assert n.dcgm_exporter_url is not None
+        ensure_free(*host_port(n.dcgm_exporter_url), f"dcgm-exporter of node {n.name}")
+    if dcgm:
+        first = dcgm[0].dcgm_exporter_url
+        children.append(Child("dcgm-exporters", _infermeter("simulate", "--config", config_path, "--dcgm"), first))
+    return children
+
+
+def traffic_child(config_path: str, args: argparse.Namespace) -> Child:
+    """The traffic generator, as a child process."""
+    argv = _infermeter("simulate", "--config", config_path, "--traffic-only",
+                       "--peak-rps", str(args.peak_rps), "--day-seconds", str(args.day_seconds))  # fmt: skip
+    if getattr(args, "via_sidecars", False):
+        argv.append("--via-sidecars")
+    if getattr(args, "duration", None) is not None:
+        argv += ["--duration", str(args.duration)]
+    return Child("traffic", argv)
+
+
+def simulator_urls(config: Config) -> list[tuple[str, str]]:
+    """What to print once the fleet is up: a label and a URL per endpoint."""
+    urls = [(f"vLLM replica {r.id} ({r.model})", r.upstream_url) for r in config.replicas]
+    urls += [(f"dcgm-exporter {n.name}", n.dcgm_exporter_url) for n in config.nodes if n.dcgm_exporter_url]
+    return urls
+
+
+def run(children: list[Child], urls: list[tuple[str, str]]) -> int:
+    """Start the children, print the URLs, and run until Ctrl-C or a child dies."""
+    supervisor = Supervisor(children)
+    try:
+        supervisor.start()
+        width = max(len(label) for label, _ in urls)
+        print("infermeter is up:")
+        for label, url in urls:
+            print(f"  {label:<{width}}  {url}")
+        print("Ctrl-C stops everything.", flush=True)
+        return supervisor.wait()
+    except ChildFailedError as exc:
+        print(f"infermeter: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        supervisor.stop()

@@ -1,0 +1,35 @@
+"""Small network helpers shared by every server command."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from urllib.parse import urlsplit
+
+__all__ = ["PortInUseError", "ensure_free", "host_port"]
+
+
+class PortInUseError(Exception):
+    """A port a server must listen on is taken; the message names who wanted it."""
+
+
+def host_port(url_or_addr: str) -> tuple[str, int]:
+    """``http://h:p/x`` or ``h:p`` -> ``(h, p)``."""
+    if "://" not in url_or_addr:
+        url_or_addr = f"http://{url_or_addr}"
+    parts = urlsplit(url_or_addr)
+    if parts.hostname is None or parts.port is None:
+        raise ValueError(f"{url_or_addr!r} has no host and port")
+    return parts.hostname, parts.port
+
+
+def ensure_free(host: str, port: int, what: str) -> None:
+    """Fail early, with a useful message, when ``host:port`` cannot be bound."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUseError(f"port {port} on {host} ({what}) is already in use") from None
+            raise PortInUseError(f"cannot listen on {host}:{port} ({what}): {exc.strerror}") from None

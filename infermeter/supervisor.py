@@ -1,0 +1,99 @@
+"""Start, watch and stop the processes of a local fleet (``simulate`` and ``demo``).
+
+Children run in their own sessions so that Ctrl-C reaches only this supervisor, which then
+stops them in reverse start order: traffic first, servers last, so nothing logs a refused
+connection on the way down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+import httpx
+
+__all__ = ["Child", "ChildFailedError", "Supervisor"]
+
+
+@dataclass(frozen=True)
+class Child:
+    """A process to run: its name, its command line and the URL that answers once it is up."""
+
+    name: str
+    argv: Sequence[str]
+    ready_url: str | None = None
+
+
+class ChildFailedError(Exception):
+    """A child exited on its own; the message names it and its exit code."""
+
+
+class Supervisor:
+    """Runs children until a signal arrives or one of them dies."""
+
+    def __init__(self, children: Sequence[Child], ready_timeout_seconds: float = 60.0) -> None:
+        self.children = list(children)
+        self.ready_timeout_seconds = ready_timeout_seconds
+        self._procs: list[tuple[Child, subprocess.Popen[bytes]]] = []
+        self._stop = False
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._stop = True
+
+    def start(self) -> None:
+        """Start every child and wait until each answers on its ready URL."""
+        for child in self.children:
+            proc = subprocess.Popen(list(child.argv), start_new_session=True)
+            self._procs.append((child, proc))
+        deadline = time.monotonic() + self.ready_timeout_seconds
+        for child, proc in self._procs:
+            if child.ready_url is None:
+                continue
+            while not _answers(child.ready_url):
+                if proc.poll() is not None:
+                    raise ChildFailedError(f"{child.name} exited with code {proc.returncode} while starting")
+                if time.monotonic() > deadline:
+                    raise ChildFailedError(f"{child.name} did not answer {child.ready_url} in time")
+                time.sleep(0.1)
+
+    def wait(self) -> int:
+        """Block until Ctrl-C/SIGTERM (exit 0) or a child dies (exit 1)."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not self._stop:
+                for child, proc in self._procs:
+                    if proc.poll() is not None:
+                        print(f"infermeter: {child.name} exited with code {proc.returncode}; stopping",
+                              file=sys.stderr)  # fmt: skip
+                        return 1
+                time.sleep(0.2)
+            return 0
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def stop(self, timeout_seconds: float = 10.0) -> None:
+        """Stop children in reverse start order: SIGTERM, then SIGKILL after the timeout."""
+        for _, proc in reversed(self._procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_seconds
+        for _, proc in reversed(self._procs):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code < 500
+    except httpx.HTTPError:
+        return False

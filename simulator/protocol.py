@@ -1,0 +1,451 @@
+"""vLLM 0.32's OpenAI-compatible wire format: request validation and response bytes.
+
+Everything here is pure: parse a body into a ``Generation`` or raise ``ApiError``; turn tokens
+into the exact bytes vLLM sends. Key order, ``null`` fields and the SSE framing follow captures
+of real vLLM 0.32 (see tests/fixtures), because clients and proxies in front of vLLM parse these
+bytes and the simulator must not be easier to parse than the real thing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from simulator.text import chat_prompt_text, count_tokens, tokenize
+
+__all__ = [
+    "ApiError",
+    "ChatFormatter",
+    "CompletionFormatter",
+    "Generation",
+    "parse_chat",
+    "parse_completion",
+]
+
+Endpoint = Literal["chat", "completion"]
+
+
+class ApiError(Exception):
+    """An error vLLM answers with a JSON body instead of a completion."""
+
+    def __init__(self, status: int, message: str, err_type: str, param: str | None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+    def body(self) -> bytes:
+        """The error JSON exactly as vLLM writes it."""
+        return orjson.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.err_type,
+                    "param": self.param,
+                    "code": self.status,
+                }
+            }
+        )
+
+
+class StreamOptions(BaseModel):
+    """``stream_options`` as vLLM accepts it."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    user: str | None = None
+    priority: int = 0
+
+
+class ChatRequest(_Common):
+    """The fields of /v1/chat/completions that change what the simulator does."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+
+
+class CompletionRequest(_Common):
+    """The fields of /v1/completions that change what the simulator does."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool | None = False
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A validated request: what to generate, for how many choices, and how to stream it."""
+
+    endpoint: Endpoint
+    prompts: tuple[tuple[str, ...], ...]
+    max_tokens: int
+    n: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    ignore_eos: bool
+    seed: int | None
+    prompt_text: str
+    priority: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens summed over every prompt, as ``usage.prompt_tokens`` reports them."""
+        return sum(len(p) for p in self.prompts)
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str]:
+    """vLLM's wording of a request validation error: message and ``param``."""
+    errors = exc.errors(include_url=False)
+    lines = []
+    for err in errors:
+        loc = ".".join(["body", *(str(p) for p in err["loc"])])
+        item: dict[str, Any] = {"type": err["type"], "loc": loc, "msg": err["msg"]}
+        value = err.get("input")
+        if isinstance(value, dict):
+            value = f"<dict of {len(value)} items>"
+        elif isinstance(value, list):
+            value = f"<list of {len(value)} items>"
+        item["input"] = value
+        if "ctx" in err:
+            item["ctx"] = {k: str(v) for k, v in err["ctx"].items()}
+        lines.append(f"  {item!r}")
+    noun = "validation error" if len(errors) == 1 else "validation errors"
+    first = ".".join(["body", *(str(p) for p in errors[0]["loc"])])
+    return f"{len(errors)} {noun}:\n" + "\n".join(lines), first
+
+
+def _bad_request(message: str, param: str | None) -> ApiError:
+    return ApiError(400, message, "Bad Request", param)
+
+
+def parse_json(body: bytes) -> Any:
+    """Decode a request body, with vLLM's error for invalid JSON."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass
+    try:  # the standard library words the reason the way vLLM (pydantic) reports it
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        pos = getattr(exc, "pos", 0)
+        reason = getattr(exc, "msg", str(exc))
+        item = {
+            "type": "json_invalid",
+            "loc": f"body.{pos}",
+            "msg": "JSON decode error",
+            "input": "<dict of 0 items>",
+            "ctx": {"error": reason},
+        }
+        raise _bad_request(f"1 validation error:\n  {item!r}", f"body.{pos}") from None
+
+
+def _check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise ApiError(
+            404,
+            f"The model `{requested}` does not exist. Valid aliases: {served}.",
+            "NotFoundError",
+            "model",
+        )
+
+
+def _check_lengths(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})",
+            "BadRequestError",
+            "max_tokens",
+        )
+    if max_tokens is not None and max_tokens < 1:
+        raise _bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+    if prompt_tokens >= max_model_len or prompt_tokens + (max_tokens or 0) > max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + (max_tokens or 0)} tokens ({prompt_tokens} in the "
+            f"messages, {max_tokens or 0} in the completion). Please reduce the length of the "
+            "messages or completion.",
+            "BadRequestError",
+            "input_tokens",
+        )
+    return max_tokens if max_tokens is not None else max_model_len - prompt_tokens
+
+
+def _stream_flags(req: _Common) -> tuple[bool, bool, bool]:
+    stream = bool(req.stream)
+    opts = req.stream_options
+    if opts is not None and not stream:
+        raise _bad_request("Stream options can only be defined when `stream=True`.", None)
+    include = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
+    return stream, include, continuous
+
+
+def parse_chat(data: Any, served: str, max_model_len: int) -> Generation:
+    """Validate a chat completion request the way vLLM does."""
+    try:
+        req = ChatRequest.model_validate(data)
+    except ValidationError as exc:
+        raise _bad_request(*_validation_message(exc)) from None
+    _check_model(req.model, served)
+    text = chat_prompt_text(req.messages)
+    tokens = tuple(tokenize(text))
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens else req.max_tokens
+    limit = _check_lengths(len(tokens), max_tokens, max_model_len)
+    _check_n(req.n)
+    stream, include, continuous = _stream_flags(req)
+    return Generation(
+        "chat", (tokens,), limit, req.n, stream, include, continuous,
+        req.ignore_eos, req.seed, text, req.priority,
+    )  # fmt: skip
+
+
+def parse_completion(data: Any, served: str, max_model_len: int) -> Generation:
+    """Validate a text completion request the way vLLM does."""
+    try:
+        req = CompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        raise _bad_request(*_validation_message(exc)) from None
+    _check_model(req.model, served)
+    raw = req.prompt
+    prompts: list[tuple[str, ...]]
+    if isinstance(raw, str):
+        prompts = [tuple(tokenize(raw))]
+    elif raw and isinstance(raw[0], str):
+        prompts = [tuple(tokenize(str(p))) for p in raw]
+    elif raw and isinstance(raw[0], list):
+        prompts = [tuple(str(t) for t in p) for p in raw]  # type: ignore[union-attr]
+    else:
+        prompts = [tuple(str(t) for t in raw)]
+    if not prompts or any(not p for p in prompts):
+        raise _bad_request("Prompt cannot be empty.", "prompt")
+    limit = 0
+    for p in prompts:
+        limit = _check_lengths(len(p), req.max_tokens, max_model_len)
+    _check_n(req.n)
+    stream, include, continuous = _stream_flags(req)
+    text = raw if isinstance(raw, str) else orjson.dumps(raw).decode()
+    return Generation(
+        "completion", tuple(prompts), limit, req.n, stream, include, continuous,
+        req.ignore_eos, req.seed, text, req.priority,
+    )  # fmt: skip
+
+
+def _check_n(n: int) -> None:
+    if n < 1:
+        raise _bad_request("n must be at least 1.", "n")
+
+
+def count_prompt(text: str) -> int:
+    """Prompt tokens of a plain text, for callers that only need the number."""
+    return count_tokens(text)
+
+
+def _usage(prompt: int, completion: int, details: bool) -> bytes:
+    tail = ',"completion_tokens_details":null' if details else ""
+    return (
+        f'"usage":{{"prompt_tokens":{prompt},"total_tokens":{prompt + completion},'
+        f'"completion_tokens":{completion}{tail}}}'
+    ).encode()
+
+
+class _Formatter:
+    """Shared framing: a fixed prefix per request so each chunk costs one small join."""
+
+    object_name: str
+
+    def __init__(self, request_id: str, created: int, model: str, fingerprint: str) -> None:
+        self.request_id = request_id
+        self.created = created
+        self.model = model
+        self.fingerprint = fingerprint
+        self._prefix = (
+            f'data: {{"id":"{request_id}","object":"{self.object_name}",'
+            f'"created":{created},"model":{orjson.dumps(model).decode()},"choices":['
+        ).encode()
+
+    def usage_chunk(self, prompt: int, completion: int) -> bytes:
+        """The final chunk with ``choices: []`` that ``include_usage`` asks for."""
+        return b"".join(
+            (
+                self._prefix,
+                b"],",
+                _usage(prompt, completion, details=False),
+                f',"system_fingerprint":"{self.fingerprint}"}}\n\n'.encode(),
+            )
+        )
+
+    @staticmethod
+    def done() -> bytes:
+        """The SSE terminator."""
+        return b"data: [DONE]\n\n"
+
+
+class ChatFormatter(_Formatter):
+    """Bytes of /v1/chat/completions responses."""
+
+    object_name = "chat.completion.chunk"
+
+    def role_chunk(self, index: int, usage: tuple[int, int] | None) -> bytes:
+        """The first chunk of each choice: the assistant role with empty content."""
+        extra = b"," + _usage(*usage, details=True) if usage else b""
+        return b"".join(
+            (
+                self._prefix,
+                f'{{"index":{index},"delta":{{"role":"assistant","content":""}},'
+                '"logprobs":null,"finish_reason":null}]'.encode(),
+                extra,
+                b',"prompt_token_ids":null,"prompt_text":null}\n\n',
+            )
+        )
+
+    def token_chunk(
+        self, index: int, text: str, finish: str | None, usage: tuple[int, int] | None
+    ) -> bytes:
+        """One generated token; the last one of a choice carries its finish reason."""
+        content = orjson.dumps(text)
+        if finish is None:
+            tail = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]'
+        else:
+            tail = (
+                f'}},"logprobs":null,"finish_reason":"{finish}",'
+                '"stop_reason":null,"token_ids":null}]'
+            ).encode()
+        extra = b"," + _usage(*usage, details=True) if usage else b""
+        return b"".join(
+            (
+                self._prefix,
+                f'{{"index":{index},"delta":{{"content":'.encode(),
+                content,
+                tail,
+                extra,
+                b"}\n\n",
+            )
+        )
+
+    def full(self, texts: list[str], finishes: list[str], prompt: int, completion: int) -> bytes:
+        """A whole non-streamed chat completion."""
+        choices = [
+            {
+                "index": i,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                },
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "token_ids": None,
+                "routed_experts": None,
+            }
+            for i, (text, finish) in enumerate(zip(texts, finishes, strict=True))
+        ]
+        body = {
+            "id": self.request_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": self.fingerprint,
+            "usage": {
+                "prompt_tokens": prompt,
+                "total_tokens": prompt + completion,
+                "completion_tokens": completion,
+                "prompt_tokens_details": None,
+                "completion_tokens_details": None,
+            },
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+        return orjson.dumps(body)
+
+
+class CompletionFormatter(_Formatter):
+    """Bytes of /v1/completions responses."""
+
+    object_name = "text_completion"
+
+    def token_chunk(
+        self, index: int, text: str, finish: str | None, usage: tuple[int, int] | None
+    ) -> bytes:
+        """One generated token of a text completion."""
+        finish_json = "null" if finish is None else f'"{finish}"'
+        extra = b"," + _usage(*usage, details=False) if usage else b""
+        return b"".join(
+            (
+                self._prefix,
+                f'{{"index":{index},"text":'.encode(),
+                orjson.dumps(text),
+                f',"logprobs":null,"finish_reason":{finish_json},"stop_reason":null,'
+                '"prompt_token_ids":null,"token_ids":null}]'.encode(),
+                extra,
+                b"}\n\n",
+            )
+        )
+
+    def full(self, texts: list[str], finishes: list[str], prompt: int, completion: int) -> bytes:
+        """A whole non-streamed text completion."""
+        choices = [
+            {
+                "index": i,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "token_ids": None,
+            }
+            for i, (text, finish) in enumerate(zip(texts, finishes, strict=True))
+        ]
+        body = {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": self.fingerprint,
+            "usage": {
+                "prompt_tokens": prompt,
+                "total_tokens": prompt + completion,
+                "completion_tokens": completion,
+                "prompt_tokens_details": None,
+            },
+            "kv_transfer_params": None,
+        }
+        return orjson.dumps(body)

@@ -1,0 +1,435 @@
+"""One simulated vLLM replica: the engine loop plus its OpenAI-compatible HTTP face.
+
+The HTTP layer is plain ASGI rather than a framework because a replica must stream thousands of
+chunks a second on one core and never be the bottleneck of a benchmark of what sits in front of
+it. One asyncio task runs the engine loop (``simulator.engine.Scheduler``); request handlers only
+wait for their sequences' tokens and write them out, so a slow client never slows the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from prometheus_client import generate_latest
+
+from infermeter.config import Config, EngineProfile, GpuProfile
+from simulator.engine import Scheduler, Sequence
+from simulator.gpu import GpuMeter
+from simulator.protocol import (
+    ApiError,
+    ChatFormatter,
+    CompletionFormatter,
+    Generation,
+    parse_chat,
+    parse_completion,
+    parse_json,
+)
+from simulator.text import VOCAB, prefix_block_hashes, request_rng
+from simulator.vllm_metrics import VllmMetrics
+
+__all__ = ["ReplicaSim", "ReplicaSpec", "replica_spec"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+VLLM_VERSION = "0.32.0"
+MAX_BODY_BYTES = 32 * 1024 * 1024
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """Everything one simulated replica needs to know, cut out of the configuration."""
+
+    replica_id: str
+    served_model: str
+    max_model_len: int
+    engine: EngineProfile
+    gpu: GpuProfile
+    gpu_count: int
+    seed: int
+
+
+def replica_spec(config: Config, replica_id: str) -> ReplicaSpec:
+    """Build the spec of ``replica_id`` from the fleet configuration."""
+    replica = config.replica(replica_id)
+    model = config.model(replica.model)
+    gpu = config.simulator.gpus.get(replica.gpu_model) or GpuProfile(
+        idle_watts=60, max_watts=400, memory_mib=81920, product_name=f"NVIDIA {replica.gpu_model}"
+    )
+    return ReplicaSpec(
+        replica_id=replica.id,
+        served_model=replica.served_version or model.current_version,
+        max_model_len=model.max_model_len,
+        engine=config.simulator.engine_for(model.name),
+        gpu=gpu,
+        gpu_count=replica.gpu_count,
+        seed=config.simulator.seed + sum(map(ord, replica.id)),
+    )
+
+
+@dataclass(eq=False)
+class _Request:
+    gen: Generation
+    seqs: list[Sequence]
+    rngs: list[random.Random]
+    arrived_at: float
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    disconnected: bool = False
+
+
+class ReplicaSim:
+    """The engine loop, meters and metrics of one replica, and its ASGI app."""
+
+    def __init__(self, spec: ReplicaSpec, clock: Callable[[], float] = time.monotonic) -> None:
+        self.spec = spec
+        self.clock = clock
+        self.scheduler = Scheduler(spec.engine)
+        self.metrics = VllmMetrics(spec.served_model, spec.engine)
+        now = clock()
+        self.meters = [GpuMeter(spec.gpu, now) for _ in range(spec.gpu_count)]
+        self._ids = random.Random(spec.seed)
+        self.fingerprint = f"vllm-{VLLM_VERSION}-{self._ids.getrandbits(32):08x}"
+        self._wake = asyncio.Event()
+        self._owners: dict[Sequence, _Request] = {}
+        self._exported = {"prompt": 0, "gen": 0, "queries": 0, "hits": 0, "preempt": 0}
+        self._task: asyncio.Task[None] | None = None
+        self.started_at = time.time()
+
+    # -- engine loop ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine loop on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop the engine loop."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            start = self.clock()
+            step = self.scheduler.plan(start)
+            if step is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            # Sleep to the step's planned end, not for its duration, so the loop's own overhead
+            # does not slow the simulated GPU down.
+            end = start + step.duration
+            await asyncio.sleep(max(0.0, end - self.clock()))
+            for meter in self.meters:
+                meter.busy(start, end, step.load)
+            batch_tokens = step.prefill_tokens + len(step.decode)
+            self.metrics["iteration_tokens_total"].observe(batch_tokens)
+            for seq in self.scheduler.commit(step, end):
+                owner = self._owners.get(seq)
+                if owner is not None:
+                    owner.ready.set()
+                    if seq.done:
+                        del self._owners[seq]
+                        self._observe_finished(owner, seq)
+
+    def submit(self, gen: Generation) -> _Request:
+        """Queue a validated request's sequences (one per prompt and choice)."""
+        now = self.clock()
+        seqs: list[Sequence] = []
+        rngs: list[random.Random] = []
+        mean = self.spec.engine.mean_output_tokens
+        for p_index, prompt in enumerate(gen.prompts):
+            blocks = prefix_block_hashes(prompt, self.spec.engine.block_size)
+            for choice in range(gen.n):
+                rng = request_rng(self.spec.seed, gen.prompt_text, gen.seed, p_index, choice)
+                stop_after = gen.max_tokens if gen.ignore_eos else int(rng.expovariate(1 / mean)) + 1
+                seq = Sequence(
+                    seq_id=f"{p_index}-{choice}",
+                    prompt_tokens=len(prompt),
+                    max_tokens=gen.max_tokens,
+                    stop_after=stop_after,
+                    prefix_blocks=blocks,
+                    arrived_at=now,
+                    counts_prompt=choice == 0,
+                )
+                seqs.append(seq)
+                rngs.append(rng)
+        req = _Request(gen, seqs, rngs, now)
+        for seq in seqs:
+            self._owners[seq] = req
+            self.scheduler.add(seq)
+        self._wake.set()
+        return req
+
+    def abort(self, req: _Request) -> None:
+        """Abort every sequence of a request whose client went away."""
+        now = self.clock()
+        for seq in req.seqs:
+            self.scheduler.abort(seq, now)
+            self._owners.pop(seq, None)
+
+    def _observe_finished(self, req: _Request, seq: Sequence) -> None:
+        m = self.metrics
+        assert seq.finished_at is not None and seq.first_token_at is not None
+        admitted = seq.admitted_at if seq.admitted_at is not None else seq.arrived_at
+        m[f"request_success:{seq.finish_reason}"].inc()
+        m["time_to_first_token_seconds"].observe(seq.first_token_at - seq.arrived_at)
+        itl = m["inter_token_latency_seconds"]
+        for gap in seq.itl:
+            itl.observe(gap)
+        decode = seq.finished_at - seq.first_token_at
+        m["e2e_request_latency_seconds"].observe(seq.finished_at - seq.arrived_at)
+        m["request_queue_time_seconds"].observe(admitted - seq.arrived_at)
+        m["request_inference_time_seconds"].observe(seq.finished_at - admitted)
+        m["request_prefill_time_seconds"].observe(seq.first_token_at - admitted)
+        m["request_decode_time_seconds"].observe(decode)
+        if seq.generated > 1:
+            m["request_time_per_output_token_seconds"].observe(decode / (seq.generated - 1))
+        m["request_prompt_tokens"].observe(seq.prompt_tokens)
+        m["request_generation_tokens"].observe(seq.generated)
+        m["request_max_num_generation_tokens"].observe(seq.max_tokens)
+        m["request_params_max_tokens"].observe(seq.max_tokens)
+        m["request_params_n"].observe(req.gen.n)
+        m["request_num_preemptions"].observe(seq.preemptions)
+        m["request_prefill_kv_computed_tokens"].observe(seq.prompt_tokens - seq.cached_tokens)
+
+    # -- metrics and GPU readings -----------------------------------------------------------------
+
+    def render_metrics(self) -> bytes:
+        """The /metrics exposition, with gauges and counters brought up to date first."""
+        s, m, c, seen = self.scheduler, self.metrics, self.scheduler.counters, self._exported
+        m["num_requests_running"].set(len(s.running))
+        m["num_requests_waiting"].set(len(s.waiting))
+        m["num_requests_waiting_by_reason:capacity"].set(len(s.waiting))
+        m["kv_cache_usage_perc"].set(s.kv_usage())
+        for key, total, names in (
+            ("prompt", c.prompt_tokens, ("prompt_tokens",)),
+            ("gen", c.generation_tokens, ("generation_tokens",)),
+            ("queries", c.prefix_cache_queries, ("prefix_cache_queries",)),
+            ("hits", c.prefix_cache_hits, ("prefix_cache_hits", "prompt_tokens_cached",
+                                           "prompt_tokens_by_source:local_cache_hit",
+                                           "prompt_tokens_cached_by_source:device")),
+            ("preempt", c.preemptions, ("num_preemptions",)),
+        ):  # fmt: skip
+            if total > seen[key]:
+                for name in names:
+                    m[name].inc(total - seen[key])
+                seen[key] = total
+        computed = c.prompt_tokens - c.prefix_cache_hits
+        source = m["prompt_tokens_by_source:local_compute"]
+        source.inc(max(0, computed - source._value.get()))
+        return generate_latest(m.registry)
+
+    def gpu_readings(self) -> list[dict[str, float]]:
+        """Each GPU's readings now, for the dcgm-exporter stand-in."""
+        now = self.clock()
+        out = []
+        for index, meter in enumerate(self.meters):
+            r = meter.read(now)
+            out.append(
+                {
+                    "index": index,
+                    "utilization_pct": r.utilization_pct,
+                    "power_watts": r.power_watts,
+                    "energy_joules": r.energy_joules,
+                    "busy_seconds": r.busy_seconds,
+                    "memory_used_mib": r.memory_used_mib,
+                    "memory_free_mib": r.memory_free_mib,
+                    "running": len(self.scheduler.running),
+                }
+            )
+        return out
+
+    # -- HTTP ------------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI entry point."""
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], scope["path"]
+        if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+            await self._generate(path, receive, send)
+        elif method == "GET" and path == "/metrics":
+            await _respond(send, 200, self.render_metrics(),
+                           [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])  # fmt: skip
+        elif method == "GET" and path == "/health":
+            await _respond(send, 200, b"", [])
+        elif method == "GET" and path == "/v1/models":
+            await _respond(send, 200, self._models_body(), _JSON)
+        elif method == "GET" and path == "/version":
+            await _respond(send, 200, orjson.dumps({"version": VLLM_VERSION}), _JSON)
+        elif method == "GET" and path == "/_sim/gpus":
+            await _respond(send, 200, orjson.dumps(self.gpu_readings()), _JSON)
+        else:
+            await _respond(send, 404, b'{"detail":"Not Found"}', _JSON)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _models_body(self) -> bytes:
+        created = int(time.time())
+        perm_id = f"modelperm-{self._ids.getrandbits(64):016x}"
+        return orjson.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.spec.served_model,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "vllm",
+                        "root": f"/models/{self.spec.served_model}",
+                        "parent": None,
+                        "max_model_len": self.spec.max_model_len,
+                        "permission": [
+                            {
+                                "id": perm_id,
+                                "object": "model_permission",
+                                "created": created,
+                                "allow_create_engine": False,
+                                "allow_sampling": True,
+                                "allow_logprobs": True,
+                                "allow_search_indices": False,
+                                "allow_view": True,
+                                "allow_fine_tuning": False,
+                                "organization": "*",
+                                "group": None,
+                                "is_blocking": False,
+                            }
+                        ],
+                    }
+                ],
+            }
+        )
+
+    async def _generate(self, path: str, receive: Receive, send: Send) -> None:
+        chat = path == "/v1/chat/completions"
+        try:
+            data = parse_json(await _read_body(receive))
+            parse = parse_chat if chat else parse_completion
+            gen = parse(data, self.spec.served_model, self.spec.max_model_len)
+        except ApiError as err:
+            await _respond(send, err.status, err.body(), _JSON)
+            return
+        prefix = "chatcmpl" if chat else "cmpl"
+        request_id = f"{prefix}-{self._ids.getrandbits(64):016x}"
+        fmt_cls = ChatFormatter if chat else CompletionFormatter
+        fmt = fmt_cls(request_id, int(time.time()), self.spec.served_model, self.fingerprint)
+        req = self.submit(gen)
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(req, receive))
+        try:
+            if gen.stream:
+                await self._stream(req, fmt, send)
+            else:
+                await self._complete(req, fmt, send)
+        finally:
+            watcher.cancel()
+            if any(not s.done for s in req.seqs):
+                self.abort(req)
+
+    async def _watch_disconnect(self, req: _Request, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                req.disconnected = True
+                self.abort(req)
+                req.ready.set()
+                return
+
+    async def _stream(self, req: _Request, fmt: ChatFormatter | CompletionFormatter, send: Send) -> None:
+        gen = req.gen
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+        chat = isinstance(fmt, ChatFormatter)
+        prompt = gen.prompt_tokens
+        emitted = [0] * len(req.seqs)
+        started = False
+        while True:
+            await req.ready.wait()
+            req.ready.clear()
+            if req.disconnected:
+                return
+            parts: list[bytes] = []
+            if chat and not started and any(s.generated for s in req.seqs):
+                started = True
+                usage = (prompt, 0) if gen.continuous_usage else None
+                parts.extend(fmt.role_chunk(i, usage) for i in range(len(req.seqs)))  # type: ignore[union-attr]
+            for i, seq in enumerate(req.seqs):
+                rng = req.rngs[i]
+                while emitted[i] < seq.generated:
+                    emitted[i] += 1
+                    last = seq.done and emitted[i] == seq.generated
+                    finish = seq.finish_reason if last else None
+                    text = "" if finish == "stop" else VOCAB[rng.randrange(len(VOCAB))]
+                    usage = (prompt, sum(emitted)) if gen.continuous_usage else None
+                    parts.append(fmt.token_chunk(i, text, finish, usage))
+            done = all(s.done for s in req.seqs)
+            if done:
+                if gen.include_usage:
+                    parts.append(fmt.usage_chunk(prompt, sum(s.generated for s in req.seqs)))
+                parts.append(fmt.done())
+            if parts:
+                await send({"type": "http.response.body", "body": b"".join(parts), "more_body": not done})
+            if done:
+                return
+
+    async def _complete(self, req: _Request, fmt: ChatFormatter | CompletionFormatter, send: Send) -> None:
+        while not all(s.done for s in req.seqs):
+            await req.ready.wait()
+            req.ready.clear()
+            if req.disconnected:
+                return
+        texts = []
+        for seq, rng in zip(req.seqs, req.rngs, strict=True):
+            words = [VOCAB[rng.randrange(len(VOCAB))] for _ in range(seq.generated)]
+            if seq.finish_reason == "stop":
+                words[-1] = ""
+            texts.append("".join(words))
+        finishes = [s.finish_reason or "length" for s in req.seqs]
+        completion = sum(s.generated for s in req.seqs)
+        body = fmt.full(texts, finishes, req.gen.prompt_tokens, completion)
+        await _respond(send, 200, body, _JSON)
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b""
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, "Request body too large.", "Bad Request", None)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,571 @@
+"""The ``vllm:`` metrics of a simulated replica: names, types, labels and buckets of vLLM 0.32.
+
+The table below was read from a real vLLM 0.32 ``/metrics`` capture; ``tests/simulator`` checks
+it against that capture, so a scraper or alert rule that works on the simulator works on vLLM.
+Histograms and counters go through prometheus-client, which also writes the ``_created`` series
+exactly as vLLM's exposition has them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+
+from infermeter.config import EngineProfile
+
+__all__ = ["SPECS", "VllmMetrics"]
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+# (type, name without the "vllm:" prefix, help, extra labels, buckets, has the engine label)
+SPECS: tuple[tuple[Kind, str, str, tuple[str, ...], tuple[float, ...], bool], ...] = (
+    (
+        "counter",
+        "estimated_flops_per_gpu",
+        "Estimated number of floating point operations per GPU (for Model Flops Utilization calculations).",
+        (),
+        (),
+        True,
+    ),
+    (
+        "counter",
+        "estimated_read_bytes_per_gpu",
+        "Estimated number of bytes read from memory per GPU (for Model Flops Utilization calculations).",
+        (),
+        (),
+        True,
+    ),
+    (
+        "counter",
+        "estimated_write_bytes_per_gpu",
+        "Estimated number of bytes written to memory per GPU (for Model Flops Utilization calculations).",
+        (),
+        (),
+        True,
+    ),
+    (
+        "gauge",
+        "num_requests_running",
+        "Number of requests in model execution batches.",
+        (),
+        (),
+        True,
+    ),
+    ("gauge", "num_requests_waiting", "Number of requests waiting to be processed.", (), (), True),
+    (
+        "gauge",
+        "num_requests_waiting_by_reason",
+        "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+        ("reason",),
+        (),
+        True,
+    ),
+    (
+        "gauge",
+        "engine_sleep_state",
+        "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+        ("sleep_state",),
+        (),
+        True,
+    ),
+    ("gauge", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", (), (), True),
+    (
+        "counter",
+        "prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        (),
+        (),
+        True,
+    ),
+    (
+        "counter",
+        "prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        (),
+        (),
+        True,
+    ),
+    (
+        "counter",
+        "external_prefix_cache_queries",
+        "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+        (),
+        (),
+        True,
+    ),
+    (
+        "counter",
+        "external_prefix_cache_hits",
+        "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+        (),
+        (),
+        True,
+    ),
+    (
+        "counter",
+        "mm_cache_queries",
+        "Multi-modal cache queries, in terms of number of queried items.",
+        (),
+        (),
+        True,
+    ),
+    (
+        "counter",
+        "mm_cache_hits",
+        "Multi-modal cache hits, in terms of number of cached items.",
+        (),
+        (),
+        True,
+    ),
+    (
+        "counter",
+        "num_preemptions",
+        "Cumulative number of preemption from the engine.",
+        (),
+        (),
+        True,
+    ),
+    ("counter", "prompt_tokens", "Number of prefill tokens processed.", (), (), True),
+    (
+        "counter",
+        "prompt_tokens_by_source",
+        "Number of prompt tokens by source.",
+        ("source",),
+        (),
+        True,
+    ),
+    (
+        "counter",
+        "prompt_tokens_cached",
+        "Number of cached prompt tokens (local + external).",
+        (),
+        (),
+        True,
+    ),
+    (
+        "counter",
+        "prompt_tokens_cached_by_source",
+        "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
+        ("source",),
+        (),
+        True,
+    ),
+    ("counter", "generation_tokens", "Number of generation tokens processed.", (), (), True),
+    (
+        "counter",
+        "request_success",
+        "Count of successfully processed requests.",
+        ("finished_reason",),
+        (),
+        True,
+    ),
+    (
+        "counter",
+        "admission_rejections",
+        "Number of admission attempts rejected by a queue limit, by reason.",
+        ("reason",),
+        (),
+        False,
+    ),
+    (
+        "histogram",
+        "request_prompt_tokens",
+        "Number of prefill tokens processed.",
+        (),
+        (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0),
+        True,
+    ),
+    (
+        "histogram",
+        "request_generation_tokens",
+        "Number of generation tokens processed.",
+        (),
+        (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0),
+        True,
+    ),
+    (
+        "histogram",
+        "iteration_tokens_total",
+        "Histogram of number of tokens per engine_step.",
+        (),
+        (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0),
+        True,
+    ),
+    (
+        "histogram",
+        "request_max_num_generation_tokens",
+        "Histogram of maximum number of requested generation tokens.",
+        (),
+        (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0),
+        True,
+    ),
+    (
+        "histogram",
+        "request_params_n",
+        "Histogram of the n request parameter.",
+        (),
+        (1.0, 2.0, 5.0, 10.0, 20.0),
+        True,
+    ),
+    (
+        "histogram",
+        "request_params_max_tokens",
+        "Histogram of the max_tokens request parameter.",
+        (),
+        (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0),
+        True,
+    ),
+    (
+        "histogram",
+        "time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        (),
+        (
+            0.001,
+            0.005,
+            0.01,
+            0.02,
+            0.04,
+            0.06,
+            0.08,
+            0.1,
+            0.25,
+            0.5,
+            0.75,
+            1.0,
+            2.5,
+            5.0,
+            7.5,
+            10.0,
+            20.0,
+            40.0,
+            80.0,
+            160.0,
+            640.0,
+            2560.0,
+        ),
+        True,
+    ),
+    (
+        "histogram",
+        "inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        (),
+        (
+            0.01,
+            0.025,
+            0.05,
+            0.075,
+            0.1,
+            0.15,
+            0.2,
+            0.3,
+            0.4,
+            0.5,
+            0.75,
+            1.0,
+            2.5,
+            5.0,
+            7.5,
+            10.0,
+            20.0,
+            40.0,
+            80.0,
+        ),
+        True,
+    ),
+    (
+        "histogram",
+        "request_time_per_output_token_seconds",
+        "Histogram of time_per_output_token_seconds per request.",
+        (),
+        (
+            0.01,
+            0.025,
+            0.05,
+            0.075,
+            0.1,
+            0.15,
+            0.2,
+            0.3,
+            0.4,
+            0.5,
+            0.75,
+            1.0,
+            2.5,
+            5.0,
+            7.5,
+            10.0,
+            20.0,
+            40.0,
+            80.0,
+        ),
+        True,
+    ),
+    (
+        "histogram",
+        "e2e_request_latency_seconds",
+        "Histogram of e2e request latency in seconds.",
+        (),
+        (
+            0.3,
+            0.5,
+            0.8,
+            1.0,
+            1.5,
+            2.0,
+            2.5,
+            5.0,
+            10.0,
+            15.0,
+            20.0,
+            30.0,
+            40.0,
+            50.0,
+            60.0,
+            120.0,
+            240.0,
+            480.0,
+            960.0,
+            1920.0,
+            7680.0,
+        ),
+        True,
+    ),
+    (
+        "histogram",
+        "request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        (),
+        (
+            0.3,
+            0.5,
+            0.8,
+            1.0,
+            1.5,
+            2.0,
+            2.5,
+            5.0,
+            10.0,
+            15.0,
+            20.0,
+            30.0,
+            40.0,
+            50.0,
+            60.0,
+            120.0,
+            240.0,
+            480.0,
+            960.0,
+            1920.0,
+            7680.0,
+        ),
+        True,
+    ),
+    (
+        "histogram",
+        "request_inference_time_seconds",
+        "Histogram of time spent in RUNNING phase for request.",
+        (),
+        (
+            0.3,
+            0.5,
+            0.8,
+            1.0,
+            1.5,
+            2.0,
+            2.5,
+            5.0,
+            10.0,
+            15.0,
+            20.0,
+            30.0,
+            40.0,
+            50.0,
+            60.0,
+            120.0,
+            240.0,
+            480.0,
+            960.0,
+            1920.0,
+            7680.0,
+        ),
+        True,
+    ),
+    (
+        "histogram",
+        "request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        (),
+        (
+            0.3,
+            0.5,
+            0.8,
+            1.0,
+            1.5,
+            2.0,
+            2.5,
+            5.0,
+            10.0,
+            15.0,
+            20.0,
+            30.0,
+            40.0,
+            50.0,
+            60.0,
+            120.0,
+            240.0,
+            480.0,
+            960.0,
+            1920.0,
+            7680.0,
+        ),
+        True,
+    ),
+    (
+        "histogram",
+        "request_decode_time_seconds",
+        "Histogram of time spent in DECODE phase for request.",
+        (),
+        (
+            0.3,
+            0.5,
+            0.8,
+            1.0,
+            1.5,
+            2.0,
+            2.5,
+            5.0,
+            10.0,
+            15.0,
+            20.0,
+            30.0,
+            40.0,
+            50.0,
+            60.0,
+            120.0,
+            240.0,
+            480.0,
+            960.0,
+            1920.0,
+            7680.0,
+        ),
+        True,
+    ),
+    (
+        "histogram",
+        "request_num_preemptions",
+        "Histogram of the number of times a request was preempted.",
+        (),
+        (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0),
+        True,
+    ),
+    (
+        "histogram",
+        "request_prefill_kv_computed_tokens",
+        "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+        (),
+        (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0),
+        True,
+    ),
+)
+
+_LABEL_VALUES = {
+    "num_requests_waiting_by_reason": ("capacity", "deferred"),
+    "engine_sleep_state": ("awake", "weights_offloaded", "discard_all"),
+    "prompt_tokens_by_source": ("local_compute", "local_cache_hit", "external_kv_transfer"),
+    "prompt_tokens_cached_by_source": ("device", "host", "p2p", "disk", "external_unspecified"),
+    "request_success": ("stop", "length", "abort", "error", "repetition"),
+    "admission_rejections": ("max_num_queued_reqs", "max_num_queued_tokens"),
+}
+
+
+_CACHE_CONFIG_INFO: dict[str, str] = {
+    "_block_size_resolved": "True",
+    "block_size": "128",
+    "cache_dtype": "auto",
+    "cache_hit_alignment_tokens": "None",
+    "effective_attention_block_size": "128",
+    "enable_mamba_shared_prefix_checkpoint": "False",
+    "enable_prefix_caching": "True",
+    "gpu_memory_utilization": "0.92",
+    "hash_block_size": "None",
+    "is_attention_free": "False",
+    "kv_cache_dtype_skip_layers": "[]",
+    "kv_cache_layout": "None",
+    "kv_cache_max_concurrency": "1024.0",
+    "kv_cache_memory_bytes": "1073741824",
+    "kv_cache_size_tokens": "524288",
+    "kv_offloading_backend": "native",
+    "kv_offloading_size": "None",
+    "kv_sharing_fast_prefill": "False",
+    "mamba_block_size": "None",
+    "mamba_cache_dtype": "auto",
+    "mamba_cache_mode": "none",
+    "mamba_page_size_padded": "None",
+    "mamba_ssm_cache_dtype": "auto",
+    "num_cpu_blocks": "None",
+    "num_gpu_blocks": "4096",
+    "num_gpu_blocks_override": "None",
+    "prefix_cache_retention_interval": "0",
+    "prefix_caching_hash_algo": "sha256",
+    "prefix_match_unit": "None",
+    "replayssm_buffer_len": "16",
+    "skip_page_size_padded": "None",
+    "sliding_window": "None",
+    "swa_bounded_replay": "True",
+    "use_kda_recoverssm": "False",
+    "use_replayssm": "False",
+    "user_specified_block_size": "False",
+}
+
+
+class VllmMetrics:
+    """The metric objects of one engine, bound to its ``model_name`` and ``engine`` labels."""
+
+    def __init__(self, model_name: str, profile: EngineProfile, engine: str = "0") -> None:
+        self.registry = CollectorRegistry()
+        self._children: dict[str, Any] = {}
+        self._families: dict[str, MetricWrapperBase] = {}
+        for kind, name, doc, extra, buckets, has_engine in SPECS:
+            base = ["model_name", "engine"] if has_engine else ["model_name"]
+            labels = [*base, *extra]
+            family: MetricWrapperBase
+            full = f"vllm:{name}"
+            if kind == "counter":
+                family = Counter(full, doc, labels, registry=self.registry)
+            elif kind == "gauge":
+                family = Gauge(full, doc, labels, registry=self.registry)
+            else:
+                family = Histogram(full, doc, labels, buckets=buckets, registry=self.registry)
+            self._families[name] = family
+            base_values = [model_name, engine] if has_engine else [model_name]
+            if extra:
+                for value in _LABEL_VALUES[name]:
+                    self._children[f"{name}:{value}"] = family.labels(*base_values, value)
+            else:
+                self._children[name] = family.labels(*base_values)
+        self._children["engine_sleep_state:awake"].set(1)
+        # Every label vLLM 0.32 puts on this info gauge; the engine's own sizes replace the
+        # values of the capture they were read from.
+        labels = dict(_CACHE_CONFIG_INFO)
+        labels.update(
+            block_size=str(profile.block_size),
+            effective_attention_block_size=str(profile.block_size),
+            kv_cache_size_tokens=str(profile.kv_cache_tokens),
+            num_gpu_blocks=str(profile.kv_cache_tokens // profile.block_size),
+            kv_cache_max_concurrency=str(profile.max_num_seqs * 1.0),
+        )
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["engine", *labels],
+            registry=self.registry,
+        )
+        info.labels(engine, *labels.values()).set(1)
+
+    def __getitem__(self, key: str) -> Any:
+        """The labelled child for ``name`` or ``name:label_value``."""
+        return self._children[key]
