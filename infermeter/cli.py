@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -53,12 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
     only = sim.add_mutually_exclusive_group()
     only.add_argument("--replica", metavar="ID", help="serve only this replica, in this process")
     only.add_argument("--dcgm", action="store_true", help="serve only the dcgm-exporter stand-ins")
-    only.add_argument("--traffic-only", action="store_true", help="only send traffic to a running fleet")
-    sim.add_argument("--traffic", action="store_true", help="also generate traffic from several teams")
-    sim.add_argument("--via-sidecars", action="store_true", help="send traffic to the sidecars, not the replicas")
-    sim.add_argument("--peak-rps", type=float, default=6.0, help="traffic: requests/s at the morning peak")
-    sim.add_argument("--day-seconds", type=float, default=600.0, help="traffic: wall seconds per simulated day")
-    sim.add_argument("--duration", type=float, default=None, help="traffic: stop after this many seconds")
+    only.add_argument(
+        "--traffic-only", action="store_true", help="only send traffic to a running fleet"
+    )
+    sim.add_argument(
+        "--traffic", action="store_true", help="also generate traffic from several teams"
+    )
+    sim.add_argument(
+        "--via-sidecars", action="store_true", help="send traffic to the sidecars, not the replicas"
+    )
+    sim.add_argument(
+        "--peak-rps", type=float, default=6.0, help="traffic: requests/s at the morning peak"
+    )
+    sim.add_argument(
+        "--day-seconds", type=float, default=600.0, help="traffic: wall seconds per simulated day"
+    )
+    sim.add_argument(
+        "--duration", type=float, default=None, help="traffic: stop after this many seconds"
+    )
     sim.add_argument("--seed", type=int, default=None, help="override simulator.seed")
     sim.set_defaults(handler=_simulate)
 
@@ -69,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config(demo)
     demo.add_argument("--peak-rps", type=float, default=6.0, help="requests/s at the morning peak")
-    demo.add_argument("--day-seconds", type=float, default=600.0, help="wall seconds per simulated day")
+    demo.add_argument(
+        "--day-seconds", type=float, default=600.0, help="wall seconds per simulated day"
+    )
     demo.set_defaults(handler=_demo)
     return parser
 
@@ -105,7 +120,9 @@ def _simulate(args: argparse.Namespace, config: Config) -> int:
         try:
             config.replica(args.replica)
         except KeyError:
-            print(f"infermeter: no replica {args.replica!r} in {_config_path(args)}", file=sys.stderr)
+            print(
+                f"infermeter: no replica {args.replica!r} in {_config_path(args)}", file=sys.stderr
+            )
             return 2
         asyncio.run(serve.serve_replica(config, args.replica))
         return 0
@@ -122,10 +139,8 @@ def _simulate(args: argparse.Namespace, config: Config) -> int:
                 seed=config.simulator.seed,
             ),
         )
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(gen.run(args.duration))
-        except KeyboardInterrupt:
-            pass
         print("traffic summary:\n" + gen.summary())
         return 0
     from infermeter import fleet

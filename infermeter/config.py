@@ -337,7 +337,9 @@ def load_config(path: Path | None = None, environ: Mapping[str, str] | None = No
         raise ConfigError(source, [_describe(err, raw) for err in exc.errors()]) from None
 
 
-def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str], source: str) -> dict[str, Any]:
+def apply_env_overrides(
+    raw: dict[str, Any], environ: Mapping[str, str], source: str
+) -> dict[str, Any]:
     """Return ``raw`` with every ``INFERMETER__`` variable applied, in sorted order."""
     for var in sorted(environ):
         if not var.upper().startswith(ENV_PREFIX):
@@ -348,7 +350,9 @@ def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str], source:
         try:
             _set_path(raw, parts, yaml.safe_load(environ[var]))
         except (KeyError, IndexError, TypeError) as exc:
-            raise ConfigError(source, [f"environment variable {var}: no such key ({exc})"]) from None
+            raise ConfigError(
+                source, [f"environment variable {var}: no such key ({exc})"]
+            ) from None
     return raw
 
 

@@ -22,8 +22,11 @@ def simulator_children(config: Config, config_path: str) -> list[Child]:
     for r in config.replicas:
         ensure_free(*host_port(r.upstream_url), f"replica {r.id} upstream_url")
         children.append(
-            Child(f"replica {r.id}", _infermeter("simulate", "--config", config_path, "--replica", r.id),
-                  f"{r.upstream_url.rstrip('/')}/health")  # fmt: skip
+            Child(
+                f"replica {r.id}",
+                _infermeter("simulate", "--config", config_path, "--replica", r.id),
+                f"{r.upstream_url.rstrip('/')}/health",
+            )
         )
     dcgm = [n for n in config.nodes if n.dcgm_exporter_url]
     for n in dcgm:
@@ -31,7 +34,11 @@ def simulator_children(config: Config, config_path: str) -> list[Child]:
         ensure_free(*host_port(n.dcgm_exporter_url), f"dcgm-exporter of node {n.name}")
     if dcgm:
         first = dcgm[0].dcgm_exporter_url
-        children.append(Child("dcgm-exporters", _infermeter("simulate", "--config", config_path, "--dcgm"), first))
+        children.append(
+            Child(
+                "dcgm-exporters", _infermeter("simulate", "--config", config_path, "--dcgm"), first
+            )
+        )
     return children
 
 
@@ -49,7 +56,11 @@ def traffic_child(config_path: str, args: argparse.Namespace) -> Child:
 def simulator_urls(config: Config) -> list[tuple[str, str]]:
     """What to print once the fleet is up: a label and a URL per endpoint."""
     urls = [(f"vLLM replica {r.id} ({r.model})", r.upstream_url) for r in config.replicas]
-    urls += [(f"dcgm-exporter {n.name}", n.dcgm_exporter_url) for n in config.nodes if n.dcgm_exporter_url]
+    urls += [
+        (f"dcgm-exporter {n.name}", n.dcgm_exporter_url)
+        for n in config.nodes
+        if n.dcgm_exporter_url
+    ]
     return urls
 
 

@@ -32,4 +32,6 @@ def ensure_free(host: str, port: int, what: str) -> None:
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise PortInUseError(f"port {port} on {host} ({what}) is already in use") from None
-            raise PortInUseError(f"cannot listen on {host}:{port} ({what}): {exc.strerror}") from None
+            raise PortInUseError(
+                f"cannot listen on {host}:{port} ({what}): {exc.strerror}"
+            ) from None

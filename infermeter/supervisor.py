@@ -57,7 +57,9 @@ class Supervisor:
                 continue
             while not _answers(child.ready_url):
                 if proc.poll() is not None:
-                    raise ChildFailedError(f"{child.name} exited with code {proc.returncode} while starting")
+                    raise ChildFailedError(
+                        f"{child.name} exited with code {proc.returncode} while starting"
+                    )
                 if time.monotonic() > deadline:
                     raise ChildFailedError(f"{child.name} did not answer {child.ready_url} in time")
                 time.sleep(0.1)

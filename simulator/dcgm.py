@@ -76,6 +76,7 @@ class DcgmGpu:
     memory_free_mib: float
     pod: tuple[str, str, str] | None = None  # (container, namespace, pod)
     xid: int = 0
+    pci_bus_id: str = ""
 
     def values(self) -> dict[str, float]:
         """Field values; the ones a simulation cannot know get plausible constants."""
@@ -105,7 +106,7 @@ class DcgmGpu:
         parts = [
             f'gpu="{self.index}"',
             f'UUID="{self.uuid}"',
-            f'pci_bus_id="00000000:{0x18 + self.index * 0x10:02X}:00.0"',
+            f'pci_bus_id="{self.pci_bus_id or f"00000000:{0x18 + self.index * 0x10:02X}:00.0"}"',
             f'device="nvidia{self.index}"',
             f'modelName="{self.model_name}"',
             f'Hostname="{self.hostname}"',
@@ -114,7 +115,12 @@ class DcgmGpu:
         k8s = []
         if self.pod is not None:
             container, namespace, pod = self.pod
-            k8s = [f'container="{container}"', f'namespace="{namespace}"', f'pod="{pod}"', 'pod_uid=""']
+            k8s = [
+                f'container="{container}"',
+                f'namespace="{namespace}"',
+                f'pod="{pod}"',
+                'pod_uid=""',
+            ]
         if xid:
             code = "0" if self.xid == 0 else str(self.xid)
             msg = "No Error" if self.xid == 0 else "Graphics Engine Exception"
@@ -254,7 +260,9 @@ def node_exporters(config: Config, client: httpx.AsyncClient) -> dict[str, NodeE
                 idle_watts=60, max_watts=400, memory_mib=81920, product_name=f"NVIDIA {gpu_model}"
             )
             pod = ("vllm", "inference", f"vllm-{owner[3]}-0") if owner else None
-            offset = int.from_bytes(hashlib.blake2b(f"{seed}{node_name}{index}".encode(), digest_size=4).digest(), "big")
+            offset = int.from_bytes(
+                hashlib.blake2b(f"{seed}{node_name}{index}".encode(), digest_size=4).digest(), "big"
+            )
             slots.append(
                 _Slot(
                     index=index,

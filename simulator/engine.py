@@ -41,7 +41,6 @@ class Sequence:
     cached_tokens: int = 0
     generated: int = 0
     preemptions: int = 0
-    counts_prompt: bool = True
     finish_reason: str | None = None
     last_token_at: float | None = None
     new_tokens: int = 0
@@ -227,10 +226,10 @@ class Scheduler:
             hits += 1
         # vLLM always recomputes at least the last prompt token, so a full hit leaves one.
         seq.cached_tokens = min(hits * self.profile.block_size, seq.prompt_tokens - 1)
-        if seq.counts_prompt:
-            self.counters.prompt_tokens += seq.prompt_tokens
-            self.counters.prefix_cache_queries += seq.prompt_tokens
-            self.counters.prefix_cache_hits += seq.cached_tokens
+        # Like vLLM, each choice of an n>1 request counts its prompt again.
+        self.counters.prompt_tokens += seq.prompt_tokens
+        self.counters.prefix_cache_queries += seq.prompt_tokens
+        self.counters.prefix_cache_hits += seq.cached_tokens
 
     def _remember_prefix(self, seq: Sequence) -> None:
         for block in seq.prefix_blocks:

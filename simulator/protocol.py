@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from simulator.text import chat_prompt_text, count_tokens, tokenize
+from simulator.text import chat_prompt_text, tokenize
 
 __all__ = [
     "ApiError",
@@ -87,7 +87,7 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     """The fields of /v1/completions that change what the simulator does."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
     max_tokens: int | None = 16
     echo: bool | None = False
 
@@ -172,6 +172,8 @@ def _check_model(requested: str | None, served: str) -> None:
 
 
 def _check_lengths(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """vLLM's length rules: max_tokens over the context is an error, a long prompt is an error,
+    and a max_tokens that only overflows together with the prompt is silently capped."""
     if max_tokens is not None and max_tokens > max_model_len:
         raise ApiError(
             400,
@@ -182,17 +184,20 @@ def _check_lengths(prompt_tokens: int, max_tokens: int | None, max_model_len: in
         )
     if max_tokens is not None and max_tokens < 1:
         raise _bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
-    if prompt_tokens >= max_model_len or prompt_tokens + (max_tokens or 0) > max_model_len:
+    if prompt_tokens >= max_model_len:
+        # vLLM tokenizes with truncation at max_model_len + 1, so it reports "at least" that.
+        value = min(prompt_tokens, max_model_len + 1)
         raise ApiError(
             400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_tokens + (max_tokens or 0)} tokens ({prompt_tokens} in the "
-            f"messages, {max_tokens or 0} in the completion). Please reduce the length of the "
-            "messages or completion.",
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains at least {value} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt. "
+            f"(parameter=input_tokens, value={value})",
             "BadRequestError",
             "input_tokens",
         )
-    return max_tokens if max_tokens is not None else max_model_len - prompt_tokens
+    room = max_model_len - prompt_tokens
+    return room if max_tokens is None else min(max_tokens, room)
 
 
 def _stream_flags(req: _Common) -> tuple[bool, bool, bool]:
@@ -232,13 +237,20 @@ def parse_completion(data: Any, served: str, max_model_len: int) -> Generation:
         raise _bad_request(*_validation_message(exc)) from None
     _check_model(req.model, served)
     raw = req.prompt
+    if not raw:
+        raise ApiError(
+            400,
+            "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+            "BadRequestError",
+            "prompt",
+        )
     prompts: list[tuple[str, ...]]
     if isinstance(raw, str):
         prompts = [tuple(tokenize(raw))]
     elif raw and isinstance(raw[0], str):
         prompts = [tuple(tokenize(str(p))) for p in raw]
     elif raw and isinstance(raw[0], list):
-        prompts = [tuple(str(t) for t in p) for p in raw]  # type: ignore[union-attr]
+        prompts = [tuple(str(t) for t in p) for p in raw]
     else:
         prompts = [tuple(str(t) for t in raw)]
     if not prompts or any(not p for p in prompts):
@@ -258,11 +270,6 @@ def parse_completion(data: Any, served: str, max_model_len: int) -> Generation:
 def _check_n(n: int) -> None:
     if n < 1:
         raise _bad_request("n must be at least 1.", "n")
-
-
-def count_prompt(text: str) -> int:
-    """Prompt tokens of a plain text, for callers that only need the number."""
-    return count_tokens(text)
 
 
 def _usage(prompt: int, completion: int, details: bool) -> bytes:
@@ -287,6 +294,7 @@ class _Formatter:
             f'data: {{"id":"{request_id}","object":"{self.object_name}",'
             f'"created":{created},"model":{orjson.dumps(model).decode()},"choices":['
         ).encode()
+        self._fingerprint_tail = f',"system_fingerprint":"{fingerprint}"}}\n\n'.encode()
 
     def usage_chunk(self, prompt: int, completion: int) -> bytes:
         """The final chunk with ``choices: []`` that ``include_usage`` asks for."""
@@ -324,9 +332,14 @@ class ChatFormatter(_Formatter):
         )
 
     def token_chunk(
-        self, index: int, text: str, finish: str | None, usage: tuple[int, int] | None
-    ) -> bytes:
-        """One generated token; the last one of a choice carries its finish reason."""
+        self, index: int, text: str, finish: str | None, usage: tuple[int, int] | None,
+        last: bool = False,
+    ) -> bytes:  # fmt: skip
+        """One generated token; the last one of a choice carries its finish reason.
+
+        ``last`` marks the stream's final JSON chunk when no usage chunk follows: vLLM puts
+        ``system_fingerprint`` there and nowhere else.
+        """
         content = orjson.dumps(text)
         if finish is None:
             tail = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]'
@@ -343,7 +356,7 @@ class ChatFormatter(_Formatter):
                 content,
                 tail,
                 extra,
-                b"}\n\n",
+                self._fingerprint_tail if last else b"}\n\n",
             )
         )
 
@@ -400,9 +413,10 @@ class CompletionFormatter(_Formatter):
     object_name = "text_completion"
 
     def token_chunk(
-        self, index: int, text: str, finish: str | None, usage: tuple[int, int] | None
-    ) -> bytes:
-        """One generated token of a text completion."""
+        self, index: int, text: str, finish: str | None, usage: tuple[int, int] | None,
+        last: bool = False,
+    ) -> bytes:  # fmt: skip
+        """One generated token of a text completion (``last``: see ``ChatFormatter``)."""
         finish_json = "null" if finish is None else f'"{finish}"'
         extra = b"," + _usage(*usage, details=False) if usage else b""
         return b"".join(
@@ -413,7 +427,7 @@ class CompletionFormatter(_Formatter):
                 f',"logprobs":null,"finish_reason":{finish_json},"stop_reason":null,'
                 '"prompt_token_ids":null,"token_ids":null}]'.encode(),
                 extra,
-                b"}\n\n",
+                self._fingerprint_tail if last else b"}\n\n",
             )
         )
 
@@ -426,9 +440,10 @@ class CompletionFormatter(_Formatter):
                 "logprobs": None,
                 "finish_reason": finish,
                 "stop_reason": None,
+                "token_ids": None,
                 "prompt_logprobs": None,
                 "prompt_token_ids": None,
-                "token_ids": None,
+                "routed_experts": None,
             }
             for i, (text, finish) in enumerate(zip(texts, finishes, strict=True))
         ]
@@ -445,7 +460,10 @@ class CompletionFormatter(_Formatter):
                 "total_tokens": prompt + completion,
                 "completion_tokens": completion,
                 "prompt_tokens_details": None,
+                "completion_tokens_details": None,
             },
             "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
         }
         return orjson.dumps(body)

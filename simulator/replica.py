@@ -43,8 +43,22 @@ Send = Callable[[Message], Awaitable[None]]
 
 VLLM_VERSION = "0.32.0"
 MAX_BODY_BYTES = 32 * 1024 * 1024
-_JSON = [(b"content-type", b"application/json")]
-_SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
+_VARY = (b"vary", b"Origin")
+_JSON = [(b"content-type", b"application/json"), _VARY]
+_SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), _VARY]
+_METRICS = [(b"content-type", b"text/plain; version=1.0.0; charset=utf-8"), _VARY]
+EMPTY_TEXT_SHARE = 0.02
+
+
+def next_text(rng: random.Random) -> str:
+    """The text of the next sampled token.
+
+    A byte-level BPE token can end inside a UTF-8 character, and vLLM then streams a chunk with
+    empty text; a small share of empty tokens keeps clients from counting tokens by chunks.
+    """
+    if rng.random() < EMPTY_TEXT_SHARE:
+        return ""
+    return VOCAB[rng.randrange(len(VOCAB))]
 
 
 @dataclass(frozen=True)
@@ -155,7 +169,9 @@ class ReplicaSim:
             blocks = prefix_block_hashes(prompt, self.spec.engine.block_size)
             for choice in range(gen.n):
                 rng = request_rng(self.spec.seed, gen.prompt_text, gen.seed, p_index, choice)
-                stop_after = gen.max_tokens if gen.ignore_eos else int(rng.expovariate(1 / mean)) + 1
+                stop_after = (
+                    gen.max_tokens if gen.ignore_eos else int(rng.expovariate(1 / mean)) + 1
+                )
                 seq = Sequence(
                     seq_id=f"{p_index}-{choice}",
                     prompt_tokens=len(prompt),
@@ -163,7 +179,6 @@ class ReplicaSim:
                     stop_after=stop_after,
                     prefix_blocks=blocks,
                     arrived_at=now,
-                    counts_prompt=choice == 0,
                 )
                 seqs.append(seq)
                 rngs.append(rng)
@@ -183,7 +198,8 @@ class ReplicaSim:
 
     def _observe_finished(self, req: _Request, seq: Sequence) -> None:
         m = self.metrics
-        assert seq.finished_at is not None and seq.first_token_at is not None
+        assert seq.finished_at is not None
+        assert seq.first_token_at is not None
         admitted = seq.admitted_at if seq.admitted_at is not None else seq.arrived_at
         m[f"request_success:{seq.finish_reason}"].inc()
         m["time_to_first_token_seconds"].observe(seq.first_token_at - seq.arrived_at)
@@ -263,13 +279,17 @@ class ReplicaSim:
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"]
-        if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
-            await self._generate(path, receive, send)
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            if method != "POST":
+                await _respond(
+                    send, 405, b'{"detail":"Method Not Allowed"}', [(b"allow", b"POST"), *_JSON]
+                )
+                return
+            await self._generate(path, _header(scope, b"x-request-id"), receive, send)
         elif method == "GET" and path == "/metrics":
-            await _respond(send, 200, self.render_metrics(),
-                           [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])  # fmt: skip
+            await _respond(send, 200, self.render_metrics(), _METRICS)
         elif method == "GET" and path == "/health":
-            await _respond(send, 200, b"", [])
+            await _respond(send, 200, b"", [_VARY])
         elif method == "GET" and path == "/v1/models":
             await _respond(send, 200, self._models_body(), _JSON)
         elif method == "GET" and path == "/version":
@@ -326,7 +346,9 @@ class ReplicaSim:
             }
         )
 
-    async def _generate(self, path: str, receive: Receive, send: Send) -> None:
+    async def _generate(
+        self, path: str, given_id: str | None, receive: Receive, send: Send
+    ) -> None:
         chat = path == "/v1/chat/completions"
         try:
             data = parse_json(await _read_body(receive))
@@ -336,7 +358,7 @@ class ReplicaSim:
             await _respond(send, err.status, err.body(), _JSON)
             return
         prefix = "chatcmpl" if chat else "cmpl"
-        request_id = f"{prefix}-{self._ids.getrandbits(64):016x}"
+        request_id = f"{prefix}-{given_id or f'{self._ids.getrandbits(64):016x}'}"
         fmt_cls = ChatFormatter if chat else CompletionFormatter
         fmt = fmt_cls(request_id, int(time.time()), self.spec.served_model, self.fingerprint)
         req = self.submit(gen)
@@ -360,7 +382,9 @@ class ReplicaSim:
                 req.ready.set()
                 return
 
-    async def _stream(self, req: _Request, fmt: ChatFormatter | CompletionFormatter, send: Send) -> None:
+    async def _stream(
+        self, req: _Request, fmt: ChatFormatter | CompletionFormatter, send: Send
+    ) -> None:
         gen = req.gen
         await send({"type": "http.response.start", "status": 200, "headers": _SSE})
         chat = isinstance(fmt, ChatFormatter)
@@ -377,26 +401,34 @@ class ReplicaSim:
                 started = True
                 usage = (prompt, 0) if gen.continuous_usage else None
                 parts.extend(fmt.role_chunk(i, usage) for i in range(len(req.seqs)))  # type: ignore[union-attr]
+            last_args: tuple[int, str, str | None, tuple[int, int] | None] | None = None
             for i, seq in enumerate(req.seqs):
                 rng = req.rngs[i]
                 while emitted[i] < seq.generated:
                     emitted[i] += 1
                     last = seq.done and emitted[i] == seq.generated
                     finish = seq.finish_reason if last else None
-                    text = "" if finish == "stop" else VOCAB[rng.randrange(len(VOCAB))]
+                    text = "" if finish == "stop" else next_text(rng)
                     usage = (prompt, sum(emitted)) if gen.continuous_usage else None
-                    parts.append(fmt.token_chunk(i, text, finish, usage))
+                    last_args = (i, text, finish, usage)
+                    parts.append(fmt.token_chunk(*last_args))
             done = all(s.done for s in req.seqs)
             if done:
+                if not gen.include_usage and last_args is not None:
+                    parts[-1] = fmt.token_chunk(*last_args, last=True)
                 if gen.include_usage:
                     parts.append(fmt.usage_chunk(prompt, sum(s.generated for s in req.seqs)))
                 parts.append(fmt.done())
             if parts:
-                await send({"type": "http.response.body", "body": b"".join(parts), "more_body": not done})
+                await send(
+                    {"type": "http.response.body", "body": b"".join(parts), "more_body": not done}
+                )
             if done:
                 return
 
-    async def _complete(self, req: _Request, fmt: ChatFormatter | CompletionFormatter, send: Send) -> None:
+    async def _complete(
+        self, req: _Request, fmt: ChatFormatter | CompletionFormatter, send: Send
+    ) -> None:
         while not all(s.done for s in req.seqs):
             await req.ready.wait()
             req.ready.clear()
@@ -404,14 +436,20 @@ class ReplicaSim:
                 return
         texts = []
         for seq, rng in zip(req.seqs, req.rngs, strict=True):
-            words = [VOCAB[rng.randrange(len(VOCAB))] for _ in range(seq.generated)]
-            if seq.finish_reason == "stop":
-                words[-1] = ""
-            texts.append("".join(words))
+            drawn = seq.generated - (seq.finish_reason == "stop")
+            texts.append("".join(next_text(rng) for _ in range(drawn)))
         finishes = [s.finish_reason or "length" for s in req.seqs]
         completion = sum(s.generated for s in req.seqs)
         body = fmt.full(texts, finishes, req.gen.prompt_tokens, completion)
         await _respond(send, 200, body, _JSON)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            text: str = value.decode("latin-1")
+            return text
+    return None
 
 
 async def _read_body(receive: Receive) -> bytes:
@@ -430,6 +468,8 @@ async def _read_body(receive: Receive) -> bytes:
             return b"".join(chunks)
 
 
-async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+async def _respond(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
+) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

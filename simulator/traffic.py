@@ -21,7 +21,14 @@ import httpx
 
 from infermeter.config import Config
 
-__all__ = ["Target", "TeamTraffic", "TrafficGenerator", "TrafficProfile", "default_targets", "demo_teams"]
+__all__ = [
+    "Target",
+    "TeamTraffic",
+    "TrafficGenerator",
+    "TrafficProfile",
+    "default_targets",
+    "demo_teams",
+]
 
 
 @dataclass(frozen=True)
@@ -56,15 +63,23 @@ class TrafficProfile:
     def rate(self, elapsed: float) -> float:
         """Requests per second at ``elapsed`` wall seconds: a night floor and a 10:00 peak."""
         hour = (self.start_hour + 24.0 * elapsed / self.day_seconds) % 24.0
-        peak = math.exp(-(((hour - 10.0) / 2.5) ** 2)) + 0.6 * math.exp(-(((hour - 15.0) / 3.0) ** 2))
+        peak = math.exp(-(((hour - 10.0) / 2.5) ** 2)) + 0.6 * math.exp(
+            -(((hour - 15.0) / 3.0) ** 2)
+        )
         return self.peak_requests_per_second * (0.08 + 0.92 * min(1.0, peak))
 
 
 def demo_teams(config: Config) -> list[TeamTraffic]:
     """The demo's teams with their public demo keys (``im-demo-<team>``)."""
-    shapes = {"search": (3.0, 0.0), "assistant": (4.0, 0.05), "analytics": (1.0, 0.9), "research": (1.5, 0.4)}
+    shapes = {
+        "search": (3.0, 0.0),
+        "assistant": (4.0, 0.05),
+        "analytics": (1.0, 0.9),
+        "research": (1.5, 0.4),
+    }
     return [
-        TeamTraffic(t.name, f"im-demo-{t.name}", *shapes.get(t.name, (1.0, 0.2))) for t in config.teams
+        TeamTraffic(t.name, f"im-demo-{t.name}", *shapes.get(t.name, (1.0, 0.2)))
+        for t in config.teams
     ]
 
 
@@ -76,7 +91,9 @@ def default_targets(config: Config, via_sidecars: bool) -> list[Target]:
         if via_sidecars and r.sidecar_listen:
             targets.append(Target(f"http://{r.sidecar_listen}", model.name))
         else:
-            targets.append(Target(r.upstream_url.rstrip("/"), r.served_version or model.current_version))
+            targets.append(
+                Target(r.upstream_url.rstrip("/"), r.served_version or model.current_version)
+            )
     return targets
 
 
@@ -89,7 +106,9 @@ class TrafficGenerator:
     profile: TrafficProfile = TrafficProfile()
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
 
-    async def run(self, duration_seconds: float | None = None, max_requests: int | None = None) -> None:
+    async def run(
+        self, duration_seconds: float | None = None, max_requests: int | None = None
+    ) -> None:
         """Generate load for ``duration_seconds`` (or until cancelled), then wait for stragglers."""
         rng = random.Random(self.profile.seed)
         weights = [t.weight for t in self.teams]
@@ -97,13 +116,19 @@ class TrafficGenerator:
         limit = asyncio.Semaphore(self.profile.max_in_flight)
         start = time.monotonic()
         sent = 0
-        limits = httpx.Limits(max_connections=self.profile.max_in_flight, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0), limits=limits) as client:
+        limits = httpx.Limits(
+            max_connections=self.profile.max_in_flight, max_keepalive_connections=64
+        )
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(300.0, connect=5.0), limits=limits
+        ) as client:
             try:
                 while duration_seconds is None or time.monotonic() - start < duration_seconds:
                     if max_requests is not None and sent >= max_requests:
                         break
-                    await asyncio.sleep(rng.expovariate(self.profile.rate(time.monotonic() - start)))
+                    await asyncio.sleep(
+                        rng.expovariate(self.profile.rate(time.monotonic() - start))
+                    )
                     team = rng.choices(self.teams, weights)[0]
                     target = rng.choice(self.targets)
                     request = self._request(rng, team, target)
@@ -119,12 +144,18 @@ class TrafficGenerator:
                 for task in in_flight:
                     task.cancel()
 
-    def _request(self, rng: random.Random, team: TeamTraffic, target: Target) -> tuple[str, dict[str, object], int | None]:
+    def _request(
+        self, rng: random.Random, team: TeamTraffic, target: Target
+    ) -> tuple[str, dict[str, object], int | None]:
         batch = rng.random() < team.batch_share
         words = rng.randint(600, 2400) if batch else rng.randint(8, 120)
         text = " ".join(rng.choice(_WORDS) for _ in range(words))
         if batch:
-            body: dict[str, object] = {"model": target.model, "prompt": text, "max_tokens": rng.randint(64, 400)}
+            body: dict[str, object] = {
+                "model": target.model,
+                "prompt": text,
+                "max_tokens": rng.randint(64, 400),
+            }
             return "/v1/completions", body, None
         body = {
             "model": target.model,
@@ -161,15 +192,41 @@ class TrafficGenerator:
         """One line per team with its outcome counts."""
         teams = sorted({t for t, _ in self.outcomes})
         return "\n".join(
-            f"  {t}: " + ", ".join(f"{k}={v}" for (tt, k), v in sorted(self.outcomes.items()) if tt == t)
+            f"  {t}: "
+            + ", ".join(f"{k}={v}" for (tt, k), v in sorted(self.outcomes.items()) if tt == t)
             for t in teams
         )
 
 
-_WORDS = (
-    "the a GPU request latency invoice cluster token model search ranking summary report table "
-    "customer order policy vector cache energy budget deploy review draft answer question data"
-).split()
+_WORDS = [
+    "the",
+    "a",
+    "GPU",
+    "request",
+    "latency",
+    "invoice",
+    "cluster",
+    "token",
+    "model",
+    "search",
+    "ranking",
+    "summary",
+    "report",
+    "table",
+    "customer",
+    "order",
+    "policy",
+    "vector",
+    "cache",
+    "energy",
+    "budget",
+    "deploy",
+    "review",
+    "draft",
+    "answer",
+    "question",
+    "data",
+]
 
 
 async def run_until_cancelled(gen: TrafficGenerator, duration_seconds: float | None) -> None:

@@ -550,8 +550,8 @@ class VllmMetrics:
         self._children["engine_sleep_state:awake"].set(1)
         # Every label vLLM 0.32 puts on this info gauge; the engine's own sizes replace the
         # values of the capture they were read from.
-        labels = dict(_CACHE_CONFIG_INFO)
-        labels.update(
+        info_labels = dict(_CACHE_CONFIG_INFO)
+        info_labels.update(
             block_size=str(profile.block_size),
             effective_attention_block_size=str(profile.block_size),
             kv_cache_size_tokens=str(profile.kv_cache_tokens),
@@ -561,10 +561,10 @@ class VllmMetrics:
         info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            ["engine", *labels],
+            ["engine", *info_labels],
             registry=self.registry,
         )
-        info.labels(engine, *labels.values()).set(1)
+        info.labels(engine, *info_labels.values()).set(1)
 
     def __getitem__(self, key: str) -> Any:
         """The labelled child for ``name`` or ``name:label_value``."""

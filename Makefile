@@ -1,0 +1,37 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+VLLM_VENV := .venv-vllm
+
+.PHONY: demo test lint typecheck unit vllm-venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+## demo: install, then run the platform on its embedded defaults (simulated fleet + traffic)
+demo: $(STAMP)
+	$(BIN)/infermeter demo
+
+## test: install everything the tests need, then lint, type-check and run every test
+test: $(STAMP) vllm-venv lint typecheck unit
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy .
+
+unit: $(STAMP)
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+## vllm-venv: real vLLM (CPU build) in its own venv, for the conformance tests
+vllm-venv:
+	bash scripts/vllm-venv.sh $(VLLM_VENV)
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) .cache .mypy_cache .ruff_cache .pytest_cache
