@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,3 +26,17 @@ def fixture_text():
         return (FIXTURES / name).read_text()
 
     return read
+
+
+@pytest.fixture(scope="session")
+def real_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Real vLLM (CPU build) serving the tiny local model as ``tiny``; its base URL.
+
+    Building the venv or the model, or starting the server, fails the test loudly: a machine
+    that cannot run real vLLM must not look like one where the simulator was checked against it.
+    """
+    from tests.conformance.real_vllm import ensure_vllm_ready, free_port, start_real_vllm
+
+    venv_dir, model_dir = ensure_vllm_ready(Path(__file__).parents[1])
+    with start_real_vllm(venv_dir, model_dir, free_port(), tmp_path_factory.mktemp("vllm")) as url:
+        yield url
