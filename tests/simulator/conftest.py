@@ -15,9 +15,9 @@ FAST = EngineProfile(max_num_seqs=32, kv_cache_tokens=65536, step_base_ms=2, ste
 GPU = GpuProfile(idle_watts=50, max_watts=300, memory_mib=24576, product_name="NVIDIA L4")
 
 
-def tiny_spec(engine: EngineProfile = FAST, gpus: int = 1) -> ReplicaSpec:
+def tiny_spec(engine: EngineProfile = FAST, gpus: int = 1, max_model_len: int = 512) -> ReplicaSpec:
     """A replica shaped like the one the captures came from: model 'tiny', 512 tokens."""
-    return ReplicaSpec("tiny-0", "tiny", 512, engine, GPU, gpus, seed=11)
+    return ReplicaSpec("tiny-0", "tiny", max_model_len, engine, GPU, gpus, seed=11)
 
 
 @pytest.fixture

@@ -1,0 +1,137 @@
+"""The ``infermeter`` command: help, the simulated fleet's life cycle, one-line errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from infermeter.cli import build_parser, main
+from infermeter.config import DEFAULT_CONFIG
+from tests.servers import free_port
+
+
+def test_every_subcommand_has_help(capsys):
+    """`infermeter --help` lists the subcommands, each with a description."""
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    out = capsys.readouterr().out
+    for name in ("simulate", "demo"):
+        assert name in out
+    with pytest.raises(SystemExit):
+        parser.parse_args(["simulate", "--help"])
+    assert "--traffic" in capsys.readouterr().out
+
+
+def _fleet_config(tmp_path: Path) -> Path:
+    """The demo fleet moved to free ports so tests never collide with a running demo."""
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    for r in data["replicas"]:
+        r["upstream_url"] = f"http://127.0.0.1:{free_port()}"
+        r["sidecar_listen"] = f"127.0.0.1:{free_port()}"
+    for n in data["nodes"]:
+        n["dcgm_exporter_url"] = f"http://127.0.0.1:{free_port()}/metrics"
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _wait(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} never answered")
+
+
+def _gone(url: str) -> bool:
+    try:
+        httpx.get(url, timeout=0.5)
+    except httpx.HTTPError:
+        return True
+    return False
+
+
+def test_simulate_starts_the_fleet_and_ctrl_c_stops_it(tmp_path):
+    """Every replica and dcgm-exporter answers; SIGINT stops them all and exits 0."""
+    path = _fleet_config(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "simulate", "--config", str(path), "--traffic",
+                             "--peak-rps", "30", "--day-seconds", "20"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        urls = [r["upstream_url"] + "/health" for r in config["replicas"]]
+        urls += [n["dcgm_exporter_url"] for n in config["nodes"]]
+        for url in urls:
+            _wait(url)
+        first = config["replicas"][1]["upstream_url"]
+        deadline = time.monotonic() + 30
+        generated = 0.0
+        while generated == 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            text = httpx.get(f"{first}/metrics").text
+            line = next(
+                x for x in text.splitlines() if x.startswith("vllm:generation_tokens_total")
+            )
+            generated = float(line.rsplit(" ", 1)[1])
+        assert generated > 0, "traffic reached the replica"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert "infermeter is up:" in out
+    assert all(_gone(u) for u in urls)
+
+
+def test_port_in_use_is_a_one_line_error(tmp_path, capsys):
+    """A replica port that is taken stops start-up with exit 2 and names the replica."""
+    path = _fleet_config(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    port = int(config["replicas"][0]["upstream_url"].rsplit(":", 1)[1])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+        assert main(["simulate", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"infermeter: port {port} on 127.0.0.1 (replica large-0 upstream_url) is already in use"
+    )
+
+
+def test_unknown_replica_is_a_one_line_error(capsys):
+    """Asking for a replica the config does not have exits 2 naming it."""
+    assert main(["simulate", "--replica", "nope"]) == 2
+    assert "no replica 'nope'" in capsys.readouterr().err
+
+
+def test_demo_command_runs_the_fleet(tmp_path):
+    """`infermeter demo` comes up and prints its URLs; SIGTERM stops it cleanly."""
+    path = _fleet_config(tmp_path)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "demo", "--config", str(path)],
+                            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Ctrl-C"):
+                break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert any("vLLM replica large-0" in x for x in lines)

@@ -1,0 +1,52 @@
+"""The traffic generator: its daily shape and its mix of teams and behaviours."""
+
+from __future__ import annotations
+
+import httpx
+
+from simulator.replica import ReplicaSim
+from simulator.traffic import (
+    Target,
+    TeamTraffic,
+    TrafficGenerator,
+    TrafficProfile,
+    default_targets,
+    demo_teams,
+)
+from tests.servers import serving
+from tests.simulator.conftest import tiny_spec
+
+
+def test_rate_peaks_in_the_morning_and_is_low_at_night():
+    """The arrival rate is highest near 10:00 and lowest at night."""
+    p = TrafficProfile(peak_requests_per_second=10, day_seconds=24, start_hour=0)
+    rates = {hour: p.rate(hour) for hour in range(24)}
+    assert max(rates, key=rates.__getitem__) == 10
+    assert rates[3] < rates[10] / 5
+
+
+def test_demo_targets_use_served_names_direct_and_aliases_via_sidecars(config):
+    """Direct traffic names the served version; sidecar traffic names the model alias."""
+    direct = default_targets(config, via_sidecars=False)
+    via = default_targets(config, via_sidecars=True)
+    assert direct[0] == Target("http://127.0.0.1:18001", "llama-3.1-70b-instruct-fp8")
+    assert via[0] == Target("http://127.0.0.1:18101", "chat-large")
+    assert {t.team for t in demo_teams(config)} == {"search", "assistant", "analytics", "research"}
+
+
+async def test_generator_sends_every_kind_of_request():
+    """Several teams, streamed chats, batch completions and hang-ups all happen."""
+    sim = ReplicaSim(tiny_spec(max_model_len=8192))
+    teams = [TeamTraffic("chat", "k1", 1.0, 0.0), TeamTraffic("batch", "k2", 1.0, 1.0)]
+    async with serving(sim) as url:
+        gen = TrafficGenerator([Target(url, "tiny")], teams,
+                               TrafficProfile(peak_requests_per_second=200, day_seconds=1, disconnect_share=0.3))  # fmt: skip
+        await gen.run(max_requests=60)
+        async with httpx.AsyncClient() as client:
+            metrics = (await client.get(f"{url}/metrics")).text
+    outcomes = gen.outcomes
+    assert outcomes[("chat", "200")] > 0
+    assert outcomes[("batch", "200")] > 0
+    assert outcomes[("chat", "hung_up")] > 0
+    assert sum(outcomes.values()) == 60
+    assert "vllm:generation_tokens_total" in metrics
