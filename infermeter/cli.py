@@ -75,6 +75,29 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=None, help="override simulator.seed")
     sim.set_defaults(handler=_simulate)
 
+    side = sub.add_parser(
+        "sidecar",
+        help="run the metering proxy in front of one vLLM replica",
+        description=(
+            "Relay the OpenAI API to one replica: identify the team, enforce its limits, meter "
+            "every request, write one durable usage record per request and ship them to billing. "
+            "SIGHUP or a change of the config file reloads keys, limits and approved models."
+        ),
+    )
+    _add_config(side)
+    side.add_argument(
+        "--replica", required=True, metavar="ID", help="the replica (from the config) to front"
+    )
+    side.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="where to listen (default: the replica's sidecar_listen)",
+    )
+    side.add_argument(
+        "--upstream", metavar="URL", help="the vLLM server (default: the replica's upstream_url)"
+    )
+    side.set_defaults(handler=_sidecar)
+
     demo = sub.add_parser(
         "demo",
         help="run the whole platform on a simulated fleet, with traffic",
@@ -149,6 +172,18 @@ def _simulate(args: argparse.Namespace, config: Config) -> int:
     if args.traffic:
         children.append(fleet.traffic_child(_config_path(args), args))
     return fleet.run(children, fleet.simulator_urls(config))
+
+
+def _sidecar(args: argparse.Namespace, config: Config) -> int:
+    from sidecar.serve import serve_sidecar
+
+    try:
+        config.replica(args.replica)
+    except KeyError:
+        print(f"infermeter: no replica {args.replica!r} in {_config_path(args)}", file=sys.stderr)
+        return 2
+    asyncio.run(serve_sidecar(Path(_config_path(args)), args.replica, args.listen, args.upstream))
+    return 0
 
 
 def _demo(args: argparse.Namespace, config: Config) -> int:

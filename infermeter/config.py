@@ -40,12 +40,14 @@ __all__ = [
     "ENV_PREFIX",
     "Config",
     "ConfigError",
+    "GatewaySettings",
     "GpuProfile",
     "Model",
     "Node",
     "Prices",
     "Replica",
     "ScalingPolicy",
+    "SidecarSettings",
     "Sla",
     "Team",
     "TeamLimits",
@@ -150,6 +152,7 @@ class Replica(_Strict):
     gpu_model: Name
     gpu_count: Annotated[int, Field(gt=0)] = 1
     gpus: list[int | str] = Field(default_factory=list)
+    max_num_seqs: Annotated[int, Field(gt=0)] | None = None
     idle_policy: Literal["spread", "platform", "owner"] = "spread"
     owner_team: Name | None = None
 
@@ -225,6 +228,37 @@ class EngineProfile(_Strict):
     mean_output_tokens: Positive = 180.0
 
 
+class GatewaySettings(_Strict):
+    """Trusted-gateway mode: an upstream gateway names the team in a signed header.
+
+    The shared secret comes from the environment variable named by ``secret_env``, never from
+    the file, so the file can be committed.
+    """
+
+    enabled: bool = False
+    team_header: str = "x-infermeter-team"
+    timestamp_header: str = "x-infermeter-timestamp"
+    signature_header: str = "x-infermeter-signature"
+    max_skew_seconds: Positive = 300
+    secret_env: str = "INFERMETER_GATEWAY_SECRET"
+
+
+class SidecarSettings(_Strict):
+    """How every sidecar relays, limits and meters."""
+
+    spool_dir: str = "var/spool"
+    ingest_url: str | None = None
+    ingest_token_env: str = "INFERMETER_INGEST_TOKEN"
+    upstream_api_key_env: str = "INFERMETER_UPSTREAM_API_KEY"
+    max_body_bytes: Annotated[int, Field(gt=0)] = 8 * 1024 * 1024
+    connect_timeout_seconds: Positive = 5.0
+    read_timeout_seconds: Positive = 600.0
+    on_spool_failure: Literal["refuse", "serve_unmetered"] = "refuse"
+    default_reserve_tokens: Annotated[int, Field(gt=0)] = 1024
+    fair_headroom: Annotated[float, Field(ge=0, lt=1)] = 0.125
+    gateway: GatewaySettings = GatewaySettings()
+
+
 class Simulator(_Strict):
     """Settings of the simulated fleet (``infermeter simulate``)."""
 
@@ -247,7 +281,9 @@ class Config(_Strict):
     prices: Prices
     scaling: ScalingPolicy = ScalingPolicy()
     simulator: Simulator = Simulator()
+    sidecar: SidecarSettings = SidecarSettings()
     admin_token_sha256: list[Sha256] = Field(default_factory=list)
+    metrics_token_sha256: list[Sha256] = Field(default_factory=list)
 
     @field_validator("teams", "models", "replicas", "nodes")
     @classmethod

@@ -1,0 +1,121 @@
+"""Ship spooled records to the billing ingest API, and delete only what it acknowledged.
+
+The ingest API is idempotent by record id, so a segment that was sent but whose acknowledgement
+was lost is simply sent again. Retries back off exponentially with jitter (tenacity). A record
+that billing rejects as invalid is never retried: it goes to ``<spool>/rejected.jsonl`` with the
+reason, so nothing is dropped silently and nothing blocks the records behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
+
+from infermeter.spool import Segment, Spool, read_segment
+
+__all__ = ["IngestRejectedError", "Shipper"]
+
+log = logging.getLogger("infermeter.shipper")
+
+
+class IngestRejectedError(Exception):
+    """Billing refused the whole batch (bad token, bad request): retrying will not help."""
+
+
+class _RetryableError(Exception):
+    """Billing was unreachable or answered 5xx/429."""
+
+
+class Shipper:
+    """Moves closed spool segments to billing, one batch at a time."""
+
+    def __init__(self, spool: Spool, url: str, token: str | None, kind: str, client: httpx.AsyncClient,
+                 batch_size: int = 1000, interval_seconds: float = 1.0) -> None:  # fmt: skip
+        self.spool = spool
+        self.url = url
+        self.kind = kind
+        self.client = client
+        self.batch_size = batch_size
+        self.interval_seconds = interval_seconds
+        self.headers = {"authorization": f"Bearer {token}"} if token else {}
+        self.shipped = 0
+
+    async def run(self) -> None:
+        """Ship forever; errors are logged and retried, never raised."""
+        while True:
+            try:
+                await self.ship_once()
+            except IngestRejectedError as exc:
+                log.error("billing refused a %s batch: %s; will retry later", self.kind, exc)
+            except _RetryableError as exc:
+                log.warning("billing unreachable for %s: %s", self.kind, exc)
+            await asyncio.sleep(self.interval_seconds)
+
+    async def ship_once(self, max_wait_seconds: float = 30.0) -> int:
+        """Ship every closed segment now; return how many records were acknowledged."""
+        done = 0
+        for segment in await self.spool.closed_segments():
+            done += await self._ship_segment(segment, max_wait_seconds)
+        return done
+
+    async def _ship_segment(self, segment: Segment, max_wait_seconds: float) -> int:
+        records, torn = read_segment(segment.path)
+        if torn:
+            log.error(
+                "%s: %d torn line(s) skipped (written by a process that died mid-write)",
+                segment.path,
+                torn,
+            )
+        for start in range(0, len(records), self.batch_size):
+            batch = records[start : start + self.batch_size]
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(_RetryableError),
+                wait=wait_exponential_jitter(initial=0.2, max=10.0),
+                stop=stop_after_delay(max_wait_seconds),
+                reraise=True,
+            ):
+                with attempt:
+                    rejected = await self._post(batch)
+            if rejected:
+                self._dead_letter(segment.path.parent, batch, rejected)
+        self.spool.acknowledge(segment)
+        self.shipped += len(records)
+        return len(records)
+
+    async def _post(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        try:
+            response = await self.client.post(self.url, content=orjson.dumps({self.kind: batch}),
+                                              headers={**self.headers, "content-type": "application/json"})  # fmt: skip
+        except httpx.HTTPError as exc:
+            raise _RetryableError(f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 500 or response.status_code == 429:
+            raise _RetryableError(f"HTTP {response.status_code}")
+        if response.status_code >= 400:
+            raise IngestRejectedError(f"HTTP {response.status_code}: {response.text[:200]}")
+        rejected: list[dict[str, Any]] = orjson.loads(response.content).get("rejected", [])
+        return rejected
+
+    @staticmethod
+    def _dead_letter(
+        directory: Path, batch: list[dict[str, Any]], rejected: list[dict[str, Any]]
+    ) -> None:
+        reasons = {r.get("id"): r.get("reason") for r in rejected}
+        with (directory / "rejected.jsonl").open("ab") as fh:
+            for record in batch:
+                rid = record.get("request_id") or record.get("sample_id")
+                if rid in reasons:
+                    fh.write(orjson.dumps({"reason": reasons[rid], "record": record}) + b"\n")
+        log.error(
+            "billing rejected %d record(s); kept in %s/rejected.jsonl", len(reasons), directory
+        )

@@ -1,0 +1,175 @@
+"""A local, append-only, group-committed spool of records on their way to billing.
+
+A record is durable when ``append`` returns: it is written and fsync'ed. Appends that arrive
+while a write is in progress share the next write and fsync (group commit), so a thousand
+concurrent requests cost a few fsyncs, not a thousand. The write and fsync run in a thread so
+the event loop keeps relaying tokens meanwhile.
+
+Layout: ``<dir>/seg-<n>.jsonl`` segment files, one JSON record per line. The newest segment is
+open for appends; older ones are closed and handed to the shipper, which deletes a segment only
+once billing has acknowledged every record in it. A process that dies mid-write can leave a torn
+last line: it is reported by ``read_segment`` and skipped (its request never saw its end, since
+durability comes before the response does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+__all__ = ["Segment", "Spool", "SpoolError", "read_segment"]
+
+log = logging.getLogger("infermeter.spool")
+
+
+class SpoolError(Exception):
+    """A record could not be made durable (disk full, read-only, ...)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A closed segment file and how many records it holds."""
+
+    path: Path
+    records: int
+
+
+def read_segment(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """Records of a segment and the number of unreadable (torn) lines skipped."""
+    records, torn = [], 0
+    with path.open("rb") as fh:
+        for line in fh:
+            try:
+                records.append(orjson.loads(line))
+            except orjson.JSONDecodeError:
+                torn += 1
+    return records, torn
+
+
+class Spool:
+    """Group-committing writer of one spool directory."""
+
+    def __init__(
+        self, directory: Path, roll_seconds: float = 2.0, roll_records: int = 5000
+    ) -> None:
+        self.directory = directory
+        self.roll_seconds = roll_seconds
+        self.roll_records = roll_records
+        self._queue: asyncio.Queue[tuple[bytes, asyncio.Future[None]]] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._fh: IO[bytes] | None = None
+        self._current: Path | None = None
+        self._current_records = 0
+        self._opened_at = 0.0
+        self._closed: list[Segment] = []
+        self._lock = asyncio.Lock()
+        self.backlog = 0
+
+    def open(self) -> None:
+        """Create the directory, adopt segments left by an earlier run, start the writer."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for path in sorted(self.directory.glob("seg-*.jsonl")):
+            records, _ = read_segment(path)
+            self._closed.append(Segment(path, len(records)))
+            self.backlog += len(records)
+        self._queue = asyncio.Queue()
+        self._lock = asyncio.Lock()
+        self._task = asyncio.get_running_loop().create_task(self._writer())
+
+    async def close(self) -> None:
+        """Stop the writer after the queued appends and close the open segment."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._roll()
+
+    async def append(self, record: dict[str, Any]) -> None:
+        """Return once ``record`` is on disk; SpoolError if it cannot be."""
+        assert self._queue is not None, "Spool.open() first"
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((orjson.dumps(record) + b"\n", future))
+        await future
+
+    async def _writer(self) -> None:
+        assert self._queue is not None
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            data = b"".join(line for line, _ in batch)
+            try:
+                async with self._lock:  # the shipper rolls segments under the same lock
+                    await asyncio.to_thread(self._write, data)
+            except OSError as exc:
+                error = SpoolError(
+                    f"cannot write usage spool in {self.directory}: {exc.strerror or exc}"
+                )
+                log.error("%s", error)
+                self._abandon_current()
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            self._current_records += len(batch)
+            self.backlog += len(batch)
+            for _, future in batch:
+                if not future.done():
+                    future.set_result(None)
+            if self._current_records >= self.roll_records:
+                self._roll()
+
+    def _write(self, data: bytes) -> None:
+        if self._fh is None:
+            self._start_segment()
+        assert self._fh is not None
+        self._fh.write(data)
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def _start_segment(self) -> None:
+        stamp = time.time_ns()
+        self._current = self.directory / f"seg-{stamp:020d}.jsonl"
+        self._fh = self._current.open("ab")
+        self._current_records = 0
+        self._opened_at = time.monotonic()
+
+    def _abandon_current(self) -> None:
+        """After a failed write the open file's tail is unknown: close it and start afresh."""
+        if self._fh is not None:
+            with contextlib.suppress(OSError):
+                self._fh.close()
+        if self._current is not None and self._current_records:
+            self._closed.append(Segment(self._current, self._current_records))
+        self._fh, self._current, self._current_records = None, None, 0
+
+    def _roll(self) -> None:
+        if self._fh is None or self._current is None:
+            return
+        self._fh.close()
+        if self._current_records:
+            self._closed.append(Segment(self._current, self._current_records))
+        else:
+            self._current.unlink(missing_ok=True)
+        self._fh, self._current, self._current_records = None, None, 0
+
+    async def closed_segments(self) -> list[Segment]:
+        """Segments ready to ship, oldest first; rolls the open one when it is old enough."""
+        async with self._lock:
+            if self._fh is not None and time.monotonic() - self._opened_at >= self.roll_seconds:
+                self._roll()
+            return list(self._closed)
+
+    def acknowledge(self, segment: Segment) -> None:
+        """Billing has every record of ``segment``: delete it."""
+        segment.path.unlink(missing_ok=True)
+        self._closed.remove(segment)
+        self.backlog -= segment.records

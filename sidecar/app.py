@@ -1,0 +1,643 @@
+"""The sidecar: a metering, team-aware streaming proxy in front of one vLLM replica.
+
+Plain ASGI, because every token of every user passes through ``_relay_stream`` and a framework's
+per-message machinery would cost more than the work itself. The path of one request:
+
+    identify team -> read and check body -> route model -> team limits -> fair batch slot
+    -> forward (httpx, streamed) -> meter and rewrite chunks -> usage record durable in the spool
+    -> final ``data: [DONE]`` (or the whole body) -> settle limits, metrics, span
+
+A record is on disk before the client sees the end of its response, so a response a client saw
+complete is never lost, even if the sidecar is killed right after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import generate_latest
+
+from infermeter.config import Config
+from infermeter.records import RequestStatus, UsageRecord
+from infermeter.spool import Spool, SpoolError
+from sidecar import tracing
+from sidecar.auth import AuthError, bearer_key
+from sidecar.errors import error_body, sse_error_event
+from sidecar.fairness import FairShare, Slot
+from sidecar.limits import Admission, LimitExceeded, RateLimiter, estimate_prompt_tokens
+from sidecar.metrics import SidecarMetrics
+from sidecar.state import ModelNotFoundError, View, build_view
+from sidecar.stream import StreamMeter, UsageCounts, parse_usage
+
+__all__ = ["Sidecar"]
+
+log = logging.getLogger("infermeter.sidecar")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_JSON = (b"content-type", b"application/json")
+_SSE = (b"content-type", b"text/event-stream; charset=utf-8")
+_GENERATE = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+    "/v1/embeddings": "embeddings",
+}
+# Headers never passed upstream: hop-by-hop ones, the caller's credentials, and what httpx sets.
+_DROP = frozenset({b"authorization", b"host", b"content-length", b"connection", b"keep-alive",
+                   b"transfer-encoding", b"te", b"upgrade", b"proxy-authorization", b"accept-encoding"})  # fmt: skip
+_DROP_DOWN = frozenset(
+    {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
+)
+
+
+class _Reject(Exception):
+    """An answer decided before forwarding: status, OpenAI error and extra headers."""
+
+    def __init__(self, status: int, message: str, err_type: str, code: str | None,
+                 record_status: RequestStatus, headers: tuple[tuple[str, str], ...] = ()) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.code = status, message, err_type, code
+        self.record_status, self.headers = record_status, headers
+
+
+@dataclass
+class _Call:
+    """Everything known about one request while it is served."""
+
+    request_id: str
+    endpoint: str
+    received_at: float
+    started: float
+    team: str = ""
+    model: str = ""
+    served_version: str = ""
+    stream: bool = False
+    admission: Admission | None = None
+    slot: Slot | None = None
+    span: trace.Span | None = None
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+class Sidecar:
+    """One replica's sidecar: state, background tasks and the ASGI entry point."""
+
+    def __init__(self, config: Config, replica_id: str, *, spool_dir: Path | None = None,
+                 tracer_provider: TracerProvider | None = None, client: httpx.AsyncClient | None = None) -> None:  # fmt: skip
+        self.replica_id = replica_id
+        self.view: View = build_view(config, replica_id)
+        settings = config.sidecar
+        self.settings = settings
+        self.upstream = self.view.replica.upstream_url.rstrip("/")
+        self.metrics = SidecarMetrics()
+        self.limiter = RateLimiter({t.name: t.limits for t in config.teams}, time.monotonic())
+        capacity = self.view.replica.max_num_seqs
+        self.fair = FairShare(capacity, settings.fair_headroom) if capacity else None
+        self.spool = Spool(spool_dir or Path(settings.spool_dir) / replica_id)
+        self.spool_broken = False
+        self.tracer = tracing.tracer(tracer_provider)
+        self.upstream_key = os.environ.get(settings.upstream_api_key_env) or None
+        timeout = httpx.Timeout(
+            settings.read_timeout_seconds, connect=settings.connect_timeout_seconds
+        )
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        self.client = client or httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.ingest_url = settings.ingest_url
+        self.ingest_token = os.environ.get(settings.ingest_token_env) or None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        """Open the spool and start the shipper."""
+        self.spool.open()
+        self.metrics.spool_backlog.set_function(lambda: self.spool.backlog)
+        if self.ingest_url:
+            from infermeter.shipper import Shipper
+
+            shipper = Shipper(self.spool, self.ingest_url, self.ingest_token, "usage", self.client)
+            self._tasks.append(asyncio.get_running_loop().create_task(shipper.run()))
+
+    async def shutdown(self) -> None:
+        """Stop background work and flush the spool."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.spool.close()
+        await self.client.aclose()
+
+    def reload(self, config: Config) -> None:
+        """Apply a new configuration without a restart (keys, limits, approved models)."""
+        self.view = build_view(config, self.replica_id)
+        self.limiter.configure({t.name: t.limits for t in config.teams}, time.monotonic())
+
+    # -- ASGI ------------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Route a request: the OpenAI API, or one of the sidecar's own endpoints."""
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path in _GENERATE and method == "POST":
+            await self._generate(scope, receive, send, path)
+        elif path == "/v1/models" and method == "GET":
+            await self._models(scope, send)
+        elif path == "/metrics" and method == "GET":
+            await self._metrics(scope, send)
+        elif path == "/healthz":
+            await _respond(send, 200, b'{"status":"ok"}', [_JSON])
+        elif path == "/readyz":
+            await self._ready(send)
+        else:
+            await _respond(send, 404, error_body(404, f"Unknown request URL: {method} {path}.",
+                                                 "invalid_request_error", "unknown_url"), [_JSON])  # fmt: skip
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except OSError as exc:
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- control endpoints -----------------------------------------------------------------------
+
+    def _control_allowed(self, scope: Scope) -> bool:
+        if self.view.control_open:
+            return True
+        try:
+            self.view.control.team_for(bearer_key(_header(scope, b"authorization")))
+        except AuthError:
+            return False
+        return True
+
+    async def _metrics(self, scope: Scope, send: Send) -> None:
+        if not self._control_allowed(scope):
+            await _respond(send, 401, error_body(401, "The metrics endpoint needs the metrics or admin token.",
+                                                 "invalid_request_error", "invalid_api_key"), [_JSON])  # fmt: skip
+            return
+        if self.fair is not None:
+            for team in self.fair.in_flight:
+                self.metrics.fair_waiting.labels(team).set(self.fair.waiting(team))
+        body = generate_latest(self.metrics.registry)
+        await _respond(
+            send, 200, body, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
+        )
+
+    async def _ready(self, send: Send) -> None:
+        problems = []
+        try:
+            r = await self.client.get(f"{self.upstream}/health", timeout=2.0)
+            if r.status_code != 200:
+                problems.append(f"upstream /health answered {r.status_code}")
+        except httpx.HTTPError as exc:
+            problems.append(f"upstream unreachable: {type(exc).__name__}")
+        if self.spool_broken and self.settings.on_spool_failure == "refuse":
+            problems.append("usage spool is not writable")
+        status = 503 if problems else 200
+        await _respond(
+            send, status, orjson.dumps({"ready": not problems, "problems": problems}), [_JSON]
+        )
+
+    async def _models(self, scope: Scope, send: Send) -> None:
+        try:
+            self._identify(scope)
+        except AuthError as exc:
+            await _respond(
+                send, 401, error_body(401, str(exc), "invalid_request_error", exc.code), [_JSON]
+            )
+            return
+        try:
+            r = await self.client.get(
+                f"{self.upstream}/v1/models", headers=self._upstream_headers(scope, None)
+            )
+        except httpx.HTTPError as exc:
+            status, body = _upstream_failure(exc)
+            await _respond(send, status, body, [_JSON])
+            return
+        await _respond(send, r.status_code, r.content, [_JSON])
+
+    # -- generation endpoints --------------------------------------------------------------------
+
+    def _identify(self, scope: Scope) -> str:
+        view = self.view
+        if (
+            view.gateway is not None
+            and _header(scope, view.gateway.team_header.encode()) is not None
+        ):
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            return view.gateway.team_for(headers)
+        return view.keys.team_for(bearer_key(_header(scope, b"authorization")))
+
+    async def _generate(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        call = _Call(os.urandom(16).hex(), path, time.time(), time.perf_counter())
+        meter: StreamMeter | None = None
+        usage: UsageCounts | None = None
+        status = RequestStatus.OK
+        http_status = 200
+        finish: str | None = None
+        try:
+            body = await self._admit(call, scope, receive)
+            if call.stream:
+                meter, status, http_status = await self._relay_stream(
+                    call, scope, receive, send, body
+                )
+                usage, finish = meter.usage, meter.finish_reason
+            else:
+                usage, status, http_status, finish = await self._relay_whole(
+                    call, scope, send, body
+                )
+        except _Reject as rej:
+            status, http_status = rej.record_status, rej.status
+            headers = [_JSON, *((k.encode(), v.encode()) for k, v in rej.headers)]
+            body_err = error_body(rej.status, rej.message, rej.err_type, rej.code)
+            if call.team:
+                with contextlib.suppress(SpoolError):
+                    await self._record(call, status, http_status, None, None, None)
+            await _respond(send, rej.status, body_err, headers)
+            self._account(call, status, None, None)
+            return
+        finally:
+            self._release(call, usage)
+        self._account(call, status, usage, meter, finish)
+
+    async def _admit(self, call: _Call, scope: Scope, receive: Receive) -> dict[str, Any]:
+        """Everything before forwarding; raises _Reject with the answer otherwise."""
+        try:
+            call.team = self._identify(scope)
+        except AuthError as exc:
+            raise _Reject(
+                401, str(exc), "invalid_request_error", exc.code, RequestStatus.UNAUTHORIZED
+            ) from None
+        raw = await _read_body(receive, self.settings.max_body_bytes)
+        if raw is None:
+            raise _Reject(413, f"Request body exceeds {self.settings.max_body_bytes} bytes.",
+                          "invalid_request_error", "request_too_large", RequestStatus.BAD_REQUEST)  # fmt: skip
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise _Reject(400, f"We could not parse the JSON body of your request. ({exc})",
+                          "invalid_request_error", "invalid_json", RequestStatus.BAD_REQUEST) from None  # fmt: skip
+        if not isinstance(body, dict):
+            raise _Reject(400, "The request body must be a JSON object.", "invalid_request_error",
+                          "invalid_json", RequestStatus.BAD_REQUEST)  # fmt: skip
+        requested = body.get("model")
+        try:
+            route = self.view.route(requested if isinstance(requested, str) else None)
+        except ModelNotFoundError as exc:
+            call.model = str(requested)
+            raise _Reject(
+                404, str(exc), "invalid_request_error", "model_not_found", RequestStatus.REJECTED
+            ) from None
+        call.model, call.served_version = route.model, route.served_version
+        call.stream = bool(body.get("stream")) and call.endpoint != "/v1/embeddings"
+        if self.spool_broken and self.settings.on_spool_failure == "refuse":
+            raise _Reject(503, "Usage metering is unavailable; the request was not served.",
+                          "server_error", "metering_unavailable", RequestStatus.REJECTED)  # fmt: skip
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        n_raw = body.get("n")
+        n = n_raw if isinstance(n_raw, int) else 1
+        out = (
+            max_tokens
+            if isinstance(max_tokens, int) and max_tokens > 0
+            else self.settings.default_reserve_tokens
+        )
+        reserve = estimate_prompt_tokens(len(raw)) + out * max(1, n)
+        try:
+            call.admission = self.limiter.admit(call.team, reserve, time.monotonic())
+        except LimitExceeded as exc:
+            self.metrics.rate_limited.labels(call.team, exc.reason).inc()
+            headers = (("retry-after", str(max(1, round(exc.retry_after_seconds)))), *exc.headers)
+            raise _Reject(429, str(exc), "requests" if exc.reason == "requests" else "tokens",
+                          "rate_limit_exceeded", RequestStatus.RATE_LIMITED, headers) from None  # fmt: skip
+        body["model"] = route.served_version
+        if call.stream:
+            options = body.get("stream_options") or {}
+            call.headers.append(
+                (b"x-infermeter-client-usage", b"1" if options.get("include_usage") else b"0")
+            )
+            call.headers.append((b"x-infermeter-client-continuous",
+                                 b"1" if options.get("include_usage") and options.get("continuous_usage_stats") else b"0"))  # fmt: skip
+            body["stream_options"] = {
+                **options,
+                "include_usage": True,
+                "continuous_usage_stats": True,
+            }
+        self.metrics.in_flight.labels(call.team, call.model).inc()
+        if self.fair is not None:
+            call.slot = await self.fair.acquire(call.team)
+        if self.tracer is not None:
+            call.span = self.tracer.start_span(
+                f"{_GENERATE[call.endpoint]} {call.model}",
+                context=tracing.extract(
+                    {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+                ),
+                kind=trace.SpanKind.SERVER,
+                attributes={
+                    tracing.OPERATION: _GENERATE[call.endpoint],
+                    tracing.PROVIDER: "vllm",
+                    tracing.REQUEST_MODEL: str(requested or call.model),
+                    tracing.TEAM: call.team,
+                    tracing.REPLICA: self.replica_id,
+                    tracing.REQUEST_STREAM: call.stream,
+                },
+            )
+        return body
+
+    def _upstream_headers(self, scope: Scope, call: _Call | None) -> dict[str, str]:
+        headers = {
+            k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k not in _DROP
+        }
+        if self.upstream_key:
+            headers["authorization"] = f"Bearer {self.upstream_key}"
+        if call is not None and call.span is not None:
+            tracing.PROPAGATOR.inject(headers, context=trace.set_span_in_context(call.span))
+        return headers
+
+    async def _open_upstream(
+        self, call: _Call, scope: Scope, body: dict[str, Any]
+    ) -> httpx.Response:
+        request = self.client.build_request("POST", self.upstream + call.endpoint, content=orjson.dumps(body),
+                                            headers={**self._upstream_headers(scope, call), "content-type": "application/json"})  # fmt: skip
+        try:
+            return await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            status, message = _upstream_failure(exc)
+            raise _Reject(status, orjson.loads(message)["error"]["message"], "upstream_error",
+                          "upstream_unreachable" if status == 502 else "upstream_timeout", RequestStatus.UPSTREAM_ERROR) from None  # fmt: skip
+
+    async def _relay_whole(
+        self, call: _Call, scope: Scope, send: Send, body: dict[str, Any]
+    ) -> tuple[UsageCounts | None, RequestStatus, int, str | None]:
+        response = await self._open_upstream(call, scope, body)
+        try:
+            content = await response.aread()
+        except httpx.HTTPError as exc:
+            await response.aclose()
+            code, message = _upstream_failure(exc)
+            raise _Reject(code, orjson.loads(message)["error"]["message"], "upstream_error", "upstream_error",
+                          RequestStatus.UPSTREAM_ERROR) from None  # fmt: skip
+        usage = finish = None
+        at = content.find(b'"usage":{')
+        if at >= 0:
+            usage = parse_usage(content[at:])
+        if response.status_code == 200:
+            status = RequestStatus.OK
+            i = content.find(b'"finish_reason":"')
+            if i >= 0:
+                i += len(b'"finish_reason":"')
+                finish = content[i : content.find(b'"', i)].decode()
+        else:
+            status = (
+                RequestStatus.BAD_REQUEST
+                if response.status_code < 500
+                else RequestStatus.UPSTREAM_ERROR
+            )
+        try:
+            await self._record(call, status, response.status_code, usage, None, finish)
+        except SpoolError:
+            raise _Reject(503, "Usage metering is unavailable; the response was withheld.", "server_error",
+                          "metering_unavailable", RequestStatus.REJECTED) from None  # fmt: skip
+        headers = [
+            (k.encode(), v.encode()) for k, v in response.headers.items() if k not in _DROP_DOWN
+        ]
+        headers += _ratelimit_headers(call)
+        await _respond(send, response.status_code, content, headers)
+        return usage, status, response.status_code, finish
+
+    async def _relay_stream(
+        self, call: _Call, scope: Scope, receive: Receive, send: Send, body: dict[str, Any]
+    ) -> tuple[StreamMeter, RequestStatus, int]:
+        response = await self._open_upstream(call, scope, body)
+        if response.status_code != 200:
+            # vLLM refuses bad streamed requests with a JSON error before any SSE: pass it on.
+            content = await response.aread()
+            status = (
+                RequestStatus.BAD_REQUEST
+                if response.status_code < 500
+                else RequestStatus.UPSTREAM_ERROR
+            )
+            meter = StreamMeter(False, False, call.started)
+            at = content.find(b'"usage":{')
+            meter.usage = parse_usage(content[at:]) if at >= 0 else None
+            await self._record(call, status, response.status_code, meter.usage, None, None)
+            await _respond(send, response.status_code, content, [_JSON, *_ratelimit_headers(call)])
+            return meter, status, response.status_code
+        flags = dict(call.headers)
+        meter = StreamMeter(flags.get(b"x-infermeter-client-usage") == b"1",
+                            flags.get(b"x-infermeter-client-continuous") == b"1", call.started)  # fmt: skip
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()), *_ratelimit_headers(call)]})  # fmt: skip
+        relay = asyncio.get_running_loop().create_task(self._pump(response, meter, send))
+        watcher = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
+        status = RequestStatus.OK
+        try:
+            await asyncio.wait((relay, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if not relay.done():
+                relay.cancel()
+                status = RequestStatus.CLIENT_ABORTED
+                with contextlib.suppress(asyncio.CancelledError):
+                    await relay
+            elif relay.exception() is not None:
+                exc = relay.exception()
+                status = RequestStatus.UPSTREAM_ERROR
+                log.warning("upstream failed mid-stream on %s: %s", self.replica_id, exc)
+        finally:
+            watcher.cancel()
+            await response.aclose()
+        tail = meter.close()
+        if status is RequestStatus.OK and not meter.done:
+            status = RequestStatus.UPSTREAM_ERROR
+        try:
+            await self._record(call, status, 200, meter.usage, meter, meter.finish_reason)
+        except SpoolError:
+            # The client must not see a complete response whose usage is not durable.
+            event = sse_error_event("Usage metering is unavailable; the response is incomplete.",
+                                    "server_error", "metering_unavailable")  # fmt: skip
+            await send({"type": "http.response.body", "body": tail + event, "more_body": False})
+            return meter, RequestStatus.UPSTREAM_ERROR, 200
+        if status is RequestStatus.OK:
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": tail + b"data: [DONE]\n\n",
+                    "more_body": False,
+                }
+            )
+        elif status is RequestStatus.UPSTREAM_ERROR:
+            event = sse_error_event("The upstream model server stopped responding mid-stream.")
+            await send({"type": "http.response.body", "body": tail + event, "more_body": False})
+        return meter, status, 200
+
+    @staticmethod
+    async def _pump(response: httpx.Response, meter: StreamMeter, send: Send) -> None:
+        """The per-chunk loop: read a block, meter it, send what the client should see."""
+        clock = time.perf_counter
+        async for block in response.aiter_raw():
+            out = meter.feed(block, clock())
+            if out:
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+            if meter.done:
+                return
+
+    async def _record(self, call: _Call, status: RequestStatus, http_status: int, usage: UsageCounts | None,
+                      meter: StreamMeter | None, finish: str | None) -> None:  # fmt: skip
+        """Make the usage record durable; on failure follow ``on_spool_failure``."""
+        exact = usage is not None or status in (RequestStatus.REJECTED, RequestStatus.RATE_LIMITED,
+                                                RequestStatus.UNAUTHORIZED, RequestStatus.BAD_REQUEST)  # fmt: skip
+        first = meter.first_token_at if meter else None
+        record = UsageRecord(
+            request_id=call.request_id, team=call.team, model=call.model, served_version=call.served_version,
+            replica=self.replica_id, received_at=call.received_at,
+            first_token_at=None if first is None else call.received_at + (first - call.started),
+            finished_at=call.received_at + (time.perf_counter() - call.started),
+            prompt_tokens=usage.prompt if usage else 0, cached_prompt_tokens=usage.cached if usage else 0,
+            completion_tokens=usage.completion if usage else 0, status=status.value, http_status=http_status,
+            stream=call.stream, endpoint=call.endpoint, finish_reason=finish, usage_exact=exact,
+        )  # fmt: skip
+        try:
+            await self.spool.append(record.to_json())
+            self.spool_broken = False
+        except SpoolError:
+            self.spool_broken = True
+            self.metrics.spool_errors.inc()
+            if self.settings.on_spool_failure == "refuse":
+                raise
+            log.error(
+                "serving UNMETERED: usage of request %s (team %s) is lost",
+                call.request_id,
+                call.team,
+            )
+
+    def _release(self, call: _Call, usage: UsageCounts | None) -> None:
+        if call.admission is not None:
+            used = (usage.prompt + usage.completion) if usage else 0
+            self.limiter.settle(call.admission, used, time.monotonic())
+            self.metrics.in_flight.labels(call.team, call.model).dec()
+        if call.slot is not None:
+            call.slot.release()
+
+    def _account(self, call: _Call, status: RequestStatus, usage: UsageCounts | None,
+                 meter: StreamMeter | None, finish: str | None = None) -> None:  # fmt: skip
+        """Metrics and span for a finished request (off the client's critical path)."""
+        m = self.metrics
+        team = call.team or "unknown"
+        labels = (team, call.model or "unknown")
+        m.requests.labels(*labels, status.value).inc()
+        duration = time.perf_counter() - call.started
+        if status is not RequestStatus.UNAUTHORIZED:
+            m.duration.observe(labels, duration)
+        if usage is not None:
+            m.prompt_tokens.labels(*labels).inc(usage.prompt)
+            m.completion_tokens.labels(*labels).inc(usage.completion)
+            if usage.cached:
+                m.cached_prompt_tokens.labels(*labels).inc(usage.cached)
+        elif call.admission is not None and status in (
+            RequestStatus.CLIENT_ABORTED,
+            RequestStatus.UPSTREAM_ERROR,
+        ):
+            m.inexact.labels(*labels).inc()
+        if meter is not None and meter.first_token_at is not None:
+            m.ttft.observe(labels, meter.first_token_at - call.started)
+            for gap, count in meter.itl:
+                m.itl.observe(labels, gap, count)
+            if (
+                usage is not None
+                and usage.completion > 1
+                and meter.last_token_at
+                and meter.last_token_at > meter.first_token_at
+            ):
+                m.tps.observe(
+                    labels, (usage.completion - 1) / (meter.last_token_at - meter.first_token_at)
+                )
+        if call.span is not None:
+            span = call.span
+            span.set_attribute(tracing.RESPONSE_MODEL, call.served_version)
+            if usage is not None:
+                span.set_attribute(tracing.INPUT_TOKENS, usage.prompt)
+                span.set_attribute(tracing.OUTPUT_TOKENS, usage.completion)
+            if finish:
+                span.set_attribute(tracing.FINISH_REASONS, [finish])
+            if meter is not None and meter.first_token_at is not None:
+                span.set_attribute(tracing.TIME_TO_FIRST_CHUNK, meter.first_token_at - call.started)
+            if status is not RequestStatus.OK:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, status.value))
+            span.end()
+
+
+def _ratelimit_headers(call: _Call) -> list[tuple[bytes, bytes]]:
+    if call.admission is None:
+        return []
+    return [(k.encode(), v.encode()) for k, v in call.admission.headers]
+
+
+def _upstream_failure(exc: httpx.HTTPError) -> tuple[int, bytes]:
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return 504, error_body(
+            504, "The upstream model server timed out.", "upstream_error", "upstream_timeout"
+        )
+    return 502, error_body(502, f"The upstream model server is unreachable ({type(exc).__name__}).",
+                           "upstream_error", "upstream_unreachable")  # fmt: skip
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            text: str = value.decode("latin-1")
+            return text
+    return None
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None when it is larger than ``limit``."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b""
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _respond(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
+) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,95 @@
+"""Who is calling: a team API key, or a team header signed by a trusted gateway.
+
+Keys are only ever held as SHA-256 digests. A presented key is hashed and compared against every
+known digest with ``hmac.compare_digest`` (constant time per comparison, and every digest is
+compared), so neither the key nor which team it nearly matched leaks through timing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["AuthError", "GatewayVerifier", "KeyRing", "sign_team"]
+
+
+class AuthError(Exception):
+    """The caller could not be identified; ``code`` is the OpenAI error code to return."""
+
+    def __init__(self, message: str, code: str = "invalid_api_key") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class KeyRing:
+    """Team API key digests, looked up in constant time."""
+
+    def __init__(self, teams: Iterable[tuple[str, Iterable[str]]]) -> None:
+        self._entries = [(bytes.fromhex(d), team) for team, digests in teams for d in digests]
+
+    def team_for(self, key: str) -> str:
+        """The team owning ``key``; AuthError if none does."""
+        digest = hashlib.sha256(key.encode()).digest()
+        found: str | None = None
+        for known, team in self._entries:
+            if hmac.compare_digest(known, digest):
+                found = team
+        if found is None:
+            raise AuthError("Incorrect API key provided.")
+        return found
+
+
+def bearer_key(authorization: str | None) -> str:
+    """The key of an ``Authorization: Bearer <key>`` header; AuthError when absent."""
+    if not authorization:
+        raise AuthError(
+            "You didn't provide an API key. Use 'Authorization: Bearer <key>'.", "missing_api_key"
+        )
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise AuthError(
+            "Malformed Authorization header; expected 'Bearer <key>'.", "invalid_api_key"
+        )
+    return key.strip()
+
+
+def sign_team(secret: bytes, team: str, timestamp: int) -> str:
+    """Hex HMAC-SHA256 of ``"<timestamp>.<team>"``: what a trusted gateway sends."""
+    return hmac.new(secret, f"{timestamp}.{team}".encode(), hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class GatewayVerifier:
+    """Checks a gateway's signed team header and its timestamp window."""
+
+    secret: bytes
+    team_header: str
+    timestamp_header: str
+    signature_header: str
+    max_skew_seconds: float
+    known_teams: frozenset[str]
+
+    def team_for(self, headers: Mapping[str, str], now: float | None = None) -> str:
+        """The signed team; AuthError if unsigned, stale, forged or unknown."""
+        team = headers.get(self.team_header)
+        stamp = headers.get(self.timestamp_header)
+        signature = headers.get(self.signature_header)
+        if not team or not stamp or not signature:
+            raise AuthError(
+                "Missing signed team header from the trusted gateway.", "missing_team_signature"
+            )
+        try:
+            ts = int(stamp)
+        except ValueError:
+            raise AuthError("Malformed gateway timestamp.", "invalid_team_signature") from None
+        now = time.time() if now is None else now
+        if abs(now - ts) > self.max_skew_seconds:
+            raise AuthError("Stale gateway signature.", "invalid_team_signature")
+        if not hmac.compare_digest(sign_team(self.secret, team, ts), signature.lower()):
+            raise AuthError("Invalid gateway signature.", "invalid_team_signature")
+        if team not in self.known_teams:
+            raise AuthError("Unknown team.", "invalid_team_signature")
+        return team

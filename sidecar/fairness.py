@@ -1,0 +1,107 @@
+"""Fair sharing of one replica's batch slots between teams.
+
+vLLM serves waiting requests first come, first served, so one team that floods a replica fills
+every batch slot and everyone else waits for its requests to finish. The sidecar therefore keeps
+the replica's in-flight requests at most ``capacity`` (its ``max_num_seqs``) and holds a few of
+those slots (``headroom``) for teams that are below their fair share, so a newcomer's request
+goes straight into the running batch. When nothing is free, requests wait here, per team, and
+the team with the fewest requests in flight goes next. Work-conserving: a lone team can use
+every slot but the headroom, which stays free for the first request of anyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["FairShare", "Slot"]
+
+
+@dataclass(eq=False)
+class Slot:
+    """One admitted request's hold on a batch slot; release it exactly once."""
+
+    team: str
+    owner: FairShare | None = None
+
+    def release(self) -> None:
+        """Give the slot back and let the next waiting request in."""
+        if self.owner is not None:
+            owner, self.owner = self.owner, None
+            owner._release(self.team)
+
+
+@dataclass
+class FairShare:
+    """Admission to one replica: at most ``capacity`` in flight, shared fairly by team."""
+
+    capacity: int
+    headroom_share: float = 0.125
+    in_flight: dict[str, int] = field(default_factory=dict)
+    _waiting: dict[str, deque[asyncio.Future[None]]] = field(default_factory=dict)
+    _total: int = 0
+
+    @property
+    def headroom(self) -> int:
+        """Slots that only teams below their fair share may take."""
+        return min(self.capacity - 1, math.ceil(self.capacity * self.headroom_share))
+
+    def _active(self) -> int:
+        teams = {t for t, n in self.in_flight.items() if n > 0}
+        teams |= {t for t, q in self._waiting.items() if q}
+        return max(1, len(teams))
+
+    def _may_start(self, team: str) -> bool:
+        if self._total >= self.capacity:
+            return False
+        mine = self.in_flight.get(team, 0)
+        fair = self.capacity / self._active()
+        if mine < fair:
+            return True
+        return self._total < self.capacity - self.headroom
+
+    async def acquire(self, team: str) -> Slot:
+        """Wait for a slot for ``team``; FIFO within a team, fewest-in-flight across teams."""
+        if not self._waiting.get(team) and self._may_start(team):
+            self._start(team)
+            return Slot(team, self)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(team, deque()).append(future)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self._release(team)  # granted just as the caller gave up
+            else:
+                self._waiting[team].remove(future)
+            raise
+        return Slot(team, self)
+
+    def _start(self, team: str) -> None:
+        self.in_flight[team] = self.in_flight.get(team, 0) + 1
+        self._total += 1
+
+    def _release(self, team: str) -> None:
+        self.in_flight[team] -= 1
+        self._total -= 1
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while True:
+            candidates = [t for t, q in self._waiting.items() if q and self._may_start(t)]
+            if not candidates:
+                return
+            team = min(candidates, key=lambda t: self.in_flight.get(t, 0))
+            future = self._waiting[team].popleft()
+            if future.done():
+                continue
+            self._start(team)
+            future.set_result(None)
+
+    def waiting(self, team: str | None = None) -> int:
+        """Requests queued here (for one team, or all)."""
+        if team is not None:
+            return len(self._waiting.get(team, ()))
+        return sum(len(q) for q in self._waiting.values())

@@ -1,0 +1,86 @@
+"""Run one sidecar as a server: uvicorn, reload on SIGHUP or when the config file changes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+from infermeter.config import Config, ConfigError, load_config
+from infermeter.netutil import ensure_free, host_port
+from sidecar.app import Sidecar
+from sidecar.tracing import make_tracer_provider
+from simulator.serve import server
+
+__all__ = ["serve_sidecar"]
+
+log = logging.getLogger("infermeter.sidecar")
+
+
+async def serve_sidecar(
+    config_path: Path, replica_id: str, listen: str | None, upstream: str | None
+) -> None:
+    """Serve the sidecar of ``replica_id`` until told to stop."""
+    config = load_config(config_path)
+    if upstream:
+        config = _with_upstream(config, replica_id, upstream)
+    replica = config.replica(replica_id)
+    address = listen or replica.sidecar_listen
+    if not address:
+        raise ConfigError(
+            str(config_path),
+            [f"replicas[{replica_id}].sidecar_listen: not set and no --listen given"],
+        )
+    host, port = host_port(address)
+    ensure_free(host, port, f"sidecar of replica {replica_id}")
+    app = Sidecar(
+        config, replica_id, tracer_provider=make_tracer_provider(f"infermeter-sidecar-{replica_id}")
+    )
+    srv = server(app, host, port)
+    loop = asyncio.get_running_loop()
+
+    def reload() -> None:
+        try:
+            fresh = load_config(config_path)
+            app.reload(_with_upstream(fresh, replica_id, upstream) if upstream else fresh)
+            log.warning("configuration reloaded from %s", config_path)
+        except (ConfigError, KeyError, ValueError) as exc:
+            log.error("configuration NOT reloaded, keeping the previous one: %s", exc)
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
+    watcher = loop.create_task(_watch(config_path, reload))
+    try:
+        await srv.serve()
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+async def _watch(path: Path, reload: Callable[[], None], interval_seconds: float = 2.0) -> None:
+    """Reload when the file's modification time changes (the file-watch half of hot reload)."""
+    last = _mtime(path)
+    while True:
+        await asyncio.sleep(interval_seconds)
+        now = _mtime(path)
+        if now != last:
+            last = now
+            reload()
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _with_upstream(config: Config, replica_id: str, upstream: str) -> Config:
+    data = config.model_dump()
+    for r in data["replicas"]:
+        if r["id"] == replica_id:
+            r["upstream_url"] = upstream
+    return type(config).model_validate(data)

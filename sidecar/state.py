@@ -1,0 +1,83 @@
+"""What a sidecar knows about its replica, teams and models, swappable on reload.
+
+Everything a reload may change (keys, limits, the model registry) lives in one frozen ``View``
+built from the configuration; a reload builds a new one and swaps it in with one assignment, so
+a request in flight keeps the view it started with.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from infermeter.config import Config, Replica
+from sidecar.auth import GatewayVerifier, KeyRing
+
+__all__ = ["ModelNotFoundError", "Route", "View", "build_view"]
+
+
+class ModelNotFoundError(Exception):
+    """The requested model or version is not approved for this replica."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request for a model name goes on this replica."""
+
+    model: str
+    served_version: str
+
+
+@dataclass(frozen=True)
+class View:
+    """The reloadable part of a sidecar's configuration."""
+
+    replica: Replica
+    model: str
+    served_version: str
+    approved: frozenset[str]
+    keys: KeyRing
+    control: KeyRing
+    control_open: bool
+    gateway: GatewayVerifier | None
+
+    def route(self, requested: str | None) -> Route:
+        """Map a requested name (model alias or approved version) to this replica's version.
+
+        Only approved versions are served: when the replica's own version is no longer approved
+        (rolled back), every request is refused.
+        """
+        if self.served_version not in self.approved:
+            raise ModelNotFoundError(
+                f"The model `{requested}` does not exist or you do not have access to it."
+            )
+        if requested is None or requested == self.model or requested == self.served_version:
+            return Route(self.model, self.served_version)
+        raise ModelNotFoundError(
+            f"The model `{requested}` does not exist or you do not have access to it."
+        )
+
+
+def build_view(config: Config, replica_id: str) -> View:
+    """The view of ``replica_id``; KeyError if the replica is not configured."""
+    replica = config.replica(replica_id)
+    model = config.model(replica.model)
+    gateway = None
+    g = config.sidecar.gateway
+    if g.enabled:
+        secret = os.environ.get(g.secret_env, "")
+        if not secret:
+            raise ValueError(f"sidecar.gateway is enabled but ${g.secret_env} is empty")
+        gateway = GatewayVerifier(secret.encode(), g.team_header, g.timestamp_header, g.signature_header,
+                                  g.max_skew_seconds, frozenset(t.name for t in config.teams))  # fmt: skip
+    control_digests = [*config.admin_token_sha256, *config.metrics_token_sha256]
+    return View(
+        replica=replica,
+        model=model.name,
+        served_version=replica.served_version or model.current_version,
+        approved=frozenset(model.approved_versions),
+        keys=KeyRing((t.name, t.api_key_sha256) for t in config.teams),
+        control=KeyRing([("control", control_digests)]),
+        control_open=not control_digests,
+        gateway=gateway,
+    )

@@ -1,0 +1,161 @@
+"""The per-chunk path: meter a vLLM SSE stream and give the client exactly what it asked for.
+
+The sidecar always asks vLLM for ``include_usage`` and ``continuous_usage_stats``, so every chunk
+carries exact running token counts and an aborted stream still has them. The client gets the
+stream it would have had from vLLM directly: per-chunk usage is cut out unless it asked for
+continuous stats, the final usage chunk is dropped unless it asked for usage, and then its
+``system_fingerprint`` moves back to the last finish chunk, where vLLM puts it in that case.
+
+Nothing here decodes JSON. Upstream reads arrive as blocks of one or more complete SSE events
+(plus possibly a partial one, kept for the next block); every operation is a ``bytes`` search or
+one regular-expression pass over a block, because this code runs for every token of every user.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+__all__ = ["StreamMeter", "UsageCounts", "parse_usage"]
+
+_DONE = b"data: [DONE]\n\n"
+_EVENT = b"data: "
+_ROLE = b'"delta":{"role"'
+_USAGE_ONLY = b'"choices":[],"usage"'
+_FINISH = b'"finish_reason":"'
+_USAGE_KEY = b'"usage":{'
+# Per-chunk usage follows the choices array ("}]"); the final usage chunk's follows "[],", so it
+# is not matched. One level of nesting covers prompt_tokens_details.
+_CHUNK_USAGE = re.compile(rb'(?<=\}\]),"usage":\{(?:[^{}]|\{[^{}]*\})*\}')
+_FINGERPRINT = re.compile(rb',"system_fingerprint":"[^"]*"')
+_PROMPT = re.compile(rb'"prompt_tokens":(\d+)')
+_COMPLETION = re.compile(rb'"completion_tokens":(\d+)')
+_CACHED = re.compile(rb'"cached_tokens":(\d+)')
+
+
+@dataclass(frozen=True)
+class UsageCounts:
+    """Token counts as vLLM reported them."""
+
+    prompt: int
+    completion: int
+    cached: int = 0
+
+
+def parse_usage(fragment: bytes) -> UsageCounts | None:
+    """Counts from the bytes of a ``"usage":{...}`` object (or a text starting with one)."""
+    prompt = _PROMPT.search(fragment)
+    completion = _COMPLETION.search(fragment)
+    if prompt is None or completion is None:
+        return None
+    cached = _CACHED.search(fragment)
+    return UsageCounts(int(prompt[1]), int(completion[1]), int(cached[1]) if cached else 0)
+
+
+@dataclass
+class StreamMeter:
+    """Timing, token counts and client-facing rewriting of one streamed response."""
+
+    client_usage: bool
+    client_continuous: bool
+    started_at: float
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    token_events: int = 0
+    usage: UsageCounts | None = None
+    final_usage: bool = False
+    done: bool = False
+    finish_reason: str | None = None
+    itl: list[tuple[float, int]] = field(default_factory=list)
+    _tail: bytes = b""
+    _held: bytes = b""
+
+    @property
+    def passthrough(self) -> bool:
+        """True when the client asked for exactly what the sidecar asks vLLM for."""
+        return self.client_usage and self.client_continuous
+
+    def feed(self, data: bytes, now: float) -> bytes:
+        """Meter a block from upstream; return the bytes to send on (complete events only)."""
+        if self._tail:
+            data = self._tail + data
+            self._tail = b""
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._tail = data
+            return b""
+        if end + 2 < len(data):
+            self._tail = data[end + 2 :]
+            data = data[: end + 2]
+        if data.endswith(_DONE):
+            self.done = True
+            data = data[: -len(_DONE)]
+            if not data:
+                return self._flush_held()
+        self._meter(data, now)
+        if self.passthrough:
+            return data
+        out = self._rewrite(data)
+        return out + self._flush_held() if self.done else out
+
+    def _meter(self, data: bytes, now: float) -> None:
+        events = data.count(_EVENT)
+        usage_only = data.count(_USAGE_ONLY)
+        tokens = events - data.count(_ROLE) - usage_only
+        at = data.rfind(_USAGE_KEY)
+        if at >= 0:
+            counts = parse_usage(data[at : at + 400])
+            if counts is not None:
+                self.usage = counts
+                self.final_usage = self.final_usage or usage_only > 0
+        if _FINISH in data:
+            i = data.rfind(_FINISH) + len(_FINISH)
+            self.finish_reason = data[i : data.find(b'"', i)].decode()
+        if tokens <= 0:
+            return
+        if self.first_token_at is None:
+            self.first_token_at = now
+            tokens -= 1
+            if tokens <= 0:
+                self.last_token_at = now
+                self.token_events += 1
+                return
+            self.token_events += 1
+        if self.last_token_at is not None:
+            # Events that arrive together share the gap since the previous block.
+            self.itl.append(((now - self.last_token_at) / tokens, tokens))
+        self.token_events += tokens
+        self.last_token_at = now
+
+    def _rewrite(self, data: bytes) -> bytes:
+        data = _CHUNK_USAGE.sub(b"", data)
+        if self.client_usage:
+            return data
+        out = self._held + data
+        self._held = b""
+        at = out.find(_USAGE_ONLY)
+        if at >= 0:
+            start = out.rfind(b"\n\n", 0, at) + 2 if out.rfind(b"\n\n", 0, at) >= 0 else 0
+            stop = out.find(b"\n\n", at) + 2
+            usage_event = out[start:stop]
+            out = out[:start] + out[stop:]
+            fingerprint = _FINGERPRINT.search(usage_event)
+            if fingerprint is not None and start > 0:
+                # start - 3 is the closing brace of the previous event (the last finish chunk).
+                out = out[: start - 3] + fingerprint[0] + out[start - 3 :]
+            return out
+        # A finish chunk that ends the block may be the last JSON chunk: hold it until the next
+        # block shows whether the usage chunk (with the fingerprint to move) follows.
+        last = out.rfind(_EVENT, 0, len(out) - 2)
+        if last >= 0 and _FINISH in out[last:]:
+            self._held = out[last:]
+            return out[:last]
+        return out
+
+    def _flush_held(self) -> bytes:
+        held, self._held = self._held, b""
+        return held
+
+    def close(self) -> bytes:
+        """Bytes still held when the stream ends (a finish chunk waiting for its fingerprint)."""
+        return self._flush_held()

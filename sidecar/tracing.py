@@ -1,0 +1,75 @@
+"""OpenTelemetry spans for requests, with the GenAI semantic-convention attributes.
+
+Export is configured by the standard variables: a span exporter is installed only when
+``OTEL_TRACES_EXPORTER`` is ``otlp`` or an ``OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT`` is set, and
+then ``OTLPSpanExporter`` reads the rest (endpoint, headers, timeout) itself. Without one, spans
+are not recorded at all, but a caller's W3C ``traceparent`` is still passed on to vLLM, so a
+trace that starts upstream of the sidecar continues into the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+__all__ = ["PROPAGATOR", "export_configured", "make_tracer_provider"]
+
+PROPAGATOR = TraceContextTextMapPropagator()
+
+# GenAI semantic conventions (opentelemetry-semantic-conventions, gen_ai.* attributes).
+OPERATION = "gen_ai.operation.name"
+PROVIDER = "gen_ai.provider.name"
+REQUEST_MODEL = "gen_ai.request.model"
+RESPONSE_MODEL = "gen_ai.response.model"
+RESPONSE_ID = "gen_ai.response.id"
+INPUT_TOKENS = "gen_ai.usage.input_tokens"
+OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+FINISH_REASONS = "gen_ai.response.finish_reasons"
+REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+REQUEST_STREAM = "gen_ai.request.stream"
+TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
+TEAM = "infermeter.team"
+REPLICA = "infermeter.replica"
+
+
+def export_configured(environ: Mapping[str, str] | None = None) -> bool:
+    """True when the standard OTEL_* variables ask for trace export over OTLP."""
+    env = os.environ if environ is None else environ
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return False
+    exporter = env.get("OTEL_TRACES_EXPORTER", "").lower()
+    if exporter == "none":
+        return False
+    return exporter == "otlp" or bool(
+        env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+
+
+def make_tracer_provider(
+    service_name: str, environ: Mapping[str, str] | None = None
+) -> TracerProvider | None:
+    """A provider exporting over OTLP/HTTP when configured, else None (no spans recorded)."""
+    if not export_configured(environ):
+        return None
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return provider
+
+
+def extract(headers: Mapping[str, str]) -> Context:
+    """The caller's trace context from its W3C headers."""
+    return PROPAGATOR.extract(headers)
+
+
+def tracer(provider: TracerProvider | None) -> trace.Tracer | None:
+    """The sidecar's tracer, or None when spans are not recorded."""
+    return provider.get_tracer("infermeter.sidecar") if provider is not None else None
