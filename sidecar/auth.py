@@ -88,7 +88,9 @@ class GatewayVerifier:
         now = time.time() if now is None else now
         if abs(now - ts) > self.max_skew_seconds:
             raise AuthError("Stale gateway signature.", "invalid_team_signature")
-        if not hmac.compare_digest(sign_team(self.secret, team, ts), signature.lower()):
+        # Compare bytes: compare_digest raises TypeError on a str with non-ASCII characters.
+        expected = sign_team(self.secret, team, ts).encode()
+        if not hmac.compare_digest(expected, signature.lower().encode()):
             raise AuthError("Invalid gateway signature.", "invalid_team_signature")
         if team not in self.known_teams:
             raise AuthError("Unknown team.", "invalid_team_signature")

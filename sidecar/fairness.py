@@ -48,17 +48,19 @@ class FairShare:
         """Slots that only teams below their fair share may take."""
         return min(self.capacity - 1, math.ceil(self.capacity * self.headroom_share))
 
-    def _active(self) -> int:
+    def _active(self, team: str) -> int:
         teams = {t for t, n in self.in_flight.items() if n > 0}
         teams |= {t for t, q in self._waiting.items() if q}
-        return max(1, len(teams))
+        teams.add(team)
+        return len(teams)
 
     def _may_start(self, team: str) -> bool:
         if self._total >= self.capacity:
             return False
-        mine = self.in_flight.get(team, 0)
-        fair = self.capacity / self._active()
-        if mine < fair:
+        # A team alone always has capacity / 1 as its share, so it may take the headroom only
+        # when another team shares the replica; the newcomer itself counts as active.
+        active = self._active(team)
+        if active > 1 and self.in_flight.get(team, 0) < self.capacity / active:
             return True
         return self._total < self.capacity - self.headroom
 
@@ -74,8 +76,9 @@ class FairShare:
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
                 self._release(team)  # granted just as the caller gave up
-            else:
-                self._waiting[team].remove(future)
+            elif future in (queue := self._waiting[team]):
+                # Not there when _dispatch already popped and skipped the cancelled future.
+                queue.remove(future)
             raise
         return Slot(team, self)
 

@@ -46,7 +46,9 @@ class _TeamState:
     in_flight: int = 0
 
 
-@dataclass(frozen=True)
+# Not frozen: Python assigns __traceback__ and __context__ to exceptions in flight (contextlib's
+# @contextmanager does), which a frozen dataclass refuses with FrozenInstanceError.
+@dataclass(eq=False)
 class LimitExceeded(Exception):
     """A request over one of its team's limits; ``reason`` labels the metric."""
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 __all__ = ["StreamMeter", "UsageCounts", "parse_usage"]
 
 _DONE = b"data: [DONE]\n\n"
-_EVENT = b"data: "
+_END = b"\n\n"
 _ROLE = b'"delta":{"role"'
 _USAGE_ONLY = b'"choices":[],"usage"'
 _FINISH = b'"finish_reason":"'
@@ -99,7 +99,8 @@ class StreamMeter:
         return out + self._flush_held() if self.done else out
 
     def _meter(self, data: bytes, now: float) -> None:
-        events = data.count(_EVENT)
+        # Count event ends, not "data: ": generated text may contain "data: ", never a raw newline.
+        events = data.count(_END)
         usage_only = data.count(_USAGE_ONLY)
         tokens = events - data.count(_ROLE) - usage_only
         at = data.rfind(_USAGE_KEY)
@@ -114,13 +115,12 @@ class StreamMeter:
         if tokens <= 0:
             return
         if self.first_token_at is None:
-            self.first_token_at = now
+            # Tokens that arrive with the first one follow it after no gap at all.
+            self.first_token_at = self.last_token_at = now
+            self.token_events += 1
             tokens -= 1
             if tokens <= 0:
-                self.last_token_at = now
-                self.token_events += 1
                 return
-            self.token_events += 1
         if self.last_token_at is not None:
             # Events that arrive together share the gap since the previous block.
             self.itl.append(((now - self.last_token_at) / tokens, tokens))
@@ -146,8 +146,9 @@ class StreamMeter:
             return out
         # A finish chunk that ends the block may be the last JSON chunk: hold it until the next
         # block shows whether the usage chunk (with the fingerprint to move) follows.
-        last = out.rfind(_EVENT, 0, len(out) - 2)
-        if last >= 0 and _FINISH in out[last:]:
+        cut = out.rfind(_END, 0, len(out) - 2)
+        last = cut + 2 if cut >= 0 else 0
+        if out and _FINISH in out[last:]:
             self._held = out[last:]
             return out[:last]
         return out

@@ -85,11 +85,18 @@ def replica_spec(config: Config, replica_id: str) -> ReplicaSpec:
         replica_id=replica.id,
         served_model=replica.served_version or model.current_version,
         max_model_len=model.max_model_len,
-        engine=config.simulator.engine_for(model.name),
+        engine=_engine(config, replica.model, replica.max_num_seqs),
         gpu=gpu,
         gpu_count=replica.gpu_count,
         seed=config.simulator.seed + sum(map(ord, replica.id)),
     )
+
+
+def _engine(config: Config, model: str, max_num_seqs: int | None) -> EngineProfile:
+    profile = config.simulator.engine_for(model)
+    if max_num_seqs is not None:
+        profile = profile.model_copy(update={"max_num_seqs": max_num_seqs})
+    return profile
 
 
 @dataclass(eq=False)

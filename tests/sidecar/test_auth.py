@@ -1,0 +1,152 @@
+"""Callers are identified by a team API key or by a team header signed by a trusted gateway."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from sidecar.auth import AuthError, GatewayVerifier, KeyRing, bearer_key, sign_team
+
+KEYS = {"sk-search-1": "search", "sk-search-2": "search", "sk-research": "research"}
+SECRET = b"gateway-secret"
+NOW = 1_800_000_000
+SKEW = 300
+
+
+def digest(key: str) -> str:
+    """The SHA-256 hex digest of a key, as the configuration holds it."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@pytest.fixture
+def ring() -> KeyRing:
+    """Two teams, one of them with two keys."""
+    teams: dict[str, list[str]] = {}
+    for key, team in KEYS.items():
+        teams.setdefault(team, []).append(digest(key))
+    return KeyRing(teams.items())
+
+
+@pytest.fixture
+def gateway() -> GatewayVerifier:
+    """A verifier for the default gateway headers, knowing teams search and research."""
+    return GatewayVerifier(
+        secret=SECRET,
+        team_header="x-infermeter-team",
+        timestamp_header="x-infermeter-timestamp",
+        signature_header="x-infermeter-signature",
+        max_skew_seconds=SKEW,
+        known_teams=frozenset(KEYS.values()),
+    )
+
+
+def signed(team: str, timestamp: int = NOW, secret: bytes = SECRET) -> dict[str, str]:
+    """The headers a gateway holding ``secret`` sends for ``team`` at ``timestamp``."""
+    return {
+        "x-infermeter-team": team,
+        "x-infermeter-timestamp": str(timestamp),
+        "x-infermeter-signature": sign_team(secret, team, timestamp),
+    }
+
+
+@pytest.mark.parametrize(("key", "team"), KEYS.items())
+def test_key_maps_to_its_team(ring, key, team):
+    """Each configured key identifies the team whose digest list holds it."""
+    assert ring.team_for(key) == team
+
+
+@pytest.mark.parametrize("key", ["sk-unknown", "", "SK-SEARCH-1", "sk-search-1 "])
+def test_unknown_key_is_refused(ring, key):
+    """A key with no matching digest is refused as an invalid API key."""
+    with pytest.raises(AuthError, match=r"^Incorrect API key provided\.$") as caught:
+        ring.team_for(key)
+    assert caught.value.code == "invalid_api_key"
+
+
+@pytest.mark.parametrize(
+    ("header", "key"),
+    [("Bearer sk-a", "sk-a"), ("bearer sk-a", "sk-a"), ("BEARER sk-a", "sk-a"),
+     ("Bearer  sk-a ", "sk-a")],
+)  # fmt: skip
+def test_bearer_key_is_read_from_the_header(header, key):
+    """The key is what follows the Bearer scheme, case-insensitively, without surrounding spaces."""
+    assert bearer_key(header) == key
+
+
+@pytest.mark.parametrize(
+    ("header", "code", "message"),
+    [
+        (None, "missing_api_key", "You didn't provide an API key. Use 'Authorization: Bearer <key>'."),
+        ("", "missing_api_key", "You didn't provide an API key. Use 'Authorization: Bearer <key>'."),
+        ("Bearer", "invalid_api_key", "Malformed Authorization header; expected 'Bearer <key>'."),
+        ("Bearer   ", "invalid_api_key", "Malformed Authorization header; expected 'Bearer <key>'."),
+        ("Basic c2stYQ==", "invalid_api_key", "Malformed Authorization header; expected 'Bearer <key>'."),
+        ("sk-a", "invalid_api_key", "Malformed Authorization header; expected 'Bearer <key>'."),
+    ],
+    ids=["absent", "empty", "no-key", "blank-key", "basic", "no-scheme"],
+)  # fmt: skip
+def test_missing_or_malformed_authorization_is_refused(header, code, message):
+    """An absent header is a missing key; any other shape than ``Bearer <key>`` is malformed."""
+    with pytest.raises(AuthError) as caught:
+        bearer_key(header)
+    assert (str(caught.value), caught.value.code) == (message, code)
+
+
+@pytest.mark.parametrize(
+    "header", ["Bearer sk-secret-value", "Token sk-secret-value", "sk-secret-value"]
+)
+def test_key_never_appears_in_an_error(ring, header):
+    """Neither a malformed header nor an unknown key puts the presented key into the error."""
+    with pytest.raises(AuthError) as caught:
+        ring.team_for(bearer_key(header))
+    assert "sk-secret-value" not in f"{caught.value} {caught.value.args!r}"
+
+
+@pytest.mark.parametrize("now", [NOW, NOW - SKEW, NOW + SKEW], ids=["fresh", "oldest", "newest"])
+def test_gateway_header_signed_within_the_window_is_accepted(gateway, now):
+    """A correctly signed header is accepted up to ``max_skew_seconds`` either side of now."""
+    assert gateway.team_for(signed("search"), now=now) == "search"
+
+
+def test_gateway_signature_is_accepted_in_upper_case_hex(gateway):
+    """Hex case does not matter in the signature."""
+    headers = signed("search")
+    headers["x-infermeter-signature"] = headers["x-infermeter-signature"].upper()
+    assert gateway.team_for(headers, now=NOW) == "search"
+
+
+def _without(name: str) -> dict[str, str]:
+    return {k: v for k, v in signed("search").items() if k != f"x-infermeter-{name}"}
+
+
+def _tampered_team() -> dict[str, str]:
+    return {**signed("search"), "x-infermeter-team": "research"}
+
+
+def _with(name: str, value: str) -> dict[str, str]:
+    return {**signed("search"), f"x-infermeter-{name}": value}
+
+
+@pytest.mark.parametrize(
+    ("headers", "code", "message"),
+    [
+        (_without("team"), "missing_team_signature", "Missing signed team header from the trusted gateway."),
+        (_without("timestamp"), "missing_team_signature", "Missing signed team header from the trusted gateway."),
+        (_without("signature"), "missing_team_signature", "Missing signed team header from the trusted gateway."),
+        (_with("timestamp", "soon"), "invalid_team_signature", "Malformed gateway timestamp."),
+        (signed("search", NOW - SKEW - 1), "invalid_team_signature", "Stale gateway signature."),
+        (signed("search", NOW + SKEW + 1), "invalid_team_signature", "Stale gateway signature."),
+        (signed("search", secret=b"not-the-secret"), "invalid_team_signature", "Invalid gateway signature."),
+        (_tampered_team(), "invalid_team_signature", "Invalid gateway signature."),
+        (_with("signature", "é" * 64), "invalid_team_signature", "Invalid gateway signature."),
+        (signed("marketing"), "invalid_team_signature", "Unknown team."),
+    ],
+    ids=["no-team", "no-timestamp", "unsigned", "bad-timestamp", "stale-past", "stale-future",
+         "forged", "tampered-team", "non-ascii-signature", "unknown-team"],
+)  # fmt: skip
+def test_gateway_header_is_refused(gateway, headers, code, message):
+    """Unsigned, stale, forged, tampered or unknown-team headers are refused with a specific error."""
+    with pytest.raises(AuthError) as caught:
+        gateway.team_for(headers, now=NOW)
+    assert (str(caught.value), caught.value.code) == (message, code)

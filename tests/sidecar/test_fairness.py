@@ -1,0 +1,182 @@
+"""FairShare shares one replica's batch slots between teams and keeps headroom for newcomers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from sidecar.fairness import FairShare, Slot
+
+Spawn = Callable[[FairShare, str], asyncio.Task[Slot]]
+
+
+async def idle() -> None:
+    """Let every runnable task take its next step."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+@pytest.fixture
+async def spawn() -> AsyncIterator[Spawn]:
+    """Start ``fair.acquire(team)`` as a task; tasks still waiting are cancelled at the end."""
+    tasks: list[asyncio.Task[Slot]] = []
+
+    def start(fair: FairShare, team: str) -> asyncio.Task[Slot]:
+        task = asyncio.create_task(fair.acquire(team))
+        tasks.append(task)
+        return task
+
+    yield start
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def requests(spawn: Spawn, fair: FairShare, team: str, n: int) -> list[asyncio.Task[Slot]]:
+    """``n`` requests of ``team``, started in order and given a chance to be admitted."""
+    tasks = []
+    for _ in range(n):
+        tasks.append(spawn(fair, team))
+        await idle()
+    return tasks
+
+
+def granted(tasks: list[asyncio.Task[Slot]]) -> int:
+    """How many of ``tasks`` hold a slot."""
+    return sum(t.done() and not t.cancelled() for t in tasks)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "teams"),
+    [(1, ["a", "b"]), (4, ["a", "b", "c"]), (8, ["a", "b"]), (16, ["a", "b", "c", "d", "e"])],
+)
+async def test_capacity_is_never_exceeded(spawn, capacity, teams):
+    """However many teams ask, at most ``capacity`` requests are in flight and the rest wait."""
+    fair = FairShare(capacity)
+    for team in teams:
+        await requests(spawn, fair, team, capacity)
+    assert sum(fair.in_flight.values()) == capacity
+    assert fair.waiting() == capacity * len(teams) - capacity
+
+
+@pytest.mark.parametrize(
+    ("capacity", "headroom_share", "usable"),
+    [(8, 0.125, 7), (4, 0.25, 3), (16, 0.125, 14), (8, 0.3, 5), (8, 0.0, 8), (1, 0.125, 1)],
+)
+async def test_lone_team_uses_every_slot_but_the_headroom(spawn, capacity, headroom_share, usable):
+    """A team alone gets ``capacity - headroom`` slots at once and waits for more."""
+    fair = FairShare(capacity, headroom_share)
+    tasks = await requests(spawn, fair, "a", capacity + 2)
+    assert (granted(tasks), fair.waiting("a")) == (usable, capacity + 2 - usable)
+
+
+async def test_newcomer_gets_a_headroom_slot_while_another_team_has_a_backlog(spawn):
+    """A team below its fair share starts at once in the headroom, ahead of the other's queue."""
+    fair = FairShare(8)
+    await requests(spawn, fair, "a", 10)
+    (newcomer,) = await requests(spawn, fair, "b", 1)
+    assert newcomer.done()
+    assert (fair.in_flight, fair.waiting("a")) == ({"a": 7, "b": 1}, 3)
+
+
+async def test_team_at_its_fair_share_cannot_take_the_headroom(spawn):
+    """Once two teams share the replica, one at or above its share waits instead of filling up."""
+    fair = FairShare(8)
+    await requests(spawn, fair, "a", 6)
+    await requests(spawn, fair, "b", 1)
+    (extra,) = await requests(spawn, fair, "a", 1)
+    assert not extra.done()
+
+
+async def test_freed_slot_goes_to_the_waiting_team_with_fewest_in_flight(spawn):
+    """When a slot frees, the team with fewer requests in flight goes next, whoever queued first."""
+    fair = FairShare(4, headroom_share=0.0)
+    await requests(spawn, fair, "a", 2)
+    (other,) = await requests(spawn, fair, "c", 1)
+    await requests(spawn, fair, "b", 1)
+    (a_waiting,) = await requests(spawn, fair, "a", 1)
+    (b_waiting,) = await requests(spawn, fair, "b", 1)
+    other.result().release()
+    await idle()
+    assert (b_waiting.done(), a_waiting.done()) == (True, False)
+
+
+async def test_requests_of_one_team_are_served_in_order(spawn):
+    """Within a team, waiting requests get slots first come, first served."""
+    fair = FairShare(1)
+    holder, *queued = await requests(spawn, fair, "a", 4)
+    order: list[int] = []
+    slot = holder.result()
+    for _ in queued:
+        slot.release()
+        await idle()
+        (turn,) = [i for i, task in enumerate(queued) if task.done() and i not in order]
+        order.append(turn)
+        slot = queued[turn].result()
+    assert order == [0, 1, 2]
+
+
+async def _cancel_while_waiting(waiter: asyncio.Task[Slot], holder: Slot) -> None:
+    waiter.cancel()
+    await idle()
+    holder.release()
+
+
+async def _cancel_as_slot_frees(waiter: asyncio.Task[Slot], holder: Slot) -> None:
+    waiter.cancel()
+    holder.release()  # the freed slot meets the cancelled waiter before it has run
+
+
+async def _cancel_just_after_grant(waiter: asyncio.Task[Slot], holder: Slot) -> None:
+    holder.release()  # grants the waiter's slot ...
+    waiter.cancel()  # ... but the waiter gives up before it runs
+
+
+@pytest.mark.parametrize(
+    "cancel", [_cancel_while_waiting, _cancel_as_slot_frees, _cancel_just_after_grant]
+)
+async def test_cancelled_waiter_leaves_nothing_behind(spawn, cancel):
+    """However a waiting request's cancellation meets a freed slot, no slot or queue entry leaks."""
+    fair = FairShare(1)
+    (holder,) = await requests(spawn, fair, "a", 1)
+    (waiter,) = await requests(spawn, fair, "b", 1)
+    await cancel(waiter, holder.result())
+    await asyncio.gather(waiter, return_exceptions=True)
+    assert waiter.cancelled()
+    assert (sum(fair.in_flight.values()), fair.waiting()) == (0, 0)
+
+
+async def test_slot_freed_by_a_cancelled_grant_goes_to_the_next_waiter(spawn):
+    """A slot granted to a request that gave up passes straight on to the next one waiting."""
+    fair = FairShare(1)
+    (holder,) = await requests(spawn, fair, "a", 1)
+    quitter, patient = await requests(spawn, fair, "b", 2)
+    holder.result().release()
+    quitter.cancel()
+    await asyncio.gather(quitter, return_exceptions=True)
+    await idle()
+    assert patient.done()
+    assert fair.in_flight == {"a": 0, "b": 1}
+
+
+async def test_releasing_a_slot_twice_is_harmless(spawn):
+    """A second release of the same slot frees nothing more."""
+    fair = FairShare(2)
+    first, _ = await requests(spawn, fair, "a", 2)
+    first.result().release()
+    first.result().release()
+    assert fair.in_flight == {"a": 1}
+
+
+async def test_second_release_does_not_take_the_next_waiters_slot(spawn):
+    """Releasing twice after the slot passed to a waiter leaves that waiter holding it."""
+    fair = FairShare(1)
+    (holder,) = await requests(spawn, fair, "a", 1)
+    (waiter,) = await requests(spawn, fair, "b", 1)
+    holder.result().release()
+    holder.result().release()
+    await idle()
+    assert waiter.done()
+    assert fair.in_flight == {"a": 0, "b": 1}
