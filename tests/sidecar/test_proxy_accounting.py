@@ -1,0 +1,259 @@
+"""Every request is metered exactly, survives failures, and is visible in metrics and traces."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar.app import Sidecar
+from tests.servers import free_port, serving
+from tests.sidecar.conftest import METRICS_TOKEN, make_config
+from tests.simulator.shapes import sse_events
+
+CHAT = {
+    "model": "chat-small",
+    "messages": [{"role": "user", "content": "count please"}],
+    "max_tokens": 12,
+}
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+
+
+async def _vllm_counters(url: str) -> tuple[float, float]:
+    async with httpx.AsyncClient() as c:
+        text = (await c.get(f"{url}/metrics")).text
+    return _value(text, "vllm:prompt_tokens_total"), _value(text, "vllm:generation_tokens_total")
+
+
+async def test_token_totals_equal_vllm_counters(stack):
+    """Streamed, non-streamed, text and refused requests: records sum to vLLM's own counters."""
+    before = await _vllm_counters(stack.upstream)
+    async with stack.client() as c:
+        bodies = [
+            {**CHAT, "stream": True},
+            {**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+            {**CHAT, "max_tokens": 30},
+            {**CHAT, "n": 2, "stream": True},
+            {**CHAT, "max_tokens": 100_000},
+        ]
+        for body in bodies * 3:
+            await c.post("/v1/chat/completions", json=body)
+        await c.post(
+            "/v1/completions", json={"model": "chat-small", "prompt": "a b c", "max_tokens": 7}
+        )
+    after = await _vllm_counters(stack.upstream)
+    records = stack.records()
+    assert len(records) == 16
+    completion = sum(r["completion_tokens"] for r in records)
+    assert completion == after[1] - before[1]
+    # vLLM counts an n=2 prompt twice (once per sequence); usage reports it once.
+    n2_prompts = sum(r["prompt_tokens"] for r in records if r["completion_tokens"] == 24)
+    assert sum(r["prompt_tokens"] for r in records) + n2_prompts == after[0] - before[0]
+    assert {r["status"] for r in records} == {"ok", "bad_request"}
+
+
+async def test_aborted_streams_are_recorded_with_tokens_seen(stack):
+    """A client that hangs up: upstream aborted at once, record says client_aborted and what was sent."""
+    before = await _vllm_counters(stack.upstream)
+    aborts = 6
+    async with stack.client() as c:
+        for _ in range(aborts):
+            body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen == 10:
+                        break
+    await asyncio.sleep(0.5)
+    after = await _vllm_counters(stack.upstream)
+    records = stack.records()
+    assert [r["status"] for r in records] == ["client_aborted"] * aborts
+    recorded = sum(r["completion_tokens"] for r in records)
+    generated = after[1] - before[1]
+    assert recorded >= aborts * 9
+    gap = generated - recorded
+    print(
+        f"\ntokens vLLM generated after the last chunk the sidecar saw: {gap} over {aborts} aborts"
+    )
+    assert 0 <= gap <= 3 * aborts
+    assert after[1] < before[1] + aborts * 2000 / 4, (
+        "upstream kept generating after the client left"
+    )
+
+
+async def test_upstream_unreachable_is_502_and_recorded(stack_factory):
+    """No vLLM listening: 502 in OpenAI's error JSON, and a record of the failure."""
+    stack = await stack_factory()
+    stack.sidecar.upstream = f"http://127.0.0.1:{free_port()}"
+    async with stack.client() as c:
+        r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "upstream_unreachable"
+    assert stack.records()[-1]["status"] == "upstream_error"
+
+
+async def test_upstream_timeout_is_504(stack_factory):
+    """An upstream that never answers: 504 after the read timeout."""
+
+    async def hang(scope, receive, send):
+        await asyncio.sleep(30)
+
+    stack = await stack_factory(upstream_app=hang, **{"sidecar.read_timeout_seconds": 0.3})
+    async with stack.client() as c:
+        r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 504
+    assert r.json()["error"]["code"] == "upstream_timeout"
+
+
+async def test_upstream_dying_mid_stream_gives_an_error_event_and_partial_usage(
+    stack_factory, fixture_text
+):
+    """vLLM dies after a few chunks: the client gets an SSE error event; usage so far is recorded."""
+    events = sse_events(fixture_text("vllm-0.32-chat-stream-continuous-usage.sse"))[:4]
+    partial = "".join(f"data: {e}\n\n" for e in events).encode()
+
+    async def dies(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"content-length", b"100000")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": partial, "more_body": True})
+        raise RuntimeError("engine died")
+
+    stack = await stack_factory(upstream_app=dies)
+    async with stack.client() as c:
+        r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    tail = sse_events(r.content)[-1]
+    assert '"error"' in tail
+    assert "[DONE]" not in r.text
+    record = stack.records()[-1]
+    assert record["status"] == "upstream_error"
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (10, 3)
+
+
+async def test_full_disk_refuses_requests_with_503(stack, tmp_path):
+    """When the spool cannot be written, requests are refused rather than served unmetered."""
+    await stack.sidecar.spool.close()
+    for seg in stack.spool.glob("seg-*.jsonl"):
+        seg.unlink()
+    stack.sidecar.spool.directory = tmp_path / "full"
+    stack.sidecar.spool.directory.mkdir()
+    stack.sidecar.spool.open()
+    # Every new segment name lands on /dev/full, which fails writes with ENOSPC like a full disk.
+    original = stack.sidecar.spool._start_segment
+
+    def on_full_disk() -> None:
+        original()
+        assert stack.sidecar.spool._fh is not None
+        stack.sidecar.spool._fh.close()
+        stack.sidecar.spool._fh = open("/dev/full", "ab")  # noqa: SIM115
+
+    stack.sidecar.spool._start_segment = on_full_disk  # type: ignore[method-assign]
+    async with stack.client() as c:
+        first = await c.post("/v1/chat/completions", json=CHAT)
+        second = await c.post("/v1/chat/completions", json=CHAT)
+        ready = await c.get("/readyz")
+    assert first.status_code == 503
+    assert first.json()["error"]["code"] == "metering_unavailable"
+    assert second.status_code == 503
+    assert ready.status_code == 503
+
+
+async def test_metrics_have_the_fixed_names_and_pass_promtool(stack):
+    """/metrics carries the documented families and `promtool check metrics` accepts it."""
+    async with stack.client() as c:
+        await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        await c.post("/v1/chat/completions", json=CHAT)
+    async with httpx.AsyncClient() as c:
+        text = (
+            await c.get(
+                f"{stack.url}/metrics", headers={"authorization": f"Bearer {METRICS_TOKEN}"}
+            )
+        ).text
+    families = {f.name: f.type for f in text_string_to_metric_families(text)}
+    expected = {
+        "infermeter_time_to_first_token_seconds": "histogram", "infermeter_inter_token_latency_seconds": "histogram",
+        "infermeter_request_duration_seconds": "histogram", "infermeter_output_tokens_per_second": "histogram",
+        "infermeter_prompt_tokens": "counter", "infermeter_completion_tokens": "counter",
+        "infermeter_requests": "counter", "infermeter_rate_limited": "counter",
+        "infermeter_requests_in_flight": "gauge", "infermeter_usage_spool_backlog": "gauge",
+    }  # fmt: skip
+    assert {k: families.get(k) for k in expected} == expected
+    assert (
+        _value(text, "infermeter_requests_total", team="search", model="chat-small", status="ok")
+        == 2
+    )
+    assert _value(text, "infermeter_completion_tokens_total", team="search") == 24
+    assert _value(text, "infermeter_usage_spool_backlog") == 2
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool (Debian package prometheus) is required: make test installs it"
+    check = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+async def test_span_per_request_with_genai_attributes(stack_factory, tmp_path):
+    """One span per request, GenAI attributes and team set, traceparent continued upstream."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    stack = await stack_factory()
+    config = make_config(stack.upstream)
+    traced = Sidecar(config, "small-0", spool_dir=tmp_path / "traced", tracer_provider=provider)
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    async with serving(traced) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+        headers = {"authorization": "Bearer im-demo-research", "traceparent": parent}
+        await c.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=headers)
+    (span,) = exporter.get_finished_spans()
+    attrs = dict(span.attributes or {})
+    assert attrs["gen_ai.operation.name"] == "chat"
+    assert attrs["gen_ai.request.model"] == "chat-small"
+    assert attrs["gen_ai.response.model"] == "llama-3.1-8b-instruct"
+    assert (attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"]) > (0, 11)
+    assert attrs["gen_ai.response.finish_reasons"] == ("length",)
+    assert attrs["infermeter.team"] == "research"
+    assert span.context is not None
+    assert format(span.context.trace_id, "032x") == "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def test_otlp_export_follows_the_standard_variables():
+    """Export is on only when OTEL_* variables ask for it."""
+    from sidecar.tracing import export_configured
+
+    assert not export_configured({})
+    assert export_configured({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"})
+    assert export_configured({"OTEL_TRACES_EXPORTER": "otlp"})
+    assert not export_configured(
+        {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x"}
+    )
+    assert not export_configured({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"})
+
+
+@pytest.mark.parametrize("mode", ["serve_unmetered"])
+async def test_serve_unmetered_mode_serves_when_the_spool_fails(stack_factory, tmp_path, mode):
+    """Configured to serve unmetered, a spool failure is logged and the request still served."""
+    stack = await stack_factory(**{"sidecar.on_spool_failure": mode})
+    original = stack.sidecar.spool._start_segment
+
+    def on_full_disk() -> None:
+        original()
+        assert stack.sidecar.spool._fh is not None
+        stack.sidecar.spool._fh.close()
+        stack.sidecar.spool._fh = open("/dev/full", "ab")  # noqa: SIM115
+
+    stack.sidecar.spool._start_segment = on_full_disk  # type: ignore[method-assign]
+    async with stack.client() as c:
+        r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200
+    assert stack.sidecar.metrics.spool_errors._value.get() >= 1
