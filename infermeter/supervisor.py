@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 import httpx
 
@@ -42,12 +43,20 @@ class Supervisor:
         self.ready_timeout_seconds = ready_timeout_seconds
         self._procs: list[tuple[Child, subprocess.Popen[bytes]]] = []
         self._stop = False
+        self._previous: dict[int, Any] = {}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop = True
 
     def start(self) -> None:
-        """Start every child and wait until each answers on its ready URL."""
+        """Start every child and wait until each answers on its ready URL.
+
+        Signal handlers go in first: a SIGTERM that arrives while children start must stop them
+        too, not kill this process and orphan them (they run in sessions of their own).
+        """
+        self._previous = {
+            s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)
+        }
         for child in self.children:
             proc = subprocess.Popen(list(child.argv), start_new_session=True)
             self._procs.append((child, proc))
@@ -55,7 +64,7 @@ class Supervisor:
         for child, proc in self._procs:
             if child.ready_url is None:
                 continue
-            while not _answers(child.ready_url):
+            while not _answers(child.ready_url) and not self._stop:
                 if proc.poll() is not None:
                     raise ChildFailedError(
                         f"{child.name} exited with code {proc.returncode} while starting"
@@ -66,19 +75,16 @@ class Supervisor:
 
     def wait(self) -> int:
         """Block until Ctrl-C/SIGTERM (exit 0) or a child dies (exit 1)."""
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            while not self._stop:
-                for child, proc in self._procs:
-                    if proc.poll() is not None:
-                        print(f"infermeter: {child.name} exited with code {proc.returncode}; stopping",
-                              file=sys.stderr)  # fmt: skip
-                        return 1
-                time.sleep(0.2)
-            return 0
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        while not self._stop:
+            for child, proc in self._procs:
+                if proc.poll() is not None:
+                    print(
+                        f"infermeter: {child.name} exited with code {proc.returncode}; stopping",
+                        file=sys.stderr,
+                    )
+                    return 1
+            time.sleep(0.2)
+        return 0
 
     def stop(self, timeout_seconds: float = 10.0) -> None:
         """Stop children in reverse start order: SIGTERM, then SIGKILL after the timeout."""
@@ -92,6 +98,8 @@ class Supervisor:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _answers(url: str) -> bool:

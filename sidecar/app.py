@@ -271,7 +271,7 @@ class Sidecar:
                 usage, finish = meter.usage, meter.finish_reason
             else:
                 usage, status, http_status, finish = await self._relay_whole(
-                    call, scope, send, body
+                    call, scope, receive, send, body
                 )
         except _Reject as rej:
             status, http_status = rej.record_status, rej.status
@@ -393,16 +393,35 @@ class Sidecar:
                           "upstream_unreachable" if status == 502 else "upstream_timeout", RequestStatus.UPSTREAM_ERROR) from None  # fmt: skip
 
     async def _relay_whole(
-        self, call: _Call, scope: Scope, send: Send, body: dict[str, Any]
+        self, call: _Call, scope: Scope, receive: Receive, send: Send, body: dict[str, Any]
     ) -> tuple[UsageCounts | None, RequestStatus, int, str | None]:
         response = await self._open_upstream(call, scope, body)
+        loop = asyncio.get_running_loop()
+        reading = loop.create_task(response.aread())
+        watcher = loop.create_task(_wait_disconnect(receive))
+        await asyncio.wait((reading, watcher), return_when=asyncio.FIRST_COMPLETED)
+        watcher.cancel()
+        if not reading.done():
+            # The client left: closing the upstream connection makes vLLM abort the request.
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await reading
+            await response.aclose()
+            with contextlib.suppress(SpoolError):
+                await self._record(call, RequestStatus.CLIENT_ABORTED, 499, None, None, None)
+            return None, RequestStatus.CLIENT_ABORTED, 499, None
         try:
-            content = await response.aread()
+            content = reading.result()
         except httpx.HTTPError as exc:
             await response.aclose()
             code, message = _upstream_failure(exc)
-            raise _Reject(code, orjson.loads(message)["error"]["message"], "upstream_error", "upstream_error",
-                          RequestStatus.UPSTREAM_ERROR) from None  # fmt: skip
+            raise _Reject(
+                code,
+                orjson.loads(message)["error"]["message"],
+                "upstream_error",
+                "upstream_error",
+                RequestStatus.UPSTREAM_ERROR,
+            ) from None
         usage = finish = None
         at = content.find(b'"usage":{')
         if at >= 0:

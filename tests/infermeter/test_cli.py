@@ -135,3 +135,7 @@ def test_demo_command_runs_the_fleet(tmp_path):
         proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert any("vLLM replica large-0" in x for x in lines)
+    config = yaml.safe_load(path.read_text())
+    assert all(_gone(r["upstream_url"] + "/health") for r in config["replicas"]), (
+        "no replica outlives the demo"
+    )

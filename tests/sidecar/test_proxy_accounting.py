@@ -257,3 +257,17 @@ async def test_serve_unmetered_mode_serves_when_the_spool_fails(stack_factory, t
         r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200
     assert stack.sidecar.metrics.spool_errors._value.get() >= 1
+
+
+async def test_non_streamed_client_disconnect_aborts_upstream(stack):
+    """A client that gives up on a non-streamed request: vLLM stops generating, record says so."""
+    async with stack.client(timeout=0.5) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post(
+                "/v1/chat/completions", json={**CHAT, "max_tokens": 3000, "ignore_eos": True}
+            )
+    await asyncio.sleep(0.5)
+    _, generated = await _vllm_counters(stack.upstream)
+    await asyncio.sleep(0.3)
+    assert (await _vllm_counters(stack.upstream))[1] == generated < 3000
+    assert stack.records()[-1]["status"] == "client_aborted"

@@ -1,0 +1,265 @@
+"""The sidecar under load: many streams, a flooding team, and a kill -9 in the middle."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import yaml
+
+from infermeter.config import DEFAULT_CONFIG
+from infermeter.spool import read_segment
+from simulator.replica import ReplicaSim, replica_spec
+from tests.servers import free_port, serving
+from tests.sidecar.conftest import KEYS, make_config
+
+CHAT = {
+    "model": "chat-small",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 20,
+    "ignore_eos": True,
+}
+
+
+async def test_a_thousand_concurrent_streams_without_error(tmp_path):
+    """1000 concurrent streamed requests through one sidecar process all complete and are recorded."""
+    up_port, side_port = free_port(), free_port()
+    upstream, url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{side_port}"
+    path = _sidecar_config(tmp_path, upstream, f"127.0.0.1:{side_port}", None,
+                           replica={"max_num_seqs": 1024}, engine={"step_base_ms": 5, "step_per_seq_ms": 0.01})  # fmt: skip
+    sim = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "infermeter",
+            "simulate",
+            "--config",
+            str(path),
+            "--replica",
+            "small-0",
+        ]
+    )
+    proc = None
+    try:
+        await asyncio.to_thread(_wait_up, f"{upstream}/health")
+        proc = await asyncio.to_thread(_start_sidecar, path, url)
+        limits = httpx.Limits(max_connections=1100, max_keepalive_connections=1100)
+        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {KEYS['search']}"},
+                                     timeout=120, limits=limits) as c:  # fmt: skip
+
+            async def one() -> bool:
+                async with c.stream(
+                    "POST", "/v1/chat/completions", json={**CHAT, "stream": True}
+                ) as r:
+                    body = await r.aread()
+                return r.status_code == 200 and body.endswith(b"data: [DONE]\n\n")
+
+            results = await asyncio.gather(*(one() for _ in range(1000)))
+    finally:
+        for p in (proc, sim):
+            if p is not None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(20)
+    assert sum(results) == 1000
+    records = [
+        r
+        for seg in (tmp_path / "spool" / "small-0").glob("seg-*.jsonl")
+        for r in read_segment(seg)[0]
+    ]
+    assert len(records) == 1000
+    assert {r["status"] for r in records} == {"ok"}
+    assert sum(r["completion_tokens"] for r in records) == 20_000
+
+
+def _wait_up(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=0.5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise AssertionError(f"{url} did not come up")
+
+
+async def _ttft(client: httpx.AsyncClient, team_key: str) -> float:
+    start = time.perf_counter()
+    body = {**CHAT, "stream": True, "max_tokens": 8}
+    async with client.stream("POST", "/v1/chat/completions", json=body,
+                             headers={"authorization": f"Bearer {team_key}"}) as r:  # fmt: skip
+        async for line in r.aiter_lines():
+            if '"content":"' in line and '"role"' not in line:
+                return time.perf_counter() - start
+    raise AssertionError("no token")
+
+
+async def _p95_under_flood(stack, flood: int) -> float:
+    """p95 TTFT of two well-behaved teams while analytics keeps ``flood`` long requests going."""
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120,
+                                 limits=httpx.Limits(max_connections=flood + 20)) as c:  # fmt: skip
+
+        async def flooder() -> None:
+            body = {**CHAT, "max_tokens": 400}
+            while not stop.is_set():
+                await c.post(
+                    "/v1/chat/completions",
+                    json=body,
+                    headers={"authorization": f"Bearer {KEYS['analytics']}"},
+                )
+
+        tasks = [asyncio.create_task(flooder()) for _ in range(flood)]
+        await asyncio.sleep(1.0 if flood else 0)
+        samples = []
+        for _ in range(15):
+            for team in ("search", "assistant"):
+                samples.append(await _ttft(c, KEYS[team]))
+                await asyncio.sleep(0.02)
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return statistics.quantiles(samples, n=20)[18]
+
+
+FLOOD_TEAMS = {"teams.2.limits": {}, "teams.0.limits": {}, "teams.1.limits": {}}
+SLOW_ENGINE = {"simulator.engines.chat-small": {"step_base_ms": 12, "step_per_seq_ms": 0.3,
+                                                "prefill_tokens_per_second": 30000, "kv_cache_tokens": 400000}}  # fmt: skip
+
+
+async def test_a_flooding_team_does_not_starve_the_others(stack_factory):
+    """With analytics at 10x the replica's capacity, other teams' p95 TTFT stays within 2x."""
+    stack = await stack_factory(**{"replicas.1.max_num_seqs": 16, **FLOOD_TEAMS, **SLOW_ENGINE})
+    unloaded = await _p95_under_flood(stack, 0)
+    loaded = await _p95_under_flood(stack, 160)
+    print(
+        f"\nfair share on: p95 TTFT unloaded {unloaded * 1000:.1f} ms, flooded {loaded * 1000:.1f} ms"
+    )
+    assert loaded <= 2 * unloaded
+
+
+async def test_without_fair_share_the_flood_does_starve_them(stack_factory):
+    """The same flood with fair sharing off (no max_num_seqs known) breaks the 2x bound."""
+    stack = await stack_factory(**{"replicas.1.max_num_seqs": None, **FLOOD_TEAMS, **SLOW_ENGINE})
+    stack.sim.scheduler.profile = stack.sim.scheduler.profile.model_copy(
+        update={"max_num_seqs": 16}
+    )
+    unloaded = await _p95_under_flood(stack, 0)
+    loaded = await _p95_under_flood(stack, 160)
+    print(
+        f"\nfair share off: p95 TTFT unloaded {unloaded * 1000:.1f} ms, flooded {loaded * 1000:.1f} ms"
+    )
+    assert loaded > 2 * unloaded
+
+
+def _sidecar_config(tmp_path: Path, upstream: str, listen: str, ingest: str | None,
+                    replica: dict[str, Any] | None = None, engine: dict[str, Any] | None = None) -> Path:  # fmt: skip
+    data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["replicas"][1].update(upstream_url=upstream, sidecar_listen=listen, **(replica or {}))
+    data["simulator"]["engines"]["chat-small"].update(engine or {})
+    data["teams"][0]["limits"] = {}
+    data["sidecar"] = {"spool_dir": str(tmp_path / "spool"), "ingest_url": ingest}
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _start_sidecar(config: Path, url: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "infermeter",
+            "sidecar",
+            "--config",
+            str(config),
+            "--replica",
+            "small-0",
+        ]
+    )
+    try:
+        _wait_up(f"{url}/healthz")
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc
+
+
+async def test_kill_9_loses_no_completed_response_and_duplicates_none(tmp_path):
+    """Records of every response a client saw complete survive kill -9, once each, and ship after restart."""
+    up_port, side_port = free_port(), free_port()
+    upstream, url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{side_port}"
+    received: dict[str, int] = {}
+
+    async def ingest(scope, receive, send):
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        for record in orjson.loads(body)["usage"]:
+            received[record["request_id"]] = received.get(record["request_id"], 0) + 1
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b'{"accepted": 0, "rejected": []}'})
+
+    config = make_config(upstream, **{"simulator.engines.chat-small": {"step_base_ms": 5}})
+    sim = ReplicaSim(replica_spec(config, "small-0"))
+    async with serving(sim, up_port), serving(ingest, lifespan="off") as ingest_url:
+        path = _sidecar_config(tmp_path, upstream, f"127.0.0.1:{side_port}", None)
+        proc = await asyncio.to_thread(_start_sidecar, path, url)
+        completed: list[str] = []
+        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {KEYS['search']}"},
+                                     timeout=30, limits=httpx.Limits(max_connections=300)) as c:  # fmt: skip
+
+            async def one(i: int) -> None:
+                body = {**CHAT, "max_tokens": 10 + i % 50, "stream": i % 2 == 0}
+                try:
+                    r = await c.post("/v1/chat/completions", json=body)
+                except httpx.HTTPError:
+                    return
+                if r.status_code == 200 and (
+                    not body["stream"] or r.content.endswith(b"data: [DONE]\n\n")
+                ):
+                    completed.append(r.headers["x-infermeter-request-id"])
+
+            async def killer() -> None:
+                while len(completed) < 100:
+                    await asyncio.sleep(0.01)
+                os.kill(proc.pid, signal.SIGKILL)
+
+            await asyncio.gather(killer(), *(one(i) for i in range(400)))
+        proc.wait(10)
+        spooled = [r["request_id"] for seg in sorted((tmp_path / "spool" / "small-0").glob("seg-*.jsonl"))
+                   for r in read_segment(seg)[0]]  # fmt: skip
+        assert len(completed) >= 100
+        assert set(completed) <= set(spooled)
+        assert len(spooled) == len(set(spooled))
+        # Restart with billing configured: everything spooled is shipped, each id once.
+        path = _sidecar_config(tmp_path, upstream, f"127.0.0.1:{side_port}", ingest_url)
+        proc = await asyncio.to_thread(_start_sidecar, path, url)
+        try:
+            deadline = time.monotonic() + 20
+            while set(received) != set(spooled) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(10)
+    assert set(received) == set(spooled)
+    assert set(received.values()) == {1}
+    assert not list((tmp_path / "spool" / "small-0").glob("seg-*.jsonl"))
