@@ -52,8 +52,10 @@ class Stack:
 
     def client(self, team: str = "search", **kw: Any) -> httpx.AsyncClient:
         """An HTTP client authenticated as ``team``."""
-        return httpx.AsyncClient(base_url=self.url, headers={"authorization": f"Bearer {KEYS[team]}"},
-                                 timeout=60, **kw)  # fmt: skip
+        kw.setdefault("timeout", 60)
+        return httpx.AsyncClient(
+            base_url=self.url, headers={"authorization": f"Bearer {KEYS[team]}"}, **kw
+        )
 
     def records(self) -> list[dict[str, Any]]:
         """Every usage record in the spool so far."""
