@@ -395,25 +395,31 @@ class Sidecar:
     async def _relay_whole(
         self, call: _Call, scope: Scope, receive: Receive, send: Send, body: dict[str, Any]
     ) -> tuple[UsageCounts | None, RequestStatus, int, str | None]:
-        response = await self._open_upstream(call, scope, body)
+        async def exchange() -> tuple[httpx.Response, bytes]:
+            response = await self._open_upstream(call, scope, body)
+            try:
+                return response, await response.aread()
+            finally:
+                await response.aclose()
+
+        # vLLM sends nothing, not even headers, until a non-streamed completion is done, so the
+        # whole exchange is raced against the client leaving.
         loop = asyncio.get_running_loop()
-        reading = loop.create_task(response.aread())
+        work = loop.create_task(exchange())
         watcher = loop.create_task(_wait_disconnect(receive))
-        await asyncio.wait((reading, watcher), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
         watcher.cancel()
-        if not reading.done():
-            # The client left: closing the upstream connection makes vLLM abort the request.
-            reading.cancel()
-            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                await reading
-            await response.aclose()
+        if not work.done():
+            # Cancelling closes the upstream connection, which makes vLLM abort the request.
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError, _Reject):
+                await work
             with contextlib.suppress(SpoolError):
                 await self._record(call, RequestStatus.CLIENT_ABORTED, 499, None, None, None)
             return None, RequestStatus.CLIENT_ABORTED, 499, None
         try:
-            content = reading.result()
+            response, content = work.result()
         except httpx.HTTPError as exc:
-            await response.aclose()
             code, message = _upstream_failure(exc)
             raise _Reject(
                 code,
