@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 VLLM_VENV := .venv-vllm
 
-.PHONY: demo test lint typecheck unit vllm-venv clean
+.PHONY: demo test lint typecheck unit vllm-venv system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/infermeter demo
 
 ## test: install everything the tests need, then lint, type-check and run every test
-test: $(STAMP) vllm-venv lint typecheck unit
+test: $(STAMP) system-deps vllm-venv lint typecheck unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -28,6 +28,10 @@ typecheck: $(STAMP)
 
 unit: $(STAMP)
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+## system-deps: Debian packages the tests use for real (promtool, Prometheus)
+system-deps:
+	bash scripts/system-deps.sh
 
 ## vllm-venv: real vLLM (CPU build) in its own venv, for the conformance tests
 vllm-venv:

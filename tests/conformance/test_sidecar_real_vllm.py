@@ -1,0 +1,107 @@
+"""The sidecar in front of real vLLM: its records add up to vLLM's own token counters."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from infermeter.config import DEFAULT_CONFIG, Config
+from infermeter.spool import read_segment
+from sidecar.app import Sidecar
+from tests.servers import serving
+
+pytestmark = pytest.mark.real_vllm
+
+MSG = [{"role": "user", "content": "Hello world 123"}]
+
+
+def _config(upstream: str) -> Config:
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["models"][1].update(approved_versions=["tiny"], serve_version="tiny", max_model_len=512)
+    data["replicas"][1].update(upstream_url=upstream, served_version="tiny", max_num_seqs=8)
+    data["teams"][0]["limits"] = {}
+    return Config.model_validate(data)
+
+
+@pytest.fixture
+async def sidecar_url(real_vllm: str, tmp_path: Path) -> AsyncIterator[tuple[str, Path]]:
+    """A sidecar in front of real vLLM; its URL and spool directory."""
+    async with serving(Sidecar(_config(real_vllm), "small-0", spool_dir=tmp_path)) as url:
+        yield url, tmp_path
+
+
+async def _counters(url: str) -> tuple[float, float]:
+    async with httpx.AsyncClient() as c:
+        text = (await c.get(f"{url}/metrics")).text
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")}  # fmt: skip
+    return values["vllm:prompt_tokens_total"], values["vllm:generation_tokens_total"]
+
+
+async def test_records_equal_real_vllm_counters(real_vllm, sidecar_url):
+    """Streamed, non-streamed and refused requests: record totals equal vLLM's counter deltas."""
+    url, spool = sidecar_url
+    before = await _counters(real_vllm)
+    async with httpx.AsyncClient(
+        base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=120
+    ) as c:
+        bodies = [
+            {"model": "chat-small", "messages": MSG, "max_tokens": 7, "stream": True},
+            {"model": "chat-small", "messages": MSG, "max_tokens": 9},
+            {
+                "model": "chat-small",
+                "messages": MSG,
+                "max_tokens": 5,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+            {"model": "chat-small", "messages": MSG, "max_tokens": 5000},
+        ]
+        responses = await asyncio.gather(*(c.post("/v1/chat/completions", json=b) for b in bodies))
+        text = await c.post(
+            "/v1/completions",
+            json={"model": "chat-small", "prompt": "Hello world", "max_tokens": 6},
+        )
+    assert [r.status_code for r in responses] + [text.status_code] == [200, 200, 200, 400, 200]
+    after = await _counters(real_vllm)
+    records = [r for seg in spool.glob("seg-*.jsonl") for r in read_segment(seg)[0]]
+    assert len(records) == 5
+    assert sum(r["prompt_tokens"] for r in records) == after[0] - before[0]
+    assert sum(r["completion_tokens"] for r in records) == after[1] - before[1]
+
+
+async def test_aborted_stream_difference_is_small_and_reported(real_vllm, sidecar_url):
+    """A client hanging up: vLLM aborts; what it generated past the last relayed chunk is a few tokens."""
+    url, spool = sidecar_url
+    before = await _counters(real_vllm)
+    async with httpx.AsyncClient(
+        base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=120
+    ) as c:
+        body = {
+            "model": "chat-small",
+            "messages": MSG,
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen == 8:
+                    break
+    await asyncio.sleep(2.0)
+    after = await _counters(real_vllm)
+    (record,) = [r for seg in spool.glob("seg-*.jsonl") for r in read_segment(seg)[0]]
+    assert record["status"] == "client_aborted"
+    assert record["prompt_tokens"] == after[0] - before[0]
+    gap = (after[1] - before[1]) - record["completion_tokens"]
+    print(f"\nreal vLLM generated {gap:.0f} token(s) after the last chunk the sidecar relayed")
+    assert 0 <= gap <= 5
+    assert after[1] - before[1] < 400
