@@ -101,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="run the whole platform on a simulated fleet, with traffic",
-        description="The simulated fleet, its traffic and every infermeter service, on loopback.",
+        description=(
+            "The simulated fleet, a sidecar in front of every replica, and traffic from several "
+            "teams through the sidecars, all on loopback. Ctrl-C stops everything."
+        ),
     )
     _add_config(demo)
     demo.add_argument("--peak-rps", type=float, default=6.0, help="requests/s at the morning peak")
@@ -190,8 +193,8 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
     from infermeter import fleet
 
     path = _config_path(args)
-    args.via_sidecars = False
+    args.via_sidecars = True
     args.duration = None
-    children = fleet.simulator_children(config, path)
+    children = fleet.simulator_children(config, path) + fleet.sidecar_children(config, path)
     children.append(fleet.traffic_child(path, args))
-    return fleet.run(children, fleet.simulator_urls(config))
+    return fleet.run(children, fleet.sidecar_urls(config) + fleet.simulator_urls(config))

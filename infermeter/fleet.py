@@ -9,7 +9,14 @@ from infermeter.config import Config
 from infermeter.netutil import ensure_free, host_port
 from infermeter.supervisor import Child, ChildFailedError, Supervisor
 
-__all__ = ["run", "simulator_children", "simulator_urls", "traffic_child"]
+__all__ = [
+    "run",
+    "sidecar_children",
+    "sidecar_urls",
+    "simulator_children",
+    "simulator_urls",
+    "traffic_child",
+]
 
 
 def _infermeter(*args: str) -> list[str]:
@@ -40,6 +47,27 @@ def simulator_children(config: Config, config_path: str) -> list[Child]:
             )
         )
     return children
+
+
+def sidecar_children(config: Config, config_path: str) -> list[Child]:
+    """One sidecar per replica that has a ``sidecar_listen`` address."""
+    children = []
+    for r in config.replicas:
+        if not r.sidecar_listen:
+            continue
+        ensure_free(*host_port(r.sidecar_listen), f"sidecar of replica {r.id}")
+        argv = _infermeter("sidecar", "--config", config_path, "--replica", r.id)
+        children.append(Child(f"sidecar {r.id}", argv, f"http://{r.sidecar_listen}/healthz"))
+    return children
+
+
+def sidecar_urls(config: Config) -> list[tuple[str, str]]:
+    """The sidecars' addresses, for the start-up banner."""
+    return [
+        (f"sidecar {r.id} (OpenAI API)", f"http://{r.sidecar_listen}/v1")
+        for r in config.replicas
+        if r.sidecar_listen
+    ]
 
 
 def traffic_child(config_path: str, args: argparse.Namespace) -> Child:

@@ -40,6 +40,7 @@ def _fleet_config(tmp_path: Path) -> Path:
         r["sidecar_listen"] = f"127.0.0.1:{free_port()}"
     for n in data["nodes"]:
         n["dcgm_exporter_url"] = f"http://127.0.0.1:{free_port()}/metrics"
+    data["sidecar"]["spool_dir"] = str(tmp_path / "spool")
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -118,7 +119,7 @@ def test_unknown_replica_is_a_one_line_error(capsys):
 
 
 def test_demo_command_runs_the_fleet(tmp_path):
-    """`infermeter demo` comes up and prints its URLs; SIGTERM stops it cleanly."""
+    """`infermeter demo` comes up, traffic flows through the sidecars into the spool; SIGTERM stops it."""
     path = _fleet_config(tmp_path)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "infermeter", "demo", "--config", str(path)],
@@ -130,11 +131,16 @@ def test_demo_command_runs_the_fleet(tmp_path):
             lines.append(line)
             if line.startswith("Ctrl-C"):
                 break
+        deadline = time.monotonic() + 30
+        while not list((tmp_path / "spool").glob("*/seg-*.jsonl")) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert list((tmp_path / "spool").glob("*/seg-*.jsonl")), "usage records from demo traffic"
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert any("vLLM replica large-0" in x for x in lines)
+    assert any("sidecar small-0 (OpenAI API)" in x for x in lines)
     config = yaml.safe_load(path.read_text())
     assert all(_gone(r["upstream_url"] + "/health") for r in config["replicas"]), (
         "no replica outlives the demo"
