@@ -158,7 +158,7 @@ async def test_full_disk_refuses_requests_with_503(stack, tmp_path):
         stack.sidecar.spool._fh.close()
         stack.sidecar.spool._fh = open("/dev/full", "ab")  # noqa: SIM115
 
-    stack.sidecar.spool._start_segment = on_full_disk  # type: ignore[method-assign]
+    stack.sidecar.spool._start_segment = on_full_disk
     async with stack.client() as c:
         first = await c.post("/v1/chat/completions", json=CHAT)
         second = await c.post("/v1/chat/completions", json=CHAT)
@@ -252,7 +252,7 @@ async def test_serve_unmetered_mode_serves_when_the_spool_fails(stack_factory, t
         stack.sidecar.spool._fh.close()
         stack.sidecar.spool._fh = open("/dev/full", "ab")  # noqa: SIM115
 
-    stack.sidecar.spool._start_segment = on_full_disk  # type: ignore[method-assign]
+    stack.sidecar.spool._start_segment = on_full_disk
     async with stack.client() as c:
         r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200

@@ -102,7 +102,7 @@ async def _ttft(client: httpx.AsyncClient, team_key: str) -> float:
     raise AssertionError("no token")
 
 
-async def _p95_under_flood(stack, flood: int) -> float:
+async def _p95_under_flood(stack: Any, flood: int) -> float:
     """p95 TTFT of two well-behaved teams while analytics keeps ``flood`` long requests going."""
     stop = asyncio.Event()
     async with httpx.AsyncClient(base_url=stack.url, timeout=120,
@@ -131,7 +131,7 @@ async def _p95_under_flood(stack, flood: int) -> float:
     return statistics.quantiles(samples, n=20)[18]
 
 
-FLOOD_TEAMS = {"teams.2.limits": {}, "teams.0.limits": {}, "teams.1.limits": {}}
+FLOOD_TEAMS: dict[str, Any] = {"teams.2.limits": {}, "teams.0.limits": {}, "teams.1.limits": {}}
 SLOW_ENGINE = {"simulator.engines.chat-small": {"step_base_ms": 12, "step_per_seq_ms": 0.3,
                                                 "prefill_tokens_per_second": 30000, "kv_cache_tokens": 400000}}  # fmt: skip
 
