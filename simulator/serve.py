@@ -16,7 +16,12 @@ __all__ = ["serve_dcgm", "serve_replica", "server"]
 
 
 def server(app: object, host: str, port: int) -> uvicorn.Server:
-    """A quiet uvicorn server; httptools and uvloop keep per-chunk cost down."""
+    """A quiet uvicorn server on the running asyncio loop, with httptools' HTTP parser.
+
+    ``Server.serve()`` runs on whatever loop the caller started (``asyncio.run``): uvicorn's
+    ``loop`` setting only applies to ``Server.run()``. Measured, uvloop was not faster for the
+    simulator's per-step wake-ups (docs/benchmarks.md), so the standard loop is used.
+    """
     config = uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=host,
@@ -24,7 +29,6 @@ def server(app: object, host: str, port: int) -> uvicorn.Server:
         log_level="warning",
         access_log=False,
         http="httptools",
-        loop="uvloop",
         lifespan="on",
         timeout_graceful_shutdown=2,
     )
