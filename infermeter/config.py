@@ -38,6 +38,7 @@ from pydantic import (
 
 __all__ = [
     "ENV_PREFIX",
+    "CollectorSettings",
     "Config",
     "ConfigError",
     "GatewaySettings",
@@ -259,6 +260,20 @@ class SidecarSettings(_Strict):
     gateway: GatewaySettings = GatewaySettings()
 
 
+class CollectorSettings(_Strict):
+    """How ``infermeter collect`` scrapes GPUs and engines and where it sends samples."""
+
+    listen: str = "127.0.0.1:19500"
+    scrape_interval_seconds: Positive = 10.0
+    scrape_timeout_seconds: Positive = 3.0
+    gap_after_intervals: Annotated[float, Field(gt=1)] = 3.0
+    max_backoff_seconds: Positive = 300.0
+    source: Literal["dcgm", "nvml"] = "dcgm"
+    spool_dir: str = "var/collector-spool"
+    ingest_url: str | None = None
+    ingest_token_env: str = "INFERMETER_INGEST_TOKEN"
+
+
 class Simulator(_Strict):
     """Settings of the simulated fleet (``infermeter simulate``)."""
 
@@ -282,6 +297,7 @@ class Config(_Strict):
     scaling: ScalingPolicy = ScalingPolicy()
     simulator: Simulator = Simulator()
     sidecar: SidecarSettings = SidecarSettings()
+    collector: CollectorSettings = CollectorSettings()
     admin_token_sha256: list[Sha256] = Field(default_factory=list)
     metrics_token_sha256: list[Sha256] = Field(default_factory=list)
 

@@ -1,0 +1,1195 @@
+"""What the sidecar costs on top of a direct connection, with an nginx reverse proxy as the floor.
+
+One run, on this machine, loopback only. A simulated vLLM replica (``infermeter simulate
+--replica small-0``, with a fast engine profile) is reached three ways:
+
+- ``direct``: the client talks to the replica;
+- ``nginx``: through nginx (one worker, ``proxy_buffering off``, HTTP/1.1 keep-alive upstream);
+- ``sidecar``: through one ``infermeter sidecar`` process (team key ``im-demo-search``, model
+  ``chat-small``), which authenticates, meters, rewrites and spools every request.
+
+A separate client process (an asyncio ``Protocol`` on raw sockets, HTTP/1.1 keep-alive, scanning
+bytes; the same lean design as ``bench/sim_throughput.py``) drives each phase, and the parent
+reads the proxy's CPU time (``/proc/PID/task/*/schedstat``; nginx: master plus worker) and memory
+(``VmRSS``) around each measured window. Phases:
+
+1. TTFT at concurrency 1: sequential requests, ``max_tokens`` 16, on one keep-alive connection.
+2. Concurrency 64, 64-token streams (closed loop, starts staggered): TTFT under load and proxy
+   CPU per request and per chunk.
+3. Concurrency 64, 1-token requests: the proxy's fixed CPU cost per request.
+4. Maximum chunks/s: 256 streams of 256 tokens, engine fast enough not to be the limit.
+5. Paced: the replica restarted with 50 ms engine steps (20 tokens/s per stream at any batch
+   size); 500 concurrent streams, proxy CPU per chunk.
+6. Memory: 1000 concurrent open streams on the paced replica, proxy RSS.
+
+TTFT is the time from sending the request to receiving the first SSE event that carries
+``"content":`` and is not the ``"role"`` chunk; "added" TTFT is a path's figure minus direct's.
+
+    .venv/bin/python -m bench.sidecar_overhead            # about 2.5 minutes
+    .venv/bin/python -m bench.sidecar_overhead --quick    # about 1 minute, shorter windows
+    .venv/bin/python -m bench.sidecar_overhead --json > overhead.json
+
+Every process it starts (replica, nginx, sidecar, client) is stopped when it ends, also on
+Ctrl-C, SIGTERM or an error; they are also asked (``PR_SET_PDEATHSIG``) to exit if it dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import ctypes
+import http.client
+import json
+import math
+import multiprocessing
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from types import FrameType
+from typing import Any, cast
+
+import yaml
+
+from infermeter.config import DEFAULT_CONFIG, load_config
+from simulator.replica import replica_spec
+
+__all__ = ["main", "run_benchmark"]
+
+HOST = "127.0.0.1"
+REPLICA = "small-0"
+SIDECAR_MODEL = "chat-small"
+API_KEY = "im-demo-search"
+PATHS = ("direct", "nginx", "sidecar")
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+_PR_SET_PDEATHSIG = 1
+
+# Targets of the issue.
+TARGET_CPU_RATIO = 10.0  # sidecar CPU per 64-chunk request / nginx's
+TARGET_ADDED_P50_C1_MS = 0.5
+TARGET_ADDED_P99_C64_MS = 2.0
+TARGET_PACED_US_PER_CHUNK = 15.0
+TARGET_CHUNKS_PER_S = 50_000.0
+TARGET_RSS_MB = 200.0
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The simulated engine profile given to the replica's model."""
+
+    step_base_ms: float
+    step_per_seq_ms: float
+    max_num_seqs: int = 2048
+    kv_cache_tokens: int = 200_000_000
+    prefill_tokens_per_second: float = 1e9
+
+
+FAST = Engine(step_base_ms=1.0, step_per_seq_ms=0.001)  # about 1,000 tokens/s per sequence
+DEMO = Engine(step_base_ms=9.0, step_per_seq_ms=0.12)  # chat-small's profile in the defaults
+PACED = Engine(step_base_ms=50.0, step_per_seq_ms=0.0)  # 20 tokens/s per sequence
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes and durations of every phase."""
+
+    c1_requests: int
+    window_s: float
+    warmup_s: float
+    throughput_concurrency: int = 256
+    paced_streams: int = 500
+    rss_streams: int = 1000
+    paced_window_s: float = 8.0
+    rss_window_s: float = 3.0
+
+
+FULL = Plan(c1_requests=200, window_s=6.0, warmup_s=2.0)
+QUICK = Plan(c1_requests=60, window_s=2.5, warmup_s=1.0, paced_window_s=4.0, rss_window_s=2.0)
+
+
+# -- client process ------------------------------------------------------------------------------
+
+_DATA = b"data: "
+_DONE = b"[DONE]"
+_CONTENT = b'"content":'
+_ROLE = b'"role"'
+_END = b"\r\n0\r\n\r\n"  # the last chunk of a chunked HTTP/1.1 body
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One phase as the client runs it."""
+
+    port: int
+    request: bytes
+    concurrency: int
+    warmup_s: float
+    duration_s: float
+    max_requests: int = 0  # end the window early once this many requests completed (0: never)
+    stagger_s: float = 0.0  # spread the first requests of the streams over this many seconds
+    wait_streaming: bool = False  # after warm-up, also wait until every stream has a token
+    record_ttft: bool = True
+
+
+@dataclass
+class _Stats:
+    """Counts shared by every connection of a phase."""
+
+    chunks: int = 0
+    requests: int = 0
+    errors: int = 0
+    streaming: int = 0  # connections that have received at least one token
+    recording: bool = False
+    ttft: list[float] = field(default_factory=list)
+    enough: asyncio.Event = field(default_factory=asyncio.Event)
+    goal: int = 0
+
+
+class _Stream(asyncio.Protocol):
+    """One keep-alive connection re-sending the same streaming request until stopped."""
+
+    def __init__(self, request: bytes, stats: _Stats, stop: asyncio.Event) -> None:
+        self.request = request
+        self.stats = stats
+        self.stop = stop
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.Transport | None = None
+        self.head = b""
+        self.in_body = False
+        self.tail = b""
+        self.sent_at = 0.0
+        self.first = False
+        self.content = 0
+        self.role = 0
+        self.ever_streamed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self._send()
+
+    def _send(self) -> None:
+        assert self.transport is not None
+        self.head, self.in_body, self.tail = b"", False, b""
+        self.first, self.content, self.role = False, 0, 0
+        self.sent_at = time.perf_counter()
+        self.transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        assert self.transport is not None
+        stats = self.stats
+        if not self.in_body:
+            self.head += data
+            split = self.head.find(b"\r\n\r\n")
+            if split < 0:
+                return
+            head, data = self.head[:split], self.head[split + 4 :]
+            if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
+                stats.errors += 1
+                self.transport.close()
+                return
+            self.in_body = True
+        tail = self.tail
+        joined = tail + data
+        # Count what ends in this read: occurrences inside the kept tail were counted before.
+        stats.chunks += (
+            joined.count(_DATA) - tail.count(_DATA) - joined.count(_DONE) + tail.count(_DONE)
+        )
+        if not self.first:
+            self.content += joined.count(_CONTENT) - tail.count(_CONTENT)
+            self.role += joined.count(_ROLE) - tail.count(_ROLE)
+            if self.content > self.role:  # a content event that is not the role chunk
+                self.first = True
+                if stats.recording:
+                    stats.ttft.append(now - self.sent_at)
+                if not self.ever_streamed:
+                    self.ever_streamed = True
+                    stats.streaming += 1
+        self.tail = joined[-12:]
+        if self.tail.endswith(_END):
+            stats.requests += 1
+            if stats.goal and stats.requests >= stats.goal:
+                stats.enough.set()
+            if self.stop.is_set():
+                self.transport.close()
+            else:
+                self._send()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+async def _worker(
+    spec: LoadSpec, delay: float, stats: _Stats, stop: asyncio.Event, live: set[_Stream]
+) -> None:
+    loop = asyncio.get_running_loop()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    while not stop.is_set():
+        try:
+            _, proto = await loop.create_connection(
+                lambda: _Stream(spec.request, stats, stop), HOST, spec.port
+            )
+        except OSError:
+            stats.errors += 1
+        else:
+            live.add(proto)
+            await proto.closed
+            live.discard(proto)
+        if not stop.is_set():
+            await asyncio.sleep(0.05)  # the server closed on us or is gone; do not spin
+
+
+async def _phase(conn: Connection, spec: LoadSpec) -> None:
+    stats = _Stats()
+    stop = asyncio.Event()
+    live: set[_Stream] = set()
+    step = spec.stagger_s / spec.concurrency
+    tasks = [
+        asyncio.create_task(_worker(spec, i * step, stats, stop, live))
+        for i in range(spec.concurrency)
+    ]
+    try:
+        await asyncio.sleep(spec.warmup_s)
+        if spec.wait_streaming:
+            deadline = time.monotonic() + 60.0
+            while stats.streaming < spec.concurrency and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        c0, r0, e0 = stats.chunks, stats.requests, stats.errors
+        cpu0, t0 = time.process_time(), time.monotonic()
+        stats.recording = True
+        if spec.max_requests:
+            stats.goal = r0 + spec.max_requests
+        conn.send(("start",))
+        if spec.max_requests:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stats.enough.wait(), spec.duration_s)
+        else:
+            await asyncio.sleep(spec.duration_s)
+        stats.recording = False
+        window = time.monotonic() - t0
+        out = {
+            "chunks": stats.chunks - c0,
+            "requests": stats.requests - r0,
+            "errors": stats.errors - e0,
+            "window_s": window,
+            "client_cpu_s": time.process_time() - cpu0,
+            "streaming": stats.streaming,
+            "ttft_s": stats.ttft if spec.record_ttft else [],
+        }
+        conn.send(("end", out))
+        # Keep the streams open until the parent has read memory and CPU.
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+    finally:
+        stop.set()
+        for proto in list(live):
+            if proto.transport is not None:
+                proto.transport.close()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    conn.send(("closed",))
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to send SIGTERM to this process when its parent dies (best effort)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def _client_main(conn: Connection) -> None:
+    """Entry point of the load-generating process: run phases until told to quit."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    try:
+        import uvloop
+
+        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                return
+            if msg[0] != "phase":
+                return
+            runner.run(_phase(conn, cast(LoadSpec, msg[1])))
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def children(pid: int) -> list[int]:
+    """Direct child processes of ``pid``."""
+    text = _read(f"/proc/{pid}/task/{pid}/children")
+    if text is not None:
+        return [int(x) for x in text.split()]
+    found = []
+    for entry in os.listdir("/proc"):
+        stat = _read(f"/proc/{entry}/stat") if entry.isdigit() else None
+        if stat and int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """CPU seconds used so far by ``pids``: every thread's ``schedstat`` run time (ns precise),
+    or utime+stime from ``/proc/PID/stat`` (clock ticks) where schedstat is missing."""
+    total = 0.0
+    for pid in pids:
+        ns, ok = 0, False
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                text = _read(f"/proc/{pid}/task/{tid}/schedstat")
+                if text:
+                    ns += int(text.split()[0])
+                    ok = True
+        if ok:
+            total += ns / 1e9
+            continue
+        stat = _read(f"/proc/{pid}/stat")
+        if stat:
+            fields = stat[stat.rindex(")") + 2 :].split()
+            total += (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return total
+
+
+def rss_kib(pids: Sequence[int], key: str = "VmRSS") -> int:
+    """Sum of ``key`` (VmRSS, VmHWM) in KiB over ``pids``."""
+    total = 0
+    for pid in pids:
+        for line in (_read(f"/proc/{pid}/status") or "").splitlines():
+            if line.startswith(key + ":"):
+                total += int(line.split()[1])
+    return total
+
+
+def _healthy(port: int, path: str) -> bool:
+    conn = http.client.HTTPConnection(HOST, port, timeout=1.0)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        conn.close()
+
+
+class Service:
+    """A subprocess this benchmark started; ``stop`` is safe to call more than once."""
+
+    def __init__(self, name: str, cmd: list[str], log: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log = log
+        with log.open("wb") as err:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=err,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent,  # the parent is single-threaded here
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def pids(self) -> list[int]:
+        """The process and its direct children (nginx's workers)."""
+        return [self.pid, *children(self.pid)]
+
+    def wait_ready(self, port: int, path: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(
+                    f"{self.name} exited with {self.proc.returncode}:\n"
+                    f"{self.log.read_text(errors='replace')[-2000:]}"
+                )
+            if _healthy(port, path):
+                return
+            time.sleep(0.1)
+        raise SystemExit(f"{self.name} not ready after {timeout:.0f}s")
+
+    def stop(self, sig: signal.Signals = signal.SIGINT) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+def write_config(path: Path, tmp: Path, replica_port: int, engine: Engine) -> str:
+    """The embedded defaults with ``REPLICA`` on ``replica_port``, ``engine`` as its model's
+    profile, teams without limits and the spool in ``tmp``; returns the served model name."""
+    raw: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text(encoding="utf-8"))
+    replica = next(r for r in raw["replicas"] if r["id"] == REPLICA)
+    replica["upstream_url"] = f"http://{HOST}:{replica_port}"
+    replica["max_num_seqs"] = engine.max_num_seqs
+    replica.pop("sidecar_listen", None)
+    for team in raw["teams"]:
+        team["limits"] = {}
+    raw.setdefault("sidecar", {})["spool_dir"] = str(tmp / "spool")
+    engines = raw.setdefault("simulator", {}).setdefault("engines", {})
+    profile = dict(engines.get(replica["model"], {}))
+    profile.update(
+        max_num_seqs=engine.max_num_seqs,
+        kv_cache_tokens=engine.kv_cache_tokens,
+        step_base_ms=engine.step_base_ms,
+        step_per_seq_ms=engine.step_per_seq_ms,
+        prefill_tokens_per_second=engine.prefill_tokens_per_second,
+    )
+    engines[replica["model"]] = profile
+    path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    spec = replica_spec(load_config(path, environ={}), REPLICA)
+    if spec.engine.max_num_seqs != engine.max_num_seqs:
+        raise SystemExit(f"replica {REPLICA} would run max_num_seqs={spec.engine.max_num_seqs}")
+    return spec.served_model
+
+
+NGINX_CONF = """\
+worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{ worker_connections 16384; }}
+http {{
+    access_log {tmp}/nginx-access.log;
+    client_body_temp_path {tmp}/nginx-body;
+    proxy_temp_path {tmp}/nginx-proxy;
+    fastcgi_temp_path {tmp}/nginx-fastcgi;
+    uwsgi_temp_path {tmp}/nginx-uwsgi;
+    scgi_temp_path {tmp}/nginx-scgi;
+    keepalive_requests 1000000;
+    upstream replica {{
+        server {host}:{upstream};
+        keepalive 1024;
+        keepalive_requests 1000000;
+    }}
+    server {{
+        listen {host}:{port} backlog=4096;
+        location / {{
+            proxy_pass http://replica;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 600s;
+        }}
+        location = /nginx-health {{ return 200 "ok"; }}
+    }}
+}}
+"""
+
+
+@dataclass
+class Stack:
+    """The replica and the two proxies in front of it."""
+
+    replica: Service
+    nginx: Service
+    sidecar: Service
+    ports: dict[str, int]
+    served_model: str
+
+    def proxy(self, path: str) -> Service:
+        return {"direct": self.replica, "nginx": self.nginx, "sidecar": self.sidecar}[path]
+
+
+def _env() -> dict[str, str]:
+    # No INFERMETER__ overrides from the caller's shell, and no OTel export: the defaults.
+    drop = ("INFERMETER", "OTEL_")
+    return {k: v for k, v in os.environ.items() if not k.upper().startswith(drop)}
+
+
+@contextlib.contextmanager
+def stack(
+    tmp: Path, engine: Engine, nginx_bin: str, tag: str, launcher: Path | None = None
+) -> Iterator[Stack]:
+    """Start replica, nginx and sidecar; stop all three on the way out, whatever happens.
+
+    ``launcher``: a Python script run instead of ``-m infermeter`` for the sidecar only, with
+    the same arguments (to measure a patched sidecar, or one on another event loop)."""
+    base = tmp / tag
+    base.mkdir()
+    ports = {path: _free_port() for path in PATHS}
+    cfg = base / "infermeter.yaml"
+    model = write_config(cfg, base, ports["direct"], engine)
+    conf = base / "nginx.conf"
+    conf.write_text(
+        NGINX_CONF.format(tmp=base, host=HOST, upstream=ports["direct"], port=ports["nginx"])
+    )
+    env = _env()
+    py = [sys.executable, "-m", "infermeter"]
+    started: list[Service] = []
+    try:
+        replica = Service(
+            "replica",
+            [*py, "simulate", "--config", str(cfg), "--replica", REPLICA],
+            base / "replica.log",
+            env,
+        )
+        started.append(replica)
+        nginx_cmd = [nginx_bin, "-p", str(base), "-c", str(conf)]
+        nginx_cmd += ["-e", str(base / "nginx-error.log"), "-g", "daemon off;"]
+        nginx = Service(
+            "nginx",
+            nginx_cmd,
+            base / "nginx.out",
+            env,
+        )
+        started.append(nginx)
+        side_cmd = [sys.executable, str(launcher)] if launcher else [*py]
+        side_cmd += ["sidecar", "--config", str(cfg), "--replica", REPLICA]
+        side_cmd += ["--listen", f"{HOST}:{ports['sidecar']}"]
+        sidecar = Service(
+            "sidecar",
+            side_cmd,
+            base / "sidecar.log",
+            env,
+        )
+        started.append(sidecar)
+        replica.wait_ready(ports["direct"], "/health")
+        nginx.wait_ready(ports["nginx"], "/nginx-health")
+        sidecar.wait_ready(ports["sidecar"], "/healthz")
+        yield Stack(replica, nginx, sidecar, ports, model)
+    finally:
+        for service in reversed(started):
+            # nginx: SIGQUIT is a graceful stop, SIGTERM/SIGINT a fast one; fast is what we want.
+            service.stop(signal.SIGTERM if service.name == "nginx" else signal.SIGINT)
+
+
+def request_bytes(port: int, model: str, max_tokens: int, key: str | None) -> bytes:
+    """A streamed chat completion as raw HTTP/1.1 bytes."""
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "Count to a large number, please."}],
+            "stream": True,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+        }
+    ).encode()
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\n{auth}"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+# -- measurement ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Window:
+    """One measured window of one phase on one path."""
+
+    phase: str
+    path: str
+    concurrency: int
+    max_tokens: int
+    window_s: float
+    chunks: int
+    requests: int
+    errors: int
+    proxy_cpu_s: float | None  # None on the direct path: there is no proxy
+    replica_cpu_s: float
+    client_cpu_s: float
+    proxy_rss_mb: float | None
+    proxy_hwm_mb: float | None
+    streaming: int
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    ttft_samples: int
+    loadavg_1m: float
+
+    @property
+    def chunks_per_s(self) -> float:
+        return self.chunks / self.window_s if self.window_s else 0.0
+
+    @property
+    def chunks_per_request(self) -> float:
+        return self.chunks / self.requests if self.requests else 0.0
+
+    @property
+    def proxy_cpu_per_s(self) -> float | None:
+        if self.proxy_cpu_s is None or not self.window_s:
+            return None
+        return self.proxy_cpu_s / self.window_s
+
+    @property
+    def us_per_chunk(self) -> float | None:
+        if self.proxy_cpu_s is None or not self.chunks:
+            return None
+        return 1e6 * self.proxy_cpu_s / self.chunks
+
+    @property
+    def us_per_request(self) -> float | None:
+        if self.proxy_cpu_s is None or not self.requests:
+            return None
+        return 1e6 * self.proxy_cpu_s / self.requests
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(
+            chunks_per_s=round(self.chunks_per_s, 1),
+            proxy_cpu_per_s=_r(self.proxy_cpu_per_s, 3),
+            replica_cpu_per_s=round(self.replica_cpu_s / self.window_s, 3),
+            client_cpu_per_s=round(self.client_cpu_s / self.window_s, 3),
+            proxy_us_per_chunk=_r(self.us_per_chunk, 2),
+            proxy_us_per_request=_r(self.us_per_request, 1),
+        )
+        return out
+
+
+def _r(x: float | None, n: int) -> float | None:
+    return None if x is None else round(x, n)
+
+
+def _quantile(sorted_s: list[float], q: float) -> float | None:
+    if not sorted_s:
+        return None
+    i = min(len(sorted_s) - 1, max(0, math.ceil(q * len(sorted_s)) - 1))
+    return 1000.0 * sorted_s[i]
+
+
+class Client:
+    """The load-generating process and its pipe."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_client_main, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def receive(self, limit: float, tick: Callable[[], None] | None = None) -> Any:
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            if self.conn.poll(0.2):
+                try:
+                    return self.conn.recv()
+                except EOFError:
+                    break
+            if tick is not None:
+                tick()
+            if not self.proc.is_alive():
+                break
+        raise SystemExit(f"load generator failed or stalled (exit code {self.proc.exitcode})")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(("quit",))
+        self.proc.join(timeout=5)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
+
+
+@dataclass
+class Profiler:
+    """Optional py-spy recording of the sidecar during chosen phases."""
+
+    directory: Path | None
+    exe: str | None
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+
+    def start(self, name: str, pid: int, seconds: float) -> None:
+        if self.directory is None or self.exe is None:
+            return
+        out = self.directory / f"{name}.txt"
+        cmd = [self.exe, "record", "--pid", str(pid), "--rate", "200",
+               "--format", "raw", "--duration", str(max(1, int(seconds))), "-o", str(out)]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append((name, proc))
+
+    def finish(self) -> None:
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        self.procs.clear()
+
+
+def measure(
+    client: Client,
+    st: Stack,
+    path: str,
+    phase: str,
+    spec: LoadSpec,
+    max_tokens: int,
+    profiler: Profiler | None = None,
+) -> Window:
+    """Run one phase on one path and read the proxy's CPU and memory around its window."""
+    proxy = st.proxy(path)
+    client.conn.send(("phase", spec))
+    limit = spec.warmup_s + spec.stagger_s + 90.0
+    client.receive(limit)  # "start"
+    pids = proxy.pids() if path != "direct" else []
+    cpu0, rep0 = cpu_seconds(pids), cpu_seconds([st.replica.pid])
+    if profiler is not None and path == "sidecar":
+        profiler.start(phase, st.sidecar.pid, spec.duration_s)
+    peak = 0
+
+    def sample() -> None:
+        nonlocal peak
+        peak = max(peak, rss_kib(pids))
+
+    msg = client.receive(spec.duration_s + 30.0, sample)  # "end"
+    cpu1, rep1 = cpu_seconds(pids), cpu_seconds([st.replica.pid])
+    sample()
+    hwm = rss_kib(pids, "VmHWM")
+    client.conn.send(("close",))
+    client.receive(30.0)  # "closed"
+    if profiler is not None:
+        profiler.finish()
+    out: dict[str, Any] = msg[1]
+    ttft = sorted(out["ttft_s"])
+    return Window(
+        phase=phase,
+        path=path,
+        concurrency=spec.concurrency,
+        max_tokens=max_tokens,
+        window_s=round(out["window_s"], 3),
+        chunks=out["chunks"],
+        requests=out["requests"],
+        errors=out["errors"],
+        proxy_cpu_s=round(cpu1 - cpu0, 4) if pids else None,
+        replica_cpu_s=round(rep1 - rep0, 4),
+        client_cpu_s=round(out["client_cpu_s"], 4),
+        proxy_rss_mb=round(peak / 1024, 1) if pids else None,
+        proxy_hwm_mb=round(hwm / 1024, 1) if pids else None,
+        streaming=out["streaming"],
+        ttft_p50_ms=_r(_quantile(ttft, 0.50), 3),
+        ttft_p99_ms=_r(_quantile(ttft, 0.99), 3),
+        ttft_samples=len(ttft),
+        loadavg_1m=round(os.getloadavg()[0], 2),
+    )
+
+
+_PROFILED = frozenset({"c64_1tok", "max_throughput", "c64_64tok", "paced_500"})
+
+
+def _settle(seconds: float = 0.5) -> None:
+    time.sleep(seconds)  # let aborted streams drain before the next window
+
+
+def run_benchmark(
+    plan: Plan,
+    nginx_bin: str,
+    profile_dir: Path | None,
+    echo: Callable[[str], None],
+    launcher: Path | None = None,
+) -> dict[str, Any]:
+    """Every phase on every path; returns the windows and the sidecar's idle RSS."""
+    windows: list[Window] = []
+    profiler = Profiler(profile_dir, shutil.which("py-spy") or _venv_tool("py-spy"))
+    idle_rss: dict[str, float] = {}
+
+    def run(st: Stack, phase: str, paths: Sequence[str], tokens: int, **kw: Any) -> None:
+        for path in paths:
+            spec = LoadSpec(st.ports[path], req(st, path, tokens), **kw)
+            profiled = profiler if phase in _PROFILED else None
+            w = measure(client, st, path, phase, spec, tokens, profiled)
+            windows.append(w)
+            echo(_row(w))
+            _settle()
+
+    def req(st: Stack, path: str, max_tokens: int) -> bytes:
+        port = st.ports[path]
+        if path == "sidecar":
+            return request_bytes(port, SIDECAR_MODEL, max_tokens, API_KEY)
+        return request_bytes(port, st.served_model, max_tokens, None)
+
+    p = plan
+    client = Client()
+    try:
+        with tempfile.TemporaryDirectory(prefix="sidecar-overhead-") as tmp_name:
+            tmp = Path(tmp_name)
+            with stack(tmp, FAST, nginx_bin, "fast", launcher) as st:
+                idle_rss = {path: round(rss_kib(st.proxy(path).pids()) / 1024, 1) for path in PATHS}
+                echo(_HEADER)
+                run(st, "ttft_c1", PATHS, 16, concurrency=1, warmup_s=0.5, duration_s=60.0,
+                    max_requests=p.c1_requests)  # fmt: skip
+                run(st, "c64_1tok", PATHS, 1, concurrency=64, warmup_s=p.warmup_s / 2,
+                    duration_s=p.window_s * 0.6, stagger_s=0.05, record_ttft=False)  # fmt: skip
+                run(st, "max_throughput", PATHS, 256, concurrency=p.throughput_concurrency,
+                    warmup_s=p.warmup_s, duration_s=p.window_s, stagger_s=0.3)  # fmt: skip
+            with stack(tmp, DEMO, nginx_bin, "demo", launcher) as st:
+                run(st, "c64_16tok", PATHS, 16, concurrency=64, warmup_s=p.warmup_s,
+                    duration_s=p.window_s, stagger_s=0.3)  # fmt: skip
+                run(st, "c64_64tok", PATHS, 64, concurrency=64, warmup_s=p.warmup_s,
+                    duration_s=p.window_s, stagger_s=1.0)  # fmt: skip
+            with stack(tmp, PACED, nginx_bin, "paced", launcher) as st:
+                tokens = int(20 * (p.paced_window_s + p.warmup_s + 10))
+                run(st, "paced_500", ("nginx", "sidecar"), tokens, concurrency=p.paced_streams,
+                    warmup_s=p.warmup_s, duration_s=p.paced_window_s, stagger_s=1.0,
+                    wait_streaming=True, record_ttft=False)  # fmt: skip
+                tokens = int(20 * (p.rss_window_s + p.warmup_s + 20))
+                run(st, "rss_1000", ("nginx", "sidecar"), tokens, concurrency=p.rss_streams,
+                    warmup_s=p.warmup_s, duration_s=p.rss_window_s, stagger_s=2.0,
+                    wait_streaming=True, record_ttft=False)  # fmt: skip
+    finally:
+        client.close()
+    return {"windows": windows, "idle_rss_mb": idle_rss}
+
+
+def _venv_tool(name: str) -> str | None:
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else None
+
+
+# -- summary -------------------------------------------------------------------------------------
+
+
+def _sub(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 3)
+
+
+def summarize(windows: list[Window], idle_rss: dict[str, float]) -> dict[str, Any]:
+    """Per-path figures and the verdict on each target."""
+    per_path: dict[str, dict[str, Any]] = {}
+
+    def get(phase: str, path: str) -> Window | None:
+        return next((w for w in windows if w.phase == phase and w.path == path), None)
+
+    def added(phase: str, path: str, key: str) -> float | None:
+        mine, direct = get(phase, path), get(phase, "direct")
+        if mine is None or direct is None:
+            return None
+        return _sub(getattr(mine, key), getattr(direct, key))
+
+    for path in PATHS:
+        c1, one, top = get("ttft_c1", path), get("c64_1tok", path), get("max_throughput", path)
+        c16, c64 = get("c64_16tok", path), get("c64_64tok", path)
+        paced, mem = get("paced_500", path), get("rss_1000", path)
+        marginal = None
+        if c16 and c64 and c16.us_per_request is not None and c64.us_per_request is not None:
+            extra_chunks = c64.chunks_per_request - c16.chunks_per_request
+            marginal = (c64.us_per_request - c16.us_per_request) / extra_chunks
+        per_path[path] = {
+            "cpu_us_per_64tok_request": _r(c64.us_per_request, 1) if c64 else None,
+            "cpu_us_per_chunk_64tok": _r(c64.us_per_chunk, 2) if c64 else None,
+            "chunks_per_64tok_request": round(c64.chunks_per_request, 1) if c64 else None,
+            "cpu_us_per_16tok_request": _r(c16.us_per_request, 1) if c16 else None,
+            "cpu_us_marginal_per_chunk": _r(marginal, 2),
+            "cpu_us_per_1tok_request": _r(one.us_per_request, 1) if one else None,
+            "ttft_c1_p50_ms": c1.ttft_p50_ms if c1 else None,
+            "ttft_c1_p99_ms": c1.ttft_p99_ms if c1 else None,
+            "ttft_c64_p50_ms": c16.ttft_p50_ms if c16 else None,
+            "ttft_c64_p99_ms": c16.ttft_p99_ms if c16 else None,
+            "added_ttft_c1_p50_ms": added("ttft_c1", path, "ttft_p50_ms"),
+            "added_ttft_c1_p99_ms": added("ttft_c1", path, "ttft_p99_ms"),
+            "added_ttft_c64_p50_ms": added("c64_16tok", path, "ttft_p50_ms"),
+            "added_ttft_c64_p99_ms": added("c64_16tok", path, "ttft_p99_ms"),
+            "max_chunks_per_s": round(top.chunks_per_s) if top else None,
+            "max_proxy_cpu_per_s": _r(top.proxy_cpu_per_s, 2) if top else None,
+            "max_replica_cpu_per_s": round(top.replica_cpu_s / top.window_s, 2) if top else None,
+            "max_cpu_us_per_chunk": _r(top.us_per_chunk, 2) if top else None,
+            "max_chunks_per_s_one_core": round(1e6 / top.us_per_chunk)
+            if top and top.us_per_chunk
+            else None,
+            "saturated_ttft_p50_ms": top.ttft_p50_ms if top else None,
+            "saturated_ttft_p99_ms": top.ttft_p99_ms if top else None,
+            "paced_chunks_per_s": round(paced.chunks_per_s) if paced else None,
+            "paced_cpu_per_s": _r(paced.proxy_cpu_per_s, 2) if paced else None,
+            "paced_cpu_us_per_chunk": _r(paced.us_per_chunk, 2) if paced else None,
+            "idle_rss_mb": idle_rss.get(path),
+            "rss_1000_streams_mb": mem.proxy_rss_mb if mem else None,
+            "rss_1000_streams_streaming": mem.streaming if mem else None,
+        }
+    side, ngx = per_path["sidecar"], per_path["nginx"]
+    ratio = (
+        round(side["cpu_us_per_64tok_request"] / ngx["cpu_us_per_64tok_request"], 1)
+        if side["cpu_us_per_64tok_request"] and ngx["cpu_us_per_64tok_request"]
+        else None
+    )
+
+    def verdict(value: float | None, limit: float, higher_is_better: bool = False) -> str:
+        if value is None:
+            return "not measured"
+        ok = value >= limit if higher_is_better else value <= limit
+        return "met" if ok else "not met"
+
+    # The whole-process ceiling: chunks/s if the sidecar had one core to itself at the cost
+    # per chunk it showed at maximum load (the measured figure when it did pin a core).
+    ceiling = side["max_chunks_per_s_one_core"]
+    targets = [
+        {
+            "target": f"sidecar CPU per 64-chunk request <= {TARGET_CPU_RATIO:g}x nginx's",
+            "value": ratio,
+            "unit": "x",
+            "verdict": verdict(ratio, TARGET_CPU_RATIO),
+        },
+        {
+            "target": f"added TTFT p50 <= {TARGET_ADDED_P50_C1_MS} ms at c=1",
+            "value": side["added_ttft_c1_p50_ms"],
+            "unit": "ms",
+            "verdict": verdict(side["added_ttft_c1_p50_ms"], TARGET_ADDED_P50_C1_MS),
+        },
+        {
+            "target": f"added TTFT p99 <= {TARGET_ADDED_P99_C64_MS} ms at c=64",
+            "value": side["added_ttft_c64_p99_ms"],
+            "unit": "ms",
+            "verdict": verdict(side["added_ttft_c64_p99_ms"], TARGET_ADDED_P99_C64_MS),
+        },
+        {
+            "target": f"<= {TARGET_PACED_US_PER_CHUNK:g} us CPU per chunk, 500 streams at 20 tok/s",
+            "value": side["paced_cpu_us_per_chunk"],
+            "unit": "us",
+            "verdict": verdict(side["paced_cpu_us_per_chunk"], TARGET_PACED_US_PER_CHUNK),
+        },
+        {
+            "target": f">= {TARGET_CHUNKS_PER_S:,.0f} chunks/s per sidecar process (one full core)",
+            "value": ceiling,
+            "unit": "chunks/s",
+            "verdict": verdict(ceiling, TARGET_CHUNKS_PER_S, higher_is_better=True),
+        },
+        {
+            "target": f"RSS <= {TARGET_RSS_MB:g} MB at 1000 streams",
+            "value": side["rss_1000_streams_mb"],
+            "unit": "MB",
+            "verdict": verdict(side["rss_1000_streams_mb"], TARGET_RSS_MB),
+        },
+    ]
+    return {"paths": per_path, "cpu_ratio_sidecar_to_nginx": ratio, "targets": targets}
+
+
+_HEADER = (
+    f"{'phase':<15} {'path':<8} {'conc':>5} {'req':>6} {'chunks/s':>9} {'proxy CPU/s':>11} "
+    f"{'us/req':>8} {'us/chunk':>8} {'TTFT p50':>9} {'p99 ms':>8} {'RSS MB':>7} "
+    f"{'repl CPU/s':>10} {'cli CPU/s':>9} {'err':>4} {'load1':>5}"
+)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _row(w: Window) -> str:
+    return (
+        f"{w.phase:<15} {w.path:<8} {w.concurrency:>5} {w.requests:>6} {w.chunks_per_s:>9,.0f} "
+        f"{_fmt(w.proxy_cpu_per_s, '11.3f'):>11} {_fmt(w.us_per_request, '8.0f'):>8} "
+        f"{_fmt(w.us_per_chunk, '8.1f'):>8} {_fmt(w.ttft_p50_ms, '9.3f'):>9} "
+        f"{_fmt(w.ttft_p99_ms, '8.3f'):>8} {_fmt(w.proxy_rss_mb, '7.1f'):>7} "
+        f"{w.replica_cpu_s / w.window_s:>10.2f} {w.client_cpu_s / w.window_s:>9.2f} "
+        f"{w.errors:>4} {w.loadavg_1m:>5.2f}"
+    )
+
+
+_SUMMARY_ROWS = (
+    ("CPU us / 64-token request (c=64)", "cpu_us_per_64tok_request", ".0f"),
+    ("  chunks per request", "chunks_per_64tok_request", ".1f"),
+    ("  CPU us per chunk", "cpu_us_per_chunk_64tok", ".1f"),
+    ("CPU us / 16-token request (c=64)", "cpu_us_per_16tok_request", ".0f"),
+    ("marginal CPU us per extra chunk", "cpu_us_marginal_per_chunk", ".1f"),
+    ("CPU us / 1-token request (c=64)", "cpu_us_per_1tok_request", ".0f"),
+    ("TTFT p50 / p99 ms, c=1", ("ttft_c1_p50_ms", "ttft_c1_p99_ms"), ".3f"),
+    ("TTFT p50 / p99 ms, c=64", ("ttft_c64_p50_ms", "ttft_c64_p99_ms"), ".3f"),
+    ("added TTFT p50 / p99 ms, c=1", ("added_ttft_c1_p50_ms", "added_ttft_c1_p99_ms"), ".3f"),
+    ("added TTFT p50 / p99 ms, c=64", ("added_ttft_c64_p50_ms", "added_ttft_c64_p99_ms"), ".3f"),
+    ("max chunks/s (256 streams)", "max_chunks_per_s", ",.0f"),
+    ("proxy / replica CPU s/s there", ("max_proxy_cpu_per_s", "max_replica_cpu_per_s"), ".2f"),
+    ("CPU us per chunk there", "max_cpu_us_per_chunk", ".1f"),
+    ("chunks/s one core would relay", "max_chunks_per_s_one_core", ",.0f"),
+    ("TTFT p50 / p99 ms there", ("saturated_ttft_p50_ms", "saturated_ttft_p99_ms"), ".1f"),
+    ("paced 500x20 tok/s: chunks/s", "paced_chunks_per_s", ",.0f"),
+    ("paced: CPU s/s, us per chunk", ("paced_cpu_per_s", "paced_cpu_us_per_chunk"), ".2f"),
+    ("RSS MB idle", "idle_rss_mb", ".1f"),
+    ("RSS MB, 1000 open streams", "rss_1000_streams_mb", ".1f"),
+)
+
+
+def render_summary(summary: dict[str, Any]) -> str:
+    """The per-path table and the targets, as text."""
+    paths: dict[str, dict[str, Any]] = summary["paths"]
+    lines = [f"{'':<34} " + " ".join(f"{p:>19}" for p in PATHS)]
+    for label, key, spec in _SUMMARY_ROWS:
+        cells = []
+        for path in PATHS:
+            if isinstance(key, tuple):
+                cells.append(" / ".join(_fmt(paths[path][k], spec) for k in key))
+            else:
+                cells.append(_fmt(paths[path][key], spec))
+        lines.append(f"{label:<34} " + " ".join(f"{c:>19}" for c in cells))
+    lines.append("")
+    for t in summary["targets"]:
+        value = _fmt(t["value"], ",.2f" if t["unit"] != "chunks/s" else ",.0f")
+        lines.append(f"{t['verdict']:>12}: {t['target']} (measured {value} {t['unit']})")
+    return "\n".join(lines)
+
+
+def _profile_report(directory: Path, top: int = 15) -> str:
+    """Top functions (inclusive and self share of samples) from py-spy's raw output."""
+    lines = []
+    for path in sorted(directory.glob("*.txt")):
+        inclusive: collections.Counter[str] = collections.Counter()
+        own: collections.Counter[str] = collections.Counter()
+        total = 0
+        for line in path.read_text().splitlines():
+            stack, _, count_text = line.rpartition(" ")
+            if not stack or not count_text.isdigit():
+                continue
+            count = int(count_text)
+            total += count
+            frames = [_frame_name(f) for f in stack.split(";") if f]
+            for name in set(frames[1:] if frames and frames[0].startswith("process") else frames):
+                inclusive[name] += count
+            if frames:
+                own[frames[-1]] += count
+        if not total:
+            continue
+        lines.append(f"py-spy {path.stem}: {total} samples")
+        lines.append("  inclusive:")
+        lines += [f"    {100 * n / total:5.1f}%  {f}" for f, n in inclusive.most_common(top)]
+        lines.append("  self:")
+        lines += [f"    {100 * n / total:5.1f}%  {f}" for f, n in own.most_common(top)]
+    return "\n".join(lines)
+
+
+def _frame_name(frame: str) -> str:
+    # "func (path/to/file.py:123)" -> "func (file.py)"; thread/process frames stay as they are.
+    name, _, where = frame.partition(" (")
+    file = where.rstrip(")").rsplit(":", 1)[0]
+    short = "/".join(file.split("/")[-2:]) if file else ""
+    return f"{name} ({short})" if short else name
+
+
+def _cpu_model() -> str:
+    for line in (_read("/proc/cpuinfo") or "").splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line flags."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.sidecar_overhead",
+        description="CPU, TTFT, throughput and memory of the sidecar against a direct "
+        "connection and an nginx reverse proxy, on loopback.",
+    )
+    parser.add_argument("--quick", action="store_true", help="shorter windows (about 1 minute)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--nginx", default="nginx", help="nginx binary (default: from PATH)")
+    parser.add_argument(
+        "--sidecar-launcher",
+        metavar="SCRIPT",
+        type=Path,
+        help="run `python SCRIPT sidecar ARGS` instead of `python -m infermeter sidecar ARGS` "
+        "(to measure a patched sidecar, or the same one on another event loop)",
+    )
+    parser.add_argument(
+        "--py-spy",
+        metavar="DIR",
+        type=Path,
+        help="also record the sidecar with py-spy during its windows into DIR and print the "
+        "top functions (perturbs the sidecar's own figures a little)",
+    )
+    return parser
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark and print tables (or JSON)."""
+    args = build_parser().parse_args(argv)
+    nginx_bin = shutil.which(args.nginx) or (
+        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
+    )
+    if nginx_bin is None:
+        raise SystemExit("nginx not found: apt-get install -y nginx (or pass --nginx PATH)")
+    if args.py_spy is not None:
+        args.py_spy.mkdir(parents=True, exist_ok=True)
+    # SIGTERM unwinds like Ctrl-C, so every `finally` stops what it started.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    plan = QUICK if args.quick else FULL
+    load_before = os.getloadavg()
+
+    def echo(text: str) -> None:
+        if not args.json:
+            print(text, flush=True)
+
+    echo(
+        f"{os.cpu_count()} CPUs ({_cpu_model()}), load average {load_before[0]:.2f}; "
+        f"{'quick' if args.quick else 'full'} run, nginx {nginx_bin}"
+    )
+    started = time.monotonic()
+    try:
+        result = run_benchmark(plan, nginx_bin, args.py_spy, echo, args.sidecar_launcher)
+    except KeyboardInterrupt:
+        print("interrupted; everything started was stopped", file=sys.stderr)
+        return 130
+    windows: list[Window] = result["windows"]
+    summary = summarize(windows, result["idle_rss_mb"])
+    elapsed = time.monotonic() - started
+    if args.json:
+        doc = {
+            "machine": {
+                "cpus": os.cpu_count(),
+                "cpu_model": _cpu_model(),
+                "python": platform.python_version(),
+                "loadavg_before": [round(x, 2) for x in load_before],
+                "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            },
+            "settings": {
+                "quick": args.quick,
+                **asdict(plan),
+                "fast_engine": asdict(FAST),
+                "paced_engine": asdict(PACED),
+                "elapsed_s": round(elapsed, 1),
+            },
+            "windows": [w.as_dict() for w in windows],
+            **summary,
+        }
+        print(json.dumps(doc, indent=2))
+    else:
+        print()
+        print(render_summary(summary))
+        print(f"\n{elapsed:.0f} s, load average after {os.getloadavg()[0]:.2f}")
+        if args.py_spy is not None:
+            print(_profile_report(args.py_spy))
+    return 1 if any(w.errors for w in windows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
