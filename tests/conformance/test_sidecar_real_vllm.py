@@ -94,7 +94,7 @@ async def test_aborted_stream_difference_is_small_and_reported(real_vllm, sideca
             seen = 0
             async for line in r.aiter_lines():
                 seen += line.startswith("data: ")
-                if seen == 8:
+                if seen == 1:
                     break
     await asyncio.sleep(2.0)
     after = await _counters(real_vllm)
@@ -104,4 +104,4 @@ async def test_aborted_stream_difference_is_small_and_reported(real_vllm, sideca
     gap = (after[1] - before[1]) - record["completion_tokens"]
     print(f"\nreal vLLM generated {gap:.0f} token(s) after the last chunk the sidecar relayed")
     assert 0 <= gap <= 5
-    assert after[1] - before[1] < 400
+    assert after[1] - before[1] < 500
