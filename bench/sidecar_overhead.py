@@ -712,7 +712,7 @@ class Client:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.conn.send(("quit",))
-        self.proc.join(timeout=5)
+        self.proc.join(timeout=2)
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(timeout=5)

@@ -1,0 +1,66 @@
+"""GPU telemetry (dcgm-exporter or NVML) and vLLM engine state, joined to replicas.
+
+``infermeter collect`` (``collectors.serve.serve_collector``) scrapes, every
+``collector.scrape_interval_seconds``, each node's dcgm-exporter (or this machine's GPUs through
+NVML) and each replica's vLLM ``/metrics``; joins every GPU to the replica on it
+(``collectors.attribution``: configuration first, then the ``vllm-<replica id>`` pod label);
+accounts energy from the boards' counters (``collectors.energy``: counter resets survived, gaps
+recorded, never filled); appends ``GpuSample`` and ``EngineSample`` records to
+``<collector.spool_dir>/gpu_samples`` and ``/engine_samples`` and ships them to
+``collector.ingest_url`` when it is set. A target that is down, slow or answers garbage is marked
+down and retried with a doubling back-off; the others go on.
+
+Its own ``/metrics`` (on ``collector.listen``; ``/healthz`` too) is built at scrape time:
+
+================================================  ===========================================
+metric                                            meaning
+================================================  ===========================================
+infermeter_gpu_utilization_ratio{node,gpu,        utilization of a GPU or MIG slice (0-1);
+  uuid,replica,model}                             ``gpu`` is ``<index>/<GPU_I_ID>`` for a slice,
+                                                  ``replica``/``model`` empty when idle capacity
+infermeter_gpu_power_watts{...}                   power (a MIG slice: its share of the board)
+infermeter_gpu_energy_joules_total{...}           energy since the collector started, no gaps
+infermeter_gpu_memory_used_bytes{...}             framebuffer in use
+infermeter_gpu_memory_free_bytes{...}             framebuffer free
+infermeter_gpu_xid_errors{...}                    last XID error code (0: none)
+infermeter_replica_gpu_utilization_ratio          mean utilization of the replica's GPUs
+  {replica,model}
+infermeter_replica_gpu_power_watts{...}           power of the replica's GPUs
+infermeter_replica_gpu_energy_joules_total{...}   energy of the replica's GPUs since start
+infermeter_replica_gpu_memory_used_bytes{...}     framebuffer in use on the replica's GPUs
+infermeter_replica_gpus{...}                      GPUs or slices attributed to the replica
+infermeter_replica_queue_depth{...}               vllm:num_requests_waiting
+infermeter_replica_requests_running{...}          vllm:num_requests_running
+infermeter_replica_kv_cache_usage_ratio{...}      vllm:kv_cache_usage_perc (0-1)
+infermeter_collector_target_up{target,kind}       1 if the last scrape succeeded; ``kind`` is
+                                                  ``dcgm``, ``nvml`` or ``vllm``
+infermeter_collector_scrape_duration_seconds      duration of the target's last scrape
+  {target,kind}
+infermeter_collector_scrape_errors_total{...}     failed scrapes of the target
+infermeter_collector_gaps_total                   GPU intervals recorded as gaps
+infermeter_collector_round_errors_total           rounds that failed unexpectedly (a bug)
+infermeter_collector_spool_errors_total           batches that could not be spooled
+================================================  ===========================================
+"""
+
+from collectors.attribution import attribute, replica_for_pod
+from collectors.energy import Energy, Point, counter_increase, interval_energy
+from collectors.loop import Batch, FleetCollector, backoff_seconds
+from collectors.sources import EngineReading, EngineSource, GpuReading, GpuSource, ScrapeError
+
+__all__ = [
+    "Batch",
+    "Energy",
+    "EngineReading",
+    "EngineSource",
+    "FleetCollector",
+    "GpuReading",
+    "GpuSource",
+    "Point",
+    "ScrapeError",
+    "attribute",
+    "backoff_seconds",
+    "counter_increase",
+    "interval_energy",
+    "replica_for_pod",
+]

@@ -98,6 +98,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     side.set_defaults(handler=_sidecar)
 
+    col = sub.add_parser(
+        "collect",
+        help="scrape GPU telemetry (dcgm-exporter or NVML) and vLLM engine state",
+        description=(
+            "Scrape every node's dcgm-exporter (or this node's GPUs through NVML) and every "
+            "replica's vLLM /metrics, join each GPU sample to its replica, compute energy, spool "
+            "and ship the samples to billing, and serve the joined fleet view on /metrics."
+        ),
+    )
+    _add_config(col)
+    col.add_argument(
+        "--listen", metavar="HOST:PORT", help="where to serve /metrics (default: collector.listen)"
+    )
+    col.set_defaults(handler=_collect)
+
     demo = sub.add_parser(
         "demo",
         help="run the whole platform on a simulated fleet, with traffic",
@@ -189,6 +204,13 @@ def _sidecar(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _collect(args: argparse.Namespace, config: Config) -> int:
+    from collectors.serve import serve_collector
+
+    asyncio.run(serve_collector(config, args.listen))
+    return 0
+
+
 def _demo(args: argparse.Namespace, config: Config) -> int:
     from infermeter import fleet
 
@@ -196,5 +218,8 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
     args.via_sidecars = True
     args.duration = None
     children = fleet.simulator_children(config, path) + fleet.sidecar_children(config, path)
+    children.append(fleet.collector_child(config, path))
     children.append(fleet.traffic_child(path, args))
-    return fleet.run(children, fleet.sidecar_urls(config) + fleet.simulator_urls(config))
+    urls = fleet.sidecar_urls(config) + fleet.simulator_urls(config)
+    urls.append(("collector (fleet view)", f"http://{config.collector.listen}/metrics"))
+    return fleet.run(children, urls)

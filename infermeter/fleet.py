@@ -70,6 +70,13 @@ def sidecar_urls(config: Config) -> list[tuple[str, str]]:
     ]
 
 
+def collector_child(config: Config, config_path: str) -> Child:
+    """The collector, scraping the simulated dcgm-exporters and replicas."""
+    ensure_free(*host_port(config.collector.listen), "collector listen address")
+    argv = _infermeter("collect", "--config", config_path)
+    return Child("collector", argv, f"http://{config.collector.listen}/healthz")
+
+
 def traffic_child(config_path: str, args: argparse.Namespace) -> Child:
     """The traffic generator, as a child process."""
     argv = _infermeter("simulate", "--config", config_path, "--traffic-only",

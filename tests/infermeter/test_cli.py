@@ -41,6 +41,9 @@ def _fleet_config(tmp_path: Path) -> Path:
     for n in data["nodes"]:
         n["dcgm_exporter_url"] = f"http://127.0.0.1:{free_port()}/metrics"
     data["sidecar"]["spool_dir"] = str(tmp_path / "spool")
+    data["collector"].update(
+        listen=f"127.0.0.1:{free_port()}", spool_dir=str(tmp_path / "collector-spool")
+    )
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -141,6 +144,7 @@ def test_demo_command_runs_the_fleet(tmp_path):
     assert proc.returncode == 0
     assert any("vLLM replica large-0" in x for x in lines)
     assert any("sidecar small-0 (OpenAI API)" in x for x in lines)
+    assert any("collector (fleet view)" in x for x in lines)
     config = yaml.safe_load(path.read_text())
     assert all(_gone(r["upstream_url"] + "/health") for r in config["replicas"]), (
         "no replica outlives the demo"

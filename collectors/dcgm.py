@@ -1,0 +1,153 @@
+"""dcgm-exporter as a GPU source: scrape a node's /metrics and read each GPU or MIG slice.
+
+Fields read (dcgm-exporter's default counters): DCGM_FI_DEV_GPU_UTIL (percent),
+DCGM_FI_PROF_GR_ENGINE_ACTIVE (ratio; the utilization of a MIG slice, which has no GPU_UTIL),
+DCGM_FI_DEV_POWER_USAGE (W), DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION (mJ since boot),
+DCGM_FI_DEV_FB_USED / _FREE (MiB), DCGM_FI_DEV_XID_ERRORS (last XID). Labels: gpu, UUID,
+modelName, Hostname (or the newer ``hostname``), GPU_I_PROFILE / GPU_I_ID on MIG slices, and
+pod / namespace / container when Kubernetes pod mapping is on.
+
+dcgm-exporter repeats a board's power and energy on each of its MIG slices; they are split
+among the board's slices in proportion to each slice's compute share (the ``N`` of ``Ng.XXgb``),
+so the slices' energy adds up to the board's once, not once per slice.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+from dataclasses import replace
+
+import httpx
+
+from collectors.exposition import ExpositionError, parse_samples
+from collectors.sources import GpuReading, ScrapeError
+
+__all__ = ["DCGM_FIELDS", "DcgmSource", "dcgm_readings"]
+
+UTIL = "DCGM_FI_DEV_GPU_UTIL"
+GR_ACTIVE = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
+POWER = "DCGM_FI_DEV_POWER_USAGE"
+ENERGY = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"
+FB_USED = "DCGM_FI_DEV_FB_USED"
+FB_FREE = "DCGM_FI_DEV_FB_FREE"
+XID = "DCGM_FI_DEV_XID_ERRORS"
+DCGM_FIELDS = (UTIL, GR_ACTIVE, POWER, ENERGY, FB_USED, FB_FREE, XID)
+
+_COMPUTE_SLICES = re.compile(r"^(\d+)g\.")
+
+
+def dcgm_readings(text: str, node: str) -> list[GpuReading]:
+    """Every GPU and MIG slice in one dcgm-exporter page; ExpositionError if it is not one."""
+    samples = parse_samples(text, DCGM_FIELDS)
+    rows: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
+    labels: dict[tuple[str, str], dict[str, str]] = {}
+    for name, found in samples.items():
+        for lab, value in found:
+            key = (lab.get("UUID", ""), lab.get("GPU_I_ID", ""))
+            rows[key][name] = value
+            labels.setdefault(key, lab)
+    if not rows:
+        raise ExpositionError("no DCGM_FI_ GPU metrics in the page")
+    readings = [_reading(node, labels[key], row) for key, row in rows.items()]
+    return _split_mig_board_values(readings)
+
+
+def _reading(node: str, lab: dict[str, str], row: dict[str, float]) -> GpuReading:
+    utilization = row[UTIL] / 100.0 if UTIL in row else row.get(GR_ACTIVE, 0.0)
+    return GpuReading(
+        node=node,
+        gpu=lab.get("gpu", ""),
+        uuid=lab.get("UUID", ""),
+        model_name=lab.get("modelName", ""),
+        utilization=utilization,
+        power_watts=row.get(POWER, 0.0),
+        energy_mj=row.get(ENERGY),
+        memory_used_mib=row.get(FB_USED, 0.0),
+        memory_free_mib=row.get(FB_FREE, 0.0),
+        xid_errors=int(row.get(XID, 0)),
+        gr_engine_active=row.get(GR_ACTIVE),
+        mig_profile=lab.get("GPU_I_PROFILE") or None,
+        mig_instance=lab.get("GPU_I_ID") or None,
+        hostname=lab.get("Hostname") or lab.get("hostname") or None,
+        pod=lab.get("pod") or None,
+        namespace=lab.get("namespace") or None,
+        container=lab.get("container") or None,
+    )
+
+
+def _split_mig_board_values(readings: list[GpuReading]) -> list[GpuReading]:
+    slices: dict[str, list[GpuReading]] = defaultdict(list)
+    for r in readings:
+        if r.mig_instance:
+            slices[r.uuid].append(r)
+    if not slices:
+        return readings
+    share: dict[tuple[str, str, str], float] = {}
+    for board in slices.values():
+        weights = [_compute_slices(r.mig_profile) for r in board]
+        for r, w in zip(board, weights, strict=True):
+            share[r.key] = w / sum(weights)
+    out = []
+    for r in readings:
+        f = share.get(r.key)
+        if f is None:
+            out.append(r)
+            continue
+        energy = None if r.energy_mj is None else r.energy_mj * f
+        out.append(replace(r, power_watts=r.power_watts * f, energy_mj=energy))
+    return out
+
+
+def _replace(r: GpuReading, power_watts: float, energy_mj: float | None) -> GpuReading:
+    from dataclasses import replace
+
+    return replace(r, power_watts=power_watts, energy_mj=energy_mj)
+
+
+def _compute_slices(profile: str | None) -> int:
+    match = _COMPUTE_SLICES.match(profile or "")
+    return int(match[1]) if match else 1
+
+
+class DcgmSource:
+    """One node's dcgm-exporter /metrics endpoint, read over a shared HTTP client."""
+
+    kind = "dcgm"
+
+    def __init__(
+        self, node: str, url: str, client: httpx.AsyncClient, timeout_seconds: float
+    ) -> None:
+        self.target = node
+        self.url = url
+        self.client = client
+        self.timeout_seconds = timeout_seconds
+        self.last_parse_seconds = 0.0
+
+    async def read(self) -> list[GpuReading]:
+        """Scrape and parse the node's page now."""
+        text = await fetch_text(self.client, self.url, self.timeout_seconds)
+        started = time.perf_counter()
+        try:
+            readings = dcgm_readings(text, self.target)
+        except ExpositionError as exc:
+            raise ScrapeError(f"{self.url}: not a dcgm-exporter page: {exc}") from None
+        finally:
+            self.last_parse_seconds = time.perf_counter() - started
+        return readings
+
+
+async def fetch_text(client: httpx.AsyncClient, url: str, timeout_seconds: float) -> str:
+    """GET ``url`` and return its body; ScrapeError on any HTTP failure or non-200 answer."""
+    try:
+        response = await client.get(url, timeout=timeout_seconds)
+    except httpx.TimeoutException:
+        raise ScrapeError(f"{url}: no answer within {timeout_seconds:g} s") from None
+    except httpx.HTTPError as exc:
+        raise ScrapeError(
+            f"{url}: {type(exc).__name__}: {str(exc) or 'connection failed'}"
+        ) from None
+    if response.status_code != 200:
+        raise ScrapeError(f"{url}: HTTP {response.status_code}")
+    return response.text

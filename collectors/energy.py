@@ -1,0 +1,51 @@
+"""Energy a GPU drew between two readings: pure functions, no clocks, no I/O.
+
+From the board's millijoule counter when both readings have it: the difference, where a
+decrease means the counter was reset (a reboot or driver reload) and counts from 0 again, so
+the increase is the new value. Without a counter, power is integrated over the interval
+(trapezoid rule). An interval longer than the gap limit (``gap_after_intervals`` scrape
+intervals) is a gap: nobody knows what was drawn, so energy is ``None``, never guessed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Energy", "Point", "counter_increase", "interval_energy"]
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One reading's time (s), power (W) and energy counter (mJ, or None)."""
+
+    t: float
+    power_watts: float
+    energy_mj: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Energy:
+    """Energy over one interval; ``joules`` is None exactly when ``gap`` is true."""
+
+    joules: float | None
+    interval_seconds: float
+    gap: bool = False
+
+
+def counter_increase(previous: float, current: float) -> float:
+    """Increase of a monotonic counter; a decrease means it was reset and counts from 0."""
+    return current - previous if current >= previous else current
+
+
+def interval_energy(previous: Point | None, current: Point, gap_seconds: float) -> Energy:
+    """Joules drawn from ``previous`` to ``current``; the first reading starts at 0 s, 0 J."""
+    if previous is None:
+        return Energy(0.0, 0.0)
+    dt = current.t - previous.t
+    if dt <= 0:
+        return Energy(0.0, 0.0)
+    if dt > gap_seconds:
+        return Energy(None, dt, gap=True)
+    if previous.energy_mj is not None and current.energy_mj is not None:
+        return Energy(counter_increase(previous.energy_mj, current.energy_mj) / 1000.0, dt)
+    return Energy((previous.power_watts + current.power_watts) / 2.0 * dt, dt)

@@ -1,0 +1,261 @@
+"""The scrape loop: read every target, join GPUs to replicas, account energy, hand on samples.
+
+``FleetCollector.scrape_once`` is one round: every target that is due is read concurrently,
+each under the scrape timeout. A target that fails (down, slow, garbage, no NVML) is marked
+down with its one-line reason and retried after a doubling back-off, capped at
+``max_backoff_seconds``; the other targets and the loop go on. The latest joined view (GPU and
+engine samples, target states, running energy totals) stays on the object for /metrics to read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from collectors.attribution import attribute
+from collectors.energy import Point, interval_energy
+from collectors.sources import (
+    EngineReading,
+    EngineSource,
+    GpuReading,
+    GpuSource,
+    ScrapeError,
+)
+from infermeter.config import Config, Replica
+from infermeter.records import EngineSample, GpuSample
+
+__all__ = ["Batch", "FleetCollector", "Sink", "TargetState", "backoff_seconds"]
+
+log = logging.getLogger("infermeter.collectors")
+
+
+def backoff_seconds(failures: int, interval_seconds: float, max_seconds: float) -> float:
+    """Wait before retrying a target after ``failures`` failures in a row: doubling, capped."""
+    if failures <= 0:
+        return 0.0
+    return min(max_seconds, interval_seconds * 2.0 ** (failures - 1))
+
+
+@dataclass
+class TargetState:
+    """How one target fared: up or down, why, and when it is next due."""
+
+    target: str
+    kind: str
+    up: bool = False
+    failures: int = 0
+    next_attempt: float = 0.0
+    last_error: str | None = None
+    scrape_seconds: float = 0.0
+    errors_total: int = 0
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The samples one round produced."""
+
+    gpus: list[GpuSample] = field(default_factory=list)
+    engines: list[EngineSample] = field(default_factory=list)
+
+
+Sink = Callable[[Batch], Awaitable[None]]
+
+
+class FleetCollector:
+    """Scrapes GPU and engine sources and keeps the joined fleet view."""
+
+    def __init__(self, config: Config, gpu_sources: Sequence[GpuSource],
+                 engine_sources: Sequence[EngineSource],
+                 clock: Callable[[], float] = time.time, max_concurrent_scrapes: int = 32) -> None:  # fmt: skip
+        self.config = config
+        self.settings = config.collector
+        self.gpu_sources = list(gpu_sources)
+        self.engine_sources = list(engine_sources)
+        self.clock = clock
+        sources: list[GpuSource | EngineSource] = [*self.gpu_sources, *self.engine_sources]
+        self.states = {(s.target, s.kind): TargetState(s.target, s.kind) for s in sources}
+        self.gpus: dict[str, list[GpuSample]] = {}
+        self.engines: dict[str, EngineSample] = {}
+        self.gpu_energy_joules: dict[tuple[str, str], float] = {}
+        self.replica_energy_joules: dict[str, float] = {}
+        self.gaps_total = 0
+        self.round_errors_total = 0
+        self.sink_errors_total = 0
+        self.rounds = 0
+        self._last: dict[tuple[str, str, str], Point] = {}
+        self._owners: dict[tuple[tuple[str, str, str], str | None], Replica | None] = {}
+        # httpx's connection pool does work in proportion to its connections on every request,
+        # so a round of 128 scrapes at once cost more CPU than the parsing (docs/benchmarks.md).
+        self._limit = asyncio.Semaphore(max_concurrent_scrapes)
+
+    @property
+    def gap_seconds(self) -> float:
+        """An interval longer than this between two readings of a GPU is a gap."""
+        return self.settings.gap_after_intervals * self.settings.scrape_interval_seconds
+
+    async def run(self, sink: Sink | None = None, rounds: int | None = None) -> None:
+        """Scrape every interval, forever (or ``rounds`` times); nothing raises out of it."""
+        interval = self.settings.scrape_interval_seconds
+        loop = asyncio.get_running_loop()
+        next_round = loop.time()
+        done = 0
+        while rounds is None or done < rounds:
+            try:
+                batch = await self.scrape_once()
+            except Exception:
+                # A bug in one round must not stop GPU telemetry for the fleet: log it with its
+                # traceback, count it, and try again next round.
+                log.exception("collector round failed")
+                self.round_errors_total += 1
+                batch = Batch()
+            if sink is not None and (batch.gpus or batch.engines):
+                await self._deliver(sink, batch)
+            done += 1
+            next_round += interval
+            await asyncio.sleep(max(0.0, next_round - loop.time()))
+
+    async def _deliver(self, sink: Sink, batch: Batch) -> None:
+        try:
+            await sink(batch)
+        except (OSError, ValueError) as exc:  # SpoolError and disk errors
+            self.sink_errors_total += 1
+            log.error("collector could not spool %d samples: %s",
+                      len(batch.gpus) + len(batch.engines), exc)  # fmt: skip
+
+    async def scrape_once(self) -> Batch:
+        """One round over every due target; returns the new samples."""
+        now = self.clock()
+        gpu_due = [s for s in self.gpu_sources if self._due(s.target, s.kind, now)]
+        engine_due = [s for s in self.engine_sources if self._due(s.target, s.kind, now)]
+        results = await asyncio.gather(
+            *(self._read(s) for s in gpu_due), *(self._read(s) for s in engine_due)
+        )
+        self.rounds += 1
+        batch = Batch()
+        for source, result in zip(gpu_due, results[: len(gpu_due)], strict=True):
+            if result is not None:
+                assert isinstance(result[1], list)
+                batch.gpus.extend(self._gpu_samples(source.target, result[0], result[1]))
+            else:
+                self.gpus.pop(source.target, None)
+        for esource, result in zip(engine_due, results[len(gpu_due) :], strict=True):
+            if result is not None:
+                assert isinstance(result[1], EngineReading)
+                sample = self._engine_sample(esource.target, result[0], result[1])
+                if sample is not None:
+                    batch.engines.append(sample)
+            else:
+                self.engines.pop(esource.target, None)
+        return batch
+
+    def _due(self, target: str, kind: str, now: float) -> bool:
+        return self.states[(target, kind)].next_attempt <= now
+
+    async def _read(
+        self, source: GpuSource | EngineSource
+    ) -> tuple[float, list[GpuReading] | EngineReading] | None:
+        state = self.states[(source.target, source.kind)]
+        started = time.perf_counter()  # reset once a concurrency slot is free
+        timeout = self.settings.scrape_timeout_seconds
+        try:
+            async with self._limit:
+                started = time.perf_counter()
+                reading: list[GpuReading] | EngineReading = await asyncio.wait_for(
+                    source.read(), timeout
+                )
+        except (ScrapeError, TimeoutError) as exc:
+            reason = str(exc) if isinstance(exc, ScrapeError) else f"no answer within {timeout:g} s"
+            self._mark_down(state, reason)
+            return None
+        finally:
+            state.scrape_seconds = time.perf_counter() - started
+        if not state.up:
+            log.info("%s target %s is up", state.kind, state.target)
+        state.up, state.failures, state.last_error, state.next_attempt = True, 0, None, 0.0
+        return self.clock(), reading
+
+    def _mark_down(self, state: TargetState, reason: str) -> None:
+        if state.up or state.failures == 0 or reason != state.last_error:
+            log.warning("%s target %s is down: %s", state.kind, state.target, reason)
+        state.up = False
+        state.failures += 1
+        state.errors_total += 1
+        state.last_error = reason
+        wait = backoff_seconds(state.failures, self.settings.scrape_interval_seconds,
+                               self.settings.max_backoff_seconds)  # fmt: skip
+        # Due again one interval early, so the next round that falls after the wait picks it up.
+        state.next_attempt = self.clock() + wait - self.settings.scrape_interval_seconds
+
+    def _gpu_samples(self, target: str, t: float, readings: list[GpuReading]) -> list[GpuSample]:
+        node = next((n for n in self.config.nodes if n.name == target), None)
+        out = []
+        for r in readings:
+            replica = self._owner(r)
+            point = Point(t, r.power_watts, r.energy_mj)
+            energy = interval_energy(self._last.get(r.key), point, self.gap_seconds)
+            self._last[r.key] = point
+            if energy.gap:
+                self.gaps_total += 1
+            elif energy.joules:
+                gkey = (r.node, r.slot)
+                self.gpu_energy_joules[gkey] = self.gpu_energy_joules.get(gkey, 0.0) + energy.joules
+                if replica is not None:
+                    self.replica_energy_joules[replica.id] = (
+                        self.replica_energy_joules.get(replica.id, 0.0) + energy.joules
+                    )
+            gpu_model = replica.gpu_model if replica else (node.gpu_model if node else None)
+            out.append(
+                GpuSample(
+                    sample_id=f"{r.node}/{r.uuid}/{r.mig_instance or '-'}/{round(t * 1000)}",
+                    node=r.node,
+                    gpu=r.slot,
+                    uuid=r.uuid,
+                    gpu_model=gpu_model or r.model_name,
+                    replica=replica.id if replica else None,
+                    model=replica.model if replica else None,
+                    timestamp=t,
+                    interval_seconds=energy.interval_seconds,
+                    utilization=r.utilization,
+                    power_watts=r.power_watts,
+                    energy_joules=energy.joules,
+                    memory_used_mib=r.memory_used_mib,
+                    memory_free_mib=r.memory_free_mib,
+                    xid_errors=r.xid_errors,
+                    mig_profile=r.mig_profile,
+                    gap=energy.gap,
+                )
+            )
+        self.gpus[target] = out
+        return out
+
+    def _owner(self, r: GpuReading) -> Replica | None:
+        # The configuration never changes under a collector, so each board's owner is looked up
+        # once per pod it is seen with.
+        key = (r.key, r.pod)
+        if key not in self._owners:
+            self._owners[key] = attribute(r, self.config.replicas)
+        return self._owners[key]
+
+    def _engine_sample(self, target: str, t: float, r: EngineReading) -> EngineSample | None:
+        replica = next((x for x in self.config.replicas if x.id == target), None)
+        if replica is None:
+            return None
+        sample = EngineSample(
+            sample_id=f"{target}/{round(t * 1000)}",
+            replica=target,
+            model=replica.model,
+            timestamp=t,
+            requests_running=r.requests_running,
+            requests_waiting=r.requests_waiting,
+            kv_cache_usage=r.kv_cache_usage,
+            prompt_tokens_total=r.prompt_tokens_total,
+            generation_tokens_total=r.generation_tokens_total,
+            prefix_cache_queries_total=r.prefix_cache_queries_total,
+            prefix_cache_hits_total=r.prefix_cache_hits_total,
+            preemptions_total=r.preemptions_total,
+        )
+        self.engines[target] = sample
+        return sample

@@ -1,0 +1,195 @@
+"""The collector's own /metrics: the joined fleet view, built fresh on every scrape.
+
+``FleetMetrics`` is a prometheus-client custom collector that reads ``FleetCollector``'s latest
+view inside ``collect()``; it holds no metric objects of its own. ``create_app`` serves it from
+its own ``CollectorRegistry`` (never the global one) next to ``/healthz``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, make_asgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from collectors.loop import FleetCollector
+from infermeter.records import GpuSample
+
+__all__ = ["FleetMetrics", "create_app"]
+
+MIB = 2**20
+GPU_LABELS = ["node", "gpu", "uuid", "replica", "model"]
+REPLICA_LABELS = ["replica", "model"]
+TARGET_LABELS = ["target", "kind"]
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+class FleetMetrics(Collector):
+    """Builds every family from the collector's current view at scrape time."""
+
+    def __init__(self, collector: FleetCollector) -> None:
+        self.collector = collector
+
+    def collect(self) -> Iterator[Metric]:
+        """Per-GPU, per-replica and self-monitoring families."""
+        samples = [s for group in self.collector.gpus.values() for s in group]
+        yield from self._gpu_families(samples)
+        yield from self._replica_families(samples)
+        yield from self._target_families()
+
+    def _gpu_families(self, samples: list[GpuSample]) -> Iterator[Metric]:
+        util = GaugeMetricFamily(
+            "infermeter_gpu_utilization_ratio",
+            "GPU (or MIG slice) utilization, 0 to 1.",
+            labels=GPU_LABELS,
+        )
+        power = GaugeMetricFamily(
+            "infermeter_gpu_power_watts",
+            "GPU power draw (a MIG slice's share of its board).",
+            labels=GPU_LABELS,
+        )
+        energy = CounterMetricFamily(
+            "infermeter_gpu_energy_joules",
+            "Energy drawn since the collector started, gaps excluded.",
+            labels=GPU_LABELS,
+        )
+        used = GaugeMetricFamily(
+            "infermeter_gpu_memory_used_bytes", "Framebuffer memory in use.", labels=GPU_LABELS
+        )
+        free = GaugeMetricFamily(
+            "infermeter_gpu_memory_free_bytes", "Framebuffer memory free.", labels=GPU_LABELS
+        )
+        xid = GaugeMetricFamily("infermeter_gpu_xid_errors", "Code of the last XID error (0: none).", labels=GPU_LABELS)  # fmt: skip
+        for s in samples:
+            labels = [s.node, s.gpu, s.uuid, s.replica or "", s.model or ""]
+            util.add_metric(labels, s.utilization)
+            power.add_metric(labels, s.power_watts)
+            energy.add_metric(labels, self.collector.gpu_energy_joules.get((s.node, s.gpu), 0.0))
+            used.add_metric(labels, s.memory_used_mib * MIB)
+            free.add_metric(labels, s.memory_free_mib * MIB)
+            xid.add_metric(labels, s.xid_errors)
+        yield from (util, power, energy, used, free, xid)
+
+    def _replica_families(self, samples: list[GpuSample]) -> Iterator[Metric]:
+        by_replica: dict[tuple[str, str], list[GpuSample]] = defaultdict(list)
+        for s in samples:
+            if s.replica is not None:
+                by_replica[(s.replica, s.model or "")].append(s)
+        util = GaugeMetricFamily(
+            "infermeter_replica_gpu_utilization_ratio",
+            "Mean utilization of the replica's GPUs, 0 to 1.",
+            labels=REPLICA_LABELS,
+        )
+        power = GaugeMetricFamily(
+            "infermeter_replica_gpu_power_watts",
+            "Power drawn by the replica's GPUs.",
+            labels=REPLICA_LABELS,
+        )
+        energy = CounterMetricFamily(
+            "infermeter_replica_gpu_energy_joules",
+            "Energy drawn by the replica's GPUs since the collector started.",
+            labels=REPLICA_LABELS,
+        )
+        memory = GaugeMetricFamily(
+            "infermeter_replica_gpu_memory_used_bytes",
+            "Framebuffer memory in use on the replica's GPUs.",
+            labels=REPLICA_LABELS,
+        )
+        gpus = GaugeMetricFamily("infermeter_replica_gpus", "GPUs (or MIG slices) attributed to the replica.", labels=REPLICA_LABELS)  # fmt: skip
+        for (replica, model), group in sorted(by_replica.items()):
+            labels = [replica, model]
+            util.add_metric(labels, sum(s.utilization for s in group) / len(group))
+            power.add_metric(labels, sum(s.power_watts for s in group))
+            energy.add_metric(labels, self.collector.replica_energy_joules.get(replica, 0.0))
+            memory.add_metric(labels, sum(s.memory_used_mib for s in group) * MIB)
+            gpus.add_metric(labels, len(group))
+        queue = GaugeMetricFamily(
+            "infermeter_replica_queue_depth",
+            "Requests waiting in the engine's queue (vllm:num_requests_waiting).",
+            labels=REPLICA_LABELS,
+        )
+        running = GaugeMetricFamily(
+            "infermeter_replica_requests_running",
+            "Requests in the engine's running batch.",
+            labels=REPLICA_LABELS,
+        )
+        kv = GaugeMetricFamily("infermeter_replica_kv_cache_usage_ratio", "KV-cache blocks in use, 0 to 1.", labels=REPLICA_LABELS)  # fmt: skip
+        for e in sorted(self.collector.engines.values(), key=lambda e: e.replica):
+            labels = [e.replica, e.model]
+            queue.add_metric(labels, e.requests_waiting)
+            running.add_metric(labels, e.requests_running)
+            kv.add_metric(labels, e.kv_cache_usage)
+        yield from (util, power, energy, memory, gpus, queue, running, kv)
+
+    def _target_families(self) -> Iterator[Metric]:
+        c = self.collector
+        up = GaugeMetricFamily(
+            "infermeter_collector_target_up",
+            "1 if the last scrape of the target succeeded.",
+            labels=TARGET_LABELS,
+        )
+        took = GaugeMetricFamily(
+            "infermeter_collector_scrape_duration_seconds",
+            "How long the last scrape of the target took.",
+            labels=TARGET_LABELS,
+        )
+        errors = CounterMetricFamily("infermeter_collector_scrape_errors", "Failed scrapes of the target.", labels=TARGET_LABELS)  # fmt: skip
+        for state in c.states.values():
+            labels = [state.target, state.kind]
+            up.add_metric(labels, 1.0 if state.up else 0.0)
+            took.add_metric(labels, state.scrape_seconds)
+            errors.add_metric(labels, state.errors_total)
+        yield from (up, took, errors)
+        yield CounterMetricFamily(
+            "infermeter_collector_gaps",
+            "GPU intervals recorded as gaps (no energy).",
+            value=c.gaps_total,
+        )
+        yield CounterMetricFamily(
+            "infermeter_collector_round_errors",
+            "Scrape rounds that failed unexpectedly.",
+            value=c.round_errors_total,
+        )
+        yield CounterMetricFamily("infermeter_collector_spool_errors", "Batches of samples that could not be spooled.", value=c.sink_errors_total)  # fmt: skip
+
+
+def create_app(collector: FleetCollector, registry: CollectorRegistry | None = None) -> Callable[
+    [Scope, Receive, Send], Awaitable[None]
+]:  # fmt: skip
+    """The collector's ASGI app: ``/metrics`` (fleet view) and ``/healthz``."""
+    registry = registry or CollectorRegistry()
+    registry.register(FleetMetrics(collector))
+    metrics = make_asgi_app(registry)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/metrics":
+            await metrics(scope, receive, send)
+            return
+        status, body = (200, b"ok\n") if scope["path"] == "/healthz" else (404, b"not found\n")
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"text/plain; charset=utf-8")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,105 @@
+"""What a collector reads, and the two small interfaces its data sources implement.
+
+A source is anything that can be asked, once per scrape, for readings: dcgm-exporter over HTTP,
+NVML in-process, a vLLM replica's /metrics, or a fake in tests. Sources raise ``ScrapeError``
+with a one-line reason for anything that went wrong on their side (down, garbage, no driver);
+the loop marks the target down and backs off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["EngineReading", "EngineSource", "GpuReading", "GpuSource", "ScrapeError"]
+
+
+class ScrapeError(Exception):
+    """A target could not be read; the message is one line naming the target and the reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    """One GPU (or MIG slice) as a source saw it, before attribution and energy accounting.
+
+    ``utilization`` is a ratio (0..1). ``energy_mj`` is the board's millijoule counter since boot,
+    ``None`` when the source has no counter (then energy is integrated from power).
+    """
+
+    node: str
+    gpu: str
+    uuid: str
+    model_name: str
+    utilization: float
+    power_watts: float
+    energy_mj: float | None
+    memory_used_mib: float
+    memory_free_mib: float
+    xid_errors: int = 0
+    gr_engine_active: float | None = None
+    mig_profile: str | None = None
+    mig_instance: str | None = None
+    hostname: str | None = None
+    pod: str | None = None
+    namespace: str | None = None
+    container: str | None = None
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """Identity across scrapes: node, board UUID and MIG GPU instance ('' for a whole GPU)."""
+        return (self.node, self.uuid, self.mig_instance or "")
+
+    @property
+    def slot(self) -> str:
+        """The GPU as named in samples: its index, or ``<index>/<GPU_I_ID>`` for a MIG slice."""
+        return f"{self.gpu}/{self.mig_instance}" if self.mig_instance else self.gpu
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReading:
+    """A vLLM engine's state and counters from one /metrics scrape, summed over its engines."""
+
+    requests_running: float
+    requests_waiting: float
+    kv_cache_usage: float
+    prompt_tokens_total: float
+    generation_tokens_total: float
+    prefix_cache_queries_total: float
+    prefix_cache_hits_total: float
+    preemptions_total: float
+
+
+class GpuSource(Protocol):
+    """A node's GPUs: dcgm-exporter, NVML, or a fake."""
+
+    @property
+    def target(self) -> str:
+        """The target's name in logs and metrics (the node name)."""
+        ...
+
+    @property
+    def kind(self) -> str:
+        """``dcgm`` or ``nvml`` (or what a fake calls itself)."""
+        ...
+
+    async def read(self) -> list[GpuReading]:
+        """Every GPU of the node now; ScrapeError if the node cannot be read."""
+        ...
+
+
+class EngineSource(Protocol):
+    """One replica's engine state: vLLM /metrics, or a fake."""
+
+    @property
+    def target(self) -> str:
+        """The replica id."""
+        ...
+
+    @property
+    def kind(self) -> str:
+        """``vllm``."""
+        ...
+
+    async def read(self) -> EngineReading:
+        """The engine's state now; ScrapeError if it cannot be read."""
+        ...

@@ -1,0 +1,72 @@
+"""A vLLM replica's /metrics as an engine source.
+
+Read: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+(a ratio despite its name), ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``,
+``vllm:num_preemptions_total``, ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``.
+A replica with several engines (data parallel) reports one series per ``engine`` label: counts
+and counters are summed, KV-cache usage is averaged.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from collectors.dcgm import fetch_text
+from collectors.exposition import ExpositionError, Sample, parse_samples
+from collectors.sources import EngineReading, ScrapeError
+
+__all__ = ["VLLM_FIELDS", "VllmSource", "engine_reading"]
+
+VLLM_FIELDS = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+)
+
+
+def engine_reading(text: str) -> EngineReading:
+    """The engine state in one vLLM /metrics page; ExpositionError if it is not one."""
+    s = parse_samples(text, VLLM_FIELDS)
+    if not s["vllm:num_requests_running"]:
+        raise ExpositionError("no vllm:num_requests_running in the page")
+    kv = [v for _, v in s["vllm:kv_cache_usage_perc"]]
+    return EngineReading(
+        requests_running=_sum(s["vllm:num_requests_running"]),
+        requests_waiting=_sum(s["vllm:num_requests_waiting"]),
+        kv_cache_usage=sum(kv) / len(kv) if kv else 0.0,
+        prompt_tokens_total=_sum(s["vllm:prompt_tokens_total"]),
+        generation_tokens_total=_sum(s["vllm:generation_tokens_total"]),
+        prefix_cache_queries_total=_sum(s["vllm:prefix_cache_queries_total"]),
+        prefix_cache_hits_total=_sum(s["vllm:prefix_cache_hits_total"]),
+        preemptions_total=_sum(s["vllm:num_preemptions_total"]),
+    )
+
+
+def _sum(samples: list[Sample]) -> float:
+    return sum(v for _, v in samples)
+
+
+class VllmSource:
+    """One replica's ``<upstream_url>/metrics``."""
+
+    kind = "vllm"
+
+    def __init__(self, replica: str, base_url: str, client: httpx.AsyncClient,
+                 timeout_seconds: float) -> None:  # fmt: skip
+        self.target = replica
+        self.url = base_url.rstrip("/") + "/metrics"
+        self.client = client
+        self.timeout_seconds = timeout_seconds
+
+    async def read(self) -> EngineReading:
+        """Scrape and parse the replica's metrics now."""
+        text = await fetch_text(self.client, self.url, self.timeout_seconds)
+        try:
+            return engine_reading(text)
+        except ExpositionError as exc:
+            raise ScrapeError(f"{self.url}: not a vLLM metrics page: {exc}") from None

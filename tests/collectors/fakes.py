@@ -1,0 +1,60 @@
+"""Stand-ins for what has no loopback simulator: GPUs read in-process, and misbehaving servers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from collectors.sources import GpuReading, ScrapeError
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+def reading(**kw: Any) -> GpuReading:
+    """A GPU reading with plausible defaults; keywords override any field."""
+    base: dict[str, Any] = {"node": "node-a", "gpu": "0", "uuid": "GPU-0000", "model_name": "NVIDIA H100",
+                            "utilization": 0.5, "power_watts": 300.0, "energy_mj": 1_000_000.0,
+                            "memory_used_mib": 1000.0, "memory_free_mib": 2000.0}  # fmt: skip
+    base.update(kw)
+    return GpuReading(**base)
+
+
+class FakeGpuSource:
+    """A node whose readings come from a script: one list per read, or a ScrapeError."""
+
+    def __init__(self, target: str, script: list[list[GpuReading] | ScrapeError],
+                 kind: str = "fake") -> None:  # fmt: skip
+        self.target = target
+        self.kind = kind
+        self.script = script
+        self.reads = 0
+
+    async def read(self) -> list[GpuReading]:
+        """The next scripted answer; the last one repeats."""
+        answer = self.script[min(self.reads, len(self.script) - 1)]
+        self.reads += 1
+        if isinstance(answer, ScrapeError):
+            raise answer
+        return answer
+
+
+async def hanging_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """An HTTP server that accepts the request and never answers."""
+    if scope["type"] == "http":
+        await asyncio.Event().wait()
+
+
+def text_app(body: bytes, status: int = 200) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """An HTTP server that answers every request with ``body``."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"text/plain")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+    return app

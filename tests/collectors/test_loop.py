@@ -1,0 +1,181 @@
+"""The scrape loop over real loopback HTTP: joined samples, true energy, and failing targets."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import orjson
+
+from collectors.dcgm import DcgmSource
+from collectors.loop import Batch, FleetCollector
+from collectors.serve import SpoolSink, build_collector
+from collectors.sources import GpuReading, ScrapeError
+from collectors.vllm import VllmSource
+from infermeter.spool import read_segment
+from tests.collectors.fakes import FakeGpuSource, hanging_app, reading, text_app
+from tests.servers import serving
+
+
+def _by_replica(batch: Batch) -> dict[str | None, list[str]]:
+    out: dict[str | None, list[str]] = {}
+    for s in batch.gpus:
+        out.setdefault(s.replica, []).append(f"{s.node}/{s.gpu}")
+    return out
+
+
+async def test_simulated_fleet_is_scraped_and_joined_by_config(fleet_config, running_fleet):
+    """node-b's boards join small-0 and small-1 by config; small-0's engine state is read."""
+    cfg = fleet_config()
+    async with running_fleet(cfg), httpx.AsyncClient() as client:
+        collector = build_collector(cfg, client)
+        batch = await collector.scrape_once()
+    assert _by_replica(batch) == {"small-0": ["node-b/0"], "small-1": ["node-b/1"]}
+    [gpu] = [s for s in batch.gpus if s.replica == "small-0"]
+    assert (gpu.model, gpu.gpu_model, gpu.gap) == ("chat-small", "L40S", False)
+    assert gpu.power_watts >= 35
+    assert [e.replica for e in batch.engines] == ["small-0"]
+    assert batch.engines[0].model == "chat-small"
+    up = {k: s.up for k, s in collector.states.items()}
+    assert up == {("node-a", "dcgm"): False, ("node-b", "dcgm"): True, ("large-0", "vllm"): False,
+                  ("small-0", "vllm"): True, ("small-1", "vllm"): False}  # fmt: skip
+
+
+async def test_gpus_join_by_pod_label_when_config_lists_none(fleet_config, running_fleet):
+    """With no gpus in its config, small-0's board is found through pod vllm-small-0-0."""
+    cfg = fleet_config(small_gpus=[])
+    async with running_fleet(cfg) as fleet:
+        source = DcgmSource("node-b", fleet.dcgm_url, fleet.client, 2.0)
+        [owned] = [r for r in await source.read() if r.pod]
+        assert owned.pod == "vllm-small-0-0"
+        batch = await FleetCollector(cfg, [source], []).scrape_once()
+    assert _by_replica(batch)["small-0"] == ["node-b/0"]
+
+
+async def test_energy_equals_what_the_simulator_drew(fleet_config, running_fleet):
+    """Under load, energy from the dcgm counter matches /_sim/gpus over the same window, to 1 %."""
+    cfg = fleet_config()
+    async with running_fleet(cfg) as fleet:
+        collector = FleetCollector(
+            cfg, [DcgmSource("node-b", fleet.dcgm_url, fleet.client, 2.0)], []
+        )
+
+        async def truth() -> float:
+            rows = (await fleet.client.get(f"{fleet.replica_url}/_sim/gpus")).json()
+            return float(rows[0]["energy_joules"])
+
+        body = {"prompt": "p " * 50, "max_tokens": 150, "ignore_eos": True}
+        load = [asyncio.create_task(fleet.client.post(f"{fleet.replica_url}/v1/completions",
+                                                      json=body)) for _ in range(16)]  # fmt: skip
+        start_before = await truth()
+        await collector.scrape_once()
+        start_after = await truth()
+        await asyncio.sleep(1.5)
+        end_before = await truth()
+        batch = await collector.scrape_once()
+        end_after = await truth()
+        await asyncio.gather(*load)
+    [gpu] = [s for s in batch.gpus if s.replica == "small-0"]
+    assert gpu.energy_joules is not None
+    assert end_before - start_after <= gpu.energy_joules <= end_after - start_before
+    drawn = (end_before + end_after) / 2 - (start_before + start_after) / 2
+    assert abs(gpu.energy_joules - drawn) <= 0.01 * drawn
+    assert drawn > 35 * 1.5  # it was busy: above idle power over the window
+
+
+async def test_hung_target_is_marked_down_and_the_loop_goes_on(fleet_config, running_fleet):
+    """A node that never answers times out each due round; the others are scraped every round."""
+    cfg = fleet_config(scrape_interval_seconds=0.2, scrape_timeout_seconds=0.3,
+                       max_backoff_seconds=0.4)  # fmt: skip
+    async with running_fleet(cfg) as fleet, serving(hanging_app) as hung_url:
+        hung = DcgmSource("node-a", f"{hung_url}/metrics", fleet.client, 0.3)
+        good = DcgmSource("node-b", fleet.dcgm_url, fleet.client, 0.3)
+        engine = VllmSource("small-0", fleet.replica_url, fleet.client, 0.3)
+        collector = FleetCollector(cfg, [hung, good], [engine])
+        batches: list[Batch] = []
+
+        async def sink(batch: Batch) -> None:
+            batches.append(batch)
+
+        started = time.monotonic()
+        await asyncio.wait_for(collector.run(sink, rounds=6), 10)
+    took = time.monotonic() - started
+    state = collector.states[("node-a", "dcgm")]
+    assert not state.up
+    assert state.last_error == "no answer within 0.3 s"
+    assert 2 <= state.errors_total < 6  # backed off: not every round
+    assert collector.states[("node-b", "dcgm")].up
+    assert len(batches) == 6
+    assert all(b.engines and {s.node for s in b.gpus} == {"node-b"} for b in batches)
+    assert took < 6 * 0.2 + 3 * 0.3 + 1.0
+
+
+async def test_garbage_target_is_down_with_the_reason(config):
+    """An HTML error page where dcgm-exporter should be: down, with the first bad line quoted."""
+    async with (
+        serving(text_app(b"<html>oops</html>\n")) as url,
+        httpx.AsyncClient() as client,
+    ):
+        collector = FleetCollector(
+            config, [DcgmSource("node-a", f"{url}/metrics", client, 1.0)], []
+        )
+        batch = await collector.scrape_once()
+    state = collector.states[("node-a", "dcgm")]
+    assert batch.gpus == []
+    assert not state.up
+    assert state.last_error is not None
+    assert "not a dcgm-exporter page: line 1 is not a metric sample: '<html>oops</html>'" in (
+        state.last_error
+    )
+
+
+async def test_counter_reset_and_gap_through_the_loop(config):
+    """A reboot's reset counts from zero; a missed stretch is a gap with no energy."""
+    t = [1000.0]
+    script: list[list[GpuReading] | ScrapeError] = [
+        [reading(node="node-a", gpu="0", energy_mj=9_000_000.0)],
+        [reading(node="node-a", gpu="0", energy_mj=9_500_000.0)],
+        [reading(node="node-a", gpu="0", energy_mj=200_000.0)],
+        ScrapeError("down"),
+        [reading(node="node-a", gpu="0", energy_mj=900_000.0)],
+        [reading(node="node-a", gpu="0", energy_mj=1_000_000.0)],
+    ]
+    source = FakeGpuSource("node-a", script)
+    collector = FleetCollector(config, [source], [], clock=lambda: t[0])
+    energies = []
+    for step in (0, 10, 10, 10, 40, 10):
+        t[0] += step
+        batch = await collector.scrape_once()
+        energies.append([(s.energy_joules, s.gap) for s in batch.gpus])
+    assert energies == [[(0.0, False)], [(500.0, False)], [(200.0, False)], [],
+                        [(None, True)], [(100.0, False)]]  # fmt: skip
+    assert collector.gaps_total == 1
+    assert collector.replica_energy_joules == {"large-0": 800.0}
+
+
+async def test_spool_sink_writes_one_directory_per_kind(config, tmp_path):
+    """Samples land as JSON lines under gpu_samples/ and engine_samples/."""
+    sink = SpoolSink(tmp_path)
+    sink.open()
+    collector = FleetCollector(config, [FakeGpuSource("node-a", [[reading()]])], [])
+    await sink(await collector.scrape_once())
+    await sink.close()
+    [segment] = (tmp_path / "gpu_samples").glob("seg-*.jsonl")
+    records, torn = read_segment(segment)
+    assert torn == 0
+    assert records[0]["replica"] == "large-0"
+    assert orjson.loads(orjson.dumps(records[0]))["gap"] is False
+    assert (tmp_path / "engine_samples").is_dir()
+
+
+def test_spooled_json_equals_the_records_own_to_json(config):
+    """The sink's fast flattening writes exactly what ``to_json`` would."""
+    from collectors.serve import _flat_json
+    from infermeter.records import GpuSample
+
+    collector = FleetCollector(
+        config, [FakeGpuSource("node-a", [[reading(mig_profile="1g.10gb")]])], []
+    )
+    sample: GpuSample = asyncio.run(collector.scrape_once()).gpus[0]
+    assert _flat_json(sample) == sample.to_json()
