@@ -929,6 +929,9 @@ def summarize(windows: list[Window], idle_rss: dict[str, float]) -> dict[str, An
             "saturated_ttft_p50_ms": top.ttft_p50_ms if top else None,
             "saturated_ttft_p99_ms": top.ttft_p99_ms if top else None,
             "paced_chunks_per_s": round(paced.chunks_per_s) if paced else None,
+            "paced_tokens_per_s_per_stream": round(paced.chunks_per_s / paced.concurrency, 1)
+            if paced
+            else None,
             "paced_cpu_per_s": _r(paced.proxy_cpu_per_s, 2) if paced else None,
             "paced_cpu_us_per_chunk": _r(paced.us_per_chunk, 2) if paced else None,
             "idle_rss_mb": idle_rss.get(path),
@@ -1031,6 +1034,7 @@ _SUMMARY_ROWS = (
     ("chunks/s one core would relay", "max_chunks_per_s_one_core", ",.0f"),
     ("TTFT p50 / p99 ms there", ("saturated_ttft_p50_ms", "saturated_ttft_p99_ms"), ".1f"),
     ("paced 500x20 tok/s: chunks/s", "paced_chunks_per_s", ",.0f"),
+    ("  tokens/s per stream reached", "paced_tokens_per_s_per_stream", ".1f"),
     ("paced: CPU s/s, us per chunk", ("paced_cpu_per_s", "paced_cpu_us_per_chunk"), ".2f"),
     ("RSS MB idle", "idle_rss_mb", ".1f"),
     ("RSS MB, 1000 open streams", "rss_1000_streams_mb", ".1f"),

@@ -77,28 +77,43 @@ async def test_records_equal_real_vllm_counters(real_vllm, sidecar_url):
 
 
 async def test_aborted_stream_difference_is_small_and_reported(real_vllm, sidecar_url):
-    """A client hanging up: vLLM aborts; what it generated past the last relayed chunk is a few tokens."""
+    """A client hanging up: vLLM aborts; what it generated past the last relayed chunk is a few tokens.
+
+    On a busy CPU, real vLLM sometimes hands over its whole output at once, so the stream can be
+    over before the hang-up arrives; such a try is not an abort and is repeated.
+    """
     url, spool = sidecar_url
-    before = await _counters(real_vllm)
-    async with httpx.AsyncClient(
-        base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=120
-    ) as c:
-        body = {
-            "model": "chat-small",
-            "messages": MSG,
-            "max_tokens": 400,
-            "ignore_eos": True,
-            "stream": True,
+    body = {
+        "model": "chat-small",
+        "messages": MSG,
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    for _attempt in range(5):
+        seen_before = {
+            r["request_id"] for seg in spool.glob("seg-*.jsonl") for r in read_segment(seg)[0]
         }
-        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            seen = 0
+        before = await _counters(real_vllm)
+        async with (
+            httpx.AsyncClient(
+                base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=120
+            ) as c,
+            c.stream("POST", "/v1/chat/completions", json=body) as r,
+        ):
             async for line in r.aiter_lines():
-                seen += line.startswith("data: ")
-                if seen == 1:
+                if '"content":"' in line and '"role"' not in line:
                     break
-    await asyncio.sleep(2.0)
-    after = await _counters(real_vllm)
-    (record,) = [r for seg in spool.glob("seg-*.jsonl") for r in read_segment(seg)[0]]
+        await asyncio.sleep(2.0)
+        after = await _counters(real_vllm)
+        (record,) = [
+            r
+            for seg in spool.glob("seg-*.jsonl")
+            for r in read_segment(seg)[0]
+            if r["request_id"] not in seen_before
+        ]
+        if record["status"] == "client_aborted":
+            break
     assert record["status"] == "client_aborted"
     assert record["prompt_tokens"] == after[0] - before[0]
     gap = (after[1] - before[1]) - record["completion_tokens"]

@@ -239,7 +239,8 @@ async def test_kill_9_loses_no_completed_response_and_duplicates_none(tmp_path):
                     completed.append(r.headers["x-infermeter-request-id"])
 
             async def killer() -> None:
-                while len(completed) < 100:
+                deadline = time.monotonic() + 60
+                while len(completed) < 100 and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
                 os.kill(proc.pid, signal.SIGKILL)
 
