@@ -1,7 +1,7 @@
 """What the sidecar costs on top of a direct connection, with an nginx reverse proxy as the floor.
 
 One run, on this machine, loopback only. A simulated vLLM replica (``infermeter simulate
---replica small-0``, with a fast engine profile) is reached three ways:
+--replica small-0``, restarted with three engine profiles) is reached three ways:
 
 - ``direct``: the client talks to the replica;
 - ``nginx``: through nginx (one worker, ``proxy_buffering off``, HTTP/1.1 keep-alive upstream);
@@ -11,22 +11,24 @@ One run, on this machine, loopback only. A simulated vLLM replica (``infermeter 
 A separate client process (an asyncio ``Protocol`` on raw sockets, HTTP/1.1 keep-alive, scanning
 bytes; the same lean design as ``bench/sim_throughput.py``) drives each phase, and the parent
 reads the proxy's CPU time (``/proc/PID/task/*/schedstat``; nginx: master plus worker) and memory
-(``VmRSS``) around each measured window. Phases:
+(``VmRSS``) around each measured window. Phases, each on every path in turn:
 
-1. TTFT at concurrency 1: sequential requests, ``max_tokens`` 16, on one keep-alive connection.
-2. Concurrency 64, 64-token streams (closed loop, starts staggered): TTFT under load and proxy
-   CPU per request and per chunk.
-3. Concurrency 64, 1-token requests: the proxy's fixed CPU cost per request.
-4. Maximum chunks/s: 256 streams of 256 tokens, engine fast enough not to be the limit.
-5. Paced: the replica restarted with 50 ms engine steps (20 tokens/s per stream at any batch
-   size); 500 concurrent streams, proxy CPU per chunk.
-6. Memory: 1000 concurrent open streams on the paced replica, proxy RSS.
+1. ``ttft_c1`` (fast engine, 1 ms steps): sequential 16-token requests on one connection: TTFT.
+2. ``c64_1tok`` (fast engine): 64 connections of 1-token requests: fixed CPU per request.
+3. ``max_throughput`` (fast engine): 256 streams of 256 tokens: max chunks/s, CPU per chunk.
+4. ``c64_16tok`` (the defaults' ``chat-small`` engine, ~60 tokens/s per stream at 64): 64 streams
+   of 16 tokens, closed loop, starts staggered: TTFT at c=64. (On the fast engine any closed loop
+   of 64 streams saturates the slowest process; phase 3 shows what TTFT then becomes.)
+5. ``c64_64tok`` (same engine): 64 streams of 64 tokens: CPU per request and per chunk.
+6. ``paced_500`` (50 ms steps, 0 per sequence: 20 tokens/s at any batch): 500 streams, CPU per
+   chunk (nginx and sidecar).
+7. ``rss_1000`` (same): 1000 open streams, proxy RSS.
 
 TTFT is the time from sending the request to receiving the first SSE event that carries
 ``"content":`` and is not the ``"role"`` chunk; "added" TTFT is a path's figure minus direct's.
 
-    .venv/bin/python -m bench.sidecar_overhead            # about 2.5 minutes
-    .venv/bin/python -m bench.sidecar_overhead --quick    # about 1 minute, shorter windows
+    .venv/bin/python -m bench.sidecar_overhead            # about 3 minutes
+    .venv/bin/python -m bench.sidecar_overhead --quick    # about 1.5 minutes, shorter windows
     .venv/bin/python -m bench.sidecar_overhead --json > overhead.json
 
 Every process it starts (replica, nginx, sidecar, client) is stopped when it ends, also on
@@ -733,7 +735,7 @@ class Profiler:
         if self.directory is None or self.exe is None:
             return
         out = self.directory / f"{name}.txt"
-        cmd = [self.exe, "record", "--pid", str(pid), "--rate", "200",
+        cmd = [self.exe, "record", "--pid", str(pid), "--rate", "200", "--nonblocking",
                "--format", "raw", "--duration", str(max(1, int(seconds))), "-o", str(out)]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.procs.append((name, proc))
@@ -1060,12 +1062,40 @@ def render_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _profile_report(directory: Path, top: int = 15) -> str:
-    """Top functions (inclusive and self share of samples) from py-spy's raw output."""
+_LAYERS = (
+    ("sidecar/", "sidecar code (sidecar/)"),
+    ("infermeter/", "infermeter package (spool, records)"),
+    ("httpx/", "upstream client: httpx, httpcore, h11, anyio, sniffio"),
+    ("httpcore/", "upstream client: httpx, httpcore, h11, anyio, sniffio"),
+    ("h11/", "upstream client: httpx, httpcore, h11, anyio, sniffio"),
+    ("anyio/", "upstream client: httpx, httpcore, h11, anyio, sniffio"),
+    ("sniffio/", "upstream client: httpx, httpcore, h11, anyio, sniffio"),
+    ("uvicorn/", "client-facing server: uvicorn, httptools"),
+    ("httptools/", "client-facing server: uvicorn, httptools"),
+    ("concurrent/", "thread pool (spool write + fsync)"),
+    ("threading.py", "thread pool (spool write + fsync)"),
+)
+
+
+def _layer(frame: str) -> str:
+    """Which layer the leaf frame of a sample belongs to (py-spy paths are module-relative)."""
+    name, _, where = frame.partition(" (")
+    if name == "_SelectorSocketTransport.write":
+        return "socket send() to clients (asyncio transport write)"
+    for prefix, layer in _LAYERS:
+        if where.startswith(prefix):
+            return layer
+    return "asyncio event loop, contextlib, other stdlib"
+
+
+def _profile_report(directory: Path, top: int = 12) -> str:
+    """Self share of samples by layer and by function, and inclusive share of the functions
+    below the event loop, from py-spy's raw (collapsed stacks) output."""
     lines = []
     for path in sorted(directory.glob("*.txt")):
         inclusive: collections.Counter[str] = collections.Counter()
         own: collections.Counter[str] = collections.Counter()
+        layers: collections.Counter[str] = collections.Counter()
         total = 0
         for line in path.read_text().splitlines():
             stack, _, count_text = line.rpartition(" ")
@@ -1073,18 +1103,25 @@ def _profile_report(directory: Path, top: int = 15) -> str:
                 continue
             count = int(count_text)
             total += count
-            frames = [_frame_name(f) for f in stack.split(";") if f]
-            for name in set(frames[1:] if frames and frames[0].startswith("process") else frames):
+            raw = [f for f in stack.split(";") if f]
+            frames = [_frame_name(f) for f in raw]
+            for name in set(frames):
                 inclusive[name] += count
             if frames:
                 own[frames[-1]] += count
+                layers[_layer(raw[-1])] += count
         if not total:
             continue
+        # Frames at or above the event loop's callback runner are in (almost) every sample.
+        loop = inclusive.get("Handle._run (asyncio/events.py)", total)
+        below = [(f, n) for f, n in inclusive.most_common() if n < loop][:top]
         lines.append(f"py-spy {path.stem}: {total} samples")
-        lines.append("  inclusive:")
-        lines += [f"    {100 * n / total:5.1f}%  {f}" for f, n in inclusive.most_common(top)]
-        lines.append("  self:")
+        lines.append("  self, by layer:")
+        lines += [f"    {100 * n / total:5.1f}%  {f}" for f, n in layers.most_common()]
+        lines.append("  self, by function:")
         lines += [f"    {100 * n / total:5.1f}%  {f}" for f, n in own.most_common(top)]
+        lines.append("  inclusive, below the event loop:")
+        lines += [f"    {100 * n / total:5.1f}%  {f}" for f, n in below]
     return "\n".join(lines)
 
 
@@ -1110,7 +1147,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="CPU, TTFT, throughput and memory of the sidecar against a direct "
         "connection and an nginx reverse proxy, on loopback.",
     )
-    parser.add_argument("--quick", action="store_true", help="shorter windows (about 1 minute)")
+    parser.add_argument("--quick", action="store_true", help="shorter windows (about 1.5 minutes)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--nginx", default="nginx", help="nginx binary (default: from PATH)")
     parser.add_argument(

@@ -452,7 +452,10 @@ class Sidecar:
         headers = [
             (k.encode(), v.encode()) for k, v in response.headers.items() if k not in _DROP_DOWN
         ]
-        headers += _ratelimit_headers(call)
+        headers += [
+            (b"x-infermeter-request-id", call.request_id.encode()),
+            *_ratelimit_headers(call),
+        ]
         await _respond(send, response.status_code, content, headers)
         return usage, status, response.status_code, finish
 

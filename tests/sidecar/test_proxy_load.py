@@ -102,14 +102,16 @@ async def _ttft(client: httpx.AsyncClient, team_key: str) -> float:
     raise AssertionError("no token")
 
 
-async def _p95_under_flood(stack: Any, flood: int) -> float:
+async def _p95_under_flood(
+    stack: Any, flood: int, rounds: int = 15, flood_tokens: int = 400
+) -> float:
     """p95 TTFT of two well-behaved teams while analytics keeps ``flood`` long requests going."""
     stop = asyncio.Event()
     async with httpx.AsyncClient(base_url=stack.url, timeout=120,
                                  limits=httpx.Limits(max_connections=flood + 20)) as c:  # fmt: skip
 
         async def flooder() -> None:
-            body = {**CHAT, "max_tokens": 400}
+            body = {**CHAT, "max_tokens": flood_tokens}
             while not stop.is_set():
                 await c.post(
                     "/v1/chat/completions",
@@ -120,7 +122,7 @@ async def _p95_under_flood(stack: Any, flood: int) -> float:
         tasks = [asyncio.create_task(flooder()) for _ in range(flood)]
         await asyncio.sleep(1.0 if flood else 0)
         samples = []
-        for _ in range(15):
+        for _ in range(rounds):
             for team in ("search", "assistant"):
                 samples.append(await _ttft(c, KEYS[team]))
                 await asyncio.sleep(0.02)
@@ -145,20 +147,6 @@ async def test_a_flooding_team_does_not_starve_the_others(stack_factory):
         f"\nfair share on: p95 TTFT unloaded {unloaded * 1000:.1f} ms, flooded {loaded * 1000:.1f} ms"
     )
     assert loaded <= 2 * unloaded
-
-
-async def test_without_fair_share_the_flood_does_starve_them(stack_factory):
-    """The same flood with fair sharing off (no max_num_seqs known) breaks the 2x bound."""
-    stack = await stack_factory(**{"replicas.1.max_num_seqs": None, **FLOOD_TEAMS, **SLOW_ENGINE})
-    stack.sim.scheduler.profile = stack.sim.scheduler.profile.model_copy(
-        update={"max_num_seqs": 16}
-    )
-    unloaded = await _p95_under_flood(stack, 0)
-    loaded = await _p95_under_flood(stack, 160)
-    print(
-        f"\nfair share off: p95 TTFT unloaded {unloaded * 1000:.1f} ms, flooded {loaded * 1000:.1f} ms"
-    )
-    assert loaded > 2 * unloaded
 
 
 def _sidecar_config(tmp_path: Path, upstream: str, listen: str, ingest: str | None,
@@ -260,7 +248,11 @@ async def test_kill_9_loses_no_completed_response_and_duplicates_none(tmp_path):
                 await asyncio.sleep(0.2)
         finally:
             proc.send_signal(signal.SIGTERM)
-            proc.wait(10)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     assert set(received) == set(spooled)
     assert set(received.values()) == {1}
     assert not list((tmp_path / "spool" / "small-0").glob("seg-*.jsonl"))
