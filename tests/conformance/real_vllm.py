@@ -50,7 +50,7 @@ __all__ = [
 
 #: Module run with ``python -m`` to start the OpenAI-compatible server (see module docstring).
 ENTRY_MODULE = "vllm.entrypoints.launchers.api_server.entry"
-#: Model name clients must send; matches the recorded fixtures in /work/shared/fixtures.
+#: Model name clients must send; matches the captures in tests/fixtures.
 SERVED_MODEL_NAME = "tiny"
 #: Context length the server is started with; requests beyond it get a 400.
 MAX_MODEL_LEN = 512
