@@ -26,7 +26,8 @@ _FINISH = b'"finish_reason":"'
 _USAGE_KEY = b'"usage":{'
 # Per-chunk usage follows the choices array ("}]"); the final usage chunk's follows "[],", so it
 # is not matched. One level of nesting covers prompt_tokens_details.
-_CHUNK_USAGE = re.compile(rb'(?<=\}\]),"usage":\{(?:[^{}]|\{[^{}]*\})*\}')
+# The pattern starts with a literal (no look-behind) so the regex engine can scan for it fast.
+_CHUNK_USAGE = re.compile(rb'\}\],"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
 _FINGERPRINT = re.compile(rb',"system_fingerprint":"[^"]*"')
 _PROMPT = re.compile(rb'"prompt_tokens":(\d+)')
 _COMPLETION = re.compile(rb'"completion_tokens":(\d+)')
@@ -128,7 +129,7 @@ class StreamMeter:
         self.last_token_at = now
 
     def _rewrite(self, data: bytes) -> bytes:
-        data = _CHUNK_USAGE.sub(b"", data)
+        data = _CHUNK_USAGE.sub(b"}]", data)
         if self.client_usage:
             return data
         out = self._held + data
