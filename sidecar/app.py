@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import generate_latest
 
+from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
 from infermeter.config import Config
 from infermeter.records import RequestStatus, UsageRecord
 from infermeter.spool import Spool, SpoolError
@@ -45,10 +45,6 @@ __all__ = ["Sidecar"]
 
 log = logging.getLogger("infermeter.sidecar")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 _JSON = (b"content-type", b"application/json")
 _SSE = (b"content-type", b"text/event-stream; charset=utf-8")
@@ -164,11 +160,11 @@ class Sidecar:
         elif path == "/metrics" and method == "GET":
             await self._metrics(scope, send)
         elif path == "/healthz":
-            await _respond(send, 200, b'{"status":"ok"}', [_JSON])
+            await respond(send, 200, b'{"status":"ok"}', [_JSON])
         elif path == "/readyz":
             await self._ready(send)
         else:
-            await _respond(send, 404, error_body(404, f"Unknown request URL: {method} {path}.",
+            await respond(send, 404, error_body(404, f"Unknown request URL: {method} {path}.",
                                                  "invalid_request_error", "unknown_url"), [_JSON])  # fmt: skip
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -192,21 +188,21 @@ class Sidecar:
         if self.view.control_open:
             return True
         try:
-            self.view.control.team_for(bearer_key(_header(scope, b"authorization")))
+            self.view.control.team_for(bearer_key(header(scope, b"authorization")))
         except AuthError:
             return False
         return True
 
     async def _metrics(self, scope: Scope, send: Send) -> None:
         if not self._control_allowed(scope):
-            await _respond(send, 401, error_body(401, "The metrics endpoint needs the metrics or admin token.",
+            await respond(send, 401, error_body(401, "The metrics endpoint needs the metrics or admin token.",
                                                  "invalid_request_error", "invalid_api_key"), [_JSON])  # fmt: skip
             return
         if self.fair is not None:
             for team in self.fair.in_flight:
                 self.metrics.fair_waiting.labels(team).set(self.fair.waiting(team))
         body = generate_latest(self.metrics.registry)
-        await _respond(
+        await respond(
             send, 200, body, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
         )
 
@@ -221,7 +217,7 @@ class Sidecar:
         if self.spool_broken and self.settings.on_spool_failure == "refuse":
             problems.append("usage spool is not writable")
         status = 503 if problems else 200
-        await _respond(
+        await respond(
             send, status, orjson.dumps({"ready": not problems, "problems": problems}), [_JSON]
         )
 
@@ -229,7 +225,7 @@ class Sidecar:
         try:
             self._identify(scope)
         except AuthError as exc:
-            await _respond(
+            await respond(
                 send, 401, error_body(401, str(exc), "invalid_request_error", exc.code), [_JSON]
             )
             return
@@ -239,9 +235,9 @@ class Sidecar:
             )
         except httpx.HTTPError as exc:
             status, body = _upstream_failure(exc)
-            await _respond(send, status, body, [_JSON])
+            await respond(send, status, body, [_JSON])
             return
-        await _respond(send, r.status_code, r.content, [_JSON])
+        await respond(send, r.status_code, r.content, [_JSON])
 
     # -- generation endpoints --------------------------------------------------------------------
 
@@ -249,11 +245,11 @@ class Sidecar:
         view = self.view
         if (
             view.gateway is not None
-            and _header(scope, view.gateway.team_header.encode()) is not None
+            and header(scope, view.gateway.team_header.encode()) is not None
         ):
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             return view.gateway.team_for(headers)
-        return view.keys.team_for(bearer_key(_header(scope, b"authorization")))
+        return view.keys.team_for(bearer_key(header(scope, b"authorization")))
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         call = _Call(os.urandom(16).hex(), path, time.time(), time.perf_counter())
@@ -280,7 +276,7 @@ class Sidecar:
             if call.team:
                 with contextlib.suppress(SpoolError):
                     await self._record(call, status, http_status, None, None, None)
-            await _respond(send, rej.status, body_err, headers)
+            await respond(send, rej.status, body_err, headers)
             self._account(call, status, None, None)
             return
         finally:
@@ -295,7 +291,7 @@ class Sidecar:
             raise _Reject(
                 401, str(exc), "invalid_request_error", exc.code, RequestStatus.UNAUTHORIZED
             ) from None
-        raw = await _read_body(receive, self.settings.max_body_bytes)
+        raw = await read_body(receive, self.settings.max_body_bytes)
         if raw is None:
             raise _Reject(413, f"Request body exceeds {self.settings.max_body_bytes} bytes.",
                           "invalid_request_error", "request_too_large", RequestStatus.BAD_REQUEST)  # fmt: skip
@@ -456,7 +452,7 @@ class Sidecar:
             (b"x-infermeter-request-id", call.request_id.encode()),
             *_ratelimit_headers(call),
         ]
-        await _respond(send, response.status_code, content, headers)
+        await respond(send, response.status_code, content, headers)
         return usage, status, response.status_code, finish
 
     async def _relay_stream(
@@ -475,7 +471,7 @@ class Sidecar:
             at = content.find(b'"usage":{')
             meter.usage = parse_usage(content[at:]) if at >= 0 else None
             await self._record(call, status, response.status_code, meter.usage, None, None)
-            await _respond(send, response.status_code, content, [_JSON, *_ratelimit_headers(call)])
+            await respond(send, response.status_code, content, [_JSON, *_ratelimit_headers(call)])
             return meter, status, response.status_code
         flags = dict(call.headers)
         meter = StreamMeter(flags.get(b"x-infermeter-client-usage") == b"1",
@@ -637,35 +633,3 @@ def _upstream_failure(exc: httpx.HTTPError) -> tuple[int, bytes]:
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            text: str = value.decode("latin-1")
-            return text
-    return None
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, or None when it is larger than ``limit``."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return b""
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-async def _respond(
-    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
-) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

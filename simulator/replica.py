@@ -12,13 +12,13 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 from prometheus_client import generate_latest
 
+from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
 from infermeter.config import Config, EngineProfile, GpuProfile
 from simulator.engine import Scheduler, Sequence
 from simulator.gpu import GpuMeter
@@ -36,10 +36,6 @@ from simulator.vllm_metrics import VllmMetrics
 
 __all__ = ["ReplicaSim", "ReplicaSpec", "replica_spec"]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 VLLM_VERSION = "0.32.0"
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -288,23 +284,23 @@ class ReplicaSim:
         method, path = scope["method"], scope["path"]
         if path in ("/v1/chat/completions", "/v1/completions"):
             if method != "POST":
-                await _respond(
+                await respond(
                     send, 405, b'{"detail":"Method Not Allowed"}', [(b"allow", b"POST"), *_JSON]
                 )
                 return
-            await self._generate(path, _header(scope, b"x-request-id"), receive, send)
+            await self._generate(path, header(scope, b"x-request-id"), receive, send)
         elif method == "GET" and path == "/metrics":
-            await _respond(send, 200, self.render_metrics(), _METRICS)
+            await respond(send, 200, self.render_metrics(), _METRICS)
         elif method == "GET" and path == "/health":
-            await _respond(send, 200, b"", [_VARY])
+            await respond(send, 200, b"", [_VARY])
         elif method == "GET" and path == "/v1/models":
-            await _respond(send, 200, self._models_body(), _JSON)
+            await respond(send, 200, self._models_body(), _JSON)
         elif method == "GET" and path == "/version":
-            await _respond(send, 200, orjson.dumps({"version": VLLM_VERSION}), _JSON)
+            await respond(send, 200, orjson.dumps({"version": VLLM_VERSION}), _JSON)
         elif method == "GET" and path == "/_sim/gpus":
-            await _respond(send, 200, orjson.dumps(self.gpu_readings()), _JSON)
+            await respond(send, 200, orjson.dumps(self.gpu_readings()), _JSON)
         else:
-            await _respond(send, 404, b'{"detail":"Not Found"}', _JSON)
+            await respond(send, 404, b'{"detail":"Not Found"}', _JSON)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -358,11 +354,14 @@ class ReplicaSim:
     ) -> None:
         chat = path == "/v1/chat/completions"
         try:
-            data = parse_json(await _read_body(receive))
+            raw = await read_body(receive, MAX_BODY_BYTES)
+            if raw is None:
+                raise ApiError(413, "Request body too large.", "Bad Request", None)
+            data = parse_json(raw)
             parse = parse_chat if chat else parse_completion
             gen = parse(data, self.spec.served_model, self.spec.max_model_len)
         except ApiError as err:
-            await _respond(send, err.status, err.body(), _JSON)
+            await respond(send, err.status, err.body(), _JSON)
             return
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{given_id or f'{self._ids.getrandbits(64):016x}'}"
@@ -448,35 +447,4 @@ class ReplicaSim:
         finishes = [s.finish_reason or "length" for s in req.seqs]
         completion = sum(s.generated for s in req.seqs)
         body = fmt.full(texts, finishes, req.gen.prompt_tokens, completion)
-        await _respond(send, 200, body, _JSON)
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            text: str = value.decode("latin-1")
-            return text
-    return None
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return b""
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(413, "Request body too large.", "Bad Request", None)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-async def _respond(
-    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
-) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+        await respond(send, 200, body, _JSON)

@@ -1,0 +1,49 @@
+"""The few plain-ASGI helpers the servers share (sidecar, simulated replica, dcgm stand-in).
+
+The hot servers are written against ASGI directly for speed; these are the pieces every one of
+them needs, kept in one place so a fix to body reading or header lookup lands everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+__all__ = ["Message", "Receive", "Scope", "Send", "header", "read_body", "respond"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """The first value of request header ``name`` (lower-case bytes), or None."""
+    for key, value in scope["headers"]:
+        if key == name:
+            text: str = value.decode("latin-1")
+            return text
+    return None
+
+
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, ``b""`` if the client left, None when it exceeds ``limit``."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b""
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    """Send a whole response: start, then the body in one message."""
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
