@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -21,6 +22,11 @@ from infermeter.netutil import PortInUseError
 __all__ = ["main"]
 
 Handler = Callable[[argparse.Namespace, Config], int]
+
+# Parts that bring their own subcommands: each module has ``register(subparsers)``, which adds
+# parsers whose ``handler`` default is a ``Handler``. Imported only to build the parser, so each
+# keeps its heavy imports inside its handlers.
+PLUGINS: tuple[str, ...] = ()
 
 
 def _add_config(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--day-seconds", type=float, default=600.0, help="wall seconds per simulated day"
     )
     demo.set_defaults(handler=_demo)
+    for module in PLUGINS:
+        importlib.import_module(module).register(sub)
     return parser
 
 

@@ -38,9 +38,11 @@ from pydantic import (
 
 __all__ = [
     "ENV_PREFIX",
+    "BillingSettings",
     "CollectorSettings",
     "Config",
     "ConfigError",
+    "DashboardSettings",
     "GatewaySettings",
     "GpuProfile",
     "Model",
@@ -52,6 +54,7 @@ __all__ = [
     "Sla",
     "Team",
     "TeamLimits",
+    "TokenWeights",
     "default_config_path",
     "hash_key",
     "load_config",
@@ -274,6 +277,41 @@ class CollectorSettings(_Strict):
     ingest_token_env: str = "INFERMETER_INGEST_TOKEN"
 
 
+class TokenWeights(_Strict):
+    """Relative weight of a prompt and a completion token for the ``tokens`` split."""
+
+    prompt: NonNegative = 1.0
+    completion: NonNegative = 3.0
+
+
+class BillingSettings(_Strict):
+    """The billing service: the only process that writes the DuckDB ledger."""
+
+    listen: str = "127.0.0.1:19600"
+    url: str = "http://127.0.0.1:19600"
+    database: str = "var/infermeter.duckdb"
+    memory_limit: Annotated[
+        str, StringConstraints(pattern=r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
+    ] = "2GB"
+    threads: Annotated[int, Field(gt=0)] | None = None
+    ingest_token_sha256: list[Sha256] = Field(default_factory=list)
+    max_batch_records: Annotated[int, Field(gt=0)] = 100_000
+    max_clock_skew_seconds: NonNegative = 300.0
+    allocation: Literal["in_flight", "tokens", "requests"] = "in_flight"
+    token_weights: TokenWeights = TokenWeights()
+    platform_account: Name = "platform"
+    export_dir: str = "var/exports"
+
+
+class DashboardSettings(_Strict):
+    """The Dash web app: where it listens and where it reads its data."""
+
+    listen: str = "127.0.0.1:19800"
+    billing_url: str | None = None
+    metrics_urls: list[str] = Field(default_factory=list)
+    refresh_seconds: Positive = 10.0
+
+
 class Simulator(_Strict):
     """Settings of the simulated fleet (``infermeter simulate``)."""
 
@@ -298,6 +336,8 @@ class Config(_Strict):
     simulator: Simulator = Simulator()
     sidecar: SidecarSettings = SidecarSettings()
     collector: CollectorSettings = CollectorSettings()
+    billing: BillingSettings = BillingSettings()
+    dashboard: DashboardSettings = DashboardSettings()
     admin_token_sha256: list[Sha256] = Field(default_factory=list)
     metrics_token_sha256: list[Sha256] = Field(default_factory=list)
 
@@ -326,6 +366,10 @@ class Config(_Strict):
                 problems.append(f"replica {r.id!r}: no price for GPU model {r.gpu_model!r}")
             if r.owner_team is not None and r.owner_team not in teams:
                 problems.append(f"replica {r.id!r} names unknown owner_team {r.owner_team!r}")
+        if self.billing.platform_account in teams:
+            problems.append(
+                f"billing.platform_account {self.billing.platform_account!r} is also a team name"
+            )
         keys = [k for t in self.teams for k in t.api_key_sha256]
         if len(keys) != len(set(keys)):
             problems.append("the same API key hash is listed for more than one team")

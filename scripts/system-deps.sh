@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Install the Debian packages the tests use for real (not mocked): promtool and the Prometheus
-# server (package prometheus). Idempotent: does nothing when every command is already present.
+# server (package prometheus), and a headless browser for the dashboard tests (chromium,
+# chromium-driver). Idempotent: does nothing when every command is already present.
 set -euo pipefail
 
 need=()
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 
 if [ ${#need[@]} -eq 0 ]; then
     exit 0
