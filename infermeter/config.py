@@ -38,6 +38,8 @@ from pydantic import (
 
 __all__ = [
     "ENV_PREFIX",
+    "AlertSettings",
+    "AutoscaleSettings",
     "BillingSettings",
     "CollectorSettings",
     "Config",
@@ -45,6 +47,7 @@ __all__ = [
     "DashboardSettings",
     "GatewaySettings",
     "GpuProfile",
+    "KubernetesHookSettings",
     "Model",
     "Node",
     "Prices",
@@ -52,6 +55,7 @@ __all__ = [
     "ScalingPolicy",
     "SidecarSettings",
     "Sla",
+    "SlaOverride",
     "Team",
     "TeamLimits",
     "TokenWeights",
@@ -312,6 +316,68 @@ class DashboardSettings(_Strict):
     refresh_seconds: Positive = 10.0
 
 
+class SlaOverride(_Strict):
+    """A different target for one team's use of one model; unset keys keep the model's SLA."""
+
+    team: Name
+    model: Name
+    ttft_p95_seconds: Positive | None = None
+    min_output_tokens_per_second: NonNegative | None = None
+    max_error_ratio: Annotated[float, Field(ge=0, le=1)] | None = None
+
+
+class AlertSettings(_Strict):
+    """How ``infermeter alerts render`` turns SLAs, scaling policy and budgets into rules.
+
+    Windows and ``for`` durations are seconds; the rendered rules state them as Prometheus
+    durations. The queue-backlog and GPU-idle alerts take theirs from ``scaling``.
+    """
+
+    evaluation_interval_seconds: Positive = 30
+    rate_window_seconds: Positive = 300
+    sla_for_seconds: NonNegative = 300
+    spool_backlog_records: Annotated[int, Field(ge=0)] = 1000
+    spool_backlog_for_seconds: NonNegative = 900
+    target_down_for_seconds: NonNegative = 120
+    budget_forecast_for_seconds: NonNegative = 3600
+    slas: list[SlaOverride] = Field(default_factory=list)
+
+
+class KubernetesHookSettings(_Strict):
+    """Patch each model's Deployment ``scale`` subresource to the desired replica count.
+
+    Dry-run by default: the API server validates the patch but changes nothing until
+    ``dry_run`` is turned off. With no ``api_url`` the in-cluster service account is used.
+    """
+
+    enabled: bool = False
+    api_url: str | None = None
+    token_env: str = "INFERMETER_KUBERNETES_TOKEN"
+    ca_file: str | None = None
+    namespace: str = "default"
+    deployments: dict[Name, str] = Field(default_factory=dict)
+    dry_run: bool = True
+
+
+class AutoscaleSettings(_Strict):
+    """The autoscaler (``infermeter autoscale run``): its inputs, hooks and predictive term."""
+
+    listen: str = "127.0.0.1:19700"
+    interval_seconds: Positive = 15.0
+    collector_url: str | None = None
+    sidecar_urls: list[str] = Field(default_factory=list)
+    metrics_token_env: str = "INFERMETER_METRICS_TOKEN"
+    prometheus_url: str | None = None
+    webhook_url: str | None = None
+    webhook_secret_env: str = "INFERMETER_WEBHOOK_SECRET"
+    webhook_timeout_seconds: Positive = 5.0
+    kubernetes: KubernetesHookSettings = KubernetesHookSettings()
+    predictive: bool = True
+    target_gpu_utilization: Annotated[float, Field(gt=0, le=1)] = 0.7
+    history_slot_seconds: Annotated[int, Field(ge=60, le=86400)] = 900
+    history_days: Annotated[int, Field(gt=0)] = 7
+
+
 class Simulator(_Strict):
     """Settings of the simulated fleet (``infermeter simulate``)."""
 
@@ -338,6 +404,8 @@ class Config(_Strict):
     collector: CollectorSettings = CollectorSettings()
     billing: BillingSettings = BillingSettings()
     dashboard: DashboardSettings = DashboardSettings()
+    alerts: AlertSettings = AlertSettings()
+    autoscale: AutoscaleSettings = AutoscaleSettings()
     admin_token_sha256: list[Sha256] = Field(default_factory=list)
     metrics_token_sha256: list[Sha256] = Field(default_factory=list)
 
@@ -366,6 +434,11 @@ class Config(_Strict):
                 problems.append(f"replica {r.id!r}: no price for GPU model {r.gpu_model!r}")
             if r.owner_team is not None and r.owner_team not in teams:
                 problems.append(f"replica {r.id!r} names unknown owner_team {r.owner_team!r}")
+        for i, o in enumerate(self.alerts.slas):
+            if o.model not in models:
+                problems.append(f"alerts.slas[{i}].model = {o.model!r}: no such model")
+            if o.team not in teams:
+                problems.append(f"alerts.slas[{i}].team = {o.team!r}: no such team")
         if self.billing.platform_account in teams:
             problems.append(
                 f"billing.platform_account {self.billing.platform_account!r} is also a team name"
