@@ -1,0 +1,394 @@
+"""The scaling policy: pure functions from one tick's observations to a desired replica count.
+
+Nothing here reads a clock, the network or a file. Each call takes the model's previous
+``ModelState`` and one ``Observation`` (which carries the time) and returns a ``Decision`` and
+the next ``ModelState``; the caller keeps the state. So a day can be replayed in milliseconds and
+every rule is tested by feeding it a sequence of observations.
+
+Rules, in the order they are applied (defaults from ``scaling`` in the configuration):
+
+1. **Sustained queue**: requests waiting (summed over the model's replicas) above
+   ``scale_up_queue_depth`` for ``scale_up_after_seconds`` adds one replica. A brief burst does not.
+2. **SLA**: TTFT p95 above the model's ``sla.ttft_p95_seconds`` adds one replica at once (the
+   p95 is already an aggregate over a window, so it is not debounced again).
+3. **Idle**: mean GPU utilization below ``scale_down_gpu_utilization`` for
+   ``scale_down_after_seconds`` removes one replica.
+4. **Predictive**: a new replica takes ``startup_seconds`` to serve, so the policy looks at the
+   demand recorded at ``now + startup_seconds`` on previous days (same time-of-day slot) and asks
+   for enough replicas ahead of time; it also vetoes a scale-down that yesterday's demand says
+   would soon be undone.
+5. **Cool-down**: within ``cooldown_seconds`` of the last change nothing scales down, and nothing
+   scales up again after a scale-up (the replicas asked for are still starting). A scale-up right
+   after a scale-down is allowed: a latency breach must not wait.
+6. **Clamp**: at least ``min_replicas``, at most ``max_replicas`` and the budget cap; the budget
+   wins over the minimum, since it is the one limit that costs money to break.
+
+Demand is measured as busy replica-equivalents: ``current_replicas x gpu_utilization``. The
+replicas it needs are ``ceil(demand / target_gpu_utilization)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from infermeter.config import Config, ScalingPolicy
+
+__all__ = [
+    "HOURS_PER_MONTH",
+    "Decision",
+    "DemandHistory",
+    "ModelLimits",
+    "ModelState",
+    "Observation",
+    "PolicyParams",
+    "budget_max_replicas",
+    "decide",
+    "evaluate",
+    "model_limits",
+    "params_from_config",
+]
+
+HOURS_PER_MONTH = 730.0
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    """The policy's knobs: the ``scaling`` section plus the predictive term's settings."""
+
+    scaling: ScalingPolicy = field(default_factory=ScalingPolicy)
+    predictive: bool = True
+    target_gpu_utilization: float = 0.7
+    slot_seconds: int = 900
+    history_days: int = 7
+    day_seconds: float = 86400.0
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the policy knows about one model beyond its observations."""
+
+    model: str
+    sla_ttft_p95_seconds: float
+    min_replicas: int
+    max_replicas: int | None
+    max_reason: str = ""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One evaluation tick's inputs for one model. ``None`` means "not measured"."""
+
+    time: float
+    current_replicas: int
+    queue_depth: float
+    ttft_p95_seconds: float | None = None
+    gpu_utilization: float | None = None
+    tokens_per_second_per_gpu: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the policy wants for one model now, and why, in words an operator can read."""
+
+    model: str
+    time: float
+    current: int
+    desired: int
+    reasons: tuple[str, ...]
+
+    @property
+    def direction(self) -> int:
+        """+1 to scale up, -1 to scale down, 0 to hold."""
+        return (self.desired > self.current) - (self.desired < self.current)
+
+
+@dataclass(frozen=True)
+class DemandHistory:
+    """Peak demand per time-of-day slot, one row per day, the newest last."""
+
+    days: tuple[tuple[int, tuple[float | None, ...]], ...] = ()
+
+    def record(self, day: int, slot: int, slots: int, demand: float, keep: int) -> DemandHistory:
+        """This history with ``demand`` folded (as a maximum) into ``day``'s ``slot``."""
+        rows = list(self.days)
+        if not rows or rows[-1][0] != day:
+            rows.append((day, (None,) * slots))
+        values = list(rows[-1][1])
+        old = values[slot]
+        values[slot] = demand if old is None else max(old, demand)
+        rows[-1] = (day, tuple(values))
+        return DemandHistory(tuple(rows[-(keep + 1) :]))
+
+    def expected(self, day: int, slot: int) -> float | None:
+        """Mean demand in ``slot`` over the days before ``day`` that recorded it."""
+        seen = [
+            values[slot]
+            for d, values in self.days
+            if d < day and slot < len(values) and values[slot] is not None
+        ]
+        return sum(v for v in seen if v is not None) / len(seen) if seen else None
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Everything the policy remembers about a model between ticks."""
+
+    queue_high_since: float | None = None
+    idle_since: float | None = None
+    last_change_time: float | None = None
+    last_change_direction: int = 0
+    last_desired: int | None = None
+    history: DemandHistory = field(default_factory=DemandHistory)
+
+
+def budget_max_replicas(
+    monthly_budget_cap_usd: float, gpu_count: int, usd_per_gpu_hour: float
+) -> int | None:
+    """Replicas a monthly cap pays for around the clock; None when a replica costs nothing."""
+    per_replica = gpu_count * usd_per_gpu_hour * HOURS_PER_MONTH
+    if per_replica <= 0:
+        return None
+    return math.floor(monthly_budget_cap_usd / per_replica)
+
+
+def params_from_config(config: Config, day_seconds: float = 86400.0) -> PolicyParams:
+    """The policy's knobs from the ``scaling`` and ``autoscale`` sections."""
+    a = config.autoscale
+    return PolicyParams(
+        scaling=config.scaling,
+        predictive=a.predictive,
+        target_gpu_utilization=a.target_gpu_utilization,
+        slot_seconds=a.history_slot_seconds,
+        history_days=a.history_days,
+        day_seconds=day_seconds,
+    )
+
+
+def model_limits(config: Config, model: str) -> ModelLimits:
+    """SLA and replica bounds of ``model``: min, ``max_replicas`` and the budget cap.
+
+    A replica's cost is that of the model's most expensive configured replica (GPUs x price),
+    so a mixed fleet is never allowed more than the cap pays for.
+    """
+    scaling = config.scaling
+    bounds: list[tuple[int, str]] = []
+    if scaling.max_replicas is not None:
+        bounds.append((scaling.max_replicas, f"max_replicas {scaling.max_replicas}"))
+    costs = [
+        r.gpu_count * config.prices.usd_per_gpu_hour[r.gpu_model]
+        for r in config.replicas
+        if r.model == model
+    ]
+    if scaling.monthly_budget_cap_usd is not None and costs:
+        cap = budget_max_replicas(scaling.monthly_budget_cap_usd, 1, max(costs))
+        if cap is not None:
+            bounds.append(
+                (
+                    cap,
+                    f"budget cap ${scaling.monthly_budget_cap_usd:,.0f}/month pays for {cap} "
+                    f"replica(s) at ${max(costs):.2f}/h",
+                )
+            )
+    upper, why = min(bounds) if bounds else (None, "")
+    return ModelLimits(
+        model=model,
+        sla_ttft_p95_seconds=config.model(model).sla.ttft_p95_seconds,
+        min_replicas=scaling.min_replicas,
+        max_replicas=upper,
+        max_reason=why,
+    )
+
+
+def decide(
+    params: PolicyParams, limits: ModelLimits, state: ModelState, obs: Observation
+) -> tuple[Decision, ModelState]:
+    """One tick for one model: the decision and the state to pass to the next tick."""
+    s = params.scaling
+    now, current = obs.time, obs.current_replicas
+    reasons: list[str] = []
+    state = _track_timers(s, state, obs)
+    up = _scale_up_reasons(s, limits, state, obs, reasons)
+    down = not up and state.queue_high_since is None and _idle_for_long(s, state, obs, reasons)
+    desired = current + 1 if up else current - 1 if down else current
+
+    history, predicted = _predict(params, state.history, obs)
+    if predicted is not None:
+        desired = _apply_prediction(params, predicted, current, desired, reasons)
+    desired = _keep_pending(s, state, now, current, desired, reasons)
+    desired = _cool_down(s, state, now, current, desired, reasons)
+    desired = _clamp(limits, desired, reasons)
+
+    previous = state.last_desired if state.last_desired is not None else current
+    state = replace(state, history=history)
+    if desired != previous:
+        state = replace(
+            state,
+            last_change_time=now,
+            last_change_direction=1 if desired > previous else -1,
+            idle_since=None,
+        )
+    state = replace(state, last_desired=desired)
+    if not reasons:
+        reasons.append(f"holding {desired}: every signal within its bounds")
+    return Decision(limits.model, now, current, desired, tuple(reasons)), state
+
+
+def _track_timers(s: ScalingPolicy, state: ModelState, obs: Observation) -> ModelState:
+    """Start or clear the "queue high since" and "idle since" clocks."""
+    queue_since = None
+    if obs.queue_depth > s.scale_up_queue_depth:
+        queue_since = state.queue_high_since if state.queue_high_since is not None else obs.time
+    idle_since = None
+    util = obs.gpu_utilization
+    if util is not None and util < s.scale_down_gpu_utilization:
+        idle_since = state.idle_since if state.idle_since is not None else obs.time
+    return replace(state, queue_high_since=queue_since, idle_since=idle_since)
+
+
+def _scale_up_reasons(
+    s: ScalingPolicy, limits: ModelLimits, state: ModelState, obs: Observation, reasons: list[str]
+) -> bool:
+    up = False
+    if state.queue_high_since is not None:
+        held = obs.time - state.queue_high_since
+        if held >= s.scale_up_after_seconds:
+            reasons.append(
+                f"queue {obs.queue_depth:g} > {s.scale_up_queue_depth} for {held:.0f} s "
+                f"(>= {s.scale_up_after_seconds:g} s): scale up"
+            )
+            up = True
+        else:
+            reasons.append(
+                f"queue {obs.queue_depth:g} > {s.scale_up_queue_depth} for only {held:.0f} s "
+                f"(< {s.scale_up_after_seconds:g} s): waiting"
+            )
+    ttft = obs.ttft_p95_seconds
+    if ttft is not None and ttft > limits.sla_ttft_p95_seconds:
+        reasons.append(
+            f"TTFT p95 {ttft:.3g} s over the SLA {limits.sla_ttft_p95_seconds:g} s: scale up"
+        )
+        up = True
+    return up
+
+
+def _idle_for_long(
+    s: ScalingPolicy, state: ModelState, obs: Observation, reasons: list[str]
+) -> bool:
+    if state.idle_since is None or obs.gpu_utilization is None:
+        return False
+    held = obs.time - state.idle_since
+    util = f"GPU utilization {obs.gpu_utilization:.0%} < {s.scale_down_gpu_utilization:.0%}"
+    if held >= s.scale_down_after_seconds:
+        reasons.append(f"{util} for {held:.0f} s: scale down")
+        return True
+    return False
+
+
+def _predict(
+    params: PolicyParams, history: DemandHistory, obs: Observation
+) -> tuple[DemandHistory, int | None]:
+    """Record this tick's demand; the replicas previous days needed ``startup_seconds`` ahead."""
+    slots = max(1, round(params.day_seconds / params.slot_seconds))
+
+    def where(t: float) -> tuple[int, int]:
+        day = math.floor(t / params.day_seconds)
+        slot = min(slots - 1, int((t - day * params.day_seconds) / params.slot_seconds))
+        return day, slot
+
+    if obs.gpu_utilization is not None:
+        demand = obs.current_replicas * obs.gpu_utilization
+        history = history.record(*where(obs.time), slots, demand, params.history_days)
+    if not params.predictive:
+        return history, None
+    expected = history.expected(*where(obs.time + params.scaling.startup_seconds))
+    if expected is None:
+        return history, None
+    return history, math.ceil(expected / params.target_gpu_utilization - 1e-9)
+
+
+def _apply_prediction(
+    params: PolicyParams, predicted: int, current: int, desired: int, reasons: list[str]
+) -> int:
+    ahead = params.scaling.startup_seconds
+    if predicted > desired and predicted > current:
+        reasons.append(
+            f"previous days needed {predicted} replica(s) {ahead:g} s from now (start-up time): "
+            "scale up ahead"
+        )
+        return predicted
+    if desired < current <= predicted:
+        reasons.append(
+            f"not scaling down: previous days needed {predicted} replica(s) {ahead:g} s from now"
+        )
+        return current
+    return desired
+
+
+def _keep_pending(
+    s: ScalingPolicy, state: ModelState, now: float, current: int, desired: int, reasons: list[str]
+) -> int:
+    """Do not cancel a scale-up whose replicas are still starting."""
+    if (
+        state.last_desired is not None
+        and current < state.last_desired
+        and state.last_change_direction > 0
+        and state.last_change_time is not None
+        and now - state.last_change_time < s.startup_seconds
+        and desired < state.last_desired
+    ):
+        reasons.append(
+            f"keeping {state.last_desired}: replicas asked for "
+            f"{now - state.last_change_time:.0f} s ago are still starting"
+        )
+        return state.last_desired
+    return desired
+
+
+def _cool_down(
+    s: ScalingPolicy, state: ModelState, now: float, current: int, desired: int, reasons: list[str]
+) -> int:
+    if state.last_change_time is None or now - state.last_change_time >= s.cooldown_seconds:
+        return desired
+    since = now - state.last_change_time
+    left = s.cooldown_seconds - since
+    held = state.last_desired if state.last_desired is not None else current
+    if desired < held or (desired > held and state.last_change_direction > 0):
+        if desired < current or desired > held:
+            word = "down" if desired < held else "up again"
+            reasons.append(
+                f"cool-down: last change {since:.0f} s ago; not scaling {word} to {desired} "
+                f"for {left:.0f} s more"
+            )
+        return held
+    return desired
+
+
+def _clamp(limits: ModelLimits, desired: int, reasons: list[str]) -> int:
+    if desired < limits.min_replicas:
+        reasons.append(f"raised to min_replicas {limits.min_replicas}")
+        desired = limits.min_replicas
+    if limits.max_replicas is not None and desired > limits.max_replicas:
+        reasons.append(f"capped at {limits.max_replicas}: {limits.max_reason}")
+        desired = limits.max_replicas
+    return desired
+
+
+def evaluate(
+    params: PolicyParams,
+    limits: Mapping[str, ModelLimits],
+    states: Mapping[str, ModelState],
+    observations: Mapping[str, Observation],
+) -> tuple[dict[str, Decision], dict[str, ModelState]]:
+    """One tick for every observed model; models not observed keep their state."""
+    decisions: dict[str, Decision] = {}
+    next_states = dict(states)
+    for model, obs in observations.items():
+        if model not in limits:
+            continue
+        decision, next_states[model] = decide(
+            params, limits[model], states.get(model, ModelState()), obs
+        )
+        decisions[model] = decision
+    return decisions, next_states

@@ -1,0 +1,1 @@
+"""Tests of the autoscaler: policy rules, hooks, inputs, replay and the command line."""

@@ -1,0 +1,206 @@
+"""The scaling policy, one rule per test, driven by sequences of observations."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+import pytest
+
+from alerts.autoscale.policy import (
+    Decision,
+    DemandHistory,
+    ModelLimits,
+    ModelState,
+    Observation,
+    PolicyParams,
+    budget_max_replicas,
+    decide,
+    model_limits,
+)
+from infermeter.config import Config, ScalingPolicy
+
+SCALING = ScalingPolicy()  # the users' policy: min 2, queue > 10 for 30 s, util < 30% for 5 min
+PARAMS = PolicyParams(scaling=SCALING, predictive=False)
+LIMITS = ModelLimits("chat", sla_ttft_p95_seconds=1.0, min_replicas=2, max_replicas=None)
+
+
+def obs(t: float, current: int = 3, queue: float = 0, ttft: float | None = 0.2,
+        util: float | None = 0.6) -> Observation:  # fmt: skip
+    return Observation(t, current, queue, ttft, util, 900.0)
+
+
+def run(
+    observations: Iterable[Observation],
+    params: PolicyParams = PARAMS,
+    limits: ModelLimits = LIMITS,
+    state: ModelState | None = None,
+) -> tuple[list[Decision], ModelState]:
+    state = state or ModelState()
+    decisions = []
+    for o in observations:
+        decision, state = decide(params, limits, state, o)
+        decisions.append(decision)
+    return decisions, state
+
+
+def test_a_brief_queue_does_not_scale_up():
+    """A queue above the threshold for less than 30 s leaves the replicas alone."""
+    decisions, _ = run([obs(0, queue=50), obs(15, queue=50), obs(25, queue=50), obs(40, queue=0)])
+    assert [d.desired for d in decisions] == [3, 3, 3, 3]
+    assert "waiting" in decisions[1].reasons[0]
+
+
+def test_a_sustained_queue_scales_up_by_one():
+    """A queue above 10 for 30 s asks for one more replica, and says why."""
+    decisions, _ = run([obs(0, queue=11), obs(15, queue=12), obs(30, queue=12)])
+    assert [d.desired for d in decisions] == [3, 3, 4]
+    assert "queue 12 > 10 for 30 s" in decisions[-1].reasons[0]
+
+
+def test_a_queue_at_the_threshold_is_not_over_it():
+    """Exactly ``scale_up_queue_depth`` waiting is not a reason to scale."""
+    decisions, _ = run(obs(t, queue=10) for t in range(0, 120, 15))
+    assert {d.desired for d in decisions} == {3}
+
+
+def test_a_ttft_breach_scales_up_at_once():
+    """TTFT p95 over the model's SLA asks for a replica on the first tick."""
+    decisions, _ = run([obs(0, ttft=1.4)])
+    assert decisions[0].desired == 4
+    assert "TTFT p95 1.4 s over the SLA 1 s" in decisions[0].reasons[0]
+
+
+def test_idle_for_five_minutes_scales_down():
+    """Utilization under 30% for 300 s removes one replica, not before."""
+    decisions, _ = run(obs(t, current=4, util=0.1) for t in range(0, 301, 30))
+    assert [d.desired for d in decisions[:-1]] == [4] * 10
+    assert decisions[-1].desired == 3
+    assert "GPU utilization 10% < 30% for 300 s" in decisions[-1].reasons[0]
+
+
+def test_a_busy_tick_restarts_the_idle_clock():
+    """One tick above 30% in the five minutes means no scale-down at 300 s."""
+    utils = [0.1] * 5 + [0.5] + [0.1] * 5
+    decisions, _ = run(obs(30 * i, current=4, util=u) for i, u in enumerate(utils))
+    assert {d.desired for d in decisions} == {4}
+
+
+def test_cool_down_blocks_a_scale_down_right_after_a_scale_up():
+    """After a scale-up, idleness cannot scale down for 180 s: no flapping."""
+    up, state = run([obs(0, ttft=2.0)])
+    assert up[0].desired == 4
+    # The new replica is ready; the load vanished at once (idle for 5 min would scale down).
+    state = replace(state, idle_since=-1000.0)
+    decisions, _ = run([obs(60, current=4, util=0.05), obs(120, current=4, util=0.05)], state=state)
+    assert [d.desired for d in decisions] == [4, 4]
+    assert any("cool-down" in r for r in decisions[0].reasons)
+    later, _ = run([obs(200, current=4, util=0.05)], state=replace(state, idle_since=-1000.0))
+    assert later[0].desired == 3
+
+
+def test_cool_down_blocks_a_second_scale_up_while_the_first_starts():
+    """A breach that persists while the new replica starts does not add another one."""
+    decisions, _ = run([obs(0, ttft=2.0), obs(30, ttft=2.0), obs(150, ttft=2.0)])
+    assert [d.desired for d in decisions] == [4, 4, 4]
+    after, _ = run([obs(0, ttft=2.0), obs(190, current=4, ttft=2.0)])
+    assert after[-1].desired == 5
+
+
+def test_a_scale_up_right_after_a_scale_down_is_allowed():
+    """A latency breach just after a scale-down is not held back by the cool-down."""
+    state = ModelState(last_change_time=0.0, last_change_direction=-1, last_desired=3)
+    decisions, _ = run([obs(30, current=3, ttft=3.0)], state=state)
+    assert decisions[0].desired == 4
+
+
+@pytest.mark.parametrize(
+    ("current", "signal", "limits", "expected", "reason"),
+    [
+        (2, {"util": 0.05}, LIMITS, 2, None),
+        (1, {}, LIMITS, 2, "raised to min_replicas 2"),
+        (6, {"ttft": 3.0}, replace(LIMITS, max_replicas=6, max_reason="max_replicas 6"), 6,
+         "capped at 6: max_replicas 6"),
+        (2, {}, replace(LIMITS, max_replicas=1, max_reason="budget"), 1, "capped at 1: budget"),
+    ],
+)  # fmt: skip
+def test_min_max_and_budget_clamp(current, signal, limits, expected, reason):
+    """The result stays within min_replicas and the max (budget) bound; the budget wins."""
+    observations = [obs(t, current=current, **signal) for t in range(0, 601, 60)]
+    decisions, _ = run(observations, limits=limits)
+    assert decisions[-1].desired == expected
+    if reason:
+        assert any(reason in r for r in decisions[-1].reasons)
+
+
+def test_budget_cap_divides_by_a_replica_month():
+    """$60,000/month at 2 H100 x $3.90/h x 730 h pays for 10 replicas (10.5 rounded down)."""
+    assert budget_max_replicas(60_000, 2, 3.90) == 10
+    assert budget_max_replicas(1000, 1, 0.0) is None
+
+
+def test_model_limits_read_the_config(config: Config) -> None:
+    """Limits come from the model's SLA, min_replicas, max_replicas and the budget cap."""
+    scaling = config.scaling.model_copy(update={"monthly_budget_cap_usd": 60_000.0})
+    config = config.model_copy(update={"scaling": scaling})
+    large = model_limits(config, "chat-large")
+    assert (large.sla_ttft_p95_seconds, large.min_replicas, large.max_replicas) == (1.5, 2, 10)
+    assert "budget cap" in large.max_reason
+    scaling = scaling.model_copy(update={"max_replicas": 4})
+    small = model_limits(config.model_copy(update={"scaling": scaling}), "chat-small")
+    assert (small.max_replicas, small.max_reason) == (4, "max_replicas 4")
+
+
+def _day(util_by_hour: dict[int, float], day: int, current: int = 4) -> list[Observation]:
+    return [
+        obs(day * 86400 + minute * 60, current=current, util=util_by_hour.get(minute // 60, 0.1))
+        for minute in range(24 * 60)
+    ]
+
+
+def test_predictive_term_scales_ahead_of_yesterdays_peak():
+    """Yesterday's 10:00 demand brings replicas up startup_seconds before 10:00 today."""
+    params = replace(PARAMS, predictive=True)
+    # Yesterday, 4 replicas were 100% busy from 10:00 to 11:00: 4 / 0.7 -> 6 needed.
+    _, state = run(_day({10: 1.0}, day=0), params=params)
+    state = replace(state, idle_since=None, last_change_time=None, last_desired=None)
+    today = [obs(86400 + 10 * 3600 + dt, current=2, util=0.1) for dt in (-240, -180, -120)]
+    decisions, _ = run(today, params=params, state=state)
+    assert decisions[0].desired == 2  # 4 minutes ahead: not yet
+    assert decisions[1].desired == 6  # 180 s (the start-up time) ahead
+    assert "previous days needed 6 replica(s) 180 s from now" in decisions[1].reasons[0]
+
+
+def test_predictive_term_vetoes_a_scale_down_before_the_peak():
+    """Idle at 09:57 does not scale down when yesterday's 10:00 needed these replicas."""
+    params = replace(PARAMS, predictive=True)
+    _, state = run(_day({10: 1.0}, day=0), params=params)
+    state = replace(state, idle_since=86400 + 9 * 3600, last_change_time=None, last_desired=6)
+    decisions, _ = run([obs(86400 + 10 * 3600 - 170, current=6, util=0.1)], params, state=state)
+    assert decisions[0].desired == 6
+    assert any("not scaling down" in r for r in decisions[0].reasons)
+
+
+def test_without_history_the_predictive_term_is_silent():
+    """On the first day there is nothing to predict from, and the reactive rules alone act."""
+    params = replace(PARAMS, predictive=True)
+    decisions, _ = run([obs(36000, util=0.5)], params=params)
+    assert decisions[0].desired == 3
+    assert decisions[0].reasons == ("holding 3: every signal within its bounds",)
+
+
+def test_history_keeps_the_peak_of_each_slot_and_averages_days():
+    """A slot holds the day's maximum; the expectation is the mean over earlier days only."""
+    h = DemandHistory().record(0, 3, 96, 2.0, keep=7).record(0, 3, 96, 5.0, keep=7)
+    h = h.record(0, 3, 96, 1.0, keep=7).record(1, 3, 96, 3.0, keep=7)
+    assert h.expected(1, 3) == 5.0
+    assert h.expected(2, 3) == 4.0
+    assert h.expected(2, 4) is None
+
+
+def test_state_is_returned_not_mutated():
+    """decide() leaves the state it was given untouched and returns a new one."""
+    state = ModelState()
+    _, after = decide(PARAMS, LIMITS, state, obs(0, queue=50))
+    assert state == ModelState()
+    assert after.queue_high_since == 0
