@@ -152,7 +152,7 @@ async def test_kubernetes_hook_patches_the_scale_subresource_in_dry_run():
     ]
 
 
-async def test_kubernetes_hook_applies_for_real_when_dry_run_is_off(tmp_path: Path):
+async def test_kubernetes_hook_applies_for_real_when_dry_run_is_off(tmp_path: Path) -> None:
     """With dry_run off there is no dryRun parameter; the token file is read at each call."""
     fake, app = _api()
     token_file = tmp_path / "token"

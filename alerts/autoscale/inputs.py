@@ -1,0 +1,228 @@
+"""The policy's inputs, from /metrics pages (collector and sidecars) or from Prometheus.
+
+Parsing and arithmetic are pure: ``parse_pages`` turns exposition text into a ``Scrape`` (gauges
+plus cumulative counters), and ``observations`` turns two consecutive scrapes into one
+``Observation`` per model: rates and the TTFT p95 come from the counters' increase between the
+two, so they describe the last interval, not the process lifetime. ``PrometheusSource`` asks a
+Prometheus server the same questions in PromQL instead. Fetching lives in ``service``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from alerts.autoscale.policy import Observation
+
+__all__ = [
+    "PROMQL",
+    "PrometheusSource",
+    "Scrape",
+    "histogram_quantile",
+    "observations",
+    "observations_from_vectors",
+    "parse_pages",
+]
+
+TTFT_BUCKET = "infermeter_time_to_first_token_seconds_bucket"
+# A sidecar counter; prometheus_client's parser reports it with the ``_total`` suffix.
+COMPLETION_TOKENS = "infermeter_completion_tokens_total"
+
+# One instant query per input, each answering one value per ``model``.
+PROMQL = {
+    "current": "count by (model) (infermeter_replica_queue_depth)",
+    "queue": "sum by (model) (infermeter_replica_queue_depth)",
+    "utilization": "avg by (model) (infermeter_replica_gpu_utilization_ratio)",
+    "ttft_p95": (
+        "histogram_quantile(0.95, sum by (model, le) "
+        "(rate(infermeter_time_to_first_token_seconds_bucket[{window}])))"
+    ),
+    "tokens_per_gpu": (
+        "sum by (model) (rate(infermeter_completion_tokens_total[{window}])) "
+        "/ sum by (model) (infermeter_replica_gpus)"
+    ),
+}
+
+Key = tuple[int, str]  # (sidecar page index, model): counters are per process
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """What one round of scrapes saw, per model; counters are cumulative."""
+
+    time: float
+    replicas: Mapping[str, int] = field(default_factory=dict)
+    queue: Mapping[str, float] = field(default_factory=dict)
+    utilization: Mapping[str, float] = field(default_factory=dict)
+    gpus: Mapping[str, float] = field(default_factory=dict)
+    completion_tokens: Mapping[Key, float] = field(default_factory=dict)
+    ttft_buckets: Mapping[Key, Mapping[float, float]] = field(default_factory=dict)
+
+
+def _samples(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield sample.name, sample.labels, float(sample.value)
+
+
+def parse_pages(time: float, collector_page: str, sidecar_pages: Sequence[str | None]) -> Scrape:
+    """Read the collector's fleet view and each sidecar's counters (``None``: page missing)."""
+    replicas: dict[str, set[str]] = defaultdict(set)
+    queue: dict[str, float] = defaultdict(float)
+    utils: dict[str, list[float]] = defaultdict(list)
+    gpus: dict[str, float] = defaultdict(float)
+    for name, labels, value in _samples(collector_page):
+        model = labels.get("model", "")
+        if not model:
+            continue
+        if name == "infermeter_replica_queue_depth":
+            replicas[model].add(labels.get("replica", ""))
+            queue[model] += value
+        elif name == "infermeter_replica_gpu_utilization_ratio":
+            utils[model].append(value)
+        elif name == "infermeter_replica_gpus":
+            gpus[model] += value
+    tokens: dict[Key, float] = defaultdict(float)
+    buckets: dict[Key, dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    for index, page in enumerate(sidecar_pages):
+        for name, labels, value in _samples(page or ""):
+            key = (index, labels.get("model", ""))
+            if name == COMPLETION_TOKENS:
+                tokens[key] += value
+            elif name == TTFT_BUCKET:
+                buckets[key][float(labels["le"])] += value
+    return Scrape(
+        time=time,
+        replicas={m: len(r) for m, r in replicas.items()},
+        queue=dict(queue),
+        utilization={m: sum(u) / len(u) for m, u in utils.items()},
+        gpus=dict(gpus),
+        completion_tokens=dict(tokens),
+        ttft_buckets={k: dict(v) for k, v in buckets.items()},
+    )
+
+
+def _increase(before: float | None, after: float) -> float:
+    """A counter's increase; a decrease means the process restarted and counted from zero."""
+    if before is None or after < before:
+        return after
+    return after - before
+
+
+def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float | None:
+    """Prometheus's ``histogram_quantile`` over cumulative ``{le: count}``: linear in a bucket."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    rank = q * buckets[bounds[-1]]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound  # Prometheus answers the highest finite bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
+                count - lower_count
+            )
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def observations(
+    previous: Scrape | None, current: Scrape, models: Iterable[str]
+) -> dict[str, Observation]:
+    """One observation per model; rates and TTFT need ``previous`` and are None without it."""
+    elapsed = current.time - previous.time if previous is not None else 0.0
+    result = {}
+    for model in models:
+        tokens_per_gpu = ttft = None
+        if previous is not None and elapsed > 0:
+            keys = [k for k in current.completion_tokens if k[1] == model]
+            made = sum(
+                _increase(previous.completion_tokens.get(k), current.completion_tokens[k])
+                for k in keys
+            )
+            if keys and current.gpus.get(model):
+                tokens_per_gpu = made / elapsed / current.gpus[model]
+            ttft = histogram_quantile(0.95, _bucket_increase(previous, current, model))
+        result[model] = Observation(
+            time=current.time,
+            current_replicas=current.replicas.get(model, 0),
+            queue_depth=current.queue.get(model, 0.0),
+            ttft_p95_seconds=ttft,
+            gpu_utilization=current.utilization.get(model),
+            tokens_per_second_per_gpu=tokens_per_gpu,
+        )
+    return result
+
+
+def _bucket_increase(previous: Scrape, current: Scrape, model: str) -> dict[float, float]:
+    total: dict[float, float] = defaultdict(float)
+    for key, buckets in current.ttft_buckets.items():
+        if key[1] != model:
+            continue
+        before = previous.ttft_buckets.get(key, {})
+        # A restart resets the whole histogram: judge it by the +Inf bucket, then take all.
+        restarted = buckets.get(math.inf, 0.0) < before.get(math.inf, 0.0)
+        for bound, count in buckets.items():
+            total[bound] += _increase(None if restarted else before.get(bound), count)
+    return dict(total)
+
+
+def observations_from_vectors(
+    time: float, vectors: Mapping[str, Mapping[str, float]], models: Iterable[str]
+) -> dict[str, Observation]:
+    """Observations from PromQL answers keyed like ``PROMQL``; NaN or absent means unknown."""
+
+    def value(query: str, model: str) -> float | None:
+        v = vectors.get(query, {}).get(model)
+        return None if v is None or math.isnan(v) else v
+
+    return {
+        model: Observation(
+            time=time,
+            current_replicas=int(value("current", model) or 0),
+            queue_depth=value("queue", model) or 0.0,
+            ttft_p95_seconds=value("ttft_p95", model),
+            gpu_utilization=value("utilization", model),
+            tokens_per_second_per_gpu=value("tokens_per_gpu", model),
+        )
+        for model in models
+    }
+
+
+@dataclass
+class PrometheusSource:
+    """Runs ``PROMQL`` against a Prometheus server's instant-query API."""
+
+    url: str
+    client: httpx.AsyncClient
+    window: str = "2m"
+
+    async def vectors(self) -> dict[str, dict[str, float]]:
+        """Every query's answer as ``{model: value}``; raises ``httpx.HTTPError`` on failure."""
+        result = {}
+        for key, template in PROMQL.items():
+            result[key] = await self.query(template.format(window=self.window))
+        return result
+
+    async def query(self, promql: str) -> dict[str, float]:
+        """One instant vector, keyed by its ``model`` label."""
+        response = await self.client.get(
+            self.url.rstrip("/") + "/api/v1/query", params={"query": promql}
+        )
+        response.raise_for_status()
+        data = response.json()
+        if data.get("status") != "success":
+            raise httpx.HTTPError(f"Prometheus refused {promql!r}: {data.get('error')}")
+        return {
+            item["metric"].get("model", ""): float(item["value"][1])
+            for item in data["data"]["result"]
+        }

@@ -1,0 +1,135 @@
+"""Policy inputs from the collector's and sidecars' /metrics, and from Prometheus's query API."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+from prometheus_client import generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from alerts.autoscale.inputs import (
+    PROMQL,
+    PrometheusSource,
+    histogram_quantile,
+    observations,
+    observations_from_vectors,
+    parse_pages,
+)
+from sidecar.metrics import SidecarMetrics
+from tests.servers import serving
+
+COLLECTOR_PAGE = """\
+# HELP infermeter_replica_gpu_utilization_ratio Mean utilization of the replica's GPUs, 0 to 1.
+# TYPE infermeter_replica_gpu_utilization_ratio gauge
+infermeter_replica_gpu_utilization_ratio{model="chat-small",replica="small-0"} 0.2
+infermeter_replica_gpu_utilization_ratio{model="chat-small",replica="small-1"} 0.4
+infermeter_replica_gpu_utilization_ratio{model="chat-large",replica="large-0"} 0.9
+# HELP infermeter_replica_gpus GPUs (or MIG slices) attributed to the replica.
+# TYPE infermeter_replica_gpus gauge
+infermeter_replica_gpus{model="chat-small",replica="small-0"} 1.0
+infermeter_replica_gpus{model="chat-small",replica="small-1"} 1.0
+infermeter_replica_gpus{model="chat-large",replica="large-0"} 2.0
+# HELP infermeter_replica_queue_depth Requests waiting in the engine's queue.
+# TYPE infermeter_replica_queue_depth gauge
+infermeter_replica_queue_depth{model="chat-small",replica="small-0"} 5.0
+infermeter_replica_queue_depth{model="chat-small",replica="small-1"} 7.0
+infermeter_replica_queue_depth{model="chat-large",replica="large-0"} 0.0
+"""
+MODELS = ("chat-small", "chat-large", "idle-model")
+
+
+def _page(metrics: SidecarMetrics) -> str:
+    return generate_latest(metrics.registry).decode()
+
+
+def test_gauges_are_summed_averaged_and_counted_per_model():
+    """Queue depth is summed, utilization averaged, replicas counted, per model."""
+    obs = observations(None, parse_pages(100.0, COLLECTOR_PAGE, []), MODELS)
+    small = obs["chat-small"]
+    assert (small.current_replicas, small.queue_depth) == (2, 12.0)
+    assert small.gpu_utilization == pytest.approx(0.3)
+    assert (small.ttft_p95_seconds, small.tokens_per_second_per_gpu) == (None, None)
+    assert obs["idle-model"].current_replicas == 0
+    assert obs["idle-model"].gpu_utilization is None
+
+
+def test_rates_and_ttft_p95_come_from_the_last_interval():
+    """Tokens/s per GPU and TTFT p95 use the sidecars' counter increase since the last scrape."""
+    a, b = SidecarMetrics(), SidecarMetrics()
+    labels = ("search", "chat-small")
+    a.ttft.observe(labels, 9.0, count=100)  # old history, before the interval
+    before = parse_pages(100.0, COLLECTOR_PAGE, [_page(a), _page(b)])
+    a.completion_tokens.labels(*labels).inc(3000)
+    b.completion_tokens.labels(*labels).inc(1000)
+    a.ttft.observe(labels, 0.3, count=90)
+    b.ttft.observe(labels, 0.9, count=10)
+    after = parse_pages(110.0, COLLECTOR_PAGE, [_page(a), _page(b)])
+    small = observations(before, after, MODELS)["chat-small"]
+    assert small.tokens_per_second_per_gpu == pytest.approx(4000 / 10 / 2)
+    # 95th of 100 in the interval: the 5th of the 10 in the (0.75, 1.0] bucket.
+    assert small.ttft_p95_seconds == pytest.approx(0.75 + 0.25 * 5 / 10)
+
+
+def test_a_restarted_sidecar_counts_from_zero():
+    """Counters lower than last time mean a restart: their whole value is the increase."""
+    old, new = SidecarMetrics(), SidecarMetrics()
+    labels = ("search", "chat-small")
+    old.completion_tokens.labels(*labels).inc(50_000)
+    old.ttft.observe(labels, 5.0, count=500)
+    new.completion_tokens.labels(*labels).inc(200)
+    new.ttft.observe(labels, 0.05, count=20)
+    before = parse_pages(0.0, COLLECTOR_PAGE, [_page(old)])
+    after = parse_pages(10.0, COLLECTOR_PAGE, [_page(new)])
+    small = observations(before, after, MODELS)["chat-small"]
+    assert small.tokens_per_second_per_gpu == pytest.approx(200 / 10 / 2)
+    assert small.ttft_p95_seconds is not None
+    assert small.ttft_p95_seconds <= 0.06
+
+
+@pytest.mark.parametrize(
+    ("buckets", "expected"),
+    [
+        ({0.1: 0, 0.5: 100, math.inf: 100}, 0.1 + 0.4 * 0.95),
+        ({0.1: 50, 0.5: 100, math.inf: 100}, 0.1 + 0.4 * 0.9),
+        ({0.1: 0, 0.5: 0, math.inf: 10}, 0.5),  # beyond the last finite bound
+        ({0.1: 0, math.inf: 0}, None),  # nothing observed
+        ({}, None),
+    ],
+)
+def test_histogram_quantile_matches_prometheus(buckets, expected):
+    """Linear interpolation within the bucket, the highest finite bound beyond it."""
+    got = histogram_quantile(0.95, buckets)
+    assert got == (pytest.approx(expected) if expected is not None else None)
+
+
+async def test_prometheus_source_runs_every_query_and_reads_vectors():
+    """Each input is one instant query; the answers become one observation per model."""
+    answers = {
+        "current": 3,
+        "queue": 14,
+        "utilization": 0.5,
+        "ttft_p95": "NaN",
+        "tokens_per_gpu": 800,
+    }
+    by_query = {template.format(window="2m"): key for key, template in PROMQL.items()}
+    seen: list[str] = []
+
+    async def query(request: Request) -> JSONResponse:
+        promql = request.query_params["query"]
+        seen.append(promql)
+        value = answers[by_query[promql]]
+        result = [{"metric": {"model": "chat-large"}, "value": [1.7e9, str(value)]}]
+        return JSONResponse({"status": "success", "data": {"resultType": "vector", "result": result}})  # fmt: skip
+
+    app = Starlette(routes=[Route("/api/v1/query", query)])
+    async with serving(app) as url, httpx.AsyncClient() as client:
+        vectors = await PrometheusSource(url, client).vectors()
+    assert sorted(seen) == sorted(by_query)
+    obs = observations_from_vectors(50.0, vectors, ["chat-large"])["chat-large"]
+    assert (obs.current_replicas, obs.queue_depth, obs.gpu_utilization) == (3, 14.0, 0.5)
+    assert (obs.ttft_p95_seconds, obs.tokens_per_second_per_gpu) == (None, 800.0)
