@@ -1,0 +1,260 @@
+"""Rule rendering: names, thresholds from the configuration, errors, and no drift on disk."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from alerts.rules import (
+    ALERTING_FILE,
+    RECORDING_FILE,
+    duration,
+    prometheus_rule,
+    render,
+    to_yaml,
+)
+from infermeter.config import DEFAULT_CONFIG, Config, ConfigError, load_config
+
+ROOT = Path(__file__).parents[2]
+RULES = ROOT / "alerts" / "rules"
+MANIFEST = ROOT / "deploy" / "kubernetes" / "prometheusrule.yaml"
+LEVEL_METRIC_OPERATIONS = re.compile(r"^[a-z_]+:[a-z_]+:[a-z0-9_]+$")
+
+
+def _raw(**changes: Any) -> dict[str, Any]:
+    """The embedded config file's data with ``changes`` (dotted paths, list items by index)."""
+    data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    for path, value in changes.items():
+        node: Any = data
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node.setdefault(p, {})
+        node[last] = value
+    return data
+
+
+def _config(**changes: Any) -> Config:
+    """The embedded config with ``changes`` applied, validated."""
+    return Config.model_validate(_raw(**changes))
+
+
+def _rules(groups: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    return [r for file in groups.values() for g in file for r in g["rules"]]
+
+
+def _alerts(config: Config, name: str) -> list[dict[str, Any]]:
+    return [r for r in _rules(render(config)) if r.get("alert") == name]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(300, "5m"), (30, "30s"), (3600, "1h"), (90, "1m30s"), (0.5, "500ms"), (1.25, "1s250ms"),
+     (0, "0s"), (5400, "1h30m")],
+)  # fmt: skip
+def test_duration_is_written_the_prometheus_way(seconds, text):
+    """Seconds become the shortest Prometheus duration that states them exactly."""
+    assert duration(seconds) == text
+
+
+def test_committed_rule_files_equal_a_fresh_render(config):
+    """alerts/rules/ holds exactly what the embedded configuration renders to."""
+    groups = render(config)
+    assert sorted(p.name for p in RULES.iterdir()) == sorted(groups)
+    for name, file_groups in groups.items():
+        assert (RULES / name).read_text() == to_yaml({"groups": file_groups}), name
+
+
+def test_committed_prometheusrule_equals_a_fresh_render(config):
+    """deploy/kubernetes/prometheusrule.yaml holds the same groups as a PrometheusRule."""
+    assert MANIFEST.read_text() == to_yaml(prometheus_rule(render(config)))
+
+
+def test_prometheusrule_manifest_shape(config):
+    """The manifest is a monitoring.coreos.com/v1 PrometheusRule carrying every group once."""
+    groups = render(config)
+    manifest = prometheus_rule(groups)
+    assert manifest["apiVersion"] == "monitoring.coreos.com/v1"
+    assert manifest["kind"] == "PrometheusRule"
+    assert manifest["metadata"] == {
+        "name": "infermeter-rules",
+        "labels": {"app.kubernetes.io/part-of": "infermeter"},
+    }
+    names = [g["name"] for g in manifest["spec"]["groups"]]
+    assert sorted(names) == sorted(g["name"] for file in groups.values() for g in file)
+    assert len(set(names)) == len(names)
+
+
+def test_recording_rules_follow_level_metric_operations(config):
+    """Every recorded name has three colon-separated parts; no rule uses the quoted-name syntax."""
+    groups = render(config)
+    recorded = [r["record"] for r in _rules(groups) if "record" in r]
+    assert recorded, "no recording rules"
+    assert [n for n in recorded if not LEVEL_METRIC_OPERATIONS.match(n)] == []
+    assert all("record" in r for g in groups[RECORDING_FILE] for r in g["rules"])
+    assert all("alert" in r for g in groups[ALERTING_FILE] for r in g["rules"])
+    assert [r["expr"] for r in _rules(groups) if '{"' in r["expr"]] == []
+
+
+def test_recording_rules_cover_the_sidecar_collector_and_billing_metrics(config):
+    """TTFT p50/p95, tokens/s, error ratio per model and team; queue, GPU use and power per replica."""
+    recorded = {r["record"] for r in _rules(render(config)) if "record" in r}
+    for level in ("model", "team_model"):
+        assert f"{level}:infermeter_time_to_first_token_seconds:p50_rate5m" in recorded
+        assert f"{level}:infermeter_time_to_first_token_seconds:p95_rate5m" in recorded
+        assert f"{level}:infermeter_output_tokens_per_second:p50_rate5m" in recorded
+        assert f"{level}:infermeter_completion_tokens:rate5m" in recorded
+        assert f"{level}:infermeter_request_errors_per_request:ratio_rate5m" in recorded
+    assert {"replica:infermeter_replica_queue_depth:max",
+            "instance_model_name:vllm_num_requests_waiting:sum",
+            "replica:infermeter_replica_gpu_utilization_ratio:avg",
+            "replica:infermeter_replica_gpu_power_watts:sum",
+            "team:infermeter_team_spend_forecast_per_budget:ratio"} <= recorded  # fmt: skip
+
+
+def test_every_alert_has_severity_summary_and_runbook(config):
+    """Each alert carries a severity label and summary and runbook annotations."""
+    alerts = [r for r in _rules(render(config)) if "alert" in r]
+    assert len({a["alert"] for a in alerts}) == 9
+    for a in alerts:
+        assert a["labels"]["severity"] in {"critical", "warning", "info"}, a["alert"]
+        assert a["annotations"]["summary"].strip(), a["alert"]
+        assert len(a["annotations"]["runbook"]) > 40, a["alert"]
+
+
+def test_sla_alerts_take_each_models_targets(config):
+    """TTFT, error-ratio and speed alerts exist per model, with that model's SLA as threshold."""
+    ttft = {a["labels"]["model"]: a["expr"] for a in _alerts(config, "InfermeterTTFTAboveSLA")}
+    assert ttft == {
+        "chat-large": 'model:infermeter_time_to_first_token_seconds:p95_rate5m{model="chat-large"} > 1.5',
+        "chat-small": 'model:infermeter_time_to_first_token_seconds:p95_rate5m{model="chat-small"} > 0.5',
+    }  # fmt: skip
+    speed = {
+        a["labels"]["model"]: a["expr"] for a in _alerts(config, "InfermeterOutputSpeedBelowSLA")
+    }
+    assert speed["chat-small"].endswith('{model="chat-small"} < 30')
+    assert speed["chat-large"].endswith('{model="chat-large"} < 15')
+    looser = _config(**{"models.1.sla.max_error_ratio": 0.05})
+    errors = {a["labels"]["model"]: a["expr"] for a in _alerts(looser, "InfermeterErrorRatioHigh")}
+    assert errors["chat-small"].endswith('{model="chat-small"} > 0.05')
+    assert errors["chat-large"].endswith('{model="chat-large"} > 0.01')
+    assert {a["labels"]["use_case"] for a in _alerts(config, "InfermeterTTFTAboveSLA")} == {
+        "interactive"
+    }
+
+
+def test_a_model_without_a_speed_target_has_no_speed_alert():
+    """min_output_tokens_per_second 0 means no target, so no alert for that model."""
+    config = _config(**{"models.0.sla.min_output_tokens_per_second": 0})
+    models = [a["labels"]["model"] for a in _alerts(config, "InfermeterOutputSpeedBelowSLA")]
+    assert models == ["chat-small"]
+
+
+def test_capacity_alerts_follow_the_scaling_policy():
+    """Queue backlog and GPU idle use scaling's thresholds and durations."""
+    config = _config(**{"scaling.scale_up_queue_depth": 4, "scaling.scale_up_after_seconds": 45,
+                        "scaling.scale_down_gpu_utilization": 0.2,
+                        "scaling.scale_down_after_seconds": 600})  # fmt: skip
+    [queue] = _alerts(config, "InfermeterQueueBacklog")
+    assert (queue["expr"], queue["for"]) == (
+        "replica:infermeter_replica_queue_depth:max > 4",
+        "45s",
+    )
+    [idle] = _alerts(config, "InfermeterGPUIdle")
+    assert (idle["expr"], idle["for"]) == (
+        "replica:infermeter_replica_gpu_utilization_ratio:avg < 0.2",
+        "10m",
+    )
+
+
+def test_default_capacity_alerts_are_the_seed_policy(config):
+    """Over 10 waiting for 30 s; under 30 % busy for 5 min."""
+    [queue] = _alerts(config, "InfermeterQueueBacklog")
+    [idle] = _alerts(config, "InfermeterGPUIdle")
+    assert (queue["expr"].split()[-2:], queue["for"]) == ([">", "10"], "30s")
+    assert (idle["expr"].split()[-2:], idle["for"]) == (["<", "0.3"], "5m")
+
+
+def test_windows_and_durations_come_from_the_alerts_section():
+    """rate_window_seconds renames and resizes every window; sla_for_seconds sets the wait."""
+    config = _config(**{"alerts.rate_window_seconds": 60, "alerts.sla_for_seconds": 0,
+                        "alerts.evaluation_interval_seconds": 10})  # fmt: skip
+    groups = render(config)
+    rules = _rules(groups)
+    assert all("5m" not in r["expr"] for r in rules)
+    assert "model:infermeter_time_to_first_token_seconds:p95_rate1m" in {
+        r.get("record") for r in rules
+    }
+    assert all("for" not in a for a in _alerts(config, "InfermeterTTFTAboveSLA"))
+    assert {g["interval"] for file in groups.values() for g in file} == {"10s"}
+
+
+def test_team_override_inherits_the_keys_it_leaves_out():
+    """A team override with only a TTFT target keeps the model's error and speed targets."""
+    config = _config(
+        **{"alerts.slas": [{"team": "search", "model": "chat-small", "ttft_p95_seconds": 0.3}]}
+    )
+    [ttft] = _alerts(config, "InfermeterTeamTTFTAboveSLA")
+    assert ttft["expr"] == ('team_model:infermeter_time_to_first_token_seconds:p95_rate5m'
+                            '{team="search",model="chat-small"} > 0.3')  # fmt: skip
+    assert ttft["labels"] == {"severity": "warning", "team": "search", "model": "chat-small"}
+    [errors] = _alerts(config, "InfermeterTeamErrorRatioHigh")
+    assert errors["expr"].endswith("} > 0.01")
+    [speed] = _alerts(config, "InfermeterTeamOutputSpeedBelowSLA")
+    assert speed["expr"].endswith("} < 30")
+
+
+def test_a_budget_cap_below_one_replica_is_an_error():
+    """A monthly cap that cannot pay for one chat-large replica (2 x H100) names the numbers."""
+    config = _config(**{"scaling.monthly_budget_cap_usd": 2000})
+    with pytest.raises(ConfigError) as err:
+        render(config, "fleet.yaml")
+    assert str(err.value) == (
+        "fleet.yaml: scaling.monthly_budget_cap_usd = 2000.0: below the monthly cost of one "
+        "replica of 'chat-large' (2 x H100 at 3.90 USD/GPU-hour x 730 h = 5694.00 USD)"
+    )
+
+
+def test_a_budget_cap_that_pays_for_a_replica_of_each_model_renders():
+    """A cap above the dearest model's cheapest replica is accepted."""
+    assert render(_config(**{"scaling.monthly_budget_cap_usd": 5694.0}))
+
+
+def _write(tmp_path: Path, **changes: Any) -> Path:
+    target = tmp_path / "fleet.yaml"
+    target.write_text(yaml.safe_dump(_raw(**changes)))
+    return target
+
+
+def test_an_sla_override_naming_an_unknown_model_is_an_error(tmp_path):
+    """alerts.slas naming a model (or team) the registry lacks fails when the file loads."""
+    path = _write(tmp_path, **{"alerts.slas": [{"team": "search", "model": "chat-huge"},
+                                               {"team": "nobody", "model": "chat-small"}]})  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    message = str(err.value)
+    assert message.startswith(f"{path}: ")
+    assert "alerts.slas[0].model = 'chat-huge': no such model" in message
+    assert "alerts.slas[1].team = 'nobody': no such team" in message
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        ("scaling.scale_up_queue_depth", -1, "scaling.scale_up_queue_depth = -1: Input should be greater than or equal to 0"),
+        ("scaling.scale_down_gpu_utilization", -0.1, "scaling.scale_down_gpu_utilization = -0.1: Input should be greater than or equal to 0"),
+        ("models.0.sla.ttft_p95_seconds", -0.5, "models[0].sla.ttft_p95_seconds = -0.5: Input should be greater than 0"),
+        ("models.0.sla.max_error_ratio", -0.01, "models[0].sla.max_error_ratio = -0.01: Input should be greater than or equal to 0"),
+        ("scaling.monthly_budget_cap_usd", -5, "scaling.monthly_budget_cap_usd = -5: Input should be greater than or equal to 0"),
+        ("alerts.spool_backlog_records", -5, "alerts.spool_backlog_records = -5: Input should be greater than or equal to 0"),
+    ],
+)  # fmt: skip
+def test_negative_thresholds_are_refused_by_the_schema(tmp_path, path, value, message):
+    """A negative threshold is an error naming the file, the key and the value."""
+    config_file = _write(tmp_path, **{path: value})
+    with pytest.raises(ConfigError) as err:
+        load_config(config_file, environ={})
+    assert str(err.value) == f"{config_file}: {message}"
