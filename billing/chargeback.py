@@ -1,0 +1,124 @@
+"""Statements from the ledger: the glue between the DuckDB edge and the pure allocation."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import polars as pl
+
+from billing.allocation import Policy, allocate, fleet_cost
+from billing.ledger import Ledger, LedgerError
+from billing.months import check_month, month_bounds, month_of
+from billing.statement import (
+    Statement,
+    adjustment_lines,
+    cents_lines,
+    fleet_cents,
+    team_totals,
+)
+from infermeter.config import Config
+
+__all__ = ["Chargeback", "Spend", "policy_from_config"]
+
+
+def policy_from_config(config: Config) -> Policy:
+    """The allocation policy the configuration describes."""
+    b = config.billing
+    return Policy(
+        usd_per_gpu_hour=dict(config.prices.usd_per_gpu_hour),
+        usd_per_kwh=config.prices.usd_per_kwh,
+        pue=config.prices.pue,
+        allocation=b.allocation,
+        prompt_weight=b.token_weights.prompt,
+        completion_weight=b.token_weights.completion,
+        platform_account=b.platform_account,
+        idle={r.id: (r.idle_policy, r.owner_team) for r in config.replicas},
+        replica_model={r.id: r.model for r in config.replicas},
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Spend:
+    """A team's month so far: spent, budget, and a straight-line forecast to month end."""
+
+    team: str
+    month: str
+    spent_usd: float
+    budget_usd: float
+    forecast_usd: float
+
+
+class Chargeback:
+    """Computes, closes and reports statements for one ledger and one configuration."""
+
+    def __init__(self, ledger: Ledger, config: Config) -> None:
+        self.ledger = ledger
+        self.config = config
+        self.policy = policy_from_config(config)
+
+    def _cents(self, month: str) -> tuple[pl.DataFrame, int]:
+        usage, gpus = self.ledger.usage_slots(month), self.ledger.gpu_slots(month)
+        fleet = fleet_cost(gpus, self.policy)
+        return cents_lines(month, allocate(usage, gpus, self.policy), fleet), fleet_cents(fleet)
+
+    def statement(self, month: str) -> Statement:
+        """``month``'s statement: frozen if closed, computed from the ledger now if open."""
+        check_month(month)
+        closed, _ = self.ledger.month_state(month)
+        if closed:
+            lines = self.ledger.issued_lines(month=month)
+            own = lines.filter(pl.col("for_month") == month)
+            adjust = int(lines.filter(pl.col("for_month") != month)["total_cents"].sum())
+            return Statement(month, True, lines, int(own["total_cents"].sum()), adjust)
+        lines, fleet = self._cents(month)
+        adjustments = []
+        adjust_cents = 0
+        for earlier in self.ledger.dirty_closed_months(before=month):
+            now, _ = self._cents(earlier)
+            diff = adjustment_lines(
+                month, earlier, now, self.ledger.issued_lines(for_month=earlier)
+            )
+            adjustments.append(diff)
+            adjust_cents += int(diff["total_cents"].sum())
+        all_lines = pl.concat([lines, *adjustments]) if adjustments else lines
+        return Statement(month, False, all_lines, fleet, adjust_cents)
+
+    def close(self, month: str, now: float | None = None) -> Statement:
+        """Freeze ``month``'s statement; later records for it become adjustments."""
+        now = time.time() if now is None else now
+        if month_bounds(month)[1] > now:
+            raise LedgerError(
+                f"month {month} has not ended yet; it can be closed from {month_of(month_bounds(month)[1])}-01"
+            )
+        open_before = [
+            m["month"] for m in self.ledger.months() if not m["closed"] and m["month"] < month
+        ]
+        if open_before:
+            raise LedgerError(f"close {', '.join(open_before)} first: months close in order")
+        statement = self.statement(month)
+        if not statement.reconciles:
+            raise LedgerError(f"month {month} does not reconcile; refusing to close it")
+        adjusted = sorted(set(statement.lines["for_month"].to_list()) - {month})
+        self.ledger.freeze(month, statement.lines, adjusted, now)
+        return self.statement(month)
+
+    def spend(self, now: float | None = None) -> list[Spend]:
+        """Month-to-date spend, budget and forecast per team, for the current month."""
+        now = time.time() if now is None else now
+        month = month_of(now)
+        start, end = month_bounds(month)
+        statement = self.statement(month)
+        totals = team_totals(statement.lines, [t.name for t in self.config.teams])
+        elapsed = max(now - start, 60.0) / (end - start)
+        budgets = {t.name: t.budget_usd_per_month for t in self.config.teams}
+        return [
+            Spend(
+                team,
+                month,
+                cents / 100,
+                budgets.get(team, 0.0),
+                round(cents / 100 / min(1.0, elapsed), 2),
+            )
+            for team, cents in sorted(totals.items())
+        ]

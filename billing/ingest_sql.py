@@ -1,0 +1,357 @@
+"""SQL that validates a batch of records inside DuckDB, one reason per bad record.
+
+Ingest has to take hundreds of thousands of records a second on a small machine, which rules
+out checking each record in Python. Instead the batch's JSON text goes into DuckDB as one
+parameter; these builders produce the SQL that unpacks it, checks every field's JSON type and
+range, and either casts a record to its column types or names what is wrong with it. The
+builders are pure (they return SQL text) and are tested against an in-memory DuckDB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from billing.buckets import bucket_sql
+from billing.schema import SLOT_SECONDS
+
+__all__ = [
+    "BILLABLE_STATUSES",
+    "KINDS",
+    "STATUSES",
+    "Field",
+    "Kind",
+    "append_sql",
+    "gpu_rollup_sql",
+    "insert_sql",
+    "stage_sql",
+    "ttft_rollup_sql",
+    "usage_rollup_sql",
+]
+
+JsonType = Literal["string", "int", "number", "bool"]
+
+STATUSES: Final = (
+    "ok", "client_aborted", "upstream_error", "bad_request", "rejected", "rate_limited", "unauthorized",
+)  # fmt: skip
+# Requests that reached the GPU: these are charged and counted; the rest are kept for audit.
+BILLABLE_STATUSES: Final = ("ok", "client_aborted", "upstream_error")
+
+_SQL_TYPES: Final = {"string": "VARCHAR", "int": "BIGINT", "number": "DOUBLE", "bool": "BOOLEAN"}
+_JSON_TYPES: Final = {
+    "string": "('VARCHAR')",
+    "int": "('UBIGINT', 'BIGINT')",
+    "number": "('UBIGINT', 'BIGINT', 'DOUBLE')",
+    "bool": "('BOOLEAN')",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One field of a record: its JSON type, and whether it may be absent or null."""
+
+    name: str
+    type: JsonType
+    nullable: bool = False
+    default: str | None = None  # SQL literal used when the key is absent
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """A kind of record: its table, id field, time field and the checks beyond types."""
+
+    key: str
+    table: str
+    id_field: str
+    time_field: str
+    fields: tuple[Field, ...]
+    checks: tuple[tuple[str, str], ...]  # (SQL condition that means "bad", reason)
+
+
+_TEAM_CHECK = (
+    f"status IN {BILLABLE_STATUSES!r} AND team NOT IN (SELECT name FROM _known_teams)",
+    "'unknown team ' || to_json(team)",
+)
+
+USAGE = Kind(
+    key="usage",
+    table="usage",
+    id_field="request_id",
+    time_field="received_at",
+    fields=(
+        Field("request_id", "string"),
+        Field("team", "string"),
+        Field("model", "string"),
+        Field("served_version", "string"),
+        Field("replica", "string"),
+        Field("received_at", "number"),
+        Field("first_token_at", "number", nullable=True),
+        Field("finished_at", "number"),
+        Field("prompt_tokens", "int"),
+        Field("cached_prompt_tokens", "int"),
+        Field("completion_tokens", "int"),
+        Field("status", "string"),
+        Field("http_status", "int"),
+        Field("stream", "bool"),
+        Field("endpoint", "string", default="'/v1/chat/completions'"),
+        Field("finish_reason", "string", nullable=True, default="NULL"),
+        Field("usage_exact", "bool", default="true"),
+    ),
+    checks=(
+        ("request_id = ''", "'request_id: empty'"),
+        (f"status NOT IN {STATUSES!r}", "'status: unknown value ' || to_json(status)"),
+        _TEAM_CHECK,
+        (
+            "prompt_tokens < 0 OR cached_prompt_tokens < 0 OR completion_tokens < 0",
+            "'token counts must not be negative'",
+        ),
+        ("cached_prompt_tokens > prompt_tokens", "'cached_prompt_tokens exceeds prompt_tokens'"),
+        ("received_at < 946684800", "'received_at: not Unix seconds (before 2000)'"),
+        ("finished_at < received_at", "'finished_at is before received_at'"),
+        (
+            "first_token_at IS NOT NULL AND (first_token_at < received_at OR first_token_at > finished_at)",
+            "'first_token_at is outside received_at..finished_at'",
+        ),
+        ("finished_at > $now + $skew", "'timestamp in the future: finished_at'"),
+        ("http_status < 100 OR http_status > 599", "'http_status: not an HTTP status'"),
+    ),
+)
+
+GPU = Kind(
+    key="gpu_samples",
+    table="gpu_samples",
+    id_field="sample_id",
+    time_field="timestamp",
+    fields=(
+        Field("sample_id", "string"),
+        Field("node", "string"),
+        Field("gpu", "string"),
+        Field("uuid", "string"),
+        Field("gpu_model", "string"),
+        Field("replica", "string", nullable=True),
+        Field("model", "string", nullable=True),
+        Field("timestamp", "number"),
+        Field("interval_seconds", "number"),
+        Field("utilization", "number"),
+        Field("power_watts", "number"),
+        Field("energy_joules", "number", nullable=True),
+        Field("memory_used_mib", "number"),
+        Field("memory_free_mib", "number"),
+        Field("xid_errors", "int", default="0"),
+        Field("mig_profile", "string", nullable=True, default="NULL"),
+        Field("gap", "bool", default="false"),
+    ),
+    checks=(
+        ("sample_id = ''", "'sample_id: empty'"),
+        ('"timestamp" < 946684800', "'timestamp: not Unix seconds (before 2000)'"),
+        ('"timestamp" > $now + $skew', "'timestamp in the future'"),
+        ("interval_seconds < 0 OR interval_seconds > 86400", "'interval_seconds: out of range'"),
+        ("utilization < 0 OR utilization > 1", "'utilization: not between 0 and 1'"),
+        ("power_watts < 0 OR energy_joules < 0", "'power and energy must not be negative'"),
+    ),
+)
+
+ENGINE = Kind(
+    key="engine_samples",
+    table="engine_samples",
+    id_field="sample_id",
+    time_field="timestamp",
+    fields=(
+        Field("sample_id", "string"),
+        Field("replica", "string"),
+        Field("model", "string"),
+        Field("timestamp", "number"),
+        Field("requests_running", "number"),
+        Field("requests_waiting", "number"),
+        Field("kv_cache_usage", "number"),
+        Field("prompt_tokens_total", "number"),
+        Field("generation_tokens_total", "number"),
+        Field("prefix_cache_queries_total", "number", default="0"),
+        Field("prefix_cache_hits_total", "number", default="0"),
+        Field("preemptions_total", "number", default="0"),
+    ),
+    checks=(
+        ("sample_id = ''", "'sample_id: empty'"),
+        ('"timestamp" < 946684800', "'timestamp: not Unix seconds (before 2000)'"),
+        ('"timestamp" > $now + $skew', "'timestamp in the future'"),
+        ("requests_running < 0 OR requests_waiting < 0", "'request counts must not be negative'"),
+    ),
+)
+
+KINDS: Final = {k.key: k for k in (USAGE, GPU, ENGINE)}
+
+
+def _q(name: str) -> str:
+    return f'"{name}"'
+
+
+def _type_check(f: Field) -> tuple[str, str]:
+    path = f"'$.{f.name}'"
+    jtype = f"json_type(r, {path})"
+    allowed = _JSON_TYPES[f.type]
+    if f.nullable:
+        ok = f"({jtype} IS NULL OR {jtype} = 'NULL' OR {jtype} IN {allowed})"
+    elif f.default is not None:
+        ok = f"({jtype} IS NULL OR {jtype} IN {allowed})"
+    else:
+        ok = f"{jtype} IN {allowed}"
+    noun = {"string": "a string", "int": "an integer", "number": "a number", "bool": "a boolean"}
+    missing = f"{jtype} IS NULL"
+    reason = (
+        f"CASE WHEN {missing} THEN '{f.name}: missing' "
+        f"ELSE '{f.name}: must be {noun[f.type]}' || CASE WHEN {'true' if f.nullable else 'false'} "
+        f"THEN ' or null' ELSE '' END END"
+    )
+    return f"NOT {ok}", reason
+
+
+def _value(f: Field) -> str:
+    sql_type = _SQL_TYPES[f.type]
+    extracted = f"r->>'$.{f.name}'" if f.type == "string" else f"json_extract(r, '$.{f.name}')"
+    value = f"TRY_CAST({extracted} AS {sql_type})"
+    if f.default is not None:
+        value = f"coalesce({value}, {f.default})"
+    return f"{value} AS {_q(f.name)}"
+
+
+def stage_sql(kind: Kind) -> str:
+    """SQL creating temp table ``staged``: one row per record of the batch, typed, with a reason.
+
+    Parameters: ``$body`` (the batch's JSON text), ``$now`` and ``$skew`` (seconds). ``reason``
+    is NULL for a good record; ``dup`` is true for a repeat of an earlier id in the same batch.
+    """
+    allowed = "[" + ", ".join(f"'{f.name}'" for f in kind.fields) + "]"
+    type_checks = [_type_check(f) for f in kind.fields]
+    cases = "\n".join(f"        WHEN {cond} THEN {reason}" for cond, reason in type_checks)
+    values = ",\n    ".join(_value(f) for f in kind.fields)
+    domain = "\n".join(f"        WHEN {cond} THEN {reason}" for cond, reason in kind.checks)
+    return f"""
+CREATE OR REPLACE TEMP TABLE staged AS
+WITH src AS (SELECT CAST(json_extract(CAST($body AS JSON), '$.{kind.key}') AS JSON[]) AS l),
+raw AS (SELECT unnest(l) AS r, generate_subscripts(l, 1) AS pos FROM src),
+typed AS (
+    SELECT pos,
+    CASE
+        WHEN json_type(r) IS DISTINCT FROM 'OBJECT' THEN 'not a JSON object'
+        WHEN NOT list_has_all({allowed}, json_keys(r)) THEN 'unknown key(s): '
+            || array_to_string(list_filter(json_keys(r), lambda k: NOT list_contains({allowed}, k)), ', ')
+{cases}
+    END AS type_reason,
+    {values}
+    FROM raw
+)
+SELECT *,
+    coalesce(type_reason, CASE
+{domain}
+    END) AS reason,
+    row_number() OVER (PARTITION BY {_q(kind.id_field)} ORDER BY pos) > 1 AS dup
+FROM typed
+"""
+
+
+def insert_sql(kind: Kind) -> str:
+    """SQL that moves good, new records from ``staged`` to the kind's table.
+
+    A record is new when no row with its id exists in the table. The lookup is limited to rows
+    whose time falls in the batch's time range (``$lo``..``$hi``): a resent record carries the
+    same time, and the range lets DuckDB skip every row group outside it instead of keeping an
+    index of every id in memory.
+    """
+    cols = ", ".join(_q(f.name) for f in kind.fields)
+    idf, tf = _q(kind.id_field), _q(kind.time_field)
+    return f"""
+CREATE OR REPLACE TEMP TABLE fresh AS
+SELECT {cols}, CAST($now AS DOUBLE) AS ingested_at FROM staged s
+WHERE s.reason IS NULL AND NOT s.dup AND NOT EXISTS (
+    SELECT 1 FROM {kind.table} t
+    WHERE t.{tf} BETWEEN $lo AND $hi AND t.{idf} = s.{idf}
+)"""
+
+
+def append_sql(kind: Kind) -> str:
+    """SQL appending ``fresh`` (from ``insert_sql``) to the kind's table."""
+    cols = ", ".join(_q(f.name) for f in kind.fields)
+    return f"INSERT INTO {kind.table} ({cols}, ingested_at) SELECT * FROM fresh"
+
+
+def _slots(start: str, end: str) -> str:
+    return f"unnest(range(CAST(floor({start} / {SLOT_SECONDS}) AS BIGINT), CAST(floor({end} / {SLOT_SECONDS}) AS BIGINT) + 1))"
+
+
+def usage_rollup_sql() -> str:
+    """SQL adding the ``fresh`` usage records to ``usage_slots``.
+
+    Parameter ``$sla``: a JSON object of model -> TTFT target in seconds, for the within-SLA count.
+    """
+    overlap = f"greatest(0.0, least(finished_at, (slot + 1) * {SLOT_SECONDS}.0) - greatest(received_at, slot * {SLOT_SECONDS}.0))"
+    fin = f"(slot = CAST(floor(finished_at / {SLOT_SECONDS}) AS BIGINT))"
+    ttft = "(first_token_at - received_at)"
+    return f"""
+INSERT INTO usage_slots
+SELECT replica, team, model, slot,
+    sum({overlap}),
+    count(*) FILTER (WHERE {fin}),
+    count(*) FILTER (WHERE {fin} AND status = 'upstream_error'),
+    coalesce(sum(prompt_tokens) FILTER (WHERE {fin}), 0),
+    coalesce(sum(cached_prompt_tokens) FILTER (WHERE {fin}), 0),
+    coalesce(sum(completion_tokens) FILTER (WHERE {fin}), 0),
+    coalesce(sum({ttft}) FILTER (WHERE {fin} AND first_token_at IS NOT NULL), 0),
+    count(*) FILTER (WHERE {fin} AND first_token_at IS NOT NULL),
+    count(*) FILTER (WHERE {fin} AND first_token_at IS NOT NULL
+        AND {ttft} <= coalesce(TRY_CAST(json_extract(CAST($sla AS JSON), '$."' || model || '"') AS DOUBLE), 'inf')),
+    coalesce(sum(finished_at - first_token_at) FILTER (WHERE {fin} AND first_token_at IS NOT NULL), 0)
+FROM (SELECT *, {_slots("received_at", "finished_at")} AS slot FROM fresh WHERE status IN {BILLABLE_STATUSES!r})
+GROUP BY ALL
+ON CONFLICT DO UPDATE SET
+    inflight_seconds = inflight_seconds + excluded.inflight_seconds,
+    requests = requests + excluded.requests,
+    failed_requests = failed_requests + excluded.failed_requests,
+    prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+    cached_prompt_tokens = cached_prompt_tokens + excluded.cached_prompt_tokens,
+    completion_tokens = completion_tokens + excluded.completion_tokens,
+    ttft_seconds_sum = ttft_seconds_sum + excluded.ttft_seconds_sum,
+    ttft_count = ttft_count + excluded.ttft_count,
+    ttft_within_sla = ttft_within_sla + excluded.ttft_within_sla,
+    decode_seconds_sum = decode_seconds_sum + excluded.decode_seconds_sum;
+"""
+
+
+def ttft_rollup_sql() -> str:
+    """SQL adding the ``fresh`` usage records' TTFTs to ``ttft_buckets``."""
+    ttft = "(first_token_at - received_at)"
+    return f"""
+INSERT INTO ttft_buckets
+SELECT model, team, CAST(floor(finished_at / {SLOT_SECONDS}) AS BIGINT) AS slot,
+    {bucket_sql(ttft)} AS bucket, count(*)
+FROM fresh WHERE status IN {BILLABLE_STATUSES!r} AND first_token_at IS NOT NULL
+GROUP BY ALL
+ON CONFLICT DO UPDATE SET requests = requests + excluded.requests;
+"""
+
+
+def gpu_rollup_sql() -> str:
+    """SQL adding the ``fresh`` GPU samples to ``gpu_slots``, spread over the slots they cover."""
+    start = '("timestamp" - interval_seconds)'
+    overlap = f'greatest(0.0, least("timestamp", (slot + 1) * {SLOT_SECONDS}.0) - greatest({start}, slot * {SLOT_SECONDS}.0))'
+    share = f"CASE WHEN interval_seconds > 0 THEN {overlap} / interval_seconds ELSE 1.0 END"
+    return f"""
+INSERT INTO gpu_slots
+SELECT node, gpu_model, coalesce(replica, '') AS replica, slot,
+    sum({overlap}),
+    sum(coalesce(energy_joules, 0) * {share}),
+    sum(CASE WHEN energy_joules IS NULL THEN {overlap} ELSE 0 END),
+    sum(utilization * {overlap}),
+    sum(power_watts * {overlap}),
+    count(*),
+    sum(CASE WHEN xid_errors > 0 THEN 1 ELSE 0 END)
+FROM (SELECT *, {_slots(start, '"timestamp"')} AS slot FROM fresh)
+GROUP BY ALL
+ON CONFLICT DO UPDATE SET
+    gpu_seconds = gpu_seconds + excluded.gpu_seconds,
+    energy_joules = energy_joules + excluded.energy_joules,
+    unmeasured_seconds = unmeasured_seconds + excluded.unmeasured_seconds,
+    utilization_seconds = utilization_seconds + excluded.utilization_seconds,
+    power_watt_seconds = power_watt_seconds + excluded.power_watt_seconds,
+    samples = samples + excluded.samples,
+    xid_errors = xid_errors + excluded.xid_errors;
+"""

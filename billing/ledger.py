@@ -1,0 +1,378 @@
+"""The DuckDB ledger: the one module that holds the database connection.
+
+One process owns the file (DuckDB allows a single writer), and every read and write goes
+through a ``Ledger``. Writes are serialised by a lock, each ingest batch is one transaction,
+and a batch is acknowledged only after its transaction commits, so a batch that was
+acknowledged survives a crash and a batch that was not is simply resent by its shipper.
+Reads use their own cursors and run beside the writer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import orjson
+import polars as pl
+
+from billing import ingest_sql
+from billing.months import month_bounds, month_of
+from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS
+
+__all__ = ["BatchTooLargeError", "IngestResult", "Ledger", "LedgerError", "Rejection"]
+
+
+class LedgerError(Exception):
+    """The ledger file cannot be used (newer schema, unreadable, or a refused operation)."""
+
+
+class BatchTooLargeError(ValueError):
+    """More records in one batch than the service accepts (``billing.max_batch_records``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A record billing will not keep, and why."""
+
+    id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class IngestResult:
+    """What happened to one batch: kept, already known, or refused with a reason."""
+
+    kind: str
+    accepted: int
+    duplicates: int
+    rejected: list[Rejection] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ingest API's answer."""
+        return {
+            "kind": self.kind,
+            "accepted": self.accepted,
+            "duplicates": self.duplicates,
+            "rejected": [{"id": r.id, "reason": r.reason} for r in self.rejected],
+        }
+
+
+class Ledger:
+    """The ledger file, its schema, and the only writer to it."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, teams: Sequence[str],
+                 ttft_sla_seconds: dict[str, float]) -> None:  # fmt: skip
+        self._con = con
+        self._write_lock = threading.Lock()
+        self.teams = list(teams)
+        self.ttft_sla = dict(ttft_sla_seconds)
+        self._set_teams(self.teams)
+
+    @classmethod
+    def open(cls, path: str | Path, teams: Sequence[str], ttft_sla_seconds: dict[str, float],
+             memory_limit: str = "2GB", threads: int | None = None) -> Ledger:  # fmt: skip
+        """Open (or create) the ledger at ``path`` (":memory:" for a throw-away one) and migrate it."""
+        if str(path) != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        config: dict[str, Any] = {"memory_limit": memory_limit}
+        if threads:
+            config["threads"] = threads
+        try:
+            con = duckdb.connect(str(path), config=config)
+        except duckdb.Error as exc:
+            raise LedgerError(f"{path}: cannot open the ledger: {exc}") from None
+        migrate(con, str(path))
+        return cls(con, teams, ttft_sla_seconds)
+
+    def close(self) -> None:
+        """Checkpoint and close the file."""
+        with self._write_lock:
+            self._con.execute("CHECKPOINT")
+            self._con.close()
+
+    def _set_teams(self, teams: Sequence[str]) -> None:
+        self._con.execute("CREATE OR REPLACE TEMP TABLE _known_teams (name VARCHAR)")
+        if teams:
+            self._con.executemany("INSERT INTO _known_teams VALUES (?)", [(t,) for t in teams])
+
+    def reconfigure(self, teams: Sequence[str], ttft_sla_seconds: dict[str, float]) -> None:
+        """Adopt a new team list and SLA targets (after a config reload)."""
+        with self._write_lock:
+            self.teams = list(teams)
+            self.ttft_sla = dict(ttft_sla_seconds)
+            self._set_teams(self.teams)
+
+    @contextmanager
+    def reader(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A cursor for reading, usable from any thread while the writer works."""
+        cursor = self._con.cursor()
+        try:
+            yield cursor
+        finally:
+            cursor.close()
+
+    # -- ingest ---------------------------------------------------------------------------
+
+    def ingest(self, body: str | bytes, now: float | None = None, skew_seconds: float = 300.0,
+               max_records: int | None = None) -> IngestResult:  # fmt: skip
+        """Validate and keep one batch ``{"<kind>": [records...]}``; one transaction.
+
+        Raises ``ValueError`` when the body itself is not a batch (the whole request is bad);
+        a bad record only lands in ``rejected``.
+        """
+        text = body.decode() if isinstance(body, bytes) else body
+        now = time.time() if now is None else now
+        with self._write_lock:
+            kind = self._batch_kind(text, max_records)
+            con = self._con
+            con.execute("BEGIN TRANSACTION")
+            try:
+                result = self._ingest(con, kind, text, now, skew_seconds)
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+        return result
+
+    def _batch_kind(self, text: str, max_records: int | None) -> ingest_sql.Kind:
+        try:
+            row = self._con.execute(
+                "SELECT json_type(CAST($b AS JSON)), json_keys(CAST($b AS JSON))", {"b": text}
+            ).fetchone()
+        except duckdb.Error:
+            raise ValueError("the body is not valid JSON") from None
+        if row is None or row[0] != "OBJECT":
+            raise ValueError('the body must be a JSON object such as {"usage": [...]}')
+        keys = [k for k in row[1] if k in ingest_sql.KINDS]
+        if len(row[1]) != 1 or not keys:
+            known = ", ".join(ingest_sql.KINDS)
+            raise ValueError(f"the body must have exactly one key, one of: {known}")
+        kind = ingest_sql.KINDS[keys[0]]
+        inner = self._con.execute(
+            f"SELECT json_type(CAST($b AS JSON), '$.{kind.key}'), "
+            f"json_array_length(CAST($b AS JSON), '$.{kind.key}')",
+            {"b": text},
+        ).fetchone()
+        if inner is None or inner[0] != "ARRAY":
+            raise ValueError(f"{kind.key} must be a JSON array of records")
+        if max_records is not None and inner[1] > max_records:
+            raise BatchTooLargeError(
+                f"{inner[1]} records in one batch; at most {max_records} (billing.max_batch_records)"
+            )
+        return kind
+
+    def _ingest(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind, text: str,
+                now: float, skew: float) -> IngestResult:  # fmt: skip
+        con.execute(ingest_sql.stage_sql(kind), {"body": text, "now": now, "skew": skew})
+        rejected = [
+            Rejection(str(rid) if rid is not None else f"#{pos}", reason)
+            for pos, rid, reason in con.execute(
+                f'SELECT pos, "{kind.id_field}", reason FROM staged WHERE reason IS NOT NULL ORDER BY pos'
+            ).fetchall()
+        ]
+        good = con.execute(
+            f'SELECT count(*), min("{kind.time_field}"), max("{kind.time_field}") '
+            "FROM staged WHERE reason IS NULL"
+        ).fetchone()
+        assert good is not None
+        if not good[0]:
+            return IngestResult(kind.key, 0, 0, rejected)
+        con.execute(ingest_sql.insert_sql(kind), {"now": now, "lo": good[1], "hi": good[2]})
+        fresh_row = con.execute("SELECT count(*) FROM fresh").fetchone()
+        fresh = fresh_row[0] if fresh_row else 0
+        if fresh:
+            con.execute(ingest_sql.append_sql(kind))
+            self._roll_up(con, kind)
+        return IngestResult(kind.key, fresh, good[0] - fresh, rejected)
+
+    def _roll_up(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind) -> None:
+        if kind.key == "usage":
+            con.execute(
+                ingest_sql.usage_rollup_sql(), {"sla": orjson.dumps(self.ttft_sla).decode()}
+            )
+            con.execute(ingest_sql.ttft_rollup_sql())
+            spans = "SELECT received_at AS t FROM fresh UNION ALL SELECT finished_at FROM fresh"
+        elif kind.key == "gpu_samples":
+            con.execute(ingest_sql.gpu_rollup_sql())
+            spans = 'SELECT "timestamp" - interval_seconds AS t FROM fresh UNION ALL SELECT "timestamp" FROM fresh'
+        else:
+            return
+        months = f"SELECT DISTINCT strftime(make_timestamp(CAST(t * 1000000 AS BIGINT)), '%Y-%m') AS m FROM ({spans})"
+        con.execute(f"INSERT INTO months (month) {months} ON CONFLICT DO NOTHING")
+        con.execute(
+            f"UPDATE months SET dirty = true WHERE closed_at IS NOT NULL AND month IN ({months})"
+        )
+
+    # -- months ---------------------------------------------------------------------------
+
+    def months(self) -> list[dict[str, Any]]:
+        """Every month the ledger has data for, with whether it is closed."""
+        with self.reader() as cur:
+            rows = cur.execute(
+                "SELECT month, closed_at, dirty FROM months ORDER BY month"
+            ).fetchall()
+        return [
+            {"month": m, "closed": c is not None, "closed_at": c, "late_records": d}
+            for m, c, d in rows
+        ]
+
+    def month_state(self, month: str) -> tuple[bool, bool]:
+        """(closed, has late records) for ``month``; an unknown month is open and clean."""
+        with self.reader() as cur:
+            row = cur.execute(
+                "SELECT closed_at, dirty FROM months WHERE month = ?", [month]
+            ).fetchone()
+        return (False, False) if row is None else (row[0] is not None, bool(row[1]))
+
+    def dirty_closed_months(self, before: str) -> list[str]:
+        """Closed months before ``before`` that received records after they were closed."""
+        with self.reader() as cur:
+            rows = cur.execute(
+                "SELECT month FROM months WHERE closed_at IS NOT NULL AND dirty AND month < ? ORDER BY month",
+                [before],
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def issued_lines(self, month: str | None = None, for_month: str | None = None) -> pl.DataFrame:
+        """Frozen statement lines, by the statement they are on and/or the month they charge."""
+        where, params = [], []
+        if month is not None:
+            where.append("month = ?")
+            params.append(month)
+        if for_month is not None:
+            where.append("for_month = ?")
+            params.append(for_month)
+        sql = "SELECT * FROM statement_lines" + (" WHERE " + " AND ".join(where) if where else "")
+        with self.reader() as cur:
+            return _frame(cur, sql + " ORDER BY month, for_month, team, model", params)
+
+    def freeze(self, month: str, lines: pl.DataFrame, adjusted: Sequence[str], now: float) -> None:
+        """Close ``month``: store its statement lines and clear the late flag of ``adjusted``."""
+        with self._write_lock:
+            con = self._con
+            con.execute("BEGIN TRANSACTION")
+            try:
+                row = con.execute(
+                    "SELECT closed_at FROM months WHERE month = ?", [month]
+                ).fetchone()
+                if row is not None and row[0] is not None:
+                    raise LedgerError(f"month {month} is already closed")
+                con.execute("INSERT INTO months (month) VALUES (?) ON CONFLICT DO NOTHING", [month])
+                con.register("_lines", lines)
+                con.execute(
+                    "INSERT INTO statement_lines SELECT month, for_month, team, model, requests, "
+                    "prompt_tokens, completion_tokens, gpu_hours, energy_kwh, compute_cents, "
+                    "energy_cents, idle_cents, total_cents FROM _lines"
+                )
+                con.unregister("_lines")
+                con.execute(
+                    "UPDATE months SET closed_at = ?, dirty = false WHERE month = ?", [now, month]
+                )
+                if adjusted:
+                    con.execute(
+                        "UPDATE months SET dirty = false WHERE list_contains(?, month)",
+                        [list(adjusted)],
+                    )
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+
+    # -- reads for allocation -----------------------------------------------------------
+
+    def usage_slots(self, month: str) -> pl.DataFrame:
+        """``usage_slots`` rows of ``month``."""
+        lo, hi = _slot_range(month)
+        with self.reader() as cur:
+            return _frame(
+                cur,
+                "SELECT replica, team, model, slot, inflight_seconds, requests, prompt_tokens, "
+                "completion_tokens FROM usage_slots WHERE slot >= ? AND slot < ?",
+                [lo, hi],
+            )
+
+    def gpu_slots(self, month: str) -> pl.DataFrame:
+        """``gpu_slots`` rows of ``month``."""
+        lo, hi = _slot_range(month)
+        with self.reader() as cur:
+            return _frame(
+                cur,
+                "SELECT replica, gpu_model, slot, gpu_seconds, energy_joules FROM gpu_slots "
+                "WHERE slot >= ? AND slot < ?",
+                [lo, hi],
+            )
+
+    def latest_month(self) -> str:
+        """The newest month with data, or the current month."""
+        with self.reader() as cur:
+            row = cur.execute("SELECT max(month) FROM months").fetchone()
+        return row[0] if row and row[0] else month_of(time.time())
+
+    def export_parquet(self, directory: str | Path, partitioned: bool = False) -> list[Path]:
+        """Write every table to Parquet under ``directory``; returns the paths written.
+
+        With ``partitioned``, the raw tables are written Hive-style by month
+        (``usage/month=2026-11/...``), so a query engine reading object storage only opens the
+        months it needs.
+        """
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        with self.reader() as cur:
+            tables = [r[0] for r in cur.execute(
+                "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND NOT temporary "
+                "ORDER BY table_name"
+            ).fetchall()]  # fmt: skip
+            for table in tables:
+                time_col = {"usage": "received_at", "gpu_samples": '"timestamp"',
+                             "engine_samples": '"timestamp"'}.get(table)  # fmt: skip
+                if partitioned and time_col:
+                    target = out / table
+                    cur.execute(
+                        f"COPY (SELECT *, strftime(make_timestamp(CAST({time_col} * 1000000 AS BIGINT)), '%Y-%m') AS month "
+                        f"FROM {table}) TO '{_sql_path(target)}' (FORMAT parquet, PARTITION_BY (month), OVERWRITE_OR_IGNORE)"
+                    )
+                else:
+                    target = out / f"{table}.parquet"
+                    cur.execute(f"COPY {table} TO '{_sql_path(target)}' (FORMAT parquet)")
+                written.append(target)
+        return written
+
+
+def _frame(cur: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any]) -> pl.DataFrame:
+    """A query's result as a Polars frame (through Arrow, without copying row by row)."""
+    frame: pl.DataFrame = cur.sql(sql, params=params).pl()
+    return frame
+
+
+def _sql_path(path: Path) -> str:
+    return str(path).replace("'", "''")
+
+
+def _slot_range(month: str) -> tuple[int, int]:
+    start, end = month_bounds(month)
+    return int(start // SLOT_SECONDS), int(end // SLOT_SECONDS)
+
+
+def migrate(con: duckdb.DuckDBPyConnection, source: str) -> int:
+    """Apply the migrations ``con`` lacks; returns the schema version it ends at."""
+    con.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER, applied_at DOUBLE)")
+    row = con.execute("SELECT max(version) FROM schema_version").fetchone()
+    current = int(row[0]) if row and row[0] is not None else 0
+    if current > LATEST_VERSION:
+        raise LedgerError(
+            f"{source}: ledger schema version {current} is newer than this infermeter "
+            f"understands ({LATEST_VERSION}); upgrade infermeter"
+        )
+    for version in range(current + 1, LATEST_VERSION + 1):
+        con.execute("BEGIN TRANSACTION")
+        con.execute(MIGRATIONS[version - 1])
+        con.execute("INSERT INTO schema_version VALUES (?, ?)", [version, time.time()])
+        con.execute("COMMIT")
+    return LATEST_VERSION

@@ -1,0 +1,35 @@
+"""Calendar months in UTC: the unit of a statement."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+
+__all__ = ["check_month", "month_bounds", "month_of", "next_month"]
+
+_MONTH = re.compile(r"^(\d{4})-(0[1-9]|1[0-2])$")
+
+
+def check_month(month: str) -> str:
+    """``month`` if it is ``YYYY-MM``; ValueError naming the bad value otherwise."""
+    if not _MONTH.match(month):
+        raise ValueError(f"month {month!r} is not of the form YYYY-MM")
+    return month
+
+
+def month_bounds(month: str) -> tuple[float, float]:
+    """Unix seconds of the first instant of ``month`` and of the month after it."""
+    year, mon = (int(p) for p in check_month(month).split("-"))
+    start = datetime(year, mon, 1, tzinfo=UTC)
+    end = datetime(year + mon // 12, mon % 12 + 1, 1, tzinfo=UTC)
+    return start.timestamp(), end.timestamp()
+
+
+def month_of(t: float) -> str:
+    """The UTC month Unix time ``t`` falls in."""
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m")
+
+
+def next_month(month: str) -> str:
+    """The month after ``month``."""
+    return month_of(month_bounds(month)[1])

@@ -1,0 +1,148 @@
+"""The ledger's tables, as an ordered list of migrations.
+
+A ledger file records the highest migration it has applied in ``schema_version``; opening it
+applies the rest, each in its own transaction, so an old file is brought forward and a file
+from a newer infermeter is refused rather than misread.
+
+Times are Unix seconds (DOUBLE) in UTC, as the records carry them. The raw tables keep every
+accepted record exactly as sent; the ``*_slots`` tables are rollups that ingest maintains in the
+same transaction, keyed by one-minute slots (``slot`` = Unix minute). Chargeback and the
+dashboards read the rollups, so their cost does not grow with the number of requests.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["LATEST_VERSION", "MIGRATIONS", "SLOT_SECONDS"]
+
+SLOT_SECONDS: Final = 60
+
+_V1 = """
+CREATE TABLE usage (
+    request_id VARCHAR NOT NULL,
+    team VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    served_version VARCHAR NOT NULL,
+    replica VARCHAR NOT NULL,
+    received_at DOUBLE NOT NULL,
+    first_token_at DOUBLE,
+    finished_at DOUBLE NOT NULL,
+    prompt_tokens BIGINT NOT NULL,
+    cached_prompt_tokens BIGINT NOT NULL,
+    completion_tokens BIGINT NOT NULL,
+    status VARCHAR NOT NULL,
+    http_status INTEGER NOT NULL,
+    stream BOOLEAN NOT NULL,
+    endpoint VARCHAR NOT NULL,
+    finish_reason VARCHAR,
+    usage_exact BOOLEAN NOT NULL,
+    ingested_at DOUBLE NOT NULL
+);
+CREATE TABLE gpu_samples (
+    sample_id VARCHAR NOT NULL,
+    node VARCHAR NOT NULL,
+    gpu VARCHAR NOT NULL,
+    uuid VARCHAR NOT NULL,
+    gpu_model VARCHAR NOT NULL,
+    replica VARCHAR,
+    model VARCHAR,
+    "timestamp" DOUBLE NOT NULL,
+    interval_seconds DOUBLE NOT NULL,
+    utilization DOUBLE NOT NULL,
+    power_watts DOUBLE NOT NULL,
+    energy_joules DOUBLE,
+    memory_used_mib DOUBLE NOT NULL,
+    memory_free_mib DOUBLE NOT NULL,
+    xid_errors BIGINT NOT NULL,
+    mig_profile VARCHAR,
+    gap BOOLEAN NOT NULL,
+    ingested_at DOUBLE NOT NULL
+);
+CREATE TABLE engine_samples (
+    sample_id VARCHAR NOT NULL,
+    replica VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    "timestamp" DOUBLE NOT NULL,
+    requests_running DOUBLE NOT NULL,
+    requests_waiting DOUBLE NOT NULL,
+    kv_cache_usage DOUBLE NOT NULL,
+    prompt_tokens_total DOUBLE NOT NULL,
+    generation_tokens_total DOUBLE NOT NULL,
+    prefix_cache_queries_total DOUBLE NOT NULL,
+    prefix_cache_hits_total DOUBLE NOT NULL,
+    preemptions_total DOUBLE NOT NULL,
+    ingested_at DOUBLE NOT NULL
+);
+-- What each team had in flight on each replica, minute by minute, and what finished in it.
+-- in-flight seconds are spread over every slot a request overlaps; counts and tokens land in
+-- the slot where the request finished.
+CREATE TABLE usage_slots (
+    replica VARCHAR NOT NULL,
+    team VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    slot BIGINT NOT NULL,
+    inflight_seconds DOUBLE NOT NULL,
+    requests BIGINT NOT NULL,
+    failed_requests BIGINT NOT NULL,
+    prompt_tokens BIGINT NOT NULL,
+    cached_prompt_tokens BIGINT NOT NULL,
+    completion_tokens BIGINT NOT NULL,
+    ttft_seconds_sum DOUBLE NOT NULL,
+    ttft_count BIGINT NOT NULL,
+    ttft_within_sla BIGINT NOT NULL,
+    decode_seconds_sum DOUBLE NOT NULL,
+    PRIMARY KEY (replica, team, model, slot)
+);
+-- GPU time and energy per replica ('': a GPU no replica runs on) and minute. A sample covers
+-- the interval before its timestamp and is spread over the slots that interval overlaps.
+CREATE TABLE gpu_slots (
+    node VARCHAR NOT NULL,
+    gpu_model VARCHAR NOT NULL,
+    replica VARCHAR NOT NULL,
+    slot BIGINT NOT NULL,
+    gpu_seconds DOUBLE NOT NULL,
+    energy_joules DOUBLE NOT NULL,
+    unmeasured_seconds DOUBLE NOT NULL,
+    utilization_seconds DOUBLE NOT NULL,  -- utilization x seconds: / gpu_seconds = mean use
+    power_watt_seconds DOUBLE NOT NULL,
+    samples BIGINT NOT NULL,
+    xid_errors BIGINT NOT NULL,
+    PRIMARY KEY (node, gpu_model, replica, slot)
+);
+-- Distribution of time to first token per model, team and slot, in log buckets (see
+-- billing.buckets), so percentiles and SLA shares come from a rollup, not from raw rows.
+CREATE TABLE ttft_buckets (
+    model VARCHAR NOT NULL,
+    team VARCHAR NOT NULL,
+    slot BIGINT NOT NULL,
+    bucket SMALLINT NOT NULL,
+    requests BIGINT NOT NULL,
+    PRIMARY KEY (model, team, slot, bucket)
+);
+-- A month is open until it is closed; a closed month's statement lines are frozen in
+-- statement_lines and never change. dirty: records for it arrived after it was closed.
+CREATE TABLE months (
+    month VARCHAR PRIMARY KEY,
+    closed_at DOUBLE,
+    dirty BOOLEAN NOT NULL DEFAULT false
+);
+CREATE TABLE statement_lines (
+    month VARCHAR NOT NULL,
+    for_month VARCHAR NOT NULL,
+    team VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    requests BIGINT NOT NULL,
+    prompt_tokens BIGINT NOT NULL,
+    completion_tokens BIGINT NOT NULL,
+    gpu_hours DOUBLE NOT NULL,
+    energy_kwh DOUBLE NOT NULL,
+    compute_cents BIGINT NOT NULL,
+    energy_cents BIGINT NOT NULL,
+    idle_cents BIGINT NOT NULL,
+    total_cents BIGINT NOT NULL
+);
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1,)
+LATEST_VERSION: Final = len(MIGRATIONS)

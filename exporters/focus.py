@@ -1,0 +1,124 @@
+"""FinOps FOCUS files (1.0, and 1.2 on request) from a statement.
+
+One row per statement line (team, model, month charged). The platform is the provider and the
+invoice issuer; each team is a sub-account; the model is the resource. Costs carry no discounts
+here, so list, contracted, effective and billed cost are the same number. Late records of a
+closed month appear as ``ChargeClass = Correction`` rows whose charge period is that month.
+Custom columns (``x_`` prefix, as FOCUS requires) carry what FOCUS has no column for: team,
+model, tokens, requests, energy and the cost components.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import polars as pl
+
+from billing.months import month_bounds
+from billing.statement import Statement
+from exporters.chargeback_csv import defuse
+from infermeter.config import Config
+
+__all__ = ["FOCUS_1_2_MANDATORY", "focus_frame"]
+
+# The FOCUS 1.2 specification's mandatory columns.
+FOCUS_1_2_MANDATORY: Final = (
+    "BilledCost", "BillingAccountId", "BillingAccountName", "BillingCurrency", "BillingPeriodEnd",
+    "BillingPeriodStart", "ChargeCategory", "ChargeClass", "ChargeDescription", "ChargePeriodEnd",
+    "ChargePeriodStart", "ContractedCost", "EffectiveCost", "InvoiceIssuerName", "ListCost",
+    "PricingQuantity", "PricingUnit", "ProviderName", "PublisherName", "ServiceCategory",
+    "ServiceName",
+)  # fmt: skip
+PROVIDER: Final = "infermeter"
+SERVICE_NAME: Final = "LLM Inference"
+SERVICE_CATEGORY: Final = "AI and Machine Learning"
+
+
+def _utc(t: float) -> str:
+    return pl.from_epoch(pl.Series([int(t)]), time_unit="s").dt.strftime("%Y-%m-%dT%H:%M:%SZ")[0]  # type: ignore[no-any-return]
+
+
+def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> pl.DataFrame:
+    """The statement as FOCUS ``version`` ("1.0" or "1.2") rows."""
+    if version not in ("1.0", "1.2"):
+        raise ValueError(f"FOCUS version {version!r} is not supported; use 1.0 or 1.2")
+    start, end = month_bounds(statement.month)
+    lines = statement.lines
+    periods = {
+        m: tuple(_utc(t) for t in month_bounds(m)) for m in set(lines["for_month"].to_list())
+    }
+    total = (pl.col("total_cents") / 100).round(2)
+    correction = pl.col("for_month") != pl.lit(statement.month)
+    # Price per GPU-hour of the line (it may mix GPU models, so it is derived, not looked up).
+    unit_price = (
+        pl.when(pl.col("gpu_hours") > 0)
+        .then((pl.col("total_cents") / 100 / pl.col("gpu_hours")).round(6))
+        .otherwise(None)
+    )
+    frame = lines.select(
+        total.alias("BilledCost"),
+        pl.lit(PROVIDER).alias("BillingAccountId"),
+        pl.lit("infermeter GPU inference fleet").alias("BillingAccountName"),
+        pl.lit(config.prices.currency).alias("BillingCurrency"),
+        pl.lit(_utc(end)).alias("BillingPeriodEnd"),
+        pl.lit(_utc(start)).alias("BillingPeriodStart"),
+        pl.lit("Usage").alias("ChargeCategory"),
+        pl.when(correction).then(pl.lit("Correction")).otherwise(pl.lit(None, dtype=pl.String)).alias("ChargeClass"),
+        pl.format("GPU inference on {} for team {} ({})", "model", "team", "for_month").alias("ChargeDescription"),
+        pl.lit("Usage-Based").alias("ChargeFrequency"),
+        pl.col("for_month").replace_strict({m: p[1] for m, p in periods.items()}, return_dtype=pl.String).alias("ChargePeriodEnd"),
+        pl.col("for_month").replace_strict({m: p[0] for m, p in periods.items()}, return_dtype=pl.String).alias("ChargePeriodStart"),
+        total.alias("ContractedCost"),
+        total.alias("EffectiveCost"),
+        pl.lit(PROVIDER).alias("InvoiceIssuerName"),
+        total.alias("ListCost"),
+        pl.col("gpu_hours").round(6).alias("PricingQuantity"),
+        pl.lit("GPU-Hours").alias("PricingUnit"),
+        pl.lit(PROVIDER).alias("ProviderName"),
+        pl.lit(PROVIDER).alias("PublisherName"),
+        pl.col("model").alias("ResourceId"),
+        pl.col("model").alias("ResourceName"),
+        pl.lit("LLM Model").alias("ResourceType"),
+        pl.lit(SERVICE_CATEGORY).alias("ServiceCategory"),
+        pl.lit(SERVICE_NAME).alias("ServiceName"),
+        pl.col("team").alias("SubAccountId"),
+        pl.col("team").alias("SubAccountName"),
+        pl.col("gpu_hours").round(6).alias("ConsumedQuantity"),
+        pl.lit("GPU-Hours").alias("ConsumedUnit"),
+        pl.lit(None, dtype=pl.String).alias("AvailabilityZone"),
+        pl.lit(None, dtype=pl.String).alias("CommitmentDiscountCategory"),
+        pl.lit(None, dtype=pl.String).alias("CommitmentDiscountId"),
+        pl.lit(None, dtype=pl.String).alias("CommitmentDiscountName"),
+        pl.lit(None, dtype=pl.String).alias("CommitmentDiscountStatus"),
+        pl.lit(None, dtype=pl.String).alias("CommitmentDiscountType"),
+        unit_price.alias("ContractedUnitPrice"),
+        unit_price.alias("ListUnitPrice"),
+        pl.lit("Standard").alias("PricingCategory"),
+        pl.lit(None, dtype=pl.String).alias("RegionId"),
+        pl.lit(None, dtype=pl.String).alias("RegionName"),
+        pl.format("gpu-inference/{}", "model").alias("SkuId"),
+        pl.format("gpu-inference/{}/{}", "model", "for_month").alias("SkuPriceId"),
+        pl.format('{{"team": "{}", "model": "{}"}}', "team", "model").alias("Tags"),
+        # focus-validator 1.0.0, the reference validator, still checks these pre-1.0 names.
+        pl.lit("Usage").alias("ChargeType"),
+        pl.lit(PROVIDER).alias("InvoiceIssuer"),
+        pl.lit(PROVIDER).alias("Provider"),
+        pl.lit(PROVIDER).alias("Publisher"),
+        pl.col("model").alias("ResourceID"),
+        pl.col("team").alias("x_Team"),
+        pl.col("model").alias("x_Model"),
+        pl.col("for_month").alias("x_UsageMonth"),
+        pl.col("requests").alias("x_Requests"),
+        pl.col("prompt_tokens").alias("x_PromptTokens"),
+        pl.col("completion_tokens").alias("x_CompletionTokens"),
+        pl.col("energy_kwh").round(6).alias("x_EnergyKWh"),
+        (pl.col("compute_cents") / 100).round(2).alias("x_ComputeCost"),
+        (pl.col("energy_cents") / 100).round(2).alias("x_EnergyCost"),
+        (pl.col("idle_cents") / 100).round(2).alias("x_IdleCost"),
+    )  # fmt: skip
+    if version == "1.0":
+        frame = frame.drop("ServiceSubcategory", strict=False)
+    text_columns = [
+        c for c, t in frame.schema.items() if t == pl.String and c not in ("ChargeClass", "Tags")
+    ]
+    return frame.with_columns(defuse(c) for c in text_columns)
