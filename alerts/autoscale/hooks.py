@@ -213,7 +213,10 @@ class KubernetesScaleHook:
         # Projected service-account tokens are rotated by the kubelet, so read it every time.
         token = self.token
         if self.token_file is not None:
-            token = self.token_file.read_text().strip()
+            try:
+                token = self.token_file.read_text().strip()
+            except OSError as exc:
+                raise HookError(f"cannot read the service-account token: {exc}") from exc
         return {"authorization": f"Bearer {token}"} if token else {}
 
 

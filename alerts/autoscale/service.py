@@ -1,0 +1,258 @@
+"""``infermeter autoscale run``: read inputs, run the policy, publish, serve /metrics.
+
+One ``Autoscaler.tick`` is the whole cycle: read one observation per model (from /metrics pages
+or Prometheus), evaluate the pure policy, set the gauges, and call the hooks for every model
+whose desired count differs from the last one delivered. A hook that fails is logged and tried
+again at the next tick; a failed read skips the tick and leaves the gauges at their last value,
+so KEDA keeps the last decision instead of seeing the replicas drop to zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+from prometheus_client import make_asgi_app
+
+from alerts.autoscale.hooks import (  # fmt: skip
+    Hook,
+    HookError,
+    KubernetesScaleHook,
+    ScalingGauges,
+    WebhookHook,
+    in_cluster_api,
+)
+from alerts.autoscale.inputs import (  # fmt: skip
+    PrometheusSource,
+    Scrape,
+    observations,
+    observations_from_vectors,
+    parse_pages,
+)
+from alerts.autoscale.policy import (
+    Decision,
+    ModelLimits,
+    ModelState,
+    Observation,
+    PolicyParams,
+    evaluate,
+    model_limits,
+    params_from_config,
+)
+from infermeter.config import Config
+from infermeter.netutil import ensure_free, host_port
+
+__all__ = ["Autoscaler", "PageReader", "PrometheusReader", "build_hooks", "serve_autoscaler"]
+
+log = logging.getLogger("infermeter.autoscale")
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Clock = Callable[[], float]
+
+
+class Reader(Protocol):
+    """Where observations come from."""
+
+    async def read(self) -> dict[str, Observation] | None:
+        """One observation per model, or None when the inputs could not be read."""
+
+
+@dataclass
+class PageReader:
+    """Scrapes the collector's and the sidecars' /metrics; keeps the last scrape for rates."""
+
+    collector_url: str
+    sidecar_urls: Sequence[str]
+    models: Sequence[str]
+    client: httpx.AsyncClient
+    token: str | None = None
+    clock: Clock = time.time
+    previous: Scrape | None = None
+
+    async def read(self) -> dict[str, Observation] | None:
+        """Observations from one round of scrapes; None if the collector is unreachable."""
+        collector = await self._get(self.collector_url)
+        if collector is None:
+            return None
+        sidecars = await asyncio.gather(*(self._get(url) for url in self.sidecar_urls))
+        scrape = parse_pages(self.clock(), collector, sidecars)
+        result = observations(self.previous, scrape, self.models)
+        self.previous = scrape
+        return result
+
+    async def _get(self, url: str) -> str | None:
+        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            response = await self.client.get(url, headers=headers)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.warning("autoscale: cannot read %s: %s", url, exc)
+            return None
+        return response.text
+
+
+@dataclass
+class PrometheusReader:
+    """Reads every input with PromQL instant queries."""
+
+    source: PrometheusSource
+    models: Sequence[str]
+    clock: Clock = time.time
+
+    async def read(self) -> dict[str, Observation] | None:
+        """Observations from Prometheus; None if it could not answer."""
+        try:
+            vectors = await self.source.vectors()
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            log.warning("autoscale: Prometheus query failed: %s", exc)
+            return None
+        return observations_from_vectors(self.clock(), vectors, self.models)
+
+
+@dataclass
+class Autoscaler:
+    """The policy's state between ticks, and where decisions go."""
+
+    params: PolicyParams
+    limits: dict[str, ModelLimits]
+    reader: Reader
+    gauges: ScalingGauges
+    hooks: Sequence[Hook] = ()
+    states: dict[str, ModelState] = field(default_factory=dict)
+    delivered: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    async def tick(self) -> dict[str, Decision]:
+        """One evaluation: read, decide, set gauges, deliver changes. Never raises for I/O."""
+        obs = await self.reader.read()
+        if obs is None:
+            return {}
+        decisions, self.states = evaluate(self.params, self.limits, self.states, obs)
+        self.gauges.update(decisions)
+        for decision in decisions.values():
+            await self._deliver(decision)
+        return decisions
+
+    async def _deliver(self, decision: Decision) -> None:
+        for hook in self.hooks:
+            key = (hook.name, decision.model)
+            if self.delivered.get(key) == decision.desired:
+                continue
+            try:
+                await hook.publish(decision)
+            except HookError as exc:
+                self.gauges.hook_errors.labels(hook=hook.name).inc()
+                log.error("autoscale: %s hook failed for %s: %s", hook.name, decision.model, exc)
+                continue
+            self.gauges.hook_errors.labels(hook=hook.name).set(0)
+            self.delivered[key] = decision.desired
+            log.info("autoscale: %s: %s -> %d (%s)", hook.name, decision.model,
+                     decision.desired, "; ".join(decision.reasons))  # fmt: skip
+
+    async def run(self, interval_seconds: float) -> None:
+        """Tick every ``interval_seconds`` until cancelled."""
+        while True:
+            started = time.monotonic()
+            await self.tick()
+            await asyncio.sleep(max(0.0, interval_seconds - (time.monotonic() - started)))
+
+
+def build_hooks(
+    config: Config, client: httpx.AsyncClient, environ: MutableMapping[str, str] | None = None
+) -> list[Hook]:
+    """The hooks the ``autoscale`` section turns on; a missing secret is a start-up error."""
+    env = os.environ if environ is None else environ
+    a = config.autoscale
+    hooks: list[Hook] = []
+    if a.webhook_url:
+        secret = env.get(a.webhook_secret_env)
+        if not secret:
+            raise HookError(f"autoscale.webhook_url is set but ${a.webhook_secret_env} is empty")
+        hooks.append(WebhookHook(a.webhook_url, secret.encode(), client, a.webhook_timeout_seconds))
+    k = a.kubernetes
+    if k.enabled:
+        if k.api_url:
+            verify: Any = k.ca_file or True
+            kube = httpx.AsyncClient(verify=verify, timeout=10.0)
+            hooks.append(KubernetesScaleHook(k.api_url, k.namespace, k.deployments, kube,
+                                             token=env.get(k.token_env), dry_run=k.dry_run))  # fmt: skip
+        else:
+            url, token_file, context = in_cluster_api(env)
+            kube = httpx.AsyncClient(verify=context, timeout=10.0)
+            hooks.append(KubernetesScaleHook(url, k.namespace, k.deployments, kube,
+                                             token_file=token_file, dry_run=k.dry_run))  # fmt: skip
+    return hooks
+
+
+def build_reader(config: Config, client: httpx.AsyncClient, prometheus_url: str | None) -> Reader:
+    """Prometheus when a URL is given (flag, then config), else the /metrics pages."""
+    models = [m.name for m in config.models]
+    a = config.autoscale
+    url = prometheus_url or a.prometheus_url
+    if url:
+        return PrometheusReader(PrometheusSource(url, client), models)
+    collector = a.collector_url or f"http://{config.collector.listen}/metrics"
+    sidecars = list(a.sidecar_urls) or [
+        f"http://{r.sidecar_listen}/metrics" for r in config.replicas if r.sidecar_listen
+    ]
+    return PageReader(collector, sidecars, models, client, os.environ.get(a.metrics_token_env))
+
+
+def create_app(gauges: ScalingGauges) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """``/metrics`` (the replica gauges) and ``/healthz``."""
+    metrics = make_asgi_app(gauges.registry)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] == "http" and scope["path"] == "/metrics":
+            await metrics(scope, receive, send)
+            return
+        status, body = (200, b"ok\n") if scope.get("path") == "/healthz" else (404, b"not found\n")
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"text/plain; charset=utf-8")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+async def serve_autoscaler(config: Config, listen: str | None, prometheus_url: str | None) -> None:
+    """Evaluate every ``autoscale.interval_seconds`` and serve /metrics until told to exit."""
+    from simulator.serve import server
+
+    a = config.autoscale
+    host, port = host_port(listen or a.listen)
+    ensure_free(host, port, "autoscale listen address")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=3.0)) as client:
+        gauges = ScalingGauges()
+        hooks = build_hooks(config, client)
+        scaler = Autoscaler(
+            params_from_config(config),
+            {m.name: model_limits(config, m.name) for m in config.models},
+            build_reader(config, client, prometheus_url),
+            gauges,
+            hooks,
+        )
+        task = asyncio.create_task(scaler.run(a.interval_seconds), name="autoscale")
+        log.info("autoscale: every %g s, hooks: %s, /metrics on http://%s:%d/metrics",
+                 a.interval_seconds, [h.name for h in hooks] or "none", host, port)  # fmt: skip
+        try:
+            await server(create_app(gauges), host, port).serve()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            for hook in hooks:
+                if isinstance(hook, KubernetesScaleHook):
+                    await hook.client.aclose()

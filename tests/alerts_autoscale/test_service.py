@@ -1,0 +1,123 @@
+"""The autoscaler loop over real loopback HTTP: pages in, gauges and hooks out."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from alerts.autoscale.hooks import HookError, KubernetesScaleHook, ScalingGauges, WebhookHook
+from alerts.autoscale.policy import model_limits, params_from_config
+from alerts.autoscale.service import Autoscaler, PageReader, build_hooks, build_reader, create_app
+from infermeter.config import Config
+from tests.alerts_autoscale.test_inputs import COLLECTOR_PAGE
+from tests.servers import free_port, serving
+
+
+class Fleet:
+    """The collector's page (queue depth can be changed), and a recorder for both hooks."""
+
+    def __init__(self) -> None:
+        self.queue = 7.0
+        self.webhooks: list[dict[str, Any]] = []
+        self.patches: list[dict[str, Any]] = []
+
+    async def metrics(self, request: Request) -> Response:
+        page = COLLECTOR_PAGE.replace('replica="small-1"} 7.0', f'replica="small-1"}} {self.queue}')
+        return PlainTextResponse(page)
+
+    async def hook(self, request: Request) -> Response:
+        self.webhooks.append(json.loads(await request.body()))
+        return Response()
+
+    async def scale(self, request: Request) -> Response:
+        self.patches.append({"path": request.url.path, "body": json.loads(await request.body())})
+        return Response("{}", media_type="application/json")
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/metrics", self.metrics),
+                Route("/hook", self.hook, methods=["POST"]),
+                Route("/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale", self.scale,
+                      methods=["PATCH"]),
+            ]
+        )  # fmt: skip
+
+
+async def test_ticks_set_gauges_and_deliver_each_change_once(config: Config) -> None:
+    """A sustained queue raises desired replicas; hooks hear each new value exactly once."""
+    fleet = Fleet()
+    now = [1000.0]
+    gauges = ScalingGauges()
+    async with serving(fleet.app()) as url, httpx.AsyncClient() as client:
+        reader = PageReader(f"{url}/metrics", [], ["chat-small", "chat-large"], client,
+                            clock=lambda: now[0])  # fmt: skip
+        hooks = [
+            WebhookHook(f"{url}/hook", b"s", client, 5),
+            KubernetesScaleHook(url, "infermeter", {"chat-small": "vllm-chat-small"}, client),
+        ]
+        limits = {m.name: model_limits(config, m.name) for m in config.models}
+        scaler = Autoscaler(params_from_config(config), limits, reader, gauges, hooks)
+        first = await scaler.tick()
+        assert first["chat-small"].desired == 2
+        now[0] += 15
+        await scaler.tick()
+        now[0] += 20  # queue 12 > 10 for 35 s
+        third = await scaler.tick()
+        assert third["chat-small"].desired == 3
+    get = gauges.registry.get_sample_value
+    assert get("infermeter_desired_replicas", {"model": "chat-small"}) == 3
+    assert get("infermeter_current_replicas", {"model": "chat-small"}) == 2
+    assert [(w["model"], w["desired"]) for w in fleet.webhooks] == [
+        ("chat-small", 2),
+        ("chat-large", 2),
+        ("chat-small", 3),
+    ]
+    assert [p["body"] for p in fleet.patches] == [{"spec": {"replicas": 2}},
+                                                   {"spec": {"replicas": 3}}]  # fmt: skip
+
+
+async def test_an_unreachable_collector_skips_the_tick(config: Config) -> None:
+    """No inputs, no decisions: the gauges keep their last values."""
+    gauges = ScalingGauges()
+    gauges.desired.labels(model="chat-small").set(5)
+    async with httpx.AsyncClient() as client:
+        reader = PageReader(f"http://127.0.0.1:{free_port()}/metrics", [], ["chat-small"], client)
+        limits = {"chat-small": model_limits(config, "chat-small")}
+        scaler = Autoscaler(params_from_config(config), limits, reader, gauges)
+        assert await scaler.tick() == {}
+    assert gauges.registry.get_sample_value("infermeter_desired_replicas", {"model": "chat-small"}) == 5  # fmt: skip
+
+
+async def test_metrics_endpoint_serves_the_gauges():
+    """/metrics exposes infermeter_desired_replicas for KEDA; /healthz answers ok."""
+    gauges = ScalingGauges()
+    gauges.desired.labels(model="chat-large").set(4)
+    async with serving(create_app(gauges)) as url, httpx.AsyncClient() as client:
+        metrics = await client.get(f"{url}/metrics")
+        health = await client.get(f"{url}/healthz")
+    assert 'infermeter_desired_replicas{model="chat-large"} 4.0' in metrics.text
+    assert health.text == "ok\n"
+
+
+def test_webhook_without_its_secret_is_a_start_up_error(config: Config) -> None:
+    """webhook_url with an empty secret variable stops the service before it starts."""
+    autoscale = config.autoscale.model_copy(update={"webhook_url": "http://hooks.example/x"})
+    config = config.model_copy(update={"autoscale": autoscale})
+    with pytest.raises(HookError, match="INFERMETER_WEBHOOK_SECRET"):
+        build_hooks(config, httpx.AsyncClient(), environ={})
+
+
+def test_reader_defaults_to_the_collector_and_every_sidecar(config: Config) -> None:
+    """Without URLs in the section, pages come from collector.listen and each sidecar_listen."""
+    reader = build_reader(config, httpx.AsyncClient(), None)
+    assert isinstance(reader, PageReader)
+    assert reader.collector_url == f"http://{config.collector.listen}/metrics"
+    assert len(reader.sidecar_urls) == len(config.replicas)
