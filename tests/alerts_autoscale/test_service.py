@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from alerts.autoscale.hooks import HookError, KubernetesScaleHook, ScalingGauges, WebhookHook
+from alerts.autoscale.hooks import Hook, HookError, KubernetesScaleHook, ScalingGauges, WebhookHook
 from alerts.autoscale.policy import model_limits, params_from_config
 from alerts.autoscale.service import Autoscaler, PageReader, build_hooks, build_reader, create_app
 from infermeter.config import Config
@@ -59,7 +59,7 @@ async def test_ticks_set_gauges_and_deliver_each_change_once(config: Config) -> 
     async with serving(fleet.app()) as url, httpx.AsyncClient() as client:
         reader = PageReader(f"{url}/metrics", [], ["chat-small", "chat-large"], client,
                             clock=lambda: now[0])  # fmt: skip
-        hooks = [
+        hooks: list[Hook] = [
             WebhookHook(f"{url}/hook", b"s", client, 5),
             KubernetesScaleHook(url, "infermeter", {"chat-small": "vllm-chat-small"}, client),
         ]
