@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from infermeter.config import Config, ConfigError, Model, SlaOverride
+from infermeter.config import Config, ConfigError, Model, Sla, SlaOverride
 
 __all__ = [
     "ALERTING_FILE",
@@ -130,6 +130,7 @@ def recording_groups(config: Config) -> list[Group]:
         {"name": "infermeter.sidecar.recording", "interval": interval, "rules": _sidecar_rules(config)},
         {"name": "infermeter.fleet.recording", "interval": interval, "rules": _fleet_rules()},
         {"name": "infermeter.billing.recording", "interval": interval, "rules": _billing_rules()},
+        {"name": "infermeter.sla.recording", "interval": interval, "rules": _sla_targets(config)},
     ]  # fmt: skip
 
 
@@ -199,6 +200,68 @@ def _billing_rules() -> list[Rule]:
     ]  # fmt: skip
 
 
+def _sla_targets(config: Config) -> list[Rule]:
+    """Each SLA target as a constant series, so a dashboard can draw it next to what it bounds."""
+    rules: list[Rule] = []
+
+    def target(level: str, metric: str, value: float, labels: dict[str, str]) -> None:
+        rules.append(
+            {"record": f"{level}:{metric}", "expr": f"vector({_number(value)})", "labels": labels}
+        )
+
+    for m in config.models:
+        labels = {"model": m.name, "use_case": m.use_case}
+        target(
+            "model",
+            "infermeter_time_to_first_token_seconds:sla_p95",
+            m.sla.ttft_p95_seconds,
+            labels,
+        )
+        target(
+            "model",
+            "infermeter_output_tokens_per_second:sla_min_p50",
+            m.sla.min_output_tokens_per_second,
+            labels,
+        )
+        target(
+            "model",
+            "infermeter_request_errors_per_request:sla_max_ratio",
+            m.sla.max_error_ratio,
+            labels,
+        )
+    for o in config.alerts.slas:
+        sla = _team_sla(config, o)
+        labels = {"team": o.team, "model": o.model}
+        target(
+            "team_model",
+            "infermeter_time_to_first_token_seconds:sla_p95",
+            sla.ttft_p95_seconds,
+            labels,
+        )
+        target(
+            "team_model",
+            "infermeter_output_tokens_per_second:sla_min_p50",
+            sla.min_output_tokens_per_second,
+            labels,
+        )
+        target(
+            "team_model",
+            "infermeter_request_errors_per_request:sla_max_ratio",
+            sla.max_error_ratio,
+            labels,
+        )
+    return rules  # fmt: skip
+
+
+def _team_sla(config: Config, override: SlaOverride) -> Sla:
+    """The model's SLA with the keys the team override sets replaced."""
+    sla = config.model(override.model).sla
+    changes = {
+        k: v for k, v in override.model_dump(exclude={"team", "model"}).items() if v is not None
+    }
+    return sla.model_copy(update=changes)
+
+
 # --- alerting rules ----------------------------------------------------------------------------
 
 
@@ -266,12 +329,12 @@ def _model_sla_alerts(config: Config, model: Model) -> list[Rule]:
 
 def _team_sla_alerts(config: Config, override: SlaOverride) -> list[Rule]:
     w, wait = _window(config), config.alerts.sla_for_seconds
-    sla = config.model(override.model).sla
-    ttft = override.ttft_p95_seconds or sla.ttft_p95_seconds
-    errors = sla.max_error_ratio if override.max_error_ratio is None else override.max_error_ratio
-    speed = override.min_output_tokens_per_second
-    if speed is None:
-        speed = sla.min_output_tokens_per_second
+    sla = _team_sla(config, override)
+    ttft, errors, speed = (
+        sla.ttft_p95_seconds,
+        sla.max_error_ratio,
+        sla.min_output_tokens_per_second,
+    )
     match = f"{{team={_quote(override.team)},model={_quote(override.model)}}}"
     labels = {"team": override.team, "model": override.model}
     rules = [
@@ -368,7 +431,14 @@ def prometheus_rule(groups: dict[str, list[Group]]) -> dict[str, Any]:
     }
 
 
+class _NoAliases(yaml.SafeDumper):
+    """Writes a mapping shared by several rules out in full each time: no ``&id001`` anchors."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def to_yaml(document: dict[str, Any]) -> str:
     """``document`` as stable YAML with the do-not-edit header: the same config, the same bytes."""
-    body = yaml.safe_dump(document, sort_keys=False, width=1000, allow_unicode=True)
+    body = yaml.dump(document, Dumper=_NoAliases, sort_keys=False, width=1000, allow_unicode=True)
     return HEADER + body

@@ -258,3 +258,25 @@ def test_negative_thresholds_are_refused_by_the_schema(tmp_path, path, value, me
     with pytest.raises(ConfigError) as err:
         load_config(config_file, environ={})
     assert str(err.value) == f"{config_file}: {message}"
+
+
+def test_sla_targets_are_recorded_as_series():
+    """Each model's targets, and each team override's (unset keys inherited), are constant series."""
+    config = _config(
+        **{"alerts.slas": [{"team": "search", "model": "chat-small", "max_error_ratio": 0.002}]}
+    )
+    targets = {(r["record"], tuple(sorted(r["labels"].items()))): r["expr"]
+               for r in _rules(render(config)) if ":sla_" in r.get("record", "")}  # fmt: skip
+    small = (("model", "chat-small"), ("use_case", "interactive"))
+    team = (("model", "chat-small"), ("team", "search"))
+    assert targets[("model:infermeter_time_to_first_token_seconds:sla_p95", small)] == "vector(0.5)"
+    assert targets[("model:infermeter_output_tokens_per_second:sla_min_p50", small)] == "vector(30)"
+    assert (
+        targets[("team_model:infermeter_request_errors_per_request:sla_max_ratio", team)]
+        == "vector(0.002)"
+    )
+    assert (
+        targets[("team_model:infermeter_time_to_first_token_seconds:sla_p95", team)]
+        == "vector(0.5)"
+    )
+    assert len(targets) == 3 * 2 + 3
