@@ -26,7 +26,7 @@ Handler = Callable[[argparse.Namespace, Config], int]
 # Parts that bring their own subcommands: each module has ``register(subparsers)``, which adds
 # parsers whose ``handler`` default is a ``Handler``. Imported only to build the parser, so each
 # keeps its heavy imports inside its handlers.
-PLUGINS: tuple[str, ...] = ("alerts.cli",)
+PLUGINS: tuple[str, ...] = ("alerts.cli", "alerts.autoscale.cli")
 
 
 def _add_config(parser: argparse.ArgumentParser) -> None:
