@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import duckdb
+import orjson
 import polars as pl
 from fastapi import FastAPI, Header, Query, Request
-from fastapi.responses import JSONResponse, ORJSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.concurrency import run_in_threadpool
 
@@ -33,6 +34,7 @@ from billing.chargeback import Chargeback
 from billing.ledger import BatchTooLargeError, Ledger, LedgerError
 from billing.metrics import SpendCollector
 from billing.months import check_month
+from billing.query_api import query_router
 from billing.statement import Statement
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
@@ -110,7 +112,7 @@ def create_app(config: Config, ledger: Ledger) -> FastAPI:
         if result.rejected:
             log.warning("ingest: %d %s record(s) rejected, first: %s", len(result.rejected),
                         result.kind, result.rejected[0].reason)  # fmt: skip
-        return ORJSONResponse(result.to_json())
+        return _json(result.to_json())
 
     @app.get("/v1/months")
     async def months(authorization: Annotated[str | None, Header()] = None) -> list[dict[str, Any]]:
@@ -153,7 +155,7 @@ def create_app(config: Config, ledger: Ledger) -> FastAPI:
         if who.team is None:
             who.require(ADMIN)
         statement = await run_in_threadpool(chargeback.statement, check_month(month))
-        return ORJSONResponse(_statement_json(statement, who.team))
+        return _json(_statement_json(statement, who.team))
 
     @app.get("/v1/spend")
     async def spend(authorization: Annotated[str | None, Header()] = None) -> list[dict[str, Any]]:
@@ -182,12 +184,17 @@ def create_app(config: Config, ledger: Ledger) -> FastAPI:
         body = await run_in_threadpool(generate_latest, registry)
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    app.include_router(query_router(ledger, ring, config))
     return app
 
 
 def vars_of(obj: Any) -> dict[str, Any]:
     """A slotted dataclass as a dict."""
     return {name: getattr(obj, name) for name in obj.__slots__}
+
+
+def _json(body: Any) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
 
 
 def _download(text: str, filename: str) -> Response:

@@ -314,35 +314,50 @@ class Ledger:
             row = cur.execute("SELECT max(month) FROM months").fetchone()
         return row[0] if row and row[0] else month_of(time.time())
 
-    def export_parquet(self, directory: str | Path, partitioned: bool = False) -> list[Path]:
-        """Write every table to Parquet under ``directory``; returns the paths written.
-
-        With ``partitioned``, the raw tables are written Hive-style by month
-        (``usage/month=2026-11/...``), so a query engine reading object storage only opens the
-        months it needs.
-        """
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        written = []
+    def table_names(self) -> list[str]:
+        """The ledger's own tables (not temporary ones)."""
         with self.reader() as cur:
-            tables = [r[0] for r in cur.execute(
+            rows = cur.execute(
                 "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND NOT temporary "
                 "ORDER BY table_name"
-            ).fetchall()]  # fmt: skip
-            for table in tables:
-                time_col = {"usage": "received_at", "gpu_samples": '"timestamp"',
-                             "engine_samples": '"timestamp"'}.get(table)  # fmt: skip
-                if partitioned and time_col:
-                    target = out / table
-                    cur.execute(
-                        f"COPY (SELECT *, strftime(make_timestamp(CAST({time_col} * 1000000 AS BIGINT)), '%Y-%m') AS month "
-                        f"FROM {table}) TO '{_sql_path(target)}' (FORMAT parquet, PARTITION_BY (month), OVERWRITE_OR_IGNORE)"
-                    )
-                else:
-                    target = out / f"{table}.parquet"
-                    cur.execute(f"COPY {table} TO '{_sql_path(target)}' (FORMAT parquet)")
-                written.append(target)
-        return written
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def export_table(self, table: str, directory: str | Path, partitioned: bool = False) -> Path:
+        """Write ``table`` to Parquet under ``directory``; returns the path written.
+
+        With ``partitioned``, raw tables are written Hive-style by month
+        (``usage/month=2026-11/...``), so an engine reading object storage opens only the
+        months it needs.
+        """
+        if table not in self.table_names():
+            raise LedgerError(f"no table {table!r} in the ledger")
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        time_col = _TIME_COLUMNS.get(table)
+        with self.reader() as cur:
+            if partitioned and time_col:
+                target = out / table
+                month = f"strftime(make_timestamp(CAST({time_col} * 1000000 AS BIGINT)), '%Y-%m')"
+                cur.execute(
+                    f"COPY (SELECT *, {month} AS month FROM {table}) TO '{_sql_path(target)}' "
+                    "(FORMAT parquet, PARTITION_BY (month), OVERWRITE_OR_IGNORE)"
+                )
+            else:
+                target = out / f"{table}.parquet"
+                cur.execute(f"COPY {table} TO '{_sql_path(target)}' (FORMAT parquet)")
+        return target
+
+    def export_parquet(self, directory: str | Path, partitioned: bool = False) -> list[Path]:
+        """Write every table to Parquet under ``directory``; returns the paths written."""
+        return [self.export_table(t, directory, partitioned) for t in self.table_names()]
+
+
+_TIME_COLUMNS = {
+    "usage": "received_at",
+    "gpu_samples": '"timestamp"',
+    "engine_samples": '"timestamp"',
+}
 
 
 def _frame(cur: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any]) -> pl.DataFrame:

@@ -71,4 +71,4 @@ def chargeback_frame(statement: Statement, budgets_usd: Mapping[str, float]) -> 
 
 def write_csv(frame: pl.DataFrame) -> str:
     """The frame as CSV text."""
-    return frame.write_csv()
+    return frame.write_csv(float_scientific=False)

@@ -22,11 +22,12 @@ from infermeter.netutil import PortInUseError
 __all__ = ["main"]
 
 Handler = Callable[[argparse.Namespace, Config], int]
+DEMO_INGEST_TOKEN = "im-demo-ingest"  # public, like the demo team keys
 
 # Parts that bring their own subcommands: each module has ``register(subparsers)``, which adds
 # parsers whose ``handler`` default is a ``Handler``. Imported only to build the parser, so each
 # keeps its heavy imports inside its handlers.
-PLUGINS: tuple[str, ...] = ("alerts.cli", "alerts.autoscale.cli")
+PLUGINS: tuple[str, ...] = ("alerts.cli", "billing.cli", "alerts.autoscale.cli", "dashboards.cli")
 
 
 def _add_config(parser: argparse.ArgumentParser) -> None:
@@ -225,9 +226,19 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
     path = _config_path(args)
     args.via_sidecars = True
     args.duration = None
-    children = fleet.simulator_children(config, path) + fleet.sidecar_children(config, path)
+    # Sidecars and the collector ship to the demo's billing service with the demo ingest token
+    # (its hash is in the embedded defaults); a user's own settings win.
+    ingest = f"{config.billing.url.rstrip('/')}/v1/ingest"
+    os.environ.setdefault("INFERMETER__SIDECAR__INGEST_URL", config.sidecar.ingest_url or ingest)
+    os.environ.setdefault(
+        "INFERMETER__COLLECTOR__INGEST_URL", config.collector.ingest_url or ingest
+    )
+    os.environ.setdefault("INFERMETER_INGEST_TOKEN", DEMO_INGEST_TOKEN)
+    children = [fleet.billing_child(config, path)]
+    children += fleet.simulator_children(config, path) + fleet.sidecar_children(config, path)
     children.append(fleet.collector_child(config, path))
     children.append(fleet.traffic_child(path, args))
     urls = fleet.sidecar_urls(config) + fleet.simulator_urls(config)
     urls.append(("collector (fleet view)", f"http://{config.collector.listen}/metrics"))
+    urls.append(("billing API (admin: im-demo-admin)", f"{config.billing.url}/v1/spend"))
     return fleet.run(children, urls)

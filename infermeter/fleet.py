@@ -10,6 +10,8 @@ from infermeter.netutil import ensure_free, host_port
 from infermeter.supervisor import Child, ChildFailedError, Supervisor
 
 __all__ = [
+    "billing_child",
+    "collector_child",
     "run",
     "sidecar_children",
     "sidecar_urls",
@@ -75,6 +77,13 @@ def collector_child(config: Config, config_path: str) -> Child:
     ensure_free(*host_port(config.collector.listen), "collector listen address")
     argv = _infermeter("collect", "--config", config_path)
     return Child("collector", argv, f"http://{config.collector.listen}/healthz")
+
+
+def billing_child(config: Config, config_path: str) -> Child:
+    """The billing service, owning the ledger file ``billing.database``."""
+    ensure_free(*host_port(config.billing.listen), "billing listen address")
+    argv = _infermeter("billing", "--config", config_path)
+    return Child("billing", argv, f"http://{config.billing.listen}/healthz")
 
 
 def traffic_child(config_path: str, args: argparse.Namespace) -> Child:

@@ -1,0 +1,204 @@
+"""``infermeter billing`` (the service, month closing, Parquet export) and ``infermeter chargeback``.
+
+The service owns the ledger file, so the commands that read or change it go through its API
+with the admin token (``$INFERMETER_ADMIN_TOKEN``). With ``--database`` they open the file
+themselves instead, for when the service is stopped (a backup, an offline statement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from infermeter.config import Config
+
+__all__ = ["register"]
+
+ADMIN_TOKEN_ENV = "INFERMETER_ADMIN_TOKEN"
+
+
+def register(sub: Any) -> None:
+    """Add the ``billing`` and ``chargeback`` subcommands."""
+    bill = sub.add_parser(
+        "billing",
+        help="run the billing service (DuckDB ledger, ingest and statements API)",
+        description=(
+            "Without a subcommand: serve the billing API on billing.listen, owning the ledger file "
+            "billing.database. 'close' freezes a month's statement; 'export' writes the ledger "
+            "to Parquet."
+        ),
+    )
+    _config(bill)
+    bill.add_argument(
+        "--listen", metavar="HOST:PORT", help="where to listen (default: billing.listen)"
+    )
+    bill.add_argument(
+        "--database", metavar="PATH", help="the ledger file (default: billing.database)"
+    )
+    bill.set_defaults(handler=_serve)
+    actions = bill.add_subparsers(dest="billing_command", metavar="ACTION")
+    close = actions.add_parser("close", help="close a month: its statement is frozen from then on")
+    _config(close, nested=True)
+    close.add_argument("--month", required=True, metavar="YYYY-MM")
+    close.add_argument(
+        "--database", metavar="PATH", help="close in this file instead of through the service"
+    )
+    close.set_defaults(handler=_close)
+    export = actions.add_parser("export", help="write every ledger table to Parquet (a backup)")
+    _config(export, nested=True)
+    export.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory to write")
+    export.add_argument(
+        "--partitioned", action="store_true", help="raw tables as Hive partitions by month"
+    )
+    export.add_argument(
+        "--database", metavar="PATH", help="export this file (the service must be stopped)"
+    )
+    export.set_defaults(handler=_export)
+
+    cb = sub.add_parser(
+        "chargeback",
+        help="write a month's chargeback statement as CSV or FinOps FOCUS",
+        description=(
+            "Fetch a month's statement from the billing service (admin token in "
+            f"${ADMIN_TOKEN_ENV}) or compute it from a ledger file (--database), and write it "
+            "as the chargeback CSV or a FOCUS file."
+        ),
+    )
+    _config(cb)
+    cb.add_argument("--month", required=True, metavar="YYYY-MM")
+    cb.add_argument("--format", choices=("csv", "focus"), default="csv")
+    cb.add_argument("--focus-version", choices=("1.0", "1.2"), default="1.0")
+    cb.add_argument("--out", type=Path, metavar="FILE", help="write here instead of stdout")
+    cb.add_argument(
+        "--database", metavar="PATH", help="read this ledger file instead of the service"
+    )
+    cb.add_argument(
+        "--billing-url", metavar="URL", help="the billing service (default: billing.url)"
+    )
+    cb.set_defaults(handler=_chargeback)
+
+
+def _config(parser: argparse.ArgumentParser, nested: bool = False) -> None:
+    # A nested parser must not reset a --config given before its action name.
+    default = argparse.SUPPRESS if nested else None
+    parser.add_argument("--config", type=Path, default=default, help="infermeter.yaml to use")
+
+
+def _serve(args: argparse.Namespace, config: Config) -> int:
+    from billing.serve import serve_billing
+
+    asyncio.run(serve_billing(config, args.listen, args.database))
+    return 0
+
+
+def _admin_client(config: Config, url: str | None) -> httpx.Client:
+    token = os.environ.get(ADMIN_TOKEN_ENV)
+    if not token:
+        raise SystemExit(
+            f"infermeter: set ${ADMIN_TOKEN_ENV} to the admin token (or use --database)"
+        )
+    return httpx.Client(base_url=url or config.billing.url, timeout=600,
+                        headers={"authorization": f"Bearer {token}"})  # fmt: skip
+
+
+def _fail(response: httpx.Response) -> int:
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:300]
+    print(f"infermeter: billing answered {response.status_code}: {message}", file=sys.stderr)
+    return 1
+
+
+def _close(args: argparse.Namespace, config: Config) -> int:
+    from billing.months import check_month
+
+    month = check_month(args.month)
+    if args.database:
+        from billing.chargeback import Chargeback
+        from billing.serve import open_ledger
+
+        ledger = open_ledger(config, args.database)
+        try:
+            statement = Chargeback(ledger, config).close(month)
+        finally:
+            ledger.close()
+        print(f"closed {month}: {statement.total_cents / 100:.2f} {config.prices.currency}")
+        return 0
+    with _admin_client(config, None) as client:
+        response = client.post(f"/v1/months/{month}/close")
+    if response.status_code != 200:
+        return _fail(response)
+    print(f"closed {month}: {response.json()['total_cents'] / 100:.2f} {config.prices.currency}")
+    return 0
+
+
+def _export(args: argparse.Namespace, config: Config) -> int:
+    from billing.serve import open_ledger
+
+    if not args.database:
+        print("infermeter: export reads the ledger file; stop the service and pass --database, "
+              "or POST /v1/admin/export to the running service", file=sys.stderr)  # fmt: skip
+        return 2
+    ledger = open_ledger(config, args.database)
+    try:
+        tables = ledger.table_names()
+        for table in tqdm(tables, desc="export", unit="table", disable=None):
+            ledger.export_table(table, args.out, args.partitioned)
+    finally:
+        ledger.close()
+    print(f"wrote {len(tables)} tables to {args.out}")
+    return 0
+
+
+def _chargeback(args: argparse.Namespace, config: Config) -> int:
+    from billing.months import check_month
+
+    month = check_month(args.month)
+    suffix = "csv" if args.format == "csv" else "focus.csv"
+    if args.database:
+        text = _statement_text(config, args.database, month, args.format, args.focus_version)
+    else:
+        with _admin_client(config, args.billing_url) as client:
+            params = {"version": args.focus_version} if args.format == "focus" else {}
+            response = client.get(f"/v1/chargeback/{month}.{suffix}", params=params)
+        if response.status_code != 200:
+            return _fail(response)
+        text = response.text
+    if args.out:
+        args.out.write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _statement_text(config: Config, database: str, month: str, fmt: str, version: str) -> str:
+    from billing.chargeback import Chargeback
+    from billing.serve import open_ledger
+    from exporters.chargeback_csv import chargeback_frame, write_csv
+    from exporters.focus import focus_frame
+
+    with tqdm(total=3, desc=f"chargeback {month}", unit="step", disable=None) as bar:
+        ledger = open_ledger(config, database)
+        bar.update()
+        try:
+            statement = Chargeback(ledger, config).statement(month)
+        finally:
+            ledger.close()
+        bar.update()
+        budgets = {t.name: t.budget_usd_per_month for t in config.teams}
+        frame = (
+            chargeback_frame(statement, budgets)
+            if fmt == "csv"
+            else focus_frame(statement, config, version)
+        )
+        bar.update()
+    return write_csv(frame)

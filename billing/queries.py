@@ -1,0 +1,275 @@
+"""Read-only queries behind the dashboards: SQL builders over the minute rollups.
+
+Every query reads the rollup tables (``usage_slots``, ``gpu_slots``, ``ttft_buckets``) or the
+engine samples, restricted to a time range of whole slots, so its cost follows the range and the
+fleet's size, never the number of requests. The builders are pure (they return SQL and its
+parameters) so they can be tested against an in-memory DuckDB; ``run`` is the only function that
+touches a cursor.
+
+Times in results are Unix seconds (``t``: the start of a step). Steps are whole minutes; with no
+step given, ``auto_step`` picks the smallest usual step that keeps a series under
+``MAX_POINTS`` points, so a week of data is as cheap to draw as an hour.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import duckdb
+import polars as pl
+
+from billing.buckets import FIRST, RATIO
+from billing.schema import SLOT_SECONDS
+
+__all__ = [
+    "MAX_POINTS",
+    "MAX_RANGE_SECONDS",
+    "QUERIES",
+    "STEPS",
+    "Query",
+    "QueryParams",
+    "auto_step",
+    "params_from",
+    "run",
+]
+
+STEPS: Final = (60, 300, 900, 3600, 6 * 3600, 86400)
+MAX_POINTS: Final = 400
+MAX_RANGE_SECONDS: Final = 93 * 86400
+# Replicas that sent an engine sample this recently (before the range's end) count as running.
+LIVE_SECONDS: Final = 120
+
+Sql = tuple[str, dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class QueryParams:
+    """A time range of whole slots, a step, and optional team and model filters."""
+
+    start: int  # Unix seconds, a multiple of SLOT_SECONDS
+    end: int  # exclusive
+    step: int  # seconds, a multiple of SLOT_SECONDS
+    team: str | None = None
+    model: str | None = None
+
+    @property
+    def slots(self) -> tuple[int, int]:
+        """The first slot of the range and the slot after its last."""
+        return self.start // SLOT_SECONDS, self.end // SLOT_SECONDS
+
+
+def auto_step(start: float, end: float, max_points: int = MAX_POINTS) -> int:
+    """The smallest of ``STEPS`` that draws ``start``..``end`` in at most ``max_points`` points."""
+    span = max(end - start, SLOT_SECONDS)
+    for step in STEPS:
+        if span / step <= max_points:
+            return step
+    return STEPS[-1]
+
+
+def params_from(start: float, end: float, step: int | None = None, team: str | None = None,
+                model: str | None = None) -> QueryParams:  # fmt: skip
+    """Checked parameters: the range widened to whole slots; ValueError naming a bad value."""
+    if not (math.isfinite(start) and math.isfinite(end)) or end <= start:
+        raise ValueError(f"the range must have to > from (from={start}, to={end})")
+    if end - start > MAX_RANGE_SECONDS:
+        raise ValueError(f"the range is {(end - start) / 86400:.0f} days; at most 93 are served")
+    if step is None:
+        step = auto_step(start, end)
+    if step < SLOT_SECONDS or step % SLOT_SECONDS:
+        raise ValueError(f"step={step}: must be a whole number of minutes, in seconds (60, 300, ...)")
+    if (end - start) / step > 10 * MAX_POINTS:
+        raise ValueError(f"step={step} gives {(end - start) / step:.0f} points; use a larger step")
+    lo = int(start // SLOT_SECONDS) * SLOT_SECONDS
+    hi = int(math.ceil(end / SLOT_SECONDS)) * SLOT_SECONDS
+    return QueryParams(lo, hi, step, team, model)
+
+
+def _where(p: QueryParams, team: bool = True, model: bool = True) -> Sql:
+    lo, hi = p.slots
+    clauses = ["slot >= $lo", "slot < $hi"]
+    values: dict[str, Any] = {"lo": lo, "hi": hi}
+    if team and p.team is not None:
+        clauses.append("team = $team")
+        values["team"] = p.team
+    if model and p.model is not None:
+        clauses.append("model = $model")
+        values["model"] = p.model
+    return " AND ".join(clauses), values
+
+
+def _t(p: QueryParams, slot: str = "slot") -> str:
+    """SQL for the start (Unix seconds) of the step a slot falls in."""
+    return f"CAST({slot} // {p.step // SLOT_SECONDS} AS BIGINT) * {p.step}"
+
+
+def throughput_sql(p: QueryParams) -> Sql:
+    """Requests/s, output tokens/s, error ratio and mean TTFT per model and step."""
+    where, values = _where(p)
+    return (
+        f"""
+SELECT {_t(p)} AS t, model,
+    sum(requests) / {p.step}.0 AS requests_per_second,
+    sum(completion_tokens) / {p.step}.0 AS output_tokens_per_second,
+    sum(prompt_tokens) / {p.step}.0 AS prompt_tokens_per_second,
+    CASE WHEN sum(requests) > 0 THEN sum(failed_requests) / sum(requests) END AS error_ratio,
+    CASE WHEN sum(ttft_count) > 0 THEN sum(ttft_seconds_sum) / sum(ttft_count) END AS ttft_mean_seconds,
+    CASE WHEN sum(decode_seconds_sum) > 0 THEN sum(completion_tokens) / sum(decode_seconds_sum) END
+        AS decode_tokens_per_second
+FROM usage_slots WHERE {where}
+GROUP BY ALL ORDER BY model, t""",
+        values,
+    )
+
+
+def _quantile(q: float) -> str:
+    """SQL (over ``_ttft_cte`` rows) for the q-quantile, as ``billing.buckets.quantile``."""
+    low = f"CASE WHEN bucket = 0 THEN 0.0 ELSE {FIRST} * pow({RATIO}, bucket - 1) END"
+    up = f"{FIRST} * pow({RATIO}, bucket)"
+    value = f"{low} + ({up} - ({low})) * ({q} * total - (cum - n)) / n"
+    return f"arg_min({value}, bucket) FILTER (WHERE cum >= {q} * total)"
+
+
+def _ttft_cte(group: str, where: str) -> str:
+    return f"""
+WITH b AS (
+    SELECT model, {group} AS t, bucket, sum(requests) AS n
+    FROM ttft_buckets WHERE {where} GROUP BY ALL HAVING sum(requests) > 0
+), c AS (
+    SELECT *, sum(n) OVER (PARTITION BY model, t ORDER BY bucket) AS cum,
+        sum(n) OVER (PARTITION BY model, t) AS total
+    FROM b
+)"""
+
+
+def ttft_sql(p: QueryParams) -> Sql:
+    """TTFT p50 and p95 (seconds, from the log buckets) per model and step."""
+    where, values = _where(p)
+    return (
+        _ttft_cte(_t(p), where)
+        + f"""
+SELECT t, model, any_value(total) AS requests, {_quantile(0.5)} AS p50_seconds,
+    {_quantile(0.95)} AS p95_seconds
+FROM c GROUP BY t, model ORDER BY model, t""",
+        values,
+    )
+
+
+def worst_hours_sql(p: QueryParams, limit: int = 10) -> Sql:
+    """The hours with the highest TTFT p95, per model, worst first."""
+    where, values = _where(p)
+    return (
+        _ttft_cte(f"CAST(slot // 60 AS BIGINT) * 3600", where)
+        + f"""
+, h AS (SELECT t, model, any_value(total) AS requests, {_quantile(0.95)} AS p95_seconds
+        FROM c GROUP BY t, model)
+SELECT * FROM h QUALIFY row_number() OVER (PARTITION BY model ORDER BY p95_seconds DESC, t) <= {int(limit)}
+ORDER BY model, p95_seconds DESC, t""",
+        values,
+    )
+
+
+def sla_sql(p: QueryParams) -> Sql:
+    """Per model and team: requests with a TTFT, and the share within the model's target."""
+    where, values = _where(p)
+    return (
+        f"""
+SELECT model, team, sum(ttft_count) AS ttft_requests, sum(ttft_within_sla) AS within_sla,
+    CASE WHEN sum(ttft_count) > 0 THEN sum(ttft_within_sla) / sum(ttft_count) END AS compliance,
+    sum(requests) AS requests, sum(failed_requests) AS failed_requests
+FROM usage_slots WHERE {where}
+GROUP BY ALL ORDER BY model, team""",
+        values,
+    )
+
+
+def team_usage_sql(p: QueryParams) -> Sql:
+    """Per team and model over the whole range: requests, tokens, in-flight hours."""
+    where, values = _where(p)
+    return (
+        f"""
+SELECT team, model, sum(requests) AS requests, sum(failed_requests) AS failed_requests,
+    sum(prompt_tokens) AS prompt_tokens, sum(cached_prompt_tokens) AS cached_prompt_tokens,
+    sum(completion_tokens) AS completion_tokens, sum(inflight_seconds) / 3600 AS inflight_hours
+FROM usage_slots WHERE {where}
+GROUP BY ALL ORDER BY team, model""",
+        values,
+    )
+
+
+def gpus_sql(p: QueryParams) -> Sql:
+    """Mean GPU utilization, power and busy GPUs per node, replica and step."""
+    where, values = _where(p, team=False, model=False)
+    return (
+        f"""
+SELECT {_t(p)} AS t, node, replica, gpu_model,
+    sum(utilization_seconds) / nullif(sum(gpu_seconds), 0) AS utilization,
+    sum(power_watt_seconds) / nullif(sum(gpu_seconds), 0) AS power_watts,
+    sum(gpu_seconds) / {p.step}.0 AS gpus,
+    sum(energy_joules) / 3.6e6 AS energy_kwh,
+    sum(xid_errors) AS xid_errors
+FROM gpu_slots WHERE {where}
+GROUP BY ALL ORDER BY node, replica, t""",
+        values,
+    )
+
+
+def engine_sql(p: QueryParams) -> Sql:
+    """Mean running and waiting requests and KV-cache use per replica and step."""
+    values: dict[str, Any] = {"start": float(p.start), "end": float(p.end)}
+    extra = ""
+    if p.model is not None:
+        extra = " AND model = $model"
+        values["model"] = p.model
+    return (
+        f"""
+SELECT CAST(floor("timestamp" / {p.step}) AS BIGINT) * {p.step} AS t, replica, model,
+    avg(requests_running) AS requests_running, avg(requests_waiting) AS requests_waiting,
+    max(requests_waiting) AS requests_waiting_max, avg(kv_cache_usage) AS kv_cache_usage
+FROM engine_samples WHERE "timestamp" >= $start AND "timestamp" < $end{extra}
+GROUP BY ALL ORDER BY replica, t""",
+        values,
+    )
+
+
+def replicas_sql(p: QueryParams) -> Sql:
+    """Replicas per model that sent an engine sample in the ``LIVE_SECONDS`` before the end."""
+    values: dict[str, Any] = {"start": float(p.end - LIVE_SECONDS), "end": float(p.end)}
+    return (
+        """
+SELECT model, count(DISTINCT replica) AS replicas, max("timestamp") AS last_sample
+FROM engine_samples WHERE "timestamp" >= $start AND "timestamp" < $end
+GROUP BY ALL ORDER BY model""",
+        values,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """A named query: its SQL builder and whether a team key may run it (for its own team)."""
+
+    build: Callable[[QueryParams], Sql]
+    per_team: bool
+    doc: str
+
+
+QUERIES: Final[Mapping[str, Query]] = {
+    "throughput": Query(throughput_sql, True, "requests/s, tokens/s, errors per model and step"),
+    "ttft": Query(ttft_sql, True, "TTFT p50/p95 per model and step"),
+    "worst_hours": Query(worst_hours_sql, True, "hours with the highest TTFT p95 per model"),
+    "sla": Query(sla_sql, True, "share of requests within the TTFT target per model and team"),
+    "team_usage": Query(team_usage_sql, True, "requests and tokens per team and model"),
+    "gpus": Query(gpus_sql, False, "GPU utilization and power per replica and step"),
+    "engine": Query(engine_sql, False, "queue depth and KV-cache use per replica and step"),
+    "replicas": Query(replicas_sql, False, "replicas reporting now, per model"),
+}
+
+
+def run(cursor: duckdb.DuckDBPyConnection, name: str, params: QueryParams) -> pl.DataFrame:
+    """Run query ``name`` on ``cursor``; KeyError for an unknown name."""
+    sql, values = QUERIES[name].build(params)
+    frame: pl.DataFrame = cursor.execute(sql, values).pl()
+    return frame

@@ -1,0 +1,46 @@
+"""Run the billing service: open the ledger, serve the API, checkpoint on the way out."""
+
+from __future__ import annotations
+
+import logging
+
+from billing.api import create_app
+from billing.ledger import Ledger
+from infermeter.config import Config
+from infermeter.netutil import ensure_free, host_port
+from simulator.serve import server
+
+__all__ = ["open_ledger", "serve_billing"]
+
+log = logging.getLogger("infermeter.billing")
+
+
+def open_ledger(config: Config, database: str | None = None) -> Ledger:
+    """The configured ledger file (or ``database``), migrated and ready."""
+    b = config.billing
+    return Ledger.open(
+        database or b.database,
+        teams=[t.name for t in config.teams],
+        ttft_sla_seconds={m.name: m.sla.ttft_p95_seconds for m in config.models},
+        memory_limit=b.memory_limit,
+        threads=b.threads,
+    )
+
+
+async def serve_billing(
+    config: Config, listen: str | None = None, database: str | None = None
+) -> None:
+    """Serve until told to exit; the ledger is checkpointed and closed after the server stops."""
+    host, port = host_port(listen or config.billing.listen)
+    ensure_free(host, port, "billing listen address")
+    ledger = open_ledger(config, database)
+    try:
+        log.info(
+            "billing: ledger %s, API on http://%s:%d",
+            database or config.billing.database,
+            host,
+            port,
+        )
+        await server(create_app(config, ledger), host, port).serve()
+    finally:
+        ledger.close()
