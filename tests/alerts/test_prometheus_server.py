@@ -126,6 +126,17 @@ async def _until(client: httpx.AsyncClient, prometheus: str, want: dict[str, str
     return states
 
 
+async def _targets_up(client: httpx.AsyncClient, prometheus: str, seconds: float) -> dict[str, str]:
+    """Job -> health of its target, once all are up (or time runs out)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        body = (await client.get(f"{prometheus}/api/v1/targets")).json()
+        health = {t["labels"]["job"]: t["health"] for t in body["data"]["activeTargets"]}
+        if set(health.values()) == {"up"} or time.monotonic() > deadline:
+            return health
+        await asyncio.sleep(0.5)
+
+
 async def _load(sidecar: str, stop: asyncio.Event, clients: int) -> int:
     """Streamed chat requests from ``clients`` loops until ``stop``; how many completed."""
     done = 0
@@ -153,8 +164,13 @@ async def test_overload_fires_queue_and_ttft_alerts_which_resolve_after_it(tmp_p
     write_rules(config, "test config", tmp_path / "rules")
     async with _fleet(config, tmp_path) as fleet, httpx.AsyncClient(timeout=5) as client:
         with running_prometheus(tmp_path, _scrape_configs(fleet), ["rules/*.yml"]) as prometheus:
-            idle = await _until(client, prometheus, {}, 5)
-            assert idle == {}, "alerts active before any traffic"
+            health = await _targets_up(client, prometheus, 20)
+            assert health == {
+                "vllm": "up",
+                "infermeter-sidecar": "up",
+                "infermeter-collector": "up",
+            }
+            assert await _active(client, prometheus) == {}, "alerts active before any traffic"
             stop = asyncio.Event()
             load = asyncio.create_task(_load(fleet.sidecar, stop, clients=12))
             try:
