@@ -368,6 +368,9 @@ class AutoscaleSettings(_Strict):
     sidecar_urls: list[str] = Field(default_factory=list)
     metrics_token_env: str = "INFERMETER_METRICS_TOKEN"
     prometheus_url: str | None = None
+    prometheus_queries: dict[
+        Literal["current", "queue", "utilization", "ttft_p95", "tokens_per_gpu"], str
+    ] = Field(default_factory=dict)
     webhook_url: str | None = None
     webhook_secret_env: str = "INFERMETER_WEBHOOK_SECRET"
     webhook_timeout_seconds: Positive = 5.0

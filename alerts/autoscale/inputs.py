@@ -200,17 +200,19 @@ def observations_from_vectors(
 
 @dataclass
 class PrometheusSource:
-    """Runs ``PROMQL`` against a Prometheus server's instant-query API."""
+    """Runs ``PROMQL`` (or the configured replacements) against Prometheus's instant-query API."""
 
     url: str
     client: httpx.AsyncClient
     window: str = "2m"
+    overrides: Mapping[str, str] = field(default_factory=dict)
 
     async def vectors(self) -> dict[str, dict[str, float]]:
         """Every query's answer as ``{model: value}``; raises ``httpx.HTTPError`` on failure."""
         result = {}
         for key, template in PROMQL.items():
-            result[key] = await self.query(template.format(window=self.window))
+            promql = self.overrides.get(key) or template.format(window=self.window)
+            result[key] = await self.query(promql)
         return result
 
     async def query(self, promql: str) -> dict[str, float]:

@@ -198,7 +198,9 @@ def build_reader(config: Config, client: httpx.AsyncClient, prometheus_url: str 
     a = config.autoscale
     url = prometheus_url or a.prometheus_url
     if url:
-        return PrometheusReader(PrometheusSource(url, client), models)
+        queries = {str(key): promql for key, promql in a.prometheus_queries.items()}
+        source = PrometheusSource(url, client, overrides=queries)
+        return PrometheusReader(source, models)
     collector = a.collector_url or f"http://{config.collector.listen}/metrics"
     sidecars = list(a.sidecar_urls) or [
         f"http://{r.sidecar_listen}/metrics" for r in config.replicas if r.sidecar_listen

@@ -133,3 +133,19 @@ async def test_prometheus_source_runs_every_query_and_reads_vectors():
     obs = observations_from_vectors(50.0, vectors, ["chat-large"])["chat-large"]
     assert (obs.current_replicas, obs.queue_depth, obs.gpu_utilization) == (3, 14.0, 0.5)
     assert (obs.ttft_p95_seconds, obs.tokens_per_second_per_gpu) == (None, 800.0)
+
+
+async def test_configured_queries_replace_the_defaults():
+    """A query named in ``prometheus_queries`` is sent instead of the built-in one."""
+    seen: list[str] = []
+
+    async def query(request: Request) -> JSONResponse:
+        seen.append(request.query_params["query"])
+        return JSONResponse({"status": "success", "data": {"resultType": "vector", "result": []}})
+
+    app = Starlette(routes=[Route("/api/v1/query", query)])
+    custom = 'count by (model) (label_replace(vllm:num_requests_waiting, "model", "$1", "service", "vllm-(.+)"))'
+    async with serving(app) as url, httpx.AsyncClient() as client:
+        await PrometheusSource(url, client, overrides={"current": custom}).vectors()
+    assert seen[0] == custom
+    assert len(seen) == len(PROMQL)
