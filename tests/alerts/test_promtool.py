@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from alerts.cli import write_rules
-from infermeter.config import load_config
+from infermeter.config import Config, load_config
 from tests.alerts.prometheus import promtool
 
 ROOT = Path(__file__).parents[2]
@@ -73,3 +73,16 @@ def test_every_alert_is_tested_firing_and_not_firing(tmp_path):
     names = _alert_names(rendered)
     assert names - firing == set(), "alerts never tested firing"
     assert names - quiet == set(), "alerts never tested quiet"
+
+
+def test_odd_windows_and_durations_pass_promtool_check(tmp_path):
+    """Windows and waits that are not whole minutes render as durations Prometheus accepts."""
+    data = load_config(EXAMPLE, environ={}).model_dump(mode="json")
+    data["alerts"].update(
+        rate_window_seconds=90, sla_for_seconds=1.5, evaluation_interval_seconds=2.5
+    )
+    config = Config.model_validate(data)
+    files = write_rules(config, "test", tmp_path)
+    assert "rate1m30s" in files[0].read_text()
+    result = promtool("check", "rules", *map(str, files))
+    assert result.returncode == 0, result.stdout + result.stderr
