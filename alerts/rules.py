@@ -61,7 +61,7 @@ def duration(seconds: float) -> str:
 
 def _number(value: float) -> str:
     """A threshold as PromQL writes it: ``10`` not ``10.0``, ``0.3`` not ``0.30000000000000004``."""
-    return format(value, "g") if value == round(value, 12) else repr(value)
+    return format(value, ".12g")
 
 
 def _quote(value: str) -> str:

@@ -280,3 +280,14 @@ def test_sla_targets_are_recorded_as_series():
         == "vector(0.5)"
     )
     assert len(targets) == 3 * 2 + 3
+
+
+def test_thresholds_keep_their_precision():
+    """A target with many digits is written in full, a whole number without a decimal point."""
+    config = _config(
+        **{"models.1.sla.ttft_p95_seconds": 0.1234567, "scaling.scale_up_queue_depth": 12}
+    )
+    [_, small] = _alerts(config, "InfermeterTTFTAboveSLA")
+    assert small["expr"].endswith("} > 0.1234567")
+    [queue] = _alerts(config, "InfermeterQueueBacklog")
+    assert queue["expr"].endswith(" > 12")
