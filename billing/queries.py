@@ -80,11 +80,13 @@ def params_from(start: float, end: float, step: int | None = None, team: str | N
     if step is None:
         step = auto_step(start, end)
     if step < SLOT_SECONDS or step % SLOT_SECONDS:
-        raise ValueError(f"step={step}: must be a whole number of minutes, in seconds (60, 300, ...)")
+        raise ValueError(
+            f"step={step}: must be a whole number of minutes, in seconds (60, 300, ...)"
+        )
     if (end - start) / step > 10 * MAX_POINTS:
         raise ValueError(f"step={step} gives {(end - start) / step:.0f} points; use a larger step")
     lo = int(start // SLOT_SECONDS) * SLOT_SECONDS
-    hi = int(math.ceil(end / SLOT_SECONDS)) * SLOT_SECONDS
+    hi = math.ceil(end / SLOT_SECONDS) * SLOT_SECONDS
     return QueryParams(lo, hi, step, team, model)
 
 
@@ -136,11 +138,11 @@ def _quantile(q: float) -> str:
 def _ttft_cte(group: str, where: str) -> str:
     return f"""
 WITH b AS (
-    SELECT model, {group} AS t, bucket, sum(requests) AS n
+    SELECT model, {group} AS t, bucket, CAST(sum(requests) AS BIGINT) AS n
     FROM ttft_buckets WHERE {where} GROUP BY ALL HAVING sum(requests) > 0
 ), c AS (
-    SELECT *, sum(n) OVER (PARTITION BY model, t ORDER BY bucket) AS cum,
-        sum(n) OVER (PARTITION BY model, t) AS total
+    SELECT *, CAST(sum(n) OVER (PARTITION BY model, t ORDER BY bucket) AS BIGINT) AS cum,
+        CAST(sum(n) OVER (PARTITION BY model, t) AS BIGINT) AS total
     FROM b
 )"""
 
@@ -162,7 +164,7 @@ def worst_hours_sql(p: QueryParams, limit: int = 10) -> Sql:
     """The hours with the highest TTFT p95, per model, worst first."""
     where, values = _where(p)
     return (
-        _ttft_cte(f"CAST(slot // 60 AS BIGINT) * 3600", where)
+        _ttft_cte("CAST(slot // 60 AS BIGINT) * 3600", where)
         + f"""
 , h AS (SELECT t, model, any_value(total) AS requests, {_quantile(0.95)} AS p95_seconds
         FROM c GROUP BY t, model)
@@ -177,9 +179,9 @@ def sla_sql(p: QueryParams) -> Sql:
     where, values = _where(p)
     return (
         f"""
-SELECT model, team, sum(ttft_count) AS ttft_requests, sum(ttft_within_sla) AS within_sla,
+SELECT model, team, CAST(sum(ttft_count) AS BIGINT) AS ttft_requests, CAST(sum(ttft_within_sla) AS BIGINT) AS within_sla,
     CASE WHEN sum(ttft_count) > 0 THEN sum(ttft_within_sla) / sum(ttft_count) END AS compliance,
-    sum(requests) AS requests, sum(failed_requests) AS failed_requests
+    CAST(sum(requests) AS BIGINT) AS requests, CAST(sum(failed_requests) AS BIGINT) AS failed_requests
 FROM usage_slots WHERE {where}
 GROUP BY ALL ORDER BY model, team""",
         values,
@@ -191,9 +193,9 @@ def team_usage_sql(p: QueryParams) -> Sql:
     where, values = _where(p)
     return (
         f"""
-SELECT team, model, sum(requests) AS requests, sum(failed_requests) AS failed_requests,
-    sum(prompt_tokens) AS prompt_tokens, sum(cached_prompt_tokens) AS cached_prompt_tokens,
-    sum(completion_tokens) AS completion_tokens, sum(inflight_seconds) / 3600 AS inflight_hours
+SELECT team, model, CAST(sum(requests) AS BIGINT) AS requests, CAST(sum(failed_requests) AS BIGINT) AS failed_requests,
+    CAST(sum(prompt_tokens) AS BIGINT) AS prompt_tokens, CAST(sum(cached_prompt_tokens) AS BIGINT) AS cached_prompt_tokens,
+    CAST(sum(completion_tokens) AS BIGINT) AS completion_tokens, sum(inflight_seconds) / 3600 AS inflight_hours
 FROM usage_slots WHERE {where}
 GROUP BY ALL ORDER BY team, model""",
         values,
@@ -210,7 +212,7 @@ SELECT {_t(p)} AS t, node, replica, gpu_model,
     sum(power_watt_seconds) / nullif(sum(gpu_seconds), 0) AS power_watts,
     sum(gpu_seconds) / {p.step}.0 AS gpus,
     sum(energy_joules) / 3.6e6 AS energy_kwh,
-    sum(xid_errors) AS xid_errors
+    CAST(sum(xid_errors) AS BIGINT) AS xid_errors
 FROM gpu_slots WHERE {where}
 GROUP BY ALL ORDER BY node, replica, t""",
         values,
@@ -271,5 +273,5 @@ QUERIES: Final[Mapping[str, Query]] = {
 def run(cursor: duckdb.DuckDBPyConnection, name: str, params: QueryParams) -> pl.DataFrame:
     """Run query ``name`` on ``cursor``; KeyError for an unknown name."""
     sql, values = QUERIES[name].build(params)
-    frame: pl.DataFrame = cursor.execute(sql, values).pl()
+    frame: pl.DataFrame = cursor.sql(sql, params=values).pl()
     return frame

@@ -104,7 +104,9 @@ def query_router(ledger: Ledger, ring: KeyRing, config: Config) -> APIRouter:
 
 def _json(body: Any) -> Response:
     # NaN (an empty mean) becomes null, which JSON clients can read.
-    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+    return Response(
+        orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json"
+    )
 
 
 def _run(ledger: Ledger, name: str, params: queries.QueryParams) -> Any:

@@ -1,0 +1,195 @@
+"""The dashboards' queries over the minute rollups, and the query API's access rules."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import polars as pl
+import pytest
+from fastapi.testclient import TestClient
+
+from billing import queries
+from billing.api import create_app
+from billing.buckets import bucket_of, quantile
+from billing.ledger import Ledger
+from tests.dashboards import records
+from tests.dashboards.records import ADMIN_KEY, REPLICAS, TEAM_KEYS, TEAMS
+
+
+@pytest.fixture
+def fleet():
+    return records.build(records.recent_start())
+
+
+@pytest.fixture
+def ledger(config, fleet):
+    ledger = records.open_ledger(config, ":memory:", fleet)
+    yield ledger
+    ledger.close()
+
+
+def run(ledger: Ledger, name: str, fleet: records.Fleet, **kw: Any) -> pl.DataFrame:
+    params = queries.params_from(fleet.start, fleet.start + 3600, **kw)
+    with ledger.reader() as cur:
+        return queries.run(cur, name, params)
+
+
+@pytest.mark.parametrize(
+    ("span", "step"), [(3600, 60), (6 * 3600, 60), (24 * 3600, 300), (7 * 86400, 1800 * 2), (31 * 86400, 21600)]
+)  # fmt: skip
+def test_auto_step_keeps_series_short(span, step):
+    """The automatic step is the smallest usual one that keeps a series within MAX_POINTS."""
+    assert queries.auto_step(0, span) == step
+    assert span / step <= queries.MAX_POINTS
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [((10, 5), "to > from"), ((0, 100 * 86400), "at most 93"), ((0, 3600, 90), "whole number of minutes")],
+)  # fmt: skip
+def test_bad_ranges_are_refused(args, message):
+    """A reversed or too long range, or a step that is not whole minutes, is a ValueError."""
+    with pytest.raises(ValueError, match=message):
+        queries.params_from(*args)
+
+
+def test_throughput_counts_every_request(ledger, fleet):
+    """Requests/s times the step adds up to the number of requests per model."""
+    frame = run(ledger, "throughput", fleet, step=3600)
+    per_model = Counter(r["model"] for r in fleet.usage)
+    got = {m: round(v * 3600) for m, v in frame.select("model", "requests_per_second").rows()}
+    assert got == dict(per_model)
+
+
+def test_error_ratio_is_failed_over_requests(ledger, fleet):
+    """The error ratio is upstream errors over requests, per model."""
+    frame = run(ledger, "throughput", fleet, step=3600, model="chat-large")
+    rows = [r for r in fleet.usage if r["model"] == "chat-large"]
+    expected = sum(r["status"] == "upstream_error" for r in rows) / len(rows)
+    assert frame["error_ratio"].to_list() == [pytest.approx(expected)]
+
+
+def test_ttft_quantiles_match_the_bucket_quantile(ledger, fleet):
+    """SQL p50/p95 per model and step equal billing.buckets.quantile over the same buckets."""
+    frame = run(ledger, "ttft", fleet, step=900)
+    for t, model, _, p50, p95 in frame.rows():
+        ttfts = [r["first_token_at"] - r["received_at"] for r in fleet.usage
+                 if r["model"] == model and t <= r["finished_at"] // 60 * 60 < t + 900]  # fmt: skip
+        counts = Counter(bucket_of(x) for x in ttfts)
+        assert p50 == pytest.approx(quantile(0.5, counts.items()))
+        assert p95 == pytest.approx(quantile(0.95, counts.items()))
+    assert frame.height == 2 * 4
+
+
+def test_worst_hours_rank_the_slow_period_first(ledger, fleet):
+    """The one hour of data is every model's worst hour, with a p95 in the slow range."""
+    frame = run(ledger, "worst_hours", fleet)
+    assert frame["t"].unique().to_list() == [fleet.start]
+    assert sorted(frame["model"]) == ["chat-large", "chat-small"]
+    assert all(p95 > 2.0 for p95 in frame["p95_seconds"])
+
+
+def test_sla_compliance_is_the_share_within_target(ledger, fleet, config):
+    """Compliance is the share of requests with TTFT at or below the model's target."""
+    frame = run(ledger, "sla", fleet).filter(pl.col("team") == "search")
+    for model, compliance in frame.select("model", "compliance").rows():
+        target = config.model(model).sla.ttft_p95_seconds
+        rows = [r for r in fleet.usage if r["model"] == model and r["team"] == "search"]
+        within = sum(r["first_token_at"] - r["received_at"] <= target for r in rows)
+        assert compliance == pytest.approx(within / len(rows))
+
+
+def test_gpu_utilization_and_power_are_time_weighted_means(ledger, fleet):
+    """Mean utilization and power per replica are the samples' means over GPU time."""
+    frame = run(ledger, "gpus", fleet, step=3600).filter(pl.col("replica") == "large-0")
+    assert frame["utilization"].to_list() == [pytest.approx(0.55)]
+    assert frame["power_watts"].to_list() == [pytest.approx(325.0)]
+    assert frame["gpus"].to_list() == [pytest.approx(2.0)]
+
+
+def test_engine_queue_and_kv_per_replica(ledger, fleet):
+    """Queue depth and KV-cache use are the engine samples' means per replica."""
+    frame = run(ledger, "engine", fleet, step=3600)
+    assert sorted(frame["replica"]) == sorted(REPLICAS)
+    waiting = [e["requests_waiting"] for e in fleet.engine
+               if e["replica"] == "small-0" and e["timestamp"] < fleet.start + 3600]  # fmt: skip
+    assert frame["requests_waiting"].to_list() == [pytest.approx(sum(waiting) / len(waiting))] * 3
+    assert frame["kv_cache_usage"].to_list() == [pytest.approx(0.25)] * 3
+
+
+def test_replicas_reporting_at_the_end_of_the_range(ledger, fleet):
+    """Replicas that sent engine samples just before the range's end are counted per model."""
+    frame = run(ledger, "replicas", fleet)
+    assert dict(frame.select("model", "replicas").rows()) == {"chat-large": 1, "chat-small": 2}
+
+
+@pytest.fixture
+def client(config, ledger):
+    with TestClient(create_app(config, ledger)) as c:
+        yield c
+
+
+def get(client: TestClient, name: str, key: str, fleet: records.Fleet, **params: Any) -> Any:
+    q = {"from": fleet.start, "to": fleet.start + 3600, **params}
+    return client.get(f"/v1/query/{name}", params=q, headers={"authorization": f"Bearer {key}"})
+
+
+def test_admin_sees_every_team(client, fleet):
+    """The admin key's team usage lists every team."""
+    body = get(client, "team_usage", ADMIN_KEY, fleet).json()
+    teams = {row[body["columns"].index("team")] for row in body["rows"]}
+    assert teams == set(TEAMS)
+
+
+def test_team_key_is_held_to_its_own_team(client, fleet):
+    """A team key gets only its own rows, whether or not it names its team."""
+    for params in ({}, {"team": "search"}):
+        body = get(client, "team_usage", TEAM_KEYS["search"], fleet, **params).json()
+        assert body["team"] == "search"
+        assert {row[0] for row in body["rows"]} == {"search"}
+        requests = sum(row[body["columns"].index("requests")] for row in body["rows"])
+        assert requests == sum(r["team"] == "search" for r in fleet.usage)
+
+
+@pytest.mark.parametrize(
+    ("name", "params"), [("team_usage", {"team": "assistant"}), ("gpus", {}), ("engine", {})]
+)
+def test_team_key_may_not_read_others_or_the_fleet(client, fleet, name, params):
+    """Another team's rows and fleet-wide telemetry are 403 for a team key."""
+    response = get(client, name, TEAM_KEYS["search"], fleet, **params)
+    assert response.status_code == 403
+    assert response.json()["error"]["code"] == "forbidden"
+
+
+def test_unknown_key_and_unknown_query(client, fleet):
+    """No key is 401; an unknown query name is 404 listing the known ones."""
+    assert get(client, "ttft", "nope", fleet).status_code == 401
+    response = get(client, "nope", ADMIN_KEY, fleet)
+    assert response.status_code == 404
+    assert "throughput" in response.json()["error"]["message"]
+
+
+def test_index_names_the_caller(client):
+    """GET /v1/query says who the key belongs to and which teams it may see."""
+    body = client.get(
+        "/v1/query", headers={"authorization": f"Bearer {TEAM_KEYS['search']}"}
+    ).json()
+    assert body["caller"] == {"name": "search", "team": "search", "is_admin": False}
+    assert body["teams"] == ["search"]
+    assert "gpus" not in body["queries"]
+
+
+def test_answers_are_json_with_nulls_for_empty_means(client, fleet):
+    """A range with no data answers with no rows; the step served is echoed."""
+    body = get(
+        client,
+        "throughput",
+        ADMIN_KEY,
+        fleet,
+        **{"from": fleet.start - 7200, "to": fleet.start - 3600},
+    ).json()
+    assert body["rows"] == []
+    assert body["step"] == 60
+    assert not math.isnan(body["from"])
