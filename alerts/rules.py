@@ -381,14 +381,23 @@ def _capacity_alerts(config: Config) -> list[Rule]:
 
 
 def _spend_alerts(config: Config) -> list[Rule]:
-    return [
+    wait, cap = config.alerts.budget_forecast_for_seconds, config.scaling.monthly_budget_cap_usd
+    rules = [
         _alert("InfermeterTeamSpendForecastAboveBudget",
                "team:infermeter_team_spend_forecast_per_budget:ratio > 1",
-               config.alerts.budget_forecast_for_seconds, "warning",
+               wait, "warning",
                "team {{ $labels.team }} is forecast to spend {{ $value | humanizePercentage }} of its monthly budget",
                "Tell the team's owner: show their spend by model in the dashboard, and either raise "
                "budget_usd_per_month or lower their limits (tokens_per_minute, max_concurrent)."),
     ]  # fmt: skip
+    if cap is not None:
+        rules.append(_alert("InfermeterFleetSpendForecastAboveCap",
+               f"sum(max by (team) (infermeter_team_spend_forecast_usd)) > {_number(cap)}",
+               wait, "warning",
+               f"the fleet is forecast to spend {{{{ $value | humanize }}}} USD this month, over the cap of {_number(cap)} USD",
+               "Find the teams that grew (dashboard: spend vs budget); agree a higher "
+               "scaling.monthly_budget_cap_usd or lower their limits before the cap holds back scaling."))  # fmt: skip
+    return rules
 
 
 def _platform_alerts(config: Config) -> list[Rule]:

@@ -291,3 +291,11 @@ def test_thresholds_keep_their_precision():
     assert small["expr"].endswith("} > 0.1234567")
     [queue] = _alerts(config, "InfermeterQueueBacklog")
     assert queue["expr"].endswith(" > 12")
+
+
+def test_a_budget_cap_adds_a_fleet_spend_alert(config):
+    """With monthly_budget_cap_usd set the fleet's forecast is held to it; without, no alert."""
+    assert _alerts(config, "InfermeterFleetSpendForecastAboveCap") == []
+    capped = _config(**{"scaling.monthly_budget_cap_usd": 60000})
+    [alert] = _alerts(capped, "InfermeterFleetSpendForecastAboveCap")
+    assert alert["expr"] == "sum(max by (team) (infermeter_team_spend_forecast_usd)) > 60000"
