@@ -35,7 +35,6 @@ from billing.ledger import BatchTooLargeError, Ledger, LedgerError
 from billing.metrics import SpendCollector
 from billing.months import check_month
 from billing.query_api import query_router
-from billing.query_api import query_router
 from billing.statement import Statement
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
@@ -185,7 +184,6 @@ def create_app(config: Config, ledger: Ledger) -> FastAPI:
         body = await run_in_threadpool(generate_latest, registry)
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    app.include_router(query_router(ledger, ring, config))
     app.include_router(query_router(ledger, ring, config))
     return app
 
