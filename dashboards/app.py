@@ -1,0 +1,135 @@
+"""The Dash app: a sign-in form, a page router, and one module per page.
+
+Pages are plain modules routed by ``dcc.Location`` rather than ``dash.register_page``, whose
+registry is process-wide: two apps in one process (tests, or two configurations) must not share
+pages or callbacks. The signed-in key lives only in the browser's session storage and is sent
+to billing with every data request; the server keeps no session.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Final
+
+from dash import Dash, Input, Output, State, callback_context, dcc, html, no_update
+
+from dashboards.client import BillingClient, BillingError
+from dashboards.context import Context, signed_in
+from dashboards.data import RANGES
+from dashboards.pages import chargeback, fleet, planner, sla, teams
+from infermeter.config import Config
+
+__all__ = ["PAGES", "create_app"]
+
+PAGES: Final[tuple[ModuleType, ...]] = (fleet, teams, chargeback, sla, planner)
+
+_STYLE: Final = """
+body { font-family: system-ui, sans-serif; margin: 0; color: #1d2430; }
+header { display: flex; gap: 1.2em; align-items: center; padding: .6em 1.2em; background: #1d2430; }
+header a, header span { color: #fff; text-decoration: none; }
+header .spacer { flex: 1; }
+.page { padding: 0 1.2em 2em; }
+.grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(520px, 1fr)); gap: .5em; }
+.frame-table { border-collapse: collapse; font-size: .9em; margin: .5em 0; }
+.frame-table th, .frame-table td { border: 1px solid #d0d5dd; padding: .25em .6em; text-align: right; }
+.frame-table th { background: #f2f4f7; }
+.note { color: #475467; } .note-error { color: #b42318; } .ok { color: #067647; font-weight: 600; }
+.form, .toolbar { display: flex; flex-wrap: wrap; gap: .8em; align-items: end; margin: .5em 0; }
+.field { display: flex; flex-direction: column; min-width: 11em; }
+#login { max-width: 28em; margin: 3em auto; }
+"""
+
+# The viewer's IANA time zone, read once per page load, so times are drawn in local time.
+_TZ_JS: Final = "function(_) { return Intl.DateTimeFormat().resolvedOptions().timeZone || 'UTC'; }"
+
+
+def _shell(ctx: Context) -> html.Div:
+    links = [dcc.Link(p.TITLE, href=p.PATH) for p in PAGES]
+    range_picker = dcc.Dropdown(id="range", options=list(RANGES), value="1h", clearable=False,
+                                style={"width": "6em"})  # fmt: skip
+    return html.Div(
+        [
+            dcc.Location(id="url"),
+            dcc.Store(id="auth", storage_type="session"),
+            dcc.Store(id="tz"),
+            dcc.Interval(id="tick", interval=int(ctx.config.dashboard.refresh_seconds * 1000)),
+            html.Header(
+                [
+                    *links,
+                    html.Div(className="spacer"),
+                    range_picker,
+                    html.Span(id="who"),
+                    html.Button("Sign out", id="logout"),
+                ]
+            ),
+            html.Div(
+                [
+                    html.H2("Sign in"),
+                    html.P("Your team key shows your team; the admin key shows every team."),
+                    dcc.Input(
+                        id="login-key", type="password", placeholder="API key", debounce=False
+                    ),
+                    html.Button("Sign in", id="login-button"),
+                    html.P(id="login-error", className="note-error"),
+                ],
+                id="login",
+            ),
+            html.Div(id="content"),
+        ]
+    )
+
+
+def create_app(config: Config, billing_url: str) -> Dash:
+    """The dashboard app reading from the billing service at ``billing_url``."""
+    ctx = Context(config, BillingClient(billing_url))
+    app = Dash(__name__, title="infermeter", update_title="", assets_ignore=".*",
+               serve_locally=True, suppress_callback_exceptions=False)  # fmt: skip
+    app.index_string = app.index_string.replace("{%css%}", "{%css%}<style>" + _STYLE + "</style>")
+    app.layout = _shell(ctx)
+    app.validation_layout = html.Div(  # type: ignore[assignment]
+        [_shell(ctx), *(p.layout(ctx) for p in PAGES)]
+    )
+    by_path = {p.PATH: p for p in PAGES}
+
+    @app.callback(
+        Output("content", "children"),
+        Output("login", "style"),
+        Output("who", "children"),
+        Input("url", "pathname"),
+        Input("auth", "data"),
+    )
+    def route(path: str | None, auth: Any) -> tuple[Any, dict[str, str], str]:
+        if not signed_in(auth):
+            return None, {}, ""
+        module = by_path.get(path or "/")
+        content = module.layout(ctx) if module else html.P(f"No page at {path}", className="note")
+        who = "admin" if auth.get("is_admin") else f"team {auth.get('team')}"
+        return content, {"display": "none"}, who
+
+    @app.callback(
+        Output("auth", "data"),
+        Output("login-error", "children"),
+        Input("login-button", "n_clicks"),
+        Input("login-key", "n_submit"),
+        Input("logout", "n_clicks"),
+        State("login-key", "value"),
+        prevent_initial_call=True,
+    )
+    def sign_in(_: Any, __: Any, ___: Any, key: str | None) -> tuple[Any, str]:
+        if callback_context.triggered_id == "logout":
+            return None, ""
+        if not key:
+            return no_update, "Enter a key."
+        try:
+            who = ctx.client.whoami(key.strip())
+        except BillingError as exc:
+            reason = "this key is not known" if exc.status in (401, 403) else str(exc)
+            return no_update, f"Not signed in: {reason}."
+        caller = who["caller"]
+        return {"token": key.strip(), "name": caller["name"], "team": caller["team"],
+                "is_admin": caller["is_admin"], "teams": who["teams"]}, ""  # fmt: skip
+
+    app.clientside_callback(_TZ_JS, Output("tz", "data"), Input("url", "pathname"))  # type: ignore[no-untyped-call]
+    for module in PAGES:
+        module.register(app, ctx)
+    return app

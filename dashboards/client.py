@@ -1,0 +1,83 @@
+"""The dashboards' only way to the ledger: the billing service's HTTP API, with the user's key.
+
+Every call forwards the signed-in user's bearer token, so billing decides what the user may
+see; the dashboard server holds no credential of its own and filters nothing itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import polars as pl
+
+__all__ = ["BillingClient", "BillingError"]
+
+
+class BillingError(Exception):
+    """Billing refused or failed a call; ``status`` is the HTTP status (0: unreachable)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+class BillingClient:
+    """Synchronous calls to one billing service (Dash callbacks run in worker threads)."""
+
+    def __init__(self, base_url: str, timeout_seconds: float = 10.0) -> None:
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_seconds)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def _get(self, token: str, path: str, params: dict[str, Any] | None = None) -> Any:
+        try:
+            response = self._http.get(
+                path, params=params, headers={"authorization": f"Bearer {token}"}
+            )
+        except httpx.HTTPError as exc:
+            raise BillingError(0, f"billing is unreachable: {exc}") from None
+        if response.status_code != 200:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text[:200]
+            raise BillingError(response.status_code, message)
+        return response.json()
+
+    def whoami(self, token: str) -> dict[str, Any]:
+        """The caller the token stands for, and the teams it may see (401/403: not a reader)."""
+        body: dict[str, Any] = self._get(token, "/v1/query")
+        return body
+
+    def query(self, token: str, name: str, start: float, end: float, step: int | None = None,
+              model: str | None = None) -> pl.DataFrame:  # fmt: skip
+        """A named query over ``start``..``end`` as a frame (its columns even when empty)."""
+        params: dict[str, Any] = {"from": start, "to": end}
+        if step is not None:
+            params["step"] = step
+        if model is not None:
+            params["model"] = model
+        body = self._get(token, f"/v1/query/{name}", params)
+        columns: list[str] = body["columns"]
+        rows = [dict(zip(columns, row, strict=True)) for row in body["rows"]]
+        if not rows:
+            return pl.DataFrame(schema=dict.fromkeys(columns, pl.Float64))
+        return pl.DataFrame(rows, infer_schema_length=None)
+
+    def statement(self, token: str, month: str) -> dict[str, Any]:
+        """A month's statement as billing answers it (a team key gets its own lines only)."""
+        body: dict[str, Any] = self._get(token, f"/v1/chargeback/{month}")
+        return body
+
+    def spend(self, token: str) -> list[dict[str, Any]]:
+        """Month-to-date spend, budget and forecast per visible team."""
+        body: list[dict[str, Any]] = self._get(token, "/v1/spend")
+        return body
+
+    def months(self, token: str) -> list[dict[str, Any]]:
+        """Months the ledger has data for (admin)."""
+        body: list[dict[str, Any]] = self._get(token, "/v1/months")
+        return body

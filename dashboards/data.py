@@ -1,0 +1,103 @@
+"""Data for the pages, kept out of the layouts: time ranges, local times, statements, scaling.
+
+Pages call these with the signed-in user's token; nothing here keeps state between calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Final
+
+import httpx
+import polars as pl
+from prometheus_client.parser import text_string_to_metric_families
+
+from billing.months import month_bounds, month_of
+from billing.statement import Statement, empty_lines
+
+__all__ = [
+    "RANGES",
+    "desired_replicas",
+    "local_times",
+    "recent_months",
+    "statement_from_json",
+    "time_range",
+]
+
+# The time-range picker's choices: label -> seconds back from now.
+RANGES: Final = {"1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400}
+DESIRED_METRIC: Final = "infermeter_desired_replicas"
+
+
+def time_range(choice: str | None, now: float | None = None) -> tuple[float, float]:
+    """(from, to) in Unix seconds for a picker choice; unknown choices mean the last hour."""
+    now = time.time() if now is None else now
+    return now - RANGES.get(choice or "1h", 3600), now
+
+
+def local_times(frame: pl.DataFrame, tz: str | None, column: str = "t") -> pl.DataFrame:
+    """``column`` (Unix seconds, UTC) as wall-clock datetimes in the viewer's time zone.
+
+    The browser reports its IANA zone; the wall-clock values are sent without a zone so plotly
+    draws them as they are. An unknown zone falls back to UTC rather than failing the page.
+    """
+    if column not in frame.columns or frame.height == 0:
+        return frame
+    utc = pl.from_epoch(pl.col(column).cast(pl.Int64), time_unit="s").dt.replace_time_zone("UTC")
+    try:
+        return frame.with_columns(
+            utc.dt.convert_time_zone(tz or "UTC").dt.replace_time_zone(None).alias(column)
+        )
+    except pl.exceptions.PolarsError:
+        return frame.with_columns(utc.dt.replace_time_zone(None).alias(column))
+
+
+def statement_from_json(body: dict[str, Any]) -> Statement:
+    """A ``Statement`` rebuilt from billing's JSON, so the exporters run on it unchanged.
+
+    A team key's answer has no fleet total; the statement then carries its own total as the
+    fleet cost and callers show the reconciliation only when ``fleet_cents`` was sent.
+    """
+    schema = empty_lines().schema
+    lines = pl.DataFrame(body["lines"], schema=schema) if body["lines"] else empty_lines()
+    total = int(body.get("total_cents", 0))
+    return Statement(
+        month=body["month"],
+        closed=bool(body["closed"]),
+        lines=lines,
+        fleet_cents=int(body.get("fleet_cents", total)),
+        adjustment_cents=int(body.get("adjustment_cents", 0)),
+    )
+
+
+def recent_months(known: Sequence[str], now: float | None = None, count: int = 12) -> list[str]:
+    """The month picker's choices: months with data plus the last ``count`` months, newest first."""
+    now = time.time() if now is None else now
+    months = {month_of(now)}
+    month = month_of(now)
+    for _ in range(count - 1):
+        month = month_of(month_bounds(month)[0] - 1)
+        months.add(month)
+    return sorted(months | set(known), reverse=True)
+
+
+def desired_replicas(urls: Sequence[str], timeout_seconds: float = 2.0) -> dict[str, float]:
+    """``infermeter_desired_replicas`` per model from Prometheus-format ``urls``.
+
+    An unreachable or unreadable URL adds nothing; an empty answer means "n/a" on the page.
+    """
+    desired: dict[str, float] = {}
+    for url in urls:
+        try:
+            text = httpx.get(url, timeout=timeout_seconds).text
+            families = list(text_string_to_metric_families(text))
+        except (httpx.HTTPError, ValueError):
+            continue
+        for family in families:
+            if family.name != DESIRED_METRIC:
+                continue
+            for sample in family.samples:
+                if sample.name == DESIRED_METRIC and "model" in sample.labels:
+                    desired[sample.labels["model"]] = sample.value
+    return desired

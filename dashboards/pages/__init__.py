@@ -1,0 +1,1 @@
+"""One module per page: ``PATH``, ``TITLE``, ``layout(ctx)`` and ``register(app, ctx)``."""

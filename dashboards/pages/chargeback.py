@@ -1,0 +1,138 @@
+"""Chargeback: a month's statement as exported, its downloads, and its reconciliation."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from dash import Dash, Input, Output, State, dcc, html, no_update
+
+from billing.months import month_of
+from dashboards.client import BillingError
+from dashboards.components import csv_table, note, page, usd
+from dashboards.context import Context, signed_in
+from dashboards.data import recent_months, statement_from_json
+from exporters.chargeback_csv import chargeback_frame, write_csv
+from exporters.focus import focus_frame
+
+PATH = "/chargeback"
+TITLE = "Chargeback"
+
+
+def layout(ctx: Context) -> html.Div:
+    """The chargeback page's frame: month picker, downloads, statement, reconciliation."""
+    return page(
+        TITLE,
+        html.Div(
+            [
+                html.Label("Month", htmlFor="chargeback-month"),
+                dcc.Dropdown(id="chargeback-month", clearable=False, style={"width": "12em"}),
+                html.Button("Download CSV", id="chargeback-csv-button"),
+                html.Button("Download FOCUS 1.0", id="chargeback-focus-button"),
+            ],
+            className="toolbar",
+        ),
+        dcc.Download(id="chargeback-csv"),
+        dcc.Download(id="chargeback-focus"),
+        html.Div(id="chargeback-reconciliation"),
+        html.Div(id="chargeback-table"),
+    )
+
+
+def _reconciliation(body: dict[str, Any], total_cents: int, platform: str) -> html.Div:
+    if "fleet_cents" not in body:
+        return html.Div(
+            html.P(f"Your team's lines: {usd(total_cents / 100)}", id="chargeback-total")
+        )
+    lines = body["lines"]
+    platform_cents = sum(int(x["total_cents"]) for x in lines if x["team"] == platform)
+    fleet, adjust = int(body["fleet_cents"]), int(body["adjustment_cents"])
+    ok = total_cents == fleet + adjust
+    return html.Div([
+        html.P(f"Team lines {usd((total_cents - platform_cents) / 100)} + platform "
+               f"{usd(platform_cents / 100)} = {usd(total_cents / 100)}", id="chargeback-total"),
+        html.P(f"Fleet cost {usd(fleet / 100)} + adjustments for closed months {usd(adjust / 100)} "
+               f"= {usd((fleet + adjust) / 100)}", id="chargeback-fleet"),
+        html.P("Reconciles to the cent" if ok else "Does NOT reconcile", id="chargeback-reconciles",
+               className="ok" if ok else "note-error"),
+    ])  # fmt: skip
+
+
+def _file(text: str, filename: str) -> dict[str, Any]:
+    """What ``dcc.Download`` takes for a text file (as ``dcc.send_string`` builds it)."""
+    return {"content": text, "filename": filename, "type": "text/csv", "base64": False}
+
+
+def register(app: Dash, ctx: Context) -> None:
+    """The month picker, the statement and the two downloads."""
+    budgets = {t.name: t.budget_usd_per_month for t in ctx.config.teams}
+    platform = ctx.config.billing.platform_account
+
+    @app.callback(
+        Output("chargeback-month", "options"),
+        Output("chargeback-month", "value"),
+        Input("auth", "data"),
+    )
+    def months(auth: Any) -> tuple[list[str], str]:
+        known: list[str] = []
+        if signed_in(auth) and auth.get("is_admin"):
+            try:
+                known = [m["month"] for m in ctx.client.months(auth["token"])]
+            except BillingError:
+                known = []
+        choices = recent_months(known)
+        return choices, max(known) if known else month_of(time.time())
+
+    @app.callback(
+        Output("chargeback-reconciliation", "children"),
+        Output("chargeback-table", "children"),
+        Input("chargeback-month", "value"),
+        Input("auth", "data"),
+    )
+    def show(month: str | None, auth: Any) -> tuple[Any, Any]:
+        if not signed_in(auth) or not month:
+            return note("Sign in and pick a month."), None
+        try:
+            body = ctx.client.statement(auth["token"], month)
+        except BillingError as exc:
+            return note(str(exc), "error"), None
+        statement = statement_from_json(body)
+        frame = chargeback_frame(statement, budgets)
+        state = "closed" if statement.closed else "open (changes until the month is closed)"
+        return (
+            html.Div(
+                [
+                    html.P(f"{month}: {state}"),
+                    _reconciliation(body, statement.total_cents, platform),
+                ]
+            ),
+            csv_table(write_csv(frame), "chargeback-lines"),
+        )
+
+    def download(auth: Any, month: str | None, kind: str) -> Any:
+        if not signed_in(auth) or not month:
+            return no_update
+        statement = statement_from_json(ctx.client.statement(auth["token"], month))
+        if kind == "csv":
+            return _file(write_csv(chargeback_frame(statement, budgets)), f"chargeback-{month}.csv")
+        return _file(write_csv(focus_frame(statement, ctx.config)), f"focus-1.0-{month}.csv")
+
+    @app.callback(
+        Output("chargeback-csv", "data"),
+        Input("chargeback-csv-button", "n_clicks"),
+        State("auth", "data"),
+        State("chargeback-month", "value"),
+        prevent_initial_call=True,
+    )
+    def csv(_: int, auth: Any, month: str | None) -> Any:
+        return download(auth, month, "csv")
+
+    @app.callback(
+        Output("chargeback-focus", "data"),
+        Input("chargeback-focus-button", "n_clicks"),
+        State("auth", "data"),
+        State("chargeback-month", "value"),
+        prevent_initial_call=True,
+    )
+    def focus(_: int, auth: Any, month: str | None) -> Any:
+        return download(auth, month, "focus")
