@@ -151,6 +151,7 @@ class WebhookHook:
     secret: bytes
     client: httpx.AsyncClient
     max_wait_seconds: float = 30.0
+    timeout_seconds: float = 5.0
 
     async def publish(self, decision: Decision) -> None:
         """Send one decision; retried until ``max_wait_seconds`` on transient failures."""
@@ -161,7 +162,9 @@ class WebhookHook:
             TIMESTAMP_HEADER: timestamp,
             SIGNATURE_HEADER: "sha256=" + sign(self.secret, timestamp, body),
         }
-        request = self.client.build_request("POST", self.url, content=body, headers=headers)
+        request = self.client.build_request(
+            "POST", self.url, content=body, headers=headers, timeout=self.timeout_seconds
+        )
         try:
             await _send_with_retries(self.client, request, self.max_wait_seconds)
         except _TransientError as exc:

@@ -176,7 +176,8 @@ def build_hooks(
         secret = env.get(a.webhook_secret_env)
         if not secret:
             raise HookError(f"autoscale.webhook_url is set but ${a.webhook_secret_env} is empty")
-        hooks.append(WebhookHook(a.webhook_url, secret.encode(), client, a.webhook_timeout_seconds))
+        hooks.append(WebhookHook(a.webhook_url, secret.encode(), client,
+                                 timeout_seconds=a.webhook_timeout_seconds))  # fmt: skip
     k = a.kubernetes
     if k.enabled:
         if k.api_url:

@@ -285,3 +285,24 @@ def test_billing_is_a_single_writer_with_its_own_volume(tmp_path: Path) -> None:
     service_name = billing["spec"]["serviceName"]
     assert service_name in {s["metadata"]["name"] for s in _of("Service")}
     assert f"//{service_name}:" in config.billing.url
+
+
+def test_every_secret_key_is_documented():
+    """Each key read from infermeter-secrets is explained in docs/deploy.md."""
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    keys = {
+        ref["secretKeyRef"]["key"]
+        for w in _of("Deployment") + _of("StatefulSet")
+        for c in _containers(w)
+        for ref in (e.get("valueFrom", {}) for e in c.get("env", []))
+        if "secretKeyRef" in ref
+    }
+    keys |= {
+        e["authorization"]["credentials"]["key"]
+        for sm in _of("ServiceMonitor")
+        for e in sm["spec"]["endpoints"]
+        if "authorization" in e
+    }
+    assert keys
+    for key in keys:
+        assert f"| `{key}` |" in docs, key
