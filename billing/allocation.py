@@ -76,7 +76,7 @@ _GPU_SCHEMA: Final = {
 
 def slot_costs(gpus: pl.DataFrame, policy: Policy) -> pl.DataFrame:
     """Cost, GPU-hours and kWh per replica and slot. ValueError names any unpriced GPU model."""
-    gpus = gpus.cast(_GPU_SCHEMA)  # type: ignore[arg-type]
+    gpus = gpus.cast(_GPU_SCHEMA).sort(pl.all())  # type: ignore[arg-type]
     unpriced = sorted(set(gpus["gpu_model"].unique()) - set(policy.usd_per_gpu_hour))
     if unpriced:
         raise ValueError(
@@ -93,8 +93,9 @@ def slot_costs(gpus: pl.DataFrame, policy: Policy) -> pl.DataFrame:
             compute_usd=pl.col("gpu_seconds") / 3600.0 * price,
             energy_usd=kwh * (policy.usd_per_kwh * policy.pue),
         )
-        .group_by("replica", "slot")
+        .group_by("replica", "slot", maintain_order=True)
         .agg(pl.col("gpu_hours", "energy_kwh", "compute_usd", "energy_usd").sum())
+        .sort("replica", "slot")
     )
 
 
@@ -110,20 +111,22 @@ def allocate(usage: pl.DataFrame, gpus: pl.DataFrame, policy: Policy) -> pl.Data
     The cost columns of all lines add up to ``fleet_cost(gpus, policy)`` (up to float
     rounding; ``billing.rounding`` turns them into cents that add up exactly).
     """
-    usage = usage.cast(_USAGE_SCHEMA)  # type: ignore[arg-type]
+    # Sorted input makes every float sum run in one order, so the same rows always give the
+    # same cents, however the ledger returned them.
+    usage = usage.cast(_USAGE_SCHEMA).sort("replica", "slot", "team", "model")  # type: ignore[arg-type]
     costs = slot_costs(gpus, policy)
-    occupancy = usage.group_by("replica", "slot").agg(occupied=pl.col("inflight_seconds").sum())
+    occupancy = usage.group_by("replica", "slot", maintain_order=True).agg(occupied=pl.col("inflight_seconds").sum())
     slots = costs.join(occupancy, on=["replica", "slot"], how="left").with_columns(
         busy=(pl.col("occupied").fill_null(0.0) / SLOT_SECONDS).clip(upper_bound=1.0)
     )
     busy = _busy_shares(usage, slots, policy)
     idle = _idle_lines(busy, slots, policy)
-    counts = usage.group_by("team", "model").agg(
+    counts = usage.group_by("team", "model", maintain_order=True).agg(
         pl.col("requests", "prompt_tokens", "completion_tokens").sum()
     )
     money = pl.concat([busy.drop("replica"), idle], how="diagonal_relaxed")
     lines = (
-        money.group_by("team", "model")
+        money.group_by("team", "model", maintain_order=True)
         .agg(
             pl.col("gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd")
             .fill_null(0.0)
@@ -137,7 +140,13 @@ def allocate(usage: pl.DataFrame, gpus: pl.DataFrame, policy: Policy) -> pl.Data
             ),
         )
     )
-    return lines.select(LINE_COLUMNS).sort("team", "model")
+    # Float sums may differ in their last bits with the order rows arrive in; rounding far
+    # below a cent makes the same usage give the same lines.
+    return (
+        lines.select(LINE_COLUMNS)
+        .with_columns(pl.col("gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd").round(10))
+        .sort("team", "model")
+    )
 
 
 def _busy_shares(usage: pl.DataFrame, slots: pl.DataFrame, policy: Policy) -> pl.DataFrame:
@@ -151,7 +160,7 @@ def _busy_shares(usage: pl.DataFrame, slots: pl.DataFrame, policy: Policy) -> pl
             .otherwise(0.0)
         )
         shares = joined.with_columns(pl.col(c) * pl.col("share") for c in money)
-        return shares.group_by("replica", "team", "model").agg(pl.col(money).sum())
+        return shares.group_by("replica", "team", "model", maintain_order=True).agg(pl.col(money).sum())
     if policy.allocation == "tokens":
         weight = (
             pl.col("prompt_tokens") * policy.prompt_weight
@@ -159,8 +168,8 @@ def _busy_shares(usage: pl.DataFrame, slots: pl.DataFrame, policy: Policy) -> pl
         )
     else:
         weight = pl.col("requests").cast(pl.Float64)
-    weights = usage.group_by("replica", "team", "model").agg(w=weight.sum()).filter(pl.col("w") > 0)
-    totals = busy_slots.group_by("replica").agg(pl.col(money).sum())
+    weights = usage.group_by("replica", "team", "model", maintain_order=True).agg(w=weight.sum()).filter(pl.col("w") > 0)
+    totals = busy_slots.group_by("replica", maintain_order=True).agg(pl.col(money).sum())
     joined = weights.join(totals, on="replica", how="inner").with_columns(
         share=pl.col("w") / pl.col("w").sum().over("replica")
     )
@@ -170,12 +179,12 @@ def _busy_shares(usage: pl.DataFrame, slots: pl.DataFrame, policy: Policy) -> pl
 def _idle_lines(busy: pl.DataFrame, slots: pl.DataFrame, policy: Policy) -> pl.DataFrame:
     """Idle capacity per replica, charged by its policy: team, model, idle_usd."""
     idle_usd = (pl.col("compute_usd") + pl.col("energy_usd")) * (1.0 - pl.col("busy"))
-    idle = slots.group_by("replica").agg(idle_usd=idle_usd.sum())
+    idle = slots.group_by("replica", maintain_order=True).agg(idle_usd=idle_usd.sum())
     # Busy cost with no team to carry it (tokens/requests split with zero weight) is idle too.
-    carried = busy.group_by("replica").agg(
+    carried = busy.group_by("replica", maintain_order=True).agg(
         paid=(pl.col("compute_usd") + pl.col("energy_usd")).sum()
     )
-    busy_total = slots.group_by("replica").agg(
+    busy_total = slots.group_by("replica", maintain_order=True).agg(
         busy_usd=((pl.col("compute_usd") + pl.col("energy_usd")) * pl.col("busy")).sum()
     )
     idle = (

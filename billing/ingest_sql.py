@@ -202,7 +202,7 @@ def _type_check(f: Field) -> tuple[str, str]:
         f"ELSE '{f.name}: must be {noun[f.type]}' || CASE WHEN {'true' if f.nullable else 'false'} "
         f"THEN ' or null' ELSE '' END END"
     )
-    return f"NOT {ok}", reason
+    return f"NOT coalesce({ok}, false)", reason
 
 
 def _value(f: Field) -> str:

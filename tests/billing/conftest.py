@@ -1,0 +1,66 @@
+"""Records and ledgers with known contents, for the billing tests."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+
+from billing.ledger import Ledger
+from infermeter.config import DEFAULT_CONFIG, Config, load_config
+
+# 2026-10-01 00:00:00 UTC: a month that has ended, so it can be closed.
+OCT = 1790812800.0
+NOV = 1793491200.0
+_ids = itertools.count()
+
+
+def usage(team: str = "search", start: float = OCT + 3600, seconds: float = 10.0, **kw: Any) -> dict[str, Any]:
+    """A completed streamed request of ``team`` on replica small-0, ``seconds`` long."""
+    record: dict[str, Any] = {
+        "request_id": f"req-{next(_ids)}", "team": team, "model": "chat-small",
+        "served_version": "llama-3.1-8b-instruct", "replica": "small-0", "received_at": start,
+        "first_token_at": start + 0.1, "finished_at": start + seconds, "prompt_tokens": 100,
+        "cached_prompt_tokens": 0, "completion_tokens": 50, "status": "ok", "http_status": 200,
+        "stream": True,
+    }  # fmt: skip
+    record.update(kw)
+    return record
+
+
+def gpu_samples(replica: str = "small-0", start: float = OCT, seconds: float = 3600.0, every: float = 10.0,
+                gpu_model: str = "L40S", watts: float = 200.0, node: str = "node-b", gpu: str = "0") -> list[dict[str, Any]]:  # fmt: skip
+    """A GPU of ``replica`` seen every ``every`` seconds from ``start`` for ``seconds``."""
+    out = []
+    t = start + every
+    while t <= start + seconds + 1e-9:
+        out.append({
+            "sample_id": f"gpu-{next(_ids)}", "node": node, "gpu": gpu, "uuid": f"GPU-{node}-{gpu}",
+            "gpu_model": gpu_model, "replica": replica or None, "model": "chat-small", "timestamp": t,
+            "interval_seconds": every, "utilization": 0.5, "power_watts": watts,
+            "energy_joules": watts * every, "memory_used_mib": 1000.0, "memory_free_mib": 1000.0,
+        })  # fmt: skip
+        t += every
+    return out
+
+
+def batch(kind: str, records: list[Any]) -> bytes:
+    """A batch as the shipper sends it."""
+    return orjson.dumps({kind: records})
+
+
+@pytest.fixture
+def config() -> Config:
+    """The embedded demo configuration."""
+    return load_config(DEFAULT_CONFIG, environ={})
+
+
+@pytest.fixture
+def ledger(config: Config) -> Iterator[Ledger]:
+    """An empty in-memory ledger for the demo teams."""
+    led = Ledger.open(":memory:", [t.name for t in config.teams], {m.name: m.sla.ttft_p95_seconds for m in config.models})
+    yield led
+    led.close()

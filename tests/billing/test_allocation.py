@@ -1,0 +1,176 @@
+"""Allocation: the worked example of docs/billing.md, the idle policies, and exactness."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from billing.allocation import UNALLOCATED, Policy, allocate, fleet_cost
+from billing.rounding import to_cents
+from billing.statement import cents_lines
+
+# The worked example: one GPU at $6.00 per GPU-hour drawing 600 W, energy at $0.20/kWh, PUE 1.5.
+# Each minute costs $0.10 of GPU time and 0.01 kWh x 0.20 x 1.5 = $0.003 of energy.
+PRICES = {"H100": 6.0}
+EXAMPLE_GPUS = pl.DataFrame(
+    {"replica": ["r1"] * 3, "gpu_model": ["H100"] * 3, "slot": [0, 1, 2],
+     "gpu_seconds": [60.0] * 3, "energy_joules": [36_000.0] * 3}
+)  # fmt: skip
+# Minute 0: search and assistant each have a request in flight all minute.
+# Minute 1: search has one request in flight for 30 s. Minute 2: nothing in flight.
+EXAMPLE_USAGE = pl.DataFrame(
+    {"replica": ["r1", "r1", "r1"], "team": ["search", "assistant", "search"],
+     "model": ["m", "m", "m"], "slot": [0, 0, 1], "inflight_seconds": [60.0, 60.0, 30.0],
+     "requests": [0, 1, 2], "prompt_tokens": [0, 100, 300], "completion_tokens": [0, 10, 30]}
+)  # fmt: skip
+
+
+def policy(**kw) -> Policy:
+    base = {"usd_per_gpu_hour": PRICES, "usd_per_kwh": 0.20, "pue": 1.5, "replica_model": {"r1": "m"}}
+    return Policy(**(base | kw))
+
+
+def line(frame: pl.DataFrame, team: str) -> dict:
+    rows = frame.filter(pl.col("team") == team).to_dicts()
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+def test_worked_example_in_flight_share_with_idle_spread():
+    """search pays 1.5 minutes' busy share... as docs/billing.md works out by hand."""
+    lines = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, policy())
+    search, assistant = line(lines, "search"), line(lines, "assistant")
+    # Busy: minute 0 split in half, minute 1 half busy (search), so search 1.0 and assistant
+    # 0.5 minute; the idle 1.5 minutes are spread 2:1 by what each paid.
+    assert search["compute_usd"] == pytest.approx(0.10)
+    assert search["energy_usd"] == pytest.approx(0.003)
+    assert search["idle_usd"] == pytest.approx(0.103)
+    assert assistant["compute_usd"] == pytest.approx(0.05)
+    assert assistant["energy_usd"] == pytest.approx(0.0015)
+    assert assistant["idle_usd"] == pytest.approx(0.0515)
+    assert search["gpu_hours"] == pytest.approx(1 / 60)
+    assert search["energy_kwh"] == pytest.approx(0.01)
+    assert (search["requests"], search["prompt_tokens"], assistant["completion_tokens"]) == (2, 300, 10)
+    assert fleet_cost(EXAMPLE_GPUS, policy()) == pytest.approx(0.309)
+
+
+def test_idle_capacity_charged_to_the_platform():
+    """idle_policy platform: the 1.5 idle minutes become a platform line for the model."""
+    lines = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, policy(idle={"r1": ("platform", None)}))
+    assert line(lines, "platform")["idle_usd"] == pytest.approx(0.1545)
+    assert line(lines, "search")["idle_usd"] == 0.0
+
+
+def test_idle_capacity_charged_to_the_owner_of_a_dedicated_replica():
+    """idle_policy owner: the owning team pays the idle minutes, even if it ran nothing."""
+    lines = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, policy(idle={"r1": ("owner", "research")}))
+    assert line(lines, "research")["idle_usd"] == pytest.approx(0.1545)
+    assert line(lines, "research")["compute_usd"] == 0.0
+
+
+def test_ten_requests_sharing_a_batch_each_pay_a_tenth():
+    """Ten teams' requests in flight together for the whole minute pay 1/10 of it each."""
+    usage = pl.DataFrame({"replica": ["r1"] * 10, "team": [f"t{i}" for i in range(10)], "model": ["m"] * 10,
+                          "slot": [0] * 10, "inflight_seconds": [60.0] * 10, "requests": [1] * 10,
+                          "prompt_tokens": [1] * 10, "completion_tokens": [1] * 10})  # fmt: skip
+    lines = allocate(usage, EXAMPLE_GPUS.head(1), policy())
+    assert lines["compute_usd"].to_list() == pytest.approx([0.01] * 10)
+    assert lines["idle_usd"].sum() == 0.0
+
+
+def test_a_request_alone_pays_exactly_the_time_it_held_the_gpu():
+    """One request in flight for 15 s of a minute pays 15/60 of it; the rest is idle."""
+    usage = EXAMPLE_USAGE.head(1).with_columns(inflight_seconds=pl.lit(15.0))
+    lines = allocate(usage, EXAMPLE_GPUS.head(1), policy(idle={"r1": ("platform", None)}))
+    assert line(lines, "search")["compute_usd"] == pytest.approx(0.025)
+    assert line(lines, "platform")["idle_usd"] == pytest.approx(0.103 * 0.75)
+
+
+@pytest.mark.parametrize(("mode", "search_share"), [("tokens", 330 / 440), ("requests", 2 / 3)])
+def test_token_and_request_splits_share_the_busy_cost(mode, search_share):
+    """tokens: by prompt + 3 x completion tokens; requests: by count."""
+    p = policy(allocation=mode, prompt_weight=1.0, completion_weight=1.0, idle={"r1": ("platform", None)})
+    lines = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, p)
+    busy = 1.5 * 0.103  # minute 0 and half of minute 1
+    assert line(lines, "search")["compute_usd"] + line(lines, "search")["energy_usd"] == pytest.approx(busy * search_share)
+
+
+def test_gpus_no_replica_runs_on_are_the_platforms():
+    """A GPU seen with no replica is charged to the platform as (unallocated)."""
+    spare = EXAMPLE_GPUS.head(1).with_columns(replica=pl.lit(""))
+    lines = allocate(EXAMPLE_USAGE.head(0), spare, policy())
+    assert lines.to_dicts()[0]["team"] == "platform"
+    assert lines.to_dicts()[0]["model"] == UNALLOCATED
+    assert lines["idle_usd"].sum() == pytest.approx(0.103)
+
+
+def test_an_unpriced_gpu_model_is_an_error_naming_it():
+    """GPU time of a model with no price is never silently free."""
+    gpus = EXAMPLE_GPUS.with_columns(gpu_model=pl.lit("B200"))
+    with pytest.raises(ValueError, match="no price for GPU model.s. B200"):
+        allocate(EXAMPLE_USAGE, gpus, policy())
+
+
+REPLICAS = ["r1", "r2", "r3"]
+TEAMS = ["a", "b", "c", "d"]
+
+
+@st.composite
+def fleets(draw):
+    """Random GPU and usage slots over a few replicas, teams and minutes."""
+    n_gpu = draw(st.integers(1, 30))
+    gpus = pl.DataFrame({
+        "replica": draw(st.lists(st.sampled_from([*REPLICAS, ""]), min_size=n_gpu, max_size=n_gpu)),
+        "gpu_model": draw(st.lists(st.sampled_from(["H100", "L40S"]), min_size=n_gpu, max_size=n_gpu)),
+        "slot": draw(st.lists(st.integers(0, 20), min_size=n_gpu, max_size=n_gpu)),
+        "gpu_seconds": draw(st.lists(st.floats(0, 120), min_size=n_gpu, max_size=n_gpu)),
+        "energy_joules": draw(st.lists(st.floats(0, 100_000), min_size=n_gpu, max_size=n_gpu)),
+    })  # fmt: skip
+    n_use = draw(st.integers(0, 40))
+    usage = pl.DataFrame({
+        "replica": draw(st.lists(st.sampled_from(REPLICAS), min_size=n_use, max_size=n_use)),
+        "team": draw(st.lists(st.sampled_from(TEAMS), min_size=n_use, max_size=n_use)),
+        "model": draw(st.lists(st.sampled_from(["m1", "m2"]), min_size=n_use, max_size=n_use)),
+        "slot": draw(st.lists(st.integers(0, 20), min_size=n_use, max_size=n_use)),
+        "inflight_seconds": draw(st.lists(st.floats(0, 600), min_size=n_use, max_size=n_use)),
+        "requests": draw(st.lists(st.integers(0, 50), min_size=n_use, max_size=n_use)),
+        "prompt_tokens": draw(st.lists(st.integers(0, 10**6), min_size=n_use, max_size=n_use)),
+        "completion_tokens": draw(st.lists(st.integers(0, 10**6), min_size=n_use, max_size=n_use)),
+    }, schema_overrides={"replica": pl.String, "team": pl.String, "model": pl.String, "slot": pl.Int64,
+                         "inflight_seconds": pl.Float64, "requests": pl.Int64, "prompt_tokens": pl.Int64,
+                         "completion_tokens": pl.Int64})  # fmt: skip
+    mode = draw(st.sampled_from(["in_flight", "tokens", "requests"]))
+    idle = {r: draw(st.sampled_from([("spread", None), ("platform", None), ("owner", "d")])) for r in REPLICAS}
+    p = Policy(usd_per_gpu_hour={"H100": draw(st.floats(0, 50)), "L40S": 1.6}, usd_per_kwh=draw(st.floats(0, 1)),
+               pue=draw(st.floats(1, 3)), allocation=mode, completion_weight=3.0, idle=idle,
+               replica_model={"r1": "m1", "r2": "m2", "r3": "m1"})  # fmt: skip
+    return usage, gpus, p
+
+
+@settings(max_examples=150, deadline=None)
+@given(fleets())
+def test_every_split_adds_up_to_the_fleet_cost_to_the_cent(fleet):
+    """For random usage, the lines' cents sum to the fleet cost in cents, and none is negative."""
+    usage, gpus, p = fleet
+    lines = allocate(usage, gpus, p)
+    fleet_usd = fleet_cost(gpus, p)
+    money = lines.select(pl.col("compute_usd") + pl.col("energy_usd") + pl.col("idle_usd")).to_series().sum()
+    assert money == pytest.approx(fleet_usd, rel=1e-9, abs=1e-9)
+    cents = cents_lines("2026-10", lines, fleet_usd)
+    assert int(cents["total_cents"].sum() if cents.height else 0) == to_cents(fleet_usd)
+    if cents.height:
+        assert cents.select(pl.min_horizontal("compute_cents", "energy_cents", "idle_cents")).to_series().min() >= 0
+        # Each line is within one cent per cell of its exact amount.
+        exact = lines["compute_usd"] + lines["energy_usd"] + lines["idle_usd"]
+        assert ((cents["total_cents"] - exact * 100).abs() <= 3 + 1e-6).all()
+
+
+@settings(max_examples=50, deadline=None)
+@given(fleets())
+def test_the_same_usage_gives_the_same_statement(fleet):
+    """Allocation is deterministic: row order of the input does not change any line."""
+    usage, gpus, p = fleet
+    a = cents_lines("2026-10", allocate(usage, gpus, p), fleet_cost(gpus, p))
+    b = cents_lines("2026-10", allocate(usage.reverse(), gpus.reverse(), p), fleet_cost(gpus.reverse(), p))
+    assert a.equals(b)
