@@ -118,3 +118,20 @@ def test_replay_of_an_unknown_model_is_an_error(capsys: pytest.CaptureFixture[st
     """A model the configuration does not have ends with exit code 2 and its name."""
     assert main(["autoscale", "replay", "--model", "nope"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_run_without_the_webhook_secret_stops_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``autoscale run`` with webhook_url but no secret exits 2 and names the variable."""
+    from infermeter.config import DEFAULT_CONFIG
+    from tests.servers import free_port
+
+    config = tmp_path / "infermeter.yaml"
+    config.write_text(
+        DEFAULT_CONFIG.read_text() + "\nautoscale: {webhook_url: 'http://127.0.0.1:9/hook', "
+        "webhook_secret_env: INFERMETER_TEST_UNSET_SECRET}\n"
+    )
+    argv = ["autoscale", "run", "--config", str(config), "--listen", f"127.0.0.1:{free_port()}"]
+    assert main(argv) == 2
+    assert "$INFERMETER_TEST_UNSET_SECRET is empty" in capsys.readouterr().err
