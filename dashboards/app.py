@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from types import ModuleType
 from typing import Any, Final
+from urllib.parse import parse_qs
 
 from dash import Dash, Input, Output, State, callback_context, dcc, html, no_update
 
@@ -26,7 +27,7 @@ PAGES: Final[tuple[ModuleType, ...]] = (fleet, teams, chargeback, sla, planner)
 _STYLE: Final = """
 body { font-family: system-ui, sans-serif; margin: 0; color: #1d2430; }
 header { display: flex; gap: 1.2em; align-items: center; padding: .6em 1.2em; background: #1d2430; }
-header a, header span { color: #fff; text-decoration: none; }
+header > a, header > span { color: #fff; text-decoration: none; }
 header .spacer { flex: 1; }
 .page { padding: 0 1.2em 2em; }
 .grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(520px, 1fr)); gap: .5em; }
@@ -128,6 +129,12 @@ def create_app(config: Config, billing_url: str) -> Dash:
         caller = who["caller"]
         return {"token": key.strip(), "name": caller["name"], "team": caller["team"],
                 "is_admin": caller["is_admin"], "teams": who["teams"]}, ""  # fmt: skip
+
+    @app.callback(Output("range", "value"), Input("url", "search"))
+    def range_from_url(search: str | None) -> Any:
+        """``?range=24h`` in the address picks the range, so a view can be linked to."""
+        choice = parse_qs((search or "").lstrip("?")).get("range", [None])[0]
+        return choice if choice in RANGES else no_update
 
     app.clientside_callback(_TZ_JS, Output("tz", "data"), Input("url", "pathname"))  # type: ignore[no-untyped-call]
     for module in PAGES:

@@ -1,0 +1,119 @@
+"""Billing, a metrics endpoint and the dashboard on loopback threads, and a headless Chromium.
+
+Selenium's calls block, so each server runs in its own thread (billing under uvicorn with its
+own event loop, the dashboard under Werkzeug) rather than in the test's event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+
+from billing.api import create_app as billing_app
+from billing.ledger import Ledger
+from dashboards.serve import dashboard_server
+from infermeter.config import Config
+from tests.servers import free_port
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+
+
+@contextlib.contextmanager
+def billing_thread(config: Config, ledger: Ledger) -> Iterator[str]:
+    """The billing API over ``ledger`` on a loopback port, in a thread; yields its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(billing_app(config, ledger), host="127.0.0.1", port=port,
+                                           log_level="warning", access_log=False, lifespan="off"))  # fmt: skip
+    thread = threading.Thread(target=server.run, name="billing", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the billing service did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@contextlib.contextmanager
+def metrics_thread(text: str) -> Iterator[str]:
+    """A Prometheus-format endpoint serving ``text``, like the autoscaler's /metrics."""
+    body = text.encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-type", "text/plain; version=0.0.4")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@contextlib.contextmanager
+def dashboard_thread(config: Config, billing_url: str) -> Iterator[str]:
+    """The dashboard on a loopback port, in a thread; yields its URL."""
+    port = free_port()
+    server = dashboard_server(config, "127.0.0.1", port, billing_url)
+    thread = threading.Thread(target=server.serve_forever, name="dashboard", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@contextlib.contextmanager
+def chromium(downloads: Path) -> Iterator[webdriver.Chrome]:
+    """Headless Chromium from the system packages (never downloaded), with browser logs kept."""
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
+    if missing:
+        raise RuntimeError(
+            f"{', '.join(missing)} not found: the browser tests need Debian's chromium and "
+            "chromium-driver (make test installs them through scripts/system-deps.sh)"
+        )
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1800",
+    ):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    options.add_experimental_option("prefs", {"download.default_directory": str(downloads),
+                                              "download.prompt_for_download": False})  # fmt: skip
+    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    try:
+        yield driver
+    finally:
+        driver.quit()

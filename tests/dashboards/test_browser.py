@@ -1,0 +1,214 @@
+"""Every dashboard page in real headless Chromium, against billing over a ledger of known contents.
+
+One billing service, one dashboard and one browser serve the whole module; each test signs in
+with the key it needs and checks the numbers on the page against the ledger itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from billing.chargeback import Chargeback
+from billing.ledger import Ledger
+from billing.months import month_of
+from exporters.chargeback_csv import chargeback_frame, write_csv
+from infermeter.config import Config, DashboardSettings, load_config
+from tests.dashboards import records
+from tests.dashboards.records import ADMIN_KEY, TEAM_KEYS
+from tests.dashboards.stack import billing_thread, chromium, dashboard_thread, metrics_thread
+
+DESIRED = '# TYPE infermeter_desired_replicas gauge\ninfermeter_desired_replicas{model="chat-small"} 3.0\n'
+
+
+@dataclass
+class Stack:
+    config: Config
+    ledger: Ledger
+    fleet: records.Fleet
+    url: str
+    driver: webdriver.Chrome
+    artifacts: Path
+    downloads: Path
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("dashboards")
+    artifacts = (
+        Path(os.environ.get("INFERMETER_TEST_ARTIFACTS") or tmp / "artifacts") / "dashboards"
+    )
+    artifacts.mkdir(parents=True, exist_ok=True)
+    fleet = records.build(records.recent_start())
+    with contextlib.ExitStack() as stack:
+        metrics = stack.enter_context(metrics_thread(DESIRED))
+        config = load_config(None, environ={})
+        config = config.model_copy(
+            update={"dashboard": DashboardSettings(metrics_urls=[metrics], refresh_seconds=3600)}
+        )
+        ledger = records.open_ledger(config, tmp / "ledger.duckdb", fleet)
+        stack.callback(ledger.close)
+        billing = stack.enter_context(billing_thread(config, ledger))
+        url = stack.enter_context(dashboard_thread(config, billing))
+        driver = stack.enter_context(chromium(tmp / "downloads"))
+        yield Stack(config, ledger, fleet, url, driver, artifacts, tmp / "downloads")
+
+
+def wait(stack: Stack, css: str, text: str | None = None, timeout: float = 20) -> str:
+    """The text of the first element matching ``css`` once it shows (containing ``text``)."""
+
+    def ready(driver: webdriver.Chrome) -> str | bool:
+        found = driver.find_elements(By.CSS_SELECTOR, css)
+        if not found or (text is not None and text not in found[0].text):
+            return False
+        return found[0].text or True
+
+    result = WebDriverWait(stack.driver, timeout, poll_frequency=0.1).until(ready)
+    return result if isinstance(result, str) else ""
+
+
+def sign_in(stack: Stack, key: str, path: str) -> None:
+    """Open ``path`` signed in with ``key`` through the sign-in form."""
+    driver = stack.driver
+    driver.get(stack.url + "/")
+    driver.execute_script("window.sessionStorage.clear();")
+    driver.get(stack.url + path)
+    wait(stack, "#login-key")
+    box = driver.find_element(By.ID, "login-key")
+    box.clear()
+    box.send_keys(key)
+    driver.find_element(By.ID, "login-button").click()
+    wait(stack, "#who", "admin" if key == ADMIN_KEY else "team")
+
+
+def column(stack: Stack, table: str, name: str) -> list[str]:
+    """Every cell of column ``name`` in table ``table``."""
+    cells = stack.driver.find_elements(By.CSS_SELECTOR, f"#{table} td[data-column='{name}']")
+    return [c.text for c in cells]
+
+
+def rows(stack: Stack, table: str) -> list[list[str]]:
+    """The table's body as text, row by row."""
+    body = stack.driver.find_elements(By.CSS_SELECTOR, f"#{table} tbody tr")
+    return [[td.text for td in tr.find_elements(By.TAG_NAME, "td")] for tr in body]
+
+
+def finish(stack: Stack, name: str) -> None:
+    """Save a screenshot and fail on any severe browser console message."""
+    stack.driver.save_screenshot(str(stack.artifacts / f"{name}.png"))
+    logs = stack.driver.get_log("browser")  # type: ignore[no-untyped-call]
+    severe = [e for e in logs if e["level"] == "SEVERE"]
+    assert severe == [], severe
+
+
+def test_unknown_key_is_refused(stack):
+    """A key billing does not know leaves the user on the sign-in form with a reason."""
+    stack.driver.get(stack.url + "/")
+    stack.driver.execute_script("window.sessionStorage.clear();")
+    stack.driver.get(stack.url + "/")
+    wait(stack, "#login-key").strip()
+    stack.driver.find_element(By.ID, "login-key").send_keys("im-not-a-key")
+    stack.driver.find_element(By.ID, "login-button").click()
+    assert "not known" in wait(stack, "#login-error", "not known")
+    assert stack.driver.find_elements(By.CSS_SELECTOR, "#content .page") == []
+    finish(stack, "login-refused")
+
+
+def test_chargeback_table_is_the_export_and_reconciles(stack):
+    """The admin's chargeback table is the CSV cell for cell, and its total is the statement's."""
+    month = month_of(stack.fleet.start)
+    statement = Chargeback(stack.ledger, stack.config).statement(month)
+    budgets = {t.name: t.budget_usd_per_month for t in stack.config.teams}
+    csv_text = write_csv(chargeback_frame(statement, budgets))
+    sign_in(stack, ADMIN_KEY, "/chargeback")
+    wait(stack, "#chargeback-reconciles", "Reconciles to the cent")
+    expected = [line.split(",") for line in csv_text.strip().splitlines()[1:]]
+    assert rows(stack, "chargeback-lines") == expected
+    shown_total = sum(float(x) for x in column(stack, "chargeback-lines", "total_usd"))
+    assert round(shown_total * 100) == statement.total_cents == statement.fleet_cents
+    assert f"${statement.total_cents / 100:,.2f}" in wait(stack, "#chargeback-total")
+    stack.driver.find_element(By.ID, "chargeback-csv-button").click()
+    target = stack.downloads / f"chargeback-{month}.csv"
+    WebDriverWait(stack.driver, 10).until(lambda _: target.exists() and target.stat().st_size > 0)
+    assert target.read_text() == csv_text
+    finish(stack, "chargeback-admin")
+
+
+def test_fleet_page_shows_the_ledgers_requests_and_desired_replicas(stack):
+    """The fleet page counts every request of the range and shows the scaling signal."""
+    sign_in(stack, ADMIN_KEY, "/?range=24h")
+    wait(stack, "#fleet-requests-total", f"{len(stack.fleet.usage)} requests in range")
+    desired = dict(zip(column(stack, "fleet-replicas-table", "model"),
+                       column(stack, "fleet-replicas-table", "desired"), strict=True))  # fmt: skip
+    assert desired == {"chat-large": "n/a", "chat-small": "3"}
+    graphs = stack.driver.find_elements(By.CSS_SELECTOR, ".js-plotly-plot")
+    assert len(graphs) == 8
+    finish(stack, "fleet-admin")
+
+
+def test_team_key_sees_only_its_team(stack):
+    """With the search key the teams, fleet and chargeback pages show only search's numbers."""
+    spend = {s.team: s for s in Chargeback(stack.ledger, stack.config).spend()}
+    sign_in(stack, TEAM_KEYS["search"], "/teams")
+    wait(stack, "#teams-table")
+    assert column(stack, "teams-table", "team") == ["search"]
+    shown = float(column(stack, "teams-table", "spent_usd")[0].replace(",", ""))
+    assert shown == pytest.approx(spend["search"].spent_usd)
+    finish(stack, "teams-search")
+
+    stack.driver.get(stack.url + "/?range=24h")
+    own = Counter(r["team"] for r in stack.fleet.usage)["search"]
+    wait(stack, "#fleet-requests-total", f"{own} requests in range")
+    wait(stack, "#fleet-admin-note", "admin credential")
+    finish(stack, "fleet-search")
+
+    stack.driver.get(stack.url + "/chargeback")
+    wait(stack, "#chargeback-total", "Your team's lines")
+    assert set(column(stack, "chargeback-lines", "team")) == {"search"}
+    finish(stack, "chargeback-search")
+
+
+def test_sla_compliance_equals_the_ledgers_share(stack):
+    """Compliance per model is the share of the model's requests within its TTFT target."""
+    sign_in(stack, ADMIN_KEY, "/sla?range=24h")
+    wait(stack, "#sla-models-table")
+    shown = dict(zip(column(stack, "sla-models-table", "model"),
+                     column(stack, "sla-models-table", "compliance_pct"), strict=True))  # fmt: skip
+    for model, pct in shown.items():
+        target = stack.config.model(model).sla.ttft_p95_seconds
+        reqs = [r for r in stack.fleet.usage if r["model"] == model]
+        within = sum(r["first_token_at"] - r["received_at"] <= target for r in reqs)
+        assert float(pct) == pytest.approx(round(100 * within / len(reqs), 2))
+    assert len(column(stack, "sla-worst-table", "p95_seconds")) == 2
+    finish(stack, "sla-admin")
+
+
+def test_planner_sizes_70b_fp8(stack):
+    """The planner's default (70B at fp8, 16 x 8k tokens) needs 124.2 GB and one H200."""
+    sign_in(stack, ADMIN_KEY, "/planner")
+    assert "= 124.2 GB" in wait(stack, "#plan-total", "GB")
+    gpus = dict(
+        zip(column(stack, "plan-gpus", "gpu"), column(stack, "plan-gpus", "gpus"), strict=True)
+    )
+    assert gpus["H200"] == "1"
+    assert gpus["H100"] == "2"
+    assert gpus["T4"] == "does not fit"
+    prices = dict(
+        zip(
+            column(stack, "plan-gpus", "gpu"),
+            column(stack, "plan-gpus", "usd_per_hour"),
+            strict=True,
+        )
+    )
+    assert prices["H100"] == "7.80"
+    assert prices["H200"] == "no price"
+    finish(stack, "planner")
