@@ -280,6 +280,8 @@ def _idle_for_long(
         return False
     held = obs.time - state.idle_since
     util = f"GPU utilization {obs.gpu_utilization:.0%} < {s.scale_down_gpu_utilization:.0%}"
+    if obs.tokens_per_second_per_gpu is not None:
+        util += f" ({obs.tokens_per_second_per_gpu:.0f} tokens/s per GPU)"
     if held >= s.scale_down_after_seconds:
         reasons.append(f"{util} for {held:.0f} s: scale down")
         return True

@@ -76,7 +76,7 @@ def test_idle_for_five_minutes_scales_down():
     decisions, _ = run(obs(t, current=4, util=0.1) for t in range(0, 301, 30))
     assert [d.desired for d in decisions[:-1]] == [4] * 10
     assert decisions[-1].desired == 3
-    assert "GPU utilization 10% < 30% for 300 s" in decisions[-1].reasons[0]
+    assert "GPU utilization 10% < 30% (900 tokens/s per GPU) for 300 s" in decisions[-1].reasons[0]
 
 
 def test_a_busy_tick_restarts_the_idle_clock():

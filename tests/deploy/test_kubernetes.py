@@ -255,6 +255,7 @@ def test_keda_scales_each_deployment_on_its_desired_replicas(tmp_path: Path) -> 
             trigger["metadata"]["query"] == f'max(infermeter_desired_replicas{{model="{model}"}})'
         )
         assert so["spec"]["minReplicaCount"] == config.scaling.min_replicas
+        assert so["spec"]["maxReplicaCount"] == config.scaling.max_replicas
 
 
 def test_autoscaler_may_only_get_and_patch_the_scale_of_its_deployments(tmp_path: Path) -> None:
