@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -270,6 +272,8 @@ def test_autoscaler_may_only_get_and_patch_the_scale_of_its_deployments(tmp_path
     (account,) = _of("ServiceAccount")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"][0]["name"] == account["metadata"]["name"]
+    assert binding["subjects"][0]["namespace"] == _kustomization()["namespace"]
+    assert config.autoscale.kubernetes.namespace == _kustomization()["namespace"]
     (scaler,) = [d for d in _of("Deployment") if d["metadata"]["name"] == "infermeter-autoscaler"]
     assert scaler["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
 
@@ -307,3 +311,22 @@ def test_every_secret_key_is_documented():
     assert keys
     for key in keys:
         assert f"| `{key}` |" in docs, key
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kustomize_build_renders_the_same_objects_in_the_namespace():
+    """Where kubectl is available, ``kubectl kustomize`` renders exactly these objects, namespaced."""
+    built = subprocess.run(
+        ["kubectl", "kustomize", str(KUSTOMIZE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    docs = [d for d in yaml.safe_load_all(built) if d]
+    assert sorted(_id(("", d)) for d in docs) == sorted(_id(i) for i in DOCS)
+    namespace = _kustomization()["namespace"]
+    for doc in docs:
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == namespace, _id(("", doc))
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "infermeter"
