@@ -281,7 +281,7 @@ def _slots(start: str, end: str) -> str:
 def usage_rollup_sql() -> str:
     """SQL adding the ``fresh`` usage records to ``usage_slots``.
 
-    Parameter ``$sla``: a JSON object of model -> TTFT target in seconds, for the within-SLA count.
+    Temp table ``_sla(model, ttft_seconds)`` holds the TTFT targets for the within-SLA count.
     """
     overlap = f"greatest(0.0, least(finished_at, (slot + 1) * {SLOT_SECONDS}.0) - greatest(received_at, slot * {SLOT_SECONDS}.0))"
     fin = f"(slot = CAST(floor(finished_at / {SLOT_SECONDS}) AS BIGINT))"
@@ -298,9 +298,13 @@ SELECT replica, team, model, slot,
     coalesce(sum({ttft}) FILTER (WHERE {fin} AND first_token_at IS NOT NULL), 0),
     count(*) FILTER (WHERE {fin} AND first_token_at IS NOT NULL),
     count(*) FILTER (WHERE {fin} AND first_token_at IS NOT NULL
-        AND {ttft} <= coalesce(TRY_CAST(json_extract(CAST($sla AS JSON), '$."' || model || '"') AS DOUBLE), 'inf')),
+        AND {ttft} <= coalesce(sla_ttft, 'inf')),
     coalesce(sum(finished_at - first_token_at) FILTER (WHERE {fin} AND first_token_at IS NOT NULL), 0)
-FROM (SELECT *, {_slots("received_at", "finished_at")} AS slot FROM fresh WHERE status IN {BILLABLE_STATUSES!r})
+FROM (
+    SELECT f.*, s.ttft_seconds AS sla_ttft, {_slots("received_at", "finished_at")} AS slot
+    FROM fresh f LEFT JOIN _sla s USING (model)
+    WHERE status IN {BILLABLE_STATUSES!r}
+)
 GROUP BY ALL
 ON CONFLICT DO UPDATE SET
     inflight_seconds = inflight_seconds + excluded.inflight_seconds,

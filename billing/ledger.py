@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-import orjson
 import polars as pl
 
 from billing import ingest_sql
@@ -100,6 +99,9 @@ class Ledger:
         self._con.execute("CREATE OR REPLACE TEMP TABLE _known_teams (name VARCHAR)")
         if teams:
             self._con.executemany("INSERT INTO _known_teams VALUES (?)", [(t,) for t in teams])
+        self._con.execute("CREATE OR REPLACE TEMP TABLE _sla (model VARCHAR, ttft_seconds DOUBLE)")
+        if self.ttft_sla:
+            self._con.executemany("INSERT INTO _sla VALUES (?, ?)", list(self.ttft_sla.items()))
 
     def reconfigure(self, teams: Sequence[str], ttft_sla_seconds: dict[str, float]) -> None:
         """Adopt a new team list and SLA targets (after a config reload)."""
@@ -193,9 +195,7 @@ class Ledger:
 
     def _roll_up(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind) -> None:
         if kind.key == "usage":
-            con.execute(
-                ingest_sql.usage_rollup_sql(), {"sla": orjson.dumps(self.ttft_sla).decode()}
-            )
+            con.execute(ingest_sql.usage_rollup_sql())
             con.execute(ingest_sql.ttft_rollup_sql())
             spans = "SELECT received_at AS t FROM fresh UNION ALL SELECT finished_at FROM fresh"
         elif kind.key == "gpu_samples":

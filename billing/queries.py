@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import duckdb
@@ -26,6 +26,8 @@ from billing.schema import SLOT_SECONDS
 
 __all__ = [
     "MAX_POINTS",
+    "PERIODS",
+    "ROLLED_TABLES",
     "MAX_RANGE_SECONDS",
     "QUERIES",
     "STEPS",
@@ -33,7 +35,10 @@ __all__ = [
     "QueryParams",
     "auto_step",
     "params_from",
+    "rollup_setup_sql",
+    "rollup_sql",
     "run",
+    "trim_sql",
 ]
 
 STEPS: Final = (60, 300, 900, 3600, 6 * 3600, 86400)
@@ -54,6 +59,9 @@ class QueryParams:
     step: int  # seconds, a multiple of SLOT_SECONDS
     team: str | None = None
     model: str | None = None
+    # (rollup table, period in minutes) -> [first slot, slot after the last) the coarse copy
+    # holds; empty: read the minute tables only.
+    coverage: Mapping[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
 
     @property
     def slots(self) -> tuple[int, int]:
@@ -71,7 +79,8 @@ def auto_step(start: float, end: float, max_points: int = MAX_POINTS) -> int:
 
 
 def params_from(start: float, end: float, step: int | None = None, team: str | None = None,
-                model: str | None = None) -> QueryParams:  # fmt: skip
+                model: str | None = None,
+                coverage: Mapping[tuple[str, int], tuple[int, int]] | None = None) -> QueryParams:  # fmt: skip
     """Checked parameters: the range widened to whole slots; ValueError naming a bad value."""
     if not (math.isfinite(start) and math.isfinite(end)) or end <= start:
         raise ValueError(f"the range must have to > from (from={start}, to={end})")
@@ -87,7 +96,7 @@ def params_from(start: float, end: float, step: int | None = None, team: str | N
         raise ValueError(f"step={step} gives {(end - start) / step:.0f} points; use a larger step")
     lo = int(start // SLOT_SECONDS) * SLOT_SECONDS
     hi = math.ceil(end / SLOT_SECONDS) * SLOT_SECONDS
-    return QueryParams(lo, hi, step, team, model)
+    return QueryParams(lo, hi, step, team, model, coverage or {})
 
 
 def _where(p: QueryParams, team: bool = True, model: bool = True) -> Sql:
@@ -108,6 +117,95 @@ def _t(p: QueryParams, slot: str = "slot") -> str:
     return f"CAST({slot} // {p.step // SLOT_SECONDS} AS BIGINT) * {p.step}"
 
 
+# -- coarse rollups -----------------------------------------------------------------------
+# A month of minute rollups is tens of millions of rows; a query over days reads a coarse copy
+# of them instead (5-minute and hourly sums, same columns, ``slot`` = the period's first minute)
+# kept in an in-memory database attached to the ledger. The holder (the query API) rebuilds the
+# copies at start and re-rolls the recent periods as minutes fill in; ``coverage`` says which
+# slots each copy holds, and everything outside it is read from the minute tables.
+
+ROLLUP_SCHEMA: Final = "dashboard_rollups.rollups"
+PERIODS: Final = (60, 5)  # minutes, coarsest first
+_SUMS: Final = {
+    "usage_slots": (
+        ("replica", "team", "model"),
+        ("inflight_seconds", "requests", "failed_requests", "prompt_tokens",
+         "cached_prompt_tokens", "completion_tokens", "ttft_seconds_sum", "ttft_count",
+         "ttft_within_sla", "decode_seconds_sum"),
+    ),
+    "ttft_buckets": (("model", "team"), ("requests",)),
+}  # fmt: skip
+ROLLED_TABLES: Final = tuple(_SUMS)
+
+
+def rollup_table(table: str, period: int) -> str:
+    """The coarse copy of ``table`` by ``period`` minutes."""
+    return f"{ROLLUP_SCHEMA}.{table}_{period}m"
+
+
+def rollup_setup_sql() -> list[str]:
+    """Statements that attach the in-memory database and create every coarse copy (idempotent)."""
+    statements = [
+        "ATTACH IF NOT EXISTS ':memory:' AS dashboard_rollups",
+        f"CREATE SCHEMA IF NOT EXISTS {ROLLUP_SCHEMA}",
+    ]
+    for table in _SUMS:
+        for period in PERIODS:
+            statements.append(
+                f"CREATE TABLE IF NOT EXISTS {rollup_table(table, period)} AS SELECT * FROM {table} LIMIT 0"
+            )
+    return statements
+
+
+def rollup_sql(table: str, period: int) -> list[str]:
+    """Statements that recompute the coarse copy for slots ``$lo``..``$hi`` (period-aligned)."""
+    keys, sums = _SUMS[table]
+    target = rollup_table(table, period)
+    key_cols = ", ".join(keys)
+    if table == "ttft_buckets":
+        select = f"{key_cols}, slot // {period} * {period} AS slot, bucket, sum(requests)"
+    else:
+        select = f"{key_cols}, slot // {period} * {period} AS slot, " + ", ".join(
+            f"sum({c})" for c in sums
+        )
+    return [
+        f"DELETE FROM {target} WHERE slot >= $lo AND slot < $hi",
+        f"INSERT INTO {target} SELECT {select} FROM {table} WHERE slot >= $lo AND slot < $hi GROUP BY ALL",
+    ]
+
+
+def trim_sql(table: str, period: int) -> str:
+    """Drop coarse rows before ``$lo`` (a copy kept only for recent days)."""
+    return f"DELETE FROM {rollup_table(table, period)} WHERE slot < $lo"
+
+
+_UNSET: Final = -1
+
+
+def _source(table: str, p: QueryParams, step: int | None = _UNSET) -> str:
+    """``table`` for ``p``'s range, reading whole covered periods from the coarsest copy.
+
+    ``step`` (default: ``p.step``) must be a multiple of the period so that every minute of a
+    coarse row falls in the same step; None when the query has no steps.
+    """
+    lo, hi = p.slots
+    step = p.step if step == _UNSET else step
+    for period in PERIODS:
+        span = p.coverage.get((table, period))
+        if span is None or (step is not None and step % (period * SLOT_SECONDS)):
+            continue
+        a = -(-max(lo, span[0]) // period) * period
+        b = min(hi, span[1]) // period * period
+        if a >= b:
+            continue
+        return (
+            f"(SELECT * FROM {table} WHERE slot >= {lo} AND slot < {a} UNION ALL "
+            f"SELECT * FROM {rollup_table(table, period)} WHERE slot >= {a} AND slot < {b} UNION ALL "
+            f"SELECT * FROM {table} WHERE slot >= {b} AND slot < {hi})"
+        )
+    return table
+
+
 def throughput_sql(p: QueryParams) -> Sql:
     """Requests/s, output tokens/s, error ratio and mean TTFT per model and step."""
     where, values = _where(p)
@@ -121,7 +219,7 @@ SELECT {_t(p)} AS t, model,
     CASE WHEN sum(ttft_count) > 0 THEN sum(ttft_seconds_sum) / sum(ttft_count) END AS ttft_mean_seconds,
     CASE WHEN sum(decode_seconds_sum) > 0 THEN sum(completion_tokens) / sum(decode_seconds_sum) END
         AS decode_tokens_per_second
-FROM usage_slots WHERE {where}
+FROM {_source("usage_slots", p)} WHERE {where}
 GROUP BY ALL ORDER BY model, t""",
         values,
     )
@@ -135,11 +233,11 @@ def _quantile(q: float) -> str:
     return f"arg_min({value}, bucket) FILTER (WHERE cum >= {q} * total)"
 
 
-def _ttft_cte(group: str, where: str) -> str:
+def _ttft_cte(group: str, where: str, source: str) -> str:
     return f"""
 WITH b AS (
     SELECT model, {group} AS t, bucket, CAST(sum(requests) AS BIGINT) AS n
-    FROM ttft_buckets WHERE {where} GROUP BY ALL HAVING sum(requests) > 0
+    FROM {source} WHERE {where} GROUP BY ALL HAVING sum(requests) > 0
 ), c AS (
     SELECT *, CAST(sum(n) OVER (PARTITION BY model, t ORDER BY bucket) AS BIGINT) AS cum,
         CAST(sum(n) OVER (PARTITION BY model, t) AS BIGINT) AS total
@@ -151,7 +249,7 @@ def ttft_sql(p: QueryParams) -> Sql:
     """TTFT p50 and p95 (seconds, from the log buckets) per model and step."""
     where, values = _where(p)
     return (
-        _ttft_cte(_t(p), where)
+        _ttft_cte(_t(p), where, _source("ttft_buckets", p))
         + f"""
 SELECT t, model, any_value(total) AS requests, {_quantile(0.5)} AS p50_seconds,
     {_quantile(0.95)} AS p95_seconds
@@ -164,7 +262,7 @@ def worst_hours_sql(p: QueryParams, limit: int = 10) -> Sql:
     """The hours with the highest TTFT p95, per model, worst first."""
     where, values = _where(p)
     return (
-        _ttft_cte("CAST(slot // 60 AS BIGINT) * 3600", where)
+        _ttft_cte("CAST(slot // 60 AS BIGINT) * 3600", where, _source("ttft_buckets", p, 3600))
         + f"""
 , h AS (SELECT t, model, any_value(total) AS requests, {_quantile(0.95)} AS p95_seconds
         FROM c GROUP BY t, model)
@@ -182,7 +280,7 @@ def sla_sql(p: QueryParams) -> Sql:
 SELECT model, team, CAST(sum(ttft_count) AS BIGINT) AS ttft_requests, CAST(sum(ttft_within_sla) AS BIGINT) AS within_sla,
     CASE WHEN sum(ttft_count) > 0 THEN sum(ttft_within_sla) / sum(ttft_count) END AS compliance,
     CAST(sum(requests) AS BIGINT) AS requests, CAST(sum(failed_requests) AS BIGINT) AS failed_requests
-FROM usage_slots WHERE {where}
+FROM {_source("usage_slots", p, None)} WHERE {where}
 GROUP BY ALL ORDER BY model, team""",
         values,
     )
@@ -196,7 +294,7 @@ def team_usage_sql(p: QueryParams) -> Sql:
 SELECT team, model, CAST(sum(requests) AS BIGINT) AS requests, CAST(sum(failed_requests) AS BIGINT) AS failed_requests,
     CAST(sum(prompt_tokens) AS BIGINT) AS prompt_tokens, CAST(sum(cached_prompt_tokens) AS BIGINT) AS cached_prompt_tokens,
     CAST(sum(completion_tokens) AS BIGINT) AS completion_tokens, sum(inflight_seconds) / 3600 AS inflight_hours
-FROM usage_slots WHERE {where}
+FROM {_source("usage_slots", p, None)} WHERE {where}
 GROUP BY ALL ORDER BY team, model""",
         values,
     )

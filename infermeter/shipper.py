@@ -81,7 +81,7 @@ class Shipper:
             batch = records[start : start + self.batch_size]
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception_type(_RetryableError),
-                wait=wait_exponential_jitter(initial=0.2, max=10.0),
+                wait=wait_exponential_jitter(multiplier=0.2, max=10.0),
                 stop=stop_after_delay(max_wait_seconds),
                 reraise=True,
             ):

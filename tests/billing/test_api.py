@@ -1,0 +1,182 @@
+"""The billing API over real loopback HTTP: ingest, access rules, exports, metrics."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from billing.api import create_app
+from billing.ledger import Ledger
+from infermeter.config import Config
+from infermeter.shipper import Shipper
+from infermeter.spool import Spool
+from tests.billing.conftest import NOV, batch, gpu_samples, usage
+from tests.servers import serving
+
+ADMIN, INGEST, METRICS = "im-demo-admin", "im-demo-ingest", "im-demo-metrics"
+SEARCH, ASSISTANT = "im-demo-search", "im-demo-assistant"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
+    """The billing API over the in-memory ledger, on a loopback port."""
+    async with serving(create_app(config, ledger), lifespan="off") as url:
+        yield url
+
+
+async def _seed(url: str) -> None:
+    """November usage for search and assistant on small-0, and the GPU under it."""
+    records = [usage("search", NOV + 3600, 120), usage("assistant", NOV + 3650, 200),
+               usage("search", NOV + 7200, 30, model="=HYPERLINK(\"http://x\")")]  # fmt: skip
+    async with httpx.AsyncClient(base_url=url, headers=bearer(INGEST)) as client:
+        for body in (batch("usage", records), batch("gpu_samples", gpu_samples(start=NOV + 3600, seconds=7200))):
+            response = await client.post("/v1/ingest", content=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["rejected"] == []
+
+
+async def test_ingest_acknowledges_what_it_kept(billing):
+    """The answer counts accepted, duplicate and rejected records, with reasons."""
+    body = batch("usage", [usage(), usage(team="nobody")])
+    async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
+        first = (await client.post("/v1/ingest", content=body)).json()
+        second = (await client.post("/v1/ingest", content=body)).json()
+    assert (first["accepted"], first["duplicates"], len(first["rejected"])) == (1, 0, 1)
+    assert first["rejected"][0]["reason"] == 'unknown team "nobody"'
+    assert (second["accepted"], second["duplicates"]) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("key", "status"), [(None, 401), ("wrong-key", 401), (SEARCH, 403), (ADMIN, 403), (METRICS, 403)]
+)
+async def test_only_the_ingest_token_may_ingest(billing, key, status):
+    """Missing or unknown credentials are 401; known ones that are not the ingest token, 403."""
+    headers = bearer(key) if key else {}
+    async with httpx.AsyncClient(base_url=billing, headers=headers) as client:
+        response = await client.post("/v1/ingest", content=batch("usage", [usage()]))
+    assert response.status_code == status
+    assert "error" in response.json()
+
+
+async def test_a_malformed_batch_is_a_400_in_openai_error_json(billing):
+    """A body that is not a batch: 400 with a message saying why."""
+    async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
+        response = await client.post("/v1/ingest", content=b"{oops")
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "the body is not valid JSON"
+
+
+async def test_a_team_reads_only_its_own_statement(billing):
+    """search's key sees search's lines; asking with no key is 401."""
+    await _seed(billing)
+    async with httpx.AsyncClient(base_url=billing) as client:
+        mine = (await client.get("/v1/chargeback/2026-11", headers=bearer(SEARCH))).json()
+        everything = (await client.get("/v1/chargeback/2026-11", headers=bearer(ADMIN))).json()
+        anonymous = await client.get("/v1/chargeback/2026-11")
+    assert {line["team"] for line in mine["lines"]} == {"search"}
+    assert "fleet_cents" not in mine
+    assert {line["team"] for line in everything["lines"]} == {"search", "assistant"}
+    assert everything["reconciles"] is True
+    assert anonymous.status_code == 401
+
+
+@pytest.mark.parametrize("path", ["/v1/chargeback/2026-11.csv", "/v1/chargeback/2026-11.focus.csv", "/v1/months", "/v1/months/2026-10/close"])
+async def test_cross_team_views_need_the_admin_credential(billing, path):
+    """Team keys and the metrics token get 403 on the admin's views."""
+    async with httpx.AsyncClient(base_url=billing) as client:
+        for key in (SEARCH, METRICS, INGEST):
+            method = client.post if path.endswith("close") else client.get
+            assert (await method(path, headers=bearer(key))).status_code == 403
+
+
+async def test_spend_shows_a_team_only_itself(billing):
+    """/v1/spend: all teams for the admin, one for a team."""
+    await _seed(billing)
+    async with httpx.AsyncClient(base_url=billing) as client:
+        admin = (await client.get("/v1/spend", headers=bearer(ADMIN))).json()
+        team = (await client.get("/v1/spend", headers=bearer(ASSISTANT))).json()
+    assert {row["team"] for row in admin} == {"search", "assistant", "analytics", "research"}
+    assert [row["team"] for row in team] == ["assistant"]
+
+
+async def test_the_csv_is_the_statement_and_is_safe_in_a_spreadsheet(billing):
+    """The admin's CSV has the documented header, totals equal to the statement, no live formula."""
+    await _seed(billing)
+    async with httpx.AsyncClient(base_url=billing, headers=bearer(ADMIN)) as client:
+        text = (await client.get("/v1/chargeback/2026-11.csv")).text
+        statement = (await client.get("/v1/chargeback/2026-11")).json()
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert list(rows[0]) == [
+        "month", "team", "model", "line_type", "for_month", "requests", "prompt_tokens",
+        "completion_tokens", "gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd",
+        "total_usd", "budget_usd", "budget_used_pct",
+    ]  # fmt: skip
+    assert round(sum(float(r["total_usd"]) for r in rows) * 100) == statement["fleet_cents"]
+    models = {r["model"] for r in rows}
+    assert "'=HYPERLINK(\"http://x\")" in models
+    assert not any(cell.startswith(("=", "+", "@")) for r in rows for cell in r.values())
+
+
+async def test_metrics_export_spend_budget_and_forecast(billing):
+    """/metrics (metrics token) has the three money gauges per team; a team key gets 403."""
+    await _seed(billing)
+    async with httpx.AsyncClient(base_url=billing) as client:
+        text = (await client.get("/metrics", headers=bearer(METRICS))).text
+        denied = await client.get("/metrics", headers=bearer(SEARCH))
+    assert denied.status_code == 403
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    budgets = {s.labels["team"]: s.value for s in families["infermeter_team_budget_usd"].samples}
+    assert budgets["search"] == 6000
+    assert {s.labels["team"] for s in families["infermeter_team_spend_usd"].samples} >= {"search", "assistant"}
+    assert "infermeter_team_spend_forecast_usd" in families
+
+
+async def test_the_shipper_delivers_a_spool_and_dead_letters_rejects(billing, tmp_path: Path):
+    """Sidecar spool -> shipper -> billing: good records kept once, bad ones in rejected.jsonl."""
+    spool = Spool(tmp_path / "spool", roll_seconds=0.0)
+    spool.open()
+    for record in [usage(), usage(), usage(team="nobody")]:
+        await spool.append(record)
+    async with httpx.AsyncClient() as client:
+        shipper = Shipper(spool, f"{billing}/v1/ingest", INGEST, "usage", client)
+        assert await shipper.ship_once() == 3
+    await spool.close()
+    rejected = [orjson.loads(line) for line in (tmp_path / "spool" / "rejected.jsonl").read_bytes().splitlines()]
+    assert [r["record"]["team"] for r in rejected] == ["nobody"]
+    assert rejected[0]["reason"] == 'unknown team "nobody"'
+    assert await spool.closed_segments() == []
+
+
+async def test_parquet_export_writes_every_table(billing, config, tmp_path):
+    """POST /v1/admin/export writes Parquet that reads back with the same row counts."""
+    import duckdb
+
+    await _seed(billing)
+    config_dir = Path(config.billing.export_dir)
+    async with httpx.AsyncClient(base_url=billing, headers=bearer(ADMIN)) as client:
+        response = await client.post("/v1/admin/export", params={"partitioned": "true"})
+    assert response.status_code == 200
+    directory = Path(response.json()["directory"])
+    try:
+        assert {"usage", "gpu_slots.parquet", "statement_lines.parquet"} <= set(response.json()["tables"])
+        count = duckdb.sql(f"SELECT count(*) FROM read_parquet('{directory}/usage/*/*.parquet', hive_partitioning=true)").fetchall()
+        assert count == [(3,)]
+        months = duckdb.sql(f"SELECT DISTINCT month FROM read_parquet('{directory}/usage/*/*.parquet', hive_partitioning=true)").fetchall()
+        assert months == [("2026-11",)]
+    finally:
+        import shutil
+
+        shutil.rmtree(directory)
+        if config_dir.exists() and not any(config_dir.iterdir()):
+            config_dir.rmdir()
