@@ -26,10 +26,10 @@ from billing.schema import SLOT_SECONDS
 
 __all__ = [
     "MAX_POINTS",
-    "PERIODS",
-    "ROLLED_TABLES",
     "MAX_RANGE_SECONDS",
+    "PERIODS",
     "QUERIES",
+    "ROLLED_TABLES",
     "STEPS",
     "Query",
     "QueryParams",

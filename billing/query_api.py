@@ -8,9 +8,12 @@ Answers are ``{"columns": [...], "rows": [[...], ...]}`` plus the range actually
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Annotated, Any
 
+import duckdb
 import orjson
 from fastapi import APIRouter, Header, Query
 from fastapi.responses import JSONResponse, Response
@@ -22,7 +25,9 @@ from billing.ledger import Ledger
 from infermeter.config import Config
 from sidecar.auth import KeyRing
 
-__all__ = ["query_router", "scope"]
+__all__ = ["Rollups", "query_router", "scope"]
+
+log = logging.getLogger("infermeter.billing")
 
 
 def scope(caller: Caller, query: queries.Query, team: str | None) -> str | None:
@@ -44,9 +49,95 @@ def scope(caller: Caller, query: queries.Query, team: str | None) -> str | None:
     return own
 
 
-def query_router(ledger: Ledger, ring: KeyRing, config: Config) -> APIRouter:
+class Rollups:
+    """The coarse copies of the minute rollups (see ``billing.queries``) and what they cover.
+
+    Built from the whole ledger the first time, then every ``interval_seconds`` the periods that
+    ended in the last ``reroll_minutes`` are recomputed, so records that arrive a little late are
+    included; only periods that ended ``settle_seconds`` ago are copied. The 5-minute copy keeps
+    ``keep_5m_days`` days (ranges that use it span at most ``MAX_POINTS`` x 5 minutes). Refreshes
+    run inside a query (one at a time; a query that finds one running does not wait) and
+    cost tens of milliseconds; the first, over the whole ledger, runs when the router is made.
+    """
+
+    def __init__(self, ledger: Ledger, interval_seconds: float = 60.0, settle_seconds: float = 120.0,
+                 reroll_minutes: int = 180, keep_5m_days: int = 3) -> None:  # fmt: skip
+        self._ledger = ledger
+        self._interval = interval_seconds
+        self._settle = settle_seconds
+        self._reroll = reroll_minutes
+        self._keep_5m = keep_5m_days * 1440
+        self._lock = threading.Lock()
+        self._running = threading.Lock()
+        self._spans: dict[tuple[str, int], tuple[int, int]] = {}
+        self._last = float("-inf")
+
+    def coverage(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """(table, period) -> [first, after-last) slots each coarse copy holds now."""
+        with self._lock:
+            return dict(self._spans)
+
+    def refresh_if_due(self, now: float) -> None:
+        """Refresh when ``interval_seconds`` have passed, unless another caller is refreshing."""
+        if now - self._last < self._interval or not self._running.acquire(blocking=False):
+            return
+        try:
+            self._last = now
+            self._refresh(now)
+        except duckdb.Error as exc:  # the copies stay as they were; answers stay right
+            log.warning("dashboard rollups not refreshed: %s", exc)
+        finally:
+            self._running.release()
+
+    def refresh(self, now: float) -> None:
+        """Bring every coarse copy up to the periods that ended ``settle_seconds`` before ``now``."""
+        with self._running:
+            self._last = now
+            self._refresh(now)
+
+    def _refresh(self, now: float) -> None:
+        with self._ledger.reader() as cur:
+            for statement in queries.rollup_setup_sql():
+                cur.execute(statement)
+            for table in queries.ROLLED_TABLES:
+                first_row = cur.execute(f"SELECT min(slot) FROM {table}").fetchone()
+                if first_row is None or first_row[0] is None:
+                    continue
+                for period in queries.PERIODS:
+                    self._refresh_one(cur, table, period, int(first_row[0]), now)
+
+    def _refresh_one(self, cur: duckdb.DuckDBPyConnection, table: str, period: int,
+                     first: int, now: float) -> None:  # fmt: skip
+        done = int((now - self._settle) // 60) // period * period
+        old = self.coverage().get((table, period))
+        start = first // period * period
+        if period < max(queries.PERIODS):
+            start = max(start, (done - self._keep_5m) // period * period)
+        lo = start if old is None else max(start, (old[1] - self._reroll) // period * period)
+        if lo >= done:
+            return
+        cur.execute("BEGIN TRANSACTION")
+        try:
+            for statement in queries.rollup_sql(table, period):
+                cur.execute(statement, {"lo": lo, "hi": done})
+            # Rows below the new start are dropped a day late: a query that read the old
+            # coverage a moment ago may still be reading them.
+            cur.execute(queries.trim_sql(table, period), {"lo": start - 1440})
+            cur.execute("COMMIT")
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        with self._lock:
+            self._spans[(table, period)] = (start, done)
+
+
+def query_router(ledger: Ledger, ring: KeyRing, config: Config,
+                 rollups: Rollups | None = None) -> APIRouter:  # fmt: skip
     """The query routes over ``ledger``, authorising callers against ``ring``."""
     router = APIRouter()
+    if rollups is None:
+        rollups = Rollups(ledger)
+        rollups.refresh(time.time())
     teams = [t.name for t in config.teams]
 
     @router.get("/v1/query")
@@ -82,10 +173,13 @@ def query_router(ledger: Ledger, ring: KeyRing, config: Config) -> APIRouter:
             body = {"message": f"no query {name!r}; known: {known}", "type": "invalid_request_error",
                     "param": "name", "code": "unknown_query"}  # fmt: skip
             return JSONResponse({"error": body}, status_code=404)
-        end = time.time() if end is None else end
+        now = time.time()
+        end = now if end is None else end
         start = end - 3600 if start is None else start
-        params = queries.params_from(start, end, step, scope(who, spec, team), model)
-        frame = await run_in_threadpool(_run, ledger, name, params)
+        params = queries.params_from(
+            start, end, step, scope(who, spec, team), model, rollups.coverage()
+        )
+        frame = await run_in_threadpool(_run, ledger, rollups, name, params, now)
         return _json(
             {
                 "name": name,
@@ -109,6 +203,8 @@ def _json(body: Any) -> Response:
     )
 
 
-def _run(ledger: Ledger, name: str, params: queries.QueryParams) -> Any:
+def _run(ledger: Ledger, rollups: Rollups, name: str, params: queries.QueryParams,
+         now: float) -> Any:  # fmt: skip
+    rollups.refresh_if_due(now)
     with ledger.reader() as cursor:
         return queries.run(cursor, name, params)

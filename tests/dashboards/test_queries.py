@@ -6,14 +6,17 @@ import math
 from collections import Counter
 from typing import Any
 
+import orjson
 import polars as pl
 import pytest
 from fastapi.testclient import TestClient
+from polars.testing import assert_frame_equal
 
 from billing import queries
 from billing.api import create_app
 from billing.buckets import bucket_of, quantile
 from billing.ledger import Ledger
+from billing.query_api import Rollups
 from tests.dashboards import records
 from tests.dashboards.records import ADMIN_KEY, REPLICAS, TEAM_KEYS, TEAMS
 
@@ -193,3 +196,55 @@ def test_answers_are_json_with_nulls_for_empty_means(client, fleet):
     assert body["rows"] == []
     assert body["step"] == 60
     assert not math.isnan(body["from"])
+
+
+@pytest.mark.parametrize("name", ["throughput", "ttft", "worst_hours", "sla", "team_usage"])
+@pytest.mark.parametrize(
+    ("offset", "span", "step"), [(0, 3600, 3600), (0, 3600, 300), (-1800, 7200, 3600), (420, 2700, 300), (0, 3600, 60)]
+)  # fmt: skip
+def test_coarse_rollups_answer_as_the_minutes_do(ledger, fleet, name, offset, span, step):
+    """Reading whole periods from the 5-minute and hourly copies changes no answer."""
+    rollups = Rollups(ledger, settle_seconds=0)
+    rollups.refresh(fleet.start + 3600)
+    coverage = rollups.coverage()
+    assert coverage[("ttft_buckets", 60)] == (fleet.start // 60, fleet.start // 60 + 60)
+    start = fleet.start + offset
+    with ledger.reader() as cur:
+        minute = queries.run(cur, name, queries.params_from(start, start + span, step))
+        coarse_params = queries.params_from(start, start + span, step, coverage=coverage)
+        coarse = queries.run(cur, name, coarse_params)
+    assert minute.height > 0
+    assert_frame_equal(coarse, minute, check_exact=False, rel_tol=1e-9)
+
+
+def test_coarse_rollups_are_read_when_they_cover_the_range(ledger, fleet):
+    """A range of whole covered hours reads the hourly copy, not the minute table."""
+    rollups = Rollups(ledger, settle_seconds=0)
+    rollups.refresh(fleet.start + 3600)
+    params = queries.params_from(fleet.start, fleet.start + 3600, 3600, coverage=rollups.coverage())
+    sql, _ = queries.throughput_sql(params)
+    assert "usage_slots_60m" in sql
+    sql, _ = queries.throughput_sql(
+        queries.params_from(fleet.start, fleet.start + 3600, 60, coverage=rollups.coverage())
+    )
+    assert "_60m" not in sql
+    assert "_5m" not in sql
+
+
+def test_late_records_are_rerolled(config, fleet):
+    """A record that arrives after a refresh is in the coarse copy after the next one."""
+    ledger = records.open_ledger(config, ":memory:", fleet)
+    try:
+        rollups = Rollups(ledger, settle_seconds=0)
+        rollups.refresh(fleet.start + 3600)
+        late = dict(fleet.usage[0], request_id="late-1")
+        ledger.ingest(orjson.dumps({"usage": [late]}))
+        rollups.refresh(fleet.start + 3660)
+        params = queries.params_from(
+            fleet.start, fleet.start + 3600, 3600, coverage=rollups.coverage()
+        )
+        with ledger.reader() as cur:
+            frame = queries.run(cur, "team_usage", params)
+        assert int(frame["requests"].sum()) == len(fleet.usage) + 1
+    finally:
+        ledger.close()
