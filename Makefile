@@ -4,8 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 VLLM_VENV := .venv-vllm
+FOCUS_VENV := .venv-focus
 
-.PHONY: demo test lint typecheck unit vllm-venv system-deps clean
+.PHONY: demo test lint typecheck unit vllm-venv focus-venv system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/infermeter demo
 
 ## test: install everything the tests need, then lint, type-check and run every test
-test: $(STAMP) system-deps vllm-venv lint typecheck unit
+test: $(STAMP) system-deps vllm-venv focus-venv lint typecheck unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -37,5 +38,9 @@ system-deps:
 vllm-venv:
 	bash scripts/vllm-venv.sh $(VLLM_VENV)
 
+## focus-venv: the FinOps FOCUS reference validator in its own venv, for the export tests
+focus-venv:
+	bash scripts/focus-venv.sh $(FOCUS_VENV)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .cache .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(FOCUS_VENV) .cache .mypy_cache .ruff_cache .pytest_cache

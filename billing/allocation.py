@@ -115,7 +115,9 @@ def allocate(usage: pl.DataFrame, gpus: pl.DataFrame, policy: Policy) -> pl.Data
     # same cents, however the ledger returned them.
     usage = usage.cast(_USAGE_SCHEMA).sort("replica", "slot", "team", "model")  # type: ignore[arg-type]
     costs = slot_costs(gpus, policy)
-    occupancy = usage.group_by("replica", "slot", maintain_order=True).agg(occupied=pl.col("inflight_seconds").sum())
+    occupancy = usage.group_by("replica", "slot", maintain_order=True).agg(
+        occupied=pl.col("inflight_seconds").sum()
+    )
     slots = costs.join(occupancy, on=["replica", "slot"], how="left").with_columns(
         busy=(pl.col("occupied").fill_null(0.0) / SLOT_SECONDS).clip(upper_bound=1.0)
     )
@@ -144,7 +146,9 @@ def allocate(usage: pl.DataFrame, gpus: pl.DataFrame, policy: Policy) -> pl.Data
     # below a cent makes the same usage give the same lines.
     return (
         lines.select(LINE_COLUMNS)
-        .with_columns(pl.col("gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd").round(10))
+        .with_columns(
+            pl.col("gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd").round(10)
+        )
         .sort("team", "model")
     )
 
@@ -160,7 +164,9 @@ def _busy_shares(usage: pl.DataFrame, slots: pl.DataFrame, policy: Policy) -> pl
             .otherwise(0.0)
         )
         shares = joined.with_columns(pl.col(c) * pl.col("share") for c in money)
-        return shares.group_by("replica", "team", "model", maintain_order=True).agg(pl.col(money).sum())
+        return shares.group_by("replica", "team", "model", maintain_order=True).agg(
+            pl.col(money).sum()
+        )
     if policy.allocation == "tokens":
         weight = (
             pl.col("prompt_tokens") * policy.prompt_weight
@@ -168,7 +174,11 @@ def _busy_shares(usage: pl.DataFrame, slots: pl.DataFrame, policy: Policy) -> pl
         )
     else:
         weight = pl.col("requests").cast(pl.Float64)
-    weights = usage.group_by("replica", "team", "model", maintain_order=True).agg(w=weight.sum()).filter(pl.col("w") > 0)
+    weights = (
+        usage.group_by("replica", "team", "model", maintain_order=True)
+        .agg(w=weight.sum())
+        .filter(pl.col("w") > 0)
+    )
     totals = busy_slots.group_by("replica", maintain_order=True).agg(pl.col(money).sum())
     joined = weights.join(totals, on="replica", how="inner").with_columns(
         share=pl.col("w") / pl.col("w").sum().over("replica")

@@ -99,12 +99,6 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
         pl.format("gpu-inference/{}", "model").alias("SkuId"),
         pl.format("gpu-inference/{}/{}", "model", "for_month").alias("SkuPriceId"),
         pl.format('{{"team": "{}", "model": "{}"}}', "team", "model").alias("Tags"),
-        # focus-validator 1.0.0, the reference validator, still checks these pre-1.0 names.
-        pl.lit("Usage").alias("ChargeType"),
-        pl.lit(PROVIDER).alias("InvoiceIssuer"),
-        pl.lit(PROVIDER).alias("Provider"),
-        pl.lit(PROVIDER).alias("Publisher"),
-        pl.col("model").alias("ResourceID"),
         pl.col("team").alias("x_Team"),
         pl.col("model").alias("x_Model"),
         pl.col("for_month").alias("x_UsageMonth"),
@@ -117,7 +111,21 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
         (pl.col("idle_cents") / 100).round(2).alias("x_IdleCost"),
     )  # fmt: skip
     if version == "1.0":
-        frame = frame.drop("ServiceSubcategory", strict=False)
+        # focus-validator 1.0.0, the reference validator, still checks these pre-1.0 names.
+        frame = frame.with_columns(
+            pl.lit("Usage").alias("ChargeType"),
+            pl.lit(PROVIDER).alias("InvoiceIssuer"),
+            pl.lit(PROVIDER).alias("Provider"),
+            pl.lit(PROVIDER).alias("Publisher"),
+            pl.col("ResourceId").alias("ResourceID"),
+        )
+    else:
+        frame = frame.with_columns(
+            pl.lit("Generative AI").alias("ServiceSubcategory"),
+            pl.lit(f"infermeter-{statement.month}").alias("InvoiceId"),
+            pl.lit("Internal chargeback").alias("BillingAccountType"),
+            pl.lit("Team").alias("SubAccountType"),
+        )
     text_columns = [
         c for c, t in frame.schema.items() if t == pl.String and c not in ("ChargeClass", "Tags")
     ]

@@ -18,7 +18,9 @@ NOV = 1793491200.0
 _ids = itertools.count()
 
 
-def usage(team: str = "search", start: float = OCT + 3600, seconds: float = 10.0, **kw: Any) -> dict[str, Any]:
+def usage(
+    team: str = "search", start: float = OCT + 3600, seconds: float = 10.0, **kw: Any
+) -> dict[str, Any]:
     """A completed streamed request of ``team`` on replica small-0, ``seconds`` long."""
     record: dict[str, Any] = {
         "request_id": f"req-{next(_ids)}", "team": team, "model": "chat-small",
@@ -61,6 +63,10 @@ def config() -> Config:
 @pytest.fixture
 def ledger(config: Config) -> Iterator[Ledger]:
     """An empty in-memory ledger for the demo teams."""
-    led = Ledger.open(":memory:", [t.name for t in config.teams], {m.name: m.sla.ttft_p95_seconds for m in config.models})
+    led = Ledger.open(
+        ":memory:",
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
     yield led
     led.close()

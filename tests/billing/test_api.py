@@ -40,7 +40,10 @@ async def _seed(url: str) -> None:
     records = [usage("search", NOV + 3600, 120), usage("assistant", NOV + 3650, 200),
                usage("search", NOV + 7200, 30, model="=HYPERLINK(\"http://x\")")]  # fmt: skip
     async with httpx.AsyncClient(base_url=url, headers=bearer(INGEST)) as client:
-        for body in (batch("usage", records), batch("gpu_samples", gpu_samples(start=NOV + 3600, seconds=7200))):
+        for body in (
+            batch("usage", records),
+            batch("gpu_samples", gpu_samples(start=NOV + 3600, seconds=7200)),
+        ):
             response = await client.post("/v1/ingest", content=body)
             assert response.status_code == 200, response.text
             assert response.json()["rejected"] == []
@@ -58,7 +61,8 @@ async def test_ingest_acknowledges_what_it_kept(billing):
 
 
 @pytest.mark.parametrize(
-    ("key", "status"), [(None, 401), ("wrong-key", 401), (SEARCH, 403), (ADMIN, 403), (METRICS, 403)]
+    ("key", "status"),
+    [(None, 401), ("wrong-key", 401), (SEARCH, 403), (ADMIN, 403), (METRICS, 403)],
 )
 async def test_only_the_ingest_token_may_ingest(billing, key, status):
     """Missing or unknown credentials are 401; known ones that are not the ingest token, 403."""
@@ -91,7 +95,15 @@ async def test_a_team_reads_only_its_own_statement(billing):
     assert anonymous.status_code == 401
 
 
-@pytest.mark.parametrize("path", ["/v1/chargeback/2026-11.csv", "/v1/chargeback/2026-11.focus.csv", "/v1/months", "/v1/months/2026-10/close"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/chargeback/2026-11.csv",
+        "/v1/chargeback/2026-11.focus.csv",
+        "/v1/months",
+        "/v1/months/2026-10/close",
+    ],
+)
 async def test_cross_team_views_need_the_admin_credential(billing, path):
     """Team keys and the metrics token get 403 on the admin's views."""
     async with httpx.AsyncClient(base_url=billing) as client:
@@ -124,7 +136,7 @@ async def test_the_csv_is_the_statement_and_is_safe_in_a_spreadsheet(billing):
     ]  # fmt: skip
     assert round(sum(float(r["total_usd"]) for r in rows) * 100) == statement["fleet_cents"]
     models = {r["model"] for r in rows}
-    assert "'=HYPERLINK(\"http://x\")" in models
+    assert '\'=HYPERLINK("http://x")' in models
     assert not any(cell.startswith(("=", "+", "@")) for r in rows for cell in r.values())
 
 
@@ -138,11 +150,14 @@ async def test_metrics_export_spend_budget_and_forecast(billing):
     families = {f.name: f for f in text_string_to_metric_families(text)}
     budgets = {s.labels["team"]: s.value for s in families["infermeter_team_budget_usd"].samples}
     assert budgets["search"] == 6000
-    assert {s.labels["team"] for s in families["infermeter_team_spend_usd"].samples} >= {"search", "assistant"}
+    assert {s.labels["team"] for s in families["infermeter_team_spend_usd"].samples} >= {
+        "search",
+        "assistant",
+    }
     assert "infermeter_team_spend_forecast_usd" in families
 
 
-async def test_the_shipper_delivers_a_spool_and_dead_letters_rejects(billing, tmp_path: Path):
+async def test_the_shipper_delivers_a_spool_and_dead_letters_rejects(billing, tmp_path):
     """Sidecar spool -> shipper -> billing: good records kept once, bad ones in rejected.jsonl."""
     spool = Spool(tmp_path / "spool", roll_seconds=0.0)
     spool.open()
@@ -152,7 +167,10 @@ async def test_the_shipper_delivers_a_spool_and_dead_letters_rejects(billing, tm
         shipper = Shipper(spool, f"{billing}/v1/ingest", INGEST, "usage", client)
         assert await shipper.ship_once() == 3
     await spool.close()
-    rejected = [orjson.loads(line) for line in (tmp_path / "spool" / "rejected.jsonl").read_bytes().splitlines()]
+    rejected = [
+        orjson.loads(line)
+        for line in (tmp_path / "spool" / "rejected.jsonl").read_bytes().splitlines()
+    ]
     assert [r["record"]["team"] for r in rejected] == ["nobody"]
     assert rejected[0]["reason"] == 'unknown team "nobody"'
     assert await spool.closed_segments() == []
@@ -169,10 +187,16 @@ async def test_parquet_export_writes_every_table(billing, config, tmp_path):
     assert response.status_code == 200
     directory = Path(response.json()["directory"])
     try:
-        assert {"usage", "gpu_slots.parquet", "statement_lines.parquet"} <= set(response.json()["tables"])
-        count = duckdb.sql(f"SELECT count(*) FROM read_parquet('{directory}/usage/*/*.parquet', hive_partitioning=true)").fetchall()
+        assert {"usage", "gpu_slots.parquet", "statement_lines.parquet"} <= set(
+            response.json()["tables"]
+        )
+        count = duckdb.execute(
+            f"SELECT count(*) FROM read_parquet('{directory}/usage/*/*.parquet', hive_partitioning=true)"
+        ).fetchall()
         assert count == [(3,)]
-        months = duckdb.sql(f"SELECT DISTINCT month FROM read_parquet('{directory}/usage/*/*.parquet', hive_partitioning=true)").fetchall()
+        months = duckdb.execute(
+            f"SELECT DISTINCT month FROM read_parquet('{directory}/usage/*/*.parquet', hive_partitioning=true)"
+        ).fetchall()
         assert months == [("2026-11",)]
     finally:
         import shutil

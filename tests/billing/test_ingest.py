@@ -26,8 +26,12 @@ def test_good_records_are_kept_with_their_values(ledger):
     result = ledger.ingest(batch("usage", records), now=NOW)
     assert (result.accepted, result.duplicates, result.rejected) == (2, 0, [])
     with ledger.reader() as cur:
-        rows = cur.execute("SELECT request_id, team, completion_tokens, stream FROM usage ORDER BY request_id").fetchall()
-    assert sorted(rows) == sorted((r["request_id"], r["team"], r["completion_tokens"], True) for r in records)
+        rows = cur.execute(
+            "SELECT request_id, team, completion_tokens, stream FROM usage ORDER BY request_id"
+        ).fetchall()
+    assert sorted(rows) == sorted(
+        (r["request_id"], r["team"], r["completion_tokens"], True) for r in records
+    )
 
 
 def test_a_resent_batch_counts_nothing_twice(ledger):
@@ -35,12 +39,17 @@ def test_a_resent_batch_counts_nothing_twice(ledger):
     body = batch("usage", [usage(), usage()])
     ledger.ingest(body, now=NOW)
     with ledger.reader() as cur:
-        before = cur.execute("SELECT sum(requests), sum(inflight_seconds) FROM usage_slots").fetchone()
+        before = cur.execute(
+            "SELECT sum(requests), sum(inflight_seconds) FROM usage_slots"
+        ).fetchone()
     again = ledger.ingest(body, now=NOW)
     assert (again.accepted, again.duplicates) == (0, 2)
     assert _count(ledger, "usage") == 2
     with ledger.reader() as cur:
-        assert cur.execute("SELECT sum(requests), sum(inflight_seconds) FROM usage_slots").fetchone() == before
+        assert (
+            cur.execute("SELECT sum(requests), sum(inflight_seconds) FROM usage_slots").fetchone()
+            == before
+        )
 
 
 def test_a_repeated_id_inside_one_batch_is_kept_once(ledger):
@@ -62,7 +71,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("missing field", {k: v for k, v in usage().items() if k != "replica"}, "replica: missing"),
     ("unknown key", dict(usage(), colour="red"), "unknown key(s): colour"),
     ("not an object", 42, "not a JSON object"),
-    ("null where not allowed", usage(team=None), "team: must be a string"),
+    ("null where not allowed", dict(usage(), team=None), "team: must be a string"),
     ("milliseconds", usage(start=OCT * 1000, finished_at=OCT * 1000 + 1), "timestamp in the future: finished_at"),
     ("finish before start", usage(finished_at=OCT), "finished_at is before received_at"),
     ("unknown status", usage(status="great"), 'status: unknown value "great"'),
@@ -81,7 +90,9 @@ def test_a_bad_record_is_refused_with_its_reason_and_the_rest_kept(ledger, case,
 
 def test_unauthorized_requests_are_kept_for_audit_but_not_billed(ledger):
     """A 401 has no team; it is stored, and no slot or charge comes from it."""
-    record = usage(team="", status="unauthorized", http_status=401, prompt_tokens=0, completion_tokens=0)
+    record = usage(
+        team="", status="unauthorized", http_status=401, prompt_tokens=0, completion_tokens=0
+    )
     result = ledger.ingest(batch("usage", [record]), now=NOW)
     assert result.accepted == 1
     assert _count(ledger, "usage_slots") == 0
@@ -115,7 +126,9 @@ def test_inflight_seconds_are_spread_over_the_minutes_a_request_spans(ledger):
     start = OCT + 3600 - 30
     ledger.ingest(batch("usage", [usage(start=start, seconds=105)]), now=NOW)
     with ledger.reader() as cur:
-        rows = cur.execute("SELECT slot * 60 - ?, inflight_seconds, requests FROM usage_slots ORDER BY slot", [OCT]).fetchall()
+        rows = cur.execute(
+            "SELECT slot * 60 - ?, inflight_seconds, requests FROM usage_slots ORDER BY slot", [OCT]
+        ).fetchall()
     assert rows == [(3540.0, 30.0, 0), (3600.0, 60.0, 0), (3660.0, 15.0, 1)]
 
 
@@ -124,7 +137,9 @@ def test_gpu_samples_roll_up_to_gpu_seconds_and_energy(ledger):
     result = ledger.ingest(batch("gpu_samples", gpu_samples()), now=NOW)
     assert result.accepted == 360
     with ledger.reader() as cur:
-        row = cur.execute("SELECT sum(gpu_seconds), sum(energy_joules), sum(power_watt_seconds) / sum(gpu_seconds) FROM gpu_slots").fetchone()
+        row = cur.execute(
+            "SELECT sum(gpu_seconds), sum(energy_joules), sum(power_watt_seconds) / sum(gpu_seconds) FROM gpu_slots"
+        ).fetchone()
     assert row == pytest.approx((3600.0, 720_000.0, 200.0))
 
 
@@ -133,7 +148,9 @@ def test_gpu_samples_without_energy_count_as_unmeasured(ledger):
     sample = gpu_samples(seconds=10)[0] | {"energy_joules": None, "gap": True}
     ledger.ingest(batch("gpu_samples", [sample]), now=NOW)
     with ledger.reader() as cur:
-        assert cur.execute("SELECT sum(gpu_seconds), sum(energy_joules), sum(unmeasured_seconds) FROM gpu_slots").fetchone() == (10.0, 0.0, 10.0)
+        assert cur.execute(
+            "SELECT sum(gpu_seconds), sum(energy_joules), sum(unmeasured_seconds) FROM gpu_slots"
+        ).fetchone() == (10.0, 0.0, 10.0)
 
 
 def test_engine_samples_are_kept(ledger):

@@ -6,16 +6,24 @@ import polars as pl
 import pytest
 
 from billing.chargeback import Chargeback
-from billing.ledger import LedgerError
+from billing.ledger import Ledger, LedgerError
 from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
 
 AFTER_OCT = NOV + 86400  # 2026-11-02: October has ended
 DEC = NOV + 30 * 86400
 
 
-def _fill(ledger, month_start: float) -> None:
-    ledger.ingest(batch("gpu_samples", gpu_samples(start=month_start + 3600, seconds=3600)), now=DEC)
-    ledger.ingest(batch("usage", [usage("search", month_start + 3700, 300), usage("assistant", month_start + 3800, 600)]), now=DEC)
+def _fill(ledger: Ledger, month_start: float) -> None:
+    ledger.ingest(
+        batch("gpu_samples", gpu_samples(start=month_start + 3600, seconds=3600)), now=DEC
+    )
+    ledger.ingest(
+        batch(
+            "usage",
+            [usage("search", month_start + 3700, 300), usage("assistant", month_start + 3800, 600)],
+        ),
+        now=DEC,
+    )
 
 
 def test_an_open_month_reconciles_to_the_fleet_cost(ledger, config):
@@ -50,7 +58,8 @@ def test_a_late_record_becomes_an_adjustment_in_the_next_open_month(ledger, conf
     adjustments = nov.lines.filter(pl.col("for_month") == "2026-10")
     assert "research" in adjustments["team"].to_list()
     research = adjustments.filter(pl.col("team") == "research").row(0, named=True)
-    assert research["requests"] == 1 and research["total_cents"] > 0
+    assert research["requests"] == 1
+    assert research["total_cents"] > 0
     # October's fleet cost did not change, so what research now owes others are credited.
     assert nov.adjustment_cents == 0
     assert adjustments["total_cents"].sum() == 0
@@ -74,7 +83,9 @@ def test_late_gpu_samples_adjust_the_fleet_cost(ledger, config):
     _fill(ledger, OCT)
     cb = Chargeback(ledger, config)
     cb.close("2026-10", now=AFTER_OCT)
-    ledger.ingest(batch("gpu_samples", gpu_samples(start=OCT + 7200, seconds=3600, gpu="1")), now=AFTER_OCT)
+    ledger.ingest(
+        batch("gpu_samples", gpu_samples(start=OCT + 7200, seconds=3600, gpu="1")), now=AFTER_OCT
+    )
     nov = cb.statement("2026-11")
     assert nov.adjustment_cents == 164
     assert nov.reconciles
