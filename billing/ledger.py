@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import orjson
 import polars as pl
 
 from billing import ingest_sql
+from billing.fastpath import typed_frame
 from billing.months import month_bounds, month_of
 from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS
 
@@ -128,50 +130,54 @@ class Ledger:
         Raises ``ValueError`` when the body itself is not a batch (the whole request is bad);
         a bad record only lands in ``rejected``.
         """
-        text = body.decode() if isinstance(body, bytes) else body
+        raw = body.encode() if isinstance(body, str) else body
         now = time.time() if now is None else now
+        kind, records = self._batch(raw, max_records)
+        frame = typed_frame(kind, records)
         with self._write_lock:
-            kind = self._batch_kind(text, max_records)
             con = self._con
             con.execute("BEGIN TRANSACTION")
             try:
-                result = self._ingest(con, kind, text, now, skew_seconds)
+                result = self._ingest(con, kind, raw, frame, now, skew_seconds)
                 con.execute("COMMIT")
             except BaseException:
                 con.execute("ROLLBACK")
                 raise
         return result
 
-    def _batch_kind(self, text: str, max_records: int | None) -> ingest_sql.Kind:
+    @staticmethod
+    def _batch(body: bytes, max_records: int | None) -> tuple[ingest_sql.Kind, list[Any]]:
+        """The batch's kind and records; ValueError when the body is not a batch."""
         try:
-            row = self._con.execute(
-                "SELECT json_type(CAST($b AS JSON)), json_keys(CAST($b AS JSON))", {"b": text}
-            ).fetchone()
-        except duckdb.Error:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
             raise ValueError("the body is not valid JSON") from None
-        if row is None or row[0] != "OBJECT":
+        if not isinstance(parsed, dict):
             raise ValueError('the body must be a JSON object such as {"usage": [...]}')
-        keys = [k for k in row[1] if k in ingest_sql.KINDS]
-        if len(row[1]) != 1 or not keys:
+        if len(parsed) != 1 or next(iter(parsed)) not in ingest_sql.KINDS:
             known = ", ".join(ingest_sql.KINDS)
             raise ValueError(f"the body must have exactly one key, one of: {known}")
-        kind = ingest_sql.KINDS[keys[0]]
-        inner = self._con.execute(
-            f"SELECT json_type(CAST($b AS JSON), '$.{kind.key}'), "
-            f"json_array_length(CAST($b AS JSON), '$.{kind.key}')",
-            {"b": text},
-        ).fetchone()
-        if inner is None or inner[0] != "ARRAY":
-            raise ValueError(f"{kind.key} must be a JSON array of records")
-        if max_records is not None and inner[1] > max_records:
+        key, records = next(iter(parsed.items()))
+        if not isinstance(records, list):
+            raise ValueError(f"{key} must be a JSON array of records")
+        if max_records is not None and len(records) > max_records:
             raise BatchTooLargeError(
-                f"{inner[1]} records in one batch; at most {max_records} (billing.max_batch_records)"
+                f"{len(records)} records in one batch; at most {max_records} (billing.max_batch_records)"
             )
-        return kind
+        return ingest_sql.KINDS[key], records
 
-    def _ingest(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind, text: str,
-                now: float, skew: float) -> IngestResult:  # fmt: skip
-        con.execute(ingest_sql.stage_sql(kind), {"body": text, "now": now, "skew": skew})
+    def _ingest(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind, raw: bytes,
+                frame: pl.DataFrame | None, now: float, skew: float) -> IngestResult:  # fmt: skip
+        if frame is not None:
+            con.register("_batch", frame)
+            try:
+                con.execute(ingest_sql.stage_typed_sql(kind, "_batch"), {"now": now, "skew": skew})
+            finally:
+                con.unregister("_batch")
+        else:
+            con.execute(
+                ingest_sql.stage_sql(kind), {"body": raw.decode(), "now": now, "skew": skew}
+            )
         rejected = [
             Rejection(str(rid) if rid is not None else f"#{pos}", reason)
             for pos, rid, reason in con.execute(

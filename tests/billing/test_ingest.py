@@ -68,6 +68,8 @@ BAD: list[tuple[str, Any, str]] = [
     ("future timestamp", usage(start=NOW + 3600), "timestamp in the future: finished_at"),
     ("string for a number", usage(prompt_tokens="100"), "prompt_tokens: must be an integer"),
     ("float for an integer", usage(prompt_tokens=1.5), "prompt_tokens: must be an integer"),
+    ("boolean for an integer", usage(prompt_tokens=True), "prompt_tokens: must be an integer"),
+    ("number for a boolean", usage(stream=1), "stream: must be a boolean"),
     ("missing field", {k: v for k, v in usage().items() if k != "replica"}, "replica: missing"),
     ("unknown key", dict(usage(), colour="red"), "unknown key(s): colour"),
     ("not an object", 42, "not a JSON object"),
@@ -86,6 +88,26 @@ def test_a_bad_record_is_refused_with_its_reason_and_the_rest_kept(ledger, case,
     assert result.accepted == 2
     assert [r.reason for r in result.rejected] == [reason]
     assert _count(ledger, "usage") == 2
+
+
+def test_a_batch_of_only_bad_types_is_refused_record_by_record(ledger):
+    """Every record wrong in the same way (no good one to compare with) is still refused."""
+    result = ledger.ingest(
+        batch("usage", [usage(prompt_tokens="1"), usage(prompt_tokens="2")]), now=NOW
+    )
+    assert [r.reason for r in result.rejected] == ["prompt_tokens: must be an integer"] * 2
+
+
+def test_optional_fields_may_be_left_out(ledger):
+    """endpoint, finish_reason and usage_exact have defaults; records without them are kept."""
+    record = {
+        k: v for k, v in usage().items() if k not in ("endpoint", "finish_reason", "usage_exact")
+    }
+    assert ledger.ingest(batch("usage", [record]), now=NOW).accepted == 1
+    with ledger.reader() as cur:
+        assert cur.execute("SELECT endpoint, finish_reason, usage_exact FROM usage").fetchall() == [
+            ("/v1/chat/completions", None, True)
+        ]
 
 
 def test_unauthorized_requests_are_kept_for_audit_but_not_billed(ledger):
