@@ -1,0 +1,109 @@
+"""kill -9 of billing during a sidecar load test loses nothing and double-counts nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import httpx
+import pytest
+import yaml
+
+from infermeter.config import DEFAULT_CONFIG, Config
+from sidecar.app import Sidecar
+from simulator.replica import ReplicaSim, replica_spec
+from tests.servers import free_port, serving
+
+INGEST_TOKEN = "im-demo-ingest"
+CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hello there"}]}
+
+
+def _config(tmp_path: Path, upstream: str, billing_port: int) -> tuple[Path, Config]:
+    data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["replicas"][1]["upstream_url"] = upstream
+    data["simulator"]["engines"]["chat-small"].update(step_base_ms=3, step_per_seq_ms=0.02)
+    data["teams"][0]["limits"] = {}
+    data["billing"].update(listen=f"127.0.0.1:{billing_port}", url=f"http://127.0.0.1:{billing_port}",
+                           database=str(tmp_path / "ledger.duckdb"))  # fmt: skip
+    data["sidecar"] = {"spool_dir": str(tmp_path / "spool"),
+                       "ingest_url": f"http://127.0.0.1:{billing_port}/v1/ingest"}  # fmt: skip
+    path = tmp_path / "infermeter.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path, Config.model_validate(data)
+
+
+def _start_billing(path: Path, port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "billing", "--config", str(path)])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise AssertionError(f"billing exited with {proc.returncode}")
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("billing did not come up in 30 s")
+
+
+@pytest.mark.timeout(240)
+async def test_kill_9_of_billing_loses_nothing_and_counts_nothing_twice(tmp_path, monkeypatch):
+    """Every request the clients made is in the ledger exactly once after billing was killed."""
+    monkeypatch.setenv("INFERMETER_INGEST_TOKEN", INGEST_TOKEN)
+    up_port, billing_port = free_port(), free_port()
+    path, config = _config(tmp_path, f"http://127.0.0.1:{up_port}", billing_port)
+    billing = await asyncio.to_thread(_start_billing, path, billing_port)
+    sent: list[str] = []
+    try:
+        sim = ReplicaSim(replica_spec(config, "small-0"))
+        sidecar = Sidecar(config, "small-0", spool_dir=tmp_path / "spool")
+        async with serving(sim, up_port), serving(sidecar) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=60,
+                                         headers={"authorization": "Bearer im-demo-search"}) as client:  # fmt: skip
+
+                async def one(i: int) -> None:
+                    body = {**CHAT, "max_tokens": 5 + i % 20, "stream": i % 2 == 0}
+                    response = await client.post("/v1/chat/completions", json=body)
+                    assert response.status_code == 200
+                    sent.append(response.headers["x-infermeter-request-id"])
+
+                async def wave(start: int, n: int) -> None:
+                    for chunk in range(start, start + n, 20):
+                        await asyncio.gather(*(one(i) for i in range(chunk, chunk + 20)))
+                        await asyncio.sleep(0.2)
+
+                await wave(0, 200)
+                # Wait until billing has some of it, then kill it mid-stream of shipments.
+                await asyncio.sleep(2)
+                os.kill(billing.pid, signal.SIGKILL)
+                billing.wait(10)
+                await wave(200, 200)  # served while billing is down: spooled, not lost
+                billing = await asyncio.to_thread(_start_billing, path, billing_port)
+                await wave(400, 100)
+                deadline = time.monotonic() + 90
+                while sidecar.spool.backlog and time.monotonic() < deadline:
+                    await asyncio.sleep(0.5)
+                assert sidecar.spool.backlog == 0, "the spool did not drain into billing"
+    finally:
+        billing.send_signal(signal.SIGTERM)
+        try:
+            billing.wait(20)
+        except subprocess.TimeoutExpired:
+            billing.kill()
+            billing.wait()
+    con = duckdb.connect(str(tmp_path / "ledger.duckdb"), read_only=True)
+    ids = [r[0] for r in con.execute("SELECT request_id FROM usage").fetchall()]
+    requests = con.execute("SELECT sum(requests) FROM usage_slots").fetchone()
+    con.close()
+    assert len(sent) == 500
+    assert sorted(ids) == sorted(sent)
+    assert requests == (500,)
