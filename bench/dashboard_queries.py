@@ -15,7 +15,9 @@ lets a short range skip the rest of the month. Each query of ``billing.queries``
 ``--repeats`` times for each range of the dashboard's time-range picker (the newest 1 h, 24 h,
 7 d, and the whole month), through a reader cursor as the query API runs it, including turning
 the rows into the JSON the API answers with. Reported: rows returned, p50 and p95 milliseconds.
-``--pages`` also times each page's sequence of queries (what one refresh of the page asks).
+``--pages`` also times each page's data fetch as its callback makes it: the page's queries sent
+at once over HTTP to the billing API (served on loopback by uvicorn), answers turned into frames.
+``--statement`` times the month's statement, which the teams and chargeback pages ask for.
 
     .venv/bin/python -m bench.dashboard_queries                    # full month, ~3-6 min
     .venv/bin/python -m bench.dashboard_queries --days 3 --repeats 5
@@ -26,6 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
+import signal
+import socket
 import statistics
 import tempfile
 import time
@@ -33,11 +39,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
+import uvicorn
 
 from billing import queries
+from billing.api import create_app
+from billing.chargeback import Chargeback
 from billing.ledger import Ledger
+from billing.months import month_of
 from billing.query_api import Rollups
+from dashboards.client import BillingClient
+from dashboards.data import fetch_queries
+from infermeter.config import Config, hash_key
 
 REPLICAS = 16
 MODELS = 4
@@ -45,16 +59,23 @@ TEAMS = 20
 GPUS_PER_REPLICA = 4
 MINUTES_PER_DAY = 1440
 # The month ends at a whole day; the ranges are the newest part of it, as "now" would be.
-END_SLOT = 29_500_000
+ADMIN_KEY = "bench-admin"
+TEAM_KEY = "bench-team-0"
+# The key and queries each page's callback sends at once (dashboards/pages).
 PAGES = {
-    "fleet (admin)": ("ttft", "throughput", "team_usage", "engine", "gpus", "replicas"),
-    "sla": ("sla", "worst_hours"),
+    "fleet (admin)": (
+        ADMIN_KEY,
+        ("ttft", "throughput", "team_usage", "engine", "gpus", "replicas"),
+    ),
+    "fleet (team)": (TEAM_KEY, ("ttft", "throughput", "team_usage")),
+    "sla (admin)": (ADMIN_KEY, ("sla", "worst_hours")),
+    "sla (team)": (TEAM_KEY, ("sla", "worst_hours")),
 }
 
 
-def fill(ledger: Ledger, days: int, buckets: int) -> dict[str, int]:
-    """Fill the rollups for ``days`` days ending at END_SLOT; returns rows per table."""
-    start = END_SLOT - days * MINUTES_PER_DAY
+def fill(ledger: Ledger, days: int, buckets: int, end_slot: int) -> dict[str, int]:
+    """Fill the rollups for ``days`` days ending at ``end_slot``; returns rows per table."""
+    start = end_slot - days * MINUTES_PER_DAY
     with ledger.reader() as cur:
         for day in range(days):
             lo, hi = start + day * MINUTES_PER_DAY, start + (day + 1) * MINUTES_PER_DAY
@@ -122,6 +143,14 @@ def time_query(
     return rows, times
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
 def _p(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -143,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--minutes-only", action="store_true", help="no coarse copies (for comparison)"
     )
+    parser.add_argument(
+        "--statement", action="store_true", help="also time the month's statement (chargeback)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,16 +186,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                              threads=args.threads)  # fmt: skip
         try:
             t0 = time.perf_counter()
-            counts = fill(ledger, args.days, args.buckets) if fresh else {}
+            # The data ends at today's midnight (UTC), so the service's clock sees it as recent.
+            args.end_slot = int(time.time() // 86400) * MINUTES_PER_DAY
+            if fresh:
+                counts = fill(ledger, args.days, args.buckets, args.end_slot)
+            else:
+                counts = {}
+                with ledger.reader() as cur:
+                    row = cur.execute("SELECT max(slot) + 1 FROM usage_slots").fetchone()
+                args.end_slot = int(row[0]) if row and row[0] is not None else args.end_slot
             fill_s = time.perf_counter() - t0
             rollups = Rollups(ledger, settle_seconds=0)
             t0 = time.perf_counter()
             if not args.minutes_only:
-                rollups.refresh(END_SLOT * 60)
+                rollups.refresh(time.time())
             build_s = time.perf_counter() - t0
             results = _run_all(ledger, args, rollups.coverage())
+            if args.statement:
+                results.append(_time_statement(ledger, args.end_slot, max(1, args.repeats // 5)))
         finally:
             ledger.close()
+        if args.pages:
+            results += _time_pages(path, args)
     report = {"rows": counts, "fill_seconds": round(fill_s, 1),
               "rollup_build_seconds": round(build_s, 1), "results": results}  # fmt: skip
     if args.json:
@@ -181,28 +225,100 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_all(ledger: Ledger, args: argparse.Namespace,
              coverage: dict[tuple[str, int], tuple[int, int]]) -> list[dict[str, Any]]:  # fmt: skip
-    end = END_SLOT * 60
-    ranges = {"1h": 3600, "24h": 86400, "7d": 7 * 86400, "30d": args.days * 86400}
+    end = args.end_slot * 60
     results = []
-    for label, span in ranges.items():
-        if span > args.days * 86400:
-            continue
+    for label, span in _ranges(args).items():
         params = queries.params_from(end - span, end, coverage=coverage)
         for name in queries.QUERIES:
             rows, times = time_query(ledger, name, params, args.repeats)
             results.append({"query": name, "range": label, "step": params.step, "rows": rows,
                             "p50_ms": statistics.median(times), "p95_ms": _p(times, 0.95)})  # fmt: skip
-        if args.pages:
-            for page, names in PAGES.items():
+    return results
+
+
+def _serve(path: str, port: int) -> None:
+    """The billing service over the bench ledger, in its own process as in production."""
+    config = bench_config()
+    ledger = Ledger.open(path, [t.name for t in config.teams], {}, memory_limit="4GB")
+    try:
+        uvicorn.run(create_app(config, ledger), host="127.0.0.1", port=port, log_level="warning",
+                    access_log=False, lifespan="off")  # fmt: skip
+    finally:
+        ledger.close()
+
+
+def _time_pages(path: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each page's data fetch as its callback makes it: concurrent HTTP calls to billing."""
+    port = free_port()
+    server = multiprocessing.get_context("spawn").Process(target=_serve, args=(str(path), port))
+    server.start()
+    client = BillingClient(f"http://127.0.0.1:{port}")
+    end = args.end_slot * 60
+    results = []
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}/healthz", server)
+        for label, span in _ranges(args).items():
+            for page, (key, names) in PAGES.items():
+                fetch_queries(client, key, names, end - span, end)  # warm the connections
                 times = []
                 for _ in range(args.repeats):
                     t0 = time.perf_counter()
-                    for name in names:
-                        time_query(ledger, name, params, 1)
+                    fetch_queries(client, key, names, end - span, end)
                     times.append((time.perf_counter() - t0) * 1000)
-                results.append({"query": f"page: {page}", "range": label, "step": params.step, "rows": 0,
+                results.append({"query": f"page: {page}", "range": label, "step": 0, "rows": 0,
                                 "p50_ms": statistics.median(times), "p95_ms": _p(times, 0.95)})  # fmt: skip
+    finally:
+        client.close()
+        if server.pid is not None:
+            os.kill(server.pid, signal.SIGINT)
+        server.join(60)
     return results
+
+
+def _wait_ready(url: str, server: multiprocessing.process.BaseProcess) -> None:
+    """Until ``url`` answers; the service builds its coarse copies before it listens."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if not server.is_alive():
+            raise RuntimeError("the billing service exited")
+        try:
+            httpx.get(url, timeout=1).raise_for_status()
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError("the billing service did not start in 300 s")
+
+
+def _ranges(args: argparse.Namespace) -> dict[str, int]:
+    ranges = {"1h": 3600, "24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400}
+    return {label: span for label, span in ranges.items() if span <= args.days * 86400}
+
+
+def bench_config() -> Config:
+    """A configuration naming the bench fleet's teams, models and replicas, priced."""
+    return Config.model_validate({
+        "teams": [{"name": f"team-{t}", "api_key_sha256": [hash_key(f"bench-team-{t}")]}
+                  for t in range(TEAMS)],
+        "models": [{"name": f"model-{m}", "approved_versions": [f"model-{m}"]} for m in range(MODELS)],
+        "replicas": [{"id": f"replica-{r}", "model": f"model-{r % MODELS}", "node": f"node-{r // 2}",
+                      "upstream_url": f"http://127.0.0.1:{20000 + r}", "gpu_model": "H100",
+                      "gpu_count": GPUS_PER_REPLICA} for r in range(REPLICAS)],
+        "prices": {"usd_per_gpu_hour": {"H100": 3.9}, "usd_per_kwh": 0.14, "pue": 1.3},
+        "admin_token_sha256": [hash_key(ADMIN_KEY)],
+    })  # fmt: skip
+
+
+def _time_statement(ledger: Ledger, end_slot: int, repeats: int) -> dict[str, Any]:
+    """The month's statement as the teams and chargeback pages ask billing for it."""
+    chargeback = Chargeback(ledger, bench_config())
+    month = month_of(end_slot * 60 - 1)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        chargeback.statement(month)
+        times.append((time.perf_counter() - t0) * 1000)
+    return {"query": "statement (chargeback)", "range": month, "step": 0, "rows": 0,
+            "p50_ms": statistics.median(times), "p95_ms": _p(times, 0.95)}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -25,11 +25,11 @@ from billing.buckets import FIRST, RATIO
 from billing.schema import SLOT_SECONDS
 
 __all__ = [
+    "COPIES",
     "MAX_POINTS",
     "MAX_RANGE_SECONDS",
     "PERIODS",
     "QUERIES",
-    "ROLLED_TABLES",
     "STEPS",
     "Query",
     "QueryParams",
@@ -126,21 +126,62 @@ def _t(p: QueryParams, slot: str = "slot") -> str:
 
 ROLLUP_SCHEMA: Final = "dashboard_rollups.rollups"
 PERIODS: Final = (60, 5)  # minutes, coarsest first
-_SUMS: Final = {
-    "usage_slots": (
-        ("replica", "team", "model"),
-        ("inflight_seconds", "requests", "failed_requests", "prompt_tokens",
-         "cached_prompt_tokens", "completion_tokens", "ttft_seconds_sum", "ttft_count",
-         "ttft_within_sla", "decode_seconds_sum"),
-    ),
-    "ttft_buckets": (("model", "team"), ("requests",)),
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """A coarse copy: its minute-level rows, and how a period's rows are summed.
+
+    ``raw`` selects the copy's columns at one row per minute (or sample) for slots
+    ``{lo}``..``{hi}``; ``keys`` come before ``slot`` and ``sums`` after it, in column order.
+    """
+
+    raw: str
+    keys: str
+    sums: str
+    first: str  # SQL for the first slot with data
+
+
+def _slot_table(table: str) -> str:
+    return f"SELECT * FROM {table} WHERE slot >= {{lo}} AND slot < {{hi}}"
+
+
+def _sums(*columns: str) -> str:
+    return ", ".join(f"sum({c})" for c in columns)
+
+
+_USAGE_SUMS = _sums("inflight_seconds", "requests", "failed_requests", "prompt_tokens",
+                    "cached_prompt_tokens", "completion_tokens", "ttft_seconds_sum", "ttft_count",
+                    "ttft_within_sla", "decode_seconds_sum")  # fmt: skip
+_ENGINE_RAW = (
+    'SELECT replica, model, CAST(floor("timestamp" / 60) AS BIGINT) AS slot, '
+    "requests_running AS running_sum, requests_waiting AS waiting_sum, "
+    "requests_waiting AS waiting_max, kv_cache_usage AS kv_sum, 1 AS n FROM engine_samples "
+    'WHERE "timestamp" >= {lo} * 60 AND "timestamp" < {hi} * 60'
+)
+# "_all" copies sum every team into team '*': what the admin's fleet-wide charts read.
+COPIES: Final[Mapping[str, Copy]] = {
+    "usage_slots": Copy(_slot_table("usage_slots"), "replica, team, model", _USAGE_SUMS,
+                        "SELECT min(slot) FROM usage_slots"),
+    "usage_slots_all": Copy(_slot_table("usage_slots"), "replica, '*' AS team, model", _USAGE_SUMS,
+                            "SELECT min(slot) FROM usage_slots"),
+    "ttft_buckets": Copy(_slot_table("ttft_buckets"), "model, team", "bucket, sum(requests)",
+                         "SELECT min(slot) FROM ttft_buckets"),
+    "ttft_buckets_all": Copy(_slot_table("ttft_buckets"), "model, '*' AS team", "bucket, sum(requests)",
+                             "SELECT min(slot) FROM ttft_buckets"),
+    "gpu_slots": Copy(_slot_table("gpu_slots"), "node, gpu_model, replica",
+                      _sums("gpu_seconds", "energy_joules", "unmeasured_seconds", "utilization_seconds",
+                            "power_watt_seconds", "samples", "xid_errors"),
+                      "SELECT min(slot) FROM gpu_slots"),
+    "engine_samples": Copy(_ENGINE_RAW, "replica, model",
+                           "sum(running_sum), sum(waiting_sum), max(waiting_max), sum(kv_sum), sum(n)",
+                           'SELECT CAST(floor(min("timestamp") / 60) AS BIGINT) FROM engine_samples'),
 }  # fmt: skip
-ROLLED_TABLES: Final = tuple(_SUMS)
 
 
-def rollup_table(table: str, period: int) -> str:
-    """The coarse copy of ``table`` by ``period`` minutes."""
-    return f"{ROLLUP_SCHEMA}.{table}_{period}m"
+def rollup_table(name: str, period: int) -> str:
+    """The coarse copy ``name`` by ``period`` minutes."""
+    return f"{ROLLUP_SCHEMA}.{name}_{period}m"
 
 
 def rollup_setup_sql() -> list[str]:
@@ -149,49 +190,48 @@ def rollup_setup_sql() -> list[str]:
         "ATTACH IF NOT EXISTS ':memory:' AS dashboard_rollups",
         f"CREATE SCHEMA IF NOT EXISTS {ROLLUP_SCHEMA}",
     ]
-    for table in _SUMS:
+    for name, copy in COPIES.items():
         for period in PERIODS:
+            select = _coarse_select(copy, period, copy.raw.format(lo=0, hi=0))
             statements.append(
-                f"CREATE TABLE IF NOT EXISTS {rollup_table(table, period)} AS SELECT * FROM {table} LIMIT 0"
+                f"CREATE TABLE IF NOT EXISTS {rollup_table(name, period)} AS {select} LIMIT 0"
             )
     return statements
 
 
-def rollup_sql(table: str, period: int) -> list[str]:
-    """Statements that recompute the coarse copy for slots ``$lo``..``$hi`` (period-aligned)."""
-    keys, sums = _SUMS[table]
-    target = rollup_table(table, period)
-    key_cols = ", ".join(keys)
-    if table == "ttft_buckets":
-        select = f"{key_cols}, slot // {period} * {period} AS slot, bucket, sum(requests)"
-    else:
-        select = f"{key_cols}, slot // {period} * {period} AS slot, " + ", ".join(
-            f"sum({c})" for c in sums
-        )
+def _coarse_select(copy: Copy, period: int, raw: str) -> str:
+    return f"SELECT {copy.keys}, slot // {period} * {period} AS slot, {copy.sums} FROM ({raw}) GROUP BY ALL"
+
+
+def rollup_sql(name: str, period: int, lo: int, hi: int) -> list[str]:
+    """Statements that recompute copy ``name`` for slots ``lo``..``hi`` (period-aligned)."""
+    copy, target = COPIES[name], rollup_table(name, period)
     return [
-        f"DELETE FROM {target} WHERE slot >= $lo AND slot < $hi",
-        f"INSERT INTO {target} SELECT {select} FROM {table} WHERE slot >= $lo AND slot < $hi GROUP BY ALL",
+        f"DELETE FROM {target} WHERE slot >= {int(lo)} AND slot < {int(hi)}",
+        f"INSERT INTO {target} {_coarse_select(copy, period, copy.raw.format(lo=int(lo), hi=int(hi)))}",
     ]
 
 
-def trim_sql(table: str, period: int) -> str:
-    """Drop coarse rows before ``$lo`` (a copy kept only for recent days)."""
-    return f"DELETE FROM {rollup_table(table, period)} WHERE slot < $lo"
+def trim_sql(name: str, period: int, before: int) -> str:
+    """Drop coarse rows before slot ``before`` (a copy kept only for recent days)."""
+    return f"DELETE FROM {rollup_table(name, period)} WHERE slot < {int(before)}"
 
 
 _UNSET: Final = -1
 
 
-def _source(table: str, p: QueryParams, step: int | None = _UNSET) -> str:
-    """``table`` for ``p``'s range, reading whole covered periods from the coarsest copy.
+def _source(name: str, p: QueryParams, step: int | None = _UNSET) -> str:
+    """Copy ``name``'s rows for ``p``'s range: whole covered periods from the coarsest copy.
 
     ``step`` (default: ``p.step``) must be a multiple of the period so that every minute of a
-    coarse row falls in the same step; None when the query has no steps.
+    coarse row falls in the same step; None when the query has no steps. With no coverage, the
+    minute rows.
     """
     lo, hi = p.slots
+    copy = COPIES[name]
     step = p.step if step == _UNSET else step
     for period in PERIODS:
-        span = p.coverage.get((table, period))
+        span = p.coverage.get((name, period))
         if span is None or (step is not None and step % (period * SLOT_SECONDS)):
             continue
         a = -(-max(lo, span[0]) // period) * period
@@ -199,11 +239,16 @@ def _source(table: str, p: QueryParams, step: int | None = _UNSET) -> str:
         if a >= b:
             continue
         return (
-            f"(SELECT * FROM {table} WHERE slot >= {lo} AND slot < {a} UNION ALL "
-            f"SELECT * FROM {rollup_table(table, period)} WHERE slot >= {a} AND slot < {b} UNION ALL "
-            f"SELECT * FROM {table} WHERE slot >= {b} AND slot < {hi})"
+            f"({copy.raw.format(lo=lo, hi=a)} UNION ALL "
+            f"SELECT * FROM {rollup_table(name, period)} WHERE slot >= {a} AND slot < {b} UNION ALL "
+            f"{copy.raw.format(lo=b, hi=hi)})"
         )
-    return table
+    return f"({copy.raw.format(lo=lo, hi=hi)})"
+
+
+def _fleet(name: str, p: QueryParams) -> str:
+    """The all-teams copy when no team filter applies (the query must not group by team)."""
+    return f"{name}_all" if p.team is None else name
 
 
 def throughput_sql(p: QueryParams) -> Sql:
@@ -219,7 +264,7 @@ SELECT {_t(p)} AS t, model,
     CASE WHEN sum(ttft_count) > 0 THEN sum(ttft_seconds_sum) / sum(ttft_count) END AS ttft_mean_seconds,
     CASE WHEN sum(decode_seconds_sum) > 0 THEN sum(completion_tokens) / sum(decode_seconds_sum) END
         AS decode_tokens_per_second
-FROM {_source("usage_slots", p)} WHERE {where}
+FROM {_source(_fleet("usage_slots", p), p)} WHERE {where}
 GROUP BY ALL ORDER BY model, t""",
         values,
     )
@@ -249,7 +294,7 @@ def ttft_sql(p: QueryParams) -> Sql:
     """TTFT p50 and p95 (seconds, from the log buckets) per model and step."""
     where, values = _where(p)
     return (
-        _ttft_cte(_t(p), where, _source("ttft_buckets", p))
+        _ttft_cte(_t(p), where, _source(_fleet("ttft_buckets", p), p))
         + f"""
 SELECT t, model, any_value(total) AS requests, {_quantile(0.5)} AS p50_seconds,
     {_quantile(0.95)} AS p95_seconds
@@ -262,7 +307,9 @@ def worst_hours_sql(p: QueryParams, limit: int = 10) -> Sql:
     """The hours with the highest TTFT p95, per model, worst first."""
     where, values = _where(p)
     return (
-        _ttft_cte("CAST(slot // 60 AS BIGINT) * 3600", where, _source("ttft_buckets", p, 3600))
+        _ttft_cte(
+            "CAST(slot // 60 AS BIGINT) * 3600", where, _source(_fleet("ttft_buckets", p), p, 3600)
+        )
         + f"""
 , h AS (SELECT t, model, any_value(total) AS requests, {_quantile(0.95)} AS p95_seconds
         FROM c GROUP BY t, model)
@@ -311,7 +358,7 @@ SELECT {_t(p)} AS t, node, replica, gpu_model,
     sum(gpu_seconds) / {p.step}.0 AS gpus,
     sum(energy_joules) / 3.6e6 AS energy_kwh,
     CAST(sum(xid_errors) AS BIGINT) AS xid_errors
-FROM gpu_slots WHERE {where}
+FROM {_source("gpu_slots", p)} WHERE {where}
 GROUP BY ALL ORDER BY node, replica, t""",
         values,
     )
@@ -319,17 +366,13 @@ GROUP BY ALL ORDER BY node, replica, t""",
 
 def engine_sql(p: QueryParams) -> Sql:
     """Mean running and waiting requests and KV-cache use per replica and step."""
-    values: dict[str, Any] = {"start": float(p.start), "end": float(p.end)}
-    extra = ""
-    if p.model is not None:
-        extra = " AND model = $model"
-        values["model"] = p.model
+    where, values = _where(p, team=False)
     return (
         f"""
-SELECT CAST(floor("timestamp" / {p.step}) AS BIGINT) * {p.step} AS t, replica, model,
-    avg(requests_running) AS requests_running, avg(requests_waiting) AS requests_waiting,
-    max(requests_waiting) AS requests_waiting_max, avg(kv_cache_usage) AS kv_cache_usage
-FROM engine_samples WHERE "timestamp" >= $start AND "timestamp" < $end{extra}
+SELECT {_t(p)} AS t, replica, model,
+    sum(running_sum) / sum(n) AS requests_running, sum(waiting_sum) / sum(n) AS requests_waiting,
+    max(waiting_max) AS requests_waiting_max, sum(kv_sum) / sum(n) AS kv_cache_usage
+FROM {_source("engine_samples", p)} WHERE {where}
 GROUP BY ALL ORDER BY replica, t""",
         values,
     )

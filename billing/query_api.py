@@ -99,17 +99,17 @@ class Rollups:
         with self._ledger.reader() as cur:
             for statement in queries.rollup_setup_sql():
                 cur.execute(statement)
-            for table in queries.ROLLED_TABLES:
-                first_row = cur.execute(f"SELECT min(slot) FROM {table}").fetchone()
+            for name, copy in queries.COPIES.items():
+                first_row = cur.execute(copy.first).fetchone()
                 if first_row is None or first_row[0] is None:
                     continue
                 for period in queries.PERIODS:
-                    self._refresh_one(cur, table, period, int(first_row[0]), now)
+                    self._refresh_one(cur, name, period, int(first_row[0]), now)
 
-    def _refresh_one(self, cur: duckdb.DuckDBPyConnection, table: str, period: int,
+    def _refresh_one(self, cur: duckdb.DuckDBPyConnection, name: str, period: int,
                      first: int, now: float) -> None:  # fmt: skip
         done = int((now - self._settle) // 60) // period * period
-        old = self.coverage().get((table, period))
+        old = self.coverage().get((name, period))
         start = first // period * period
         if period < max(queries.PERIODS):
             start = max(start, (done - self._keep_5m) // period * period)
@@ -118,17 +118,17 @@ class Rollups:
             return
         cur.execute("BEGIN TRANSACTION")
         try:
-            for statement in queries.rollup_sql(table, period):
-                cur.execute(statement, {"lo": lo, "hi": done})
+            for statement in queries.rollup_sql(name, period, lo, done):
+                cur.execute(statement)
             # Rows below the new start are dropped a day late: a query that read the old
             # coverage a moment ago may still be reading them.
-            cur.execute(queries.trim_sql(table, period), {"lo": start - 1440})
+            cur.execute(queries.trim_sql(name, period, start - 1440))
             cur.execute("COMMIT")
         except BaseException:
             cur.execute("ROLLBACK")
             raise
         with self._lock:
-            self._spans[(table, period)] = (start, done)
+            self._spans[(name, period)] = (start, done)
 
 
 def query_router(ledger: Ledger, ring: KeyRing, config: Config,

@@ -62,10 +62,9 @@ class BillingClient:
             params["model"] = model
         body = self._get(token, f"/v1/query/{name}", params)
         columns: list[str] = body["columns"]
-        rows = [dict(zip(columns, row, strict=True)) for row in body["rows"]]
-        if not rows:
+        if not body["rows"]:
             return pl.DataFrame(schema=dict.fromkeys(columns, pl.Float64))
-        return pl.DataFrame(rows, infer_schema_length=None)
+        return pl.DataFrame(body["rows"], schema=columns, orient="row", infer_schema_length=None)
 
     def statement(self, token: str, month: str) -> dict[str, Any]:
         """A month's statement as billing answers it (a team key gets its own lines only)."""

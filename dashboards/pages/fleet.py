@@ -11,7 +11,7 @@ from dash import Dash, Input, Output, html
 from dashboards.client import BillingError
 from dashboards.components import frame_table, graph, line_figure, note, page
 from dashboards.context import Context, signed_in
-from dashboards.data import desired_replicas, local_times, time_range
+from dashboards.data import desired_replicas, fetch_queries, local_times, time_range
 
 PATH = "/"
 TITLE = "Fleet"
@@ -85,18 +85,19 @@ def register(app: Dash, ctx: Context) -> None:
         if not signed_in(auth):
             return [note("Sign in to see the fleet."), None, None, *empty]
         token, start, end = auth["token"], *time_range(choice)
+        admin = bool(auth.get("is_admin"))
+        names = ["ttft", "throughput", "team_usage"] + (
+            ["engine", "gpus", "replicas"] if admin else []
+        )
         try:
-            ttft = local_times(ctx.client.query(token, "ttft", start, end), tz)
-            thr = local_times(ctx.client.query(token, "throughput", start, end), tz)
-            usage = ctx.client.query(token, "team_usage", start, end)
-            admin = bool(auth.get("is_admin"))
-            engine = (
-                local_times(ctx.client.query(token, "engine", start, end), tz) if admin else None
-            )
-            gpus = local_times(ctx.client.query(token, "gpus", start, end), tz) if admin else None
-            reporting = ctx.client.query(token, "replicas", start, end) if admin else None
+            frames = fetch_queries(ctx.client, token, names, start, end)
         except BillingError as exc:
             return [note(str(exc), "error"), None, None, *empty]
+        ttft, thr = local_times(frames["ttft"], tz), local_times(frames["throughput"], tz)
+        usage = frames["team_usage"]
+        engine = local_times(frames["engine"], tz) if admin else None
+        gpus = local_times(frames["gpus"], tz) if admin else None
+        reporting = frames.get("replicas")
         requests = int(usage["requests"].sum()) if usage.height else 0
         status = html.P(f"{requests} requests in range", id="fleet-requests-total")
         figures = [

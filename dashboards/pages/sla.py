@@ -10,7 +10,7 @@ from dash import Dash, Input, Output, html
 from dashboards.client import BillingError
 from dashboards.components import frame_table, note, page
 from dashboards.context import Context, signed_in
-from dashboards.data import local_times, time_range
+from dashboards.data import fetch_queries, local_times, time_range
 
 PATH = "/sla"
 TITLE = "SLA"
@@ -84,8 +84,8 @@ def register(app: Dash, ctx: Context) -> None:
             return [note("Sign in to see SLA compliance."), None, None, None]
         start, end = time_range(choice)
         try:
-            rows = ctx.client.query(auth["token"], "sla", start, end)
-            worst = ctx.client.query(auth["token"], "worst_hours", start, end)
+            frames = fetch_queries(ctx.client, auth["token"], ["sla", "worst_hours"], start, end)
+            rows, worst = frames["sla"], frames["worst_hours"]
         except BillingError as exc:
             return [note(str(exc), "error"), None, None, None]
         by_model, by_team = compliance_frames(ctx, rows)

@@ -198,11 +198,14 @@ def test_answers_are_json_with_nulls_for_empty_means(client, fleet):
     assert not math.isnan(body["from"])
 
 
-@pytest.mark.parametrize("name", ["throughput", "ttft", "worst_hours", "sla", "team_usage"])
+@pytest.mark.parametrize("team", [None, "search"])
+@pytest.mark.parametrize(
+    "name", ["throughput", "ttft", "worst_hours", "sla", "team_usage", "gpus", "engine"]
+)
 @pytest.mark.parametrize(
     ("offset", "span", "step"), [(0, 3600, 3600), (0, 3600, 300), (-1800, 7200, 3600), (420, 2700, 300), (0, 3600, 60)]
 )  # fmt: skip
-def test_coarse_rollups_answer_as_the_minutes_do(ledger, fleet, name, offset, span, step):
+def test_coarse_rollups_answer_as_the_minutes_do(ledger, fleet, name, offset, span, step, team):
     """Reading whole periods from the 5-minute and hourly copies changes no answer."""
     rollups = Rollups(ledger, settle_seconds=0)
     rollups.refresh(fleet.start + 3600)
@@ -210,8 +213,8 @@ def test_coarse_rollups_answer_as_the_minutes_do(ledger, fleet, name, offset, sp
     assert coverage[("ttft_buckets", 60)] == (fleet.start // 60, fleet.start // 60 + 60)
     start = fleet.start + offset
     with ledger.reader() as cur:
-        minute = queries.run(cur, name, queries.params_from(start, start + span, step))
-        coarse_params = queries.params_from(start, start + span, step, coverage=coverage)
+        minute = queries.run(cur, name, queries.params_from(start, start + span, step, team))
+        coarse_params = queries.params_from(start, start + span, step, team, coverage=coverage)
         coarse = queries.run(cur, name, coarse_params)
     assert minute.height > 0
     assert_frame_equal(coarse, minute, check_exact=False, rel_tol=1e-9)
@@ -223,7 +226,7 @@ def test_coarse_rollups_are_read_when_they_cover_the_range(ledger, fleet):
     rollups.refresh(fleet.start + 3600)
     params = queries.params_from(fleet.start, fleet.start + 3600, 3600, coverage=rollups.coverage())
     sql, _ = queries.throughput_sql(params)
-    assert "usage_slots_60m" in sql
+    assert "usage_slots_all_60m" in sql
     sql, _ = queries.throughput_sql(
         queries.params_from(fleet.start, fleet.start + 3600, 60, coverage=rollups.coverage())
     )
