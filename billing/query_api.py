@@ -15,17 +15,22 @@ from typing import Annotated, Any
 
 import duckdb
 import orjson
+import polars as pl
 from fastapi import APIRouter, Header, Query
 from fastapi.responses import JSONResponse, Response
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from billing import queries
 from billing.access import Caller, Forbidden, identify
+from billing.chargeback import Chargeback
 from billing.ledger import Ledger
+from billing.months import check_month, month_of
+from billing.statement import Statement
 from infermeter.config import Config
 from sidecar.auth import KeyRing
 
-__all__ = ["Rollups", "query_router", "scope"]
+__all__ = ["CachedChargeback", "Rollups", "query_router", "scope", "statement_json"]
 
 log = logging.getLogger("infermeter.billing")
 
@@ -131,21 +136,106 @@ class Rollups:
             self._spans[(name, period)] = (start, done)
 
 
-def query_router(ledger: Ledger, ring: KeyRing, config: Config,
-                 rollups: Rollups | None = None) -> APIRouter:  # fmt: skip
+class CachedChargeback(Chargeback):
+    """Statements reused for ``ttl_seconds``, so pages that refresh often do not recompute them.
+
+    A statement is computed from a month of minute rollups, which takes seconds on a large
+    ledger; the teams and chargeback pages ask for it on every refresh. A fresh entry is served
+    as is; a stale one is served too, and recomputed after the response (``stale`` says so);
+    only a month never computed is computed while the caller waits. ``spend`` reads the same
+    cached statement of the current month.
+    """
+
+    def __init__(self, ledger: Ledger, config: Config, ttl_seconds: float = 300.0) -> None:
+        super().__init__(ledger, config)
+        self._ttl = ttl_seconds
+        self._lock = threading.Lock()
+        self._entries: dict[str, tuple[float, Statement]] = {}
+        self._computing: set[str] = set()
+
+    def statement(self, month: str) -> Statement:
+        """The cached statement of ``month`` (computed now if there is none)."""
+        with self._lock:
+            entry = self._entries.get(month)
+        return entry[1] if entry is not None else self.recompute(month)
+
+    def stale(self, month: str, now: float) -> bool:
+        """True when ``month``'s entry is older than the TTL and nobody is recomputing it."""
+        with self._lock:
+            entry = self._entries.get(month)
+            return (
+                entry is not None and now - entry[0] >= self._ttl and month not in self._computing
+            )
+
+    def recompute(self, month: str) -> Statement:
+        """Compute ``month``'s statement from the ledger and keep it."""
+        with self._lock:
+            self._computing.add(month)
+        try:
+            started = time.monotonic()
+            statement = super().statement(month)
+            with self._lock:
+                self._entries[month] = (started, statement)
+            return statement
+        finally:
+            with self._lock:
+                self._computing.discard(month)
+
+
+def statement_json(statement: Statement, team: str | None) -> dict[str, Any]:
+    """A statement as billing's chargeback API answers it: a team gets only its own lines."""
+    lines = statement.lines if team is None else statement.lines.filter(pl.col("team") == team)
+    body: dict[str, Any] = {
+        "month": statement.month,
+        "closed": statement.closed,
+        "lines": lines.to_dicts(),
+        "total_cents": int(lines["total_cents"].sum()) if lines.height else 0,
+    }
+    if team is None:
+        body |= {"fleet_cents": statement.fleet_cents, "adjustment_cents": statement.adjustment_cents,
+                 "reconciles": statement.reconciles}  # fmt: skip
+    return body
+
+
+def query_router(ledger: Ledger, ring: KeyRing, config: Config, rollups: Rollups | None = None,
+                 statements: CachedChargeback | None = None) -> APIRouter:  # fmt: skip
     """The query routes over ``ledger``, authorising callers against ``ring``."""
     router = APIRouter()
     if rollups is None:
         rollups = Rollups(ledger)
         rollups.refresh(time.time())
     teams = [t.name for t in config.teams]
+    cache = statements or CachedChargeback(ledger, config)
+
+    def reader(authorization: str | None) -> Caller:
+        who = identify(ring, authorization)
+        if not (who.is_admin or who.team is not None):
+            raise Forbidden("this credential may not read the ledger")
+        return who
+
+    @router.get("/v1/query/statement/{month}")
+    async def statement(
+        month: str, authorization: Annotated[str | None, Header()] = None
+    ) -> Response:
+        """A month's statement (as ``/v1/chargeback/{month}``), reused for a few minutes."""
+        who = reader(authorization)
+        check_month(month)
+        body = statement_json(await run_in_threadpool(cache.statement, month), who.team)
+        return _json(body, _refresh_if_stale(cache, month))
+
+    @router.get("/v1/query/spend")
+    async def spend(authorization: Annotated[str | None, Header()] = None) -> Response:
+        """Month-to-date spend, budget and forecast (as ``/v1/spend``), from the cached statement."""
+        who = reader(authorization)
+        now = time.time()
+        rows = await run_in_threadpool(cache.spend, now)
+        body = [_vars(s) for s in rows if who.is_admin or s.team == who.team]
+        return _json(body, _refresh_if_stale(cache, month_of(now)))
 
     @router.get("/v1/query")
     async def index(authorization: Annotated[str | None, Header()] = None) -> dict[str, Any]:
         """The queries there are, and who the caller is (the dashboard's sign-in check)."""
-        who = identify(ring, authorization)
-        if not (who.is_admin or who.team is not None):
-            raise Forbidden("this credential may not read the ledger")
+        who = reader(authorization)
         visible = teams if who.is_admin else [who.team]
         return {
             "caller": {"name": who.name, "team": who.team, "is_admin": who.is_admin},
@@ -196,11 +286,21 @@ def query_router(ledger: Ledger, ring: KeyRing, config: Config,
     return router
 
 
-def _json(body: Any) -> Response:
+def _json(body: Any, background: BackgroundTask | None = None) -> Response:
     # NaN (an empty mean) becomes null, which JSON clients can read.
-    return Response(
-        orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json"
-    )
+    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
+                    media_type="application/json", background=background)  # fmt: skip
+
+
+def _refresh_if_stale(cache: CachedChargeback, month: str) -> BackgroundTask | None:
+    """Recompute a stale statement after the response is sent (the server waits for it on exit)."""
+    if not cache.stale(month, time.monotonic()):
+        return None
+    return BackgroundTask(run_in_threadpool, cache.recompute, month)
+
+
+def _vars(obj: Any) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in obj.__slots__}
 
 
 def _run(ledger: Ledger, rollups: Rollups, name: str, params: queries.QueryParams,

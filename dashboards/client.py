@@ -6,12 +6,14 @@ see; the dashboard server holds no credential of its own and filters nothing its
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import polars as pl
 
-__all__ = ["BillingClient", "BillingError"]
+__all__ = ["STATEMENT_TIMEOUT_SECONDS", "BillingClient", "BillingError"]
+
+STATEMENT_TIMEOUT_SECONDS: Final = 120.0
 
 
 class BillingError(Exception):
@@ -32,10 +34,12 @@ class BillingClient:
         """Close the connection pool."""
         self._http.close()
 
-    def _get(self, token: str, path: str, params: dict[str, Any] | None = None) -> Any:
+    def _get(self, token: str, path: str, params: dict[str, Any] | None = None,
+             timeout_seconds: float | None = None) -> Any:  # fmt: skip
+        timeout = self._http.timeout if timeout_seconds is None else httpx.Timeout(timeout_seconds)
         try:
             response = self._http.get(
-                path, params=params, headers={"authorization": f"Bearer {token}"}
+                path, params=params, headers={"authorization": f"Bearer {token}"}, timeout=timeout
             )
         except httpx.HTTPError as exc:
             raise BillingError(0, f"billing is unreachable: {exc}") from None
@@ -67,13 +71,21 @@ class BillingClient:
         return pl.DataFrame(body["rows"], schema=columns, orient="row", infer_schema_length=None)
 
     def statement(self, token: str, month: str) -> dict[str, Any]:
-        """A month's statement as billing answers it (a team key gets its own lines only)."""
-        body: dict[str, Any] = self._get(token, f"/v1/chargeback/{month}")
+        """A month's statement as billing answers it (a team key gets its own lines only).
+
+        Billing reuses a computed statement for a few minutes; the first one of a month is
+        computed while we wait, which takes seconds on a large ledger, hence the long timeout.
+        """
+        body: dict[str, Any] = self._get(
+            token, f"/v1/query/statement/{month}", timeout_seconds=STATEMENT_TIMEOUT_SECONDS
+        )
         return body
 
     def spend(self, token: str) -> list[dict[str, Any]]:
         """Month-to-date spend, budget and forecast per visible team."""
-        body: list[dict[str, Any]] = self._get(token, "/v1/spend")
+        body: list[dict[str, Any]] = self._get(
+            token, "/v1/query/spend", timeout_seconds=STATEMENT_TIMEOUT_SECONDS
+        )
         return body
 
     def months(self, token: str) -> list[dict[str, Any]]:

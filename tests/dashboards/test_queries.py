@@ -9,14 +9,17 @@ from typing import Any
 import orjson
 import polars as pl
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from polars.testing import assert_frame_equal
 
 from billing import queries
+from billing.access import keyring
 from billing.api import create_app
 from billing.buckets import bucket_of, quantile
 from billing.ledger import Ledger
-from billing.query_api import Rollups
+from billing.months import month_of
+from billing.query_api import CachedChargeback, Rollups, query_router
 from tests.dashboards import records
 from tests.dashboards.records import ADMIN_KEY, REPLICAS, TEAM_KEYS, TEAMS
 
@@ -251,3 +254,39 @@ def test_late_records_are_rerolled(config, fleet):
         assert int(frame["requests"].sum()) == len(fleet.usage) + 1
     finally:
         ledger.close()
+
+
+def test_cached_statement_answers_as_the_chargeback_api(client, fleet):
+    """/v1/query/statement/{month} and /v1/query/spend answer as /v1/chargeback and /v1/spend."""
+    month = month_of(fleet.start)
+    for key in (ADMIN_KEY, TEAM_KEYS["search"]):
+        headers = {"authorization": f"Bearer {key}"}
+        cached = client.get(f"/v1/query/statement/{month}", headers=headers).json()
+        assert cached == client.get(f"/v1/chargeback/{month}", headers=headers).json()
+        assert (
+            client.get("/v1/query/spend", headers=headers).json()
+            == client.get("/v1/spend", headers=headers).json()
+        )
+    assert (
+        client.get(
+            "/v1/query/statement/2026-13", headers={"authorization": f"Bearer {ADMIN_KEY}"}
+        ).status_code
+        == 400
+    )
+
+
+def test_stale_statement_is_served_then_recomputed(config, ledger, fleet):
+    """A stale statement is answered at once and recomputed after the response."""
+    app = FastAPI()
+    cache = CachedChargeback(ledger, config, ttl_seconds=0)
+    app.include_router(query_router(ledger, keyring(config), config, statements=cache))
+    month = month_of(fleet.start)
+    headers = {"authorization": f"Bearer {ADMIN_KEY}"}
+    with TestClient(app) as c:
+        before = c.get(f"/v1/query/statement/{month}", headers=headers).json()["total_cents"]
+        late = dict(fleet.usage[0], request_id="late-2", completion_tokens=10_000)
+        ledger.ingest(orjson.dumps({"usage": [late]}))
+        stale = c.get(f"/v1/query/statement/{month}", headers=headers).json()
+        fresh = c.get(f"/v1/query/statement/{month}", headers=headers).json()
+    assert stale["total_cents"] == before
+    assert sum(line["requests"] for line in fresh["lines"]) == len(fleet.usage) + 1
