@@ -17,9 +17,6 @@ from infermeter.netutil import PortInUseError
 
 __all__ = ["dashboard_server", "serve_dashboard"]
 
-log = logging.getLogger("infermeter.dashboards")
-
-
 def billing_url_of(config: Config, billing_url: str | None = None) -> str:
     """The billing service to read from: the argument, ``dashboard.billing_url``, ``billing.url``."""
     return billing_url or config.dashboard.billing_url or config.billing.url
@@ -35,6 +32,8 @@ def dashboard_server(config: Config, host: str, port: int, billing_url: str) -> 
 
 def serve_dashboard(config: Config, listen: str | None, billing_url: str | None) -> int:
     """Serve until interrupted; 0 on a clean stop."""
+    # One line per request (every callback and refresh) would drown the service's own log.
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     host, _, port = (listen or config.dashboard.listen).rpartition(":")
     url = billing_url_of(config, billing_url)
     server = dashboard_server(config, host or "127.0.0.1", int(port), url)
