@@ -1,4 +1,4 @@
-"""Cost allocation: who pays for each GPU-minute. Pure functions over Polars frames.
+"""Cost allocation: who pays for each GPU-minute.
 
 The fleet's cost is measured, not assumed: a replica's cost in a one-minute slot is the GPU time
 its GPUs were seen for, at the price book's USD per GPU-hour, plus the energy they drew, at USD
@@ -21,8 +21,13 @@ Idle capacity (a slot, or the part of it, with nothing in flight) follows the re
 that month, ``platform`` to the platform account, ``owner`` to the team that owns a dedicated
 replica. GPUs that no replica runs on are the platform's, as model ``(unallocated)``.
 
-``docs/billing.md`` works one example by hand; ``tests/billing`` checks these functions on it
-and, with hypothesis, that every split adds up to the fleet cost.
+The work is split the way the data is shaped. The per-slot arithmetic runs over millions of
+rollup rows, so it is SQL, built here by pure functions (``allocation_sql``) and run by whoever
+holds a DuckDB connection. What comes back is a few rows per replica and team; charging idle
+capacity and assembling lines is plain Polars on those (``lines_from``). ``allocate`` runs the
+whole thing over two frames in an in-memory DuckDB, for tests and small jobs.
+``docs/billing.md`` works one example by hand; ``tests/billing`` checks it, and with hypothesis
+that every split adds up to the fleet cost.
 """
 
 from __future__ import annotations
@@ -31,17 +36,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+import duckdb
 import polars as pl
 
 from billing.schema import SLOT_SECONDS
 
-__all__ = ["LINE_COLUMNS", "UNALLOCATED", "Policy", "allocate", "fleet_cost", "slot_costs"]
+__all__ = [
+    "LINE_COLUMNS",
+    "UNALLOCATED",
+    "AllocationSql",
+    "Policy",
+    "allocate",
+    "allocation_sql",
+    "lines_from",
+]
 
 UNALLOCATED: Final = "(unallocated)"
 LINE_COLUMNS: Final = (
     "team", "model", "requests", "prompt_tokens", "completion_tokens", "gpu_hours", "energy_kwh",
     "compute_usd", "energy_usd", "idle_usd",
 )  # fmt: skip
+MONEY: Final = ("gpu_hours", "energy_kwh", "compute_usd", "energy_usd")
 
 IdlePolicy = Literal["spread", "platform", "owner"]
 
@@ -63,172 +78,205 @@ class Policy:
     replica_model: Mapping[str, str] = field(default_factory=dict)
 
 
-_USAGE_SCHEMA: Final = {
-    "replica": pl.String, "team": pl.String, "model": pl.String, "slot": pl.Int64,
-    "inflight_seconds": pl.Float64, "requests": pl.Int64, "prompt_tokens": pl.Int64,
-    "completion_tokens": pl.Int64,
-}  # fmt: skip
-_GPU_SCHEMA: Final = {
-    "replica": pl.String, "gpu_model": pl.String, "slot": pl.Int64, "gpu_seconds": pl.Float64,
-    "energy_joules": pl.Float64,
-}  # fmt: skip
+@dataclass(frozen=True, slots=True)
+class AllocationSql:
+    """The queries of one allocation, each over the relations named when it was built.
 
-
-def slot_costs(gpus: pl.DataFrame, policy: Policy) -> pl.DataFrame:
-    """Cost, GPU-hours and kWh per replica and slot. ValueError names any unpriced GPU model."""
-    gpus = gpus.cast(_GPU_SCHEMA).sort(pl.all())  # type: ignore[arg-type]
-    unpriced = sorted(set(gpus["gpu_model"].unique()) - set(policy.usd_per_gpu_hour))
-    if unpriced:
-        raise ValueError(
-            f"no price for GPU model(s) {', '.join(unpriced)} in prices.usd_per_gpu_hour"
-        )
-    price = pl.col("gpu_model").replace_strict(
-        dict(policy.usd_per_gpu_hour), return_dtype=pl.Float64
-    )
-    kwh = pl.col("energy_joules") / 3.6e6
-    return (
-        gpus.with_columns(
-            gpu_hours=pl.col("gpu_seconds") / 3600.0,
-            energy_kwh=kwh,
-            compute_usd=pl.col("gpu_seconds") / 3600.0 * price,
-            energy_usd=kwh * (policy.usd_per_kwh * policy.pue),
-        )
-        .group_by("replica", "slot", maintain_order=True)
-        .agg(pl.col("gpu_hours", "energy_kwh", "compute_usd", "energy_usd").sum())
-        .sort("replica", "slot")
-    )
-
-
-def fleet_cost(gpus: pl.DataFrame, policy: Policy) -> float:
-    """What the fleet cost in the frame's slots, in USD (unrounded)."""
-    costs = slot_costs(gpus, policy)
-    return float(costs.select(pl.col("compute_usd").sum() + pl.col("energy_usd").sum()).item())
-
-
-def allocate(usage: pl.DataFrame, gpus: pl.DataFrame, policy: Policy) -> pl.DataFrame:
-    """One line per (team, model), columns ``LINE_COLUMNS``, costs unrounded.
-
-    The cost columns of all lines add up to ``fleet_cost(gpus, policy)`` (up to float
-    rounding; ``billing.rounding`` turns them into cents that add up exactly).
+    ``unpriced``: GPU models seen without a price (must be empty). ``prepare``: creates temp
+    table ``_slots`` (cost and occupancy per replica and slot), which the next two read, so the
+    big join is done once. ``replicas``: per replica,
+    its busy and idle cost. ``shares``: per replica, team and model, the busy cost it pays and
+    its GPU-hours and kWh. ``counts``: requests and tokens per team and model. ``fleet``: the
+    fleet cost, one row.
     """
-    # Sorted input makes every float sum run in one order, so the same rows always give the
-    # same cents, however the ledger returned them.
-    usage = usage.cast(_USAGE_SCHEMA).sort("replica", "slot", "team", "model")  # type: ignore[arg-type]
-    costs = slot_costs(gpus, policy)
-    occupancy = usage.group_by("replica", "slot", maintain_order=True).agg(
-        occupied=pl.col("inflight_seconds").sum()
+
+    unpriced: str
+    prepare: str
+    replicas: str
+    shares: str
+    counts: str
+    fleet: str
+
+
+def _prices(policy: Policy) -> str:
+    rows = ", ".join(
+        f"({_lit(m)}, {float(p)!r})" for m, p in sorted(policy.usd_per_gpu_hour.items())
     )
-    slots = costs.join(occupancy, on=["replica", "slot"], how="left").with_columns(
-        busy=(pl.col("occupied").fill_null(0.0) / SLOT_SECONDS).clip(upper_bound=1.0)
+    return (
+        f"(VALUES {rows}) AS p(gpu_model, usd)"
+        if rows
+        else "(SELECT NULL::VARCHAR AS gpu_model, NULL::DOUBLE AS usd WHERE false) AS p"
     )
-    busy = _busy_shares(usage, slots, policy)
-    idle = _idle_lines(busy, slots, policy)
-    counts = usage.group_by("team", "model", maintain_order=True).agg(
-        pl.col("requests", "prompt_tokens", "completion_tokens").sum()
+
+
+def _lit(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def allocation_sql(
+    policy: Policy, usage: str, gpus: str, occupancy: str | None = None
+) -> AllocationSql:
+    """The queries allocating ``gpus`` (gpu_slots rows) to ``usage`` (usage_slots rows).
+
+    ``usage``, ``gpus`` and ``occupancy`` (replica_slots rows) are relation names or
+    parenthesised subqueries with the rollup tables' columns; without ``occupancy`` it is
+    summed from ``usage``. Pure: nothing is run here.
+    """
+    occupied = (
+        f"SELECT replica, slot, inflight_seconds AS occupied FROM {occupancy}"
+        if occupancy
+        else f"SELECT replica, slot, sum(inflight_seconds) AS occupied FROM {usage} GROUP BY replica, slot"
     )
-    money = pl.concat([busy.drop("replica"), idle], how="diagonal_relaxed")
-    lines = (
-        money.group_by("team", "model", maintain_order=True)
-        .agg(
-            pl.col("gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd")
-            .fill_null(0.0)
-            .sum()
+    energy_price = float(policy.usd_per_kwh) * float(policy.pue)
+    prepare = f"""
+CREATE OR REPLACE TEMP TABLE _slots AS
+WITH costs AS (
+    SELECT g.replica, g.slot,
+        sum(g.gpu_seconds) / 3600.0 AS gpu_hours,
+        sum(g.energy_joules) / 3.6e6 AS energy_kwh,
+        sum(g.gpu_seconds / 3600.0 * p.usd) AS compute_usd,
+        sum(g.energy_joules) / 3.6e6 * {energy_price!r} AS energy_usd
+    FROM {gpus} g JOIN {_prices(policy)} USING (gpu_model)
+    GROUP BY g.replica, g.slot
+),
+occupancy AS ({occupied}),
+slots AS (
+    SELECT c.*, coalesce(o.occupied, 0.0) AS occupied,
+        least(1.0, coalesce(o.occupied, 0.0) / {SLOT_SECONDS}.0) AS busy
+    FROM costs c LEFT JOIN occupancy o USING (replica, slot)
+)
+SELECT * FROM slots"""
+    busy_money = ", ".join(f"sum({c} * busy) AS {c}" for c in MONEY)
+    if policy.allocation == "in_flight":
+        share_cols = ", ".join(
+            f"sum(s.{c} * s.busy * u.inflight_seconds / s.occupied) AS {c}" for c in MONEY
         )
+        shares = f"""
+SELECT u.replica, u.team, u.model, {share_cols}
+FROM {usage} u JOIN _slots s USING (replica, slot)
+WHERE s.occupied > 0
+GROUP BY u.replica, u.team, u.model"""
+    else:
+        weight = (
+            f"sum(prompt_tokens * {float(policy.prompt_weight)!r} + completion_tokens * {float(policy.completion_weight)!r})"
+            if policy.allocation == "tokens"
+            else "sum(requests)::DOUBLE"
+        )
+        share_cols = ", ".join(
+            f"t.{c} * w.w / sum(w.w) OVER (PARTITION BY w.replica) AS {c}" for c in MONEY
+        )
+        shares = f"""
+WITH weights AS (SELECT replica, team, model, {weight} AS w FROM {usage} GROUP BY replica, team, model HAVING {weight} > 0),
+totals AS (SELECT replica, {busy_money} FROM _slots GROUP BY replica)
+SELECT w.replica, w.team, w.model, {share_cols}
+FROM weights w JOIN totals t USING (replica)"""
+    replicas = """
+SELECT replica,
+    sum((compute_usd + energy_usd) * busy) AS busy_usd,
+    sum((compute_usd + energy_usd) * (1.0 - busy)) AS idle_usd
+FROM _slots GROUP BY replica"""
+    priced = ", ".join(_lit(m) for m in sorted(policy.usd_per_gpu_hour)) or "NULL"
+    return AllocationSql(
+        unpriced=f"SELECT DISTINCT gpu_model FROM {gpus} WHERE gpu_model NOT IN ({priced}) ORDER BY 1",
+        prepare=prepare,
+        replicas=replicas,
+        shares=shares,
+        counts=f"""SELECT team, model, sum(requests)::BIGINT AS requests,
+    sum(prompt_tokens)::BIGINT AS prompt_tokens, sum(completion_tokens)::BIGINT AS completion_tokens
+FROM {usage} GROUP BY team, model""",
+        fleet=f"""SELECT coalesce(sum(g.gpu_seconds / 3600.0 * p.usd), 0) + coalesce(sum(g.energy_joules), 0) / 3.6e6 * {energy_price!r}
+FROM {gpus} g JOIN {_prices(policy)} USING (gpu_model)""",
+    )
+
+
+def lines_from(
+    replicas: pl.DataFrame, shares: pl.DataFrame, counts: pl.DataFrame, policy: Policy
+) -> pl.DataFrame:
+    """The statement's lines from the small query results: idle charged, one row per team and model.
+
+    Costs are unrounded; ``billing.statement.cents_lines`` turns them into cents.
+    """
+    shares = shares.with_columns(pl.col(c).cast(pl.Float64) for c in MONEY)
+    idle = _idle_lines(replicas, shares, policy)
+    money = pl.concat([shares.drop("replica"), idle], how="diagonal_relaxed")
+    lines = (
+        money.group_by("team", "model")
+        .agg(pl.col(*MONEY, "idle_usd").fill_null(0.0).sum())
         .join(counts, on=["team", "model"], how="full", coalesce=True)
         .with_columns(
-            pl.col("requests", "prompt_tokens", "completion_tokens").fill_null(0),
-            pl.col("gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd").fill_null(
-                0.0
-            ),
+            pl.col("requests", "prompt_tokens", "completion_tokens").fill_null(0).cast(pl.Int64),
+            pl.col(*MONEY, "idle_usd").fill_null(0.0),
         )
     )
     # Float sums may differ in their last bits with the order rows arrive in; rounding far
     # below a cent makes the same usage give the same lines.
     return (
         lines.select(LINE_COLUMNS)
-        .with_columns(
-            pl.col("gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd").round(10)
-        )
+        .with_columns(pl.col(*MONEY, "idle_usd").round(10))
         .sort("team", "model")
     )
 
 
-def _busy_shares(usage: pl.DataFrame, slots: pl.DataFrame, policy: Policy) -> pl.DataFrame:
-    """Each team's part of the busy cost, per replica: replica, team, model and money columns."""
-    money = ("gpu_hours", "energy_kwh", "compute_usd", "energy_usd")
-    busy_slots = slots.with_columns(pl.col(c) * pl.col("busy") for c in money)
-    if policy.allocation == "in_flight":
-        joined = usage.join(busy_slots, on=["replica", "slot"], how="inner").with_columns(
-            share=pl.when(pl.col("occupied") > 0)
-            .then(pl.col("inflight_seconds") / pl.col("occupied"))
-            .otherwise(0.0)
-        )
-        shares = joined.with_columns(pl.col(c) * pl.col("share") for c in money)
-        return shares.group_by("replica", "team", "model", maintain_order=True).agg(
-            pl.col(money).sum()
-        )
-    if policy.allocation == "tokens":
-        weight = (
-            pl.col("prompt_tokens") * policy.prompt_weight
-            + pl.col("completion_tokens") * policy.completion_weight
-        )
-    else:
-        weight = pl.col("requests").cast(pl.Float64)
-    weights = (
-        usage.group_by("replica", "team", "model", maintain_order=True)
-        .agg(w=weight.sum())
-        .filter(pl.col("w") > 0)
-    )
-    totals = busy_slots.group_by("replica", maintain_order=True).agg(pl.col(money).sum())
-    joined = weights.join(totals, on="replica", how="inner").with_columns(
-        share=pl.col("w") / pl.col("w").sum().over("replica")
-    )
-    return joined.select("replica", "team", "model", *(pl.col(c) * pl.col("share") for c in money))
-
-
-def _idle_lines(busy: pl.DataFrame, slots: pl.DataFrame, policy: Policy) -> pl.DataFrame:
+def _idle_lines(replicas: pl.DataFrame, shares: pl.DataFrame, policy: Policy) -> pl.DataFrame:
     """Idle capacity per replica, charged by its policy: team, model, idle_usd."""
-    idle_usd = (pl.col("compute_usd") + pl.col("energy_usd")) * (1.0 - pl.col("busy"))
-    idle = slots.group_by("replica", maintain_order=True).agg(idle_usd=idle_usd.sum())
+    paid = shares.group_by("replica").agg(paid=(pl.col("compute_usd") + pl.col("energy_usd")).sum())
     # Busy cost with no team to carry it (tokens/requests split with zero weight) is idle too.
-    carried = busy.group_by("replica", maintain_order=True).agg(
-        paid=(pl.col("compute_usd") + pl.col("energy_usd")).sum()
+    idle = replicas.join(paid, on="replica", how="left").with_columns(
+        idle_usd=pl.col("idle_usd")
+        + (pl.col("busy_usd") - pl.col("paid").fill_null(0.0)).clip(lower_bound=0.0)
     )
-    busy_total = slots.group_by("replica", maintain_order=True).agg(
-        busy_usd=((pl.col("compute_usd") + pl.col("energy_usd")) * pl.col("busy")).sum()
-    )
-    idle = (
-        idle.join(busy_total, on="replica", how="left")
-        .join(carried, on="replica", how="left")
-        .with_columns(
-            idle_usd=pl.col("idle_usd")
-            + (pl.col("busy_usd") - pl.col("paid").fill_null(0.0)).clip(lower_bound=0.0)
-        )
-        .select("replica", "idle_usd")
-    )
+    payers = shares.with_columns(paid=pl.col("compute_usd") + pl.col("energy_usd"))
     rows: list[dict[str, object]] = []
-    payers = busy.with_columns(paid=pl.col("compute_usd") + pl.col("energy_usd"))
-    for replica, amount in idle.iter_rows():
-        if amount == 0:
+    for replica, amount in idle.select("replica", "idle_usd").sort("replica").iter_rows():
+        if not amount:
             continue
         rule, owner = policy.idle.get(replica, ("spread", None))
         model = policy.replica_model.get(replica, UNALLOCATED)
+        mine = payers.filter(pl.col("replica") == replica).sort("team", "model")
+        total = float(mine["paid"].sum())
         if replica == "":
             rows.append({"team": policy.platform_account, "model": UNALLOCATED, "idle_usd": amount})
         elif rule == "owner" and owner:
             rows.append({"team": owner, "model": model, "idle_usd": amount})
-        elif rule == "spread":
-            mine = payers.filter(pl.col("replica") == replica)
-            total = float(mine["paid"].sum())
-            if total > 0:
-                rows.extend(
-                    {"team": t, "model": m, "idle_usd": amount * p / total}
-                    for t, m, p in mine.select("team", "model", "paid").iter_rows()
-                )
-            else:
-                rows.append({"team": policy.platform_account, "model": model, "idle_usd": amount})
+        elif rule == "spread" and total > 0:
+            rows.extend(
+                {"team": t, "model": m, "idle_usd": amount * p / total}
+                for t, m, p in mine.select("team", "model", "paid").iter_rows()
+            )
         else:
             rows.append({"team": policy.platform_account, "model": model, "idle_usd": amount})
     return pl.DataFrame(
         rows, schema={"team": pl.String, "model": pl.String, "idle_usd": pl.Float64}
     )
+
+
+def run(
+    con: duckdb.DuckDBPyConnection, queries: AllocationSql, policy: Policy
+) -> tuple[pl.DataFrame, float]:
+    """Run ``queries`` on ``con``: the lines and the fleet cost. ValueError for unpriced GPUs."""
+    unpriced = [r[0] for r in con.execute(queries.unpriced).fetchall()]
+    if unpriced:
+        raise ValueError(
+            f"no price for GPU model(s) {', '.join(unpriced)} in prices.usd_per_gpu_hour"
+        )
+    fleet_rows = con.execute(queries.fleet).fetchall()
+    fleet = float(fleet_rows[0][0]) if fleet_rows and fleet_rows[0][0] is not None else 0.0
+    con.execute(queries.prepare)
+    lines = lines_from(
+        con.sql(queries.replicas).pl(),
+        con.sql(queries.shares).pl(),
+        con.sql(queries.counts).pl(),
+        policy,
+    )
+    return lines, fleet
+
+
+def allocate(usage: pl.DataFrame, gpus: pl.DataFrame, policy: Policy) -> tuple[pl.DataFrame, float]:
+    """Lines and fleet cost for two frames with the rollup tables' columns (an in-memory DuckDB)."""
+    con = duckdb.connect()
+    try:
+        con.register("usage_in", usage)
+        con.register("gpus_in", gpus)
+        return run(con, allocation_sql(policy, "usage_in", "gpus_in"), policy)
+    finally:
+        con.close()

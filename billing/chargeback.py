@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from billing.allocation import Policy, allocate, fleet_cost
+from billing.allocation import Policy
 from billing.ledger import Ledger, LedgerError
 from billing.months import check_month, month_bounds, month_of
 from billing.statement import (
@@ -58,9 +58,8 @@ class Chargeback:
         self.policy = policy_from_config(config)
 
     def _cents(self, month: str) -> tuple[pl.DataFrame, int]:
-        usage, gpus = self.ledger.usage_slots(month), self.ledger.gpu_slots(month)
-        fleet = fleet_cost(gpus, self.policy)
-        return cents_lines(month, allocate(usage, gpus, self.policy), fleet), fleet_cents(fleet)
+        lines, fleet = self.ledger.allocate(self.policy, month)
+        return cents_lines(month, lines, fleet), fleet_cents(fleet)
 
     def statement(self, month: str) -> Statement:
         """``month``'s statement: frozen if closed, computed from the ledger now if open."""

@@ -24,6 +24,7 @@ __all__ = [
     "append_sql",
     "gpu_rollup_sql",
     "insert_sql",
+    "occupancy_rollup_sql",
     "stage_sql",
     "stage_typed_sql",
     "ttft_rollup_sql",
@@ -337,6 +338,18 @@ ON CONFLICT DO UPDATE SET
     ttft_count = ttft_count + excluded.ttft_count,
     ttft_within_sla = ttft_within_sla + excluded.ttft_within_sla,
     decode_seconds_sum = decode_seconds_sum + excluded.decode_seconds_sum;
+"""
+
+
+def occupancy_rollup_sql() -> str:
+    """SQL adding the ``fresh`` usage records' in-flight seconds to ``replica_slots``."""
+    overlap = f"greatest(0.0, least(finished_at, (slot + 1) * {SLOT_SECONDS}.0) - greatest(received_at, slot * {SLOT_SECONDS}.0))"
+    return f"""
+INSERT INTO replica_slots
+SELECT replica, slot, sum({overlap})
+FROM (SELECT *, {_slots("received_at", "finished_at")} AS slot FROM fresh WHERE status IN {BILLABLE_STATUSES!r})
+GROUP BY ALL
+ON CONFLICT DO UPDATE SET inflight_seconds = inflight_seconds + excluded.inflight_seconds;
 """
 
 

@@ -21,7 +21,8 @@ import duckdb
 import orjson
 import polars as pl
 
-from billing import ingest_sql
+from billing import allocation, ingest_sql
+from billing.allocation import Policy
 from billing.fastpath import typed_frame
 from billing.months import month_bounds, month_of
 from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS
@@ -202,6 +203,7 @@ class Ledger:
     def _roll_up(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind) -> None:
         if kind.key == "usage":
             con.execute(ingest_sql.usage_rollup_sql())
+            con.execute(ingest_sql.occupancy_rollup_sql())
             con.execute(ingest_sql.ttft_rollup_sql())
             spans = "SELECT received_at AS t FROM fresh UNION ALL SELECT finished_at FROM fresh"
         elif kind.key == "gpu_samples":
@@ -292,27 +294,15 @@ class Ledger:
 
     # -- reads for allocation -----------------------------------------------------------
 
-    def usage_slots(self, month: str) -> pl.DataFrame:
-        """``usage_slots`` rows of ``month``."""
+    def allocate(self, policy: Policy, month: str) -> tuple[pl.DataFrame, float]:
+        """``month``'s allocation lines (unrounded) and fleet cost, from the rollups."""
         lo, hi = _slot_range(month)
+        usage = f"(SELECT * FROM usage_slots WHERE slot >= {lo} AND slot < {hi})"
+        gpus = f"(SELECT * FROM gpu_slots WHERE slot >= {lo} AND slot < {hi})"
+        occupancy = f"(SELECT * FROM replica_slots WHERE slot >= {lo} AND slot < {hi})"
         with self.reader() as cur:
-            return _frame(
-                cur,
-                "SELECT replica, team, model, slot, inflight_seconds, requests, prompt_tokens, "
-                "completion_tokens FROM usage_slots WHERE slot >= ? AND slot < ?",
-                [lo, hi],
-            )
-
-    def gpu_slots(self, month: str) -> pl.DataFrame:
-        """``gpu_slots`` rows of ``month``."""
-        lo, hi = _slot_range(month)
-        with self.reader() as cur:
-            return _frame(
-                cur,
-                "SELECT replica, gpu_model, slot, gpu_seconds, energy_joules FROM gpu_slots "
-                "WHERE slot >= ? AND slot < ?",
-                [lo, hi],
-            )
+            queries = allocation.allocation_sql(policy, usage, gpus, occupancy)
+            return allocation.run(cur, queries, policy)
 
     def latest_month(self) -> str:
         """The newest month with data, or the current month."""

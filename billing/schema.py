@@ -144,5 +144,18 @@ CREATE TABLE statement_lines (
 );
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1,)
+# In-flight seconds per replica and slot, summed over teams: the denominator of the in-flight
+# split, kept at ingest so a statement does not regroup every team's rows by minute.
+_V2 = """
+CREATE TABLE replica_slots (
+    replica VARCHAR NOT NULL,
+    slot BIGINT NOT NULL,
+    inflight_seconds DOUBLE NOT NULL,
+    PRIMARY KEY (replica, slot)
+);
+INSERT INTO replica_slots
+SELECT replica, slot, sum(inflight_seconds) FROM usage_slots GROUP BY replica, slot;
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2)
 LATEST_VERSION: Final = len(MIGRATIONS)

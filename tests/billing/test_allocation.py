@@ -8,7 +8,7 @@ import polars as pl
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from billing.allocation import UNALLOCATED, Policy, allocate, fleet_cost
+from billing.allocation import UNALLOCATED, Policy, allocate
 from billing.rounding import to_cents
 from billing.statement import cents_lines
 
@@ -46,7 +46,7 @@ def line(frame: pl.DataFrame, team: str) -> dict[str, Any]:
 
 def test_worked_example_in_flight_share_with_idle_spread():
     """search pays 1.5 minutes' busy share... as docs/billing.md works out by hand."""
-    lines = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, policy())
+    lines, fleet = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, policy())
     search, assistant = line(lines, "search"), line(lines, "assistant")
     # Busy: minute 0 split in half, minute 1 half busy (search), so search 1.0 and assistant
     # 0.5 minute; the idle 1.5 minutes are spread 2:1 by what each paid.
@@ -63,19 +63,19 @@ def test_worked_example_in_flight_share_with_idle_spread():
         300,
         10,
     )
-    assert fleet_cost(EXAMPLE_GPUS, policy()) == pytest.approx(0.309)
+    assert fleet == pytest.approx(0.309)
 
 
 def test_idle_capacity_charged_to_the_platform():
     """idle_policy platform: the 1.5 idle minutes become a platform line for the model."""
-    lines = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, policy(idle={"r1": ("platform", None)}))
+    lines, _ = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, policy(idle={"r1": ("platform", None)}))
     assert line(lines, "platform")["idle_usd"] == pytest.approx(0.1545)
     assert line(lines, "search")["idle_usd"] == 0.0
 
 
 def test_idle_capacity_charged_to_the_owner_of_a_dedicated_replica():
     """idle_policy owner: the owning team pays the idle minutes, even if it ran nothing."""
-    lines = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, policy(idle={"r1": ("owner", "research")}))
+    lines, _ = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, policy(idle={"r1": ("owner", "research")}))
     assert line(lines, "research")["idle_usd"] == pytest.approx(0.1545)
     assert line(lines, "research")["compute_usd"] == 0.0
 
@@ -85,7 +85,7 @@ def test_ten_requests_sharing_a_batch_each_pay_a_tenth():
     usage = pl.DataFrame({"replica": ["r1"] * 10, "team": [f"t{i}" for i in range(10)], "model": ["m"] * 10,
                           "slot": [0] * 10, "inflight_seconds": [60.0] * 10, "requests": [1] * 10,
                           "prompt_tokens": [1] * 10, "completion_tokens": [1] * 10})  # fmt: skip
-    lines = allocate(usage, EXAMPLE_GPUS.head(1), policy())
+    lines, _ = allocate(usage, EXAMPLE_GPUS.head(1), policy())
     assert lines["compute_usd"].to_list() == pytest.approx([0.01] * 10)
     assert lines["idle_usd"].sum() == 0.0
 
@@ -93,7 +93,7 @@ def test_ten_requests_sharing_a_batch_each_pay_a_tenth():
 def test_a_request_alone_pays_exactly_the_time_it_held_the_gpu():
     """One request in flight for 15 s of a minute pays 15/60 of it; the rest is idle."""
     usage = EXAMPLE_USAGE.head(1).with_columns(inflight_seconds=pl.lit(15.0))
-    lines = allocate(usage, EXAMPLE_GPUS.head(1), policy(idle={"r1": ("platform", None)}))
+    lines, _ = allocate(usage, EXAMPLE_GPUS.head(1), policy(idle={"r1": ("platform", None)}))
     assert line(lines, "search")["compute_usd"] == pytest.approx(0.025)
     assert line(lines, "platform")["idle_usd"] == pytest.approx(0.103 * 0.75)
 
@@ -104,7 +104,7 @@ def test_token_and_request_splits_share_the_busy_cost(mode, search_share):
     p = policy(
         allocation=mode, prompt_weight=1.0, completion_weight=1.0, idle={"r1": ("platform", None)}
     )
-    lines = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, p)
+    lines, _ = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, p)
     busy = 1.5 * 0.103  # minute 0 and half of minute 1
     assert line(lines, "search")["compute_usd"] + line(lines, "search")[
         "energy_usd"
@@ -114,7 +114,7 @@ def test_token_and_request_splits_share_the_busy_cost(mode, search_share):
 def test_gpus_no_replica_runs_on_are_the_platforms():
     """A GPU seen with no replica is charged to the platform as (unallocated)."""
     spare = EXAMPLE_GPUS.head(1).with_columns(replica=pl.lit(""))
-    lines = allocate(EXAMPLE_USAGE.head(0), spare, policy())
+    lines, _ = allocate(EXAMPLE_USAGE.head(0), spare, policy())
     assert lines.to_dicts()[0]["team"] == "platform"
     assert lines.to_dicts()[0]["model"] == UNALLOCATED
     assert lines["idle_usd"].sum() == pytest.approx(0.103)
@@ -171,8 +171,7 @@ def fleets(draw):
 def test_every_split_adds_up_to_the_fleet_cost_to_the_cent(fleet):
     """For random usage, the lines' cents sum to the fleet cost in cents, and none is negative."""
     usage, gpus, p = fleet
-    lines = allocate(usage, gpus, p)
-    fleet_usd = fleet_cost(gpus, p)
+    lines, fleet_usd = allocate(usage, gpus, p)
     money = (
         lines.select(pl.col("compute_usd") + pl.col("energy_usd") + pl.col("idle_usd"))
         .to_series()
@@ -197,8 +196,6 @@ def test_every_split_adds_up_to_the_fleet_cost_to_the_cent(fleet):
 def test_the_same_usage_gives_the_same_statement(fleet):
     """Allocation is deterministic: row order of the input does not change any line."""
     usage, gpus, p = fleet
-    a = cents_lines("2026-10", allocate(usage, gpus, p), fleet_cost(gpus, p))
-    b = cents_lines(
-        "2026-10", allocate(usage.reverse(), gpus.reverse(), p), fleet_cost(gpus.reverse(), p)
-    )
+    a = cents_lines("2026-10", *allocate(usage, gpus, p))
+    b = cents_lines("2026-10", *allocate(usage.reverse(), gpus.reverse(), p))
     assert a.equals(b)

@@ -212,3 +212,43 @@ def test_a_ledger_from_a_newer_version_is_refused(tmp_path, config):
     con.close()
     with pytest.raises(LedgerError, match="schema version 99 is newer"):
         Ledger.open(path, [], {})
+
+
+def test_an_older_ledger_is_migrated_with_its_data(tmp_path):
+    """A version-1 file gains replica_slots, filled from its existing rollups."""
+    import duckdb
+
+    from billing.schema import LATEST_VERSION, MIGRATIONS
+
+    path = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE schema_version (version INTEGER, applied_at DOUBLE)")
+    con.execute(MIGRATIONS[0])
+    con.execute("INSERT INTO schema_version VALUES (1, 0)")
+    con.execute(
+        "INSERT INTO usage_slots VALUES ('small-0', 'search', 'chat-small', 100, 30, 1, 0, 1, 0, 1, 0.1, 1, 1, 1)"
+    )
+    con.execute(
+        "INSERT INTO usage_slots VALUES ('small-0', 'assistant', 'chat-small', 100, 20, 1, 0, 1, 0, 1, 0.1, 1, 1, 1)"
+    )
+    con.close()
+    ledger = Ledger.open(path, ["search", "assistant"], {})
+    try:
+        with ledger.reader() as cur:
+            assert cur.execute("SELECT max(version) FROM schema_version").fetchall() == [
+                (LATEST_VERSION,)
+            ]
+            assert cur.execute("SELECT * FROM replica_slots").fetchall() == [("small-0", 100, 50.0)]
+    finally:
+        ledger.close()
+
+
+def test_occupancy_is_the_sum_over_teams(ledger):
+    """replica_slots holds every team's in-flight seconds of a replica's minute together."""
+    ledger.ingest(
+        batch("usage", [usage("search", OCT, 30), usage("assistant", OCT + 10, 40)]), now=NOW
+    )
+    with ledger.reader() as cur:
+        assert cur.execute(
+            "SELECT slot * 60 - ?, inflight_seconds FROM replica_slots", [OCT]
+        ).fetchall() == [(0.0, 70.0)]

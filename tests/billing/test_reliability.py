@@ -66,33 +66,36 @@ async def test_kill_9_of_billing_loses_nothing_and_counts_nothing_twice(tmp_path
     try:
         sim = ReplicaSim(replica_spec(config, "small-0"))
         sidecar = Sidecar(config, "small-0", spool_dir=tmp_path / "spool")
-        async with serving(sim, up_port), serving(sidecar) as url:
-            async with httpx.AsyncClient(base_url=url, timeout=60,
-                                         headers={"authorization": "Bearer im-demo-search"}) as client:  # fmt: skip
+        headers = {"authorization": "Bearer im-demo-search"}
+        async with (
+            serving(sim, up_port),
+            serving(sidecar) as url,
+            httpx.AsyncClient(base_url=url, timeout=60, headers=headers) as client,
+        ):
 
-                async def one(i: int) -> None:
-                    body = {**CHAT, "max_tokens": 5 + i % 20, "stream": i % 2 == 0}
-                    response = await client.post("/v1/chat/completions", json=body)
-                    assert response.status_code == 200
-                    sent.append(response.headers["x-infermeter-request-id"])
+            async def one(i: int) -> None:
+                body = {**CHAT, "max_tokens": 5 + i % 20, "stream": i % 2 == 0}
+                response = await client.post("/v1/chat/completions", json=body)
+                assert response.status_code == 200
+                sent.append(response.headers["x-infermeter-request-id"])
 
-                async def wave(start: int, n: int) -> None:
-                    for chunk in range(start, start + n, 20):
-                        await asyncio.gather(*(one(i) for i in range(chunk, chunk + 20)))
-                        await asyncio.sleep(0.2)
+            async def wave(start: int, n: int) -> None:
+                for chunk in range(start, start + n, 20):
+                    await asyncio.gather(*(one(i) for i in range(chunk, chunk + 20)))
+                    await asyncio.sleep(0.2)
 
-                await wave(0, 200)
-                # Wait until billing has some of it, then kill it mid-stream of shipments.
-                await asyncio.sleep(2)
-                os.kill(billing.pid, signal.SIGKILL)
-                billing.wait(10)
-                await wave(200, 200)  # served while billing is down: spooled, not lost
-                billing = await asyncio.to_thread(_start_billing, path, billing_port)
-                await wave(400, 100)
-                deadline = time.monotonic() + 90
-                while sidecar.spool.backlog and time.monotonic() < deadline:
-                    await asyncio.sleep(0.5)
-                assert sidecar.spool.backlog == 0, "the spool did not drain into billing"
+            await wave(0, 200)
+            # Wait until billing has some of it, then kill it mid-stream of shipments.
+            await asyncio.sleep(2)
+            os.kill(billing.pid, signal.SIGKILL)
+            billing.wait(10)
+            await wave(200, 200)  # served while billing is down: spooled, not lost
+            billing = await asyncio.to_thread(_start_billing, path, billing_port)
+            await wave(400, 100)
+            deadline = time.monotonic() + 90
+            while sidecar.spool.backlog and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            assert sidecar.spool.backlog == 0, "the spool did not drain into billing"
     finally:
         billing.send_signal(signal.SIGTERM)
         try:

@@ -1,0 +1,226 @@
+"""Billing at scale: a month of N usage records, its chargeback, and ingest through the API.
+
+Three measurements, each printed as a table row:
+
+``generate``  N usage records of one month (20 teams, 16 replicas, 4 models, request times
+              spread over the month, 1-60 s long) written straight into a ledger file with SQL,
+              and 64 GPUs sampled every 10 s; then the rollups built with the same SQL that
+              ingest runs per batch. This is set-up, reported for completeness.
+``chargeback``the month's statement (``Chargeback.statement``: rollups -> allocation -> cents),
+              against a bare ``GROUP BY team, model`` over the same raw table.
+``ingest``    records/s through the HTTP API: ``infermeter billing`` as its own process, batches
+              of ``--batch`` records POSTed by ``--clients`` concurrent clients, as shippers do.
+
+DuckDB runs with ``--memory-limit`` (the ``billing.memory_limit`` setting); the peak RSS of this
+process and of the service is reported beside it.
+
+    .venv/bin/python -m bench.billing_scale --records 100000000
+    .venv/bin/python -m bench.billing_scale --records 2000000 --skip-ingest
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import yaml
+
+from billing import ingest_sql
+from billing.chargeback import Chargeback
+from billing.ledger import Ledger
+from infermeter.config import DEFAULT_CONFIG, Config
+
+MONTH = "2026-10"
+START = 1790812800  # 2026-10-01T00:00:00Z
+SECONDS = 31 * 86400
+TEAMS = [f"team-{i:02d}" for i in range(20)]
+REPLICAS = [f"rep-{i:02d}" for i in range(16)]
+
+
+def bench_config(database: Path, memory_limit: str, port: int) -> tuple[dict[str, Any], Config]:
+    """The embedded defaults with 20 teams, 16 replicas on H100s and the ledger at ``database``."""
+    data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["teams"] = [{"name": t, "budget_usd_per_month": 10000} for t in TEAMS]
+    data["replicas"] = [
+        {"id": r, "model": ("chat-large", "chat-small")[i % 2], "upstream_url": f"http://127.0.0.1:{30000 + i}",
+         "node": f"node-{i // 4}", "gpu_model": "H100", "gpu_count": 4}
+        for i, r in enumerate(REPLICAS)
+    ]  # fmt: skip
+    data["nodes"] = []
+    data["billing"].update(database=str(database), memory_limit=memory_limit,
+                           listen=f"127.0.0.1:{port}", url=f"http://127.0.0.1:{port}")  # fmt: skip
+    return data, Config.model_validate(data)
+
+
+def generate(ledger: Ledger, records: int) -> None:
+    """Fill the raw tables with SQL, then build the rollups with ingest's own statements."""
+    con = ledger._con  # the benchmark is the one writer here
+    teams = "[" + ", ".join(f"'{t}'" for t in TEAMS) + "]"
+    replicas = "[" + ", ".join(f"'{r}'" for r in REPLICAS) + "]"
+    con.execute(f"""
+        INSERT INTO usage
+        SELECT 'req-' || i, {teams}[1 + (hash(i) % 20)::INT], ['chat-large', 'chat-small'][1 + (i % 2)::INT],
+            'v1', {replicas}[1 + (hash(i * 7) % 16)::INT],
+            {START} + (i * {SECONDS}.0 / {records}) AS received_at,
+            {START} + (i * {SECONDS}.0 / {records}) + 0.05 + (hash(i * 3) % 1000) / 2000.0,
+            {START} + (i * {SECONDS}.0 / {records}) + 1 + (hash(i * 5) % 60),
+            50 + hash(i * 11) % 2000, 0, 10 + hash(i * 13) % 500, 'ok', 200, true,
+            '/v1/chat/completions', 'stop', true, {START + SECONDS}
+        FROM range({records}) t(i)
+    """)  # fmt: skip
+    gpus = "[" + ", ".join(f"'{g}'" for g in range(4)) + "]"
+    con.execute(f"""
+        INSERT INTO gpu_samples
+        SELECT 'gpu-' || r || '-' || g || '-' || k, 'node-' || r // 4, g, 'GPU-' || r || '-' || g, 'H100',
+            {replicas}[r + 1], 'm', {START} + (k + 1) * 10.0, 10.0, 0.6, 420.0, 4200.0, 1.0, 1.0, 0, NULL,
+            false, {START + SECONDS}
+        FROM range(16) a(r), unnest({gpus}) b(g), range({SECONDS // 10}) c(k)
+    """)  # fmt: skip
+    con.execute("CREATE OR REPLACE TEMP VIEW fresh AS SELECT * EXCLUDE (ingested_at) FROM usage")
+    ledger._set_teams(TEAMS)
+    con.execute(ingest_sql.usage_rollup_sql())
+    con.execute(ingest_sql.occupancy_rollup_sql())
+    con.execute(ingest_sql.ttft_rollup_sql())
+    con.execute(
+        "CREATE OR REPLACE TEMP VIEW fresh AS SELECT * EXCLUDE (ingested_at) FROM gpu_samples"
+    )
+    con.execute(ingest_sql.gpu_rollup_sql())
+    con.execute("DROP VIEW fresh")
+    con.execute("INSERT INTO months VALUES (?, NULL, false) ON CONFLICT DO NOTHING", [MONTH])
+    con.execute("CHECKPOINT")
+
+
+def timed(fn: Any, repeat: int) -> tuple[float, float, Any]:
+    """Median and min seconds of ``repeat`` runs, and the last result."""
+    times, result = [], None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), min(times), result
+
+
+def ingest_rate(path: Path, port: int, batch: int, clients: int, batches: int) -> float:
+    """Records/s through ``infermeter billing`` (its own process) over HTTP."""
+    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "billing", "--config", str(path)],
+                            env=dict(os.environ))  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        bodies = [_usage_batch(b, batch) for b in range(batches)]
+        return asyncio.run(_post_all(url, bodies, clients)) / 1.0
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _usage_batch(b: int, n: int) -> bytes:
+    t0 = START + 40 * 86400 + b * 60.0
+    records = [
+        {"request_id": f"live-{b}-{i}", "team": TEAMS[i % 20], "model": "chat-small", "served_version": "v1",
+         "replica": REPLICAS[i % 16], "received_at": t0 + i * 0.001, "first_token_at": t0 + i * 0.001 + 0.1,
+         "finished_at": t0 + i * 0.001 + 4.0, "prompt_tokens": 300, "cached_prompt_tokens": 0,
+         "completion_tokens": 120, "status": "ok", "http_status": 200, "stream": True,
+         "endpoint": "/v1/chat/completions", "finish_reason": "stop", "usage_exact": True}
+        for i in range(n)
+    ]  # fmt: skip
+    return orjson.dumps({"usage": records})
+
+
+async def _post_all(url: str, bodies: list[bytes], clients: int) -> float:
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(body)
+    accepted = 0
+    headers = {"authorization": "Bearer im-bench-ingest", "content-type": "application/json"}
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal accepted
+        while not queue.empty():
+            body = queue.get_nowait()
+            response = await client.post("/v1/ingest", content=body, headers=headers)
+            response.raise_for_status()
+            accepted += response.json()["accepted"]
+
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        t = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(clients)))
+        elapsed = time.perf_counter() - t
+    return accepted / elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=100_000_000)
+    parser.add_argument("--memory-limit", default="4GB")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=50_000)
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--skip-ingest", action="store_true")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="work directory (default: a temp dir)"
+    )
+    args = parser.parse_args()
+    work = args.dir or Path(tempfile.mkdtemp(prefix="infermeter-billing-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    port = 39600
+    data, config = bench_config(work / "ledger.duckdb", args.memory_limit, port)
+    data["billing"]["ingest_token_sha256"] = [hashlib.sha256(b"im-bench-ingest").hexdigest()]
+    path = work / "infermeter.yaml"
+    path.write_text(yaml.safe_dump(data))
+    try:
+        ledger = Ledger.open(work / "ledger.duckdb", TEAMS, {"chat-small": 0.5, "chat-large": 1.5},
+                             memory_limit=args.memory_limit)  # fmt: skip
+        t = time.perf_counter()
+        generate(ledger, args.records)
+        print(f"generate   {args.records:,} records + rollups: {time.perf_counter() - t:.1f} s")
+        chargeback = Chargeback(ledger, config)
+        cb_med, cb_min, statement = timed(lambda: chargeback.statement(MONTH), args.repeat)
+
+        def group_by() -> Any:
+            with ledger.reader() as cur:
+                return cur.execute(
+                    "SELECT team, model, count(*), sum(prompt_tokens), sum(completion_tokens) FROM usage GROUP BY ALL"
+                ).fetchall()
+
+        gb_med, gb_min, _ = timed(group_by, args.repeat)
+        with ledger.reader() as cur:
+            slots = cur.execute("SELECT count(*) FROM usage_slots").fetchone()
+        print(f"chargeback {MONTH}: median {cb_med:.2f} s (min {cb_min:.2f}); bare GROUP BY: median {gb_med:.2f} s "
+              f"(min {gb_min:.2f}); ratio {cb_med / gb_med:.2f}x; {statement.lines.height} lines, "
+              f"reconciles={statement.reconciles}, usage_slots rows={slots[0] if slots else 0:,}")  # fmt: skip
+        ledger.close()
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"peak RSS of this process: {rss:.0f} MB (DuckDB memory_limit {args.memory_limit})")
+        if not args.skip_ingest:
+            rate = ingest_rate(path, port, args.batch, args.clients, args.batches)
+            print(
+                f"ingest     {args.batches} batches x {args.batch:,} records, {args.clients} clients: {rate:,.0f} records/s"
+            )
+    finally:
+        if args.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
