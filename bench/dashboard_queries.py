@@ -4,7 +4,8 @@ The dashboards read only rollups, so their cost follows the rollups' size, not t
 count. This fills a fresh ledger file's rollup tables directly with SQL at the size one month of
 100M requests produces (defaults: 16 replicas of 4 models, 20 teams, 43,200 minutes):
 
-- ``usage_slots``: replicas x teams x minutes rows (13.8M), ~7 requests each;
+- ``usage_slots``: replicas x teams x minutes rows (13.8M), ~7 requests each, and
+  ``replica_slots`` (each replica's in-flight seconds per minute) from them;
 - ``ttft_buckets``: models x teams x minutes x ``--buckets`` rows (12 distinct TTFT buckets a
   minute for ~29 requests per model and team: 41.5M rows);
 - ``gpu_slots``: 64 GPUs, 4 per replica on 8 nodes: replicas x minutes rows (0.7M);
@@ -82,6 +83,12 @@ def fill(ledger: Ledger, days: int, buckets: int, end_slot: int) -> dict[str, in
             cur.execute("BEGIN TRANSACTION")
             cur.execute(_USAGE, {"lo": lo, "hi": hi, "replicas": REPLICAS, "teams": TEAMS,
                                  "models": MODELS})  # fmt: skip
+            # Each replica's in-flight seconds per minute, as ingest keeps them for allocation.
+            cur.execute(
+                "INSERT INTO replica_slots SELECT replica, slot, sum(inflight_seconds) "
+                "FROM usage_slots WHERE slot >= $lo AND slot < $hi GROUP BY ALL ORDER BY slot",
+                {"lo": lo, "hi": hi},
+            )
             cur.execute(_TTFT, {"lo": lo, "hi": hi, "models": MODELS, "teams": TEAMS,
                                 "buckets": buckets})  # fmt: skip
             cur.execute(_GPU, {"lo": lo, "hi": hi, "replicas": REPLICAS, "gpus": GPUS_PER_REPLICA})
@@ -90,7 +97,13 @@ def fill(ledger: Ledger, days: int, buckets: int, end_slot: int) -> dict[str, in
             cur.execute("COMMIT")
         cur.execute("CHECKPOINT")
         counts = {}
-        for table in ("usage_slots", "ttft_buckets", "gpu_slots", "engine_samples"):
+        for table in (
+            "usage_slots",
+            "replica_slots",
+            "ttft_buckets",
+            "gpu_slots",
+            "engine_samples",
+        ):
             row = cur.execute(f"SELECT count(*) FROM {table}").fetchone()
             counts[table] = int(row[0]) if row else 0
     return counts

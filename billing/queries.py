@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 STEPS: Final = (60, 300, 900, 3600, 6 * 3600, 86400)
-MAX_POINTS: Final = 400
+MAX_POINTS: Final = 200
 MAX_RANGE_SECONDS: Final = 93 * 86400
 # Replicas that sent an engine sample this recently (before the range's end) count as running.
 LIVE_SECONDS: Final = 120
@@ -270,52 +270,60 @@ GROUP BY ALL ORDER BY model, t""",
     )
 
 
-def _quantile(q: float) -> str:
-    """SQL (over ``_ttft_cte`` rows) for the q-quantile, as ``billing.buckets.quantile``."""
-    low = f"CASE WHEN bucket = 0 THEN 0.0 ELSE {FIRST} * pow({RATIO}, bucket - 1) END"
-    up = f"{FIRST} * pow({RATIO}, bucket)"
-    value = f"{low} + ({up} - ({low})) * ({q} * total - (cum - n)) / n"
-    return f"arg_min({value}, bucket) FILTER (WHERE cum >= {q} * total)"
-
-
-def _ttft_cte(group: str, where: str, source: str) -> str:
+def _bucket_counts_sql(group: str, where: str, source: str) -> str:
     return f"""
-WITH b AS (
-    SELECT model, {group} AS t, bucket, CAST(sum(requests) AS BIGINT) AS n
-    FROM {source} WHERE {where} GROUP BY ALL HAVING sum(requests) > 0
-), c AS (
-    SELECT *, CAST(sum(n) OVER (PARTITION BY model, t ORDER BY bucket) AS BIGINT) AS cum,
-        CAST(sum(n) OVER (PARTITION BY model, t) AS BIGINT) AS total
-    FROM b
-)"""
+SELECT model, {group} AS t, bucket, CAST(sum(requests) AS BIGINT) AS n
+FROM {source} WHERE {where} GROUP BY ALL HAVING sum(requests) > 0 ORDER BY model, t, bucket"""
 
 
 def ttft_sql(p: QueryParams) -> Sql:
-    """TTFT p50 and p95 (seconds, from the log buckets) per model and step."""
+    """Requests per TTFT bucket, model and step; ``ttft_quantiles`` turns them into p50/p95."""
     where, values = _where(p)
+    return _bucket_counts_sql(_t(p), where, _source(_fleet("ttft_buckets", p), p)), values
+
+
+def worst_hours_sql(p: QueryParams) -> Sql:
+    """Requests per TTFT bucket, model and hour; ``worst_hours`` keeps the worst."""
+    where, values = _where(p)
+    group = "CAST(slot // 60 AS BIGINT) * 3600"
+    return _bucket_counts_sql(group, where, _source(_fleet("ttft_buckets", p), p, 3600)), values
+
+
+def _quantile(q: float) -> pl.Expr:
+    """The q-quantile of each (model, t), as ``billing.buckets.quantile``: linear in the bucket."""
+    bucket = pl.col("bucket")
+    low = pl.when(bucket == 0).then(0.0).otherwise(FIRST * pl.lit(RATIO).pow(bucket - 1))
+    up = FIRST * pl.lit(RATIO).pow(bucket)
+    rank = q * pl.col("total")
+    value = low + (up - low) * (rank - (pl.col("cum") - pl.col("n"))) / pl.col("n")
+    return value.filter(pl.col("cum") >= rank).first()
+
+
+def ttft_quantiles(counts: pl.DataFrame) -> pl.DataFrame:
+    """p50 and p95 seconds and requests per (t, model) from bucket counts sorted by bucket."""
+    keys = ["model", "t"]
     return (
-        _ttft_cte(_t(p), where, _source(_fleet("ttft_buckets", p), p))
-        + f"""
-SELECT t, model, any_value(total) AS requests, {_quantile(0.5)} AS p50_seconds,
-    {_quantile(0.95)} AS p95_seconds
-FROM c GROUP BY t, model ORDER BY model, t""",
-        values,
+        counts.with_columns(
+            cum=pl.col("n").cum_sum().over(keys), total=pl.col("n").sum().over(keys)
+        )
+        .group_by(keys, maintain_order=True)
+        .agg(
+            pl.col("total").first().alias("requests"),
+            _quantile(0.5).alias("p50_seconds"),
+            _quantile(0.95).alias("p95_seconds"),
+        )
+        .select("t", "model", "requests", "p50_seconds", "p95_seconds")
+        .sort("model", "t")
     )
 
 
-def worst_hours_sql(p: QueryParams, limit: int = 10) -> Sql:
-    """The hours with the highest TTFT p95, per model, worst first."""
-    where, values = _where(p)
+def worst_hours(counts: pl.DataFrame, limit: int = 10) -> pl.DataFrame:
+    """The ``limit`` hours with the highest p95 per model, worst first."""
+    hours = ttft_quantiles(counts).drop("p50_seconds")
     return (
-        _ttft_cte(
-            "CAST(slot // 60 AS BIGINT) * 3600", where, _source(_fleet("ttft_buckets", p), p, 3600)
-        )
-        + f"""
-, h AS (SELECT t, model, any_value(total) AS requests, {_quantile(0.95)} AS p95_seconds
-        FROM c GROUP BY t, model)
-SELECT * FROM h QUALIFY row_number() OVER (PARTITION BY model ORDER BY p95_seconds DESC, t) <= {int(limit)}
-ORDER BY model, p95_seconds DESC, t""",
-        values,
+        hours.sort(["model", "p95_seconds", "t"], descending=[False, True, False])
+        .group_by("model", maintain_order=True)
+        .head(limit)
     )
 
 
@@ -392,17 +400,21 @@ GROUP BY ALL ORDER BY model""",
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    """A named query: its SQL builder and whether a team key may run it (for its own team)."""
+    """A named query: its SQL, whether a team key may run it (for its own team), and a
+    final step over the SQL's rows."""
 
     build: Callable[[QueryParams], Sql]
     per_team: bool
     doc: str
+    finish: Callable[[pl.DataFrame], pl.DataFrame] | None = None
 
 
 QUERIES: Final[Mapping[str, Query]] = {
     "throughput": Query(throughput_sql, True, "requests/s, tokens/s, errors per model and step"),
-    "ttft": Query(ttft_sql, True, "TTFT p50/p95 per model and step"),
-    "worst_hours": Query(worst_hours_sql, True, "hours with the highest TTFT p95 per model"),
+    "ttft": Query(ttft_sql, True, "TTFT p50/p95 per model and step", ttft_quantiles),
+    "worst_hours": Query(
+        worst_hours_sql, True, "hours with the highest TTFT p95 per model", worst_hours
+    ),
     "sla": Query(sla_sql, True, "share of requests within the TTFT target per model and team"),
     "team_usage": Query(team_usage_sql, True, "requests and tokens per team and model"),
     "gpus": Query(gpus_sql, False, "GPU utilization and power per replica and step"),
@@ -413,6 +425,8 @@ QUERIES: Final[Mapping[str, Query]] = {
 
 def run(cursor: duckdb.DuckDBPyConnection, name: str, params: QueryParams) -> pl.DataFrame:
     """Run query ``name`` on ``cursor``; KeyError for an unknown name."""
-    sql, values = QUERIES[name].build(params)
+    query = QUERIES[name]
+    sql, values = query.build(params)
     frame: pl.DataFrame = cursor.sql(sql, params=values).pl()
-    return frame
+    # Percentiles are a cumulative sum per series: cheaper in Polars than as SQL windows.
+    return query.finish(frame) if query.finish is not None else frame
