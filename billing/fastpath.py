@@ -31,7 +31,11 @@ _TARGET: Final[dict[str, type[pl.DataType]]] = {
 
 
 def typed_frame(kind: Kind, rows: list[Any]) -> pl.DataFrame | None:
-    """The batch's records as columns of the kind's types, or None if any record deviates."""
+    """The batch's records as columns of the kind's types, or None if any record deviates.
+
+    Besides the kind's columns: ``pos`` (1-based place in the batch) and ``dup`` (an id seen
+    earlier in the batch).
+    """
     if not rows or type(rows[0]) is not dict:
         return None
     keys = rows[0].keys()
@@ -63,7 +67,12 @@ def typed_frame(kind: Kind, rows: list[Any]) -> pl.DataFrame | None:
         if not _fits(f, series):
             return None
         out.append(pl.col(f.name).cast(_TARGET[f.type]))
-    return records.select(out)
+    ident = pl.col(kind.id_field)
+    return (
+        records.select(out)
+        .with_row_index("pos", offset=1)
+        .with_columns(pl.col("pos").cast(pl.Int64), dup=~ident.is_first_distinct())
+    )
 
 
 def _fits(field: Field, series: pl.Series) -> bool:

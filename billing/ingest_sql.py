@@ -251,22 +251,26 @@ def stage_typed_sql(kind: Kind, relation: str) -> str:
     The fast path: when a whole batch parses to exactly the expected column types (which is
     what every shipper sends), only the range checks are left to do. Parameters: ``$now`` and
     ``$skew``.
+    The relation also carries ``pos`` (the record's place in the batch) and ``dup`` (a repeat
+    of an earlier id in the batch), computed where the columns were built.
     """
     cols = ", ".join(_q(f.name) for f in kind.fields)
     return f"""
 CREATE OR REPLACE TEMP TABLE staged AS
-WITH typed AS (SELECT CAST(row_number() OVER () AS BIGINT) AS pos, NULL::VARCHAR AS type_reason, {cols} FROM {relation})
-{_checked(kind, "typed")}
+WITH typed AS (SELECT pos, dup, NULL::VARCHAR AS type_reason, {cols} FROM {relation})
+{_checked(kind, "typed", "dup")}
 """
 
 
-def _checked(kind: Kind, relation: str) -> str:
+def _checked(kind: Kind, relation: str, dup: str | None = None) -> str:
     domain = "\n".join(f"        WHEN {cond} THEN {reason}" for cond, reason in kind.checks)
-    return f"""SELECT *,
+    columns = "* EXCLUDE (dup)" if dup else "*"
+    dup = dup or f"row_number() OVER (PARTITION BY {_q(kind.id_field)} ORDER BY pos) > 1 AS dup"
+    return f"""SELECT {columns},
     coalesce(type_reason, CASE
 {domain}
     END) AS reason,
-    row_number() OVER (PARTITION BY {_q(kind.id_field)} ORDER BY pos) > 1 AS dup
+    {dup}
 FROM {relation}"""
 
 
