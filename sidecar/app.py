@@ -521,14 +521,19 @@ class Sidecar:
 
     @staticmethod
     async def _pump(response: httpx.Response, meter: StreamMeter, send: Send) -> None:
-        """The per-chunk loop: read a block, meter it, send what the client should see."""
+        """The per-chunk loop: read a block, meter it, send what the client should see.
+
+        It reads past ``data: [DONE]`` to the end of the response (the chunked terminator), so
+        the connection goes back to the pool instead of being closed.
+        """
         clock = time.perf_counter
         async for block in response.aiter_raw():
+            if meter.done:
+                # Bytes after [DONE] are not vLLM's stream: stop, and the connection is closed.
+                return
             out = meter.feed(block, clock())
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
-            if meter.done:
-                return
 
     async def _record(self, call: _Call, status: RequestStatus, http_status: int, usage: UsageCounts | None,
                       meter: StreamMeter | None, finish: str | None) -> None:  # fmt: skip
