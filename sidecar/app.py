@@ -487,6 +487,7 @@ class Sidecar:
         relay = asyncio.get_running_loop().create_task(self._pump(response, meter, send))
         watcher = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
         status = RequestStatus.OK
+        read_to_end = False
         try:
             await asyncio.wait((relay, watcher), return_when=asyncio.FIRST_COMPLETED)
             if not relay.done():
@@ -494,13 +495,15 @@ class Sidecar:
                 status = RequestStatus.CLIENT_ABORTED
                 with contextlib.suppress(asyncio.CancelledError):
                     await relay
-            elif relay.exception() is not None:
-                exc = relay.exception()
+            elif (exc := relay.exception()) is None:
+                read_to_end = True
+            elif not meter.done:
+                # (A failure after [DONE], while reading the terminator, loses nothing.)
                 status = RequestStatus.UPSTREAM_ERROR
                 log.warning("upstream failed mid-stream on %s: %s", self.replica_id, exc)
         finally:
             watcher.cancel()
-            if status is RequestStatus.OK:
+            if read_to_end:
                 response.release()
             else:
                 # Closing the connection is what makes vLLM abort the request.
