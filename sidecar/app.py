@@ -41,7 +41,7 @@ from sidecar.limits import Admission, LimitExceeded, RateLimiter, estimate_promp
 from sidecar.metrics import SidecarMetrics
 from sidecar.state import ModelNotFoundError, View, build_view
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
-from sidecar.upstream import UPSTREAM_ERRORS, Upstream, upstream_failure
+from sidecar.upstream import UPSTREAM_ERRORS, StallWatch, Upstream, upstream_failure
 
 __all__ = ["Sidecar"]
 
@@ -484,7 +484,8 @@ class Sidecar:
                             flags.get(b"x-infermeter-client-continuous") == b"1", call.started)  # fmt: skip
         await send({"type": "http.response.start", "status": 200,
                     "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()), *_ratelimit_headers(call)]})  # fmt: skip
-        relay = asyncio.get_running_loop().create_task(self._pump(response, meter, send))
+        watch = StallWatch(response, self.generation.read_timeout_seconds)
+        relay = asyncio.get_running_loop().create_task(self._pump(response, meter, send, watch))
         watcher = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
         status = RequestStatus.OK
         read_to_end = False
@@ -503,6 +504,7 @@ class Sidecar:
                 log.warning("upstream failed mid-stream on %s: %s", self.replica_id, exc)
         finally:
             watcher.cancel()
+            watch.cancel()
             if read_to_end:
                 response.release()
             else:
@@ -533,7 +535,8 @@ class Sidecar:
         return meter, status, 200
 
     @staticmethod
-    async def _pump(response: aiohttp.ClientResponse, meter: StreamMeter, send: Send) -> None:
+    async def _pump(response: aiohttp.ClientResponse, meter: StreamMeter, send: Send,
+                    watch: StallWatch) -> None:  # fmt: skip
         """The per-chunk loop: read what has arrived, meter it, send what the client should see.
 
         It reads past ``data: [DONE]`` to the end of the response (the chunked terminator), so
@@ -541,7 +544,12 @@ class Sidecar:
         """
         clock = time.perf_counter
         read = response.content.readany
-        while block := await read():
+        while True:
+            watch.waiting_since = clock()
+            block = await read()
+            watch.waiting_since = None
+            if not block:
+                return
             if meter.done:
                 # Bytes after [DONE] are not vLLM's stream: stop, and the connection is closed.
                 return

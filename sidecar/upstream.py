@@ -10,13 +10,14 @@ The sidecar's other upstream calls (health, model list, shipping) stay on httpx.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import httpx
 
 from sidecar.errors import error_body
 
-__all__ = ["UPSTREAM_ERRORS", "Upstream", "upstream_failure"]
+__all__ = ["UPSTREAM_ERRORS", "StallWatch", "Upstream", "upstream_failure"]
 
 # What a failed exchange with the replica raises, from either client.
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, httpx.HTTPError)
@@ -29,6 +30,7 @@ class Upstream:
     """A keep-alive pool of connections to one replica, opened on first use."""
 
     def __init__(self, connect_timeout_seconds: float, read_timeout_seconds: float) -> None:
+        self.read_timeout_seconds = read_timeout_seconds
         self.timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=connect_timeout_seconds, sock_read=read_timeout_seconds
         )
@@ -59,6 +61,41 @@ class Upstream:
         """Close every pooled connection."""
         if self._session is not None:
             await self._session.close()
+
+
+class StallWatch:
+    """The read timeout of a streamed body, checked lazily instead of re-armed on every chunk.
+
+    aiohttp re-arms ``sock_read`` on every chunk received: a timer handle made and another
+    cancelled, measured at 14% of the sidecar's CPU with 500 streams at 20 tokens/s. Once the
+    response head is in, this watch takes over: its timer fires at most once per ``seconds`` and
+    fails the body's reads only if one has by then been waiting that long. The reader sets
+    ``waiting_since`` (``time.perf_counter()``) before each read and clears it after.
+    """
+
+    def __init__(self, response: aiohttp.ClientResponse, seconds: float) -> None:
+        self.waiting_since: float | None = None
+        self._response = response
+        self._seconds = seconds
+        self._loop = asyncio.get_running_loop()
+        connection = response.connection
+        if connection is not None and connection.protocol is not None:
+            # The timer aiohttp armed for the head is dropped when the next chunk arrives.
+            connection.protocol.read_timeout = None
+        self._handle = self._loop.call_later(seconds, self._check)
+
+    def _check(self) -> None:
+        since = self.waiting_since
+        waited = 0.0 if since is None else time.perf_counter() - since
+        if waited >= self._seconds:
+            exc = aiohttp.SocketTimeoutError("Timeout on reading data from socket")
+            self._response.content.set_exception(exc)
+            return
+        self._handle = self._loop.call_later(self._seconds - waited, self._check)
+
+    def cancel(self) -> None:
+        """Stop watching (the body was read, or the exchange is over)."""
+        self._handle.cancel()
 
 
 def upstream_failure(exc: BaseException) -> tuple[int, bytes]:
