@@ -4,7 +4,7 @@ Plain ASGI, because every token of every user passes through ``_relay_stream`` a
 per-message machinery would cost more than the work itself. The path of one request:
 
     identify team -> read and check body -> route model -> team limits -> fair batch slot
-    -> forward (httpx, streamed) -> meter and rewrite chunks -> usage record durable in the spool
+    -> forward (aiohttp, streamed) -> meter and rewrite chunks -> usage record durable in the spool
     -> final ``data: [DONE]`` (or the whole body) -> settle limits, metrics, span
 
 A record is on disk before the client sees the end of its response, so a response a client saw
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import orjson
 from opentelemetry import trace
@@ -40,6 +41,7 @@ from sidecar.limits import Admission, LimitExceeded, RateLimiter, estimate_promp
 from sidecar.metrics import SidecarMetrics
 from sidecar.state import ModelNotFoundError, View, build_view
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
+from sidecar.upstream import UPSTREAM_ERRORS, StallWatch, Upstream, upstream_failure
 
 __all__ = ["Sidecar"]
 
@@ -57,7 +59,7 @@ _GENERATE = {
 _DROP = frozenset({b"authorization", b"host", b"content-length", b"connection", b"keep-alive",
                    b"transfer-encoding", b"te", b"upgrade", b"proxy-authorization", b"accept-encoding"})  # fmt: skip
 _DROP_DOWN = frozenset(
-    {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
+    {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"date", b"server"}
 )
 
 
@@ -112,6 +114,7 @@ class Sidecar:
         )
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         self.client = client or httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.generation = Upstream(settings.connect_timeout_seconds, settings.read_timeout_seconds)
         self.ingest_url = settings.ingest_url
         self.ingest_token = os.environ.get(settings.ingest_token_env) or None
         self._tasks: list[asyncio.Task[None]] = []
@@ -137,6 +140,7 @@ class Sidecar:
                 await task
         await self.spool.close()
         await self.client.aclose()
+        await self.generation.close()
 
     def reload(self, config: Config) -> None:
         """Apply a new configuration without a restart (keys, limits, approved models)."""
@@ -234,7 +238,7 @@ class Sidecar:
                 f"{self.upstream}/v1/models", headers=self._upstream_headers(scope, None)
             )
         except httpx.HTTPError as exc:
-            status, body = _upstream_failure(exc)
+            status, body = upstream_failure(exc)
             await respond(send, status, body, [_JSON])
             return
         await respond(send, r.status_code, r.content, [_JSON])
@@ -378,25 +382,30 @@ class Sidecar:
 
     async def _open_upstream(
         self, call: _Call, scope: Scope, body: dict[str, Any]
-    ) -> httpx.Response:
-        request = self.client.build_request("POST", self.upstream + call.endpoint, content=orjson.dumps(body),
-                                            headers={**self._upstream_headers(scope, call), "content-type": "application/json"})  # fmt: skip
+    ) -> aiohttp.ClientResponse:
+        headers = self._upstream_headers(scope, call)
+        headers["content-type"] = "application/json"
         try:
-            return await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            status, message = _upstream_failure(exc)
+            return await self.generation.post(
+                self.upstream + call.endpoint, orjson.dumps(body), headers
+            )
+        except UPSTREAM_ERRORS as exc:
+            status, message = upstream_failure(exc)
             raise _Reject(status, orjson.loads(message)["error"]["message"], "upstream_error",
                           "upstream_unreachable" if status == 502 else "upstream_timeout", RequestStatus.UPSTREAM_ERROR) from None  # fmt: skip
 
     async def _relay_whole(
         self, call: _Call, scope: Scope, receive: Receive, send: Send, body: dict[str, Any]
     ) -> tuple[UsageCounts | None, RequestStatus, int, str | None]:
-        async def exchange() -> tuple[httpx.Response, bytes]:
+        async def exchange() -> tuple[aiohttp.ClientResponse, bytes]:
             response = await self._open_upstream(call, scope, body)
             try:
-                return response, await response.aread()
-            finally:
-                await response.aclose()
+                content = await response.read()
+            except BaseException:
+                response.close()
+                raise
+            response.release()
+            return response, content
 
         # vLLM sends nothing, not even headers, until a non-streamed completion is done, so the
         # whole exchange is raced against the client leaving.
@@ -408,15 +417,15 @@ class Sidecar:
         if not work.done():
             # Cancelling closes the upstream connection, which makes vLLM abort the request.
             work.cancel()
-            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError, _Reject):
+            with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, _Reject):
                 await work
             with contextlib.suppress(SpoolError):
                 await self._record(call, RequestStatus.CLIENT_ABORTED, 499, None, None, None)
             return None, RequestStatus.CLIENT_ABORTED, 499, None
         try:
             response, content = work.result()
-        except httpx.HTTPError as exc:
-            code, message = _upstream_failure(exc)
+        except UPSTREAM_ERRORS as exc:
+            code, message = upstream_failure(exc)
             raise _Reject(
                 code,
                 orjson.loads(message)["error"]["message"],
@@ -428,7 +437,7 @@ class Sidecar:
         at = content.find(b'"usage":{')
         if at >= 0:
             usage = parse_usage(content[at:])
-        if response.status_code == 200:
+        if response.status == 200:
             status = RequestStatus.OK
             i = content.find(b'"finish_reason":"')
             if i >= 0:
@@ -436,51 +445,50 @@ class Sidecar:
                 finish = content[i : content.find(b'"', i)].decode()
         else:
             status = (
-                RequestStatus.BAD_REQUEST
-                if response.status_code < 500
-                else RequestStatus.UPSTREAM_ERROR
+                RequestStatus.BAD_REQUEST if response.status < 500 else RequestStatus.UPSTREAM_ERROR
             )
         try:
-            await self._record(call, status, response.status_code, usage, None, finish)
+            await self._record(call, status, response.status, usage, None, finish)
         except SpoolError:
             raise _Reject(503, "Usage metering is unavailable; the response was withheld.", "server_error",
                           "metering_unavailable", RequestStatus.REJECTED) from None  # fmt: skip
-        headers = [
-            (k.encode(), v.encode()) for k, v in response.headers.items() if k not in _DROP_DOWN
-        ]
+        headers = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in _DROP_DOWN]
         headers += [
             (b"x-infermeter-request-id", call.request_id.encode()),
             *_ratelimit_headers(call),
         ]
-        await respond(send, response.status_code, content, headers)
-        return usage, status, response.status_code, finish
+        await respond(send, response.status, content, headers)
+        return usage, status, response.status, finish
 
     async def _relay_stream(
         self, call: _Call, scope: Scope, receive: Receive, send: Send, body: dict[str, Any]
     ) -> tuple[StreamMeter, RequestStatus, int]:
         response = await self._open_upstream(call, scope, body)
-        if response.status_code != 200:
+        if response.status != 200:
             # vLLM refuses bad streamed requests with a JSON error before any SSE: pass it on.
-            content = await response.aread()
+            try:
+                content = await response.read()
+            finally:
+                response.release()
             status = (
-                RequestStatus.BAD_REQUEST
-                if response.status_code < 500
-                else RequestStatus.UPSTREAM_ERROR
+                RequestStatus.BAD_REQUEST if response.status < 500 else RequestStatus.UPSTREAM_ERROR
             )
             meter = StreamMeter(False, False, call.started)
             at = content.find(b'"usage":{')
             meter.usage = parse_usage(content[at:]) if at >= 0 else None
-            await self._record(call, status, response.status_code, meter.usage, None, None)
-            await respond(send, response.status_code, content, [_JSON, *_ratelimit_headers(call)])
-            return meter, status, response.status_code
+            await self._record(call, status, response.status, meter.usage, None, None)
+            await respond(send, response.status, content, [_JSON, *_ratelimit_headers(call)])
+            return meter, status, response.status
         flags = dict(call.headers)
         meter = StreamMeter(flags.get(b"x-infermeter-client-usage") == b"1",
                             flags.get(b"x-infermeter-client-continuous") == b"1", call.started)  # fmt: skip
         await send({"type": "http.response.start", "status": 200,
                     "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()), *_ratelimit_headers(call)]})  # fmt: skip
-        relay = asyncio.get_running_loop().create_task(self._pump(response, meter, send))
+        watch = StallWatch(response, self.generation.read_timeout_seconds)
+        relay = asyncio.get_running_loop().create_task(self._pump(response, meter, send, watch))
         watcher = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
         status = RequestStatus.OK
+        read_to_end = False
         try:
             await asyncio.wait((relay, watcher), return_when=asyncio.FIRST_COMPLETED)
             if not relay.done():
@@ -488,13 +496,20 @@ class Sidecar:
                 status = RequestStatus.CLIENT_ABORTED
                 with contextlib.suppress(asyncio.CancelledError):
                     await relay
-            elif relay.exception() is not None:
-                exc = relay.exception()
+            elif (exc := relay.exception()) is None:
+                read_to_end = True
+            elif not meter.done:
+                # (A failure after [DONE], while reading the terminator, loses nothing.)
                 status = RequestStatus.UPSTREAM_ERROR
                 log.warning("upstream failed mid-stream on %s: %s", self.replica_id, exc)
         finally:
             watcher.cancel()
-            await response.aclose()
+            watch.cancel()
+            if read_to_end:
+                response.release()
+            else:
+                # Closing the connection is what makes vLLM abort the request.
+                response.close()
         tail = meter.close()
         if status is RequestStatus.OK and not meter.done:
             status = RequestStatus.UPSTREAM_ERROR
@@ -520,15 +535,27 @@ class Sidecar:
         return meter, status, 200
 
     @staticmethod
-    async def _pump(response: httpx.Response, meter: StreamMeter, send: Send) -> None:
-        """The per-chunk loop: read a block, meter it, send what the client should see."""
+    async def _pump(response: aiohttp.ClientResponse, meter: StreamMeter, send: Send,
+                    watch: StallWatch) -> None:  # fmt: skip
+        """The per-chunk loop: read what has arrived, meter it, send what the client should see.
+
+        It reads past ``data: [DONE]`` to the end of the response (the chunked terminator), so
+        the connection goes back to the pool instead of being closed.
+        """
         clock = time.perf_counter
-        async for block in response.aiter_raw():
+        read = response.content.readany
+        while True:
+            watch.waiting_since = clock()
+            block = await read()
+            watch.waiting_since = None
+            if not block:
+                return
+            if meter.done:
+                # Bytes after [DONE] are not vLLM's stream: stop, and the connection is closed.
+                return
             out = meter.feed(block, clock())
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
-            if meter.done:
-                return
 
     async def _record(self, call: _Call, status: RequestStatus, http_status: int, usage: UsageCounts | None,
                       meter: StreamMeter | None, finish: str | None) -> None:  # fmt: skip
@@ -619,15 +646,6 @@ def _ratelimit_headers(call: _Call) -> list[tuple[bytes, bytes]]:
     if call.admission is None:
         return []
     return [(k.encode(), v.encode()) for k, v in call.admission.headers]
-
-
-def _upstream_failure(exc: httpx.HTTPError) -> tuple[int, bytes]:
-    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-        return 504, error_body(
-            504, "The upstream model server timed out.", "upstream_error", "upstream_timeout"
-        )
-    return 502, error_body(502, f"The upstream model server is unreachable ({type(exc).__name__}).",
-                           "upstream_error", "upstream_unreachable")  # fmt: skip
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -63,13 +63,30 @@ class StreamMeter:
     first_token_at: float | None = None
     last_token_at: float | None = None
     token_events: int = 0
-    usage: UsageCounts | None = None
     final_usage: bool = False
     done: bool = False
     finish_reason: str | None = None
     itl: list[tuple[float, int]] = field(default_factory=list)
     _tail: bytes = b""
     _held: bytes = b""
+    _usage: UsageCounts | None = None
+    # The latest usage object seen, parsed only when asked for: every chunk carries one, and only
+    # the last one counts.
+    _usage_raw: bytes = b""
+
+    @property
+    def usage(self) -> UsageCounts | None:
+        """The latest token counts vLLM reported, None before any."""
+        if self._usage_raw:
+            counts = parse_usage(self._usage_raw)
+            self._usage_raw = b""
+            if counts is not None:
+                self._usage = counts
+        return self._usage
+
+    @usage.setter
+    def usage(self, counts: UsageCounts | None) -> None:
+        self._usage, self._usage_raw = counts, b""
 
     @property
     def passthrough(self) -> bool:
@@ -106,10 +123,9 @@ class StreamMeter:
         tokens = events - data.count(_ROLE) - usage_only
         at = data.rfind(_USAGE_KEY)
         if at >= 0:
-            counts = parse_usage(data[at : at + 400])
-            if counts is not None:
-                self.usage = counts
-                self.final_usage = self.final_usage or usage_only > 0
+            # One level of nesting (prompt_tokens_details) fits well within 400 bytes.
+            self._usage_raw = data[at : at + 400]
+            self.final_usage = self.final_usage or usage_only > 0
         if _FINISH in data:
             i = data.rfind(_FINISH) + len(_FINISH)
             self.finish_reason = data[i : data.find(b'"', i)].decode()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -133,6 +134,32 @@ async def test_upstream_dying_mid_stream_gives_an_error_event_and_partial_usage(
     stack = await stack_factory(upstream_app=dies)
     async with stack.client() as c:
         r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    tail = sse_events(r.content)[-1]
+    assert '"error"' in tail
+    assert "[DONE]" not in r.text
+    record = stack.records()[-1]
+    assert record["status"] == "upstream_error"
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (10, 3)
+
+
+async def test_upstream_stalling_mid_stream_times_out_with_an_error_event(
+    stack_factory, fixture_text
+):
+    """vLLM stops sending mid-stream: after the read timeout the client gets an SSE error event."""
+    events = sse_events(fixture_text("vllm-0.32-chat-stream-continuous-usage.sse"))[:4]
+    partial = "".join(f"data: {e}\n\n" for e in events).encode()
+
+    async def stalls(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": partial, "more_body": True})
+        await asyncio.sleep(30)
+
+    stack = await stack_factory(upstream_app=stalls, **{"sidecar.read_timeout_seconds": 0.3})
+    async with stack.client() as c:
+        started = time.perf_counter()
+        r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert time.perf_counter() - started < 5
     tail = sse_events(r.content)[-1]
     assert '"error"' in tail
     assert "[DONE]" not in r.text

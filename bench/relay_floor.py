@@ -1,0 +1,93 @@
+"""The floor under any Python ASGI relay on this stack: uvicorn + aiohttp with no sidecar logic.
+
+A ``--sidecar-launcher`` for ``bench/sidecar_overhead.py``. It serves the sidecar's address with
+the least a streaming proxy can do on the same server (uvicorn, httptools, the default asyncio
+loop) and the same upstream client (aiohttp): read the request, swap the model alias for the served
+model, forward it, and send every block that arrives straight on. No authentication, limits,
+metering, rewriting or spool. Its CPU per chunk is what the sidecar's own work is added to.
+
+    .venv/bin/python -m bench.sidecar_overhead --sidecar-launcher bench/relay_floor.py
+
+It takes the arguments of ``infermeter sidecar`` (``--config``, ``--replica``, ``--listen``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+import uvicorn
+
+from infermeter.asgi import Receive, Scope, Send, read_body, respond
+from infermeter.config import load_config
+from infermeter.netutil import host_port
+
+__all__ = ["Relay", "main"]
+
+_HOP = frozenset({b"host", b"content-length", b"connection", b"transfer-encoding"})
+
+
+class Relay:
+    """Forward every request to one upstream and stream the answer back untouched."""
+
+    def __init__(self, upstream: str, aliases: dict[bytes, bytes]) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.aliases = aliases
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer /healthz; relay everything else."""
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/healthz":
+            await respond(send, 200, b"{}", [(b"content-type", b"application/json")])
+            return
+        if self.session is None:
+            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        body = await read_body(receive, 1 << 20) or b""
+        for alias, served in self.aliases.items():
+            body = body.replace(alias, served)
+        headers = {k.decode(): v.decode() for k, v in scope["headers"] if k not in _HOP}
+        url = self.upstream + scope["path"]
+        async with self.session.post(url, data=body, headers=headers) as response:
+            await send({"type": "http.response.start", "status": response.status,
+                        "headers": [(b"content-type", response.headers.get("content-type", "").encode())]})  # fmt: skip
+            read = response.content.readany
+            while block := await read():
+                await send({"type": "http.response.body", "body": block, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Serve the relay where the sidecar of ``--replica`` would listen."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["sidecar"])
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--replica", required=True)
+    parser.add_argument("--listen", required=True)
+    args = parser.parse_args(argv)
+    config = load_config(args.config)
+    replica = config.replica(args.replica)
+    aliases = {f'"{replica.model}"'.encode(): f'"{replica.served_version}"'.encode()}
+    host, port = host_port(args.listen)
+    app = Relay(replica.upstream_url, aliases)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            http="httptools",
+            lifespan="off",
+        )
+    )
+    asyncio.run(server.serve())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
