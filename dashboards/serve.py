@@ -17,6 +17,7 @@ from infermeter.netutil import PortInUseError
 
 __all__ = ["dashboard_server", "serve_dashboard"]
 
+
 def billing_url_of(config: Config, billing_url: str | None = None) -> str:
     """The billing service to read from: the argument, ``dashboard.billing_url``, ``billing.url``."""
     return billing_url or config.dashboard.billing_url or config.billing.url
