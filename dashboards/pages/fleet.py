@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import plotly.graph_objects as go  # type: ignore[import-untyped]
@@ -49,8 +50,9 @@ def _ttft_figure(ctx: Context, frame: pl.DataFrame) -> go.Figure:
     return fig
 
 
-def _replicas(ctx: Context, reporting: pl.DataFrame | None) -> html.Table:
-    desired = desired_replicas(ctx.config.dashboard.metrics_urls)
+def _replicas(
+    ctx: Context, reporting: pl.DataFrame | None, desired: dict[str, float]
+) -> html.Table:
     live = (
         dict(reporting.select("model", "replicas").rows())
         if reporting is not None and reporting.height
@@ -89,10 +91,14 @@ def register(app: Dash, ctx: Context) -> None:
         names = ["ttft", "throughput", "team_usage"] + (
             ["engine", "gpus", "replicas"] if admin else []
         )
-        try:
-            frames = fetch_queries(ctx.client, token, names, start, end)
-        except BillingError as exc:
-            return [note(str(exc), "error"), None, None, *empty]
+        # The scaling signal is scraped while billing answers, not after.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            scrape = pool.submit(desired_replicas, ctx.config.dashboard.metrics_urls)
+            try:
+                frames = fetch_queries(ctx.client, token, names, start, end)
+            except BillingError as exc:
+                return [note(str(exc), "error"), None, None, *empty]
+            desired = scrape.result()
         ttft, thr = local_times(frames["ttft"], tz), local_times(frames["throughput"], tz)
         usage = frames["team_usage"]
         engine = local_times(frames["engine"], tz) if admin else None
@@ -112,7 +118,7 @@ def register(app: Dash, ctx: Context) -> None:
             )
             return [
                 status,
-                _replicas(ctx, None),
+                _replicas(ctx, None, desired),
                 admin_note,
                 *figures,
                 *empty[: len(_ADMIN_FIGURES)],
@@ -128,4 +134,4 @@ def register(app: Dash, ctx: Context) -> None:
             line_figure(gpus, "utilization", "series", "GPU utilization (mean)", "share"),
             line_figure(gpus, "power_watts", "series", "GPU power per GPU (mean)", "watts"),
         ]
-        return [status, _replicas(ctx, reporting), None, *figures]
+        return [status, _replicas(ctx, reporting, desired), None, *figures]

@@ -92,8 +92,11 @@ def dashboard_thread(config: Config, billing_url: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def chromium(downloads: Path) -> Iterator[webdriver.Chrome]:
-    """Headless Chromium from the system packages (never downloaded), with browser logs kept."""
+def chromium(downloads: Path, tz: str = "UTC") -> Iterator[webdriver.Chrome]:
+    """Headless Chromium from the system packages (never downloaded), with browser logs kept.
+
+    ``tz`` is the browser's time zone (through ``TZ``), so a test can check local times.
+    """
     missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
     if missing:
         raise RuntimeError(
@@ -112,7 +115,8 @@ def chromium(downloads: Path) -> Iterator[webdriver.Chrome]:
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     options.add_experimental_option("prefs", {"download.default_directory": str(downloads),
                                               "download.prompt_for_download": False})  # fmt: skip
-    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    service = Service(str(CHROMEDRIVER), env={**os.environ, "TZ": tz})
+    driver = webdriver.Chrome(options=options, service=service)
     try:
         yield driver
     finally:

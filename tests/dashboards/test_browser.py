@@ -7,11 +7,13 @@ with the key it needs and checks the numbers on the page against the ledger itse
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import pytest
 from selenium import webdriver
@@ -27,6 +29,8 @@ from tests.dashboards import records
 from tests.dashboards.records import ADMIN_KEY, TEAM_KEYS
 from tests.dashboards.stack import billing_thread, chromium, dashboard_thread, metrics_thread
 
+# Half-hour offset and no daylight saving: a time shown in UTC or off by whole hours is caught.
+VIEWER_TZ = "Asia/Kolkata"
 DESIRED = '# TYPE infermeter_desired_replicas gauge\ninfermeter_desired_replicas{model="chat-small"} 3.0\n'
 
 
@@ -59,7 +63,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         stack.callback(ledger.close)
         billing = stack.enter_context(billing_thread(config, ledger))
         url = stack.enter_context(dashboard_thread(config, billing))
-        driver = stack.enter_context(chromium(tmp / "downloads"))
+        driver = stack.enter_context(chromium(tmp / "downloads", VIEWER_TZ))
         yield Stack(config, ledger, fleet, url, driver, artifacts, tmp / "downloads")
 
 
@@ -178,7 +182,7 @@ def test_team_key_sees_only_its_team(stack):
 
 
 def test_sla_compliance_equals_the_ledgers_share(stack):
-    """Compliance per model is the share of the model's requests within its TTFT target."""
+    """Compliance per model is the ledger's share within target; hours are in the viewer's zone."""
     sign_in(stack, ADMIN_KEY, "/sla?range=24h")
     wait(stack, "#sla-models-table")
     shown = dict(zip(column(stack, "sla-models-table", "model"),
@@ -189,6 +193,8 @@ def test_sla_compliance_equals_the_ledgers_share(stack):
         within = sum(r["first_token_at"] - r["received_at"] <= target for r in reqs)
         assert float(pct) == pytest.approx(round(100 * within / len(reqs), 2))
     assert len(column(stack, "sla-worst-table", "p95_seconds")) == 2
+    local = dt.datetime.fromtimestamp(stack.fleet.start, ZoneInfo(VIEWER_TZ)).replace(tzinfo=None)
+    assert set(column(stack, "sla-worst-table", "hour")) == {str(local)}
     finish(stack, "sla-admin")
 
 
