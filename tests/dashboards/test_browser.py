@@ -24,6 +24,7 @@ from billing.chargeback import Chargeback
 from billing.ledger import Ledger
 from billing.months import month_of
 from exporters.chargeback_csv import chargeback_frame, write_csv
+from exporters.focus import focus_frame
 from infermeter.config import Config, DashboardSettings, load_config
 from tests.dashboards import records
 from tests.dashboards.records import ADMIN_KEY, TEAM_KEYS
@@ -128,7 +129,7 @@ def test_unknown_key_is_refused(stack):
 
 
 def test_chargeback_table_is_the_export_and_reconciles(stack):
-    """The admin's chargeback table is the CSV cell for cell, and its total is the statement's."""
+    """The admin's table is the CSV cell for cell, its total the statement's; downloads match."""
     month = month_of(stack.fleet.start)
     statement = Chargeback(stack.ledger, stack.config).statement(month)
     budgets = {t.name: t.budget_usd_per_month for t in stack.config.teams}
@@ -144,6 +145,10 @@ def test_chargeback_table_is_the_export_and_reconciles(stack):
     target = stack.downloads / f"chargeback-{month}.csv"
     WebDriverWait(stack.driver, 10).until(lambda _: target.exists() and target.stat().st_size > 0)
     assert target.read_text() == csv_text
+    stack.driver.find_element(By.ID, "chargeback-focus-button").click()
+    focus = stack.downloads / f"focus-1.0-{month}.csv"
+    WebDriverWait(stack.driver, 10).until(lambda _: focus.exists() and focus.stat().st_size > 0)
+    assert focus.read_text() == write_csv(focus_frame(statement, stack.config))
     finish(stack, "chargeback-admin")
 
 
