@@ -177,6 +177,9 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--skip-ingest", action="store_true")
     parser.add_argument(
+        "--reuse", action="store_true", help="keep the ledger already in --dir (skip generate)"
+    )
+    parser.add_argument(
         "--dir", type=Path, default=None, help="work directory (default: a temp dir)"
     )
     args = parser.parse_args()
@@ -190,9 +193,10 @@ def main() -> int:
     try:
         ledger = Ledger.open(work / "ledger.duckdb", TEAMS, {"chat-small": 0.5, "chat-large": 1.5},
                              memory_limit=args.memory_limit)  # fmt: skip
-        t = time.perf_counter()
-        generate(ledger, args.records)
-        print(f"generate   {args.records:,} records + rollups: {time.perf_counter() - t:.1f} s")
+        if not args.reuse:
+            t = time.perf_counter()
+            generate(ledger, args.records)
+            print(f"generate   {args.records:,} records + rollups: {time.perf_counter() - t:.1f} s")
         chargeback = Chargeback(ledger, config)
         cb_med, cb_min, statement = timed(lambda: chargeback.statement(MONTH), args.repeat)
 

@@ -86,8 +86,8 @@ class AllocationSql:
     table ``_slots`` (cost and occupancy per replica and slot), which the next two read, so the
     big join is done once. ``replicas``: per replica,
     its busy and idle cost. ``shares``: per replica, team and model, the busy cost it pays and
-    its GPU-hours and kWh. ``counts``: requests and tokens per team and model. ``fleet``: the
-    fleet cost, one row.
+    its GPU-hours and kWh (with the in-flight split, also the counts). ``counts``: requests and
+    tokens per team and model, or "" when ``shares`` carries them. ``fleet``: the fleet cost.
     """
 
     unpriced: str
@@ -107,6 +107,12 @@ def _prices(policy: Policy) -> str:
         if rows
         else "(SELECT NULL::VARCHAR AS gpu_model, NULL::DOUBLE AS usd WHERE false) AS p"
     )
+
+
+_COUNT_SUMS: Final = (
+    "sum(requests)::BIGINT AS requests, sum(prompt_tokens)::BIGINT AS prompt_tokens, "
+    "sum(completion_tokens)::BIGINT AS completion_tokens"
+)
 
 
 def _lit(text: str) -> str:
@@ -145,16 +151,18 @@ slots AS (
         least(1.0, coalesce(o.occupied, 0.0) / {SLOT_SECONDS}.0) AS busy
     FROM costs c LEFT JOIN occupancy o USING (replica, slot)
 )
-SELECT * FROM slots"""
+-- per_* : what one in-flight second of the slot pays, so the big join only multiplies.
+SELECT *, {", ".join(f"CASE WHEN occupied > 0 THEN {c} * busy / occupied ELSE 0.0 END AS per_{c}" for c in MONEY)}
+FROM slots"""
     busy_money = ", ".join(f"sum({c} * busy) AS {c}" for c in MONEY)
     if policy.allocation == "in_flight":
         share_cols = ", ".join(
-            f"sum(s.{c} * s.busy * u.inflight_seconds / s.occupied) AS {c}" for c in MONEY
+            f"coalesce(sum(u.inflight_seconds * s.per_{c}), 0.0) AS {c}" for c in MONEY
         )
+        # One pass over the biggest table gives the shares and the counts together.
         shares = f"""
-SELECT u.replica, u.team, u.model, {share_cols}
-FROM {usage} u JOIN _slots s USING (replica, slot)
-WHERE s.occupied > 0
+SELECT u.replica, u.team, u.model, {share_cols}, {_COUNT_SUMS}
+FROM {usage} u LEFT JOIN _slots s USING (replica, slot)
 GROUP BY u.replica, u.team, u.model"""
     else:
         weight = (
@@ -181,9 +189,9 @@ FROM _slots GROUP BY replica"""
         prepare=prepare,
         replicas=replicas,
         shares=shares,
-        counts=f"""SELECT team, model, sum(requests)::BIGINT AS requests,
-    sum(prompt_tokens)::BIGINT AS prompt_tokens, sum(completion_tokens)::BIGINT AS completion_tokens
-FROM {usage} GROUP BY team, model""",
+        counts=""
+        if policy.allocation == "in_flight"
+        else f"SELECT team, model, {_COUNT_SUMS} FROM {usage} GROUP BY team, model",
         fleet=f"""SELECT coalesce(sum(g.gpu_seconds / 3600.0 * p.usd), 0) + coalesce(sum(g.energy_joules), 0) / 3.6e6 * {energy_price!r}
 FROM {gpus} g JOIN {_prices(policy)} USING (gpu_model)""",
     )
@@ -262,12 +270,15 @@ def run(
     fleet_rows = con.execute(queries.fleet).fetchall()
     fleet = float(fleet_rows[0][0]) if fleet_rows and fleet_rows[0][0] is not None else 0.0
     con.execute(queries.prepare)
-    lines = lines_from(
-        con.sql(queries.replicas).pl(),
-        con.sql(queries.shares).pl(),
-        con.sql(queries.counts).pl(),
-        policy,
-    )
+    shares = con.sql(queries.shares).pl()
+    if queries.counts:
+        counts = con.sql(queries.counts).pl()
+    else:
+        counts = shares.group_by("team", "model").agg(
+            pl.col("requests", "prompt_tokens", "completion_tokens").sum()
+        )
+        shares = shares.drop("requests", "prompt_tokens", "completion_tokens")
+    lines = lines_from(con.sql(queries.replicas).pl(), shares, counts, policy)
     return lines, fleet
 
 
