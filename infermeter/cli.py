@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="run the whole platform on a simulated fleet, with traffic",
         description=(
-            "The simulated fleet, a sidecar in front of every replica, and traffic from several "
-            "teams through the sidecars, all on loopback. Ctrl-C stops everything."
+            "The simulated fleet, a sidecar in front of every replica, the collector, the billing "
+            "service with its DuckDB ledger, the dashboard, and traffic from several teams "
+            "through the sidecars, all on loopback. Ctrl-C stops everything."
         ),
     )
     _add_config(demo)
@@ -237,8 +238,10 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
     children = [fleet.billing_child(config, path)]
     children += fleet.simulator_children(config, path) + fleet.sidecar_children(config, path)
     children.append(fleet.collector_child(config, path))
+    children.append(fleet.dashboard_child(config, path))
     children.append(fleet.traffic_child(path, args))
     urls = fleet.sidecar_urls(config) + fleet.simulator_urls(config)
     urls.append(("collector (fleet view)", f"http://{config.collector.listen}/metrics"))
     urls.append(("billing API (admin: im-demo-admin)", f"{config.billing.url}/v1/spend"))
+    urls.append(("dashboard (sign in: im-demo-admin)", f"http://{config.dashboard.listen}/"))
     return fleet.run(children, urls)

@@ -12,6 +12,7 @@ from infermeter.supervisor import Child, ChildFailedError, Supervisor
 __all__ = [
     "billing_child",
     "collector_child",
+    "dashboard_child",
     "run",
     "sidecar_children",
     "sidecar_urls",
@@ -84,6 +85,13 @@ def billing_child(config: Config, config_path: str) -> Child:
     ensure_free(*host_port(config.billing.listen), "billing listen address")
     argv = _infermeter("billing", "--config", config_path)
     return Child("billing", argv, f"http://{config.billing.listen}/healthz")
+
+
+def dashboard_child(config: Config, config_path: str) -> Child:
+    """The dashboard, reading through the billing service."""
+    ensure_free(*host_port(config.dashboard.listen), "dashboard listen address")
+    argv = _infermeter("dashboard", "--config", config_path)
+    return Child("dashboard", argv, f"http://{config.dashboard.listen}/")
 
 
 def traffic_child(config_path: str, args: argparse.Namespace) -> Child:
