@@ -176,6 +176,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--skip-ingest", action="store_true")
+    parser.add_argument("--ingest-only", action="store_true", help="only the ingest measurement")
     parser.add_argument(
         "--reuse", action="store_true", help="keep the ledger already in --dir (skip generate)"
     )
@@ -191,6 +192,10 @@ def main() -> int:
     path = work / "infermeter.yaml"
     path.write_text(yaml.safe_dump(data))
     try:
+        if args.ingest_only:
+            rate = ingest_rate(path, port, args.batch, args.clients, args.batches)
+            print(f"ingest     {args.batches} batches x {args.batch:,} records, {args.clients} clients: {rate:,.0f} records/s")
+            return 0
         ledger = Ledger.open(work / "ledger.duckdb", TEAMS, {"chat-small": 0.5, "chat-large": 1.5},
                              memory_limit=args.memory_limit)  # fmt: skip
         if not args.reuse:
