@@ -14,7 +14,6 @@ from typing import Annotated, Any
 
 import duckdb
 import orjson
-import polars as pl
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
@@ -34,8 +33,7 @@ from billing.chargeback import Chargeback
 from billing.ledger import BatchTooLargeError, Ledger, LedgerError
 from billing.metrics import SpendCollector
 from billing.months import check_month
-from billing.query_api import query_router
-from billing.statement import Statement
+from billing.query_api import query_router, statement_json
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
 from infermeter.config import Config
@@ -126,7 +124,7 @@ def create_app(config: Config, ledger: Ledger) -> FastAPI:
         """Freeze a month's statement (admin)."""
         caller(authorization).require(ADMIN)
         statement = await run_in_threadpool(chargeback.close, check_month(month))
-        return _statement_json(statement, None)
+        return statement_json(statement, None)
 
     @app.get("/v1/chargeback/{month}.csv")
     async def chargeback_csv(
@@ -155,7 +153,7 @@ def create_app(config: Config, ledger: Ledger) -> FastAPI:
         if who.team is None:
             who.require(ADMIN)
         statement = await run_in_threadpool(chargeback.statement, check_month(month))
-        return _json(_statement_json(statement, who.team))
+        return _json(statement_json(statement, who.team))
 
     @app.get("/v1/spend")
     async def spend(authorization: Annotated[str | None, Header()] = None) -> list[dict[str, Any]]:
@@ -200,17 +198,3 @@ def _json(body: Any) -> Response:
 def _download(text: str, filename: str) -> Response:
     return Response(text, media_type="text/csv; charset=utf-8",
                     headers={"content-disposition": f'attachment; filename="{filename}"'})  # fmt: skip
-
-
-def _statement_json(statement: Statement, team: str | None) -> dict[str, Any]:
-    lines = statement.lines if team is None else statement.lines.filter(pl.col("team") == team)
-    body: dict[str, Any] = {
-        "month": statement.month,
-        "closed": statement.closed,
-        "lines": lines.to_dicts(),
-        "total_cents": int(lines["total_cents"].sum()) if lines.height else 0,
-    }
-    if team is None:
-        body |= {"fleet_cents": statement.fleet_cents, "adjustment_cents": statement.adjustment_cents,
-                 "reconciles": statement.reconciles}  # fmt: skip
-    return body
