@@ -38,10 +38,14 @@ class _RetryableError(Exception):
 
 
 class Shipper:
-    """Moves closed spool segments to billing, one batch at a time."""
+    """Moves closed spool segments to billing, one batch at a time.
+
+    A batch is a whole segment by default (spools roll at 5,000 records): billing's cost per
+    batch is mostly fixed per transaction, so fewer, larger batches ingest faster.
+    """
 
     def __init__(self, spool: Spool, url: str, token: str | None, kind: str, client: httpx.AsyncClient,
-                 batch_size: int = 1000, interval_seconds: float = 1.0) -> None:  # fmt: skip
+                 batch_size: int = 5000, interval_seconds: float = 1.0) -> None:  # fmt: skip
         self.spool = spool
         self.url = url
         self.kind = kind
