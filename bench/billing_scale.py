@@ -194,7 +194,9 @@ def main() -> int:
     try:
         if args.ingest_only:
             rate = ingest_rate(path, port, args.batch, args.clients, args.batches)
-            print(f"ingest     {args.batches} batches x {args.batch:,} records, {args.clients} clients: {rate:,.0f} records/s")
+            print(
+                f"ingest     {args.batches} batches x {args.batch:,} records, {args.clients} clients: {rate:,.0f} records/s"
+            )
             return 0
         ledger = Ledger.open(work / "ledger.duckdb", TEAMS, {"chat-small": 0.5, "chat-large": 1.5},
                              memory_limit=args.memory_limit)  # fmt: skip

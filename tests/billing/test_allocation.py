@@ -66,7 +66,10 @@ def test_worked_example_in_flight_share_with_idle_spread():
     assert fleet == pytest.approx(0.309)
     # $0.309 is 31 cents (half up); the one cent the floors miss goes to the largest remainder.
     cents = cents_lines("2026-10", lines, fleet)
-    assert dict(zip(cents["team"], cents["total_cents"], strict=True)) == {"search": 21, "assistant": 10}
+    assert dict(zip(cents["team"], cents["total_cents"], strict=True)) == {
+        "search": 21,
+        "assistant": 10,
+    }
 
 
 def test_idle_capacity_charged_to_the_platform():

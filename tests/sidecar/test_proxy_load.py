@@ -154,7 +154,9 @@ async def test_a_flooding_team_does_not_starve_the_others(stack_factory):
         unloaded = await _p95_under_flood(stack, 0)
         loaded = await _p95_under_flood(stack, 160)
         attempts.append((unloaded, loaded))
-        print(f"\nfair share on: p95 TTFT unloaded {unloaded * 1000:.1f} ms, flooded {loaded * 1000:.1f} ms")
+        print(
+            f"\nfair share on: p95 TTFT unloaded {unloaded * 1000:.1f} ms, flooded {loaded * 1000:.1f} ms"
+        )
         if loaded <= 2 * unloaded:
             break
     assert any(loaded <= 2 * unloaded for unloaded, loaded in attempts), attempts
