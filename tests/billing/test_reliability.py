@@ -110,3 +110,24 @@ async def test_kill_9_of_billing_loses_nothing_and_counts_nothing_twice(tmp_path
     assert len(sent) == 500
     assert sorted(ids) == sorted(sent)
     assert requests == (500,)
+
+
+def test_sigterm_checkpoints_the_ledger(tmp_path):
+    """SIGTERM (what Kubernetes sends) shuts billing down cleanly: ledger checkpointed, data kept."""
+    port = free_port()
+    path, _ = _config(tmp_path, "http://127.0.0.1:1", port)
+    billing = _start_billing(path, port)
+    record = {"sample_id": "e1", "replica": "small-0", "model": "chat-small", "timestamp": 1790812805.0,
+              "requests_running": 3.0, "requests_waiting": 1.0, "kv_cache_usage": 0.2,
+              "prompt_tokens_total": 10.0, "generation_tokens_total": 20.0}  # fmt: skip
+    response = httpx.post(f"http://127.0.0.1:{port}/v1/ingest", json={"engine_samples": [record]},
+                          headers={"authorization": f"Bearer {INGEST_TOKEN}"})  # fmt: skip
+    assert response.json()["accepted"] == 1
+    billing.send_signal(signal.SIGTERM)
+    billing.wait(20)
+    assert not (tmp_path / "ledger.duckdb.wal").exists()
+    con = duckdb.connect(str(tmp_path / "ledger.duckdb"), read_only=True)
+    try:
+        assert con.execute("SELECT sample_id FROM engine_samples").fetchall() == [("e1",)]
+    finally:
+        con.close()
