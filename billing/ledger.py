@@ -72,6 +72,8 @@ class Ledger:
                  ttft_sla_seconds: dict[str, float]) -> None:  # fmt: skip
         self._con = con
         self._write_lock = threading.Lock()
+        self._touched_lock = threading.Lock()
+        self._touched: tuple[float, float] | None = None
         self.teams = list(teams)
         self.ttft_sla = dict(ttft_sla_seconds)
         self._set_teams(self.teams)
@@ -139,12 +141,30 @@ class Ledger:
             con = self._con
             con.execute("BEGIN TRANSACTION")
             try:
-                result = self._ingest(con, kind, raw, frame, now, skew_seconds)
+                result, span = self._ingest(con, kind, raw, frame, now, skew_seconds)
                 con.execute("COMMIT")
             except BaseException:
                 con.execute("ROLLBACK")
                 raise
+        if span is not None:
+            self.retouch(span)
         return result
+
+    def take_touched(self) -> tuple[float, float] | None:
+        """The time span (Unix seconds) new records fell in since the last call, and forget it.
+
+        Whoever keeps copies derived from the ledger (the dashboards' coarse rollups) asks, so
+        that a record arriving long after its time still reaches them.
+        """
+        with self._touched_lock:
+            span, self._touched = self._touched, None
+        return span
+
+    def retouch(self, span: tuple[float, float]) -> None:
+        """Add ``span`` to the touched span (also: give back a span whose refresh failed)."""
+        with self._touched_lock:
+            old = self._touched
+            self._touched = span if old is None else (min(old[0], span[0]), max(old[1], span[1]))
 
     @staticmethod
     def _batch(body: bytes, max_records: int | None) -> tuple[ingest_sql.Kind, list[Any]]:
@@ -168,7 +188,7 @@ class Ledger:
         return ingest_sql.KINDS[key], records
 
     def _ingest(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind, raw: bytes,
-                frame: pl.DataFrame | None, now: float, skew: float) -> IngestResult:  # fmt: skip
+                frame: pl.DataFrame | None, now: float, skew: float) -> tuple[IngestResult, tuple[float, float] | None]:  # fmt: skip
         if frame is not None:
             con.register("_batch", frame)
             try:
@@ -191,27 +211,28 @@ class Ledger:
         ).fetchone()
         assert good is not None
         if not good[0]:
-            return IngestResult(kind.key, 0, 0, rejected)
+            return IngestResult(kind.key, 0, 0, rejected), None
         con.execute(ingest_sql.insert_sql(kind), {"now": now, "lo": good[1], "hi": good[2]})
         fresh_row = con.execute("SELECT count(*) FROM fresh").fetchone()
         fresh = fresh_row[0] if fresh_row else 0
+        span = None
         if fresh:
             con.execute(ingest_sql.append_sql(kind))
             self._roll_up(con, kind)
-        return IngestResult(kind.key, fresh, good[0] - fresh, rejected)
+            row = con.execute(f"SELECT min(t), max(t) FROM ({_SPANS[kind.key]})").fetchone()
+            span = (float(row[0]), float(row[1])) if row and row[0] is not None else None
+        return IngestResult(kind.key, fresh, good[0] - fresh, rejected), span
 
     def _roll_up(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind) -> None:
         if kind.key == "usage":
             con.execute(ingest_sql.usage_rollup_sql())
             con.execute(ingest_sql.occupancy_rollup_sql())
             con.execute(ingest_sql.ttft_rollup_sql())
-            spans = "SELECT received_at AS t FROM fresh UNION ALL SELECT finished_at FROM fresh"
         elif kind.key == "gpu_samples":
             con.execute(ingest_sql.gpu_rollup_sql())
-            spans = 'SELECT "timestamp" - interval_seconds AS t FROM fresh UNION ALL SELECT "timestamp" FROM fresh'
         else:
             return
-        months = f"SELECT DISTINCT strftime(make_timestamp(CAST(t * 1000000 AS BIGINT)), '%Y-%m') AS m FROM ({spans})"
+        months = f"SELECT DISTINCT strftime(make_timestamp(CAST(t * 1000000 AS BIGINT)), '%Y-%m') AS m FROM ({_SPANS[kind.key]})"
         con.execute(f"INSERT INTO months (month) {months} ON CONFLICT DO NOTHING")
         con.execute(
             f"UPDATE months SET dirty = true WHERE closed_at IS NOT NULL AND month IN ({months})"
@@ -349,6 +370,12 @@ class Ledger:
         return [self.export_table(t, directory, partitioned) for t in self.table_names()]
 
 
+# The times a kind's fresh records cover: a request from arrival to end, a sample its interval.
+_SPANS = {
+    "usage": "SELECT received_at AS t FROM fresh UNION ALL SELECT finished_at FROM fresh",
+    "gpu_samples": 'SELECT "timestamp" - interval_seconds AS t FROM fresh UNION ALL SELECT "timestamp" FROM fresh',
+    "engine_samples": 'SELECT "timestamp" AS t FROM fresh',
+}
 _TIME_COLUMNS = {
     "usage": "received_at",
     "gpu_samples": '"timestamp"',

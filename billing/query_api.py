@@ -101,24 +101,34 @@ class Rollups:
             self._refresh(now)
 
     def _refresh(self, now: float) -> None:
-        with self._ledger.reader() as cur:
-            for statement in queries.rollup_setup_sql():
-                cur.execute(statement)
-            for name, copy in queries.COPIES.items():
-                first_row = cur.execute(copy.first).fetchone()
-                if first_row is None or first_row[0] is None:
-                    continue
-                for period in queries.PERIODS:
-                    self._refresh_one(cur, name, period, int(first_row[0]), now)
+        # Records that arrived since the last refresh, however old their time: their periods
+        # are recomputed too, not only the last ``reroll_minutes``.
+        touched = self._ledger.take_touched()
+        try:
+            with self._ledger.reader() as cur:
+                for statement in queries.rollup_setup_sql():
+                    cur.execute(statement)
+                for name, copy in queries.COPIES.items():
+                    first_row = cur.execute(copy.first).fetchone()
+                    if first_row is None or first_row[0] is None:
+                        continue
+                    for period in queries.PERIODS:
+                        self._refresh_one(cur, name, period, int(first_row[0]), now, touched)
+        except BaseException:
+            if touched is not None:
+                self._ledger.retouch(touched)
+            raise
 
     def _refresh_one(self, cur: duckdb.DuckDBPyConnection, name: str, period: int,
-                     first: int, now: float) -> None:  # fmt: skip
+                     first: int, now: float, touched: tuple[float, float] | None = None) -> None:  # fmt: skip
         done = int((now - self._settle) // 60) // period * period
         old = self.coverage().get((name, period))
         start = first // period * period
         if period < max(queries.PERIODS):
             start = max(start, (done - self._keep_5m) // period * period)
         lo = start if old is None else max(start, (old[1] - self._reroll) // period * period)
+        if touched is not None and old is not None:
+            lo = min(lo, max(start, int(touched[0] // 60) // period * period))
         if lo >= done:
             return
         cur.execute("BEGIN TRANSACTION")

@@ -291,3 +291,24 @@ def test_stale_statement_is_served_then_recomputed(config, ledger, fleet):
         fresh = c.get(f"/v1/query/statement/{month}", headers=headers).json()
     assert stale["total_cents"] == before
     assert sum(line["requests"] for line in fresh["lines"]) == len(fleet.usage) + 1
+
+
+def test_records_arriving_long_after_their_time_reach_the_coarse_copies(config, fleet):
+    """A record a day late (outside the re-roll window) is in the hourly copy after a refresh."""
+    ledger = records.open_ledger(config, ":memory:", fleet)
+    try:
+        rollups = Rollups(ledger, settle_seconds=0, reroll_minutes=60)
+        rollups.refresh(fleet.start + 3600)
+        rollups.refresh(fleet.start + 86400 + 3600)
+        late = dict(fleet.usage[0], request_id="late-by-a-day")
+        ledger.ingest(orjson.dumps({"usage": [late]}), now=fleet.start + 86400 + 3660)
+        rollups.refresh(fleet.start + 86400 + 3720)
+        params = queries.params_from(
+            fleet.start, fleet.start + 3600, 3600, coverage=rollups.coverage()
+        )
+        assert "_60m" in queries.throughput_sql(params)[0]
+        with ledger.reader() as cur:
+            frame = queries.run(cur, "team_usage", params)
+        assert int(frame["requests"].sum()) == len(fleet.usage) + 1
+    finally:
+        ledger.close()
