@@ -32,7 +32,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import statistics
 import tempfile
 import time
@@ -54,6 +53,7 @@ from billing.query_api import Rollups
 from dashboards.client import BillingClient
 from dashboards.data import fetch_queries
 from infermeter.config import Config, hash_key
+from infermeter.netutil import free_port
 
 REPLICAS = 16
 MODELS = 4
@@ -155,14 +155,6 @@ def time_query(
         times.append((time.perf_counter() - t0) * 1000)
         rows = frame.height
     return rows, times
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _p(values: Sequence[float], q: float) -> float:

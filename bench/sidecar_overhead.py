@@ -50,7 +50,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -65,6 +64,7 @@ from typing import Any, cast
 import yaml
 
 from infermeter.config import DEFAULT_CONFIG, load_config
+from infermeter.netutil import free_port
 from simulator.replica import replica_spec
 
 __all__ = ["main", "run_benchmark"]
@@ -336,13 +336,6 @@ def _client_main(conn: Connection) -> None:
 # -- processes -----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _read(path: str) -> str | None:
     try:
         return Path(path).read_text()
@@ -545,7 +538,7 @@ def stack(
     the same arguments (to measure a patched sidecar, or one on another event loop)."""
     base = tmp / tag
     base.mkdir()
-    ports = {path: _free_port() for path in PATHS}
+    ports = {path: free_port(HOST) for path in PATHS}
     cfg = base / "infermeter.yaml"
     model = write_config(cfg, base, ports["direct"], engine)
     conf = base / "nginx.conf"

@@ -25,7 +25,6 @@ import multiprocessing
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from typing import Any, Literal, cast
 import yaml
 
 from infermeter.config import DEFAULT_CONFIG, load_config
+from infermeter.netutil import free_port
 from simulator.replica import replica_spec
 
 __all__ = ["Result", "main", "run_benchmark"]
@@ -313,13 +313,6 @@ def _client_main(
 # -- server process and measurement --------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def write_config(path: Path, replica_id: str, port: int, engine: EngineSettings) -> str:
     """Write the benchmark config to ``path``; return the model name requests must ask for."""
     raw: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text(encoding="utf-8"))
@@ -483,7 +476,7 @@ def run_benchmark(args: argparse.Namespace) -> list[Result]:
     )
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="sim-throughput-") as tmp:
-        port = _free_port()
+        port = free_port(HOST)
         cfg = Path(tmp) / "infermeter.yaml"
         model = write_config(cfg, args.replica, port, engine)
         log = Path(tmp) / "replica.log"

@@ -6,7 +6,7 @@ import errno
 import socket
 from urllib.parse import urlsplit
 
-__all__ = ["PortInUseError", "ensure_free", "host_port"]
+__all__ = ["PortInUseError", "ensure_free", "free_port", "host_port"]
 
 
 class PortInUseError(Exception):
@@ -35,3 +35,11 @@ def ensure_free(host: str, port: int, what: str) -> None:
             raise PortInUseError(
                 f"cannot listen on {host}:{port} ({what}): {exc.strerror}"
             ) from None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listened on a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port

@@ -18,11 +18,12 @@ from collectors.loop import FleetCollector
 from collectors.metrics import create_app
 from collectors.serve import build_collector
 from infermeter.config import DEFAULT_CONFIG, Config
+from infermeter.netutil import free_port
 from sidecar.app import Sidecar
 from simulator.dcgm import node_exporters
 from simulator.replica import ReplicaSim, replica_spec
 from tests.alerts.prometheus import running_prometheus
-from tests.servers import free_port, serving
+from tests.servers import serving
 
 METRICS_TOKEN = "im-demo-metrics"
 TEAM_KEY = "im-demo-search"

@@ -17,9 +17,10 @@ import pytest
 import yaml
 
 from infermeter.config import DEFAULT_CONFIG, Config
+from infermeter.netutil import free_port
 from sidecar.app import Sidecar
 from simulator.replica import ReplicaSim, replica_spec
-from tests.servers import free_port, serving
+from tests.servers import serving
 
 INGEST_TOKEN = "im-demo-ingest"
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hello there"}]}

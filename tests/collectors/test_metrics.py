@@ -13,8 +13,8 @@ from collectors.metrics import FleetMetrics, create_app
 from collectors.serve import serve_collector
 from collectors.sources import EngineReading
 from infermeter.config import Config
+from infermeter.netutil import free_port
 from tests.collectors.fakes import FakeGpuSource, reading
-from tests.servers import free_port
 
 
 class FakeEngine:

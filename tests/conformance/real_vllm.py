@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+
+from infermeter.netutil import free_port
 
 __all__ = [
     "ENTRY_MODULE",
@@ -65,14 +66,6 @@ LOG_TAIL_CHARS = 6000
 
 class VllmStartError(RuntimeError):
     """Real vLLM exited or did not become healthy in time; the message has its log tail."""
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def server_command(venv_dir: Path, model_dir: Path, port: int) -> list[str]:

@@ -23,7 +23,7 @@ from billing.api import create_app as billing_app
 from billing.ledger import Ledger
 from dashboards.serve import dashboard_server
 from infermeter.config import Config
-from tests.servers import free_port
+from infermeter.netutil import free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")

@@ -16,7 +16,7 @@ import yaml
 
 from infermeter.cli import build_parser, main
 from infermeter.config import DEFAULT_CONFIG
-from tests.servers import free_port
+from infermeter.netutil import free_port
 
 
 def test_every_subcommand_has_help(capsys):

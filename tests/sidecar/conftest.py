@@ -12,9 +12,10 @@ import pytest
 import yaml
 
 from infermeter.config import DEFAULT_CONFIG, Config
+from infermeter.netutil import free_port
 from sidecar.app import Sidecar
 from simulator.replica import ReplicaSim, replica_spec
-from tests.servers import free_port, serving
+from tests.servers import serving
 
 KEYS = {"search": "im-demo-search", "assistant": "im-demo-assistant", "analytics": "im-demo-analytics",
         "research": "im-demo-research"}  # fmt: skip

@@ -17,9 +17,10 @@ import orjson
 import yaml
 
 from infermeter.config import DEFAULT_CONFIG
+from infermeter.netutil import free_port
 from infermeter.spool import read_segment
 from simulator.replica import ReplicaSim, replica_spec
-from tests.servers import free_port, serving
+from tests.servers import serving
 from tests.sidecar.conftest import KEYS, make_config
 
 CHAT = {

@@ -9,9 +9,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from infermeter.config import load_config
+from infermeter.netutil import free_port
 from simulator.dcgm import DcgmGpu, node_exporters, render
 from simulator.replica import ReplicaSim, replica_spec
-from tests.servers import free_port, serving
+from tests.servers import serving
 
 LINE = re.compile(r"^(?P<name>[A-Z_]+)\{(?P<labels>.*)\} (?P<value>\S+)$")
 
