@@ -10,11 +10,11 @@ import polars as pl
 from billing.allocation import Policy
 from billing.ledger import Ledger, LedgerError
 from billing.months import check_month, month_bounds, month_of
+from billing.rounding import to_cents
 from billing.statement import (
     Statement,
     adjustment_lines,
     cents_lines,
-    fleet_cents,
     team_totals,
 )
 from infermeter.config import Config
@@ -59,7 +59,7 @@ class Chargeback:
 
     def _cents(self, month: str) -> tuple[pl.DataFrame, int]:
         lines, fleet = self.ledger.allocate(self.policy, month)
-        return cents_lines(month, lines, fleet), fleet_cents(fleet)
+        return cents_lines(month, lines, fleet), to_cents(fleet)
 
     def statement(self, month: str) -> Statement:
         """``month``'s statement: frozen if closed, computed from the ledger now if open."""

@@ -303,12 +303,17 @@ def _slots(start: str, end: str) -> str:
     return f"unnest(range(CAST(floor({start} / {SLOT_SECONDS}) AS BIGINT), CAST(floor({end} / {SLOT_SECONDS}) AS BIGINT) + 1))"
 
 
+def _overlap(start: str, end: str) -> str:
+    """Seconds of ``start``..``end`` inside minute ``slot`` (0 when they do not meet)."""
+    return f"greatest(0.0, least({end}, (slot + 1) * {SLOT_SECONDS}.0) - greatest({start}, slot * {SLOT_SECONDS}.0))"
+
+
 def usage_rollup_sql() -> str:
     """SQL adding the ``fresh`` usage records to ``usage_slots``.
 
     Temp table ``_sla(model, ttft_seconds)`` holds the TTFT targets for the within-SLA count.
     """
-    overlap = f"greatest(0.0, least(finished_at, (slot + 1) * {SLOT_SECONDS}.0) - greatest(received_at, slot * {SLOT_SECONDS}.0))"
+    overlap = _overlap("received_at", "finished_at")
     fin = f"(slot = CAST(floor(finished_at / {SLOT_SECONDS}) AS BIGINT))"
     ttft = "(first_token_at - received_at)"
     return f"""
@@ -347,7 +352,7 @@ ON CONFLICT DO UPDATE SET
 
 def occupancy_rollup_sql() -> str:
     """SQL adding the ``fresh`` usage records' in-flight seconds to ``replica_slots``."""
-    overlap = f"greatest(0.0, least(finished_at, (slot + 1) * {SLOT_SECONDS}.0) - greatest(received_at, slot * {SLOT_SECONDS}.0))"
+    overlap = _overlap("received_at", "finished_at")
     return f"""
 INSERT INTO replica_slots
 SELECT replica, slot, sum({overlap})
@@ -373,7 +378,7 @@ ON CONFLICT DO UPDATE SET requests = requests + excluded.requests;
 def gpu_rollup_sql() -> str:
     """SQL adding the ``fresh`` GPU samples to ``gpu_slots``, spread over the slots they cover."""
     start = '("timestamp" - interval_seconds)'
-    overlap = f'greatest(0.0, least("timestamp", (slot + 1) * {SLOT_SECONDS}.0) - greatest({start}, slot * {SLOT_SECONDS}.0))'
+    overlap = _overlap(start, '"timestamp"')
     share = f"CASE WHEN interval_seconds > 0 THEN {overlap} / interval_seconds ELSE 1.0 END"
     return f"""
 INSERT INTO gpu_slots

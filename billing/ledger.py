@@ -376,11 +376,8 @@ _SPANS = {
     "gpu_samples": 'SELECT "timestamp" - interval_seconds AS t FROM fresh UNION ALL SELECT "timestamp" FROM fresh',
     "engine_samples": 'SELECT "timestamp" AS t FROM fresh',
 }
-_TIME_COLUMNS = {
-    "usage": "received_at",
-    "gpu_samples": '"timestamp"',
-    "engine_samples": '"timestamp"',
-}
+# A raw table's time column, for partitioning its Parquet export by month.
+_TIME_COLUMNS = {k.table: f'"{k.time_field}"' for k in ingest_sql.KINDS.values()}
 
 
 def _frame(cur: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any]) -> pl.DataFrame:

@@ -12,7 +12,7 @@ from typing import Final
 
 import polars as pl
 
-from billing.rounding import largest_remainder, to_cents
+from billing.rounding import largest_remainder
 
 __all__ = [
     "CENT_COLUMNS",
@@ -109,11 +109,6 @@ def adjustment_lines(
     return diff.filter(nonzero).select(
         pl.lit(month).alias("month"), pl.lit(for_month).alias("for_month"), *keys, *value_cols
     ).cast(_LINE_SCHEMA).sort(keys)  # type: ignore[arg-type]  # fmt: skip
-
-
-def fleet_cents(fleet_usd: float) -> int:
-    """The fleet's cost for a month, in cents."""
-    return to_cents(fleet_usd)
 
 
 def with_budgets(lines: pl.DataFrame, budgets_usd: Mapping[str, float]) -> pl.DataFrame:
