@@ -40,6 +40,7 @@ import yaml
 
 from billing import ingest_sql
 from billing.chargeback import Chargeback
+from billing.fastpath import typed_frame
 from billing.ledger import Ledger
 from infermeter.config import DEFAULT_CONFIG, Config
 
@@ -132,7 +133,7 @@ def ingest_rate(path: Path, port: int, batch: int, clients: int, batches: int) -
         proc.wait(30)
 
 
-def _usage_batch(b: int, n: int) -> bytes:
+def _usage_batch(b: int, n: int, bad_record: bool = False) -> bytes:
     t0 = START + 40 * 86400 + b * 60.0
     records = [
         {"request_id": f"live-{b}-{i}", "team": TEAMS[i % 20], "model": "chat-small", "served_version": "v1",
@@ -142,7 +143,33 @@ def _usage_batch(b: int, n: int) -> bytes:
          "endpoint": "/v1/chat/completions", "finish_reason": "stop", "usage_exact": True}
         for i in range(n)
     ]  # fmt: skip
+    if bad_record:  # one wrong type sends the whole batch to the per-record checks
+        records[0]["prompt_tokens"] = "300"
     return orjson.dumps({"usage": records})
+
+
+def ingest_breakdown(work: Path, batch: int, batches: int, bad_record: bool) -> dict[str, float]:
+    """In-process ingest, split into parsing (outside the writer lock) and the transaction.
+
+    ``bad_record``: every batch carries one record of the wrong type, so it is checked record
+    by record inside DuckDB instead of taking the typed-columns path.
+    """
+    ledger = Ledger.open(work / "breakdown.duckdb", TEAMS, {"chat-small": 0.5})
+    parse = total = 0.0
+    try:
+        for b in range(batches):
+            body = _usage_batch(b, batch, bad_record)
+            t0 = time.perf_counter()
+            kind, rows = Ledger._batch(body, None)
+            typed_frame(kind, rows)
+            t1 = time.perf_counter()
+            ledger.ingest(body, now=START + 50 * 86400)
+            t2 = time.perf_counter()
+            parse, total = parse + (t1 - t0), total + (t2 - t1)
+    finally:
+        ledger.close()
+    return {"records_per_s": batch * batches / total, "parse_ms": 1000 * parse / batches,
+            "transaction_ms": 1000 * (total - parse) / batches}  # fmt: skip
 
 
 async def _post_all(url: str, bodies: list[bytes], clients: int) -> float:
@@ -177,6 +204,8 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--skip-ingest", action="store_true")
     parser.add_argument("--ingest-only", action="store_true", help="only the ingest measurement")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="only in-process ingest: parse vs transaction, typed vs per-record path")  # fmt: skip
     parser.add_argument(
         "--reuse", action="store_true", help="keep the ledger already in --dir (skip generate)"
     )
@@ -192,6 +221,14 @@ def main() -> int:
     path = work / "infermeter.yaml"
     path.write_text(yaml.safe_dump(data))
     try:
+        if args.breakdown:
+            for bad in (False, True):
+                r = ingest_breakdown(work, args.batch, args.batches, bad)
+                path_name = "per-record (one bad record a batch)" if bad else "typed columns"
+                print(f"ingest in-process, {path_name}: {r['records_per_s']:,.0f} records/s; per "
+                      f"{args.batch:,}-record batch: parse {r['parse_ms']:.0f} ms, "
+                      f"transaction {r['transaction_ms']:.0f} ms")  # fmt: skip
+            return 0
         if args.ingest_only:
             rate = ingest_rate(path, port, args.batch, args.clients, args.batches)
             print(

@@ -1,12 +1,13 @@
 """The fast path of ingest: a whole batch parsed to typed columns at once, or not at all.
 
-Checking each field's JSON type inside DuckDB costs a JSON parse per field per record, about
-20x slower than parsing the batch once (orjson) and building typed columns (Polars). But that
-
-cannot say *which* record has a wrong type: it fails or widens the column instead. So a batch whose
-columns come out exactly as the record kind prescribes (every shipper's batch) is taken as it
-is, and any other batch goes to the per-record path in ``billing.ingest_sql``, which names the
-bad records. Nothing is ever coerced here: a mismatch only means the slower path.
+Checking each field's JSON type inside DuckDB costs a JSON parse per field per record: a batch
+checked that way spends about 5x longer in its transaction than one that arrives as typed
+columns (``python -m bench.billing_scale --breakdown``; docs/benchmarks.md). Building typed
+columns (orjson, then Polars) cannot say *which* record has a wrong type: Polars fails or widens
+the column instead. So a batch whose columns come out exactly as the record kind prescribes
+(every shipper's batch) is taken as it is, and any other batch goes to the per-record path in
+``billing.ingest_sql``, which names the bad records. Nothing is ever coerced here: a mismatch
+only means the slower path.
 """
 
 from __future__ import annotations
