@@ -34,8 +34,8 @@ from billing.access import (
 from billing.chargeback import Chargeback
 from billing.ledger import BatchTooLargeError, Ledger, LedgerError
 from billing.metrics import SpendCollector
-from billing.months import check_month
-from billing.query_api import query_router, statement_json
+from billing.months import check_month, month_of
+from billing.query_api import CachedChargeback, query_router, refresh_if_stale, statement_json
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
 from infermeter.config import Config
@@ -68,9 +68,12 @@ def create_app(config: Config, ledger: Ledger, close_ledger_on_shutdown: bool = 
                   lifespan=lifespan)  # fmt: skip
     ring = keyring(config)
     chargeback = Chargeback(ledger, config)
+    # Exports and /v1/chargeback compute statements afresh; /metrics and the dashboards' query
+    # routes share one cache, so a scrape does not recompute the month.
+    statements = CachedChargeback(ledger, config)
     budgets = {t.name: t.budget_usd_per_month for t in config.teams}
     registry = CollectorRegistry()
-    registry.register(SpendCollector(chargeback))
+    registry.register(SpendCollector(statements))
     app.state.ledger = ledger
     app.state.chargeback = chargeback
 
@@ -139,6 +142,7 @@ def create_app(config: Config, ledger: Ledger, close_ledger_on_shutdown: bool = 
         """Freeze a month's statement (admin)."""
         caller(authorization).require(ADMIN)
         statement = await run_in_threadpool(chargeback.close, check_month(month))
+        await run_in_threadpool(statements.recompute, month)
         return statement_json(statement, None)
 
     @app.get("/v1/chargeback/{month}.csv")
@@ -195,9 +199,10 @@ def create_app(config: Config, ledger: Ledger, close_ledger_on_shutdown: bool = 
     async def metrics(authorization: Annotated[str | None, Header()] = None) -> Response:
         caller(authorization).require(ADMIN, METRICS)
         body = await run_in_threadpool(generate_latest, registry)
-        return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8",
+                                 background=refresh_if_stale(statements, month_of(time.time())))  # fmt: skip
 
-    app.include_router(query_router(ledger, ring, config))
+    app.include_router(query_router(ledger, ring, config, statements=statements))
     return app
 
 

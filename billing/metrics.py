@@ -1,19 +1,18 @@
 """Prometheus gauges for money: month-to-date spend, budget and forecast per team.
 
-Computed at scrape time from the ledger (a custom collector, as client_python recommends for
-values that live elsewhere), and cached briefly so that several scrapers in a row do not each
-recompute the month.
+Read at scrape time (a custom collector, as client_python recommends for values that live
+elsewhere) from the chargeback it is given; the service gives it the statement cache its query
+routes use, so a scrape never recomputes the month while the scraper waits.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from billing.chargeback import Chargeback, Spend
+from billing.chargeback import Chargeback
 
 __all__ = ["SpendCollector"]
 
@@ -21,20 +20,12 @@ __all__ = ["SpendCollector"]
 class SpendCollector(Collector):
     """infermeter_team_spend_usd, infermeter_team_budget_usd, infermeter_team_spend_forecast_usd."""
 
-    def __init__(self, chargeback: Chargeback, cache_seconds: float = 15.0) -> None:
+    def __init__(self, chargeback: Chargeback) -> None:
         self.chargeback = chargeback
-        self.cache_seconds = cache_seconds
-        self._cached: tuple[float, list[Spend]] | None = None
-
-    def _spend(self) -> list[Spend]:
-        now = time.monotonic()
-        if self._cached is None or now - self._cached[0] > self.cache_seconds:
-            self._cached = (now, self.chargeback.spend())
-        return self._cached[1]
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """One sample per team for each of the three gauges."""
-        rows = self._spend()
+        rows = self.chargeback.spend()
         spend = GaugeMetricFamily(
             "infermeter_team_spend_usd",
             "Month-to-date cost charged to the team, USD.",

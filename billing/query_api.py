@@ -30,7 +30,14 @@ from billing.statement import Statement
 from infermeter.config import Config
 from sidecar.auth import KeyRing
 
-__all__ = ["CachedChargeback", "Rollups", "query_router", "scope", "statement_json"]
+__all__ = [
+    "CachedChargeback",
+    "Rollups",
+    "query_router",
+    "refresh_if_stale",
+    "scope",
+    "statement_json",
+]
 
 log = logging.getLogger("infermeter.billing")
 
@@ -231,7 +238,7 @@ def query_router(ledger: Ledger, ring: KeyRing, config: Config, rollups: Rollups
         who = reader(authorization)
         check_month(month)
         body = statement_json(await run_in_threadpool(cache.statement, month), who.team)
-        return _json(body, _refresh_if_stale(cache, month))
+        return _json(body, refresh_if_stale(cache, month))
 
     @router.get("/v1/query/spend")
     async def spend(authorization: Annotated[str | None, Header()] = None) -> Response:
@@ -240,7 +247,7 @@ def query_router(ledger: Ledger, ring: KeyRing, config: Config, rollups: Rollups
         now = time.time()
         rows = await run_in_threadpool(cache.spend, now)
         body = [_vars(s) for s in rows if who.is_admin or s.team == who.team]
-        return _json(body, _refresh_if_stale(cache, month_of(now)))
+        return _json(body, refresh_if_stale(cache, month_of(now)))
 
     @router.get("/v1/query")
     async def index(authorization: Annotated[str | None, Header()] = None) -> dict[str, Any]:
@@ -302,7 +309,7 @@ def _json(body: Any, background: BackgroundTask | None = None) -> Response:
                     media_type="application/json", background=background)  # fmt: skip
 
 
-def _refresh_if_stale(cache: CachedChargeback, month: str) -> BackgroundTask | None:
+def refresh_if_stale(cache: CachedChargeback, month: str) -> BackgroundTask | None:
     """Recompute a stale statement after the response is sent (the server waits for it on exit)."""
     if not cache.stale(month, time.monotonic()):
         return None

@@ -204,3 +204,17 @@ async def test_parquet_export_writes_every_table(billing, config, tmp_path):
         shutil.rmtree(directory)
         if config_dir.exists() and not any(config_dir.iterdir()):
             config_dir.rmdir()
+
+
+async def test_a_closed_month_shows_closed_at_once_in_the_cached_views(billing):
+    """The dashboards' cached statement follows a close immediately, not after its TTL."""
+    from tests.billing.conftest import OCT
+
+    async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
+        await client.post("/v1/ingest", content=batch("usage", [usage("search", OCT + 3600, 60)]))
+    async with httpx.AsyncClient(base_url=billing, headers=bearer(ADMIN)) as client:
+        before = (await client.get("/v1/query/statement/2026-10")).json()
+        assert (await client.post("/v1/months/2026-10/close")).status_code == 200
+        after = (await client.get("/v1/query/statement/2026-10")).json()
+    assert before["closed"] is False
+    assert after["closed"] is True
