@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from infermeter.cli import add_config
 from infermeter.config import Config, default_config_path
 
 __all__ = ["register", "write_rules"]
@@ -28,12 +29,7 @@ def register(subparsers: Any) -> None:
             "manifest of the same groups. A configuration the rules cannot honour is an error."
         ),
     )
-    render.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        help="infermeter.yaml to use (default: $INFERMETER_CONFIG, else the embedded demo fleet)",
-    )
+    add_config(render)
     render.add_argument(
         "--out", type=Path, default=Path("alerts/rules"), metavar="DIR",
         help="directory for the rule files (default: alerts/rules)",

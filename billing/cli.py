@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from infermeter.cli import add_config
 from infermeter.config import Config
 
 __all__ = ["register"]
@@ -35,7 +36,7 @@ def register(sub: Any) -> None:
             "to Parquet."
         ),
     )
-    _config(bill)
+    add_config(bill)
     bill.add_argument(
         "--listen", metavar="HOST:PORT", help="where to listen (default: billing.listen)"
     )
@@ -45,14 +46,14 @@ def register(sub: Any) -> None:
     bill.set_defaults(handler=_serve)
     actions = bill.add_subparsers(dest="billing_command", metavar="ACTION")
     close = actions.add_parser("close", help="close a month: its statement is frozen from then on")
-    _config(close, nested=True)
+    add_config(close, nested=True)
     close.add_argument("--month", required=True, metavar="YYYY-MM")
     close.add_argument(
         "--database", metavar="PATH", help="close in this file instead of through the service"
     )
     close.set_defaults(handler=_close)
     export = actions.add_parser("export", help="write every ledger table to Parquet (a backup)")
-    _config(export, nested=True)
+    add_config(export, nested=True)
     export.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory to write")
     export.add_argument(
         "--partitioned", action="store_true", help="raw tables as Hive partitions by month"
@@ -71,7 +72,7 @@ def register(sub: Any) -> None:
             "as the chargeback CSV or a FOCUS file."
         ),
     )
-    _config(cb)
+    add_config(cb)
     cb.add_argument("--month", required=True, metavar="YYYY-MM")
     cb.add_argument("--format", choices=("csv", "focus"), default="csv")
     cb.add_argument("--focus-version", choices=("1.0", "1.2"), default="1.0")
@@ -83,12 +84,6 @@ def register(sub: Any) -> None:
         "--billing-url", metavar="URL", help="the billing service (default: billing.url)"
     )
     cb.set_defaults(handler=_chargeback)
-
-
-def _config(parser: argparse.ArgumentParser, nested: bool = False) -> None:
-    # A nested parser must not reset a --config given before its action name.
-    default = argparse.SUPPRESS if nested else None
-    parser.add_argument("--config", type=Path, default=default, help="infermeter.yaml to use")
 
 
 def _serve(args: argparse.Namespace, config: Config) -> int:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from dashboards.planner import BYTES_PER_PARAM, GPUS_GB, PRESETS, ModelShape, Plan, plan
+from infermeter.cli import add_config
 from infermeter.config import Config
 
 __all__ = ["format_plan", "register"]
@@ -28,7 +28,7 @@ def register(subparsers: Any) -> None:
             "its own team."
         ),
     )
-    _add_config(dash)
+    add_config(dash)
     dash.add_argument(
         "--listen", metavar="HOST:PORT", help="where to serve (default: dashboard.listen)"
     )
@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
             "the configuration's price book."
         ),
     )
-    _add_config(p)
+    add_config(p)
     p.add_argument("--params", type=float, required=True, help="parameters, in billions")
     p.add_argument("--precision", choices=sorted(BYTES_PER_PARAM), default="bf16")
     p.add_argument("--kv-precision", choices=sorted(BYTES_PER_PARAM), default="fp16")
@@ -60,15 +60,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--head-dim", type=int, help="head dimension (default: from the preset)")
     p.add_argument("--gpu", choices=sorted(GPUS_GB), help="only this GPU model")
     p.set_defaults(handler=_plan)
-
-
-def _add_config(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        help="infermeter.yaml to use (default: $INFERMETER_CONFIG, else the embedded demo fleet)",
-    )
 
 
 def _nearest_preset(params_billions: float) -> str:

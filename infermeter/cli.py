@@ -19,7 +19,7 @@ from infermeter import __version__
 from infermeter.config import Config, ConfigError, default_config_path, load_config
 from infermeter.netutil import PortInUseError
 
-__all__ = ["main"]
+__all__ = ["add_config", "main"]
 
 Handler = Callable[[argparse.Namespace, Config], int]
 DEMO_INGEST_TOKEN = "im-demo-ingest"  # public, like the demo team keys
@@ -30,11 +30,16 @@ DEMO_INGEST_TOKEN = "im-demo-ingest"  # public, like the demo team keys
 PLUGINS: tuple[str, ...] = ("alerts.cli", "billing.cli", "alerts.autoscale.cli", "dashboards.cli")
 
 
-def _add_config(parser: argparse.ArgumentParser) -> None:
+def add_config(parser: argparse.ArgumentParser, nested: bool = False) -> None:
+    """The ``--config`` option every subcommand takes.
+
+    ``nested``: for a parser below another that already has it; its default must not reset a
+    ``--config`` given before the action's name.
+    """
     parser.add_argument(
         "--config",
         type=Path,
-        default=None,
+        default=argparse.SUPPRESS if nested else None,
         help="infermeter.yaml to use (default: $INFERMETER_CONFIG, else the embedded demo fleet)",
     )
 
@@ -57,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
             "dcgm_exporter_url). Ctrl-C stops everything."
         ),
     )
-    _add_config(sim)
+    add_config(sim)
     only = sim.add_mutually_exclusive_group()
     only.add_argument("--replica", metavar="ID", help="serve only this replica, in this process")
     only.add_argument("--dcgm", action="store_true", help="serve only the dcgm-exporter stand-ins")
@@ -91,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
             "SIGHUP or a change of the config file reloads keys, limits and approved models."
         ),
     )
-    _add_config(side)
+    add_config(side)
     side.add_argument(
         "--replica", required=True, metavar="ID", help="the replica (from the config) to front"
     )
@@ -114,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
             "and ship the samples to billing, and serve the joined fleet view on /metrics."
         ),
     )
-    _add_config(col)
+    add_config(col)
     col.add_argument(
         "--listen", metavar="HOST:PORT", help="where to serve /metrics (default: collector.listen)"
     )
@@ -129,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
             "through the sidecars, all on loopback. Ctrl-C stops everything."
         ),
     )
-    _add_config(demo)
+    add_config(demo)
     demo.add_argument("--peak-rps", type=float, default=6.0, help="requests/s at the morning peak")
     demo.add_argument(
         "--day-seconds", type=float, default=600.0, help="wall seconds per simulated day"

@@ -18,7 +18,7 @@ __all__ = ["register"]
 
 def register(subparsers: Any) -> None:
     """Add the ``autoscale`` command and its ``run`` and ``replay`` subcommands."""
-    from infermeter.cli import _add_config
+    from infermeter.cli import add_config
 
     parser = subparsers.add_parser(
         "autoscale",
@@ -39,7 +39,7 @@ def register(subparsers: Any) -> None:
             "(signed webhook, Kubernetes scale subresource)."
         ),
     )
-    _add_config(run)
+    add_config(run)
     run.add_argument(
         "--listen", metavar="HOST:PORT", help="where to serve /metrics (default: autoscale.listen)"
     )
@@ -60,7 +60,7 @@ def register(subparsers: Any) -> None:
             "over the TTFT SLA and every scale event of the last day."
         ),
     )
-    _add_config(replay)
+    add_config(replay)
     replay.add_argument("--input", type=Path, metavar="FILE", help="recorded demand (CSV/JSONL)")
     replay.add_argument("--days", type=int, default=2,
                         help="simulated days; all but the last fill the demand history (default 2)")  # fmt: skip
