@@ -240,8 +240,9 @@ class FleetCollector:
         return self._owners[key]
 
     def _engine_sample(self, target: str, t: float, r: EngineReading) -> EngineSample | None:
-        replica = next((x for x in self.config.replicas if x.id == target), None)
-        if replica is None:
+        try:
+            replica = self.config.replica(target)
+        except KeyError:
             return None
         sample = EngineSample(
             sample_id=f"{target}/{round(t * 1000)}",

@@ -6,6 +6,7 @@ import asyncio
 import shutil
 import subprocess
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -169,6 +170,19 @@ async def test_upstream_stalling_mid_stream_times_out_with_an_error_event(
     assert (record["prompt_tokens"], record["completion_tokens"]) == (10, 3)
 
 
+def _fill_disk(spool: Any) -> None:
+    """Every new segment of ``spool`` lands on /dev/full, which fails writes with ENOSPC."""
+    original = spool._start_segment
+
+    def on_full_disk() -> None:
+        original()
+        assert spool._fh is not None
+        spool._fh.close()
+        spool._fh = open("/dev/full", "ab")  # noqa: SIM115
+
+    spool._start_segment = on_full_disk
+
+
 async def test_full_disk_refuses_requests_with_503(stack, tmp_path):
     """When the spool cannot be written, requests are refused rather than served unmetered."""
     await stack.sidecar.spool.close()
@@ -177,16 +191,7 @@ async def test_full_disk_refuses_requests_with_503(stack, tmp_path):
     stack.sidecar.spool.directory = tmp_path / "full"
     stack.sidecar.spool.directory.mkdir()
     stack.sidecar.spool.open()
-    # Every new segment name lands on /dev/full, which fails writes with ENOSPC like a full disk.
-    original = stack.sidecar.spool._start_segment
-
-    def on_full_disk() -> None:
-        original()
-        assert stack.sidecar.spool._fh is not None
-        stack.sidecar.spool._fh.close()
-        stack.sidecar.spool._fh = open("/dev/full", "ab")  # noqa: SIM115
-
-    stack.sidecar.spool._start_segment = on_full_disk
+    _fill_disk(stack.sidecar.spool)
     async with stack.client() as c:
         first = await c.post("/v1/chat/completions", json=CHAT)
         second = await c.post("/v1/chat/completions", json=CHAT)
@@ -268,19 +273,10 @@ def test_otlp_export_follows_the_standard_variables():
     assert not export_configured({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"})
 
 
-@pytest.mark.parametrize("mode", ["serve_unmetered"])
-async def test_serve_unmetered_mode_serves_when_the_spool_fails(stack_factory, tmp_path, mode):
+async def test_serve_unmetered_mode_serves_when_the_spool_fails(stack_factory):
     """Configured to serve unmetered, a spool failure is logged and the request still served."""
-    stack = await stack_factory(**{"sidecar.on_spool_failure": mode})
-    original = stack.sidecar.spool._start_segment
-
-    def on_full_disk() -> None:
-        original()
-        assert stack.sidecar.spool._fh is not None
-        stack.sidecar.spool._fh.close()
-        stack.sidecar.spool._fh = open("/dev/full", "ab")  # noqa: SIM115
-
-    stack.sidecar.spool._start_segment = on_full_disk
+    stack = await stack_factory(**{"sidecar.on_spool_failure": "serve_unmetered"})
+    _fill_disk(stack.sidecar.spool)
     async with stack.client() as c:
         r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200
