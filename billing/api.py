@@ -7,10 +7,8 @@ so the same clients can read both.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -50,22 +48,9 @@ def _error(status: int, message: str, kind: str, code: str | None = None) -> JSO
     return JSONResponse(body, status_code=status)
 
 
-def create_app(config: Config, ledger: Ledger, close_ledger_on_shutdown: bool = False) -> FastAPI:
-    """The API over ``ledger``; the caller opens the ledger and, unless told here, closes it.
-
-    ``close_ledger_on_shutdown`` checkpoints and closes it in the server's shutdown phase. The
-    service needs that: after a SIGTERM, uvicorn re-raises the signal once it has shut down,
-    so code after ``serve()`` never runs.
-    """
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        if close_ledger_on_shutdown:
-            await run_in_threadpool(ledger.close)
-
-    app = FastAPI(title="infermeter billing", version="1", docs_url=None, redoc_url=None,
-                  lifespan=lifespan)  # fmt: skip
+def create_app(config: Config, ledger: Ledger) -> FastAPI:
+    """The API over ``ledger``; the caller owns (opens and closes) the ledger."""
+    app = FastAPI(title="infermeter billing", version="1", docs_url=None, redoc_url=None)
     ring = keyring(config)
     chargeback = Chargeback(ledger, config)
     # Exports and /v1/chargeback compute statements afresh; /metrics and the dashboards' query

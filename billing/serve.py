@@ -30,15 +30,18 @@ def open_ledger(config: Config, database: str | None = None) -> Ledger:
 async def serve_billing(
     config: Config, listen: str | None = None, database: str | None = None
 ) -> None:
-    """Serve until told to exit; the app checkpoints and closes the ledger as it shuts down.
-
-    Not in a ``finally`` here: after a SIGTERM, uvicorn re-raises the signal once it has shut
-    down, so nothing after ``serve()`` would run.
-    """
+    """Serve until told to exit; the ledger is checkpointed and closed after the server stops."""
     host, port = host_port(listen or config.billing.listen)
     ensure_free(host, port, "billing listen address")
     ledger = open_ledger(config, database)
-    log.info(
-        "billing: ledger %s, API on http://%s:%d", database or config.billing.database, host, port
-    )
-    await server(create_app(config, ledger, close_ledger_on_shutdown=True), host, port).serve()
+    try:
+        log.info(
+            "billing: ledger %s, API on http://%s:%d",
+            database or config.billing.database,
+            host,
+            port,
+        )
+        await server(create_app(config, ledger), host, port).serve()
+    finally:
+        # On SIGTERM this runs because the command turns the signal into SystemExit.
+        ledger.close()

@@ -11,9 +11,11 @@ import asyncio
 import contextlib
 import importlib
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 
 from infermeter import __version__
 from infermeter.config import Config, ConfigError, default_config_path, load_config
@@ -145,8 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments, load the configuration, run the subcommand."""
+    if argv is None:
+        # SIGTERM (what Kubernetes and the supervisor send) becomes SystemExit, so every
+        # ``finally`` runs: uvicorn shuts down gracefully on it, then re-raises the signal, which
+        # with the default action would kill the process before the code after ``serve()``.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = build_parser().parse_args(argv)
     if getattr(args, "seed", None) is not None:
         os.environ["INFERMETER__SIMULATOR__SEED"] = str(args.seed)
