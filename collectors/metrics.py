@@ -8,8 +8,7 @@ its own ``CollectorRegistry`` (never the global one) next to ``/healthz``.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, make_asgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -17,6 +16,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from collectors.loop import FleetCollector
+from infermeter.asgi import Receive, Scope, Send, respond
 from infermeter.records import GpuSample
 
 __all__ = ["FleetMetrics", "create_app"]
@@ -25,10 +25,6 @@ MIB = 2**20
 GPU_LABELS = ["node", "gpu", "uuid", "replica", "model"]
 REPLICA_LABELS = ["replica", "model"]
 TARGET_LABELS = ["target", "kind"]
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class FleetMetrics(Collector):
@@ -178,9 +174,7 @@ def create_app(collector: FleetCollector, registry: CollectorRegistry | None = N
             await metrics(scope, receive, send)
             return
         status, body = (200, b"ok\n") if scope["path"] == "/healthz" else (404, b"not found\n")
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"text/plain; charset=utf-8")]})  # fmt: skip
-        await send({"type": "http.response.body", "body": body})
+        await respond(send, status, body, [(b"content-type", b"text/plain; charset=utf-8")])
 
     return app
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 import orjson
 
+from infermeter.asgi import Receive, Scope, Send, respond
 from infermeter.config import Config, GpuProfile
 from simulator.gpu import GpuMeter
 
@@ -142,11 +141,6 @@ def render(gpus: list[DcgmGpu]) -> str:
     return "".join(out)
 
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-
-
 @dataclass
 class _Slot:
     """One board: either owned by a replica (read over HTTP) or spare (idle meter here)."""
@@ -230,8 +224,7 @@ class NodeExporter:
         else:
             status, body = 404, b"404 page not found\n"
         headers = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await respond(send, status, body, headers)
 
 
 def node_exporters(config: Config, client: httpx.AsyncClient) -> dict[str, NodeExporter]:

@@ -46,6 +46,7 @@ from alerts.autoscale.policy import (
     model_limits,
     params_from_config,
 )
+from infermeter.asgi import Receive, Scope, Send, respond
 from infermeter.config import Config
 from infermeter.netutil import ensure_free, host_port
 
@@ -53,9 +54,6 @@ __all__ = ["Autoscaler", "PageReader", "PrometheusReader", "build_hooks", "serve
 
 log = logging.getLogger("infermeter.autoscale")
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 Clock = Callable[[], float]
 
 
@@ -223,9 +221,7 @@ def create_app(gauges: ScalingGauges) -> Callable[[Scope, Receive, Send], Awaita
             await metrics(scope, receive, send)
             return
         status, body = (200, b"ok\n") if scope.get("path") == "/healthz" else (404, b"not found\n")
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"text/plain; charset=utf-8")]})  # fmt: skip
-        await send({"type": "http.response.body", "body": body})
+        await respond(send, status, body, [(b"content-type", b"text/plain; charset=utf-8")])
 
     return app
 
