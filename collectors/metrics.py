@@ -16,7 +16,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from collectors.loop import FleetCollector
-from infermeter.asgi import Receive, Scope, Send, respond
+from infermeter.asgi import Receive, Scope, Send, idle_lifespan, respond
 from infermeter.records import GpuSample
 
 __all__ = ["FleetMetrics", "create_app"]
@@ -166,7 +166,7 @@ def create_app(collector: FleetCollector, registry: CollectorRegistry | None = N
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await idle_lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -177,13 +177,3 @@ def create_app(collector: FleetCollector, registry: CollectorRegistry | None = N
         await respond(send, status, body, [(b"content-type", b"text/plain; charset=utf-8")])
 
     return app
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-__all__ = ["Message", "Receive", "Scope", "Send", "header", "read_body", "respond"]
+__all__ = ["Message", "Receive", "Scope", "Send", "header", "idle_lifespan", "read_body", "respond"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -47,3 +47,14 @@ async def respond(send: Send, status: int, body: bytes, headers: list[tuple[byte
     """Send a whole response: start, then the body in one message."""
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def idle_lifespan(receive: Receive, send: Send) -> None:
+    """Answer the lifespan protocol for an app with nothing to start or stop."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

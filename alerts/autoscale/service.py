@@ -46,7 +46,7 @@ from alerts.autoscale.policy import (
     model_limits,
     params_from_config,
 )
-from infermeter.asgi import Receive, Scope, Send, respond
+from infermeter.asgi import Receive, Scope, Send, idle_lifespan, respond
 from infermeter.config import Config
 from infermeter.netutil import ensure_free, host_port
 
@@ -213,9 +213,7 @@ def create_app(gauges: ScalingGauges) -> Callable[[Scope, Receive, Send], Awaita
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await idle_lifespan(receive, send)
             return
         if scope["type"] == "http" and scope["path"] == "/metrics":
             await metrics(scope, receive, send)
