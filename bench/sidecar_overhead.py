@@ -63,6 +63,7 @@ from typing import Any, cast
 
 import yaml
 
+from bench.rawload import RepeatingStream, run_connections
 from infermeter.config import DEFAULT_CONFIG, load_config
 from infermeter.netutil import free_port
 from simulator.replica import replica_spec
@@ -126,7 +127,6 @@ _DATA = b"data: "
 _DONE = b"[DONE]"
 _CONTENT = b'"content":'
 _ROLE = b'"role"'
-_END = b"\r\n0\r\n\r\n"  # the last chunk of a chunked HTTP/1.1 body
 
 
 @dataclass(frozen=True)
@@ -158,17 +158,12 @@ class _Stats:
     goal: int = 0
 
 
-class _Stream(asyncio.Protocol):
-    """One keep-alive connection re-sending the same streaming request until stopped."""
+class _Stream(RepeatingStream):
+    """Counts chunks, requests and time to the first content chunk into the shared stats."""
 
     def __init__(self, request: bytes, stats: _Stats, stop: asyncio.Event) -> None:
-        self.request = request
+        super().__init__(request, stop)
         self.stats = stats
-        self.stop = stop
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.transport: asyncio.Transport | None = None
-        self.head = b""
-        self.in_body = False
         self.tail = b""
         self.sent_at = 0.0
         self.first = False
@@ -176,32 +171,16 @@ class _Stream(asyncio.Protocol):
         self.role = 0
         self.ever_streamed = False
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-        self._send()
-
-    def _send(self) -> None:
-        assert self.transport is not None
-        self.head, self.in_body, self.tail = b"", False, b""
-        self.first, self.content, self.role = False, 0, 0
+    def on_send(self) -> None:
+        self.tail, self.first, self.content, self.role = b"", False, 0, 0
         self.sent_at = time.perf_counter()
-        self.transport.write(self.request)
 
-    def data_received(self, data: bytes) -> None:
+    def on_error(self) -> None:
+        self.stats.errors += 1
+
+    def on_body(self, data: bytes) -> None:
         now = time.perf_counter()
-        assert self.transport is not None
         stats = self.stats
-        if not self.in_body:
-            self.head += data
-            split = self.head.find(b"\r\n\r\n")
-            if split < 0:
-                return
-            head, data = self.head[:split], self.head[split + 4 :]
-            if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
-                stats.errors += 1
-                self.transport.close()
-                return
-            self.in_body = True
         tail = self.tail
         joined = tail + data
         # Count what ends in this read: occurrences inside the kept tail were counted before.
@@ -219,45 +198,31 @@ class _Stream(asyncio.Protocol):
                     self.ever_streamed = True
                     stats.streaming += 1
         self.tail = joined[-12:]
-        if self.tail.endswith(_END):
-            stats.requests += 1
-            if stats.goal and stats.requests >= stats.goal:
-                stats.enough.set()
-            if self.stop.is_set():
-                self.transport.close()
-            else:
-                self._send()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.closed.done():
-            self.closed.set_result(None)
+    def on_done(self) -> None:
+        stats = self.stats
+        stats.requests += 1
+        if stats.goal and stats.requests >= stats.goal:
+            stats.enough.set()
 
 
 async def _worker(
-    spec: LoadSpec, delay: float, stats: _Stats, stop: asyncio.Event, live: set[_Stream]
+    spec: LoadSpec, delay: float, stats: _Stats, stop: asyncio.Event, live: set[RepeatingStream]
 ) -> None:
-    loop = asyncio.get_running_loop()
     if delay > 0:
         await asyncio.sleep(delay)
-    while not stop.is_set():
-        try:
-            _, proto = await loop.create_connection(
-                lambda: _Stream(spec.request, stats, stop), HOST, spec.port
-            )
-        except OSError:
-            stats.errors += 1
-        else:
-            live.add(proto)
-            await proto.closed
-            live.discard(proto)
-        if not stop.is_set():
-            await asyncio.sleep(0.05)  # the server closed on us or is gone; do not spin
+
+    def on_connect_error() -> None:
+        stats.errors += 1
+
+    await run_connections(lambda: _Stream(spec.request, stats, stop), HOST, spec.port, stop,
+                          on_connect_error, live)  # fmt: skip
 
 
 async def _phase(conn: Connection, spec: LoadSpec) -> None:
     stats = _Stats()
     stop = asyncio.Event()
-    live: set[_Stream] = set()
+    live: set[RepeatingStream] = set()
     step = spec.stagger_s / spec.concurrency
     tasks = [
         asyncio.create_task(_worker(spec, i * step, stats, stop, live))

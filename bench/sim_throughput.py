@@ -33,10 +33,11 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import yaml
 
+from bench.rawload import RepeatingStream, run_connections
 from infermeter.config import DEFAULT_CONFIG, load_config
 from infermeter.netutil import free_port
 from simulator.replica import replica_spec
@@ -47,7 +48,6 @@ HOST = "127.0.0.1"
 ClientKind = Literal["raw", "httpx"]
 _DATA = b"data: "
 _DONE = b"[DONE]"
-_END = b"\r\n0\r\n\r\n"  # the last chunk of a chunked HTTP/1.1 body
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 # ``--server-loop uvloop``: the same replica server, but run on uvloop. An experiment, to size
 # what the event loop costs; the shipped command (``infermeter simulate``) is the default.
@@ -129,71 +129,33 @@ class _Tally:
         return self.data - self.dones
 
 
-class _RawStream(asyncio.Protocol):
-    """One keep-alive connection that re-sends the same streaming request until stopped."""
+class _RawStream(RepeatingStream):
+    """Counts every SSE event of every response into the shared tally."""
 
     def __init__(self, request: bytes, tally: _Tally, stop: asyncio.Event) -> None:
-        self.request = request
+        super().__init__(request, stop)
         self.tally = tally
-        self.stop = stop
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.transport: asyncio.Transport | None = None
-        self.head = b""
-        self.in_body = False
-        self.end_tail = b""
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-        self._send()
-
-    def _send(self) -> None:
-        assert self.transport is not None
-        self.head = b""
-        self.in_body = False
-        self.end_tail = b""
+    def on_send(self) -> None:
         self.tally.tail = b""
-        self.transport.write(self.request)
 
-    def data_received(self, data: bytes) -> None:
-        assert self.transport is not None
-        if not self.in_body:
-            self.head += data
-            split = self.head.find(b"\r\n\r\n")
-            if split < 0:
-                return
-            head, data = self.head[:split], self.head[split + 4 :]
-            if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
-                self.tally.errors += 1
-                self.transport.close()
-                return
-            self.in_body = True
+    def on_body(self, data: bytes) -> None:
         self.tally.feed(data)
-        self.end_tail = (self.end_tail + data)[-len(_END) :]
-        if self.end_tail == _END:
-            self.tally.requests += 1
-            if self.stop.is_set():
-                self.transport.close()
-            else:
-                self._send()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.closed.done():
-            self.closed.set_result(None)
+    def on_done(self) -> None:
+        self.tally.requests += 1
+
+    def on_error(self) -> None:
+        self.tally.errors += 1
 
 
 async def _raw_worker(port: int, request: bytes, tally: _Tally, stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    while not stop.is_set():
-        try:
-            _, proto = await loop.create_connection(
-                lambda: _RawStream(request, tally, stop), HOST, port
-            )
-        except OSError:
-            tally.errors += 1
-        else:
-            await proto.closed
-        if not stop.is_set():
-            await asyncio.sleep(0.05)  # the server closed on us or is gone; do not spin
+    def on_connect_error() -> None:
+        tally.errors += 1
+
+    await run_connections(
+        lambda: _RawStream(request, tally, stop), HOST, port, stop, on_connect_error
+    )
 
 
 async def _httpx_worker(
