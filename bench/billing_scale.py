@@ -9,7 +9,10 @@ Three measurements, each printed as a table row:
 ``chargeback``the month's statement (``Chargeback.statement``: rollups -> allocation -> cents),
               against a bare ``GROUP BY team, model`` over the same raw table.
 ``ingest``    records/s through the HTTP API: ``infermeter billing`` as its own process, batches
-              of ``--batch`` records POSTed by ``--clients`` concurrent clients, as shippers do.
+              of ``--batch`` records POSTed by ``--clients`` concurrent clients as NDJSON to
+              ``/v1/ingest/usage``, as shippers do (``--json``: as one JSON object each to
+              ``/v1/ingest``). Bodies are built before the clock starts; the CPU seconds of the
+              service and of the clients are reported beside the rate.
 
 DuckDB runs with ``--memory-limit`` (the ``billing.memory_limit`` setting); the peak RSS of this
 process and of the service is reported beside it.
@@ -40,7 +43,7 @@ import yaml
 
 from billing import ingest_sql
 from billing.chargeback import Chargeback
-from billing.fastpath import typed_frame
+from billing.fastpath import ndjson_frame
 from billing.ledger import Ledger
 from infermeter.config import DEFAULT_CONFIG, Config
 
@@ -114,8 +117,11 @@ def timed(fn: Any, repeat: int) -> tuple[float, float, Any]:
     return statistics.median(times), min(times), result
 
 
-def ingest_rate(path: Path, port: int, batch: int, clients: int, batches: int) -> float:
-    """Records/s through ``infermeter billing`` (its own process) over HTTP."""
+def ingest_rate(path: Path, port: int, batch: int, clients: int, batches: int,
+                ndjson: bool = True) -> dict[str, float]:  # fmt: skip
+    """Records/s through ``infermeter billing`` (its own process) over HTTP, and CPU used."""
+    bodies = [_usage_batch(b, batch, ndjson=ndjson) for b in range(batches)]
+    route = "/v1/ingest/usage" if ndjson else "/v1/ingest"
     proc = subprocess.Popen([sys.executable, "-m", "infermeter", "billing", "--config", str(path)],
                             env=dict(os.environ))  # fmt: skip
     try:
@@ -126,14 +132,25 @@ def ingest_rate(path: Path, port: int, batch: int, clients: int, batches: int) -
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        bodies = [_usage_batch(b, batch) for b in range(batches)]
-        return asyncio.run(_post_all(url, bodies, clients)) / 1.0
+        server_cpu = _cpu_seconds(proc.pid)
+        client_cpu = time.process_time()
+        accepted, elapsed = asyncio.run(_post_all(url, route, bodies, clients))
+        client_cpu = time.process_time() - client_cpu
+        server_cpu = _cpu_seconds(proc.pid) - server_cpu
     finally:
         proc.terminate()
         proc.wait(30)
+    return {"records_per_s": accepted / elapsed, "server_cpu_us": 1e6 * server_cpu / accepted,
+            "client_cpu_us": 1e6 * client_cpu / accepted, "seconds": elapsed}  # fmt: skip
 
 
-def _usage_batch(b: int, n: int, bad_record: bool = False) -> bytes:
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _usage_batch(b: int, n: int, bad_record: bool = False, ndjson: bool = False) -> bytes:
     t0 = START + 40 * 86400 + b * 60.0
     records = [
         {"request_id": f"live-{b}-{i}", "team": TEAMS[i % 20], "model": "chat-small", "served_version": "v1",
@@ -145,11 +162,13 @@ def _usage_batch(b: int, n: int, bad_record: bool = False) -> bytes:
     ]  # fmt: skip
     if bad_record:  # one wrong type sends the whole batch to the per-record checks
         records[0]["prompt_tokens"] = "300"
+    if ndjson:  # a spool segment's lines
+        return b"".join(orjson.dumps(r) + b"\n" for r in records)
     return orjson.dumps({"usage": records})
 
 
 def ingest_breakdown(work: Path, batch: int, batches: int, bad_record: bool) -> dict[str, float]:
-    """In-process ingest, split into parsing (outside the writer lock) and the transaction.
+    """In-process NDJSON ingest, split into parsing (outside the writer lock) and the transaction.
 
     ``bad_record``: every batch carries one record of the wrong type, so it is checked record
     by record inside DuckDB instead of taking the typed-columns path.
@@ -158,12 +177,11 @@ def ingest_breakdown(work: Path, batch: int, batches: int, bad_record: bool) -> 
     parse = total = 0.0
     try:
         for b in range(batches):
-            body = _usage_batch(b, batch, bad_record)
+            body = _usage_batch(b, batch, bad_record, ndjson=True)
             t0 = time.perf_counter()
-            kind, rows = Ledger._batch(body, None)
-            typed_frame(kind, rows)
+            ndjson_frame(ingest_sql.USAGE, body)
             t1 = time.perf_counter()
-            ledger.ingest(body, now=START + 50 * 86400)
+            ledger.ingest_lines("usage", body, now=START + 50 * 86400)
             t2 = time.perf_counter()
             parse, total = parse + (t1 - t0), total + (t2 - t1)
     finally:
@@ -172,18 +190,19 @@ def ingest_breakdown(work: Path, batch: int, batches: int, bad_record: bool) -> 
             "transaction_ms": 1000 * (total - parse) / batches}  # fmt: skip
 
 
-async def _post_all(url: str, bodies: list[bytes], clients: int) -> float:
+async def _post_all(url: str, route: str, bodies: list[bytes], clients: int) -> tuple[int, float]:
     queue: asyncio.Queue[bytes] = asyncio.Queue()
     for body in bodies:
         queue.put_nowait(body)
     accepted = 0
-    headers = {"authorization": "Bearer im-bench-ingest", "content-type": "application/json"}
+    kind = "application/x-ndjson" if route.endswith("/usage") else "application/json"
+    headers = {"authorization": "Bearer im-bench-ingest", "content-type": kind}
 
     async def worker(client: httpx.AsyncClient) -> None:
         nonlocal accepted
         while not queue.empty():
             body = queue.get_nowait()
-            response = await client.post("/v1/ingest", content=body, headers=headers)
+            response = await client.post(route, content=body, headers=headers)
             response.raise_for_status()
             accepted += response.json()["accepted"]
 
@@ -191,7 +210,15 @@ async def _post_all(url: str, bodies: list[bytes], clients: int) -> float:
         t = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(clients)))
         elapsed = time.perf_counter() - t
-    return accepted / elapsed
+    return accepted, elapsed
+
+
+def print_ingest(args: argparse.Namespace, r: dict[str, float]) -> None:
+    """One line: the rate and where the CPU went."""
+    route = "JSON /v1/ingest" if args.json else "NDJSON /v1/ingest/usage"
+    print(f"ingest     {args.batches} batches x {args.batch:,} records, {args.clients} clients, {route}: "
+          f"{r['records_per_s']:,.0f} records/s in {r['seconds']:.1f} s; CPU per record: service "
+          f"{r['server_cpu_us']:.2f} us, clients {r['client_cpu_us']:.2f} us")  # fmt: skip
 
 
 def main() -> int:
@@ -203,6 +230,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--skip-ingest", action="store_true")
+    parser.add_argument("--json", action="store_true", help="ingest as JSON objects, not NDJSON")
     parser.add_argument("--ingest-only", action="store_true", help="only the ingest measurement")
     parser.add_argument("--breakdown", action="store_true",
                         help="only in-process ingest: parse vs transaction, typed vs per-record path")  # fmt: skip
@@ -230,9 +258,8 @@ def main() -> int:
                       f"transaction {r['transaction_ms']:.0f} ms")  # fmt: skip
             return 0
         if args.ingest_only:
-            rate = ingest_rate(path, port, args.batch, args.clients, args.batches)
-            print(
-                f"ingest     {args.batches} batches x {args.batch:,} records, {args.clients} clients: {rate:,.0f} records/s"
+            print_ingest(
+                args, ingest_rate(path, port, args.batch, args.clients, args.batches, not args.json)
             )
             return 0
         ledger = Ledger.open(work / "ledger.duckdb", TEAMS, {"chat-small": 0.5, "chat-large": 1.5},
@@ -260,9 +287,8 @@ def main() -> int:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"peak RSS of this process: {rss:.0f} MB (DuckDB memory_limit {args.memory_limit})")
         if not args.skip_ingest:
-            rate = ingest_rate(path, port, args.batch, args.clients, args.batches)
-            print(
-                f"ingest     {args.batches} batches x {args.batch:,} records, {args.clients} clients: {rate:,.0f} records/s"
+            print_ingest(
+                args, ingest_rate(path, port, args.batch, args.clients, args.batches, not args.json)
             )
     finally:
         if args.dir is None:

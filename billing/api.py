@@ -30,7 +30,7 @@ from billing.access import (
     keyring,
 )
 from billing.chargeback import Chargeback
-from billing.ledger import BatchTooLargeError, Ledger, LedgerError
+from billing.ledger import BatchTooLargeError, IngestResult, Ledger, LedgerError
 from billing.metrics import SpendCollector
 from billing.months import check_month, month_of
 from billing.query_api import CachedChargeback, query_router, refresh_if_stale, statement_json
@@ -46,6 +46,13 @@ log = logging.getLogger("infermeter.billing")
 def _error(status: int, message: str, kind: str, code: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return JSONResponse(body, status_code=status)
+
+
+def _ingested(result: IngestResult) -> Response:
+    if result.rejected:
+        log.warning("ingest: %d %s record(s) rejected, first: %s", len(result.rejected),
+                    result.kind, result.rejected[0].reason)  # fmt: skip
+    return _json(result.to_json())
 
 
 def create_app(config: Config, ledger: Ledger) -> FastAPI:
@@ -110,10 +117,26 @@ def create_app(config: Config, ledger: Ledger) -> FastAPI:
             )
         except BatchTooLargeError as exc:
             return _error(413, str(exc), "invalid_request_error", "batch_too_large")
-        if result.rejected:
-            log.warning("ingest: %d %s record(s) rejected, first: %s", len(result.rejected),
-                        result.kind, result.rejected[0].reason)  # fmt: skip
-        return _json(result.to_json())
+        return _ingested(result)
+
+    @app.post("/v1/ingest/{kind}")
+    async def ingest_lines(
+        kind: str, request: Request, authorization: Annotated[str | None, Header()] = None
+    ) -> Response:
+        """Keep a batch of ``kind`` records sent as NDJSON (one per line), as shippers send them.
+
+        Same answer as ``/v1/ingest``; a line that is not JSON is one rejected record.
+        """
+        caller(authorization).require(INGEST)
+        body = await request.body()
+        limit = config.billing.max_batch_records
+        try:
+            result = await run_in_threadpool(
+                ledger.ingest_lines, kind, body, None, config.billing.max_clock_skew_seconds, limit
+            )
+        except BatchTooLargeError as exc:
+            return _error(413, str(exc), "invalid_request_error", "batch_too_large")
+        return _ingested(result)
 
     @app.get("/v1/months")
     async def months(authorization: Annotated[str | None, Header()] = None) -> list[dict[str, Any]]:

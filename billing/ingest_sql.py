@@ -22,11 +22,14 @@ __all__ = [
     "Field",
     "Kind",
     "append_sql",
+    "checked_sql",
+    "fresh_sql",
+    "good_sql",
     "gpu_rollup_sql",
-    "insert_sql",
+    "known_sql",
     "occupancy_rollup_sql",
+    "rejected_sql",
     "stage_sql",
-    "stage_typed_sql",
     "ttft_rollup_sql",
     "usage_rollup_sql",
 ]
@@ -231,7 +234,7 @@ CREATE OR REPLACE TEMP TABLE staged AS
 WITH src AS (SELECT CAST(json_extract(CAST($body AS JSON), '$.{kind.key}') AS JSON[]) AS l),
 raw AS (SELECT unnest(l) AS r, generate_subscripts(l, 1) AS pos FROM src),
 typed AS (
-    SELECT pos,
+    SELECT 0 AS item, pos,
     CASE
         WHEN json_type(r) IS DISTINCT FROM 'OBJECT' THEN 'not a JSON object'
         WHEN NOT list_has_all({allowed}, json_keys(r)) THEN 'unknown key(s): '
@@ -245,21 +248,20 @@ typed AS (
 """
 
 
-def stage_typed_sql(kind: Kind, relation: str) -> str:
-    """Like ``stage_sql``, from a relation whose columns already have the kind's types.
+def checked_sql(kind: Kind, relation: str) -> str:
+    """Like ``stage_sql``'s table, as a query over a relation whose columns have the kind's types.
 
     The fast path: when a whole batch parses to exactly the expected column types (which is
-    what every shipper sends), only the range checks are left to do. Parameters: ``$now`` and
-    ``$skew``.
+    what every shipper sends), only the range checks are left to do, and they are computed
+    where they are read instead of being copied into a table. Parameters: ``$now``, ``$skew``.
     The relation also carries ``pos`` (the record's place in the batch) and ``dup`` (a repeat
     of an earlier id in the batch), computed where the columns were built.
     """
     cols = ", ".join(_q(f.name) for f in kind.fields)
-    return f"""
-CREATE OR REPLACE TEMP TABLE staged AS
-WITH typed AS (SELECT pos, dup, NULL::VARCHAR AS type_reason, {cols} FROM {relation})
+    return f"""(
+WITH typed AS (SELECT item, pos, dup, NULL::VARCHAR AS type_reason, {cols} FROM {relation})
 {_checked(kind, "typed", "dup")}
-"""
+)"""
 
 
 def _checked(kind: Kind, relation: str, dup: str | None = None) -> str:
@@ -274,29 +276,54 @@ def _checked(kind: Kind, relation: str, dup: str | None = None) -> str:
 FROM {relation}"""
 
 
-def insert_sql(kind: Kind) -> str:
-    """SQL that moves good, new records from ``staged`` to the kind's table.
+def rejected_sql(kind: Kind, checked: str) -> str:
+    """SQL keeping the bad records of ``checked`` (position, id, reason) in ``_rejected``."""
+    return (
+        "CREATE OR REPLACE TEMP TABLE _rejected AS "
+        f"SELECT item, pos, {_q(kind.id_field)} AS id, reason FROM {checked} WHERE reason IS NOT NULL"
+    )
 
-    A record is new when no row with its id exists in the table. The lookup is limited to rows
-    whose time falls in the batch's time range (``$lo``..``$hi``): a resent record carries the
-    same time, and the range lets DuckDB skip every row group outside it instead of keeping an
-    index of every id in memory.
+
+def good_sql(kind: Kind, source: str) -> str:
+    """SQL defining view ``_good``: the records of ``source`` that are neither bad nor repeats.
+
+    ``source`` is the batch (typed columns, or the per-record path's ``staged``); the bad ones
+    are those in ``_rejected`` (from ``rejected_sql``).
     """
     cols = ", ".join(_q(f.name) for f in kind.fields)
+    return (
+        f"CREATE OR REPLACE TEMP VIEW _good AS SELECT s.item, {cols} FROM {source} s "
+        "ANTI JOIN _rejected r USING (item, pos) WHERE NOT s.dup"
+    )
+
+
+def known_sql(kind: Kind) -> str:
+    """SQL keeping in ``_known`` the ids of ``_good`` that the kind's table already has.
+
+    Normally empty: only a resent batch has any. The lookup is limited to rows whose time falls
+    in the batch's range (``$lo``..``$hi``): a resent record carries the same time, and the
+    range lets DuckDB skip every row group outside it instead of keeping an index of every id
+    in memory.
+    """
     idf, tf = _q(kind.id_field), _q(kind.time_field)
     return f"""
-CREATE OR REPLACE TEMP TABLE fresh AS
-SELECT {cols}, CAST($now AS DOUBLE) AS ingested_at FROM staged s
-WHERE s.reason IS NULL AND NOT s.dup AND NOT EXISTS (
-    SELECT 1 FROM {kind.table} t
-    WHERE t.{tf} BETWEEN $lo AND $hi AND t.{idf} = s.{idf}
-)"""
+CREATE OR REPLACE TEMP TABLE _known AS
+SELECT g.{idf} FROM _good g SEMI JOIN {kind.table} t ON t.{tf} BETWEEN $lo AND $hi AND t.{idf} = g.{idf}
+"""
+
+
+def fresh_sql(kind: Kind) -> str:
+    """SQL defining view ``fresh``: the ``_good`` records not in ``_known`` (``known_sql``).
+
+    A view over the batch, so appending it and rolling it up read the batch, not copies of it.
+    """
+    return f"CREATE OR REPLACE TEMP VIEW fresh AS SELECT * FROM _good ANTI JOIN _known USING ({_q(kind.id_field)})"
 
 
 def append_sql(kind: Kind) -> str:
-    """SQL appending ``fresh`` (from ``insert_sql``) to the kind's table."""
+    """SQL appending ``fresh`` (from ``fresh_sql``) to the kind's table. Parameter: ``$now``."""
     cols = ", ".join(_q(f.name) for f in kind.fields)
-    return f"INSERT INTO {kind.table} ({cols}, ingested_at) SELECT * FROM fresh"
+    return f"INSERT INTO {kind.table} ({cols}, ingested_at) SELECT {cols}, CAST($now AS DOUBLE) FROM fresh"
 
 
 def _slots(start: str, end: str) -> str:
@@ -311,31 +338,34 @@ def _overlap(start: str, end: str) -> str:
 def usage_rollup_sql() -> str:
     """SQL adding the ``fresh`` usage records to ``usage_slots``.
 
+    The batch's own rollup is kept in temp table ``_usage_delta`` for ``occupancy_rollup_sql``.
     Temp table ``_sla(model, ttft_seconds)`` holds the TTFT targets for the within-SLA count.
     """
     overlap = _overlap("received_at", "finished_at")
     fin = f"(slot = CAST(floor(finished_at / {SLOT_SECONDS}) AS BIGINT))"
     ttft = "(first_token_at - received_at)"
     return f"""
-INSERT INTO usage_slots
+CREATE OR REPLACE TEMP TABLE _usage_delta AS
 SELECT replica, team, model, slot,
-    sum({overlap}),
-    count(*) FILTER (WHERE {fin}),
-    count(*) FILTER (WHERE {fin} AND status = 'upstream_error'),
-    coalesce(sum(prompt_tokens) FILTER (WHERE {fin}), 0),
-    coalesce(sum(cached_prompt_tokens) FILTER (WHERE {fin}), 0),
-    coalesce(sum(completion_tokens) FILTER (WHERE {fin}), 0),
-    coalesce(sum({ttft}) FILTER (WHERE {fin} AND first_token_at IS NOT NULL), 0),
-    count(*) FILTER (WHERE {fin} AND first_token_at IS NOT NULL),
+    sum({overlap}) AS inflight_seconds,
+    count(*) FILTER (WHERE {fin}) AS requests,
+    count(*) FILTER (WHERE {fin} AND status = 'upstream_error') AS failed_requests,
+    coalesce(sum(prompt_tokens) FILTER (WHERE {fin}), 0) AS prompt_tokens,
+    coalesce(sum(cached_prompt_tokens) FILTER (WHERE {fin}), 0) AS cached_prompt_tokens,
+    coalesce(sum(completion_tokens) FILTER (WHERE {fin}), 0) AS completion_tokens,
+    coalesce(sum({ttft}) FILTER (WHERE {fin} AND first_token_at IS NOT NULL), 0) AS ttft_seconds_sum,
+    count(*) FILTER (WHERE {fin} AND first_token_at IS NOT NULL) AS ttft_count,
     count(*) FILTER (WHERE {fin} AND first_token_at IS NOT NULL
-        AND {ttft} <= coalesce(sla_ttft, 'inf')),
+        AND {ttft} <= coalesce(sla_ttft, 'inf')) AS ttft_within_sla,
     coalesce(sum(finished_at - first_token_at) FILTER (WHERE {fin} AND first_token_at IS NOT NULL), 0)
+        AS decode_seconds_sum
 FROM (
     SELECT f.*, s.ttft_seconds AS sla_ttft, {_slots("received_at", "finished_at")} AS slot
     FROM fresh f LEFT JOIN _sla s USING (model)
     WHERE status IN {BILLABLE_STATUSES!r}
 )
-GROUP BY ALL
+GROUP BY ALL;
+INSERT INTO usage_slots SELECT * FROM _usage_delta
 ON CONFLICT DO UPDATE SET
     inflight_seconds = inflight_seconds + excluded.inflight_seconds,
     requests = requests + excluded.requests,
@@ -351,13 +381,13 @@ ON CONFLICT DO UPDATE SET
 
 
 def occupancy_rollup_sql() -> str:
-    """SQL adding the ``fresh`` usage records' in-flight seconds to ``replica_slots``."""
-    overlap = _overlap("received_at", "finished_at")
-    return f"""
+    """SQL adding the in-flight seconds of ``_usage_delta`` (``usage_rollup_sql``) to ``replica_slots``.
+
+    Summed over teams from the batch's rollup rather than from the records again.
+    """
+    return """
 INSERT INTO replica_slots
-SELECT replica, slot, sum({overlap})
-FROM (SELECT *, {_slots("received_at", "finished_at")} AS slot FROM fresh WHERE status IN {BILLABLE_STATUSES!r})
-GROUP BY ALL
+SELECT replica, slot, sum(inflight_seconds) FROM _usage_delta GROUP BY ALL
 ON CONFLICT DO UPDATE SET inflight_seconds = inflight_seconds + excluded.inflight_seconds;
 """
 

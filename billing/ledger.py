@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import duckdb
 import orjson
@@ -23,7 +23,8 @@ import polars as pl
 
 from billing import allocation, ingest_sql
 from billing.allocation import Policy
-from billing.fastpath import typed_frame
+from billing.fastpath import line_count, ndjson_frame, typed_frame
+from billing.group_commit import GroupCommit
 from billing.months import month_bounds, month_of
 from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS
 
@@ -65,6 +66,28 @@ class IngestResult:
         }
 
 
+# A transaction takes batches up to this many records in all (a larger single batch goes alone):
+# past two row groups the cost per record stops falling, and callers should not wait long.
+MAX_GROUP_RECORDS: Final = 500_000
+# While other batches are still being parsed, a smaller transaction waits this long for them: an
+# append of a whole DuckDB row group (122,880 rows) goes straight to the file compressed, which
+# is much cheaper per record than logging it and checkpointing it later.
+GROUP_TARGET_RECORDS: Final = 122_880
+GROUP_MAX_WAIT_SECONDS: Final = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A parsed batch waiting for its transaction."""
+
+    kind: ingest_sql.Kind
+    frame: pl.DataFrame | None  # typed columns (fast path), or None
+    raw: bytes | None  # the batch as {"<kind>": [...]} JSON, for the per-record path
+    malformed: frozenset[int]
+    now: float | None
+    skew: float
+
+
 class Ledger:
     """The ledger file, its schema, and the only writer to it."""
 
@@ -72,6 +95,13 @@ class Ledger:
                  ttft_sla_seconds: dict[str, float]) -> None:  # fmt: skip
         self._con = con
         self._write_lock = threading.Lock()
+        self._group: GroupCommit[_Pending, IngestResult] = GroupCommit(
+            self._run_group,
+            self._write_lock,
+            MAX_GROUP_RECORDS,
+            GROUP_TARGET_RECORDS,
+            GROUP_MAX_WAIT_SECONDS,
+        )
         self._touched_lock = threading.Lock()
         self._touched: tuple[float, float] | None = None
         self.teams = list(teams)
@@ -134,21 +164,90 @@ class Ledger:
         a bad record only lands in ``rejected``.
         """
         raw = body.encode() if isinstance(body, str) else body
-        now = time.time() if now is None else now
         kind, records = self._batch(raw, max_records)
-        frame = typed_frame(kind, records)
-        with self._write_lock:
-            con = self._con
-            con.execute("BEGIN TRANSACTION")
+        return self._commit(kind, typed_frame(kind, records), raw, now, skew_seconds)
+
+    def ingest_lines(self, kind_key: str, body: bytes, now: float | None = None,
+                     skew_seconds: float = 300.0, max_records: int | None = None) -> IngestResult:  # fmt: skip
+        """Validate and keep one NDJSON batch of ``kind_key`` records, one per line; one transaction.
+
+        The shippers' format: a spool segment's lines as they are on disk. A line that is not
+        JSON is refused like any other bad record ("not valid JSON"), and the rest is kept.
+        Raises ``ValueError`` for an unknown kind.
+        """
+        kind = ingest_sql.KINDS.get(kind_key)
+        if kind is None:
+            known = ", ".join(ingest_sql.KINDS)
+            raise ValueError(f"unknown record kind {kind_key!r}; one of: {known}")
+        lines = line_count(body)
+        if max_records is not None and lines > max_records:
+            raise BatchTooLargeError(
+                f"{lines} records in one batch; at most {max_records} (billing.max_batch_records)"
+            )
+        with self._group.announce() as submit:
+            frame = ndjson_frame(kind, body)
+            if frame is not None:
+                return submit(
+                    _Pending(kind, frame, None, frozenset(), now, skew_seconds), frame.height
+                )
+        records, malformed = _ndjson_records(body)
+        raw = orjson.dumps({kind.key: records})
+        return self._commit(kind, typed_frame(kind, records), raw, now, skew_seconds, malformed)
+
+    def _commit(self, kind: ingest_sql.Kind, frame: pl.DataFrame | None, raw: bytes | None,
+                now: float | None, skew: float, malformed: frozenset[int] = frozenset()) -> IngestResult:  # fmt: skip
+        """Keep a batch, typed ``frame`` (fast path) or ``raw`` JSON text, in a committed transaction.
+
+        Batches on the fast path may share their transaction with others (group commit).
+        ``malformed``: places of records that were not JSON at all (sent as null), so that
+        their reason says so.
+        """
+        size = frame.height if frame is not None else 1
+        return self._group.submit(_Pending(kind, frame, raw, malformed, now, skew), size)
+
+    def _run_group(self, group: Sequence[_Pending]) -> list[IngestResult | BaseException]:
+        """Commit ``group`` (under the writer lock): fast-path batches of one kind together."""
+        outcomes: dict[int, IngestResult | BaseException] = {}
+        shared: dict[tuple[str, float | None, float], list[int]] = {}
+        for i, p in enumerate(group):
+            if p.frame is not None:
+                shared.setdefault((p.kind.key, p.now, p.skew), []).append(i)
+            else:
+                shared[("", float(i), p.skew)] = [i]  # its own transaction
+        for members in shared.values():
+            results: Sequence[IngestResult | BaseException]
             try:
-                result, span = self._ingest(con, kind, raw, frame, now, skew_seconds)
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
+                results = self._transaction([group[i] for i in members])
+            except Exception as exc:
+                results = [exc] * len(members)
+            outcomes.update(zip(members, results, strict=True))
+        return [outcomes[i] for i in range(len(group))]
+
+    def _transaction(self, batches: Sequence[_Pending]) -> Sequence[IngestResult]:
+        first = batches[0]
+        now = time.time() if first.now is None else first.now
+        frame = None
+        if first.frame is not None:
+            frames = [b.frame.with_columns(item=pl.lit(i, pl.Int32))
+                      for i, b in enumerate(batches) if b.frame is not None]  # fmt: skip
+            frame = pl.concat(frames) if len(frames) > 1 else frames[0]
+            if len(frames) > 1:  # an id repeated across the batches is a repeat too
+                frame = frame.with_columns(dup=~pl.col(first.kind.id_field).is_first_distinct())
+        con = self._con
+        con.execute("BEGIN TRANSACTION")
+        try:
+            results, span = self._ingest(con, first.kind, first.raw, frame, now, first.skew,
+                                         first.malformed, len(batches))  # fmt: skip
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+        finally:
+            if frame is not None:
+                con.unregister("_batch")
         if span is not None:
             self.retouch(span)
-        return result
+        return results
 
     def take_touched(self) -> tuple[float, float] | None:
         """The time span (Unix seconds) new records fell in since the last call, and forget it.
@@ -187,43 +286,55 @@ class Ledger:
             )
         return ingest_sql.KINDS[key], records
 
-    def _ingest(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind, raw: bytes,
-                frame: pl.DataFrame | None, now: float, skew: float) -> tuple[IngestResult, tuple[float, float] | None]:  # fmt: skip
+    def _ingest(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind, raw: bytes | None,
+                frame: pl.DataFrame | None, now: float, skew: float, malformed: frozenset[int],
+                batches: int) -> tuple[list[IngestResult], tuple[float, float] | None]:  # fmt: skip
+        """Keep ``batches`` batches (told apart by column ``item``) in the open transaction."""
+        params = {"now": now, "skew": skew}
+        totals = [0] * batches
         if frame is not None:
             con.register("_batch", frame)
-            try:
-                con.execute(ingest_sql.stage_typed_sql(kind, "_batch"), {"now": now, "skew": skew})
-            finally:
-                con.unregister("_batch")
+            source, checked = "_batch", ingest_sql.checked_sql(kind, "_batch")
+            for item, n in frame.group_by("item").len().iter_rows():
+                totals[item] = n
         else:
-            con.execute(
-                ingest_sql.stage_sql(kind), {"body": raw.decode(), "now": now, "skew": skew}
-            )
-        rejected = [
-            Rejection(str(rid) if rid is not None else f"#{pos}", reason)
-            for pos, rid, reason in con.execute(
-                f'SELECT pos, "{kind.id_field}", reason FROM staged WHERE reason IS NOT NULL ORDER BY pos'
-            ).fetchall()
-        ]
-        good = con.execute(
-            f'SELECT count(*), min("{kind.time_field}"), max("{kind.time_field}") '
-            "FROM staged WHERE reason IS NULL"
-        ).fetchone()
-        assert good is not None
-        if not good[0]:
-            return IngestResult(kind.key, 0, 0, rejected), None
-        con.execute(ingest_sql.insert_sql(kind), {"now": now, "lo": good[1], "hi": good[2]})
-        fresh_row = con.execute("SELECT count(*) FROM fresh").fetchone()
-        fresh = fresh_row[0] if fresh_row else 0
+            assert raw is not None
+            con.execute(ingest_sql.stage_sql(kind), {"body": raw.decode(), **params})
+            row = con.execute("SELECT count(*) FROM staged").fetchone()
+            source, checked, totals[0] = "staged", "staged", int(row[0]) if row else 0
+        con.execute(ingest_sql.rejected_sql(kind, checked), params if frame is not None else None)
+        rejected: list[list[Rejection]] = [[] for _ in range(batches)]
+        for item, pos, rid, reason in con.execute(
+            "SELECT item, pos, id, reason FROM _rejected ORDER BY item, pos"
+        ).fetchall():
+            rid = str(rid) if rid is not None else f"#{pos}"
+            rejected[item].append(Rejection(rid, "not valid JSON" if pos in malformed else reason))
+        good = [t - len(r) for t, r in zip(totals, rejected, strict=True)]
+        fresh = [0] * batches
         span = None
-        if fresh:
-            con.execute(ingest_sql.append_sql(kind))
-            self._roll_up(con, kind)
+        if sum(good):
+            con.execute(ingest_sql.good_sql(kind, source))
+            tf = f'"{kind.time_field}"'
+            lo, hi = con.execute(f"SELECT min({tf}), max({tf}) FROM _good").fetchone() or (0, 0)
+            con.execute(ingest_sql.known_sql(kind), {"lo": lo, "hi": hi})
+            con.execute(ingest_sql.fresh_sql(kind))
+            for item, n in con.execute("SELECT item, count(*) FROM fresh GROUP BY item").fetchall():
+                fresh[item] = n
+        if sum(fresh):
+            con.execute(ingest_sql.append_sql(kind), {"now": now})
             row = con.execute(f"SELECT min(t), max(t) FROM ({_SPANS[kind.key]})").fetchone()
-            span = (float(row[0]), float(row[1])) if row and row[0] is not None else None
-        return IngestResult(kind.key, fresh, good[0] - fresh, rejected), span
+            assert row is not None
+            assert row[0] is not None
+            span = (float(row[0]), float(row[1]))
+            self._roll_up(con, kind, span)
+        results = [
+            IngestResult(kind.key, f, g - f, r)
+            for f, g, r in zip(fresh, good, rejected, strict=True)
+        ]
+        return results, span
 
-    def _roll_up(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind) -> None:
+    def _roll_up(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind,
+                 span: tuple[float, float]) -> None:  # fmt: skip
         if kind.key == "usage":
             con.execute(ingest_sql.usage_rollup_sql())
             con.execute(ingest_sql.occupancy_rollup_sql())
@@ -232,10 +343,17 @@ class Ledger:
             con.execute(ingest_sql.gpu_rollup_sql())
         else:
             return
-        months = f"SELECT DISTINCT strftime(make_timestamp(CAST(t * 1000000 AS BIGINT)), '%Y-%m') AS m FROM ({_SPANS[kind.key]})"
-        con.execute(f"INSERT INTO months (month) {months} ON CONFLICT DO NOTHING")
+        first, last = month_of(span[0]), month_of(span[1])
+        if first == last:  # nearly every batch: no need to look at each record's month
+            months = "SELECT $month AS m"
+            params: dict[str, Any] = {"month": first}
+        else:
+            months = f"SELECT DISTINCT strftime(make_timestamp(CAST(t * 1000000 AS BIGINT)), '%Y-%m') AS m FROM ({_SPANS[kind.key]})"
+            params = {}
+        con.execute(f"INSERT INTO months (month) {months} ON CONFLICT DO NOTHING", params)
         con.execute(
-            f"UPDATE months SET dirty = true WHERE closed_at IS NOT NULL AND month IN ({months})"
+            f"UPDATE months SET dirty = true WHERE closed_at IS NOT NULL AND month IN ({months})",
+            params,
         )
 
     # -- months ---------------------------------------------------------------------------
@@ -378,6 +496,25 @@ _SPANS = {
 }
 # A raw table's time column, for partitioning its Parquet export by month.
 _TIME_COLUMNS = {k.table: f'"{k.time_field}"' for k in ingest_sql.KINDS.values()}
+
+
+def _ndjson_records(body: bytes) -> tuple[list[Any], frozenset[int]]:
+    """Each line's JSON value (None where a line is not JSON), and those lines' 1-based places.
+
+    Lines are split at "\n" only, as ``line_count`` counts them; a blank line is not JSON.
+    """
+    lines = body.split(b"\n")
+    if body.endswith(b"\n"):
+        lines.pop()
+    records: list[Any] = []
+    malformed = set()
+    for pos, line in enumerate(lines, start=1):
+        try:
+            records.append(orjson.loads(line))
+        except orjson.JSONDecodeError:
+            records.append(None)
+            malformed.add(pos)
+    return records, frozenset(malformed)
 
 
 def _frame(cur: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any]) -> pl.DataFrame:

@@ -1,6 +1,8 @@
 """Ship spooled records to the billing ingest API, and delete only what it acknowledged.
 
-The ingest API is idempotent by record id, so a segment that was sent but whose acknowledgement
+A batch is the spool segment's lines as they are on disk, POSTed as NDJSON to
+``<ingest_url>/<kind>``: the shipper neither parses nor re-encodes them, and billing reads them
+with a typed NDJSON reader. The ingest API is idempotent by record id, so a segment that was sent but whose acknowledgement
 was lost is simply sent again. Retries back off exponentially with jitter (tenacity). A record
 that billing rejects as invalid is never retried: it goes to ``<spool>/rejected.jsonl`` with the
 reason, so nothing is dropped silently and nothing blocks the records behind it.
@@ -22,7 +24,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from infermeter.spool import Segment, Spool, read_segment
+from infermeter.spool import Segment, Spool, read_lines
 
 __all__ = ["IngestRejectedError", "Shipper"]
 
@@ -47,12 +49,14 @@ class Shipper:
     def __init__(self, spool: Spool, url: str, token: str | None, kind: str, client: httpx.AsyncClient,
                  batch_size: int = 5000, interval_seconds: float = 1.0) -> None:  # fmt: skip
         self.spool = spool
-        self.url = url
+        self.url = f"{url.rstrip('/')}/{kind}"
         self.kind = kind
         self.client = client
         self.batch_size = batch_size
         self.interval_seconds = interval_seconds
-        self.headers = {"authorization": f"Bearer {token}"} if token else {}
+        self.headers = {"content-type": "application/x-ndjson"}
+        if token:
+            self.headers["authorization"] = f"Bearer {token}"
         self.shipped = 0
 
     async def run(self) -> None:
@@ -74,15 +78,15 @@ class Shipper:
         return done
 
     async def _ship_segment(self, segment: Segment, max_wait_seconds: float) -> int:
-        records, torn = read_segment(segment.path)
+        lines, torn = read_lines(segment.path)
         if torn:
             log.error(
                 "%s: %d torn line(s) skipped (written by a process that died mid-write)",
                 segment.path,
                 torn,
             )
-        for start in range(0, len(records), self.batch_size):
-            batch = records[start : start + self.batch_size]
+        for start in range(0, len(lines), self.batch_size):
+            batch = lines[start : start + self.batch_size]
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception_type(_RetryableError),
                 wait=wait_exponential_jitter(multiplier=0.2, max=10.0),
@@ -94,13 +98,14 @@ class Shipper:
             if rejected:
                 self._dead_letter(segment.path.parent, batch, rejected)
         self.spool.acknowledge(segment)
-        self.shipped += len(records)
-        return len(records)
+        self.shipped += len(lines)
+        return len(lines)
 
-    async def _post(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def _post(self, batch: list[bytes]) -> list[dict[str, Any]]:
         try:
-            response = await self.client.post(self.url, content=orjson.dumps({self.kind: batch}),
-                                              headers={**self.headers, "content-type": "application/json"})  # fmt: skip
+            response = await self.client.post(
+                self.url, content=b"".join(batch), headers=self.headers
+            )
         except httpx.HTTPError as exc:
             raise _RetryableError(f"{type(exc).__name__}: {exc}") from exc
         if response.status_code >= 500 or response.status_code == 429:
@@ -111,15 +116,27 @@ class Shipper:
         return rejected
 
     @staticmethod
-    def _dead_letter(
-        directory: Path, batch: list[dict[str, Any]], rejected: list[dict[str, Any]]
-    ) -> None:
+    def _dead_letter(directory: Path, batch: list[bytes], rejected: list[dict[str, Any]]) -> None:
+        """Keep the rejected lines with their reasons; a record without an id is named ``#<line>``."""
         reasons = {r.get("id"): r.get("reason") for r in rejected}
         with (directory / "rejected.jsonl").open("ab") as fh:
-            for record in batch:
-                rid = record.get("request_id") or record.get("sample_id")
+            for pos, line in enumerate(batch, start=1):
+                record = _loads(line)
+                rid = None
+                if isinstance(record, dict):
+                    rid = record.get("request_id") or record.get("sample_id")
+                if rid not in reasons:
+                    rid = f"#{pos}"
                 if rid in reasons:
                     fh.write(orjson.dumps({"reason": reasons[rid], "record": record}) + b"\n")
         log.error(
             "billing rejected %d record(s); kept in %s/rejected.jsonl", len(reasons), directory
         )
+
+
+def _loads(line: bytes) -> Any:
+    """A line's JSON value, or the line as text when it is not JSON."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return line.decode("utf-8", "replace").rstrip("\n")

@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import orjson
 
-__all__ = ["Segment", "Spool", "SpoolError", "read_segment"]
+__all__ = ["Segment", "Spool", "SpoolError", "read_lines", "read_segment"]
 
 log = logging.getLogger("infermeter.spool")
 
@@ -52,6 +52,20 @@ def read_segment(path: Path) -> tuple[list[dict[str, Any]], int]:
             except orjson.JSONDecodeError:
                 torn += 1
     return records, torn
+
+
+def read_lines(path: Path) -> tuple[list[bytes], int]:
+    """A segment's complete lines, newline included, as written; and 1 if its last line is torn.
+
+    Records are written whole, each with its newline, so only the last line can be torn (the
+    process died mid-write, or the disk filled up and the segment was abandoned).
+    """
+    with path.open("rb") as fh:
+        lines = fh.readlines()
+    if lines and not lines[-1].endswith(b"\n"):
+        lines.pop()
+        return lines, 1
+    return lines, 0
 
 
 class Spool:

@@ -81,6 +81,25 @@ async def test_a_malformed_batch_is_a_400_in_openai_error_json(billing):
     assert response.json()["error"]["message"] == "the body is not valid JSON"
 
 
+async def test_ndjson_ingest_route_answers_like_the_json_one(billing):
+    """POST /v1/ingest/usage with one record a line: same counts and reasons, same credentials."""
+    body = b"".join(orjson.dumps(r) + b"\n" for r in [usage(), usage(team="nobody")])
+    async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
+        first = (await client.post("/v1/ingest/usage", content=body)).json()
+        second = (await client.post("/v1/ingest/usage", content=body)).json()
+        unknown = await client.post("/v1/ingest/bills", content=body)
+        too_many = await client.post("/v1/ingest/usage", content=b"{}\n" * 100_001)
+    async with httpx.AsyncClient(base_url=billing, headers=bearer(SEARCH)) as client:
+        forbidden = await client.post("/v1/ingest/usage", content=body)
+    assert (first["accepted"], first["duplicates"]) == (1, 0)
+    assert [r["reason"] for r in first["rejected"]] == ['unknown team "nobody"']
+    assert (second["accepted"], second["duplicates"]) == (0, 1)
+    assert unknown.status_code == 400
+    assert "unknown record kind 'bills'" in unknown.json()["error"]["message"]
+    assert too_many.status_code == 413
+    assert forbidden.status_code == 403
+
+
 async def test_a_team_reads_only_its_own_statement(billing):
     """search's key sees search's lines; asking with no key is 401."""
     await _seed(billing)
@@ -173,6 +192,28 @@ async def test_the_shipper_delivers_a_spool_and_dead_letters_rejects(billing, tm
     ]
     assert [r["record"]["team"] for r in rejected] == ["nobody"]
     assert rejected[0]["reason"] == 'unknown team "nobody"'
+    assert await spool.closed_segments() == []
+
+
+async def test_the_shipper_skips_a_torn_last_line_and_ships_the_rest(billing, ledger, tmp_path):
+    """A segment left by a process that died mid-write: its whole lines ship, the torn one does not."""
+    directory = tmp_path / "spool"
+    directory.mkdir()
+    records = [usage(), usage()]
+    torn = orjson.dumps(usage())[:40]
+    (directory / "seg-00000000000000000001.jsonl").write_bytes(
+        b"".join(orjson.dumps(r) + b"\n" for r in records) + torn
+    )
+    spool = Spool(directory, roll_seconds=0.0)
+    spool.open()
+    async with httpx.AsyncClient() as client:
+        shipper = Shipper(spool, f"{billing}/v1/ingest/", INGEST, "usage", client)
+        assert await shipper.ship_once() == 2
+    await spool.close()
+    with ledger.reader() as cur:
+        kept = cur.execute("SELECT request_id FROM usage ORDER BY request_id").fetchall()
+    assert kept == sorted((r["request_id"],) for r in records)
+    assert not (directory / "rejected.jsonl").exists()
     assert await spool.closed_segments() == []
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import orjson
@@ -252,3 +254,87 @@ def test_occupancy_is_the_sum_over_teams(ledger):
         assert cur.execute(
             "SELECT slot * 60 - ?, inflight_seconds FROM replica_slots", [OCT]
         ).fetchall() == [(0.0, 70.0)]
+
+
+def _ndjson(records: list[Any]) -> bytes:
+    return b"".join(orjson.dumps(r) + b"\n" for r in records)
+
+
+@pytest.mark.parametrize(("case", "record", "reason"), BAD, ids=[b[0] for b in BAD])
+def test_ndjson_batches_refuse_the_same_records_for_the_same_reasons(ledger, case, record, reason):
+    """The shippers' NDJSON route and the JSON route give one record the same verdict."""
+    good = [usage(), usage()]
+    result = ledger.ingest_lines("usage", _ndjson([good[0], record, good[1]]), now=NOW)
+    assert result.accepted == 2
+    assert [r.reason for r in result.rejected] == [reason]
+    assert _count(ledger, "usage") == 2
+
+
+def test_an_ndjson_line_that_is_not_json_is_refused_alone(ledger):
+    """A garbled line is one rejected record, named by its line; the lines around it are kept."""
+    body = _ndjson([usage()]) + b'{"request_id": "torn\n' + _ndjson([usage()])
+    result = ledger.ingest_lines("usage", body, now=NOW)
+    assert result.accepted == 2
+    assert [(r.id, r.reason) for r in result.rejected] == [("#2", "not valid JSON")]
+
+
+def test_an_ndjson_batch_resent_as_json_counts_nothing_twice(ledger):
+    """Idempotency is by record id, whichever route a batch took."""
+    records = [usage(endpoint="/v1/chat/completions", finish_reason="stop", usage_exact=True)
+               for _ in range(3)]  # fmt: skip
+    assert ledger.ingest_lines("usage", _ndjson(records), now=NOW).accepted == 3
+    again = ledger.ingest(batch("usage", records), now=NOW)
+    assert (again.accepted, again.duplicates) == (0, 3)
+    assert _count(ledger, "usage") == 3
+
+
+def test_ndjson_of_an_unknown_kind_or_over_the_limit_is_refused_whole(ledger):
+    """An unknown kind names the known ones; too many lines is BatchTooLargeError."""
+    with pytest.raises(ValueError, match="unknown record kind 'bills'; one of: usage"):
+        ledger.ingest_lines("bills", _ndjson([usage()]), now=NOW)
+    with pytest.raises(BatchTooLargeError):
+        ledger.ingest_lines("usage", _ndjson([usage(), usage(), usage()]), now=NOW, max_records=2)
+    assert _count(ledger, "usage") == 0
+
+
+def test_batches_waiting_for_the_writer_share_one_transaction(ledger):
+    """Group commit: three callers, one transaction, and each caller gets its own answer.
+
+    The writer lock is held while the callers queue, so their batches are committed together.
+    An id in two batches is kept once (a duplicate for the later batch); a bad record is
+    reported to the caller that sent it.
+    """
+    full: dict[str, Any] = {
+        "endpoint": "/v1/chat/completions",
+        "finish_reason": "stop",
+        "usage_exact": True,
+    }
+    shared = usage(**full)
+    bodies = [
+        _ndjson([usage(**full), shared]),
+        _ndjson([shared, usage(**full), usage(**full)]),
+        _ndjson([usage(**full), usage(team="nobody", **full)]),
+    ]
+    results: dict[int, Any] = {}
+    with ledger._write_lock:
+        threads = [
+            threading.Thread(target=lambda i=i: results.__setitem__(i, ledger.ingest_lines("usage", bodies[i], now=NOW)))
+            for i in range(3)
+        ]  # fmt: skip
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while ledger._group.waiting < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ledger._group.waiting == 3
+    for t in threads:
+        t.join(10)
+    answers = {
+        i: (r.accepted, r.duplicates, [x.reason for x in r.rejected]) for i, r in results.items()
+    }
+    # The shared id is fresh in whichever of the first two batches was queued first.
+    assert {answers[0][:2], answers[1][:2]} in ({(2, 0), (2, 1)}, {(1, 1), (3, 0)})
+    assert answers[2] == (1, 0, ['unknown team "nobody"'])
+    assert sum(a[0] for a in answers.values()) == _count(ledger, "usage") == 5
+    with ledger.reader() as cur:
+        assert cur.execute("SELECT sum(requests) FROM usage_slots").fetchone() == (5,)
