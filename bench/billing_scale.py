@@ -9,10 +9,11 @@ Three measurements, each printed as a table row:
 ``chargeback``the month's statement (``Chargeback.statement``: rollups -> allocation -> cents),
               against a bare ``GROUP BY team, model`` over the same raw table.
 ``ingest``    records/s through the HTTP API: ``infermeter billing`` as its own process, batches
-              of ``--batch`` records POSTed by ``--clients`` concurrent clients as NDJSON to
-              ``/v1/ingest/usage``, as shippers do (``--json``: as one JSON object each to
-              ``/v1/ingest``). Bodies are built before the clock starts; the CPU seconds of the
-              service and of the clients are reported beside the rate.
+              of ``--batch`` records POSTed by ``--clients`` concurrent clients, as shippers
+              do: ``--format arrow`` (the default, what shippers send), ``ndjson`` (a spool
+              segment's lines) or ``json`` (one object to ``/v1/ingest``). Bodies are built
+              before the clock starts; the CPU the shippers' Arrow conversion takes is reported
+              separately, and so is the CPU of the service and of the clients.
 
 DuckDB runs with ``--memory-limit`` (the ``billing.memory_limit`` setting); the peak RSS of this
 process and of the service is reported beside it.
@@ -41,7 +42,7 @@ import httpx
 import orjson
 import yaml
 
-from billing import ingest_sql
+from billing import ingest_sql, wire
 from billing.chargeback import Chargeback
 from billing.fastpath import ndjson_frame
 from billing.ledger import Ledger
@@ -118,10 +119,15 @@ def timed(fn: Any, repeat: int) -> tuple[float, float, Any]:
 
 
 def ingest_rate(path: Path, port: int, batch: int, clients: int, batches: int,
-                ndjson: bool = True) -> dict[str, float]:  # fmt: skip
+                fmt: str = "arrow") -> dict[str, float]:  # fmt: skip
     """Records/s through ``infermeter billing`` (its own process) over HTTP, and CPU used."""
-    bodies = [_usage_batch(b, batch, ndjson=ndjson) for b in range(batches)]
-    route = "/v1/ingest/usage" if ndjson else "/v1/ingest"
+    bodies = [_usage_batch(b, batch, ndjson=fmt != "json") for b in range(batches)]
+    encode_cpu = time.process_time()
+    if fmt == "arrow":
+        bodies = [wire.encode_arrow("usage", b) or b"" for b in bodies]
+    encode_cpu = time.process_time() - encode_cpu
+    route = "/v1/ingest" if fmt == "json" else "/v1/ingest/usage"
+    ctype = {"arrow": wire.ARROW_STREAM, "ndjson": wire.NDJSON, "json": "application/json"}[fmt]
     proc = subprocess.Popen([sys.executable, "-m", "infermeter", "billing", "--config", str(path)],
                             env=dict(os.environ))  # fmt: skip
     try:
@@ -134,14 +140,15 @@ def ingest_rate(path: Path, port: int, batch: int, clients: int, batches: int,
                 time.sleep(0.1)
         server_cpu = _cpu_seconds(proc.pid)
         client_cpu = time.process_time()
-        accepted, elapsed = asyncio.run(_post_all(url, route, bodies, clients))
+        accepted, elapsed = asyncio.run(_post_all(url, route, ctype, bodies, clients))
         client_cpu = time.process_time() - client_cpu
         server_cpu = _cpu_seconds(proc.pid) - server_cpu
     finally:
         proc.terminate()
         proc.wait(30)
     return {"records_per_s": accepted / elapsed, "server_cpu_us": 1e6 * server_cpu / accepted,
-            "client_cpu_us": 1e6 * client_cpu / accepted, "seconds": elapsed}  # fmt: skip
+            "client_cpu_us": 1e6 * client_cpu / accepted, "seconds": elapsed,
+            "encode_cpu_us": 1e6 * encode_cpu / (batch * batches)}  # fmt: skip
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -190,13 +197,14 @@ def ingest_breakdown(work: Path, batch: int, batches: int, bad_record: bool) -> 
             "transaction_ms": 1000 * (total - parse) / batches}  # fmt: skip
 
 
-async def _post_all(url: str, route: str, bodies: list[bytes], clients: int) -> tuple[int, float]:
+async def _post_all(
+    url: str, route: str, ctype: str, bodies: list[bytes], clients: int
+) -> tuple[int, float]:
     queue: asyncio.Queue[bytes] = asyncio.Queue()
     for body in bodies:
         queue.put_nowait(body)
     accepted = 0
-    kind = "application/x-ndjson" if route.endswith("/usage") else "application/json"
-    headers = {"authorization": "Bearer im-bench-ingest", "content-type": kind}
+    headers = {"authorization": "Bearer im-bench-ingest", "content-type": ctype}
 
     async def worker(client: httpx.AsyncClient) -> None:
         nonlocal accepted
@@ -215,10 +223,14 @@ async def _post_all(url: str, route: str, bodies: list[bytes], clients: int) -> 
 
 def print_ingest(args: argparse.Namespace, r: dict[str, float]) -> None:
     """One line: the rate and where the CPU went."""
-    route = "JSON /v1/ingest" if args.json else "NDJSON /v1/ingest/usage"
-    print(f"ingest     {args.batches} batches x {args.batch:,} records, {args.clients} clients, {route}: "
+    shippers = (
+        f", shippers' Arrow conversion {r['encode_cpu_us']:.2f} us"
+        if args.format == "arrow"
+        else ""
+    )
+    print(f"ingest     {args.batches} batches x {args.batch:,} records, {args.clients} clients, {args.format}: "
           f"{r['records_per_s']:,.0f} records/s in {r['seconds']:.1f} s; CPU per record: service "
-          f"{r['server_cpu_us']:.2f} us, clients {r['client_cpu_us']:.2f} us")  # fmt: skip
+          f"{r['server_cpu_us']:.2f} us, clients {r['client_cpu_us']:.2f} us{shippers}")  # fmt: skip
 
 
 def main() -> int:
@@ -230,7 +242,8 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--skip-ingest", action="store_true")
-    parser.add_argument("--json", action="store_true", help="ingest as JSON objects, not NDJSON")
+    parser.add_argument("--format", choices=("arrow", "ndjson", "json"), default="arrow",
+                        help="what the clients send (default: Arrow, as shippers do)")  # fmt: skip
     parser.add_argument("--ingest-only", action="store_true", help="only the ingest measurement")
     parser.add_argument("--breakdown", action="store_true",
                         help="only in-process ingest: parse vs transaction, typed vs per-record path")  # fmt: skip
@@ -259,7 +272,7 @@ def main() -> int:
             return 0
         if args.ingest_only:
             print_ingest(
-                args, ingest_rate(path, port, args.batch, args.clients, args.batches, not args.json)
+                args, ingest_rate(path, port, args.batch, args.clients, args.batches, args.format)
             )
             return 0
         ledger = Ledger.open(work / "ledger.duckdb", TEAMS, {"chat-small": 0.5, "chat-large": 1.5},
@@ -288,7 +301,7 @@ def main() -> int:
         print(f"peak RSS of this process: {rss:.0f} MB (DuckDB memory_limit {args.memory_limit})")
         if not args.skip_ingest:
             print_ingest(
-                args, ingest_rate(path, port, args.batch, args.clients, args.batches, not args.json)
+                args, ingest_rate(path, port, args.batch, args.clients, args.batches, args.format)
             )
     finally:
         if args.dir is None:

@@ -34,6 +34,7 @@ from billing.ledger import BatchTooLargeError, IngestResult, Ledger, LedgerError
 from billing.metrics import SpendCollector
 from billing.months import check_month, month_of
 from billing.query_api import CachedChargeback, query_router, refresh_if_stale, statement_json
+from billing.wire import ARROW_STREAM
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
 from infermeter.config import Config
@@ -120,19 +121,26 @@ def create_app(config: Config, ledger: Ledger) -> FastAPI:
         return _ingested(result)
 
     @app.post("/v1/ingest/{kind}")
-    async def ingest_lines(
-        kind: str, request: Request, authorization: Annotated[str | None, Header()] = None
+    async def ingest_batch(
+        kind: str,
+        request: Request,
+        authorization: Annotated[str | None, Header()] = None,
+        content_type: Annotated[str | None, Header()] = None,
     ) -> Response:
-        """Keep a batch of ``kind`` records sent as NDJSON (one per line), as shippers send them.
+        """Keep a batch of ``kind`` records as shippers send it: an Arrow IPC stream, or NDJSON.
 
-        Same answer as ``/v1/ingest``; a line that is not JSON is one rejected record.
+        Same answer as ``/v1/ingest``. NDJSON is checked record by record when it must be (a
+        line that is not JSON is one rejected record); an Arrow stream whose schema is not the
+        kind's is refused whole (400).
         """
         caller(authorization).require(INGEST)
         body = await request.body()
+        arrow = (content_type or "").split(";")[0].strip().lower() == ARROW_STREAM
+        keep = ledger.ingest_arrow if arrow else ledger.ingest_lines
         limit = config.billing.max_batch_records
         try:
             result = await run_in_threadpool(
-                ledger.ingest_lines, kind, body, None, config.billing.max_clock_skew_seconds, limit
+                keep, kind, body, None, config.billing.max_clock_skew_seconds, limit
             )
         except BatchTooLargeError as exc:
             return _error(413, str(exc), "invalid_request_error", "batch_too_large")

@@ -9,27 +9,26 @@ shipper's batch) is taken as it is, and any other batch goes to the per-record p
 ``billing.ingest_sql``, which names the bad records. Nothing is ever coerced here: a mismatch
 only means the slower path.
 
-Two bodies have a fast path:
+Three bodies have a fast path (formats in ``billing.wire``):
 
-- NDJSON, one record per line (what shippers send): Arrow's JSON reader with the kind's schema
-  as an explicit one. It refuses unknown keys and every type mismatch (a string or boolean
-  for a number, a fraction for an integer) instead of converting, and it parses in C++ threads
-  without holding the GIL, so a batch parses while another batch's transaction runs.
-- A JSON object ``{"<kind>": [records]}``: orjson, then Polars columns.
+- an Arrow IPC stream (what shippers send): typed already, only its schema is checked;
+- NDJSON, one record per line: Arrow's JSON reader with the kind's schema, which refuses
+  unknown keys and every type mismatch instead of converting, without holding the GIL, so a
+  batch parses while another batch's transaction runs;
+- a JSON object ``{"<kind>": [records]}``: orjson, then Polars columns.
 """
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any, Final
 
 import polars as pl
 import pyarrow as pa
-import pyarrow.json as pa_json
 
 from billing.ingest_sql import Field, Kind
+from billing.wire import decode_arrow, read_ndjson
 
-__all__ = ["line_count", "ndjson_frame", "typed_frame"]
+__all__ = ["arrow_frame", "ndjson_frame", "typed_frame"]
 
 _EXACT: Final[dict[str, tuple[type[pl.DataType], ...]]] = {
     "string": (pl.String,),
@@ -40,57 +39,17 @@ _EXACT: Final[dict[str, tuple[type[pl.DataType], ...]]] = {
 _TARGET: Final[dict[str, type[pl.DataType]]] = {
     "string": pl.String, "int": pl.Int64, "number": pl.Float64, "bool": pl.Boolean,
 }  # fmt: skip
-_ARROW: Final = {
-    "string": pa.string(),
-    "int": pa.int64(),
-    "number": pa.float64(),
-    "bool": pa.bool_(),
-}
-
-
-def line_count(body: bytes) -> int:
-    """Records in an NDJSON body: its lines, the last one with or without a newline."""
-    if not body:
-        return 0
-    return body.count(b"\n") + (0 if body.endswith(b"\n") else 1)
-
-
-# One thread per batch: concurrent requests already keep both cores busy, and Arrow's own
-# threads cost about 30% more CPU for the same batch (bench.billing_scale --breakdown).
-_READ: Final = pa_json.ReadOptions(use_threads=False, block_size=4 << 20)
-
-
-@cache
-def _parse_options(kind: Kind) -> pa_json.ParseOptions:
-    schema = pa.schema([pa.field(f.name, _ARROW[f.type]) for f in kind.fields])
-    return pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error")
 
 
 def ndjson_frame(kind: Kind, body: bytes) -> pl.DataFrame | None:
-    """An NDJSON batch as columns of the kind's types, or None if any record deviates.
+    """An NDJSON batch as columns of the kind's types, or None if any record deviates."""
+    table = read_ndjson(kind, body)
+    return None if table is None else _numbered(kind, _polars(table))
 
-    None also when the records are not exactly one per line (Arrow's reader would take an
-    object spread over lines, or two on one line, and skips blank lines: those go to the
-    per-record path, which refuses them by line), and when a field that may not be null is
-    null or absent in any record: the per-record path tells "missing" from "null" and fills
-    defaults for absent fields only.
-    """
-    lines = line_count(body)
-    if not lines:
-        return None
-    try:
-        table = pa_json.read_json(
-            pa.py_buffer(body), read_options=_READ, parse_options=_parse_options(kind)
-        )
-    except (pa.ArrowException, ValueError):
-        return None
-    if table.num_rows != lines:
-        return None
-    records = pl.from_arrow(table)
-    assert isinstance(records, pl.DataFrame)
-    if any(not f.nullable and records[f.name].null_count() for f in kind.fields):
-        return None
-    return _numbered(kind, records)
+
+def arrow_frame(kind: Kind, body: bytes) -> pl.DataFrame:
+    """An Arrow IPC batch (``billing.wire``) as columns; ValueError when it is not the kind's."""
+    return _numbered(kind, _polars(decode_arrow(kind, body)))
 
 
 def typed_frame(kind: Kind, rows: list[Any]) -> pl.DataFrame | None:
@@ -131,6 +90,12 @@ def typed_frame(kind: Kind, rows: list[Any]) -> pl.DataFrame | None:
             return None
         out.append(pl.col(f.name).cast(_TARGET[f.type]))
     return _numbered(kind, records.select(out))
+
+
+def _polars(table: pa.Table) -> pl.DataFrame:
+    frame = pl.from_arrow(table)
+    assert isinstance(frame, pl.DataFrame)
+    return frame
 
 
 def _numbered(kind: Kind, records: pl.DataFrame) -> pl.DataFrame:

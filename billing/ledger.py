@@ -23,10 +23,11 @@ import polars as pl
 
 from billing import allocation, ingest_sql
 from billing.allocation import Policy
-from billing.fastpath import line_count, ndjson_frame, typed_frame
+from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
 from billing.group_commit import GroupCommit
 from billing.months import month_bounds, month_of
 from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS
+from billing.wire import line_count
 
 __all__ = ["BatchTooLargeError", "IngestResult", "Ledger", "LedgerError", "Rejection"]
 
@@ -175,15 +176,8 @@ class Ledger:
         JSON is refused like any other bad record ("not valid JSON"), and the rest is kept.
         Raises ``ValueError`` for an unknown kind.
         """
-        kind = ingest_sql.KINDS.get(kind_key)
-        if kind is None:
-            known = ", ".join(ingest_sql.KINDS)
-            raise ValueError(f"unknown record kind {kind_key!r}; one of: {known}")
-        lines = line_count(body)
-        if max_records is not None and lines > max_records:
-            raise BatchTooLargeError(
-                f"{lines} records in one batch; at most {max_records} (billing.max_batch_records)"
-            )
+        kind = _kind(kind_key)
+        _check_size(line_count(body), max_records)
         with self._group.announce() as submit:
             frame = ndjson_frame(kind, body)
             if frame is not None:
@@ -193,6 +187,19 @@ class Ledger:
         records, malformed = _ndjson_records(body)
         raw = orjson.dumps({kind.key: records})
         return self._commit(kind, typed_frame(kind, records), raw, now, skew_seconds, malformed)
+
+    def ingest_arrow(self, kind_key: str, body: bytes, now: float | None = None,
+                     skew_seconds: float = 300.0, max_records: int | None = None) -> IngestResult:  # fmt: skip
+        """Keep one Arrow IPC batch of ``kind_key`` records (``billing.wire``); one transaction.
+
+        The columns are typed already, so only the range checks are left. Raises
+        ``ValueError`` when the stream is not the kind's schema (nothing is kept).
+        """
+        kind = _kind(kind_key)
+        with self._group.announce() as submit:
+            frame = arrow_frame(kind, body)
+            _check_size(frame.height, max_records)
+            return submit(_Pending(kind, frame, None, frozenset(), now, skew_seconds), frame.height)
 
     def _commit(self, kind: ingest_sql.Kind, frame: pl.DataFrame | None, raw: bytes | None,
                 now: float | None, skew: float, malformed: frozenset[int] = frozenset()) -> IngestResult:  # fmt: skip
@@ -280,10 +287,7 @@ class Ledger:
         key, records = next(iter(parsed.items()))
         if not isinstance(records, list):
             raise ValueError(f"{key} must be a JSON array of records")
-        if max_records is not None and len(records) > max_records:
-            raise BatchTooLargeError(
-                f"{len(records)} records in one batch; at most {max_records} (billing.max_batch_records)"
-            )
+        _check_size(len(records), max_records)
         return ingest_sql.KINDS[key], records
 
     def _ingest(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind, raw: bytes | None,
@@ -496,6 +500,20 @@ _SPANS = {
 }
 # A raw table's time column, for partitioning its Parquet export by month.
 _TIME_COLUMNS = {k.table: f'"{k.time_field}"' for k in ingest_sql.KINDS.values()}
+
+
+def _kind(key: str) -> ingest_sql.Kind:
+    kind = ingest_sql.KINDS.get(key)
+    if kind is None:
+        raise ValueError(f"unknown record kind {key!r}; one of: {', '.join(ingest_sql.KINDS)}")
+    return kind
+
+
+def _check_size(records: int, max_records: int | None) -> None:
+    if max_records is not None and records > max_records:
+        raise BatchTooLargeError(
+            f"{records} records in one batch; at most {max_records} (billing.max_batch_records)"
+        )
 
 
 def _ndjson_records(body: bytes) -> tuple[list[Any], frozenset[int]]:

@@ -1,9 +1,11 @@
 """Ship spooled records to the billing ingest API, and delete only what it acknowledged.
 
-A batch is the spool segment's lines as they are on disk, POSTed as NDJSON to
-``<ingest_url>/<kind>``: the shipper neither parses nor re-encodes them, and billing reads them
-with a typed NDJSON reader. The ingest API is idempotent by record id, so a segment that was sent but whose acknowledgement
-was lost is simply sent again. Retries back off exponentially with jitter (tenacity). A record
+A batch is a spool segment's lines, POSTed to ``<ingest_url>/<kind>`` as an Arrow IPC stream:
+the shipper reads them into typed columns (strictly, ``billing.wire``), so the central billing
+service does not parse JSON. Lines that do not convert exactly are sent as they are on disk, as
+NDJSON, for billing to check record by record; so are all lines when billing refuses the
+Arrow stream. The ingest API is idempotent by record id, so a segment that was sent but whose
+acknowledgement was lost is simply sent again. Retries back off exponentially with jitter (tenacity). A record
 that billing rejects as invalid is never retried: it goes to ``<spool>/rejected.jsonl`` with the
 reason, so nothing is dropped silently and nothing blocks the records behind it.
 """
@@ -24,6 +26,8 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from billing.ingest_sql import KINDS
+from billing.wire import ARROW_STREAM, NDJSON, encode_arrow
 from infermeter.spool import Segment, Spool, read_lines
 
 __all__ = ["IngestRejectedError", "Shipper"]
@@ -42,21 +46,22 @@ class _RetryableError(Exception):
 class Shipper:
     """Moves closed spool segments to billing, one batch at a time.
 
-    A batch is a whole segment by default (spools roll at 5,000 records): billing's cost per
-    batch is mostly fixed per transaction, so fewer, larger batches ingest faster.
+    A batch is a whole segment by default (a spool rolls every 2 s, or at 50,000 records on a
+    busy sidecar): billing spends more per record on small batches (per request, and per
+    transaction when few arrive at once), so a busy sidecar sends large ones
+    (``python -m bench.billing_scale --batch``; docs/benchmarks.md).
     """
 
     def __init__(self, spool: Spool, url: str, token: str | None, kind: str, client: httpx.AsyncClient,
-                 batch_size: int = 5000, interval_seconds: float = 1.0) -> None:  # fmt: skip
+                 batch_size: int = 50_000, interval_seconds: float = 1.0, arrow: bool = True) -> None:  # fmt: skip
         self.spool = spool
         self.url = f"{url.rstrip('/')}/{kind}"
         self.kind = kind
         self.client = client
         self.batch_size = batch_size
         self.interval_seconds = interval_seconds
-        self.headers = {"content-type": "application/x-ndjson"}
-        if token:
-            self.headers["authorization"] = f"Bearer {token}"
+        self.arrow = arrow and kind in KINDS
+        self.headers = {"authorization": f"Bearer {token}"} if token else {}
         self.shipped = 0
 
     async def run(self) -> None:
@@ -87,6 +92,9 @@ class Shipper:
             )
         for start in range(0, len(lines), self.batch_size):
             batch = lines[start : start + self.batch_size]
+            body = b"".join(batch)
+            # Off the event loop: Arrow parses without the GIL while the sidecar relays tokens.
+            encoded = await asyncio.to_thread(encode_arrow, self.kind, body) if self.arrow else None
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception_type(_RetryableError),
                 wait=wait_exponential_jitter(multiplier=0.2, max=10.0),
@@ -94,20 +102,33 @@ class Shipper:
                 reraise=True,
             ):
                 with attempt:
-                    rejected = await self._post(batch)
+                    rejected = await self._post(body, encoded)
             if rejected:
                 self._dead_letter(segment.path.parent, batch, rejected)
         self.spool.acknowledge(segment)
         self.shipped += len(lines)
         return len(lines)
 
-    async def _post(self, batch: list[bytes]) -> list[dict[str, Any]]:
+    async def _post(self, ndjson: bytes, arrow: bytes | None) -> list[dict[str, Any]]:
+        """Send the batch (as Arrow if it converted) and return the records billing rejected."""
+        if arrow is not None:
+            response = await self._send(arrow, ARROW_STREAM)
+            if response.status_code not in (400, 415):
+                return self._answer(response)
+            log.warning("billing refused the %s batch as Arrow (HTTP %d: %s); sending NDJSON",
+                        self.kind, response.status_code, response.text[:200])  # fmt: skip
+        return self._answer(await self._send(ndjson, NDJSON))
+
+    async def _send(self, content: bytes, content_type: str) -> httpx.Response:
         try:
-            response = await self.client.post(
-                self.url, content=b"".join(batch), headers=self.headers
+            return await self.client.post(
+                self.url, content=content, headers={**self.headers, "content-type": content_type}
             )
         except httpx.HTTPError as exc:
             raise _RetryableError(f"{type(exc).__name__}: {exc}") from exc
+
+    @staticmethod
+    def _answer(response: httpx.Response) -> list[dict[str, Any]]:
         if response.status_code >= 500 or response.status_code == 429:
             raise _RetryableError(f"HTTP {response.status_code}")
         if response.status_code >= 400:

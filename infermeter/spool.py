@@ -72,7 +72,7 @@ class Spool:
     """Group-committing writer of one spool directory."""
 
     def __init__(
-        self, directory: Path, roll_seconds: float = 2.0, roll_records: int = 5000
+        self, directory: Path, roll_seconds: float = 2.0, roll_records: int = 50_000
     ) -> None:
         self.directory = directory
         self.roll_seconds = roll_seconds

@@ -6,6 +6,7 @@ import csv
 import io
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -14,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from billing.api import create_app
 from billing.ledger import Ledger
+from billing.wire import ARROW_STREAM, NDJSON, encode_arrow
 from infermeter.config import Config
 from infermeter.shipper import Shipper
 from infermeter.spool import Spool
@@ -98,6 +100,77 @@ async def test_ndjson_ingest_route_answers_like_the_json_one(billing):
     assert "unknown record kind 'bills'" in unknown.json()["error"]["message"]
     assert too_many.status_code == 413
     assert forbidden.status_code == 403
+
+
+async def test_arrow_ingest_route_keeps_typed_batches_and_refuses_other_schemas(billing):
+    """An Arrow stream is kept like NDJSON; a stream that is not Arrow is a 400 naming why."""
+    full: dict[str, Any] = {
+        "endpoint": "/v1/chat/completions",
+        "finish_reason": "stop",
+        "usage_exact": True,
+    }
+    lines = b"".join(orjson.dumps(r) + b"\n" for r in [usage(**full), usage(team="nobody", **full)])
+    encoded = encode_arrow("usage", lines)
+    assert encoded is not None
+    async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
+        kept = await client.post("/v1/ingest/usage", content=encoded,
+                                 headers={"content-type": ARROW_STREAM})  # fmt: skip
+        garbage = await client.post("/v1/ingest/usage", content=lines,
+                                    headers={"content-type": ARROW_STREAM})  # fmt: skip
+    assert (kept.json()["accepted"], [r["reason"] for r in kept.json()["rejected"]]) == (
+        1, ['unknown team "nobody"'],
+    )  # fmt: skip
+    assert garbage.status_code == 400
+    assert "not an Arrow IPC stream" in garbage.json()["error"]["message"]
+
+
+class _Recorder:
+    """An ingest stand-in that records each POST's content type; it may refuse Arrow."""
+
+    def __init__(self, refuse_arrow: bool) -> None:
+        self.refuse_arrow = refuse_arrow
+        self.types: list[str] = []
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        while (await receive()).get("more_body"):
+            pass
+        ctype = dict(scope["headers"]).get(b"content-type", b"").decode()
+        self.types.append(ctype)
+        status = 415 if self.refuse_arrow and ctype == ARROW_STREAM else 200
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b'{"rejected": []}'})
+
+
+@pytest.mark.parametrize(
+    ("records", "refuse_arrow", "sent"),
+    [
+        ("typed", False, [ARROW_STREAM]),
+        ("one string for a number", False, [NDJSON]),
+        ("typed", True, [ARROW_STREAM, NDJSON]),
+    ],
+)
+async def test_the_shipper_sends_arrow_when_lines_convert_and_ndjson_otherwise(
+    tmp_path, records, refuse_arrow, sent
+):
+    """Arrow for exact batches; NDJSON for the rest, and when billing refuses Arrow."""
+    full: dict[str, Any] = {
+        "endpoint": "/v1/chat/completions",
+        "finish_reason": "stop",
+        "usage_exact": True,
+    }
+    batch_records = [usage(**full), usage(**full)]
+    if records != "typed":
+        batch_records[1]["prompt_tokens"] = "100"
+    spool = Spool(tmp_path / "spool", roll_seconds=0.0)
+    spool.open()
+    for record in batch_records:
+        await spool.append(record)
+    recorder = _Recorder(refuse_arrow)
+    async with serving(recorder, lifespan="off") as url, httpx.AsyncClient() as client:
+        assert await Shipper(spool, f"{url}/v1/ingest", INGEST, "usage", client).ship_once() == 2
+    await spool.close()
+    assert recorder.types == sent
 
 
 async def test_a_team_reads_only_its_own_statement(billing):

@@ -8,8 +8,9 @@ import orjson
 import polars as pl
 import pytest
 
-from billing.fastpath import line_count, ndjson_frame, typed_frame
+from billing.fastpath import ndjson_frame, typed_frame
 from billing.ingest_sql import KINDS
+from billing.wire import line_count
 from tests.billing.conftest import usage
 
 USAGE = KINDS["usage"]

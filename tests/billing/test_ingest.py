@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from billing.ledger import BatchTooLargeError, Ledger
+from billing.wire import encode_arrow
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
 
 NOW = OCT + 86400
@@ -338,3 +339,30 @@ def test_batches_waiting_for_the_writer_share_one_transaction(ledger):
     assert sum(a[0] for a in answers.values()) == _count(ledger, "usage") == 5
     with ledger.reader() as cur:
         assert cur.execute("SELECT sum(requests) FROM usage_slots").fetchone() == (5,)
+
+
+def test_an_arrow_batch_is_checked_and_kept_like_ndjson(ledger):
+    """Typed columns skip the type checks, not the range checks: same verdicts, same rows."""
+    full: dict[str, Any] = {
+        "endpoint": "/v1/chat/completions",
+        "finish_reason": "stop",
+        "usage_exact": True,
+    }
+    records = [
+        usage(**full),
+        usage(team="nobody", **full),
+        usage(completion_tokens=-5, **full),
+        usage(**full),
+    ]
+    encoded = encode_arrow("usage", _ndjson(records))
+    assert encoded is not None
+    result = ledger.ingest_arrow("usage", encoded, now=NOW)
+    assert (result.accepted, result.duplicates) == (2, 0)
+    assert [(r.id, r.reason) for r in result.rejected] == [
+        (records[1]["request_id"], 'unknown team "nobody"'),
+        (records[2]["request_id"], "token counts must not be negative"),
+    ]
+    again = ledger.ingest_lines("usage", _ndjson(records), now=NOW)
+    assert (again.accepted, again.duplicates, len(again.rejected)) == (0, 2, 2)
+    with pytest.raises(BatchTooLargeError):
+        ledger.ingest_arrow("usage", encoded, now=NOW, max_records=3)

@@ -16,6 +16,8 @@ import httpx
 import orjson
 import yaml
 
+from billing.ingest_sql import KINDS
+from billing.wire import ARROW_STREAM, decode_arrow
 from infermeter.config import DEFAULT_CONFIG
 from infermeter.netutil import free_port
 from infermeter.spool import read_segment
@@ -209,8 +211,12 @@ async def test_kill_9_loses_no_completed_response_and_duplicates_none(tmp_path):
             body += m.get("body", b"")
             if not m.get("more_body"):
                 break
-        for record in map(orjson.loads, body.splitlines()):  # the shipper sends NDJSON
-            received[record["request_id"]] = received.get(record["request_id"], 0) + 1
+        if dict(scope["headers"]).get(b"content-type") == ARROW_STREAM.encode():
+            ids = decode_arrow(KINDS["usage"], body).column("request_id").to_pylist()
+        else:  # NDJSON, for batches that do not convert exactly
+            ids = [orjson.loads(line)["request_id"] for line in body.splitlines()]
+        for rid in ids:
+            received[rid] = received.get(rid, 0) + 1
         await send(
             {
                 "type": "http.response.start",

@@ -1,0 +1,133 @@
+"""The ingest wire formats a shipper may send, and their strict readers.
+
+Records leave a sidecar's or collector's spool as NDJSON lines. Reading JSON is most of what a
+central billing service would spend per record (``python -m bench.billing_scale
+--breakdown``), so the shipper, which has the lines at hand and a whole fleet's CPUs between
+its copies, turns each batch into an Arrow IPC stream first (typed columns, compressed with
+zstd) and billing only checks its schema. Both conversions are strict: Arrow's JSON reader,
+given the kind's schema, refuses unknown keys and every type mismatch (a string or boolean
+for a number, a fraction for an integer) instead of converting.
+
+A batch that does not convert exactly (a bad type, a missing field, a line that is not one JSON
+object) is sent as NDJSON instead, and billing's per-record path names each bad record.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Final
+
+import pyarrow as pa
+import pyarrow.json as pa_json
+
+from billing.ingest_sql import KINDS, Kind
+
+__all__ = [
+    "ARROW_STREAM",
+    "NDJSON",
+    "arrow_schema",
+    "decode_arrow",
+    "encode_arrow",
+    "line_count",
+    "read_ndjson",
+]
+
+ARROW_STREAM: Final = "application/vnd.apache.arrow.stream"
+NDJSON: Final = "application/x-ndjson"
+
+_ARROW: Final = {
+    "string": pa.string(),
+    "int": pa.int64(),
+    "number": pa.float64(),
+    "bool": pa.bool_(),
+}
+# One thread per batch: concurrent requests already keep the cores busy, and Arrow's own
+# threads cost about 30% more CPU for the same batch.
+_READ: Final = pa_json.ReadOptions(use_threads=False, block_size=4 << 20)
+_WRITE: Final = pa.ipc.IpcWriteOptions(compression="zstd")
+
+
+@cache
+def arrow_schema(kind: Kind) -> pa.Schema:
+    """The kind's record as Arrow columns, in the order of its fields."""
+    return pa.schema([pa.field(f.name, _ARROW[f.type]) for f in kind.fields])
+
+
+@cache
+def _parse_options(kind: Kind) -> pa_json.ParseOptions:
+    return pa_json.ParseOptions(
+        explicit_schema=arrow_schema(kind), unexpected_field_behavior="error"
+    )
+
+
+def line_count(body: bytes) -> int:
+    """Records in an NDJSON body: its lines, the last one with or without a newline."""
+    if not body:
+        return 0
+    # Twice as fast as body.count(b"\n"), which looks at one byte at a time; replace() finds
+    # newlines with memchr (7 ms against 14 ms for 50,000 records).
+    newlines = len(body) - len(body.replace(b"\n", b""))
+    return newlines + (0 if body.endswith(b"\n") else 1)
+
+
+def read_ndjson(kind: Kind, body: bytes) -> pa.Table | None:
+    """An NDJSON batch as the kind's columns, or None unless every record fits exactly.
+
+    None also when the records are not exactly one per line (Arrow's reader would take an
+    object spread over lines, or two on one line, and skips blank lines), and when a field
+    that may not be null is null or absent in any record: the per-record path tells "missing"
+    from "null" and fills defaults for absent fields only.
+    """
+    lines = line_count(body)
+    if not lines:
+        return None
+    try:
+        table = pa_json.read_json(
+            pa.py_buffer(body), read_options=_READ, parse_options=_parse_options(kind)
+        )
+    except (pa.ArrowException, ValueError):
+        return None
+    if table.num_rows != lines or _null_field(kind, table) is not None:
+        return None
+    return table
+
+
+def encode_arrow(kind_key: str, body: bytes) -> bytes | None:
+    """NDJSON lines of ``kind_key`` as a zstd-compressed Arrow IPC stream, or None (send NDJSON)."""
+    table = read_ndjson(KINDS[kind_key], body)
+    if table is None:
+        return None
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema, options=_WRITE) as writer:
+        writer.write_table(table)
+    encoded: bytes = sink.getvalue().to_pybytes()
+    return encoded
+
+
+def decode_arrow(kind: Kind, body: bytes) -> pa.Table:
+    """An Arrow IPC stream of ``kind`` records; ValueError naming what does not match."""
+    try:
+        table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
+    except (pa.ArrowException, ValueError) as exc:
+        raise ValueError(f"the body is not an Arrow IPC stream: {exc}") from None
+    expected = arrow_schema(kind)
+    if not table.schema.equals(expected):
+        got = ", ".join(f"{f.name}: {f.type}" for f in table.schema)
+        want = ", ".join(f"{f.name}: {f.type}" for f in expected)
+        raise ValueError(
+            f"the Arrow schema does not match {kind.key}: got ({got}); expected ({want})"
+        )
+    missing = _null_field(kind, table)
+    if missing is not None:
+        raise ValueError(
+            f"{missing}: null in an Arrow batch (send NDJSON to have records checked one by one)"
+        )
+    return table
+
+
+def _null_field(kind: Kind, table: pa.Table) -> str | None:
+    """The first field that may not be null but is, in some record."""
+    for f in kind.fields:
+        if not f.nullable and table.column(f.name).null_count:
+            return f.name
+    return None

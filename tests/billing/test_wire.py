@@ -1,0 +1,94 @@
+"""The shippers' Arrow format: typed columns that round-trip, and a schema billing checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pytest
+
+from billing.ingest_sql import KINDS
+from billing.wire import arrow_schema, decode_arrow, encode_arrow
+from tests.billing.conftest import gpu_samples, usage
+
+USAGE = KINDS["usage"]
+
+
+def _lines(records: list[Any]) -> bytes:
+    return b"".join(orjson.dumps(r) + b"\n" for r in records)
+
+
+def _full(**kw: Any) -> dict[str, Any]:
+    return usage(endpoint="/v1/chat/completions", finish_reason=None, usage_exact=True, **kw)
+
+
+def test_lines_round_trip_through_arrow_unchanged():
+    """Every field of every record comes back with its value and the kind's type."""
+    records = [_full(), _full(team="assistant", prompt_tokens=7, first_token_at=None)]
+    encoded = encode_arrow("usage", _lines(records))
+    assert encoded is not None
+    table = decode_arrow(USAGE, encoded)
+    assert table.schema.equals(arrow_schema(USAGE))
+    assert table.to_pylist() == [{f.name: r[f.name] for f in USAGE.fields} for r in records]
+
+
+def test_samples_have_an_arrow_form_too():
+    """GPU samples convert as well (the collector ships them the same way)."""
+    samples = [dict(s, xid_errors=0, mig_profile=None, gap=False) for s in gpu_samples(seconds=30)]
+    encoded = encode_arrow("gpu_samples", _lines(samples))
+    assert encoded is not None
+    assert decode_arrow(KINDS["gpu_samples"], encoded).num_rows == 3
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        {"prompt_tokens": "1"},
+        {"prompt_tokens": 1.0},
+        {"stream": 1},
+        {"colour": "red"},
+        {"team": None},
+    ],
+)
+def test_lines_that_do_not_convert_exactly_stay_ndjson(odd: dict[str, Any]) -> None:
+    """No coercion on the shipper's side either: such a batch is sent as NDJSON."""
+    assert encode_arrow("usage", _lines([_full(), _full() | odd])) is None
+
+
+def _stream(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def test_a_stream_of_another_schema_is_refused_naming_it():
+    """An int32 where billing keeps int64: ValueError with both schemas, nothing converted."""
+    encoded = encode_arrow("usage", _lines([_full()]))
+    assert encoded is not None
+    table = decode_arrow(USAGE, encoded)
+    narrowed = table.set_column(
+        table.schema.get_field_index("prompt_tokens"), "prompt_tokens",
+        table.column("prompt_tokens").cast(pa.int32()),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"prompt_tokens: int32.*expected.*prompt_tokens: int64"):
+        decode_arrow(USAGE, _stream(narrowed))
+
+
+def test_a_null_where_none_is_allowed_is_refused():
+    """Nulls cannot be told from absent fields in Arrow: the batch must come as NDJSON."""
+    encoded = encode_arrow("usage", _lines([_full()]))
+    assert encoded is not None
+    table = decode_arrow(USAGE, encoded)
+    nulled = table.set_column(
+        table.schema.get_field_index("team"), "team", pa.array([None], pa.string())
+    )
+    with pytest.raises(ValueError, match="team: null"):
+        decode_arrow(USAGE, _stream(nulled))
+
+
+def test_a_body_that_is_not_arrow_is_refused():
+    """Garbage with the Arrow content type: a clear ValueError (the API answers 400)."""
+    with pytest.raises(ValueError, match="not an Arrow IPC stream"):
+        decode_arrow(USAGE, b'{"usage": []}')
