@@ -44,7 +44,7 @@ import yaml
 
 from billing import ingest_sql, wire
 from billing.chargeback import Chargeback
-from billing.fastpath import ndjson_frame
+from billing.fastpath import arrow_frame, ndjson_frame
 from billing.ledger import Ledger
 from infermeter.config import DEFAULT_CONFIG, Config
 
@@ -174,21 +174,26 @@ def _usage_batch(b: int, n: int, bad_record: bool = False, ndjson: bool = False)
     return orjson.dumps({"usage": records})
 
 
-def ingest_breakdown(work: Path, batch: int, batches: int, bad_record: bool) -> dict[str, float]:
-    """In-process NDJSON ingest, split into parsing (outside the writer lock) and the transaction.
+def ingest_breakdown(work: Path, batch: int, batches: int, fmt: str) -> dict[str, float]:
+    """In-process ingest, split into reading the body (outside the writer lock) and the transaction.
 
-    ``bad_record``: every batch carries one record of the wrong type, so it is checked record
-    by record inside DuckDB instead of taking the typed-columns path.
+    ``fmt``: ``arrow`` (what shippers send), ``ndjson`` (typed by Arrow's JSON reader), or
+    ``per-record`` (NDJSON with one record of the wrong type a batch, so every record is
+    checked inside DuckDB instead of taking the typed-columns path).
     """
-    ledger = Ledger.open(work / "breakdown.duckdb", TEAMS, {"chat-small": 0.5})
+    ledger = Ledger.open(work / f"breakdown-{fmt}.duckdb", TEAMS, {"chat-small": 0.5})
     parse = total = 0.0
     try:
         for b in range(batches):
-            body = _usage_batch(b, batch, bad_record, ndjson=True)
+            body = _usage_batch(b, batch, fmt == "per-record", ndjson=True)
+            if fmt == "arrow":
+                body = wire.encode_arrow("usage", body) or b""
+            keep = ledger.ingest_arrow if fmt == "arrow" else ledger.ingest_lines
+            read = arrow_frame if fmt == "arrow" else ndjson_frame
             t0 = time.perf_counter()
-            ndjson_frame(ingest_sql.USAGE, body)
+            read(ingest_sql.USAGE, body)
             t1 = time.perf_counter()
-            ledger.ingest_lines("usage", body, now=START + 50 * 86400)
+            keep("usage", body, now=START + 50 * 86400)
             t2 = time.perf_counter()
             parse, total = parse + (t1 - t0), total + (t2 - t1)
     finally:
@@ -239,14 +244,14 @@ def main() -> int:
     parser.add_argument("--memory-limit", default="4GB")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--batch", type=int, default=50_000)
-    parser.add_argument("--clients", type=int, default=2)
-    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--batches", type=int, default=80)
     parser.add_argument("--skip-ingest", action="store_true")
     parser.add_argument("--format", choices=("arrow", "ndjson", "json"), default="arrow",
                         help="what the clients send (default: Arrow, as shippers do)")  # fmt: skip
     parser.add_argument("--ingest-only", action="store_true", help="only the ingest measurement")
     parser.add_argument("--breakdown", action="store_true",
-                        help="only in-process ingest: parse vs transaction, typed vs per-record path")  # fmt: skip
+                        help="only in-process ingest: reading vs transaction, for each path")  # fmt: skip
     parser.add_argument(
         "--reuse", action="store_true", help="keep the ledger already in --dir (skip generate)"
     )
@@ -263,11 +268,10 @@ def main() -> int:
     path.write_text(yaml.safe_dump(data))
     try:
         if args.breakdown:
-            for bad in (False, True):
-                r = ingest_breakdown(work, args.batch, args.batches, bad)
-                path_name = "per-record (one bad record a batch)" if bad else "typed columns"
-                print(f"ingest in-process, {path_name}: {r['records_per_s']:,.0f} records/s; per "
-                      f"{args.batch:,}-record batch: parse {r['parse_ms']:.0f} ms, "
+            for fmt in ("arrow", "ndjson", "per-record"):
+                r = ingest_breakdown(work, args.batch, args.batches, fmt)
+                print(f"ingest in-process, {fmt}: {r['records_per_s']:,.0f} records/s; per "
+                      f"{args.batch:,}-record batch: reading {r['parse_ms']:.0f} ms, "
                       f"transaction {r['transaction_ms']:.0f} ms")  # fmt: skip
             return 0
         if args.ingest_only:

@@ -1,7 +1,7 @@
 """The fast path of ingest: a whole batch parsed to typed columns at once, or not at all.
 
 Checking each field's JSON type inside DuckDB costs a JSON parse per field per record: a batch
-checked that way spends about 5x longer in its transaction than one that arrives as typed
+checked that way spends about 9x longer in its transaction than one that arrives as typed
 columns (``python -m bench.billing_scale --breakdown``; docs/benchmarks.md). Building typed
 columns cannot say *which* record has a wrong type: the parser fails or widens the column
 instead. So a batch whose columns come out exactly as the record kind prescribes (every

@@ -67,8 +67,8 @@ class IngestResult:
         }
 
 
-# A transaction takes batches up to this many records in all (a larger single batch goes alone):
-# past two row groups the cost per record stops falling, and callers should not wait long.
+# A transaction takes batches up to this many records in all (a larger single batch goes alone),
+# which bounds the memory a group holds and how long its callers wait for their answer.
 MAX_GROUP_RECORDS: Final = 500_000
 # While other batches are still being parsed, a smaller transaction waits this long for them: an
 # append of a whole DuckDB row group (122,880 rows) goes straight to the file compressed, which
@@ -159,7 +159,7 @@ class Ledger:
 
     def ingest(self, body: str | bytes, now: float | None = None, skew_seconds: float = 300.0,
                max_records: int | None = None) -> IngestResult:  # fmt: skip
-        """Validate and keep one batch ``{"<kind>": [records...]}``; one transaction.
+        """Validate and keep one batch ``{"<kind>": [records...]}`` in one transaction.
 
         Raises ``ValueError`` when the body itself is not a batch (the whole request is bad);
         a bad record only lands in ``rejected``.
@@ -170,9 +170,10 @@ class Ledger:
 
     def ingest_lines(self, kind_key: str, body: bytes, now: float | None = None,
                      skew_seconds: float = 300.0, max_records: int | None = None) -> IngestResult:  # fmt: skip
-        """Validate and keep one NDJSON batch of ``kind_key`` records, one per line; one transaction.
+        """Validate and keep one NDJSON batch of ``kind_key`` records, one per line.
 
-        The shippers' format: a spool segment's lines as they are on disk. A line that is not
+        A spool segment's lines as they are on disk (what a shipper sends when its lines do not
+        convert to Arrow). Typed batches may share their transaction with others. A line that is not
         JSON is refused like any other bad record ("not valid JSON"), and the rest is kept.
         Raises ``ValueError`` for an unknown kind.
         """
@@ -190,9 +191,10 @@ class Ledger:
 
     def ingest_arrow(self, kind_key: str, body: bytes, now: float | None = None,
                      skew_seconds: float = 300.0, max_records: int | None = None) -> IngestResult:  # fmt: skip
-        """Keep one Arrow IPC batch of ``kind_key`` records (``billing.wire``); one transaction.
+        """Keep one Arrow IPC batch of ``kind_key`` records (``billing.wire``), as shippers send.
 
-        The columns are typed already, so only the range checks are left. Raises
+        The columns are typed already, so only the range checks are left; the batch may share
+        its transaction with others. Raises
         ``ValueError`` when the stream is not the kind's schema (nothing is kept).
         """
         kind = _kind(kind_key)

@@ -6,6 +6,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+import pytest
+
 from billing.group_commit import GroupCommit
 
 
@@ -111,3 +113,39 @@ def test_many_concurrent_callers_each_get_exactly_their_answer():
     assert len(ran) == callers * 50
     assert all(answers[i] == f"{i} kept" for i in answers)
     assert max(len(g) for g in run.groups) <= 4
+
+
+def test_a_small_group_waits_for_an_announced_batch():
+    """A batch still being parsed (announced) joins the group that was about to start without it."""
+    run, lock = Recorder(), threading.Lock()
+    group = GroupCommit(run, lock, max_size=100, target_size=10, max_wait=30.0)
+    parsed, answers = threading.Event(), {}
+
+    def late() -> None:
+        with group.announce() as submit:
+            parsed.wait(10)  # "parsing"
+            answers["late"] = submit("late", 1)
+
+    thread = threading.Thread(target=late)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not group._coming and time.monotonic() < deadline:  # the announcement is in
+        time.sleep(0.001)
+    threading.Timer(0.2, parsed.set).start()
+    answers["early"] = group.submit("early", 1)
+    thread.join(10)
+    assert run.groups == [["early", "late"]]
+    assert answers == {"early": "early kept", "late": "late kept"}
+
+
+def test_a_withdrawn_announcement_does_not_hold_the_group():
+    """A batch that failed to parse leaves the block without submitting: nobody waits for it."""
+    run, lock = Recorder(), threading.Lock()
+    group = GroupCommit(run, lock, max_size=100, target_size=10, max_wait=30.0)
+    with pytest.raises(ValueError, match="unparseable"), group.announce():
+        raise ValueError("unparseable")
+    started = time.monotonic()
+    assert group.submit("next") == "next kept"
+    assert (
+        time.monotonic() - started < 10
+    )  # far below max_wait: it did not wait for the withdrawn one
