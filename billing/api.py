@@ -16,7 +16,7 @@ import duckdb
 import orjson
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from billing.access import (
@@ -31,7 +31,7 @@ from billing.access import (
 )
 from billing.chargeback import Chargeback
 from billing.ledger import BatchTooLargeError, IngestResult, Ledger, LedgerError
-from billing.metrics import SpendCollector
+from billing.metrics import LedgerCollector, SpendCollector
 from billing.months import check_month, month_of
 from billing.query_api import CachedChargeback, query_router, refresh_if_stale, statement_json
 from billing.wire import ARROW_STREAM
@@ -67,6 +67,19 @@ def create_app(config: Config, ledger: Ledger) -> FastAPI:
     budgets = {t.name: t.budget_usd_per_month for t in config.teams}
     registry = CollectorRegistry()
     registry.register(SpendCollector(statements))
+    registry.register(LedgerCollector(ledger))
+    records = Counter("infermeter_billing_ingest_records", "Records received by ingest, by outcome.",
+                      ["kind", "outcome"], registry=registry)  # fmt: skip
+    batches = Counter("infermeter_billing_ingest_batches", "Batches acknowledged by ingest, by wire format.",
+                      ["kind", "format"], registry=registry)  # fmt: skip
+
+    def ingested(result: IngestResult, wire_format: str) -> Response:
+        batches.labels(result.kind, wire_format).inc()
+        records.labels(result.kind, "accepted").inc(result.accepted)
+        records.labels(result.kind, "duplicate").inc(result.duplicates)
+        records.labels(result.kind, "rejected").inc(len(result.rejected))
+        return _ingested(result)
+
     app.state.ledger = ledger
     app.state.chargeback = chargeback
 
@@ -118,7 +131,7 @@ def create_app(config: Config, ledger: Ledger) -> FastAPI:
             )
         except BatchTooLargeError as exc:
             return _error(413, str(exc), "invalid_request_error", "batch_too_large")
-        return _ingested(result)
+        return ingested(result, "json")
 
     @app.post("/v1/ingest/{kind}")
     async def ingest_batch(
@@ -144,7 +157,7 @@ def create_app(config: Config, ledger: Ledger) -> FastAPI:
             )
         except BatchTooLargeError as exc:
             return _error(413, str(exc), "invalid_request_error", "batch_too_large")
-        return _ingested(result)
+        return ingested(result, "arrow" if arrow else "ndjson")
 
     @app.get("/v1/months")
     async def months(authorization: Annotated[str | None, Header()] = None) -> list[dict[str, Any]]:

@@ -96,6 +96,10 @@ class Ledger:
                  ttft_sla_seconds: dict[str, float]) -> None:  # fmt: skip
         self._con = con
         self._write_lock = threading.Lock()
+        # Committed ingest transactions and the records they kept, for /metrics (written only
+        # under the writer lock): their ratio is how well group commit is grouping.
+        self.ingest_transactions = 0
+        self.ingest_records = 0
         self._group: GroupCommit[_Pending, IngestResult] = GroupCommit(
             self._run_group,
             self._write_lock,
@@ -254,9 +258,16 @@ class Ledger:
         finally:
             if frame is not None:
                 con.unregister("_batch")
+        self.ingest_transactions += 1
+        self.ingest_records += sum(r.accepted for r in results)
         if span is not None:
             self.retouch(span)
         return results
+
+    @property
+    def waiting_batches(self) -> int:
+        """Batches queued for the next ingest transaction."""
+        return self._group.waiting
 
     def take_touched(self) -> tuple[float, float] | None:
         """The time span (Unix seconds) new records fell in since the last call, and forget it.

@@ -1,4 +1,4 @@
-"""Prometheus gauges for money: month-to-date spend, budget and forecast per team.
+"""Prometheus metrics of the billing service: money per team, and how ingest is doing.
 
 Read at scrape time (a custom collector, as client_python recommends for values that live
 elsewhere) from the chargeback it is given; the service gives it the statement cache its query
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from billing.chargeback import Chargeback
+from billing.ledger import Ledger
 
-__all__ = ["SpendCollector"]
+__all__ = ["LedgerCollector", "SpendCollector"]
 
 
 class SpendCollector(Collector):
@@ -43,3 +44,28 @@ class SpendCollector(Collector):
         yield spend
         yield budget
         yield forecast
+
+
+class LedgerCollector(Collector):
+    """Ingest transactions and the records they kept; batches waiting for the writer."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """Read at scrape time from the ledger's own counters."""
+        yield CounterMetricFamily(
+            "infermeter_billing_ingest_transactions",
+            "Committed ingest transactions (several batches share one under load).",
+            value=self.ledger.ingest_transactions,
+        )
+        yield CounterMetricFamily(
+            "infermeter_billing_ingest_transaction_records",
+            "Records kept by those transactions; divided by the transactions, the group size.",
+            value=self.ledger.ingest_records,
+        )
+        yield GaugeMetricFamily(
+            "infermeter_billing_ingest_waiting_batches",
+            "Batches parsed and queued for the next ingest transaction.",
+            value=self.ledger.waiting_batches,
+        )

@@ -173,6 +173,46 @@ async def test_the_shipper_sends_arrow_when_lines_convert_and_ndjson_otherwise(
     assert recorder.types == sent
 
 
+async def test_metrics_count_ingest_by_outcome_format_and_transaction(billing):
+    """/metrics tells operators what ingest kept, refused and how it grouped transactions."""
+    full: dict[str, Any] = {
+        "endpoint": "/v1/chat/completions",
+        "finish_reason": "stop",
+        "usage_exact": True,
+    }
+    lines = b"".join(orjson.dumps(r) + b"\n" for r in [usage(**full), usage(team="nobody", **full)])
+    encoded = encode_arrow("usage", lines)
+    async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
+        await client.post(
+            "/v1/ingest/usage", content=encoded, headers={"content-type": ARROW_STREAM}
+        )
+        await client.post("/v1/ingest/usage", content=lines, headers={"content-type": NDJSON})
+        await client.post("/v1/ingest", content=batch("usage", [usage()]))
+        text = (await client.get("/metrics", headers=bearer(METRICS))).text
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+    def records(outcome: str) -> float:
+        return samples[
+            ("infermeter_billing_ingest_records_total", (("kind", "usage"), ("outcome", outcome)))
+        ]
+
+    assert (records("accepted"), records("duplicate"), records("rejected")) == (2, 1, 2)
+    for fmt in ("arrow", "ndjson", "json"):
+        assert (
+            samples[
+                ("infermeter_billing_ingest_batches_total", (("format", fmt), ("kind", "usage")))
+            ]
+            == 1
+        )
+    assert samples[("infermeter_billing_ingest_transactions_total", ())] == 3
+    assert samples[("infermeter_billing_ingest_transaction_records_total", ())] == 2
+    assert samples[("infermeter_billing_ingest_waiting_batches", ())] == 0
+
+
 async def test_a_team_reads_only_its_own_statement(billing):
     """search's key sees search's lines; asking with no key is 401."""
     await _seed(billing)
