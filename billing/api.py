@@ -147,16 +147,20 @@ def create_app(config: Config, ledger: Ledger) -> FastAPI:
         kind's is refused whole (400).
         """
         caller(authorization).require(INGEST)
-        body = await request.body()
         arrow = (content_type or "").split(";")[0].strip().lower() == ARROW_STREAM
         keep = ledger.ingest_arrow if arrow else ledger.ingest_lines
         limit = config.billing.max_batch_records
-        try:
-            result = await run_in_threadpool(
-                keep, kind, body, None, config.billing.max_clock_skew_seconds, limit
-            )
-        except BatchTooLargeError as exc:
-            return _error(413, str(exc), "invalid_request_error", "batch_too_large")
+        # Announced before the body arrives: a transaction about to start small waits briefly
+        # for batches still on the wire (group commit), which matters when many shippers send
+        # small batches at once.
+        with ledger.announce() as ticket:
+            body = await request.body()
+            try:
+                result = await run_in_threadpool(
+                    keep, kind, body, None, config.billing.max_clock_skew_seconds, limit, ticket
+                )
+            except BatchTooLargeError as exc:
+                return _error(413, str(exc), "invalid_request_error", "batch_too_large")
         return ingested(result, "arrow" if arrow else "ndjson")
 
     @app.get("/v1/months")

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-__all__ = ["GroupCommit"]
+__all__ = ["GroupCommit", "Ticket"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -35,6 +35,19 @@ class _Slot(Generic[T, R]):
     done: bool = False
     result: R | None = None
     error: BaseException | None = field(default=None)
+
+
+class Ticket(Generic[T, R]):
+    """An announced batch: submit it once through here (``GroupCommit.announce``)."""
+
+    def __init__(self, group: GroupCommit[T, R]) -> None:
+        self._group = group
+        self.pending = True
+
+    def submit(self, item: T, size: int = 1) -> R:
+        """Hand in the announced batch; returns once the transaction holding it has committed."""
+        announced, self.pending = self.pending, False
+        return self._group._submit(item, size, announced)
 
 
 class GroupCommit(Generic[T, R]):
@@ -72,23 +85,20 @@ class GroupCommit(Generic[T, R]):
             return len(self._queue)
 
     @contextmanager
-    def announce(self) -> Iterator[Callable[[T, int], R]]:
-        """Say a batch is on its way; yields the ``submit`` to hand it in with.
+    def announce(self) -> Iterator[Ticket[T, R]]:
+        """Say a batch is on its way (still arriving or being parsed); yields its ticket.
 
-        Leaving the block without submitting (the batch failed to parse) withdraws it.
+        Leaving the block without submitting through the ticket (the request failed, the batch
+        did not parse) withdraws the announcement.
         """
+        ticket: Ticket[T, R] = Ticket(self)
         with self._arrived:
             self._coming += 1
-        pending = [True]
-
-        def submit(item: T, size: int = 1) -> R:
-            announced, pending[0] = pending[0], False
-            return self._submit(item, size, announced)
-
         try:
-            yield submit
+            yield ticket
         finally:
-            if pending[0]:
+            if ticket.pending:
+                ticket.pending = False
                 with self._arrived:
                     self._coming -= 1
                     self._arrived.notify()

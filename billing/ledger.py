@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -24,7 +24,7 @@ import polars as pl
 from billing import allocation, ingest_sql
 from billing.allocation import Policy
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
-from billing.group_commit import GroupCommit
+from billing.group_commit import GroupCommit, Ticket
 from billing.months import month_bounds, month_of
 from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS
 from billing.wire import line_count
@@ -172,8 +172,17 @@ class Ledger:
         kind, records = self._batch(raw, max_records)
         return self._commit(kind, typed_frame(kind, records), raw, now, skew_seconds)
 
+    def announce(self) -> AbstractContextManager[Ticket[_Pending, IngestResult]]:
+        """Say a batch is on its way, before its body has even arrived (``GroupCommit.announce``).
+
+        The API does this when a request starts, so that a transaction about to start small
+        waits briefly for batches that are still being received.
+        """
+        return self._group.announce()
+
     def ingest_lines(self, kind_key: str, body: bytes, now: float | None = None,
-                     skew_seconds: float = 300.0, max_records: int | None = None) -> IngestResult:  # fmt: skip
+                     skew_seconds: float = 300.0, max_records: int | None = None,
+                     ticket: Ticket[_Pending, IngestResult] | None = None) -> IngestResult:  # fmt: skip
         """Validate and keep one NDJSON batch of ``kind_key`` records, one per line.
 
         A spool segment's lines as they are on disk (what a shipper sends when its lines do not
@@ -183,18 +192,21 @@ class Ledger:
         """
         kind = _kind(kind_key)
         _check_size(line_count(body), max_records)
-        with self._group.announce() as submit:
+        with ExitStack() as stack:
+            ticket = ticket or stack.enter_context(self._group.announce())
             frame = ndjson_frame(kind, body)
             if frame is not None:
-                return submit(
-                    _Pending(kind, frame, None, frozenset(), now, skew_seconds), frame.height
-                )
-        records, malformed = _ndjson_records(body)
-        raw = orjson.dumps({kind.key: records})
-        return self._commit(kind, typed_frame(kind, records), raw, now, skew_seconds, malformed)
+                batch = _Pending(kind, frame, None, frozenset(), now, skew_seconds)
+                return ticket.submit(batch, frame.height)
+            records, malformed = _ndjson_records(body)
+            frame = typed_frame(kind, records)
+            raw = None if frame is not None else orjson.dumps({kind.key: records})
+            batch = _Pending(kind, frame, raw, malformed, now, skew_seconds)
+            return ticket.submit(batch, frame.height if frame is not None else 1)
 
     def ingest_arrow(self, kind_key: str, body: bytes, now: float | None = None,
-                     skew_seconds: float = 300.0, max_records: int | None = None) -> IngestResult:  # fmt: skip
+                     skew_seconds: float = 300.0, max_records: int | None = None,
+                     ticket: Ticket[_Pending, IngestResult] | None = None) -> IngestResult:  # fmt: skip
         """Keep one Arrow IPC batch of ``kind_key`` records (``billing.wire``), as shippers send.
 
         The columns are typed already, so only the range checks are left; the batch may share
@@ -202,10 +214,12 @@ class Ledger:
         ``ValueError`` when the stream is not the kind's schema (nothing is kept).
         """
         kind = _kind(kind_key)
-        with self._group.announce() as submit:
+        with ExitStack() as stack:
+            ticket = ticket or stack.enter_context(self._group.announce())
             frame = arrow_frame(kind, body)
             _check_size(frame.height, max_records)
-            return submit(_Pending(kind, frame, None, frozenset(), now, skew_seconds), frame.height)
+            batch = _Pending(kind, frame, None, frozenset(), now, skew_seconds)
+            return ticket.submit(batch, frame.height)
 
     def _commit(self, kind: ingest_sql.Kind, frame: pl.DataFrame | None, raw: bytes | None,
                 now: float | None, skew: float, malformed: frozenset[int] = frozenset()) -> IngestResult:  # fmt: skip

@@ -83,7 +83,7 @@ async def test_a_malformed_batch_is_a_400_in_openai_error_json(billing):
     assert response.json()["error"]["message"] == "the body is not valid JSON"
 
 
-async def test_ndjson_ingest_route_answers_like_the_json_one(billing):
+async def test_ndjson_ingest_route_answers_like_the_json_one(billing, ledger):
     """POST /v1/ingest/usage with one record a line: same counts and reasons, same credentials."""
     body = b"".join(orjson.dumps(r) + b"\n" for r in [usage(), usage(team="nobody")])
     async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
@@ -100,9 +100,10 @@ async def test_ndjson_ingest_route_answers_like_the_json_one(billing):
     assert "unknown record kind 'bills'" in unknown.json()["error"]["message"]
     assert too_many.status_code == 413
     assert forbidden.status_code == 403
+    assert ledger._group._coming == 0  # refused requests withdrew their announcements
 
 
-async def test_arrow_ingest_route_keeps_typed_batches_and_refuses_other_schemas(billing):
+async def test_arrow_ingest_route_keeps_typed_batches_and_refuses_other_schemas(billing, ledger):
     """An Arrow stream is kept like NDJSON; a stream that is not Arrow is a 400 naming why."""
     full: dict[str, Any] = {
         "endpoint": "/v1/chat/completions",
@@ -122,6 +123,7 @@ async def test_arrow_ingest_route_keeps_typed_batches_and_refuses_other_schemas(
     )  # fmt: skip
     assert garbage.status_code == 400
     assert "not an Arrow IPC stream" in garbage.json()["error"]["message"]
+    assert ledger._group._coming == 0  # the refused stream withdrew its announcement
 
 
 class _Recorder:

@@ -122,9 +122,9 @@ def test_a_small_group_waits_for_an_announced_batch():
     parsed, answers = threading.Event(), {}
 
     def late() -> None:
-        with group.announce() as submit:
+        with group.announce() as ticket:
             parsed.wait(10)  # "parsing"
-            answers["late"] = submit("late", 1)
+            answers["late"] = ticket.submit("late", 1)
 
     thread = threading.Thread(target=late)
     thread.start()
