@@ -240,27 +240,41 @@ async def test_counters_move_the_same_way(both):
 
 
 async def test_disconnect_aborts_alike(both):
-    """A client that hangs up after 5 tokens: generation stops, no success is counted."""
+    """A client that hangs up after 5 tokens: generation stops, no success is counted.
+
+    Real vLLM aborts a request when it sees the hang-up. Once, in a full test run on this
+    2-core machine, the tiny CPU model had generated all 400 tokens and counted a success
+    before that, so the pair is measured up to three times, until real vLLM's abort is seen;
+    the simulator must then behave the same.
+    """
     real, sim = both
-    results = []
+    results: list[tuple[bool, float, float]] = []
     async with httpx.AsyncClient(timeout=120) as client:
-        for url in (real, sim):
-            before = (await client.get(f"{url}/metrics")).text
-            body = {**CHAT, "max_tokens": 400, "stream": True}
-            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-                seen = 0
-                async for line in r.aiter_lines():
-                    seen += line.startswith("data: ")
-                    if seen == 6:  # the role chunk and 5 tokens
-                        break
-            await asyncio.sleep(2.0)
-            after = (await client.get(f"{url}/metrics")).text
-            generated = _value(after, "vllm:generation_tokens_total") - _value(
-                before, "vllm:generation_tokens_total"
-            )
-            success = _value(after, "vllm:request_success_total") - _value(
-                before, "vllm:request_success_total"
-            )
-            running = _value(after, "vllm:num_requests_running")
-            results.append((generated < 400, success, running))
+        for _attempt in range(3):
+            results = [await _hang_up_after_five_tokens(client, url) for url in (real, sim)]
+            if results[0] == (True, 0.0, 0.0):
+                break
     assert results[1] == results[0] == (True, 0.0, 0.0)
+
+
+async def _hang_up_after_five_tokens(
+    client: httpx.AsyncClient, url: str
+) -> tuple[bool, float, float]:
+    """(generation stopped early, successes counted, requests still running) after a hang-up."""
+    before = (await client.get(f"{url}/metrics")).text
+    body = {**CHAT, "max_tokens": 400, "stream": True}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        seen = 0
+        async for line in r.aiter_lines():
+            seen += line.startswith("data: ")
+            if seen == 6:  # the role chunk and 5 tokens
+                break
+    await asyncio.sleep(2.0)
+    after = (await client.get(f"{url}/metrics")).text
+    generated = _value(after, "vllm:generation_tokens_total") - _value(
+        before, "vllm:generation_tokens_total"
+    )
+    success = _value(after, "vllm:request_success_total") - _value(
+        before, "vllm:request_success_total"
+    )
+    return generated < 400, success, _value(after, "vllm:num_requests_running")
