@@ -21,13 +21,16 @@ _ids = itertools.count()
 def usage(
     team: str = "search", start: float = OCT + 3600, seconds: float = 10.0, **kw: Any
 ) -> dict[str, Any]:
-    """A completed streamed request of ``team`` on replica small-0, ``seconds`` long."""
+    """A completed streamed request of ``team`` on replica small-0, ``seconds`` long.
+
+    Every field is present, fields with defaults included, as the sidecar writes records.
+    """
     record: dict[str, Any] = {
         "request_id": f"req-{next(_ids)}", "team": team, "model": "chat-small",
         "served_version": "llama-3.1-8b-instruct", "replica": "small-0", "received_at": start,
         "first_token_at": start + 0.1, "finished_at": start + seconds, "prompt_tokens": 100,
         "cached_prompt_tokens": 0, "completion_tokens": 50, "status": "ok", "http_status": 200,
-        "stream": True,
+        "stream": True, "endpoint": "/v1/chat/completions", "finish_reason": "stop", "usage_exact": True,
     }  # fmt: skip
     record.update(kw)
     return record
@@ -50,8 +53,13 @@ def gpu_samples(replica: str = "small-0", start: float = OCT, seconds: float = 3
 
 
 def batch(kind: str, records: list[Any]) -> bytes:
-    """A batch as the shipper sends it."""
+    """A batch as one JSON object, for ``POST /v1/ingest``."""
     return orjson.dumps({kind: records})
+
+
+def ndjson(records: list[Any]) -> bytes:
+    """Records one per line, as in a spool segment."""
+    return b"".join(orjson.dumps(r) + b"\n" for r in records)
 
 
 @pytest.fixture

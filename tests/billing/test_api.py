@@ -6,7 +6,6 @@ import csv
 import io
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import orjson
@@ -19,7 +18,7 @@ from billing.wire import ARROW_STREAM, NDJSON, encode_arrow
 from infermeter.config import Config
 from infermeter.shipper import Shipper
 from infermeter.spool import Spool
-from tests.billing.conftest import NOV, batch, gpu_samples, usage
+from tests.billing.conftest import NOV, batch, gpu_samples, ndjson, usage
 from tests.servers import serving
 
 ADMIN, INGEST, METRICS = "im-demo-admin", "im-demo-ingest", "im-demo-metrics"
@@ -85,7 +84,7 @@ async def test_a_malformed_batch_is_a_400_in_openai_error_json(billing):
 
 async def test_ndjson_ingest_route_answers_like_the_json_one(billing, ledger):
     """POST /v1/ingest/usage with one record a line: same counts and reasons, same credentials."""
-    body = b"".join(orjson.dumps(r) + b"\n" for r in [usage(), usage(team="nobody")])
+    body = ndjson([usage(), usage(team="nobody")])
     async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
         first = (await client.post("/v1/ingest/usage", content=body)).json()
         second = (await client.post("/v1/ingest/usage", content=body)).json()
@@ -105,12 +104,7 @@ async def test_ndjson_ingest_route_answers_like_the_json_one(billing, ledger):
 
 async def test_arrow_ingest_route_keeps_typed_batches_and_refuses_other_schemas(billing, ledger):
     """An Arrow stream is kept like NDJSON; a stream that is not Arrow is a 400 naming why."""
-    full: dict[str, Any] = {
-        "endpoint": "/v1/chat/completions",
-        "finish_reason": "stop",
-        "usage_exact": True,
-    }
-    lines = b"".join(orjson.dumps(r) + b"\n" for r in [usage(**full), usage(team="nobody", **full)])
+    lines = ndjson([usage(), usage(team="nobody")])
     encoded = encode_arrow("usage", lines)
     assert encoded is not None
     async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
@@ -156,12 +150,7 @@ async def test_the_shipper_sends_arrow_when_lines_convert_and_ndjson_otherwise(
     tmp_path, records, refuse_arrow, sent
 ):
     """Arrow for exact batches; NDJSON for the rest, and when billing refuses Arrow."""
-    full: dict[str, Any] = {
-        "endpoint": "/v1/chat/completions",
-        "finish_reason": "stop",
-        "usage_exact": True,
-    }
-    batch_records = [usage(**full), usage(**full)]
+    batch_records = [usage(), usage()]
     if records != "typed":
         batch_records[1]["prompt_tokens"] = "100"
     spool = Spool(tmp_path / "spool", roll_seconds=0.0)
@@ -177,12 +166,7 @@ async def test_the_shipper_sends_arrow_when_lines_convert_and_ndjson_otherwise(
 
 async def test_metrics_count_ingest_by_outcome_format_and_transaction(billing):
     """/metrics tells operators what ingest kept, refused and how it grouped transactions."""
-    full: dict[str, Any] = {
-        "endpoint": "/v1/chat/completions",
-        "finish_reason": "stop",
-        "usage_exact": True,
-    }
-    lines = b"".join(orjson.dumps(r) + b"\n" for r in [usage(**full), usage(team="nobody", **full)])
+    lines = ndjson([usage(), usage(team="nobody")])
     encoded = encode_arrow("usage", lines)
     async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
         await client.post(
@@ -316,9 +300,7 @@ async def test_the_shipper_skips_a_torn_last_line_and_ships_the_rest(billing, le
     directory.mkdir()
     records = [usage(), usage()]
     torn = orjson.dumps(usage())[:40]
-    (directory / "seg-00000000000000000001.jsonl").write_bytes(
-        b"".join(orjson.dumps(r) + b"\n" for r in records) + torn
-    )
+    (directory / "seg-00000000000000000001.jsonl").write_bytes(ndjson(records) + torn)
     spool = Spool(directory, roll_seconds=0.0)
     spool.open()
     async with httpx.AsyncClient() as client:

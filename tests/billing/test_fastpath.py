@@ -11,7 +11,7 @@ import pytest
 from billing.fastpath import ndjson_frame, typed_frame
 from billing.ingest_sql import KINDS
 from billing.wire import line_count
-from tests.billing.conftest import usage
+from tests.billing.conftest import ndjson, usage
 
 USAGE = KINDS["usage"]
 
@@ -48,19 +48,10 @@ def test_records_with_different_keys_take_the_per_record_path():
     assert typed_frame(USAGE, [7]) is None
 
 
-def _full(**kw: Any) -> dict[str, Any]:
-    """A usage record with every field, as the sidecar writes it (defaults included)."""
-    return usage(endpoint="/v1/chat/completions", finish_reason="stop", usage_exact=True, **kw)
-
-
-def _lines(*records: Any) -> bytes:
-    return b"".join(orjson.dumps(r) + b"\n" for r in records)
-
-
 def test_shipper_ndjson_becomes_typed_columns():
     """A spool segment's lines, as the shipper sends them: typed columns, numbered in order."""
-    first, second = _full(), _full(received_at=1790812800, finished_at=1790812900)
-    frame = ndjson_frame(USAGE, _lines(first, second, first))
+    first, second = usage(), usage(received_at=1790812800, finished_at=1790812900)
+    frame = ndjson_frame(USAGE, ndjson([first, second, first]))
     assert frame is not None
     assert frame.schema["received_at"] == pl.Float64
     assert frame.schema["prompt_tokens"] == pl.Int64
@@ -85,18 +76,18 @@ def test_shipper_ndjson_becomes_typed_columns():
 )
 def test_any_ndjson_deviation_sends_the_batch_to_the_per_record_path(odd: dict[str, Any]) -> None:
     """Off type, null, or an extra key in one line: no fast path, and nothing coerced."""
-    assert ndjson_frame(USAGE, _lines(_full(), _full() | odd)) is None
+    assert ndjson_frame(USAGE, ndjson([usage(), usage() | odd])) is None
 
 
 @pytest.mark.parametrize(
     ("body", "why"),
     [
-        (_lines(_full()) + b"\n" + _lines(_full()), "a blank line"),
-        (orjson.dumps(_full()) + orjson.dumps(_full()) + b"\n", "two records on one line"),
-        (orjson.dumps(_full(), option=orjson.OPT_INDENT_2) + b"\n", "one record over many lines"),
-        (_lines(_full()) + b"42\n", "a line that is not an object"),
-        (_lines(_full()) + b'{"request_id": "\xff"}\n', "invalid UTF-8"),
-        (_lines(_full()) + b"{oops\n", "a line that is not JSON"),
+        (ndjson([usage()]) + b"\n" + ndjson([usage()]), "a blank line"),
+        (orjson.dumps(usage()) + orjson.dumps(usage()) + b"\n", "two records on one line"),
+        (orjson.dumps(usage(), option=orjson.OPT_INDENT_2) + b"\n", "one record over many lines"),
+        (ndjson([usage()]) + b"42\n", "a line that is not an object"),
+        (ndjson([usage()]) + b'{"request_id": "\xff"}\n', "invalid UTF-8"),
+        (ndjson([usage()]) + b"{oops\n", "a line that is not JSON"),
         (b"", "an empty body"),
     ],
 )
@@ -109,10 +100,10 @@ def test_ndjson_that_is_not_one_record_a_line_takes_the_per_record_path(
 
 def test_absent_fields_with_defaults_take_the_per_record_path():
     """An absent field reads as null to Arrow; only the per-record path tells absent from null."""
-    short = {k: v for k, v in _full().items() if k != "endpoint"}
-    assert ndjson_frame(USAGE, _lines(short)) is None
-    nullable = {k: v for k, v in _full().items() if k != "finish_reason"}
-    frame = ndjson_frame(USAGE, _lines(nullable))
+    short = {k: v for k, v in usage().items() if k != "endpoint"}
+    assert ndjson_frame(USAGE, ndjson([short])) is None
+    nullable = {k: v for k, v in usage().items() if k != "finish_reason"}
+    frame = ndjson_frame(USAGE, ndjson([nullable]))
     assert frame is not None
     assert frame["finish_reason"].to_list() == [None]
 

@@ -11,7 +11,7 @@ import pytest
 
 from billing.ledger import BatchTooLargeError, Ledger
 from billing.wire import encode_arrow
-from tests.billing.conftest import OCT, batch, gpu_samples, usage
+from tests.billing.conftest import OCT, batch, gpu_samples, ndjson, usage
 
 NOW = OCT + 86400
 
@@ -257,15 +257,11 @@ def test_occupancy_is_the_sum_over_teams(ledger):
         ).fetchall() == [(0.0, 70.0)]
 
 
-def _ndjson(records: list[Any]) -> bytes:
-    return b"".join(orjson.dumps(r) + b"\n" for r in records)
-
-
 @pytest.mark.parametrize(("case", "record", "reason"), BAD, ids=[b[0] for b in BAD])
 def test_ndjson_batches_refuse_the_same_records_for_the_same_reasons(ledger, case, record, reason):
     """The shippers' NDJSON route and the JSON route give one record the same verdict."""
     good = [usage(), usage()]
-    result = ledger.ingest_lines("usage", _ndjson([good[0], record, good[1]]), now=NOW)
+    result = ledger.ingest_lines("usage", ndjson([good[0], record, good[1]]), now=NOW)
     assert result.accepted == 2
     assert [r.reason for r in result.rejected] == [reason]
     assert _count(ledger, "usage") == 2
@@ -273,7 +269,7 @@ def test_ndjson_batches_refuse_the_same_records_for_the_same_reasons(ledger, cas
 
 def test_an_ndjson_line_that_is_not_json_is_refused_alone(ledger):
     """A garbled line is one rejected record, named by its line; the lines around it are kept."""
-    body = _ndjson([usage()]) + b'{"request_id": "torn\n' + _ndjson([usage()])
+    body = ndjson([usage()]) + b'{"request_id": "torn\n' + ndjson([usage()])
     result = ledger.ingest_lines("usage", body, now=NOW)
     assert result.accepted == 2
     assert [(r.id, r.reason) for r in result.rejected] == [("#2", "not valid JSON")]
@@ -281,9 +277,8 @@ def test_an_ndjson_line_that_is_not_json_is_refused_alone(ledger):
 
 def test_an_ndjson_batch_resent_as_json_counts_nothing_twice(ledger):
     """Idempotency is by record id, whichever route a batch took."""
-    records = [usage(endpoint="/v1/chat/completions", finish_reason="stop", usage_exact=True)
-               for _ in range(3)]  # fmt: skip
-    assert ledger.ingest_lines("usage", _ndjson(records), now=NOW).accepted == 3
+    records = [usage() for _ in range(3)]
+    assert ledger.ingest_lines("usage", ndjson(records), now=NOW).accepted == 3
     again = ledger.ingest(batch("usage", records), now=NOW)
     assert (again.accepted, again.duplicates) == (0, 3)
     assert _count(ledger, "usage") == 3
@@ -292,9 +287,9 @@ def test_an_ndjson_batch_resent_as_json_counts_nothing_twice(ledger):
 def test_ndjson_of_an_unknown_kind_or_over_the_limit_is_refused_whole(ledger):
     """An unknown kind names the known ones; too many lines is BatchTooLargeError."""
     with pytest.raises(ValueError, match="unknown record kind 'bills'; one of: usage"):
-        ledger.ingest_lines("bills", _ndjson([usage()]), now=NOW)
+        ledger.ingest_lines("bills", ndjson([usage()]), now=NOW)
     with pytest.raises(BatchTooLargeError):
-        ledger.ingest_lines("usage", _ndjson([usage(), usage(), usage()]), now=NOW, max_records=2)
+        ledger.ingest_lines("usage", ndjson([usage(), usage(), usage()]), now=NOW, max_records=2)
     assert _count(ledger, "usage") == 0
 
 
@@ -305,16 +300,11 @@ def test_batches_waiting_for_the_writer_share_one_transaction(ledger):
     An id in two batches is kept once (a duplicate for the later batch); a bad record is
     reported to the caller that sent it.
     """
-    full: dict[str, Any] = {
-        "endpoint": "/v1/chat/completions",
-        "finish_reason": "stop",
-        "usage_exact": True,
-    }
-    shared = usage(**full)
+    shared = usage()
     bodies = [
-        _ndjson([usage(**full), shared]),
-        _ndjson([shared, usage(**full), usage(**full)]),
-        _ndjson([usage(**full), usage(team="nobody", **full)]),
+        ndjson([usage(), shared]),
+        ndjson([shared, usage(), usage()]),
+        ndjson([usage(), usage(team="nobody")]),
     ]
     results: dict[int, Any] = {}
     with ledger._write_lock:
@@ -341,20 +331,15 @@ def test_batches_waiting_for_the_writer_share_one_transaction(ledger):
         assert cur.execute("SELECT sum(requests) FROM usage_slots").fetchone() == (5,)
 
 
-def test_an_arrow_batch_is_checked_and_kept_like_ndjson(ledger):
+def test_an_arrow_batch_is_checked_and_kept_likendjson(ledger):
     """Typed columns skip the type checks, not the range checks: same verdicts, same rows."""
-    full: dict[str, Any] = {
-        "endpoint": "/v1/chat/completions",
-        "finish_reason": "stop",
-        "usage_exact": True,
-    }
     records = [
-        usage(**full),
-        usage(team="nobody", **full),
-        usage(completion_tokens=-5, **full),
-        usage(**full),
+        usage(),
+        usage(team="nobody"),
+        usage(completion_tokens=-5),
+        usage(),
     ]
-    encoded = encode_arrow("usage", _ndjson(records))
+    encoded = encode_arrow("usage", ndjson(records))
     assert encoded is not None
     result = ledger.ingest_arrow("usage", encoded, now=NOW)
     assert (result.accepted, result.duplicates) == (2, 0)
@@ -362,7 +347,7 @@ def test_an_arrow_batch_is_checked_and_kept_like_ndjson(ledger):
         (records[1]["request_id"], 'unknown team "nobody"'),
         (records[2]["request_id"], "token counts must not be negative"),
     ]
-    again = ledger.ingest_lines("usage", _ndjson(records), now=NOW)
+    again = ledger.ingest_lines("usage", ndjson(records), now=NOW)
     assert (again.accepted, again.duplicates, len(again.rejected)) == (0, 2, 2)
     with pytest.raises(BatchTooLargeError):
         ledger.ingest_arrow("usage", encoded, now=NOW, max_records=3)
