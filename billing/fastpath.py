@@ -41,9 +41,9 @@ _TARGET: Final[dict[str, type[pl.DataType]]] = {
 }  # fmt: skip
 
 
-def ndjson_frame(kind: Kind, body: bytes) -> pl.DataFrame | None:
-    """An NDJSON batch as columns of the kind's types, or None if any record deviates."""
-    table = read_ndjson(kind, body)
+def ndjson_frame(kind: Kind, body: bytes, lines: int | None = None) -> pl.DataFrame | None:
+    """An NDJSON batch (of ``lines`` lines, if counted) as typed columns, or None if any deviates."""
+    table = read_ndjson(kind, body, lines)
     return None if table is None else _numbered(kind, _polars(table))
 
 

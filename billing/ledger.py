@@ -191,10 +191,11 @@ class Ledger:
         Raises ``ValueError`` for an unknown kind.
         """
         kind = _kind(kind_key)
-        _check_size(line_count(body), max_records)
+        lines = line_count(body)
+        _check_size(lines, max_records)
         with ExitStack() as stack:
             ticket = ticket or stack.enter_context(self._group.announce())
-            frame = ndjson_frame(kind, body)
+            frame = ndjson_frame(kind, body, lines)
             if frame is not None:
                 batch = _Pending(kind, frame, None, frozenset(), now, skew_seconds)
                 return ticket.submit(batch, frame.height)
@@ -236,12 +237,13 @@ class Ledger:
         """Commit ``group`` (under the writer lock): fast-path batches of one kind together."""
         outcomes: dict[int, IngestResult | BaseException] = {}
         shared: dict[tuple[str, float | None, float], list[int]] = {}
+        alone: list[list[int]] = []  # the per-record path: a transaction of its own
         for i, p in enumerate(group):
-            if p.frame is not None:
-                shared.setdefault((p.kind.key, p.now, p.skew), []).append(i)
+            if p.frame is None:
+                alone.append([i])
             else:
-                shared[("", float(i), p.skew)] = [i]  # its own transaction
-        for members in shared.values():
+                shared.setdefault((p.kind.key, p.now, p.skew), []).append(i)
+        for members in [*shared.values(), *alone]:
             results: Sequence[IngestResult | BaseException]
             try:
                 results = self._transaction([group[i] for i in members])

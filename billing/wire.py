@@ -41,8 +41,8 @@ _ARROW: Final = {
     "number": pa.float64(),
     "bool": pa.bool_(),
 }
-# One thread per batch: concurrent requests already keep the cores busy, and Arrow's own
-# threads cost about 30% more CPU for the same batch.
+# One thread per batch: concurrent requests already keep the cores busy, so Arrow's own
+# threads would only add their coordination to the same work.
 _READ: Final = pa_json.ReadOptions(use_threads=False, block_size=4 << 20)
 _WRITE: Final = pa.ipc.IpcWriteOptions(compression="zstd")
 
@@ -64,21 +64,19 @@ def line_count(body: bytes) -> int:
     """Records in an NDJSON body: its lines, the last one with or without a newline."""
     if not body:
         return 0
-    # Twice as fast as body.count(b"\n"), which looks at one byte at a time; replace() finds
-    # newlines with memchr (7 ms against 14 ms for 50,000 records).
-    newlines = len(body) - len(body.replace(b"\n", b""))
-    return newlines + (0 if body.endswith(b"\n") else 1)
+    return body.count(b"\n") + (0 if body.endswith(b"\n") else 1)
 
 
-def read_ndjson(kind: Kind, body: bytes) -> pa.Table | None:
+def read_ndjson(kind: Kind, body: bytes, lines: int | None = None) -> pa.Table | None:
     """An NDJSON batch as the kind's columns, or None unless every record fits exactly.
 
     None also when the records are not exactly one per line (Arrow's reader would take an
     object spread over lines, or two on one line, and skips blank lines), and when a field
     that may not be null is null or absent in any record: the per-record path tells "missing"
-    from "null" and fills defaults for absent fields only.
+    from "null" and fills defaults for absent fields only. ``lines``: ``line_count(body)``, when
+    the caller has counted already.
     """
-    lines = line_count(body)
+    lines = line_count(body) if lines is None else lines
     if not lines:
         return None
     try:
