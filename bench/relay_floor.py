@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
-import uvicorn
 
 from infermeter.asgi import Receive, Scope, Send, read_body, respond
 from infermeter.config import load_config
 from infermeter.netutil import host_port
+from simulator import serve
 
 __all__ = ["Relay", "main"]
 
@@ -75,17 +75,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     aliases = {f'"{replica.model}"'.encode(): f'"{replica.served_version}"'.encode()}
     host, port = host_port(args.listen)
     app = Relay(replica.upstream_url, aliases)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_level="warning",
-            access_log=False,
-            http="httptools",
-            lifespan="off",
-        )
-    )
+    server = serve.server(app, host, port, lifespan="off")  # the simulator's uvicorn settings
     asyncio.run(server.serve())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Literal
 
 import httpx
 import uvicorn
@@ -15,7 +16,9 @@ from simulator.replica import ReplicaSim, replica_spec
 __all__ = ["serve_dcgm", "serve_replica", "server"]
 
 
-def server(app: object, host: str, port: int) -> uvicorn.Server:
+def server(
+    app: object, host: str, port: int, lifespan: Literal["on", "off"] = "on"
+) -> uvicorn.Server:
     """A quiet uvicorn server on the running asyncio loop, with httptools' HTTP parser.
 
     ``Server.serve()`` runs on whatever loop the caller started (``asyncio.run``): uvicorn's
@@ -29,7 +32,7 @@ def server(app: object, host: str, port: int) -> uvicorn.Server:
         log_level="warning",
         access_log=False,
         http="httptools",
-        lifespan="on",
+        lifespan=lifespan,
         timeout_graceful_shutdown=2,
     )
     return uvicorn.Server(config)
