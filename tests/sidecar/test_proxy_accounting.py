@@ -120,44 +120,39 @@ async def test_upstream_timeout_is_504(stack_factory):
     assert r.json()["error"]["code"] == "upstream_timeout"
 
 
-async def test_upstream_dying_mid_stream_gives_an_error_event_and_partial_usage(
-    stack_factory, fixture_text
-):
-    """vLLM dies after a few chunks: the client gets an SSE error event; usage so far is recorded."""
+def _breaks_mid_stream(fixture_text: Any, then: Any) -> Any:
+    """An upstream that streams the first 4 events of a real vLLM capture, then runs ``then()``."""
     events = sse_events(fixture_text("vllm-0.32-chat-stream-continuous-usage.sse"))[:4]
     partial = "".join(f"data: {e}\n\n" for e in events).encode()
 
-    async def dies(scope, receive, send):
+    async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"content-length", b"100000")]})  # fmt: skip
         await send({"type": "http.response.body", "body": partial, "more_body": True})
-        raise RuntimeError("engine died")
+        await then()
 
-    stack = await stack_factory(upstream_app=dies)
-    async with stack.client() as c:
-        r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
-    tail = sse_events(r.content)[-1]
-    assert '"error"' in tail
-    assert "[DONE]" not in r.text
-    record = stack.records()[-1]
-    assert record["status"] == "upstream_error"
-    assert (record["prompt_tokens"], record["completion_tokens"]) == (10, 3)
+    return app
 
 
-async def test_upstream_stalling_mid_stream_times_out_with_an_error_event(
-    stack_factory, fixture_text
+async def _engine_dies() -> None:
+    raise RuntimeError("engine died")
+
+
+async def _engine_stalls() -> None:
+    await asyncio.sleep(30)
+
+
+@pytest.mark.parametrize(
+    ("then", "settings"),
+    [(_engine_dies, {}), (_engine_stalls, {"sidecar.read_timeout_seconds": 0.3})],
+    ids=["dies", "stalls"],
+)
+async def test_upstream_breaking_mid_stream_gives_an_error_event_and_partial_usage(
+    stack_factory, fixture_text, then, settings
 ):
-    """vLLM stops sending mid-stream: after the read timeout the client gets an SSE error event."""
-    events = sse_events(fixture_text("vllm-0.32-chat-stream-continuous-usage.sse"))[:4]
-    partial = "".join(f"data: {e}\n\n" for e in events).encode()
-
-    async def stalls(scope, receive, send):
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
-        await send({"type": "http.response.body", "body": partial, "more_body": True})
-        await asyncio.sleep(30)
-
-    stack = await stack_factory(upstream_app=stalls, **{"sidecar.read_timeout_seconds": 0.3})
+    """vLLM dies, or stops sending (read timeout), after a few chunks: the client gets an SSE
+    error event soon, and the usage so far is recorded."""
+    stack = await stack_factory(upstream_app=_breaks_mid_stream(fixture_text, then), **settings)
     async with stack.client() as c:
         started = time.perf_counter()
         r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
