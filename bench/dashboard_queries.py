@@ -48,12 +48,12 @@ from billing import queries
 from billing.api import create_app
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
-from billing.months import month_of
 from billing.query_api import Rollups
 from dashboards.client import BillingClient
 from dashboards.data import fetch_queries
 from infermeter.config import Config, hash_key
-from infermeter.netutil import free_port
+from infermeter.months import month_of
+from infermeter.serving import free_port
 
 REPLICAS = 16
 MODELS = 4

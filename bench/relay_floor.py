@@ -23,8 +23,7 @@ import aiohttp
 
 from infermeter.asgi import Receive, Scope, Send, read_body, respond
 from infermeter.config import load_config
-from infermeter.netutil import host_port
-from simulator import serve
+from infermeter.serving import host_port, server
 
 __all__ = ["Relay", "main"]
 
@@ -75,8 +74,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     aliases = {f'"{replica.model}"'.encode(): f'"{replica.served_version}"'.encode()}
     host, port = host_port(args.listen)
     app = Relay(replica.upstream_url, aliases)
-    server = serve.server(app, host, port, lifespan="off")  # the simulator's uvicorn settings
-    asyncio.run(server.serve())
+    srv = server(app, host, port, lifespan="off")  # every server's uvicorn settings
+    asyncio.run(srv.serve())
 
 
 if __name__ == "__main__":

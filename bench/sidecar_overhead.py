@@ -65,7 +65,7 @@ import yaml
 
 from bench.rawload import RepeatingStream, run_connections
 from infermeter.config import DEFAULT_CONFIG, load_config
-from infermeter.netutil import free_port
+from infermeter.serving import free_port
 from simulator.replica import replica_spec
 
 __all__ = ["main", "run_benchmark"]

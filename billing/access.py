@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from infermeter.auth import AuthError, KeyRing, bearer_key
 from infermeter.config import Config
-from sidecar.auth import AuthError, KeyRing, bearer_key
 
 __all__ = [
     "ADMIN",

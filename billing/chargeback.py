@@ -9,7 +9,6 @@ import polars as pl
 
 from billing.allocation import Policy
 from billing.ledger import Ledger, LedgerError
-from billing.months import check_month, month_bounds, month_of
 from billing.rounding import to_cents
 from billing.statement import (
     Statement,
@@ -18,6 +17,7 @@ from billing.statement import (
     team_totals,
 )
 from infermeter.config import Config
+from infermeter.months import check_month, month_bounds, month_of
 
 __all__ = ["Chargeback", "Spend", "policy_from_config"]
 

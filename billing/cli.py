@@ -113,7 +113,7 @@ def _fail(response: httpx.Response) -> int:
 
 
 def _close(args: argparse.Namespace, config: Config) -> int:
-    from billing.months import check_month
+    from infermeter.months import check_month
 
     month = check_month(args.month)
     if args.database:
@@ -154,7 +154,7 @@ def _export(args: argparse.Namespace, config: Config) -> int:
 
 
 def _chargeback(args: argparse.Namespace, config: Config) -> int:
-    from billing.months import check_month
+    from infermeter.months import check_month
 
     month = check_month(args.month)
     suffix = "csv" if args.format == "csv" else "focus.csv"

@@ -25,9 +25,9 @@ from billing import allocation, ingest_sql
 from billing.allocation import Policy
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
 from billing.group_commit import GroupCommit, Ticket
-from billing.months import month_bounds, month_of
 from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS
 from billing.wire import line_count
+from infermeter.months import month_bounds, month_of
 
 __all__ = ["BatchTooLargeError", "IngestResult", "Ledger", "LedgerError", "Rejection"]
 

@@ -25,10 +25,10 @@ from billing import queries
 from billing.access import Caller, Forbidden, identify
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
-from billing.months import check_month, month_of
 from billing.statement import Statement
+from infermeter.auth import KeyRing
 from infermeter.config import Config
-from sidecar.auth import KeyRing
+from infermeter.months import check_month, month_of
 
 __all__ = [
     "CachedChargeback",

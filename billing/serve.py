@@ -7,8 +7,7 @@ import logging
 from billing.api import create_app
 from billing.ledger import Ledger
 from infermeter.config import Config
-from infermeter.netutil import ensure_free, host_port
-from simulator.serve import server
+from infermeter.serving import ensure_free, host_port, server
 
 __all__ = ["open_ledger", "serve_billing"]
 

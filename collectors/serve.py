@@ -20,11 +20,10 @@ from collectors.nvml import NvmlSource
 from collectors.sources import EngineSource, GpuSource
 from collectors.vllm import VllmSource
 from infermeter.config import Config
-from infermeter.netutil import ensure_free, host_port
 from infermeter.records import EngineSample, GpuSample
+from infermeter.serving import ensure_free, host_port, server
 from infermeter.shipper import Shipper
 from infermeter.spool import Spool
-from simulator.serve import server
 
 __all__ = ["SpoolSink", "build_collector", "serve_collector"]
 

@@ -14,9 +14,9 @@ import httpx
 import polars as pl
 from prometheus_client.parser import text_string_to_metric_families
 
-from billing.months import month_bounds, month_of
 from billing.statement import Statement, empty_lines
 from dashboards.client import BillingClient
+from infermeter.months import month_bounds, month_of
 
 __all__ = [
     "RANGES",

@@ -13,7 +13,7 @@ from werkzeug.serving import BaseWSGIServer, make_server
 
 from dashboards.app import create_app
 from infermeter.config import Config
-from infermeter.netutil import PortInUseError
+from infermeter.serving import PortInUseError
 
 __all__ = ["dashboard_server", "serve_dashboard"]
 

@@ -19,7 +19,7 @@ from types import FrameType
 
 from infermeter import __version__
 from infermeter.config import Config, ConfigError, default_config_path, load_config
-from infermeter.netutil import PortInUseError
+from infermeter.serving import PortInUseError
 
 __all__ = ["add_config", "main"]
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from infermeter.config import Config
-from infermeter.netutil import ensure_free, host_port
+from infermeter.serving import ensure_free, host_port
 from infermeter.supervisor import Child, ChildFailedError, Supervisor
 
 __all__ = [

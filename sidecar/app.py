@@ -30,12 +30,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import generate_latest
 
 from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
+from infermeter.auth import AuthError, bearer_key
 from infermeter.config import Config
+from infermeter.errors import error_body, sse_error_event
 from infermeter.records import RequestStatus, UsageRecord
 from infermeter.spool import Spool, SpoolError
 from sidecar import tracing
-from sidecar.auth import AuthError, bearer_key
-from sidecar.errors import error_body, sse_error_event
 from sidecar.fairness import FairShare, Slot
 from sidecar.limits import Admission, LimitExceeded, RateLimiter, estimate_prompt_tokens
 from sidecar.metrics import SidecarMetrics

@@ -10,10 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from infermeter.config import Config, ConfigError, load_config
-from infermeter.netutil import ensure_free, host_port
+from infermeter.serving import ensure_free, host_port, server
 from sidecar.app import Sidecar
 from sidecar.tracing import make_tracer_provider
-from simulator.serve import server
 
 __all__ = ["serve_sidecar"]
 

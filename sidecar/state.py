@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from infermeter.auth import GatewayVerifier, KeyRing
 from infermeter.config import Config, Replica
-from sidecar.auth import GatewayVerifier, KeyRing
 
 __all__ = ["ModelNotFoundError", "Route", "View", "build_view"]
 

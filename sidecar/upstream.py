@@ -15,7 +15,7 @@ import time
 import aiohttp
 import httpx
 
-from sidecar.errors import error_body
+from infermeter.errors import error_body
 
 __all__ = ["UPSTREAM_ERRORS", "StallWatch", "Upstream", "upstream_failure"]
 

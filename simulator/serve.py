@@ -3,39 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Literal
 
 import httpx
 import uvicorn
 
 from infermeter.config import Config
-from infermeter.netutil import ensure_free, host_port
+from infermeter.serving import ensure_free, host_port, server
 from simulator.dcgm import node_exporters
 from simulator.replica import ReplicaSim, replica_spec
 
-__all__ = ["serve_dcgm", "serve_replica", "server"]
-
-
-def server(
-    app: object, host: str, port: int, lifespan: Literal["on", "off"] = "on"
-) -> uvicorn.Server:
-    """A quiet uvicorn server on the running asyncio loop, with httptools' HTTP parser.
-
-    ``Server.serve()`` runs on whatever loop the caller started (``asyncio.run``): uvicorn's
-    ``loop`` setting only applies to ``Server.run()``. Measured, uvloop was not faster for the
-    simulator's per-step wake-ups (docs/benchmarks.md), so the standard loop is used.
-    """
-    config = uvicorn.Config(
-        app,  # type: ignore[arg-type]
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=False,
-        http="httptools",
-        lifespan=lifespan,
-        timeout_graceful_shutdown=2,
-    )
-    return uvicorn.Server(config)
+__all__ = ["serve_dcgm", "serve_replica"]
 
 
 def replica_server(config: Config, replica_id: str) -> tuple[ReplicaSim, uvicorn.Server]:

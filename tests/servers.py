@@ -7,22 +7,16 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-import uvicorn
-
-from infermeter.netutil import free_port
+from infermeter.serving import free_port, server as serve
 
 
 @contextlib.asynccontextmanager
 async def serving(
     app: Any, port: int | None = None, lifespan: Literal["auto", "on", "off"] = "on"
 ) -> AsyncIterator[str]:
-    """Serve ``app`` with uvicorn on loopback for the duration of the block; yields its URL."""
+    """Serve ``app`` on loopback, with the settings of every infermeter server, for the duration of the block; yields its URL."""
     port = port or free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-        http="httptools", lifespan=lifespan, timeout_graceful_shutdown=1,
-    )  # fmt: skip
-    server = uvicorn.Server(config)
+    server = serve(app, "127.0.0.1", port, lifespan=lifespan)
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():

@@ -48,7 +48,7 @@ from alerts.autoscale.policy import (
 )
 from infermeter.asgi import Receive, Scope, Send, idle_lifespan, respond
 from infermeter.config import Config
-from infermeter.netutil import ensure_free, host_port
+from infermeter.serving import ensure_free, host_port, server
 
 __all__ = ["Autoscaler", "PageReader", "PrometheusReader", "build_hooks", "serve_autoscaler"]
 
@@ -226,8 +226,6 @@ def create_app(gauges: ScalingGauges) -> Callable[[Scope, Receive, Send], Awaita
 
 async def serve_autoscaler(config: Config, listen: str | None, prometheus_url: str | None) -> None:
     """Evaluate every ``autoscale.interval_seconds`` and serve /metrics until told to exit."""
-    from simulator.serve import server
-
     a = config.autoscale
     host, port = host_port(listen or a.listen)
     ensure_free(host, port, "autoscale listen address")

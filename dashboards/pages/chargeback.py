@@ -7,13 +7,13 @@ from typing import Any
 
 from dash import Dash, Input, Output, State, dcc, html, no_update
 
-from billing.months import month_of
 from dashboards.client import BillingError
 from dashboards.components import csv_table, note, page, usd
 from dashboards.context import Context, signed_in
 from dashboards.data import recent_months, statement_from_json
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
+from infermeter.months import month_of
 
 PATH = "/chargeback"
 TITLE = "Chargeback"

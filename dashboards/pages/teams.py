@@ -9,11 +9,11 @@ import plotly.graph_objects as go  # type: ignore[import-untyped]
 import polars as pl
 from dash import Dash, Input, Output, html
 
-from billing.months import month_of
 from dashboards.client import BillingError
 from dashboards.components import frame_table, graph, note, page
 from dashboards.context import Context, signed_in
 from dashboards.data import statement_from_json
+from infermeter.months import month_of
 
 PATH = "/teams"
 TITLE = "Teams"

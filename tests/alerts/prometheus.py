@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from infermeter.netutil import free_port
+from infermeter.serving import free_port
 
 PROMETHEUS = "/usr/bin/prometheus"
 PROMTOOL = "/usr/bin/promtool"

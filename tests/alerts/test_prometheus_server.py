@@ -18,7 +18,7 @@ from collectors.loop import FleetCollector
 from collectors.metrics import create_app
 from collectors.serve import build_collector
 from infermeter.config import DEFAULT_CONFIG, Config
-from infermeter.netutil import free_port
+from infermeter.serving import free_port
 from sidecar.app import Sidecar
 from simulator.dcgm import node_exporters
 from simulator.replica import ReplicaSim, replica_spec

@@ -87,7 +87,7 @@ async def test_webhook_with_the_wrong_secret_is_refused_and_not_retried():
 
 async def test_webhook_gives_up_when_the_receiver_is_down():
     """An unreachable receiver is retried until the budget runs out, then reported."""
-    from infermeter.netutil import free_port
+    from infermeter.serving import free_port
 
     async with httpx.AsyncClient() as client:
         hook = WebhookHook(f"http://127.0.0.1:{free_port()}/hook", SECRET, client, 0.5)

@@ -125,7 +125,7 @@ def test_run_without_the_webhook_secret_stops_with_a_message(
 ) -> None:
     """``autoscale run`` with webhook_url but no secret exits 2 and names the variable."""
     from infermeter.config import DEFAULT_CONFIG
-    from infermeter.netutil import free_port
+    from infermeter.serving import free_port
 
     config = tmp_path / "infermeter.yaml"
     config.write_text(

@@ -16,7 +16,7 @@ from alerts.autoscale.hooks import Hook, HookError, KubernetesScaleHook, Scaling
 from alerts.autoscale.policy import model_limits, params_from_config
 from alerts.autoscale.service import Autoscaler, PageReader, build_hooks, build_reader, create_app
 from infermeter.config import Config
-from infermeter.netutil import free_port
+from infermeter.serving import free_port
 from tests.alerts_autoscale.test_inputs import COLLECTOR_PAGE
 from tests.servers import serving
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from infermeter.config import DEFAULT_CONFIG, Config
-from infermeter.netutil import free_port
+from infermeter.serving import free_port
 from sidecar.app import Sidecar
 from simulator.replica import ReplicaSim, replica_spec
 from tests.servers import serving

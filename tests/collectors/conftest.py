@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from infermeter.config import Config
-from infermeter.netutil import free_port
+from infermeter.serving import free_port
 from simulator.dcgm import NodeExporter, node_exporters
 from simulator.replica import ReplicaSim, replica_spec
 from tests.servers import serving

@@ -13,7 +13,7 @@ from collectors.metrics import FleetMetrics, create_app
 from collectors.serve import serve_collector
 from collectors.sources import EngineReading
 from infermeter.config import Config
-from infermeter.netutil import free_port
+from infermeter.serving import free_port
 from tests.collectors.fakes import FakeGpuSource, reading
 
 

@@ -36,7 +36,7 @@ from typing import IO
 
 import httpx
 
-from infermeter.netutil import free_port
+from infermeter.serving import free_port
 
 __all__ = [
     "ENTRY_MODULE",

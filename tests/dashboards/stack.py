@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 
@@ -23,7 +22,7 @@ from billing.api import create_app as billing_app
 from billing.ledger import Ledger
 from dashboards.serve import dashboard_server
 from infermeter.config import Config
-from infermeter.netutil import free_port
+from infermeter.serving import free_port, server as serve
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -33,8 +32,7 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 def billing_thread(config: Config, ledger: Ledger) -> Iterator[str]:
     """The billing API over ``ledger`` on a loopback port, in a thread; yields its URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(billing_app(config, ledger), host="127.0.0.1", port=port,
-                                           log_level="warning", access_log=False, lifespan="off"))  # fmt: skip
+    server = serve(billing_app(config, ledger), "127.0.0.1", port, lifespan="off")
     thread = threading.Thread(target=server.run, name="billing", daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

@@ -22,10 +22,10 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
-from billing.months import month_of
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
 from infermeter.config import Config, DashboardSettings, load_config
+from infermeter.months import month_of
 from tests.dashboards import records
 from tests.dashboards.records import ADMIN_KEY, TEAM_KEYS
 from tests.dashboards.stack import billing_thread, chromium, dashboard_thread, metrics_thread

@@ -18,8 +18,8 @@ from billing.access import keyring
 from billing.api import create_app
 from billing.buckets import bucket_of, quantile
 from billing.ledger import Ledger
-from billing.months import month_of
 from billing.query_api import CachedChargeback, Rollups, query_router
+from infermeter.months import month_of
 from tests.dashboards import records
 from tests.dashboards.records import ADMIN_KEY, REPLICAS, TEAM_KEYS, TEAMS
 

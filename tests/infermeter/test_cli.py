@@ -16,7 +16,7 @@ import yaml
 
 from infermeter.cli import build_parser, main
 from infermeter.config import DEFAULT_CONFIG
-from infermeter.netutil import free_port
+from infermeter.serving import free_port
 
 
 def test_every_subcommand_has_help(capsys):

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from infermeter.netutil import free_port
+from infermeter.serving import free_port
 from sidecar.app import Sidecar
 from tests.servers import serving
 from tests.sidecar.conftest import METRICS_TOKEN, make_config

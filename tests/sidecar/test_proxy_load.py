@@ -19,7 +19,7 @@ import yaml
 from billing.ingest_sql import KINDS
 from billing.wire import ARROW_STREAM, decode_arrow
 from infermeter.config import DEFAULT_CONFIG
-from infermeter.netutil import free_port
+from infermeter.serving import free_port
 from infermeter.spool import read_segment
 from simulator.replica import ReplicaSim, replica_spec
 from tests.servers import serving

@@ -10,7 +10,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from sidecar.auth import sign_team
+from infermeter.auth import sign_team
 from tests.sidecar.conftest import KEYS, make_config
 from tests.simulator.shapes import classify, skeleton, sse_events
 

@@ -9,7 +9,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from infermeter.config import load_config
-from infermeter.netutil import free_port
+from infermeter.serving import free_port
 from simulator.dcgm import DcgmGpu, node_exporters, render
 from simulator.replica import ReplicaSim, replica_spec
 from tests.servers import serving

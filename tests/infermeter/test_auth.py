@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from sidecar.auth import AuthError, GatewayVerifier, KeyRing, bearer_key, sign_team
+from infermeter.auth import AuthError, GatewayVerifier, KeyRing, bearer_key, sign_team
 
 KEYS = {"sk-search-1": "search", "sk-search-2": "search", "sk-research": "research"}
 SECRET = b"gateway-secret"
