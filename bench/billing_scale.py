@@ -42,11 +42,13 @@ import httpx
 import orjson
 import yaml
 
-from billing import ingest_sql, wire
+from billing import ingest_sql
 from billing.chargeback import Chargeback
 from billing.fastpath import arrow_frame, ndjson_frame
 from billing.ledger import Ledger
+from infermeter import wire
 from infermeter.config import DEFAULT_CONFIG, Config
+from infermeter.records import USAGE
 
 MONTH = "2026-10"
 START = 1790812800  # 2026-10-01T00:00:00Z
@@ -124,7 +126,7 @@ def ingest_rate(path: Path, port: int, batch: int, clients: int, batches: int,
     bodies = [_usage_batch(b, batch, ndjson=fmt != "json") for b in range(batches)]
     encode_cpu = time.process_time()
     if fmt == "arrow":
-        bodies = [wire.encode_arrow("usage", b) or b"" for b in bodies]
+        bodies = [wire.encode_arrow(USAGE, b) or b"" for b in bodies]
     encode_cpu = time.process_time() - encode_cpu
     route = "/v1/ingest" if fmt == "json" else "/v1/ingest/usage"
     ctype = {"arrow": wire.ARROW_STREAM, "ndjson": wire.NDJSON, "json": "application/json"}[fmt]
@@ -187,11 +189,11 @@ def ingest_breakdown(work: Path, batch: int, batches: int, fmt: str) -> dict[str
         for b in range(batches):
             body = _usage_batch(b, batch, fmt == "per-record", ndjson=True)
             if fmt == "arrow":
-                body = wire.encode_arrow("usage", body) or b""
+                body = wire.encode_arrow(USAGE, body) or b""
             keep = ledger.ingest_arrow if fmt == "arrow" else ledger.ingest_lines
             read = arrow_frame if fmt == "arrow" else ndjson_frame
             t0 = time.perf_counter()
-            read(ingest_sql.USAGE, body)
+            read(USAGE, body)
             t1 = time.perf_counter()
             keep("usage", body, now=START + 50 * 86400)
             t2 = time.perf_counter()

@@ -33,11 +33,11 @@ from billing.chargeback import Chargeback
 from billing.ledger import BatchTooLargeError, IngestResult, Ledger, LedgerError
 from billing.metrics import LedgerCollector, SpendCollector
 from billing.query_api import CachedChargeback, query_router, refresh_if_stale, statement_json
-from billing.wire import ARROW_STREAM
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
 from infermeter.config import Config
 from infermeter.months import check_month, month_of
+from infermeter.wire import ARROW_STREAM
 
 __all__ = ["create_app"]
 

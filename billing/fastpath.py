@@ -9,7 +9,7 @@ shipper's batch) is taken as it is, and any other batch goes to the per-record p
 ``billing.ingest_sql``, which names the bad records. Nothing is ever coerced here: a mismatch
 only means the slower path.
 
-Three bodies have a fast path (formats in ``billing.wire``):
+Three bodies have a fast path (formats in ``infermeter.wire``):
 
 - an Arrow IPC stream (what shippers send): typed already, only its schema is checked;
 - NDJSON, one record per line: Arrow's JSON reader with the kind's schema, which refuses
@@ -20,39 +20,30 @@ Three bodies have a fast path (formats in ``billing.wire``):
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any
 
 import polars as pl
 import pyarrow as pa
 
-from billing.ingest_sql import Field, Kind
-from billing.wire import decode_arrow, read_ndjson
+from billing.columns import COLUMN_TYPES
+from infermeter.records import Field, FieldType, RecordKind
+from infermeter.wire import decode_arrow, read_ndjson
 
 __all__ = ["arrow_frame", "ndjson_frame", "typed_frame"]
 
-_EXACT: Final[dict[str, tuple[type[pl.DataType], ...]]] = {
-    "string": (pl.String,),
-    "int": (pl.Int64,),
-    "number": (pl.Float64, pl.Int64),
-    "bool": (pl.Boolean,),
-}
-_TARGET: Final[dict[str, type[pl.DataType]]] = {
-    "string": pl.String, "int": pl.Int64, "number": pl.Float64, "bool": pl.Boolean,
-}  # fmt: skip
 
-
-def ndjson_frame(kind: Kind, body: bytes, lines: int | None = None) -> pl.DataFrame | None:
+def ndjson_frame(kind: RecordKind, body: bytes, lines: int | None = None) -> pl.DataFrame | None:
     """An NDJSON batch (of ``lines`` lines, if counted) as typed columns, or None if any deviates."""
     table = read_ndjson(kind, body, lines)
     return None if table is None else _numbered(kind, _polars(table))
 
 
-def arrow_frame(kind: Kind, body: bytes) -> pl.DataFrame:
-    """An Arrow IPC batch (``billing.wire``) as columns; ValueError when it is not the kind's."""
+def arrow_frame(kind: RecordKind, body: bytes) -> pl.DataFrame:
+    """An Arrow IPC batch (``infermeter.wire``) as columns; ValueError when it is not the kind's."""
     return _numbered(kind, _polars(decode_arrow(kind, body)))
 
 
-def typed_frame(kind: Kind, rows: list[Any]) -> pl.DataFrame | None:
+def typed_frame(kind: RecordKind, rows: list[Any]) -> pl.DataFrame | None:
     """The batch's records as columns of the kind's types, or None if any record deviates.
 
     Besides the kind's columns: ``pos`` (1-based place in the batch) and ``dup`` (an id seen
@@ -68,7 +59,8 @@ def typed_frame(kind: Kind, rows: list[Any]) -> pl.DataFrame | None:
     # Python's bool is an int, and Polars would take True as 1: a boolean in a number field
     # must go to the per-record path to be refused.
     for name, values in columns.items():
-        if fields[name].type in ("int", "number") and any(type(v) is bool for v in values):
+        numeric = fields[name].type in (FieldType.INT, FieldType.NUMBER)
+        if numeric and any(type(v) is bool for v in values):
             return None
     try:
         records = pl.DataFrame(columns, strict=True)
@@ -77,18 +69,14 @@ def typed_frame(kind: Kind, rows: list[Any]) -> pl.DataFrame | None:
     out = []
     for f in kind.fields:
         if f.name not in records.columns:
-            if f.default is None:
+            if not f.has_default:
                 return None
-            out.append(
-                pl.lit(None if f.default == "NULL" else _literal(f))
-                .cast(_TARGET[f.type])
-                .alias(f.name)
-            )
+            out.append(pl.lit(f.default).cast(COLUMN_TYPES[f.type].polars).alias(f.name))
             continue
         series = records[f.name]
         if not _fits(f, series):
             return None
-        out.append(pl.col(f.name).cast(_TARGET[f.type]))
+        out.append(pl.col(f.name).cast(COLUMN_TYPES[f.type].polars))
     return _numbered(kind, records.select(out))
 
 
@@ -98,7 +86,7 @@ def _polars(table: pa.Table) -> pl.DataFrame:
     return frame
 
 
-def _numbered(kind: Kind, records: pl.DataFrame) -> pl.DataFrame:
+def _numbered(kind: RecordKind, records: pl.DataFrame) -> pl.DataFrame:
     """``records`` with ``pos`` (1-based place in the batch) and ``dup`` (an id seen earlier)."""
     ident = pl.col(kind.id_field)
     return records.with_row_index("pos", offset=1).with_columns(
@@ -109,16 +97,6 @@ def _numbered(kind: Kind, records: pl.DataFrame) -> pl.DataFrame:
 def _fits(field: Field, series: pl.Series) -> bool:
     if series.dtype == pl.Null:
         return field.nullable
-    if not isinstance(series.dtype, _EXACT[field.type]):
+    if not isinstance(series.dtype, COLUMN_TYPES[field.type].polars_exact):
         return False
     return field.nullable or series.null_count() == 0
-
-
-def _literal(field: Field) -> object:
-    value = field.default
-    assert value is not None
-    if field.type == "bool":
-        return value == "true"
-    if field.type in ("int", "number"):
-        return float(value) if field.type == "number" else int(value)
-    return value.strip("'")

@@ -9,18 +9,26 @@ builders are pure (they return SQL text) and are tested against an in-memory Duc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Final, Literal
+from collections.abc import Mapping
+from typing import Final
 
 from billing.buckets import bucket_sql
+from billing.columns import COLUMN_TYPES, sql_default
 from billing.schema import SLOT_SECONDS
+from infermeter.records import (
+    BILLABLE_STATUSES,
+    ENGINE,
+    GPU,
+    USAGE,
+    Field,
+    RecordKind,
+    RequestStatus,
+)
 
 __all__ = [
-    "BILLABLE_STATUSES",
-    "KINDS",
+    "BILLABLE",
+    "CHECKS",
     "STATUSES",
-    "Field",
-    "Kind",
     "append_sql",
     "checked_sql",
     "fresh_sql",
@@ -34,75 +42,19 @@ __all__ = [
     "usage_rollup_sql",
 ]
 
-JsonType = Literal["string", "int", "number", "bool"]
-
-STATUSES: Final = (
-    "ok", "client_aborted", "upstream_error", "bad_request", "rejected", "rate_limited", "unauthorized",
-)  # fmt: skip
-# Requests that reached the GPU: these are charged and counted; the rest are kept for audit.
-BILLABLE_STATUSES: Final = ("ok", "client_aborted", "upstream_error")
-
-_SQL_TYPES: Final = {"string": "VARCHAR", "int": "BIGINT", "number": "DOUBLE", "bool": "BOOLEAN"}
-_JSON_TYPES: Final = {
-    "string": "('VARCHAR')",
-    "int": "('UBIGINT', 'BIGINT')",
-    "number": "('UBIGINT', 'BIGINT', 'DOUBLE')",
-    "bool": "('BOOLEAN')",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Field:
-    """One field of a record: its JSON type, and whether it may be absent or null."""
-
-    name: str
-    type: JsonType
-    nullable: bool = False
-    default: str | None = None  # SQL literal used when the key is absent
-
-
-@dataclass(frozen=True, slots=True)
-class Kind:
-    """A kind of record: its table, id field, time field and the checks beyond types."""
-
-    key: str
-    table: str
-    id_field: str
-    time_field: str
-    fields: tuple[Field, ...]
-    checks: tuple[tuple[str, str], ...]  # (SQL condition that means "bad", reason)
-
+# The statuses as SQL tuples, from the one declaration in infermeter.records.
+STATUSES: Final = tuple(str(s) for s in RequestStatus)
+BILLABLE: Final = repr(tuple(str(s) for s in BILLABLE_STATUSES))
 
 _TEAM_CHECK = (
-    f"status IN {BILLABLE_STATUSES!r} AND team NOT IN (SELECT name FROM _known_teams)",
+    f"status IN {BILLABLE} AND team NOT IN (SELECT name FROM _known_teams)",
     "'unknown team ' || to_json(team)",
 )
 
-USAGE = Kind(
-    key="usage",
-    table="usage",
-    id_field="request_id",
-    time_field="received_at",
-    fields=(
-        Field("request_id", "string"),
-        Field("team", "string"),
-        Field("model", "string"),
-        Field("served_version", "string"),
-        Field("replica", "string"),
-        Field("received_at", "number"),
-        Field("first_token_at", "number", nullable=True),
-        Field("finished_at", "number"),
-        Field("prompt_tokens", "int"),
-        Field("cached_prompt_tokens", "int"),
-        Field("completion_tokens", "int"),
-        Field("status", "string"),
-        Field("http_status", "int"),
-        Field("stream", "bool"),
-        Field("endpoint", "string", default="'/v1/chat/completions'"),
-        Field("finish_reason", "string", nullable=True, default="NULL"),
-        Field("usage_exact", "bool", default="true"),
-    ),
-    checks=(
+# The checks beyond types, per kind: (SQL condition that means "bad", reason). The fields, their
+# types and defaults come from the record declarations (infermeter.records).
+CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
+    USAGE.key: (
         ("request_id = ''", "'request_id: empty'"),
         (f"status NOT IN {STATUSES!r}", "'status: unknown value ' || to_json(status)"),
         _TEAM_CHECK,
@@ -120,33 +72,7 @@ USAGE = Kind(
         ("finished_at > $now + $skew", "'timestamp in the future: finished_at'"),
         ("http_status < 100 OR http_status > 599", "'http_status: not an HTTP status'"),
     ),
-)
-
-GPU = Kind(
-    key="gpu_samples",
-    table="gpu_samples",
-    id_field="sample_id",
-    time_field="timestamp",
-    fields=(
-        Field("sample_id", "string"),
-        Field("node", "string"),
-        Field("gpu", "string"),
-        Field("uuid", "string"),
-        Field("gpu_model", "string"),
-        Field("replica", "string", nullable=True),
-        Field("model", "string", nullable=True),
-        Field("timestamp", "number"),
-        Field("interval_seconds", "number"),
-        Field("utilization", "number"),
-        Field("power_watts", "number"),
-        Field("energy_joules", "number", nullable=True),
-        Field("memory_used_mib", "number"),
-        Field("memory_free_mib", "number"),
-        Field("xid_errors", "int", default="0"),
-        Field("mig_profile", "string", nullable=True, default="NULL"),
-        Field("gap", "bool", default="false"),
-    ),
-    checks=(
+    GPU.key: (
         ("sample_id = ''", "'sample_id: empty'"),
         ('"timestamp" < 946684800', "'timestamp: not Unix seconds (before 2000)'"),
         ('"timestamp" > $now + $skew', "'timestamp in the future'"),
@@ -154,36 +80,13 @@ GPU = Kind(
         ("utilization < 0 OR utilization > 1", "'utilization: not between 0 and 1'"),
         ("power_watts < 0 OR energy_joules < 0", "'power and energy must not be negative'"),
     ),
-)
-
-ENGINE = Kind(
-    key="engine_samples",
-    table="engine_samples",
-    id_field="sample_id",
-    time_field="timestamp",
-    fields=(
-        Field("sample_id", "string"),
-        Field("replica", "string"),
-        Field("model", "string"),
-        Field("timestamp", "number"),
-        Field("requests_running", "number"),
-        Field("requests_waiting", "number"),
-        Field("kv_cache_usage", "number"),
-        Field("prompt_tokens_total", "number"),
-        Field("generation_tokens_total", "number"),
-        Field("prefix_cache_queries_total", "number", default="0"),
-        Field("prefix_cache_hits_total", "number", default="0"),
-        Field("preemptions_total", "number", default="0"),
-    ),
-    checks=(
+    ENGINE.key: (
         ("sample_id = ''", "'sample_id: empty'"),
         ('"timestamp" < 946684800', "'timestamp: not Unix seconds (before 2000)'"),
         ('"timestamp" > $now + $skew', "'timestamp in the future'"),
         ("requests_running < 0 OR requests_waiting < 0", "'request counts must not be negative'"),
     ),
-)
-
-KINDS: Final = {k.key: k for k in (USAGE, GPU, ENGINE)}
+}
 
 
 def _q(name: str) -> str:
@@ -193,33 +96,33 @@ def _q(name: str) -> str:
 def _type_check(f: Field) -> tuple[str, str]:
     path = f"'$.{f.name}'"
     jtype = f"json_type(r, {path})"
-    allowed = _JSON_TYPES[f.type]
+    allowed = repr(COLUMN_TYPES[f.type].json).replace(",)", ")")
     if f.nullable:
         ok = f"({jtype} IS NULL OR {jtype} = 'NULL' OR {jtype} IN {allowed})"
-    elif f.default is not None:
+    elif f.has_default:
         ok = f"({jtype} IS NULL OR {jtype} IN {allowed})"
     else:
         ok = f"{jtype} IN {allowed}"
-    noun = {"string": "a string", "int": "an integer", "number": "a number", "bool": "a boolean"}
+    noun = COLUMN_TYPES[f.type].noun
     missing = f"{jtype} IS NULL"
     reason = (
         f"CASE WHEN {missing} THEN '{f.name}: missing' "
-        f"ELSE '{f.name}: must be {noun[f.type]}' || CASE WHEN {'true' if f.nullable else 'false'} "
+        f"ELSE '{f.name}: must be {noun}' || CASE WHEN {'true' if f.nullable else 'false'} "
         f"THEN ' or null' ELSE '' END END"
     )
     return f"NOT coalesce({ok}, false)", reason
 
 
 def _value(f: Field) -> str:
-    sql_type = _SQL_TYPES[f.type]
+    sql_type = COLUMN_TYPES[f.type].sql
     extracted = f"r->>'$.{f.name}'" if f.type == "string" else f"json_extract(r, '$.{f.name}')"
     value = f"TRY_CAST({extracted} AS {sql_type})"
-    if f.default is not None:
-        value = f"coalesce({value}, {f.default})"
+    if f.has_default:
+        value = f"coalesce({value}, {sql_default(f)})"
     return f"{value} AS {_q(f.name)}"
 
 
-def stage_sql(kind: Kind) -> str:
+def stage_sql(kind: RecordKind) -> str:
     """SQL creating temp table ``staged``: one row per record of the batch, typed, with a reason.
 
     Parameters: ``$body`` (the batch's JSON text), ``$now`` and ``$skew`` (seconds). ``reason``
@@ -248,7 +151,7 @@ typed AS (
 """
 
 
-def checked_sql(kind: Kind, relation: str) -> str:
+def checked_sql(kind: RecordKind, relation: str) -> str:
     """Like ``stage_sql``'s table, as a query over a relation whose columns have the kind's types.
 
     The fast path: when a whole batch parses to exactly the expected column types (which is
@@ -264,8 +167,8 @@ WITH typed AS (SELECT item, pos, dup, NULL::VARCHAR AS type_reason, {cols} FROM 
 )"""
 
 
-def _checked(kind: Kind, relation: str, dup: str | None = None) -> str:
-    domain = "\n".join(f"        WHEN {cond} THEN {reason}" for cond, reason in kind.checks)
+def _checked(kind: RecordKind, relation: str, dup: str | None = None) -> str:
+    domain = "\n".join(f"        WHEN {cond} THEN {reason}" for cond, reason in CHECKS[kind.key])
     columns = "* EXCLUDE (dup)" if dup else "*"
     dup = dup or f"row_number() OVER (PARTITION BY {_q(kind.id_field)} ORDER BY pos) > 1 AS dup"
     return f"""SELECT {columns},
@@ -276,7 +179,7 @@ def _checked(kind: Kind, relation: str, dup: str | None = None) -> str:
 FROM {relation}"""
 
 
-def rejected_sql(kind: Kind, checked: str) -> str:
+def rejected_sql(kind: RecordKind, checked: str) -> str:
     """SQL keeping the bad records of ``checked`` (position, id, reason) in ``_rejected``."""
     return (
         "CREATE OR REPLACE TEMP TABLE _rejected AS "
@@ -284,7 +187,7 @@ def rejected_sql(kind: Kind, checked: str) -> str:
     )
 
 
-def good_sql(kind: Kind, source: str) -> str:
+def good_sql(kind: RecordKind, source: str) -> str:
     """SQL defining view ``_good``: the records of ``source`` that are neither bad nor repeats.
 
     ``source`` is the batch (typed columns, or the per-record path's ``staged``); the bad ones
@@ -297,7 +200,7 @@ def good_sql(kind: Kind, source: str) -> str:
     )
 
 
-def known_sql(kind: Kind) -> str:
+def known_sql(kind: RecordKind) -> str:
     """SQL keeping in ``_known`` the ids of ``_good`` that the kind's table already has.
 
     Normally empty: only a resent batch has any. The lookup is limited to rows whose time falls
@@ -312,7 +215,7 @@ SELECT g.{idf} FROM _good g SEMI JOIN {kind.table} t ON t.{tf} BETWEEN $lo AND $
 """
 
 
-def fresh_sql(kind: Kind) -> str:
+def fresh_sql(kind: RecordKind) -> str:
     """SQL defining view ``fresh``: the ``_good`` records not in ``_known`` (``known_sql``).
 
     A view over the batch, so appending it and rolling it up read the batch, not copies of it.
@@ -320,7 +223,7 @@ def fresh_sql(kind: Kind) -> str:
     return f"CREATE OR REPLACE TEMP VIEW fresh AS SELECT * FROM _good ANTI JOIN _known USING ({_q(kind.id_field)})"
 
 
-def append_sql(kind: Kind) -> str:
+def append_sql(kind: RecordKind) -> str:
     """SQL appending ``fresh`` (from ``fresh_sql``) to the kind's table. Parameter: ``$now``."""
     cols = ", ".join(_q(f.name) for f in kind.fields)
     return f"INSERT INTO {kind.table} ({cols}, ingested_at) SELECT {cols}, CAST($now AS DOUBLE) FROM fresh"
@@ -362,7 +265,7 @@ SELECT replica, team, model, slot,
 FROM (
     SELECT f.*, s.ttft_seconds AS sla_ttft, {_slots("received_at", "finished_at")} AS slot
     FROM fresh f LEFT JOIN _sla s USING (model)
-    WHERE status IN {BILLABLE_STATUSES!r}
+    WHERE status IN {BILLABLE}
 )
 GROUP BY ALL;
 INSERT INTO usage_slots SELECT * FROM _usage_delta
@@ -399,7 +302,7 @@ def ttft_rollup_sql() -> str:
 INSERT INTO ttft_buckets
 SELECT model, team, CAST(floor(finished_at / {SLOT_SECONDS}) AS BIGINT) AS slot,
     {bucket_sql(ttft)} AS bucket, count(*)
-FROM fresh WHERE status IN {BILLABLE_STATUSES!r} AND first_token_at IS NOT NULL
+FROM fresh WHERE status IN {BILLABLE} AND first_token_at IS NOT NULL
 GROUP BY ALL
 ON CONFLICT DO UPDATE SET requests = requests + excluded.requests;
 """

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +25,10 @@ from billing import allocation, ingest_sql
 from billing.allocation import Policy
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
 from billing.group_commit import GroupCommit, Ticket
-from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS
-from billing.wire import line_count
+from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS, new_field_sql
 from infermeter.months import month_bounds, month_of
+from infermeter.records import KINDS, RecordKind
+from infermeter.wire import line_count
 
 __all__ = ["BatchTooLargeError", "IngestResult", "Ledger", "LedgerError", "Rejection"]
 
@@ -81,7 +82,7 @@ GROUP_MAX_WAIT_SECONDS: Final = 0.1
 class _Pending:
     """A parsed batch waiting for its transaction."""
 
-    kind: ingest_sql.Kind
+    kind: RecordKind
     frame: pl.DataFrame | None  # typed columns (fast path), or None
     raw: bytes | None  # the batch as {"<kind>": [...]} JSON, for the per-record path
     malformed: frozenset[int]
@@ -93,8 +94,10 @@ class Ledger:
     """The ledger file, its schema, and the only writer to it."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, teams: Sequence[str],
-                 ttft_sla_seconds: dict[str, float]) -> None:  # fmt: skip
+                 ttft_sla_seconds: dict[str, float],
+                 kinds: Mapping[str, RecordKind] = KINDS) -> None:  # fmt: skip
         self._con = con
+        self.kinds = kinds
         self._write_lock = threading.Lock()
         # Committed ingest transactions and the records they kept, for /metrics (written only
         # under the writer lock): their ratio is how well group commit is grouping.
@@ -115,7 +118,8 @@ class Ledger:
 
     @classmethod
     def open(cls, path: str | Path, teams: Sequence[str], ttft_sla_seconds: dict[str, float],
-             memory_limit: str = "2GB", threads: int | None = None) -> Ledger:  # fmt: skip
+             memory_limit: str = "2GB", threads: int | None = None,
+             kinds: Mapping[str, RecordKind] = KINDS) -> Ledger:  # fmt: skip
         """Open (or create) the ledger at ``path`` (":memory:" for a throw-away one) and migrate it."""
         if str(path) != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -126,8 +130,8 @@ class Ledger:
             con = duckdb.connect(str(path), config=config)
         except duckdb.Error as exc:
             raise LedgerError(f"{path}: cannot open the ledger: {exc}") from None
-        migrate(con, str(path))
-        return cls(con, teams, ttft_sla_seconds)
+        migrate(con, str(path), kinds.values())
+        return cls(con, teams, ttft_sla_seconds, kinds)
 
     def close(self) -> None:
         """Checkpoint and close the file."""
@@ -190,7 +194,7 @@ class Ledger:
         JSON is refused like any other bad record ("not valid JSON"), and the rest is kept.
         Raises ``ValueError`` for an unknown kind.
         """
-        kind = _kind(kind_key)
+        kind = self._kind(kind_key)
         lines = line_count(body)
         _check_size(lines, max_records)
         with ExitStack() as stack:
@@ -208,13 +212,13 @@ class Ledger:
     def ingest_arrow(self, kind_key: str, body: bytes, now: float | None = None,
                      skew_seconds: float = 300.0, max_records: int | None = None,
                      ticket: Ticket[_Pending, IngestResult] | None = None) -> IngestResult:  # fmt: skip
-        """Keep one Arrow IPC batch of ``kind_key`` records (``billing.wire``), as shippers send.
+        """Keep one Arrow IPC batch of ``kind_key`` records (``infermeter.wire``), as shippers send.
 
         The columns are typed already, so only the range checks are left; the batch may share
         its transaction with others. Raises
         ``ValueError`` when the stream is not the kind's schema (nothing is kept).
         """
-        kind = _kind(kind_key)
+        kind = self._kind(kind_key)
         with ExitStack() as stack:
             ticket = ticket or stack.enter_context(self._group.announce())
             frame = arrow_frame(kind, body)
@@ -222,7 +226,7 @@ class Ledger:
             batch = _Pending(kind, frame, None, frozenset(), now, skew_seconds)
             return ticket.submit(batch, frame.height)
 
-    def _commit(self, kind: ingest_sql.Kind, frame: pl.DataFrame | None, raw: bytes | None,
+    def _commit(self, kind: RecordKind, frame: pl.DataFrame | None, raw: bytes | None,
                 now: float | None, skew: float, malformed: frozenset[int] = frozenset()) -> IngestResult:  # fmt: skip
         """Keep a batch, typed ``frame`` (fast path) or ``raw`` JSON text, in a committed transaction.
 
@@ -301,8 +305,13 @@ class Ledger:
             old = self._touched
             self._touched = span if old is None else (min(old[0], span[0]), max(old[1], span[1]))
 
-    @staticmethod
-    def _batch(body: bytes, max_records: int | None) -> tuple[ingest_sql.Kind, list[Any]]:
+    def _kind(self, key: str) -> RecordKind:
+        kind = self.kinds.get(key)
+        if kind is None:
+            raise ValueError(f"unknown record kind {key!r}; one of: {', '.join(self.kinds)}")
+        return kind
+
+    def _batch(self, body: bytes, max_records: int | None) -> tuple[RecordKind, list[Any]]:
         """The batch's kind and records; ValueError when the body is not a batch."""
         try:
             parsed = orjson.loads(body)
@@ -310,16 +319,16 @@ class Ledger:
             raise ValueError("the body is not valid JSON") from None
         if not isinstance(parsed, dict):
             raise ValueError('the body must be a JSON object such as {"usage": [...]}')
-        if len(parsed) != 1 or next(iter(parsed)) not in ingest_sql.KINDS:
-            known = ", ".join(ingest_sql.KINDS)
+        if len(parsed) != 1 or next(iter(parsed)) not in self.kinds:
+            known = ", ".join(self.kinds)
             raise ValueError(f"the body must have exactly one key, one of: {known}")
         key, records = next(iter(parsed.items()))
         if not isinstance(records, list):
             raise ValueError(f"{key} must be a JSON array of records")
         _check_size(len(records), max_records)
-        return ingest_sql.KINDS[key], records
+        return self.kinds[key], records
 
-    def _ingest(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind, raw: bytes | None,
+    def _ingest(self, con: duckdb.DuckDBPyConnection, kind: RecordKind, raw: bytes | None,
                 frame: pl.DataFrame | None, now: float, skew: float, malformed: frozenset[int],
                 batches: int) -> tuple[list[IngestResult], tuple[float, float] | None]:  # fmt: skip
         """Keep ``batches`` batches (told apart by column ``item``) in the open transaction."""
@@ -366,7 +375,7 @@ class Ledger:
         ]
         return results, span
 
-    def _roll_up(self, con: duckdb.DuckDBPyConnection, kind: ingest_sql.Kind,
+    def _roll_up(self, con: duckdb.DuckDBPyConnection, kind: RecordKind,
                  span: tuple[float, float]) -> None:  # fmt: skip
         if kind.key == "usage":
             con.execute(ingest_sql.usage_rollup_sql())
@@ -528,14 +537,7 @@ _SPANS = {
     "engine_samples": 'SELECT "timestamp" AS t FROM fresh',
 }
 # A raw table's time column, for partitioning its Parquet export by month.
-_TIME_COLUMNS = {k.table: f'"{k.time_field}"' for k in ingest_sql.KINDS.values()}
-
-
-def _kind(key: str) -> ingest_sql.Kind:
-    kind = ingest_sql.KINDS.get(key)
-    if kind is None:
-        raise ValueError(f"unknown record kind {key!r}; one of: {', '.join(ingest_sql.KINDS)}")
-    return kind
+_TIME_COLUMNS = {k.table: f'"{k.time_field}"' for k in KINDS.values()}
 
 
 def _check_size(records: int, max_records: int | None) -> None:
@@ -579,8 +581,10 @@ def _slot_range(month: str) -> tuple[int, int]:
     return int(start // SLOT_SECONDS), int(end // SLOT_SECONDS)
 
 
-def migrate(con: duckdb.DuckDBPyConnection, source: str) -> int:
-    """Apply the migrations ``con`` lacks; returns the schema version it ends at."""
+def migrate(
+    con: duckdb.DuckDBPyConnection, source: str, kinds: Iterable[RecordKind] = KINDS.values()
+) -> int:
+    """Apply the migrations ``con`` lacks, then add fields new to ``kinds``; returns the version."""
     con.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER, applied_at DOUBLE)")
     row = con.execute("SELECT max(version) FROM schema_version").fetchone()
     current = int(row[0]) if row and row[0] is not None else 0
@@ -594,4 +598,11 @@ def migrate(con: duckdb.DuckDBPyConnection, source: str) -> int:
         con.execute(MIGRATIONS[version - 1])
         con.execute("INSERT INTO schema_version VALUES (?, ?)", [version, time.time()])
         con.execute("COMMIT")
+    for kind in kinds:
+        columns = [r[0] for r in con.execute(
+            "SELECT column_name FROM duckdb_columns() WHERE table_name = ? AND schema_name = 'main'",
+            [kind.table],
+        ).fetchall()]  # fmt: skip
+        for statement in new_field_sql(kind, columns):
+            con.execute(statement)
     return LATEST_VERSION

@@ -5,16 +5,22 @@ applies the rest, each in its own transaction, so an old file is brought forward
 from a newer infermeter is refused rather than misread.
 
 Times are Unix seconds (DOUBLE) in UTC, as the records carry them. The raw tables keep every
-accepted record exactly as sent; the ``*_slots`` tables are rollups that ingest maintains in the
+accepted record exactly as sent (plus ``ingested_at``); a field added to a record kind later
+(``infermeter.records``) needs no migration of its own: ``new_field_sql`` adds its column, with
+the field's default for the rows already there; the ``*_slots`` tables are rollups that ingest maintains in the
 same transaction, keyed by one-minute slots (``slot`` = Unix minute). Chargeback and the
 dashboards read the rollups, so their cost does not grow with the number of requests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Final
 
-__all__ = ["LATEST_VERSION", "MIGRATIONS", "SLOT_SECONDS"]
+from billing.columns import column_ddl
+from infermeter.records import RecordKind
+
+__all__ = ["LATEST_VERSION", "MIGRATIONS", "SLOT_SECONDS", "new_field_sql"]
 
 SLOT_SECONDS: Final = 60
 
@@ -159,3 +165,22 @@ SELECT replica, slot, sum(inflight_seconds) FROM usage_slots GROUP BY replica, s
 
 MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2)
 LATEST_VERSION: Final = len(MIGRATIONS)
+
+
+def new_field_sql(kind: RecordKind, columns: Collection[str]) -> list[str]:
+    """SQL adding to ``kind``'s table the fields it lacks (``columns``: the table's columns now).
+
+    ValueError for a missing field without a default: the rows already kept could not have a
+    value for it.
+    """
+    statements = []
+    for f in kind.fields:
+        if f.name in columns:
+            continue
+        if f.required:
+            raise ValueError(
+                f"{kind.record.__name__}.{f.name}: a field added to a record kind needs a default "
+                f"(the {kind.table} table already holds records without it)"
+            )
+        statements.append(f"ALTER TABLE {kind.table} ADD COLUMN {column_ddl(f)}")
+    return statements

@@ -1,7 +1,7 @@
 """Ship spooled records to the billing ingest API, and delete only what it acknowledged.
 
 A batch is a spool segment's lines, POSTed to ``<ingest_url>/<kind>`` as an Arrow IPC stream:
-the shipper reads them into typed columns (strictly, ``billing.wire``), so the central billing
+the shipper reads them into typed columns (strictly, ``infermeter.wire``), so the central billing
 service does not parse JSON. Lines that do not convert exactly are sent as they are on disk, as
 NDJSON, for billing to check record by record; so are all lines when billing refuses the
 Arrow stream. The ingest API is idempotent by record id, so a segment that was sent but whose
@@ -26,9 +26,9 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from billing.ingest_sql import KINDS
-from billing.wire import ARROW_STREAM, NDJSON, encode_arrow
+from infermeter.records import KINDS
 from infermeter.spool import Segment, Spool, read_lines
+from infermeter.wire import ARROW_STREAM, NDJSON, encode_arrow
 
 __all__ = ["IngestRejectedError", "Shipper"]
 
@@ -60,7 +60,9 @@ class Shipper:
         self.client = client
         self.batch_size = batch_size
         self.interval_seconds = interval_seconds
-        self.arrow = arrow and kind in KINDS
+        self.record_kind = KINDS.get(kind)
+        self.arrow = arrow and self.record_kind is not None
+        self.id_field = self.record_kind.id_field if self.record_kind else "id"
         self.headers = {"authorization": f"Bearer {token}"} if token else {}
         self.shipped = 0
 
@@ -94,7 +96,9 @@ class Shipper:
             batch = lines[start : start + self.batch_size]
             body = b"".join(batch)
             # Off the event loop: Arrow parses without the GIL while the sidecar relays tokens.
-            encoded = await asyncio.to_thread(encode_arrow, self.kind, body) if self.arrow else None
+            encoded = None
+            if self.arrow and self.record_kind is not None:
+                encoded = await asyncio.to_thread(encode_arrow, self.record_kind, body)
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception_type(_RetryableError),
                 wait=wait_exponential_jitter(multiplier=0.2, max=10.0),
@@ -136,8 +140,9 @@ class Shipper:
         rejected: list[dict[str, Any]] = orjson.loads(response.content).get("rejected", [])
         return rejected
 
-    @staticmethod
-    def _dead_letter(directory: Path, batch: list[bytes], rejected: list[dict[str, Any]]) -> None:
+    def _dead_letter(
+        self, directory: Path, batch: list[bytes], rejected: list[dict[str, Any]]
+    ) -> None:
         """Keep the rejected lines with their reasons; a record without an id is named ``#<line>``."""
         reasons = {r.get("id"): r.get("reason") for r in rejected}
         with (directory / "rejected.jsonl").open("ab") as fh:
@@ -145,7 +150,7 @@ class Shipper:
                 record = _loads(line)
                 rid = None
                 if isinstance(record, dict):
-                    rid = record.get("request_id") or record.get("sample_id")
+                    rid = record.get(self.id_field)
                 if rid not in reasons:
                     rid = f"#{pos}"
                 if rid in reasons:

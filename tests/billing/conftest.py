@@ -11,6 +11,7 @@ import pytest
 
 from billing.ledger import Ledger
 from infermeter.config import DEFAULT_CONFIG, Config, load_config
+from infermeter.records import RequestStatus, UsageRecord
 
 # 2026-10-01 00:00:00 UTC: a month that has ended, so it can be closed.
 OCT = 1790812800.0
@@ -23,15 +24,16 @@ def usage(
 ) -> dict[str, Any]:
     """A completed streamed request of ``team`` on replica small-0, ``seconds`` long.
 
-    Every field is present, fields with defaults included, as the sidecar writes records.
+    Every field is present, fields with defaults included, as the sidecar writes records: the
+    sidecar's own ``UsageRecord.to_json``.
     """
-    record: dict[str, Any] = {
-        "request_id": f"req-{next(_ids)}", "team": team, "model": "chat-small",
-        "served_version": "llama-3.1-8b-instruct", "replica": "small-0", "received_at": start,
-        "first_token_at": start + 0.1, "finished_at": start + seconds, "prompt_tokens": 100,
-        "cached_prompt_tokens": 0, "completion_tokens": 50, "status": "ok", "http_status": 200,
-        "stream": True, "endpoint": "/v1/chat/completions", "finish_reason": "stop", "usage_exact": True,
-    }  # fmt: skip
+    record = UsageRecord(
+        request_id=f"req-{next(_ids)}", team=team, model="chat-small",
+        served_version="llama-3.1-8b-instruct", replica="small-0", received_at=start,
+        first_token_at=start + 0.1, finished_at=start + seconds, prompt_tokens=100,
+        cached_prompt_tokens=0, completion_tokens=50, status=RequestStatus.OK.value, http_status=200,
+        stream=True, finish_reason="stop",
+    ).to_json()  # fmt: skip
     record.update(kw)
     return record
 

@@ -14,10 +14,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from billing.api import create_app
 from billing.ledger import Ledger
-from billing.wire import ARROW_STREAM, NDJSON, encode_arrow
 from infermeter.config import Config
+from infermeter.records import USAGE
 from infermeter.shipper import Shipper
 from infermeter.spool import Spool
+from infermeter.wire import ARROW_STREAM, NDJSON, encode_arrow
 from tests.billing.conftest import NOV, batch, gpu_samples, ndjson, usage
 from tests.servers import serving
 
@@ -105,7 +106,7 @@ async def test_ndjson_ingest_route_answers_like_the_json_one(billing, ledger):
 async def test_arrow_ingest_route_keeps_typed_batches_and_refuses_other_schemas(billing, ledger):
     """An Arrow stream is kept like NDJSON; a stream that is not Arrow is a 400 naming why."""
     lines = ndjson([usage(), usage(team="nobody")])
-    encoded = encode_arrow("usage", lines)
+    encoded = encode_arrow(USAGE, lines)
     assert encoded is not None
     async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
         kept = await client.post("/v1/ingest/usage", content=encoded,
@@ -167,7 +168,7 @@ async def test_the_shipper_sends_arrow_when_lines_convert_and_ndjson_otherwise(
 async def test_metrics_count_ingest_by_outcome_format_and_transaction(billing):
     """/metrics tells operators what ingest kept, refused and how it grouped transactions."""
     lines = ndjson([usage(), usage(team="nobody")])
-    encoded = encode_arrow("usage", lines)
+    encoded = encode_arrow(USAGE, lines)
     async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
         await client.post(
             "/v1/ingest/usage", content=encoded, headers={"content-type": ARROW_STREAM}

@@ -9,8 +9,8 @@ import polars as pl
 import pytest
 
 from billing.fastpath import ndjson_frame, typed_frame
-from billing.ingest_sql import KINDS
-from billing.wire import line_count
+from infermeter.records import KINDS
+from infermeter.wire import line_count
 from tests.billing.conftest import ndjson, usage
 
 USAGE = KINDS["usage"]

@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from billing.ledger import BatchTooLargeError, Ledger
-from billing.wire import encode_arrow
+from infermeter.records import USAGE
+from infermeter.wire import encode_arrow
 from tests.billing.conftest import OCT, batch, gpu_samples, ndjson, usage
 
 NOW = OCT + 86400
@@ -339,7 +340,7 @@ def test_an_arrow_batch_is_checked_and_kept_likendjson(ledger):
         usage(completion_tokens=-5),
         usage(),
     ]
-    encoded = encode_arrow("usage", ndjson(records))
+    encoded = encode_arrow(USAGE, ndjson(records))
     assert encoded is not None
     result = ledger.ingest_arrow("usage", encoded, now=NOW)
     assert (result.accepted, result.duplicates) == (2, 0)

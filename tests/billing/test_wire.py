@@ -7,17 +7,15 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from billing.ingest_sql import KINDS
-from billing.wire import arrow_schema, decode_arrow, encode_arrow
+from infermeter.records import GPU, KINDS, USAGE
+from infermeter.wire import arrow_schema, decode_arrow, encode_arrow
 from tests.billing.conftest import gpu_samples, ndjson, usage
-
-USAGE = KINDS["usage"]
 
 
 def test_lines_round_trip_through_arrow_unchanged():
     """Every field of every record comes back with its value and the kind's type."""
     records = [usage(), usage(team="assistant", prompt_tokens=7, first_token_at=None)]
-    encoded = encode_arrow("usage", ndjson(records))
+    encoded = encode_arrow(USAGE, ndjson(records))
     assert encoded is not None
     table = decode_arrow(USAGE, encoded)
     assert table.schema.equals(arrow_schema(USAGE))
@@ -27,7 +25,7 @@ def test_lines_round_trip_through_arrow_unchanged():
 def test_samples_have_an_arrow_form_too():
     """GPU samples convert as well (the collector ships them the same way)."""
     samples = [dict(s, xid_errors=0, mig_profile=None, gap=False) for s in gpu_samples(seconds=30)]
-    encoded = encode_arrow("gpu_samples", ndjson(samples))
+    encoded = encode_arrow(GPU, ndjson(samples))
     assert encoded is not None
     assert decode_arrow(KINDS["gpu_samples"], encoded).num_rows == 3
 
@@ -44,7 +42,7 @@ def test_samples_have_an_arrow_form_too():
 )
 def test_lines_that_do_not_convert_exactly_stay_ndjson(odd: dict[str, Any]) -> None:
     """No coercion on the shipper's side either: such a batch is sent as NDJSON."""
-    assert encode_arrow("usage", ndjson([usage(), usage() | odd])) is None
+    assert encode_arrow(USAGE, ndjson([usage(), usage() | odd])) is None
 
 
 def _stream(table: pa.Table) -> bytes:
@@ -56,7 +54,7 @@ def _stream(table: pa.Table) -> bytes:
 
 def test_a_stream_of_another_schema_is_refused_naming_it():
     """An int32 where billing keeps int64: ValueError with both schemas, nothing converted."""
-    encoded = encode_arrow("usage", ndjson([usage()]))
+    encoded = encode_arrow(USAGE, ndjson([usage()]))
     assert encoded is not None
     table = decode_arrow(USAGE, encoded)
     narrowed = table.set_column(
@@ -69,7 +67,7 @@ def test_a_stream_of_another_schema_is_refused_naming_it():
 
 def test_a_null_where_none_is_allowed_is_refused():
     """Nulls cannot be told from absent fields in Arrow: the batch must come as NDJSON."""
-    encoded = encode_arrow("usage", ndjson([usage()]))
+    encoded = encode_arrow(USAGE, ndjson([usage()]))
     assert encoded is not None
     table = decode_arrow(USAGE, encoded)
     nulled = table.set_column(

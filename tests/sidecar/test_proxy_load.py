@@ -16,11 +16,11 @@ import httpx
 import orjson
 import yaml
 
-from billing.ingest_sql import KINDS
-from billing.wire import ARROW_STREAM, decode_arrow
 from infermeter.config import DEFAULT_CONFIG
+from infermeter.records import KINDS
 from infermeter.serving import free_port
 from infermeter.spool import read_segment
+from infermeter.wire import ARROW_STREAM, decode_arrow
 from simulator.replica import ReplicaSim, replica_spec
 from tests.servers import serving
 from tests.sidecar.conftest import KEYS, make_config

@@ -8,6 +8,9 @@ zstd) and billing only checks its schema. Both conversions are strict: Arrow's J
 given the kind's schema, refuses unknown keys and every type mismatch (a string or boolean
 for a number, a fraction for an integer) instead of converting.
 
+The Arrow schema is derived from the record kinds (``infermeter.records``), so the shipper
+and billing agree on it by construction.
+
 A batch that does not convert exactly (a bad type, a missing field, a line that is not one JSON
 object) is sent as NDJSON instead, and billing's per-record path names each bad record.
 """
@@ -20,7 +23,7 @@ from typing import Final
 import pyarrow as pa
 import pyarrow.json as pa_json
 
-from billing.ingest_sql import KINDS, Kind
+from infermeter.records import FieldType, RecordKind
 
 __all__ = [
     "ARROW_STREAM",
@@ -36,10 +39,10 @@ ARROW_STREAM: Final = "application/vnd.apache.arrow.stream"
 NDJSON: Final = "application/x-ndjson"
 
 _ARROW: Final = {
-    "string": pa.string(),
-    "int": pa.int64(),
-    "number": pa.float64(),
-    "bool": pa.bool_(),
+    FieldType.STRING: pa.string(),
+    FieldType.INT: pa.int64(),
+    FieldType.NUMBER: pa.float64(),
+    FieldType.BOOL: pa.bool_(),
 }
 # One thread per batch: concurrent requests already keep the cores busy, so Arrow's own
 # threads would only add their coordination to the same work.
@@ -48,13 +51,13 @@ _WRITE: Final = pa.ipc.IpcWriteOptions(compression="zstd")
 
 
 @cache
-def arrow_schema(kind: Kind) -> pa.Schema:
+def arrow_schema(kind: RecordKind) -> pa.Schema:
     """The kind's record as Arrow columns, in the order of its fields."""
     return pa.schema([pa.field(f.name, _ARROW[f.type]) for f in kind.fields])
 
 
 @cache
-def _parse_options(kind: Kind) -> pa_json.ParseOptions:
+def _parse_options(kind: RecordKind) -> pa_json.ParseOptions:
     return pa_json.ParseOptions(
         explicit_schema=arrow_schema(kind), unexpected_field_behavior="error"
     )
@@ -67,7 +70,7 @@ def line_count(body: bytes) -> int:
     return body.count(b"\n") + (0 if body.endswith(b"\n") else 1)
 
 
-def read_ndjson(kind: Kind, body: bytes, lines: int | None = None) -> pa.Table | None:
+def read_ndjson(kind: RecordKind, body: bytes, lines: int | None = None) -> pa.Table | None:
     """An NDJSON batch as the kind's columns, or None unless every record fits exactly.
 
     None also when the records are not exactly one per line (Arrow's reader would take an
@@ -90,9 +93,9 @@ def read_ndjson(kind: Kind, body: bytes, lines: int | None = None) -> pa.Table |
     return table
 
 
-def encode_arrow(kind_key: str, body: bytes) -> bytes | None:
-    """NDJSON lines of ``kind_key`` as a zstd-compressed Arrow IPC stream, or None (send NDJSON)."""
-    table = read_ndjson(KINDS[kind_key], body)
+def encode_arrow(kind: RecordKind, body: bytes) -> bytes | None:
+    """NDJSON lines of ``kind`` as a zstd-compressed Arrow IPC stream, or None (send NDJSON)."""
+    table = read_ndjson(kind, body)
     if table is None:
         return None
     sink = pa.BufferOutputStream()
@@ -102,7 +105,7 @@ def encode_arrow(kind_key: str, body: bytes) -> bytes | None:
     return encoded
 
 
-def decode_arrow(kind: Kind, body: bytes) -> pa.Table:
+def decode_arrow(kind: RecordKind, body: bytes) -> pa.Table:
     """An Arrow IPC stream of ``kind`` records; ValueError naming what does not match."""
     try:
         table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
@@ -123,7 +126,7 @@ def decode_arrow(kind: Kind, body: bytes) -> pa.Table:
     return table
 
 
-def _null_field(kind: Kind, table: pa.Table) -> str | None:
+def _null_field(kind: RecordKind, table: pa.Table) -> str | None:
     """The first field that may not be null but is, in some record."""
     for f in kind.fields:
         if not f.nullable and table.column(f.name).null_count:
