@@ -48,7 +48,7 @@ from billing import queries
 from billing.api import create_app
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
-from billing.query_api import Rollups
+from billing.rollups import Rollups
 from dashboards.client import BillingClient
 from dashboards.data import fetch_queries
 from infermeter.config import Config, hash_key

@@ -10,14 +10,10 @@ import polars as pl
 from billing.allocation import Policy
 from billing.ledger import Ledger, LedgerError
 from billing.rounding import to_cents
-from billing.statement import (
-    Statement,
-    adjustment_lines,
-    cents_lines,
-    team_totals,
-)
+from billing.statement import adjustment_lines, cents_lines, team_totals
 from infermeter.config import Config
 from infermeter.months import check_month, month_bounds, month_of
+from infermeter.statement import Statement
 
 __all__ = ["Chargeback", "Spend", "policy_from_config"]
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from billing.chargeback import Chargeback
-from billing.ledger import Ledger
+from billing.ledger import IngestResult, Ledger
 
-__all__ = ["LedgerCollector", "SpendCollector"]
+__all__ = ["IngestCounters", "LedgerCollector", "SpendCollector"]
 
 
 class SpendCollector(Collector):
@@ -69,3 +70,20 @@ class LedgerCollector(Collector):
             "Batches parsed and queued for the next ingest transaction.",
             value=self.ledger.waiting_batches,
         )
+
+
+class IngestCounters:
+    """infermeter_billing_ingest_records (by outcome) and _batches (by wire format)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.records = Counter("infermeter_billing_ingest_records", "Records received by ingest, by outcome.",
+                               ["kind", "outcome"], registry=registry)  # fmt: skip
+        self.batches = Counter("infermeter_billing_ingest_batches", "Batches acknowledged by ingest, by wire format.",
+                               ["kind", "format"], registry=registry)  # fmt: skip
+
+    def count(self, result: IngestResult, wire_format: str) -> None:
+        """Count one acknowledged batch and what became of its records."""
+        self.batches.labels(result.kind, wire_format).inc()
+        self.records.labels(result.kind, "accepted").inc(result.accepted)
+        self.records.labels(result.kind, "duplicate").inc(result.duplicates)
+        self.records.labels(result.kind, "rejected").inc(len(result.rejected))

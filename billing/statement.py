@@ -1,62 +1,20 @@
-"""A month's statement: allocation lines in cents, adjustments for closed months, budgets.
+"""Computing a month's statement: allocation lines in cents, adjustments for closed months.
 
-Pure functions over frames. A statement reconciles when its lines add up to the fleet's cost
-for the month plus the adjustments it carries for earlier, closed months, to the cent.
+Pure functions over frames; the ``Statement`` they fill is ``infermeter.statement``'s. A
+statement reconciles when its lines add up to the fleet's cost for the month plus the
+adjustments it carries for earlier, closed months, to the cent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Final
+from collections.abc import Sequence
 
 import polars as pl
 
 from billing.rounding import largest_remainder
+from infermeter.statement import CENT_COLUMNS, COUNT_COLUMNS, LINE_SCHEMA, empty_lines
 
-__all__ = [
-    "CENT_COLUMNS",
-    "COUNT_COLUMNS",
-    "Statement",
-    "adjustment_lines",
-    "cents_lines",
-    "with_budgets",
-]
-
-COUNT_COLUMNS: Final = ("requests", "prompt_tokens", "completion_tokens", "gpu_hours", "energy_kwh")
-CENT_COLUMNS: Final = ("compute_cents", "energy_cents", "idle_cents", "total_cents")
-_LINE_SCHEMA: Final = {
-    "month": pl.String, "for_month": pl.String, "team": pl.String, "model": pl.String,
-    "requests": pl.Int64, "prompt_tokens": pl.Int64, "completion_tokens": pl.Int64,
-    "gpu_hours": pl.Float64, "energy_kwh": pl.Float64, "compute_cents": pl.Int64,
-    "energy_cents": pl.Int64, "idle_cents": pl.Int64, "total_cents": pl.Int64,
-}  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class Statement:
-    """One month's lines (cents) and the totals they must reconcile to."""
-
-    month: str
-    closed: bool
-    lines: pl.DataFrame  # _LINE_SCHEMA columns
-    fleet_cents: int
-    adjustment_cents: int
-
-    @property
-    def total_cents(self) -> int:
-        """Sum of every line."""
-        return int(self.lines["total_cents"].sum()) if self.lines.height else 0
-
-    @property
-    def reconciles(self) -> bool:
-        """True when the lines add up to fleet cost plus adjustments, to the cent."""
-        return self.total_cents == self.fleet_cents + self.adjustment_cents
-
-
-def empty_lines() -> pl.DataFrame:
-    """A statement with no lines."""
-    return pl.DataFrame(schema=_LINE_SCHEMA)
+__all__ = ["adjustment_lines", "cents_lines", "team_totals"]
 
 
 def cents_lines(month: str, lines: pl.DataFrame, fleet_usd: float) -> pl.DataFrame:
@@ -80,7 +38,7 @@ def cents_lines(month: str, lines: pl.DataFrame, fleet_usd: float) -> pl.DataFra
         pl.Series("energy_cents", energy, dtype=pl.Int64),
         pl.Series("idle_cents", idle, dtype=pl.Int64),
         pl.Series("total_cents", [a + b + c for a, b, c in zip(compute, energy, idle, strict=True)], dtype=pl.Int64),
-    ).cast(_LINE_SCHEMA)  # type: ignore[arg-type]  # fmt: skip
+    ).cast(LINE_SCHEMA)  # type: ignore[arg-type]  # fmt: skip
 
 
 def adjustment_lines(
@@ -108,22 +66,7 @@ def adjustment_lines(
     )
     return diff.filter(nonzero).select(
         pl.lit(month).alias("month"), pl.lit(for_month).alias("for_month"), *keys, *value_cols
-    ).cast(_LINE_SCHEMA).sort(keys)  # type: ignore[arg-type]  # fmt: skip
-
-
-def with_budgets(lines: pl.DataFrame, budgets_usd: Mapping[str, float]) -> pl.DataFrame:
-    """Lines plus each team's monthly budget and the share of it the team's lines use.
-
-    ``budget_used_pct`` is the team's whole statement (all its lines) against its budget, so
-    it is the same on every line of a team; empty when the team has no budget.
-    """
-    team_total = pl.col("total_cents").sum().over("team")
-    budget = pl.col("team").replace_strict(dict(budgets_usd), default=None, return_dtype=pl.Float64)
-    return lines.with_columns(budget_usd=budget).with_columns(
-        budget_used_pct=pl.when(pl.col("budget_usd") > 0)
-        .then((team_total / pl.col("budget_usd")).round(2))
-        .otherwise(None)
-    )
+    ).cast(LINE_SCHEMA).sort(keys)  # type: ignore[arg-type]  # fmt: skip
 
 
 def team_totals(lines: pl.DataFrame, teams: Sequence[str]) -> dict[str, int]:

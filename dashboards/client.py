@@ -6,14 +6,17 @@ see; the dashboard server holds no credential of its own and filters nothing its
 
 from __future__ import annotations
 
-from typing import Any, Final
+import re
+from dataclasses import dataclass
+from typing import Any, Final, Literal
 
 import httpx
 import polars as pl
 
-__all__ = ["STATEMENT_TIMEOUT_SECONDS", "BillingClient", "BillingError"]
+__all__ = ["STATEMENT_TIMEOUT_SECONDS", "BillingClient", "BillingError", "Download"]
 
 STATEMENT_TIMEOUT_SECONDS: Final = 120.0
+_FILENAME: Final = re.compile(r'filename="([^"]+)"')
 
 
 class BillingError(Exception):
@@ -22,6 +25,14 @@ class BillingError(Exception):
     def __init__(self, status: int, message: str) -> None:
         self.status = status
         super().__init__(message)
+
+
+@dataclass(frozen=True, slots=True)
+class Download:
+    """A file billing exported: its text and the name billing gave it."""
+
+    text: str
+    filename: str
 
 
 class BillingClient:
@@ -34,8 +45,8 @@ class BillingClient:
         """Close the connection pool."""
         self._http.close()
 
-    def _get(self, token: str, path: str, params: dict[str, Any] | None = None,
-             timeout_seconds: float | None = None) -> Any:  # fmt: skip
+    def _send(self, token: str, path: str, params: dict[str, Any] | None = None,
+              timeout_seconds: float | None = None) -> httpx.Response:  # fmt: skip
         timeout = self._http.timeout if timeout_seconds is None else httpx.Timeout(timeout_seconds)
         try:
             response = self._http.get(
@@ -49,7 +60,11 @@ class BillingClient:
             except (ValueError, KeyError, TypeError):
                 message = response.text[:200]
             raise BillingError(response.status_code, message)
-        return response.json()
+        return response
+
+    def _get(self, token: str, path: str, params: dict[str, Any] | None = None,
+             timeout_seconds: float | None = None) -> Any:  # fmt: skip
+        return self._send(token, path, params, timeout_seconds).json()
 
     def whoami(self, token: str) -> dict[str, Any]:
         """The caller the token stands for, and the teams it may see (401/403: not a reader)."""
@@ -92,3 +107,19 @@ class BillingClient:
         """Months the ledger has data for (admin)."""
         body: list[dict[str, Any]] = self._get(token, "/v1/months")
         return body
+
+    def export(self, token: str, month: str, kind: Literal["csv", "focus"],
+               focus_version: str = "1.0") -> Download:  # fmt: skip
+        """A month's chargeback CSV or FOCUS file, as billing writes it for this token.
+
+        The admin gets every line, a team its own. Billing computes the statement afresh for a
+        file, hence the long timeout.
+        """
+        if kind == "csv":
+            path, params = f"/v1/chargeback/{month}.csv", None
+        else:
+            path, params = f"/v1/chargeback/{month}.focus.csv", {"version": focus_version}
+        response = self._send(token, path, params, STATEMENT_TIMEOUT_SECONDS)
+        found = _FILENAME.search(response.headers.get("content-disposition", ""))
+        filename = found.group(1) if found else path.rsplit("/", 1)[-1]
+        return Download(response.text, filename)

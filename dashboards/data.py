@@ -8,15 +8,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final
+from typing import Final
 
 import httpx
 import polars as pl
 from prometheus_client.parser import text_string_to_metric_families
 
-from billing.statement import Statement, empty_lines
 from dashboards.client import BillingClient
 from infermeter.months import month_bounds, month_of
+from infermeter.statement import statement_from_json
 
 __all__ = [
     "RANGES",
@@ -62,24 +62,6 @@ def fetch_queries(client: BillingClient, token: str, names: Sequence[str], start
     with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
         futures = {name: pool.submit(client.query, token, name, start, end) for name in names}
         return {name: future.result() for name, future in futures.items()}
-
-
-def statement_from_json(body: dict[str, Any]) -> Statement:
-    """A ``Statement`` rebuilt from billing's JSON, so the exporters run on it unchanged.
-
-    A team key's answer has no fleet total; the statement then carries its own total as the
-    fleet cost and callers show the reconciliation only when ``fleet_cents`` was sent.
-    """
-    schema = empty_lines().schema
-    lines = pl.DataFrame(body["lines"], schema=schema) if body["lines"] else empty_lines()
-    total = int(body.get("total_cents", 0))
-    return Statement(
-        month=body["month"],
-        closed=bool(body["closed"]),
-        lines=lines,
-        fleet_cents=int(body.get("fleet_cents", total)),
-        adjustment_cents=int(body.get("adjustment_cents", 0)),
-    )
 
 
 def recent_months(known: Sequence[str], now: float | None = None, count: int = 12) -> list[str]:

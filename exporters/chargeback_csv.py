@@ -32,7 +32,7 @@ from typing import Final
 
 import polars as pl
 
-from billing.statement import Statement, with_budgets
+from infermeter.statement import Statement, with_budgets
 
 __all__ = ["CSV_COLUMNS", "chargeback_frame", "defuse", "write_csv"]
 

@@ -14,10 +14,10 @@ from typing import Final
 
 import polars as pl
 
-from billing.statement import Statement
 from exporters.chargeback_csv import defuse
 from infermeter.config import Config
 from infermeter.months import month_bounds
+from infermeter.statement import Statement
 
 __all__ = ["FOCUS_1_2_MANDATORY", "focus_frame"]
 

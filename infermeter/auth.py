@@ -1,8 +1,13 @@
-"""Who is calling: a team API key, or a team header signed by a trusted gateway.
+"""Who is calling, and what it may do: a team API key, a role's credential, or a signed team header.
 
 Keys are only ever held as SHA-256 digests. A presented key is hashed and compared against every
 known digest with ``hmac.compare_digest`` (constant time per comparison, and every digest is
 compared), so neither the key nor which team it nearly matched leaks through timing.
+
+Besides the teams there are three roles, one credential each, shared by every service: the
+admin (every team's data, closing months), metrics (scrapes ``/metrics``) and ingest (ships
+records to billing). Roles are named with a leading ``@``, which no team name can have, so a
+team can never be mistaken for a role.
 """
 
 from __future__ import annotations
@@ -12,8 +17,34 @@ import hmac
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Final
 
-__all__ = ["AuthError", "GatewayVerifier", "KeyRing", "sign_team"]
+__all__ = [
+    "ADMIN",
+    "INGEST",
+    "INGESTERS",
+    "MANAGERS",
+    "METRICS",
+    "SCRAPERS",
+    "AuthError",
+    "Caller",
+    "Forbidden",
+    "GatewayVerifier",
+    "KeyRing",
+    "Unauthenticated",
+    "bearer_key",
+    "identify",
+    "sign_team",
+]
+
+ADMIN: Final = "@admin"
+INGEST: Final = "@ingest"
+METRICS: Final = "@metrics"
+
+# Who may do what (besides the teams, who read their own data):
+MANAGERS: Final = frozenset({ADMIN})  # every team's data, months, closing, ledger exports
+SCRAPERS: Final = frozenset({ADMIN, METRICS})  # /metrics of every service
+INGESTERS: Final = frozenset({INGEST})  # records into billing
 
 
 class AuthError(Exception):
@@ -95,3 +126,51 @@ class GatewayVerifier:
         if team not in self.known_teams:
             raise AuthError("Unknown team.", "invalid_team_signature")
         return team
+
+
+class Unauthenticated(Exception):
+    """No credential, or one nobody issued: HTTP 401."""
+
+
+class Forbidden(Exception):
+    """A known credential asking for something it may not see or do: HTTP 403."""
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """An identified caller: a team, or one of the roles."""
+
+    name: str
+
+    @property
+    def is_admin(self) -> bool:
+        """The admin credential reads everything and closes months."""
+        return self.name == ADMIN
+
+    @property
+    def team(self) -> str | None:
+        """The team this caller is, or None for a role."""
+        return None if self.name.startswith("@") else self.name
+
+    def require(self, allowed: frozenset[str]) -> None:
+        """Forbidden unless the caller is one of the ``allowed`` roles."""
+        if self.name not in allowed:
+            raise Forbidden("this credential may not do that")
+
+    def require_reader(self) -> None:
+        """Forbidden unless the caller may read the ledger: the admin, or a team (its own)."""
+        if not (self.is_admin or self.team is not None):
+            raise Forbidden("this credential may not read the ledger")
+
+    def require_team(self, team: str) -> None:
+        """Forbidden unless the caller is ``team`` or the admin."""
+        if not (self.is_admin or self.name == team):
+            raise Forbidden(f"this credential may not read team {team!r}")
+
+
+def identify(ring: KeyRing, authorization: str | None) -> Caller:
+    """The caller named by an ``Authorization: Bearer`` header; Unauthenticated if none is."""
+    try:
+        return Caller(ring.team_for(bearer_key(authorization)))
+    except AuthError as exc:
+        raise Unauthenticated(str(exc)) from None

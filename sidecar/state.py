@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from infermeter.auth import GatewayVerifier, KeyRing
+from infermeter.auth import ADMIN, METRICS, GatewayVerifier, KeyRing
 from infermeter.config import Config, Replica
 
 __all__ = ["ModelNotFoundError", "Route", "View", "build_view"]
@@ -77,7 +77,10 @@ def build_view(config: Config, replica_id: str) -> View:
         served_version=replica.served_version or model.current_version,
         approved=frozenset(model.approved_versions),
         keys=KeyRing((t.name, t.api_key_sha256) for t in config.teams),
-        control=KeyRing([("control", control_digests)]),
+        # The control endpoints (/metrics) are for the scrapers: the admin and metrics roles.
+        control=KeyRing(
+            [(ADMIN, config.admin_token_sha256), (METRICS, config.metrics_token_sha256)]
+        ),
         control_open=not control_digests,
         gateway=gateway,
     )

@@ -1,18 +1,20 @@
-"""Chargeback: a month's statement as exported, its downloads, and its reconciliation."""
+"""Chargeback: a month's statement as exported, its downloads, and its reconciliation.
+
+The table and the downloads are billing's own files (its export routes, with the signed-in
+user's token): the page shows and saves what finance would get, and builds no file itself.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 from dash import Dash, Input, Output, State, dcc, html, no_update
 
-from dashboards.client import BillingError
+from dashboards.client import BillingError, Download
 from dashboards.components import csv_table, note, page, usd
 from dashboards.context import Context, signed_in
 from dashboards.data import recent_months, statement_from_json
-from exporters.chargeback_csv import chargeback_frame, write_csv
-from exporters.focus import focus_frame
 from infermeter.months import month_of
 
 PATH = "/chargeback"
@@ -58,14 +60,13 @@ def _reconciliation(body: dict[str, Any], total_cents: int, platform: str) -> ht
     ])  # fmt: skip
 
 
-def _file(text: str, filename: str) -> dict[str, Any]:
+def _file(file: Download) -> dict[str, Any]:
     """What ``dcc.Download`` takes for a text file (as ``dcc.send_string`` builds it)."""
-    return {"content": text, "filename": filename, "type": "text/csv", "base64": False}
+    return {"content": file.text, "filename": file.filename, "type": "text/csv", "base64": False}
 
 
 def register(app: Dash, ctx: Context) -> None:
     """The month picker, the statement and the two downloads."""
-    budgets = {t.name: t.budget_usd_per_month for t in ctx.config.teams}
     platform = ctx.config.billing.platform_account
 
     @app.callback(
@@ -94,10 +95,10 @@ def register(app: Dash, ctx: Context) -> None:
             return note("Sign in and pick a month."), None
         try:
             body = ctx.client.statement(auth["token"], month)
+            lines = ctx.client.export(auth["token"], month, "csv")
         except BillingError as exc:
             return note(str(exc), "error"), None
         statement = statement_from_json(body)
-        frame = chargeback_frame(statement, budgets)
         state = "closed" if statement.closed else "open (changes until the month is closed)"
         return (
             html.Div(
@@ -106,16 +107,13 @@ def register(app: Dash, ctx: Context) -> None:
                     _reconciliation(body, statement.total_cents, platform),
                 ]
             ),
-            csv_table(write_csv(frame), "chargeback-lines"),
+            csv_table(lines.text, "chargeback-lines"),
         )
 
-    def download(auth: Any, month: str | None, kind: str) -> Any:
+    def download(auth: Any, month: str | None, kind: Literal["csv", "focus"]) -> Any:
         if not signed_in(auth) or not month:
             return no_update
-        statement = statement_from_json(ctx.client.statement(auth["token"], month))
-        if kind == "csv":
-            return _file(write_csv(chargeback_frame(statement, budgets)), f"chargeback-{month}.csv")
-        return _file(write_csv(focus_frame(statement, ctx.config)), f"focus-1.0-{month}.csv")
+        return _file(ctx.client.export(auth["token"], month, kind))
 
     @app.callback(
         Output("chargeback-csv", "data"),

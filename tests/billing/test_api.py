@@ -83,6 +83,45 @@ async def test_a_malformed_batch_is_a_400_in_openai_error_json(billing):
     assert response.json()["error"]["message"] == "the body is not valid JSON"
 
 
+async def test_a_fault_of_the_server_is_a_500_not_a_400(config, ledger):
+    """A ValueError from the server's own code (no caller input involved) is a 500 in error JSON."""
+    app = create_app(config, ledger)
+
+    @app.get("/v1/faulty")
+    async def faulty() -> None:
+        # Stands for any bug in the service: nothing the caller sent is wrong.
+        raise ValueError("cannot round 3 amounts to a total of -1 cents")
+
+    async with serving(app, lifespan="off") as url, httpx.AsyncClient(base_url=url) as client:
+        response = await client.get("/v1/faulty")
+        malformed = await client.post("/v1/ingest", content=b"{oops", headers=bearer(INGEST))
+    assert response.status_code == 500
+    assert response.json()["error"] == {"message": "internal server error", "type": "server_error",
+                                        "param": None, "code": "internal_error"}  # fmt: skip
+    assert "cannot round" not in response.text
+    assert malformed.status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/v1/nothing-here", 404),
+        ("DELETE", "/v1/spend", 405),
+        ("GET", "/v1/chargeback/2026-11.focus.csv?version=9", 422),
+        ("GET", "/v1/chargeback/2026-13", 400),
+        ("GET", "/v1/query/throughput?from=10&to=5", 400),
+    ],
+)
+async def test_every_error_has_the_openai_shape(billing, method, path, status):
+    """Routing, parameter and month errors answer with the same error object as the others."""
+    async with httpx.AsyncClient(base_url=billing, headers=bearer(ADMIN)) as client:
+        response = await client.request(method, path)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+
+
 async def test_ndjson_ingest_route_answers_like_the_json_one(billing, ledger):
     """POST /v1/ingest/usage with one record a line: same counts and reasons, same credentials."""
     body = ndjson([usage(), usage(team="nobody")])
@@ -224,11 +263,31 @@ async def test_a_team_reads_only_its_own_statement(billing):
     ],
 )
 async def test_cross_team_views_need_the_admin_credential(billing, path):
-    """Team keys and the metrics token get 403 on the admin's views."""
+    """The metrics and ingest tokens get 403 on every view; team keys on months and closing."""
+    # A team key gets its own lines in the files (test_a_teams_files_hold_only_its_own_lines).
+    keys = (METRICS, INGEST) if path.endswith(".csv") else (SEARCH, METRICS, INGEST)
     async with httpx.AsyncClient(base_url=billing) as client:
-        for key in (SEARCH, METRICS, INGEST):
+        for key in keys:
             method = client.post if path.endswith("close") else client.get
             assert (await method(path, headers=bearer(key))).status_code == 403
+
+
+async def test_a_teams_files_hold_only_its_own_lines(billing):
+    """search's key gets the CSV and FOCUS rows of search only, as the admin's files have them."""
+    await _seed(billing)
+    async with httpx.AsyncClient(base_url=billing) as client:
+        files = {}
+        for key in (SEARCH, ADMIN):
+            for path in ("/v1/chargeback/2026-11.csv", "/v1/chargeback/2026-11.focus.csv"):
+                response = await client.get(path, headers=bearer(key))
+                assert response.status_code == 200, response.text
+                files[key, path] = list(csv.DictReader(io.StringIO(response.text)))
+    for path, team_column in (("/v1/chargeback/2026-11.csv", "team"),
+                              ("/v1/chargeback/2026-11.focus.csv", "x_Team")):  # fmt: skip
+        mine, everything = files[SEARCH, path], files[ADMIN, path]
+        assert {row[team_column] for row in mine} == {"search"}
+        assert mine == [row for row in everything if row[team_column] == "search"]
+        assert {row[team_column] for row in everything} == {"search", "assistant"}
 
 
 async def test_spend_shows_a_team_only_itself(billing):

@@ -14,11 +14,11 @@ import pytest
 
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
-from billing.statement import Statement
 from exporters.chargeback_csv import chargeback_frame, defuse, write_csv
 from exporters.focus import FOCUS_1_2_MANDATORY, focus_frame
 from infermeter.cli import main
 from infermeter.config import Config
+from infermeter.statement import Statement
 from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
 
 ROOT = Path(__file__).resolve().parents[2]

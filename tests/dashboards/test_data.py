@@ -7,7 +7,6 @@ import datetime as dt
 import polars as pl
 import pytest
 
-from billing.statement import empty_lines
 from dashboards.data import (
     desired_replicas,
     local_times,
@@ -15,6 +14,7 @@ from dashboards.data import (
     statement_from_json,
     time_range,
 )
+from infermeter.statement import empty_lines
 from tests.dashboards.stack import metrics_thread
 
 JAN_15_NOON_UTC = 1768478400

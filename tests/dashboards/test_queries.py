@@ -9,16 +9,14 @@ from typing import Any
 import orjson
 import polars as pl
 import pytest
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from polars.testing import assert_frame_equal
 
 from billing import queries
-from billing.access import keyring
 from billing.api import create_app
 from billing.buckets import bucket_of, quantile
 from billing.ledger import Ledger
-from billing.query_api import CachedChargeback, Rollups, query_router
+from billing.rollups import Rollups
 from infermeter.months import month_of
 from tests.dashboards import records
 from tests.dashboards.records import ADMIN_KEY, REPLICAS, TEAM_KEYS, TEAMS
@@ -278,9 +276,7 @@ def test_cached_statement_answers_as_the_chargeback_api(client, fleet):
 
 def test_stale_statement_is_served_then_recomputed(config, ledger, fleet):
     """A stale statement is answered at once and recomputed after the response."""
-    app = FastAPI()
-    cache = CachedChargeback(ledger, config, ttl_seconds=0)
-    app.include_router(query_router(ledger, keyring(config), config, statements=cache))
+    app = create_app(config, ledger, statement_ttl_seconds=0)
     month = month_of(fleet.start)
     headers = {"authorization": f"Bearer {ADMIN_KEY}"}
     with TestClient(app) as c:

@@ -6,7 +6,23 @@ import hashlib
 
 import pytest
 
-from infermeter.auth import AuthError, GatewayVerifier, KeyRing, bearer_key, sign_team
+from infermeter.auth import (
+    ADMIN,
+    INGEST,
+    INGESTERS,
+    MANAGERS,
+    METRICS,
+    SCRAPERS,
+    AuthError,
+    Caller,
+    Forbidden,
+    GatewayVerifier,
+    KeyRing,
+    Unauthenticated,
+    bearer_key,
+    identify,
+    sign_team,
+)
 
 KEYS = {"sk-search-1": "search", "sk-search-2": "search", "sk-research": "research"}
 SECRET = b"gateway-secret"
@@ -150,3 +166,41 @@ def test_gateway_header_is_refused(gateway, headers, code, message):
     with pytest.raises(AuthError) as caught:
         gateway.team_for(headers, now=NOW)
     assert (str(caught.value), caught.value.code) == (message, code)
+
+
+@pytest.mark.parametrize(
+    ("name", "allowed", "may"),
+    [
+        (ADMIN, MANAGERS, True), (METRICS, MANAGERS, False), ("search", MANAGERS, False),
+        (ADMIN, SCRAPERS, True), (METRICS, SCRAPERS, True), (INGEST, SCRAPERS, False),
+        ("search", SCRAPERS, False), (INGEST, INGESTERS, True), (ADMIN, INGESTERS, False),
+    ],
+)  # fmt: skip
+def test_each_role_may_do_only_its_own_work(name, allowed, may):
+    """The admin manages and scrapes, metrics scrapes, ingest ingests; a team does none of it."""
+    if may:
+        Caller(name).require(allowed)
+    else:
+        with pytest.raises(Forbidden):
+            Caller(name).require(allowed)
+
+
+@pytest.mark.parametrize(("name", "reads"), [(ADMIN, True), ("search", True), (METRICS, False), (INGEST, False)])  # fmt: skip
+def test_the_admin_and_teams_read_the_ledger_and_the_other_roles_do_not(name, reads):
+    """require_reader lets the admin and any team through, and refuses metrics and ingest."""
+    if reads:
+        Caller(name).require_reader()
+    else:
+        with pytest.raises(Forbidden):
+            Caller(name).require_reader()
+
+
+def test_a_caller_is_a_team_or_a_role(ring):
+    """A team key names its team; a missing or unknown key is Unauthenticated."""
+    assert identify(ring, "Bearer sk-research") == Caller("research")
+    assert Caller("research").team == "research"
+    assert Caller(ADMIN).team is None
+    with pytest.raises(Unauthenticated):
+        identify(ring, None)
+    with pytest.raises(Unauthenticated):
+        identify(ring, "Bearer sk-nobody")

@@ -1,0 +1,109 @@
+"""What the routes share: the service's objects on ``app.state``, the caller and its role.
+
+A route names who may call it in its signature (``Manager``, ``Scraper``, ``Ingester``,
+``Reader``); identifying the caller and checking its role happen before the handler runs, and
+their failures (401, 403) are mapped once, in ``billing.routes.errors``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+from prometheus_client import CollectorRegistry
+
+from billing.chargeback import Chargeback
+from billing.ledger import Ledger
+from billing.metrics import IngestCounters
+from billing.rollups import Rollups
+from billing.statement_cache import CachedChargeback
+from infermeter.auth import INGESTERS, MANAGERS, SCRAPERS, Caller, KeyRing, identify
+from infermeter.config import Config
+from infermeter.errors import BadRequest
+from infermeter.months import check_month
+
+__all__ = [
+    "Ingester",
+    "Manager",
+    "Month",
+    "Reader",
+    "Scraper",
+    "Services",
+    "ServicesDep",
+    "Who",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """The objects every route may use, built once by ``create_app``."""
+
+    config: Config
+    ledger: Ledger
+    ring: KeyRing
+    # Exports and /v1/chargeback compute statements afresh; /metrics and the dashboards' query
+    # routes share one cache, so a scrape does not recompute the month.
+    chargeback: Chargeback
+    statements: CachedChargeback
+    rollups: Rollups
+    registry: CollectorRegistry
+    ingest_counters: IngestCounters
+
+
+def services(request: Request) -> Services:
+    """The app's ``Services`` (``app.state.services``)."""
+    found: Services = request.app.state.services
+    return found
+
+
+ServicesDep = Annotated[Services, Depends(services)]
+
+
+def caller(svc: ServicesDep, authorization: Annotated[str | None, Header()] = None) -> Caller:
+    """The identified caller; Unauthenticated (401) when the credential is missing or unknown."""
+    return identify(svc.ring, authorization)
+
+
+Who = Annotated[Caller, Depends(caller)]
+
+
+def manager(who: Who) -> Caller:
+    """The admin; Forbidden (403) for anyone else."""
+    who.require(MANAGERS)
+    return who
+
+
+def scraper(who: Who) -> Caller:
+    """The admin or the metrics role."""
+    who.require(SCRAPERS)
+    return who
+
+
+def ingester(who: Who) -> Caller:
+    """The ingest role."""
+    who.require(INGESTERS)
+    return who
+
+
+def reader(who: Who) -> Caller:
+    """The admin (every team) or a team (its own data); the other roles may not read."""
+    who.require_reader()
+    return who
+
+
+Manager = Annotated[Caller, Depends(manager)]
+Scraper = Annotated[Caller, Depends(scraper)]
+Ingester = Annotated[Caller, Depends(ingester)]
+Reader = Annotated[Caller, Depends(reader)]
+
+
+def month(month: str) -> str:
+    """The ``{month}`` path parameter, checked; BadRequest (400) unless it is ``YYYY-MM``."""
+    try:
+        return check_month(month)
+    except ValueError as exc:
+        raise BadRequest(str(exc), code="invalid_value") from None
+
+
+Month = Annotated[str, Depends(month)]

@@ -1,0 +1,94 @@
+"""Every error the billing API answers, mapped once, in the OpenAI shape the sidecar uses.
+
+Unauthenticated 401, Forbidden 403, BadRequest 400 (only input the caller can fix), a batch
+over the limit 413, a refused ledger operation 409, a ledger that cannot be written 503. A
+``ValueError`` is not mapped: raised anywhere but a caller-input check it is a fault of the
+server, and comes out as a 500 like any other.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import duckdb
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+
+from billing.ledger import BatchTooLargeError, LedgerError
+from infermeter.auth import Forbidden, Unauthenticated
+from infermeter.errors import BadRequest, error_body
+
+__all__ = ["error_response", "install"]
+
+log = logging.getLogger("infermeter.billing")
+
+
+def error_response(status: int, message: str, err_type: str, code: str | None = None,
+                   param: str | None = None) -> Response:  # fmt: skip
+    """An ``error_body`` answer with ``status``."""
+    return Response(error_body(status, message, err_type, code, param), status_code=status,
+                    media_type="application/json")  # fmt: skip
+
+
+async def _unauthenticated(_: Request, exc: Exception) -> Response:
+    return error_response(401, str(exc), "invalid_request_error", "invalid_api_key")
+
+
+async def _forbidden(_: Request, exc: Exception) -> Response:
+    return error_response(403, str(exc), "permission_error", "forbidden")
+
+
+async def _bad_request(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BadRequest)
+    return error_response(400, exc.message, "invalid_request_error", exc.code, exc.param)
+
+
+async def _too_large(_: Request, exc: Exception) -> Response:
+    return error_response(413, str(exc), "invalid_request_error", "batch_too_large")
+
+
+async def _refused(_: Request, exc: Exception) -> Response:
+    return error_response(409, str(exc), "invalid_request_error", "conflict")
+
+
+async def _unavailable(_: Request, exc: Exception) -> Response:
+    log.error("ledger write failed: %s", exc)
+    return error_response(503, "the ledger cannot be written (disk full or unavailable); retry later",
+                          "server_error", "ledger_unavailable")  # fmt: skip
+
+
+async def _invalid(_: Request, exc: Exception) -> Response:
+    # FastAPI's own parameter checks (a query parameter of the wrong form): its status, our shape.
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    message = f"{param}: {first.get('msg', 'invalid value')}" if param else "invalid request"
+    return error_response(422, message, "invalid_request_error", "invalid_value", param)
+
+
+async def _http(_: Request, exc: Exception) -> Response:
+    # Routing's own answers: no such path (404), method not allowed (405).
+    assert isinstance(exc, HTTPException)
+    response = error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+    response.headers.update(exc.headers or {})
+    return response
+
+
+async def _fault(_: Request, exc: Exception) -> Response:
+    # The server erred; the exception is logged by the server (it is re-raised after this).
+    return error_response(500, "internal server error", "server_error", "internal_error")
+
+
+def install(app: FastAPI) -> None:
+    """Map every error the routes raise to its status and the OpenAI error body."""
+    app.add_exception_handler(Unauthenticated, _unauthenticated)
+    app.add_exception_handler(Forbidden, _forbidden)
+    app.add_exception_handler(BadRequest, _bad_request)
+    app.add_exception_handler(BatchTooLargeError, _too_large)
+    app.add_exception_handler(LedgerError, _refused)
+    app.add_exception_handler(duckdb.IOException, _unavailable)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(HTTPException, _http)
+    app.add_exception_handler(Exception, _fault)

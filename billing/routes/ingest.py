@@ -1,0 +1,77 @@
+"""``POST /v1/ingest`` and ``/v1/ingest/{kind}``: batches from the shippers, kept before the answer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from billing.ledger import BatchTooLargeError, IngestResult
+from billing.routes.dependencies import Ingester, Services, ServicesDep
+from billing.routes.responses import json_response
+from infermeter.errors import BadRequest
+from infermeter.wire import ARROW_STREAM
+
+__all__ = ["router"]
+
+log = logging.getLogger("infermeter.billing")
+
+router = APIRouter()
+
+
+async def _keep(keep: Callable[..., IngestResult], *args: Any) -> IngestResult:
+    """Run a ledger ingest call; a body that is not a batch is the caller's to fix (400)."""
+    try:
+        return await run_in_threadpool(keep, *args)
+    except BatchTooLargeError:
+        raise
+    except ValueError as exc:
+        # The ledger's ingest calls raise ValueError for exactly that: a body that is not a
+        # batch of the kind (not JSON, unknown kind, not the kind's Arrow schema).
+        raise BadRequest(str(exc), code="invalid_value") from None
+
+
+def _acknowledge(svc: Services, result: IngestResult, wire_format: str) -> Response:
+    svc.ingest_counters.count(result, wire_format)
+    if result.rejected:
+        log.warning("ingest: %d %s record(s) rejected, first: %s", len(result.rejected),
+                    result.kind, result.rejected[0].reason)  # fmt: skip
+    return json_response(result.to_json())
+
+
+@router.post("/v1/ingest")
+async def ingest(request: Request, _: Ingester, svc: ServicesDep) -> Response:
+    """Keep a batch of usage records or samples; answer only after it is committed."""
+    body = await request.body()
+    b = svc.config.billing
+    result = await _keep(
+        svc.ledger.ingest, body, None, b.max_clock_skew_seconds, b.max_batch_records
+    )
+    return _acknowledge(svc, result, "json")
+
+
+@router.post("/v1/ingest/{kind}")
+async def ingest_batch(kind: str, request: Request, _: Ingester, svc: ServicesDep,
+                       content_type: Annotated[str | None, Header()] = None) -> Response:  # fmt: skip
+    """Keep a batch of ``kind`` records as shippers send it: an Arrow IPC stream, or NDJSON.
+
+    Same answer as ``/v1/ingest``. NDJSON is checked record by record when it must be (a
+    line that is not JSON is one rejected record); an Arrow stream whose schema is not the
+    kind's is refused whole (400).
+    """
+    arrow = (content_type or "").split(";")[0].strip().lower() == ARROW_STREAM
+    ledger = svc.ledger
+    keep = ledger.ingest_arrow if arrow else ledger.ingest_lines
+    b = svc.config.billing
+    # Announced before the body arrives: a transaction about to start small waits briefly
+    # for batches still on the wire (group commit), which matters when many shippers send
+    # small batches at once.
+    with ledger.announce() as ticket:
+        body = await request.body()
+        result = await _keep(keep, kind, body, None, b.max_clock_skew_seconds,
+                             b.max_batch_records, ticket)  # fmt: skip
+    return _acknowledge(svc, result, "arrow" if arrow else "ndjson")

@@ -1,0 +1,39 @@
+"""``/healthz``, ``/readyz`` and ``/metrics``: what the orchestrator and Prometheus ask."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import generate_latest
+from starlette.concurrency import run_in_threadpool
+
+from billing.routes.dependencies import Scraper, ServicesDep
+from billing.routes.responses import refresh_if_stale
+from infermeter.months import month_of
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process answers."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(svc: ServicesDep) -> dict[str, str]:
+    """The ledger answers a read."""
+    await run_in_threadpool(svc.ledger.months)
+    return {"status": "ready"}
+
+
+@router.get("/metrics")
+async def metrics(_: Scraper, svc: ServicesDep) -> Response:
+    """Prometheus text: spend per team (from the cached statement) and ingest counters."""
+    body = await run_in_threadpool(generate_latest, svc.registry)
+    return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8",
+                             background=refresh_if_stale(svc.statements, month_of(time.time())))  # fmt: skip

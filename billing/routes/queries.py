@@ -1,0 +1,128 @@
+"""``GET /v1/query/{name}``: the dashboards' read API over the ledger's rollups.
+
+The billing service owns the DuckDB file, so the dashboards read through it, with the caller's
+own credential: the admin key sees every team; a team key is held to its own team (asking for
+another is 403) and may not read fleet-wide telemetry (GPUs, engines), which spans every team.
+Answers are ``{"columns": [...], "rows": [[...], ...]}`` plus the range actually served.
+Statements and spend are served from the statement cache, which a scrape of ``/metrics`` shares.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from billing import queries
+from billing.ledger import Ledger
+from billing.rollups import Rollups
+from billing.routes.dependencies import Month, Reader, ServicesDep, Who
+from billing.routes.errors import error_response
+from billing.routes.responses import fields_of, json_response, refresh_if_stale
+from infermeter.auth import Caller, Forbidden
+from infermeter.errors import BadRequest
+from infermeter.months import month_of
+from infermeter.statement import statement_json
+
+__all__ = ["router", "scope"]
+
+router = APIRouter()
+
+
+def scope(caller: Caller, query: queries.Query, team: str | None) -> str | None:
+    """The team filter ``caller`` gets for ``query`` when it asks for ``team``.
+
+    The admin gets what it asks for (None: every team). A team always gets its own team;
+    Forbidden when it asks for another, for a fleet-wide query, or when the caller is another
+    role (metrics, ingest).
+    """
+    if caller.is_admin:
+        return team
+    own = caller.team
+    if own is None:
+        raise Forbidden("this credential may not read the ledger")
+    if not query.per_team:
+        raise Forbidden("fleet-wide telemetry is for the admin credential")
+    if team is not None and team != own:
+        caller.require_team(team)
+    return own
+
+
+@router.get("/v1/query/statement/{month}")
+async def statement(who: Reader, month: Month, svc: ServicesDep) -> Response:
+    """A month's statement (as ``/v1/chargeback/{month}``), reused for a few minutes."""
+    cache = svc.statements
+    body = statement_json(await run_in_threadpool(cache.statement, month), who.team)
+    return json_response(body, refresh_if_stale(cache, month))
+
+
+@router.get("/v1/query/spend")
+async def spend(who: Reader, svc: ServicesDep) -> Response:
+    """Month-to-date spend, budget and forecast (as ``/v1/spend``), from the cached statement."""
+    now = time.time()
+    rows = await run_in_threadpool(svc.statements.spend, now)
+    body = [fields_of(s) for s in rows if who.is_admin or s.team == who.team]
+    return json_response(body, refresh_if_stale(svc.statements, month_of(now)))
+
+
+@router.get("/v1/query")
+async def index(who: Reader, svc: ServicesDep) -> dict[str, Any]:
+    """The queries there are, and who the caller is (the dashboard's sign-in check)."""
+    visible = [t.name for t in svc.config.teams] if who.is_admin else [who.team]
+    return {
+        "caller": {"name": who.name, "team": who.team, "is_admin": who.is_admin},
+        "teams": visible,
+        "queries": {
+            name: q.doc for name, q in queries.QUERIES.items() if who.is_admin or q.per_team
+        },
+    }
+
+
+@router.get("/v1/query/{name}")
+async def query(
+    name: str,
+    who: Who,
+    svc: ServicesDep,
+    start: Annotated[float | None, Query(alias="from")] = None,
+    end: Annotated[float | None, Query(alias="to")] = None,
+    step: Annotated[int | None, Query()] = None,
+    team: Annotated[str | None, Query()] = None,
+    model: Annotated[str | None, Query()] = None,
+) -> Response:
+    """Run query ``name`` over ``from``..``to`` (Unix seconds; default: the last hour)."""
+    spec = queries.QUERIES.get(name)
+    if spec is None:
+        known = ", ".join(queries.QUERIES)
+        return error_response(404, f"no query {name!r}; known: {known}", "invalid_request_error",
+                              "unknown_query", "name")  # fmt: skip
+    now = time.time()
+    end = now if end is None else end
+    start = end - 3600 if start is None else start
+    scoped = scope(who, spec, team)
+    try:
+        params = queries.params_from(start, end, step, scoped, model, svc.rollups.coverage())
+    except ValueError as exc:  # params_from names the bad range or step
+        raise BadRequest(str(exc), code="invalid_value") from None
+    frame = await run_in_threadpool(_run, svc.ledger, svc.rollups, name, params, now)
+    return json_response(
+        {
+            "name": name,
+            "from": params.start,
+            "to": params.end,
+            "step": params.step,
+            "team": params.team,
+            "model": params.model,
+            "columns": frame.columns,
+            "rows": frame.rows(),
+        }
+    )
+
+
+def _run(ledger: Ledger, rollups: Rollups, name: str, params: queries.QueryParams,
+         now: float) -> Any:  # fmt: skip
+    rollups.refresh_if_due(now)
+    with ledger.reader() as cursor:
+        return queries.run(cursor, name, params)
