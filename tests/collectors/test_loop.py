@@ -169,6 +169,20 @@ async def test_spool_sink_writes_one_directory_per_kind(config, tmp_path):
     assert (tmp_path / "engine_samples").is_dir()
 
 
+async def test_a_spool_that_cannot_be_written_does_not_stop_the_loop(fleet_config, tmp_path):
+    """Samples that cannot be spooled are counted, and every round still scrapes."""
+    sink = SpoolSink(tmp_path)
+    sink.open()
+    (tmp_path / "gpu_samples").rmdir()  # a new segment file cannot be created any more
+    (tmp_path / "gpu_samples").write_text("not a directory")
+    collector = FleetCollector(fleet_config(scrape_interval_seconds=0.05),
+                               [FakeGpuSource("node-a", [[reading()]])], [])  # fmt: skip
+    await asyncio.wait_for(collector.run(sink, rounds=3), 10)
+    await sink.close()
+    assert collector.rounds == 3
+    assert collector.sink_errors_total == 3
+
+
 def test_spooled_json_equals_the_records_own_to_json(config):
     """The sink's fast flattening writes exactly what ``to_json`` would."""
     from collectors.serve import _flat_json
