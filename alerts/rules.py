@@ -18,10 +18,10 @@ from typing import Any
 import yaml
 
 from infermeter.config import Config, ConfigError, Model, Sla, SlaOverride
+from infermeter.pricing import budget_replica_cost
 
 __all__ = [
     "ALERTING_FILE",
-    "HOURS_PER_MONTH",
     "RECORDING_FILE",
     "check",
     "duration",
@@ -35,7 +35,6 @@ Rule = dict[str, Any]
 
 RECORDING_FILE = "infermeter-recording.rules.yml"
 ALERTING_FILE = "infermeter-alerts.rules.yml"
-HOURS_PER_MONTH = 730.0
 
 # Server-side failures count against a model's error ratio; refusals that are the client's doing
 # (a bad key, a team over its limit) are left out of both sides so a flood of them cannot hide
@@ -73,36 +72,22 @@ def check(config: Config) -> list[str]:
 
     Unknown models or teams in ``alerts.slas`` and negative thresholds are refused when the
     configuration loads; this adds what only matters to the rules: a budget cap that cannot pay
-    for even one replica would keep every spend alert firing.
+    for even one replica would keep every spend alert firing, and would hold the model at zero
+    replicas in the autoscaler. A replica is counted as ``infermeter.pricing`` counts it for the
+    autoscaler (a mixed-price model at its dearest replica), so the two never disagree.
     """
     cap = config.scaling.monthly_budget_cap_usd
     if cap is None:
         return []
     problems = []
     for model in config.models:
-        cost, how = _cheapest_replica(config, model)
-        if cost is not None and cap < cost:
+        cost = budget_replica_cost(config, model.name)
+        if cost is not None and cap < cost.usd_per_month:
             problems.append(
                 f"scaling.monthly_budget_cap_usd = {cap!r}: below the monthly cost of one "
-                f"replica of {model.name!r} ({how} = {cost:.2f} USD)"
+                f"replica of {model.name!r} ({cost.explain()} = {cost.usd_per_month:.2f} USD)"
             )
     return problems
-
-
-def _cheapest_replica(config: Config, model: Model) -> tuple[float | None, str]:
-    """The monthly cost of ``model``'s cheapest replica and how it was worked out."""
-    best: tuple[float | None, str] = (None, "")
-    for r in config.replicas:
-        if r.model != model.name:
-            continue
-        price = config.prices.usd_per_gpu_hour[r.gpu_model]
-        cost = r.gpu_count * price * HOURS_PER_MONTH
-        if best[0] is None or cost < best[0]:
-            how = (
-                f"{r.gpu_count} x {r.gpu_model} at {price:.2f} USD/GPU-hour x {HOURS_PER_MONTH:g} h"
-            )
-            best = (cost, how)
-    return best
 
 
 def render(config: Config, source: str = "<config>") -> dict[str, list[Group]]:

@@ -26,6 +26,7 @@ from collectors.sources import (
 )
 from infermeter.config import Config, Replica
 from infermeter.records import EngineSample, GpuSample
+from infermeter.spool import SpoolError
 
 __all__ = ["Batch", "FleetCollector", "Sink", "TargetState", "backoff_seconds"]
 
@@ -120,7 +121,7 @@ class FleetCollector:
     async def _deliver(self, sink: Sink, batch: Batch) -> None:
         try:
             await sink(batch)
-        except (OSError, ValueError) as exc:  # SpoolError and disk errors
+        except (SpoolError, OSError, ValueError) as exc:
             self.sink_errors_total += 1
             log.error("collector could not spool %d samples: %s",
                       len(batch.gpus) + len(batch.engines), exc)  # fmt: skip

@@ -34,23 +34,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from infermeter.config import Config, ScalingPolicy
+from infermeter.pricing import budget_replica_cost, replicas_within
 
 __all__ = [
-    "HOURS_PER_MONTH",
     "Decision",
     "DemandHistory",
     "ModelLimits",
     "ModelState",
     "Observation",
     "PolicyParams",
-    "budget_max_replicas",
     "decide",
     "evaluate",
     "model_limits",
     "params_from_config",
 ]
-
-HOURS_PER_MONTH = 730.0
 
 
 @dataclass(frozen=True)
@@ -143,16 +140,6 @@ class ModelState:
     history: DemandHistory = field(default_factory=DemandHistory)
 
 
-def budget_max_replicas(
-    monthly_budget_cap_usd: float, gpu_count: int, usd_per_gpu_hour: float
-) -> int | None:
-    """Replicas a monthly cap pays for around the clock; None when a replica costs nothing."""
-    per_replica = gpu_count * usd_per_gpu_hour * HOURS_PER_MONTH
-    if per_replica <= 0:
-        return None
-    return math.floor(monthly_budget_cap_usd / per_replica)
-
-
 def params_from_config(config: Config, day_seconds: float = 86400.0) -> PolicyParams:
     """The policy's knobs from the ``scaling`` and ``autoscale`` sections."""
     a = config.autoscale
@@ -169,28 +156,17 @@ def params_from_config(config: Config, day_seconds: float = 86400.0) -> PolicyPa
 def model_limits(config: Config, model: str) -> ModelLimits:
     """SLA and replica bounds of ``model``: min, ``max_replicas`` and the budget cap.
 
-    A replica's cost is that of the model's most expensive configured replica (GPUs x price),
-    so a mixed fleet is never allowed more than the cap pays for.
+    The budget cap pays for the replicas ``infermeter.pricing`` counts: every replica at the
+    model's dearest replica's cost, since the cap must hold whichever replica a scale-up adds.
+    The alert rules refuse a cap below one such replica by the same count.
     """
     scaling = config.scaling
     bounds: list[tuple[int, str]] = []
     if scaling.max_replicas is not None:
         bounds.append((scaling.max_replicas, f"max_replicas {scaling.max_replicas}"))
-    costs = [
-        r.gpu_count * config.prices.usd_per_gpu_hour[r.gpu_model]
-        for r in config.replicas
-        if r.model == model
-    ]
-    if scaling.monthly_budget_cap_usd is not None and costs:
-        cap = budget_max_replicas(scaling.monthly_budget_cap_usd, 1, max(costs))
-        if cap is not None:
-            bounds.append(
-                (
-                    cap,
-                    f"budget cap ${scaling.monthly_budget_cap_usd:,.0f}/month pays for {cap} "
-                    f"replica(s) at ${max(costs):.2f}/h",
-                )
-            )
+    budget = _budget_bound(config, model)
+    if budget is not None:
+        bounds.append(budget)
     upper, why = min(bounds) if bounds else (None, "")
     return ModelLimits(
         model=model,
@@ -198,6 +174,20 @@ def model_limits(config: Config, model: str) -> ModelLimits:
         min_replicas=scaling.min_replicas,
         max_replicas=upper,
         max_reason=why,
+    )
+
+
+def _budget_bound(config: Config, model: str) -> tuple[int, str] | None:
+    """The replicas of ``model`` the monthly budget cap pays for, and the sum that says so."""
+    cap, cost = config.scaling.monthly_budget_cap_usd, budget_replica_cost(config, model)
+    if cap is None or cost is None:
+        return None
+    paid = replicas_within(cap, cost)
+    if paid is None:
+        return None
+    return paid, (
+        f"budget cap ${cap:,.0f}/month pays for {paid} replica(s) at "
+        f"${cost.usd_per_month:,.2f}/month each ({cost.explain()})"
     )
 
 

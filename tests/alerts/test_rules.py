@@ -219,7 +219,7 @@ def test_a_budget_cap_below_one_replica_is_an_error():
 
 
 def test_a_budget_cap_that_pays_for_a_replica_of_each_model_renders():
-    """A cap above the dearest model's cheapest replica is accepted."""
+    """A cap that pays for one replica of every model, each at its dearest replica, is accepted."""
     assert render(_config(**{"scaling.monthly_budget_cap_usd": 5694.0}))
 
 

@@ -14,10 +14,10 @@ from alerts.autoscale.policy import (
     ModelState,
     Observation,
     PolicyParams,
-    budget_max_replicas,
     decide,
     model_limits,
 )
+from alerts.rules import check
 from infermeter.config import Config, ScalingPolicy
 
 SCALING = ScalingPolicy()  # the users' policy: min 2, queue > 10 for 30 s, util < 30% for 5 min
@@ -133,12 +133,6 @@ def test_min_max_and_budget_clamp(current, signal, limits, expected, reason):
         assert any(reason in r for r in decisions[-1].reasons)
 
 
-def test_budget_cap_divides_by_a_replica_month():
-    """$60,000/month at 2 H100 x $3.90/h x 730 h pays for 10 replicas (10.5 rounded down)."""
-    assert budget_max_replicas(60_000, 2, 3.90) == 10
-    assert budget_max_replicas(1000, 1, 0.0) is None
-
-
 def test_model_limits_read_the_config(config: Config) -> None:
     """Limits come from the model's SLA, min_replicas, max_replicas and the budget cap."""
     scaling = config.scaling.model_copy(update={"monthly_budget_cap_usd": 60_000.0})
@@ -149,6 +143,34 @@ def test_model_limits_read_the_config(config: Config) -> None:
     scaling = scaling.model_copy(update={"max_replicas": 4})
     small = model_limits(config.model_copy(update={"scaling": scaling}), "chat-small")
     assert (small.max_replicas, small.max_reason) == (4, "max_replicas 4")
+
+
+def _mixed_fleet(config: Config, cap: float) -> Config:
+    """The demo fleet with a third chat-small replica on 2 H100s, and a monthly budget cap."""
+    data = config.model_dump(mode="json")
+    data["replicas"].append({"id": "small-h100", "model": "chat-small", "node": "node-a",
+                             "upstream_url": "http://127.0.0.1:18004", "gpu_model": "H100",
+                             "gpu_count": 2})  # fmt: skip
+    data["scaling"]["monthly_budget_cap_usd"] = cap
+    return Config.model_validate(data)
+
+
+@pytest.mark.parametrize(
+    ("cap", "paid"),
+    # 1168 USD is an L40S replica's month, 5694 USD an H100 pair's: a cap between them pays for
+    # a cheap replica but not for whichever replica a scale-up adds.
+    [(1000, 0), (1168, 0), (3000, 0), (5693.99, 0), (5694, 1), (12_000, 2), (60_000, 10)],
+)
+def test_the_rules_check_and_the_policy_cap_agree_on_a_mixed_price_model(config, cap, paid):
+    """A model on L40S and H100 replicas: the rules refuse exactly the caps the policy holds at 0."""
+    mixed = _mixed_fleet(config, cap)
+    limits = model_limits(mixed, "chat-small")
+    refused = [p for p in check(mixed) if "'chat-small'" in p]
+    assert limits.max_replicas == paid
+    assert bool(refused) == (paid == 0)
+    dearest = "(2 x H100 at 3.90 USD/GPU-hour x 730 h"
+    assert dearest in limits.max_reason
+    assert all(dearest in p for p in refused)
 
 
 def _day(util_by_hour: dict[int, float], day: int, current: int = 4) -> list[Observation]:

@@ -100,7 +100,8 @@ async def test_hung_target_is_marked_down_and_the_loop_goes_on(fleet_config, run
 
         started = time.monotonic()
         await asyncio.wait_for(collector.run(sink, rounds=6), 10)
-    took = time.monotonic() - started
+        # Taken before the hung server's graceful shutdown, which waits for its open requests.
+        took = time.monotonic() - started
     state = collector.states[("node-a", "dcgm")]
     assert not state.up
     assert state.last_error == "no answer within 0.3 s"
@@ -167,6 +168,20 @@ async def test_spool_sink_writes_one_directory_per_kind(config, tmp_path):
     assert records[0]["replica"] == "large-0"
     assert orjson.loads(orjson.dumps(records[0]))["gap"] is False
     assert (tmp_path / "engine_samples").is_dir()
+
+
+async def test_a_spool_that_cannot_be_written_does_not_stop_the_loop(fleet_config, tmp_path):
+    """Samples that cannot be spooled are counted, and every round still scrapes."""
+    sink = SpoolSink(tmp_path)
+    sink.open()
+    (tmp_path / "gpu_samples").rmdir()  # a new segment file cannot be created any more
+    (tmp_path / "gpu_samples").write_text("not a directory")
+    collector = FleetCollector(fleet_config(scrape_interval_seconds=0.05),
+                               [FakeGpuSource("node-a", [[reading()]])], [])  # fmt: skip
+    await asyncio.wait_for(collector.run(sink, rounds=3), 10)
+    await sink.close()
+    assert collector.rounds == 3
+    assert collector.sink_errors_total == 3
 
 
 def test_a_samples_json_is_its_fields(config):
