@@ -26,6 +26,7 @@ import polars as pl
 import pyarrow as pa
 
 from billing.columns import COLUMN_TYPES
+from infermeter.errors import BadRequest
 from infermeter.records import Field, FieldType, RecordKind
 from infermeter.wire import decode_arrow, read_ndjson
 
@@ -39,8 +40,12 @@ def ndjson_frame(kind: RecordKind, body: bytes, lines: int | None = None) -> pl.
 
 
 def arrow_frame(kind: RecordKind, body: bytes) -> pl.DataFrame:
-    """An Arrow IPC batch (``infermeter.wire``) as columns; ValueError when it is not the kind's."""
-    return _numbered(kind, _polars(decode_arrow(kind, body)))
+    """An Arrow IPC batch (``infermeter.wire``) as columns; BadRequest when it is not the kind's."""
+    try:
+        table = decode_arrow(kind, body)
+    except ValueError as exc:  # decode_arrow's way of saying the stream is not the kind's
+        raise BadRequest(str(exc), code="invalid_value") from None
+    return _numbered(kind, _polars(table))
 
 
 def typed_frame(kind: RecordKind, rows: list[Any]) -> pl.DataFrame | None:

@@ -26,6 +26,7 @@ from billing.allocation import Policy
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
 from billing.group_commit import GroupCommit, Ticket
 from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS, new_field_sql
+from infermeter.errors import BadRequest
 from infermeter.months import month_bounds, month_of
 from infermeter.records import KINDS, RecordKind
 from infermeter.wire import line_count
@@ -37,7 +38,7 @@ class LedgerError(Exception):
     """The ledger file cannot be used (newer schema, unreadable, or a refused operation)."""
 
 
-class BatchTooLargeError(ValueError):
+class BatchTooLargeError(BadRequest):
     """More records in one batch than the service accepts (``billing.max_batch_records``)."""
 
 
@@ -169,7 +170,7 @@ class Ledger:
                max_records: int | None = None) -> IngestResult:  # fmt: skip
         """Validate and keep one batch ``{"<kind>": [records...]}`` in one transaction.
 
-        Raises ``ValueError`` when the body itself is not a batch (the whole request is bad);
+        Raises ``BadRequest`` when the body itself is not a batch (the whole request is bad);
         a bad record only lands in ``rejected``.
         """
         raw = body.encode() if isinstance(body, str) else body
@@ -192,7 +193,7 @@ class Ledger:
         A spool segment's lines as they are on disk (what a shipper sends when its lines do not
         convert to Arrow). Typed batches may share their transaction with others. A line that is not
         JSON is refused like any other bad record ("not valid JSON"), and the rest is kept.
-        Raises ``ValueError`` for an unknown kind.
+        Raises ``BadRequest`` for an unknown kind.
         """
         kind = self._kind(kind_key)
         lines = line_count(body)
@@ -216,7 +217,7 @@ class Ledger:
 
         The columns are typed already, so only the range checks are left; the batch may share
         its transaction with others. Raises
-        ``ValueError`` when the stream is not the kind's schema (nothing is kept).
+        ``BadRequest`` when the stream is not the kind's schema (nothing is kept).
         """
         kind = self._kind(kind_key)
         with ExitStack() as stack:
@@ -308,23 +309,23 @@ class Ledger:
     def _kind(self, key: str) -> RecordKind:
         kind = self.kinds.get(key)
         if kind is None:
-            raise ValueError(f"unknown record kind {key!r}; one of: {', '.join(self.kinds)}")
+            raise _not_a_batch(f"unknown record kind {key!r}; one of: {', '.join(self.kinds)}")
         return kind
 
     def _batch(self, body: bytes, max_records: int | None) -> tuple[RecordKind, list[Any]]:
-        """The batch's kind and records; ValueError when the body is not a batch."""
+        """The batch's kind and records; BadRequest when the body is not a batch."""
         try:
             parsed = orjson.loads(body)
         except orjson.JSONDecodeError:
-            raise ValueError("the body is not valid JSON") from None
+            raise _not_a_batch("the body is not valid JSON") from None
         if not isinstance(parsed, dict):
-            raise ValueError('the body must be a JSON object such as {"usage": [...]}')
+            raise _not_a_batch('the body must be a JSON object such as {"usage": [...]}')
         if len(parsed) != 1 or next(iter(parsed)) not in self.kinds:
             known = ", ".join(self.kinds)
-            raise ValueError(f"the body must have exactly one key, one of: {known}")
+            raise _not_a_batch(f"the body must have exactly one key, one of: {known}")
         key, records = next(iter(parsed.items()))
         if not isinstance(records, list):
-            raise ValueError(f"{key} must be a JSON array of records")
+            raise _not_a_batch(f"{key} must be a JSON array of records")
         _check_size(len(records), max_records)
         return self.kinds[key], records
 
@@ -579,6 +580,11 @@ def _sql_path(path: Path) -> str:
 def _slot_range(month: str) -> tuple[int, int]:
     start, end = month_bounds(month)
     return int(start // SLOT_SECONDS), int(end // SLOT_SECONDS)
+
+
+def _not_a_batch(message: str) -> BadRequest:
+    """The body is not a batch of the kind: the caller's to fix (HTTP 400)."""
+    return BadRequest(message, code="invalid_value")
 
 
 def migrate(

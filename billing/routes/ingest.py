@@ -10,10 +10,9 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from billing.ledger import BatchTooLargeError, IngestResult
+from billing.ledger import IngestResult
 from billing.routes.dependencies import Ingester, Services, ServicesDep
 from billing.routes.responses import json_response
-from infermeter.errors import BadRequest
 from infermeter.wire import ARROW_STREAM
 
 __all__ = ["router"]
@@ -24,15 +23,12 @@ router = APIRouter()
 
 
 async def _keep(keep: Callable[..., IngestResult], *args: Any) -> IngestResult:
-    """Run a ledger ingest call; a body that is not a batch is the caller's to fix (400)."""
-    try:
-        return await run_in_threadpool(keep, *args)
-    except BatchTooLargeError:
-        raise
-    except ValueError as exc:
-        # The ledger's ingest calls raise ValueError for exactly that: a body that is not a
-        # batch of the kind (not JSON, unknown kind, not the kind's Arrow schema).
-        raise BadRequest(str(exc), code="invalid_value") from None
+    """Run a ledger ingest call in a worker thread (DuckDB blocks).
+
+    A body that is not a batch of the kind is ``BadRequest`` from the ledger (400); any other
+    exception is a fault of the service and stays one (500).
+    """
+    return await run_in_threadpool(keep, *args)
 
 
 def _acknowledge(svc: Services, result: IngestResult, wire_format: str) -> Response:

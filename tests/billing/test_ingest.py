@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from billing.ledger import BatchTooLargeError, Ledger
+from infermeter.errors import BadRequest
 from infermeter.records import USAGE
 from infermeter.wire import encode_arrow
 from tests.billing.conftest import OCT, batch, gpu_samples, ndjson, usage
@@ -135,8 +136,8 @@ def test_unauthorized_requests_are_kept_for_audit_but_not_billed(ledger):
     ],
 )
 def test_a_malformed_batch_is_refused_whole(ledger, body, message):
-    """A body that is not a batch raises ValueError naming what is wrong."""
-    with pytest.raises(ValueError, match=message):
+    """A body that is not a batch raises BadRequest (the caller's fault) naming what is wrong."""
+    with pytest.raises(BadRequest, match=message):
         ledger.ingest(body, now=NOW)
 
 
@@ -287,7 +288,7 @@ def test_an_ndjson_batch_resent_as_json_counts_nothing_twice(ledger):
 
 def test_ndjson_of_an_unknown_kind_or_over_the_limit_is_refused_whole(ledger):
     """An unknown kind names the known ones; too many lines is BatchTooLargeError."""
-    with pytest.raises(ValueError, match="unknown record kind 'bills'; one of: usage"):
+    with pytest.raises(BadRequest, match="unknown record kind 'bills'; one of: usage"):
         ledger.ingest_lines("bills", ndjson([usage()]), now=NOW)
     with pytest.raises(BatchTooLargeError):
         ledger.ingest_lines("usage", ndjson([usage(), usage(), usage()]), now=NOW, max_records=2)
