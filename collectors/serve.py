@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 import httpx
+from prometheus_client import CollectorRegistry
 
 from collectors.dcgm import DcgmSource
 from collectors.loop import Batch, FleetCollector
@@ -19,7 +20,7 @@ from collectors.sources import EngineSource, GpuSource
 from collectors.vllm import VllmSource
 from infermeter.config import Config
 from infermeter.serving import ensure_free, host_port, server
-from infermeter.shipper import Shipper
+from infermeter.shipper import Shipper, ShipperMetrics
 from infermeter.spool import Spool
 
 __all__ = ["SpoolSink", "build_collector", "serve_collector"]
@@ -88,15 +89,17 @@ async def serve_collector(config: Config, listen: str | None) -> None:
     async with httpx.AsyncClient(limits=limits) as client:
         collector = build_collector(config, client)
         tasks = [asyncio.create_task(collector.run(sink), name="collector")]
+        registry = CollectorRegistry()
         if settings.ingest_url:
             token = os.environ.get(settings.ingest_token_env)
+            shipped = ShipperMetrics(registry)
             for spool, kind in ((sink.gpus, GPU_KIND), (sink.engines, ENGINE_KIND)):
-                shipper = Shipper(spool, settings.ingest_url, token, kind, client)
+                shipper = Shipper(spool, settings.ingest_url, token, kind, client, metrics=shipped)
                 tasks.append(asyncio.create_task(shipper.run(), name=f"ship-{kind}"))
         log.info("collector: %d GPU and %d engine targets, /metrics on http://%s:%d/metrics",
                  len(collector.gpu_sources), len(collector.engine_sources), host, port)  # fmt: skip
         try:
-            await server(create_app(collector), host, port).serve()
+            await server(create_app(collector, registry), host, port).serve()
         finally:
             for task in tasks:
                 task.cancel()

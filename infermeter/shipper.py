@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import orjson
+from prometheus_client import CollectorRegistry, Counter
 from tenacity import (
     AsyncRetrying,
     retry_if_exception_type,
@@ -27,20 +28,52 @@ from tenacity import (
 )
 
 from infermeter.records import KINDS
-from infermeter.spool import Segment, Spool, read_lines
+from infermeter.spool import Segment, SegmentReader, Spool
 from infermeter.wire import ARROW_STREAM, NDJSON, encode_arrow
 
-__all__ = ["IngestRejectedError", "Shipper"]
+__all__ = ["IngestRejectedError", "Shipper", "ShipperMetrics"]
 
 log = logging.getLogger("infermeter.shipper")
 
 
 class IngestRejectedError(Exception):
-    """Billing refused the whole batch (bad token, bad request): retrying will not help."""
+    """Billing refused the whole batch (bad token, bad request): retrying soon will not help."""
 
 
 class _RetryableError(Exception):
-    """Billing was unreachable or answered 5xx/429."""
+    """Billing was unreachable, answered 5xx/429, or answered something that is not an answer."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class _TooLargeError(Exception):
+    """Billing answered 413: the batch is over its limit, and must be split."""
+
+
+# Why a round of shipping failed, for ``infermeter_shipper_failures_total{reason}``.
+_UNREACHABLE, _UNAVAILABLE, _REFUSED = "unreachable", "unavailable", "refused"
+_BAD_ANSWER, _FAULT = "bad_answer", "fault"
+
+
+class ShipperMetrics:
+    """What the shippers of one process did, on that process's /metrics (one per registry)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        registry = registry if registry is not None else CollectorRegistry()
+        self.failures = Counter(
+            "infermeter_shipper_failures_total",
+            "Rounds of shipping that failed, by reason (each is retried after a back-off).",
+            ["kind", "reason"],
+            registry=registry,
+        )
+        self.records = Counter(
+            "infermeter_shipper_records_total",
+            "Records billing acknowledged, by outcome (kept, or dead-lettered as rejected).",
+            ["kind", "outcome"],
+            registry=registry,
+        )
 
 
 class Shipper:
@@ -49,33 +82,59 @@ class Shipper:
     A batch is a whole segment by default (a spool rolls every 2 s, or at 50,000 records on a
     busy sidecar): billing spends more per record on small batches (per request, and per
     transaction when few arrive at once), so a busy sidecar sends large ones
-    (``python -m bench.billing_scale --batch``; docs/benchmarks.md).
+    (``python -m bench.billing_scale --batch``; docs/benchmarks.md). A segment is read batch by
+    batch, never whole, and a batch also ends at ``batch_bytes``, so a segment of unusually large
+    records does not become one body of unbounded size. A batch that billing still finds too large
+    (413) is split in halves until it fits; a single record it will not take is dead-lettered.
+
+    Nothing ends the shipping loop: every failure is logged, counted (``ShipperMetrics``) and
+    retried after a back-off.
     """
 
     def __init__(self, spool: Spool, url: str, token: str | None, kind: str, client: httpx.AsyncClient,
-                 batch_size: int = 50_000, interval_seconds: float = 1.0, arrow: bool = True) -> None:  # fmt: skip
+                 batch_size: int = 50_000, interval_seconds: float = 1.0, arrow: bool = True,
+                 batch_bytes: int = 16 << 20, metrics: ShipperMetrics | None = None,
+                 max_backoff_seconds: float = 60.0) -> None:  # fmt: skip
         self.spool = spool
         self.url = f"{url.rstrip('/')}/{kind}"
         self.kind = kind
         self.client = client
         self.batch_size = batch_size
+        self.batch_bytes = batch_bytes
         self.interval_seconds = interval_seconds
+        self.max_backoff_seconds = max_backoff_seconds
         self.record_kind = KINDS.get(kind)
         self.arrow = arrow and self.record_kind is not None
         self.id_field = self.record_kind.id_field if self.record_kind else "id"
         self.headers = {"authorization": f"Bearer {token}"} if token else {}
         self.shipped = 0
+        self.metrics = metrics or ShipperMetrics()
 
     async def run(self) -> None:
-        """Ship forever; errors are logged and retried, never raised."""
+        """Ship forever; errors are logged, counted and retried with back-off, never raised."""
+        failures = 0
         while True:
-            try:
-                await self.ship_once()
-            except IngestRejectedError as exc:
-                log.error("billing refused a %s batch: %s; will retry later", self.kind, exc)
-            except _RetryableError as exc:
-                log.warning("billing unreachable for %s: %s", self.kind, exc)
-            await asyncio.sleep(self.interval_seconds)
+            failures = 0 if await self._round() else failures + 1
+            delay = self.interval_seconds * 2 ** min(failures, 16)
+            await asyncio.sleep(min(delay, max(self.max_backoff_seconds, self.interval_seconds)))
+
+    async def _round(self) -> bool:
+        """One round of ``ship_once``; False when it failed (counted and logged here or below)."""
+        try:
+            await self.ship_once()
+        except IngestRejectedError as exc:
+            log.error("billing refused a %s batch: %s; will retry", self.kind, exc)
+            self.metrics.failures.labels(self.kind, _REFUSED).inc()
+            return False
+        except _RetryableError:
+            return False  # counted and logged by every attempt
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the loop must outlive any bug or surprise: the records stay spooled
+            log.exception("shipping %s records failed; will retry", self.kind)
+            self.metrics.failures.labels(self.kind, _FAULT).inc()
+            return False
+        return True
 
     async def ship_once(self, max_wait_seconds: float = 30.0) -> int:
         """Ship every closed segment now; return how many records were acknowledged."""
@@ -85,20 +144,30 @@ class Shipper:
         return done
 
     async def _ship_segment(self, segment: Segment, max_wait_seconds: float) -> int:
-        lines, torn = read_lines(segment.path)
-        if torn:
+        reader = SegmentReader(segment.path, self.batch_size, self.batch_bytes)
+        batches = iter(reader)
+        shipped = 0
+        while (batch := await asyncio.to_thread(next, batches, None)) is not None:
+            await self._deliver(segment.path.parent, batch, max_wait_seconds)
+            shipped += len(batch)
+        if reader.torn:
             log.error(
                 "%s: %d torn line(s) skipped (written by a process that died mid-write)",
                 segment.path,
-                torn,
+                reader.torn,
             )
-        for start in range(0, len(lines), self.batch_size):
-            batch = lines[start : start + self.batch_size]
-            body = b"".join(batch)
+        self.spool.acknowledge(segment)
+        self.shipped += shipped
+        return shipped
+
+    async def _deliver(self, directory: Path, batch: list[bytes], max_wait_seconds: float) -> None:
+        """Send ``batch`` until billing answers; split it while billing finds it too large."""
+        body = b"".join(batch)
+        encoded = None
+        if self.arrow and self.record_kind is not None:
             # Off the event loop: Arrow parses without the GIL while the sidecar relays tokens.
-            encoded = None
-            if self.arrow and self.record_kind is not None:
-                encoded = await asyncio.to_thread(encode_arrow, self.record_kind, body)
+            encoded = await asyncio.to_thread(encode_arrow, self.record_kind, body)
+        try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception_type(_RetryableError),
                 wait=wait_exponential_jitter(multiplier=0.2, max=10.0),
@@ -106,12 +175,31 @@ class Shipper:
                 reraise=True,
             ):
                 with attempt:
-                    rejected = await self._post(body, encoded)
-            if rejected:
-                self._dead_letter(segment.path.parent, batch, rejected)
-        self.spool.acknowledge(segment)
-        self.shipped += len(lines)
-        return len(lines)
+                    rejected = await self._attempt(body, encoded)
+        except _TooLargeError as exc:
+            if len(batch) == 1:
+                rid = self._record_id(_loads(batch[0])) or "#1"
+                rejected = [{"id": rid, "reason": f"billing will not take the record: {exc}"}]
+            else:
+                half = len(batch) // 2
+                log.warning("billing found a %s batch of %d records too large; splitting it",
+                            self.kind, len(batch))  # fmt: skip
+                await self._deliver(directory, batch[:half], max_wait_seconds)
+                await self._deliver(directory, batch[half:], max_wait_seconds)
+                return
+        if rejected:
+            self._dead_letter(directory, batch, rejected)
+        self.metrics.records.labels(self.kind, "kept").inc(len(batch) - len(rejected))
+        self.metrics.records.labels(self.kind, "dead_lettered").inc(len(rejected))
+
+    async def _attempt(self, ndjson: bytes, arrow: bytes | None) -> list[dict[str, Any]]:
+        """One ``_post``; a failure worth retrying is counted and logged before it is retried."""
+        try:
+            return await self._post(ndjson, arrow)
+        except _RetryableError as exc:
+            self.metrics.failures.labels(self.kind, exc.reason).inc()
+            log.warning("billing did not take a %s batch: %s; will retry", self.kind, exc)
+            raise
 
     async def _post(self, ndjson: bytes, arrow: bytes | None) -> list[dict[str, Any]]:
         """Send the batch (as Arrow if it converted) and return the records billing rejected."""
@@ -129,16 +217,34 @@ class Shipper:
                 self.url, content=content, headers={**self.headers, "content-type": content_type}
             )
         except httpx.HTTPError as exc:
-            raise _RetryableError(f"{type(exc).__name__}: {exc}") from exc
+            raise _RetryableError(f"{type(exc).__name__}: {exc}", _UNREACHABLE) from exc
 
     @staticmethod
     def _answer(response: httpx.Response) -> list[dict[str, Any]]:
-        if response.status_code >= 500 or response.status_code == 429:
-            raise _RetryableError(f"HTTP {response.status_code}")
-        if response.status_code >= 400:
-            raise IngestRejectedError(f"HTTP {response.status_code}: {response.text[:200]}")
-        rejected: list[dict[str, Any]] = orjson.loads(response.content).get("rejected", [])
+        status = response.status_code
+        if status >= 500 or status == 429:
+            raise _RetryableError(f"HTTP {status}", _UNAVAILABLE)
+        if status == 413:
+            raise _TooLargeError(f"HTTP 413: {response.text[:200]}")
+        if status >= 400:
+            raise IngestRejectedError(f"HTTP {status}: {response.text[:200]}")
+        # Anything but {"rejected": [{"id", "reason"}...]} is not billing's answer (a proxy's
+        # page, a truncated body): the batch's fate is unknown, so it is sent again.
+        try:
+            answer = orjson.loads(response.content)
+        except orjson.JSONDecodeError:
+            raise _RetryableError(
+                f"HTTP {status} with a body that is not JSON", _BAD_ANSWER
+            ) from None
+        rejected = answer.get("rejected", []) if isinstance(answer, dict) else None
+        if not isinstance(rejected, list) or not all(isinstance(r, dict) for r in rejected):
+            raise _RetryableError(
+                f"HTTP {status} with a body that is not an ingest answer", _BAD_ANSWER
+            )
         return rejected
+
+    def _record_id(self, record: Any) -> Any:
+        return record.get(self.id_field) if isinstance(record, dict) else None
 
     def _dead_letter(
         self, directory: Path, batch: list[bytes], rejected: list[dict[str, Any]]
@@ -148,9 +254,7 @@ class Shipper:
         with (directory / "rejected.jsonl").open("ab") as fh:
             for pos, line in enumerate(batch, start=1):
                 record = _loads(line)
-                rid = None
-                if isinstance(record, dict):
-                    rid = record.get(self.id_field)
+                rid = self._record_id(record)
                 if rid not in reasons:
                     rid = f"#{pos}"
                 if rid in reasons:

@@ -19,13 +19,14 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import orjson
 
-__all__ = ["Segment", "Spool", "SpoolError", "read_lines", "read_segment"]
+__all__ = ["Segment", "SegmentReader", "Spool", "SpoolError", "read_segment"]
 
 log = logging.getLogger("infermeter.spool")
 
@@ -54,18 +55,34 @@ def read_segment(path: Path) -> tuple[list[dict[str, Any]], int]:
     return records, torn
 
 
-def read_lines(path: Path) -> tuple[list[bytes], int]:
-    """A segment's complete lines, newline included, as written; and 1 if its last line is torn.
+class SegmentReader:
+    """A segment's complete lines in batches of at most ``records`` lines or about ``max_bytes``.
 
-    Records are written whole, each with its newline, so only the last line can be torn (the
-    process died mid-write, or the disk filled up and the segment was abandoned).
+    Iterate it once; afterwards ``torn`` is 1 if the last line was torn (and skipped). Lines are
+    read as they are needed, so shipping a large segment holds one batch in memory, not the file.
     """
-    with path.open("rb") as fh:
-        lines = fh.readlines()
-    if lines and not lines[-1].endswith(b"\n"):
-        lines.pop()
-        return lines, 1
-    return lines, 0
+
+    def __init__(self, path: Path, records: int, max_bytes: int) -> None:
+        self.path = path
+        self.records = records
+        self.max_bytes = max_bytes
+        self.torn = 0
+
+    def __iter__(self) -> Iterator[list[bytes]]:
+        batch: list[bytes] = []
+        size = 0
+        with self.path.open("rb") as fh:
+            for line in fh:
+                if not line.endswith(b"\n"):
+                    self.torn = 1  # only the last line can lack its newline
+                    break
+                batch.append(line)
+                size += len(line)
+                if len(batch) >= self.records or size >= self.max_bytes:
+                    yield batch
+                    batch, size = [], 0
+        if batch:
+            yield batch
 
 
 class Spool:

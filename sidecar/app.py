@@ -126,9 +126,10 @@ class Sidecar:
         self.spool.open()
         self.metrics.spool_backlog.set_function(lambda: self.spool.backlog)
         if self.ingest_url:
-            from infermeter.shipper import Shipper
+            from infermeter.shipper import Shipper, ShipperMetrics
 
-            shipper = Shipper(self.spool, self.ingest_url, self.ingest_token, "usage", self.client)
+            shipper = Shipper(self.spool, self.ingest_url, self.ingest_token, "usage", self.client,
+                              metrics=ShipperMetrics(self.metrics.registry))  # fmt: skip
             self._tasks.append(asyncio.get_running_loop().create_task(shipper.run()))
 
     async def shutdown(self) -> None:
