@@ -11,6 +11,7 @@ import yaml
 from alerts.cli import write_rules
 from infermeter.config import Config, load_config
 from tests.alerts.prometheus import promtool
+from tests.placeholders import filled_copy
 
 ROOT = Path(__file__).parents[2]
 RULES = ROOT / "alerts" / "rules"
@@ -33,7 +34,8 @@ def _cases(test_files: list[Path]) -> list[dict[str, Any]]:
 
 def _example_rules(tmp_path: Path) -> Path:
     """Rules rendered from examples/infermeter.yaml, with the unit tests written for them."""
-    write_rules(load_config(EXAMPLE, environ={}), str(EXAMPLE), tmp_path)
+    config = load_config(filled_copy(EXAMPLE, tmp_path), environ={})
+    write_rules(config, str(EXAMPLE), tmp_path)
     for path in (UNIT_TESTS / "example").glob("*.test.yml"):
         shutil.copy(path, tmp_path)
     return tmp_path
