@@ -79,7 +79,7 @@ def test_every_alert_is_tested_firing_and_not_firing(tmp_path):
 
 def test_odd_windows_and_durations_pass_promtool_check(tmp_path):
     """Windows and waits that are not whole minutes render as durations Prometheus accepts."""
-    data = load_config(EXAMPLE, environ={}).model_dump(mode="json")
+    data = load_config(filled_copy(EXAMPLE, tmp_path), environ={}).model_dump(mode="json")
     data["alerts"].update(
         rate_window_seconds=90, sla_for_seconds=1.5, evaluation_interval_seconds=2.5
     )
