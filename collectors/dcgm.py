@@ -138,10 +138,11 @@ class DcgmSource:
         return readings
 
 
-async def fetch_text(client: httpx.AsyncClient, url: str, timeout_seconds: float) -> str:
+async def fetch_text(client: httpx.AsyncClient, url: str, timeout_seconds: float,
+                     headers: dict[str, str] | None = None) -> str:  # fmt: skip
     """GET ``url`` and return its body; ScrapeError on any HTTP failure or non-200 answer."""
     try:
-        response = await client.get(url, timeout=timeout_seconds)
+        response = await client.get(url, timeout=timeout_seconds, headers=headers)
     except httpx.TimeoutException:
         raise ScrapeError(f"{url}: no answer within {timeout_seconds:g} s") from None
     except httpx.HTTPError as exc:

@@ -45,10 +45,13 @@ def build_collector(config: Config, client: httpx.AsyncClient) -> FleetCollector
             for n in config.nodes
             if n.dcgm_exporter_url
         ]
+    # The metrics token goes only where a relay was configured, never to a plain vLLM.
+    token = os.environ.get(settings.metrics_token_env) or None
     engine_sources: list[EngineSource] = [
-        VllmSource(r.id, r.upstream_url, client, settings.scrape_timeout_seconds)
+        VllmSource(r.id, r.engine_metrics, client, settings.scrape_timeout_seconds,
+                   token if r.engine_metrics_url else None)
         for r in config.replicas
-    ]
+    ]  # fmt: skip
     return FleetCollector(config, gpu_sources, engine_sources)
 
 

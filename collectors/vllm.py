@@ -52,20 +52,25 @@ def _sum(samples: list[Sample]) -> float:
 
 
 class VllmSource:
-    """One replica's ``<upstream_url>/metrics``."""
+    """One replica's vLLM metrics page: ``<upstream_url>/metrics`` or its sidecar's relay.
+
+    ``token``, when given, is sent as a bearer token: the sidecar's ``/engine/metrics`` needs
+    the metrics or admin token.
+    """
 
     kind = "vllm"
 
-    def __init__(self, replica: str, base_url: str, client: httpx.AsyncClient,
-                 timeout_seconds: float) -> None:  # fmt: skip
+    def __init__(self, replica: str, url: str, client: httpx.AsyncClient,
+                 timeout_seconds: float, token: str | None = None) -> None:  # fmt: skip
         self.target = replica
-        self.url = base_url.rstrip("/") + "/metrics"
+        self.url = url
         self.client = client
         self.timeout_seconds = timeout_seconds
+        self.headers = {"authorization": f"Bearer {token}"} if token else None
 
     async def read(self) -> EngineReading:
         """Scrape and parse the replica's metrics now."""
-        text = await fetch_text(self.client, self.url, self.timeout_seconds)
+        text = await fetch_text(self.client, self.url, self.timeout_seconds, self.headers)
         try:
             return engine_reading(text)
         except ExpositionError as exc:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
-from infermeter import __version__
+from infermeter import __version__, exposure
 from infermeter.config import Config, ConfigError, default_config_path, load_config
 from infermeter.serving import PortInUseError
 
@@ -163,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["INFERMETER__SIMULATOR__SEED"] = str(args.seed)
     try:
         config = load_config(args.config)
+        _refuse_public_keys(args, config)
         handler: Handler = args.handler
         return handler(args, config)
     except ConfigError as exc:
@@ -174,6 +175,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 0
+
+
+def _refuse_public_keys(args: argparse.Namespace, config: Config) -> None:
+    """Warn on the demo configuration; refuse public key hashes on a reachable address."""
+    warning = exposure.fallback_warning(args.command, args.config, default_config_path())
+    if warning:
+        print(warning, file=sys.stderr)
+    if args.command != "simulate":  # the simulator checks no keys; everything else does
+        problems = exposure.public_key_problems(config, getattr(args, "listen", None))
+        if problems:
+            raise ConfigError(_config_path(args), problems)
 
 
 def _config_path(args: argparse.Namespace) -> str:

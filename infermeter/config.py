@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StringConstraints,
@@ -38,6 +39,7 @@ from pydantic import (
 
 __all__ = [
     "ENV_PREFIX",
+    "HASH_HINT",
     "AlertSettings",
     "AutoscaleSettings",
     "BillingSettings",
@@ -59,16 +61,32 @@ __all__ = [
     "Team",
     "TeamLimits",
     "TokenWeights",
+    "credential_hashes",
     "default_config_path",
     "hash_key",
     "load_config",
+    "shared_credentials",
 ]
 
 ENV_PREFIX = "INFERMETER__"
 DEFAULT_CONFIG = Path(__file__).with_name("defaults.yaml")
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")]
-Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+HASH_HINT = (
+    "not a SHA-256 hex digest: put here the 64 hex digits that "
+    '`printf %s "$KEY" | sha256sum` prints for the key'
+)
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _digest(value: object) -> object:
+    """Accept a lowercase SHA-256 hex digest; anything else (a placeholder) says what to put."""
+    if isinstance(value, str) and _HEX64.fullmatch(value):
+        return value
+    raise ValueError(HASH_HINT)
+
+
+Sha256 = Annotated[str, BeforeValidator(_digest)]
 NonNegative = Annotated[float, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0)]
 
@@ -148,13 +166,19 @@ class Model(_Strict):
         return self.serve_version or self.approved_versions[0]
 
 
+Url = Annotated[str, StringConstraints(pattern=r"^https?://[^/\s]+(/\S*)?$")]
+
+
 class Replica(_Strict):
     """One vLLM engine: where it listens, what it serves, and which GPUs it owns."""
 
     id: Name
     model: Name
-    upstream_url: Annotated[str, StringConstraints(pattern=r"^https?://[^/\s]+(/\S*)?$")]
+    upstream_url: Url
     sidecar_listen: str | None = None
+    # Where the collector reads vLLM's /metrics. When vLLM listens on loopback only (it should:
+    # vLLM serves some routes without its API key), that is the sidecar's /engine/metrics.
+    engine_metrics_url: Url | None = None
     served_version: Name | None = None
     node: Name
     gpu_model: Name
@@ -163,6 +187,11 @@ class Replica(_Strict):
     max_num_seqs: Annotated[int, Field(gt=0)] | None = None
     idle_policy: Literal["spread", "platform", "owner"] = "spread"
     owner_team: Name | None = None
+
+    @property
+    def engine_metrics(self) -> str:
+        """The URL of vLLM's metrics page: ``engine_metrics_url``, else ``<upstream_url>/metrics``."""
+        return self.engine_metrics_url or self.upstream_url.rstrip("/") + "/metrics"
 
     @model_validator(mode="after")
     def _check(self) -> Replica:
@@ -279,6 +308,9 @@ class CollectorSettings(_Strict):
     spool_dir: str = "var/collector-spool"
     ingest_url: str | None = None
     ingest_token_env: str = "INFERMETER_INGEST_TOKEN"
+    # Sent as a bearer token to every engine_metrics_url when the variable is set: the sidecar's
+    # /engine/metrics needs the metrics or admin token.
+    metrics_token_env: str = "INFERMETER_METRICS_TOKEN"
 
 
 class TokenWeights(_Strict):
@@ -446,9 +478,7 @@ class Config(_Strict):
             problems.append(
                 f"billing.platform_account {self.billing.platform_account!r} is also a team name"
             )
-        keys = [k for t in self.teams for k in t.api_key_sha256]
-        if len(keys) != len(set(keys)):
-            problems.append("the same API key hash is listed for more than one team")
+        problems += shared_credentials(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -472,6 +502,41 @@ class Config(_Strict):
         names = [n.name for n in self.nodes]
         names += [r.node for r in self.replicas if r.node not in names]
         return list(dict.fromkeys(names))
+
+
+def credential_hashes(config: Config) -> list[tuple[str, str, str]]:
+    """Every stored key hash as ``(principal, key path, digest)``, in file order.
+
+    A principal is who the key makes the caller: a team (``team:<name>``), or ``admin``,
+    ``metrics`` or ``ingest``.
+    """
+    out = [(f"team:{t.name}", f"teams[{i}].api_key_sha256[{j}]", d)
+           for i, t in enumerate(config.teams) for j, d in enumerate(t.api_key_sha256)]  # fmt: skip
+    for principal, path, digests in (
+        ("admin", "admin_token_sha256", config.admin_token_sha256),
+        ("metrics", "metrics_token_sha256", config.metrics_token_sha256),
+        ("ingest", "billing.ingest_token_sha256", config.billing.ingest_token_sha256),
+    ):
+        out += [(principal, f"{path}[{j}]", d) for j, d in enumerate(digests)]
+    return out
+
+
+def shared_credentials(config: Config) -> list[str]:
+    """One problem per hash held by two principals: one key would then act as both.
+
+    A team key that is also the ingest token could forge usage for every team. The problem names
+    both key paths and neither the key nor its hash, so the message is safe to log.
+    """
+    first: dict[str, tuple[str, str]] = {}
+    problems = []
+    for principal, path, digest in credential_hashes(config):
+        seen = first.setdefault(digest, (principal, path))
+        if seen[0] != principal:
+            problems.append(
+                f"{seen[1]} and {path} hold the same key hash: each team, the admin, the "
+                "metrics reader and the ingest token need a key of their own"
+            )
+    return problems
 
 
 def default_config_path() -> Path:
@@ -570,6 +635,9 @@ def _describe(err: Any, raw: Any) -> str:
     if err["type"] == "missing":
         return f"{path}: required key is missing"
     value = err.get("input")
+    if any(str(part).endswith("_sha256") for part in err["loc"]):
+        # What sits in a hash field may be a key pasted by mistake: never echo it.
+        return f"{path}: {reason}"
     if isinstance(value, dict | list):
         return f"{path or '(top level)'}: {reason}"
     return f"{path} = {value!r}: {reason}"

@@ -58,6 +58,8 @@ _GENERATE = {
 # Headers never passed upstream: hop-by-hop ones, the caller's credentials, and what httpx sets.
 _DROP = frozenset({b"authorization", b"host", b"content-length", b"connection", b"keep-alive",
                    b"transfer-encoding", b"te", b"upgrade", b"proxy-authorization", b"accept-encoding"})  # fmt: skip
+_NEEDS_METRICS_TOKEN = error_body(401, "The metrics endpoint needs the metrics or admin token.",
+                                  "invalid_request_error", "invalid_api_key")  # fmt: skip
 _DROP_DOWN = frozenset(
     {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"date", b"server"}
 )
@@ -164,6 +166,8 @@ class Sidecar:
             await self._models(scope, send)
         elif path == "/metrics" and method == "GET":
             await self._metrics(scope, send)
+        elif path == "/engine/metrics" and method == "GET":
+            await self._engine_metrics(scope, send)
         elif path == "/healthz":
             await respond(send, 200, b'{"status":"ok"}', [_JSON])
         elif path == "/readyz":
@@ -200,8 +204,7 @@ class Sidecar:
 
     async def _metrics(self, scope: Scope, send: Send) -> None:
         if not self._control_allowed(scope):
-            await respond(send, 401, error_body(401, "The metrics endpoint needs the metrics or admin token.",
-                                                 "invalid_request_error", "invalid_api_key"), [_JSON])  # fmt: skip
+            await respond(send, 401, _NEEDS_METRICS_TOKEN, [_JSON])
             return
         if self.fair is not None:
             for team in self.fair.in_flight:
@@ -210,6 +213,21 @@ class Sidecar:
         await respond(
             send, 200, body, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
         )
+
+    async def _engine_metrics(self, scope: Scope, send: Send) -> None:
+        # vLLM listens on loopback only (it serves some routes without its API key), so its
+        # own metrics page is reached here, behind the same token as the sidecar's.
+        if not self._control_allowed(scope):
+            await respond(send, 401, _NEEDS_METRICS_TOKEN, [_JSON])
+            return
+        try:
+            r = await self.client.get(f"{self.upstream}/metrics", timeout=10.0)
+        except httpx.HTTPError as exc:
+            status, body = upstream_failure(exc)
+            await respond(send, status, body, [_JSON])
+            return
+        kind = r.headers.get("content-type", "text/plain; version=0.0.4; charset=utf-8")
+        await respond(send, r.status_code, r.content, [(b"content-type", kind.encode("latin-1"))])
 
     async def _ready(self, send: Send) -> None:
         problems = []

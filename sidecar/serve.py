@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from infermeter.config import Config, ConfigError, load_config
+from infermeter.exposure import public_key_problems
 from infermeter.serving import ensure_free, host_port, server
 from sidecar.app import Sidecar
 from sidecar.tracing import make_tracer_provider
@@ -44,6 +45,9 @@ async def serve_sidecar(
     def reload() -> None:
         try:
             fresh = load_config(config_path)
+            problems = public_key_problems(fresh, address)
+            if problems:
+                raise ConfigError(str(config_path), problems)
             app.reload(_with_upstream(fresh, replica_id, upstream) if upstream else fresh)
             log.warning("configuration reloaded from %s", config_path)
         except (ConfigError, KeyError, ValueError) as exc:

@@ -11,6 +11,7 @@ import yaml
 from alerts.cli import write_rules
 from infermeter.config import Config, load_config
 from tests.alerts.prometheus import promtool
+from tests.placeholders import filled_copy
 
 ROOT = Path(__file__).parents[2]
 RULES = ROOT / "alerts" / "rules"
@@ -33,7 +34,8 @@ def _cases(test_files: list[Path]) -> list[dict[str, Any]]:
 
 def _example_rules(tmp_path: Path) -> Path:
     """Rules rendered from examples/infermeter.yaml, with the unit tests written for them."""
-    write_rules(load_config(EXAMPLE, environ={}), str(EXAMPLE), tmp_path)
+    config = load_config(filled_copy(EXAMPLE, tmp_path), environ={})
+    write_rules(config, str(EXAMPLE), tmp_path)
     for path in (UNIT_TESTS / "example").glob("*.test.yml"):
         shutil.copy(path, tmp_path)
     return tmp_path
@@ -77,7 +79,7 @@ def test_every_alert_is_tested_firing_and_not_firing(tmp_path):
 
 def test_odd_windows_and_durations_pass_promtool_check(tmp_path):
     """Windows and waits that are not whole minutes render as durations Prometheus accepts."""
-    data = load_config(EXAMPLE, environ={}).model_dump(mode="json")
+    data = load_config(filled_copy(EXAMPLE, tmp_path), environ={}).model_dump(mode="json")
     data["alerts"].update(
         rate_window_seconds=90, sla_for_seconds=1.5, evaluation_interval_seconds=2.5
     )

@@ -91,7 +91,7 @@ async def test_hung_target_is_marked_down_and_the_loop_goes_on(fleet_config, run
     async with running_fleet(cfg) as fleet, serving(hanging_app) as hung_url:
         hung = DcgmSource("node-a", f"{hung_url}/metrics", fleet.client, 0.3)
         good = DcgmSource("node-b", fleet.dcgm_url, fleet.client, 0.3)
-        engine = VllmSource("small-0", fleet.replica_url, fleet.client, 0.3)
+        engine = VllmSource("small-0", f"{fleet.replica_url}/metrics", fleet.client, 0.3)
         collector = FleetCollector(cfg, [hung, good], [engine])
         batches: list[Batch] = []
 

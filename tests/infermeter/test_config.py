@@ -10,6 +10,7 @@ import yaml
 
 from infermeter.cli import main
 from infermeter.config import DEFAULT_CONFIG, ConfigError, hash_key, load_config
+from tests.placeholders import filled_copy
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "infermeter.yaml"
 
@@ -40,9 +41,9 @@ def test_embedded_defaults_describe_the_demo_fleet():
     assert len(config.teams) >= 4
 
 
-def test_example_file_is_complete_and_valid():
-    """examples/infermeter.yaml parses and sets every section the schema has."""
-    config = load_config(EXAMPLE, environ={})
+def test_example_file_is_complete_and_valid(tmp_path):
+    """examples/infermeter.yaml, its key placeholders filled, parses and sets every section the schema has."""
+    config = load_config(filled_copy(EXAMPLE, tmp_path), environ={})
     raw = yaml.safe_load(EXAMPLE.read_text())
     assert set(raw) == set(type(config).model_fields)
 

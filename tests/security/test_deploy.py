@@ -1,0 +1,236 @@
+"""The Kubernetes manifests leave no way around metering and run every pod locked down.
+
+Adversaries: any pod in the cluster (it must not reach vLLM, which serves some routes without its
+API key) and anything that gets code into one of our containers (it must find no privileges, no
+API token and no writable root filesystem).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from infermeter.config import load_config
+from tests.placeholders import filled
+
+KUSTOMIZE = Path(__file__).parents[2] / "deploy" / "kubernetes"
+WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
+VLLM_IMAGE = "vllm/vllm-openai:"
+
+Doc = dict[str, Any]
+
+
+def _documents() -> list[Doc]:
+    names = yaml.safe_load((KUSTOMIZE / "kustomization.yaml").read_text())["resources"]
+    return [d for name in names for d in yaml.safe_load_all((KUSTOMIZE / name).read_text()) if d]
+
+
+DOCS = _documents()
+
+
+def _of(kind: str) -> list[Doc]:
+    return [d for d in DOCS if d["kind"] == kind]
+
+
+def _workloads() -> list[Doc]:
+    return [w for kind in WORKLOADS for w in _of(kind)]
+
+
+def _pod(workload: Doc) -> Doc:
+    spec: Doc = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def _labels(workload: Doc) -> dict[str, str]:
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def _arg(container: Doc, flag: str) -> str | None:
+    values = [a.split("=", 1)[1] for a in container.get("args", []) if a.startswith(f"{flag}=")]
+    return values[-1] if values else None
+
+
+def _vllm_pods() -> list[tuple[Doc, Doc]]:
+    """(workload, vLLM container) of every workload that runs vLLM."""
+    pods = [(w, c) for w in _workloads() for c in _pod(w)["containers"]
+            if c["image"].startswith(VLLM_IMAGE)]  # fmt: skip
+    assert pods, "no vLLM workload found"
+    return pods
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _name(doc: Doc) -> str:
+    return f"{doc['kind']}/{doc['metadata']['name']}"
+
+
+# -- item 1: no way around the sidecar ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("workload", "vllm"), [pytest.param(w, c, id=w["metadata"]["name"]) for w, c in _vllm_pods()]
+)
+def test_vllm_listens_on_loopback_only(workload: Doc, vllm: Doc) -> None:
+    """vLLM's --host is 127.0.0.1, so only its own pod (the sidecar) can connect to it."""
+    assert _arg(vllm, "--host") == "127.0.0.1", workload["metadata"]["name"]
+    assert "--host" not in vllm.get("args", [])
+    assert not vllm.get("command")
+
+
+def test_no_service_targets_the_vllm_port() -> None:
+    """No Service exposes vLLM's port, by number or by name: only the sidecar's port is served."""
+    for workload, vllm in _vllm_pods():
+        port = int(_arg(vllm, "--port") or 8000)
+        names = {p["name"] for p in vllm.get("ports", []) if "name" in p}
+        sidecar_ports = {p["name"] for c in _pod(workload)["containers"] if c is not vllm
+                         for p in c.get("ports", [])}  # fmt: skip
+        services = [s for s in _of("Service") if _selects(s["spec"]["selector"], _labels(workload))]
+        assert services, workload["metadata"]["name"]
+        for svc in services:
+            for sp in svc["spec"]["ports"]:
+                target = sp.get("targetPort", sp["port"])
+                assert target not in names | {port}, (_name(svc), sp)
+                assert target in sidecar_ports, (_name(svc), sp)
+
+
+def test_a_network_policy_selects_every_vllm_pod() -> None:
+    """Each vLLM pod is under an ingress NetworkPolicy that opens the sidecar's port only."""
+    policies = [p for p in _of("NetworkPolicy") if "Ingress" in p["spec"].get("policyTypes", [])]
+    for workload, vllm in _vllm_pods():
+        mine = [p for p in policies
+                if _selects(p["spec"]["podSelector"].get("matchLabels", {}), _labels(workload))]  # fmt: skip
+        assert mine, workload["metadata"]["name"]
+        sidecar_ports = {p["name"] for c in _pod(workload)["containers"] if c is not vllm
+                         for p in c.get("ports", [])}  # fmt: skip
+        for policy in mine:
+            for rule in policy["spec"].get("ingress", []):
+                ports = {p["port"] for p in rule.get("ports", [])}
+                assert ports, f"{_name(policy)} opens every port"
+                assert ports <= sidecar_ports, _name(policy)
+
+
+def test_only_labelled_clients_and_metrics_readers_reach_the_sidecar() -> None:
+    """The sidecar's port admits a labelled client namespace, the collector and Prometheus; no one else."""
+    (policy,) = [p for p in _of("NetworkPolicy")
+                 if _selects(p["spec"]["podSelector"]["matchLabels"], _labels(_vllm_pods()[0][0]))]  # fmt: skip
+    peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+    for peer in peers:
+        # An empty selector would admit every namespace or every pod: never on its own.
+        assert any(sel.get("matchLabels") for sel in peer.values()), peer
+    namespaces = [p["namespaceSelector"]["matchLabels"] for p in peers if "podSelector" not in p]
+    assert namespaces == [{"infermeter.io/inference-clients": "true"}]
+    in_namespace = [p["podSelector"]["matchLabels"] for p in peers if "namespaceSelector" not in p]
+    assert in_namespace == [{"app.kubernetes.io/component": "collector"}]
+    prometheus = [p for p in peers if "namespaceSelector" in p and "podSelector" in p]
+    assert [p["podSelector"]["matchLabels"] for p in prometheus] == [
+        {"app.kubernetes.io/name": "prometheus"}
+    ]
+
+
+def test_vllm_metrics_are_read_through_the_sidecar_with_the_token(tmp_path: Path) -> None:
+    """Prometheus and the collector read vLLM's metrics at the sidecar's /engine/metrics, with the metrics token."""
+    vllm_services = {s["metadata"]["name"] for s in _of("Service")
+                     if s["metadata"]["labels"].get("app.kubernetes.io/component") == "vllm"}  # fmt: skip
+    monitors = [sm for sm in _of("ServiceMonitor")
+                if any(e.get("path") == "/engine/metrics" for e in sm["spec"]["endpoints"])]  # fmt: skip
+    assert monitors
+    for sm in monitors:
+        for endpoint in sm["spec"]["endpoints"]:
+            assert endpoint["authorization"]["credentials"]["key"] == "metrics-token"
+    (cm,) = _of("ConfigMap")
+    path = tmp_path / "infermeter.yaml"
+    path.write_text(filled(cm["data"]["infermeter.yaml"]))
+    config = load_config(path, environ={})
+    for replica in config.replicas:
+        assert replica.upstream_url.startswith("http://127.0.0.1:")
+        assert replica.engine_metrics_url is not None
+        host = replica.engine_metrics_url.split("//", 1)[1].split(":", 1)[0]
+        assert host in vllm_services
+        assert replica.engine_metrics_url.endswith(":9000/engine/metrics")
+    (collector,) = [w for w in _workloads() if w["metadata"]["name"] == "infermeter-collector"]
+    env = {e["name"]: e for c in _pod(collector)["containers"] for e in c.get("env", [])}
+    token = env[config.collector.metrics_token_env]["valueFrom"]["secretKeyRef"]
+    assert token["key"] == "metrics-token"
+
+
+# -- item 15: every pod locked down --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workload", _workloads(), ids=lambda w: w["metadata"]["name"])
+def test_every_pod_runs_with_the_runtime_default_seccomp_profile(workload: Doc) -> None:
+    """Pod-level seccompProfile RuntimeDefault, not overridden by any container."""
+    pod = _pod(workload)
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for c in pod["containers"]:
+        profile = c.get("securityContext", {}).get("seccompProfile")
+        assert profile in (None, {"type": "RuntimeDefault"}), c["name"]
+
+
+@pytest.mark.parametrize("workload", _workloads(), ids=lambda w: w["metadata"]["name"])
+def test_every_container_is_unprivileged_with_a_read_only_root(workload: Doc) -> None:
+    """Each container (vLLM's included): non-root, no privilege escalation, no capabilities, read-only root."""
+    pod = _pod(workload)
+    for c in pod["containers"] + pod.get("initContainers", []):
+        sc = c.get("securityContext", {})
+        assert sc.get("runAsNonRoot", pod["securityContext"].get("runAsNonRoot")) is True, c["name"]
+        assert sc.get("runAsUser", 1) != 0, c["name"]
+        assert sc.get("allowPrivilegeEscalation") is False, c["name"]
+        assert sc.get("capabilities", {}).get("drop") == ["ALL"], c["name"]
+        assert not sc.get("capabilities", {}).get("add"), c["name"]
+        assert sc.get("readOnlyRootFilesystem") is True, c["name"]
+        assert not sc.get("privileged"), c["name"]
+
+
+@pytest.mark.parametrize("workload", _workloads(), ids=lambda w: w["metadata"]["name"])
+def test_only_the_autoscaler_mounts_a_service_account_token(workload: Doc) -> None:
+    """automountServiceAccountToken is false on every pod but the autoscaler's, which patches scale."""
+    pod = _pod(workload)
+    if workload["metadata"]["name"] == "infermeter-autoscaler":
+        assert pod.get("automountServiceAccountToken", True) is True
+        assert pod["serviceAccountName"] == "infermeter-autoscaler"
+    else:
+        assert pod.get("automountServiceAccountToken") is False
+        assert "serviceAccountName" not in pod
+
+
+def test_the_namespace_enforces_pod_security_restricted() -> None:
+    """The namespace enforces (and warns and audits) the Pod Security "restricted" level."""
+    (namespace,) = _of("Namespace")
+    labels = namespace["metadata"]["labels"]
+    for mode in ("enforce", "warn", "audit"):
+        assert labels[f"pod-security.kubernetes.io/{mode}"] == "restricted"
+
+
+@pytest.mark.parametrize("workload", _workloads(), ids=lambda w: w["metadata"]["name"])
+def test_no_pod_needs_more_than_restricted(workload: Doc) -> None:
+    """No host namespaces, host ports or hostPath volumes: "restricted" admits every pod."""
+    pod = _pod(workload)
+    assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+    assert not any("hostPath" in v for v in pod.get("volumes", []))
+    assert not any(p.get("hostPort") for c in pod["containers"] for p in c.get("ports", []))
+
+
+def test_exports_are_not_on_the_ledger_volume(tmp_path: Path) -> None:
+    """billing.export_dir is on a volume of its own: a large export cannot fill the ledger's disk."""
+    (cm,) = _of("ConfigMap")
+    path = tmp_path / "infermeter.yaml"
+    path.write_text(filled(cm["data"]["infermeter.yaml"]))
+    config = load_config(path, environ={})
+    (billing,) = _of("StatefulSet")
+    (claim,) = billing["spec"]["volumeClaimTemplates"]
+    (container,) = _pod(billing)["containers"]
+    mounts: dict[str, str] = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+
+    def volume_of(target: str) -> str:
+        best = max((p for p in mounts if target == p or target.startswith(p.rstrip("/") + "/")),
+                   key=len)  # fmt: skip
+        return mounts[best]
+
+    assert volume_of(config.billing.database) == claim["metadata"]["name"]
+    assert volume_of(config.billing.export_dir) != claim["metadata"]["name"]
