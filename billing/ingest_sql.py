@@ -21,6 +21,7 @@ from infermeter.records import (
     GPU,
     USAGE,
     Field,
+    FieldType,
     RecordKind,
     RequestStatus,
 )
@@ -51,6 +52,12 @@ _TEAM_CHECK = (
     "'unknown team ' || to_json(team)",
 )
 
+# Bounds a record must be within: one record must not unroll into unbounded work or money. A
+# request is at most a day long (a longer one would spread over ~1,440 minute rows and more), and
+# carries at most 100M tokens each way (far beyond any context window).
+MAX_REQUEST_SECONDS: Final = 86_400
+MAX_TOKENS: Final = 100_000_000
+
 # The checks beyond types, per kind: (SQL condition that means "bad", reason). The fields, their
 # types and defaults come from the record declarations (infermeter.records).
 CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
@@ -63,6 +70,14 @@ CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
             "'token counts must not be negative'",
         ),
         ("cached_prompt_tokens > prompt_tokens", "'cached_prompt_tokens exceeds prompt_tokens'"),
+        (
+            f"prompt_tokens > {MAX_TOKENS} OR completion_tokens > {MAX_TOKENS}",
+            f"'token counts above {MAX_TOKENS:,}'",
+        ),
+        (
+            f"finished_at - received_at > {MAX_REQUEST_SECONDS}",
+            f"'finished_at is more than {MAX_REQUEST_SECONDS} s after received_at'",
+        ),
         ("received_at < 946684800", "'received_at: not Unix seconds (before 2000)'"),
         ("finished_at < received_at", "'finished_at is before received_at'"),
         (
@@ -78,6 +93,7 @@ CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
         ('"timestamp" > $now + $skew', "'timestamp in the future'"),
         ("interval_seconds < 0 OR interval_seconds > 86400", "'interval_seconds: out of range'"),
         ("utilization < 0 OR utilization > 1", "'utilization: not between 0 and 1'"),
+        ("memory_used_mib < 0 OR memory_free_mib < 0", "'memory must not be negative'"),
         ("power_watts < 0 OR energy_joules < 0", "'power and energy must not be negative'"),
     ),
     ENGINE.key: (
@@ -140,6 +156,9 @@ typed AS (
     SELECT 0 AS item, pos,
     CASE
         WHEN json_type(r) IS DISTINCT FROM 'OBJECT' THEN 'not a JSON object'
+        WHEN len(json_keys(r)) <> len(list_distinct(json_keys(r))) THEN 'duplicate key(s): '
+            || array_to_string(list_distinct(list_filter(json_keys(r),
+                   lambda k: len(list_filter(json_keys(r), lambda j: j = k)) > 1)), ', ')
         WHEN NOT list_has_all({allowed}, json_keys(r)) THEN 'unknown key(s): '
             || array_to_string(list_filter(json_keys(r), lambda k: NOT list_contains({allowed}, k)), ', ')
 {cases}
@@ -167,8 +186,18 @@ WITH typed AS (SELECT item, pos, dup, NULL::VARCHAR AS type_reason, {cols} FROM 
 )"""
 
 
+def _finite_checks(kind: RecordKind) -> list[tuple[str, str]]:
+    """NaN and infinity are refused in every number field (JSON has neither; Arrow has both)."""
+    return [
+        (f"NOT isfinite({_q(f.name)})", f"'{f.name}: not a finite number'")
+        for f in kind.fields
+        if f.type is FieldType.NUMBER
+    ]
+
+
 def _checked(kind: RecordKind, relation: str, dup: str | None = None) -> str:
-    domain = "\n".join(f"        WHEN {cond} THEN {reason}" for cond, reason in CHECKS[kind.key])
+    checks = [*_finite_checks(kind), *CHECKS[kind.key]]
+    domain = "\n".join(f"        WHEN {cond} THEN {reason}" for cond, reason in checks)
     columns = "* EXCLUDE (dup)" if dup else "*"
     dup = dup or f"row_number() OVER (PARTITION BY {_q(kind.id_field)} ORDER BY pos) > 1 AS dup"
     return f"""SELECT {columns},
@@ -201,17 +230,19 @@ def good_sql(kind: RecordKind, source: str) -> str:
 
 
 def known_sql(kind: RecordKind) -> str:
-    """SQL keeping in ``_known`` the ids of ``_good`` that the kind's table already has.
+    """SQL keeping in ``_known`` the ids of ``_good`` that the kind's table already has, ever.
 
-    Normally empty: only a resent batch has any. The lookup is limited to rows whose time falls
-    in the batch's range (``$lo``..``$hi``): a resent record carries the same time, and the
-    range lets DuckDB skip every row group outside it instead of keeping an index of every id
-    in memory.
+    Normally empty: only a resent batch has any. The lookup is limited to ids between the
+    batch's least and greatest id (``$lo``..``$hi``), which is exact whatever times the records
+    claim (a resent id with a shifted timestamp is still found). It is also cheap without an
+    index of every id in memory: the ids that shippers mint begin with their time (the sidecar's
+    request ids, the collector's sample ids), so ids are appended in nearly sorted order and the
+    range lets DuckDB skip every row group outside it by its min/max statistics.
     """
-    idf, tf = _q(kind.id_field), _q(kind.time_field)
+    idf = _q(kind.id_field)
     return f"""
 CREATE OR REPLACE TEMP TABLE _known AS
-SELECT g.{idf} FROM _good g SEMI JOIN {kind.table} t ON t.{tf} BETWEEN $lo AND $hi AND t.{idf} = g.{idf}
+SELECT g.{idf} FROM _good g SEMI JOIN {kind.table} t ON t.{idf} BETWEEN $lo AND $hi AND t.{idf} = g.{idf}
 """
 
 

@@ -25,6 +25,7 @@ from billing import allocation, ingest_sql
 from billing.allocation import Policy
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
 from billing.group_commit import GroupCommit, Ticket
+from billing.jsonkeys import duplicate_key
 from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS, new_field_sql
 from infermeter.errors import BadRequest
 from infermeter.months import month_bounds, month_of
@@ -174,6 +175,11 @@ class Ledger:
         a bad record only lands in ``rejected``.
         """
         raw = body.encode() if isinstance(body, str) else body
+        # orjson keeps the last of two equal keys and DuckDB the first: a batch whose readers
+        # could disagree on what it holds is refused whole, before either reads it.
+        key = duplicate_key(raw)
+        if key is not None:
+            raise _not_a_batch(f"duplicate key {key!r} in a JSON object")
         kind, records = self._batch(raw, max_records)
         return self._commit(kind, typed_frame(kind, records), raw, now, skew_seconds)
 
@@ -204,9 +210,11 @@ class Ledger:
             if frame is not None:
                 batch = _Pending(kind, frame, None, frozenset(), now, skew_seconds)
                 return ticket.submit(batch, frame.height)
-            records, malformed = _ndjson_records(body)
-            frame = typed_frame(kind, records)
-            raw = None if frame is not None else orjson.dumps({kind.key: records})
+            texts, records, malformed, duplicates = _ndjson_records(body)
+            # A line with a duplicate key is checked in DuckDB from its own text, which names it;
+            # orjson's reading of it (the last value wins) is never used.
+            frame = None if duplicates else typed_frame(kind, records)
+            raw = None if frame is not None else _json_batch(kind, texts)
             batch = _Pending(kind, frame, raw, malformed, now, skew_seconds)
             return ticket.submit(batch, frame.height if frame is not None else 1)
 
@@ -357,8 +365,8 @@ class Ledger:
         span = None
         if sum(good):
             con.execute(ingest_sql.good_sql(kind, source))
-            tf = f'"{kind.time_field}"'
-            lo, hi = con.execute(f"SELECT min({tf}), max({tf}) FROM _good").fetchone() or (0, 0)
+            idf = f'"{kind.id_field}"'
+            lo, hi = con.execute(f"SELECT min({idf}), max({idf}) FROM _good").fetchone() or ("", "")
             con.execute(ingest_sql.known_sql(kind), {"lo": lo, "hi": hi})
             con.execute(ingest_sql.fresh_sql(kind))
             for item, n in con.execute("SELECT item, count(*) FROM fresh GROUP BY item").fetchall():
@@ -548,23 +556,34 @@ def _check_size(records: int, max_records: int | None) -> None:
         )
 
 
-def _ndjson_records(body: bytes) -> tuple[list[Any], frozenset[int]]:
-    """Each line's JSON value (None where a line is not JSON), and those lines' 1-based places.
+def _ndjson_records(body: bytes) -> tuple[list[bytes], list[Any], frozenset[int], bool]:
+    """Each line's text and JSON value (``null`` and None where a line is not JSON), those lines'
+    1-based places, and whether any line has a duplicate key.
 
     Lines are split at "\n" only, as ``line_count`` counts them; a blank line is not JSON.
     """
     lines = body.split(b"\n")
     if body.endswith(b"\n"):
         lines.pop()
+    texts: list[bytes] = []
     records: list[Any] = []
     malformed = set()
+    duplicates = False
     for pos, line in enumerate(lines, start=1):
         try:
             records.append(orjson.loads(line))
+            texts.append(line)
+            duplicates = duplicates or duplicate_key(line) is not None
         except orjson.JSONDecodeError:
             records.append(None)
+            texts.append(b"null")
             malformed.add(pos)
-    return records, frozenset(malformed)
+    return texts, records, frozenset(malformed), duplicates
+
+
+def _json_batch(kind: RecordKind, texts: Sequence[bytes]) -> bytes:
+    """``{"<kind>": [records]}`` from each record's own JSON text, for the per-record path."""
+    return b'{"' + kind.key.encode() + b'": [' + b",".join(texts) + b"]}"
 
 
 def _frame(cur: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any]) -> pl.DataFrame:

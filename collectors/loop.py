@@ -25,6 +25,7 @@ from collectors.sources import (
     ScrapeError,
 )
 from infermeter.config import Config, Replica
+from infermeter.ids import sample_id
 from infermeter.records import EngineSample, GpuSample
 from infermeter.spool import SpoolError
 
@@ -210,7 +211,7 @@ class FleetCollector:
             gpu_model = replica.gpu_model if replica else (node.gpu_model if node else None)
             out.append(
                 GpuSample(
-                    sample_id=f"{r.node}/{r.uuid}/{r.mig_instance or '-'}/{round(t * 1000)}",
+                    sample_id=sample_id(t, r.node, r.uuid, r.mig_instance or "-"),
                     node=r.node,
                     gpu=r.slot,
                     uuid=r.uuid,
@@ -246,7 +247,7 @@ class FleetCollector:
         except KeyError:
             return None
         sample = EngineSample(
-            sample_id=f"{target}/{round(t * 1000)}",
+            sample_id=sample_id(t, target),
             replica=target,
             model=replica.model,
             timestamp=t,

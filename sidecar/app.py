@@ -33,6 +33,7 @@ from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
 from infermeter.auth import AuthError, bearer_key
 from infermeter.config import Config
 from infermeter.errors import error_body, sse_error_event
+from infermeter.ids import request_id
 from infermeter.records import RequestStatus, UsageRecord
 from infermeter.spool import Spool, SpoolError
 from sidecar import tracing
@@ -275,7 +276,8 @@ class Sidecar:
         return view.keys.team_for(bearer_key(header(scope, b"authorization")))
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
-        call = _Call(os.urandom(16).hex(), path, time.time(), time.perf_counter())
+        received_at = time.time()
+        call = _Call(request_id(received_at), path, received_at, time.perf_counter())
         meter: StreamMeter | None = None
         usage: UsageCounts | None = None
         status = RequestStatus.OK
