@@ -22,10 +22,10 @@ Columns (in this order; money in USD with two decimals, computed from whole cent
 
 A text cell that a spreadsheet would run as a formula is written with a leading apostrophe, as
 OWASP recommends: one whose first character that is not a space or a line feed is ``=``, ``+``,
-``-``, ``@``, a tab or a carriage return, once Unicode NFKC has folded look-alikes (the full-width
-equals sign U+FF1D, no-break and ideographic spaces) into them, because spreadsheets skip leading blanks and
-some fold those forms too. Numeric columns are numbers, so a negative amount stays a number.
-Escaping and quoting are Polars' CSV writer's.
+``-``, ``@``, a tab or a carriage return, once Unicode NFKC has folded look-alikes (the
+full-width equals sign U+FF1D, no-break and ideographic spaces) into them, because spreadsheets
+skip leading blanks and some fold those forms too. Numeric columns are numbers, so a negative
+amount stays a number. Escaping and quoting are Polars' CSV writer's.
 """
 
 from __future__ import annotations

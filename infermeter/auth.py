@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 __all__ = ["AuthError", "GatewayVerifier", "KeyRing", "sign_team"]
+
+# Unix seconds as the gateway writes them: int() alone would also take signs, spaces, "_",
+# other scripts' digits and numbers too large to compare with the clock.
+_TIMESTAMP = re.compile(r"[0-9]{1,12}")
 
 
 class AuthError(Exception):
@@ -81,10 +86,9 @@ class GatewayVerifier:
             raise AuthError(
                 "Missing signed team header from the trusted gateway.", "missing_team_signature"
             )
-        try:
-            ts = int(stamp)
-        except ValueError:
-            raise AuthError("Malformed gateway timestamp.", "invalid_team_signature") from None
+        if not _TIMESTAMP.fullmatch(stamp):
+            raise AuthError("Malformed gateway timestamp.", "invalid_team_signature")
+        ts = int(stamp)
         now = time.time() if now is None else now
         if abs(now - ts) > self.max_skew_seconds:
             raise AuthError("Stale gateway signature.", "invalid_team_signature")
