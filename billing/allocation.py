@@ -277,8 +277,10 @@ def _idle_lines(replicas: pl.DataFrame, shares: pl.DataFrame, policy: Policy) ->
         elif rule == "owner" and owner:
             rows.append({"team": owner, "model": model, "idle_usd": amount})
         elif rule == "spread" and total > 0:
+            # The share first: amount * p can underflow when p is tiny (a request in flight for
+            # a subnormal number of seconds), and the shares would no longer add up to amount.
             rows.extend(
-                {"team": t, "model": m, "idle_usd": amount * p / total}
+                {"team": t, "model": m, "idle_usd": amount * (p / total)}
                 for t, m, p in mine.select("team", "model", "paid").iter_rows()
             )
         else:
