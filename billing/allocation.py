@@ -21,6 +21,13 @@ Idle capacity (a slot, or the part of it, with nothing in flight) follows the re
 that month, ``platform`` to the platform account, ``owner`` to the team that owns a dedicated
 replica. GPUs that no replica runs on are the platform's, as model ``(unallocated)``.
 
+A GPU model seen by the collector with no price in the price book cannot be costed, and guessing
+a price would be wrong, but one unknown board must not stop a whole month's chargeback either.
+Its time is left out of the fleet cost and shown as an error line: the platform account, zero
+cost, its GPU-hours and kWh, and model ``(error) no price for GPU model <name> in
+prices.usd_per_gpu_hour`` saying what to fix. Adding the price later turns the line into costs
+(as adjustments once the month is closed).
+
 The work is split the way the data is shaped. The per-slot arithmetic runs over millions of
 rollup rows, so it is SQL, built here by pure functions (``allocation_sql``) and run by whoever
 holds a DuckDB connection. What comes back is a few rows per replica and team; charging idle
@@ -42,6 +49,7 @@ import polars as pl
 from billing.schema import SLOT_SECONDS
 
 __all__ = [
+    "ERROR_PREFIX",
     "LINE_COLUMNS",
     "UNALLOCATED",
     "AllocationSql",
@@ -49,9 +57,12 @@ __all__ = [
     "allocate",
     "allocation_sql",
     "lines_from",
+    "unpriced_model",
 ]
 
 UNALLOCATED: Final = "(unallocated)"
+# The model of a line that could not be priced starts with this; the rest says why.
+ERROR_PREFIX: Final = "(error) "
 LINE_COLUMNS: Final = (
     "team", "model", "requests", "prompt_tokens", "completion_tokens", "gpu_hours", "energy_kwh",
     "compute_usd", "energy_usd", "idle_usd",
@@ -82,7 +93,7 @@ class Policy:
 class AllocationSql:
     """The queries of one allocation, each over the relations named when it was built.
 
-    ``unpriced``: GPU models seen without a price (must be empty). ``prepare``: creates temp
+    ``unpriced``: GPU models seen without a price, with their GPU-hours and kWh. ``prepare``: creates temp
     table ``_slots`` (cost and occupancy per replica and slot), which the next two read, so the
     big join is done once. ``replicas``: per replica,
     its busy and idle cost. ``shares``: per replica, team and model, the busy cost it pays and
@@ -183,9 +194,12 @@ SELECT replica,
     sum((compute_usd + energy_usd) * busy) AS busy_usd,
     sum((compute_usd + energy_usd) * (1.0 - busy)) AS idle_usd
 FROM _slots GROUP BY replica"""
-    priced = ", ".join(_lit(m) for m in sorted(policy.usd_per_gpu_hour)) or "NULL"
+    priced = ", ".join(_lit(m) for m in sorted(policy.usd_per_gpu_hour))
+    # (NOT IN () is not SQL, and NOT IN (NULL) matches nothing: with no prices, every model.)
+    unpriced_where = f"WHERE gpu_model NOT IN ({priced})" if priced else ""
     return AllocationSql(
-        unpriced=f"SELECT DISTINCT gpu_model FROM {gpus} WHERE gpu_model NOT IN ({priced}) ORDER BY 1",
+        unpriced=f"""SELECT gpu_model, sum(gpu_seconds) / 3600.0 AS gpu_hours, sum(energy_joules) / 3.6e6 AS energy_kwh
+FROM {gpus} {unpriced_where} GROUP BY gpu_model ORDER BY gpu_model""",
         prepare=prepare,
         replicas=replicas,
         shares=shares,
@@ -225,6 +239,22 @@ def lines_from(
     )
 
 
+def unpriced_model(gpu_model: str) -> str:
+    """The model column of the error line for ``gpu_model``'s unpriced time: the reason."""
+    return f"{ERROR_PREFIX}no price for GPU model {gpu_model} in prices.usd_per_gpu_hour"
+
+
+def unpriced_lines(unpriced: pl.DataFrame, policy: Policy) -> pl.DataFrame:
+    """Error lines for ``unpriced`` (gpu_model, gpu_hours, energy_kwh): the platform's, at zero cost."""
+    return unpriced.select(
+        pl.lit(policy.platform_account).alias("team"),
+        pl.format(unpriced_model("{}"), "gpu_model").alias("model"),
+        *(pl.lit(0, dtype=pl.Int64).alias(c) for c in ("requests", "prompt_tokens", "completion_tokens")),
+        *(pl.col(c).cast(pl.Float64).round(10) for c in ("gpu_hours", "energy_kwh")),
+        *(pl.lit(0.0).alias(c) for c in ("compute_usd", "energy_usd", "idle_usd")),
+    )  # fmt: skip
+
+
 def _idle_lines(replicas: pl.DataFrame, shares: pl.DataFrame, policy: Policy) -> pl.DataFrame:
     """Idle capacity per replica, charged by its policy: team, model, idle_usd."""
     paid = shares.group_by("replica").agg(paid=(pl.col("compute_usd") + pl.col("energy_usd")).sum())
@@ -247,8 +277,10 @@ def _idle_lines(replicas: pl.DataFrame, shares: pl.DataFrame, policy: Policy) ->
         elif rule == "owner" and owner:
             rows.append({"team": owner, "model": model, "idle_usd": amount})
         elif rule == "spread" and total > 0:
+            # The share first: amount * p can underflow when p is tiny (a request in flight for
+            # a subnormal number of seconds), and the shares would no longer add up to amount.
             rows.extend(
-                {"team": t, "model": m, "idle_usd": amount * p / total}
+                {"team": t, "model": m, "idle_usd": amount * (p / total)}
                 for t, m, p in mine.select("team", "model", "paid").iter_rows()
             )
         else:
@@ -261,12 +293,8 @@ def _idle_lines(replicas: pl.DataFrame, shares: pl.DataFrame, policy: Policy) ->
 def run(
     con: duckdb.DuckDBPyConnection, queries: AllocationSql, policy: Policy
 ) -> tuple[pl.DataFrame, float]:
-    """Run ``queries`` on ``con``: the lines and the fleet cost. ValueError for unpriced GPUs."""
-    unpriced = [r[0] for r in con.execute(queries.unpriced).fetchall()]
-    if unpriced:
-        raise ValueError(
-            f"no price for GPU model(s) {', '.join(unpriced)} in prices.usd_per_gpu_hour"
-        )
+    """Run ``queries`` on ``con``: the lines (error lines for unpriced GPUs) and the fleet cost."""
+    unpriced = con.sql(queries.unpriced).pl()
     fleet_rows = con.execute(queries.fleet).fetchall()
     fleet = float(fleet_rows[0][0]) if fleet_rows and fleet_rows[0][0] is not None else 0.0
     con.execute(queries.prepare)
@@ -279,6 +307,8 @@ def run(
         )
         shares = shares.drop("requests", "prompt_tokens", "completion_tokens")
     lines = lines_from(con.sql(queries.replicas).pl(), shares, counts, policy)
+    if unpriced.height:
+        lines = pl.concat([lines, unpriced_lines(unpriced, policy)]).sort("team", "model")
     return lines, fleet
 
 

@@ -7,6 +7,7 @@ routes use, so a scrape never recomputes the month while the scraper waits.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter
@@ -15,19 +16,33 @@ from prometheus_client.registry import Collector
 
 from billing.chargeback import Chargeback
 from billing.ledger import IngestResult, Ledger
+from billing.statement import error_lines
+from infermeter.months import month_of
 
 __all__ = ["IngestCounters", "LedgerCollector", "SpendCollector"]
 
 
 class SpendCollector(Collector):
-    """infermeter_team_spend_usd, infermeter_team_budget_usd, infermeter_team_spend_forecast_usd."""
+    """infermeter_team_spend_usd, infermeter_team_budget_usd, infermeter_team_spend_forecast_usd.
+
+    And infermeter_billing_statement_error_lines: lines of this month's statement that could not
+    be priced (a GPU model missing from the price book), which an operator should alert on.
+    """
 
     def __init__(self, chargeback: Chargeback) -> None:
         self.chargeback = chargeback
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        """One sample per team for each of the three gauges."""
+        """One sample per team for each of the three gauges; the month's error lines."""
         rows = self.chargeback.spend()
+        # The statement spend() just read (a cached chargeback serves it again without work).
+        statement = self.chargeback.statement(month_of(time.time()))
+        errors = GaugeMetricFamily(
+            "infermeter_billing_statement_error_lines",
+            "Lines of this month's statement that could not be priced (zero cost; the line's model says why).",
+            labels=["reason"],
+        )
+        errors.add_metric(["unpriced_gpu_model"], error_lines(statement.lines).height)
         spend = GaugeMetricFamily(
             "infermeter_team_spend_usd",
             "Month-to-date cost charged to the team, USD.",
@@ -45,6 +60,7 @@ class SpendCollector(Collector):
         yield spend
         yield budget
         yield forecast
+        yield errors
 
 
 class LedgerCollector(Collector):

@@ -11,24 +11,28 @@ from collections.abc import Sequence
 
 import polars as pl
 
+from billing.allocation import ERROR_PREFIX
 from billing.rounding import largest_remainder
 from infermeter.statement import CENT_COLUMNS, COUNT_COLUMNS, LINE_SCHEMA, empty_lines
 
-__all__ = ["adjustment_lines", "cents_lines", "team_totals"]
+__all__ = ["adjustment_lines", "cents_lines", "error_lines", "team_totals"]
 
 
 def cents_lines(month: str, lines: pl.DataFrame, fleet_usd: float) -> pl.DataFrame:
     """Allocation lines (USD floats) as cents that add up to ``fleet_usd`` rounded.
 
     Every cell (compute, energy and idle of every line) takes part in one largest-remainder
-    rounding, so both the line totals and the statement total are exact.
+    rounding, so both the line totals and the statement total are exact. Error lines stay out
+    of it: a leftover cent must never land on a line that says it could not be priced.
     """
     if lines.height == 0:
         return empty_lines()
-    cells = [
-        c for row in lines.select("compute_usd", "energy_usd", "idle_usd").iter_rows() for c in row
-    ]
-    cents = largest_remainder([max(0.0, c) for c in cells], fleet_usd)
+    rows = lines.select("compute_usd", "energy_usd", "idle_usd").rows()
+    priced = [i for i, m in enumerate(lines["model"]) if not (m or "").startswith(ERROR_PREFIX)]
+    rounded = largest_remainder([max(0.0, c) for i in priced for c in rows[i]], fleet_usd)
+    cents = [0] * (3 * len(rows))
+    for k, i in enumerate(priced):
+        cents[3 * i : 3 * i + 3] = rounded[3 * k : 3 * k + 3]
     compute, energy, idle = cents[0::3], cents[1::3], cents[2::3]
     return lines.select(
         pl.lit(month).alias("month"),
@@ -67,6 +71,11 @@ def adjustment_lines(
     return diff.filter(nonzero).select(
         pl.lit(month).alias("month"), pl.lit(for_month).alias("for_month"), *keys, *value_cols
     ).cast(LINE_SCHEMA).sort(keys)  # type: ignore[arg-type]  # fmt: skip
+
+
+def error_lines(lines: pl.DataFrame) -> pl.DataFrame:
+    """The lines that could not be priced: zero cost, and the model column says why."""
+    return lines.filter(pl.col("model").str.starts_with(ERROR_PREFIX))
 
 
 def team_totals(lines: pl.DataFrame, teams: Sequence[str]) -> dict[str, int]:

@@ -20,9 +20,12 @@ Columns (in this order; money in USD with two decimals, computed from whole cent
 ``budget_usd``        the team's monthly budget (empty: none)
 ``budget_used_pct``   the team's whole statement as a percentage of its budget
 
-A cell that a spreadsheet would run as a formula (one that starts with ``=``, ``+``, ``-``,
-``@``, a tab or a carriage return) is written with a leading apostrophe, as OWASP recommends.
-Escaping and quoting are Polars' CSV writer's.
+A text cell that a spreadsheet would run as a formula is written with a leading apostrophe, as
+OWASP recommends: one whose first character that is not a space or a line feed is ``=``, ``+``,
+``-``, ``@``, a tab or a carriage return, once Unicode NFKC has folded look-alikes (the
+full-width equals sign U+FF1D, no-break and ideographic spaces) into them, because spreadsheets
+skip leading blanks and some fold those forms too. Numeric columns are numbers, so a negative
+amount stays a number. Escaping and quoting are Polars' CSV writer's.
 """
 
 from __future__ import annotations
@@ -41,13 +44,16 @@ CSV_COLUMNS: Final = (
     "completion_tokens", "gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd",
     "total_usd", "budget_usd", "budget_used_pct",
 )  # fmt: skip
-_FORMULA_START: Final = r"^[=+\-@\t\r]"
+# Blanks (any Unicode white space but tab and CR, which start formulas themselves), then a
+# formula start; matched against the NFKC form of the cell (Rust regex: \s is Unicode).
+_FORMULA_START: Final = r"^[\s&&[^\t\r]]*[=+\-@\t\r]"
 
 
 def defuse(column: str) -> pl.Expr:
-    """``column`` with every formula-looking cell prefixed by an apostrophe."""
+    """``column`` with every formula-looking cell prefixed by an apostrophe (the cell is kept as is)."""
     col = pl.col(column)
-    return pl.when(col.str.contains(_FORMULA_START)).then("'" + col).otherwise(col).alias(column)
+    formula = col.str.normalize("NFKC").str.contains(_FORMULA_START)
+    return pl.when(formula).then("'" + col).otherwise(col).alias(column)
 
 
 def chargeback_frame(statement: Statement, budgets_usd: Mapping[str, float]) -> pl.DataFrame:

@@ -38,6 +38,20 @@ def _utc(t: float) -> str:
     return pl.from_epoch(pl.Series([int(t)]), time_unit="s").dt.strftime("%Y-%m-%dT%H:%M:%SZ")[0]  # type: ignore[no-any-return]
 
 
+def _usd(cents: str) -> pl.Expr:
+    """Whole cents as USD, an exact Decimal with two places."""
+    return pl.col(cents).cast(pl.Decimal(38, 2)) / 100
+
+
+def _decimal(value: pl.Expr) -> pl.Expr:
+    """``value`` as a Decimal with six places: written with its decimal point even when whole.
+
+    FOCUS types these columns Decimal, and readers (focus-validator's pandas among them) take a
+    column of ``0`` or ``1`` for integers, so a float column whose values are all whole fails.
+    """
+    return value.round(6).cast(pl.Decimal(38, 6))
+
+
 def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> pl.DataFrame:
     """The statement as FOCUS ``version`` ("1.0" or "1.2") rows."""
     if version not in ("1.0", "1.2"):
@@ -47,12 +61,12 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
     periods = {
         m: tuple(_utc(t) for t in month_bounds(m)) for m in set(lines["for_month"].to_list())
     }
-    total = (pl.col("total_cents") / 100).round(2)
+    total = _usd("total_cents")
     correction = pl.col("for_month") != pl.lit(statement.month)
     # Price per GPU-hour of the line (it may mix GPU models, so it is derived, not looked up).
-    unit_price = (
+    unit_price = _decimal(
         pl.when(pl.col("gpu_hours") > 0)
-        .then((pl.col("total_cents") / 100 / pl.col("gpu_hours")).round(6))
+        .then(pl.col("total_cents") / 100 / pl.col("gpu_hours"))
         .otherwise(None)
     )
     frame = lines.select(
@@ -72,7 +86,7 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
         total.alias("EffectiveCost"),
         pl.lit(PROVIDER).alias("InvoiceIssuerName"),
         total.alias("ListCost"),
-        pl.col("gpu_hours").round(6).alias("PricingQuantity"),
+        _decimal(pl.col("gpu_hours")).alias("PricingQuantity"),
         pl.lit("GPU-Hours").alias("PricingUnit"),
         pl.lit(PROVIDER).alias("ProviderName"),
         pl.lit(PROVIDER).alias("PublisherName"),
@@ -83,7 +97,7 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
         pl.lit(SERVICE_NAME).alias("ServiceName"),
         pl.col("team").alias("SubAccountId"),
         pl.col("team").alias("SubAccountName"),
-        pl.col("gpu_hours").round(6).alias("ConsumedQuantity"),
+        _decimal(pl.col("gpu_hours")).alias("ConsumedQuantity"),
         pl.lit("GPU-Hours").alias("ConsumedUnit"),
         pl.lit(None, dtype=pl.String).alias("AvailabilityZone"),
         pl.lit(None, dtype=pl.String).alias("CommitmentDiscountCategory"),
@@ -98,17 +112,18 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
         pl.lit(None, dtype=pl.String).alias("RegionName"),
         pl.format("gpu-inference/{}", "model").alias("SkuId"),
         pl.format("gpu-inference/{}/{}", "model", "for_month").alias("SkuPriceId"),
-        pl.format('{{"team": "{}", "model": "{}"}}', "team", "model").alias("Tags"),
+        # Serialised as JSON, not formatted: a model name is whatever a client sent.
+        pl.struct("team", "model").struct.json_encode().alias("Tags"),
         pl.col("team").alias("x_Team"),
         pl.col("model").alias("x_Model"),
         pl.col("for_month").alias("x_UsageMonth"),
         pl.col("requests").alias("x_Requests"),
         pl.col("prompt_tokens").alias("x_PromptTokens"),
         pl.col("completion_tokens").alias("x_CompletionTokens"),
-        pl.col("energy_kwh").round(6).alias("x_EnergyKWh"),
-        (pl.col("compute_cents") / 100).round(2).alias("x_ComputeCost"),
-        (pl.col("energy_cents") / 100).round(2).alias("x_EnergyCost"),
-        (pl.col("idle_cents") / 100).round(2).alias("x_IdleCost"),
+        _decimal(pl.col("energy_kwh")).alias("x_EnergyKWh"),
+        _usd("compute_cents").alias("x_ComputeCost"),
+        _usd("energy_cents").alias("x_EnergyCost"),
+        _usd("idle_cents").alias("x_IdleCost"),
     )  # fmt: skip
     if version == "1.0":
         # focus-validator 1.0.0, the reference validator, still checks these pre-1.0 names.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -45,6 +46,10 @@ METRICS: Final = "@metrics"
 MANAGERS: Final = frozenset({ADMIN})  # every team's data, months, closing, ledger exports
 SCRAPERS: Final = frozenset({ADMIN, METRICS})  # /metrics of every service
 INGESTERS: Final = frozenset({INGEST})  # records into billing
+
+# Unix seconds as the gateway writes them: int() alone would also take signs, spaces, "_",
+# other scripts' digits and numbers too large to compare with the clock.
+_TIMESTAMP = re.compile(r"[0-9]{1,12}")
 
 
 class AuthError(Exception):
@@ -112,10 +117,9 @@ class GatewayVerifier:
             raise AuthError(
                 "Missing signed team header from the trusted gateway.", "missing_team_signature"
             )
-        try:
-            ts = int(stamp)
-        except ValueError:
-            raise AuthError("Malformed gateway timestamp.", "invalid_team_signature") from None
+        if not _TIMESTAMP.fullmatch(stamp):
+            raise AuthError("Malformed gateway timestamp.", "invalid_team_signature")
+        ts = int(stamp)
         now = time.time() if now is None else now
         if abs(now - ts) > self.max_skew_seconds:
             raise AuthError("Stale gateway signature.", "invalid_team_signature")

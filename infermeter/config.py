@@ -327,7 +327,7 @@ class BillingSettings(_Strict):
     url: str = "http://127.0.0.1:19600"
     database: str = "var/infermeter.duckdb"
     memory_limit: Annotated[
-        str, StringConstraints(pattern=r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
+        str, StringConstraints(pattern=r"^[0-9]+(\.[0-9]+)? *(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
     ] = "2GB"
     threads: Annotated[int, Field(gt=0)] | None = None
     ingest_token_sha256: list[Sha256] = Field(default_factory=list)

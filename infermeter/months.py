@@ -7,12 +7,14 @@ from datetime import UTC, datetime
 
 __all__ = ["check_month", "month_bounds", "month_of", "next_month"]
 
-_MONTH = re.compile(r"^(\d{4})-(0[1-9]|1[0-2])$")
+# Matched with fullmatch: ``$`` would let "2026-11\n" through, a second name for the month. ASCII
+# digits only: ``\d`` takes any script's digits, which int() reads as the same month too.
+_MONTH = re.compile(r"([0-9]{4})-(0[1-9]|1[0-2])")
 
 
 def check_month(month: str) -> str:
     """``month`` if it is ``YYYY-MM``; ValueError naming the bad value otherwise."""
-    if not _MONTH.match(month):
+    if not _MONTH.fullmatch(month):
         raise ValueError(f"month {month!r} is not of the form YYYY-MM")
     return month
 

@@ -70,10 +70,11 @@ class _Reject(Exception):
     """An answer decided before forwarding: status, OpenAI error and extra headers."""
 
     def __init__(self, status: int, message: str, err_type: str, code: str | None,
-                 record_status: RequestStatus, headers: tuple[tuple[str, str], ...] = ()) -> None:  # fmt: skip
+                 record_status: RequestStatus, headers: tuple[tuple[str, str], ...] = (),
+                 param: str | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.err_type, self.code = status, message, err_type, code
-        self.record_status, self.headers = record_status, headers
+        self.record_status, self.headers, self.param = record_status, headers, param
 
 
 @dataclass
@@ -297,7 +298,7 @@ class Sidecar:
         except _Reject as rej:
             status, http_status = rej.record_status, rej.status
             headers = [_JSON, *((k.encode(), v.encode()) for k, v in rej.headers)]
-            body_err = error_body(rej.status, rej.message, rej.err_type, rej.code)
+            body_err = error_body(rej.status, rej.message, rej.err_type, rej.code, rej.param)
             if call.team:
                 with contextlib.suppress(SpoolError):
                     await self._record(call, status, http_status, None, None, None)
@@ -328,6 +329,10 @@ class Sidecar:
         if not isinstance(body, dict):
             raise _Reject(400, "The request body must be a JSON object.", "invalid_request_error",
                           "invalid_json", RequestStatus.BAD_REQUEST)  # fmt: skip
+        if not isinstance(body.get("stream_options", {}), dict | None):
+            # It is read below to rewrite the stream; vLLM refuses it anyway.
+            raise _Reject(400, "'stream_options' must be an object or null.", "invalid_request_error",
+                          "invalid_type", RequestStatus.BAD_REQUEST, param="stream_options")  # fmt: skip
         requested = body.get("model")
         try:
             route = self.view.route(requested if isinstance(requested, str) else None)
@@ -357,6 +362,9 @@ class Sidecar:
             headers = (("retry-after", str(max(1, round(exc.retry_after_seconds)))), *exc.headers)
             raise _Reject(429, str(exc), "requests" if exc.reason == "requests" else "tokens",
                           "rate_limit_exceeded", RequestStatus.RATE_LIMITED, headers) from None  # fmt: skip
+        # In flight from the moment it holds an admission, which is exactly when _release
+        # decrements: nothing between the two can skip one of them.
+        self.metrics.in_flight.labels(call.team, call.model).inc()
         body["model"] = route.served_version
         if call.stream:
             options = body.get("stream_options") or {}
@@ -370,7 +378,6 @@ class Sidecar:
                 "include_usage": True,
                 "continuous_usage_stats": True,
             }
-        self.metrics.in_flight.labels(call.team, call.model).inc()
         if self.fair is not None:
             call.slot = await self.fair.acquire(call.team)
         if self.tracer is not None:

@@ -127,10 +127,13 @@ def test_gpus_no_replica_runs_on_are_the_platforms():
 
 
 def test_an_unpriced_gpu_model_is_an_error_naming_it():
-    """GPU time of a model with no price is never silently free."""
+    """GPU time of a model with no price is never silently free: an error line names it."""
     gpus = EXAMPLE_GPUS.with_columns(gpu_model=pl.lit("B200"))
-    with pytest.raises(ValueError, match=r"no price for GPU model\(s\) B200"):
-        allocate(EXAMPLE_USAGE, gpus, policy())
+    lines, fleet = allocate(EXAMPLE_USAGE, gpus, policy())
+    error = line(lines, "platform")
+    assert error["model"] == "(error) no price for GPU model B200 in prices.usd_per_gpu_hour"
+    assert error["gpu_hours"] == pytest.approx(3 / 60)
+    assert (error["compute_usd"], error["energy_usd"], error["idle_usd"], fleet) == (0, 0, 0, 0)
 
 
 REPLICAS = ["r1", "r2", "r3"]

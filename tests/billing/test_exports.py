@@ -5,9 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import re
-import subprocess
-import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import polars as pl
 import pytest
@@ -20,9 +17,8 @@ from infermeter.cli import main
 from infermeter.config import Config
 from infermeter.statement import Statement
 from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
+from tests.focus_validator import focus_1_0_failures
 
-ROOT = Path(__file__).resolve().parents[2]
-FOCUS_VENV = ROOT / ".venv-focus"
 UTC_Z = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")
 
 
@@ -41,34 +37,13 @@ def _statement(ledger: Ledger, config: Config) -> Statement:
     return cb.statement("2026-11")
 
 
-def _focus_validator() -> tuple[Path, Path]:
-    exe = FOCUS_VENV / "bin" / "focus-validator"
-    if not exe.exists():
-        pytest.fail(f"{exe} is missing: run `make focus-venv` (part of `make test`)")
-    site = subprocess.run(
-        [FOCUS_VENV / "bin" / "python", "-c", "import focus_validator, os; print(os.path.dirname(os.path.dirname(focus_validator.__file__)))"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
-    return exe, Path(site)
-
-
 def test_focus_1_0_is_accepted_by_the_reference_validator(ledger, config, tmp_path):
     """focus-validator 1.0.0 runs every FOCUS 1.0 check on the file; none fails."""
     statement = _statement(ledger, config)
     path = tmp_path / "focus-1.0.csv"
     path.write_text(write_csv(focus_frame(statement, config, "1.0")))
-    exe, site = _focus_validator()
-    report = tmp_path / "focus-report.xml"
-    # The validator reads its data files relative to its package folder and exits 0 even when
-    # checks fail, so it runs from there and its junit report is what decides.
-    subprocess.run([exe, "--data-file", path, "--validate-version", "1.0", "--output-type", "unittest",
-                    "--output-destination", report], cwd=site, check=True, capture_output=True, timeout=120)  # fmt: skip
-    root = ET.parse(report).getroot()
-    cases = root.findall(".//testcase")
-    failures = [
-        c.get("name") for c in cases if c.find("failure") is not None or c.find("error") is not None
-    ]
-    assert len(cases) > 100
+    checks, failures = focus_1_0_failures(path, tmp_path / "focus-report.xml")
+    assert checks > 100
     assert failures == []
 
 
