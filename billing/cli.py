@@ -8,7 +8,6 @@ themselves instead, for when the service is stopped (a backup, an offline statem
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from pathlib import Path
@@ -88,6 +87,8 @@ def register(sub: Subparsers) -> None:
 
 
 def _serve(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+
     from billing.serve import serve_billing
 
     asyncio.run(serve_billing(config, args.listen, args.database))

@@ -6,7 +6,6 @@ Imported to build the parser; the scrape loop and its server are imported by the
 from __future__ import annotations
 
 import argparse
-import asyncio
 from typing import TYPE_CHECKING
 
 from infermeter.commands import Subparsers, add_config
@@ -36,6 +35,8 @@ def register(subparsers: Subparsers) -> None:
 
 
 def _collect(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+
     from collectors.serve import serve_collector
 
     asyncio.run(serve_collector(config, args.listen))

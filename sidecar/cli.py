@@ -6,7 +6,6 @@ Imported to build the parser; the proxy itself is imported by the handler.
 from __future__ import annotations
 
 import argparse
-import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +44,8 @@ def register(subparsers: Subparsers) -> None:
 
 
 def _sidecar(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+
     from sidecar.serve import serve_sidecar
 
     try:

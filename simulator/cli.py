@@ -6,8 +6,6 @@ Imported to build the parser; the servers and the traffic generator are imported
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 from typing import TYPE_CHECKING
 
 from infermeter.commands import Subparsers, add_config, config_path, fail
@@ -56,6 +54,9 @@ def register(subparsers: Subparsers) -> None:
 
 
 def _simulate(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+    import contextlib
+
     from simulator import serve, traffic
 
     if args.replica:

@@ -6,7 +6,6 @@ Imported to build the parser; the handlers import the service and the replay onl
 from __future__ import annotations
 
 import argparse
-import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -78,6 +77,8 @@ def register(subparsers: Subparsers) -> None:
 
 
 def _run(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+
     from alerts.autoscale.hooks import HookError
     from alerts.autoscale.service import serve_autoscaler
 
