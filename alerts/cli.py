@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from infermeter.cli import add_config
-from infermeter.config import Config, default_config_path
+from infermeter.commands import Subparsers, add_config, config_path
+
+if TYPE_CHECKING:
+    from infermeter.config import Config
 
 __all__ = ["register", "write_rules"]
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subparsers) -> None:
     """Add ``alerts`` and its ``render`` subcommand to the ``infermeter`` parser."""
     alerts = subparsers.add_parser(
         "alerts",
@@ -60,7 +62,6 @@ def write_rules(config: Config, source: str, out: Path, manifest: Path | None = 
 
 
 def _render(args: argparse.Namespace, config: Config) -> int:
-    source = str(args.config or default_config_path())
-    for path in write_rules(config, source, args.out, args.prometheusrule):
+    for path in write_rules(config, config_path(args), args.out, args.prometheusrule):
         print(f"wrote {path}")
     return 0

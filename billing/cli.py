@@ -8,24 +8,24 @@ themselves instead, for when the service is stopped (a backup, an offline statem
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-import httpx
-from tqdm import tqdm
+from infermeter.commands import Subparsers, add_config, fail
 
-from infermeter.cli import add_config
-from infermeter.config import Config
+if TYPE_CHECKING:
+    import httpx
+
+    from infermeter.config import Config
 
 __all__ = ["register"]
 
 ADMIN_TOKEN_ENV = "INFERMETER_ADMIN_TOKEN"
 
 
-def register(sub: Any) -> None:
+def register(sub: Subparsers) -> None:
     """Add the ``billing`` and ``chargeback`` subcommands."""
     bill = sub.add_parser(
         "billing",
@@ -87,6 +87,8 @@ def register(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+
     from billing.serve import serve_billing
 
     asyncio.run(serve_billing(config, args.listen, args.database))
@@ -94,6 +96,8 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
 
 
 def _admin_client(config: Config, url: str | None) -> httpx.Client:
+    import httpx
+
     token = os.environ.get(ADMIN_TOKEN_ENV)
     if not token:
         raise SystemExit(
@@ -108,8 +112,7 @@ def _fail(response: httpx.Response) -> int:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = response.text[:300]
-    print(f"infermeter: billing answered {response.status_code}: {message}", file=sys.stderr)
-    return 1
+    return fail(f"billing answered {response.status_code}: {message}", code=1)
 
 
 def _close(args: argparse.Namespace, config: Config) -> int:
@@ -136,12 +139,13 @@ def _close(args: argparse.Namespace, config: Config) -> int:
 
 
 def _export(args: argparse.Namespace, config: Config) -> int:
+    from tqdm import tqdm
+
     from billing.serve import open_ledger
 
     if not args.database:
-        print("infermeter: export reads the ledger file; stop the service and pass --database, "
-              "or POST /v1/admin/export to the running service", file=sys.stderr)  # fmt: skip
-        return 2
+        return fail("export reads the ledger file; stop the service and pass --database, "
+                    "or POST /v1/admin/export to the running service")  # fmt: skip
     ledger = open_ledger(config, args.database)
     try:
         tables = ledger.table_names()
@@ -176,6 +180,8 @@ def _chargeback(args: argparse.Namespace, config: Config) -> int:
 
 
 def _statement_text(config: Config, database: str, month: str, fmt: str, version: str) -> str:
+    from tqdm import tqdm
+
     from billing.chargeback import Chargeback
     from billing.serve import open_ledger
     from exporters.chargeback_csv import chargeback_frame, write_csv

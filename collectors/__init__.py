@@ -43,10 +43,16 @@ infermeter_collector_spool_errors_total           batches that could not be spoo
 ================================================  ===========================================
 """
 
-from collectors.attribution import attribute, replica_for_pod
-from collectors.energy import Energy, Point, counter_increase, interval_energy
-from collectors.loop import Batch, FleetCollector, backoff_seconds
-from collectors.sources import EngineReading, EngineSource, GpuReading, GpuSource, ScrapeError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collectors.attribution import attribute, replica_for_pod
+    from collectors.energy import Energy, Point, counter_increase, interval_energy
+    from collectors.loop import Batch, FleetCollector, backoff_seconds
+    from collectors.sources import EngineReading, EngineSource, GpuReading, GpuSource, ScrapeError
 
 __all__ = [
     "Batch",
@@ -64,3 +70,30 @@ __all__ = [
     "interval_energy",
     "replica_for_pod",
 ]
+
+# Each name is imported from its module when first used (PEP 562): ``infermeter --help`` imports
+# ``collectors.cli``, hence this package, and must not pay for the scrape loop and the
+# configuration's validation on the way.
+_HOMES = {
+    "attribute": "collectors.attribution",
+    "replica_for_pod": "collectors.attribution",
+    "Energy": "collectors.energy",
+    "Point": "collectors.energy",
+    "counter_increase": "collectors.energy",
+    "interval_energy": "collectors.energy",
+    "Batch": "collectors.loop",
+    "FleetCollector": "collectors.loop",
+    "backoff_seconds": "collectors.loop",
+    "EngineReading": "collectors.sources",
+    "EngineSource": "collectors.sources",
+    "GpuReading": "collectors.sources",
+    "GpuSource": "collectors.sources",
+    "ScrapeError": "collectors.sources",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The exported ``name``, imported from its module on first use."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'collectors' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

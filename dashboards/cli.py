@@ -7,17 +7,18 @@ handler, so ``infermeter --help`` and ``infermeter plan`` stay quick.
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dashboards.planner import BYTES_PER_PARAM, GPUS_GB, PRESETS, ModelShape, Plan, plan
-from infermeter.cli import add_config
-from infermeter.config import Config
+from infermeter.commands import Subparsers, add_config, fail
+
+if TYPE_CHECKING:
+    from infermeter.config import Config
 
 __all__ = ["format_plan", "register"]
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subparsers) -> None:
     """Add the ``dashboard`` and ``plan`` subcommands."""
     dash = subparsers.add_parser(
         "dashboard",
@@ -80,8 +81,7 @@ def _plan(args: argparse.Namespace, config: Config) -> int:
             kv_precision=args.kv_precision,
         )
     except ValueError as exc:
-        print(f"infermeter: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     gpus = {args.gpu: GPUS_GB[args.gpu]} if args.gpu else GPUS_GB
     print(format_plan(shape, plan(shape, config.prices.usd_per_gpu_hour, gpus)))
     return 0

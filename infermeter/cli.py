@@ -1,5 +1,9 @@
 """The ``infermeter`` command: one entry point, one subcommand per part of the platform.
 
+This module is where the parts meet: it imports each part's ``cli`` module and asks it to
+``register`` its subcommands, and composes ``demo`` from all of them. Nothing imports it back
+(the shared pieces are in ``infermeter.commands``).
+
 Configuration is loaded here, once, and handed down; errors a user can fix (a bad config file, a
 port in use) end the program with a one-line message and exit code 2, never a traceback.
 """
@@ -7,43 +11,29 @@ port in use) end the program with a one-line message and exit code 2, never a tr
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import importlib
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from types import FrameType
+from typing import TYPE_CHECKING
 
-from infermeter import __version__, exposure
-from infermeter.config import Config, ConfigError, default_config_path, load_config
-from infermeter.serving import PortInUseError
+from alerts import cli as alerts_cli
+from alerts.autoscale import cli as autoscale_cli
+from billing import cli as billing_cli
+from collectors import cli as collectors_cli
+from dashboards import cli as dashboards_cli
+from infermeter import __version__
+from infermeter.commands import Handler, Subparsers, add_config, config_path
+from sidecar import cli as sidecar_cli
+from simulator import cli as simulator_cli
 
-__all__ = ["add_config", "main"]
+if TYPE_CHECKING:
+    from infermeter.config import Config
 
-Handler = Callable[[argparse.Namespace, Config], int]
+__all__ = ["build_parser", "main"]
+
 DEMO_INGEST_TOKEN = "im-demo-ingest"  # public, like the demo team keys
-
-# Parts that bring their own subcommands: each module has ``register(subparsers)``, which adds
-# parsers whose ``handler`` default is a ``Handler``. Imported only to build the parser, so each
-# keeps its heavy imports inside its handlers.
-PLUGINS: tuple[str, ...] = ("alerts.cli", "billing.cli", "alerts.autoscale.cli", "dashboards.cli")
-
-
-def add_config(parser: argparse.ArgumentParser, nested: bool = False) -> None:
-    """The ``--config`` option every subcommand takes.
-
-    ``nested``: for a parser below another that already has it; its default must not reset a
-    ``--config`` given before the action's name.
-    """
-    parser.add_argument(
-        "--config",
-        type=Path,
-        default=argparse.SUPPRESS if nested else None,
-        help="infermeter.yaml to use (default: $INFERMETER_CONFIG, else the embedded demo fleet)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,80 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"infermeter {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # In the order ``--help`` lists them: the data flow, then the tools that read its results.
+    simulator_cli.register(sub)
+    sidecar_cli.register(sub)
+    collectors_cli.register(sub)
+    _register_demo(sub)
+    alerts_cli.register(sub)
+    billing_cli.register(sub)
+    autoscale_cli.register(sub)
+    dashboards_cli.register(sub)
+    return parser
 
-    sim = sub.add_parser(
-        "simulate",
-        help="run a simulated vLLM fleet and dcgm-exporter stand-ins (no GPU needed)",
-        description=(
-            "Start every replica of the configuration as a vLLM-compatible server (one process "
-            "each, on its upstream_url) and a dcgm-exporter stand-in per node (on its "
-            "dcgm_exporter_url). Ctrl-C stops everything."
-        ),
-    )
-    add_config(sim)
-    only = sim.add_mutually_exclusive_group()
-    only.add_argument("--replica", metavar="ID", help="serve only this replica, in this process")
-    only.add_argument("--dcgm", action="store_true", help="serve only the dcgm-exporter stand-ins")
-    only.add_argument(
-        "--traffic-only", action="store_true", help="only send traffic to a running fleet"
-    )
-    sim.add_argument(
-        "--traffic", action="store_true", help="also generate traffic from several teams"
-    )
-    sim.add_argument(
-        "--via-sidecars", action="store_true", help="send traffic to the sidecars, not the replicas"
-    )
-    sim.add_argument(
-        "--peak-rps", type=float, default=6.0, help="traffic: requests/s at the morning peak"
-    )
-    sim.add_argument(
-        "--day-seconds", type=float, default=600.0, help="traffic: wall seconds per simulated day"
-    )
-    sim.add_argument(
-        "--duration", type=float, default=None, help="traffic: stop after this many seconds"
-    )
-    sim.add_argument("--seed", type=int, default=None, help="override simulator.seed")
-    sim.set_defaults(handler=_simulate)
 
-    side = sub.add_parser(
-        "sidecar",
-        help="run the metering proxy in front of one vLLM replica",
-        description=(
-            "Relay the OpenAI API to one replica: identify the team, enforce its limits, meter "
-            "every request, write one durable usage record per request and ship them to billing. "
-            "SIGHUP or a change of the config file reloads keys, limits and approved models."
-        ),
-    )
-    add_config(side)
-    side.add_argument(
-        "--replica", required=True, metavar="ID", help="the replica (from the config) to front"
-    )
-    side.add_argument(
-        "--listen",
-        metavar="HOST:PORT",
-        help="where to listen (default: the replica's sidecar_listen)",
-    )
-    side.add_argument(
-        "--upstream", metavar="URL", help="the vLLM server (default: the replica's upstream_url)"
-    )
-    side.set_defaults(handler=_sidecar)
-
-    col = sub.add_parser(
-        "collect",
-        help="scrape GPU telemetry (dcgm-exporter or NVML) and vLLM engine state",
-        description=(
-            "Scrape every node's dcgm-exporter (or this node's GPUs through NVML) and every "
-            "replica's vLLM /metrics, join each GPU sample to its replica, compute energy, spool "
-            "and ship the samples to billing, and serve the joined fleet view on /metrics."
-        ),
-    )
-    add_config(col)
-    col.add_argument(
-        "--listen", metavar="HOST:PORT", help="where to serve /metrics (default: collector.listen)"
-    )
-    col.set_defaults(handler=_collect)
-
-    demo = sub.add_parser(
+def _register_demo(subparsers: Subparsers) -> None:
+    demo = subparsers.add_parser(
         "demo",
         help="run the whole platform on a simulated fleet, with traffic",
         description=(
@@ -142,9 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--day-seconds", type=float, default=600.0, help="wall seconds per simulated day"
     )
     demo.set_defaults(handler=_demo)
-    for module in PLUGINS:
-        importlib.import_module(module).register(sub)
-    return parser
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -159,6 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # with the default action would kill the process before the code after ``serve()``.
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = build_parser().parse_args(argv)
+    # Imported once the arguments are parsed: pydantic and uvicorn are most of the command's
+    # start-up time, and ``--help`` or a usage error needs neither.
+    from infermeter.config import ConfigError, load_config
+    from infermeter.serving import PortInUseError
+
     if getattr(args, "seed", None) is not None:
         os.environ["INFERMETER__SIMULATOR__SEED"] = str(args.seed)
     try:
@@ -179,80 +111,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _refuse_public_keys(args: argparse.Namespace, config: Config) -> None:
     """Warn on the demo configuration; refuse public key hashes on a reachable address."""
+    from infermeter import exposure
+    from infermeter.config import ConfigError, default_config_path
+
     warning = exposure.fallback_warning(args.command, args.config, default_config_path())
     if warning:
         print(warning, file=sys.stderr)
     if args.command != "simulate":  # the simulator checks no keys; everything else does
         problems = exposure.public_key_problems(config, getattr(args, "listen", None))
         if problems:
-            raise ConfigError(_config_path(args), problems)
-
-
-def _config_path(args: argparse.Namespace) -> str:
-    return str(args.config or default_config_path())
-
-
-def _simulate(args: argparse.Namespace, config: Config) -> int:
-    from simulator import serve, traffic
-
-    if args.replica:
-        try:
-            config.replica(args.replica)
-        except KeyError:
-            print(
-                f"infermeter: no replica {args.replica!r} in {_config_path(args)}", file=sys.stderr
-            )
-            return 2
-        asyncio.run(serve.serve_replica(config, args.replica))
-        return 0
-    if args.dcgm:
-        asyncio.run(serve.serve_dcgm(config))
-        return 0
-    if args.traffic_only:
-        gen = traffic.TrafficGenerator(
-            traffic.default_targets(config, args.via_sidecars),
-            traffic.demo_teams(config),
-            traffic.TrafficProfile(
-                peak_requests_per_second=args.peak_rps,
-                day_seconds=args.day_seconds,
-                seed=config.simulator.seed,
-            ),
-        )
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(gen.run(args.duration))
-        print("traffic summary:\n" + gen.summary())
-        return 0
-    from infermeter import fleet
-
-    children = fleet.simulator_children(config, _config_path(args))
-    if args.traffic:
-        children.append(fleet.traffic_child(_config_path(args), args))
-    return fleet.run(children, fleet.simulator_urls(config))
-
-
-def _sidecar(args: argparse.Namespace, config: Config) -> int:
-    from sidecar.serve import serve_sidecar
-
-    try:
-        config.replica(args.replica)
-    except KeyError:
-        print(f"infermeter: no replica {args.replica!r} in {_config_path(args)}", file=sys.stderr)
-        return 2
-    asyncio.run(serve_sidecar(Path(_config_path(args)), args.replica, args.listen, args.upstream))
-    return 0
-
-
-def _collect(args: argparse.Namespace, config: Config) -> int:
-    from collectors.serve import serve_collector
-
-    asyncio.run(serve_collector(config, args.listen))
-    return 0
+            raise ConfigError(config_path(args), problems)
 
 
 def _demo(args: argparse.Namespace, config: Config) -> int:
     from infermeter import fleet
 
-    path = _config_path(args)
+    path = config_path(args)
     args.via_sidecars = True
     args.duration = None
     # Sidecars and the collector ship to the demo's billing service with the demo ingest token

@@ -1,20 +1,25 @@
 """Serving HTTP: the uvicorn settings, listen addresses and port checks every server shares.
 
 Every infermeter server (sidecar, collector, billing, autoscaler, dashboard, the simulator and the
-tests' own servers) is started through ``server`` so they all get the same parser, logging and
-shutdown behaviour, and fail with the same one-line message when their port is taken.
+tests' own servers) is started through ``server`` (the dashboard, a WSGI app, through
+``wsgi_server``) so they all get the same parser, logging and shutdown behaviour, and fail with
+the same one-line message when their port is taken.
 """
 
 from __future__ import annotations
 
 import errno
 import socket
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
 import uvicorn
+from a2wsgi import WSGIMiddleware
 
-__all__ = ["PortInUseError", "ensure_free", "free_port", "host_port", "server"]
+if TYPE_CHECKING:
+    from _typeshed.wsgi import WSGIApplication
+
+__all__ = ["PortInUseError", "ensure_free", "free_port", "host_port", "server", "wsgi_server"]
 
 
 class PortInUseError(Exception):
@@ -73,3 +78,16 @@ def server(
         timeout_graceful_shutdown=2,
     )
     return uvicorn.Server(config)
+
+
+def wsgi_server(app: WSGIApplication, host: str, port: int, threads: int = 16) -> uvicorn.Server:
+    """``server`` for a WSGI app: each request runs on one of ``threads`` worker threads.
+
+    a2wsgi's adapter carries requests and responses between uvicorn's event loop and the
+    threads. A request holds its thread while the app blocks (the dashboard waiting on billing),
+    so ``threads`` bounds the requests served at once; the rest wait for a free thread. A browser
+    opens up to six connections to one host, so the default lets a few page loads run together.
+    """
+    # a2wsgi types the environ as its own TypedDict, the standard library's WSGI types as a dict.
+    wsgi = WSGIMiddleware(app, workers=threads)  # type: ignore[arg-type]
+    return server(wsgi, host, port, lifespan="off")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import random
 import time
 from collections import Counter
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from infermeter.config import Config
+from infermeter.traffic import hour_of_day, share_of_peak
 
 __all__ = [
     "Target",
@@ -62,11 +62,8 @@ class TrafficProfile:
 
     def rate(self, elapsed: float) -> float:
         """Requests per second at ``elapsed`` wall seconds: a night floor and a 10:00 peak."""
-        hour = (self.start_hour + 24.0 * elapsed / self.day_seconds) % 24.0
-        peak = math.exp(-(((hour - 10.0) / 2.5) ** 2)) + 0.6 * math.exp(
-            -(((hour - 15.0) / 3.0) ** 2)
-        )
-        return self.peak_requests_per_second * (0.08 + 0.92 * min(1.0, peak))
+        hour = hour_of_day(elapsed, self.day_seconds, self.start_hour)
+        return self.peak_requests_per_second * share_of_peak(hour)
 
 
 def demo_teams(config: Config) -> list[TeamTraffic]:

@@ -6,20 +6,19 @@ Imported to build the parser; the handlers import the service and the replay onl
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from infermeter.config import Config
+from infermeter.commands import Subparsers, add_config, fail
+
+if TYPE_CHECKING:
+    from infermeter.config import Config
 
 __all__ = ["register"]
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subparsers) -> None:
     """Add the ``autoscale`` command and its ``run`` and ``replay`` subcommands."""
-    from infermeter.cli import add_config
-
     parser = subparsers.add_parser(
         "autoscale",
         help="scale replicas per model from queue depth, TTFT, GPU utilization and history",
@@ -78,14 +77,15 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+
     from alerts.autoscale.hooks import HookError
     from alerts.autoscale.service import serve_autoscaler
 
     try:
         asyncio.run(serve_autoscaler(config, args.listen, args.prometheus))
     except HookError as exc:
-        print(f"infermeter: autoscale: {exc}", file=sys.stderr)
-        return 2
+        return fail(f"autoscale: {exc}")
     return 0
 
 
@@ -102,16 +102,14 @@ def _replay(args: argparse.Namespace, config: Config) -> int:
     models = args.model or [m.name for m in config.models]
     unknown = [m for m in models if m not in {x.name for x in config.models}]
     if unknown:
-        print(f"infermeter: autoscale replay: unknown model(s) {unknown}", file=sys.stderr)
-        return 2
+        return fail(f"autoscale replay: unknown model(s) {unknown}")
     params = params_from_config(config, day_seconds=args.day_seconds)
     recorded = None
     if args.input is not None:
         try:
             recorded = read_recording(args.input)
         except (OSError, ValueError) as exc:
-            print(f"infermeter: autoscale replay: {exc}", file=sys.stderr)
-            return 2
+            return fail(f"autoscale replay: {exc}")
         models = [m for m in models if m in recorded]
     reports = []
     for model in models:

@@ -2,9 +2,10 @@
 
 What is modelled, per model, one tick (default one minute) at a time:
 
-- **Demand** is output tokens per second: from a recording, or from the simulator's traffic
-  profile (``simulator.traffic.TrafficProfile.rate``: a night floor, a 10:00 peak and a smaller
-  15:00 one), scaled so the peak needs ``peak_replicas`` replicas at the target utilization.
+- **Demand** is output tokens per second: from a recording, or from the daily shape the
+  simulator's traffic follows (``infermeter.traffic.share_of_peak``: a night floor, a 10:00 peak
+  and a smaller 15:00 one), scaled so the peak needs ``peak_replicas`` replicas at the target
+  utilization.
 - **Capacity** of a replica is its engine's decode throughput with a full batch, from the
   simulator's engine profile: ``max_num_seqs / (step_base_ms + step_per_seq_ms x max_num_seqs)``
   tokens per millisecond. Prefill and the KV-cache limit are not modelled separately.
@@ -44,7 +45,7 @@ from alerts.autoscale.policy import (
     decide,
 )
 from infermeter.config import Config, EngineProfile
-from simulator.traffic import TrafficProfile
+from infermeter.traffic import hour_of_day, share_of_peak
 
 __all__ = [
     "DemandPoint",
@@ -111,18 +112,19 @@ def simulated_demand(
     noise: float = 0.1,
     seed: int = 7,
 ) -> list[DemandPoint]:
-    """The simulator's daily traffic shape from midnight, in tokens/s, peaking at the given value.
+    """The daily traffic shape from midnight (``infermeter.traffic``), in tokens/s, up to the peak.
 
     Each tick is multiplied by a log-normal factor (sigma ``noise``), so no two days are the
     same and the predictive term cannot simply copy yesterday.
     """
-    profile = TrafficProfile(peak_requests_per_second=1.0, day_seconds=day_seconds, start_hour=0.0)
     rng = random.Random(seed)
     ticks = round(days * day_seconds / tick_seconds)
     return [
         DemandPoint(
             i * tick_seconds,
-            peak_tokens_per_second * profile.rate(i * tick_seconds) * rng.lognormvariate(0, noise),
+            peak_tokens_per_second
+            * share_of_peak(hour_of_day(i * tick_seconds, day_seconds))
+            * rng.lognormvariate(0, noise),
         )
         for i in range(ticks)
     ]

@@ -1,7 +1,7 @@
 """Billing, a metrics endpoint and the dashboard on loopback threads, and a headless Chromium.
 
-Selenium's calls block, so each server runs in its own thread (billing under uvicorn with its
-own event loop, the dashboard under Werkzeug) rather than in the test's event loop.
+Selenium's calls block, so each server runs in its own thread, under uvicorn with its own event
+loop and with the settings ``infermeter`` serves with, rather than in the test's event loop.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 
@@ -29,22 +30,29 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 
 
 @contextlib.contextmanager
-def billing_thread(config: Config, ledger: Ledger) -> Iterator[str]:
-    """The billing API over ``ledger`` on a loopback port, in a thread; yields its URL."""
-    port = free_port()
-    server = serve(billing_app(config, ledger), "127.0.0.1", port, lifespan="off")
-    thread = threading.Thread(target=server.run, name="billing", daemon=True)
+def server_thread(server: uvicorn.Server, name: str) -> Iterator[None]:
+    """Run ``server`` in a thread until the block ends; returns once it accepts connections."""
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the billing service did not start")
+            raise RuntimeError(f"the {name} did not start")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextlib.contextmanager
+def billing_thread(config: Config, ledger: Ledger) -> Iterator[str]:
+    """The billing API over ``ledger`` on a loopback port, in a thread; yields its URL."""
+    port = free_port()
+    server = serve(billing_app(config, ledger), "127.0.0.1", port, lifespan="off")
+    with server_thread(server, "billing service"):
+        yield f"http://127.0.0.1:{port}"
 
 
 @contextlib.contextmanager
@@ -78,15 +86,8 @@ def metrics_thread(text: str) -> Iterator[str]:
 def dashboard_thread(config: Config, billing_url: str) -> Iterator[str]:
     """The dashboard on a loopback port, in a thread; yields its URL."""
     port = free_port()
-    server = dashboard_server(config, "127.0.0.1", port, billing_url)
-    thread = threading.Thread(target=server.serve_forever, name="dashboard", daemon=True)
-    thread.start()
-    try:
+    with server_thread(dashboard_server(config, "127.0.0.1", port, billing_url), "dashboard"):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 @contextlib.contextmanager

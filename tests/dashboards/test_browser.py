@@ -159,6 +159,10 @@ def test_fleet_page_shows_the_ledgers_requests_and_desired_replicas(stack):
     desired = dict(zip(column(stack, "fleet-replicas-table", "model"),
                        column(stack, "fleet-replicas-table", "desired"), strict=True))  # fmt: skip
     assert desired == {"chat-large": "n/a", "chat-small": "3"}
+    # The totals can show before Plotly has drawn the graphs: it draws them asynchronously.
+    WebDriverWait(stack.driver, 20, poll_frequency=0.1).until(
+        lambda d: len(d.find_elements(By.CSS_SELECTOR, ".js-plotly-plot")) >= 8
+    )
     graphs = stack.driver.find_elements(By.CSS_SELECTOR, ".js-plotly-plot")
     assert len(graphs) == 8
     finish(stack, "fleet-admin")

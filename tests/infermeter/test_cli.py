@@ -32,6 +32,17 @@ def test_every_subcommand_has_help(capsys):
     assert "--traffic" in capsys.readouterr().out
 
 
+def test_help_imports_no_heavy_library():
+    """Building the parser, as `infermeter --help` does, imports no server, web or validation library."""
+    heavy = ("asyncio", "pydantic", "yaml", "httpx", "uvicorn", "dash", "duckdb", "polars", "tqdm")
+    code = (
+        "import sys; from infermeter.cli import build_parser; build_parser(); "
+        f"print(' '.join(m for m in {heavy!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == []
+
+
 def _fleet_config(tmp_path: Path) -> Path:
     """The demo fleet moved to free ports so tests never collide with a running demo."""
     data = yaml.safe_load(DEFAULT_CONFIG.read_text())

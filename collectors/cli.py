@@ -1,0 +1,43 @@
+"""``infermeter collect``: GPU telemetry and vLLM engine state, joined to replicas.
+
+Imported to build the parser; the scrape loop and its server are imported by the handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from infermeter.commands import Subparsers, add_config
+
+if TYPE_CHECKING:
+    from infermeter.config import Config
+
+__all__ = ["register"]
+
+
+def register(subparsers: Subparsers) -> None:
+    """Add the ``collect`` subcommand."""
+    col = subparsers.add_parser(
+        "collect",
+        help="scrape GPU telemetry (dcgm-exporter or NVML) and vLLM engine state",
+        description=(
+            "Scrape every node's dcgm-exporter (or this node's GPUs through NVML) and every "
+            "replica's vLLM /metrics, join each GPU sample to its replica, compute energy, spool "
+            "and ship the samples to billing, and serve the joined fleet view on /metrics."
+        ),
+    )
+    add_config(col)
+    col.add_argument(
+        "--listen", metavar="HOST:PORT", help="where to serve /metrics (default: collector.listen)"
+    )
+    col.set_defaults(handler=_collect)
+
+
+def _collect(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+
+    from collectors.serve import serve_collector
+
+    asyncio.run(serve_collector(config, args.listen))
+    return 0

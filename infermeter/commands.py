@@ -1,0 +1,56 @@
+"""What every subcommand shares: the ``--config`` option, the handler type and one-line errors.
+
+Each part of the platform adds its own subcommands in its ``cli`` module with
+``register(subparsers)``, and needs only this module from the command line's side. The
+``infermeter`` command (``infermeter.cli``) imports every part's ``cli`` module; no part imports it
+back, so the packages form no cycle.
+
+Building the parser must stay cheap (``infermeter --help`` imports every ``cli`` module), so this
+module imports the configuration only for type checking and inside the one helper that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    from infermeter.config import Config
+
+__all__ = ["Handler", "Subparsers", "add_config", "config_path", "fail"]
+
+#: What a subcommand's parser sets as its ``handler`` default: the exit code of the command.
+Handler: TypeAlias = "Callable[[argparse.Namespace, Config], int]"
+#: What ``register(subparsers)`` receives: ``ArgumentParser.add_subparsers()``'s result.
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def add_config(parser: argparse.ArgumentParser, nested: bool = False) -> None:
+    """The ``--config`` option every subcommand takes.
+
+    ``nested``: for a parser below another that already has it; its default must not reset a
+    ``--config`` given before the action's name.
+    """
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=argparse.SUPPRESS if nested else None,
+        help="infermeter.yaml to use (default: $INFERMETER_CONFIG, else the embedded demo fleet)",
+    )
+
+
+def config_path(args: argparse.Namespace) -> str:
+    """The configuration file the command runs on: ``--config``, else the default's path."""
+    # The configuration is loaded before any handler runs, so this import costs nothing then.
+    from infermeter.config import default_config_path
+
+    return str(args.config or default_config_path())
+
+
+def fail(message: str, code: int = 2) -> int:
+    """Report ``message`` as the command's one line on stderr; ``code`` is the exit code."""
+    print(f"infermeter: {message}", file=sys.stderr)
+    return code

@@ -1,0 +1,56 @@
+"""``infermeter sidecar``: the metering proxy in front of one vLLM replica.
+
+Imported to build the parser; the proxy itself is imported by the handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from infermeter.commands import Subparsers, add_config, config_path, fail
+
+if TYPE_CHECKING:
+    from infermeter.config import Config
+
+__all__ = ["register"]
+
+
+def register(subparsers: Subparsers) -> None:
+    """Add the ``sidecar`` subcommand."""
+    side = subparsers.add_parser(
+        "sidecar",
+        help="run the metering proxy in front of one vLLM replica",
+        description=(
+            "Relay the OpenAI API to one replica: identify the team, enforce its limits, meter "
+            "every request, write one durable usage record per request and ship them to billing. "
+            "SIGHUP or a change of the config file reloads keys, limits and approved models."
+        ),
+    )
+    add_config(side)
+    side.add_argument(
+        "--replica", required=True, metavar="ID", help="the replica (from the config) to front"
+    )
+    side.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="where to listen (default: the replica's sidecar_listen)",
+    )
+    side.add_argument(
+        "--upstream", metavar="URL", help="the vLLM server (default: the replica's upstream_url)"
+    )
+    side.set_defaults(handler=_sidecar)
+
+
+def _sidecar(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+
+    from sidecar.serve import serve_sidecar
+
+    try:
+        config.replica(args.replica)
+    except KeyError:
+        return fail(f"no replica {args.replica!r} in {config_path(args)}")
+    asyncio.run(serve_sidecar(Path(config_path(args)), args.replica, args.listen, args.upstream))
+    return 0
