@@ -365,6 +365,9 @@ class Sidecar:
         # before a byte of the body is read.
         signed = self._gateway_signed(scope)
         raw = await self._read(receive) if signed else None
+        if signed and raw is None:
+            raise _Reject(413, f"Request body exceeds {self.settings.max_body_bytes} bytes.",
+                          "invalid_request_error", "request_too_large", RequestStatus.BAD_REQUEST)  # fmt: skip
         try:
             call.team = self._identify(scope, raw or b"")
         except AuthError as exc:

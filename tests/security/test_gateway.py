@@ -45,7 +45,9 @@ class _Pod:
 
 
 @contextlib.asynccontextmanager
-async def _pod(tmp_path: Path, monkeypatch, **changes: Any) -> AsyncIterator[_Pod]:
+async def _pod(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **changes: Any
+) -> AsyncIterator[_Pod]:
     monkeypatch.setenv("INFERMETER_GATEWAY_SECRET", SECRET.decode())
     port = free_port()
     config = make_config(

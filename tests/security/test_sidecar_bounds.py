@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.sidecar import conftest as sidecar_fixtures
-from tests.sidecar.conftest import METRICS_TOKEN
+from tests.sidecar.conftest import METRICS_TOKEN, Stack
 
 # The replica-and-sidecar fixtures of the sidecar's own tests.
 stack, stack_factory = sidecar_fixtures.stack, sidecar_fixtures.stack_factory
@@ -17,11 +17,11 @@ CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], 
 HUGE_MODEL = 100_000  # characters of one model name
 
 
-def _spool_bytes(stack) -> int:
+def _spool_bytes(stack: Stack) -> int:
     return sum(p.stat().st_size for p in stack.spool.glob("seg-*.jsonl"))
 
 
-async def _metrics(stack) -> str:
+async def _metrics(stack: Stack) -> str:
     async with httpx.AsyncClient(base_url=stack.url) as c:
         r = await c.get("/metrics", headers={"authorization": f"Bearer {METRICS_TOKEN}"})
     assert r.status_code == 200

@@ -99,7 +99,7 @@ def _in_flight(sidecar: Sidecar) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def pod(tmp_path_factory) -> Iterator[tuple[str, Sidecar]]:
+def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Sidecar]]:
     """A simulated replica and its sidecar served on loopback from a thread of their own."""
     port = free_port()
     config = make_config(f"http://127.0.0.1:{port}")
