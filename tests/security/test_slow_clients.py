@@ -83,6 +83,18 @@ async def test_a_stalled_body_is_refused(stack_factory):
     assert time.monotonic() - start < 4.0
 
 
+async def test_oversized_headers_are_refused(stack_factory):
+    """Request headers past 64 KiB are answered 431 and the connection is closed."""
+    stack = await stack_factory(**DEADLINES)
+    with _connect(stack.url) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")
+        for _ in range(20):
+            sock.sendall(b"x-filler: " + b"f" * 4096 + b"\r\n")
+        sock.settimeout(6.0)
+        answer = await asyncio.get_running_loop().run_in_executor(None, sock.recv, 65536)
+    assert answer.startswith(b"HTTP/1.1 431")
+
+
 async def test_connections_beyond_the_cap_are_closed(stack_factory):
     """Connections past sidecar.max_connections are closed at once; those within are kept."""
     stack = await stack_factory(**{**DEADLINES, "sidecar.header_timeout_seconds": 30.0})
