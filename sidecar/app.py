@@ -351,34 +351,33 @@ class Sidecar:
         return _Reject(429, str(exc), "requests" if exc.reason == "requests" else "tokens",
                        "rate_limit_exceeded", RequestStatus.RATE_LIMITED, headers)  # fmt: skip
 
-    async def _read(self, receive: Receive) -> bytes | None:
+    async def _read(self, receive: Receive) -> bytes:
+        """The request body, or the 408 or 413 refusal of a body too slow or too large."""
+        limit = self.settings.max_body_bytes
         try:
-            return await read_body(receive, self.settings.max_body_bytes,
-                                   self.settings.body_timeout_seconds)  # fmt: skip
+            raw = await read_body(receive, limit, self.settings.body_timeout_seconds)
         except TimeoutError:
             raise _Reject(408, "The request body did not arrive in time.", "invalid_request_error",
                           "request_timeout", RequestStatus.BAD_REQUEST) from None  # fmt: skip
+        if raw is None:
+            raise _Reject(413, f"Request body exceeds {limit} bytes.", "invalid_request_error",
+                          "request_too_large", RequestStatus.BAD_REQUEST)  # fmt: skip
+        return raw
 
     async def _admit(self, call: _Call, scope: Scope, receive: Receive) -> dict[str, Any]:
         """Everything before forwarding; raises _Reject with the answer otherwise."""
         # A gateway's signature covers the body, so that body is read first; a key is checked
         # before a byte of the body is read.
         signed = self._gateway_signed(scope)
-        raw = await self._read(receive) if signed else None
-        if signed and raw is None:
-            raise _Reject(413, f"Request body exceeds {self.settings.max_body_bytes} bytes.",
-                          "invalid_request_error", "request_too_large", RequestStatus.BAD_REQUEST)  # fmt: skip
+        raw = await self._read(receive) if signed else b""
         try:
-            call.team = self._identify(scope, raw or b"")
+            call.team = self._identify(scope, raw)
         except AuthError as exc:
             raise _Reject(
                 401, str(exc), "invalid_request_error", exc.code, RequestStatus.UNAUTHORIZED
             ) from None
         if not signed:
             raw = await self._read(receive)
-        if raw is None:
-            raise _Reject(413, f"Request body exceeds {self.settings.max_body_bytes} bytes.",
-                          "invalid_request_error", "request_too_large", RequestStatus.BAD_REQUEST)  # fmt: skip
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -463,11 +462,14 @@ class Sidecar:
                           "replica_busy", RequestStatus.REJECTED, (("retry-after", wait),)) from None  # fmt: skip
 
     def _upstream_headers(self, scope: Scope, call: _Call | None) -> dict[str, str]:
-        # The gateway's signed headers (the sidecar's own x-infermeter-* namespace) stay here.
+        # The gateway's signed headers, and anything in the sidecar's own x-infermeter-*
+        # namespace, stay here: vLLM learns nothing of who called or how they proved it.
+        gateway = self.view.gateway
+        signed = frozenset(h.lower().encode() for h in gateway.headers) if gateway else frozenset()
         headers = {
             k.decode("latin-1"): v.decode("latin-1")
             for k, v in scope["headers"]
-            if k not in _DROP and not k.startswith(b"x-infermeter-")
+            if k not in _DROP and k not in signed and not k.startswith(b"x-infermeter-")
         }
         if self.upstream_key:
             headers["authorization"] = f"Bearer {self.upstream_key}"
