@@ -7,6 +7,7 @@ import logging
 import httpx
 import pytest
 
+from infermeter.spool import Spool, SpoolError
 from tests.sidecar import conftest as sidecar_fixtures
 from tests.sidecar.conftest import METRICS_TOKEN, Stack
 
@@ -104,3 +105,26 @@ async def test_full_spool_serves_unmetered_when_told_to(stack_factory, caplog):
     assert statuses == [200] * 20
     assert _spool_bytes(stack) <= 4096
     assert any("UNMETERED" in r.getMessage() for r in caplog.records)
+
+
+async def test_spool_size_cap_is_freed_by_acknowledgement(tmp_path):
+    """A spool at max_bytes refuses appends until billing acknowledges a segment; a restart adopts the size."""
+    spool = Spool(tmp_path, max_bytes=900)
+    spool.open()
+    try:
+        for i in range(9):
+            await spool.append({"i": i, "pad": "p" * 80})
+        with pytest.raises(SpoolError, match="is full"):
+            await spool.append({"i": 9, "pad": "p" * 80})
+        spool._roll()
+        (segment,) = await spool.closed_segments()
+        spool.acknowledge(segment)
+        await spool.append({"i": 9, "pad": "p" * 80})
+    finally:
+        await spool.close()
+    reopened = Spool(tmp_path, max_bytes=900)
+    reopened.open()
+    try:
+        assert reopened.size_bytes == sum(p.stat().st_size for p in tmp_path.glob("seg-*.jsonl"))
+    finally:
+        await reopened.close()
