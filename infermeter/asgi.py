@@ -6,6 +6,7 @@ them needs, kept in one place so a fix to body reading or header lookup lands ev
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -26,8 +27,20 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-async def read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, ``b""`` if the client left, None when it exceeds ``limit``."""
+async def read_body(
+    receive: Receive, limit: int, timeout_seconds: float | None = None
+) -> bytes | None:
+    """The whole request body, ``b""`` if the client left, None when it exceeds ``limit``.
+
+    With ``timeout_seconds``, TimeoutError when the whole body has not arrived by then: the
+    HTTP server has no body deadline of its own, and a client trickling a body would otherwise
+    hold its request (and whatever it reserved) for as long as it likes.
+    """
+    async with asyncio.timeout(timeout_seconds):
+        return await _read_body(receive, limit)
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
     chunks: list[bytes] = []
     size = 0
     while True:

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from infermeter.replay import ReplayCache
+
 __all__ = [
     "ADMIN",
     "INGEST",
@@ -27,6 +29,7 @@ __all__ = [
     "MANAGERS",
     "METRICS",
     "SCRAPERS",
+    "SIGNATURE_VERSION",
     "AuthError",
     "Caller",
     "Forbidden",
@@ -35,7 +38,8 @@ __all__ = [
     "Unauthenticated",
     "bearer_key",
     "identify",
-    "sign_team",
+    "sign_request",
+    "string_to_sign",
 ]
 
 ADMIN: Final = "@admin"
@@ -92,14 +96,47 @@ def bearer_key(authorization: str | None) -> str:
     return key.strip()
 
 
-def sign_team(secret: bytes, team: str, timestamp: int) -> str:
-    """Hex HMAC-SHA256 of ``"<timestamp>.<team>"``: what a trusted gateway sends."""
-    return hmac.new(secret, f"{timestamp}.{team}".encode(), hashlib.sha256).hexdigest()
+SIGNATURE_VERSION: Final = "infermeter-gateway-v2"
+_NONCE = re.compile(r"[A-Za-z0-9_.-]{16,128}")
+_HEX_SIGNATURE = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def string_to_sign(
+    *, team: str, timestamp: int, nonce: str, method: str, path: str, body: bytes
+) -> bytes:
+    """The exact bytes a gateway signs: seven lines joined by ``\n``, UTF-8 encoded.
+
+    ::
+
+        infermeter-gateway-v2
+        <timestamp: Unix seconds, decimal>
+        <nonce: 16-128 of A-Z a-z 0-9 _ . ->
+        <team>
+        <method, upper case>
+        <path, as sent, without the query string>
+        <SHA-256 of the request body, lower-case hex (of b"" when there is none)>
+
+    Binding the method, path and body means a signature is good for one request only; the
+    nonce, remembered by the sidecar for the skew window, means that request is served once.
+    """
+    digest = hashlib.sha256(body).hexdigest()
+    lines = (SIGNATURE_VERSION, str(timestamp), nonce, team, method.upper(), path, digest)
+    return "\n".join(lines).encode()
+
+
+def sign_request(
+    secret: bytes, *, team: str, timestamp: int, nonce: str, method: str, path: str, body: bytes
+) -> str:
+    """Hex HMAC-SHA256 of ``string_to_sign(...)`` under ``secret``: what a trusted gateway sends."""
+    message = string_to_sign(
+        team=team, timestamp=timestamp, nonce=nonce, method=method, path=path, body=body
+    )
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
 class GatewayVerifier:
-    """Checks a gateway's signed team header and its timestamp window."""
+    """Checks a gateway's signature over one request, its timestamp window and its nonce."""
 
     secret: bytes
     team_header: str
@@ -107,28 +144,57 @@ class GatewayVerifier:
     signature_header: str
     max_skew_seconds: float
     known_teams: frozenset[str]
+    nonce_header: str = "x-infermeter-nonce"
+    replay: ReplayCache | None = None
 
-    def team_for(self, headers: Mapping[str, str], now: float | None = None) -> str:
-        """The signed team; AuthError if unsigned, stale, forged or unknown."""
+    @property
+    def headers(self) -> frozenset[str]:
+        """The header names of gateway mode, none of which may reach vLLM."""
+        return frozenset(
+            {self.team_header, self.timestamp_header, self.signature_header, self.nonce_header}
+        )
+
+    def team_for(
+        self,
+        headers: Mapping[str, str],
+        method: str,
+        path: str,
+        body: bytes,
+        now: float | None = None,
+    ) -> str:
+        """The signed team; AuthError if unsigned, malformed, stale, forged, replayed or unknown."""
         team = headers.get(self.team_header)
         stamp = headers.get(self.timestamp_header)
         signature = headers.get(self.signature_header)
-        if not team or not stamp or not signature:
+        nonce = headers.get(self.nonce_header)
+        if not team or not stamp or not signature or not nonce:
             raise AuthError(
                 "Missing signed team header from the trusted gateway.", "missing_team_signature"
             )
+        # Bounded forms before any arithmetic: a 400-digit timestamp must not reach float().
         if not _TIMESTAMP.fullmatch(stamp):
             raise AuthError("Malformed gateway timestamp.", "invalid_team_signature")
+        if not _NONCE.fullmatch(nonce):
+            raise AuthError("Malformed gateway nonce.", "invalid_team_signature")
+        if not _HEX_SIGNATURE.fullmatch(signature):
+            raise AuthError("Invalid gateway signature.", "invalid_team_signature")
         ts = int(stamp)
         now = time.time() if now is None else now
         if abs(now - ts) > self.max_skew_seconds:
             raise AuthError("Stale gateway signature.", "invalid_team_signature")
-        # Compare bytes: compare_digest raises TypeError on a str with non-ASCII characters.
-        expected = sign_team(self.secret, team, ts).encode()
+        expected = sign_request(
+            self.secret, team=team, timestamp=ts, nonce=nonce, method=method, path=path, body=body
+        ).encode()
         if not hmac.compare_digest(expected, signature.lower().encode()):
             raise AuthError("Invalid gateway signature.", "invalid_team_signature")
         if team not in self.known_teams:
             raise AuthError("Unknown team.", "invalid_team_signature")
+        if self.replay is not None:
+            refused = self.replay.admit(nonce, ts, now)
+            if refused == "replayed":
+                raise AuthError("Replayed gateway signature.", "invalid_team_signature")
+            if refused == "stale":
+                raise AuthError("Stale gateway signature.", "invalid_team_signature")
         return team
 
 

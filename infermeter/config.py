@@ -276,7 +276,11 @@ class GatewaySettings(_Strict):
     team_header: str = "x-infermeter-team"
     timestamp_header: str = "x-infermeter-timestamp"
     signature_header: str = "x-infermeter-signature"
+    nonce_header: str = "x-infermeter-nonce"
     max_skew_seconds: Positive = 300
+    # Nonces seen within the skew window are remembered to refuse replays; past this many, the
+    # oldest are forgotten and signatures no newer than them are refused as stale.
+    replay_cache_entries: Annotated[int, Field(gt=0)] = 100_000
     secret_env: str = "INFERMETER_GATEWAY_SECRET"
 
 
@@ -291,8 +295,15 @@ class SidecarSettings(_Strict):
     connect_timeout_seconds: Positive = 5.0
     read_timeout_seconds: Positive = 600.0
     on_spool_failure: Literal["refuse", "serve_unmetered"] = "refuse"
+    # Unshipped records past this size are a spool failure (on_spool_failure applies).
+    spool_max_bytes: Annotated[int, Field(gt=0)] = 1024 * 1024 * 1024
     default_reserve_tokens: Annotated[int, Field(gt=0)] = 1024
     fair_headroom: Annotated[float, Field(ge=0, lt=1)] = 0.125
+    fair_queue_max_per_team: Annotated[int, Field(gt=0)] = 256
+    fair_wait_timeout_seconds: Positive = 30.0
+    header_timeout_seconds: Positive = 10.0
+    body_timeout_seconds: Positive = 30.0
+    max_connections: Annotated[int, Field(gt=0)] = 4096
     gateway: GatewaySettings = GatewaySettings()
 
 

@@ -16,10 +16,21 @@ from urllib.parse import urlsplit
 import uvicorn
 from a2wsgi import WSGIMiddleware
 
+from infermeter.http_guard import DEFAULT_LIMITS, ServerLimits, guarded_protocol
+
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIApplication
 
-__all__ = ["PortInUseError", "ensure_free", "free_port", "host_port", "server", "wsgi_server"]
+__all__ = [
+    "DEFAULT_LIMITS",
+    "PortInUseError",
+    "ServerLimits",
+    "ensure_free",
+    "free_port",
+    "host_port",
+    "server",
+    "wsgi_server",
+]
 
 
 class PortInUseError(Exception):
@@ -59,9 +70,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def server(
-    app: object, host: str, port: int, lifespan: Literal["auto", "on", "off"] = "on"
+    app: object,
+    host: str,
+    port: int,
+    lifespan: Literal["auto", "on", "off"] = "on",
+    limits: ServerLimits = DEFAULT_LIMITS,
 ) -> uvicorn.Server:
     """A quiet uvicorn server on the running asyncio loop, with httptools' HTTP parser.
+
+    ``limits`` bound what a client may hold: a header deadline, a header size, a connection
+    count (``infermeter.http_guard``) and the keep-alive idle time.
 
     ``Server.serve()`` runs on whatever loop the caller started (``asyncio.run``): uvicorn's
     ``loop`` setting only applies to ``Server.run()``. Measured, uvloop was not faster for the
@@ -73,7 +91,8 @@ def server(
         port=port,
         log_level="warning",
         access_log=False,
-        http="httptools",
+        http=guarded_protocol(limits),
+        timeout_keep_alive=limits.keep_alive_seconds,
         lifespan=lifespan,
         timeout_graceful_shutdown=2,
     )

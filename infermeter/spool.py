@@ -10,6 +10,10 @@ open for appends; older ones are closed and handed to the shipper, which deletes
 once billing has acknowledged every record in it. A process that dies mid-write can leave a torn
 last line: it is reported by ``read_segment`` and skipped (its request never saw its end, since
 durability comes before the response does).
+
+Size: with ``max_bytes`` set, the records not yet acknowledged (on disk or queued) never take more
+than that; an append that would pass it fails with ``SpoolError`` at once, like a full disk, and
+the caller's failure policy applies. Space comes back as billing acknowledges segments.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class Segment:
 
     path: Path
     records: int
+    size_bytes: int = 0
 
 
 def read_segment(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -89,9 +94,17 @@ class Spool:
     """Group-committing writer of one spool directory."""
 
     def __init__(
-        self, directory: Path, roll_seconds: float = 2.0, roll_records: int = 50_000
+        self,
+        directory: Path,
+        roll_seconds: float = 2.0,
+        roll_records: int = 50_000,
+        max_bytes: int | None = None,
     ) -> None:
         self.directory = directory
+        self.max_bytes = max_bytes
+        # Bytes of records not yet acknowledged: closed and open segments plus queued appends.
+        self.size_bytes = 0
+        self._current_bytes = 0
         self.roll_seconds = roll_seconds
         self.roll_records = roll_records
         self._queue: asyncio.Queue[tuple[bytes, asyncio.Future[None]]] | None = None
@@ -109,8 +122,10 @@ class Spool:
         self.directory.mkdir(parents=True, exist_ok=True)
         for path in sorted(self.directory.glob("seg-*.jsonl")):
             records, _ = read_segment(path)
-            self._closed.append(Segment(path, len(records)))
+            size = path.stat().st_size
+            self._closed.append(Segment(path, len(records), size))
             self.backlog += len(records)
+            self.size_bytes += size
         self._queue = asyncio.Queue()
         self._lock = asyncio.Lock()
         self._task = asyncio.get_running_loop().create_task(self._writer())
@@ -126,8 +141,14 @@ class Spool:
     async def append(self, record: dict[str, Any]) -> None:
         """Return once ``record`` is on disk; SpoolError if it cannot be."""
         assert self._queue is not None, "Spool.open() first"
+        line = orjson.dumps(record) + b"\n"
+        if self.max_bytes is not None and self.size_bytes + len(line) > self.max_bytes:
+            raise SpoolError(
+                f"usage spool in {self.directory} is full ({self.size_bytes} of {self.max_bytes} bytes)"
+            )
+        self.size_bytes += len(line)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((orjson.dumps(record) + b"\n", future))
+        self._queue.put_nowait((line, future))
         await future
 
     async def _writer(self) -> None:
@@ -145,12 +166,14 @@ class Spool:
                     f"cannot write usage spool in {self.directory}: {exc.strerror or exc}"
                 )
                 log.error("%s", error)
+                self.size_bytes -= len(data)
                 self._abandon_current()
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(error)
                 continue
             self._current_records += len(batch)
+            self._current_bytes += len(data)
             self.backlog += len(batch)
             for _, future in batch:
                 if not future.done():
@@ -171,6 +194,7 @@ class Spool:
         self._current = self.directory / f"seg-{stamp:020d}.jsonl"
         self._fh = self._current.open("ab")
         self._current_records = 0
+        self._current_bytes = 0
         self._opened_at = time.monotonic()
 
     def _abandon_current(self) -> None:
@@ -179,7 +203,7 @@ class Spool:
             with contextlib.suppress(OSError):
                 self._fh.close()
         if self._current is not None and self._current_records:
-            self._closed.append(Segment(self._current, self._current_records))
+            self._closed.append(Segment(self._current, self._current_records, self._current_bytes))
         self._fh, self._current, self._current_records = None, None, 0
 
     def _roll(self) -> None:
@@ -187,7 +211,7 @@ class Spool:
             return
         self._fh.close()
         if self._current_records:
-            self._closed.append(Segment(self._current, self._current_records))
+            self._closed.append(Segment(self._current, self._current_records, self._current_bytes))
         else:
             self._current.unlink(missing_ok=True)
         self._fh, self._current, self._current_records = None, None, 0
@@ -204,3 +228,4 @@ class Spool:
         segment.path.unlink(missing_ok=True)
         self._closed.remove(segment)
         self.backlog -= segment.records
+        self.size_bytes -= segment.size_bytes

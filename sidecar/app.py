@@ -33,11 +33,14 @@ from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
 from infermeter.auth import AuthError, bearer_key
 from infermeter.config import Config
 from infermeter.errors import error_body, sse_error_event
+from infermeter.http_guard import ServerLimits
 from infermeter.ids import request_id
 from infermeter.records import RequestStatus, UsageRecord
+from infermeter.replay import ReplayCache
 from infermeter.spool import Spool, SpoolError
 from sidecar import tracing
-from sidecar.fairness import FairShare, Slot
+from sidecar.bounds import capped, label
+from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 from sidecar.limits import Admission, LimitExceeded, RateLimiter, estimate_prompt_tokens
 from sidecar.metrics import SidecarMetrics
 from sidecar.state import ModelNotFoundError, View, build_view
@@ -61,6 +64,8 @@ _DROP = frozenset({b"authorization", b"host", b"content-length", b"connection", 
                    b"transfer-encoding", b"te", b"upgrade", b"proxy-authorization", b"accept-encoding"})  # fmt: skip
 _NEEDS_METRICS_TOKEN = error_body(401, "The metrics endpoint needs the metrics or admin token.",
                                   "invalid_request_error", "invalid_api_key")  # fmt: skip
+# Refusals decided before admission; each still costs one of the team's requests per minute.
+_CHARGED_REFUSALS = frozenset({400, 404, 408, 413})
 _DROP_DOWN = frozenset(
     {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"date", b"server"}
 )
@@ -101,15 +106,29 @@ class Sidecar:
     def __init__(self, config: Config, replica_id: str, *, spool_dir: Path | None = None,
                  tracer_provider: TracerProvider | None = None, client: httpx.AsyncClient | None = None) -> None:  # fmt: skip
         self.replica_id = replica_id
-        self.view: View = build_view(config, replica_id)
+        gateway = config.sidecar.gateway
+        # Outlives reloads: a new view must not forget which signed requests were served.
+        self.replay = ReplayCache(gateway.max_skew_seconds, gateway.replay_cache_entries)
+        self.view: View = build_view(config, replica_id, self.replay)
         settings = config.sidecar
         self.settings = settings
         self.upstream = self.view.replica.upstream_url.rstrip("/")
         self.metrics = SidecarMetrics()
         self.limiter = RateLimiter({t.name: t.limits for t in config.teams}, time.monotonic())
         capacity = self.view.replica.max_num_seqs
-        self.fair = FairShare(capacity, settings.fair_headroom) if capacity else None
-        self.spool = Spool(spool_dir or Path(settings.spool_dir) / replica_id)
+        self.fair = (
+            FairShare(
+                capacity,
+                settings.fair_headroom,
+                settings.fair_queue_max_per_team,
+                settings.fair_wait_timeout_seconds,
+            )
+            if capacity
+            else None
+        )
+        self.spool = Spool(
+            spool_dir or Path(settings.spool_dir) / replica_id, max_bytes=settings.spool_max_bytes
+        )
         self.spool_broken = False
         self.tracer = tracing.tracer(tracer_provider)
         self.upstream_key = os.environ.get(settings.upstream_api_key_env) or None
@@ -122,6 +141,13 @@ class Sidecar:
         self.ingest_url = settings.ingest_url
         self.ingest_token = os.environ.get(settings.ingest_token_env) or None
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def server_limits(self) -> ServerLimits:
+        """What the HTTP server in front of this sidecar allows a client (``sidecar.*``)."""
+        s = self.settings
+        return ServerLimits(header_timeout_seconds=s.header_timeout_seconds,
+                            max_connections=s.max_connections)  # fmt: skip
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -149,7 +175,7 @@ class Sidecar:
 
     def reload(self, config: Config) -> None:
         """Apply a new configuration without a restart (keys, limits, approved models)."""
-        self.view = build_view(config, self.replica_id)
+        self.view = build_view(config, self.replica_id, self.replay)
         self.limiter.configure({t.name: t.limits for t in config.teams}, time.monotonic())
 
     # -- ASGI ------------------------------------------------------------------------------------
@@ -266,14 +292,16 @@ class Sidecar:
 
     # -- generation endpoints --------------------------------------------------------------------
 
-    def _identify(self, scope: Scope) -> str:
+    def _gateway_signed(self, scope: Scope) -> bool:
+        gateway = self.view.gateway
+        return gateway is not None and header(scope, gateway.team_header.encode()) is not None
+
+    def _identify(self, scope: Scope, body: bytes = b"") -> str:
+        """The calling team, by its key or, in gateway mode, by a signature over the request."""
         view = self.view
-        if (
-            view.gateway is not None
-            and header(scope, view.gateway.team_header.encode()) is not None
-        ):
+        if view.gateway is not None and self._gateway_signed(scope):
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-            return view.gateway.team_for(headers)
+            return view.gateway.team_for(headers, scope["method"], scope["path"], body)
         return view.keys.team_for(bearer_key(header(scope, b"authorization")))
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
@@ -295,7 +323,10 @@ class Sidecar:
                 usage, status, http_status, finish = await self._relay_whole(
                     call, scope, receive, send, body
                 )
-        except _Reject as rej:
+        except _Reject as refused:
+            rej = refused
+            if call.team and call.admission is None and rej.status in _CHARGED_REFUSALS:
+                rej = self._charge_refusal(call, rej)
             status, http_status = rej.record_status, rej.status
             headers = [_JSON, *((k.encode(), v.encode()) for k, v in rej.headers)]
             body_err = error_body(rej.status, rej.message, rej.err_type, rej.code, rej.param)
@@ -309,18 +340,47 @@ class Sidecar:
             self._release(call, usage)
         self._account(call, status, usage, meter, finish)
 
+    def _charge_refusal(self, call: _Call, rej: _Reject) -> _Reject:
+        """A refusal takes one of the team's requests; past the limit it becomes a 429."""
+        try:
+            self.limiter.take_request(call.team, time.monotonic())
+        except LimitExceeded as exc:
+            return self._rate_limited(call, exc)
+        return rej
+
+    def _rate_limited(self, call: _Call, exc: LimitExceeded) -> _Reject:
+        self.metrics.rate_limited.labels(call.team, exc.reason).inc()
+        headers = (("retry-after", str(max(1, round(exc.retry_after_seconds)))), *exc.headers)
+        return _Reject(429, str(exc), "requests" if exc.reason == "requests" else "tokens",
+                       "rate_limit_exceeded", RequestStatus.RATE_LIMITED, headers)  # fmt: skip
+
+    async def _read(self, receive: Receive) -> bytes:
+        """The request body, or the 408 or 413 refusal of a body too slow or too large."""
+        limit = self.settings.max_body_bytes
+        try:
+            raw = await read_body(receive, limit, self.settings.body_timeout_seconds)
+        except TimeoutError:
+            raise _Reject(408, "The request body did not arrive in time.", "invalid_request_error",
+                          "request_timeout", RequestStatus.BAD_REQUEST) from None  # fmt: skip
+        if raw is None:
+            raise _Reject(413, f"Request body exceeds {limit} bytes.", "invalid_request_error",
+                          "request_too_large", RequestStatus.BAD_REQUEST)  # fmt: skip
+        return raw
+
     async def _admit(self, call: _Call, scope: Scope, receive: Receive) -> dict[str, Any]:
         """Everything before forwarding; raises _Reject with the answer otherwise."""
+        # A gateway's signature covers the body, so that body is read first; a key is checked
+        # before a byte of the body is read.
+        signed = self._gateway_signed(scope)
+        raw = await self._read(receive) if signed else b""
         try:
-            call.team = self._identify(scope)
+            call.team = self._identify(scope, raw)
         except AuthError as exc:
             raise _Reject(
                 401, str(exc), "invalid_request_error", exc.code, RequestStatus.UNAUTHORIZED
             ) from None
-        raw = await read_body(receive, self.settings.max_body_bytes)
-        if raw is None:
-            raise _Reject(413, f"Request body exceeds {self.settings.max_body_bytes} bytes.",
-                          "invalid_request_error", "request_too_large", RequestStatus.BAD_REQUEST)  # fmt: skip
+        if not signed:
+            raw = await self._read(receive)
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -337,12 +397,13 @@ class Sidecar:
         try:
             route = self.view.route(requested if isinstance(requested, str) else None)
         except ModelNotFoundError as exc:
-            call.model = str(requested)
+            call.model = capped(str(requested))
             raise _Reject(
                 404, str(exc), "invalid_request_error", "model_not_found", RequestStatus.REJECTED
             ) from None
         call.model, call.served_version = route.model, route.served_version
         call.stream = bool(body.get("stream")) and call.endpoint != "/v1/embeddings"
+        options = body.get("stream_options") or {}
         if self.spool_broken and self.settings.on_spool_failure == "refuse":
             raise _Reject(503, "Usage metering is unavailable; the request was not served.",
                           "server_error", "metering_unavailable", RequestStatus.REJECTED)  # fmt: skip
@@ -358,16 +419,12 @@ class Sidecar:
         try:
             call.admission = self.limiter.admit(call.team, reserve, time.monotonic())
         except LimitExceeded as exc:
-            self.metrics.rate_limited.labels(call.team, exc.reason).inc()
-            headers = (("retry-after", str(max(1, round(exc.retry_after_seconds)))), *exc.headers)
-            raise _Reject(429, str(exc), "requests" if exc.reason == "requests" else "tokens",
-                          "rate_limit_exceeded", RequestStatus.RATE_LIMITED, headers) from None  # fmt: skip
+            raise self._rate_limited(call, exc) from None
         # In flight from the moment it holds an admission, which is exactly when _release
         # decrements: nothing between the two can skip one of them.
         self.metrics.in_flight.labels(call.team, call.model).inc()
         body["model"] = route.served_version
         if call.stream:
-            options = body.get("stream_options") or {}
             call.headers.append(
                 (b"x-infermeter-client-usage", b"1" if options.get("include_usage") else b"0")
             )
@@ -379,7 +436,7 @@ class Sidecar:
                 "continuous_usage_stats": True,
             }
         if self.fair is not None:
-            call.slot = await self.fair.acquire(call.team)
+            call.slot = await self._fair_slot(call.team)
         if self.tracer is not None:
             call.span = self.tracer.start_span(
                 f"{_GENERATE[call.endpoint]} {call.model}",
@@ -398,9 +455,27 @@ class Sidecar:
             )
         return body
 
+    async def _fair_slot(self, team: str) -> Slot:
+        assert self.fair is not None
+        try:
+            return await self.fair.acquire(team)
+        except QueueFull:
+            raise _Reject(429, "Too many of your requests are waiting for this replica.", "requests",
+                          "rate_limit_exceeded", RequestStatus.RATE_LIMITED, (("retry-after", "1"),)) from None  # fmt: skip
+        except WaitTimeout:
+            wait = str(max(1, round(self.settings.fair_wait_timeout_seconds)))
+            raise _Reject(503, "The replica is busy; no batch slot came free in time.", "server_error",
+                          "replica_busy", RequestStatus.REJECTED, (("retry-after", wait),)) from None  # fmt: skip
+
     def _upstream_headers(self, scope: Scope, call: _Call | None) -> dict[str, str]:
+        # The gateway's signed headers, and anything in the sidecar's own x-infermeter-*
+        # namespace, stay here: vLLM learns nothing of who called or how they proved it.
+        gateway = self.view.gateway
+        signed = frozenset(h.lower().encode() for h in gateway.headers) if gateway else frozenset()
         headers = {
-            k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k not in _DROP
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in scope["headers"]
+            if k not in _DROP and k not in signed and not k.startswith(b"x-infermeter-")
         }
         if self.upstream_key:
             headers["authorization"] = f"Bearer {self.upstream_key}"
@@ -592,13 +667,13 @@ class Sidecar:
                                                 RequestStatus.UNAUTHORIZED, RequestStatus.BAD_REQUEST)  # fmt: skip
         first = meter.first_token_at if meter else None
         record = UsageRecord(
-            request_id=call.request_id, team=call.team, model=call.model, served_version=call.served_version,
+            request_id=call.request_id, team=call.team, model=capped(call.model), served_version=call.served_version,
             replica=self.replica_id, received_at=call.received_at,
             first_token_at=None if first is None else call.received_at + (first - call.started),
             finished_at=call.received_at + (time.perf_counter() - call.started),
             prompt_tokens=usage.prompt if usage else 0, cached_prompt_tokens=usage.cached if usage else 0,
             completion_tokens=usage.completion if usage else 0, status=status.value, http_status=http_status,
-            stream=call.stream, endpoint=call.endpoint, finish_reason=finish, usage_exact=exact,
+            stream=call.stream, endpoint=call.endpoint, finish_reason=None if finish is None else capped(finish), usage_exact=exact,
         )  # fmt: skip
         try:
             await self.spool.append(record.to_json())
@@ -627,7 +702,8 @@ class Sidecar:
         """Metrics and span for a finished request (off the client's critical path)."""
         m = self.metrics
         team = call.team or "unknown"
-        labels = (team, call.model or "unknown")
+        # Labels only ever take configured names, so no request can mint a series.
+        labels = (team, label(call.model, self.view.model_names))
         m.requests.labels(*labels, status.value).inc()
         duration = time.perf_counter() - call.started
         if status is not RequestStatus.UNAUTHORIZED:

@@ -7,6 +7,10 @@ those slots (``headroom``) for teams that are below their fair share, so a newco
 goes straight into the running batch. When nothing is free, requests wait here, per team, and
 the team with the fewest requests in flight goes next. Work-conserving: a lone team can use
 every slot but the headroom, which stays free for the first request of anyone else.
+
+The wait is bounded twice: a team may have at most ``max_waiting_per_team`` requests queued
+(one more is refused at once with ``QueueFull``, so a flood costs its sender, not the others),
+and no request waits longer than ``wait_timeout_seconds`` (``WaitTimeout``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,15 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["FairShare", "Slot"]
+__all__ = ["FairShare", "QueueFull", "Slot", "WaitTimeout"]
+
+
+class QueueFull(Exception):
+    """The team already has as many requests waiting as it may."""
+
+
+class WaitTimeout(Exception):
+    """No batch slot came free within the wait timeout."""
 
 
 @dataclass(eq=False)
@@ -39,6 +51,8 @@ class FairShare:
 
     capacity: int
     headroom_share: float = 0.125
+    max_waiting_per_team: int | None = None
+    wait_timeout_seconds: float | None = None
     in_flight: dict[str, int] = field(default_factory=dict)
     _waiting: dict[str, deque[asyncio.Future[None]]] = field(default_factory=dict)
     _total: int = 0
@@ -69,14 +83,24 @@ class FairShare:
         if not self._waiting.get(team) and self._may_start(team):
             self._start(team)
             return Slot(team, self)
+        queue = self._waiting.setdefault(team, deque())
+        if self.max_waiting_per_team is not None and len(queue) >= self.max_waiting_per_team:
+            raise QueueFull(team)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(team, deque()).append(future)
+        queue.append(future)
         try:
-            await future
+            async with asyncio.timeout(self.wait_timeout_seconds):
+                await future
+        except TimeoutError:
+            if future.done() and not future.cancelled():
+                self._release(team)  # granted in the same instant the wait ran out
+            elif future in queue:
+                queue.remove(future)
+            raise WaitTimeout(team) from None
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
                 self._release(team)  # granted just as the caller gave up
-            elif future in (queue := self._waiting[team]):
+            elif future in queue:
                 # Not there when _dispatch already popped and skipped the cancelled future.
                 queue.remove(future)
             raise

@@ -139,6 +139,22 @@ class RateLimiter:
         state.in_flight += 1
         return Admission(team, reserve_tokens, ratelimit_headers(state))
 
+    def take_request(self, team: str, now: float) -> None:
+        """Count a request refused before admission (bad body, unknown model) against the
+        team's requests per minute; LimitExceeded when none is left.
+
+        Refusals cost the sidecar work and a spooled record, so they are not free to send.
+        """
+        state = self._teams.get(team)
+        if state is None or state.requests is None:
+            return
+        state.requests.refill(now)
+        if state.requests.level < 1:
+            raise LimitExceeded(
+                "requests", state.requests.seconds_until(1), ratelimit_headers(state)
+            )
+        state.requests.level -= 1
+
     def settle(self, admission: Admission, used_tokens: int, now: float) -> None:
         """Replace the reservation by the real usage and free the concurrency slot."""
         if admission.settled:

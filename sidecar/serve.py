@@ -39,7 +39,7 @@ async def serve_sidecar(
     app = Sidecar(
         config, replica_id, tracer_provider=make_tracer_provider(f"infermeter-sidecar-{replica_id}")
     )
-    srv = server(app, host, port)
+    srv = server(app, host, port, limits=app.server_limits)
     loop = asyncio.get_running_loop()
 
     def reload() -> None:

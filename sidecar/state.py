@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from infermeter.auth import ADMIN, METRICS, GatewayVerifier, KeyRing
 from infermeter.config import Config, Replica
+from infermeter.replay import ReplayCache
+from sidecar.bounds import shown
 
 __all__ = ["ModelNotFoundError", "Route", "View", "build_view"]
 
@@ -41,6 +43,11 @@ class View:
     control_open: bool
     gateway: GatewayVerifier | None
 
+    @property
+    def model_names(self) -> frozenset[str]:
+        """Every model name a metric label may carry: the alias and its approved versions."""
+        return self.approved | {self.model, self.served_version}
+
     def route(self, requested: str | None) -> Route:
         """Map a requested name (model alias or approved version) to this replica's version.
 
@@ -49,17 +56,21 @@ class View:
         """
         if self.served_version not in self.approved:
             raise ModelNotFoundError(
-                f"The model `{requested}` does not exist or you do not have access to it."
+                f"The model `{shown(requested)}` does not exist or you do not have access to it."
             )
         if requested is None or requested == self.model or requested == self.served_version:
             return Route(self.model, self.served_version)
         raise ModelNotFoundError(
-            f"The model `{requested}` does not exist or you do not have access to it."
+            f"The model `{shown(requested)}` does not exist or you do not have access to it."
         )
 
 
-def build_view(config: Config, replica_id: str) -> View:
-    """The view of ``replica_id``; KeyError if the replica is not configured."""
+def build_view(config: Config, replica_id: str, replay: ReplayCache | None = None) -> View:
+    """The view of ``replica_id``; KeyError if the replica is not configured.
+
+    ``replay`` is the gateway's nonce memory, kept by the sidecar across reloads so that a
+    reload does not open a window for replays.
+    """
     replica = config.replica(replica_id)
     model = config.model(replica.model)
     gateway = None
@@ -69,7 +80,8 @@ def build_view(config: Config, replica_id: str) -> View:
         if not secret:
             raise ValueError(f"sidecar.gateway is enabled but ${g.secret_env} is empty")
         gateway = GatewayVerifier(secret.encode(), g.team_header, g.timestamp_header, g.signature_header,
-                                  g.max_skew_seconds, frozenset(t.name for t in config.teams))  # fmt: skip
+                                  g.max_skew_seconds, frozenset(t.name for t in config.teams),
+                                  g.nonce_header, replay or ReplayCache(g.max_skew_seconds, g.replay_cache_entries))  # fmt: skip
     control_digests = [*config.admin_token_sha256, *config.metrics_token_sha256]
     return View(
         replica=replica,

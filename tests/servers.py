@@ -7,16 +7,19 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from infermeter.serving import free_port, server as serve
+from infermeter.serving import DEFAULT_LIMITS, ServerLimits, free_port, server as serve
 
 
 @contextlib.asynccontextmanager
 async def serving(
-    app: Any, port: int | None = None, lifespan: Literal["auto", "on", "off"] = "on"
+    app: Any,
+    port: int | None = None,
+    lifespan: Literal["auto", "on", "off"] = "on",
+    limits: ServerLimits = DEFAULT_LIMITS,
 ) -> AsyncIterator[str]:
     """Serve ``app`` on loopback, with the settings of every infermeter server, for the duration of the block; yields its URL."""
     port = port or free_port()
-    server = serve(app, "127.0.0.1", port, lifespan=lifespan)
+    server = serve(app, "127.0.0.1", port, lifespan=lifespan, limits=limits)
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():

@@ -21,13 +21,18 @@ from infermeter.auth import (
     Unauthenticated,
     bearer_key,
     identify,
-    sign_team,
+    sign_request,
+    string_to_sign,
 )
+from infermeter.replay import ReplayCache
 
 KEYS = {"sk-search-1": "search", "sk-search-2": "search", "sk-research": "research"}
 SECRET = b"gateway-secret"
 NOW = 1_800_000_000
 SKEW = 300
+PATH = "/v1/chat/completions"
+BODY = b'{"model":"chat-small"}'
+NONCE = "nonce-0123456789abcdef"
 
 
 def digest(key: str) -> str:
@@ -54,15 +59,22 @@ def gateway() -> GatewayVerifier:
         signature_header="x-infermeter-signature",
         max_skew_seconds=SKEW,
         known_teams=frozenset(KEYS.values()),
+        replay=ReplayCache(SKEW, 1000),
     )
 
 
-def signed(team: str, timestamp: int = NOW, secret: bytes = SECRET) -> dict[str, str]:
-    """The headers a gateway holding ``secret`` sends for ``team`` at ``timestamp``."""
+def signed(
+    team: str, timestamp: int = NOW, secret: bytes = SECRET, nonce: str = NONCE
+) -> dict[str, str]:
+    """The headers a gateway holding ``secret`` sends for ``team``'s POST of BODY to PATH."""
+    signature = sign_request(
+        secret, team=team, timestamp=timestamp, nonce=nonce, method="POST", path=PATH, body=BODY
+    )
     return {
         "x-infermeter-team": team,
         "x-infermeter-timestamp": str(timestamp),
-        "x-infermeter-signature": sign_team(secret, team, timestamp),
+        "x-infermeter-nonce": nonce,
+        "x-infermeter-signature": signature,
     }
 
 
@@ -122,14 +134,14 @@ def test_key_never_appears_in_an_error(ring, header):
 @pytest.mark.parametrize("now", [NOW, NOW - SKEW, NOW + SKEW], ids=["fresh", "oldest", "newest"])
 def test_gateway_header_signed_within_the_window_is_accepted(gateway, now):
     """A correctly signed header is accepted up to ``max_skew_seconds`` either side of now."""
-    assert gateway.team_for(signed("search"), now=now) == "search"
+    assert gateway.team_for(signed("search"), "POST", PATH, BODY, now=now) == "search"
 
 
 def test_gateway_signature_is_accepted_in_upper_case_hex(gateway):
     """Hex case does not matter in the signature."""
     headers = signed("search")
     headers["x-infermeter-signature"] = headers["x-infermeter-signature"].upper()
-    assert gateway.team_for(headers, now=NOW) == "search"
+    assert gateway.team_for(headers, "POST", PATH, BODY, now=NOW) == "search"
 
 
 def _without(name: str) -> dict[str, str]:
@@ -150,6 +162,9 @@ def _with(name: str, value: str) -> dict[str, str]:
         (_without("team"), "missing_team_signature", "Missing signed team header from the trusted gateway."),
         (_without("timestamp"), "missing_team_signature", "Missing signed team header from the trusted gateway."),
         (_without("signature"), "missing_team_signature", "Missing signed team header from the trusted gateway."),
+        (_without("nonce"), "missing_team_signature", "Missing signed team header from the trusted gateway."),
+        (_with("timestamp", "9" * 400), "invalid_team_signature", "Malformed gateway timestamp."),
+        (_with("nonce", "short"), "invalid_team_signature", "Malformed gateway nonce."),
         (_with("timestamp", "soon"), "invalid_team_signature", "Malformed gateway timestamp."),
         (signed("search", NOW - SKEW - 1), "invalid_team_signature", "Stale gateway signature."),
         (signed("search", NOW + SKEW + 1), "invalid_team_signature", "Stale gateway signature."),
@@ -158,14 +173,60 @@ def _with(name: str, value: str) -> dict[str, str]:
         (_with("signature", "é" * 64), "invalid_team_signature", "Invalid gateway signature."),
         (signed("marketing"), "invalid_team_signature", "Unknown team."),
     ],
-    ids=["no-team", "no-timestamp", "unsigned", "bad-timestamp", "stale-past", "stale-future",
+    ids=["no-team", "no-timestamp", "unsigned", "no-nonce", "400-digit-timestamp", "short-nonce", "bad-timestamp", "stale-past", "stale-future",
          "forged", "tampered-team", "non-ascii-signature", "unknown-team"],
 )  # fmt: skip
 def test_gateway_header_is_refused(gateway, headers, code, message):
     """Unsigned, stale, forged, tampered or unknown-team headers are refused with a specific error."""
     with pytest.raises(AuthError) as caught:
-        gateway.team_for(headers, now=NOW)
+        gateway.team_for(headers, "POST", PATH, BODY, now=NOW)
     assert (str(caught.value), caught.value.code) == (message, code)
+
+
+def test_string_to_sign_is_the_documented_seven_lines():
+    """The signed string is version, timestamp, nonce, team, method, path and body digest, one a line."""
+    assert string_to_sign(
+        team="search", timestamp=NOW, nonce=NONCE, method="post", path=PATH, body=b""
+    ) == (
+        b"infermeter-gateway-v2\n1800000000\nnonce-0123456789abcdef\nsearch\nPOST\n"
+        b"/v1/chat/completions\ne3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [("GET", PATH, BODY), ("POST", "/v1/embeddings", BODY), ("POST", PATH, b"{}")],
+    ids=["method", "path", "body"],
+)
+def test_gateway_signature_covers_method_path_and_body(gateway, method, path, body):
+    """A signature made for one request does not verify another method, path or body."""
+    with pytest.raises(AuthError, match="Invalid gateway signature"):
+        gateway.team_for(signed("search"), method, path, body, now=NOW)
+
+
+def test_gateway_nonce_is_accepted_once(gateway):
+    """The same signed request presented twice is refused the second time."""
+    assert gateway.team_for(signed("search"), "POST", PATH, BODY, now=NOW) == "search"
+    with pytest.raises(AuthError, match="Replayed gateway signature"):
+        gateway.team_for(signed("search"), "POST", PATH, BODY, now=NOW + 1)
+
+
+def test_replay_cache_stays_bounded_and_refuses_what_it_forgot():
+    """Past its size the cache forgets the oldest nonces and refuses anything stamped no later."""
+    cache = ReplayCache(window_seconds=SKEW, max_entries=3)
+    for i in range(5):
+        assert cache.admit(f"n{i}", NOW + i, now=NOW + 5) is None
+    assert len(cache) == 3
+    assert cache.admit("n0", NOW, now=NOW + 5) == "stale"
+    assert cache.admit("n4", NOW + 4, now=NOW + 5) == "replayed"
+
+
+def test_replay_cache_forgets_nonces_past_the_window():
+    """A nonce older than the window is dropped, since the clock check refuses it anyway."""
+    cache = ReplayCache(window_seconds=SKEW, max_entries=3)
+    assert cache.admit("n0", NOW, now=NOW) is None
+    assert cache.admit("n1", NOW + SKEW + 1, now=NOW + SKEW + 1) is None
+    assert len(cache) == 1
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from billing.api import create_app
 from billing.ledger import Ledger
-from infermeter.auth import AuthError, GatewayVerifier, sign_team
+from infermeter.auth import AuthError, GatewayVerifier, sign_request
 from infermeter.config import BillingSettings, Config
 from infermeter.months import check_month
 from tests.billing.conftest import OCT, batch, usage
@@ -92,9 +92,12 @@ NOW = 1_790_812_800
 def test_a_gateway_timestamp_must_be_plain_ascii_digits(stamp):
     """Anything but a short run of ASCII digits is a malformed timestamp, never a crash."""
     verifier = GatewayVerifier(b"s", "t", "ts", "sig", 300.0, frozenset({"search"}))
-    headers = {"t": "search", "ts": stamp, "sig": sign_team(b"s", "search", NOW)}
+    nonce = "n" * 16
+    signature = sign_request(b"s", team="search", timestamp=NOW, nonce=nonce, method="POST",
+                             path="/v1/chat/completions", body=b"")  # fmt: skip
+    headers = {"t": "search", "ts": stamp, "sig": signature, "x-infermeter-nonce": nonce}
     with pytest.raises(AuthError, match="Malformed gateway timestamp") as err:
-        verifier.team_for(headers, now=NOW)
+        verifier.team_for(headers, "POST", "/v1/chat/completions", b"", now=NOW)
     assert err.value.code == "invalid_team_signature"
 
 

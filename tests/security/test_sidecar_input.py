@@ -6,10 +6,11 @@ import time
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from infermeter.auth import sign_team
+from infermeter.auth import sign_request
 from tests.sidecar.conftest import (
     METRICS_TOKEN,
     Stack,
@@ -80,8 +81,11 @@ async def test_a_malformed_gateway_timestamp_is_an_openai_401(stack_factory, mon
     monkeypatch.setenv("INFERMETER_GATEWAY_SECRET", "s3cret")
     stack = await stack_factory(**{"sidecar.gateway": {"enabled": True}})
     now = int(time.time())
+    nonce = "n" * 16
+    signature = sign_request(b"s3cret", team="research", timestamp=now, nonce=nonce,
+                             method="POST", path="/v1/chat/completions", body=orjson.dumps(CHAT))  # fmt: skip
     headers = {"x-infermeter-team": "research", "x-infermeter-timestamp": stamp,
-               "x-infermeter-signature": sign_team(b"s3cret", "research", now)}  # fmt: skip
+               "x-infermeter-signature": signature, "x-infermeter-nonce": nonce}  # fmt: skip
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as c:
         r = await c.post("/v1/chat/completions", json=CHAT, headers=headers)
         models = await c.get("/v1/models", headers=headers)

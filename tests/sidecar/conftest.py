@@ -88,7 +88,7 @@ async def stack_factory(tmp_path: Path) -> AsyncIterator[StackFactory]:
             )
             spool = tmp_path / f"spool-{port}"
             sidecar = Sidecar(config, "small-0", spool_dir=spool)
-            url = await stack.enter_async_context(serving(sidecar))
+            url = await stack.enter_async_context(serving(sidecar, limits=sidecar.server_limits))
             return Stack(sim, sidecar, url, upstream, spool)
 
         yield start

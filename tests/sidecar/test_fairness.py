@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from sidecar.fairness import FairShare, Slot
+from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 
 Spawn = Callable[[FairShare, str], asyncio.Task[Slot]]
 
@@ -180,3 +180,24 @@ async def test_second_release_does_not_take_the_next_waiters_slot(spawn):
     await idle()
     assert waiter.done()
     assert fair.in_flight == {"a": 0, "b": 1}
+
+
+async def test_a_team_past_its_queue_bound_is_refused_at_once(spawn):
+    """With max_waiting_per_team queued, one more request of that team raises QueueFull; others still queue."""
+    fair = FairShare(capacity=1, headroom_share=0, max_waiting_per_team=1)
+    await requests(spawn, fair, "a", 2)
+    with pytest.raises(QueueFull):
+        await fair.acquire("a")
+    other = spawn(fair, "b")
+    await idle()
+    assert (fair.waiting("a"), fair.waiting("b"), other.done()) == (1, 1, False)
+
+
+async def test_a_wait_past_the_timeout_leaves_the_queue(spawn):
+    """A request not granted within wait_timeout_seconds raises WaitTimeout and no longer waits."""
+    fair = FairShare(capacity=1, headroom_share=0, wait_timeout_seconds=0.05)
+    await requests(spawn, fair, "a", 1)
+    with pytest.raises(WaitTimeout):
+        await fair.acquire("b")
+    assert fair.waiting() == 0
+    assert fair.in_flight == {"a": 1}

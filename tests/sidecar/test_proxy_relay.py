@@ -7,10 +7,11 @@ import time
 
 import httpx
 import openai
+import orjson
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from infermeter.auth import sign_team
+from infermeter.auth import sign_request
 from tests.sidecar.conftest import KEYS, make_config
 from tests.simulator.shapes import classify, skeleton, sse_events
 
@@ -228,15 +229,20 @@ async def test_gateway_mode_accepts_only_fresh_signed_team_headers(stack_factory
     stack = await stack_factory(**{"sidecar.gateway": {"enabled": True}})
     now = int(time.time())
 
+    body = orjson.dumps(CHAT)
+
     def signed(ts: int) -> dict[str, str]:
+        nonce = f"nonce-{ts}-0123456789"
+        signature = sign_request(b"s3cret", team="research", timestamp=ts, nonce=nonce,
+                                 method="POST", path="/v1/chat/completions", body=body)  # fmt: skip
         return {"x-infermeter-team": "research", "x-infermeter-timestamp": str(ts),
-                "x-infermeter-signature": sign_team(b"s3cret", "research", ts)}  # fmt: skip
+                "x-infermeter-nonce": nonce, "x-infermeter-signature": signature}  # fmt: skip
 
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as c:
-        good = await c.post("/v1/chat/completions", json=CHAT, headers=signed(now))
-        stale = await c.post("/v1/chat/completions", json=CHAT, headers=signed(now - 3600))
+        good = await c.post("/v1/chat/completions", content=body, headers=signed(now))
+        stale = await c.post("/v1/chat/completions", content=body, headers=signed(now - 3600))
         unsigned = await c.post(
-            "/v1/chat/completions", json=CHAT, headers={"x-infermeter-team": "research"}
+            "/v1/chat/completions", content=body, headers={"x-infermeter-team": "research"}
         )
     assert good.status_code == 200
     assert stack.records()[0]["team"] == "research"

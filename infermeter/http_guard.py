@@ -1,0 +1,101 @@
+"""Deadlines and caps uvicorn does not have: a header deadline, a header size cap, a connection cap.
+
+Measured on uvicorn 0.54 with httptools: a connection that sends nothing, or trickles its request
+headers a byte at a time, is held open for ever (the keep-alive timeout is armed only after a
+first request), every accepted connection is kept however many there are (``limit_concurrency``
+only answers 503 to requests whose headers are complete), and header lines are collected without
+a size limit. One pod could hold every file descriptor of a sidecar that way. This protocol adds
+the three missing bounds on top of uvicorn's own, and nothing else:
+
+- the request line and headers must arrive within ``header_timeout_seconds`` of the connection
+  opening (or of the first byte of a later request on it), else ``408`` and the connection closes;
+- they may total at most ``max_header_bytes``, else ``431`` and the connection closes;
+- past ``max_connections`` open connections, a new one is closed as soon as it is accepted.
+
+The body has its own deadline in the application, which reads it (``infermeter.asgi.read_body``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+__all__ = ["DEFAULT_LIMITS", "ServerLimits", "guarded_protocol"]
+
+_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """The bounds every infermeter server applies to its clients."""
+
+    header_timeout_seconds: float = 10.0
+    max_header_bytes: int = 64 * 1024
+    max_connections: int = 4096
+    keep_alive_seconds: int = 5
+
+
+DEFAULT_LIMITS = ServerLimits()
+
+
+def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with ``limits`` applied, as a class uvicorn can instantiate."""
+
+    class GuardedHttpTools(HttpToolsProtocol):
+        _deadline: asyncio.TimerHandle | None = None
+        _header_bytes = 0
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                transport.close()
+                return
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._header_bytes = 0
+            if self._deadline is None:
+                self._arm()
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def _count(self, size: int) -> None:
+            self._header_bytes += size
+            if self._header_bytes > limits.max_header_bytes:
+                self._refuse(_TOO_LARGE)
+
+        def _arm(self) -> None:
+            self._deadline = self.loop.call_later(
+                limits.header_timeout_seconds, self._refuse, _TIMEOUT
+            )
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _refuse(self, answer: bytes) -> None:
+            self._disarm()
+            if not self.transport.is_closing():
+                self.transport.write(answer)
+                self.transport.close()
+
+    return GuardedHttpTools
