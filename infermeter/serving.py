@@ -7,12 +7,14 @@ shutdown behaviour, and fail with the same one-line message when their port is t
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import socket
 from typing import Literal
 from urllib.parse import urlsplit
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 __all__ = ["PortInUseError", "ensure_free", "free_port", "host_port", "server"]
 
@@ -53,23 +55,89 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+class _HeaderDeadline(HttpToolsProtocol):
+    """httptools' protocol, closing a connection whose request headers arrive too slowly.
+
+    uvicorn bounds only the idle time between requests (``timeout_keep_alive``), and any byte
+    resets that: a client sending one header line a second holds its connection for ever.
+    Here each request's headers must be complete within ``header_timeout_seconds`` of the
+    connection opening or of the previous response ending.
+    """
+
+    header_timeout_seconds = 10.0
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """Start the deadline of the first request's headers."""
+        super().connection_made(transport)
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        """The headers are in: the deadline no longer applies to this request."""
+        self._disarm()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        """Start the deadline of the next request's headers."""
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Nothing to time any more."""
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.header_timeout_seconds, self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
 def server(
-    app: object, host: str, port: int, lifespan: Literal["auto", "on", "off"] = "on"
+    app: object,
+    host: str,
+    port: int,
+    lifespan: Literal["auto", "on", "off"] = "on",
+    *,
+    max_connections: int | None = None,
+    header_timeout_seconds: float | None = None,
+    keep_alive_timeout_seconds: int = 5,
 ) -> uvicorn.Server:
     """A quiet uvicorn server on the running asyncio loop, with httptools' HTTP parser.
 
     ``Server.serve()`` runs on whatever loop the caller started (``asyncio.run``): uvicorn's
     ``loop`` setting only applies to ``Server.run()``. Measured, uvloop was not faster for the
     simulator's per-step wake-ups (docs/benchmarks.md), so the standard loop is used.
+
+    For a server that callers it does not trust can reach: ``max_connections`` (uvicorn's
+    ``limit_concurrency``: a request arriving while that many connections or requests are open
+    is answered 503), ``header_timeout_seconds`` (a connection whose request headers take
+    longer is closed) and ``keep_alive_timeout_seconds`` (an idle connection is closed).
     """
+    http: type[asyncio.Protocol] | Literal["httptools"] = "httptools"
+    if header_timeout_seconds is not None:
+        http = type("HeaderDeadline", (_HeaderDeadline,),
+                    {"header_timeout_seconds": header_timeout_seconds})  # fmt: skip
     config = uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=host,
         port=port,
         log_level="warning",
         access_log=False,
-        http="httptools",
+        http=http,
         lifespan=lifespan,
         timeout_graceful_shutdown=2,
+        limit_concurrency=max_connections,
+        timeout_keep_alive=keep_alive_timeout_seconds,
     )
     return uvicorn.Server(config)

@@ -28,6 +28,7 @@ from infermeter.records import FieldType, RecordKind
 __all__ = [
     "ARROW_STREAM",
     "NDJSON",
+    "arrow_extent",
     "arrow_schema",
     "decode_arrow",
     "encode_arrow",
@@ -103,6 +104,28 @@ def encode_arrow(kind: RecordKind, body: bytes) -> bytes | None:
         writer.write_table(table)
     encoded: bytes = sink.getvalue().to_pybytes()
     return encoded
+
+
+def arrow_extent(body: bytes, max_records: int, max_bytes: int) -> tuple[int, int]:
+    """Records and decoded bytes of an Arrow IPC stream, read one batch at a time.
+
+    Reading stops at the first batch that takes either total past its limit, so a stream that
+    is small compressed and huge decoded (a zstd bomb) is never decoded whole: totals over a
+    limit are only "at least". A body that is not a stream counts what was read before the
+    fault; ``decode_arrow`` says what is wrong with it.
+    """
+    records = size = 0
+    try:
+        reader = pa.ipc.RecordBatchStreamReader(pa.py_buffer(body))
+        while records <= max_records and size <= max_bytes:
+            batch = reader.read_next_batch()
+            records += batch.num_rows
+            size += batch.nbytes
+    except StopIteration:
+        pass
+    except (pa.ArrowException, ValueError):
+        pass
+    return records, size
 
 
 def decode_arrow(kind: RecordKind, body: bytes) -> pa.Table:

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from billing.ledger import IngestResult
+from billing.routes.body import read_body
 from billing.routes.dependencies import Ingester, Services, ServicesDep
 from billing.routes.responses import json_response
 from infermeter.wire import ARROW_STREAM
@@ -42,8 +43,8 @@ def _acknowledge(svc: Services, result: IngestResult, wire_format: str) -> Respo
 @router.post("/v1/ingest")
 async def ingest(request: Request, _: Ingester, svc: ServicesDep) -> Response:
     """Keep a batch of usage records or samples; answer only after it is committed."""
-    body = await request.body()
     b = svc.config.billing
+    body = await read_body(request, b.max_body_bytes, b.body_read_timeout_seconds)
     result = await _keep(
         svc.ledger.ingest, body, None, b.max_clock_skew_seconds, b.max_batch_records
     )
@@ -61,13 +62,16 @@ async def ingest_batch(kind: str, request: Request, _: Ingester, svc: ServicesDe
     """
     arrow = (content_type or "").split(";")[0].strip().lower() == ARROW_STREAM
     ledger = svc.ledger
-    keep = ledger.ingest_arrow if arrow else ledger.ingest_lines
     b = svc.config.billing
     # Announced before the body arrives: a transaction about to start small waits briefly
     # for batches still on the wire (group commit), which matters when many shippers send
     # small batches at once.
     with ledger.announce() as ticket:
-        body = await request.body()
-        result = await _keep(keep, kind, body, None, b.max_clock_skew_seconds,
-                             b.max_batch_records, ticket)  # fmt: skip
+        body = await read_body(request, b.max_body_bytes, b.body_read_timeout_seconds)
+        if arrow:
+            result = await _keep(ledger.ingest_arrow, kind, body, None, b.max_clock_skew_seconds,
+                                 b.max_batch_records, ticket, b.max_body_bytes)  # fmt: skip
+        else:
+            result = await _keep(ledger.ingest_lines, kind, body, None,
+                                 b.max_clock_skew_seconds, b.max_batch_records, ticket)  # fmt: skip
     return _acknowledge(svc, result, "arrow" if arrow else "ndjson")

@@ -36,4 +36,4 @@ async def metrics(_: Scraper, svc: ServicesDep) -> Response:
     """Prometheus text: spend per team (from the cached statement) and ingest counters."""
     body = await run_in_threadpool(generate_latest, svc.registry)
     return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8",
-                             background=refresh_if_stale(svc.statements, month_of(time.time())))  # fmt: skip
+                             background=refresh_if_stale(svc, month_of(time.time())))  # fmt: skip

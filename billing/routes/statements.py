@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from billing.routes.dependencies import Manager, Month, Reader, Services, ServicesDep
+from billing.routes.dependencies import Manager, Month, Reader, Services, ServicesDep, compute
 from billing.routes.responses import download, fields_of, json_response
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
@@ -28,8 +28,12 @@ router = APIRouter()
 
 
 async def _statement(svc: Services, month: str, who: Caller) -> Statement:
-    """``month``'s statement computed now, as ``who`` may see it."""
-    return for_team(await run_in_threadpool(svc.chargeback.statement, month), who.team)
+    """``month``'s statement computed now, as ``who`` may see it.
+
+    Computed through the statement cache, which keeps it: requests for a month already being
+    computed share that computation instead of starting their own.
+    """
+    return for_team(await compute(svc, svc.statements.recompute, month), who.team)
 
 
 @router.get("/v1/months")
@@ -41,8 +45,8 @@ async def months(_: Manager, svc: ServicesDep) -> list[dict[str, Any]]:
 @router.post("/v1/months/{month}/close")
 async def close(_: Manager, month: Month, svc: ServicesDep) -> dict[str, Any]:
     """Freeze a month's statement (admin)."""
-    statement = await run_in_threadpool(svc.chargeback.close, month)
-    await run_in_threadpool(svc.statements.recompute, month)
+    statement = await compute(svc, svc.chargeback.close, month)
+    await compute(svc, svc.statements.recompute, month)
     return statement_json(statement, None)
 
 
@@ -68,14 +72,14 @@ async def chargeback_csv(who: Reader, month: Month, svc: ServicesDep) -> Respons
 @router.get("/v1/chargeback/{month}")
 async def chargeback_json(who: Reader, month: Month, svc: ServicesDep) -> Response:
     """A month's statement: every line for the admin, a team's own lines for a team."""
-    statement = await run_in_threadpool(svc.chargeback.statement, month)
+    statement = await compute(svc, svc.statements.recompute, month)
     return json_response(statement_json(statement, who.team))
 
 
 @router.get("/v1/spend")
 async def spend(who: Reader, svc: ServicesDep) -> list[dict[str, Any]]:
     """Month-to-date spend, budget and forecast: every team for the admin, its own for a team."""
-    rows = await run_in_threadpool(svc.chargeback.spend)
+    rows = await compute(svc, svc.chargeback.spend)
     return [fields_of(s) for s in rows if who.is_admin or s.team == who.team]
 
 
