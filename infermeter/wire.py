@@ -121,9 +121,7 @@ def arrow_extent(body: bytes, max_records: int, max_bytes: int) -> tuple[int, in
             batch = reader.read_next_batch()
             records += batch.num_rows
             size += batch.nbytes
-    except StopIteration:
-        pass
-    except (pa.ArrowException, ValueError):
+    except (StopIteration, pa.ArrowException, ValueError, OSError):
         pass
     return records, size
 
@@ -132,7 +130,8 @@ def decode_arrow(kind: RecordKind, body: bytes) -> pa.Table:
     """An Arrow IPC stream of ``kind`` records; ValueError naming what does not match."""
     try:
         table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
-    except (pa.ArrowException, ValueError) as exc:
+    # Some malformed streams ("negative continuation token") are a plain OSError.
+    except (pa.ArrowException, ValueError, OSError) as exc:
         raise ValueError(f"the body is not an Arrow IPC stream: {exc}") from None
     expected = arrow_schema(kind)
     if not table.schema.equals(expected):

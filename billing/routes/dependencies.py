@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 from anyio import CapacityLimiter, to_thread
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Header, Path, Request
 from prometheus_client import CollectorRegistry
 
 from billing.chargeback import Chargeback
@@ -26,7 +26,7 @@ from billing.statement_cache import CachedChargeback
 from infermeter.auth import INGESTERS, MANAGERS, SCRAPERS, Caller, KeyRing, identify
 from infermeter.config import Config
 from infermeter.errors import BadRequest
-from infermeter.months import check_month
+from infermeter.months import MONTH_PATTERN, check_month
 
 T = TypeVar("T")
 
@@ -123,7 +123,7 @@ Reader = Annotated[Caller, Depends(reader)]
 Asker = Annotated[Caller, Depends(asker)]
 
 
-def month(month: str) -> str:
+def month(month: Annotated[str, Path(json_schema_extra={"pattern": MONTH_PATTERN})]) -> str:
     """The ``{month}`` path parameter, checked; BadRequest (400) unless it is ``YYYY-MM``."""
     try:
         return check_month(month)

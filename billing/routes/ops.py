@@ -10,6 +10,7 @@ from prometheus_client import generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from billing.routes.dependencies import Scraper, ServicesDep
+from billing.routes.openapi import errors, text
 from billing.routes.responses import refresh_if_stale
 from infermeter.months import month_of
 
@@ -31,7 +32,9 @@ async def readyz(svc: ServicesDep) -> dict[str, str]:
     return {"status": "ready"}
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics", responses=text("text/plain", "Prometheus text exposition.") | errors(401, 403)
+)
 async def metrics(_: Scraper, svc: ServicesDep) -> Response:
     """Prometheus text: spend per team (from the cached statement) and ingest counters."""
     body = await run_in_threadpool(generate_latest, svc.registry)

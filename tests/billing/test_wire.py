@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from infermeter.records import GPU, KINDS, USAGE
-from infermeter.wire import arrow_schema, decode_arrow, encode_arrow
+from infermeter.wire import arrow_extent, arrow_schema, decode_arrow, encode_arrow
 from tests.billing.conftest import gpu_samples, ndjson, usage
 
 
@@ -81,3 +81,27 @@ def test_a_body_that_is_not_arrow_is_refused():
     """Garbage with the Arrow content type: a clear ValueError (the API answers 400)."""
     with pytest.raises(ValueError, match="not an Arrow IPC stream"):
         decode_arrow(USAGE, b'{"usage": []}')
+
+
+@pytest.mark.parametrize("garbage", [b"\xf0\xff\xff\xff", b"\xff\xff\xff\xff\xff\xff\xff\xff"])
+def test_a_stream_header_pyarrow_reads_as_an_io_error_is_refused_too(garbage: bytes) -> None:
+    """A negative continuation token or metadata length is the same ValueError, not a fault."""
+    with pytest.raises(ValueError, match="not an Arrow IPC stream"):
+        decode_arrow(USAGE, garbage)
+
+
+def test_the_extent_of_a_stream_is_counted_only_up_to_the_first_batch_past_a_limit():
+    """Batches are read until the record count passes its limit; the rest are never decoded."""
+    records = [usage() for _ in range(10)]
+    encoded = encode_arrow(USAGE, ndjson(records))
+    assert encoded is not None
+    one = pa.ipc.open_stream(encoded).read_all().to_batches()[0]
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, one.schema) as writer:
+        for _ in range(5):
+            writer.write_batch(one)
+    stream = sink.getvalue().to_pybytes()
+    assert arrow_extent(stream, 1000, 1 << 30) == (50, 5 * one.nbytes)
+    assert arrow_extent(stream, 15, 1 << 30) == (20, 2 * one.nbytes)
+    assert arrow_extent(stream, 1000, one.nbytes) == (20, 2 * one.nbytes)
+    assert arrow_extent(b"not arrow", 10, 10) == (0, 0)
