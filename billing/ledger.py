@@ -221,8 +221,8 @@ class Ledger:
         its transaction with others. Raises
         ``BadRequest`` when the stream is not the kind's schema (nothing is kept), and
         ``BatchTooLargeError`` when it holds more than ``max_records`` records or decodes to
-        more than ``max_bytes``; both are counted batch by batch before the stream is decoded
-        whole.
+        more than ``max_bytes``; both are read from the batches' headers
+        (``infermeter.wire.arrow_extent``) before anything is decompressed.
         """
         kind = self._kind(kind_key)
         if max_records is not None or max_bytes is not None:

@@ -187,11 +187,11 @@ def bomb(rows: int, per_batch: int, text: int) -> tuple[bytes, int]:
 
 @pytest.mark.parametrize(
     ("rows", "per_batch", "text"),
-    [(1_000_000, 25_000, 8), (40_000, 1_000, 8_192)],
-    ids=["too-many-records", "too-many-bytes"],
+    [(1_000_000, 25_000, 8), (40_000, 1_000, 8_192), (20_000, 20_000, 8_192)],
+    ids=["too-many-records", "too-many-bytes", "one-batch-too-many-bytes"],
 )
 async def test_a_zstd_bomb_is_refused_before_it_is_decoded(config, ledger, rows, per_batch, text):
-    """An Arrow stream small on the wire but over the record or byte limits decoded is 413, decoded only in part."""
+    """An Arrow stream small on the wire but over the record or byte limits decoded is 413, never decoded whole."""
     config = with_billing(config, max_body_bytes=32 * MIB, max_batch_records=100_000)
     body, decoded = bomb(rows, per_batch, text)
     assert len(body) * 5 < decoded
