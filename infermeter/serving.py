@@ -78,9 +78,10 @@ class _HeaderDeadline(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
-        """Start the deadline of the next request's headers."""
+        """Start the deadline of the next request's headers, unless they are in already."""
+        pipelined = bool(self.pipeline)
         super().on_response_complete()
-        if not self.transport.is_closing():
+        if not pipelined and not self.transport.is_closing():
             self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:

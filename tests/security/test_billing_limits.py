@@ -283,6 +283,28 @@ async def test_a_client_trickling_its_headers_is_cut_off(config, ledger):
     assert took < 5.0
 
 
+async def test_a_kept_alive_connection_serves_request_after_request_under_the_header_deadline(
+    config, ledger
+):
+    """Requests a little apart on one connection are all served: the deadline restarts with each."""
+    config = with_billing(config, header_timeout_seconds=1.0)
+    async with billing(config, ledger) as url:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        statuses = []
+        try:
+            for _ in range(3):
+                writer.write(b"GET /healthz HTTP/1.1\r\nhost: billing\r\n\r\n")
+                answer = b""
+                while not complete(answer):
+                    answer += await asyncio.wait_for(reader.read(1 << 16), 5)
+                statuses.append(status_of(answer))
+                await asyncio.sleep(0.6)
+        finally:
+            writer.close()
+    assert statuses == [200, 200, 200]
+
+
 async def test_a_client_trickling_its_body_is_cut_off(config, ledger):
     """An ingest body not received within ``billing.body_read_timeout_seconds`` is answered 408."""
     config = with_billing(config, body_read_timeout_seconds=1.0)
