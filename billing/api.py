@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import time
 
+from anyio import CapacityLimiter
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from billing.access import keyring
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
-from billing.metrics import IngestCounters, LedgerCollector, SpendCollector
+from billing.metrics import IngestCounters, LedgerCollector, SpendCollector, StatementCollector
+from billing.ratelimit import ReadLimiter
 from billing.rollups import Rollups
 from billing.routes import errors, ingest, ops, queries, statements
 from billing.routes.dependencies import Services
@@ -23,6 +25,10 @@ from billing.statement_cache import CachedChargeback
 from infermeter.config import Config
 
 __all__ = ["create_app"]
+
+# Statements are computed on threads of their own, at most this many at once, so that reads,
+# however many, never hold the threads ingest runs on.
+STATEMENT_THREADS = 2
 
 
 def create_app(config: Config, ledger: Ledger, statement_ttl_seconds: float = 300.0) -> FastAPI:
@@ -32,12 +38,14 @@ def create_app(config: Config, ledger: Ledger, statement_ttl_seconds: float = 30
     The coarse rollups are built from the whole ledger here, before the first query.
     """
     app = FastAPI(title="infermeter billing", version="1", docs_url=None, redoc_url=None)
-    cache = CachedChargeback(ledger, config, statement_ttl_seconds)
+    b = config.billing
+    cache = CachedChargeback(ledger, config, statement_ttl_seconds, b.statement_cache_entries)
     rollups = Rollups(ledger)
     rollups.refresh(time.time())
     registry = CollectorRegistry()
     registry.register(SpendCollector(cache))
     registry.register(LedgerCollector(ledger))
+    registry.register(StatementCollector(cache))
     app.state.services = Services(
         config=config,
         ledger=ledger,
@@ -47,6 +55,8 @@ def create_app(config: Config, ledger: Ledger, statement_ttl_seconds: float = 30
         rollups=rollups,
         registry=registry,
         ingest_counters=IngestCounters(registry),
+        reads=ReadLimiter(b.read_rate_per_second, b.read_burst),
+        computing=CapacityLimiter(STATEMENT_THREADS),
     )
     for module in (ops, ingest, statements, queries):
         app.include_router(module.router)

@@ -9,6 +9,7 @@ Reads use their own cursors and run beside the writer.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -30,7 +31,7 @@ from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS, new_field_s
 from infermeter.errors import BadRequest
 from infermeter.months import month_bounds, month_of
 from infermeter.records import KINDS, RecordKind
-from infermeter.wire import line_count
+from infermeter.wire import arrow_extent, line_count
 
 __all__ = ["BatchTooLargeError", "IngestResult", "Ledger", "LedgerError", "Rejection"]
 
@@ -220,14 +221,20 @@ class Ledger:
 
     def ingest_arrow(self, kind_key: str, body: bytes, now: float | None = None,
                      skew_seconds: float = 300.0, max_records: int | None = None,
-                     ticket: Ticket[_Pending, IngestResult] | None = None) -> IngestResult:  # fmt: skip
+                     ticket: Ticket[_Pending, IngestResult] | None = None,
+                     max_bytes: int | None = None) -> IngestResult:  # fmt: skip
         """Keep one Arrow IPC batch of ``kind_key`` records (``infermeter.wire``), as shippers send.
 
         The columns are typed already, so only the range checks are left; the batch may share
         its transaction with others. Raises
-        ``BadRequest`` when the stream is not the kind's schema (nothing is kept).
+        ``BadRequest`` when the stream is not the kind's schema (nothing is kept), and
+        ``BatchTooLargeError`` when it holds more than ``max_records`` records or decodes to
+        more than ``max_bytes``; both are read from the batches' headers
+        (``infermeter.wire.arrow_extent``) before anything is decompressed.
         """
         kind = self._kind(kind_key)
+        if max_records is not None or max_bytes is not None:
+            _check_extent(body, max_records, max_bytes)
         with ExitStack() as stack:
             ticket = ticket or stack.enter_context(self._group.announce())
             frame = arrow_frame(kind, body)
@@ -553,6 +560,15 @@ def _check_size(records: int, max_records: int | None) -> None:
     if max_records is not None and records > max_records:
         raise BatchTooLargeError(
             f"{records} records in one batch; at most {max_records} (billing.max_batch_records)"
+        )
+
+
+def _check_extent(body: bytes, max_records: int | None, max_bytes: int | None) -> None:
+    records, size = arrow_extent(body, max_records or sys.maxsize, max_bytes or sys.maxsize)
+    _check_size(records, max_records)
+    if max_bytes is not None and size > max_bytes:
+        raise BatchTooLargeError(
+            f"the Arrow stream decodes to more than {max_bytes} bytes (billing.max_body_bytes)"
         )
 
 

@@ -17,9 +17,10 @@ from prometheus_client.registry import Collector
 from billing.chargeback import Chargeback
 from billing.ledger import IngestResult, Ledger
 from billing.statement import error_lines
+from billing.statement_cache import CachedChargeback
 from infermeter.months import month_of
 
-__all__ = ["IngestCounters", "LedgerCollector", "SpendCollector"]
+__all__ = ["IngestCounters", "LedgerCollector", "SpendCollector", "StatementCollector"]
 
 
 class SpendCollector(Collector):
@@ -85,6 +86,26 @@ class LedgerCollector(Collector):
             "infermeter_billing_ingest_waiting_batches",
             "Batches parsed and queued for the next ingest transaction.",
             value=self.ledger.waiting_batches,
+        )
+
+
+class StatementCollector(Collector):
+    """Statements computed, and months held in the statement cache."""
+
+    def __init__(self, cache: CachedChargeback) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """Read at scrape time from the cache's own counters."""
+        yield CounterMetricFamily(
+            "infermeter_billing_statement_computations",
+            "Statements computed from the ledger (concurrent asks for one month share one).",
+            value=self.cache.computations,
+        )
+        yield GaugeMetricFamily(
+            "infermeter_billing_statement_cache_entries",
+            "Months whose statement is cached (at most billing.statement_cache_entries).",
+            value=len(self.cache),
         )
 
 

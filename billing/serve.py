@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 
+import uvicorn
+
 from billing.api import create_app
 from billing.ledger import Ledger
 from infermeter.config import Config
-from infermeter.serving import ensure_free, host_port, server
+from infermeter.serving import ServerLimits, ensure_free, host_port, server
 
-__all__ = ["open_ledger", "serve_billing"]
+__all__ = ["billing_server", "open_ledger", "serve_billing"]
 
 log = logging.getLogger("infermeter.billing")
 
@@ -26,6 +28,17 @@ def open_ledger(config: Config, database: str | None = None) -> Ledger:
     )
 
 
+def billing_server(config: Config, ledger: Ledger, host: str, port: int) -> uvicorn.Server:
+    """The billing API on ``host:port``, with the connection cap and deadlines of its settings."""
+    b = config.billing
+    limits = ServerLimits(
+        header_timeout_seconds=b.header_timeout_seconds,
+        max_connections=b.max_connections,
+        keep_alive_seconds=b.keep_alive_timeout_seconds,
+    )
+    return server(create_app(config, ledger), host, port, limits=limits)
+
+
 async def serve_billing(
     config: Config, listen: str | None = None, database: str | None = None
 ) -> None:
@@ -40,7 +53,7 @@ async def serve_billing(
             host,
             port,
         )
-        await server(create_app(config, ledger), host, port).serve()
+        await billing_server(config, ledger, host, port).serve()
     finally:
         # On SIGTERM this runs because the command turns the signal into SystemExit.
         ledger.close()

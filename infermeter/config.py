@@ -343,6 +343,19 @@ class BillingSettings(_Strict):
     threads: Annotated[int, Field(gt=0)] | None = None
     ingest_token_sha256: list[Sha256] = Field(default_factory=list)
     max_batch_records: Annotated[int, Field(gt=0)] = 100_000
+    # An ingest body, read as it arrives and refused (413) past this; an Arrow stream may not
+    # decode to more either. 64 MiB holds a 50,000-record NDJSON segment about twice over.
+    max_body_bytes: Annotated[int, Field(gt=0)] = 64 << 20
+    body_read_timeout_seconds: Positive = 30.0
+    # The server: open connections beyond which requests are 503, how long a request's headers
+    # may take to arrive, and how long an idle keep-alive connection is kept.
+    max_connections: Annotated[int, Field(gt=0)] = 512
+    header_timeout_seconds: Positive = 10.0
+    keep_alive_timeout_seconds: Annotated[int, Field(gt=0)] = 5
+    # Reads (statements, files, queries) per caller: a token bucket per credential's principal.
+    read_rate_per_second: Positive = 10.0
+    read_burst: Annotated[int, Field(gt=0)] = 120
+    statement_cache_entries: Annotated[int, Field(gt=0)] = 36
     max_clock_skew_seconds: NonNegative = 300.0
     allocation: Literal["in_flight", "tokens", "requests"] = "in_flight"
     token_weights: TokenWeights = TokenWeights()

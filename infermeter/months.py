@@ -5,17 +5,19 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime
 
-__all__ = ["check_month", "month_bounds", "month_of", "next_month"]
+__all__ = ["MONTH_PATTERN", "check_month", "month_bounds", "month_of", "next_month"]
 
-# Matched with fullmatch: ``$`` would let "2026-11\n" through, a second name for the month. ASCII
-# digits only: ``\d`` takes any script's digits, which int() reads as the same month too.
-_MONTH = re.compile(r"([0-9]{4})-(0[1-9]|1[0-2])")
+# Years from the Unix epoch to 2999 (any four digits would take 0000 and 9999-12, whose bounds
+# are not dates), ASCII digits only (``\d`` takes any script's digits, which int() reads as the
+# same month too), matched whole (``fullmatch``: ``$`` alone would let "2026-11\n" through).
+MONTH_PATTERN = r"^(19[7-9][0-9]|2[0-9]{3})-(0[1-9]|1[0-2])$"
+_MONTH = re.compile(MONTH_PATTERN)
 
 
 def check_month(month: str) -> str:
-    """``month`` if it is ``YYYY-MM``; ValueError naming the bad value otherwise."""
+    """``month`` if it is ``YYYY-MM`` (1970-01 to 2999-12); ValueError naming the bad value otherwise."""
     if not _MONTH.fullmatch(month):
-        raise ValueError(f"month {month!r} is not of the form YYYY-MM")
+        raise ValueError(f"month {month!r} is not of the form YYYY-MM (1970-01 to 2999-12)")
     return month
 
 

@@ -17,6 +17,7 @@ object) is sent as NDJSON instead, and billing's per-record path names each bad 
 
 from __future__ import annotations
 
+import struct
 from functools import cache
 from typing import Final
 
@@ -28,6 +29,7 @@ from infermeter.records import FieldType, RecordKind
 __all__ = [
     "ARROW_STREAM",
     "NDJSON",
+    "arrow_extent",
     "arrow_schema",
     "decode_arrow",
     "encode_arrow",
@@ -105,11 +107,97 @@ def encode_arrow(kind: RecordKind, body: bytes) -> bytes | None:
     return encoded
 
 
+def arrow_extent(body: bytes, max_records: int, max_bytes: int) -> tuple[int, int]:
+    """Records and decoded bytes of an Arrow IPC stream, read one message at a time.
+
+    Nothing is decompressed: each record batch's message header holds its row count and its
+    buffers' places, and each compressed buffer starts with its decompressed length. Reading
+    stops at the first batch that takes either total past its limit, so totals over a limit
+    are only "at least". A stream that is small compressed and huge decoded (a zstd bomb) is
+    measured at the cost of reading its headers. A body that is not a stream counts what was
+    read before the fault; ``decode_arrow`` says what is wrong with it.
+    """
+    records = size = 0
+    try:
+        reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(body))
+        while records <= max_records and size <= max_bytes:
+            message = reader.read_next_message()
+            rows, decoded = _batch_extent(message.metadata, message.body)
+            records += rows
+            size += decoded
+    except (StopIteration, pa.ArrowException, ValueError, OSError, struct.error):
+        pass
+    return records, size
+
+
+# Flatbuffers field ids of Arrow's Message.fbs: Message.header_type, .header; DictionaryBatch
+# .data; RecordBatch .length, .buffers, .compression; the header types of a batch.
+_HEADER_TYPE, _HEADER, _DICTIONARY_DATA = 1, 2, 1
+_LENGTH, _BUFFERS, _COMPRESSION = 0, 2, 3
+_DICTIONARY_BATCH, _RECORD_BATCH = 2, 3
+
+
+def _batch_extent(meta: pa.Buffer, body: pa.Buffer | None) -> tuple[int, int]:
+    """Rows and decompressed body bytes of one IPC message (0, 0 for a schema)."""
+    message = _table(meta, _ref(meta, 0))
+    kind = meta[message.at(_HEADER_TYPE)] if message.at(_HEADER_TYPE) else 0
+    if kind not in (_DICTIONARY_BATCH, _RECORD_BATCH) or not message.at(_HEADER):
+        return 0, 0
+    header = _table(meta, _ref(meta, message.at(_HEADER)))
+    if kind == _DICTIONARY_BATCH:
+        if not header.at(_DICTIONARY_DATA):
+            return 0, 0
+        header = _table(meta, _ref(meta, header.at(_DICTIONARY_DATA)))
+    rows = struct.unpack_from("<q", meta, header.at(_LENGTH))[0] if header.at(_LENGTH) else 0
+    if not header.at(_BUFFERS):
+        return max(rows, 0), 0
+    buffers = _ref(meta, header.at(_BUFFERS))
+    compressed = bool(header.at(_COMPRESSION)) and body is not None
+    size = 0
+    for i in range(struct.unpack_from("<I", meta, buffers)[0]):
+        offset, length = struct.unpack_from("<qq", meta, buffers + 4 + 16 * i)
+        if offset < 0 or length < 0:
+            raise ValueError("a buffer with a negative offset or length")
+        if compressed and length >= 8:
+            # A compressed buffer is its decompressed length (-1: stored as is), then the data.
+            raw = struct.unpack_from("<q", body, offset)[0]  # type: ignore[arg-type]
+            size += length - 8 if raw == -1 else max(raw, 0)
+        else:
+            size += length
+    return max(rows, 0), size
+
+
+class _Table:
+    """A flatbuffers table: its position, and where each field is (0: absent)."""
+
+    def __init__(self, position: int, fields: list[int]) -> None:
+        self.position = position
+        self.fields = fields
+
+    def at(self, field: int) -> int:
+        """The position of ``field``'s value, or 0 when the table does not have it."""
+        offset = self.fields[field] if field < len(self.fields) else 0
+        return self.position + offset if offset else 0
+
+
+def _table(buf: pa.Buffer, position: int) -> _Table:
+    vtable = position - struct.unpack_from("<i", buf, position)[0]
+    vtable_size = struct.unpack_from("<H", buf, vtable)[0]
+    count = max(vtable_size - 4, 0) // 2
+    return _Table(position, list(struct.unpack_from(f"<{count}H", buf, vtable + 4)))
+
+
+def _ref(buf: pa.Buffer, position: int) -> int:
+    target: int = position + struct.unpack_from("<I", buf, position)[0]
+    return target
+
+
 def decode_arrow(kind: RecordKind, body: bytes) -> pa.Table:
     """An Arrow IPC stream of ``kind`` records; ValueError naming what does not match."""
     try:
         table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
-    except (pa.ArrowException, ValueError) as exc:
+    # Some malformed streams ("negative continuation token") are a plain OSError.
+    except (pa.ArrowException, ValueError, OSError) as exc:
         raise ValueError(f"the body is not an Arrow IPC stream: {exc}") from None
     expected = arrow_schema(kind)
     if not table.schema.equals(expected):

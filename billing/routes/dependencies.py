@@ -1,29 +1,37 @@
 """What the routes share: the service's objects on ``app.state``, the caller and its role.
 
 A route names who may call it in its signature (``Manager``, ``Scraper``, ``Ingester``,
-``Reader``); identifying the caller and checking its role happen before the handler runs, and
-their failures (401, 403) are mapped once, in ``billing.routes.errors``.
+``Reader``, ``Asker``); identifying the caller, checking its role and, for the reading roles
+(``Manager``, ``Reader``, ``Asker``), taking one of its read tokens happen before the handler
+runs, and their failures (401, 403, 429) are mapped once, in ``billing.routes.errors``.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, Header, Request
+from anyio import CapacityLimiter, to_thread
+from fastapi import Depends, Header, Path, Request
 from prometheus_client import CollectorRegistry
 
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
 from billing.metrics import IngestCounters
+from billing.ratelimit import ReadLimiter
 from billing.rollups import Rollups
 from billing.statement_cache import CachedChargeback
 from infermeter.auth import INGESTERS, MANAGERS, SCRAPERS, Caller, KeyRing, identify
 from infermeter.config import Config
 from infermeter.errors import BadRequest
-from infermeter.months import check_month
+from infermeter.months import MONTH_PATTERN, check_month
+
+T = TypeVar("T")
 
 __all__ = [
+    "Asker",
     "Ingester",
     "Manager",
     "Month",
@@ -32,6 +40,7 @@ __all__ = [
     "Services",
     "ServicesDep",
     "Who",
+    "compute",
 ]
 
 
@@ -42,13 +51,22 @@ class Services:
     config: Config
     ledger: Ledger
     ring: KeyRing
-    # Exports and /v1/chargeback compute statements afresh; /metrics and the dashboards' query
-    # routes share one cache, so a scrape does not recompute the month.
+    # Exports and /v1/chargeback compute statements afresh (``statements.recompute``, shared
+    # by concurrent asks for one month); /metrics and the dashboards' query routes are served
+    # from the cache, so a scrape does not recompute the month.
     chargeback: Chargeback
     statements: CachedChargeback
     rollups: Rollups
     registry: CollectorRegistry
     ingest_counters: IngestCounters
+    reads: ReadLimiter
+    # Statement computations run on these threads only (``compute``), not on ingest's.
+    computing: CapacityLimiter
+
+
+async def compute(svc: Services, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a statement thread (``Services.computing``), not on ingest's."""
+    return await to_thread.run_sync(fn, *args, limiter=svc.computing)
 
 
 def services(request: Request) -> Services:
@@ -68,10 +86,16 @@ def caller(svc: ServicesDep, authorization: Annotated[str | None, Header()] = No
 Who = Annotated[Caller, Depends(caller)]
 
 
-def manager(who: Who) -> Caller:
+def asker(who: Who, svc: ServicesDep) -> Caller:
+    """The caller, once it has a read token left (RateLimitedError, 429, when it has none)."""
+    svc.reads.admit(who.name, time.monotonic())
+    return who
+
+
+def manager(who: Who, svc: ServicesDep) -> Caller:
     """The admin; Forbidden (403) for anyone else."""
     who.require(MANAGERS)
-    return who
+    return asker(who, svc)
 
 
 def scraper(who: Who) -> Caller:
@@ -86,19 +110,20 @@ def ingester(who: Who) -> Caller:
     return who
 
 
-def reader(who: Who) -> Caller:
+def reader(who: Who, svc: ServicesDep) -> Caller:
     """The admin (every team) or a team (its own data); the other roles may not read."""
     who.require_reader()
-    return who
+    return asker(who, svc)
 
 
 Manager = Annotated[Caller, Depends(manager)]
 Scraper = Annotated[Caller, Depends(scraper)]
 Ingester = Annotated[Caller, Depends(ingester)]
 Reader = Annotated[Caller, Depends(reader)]
+Asker = Annotated[Caller, Depends(asker)]
 
 
-def month(month: str) -> str:
+def month(month: Annotated[str, Path(json_schema_extra={"pattern": MONTH_PATTERN})]) -> str:
     """The ``{month}`` path parameter, checked; BadRequest (400) unless it is ``YYYY-MM``."""
     try:
         return check_month(month)

@@ -1,7 +1,8 @@
 """Every error the billing API answers, mapped once, in the OpenAI shape the sidecar uses.
 
-Unauthenticated 401, Forbidden 403, BadRequest 400 (only input the caller can fix), a batch
-over the limit 413, a refused ledger operation 409, a ledger that cannot be written 503. A
+Unauthenticated 401, Forbidden 403, BadRequest 400 (only input the caller can fix), a body or
+batch over the limits 413, a body too slow to arrive 408, a caller over its read rate 429 (with
+Retry-After), a refused ledger operation 409, a ledger that cannot be written 503. A
 ``ValueError`` is not mapped: raised anywhere but a caller-input check it is a fault of the
 server, and comes out as a 500 like any other.
 """
@@ -17,6 +18,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from billing.ledger import BatchTooLargeError, LedgerError
+from billing.ratelimit import RateLimitedError
+from billing.routes.body import BodyTimeoutError, BodyTooLargeError
 from infermeter.auth import Forbidden, Unauthenticated
 from infermeter.errors import BadRequest, error_body
 
@@ -47,6 +50,24 @@ async def _bad_request(_: Request, exc: Exception) -> Response:
 
 async def _too_large(_: Request, exc: Exception) -> Response:
     return error_response(413, str(exc), "invalid_request_error", "batch_too_large")
+
+
+# Neither closes the connection at once: closing a socket with unread input resets it, and
+# the client would lose the answer. The server discards what is left of the body, for at most
+# the header deadline of the next request (``infermeter.serving``), and then closes it.
+async def _body_too_large(_: Request, exc: Exception) -> Response:
+    return error_response(413, str(exc), "invalid_request_error", "body_too_large")
+
+
+async def _body_timeout(_: Request, exc: Exception) -> Response:
+    return error_response(408, str(exc), "invalid_request_error", "body_timeout")
+
+
+async def _rate_limited(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RateLimitedError)
+    response = error_response(429, str(exc), "rate_limit_error", "rate_limited")
+    response.headers["retry-after"] = str(exc.retry_after_seconds)
+    return response
 
 
 async def _refused(_: Request, exc: Exception) -> Response:
@@ -87,6 +108,9 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(Forbidden, _forbidden)
     app.add_exception_handler(BadRequest, _bad_request)
     app.add_exception_handler(BatchTooLargeError, _too_large)
+    app.add_exception_handler(BodyTooLargeError, _body_too_large)
+    app.add_exception_handler(BodyTimeoutError, _body_timeout)
+    app.add_exception_handler(RateLimitedError, _rate_limited)
     app.add_exception_handler(LedgerError, _refused)
     app.add_exception_handler(duckdb.IOException, _unavailable)
     app.add_exception_handler(RequestValidationError, _invalid)

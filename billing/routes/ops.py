@@ -10,6 +10,7 @@ from prometheus_client import generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from billing.routes.dependencies import Scraper, ServicesDep
+from billing.routes.openapi import errors, text
 from billing.routes.responses import refresh_if_stale
 from infermeter.months import month_of
 
@@ -31,9 +32,11 @@ async def readyz(svc: ServicesDep) -> dict[str, str]:
     return {"status": "ready"}
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics", responses=text("text/plain", "Prometheus text exposition.") | errors(401, 403)
+)
 async def metrics(_: Scraper, svc: ServicesDep) -> Response:
     """Prometheus text: spend per team (from the cached statement) and ingest counters."""
     body = await run_in_threadpool(generate_latest, svc.registry)
     return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8",
-                             background=refresh_if_stale(svc.statements, month_of(time.time())))  # fmt: skip
+                             background=refresh_if_stale(svc, month_of(time.time())))  # fmt: skip

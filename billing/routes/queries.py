@@ -19,8 +19,9 @@ from starlette.concurrency import run_in_threadpool
 from billing import queries
 from billing.ledger import Ledger
 from billing.rollups import Rollups
-from billing.routes.dependencies import Month, Reader, ServicesDep, Who
+from billing.routes.dependencies import Asker, Month, Reader, ServicesDep, compute
 from billing.routes.errors import error_response
+from billing.routes.openapi import READ, errors
 from billing.routes.responses import fields_of, json_response, refresh_if_stale
 from infermeter.auth import Caller, Forbidden
 from infermeter.errors import BadRequest
@@ -51,24 +52,23 @@ def scope(caller: Caller, query: queries.Query, team: str | None) -> str | None:
     return own
 
 
-@router.get("/v1/query/statement/{month}")
+@router.get("/v1/query/statement/{month}", responses=errors(400, *READ))
 async def statement(who: Reader, month: Month, svc: ServicesDep) -> Response:
     """A month's statement (as ``/v1/chargeback/{month}``), reused for a few minutes."""
-    cache = svc.statements
-    body = statement_json(await run_in_threadpool(cache.statement, month), who.team)
-    return json_response(body, refresh_if_stale(cache, month))
+    body = statement_json(await compute(svc, svc.statements.statement, month), who.team)
+    return json_response(body, refresh_if_stale(svc, month))
 
 
-@router.get("/v1/query/spend")
+@router.get("/v1/query/spend", responses=errors(*READ))
 async def spend(who: Reader, svc: ServicesDep) -> Response:
     """Month-to-date spend, budget and forecast (as ``/v1/spend``), from the cached statement."""
     now = time.time()
-    rows = await run_in_threadpool(svc.statements.spend, now)
+    rows = await compute(svc, svc.statements.spend, now)
     body = [fields_of(s) for s in rows if who.is_admin or s.team == who.team]
-    return json_response(body, refresh_if_stale(svc.statements, month_of(now)))
+    return json_response(body, refresh_if_stale(svc, month_of(now)))
 
 
-@router.get("/v1/query")
+@router.get("/v1/query", responses=errors(*READ))
 async def index(who: Reader, svc: ServicesDep) -> dict[str, Any]:
     """The queries there are, and who the caller is (the dashboard's sign-in check)."""
     visible = [t.name for t in svc.config.teams] if who.is_admin else [who.team]
@@ -81,10 +81,10 @@ async def index(who: Reader, svc: ServicesDep) -> dict[str, Any]:
     }
 
 
-@router.get("/v1/query/{name}")
+@router.get("/v1/query/{name}", responses=errors(400, 404, *READ))
 async def query(
     name: str,
-    who: Who,
+    who: Asker,
     svc: ServicesDep,
     start: Annotated[float | None, Query(alias="from")] = None,
     end: Annotated[float | None, Query(alias="to")] = None,

@@ -9,9 +9,8 @@ from typing import Any
 import orjson
 from fastapi.responses import Response
 from starlette.background import BackgroundTask
-from starlette.concurrency import run_in_threadpool
 
-from billing.statement_cache import CachedChargeback
+from billing.routes.dependencies import Services, compute
 
 __all__ = ["download", "fields_of", "json_response", "refresh_if_stale"]
 
@@ -33,8 +32,8 @@ def fields_of(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
-def refresh_if_stale(cache: CachedChargeback, month: str) -> BackgroundTask | None:
+def refresh_if_stale(svc: Services, month: str) -> BackgroundTask | None:
     """Recompute a stale statement after the response is sent (the server waits for it on exit)."""
-    if not cache.stale(month, time.monotonic()):
+    if not svc.statements.stale(month, time.monotonic()):
         return None
-    return BackgroundTask(run_in_threadpool, cache.recompute, month)
+    return BackgroundTask(compute, svc, svc.statements.recompute, month)

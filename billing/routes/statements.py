@@ -15,7 +15,8 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from billing.routes.dependencies import Manager, Month, Reader, Services, ServicesDep
+from billing.routes.dependencies import Manager, Month, Reader, Services, ServicesDep, compute
+from billing.routes.openapi import CSV, READ, errors, text
 from billing.routes.responses import download, fields_of, json_response
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
@@ -28,27 +29,32 @@ router = APIRouter()
 
 
 async def _statement(svc: Services, month: str, who: Caller) -> Statement:
-    """``month``'s statement computed now, as ``who`` may see it."""
-    return for_team(await run_in_threadpool(svc.chargeback.statement, month), who.team)
+    """``month``'s statement computed now, as ``who`` may see it.
+
+    Computed through the statement cache, which keeps it: requests for a month already being
+    computed share that computation instead of starting their own.
+    """
+    return for_team(await compute(svc, svc.statements.recompute, month), who.team)
 
 
-@router.get("/v1/months")
+@router.get("/v1/months", responses=errors(*READ))
 async def months(_: Manager, svc: ServicesDep) -> list[dict[str, Any]]:
     """Months the ledger has data for, and whether each is closed (admin)."""
     return await run_in_threadpool(svc.ledger.months)
 
 
-@router.post("/v1/months/{month}/close")
+@router.post("/v1/months/{month}/close", responses=errors(400, *READ, 409))
 async def close(_: Manager, month: Month, svc: ServicesDep) -> dict[str, Any]:
     """Freeze a month's statement (admin)."""
-    statement = await run_in_threadpool(svc.chargeback.close, month)
-    await run_in_threadpool(svc.statements.recompute, month)
+    statement = await compute(svc, svc.chargeback.close, month)
+    await compute(svc, svc.statements.recompute, month)
     return statement_json(statement, None)
 
 
 # Declared before ``{month}.csv``, which would otherwise take "2026-12.focus.csv" with the
 # month "2026-12.focus" (routes match in order and a path parameter takes any text).
-@router.get("/v1/chargeback/{month}.focus.csv")
+@router.get("/v1/chargeback/{month}.focus.csv",
+            responses=text(CSV, "The FOCUS file.") | errors(400, *READ))  # fmt: skip
 async def chargeback_focus(who: Reader, month: Month, svc: ServicesDep,
                            version: Annotated[str, Query(pattern=r"^1\.[02]$")] = "1.0") -> Response:  # fmt: skip
     """The FinOps FOCUS file: every line for the admin, a team's own lines for a team."""
@@ -57,7 +63,8 @@ async def chargeback_focus(who: Reader, month: Month, svc: ServicesDep,
     return download(text, f"focus-{version}-{month}.csv")
 
 
-@router.get("/v1/chargeback/{month}.csv")
+@router.get("/v1/chargeback/{month}.csv",
+            responses=text(CSV, "The chargeback CSV.") | errors(400, *READ))  # fmt: skip
 async def chargeback_csv(who: Reader, month: Month, svc: ServicesDep) -> Response:
     """The chargeback CSV: every line for the admin, a team's own lines for a team."""
     statement = await _statement(svc, month, who)
@@ -65,21 +72,21 @@ async def chargeback_csv(who: Reader, month: Month, svc: ServicesDep) -> Respons
     return download(write_csv(chargeback_frame(statement, budgets)), f"chargeback-{month}.csv")
 
 
-@router.get("/v1/chargeback/{month}")
+@router.get("/v1/chargeback/{month}", responses=errors(400, *READ))
 async def chargeback_json(who: Reader, month: Month, svc: ServicesDep) -> Response:
     """A month's statement: every line for the admin, a team's own lines for a team."""
-    statement = await run_in_threadpool(svc.chargeback.statement, month)
+    statement = await compute(svc, svc.statements.recompute, month)
     return json_response(statement_json(statement, who.team))
 
 
-@router.get("/v1/spend")
+@router.get("/v1/spend", responses=errors(*READ))
 async def spend(who: Reader, svc: ServicesDep) -> list[dict[str, Any]]:
     """Month-to-date spend, budget and forecast: every team for the admin, its own for a team."""
-    rows = await run_in_threadpool(svc.chargeback.spend)
+    rows = await compute(svc, svc.chargeback.spend)
     return [fields_of(s) for s in rows if who.is_admin or s.team == who.team]
 
 
-@router.post("/v1/admin/export")
+@router.post("/v1/admin/export", responses=errors(*READ))
 async def export(_: Manager, svc: ServicesDep, partitioned: bool = False) -> dict[str, Any]:
     """Write the whole ledger to Parquet under ``billing.export_dir`` (admin)."""
     stamp = time.strftime("ledger-%Y%m%dT%H%M%SZ", time.gmtime())

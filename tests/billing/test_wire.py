@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from infermeter.records import GPU, KINDS, USAGE
-from infermeter.wire import arrow_schema, decode_arrow, encode_arrow
+from infermeter.wire import arrow_extent, arrow_schema, decode_arrow, encode_arrow
 from tests.billing.conftest import gpu_samples, ndjson, usage
 
 
@@ -81,3 +81,30 @@ def test_a_body_that_is_not_arrow_is_refused():
     """Garbage with the Arrow content type: a clear ValueError (the API answers 400)."""
     with pytest.raises(ValueError, match="not an Arrow IPC stream"):
         decode_arrow(USAGE, b'{"usage": []}')
+
+
+@pytest.mark.parametrize("garbage", [b"\xf0\xff\xff\xff", b"\xff\xff\xff\xff\xff\xff\xff\xff"])
+def test_a_stream_header_pyarrow_reads_as_an_io_error_is_refused_too(garbage: bytes) -> None:
+    """A negative continuation token or metadata length is the same ValueError, not a fault."""
+    with pytest.raises(ValueError, match="not an Arrow IPC stream"):
+        decode_arrow(USAGE, garbage)
+
+
+@pytest.mark.parametrize("compression", ["zstd", None])
+def test_the_extent_of_a_stream_is_read_only_up_to_the_first_batch_past_a_limit(compression):
+    """Records and decoded bytes are summed batch by batch until a limit is passed, compressed or not."""
+    encoded = encode_arrow(USAGE, ndjson([usage() for _ in range(10)]))
+    assert encoded is not None
+    one = pa.ipc.open_stream(encoded).read_all().to_batches()[0]
+    sink = pa.BufferOutputStream()
+    options = pa.ipc.IpcWriteOptions(compression=compression)
+    with pa.ipc.new_stream(sink, one.schema, options=options) as writer:
+        for _ in range(5):
+            writer.write_batch(one)
+    stream = sink.getvalue().to_pybytes()
+    records, size = arrow_extent(stream, 1000, 1 << 30)
+    assert records == 50
+    assert one.nbytes * 5 <= size <= (one.nbytes + 64 * one.num_columns) * 5
+    assert arrow_extent(stream, 15, 1 << 30) == (20, size * 2 // 5)
+    assert arrow_extent(stream, 1000, size // 5) == (20, size * 2 // 5)
+    assert arrow_extent(b"not arrow", 10, 10) == (0, 0)

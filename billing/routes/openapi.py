@@ -1,0 +1,118 @@
+"""What billing's OpenAPI says of the answers and bodies FastAPI cannot see in a handler's types.
+
+Handlers answer with ``Response`` objects (orjson, CSV) and raise errors that
+``billing.routes.errors`` maps, so FastAPI alone would document a bare 200 and its own 422
+body. Each route names here the errors it can answer, every one in the OpenAI error shape, and
+the ingest routes describe the bodies they read from the raw request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from infermeter.records import KINDS
+from infermeter.wire import ARROW_STREAM, NDJSON
+
+__all__ = [
+    "CSV",
+    "INGEST_BODY",
+    "KIND_BODY",
+    "READ",
+    "Error",
+    "errors",
+    "text",
+]
+
+
+class ErrorDetail(BaseModel):
+    """The ``error`` object of an error answer."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class Error(BaseModel):
+    """Every error answer of the billing API, as the OpenAI API writes them."""
+
+    error: ErrorDetail
+
+
+_WHY = {
+    400: "Input the caller can fix: a malformed month, batch or range, an unknown kind.",
+    401: "The credential is missing or unknown.",
+    403: "The credential may not do this (its role, or another team's data).",
+    404: "No such query.",
+    408: "The body did not arrive within billing.body_read_timeout_seconds.",
+    409: "The ledger refused the operation (a month that has not ended).",
+    413: "The body is over billing.max_body_bytes, or the batch over billing.max_batch_records.",
+    422: "A parameter of the wrong form.",
+    429: "The caller is over its read rate; Retry-After says when to ask again.",
+    503: "The ledger cannot be written (disk full or unavailable); retry later.",
+}
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds until the next read is admitted.",
+                                "schema": {"type": "integer", "minimum": 1}}}  # fmt: skip
+
+# What every read route (statements, files, queries, months) may answer besides its 200.
+READ = (401, 403, 422, 429)
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` entries of ``statuses``, each with its reason and the error body."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        out[status] = {"model": Error, "description": _WHY[status]}
+        if status == 429:
+            out[status]["headers"] = _RETRY_AFTER
+    return out
+
+
+def text(media_type: str, description: str) -> dict[int | str, dict[str, Any]]:
+    """A 200 whose body is text of ``media_type``."""
+    return {200: {"description": description,
+                  "content": {media_type: {"schema": {"type": "string"}}}}}  # fmt: skip
+
+
+CSV = "text/csv"
+
+# ``POST /v1/ingest``: one JSON object, its only key the kind, its value the records.
+INGEST_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "oneOf": [
+                        {
+                            "type": "object",
+                            "properties": {key: {"type": "array", "items": {"type": "object"}}},
+                            "required": [key],
+                            "additionalProperties": False,
+                        }
+                        for key in KINDS
+                    ]
+                }
+            }
+        },
+    }
+}
+
+# ``POST /v1/ingest/{kind}``: a spool segment's lines, or the shipper's Arrow IPC stream.
+KIND_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            NDJSON: {"schema": {"type": "string", "description": "One JSON record per line."}},
+            ARROW_STREAM: {
+                "schema": {
+                    "type": "string",
+                    "format": "binary",
+                    "description": "An Arrow IPC stream of the kind's columns (infermeter.wire).",
+                }
+            },
+        },
+    }
+}
