@@ -1,6 +1,9 @@
 # The infermeter image: one entry point for every part (sidecar, collect, billing, dashboard,
 # autoscale, alerts). Build: docker build -t ghcr.io/infermeter/infermeter:0.1.0 .
-FROM python:3.11-slim
+# The base is pinned by digest, so a rebuild starts from the same bytes: Python 3.11.7 on Debian 12
+# (bookworm). To move it, look the new digest up (docker buildx imagetools inspect
+# python:<version>-slim-bookworm) and change the tag and the digest together.
+FROM python:3.11.7-slim-bookworm@sha256:8f64a67710f3d981cf3008d6f9f1dbe61accd7927f165f4e37ea3f8b883ccc3f
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -3,15 +3,27 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# Every package of the venv, pinned with its hashes: pyproject.toml's dependencies, the dev extra
+# and the build backend, resolved for CPython 3.11 on Linux x86_64. `make lock` regenerates it.
+LOCK := requirements.lock
 VLLM_VENV := .venv-vllm
 FOCUS_VENV := .venv-focus
 
-.PHONY: demo test lint typecheck unit vllm-venv focus-venv system-deps clean
+.PHONY: demo test lint typecheck unit lock vllm-venv focus-venv system-deps clean
 
-$(STAMP): pyproject.toml
+# The lock holds the build backend too, so the project itself installs with no unhashed download.
+$(STAMP): $(LOCK) pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+## lock: resolve pyproject.toml (dependencies, dev extra, build backend) into $(LOCK) with hashes;
+## existing pins are kept unless LOCK_ARGS=--upgrade (or --upgrade-package NAME)
+lock: $(STAMP)
+	CUSTOM_COMPILE_COMMAND="make lock" $(BIN)/pip-compile --quiet --generate-hashes --allow-unsafe \
+		--strip-extras --extra dev --build-deps-for editable --no-emit-index-url --no-emit-find-links \
+		$(LOCK_ARGS) --output-file $(LOCK) pyproject.toml
 
 ## demo: install, then run the platform on its embedded defaults (simulated fleet + traffic)
 demo: $(STAMP)

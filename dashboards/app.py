@@ -3,7 +3,10 @@
 Pages are plain modules routed by ``dcc.Location`` rather than ``dash.register_page``, whose
 registry is process-wide: two apps in one process (tests, or two configurations) must not share
 pages or callbacks. The signed-in key lives only in the browser's session storage and is sent
-to billing with every data request; the server keeps no session.
+to billing with every data request; the server keeps no session. Sign-out and sign-in empty the
+key box, and sign-out removes the key from storage, so the key never outlives the tab or the
+sign-out. Failed sign-ins are throttled per client address (``dashboards.throttle``), and every
+response carries the security headers of ``dashboards.headers``.
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from typing import Any, Final
 from urllib.parse import parse_qs
 
 from dash import Dash, Input, Output, State, callback_context, dcc, html, no_update
+from flask import request
 
 from dashboards.client import BillingClient, BillingError
 from dashboards.context import Context, signed_in
 from dashboards.data import RANGES
+from dashboards.headers import content_security_policy, install_security_headers
 from dashboards.pages import chargeback, fleet, planner, sla, teams
+from dashboards.throttle import SignInThrottle, locked_message
 from infermeter.config import Config
 
 __all__ = ["PAGES", "create_app"]
@@ -51,6 +57,7 @@ def _shell(ctx: Context) -> html.Div:
     return html.Div(
         [
             dcc.Location(id="url"),
+            # Session storage: the key survives a reload of the tab but not the tab itself.
             dcc.Store(id="auth", storage_type="session"),
             dcc.Store(id="tz"),
             dcc.Interval(id="tick", interval=int(ctx.config.dashboard.refresh_seconds * 1000)),
@@ -80,9 +87,25 @@ def _shell(ctx: Context) -> html.Div:
     )
 
 
-def create_app(config: Config, billing_url: str) -> Dash:
-    """The dashboard app reading from the billing service at ``billing_url``."""
+def _refused(throttle: SignInThrottle, address: str) -> str:
+    """Count an unknown key from ``address`` and say how many tries it has left."""
+    attempts = throttle.failed(address)
+    locked = attempts.retry_after(throttle.now())
+    if locked > 0:
+        return f"Not signed in: this key is not known. {locked_message(locked)}"
+    left = throttle.policy.max_failures - attempts.failures
+    tries = "1 more try" if left == 1 else f"{left} more tries"
+    wait = f"{throttle.policy.lockout_seconds:g} s"
+    return f"Not signed in: this key is not known ({tries} before a {wait} wait)."
+
+
+def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None = None) -> Dash:
+    """The dashboard app reading from the billing service at ``billing_url``.
+
+    ``throttle`` counts failed sign-ins per client address; each app has its own by default.
+    """
     ctx = Context(config, BillingClient(billing_url))
+    signins = SignInThrottle() if throttle is None else throttle
     app = Dash(__name__, title="infermeter", update_title="", assets_ignore=".*",
                serve_locally=True, suppress_callback_exceptions=False)  # fmt: skip
     app.index_string = app.index_string.replace("{%css%}", "{%css%}<style>" + _STYLE + "</style>")
@@ -109,26 +132,34 @@ def create_app(config: Config, billing_url: str) -> Dash:
 
     @app.callback(
         Output("auth", "data"),
+        Output("auth", "clear_data"),
         Output("login-error", "children"),
+        Output("login-key", "value"),
         Input("login-button", "n_clicks"),
         Input("login-key", "n_submit"),
         Input("logout", "n_clicks"),
         State("login-key", "value"),
         prevent_initial_call=True,
     )
-    def sign_in(_: Any, __: Any, ___: Any, key: str | None) -> tuple[Any, str]:
+    def sign_in(_: Any, __: Any, ___: Any, key: str | None) -> tuple[Any, bool, str, Any]:
         if callback_context.triggered_id == "logout":
-            return None, ""
+            return None, True, "", ""
         if not key:
-            return no_update, "Enter a key."
+            return no_update, False, "Enter a key.", no_update
+        address = request.remote_addr or "unknown"
+        wait_seconds = signins.retry_after(address)
+        if wait_seconds > 0:
+            return no_update, False, locked_message(wait_seconds), no_update
         try:
             who = ctx.client.whoami(key.strip())
         except BillingError as exc:
-            reason = "this key is not known" if exc.status in (401, 403) else str(exc)
-            return no_update, f"Not signed in: {reason}."
+            if exc.status not in (401, 403):
+                return no_update, False, f"Not signed in: {exc}.", no_update
+            return no_update, False, _refused(signins, address), no_update
+        signins.succeeded(address)
         caller = who["caller"]
         return {"token": key.strip(), "name": caller["name"], "team": caller["team"],
-                "is_admin": caller["is_admin"], "teams": who["teams"]}, ""  # fmt: skip
+                "is_admin": caller["is_admin"], "teams": who["teams"]}, False, "", ""  # fmt: skip
 
     @app.callback(Output("range", "value"), Input("url", "search"))
     def range_from_url(search: str | None) -> Any:
@@ -139,4 +170,6 @@ def create_app(config: Config, billing_url: str) -> Dash:
     app.clientside_callback(_TZ_JS, Output("tz", "data"), Input("url", "pathname"))  # type: ignore[no-untyped-call]
     for module in PAGES:
         module.register(app, ctx)
+    # The hashes name the renderer and the clientside callbacks, so every callback comes first.
+    install_security_headers(app.server, content_security_policy(app.csp_hashes()))
     return app
