@@ -257,6 +257,9 @@ def unpriced_lines(unpriced: pl.DataFrame, policy: Policy) -> pl.DataFrame:
 
 def _idle_lines(replicas: pl.DataFrame, shares: pl.DataFrame, policy: Policy) -> pl.DataFrame:
     """Idle capacity per replica, charged by its policy: team, model, idle_usd."""
+    # Sums in one fixed order: float addition is not associative, and the statement must not
+    # change (by a rounding tie) with the order the rows arrived in.
+    shares = shares.sort("replica", "team", "model", "compute_usd", "energy_usd")
     paid = shares.group_by("replica").agg(paid=(pl.col("compute_usd") + pl.col("energy_usd")).sum())
     # Busy cost with no team to carry it (tokens/requests split with zero weight) is idle too.
     idle = replicas.join(paid, on="replica", how="left").with_columns(

