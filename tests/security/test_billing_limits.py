@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import pytest
 
 from billing.api import create_app
 from billing.ledger import Ledger
-from infermeter.config import DEFAULT_CONFIG, Config, load_config
+from infermeter.config import Config
 from infermeter.records import KINDS
 from infermeter.serving import free_port
 from infermeter.wire import arrow_schema
@@ -30,21 +30,6 @@ MIB = 1 << 20
 def with_billing(config: Config, **settings: Any) -> Config:
     """``config`` with billing settings replaced."""
     return config.model_copy(update={"billing": config.billing.model_copy(update=settings)})
-
-
-@pytest.fixture
-def config() -> Config:
-    """The embedded demo configuration."""
-    return load_config(DEFAULT_CONFIG, environ={})
-
-
-@pytest.fixture
-def ledger(config: Config) -> Iterator[Ledger]:
-    """An empty in-memory ledger for the demo teams."""
-    led = Ledger.open(":memory:", [t.name for t in config.teams],
-                      {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
-    yield led
-    led.close()
 
 
 @contextlib.asynccontextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -14,26 +14,11 @@ from billing.api import create_app
 from billing.ledger import Ledger
 from exporters.focus import FOCUS_1_2_MANDATORY
 from infermeter.cli import main
-from infermeter.config import DEFAULT_CONFIG, Config, load_config
+from infermeter.config import Config
 from tests.billing.conftest import NOV, batch, gpu_samples, usage
 from tests.servers import serving
 
 ADMIN, INGEST = "im-demo-admin", "im-demo-ingest"
-
-
-@pytest.fixture
-def config() -> Config:
-    """The embedded demo configuration."""
-    return load_config(DEFAULT_CONFIG, environ={})
-
-
-@pytest.fixture
-def ledger(config: Config) -> Iterator[Ledger]:
-    """An empty in-memory ledger for the demo teams."""
-    led = Ledger.open(":memory:", [t.name for t in config.teams],
-                      {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
-    yield led
-    led.close()
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Iterator
 
 import polars as pl
 import pytest
@@ -24,14 +23,6 @@ DECIMAL_COLUMNS = (
     "BilledCost", "ContractedCost", "EffectiveCost", "ListCost", "PricingQuantity",
     "ConsumedQuantity", "ContractedUnitPrice", "ListUnitPrice",
 )  # fmt: skip
-
-
-@pytest.fixture
-def ledger(config: Config) -> Iterator[Ledger]:
-    """An empty in-memory ledger for the demo teams."""
-    led = Ledger.open(":memory:", [t.name for t in config.teams], {})
-    yield led
-    led.close()
 
 
 def _month(ledger: Ledger, config: Config, kind: str) -> Statement:

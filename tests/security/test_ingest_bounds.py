@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import orjson
 import pyarrow as pa
 import pytest
@@ -11,7 +9,6 @@ import pytest
 from billing.chargeback import Chargeback
 from billing.ingest_sql import MAX_REQUEST_SECONDS, MAX_TOKENS
 from billing.ledger import Ledger
-from infermeter.config import Config, load_config
 from infermeter.errors import BadRequest
 from infermeter.ids import request_id, sample_id
 from infermeter.records import GPU, USAGE
@@ -19,20 +16,6 @@ from infermeter.wire import arrow_schema, encode_arrow
 from tests.billing.conftest import NOV, OCT, gpu_samples, ndjson, usage
 
 NOW = NOV + 86_400.0
-
-
-@pytest.fixture
-def config() -> Config:
-    """The embedded demo configuration."""
-    return load_config(None, environ={})
-
-
-@pytest.fixture
-def ledger(config: Config) -> Iterator[Ledger]:
-    """An empty in-memory ledger for the demo teams."""
-    led = Ledger.open(":memory:", [t.name for t in config.teams], {})
-    yield led
-    led.close()
 
 
 def _count(ledger: Ledger, table: str) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import polars as pl
@@ -21,14 +21,6 @@ from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
 from tests.servers import serving
 
 METRICS, INGEST = "im-demo-metrics", "im-demo-ingest"
-
-
-@pytest.fixture
-def ledger(config: Config) -> Iterator[Ledger]:
-    """An empty in-memory ledger for the demo teams."""
-    led = Ledger.open(":memory:", [t.name for t in config.teams], {})
-    yield led
-    led.close()
 
 
 def _october(ledger: Ledger) -> None:
