@@ -7,6 +7,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+import uvicorn
+
 from infermeter.serving import DEFAULT_LIMITS, ServerLimits, free_port, server as serve
 
 
@@ -19,14 +21,20 @@ async def serving(
 ) -> AsyncIterator[str]:
     """Serve ``app`` on loopback, with the settings of every infermeter server, for the duration of the block; yields its URL."""
     port = port or free_port()
-    server = serve(app, "127.0.0.1", port, lifespan=lifespan, limits=limits)
+    async with running(serve(app, "127.0.0.1", port, lifespan=lifespan, limits=limits)) as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def running(server: uvicorn.Server) -> AsyncIterator[str]:
+    """Run an already built server inside the test's event loop; yields its URL."""
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
             task.result()
         await asyncio.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{server.config.host}:{server.config.port}"
     finally:
         server.should_exit = True
         await task

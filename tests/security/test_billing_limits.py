@@ -21,7 +21,7 @@ from infermeter.records import KINDS
 from infermeter.serving import free_port
 from infermeter.wire import arrow_schema
 from tests.billing.conftest import NOV, batch, usage
-from tests.servers import serving
+from tests.servers import running, serving
 
 ADMIN, INGEST, SEARCH = "im-demo-admin", "im-demo-ingest", "im-demo-search"
 MIB = 1 << 20
@@ -37,18 +37,8 @@ async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
     """Billing served on loopback as ``infermeter billing`` serves it; yields its URL."""
     from billing.serve import billing_server
 
-    port = free_port()
-    server = billing_server(config, ledger, "127.0.0.1", port)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
+    async with running(billing_server(config, ledger, "127.0.0.1", free_port())) as url:
+        yield url
 
 
 def peak_rss_reset() -> None:
