@@ -10,6 +10,7 @@ server, and comes out as a 500 like any other.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import duckdb
 from fastapi import FastAPI, Request
@@ -35,32 +36,9 @@ def error_response(status: int, message: str, err_type: str, code: str | None = 
                     media_type="application/json")  # fmt: skip
 
 
-async def _unauthenticated(_: Request, exc: Exception) -> Response:
-    return error_response(401, str(exc), "invalid_request_error", "invalid_api_key")
-
-
-async def _forbidden(_: Request, exc: Exception) -> Response:
-    return error_response(403, str(exc), "permission_error", "forbidden")
-
-
 async def _bad_request(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, BadRequest)
     return error_response(400, exc.message, "invalid_request_error", exc.code, exc.param)
-
-
-async def _too_large(_: Request, exc: Exception) -> Response:
-    return error_response(413, str(exc), "invalid_request_error", "batch_too_large")
-
-
-# Neither closes the connection at once: closing a socket with unread input resets it, and
-# the client would lose the answer. The server discards what is left of the body, for at most
-# the header deadline of the next request (``infermeter.serving``), and then closes it.
-async def _body_too_large(_: Request, exc: Exception) -> Response:
-    return error_response(413, str(exc), "invalid_request_error", "body_too_large")
-
-
-async def _body_timeout(_: Request, exc: Exception) -> Response:
-    return error_response(408, str(exc), "invalid_request_error", "body_timeout")
 
 
 async def _rate_limited(_: Request, exc: Exception) -> Response:
@@ -68,10 +46,6 @@ async def _rate_limited(_: Request, exc: Exception) -> Response:
     response = error_response(429, str(exc), "rate_limit_error", "rate_limited")
     response.headers["retry-after"] = str(exc.retry_after_seconds)
     return response
-
-
-async def _refused(_: Request, exc: Exception) -> Response:
-    return error_response(409, str(exc), "invalid_request_error", "conflict")
 
 
 async def _unavailable(_: Request, exc: Exception) -> Response:
@@ -102,16 +76,37 @@ async def _fault(_: Request, exc: Exception) -> Response:
     return error_response(500, "internal server error", "server_error", "internal_error")
 
 
+def _fixed(
+    status: int, err_type: str, code: str
+) -> Callable[[Request, Exception], Awaitable[Response]]:
+    """A handler answering ``status`` with the exception's message, ``err_type`` and ``code``."""
+
+    async def handle(_: Request, exc: Exception) -> Response:
+        return error_response(status, str(exc), err_type, code)
+
+    return handle
+
+
+# Errors whose answer is their message with a fixed status, type and code. The two body errors
+# do not close the connection at once: closing a socket with unread input resets it, and the
+# client would lose the answer. The server discards what is left of the body, for at most the
+# header deadline of the next request (``infermeter.serving``), and then closes it.
+_FIXED: tuple[tuple[type[Exception], int, str, str], ...] = (
+    (Unauthenticated, 401, "invalid_request_error", "invalid_api_key"),
+    (Forbidden, 403, "permission_error", "forbidden"),
+    (BatchTooLargeError, 413, "invalid_request_error", "batch_too_large"),
+    (BodyTooLargeError, 413, "invalid_request_error", "body_too_large"),
+    (BodyTimeoutError, 408, "invalid_request_error", "body_timeout"),
+    (LedgerError, 409, "invalid_request_error", "conflict"),
+)
+
+
 def install(app: FastAPI) -> None:
     """Map every error the routes raise to its status and the OpenAI error body."""
-    app.add_exception_handler(Unauthenticated, _unauthenticated)
-    app.add_exception_handler(Forbidden, _forbidden)
+    for exc_type, status, err_type, code in _FIXED:
+        app.add_exception_handler(exc_type, _fixed(status, err_type, code))
     app.add_exception_handler(BadRequest, _bad_request)
-    app.add_exception_handler(BatchTooLargeError, _too_large)
-    app.add_exception_handler(BodyTooLargeError, _body_too_large)
-    app.add_exception_handler(BodyTimeoutError, _body_timeout)
     app.add_exception_handler(RateLimitedError, _rate_limited)
-    app.add_exception_handler(LedgerError, _refused)
     app.add_exception_handler(duckdb.IOException, _unavailable)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(HTTPException, _http)
