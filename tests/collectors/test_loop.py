@@ -54,7 +54,12 @@ async def test_gpus_join_by_pod_label_when_config_lists_none(fleet_config, runni
 
 
 async def test_energy_equals_what_the_simulator_drew(fleet_config, running_fleet):
-    """Under load, energy from the dcgm counter matches /_sim/gpus over the same window, to 1 %."""
+    """Under load, energy from the dcgm counter is what /_sim/gpus drew between the two scrapes.
+
+    The simulator's counter is read just before and just after each scrape, so the collector's
+    figure must lie between the least and the most it could have drawn; how wide that bracket is
+    depends only on how long the scrapes took, not on the collector.
+    """
     cfg = fleet_config()
     async with running_fleet(cfg) as fleet:
         collector = FleetCollector(
@@ -79,9 +84,7 @@ async def test_energy_equals_what_the_simulator_drew(fleet_config, running_fleet
     [gpu] = [s for s in batch.gpus if s.replica == "small-0"]
     assert gpu.energy_joules is not None
     assert end_before - start_after <= gpu.energy_joules <= end_after - start_before
-    drawn = (end_before + end_after) / 2 - (start_before + start_after) / 2
-    assert abs(gpu.energy_joules - drawn) <= 0.01 * drawn
-    assert drawn > 35 * 1.5  # it was busy: above idle power over the window
+    assert end_before - start_after > 35 * 1.5  # it was busy: above idle power over the window
 
 
 async def test_hung_target_is_marked_down_and_the_loop_goes_on(fleet_config, running_fleet):
