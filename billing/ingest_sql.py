@@ -19,9 +19,11 @@ from infermeter.records import (
     BILLABLE_STATUSES,
     ENGINE,
     GPU,
+    INSTANCES,
     USAGE,
     Field,
     FieldType,
+    InstanceEventType,
     RecordKind,
     RequestStatus,
 )
@@ -101,6 +103,21 @@ CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
         ('"timestamp" < 946684800', "'timestamp: not Unix seconds (before 2000)'"),
         ('"timestamp" > $now + $skew', "'timestamp in the future'"),
         ("requests_running < 0 OR requests_waiting < 0", "'request counts must not be negative'"),
+    ),
+    INSTANCES.key: (
+        ("event_id = ''", "'event_id: empty'"),
+        ("instance = ''", "'instance: empty'"),
+        (
+            f"event NOT IN {tuple(str(e) for e in InstanceEventType)!r}",
+            "'event: unknown value ' || to_json(event)",
+        ),
+        (
+            '"timestamp" < 946684800 OR started_at < 946684800',
+            "'timestamp: not Unix seconds (before 2000)'",
+        ),
+        ('"timestamp" > $now + $skew', "'timestamp in the future'"),
+        ('started_at > "timestamp"', "'started_at is after timestamp'"),
+        ("gpu_count < 0 OR gpu_count > 64", "'gpu_count: out of range'"),
     ),
 }
 

@@ -163,7 +163,29 @@ INSERT INTO replica_slots
 SELECT replica, slot, sum(inflight_seconds) FROM usage_slots GROUP BY replica, slot;
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2)
+# The lifetimes of the instances of a dynamic fleet, as each announced them
+# (``infermeter.records.InstanceEvent``).
+_V3 = """
+CREATE TABLE instance_events (
+    event_id VARCHAR NOT NULL,
+    instance VARCHAR NOT NULL,
+    replica VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    event VARCHAR NOT NULL,
+    "timestamp" DOUBLE NOT NULL,
+    started_at DOUBLE NOT NULL,
+    node VARCHAR NOT NULL,
+    gpu_model VARCHAR NOT NULL,
+    gpu_count BIGINT NOT NULL,
+    gpus VARCHAR NOT NULL DEFAULT '',
+    namespace VARCHAR,
+    pod_uid VARCHAR,
+    engine_metrics_url VARCHAR,
+    ingested_at DOUBLE NOT NULL
+);
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3)
 LATEST_VERSION: Final = len(MIGRATIONS)
 
 

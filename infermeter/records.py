@@ -24,12 +24,15 @@ __all__ = [
     "BILLABLE_STATUSES",
     "ENGINE",
     "GPU",
+    "INSTANCES",
     "KINDS",
     "USAGE",
     "EngineSample",
     "Field",
     "FieldType",
     "GpuSample",
+    "InstanceEvent",
+    "InstanceEventType",
     "RecordKind",
     "RequestStatus",
     "UsageRecord",
@@ -109,6 +112,9 @@ class UsageRecord(_Record):
     endpoint: str = "/v1/chat/completions"
     finish_reason: str | None = None
     usage_exact: bool = True
+    # The engine instance (pod) that served it; ``replica`` is then its replica group. None in
+    # records from a fleet of fixed replicas, where each replica is its one instance.
+    instance: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +138,8 @@ class GpuSample(_Record):
     xid_errors: int = 0
     mig_profile: str | None = None
     gap: bool = False
+    # The instance (pod) running on the GPU, when known; ``replica`` is its replica group.
+    instance: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +158,45 @@ class EngineSample(_Record):
     prefix_cache_queries_total: float = 0.0
     prefix_cache_hits_total: float = 0.0
     preemptions_total: float = 0.0
+    # The instance (pod) read; ``replica`` is its replica group. None: a fixed replica.
+    instance: str | None = None
+
+
+class InstanceEventType(StrEnum):
+    """What an instance says about its own lifetime."""
+
+    START = "start"
+    HEARTBEAT = "heartbeat"
+    STOP = "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceEvent(_Record):
+    """One running vLLM engine (an instance of a replica group) announcing itself.
+
+    The sidecar in front of the engine writes ``start`` when it begins serving, a ``heartbeat``
+    every ``sidecar.heartbeat_seconds`` and ``stop`` once drained, through the same spool and
+    shipper as usage, so an instance's lifetime is as durable as its usage. ``started_at`` is
+    repeated in every event: a lifetime can be opened from any one of them, whichever arrives
+    first. An instance that stops heartbeating is closed by billing at its last event.
+    """
+
+    event_id: str
+    instance: str
+    replica: str
+    model: str
+    event: str
+    timestamp: float
+    started_at: float
+    node: str
+    gpu_model: str
+    gpu_count: int
+    # GPU UUIDs (or indices) the instance owns, comma-separated; "" when not known.
+    gpus: str = ""
+    namespace: str | None = None
+    pod_uid: str | None = None
+    # Where the collector reads this instance's engine metrics (the sidecar's /engine/metrics).
+    engine_metrics_url: str | None = None
 
 
 class FieldType(StrEnum):
@@ -256,5 +303,12 @@ ENGINE: Final = record_kind(
     id_field="sample_id",
     time_field="timestamp",
 )
+INSTANCES: Final = record_kind(
+    InstanceEvent,
+    key="instances",
+    table="instance_events",
+    id_field="event_id",
+    time_field="timestamp",
+)
 # Every kind that crosses a process, by its wire name (the ingest route and the JSON batch key).
-KINDS: Final = {k.key: k for k in (USAGE, GPU, ENGINE)}
+KINDS: Final = {k.key: k for k in (USAGE, GPU, ENGINE, INSTANCES)}

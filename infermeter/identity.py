@@ -1,0 +1,106 @@
+"""Who a running engine is: the instance of a replica group that a sidecar fronts.
+
+The configuration's ``replicas`` describe replica groups: what a set of identical engines serves
+and on what kind of GPU. What runs is instances of a group, and in Kubernetes those come and go
+with the autoscaler, so their identity cannot be in the configuration. It comes from the
+environment the pod is started with (the downward API and the NVIDIA device plugin):
+
+==========================  =================================================================
+``INFERMETER_INSTANCE``     the instance id, when set (outside Kubernetes: e.g. host:port)
+``POD_NAME``                otherwise the instance id (unique among live pods of a namespace)
+``POD_UID``                 the pod's UID: names the spool directory, unique for all time
+``POD_NAMESPACE``           the pod's namespace
+``NODE_NAME``               the node it runs on (default: the group's ``node``)
+``NVIDIA_VISIBLE_DEVICES``  its GPUs: UUIDs or indices, comma-separated (default: ``gpus``)
+==========================  =================================================================
+
+With none of them set, the instance is the replica itself (id, node and GPUs from the
+configuration), so a fleet of fixed replicas keeps working unchanged: one instance each.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from infermeter.config import Replica
+
+__all__ = ["Identity", "IdentityError", "identity_from_environment"]
+
+# What the device plugin may put in NVIDIA_VISIBLE_DEVICES besides a list of devices.
+_NOT_A_LIST: Final = frozenset({"", "all", "none", "void"})
+# An instance id is a DNS label or a host:port: the shape of a pod name, bounded in length.
+_ID: Final = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._:-]{0,251}[A-Za-z0-9])?$")
+_GPU: Final = re.compile(r"^[A-Za-z0-9:._/-]{1,128}$")
+
+
+class IdentityError(ValueError):
+    """An identity variable holds a value that cannot be an id; names the variable."""
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """One instance: its own id, its replica group, where it runs and on which GPUs."""
+
+    instance: str
+    replica: str
+    model: str
+    node: str
+    gpu_model: str
+    gpus: tuple[str, ...]
+    namespace: str | None = None
+    pod_uid: str | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        """True for an instance the environment named; False for a fixed replica of the config."""
+        return self.instance != self.replica or self.pod_uid is not None
+
+    @property
+    def spool_key(self) -> str:
+        """The name of this instance's spool directory: its pod UID, else its id."""
+        return self.pod_uid or self.instance
+
+
+def identity_from_environment(replica: Replica, environ: Mapping[str, str]) -> Identity:
+    """The identity of the instance of ``replica`` started with ``environ``.
+
+    IdentityError naming the variable when one is set to something that is not an id.
+    """
+    instance = _value(environ, "INFERMETER_INSTANCE") or _value(environ, "POD_NAME")
+    gpus = _gpus(environ.get("NVIDIA_VISIBLE_DEVICES", ""))
+    return Identity(
+        instance=instance or replica.id,
+        replica=replica.id,
+        model=replica.model,
+        node=_value(environ, "NODE_NAME") or replica.node,
+        gpu_model=replica.gpu_model,
+        gpus=gpus if gpus is not None else tuple(str(g) for g in replica.gpus),
+        namespace=_value(environ, "POD_NAMESPACE"),
+        pod_uid=_value(environ, "POD_UID"),
+    )
+
+
+def _value(environ: Mapping[str, str], name: str) -> str | None:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not _ID.match(raw):
+        raise IdentityError(f"environment variable {name}={raw[:80]!r} is not a valid id")
+    return raw
+
+
+def _gpus(raw: str) -> tuple[str, ...] | None:
+    """The devices listed, or None when the variable lists none (unset, ``all``, ``void``)."""
+    raw = raw.strip()
+    if raw.lower() in _NOT_A_LIST:
+        return None
+    devices = tuple(d.strip() for d in raw.split(",") if d.strip())
+    for d in devices:
+        if not _GPU.match(d):
+            raise IdentityError(
+                f"environment variable NVIDIA_VISIBLE_DEVICES: {d[:80]!r} is not a GPU"
+            )
+    return devices or None
