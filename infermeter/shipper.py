@@ -114,14 +114,14 @@ class Shipper:
         """Ship forever; errors are logged, counted and retried with back-off, never raised."""
         failures = 0
         while True:
-            failures = 0 if await self._round() else failures + 1
+            failures = 0 if await self.ship_round() else failures + 1
             delay = self.interval_seconds * 2 ** min(failures, 16)
             await asyncio.sleep(min(delay, max(self.max_backoff_seconds, self.interval_seconds)))
 
-    async def _round(self) -> bool:
-        """One round of ``ship_once``; False when it failed (counted and logged here or below)."""
+    async def ship_round(self, max_wait_seconds: float = 30.0) -> bool:
+        """One round of ``ship_once``; False when it failed (counted and logged, never raised)."""
         try:
-            await self.ship_once()
+            await self.ship_once(max_wait_seconds)
         except IngestRejectedError as exc:
             log.error("billing refused a %s batch: %s; will retry", self.kind, exc)
             self.metrics.failures.labels(self.kind, _REFUSED).inc()
