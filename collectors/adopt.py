@@ -29,10 +29,19 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from infermeter.shipper import Shipper, ShipperMetrics
-from infermeter.spool import Spool
+from infermeter.spool import Segment
 from infermeter.spooldir import INSTANCES, LOCK, SpoolLock
 
-__all__ = ["Action", "Adopter", "AdoptionMetrics", "Listing", "candidates", "listing", "plan"]
+__all__ = [
+    "Action",
+    "Adopter",
+    "AdoptionMetrics",
+    "Leftovers",
+    "Listing",
+    "candidates",
+    "listing",
+    "plan",
+]
 
 log = logging.getLogger("infermeter.collectors")
 
@@ -85,6 +94,34 @@ def listing(directory: Path) -> Listing:
         elif entry.name != LOCK:
             others.append(entry.name)
     return Listing(usage, instances, tuple(sorted(others)))
+
+
+class Leftovers:
+    """The segments a process that is gone left in one spool: all closed, none growing.
+
+    Unlike ``Spool.open``, listing them reads no record (a spool may hold a gigabyte), so the
+    record counts are unknown (0); the shipper reads each segment in batches, off the event loop.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._segments: list[Segment] | None = None
+
+    async def closed_segments(self) -> list[Segment]:
+        """Every segment of the directory, oldest first (listed once)."""
+        if self._segments is None:
+            self._segments = await asyncio.to_thread(_segments, self.directory)
+        return list(self._segments)
+
+    def acknowledge(self, segment: Segment) -> None:
+        """Billing has every record of ``segment``: delete it."""
+        segment.path.unlink(missing_ok=True)
+        if self._segments is not None:
+            self._segments.remove(segment)
+
+
+def _segments(directory: Path) -> list[Segment]:
+    return [Segment(p, 0, p.stat().st_size) for p in sorted(directory.glob("seg-*.jsonl"))]
 
 
 class AdoptionMetrics:
@@ -184,14 +221,9 @@ class Adopter:
             path = directory / sub if sub else directory
             if not any(path.glob("seg-*.jsonl")):
                 continue
-            spool = Spool(path)
-            spool.open()
-            try:
-                shipper = Shipper(spool, self.ingest_url, self.token, kind, self.client,
-                                  metrics=self.shipper_metrics)  # fmt: skip
-                ok = await shipper.ship_round(self.max_wait_seconds)
-            finally:
-                await spool.close()
+            shipper = Shipper(Leftovers(path), self.ingest_url, self.token, kind, self.client,
+                              metrics=self.shipper_metrics)  # fmt: skip
+            ok = await shipper.ship_round(self.max_wait_seconds)
             shipped += shipper.shipped
             self.metrics.records.labels(kind).inc(shipper.shipped)
             if not ok:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import orjson
@@ -28,12 +28,24 @@ from tenacity import (
 )
 
 from infermeter.records import KINDS
-from infermeter.spool import Segment, SegmentReader, Spool
+from infermeter.spool import Segment, SegmentReader
 from infermeter.wire import ARROW_STREAM, NDJSON, encode_arrow
 
-__all__ = ["IngestRejectedError", "Shipper", "ShipperMetrics"]
+__all__ = ["IngestRejectedError", "Segments", "Shipper", "ShipperMetrics"]
 
 log = logging.getLogger("infermeter.shipper")
+
+
+class Segments(Protocol):
+    """Where a shipper takes segments from: a live ``Spool``, or what a gone process left."""
+
+    async def closed_segments(self) -> list[Segment]:
+        """Segments ready to ship, oldest first."""
+        ...
+
+    def acknowledge(self, segment: Segment) -> None:
+        """Billing has every record of ``segment``: delete it."""
+        ...
 
 
 class IngestRejectedError(Exception):
@@ -91,7 +103,7 @@ class Shipper:
     retried after a back-off.
     """
 
-    def __init__(self, spool: Spool, url: str, token: str | None, kind: str, client: httpx.AsyncClient,
+    def __init__(self, spool: Segments, url: str, token: str | None, kind: str, client: httpx.AsyncClient,
                  batch_size: int = 50_000, interval_seconds: float = 1.0, arrow: bool = True,
                  batch_bytes: int = 16 << 20, metrics: ShipperMetrics | None = None,
                  max_backoff_seconds: float = 60.0) -> None:  # fmt: skip

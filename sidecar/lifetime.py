@@ -160,11 +160,8 @@ class Lifetime:
         self.lock.release()
 
     async def _heartbeats(self) -> None:
-        loop = asyncio.get_running_loop()
-        due = loop.time()
         while True:
-            due += self.heartbeat_seconds
-            await asyncio.sleep(max(0.0, due - loop.time()))
+            await asyncio.sleep(self.heartbeat_seconds)
             await self._announce(InstanceEventType.HEARTBEAT, self.clock())
 
     async def _announce(self, event: InstanceEventType, timestamp: float) -> None:
