@@ -141,7 +141,6 @@ class Sidecar:
         self.spool = Spool(directory, max_bytes=settings.spool_max_bytes)
         self.lifetime = Lifetime(self.identity, directory, settings.heartbeat_seconds,
                                  self.view.replica.gpu_count, engine_metrics_url, self.metrics.registry)  # fmt: skip
-        self.startup_error: str | None = None
         self.spool_broken = False
         self.tracer = tracing.tracer(tracer_provider)
         self.upstream_key = os.environ.get(settings.upstream_api_key_env) or None
@@ -234,7 +233,6 @@ class Sidecar:
                 try:
                     await self.startup()
                 except OSError as exc:
-                    self.startup_error = str(exc)
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
                 await send({"type": "lifespan.startup.complete"})

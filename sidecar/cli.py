@@ -47,7 +47,7 @@ def _sidecar(args: argparse.Namespace, config: Config) -> int:
     import asyncio
 
     from infermeter.identity import IdentityError
-    from sidecar.serve import StartupError, serve_sidecar
+    from sidecar.serve import serve_sidecar
 
     try:
         config.replica(args.replica)
@@ -59,6 +59,4 @@ def _sidecar(args: argparse.Namespace, config: Config) -> int:
         )
     except IdentityError as exc:
         return fail(f"cannot tell which instance this is: {exc}")
-    except StartupError as exc:
-        return fail(str(exc), code=1)
     return 0

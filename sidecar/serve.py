@@ -19,13 +19,9 @@ from sidecar.app import Sidecar
 from sidecar.lifetime import engine_metrics_url, resource_attributes
 from sidecar.tracing import make_tracer_provider
 
-__all__ = ["StartupError", "serve_sidecar"]
+__all__ = ["serve_sidecar"]
 
 log = logging.getLogger("infermeter.sidecar")
-
-
-class StartupError(Exception):
-    """The sidecar could not start serving (its spool directory stayed locked, say)."""
 
 
 async def serve_sidecar(
@@ -33,8 +29,8 @@ async def serve_sidecar(
 ) -> None:
     """Serve the sidecar of ``replica_id`` until told to stop.
 
-    IdentityError when the environment names the instance wrongly; StartupError when it could
-    not start serving.
+    IdentityError when the environment names the instance wrongly. A start-up that fails (the
+    spool directory stays locked) is uvicorn's: logged, and the process exits with status 3.
     """
     config = load_config(config_path)
     if upstream:
@@ -77,8 +73,6 @@ async def serve_sidecar(
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
-    if not srv.started and app.startup_error:
-        raise StartupError(f"sidecar of replica {replica_id} did not start: {app.startup_error}")
 
 
 async def _watch(path: Path, reload: Callable[[], None], interval_seconds: float = 2.0) -> None:
