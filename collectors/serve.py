@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 from prometheus_client import CollectorRegistry
 
+from collectors.adopt import Adopter, AdoptionMetrics
 from collectors.dcgm import DcgmSource
 from collectors.loop import Batch, FleetCollector
 from collectors.metrics import create_app
@@ -99,6 +100,14 @@ async def serve_collector(config: Config, listen: str | None) -> None:
             for spool, kind in ((sink.gpus, GPU_KIND), (sink.engines, ENGINE_KIND)):
                 shipper = Shipper(spool, settings.ingest_url, token, kind, client, metrics=shipped)
                 tasks.append(asyncio.create_task(shipper.run(), name=f"ship-{kind}"))
+            if settings.adopt_spools_dir:
+                adopter = Adopter(Path(settings.adopt_spools_dir), settings.ingest_url, token, client,
+                                  AdoptionMetrics(registry), shipped, settings.scrape_interval_seconds,
+                                  exclude=[Path(settings.spool_dir)])  # fmt: skip
+                tasks.append(asyncio.create_task(adopter.run(), name="adopt-spools"))
+        elif settings.adopt_spools_dir:
+            log.warning("collector.adopt_spools_dir is set but collector.ingest_url is not: "
+                        "the spools of sidecars that are gone are not shipped")  # fmt: skip
         log.info("collector: %d GPU and %d engine targets, /metrics on http://%s:%d/metrics",
                  len(collector.gpu_sources), len(collector.engine_sources), host, port)  # fmt: skip
         try:

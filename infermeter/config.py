@@ -297,6 +297,8 @@ class SidecarSettings(_Strict):
     on_spool_failure: Literal["refuse", "serve_unmetered"] = "refuse"
     # Unshipped records past this size are a spool failure (on_spool_failure applies).
     spool_max_bytes: Annotated[int, Field(gt=0)] = 1024 * 1024 * 1024
+    # An instance announces it is alive this often; billing closes one silent for 3 of these.
+    heartbeat_seconds: Positive = 30.0
     default_reserve_tokens: Annotated[int, Field(gt=0)] = 1024
     fair_headroom: Annotated[float, Field(ge=0, lt=1)] = 0.125
     fair_queue_max_per_team: Annotated[int, Field(gt=0)] = 256
@@ -322,6 +324,9 @@ class CollectorSettings(_Strict):
     # Sent as a bearer token to every engine_metrics_url when the variable is set: the sidecar's
     # /engine/metrics needs the metrics or admin token.
     metrics_token_env: str = "INFERMETER_METRICS_TOKEN"
+    # The sidecars' spool root on this node (their ``sidecar.spool_dir``): spools whose sidecar
+    # is gone are shipped from here. None: no adoption.
+    adopt_spools_dir: str | None = None
 
 
 class TokenWeights(_Strict):

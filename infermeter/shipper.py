@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import orjson
@@ -28,12 +28,24 @@ from tenacity import (
 )
 
 from infermeter.records import KINDS
-from infermeter.spool import Segment, SegmentReader, Spool
+from infermeter.spool import Segment, SegmentReader
 from infermeter.wire import ARROW_STREAM, NDJSON, encode_arrow
 
-__all__ = ["IngestRejectedError", "Shipper", "ShipperMetrics"]
+__all__ = ["IngestRejectedError", "Segments", "Shipper", "ShipperMetrics"]
 
 log = logging.getLogger("infermeter.shipper")
+
+
+class Segments(Protocol):
+    """Where a shipper takes segments from: a live ``Spool``, or what a gone process left."""
+
+    async def closed_segments(self) -> list[Segment]:
+        """Segments ready to ship, oldest first."""
+        ...
+
+    def acknowledge(self, segment: Segment) -> None:
+        """Billing has every record of ``segment``: delete it."""
+        ...
 
 
 class IngestRejectedError(Exception):
@@ -91,7 +103,7 @@ class Shipper:
     retried after a back-off.
     """
 
-    def __init__(self, spool: Spool, url: str, token: str | None, kind: str, client: httpx.AsyncClient,
+    def __init__(self, spool: Segments, url: str, token: str | None, kind: str, client: httpx.AsyncClient,
                  batch_size: int = 50_000, interval_seconds: float = 1.0, arrow: bool = True,
                  batch_bytes: int = 16 << 20, metrics: ShipperMetrics | None = None,
                  max_backoff_seconds: float = 60.0) -> None:  # fmt: skip
@@ -114,14 +126,14 @@ class Shipper:
         """Ship forever; errors are logged, counted and retried with back-off, never raised."""
         failures = 0
         while True:
-            failures = 0 if await self._round() else failures + 1
+            failures = 0 if await self.ship_round() else failures + 1
             delay = self.interval_seconds * 2 ** min(failures, 16)
             await asyncio.sleep(min(delay, max(self.max_backoff_seconds, self.interval_seconds)))
 
-    async def _round(self) -> bool:
-        """One round of ``ship_once``; False when it failed (counted and logged here or below)."""
+    async def ship_round(self, max_wait_seconds: float = 30.0) -> bool:
+        """One round of ``ship_once``; False when it failed (counted and logged, never raised)."""
         try:
-            await self.ship_once()
+            await self.ship_once(max_wait_seconds)
         except IngestRejectedError as exc:
             log.error("billing refused a %s batch: %s; will retry", self.kind, exc)
             self.metrics.failures.labels(self.kind, _REFUSED).inc()

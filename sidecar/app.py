@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import httpx
@@ -34,6 +34,7 @@ from infermeter.auth import AuthError, bearer_key
 from infermeter.config import Config
 from infermeter.errors import error_body, sse_error_event
 from infermeter.http_guard import ServerLimits
+from infermeter.identity import Identity, identity_from_environment
 from infermeter.ids import request_id
 from infermeter.records import RequestStatus, UsageRecord
 from infermeter.replay import ReplayCache
@@ -41,11 +42,15 @@ from infermeter.spool import Spool, SpoolError
 from sidecar import tracing
 from sidecar.bounds import capped, label
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
+from sidecar.lifetime import Lifetime, last_shipment
 from sidecar.limits import Admission, LimitExceeded, RateLimiter, estimate_prompt_tokens
 from sidecar.metrics import SidecarMetrics
 from sidecar.state import ModelNotFoundError, View, build_view
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
 from sidecar.upstream import UPSTREAM_ERRORS, StallWatch, Upstream, upstream_failure
+
+if TYPE_CHECKING:
+    from infermeter.shipper import Shipper
 
 __all__ = ["Sidecar"]
 
@@ -104,7 +109,9 @@ class Sidecar:
     """One replica's sidecar: state, background tasks and the ASGI entry point."""
 
     def __init__(self, config: Config, replica_id: str, *, spool_dir: Path | None = None,
-                 tracer_provider: TracerProvider | None = None, client: httpx.AsyncClient | None = None) -> None:  # fmt: skip
+                 tracer_provider: TracerProvider | None = None, client: httpx.AsyncClient | None = None,
+                 identity: Identity | None = None, engine_metrics_url: str | None = None) -> None:  # fmt: skip
+        """``identity``: the instance fronted (default: the fixed replica); ``spool_dir``: its spool."""
         self.replica_id = replica_id
         gateway = config.sidecar.gateway
         # Outlives reloads: a new view must not forget which signed requests were served.
@@ -126,9 +133,14 @@ class Sidecar:
             if capacity
             else None
         )
-        self.spool = Spool(
-            spool_dir or Path(settings.spool_dir) / replica_id, max_bytes=settings.spool_max_bytes
-        )
+        self.identity = identity or identity_from_environment(self.view.replica, {})
+        assert self.identity.replica == replica_id, "an identity of another replica group"
+        # Usage records name the instance only when it is not the fixed replica itself.
+        self.instance = self.identity.instance if self.identity.dynamic else None
+        directory = spool_dir or Path(settings.spool_dir) / self.identity.spool_key
+        self.spool = Spool(directory, max_bytes=settings.spool_max_bytes)
+        self.lifetime = Lifetime(self.identity, directory, settings.heartbeat_seconds,
+                                 self.view.replica.gpu_count, engine_metrics_url, self.metrics.registry)  # fmt: skip
         self.spool_broken = False
         self.tracer = tracing.tracer(tracer_provider)
         self.upstream_key = os.environ.get(settings.upstream_api_key_env) or None
@@ -141,6 +153,7 @@ class Sidecar:
         self.ingest_url = settings.ingest_url
         self.ingest_token = os.environ.get(settings.ingest_token_env) or None
         self._tasks: list[asyncio.Task[None]] = []
+        self._shippers: list[Shipper] = []
 
     @property
     def server_limits(self) -> ServerLimits:
@@ -152,24 +165,33 @@ class Sidecar:
     # -- life cycle ------------------------------------------------------------------------------
 
     async def startup(self) -> None:
-        """Open the spool and start the shipper."""
+        """Take the spool directory, open the spools, start the shippers, announce the start."""
+        await self.lifetime.claim()
         self.spool.open()
         self.metrics.spool_backlog.set_function(lambda: self.spool.backlog)
         if self.ingest_url:
             from infermeter.shipper import Shipper, ShipperMetrics
 
-            shipper = Shipper(self.spool, self.ingest_url, self.ingest_token, "usage", self.client,
-                              metrics=ShipperMetrics(self.metrics.registry))  # fmt: skip
-            self._tasks.append(asyncio.get_running_loop().create_task(shipper.run()))
+            shipped = ShipperMetrics(self.metrics.registry)
+            for spool, kind in ((self.spool, "usage"), (self.lifetime.spool, "instances")):
+                shipper = Shipper(spool, self.ingest_url, self.ingest_token, kind, self.client,
+                                  metrics=shipped)  # fmt: skip
+                self._shippers.append(shipper)
+                self._tasks.append(asyncio.get_running_loop().create_task(shipper.run()))
+        await self.lifetime.start()
 
     async def shutdown(self) -> None:
-        """Stop background work and flush the spool."""
+        """Announce the stop, stop background work, flush and ship the spools, let them go."""
+        await self.lifetime.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.spool.close()
+        await self.lifetime.close()
+        await last_shipment(self._shippers)
+        self.lifetime.release()
         await self.client.aclose()
         await self.generation.close()
 
@@ -668,7 +690,7 @@ class Sidecar:
         first = meter.first_token_at if meter else None
         record = UsageRecord(
             request_id=call.request_id, team=call.team, model=capped(call.model), served_version=call.served_version,
-            replica=self.replica_id, received_at=call.received_at,
+            replica=self.replica_id, instance=self.instance, received_at=call.received_at,
             first_token_at=None if first is None else call.received_at + (first - call.started),
             finished_at=call.received_at + (time.perf_counter() - call.started),
             prompt_tokens=usage.prompt if usage else 0, cached_prompt_tokens=usage.cached if usage else 0,

@@ -46,11 +46,17 @@ def register(subparsers: Subparsers) -> None:
 def _sidecar(args: argparse.Namespace, config: Config) -> int:
     import asyncio
 
+    from infermeter.identity import IdentityError
     from sidecar.serve import serve_sidecar
 
     try:
         config.replica(args.replica)
     except KeyError:
         return fail(f"no replica {args.replica!r} in {config_path(args)}")
-    asyncio.run(serve_sidecar(Path(config_path(args)), args.replica, args.listen, args.upstream))
+    try:
+        asyncio.run(
+            serve_sidecar(Path(config_path(args)), args.replica, args.listen, args.upstream)
+        )
+    except IdentityError as exc:
+        return fail(f"cannot tell which instance this is: {exc}")
     return 0

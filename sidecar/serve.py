@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
 from infermeter.config import Config, ConfigError, load_config
 from infermeter.exposure import public_key_problems
+from infermeter.identity import identity_from_environment
 from infermeter.serving import ensure_free, host_port, server
 from sidecar.app import Sidecar
+from sidecar.lifetime import engine_metrics_url, resource_attributes
 from sidecar.tracing import make_tracer_provider
 
 __all__ = ["serve_sidecar"]
@@ -23,11 +27,16 @@ log = logging.getLogger("infermeter.sidecar")
 async def serve_sidecar(
     config_path: Path, replica_id: str, listen: str | None, upstream: str | None
 ) -> None:
-    """Serve the sidecar of ``replica_id`` until told to stop."""
+    """Serve the sidecar of ``replica_id`` until told to stop.
+
+    IdentityError when the environment names the instance wrongly. A start-up that fails (the
+    spool directory stays locked) is uvicorn's: logged, and the process exits with status 3.
+    """
     config = load_config(config_path)
     if upstream:
         config = _with_upstream(config, replica_id, upstream)
     replica = config.replica(replica_id)
+    identity = identity_from_environment(replica, os.environ)
     address = listen or replica.sidecar_listen
     if not address:
         raise ConfigError(
@@ -36,9 +45,12 @@ async def serve_sidecar(
         )
     host, port = host_port(address)
     ensure_free(host, port, f"sidecar of replica {replica_id}")
-    app = Sidecar(
-        config, replica_id, tracer_provider=make_tracer_provider(f"infermeter-sidecar-{replica_id}")
+    tracer_provider = make_tracer_provider(
+        f"infermeter-sidecar-{replica_id}", attributes=resource_attributes(identity)
     )
+    metrics_url = engine_metrics_url(host, port, os.environ, socket.gethostname())
+    app = Sidecar(config, replica_id, tracer_provider=tracer_provider, identity=identity,
+                  engine_metrics_url=metrics_url)  # fmt: skip
     srv = server(app, host, port, limits=app.server_limits)
     loop = asyncio.get_running_loop()
 

@@ -53,14 +53,21 @@ def export_configured(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def make_tracer_provider(
-    service_name: str, environ: Mapping[str, str] | None = None
+    service_name: str,
+    environ: Mapping[str, str] | None = None,
+    attributes: Mapping[str, str] | None = None,
 ) -> TracerProvider | None:
-    """A provider exporting over OTLP/HTTP when configured, else None (no spans recorded)."""
+    """A provider exporting over OTLP/HTTP when configured, else None (no spans recorded).
+
+    ``attributes`` join ``service.name`` on the resource: the instance (``service.instance.id``)
+    is named there, once per process, rather than on every span.
+    """
     if not export_configured(environ):
         return None
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    resource = Resource.create({**(attributes or {}), "service.name": service_name})
+    provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     return provider
 
