@@ -20,7 +20,7 @@ from tests.collectors.fakes import FakeGpuSource, reading
 class FakeEngine:
     """small-0's engine with a queue."""
 
-    target, kind = "small-0", "vllm"
+    target, kind, replica, instance = "small-0", "vllm", "small-0", None
 
     async def read(self) -> EngineReading:
         """A busy engine."""
