@@ -7,8 +7,9 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -147,8 +148,6 @@ async def serve_collector(config: Config, listen: str | None) -> None:
     settings = config.collector
     host, port = host_port(listen or settings.listen)
     ensure_free(host, port, "collector listen address")
-    sink = SpoolSink(Path(settings.spool_dir))
-    sink.open()
     # Scrapes come every 10 s, after httpx's 5 s keep-alive expiry: connections are not reused.
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
     async with httpx.AsyncClient(limits=limits) as client, contextlib.AsyncExitStack() as stack:
@@ -158,14 +157,20 @@ async def serve_collector(config: Config, listen: str | None) -> None:
         def on_targets(targets: Mapping[str, EngineTarget]) -> None:
             collector.replace_engine_sources(engine_sources(config, targets, client, env))
 
-        tasks = [asyncio.create_task(collector.run(sink), name="collector")]
+        # Found before anything runs: outside a cluster with no api_url this raises, and the
+        # command stops with one line.
+        discover: Callable[[], Coroutine[Any, Any, None]] | None = None
         if settings.discovery == "registry":
-            poller = registry_poller(config, client, on_targets, env)
-            tasks.append(asyncio.create_task(poller.run(), name="discover-registry"))
+            discover = registry_poller(config, client, on_targets, env).run
         elif settings.discovery == "kubernetes":
             watcher, api = pod_watcher(config, on_targets, env)
             await stack.enter_async_context(api)
-            tasks.append(asyncio.create_task(watcher.run(), name="discover-kubernetes"))
+            discover = watcher.run
+        sink = SpoolSink(Path(settings.spool_dir))
+        sink.open()
+        tasks = [asyncio.create_task(collector.run(sink), name="collector")]
+        if discover is not None:
+            tasks.append(asyncio.create_task(discover(), name=f"discover-{settings.discovery}"))
         registry = CollectorRegistry()
         if settings.ingest_url:
             token = os.environ.get(settings.ingest_token_env)

@@ -334,3 +334,19 @@ async def test_gpu_samples_name_the_pod_on_them_as_their_instance(config):
         "6": (None, None),
     }
     assert {s.node for s in batch.gpus} == {"node-b"}
+
+
+def test_collect_outside_a_cluster_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    """``infermeter collect`` with Kubernetes discovery, no api_url and no cluster exits 2 with one line, spooling nothing."""
+    from infermeter.cli import main
+    from infermeter.serving import free_port
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("INFERMETER__COLLECTOR__DISCOVERY", "kubernetes")
+    monkeypatch.setenv("INFERMETER__COLLECTOR__SPOOL_DIR", str(tmp_path / "spool"))
+    assert main(["collect", "--listen", f"127.0.0.1:{free_port()}"]) == 2
+    # (after the warning that the embedded demo configuration is in use)
+    assert capsys.readouterr().err.splitlines()[-1:] == [
+        "infermeter: collector.kubernetes: not in a cluster (no KUBERNETES_SERVICE_HOST): set an api_url"
+    ]
+    assert not (tmp_path / "spool").exists()
