@@ -292,6 +292,7 @@ class FleetCollector:
             prefix_cache_hits_total=r.prefix_cache_hits_total,
             preemptions_total=r.preemptions_total,
         )
-        if any(s is source for s in self.engine_sources):
+        # A target that vanished while it was read is not kept in the view.
+        if any(s.target == source.target for s in self.engine_sources):
             self.engines[source.target] = sample
         return sample

@@ -22,6 +22,7 @@ from collectors.dcgm import DcgmSource
 from collectors.discovery import PodWatcher, RegistryPoller
 from collectors.loop import FleetCollector
 from collectors.serve import build_collector, engine_sources, pod_watcher, registry_poller
+from collectors.sources import EngineReading
 from collectors.targets import EngineTarget
 from infermeter.config import Config
 from infermeter.kubernetes import KubernetesApiError, bearer, in_cluster_api
@@ -210,6 +211,34 @@ async def test_an_instance_that_went_down_keeps_its_backoff_until_it_vanishes(co
         collector.replace_engine_sources([])
     assert kept == 1
     assert collector.states == {}
+
+
+class SlowEngine:
+    """An instance whose read waits until the test lets it answer."""
+
+    kind, replica = "vllm", "small-0"
+
+    def __init__(self, pod: str) -> None:
+        self.target = self.instance = pod
+        self.release = asyncio.Event()
+
+    async def read(self) -> EngineReading:
+        """An idle engine's reading, once released."""
+        await self.release.wait()
+        return EngineReading(0, 0, 0, 0, 0, 0, 0, 0)
+
+
+async def test_a_target_that_vanishes_while_it_is_read_leaves_nothing_behind(config):
+    """The reading taken is still a sample of the round; neither its state nor its view is kept."""
+    engine = SlowEngine("vllm-small-0-z")
+    collector = FleetCollector(config, [], [engine])
+    round_ = asyncio.create_task(collector.scrape_once())
+    await asyncio.sleep(0.05)
+    collector.replace_engine_sources([])
+    engine.release.set()
+    batch = await round_
+    assert [e.instance for e in batch.engines] == ["vllm-small-0-z"]
+    assert (collector.states, collector.engines) == ({}, {})
 
 
 class FakeRegistry:
