@@ -2,8 +2,11 @@
 
 ``infermeter collect`` (``collectors.serve.serve_collector``) scrapes, every
 ``collector.scrape_interval_seconds``, each node's dcgm-exporter (or this machine's GPUs through
-NVML) and each replica's vLLM ``/metrics``; joins every GPU to the replica on it
-(``collectors.attribution``: configuration first, then the ``vllm-<replica id>`` pod label);
+NVML) and each engine instance's vLLM ``/metrics``, found by ``collector.discovery``
+(``collectors.targets``, ``collectors.discovery``: the configured replicas, billing's instance
+registry, or the Kubernetes API's pods, never a Service); joins every GPU to the replica group
+and instance on it (``collectors.attribution``: configuration first, then the
+``vllm-<replica id>`` pod label, the pod being the instance);
 accounts energy from the boards' counters (``collectors.energy``: counter resets survived, gaps
 recorded, never filled); appends ``GpuSample`` and ``EngineSample`` records to
 ``<collector.spool_dir>/gpu_samples`` and ``/engine_samples`` and ships them to
@@ -32,6 +35,12 @@ infermeter_replica_gpus{...}                      GPUs or slices attributed to t
 infermeter_replica_queue_depth{...}               vllm:num_requests_waiting
 infermeter_replica_requests_running{...}          vllm:num_requests_running
 infermeter_replica_kv_cache_usage_ratio{...}      vllm:kv_cache_usage_perc (0-1)
+                                                  (queue and batch summed over the group's
+                                                  instances, KV-cache use their mean)
+infermeter_instance_queue_depth                   the same three, per engine instance
+  {instance_id,replica,model}                     (``instance_id``: the pod; the replica id
+infermeter_instance_requests_running{...}         for a fixed replica)
+infermeter_instance_kv_cache_usage_ratio{...}
 infermeter_collector_target_up{target,kind}       1 if the last scrape succeeded; ``kind`` is
                                                   ``dcgm``, ``nvml`` or ``vllm``
 infermeter_collector_scrape_duration_seconds      duration of the target's last scrape
@@ -49,25 +58,32 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collectors.attribution import attribute, replica_for_pod
+    from collectors.attribution import Owner, attribute, owner_of, replica_for_pod
+    from collectors.discovery import PodWatcher, RegistryPoller
     from collectors.energy import Energy, Point, counter_increase, interval_energy
     from collectors.loop import Batch, FleetCollector, backoff_seconds
     from collectors.sources import EngineReading, EngineSource, GpuReading, GpuSource, ScrapeError
+    from collectors.targets import EngineTarget
 
 __all__ = [
     "Batch",
     "Energy",
     "EngineReading",
     "EngineSource",
+    "EngineTarget",
     "FleetCollector",
     "GpuReading",
     "GpuSource",
+    "Owner",
+    "PodWatcher",
     "Point",
+    "RegistryPoller",
     "ScrapeError",
     "attribute",
     "backoff_seconds",
     "counter_increase",
     "interval_energy",
+    "owner_of",
     "replica_for_pod",
 ]
 
@@ -77,6 +93,11 @@ __all__ = [
 _HOMES = {
     "attribute": "collectors.attribution",
     "replica_for_pod": "collectors.attribution",
+    "Owner": "collectors.attribution",
+    "owner_of": "collectors.attribution",
+    "PodWatcher": "collectors.discovery",
+    "RegistryPoller": "collectors.discovery",
+    "EngineTarget": "collectors.targets",
     "Energy": "collectors.energy",
     "Point": "collectors.energy",
     "counter_increase": "collectors.energy",

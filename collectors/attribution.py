@@ -14,22 +14,50 @@ Two rules, the first that matches wins:
    ``small``). Any namespace is accepted.
 
 A GPU that neither rule places is idle capacity: its samples carry ``replica=None``.
+
+The instance on a GPU (``owner_of``): a GPU placed by the pod label runs the instance named by
+that label (the pod name is the instance id, its replica group found as above); a GPU placed by
+the configuration runs the fixed replica itself, whose samples keep ``instance=None`` (billing
+reads ``coalesce(instance, replica)``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from collectors.sources import GpuReading
 from infermeter.config import Replica
 
-__all__ = ["POD_PREFIX", "attribute", "replica_for_pod"]
+__all__ = ["POD_PREFIX", "Owner", "attribute", "configured_owner", "owner_of", "replica_for_pod"]
 
 POD_PREFIX = "vllm-"
 
 
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who runs on a GPU: a replica group and its instance (None: a fixed replica, or nobody)."""
+
+    replica: Replica | None
+    instance: str | None = None
+
+
+def owner_of(reading: GpuReading, replicas: Sequence[Replica]) -> Owner:
+    """The replica group and instance that run on ``reading``'s GPU or MIG slice."""
+    by_config = configured_owner(reading, replicas)
+    if by_config is not None:
+        return Owner(by_config)
+    by_pod = replica_for_pod(reading.pod, replicas)
+    return Owner(by_pod, reading.pod if by_pod is not None else None)
+
+
 def attribute(reading: GpuReading, replicas: Sequence[Replica]) -> Replica | None:
     """The replica that runs on ``reading``'s GPU or MIG slice, or None."""
+    return configured_owner(reading, replicas) or replica_for_pod(reading.pod, replicas)
+
+
+def configured_owner(reading: GpuReading, replicas: Sequence[Replica]) -> Replica | None:
+    """The replica whose configured ``gpus`` on its ``node`` hold ``reading``'s GPU, or None."""
     whole = None
     for replica in replicas:
         if replica.node != reading.node:
@@ -42,9 +70,7 @@ def attribute(reading: GpuReading, replicas: Sequence[Replica]) -> Replica | Non
                 return replica
             if not gi and whole is None:
                 whole = replica
-    if whole is not None:
-        return whole
-    return replica_for_pod(reading.pod, replicas)
+    return whole
 
 
 def replica_for_pod(pod: str | None, replicas: Sequence[Replica]) -> Replica | None:

@@ -23,8 +23,10 @@ def register(subparsers: Subparsers) -> None:
         help="scrape GPU telemetry (dcgm-exporter or NVML) and vLLM engine state",
         description=(
             "Scrape every node's dcgm-exporter (or this node's GPUs through NVML) and every "
-            "replica's vLLM /metrics, join each GPU sample to its replica, compute energy, spool "
-            "and ship the samples to billing, and serve the joined fleet view on /metrics."
+            "engine instance's vLLM /metrics (from the replicas, billing's instance registry or "
+            "the Kubernetes API: collector.discovery), join each GPU sample to its replica and "
+            "instance, compute energy, spool and ship the samples to billing, and serve the "
+            "joined fleet view on /metrics."
         ),
     )
     add_config(col)
@@ -36,8 +38,14 @@ def register(subparsers: Subparsers) -> None:
 
 def _collect(args: argparse.Namespace, config: Config) -> int:
     import asyncio
+    import sys
 
     from collectors.serve import serve_collector
+    from infermeter.kubernetes import KubernetesApiError
 
-    asyncio.run(serve_collector(config, args.listen))
+    try:
+        asyncio.run(serve_collector(config, args.listen))
+    except KubernetesApiError as exc:
+        print(f"infermeter: collector.kubernetes: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -5,6 +5,10 @@ each under the scrape timeout. A target that fails (down, slow, garbage, no NVML
 down with its one-line reason and retried after a doubling back-off, capped at
 ``max_backoff_seconds``; the other targets and the loop go on. The latest joined view (GPU and
 engine samples, target states, running energy totals) stays on the object for /metrics to read.
+
+Engine targets come and go while the loop runs (``replace_engine_sources``, fed by discovery): a
+target that vanished takes its state (up/down, back-off, latest sample) with it, and so does a
+pod that left a GPU, so memory stays bounded however many instances have come and gone.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from collectors.attribution import attribute
+from collectors.attribution import Owner, owner_of
 from collectors.energy import Point, interval_energy
 from collectors.sources import (
     EngineReading,
@@ -24,7 +28,7 @@ from collectors.sources import (
     GpuSource,
     ScrapeError,
 )
-from infermeter.config import Config, Replica
+from infermeter.config import Config
 from infermeter.ids import sample_id
 from infermeter.records import EngineSample, GpuSample
 from infermeter.spool import SpoolError
@@ -80,6 +84,7 @@ class FleetCollector:
         sources: list[GpuSource | EngineSource] = [*self.gpu_sources, *self.engine_sources]
         self.states = {(s.target, s.kind): TargetState(s.target, s.kind) for s in sources}
         self.gpus: dict[str, list[GpuSample]] = {}
+        # The latest sample of each engine, by its target key (instance id, else replica id).
         self.engines: dict[str, EngineSample] = {}
         self.gpu_energy_joules: dict[tuple[str, str], float] = {}
         self.replica_energy_joules: dict[str, float] = {}
@@ -88,7 +93,9 @@ class FleetCollector:
         self.sink_errors_total = 0
         self.rounds = 0
         self._last: dict[tuple[str, str, str], Point] = {}
-        self._owners: dict[tuple[tuple[str, str, str], str | None], Replica | None] = {}
+        # Owner of each (GPU, pod) seen in the last round of each GPU target: rebuilt every round,
+        # so the pods that have come and gone on a GPU are forgotten.
+        self._owners: dict[str, dict[tuple[tuple[str, str, str], str | None], Owner]] = {}
         # httpx's connection pool does work in proportion to its connections on every request,
         # so a round of 128 scrapes at once cost more CPU than the parsing (docs/benchmarks.md).
         self._limit = asyncio.Semaphore(max_concurrent_scrapes)
@@ -146,20 +153,41 @@ class FleetCollector:
         for esource, result in zip(engine_due, results[len(gpu_due) :], strict=True):
             if result is not None:
                 assert isinstance(result[1], EngineReading)
-                sample = self._engine_sample(esource.target, result[0], result[1])
+                sample = self._engine_sample(esource, result[0], result[1])
                 if sample is not None:
                     batch.engines.append(sample)
             else:
                 self.engines.pop(esource.target, None)
         return batch
 
+    def replace_engine_sources(self, sources: Sequence[EngineSource]) -> None:
+        """Scrape these engines from the next round on; the state of vanished ones is dropped.
+
+        A source whose target stays keeps its state (a target that is down stays backed off).
+        """
+        self.engine_sources = list(sources)
+        everyone: list[GpuSource | EngineSource] = [*self.gpu_sources, *self.engine_sources]
+        keep = {(s.target, s.kind) for s in everyone}
+        for key in keep - self.states.keys():
+            self.states[key] = TargetState(*key)
+        for key in self.states.keys() - keep:
+            del self.states[key]
+        current = {s.target for s in self.engine_sources}
+        for target in self.engines.keys() - current:
+            del self.engines[target]
+
     def _due(self, target: str, kind: str, now: float) -> bool:
-        return self.states[(target, kind)].next_attempt <= now
+        state = self.states.get((target, kind))
+        return state is None or state.next_attempt <= now
 
     async def _read(
         self, source: GpuSource | EngineSource
     ) -> tuple[float, list[GpuReading] | EngineReading] | None:
-        state = self.states[(source.target, source.kind)]
+        # A source replaced while its read was queued still reports to a state of its own,
+        # one nobody keeps once the round is over.
+        state = self.states.get((source.target, source.kind)) or TargetState(
+            source.target, source.kind
+        )
         started = time.perf_counter()  # reset once a concurrency slot is free
         timeout = self.settings.scrape_timeout_seconds
         try:
@@ -194,8 +222,13 @@ class FleetCollector:
     def _gpu_samples(self, target: str, t: float, readings: list[GpuReading]) -> list[GpuSample]:
         node = next((n for n in self.config.nodes if n.name == target), None)
         out = []
+        owners = self._owners.get(target, {})
+        seen: dict[tuple[tuple[str, str, str], str | None], Owner] = {}
         for r in readings:
-            replica = self._owner(r)
+            owner = seen[(r.key, r.pod)] = owners.get((r.key, r.pod)) or owner_of(
+                r, self.config.replicas
+            )
+            replica = owner.replica
             point = Point(t, r.power_watts, r.energy_mj)
             energy = interval_energy(self._last.get(r.key), point, self.gap_seconds)
             self._last[r.key] = point
@@ -218,6 +251,7 @@ class FleetCollector:
                     gpu_model=gpu_model or r.model_name,
                     replica=replica.id if replica else None,
                     model=replica.model if replica else None,
+                    instance=owner.instance,
                     timestamp=t,
                     interval_seconds=energy.interval_seconds,
                     utilization=r.utilization,
@@ -231,24 +265,22 @@ class FleetCollector:
                 )
             )
         self.gpus[target] = out
+        # The configuration never changes under a collector, so a board's owner is looked up
+        # once per pod it is seen with, and kept while that pod stays on it.
+        self._owners[target] = seen
         return out
 
-    def _owner(self, r: GpuReading) -> Replica | None:
-        # The configuration never changes under a collector, so each board's owner is looked up
-        # once per pod it is seen with.
-        key = (r.key, r.pod)
-        if key not in self._owners:
-            self._owners[key] = attribute(r, self.config.replicas)
-        return self._owners[key]
-
-    def _engine_sample(self, target: str, t: float, r: EngineReading) -> EngineSample | None:
+    def _engine_sample(
+        self, source: EngineSource, t: float, r: EngineReading
+    ) -> EngineSample | None:
         try:
-            replica = self.config.replica(target)
+            replica = self.config.replica(source.replica)
         except KeyError:
             return None
         sample = EngineSample(
-            sample_id=sample_id(t, target),
-            replica=target,
+            sample_id=sample_id(t, source.target),
+            replica=replica.id,
+            instance=source.instance,
             model=replica.model,
             timestamp=t,
             requests_running=r.requests_running,
@@ -260,5 +292,7 @@ class FleetCollector:
             prefix_cache_hits_total=r.prefix_cache_hits_total,
             preemptions_total=r.preemptions_total,
         )
-        self.engines[target] = sample
+        # A target that vanished while it was read is not kept in the view.
+        if any(s.target == source.target for s in self.engine_sources):
+            self.engines[source.target] = sample
         return sample

@@ -17,13 +17,15 @@ from prometheus_client.registry import Collector
 
 from collectors.loop import FleetCollector
 from infermeter.asgi import Receive, Scope, Send, idle_lifespan, respond
-from infermeter.records import GpuSample
+from infermeter.records import EngineSample, GpuSample
 
 __all__ = ["FleetMetrics", "create_app"]
 
 MIB = 2**20
 GPU_LABELS = ["node", "gpu", "uuid", "replica", "model"]
 REPLICA_LABELS = ["replica", "model"]
+# Not "instance": Prometheus gives every scraped series that label (the scrape target).
+INSTANCE_LABELS = ["instance_id", "replica", "model"]
 TARGET_LABELS = ["target", "kind"]
 
 
@@ -38,6 +40,7 @@ class FleetMetrics(Collector):
         samples = [s for group in self.collector.gpus.values() for s in group]
         yield from self._gpu_families(samples)
         yield from self._replica_families(samples)
+        yield from self._instance_families()
         yield from self._target_families()
 
     def _gpu_families(self, samples: list[GpuSample]) -> Iterator[Metric]:
@@ -117,12 +120,37 @@ class FleetMetrics(Collector):
             labels=REPLICA_LABELS,
         )
         kv = GaugeMetricFamily("infermeter_replica_kv_cache_usage_ratio", "KV-cache blocks in use, 0 to 1.", labels=REPLICA_LABELS)  # fmt: skip
-        for e in sorted(self.collector.engines.values(), key=lambda e: e.replica):
-            labels = [e.replica, e.model]
+        # A group of several instances is one series: queues and batches add up, KV use is the mean.
+        by_group: dict[tuple[str, str], list[EngineSample]] = defaultdict(list)
+        for e in self.collector.engines.values():
+            by_group[(e.replica, e.model)].append(e)
+        for (replica, model), engines in sorted(by_group.items()):
+            labels = [replica, model]
+            queue.add_metric(labels, sum(e.requests_waiting for e in engines))
+            running.add_metric(labels, sum(e.requests_running for e in engines))
+            kv.add_metric(labels, sum(e.kv_cache_usage for e in engines) / len(engines))
+        yield from (util, power, energy, memory, gpus, queue, running, kv)
+
+    def _instance_families(self) -> Iterator[Metric]:
+        queue = GaugeMetricFamily(
+            "infermeter_instance_queue_depth",
+            "Requests waiting in one engine instance's queue (vllm:num_requests_waiting).",
+            labels=INSTANCE_LABELS,
+        )
+        running = GaugeMetricFamily(
+            "infermeter_instance_requests_running",
+            "Requests in one engine instance's running batch.",
+            labels=INSTANCE_LABELS,
+        )
+        kv = GaugeMetricFamily("infermeter_instance_kv_cache_usage_ratio", "KV-cache blocks in use in one engine instance, 0 to 1.", labels=INSTANCE_LABELS)  # fmt: skip
+        for e in sorted(
+            self.collector.engines.values(), key=lambda e: (e.replica, e.instance or "")
+        ):
+            labels = [e.instance or e.replica, e.replica, e.model]
             queue.add_metric(labels, e.requests_waiting)
             running.add_metric(labels, e.requests_running)
             kv.add_metric(labels, e.kv_cache_usage)
-        yield from (util, power, energy, memory, gpus, queue, running, kv)
+        yield from (queue, running, kv)
 
     def _target_families(self) -> Iterator[Metric]:
         c = self.collector

@@ -1,4 +1,4 @@
-"""``infermeter collect``: the scrape loop, the sample spools and shippers, and /metrics."""
+"""``infermeter collect``: the scrape loop, engine discovery, the sample spools and shippers, and /metrics."""
 
 from __future__ import annotations
 
@@ -7,24 +7,36 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry
 
 from collectors.adopt import Adopter, AdoptionMetrics
 from collectors.dcgm import DcgmSource
+from collectors.discovery import OnTargets, PodWatcher, RegistryPoller
 from collectors.loop import Batch, FleetCollector
 from collectors.metrics import create_app
 from collectors.nvml import NvmlSource
 from collectors.sources import EngineSource, GpuSource
+from collectors.targets import EngineTarget, PodRules, static_targets
 from collectors.vllm import VllmSource
 from infermeter.config import Config
+from infermeter.kubernetes import in_cluster_api
 from infermeter.serving import ensure_free, host_port, server
 from infermeter.shipper import Shipper, ShipperMetrics
 from infermeter.spool import Spool
 
-__all__ = ["SpoolSink", "build_collector", "serve_collector"]
+__all__ = [
+    "SpoolSink",
+    "build_collector",
+    "engine_sources",
+    "pod_watcher",
+    "registry_poller",
+    "serve_collector",
+]
 
 log = logging.getLogger("infermeter.collectors")
 
@@ -32,28 +44,79 @@ GPU_KIND = "gpu_samples"
 ENGINE_KIND = "engine_samples"
 
 
-def build_collector(config: Config, client: httpx.AsyncClient) -> FleetCollector:
-    """A collector over the configuration's sources: dcgm-exporter per node (or local NVML)."""
+def build_collector(config: Config, client: httpx.AsyncClient,
+                    environ: Mapping[str, str] | None = None) -> FleetCollector:  # fmt: skip
+    """A collector over the configuration's sources: dcgm-exporter per node (or local NVML).
+
+    Engines are the configured replicas under static discovery; otherwise none until the
+    registry or the Kubernetes API names them.
+    """
     settings = config.collector
+    env = os.environ if environ is None else environ
     gpu_sources: list[GpuSource]
     if settings.source == "nvml":
-        host = socket.gethostname()
+        host = env.get(settings.node_name_env) or socket.gethostname()
         node = next((n for n in config.node_names() if n == host), host)
         gpu_sources = [NvmlSource(node)]
+    elif settings.dcgm_exporter_url:
+        node = env.get(settings.node_name_env) or socket.gethostname()
+        gpu_sources = [DcgmSource(node, settings.dcgm_exporter_url, client,
+                                  settings.scrape_timeout_seconds)]  # fmt: skip
     else:
         gpu_sources = [
             DcgmSource(n.name, n.dcgm_exporter_url, client, settings.scrape_timeout_seconds)
             for n in config.nodes
             if n.dcgm_exporter_url
         ]
-    # The metrics token goes only where a relay was configured, never to a plain vLLM.
-    token = os.environ.get(settings.metrics_token_env) or None
-    engine_sources: list[EngineSource] = [
-        VllmSource(r.id, r.engine_metrics, client, settings.scrape_timeout_seconds,
-                   token if r.engine_metrics_url else None)
-        for r in config.replicas
+    static = static_targets(config.replicas) if settings.discovery == "static" else {}
+    return FleetCollector(config, gpu_sources, engine_sources(config, static, client, env))
+
+
+def engine_sources(config: Config, targets: Mapping[str, EngineTarget],
+                   client: httpx.AsyncClient, environ: Mapping[str, str]) -> list[EngineSource]:  # fmt: skip
+    """One vLLM source per target; the metrics token only to the sidecar relays that need it."""
+    settings = config.collector
+    token = environ.get(settings.metrics_token_env) or None
+    return [
+        VllmSource(t.replica, t.url, client, settings.scrape_timeout_seconds,
+                   token if t.token else None, t.instance)
+        for t in targets.values()
     ]  # fmt: skip
-    return FleetCollector(config, gpu_sources, engine_sources)
+
+
+def registry_poller(config: Config, client: httpx.AsyncClient, on_targets: OnTargets,
+                    environ: Mapping[str, str]) -> RegistryPoller:  # fmt: skip
+    """Engine targets from billing's instance registry, asked with the metrics token."""
+    r = config.collector.registry
+    return RegistryPoller(r.url or config.billing.url, client, config.replicas, on_targets,
+                          environ.get(config.collector.metrics_token_env) or None,
+                          r.refresh_seconds, r.timeout_seconds)  # fmt: skip
+
+
+def pod_watcher(config: Config, on_targets: OnTargets,
+                environ: Mapping[str, str]) -> tuple[PodWatcher, httpx.AsyncClient]:  # fmt: skip
+    """Engine targets from the vLLM pods (on this node when its name is known), and the API's client.
+
+    With no ``api_url`` the pod's service account: the in-cluster address, CA and token file.
+    KubernetesApiError when neither is there.
+    """
+    settings = config.collector
+    k = settings.kubernetes
+    token_file = None
+    if k.api_url:
+        api_url, token = k.api_url, environ.get(k.token_env) or None
+        client = httpx.AsyncClient(verify=k.ca_file or True)
+    else:
+        api_url, token_file, context = in_cluster_api(environ)
+        token = None
+        client = httpx.AsyncClient(verify=context)
+    rules = PodRules(k.replica_label, k.sidecar_port, k.engine_metrics_path)
+    watcher = PodWatcher(api_url, k.namespace, k.label_selector, client, config.replicas,
+                         on_targets, rules=rules, node_name=environ.get(settings.node_name_env),
+                         token=token, token_file=token_file,
+                         watch_timeout_seconds=k.watch_timeout_seconds,
+                         retry_seconds=k.retry_seconds)  # fmt: skip
+    return watcher, client
 
 
 class SpoolSink:
@@ -86,13 +149,29 @@ async def serve_collector(config: Config, listen: str | None) -> None:
     settings = config.collector
     host, port = host_port(listen or settings.listen)
     ensure_free(host, port, "collector listen address")
-    sink = SpoolSink(Path(settings.spool_dir))
-    sink.open()
     # Scrapes come every 10 s, after httpx's 5 s keep-alive expiry: connections are not reused.
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
-    async with httpx.AsyncClient(limits=limits) as client:
-        collector = build_collector(config, client)
+    async with httpx.AsyncClient(limits=limits) as client, contextlib.AsyncExitStack() as stack:
+        env = os.environ
+        collector = build_collector(config, client, env)
+
+        def on_targets(targets: Mapping[str, EngineTarget]) -> None:
+            collector.replace_engine_sources(engine_sources(config, targets, client, env))
+
+        # Found before anything runs: outside a cluster with no api_url this raises, and the
+        # command stops with one line.
+        discover: Callable[[], Coroutine[Any, Any, None]] | None = None
+        if settings.discovery == "registry":
+            discover = registry_poller(config, client, on_targets, env).run
+        elif settings.discovery == "kubernetes":
+            watcher, api = pod_watcher(config, on_targets, env)
+            await stack.enter_async_context(api)
+            discover = watcher.run
+        sink = SpoolSink(Path(settings.spool_dir))
+        sink.open()
         tasks = [asyncio.create_task(collector.run(sink), name="collector")]
+        if discover is not None:
+            tasks.append(asyncio.create_task(discover(), name=f"discover-{settings.discovery}"))
         registry = CollectorRegistry()
         if settings.ingest_url:
             token = os.environ.get(settings.ingest_token_env)
@@ -108,8 +187,8 @@ async def serve_collector(config: Config, listen: str | None) -> None:
         elif settings.adopt_spools_dir:
             log.warning("collector.adopt_spools_dir is set but collector.ingest_url is not: "
                         "the spools of sidecars that are gone are not shipped")  # fmt: skip
-        log.info("collector: %d GPU and %d engine targets, /metrics on http://%s:%d/metrics",
-                 len(collector.gpu_sources), len(collector.engine_sources), host, port)  # fmt: skip
+        log.info("collector: %d GPU targets, engines from %s discovery, /metrics on "
+                 "http://%s:%d/metrics", len(collector.gpu_sources), settings.discovery, host, port)  # fmt: skip
         try:
             await server(create_app(collector, registry), host, port).serve()
         finally:

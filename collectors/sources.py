@@ -88,11 +88,21 @@ class GpuSource(Protocol):
 
 
 class EngineSource(Protocol):
-    """One replica's engine state: vLLM /metrics, or a fake."""
+    """One engine instance's state: vLLM /metrics, or a fake."""
 
     @property
     def target(self) -> str:
-        """The replica id."""
+        """The instance id (the replica id for a fixed replica): names its state and samples."""
+        ...
+
+    @property
+    def replica(self) -> str:
+        """The replica group the engine is an instance of."""
+        ...
+
+    @property
+    def instance(self) -> str | None:
+        """The instance id, or None for a fixed replica (its own single instance)."""
         ...
 
     @property

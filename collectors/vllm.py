@@ -1,4 +1,4 @@
-"""A vLLM replica's /metrics as an engine source.
+"""A vLLM engine's /metrics as an engine source.
 
 Read: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
 (a ratio despite its name), ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``,
@@ -52,17 +52,21 @@ def _sum(samples: list[Sample]) -> float:
 
 
 class VllmSource:
-    """One replica's vLLM metrics page: ``<upstream_url>/metrics`` or its sidecar's relay.
+    """One engine's vLLM metrics page: ``<upstream_url>/metrics`` or its sidecar's relay.
 
     ``token``, when given, is sent as a bearer token: the sidecar's ``/engine/metrics`` needs
-    the metrics or admin token.
+    the metrics or admin token. ``instance`` names the engine when it is one instance of the
+    replica group ``replica``; without it the engine is the fixed replica itself.
     """
 
     kind = "vllm"
 
     def __init__(self, replica: str, url: str, client: httpx.AsyncClient,
-                 timeout_seconds: float, token: str | None = None) -> None:  # fmt: skip
-        self.target = replica
+                 timeout_seconds: float, token: str | None = None,
+                 instance: str | None = None) -> None:  # fmt: skip
+        self.replica = replica
+        self.instance = instance
+        self.target = instance or replica
         self.url = url
         self.client = client
         self.timeout_seconds = timeout_seconds

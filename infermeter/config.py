@@ -49,10 +49,12 @@ __all__ = [
     "DashboardSettings",
     "GatewaySettings",
     "GpuProfile",
+    "KubernetesDiscovery",
     "KubernetesHookSettings",
     "Model",
     "Node",
     "Prices",
+    "RegistryDiscovery",
     "Replica",
     "ScalingPolicy",
     "SidecarSettings",
@@ -309,6 +311,39 @@ class SidecarSettings(_Strict):
     gateway: GatewaySettings = GatewaySettings()
 
 
+class RegistryDiscovery(_Strict):
+    """Engine targets from billing's instance registry (``GET /v1/instances?state=live``)."""
+
+    # Default: billing.url. Asked with the metrics token (collector.metrics_token_env).
+    url: str | None = None
+    refresh_seconds: Positive = 30.0
+    timeout_seconds: Positive = 5.0
+
+
+class KubernetesDiscovery(_Strict):
+    """Engine targets from the Kubernetes API: the vLLM pods, listed then watched.
+
+    With no ``api_url`` the pod's service account is used (its token and CA). When the
+    variable named by ``collector.node_name_env`` is set (the downward API's ``spec.nodeName``,
+    as in a DaemonSet), only the pods on that node are watched.
+    """
+
+    api_url: str | None = None
+    token_env: str = "INFERMETER_KUBERNETES_TOKEN"
+    ca_file: str | None = None
+    namespace: Name = "default"
+    label_selector: str = "app.kubernetes.io/component=vllm"
+    # The pod label naming its replica group; without it the vllm-<group id> pod-name rule.
+    replica_label: str = "infermeter.io/replica"
+    # Each engine is read at http://<pod IP>:<sidecar_port>/engine/metrics (the sidecar's relay).
+    sidecar_port: Annotated[int, Field(gt=0, lt=65536)] = 9000
+    engine_metrics_path: str = "/engine/metrics"
+    # A watch is reopened from its last resourceVersion after this long (the API server's own
+    # limit may be shorter); a failed list or watch is retried after retry_seconds.
+    watch_timeout_seconds: Annotated[int, Field(gt=0)] = 300
+    retry_seconds: Positive = 5.0
+
+
 class CollectorSettings(_Strict):
     """How ``infermeter collect`` scrapes GPUs and engines and where it sends samples."""
 
@@ -327,6 +362,16 @@ class CollectorSettings(_Strict):
     # The sidecars' spool root on this node (their ``sidecar.spool_dir``): spools whose sidecar
     # is gone are shipped from here. None: no adoption.
     adopt_spools_dir: str | None = None
+    # This node's dcgm-exporter, for a collector that runs on every node (a DaemonSet): scraped
+    # instead of nodes[].dcgm_exporter_url, under the node name in $NODE_NAME (else the host name).
+    dcgm_exporter_url: str | None = None
+    # The variable holding this node's name (the downward API's spec.nodeName in a DaemonSet).
+    node_name_env: str = "NODE_NAME"
+    # Where the vLLM engines to scrape come from: replicas[] (static), billing's instance
+    # registry, or the Kubernetes API. Targets come and go without a restart.
+    discovery: Literal["static", "registry", "kubernetes"] = "static"
+    registry: RegistryDiscovery = RegistryDiscovery()
+    kubernetes: KubernetesDiscovery = KubernetesDiscovery()
 
 
 class TokenWeights(_Strict):

@@ -20,7 +20,8 @@ from tests.collectors.fakes import FakeGpuSource, reading
 class FakeEngine:
     """small-0's engine with a queue."""
 
-    target, kind = "small-0", "vllm"
+    target, kind, replica = "small-0", "vllm", "small-0"
+    instance: str | None = None
 
     async def read(self) -> EngineReading:
         """A busy engine."""
@@ -28,6 +29,13 @@ class FakeEngine:
                              prompt_tokens_total=100, generation_tokens_total=50,
                              prefix_cache_queries_total=10, prefix_cache_hits_total=5,
                              preemptions_total=0)  # fmt: skip
+
+
+class FakeInstance(FakeEngine):
+    """One instance (pod) of small-0, as a discovered engine."""
+
+    def __init__(self, pod: str) -> None:
+        self.target = self.instance = pod
 
 
 async def _collector(config: Config) -> FleetCollector:
@@ -65,6 +73,21 @@ async def test_fleet_view_per_gpu_and_per_replica(config):
     assert get("infermeter_replica_requests_running", small) == 12
     assert get("infermeter_replica_kv_cache_usage_ratio", small) == 0.4
     assert get("infermeter_collector_target_up", {"target": "node-a", "kind": "fake"}) == 1
+
+
+async def test_instances_of_a_group_add_up_and_each_has_its_own_series(config):
+    """Two pods of small-0: one replica series (queues summed), one instance series per pod."""
+    collector = FleetCollector(config, [], [FakeInstance("vllm-small-0-a"), FakeInstance("vllm-small-0-b")])  # fmt: skip
+    await collector.scrape_once()
+    registry = CollectorRegistry()
+    registry.register(FleetMetrics(collector))
+    get = registry.get_sample_value
+    small = {"replica": "small-0", "model": "chat-small"}
+    assert get("infermeter_replica_queue_depth", small) == 10
+    assert get("infermeter_replica_requests_running", small) == 24
+    assert get("infermeter_replica_kv_cache_usage_ratio", small) == 0.4
+    for pod in ("vllm-small-0-a", "vllm-small-0-b"):
+        assert get("infermeter_instance_queue_depth", {"instance_id": pod, **small}) == 5
 
 
 def test_exposition_passes_promtool(config):

@@ -152,7 +152,7 @@ def test_no_secret_values_are_committed():
     assert _of("Secret") == []
     refs = {
         ref["secretKeyRef"]["name"]
-        for w in _of("Deployment") + _of("StatefulSet")
+        for w in _of("Deployment") + _of("StatefulSet") + _of("DaemonSet")
         for c in _containers(w)
         for ref in (e.get("valueFrom", {}) for e in c.get("env", []))
         if "secretKeyRef" in ref
@@ -265,14 +265,15 @@ def test_keda_scales_each_deployment_on_its_desired_replicas(tmp_path: Path) -> 
 def test_autoscaler_may_only_get_and_patch_the_scale_of_its_deployments(tmp_path: Path) -> None:
     """The Role grants get/patch on deployments/scale of the configured Deployments, bound to the pod's account."""
     ((_, config),) = list(_configs(tmp_path))
-    (role,) = _of("Role")
+    (role,) = [r for r in _of("Role") if r["metadata"]["name"] == "infermeter-autoscaler"]
     (rule,) = role["rules"]
     assert (rule["apiGroups"], rule["resources"], sorted(rule["verbs"])) == (
         ["apps"], ["deployments/scale"], ["get", "patch"])  # fmt: skip
     assert set(rule["resourceNames"]) == set(config.autoscale.kubernetes.deployments.values())
-    (binding,) = _of("RoleBinding")
-    (account,) = _of("ServiceAccount")
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    (binding,) = [b for b in _of("RoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"]]
+    (account,) = [
+        a for a in _of("ServiceAccount") if a["metadata"]["name"] == "infermeter-autoscaler"
+    ]
     assert binding["subjects"][0]["name"] == account["metadata"]["name"]
     assert binding["subjects"][0]["namespace"] == _kustomization()["namespace"]
     assert config.autoscale.kubernetes.namespace == _kustomization()["namespace"]
@@ -299,7 +300,7 @@ def test_every_secret_key_is_documented():
     docs = (ROOT / "docs" / "deploy.md").read_text()
     keys = {
         ref["secretKeyRef"]["key"]
-        for w in _of("Deployment") + _of("StatefulSet")
+        for w in _of("Deployment") + _of("StatefulSet") + _of("DaemonSet")
         for c in _containers(w)
         for ref in (e.get("valueFrom", {}) for e in c.get("env", []))
         if "secretKeyRef" in ref
@@ -313,6 +314,100 @@ def test_every_secret_key_is_documented():
     assert keys
     for key in keys:
         assert f"| `{key}` |" in docs, key
+
+
+def _env(container: Doc) -> dict[str, Doc]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def _field(env: Doc) -> str:
+    path: str = env["valueFrom"]["fieldRef"]["fieldPath"]
+    return path
+
+
+def test_each_vllm_pod_knows_itself_and_spools_on_the_node(tmp_path: Path) -> None:
+    """The sidecar gets its identity from the downward API and its spool is the node's directory at sidecar.spool_dir."""
+    ((_, config),) = list(_configs(tmp_path))
+    for replica in config.replicas:
+        (deployment,) = [d for d in _of("Deployment") if d["metadata"]["name"] == f"vllm-{replica.id}"]  # fmt: skip
+        pod = deployment["spec"]["template"]
+        assert pod["metadata"]["labels"]["infermeter.io/replica"] == replica.id
+        _, sidecar = _containers(deployment)
+        env = _env(sidecar)
+        assert {k: _field(env[k]) for k in ("POD_NAME", "POD_UID", "POD_NAMESPACE", "NODE_NAME", "POD_IP")} == {
+            "POD_NAME": "metadata.name", "POD_UID": "metadata.uid",
+            "POD_NAMESPACE": "metadata.namespace", "NODE_NAME": "spec.nodeName",
+            "POD_IP": "status.podIP",
+        }  # fmt: skip
+        (mount,) = [
+            m for m in sidecar["volumeMounts"] if m["mountPath"] == config.sidecar.spool_dir
+        ]
+        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert volume["hostPath"] == {
+            "path": "/var/lib/infermeter/spool",
+            "type": "DirectoryOrCreate",
+        }
+
+
+def test_a_stopping_vllm_pod_has_time_for_its_longest_stream(tmp_path: Path) -> None:
+    """The grace period outlasts the longest stream (sidecar.read_timeout_seconds) plus shipping; each container has a preStop."""
+    ((_, config),) = list(_configs(tmp_path))
+    for replica in config.replicas:
+        (deployment,) = [d for d in _of("Deployment") if d["metadata"]["name"] == f"vllm-{replica.id}"]  # fmt: skip
+        spec = deployment["spec"]["template"]["spec"]
+        assert spec["terminationGracePeriodSeconds"] >= config.sidecar.read_timeout_seconds + 60
+        vllm, sidecar = _containers(deployment)
+        assert "sleep" in sidecar["lifecycle"]["preStop"]
+        # vLLM is held back until its in-flight requests are done, no longer than the drain.
+        script = vllm["lifecycle"]["preStop"]["exec"]["command"][-1]
+        assert "vllm:num_requests_" in script
+        assert f"+ {config.sidecar.read_timeout_seconds:g}" in script
+
+
+def test_the_collector_runs_on_every_gpu_node_and_watches_its_pods(tmp_path: Path) -> None:
+    """A DaemonSet on GPU nodes, knowing its node, reading its node's dcgm-exporter, allowed to list and watch pods."""
+    ((_, config),) = list(_configs(tmp_path))
+    (daemonset,) = [d for d in _of("DaemonSet") if d["metadata"]["name"] == "infermeter-collector"]
+    assert not [d for d in _of("Deployment") if d["metadata"]["name"] == "infermeter-collector"]
+    spec = daemonset["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec[
+        "tolerations"
+    ]
+    (container,) = _containers(daemonset)
+    env = _env(container)
+    assert _field(env[config.collector.node_name_env]) == "spec.nodeName"
+    assert (
+        env["INFERMETER__COLLECTOR__DCGM_EXPORTER_URL"]["value"] == "http://$(HOST_IP):9400/metrics"
+    )
+    assert _field(env["HOST_IP"]) == "status.hostIP"
+    assert list(env).index("HOST_IP") < list(env).index("INFERMETER__COLLECTOR__DCGM_EXPORTER_URL")
+    k8s = config.collector.kubernetes
+    assert (config.collector.discovery, k8s.namespace) == (
+        "kubernetes",
+        _kustomization()["namespace"],
+    )
+    (binding,) = [b for b in _of("RoleBinding") if b["roleRef"]["name"] == "infermeter-collector"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": spec["serviceAccountName"],
+                                    "namespace": k8s.namespace}]  # fmt: skip
+    (role,) = [r for r in _of("Role") if r["metadata"]["name"] == "infermeter-collector"]
+    assert {"list", "watch"} <= set(role["rules"][0]["verbs"])
+    (spools,) = [m for m in container["volumeMounts"] if m["mountPath"] == config.sidecar.spool_dir]
+    # It adopts the spools of pods that are gone: it must be able to delete what it shipped.
+    assert not spools.get("readOnly", False)
+    assert config.collector.adopt_spools_dir == config.sidecar.spool_dir
+
+
+def test_the_collector_may_reach_the_sidecars_and_billing(tmp_path: Path) -> None:
+    """The collector's egress policy opens the vLLM pods' sidecar port and billing's port."""
+    ((_, config),) = list(_configs(tmp_path))
+    (policy,) = [p for p in _of("NetworkPolicy") if p["metadata"]["name"] == "infermeter-collector"]
+    assert "Egress" in policy["spec"]["policyTypes"]
+    opened = {(peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"], port["port"])
+              for rule in policy["spec"]["egress"] for peer in rule.get("to", []) if "podSelector" in peer
+              for port in rule["ports"]}  # fmt: skip
+    assert ("vllm", config.collector.kubernetes.sidecar_port) in opened
+    assert ("billing", _port(config.billing.listen)) in opened
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")

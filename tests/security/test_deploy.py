@@ -19,6 +19,10 @@ from tests.placeholders import filled
 KUSTOMIZE = Path(__file__).parents[2] / "deploy" / "kubernetes"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
 VLLM_IMAGE = "vllm/vllm-openai:"
+# The one thing "restricted" does not admit: the usage spool on the node (docs/deploy.md).
+SPOOL_ROOT = "/var/lib/infermeter/spool"
+SPOOL_INIT = "spool-dir"
+TOKEN_HOLDERS = {"infermeter-autoscaler": "scale patches", "infermeter-collector": "the pod watch"}
 
 Doc = dict[str, Any]
 
@@ -64,6 +68,10 @@ def _vllm_pods() -> list[tuple[Doc, Doc]]:
 
 def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _label_selector(selector: str) -> dict[str, str]:
+    return dict(term.split("=", 1) for term in selector.split(","))
 
 
 def _name(doc: Doc) -> str:
@@ -134,7 +142,7 @@ def test_only_labelled_clients_and_metrics_readers_reach_the_sidecar() -> None:
 
 
 def test_vllm_metrics_are_read_through_the_sidecar_with_the_token(tmp_path: Path) -> None:
-    """Prometheus and the collector read vLLM's metrics at the sidecar's /engine/metrics, with the metrics token."""
+    """Prometheus and the collector read vLLM's metrics at each pod's sidecar /engine/metrics, with the metrics token."""
     vllm_services = {s["metadata"]["name"] for s in _of("Service")
                      if s["metadata"]["labels"].get("app.kubernetes.io/component") == "vllm"}  # fmt: skip
     monitors = [sm for sm in _of("ServiceMonitor")
@@ -149,10 +157,17 @@ def test_vllm_metrics_are_read_through_the_sidecar_with_the_token(tmp_path: Path
     config = load_config(path, environ={})
     for replica in config.replicas:
         assert replica.upstream_url.startswith("http://127.0.0.1:")
-        assert replica.engine_metrics_url is not None
-        host = replica.engine_metrics_url.split("//", 1)[1].split(":", 1)[0]
-        assert host in vllm_services
-        assert replica.engine_metrics_url.endswith(":9000/engine/metrics")
+        # Never through a Service, which would answer from a random pod each scrape.
+        assert replica.engine_metrics_url is None
+    assert config.collector.discovery == "kubernetes"
+    k8s = config.collector.kubernetes
+    assert k8s.engine_metrics_path == "/engine/metrics"
+    for workload, vllm in _vllm_pods():
+        assert _selects(_label_selector(k8s.label_selector), _labels(workload))
+        sidecar_ports = {p["containerPort"] for c in _pod(workload)["containers"] if c is not vllm
+                         for p in c.get("ports", [])}  # fmt: skip
+        assert k8s.sidecar_port in sidecar_ports
+    assert vllm_services
     (collector,) = [w for w in _workloads() if w["metadata"]["name"] == "infermeter-collector"]
     env = {e["name"]: e for c in _pod(collector)["containers"] for e in c.get("env", [])}
     token = env[config.collector.metrics_token_env]["valueFrom"]["secretKeyRef"]
@@ -177,6 +192,8 @@ def test_every_container_is_unprivileged_with_a_read_only_root(workload: Doc) ->
     """Each container (vLLM's included): non-root, no privilege escalation, no capabilities, read-only root."""
     pod = _pod(workload)
     for c in pod["containers"] + pod.get("initContainers", []):
+        if c["name"] == SPOOL_INIT and workload in [w for w, _ in _vllm_pods()]:
+            continue  # held to its own narrower rule below
         sc = c.get("securityContext", {})
         assert sc.get("runAsNonRoot", pod["securityContext"].get("runAsNonRoot")) is True, c["name"]
         assert sc.get("runAsUser", 1) != 0, c["name"]
@@ -187,33 +204,75 @@ def test_every_container_is_unprivileged_with_a_read_only_root(workload: Doc) ->
         assert not sc.get("privileged"), c["name"]
 
 
+def test_the_spool_init_container_may_only_chown_the_spool() -> None:
+    """The one root container: CAP_CHOWN alone, no escalation, read-only root, the spool its only mount."""
+    for workload, _ in _vllm_pods():
+        (init,) = _pod(workload)["initContainers"]
+        assert init["name"] == SPOOL_INIT
+        sc = init["securityContext"]
+        assert (sc["runAsUser"], sc["allowPrivilegeEscalation"], sc["readOnlyRootFilesystem"]) == (0, False, True)  # fmt: skip
+        assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+        assert not sc.get("privileged")
+        (mount,) = init["volumeMounts"]
+        assert _volume(workload, mount["name"])["hostPath"]["path"] == SPOOL_ROOT
+
+
 @pytest.mark.parametrize("workload", _workloads(), ids=lambda w: w["metadata"]["name"])
-def test_only_the_autoscaler_mounts_a_service_account_token(workload: Doc) -> None:
-    """automountServiceAccountToken is false on every pod but the autoscaler's, which patches scale."""
+def test_only_the_autoscaler_and_the_collector_mount_a_service_account_token(workload: Doc) -> None:
+    """automountServiceAccountToken is false on every pod but the autoscaler's (scale) and the collector's (pod watch)."""
     pod = _pod(workload)
-    if workload["metadata"]["name"] == "infermeter-autoscaler":
+    name = workload["metadata"]["name"]
+    if name in TOKEN_HOLDERS:
         assert pod.get("automountServiceAccountToken", True) is True
-        assert pod["serviceAccountName"] == "infermeter-autoscaler"
+        assert pod["serviceAccountName"] == name
     else:
         assert pod.get("automountServiceAccountToken") is False
         assert "serviceAccountName" not in pod
 
 
-def test_the_namespace_enforces_pod_security_restricted() -> None:
-    """The namespace enforces (and warns and audits) the Pod Security "restricted" level."""
+def test_the_collector_may_only_read_pods() -> None:
+    """The collector's Role reads pods (get, list, watch) and nothing else: no secrets, no writes."""
+    (role,) = [r for r in _of("Role") if r["metadata"]["name"] == "infermeter-collector"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]  # fmt: skip
+
+
+def test_the_namespace_warns_and_audits_restricted_and_enforces_only_what_the_spool_needs() -> None:
+    """Warn and audit at "restricted"; enforce "privileged", the only level that admits a hostPath ("baseline" does not)."""
     (namespace,) = _of("Namespace")
     labels = namespace["metadata"]["labels"]
-    for mode in ("enforce", "warn", "audit"):
-        assert labels[f"pod-security.kubernetes.io/{mode}"] == "restricted"
+    assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+    assert labels["pod-security.kubernetes.io/audit"] == "restricted"
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+    hostpaths = [v for w in _workloads() for v in _pod(w).get("volumes", []) if "hostPath" in v]
+    assert hostpaths, "enforcement below restricted with no hostPath left: restore restricted"
+
+
+def _volume(workload: Doc, name: str) -> Doc:
+    volumes: list[Doc] = [v for v in _pod(workload).get("volumes", []) if v["name"] == name]
+    (volume,) = volumes
+    return volume
 
 
 @pytest.mark.parametrize("workload", _workloads(), ids=lambda w: w["metadata"]["name"])
-def test_no_pod_needs_more_than_restricted(workload: Doc) -> None:
-    """No host namespaces, host ports or hostPath volumes: "restricted" admits every pod."""
+def test_no_pod_needs_more_than_restricted_but_the_spool_on_the_node(workload: Doc) -> None:
+    """No host namespaces or host ports; the only hostPath is the spool root, written by the sidecar and by the collector that adopts it."""
     pod = _pod(workload)
+    name = workload["metadata"]["name"]
     assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
-    assert not any("hostPath" in v for v in pod.get("volumes", []))
     assert not any(p.get("hostPort") for c in pod["containers"] for p in c.get("ports", []))
+    hostpaths = {v["name"]: v["hostPath"] for v in pod.get("volumes", []) if "hostPath" in v}
+    is_vllm = workload in [w for w, _ in _vllm_pods()]
+    if not (is_vllm or name == "infermeter-collector"):
+        assert hostpaths == {}
+        return
+    assert list(hostpaths.values()) == [{"path": SPOOL_ROOT, "type": "DirectoryOrCreate"}]
+    (volume,) = hostpaths
+    for c in pod["containers"]:
+        for m in c.get("volumeMounts", []):
+            if m["name"] == volume:
+                # The collector deletes what it shipped from a spool whose pod is gone.
+                writer = (is_vllm and c["name"] == "sidecar") or name == "infermeter-collector"
+                assert m.get("readOnly", False) is not writer, (name, c["name"])
 
 
 def test_exports_are_not_on_the_ledger_volume(tmp_path: Path) -> None:
