@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import duckdb
 import orjson
@@ -27,6 +27,12 @@ from billing.allocation import Policy
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
 from billing.group_commit import GroupCommit, Ticket
 from billing.jsonkeys import duplicate_key
+from billing.lifetimes import (
+    COLUMNS as LIFETIME_COLUMNS,
+    DEFAULT_HEARTBEAT_SECONDS,
+    lifetimes_sql,
+    slot_windows_sql,
+)
 from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS, new_field_sql
 from infermeter.errors import BadRequest
 from infermeter.months import month_bounds, month_of
@@ -498,8 +504,21 @@ class Ledger:
         gpus = f"(SELECT * FROM gpu_slots WHERE slot >= {lo} AND slot < {hi})"
         occupancy = f"(SELECT * FROM replica_slots WHERE slot >= {lo} AND slot < {hi})"
         with self.reader() as cur:
-            queries = allocation.allocation_sql(policy, usage, gpus, occupancy)
+            # Materialised once: the allocation reads the windows for every GPU row.
+            cur.execute(
+                f"CREATE OR REPLACE TEMP TABLE _lifetimes AS SELECT * FROM {slot_windows_sql(lo, hi)}"
+            )
+            queries = allocation.allocation_sql(policy, usage, gpus, occupancy, "_lifetimes")
             return allocation.run(cur, queries, policy)
+
+    def lifetimes(self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
+                  state: Literal["live", "all"] = "all", replica: str | None = None,
+                  limit: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+        """Instance lifetimes as ``billing.lifetimes`` defines them, one dict per lifetime."""
+        sql, params = lifetimes_sql(now, heartbeat_seconds, state, replica, limit)
+        with self.reader() as cur:
+            rows = cur.execute(sql, params).fetchall()
+        return [dict(zip(LIFETIME_COLUMNS, row, strict=True)) for row in rows]
 
     def latest_month(self) -> str:
         """The newest month with data, or the current month."""
