@@ -31,6 +31,7 @@ from billing.lifetimes import (
     COLUMNS as LIFETIME_COLUMNS,
     DEFAULT_HEARTBEAT_SECONDS,
     lifetimes_sql,
+    live_counts_sql,
     slot_windows_sql,
 )
 from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS, new_field_sql
@@ -510,6 +511,14 @@ class Ledger:
             )
             queries = allocation.allocation_sql(policy, usage, gpus, occupancy, "_lifetimes")
             return allocation.run(cur, queries, policy)
+
+    def live_instances(
+        self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
+    ) -> list[tuple[str, str, int]]:
+        """(replica group, model, live instances), for /metrics."""
+        sql, params = live_counts_sql(now, heartbeat_seconds)
+        with self.reader() as cur:
+            return [(str(r), str(m), int(n)) for r, m, n in cur.execute(sql, params).fetchall()]
 
     def lifetimes(self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
                   state: Literal["live", "all"] = "all", replica: str | None = None,

@@ -19,13 +19,16 @@ from __future__ import annotations
 from typing import Any, Final, Literal
 
 from billing.schema import SLOT_SECONDS
+from infermeter.config import Config
 
 __all__ = [
     "COLUMNS",
     "DEFAULT_HEARTBEAT_SECONDS",
     "LIVE_HEARTBEATS",
     "State",
+    "heartbeat_seconds",
     "lifetimes_sql",
+    "live_counts_sql",
     "slot_windows_sql",
 ]
 
@@ -45,6 +48,22 @@ _LATEST = ("replica", "model", "node", "gpu_model", "gpu_count", "gpus", "namesp
            "engine_metrics_url")  # fmt: skip
 
 
+def heartbeat_seconds(config: Config) -> float:
+    """How often sidecars heartbeat: ``sidecar.heartbeat_seconds``, else the default of 30 s."""
+    return float(getattr(config.sidecar, "heartbeat_seconds", DEFAULT_HEARTBEAT_SECONDS))
+
+
+def live_counts_sql(
+    now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
+) -> tuple[str, dict[str, Any]]:
+    """Live instances per replica group and model (replica, model, instances)."""
+    sql, params = lifetimes_sql(now, heartbeat_seconds, "live")
+    return (
+        f"SELECT replica, model, count(*) AS instances FROM ({sql}) GROUP BY ALL ORDER BY ALL",
+        params,
+    )
+
+
 def lifetimes_sql(
     now: float,
     heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
@@ -59,7 +78,7 @@ def lifetimes_sql(
     usual question reads the recent end of the table, not every heartbeat ever kept.
     """
     live_seconds = LIVE_HEARTBEATS * heartbeat_seconds
-    params: dict[str, Any] = {"now": float(now), "since": float(now) - live_seconds}
+    params: dict[str, Any] = {"since": float(now) - live_seconds}
     where = []
     if state == "live":
         where.append(
