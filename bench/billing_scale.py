@@ -85,7 +85,7 @@ def generate(ledger: Ledger, records: int) -> None:
             {START} + (i * {SECONDS}.0 / {records}) + 0.05 + (hash(i * 3) % 1000) / 2000.0,
             {START} + (i * {SECONDS}.0 / {records}) + 1 + (hash(i * 5) % 60),
             50 + hash(i * 11) % 2000, 0, 10 + hash(i * 13) % 500, 'ok', 200, true,
-            '/v1/chat/completions', 'stop', true, {START + SECONDS}
+            '/v1/chat/completions', 'stop', true, {START + SECONDS}, NULL
         FROM range({records}) t(i)
     """)  # fmt: skip
     gpus = "[" + ", ".join(f"'{g}'" for g in range(4)) + "]"
@@ -93,7 +93,7 @@ def generate(ledger: Ledger, records: int) -> None:
         INSERT INTO gpu_samples
         SELECT 'gpu-' || r || '-' || g || '-' || k, 'node-' || r // 4, g, 'GPU-' || r || '-' || g, 'H100',
             {replicas}[r + 1], 'm', {START} + (k + 1) * 10.0, 10.0, 0.6, 420.0, 4200.0, 1.0, 1.0, 0, NULL,
-            false, {START + SECONDS}
+            false, {START + SECONDS}, NULL
         FROM range(16) a(r), unnest({gpus}) b(g), range({SECONDS // 10}) c(k)
     """)  # fmt: skip
     con.execute("CREATE OR REPLACE TEMP VIEW fresh AS SELECT * EXCLUDE (ingested_at) FROM usage")
