@@ -69,6 +69,7 @@ __all__ = [
     "Policy",
     "allocate",
     "allocation_sql",
+    "by_instance",
     "lines_from",
     "unpriced_model",
 ]
@@ -111,8 +112,8 @@ class AllocationSql:
     which the next two read, so the big join is done once. ``instances``: per instance (and its
     group), its busy and idle cost. ``shares``: per instance, team and model, the busy cost it
     pays and its GPU-hours and kWh (with the in-flight split, also the counts). ``counts``:
-    requests and tokens per team and model, or "" when ``shares`` carries them. ``fleet``: the
-    fleet cost.
+    requests and tokens per team and model, or "" when ``shares`` carries them.
+    ``instance_counts``: the same per instance too, or "". ``fleet``: the fleet cost.
     """
 
     unpriced: str
@@ -120,6 +121,7 @@ class AllocationSql:
     instances: str
     shares: str
     counts: str
+    instance_counts: str
     fleet: str
 
 
@@ -246,6 +248,9 @@ FROM {gpus} {unpriced_where} GROUP BY gpu_model ORDER BY gpu_model""",
         counts=""
         if policy.allocation == "in_flight"
         else f"SELECT team, model, {_COUNT_SUMS} FROM {usage} GROUP BY team, model",
+        instance_counts=""
+        if policy.allocation == "in_flight"
+        else f"SELECT replica, instance, team, model, {_COUNT_SUMS} FROM {usage} GROUP BY ALL",
         fleet=f"""SELECT coalesce(sum(g.gpu_seconds / 3600.0 * p.usd), 0) + coalesce(sum(g.energy_joules), 0) / 3.6e6 * {energy_price!r}
 FROM {gpus} g JOIN {_prices(policy)} USING (gpu_model)""",
     )
@@ -260,7 +265,10 @@ def lines_from(
     """
     shares = shares.with_columns(pl.col(c).cast(pl.Float64) for c in MONEY)
     idle = _idle_lines(instances, shares, policy)
-    money = pl.concat([shares.drop("replica", "instance"), idle], how="diagonal_relaxed")
+    money = pl.concat(
+        [shares.drop("replica", "instance"), idle.drop("replica", "instance")],
+        how="diagonal_relaxed",
+    )
     lines = (
         money.group_by("team", "model")
         .agg(pl.col(*MONEY, "idle_usd").fill_null(0.0).sum())
@@ -295,6 +303,12 @@ def unpriced_lines(unpriced: pl.DataFrame, policy: Policy) -> pl.DataFrame:
     )  # fmt: skip
 
 
+_IDLE_SCHEMA: Final = {
+    "team": pl.String, "model": pl.String, "idle_usd": pl.Float64, "replica": pl.String,
+    "instance": pl.String,
+}  # fmt: skip
+
+
 def _idle_lines(instances: pl.DataFrame, shares: pl.DataFrame, policy: Policy) -> pl.DataFrame:
     """Idle capacity per instance, charged by its replica group's policy: team, model, idle_usd."""
     # Sums in one fixed order: float addition is not associative, and the statement must not
@@ -315,6 +329,7 @@ def _idle_lines(instances: pl.DataFrame, shares: pl.DataFrame, policy: Policy) -
     for replica, instance, amount in idle.select(*keys, "idle_usd").sort(keys).iter_rows():
         if not amount:
             continue
+        at = {"replica": replica, "instance": instance}
         rule, owner = policy.idle.get(replica, ("spread", None))
         model = policy.replica_model.get(replica, UNALLOCATED)
         # Nobody used this instance (one the autoscaler just added, say): its idle follows what
@@ -325,21 +340,21 @@ def _idle_lines(instances: pl.DataFrame, shares: pl.DataFrame, policy: Policy) -
         mine = mine.group_by("team", "model").agg(pl.col("paid").sum()).sort("team", "model")
         total = float(mine["paid"].sum())
         if replica == "":
-            rows.append({"team": policy.platform_account, "model": UNALLOCATED, "idle_usd": amount})
+            rows.append(
+                {"team": policy.platform_account, "model": UNALLOCATED, "idle_usd": amount, **at}
+            )
         elif rule == "owner" and owner:
-            rows.append({"team": owner, "model": model, "idle_usd": amount})
+            rows.append({"team": owner, "model": model, "idle_usd": amount, **at})
         elif rule == "spread" and total > 0:
             # The share first: amount * p can underflow when p is tiny (a request in flight for
             # a subnormal number of seconds), and the shares would no longer add up to amount.
             rows.extend(
-                {"team": t, "model": m, "idle_usd": amount * (p / total)}
+                {"team": t, "model": m, "idle_usd": amount * (p / total), **at}
                 for t, m, p in mine.select("team", "model", "paid").iter_rows()
             )
         else:
-            rows.append({"team": policy.platform_account, "model": model, "idle_usd": amount})
-    return pl.DataFrame(
-        rows, schema={"team": pl.String, "model": pl.String, "idle_usd": pl.Float64}
-    )
+            rows.append({"team": policy.platform_account, "model": model, "idle_usd": amount, **at})
+    return pl.DataFrame(rows, schema=_IDLE_SCHEMA)
 
 
 def run(
@@ -362,6 +377,42 @@ def run(
     if unpriced.height:
         lines = pl.concat([lines, unpriced_lines(unpriced, policy)]).sort("team", "model")
     return lines, fleet
+
+
+def by_instance(
+    con: duckdb.DuckDBPyConnection, queries: AllocationSql, policy: Policy
+) -> pl.DataFrame:
+    """What each line is made of: its unrounded money and quantities per instance.
+
+    Columns: team, model, replica (group), instance, then ``LINE_COLUMNS``' numbers; the rows
+    of one (team, model) add up to its line (but for error lines, which have none). The
+    exports split lines by these (``billing.statement.instance_lines``).
+    """
+    con.execute(queries.prepare)
+    shares: pl.DataFrame = con.sql(queries.shares).pl()
+    shares = shares.with_columns(pl.col(c).cast(pl.Float64) for c in MONEY)
+    count_cols = ["requests", "prompt_tokens", "completion_tokens"]
+    keys = ["team", "model", "replica", "instance"]
+    counts: pl.DataFrame
+    if queries.instance_counts:
+        counts = con.sql(queries.instance_counts).pl()
+    else:
+        counts = shares.select(*keys, *count_cols)
+        shares = shares.drop(count_cols)
+    idle = _idle_lines(con.sql(queries.instances).pl(), shares, policy)
+    money = pl.concat([shares, idle], how="diagonal_relaxed")
+    return (
+        money.group_by(keys)
+        .agg(pl.col(*MONEY, "idle_usd").fill_null(0.0).sum())
+        .join(
+            counts.group_by(keys).agg(pl.col(count_cols).sum()), on=keys, how="full", coalesce=True
+        )
+        .with_columns(
+            pl.col(count_cols).fill_null(0).cast(pl.Int64),
+            pl.col(*MONEY, "idle_usd").fill_null(0.0),
+        )
+        .sort(keys)
+    )
 
 
 def _with_instance(frame: pl.DataFrame) -> pl.DataFrame:

@@ -500,17 +500,26 @@ class Ledger:
 
     def allocate(self, policy: Policy, month: str) -> tuple[pl.DataFrame, float]:
         """``month``'s allocation lines (unrounded) and fleet cost, from the rollups."""
+        with self.reader() as cur:
+            return allocation.run(cur, self._month_sql(cur, policy, month), policy)
+
+    def by_instance(self, policy: Policy, month: str) -> pl.DataFrame:
+        """``month``'s lines per instance, unrounded (``billing.allocation.by_instance``)."""
+        with self.reader() as cur:
+            return allocation.by_instance(cur, self._month_sql(cur, policy, month), policy)
+
+    def _month_sql(self, cur: duckdb.DuckDBPyConnection, policy: Policy,
+                   month: str) -> allocation.AllocationSql:  # fmt: skip
+        """``month``'s allocation queries, its lifetimes put in temp table ``_lifetimes`` on ``cur``."""
         lo, hi = _slot_range(month)
         usage = f"(SELECT * FROM usage_slots WHERE slot >= {lo} AND slot < {hi})"
         gpus = f"(SELECT * FROM gpu_slots WHERE slot >= {lo} AND slot < {hi})"
         occupancy = f"(SELECT * FROM replica_slots WHERE slot >= {lo} AND slot < {hi})"
-        with self.reader() as cur:
-            # Materialised once: the allocation reads the windows for every GPU row.
-            cur.execute(
-                f"CREATE OR REPLACE TEMP TABLE _lifetimes AS SELECT * FROM {slot_windows_sql(lo, hi)}"
-            )
-            queries = allocation.allocation_sql(policy, usage, gpus, occupancy, "_lifetimes")
-            return allocation.run(cur, queries, policy)
+        # Materialised once: the allocation reads the windows for every GPU row.
+        cur.execute(
+            f"CREATE OR REPLACE TEMP TABLE _lifetimes AS SELECT * FROM {slot_windows_sql(lo, hi)}"
+        )
+        return allocation.allocation_sql(policy, usage, gpus, occupancy, "_lifetimes")
 
     def live_instances(
         self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS

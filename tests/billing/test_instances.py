@@ -317,3 +317,35 @@ def test_pods_sharing_a_replica_id_each_have_their_own_minutes():
         ("search", "chat-small"): (0.10, 0.0),
         ("platform", "chat-small"): (0.0, 0.20),
     }
+
+
+def test_a_line_split_by_instance_keeps_its_sign_and_an_error_line_stays_whole():
+    """Cents split by largest remainder add up to the line; a negative adjustment stays negative."""
+    from billing.statement import instance_lines
+    from infermeter.statement import LINE_SCHEMA
+
+    def line(for_month: str, model: str, compute: int, requests: int) -> dict[str, Any]:
+        return {"month": "2026-11", "for_month": for_month, "team": "search", "model": model,
+                "requests": requests, "prompt_tokens": 0, "completion_tokens": 0, "gpu_hours": 0.3,
+                "energy_kwh": 0.0, "compute_cents": compute, "energy_cents": 0, "idle_cents": 0,
+                "total_cents": compute}  # fmt: skip
+
+    lines = pl.DataFrame([line("2026-11", "m", 10, 3), line("2026-10", "m", -7, -1),
+                          line("2026-11", "(error) no price", 0, 0)], schema=LINE_SCHEMA)  # fmt: skip
+    parts = pl.DataFrame({
+        "for_month": ["2026-11", "2026-11", "2026-10", "2026-10"], "team": ["search"] * 4,
+        "model": ["m"] * 4, "replica": ["g"] * 4, "instance": ["g-a", "g-b", "g-a", "g-b"],
+        "gpu_hours": [0.2, 0.1, 0.2, 0.1], "energy_kwh": [0.0] * 4,
+        "compute_usd": [2 / 30, 1 / 30, 0.2, 0.1], "energy_usd": [0.0] * 4, "idle_usd": [0.0] * 4,
+        "requests": [2, 1, 2, 1], "prompt_tokens": [0] * 4, "completion_tokens": [0] * 4,
+    })  # fmt: skip
+    split = instance_lines(lines, parts)
+    rows = [(r["for_month"], r["instance"], r["compute_cents"], r["requests"])
+            for r in split.iter_rows(named=True)]  # fmt: skip
+    assert rows == [
+        ("2026-11", "g-a", 7, 2), ("2026-11", "g-b", 3, 1),
+        ("2026-10", "g-a", -5, -1),  # -4.67 and -2.33 cents; -0.67 and -0.33 requests
+        ("2026-10", "g-b", -2, 0),
+        ("2026-11", None, 0, 0),
+    ]  # fmt: skip
+    assert split["gpu_hours"].to_list()[:2] == pytest.approx([0.2, 0.1])
