@@ -78,22 +78,26 @@ def generate(ledger: Ledger, records: int) -> None:
     teams = "[" + ", ".join(f"'{t}'" for t in TEAMS) + "]"
     replicas = "[" + ", ".join(f"'{r}'" for r in REPLICAS) + "]"
     con.execute(f"""
-        INSERT INTO usage
+        INSERT INTO usage (request_id, team, model, served_version, replica, received_at,
+            first_token_at, finished_at, prompt_tokens, cached_prompt_tokens, completion_tokens,
+            status, http_status, stream, endpoint, finish_reason, usage_exact, ingested_at)
         SELECT 'req-' || i, {teams}[1 + (hash(i) % 20)::INT], ['chat-large', 'chat-small'][1 + (i % 2)::INT],
             'v1', {replicas}[1 + (hash(i * 7) % 16)::INT],
             {START} + (i * {SECONDS}.0 / {records}) AS received_at,
             {START} + (i * {SECONDS}.0 / {records}) + 0.05 + (hash(i * 3) % 1000) / 2000.0,
             {START} + (i * {SECONDS}.0 / {records}) + 1 + (hash(i * 5) % 60),
             50 + hash(i * 11) % 2000, 0, 10 + hash(i * 13) % 500, 'ok', 200, true,
-            '/v1/chat/completions', 'stop', true, {START + SECONDS}, NULL
+            '/v1/chat/completions', 'stop', true, {START + SECONDS}
         FROM range({records}) t(i)
     """)  # fmt: skip
     gpus = "[" + ", ".join(f"'{g}'" for g in range(4)) + "]"
     con.execute(f"""
-        INSERT INTO gpu_samples
+        INSERT INTO gpu_samples (sample_id, node, gpu, uuid, gpu_model, replica, model, "timestamp",
+            interval_seconds, utilization, power_watts, energy_joules, memory_used_mib,
+            memory_free_mib, xid_errors, mig_profile, gap, ingested_at)
         SELECT 'gpu-' || r || '-' || g || '-' || k, 'node-' || r // 4, g, 'GPU-' || r || '-' || g, 'H100',
             {replicas}[r + 1], 'm', {START} + (k + 1) * 10.0, 10.0, 0.6, 420.0, 4200.0, 1.0, 1.0, 0, NULL,
-            false, {START + SECONDS}, NULL
+            false, {START + SECONDS}
         FROM range(16) a(r), unnest({gpus}) b(g), range({SECONDS // 10}) c(k)
     """)  # fmt: skip
     con.execute("CREATE OR REPLACE TEMP VIEW fresh AS SELECT * EXCLUDE (ingested_at) FROM usage")
