@@ -30,9 +30,10 @@ to the platform account, ``owner`` to the team that owns a dedicated group. GPUs
 instance runs on are the platform's, as model ``(unallocated)``.
 
 Where an instance's lifetime is known (``billing.lifetimes``: it announced itself), its GPU
-time counts only within the minutes of its lifetime; GPU time seen for it outside them is
-unallocated capacity, the platform's, and usage outside them pays nothing. An instance that
-never announced itself (a fixed replica) is allocated over every minute it was seen, as before.
+time counts only within the minutes of its lifetime; GPU time seen for it outside them (after
+its first start) is unallocated capacity, the platform's, and usage outside them pays nothing.
+An instance that never announced itself (a fixed replica) is allocated over every minute it was
+seen, as before, and so is any instance's time before its first announcement.
 
 A GPU model seen by the collector with no price in the price book cannot be costed, and guessing
 a price would be wrong, but one unknown board must not stop a whole month's chargeback either.
@@ -149,18 +150,21 @@ def _lit(text: str) -> str:
 def _alive(gpus: str, lifetimes: str | None) -> str:
     """``gpus`` with the time outside a known lifetime moved to replica and instance ''.
 
-    ``lifetimes``: (instance, replica, first_slot, last_slot) rows. A GPU row that names no
-    replica group takes its instance's group from its lifetime.
+    ``lifetimes``: (instance, replica, first_slot, last_slot) rows. Time before an instance's
+    first lifetime is not judged: a fixed replica whose sidecar starts announcing itself has
+    months of GPU time from before, which stay its own. A GPU row that names no replica group
+    takes its instance's group from its lifetime.
     """
     if lifetimes is None:
         return gpus
     inside = f"""EXISTS (SELECT 1 FROM {lifetimes} w
         WHERE w.instance = g.instance AND g.slot BETWEEN w.first_slot AND w.last_slot)"""
-    alive = f"(k.instance IS NULL OR {inside})"
+    alive = f"(k.instance IS NULL OR g.slot < k.first_slot OR {inside})"
     return f"""(SELECT g.* REPLACE (
         CASE WHEN {alive} THEN coalesce(nullif(g.replica, ''), k.replica, '') ELSE '' END AS replica,
         CASE WHEN {alive} THEN g.instance ELSE '' END AS instance)
-    FROM {gpus} g LEFT JOIN (SELECT instance, min(replica) AS replica FROM {lifetimes} GROUP BY instance) k
+    FROM {gpus} g LEFT JOIN (SELECT instance, min(replica) AS replica, min(first_slot) AS first_slot
+        FROM {lifetimes} GROUP BY instance) k
         ON g.instance = k.instance)"""
 
 

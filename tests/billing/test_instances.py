@@ -146,6 +146,18 @@ def test_an_instance_with_no_lifetime_is_allocated_wherever_it_was_seen(ledger):
     }
 
 
+def test_time_before_an_instances_first_announcement_stays_its_own(ledger):
+    """A fixed replica whose sidecar starts announcing itself keeps the GPU time from before."""
+    keep(ledger, "gpu_samples", gpu("g-x", T0, 180))
+    keep(ledger, "usage", [usage("search", T0, 60, replica="g", instance="g-x")])
+    keep(ledger, "instances", lifetime("g-x", T0 + 120, T0 + 170, stop=True))
+    lines, _ = ledger.allocate(policy("platform"), MONTH)
+    assert by_team(lines) == {
+        ("search", "chat-small"): (0.10, 0.0),
+        ("platform", "chat-small"): (0.0, 0.20),
+    }
+
+
 def test_lifetimes_from_start_heartbeat_and_stop_and_from_heartbeats_alone(fleet):
     """A stopped instance ends at its stop; one that went silent is closed at its last heartbeat."""
     rows = {r["instance"]: r for r in fleet.lifetimes(now=T0 + 1000)}
