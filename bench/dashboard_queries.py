@@ -86,7 +86,7 @@ def fill(ledger: Ledger, days: int, buckets: int, end_slot: int) -> dict[str, in
                                  "models": MODELS})  # fmt: skip
             # Each replica's in-flight seconds per minute, as ingest keeps them for allocation.
             cur.execute(
-                "INSERT INTO replica_slots SELECT replica, slot, sum(inflight_seconds) "
+                "INSERT INTO replica_slots SELECT replica, instance, slot, sum(inflight_seconds) "
                 "FROM usage_slots WHERE slot >= $lo AND slot < $hi GROUP BY ALL ORDER BY slot",
                 {"lo": lo, "hi": hi},
             )
@@ -112,7 +112,7 @@ def fill(ledger: Ledger, days: int, buckets: int, end_slot: int) -> dict[str, in
 
 _USAGE = """
 INSERT INTO usage_slots
-SELECT 'replica-' || r, 'team-' || t, 'model-' || (r % $models), s,
+SELECT 'replica-' || r, 'replica-' || r, 'team-' || t, 'model-' || (r % $models), s,
     30.0 + (hash(r, t, s) % 30), n, CASE WHEN hash(s, t) % 97 = 0 THEN 1 ELSE 0 END,
     n * 900, n * 200, n * 250, n * 0.35, n, n - CASE WHEN hash(r, s) % 11 = 0 THEN 1 ELSE 0 END, n * 8.0
 FROM (SELECT s, r, t, 1 + CAST(hash(r, t, s) % 13 AS BIGINT) AS n
@@ -128,7 +128,7 @@ ORDER BY s
 """
 _GPU = """
 INSERT INTO gpu_slots
-SELECT 'node-' || (r // 2), 'H100', 'replica-' || r, s, 60.0 * $gpus, 60.0 * $gpus * 450,
+SELECT 'node-' || (r // 2), 'H100', 'replica-' || r, 'replica-' || r, s, 60.0 * $gpus, 60.0 * $gpus * 450,
     0.0, 60.0 * $gpus * (0.3 + (hash(r, s) % 60) / 100.0), 60.0 * $gpus * 450, 6 * $gpus, 0
 FROM range($lo, $hi) a(s), range($replicas) b(r)
 ORDER BY s
@@ -136,7 +136,7 @@ ORDER BY s
 _ENGINE = """
 INSERT INTO engine_samples
 SELECT 'e-' || r || '-' || ts, 'replica-' || r, 'model-' || (r % $models), ts::DOUBLE,
-    20 + hash(r, ts) % 40, hash(ts, r) % 12, (hash(r, ts) % 100) / 100.0, 0, 0, 0, 0, 0, ts
+    20 + hash(r, ts) % 40, hash(ts, r) % 12, (hash(r, ts) % 100) / 100.0, 0, 0, 0, 0, 0, ts, NULL
 FROM range($lo, $hi, 10) a(ts), range($replicas) b(r)
 ORDER BY ts
 """

@@ -1,25 +1,39 @@
 """Cost allocation: who pays for each GPU-minute.
 
-The fleet's cost is measured, not assumed: a replica's cost in a one-minute slot is the GPU time
-its GPUs were seen for, at the price book's USD per GPU-hour, plus the energy they drew, at USD
-per kWh times the data centre's PUE. That cost is split among teams by one of three rules:
+The unit of allocation is the *instance*: one running engine of a replica group (a pod; a
+fixed replica is the one instance of its own group). The rollups carry each record's instance
+(``coalesce(instance, replica)``), so every instance's minutes are costed and shared on their
+own: with three pods serving one group, sixty in-flight seconds on one pod make that pod's
+minute busy, not all three.
+
+The fleet's cost is measured, not assumed: an instance's cost in a one-minute slot is the GPU
+time its GPUs were seen for, at the price book's USD per GPU-hour, plus the energy they drew, at
+USD per kWh times the data centre's PUE. That cost is split among teams by one of three rules:
 
 ``in_flight`` (default)
-    At each moment the replica's GPU time is shared equally by the requests in flight on it, so
-    ten requests sharing a batch each pay a tenth. Resolution is the one-minute slot: a team's
-    share of a slot is its in-flight seconds divided by ``max(60, all in-flight seconds)``.
-    When fewer than 60 in-flight seconds fall in a slot, the uncovered part of the minute is
-    idle capacity; a request alone on a replica pays exactly the time it held it.
+    At each moment the instance's GPU time is shared equally by the requests in flight on it,
+    so ten requests sharing a batch each pay a tenth. Resolution is the one-minute slot: a
+    team's share of a slot is its in-flight seconds divided by ``max(60, all in-flight
+    seconds)`` on that instance. When fewer than 60 in-flight seconds fall in a slot, the
+    uncovered part of the minute is idle capacity; a request alone on an instance pays exactly
+    the time it held it.
 ``tokens``
-    The replica's busy cost in the month is split by weighted tokens
+    The instance's busy cost in the month is split by weighted tokens
     (``prompt_weight * prompt + completion_weight * completion``).
 ``requests``
-    The replica's busy cost in the month is split by request count.
+    The instance's busy cost in the month is split by request count.
 
-Idle capacity (a slot, or the part of it, with nothing in flight) follows the replica's
-``idle_policy``: ``spread`` over the teams in proportion to what they paid on that replica
-that month, ``platform`` to the platform account, ``owner`` to the team that owns a dedicated
-replica. GPUs that no replica runs on are the platform's, as model ``(unallocated)``.
+Idle capacity (a slot, or the part of it, with nothing in flight) follows the ``idle_policy``
+of the instance's replica group: ``spread`` over the teams in proportion to what they paid on
+that instance that month (on its group, when nobody used the instance itself), ``platform``
+to the platform account, ``owner`` to the team that owns a dedicated group. GPUs that no
+instance runs on are the platform's, as model ``(unallocated)``.
+
+Where an instance's lifetime is known (``billing.lifetimes``: it announced itself), its GPU
+time counts only within the minutes of its lifetime; GPU time seen for it outside them (after
+its first start) is unallocated capacity, the platform's, and usage outside them pays nothing.
+An instance that never announced itself (a fixed replica) is allocated over every minute it was
+seen, as before, and so is any instance's time before its first announcement.
 
 A GPU model seen by the collector with no price in the price book cannot be costed, and guessing
 a price would be wrong, but one unknown board must not stop a whole month's chargeback either.
@@ -56,6 +70,7 @@ __all__ = [
     "Policy",
     "allocate",
     "allocation_sql",
+    "by_instance",
     "lines_from",
     "unpriced_model",
 ]
@@ -83,9 +98,9 @@ class Policy:
     prompt_weight: float = 1.0
     completion_weight: float = 1.0
     platform_account: str = "platform"
-    # replica -> (idle policy, owner team); a replica not listed spreads its idle capacity.
+    # replica group -> (idle policy, owner team); a group not listed spreads its idle capacity.
     idle: Mapping[str, tuple[IdlePolicy, str | None]] = field(default_factory=dict)
-    # replica -> model, for idle lines of replicas that served nothing in the month.
+    # replica group -> model, for idle lines of instances that served nothing in the month.
     replica_model: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -93,19 +108,21 @@ class Policy:
 class AllocationSql:
     """The queries of one allocation, each over the relations named when it was built.
 
-    ``unpriced``: GPU models seen without a price, with their GPU-hours and kWh. ``prepare``: creates temp
-    table ``_slots`` (cost and occupancy per replica and slot), which the next two read, so the
-    big join is done once. ``replicas``: per replica,
-    its busy and idle cost. ``shares``: per replica, team and model, the busy cost it pays and
-    its GPU-hours and kWh (with the in-flight split, also the counts). ``counts``: requests and
-    tokens per team and model, or "" when ``shares`` carries them. ``fleet``: the fleet cost.
+    ``unpriced``: GPU models seen without a price, with their GPU-hours and kWh. ``prepare``:
+    creates temp table ``_slots`` (cost and occupancy per replica group, instance and slot),
+    which the next two read, so the big join is done once. ``instances``: per instance (and its
+    group), its busy and idle cost. ``shares``: per instance, team and model, the busy cost it
+    pays and its GPU-hours and kWh (with the in-flight split, also the counts). ``counts``:
+    requests and tokens per team and model, or "" when ``shares`` carries them.
+    ``instance_counts``: the same per instance too, or "". ``fleet``: the fleet cost.
     """
 
     unpriced: str
     prepare: str
-    replicas: str
+    instances: str
     shares: str
     counts: str
+    instance_counts: str
     fleet: str
 
 
@@ -130,37 +147,64 @@ def _lit(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def _alive(gpus: str, lifetimes: str | None) -> str:
+    """``gpus`` with the time outside a known lifetime moved to replica and instance ''.
+
+    ``lifetimes``: (instance, replica, first_slot, last_slot) rows. Time before an instance's
+    first lifetime is not judged: a fixed replica whose sidecar starts announcing itself has
+    months of GPU time from before, which stay its own. A GPU row that names no replica group
+    takes its instance's group from its lifetime.
+    """
+    if lifetimes is None:
+        return gpus
+    inside = f"""EXISTS (SELECT 1 FROM {lifetimes} w
+        WHERE w.instance = g.instance AND g.slot BETWEEN w.first_slot AND w.last_slot)"""
+    alive = f"(k.instance IS NULL OR g.slot < k.first_slot OR {inside})"
+    return f"""(SELECT g.* REPLACE (
+        CASE WHEN {alive} THEN coalesce(nullif(g.replica, ''), k.replica, '') ELSE '' END AS replica,
+        CASE WHEN {alive} THEN g.instance ELSE '' END AS instance)
+    FROM {gpus} g LEFT JOIN (SELECT instance, min(replica) AS replica, min(first_slot) AS first_slot
+        FROM {lifetimes} GROUP BY instance) k
+        ON g.instance = k.instance)"""
+
+
 def allocation_sql(
-    policy: Policy, usage: str, gpus: str, occupancy: str | None = None
+    policy: Policy,
+    usage: str,
+    gpus: str,
+    occupancy: str | None = None,
+    lifetimes: str | None = None,
 ) -> AllocationSql:
     """The queries allocating ``gpus`` (gpu_slots rows) to ``usage`` (usage_slots rows).
 
     ``usage``, ``gpus`` and ``occupancy`` (replica_slots rows) are relation names or
     parenthesised subqueries with the rollup tables' columns; without ``occupancy`` it is
-    summed from ``usage``. Pure: nothing is run here.
+    summed from ``usage``. ``lifetimes`` (instance, replica, first_slot, last_slot): the known
+    lifetimes of instances, in whole slots; without it every instance is allocated wherever it
+    was seen. Pure: nothing is run here.
     """
     occupied = (
-        f"SELECT replica, slot, inflight_seconds AS occupied FROM {occupancy}"
+        f"SELECT replica, instance, slot, inflight_seconds AS occupied FROM {occupancy}"
         if occupancy
-        else f"SELECT replica, slot, sum(inflight_seconds) AS occupied FROM {usage} GROUP BY replica, slot"
+        else f"SELECT replica, instance, slot, sum(inflight_seconds) AS occupied FROM {usage} GROUP BY replica, instance, slot"
     )
     energy_price = float(policy.usd_per_kwh) * float(policy.pue)
     prepare = f"""
 CREATE OR REPLACE TEMP TABLE _slots AS
 WITH costs AS (
-    SELECT g.replica, g.slot,
+    SELECT g.replica, g.instance, g.slot,
         sum(g.gpu_seconds) / 3600.0 AS gpu_hours,
         sum(g.energy_joules) / 3.6e6 AS energy_kwh,
         sum(g.gpu_seconds / 3600.0 * p.usd) AS compute_usd,
         sum(g.energy_joules) / 3.6e6 * {energy_price!r} AS energy_usd
-    FROM {gpus} g JOIN {_prices(policy)} USING (gpu_model)
-    GROUP BY g.replica, g.slot
+    FROM {_alive(gpus, lifetimes)} g JOIN {_prices(policy)} USING (gpu_model)
+    GROUP BY g.replica, g.instance, g.slot
 ),
 occupancy AS ({occupied}),
 slots AS (
     SELECT c.*, coalesce(o.occupied, 0.0) AS occupied,
         least(1.0, coalesce(o.occupied, 0.0) / {SLOT_SECONDS}.0) AS busy
-    FROM costs c LEFT JOIN occupancy o USING (replica, slot)
+    FROM costs c LEFT JOIN occupancy o USING (replica, instance, slot)
 )
 -- per_* : what one in-flight second of the slot pays, so the big join only multiplies.
 SELECT *, {", ".join(f"CASE WHEN occupied > 0 THEN {c} * busy / occupied ELSE 0.0 END AS per_{c}" for c in MONEY)}
@@ -172,9 +216,9 @@ FROM slots"""
         )
         # One pass over the biggest table gives the shares and the counts together.
         shares = f"""
-SELECT u.replica, u.team, u.model, {share_cols}, {_COUNT_SUMS}
-FROM {usage} u LEFT JOIN _slots s USING (replica, slot)
-GROUP BY u.replica, u.team, u.model"""
+SELECT u.replica, u.instance, u.team, u.model, {share_cols}, {_COUNT_SUMS}
+FROM {usage} u LEFT JOIN _slots s USING (replica, instance, slot)
+GROUP BY u.replica, u.instance, u.team, u.model"""
     else:
         weight = (
             f"sum(prompt_tokens * {float(policy.prompt_weight)!r} + completion_tokens * {float(policy.completion_weight)!r})"
@@ -182,18 +226,20 @@ GROUP BY u.replica, u.team, u.model"""
             else "sum(requests)::DOUBLE"
         )
         share_cols = ", ".join(
-            f"t.{c} * w.w / sum(w.w) OVER (PARTITION BY w.replica) AS {c}" for c in MONEY
+            f"t.{c} * w.w / sum(w.w) OVER (PARTITION BY w.replica, w.instance) AS {c}"
+            for c in MONEY
         )
         shares = f"""
-WITH weights AS (SELECT replica, team, model, {weight} AS w FROM {usage} GROUP BY replica, team, model HAVING {weight} > 0),
-totals AS (SELECT replica, {busy_money} FROM _slots GROUP BY replica)
-SELECT w.replica, w.team, w.model, {share_cols}
-FROM weights w JOIN totals t USING (replica)"""
-    replicas = """
-SELECT replica,
+WITH weights AS (SELECT replica, instance, team, model, {weight} AS w FROM {usage}
+    GROUP BY replica, instance, team, model HAVING {weight} > 0),
+totals AS (SELECT replica, instance, {busy_money} FROM _slots GROUP BY replica, instance)
+SELECT w.replica, w.instance, w.team, w.model, {share_cols}
+FROM weights w JOIN totals t USING (replica, instance)"""
+    instances = """
+SELECT replica, instance,
     sum((compute_usd + energy_usd) * busy) AS busy_usd,
     sum((compute_usd + energy_usd) * (1.0 - busy)) AS idle_usd
-FROM _slots GROUP BY replica"""
+FROM _slots GROUP BY replica, instance"""
     priced = ", ".join(_lit(m) for m in sorted(policy.usd_per_gpu_hour))
     # (NOT IN () is not SQL, and NOT IN (NULL) matches nothing: with no prices, every model.)
     unpriced_where = f"WHERE gpu_model NOT IN ({priced})" if priced else ""
@@ -201,26 +247,32 @@ FROM _slots GROUP BY replica"""
         unpriced=f"""SELECT gpu_model, sum(gpu_seconds) / 3600.0 AS gpu_hours, sum(energy_joules) / 3.6e6 AS energy_kwh
 FROM {gpus} {unpriced_where} GROUP BY gpu_model ORDER BY gpu_model""",
         prepare=prepare,
-        replicas=replicas,
+        instances=instances,
         shares=shares,
         counts=""
         if policy.allocation == "in_flight"
         else f"SELECT team, model, {_COUNT_SUMS} FROM {usage} GROUP BY team, model",
+        instance_counts=""
+        if policy.allocation == "in_flight"
+        else f"SELECT replica, instance, team, model, {_COUNT_SUMS} FROM {usage} GROUP BY ALL",
         fleet=f"""SELECT coalesce(sum(g.gpu_seconds / 3600.0 * p.usd), 0) + coalesce(sum(g.energy_joules), 0) / 3.6e6 * {energy_price!r}
 FROM {gpus} g JOIN {_prices(policy)} USING (gpu_model)""",
     )
 
 
 def lines_from(
-    replicas: pl.DataFrame, shares: pl.DataFrame, counts: pl.DataFrame, policy: Policy
+    instances: pl.DataFrame, shares: pl.DataFrame, counts: pl.DataFrame, policy: Policy
 ) -> pl.DataFrame:
     """The statement's lines from the small query results: idle charged, one row per team and model.
 
     Costs are unrounded; ``billing.statement.cents_lines`` turns them into cents.
     """
     shares = shares.with_columns(pl.col(c).cast(pl.Float64) for c in MONEY)
-    idle = _idle_lines(replicas, shares, policy)
-    money = pl.concat([shares.drop("replica"), idle], how="diagonal_relaxed")
+    idle = _idle_lines(instances, shares, policy)
+    money = pl.concat(
+        [shares.drop("replica", "instance"), idle.drop("replica", "instance")],
+        how="diagonal_relaxed",
+    )
     lines = (
         money.group_by("team", "model")
         .agg(pl.col(*MONEY, "idle_usd").fill_null(0.0).sum())
@@ -255,42 +307,58 @@ def unpriced_lines(unpriced: pl.DataFrame, policy: Policy) -> pl.DataFrame:
     )  # fmt: skip
 
 
-def _idle_lines(replicas: pl.DataFrame, shares: pl.DataFrame, policy: Policy) -> pl.DataFrame:
-    """Idle capacity per replica, charged by its policy: team, model, idle_usd."""
+_IDLE_SCHEMA: Final = {
+    "team": pl.String, "model": pl.String, "idle_usd": pl.Float64, "replica": pl.String,
+    "instance": pl.String,
+}  # fmt: skip
+
+
+def _idle_lines(instances: pl.DataFrame, shares: pl.DataFrame, policy: Policy) -> pl.DataFrame:
+    """Idle capacity per instance, charged by its replica group's policy: team, model, idle_usd."""
     # Sums in one fixed order: float addition is not associative, and the statement must not
     # change (by a rounding tie) with the order the rows arrived in.
-    shares = shares.sort("replica", "team", "model", "compute_usd", "energy_usd")
-    paid = shares.group_by("replica").agg(paid=(pl.col("compute_usd") + pl.col("energy_usd")).sum())
+    keys = ["replica", "instance"]
+    shares = shares.sort(*keys, "team", "model", "compute_usd", "energy_usd")
+    paid = shares.group_by(keys).agg(paid=(pl.col("compute_usd") + pl.col("energy_usd")).sum())
     # Busy cost with no team to carry it (tokens/requests split with zero weight) is idle too.
-    idle = replicas.join(paid, on="replica", how="left").with_columns(
+    idle = instances.join(paid, on=keys, how="left").with_columns(
         idle_usd=pl.col("idle_usd")
         + (pl.col("busy_usd") - pl.col("paid").fill_null(0.0)).clip(lower_bound=0.0)
     )
     payers = shares.with_columns(paid=pl.col("compute_usd") + pl.col("energy_usd"))
+    by_instance = dict(payers.group_by(keys))
+    by_group = {k[0]: g for k, g in payers.group_by("replica")}
+    empty = payers.clear()
     rows: list[dict[str, object]] = []
-    for replica, amount in idle.select("replica", "idle_usd").sort("replica").iter_rows():
+    for replica, instance, amount in idle.select(*keys, "idle_usd").sort(keys).iter_rows():
         if not amount:
             continue
+        at = {"replica": replica, "instance": instance}
         rule, owner = policy.idle.get(replica, ("spread", None))
         model = policy.replica_model.get(replica, UNALLOCATED)
-        mine = payers.filter(pl.col("replica") == replica).sort("team", "model")
+        # Nobody used this instance (one the autoscaler just added, say): its idle follows what
+        # the teams paid on its group.
+        mine = by_instance.get((replica, instance), empty)
+        if float(mine["paid"].sum()) <= 0:
+            mine = by_group.get(replica, empty)
+        mine = mine.group_by("team", "model").agg(pl.col("paid").sum()).sort("team", "model")
         total = float(mine["paid"].sum())
         if replica == "":
-            rows.append({"team": policy.platform_account, "model": UNALLOCATED, "idle_usd": amount})
+            rows.append(
+                {"team": policy.platform_account, "model": UNALLOCATED, "idle_usd": amount, **at}
+            )
         elif rule == "owner" and owner:
-            rows.append({"team": owner, "model": model, "idle_usd": amount})
+            rows.append({"team": owner, "model": model, "idle_usd": amount, **at})
         elif rule == "spread" and total > 0:
             # The share first: amount * p can underflow when p is tiny (a request in flight for
             # a subnormal number of seconds), and the shares would no longer add up to amount.
             rows.extend(
-                {"team": t, "model": m, "idle_usd": amount * (p / total)}
+                {"team": t, "model": m, "idle_usd": amount * (p / total), **at}
                 for t, m, p in mine.select("team", "model", "paid").iter_rows()
             )
         else:
-            rows.append({"team": policy.platform_account, "model": model, "idle_usd": amount})
-    return pl.DataFrame(
-        rows, schema={"team": pl.String, "model": pl.String, "idle_usd": pl.Float64}
-    )
+            rows.append({"team": policy.platform_account, "model": model, "idle_usd": amount, **at})
+    return pl.DataFrame(rows, schema=_IDLE_SCHEMA)
 
 
 def run(
@@ -309,18 +377,74 @@ def run(
             pl.col("requests", "prompt_tokens", "completion_tokens").sum()
         )
         shares = shares.drop("requests", "prompt_tokens", "completion_tokens")
-    lines = lines_from(con.sql(queries.replicas).pl(), shares, counts, policy)
+    lines = lines_from(con.sql(queries.instances).pl(), shares, counts, policy)
     if unpriced.height:
         lines = pl.concat([lines, unpriced_lines(unpriced, policy)]).sort("team", "model")
     return lines, fleet
 
 
-def allocate(usage: pl.DataFrame, gpus: pl.DataFrame, policy: Policy) -> tuple[pl.DataFrame, float]:
-    """Lines and fleet cost for two frames with the rollup tables' columns (an in-memory DuckDB)."""
+def by_instance(
+    con: duckdb.DuckDBPyConnection, queries: AllocationSql, policy: Policy
+) -> pl.DataFrame:
+    """What each line is made of: its unrounded money and quantities per instance.
+
+    Columns: team, model, replica (group), instance, then ``LINE_COLUMNS``' numbers; the rows
+    of one (team, model) add up to its line (but for error lines, which have none). The
+    exports split lines by these (``billing.statement.instance_lines``).
+    """
+    con.execute(queries.prepare)
+    shares: pl.DataFrame = con.sql(queries.shares).pl()
+    shares = shares.with_columns(pl.col(c).cast(pl.Float64) for c in MONEY)
+    count_cols = ["requests", "prompt_tokens", "completion_tokens"]
+    keys = ["team", "model", "replica", "instance"]
+    counts: pl.DataFrame
+    if queries.instance_counts:
+        counts = con.sql(queries.instance_counts).pl()
+    else:
+        counts = shares.select(*keys, *count_cols)
+        shares = shares.drop(count_cols)
+    idle = _idle_lines(con.sql(queries.instances).pl(), shares, policy)
+    money = pl.concat([shares, idle], how="diagonal_relaxed")
+    return (
+        money.group_by(keys)
+        .agg(pl.col(*MONEY, "idle_usd").fill_null(0.0).sum())
+        .join(
+            counts.group_by(keys).agg(pl.col(count_cols).sum()), on=keys, how="full", coalesce=True
+        )
+        .with_columns(
+            pl.col(count_cols).fill_null(0).cast(pl.Int64),
+            pl.col(*MONEY, "idle_usd").fill_null(0.0),
+        )
+        .sort(keys)
+    )
+
+
+def _with_instance(frame: pl.DataFrame) -> pl.DataFrame:
+    if "instance" in frame.columns:
+        return frame
+    return frame.with_columns(instance=pl.col("replica"))
+
+
+def allocate(
+    usage: pl.DataFrame,
+    gpus: pl.DataFrame,
+    policy: Policy,
+    lifetimes: pl.DataFrame | None = None,
+) -> tuple[pl.DataFrame, float]:
+    """Lines and fleet cost for two frames with the rollup tables' columns (an in-memory DuckDB).
+
+    Frames without an ``instance`` column are a fixed fleet's: each replica is its one instance.
+    ``lifetimes`` (instance, replica, first_slot, last_slot), when given, bounds the instances
+    it names.
+    """
     con = duckdb.connect()
     try:
-        con.register("usage_in", usage)
-        con.register("gpus_in", gpus)
-        return run(con, allocation_sql(policy, "usage_in", "gpus_in"), policy)
+        con.register("usage_in", _with_instance(usage))
+        con.register("gpus_in", _with_instance(gpus))
+        lives = None
+        if lifetimes is not None:
+            con.register("lifetimes_in", lifetimes)
+            lives = "lifetimes_in"
+        return run(con, allocation_sql(policy, "usage_in", "gpus_in", None, lives), policy)
     finally:
         con.close()

@@ -16,10 +16,17 @@ from prometheus_client import CollectorRegistry
 from billing.access import keyring
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
-from billing.metrics import IngestCounters, LedgerCollector, SpendCollector, StatementCollector
+from billing.lifetimes import heartbeat_seconds
+from billing.metrics import (
+    IngestCounters,
+    InstanceCollector,
+    LedgerCollector,
+    SpendCollector,
+    StatementCollector,
+)
 from billing.ratelimit import ReadLimiter
 from billing.rollups import Rollups
-from billing.routes import errors, ingest, ops, queries, statements
+from billing.routes import errors, ingest, instances, ops, queries, statements
 from billing.routes.dependencies import Services
 from billing.statement_cache import CachedChargeback
 from infermeter.config import Config
@@ -46,6 +53,7 @@ def create_app(config: Config, ledger: Ledger, statement_ttl_seconds: float = 30
     registry.register(SpendCollector(cache))
     registry.register(LedgerCollector(ledger))
     registry.register(StatementCollector(cache))
+    registry.register(InstanceCollector(ledger, heartbeat_seconds(config)))
     app.state.services = Services(
         config=config,
         ledger=ledger,
@@ -58,7 +66,7 @@ def create_app(config: Config, ledger: Ledger, statement_ttl_seconds: float = 30
         reads=ReadLimiter(b.read_rate_per_second, b.read_burst),
         computing=CapacityLimiter(STATEMENT_THREADS),
     )
-    for module in (ops, ingest, statements, queries):
+    for module in (ops, ingest, statements, queries, instances):
         app.include_router(module.router)
     errors.install(app)
     return app

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import polars as pl
 
 from billing.allocation import Policy
 from billing.ledger import Ledger, LedgerError
 from billing.rounding import to_cents
-from billing.statement import adjustment_lines, cents_lines, team_totals
+from billing.statement import adjustment_lines, cents_lines, instance_lines, team_totals
 from infermeter.config import Config
 from infermeter.months import check_month, month_bounds, month_of
 from infermeter.statement import Statement
@@ -78,6 +78,18 @@ class Chargeback:
             adjust_cents += int(diff["total_cents"].sum())
         all_lines = pl.concat([lines, *adjustments]) if adjustments else lines
         return Statement(month, False, all_lines, fleet, adjust_cents)
+
+    def by_instance(self, statement: Statement) -> Statement:
+        """``statement`` with its lines split by the instances that made them (for the exports)."""
+        months = sorted(set(statement.lines["for_month"].to_list()))
+        parts = [
+            self.ledger.by_instance(self.policy, m).with_columns(for_month=pl.lit(m))
+            for m in months
+        ]
+        if not parts:
+            return statement
+        lines = instance_lines(statement.lines, pl.concat(parts, how="diagonal_relaxed"))
+        return replace(statement, lines=lines)
 
     def close(self, month: str, now: float | None = None) -> Statement:
         """Freeze ``month``'s statement; later records for it become adjustments."""

@@ -191,7 +191,10 @@ def _statement_text(config: Config, database: str, month: str, fmt: str, version
         ledger = open_ledger(config, database)
         bar.update()
         try:
-            statement = Chargeback(ledger, config).statement(month)
+            chargeback = Chargeback(ledger, config)
+            statement = chargeback.statement(month)
+            if fmt != "csv":
+                statement = chargeback.by_instance(statement)
         finally:
             ledger.close()
         bar.update()

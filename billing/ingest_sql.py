@@ -287,7 +287,9 @@ def _overlap(start: str, end: str) -> str:
 
 
 def usage_rollup_sql() -> str:
-    """SQL adding the ``fresh`` usage records to ``usage_slots``.
+    """SQL adding the ``fresh`` usage records to ``usage_slots``, per instance.
+
+    A record without an instance is a fixed replica's, which is its own one instance.
 
     The batch's own rollup is kept in temp table ``_usage_delta`` for ``occupancy_rollup_sql``.
     Temp table ``_sla(model, ttft_seconds)`` holds the TTFT targets for the within-SLA count.
@@ -297,7 +299,7 @@ def usage_rollup_sql() -> str:
     ttft = "(first_token_at - received_at)"
     return f"""
 CREATE OR REPLACE TEMP TABLE _usage_delta AS
-SELECT replica, team, model, slot,
+SELECT replica, coalesce(instance, replica) AS instance, team, model, slot,
     sum({overlap}) AS inflight_seconds,
     count(*) FILTER (WHERE {fin}) AS requests,
     count(*) FILTER (WHERE {fin} AND status = 'upstream_error') AS failed_requests,
@@ -338,7 +340,7 @@ def occupancy_rollup_sql() -> str:
     """
     return """
 INSERT INTO replica_slots
-SELECT replica, slot, sum(inflight_seconds) FROM _usage_delta GROUP BY ALL
+SELECT replica, instance, slot, sum(inflight_seconds) FROM _usage_delta GROUP BY ALL
 ON CONFLICT DO UPDATE SET inflight_seconds = inflight_seconds + excluded.inflight_seconds;
 """
 
@@ -357,13 +359,18 @@ ON CONFLICT DO UPDATE SET requests = requests + excluded.requests;
 
 
 def gpu_rollup_sql() -> str:
-    """SQL adding the ``fresh`` GPU samples to ``gpu_slots``, spread over the slots they cover."""
+    """SQL adding the ``fresh`` GPU samples to ``gpu_slots``, spread over the slots they cover.
+
+    A sample's instance is the pod on the GPU, or for a fixed replica the replica itself; a GPU
+    no instance runs on is replica and instance ''.
+    """
     start = '("timestamp" - interval_seconds)'
     overlap = _overlap(start, '"timestamp"')
     share = f"CASE WHEN interval_seconds > 0 THEN {overlap} / interval_seconds ELSE 1.0 END"
     return f"""
 INSERT INTO gpu_slots
-SELECT node, gpu_model, coalesce(replica, '') AS replica, slot,
+SELECT node, gpu_model, coalesce(replica, '') AS replica,
+    coalesce(instance, replica, '') AS instance, slot,
     sum({overlap}),
     sum(coalesce(energy_joules, 0) * {share}),
     sum(CASE WHEN energy_joules IS NULL THEN {overlap} ELSE 0 END),

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import duckdb
 import orjson
@@ -27,6 +27,13 @@ from billing.allocation import Policy
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
 from billing.group_commit import GroupCommit, Ticket
 from billing.jsonkeys import duplicate_key
+from billing.lifetimes import (
+    COLUMNS as LIFETIME_COLUMNS,
+    DEFAULT_HEARTBEAT_SECONDS,
+    lifetimes_sql,
+    live_counts_sql,
+    slot_windows_sql,
+)
 from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS, new_field_sql
 from infermeter.errors import BadRequest
 from infermeter.months import month_bounds, month_of
@@ -493,13 +500,43 @@ class Ledger:
 
     def allocate(self, policy: Policy, month: str) -> tuple[pl.DataFrame, float]:
         """``month``'s allocation lines (unrounded) and fleet cost, from the rollups."""
+        with self.reader() as cur:
+            return allocation.run(cur, self._month_sql(cur, policy, month), policy)
+
+    def by_instance(self, policy: Policy, month: str) -> pl.DataFrame:
+        """``month``'s lines per instance, unrounded (``billing.allocation.by_instance``)."""
+        with self.reader() as cur:
+            return allocation.by_instance(cur, self._month_sql(cur, policy, month), policy)
+
+    def _month_sql(self, cur: duckdb.DuckDBPyConnection, policy: Policy,
+                   month: str) -> allocation.AllocationSql:  # fmt: skip
+        """``month``'s allocation queries, its lifetimes put in temp table ``_lifetimes`` on ``cur``."""
         lo, hi = _slot_range(month)
         usage = f"(SELECT * FROM usage_slots WHERE slot >= {lo} AND slot < {hi})"
         gpus = f"(SELECT * FROM gpu_slots WHERE slot >= {lo} AND slot < {hi})"
         occupancy = f"(SELECT * FROM replica_slots WHERE slot >= {lo} AND slot < {hi})"
+        # Materialised once: the allocation reads the windows for every GPU row.
+        cur.execute(
+            f"CREATE OR REPLACE TEMP TABLE _lifetimes AS SELECT * FROM {slot_windows_sql(lo, hi)}"
+        )
+        return allocation.allocation_sql(policy, usage, gpus, occupancy, "_lifetimes")
+
+    def live_instances(
+        self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
+    ) -> list[tuple[str, str, int]]:
+        """(replica group, model, live instances), for /metrics."""
+        sql, params = live_counts_sql(now, heartbeat_seconds)
         with self.reader() as cur:
-            queries = allocation.allocation_sql(policy, usage, gpus, occupancy)
-            return allocation.run(cur, queries, policy)
+            return [(str(r), str(m), int(n)) for r, m, n in cur.execute(sql, params).fetchall()]
+
+    def lifetimes(self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
+                  state: Literal["live", "all"] = "all", replica: str | None = None,
+                  limit: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+        """Instance lifetimes as ``billing.lifetimes`` defines them, one dict per lifetime."""
+        sql, params = lifetimes_sql(now, heartbeat_seconds, state, replica, limit)
+        with self.reader() as cur:
+            rows = cur.execute(sql, params).fetchall()
+        return [dict(zip(LIFETIME_COLUMNS, row, strict=True)) for row in rows]
 
     def latest_month(self) -> str:
         """The newest month with data, or the current month."""

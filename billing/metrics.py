@@ -20,7 +20,13 @@ from billing.statement import error_lines
 from billing.statement_cache import CachedChargeback
 from infermeter.months import month_of
 
-__all__ = ["IngestCounters", "LedgerCollector", "SpendCollector", "StatementCollector"]
+__all__ = [
+    "IngestCounters",
+    "InstanceCollector",
+    "LedgerCollector",
+    "SpendCollector",
+    "StatementCollector",
+]
 
 
 class SpendCollector(Collector):
@@ -87,6 +93,31 @@ class LedgerCollector(Collector):
             "Batches parsed and queued for the next ingest transaction.",
             value=self.ledger.waiting_batches,
         )
+
+
+class InstanceCollector(Collector):
+    """infermeter_billing_live_instances: the dynamic fleet's live instances per replica group.
+
+    From the instance registry (``billing.lifetimes``), which reads only the recent end of the
+    instance events, so a scrape stays cheap however long the fleet has run.
+    """
+
+    def __init__(self, ledger: Ledger, heartbeat_seconds: float) -> None:
+        self.ledger = ledger
+        self.heartbeat_seconds = heartbeat_seconds
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """One sample per replica group and model with a live instance."""
+        family = GaugeMetricFamily(
+            "infermeter_billing_live_instances",
+            "Instances of the replica group that announced themselves within three heartbeats.",
+            labels=["replica", "model"],
+        )
+        for replica, model, count in self.ledger.live_instances(
+            time.time(), self.heartbeat_seconds
+        ):
+            family.add_metric([replica, model], count)
+        yield family
 
 
 class StatementCollector(Collector):

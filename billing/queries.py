@@ -154,26 +154,26 @@ _USAGE_SUMS = _sums("inflight_seconds", "requests", "failed_requests", "prompt_t
                     "cached_prompt_tokens", "completion_tokens", "ttft_seconds_sum", "ttft_count",
                     "ttft_within_sla", "decode_seconds_sum")  # fmt: skip
 _ENGINE_RAW = (
-    'SELECT replica, model, CAST(floor("timestamp" / 60) AS BIGINT) AS slot, '
+    'SELECT replica, coalesce(instance, replica) AS instance, model, CAST(floor("timestamp" / 60) AS BIGINT) AS slot, '
     "requests_running AS running_sum, requests_waiting AS waiting_sum, "
     "requests_waiting AS waiting_max, kv_cache_usage AS kv_sum, 1 AS n FROM engine_samples "
     'WHERE "timestamp" >= {lo} * 60 AND "timestamp" < {hi} * 60'
 )
 # "_all" copies sum every team into team '*': what the admin's fleet-wide charts read.
 COPIES: Final[Mapping[str, Copy]] = {
-    "usage_slots": Copy(_slot_table("usage_slots"), "replica, team, model", _USAGE_SUMS,
+    "usage_slots": Copy(_slot_table("usage_slots"), "replica, instance, team, model", _USAGE_SUMS,
                         "SELECT min(slot) FROM usage_slots"),
-    "usage_slots_all": Copy(_slot_table("usage_slots"), "replica, '*' AS team, model", _USAGE_SUMS,
+    "usage_slots_all": Copy(_slot_table("usage_slots"), "replica, instance, '*' AS team, model", _USAGE_SUMS,
                             "SELECT min(slot) FROM usage_slots"),
     "ttft_buckets": Copy(_slot_table("ttft_buckets"), "model, team", "bucket, sum(requests)",
                          "SELECT min(slot) FROM ttft_buckets"),
     "ttft_buckets_all": Copy(_slot_table("ttft_buckets"), "model, '*' AS team", "bucket, sum(requests)",
                              "SELECT min(slot) FROM ttft_buckets"),
-    "gpu_slots": Copy(_slot_table("gpu_slots"), "node, gpu_model, replica",
+    "gpu_slots": Copy(_slot_table("gpu_slots"), "node, gpu_model, replica, instance",
                       _sums("gpu_seconds", "energy_joules", "unmeasured_seconds", "utilization_seconds",
                             "power_watt_seconds", "samples", "xid_errors"),
                       "SELECT min(slot) FROM gpu_slots"),
-    "engine_samples": Copy(_ENGINE_RAW, "replica, model",
+    "engine_samples": Copy(_ENGINE_RAW, "replica, instance, model",
                            "sum(running_sum), sum(waiting_sum), max(waiting_max), sum(kv_sum), sum(n)",
                            'SELECT CAST(floor(min("timestamp") / 60) AS BIGINT) FROM engine_samples'),
 }  # fmt: skip
@@ -356,42 +356,44 @@ GROUP BY ALL ORDER BY team, model""",
 
 
 def gpus_sql(p: QueryParams) -> Sql:
-    """Mean GPU utilization, power and busy GPUs per node, replica and step."""
+    """Mean GPU utilization, power and busy GPUs per node, instance (by replica group) and step."""
     where, values = _where(p, team=False, model=False)
     return (
         f"""
-SELECT {_t(p)} AS t, node, replica, gpu_model,
+SELECT {_t(p)} AS t, node, replica, instance, gpu_model,
     sum(utilization_seconds) / nullif(sum(gpu_seconds), 0) AS utilization,
     sum(power_watt_seconds) / nullif(sum(gpu_seconds), 0) AS power_watts,
     sum(gpu_seconds) / {p.step}.0 AS gpus,
     sum(energy_joules) / 3.6e6 AS energy_kwh,
     CAST(sum(xid_errors) AS BIGINT) AS xid_errors
 FROM {_source("gpu_slots", p)} WHERE {where}
-GROUP BY ALL ORDER BY node, replica, t""",
+GROUP BY ALL ORDER BY node, replica, instance, t""",
         values,
     )
 
 
 def engine_sql(p: QueryParams) -> Sql:
-    """Mean running and waiting requests and KV-cache use per replica and step."""
+    """Mean running and waiting requests and KV-cache use per instance (by replica group) and step."""
     where, values = _where(p, team=False)
     return (
         f"""
-SELECT {_t(p)} AS t, replica, model,
+SELECT {_t(p)} AS t, replica, instance, model,
     sum(running_sum) / sum(n) AS requests_running, sum(waiting_sum) / sum(n) AS requests_waiting,
     max(waiting_max) AS requests_waiting_max, sum(kv_sum) / sum(n) AS kv_cache_usage
 FROM {_source("engine_samples", p)} WHERE {where}
-GROUP BY ALL ORDER BY replica, t""",
+GROUP BY ALL ORDER BY replica, instance, t""",
         values,
     )
 
 
 def replicas_sql(p: QueryParams) -> Sql:
-    """Replicas per model that sent an engine sample in the ``LIVE_SECONDS`` before the end."""
+    """Replica groups and instances per model that sent an engine sample in the ``LIVE_SECONDS``
+    before the end."""
     values: dict[str, Any] = {"start": float(p.end - LIVE_SECONDS), "end": float(p.end)}
     return (
         """
-SELECT model, count(DISTINCT replica) AS replicas, max("timestamp") AS last_sample
+SELECT model, count(DISTINCT replica) AS replicas,
+    count(DISTINCT coalesce(instance, replica)) AS instances, max("timestamp") AS last_sample
 FROM engine_samples WHERE "timestamp" >= $start AND "timestamp" < $end
 GROUP BY ALL ORDER BY model""",
         values,
@@ -417,9 +419,9 @@ QUERIES: Final[Mapping[str, Query]] = {
     ),
     "sla": Query(sla_sql, True, "share of requests within the TTFT target per model and team"),
     "team_usage": Query(team_usage_sql, True, "requests and tokens per team and model"),
-    "gpus": Query(gpus_sql, False, "GPU utilization and power per replica and step"),
-    "engine": Query(engine_sql, False, "queue depth and KV-cache use per replica and step"),
-    "replicas": Query(replicas_sql, False, "replicas reporting now, per model"),
+    "gpus": Query(gpus_sql, False, "GPU utilization and power per instance and step"),
+    "engine": Query(engine_sql, False, "queue depth and KV-cache use per instance and step"),
+    "replicas": Query(replicas_sql, False, "replica groups and instances reporting now, per model"),
 }
 
 

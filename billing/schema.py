@@ -185,7 +185,71 @@ CREATE TABLE instance_events (
 );
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3)
+# The allocation unit becomes the instance: each rollup gains ``instance`` (the engine instance,
+# ``coalesce(instance, replica)`` of the records; '' with replica '' for a GPU no instance runs
+# on) and is keyed by it, so N pods of one replica group are N rows per minute, not one. DuckDB
+# cannot change a primary key in place, so each table is rebuilt; rows already kept are a fixed
+# replica's, whose one instance is the replica itself.
+_V4 = """
+CREATE TABLE usage_slots_v4 (
+    replica VARCHAR NOT NULL,
+    instance VARCHAR NOT NULL,
+    team VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    slot BIGINT NOT NULL,
+    inflight_seconds DOUBLE NOT NULL,
+    requests BIGINT NOT NULL,
+    failed_requests BIGINT NOT NULL,
+    prompt_tokens BIGINT NOT NULL,
+    cached_prompt_tokens BIGINT NOT NULL,
+    completion_tokens BIGINT NOT NULL,
+    ttft_seconds_sum DOUBLE NOT NULL,
+    ttft_count BIGINT NOT NULL,
+    ttft_within_sla BIGINT NOT NULL,
+    decode_seconds_sum DOUBLE NOT NULL,
+    PRIMARY KEY (replica, instance, team, model, slot)
+);
+INSERT INTO usage_slots_v4
+SELECT replica, replica, team, model, slot, inflight_seconds, requests, failed_requests,
+    prompt_tokens, cached_prompt_tokens, completion_tokens, ttft_seconds_sum, ttft_count,
+    ttft_within_sla, decode_seconds_sum
+FROM usage_slots;
+DROP TABLE usage_slots;
+ALTER TABLE usage_slots_v4 RENAME TO usage_slots;
+CREATE TABLE replica_slots_v4 (
+    replica VARCHAR NOT NULL,
+    instance VARCHAR NOT NULL,
+    slot BIGINT NOT NULL,
+    inflight_seconds DOUBLE NOT NULL,
+    PRIMARY KEY (replica, instance, slot)
+);
+INSERT INTO replica_slots_v4 SELECT replica, replica, slot, inflight_seconds FROM replica_slots;
+DROP TABLE replica_slots;
+ALTER TABLE replica_slots_v4 RENAME TO replica_slots;
+CREATE TABLE gpu_slots_v4 (
+    node VARCHAR NOT NULL,
+    gpu_model VARCHAR NOT NULL,
+    replica VARCHAR NOT NULL,
+    instance VARCHAR NOT NULL,
+    slot BIGINT NOT NULL,
+    gpu_seconds DOUBLE NOT NULL,
+    energy_joules DOUBLE NOT NULL,
+    unmeasured_seconds DOUBLE NOT NULL,
+    utilization_seconds DOUBLE NOT NULL,
+    power_watt_seconds DOUBLE NOT NULL,
+    samples BIGINT NOT NULL,
+    xid_errors BIGINT NOT NULL,
+    PRIMARY KEY (node, gpu_model, replica, instance, slot)
+);
+INSERT INTO gpu_slots_v4
+SELECT node, gpu_model, replica, replica, slot, gpu_seconds, energy_joules, unmeasured_seconds,
+    utilization_seconds, power_watt_seconds, samples, xid_errors
+FROM gpu_slots;
+DROP TABLE gpu_slots;
+ALTER TABLE gpu_slots_v4 RENAME TO gpu_slots;
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4)
 LATEST_VERSION: Final = len(MIGRATIONS)
 
 

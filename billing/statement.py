@@ -7,7 +7,9 @@ adjustments it carries for earlier, closed months, to the cent.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any, Final
 
 import polars as pl
 
@@ -15,7 +17,7 @@ from billing.allocation import ERROR_PREFIX
 from billing.rounding import largest_remainder
 from infermeter.statement import CENT_COLUMNS, COUNT_COLUMNS, LINE_SCHEMA, empty_lines
 
-__all__ = ["adjustment_lines", "cents_lines", "error_lines", "team_totals"]
+__all__ = ["adjustment_lines", "cents_lines", "error_lines", "instance_lines", "team_totals"]
 
 
 def cents_lines(month: str, lines: pl.DataFrame, fleet_usd: float) -> pl.DataFrame:
@@ -84,3 +86,68 @@ def team_totals(lines: pl.DataFrame, teams: Sequence[str]) -> dict[str, int]:
     for team, cents in lines.group_by("team").agg(pl.col("total_cents").sum()).iter_rows():
         totals[team] = totals.get(team, 0) + int(cents)
     return totals
+
+
+# What each cent column of a line is split by: the same money per instance.
+_SPLIT_BY: Final = {
+    "compute_cents": "compute_usd", "energy_cents": "energy_usd", "idle_cents": "idle_usd",
+    "requests": "requests", "prompt_tokens": "prompt_tokens",
+    "completion_tokens": "completion_tokens",
+}  # fmt: skip
+
+
+def instance_lines(lines: pl.DataFrame, parts: pl.DataFrame) -> pl.DataFrame:
+    """``lines`` split by instance: columns ``replica`` (the group) and ``instance`` added.
+
+    ``parts`` is ``billing.allocation.by_instance`` of each month charged, with ``for_month``:
+    what every instance contributed to each (team, model). Each line's cents, requests and
+    tokens are split in whole units by largest remainder, in proportion to the instances'
+    own amounts, so the rows of a line add up to it exactly; GPU-hours and kWh are split in
+    proportion too. A line with nothing to split it by (an error line) stays whole, with
+    null replica and instance. An adjustment is split as its month is now made up.
+    """
+    keys = ["for_month", "team", "model"]
+    groups = dict(parts.group_by(keys))
+    rows: list[dict[str, Any]] = []
+    for line in lines.iter_rows(named=True):
+        mine = groups.get(tuple(line[k] for k in keys))
+        money = (
+            None if mine is None else mine["compute_usd"] + mine["energy_usd"] + mine["idle_usd"]
+        )
+        if mine is None or money is None or float(money.sum()) <= 0:
+            rows.append({**line, "replica": None, "instance": None})
+            continue
+        mine = mine.sort("replica", "instance")
+        fallback = money.to_list()
+        split = {c: _split(line[c], mine[w].to_list(), fallback) for c, w in _SPLIT_BY.items()}
+        for name in ("gpu_hours", "energy_kwh"):
+            weights = _weights(mine[name].to_list(), fallback)
+            split[name] = [line[name] * w for w in weights]
+        for i, (replica, instance) in enumerate(mine.select("replica", "instance").iter_rows()):
+            row = {**line, **{c: v[i] for c, v in split.items()}}
+            row["total_cents"] = row["compute_cents"] + row["energy_cents"] + row["idle_cents"]
+            if any(row[c] for c in (*_SPLIT_BY, "gpu_hours", "energy_kwh")):
+                rows.append({**row, "replica": replica, "instance": instance})
+    schema = {**LINE_SCHEMA, "replica": pl.String, "instance": pl.String}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def _weights(amounts: Sequence[float], fallback: Sequence[float]) -> list[float]:
+    """Shares of ``amounts`` (of ``fallback`` when they are all zero), adding up to 1."""
+    total = math.fsum(amounts)
+    if total <= 0:
+        amounts, total = fallback, math.fsum(fallback)
+    return [a / total for a in amounts]
+
+
+def _split(whole: int, amounts: Sequence[float], fallback: Sequence[float]) -> list[int]:
+    """``whole`` in whole units over ``amounts`` by largest remainder; the parts add up to it."""
+    if whole == 0:
+        return [0] * len(amounts)
+    sign, size = (1 if whole > 0 else -1), abs(whole)
+    exact = [size * w for w in _weights(amounts, fallback)]
+    floors = [math.floor(e) for e in exact]
+    missing = min(size - sum(floors), len(floors))
+    for i in sorted(range(len(exact)), key=lambda i: (floors[i] - exact[i], i))[:missing]:
+        floors[i] += 1
+    return [sign * f for f in floors]

@@ -1,11 +1,16 @@
 """FinOps FOCUS files (1.0, and 1.2 on request) from a statement.
 
-One row per statement line (team, model, month charged). The platform is the provider and the
-invoice issuer; each team is a sub-account; the model is the resource. Costs carry no discounts
+One row per statement line (team, model, month charged), or, when the statement's lines are
+split by instance (``billing.statement.instance_lines``: columns ``replica`` and ``instance``),
+one row per line and instance. The platform is the provider and the invoice issuer; each team is
+a sub-account; the resource is the instance (the engine, a pod in Kubernetes) that served the
+line, grouped by its replica group in ``x_ReplicaGroup`` and the tags; a line not split by
+instance (an unpriced GPU's error line, a statement without the split) has the model as its
+resource. Costs carry no discounts
 here, so list, contracted, effective and billed cost are the same number. Late records of a
 closed month appear as ``ChargeClass = Correction`` rows whose charge period is that month.
 Custom columns (``x_`` prefix, as FOCUS requires) carry what FOCUS has no column for: team,
-model, tokens, requests, energy and the cost components.
+model, replica group, tokens, requests, energy and the cost components.
 """
 
 from __future__ import annotations
@@ -58,6 +63,13 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
         raise ValueError(f"FOCUS version {version!r} is not supported; use 1.0 or 1.2")
     start, end = month_bounds(statement.month)
     lines = statement.lines
+    if "instance" not in lines.columns:
+        lines = lines.with_columns(
+            pl.lit(None, dtype=pl.String).alias("replica"),
+            pl.lit(None, dtype=pl.String).alias("instance"),
+        )
+    by_instance = pl.col("instance").is_not_null()
+    resource = pl.coalesce("instance", "model")
     periods = {
         m: tuple(_utc(t) for t in month_bounds(m)) for m in set(lines["for_month"].to_list())
     }
@@ -90,9 +102,9 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
         pl.lit("GPU-Hours").alias("PricingUnit"),
         pl.lit(PROVIDER).alias("ProviderName"),
         pl.lit(PROVIDER).alias("PublisherName"),
-        pl.col("model").alias("ResourceId"),
-        pl.col("model").alias("ResourceName"),
-        pl.lit("LLM Model").alias("ResourceType"),
+        resource.alias("ResourceId"),
+        resource.alias("ResourceName"),
+        pl.when(by_instance).then(pl.lit("LLM Inference Instance")).otherwise(pl.lit("LLM Model")).alias("ResourceType"),
         pl.lit(SERVICE_CATEGORY).alias("ServiceCategory"),
         pl.lit(SERVICE_NAME).alias("ServiceName"),
         pl.col("team").alias("SubAccountId"),
@@ -112,10 +124,15 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
         pl.lit(None, dtype=pl.String).alias("RegionName"),
         pl.format("gpu-inference/{}", "model").alias("SkuId"),
         pl.format("gpu-inference/{}/{}", "model", "for_month").alias("SkuPriceId"),
-        # Serialised as JSON, not formatted: a model name is whatever a client sent.
-        pl.struct("team", "model").struct.json_encode().alias("Tags"),
+        # Serialised as JSON, not formatted: a model name is whatever a client sent. The replica
+        # group is a tag only on rows of an instance.
+        pl.when(by_instance)
+        .then(pl.struct("team", "model", pl.col("replica").alias("replica_group")).struct.json_encode())
+        .otherwise(pl.struct("team", "model").struct.json_encode())
+        .alias("Tags"),
         pl.col("team").alias("x_Team"),
         pl.col("model").alias("x_Model"),
+        pl.col("replica").alias("x_ReplicaGroup"),
         pl.col("for_month").alias("x_UsageMonth"),
         pl.col("requests").alias("x_Requests"),
         pl.col("prompt_tokens").alias("x_PromptTokens"),

@@ -57,8 +57,9 @@ async def close(_: Manager, month: Month, svc: ServicesDep) -> dict[str, Any]:
             responses=text(CSV, "The FOCUS file.") | errors(400, *READ))  # fmt: skip
 async def chargeback_focus(who: Reader, month: Month, svc: ServicesDep,
                            version: Annotated[str, Query(pattern=r"^1\.[02]$")] = "1.0") -> Response:  # fmt: skip
-    """The FinOps FOCUS file: every line for the admin, a team's own lines for a team."""
+    """The FinOps FOCUS file, a row per line and instance: every line for the admin, a team's own for a team."""
     statement = await _statement(svc, month, who)
+    statement = await compute(svc, svc.chargeback.by_instance, statement)
     text = write_csv(focus_frame(statement, svc.config, version))
     return download(text, f"focus-{version}-{month}.csv")
 

@@ -135,3 +135,48 @@ def test_the_chargeback_command_names_a_bad_month(tmp_path, capsys):
     """A month that is not YYYY-MM is a one-line error."""
     with pytest.raises(ValueError, match="month '2026-13' is not of the form YYYY-MM"):
         main(["chargeback", "--month", "2026-13", "--database", str(tmp_path / "x.duckdb")])
+
+
+def _pods(ledger: Ledger, config: Config) -> Chargeback:
+    """November: group small-0 served by two pods, each with its GPU; search on one, assistant on both."""
+    for pod, gpu in (("small-0-a", "0"), ("small-0-b", "1")):
+        samples = [
+            {**s, "instance": pod} for s in gpu_samples(start=NOV + 3600, seconds=3600, gpu=gpu)
+        ]
+        ledger.ingest(batch("gpu_samples", samples), now=NOV + 20 * 86400)
+    ledger.ingest(batch("usage", [usage("search", NOV + 3700, 300, instance="small-0-a"),
+                                  usage("assistant", NOV + 3800, 600, instance="small-0-a"),
+                                  usage("assistant", NOV + 3800, 900, instance="small-0-b")]),
+                  now=NOV + 20 * 86400)  # fmt: skip
+    return Chargeback(ledger, config)
+
+
+def test_focus_rows_are_instances_grouped_by_replica_group(ledger, config, tmp_path):
+    """ResourceId is the pod that served the line, x_ReplicaGroup its group; the cents still add up."""
+    cb = _pods(ledger, config)
+    statement = cb.by_instance(cb.statement("2026-11"))
+    frame = focus_frame(statement, config, "1.2")
+    rows = {(r["x_Team"], r["ResourceId"]): r for r in frame.iter_rows(named=True)}
+    assert set(rows) == {("search", "small-0-a"), ("assistant", "small-0-a"),
+                         ("assistant", "small-0-b")}  # fmt: skip
+    assert {r["x_ReplicaGroup"] for r in rows.values()} == {"small-0"}
+    assert rows[("assistant", "small-0-b")]["ResourceType"] == "LLM Inference Instance"
+    assert '"replica_group":"small-0"' in rows[("search", "small-0-a")]["Tags"]
+    assert round(frame["BilledCost"].sum() * 100) == statement.total_cents == statement.fleet_cents
+    path = tmp_path / "focus-1.0.csv"
+    path.write_text(write_csv(focus_frame(statement, config, "1.0")))
+    assert focus_1_0_failures(path, tmp_path / "focus-report.xml")[1] == []
+
+
+def test_lines_split_by_instance_add_up_to_each_line(ledger, config):
+    """Every line's cents, requests and tokens are its instance rows' sum, adjustments included."""
+    statement = _statement(ledger, config)
+    split = Chargeback(ledger, config).by_instance(statement)
+    keys = ["for_month", "team", "model"]
+    columns = ["requests", "prompt_tokens", "completion_tokens", "compute_cents", "energy_cents",
+               "idle_cents", "total_cents"]  # fmt: skip
+    summed = split.lines.group_by(keys).agg(pl.col(columns).sum()).sort(keys)
+    assert summed.equals(statement.lines.select(*keys, *columns).sort(keys))
+    adjustments = split.lines.filter(pl.col("for_month") == "2026-10")
+    assert adjustments["total_cents"].to_list() != [0] * adjustments.height
+    assert set(split.lines["instance"]) == {"small-0"}

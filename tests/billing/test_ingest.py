@@ -243,7 +243,9 @@ def test_an_older_ledger_is_migrated_with_its_data(tmp_path):
             assert cur.execute("SELECT max(version) FROM schema_version").fetchall() == [
                 (LATEST_VERSION,)
             ]
-            assert cur.execute("SELECT * FROM replica_slots").fetchall() == [("small-0", 100, 50.0)]
+            assert cur.execute(
+                "SELECT replica, slot, inflight_seconds FROM replica_slots"
+            ).fetchall() == [("small-0", 100, 50.0)]
     finally:
         ledger.close()
 
