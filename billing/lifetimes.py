@@ -49,8 +49,8 @@ _LATEST = ("replica", "model", "node", "gpu_model", "gpu_count", "gpus", "namesp
 
 
 def heartbeat_seconds(config: Config) -> float:
-    """How often sidecars heartbeat: ``sidecar.heartbeat_seconds``, else the default of 30 s."""
-    return float(getattr(config.sidecar, "heartbeat_seconds", DEFAULT_HEARTBEAT_SECONDS))
+    """How often sidecars heartbeat (``sidecar.heartbeat_seconds``)."""
+    return float(config.sidecar.heartbeat_seconds)
 
 
 def live_counts_sql(
