@@ -16,7 +16,13 @@ from prometheus_client import CollectorRegistry
 from billing.access import keyring
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
-from billing.metrics import IngestCounters, LedgerCollector, SpendCollector, StatementCollector
+from billing.metrics import (
+    IngestCounters,
+    LedgerCollector,
+    ReconciliationCollector,
+    SpendCollector,
+    StatementCollector,
+)
 from billing.ratelimit import ReadLimiter
 from billing.rollups import Rollups
 from billing.routes import errors, ingest, ops, queries, statements
@@ -46,6 +52,7 @@ def create_app(config: Config, ledger: Ledger, statement_ttl_seconds: float = 30
     registry.register(SpendCollector(cache))
     registry.register(LedgerCollector(ledger))
     registry.register(StatementCollector(cache))
+    registry.register(ReconciliationCollector(ledger))
     app.state.services = Services(
         config=config,
         ledger=ledger,

@@ -8,11 +8,15 @@ from typing import Any
 import duckdb
 import polars as pl
 import pytest
+from fastapi.testclient import TestClient
 from hypothesis import given, settings, strategies as st
+from prometheus_client import CollectorRegistry
 
 from billing.allocation import allocation_sql, run
+from billing.api import create_app
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
+from billing.metrics import ReconciliationCollector
 from billing.reconciliation import charge, is_unattributed, unattributed_model, unattributed_sql
 from billing.rounding import to_cents
 from billing.statement import cents_lines
@@ -224,6 +228,44 @@ def test_instances_of_a_group_reconcile_each_on_its_own(ledger: Ledger) -> None:
         ("small-0-a", "small-0", 0),
         ("small-0-b", "small-0", 150),
     ]
+
+
+@pytest.mark.parametrize(
+    ("key", "status"),
+    [("im-demo-admin", 200), ("im-demo-metrics", 200), ("im-demo-search", 403), ("im-demo-ingest", 403)],
+)  # fmt: skip
+def test_the_query_is_for_the_admin_and_monitoring_not_teams(
+    lossy: Ledger, config: Config, key: str, status: int
+) -> None:
+    """GET /v1/query/reconciliation answers the admin and metrics credentials; 403 for the rest."""
+    with TestClient(create_app(config, lossy)) as client:
+        response = client.get(
+            "/v1/query/reconciliation",
+            params={"from": OCT + HOUR, "to": OCT + 2 * HOUR},
+            headers={"authorization": f"Bearer {key}"},
+        )
+    assert response.status_code == status, response.text
+    if status == 200:
+        body = response.json()
+        rows = [dict(zip(body["columns"], r, strict=True)) for r in body["rows"]]
+        assert [
+            (r["instance"], r["difference_tokens"], r["unattributed_tokens"]) for r in rows
+        ] == [("small-0", 600, 600)]
+
+
+def test_metrics_show_the_last_whole_hour(lossy: Ledger) -> None:
+    """The gauges describe the hour before the current one, per replica group."""
+    registry = CollectorRegistry()
+    registry.register(ReconciliationCollector(lossy, clock=lambda: OCT + 2 * HOUR + 1800))
+    group = {"replica": "small-0", "model": "chat-small"}
+    assert registry.get_sample_value("infermeter_reconciliation_unattributed_tokens", group) == 600
+    assert registry.get_sample_value("infermeter_reconciliation_engine_tokens", group) == 3000
+    assert registry.get_sample_value("infermeter_reconciliation_difference_tokens", group) == 600
+    assert registry.get_sample_value("infermeter_reconciliation_unattributed_share", group) == 0.2
+    assert registry.get_sample_value("infermeter_reconciliation_hour_start_seconds") == OCT + HOUR
+    later = CollectorRegistry()
+    later.register(ReconciliationCollector(lossy, clock=lambda: OCT + 3 * HOUR + 1800))
+    assert later.get_sample_value("infermeter_reconciliation_unattributed_share", group) == 0.0
 
 
 @st.composite
