@@ -20,6 +20,8 @@ from billing.metrics import ReconciliationCollector
 from billing.reconciliation import charge, is_unattributed, unattributed_model, unattributed_sql
 from billing.rounding import to_cents
 from billing.statement import cents_lines
+from exporters.chargeback_csv import chargeback_frame
+from exporters.focus import focus_frame
 from infermeter.config import Config
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
 from tests.billing.test_allocation import REPLICAS, fleets
@@ -141,6 +143,20 @@ def test_the_unattributed_line_costs_the_induced_difference(lossy: Ledger, confi
     assert statement.total_cents == to_cents(fleet)
     cents = statement.lines.filter(pl.col("model") == unattributed_model("chat-small"))
     assert cents["total_cents"].to_list() == [to_cents(0.2 * (1.60 + 0.2 * 0.14 * 1.35))]
+
+
+def test_the_line_reads_as_its_own_in_csv_and_focus(lossy: Ledger, config: Config) -> None:
+    """The CSV and FOCUS rows of the unattributed line name it in the model and its description."""
+    statement = Chargeback(lossy, config).statement("2026-10")
+    csv = chargeback_frame(statement, {}).filter(pl.col("model") == "chat-small (unattributed)")
+    assert csv.select(
+        "team", "line_type", "requests", "prompt_tokens", "completion_tokens"
+    ).rows() == [("platform", "usage", 0, 400, 200)]
+    focus = focus_frame(statement, config).filter(pl.col("x_Model") == "chat-small (unattributed)")
+    assert focus["ChargeDescription"].to_list() == [
+        "GPU inference on chat-small (unattributed) for team platform (2026-10)"
+    ]
+    assert focus["SkuId"].to_list() == ["gpu-inference/chat-small (unattributed)"]
 
 
 def test_teams_pay_their_measured_share_and_idle_pays_for_the_loss(
