@@ -118,7 +118,7 @@ WITH samples AS (
 ),
 hourly AS (
     SELECT instance, CAST(floor(ts / {HOUR_SECONDS}) AS BIGINT) AS hour,
-        arg_max(replica, ts) AS replica, arg_max(model, ts) AS model,
+        max(replica) AS replica, max(model) AS model,
         sum(prompt) AS engine_prompt, sum(completion) AS engine_completion,
         min(ts) AS first_ts, max(ts) AS hi
     FROM samples GROUP BY ALL
