@@ -79,17 +79,30 @@ class ReconciliationCollector(Collector):
     _unattributed_tokens (the positive part, prompt and completion apart, summed over the
     group's instances), _unattributed_share (of the engine's tokens) and _hour_start_seconds.
     The hour is a whole one so that the alert on the share compares like with like; it is
-    read from the ledger at scrape time, so records that arrive late lower it again.
+    read from the ledger at scrape time, at most once per ``max_age_seconds`` (it reads the raw
+    tables), so records that arrive late lower it again.
     """
 
-    def __init__(self, ledger: Ledger, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, ledger: Ledger, clock: Callable[[], float] = time.time,
+                 max_age_seconds: float = 60.0) -> None:  # fmt: skip
         self.ledger = ledger
         self.clock = clock
+        self.max_age_seconds = max_age_seconds
+        # (read at, the hour's end, its rows): several scrapers share one read.
+        self._last: tuple[float, float, pl.DataFrame] | None = None
+
+    def _hour(self, now: float) -> tuple[float, pl.DataFrame]:
+        end = now // HOUR_SECONDS * HOUR_SECONDS
+        last = self._last
+        if last is not None and last[1] == end and now - last[0] < self.max_age_seconds:
+            return end, last[2]
+        frame = self.ledger.reconciliation(end - HOUR_SECONDS, end)
+        self._last = (now, end, frame)
+        return end, frame
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """One sample per replica group and model for each gauge."""
-        end = self.clock() // HOUR_SECONDS * HOUR_SECONDS
-        frame = self.ledger.reconciliation(end - HOUR_SECONDS, end)
+        end, frame = self._hour(self.clock())
         groups = (
             frame.group_by("replica", "model")
             .agg(pl.col("engine_tokens", "difference_tokens", "unattributed_tokens").sum())

@@ -284,6 +284,22 @@ def test_metrics_show_the_last_whole_hour(lossy: Ledger) -> None:
     assert later.get_sample_value("infermeter_reconciliation_unattributed_share", group) == 0.0
 
 
+def test_late_records_lower_the_gauges_at_the_next_read(ledger: Ledger) -> None:
+    """Records that arrive after the hour lower the share once the cached read is a minute old."""
+    hour1 = requests(10, 1)
+    fill(ledger, hour1[2:], engine_samples(hour1, OCT, OCT + 3 * HOUR))
+    now = [OCT + 2 * HOUR + 60]
+    registry = CollectorRegistry()
+    registry.register(ReconciliationCollector(ledger, clock=lambda: now[0]))
+    group = {"replica": "small-0", "model": "chat-small"}
+    assert registry.get_sample_value("infermeter_reconciliation_unattributed_tokens", group) == 300
+    ledger.ingest(batch("usage", hour1[:2]), now=OCT + 40 * 86400)
+    now[0] += 30
+    assert registry.get_sample_value("infermeter_reconciliation_unattributed_tokens", group) == 300
+    now[0] += 31
+    assert registry.get_sample_value("infermeter_reconciliation_unattributed_tokens", group) == 0
+
+
 @st.composite
 def lossy_fleets(draw):
     """Random fleets (as the allocation tests draw them) with random unattributed tokens in hour 0."""
