@@ -203,7 +203,7 @@ costs AS (
     FROM {slots} GROUP BY ALL
 ),
 claimed AS (
-    SELECT t.*, coalesce(c.compute_usd + c.energy_usd, 0.0) AS cost_usd,
+    SELECT t.*,
         CASE WHEN coalesce(c.compute_usd + c.energy_usd, 0.0) > 0 AND t.engine_weighted > 0
             THEN greatest(0.0, least(t.weighted / t.engine_weighted,
                                      c.idle_usd / (c.compute_usd + c.energy_usd)))
