@@ -385,9 +385,22 @@ def _spend_alerts(config: Config) -> list[Rule]:
     return rules
 
 
+# The reconciliation gauges describe the last whole hour and change only as late records arrive:
+# waiting 15 minutes lets records still in a spool when the hour ended reach billing first.
+RECONCILIATION_FOR_SECONDS = 900
+
+
 def _platform_alerts(config: Config) -> list[Rule]:
     a = config.alerts
+    share = config.billing.reconciliation_alert_share
     return [
+        _alert("InfermeterTokensUnattributed",
+               f"max by (replica, model) (infermeter_reconciliation_unattributed_share) > {_number(share)}",
+               RECONCILIATION_FOR_SECONDS, "warning",
+               f"{{{{ $value | humanizePercentage }}}} of the tokens replica group {{{{ $labels.replica }}}} processed in the last whole hour have no usage record (over {_number(share * 100)}%)",
+               "Read GET /v1/query/reconciliation for the hour to find the instance; look for sidecars killed or cut off "
+               "(restarts, OOM kills, spool errors) and for requests reaching vLLM around the sidecar. The tokens are on "
+               "the statement as the group's unattributed line."),
         _alert("InfermeterUsageSpoolBacklog",
                f"infermeter_usage_spool_backlog > {a.spool_backlog_records}",
                a.spool_backlog_for_seconds, "warning",

@@ -53,7 +53,7 @@ that every split adds up to the fleet cost.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
@@ -67,6 +67,7 @@ __all__ = [
     "LINE_COLUMNS",
     "UNALLOCATED",
     "AllocationSql",
+    "IdleClaims",
     "Policy",
     "allocate",
     "allocation_sql",
@@ -361,10 +362,21 @@ def _idle_lines(instances: pl.DataFrame, shares: pl.DataFrame, policy: Policy) -
     return pl.DataFrame(rows, schema=_IDLE_SCHEMA)
 
 
+# Called by ``run`` once ``_slots`` exists, with the per-replica busy and idle cost: returns them
+# with part of the idle claimed by other lines (``billing.reconciliation``), and those lines.
+IdleClaims = Callable[[duckdb.DuckDBPyConnection, pl.DataFrame], tuple[pl.DataFrame, pl.DataFrame]]
+
+
 def run(
-    con: duckdb.DuckDBPyConnection, queries: AllocationSql, policy: Policy
+    con: duckdb.DuckDBPyConnection,
+    queries: AllocationSql,
+    policy: Policy,
+    claims: IdleClaims | None = None,
 ) -> tuple[pl.DataFrame, float]:
-    """Run ``queries`` on ``con``: the lines (error lines for unpriced GPUs) and the fleet cost."""
+    """Run ``queries`` on ``con``: the lines (error lines for unpriced GPUs) and the fleet cost.
+
+    ``claims``, when given, takes its lines out of the idle capacity before idle is charged.
+    """
     unpriced = con.sql(queries.unpriced).pl()
     fleet_rows = con.execute(queries.fleet).fetchall()
     fleet = float(fleet_rows[0][0]) if fleet_rows and fleet_rows[0][0] is not None else 0.0
@@ -377,7 +389,13 @@ def run(
             pl.col("requests", "prompt_tokens", "completion_tokens").sum()
         )
         shares = shares.drop("requests", "prompt_tokens", "completion_tokens")
-    lines = lines_from(con.sql(queries.instances).pl(), shares, counts, policy)
+    instances = con.sql(queries.instances).pl()
+    claimed = None
+    if claims is not None:
+        instances, claimed = claims(con, instances)
+    lines = lines_from(instances, shares, counts, policy)
+    if claimed is not None and claimed.height:
+        lines = pl.concat([lines, claimed]).sort("team", "model")
     if unpriced.height:
         lines = pl.concat([lines, unpriced_lines(unpriced, policy)]).sort("team", "model")
     return lines, fleet

@@ -21,6 +21,7 @@ from billing.metrics import (
     IngestCounters,
     InstanceCollector,
     LedgerCollector,
+    ReconciliationCollector,
     SpendCollector,
     StatementCollector,
 )
@@ -54,6 +55,7 @@ def create_app(config: Config, ledger: Ledger, statement_ttl_seconds: float = 30
     registry.register(LedgerCollector(ledger))
     registry.register(StatementCollector(cache))
     registry.register(InstanceCollector(ledger, heartbeat_seconds(config)))
+    registry.register(ReconciliationCollector(ledger))
     app.state.services = Services(
         config=config,
         ledger=ledger,

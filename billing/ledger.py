@@ -22,7 +22,7 @@ import duckdb
 import orjson
 import polars as pl
 
-from billing import allocation, ingest_sql
+from billing import allocation, ingest_sql, reconciliation
 from billing.allocation import Policy
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
 from billing.group_commit import GroupCommit, Ticket
@@ -499,9 +499,14 @@ class Ledger:
     # -- reads for allocation -----------------------------------------------------------
 
     def allocate(self, policy: Policy, month: str) -> tuple[pl.DataFrame, float]:
-        """``month``'s allocation lines (unrounded) and fleet cost, from the rollups."""
+        """``month``'s allocation lines (unrounded) and fleet cost, from the rollups.
+
+        Tokens the engines counted and no record carries are lines of their own, costed out of
+        the idle capacity (``billing.reconciliation``).
+        """
+        claims = reconciliation.claims(policy, *month_bounds(month))
         with self.reader() as cur:
-            return allocation.run(cur, self._month_sql(cur, policy, month), policy)
+            return allocation.run(cur, self._month_sql(cur, policy, month), policy, claims)
 
     def by_instance(self, policy: Policy, month: str) -> pl.DataFrame:
         """``month``'s lines per instance, unrounded (``billing.allocation.by_instance``)."""
@@ -537,6 +542,15 @@ class Ledger:
         with self.reader() as cur:
             rows = cur.execute(sql, params).fetchall()
         return [dict(zip(LIFETIME_COLUMNS, row, strict=True)) for row in rows]
+
+    def reconciliation(self, start: float, end: float) -> pl.DataFrame:
+        """Engine counters against the ledger per instance, for the hours ``start``..``end`` touches.
+
+        One row per instance and hour, as ``billing.reconciliation.reconciliation_sql`` says.
+        """
+        sql, values = reconciliation.reconciliation_sql(*reconciliation.hours(start, end))
+        with self.reader() as cur:
+            return _frame(cur, sql, values)
 
     def latest_month(self) -> str:
         """The newest month with data, or the current month."""
@@ -640,7 +654,8 @@ def _json_batch(kind: RecordKind, texts: Sequence[bytes]) -> bytes:
     return b'{"' + kind.key.encode() + b'": [' + b",".join(texts) + b"]}"
 
 
-def _frame(cur: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any]) -> pl.DataFrame:
+def _frame(cur: duckdb.DuckDBPyConnection, sql: str,
+           params: Sequence[Any] | Mapping[str, Any]) -> pl.DataFrame:  # fmt: skip
     """A query's result as a Polars frame (through Arrow, without copying row by row)."""
     frame: pl.DataFrame = cur.sql(sql, params=params).pl()
     return frame

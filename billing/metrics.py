@@ -8,14 +8,16 @@ routes use, so a scrape never recomputes the month while the scraper waits.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import polars as pl
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from billing.chargeback import Chargeback
 from billing.ledger import IngestResult, Ledger
+from billing.reconciliation import HOUR_SECONDS
 from billing.statement import error_lines
 from billing.statement_cache import CachedChargeback
 from infermeter.months import month_of
@@ -24,6 +26,7 @@ __all__ = [
     "IngestCounters",
     "InstanceCollector",
     "LedgerCollector",
+    "ReconciliationCollector",
     "SpendCollector",
     "StatementCollector",
 ]
@@ -68,6 +71,65 @@ class SpendCollector(Collector):
         yield budget
         yield forecast
         yield errors
+
+
+class ReconciliationCollector(Collector):
+    """The last whole hour's reconciliation per replica group: engine, unattributed, share.
+
+    infermeter_reconciliation_engine_tokens, _difference_tokens (engine - ledger, signed),
+    _unattributed_tokens (the positive part, prompt and completion apart, summed over the
+    group's instances), _unattributed_share (of the engine's tokens) and _hour_start_seconds.
+    The hour is a whole one so that the alert on the share compares like with like; it is
+    read from the ledger at scrape time, at most once per ``max_age_seconds`` (it reads the raw
+    tables), so records that arrive late lower it again.
+    """
+
+    def __init__(self, ledger: Ledger, clock: Callable[[], float] = time.time,
+                 max_age_seconds: float = 60.0) -> None:  # fmt: skip
+        self.ledger = ledger
+        self.clock = clock
+        self.max_age_seconds = max_age_seconds
+        # (read at, the hour's end, its rows): several scrapers share one read.
+        self._last: tuple[float, float, pl.DataFrame] | None = None
+
+    def _hour(self, now: float) -> tuple[float, pl.DataFrame]:
+        end = now // HOUR_SECONDS * HOUR_SECONDS
+        last = self._last
+        if last is not None and last[1] == end and now - last[0] < self.max_age_seconds:
+            return end, last[2]
+        frame = self.ledger.reconciliation(end - HOUR_SECONDS, end)
+        self._last = (now, end, frame)
+        return end, frame
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """One sample per replica group and model for each gauge."""
+        end, frame = self._hour(self.clock())
+        groups = (
+            frame.group_by("replica", "model")
+            .agg(pl.col("engine_tokens", "difference_tokens", "unattributed_tokens").sum())
+            .sort("replica", "model")
+        )
+        labels = ["replica", "model"]
+        engine = GaugeMetricFamily("infermeter_reconciliation_engine_tokens",
+                                   "Tokens the group's engines counted in the last whole hour.", labels=labels)  # fmt: skip
+        difference = GaugeMetricFamily("infermeter_reconciliation_difference_tokens",
+                                       "Engine tokens minus the ledger's in the last whole hour (negative: reported, not billed).",
+                                       labels=labels)  # fmt: skip
+        lost = GaugeMetricFamily("infermeter_reconciliation_unattributed_tokens",
+                                 "Tokens the engines counted that no usage record carries, last whole hour.", labels=labels)  # fmt: skip
+        share = GaugeMetricFamily("infermeter_reconciliation_unattributed_share",
+                                  "Unattributed tokens over the engines' tokens, last whole hour.", labels=labels)  # fmt: skip
+        for replica, model, tokens, diff, unattributed in groups.iter_rows():
+            engine.add_metric([replica, model], tokens)
+            difference.add_metric([replica, model], diff)
+            lost.add_metric([replica, model], unattributed)
+            share.add_metric([replica, model], unattributed / tokens if tokens else 0.0)
+        yield engine
+        yield difference
+        yield lost
+        yield share
+        yield GaugeMetricFamily("infermeter_reconciliation_hour_start_seconds",
+                                "Start of the hour the reconciliation gauges describe, Unix seconds.", value=end - HOUR_SECONDS)  # fmt: skip
 
 
 class LedgerCollector(Collector):

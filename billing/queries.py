@@ -1,7 +1,7 @@
 """Read-only queries behind the dashboards: SQL builders over the minute rollups.
 
 Every query reads the rollup tables (``usage_slots``, ``gpu_slots``, ``ttft_buckets``) or the
-engine samples, restricted to a time range of whole slots, so its cost follows the range and the
+engine samples (the reconciliation: the raw usage too, by the hour), restricted to a time range of whole slots, so its cost follows the range and the
 fleet's size, never the number of requests. The builders are pure (they return SQL and its
 parameters) so they can be tested against an in-memory DuckDB; ``run`` is the only function that
 touches a cursor.
@@ -21,6 +21,7 @@ from typing import Any, Final
 import duckdb
 import polars as pl
 
+from billing import reconciliation
 from billing.buckets import FIRST, RATIO
 from billing.schema import SLOT_SECONDS
 
@@ -35,6 +36,7 @@ __all__ = [
     "QueryParams",
     "auto_step",
     "params_from",
+    "reconciliation_sql",
     "rollup_setup_sql",
     "rollup_sql",
     "run",
@@ -400,15 +402,25 @@ GROUP BY ALL ORDER BY model""",
     )
 
 
+def reconciliation_sql(p: QueryParams) -> Sql:
+    """Engine counters against the ledger per instance and hour (``billing.reconciliation``)."""
+    return reconciliation.reconciliation_sql(*reconciliation.hours(p.start, p.end), model=p.model)
+
+
 @dataclass(frozen=True, slots=True)
 class Query:
     """A named query: its SQL, whether a team key may run it (for its own team), and a
-    final step over the SQL's rows."""
+    final step over the SQL's rows.
+
+    ``scrapers``: the metrics credential may run it too (what monitoring watches, such as the
+    reconciliation, which holds no team's data).
+    """
 
     build: Callable[[QueryParams], Sql]
     per_team: bool
     doc: str
     finish: Callable[[pl.DataFrame], pl.DataFrame] | None = None
+    scrapers: bool = False
 
 
 QUERIES: Final[Mapping[str, Query]] = {
@@ -422,6 +434,12 @@ QUERIES: Final[Mapping[str, Query]] = {
     "gpus": Query(gpus_sql, False, "GPU utilization and power per instance and step"),
     "engine": Query(engine_sql, False, "queue depth and KV-cache use per instance and step"),
     "replicas": Query(replicas_sql, False, "replica groups and instances reporting now, per model"),
+    "reconciliation": Query(
+        reconciliation_sql,
+        False,
+        "engine tokens against the ledger's per instance and hour",
+        scrapers=True,
+    ),
 }
 
 

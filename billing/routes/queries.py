@@ -2,7 +2,8 @@
 
 The billing service owns the DuckDB file, so the dashboards read through it, with the caller's
 own credential: the admin key sees every team; a team key is held to its own team (asking for
-another is 403) and may not read fleet-wide telemetry (GPUs, engines), which spans every team.
+another is 403) and may not read fleet-wide telemetry (GPUs, engines), which spans every team;
+the metrics credential may read what monitoring watches (the reconciliation), and nothing else.
 Answers are ``{"columns": [...], "rows": [[...], ...]}`` plus the range actually served.
 Statements and spend are served from the statement cache, which a scrape of ``/metrics`` shares.
 """
@@ -23,7 +24,7 @@ from billing.routes.dependencies import Asker, Month, Reader, ServicesDep, compu
 from billing.routes.errors import error_response
 from billing.routes.openapi import READ, errors
 from billing.routes.responses import fields_of, json_response, refresh_if_stale
-from infermeter.auth import Caller, Forbidden
+from infermeter.auth import SCRAPERS, Caller, Forbidden
 from infermeter.errors import BadRequest
 from infermeter.months import month_of
 from infermeter.statement import statement_json
@@ -36,12 +37,14 @@ router = APIRouter()
 def scope(caller: Caller, query: queries.Query, team: str | None) -> str | None:
     """The team filter ``caller`` gets for ``query`` when it asks for ``team``.
 
-    The admin gets what it asks for (None: every team). A team always gets its own team;
-    Forbidden when it asks for another, for a fleet-wide query, or when the caller is another
-    role (metrics, ingest).
+    The admin gets what it asks for (None: every team); the metrics role, a query open to
+    scrapers, over every team. A team always gets its own team; Forbidden when it asks for
+    another, for a fleet-wide query, or when the caller is another role (metrics, ingest).
     """
     if caller.is_admin:
         return team
+    if query.scrapers and caller.name in SCRAPERS:
+        return None
     own = caller.team
     if own is None:
         raise Forbidden("this credential may not read the ledger")

@@ -9,6 +9,7 @@ import plotly.graph_objects as go  # type: ignore[import-untyped]
 import polars as pl
 from dash import Dash, Input, Output, html
 
+from dashboards import reconciliation
 from dashboards.client import BillingError
 from dashboards.components import frame_table, graph, line_figure, note, page
 from dashboards.context import Context, signed_in
@@ -31,6 +32,8 @@ def layout(ctx: Context) -> html.Div:
         html.H3("Engines and GPUs"),
         html.Div(id="fleet-admin-note"),
         html.Div([graph(f) for f in _ADMIN_FIGURES], className="grid"),
+        html.H3("Tokens: engines against the ledger"),
+        html.Div(id="fleet-reconciliation"),
     )
 
 
@@ -70,7 +73,8 @@ def _replicas(
 
 
 def register(app: Dash, ctx: Context) -> None:
-    """The fleet page's callback: every figure, refreshed on the interval."""
+    """The fleet page's callbacks: every figure, refreshed on the interval; the reconciliation."""
+    reconciliation.register(app, ctx)
     outputs = [Output("fleet-status", "children"), Output("fleet-replicas", "children"),
                Output("fleet-admin-note", "children")]  # fmt: skip
     outputs += [Output(f, "figure") for f in (*_FIGURES, *_ADMIN_FIGURES)]

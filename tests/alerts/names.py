@@ -14,8 +14,9 @@ from infermeter.config import Config
 from sidecar.metrics import SidecarMetrics
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
-# Announced by billing for the spend alerts and dashboards.
-BILLING = {"infermeter_team_spend_usd", "infermeter_team_budget_usd", "infermeter_team_spend_forecast_usd"}  # fmt: skip
+# Announced by billing for the spend and reconciliation alerts and dashboards.
+BILLING = {"infermeter_team_spend_usd", "infermeter_team_budget_usd", "infermeter_team_spend_forecast_usd",
+           "infermeter_reconciliation_unattributed_share"}  # fmt: skip
 
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
 _MATCHERS = re.compile(r"\{[^}]*\}")

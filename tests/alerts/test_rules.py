@@ -118,7 +118,7 @@ def test_recording_rules_cover_the_sidecar_collector_and_billing_metrics(config)
 def test_every_alert_has_severity_summary_and_runbook(config):
     """Each alert carries a severity label and summary and runbook annotations."""
     alerts = [r for r in _rules(render(config)) if "alert" in r]
-    assert len({a["alert"] for a in alerts}) == 9
+    assert len({a["alert"] for a in alerts}) == 10
     for a in alerts:
         assert a["labels"]["severity"] in {"critical", "warning", "info"}, a["alert"]
         assert a["annotations"]["summary"].strip(), a["alert"]
@@ -299,3 +299,14 @@ def test_a_budget_cap_adds_a_fleet_spend_alert(config):
     capped = _config(**{"scaling.monthly_budget_cap_usd": 60000})
     [alert] = _alerts(capped, "InfermeterFleetSpendForecastAboveCap")
     assert alert["expr"] == "sum(max by (team) (infermeter_team_spend_forecast_usd)) > 60000"
+
+
+def test_the_unattributed_share_alert_takes_the_configured_share(config):
+    """The reconciliation alert holds each group's share to billing.reconciliation_alert_share."""
+    [default] = _alerts(config, "InfermeterTokensUnattributed")
+    assert default["expr"].endswith("(infermeter_reconciliation_unattributed_share) > 0.02")
+    assert default["for"] == "15m"
+    [strict] = _alerts(
+        _config(**{"billing.reconciliation_alert_share": 0.005}), "InfermeterTokensUnattributed"
+    )
+    assert strict["expr"].endswith(" > 0.005")

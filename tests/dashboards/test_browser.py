@@ -27,7 +27,7 @@ from exporters.focus import focus_frame
 from infermeter.config import Config, DashboardSettings, load_config
 from infermeter.months import month_of
 from tests.dashboards import records
-from tests.dashboards.records import ADMIN_KEY, TEAM_KEYS
+from tests.dashboards.records import ADMIN_KEY, REPLICAS, TEAM_KEYS
 from tests.dashboards.stack import billing_thread, chromium, dashboard_thread, metrics_thread
 
 # Half-hour offset and no daylight saving: a time shown in UTC or off by whole hours is caught.
@@ -162,6 +162,8 @@ def test_fleet_page_shows_the_ledgers_requests_and_desired_replicas(stack):
     desired = dict(zip(column(stack, "fleet-replicas-table", "model"),
                        column(stack, "fleet-replicas-table", "desired"), strict=True))  # fmt: skip
     assert desired == {"chat-large": "n/a", "chat-small": "3"}
+    wait(stack, "#fleet-reconciliation-table")
+    assert column(stack, "fleet-reconciliation-table", "replica") == sorted(REPLICAS)
     # The totals can show before Plotly has drawn the graphs: it draws them asynchronously.
     WebDriverWait(stack.driver, 20, poll_frequency=0.1).until(
         lambda d: len(d.find_elements(By.CSS_SELECTOR, ".js-plotly-plot")) >= 8
@@ -185,6 +187,7 @@ def test_team_key_sees_only_its_team(stack):
     own = Counter(r["team"] for r in stack.fleet.usage)["search"]
     wait(stack, "#fleet-requests-total", f"{own} requests in range")
     wait(stack, "#fleet-admin-note", "admin credential")
+    wait(stack, "#fleet-reconciliation", "admin credential")
     finish(stack, "fleet-search")
 
     stack.driver.get(stack.url + "/chargeback")

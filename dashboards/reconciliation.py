@@ -1,0 +1,68 @@
+"""The fleet page's reconciliation table: the engines' token counters against the ledger's.
+
+Billing's ``reconciliation`` query answers per instance and hour; the table sums the range per
+replica group, so an operator sees at a glance which group has tokens no team was billed for
+(``docs/billing.md``, "Reconciliation"). Its numbers span every team, so only the admin sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import polars as pl
+from dash import Dash, Input, Output, html
+
+from dashboards.client import BillingError
+from dashboards.components import frame_table, note
+from dashboards.context import Context, signed_in
+from dashboards.data import time_range
+
+__all__ = ["COLUMNS", "register", "summary", "table"]
+
+TABLE_ID: Final = "fleet-reconciliation-table"
+COLUMNS: Final = ("replica", "model", "engine_tokens", "ledger_tokens", "difference_tokens",
+                  "unattributed_tokens", "unattributed_share")  # fmt: skip
+_SUMS: Final = ("engine_tokens", "ledger_tokens", "difference_tokens", "unattributed_tokens")
+
+
+def summary(frame: pl.DataFrame) -> pl.DataFrame:
+    """The query's instance-hours summed per replica group and model, in ``COLUMNS``."""
+    if frame.height == 0:
+        return pl.DataFrame(schema=dict.fromkeys(COLUMNS, pl.String))
+    return (
+        frame.group_by("replica", "model")
+        .agg(pl.col(*_SUMS).cast(pl.Int64).sum())
+        .with_columns(
+            unattributed_share=pl.when(pl.col("engine_tokens") > 0)
+            .then((pl.col("unattributed_tokens") / pl.col("engine_tokens")).round(4))
+            .otherwise(None)
+        )
+        .select(COLUMNS)
+        .sort("replica", "model")
+    )
+
+
+def table(frame: pl.DataFrame) -> html.Table:
+    """The summary as the page shows it."""
+    return frame_table(summary(frame), TABLE_ID)
+
+
+def register(app: Dash, ctx: Context) -> None:
+    """Fill ``fleet-reconciliation`` on the page's interval, for the admin."""
+
+    @app.callback(
+        Output("fleet-reconciliation", "children"),
+        Input("tick", "n_intervals"),
+        Input("range", "value"),
+        Input("auth", "data"),
+    )
+    def refresh(_: int, choice: str | None, auth: Any) -> Any:
+        if not signed_in(auth):
+            return None
+        if not auth.get("is_admin"):
+            return note("The reconciliation spans every team: shown to the admin credential.")
+        start, end = time_range(choice)
+        try:
+            return table(ctx.client.query(auth["token"], "reconciliation", start, end))
+        except BillingError as exc:
+            return note(str(exc), "error")

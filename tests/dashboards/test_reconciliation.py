@@ -1,0 +1,41 @@
+"""The fleet page's reconciliation table, from billing's query over loopback."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from billing.ledger import Ledger
+from dashboards.client import BillingClient
+from dashboards.reconciliation import COLUMNS, summary, table
+from infermeter.config import Config
+from tests.billing.conftest import OCT
+from tests.billing.test_reconciliation import HOUR, engine_samples, fill, requests
+from tests.dashboards.stack import billing_thread
+
+
+def test_the_table_sums_each_group_over_the_range(config: Config) -> None:
+    """Billing's instance-hours become one row per replica group with the unattributed share."""
+    ledger = Ledger.open(":memory:", [t.name for t in config.teams], {})
+    try:
+        hour1, hour2 = requests(10, 1), requests(10, 2)
+        fill(ledger, hour1[2:] + hour2, engine_samples(hour1 + hour2, OCT, OCT + 3 * HOUR))
+        with billing_thread(config, ledger) as url:
+            client = BillingClient(url)
+            try:
+                frame = client.query("im-demo-admin", "reconciliation", OCT + HOUR, OCT + 3 * HOUR)
+            finally:
+                client.close()
+    finally:
+        ledger.close()
+    assert frame.height == 2  # small-0 in hours 1 and 2
+    rows = summary(frame).to_dicts()
+    assert rows == [{"replica": "small-0", "model": "chat-small", "engine_tokens": 3000,
+                     "ledger_tokens": 2700, "difference_tokens": 300, "unattributed_tokens": 300,
+                     "unattributed_share": 0.1}]  # fmt: skip
+    assert getattr(table(frame), "id", None) == "fleet-reconciliation-table"
+
+
+def test_an_empty_range_is_an_empty_table() -> None:
+    """No instance-hours: the table has its columns and no rows."""
+    empty = summary(pl.DataFrame(schema={"replica": pl.String}))
+    assert (empty.columns, empty.height) == (list(COLUMNS), 0)
