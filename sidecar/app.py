@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import httpx
@@ -40,12 +40,17 @@ from infermeter.replay import ReplayCache
 from infermeter.spool import Spool, SpoolError
 from sidecar import tracing
 from sidecar.bounds import capped, label
+from sidecar.drain import Drain
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
+from sidecar.journal import AdmissionJournal, JournalError, recover
 from sidecar.limits import Admission, LimitExceeded, RateLimiter, estimate_prompt_tokens
 from sidecar.metrics import SidecarMetrics
 from sidecar.state import ModelNotFoundError, View, build_view
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
 from sidecar.upstream import UPSTREAM_ERRORS, StallWatch, Upstream, upstream_failure
+
+if TYPE_CHECKING:
+    from infermeter.shipper import Shipper
 
 __all__ = ["Sidecar"]
 
@@ -130,6 +135,10 @@ class Sidecar:
             spool_dir or Path(settings.spool_dir) / replica_id, max_bytes=settings.spool_max_bytes
         )
         self.spool_broken = False
+        self.journal = AdmissionJournal(
+            self.spool.directory / "journal", settings.journal_mark_millis / 1000
+        )
+        self.drain = Drain()
         self.tracer = tracing.tracer(tracer_provider)
         self.upstream_key = os.environ.get(settings.upstream_api_key_env) or None
         timeout = httpx.Timeout(
@@ -141,6 +150,7 @@ class Sidecar:
         self.ingest_url = settings.ingest_url
         self.ingest_token = os.environ.get(settings.ingest_token_env) or None
         self._tasks: list[asyncio.Task[None]] = []
+        self._shipper: Shipper | None = None
 
     @property
     def server_limits(self) -> ServerLimits:
@@ -152,26 +162,52 @@ class Sidecar:
     # -- life cycle ------------------------------------------------------------------------------
 
     async def startup(self) -> None:
-        """Open the spool and start the shipper."""
+        """Open the spool, record what a killed predecessor left running, start the shipper."""
         self.spool.open()
+        await recover(self.journal.open(), self.spool)
         self.metrics.spool_backlog.set_function(lambda: self.spool.backlog)
         if self.ingest_url:
             from infermeter.shipper import Shipper, ShipperMetrics
 
             shipper = Shipper(self.spool, self.ingest_url, self.ingest_token, "usage", self.client,
                               metrics=ShipperMetrics(self.metrics.registry))  # fmt: skip
+            self._shipper = shipper
             self._tasks.append(asyncio.get_running_loop().create_task(shipper.run()))
 
     async def shutdown(self) -> None:
-        """Stop background work and flush the spool."""
+        """Stop background work, record requests left running, flush the spool."""
+        await self._stop_tasks()
+        for record in self.journal.interrupted_now():
+            with contextlib.suppress(SpoolError):
+                await self.spool.append(record.to_json())
+                self.journal.finish(record.request_id)
+        await self.journal.close()
+        await self.spool.close()
+        await self.client.aclose()
+        await self.generation.close()
+
+    async def _stop_tasks(self) -> None:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self.spool.close()
-        await self.client.aclose()
-        await self.generation.close()
+        self._tasks.clear()
+
+    async def ship_remaining(self, max_seconds: float) -> None:
+        """Ship every record in the spool now, for at most ``max_seconds`` (on the way out)."""
+        await self._stop_tasks()
+        if self._shipper is None or max_seconds <= 0:
+            return
+        await self.spool.seal()
+        try:
+            await asyncio.wait_for(
+                self._shipper.ship_once(max_wait_seconds=max_seconds), max_seconds
+            )
+        except Exception as exc:  # what is not shipped stays spooled for the next start
+            log.error(
+                "%d record(s) left unshipped in the spool at exit: %s", self.spool.backlog, exc
+            )
 
     def reload(self, config: Config) -> None:
         """Apply a new configuration without a restart (keys, limits, approved models)."""
@@ -267,6 +303,8 @@ class Sidecar:
             problems.append(f"upstream unreachable: {type(exc).__name__}")
         if self.spool_broken and self.settings.on_spool_failure == "refuse":
             problems.append("usage spool is not writable")
+        if self.drain.draining:
+            problems.append("shutting down: draining running requests")
         status = 503 if problems else 200
         await respond(
             send, status, orjson.dumps({"ready": not problems, "problems": problems}), [_JSON]
@@ -314,6 +352,7 @@ class Sidecar:
         finish: str | None = None
         try:
             body = await self._admit(call, scope, receive)
+            self._enter(call)
             if call.stream:
                 meter, status, http_status = await self._relay_stream(
                     call, scope, receive, send, body
@@ -339,6 +378,22 @@ class Sidecar:
         finally:
             self._release(call, usage)
         self._account(call, status, usage, meter, finish)
+
+    def _enter(self, call: _Call) -> None:
+        """The last step before forwarding: refuse while draining, else journal the admission."""
+        if self.drain.draining:
+            raise _Reject(503, "The sidecar is shutting down; send the request again.", "server_error",
+                          "server_shutting_down", RequestStatus.REJECTED, (("retry-after", "1"),))  # fmt: skip
+        try:
+            self.journal.admit(self._usage_record(call, RequestStatus.INTERRUPTED, 502, None, None, None), call.started)  # fmt: skip
+        except JournalError as exc:
+            self.metrics.spool_errors.inc()
+            if self.settings.on_spool_failure == "refuse":
+                raise _Reject(503, "Usage metering is unavailable; the request was not served.",
+                              "server_error", "metering_unavailable", RequestStatus.REJECTED) from None  # fmt: skip
+            log.error(
+                "%s; request %s would go unrecorded if the sidecar died", exc, call.request_id
+            )
 
     def _charge_refusal(self, call: _Call, rej: _Reject) -> _Reject:
         """A refusal takes one of the team's requests; past the limit it becomes a 429."""
@@ -515,8 +570,10 @@ class Sidecar:
         loop = asyncio.get_running_loop()
         work = loop.create_task(exchange())
         watcher = loop.create_task(_wait_disconnect(receive))
-        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((work, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED)
         watcher.cancel()
+        if not work.done() and not watcher.done():
+            return await self._cut_whole(call, work, send)
         if not work.done():
             # Cancelling closes the upstream connection, which makes vLLM abort the request.
             work.cancel()
@@ -563,6 +620,19 @@ class Sidecar:
         await respond(send, response.status, content, headers)
         return usage, status, response.status, finish
 
+    async def _cut_whole(self, call: _Call, work: asyncio.Task[Any], send: Send) -> tuple[
+            UsageCounts | None, RequestStatus, int, str | None]:  # fmt: skip
+        """End a non-streamed request still running past the drain: 503 and its record."""
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, _Reject):
+            await work
+        with contextlib.suppress(SpoolError):
+            await self._record(call, RequestStatus.INTERRUPTED, 503, None, None, None)
+        await respond(send, 503, error_body(503, "The sidecar shut down before the response was complete.",
+                                            "server_error", "server_shutting_down"),
+                      [_JSON, (b"retry-after", b"1"), (b"x-infermeter-request-id", call.request_id.encode())])  # fmt: skip
+        return None, RequestStatus.INTERRUPTED, 503, None
+
     async def _relay_stream(
         self, call: _Call, scope: Scope, receive: Receive, send: Send, body: dict[str, Any]
     ) -> tuple[StreamMeter, RequestStatus, int]:
@@ -585,6 +655,7 @@ class Sidecar:
         flags = dict(call.headers)
         meter = StreamMeter(flags.get(b"x-infermeter-client-usage") == b"1",
                             flags.get(b"x-infermeter-client-continuous") == b"1", call.started)  # fmt: skip
+        self.journal.track(call.request_id, meter)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()), *_ratelimit_headers(call)]})  # fmt: skip
         watch = StallWatch(response, self.generation.read_timeout_seconds)
@@ -593,10 +664,14 @@ class Sidecar:
         status = RequestStatus.OK
         read_to_end = False
         try:
-            await asyncio.wait((relay, watcher), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                (relay, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED
+            )
             if not relay.done():
                 relay.cancel()
-                status = RequestStatus.CLIENT_ABORTED
+                status = (
+                    RequestStatus.CLIENT_ABORTED if watcher.done() else RequestStatus.INTERRUPTED
+                )
                 with contextlib.suppress(asyncio.CancelledError):
                     await relay
             elif (exc := relay.exception()) is None:
@@ -635,6 +710,10 @@ class Sidecar:
         elif status is RequestStatus.UPSTREAM_ERROR:
             event = sse_error_event("The upstream model server stopped responding mid-stream.")
             await send({"type": "http.response.body", "body": tail + event, "more_body": False})
+        elif status is RequestStatus.INTERRUPTED:
+            event = sse_error_event("The sidecar shut down before the stream was complete.",
+                                    "server_error", "server_shutting_down")  # fmt: skip
+            await send({"type": "http.response.body", "body": tail + event, "more_body": False})
         return meter, status, 200
 
     @staticmethod
@@ -663,18 +742,7 @@ class Sidecar:
     async def _record(self, call: _Call, status: RequestStatus, http_status: int, usage: UsageCounts | None,
                       meter: StreamMeter | None, finish: str | None) -> None:  # fmt: skip
         """Make the usage record durable; on failure follow ``on_spool_failure``."""
-        exact = usage is not None or status in (RequestStatus.REJECTED, RequestStatus.RATE_LIMITED,
-                                                RequestStatus.UNAUTHORIZED, RequestStatus.BAD_REQUEST)  # fmt: skip
-        first = meter.first_token_at if meter else None
-        record = UsageRecord(
-            request_id=call.request_id, team=call.team, model=capped(call.model), served_version=call.served_version,
-            replica=self.replica_id, received_at=call.received_at,
-            first_token_at=None if first is None else call.received_at + (first - call.started),
-            finished_at=call.received_at + (time.perf_counter() - call.started),
-            prompt_tokens=usage.prompt if usage else 0, cached_prompt_tokens=usage.cached if usage else 0,
-            completion_tokens=usage.completion if usage else 0, status=status.value, http_status=http_status,
-            stream=call.stream, endpoint=call.endpoint, finish_reason=None if finish is None else capped(finish), usage_exact=exact,
-        )  # fmt: skip
+        record = self._usage_record(call, status, http_status, usage, meter, finish)
         try:
             await self.spool.append(record.to_json())
             self.spool_broken = False
@@ -688,6 +756,24 @@ class Sidecar:
                 call.request_id,
                 call.team,
             )
+        self.journal.finish(call.request_id)
+
+    def _usage_record(self, call: _Call, status: RequestStatus, http_status: int, usage: UsageCounts | None,
+                      meter: StreamMeter | None, finish: str | None) -> UsageRecord:  # fmt: skip
+        """The request's record if it ended now like this (also its admission in the journal)."""
+        exact = usage is not None or status in (RequestStatus.REJECTED, RequestStatus.RATE_LIMITED,
+                                                RequestStatus.UNAUTHORIZED, RequestStatus.BAD_REQUEST)  # fmt: skip
+        first = meter.first_token_at if meter else None
+        record = UsageRecord(
+            request_id=call.request_id, team=call.team, model=capped(call.model), served_version=call.served_version,
+            replica=self.replica_id, received_at=call.received_at,
+            first_token_at=None if first is None else call.received_at + (first - call.started),
+            finished_at=call.received_at + (time.perf_counter() - call.started),
+            prompt_tokens=usage.prompt if usage else 0, cached_prompt_tokens=usage.cached if usage else 0,
+            completion_tokens=usage.completion if usage else 0, status=status.value, http_status=http_status,
+            stream=call.stream, endpoint=call.endpoint, finish_reason=None if finish is None else capped(finish), usage_exact=exact,
+        )  # fmt: skip
+        return record
 
     def _release(self, call: _Call, usage: UsageCounts | None) -> None:
         if call.admission is not None:
