@@ -175,12 +175,13 @@ class Sidecar:
             self._tasks.append(asyncio.get_running_loop().create_task(shipper.run()))
 
     async def shutdown(self) -> None:
-        """Stop background work, record requests left running, flush the spool."""
+        """Stop background work, record requests left running, ship and flush the spool."""
         await self._stop_tasks()
         for record in self.journal.interrupted_now():
             with contextlib.suppress(SpoolError):
                 await self.spool.append(record.to_json())
                 self.journal.finish(record.request_id)
+        await self.ship_remaining(self.settings.drain_ship_seconds)
         await self.journal.close()
         await self.spool.close()
         await self.client.aclose()

@@ -12,18 +12,18 @@ no usage record. ``DrainingServer`` takes the signal instead, and ``drain`` runs
 3. ``Drain.cut``: the rest end now; each client gets an SSE error event (a non-streamed one a
    503) and each request its record, status ``interrupted``, with vLLM's counts up to the last
    chunk relayed.
-4. Any request still unrecorded after ``_SETTLE_SECONDS`` is recorded from the admission journal.
-5. The spool is sealed and shipped to billing for at most ``sidecar.drain_ship_seconds``; what
-   billing did not take stays on disk for the next start (or the node's collector).
 
-Then uvicorn is told to exit; with nothing left running, its own timeout cuts nothing. A second
-signal skips the rest of the drain period (step 3 at once).
+Then uvicorn is told to exit: it stops listening and, with nothing left running, its own timeout
+cuts nothing. The sidecar's shutdown (``Sidecar.shutdown``) follows: a request still unrecorded
+(its handler did not finish within ``_SETTLE_SECONDS`` of the cut) is recorded from the admission
+journal, and the spool is sealed and shipped to billing for at most
+``sidecar.drain_ship_seconds``; what billing did not take stays on disk for the next start (or
+the node's collector). A second signal skips the rest of the drain period (step 3 at once).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import socket
@@ -33,8 +33,6 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 import uvicorn
-
-from infermeter.spool import SpoolError
 
 if TYPE_CHECKING:
     from sidecar.app import Sidecar
@@ -73,8 +71,8 @@ class Drain:
             self.cut.set_result(None)
 
 
-async def drain(sidecar: Sidecar, drain_seconds: float, ship_seconds: float) -> None:
-    """Run the drain sequence of the module docstring on ``sidecar``; returns when it may exit."""
+async def drain(sidecar: Sidecar, drain_seconds: float) -> None:
+    """Steps 1 to 3 of the module docstring; then the server may stop and the sidecar shut down."""
     state, journal = sidecar.drain, sidecar.journal
     state.begin()
     log.warning("draining: %d request(s) running, up to %.0f s", journal.running, drain_seconds)
@@ -83,11 +81,6 @@ async def drain(sidecar: Sidecar, drain_seconds: float, ship_seconds: float) -> 
         log.warning("drain period over: ending %d running request(s)", journal.running)
     state.cut_now()
     await _until(lambda: journal.running == 0, _SETTLE_SECONDS, None)
-    for record in journal.interrupted_now():
-        with contextlib.suppress(SpoolError):
-            await sidecar.spool.append(record.to_json())
-            journal.finish(record.request_id)
-    await sidecar.ship_remaining(ship_seconds)
 
 
 async def _until(

@@ -56,7 +56,7 @@ async def serve_sidecar(
 
     async def _drain_then_exit() -> None:
         try:
-            await drain(app, app.settings.drain_seconds, app.settings.drain_ship_seconds)
+            await drain(app, app.settings.drain_seconds)
         finally:
             srv.should_exit = True
 
