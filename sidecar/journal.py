@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import orjson
 
 from infermeter.records import RequestStatus, UsageRecord
-from infermeter.spool import Spool, read_segment
+from infermeter.spool import Spool, SpoolError, read_segment
 from sidecar.stream import UsageCounts
 
 __all__ = ["AdmissionJournal", "JournalError", "Pending", "interrupted_record", "recover", "unfinished"]  # fmt: skip
@@ -116,7 +116,8 @@ async def recover(paths: list[Path], spool: Spool) -> int:
     """Spool the interrupted records of journal files left by a dead process, then delete them.
 
     Returns how many records were made. Idempotent: killed half-way, it makes the same records
-    (same ids) again next time, and billing keeps one of each.
+    (same ids) again next time, and billing keeps one of each. When the spool refuses them (full,
+    unwritable) the files are kept for the next start, and the sidecar starts all the same.
     """
     if not paths:
         return 0
@@ -127,7 +128,12 @@ async def recover(paths: list[Path], spool: Spool) -> int:
         records = [
             interrupted_record(p, last_alive) for rid, p in pending.items() if rid not in spooled
         ]
-        await asyncio.gather(*(spool.append(r.to_json()) for r in records))
+        try:
+            await asyncio.gather(*(spool.append(r.to_json()) for r in records))
+        except SpoolError as exc:
+            # The files stay: the next start makes the same records (same ids) again.
+            log.error("interrupted requests NOT recorded yet, journal kept: %s", exc)
+            return 0
         log.warning("%d request(s) were running when the sidecar stopped; recorded as interrupted",
                     len(records))  # fmt: skip
     else:

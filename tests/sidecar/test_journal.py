@@ -165,3 +165,16 @@ async def test_interrupted_now_uses_the_counts_of_this_moment(tmp_path):
     assert (record.status, record.completion_tokens, record.usage_exact) == ("interrupted", 3, True)
     assert record.first_token_at == pytest.approx(T0 + 0.5)
     await journal.close()
+
+
+async def test_recover_keeps_the_journal_when_the_spool_refuses(tmp_path):
+    """A full spool at start: no record is lost, the journal stays for the next start."""
+    left = tmp_path / "spool" / "journal" / "journal-00000000000000000001.log"
+    left.parent.mkdir(parents=True)
+    left.write_bytes(line({"a": admitted().to_json()}))
+    spool = Spool(tmp_path / "spool", max_bytes=10)
+    spool.open()
+    assert await recover([left], spool) == 0
+    await spool.close()
+    assert left.exists()
+    assert not list(spool.directory.glob("seg-*.jsonl"))
