@@ -25,6 +25,7 @@ import yaml
 from billing.serve import billing_server, open_ledger
 from infermeter.config import DEFAULT_CONFIG, Config
 from infermeter.serving import free_port
+from sidecar.drain import drain
 from simulator.replica import ReplicaSim, replica_spec
 from tests.servers import running, serving
 from tests.sidecar.conftest import KEYS
@@ -260,3 +261,29 @@ async def test_sigterm_drains_streams_records_all_and_ships_the_spool(tmp_path):
         assert rows[rid]["usage_exact"]
         assert rows[rid]["completion_tokens"] == content_events(bodies[rid])
         assert 0 < rows[rid]["completion_tokens"] < 4000
+
+
+async def test_drain_ends_a_non_streamed_request_with_503_and_a_record(stack_factory):
+    """Past the drain period a non-streamed request gets 503 server_shutting_down and an interrupted record."""
+    stack = await stack_factory(**{"simulator.engines.chat-small.step_base_ms": 5})
+    async with stack.client() as c:
+        long = asyncio.create_task(
+            c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4000})
+        )
+        while stack.sidecar.journal.running == 0:
+            await asyncio.sleep(0.01)
+        await drain(stack.sidecar, 0.3)
+        response = await long
+        ready = await c.get("/readyz")
+    assert ready.status_code == 503
+    assert "shutting down" in ready.json()["problems"][0]
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "server_shutting_down"
+    (record,) = stack.records()
+    assert record["request_id"] == response.headers["x-infermeter-request-id"]
+    assert (record["status"], record["http_status"], record["usage_exact"]) == (
+        "interrupted",
+        503,
+        False,
+    )
