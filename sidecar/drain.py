@@ -8,7 +8,8 @@ no usage record. ``DrainingServer`` takes the signal instead, and ``drain`` runs
 1. ``Drain.begin``: new requests get ``503 server_shutting_down`` with ``Retry-After`` and
    ``/readyz`` answers 503, while the server keeps listening (endpoints are removed from the
    Service asynchronously, so requests still arrive for a while).
-2. Admitted requests run until they end, for at most ``sidecar.drain_seconds``.
+2. Admitted requests run until they end, for at most ``sidecar.drain_seconds``; requests
+   waiting for a fair batch slot are refused as slots come free.
 3. ``Drain.cut``: the rest end now; each client gets an SSE error event (a non-streamed one a
    503) and each request its record, status ``interrupted``, with vLLM's counts up to the last
    chunk relayed.
@@ -73,14 +74,20 @@ class Drain:
 
 async def drain(sidecar: Sidecar, drain_seconds: float) -> None:
     """Steps 1 to 3 of the module docstring; then the server may stop and the sidecar shut down."""
-    state, journal = sidecar.drain, sidecar.journal
+    state, journal, fair = sidecar.drain, sidecar.journal, sidecar.fair
+
+    def idle() -> bool:
+        # Requests waiting for a batch slot are refused (503) as soon as they get one, which
+        # running requests free as they end: the drain waits for those answers too.
+        return journal.running == 0 and (fair is None or fair.waiting() == 0)
+
     state.begin()
     log.warning("draining: %d request(s) running, up to %.0f s", journal.running, drain_seconds)
-    await _until(lambda: journal.running == 0, drain_seconds, state.cut)
+    await _until(idle, drain_seconds, state.cut)
     if journal.running:
         log.warning("drain period over: ending %d running request(s)", journal.running)
     state.cut_now()
-    await _until(lambda: journal.running == 0, _SETTLE_SECONDS, None)
+    await _until(idle, _SETTLE_SECONDS, None)
 
 
 async def _until(

@@ -287,3 +287,24 @@ async def test_drain_ends_a_non_streamed_request_with_503_and_a_record(stack_fac
         503,
         False,
     )
+
+
+async def test_drain_answers_requests_waiting_for_a_batch_slot(stack_factory):
+    """Requests queued for a fair batch slot when the drain starts get 503, not a dropped connection."""
+    stack = await stack_factory(**{"replicas.1.max_num_seqs": 4, "simulator.engines.chat-small.step_base_ms": 5})  # fmt: skip
+    assert stack.sidecar.fair is not None
+
+    async def one(c: httpx.AsyncClient) -> tuple[int, bytes]:
+        body = {**CHAT, "max_tokens": 4000, "stream": True}
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            return r.status_code, await r.aread()
+
+    async with stack.client() as c:
+        calls = [asyncio.create_task(one(c)) for _ in range(5)]
+        while stack.sidecar.journal.running < 3 or stack.sidecar.fair.waiting() < 2:
+            await asyncio.sleep(0.01)
+        await drain(stack.sidecar, 0.3)
+        answers = await asyncio.gather(*calls)
+    assert sorted(status for status, _ in answers) == [200, 200, 200, 503, 503]
+    assert all(b"server_shutting_down" in body for _, body in answers)
+    assert sorted(r["status"] for r in stack.records()) == ["interrupted"] * 3 + ["rejected"] * 2
