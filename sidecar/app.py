@@ -803,6 +803,7 @@ class Sidecar:
         elif call.admission is not None and status in (
             RequestStatus.CLIENT_ABORTED,
             RequestStatus.UPSTREAM_ERROR,
+            RequestStatus.INTERRUPTED,
         ):
             m.inexact.labels(*labels).inc()
         if meter is not None and meter.first_token_at is not None:
