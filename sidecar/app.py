@@ -35,6 +35,7 @@ from infermeter.config import Config
 from infermeter.errors import error_body, sse_error_event
 from infermeter.http_guard import ServerLimits
 from infermeter.ids import request_id
+from infermeter.journal import JOURNAL_DIR, recover
 from infermeter.records import RequestStatus, UsageRecord
 from infermeter.replay import ReplayCache
 from infermeter.spool import Spool, SpoolError
@@ -42,7 +43,7 @@ from sidecar import tracing
 from sidecar.bounds import capped, label
 from sidecar.drain import Drain
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
-from sidecar.journal import AdmissionJournal, JournalError, recover
+from sidecar.journal import AdmissionJournal, JournalError
 from sidecar.limits import Admission, LimitExceeded, RateLimiter, estimate_prompt_tokens
 from sidecar.metrics import SidecarMetrics
 from sidecar.state import ModelNotFoundError, View, build_view
@@ -136,7 +137,7 @@ class Sidecar:
         )
         self.spool_broken = False
         self.journal = AdmissionJournal(
-            self.spool.directory / "journal", settings.journal_mark_millis / 1000
+            self.spool.directory / JOURNAL_DIR, settings.journal_mark_millis / 1000
         )
         self.drain = Drain()
         self.tracer = tracing.tracer(tracer_provider)

@@ -15,16 +15,11 @@ spent GPU time on every request it forwarded. The journal closes that gap:
   whole machine loses at most the last interval's lines.
 - ``finish``: once the request's own record is in the spool, one line says so.
 
-At start, ``recover`` turns what the previous process left into records: each admitted request
-without an end becomes its ``interrupted`` record with the counts of its last mark, ending when
-the journal was last written (the process was alive then). A request whose real record is still
-in the spool keeps that record instead; billing keeps the first record of a request id, and the
-real one is always spooled, and so shipped, before an interrupted one could be.
+At start, ``infermeter.journal.recover`` turns what the previous process left into records (the
+file format, and the rules of those records, are told there).
 
-Files: ``<spool dir>/journal/journal-<ns>.log``, one JSON object a line: ``{"a": record}``,
-``{"m": id, "p", "c", "k", "t", "at"}`` (prompt, completion, cached tokens, first-token and mark
-times) and ``{"f": id}``. When a file passes ``rotate_bytes`` the requests still running are
-copied to a fresh one and the old one is deleted.
+When a file passes ``rotate_bytes`` the requests still running are copied to a fresh one and the
+old one is deleted.
 """
 
 from __future__ import annotations
@@ -35,22 +30,25 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import orjson
 
-from infermeter.records import RequestStatus, UsageRecord
-from infermeter.spool import Spool, SpoolError, read_segment
+from infermeter.journal import (
+    Pending,
+    admission_line,
+    finish_line,
+    interrupted_record,
+    mark_line,
+)
+from infermeter.records import UsageRecord
 from sidecar.stream import UsageCounts
 
-__all__ = ["AdmissionJournal", "JournalError", "Pending", "interrupted_record", "recover", "unfinished"]  # fmt: skip
+__all__ = ["AdmissionJournal", "JournalError", "Progress"]
 
 log = logging.getLogger("infermeter.sidecar")
-
-_USAGE_FIELDS = frozenset(f.name for f in dataclasses.fields(UsageRecord))
 
 
 class JournalError(Exception):
@@ -66,94 +64,6 @@ class Progress(Protocol):
     @property
     def usage(self) -> UsageCounts | None:
         """The latest counts vLLM reported."""
-
-
-@dataclass(frozen=True)
-class Pending:
-    """An admitted request that the journal saw no end of: its record and its last mark."""
-
-    record: dict[str, Any]
-    mark: dict[str, Any] | None = None
-
-
-def unfinished(lines: Iterable[bytes]) -> dict[str, Pending]:
-    """The requests admitted and not finished in ``lines`` (files read in order); torn lines skipped."""
-    pending: dict[str, Pending] = {}
-    for line in lines:
-        try:
-            entry = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue  # the last line of a process killed mid-write
-        if not isinstance(entry, dict):
-            continue
-        if "a" in entry:
-            pending[entry["a"]["request_id"]] = Pending(entry["a"])
-        elif "m" in entry and entry["m"] in pending:
-            pending[entry["m"]] = dataclasses.replace(pending[entry["m"]], mark=entry)
-        elif "f" in entry:
-            pending.pop(entry["f"], None)
-    return pending
-
-
-def interrupted_record(pending: Pending, last_alive: float) -> UsageRecord:
-    """The record of a request that was running when its sidecar died, at ``last_alive`` or later.
-
-    Its counts are those of its last mark, so ``usage_exact`` is false; its HTTP status is 200 when
-    a mark shows the stream had begun (the client had its headers), else 502 (it got nothing).
-    """
-    base = UsageRecord.from_json({k: v for k, v in pending.record.items() if k in _USAGE_FIELDS})
-    mark = pending.mark or {}
-    began = bool(mark.get("c")) or mark.get("t") is not None
-    return dataclasses.replace(
-        base, status=RequestStatus.INTERRUPTED.value, http_status=200 if began and base.stream else 502,
-        prompt_tokens=mark.get("p", 0), completion_tokens=mark.get("c", 0), cached_prompt_tokens=mark.get("k", 0),
-        first_token_at=mark.get("t"), finished_at=max(base.received_at, last_alive, mark.get("at", 0.0)),
-        finish_reason=None, usage_exact=False,
-    )  # fmt: skip
-
-
-async def recover(paths: list[Path], spool: Spool) -> int:
-    """Spool the interrupted records of journal files left by a dead process, then delete them.
-
-    Returns how many records were made. Idempotent: killed half-way, it makes the same records
-    (same ids) again next time, and billing keeps one of each. When the spool refuses them (full,
-    unwritable) the files are kept for the next start, and the sidecar starts all the same.
-    """
-    if not paths:
-        return 0
-    pending = await asyncio.to_thread(_read_unfinished, paths)
-    if pending:
-        last_alive = max(p.stat().st_mtime for p in paths)
-        spooled = await asyncio.to_thread(_spooled_ids, spool.directory)
-        records = [
-            interrupted_record(p, last_alive) for rid, p in pending.items() if rid not in spooled
-        ]
-        try:
-            await asyncio.gather(*(spool.append(r.to_json()) for r in records))
-        except SpoolError as exc:
-            # The files stay: the next start makes the same records (same ids) again.
-            log.error("interrupted requests NOT recorded yet, journal kept: %s", exc)
-            return 0
-        log.warning("%d request(s) were running when the sidecar stopped; recorded as interrupted",
-                    len(records))  # fmt: skip
-    else:
-        records = []
-    for path in paths:
-        path.unlink(missing_ok=True)
-    return len(records)
-
-
-def _read_unfinished(paths: list[Path]) -> dict[str, Pending]:
-    def lines() -> Iterable[bytes]:
-        for path in paths:
-            with path.open("rb") as fh:
-                yield from fh
-
-    return unfinished(lines())
-
-
-def _spooled_ids(directory: Path) -> set[str]:
-    return {r.get("request_id", "") for seg in directory.glob("seg-*.jsonl") for r in read_segment(seg)[0]}  # fmt: skip
 
 
 @dataclass
@@ -212,7 +122,7 @@ class AdmissionJournal:
 
     def admit(self, record: UsageRecord, started: float) -> None:
         """Journal ``record`` (its end unknown yet); JournalError when it cannot be written."""
-        line = orjson.dumps({"a": record.to_json()}) + b"\n"
+        line = admission_line(record)
         try:
             self._write(line)
         except OSError as exc:
@@ -232,7 +142,7 @@ class AdmissionJournal:
         if self._running.pop(request_id, None) is None:
             return
         try:
-            self._write(orjson.dumps({"f": request_id}) + b"\n")
+            self._write(finish_line(request_id))
         except OSError as exc:
             # Without its end the request becomes an interrupted record at the next start; its
             # real record, spooled first, is the one billing keeps.
@@ -294,10 +204,10 @@ class AdmissionJournal:
         if usage is None:
             return b""
         first = progress.first_token_at
-        running.mark = orjson.dumps({
-            "m": running.request_id, "p": usage.prompt, "c": usage.completion, "k": usage.cached,
-            "t": None if first is None else running.received_at + (first - running.started), "at": now,
-        }) + b"\n"  # fmt: skip
+        first = None if first is None else running.received_at + (first - running.started)
+        running.mark = mark_line(
+            running.request_id, usage.prompt, usage.completion, usage.cached, first, now
+        )
         return running.mark
 
     async def _rotate(self) -> None:
