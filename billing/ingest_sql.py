@@ -18,6 +18,7 @@ from billing.schema import SLOT_SECONDS
 from infermeter.records import (
     BILLABLE_STATUSES,
     ENGINE,
+    FAILED_STATUSES,
     GPU,
     INSTANCES,
     USAGE,
@@ -48,6 +49,7 @@ __all__ = [
 # The statuses as SQL tuples, from the one declaration in infermeter.records.
 STATUSES: Final = tuple(str(s) for s in RequestStatus)
 BILLABLE: Final = repr(tuple(str(s) for s in BILLABLE_STATUSES))
+FAILED: Final = repr(tuple(str(s) for s in FAILED_STATUSES))
 
 _TEAM_CHECK = (
     f"status IN {BILLABLE} AND team NOT IN (SELECT name FROM _known_teams)",
@@ -302,7 +304,7 @@ CREATE OR REPLACE TEMP TABLE _usage_delta AS
 SELECT replica, coalesce(instance, replica) AS instance, team, model, slot,
     sum({overlap}) AS inflight_seconds,
     count(*) FILTER (WHERE {fin}) AS requests,
-    count(*) FILTER (WHERE {fin} AND status = 'upstream_error') AS failed_requests,
+    count(*) FILTER (WHERE {fin} AND status IN {FAILED}) AS failed_requests,
     coalesce(sum(prompt_tokens) FILTER (WHERE {fin}), 0) AS prompt_tokens,
     coalesce(sum(cached_prompt_tokens) FILTER (WHERE {fin}), 0) AS cached_prompt_tokens,
     coalesce(sum(completion_tokens) FILTER (WHERE {fin}), 0) AS completion_tokens,

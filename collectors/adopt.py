@@ -28,8 +28,9 @@ from pathlib import Path
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from infermeter.journal import JOURNAL_DIR, journal_files, recover
 from infermeter.shipper import Shipper, ShipperMetrics
-from infermeter.spool import Segment
+from infermeter.spool import Segment, Spool
 from infermeter.spooldir import INSTANCES, LOCK, SpoolLock
 
 __all__ = [
@@ -63,6 +64,8 @@ class Listing:
 
     usage_segments: int = 0
     instance_segments: int = 0
+    # Admission journals a killed sidecar left: its requests in flight, not recorded yet.
+    journals: int = 0
     # Files that are neither segments nor the lock: rejected.jsonl, or anything unknown.
     other_files: tuple[str, ...] = ()
 
@@ -74,18 +77,20 @@ def candidates(names: Iterable[str]) -> list[str]:
 
 def plan(found: Listing) -> Action:
     """Ship what there is; remove a directory left with nothing; keep one with dead letters."""
-    if found.usage_segments or found.instance_segments:
+    if found.usage_segments or found.instance_segments or found.journals:
         return Action.SHIP
     return Action.KEEP if found.other_files else Action.REMOVE
 
 
 def listing(directory: Path) -> Listing:
     """Look at an instance's spool directory (without reading the segments)."""
-    usage = instances = 0
+    usage = instances = journals = 0
     others: list[str] = []
     for entry in directory.iterdir():
         if entry.name.startswith("seg-") and entry.name.endswith(".jsonl"):
             usage += 1
+        elif entry.name == JOURNAL_DIR and entry.is_dir():
+            journals = len(journal_files(directory))
         elif entry.name == INSTANCES and entry.is_dir():
             instances = sum(1 for _ in entry.glob("seg-*.jsonl"))
             others += [
@@ -93,7 +98,7 @@ def listing(directory: Path) -> Listing:
             ]
         elif entry.name != LOCK:
             others.append(entry.name)
-    return Listing(usage, instances, tuple(sorted(others)))
+    return Listing(usage, instances, journals, tuple(sorted(others)))
 
 
 class Leftovers:
@@ -137,6 +142,11 @@ class AdoptionMetrics:
             "infermeter_collector_adopted_records_total",
             "Records billing acknowledged from adopted spools, by kind (usage, instances).",
             ["kind"],
+            registry=registry,
+        )
+        self.interrupted = Counter(
+            "infermeter_collector_adopted_interrupted_total",
+            "Requests a sidecar that is gone had in flight, recorded as interrupted from its journal.",
             registry=registry,
         )
         self.orphans = Gauge(
@@ -207,12 +217,31 @@ class Adopter:
                 self._adopted.add(name)
                 self.metrics.adopted.inc()
                 log.warning("adopting the spool of a sidecar that is gone: %s", directory)
+            await self._recover(directory)
             shipped = await self._ship(directory)
             action = plan(listing(directory))
         if action is Action.REMOVE and lock.remove_directory():
             log.info("spool %s shipped and removed", directory)
             self._adopted.discard(name)
         return shipped, int(action is Action.SHIP)
+
+    async def _recover(self, directory: Path) -> None:
+        """Record what the dead sidecar had in flight (its journal) as interrupted, in its spool.
+
+        The sidecar would have done it at its next start; a sidecar that does not come back
+        leaves it to the adopter, which holds the directory's lock and so is its one writer.
+        """
+        paths = journal_files(directory)
+        if not paths:
+            return
+        spool = Spool(directory)
+        spool.open()
+        try:
+            made = await recover(paths, spool)
+        finally:
+            await spool.close()
+        if made:
+            self.metrics.interrupted.inc(made)
 
     async def _ship(self, directory: Path) -> int:
         """Ship each spool of ``directory``; stops at the first round billing did not take."""

@@ -308,6 +308,13 @@ class SidecarSettings(_Strict):
     header_timeout_seconds: Positive = 10.0
     body_timeout_seconds: Positive = 30.0
     max_connections: Annotated[int, Field(gt=0)] = 4096
+    # On SIGTERM: how long admitted streams may still run (above the longest expected stream;
+    # the pod's terminationGracePeriodSeconds must exceed it plus drain_ship_seconds), then how
+    # long shipping the spool to billing may take before the process exits anyway.
+    drain_seconds: NonNegative = 600.0
+    drain_ship_seconds: NonNegative = 30.0
+    # How often the admission journal marks the tokens of running requests and fsyncs itself.
+    journal_mark_millis: Annotated[int, Field(gt=0)] = 500
     gateway: GatewaySettings = GatewaySettings()
 
 

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Final, Self
 __all__ = [
     "BILLABLE_STATUSES",
     "ENGINE",
+    "FAILED_STATUSES",
     "GPU",
     "INSTANCES",
     "KINDS",
@@ -50,14 +51,22 @@ class RequestStatus(StrEnum):
     REJECTED = "rejected"
     RATE_LIMITED = "rate_limited"
     UNAUTHORIZED = "unauthorized"
+    # The sidecar ended it before vLLM did: killed while serving it (the record is made from the
+    # admission journal when it starts again) or shut down with it still running past the drain.
+    INTERRUPTED = "interrupted"
 
 
-# Requests that reached the GPU: these are charged and counted; the rest are kept for audit.
+# Requests that reached the GPU: these are charged and counted; the rest are kept for audit. An
+# interrupted request is charged like an upstream failure: the GPU computed its tokens for the
+# team, and the ledger would otherwise disagree with the engines' own counters.
 BILLABLE_STATUSES: Final = (
     RequestStatus.OK,
     RequestStatus.CLIENT_ABORTED,
     RequestStatus.UPSTREAM_ERROR,
+    RequestStatus.INTERRUPTED,
 )
+# Billable requests that the platform, not the client, failed: the error ratio of the SLA.
+FAILED_STATUSES: Final = (RequestStatus.UPSTREAM_ERROR, RequestStatus.INTERRUPTED)
 
 
 class _Record:

@@ -216,6 +216,11 @@ class Spool:
             self._current.unlink(missing_ok=True)
         self._fh, self._current, self._current_records = None, None, 0
 
+    async def seal(self) -> None:
+        """Close the open segment now, so that every record written so far can be shipped."""
+        async with self._lock:
+            self._roll()
+
     async def closed_segments(self) -> list[Segment]:
         """Segments ready to ship, oldest first; rolls the open one when it is old enough."""
         async with self._lock:

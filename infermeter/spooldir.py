@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Final
 
+from infermeter.journal import JOURNAL_DIR
+
 __all__ = ["INSTANCES", "LOCK", "SpoolBusyError", "SpoolLock"]
 
 INSTANCES: Final = "instances"
@@ -105,8 +107,9 @@ class SpoolLock:
         lock meanwhile finds its file unnamed and starts afresh.
         """
         assert self._fd is not None, "remove a spool directory only while holding its lock"
-        with contextlib.suppress(OSError):  # absent, or not empty: the check below tells
-            (self.directory / INSTANCES).rmdir()
+        for sub in (INSTANCES, JOURNAL_DIR):
+            with contextlib.suppress(OSError):  # absent, or not empty: the check below tells
+                (self.directory / sub).rmdir()
         if any(p.name != LOCK for p in self.directory.iterdir()):
             self.release()
             return False

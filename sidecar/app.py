@@ -36,12 +36,15 @@ from infermeter.errors import error_body, sse_error_event
 from infermeter.http_guard import ServerLimits
 from infermeter.identity import Identity, identity_from_environment
 from infermeter.ids import request_id
+from infermeter.journal import JOURNAL_DIR, recover
 from infermeter.records import RequestStatus, UsageRecord
 from infermeter.replay import ReplayCache
 from infermeter.spool import Spool, SpoolError
 from sidecar import tracing
 from sidecar.bounds import capped, label
+from sidecar.drain import Drain
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
+from sidecar.journal import AdmissionJournal, JournalError
 from sidecar.lifetime import Lifetime, last_shipment
 from sidecar.limits import Admission, LimitExceeded, RateLimiter, estimate_prompt_tokens
 from sidecar.metrics import SidecarMetrics
@@ -142,6 +145,10 @@ class Sidecar:
         self.lifetime = Lifetime(self.identity, directory, settings.heartbeat_seconds,
                                  self.view.replica.gpu_count, engine_metrics_url, self.metrics.registry)  # fmt: skip
         self.spool_broken = False
+        self.journal = AdmissionJournal(
+            self.spool.directory / JOURNAL_DIR, settings.journal_mark_millis / 1000
+        )
+        self.drain = Drain()
         self.tracer = tracing.tracer(tracer_provider)
         self.upstream_key = os.environ.get(settings.upstream_api_key_env) or None
         timeout = httpx.Timeout(
@@ -165,9 +172,11 @@ class Sidecar:
     # -- life cycle ------------------------------------------------------------------------------
 
     async def startup(self) -> None:
-        """Take the spool directory, open the spools, start the shippers, announce the start."""
+        """Take the spool directory, open the spools, record what a killed predecessor left
+        running, start the shippers, announce the start."""
         await self.lifetime.claim()
         self.spool.open()
+        await recover(self.journal.open(), self.spool)
         self.metrics.spool_backlog.set_function(lambda: self.spool.backlog)
         if self.ingest_url:
             from infermeter.shipper import Shipper, ShipperMetrics
@@ -181,19 +190,39 @@ class Sidecar:
         await self.lifetime.start()
 
     async def shutdown(self) -> None:
-        """Announce the stop, stop background work, flush and ship the spools, let them go."""
+        """Record requests left running, announce the stop, ship the spools, let them go."""
+        await self._stop_tasks()
+        for record in self.journal.interrupted_now():
+            with contextlib.suppress(SpoolError):
+                await self.spool.append(record.to_json())
+                self.journal.finish(record.request_id)
         await self.lifetime.stop()
+        await self.ship_remaining(self.settings.drain_ship_seconds)
+        await self.journal.close()
+        await self.spool.close()
+        await self.lifetime.close()
+        self.lifetime.release()
+        await self.client.aclose()
+        await self.generation.close()
+
+    async def _stop_tasks(self) -> None:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self.spool.close()
-        await self.lifetime.close()
-        await last_shipment(self._shippers)
-        self.lifetime.release()
-        await self.client.aclose()
-        await self.generation.close()
+        self._tasks.clear()
+
+    async def ship_remaining(self, max_seconds: float) -> None:
+        """Ship every record in the spools now, for at most ``max_seconds`` (on the way out)."""
+        await self._stop_tasks()
+        if not self._shippers or max_seconds <= 0:
+            return
+        await self.spool.seal()
+        await self.lifetime.spool.seal()
+        await last_shipment(self._shippers, max_seconds)
+        if self.spool.backlog:  # what is not shipped stays spooled for the next start
+            log.error("%d record(s) left unshipped in the spool at exit", self.spool.backlog)
 
     def reload(self, config: Config) -> None:
         """Apply a new configuration without a restart (keys, limits, approved models)."""
@@ -289,6 +318,8 @@ class Sidecar:
             problems.append(f"upstream unreachable: {type(exc).__name__}")
         if self.spool_broken and self.settings.on_spool_failure == "refuse":
             problems.append("usage spool is not writable")
+        if self.drain.draining:
+            problems.append("shutting down: draining running requests")
         status = 503 if problems else 200
         await respond(
             send, status, orjson.dumps({"ready": not problems, "problems": problems}), [_JSON]
@@ -336,6 +367,7 @@ class Sidecar:
         finish: str | None = None
         try:
             body = await self._admit(call, scope, receive)
+            self._enter(call)
             if call.stream:
                 meter, status, http_status = await self._relay_stream(
                     call, scope, receive, send, body
@@ -361,6 +393,22 @@ class Sidecar:
         finally:
             self._release(call, usage)
         self._account(call, status, usage, meter, finish)
+
+    def _enter(self, call: _Call) -> None:
+        """The last step before forwarding: refuse while draining, else journal the admission."""
+        if self.drain.draining:
+            raise _Reject(503, "The sidecar is shutting down; send the request again.", "server_error",
+                          "server_shutting_down", RequestStatus.REJECTED, (("retry-after", "1"),))  # fmt: skip
+        try:
+            self.journal.admit(self._usage_record(call, RequestStatus.INTERRUPTED, 502, None, None, None), call.started)  # fmt: skip
+        except JournalError as exc:
+            self.metrics.spool_errors.inc()
+            if self.settings.on_spool_failure == "refuse":
+                raise _Reject(503, "Usage metering is unavailable; the request was not served.",
+                              "server_error", "metering_unavailable", RequestStatus.REJECTED) from None  # fmt: skip
+            log.error(
+                "%s; request %s would go unrecorded if the sidecar died", exc, call.request_id
+            )
 
     def _charge_refusal(self, call: _Call, rej: _Reject) -> _Reject:
         """A refusal takes one of the team's requests; past the limit it becomes a 429."""
@@ -537,8 +585,10 @@ class Sidecar:
         loop = asyncio.get_running_loop()
         work = loop.create_task(exchange())
         watcher = loop.create_task(_wait_disconnect(receive))
-        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((work, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED)
         watcher.cancel()
+        if not work.done() and not watcher.done():
+            return await self._cut_whole(call, work, send)
         if not work.done():
             # Cancelling closes the upstream connection, which makes vLLM abort the request.
             work.cancel()
@@ -585,6 +635,19 @@ class Sidecar:
         await respond(send, response.status, content, headers)
         return usage, status, response.status, finish
 
+    async def _cut_whole(self, call: _Call, work: asyncio.Task[Any], send: Send) -> tuple[
+            UsageCounts | None, RequestStatus, int, str | None]:  # fmt: skip
+        """End a non-streamed request still running past the drain: 503 and its record."""
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, _Reject):
+            await work
+        with contextlib.suppress(SpoolError):
+            await self._record(call, RequestStatus.INTERRUPTED, 503, None, None, None)
+        await respond(send, 503, error_body(503, "The sidecar shut down before the response was complete.",
+                                            "server_error", "server_shutting_down"),
+                      [_JSON, (b"retry-after", b"1"), (b"x-infermeter-request-id", call.request_id.encode())])  # fmt: skip
+        return None, RequestStatus.INTERRUPTED, 503, None
+
     async def _relay_stream(
         self, call: _Call, scope: Scope, receive: Receive, send: Send, body: dict[str, Any]
     ) -> tuple[StreamMeter, RequestStatus, int]:
@@ -607,6 +670,7 @@ class Sidecar:
         flags = dict(call.headers)
         meter = StreamMeter(flags.get(b"x-infermeter-client-usage") == b"1",
                             flags.get(b"x-infermeter-client-continuous") == b"1", call.started)  # fmt: skip
+        self.journal.track(call.request_id, meter)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()), *_ratelimit_headers(call)]})  # fmt: skip
         watch = StallWatch(response, self.generation.read_timeout_seconds)
@@ -615,10 +679,14 @@ class Sidecar:
         status = RequestStatus.OK
         read_to_end = False
         try:
-            await asyncio.wait((relay, watcher), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                (relay, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED
+            )
             if not relay.done():
                 relay.cancel()
-                status = RequestStatus.CLIENT_ABORTED
+                status = (
+                    RequestStatus.CLIENT_ABORTED if watcher.done() else RequestStatus.INTERRUPTED
+                )
                 with contextlib.suppress(asyncio.CancelledError):
                     await relay
             elif (exc := relay.exception()) is None:
@@ -657,6 +725,10 @@ class Sidecar:
         elif status is RequestStatus.UPSTREAM_ERROR:
             event = sse_error_event("The upstream model server stopped responding mid-stream.")
             await send({"type": "http.response.body", "body": tail + event, "more_body": False})
+        elif status is RequestStatus.INTERRUPTED:
+            event = sse_error_event("The sidecar shut down before the stream was complete.",
+                                    "server_error", "server_shutting_down")  # fmt: skip
+            await send({"type": "http.response.body", "body": tail + event, "more_body": False})
         return meter, status, 200
 
     @staticmethod
@@ -685,18 +757,7 @@ class Sidecar:
     async def _record(self, call: _Call, status: RequestStatus, http_status: int, usage: UsageCounts | None,
                       meter: StreamMeter | None, finish: str | None) -> None:  # fmt: skip
         """Make the usage record durable; on failure follow ``on_spool_failure``."""
-        exact = usage is not None or status in (RequestStatus.REJECTED, RequestStatus.RATE_LIMITED,
-                                                RequestStatus.UNAUTHORIZED, RequestStatus.BAD_REQUEST)  # fmt: skip
-        first = meter.first_token_at if meter else None
-        record = UsageRecord(
-            request_id=call.request_id, team=call.team, model=capped(call.model), served_version=call.served_version,
-            replica=self.replica_id, instance=self.instance, received_at=call.received_at,
-            first_token_at=None if first is None else call.received_at + (first - call.started),
-            finished_at=call.received_at + (time.perf_counter() - call.started),
-            prompt_tokens=usage.prompt if usage else 0, cached_prompt_tokens=usage.cached if usage else 0,
-            completion_tokens=usage.completion if usage else 0, status=status.value, http_status=http_status,
-            stream=call.stream, endpoint=call.endpoint, finish_reason=None if finish is None else capped(finish), usage_exact=exact,
-        )  # fmt: skip
+        record = self._usage_record(call, status, http_status, usage, meter, finish)
         try:
             await self.spool.append(record.to_json())
             self.spool_broken = False
@@ -710,6 +771,24 @@ class Sidecar:
                 call.request_id,
                 call.team,
             )
+        self.journal.finish(call.request_id)
+
+    def _usage_record(self, call: _Call, status: RequestStatus, http_status: int, usage: UsageCounts | None,
+                      meter: StreamMeter | None, finish: str | None) -> UsageRecord:  # fmt: skip
+        """The request's record if it ended now like this (also its admission in the journal)."""
+        exact = usage is not None or status in (RequestStatus.REJECTED, RequestStatus.RATE_LIMITED,
+                                                RequestStatus.UNAUTHORIZED, RequestStatus.BAD_REQUEST)  # fmt: skip
+        first = meter.first_token_at if meter else None
+        record = UsageRecord(
+            request_id=call.request_id, team=call.team, model=capped(call.model), served_version=call.served_version,
+            replica=self.replica_id, instance=self.instance, received_at=call.received_at,
+            first_token_at=None if first is None else call.received_at + (first - call.started),
+            finished_at=call.received_at + (time.perf_counter() - call.started),
+            prompt_tokens=usage.prompt if usage else 0, cached_prompt_tokens=usage.cached if usage else 0,
+            completion_tokens=usage.completion if usage else 0, status=status.value, http_status=http_status,
+            stream=call.stream, endpoint=call.endpoint, finish_reason=None if finish is None else capped(finish), usage_exact=exact,
+        )  # fmt: skip
+        return record
 
     def _release(self, call: _Call, usage: UsageCounts | None) -> None:
         if call.admission is not None:
@@ -738,6 +817,7 @@ class Sidecar:
         elif call.admission is not None and status in (
             RequestStatus.CLIENT_ABORTED,
             RequestStatus.UPSTREAM_ERROR,
+            RequestStatus.INTERRUPTED,
         ):
             m.inexact.labels(*labels).inc()
         if meter is not None and meter.first_token_at is not None:

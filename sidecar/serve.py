@@ -1,4 +1,4 @@
-"""Run one sidecar as a server: uvicorn, reload on SIGHUP or when the config file changes."""
+"""Run one sidecar as a server: uvicorn, reload on SIGHUP or a file change, drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from infermeter.exposure import public_key_problems
 from infermeter.identity import identity_from_environment
 from infermeter.serving import ensure_free, host_port, server
 from sidecar.app import Sidecar
+from sidecar.drain import DrainingServer, drain
 from sidecar.lifetime import engine_metrics_url, resource_attributes
 from sidecar.tracing import make_tracer_provider
 
@@ -51,8 +52,27 @@ async def serve_sidecar(
     metrics_url = engine_metrics_url(host, port, os.environ, socket.gethostname())
     app = Sidecar(config, replica_id, tracer_provider=tracer_provider, identity=identity,
                   engine_metrics_url=metrics_url)  # fmt: skip
-    srv = server(app, host, port, limits=app.server_limits)
     loop = asyncio.get_running_loop()
+    draining: list[asyncio.Task[None]] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        # The first SIGTERM (or Ctrl-C) starts the drain; another one ends its wait at once.
+        if draining:
+            log.warning("%s again: ending the drain period now", sig.name)
+            app.drain.cut_now()
+            return
+        log.warning(
+            "%s: draining (sidecar.drain_seconds %.0f)", sig.name, app.settings.drain_seconds
+        )
+        draining.append(loop.create_task(_drain_then_exit()))
+
+    async def _drain_then_exit() -> None:
+        try:
+            await drain(app, app.settings.drain_seconds)
+        finally:
+            srv.should_exit = True
+
+    srv = DrainingServer(server(app, host, port, limits=app.server_limits).config, on_signal)
 
     def reload() -> None:
         try:

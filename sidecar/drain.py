@@ -1,0 +1,124 @@
+"""Graceful drain on SIGTERM: stop admitting, let streams finish, end the rest, ship, exit.
+
+Kubernetes sends SIGTERM on every scale-down and rollout, then SIGKILL after the pod's
+``terminationGracePeriodSeconds``. uvicorn's own answer to SIGTERM is to stop listening and
+cancel whatever still runs after ``timeout_graceful_shutdown``: streams cut with no SSE error and
+no usage record. ``DrainingServer`` takes the signal instead, and ``drain`` runs the sequence:
+
+1. ``Drain.begin``: new requests get ``503 server_shutting_down`` with ``Retry-After`` and
+   ``/readyz`` answers 503, while the server keeps listening (endpoints are removed from the
+   Service asynchronously, so requests still arrive for a while).
+2. Admitted requests run until they end, for at most ``sidecar.drain_seconds``; requests
+   waiting for a fair batch slot are refused as slots come free.
+3. ``Drain.cut``: the rest end now; each client gets an SSE error event (a non-streamed one a
+   503) and each request its record, status ``interrupted``, with vLLM's counts up to the last
+   chunk relayed.
+
+Then uvicorn is told to exit: it stops listening and, with nothing left running, its own timeout
+cuts nothing. The sidecar's shutdown (``Sidecar.shutdown``) follows: a request still unrecorded
+(its handler did not finish within ``_SETTLE_SECONDS`` of the cut) is recorded from the admission
+journal, and the spool is sealed and shipped to billing for at most
+``sidecar.drain_ship_seconds``; what billing did not take stays on disk for the next start (or
+the node's collector). A second signal skips the rest of the drain period (step 3 at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+if TYPE_CHECKING:
+    from sidecar.app import Sidecar
+
+__all__ = ["Drain", "DrainingServer", "drain"]
+
+log = logging.getLogger("infermeter.sidecar")
+
+# How long ended requests may take to write their records before the journal stands in.
+_SETTLE_SECONDS = 5.0
+_POLL_SECONDS = 0.05
+
+
+class Drain:
+    """Whether the sidecar still admits requests, and the moment running ones must end."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self._cut: asyncio.Future[None] | None = None
+
+    @property
+    def cut(self) -> asyncio.Future[None]:
+        """Done once running requests must end: one future every request waits on with its own."""
+        if self._cut is None:
+            self._cut = asyncio.get_running_loop().create_future()
+        return self._cut
+
+    def begin(self) -> None:
+        """Admit nothing more."""
+        self.draining = True
+
+    def cut_now(self) -> None:
+        """End every running request now."""
+        self.draining = True
+        if not self.cut.done():
+            self.cut.set_result(None)
+
+
+async def drain(sidecar: Sidecar, drain_seconds: float) -> None:
+    """Steps 1 to 3 of the module docstring; then the server may stop and the sidecar shut down."""
+    state, journal, fair = sidecar.drain, sidecar.journal, sidecar.fair
+
+    def idle() -> bool:
+        # Requests waiting for a batch slot are refused (503) as soon as they get one, which
+        # running requests free as they end: the drain waits for those answers too.
+        return journal.running == 0 and (fair is None or fair.waiting() == 0)
+
+    state.begin()
+    log.warning("draining: %d request(s) running, up to %.0f s", journal.running, drain_seconds)
+    await _until(idle, drain_seconds, state.cut)
+    if journal.running:
+        log.warning("drain period over: ending %d running request(s)", journal.running)
+    state.cut_now()
+    await _until(idle, _SETTLE_SECONDS, None)
+
+
+async def _until(
+    done: Callable[[], bool], seconds: float, stop: asyncio.Future[None] | None
+) -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline and not (stop is not None and stop.done()):
+        await asyncio.sleep(_POLL_SECONDS)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with SIGTERM and SIGINT handed to ``on_signal`` instead of stopping the server.
+
+    The callback runs on the event loop. The server stops when ``should_exit`` is set, which the
+    drain does once it is over; signals are not raised again afterwards, so a drained sidecar
+    exits with status 0.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[signal.Signals], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serve until the drain sets ``should_exit``."""
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Hand the signal to the loop (a signal handler must not run the drain itself)."""
+        if self._loop is None:
+            self.should_exit = True
+            return
+        self._loop.call_soon_threadsafe(self._on_signal, signal.Signals(sig))

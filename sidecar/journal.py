@@ -1,0 +1,222 @@
+"""The admission journal: a trace of every admitted request, so that none ends without a record.
+
+A request's usage record is made durable when the request ends (``infermeter.spool``). A sidecar
+killed while it serves (SIGKILL, the OOM killer, a crash) never gets there, yet vLLM has already
+spent GPU time on every request it forwarded. The journal closes that gap:
+
+- ``admit``: before a request is forwarded, one line holding its record as it would read if the
+  request ended right then (status ``interrupted``, no tokens) goes to the journal file with one
+  ``write(2)``. From that moment it survives the death of the process: the bytes are the kernel's.
+- Every ``mark_seconds`` a background task writes a progress mark for each running stream whose
+  counts moved (vLLM's running usage and the first-token time, read from the stream's meter),
+  then fsyncs the file once for everything written since the last time (group commit). Nothing
+  happens per chunk: the marks read the meters the relay keeps anyway, so a killed stream is
+  recorded with its counts as of at most ``mark_seconds`` before the kill, and a crash of the
+  whole machine loses at most the last interval's lines.
+- ``finish``: once the request's own record is in the spool, one line says so.
+
+At start, ``infermeter.journal.recover`` turns what the previous process left into records (the
+file format, and the rules of those records, are told there).
+
+When a file passes ``rotate_bytes`` the requests still running are copied to a fresh one and the
+old one is deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import orjson
+
+from infermeter.journal import (
+    Pending,
+    admission_line,
+    finish_line,
+    interrupted_record,
+    mark_line,
+)
+from infermeter.records import UsageRecord
+from sidecar.stream import UsageCounts
+
+__all__ = ["AdmissionJournal", "JournalError", "Progress"]
+
+log = logging.getLogger("infermeter.sidecar")
+
+
+class JournalError(Exception):
+    """An admission could not be written to the journal (disk full, read-only, ...)."""
+
+
+class Progress(Protocol):
+    """What the journal reads of a running request: ``sidecar.stream.StreamMeter`` has it."""
+
+    token_events: int
+    first_token_at: float | None
+
+    @property
+    def usage(self) -> UsageCounts | None:
+        """The latest counts vLLM reported."""
+
+
+@dataclass
+class _Running:
+    """One admitted request in memory: its admission line, clock origin and progress."""
+
+    request_id: str
+    line: bytes
+    received_at: float
+    started: float
+    progress: Progress | None = None
+    marked_events: int = -1
+    mark: bytes = b""
+
+
+class AdmissionJournal:
+    """The journal of one sidecar: ``admit``, ``track``, ``finish``, and marks in the background."""
+
+    def __init__(self, directory: Path, mark_seconds: float, rotate_bytes: int = 8 << 20) -> None:
+        self.directory = directory
+        self.mark_seconds = mark_seconds
+        self.rotate_bytes = rotate_bytes
+        self._running: dict[str, _Running] = {}
+        self._fd = -1
+        self._path: Path | None = None
+        self._size = 0
+        self._unsynced = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and not yet finished."""
+        return len(self._running)
+
+    def open(self) -> list[Path]:
+        """Start a fresh journal file and the marks; return the files an earlier process left."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        left = sorted(self.directory.glob("journal-*.log"))
+        self._start_file()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return left
+
+    async def close(self) -> None:
+        """Stop the marks and close the file; it is deleted when no request is left running."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            if not self._running and self._path is not None:
+                self._path.unlink(missing_ok=True)
+
+    def admit(self, record: UsageRecord, started: float) -> None:
+        """Journal ``record`` (its end unknown yet); JournalError when it cannot be written."""
+        line = admission_line(record)
+        try:
+            self._write(line)
+        except OSError as exc:
+            raise JournalError(f"cannot write the admission journal in {self.directory}: {exc.strerror or exc}") from None  # fmt: skip
+        self._running[record.request_id] = _Running(
+            record.request_id, line, record.received_at, started
+        )
+
+    def track(self, request_id: str, progress: Progress) -> None:
+        """Mark ``request_id``'s counts from ``progress`` from now on."""
+        running = self._running.get(request_id)
+        if running is not None:
+            running.progress = progress
+
+    def finish(self, request_id: str) -> None:
+        """The request's own record is durable: it needs the journal no more."""
+        if self._running.pop(request_id, None) is None:
+            return
+        try:
+            self._write(finish_line(request_id))
+        except OSError as exc:
+            # Without its end the request becomes an interrupted record at the next start; its
+            # real record, spooled first, is the one billing keeps.
+            log.error("admission journal: end of %s not written: %s", request_id, exc)
+
+    def interrupted_now(self) -> list[UsageRecord]:
+        """Records of the requests still running, with their counts as of now (at shutdown)."""
+        now = time.time()
+        out = []
+        for running in self._running.values():
+            self._mark_one(running, now)
+            mark = orjson.loads(running.mark) if running.mark else None
+            pending = Pending(orjson.loads(running.line)["a"], mark)
+            record = interrupted_record(pending, now)
+            exact = running.progress is not None and running.progress.usage is not None
+            out.append(dataclasses.replace(record, usage_exact=exact))
+        return out
+
+    # -- the file --------------------------------------------------------------------------------
+
+    def _start_file(self) -> None:
+        self._path = self.directory / f"journal-{time.time_ns():020d}.log"
+        self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._size = 0
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self._size += len(data)
+        self._unsynced = True
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.mark_seconds)
+            try:
+                self._mark_all(time.time())
+                if self._unsynced:
+                    self._unsynced = False
+                    await asyncio.to_thread(os.fsync, self._fd)
+                if self._size > self.rotate_bytes:
+                    await self._rotate()
+            except OSError as exc:
+                log.error("admission journal in %s: %s", self.directory, exc)
+
+    def _mark_all(self, now: float) -> None:
+        lines = [self._mark_one(r, now) for r in self._running.values()]
+        data = b"".join(lines)
+        if data:
+            self._write(data)
+
+    def _mark_one(self, running: _Running, now: float) -> bytes:
+        """A new mark line for ``running`` if its counts moved since the last one, else b""."""
+        progress = running.progress
+        if progress is None or progress.token_events == running.marked_events:
+            return b""
+        running.marked_events = progress.token_events
+        usage = progress.usage
+        if usage is None:
+            return b""
+        first = progress.first_token_at
+        first = None if first is None else running.received_at + (first - running.started)
+        running.mark = mark_line(
+            running.request_id, usage.prompt, usage.completion, usage.cached, first, now
+        )
+        return running.mark
+
+    async def _rotate(self) -> None:
+        """Copy the running requests to a fresh file, make it durable, delete the old one."""
+        old_fd, old_path = self._fd, self._path
+        self._start_file()
+        self._write(b"".join(r.line + r.mark for r in self._running.values()))
+        self._unsynced = False
+        await asyncio.to_thread(os.fsync, self._fd)
+        os.close(old_fd)
+        if old_path is not None:
+            old_path.unlink(missing_ok=True)

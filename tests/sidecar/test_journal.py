@@ -1,0 +1,112 @@
+"""The sidecar's admission journal: what it writes, and what a killed sidecar's journal becomes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import orjson
+import pytest
+
+from infermeter.journal import recover, unfinished
+from infermeter.spool import Spool, read_segment
+from sidecar.journal import AdmissionJournal
+from sidecar.stream import StreamMeter
+from tests.infermeter.test_journal import T0, admitted
+
+
+def chunk(completion: int) -> bytes:
+    """A vLLM SSE chunk of one token with continuous usage."""
+    return (
+        b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}],'
+        b'"usage":{"prompt_tokens":7,"total_tokens":%d,"completion_tokens":%d}}\n\n'
+        % (7 + completion, completion)
+    )
+
+
+async def test_a_finished_request_leaves_no_journal(tmp_path):
+    """Admitted and finished, then closed: the journal file is deleted and nothing is pending."""
+    journal = AdmissionJournal(tmp_path / "journal", 0.05)
+    assert journal.open() == []
+    journal.admit(admitted(), 0.0)
+    assert journal.running == 1
+    journal.finish("r1")
+    await journal.close()
+    assert list((tmp_path / "journal").iterdir()) == []
+
+
+async def test_marks_follow_the_meter_without_a_write_per_chunk(tmp_path):
+    """Ten chunks between two marks make one mark line with the latest counts."""
+    journal = AdmissionJournal(tmp_path / "journal", 0.1)
+    journal.open()
+    journal.admit(admitted(), 100.0)
+    meter = StreamMeter(True, True, 100.0)
+    journal.track("r1", meter)
+    for i in range(1, 11):
+        meter.feed(chunk(i), 100.0 + i / 100)
+    await asyncio.sleep(0.25)
+    await asyncio.sleep(0.15)  # a tick with no new chunk writes no mark
+    (path,) = (tmp_path / "journal").glob("journal-*.log")
+    marks = [orjson.loads(x) for x in path.read_bytes().splitlines() if b'"m"' in x]
+    assert [(m["p"], m["c"]) for m in marks] == [(7, 10)]
+    assert marks[0]["t"] == pytest.approx(T0 + 0.01)
+    await journal.close()
+
+
+async def test_recover_spools_interrupted_records_once(tmp_path):
+    """Requests a killed process left running become interrupted records; a spooled one is kept as it is."""
+    spool = Spool(tmp_path / "spool")
+    spool.open()
+    real = admitted("r2").to_json() | {"status": "ok", "completion_tokens": 5}
+    await spool.append(real)
+    dead = AdmissionJournal(tmp_path / "spool" / "journal", 60)
+    dead.open()
+    for rid in ("r1", "r2", "r3"):
+        dead.admit(admitted(rid), 0.0)
+    dead.finish("r3")
+    os.close(dead._fd)  # the process dies: nothing is flushed, closed or deleted by it
+    assert dead._task is not None
+    dead._task.cancel()
+
+    restarted = AdmissionJournal(tmp_path / "spool" / "journal", 60)
+    left = restarted.open()
+    assert await recover(left, spool) == 1
+    await restarted.close()
+    await spool.close()
+    records = [
+        r for seg in sorted(spool.directory.glob("seg-*.jsonl")) for r in read_segment(seg)[0]
+    ]
+    assert [(r["request_id"], r["status"]) for r in records] == [
+        ("r2", "ok"),
+        ("r1", "interrupted"),
+    ]
+    assert list((tmp_path / "spool" / "journal").iterdir()) == []
+
+
+async def test_rotation_keeps_only_running_requests(tmp_path):
+    """Past rotate_bytes a fresh file holds the running requests, and the old one is deleted."""
+    journal = AdmissionJournal(tmp_path / "journal", 0.05, rotate_bytes=2_000)
+    journal.open()
+    for i in range(20):
+        journal.admit(admitted(f"r{i}"), 0.0)
+        if i != 7:
+            journal.finish(f"r{i}")
+    await asyncio.sleep(0.2)
+    (path,) = (tmp_path / "journal").glob("journal-*.log")
+    assert list(unfinished(path.read_bytes().splitlines())) == ["r7"]
+    assert path.stat().st_size < 2_000
+    await journal.close()
+
+
+async def test_interrupted_now_uses_the_counts_of_this_moment(tmp_path):
+    """At shutdown a request still running is recorded with its meter's counts as of now."""
+    journal = AdmissionJournal(tmp_path / "journal", 60)
+    journal.open()
+    journal.admit(admitted(), 100.0)
+    meter = StreamMeter(True, True, 100.0)
+    journal.track("r1", meter)
+    meter.feed(chunk(1) + chunk(2) + chunk(3), 100.5)
+    (record,) = journal.interrupted_now()
+    assert (record.status, record.completion_tokens, record.usage_exact) == ("interrupted", 3, True)
+    assert record.first_token_at == pytest.approx(T0 + 0.5)
+    await journal.close()
