@@ -1,0 +1,249 @@
+"""Non-streamed completions served from vLLM's stream, so a client that leaves is still metered.
+
+vLLM sends nothing of a non-streamed completion, not even its headers, until it is done, so a
+client that hangs up half-way leaves no trace of the tokens the engine spent on it. For such a
+request the sidecar asks vLLM for the stream instead, with ``include_usage`` and
+``continuous_usage_stats`` (every chunk then carries the running token counts), reads it to the
+end and answers the client with the body vLLM would have sent for the non-streamed request:
+the same fields in the same order, the same types, the same usage, serialised as vLLM's
+``JSONResponse`` serialises it (``json.dumps``, compact, UTF-8). Closing the stream is also how
+vLLM learns of an abandoned request, at once.
+
+Only requests whose answer can be rebuilt from the stream exactly are assembled
+(``assemblable``): plain sampling parameters, no log-probabilities, tools, echo, beam search
+or token ids, whose non-streamed answers carry what a stream spreads out differently or not at
+all. The others are relayed as they are, and a client leaving them is metered as before.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import orjson
+
+from sidecar.stream import UsageCounts
+
+__all__ = ["Assembler", "assemblable", "streamed_body"]
+
+CHAT: Final = "/v1/chat/completions"
+COMPLETIONS: Final = "/v1/completions"
+
+# Parameters that only choose which tokens are drawn and how many: the answer's shape is the
+# same whether it is streamed or not.
+_SAMPLING = frozenset({
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "seed", "stop", "stop_token_ids", "n", "frequency_penalty", "presence_penalty",
+    "repetition_penalty", "length_penalty", "ignore_eos", "min_tokens", "logit_bias",
+    "allowed_token_ids", "bad_words", "user", "priority", "include_stop_str_in_output",
+    "skip_special_tokens", "spaces_between_special_tokens", "response_format",
+    "structured_outputs", "add_special_tokens", "truncate_prompt_tokens",
+})  # fmt: skip
+_PLAIN: Final = {
+    CHAT: _SAMPLING
+    | {
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
+        "parallel_tool_calls",
+    },
+    COMPLETIONS: _SAMPLING | {"prompt"},
+}
+# Parameters that change the answer's shape, allowed only when switched off.
+_WHEN_OFF = frozenset({"stream", "logprobs", "top_logprobs", "echo", "use_beam_search",
+                       "return_token_ids", "tools", "tool_choice", "stream_options",
+                       "best_of", "prompt_logprobs", "return_tokens_as_token_ids"})  # fmt: skip
+_FALSE_IS_OFF = frozenset({"stream", "logprobs", "echo", "use_beam_search", "return_token_ids",
+                           "return_tokens_as_token_ids"})  # fmt: skip
+_PROMPT_DETAILS = ("cached_tokens", "created_cache_tokens", "multimodal_tokens")
+
+
+def assemblable(endpoint: str, body: dict[str, Any]) -> bool:
+    """True when ``body``, a non-streamed request, can be answered from vLLM's stream exactly.
+
+    ``stream_options`` on a non-streamed request is refused by vLLM; the request is relayed as
+    it is so that the client gets vLLM's own refusal.
+    """
+    plain = _PLAIN.get(endpoint)
+    if plain is None:
+        return False
+    for key, value in body.items():
+        if key in plain:
+            continue
+        if key not in _WHEN_OFF:
+            return False
+        off = value is None or (value is False and key in _FALSE_IS_OFF)
+        if not off:
+            return False
+    return True
+
+
+def streamed_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request sent upstream: ``body`` streamed, with usage on every chunk."""
+    return {**body, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+
+
+@dataclass
+class _Choice:
+    role: str | None = None
+    parts: list[str] = field(default_factory=list)
+    reasoning: list[str] | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+
+@dataclass
+class Assembler:
+    """Reads one vLLM stream and builds the non-streamed answer it stands for.
+
+    Each event is parsed (orjson): this path serves one body per request, not a relay per
+    token, and the body must be rebuilt field by field anyway.
+    """
+
+    endpoint: str
+    done: bool = False
+    # ``{"message", "type", "param", "code"}`` when vLLM ended the stream with an error event.
+    error: dict[str, Any] | None = None
+    response_id: str | None = None
+    _head: dict[str, Any] = field(default_factory=dict)
+    _choices: dict[int, _Choice] = field(default_factory=dict)
+    _usage: dict[str, Any] | None = None
+    _final: dict[str, Any] = field(default_factory=dict)
+    _tail: bytes = b""
+
+    @property
+    def usage(self) -> UsageCounts | None:
+        """The latest token counts vLLM reported, None before any."""
+        u = self._usage
+        if u is None:
+            return None
+        details = u.get("prompt_tokens_details") or {}
+        return UsageCounts(int(u["prompt_tokens"]), int(u.get("completion_tokens") or 0),
+                           int(details.get("cached_tokens") or 0))  # fmt: skip
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The first choice's finish reason, once it has one."""
+        first = self._choices.get(min(self._choices)) if self._choices else None
+        return None if first is None else first.finish_reason
+
+    def feed(self, block: bytes) -> None:
+        """Take a block of the stream as it arrived (events may be split across blocks)."""
+        data = self._tail + block
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._tail = data
+            return
+        self._tail = data[end + 2 :]
+        for event in data[:end].split(b"\n\n"):
+            for line in event.split(b"\n"):
+                # Other lines are SSE comments (vLLM's keep-alives) or empty.
+                if line.startswith(b"data: "):
+                    self._take(line[6:])
+
+    def _take(self, payload: bytes) -> None:
+        if payload == b"[DONE]":
+            self.done = True
+            return
+        chunk = orjson.loads(payload)
+        if "error" in chunk and "choices" not in chunk:
+            self.error = chunk["error"]
+            return
+        if not self._head:
+            self._head = {k: chunk[k] for k in ("id", "created", "model")}
+            self.response_id = str(chunk["id"])
+        if chunk.get("usage") is not None:
+            self._usage = chunk["usage"]
+        for c in chunk.get("choices") or ():
+            self._choice(c)
+        if not chunk.get("choices"):
+            # The final usage chunk: vLLM's fingerprint and per-request metrics ride on it.
+            self._final = chunk
+
+    def _choice(self, c: dict[str, Any]) -> None:
+        choice = self._choices.setdefault(int(c["index"]), _Choice())
+        if self.endpoint == CHAT:
+            delta = c.get("delta") or {}
+            choice.role = delta.get("role", choice.role)
+            if delta.get("content") is not None:
+                choice.parts.append(delta["content"])
+            if delta.get("reasoning") is not None:
+                choice.reasoning = [*(choice.reasoning or ()), delta["reasoning"]]
+        elif c.get("text") is not None:
+            choice.parts.append(c["text"])
+        if c.get("finish_reason") is not None:
+            choice.finish_reason, choice.stop_reason = c["finish_reason"], c.get("stop_reason")
+
+    def error_body(self) -> tuple[int, bytes]:
+        """The status and body vLLM answers a non-streamed request with for the stream's error."""
+        assert self.error is not None
+        code = self.error.get("code")
+        status = code if isinstance(code, int) and 400 <= code <= 599 else 500
+        return status, _dumps({"error": self.error})
+
+    def body(self) -> bytes:
+        """The non-streamed answer, as vLLM serialises it."""
+        chat = self.endpoint == CHAT
+        choices = [self._chat_choice(i, c) if chat else self._text_choice(i, c)
+                   for i, c in sorted(self._choices.items())]  # fmt: skip
+        out: dict[str, Any] = {
+            "id": self._head.get("id"),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": self._head.get("created"),
+            "model": self._head.get("model"),
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": self._final.get("system_fingerprint"),
+            "usage": self._full_usage(),
+        }
+        if chat:
+            out |= {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
+        out |= {"kv_transfer_params": None, "ec_transfer_params": None,
+                "metrics": self._final.get("metrics")}  # fmt: skip
+        return _dumps(out)
+
+    def _full_usage(self) -> dict[str, Any]:
+        # The stream's usage chunk leaves out what is null (exclude_none); the whole body does not.
+        u = self._final.get("usage") or self._usage or {}
+        details = u.get("prompt_tokens_details")
+        return {
+            "prompt_tokens": u.get("prompt_tokens", 0),
+            "total_tokens": u.get("total_tokens", 0),
+            "completion_tokens": u.get("completion_tokens", 0),
+            "prompt_tokens_details": None
+            if details is None
+            else {k: details.get(k) for k in _PROMPT_DETAILS},
+            "completion_tokens_details": u.get("completion_tokens_details"),
+        }
+
+    @staticmethod
+    def _chat_choice(index: int, c: _Choice) -> dict[str, Any]:
+        message = {
+            "role": c.role or "assistant",
+            "content": "".join(c.parts) if c.parts or c.reasoning is None else None,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None if c.reasoning is None else "".join(c.reasoning),
+        }
+        return {"index": index, "message": message, "logprobs": None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "token_ids": None, "routed_experts": None}  # fmt: skip
+
+    @staticmethod
+    def _text_choice(index: int, c: _Choice) -> dict[str, Any]:
+        return {"index": index, "text": "".join(c.parts), "logprobs": None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
+                "routed_experts": None}  # fmt: skip
+
+
+def _dumps(value: Any) -> bytes:
+    # Exactly what vLLM's JSONResponse (Starlette's) does, so the bytes are the same.
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None,
+                      separators=(",", ":")).encode("utf-8")  # fmt: skip
