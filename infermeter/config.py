@@ -298,6 +298,9 @@ class SidecarSettings(_Strict):
     # Unshipped records past this size are a spool failure (on_spool_failure applies).
     spool_max_bytes: Annotated[int, Field(gt=0)] = 1024 * 1024 * 1024
     default_reserve_tokens: Annotated[int, Field(gt=0)] = 1024
+    # Non-streamed completions are asked of vLLM as streams with continuous usage and answered
+    # whole (``sidecar.assemble``), so a client that leaves is metered; false relays them as sent.
+    non_streamed_via_stream: bool = True
     fair_headroom: Annotated[float, Field(ge=0, lt=1)] = 0.125
     fair_queue_max_per_team: Annotated[int, Field(gt=0)] = 256
     fair_wait_timeout_seconds: Positive = 30.0

@@ -510,7 +510,7 @@ class Sidecar:
     async def _relay_whole(
         self, call: _Call, scope: Scope, receive: Receive, send: Send, body: dict[str, Any]
     ) -> tuple[UsageCounts | None, RequestStatus, int, str | None]:
-        if assemblable(call.endpoint, body):
+        if self.settings.non_streamed_via_stream and assemblable(call.endpoint, body):
             return await self._relay_assembled(call, scope, receive, send, body)
 
         async def exchange() -> tuple[aiohttp.ClientResponse, bytes]:

@@ -23,7 +23,8 @@ from typing import Any, Final
 
 import orjson
 
-from sidecar.stream import UsageCounts
+from sidecar.request_ids import response_id
+from sidecar.stream import UsageCounts, parse_usage
 
 __all__ = ["Assembler", "assemblable", "streamed_body"]
 
@@ -59,6 +60,10 @@ _WHEN_OFF = frozenset({"stream", "logprobs", "top_logprobs", "echo", "use_beam_s
 _FALSE_IS_OFF = frozenset({"stream", "logprobs", "echo", "use_beam_search", "return_token_ids",
                            "return_tokens_as_token_ids"})  # fmt: skip
 _PROMPT_DETAILS = ("cached_tokens", "created_cache_tokens", "multimodal_tokens")
+_USAGE_KEY = b'"usage":{'
+_DONE = b"data: [DONE]\n\n"
+# vLLM's error event, the one event that is not a chunk: ``data: {"error": {...}}``.
+_ERROR = b'data: {"error"'
 
 
 def assemblable(endpoint: str, body: dict[str, Any]) -> bool:
@@ -100,8 +105,9 @@ class _Choice:
 class Assembler:
     """Reads one vLLM stream and builds the non-streamed answer it stands for.
 
-    Each event is parsed (orjson): this path serves one body per request, not a relay per
-    token, and the body must be rebuilt field by field anyway.
+    While the stream runs, a block costs a few byte searches (the latest usage, the end); the
+    events are parsed once, together, when the answer is built. A stream abandoned half-way is
+    never parsed: its latest usage is all that is needed.
     """
 
     endpoint: str
@@ -111,23 +117,19 @@ class Assembler:
     response_id: str | None = None
     _head: dict[str, Any] = field(default_factory=dict)
     _choices: dict[int, _Choice] = field(default_factory=dict)
-    _usage: dict[str, Any] | None = None
     _final: dict[str, Any] = field(default_factory=dict)
+    _blocks: list[bytes] = field(default_factory=list)
+    _usage_raw: bytes = b""
     _tail: bytes = b""
 
     @property
     def usage(self) -> UsageCounts | None:
         """The latest token counts vLLM reported, None before any."""
-        u = self._usage
-        if u is None:
-            return None
-        details = u.get("prompt_tokens_details") or {}
-        return UsageCounts(int(u["prompt_tokens"]), int(u.get("completion_tokens") or 0),
-                           int(details.get("cached_tokens") or 0))  # fmt: skip
+        return parse_usage(self._usage_raw) if self._usage_raw else None
 
     @property
     def finish_reason(self) -> str | None:
-        """The first choice's finish reason, once it has one."""
+        """The first choice's finish reason, once the answer is built."""
         first = self._choices.get(min(self._choices)) if self._choices else None
         return None if first is None else first.finish_reason
 
@@ -139,25 +141,33 @@ class Assembler:
             self._tail = data
             return
         self._tail = data[end + 2 :]
-        for event in data[:end].split(b"\n\n"):
-            for line in event.split(b"\n"):
-                # Other lines are SSE comments (vLLM's keep-alives) or empty.
-                if line.startswith(b"data: "):
-                    self._take(line[6:])
-
-    def _take(self, payload: bytes) -> None:
-        if payload == b"[DONE]":
+        data = data[: end + 2]
+        self._blocks.append(data)
+        if self.response_id is None:
+            self.response_id = response_id(data)
+        at = data.rfind(_USAGE_KEY)
+        if at >= 0:
+            # One level of nesting (prompt_tokens_details) fits well within 400 bytes.
+            self._usage_raw = data[at : at + 400]
+        if _DONE in data:
             self.done = True
-            return
-        chunk = orjson.loads(payload)
+        if _ERROR in data:
+            self._parse()
+
+    def _parse(self) -> None:
+        """Parse every event read so far, all in one ``orjson.loads``."""
+        payloads = [line[6:] for line in b"".join(self._blocks).split(b"\n")
+                    if line.startswith(b"data: {")]  # fmt: skip
+        self._blocks = []
+        for chunk in orjson.loads(b"[" + b",".join(payloads) + b"]"):
+            self._take(chunk)
+
+    def _take(self, chunk: dict[str, Any]) -> None:
         if "error" in chunk and "choices" not in chunk:
             self.error = chunk["error"]
             return
         if not self._head:
             self._head = {k: chunk[k] for k in ("id", "created", "model")}
-            self.response_id = str(chunk["id"])
-        if chunk.get("usage") is not None:
-            self._usage = chunk["usage"]
         for c in chunk.get("choices") or ():
             self._choice(c)
         if not chunk.get("choices"):
@@ -187,6 +197,7 @@ class Assembler:
 
     def body(self) -> bytes:
         """The non-streamed answer, as vLLM serialises it."""
+        self._parse()
         chat = self.endpoint == CHAT
         choices = [self._chat_choice(i, c) if chat else self._text_choice(i, c)
                    for i, c in sorted(self._choices.items())]  # fmt: skip
@@ -208,7 +219,7 @@ class Assembler:
 
     def _full_usage(self) -> dict[str, Any]:
         # The stream's usage chunk leaves out what is null (exclude_none); the whole body does not.
-        u = self._final.get("usage") or self._usage or {}
+        u = self._final.get("usage") or {}
         details = u.get("prompt_tokens_details")
         return {
             "prompt_tokens": u.get("prompt_tokens", 0),
