@@ -576,7 +576,8 @@ class Sidecar:
         self, call: _Call, scope: Scope, receive: Receive, send: Send, body: dict[str, Any]
     ) -> tuple[UsageCounts | None, RequestStatus, int, str | None]:
         """A non-streamed request served from vLLM's stream (``sidecar.assemble``)."""
-        assembler = Assembler(call.endpoint)
+        n = body.get("n")
+        assembler = Assembler(call.endpoint, n if isinstance(n, int) and n > 0 else 1)
 
         async def exchange() -> tuple[aiohttp.ClientResponse, bytes]:
             response = await self._open_upstream(call, scope, streamed_body(body))
@@ -603,7 +604,7 @@ class Sidecar:
             with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, _Reject):
                 await work
             call.response_id = assembler.response_id
-            usage = assembler.usage
+            usage = assembler.usage_so_far()
             with contextlib.suppress(SpoolError):
                 await self._record(call, RequestStatus.CLIENT_ABORTED, 499, usage, None, None)
             return usage, RequestStatus.CLIENT_ABORTED, 499, None
@@ -612,7 +613,7 @@ class Sidecar:
             response, content = work.result()
         except UPSTREAM_ERRORS as exc:
             code, message = upstream_failure(exc)
-            usage = assembler.usage
+            usage = assembler.usage_so_far()
             with contextlib.suppress(SpoolError):
                 await self._record(call, RequestStatus.UPSTREAM_ERROR, code, usage, None, None)
             await respond(send, code, message, [_JSON, *_echo_headers(call)])
@@ -632,7 +633,7 @@ class Sidecar:
             )
         elif not assembler.done:
             http_status, content = upstream_failure(aiohttp.ServerDisconnectedError())
-            status = RequestStatus.UPSTREAM_ERROR
+            status, usage = RequestStatus.UPSTREAM_ERROR, assembler.usage_so_far()
         else:
             status, content = RequestStatus.OK, assembler.body()
         try:

@@ -111,6 +111,8 @@ class Assembler:
     """
 
     endpoint: str
+    # Choices per prompt (the request's ``n``): a cut-short stream's counts are per choice.
+    n: int = 1
     done: bool = False
     # ``{"message", "type", "param", "code"}`` when vLLM ended the stream with an error event.
     error: dict[str, Any] | None = None
@@ -121,11 +123,27 @@ class Assembler:
     _blocks: list[bytes] = field(default_factory=list)
     _usage_raw: bytes = b""
     _tail: bytes = b""
+    # The latest (prompt, completion) counts of each choice, for a stream that was cut short.
+    _per_choice: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def usage(self) -> UsageCounts | None:
         """The latest token counts vLLM reported, None before any."""
         return parse_usage(self._usage_raw) if self._usage_raw else None
+
+    def usage_so_far(self) -> UsageCounts | None:
+        """The tokens spent on a stream that did not finish: every choice's latest counts.
+
+        With continuous usage, vLLM's chunk of one choice carries that choice's completion
+        tokens and its prompt's tokens, so ``n > 1`` or several prompts are summed here.
+        """
+        latest = self.usage
+        self._parse()
+        if latest is None or self.done or not self._per_choice:
+            return latest
+        prompts = {i // self.n: p for i, (p, _) in sorted(self._per_choice.items())}
+        completion = sum(c for _, c in self._per_choice.values())
+        return UsageCounts(sum(prompts.values()), completion, latest.cached)
 
     @property
     def finish_reason(self) -> str | None:
@@ -168,9 +186,14 @@ class Assembler:
             return
         if not self._head:
             self._head = {k: chunk[k] for k in ("id", "created", "model")}
-        for c in chunk.get("choices") or ():
+        choices: list[dict[str, Any]] = chunk.get("choices") or []
+        for c in choices:
             self._choice(c)
-        if not chunk.get("choices"):
+        usage = chunk.get("usage")
+        if usage and len(choices) == 1:
+            self._per_choice[int(choices[0]["index"])] = (
+                int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))  # fmt: skip
+        if not choices:
             # The final usage chunk: vLLM's fingerprint and per-request metrics ride on it.
             self._final = chunk
 

@@ -31,7 +31,7 @@ MSG = [{"role": "user", "content": "hi"}]
                 "seed": 3,
             },
             True,
-        ),  # fmt: skip
+        ),
         ("/v1/chat/completions", {"model": "m", "messages": MSG, "logprobs": False}, True),
         ("/v1/chat/completions", {"model": "m", "messages": MSG, "tools": None}, True),
         ("/v1/chat/completions", {"model": "m", "messages": MSG, "logprobs": True}, False),
@@ -39,7 +39,7 @@ MSG = [{"role": "user", "content": "hi"}]
             "/v1/chat/completions",
             {"model": "m", "messages": MSG, "tools": [{"type": "function"}]},
             False,
-        ),  # fmt: skip
+        ),
         ("/v1/chat/completions", {"model": "m", "messages": MSG, "stream_options": {}}, False),
         ("/v1/chat/completions", {"model": "m", "messages": MSG, "return_token_ids": True}, False),
         ("/v1/chat/completions", {"model": "m", "messages": MSG, "something_new": 1}, False),
@@ -171,3 +171,31 @@ def test_a_client_request_id_is_kept_only_in_its_plain_form(value, expected):
 def test_the_response_id_is_the_first_objects_id(content, expected):
     """vLLM's id is read from the head of a body or stream; an error has none."""
     assert response_id(content) == expected
+
+
+def _chunk(index: int, content: str, prompt: int, completion: int) -> bytes:
+    """A chat chunk of choice ``index`` with vLLM's continuous usage for that choice."""
+    return b"data: " + orjson.dumps({
+        "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": [{"index": index, "delta": {"content": content}, "logprobs": None,
+                     "finish_reason": None, "token_ids": None}],
+        "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                  "completion_tokens": completion, "completion_tokens_details": None},
+    }) + b"\n\n"  # fmt: skip
+
+
+def test_a_cut_short_stream_of_several_choices_sums_their_counts():
+    """With n=2 each chunk counts its own choice: the tokens spent are both choices' latest."""
+    assembler = Assembler("/v1/chat/completions", n=2)
+    for i in range(1, 4):
+        assembler.feed(_chunk(0, "a", 7, i) + _chunk(1, "b", 7, i))
+    assembler.feed(_chunk(0, "a", 7, 4))
+    assert assembler.usage == UsageCounts(7, 4)
+    assert assembler.usage_so_far() == UsageCounts(7, 7)
+
+
+def test_a_cut_short_batch_of_prompts_sums_each_prompts_tokens():
+    """Several prompts in one text request: each prompt's tokens are counted once."""
+    assembler = Assembler("/v1/completions", n=1)
+    assembler.feed(_chunk(0, "a", 5, 2) + _chunk(1, "b", 9, 3))
+    assert assembler.usage_so_far() == UsageCounts(14, 5)
