@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.sidecar.test_proxy_accounting import _breaks_mid_stream, _engine_dies, _engine_stalls
 
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "count please"}],
         "max_tokens": 12}  # fmt: skip
@@ -126,3 +130,42 @@ async def test_a_refusal_echoes_the_request_id_too(stack):
     assert r.status_code == 404
     assert r.headers["x-request-id"] == "abc-1"
     assert stack.records()[-1]["client_request_id"] == "abc-1"
+
+
+@pytest.mark.parametrize(
+    ("then", "settings", "status"),
+    [(_engine_dies, {}, 502), (_engine_stalls, {"sidecar.read_timeout_seconds": 0.3}, 504)],
+    ids=["dies", "stalls"],
+)
+async def test_upstream_breaking_mid_answer_is_an_error_with_the_usage_so_far(
+    stack_factory, fixture_text, then, settings, status
+):
+    """vLLM dies or stalls part-way through a non-streamed answer: an error soon, usage recorded."""
+    stack = await stack_factory(upstream_app=_breaks_mid_stream(fixture_text, then), **settings)
+    async with stack.client() as c:
+        started = time.perf_counter()
+        r = await c.post("/v1/chat/completions", json=CHAT)
+    assert time.perf_counter() - started < 5
+    assert r.status_code == status
+    assert r.json()["error"]["type"] == "upstream_error"
+    record = stack.records()[-1]
+    assert (record["status"], record["response_id"]) == (
+        "upstream_error",
+        "chatcmpl-938c5aa6fcfb9c62",
+    )
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (10, 3)
+
+
+async def test_with_the_switch_off_a_hang_up_is_aborted_but_not_counted(stack_factory):
+    """``non_streamed_via_stream: false`` relays the request as sent: aborted, tokens unknown."""
+    stack = await stack_factory(**{"sidecar.non_streamed_via_stream": False})
+    async with stack.client(timeout=0.4) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post(
+                "/v1/chat/completions", json={**CHAT, "max_tokens": 3000, "ignore_eos": True}
+            )
+    await asyncio.sleep(0.3)
+    assert (await _engine(stack.upstream))["vllm:num_requests_running"] == 0
+    (record,) = stack.records()
+    assert (record["status"], record["usage_exact"], record["completion_tokens"]) == (
+        "client_aborted", False, 0)  # fmt: skip
