@@ -37,7 +37,7 @@ async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
         yield url
 
 
-async def _find(url: str, key: str, **params: object) -> httpx.Response:
+async def _find(url: str, key: str, **params: str | int) -> httpx.Response:
     async with httpx.AsyncClient(base_url=url, headers=bearer(key)) as c:
         return await c.get("/v1/usage/records", params=params)
 
