@@ -40,7 +40,7 @@ from infermeter.records import RequestStatus, UsageRecord
 from infermeter.replay import ReplayCache
 from infermeter.spool import Spool, SpoolError
 from sidecar import tracing
-from sidecar.assemble import Assembler, assemblable, streamed_body
+from sidecar.assemble import Assembler, answer, assemblable, streamed_body
 from sidecar.bounds import capped, label
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 from sidecar.limits import Admission, LimitExceeded, RateLimiter, estimate_prompt_tokens
@@ -618,26 +618,12 @@ class Sidecar:
                 await self._record(call, RequestStatus.UPSTREAM_ERROR, code, usage, None, None)
             await respond(send, code, message, [_JSON, *_echo_headers(call)])
             return usage, RequestStatus.UPSTREAM_ERROR, code, None
-        usage, finish, http_status = assembler.usage, assembler.finish_reason, response.status
+        out = answer(response.status, content, assembler)
         if response.status != 200:
             call.response_id = None
-            at = content.find(b'"usage":{')
-            usage = parse_usage(content[at:]) if at >= 0 else None
-            status = (
-                RequestStatus.BAD_REQUEST if response.status < 500 else RequestStatus.UPSTREAM_ERROR
-            )
-        elif assembler.error is not None:
-            http_status, content = assembler.error_body()
-            status = (
-                RequestStatus.BAD_REQUEST if http_status < 500 else RequestStatus.UPSTREAM_ERROR
-            )
-        elif not assembler.done:
-            http_status, content = upstream_failure(aiohttp.ServerDisconnectedError())
-            status, usage = RequestStatus.UPSTREAM_ERROR, assembler.usage_so_far()
-        else:
-            status, content = RequestStatus.OK, assembler.body()
+        finish = assembler.finish_reason
         try:
-            await self._record(call, status, http_status, usage, None, finish)
+            await self._record(call, out.status, out.http_status, out.usage, None, finish)
         except SpoolError:
             raise _Reject(503, "Usage metering is unavailable; the response was withheld.", "server_error",
                           "metering_unavailable", RequestStatus.REJECTED) from None  # fmt: skip
@@ -645,8 +631,8 @@ class Sidecar:
         raw = response.raw_headers
         if response.status == 200:
             raw = ((b"content-type", b"application/json"), *((k, v) for k, v in raw if k.lower() != b"content-type"))  # fmt: skip
-        await respond(send, http_status, content, _whole_headers(call, raw))
-        return usage, status, http_status, finish
+        await respond(send, out.http_status, out.body, _whole_headers(call, raw))
+        return out.usage, out.status, out.http_status, finish
 
     async def _collect(self, response: aiohttp.ClientResponse, assembler: Assembler) -> None:
         """Read a stream to its end into ``assembler``; the read timeout is per read, as streamed."""

@@ -21,12 +21,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import aiohttp
 import orjson
 
+from infermeter.records import RequestStatus
 from sidecar.request_ids import response_id
 from sidecar.stream import UsageCounts, parse_usage
+from sidecar.upstream import upstream_failure
 
-__all__ = ["Assembler", "assemblable", "streamed_body"]
+__all__ = ["Answer", "Assembler", "answer", "assemblable", "streamed_body"]
 
 CHAT: Final = "/v1/chat/completions"
 COMPLETIONS: Final = "/v1/completions"
@@ -281,3 +284,37 @@ def _dumps(value: Any) -> bytes:
     # Exactly what vLLM's JSONResponse (Starlette's) does, so the bytes are the same.
     return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None,
                       separators=(",", ":")).encode("utf-8")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the client gets once vLLM's response is read, and how the request is recorded."""
+
+    status: RequestStatus
+    http_status: int
+    body: bytes
+    usage: UsageCounts | None
+
+
+def answer(upstream_status: int, content: bytes, assembler: Assembler) -> Answer:
+    """The answer to a request whose response was read to its end (or to the upstream's).
+
+    vLLM's refusal before any event is passed on as it is; an error event becomes the error
+    vLLM gives a non-streamed request; a stream that ended without ``[DONE]`` is a 502 with the
+    usage so far; otherwise the assembled body.
+    """
+    if upstream_status != 200:
+        at = content.find(b'"usage":{')
+        usage = parse_usage(content[at:]) if at >= 0 else None
+        return Answer(_failed(upstream_status), upstream_status, content, usage)
+    if assembler.error is not None:
+        status, body = assembler.error_body()
+        return Answer(_failed(status), status, body, assembler.usage)
+    if not assembler.done:
+        status, body = upstream_failure(aiohttp.ServerDisconnectedError())
+        return Answer(RequestStatus.UPSTREAM_ERROR, status, body, assembler.usage_so_far())
+    return Answer(RequestStatus.OK, 200, assembler.body(), assembler.usage)
+
+
+def _failed(http_status: int) -> RequestStatus:
+    return RequestStatus.BAD_REQUEST if http_status < 500 else RequestStatus.UPSTREAM_ERROR
