@@ -7,7 +7,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from sidecar.assemble import Assembler, assemblable, streamed_body
+from infermeter.records import RequestStatus
+from sidecar.assemble import Assembler, answer, assemblable, streamed_body
 from sidecar.request_ids import client_request_id, response_id
 from sidecar.stream import UsageCounts
 
@@ -199,3 +200,29 @@ def test_a_cut_short_batch_of_prompts_sums_each_prompts_tokens():
     assembler = Assembler("/v1/completions", n=1)
     assembler.feed(_chunk(0, "a", 5, 2) + _chunk(1, "b", 9, 3))
     assert assembler.usage_so_far() == UsageCounts(14, 5)
+
+
+def test_the_answer_to_a_refusal_is_vllms_own():
+    """vLLM's JSON refusal before any event is passed on, status and bytes."""
+    refusal = b'{"error":{"message":"too long","type":"BadRequestError","param":null,"code":400}}'
+    out = answer(400, refusal, Assembler("/v1/chat/completions"))
+    assert (out.status, out.http_status, out.body, out.usage) == (
+        RequestStatus.BAD_REQUEST, 400, refusal, None)  # fmt: skip
+
+
+def test_the_answer_to_a_stream_cut_short_is_a_502_with_the_usage_so_far():
+    """A stream that ended without [DONE] is an upstream error; its tokens are recorded."""
+    assembler = Assembler("/v1/chat/completions")
+    assembler.feed(_chunk(0, "a", 7, 1) + _chunk(0, "b", 7, 2))
+    out = answer(200, b"", assembler)
+    assert (out.status, out.http_status, out.usage) == (
+        RequestStatus.UPSTREAM_ERROR, 502, UsageCounts(7, 2))  # fmt: skip
+    assert orjson.loads(out.body)["error"]["code"] == "upstream_unreachable"
+
+
+def test_the_answer_to_a_finished_stream_is_the_assembled_body():
+    """A stream read to [DONE] answers 200 with the body and the final usage."""
+    assembler = _assembled("vllm-0.32-chat-stream-continuous-usage.sse", "/v1/chat/completions", 64)
+    out = answer(200, b"", assembler)
+    assert (out.status, out.http_status, out.usage) == (RequestStatus.OK, 200, UsageCounts(10, 5))
+    assert out.body == assembler.body()
