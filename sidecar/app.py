@@ -579,18 +579,19 @@ class Sidecar:
         n = body.get("n")
         assembler = Assembler(call.endpoint, n if isinstance(n, int) and n > 0 else 1)
 
-        async def exchange() -> tuple[aiohttp.ClientResponse, bytes]:
+        async def exchange() -> tuple[aiohttp.ClientResponse, bytes | None]:
             response = await self._open_upstream(call, scope, streamed_body(body))
             try:
                 # A refusal before any SSE is the same JSON error as for the whole request.
-                content = await response.read() if response.status != 200 else b""
-                if response.status == 200:
+                streamed = response.status == 200 and response.content_type == "text/event-stream"
+                whole = None if streamed else await response.read()
+                if streamed:
                     await self._collect(response, assembler)
             except BaseException:
                 response.close()
                 raise
             response.release()
-            return response, content
+            return response, whole
 
         loop = asyncio.get_running_loop()
         work = loop.create_task(exchange())
@@ -610,7 +611,7 @@ class Sidecar:
             return usage, RequestStatus.CLIENT_ABORTED, 499, None
         call.response_id = assembler.response_id
         try:
-            response, content = work.result()
+            response, whole = work.result()
         except UPSTREAM_ERRORS as exc:
             code, message = upstream_failure(exc)
             usage = assembler.usage_so_far()
@@ -618,9 +619,9 @@ class Sidecar:
                 await self._record(call, RequestStatus.UPSTREAM_ERROR, code, usage, None, None)
             await respond(send, code, message, [_JSON, *_echo_headers(call)])
             return usage, RequestStatus.UPSTREAM_ERROR, code, None
-        out = answer(response.status, content, assembler)
-        if response.status != 200:
-            call.response_id = None
+        out = answer(response.status, whole, assembler)
+        if whole is not None:
+            call.response_id = response_id(whole)
         finish = assembler.finish_reason
         try:
             await self._record(call, out.status, out.http_status, out.usage, None, finish)
@@ -629,7 +630,7 @@ class Sidecar:
                           "metering_unavailable", RequestStatus.REJECTED) from None  # fmt: skip
         # The stream's own content type gives way to the one vLLM gives a whole answer.
         raw = response.raw_headers
-        if response.status == 200:
+        if whole is None:
             raw = ((b"content-type", b"application/json"), *((k, v) for k, v in raw if k.lower() != b"content-type"))  # fmt: skip
         await respond(send, out.http_status, out.body, _whole_headers(call, raw))
         return out.usage, out.status, out.http_status, finish

@@ -296,23 +296,25 @@ class Answer:
     usage: UsageCounts | None
 
 
-def answer(upstream_status: int, content: bytes, assembler: Assembler) -> Answer:
+def answer(upstream_status: int, whole: bytes | None, assembler: Assembler) -> Answer:
     """The answer to a request whose response was read to its end (or to the upstream's).
 
-    vLLM's refusal before any event is passed on as it is; an error event becomes the error
-    vLLM gives a non-streamed request; a stream that ended without ``[DONE]`` is a 502 with the
-    usage so far; otherwise the assembled body.
+    ``whole`` is the body when the upstream answered with one instead of a stream: vLLM's
+    refusal before any event, or an upstream that does not stream; it is passed on as it is.
+    An error event becomes the error vLLM gives a non-streamed request; a stream that ended
+    without ``[DONE]`` is a 502 with the usage so far; otherwise the assembled body.
     """
-    if upstream_status != 200:
-        at = content.find(b'"usage":{')
-        usage = parse_usage(content[at:]) if at >= 0 else None
-        return Answer(_failed(upstream_status), upstream_status, content, usage)
+    if whole is not None:
+        at = whole.find(b'"usage":{')
+        usage = parse_usage(whole[at:]) if at >= 0 else None
+        status = RequestStatus.OK if upstream_status == 200 else _failed(upstream_status)
+        return Answer(status, upstream_status, whole, usage)
     if assembler.error is not None:
-        status, body = assembler.error_body()
-        return Answer(_failed(status), status, body, assembler.usage)
+        code, body = assembler.error_body()
+        return Answer(_failed(code), code, body, assembler.usage)
     if not assembler.done:
-        status, body = upstream_failure(aiohttp.ServerDisconnectedError())
-        return Answer(RequestStatus.UPSTREAM_ERROR, status, body, assembler.usage_so_far())
+        code, body = upstream_failure(aiohttp.ServerDisconnectedError())
+        return Answer(RequestStatus.UPSTREAM_ERROR, code, body, assembler.usage_so_far())
     return Answer(RequestStatus.OK, 200, assembler.body(), assembler.usage)
 
 

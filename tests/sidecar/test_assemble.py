@@ -214,7 +214,7 @@ def test_the_answer_to_a_stream_cut_short_is_a_502_with_the_usage_so_far():
     """A stream that ended without [DONE] is an upstream error; its tokens are recorded."""
     assembler = Assembler("/v1/chat/completions")
     assembler.feed(_chunk(0, "a", 7, 1) + _chunk(0, "b", 7, 2))
-    out = answer(200, b"", assembler)
+    out = answer(200, None, assembler)
     assert (out.status, out.http_status, out.usage) == (
         RequestStatus.UPSTREAM_ERROR, 502, UsageCounts(7, 2))  # fmt: skip
     assert orjson.loads(out.body)["error"]["code"] == "upstream_unreachable"
@@ -223,6 +223,14 @@ def test_the_answer_to_a_stream_cut_short_is_a_502_with_the_usage_so_far():
 def test_the_answer_to_a_finished_stream_is_the_assembled_body():
     """A stream read to [DONE] answers 200 with the body and the final usage."""
     assembler = _assembled("vllm-0.32-chat-stream-continuous-usage.sse", "/v1/chat/completions", 64)
-    out = answer(200, b"", assembler)
+    out = answer(200, None, assembler)
     assert (out.status, out.http_status, out.usage) == (RequestStatus.OK, 200, UsageCounts(10, 5))
     assert out.body == assembler.body()
+
+
+def test_an_upstream_that_does_not_stream_is_answered_as_it_is():
+    """A whole JSON body where a stream was asked for is passed on, with its usage."""
+    body = b'{"id":"x","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}'
+    out = answer(200, body, Assembler("/v1/chat/completions"))
+    assert (out.status, out.http_status, out.body, out.usage) == (
+        RequestStatus.OK, 200, body, UsageCounts(1, 2))  # fmt: skip
