@@ -124,6 +124,11 @@ class UsageRecord(_Record):
     # The engine instance (pod) that served it; ``replica`` is then its replica group. None in
     # records from a fleet of fixed replicas, where each replica is its one instance.
     instance: str | None = None
+    # The id vLLM gave its response (``chatcmpl-...``, ``cmpl-...``, the embeddings id), which
+    # is what a user holds; None when no response came back.
+    response_id: str | None = None
+    # The caller's own ``x-request-id``, when it sent a valid one.
+    client_request_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

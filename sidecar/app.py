@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ from infermeter.records import RequestStatus, UsageRecord
 from infermeter.replay import ReplayCache
 from infermeter.spool import Spool, SpoolError
 from sidecar import tracing
+from sidecar.assemble import Assembler, answer, assemblable, streamed_body
 from sidecar.bounds import capped, label
 from sidecar.drain import Drain
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
@@ -48,6 +50,7 @@ from sidecar.journal import AdmissionJournal, JournalError
 from sidecar.lifetime import Lifetime, last_shipment
 from sidecar.limits import Admission, LimitExceeded, RateLimiter, estimate_prompt_tokens
 from sidecar.metrics import SidecarMetrics
+from sidecar.request_ids import client_request_id, response_id
 from sidecar.state import ModelNotFoundError, View, build_view
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
 from sidecar.upstream import UPSTREAM_ERRORS, StallWatch, Upstream, upstream_failure
@@ -106,6 +109,9 @@ class _Call:
     slot: Slot | None = None
     span: trace.Span | None = None
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    # The caller's own x-request-id (when valid) and vLLM's id for the response.
+    client_request_id: str | None = None
+    response_id: str | None = None
 
 
 class Sidecar:
@@ -360,6 +366,7 @@ class Sidecar:
     async def _generate(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         received_at = time.time()
         call = _Call(request_id(received_at), path, received_at, time.perf_counter())
+        call.client_request_id = client_request_id(header(scope, b"x-request-id"))
         meter: StreamMeter | None = None
         usage: UsageCounts | None = None
         status = RequestStatus.OK
@@ -382,7 +389,8 @@ class Sidecar:
             if call.team and call.admission is None and rej.status in _CHARGED_REFUSALS:
                 rej = self._charge_refusal(call, rej)
             status, http_status = rej.record_status, rej.status
-            headers = [_JSON, *((k.encode(), v.encode()) for k, v in rej.headers)]
+            headers = [_JSON, *((k.encode(), v.encode()) for k, v in rej.headers),
+                       *_echo_headers(call)]  # fmt: skip
             body_err = error_body(rej.status, rej.message, rej.err_type, rej.code, rej.param)
             if call.team:
                 with contextlib.suppress(SpoolError):
@@ -547,6 +555,8 @@ class Sidecar:
             for k, v in scope["headers"]
             if k not in _DROP and k not in signed and not k.startswith(b"x-infermeter-")
         }
+        if "x-request-id" in headers and client_request_id(header(scope, b"x-request-id")) is None:
+            del headers["x-request-id"]
         if self.upstream_key:
             headers["authorization"] = f"Bearer {self.upstream_key}"
         if call is not None and call.span is not None:
@@ -570,6 +580,9 @@ class Sidecar:
     async def _relay_whole(
         self, call: _Call, scope: Scope, receive: Receive, send: Send, body: dict[str, Any]
     ) -> tuple[UsageCounts | None, RequestStatus, int, str | None]:
+        if self.settings.non_streamed_via_stream and assemblable(call.endpoint, body):
+            return await self._relay_assembled(call, scope, receive, send, body)
+
         async def exchange() -> tuple[aiohttp.ClientResponse, bytes]:
             response = await self._open_upstream(call, scope, body)
             try:
@@ -609,6 +622,7 @@ class Sidecar:
                 RequestStatus.UPSTREAM_ERROR,
             ) from None
         usage = finish = None
+        call.response_id = response_id(content)
         at = content.find(b'"usage":{')
         if at >= 0:
             usage = parse_usage(content[at:])
@@ -627,26 +641,115 @@ class Sidecar:
         except SpoolError:
             raise _Reject(503, "Usage metering is unavailable; the response was withheld.", "server_error",
                           "metering_unavailable", RequestStatus.REJECTED) from None  # fmt: skip
-        headers = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in _DROP_DOWN]
-        headers += [
-            (b"x-infermeter-request-id", call.request_id.encode()),
-            *_ratelimit_headers(call),
-        ]
-        await respond(send, response.status, content, headers)
+        await respond(send, response.status, content, _whole_headers(call, response.raw_headers))
         return usage, status, response.status, finish
 
-    async def _cut_whole(self, call: _Call, work: asyncio.Task[Any], send: Send) -> tuple[
+    async def _cut_whole(self, call: _Call, work: asyncio.Task[Any], send: Send,
+                         assembler: Assembler | None = None) -> tuple[
             UsageCounts | None, RequestStatus, int, str | None]:  # fmt: skip
-        """End a non-streamed request still running past the drain: 503 and its record."""
+        """End a non-streamed request still running past the drain: 503 and its record.
+
+        With ``assembler`` (the request was read as a stream), the record has the tokens vLLM
+        had spent when it was cut.
+        """
         work.cancel()
         with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, _Reject):
             await work
+        usage = None
+        if assembler is not None:
+            call.response_id = assembler.response_id
+            usage = assembler.usage_so_far()
         with contextlib.suppress(SpoolError):
-            await self._record(call, RequestStatus.INTERRUPTED, 503, None, None, None)
+            await self._record(call, RequestStatus.INTERRUPTED, 503, usage, None, None)
         await respond(send, 503, error_body(503, "The sidecar shut down before the response was complete.",
                                             "server_error", "server_shutting_down"),
                       [_JSON, (b"retry-after", b"1"), (b"x-infermeter-request-id", call.request_id.encode())])  # fmt: skip
-        return None, RequestStatus.INTERRUPTED, 503, None
+        return usage, RequestStatus.INTERRUPTED, 503, None
+
+    async def _relay_assembled(
+        self, call: _Call, scope: Scope, receive: Receive, send: Send, body: dict[str, Any]
+    ) -> tuple[UsageCounts | None, RequestStatus, int, str | None]:
+        """A non-streamed request served from vLLM's stream (``sidecar.assemble``)."""
+        n = body.get("n")
+        assembler = Assembler(call.endpoint, n if isinstance(n, int) and n > 0 else 1)
+
+        async def exchange() -> tuple[aiohttp.ClientResponse, bytes | None]:
+            response = await self._open_upstream(call, scope, streamed_body(body))
+            try:
+                # A refusal before any SSE is the same JSON error as for the whole request.
+                streamed = response.status == 200 and response.content_type == "text/event-stream"
+                whole = None if streamed else await response.read()
+                if streamed:
+                    await self._collect(response, assembler)
+            except BaseException:
+                response.close()
+                raise
+            response.release()
+            return response, whole
+
+        loop = asyncio.get_running_loop()
+        work = loop.create_task(exchange())
+        watcher = loop.create_task(_wait_disconnect(receive))
+        await asyncio.wait((work, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED)
+        watcher.cancel()
+        if not work.done() and not watcher.done():
+            return await self._cut_whole(call, work, send, assembler)
+        if not work.done():
+            # Cancelling closes the upstream connection, which makes vLLM abort the request;
+            # the tokens it spent until then are in the last chunk read.
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, _Reject):
+                await work
+            call.response_id = assembler.response_id
+            usage = assembler.usage_so_far()
+            with contextlib.suppress(SpoolError):
+                await self._record(call, RequestStatus.CLIENT_ABORTED, 499, usage, None, None)
+            return usage, RequestStatus.CLIENT_ABORTED, 499, None
+        call.response_id = assembler.response_id
+        try:
+            response, whole = work.result()
+        except UPSTREAM_ERRORS as exc:
+            code, message = upstream_failure(exc)
+            usage = assembler.usage_so_far()
+            with contextlib.suppress(SpoolError):
+                await self._record(call, RequestStatus.UPSTREAM_ERROR, code, usage, None, None)
+            await respond(send, code, message, [_JSON, *_echo_headers(call)])
+            return usage, RequestStatus.UPSTREAM_ERROR, code, None
+        out = answer(response.status, whole, assembler)
+        if whole is not None:
+            call.response_id = response_id(whole)
+        finish = assembler.finish_reason
+        try:
+            await self._record(call, out.status, out.http_status, out.usage, None, finish)
+        except SpoolError:
+            raise _Reject(503, "Usage metering is unavailable; the response was withheld.", "server_error",
+                          "metering_unavailable", RequestStatus.REJECTED) from None  # fmt: skip
+        # The stream's own content type gives way to the one vLLM gives a whole answer.
+        raw = response.raw_headers
+        if whole is None:
+            raw = ((b"content-type", b"application/json"), *((k, v) for k, v in raw if k.lower() != b"content-type"))  # fmt: skip
+        await respond(send, out.http_status, out.body, _whole_headers(call, raw))
+        return out.usage, out.status, out.http_status, finish
+
+    async def _collect(self, response: aiohttp.ClientResponse, assembler: Assembler) -> None:
+        """Read a stream to its end into ``assembler``; the read timeout is per read, as streamed."""
+        watch = StallWatch(response, self.generation.read_timeout_seconds)
+        clock = time.perf_counter
+        read = response.content.readany
+        try:
+            while not assembler.done:
+                watch.waiting_since = clock()
+                block = await read()
+                watch.waiting_since = None
+                if not block:
+                    break
+                assembler.feed(block)
+            if assembler.done:
+                # Read past [DONE] to the chunked terminator, so the connection can be reused.
+                while await read():
+                    pass
+        finally:
+            watch.cancel()
 
     async def _relay_stream(
         self, call: _Call, scope: Scope, receive: Receive, send: Send, body: dict[str, Any]
@@ -665,14 +768,16 @@ class Sidecar:
             at = content.find(b'"usage":{')
             meter.usage = parse_usage(content[at:]) if at >= 0 else None
             await self._record(call, status, response.status, meter.usage, None, None)
-            await respond(send, response.status, content, [_JSON, *_ratelimit_headers(call)])
+            await respond(send, response.status, content,
+                          [_JSON, *_echo_headers(call), *_ratelimit_headers(call)])  # fmt: skip
             return meter, status, response.status
         flags = dict(call.headers)
         meter = StreamMeter(flags.get(b"x-infermeter-client-usage") == b"1",
                             flags.get(b"x-infermeter-client-continuous") == b"1", call.started)  # fmt: skip
         self.journal.track(call.request_id, meter)
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()), *_ratelimit_headers(call)]})  # fmt: skip
+                    "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()),
+                                *_echo_headers(call), *_ratelimit_headers(call)]})  # fmt: skip
         watch = StallWatch(response, self.generation.read_timeout_seconds)
         relay = asyncio.get_running_loop().create_task(self._pump(response, meter, send, watch))
         watcher = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
@@ -704,6 +809,7 @@ class Sidecar:
                 # Closing the connection is what makes vLLM abort the request.
                 response.close()
         tail = meter.close()
+        call.response_id = meter.response_id
         if status is RequestStatus.OK and not meter.done:
             status = RequestStatus.UPSTREAM_ERROR
         try:
@@ -787,6 +893,7 @@ class Sidecar:
             prompt_tokens=usage.prompt if usage else 0, cached_prompt_tokens=usage.cached if usage else 0,
             completion_tokens=usage.completion if usage else 0, status=status.value, http_status=http_status,
             stream=call.stream, endpoint=call.endpoint, finish_reason=None if finish is None else capped(finish), usage_exact=exact,
+            response_id=None if call.response_id is None else capped(call.response_id), client_request_id=call.client_request_id,
         )  # fmt: skip
         return record
 
@@ -846,6 +953,23 @@ class Sidecar:
             if status is not RequestStatus.OK:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, status.value))
             span.end()
+
+
+def _echo_headers(call: _Call) -> list[tuple[bytes, bytes]]:
+    """The caller's own x-request-id, echoed when it sent a valid one."""
+    if call.client_request_id is None:
+        return []
+    return [(b"x-request-id", call.client_request_id.encode())]
+
+
+def _whole_headers(call: _Call, raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """A whole (non-streamed) answer's headers: vLLM's own, then the sidecar's."""
+    echo = _echo_headers(call)
+    # vLLM may echo x-request-id itself; the caller's is sent once.
+    drop = _DROP_DOWN | {b"x-request-id"} if echo else _DROP_DOWN
+    headers = [(k.lower(), v) for k, v in raw if k.lower() not in drop]
+    return [*headers, (b"x-infermeter-request-id", call.request_id.encode()), *echo,
+            *_ratelimit_headers(call)]  # fmt: skip
 
 
 def _ratelimit_headers(call: _Call) -> list[tuple[bytes, bytes]]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from sidecar.request_ids import response_id
+
 __all__ = ["StreamMeter", "UsageCounts", "parse_usage"]
 
 _DONE = b"data: [DONE]\n\n"
@@ -66,6 +68,8 @@ class StreamMeter:
     final_usage: bool = False
     done: bool = False
     finish_reason: str | None = None
+    # vLLM's id for the response (``chatcmpl-...``), read from the first chunk.
+    response_id: str | None = None
     itl: list[tuple[float, int]] = field(default_factory=list)
     _tail: bytes = b""
     _held: bytes = b""
@@ -105,6 +109,8 @@ class StreamMeter:
         if end + 2 < len(data):
             self._tail = data[end + 2 :]
             data = data[: end + 2]
+        if self.response_id is None:
+            self.response_id = response_id(data)
         if data.endswith(_DONE):
             self.done = True
             data = data[: -len(_DONE)]

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from infermeter.records import KINDS
+from infermeter.records import KINDS, USAGE, FieldType
 from infermeter.wire import ARROW_STREAM, NDJSON
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "Error",
     "errors",
     "text",
+    "usage_records",
 ]
 
 
@@ -116,3 +117,23 @@ KIND_BODY: dict[str, Any] = {
         },
     }
 }
+
+_JSON_TYPES = {FieldType.STRING: "string", FieldType.INT: "integer", FieldType.NUMBER: "number",
+               FieldType.BOOL: "boolean"}  # fmt: skip
+
+
+def usage_records() -> dict[int | str, dict[str, Any]]:
+    """A 200 whose body is ``{"records": [...]}``, each a usage record as the ledger keeps it."""
+    properties: dict[str, Any] = {}
+    for f in USAGE.fields:
+        kind: dict[str, Any] = {"type": _JSON_TYPES[f.type]}
+        properties[f.name] = {"anyOf": [kind, {"type": "null"}]} if f.nullable else kind
+    record = {
+        "type": "object",
+        "properties": properties,
+        "required": [f.name for f in USAGE.fields],
+    }
+    schema = {"type": "object", "properties": {"records": {"type": "array", "items": record}},
+              "required": ["records"]}  # fmt: skip
+    return {200: {"description": "The matching usage records, newest first.",
+                  "content": {"application/json": {"schema": schema}}}}  # fmt: skip

@@ -265,7 +265,11 @@ async def test_sigterm_drains_streams_records_all_and_ships_the_spool(tmp_path):
 
 
 async def test_drain_ends_a_non_streamed_request_with_503_and_a_record(stack_factory):
-    """Past the drain period a non-streamed request gets 503 server_shutting_down and an interrupted record."""
+    """Past the drain period a non-streamed request gets 503 server_shutting_down and an interrupted record.
+
+    The request was read from vLLM as a stream (``sidecar.non_streamed_via_stream``), so its
+    record has the tokens spent until the cut, exactly.
+    """
     stack = await stack_factory(**{"simulator.engines.chat-small.step_base_ms": 5})
     async with stack.client() as c:
         long = asyncio.create_task(
@@ -286,8 +290,10 @@ async def test_drain_ends_a_non_streamed_request_with_503_and_a_record(stack_fac
     assert (record["status"], record["http_status"], record["usage_exact"]) == (
         "interrupted",
         503,
-        False,
+        True,
     )
+    assert record["prompt_tokens"] > 0
+    assert record["completion_tokens"] > 0
 
 
 async def test_drain_answers_requests_waiting_for_a_batch_slot(stack_factory):

@@ -1,0 +1,322 @@
+"""Non-streamed completions served from vLLM's stream, so a client that leaves is still metered.
+
+vLLM sends nothing of a non-streamed completion, not even its headers, until it is done, so a
+client that hangs up half-way leaves no trace of the tokens the engine spent on it. For such a
+request the sidecar asks vLLM for the stream instead, with ``include_usage`` and
+``continuous_usage_stats`` (every chunk then carries the running token counts), reads it to the
+end and answers the client with the body vLLM would have sent for the non-streamed request:
+the same fields in the same order, the same types, the same usage, serialised as vLLM's
+``JSONResponse`` serialises it (``json.dumps``, compact, UTF-8). Closing the stream is also how
+vLLM learns of an abandoned request, at once.
+
+Only requests whose answer can be rebuilt from the stream exactly are assembled
+(``assemblable``): plain sampling parameters, no log-probabilities, tools, echo, beam search
+or token ids, whose non-streamed answers carry what a stream spreads out differently or not at
+all. The others are relayed as they are, and a client leaving them is metered as before.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import aiohttp
+import orjson
+
+from infermeter.records import RequestStatus
+from sidecar.request_ids import response_id
+from sidecar.stream import UsageCounts, parse_usage
+from sidecar.upstream import upstream_failure
+
+__all__ = ["Answer", "Assembler", "answer", "assemblable", "streamed_body"]
+
+CHAT: Final = "/v1/chat/completions"
+COMPLETIONS: Final = "/v1/completions"
+
+# Parameters that only choose which tokens are drawn and how many: the answer's shape is the
+# same whether it is streamed or not.
+_SAMPLING = frozenset({
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "seed", "stop", "stop_token_ids", "n", "frequency_penalty", "presence_penalty",
+    "repetition_penalty", "length_penalty", "ignore_eos", "min_tokens", "logit_bias",
+    "allowed_token_ids", "bad_words", "user", "priority", "include_stop_str_in_output",
+    "skip_special_tokens", "spaces_between_special_tokens", "response_format",
+    "structured_outputs", "add_special_tokens", "truncate_prompt_tokens",
+})  # fmt: skip
+_PLAIN: Final = {
+    CHAT: _SAMPLING
+    | {
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
+        "parallel_tool_calls",
+    },
+    COMPLETIONS: _SAMPLING | {"prompt"},
+}
+# Parameters that change the answer's shape, allowed only when switched off.
+_WHEN_OFF = frozenset({"stream", "logprobs", "top_logprobs", "echo", "use_beam_search",
+                       "return_token_ids", "tools", "tool_choice", "stream_options",
+                       "best_of", "prompt_logprobs", "return_tokens_as_token_ids"})  # fmt: skip
+_FALSE_IS_OFF = frozenset({"stream", "logprobs", "echo", "use_beam_search", "return_token_ids",
+                           "return_tokens_as_token_ids"})  # fmt: skip
+_PROMPT_DETAILS = ("cached_tokens", "created_cache_tokens", "multimodal_tokens")
+_USAGE_KEY = b'"usage":{'
+_DONE = b"data: [DONE]\n\n"
+# vLLM's error event, the one event that is not a chunk: ``data: {"error": {...}}``.
+_ERROR = b'data: {"error"'
+
+
+def assemblable(endpoint: str, body: dict[str, Any]) -> bool:
+    """True when ``body``, a non-streamed request, can be answered from vLLM's stream exactly.
+
+    ``stream_options`` on a non-streamed request is refused by vLLM; the request is relayed as
+    it is so that the client gets vLLM's own refusal.
+    """
+    plain = _PLAIN.get(endpoint)
+    if plain is None:
+        return False
+    for key, value in body.items():
+        if key in plain:
+            continue
+        if key not in _WHEN_OFF:
+            return False
+        off = value is None or (value is False and key in _FALSE_IS_OFF)
+        if not off:
+            return False
+    return True
+
+
+def streamed_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request sent upstream: ``body`` streamed, with usage on every chunk."""
+    return {**body, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+
+
+@dataclass
+class _Choice:
+    role: str | None = None
+    parts: list[str] = field(default_factory=list)
+    reasoning: list[str] | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+
+@dataclass
+class Assembler:
+    """Reads one vLLM stream and builds the non-streamed answer it stands for.
+
+    While the stream runs, a block costs a few byte searches (the latest usage, the end); the
+    events are parsed once, together, when the answer is built. A stream abandoned half-way is
+    never parsed: its latest usage is all that is needed.
+    """
+
+    endpoint: str
+    # Choices per prompt (the request's ``n``): a cut-short stream's counts are per choice.
+    n: int = 1
+    done: bool = False
+    # ``{"message", "type", "param", "code"}`` when vLLM ended the stream with an error event.
+    error: dict[str, Any] | None = None
+    response_id: str | None = None
+    _head: dict[str, Any] = field(default_factory=dict)
+    _choices: dict[int, _Choice] = field(default_factory=dict)
+    _final: dict[str, Any] = field(default_factory=dict)
+    _blocks: list[bytes] = field(default_factory=list)
+    _usage_raw: bytes = b""
+    _tail: bytes = b""
+    # The latest (prompt, completion) counts of each choice, for a stream that was cut short.
+    _per_choice: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def usage(self) -> UsageCounts | None:
+        """The latest token counts vLLM reported, None before any."""
+        return parse_usage(self._usage_raw) if self._usage_raw else None
+
+    def usage_so_far(self) -> UsageCounts | None:
+        """The tokens spent on a stream that did not finish: every choice's latest counts.
+
+        With continuous usage, vLLM's chunk of one choice carries that choice's completion
+        tokens and its prompt's tokens, so ``n > 1`` or several prompts are summed here.
+        """
+        latest = self.usage
+        self._parse()
+        if latest is None or self.done or not self._per_choice:
+            return latest
+        prompts = {i // self.n: p for i, (p, _) in sorted(self._per_choice.items())}
+        completion = sum(c for _, c in self._per_choice.values())
+        return UsageCounts(sum(prompts.values()), completion, latest.cached)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The first choice's finish reason, once the answer is built."""
+        first = self._choices.get(min(self._choices)) if self._choices else None
+        return None if first is None else first.finish_reason
+
+    def feed(self, block: bytes) -> None:
+        """Take a block of the stream as it arrived (events may be split across blocks)."""
+        data = self._tail + block
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._tail = data
+            return
+        self._tail = data[end + 2 :]
+        data = data[: end + 2]
+        self._blocks.append(data)
+        if self.response_id is None:
+            self.response_id = response_id(data)
+        at = data.rfind(_USAGE_KEY)
+        if at >= 0:
+            # One level of nesting (prompt_tokens_details) fits well within 400 bytes.
+            self._usage_raw = data[at : at + 400]
+        if _DONE in data:
+            self.done = True
+        if _ERROR in data:
+            self._parse()
+
+    def _parse(self) -> None:
+        """Parse every event read so far, all in one ``orjson.loads``."""
+        payloads = [line[6:] for line in b"".join(self._blocks).split(b"\n")
+                    if line.startswith(b"data: {")]  # fmt: skip
+        self._blocks = []
+        for chunk in orjson.loads(b"[" + b",".join(payloads) + b"]"):
+            self._take(chunk)
+
+    def _take(self, chunk: dict[str, Any]) -> None:
+        if "error" in chunk and "choices" not in chunk:
+            self.error = chunk["error"]
+            return
+        if not self._head:
+            self._head = {k: chunk[k] for k in ("id", "created", "model")}
+        choices: list[dict[str, Any]] = chunk.get("choices") or []
+        for c in choices:
+            self._choice(c)
+        usage = chunk.get("usage")
+        if usage and len(choices) == 1:
+            self._per_choice[int(choices[0]["index"])] = (
+                int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))  # fmt: skip
+        if not choices:
+            # The final usage chunk: vLLM's fingerprint and per-request metrics ride on it.
+            self._final = chunk
+
+    def _choice(self, c: dict[str, Any]) -> None:
+        choice = self._choices.setdefault(int(c["index"]), _Choice())
+        if self.endpoint == CHAT:
+            delta = c.get("delta") or {}
+            choice.role = delta.get("role", choice.role)
+            if delta.get("content") is not None:
+                choice.parts.append(delta["content"])
+            if delta.get("reasoning") is not None:
+                choice.reasoning = [*(choice.reasoning or ()), delta["reasoning"]]
+        elif c.get("text") is not None:
+            choice.parts.append(c["text"])
+        if c.get("finish_reason") is not None:
+            choice.finish_reason, choice.stop_reason = c["finish_reason"], c.get("stop_reason")
+
+    def error_body(self) -> tuple[int, bytes]:
+        """The status and body vLLM answers a non-streamed request with for the stream's error."""
+        assert self.error is not None
+        code = self.error.get("code")
+        status = code if isinstance(code, int) and 400 <= code <= 599 else 500
+        return status, _dumps({"error": self.error})
+
+    def body(self) -> bytes:
+        """The non-streamed answer, as vLLM serialises it."""
+        self._parse()
+        chat = self.endpoint == CHAT
+        choices = [self._chat_choice(i, c) if chat else self._text_choice(i, c)
+                   for i, c in sorted(self._choices.items())]  # fmt: skip
+        out: dict[str, Any] = {
+            "id": self._head.get("id"),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": self._head.get("created"),
+            "model": self._head.get("model"),
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": self._final.get("system_fingerprint"),
+            "usage": self._full_usage(),
+        }
+        if chat:
+            out |= {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
+        out |= {"kv_transfer_params": None, "ec_transfer_params": None,
+                "metrics": self._final.get("metrics")}  # fmt: skip
+        return _dumps(out)
+
+    def _full_usage(self) -> dict[str, Any]:
+        # The stream's usage chunk leaves out what is null (exclude_none); the whole body does not.
+        u = self._final.get("usage") or {}
+        details = u.get("prompt_tokens_details")
+        return {
+            "prompt_tokens": u.get("prompt_tokens", 0),
+            "total_tokens": u.get("total_tokens", 0),
+            "completion_tokens": u.get("completion_tokens", 0),
+            "prompt_tokens_details": None
+            if details is None
+            else {k: details.get(k) for k in _PROMPT_DETAILS},
+            "completion_tokens_details": u.get("completion_tokens_details"),
+        }
+
+    @staticmethod
+    def _chat_choice(index: int, c: _Choice) -> dict[str, Any]:
+        message = {
+            "role": c.role or "assistant",
+            "content": "".join(c.parts) if c.parts or c.reasoning is None else None,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None if c.reasoning is None else "".join(c.reasoning),
+        }
+        return {"index": index, "message": message, "logprobs": None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "token_ids": None, "routed_experts": None}  # fmt: skip
+
+    @staticmethod
+    def _text_choice(index: int, c: _Choice) -> dict[str, Any]:
+        return {"index": index, "text": "".join(c.parts), "logprobs": None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
+                "routed_experts": None}  # fmt: skip
+
+
+def _dumps(value: Any) -> bytes:
+    # Exactly what vLLM's JSONResponse (Starlette's) does, so the bytes are the same.
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None,
+                      separators=(",", ":")).encode("utf-8")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the client gets once vLLM's response is read, and how the request is recorded."""
+
+    status: RequestStatus
+    http_status: int
+    body: bytes
+    usage: UsageCounts | None
+
+
+def answer(upstream_status: int, whole: bytes | None, assembler: Assembler) -> Answer:
+    """The answer to a request whose response was read to its end (or to the upstream's).
+
+    ``whole`` is the body when the upstream answered with one instead of a stream: vLLM's
+    refusal before any event, or an upstream that does not stream; it is passed on as it is.
+    An error event becomes the error vLLM gives a non-streamed request; a stream that ended
+    without ``[DONE]`` is a 502 with the usage so far; otherwise the assembled body.
+    """
+    if whole is not None:
+        at = whole.find(b'"usage":{')
+        usage = parse_usage(whole[at:]) if at >= 0 else None
+        status = RequestStatus.OK if upstream_status == 200 else _failed(upstream_status)
+        return Answer(status, upstream_status, whole, usage)
+    if assembler.error is not None:
+        code, body = assembler.error_body()
+        return Answer(_failed(code), code, body, assembler.usage)
+    if not assembler.done:
+        code, body = upstream_failure(aiohttp.ServerDisconnectedError())
+        return Answer(RequestStatus.UPSTREAM_ERROR, code, body, assembler.usage_so_far())
+    return Answer(RequestStatus.OK, 200, assembler.body(), assembler.usage)
+
+
+def _failed(http_status: int) -> RequestStatus:
+    return RequestStatus.BAD_REQUEST if http_status < 500 else RequestStatus.UPSTREAM_ERROR

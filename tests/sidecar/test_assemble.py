@@ -1,0 +1,236 @@
+"""Non-streamed answers built from vLLM's stream: which requests qualify, and the body they get."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from infermeter.records import RequestStatus
+from sidecar.assemble import Assembler, answer, assemblable, streamed_body
+from sidecar.request_ids import client_request_id, response_id
+from sidecar.stream import UsageCounts
+
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "expected"),
+    [
+        ("/v1/chat/completions", {"model": "m", "messages": MSG}, True),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "m",
+                "messages": MSG,
+                "stream": False,
+                "n": 2,
+                "temperature": 0,
+                "stop": ["x"],
+                "seed": 3,
+            },
+            True,
+        ),
+        ("/v1/chat/completions", {"model": "m", "messages": MSG, "logprobs": False}, True),
+        ("/v1/chat/completions", {"model": "m", "messages": MSG, "tools": None}, True),
+        ("/v1/chat/completions", {"model": "m", "messages": MSG, "logprobs": True}, False),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": MSG, "tools": [{"type": "function"}]},
+            False,
+        ),
+        ("/v1/chat/completions", {"model": "m", "messages": MSG, "stream_options": {}}, False),
+        ("/v1/chat/completions", {"model": "m", "messages": MSG, "return_token_ids": True}, False),
+        ("/v1/chat/completions", {"model": "m", "messages": MSG, "something_new": 1}, False),
+        ("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": 3}, True),
+        ("/v1/completions", {"model": "m", "prompt": "a", "echo": True}, False),
+        ("/v1/completions", {"model": "m", "prompt": "a", "logprobs": 0}, False),
+        ("/v1/embeddings", {"model": "m", "input": "a"}, False),
+    ],
+)
+def test_only_requests_whose_answer_the_stream_holds_are_assembled(endpoint, body, expected):
+    """Plain sampling parameters qualify; anything that changes the answer's shape does not."""
+    assert assemblable(endpoint, body) is expected
+
+
+def test_the_upstream_request_is_streamed_with_usage_on_every_chunk():
+    """The request vLLM gets is the client's, streamed, with include and continuous usage."""
+    body = {"model": "m", "messages": MSG, "stream": False}
+    assert streamed_body(body) == {
+        "model": "m",
+        "messages": MSG,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+
+
+def _assembled(name: str, endpoint: str, block_size: int) -> Assembler:
+    raw = (FIXTURES / name).read_bytes()
+    assembler = Assembler(endpoint)
+    for at in range(0, len(raw), block_size):
+        assembler.feed(raw[at : at + block_size])
+    return assembler
+
+
+@pytest.mark.parametrize("block_size", [7, 100, 1_000_000])
+def test_a_captured_chat_stream_becomes_vllms_non_streamed_body(block_size):
+    """vLLM's chat stream, in blocks of any size, gives its non-streamed body's exact layout."""
+    assembler = _assembled(
+        "vllm-0.32-chat-stream-continuous-usage.sse", "/v1/chat/completions", block_size
+    )
+    real = (FIXTURES / "vllm-0.32-chat-nonstream.json").read_bytes()
+    built = orjson.loads(assembler.body())
+    expected = orjson.loads(real)
+    assert assembler.done
+    assert _layout(built) == _layout(expected)
+    deltas = [
+        orjson.loads(line[6:])["choices"][0]["delta"].get("content", "")
+        for line in (FIXTURES / "vllm-0.32-chat-stream-continuous-usage.sse")
+        .read_text()
+        .split("\n")
+        if line.startswith("data: {") and '"choices":[{' in line
+    ]
+    assert built["choices"][0]["message"]["content"] == "".join(deltas)
+    assert built["usage"] == {"prompt_tokens": 10, "total_tokens": 15, "completion_tokens": 5,
+                              "prompt_tokens_details": None, "completion_tokens_details": None}  # fmt: skip
+    assert built["id"] == assembler.response_id == "chatcmpl-938c5aa6fcfb9c62"
+    assert assembler.usage == UsageCounts(10, 5)
+
+
+def test_a_captured_text_stream_becomes_vllms_non_streamed_body():
+    """The same for /v1/completions: fields, order and types of vLLM's own body."""
+    assembler = _assembled("vllm-0.32-completions-stream-usage.sse", "/v1/completions", 64)
+    expected = orjson.loads((FIXTURES / "vllm-0.32-completions-nonstream.json").read_bytes())
+    assert _layout(orjson.loads(assembler.body())) == _layout(expected)
+
+
+def test_a_stream_cut_short_has_the_counts_of_its_last_chunk():
+    """A stream read only part-way reports the tokens of the last chunk read, and is not done."""
+    raw = (FIXTURES / "vllm-0.32-chat-stream-continuous-usage.sse").read_bytes()
+    events = raw.split(b"\n\n")
+    assembler = Assembler("/v1/chat/completions")
+    assembler.feed(b"\n\n".join(events[:3]) + b"\n\n" + events[3][:20])
+    assert not assembler.done
+    assert assembler.usage == UsageCounts(10, 2)
+
+
+def test_an_error_event_becomes_vllms_error_answer():
+    """A stream that ends in vLLM's error event answers with its code and the compact error body."""
+    assembler = Assembler("/v1/chat/completions")
+    error = {"message": "boom", "type": "BadRequestError", "param": None, "code": 400}
+    assembler.feed(b"data: " + orjson.dumps({"error": error}) + b"\n\ndata: [DONE]\n\n")
+    assert assembler.error_body() == (400, orjson.dumps({"error": error}))
+
+
+def test_keep_alive_comments_are_ignored():
+    """vLLM's SSE keep-alive comments between events change nothing."""
+    assembler = Assembler("/v1/completions")
+    assembler.feed(b": keep-alive\n\ndata: [DONE]\n\n")
+    assert assembler.done
+    assert assembler.usage is None
+
+
+def _layout(value: object) -> object:
+    """Keys in order and value types, recursively: what must match beyond the generated values."""
+    if isinstance(value, dict):
+        return [(k, _layout(v)) for k, v in value.items()]
+    if isinstance(value, list):
+        return [_layout(v) for v in value]
+    return type(value).__name__
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("trace-42", "trace-42"),
+        ("a1b2:c3/d4+e5=f6@g7.h8_i9", "a1b2:c3/d4+e5=f6@g7.h8_i9"),
+        ("x" * 128, "x" * 128),
+        ("x" * 129, None),
+        ("", None),
+        ("has space", None),
+        ('quote"', None),
+        ("café", None),
+        (None, None),
+    ],
+)
+def test_a_client_request_id_is_kept_only_in_its_plain_form(value, expected):
+    """1-128 characters of a plain charset are kept; anything else is ignored."""
+    assert client_request_id(value) == expected
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b'{"id":"chatcmpl-abc","object":"chat.completion"}', "chatcmpl-abc"),
+        (b'{"id":"embd-9f","object":"list","data":[]}', "embd-9f"),
+        (b'data: {"id":"cmpl-1","object":"text_completion"}\n\n', "cmpl-1"),
+        (b'{"error":{"message":"no","type":"x","param":null,"code":400}}', None),
+    ],
+)
+def test_the_response_id_is_the_first_objects_id(content, expected):
+    """vLLM's id is read from the head of a body or stream; an error has none."""
+    assert response_id(content) == expected
+
+
+def _chunk(index: int, content: str, prompt: int, completion: int) -> bytes:
+    """A chat chunk of choice ``index`` with vLLM's continuous usage for that choice."""
+    return b"data: " + orjson.dumps({
+        "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": [{"index": index, "delta": {"content": content}, "logprobs": None,
+                     "finish_reason": None, "token_ids": None}],
+        "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                  "completion_tokens": completion, "completion_tokens_details": None},
+    }) + b"\n\n"  # fmt: skip
+
+
+def test_a_cut_short_stream_of_several_choices_sums_their_counts():
+    """With n=2 each chunk counts its own choice: the tokens spent are both choices' latest."""
+    assembler = Assembler("/v1/chat/completions", n=2)
+    for i in range(1, 4):
+        assembler.feed(_chunk(0, "a", 7, i) + _chunk(1, "b", 7, i))
+    assembler.feed(_chunk(0, "a", 7, 4))
+    assert assembler.usage == UsageCounts(7, 4)
+    assert assembler.usage_so_far() == UsageCounts(7, 7)
+
+
+def test_a_cut_short_batch_of_prompts_sums_each_prompts_tokens():
+    """Several prompts in one text request: each prompt's tokens are counted once."""
+    assembler = Assembler("/v1/completions", n=1)
+    assembler.feed(_chunk(0, "a", 5, 2) + _chunk(1, "b", 9, 3))
+    assert assembler.usage_so_far() == UsageCounts(14, 5)
+
+
+def test_the_answer_to_a_refusal_is_vllms_own():
+    """vLLM's JSON refusal before any event is passed on, status and bytes."""
+    refusal = b'{"error":{"message":"too long","type":"BadRequestError","param":null,"code":400}}'
+    out = answer(400, refusal, Assembler("/v1/chat/completions"))
+    assert (out.status, out.http_status, out.body, out.usage) == (
+        RequestStatus.BAD_REQUEST, 400, refusal, None)  # fmt: skip
+
+
+def test_the_answer_to_a_stream_cut_short_is_a_502_with_the_usage_so_far():
+    """A stream that ended without [DONE] is an upstream error; its tokens are recorded."""
+    assembler = Assembler("/v1/chat/completions")
+    assembler.feed(_chunk(0, "a", 7, 1) + _chunk(0, "b", 7, 2))
+    out = answer(200, None, assembler)
+    assert (out.status, out.http_status, out.usage) == (
+        RequestStatus.UPSTREAM_ERROR, 502, UsageCounts(7, 2))  # fmt: skip
+    assert orjson.loads(out.body)["error"]["code"] == "upstream_unreachable"
+
+
+def test_the_answer_to_a_finished_stream_is_the_assembled_body():
+    """A stream read to [DONE] answers 200 with the body and the final usage."""
+    assembler = _assembled("vllm-0.32-chat-stream-continuous-usage.sse", "/v1/chat/completions", 64)
+    out = answer(200, None, assembler)
+    assert (out.status, out.http_status, out.usage) == (RequestStatus.OK, 200, UsageCounts(10, 5))
+    assert out.body == assembler.body()
+
+
+def test_an_upstream_that_does_not_stream_is_answered_as_it_is():
+    """A whole JSON body where a stream was asked for is passed on, with its usage."""
+    body = b'{"id":"x","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}'
+    out = answer(200, body, Assembler("/v1/chat/completions"))
+    assert (out.status, out.http_status, out.body, out.usage) == (
+        RequestStatus.OK, 200, body, UsageCounts(1, 2))  # fmt: skip

@@ -1,0 +1,171 @@
+"""Non-streamed requests through the sidecar, against the simulator: exact bytes, exact usage, ids."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.sidecar.test_proxy_accounting import _breaks_mid_stream, _engine_dies, _engine_stalls
+
+CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "count please"}],
+        "max_tokens": 12}  # fmt: skip
+TEXT = {"model": "chat-small", "prompt": "a b c", "max_tokens": 9}
+_VOLATILE = re.compile(rb'"id":"[^"]*"|"created":\d+')
+
+
+async def _engine(url: str) -> dict[str, float]:
+    async with httpx.AsyncClient() as c:
+        text = (await c.get(f"{url}/metrics")).text
+    names = (
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:num_requests_running",
+    )
+    return {n: sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == n) for n in names}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", CHAT),
+        ("/v1/chat/completions", {**CHAT, "n": 2, "stream": False}),
+        ("/v1/completions", TEXT),
+        ("/v1/completions", {**TEXT, "prompt": ["a b", "c d e"]}),
+    ],
+)
+async def test_the_body_is_the_one_vllm_sends_for_the_non_streamed_request(stack, path, body):
+    """The client gets the replica's own non-streamed bytes, but for the id and creation time."""
+    async with stack.client() as c:
+        via = await c.post(path, json=body)
+    async with httpx.AsyncClient(base_url=stack.upstream, timeout=60) as c:
+        direct = await c.post(
+            path, json={**body, "model": stack.sidecar.view.route("chat-small").served_version}
+        )
+    assert via.status_code == direct.status_code == 200
+    assert via.headers["content-type"] == direct.headers["content-type"]
+    assert _VOLATILE.sub(b"", via.content) == _VOLATILE.sub(b"", direct.content)
+    (record,) = stack.records()
+    assert record["response_id"] == via.json()["id"]
+    assert record["completion_tokens"] == via.json()["usage"]["completion_tokens"]
+
+
+async def test_a_refused_non_streamed_request_gets_vllms_own_error(stack):
+    """A body vLLM refuses is answered with its error, as for the non-streamed request."""
+    body = {**CHAT, "max_tokens": 100_000}
+    async with stack.client() as c:
+        via = await c.post("/v1/chat/completions", json=body)
+    async with httpx.AsyncClient(base_url=stack.upstream, timeout=60) as c:
+        served = stack.sidecar.view.route("chat-small").served_version
+        direct = await c.post("/v1/chat/completions", json={**body, "model": served})
+    assert via.status_code == direct.status_code == 400
+    assert via.content == direct.content
+    (record,) = stack.records()
+    assert (record["status"], record["response_id"]) == ("bad_request", None)
+
+
+async def test_abandoned_non_streamed_requests_carry_the_tokens_spent(stack):
+    """Clients leaving mid-generation: upstream aborted at once, records hold vLLM's counts."""
+    before = await _engine(stack.upstream)
+    aborts = 5
+    body = {**CHAT, "max_tokens": 3000, "ignore_eos": True}
+    async with stack.client(timeout=0.4) as c:
+        for _ in range(aborts):
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post("/v1/chat/completions", json=body)
+    await asyncio.sleep(0.3)
+    after = await _engine(stack.upstream)
+    assert after["vllm:num_requests_running"] == 0
+    records = stack.records()
+    assert [(r["status"], r["http_status"], r["usage_exact"]) for r in records] == [
+        ("client_aborted", 499, True)
+    ] * aborts
+    assert all(r["response_id"].startswith("chatcmpl-") for r in records)
+    assert (
+        sum(r["prompt_tokens"] for r in records)
+        == after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
+    )
+    recorded = sum(r["completion_tokens"] for r in records)
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    print(f"\ntokens generated after the last chunk read: {generated - recorded} over {aborts}")
+    assert recorded > 0
+    assert 0 <= generated - recorded <= 3 * aborts
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_callers_request_id_is_echoed_and_kept(stack, stream):
+    """A valid x-request-id comes back in the response header and is on the record."""
+    async with stack.client() as c:
+        r = await c.post("/v1/chat/completions", json={**CHAT, "stream": stream},
+                         headers={"x-request-id": "trace-7f3a"})  # fmt: skip
+    assert r.status_code == 200
+    assert r.headers.get_list("x-request-id") == ["trace-7f3a"]
+    (record,) = stack.records()
+    assert record["client_request_id"] == "trace-7f3a"
+    assert record["request_id"] == r.headers["x-infermeter-request-id"]
+    assert record["response_id"].startswith("chatcmpl-")
+
+
+@pytest.mark.parametrize("value", ["x" * 129, "two words", "<script>"])
+async def test_an_invalid_request_id_is_ignored(stack, value):
+    """An x-request-id out of bounds is neither an error, nor echoed, nor kept."""
+    async with stack.client() as c:
+        r = await c.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": value})
+    assert r.status_code == 200
+    assert "x-request-id" not in r.headers
+    (record,) = stack.records()
+    assert record["client_request_id"] is None
+
+
+async def test_a_refusal_echoes_the_request_id_too(stack):
+    """An answer the sidecar gives itself (unknown model) still carries the caller's id."""
+    async with stack.client() as c:
+        r = await c.post("/v1/chat/completions", json={**CHAT, "model": "nope"},
+                         headers={"x-request-id": "abc-1"})  # fmt: skip
+    assert r.status_code == 404
+    assert r.headers["x-request-id"] == "abc-1"
+    assert stack.records()[-1]["client_request_id"] == "abc-1"
+
+
+@pytest.mark.parametrize(
+    ("then", "settings", "status"),
+    [(_engine_dies, {}, 502), (_engine_stalls, {"sidecar.read_timeout_seconds": 0.3}, 504)],
+    ids=["dies", "stalls"],
+)
+async def test_upstream_breaking_mid_answer_is_an_error_with_the_usage_so_far(
+    stack_factory, fixture_text, then, settings, status
+):
+    """vLLM dies or stalls part-way through a non-streamed answer: an error soon, usage recorded."""
+    stack = await stack_factory(upstream_app=_breaks_mid_stream(fixture_text, then), **settings)
+    async with stack.client() as c:
+        started = time.perf_counter()
+        r = await c.post("/v1/chat/completions", json=CHAT)
+    assert time.perf_counter() - started < 5
+    assert r.status_code == status
+    assert r.json()["error"]["type"] == "upstream_error"
+    record = stack.records()[-1]
+    assert (record["status"], record["response_id"]) == (
+        "upstream_error",
+        "chatcmpl-938c5aa6fcfb9c62",
+    )
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (10, 3)
+
+
+async def test_with_the_switch_off_a_hang_up_is_aborted_but_not_counted(stack_factory):
+    """``non_streamed_via_stream: false`` relays the request as sent: aborted, tokens unknown."""
+    stack = await stack_factory(**{"sidecar.non_streamed_via_stream": False})
+    async with stack.client(timeout=0.4) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post(
+                "/v1/chat/completions", json={**CHAT, "max_tokens": 3000, "ignore_eos": True}
+            )
+    await asyncio.sleep(0.3)
+    assert (await _engine(stack.upstream))["vllm:num_requests_running"] == 0
+    (record,) = stack.records()
+    assert (record["status"], record["usage_exact"], record["completion_tokens"]) == (
+        "client_aborted", False, 0)  # fmt: skip
