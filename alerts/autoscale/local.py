@@ -209,7 +209,10 @@ class LocalScaleHook:
         )
         env = {**self.environ, "INFERMETER_INSTANCE": instance, "NODE_NAME": node,
                "NVIDIA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
-               "POD_NAMESPACE": self.settings.namespace}  # fmt: skip
+               "POD_NAMESPACE": self.settings.namespace,
+               # A spool of its own: two sidecars must never share one (each rolls and deletes
+               # its segments). Not needed once the sidecar names its spool by instance.
+               "INFERMETER__SIDECAR__SPOOL_DIR": str(Path(self.config.sidecar.spool_dir) / instance)}  # fmt: skip
         sidecar: subprocess.Popen[bytes] | None = None
         try:
             await self._ready(replica, f"{upstream}/health", instance)
@@ -217,10 +220,13 @@ class LocalScaleHook:
                 ["sidecar", "--replica", group.id, "--listen", listen, "--upstream", upstream], env
             )
             await self._ready(sidecar, f"http://{listen}/healthz", instance)
-        except HookError:
+        except BaseException:
+            # A start that failed or was cancelled (the autoscaler is stopping) leaves nothing
+            # behind; a process that is not ready yet has served nothing, so SIGKILL is safe.
             for proc in (sidecar, replica):
-                if proc is not None:
-                    await self._terminate(proc)
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
             raise
         assert sidecar is not None
         record = LocalInstance(instance=instance, replica=group.id, model=group.model, node=node,
@@ -242,8 +248,8 @@ class LocalScaleHook:
 
     def _spawn(self, args: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
         argv = [sys.executable, "-m", "infermeter", *args, "--config", str(self.config_path)]
-        # A session of its own: a Ctrl-C at the terminal reaches the supervisor, which stops us.
-        return subprocess.Popen(argv, env=dict(env), start_new_session=True)
+        # In this process's group: whoever kills the autoscaler's group takes its instances too.
+        return subprocess.Popen(argv, env=dict(env))
 
     async def _ready(self, proc: subprocess.Popen[bytes], url: str, instance: str) -> None:
         deadline = time.monotonic() + self.settings.ready_timeout_seconds

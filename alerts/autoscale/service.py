@@ -114,7 +114,11 @@ class PageReader:
             return None
         headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
         try:
-            response = await self.client.get(url, headers=headers)
+            try:
+                response = await self.client.get(url, headers=headers)
+            except httpx.RemoteProtocolError:
+                # A kept-alive connection the server closed as we reused it: one fresh try.
+                response = await self.client.get(url, headers=headers)
             response.raise_for_status()
         except httpx.HTTPError as exc:
             log.warning("autoscale: cannot read %s: %s", url, exc)
