@@ -163,7 +163,7 @@ class _Slot:
     last_energy_j: float = 0.0
     spare_base_j: float = 0.0
     instance: str | None = None  # the simulated instance the board was last lent to
-    instance_base_j: float = 0.0  # the board's counter when that instance got it
+    instance_base_j: float = 0.0  # the board's counter less the instance's meter when lent
 
 
 @dataclass(frozen=True)
@@ -230,9 +230,11 @@ class NodeExporter:
                 util, power = reading["utilization_pct"], reading["power_watts"]
                 energy_j = reading["energy_joules"]
                 if borrower is not None:
-                    # The instance's own meter starts at zero: the board's counter goes on.
+                    # The instance's meter started with its process: from the scrape that first
+                    # sees it lent, the board's counter goes on by what that meter adds.
                     if slot.instance != borrower.instance:
-                        slot.instance, slot.instance_base_j = borrower.instance, idle_energy_j
+                        slot.instance = borrower.instance
+                        slot.instance_base_j = idle_energy_j - energy_j
                     energy_j += slot.instance_base_j
                 slot.last_energy_j = energy_j
                 slot.spare_base_j = spare.energy_joules

@@ -148,9 +148,12 @@ class TrafficGenerator:
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
     instance_targets: Callable[[], Sequence[Target]] | None = None
 
-    def _target(self, rng: random.Random) -> Target:
-        """A target: with instances running, a model as the fixed targets weigh it, then any
-        of that model's targets, so scaling a model spreads its load and does not draw more."""
+    def pick_target(self, rng: random.Random) -> Target:
+        """The next request's target.
+
+        With instances running: a model as the fixed targets weigh it, then any of that model's
+        targets, so scaling a model spreads its share of the load and does not draw more.
+        """
         extra = self.instance_targets() if self.instance_targets is not None else ()
         if not extra:
             return rng.choice(self.targets)
@@ -183,7 +186,7 @@ class TrafficGenerator:
                         rng.expovariate(self.profile.rate(time.monotonic() - start))
                     )
                     team = rng.choices(self.teams, weights)[0]
-                    target = self._target(rng)
+                    target = self.pick_target(rng)
                     request = self._request(rng, team, target)
                     await limit.acquire()
                     task = asyncio.create_task(self._send(client, team, target, *request))

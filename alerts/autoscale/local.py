@@ -130,8 +130,9 @@ class LocalScaleHook:
         previous = read_fleet(self.path)
         self.stopped = list(previous.stopped)
         # Ids are never reused, even across restarts: billing keeps every instance's lifetime.
-        self._serial = max((_serial(i.instance) for i in (*previous.instances, *self.stopped)),
-                           default=0)  # fmt: skip
+        self._serial: dict[str, int] = {}
+        for inst in (*previous.instances, *self.stopped):
+            self._serial[inst.replica] = max(self._serial.get(inst.replica, 0), _serial(inst))
         self._write()  # instances of an earlier run that died with it are not live
         registry = registry or CollectorRegistry()
         self.live = Gauge("infermeter_autoscale_local_instances",
@@ -199,8 +200,8 @@ class LocalScaleHook:
             self._write()
 
     async def _start(self, group: Replica, node: str, gpus: tuple[int, ...]) -> _Running:
-        self._serial += 1
-        instance = f"{group.id}-{self._serial}"
+        self._serial[group.id] = self._serial.get(group.id, 0) + 1
+        instance = f"{group.id}-{self._serial[group.id]}"
         upstream = f"http://127.0.0.1:{free_port()}"
         listen = f"127.0.0.1:{free_port()}"
         replica = self._spawn(
@@ -288,6 +289,7 @@ class LocalScaleHook:
         write_fleet(self.path, self.instances(), self.stopped)
 
 
-def _serial(instance: str) -> int:
-    tail = instance.rsplit("-", 1)[-1]
+def _serial(inst: LocalInstance) -> int:
+    """The ``<n>`` of an instance called ``<group>-<n>``; 0 for any other name."""
+    tail = inst.instance.removeprefix(f"{inst.replica}-")
     return int(tail) if tail.isdigit() else 0

@@ -89,9 +89,11 @@ class PageReader:
     instance_sidecars: Callable[[], Sequence[str]] | None = None
     _seen: list[str] = field(default_factory=list)
 
-    def _urls(self) -> list[str | None]:
-        """The pages to read, each at the same position every tick (counters are kept by
-        position); a sidecar that is gone keeps its place, unread."""
+    def page_urls(self) -> list[str | None]:
+        """The sidecar pages to read, each at the same position every tick.
+
+        Counters are kept by page position, so a sidecar that is gone keeps its place, unread.
+        """
         if self.instance_sidecars is None:
             return list(self.sidecar_urls)
         live = list(self.instance_sidecars())
@@ -103,7 +105,7 @@ class PageReader:
         collector = await self._get(self.collector_url)
         if collector is None:
             return None
-        sidecars = await asyncio.gather(*(self._get(url) for url in self._urls()))
+        sidecars = await asyncio.gather(*(self._get(url) for url in self.page_urls()))
         scrape = parse_pages(self.clock(), collector, sidecars)
         result = observations(self.previous, scrape, self.models)
         self.previous = scrape

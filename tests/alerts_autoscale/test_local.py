@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from alerts.autoscale.local import LocalScaleHook, instances_wanted, place
 from alerts.autoscale.policy import Decision
 from infermeter.config import DEFAULT_CONFIG, Config, load_config
-from infermeter.local_fleet import read_fleet
+from infermeter.local_fleet import LocalInstance, read_fleet, write_fleet
 from simulator.dcgm import node_exporters, render
 
 GROUP = "small-0"
@@ -139,11 +139,15 @@ async def test_no_spare_gpu_is_said_and_never_oversubscribed(tmp_path: Path) -> 
     """Asking for more instances than spare boards starts what fits and counts the rest."""
     path, config = write_config(tmp_path, gpus=3)
     registry = CollectorRegistry()
+    earlier = LocalInstance(f"{GROUP}-7", GROUP, "chat-small", "node-b", (2,), "local",
+                            "http://127.0.0.1:1", None, 0.0, 1.0)  # fmt: skip
+    write_fleet(config_instances(config), [earlier], [])  # left by an autoscaler that died
     async with httpx.AsyncClient(timeout=30.0) as client:
         hook = LocalScaleHook(config, path, client, registry)
         try:
             await hook.publish(decision(3))
-            assert [i.gpus for i in hook.instances()] == [(2,)]
+            # The dead autoscaler's instance holds nothing now, and its id is not used again.
+            assert [(i.instance, i.gpus) for i in hook.instances()] == [(f"{GROUP}-8", (2,))]
             get = registry.get_sample_value
             assert get("infermeter_autoscale_local_unplaced", {"replica": GROUP}) == 2
         finally:
