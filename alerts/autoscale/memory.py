@@ -135,6 +135,7 @@ class HistoryFile:
     clock: Callable[[], float] = time.monotonic
     _last_save: float | None = field(default=None, init=False)
     _last_bytes: bytes | None = field(default=None, init=False)
+    _failing: bool = field(default=False, init=False)
 
     def load(self) -> dict[str, ModelState]:
         """Each model's state with its saved history; empty (and one warning) when unusable."""
@@ -170,6 +171,13 @@ class HistoryFile:
         try:
             write_atomically(self.path, data)
         except OSError as exc:
-            log.error("autoscale: cannot save the demand history to %s: %s", self.path, exc)
+            # Said once per outage, not every few seconds (a read-only file system stays so).
+            if not self._failing:
+                log.error("autoscale: cannot save the demand history to %s (a restart will "
+                          "forget it): %s", self.path, exc)  # fmt: skip
+            self._failing = True
             return
+        if self._failing:
+            log.warning("autoscale: the demand history is saved to %s again", self.path)
+        self._failing = False
         self._last_bytes = data

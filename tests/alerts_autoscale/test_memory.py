@@ -11,6 +11,7 @@ from alerts.autoscale.hooks import ScalingGauges
 from alerts.autoscale.memory import FORMAT, HistoryFile, decode, encode
 from alerts.autoscale.policy import (
     DemandHistory,
+    ModelState,
     Observation,
     PolicyParams,
     model_limits,
@@ -111,8 +112,6 @@ async def test_saves_are_whole_files_at_most_every_interval(config: Config, tmp_
     params = params_from_config(config)
     memory = HistoryFile(path, params, ["chat-small"], save_seconds=5.0, clock=lambda: now[0])
     history = DemandHistory(((0, (0.5,) + (None,) * 95),))
-    from alerts.autoscale.policy import ModelState
-
     await memory.maybe_save({"chat-small": ModelState(history=history)})
     saved = path.read_bytes()
     later = DemandHistory(((0, (0.9,) + (None,) * 95),))
@@ -123,3 +122,24 @@ async def test_saves_are_whole_files_at_most_every_interval(config: Config, tmp_
     await memory.maybe_save({"chat-small": ModelState(history=later)})
     assert decode(path.read_bytes(), params, ["chat-small"]) == {"chat-small": later}
     assert sorted(p.name for p in path.parent.iterdir()) == ["history.json"]
+
+
+def test_a_failing_save_is_reported_once_and_its_recovery_once(
+    config: Config, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Saves into a path that cannot be written log one error, not one per save, then one recovery."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    memory = HistoryFile(blocker / "history.json", params_from_config(config), ["chat-small"])
+    states = [
+        {"chat-small": ModelState(history=DemandHistory(((0, (v,) + (None,) * 95),)))}
+        for v in (0.1, 0.2, 0.3)
+    ]
+    with caplog.at_level(logging.INFO, logger="infermeter.autoscale"):
+        memory.save(states[0])
+        memory.save(states[1])
+        blocker.unlink()
+        memory.save(states[2])
+    assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.WARNING]
+    assert "cannot save the demand history" in caplog.records[0].getMessage()
+    assert decode((blocker / "history.json").read_bytes(), memory.params, ["chat-small"])
