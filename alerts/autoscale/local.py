@@ -128,12 +128,14 @@ class LocalScaleHook:
         self.environ = dict(os.environ if environ is None else environ)
         self.running: dict[str, list[_Running]] = {}
         previous = read_fleet(self.path)
-        self.stopped = list(previous.stopped)
+        # Instances an earlier run left live died with it (they run in its process group).
+        now = time.time()
+        self.stopped = [*previous.stopped, *(i.stopped(now, None) for i in previous.instances)]
         # Ids are never reused, even across restarts: billing keeps every instance's lifetime.
         self._serial: dict[str, int] = {}
-        for inst in (*previous.instances, *self.stopped):
+        for inst in self.stopped:
             self._serial[inst.replica] = max(self._serial.get(inst.replica, 0), _serial(inst))
-        self._write()  # instances of an earlier run that died with it are not live
+        self._write()
         registry = registry or CollectorRegistry()
         self.live = Gauge("infermeter_autoscale_local_instances",
                           "Simulated instances the local scale hook runs, by replica group.",

@@ -140,7 +140,7 @@ async def test_no_spare_gpu_is_said_and_never_oversubscribed(tmp_path: Path) -> 
     path, config = write_config(tmp_path, gpus=3)
     registry = CollectorRegistry()
     earlier = LocalInstance(f"{GROUP}-7", GROUP, "chat-small", "node-b", (2,), "local",
-                            "http://127.0.0.1:1", None, 0.0, 1.0)  # fmt: skip
+                            "http://127.0.0.1:1", None, 0.0)  # fmt: skip
     write_fleet(config_instances(config), [earlier], [])  # left by an autoscaler that died
     async with httpx.AsyncClient(timeout=30.0) as client:
         hook = LocalScaleHook(config, path, client, registry)
@@ -148,6 +148,9 @@ async def test_no_spare_gpu_is_said_and_never_oversubscribed(tmp_path: Path) -> 
             await hook.publish(decision(3))
             # The dead autoscaler's instance holds nothing now, and its id is not used again.
             assert [(i.instance, i.gpus) for i in hook.instances()] == [(f"{GROUP}-8", (2,))]
+            assert [i.instance for i in read_fleet(config_instances(config)).stopped] == [
+                f"{GROUP}-7"
+            ]
             get = registry.get_sample_value
             assert get("infermeter_autoscale_local_unplaced", {"replica": GROUP}) == 2
         finally:
