@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["build_parser", "main"]
 
 DEMO_INGEST_TOKEN = "im-demo-ingest"  # public, like the demo team keys
+DEMO_METRICS_TOKEN = "im-demo-metrics"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,8 +63,9 @@ def _register_demo(subparsers: Subparsers) -> None:
         help="run the whole platform on a simulated fleet, with traffic",
         description=(
             "The simulated fleet, a sidecar in front of every replica, the collector, the billing "
-            "service with its DuckDB ledger, the dashboard, and traffic from several teams "
-            "through the sidecars, all on loopback. Ctrl-C stops everything."
+            "service with its DuckDB ledger, the dashboard, the autoscaler (starting and stopping "
+            "simulated instances on spare GPUs as demand changes), and traffic from several "
+            "teams through the sidecars, all on loopback. Ctrl-C stops everything."
         ),
     )
     add_config(demo)
@@ -137,13 +139,20 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
         "INFERMETER__COLLECTOR__INGEST_URL", config.collector.ingest_url or ingest
     )
     os.environ.setdefault("INFERMETER_INGEST_TOKEN", DEMO_INGEST_TOKEN)
+    # The autoscaler reads the collector's and the sidecars' /metrics with the demo's reader key.
+    os.environ.setdefault(config.autoscale.metrics_token_env, DEMO_METRICS_TOKEN)
+    # Spare GPUs on every node, for the instances the autoscaler starts (every child must agree).
+    for key, value in fleet.spare_gpu_overrides(config).items():
+        os.environ.setdefault(key, value)
     children = [fleet.billing_child(config, path)]
     children += fleet.simulator_children(config, path) + fleet.sidecar_children(config, path)
     children.append(fleet.collector_child(config, path))
     children.append(fleet.dashboard_child(config, path))
+    children.append(fleet.autoscaler_child(config, path, args.day_seconds))
     children.append(fleet.traffic_child(path, args))
     urls = fleet.sidecar_urls(config) + fleet.simulator_urls(config)
     urls.append(("collector (fleet view)", f"http://{config.collector.listen}/metrics"))
     urls.append(("billing API (admin: im-demo-admin)", f"{config.billing.url}/v1/spend"))
     urls.append(("dashboard (sign in: im-demo-admin)", f"http://{config.dashboard.listen}/"))
+    urls.append(("autoscaler (desired replicas)", f"http://{config.autoscale.listen}/metrics"))
     return fleet.run(children, urls)

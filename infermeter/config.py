@@ -478,6 +478,24 @@ class KubernetesHookSettings(_Strict):
     dry_run: bool = True
 
 
+class LocalHookSettings(_Strict):
+    """Start and stop simulated instances of a replica group on this machine (the demo's fleet).
+
+    Each instance is one simulated vLLM replica process and its sidecar process, on free
+    loopback ports, on spare GPUs of the configured nodes. See docs/autoscaling.md.
+    """
+
+    enabled: bool = False
+    # model -> the replica group whose instances the hook starts (default: the model's first).
+    groups: dict[Name, Name] = Field(default_factory=dict)
+    # The config's replicas of the model run beside (``demo``/``simulate`` start them) and
+    # count toward the desired number; off, the hook's instances are all the model has.
+    count_fixed_replicas: bool = True
+    namespace: Name = "local"
+    ready_timeout_seconds: Positive = 30.0
+    stop_timeout_seconds: Positive = 10.0
+
+
 class AutoscaleSettings(_Strict):
     """The autoscaler (``infermeter autoscale run``): its inputs, hooks and predictive term."""
 
@@ -498,12 +516,19 @@ class AutoscaleSettings(_Strict):
     target_gpu_utilization: Annotated[float, Field(gt=0, le=1)] = 0.7
     history_slot_seconds: Annotated[int, Field(ge=60, le=86400)] = 900
     history_days: Annotated[int, Field(gt=0)] = 7
+    # Where the demand history survives a restart ("" keeps it in memory only).
+    history_file: str = "var/autoscale-history.json"
+    history_save_seconds: Positive = 5.0
+    local: LocalHookSettings = LocalHookSettings()
 
 
 class Simulator(_Strict):
     """Settings of the simulated fleet (``infermeter simulate``)."""
 
     seed: int = 7
+    # The instances the autoscaler's local hook runs: read by the dcgm-exporter stand-in and
+    # the traffic generator, written (atomically) by the hook.
+    instances_file: str = "var/simulated-instances.json"
     gpus: dict[Name, GpuProfile] = Field(default_factory=dict)
     engines: dict[Name, EngineProfile] = Field(default_factory=dict)
 

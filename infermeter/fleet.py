@@ -10,6 +10,8 @@ from infermeter.serving import ensure_free, host_port
 from infermeter.supervisor import Child, ChildFailedError, Supervisor
 
 __all__ = [
+    "DEMO_AUTOSCALE_SETTINGS",
+    "autoscaler_child",
     "billing_child",
     "collector_child",
     "dashboard_child",
@@ -18,6 +20,7 @@ __all__ = [
     "sidecar_urls",
     "simulator_children",
     "simulator_urls",
+    "spare_gpu_overrides",
     "traffic_child",
 ]
 
@@ -92,6 +95,45 @@ def dashboard_child(config: Config, config_path: str) -> Child:
     ensure_free(*host_port(config.dashboard.listen), "dashboard listen address")
     argv = _infermeter("dashboard", "--config", config_path)
     return Child("dashboard", argv, f"http://{config.dashboard.listen}/")
+
+
+# The demo's day is minutes long: the autoscaler acts within seconds and slots its history by
+# the minute, so a scale-up and a scale-down both happen in one simulated morning.
+DEMO_AUTOSCALE_SETTINGS = {
+    "INFERMETER__AUTOSCALE__LOCAL__ENABLED": "true",
+    "INFERMETER__AUTOSCALE__INTERVAL_SECONDS": "3",
+    "INFERMETER__AUTOSCALE__HISTORY_SLOT_SECONDS": "60",
+    "INFERMETER__SCALING__SCALE_UP_AFTER_SECONDS": "10",
+    "INFERMETER__SCALING__SCALE_DOWN_AFTER_SECONDS": "30",
+    # A simulated GPU is busy whenever one sequence runs: at night the demo still reads ~35%.
+    "INFERMETER__SCALING__SCALE_DOWN_GPU_UTILIZATION": "0.5",
+    "INFERMETER__SCALING__COOLDOWN_SECONDS": "20",
+    "INFERMETER__SCALING__STARTUP_SECONDS": "10",
+}
+
+
+def autoscaler_child(config: Config, config_path: str, day_seconds: float) -> Child:
+    """The autoscaler with its local hook: it starts and stops instances as demand changes."""
+    ensure_free(*host_port(config.autoscale.listen), "autoscale listen address")
+    argv = _infermeter("autoscale", "run", "--config", config_path,
+                       "--day-seconds", str(day_seconds))  # fmt: skip
+    return Child("autoscaler", argv, f"http://{config.autoscale.listen}/healthz",
+                 env=DEMO_AUTOSCALE_SETTINGS)  # fmt: skip
+
+
+def spare_gpu_overrides(config: Config) -> dict[str, str]:
+    """Environment overrides giving every node as many spare GPUs as its replicas hold.
+
+    The demo's nodes get room for the autoscaler's instances without a second configuration.
+    """
+    held: dict[str, int] = {}
+    for r in config.replicas:
+        held[r.node] = held.get(r.node, 0) + r.gpu_count
+    return {
+        f"INFERMETER__NODES__{n.name}__GPU_COUNT": str(max(n.gpu_count, 2 * held[n.name]))
+        for n in config.nodes
+        if held.get(n.name)
+    }
 
 
 def traffic_child(config_path: str, args: argparse.Namespace) -> Child:

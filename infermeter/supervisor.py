@@ -8,12 +8,13 @@ connection on the way down.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -24,11 +25,15 @@ __all__ = ["Child", "ChildFailedError", "Supervisor"]
 
 @dataclass(frozen=True)
 class Child:
-    """A process to run: its name, its command line and the URL that answers once it is up."""
+    """A process to run: its name, its command line and the URL that answers once it is up.
+
+    ``env``: variables added to this child's environment only (the supervisor's own win).
+    """
 
     name: str
     argv: Sequence[str]
     ready_url: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
 
 
 class ChildFailedError(Exception):
@@ -58,7 +63,8 @@ class Supervisor:
             s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)
         }
         for child in self.children:
-            proc = subprocess.Popen(list(child.argv), start_new_session=True)
+            env = {**child.env, **os.environ} if child.env else None
+            proc = subprocess.Popen(list(child.argv), start_new_session=True, env=env)
             self._procs.append((child, proc))
         deadline = time.monotonic() + self.ready_timeout_seconds
         for child, proc in self._procs:
@@ -96,7 +102,10 @@ class Supervisor:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.1, deadline - time.monotonic()))
             if proc.poll() is None:
-                proc.kill()
+                # Each child leads its own process group: its own children (the autoscaler's
+                # instances) go with it rather than outlive the fleet.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

@@ -6,6 +6,7 @@ Imported to build the parser; the servers and the traffic generator are imported
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from infermeter.commands import Subparsers, add_config, config_path, fail
@@ -33,6 +34,16 @@ def register(subparsers: Subparsers) -> None:
     only.add_argument("--dcgm", action="store_true", help="serve only the dcgm-exporter stand-ins")
     only.add_argument(
         "--traffic-only", action="store_true", help="only send traffic to a running fleet"
+    )
+    sim.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="with --replica: listen here instead of the replica's upstream_url",
+    )
+    sim.add_argument(
+        "--instance",
+        metavar="ID",
+        help="with --replica: serve as this instance of the replica group (its own GPUs' figures)",
     )
     sim.add_argument(
         "--traffic", action="store_true", help="also generate traffic from several teams"
@@ -64,7 +75,7 @@ def _simulate(args: argparse.Namespace, config: Config) -> int:
             config.replica(args.replica)
         except KeyError:
             return fail(f"no replica {args.replica!r} in {config_path(args)}")
-        asyncio.run(serve.serve_replica(config, args.replica))
+        asyncio.run(serve.serve_replica(config, args.replica, args.listen, args.instance))
         return 0
     if args.dcgm:
         asyncio.run(serve.serve_dcgm(config))
@@ -77,6 +88,9 @@ def _simulate(args: argparse.Namespace, config: Config) -> int:
                 peak_requests_per_second=args.peak_rps,
                 day_seconds=args.day_seconds,
                 seed=config.simulator.seed,
+            ),
+            instance_targets=traffic.InstanceTargets(
+                config, Path(config.simulator.instances_file), args.via_sidecars
             ),
         )
         with contextlib.suppress(KeyboardInterrupt):

@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import orjson
 
 from infermeter.asgi import Receive, Scope, Send, respond
 from infermeter.config import Config, GpuProfile
+from infermeter.local_fleet import read_fleet
 from simulator.gpu import GpuMeter
 
 __all__ = ["DcgmGpu", "NodeExporter", "gpu_uuid", "node_exporters", "render"]
@@ -143,7 +145,12 @@ def render(gpus: list[DcgmGpu]) -> str:
 
 @dataclass
 class _Slot:
-    """One board: either owned by a replica (read over HTTP) or spare (idle meter here)."""
+    """One board: owned by a fixed replica, lent to a simulated instance, or spare.
+
+    Owned and lent boards are read over HTTP from their engine's process; a spare board (or one
+    whose process does not answer) idles on the meter here, its counter going on from where it
+    was.
+    """
 
     index: int
     uuid: str
@@ -155,41 +162,86 @@ class _Slot:
     boot_offset_mj: int
     last_energy_j: float = 0.0
     spare_base_j: float = 0.0
+    instance: str | None = None  # the simulated instance the board was last lent to
+    instance_base_j: float = 0.0  # the board's counter less the instance's meter when lent
+
+
+@dataclass(frozen=True)
+class _Lent:
+    """A board lent to a simulated instance for this scrape."""
+
+    url: str
+    gpu: int
+    instance: str
+    namespace: str
 
 
 class NodeExporter:
     """The ASGI app of one node's dcgm-exporter."""
 
-    def __init__(self, node: str, slots: list[_Slot], client: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        node: str,
+        slots: list[_Slot],
+        client: httpx.AsyncClient,
+        instances_file: Path | None = None,
+    ) -> None:
         self.node = node
         self.slots = slots
         self.client = client
+        self.instances_file = instances_file
+
+    def _lent(self) -> dict[int, _Lent]:
+        """This node's boards that the live simulated instances hold, by index."""
+        if self.instances_file is None:
+            return {}
+        lent = {}
+        for inst in read_fleet(self.instances_file).instances:
+            if inst.node != self.node:
+                continue
+            for local, index in enumerate(inst.gpus):
+                url = inst.upstream_url.rstrip("/")
+                lent[index] = _Lent(url, local, inst.instance, inst.namespace)
+        return lent
 
     async def gpus(self) -> list[DcgmGpu]:
         """Read every board now."""
         now = time.monotonic()
         cache: dict[str, list[dict[str, float]]] = {}
+        lent = self._lent()
         out = []
         for slot in self.slots:
+            borrower = lent.get(slot.index) if slot.replica_url is None else None
+            url = slot.replica_url or (borrower.url if borrower else None)
+            gpu = borrower.gpu if borrower else slot.replica_gpu
             reading = None
-            if slot.replica_url is not None:
-                if slot.replica_url not in cache:
-                    cache[slot.replica_url] = await self._fetch(slot.replica_url)
-                rows = cache[slot.replica_url]
-                reading = rows[slot.replica_gpu] if slot.replica_gpu < len(rows) else None
+            if url is not None:
+                if url not in cache:
+                    cache[url] = await self._fetch(url)
+                rows = cache[url]
+                reading = rows[gpu] if gpu < len(rows) else None
+            spare = slot.spare.read(now)
+            idle_energy_j = slot.last_energy_j + spare.energy_joules - slot.spare_base_j
             if reading is None:
-                # A spare board, or one whose replica process is down: it idles, and its
-                # counter keeps counting from where it was.
-                spare = slot.spare.read(now)
                 util, power = spare.utilization_pct, spare.power_watts
-                energy_j = slot.last_energy_j + spare.energy_joules - slot.spare_base_j
+                energy_j = idle_energy_j
                 used, free = 0.0, float(slot.profile.memory_mib)
             else:
                 util, power = reading["utilization_pct"], reading["power_watts"]
                 energy_j = reading["energy_joules"]
+                if borrower is not None:
+                    # The instance's meter started with its process: from the scrape that first
+                    # sees it lent, the board's counter goes on by what that meter adds.
+                    if slot.instance != borrower.instance:
+                        slot.instance = borrower.instance
+                        slot.instance_base_j = idle_energy_j - energy_j
+                    energy_j += slot.instance_base_j
                 slot.last_energy_j = energy_j
-                slot.spare_base_j = slot.spare.read(now).energy_joules
+                slot.spare_base_j = spare.energy_joules
                 used, free = reading["memory_used_mib"], reading["memory_free_mib"]
+            pod = slot.pod
+            if borrower is not None:
+                pod = ("vllm", borrower.namespace, borrower.instance)
             out.append(
                 DcgmGpu(
                     index=slot.index,
@@ -201,7 +253,7 @@ class NodeExporter:
                     energy_mj=slot.boot_offset_mj + round(energy_j * 1000),
                     memory_used_mib=used,
                     memory_free_mib=free,
-                    pod=slot.pod if reading is not None else None,
+                    pod=pod if reading is not None else None,
                 )
             )
         return out
@@ -227,8 +279,14 @@ class NodeExporter:
         await respond(send, status, body, headers)
 
 
-def node_exporters(config: Config, client: httpx.AsyncClient) -> dict[str, NodeExporter]:
-    """One exporter per node of the configuration, its boards assigned to their replicas."""
+def node_exporters(
+    config: Config, client: httpx.AsyncClient, instances_file: Path | None = None
+) -> dict[str, NodeExporter]:
+    """One exporter per node of the configuration, its boards assigned to their replicas.
+
+    With ``instances_file``, spare boards lent to simulated instances (see
+    ``infermeter.local_fleet``) show their instance's readings and its pod, read at each scrape.
+    """
     seed = config.simulator.seed
     now = time.monotonic()
     result = {}
@@ -268,5 +326,5 @@ def node_exporters(config: Config, client: httpx.AsyncClient) -> dict[str, NodeE
                     boot_offset_mj=offset,
                 )
             )
-        result[node_name] = NodeExporter(node_name, slots, client)
+        result[node_name] = NodeExporter(node_name, slots, client, instances_file)
     return result

@@ -68,10 +68,19 @@ class ReplicaSpec:
     gpu: GpuProfile
     gpu_count: int
     seed: int
+    instance_id: str = ""  # an instance of the replica group; "" is the fixed replica itself
+
+    @property
+    def instance(self) -> str:
+        """The instance id this process serves as."""
+        return self.instance_id or self.replica_id
 
 
-def replica_spec(config: Config, replica_id: str) -> ReplicaSpec:
-    """Build the spec of ``replica_id`` from the fleet configuration."""
+def replica_spec(config: Config, replica_id: str, instance: str | None = None) -> ReplicaSpec:
+    """Build the spec of ``replica_id`` (or of its ``instance``) from the fleet configuration.
+
+    An instance draws its own random stream, so instances of a group do not answer alike.
+    """
     replica = config.replica(replica_id)
     model = config.model(replica.model)
     gpu = config.simulator.gpus.get(replica.gpu_model) or GpuProfile(
@@ -84,7 +93,8 @@ def replica_spec(config: Config, replica_id: str) -> ReplicaSpec:
         engine=_engine(config, replica.model, replica.max_num_seqs),
         gpu=gpu,
         gpu_count=replica.gpu_count,
-        seed=config.simulator.seed + sum(map(ord, replica.id)),
+        seed=config.simulator.seed + sum(map(ord, instance or replica.id)),
+        instance_id=instance or "",
     )
 
 
@@ -114,7 +124,9 @@ class ReplicaSim:
         self.scheduler = Scheduler(spec.engine)
         self.metrics = VllmMetrics(spec.served_model, spec.engine)
         now = clock()
+        self.born = now
         self.meters = [GpuMeter(spec.gpu, now) for _ in range(spec.gpu_count)]
+        self.finished_requests = 0
         self._ids = random.Random(spec.seed)
         self.fingerprint = f"vllm-{VLLM_VERSION}-{self._ids.getrandbits(32):08x}"
         self._wake = asyncio.Event()
@@ -201,6 +213,7 @@ class ReplicaSim:
 
     def _observe_finished(self, req: _Request, seq: Sequence) -> None:
         m = self.metrics
+        self.finished_requests += 1
         assert seq.finished_at is not None
         assert seq.first_token_at is not None
         admitted = seq.admitted_at if seq.admitted_at is not None else seq.arrived_at
@@ -272,6 +285,24 @@ class ReplicaSim:
             )
         return out
 
+    def usage(self) -> dict[str, object]:
+        """What this process served and drew since it started, for comparison with billing.
+
+        GPU-seconds seen are its GPUs' wall time since start; busy are the seconds a step ran.
+        """
+        now = self.clock()
+        c = self.scheduler.counters
+        return {
+            "instance": self.spec.instance,
+            "replica": self.spec.replica_id,
+            "gpu_count": self.spec.gpu_count,
+            "gpu_seconds_seen": self.spec.gpu_count * (now - self.born),
+            "gpu_seconds_busy": sum(m.read(now).busy_seconds for m in self.meters),
+            "prompt_tokens": c.prompt_tokens,
+            "generation_tokens": c.generation_tokens,
+            "finished_sequences": self.finished_requests,
+        }
+
     # -- HTTP ------------------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -299,6 +330,8 @@ class ReplicaSim:
             await respond(send, 200, orjson.dumps({"version": VLLM_VERSION}), _JSON)
         elif method == "GET" and path == "/_sim/gpus":
             await respond(send, 200, orjson.dumps(self.gpu_readings()), _JSON)
+        elif method == "GET" and path == "/_sim/usage":
+            await respond(send, 200, orjson.dumps(self.usage()), _JSON)
         else:
             await respond(send, 404, b'{"detail":"Not Found"}', _JSON)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -15,18 +16,25 @@ from simulator.replica import ReplicaSim, replica_spec
 __all__ = ["serve_dcgm", "serve_replica"]
 
 
-def replica_server(config: Config, replica_id: str) -> tuple[ReplicaSim, uvicorn.Server]:
-    """The simulator and server of one replica, bound to its ``upstream_url``."""
+def replica_server(
+    config: Config, replica_id: str, listen: str | None = None, instance: str | None = None
+) -> tuple[ReplicaSim, uvicorn.Server]:
+    """The simulator and server of one replica (or ``instance`` of it), on ``listen``.
+
+    ``listen`` defaults to the replica's ``upstream_url``: an instance of a group needs its own.
+    """
     replica = config.replica(replica_id)
-    host, port = host_port(replica.upstream_url)
-    ensure_free(host, port, f"replica {replica_id} upstream_url")
-    sim = ReplicaSim(replica_spec(config, replica_id))
+    host, port = host_port(listen or replica.upstream_url)
+    ensure_free(host, port, f"replica {instance or replica_id} address")
+    sim = ReplicaSim(replica_spec(config, replica_id, instance))
     return sim, server(sim, host, port)
 
 
-async def serve_replica(config: Config, replica_id: str) -> None:
+async def serve_replica(
+    config: Config, replica_id: str, listen: str | None = None, instance: str | None = None
+) -> None:
     """Serve one replica until the server is told to exit."""
-    _, srv = replica_server(config, replica_id)
+    _, srv = replica_server(config, replica_id, listen, instance)
     await srv.serve()
 
 
@@ -34,7 +42,8 @@ async def serve_dcgm(config: Config) -> None:
     """Serve every node's dcgm-exporter stand-in in this process."""
     servers = []
     async with httpx.AsyncClient() as client:
-        for name, app in node_exporters(config, client).items():
+        instances = Path(config.simulator.instances_file)
+        for name, app in node_exporters(config, client, instances).items():
             node = next((n for n in config.nodes if n.name == name), None)
             if node is None or node.dcgm_exporter_url is None:
                 continue

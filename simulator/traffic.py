@@ -13,21 +13,25 @@ import contextlib
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
 from infermeter.config import Config
+from infermeter.local_fleet import LocalInstance, read_fleet
 from infermeter.traffic import hour_of_day, share_of_peak
 
 __all__ = [
+    "InstanceTargets",
     "Target",
     "TeamTraffic",
     "TrafficGenerator",
     "TrafficProfile",
     "default_targets",
     "demo_teams",
+    "instance_target",
 ]
 
 
@@ -80,6 +84,46 @@ def demo_teams(config: Config) -> list[TeamTraffic]:
     ]
 
 
+def instance_target(config: Config, instance: LocalInstance, via_sidecars: bool) -> Target:
+    """Where requests for a simulated instance go: its sidecar, or the replica itself."""
+    group = config.replica(instance.replica)
+    model = config.model(group.model)
+    if via_sidecars and instance.sidecar_url:
+        return Target(instance.sidecar_url.rstrip("/"), model.name)
+    return Target(instance.upstream_url.rstrip("/"), group.served_version or model.current_version)
+
+
+@dataclass
+class InstanceTargets:
+    """The live simulated instances' targets, re-read from the instances file every few seconds.
+
+    The autoscaler's local hook replaces that file whole at every change, so a read is either
+    the previous fleet or the new one; an instance that was stopped a moment ago costs a few
+    refused connections, counted as such.
+    """
+
+    config: Config
+    path: Path
+    via_sidecars: bool
+    every_seconds: float = 2.0
+    clock: Callable[[], float] = time.monotonic
+    _read_at: float | None = None
+    _targets: tuple[Target, ...] = ()
+
+    def __call__(self) -> tuple[Target, ...]:
+        """The current targets (from the last read when it is recent enough)."""
+        now = self.clock()
+        if self._read_at is None or now - self._read_at >= self.every_seconds:
+            self._read_at = now
+            known = {r.id for r in self.config.replicas}
+            self._targets = tuple(
+                instance_target(self.config, i, self.via_sidecars)
+                for i in read_fleet(self.path).instances
+                if i.replica in known
+            )
+        return self._targets
+
+
 def default_targets(config: Config, via_sidecars: bool) -> list[Target]:
     """One target per replica: its sidecar (model alias) or the replica itself (served name)."""
     targets = []
@@ -102,6 +146,21 @@ class TrafficGenerator:
     teams: Sequence[TeamTraffic]
     profile: TrafficProfile = TrafficProfile()
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    instance_targets: Callable[[], Sequence[Target]] | None = None
+
+    def pick_target(self, rng: random.Random) -> Target:
+        """The next request's target.
+
+        With instances running: a model as the fixed targets weigh it, then any of that model's
+        targets, so scaling a model spreads its share of the load and does not draw more.
+        """
+        extra = self.instance_targets() if self.instance_targets is not None else ()
+        if not extra:
+            return rng.choice(self.targets)
+        if not self.targets:
+            return rng.choice(extra)
+        model = rng.choice(self.targets).model
+        return rng.choice([t for t in (*self.targets, *extra) if t.model == model])
 
     async def run(
         self, duration_seconds: float | None = None, max_requests: int | None = None
@@ -127,7 +186,7 @@ class TrafficGenerator:
                         rng.expovariate(self.profile.rate(time.monotonic() - start))
                     )
                     team = rng.choices(self.teams, weights)[0]
-                    target = rng.choice(self.targets)
+                    target = self.pick_target(rng)
                     request = self._request(rng, team, target)
                     await limit.acquire()
                     task = asyncio.create_task(self._send(client, team, target, *request))

@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infermeter.commands import Subparsers, add_config, fail
+from infermeter.commands import Subparsers, add_config, config_path, fail
 
 if TYPE_CHECKING:
     from infermeter.config import Config
@@ -47,6 +47,13 @@ def register(subparsers: Subparsers) -> None:
         metavar="URL",
         help="read inputs from this Prometheus server (default: autoscale.prometheus_url)",
     )
+    run.add_argument(
+        "--day-seconds",
+        type=float,
+        default=86400.0,
+        help="length of a day for the demand history's time-of-day slots (default 86400; "
+        "the demo's simulated day is shorter)",
+    )
     run.set_defaults(handler=_run)
 
     replay = sub.add_parser(
@@ -83,7 +90,8 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     from alerts.autoscale.service import serve_autoscaler
 
     try:
-        asyncio.run(serve_autoscaler(config, args.listen, args.prometheus))
+        path = Path(config_path(args))
+        asyncio.run(serve_autoscaler(config, args.listen, args.prometheus, path, args.day_seconds))
     except HookError as exc:
         return fail(f"autoscale: {exc}")
     return 0

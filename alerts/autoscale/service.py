@@ -16,10 +16,11 @@ import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
-from prometheus_client import make_asgi_app
+from prometheus_client import CollectorRegistry, make_asgi_app
 
 from alerts.autoscale.hooks import (  # fmt: skip
     Hook,
@@ -36,6 +37,8 @@ from alerts.autoscale.inputs import (  # fmt: skip
     observations_from_vectors,
     parse_pages,
 )
+from alerts.autoscale.local import LocalScaleHook
+from alerts.autoscale.memory import HistoryFile
 from alerts.autoscale.policy import (
     Decision,
     ModelLimits,
@@ -50,7 +53,14 @@ from infermeter.asgi import Receive, Scope, Send, idle_lifespan, respond
 from infermeter.config import Config
 from infermeter.serving import ensure_free, host_port, server
 
-__all__ = ["Autoscaler", "PageReader", "PrometheusReader", "build_hooks", "serve_autoscaler"]
+__all__ = [
+    "Autoscaler",
+    "PageReader",
+    "PrometheusReader",
+    "build_hooks",
+    "history_file",
+    "serve_autoscaler",
+]
 
 log = logging.getLogger("infermeter.autoscale")
 
@@ -75,22 +85,42 @@ class PageReader:
     token: str | None = None
     clock: Clock = time.time
     previous: Scrape | None = None
+    # Pages of sidecars that come and go (the local hook's instances), read beside the fixed ones.
+    instance_sidecars: Callable[[], Sequence[str]] | None = None
+    _seen: list[str] = field(default_factory=list)
+
+    def page_urls(self) -> list[str | None]:
+        """The sidecar pages to read, each at the same position every tick.
+
+        Counters are kept by page position, so a sidecar that is gone keeps its place, unread.
+        """
+        if self.instance_sidecars is None:
+            return list(self.sidecar_urls)
+        live = list(self.instance_sidecars())
+        self._seen += [url for url in live if url not in self._seen]
+        return [*self.sidecar_urls, *(url if url in live else None for url in self._seen)]
 
     async def read(self) -> dict[str, Observation] | None:
         """Observations from one round of scrapes; None if the collector is unreachable."""
         collector = await self._get(self.collector_url)
         if collector is None:
             return None
-        sidecars = await asyncio.gather(*(self._get(url) for url in self.sidecar_urls))
+        sidecars = await asyncio.gather(*(self._get(url) for url in self.page_urls()))
         scrape = parse_pages(self.clock(), collector, sidecars)
         result = observations(self.previous, scrape, self.models)
         self.previous = scrape
         return result
 
-    async def _get(self, url: str) -> str | None:
+    async def _get(self, url: str | None) -> str | None:
+        if url is None:
+            return None
         headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
         try:
-            response = await self.client.get(url, headers=headers)
+            try:
+                response = await self.client.get(url, headers=headers)
+            except httpx.RemoteProtocolError:
+                # A kept-alive connection the server closed as we reused it: one fresh try.
+                response = await self.client.get(url, headers=headers)
             response.raise_for_status()
         except httpx.HTTPError as exc:
             log.warning("autoscale: cannot read %s: %s", url, exc)
@@ -127,6 +157,11 @@ class Autoscaler:
     hooks: Sequence[Hook] = ()
     states: dict[str, ModelState] = field(default_factory=dict)
     delivered: dict[tuple[str, str], int] = field(default_factory=dict)
+    memory: HistoryFile | None = None
+
+    def __post_init__(self) -> None:
+        if self.memory is not None and not self.states:
+            self.states = self.memory.load()
 
     async def tick(self) -> dict[str, Decision]:
         """One evaluation: read, decide, set gauges, deliver changes. Never raises for I/O."""
@@ -135,6 +170,8 @@ class Autoscaler:
             return {}
         decisions, self.states = evaluate(self.params, self.limits, self.states, obs)
         self.gauges.update(decisions)
+        if self.memory is not None:
+            await self.memory.maybe_save(self.states)
         for decision in decisions.values():
             await self._deliver(decision)
         return decisions
@@ -162,14 +199,30 @@ class Autoscaler:
             await self.tick()
             await asyncio.sleep(max(0.0, interval_seconds - (time.monotonic() - started)))
 
+    def save_history(self) -> None:
+        """Write the demand history now (on the way out: the periodic save may be seconds old)."""
+        if self.memory is not None:
+            self.memory.save(self.states)
+
 
 def build_hooks(
-    config: Config, client: httpx.AsyncClient, environ: MutableMapping[str, str] | None = None
+    config: Config,
+    client: httpx.AsyncClient,
+    environ: MutableMapping[str, str] | None = None,
+    config_path: Path | None = None,
+    registry: CollectorRegistry | None = None,
 ) -> list[Hook]:
-    """The hooks the ``autoscale`` section turns on; a missing secret is a start-up error."""
+    """The hooks the ``autoscale`` section turns on; a missing secret is a start-up error.
+
+    The local hook starts its instances with the same configuration file, so it needs its path.
+    """
     env = os.environ if environ is None else environ
     a = config.autoscale
     hooks: list[Hook] = []
+    if a.local.enabled:
+        if config_path is None:
+            raise HookError("autoscale.local needs the configuration file's path")
+        hooks.append(LocalScaleHook(config, config_path, client, registry, env))
     if a.webhook_url:
         secret = env.get(a.webhook_secret_env)
         if not secret:
@@ -191,8 +244,16 @@ def build_hooks(
     return hooks
 
 
-def build_reader(config: Config, client: httpx.AsyncClient, prometheus_url: str | None) -> Reader:
-    """Prometheus when a URL is given (flag, then config), else the /metrics pages."""
+def build_reader(
+    config: Config,
+    client: httpx.AsyncClient,
+    prometheus_url: str | None,
+    hooks: Sequence[Hook] = (),
+) -> Reader:
+    """Prometheus when a URL is given (flag, then config), else the /metrics pages.
+
+    The pages include the sidecars of the local hook's instances while they live.
+    """
     models = [m.name for m in config.models]
     a = config.autoscale
     url = prometheus_url or a.prometheus_url
@@ -204,7 +265,13 @@ def build_reader(config: Config, client: httpx.AsyncClient, prometheus_url: str 
     sidecars = list(a.sidecar_urls) or [
         f"http://{r.sidecar_listen}/metrics" for r in config.replicas if r.sidecar_listen
     ]
-    return PageReader(collector, sidecars, models, client, os.environ.get(a.metrics_token_env))
+    reader = PageReader(collector, sidecars, models, client, os.environ.get(a.metrics_token_env))
+    local = next((h for h in hooks if isinstance(h, LocalScaleHook)), None)
+    if local is not None:
+        reader.instance_sidecars = lambda: [
+            f"{i.sidecar_url}/metrics" for i in local.instances() if i.sidecar_url
+        ]
+    return reader
 
 
 def create_app(gauges: ScalingGauges) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
@@ -224,20 +291,41 @@ def create_app(gauges: ScalingGauges) -> Callable[[Scope, Receive, Send], Awaita
     return app
 
 
-async def serve_autoscaler(config: Config, listen: str | None, prometheus_url: str | None) -> None:
-    """Evaluate every ``autoscale.interval_seconds`` and serve /metrics until told to exit."""
+def history_file(config: Config, params: PolicyParams) -> HistoryFile | None:
+    """Where the demand history is kept (``autoscale.history_file``); None keeps it in memory."""
+    a = config.autoscale
+    if not a.history_file:
+        return None
+    models = [m.name for m in config.models]
+    return HistoryFile(Path(a.history_file), params, models, a.history_save_seconds)
+
+
+async def serve_autoscaler(
+    config: Config,
+    listen: str | None,
+    prometheus_url: str | None,
+    config_path: Path | None = None,
+    day_seconds: float = 86400.0,
+) -> None:
+    """Evaluate every ``autoscale.interval_seconds`` and serve /metrics until told to exit.
+
+    ``day_seconds``: the length of the day the predictive term's slots divide (shorter for a
+    simulated fleet whose day is compressed).
+    """
     a = config.autoscale
     host, port = host_port(listen or a.listen)
     ensure_free(host, port, "autoscale listen address")
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=3.0)) as client:
         gauges = ScalingGauges()
-        hooks = build_hooks(config, client)
+        hooks = build_hooks(config, client, config_path=config_path, registry=gauges.registry)
+        params = params_from_config(config, day_seconds=day_seconds)
         scaler = Autoscaler(
-            params_from_config(config),
+            params,
             {m.name: model_limits(config, m.name) for m in config.models},
-            build_reader(config, client, prometheus_url),
+            build_reader(config, client, prometheus_url, hooks),
             gauges,
             hooks,
+            memory=history_file(config, params),
         )
         task = asyncio.create_task(scaler.run(a.interval_seconds), name="autoscale")
         log.info("autoscale: every %g s, hooks: %s, /metrics on http://%s:%d/metrics",
@@ -248,6 +336,9 @@ async def serve_autoscaler(config: Config, listen: str | None, prometheus_url: s
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            scaler.save_history()
             for hook in hooks:
                 if isinstance(hook, KubernetesScaleHook):
                     await hook.client.aclose()
+                elif isinstance(hook, LocalScaleHook):
+                    await hook.close()

@@ -122,3 +122,18 @@ def test_reader_defaults_to_the_collector_and_every_sidecar(config: Config) -> N
     assert isinstance(reader, PageReader)
     assert reader.collector_url == f"http://{config.collector.listen}/metrics"
     assert len(reader.sidecar_urls) == len(config.replicas)
+
+
+def test_instance_sidecars_keep_their_page_positions(config: Config) -> None:
+    """Sidecars that come and go are read after the fixed ones, each always at the same position."""
+    live = ["http://i1/metrics", "http://i2/metrics"]
+    reader = PageReader("http://c/metrics", ["http://s/metrics"], ["chat-small"],
+                        httpx.AsyncClient(), instance_sidecars=lambda: live)  # fmt: skip
+    assert reader.page_urls() == ["http://s/metrics", "http://i1/metrics", "http://i2/metrics"]
+    live = ["http://i2/metrics", "http://i3/metrics"]
+    assert reader.page_urls() == [
+        "http://s/metrics",
+        None,
+        "http://i2/metrics",
+        "http://i3/metrics",
+    ]

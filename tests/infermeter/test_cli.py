@@ -55,6 +55,9 @@ def _fleet_config(tmp_path: Path) -> Path:
     data["collector"].update(
         listen=f"127.0.0.1:{free_port()}", spool_dir=str(tmp_path / "collector-spool")
     )
+    data["autoscale"] = {"listen": f"127.0.0.1:{free_port()}",
+                         "history_file": str(tmp_path / "autoscale-history.json")}  # fmt: skip
+    data["simulator"]["instances_file"] = str(tmp_path / "instances.json")
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

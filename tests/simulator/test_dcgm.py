@@ -9,6 +9,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from infermeter.config import load_config
+from infermeter.local_fleet import LocalInstance, write_fleet
 from infermeter.serving import free_port
 from simulator.dcgm import DcgmGpu, node_exporters, render
 from simulator.replica import ReplicaSim, replica_spec
@@ -124,3 +125,50 @@ def test_every_configured_node_gets_an_exporter_with_all_its_boards():
     assert {n: len(e.slots) for n, e in exporters.items()} == {"node-a": 2, "node-b": 2}
     again = node_exporters(cfg, httpx.AsyncClient())
     assert [s.uuid for s in exporters["node-a"].slots] == [s.uuid for s in again["node-a"].slots]
+
+
+def _board(text: str, gpu: str) -> dict[str, tuple[float, dict[str, str]]]:
+    """Each field of one board: its value and its labels."""
+    return {
+        s.name: (s.value, s.labels)
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.labels.get("gpu") == gpu
+    }
+
+
+async def test_a_board_lent_to_an_instance_follows_its_load_and_reads_idle_after(config, tmp_path):
+    """A spare board shows the instance's load and pod while lent, idles after, and its energy never goes back."""
+    data = config.model_dump()
+    next(n for n in data["nodes"] if n["name"] == "node-b")["gpu_count"] = 3
+    cfg = type(config).model_validate(data)
+    instances = tmp_path / "instances.json"
+    sim = ReplicaSim(replica_spec(cfg, "small-0", instance="small-0-1"))
+    energy = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total"
+    async with serving(sim) as url, httpx.AsyncClient(timeout=60) as client:
+        node = node_exporters(cfg, client, instances)["node-b"]
+        before = _board(render(await node.gpus()), "2")
+        lent = LocalInstance("small-0-1", "small-0", "chat-small", "node-b", (2,), "local", url,
+                             None, 0.0)  # fmt: skip
+        write_fleet(instances, [lent], [])
+        body = {"prompt": "p " * 50, "max_tokens": 120, "ignore_eos": True}
+        load = [
+            asyncio.create_task(client.post(f"{url}/v1/completions", json=body)) for _ in range(16)
+        ]
+        await asyncio.sleep(1.2)
+        busy = _board(render(await node.gpus()), "2")
+        await asyncio.gather(*load)
+        write_fleet(instances, [], [lent.stopped(1.0, None)])
+        after = _board(render(await node.gpus()), "2")
+    assert "pod" not in before["DCGM_FI_DEV_GPU_UTIL"][1]
+    value, labels = busy["DCGM_FI_DEV_GPU_UTIL"]
+    assert value > 50
+    assert (labels["pod"], labels["namespace"], labels["container"]) == (
+        "small-0-1",
+        "local",
+        "vllm",
+    )
+    assert busy["DCGM_FI_DEV_POWER_USAGE"][0] > 35 * 1.5
+    assert after["DCGM_FI_DEV_GPU_UTIL"][0] == 0
+    assert "pod" not in after["DCGM_FI_DEV_GPU_UTIL"][1]
+    assert before[energy][0] <= busy[energy][0] <= after[energy][0]

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
 import httpx
 
+from infermeter.local_fleet import LocalInstance, write_fleet
 from simulator.replica import ReplicaSim
 from simulator.traffic import (
+    InstanceTargets,
     Target,
     TeamTraffic,
     TrafficGenerator,
@@ -50,3 +55,33 @@ async def test_generator_sends_every_kind_of_request():
     assert outcomes[("chat", "hung_up")] > 0
     assert sum(outcomes.values()) == 60
     assert "vllm:generation_tokens_total" in metrics
+
+
+def test_instance_targets_follow_the_instances_file(config, tmp_path):
+    """Live instances become targets (sidecar alias or served name), re-read once the interval has passed."""
+    path = tmp_path / "instances.json"
+    now = [0.0]
+    via = InstanceTargets(config, path, via_sidecars=True, clock=lambda: now[0])
+    direct = InstanceTargets(config, path, via_sidecars=False, clock=lambda: now[0])
+    assert via() == ()
+    inst = LocalInstance("small-0-1", "small-0", "chat-small", "node-b", (2,), "local",
+                         "http://127.0.0.1:1", "http://127.0.0.1:2", 0.0)  # fmt: skip
+    write_fleet(path, [inst], [])
+    assert via() == ()  # read less than every_seconds ago
+    now[0] = 2.0
+    assert via() == (Target("http://127.0.0.1:2", "chat-small"),)
+    assert direct() == (Target("http://127.0.0.1:1", "llama-3.1-8b-instruct"),)
+    write_fleet(path, [], [inst.stopped(3.0, None)])
+    now[0] = 4.0
+    assert via() == ()
+
+
+def test_instances_share_their_models_traffic_and_draw_no_more():
+    """With an instance of model b running, b keeps its share of requests, spread over both targets."""
+    fixed = [Target("http://a", "a"), Target("http://b", "b")]
+    extra = Target("http://b2", "b")
+    gen = TrafficGenerator(fixed, [], instance_targets=lambda: (extra,))
+    rng = random.Random(1)
+    picks = Counter(gen.pick_target(rng).base_url for _ in range(4000))
+    assert 0.45 < picks["http://a"] / 4000 < 0.55
+    assert 0.2 < picks["http://b2"] / 4000 < 0.3

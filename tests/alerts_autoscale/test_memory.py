@@ -1,0 +1,145 @@
+"""The demand history on disk: a restarted autoscaler keeps its predictive term."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from alerts.autoscale.hooks import ScalingGauges
+from alerts.autoscale.memory import FORMAT, HistoryFile, decode, encode
+from alerts.autoscale.policy import (
+    DemandHistory,
+    ModelState,
+    Observation,
+    PolicyParams,
+    model_limits,
+    params_from_config,
+)
+from alerts.autoscale.service import Autoscaler
+from infermeter.config import Config
+
+DAY = 86400.0
+
+
+class Script:
+    """A reader that answers the observations a test sets, one model at a time."""
+
+    def __init__(self) -> None:
+        self.next: dict[str, Observation] = {}
+
+    async def read(self) -> dict[str, Observation] | None:
+        return dict(self.next)
+
+
+def scaler(config: Config, path: Path, reader: Script) -> Autoscaler:
+    params = params_from_config(config)
+    limits = {m.name: model_limits(config, m.name) for m in config.models}
+    memory = HistoryFile(path, params, [m.name for m in config.models], save_seconds=0.0)
+    return Autoscaler(params, limits, reader, ScalingGauges(), memory=memory)
+
+
+async def feed_a_busy_morning(autoscaler: Autoscaler, reader: Script) -> None:
+    """Yesterday between 09:50 and 10:30, chat-small ran 8 replicas at 90%."""
+    for minute in range(590, 630, 5):
+        reader.next = {"chat-small": Observation(minute * 60.0, 8, 0.0, None, 0.9)}
+        await autoscaler.tick()
+
+
+async def test_restart_keeps_the_predictive_term(config: Config, tmp_path: Path) -> None:
+    """A new autoscaler on the same file decides the next morning exactly as the old one would."""
+    path = tmp_path / "history.json"
+    reader = Script()
+    first = scaler(config, path, reader)
+    await feed_a_busy_morning(first, reader)
+    first.save_history()  # what serve_autoscaler does on the way out
+
+    restarted = scaler(config, path, Script())
+    forgetful = scaler(config, tmp_path / "elsewhere.json", Script())
+    morning = {"chat-small": Observation(DAY + 9 * 3600 + 55 * 60, 2, 0.0, None, 0.2)}
+    decisions = []
+    for autoscaler in (first, restarted, forgetful):
+        assert isinstance(autoscaler.reader, Script)
+        autoscaler.reader.next = morning
+        decisions.append((await autoscaler.tick())["chat-small"])
+    before, after, none = decisions
+    assert before.desired == 11  # ceil(8 x 0.9 / 0.7 target utilization)
+    assert (after.desired, after.reasons) == (before.desired, before.reasons)
+    assert none.desired == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"{\"format\": \"infermeter.autoscale.history/1\", \"slot", "not JSON"),
+        (b'{"alerts": []}', "not an autoscaler history"),
+        (b'{"format": "%s", "slot_seconds": 60, "day_seconds": 86400.0, "models": {}}'
+         % FORMAT.encode(), "recorded with slot_seconds=60"),
+        (b'{"format": "%s", "slot_seconds": 900, "day_seconds": 86400.0, '
+         b'"models": {"chat-small": [[3, [1.0]]]}}' % FORMAT.encode(), "does not have 96 slots"),
+        (b"\x00\xff" * 40, "not JSON"),
+    ],
+)  # fmt: skip
+def test_unusable_file_warns_and_starts_empty(
+    config: Config, tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes, reason: str
+) -> None:
+    """A torn, foreign or mismatched file is one warning naming the reason and an empty history."""
+    path = tmp_path / "history.json"
+    path.write_bytes(content)
+    memory = HistoryFile(path, params_from_config(config), ["chat-small"])
+    with caplog.at_level(logging.WARNING, logger="infermeter.autoscale"):
+        assert memory.load() == {}
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert reason in caplog.records[0].getMessage()
+    assert str(path) in caplog.records[0].getMessage()
+
+
+def test_round_trip_keeps_only_configured_models_and_the_newest_days() -> None:
+    """Decoding drops unknown models and keeps history_days + 1 rows, as recording does."""
+    params = PolicyParams(slot_seconds=43200, history_days=2)
+    rows = tuple((day, (float(day), None)) for day in range(5))
+    raw = encode({"chat-small": DemandHistory(rows), "retired": DemandHistory(rows)}, params)
+    assert decode(raw, params, ["chat-small", "chat-large"]) == {
+        "chat-small": DemandHistory(rows[-3:])
+    }
+
+
+async def test_saves_are_whole_files_at_most_every_interval(config: Config, tmp_path: Path) -> None:
+    """Ticks within the save interval write nothing; the file is never left as a temporary."""
+    path = tmp_path / "state" / "history.json"
+    now = [0.0]
+    params = params_from_config(config)
+    memory = HistoryFile(path, params, ["chat-small"], save_seconds=5.0, clock=lambda: now[0])
+    history = DemandHistory(((0, (0.5,) + (None,) * 95),))
+    await memory.maybe_save({"chat-small": ModelState(history=history)})
+    saved = path.read_bytes()
+    later = DemandHistory(((0, (0.9,) + (None,) * 95),))
+    now[0] = 4.0
+    await memory.maybe_save({"chat-small": ModelState(history=later)})
+    assert path.read_bytes() == saved
+    now[0] = 5.0
+    await memory.maybe_save({"chat-small": ModelState(history=later)})
+    assert decode(path.read_bytes(), params, ["chat-small"]) == {"chat-small": later}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["history.json"]
+
+
+def test_a_failing_save_is_reported_once_and_its_recovery_once(
+    config: Config, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Saves into a path that cannot be written log one error, not one per save, then one recovery."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    memory = HistoryFile(blocker / "history.json", params_from_config(config), ["chat-small"])
+    states = [
+        {"chat-small": ModelState(history=DemandHistory(((0, (v,) + (None,) * 95),)))}
+        for v in (0.1, 0.2, 0.3)
+    ]
+    with caplog.at_level(logging.INFO, logger="infermeter.autoscale"):
+        memory.save(states[0])
+        memory.save(states[1])
+        blocker.unlink()
+        memory.save(states[2])
+    assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.WARNING]
+    assert "cannot save the demand history" in caplog.records[0].getMessage()
+    assert decode((blocker / "history.json").read_bytes(), memory.params, ["chat-small"])
