@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from tenacity import (
 )
 
 from alerts.autoscale.policy import Decision
+from infermeter import kubernetes
+from infermeter.kubernetes import SERVICE_ACCOUNT_DIR, KubernetesApiError, bearer
 
 __all__ = [
     "SERVICE_ACCOUNT_DIR",
@@ -45,7 +46,6 @@ __all__ = [
 
 TIMESTAMP_HEADER = "x-infermeter-timestamp"
 SIGNATURE_HEADER = "x-infermeter-signature"
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 class HookError(Exception):
@@ -214,24 +214,17 @@ class KubernetesScaleHook:
 
     def _auth(self) -> dict[str, str]:
         # Projected service-account tokens are rotated by the kubelet, so read it every time.
-        token = self.token
-        if self.token_file is not None:
-            try:
-                token = self.token_file.read_text().strip()
-            except OSError as exc:
-                raise HookError(f"cannot read the service-account token: {exc}") from exc
-        return {"authorization": f"Bearer {token}"} if token else {}
+        try:
+            return bearer(self.token, self.token_file)
+        except KubernetesApiError as exc:
+            raise HookError(str(exc)) from exc
 
 
 def in_cluster_api(
     environ: Mapping[str, str] | None = None, account_dir: Path = SERVICE_ACCOUNT_DIR
 ) -> tuple[str, Path, ssl.SSLContext]:
     """The API server URL, token file and TLS context a pod's service account provides."""
-    env = os.environ if environ is None else environ
-    host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
-    if not host:
-        raise HookError("not in a cluster (no KUBERNETES_SERVICE_HOST): set kubernetes.api_url")
-    if ":" in host:
-        host = f"[{host}]"
-    context = ssl.create_default_context(cafile=str(account_dir / "ca.crt"))
-    return f"https://{host}:{port}", account_dir / "token", context
+    try:
+        return kubernetes.in_cluster_api(environ, account_dir)
+    except KubernetesApiError as exc:
+        raise HookError(str(exc).replace("an api_url", "kubernetes.api_url")) from exc

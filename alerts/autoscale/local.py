@@ -212,10 +212,8 @@ class LocalScaleHook:
         )
         env = {**self.environ, "INFERMETER_INSTANCE": instance, "NODE_NAME": node,
                "NVIDIA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
-               "POD_NAMESPACE": self.settings.namespace,
-               # A spool of its own: two sidecars must never share one (each rolls and deletes
-               # its segments). Not needed once the sidecar names its spool by instance.
-               "INFERMETER__SIDECAR__SPOOL_DIR": str(Path(self.config.sidecar.spool_dir) / instance)}  # fmt: skip
+               # The sidecar spools under <sidecar.spool_dir>/<instance>: a spool of its own.
+               "POD_NAMESPACE": self.settings.namespace}  # fmt: skip
         sidecar: subprocess.Popen[bytes] | None = None
         try:
             await self._ready(replica, f"{upstream}/health", instance)
