@@ -427,3 +427,21 @@ def test_kustomize_build_renders_the_same_objects_in_the_namespace():
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == namespace, _id(("", doc))
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "infermeter"
+
+
+def test_the_autoscalers_demand_history_is_on_a_volume_that_outlives_the_pod(
+    tmp_path: Path,
+) -> None:
+    """autoscale.history_file lies on a mounted, writable persistent volume (the root is read-only)."""
+    ((_, config),) = list(_configs(tmp_path))
+    (deployment,) = [
+        d for d in _of("Deployment") if d["metadata"]["name"] == "infermeter-autoscaler"
+    ]
+    spec = deployment["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    history = Path(config.autoscale.history_file)
+    (mount,) = [m for m in container["volumeMounts"] if history.is_relative_to(m["mountPath"])]
+    assert not mount.get("readOnly", False)
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    claim = volume["persistentVolumeClaim"]["claimName"]
+    assert [c for c in _of("PersistentVolumeClaim") if c["metadata"]["name"] == claim]
