@@ -24,7 +24,7 @@ from billing import cli as billing_cli
 from collectors import cli as collectors_cli
 from dashboards import cli as dashboards_cli
 from infermeter import __version__
-from infermeter.commands import Handler, Subparsers, add_config, config_path
+from infermeter.commands import CommandError, Handler, Subparsers, add_config, config_path
 from sidecar import cli as sidecar_cli
 from simulator import cli as simulator_cli
 
@@ -105,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PortInUseError as exc:
         print(f"infermeter: {exc}", file=sys.stderr)
         return 2
+    except CommandError as exc:
+        print(f"infermeter: {exc}", file=sys.stderr)
+        return exc.code
     except KeyboardInterrupt:
         return 0
 
