@@ -82,7 +82,7 @@ def frame_table(
         for row in frame.select(columns).iter_rows(named=True)
     ])  # fmt: skip
     parts: list[Any] = [_head(columns, kind), body]
-    if (total or total_values) and frame.height:
+    if (total or total_values) and frame.height > 1:  # one row is its own total
         sums = {c: frame[c].sum() for c in total} | dict(total_values or {})
         cells = [
             _td(sums[c], c, kind[c]) if c in sums else html.Td("Total" if i == 0 else "", **_column(c))

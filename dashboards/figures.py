@@ -136,7 +136,7 @@ def budget_figure(teams: Sequence[str], spent_pct: Sequence[float], forecast_pct
     for name, pct, money, colour in (("Spent", spent_pct, spent_usd, "#0072B2"),
                                      ("Forecast at month end", forecast_pct, forecast_usd, "#56B4E9")):  # fmt: skip
         fig.add_trace(
-            go.Bar(x=list(teams), y=[p / 100 for p in pct], name=name, marker_color=colour,
+            go.Bar(x=list(teams), y=[p / 100 for p in pct], name=name, marker_color=colour, width=0.3,
                    text=[f"${m:,.2f}" for m in money], textposition="outside", cliponaxis=False,
                    hovertemplate="%{y:.1%} of budget (%{text})<extra>" + name + "</extra>")
         )  # fmt: skip
