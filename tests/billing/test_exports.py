@@ -169,3 +169,30 @@ def test_the_chargeback_command_names_a_bad_month(tmp_path, capsys):
     assert info.value.code == 2
     assert "month '2026-13' is not of the form YYYY-MM" in capsys.readouterr().err
     assert not (tmp_path / "x.duckdb").exists()
+
+
+def test_focus_unit_prices_come_from_unrounded_costs(config):
+    """A line of a few GPU-seconds is priced at the book's rate, not at its cents over its hours."""
+    lines = pl.DataFrame(
+        {"month": ["2026-11"] * 2, "for_month": ["2026-11"] * 2, "team": ["search"] * 2,
+         "model": ["chat-large", "(error) no price for GPU model B200 in prices.usd_per_gpu_hour"],
+         "requests": [1, 1], "prompt_tokens": [10, 10], "completion_tokens": [1, 1],
+         "gpu_hours": [0.001, 0.5], "energy_kwh": [0.0005, 0.1], "compute_cents": [0, 0],
+         "energy_cents": [0, 0], "idle_cents": [0, 0], "total_cents": [0, 0]}
+    )  # fmt: skip
+    frame = focus_frame(Statement("2026-11", False, lines, 0, 0), config, "1.2")
+    rate = 3.90 + 0.0005 / 0.001 * 0.14 * 1.35  # H100 price + the line's energy per GPU-hour
+    assert float(frame["ListUnitPrice"][0]) == pytest.approx(rate, abs=1e-6)
+    assert float(frame["ContractedUnitPrice"][0]) == pytest.approx(rate, abs=1e-6)
+    assert float(frame["ListUnitPrice"][1]) == 0  # a line that could not be priced costs nothing
+
+
+def test_focus_unit_prices_times_quantity_give_the_billed_cost(ledger, config):
+    """Unit price x GPU-hours is each line's billed cost to within the cent it was rounded to."""
+    statement = _statement(ledger, config)
+    frame = focus_frame(statement, config, "1.0").filter(pl.col("PricingQuantity") > 0)
+    assert frame.height
+    for price, quantity, billed in frame.select(
+        "ListUnitPrice", "PricingQuantity", "BilledCost"
+    ).iter_rows():
+        assert float(price) * float(quantity) == pytest.approx(float(billed), abs=0.01)
