@@ -149,4 +149,18 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
     urls.append(("collector (fleet view)", f"http://{config.collector.listen}/metrics"))
     urls.append(("billing API (admin: im-demo-admin)", f"{config.billing.url}/v1/spend"))
     urls.append(("dashboard (sign in: im-demo-admin)", f"http://{config.dashboard.listen}/"))
+    keys = demo_team_keys(config)
+    if keys:
+        urls.append(("team keys (API and dashboard)", ", ".join(keys)))
     return fleet.run(children, urls)
+
+
+def demo_team_keys(config: Config) -> list[str]:
+    """The public demo keys (``im-demo-<team>``) that this configuration accepts, team by team."""
+    from infermeter.config import hash_key
+
+    return [
+        f"im-demo-{t.name}"
+        for t in config.teams
+        if hash_key(f"im-demo-{t.name}") in t.api_key_sha256
+    ]
