@@ -71,6 +71,9 @@ header .brand { color: #fff; font-weight: 700; letter-spacing: .02em; }
 .frame-table th, .frame-table td { border-bottom: 1px solid #e4e7ec; padding: .35em .7em;
                                    text-align: left; white-space: nowrap; }
 .frame-table th { background: #f2f4f7; font-weight: 600; white-space: normal; vertical-align: bottom; }
+.frame-table thead th { cursor: pointer; user-select: none; }
+.frame-table th[aria-sort="ascending"]::after { content: " \\25B2"; font-size: .7em; }
+.frame-table th[aria-sort="descending"]::after { content: " \\25BC"; font-size: .7em; }
 .frame-table .num { text-align: right; }
 .frame-table tbody tr:hover { background: #f5f8ff; }
 .frame-table tfoot td { font-weight: 700; border-top: 2px solid #1d2430; }
@@ -86,6 +89,36 @@ _HIDDEN: Final = {"display": "none"}
 # The viewer's IANA time zone, read once per page load, so times are drawn in local time.
 _TZ_JS: Final = "function(_) { return Intl.DateTimeFormat().resolvedOptions().timeZone || 'UTC'; }"
 
+# Sorting for every table: one click listener on the document (installed once), so tables drawn
+# later by any callback sort too. A header click sorts the body rows by that column, ascending
+# then descending; numbers compare as numbers ("$1,234.56", "12.5 %"), the total row stays last.
+_SORT_JS: Final = r"""function(_) {
+  if (window.infermeterSort) { return 1; }
+  window.infermeterSort = true;
+  var value = function (cell) {
+    var text = cell ? cell.textContent.trim() : '';
+    var numeric = /^-?\$?[\d,]*\.?\d+( %| s| GB)?$/.test(text);
+    return numeric ? parseFloat(text.replace(/[^\d.\-]/g, '')) : text.toLowerCase();
+  };
+  document.addEventListener('click', function (event) {
+    var th = event.target.closest('.frame-table thead th');
+    if (!th) { return; }
+    var table = th.closest('table'), body = table.tBodies[0];
+    var index = Array.prototype.indexOf.call(th.parentNode.children, th);
+    var descending = th.getAttribute('aria-sort') === 'ascending';
+    Array.prototype.forEach.call(th.parentNode.children, function (h) { h.removeAttribute('aria-sort'); });
+    th.setAttribute('aria-sort', descending ? 'descending' : 'ascending');
+    var rows = Array.prototype.slice.call(body.rows);
+    rows.sort(function (a, b) {
+      var x = value(a.cells[index]), y = value(b.cells[index]);
+      var order = (typeof x === typeof y) ? (x < y ? -1 : x > y ? 1 : 0) : (typeof x === 'number' ? -1 : 1);
+      return descending ? -order : order;
+    });
+    rows.forEach(function (row) { body.appendChild(row); });
+  });
+  return 1;
+}"""
+
 
 def _shell(ctx: Context) -> html.Div:
     links = [dcc.Link(p.TITLE, href=p.PATH) for p in PAGES]
@@ -98,6 +131,7 @@ def _shell(ctx: Context) -> html.Div:
             # Session storage: the key survives a reload of the tab but not the tab itself.
             dcc.Store(id="auth", storage_type="session"),
             dcc.Store(id="tz"),
+            dcc.Store(id="sortable"),
             # The month's spend and statement as the summary fetched them: the pages that show
             # money read this copy, so every figure on screen is from the same moment.
             dcc.Store(id="money"),
@@ -260,6 +294,7 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
         return choice if choice in RANGES else no_update
 
     app.clientside_callback(_TZ_JS, Output("tz", "data"), Input("url", "pathname"))  # type: ignore[no-untyped-call]
+    app.clientside_callback(_SORT_JS, Output("sortable", "data"), Input("url", "pathname"))  # type: ignore[no-untyped-call]
     for module in PAGES:
         module.register(app, ctx)
     # The hashes name the renderer and the clientside callbacks, so every callback comes first.

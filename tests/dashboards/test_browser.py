@@ -262,3 +262,22 @@ def test_planner_sizes_70b_fp8(stack):
     assert prices["H100"] == "$7.80"
     assert prices["H200"] == "no price"
     finish(stack, "planner")
+
+
+def test_tables_sort_by_a_clicked_header(stack):
+    """A header click sorts the rows by that column as numbers, again reverses; the total stays last."""
+    sign_in(stack, ADMIN_KEY, "/chargeback")
+    wait(stack, "#chargeback-reconciles", "Reconciles")
+    header = stack.driver.find_element(
+        By.CSS_SELECTOR, "#chargeback-lines th[data-column='total_usd']"
+    )
+    before = total(stack, "chargeback-lines", "total_usd")
+    header.click()
+    shown = [parse_number(v) for v in column(stack, "chargeback-lines", "total_usd")]
+    assert shown == sorted(shown)
+    assert header.get_attribute("aria-sort") == "ascending"
+    header.click()
+    shown = [parse_number(v) for v in column(stack, "chargeback-lines", "total_usd")]
+    assert shown == sorted(shown, reverse=True)
+    assert total(stack, "chargeback-lines", "total_usd") == before
+    finish(stack, "chargeback-sorted")
