@@ -690,12 +690,18 @@ def _list_index(items: list[Any], head: str) -> int:
 
 
 def _did_you_mean(word: str, choices: list[str]) -> str:
-    """`` (did you mean 'x'?)`` for the choice closest to ``word``, or nothing."""
-    close = difflib.get_close_matches(word, [_norm(c) for c in choices], n=1, cutoff=0.6)
+    """`` (did you mean 'x'?)`` for the choice closest to ``word``, or nothing.
+
+    A word close to the start of a longer key counts too (``budgt`` for ``budget_usd_per_month``).
+    """
+    names = {_norm(c): c for c in choices}
+    typed = _norm(word)
+    close = difflib.get_close_matches(typed, list(names), n=1, cutoff=0.6)
     if not close:
-        return ""
-    original = next(c for c in choices if _norm(c) == close[0])
-    return f" (did you mean {original!r}?)"
+        heads = {name[: len(typed) + 1]: name for name in names}
+        near = difflib.get_close_matches(typed, list(heads), n=1, cutoff=0.8)
+        close = [heads[near[0]]] if near else []
+    return f" (did you mean {names[close[0]]!r}?)" if close else ""
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:

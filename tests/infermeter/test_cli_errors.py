@@ -206,3 +206,16 @@ def test_unknown_list_entry_in_env_suggests_the_entry(capsys, monkeypatch):
         "INFERMETER__TEAMS__SERCH__BUDGET_USD_PER_MONTH: no such key: no entry 'SERCH' "
         "(did you mean 'search'?)"
     )
+
+
+def test_a_key_cut_short_suggests_the_full_key(tmp_path, capsys):
+    """A key typed short of its full name still gets the suggestion."""
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["teams"][0]["budgt"] = 5
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(data))
+    code, lines = run(["plan", "--params", "8", "--config", str(path)], capsys)
+    assert code == 2
+    assert one_line(lines).endswith(
+        "teams[0].budgt: unknown key (did you mean 'budget_usd_per_month'?)"
+    )
