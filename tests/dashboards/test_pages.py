@@ -123,7 +123,7 @@ def test_page_draws_every_figure_and_fits(stack, who, path):
     stack.driver.save_screenshot(
         str(stack.artifacts / f"page-{stack.kind}-{who}-{PAGES[path]}.png")
     )
-    logs = stack.driver.get_log("browser")  # type: ignore[no-untyped-call]
+    logs = stack.driver.get_log("browser")
     assert [e for e in logs if e["level"] == "SEVERE"] == []  # no callback failed
 
 
