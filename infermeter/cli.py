@@ -5,7 +5,9 @@ This module is where the parts meet: it imports each part's ``cli`` module and a
 (the shared pieces are in ``infermeter.commands``).
 
 Configuration is loaded here, once, and handed down; errors a user can fix (a bad config file, a
-port in use) end the program with a one-line message and exit code 2, never a traceback.
+port in use, a bad argument value) end the program with a one-line message and exit code 2, and
+those of the machine (a ledger file in use, a path that cannot be written) with exit code 1;
+never a traceback. ``tests/infermeter/test_cli_errors.py`` runs every subcommand to hold this.
 """
 
 from __future__ import annotations
@@ -108,6 +110,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"infermeter: {exc}", file=sys.stderr)
         return exc.code
+    except OSError as exc:
+        # A file or directory the command was pointed at that cannot be used: the user's to fix.
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"infermeter: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 0
 

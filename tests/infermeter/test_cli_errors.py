@@ -219,3 +219,18 @@ def test_a_key_cut_short_suggests_the_full_key(tmp_path, capsys):
     assert one_line(lines).endswith(
         "teams[0].budgt: unknown key (did you mean 'budget_usd_per_month'?)"
     )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["alerts", "render", "--out", "/proc/no-such-dir/rules"],
+        ["billing", "close", "--month", "2026-11", "--database", "/proc/no-such-dir/l.duckdb"],
+    ],
+)
+def test_an_unusable_path_is_one_line(argv, capsys):
+    """A directory that cannot be created is one line naming it, exit 1."""
+    code, lines = run(argv, capsys)
+    assert code == 1
+    assert one_line(lines).startswith("infermeter: ")
+    assert "/proc/no-such-dir" in one_line(lines)
