@@ -70,11 +70,15 @@ def frame_table(
     kinds: Mapping[str, Kind] | None = None,
     total: Sequence[str] = (),
     total_values: Mapping[str, Any] | None = None,
+    empty: str = "Nothing to show yet.",
 ) -> html.Div:
     """``frame`` as a finance table; ``total`` names the columns summed in a last row.
 
-    ``total_values`` gives a total that is not a sum (a percentage of the summed budgets).
+    ``total_values`` gives a total that is not a sum (a percentage of the summed budgets). A
+    frame without rows is the sentence ``empty`` rather than a table of headers only.
     """
+    if frame.height == 0:
+        return html.Div(note(empty), id=table_id, className="table-wrap")
     columns = list(columns or frame.columns)
     kind = {c: (kinds or {}).get(c) or kind_of(c) for c in columns}
     body = html.Tbody([
@@ -92,7 +96,8 @@ def frame_table(
     return html.Div(html.Table(parts, id=table_id, className="frame-table"), className="table-wrap")
 
 
-def csv_table(text: str, table_id: str, hidden: Sequence[str] = ()) -> html.Div:
+def csv_table(text: str, table_id: str, hidden: Sequence[str] = (),
+              empty: str = "No charges for this month yet.") -> html.Div:  # fmt: skip
     """Billing's CSV as a finance table: its rows as the file has them, formatted for reading.
 
     The file's own total row (``line_type`` = ``total``) becomes the table's footer.
@@ -113,6 +118,8 @@ def csv_table(text: str, table_id: str, hidden: Sequence[str] = ()) -> html.Div:
 
     body = [r for r in rows if dict(zip(header, r, strict=True)).get("line_type") != "total"]
     totals = [r for r in rows if dict(zip(header, r, strict=True)).get("line_type") == "total"]
+    if not body:
+        return html.Div(note(empty), id=table_id, className="table-wrap")
     parts: list[Any] = [_head(columns, kind), html.Tbody([html.Tr(cells(r)) for r in body])]
     if totals:
         foot = cells(totals[0])

@@ -110,10 +110,8 @@ def register(app: Dash, ctx: Context) -> None:
             html.P("Within target: the share of requests whose time to first token was within "
                    "the model's p95 target, over the range picked above."),
             frame_table(by_model, "sla-models-table", total=("ttft_requests", "within_sla"),
-                        total_values=totals) if by_model.height else note("No requests in range."),
+                        total_values=totals, empty="No requests in range."),
             frame_table(by_team, "sla-teams-table", total=("ttft_requests", "within_sla"),
-                        total_values=totals) if by_team.height else note("No requests in range."),
-            frame_table(worst, "sla-worst-table")
-            if worst.height
-            else note("No requests in range."),
+                        total_values=totals, empty="No requests in range."),
+            frame_table(worst, "sla-worst-table", empty="No requests in range."),
         ]  # fmt: skip

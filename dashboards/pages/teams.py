@@ -95,13 +95,19 @@ def _models_table(lines: pl.DataFrame) -> html.Div:
     cost, tokens = float(frame["cost_usd"].sum()), float(frame["tokens"].sum())
     per_million = cost * 1e6 / tokens if tokens > 0 else None
     return frame_table(frame, "teams-models-table", total=("cost_usd", "tokens"),
-                       total_values={"usd_per_million_tokens": per_million})  # fmt: skip
+                       total_values={"usd_per_million_tokens": per_million},
+                       empty="No usage this month yet.")  # fmt: skip
 
 
 def _figure(frame: pl.DataFrame) -> go.Figure:
     budgeted = frame.filter(pl.col("budget_usd") > 0)
     if budgeted.height == 0:
         return empty_figure("Budget use by team", "No team shown here has a monthly budget.")
+    if float(budgeted["forecast_usd"].sum()) == 0:
+        return empty_figure(
+            "Budget use by team",
+            "Nothing spent this month yet; the budgets are in the table above.",
+        )
     return budget_figure(
         budgeted["team"].to_list(),
         (100 * budgeted["spent_usd"] / budgeted["budget_usd"]).to_list(),

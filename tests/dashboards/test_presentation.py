@@ -153,3 +153,13 @@ def test_summary_tiles_add_up_what_billing_answered():
     assert found["idle"].value == "25.0 %"
     team = tiles(spend[:1], lines, usage, sla, None, "the last hour")
     assert "gpu" not in {t.key for t in team}
+
+
+def test_an_empty_table_is_a_sentence():
+    """A table without rows says why instead of showing headers alone, under the table's id."""
+    frame = pl.DataFrame(schema={"model": pl.String, "cost_usd": pl.Float64})
+    shown = frame_table(frame, "t", empty="No usage this month yet.")
+    assert shown.id == "t"
+    assert shown.children.children == "No usage this month yet."
+    only_total = "month,team,line_type,total_usd\n2026-12,,total,0\n"
+    assert csv_table(only_total, "c").children.children == "No charges for this month yet."
