@@ -159,7 +159,7 @@ def test_an_empty_table_is_a_sentence():
     """A table without rows says why instead of showing headers alone, under the table's id."""
     frame = pl.DataFrame(schema={"model": pl.String, "cost_usd": pl.Float64})
     shown = frame_table(frame, "t", empty="No usage this month yet.")
-    assert shown.id == "t"
+    assert shown.id == "t"  # type: ignore[attr-defined]
     assert shown.children.children == "No usage this month yet."
     only_total = "month,team,line_type,total_usd\n2026-12,,total,0\n"
     assert csv_table(only_total, "c").children.children == "No charges for this month yet."
