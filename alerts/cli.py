@@ -1,8 +1,13 @@
-"""``infermeter alerts render``: write the rule files (and optionally the PrometheusRule)."""
+"""``infermeter alerts render``: print the rule files, or write them to ``--out``.
+
+Printing is the default so that trying the command never replaces the committed rules in
+``alerts/rules``; writing files is asked for by naming the directory.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,7 +16,7 @@ from infermeter.commands import Subparsers, add_config, config_path
 if TYPE_CHECKING:
     from infermeter.config import Config
 
-__all__ = ["register", "write_rules"]
+__all__ = ["register", "rules_text", "write_rules"]
 
 
 def register(subparsers: Subparsers) -> None:
@@ -24,17 +29,18 @@ def register(subparsers: Subparsers) -> None:
     sub = alerts.add_subparsers(dest="alerts_command", metavar="ACTION", required=True)
     render = sub.add_parser(
         "render",
-        help="write the recording and alerting rule files",
+        help="print (or write to --out) the recording and alerting rule files",
         description=(
-            "Render recording and alerting rules from the configuration into DIR (one file for "
-            "each kind), and with --prometheusrule also a Prometheus-operator PrometheusRule "
-            "manifest of the same groups. A configuration the rules cannot honour is an error."
+            "Render recording and alerting rules from the configuration: printed to stdout, "
+            "one YAML document per file, or written into DIR with --out (one file for each "
+            "kind). With --prometheusrule also a Prometheus-operator PrometheusRule manifest "
+            "of the same groups. A configuration the rules cannot honour is an error."
         ),
     )
     add_config(render)
     render.add_argument(
-        "--out", type=Path, default=Path("alerts/rules"), metavar="DIR",
-        help="directory for the rule files (default: alerts/rules)",
+        "--out", type=Path, default=None, metavar="DIR",
+        help="write the rule files into DIR (default: print them to stdout)",
     )  # fmt: skip
     render.add_argument(
         "--prometheusrule", type=Path, default=None, metavar="FILE",
@@ -43,17 +49,19 @@ def register(subparsers: Subparsers) -> None:
     render.set_defaults(handler=_render)
 
 
-def write_rules(config: Config, source: str, out: Path, manifest: Path | None = None) -> list[Path]:
-    """Render ``config``'s rules and write them; the paths written, in order."""
+def write_rules(config: Config, source: str, out: Path | None,
+                manifest: Path | None = None) -> list[Path]:  # fmt: skip
+    """Render ``config``'s rules and write them (to ``out`` when given); the paths written, in order."""
     from alerts.rules import prometheus_rule, render, to_yaml
 
     groups = render(config, source)
-    out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, file_groups in groups.items():
-        path = out / name
-        path.write_text(to_yaml({"groups": file_groups}), encoding="utf-8")
-        written.append(path)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, file_groups in groups.items():
+            path = out / name
+            path.write_text(to_yaml({"groups": file_groups}), encoding="utf-8")
+            written.append(path)
     if manifest is not None:
         manifest.parent.mkdir(parents=True, exist_ok=True)
         manifest.write_text(to_yaml(prometheus_rule(groups)), encoding="utf-8")
@@ -61,7 +69,23 @@ def write_rules(config: Config, source: str, out: Path, manifest: Path | None = 
     return written
 
 
+def rules_text(config: Config, source: str) -> str:
+    """Every rule file as one YAML stream: a ``# file: NAME`` comment, then the file, per document."""
+    from alerts.rules import render, to_yaml
+
+    return "---\n".join(
+        f"# file: {name}\n{to_yaml({'groups': groups})}"
+        for name, groups in render(config, source).items()
+    )
+
+
 def _render(args: argparse.Namespace, config: Config) -> int:
-    for path in write_rules(config, config_path(args), args.out, args.prometheusrule):
-        print(f"wrote {path}")
+    source = config_path(args)
+    if args.out is None:
+        # The rules go to stdout, so the names of files written go to stderr.
+        sys.stdout.write(rules_text(config, source))
+    if args.out is None and args.prometheusrule is None:
+        return 0
+    for path in write_rules(config, source, args.out, args.prometheusrule):
+        print(f"wrote {path}", file=sys.stdout if args.out else sys.stderr)
     return 0

@@ -9,20 +9,65 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infermeter.commands import Subparsers, add_config, fail
+from infermeter.commands import CommandError, Subparsers, add_config, fail
+from infermeter.months import check_month
 
 if TYPE_CHECKING:
     import httpx
 
+    from billing.ledger import Ledger
     from infermeter.config import Config
 
 __all__ = ["register"]
 
 ADMIN_TOKEN_ENV = "INFERMETER_ADMIN_TOKEN"
+_LOCK_HOLDER = re.compile(r"\(PID (\d+)\)")
+
+
+def month_arg(text: str) -> str:
+    """``--month``: a usage error naming the value unless it is ``YYYY-MM``."""
+    try:
+        return check_month(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def ledger_problem(path: str, reason: str) -> str:
+    """What to tell the user when the ledger file at ``path`` cannot be opened for ``reason``.
+
+    DuckDB lets one process hold a file; the usual holder is the billing service itself.
+    """
+    if "lock" not in reason.lower():
+        return reason
+    holder = _LOCK_HOLDER.search(reason)
+    pid = f" (PID {holder.group(1)})" if holder else ""
+    return (
+        f"the ledger {path} is in use by another process{pid}, most likely the billing service: "
+        "leave out --database to go through the service, or stop it first"
+    )
+
+
+@contextmanager
+def _ledger(config: Config, database: str) -> Iterator[Ledger]:
+    """The ledger file, open for the block; a file that cannot be opened is a one-line error."""
+    from billing.ledger import LedgerError
+    from billing.serve import open_ledger
+
+    try:
+        ledger = open_ledger(config, database)
+    except LedgerError as exc:
+        raise CommandError(ledger_problem(database, str(exc)), code=1) from None
+    try:
+        yield ledger
+    finally:
+        ledger.close()
 
 
 def register(sub: Subparsers) -> None:
@@ -47,7 +92,7 @@ def register(sub: Subparsers) -> None:
     actions = bill.add_subparsers(dest="billing_command", metavar="ACTION")
     close = actions.add_parser("close", help="close a month: its statement is frozen from then on")
     add_config(close, nested=True)
-    close.add_argument("--month", required=True, metavar="YYYY-MM")
+    close.add_argument("--month", required=True, metavar="YYYY-MM", type=month_arg)
     close.add_argument(
         "--database", metavar="PATH", help="close in this file instead of through the service"
     )
@@ -73,7 +118,7 @@ def register(sub: Subparsers) -> None:
         ),
     )
     add_config(cb)
-    cb.add_argument("--month", required=True, metavar="YYYY-MM")
+    cb.add_argument("--month", required=True, metavar="YYYY-MM", type=month_arg)
     cb.add_argument("--format", choices=("csv", "focus"), default="csv")
     cb.add_argument("--focus-version", choices=("1.0", "1.2"), default="1.0")
     cb.add_argument("--out", type=Path, metavar="FILE", help="write here instead of stdout")
@@ -89,9 +134,15 @@ def register(sub: Subparsers) -> None:
 def _serve(args: argparse.Namespace, config: Config) -> int:
     import asyncio
 
+    from billing.ledger import LedgerError
     from billing.serve import serve_billing
 
-    asyncio.run(serve_billing(config, args.listen, args.database))
+    try:
+        asyncio.run(serve_billing(config, args.listen, args.database))
+    except LedgerError as exc:
+        raise CommandError(
+            ledger_problem(args.database or config.billing.database, str(exc)), code=1
+        ) from None
     return 0
 
 
@@ -100,11 +151,20 @@ def _admin_client(config: Config, url: str | None) -> httpx.Client:
 
     token = os.environ.get(ADMIN_TOKEN_ENV)
     if not token:
-        raise SystemExit(
-            f"infermeter: set ${ADMIN_TOKEN_ENV} to the admin token (or use --database)"
-        )
+        raise CommandError(f"set ${ADMIN_TOKEN_ENV} to the admin token (or use --database)")
     return httpx.Client(base_url=url or config.billing.url, timeout=600,
                         headers={"authorization": f"Bearer {token}"})  # fmt: skip
+
+
+def _call(client: httpx.Client, method: str, path: str,
+          params: dict[str, str] | None = None) -> httpx.Response:  # fmt: skip
+    """One request to billing; an unreachable service is a one-line error."""
+    import httpx
+
+    try:
+        return client.request(method, path, params=params)
+    except httpx.HTTPError as exc:
+        raise CommandError(f"billing at {client.base_url} did not answer: {exc}", code=1) from None
 
 
 def _fail(response: httpx.Response) -> int:
@@ -116,22 +176,20 @@ def _fail(response: httpx.Response) -> int:
 
 
 def _close(args: argparse.Namespace, config: Config) -> int:
-    from infermeter.months import check_month
-
-    month = check_month(args.month)
+    month = args.month
     if args.database:
         from billing.chargeback import Chargeback
-        from billing.serve import open_ledger
+        from billing.ledger import LedgerError
 
-        ledger = open_ledger(config, args.database)
-        try:
-            statement = Chargeback(ledger, config).close(month)
-        finally:
-            ledger.close()
+        with _ledger(config, args.database) as ledger:
+            try:
+                statement = Chargeback(ledger, config).close(month)
+            except LedgerError as exc:
+                return fail(str(exc), code=1)
         print(f"closed {month}: {statement.total_cents / 100:.2f} {config.prices.currency}")
         return 0
     with _admin_client(config, None) as client:
-        response = client.post(f"/v1/months/{month}/close")
+        response = _call(client, "POST", f"/v1/months/{month}/close")
     if response.status_code != 200:
         return _fail(response)
     print(f"closed {month}: {response.json()['total_cents'] / 100:.2f} {config.prices.currency}")
@@ -141,38 +199,34 @@ def _close(args: argparse.Namespace, config: Config) -> int:
 def _export(args: argparse.Namespace, config: Config) -> int:
     from tqdm import tqdm
 
-    from billing.serve import open_ledger
-
     if not args.database:
         return fail("export reads the ledger file; stop the service and pass --database, "
                     "or POST /v1/admin/export to the running service")  # fmt: skip
-    ledger = open_ledger(config, args.database)
-    try:
+    with _ledger(config, args.database) as ledger:
         tables = ledger.table_names()
         for table in tqdm(tables, desc="export", unit="table", disable=None):
             ledger.export_table(table, args.out, args.partitioned)
-    finally:
-        ledger.close()
     print(f"wrote {len(tables)} tables to {args.out}")
     return 0
 
 
 def _chargeback(args: argparse.Namespace, config: Config) -> int:
-    from infermeter.months import check_month
-
-    month = check_month(args.month)
+    month = args.month
     suffix = "csv" if args.format == "csv" else "focus.csv"
     if args.database:
         text = _statement_text(config, args.database, month, args.format, args.focus_version)
     else:
         with _admin_client(config, args.billing_url) as client:
             params = {"version": args.focus_version} if args.format == "focus" else {}
-            response = client.get(f"/v1/chargeback/{month}.{suffix}", params=params)
+            response = _call(client, "GET", f"/v1/chargeback/{month}.{suffix}", params)
         if response.status_code != 200:
             return _fail(response)
         text = response.text
     if args.out:
-        args.out.write_text(text)
+        try:
+            args.out.write_text(text)
+        except OSError as exc:
+            return fail(f"cannot write {args.out}: {exc.strerror or exc}", code=1)
         print(f"wrote {args.out}", file=sys.stderr)
     else:
         sys.stdout.write(text)
@@ -183,20 +237,16 @@ def _statement_text(config: Config, database: str, month: str, fmt: str, version
     from tqdm import tqdm
 
     from billing.chargeback import Chargeback
-    from billing.serve import open_ledger
     from exporters.chargeback_csv import chargeback_frame, write_csv
     from exporters.focus import focus_frame
 
     with tqdm(total=3, desc=f"chargeback {month}", unit="step", disable=None) as bar:
-        ledger = open_ledger(config, database)
-        bar.update()
-        try:
+        with _ledger(config, database) as ledger:
+            bar.update()
             chargeback = Chargeback(ledger, config)
             statement = chargeback.statement(month)
             if fmt != "csv":
                 statement = chargeback.by_instance(statement)
-        finally:
-            ledger.close()
         bar.update()
         budgets = {t.name: t.budget_usd_per_month for t in config.teams}
         frame = (

@@ -7,10 +7,16 @@ to billing with every data request; the server keeps no session. Sign-out and si
 key box, and sign-out removes the key from storage, so the key never outlives the tab or the
 sign-out. Failed sign-ins are throttled per client address (``dashboards.throttle``), and every
 response carries the security headers of ``dashboards.headers``.
+
+Signed out, a visitor sees the sign-in form and nothing else: no navigation, no range picker, no
+sign-out button, no figures. Signed in, every page opens with the summary row
+(``dashboards.summary``), whose money figures are computed by billing at the moment shown.
 """
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any, Final
 from urllib.parse import parse_qs
@@ -19,57 +25,60 @@ from dash import Dash, Input, Output, State, callback_context, dcc, html, no_upd
 from flask import request
 
 from dashboards.client import BillingClient, BillingError
+from dashboards.components import note
 from dashboards.context import Context, signed_in
-from dashboards.data import RANGES
+from dashboards.data import RANGE_LABELS, RANGES, fetch_queries, time_range
+from dashboards.formatting import as_of
 from dashboards.headers import content_security_policy, install_security_headers
 from dashboards.pages import chargeback, fleet, planner, sla, teams
+from dashboards.style import SORT_JS, STYLE, TZ_JS
+from dashboards.summary import summary_row, tiles
 from dashboards.throttle import SignInThrottle, locked_message
 from infermeter.config import Config
+from infermeter.months import month_of
+from infermeter.statement import statement_from_json
 
 __all__ = ["PAGES", "create_app"]
 
 PAGES: Final[tuple[ModuleType, ...]] = (fleet, teams, chargeback, sla, planner)
 
-_STYLE: Final = """
-body { font-family: system-ui, sans-serif; margin: 0; color: #1d2430; }
-header { display: flex; gap: 1.2em; align-items: center; padding: .6em 1.2em; background: #1d2430; }
-header > a, header > span { color: #fff; text-decoration: none; }
-header .spacer { flex: 1; }
-.page { padding: 0 1.2em 2em; }
-.grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(520px, 1fr)); gap: .5em; }
-.frame-table { border-collapse: collapse; font-size: .9em; margin: .5em 0; }
-.frame-table th, .frame-table td { border: 1px solid #d0d5dd; padding: .25em .6em; text-align: right; }
-.frame-table th { background: #f2f4f7; }
-.note { color: #475467; } .note-error { color: #b42318; } .ok { color: #067647; font-weight: 600; }
-.form, .toolbar { display: flex; flex-wrap: wrap; gap: .8em; align-items: end; margin: .5em 0; }
-.field { display: flex; flex-direction: column; min-width: 11em; }
-#login { max-width: 28em; margin: 3em auto; }
-"""
-
-# The viewer's IANA time zone, read once per page load, so times are drawn in local time.
-_TZ_JS: Final = "function(_) { return Intl.DateTimeFormat().resolvedOptions().timeZone || 'UTC'; }"
+_HIDDEN: Final = {"display": "none"}
 
 
 def _shell(ctx: Context) -> html.Div:
     links = [dcc.Link(p.TITLE, href=p.PATH) for p in PAGES]
-    range_picker = dcc.Dropdown(id="range", options=list(RANGES), value="1h", clearable=False,
-                                style={"width": "6em"})  # fmt: skip
+    options = [{"label": RANGE_LABELS[r], "value": r} for r in RANGES]
+    range_picker = dcc.Dropdown(id="range", options=options, value="1h", clearable=False,
+                                searchable=False, style={"width": "10em"})  # fmt: skip
     return html.Div(
         [
             dcc.Location(id="url"),
             # Session storage: the key survives a reload of the tab but not the tab itself.
             dcc.Store(id="auth", storage_type="session"),
             dcc.Store(id="tz"),
+            dcc.Store(id="sortable"),
+            # The month's spend and statement as the summary fetched them: the pages that show
+            # money read this copy, so every figure on screen is from the same moment.
+            dcc.Store(id="money"),
             dcc.Interval(id="tick", interval=int(ctx.config.dashboard.refresh_seconds * 1000)),
             html.Header(
                 [
-                    *links,
-                    html.Div(className="spacer"),
-                    range_picker,
-                    html.Span(id="who"),
-                    html.Button("Sign out", id="logout"),
+                    html.Span("infermeter", className="brand"),
+                    html.Nav(
+                        [
+                            *links,
+                            html.Div(className="spacer"),
+                            html.Label("Range", htmlFor="range"),
+                            range_picker,
+                            html.Span(id="who"),
+                            html.Button("Sign out", id="logout"),
+                        ],
+                        id="nav",
+                        style=_HIDDEN,
+                    ),
                 ]
             ),
+            html.Div(id="summary-wrap", children=html.Div(id="summary"), style=_HIDDEN),
             html.Div(
                 [
                     html.H2("Sign in"),
@@ -99,6 +108,32 @@ def _refused(throttle: SignInThrottle, address: str) -> str:
     return f"Not signed in: this key is not known ({tries} before a {wait} wait)."
 
 
+def _summary(ctx: Context, auth: dict[str, Any], choice: str | None,
+             tz: str | None) -> tuple[Any, Any]:  # fmt: skip
+    """The summary row and the money snapshot it was computed from."""
+    token, admin = auth["token"], bool(auth.get("is_admin"))
+    start, end = time_range(choice)
+    month = month_of(end)
+    names = ["team_usage", "sla", *(["gpus"] if admin else [])]
+    try:
+        # Money and service figures are fetched together, so the row waits for the slowest only.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            spend = pool.submit(ctx.client.spend, token)
+            statement = pool.submit(ctx.client.current_statement, token, month)
+            frames = fetch_queries(ctx.client, token, names, start, end)
+            money: dict[str, Any] = {"spend": spend.result(), "statement": statement.result()}
+    except BillingError as exc:
+        return note(f"Figures unavailable: {exc}.", "error"), None
+    now = time.time()
+    money |= {"as_of": now, "month": month}
+    lines = statement_from_json(money["statement"]).lines
+    period = f"the {RANGE_LABELS.get(choice or '1h', 'last hour').lower()}"
+    found = tiles(
+        money["spend"], lines, frames["team_usage"], frames["sla"], frames.get("gpus"), period
+    )
+    return summary_row(found, as_of(now, tz), month), money
+
+
 def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None = None) -> Dash:
     """The dashboard app reading from the billing service at ``billing_url``.
 
@@ -108,7 +143,7 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
     signins = SignInThrottle() if throttle is None else throttle
     app = Dash(__name__, title="infermeter", update_title="", assets_ignore=".*",
                serve_locally=True, suppress_callback_exceptions=False)  # fmt: skip
-    app.index_string = app.index_string.replace("{%css%}", "{%css%}<style>" + _STYLE + "</style>")
+    app.index_string = app.index_string.replace("{%css%}", "{%css%}<style>" + STYLE + "</style>")
     app.layout = _shell(ctx)
     app.validation_layout = html.Div(  # type: ignore[assignment]
         [_shell(ctx), *(p.layout(ctx) for p in PAGES)]
@@ -119,16 +154,32 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
         Output("content", "children"),
         Output("login", "style"),
         Output("who", "children"),
+        Output("nav", "style"),
+        Output("summary-wrap", "style"),
         Input("url", "pathname"),
         Input("auth", "data"),
     )
-    def route(path: str | None, auth: Any) -> tuple[Any, dict[str, str], str]:
+    def route(path: str | None, auth: Any) -> tuple[Any, dict[str, str], str, dict[str, str],
+                                                    dict[str, str]]:  # fmt: skip
         if not signed_in(auth):
-            return None, {}, ""
+            return None, {}, "", _HIDDEN, _HIDDEN
         module = by_path.get(path or "/")
         content = module.layout(ctx) if module else html.P(f"No page at {path}", className="note")
         who = "admin" if auth.get("is_admin") else f"team {auth.get('team')}"
-        return content, {"display": "none"}, who
+        return content, _HIDDEN, who, {}, {}
+
+    @app.callback(
+        Output("summary", "children"),
+        Output("money", "data"),
+        Input("tick", "n_intervals"),
+        Input("range", "value"),
+        Input("auth", "data"),
+        Input("tz", "data"),
+    )
+    def summary(_: Any, choice: str | None, auth: Any, tz: str | None) -> tuple[Any, Any]:
+        if not signed_in(auth):
+            return None, None
+        return _summary(ctx, auth, choice, tz)
 
     @app.callback(
         Output("auth", "data"),
@@ -167,7 +218,8 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
         choice = parse_qs((search or "").lstrip("?")).get("range", [None])[0]
         return choice if choice in RANGES else no_update
 
-    app.clientside_callback(_TZ_JS, Output("tz", "data"), Input("url", "pathname"))  # type: ignore[no-untyped-call]
+    app.clientside_callback(TZ_JS, Output("tz", "data"), Input("url", "pathname"))  # type: ignore[no-untyped-call]
+    app.clientside_callback(SORT_JS, Output("sortable", "data"), Input("url", "pathname"))  # type: ignore[no-untyped-call]
     for module in PAGES:
         module.register(app, ctx)
     # The hashes name the renderer and the clientside callbacks, so every callback comes first.

@@ -7,6 +7,7 @@ handler, so ``infermeter --help`` and ``infermeter plan`` stay quick.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import TYPE_CHECKING
 
 from dashboards.planner import BYTES_PER_PARAM, GPUS_GB, PRESETS, ModelShape, Plan, plan
@@ -67,8 +68,24 @@ def _nearest_preset(params_billions: float) -> str:
     return min(PRESETS, key=lambda name: abs(PRESETS[name].params_billions - params_billions))
 
 
+def _preset_of(params_billions: float) -> str | None:
+    """The preset of this size, if there is one (8, 70 or 405 billion)."""
+    for name, preset in PRESETS.items():
+        if math.isclose(preset.params_billions, params_billions, rel_tol=0.02):
+            return name
+    return None
+
+
 def _plan(args: argparse.Namespace, config: Config) -> int:
-    preset = PRESETS[args.preset or _nearest_preset(args.params)]
+    named = args.preset or _preset_of(args.params)
+    explicit = None not in (args.layers, args.kv_heads, args.head_dim)
+    if named is None and not explicit and args.params > 0:
+        # Borrowing the nearest preset's layers and heads would print a plan for another model.
+        return fail(
+            f"no model shape for {args.params:g}B parameters: give --preset "
+            f"({', '.join(PRESETS)}) or all of --layers, --kv-heads and --head-dim"
+        )
+    preset = PRESETS[named or _nearest_preset(args.params)]
     try:
         shape = ModelShape(
             params_billions=args.params,

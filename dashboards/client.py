@@ -13,7 +13,7 @@ from typing import Any, Final, Literal
 import httpx
 import polars as pl
 
-__all__ = ["STATEMENT_TIMEOUT_SECONDS", "BillingClient", "BillingError", "Download"]
+__all__ = ["STATEMENT_TIMEOUT_SECONDS", "Answer", "BillingClient", "BillingError", "Download"]
 
 STATEMENT_TIMEOUT_SECONDS: Final = 120.0
 _FILENAME: Final = re.compile(r'filename="([^"]+)"')
@@ -33,6 +33,16 @@ class Download:
 
     text: str
     filename: str
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A named query's rows and the range billing served: whole slots, ``step`` seconds each."""
+
+    frame: pl.DataFrame
+    start: float
+    end: float
+    step: int
 
 
 class BillingClient:
@@ -74,6 +84,11 @@ class BillingClient:
     def query(self, token: str, name: str, start: float, end: float, step: int | None = None,
               model: str | None = None) -> pl.DataFrame:  # fmt: skip
         """A named query over ``start``..``end`` as a frame (its columns even when empty)."""
+        return self.answer(token, name, start, end, step, model).frame
+
+    def answer(self, token: str, name: str, start: float, end: float, step: int | None = None,
+               model: str | None = None) -> Answer:  # fmt: skip
+        """A named query over ``start``..``end``, with the range and step billing served."""
         params: dict[str, Any] = {"from": start, "to": end}
         if step is not None:
             params["step"] = step
@@ -82,8 +97,13 @@ class BillingClient:
         body = self._get(token, f"/v1/query/{name}", params)
         columns: list[str] = body["columns"]
         if not body["rows"]:
-            return pl.DataFrame(schema=dict.fromkeys(columns, pl.Float64))
-        return pl.DataFrame(body["rows"], schema=columns, orient="row", infer_schema_length=None)
+            # No rows, no types: text columns must not pass for numbers in later arithmetic.
+            frame = pl.DataFrame(schema=dict.fromkeys(columns, pl.Null))
+        else:
+            frame = pl.DataFrame(
+                body["rows"], schema=columns, orient="row", infer_schema_length=None
+            )
+        return Answer(frame, float(body["from"]), float(body["to"]), int(body["step"]))
 
     def statement(self, token: str, month: str) -> dict[str, Any]:
         """A month's statement as billing answers it (a team key gets its own lines only).
@@ -97,9 +117,20 @@ class BillingClient:
         return body
 
     def spend(self, token: str) -> list[dict[str, Any]]:
-        """Month-to-date spend, budget and forecast per visible team."""
+        """Month-to-date spend, budget and forecast per visible team, computed now.
+
+        ``/v1/spend`` rather than the cached ``/v1/query/spend``: the figures on a page must
+        agree with what billing's API says at the same moment, not with a copy minutes old.
+        """
         body: list[dict[str, Any]] = self._get(
-            token, "/v1/query/spend", timeout_seconds=STATEMENT_TIMEOUT_SECONDS
+            token, "/v1/spend", timeout_seconds=STATEMENT_TIMEOUT_SECONDS
+        )
+        return body
+
+    def current_statement(self, token: str, month: str) -> dict[str, Any]:
+        """A month's statement computed now (``/v1/chargeback/{month}``), as the files are."""
+        body: dict[str, Any] = self._get(
+            token, f"/v1/chargeback/{month}", timeout_seconds=STATEMENT_TIMEOUT_SECONDS
         )
         return body
 

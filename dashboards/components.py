@@ -1,27 +1,34 @@
-"""Small layout pieces shared by the pages: tables from frames, line charts, notes."""
+"""Small layout pieces shared by the pages: finance tables, graphs, notes and the page frame.
+
+Every table reads the same way: headers in words, money with its currency sign, counts with
+thousands separators, numbers right-aligned in tabular figures, yes/no in words, and a total
+row where a column adds up. Each cell keeps its column's name (``data-column``) for screen
+readers and tests.
+"""
 
 from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import plotly.graph_objects as go  # type: ignore[import-untyped]
 import polars as pl
 from dash import dcc, html
 
-__all__ = ["csv_table", "frame_table", "graph", "line_figure", "note", "page", "usd"]
+from dashboards.figures import empty_figure
+from dashboards.formatting import Kind, format_cell, kind_of, label, usd
+
+__all__ = ["csv_table", "frame_table", "graph", "note", "page", "usd"]
+
+_NUMERIC = {"count", "usd", "percent", "share", "hours", "kwh", "seconds", "gb", "number"}
 
 
-def usd(value: float | None) -> str:
-    """Money as the tables show it."""
-    return "-" if value is None else f"${value:,.2f}"
-
-
-def note(text: str, kind: str = "info") -> html.P:
+def note(text: str, kind: str = "info", note_id: str | None = None) -> html.P:
     """A one-line message (``info`` or ``error``) where data would be."""
-    return html.P(text, className=f"note note-{kind}")
+    if note_id is None:
+        return html.P(text, className=f"note note-{kind}")
+    return html.P(text, className=f"note note-{kind}", id=note_id)
 
 
 def page(title: str, *children: Any) -> html.Div:
@@ -34,52 +41,112 @@ def _column(name: str) -> Any:
     return {"data-column": name}
 
 
-def _cell(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:,.4f}".rstrip("0").rstrip(".") if abs(value) >= 1e-4 else f"{value:.3g}"
-    return str(value)
+def _td(value: Any, column: str, kind: Kind) -> html.Td:
+    cls = "num" if kind in _NUMERIC else None
+    return html.Td(format_cell(value, kind), className=cls, **_column(column))
 
 
-def csv_table(text: str, table_id: str) -> html.Table:
-    """CSV text as an HTML table, cell for cell as the file has it."""
-    header, *rows = list(csv.reader(io.StringIO(text)))
-    head = html.Thead(html.Tr([html.Th(c) for c in header]))
-    body = html.Tbody([
-        html.Tr([html.Td(v, **_column(c)) for c, v in zip(header, row, strict=True)])
-        for row in rows
-    ])  # fmt: skip
-    return html.Table([head, body], id=table_id, className="frame-table")
+def _head(columns: Sequence[str], kinds: Mapping[str, Kind]) -> html.Thead:
+    return html.Thead(
+        html.Tr(
+            [
+                html.Th(
+                    label(c),
+                    className="num" if kinds[c] in _NUMERIC else None,
+                    scope="col",
+                    **_column(c),
+                )
+                for c in columns
+            ]
+        )
+    )
 
 
 def frame_table(
-    frame: pl.DataFrame, table_id: str, columns: Sequence[str] | None = None
-) -> html.Table:
-    """``frame`` as an HTML table; every cell carries its column name for readers and tests."""
+    frame: pl.DataFrame,
+    table_id: str,
+    columns: Sequence[str] | None = None,
+    *,
+    kinds: Mapping[str, Kind] | None = None,
+    total: Sequence[str] = (),
+    total_values: Mapping[str, Any] | None = None,
+    empty: str = "Nothing to show yet.",
+) -> html.Div:
+    """``frame`` as a finance table; ``total`` names the columns summed in a last row.
+
+    ``total_values`` gives a total that is not a sum (a percentage of the summed budgets). A
+    frame without rows is the sentence ``empty`` rather than a table of headers only.
+    """
+    if frame.height == 0:
+        return html.Div(note(empty), id=table_id, className="table-wrap")
     columns = list(columns or frame.columns)
-    head = html.Thead(html.Tr([html.Th(c) for c in columns]))
+    kind = {c: (kinds or {}).get(c) or kind_of(c) for c in columns}
     body = html.Tbody([
-        html.Tr([html.Td(_cell(row[c]), **_column(c)) for c in columns])
+        html.Tr([_td(row[c], c, kind[c]) for c in columns])
         for row in frame.select(columns).iter_rows(named=True)
     ])  # fmt: skip
-    return html.Table([head, body], id=table_id, className="frame-table")
+    parts: list[Any] = [_head(columns, kind), body]
+    if (total or total_values) and frame.height > 1:  # one row is its own total
+        sums = {c: frame[c].sum() for c in total} | dict(total_values or {})
+        cells = [
+            _td(sums[c], c, kind[c]) if c in sums else html.Td("Total" if i == 0 else "", **_column(c))
+            for i, c in enumerate(columns)
+        ]  # fmt: skip
+        parts.append(html.Tfoot(html.Tr(cells, className="total")))
+    return html.Div(html.Table(parts, id=table_id, className="frame-table"), className="table-wrap")
 
 
-def line_figure(frame: pl.DataFrame, y: str, series: str, title: str, y_title: str,
-                dash_by: dict[str, str] | None = None) -> go.Figure:  # fmt: skip
-    """One line per value of ``series`` over ``t`` (already in the viewer's time zone)."""
-    fig = go.Figure()
-    if frame.height:
-        for key, part in frame.sort(series, "t").group_by(series, maintain_order=True):
-            name = str(key[0])
-            fig.add_trace(go.Scatter(x=part["t"].to_list(), y=part[y].to_list(), mode="lines",
-                                     name=name, line={"dash": (dash_by or {}).get(name, "solid")}))  # fmt: skip
-    fig.update_layout(title=title, yaxis_title=y_title, height=300, margin={"l": 50, "r": 10, "t": 40, "b": 30},
-                      legend={"orientation": "h"}, uirevision=title)  # fmt: skip
-    return fig
+def csv_table(text: str, table_id: str, hidden: Sequence[str] = (),
+              empty: str = "No charges for this month yet.") -> html.Div:  # fmt: skip
+    """Billing's CSV as a finance table: its rows as the file has them, formatted for reading.
+
+    The file's own total row (``line_type`` = ``total``) becomes the table's footer.
+    """
+    header, *rows = list(csv.reader(io.StringIO(text)))
+    columns = [c for c in header if c not in hidden]
+    kind = {c: kind_of(c) for c in columns}
+    kind["line_type"] = "text"
+
+    def cells(row: list[str]) -> list[html.Td]:
+        values = dict(zip(header, row, strict=True))
+        out = []
+        for c in columns:
+            raw = values[c]
+            number = _number(raw) if kind[c] != "text" else None
+            out.append(_td(number if number is not None else raw, c, kind[c]))
+        return out
+
+    body = [r for r in rows if dict(zip(header, r, strict=True)).get("line_type") != "total"]
+    totals = [r for r in rows if dict(zip(header, r, strict=True)).get("line_type") == "total"]
+    if not body:
+        return html.Div(note(empty), id=table_id, className="table-wrap")
+    parts: list[Any] = [_head(columns, kind), html.Tbody([html.Tr(cells(r)) for r in body])]
+    if totals:
+        foot = cells(totals[0])
+        foot[0] = html.Td("Total", **_column(columns[0]))
+        if "line_type" in columns:  # "total" would only repeat the row's label
+            at = columns.index("line_type")
+            foot[at] = html.Td("", **_column("line_type"))
+        parts.append(html.Tfoot(html.Tr(foot, className="total")))
+    return html.Div(html.Table(parts, id=table_id, className="frame-table"), className="table-wrap")
+
+
+def _number(text: str) -> float | int | None:
+    if text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return None
 
 
 def graph(figure_id: str) -> dcc.Graph:
-    """An empty graph that a callback fills."""
-    return dcc.Graph(id=figure_id, config={"displaylogo": False}, figure=go.Figure())
+    """A graph that a callback fills; its toolbar shows only while the pointer is over it."""
+    return dcc.Graph(
+        id=figure_id,
+        config={"displaylogo": False, "displayModeBar": "hover"},
+        figure=empty_figure("", "Loading..."),
+    )

@@ -5,6 +5,7 @@ Pages call these with the signed-in user's token; nothing here keeps state betwe
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -14,14 +15,17 @@ import httpx
 import polars as pl
 from prometheus_client.parser import text_string_to_metric_families
 
-from dashboards.client import BillingClient
+from dashboards.client import Answer, BillingClient
 from infermeter.months import month_bounds, month_of
 from infermeter.statement import statement_from_json
 
 __all__ = [
     "RANGES",
+    "RANGE_LABELS",
     "desired_replicas",
+    "fetch_answers",
     "fetch_queries",
+    "local_range",
     "local_times",
     "recent_months",
     "statement_from_json",
@@ -30,6 +34,12 @@ __all__ = [
 
 # The time-range picker's choices: label -> seconds back from now.
 RANGES: Final = {"1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400}
+RANGE_LABELS: Final = {
+    "1h": "Last hour",
+    "6h": "Last 6 hours",
+    "24h": "Last 24 hours",
+    "7d": "Last 7 days",
+}
 DESIRED_METRIC: Final = "infermeter_desired_replicas"
 
 
@@ -54,6 +64,21 @@ def local_times(frame: pl.DataFrame, tz: str | None, column: str = "t") -> pl.Da
         )
     except pl.exceptions.PolarsError:
         return frame.with_columns(utc.dt.replace_time_zone(None).alias(column))
+
+
+def local_range(start: float, end: float, tz: str | None) -> tuple[dt.datetime, dt.datetime]:
+    """``start``..``end`` (Unix seconds) as wall-clock datetimes in the viewer's zone, as charts draw them."""
+    frame = local_times(pl.DataFrame({"t": [start, end]}), tz)
+    first, last = frame["t"].to_list()
+    return first, last
+
+
+def fetch_answers(client: BillingClient, token: str, names: Sequence[str], start: float,
+                  end: float) -> dict[str, Answer]:  # fmt: skip
+    """Several queries at once, each with the step billing served (see ``fetch_queries``)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
+        futures = {name: pool.submit(client.answer, token, name, start, end) for name in names}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def fetch_queries(client: BillingClient, token: str, names: Sequence[str], start: float,

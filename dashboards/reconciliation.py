@@ -42,9 +42,10 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def table(frame: pl.DataFrame) -> html.Table:
-    """The summary as the page shows it."""
-    return frame_table(summary(frame), TABLE_ID)
+def table(frame: pl.DataFrame) -> html.Div:
+    """The summary as the page shows it, with a total row."""
+    return frame_table(summary(frame), TABLE_ID, total=_SUMS,
+                       empty="No engine counters in this range yet.")  # fmt: skip
 
 
 def register(app: Dash, ctx: Context) -> None:

@@ -17,8 +17,16 @@ Columns (in this order; money in USD with two decimals, computed from whole cent
 ``energy_usd``        energy at USD per kWh x PUE
 ``idle_usd``          idle capacity charged to the line by the replica's idle policy
 ``total_usd``         compute + energy + idle
-``budget_usd``        the team's monthly budget (empty: none)
-``budget_used_pct``   the team's whole statement as a percentage of its budget
+``team_budget_usd``   the team's monthly budget, on the team's first line only (empty on its
+                      other lines and for a team without a budget), so the column sums to the
+                      budgets of the teams in the file, each counted once
+``team_budget_used_percent``
+                      the team's whole statement (all its lines) as a percentage of its budget,
+                      on the same line: ``12.5`` is 12.5 %, ``0.01`` is one hundredth of 1 %
+
+The last row is the total (``line_type`` = ``total``, ``team`` and ``model`` empty): every
+count and amount summed over the lines above, the budgets of the teams in the file, and their
+statement as a percentage of those budgets. Leave it out before summing or pivoting the lines.
 
 A text cell that a spreadsheet would run as a formula is written with a leading apostrophe, as
 OWASP recommends: one whose first character that is not a space or a line feed is ``=``, ``+``,
@@ -37,13 +45,16 @@ import polars as pl
 
 from infermeter.statement import Statement, with_budgets
 
-__all__ = ["CSV_COLUMNS", "chargeback_frame", "defuse", "write_csv"]
+__all__ = ["CSV_COLUMNS", "TOTAL_LINE", "chargeback_frame", "defuse", "write_csv"]
 
 CSV_COLUMNS: Final = (
     "month", "team", "model", "line_type", "for_month", "requests", "prompt_tokens",
     "completion_tokens", "gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd",
-    "total_usd", "budget_usd", "budget_used_pct",
+    "total_usd", "team_budget_usd", "team_budget_used_percent",
 )  # fmt: skip
+TOTAL_LINE: Final = "total"
+_SUMMED: Final = ("requests", "prompt_tokens", "completion_tokens", "gpu_hours", "energy_kwh")
+_CENTS: Final = ("compute", "energy", "idle", "total")
 # Blanks (any Unicode white space but tab and CR, which start formulas themselves), then a
 # formula start; matched against the NFKC form of the cell (Rust regex: \s is Unicode).
 _FORMULA_START: Final = r"^[\s&&[^\t\r]]*[=+\-@\t\r]"
@@ -56,23 +67,63 @@ def defuse(column: str) -> pl.Expr:
     return pl.when(formula).then("'" + col).otherwise(col).alias(column)
 
 
-def chargeback_frame(statement: Statement, budgets_usd: Mapping[str, float]) -> pl.DataFrame:
-    """The statement as the CSV's columns, one row per team, model and month charged."""
-    lines = with_budgets(statement.lines, budgets_usd)
-    usd = {
-        c: (pl.col(f"{c[:-4]}_cents") / 100).round(2).alias(c)
-        for c in ("compute_usd", "energy_usd", "idle_usd", "total_usd")
-    }
-    frame = lines.select(
-        "month", "team", "model",
-        pl.when(pl.col("for_month") == pl.col("month")).then(pl.lit("usage")).otherwise(pl.lit("adjustment")).alias("line_type"),
-        "for_month", "requests", "prompt_tokens", "completion_tokens",
-        pl.col("gpu_hours").round(6), pl.col("energy_kwh").round(6),
-        *usd.values(), "budget_usd", "budget_used_pct",
-    )  # fmt: skip
-    return frame.with_columns(defuse(c) for c in ("month", "team", "model", "for_month")).sort(
-        "line_type", "for_month", "team", "model", descending=[True, False, False, False]
+def _percent(cents: pl.Expr, budget_usd: pl.Expr) -> pl.Expr:
+    """``cents`` as a percentage of ``budget_usd`` (two decimals); empty without a budget."""
+    return pl.when(budget_usd > 0).then((cents / budget_usd).round(2)).otherwise(None)
+
+
+def _total_row(lines: pl.DataFrame, month: str) -> pl.DataFrame:
+    """The documented last row: every line summed, the budgets counted once per team."""
+    budget = pl.col("team_budget_usd").sum()
+    return lines.select(
+        pl.lit(month).alias("month"),
+        pl.lit(None, dtype=pl.String).alias("team"),
+        pl.lit(None, dtype=pl.String).alias("model"),
+        pl.lit(TOTAL_LINE).alias("line_type"),
+        pl.lit(None, dtype=pl.String).alias("for_month"),
+        *(pl.col(c).sum() for c in _SUMMED),
+        *(pl.col(f"{c}_cents").sum() for c in _CENTS),
+        pl.when(budget > 0).then(budget).otherwise(None).alias("team_budget_usd"),
     )
+
+
+def chargeback_frame(statement: Statement, budgets_usd: Mapping[str, float]) -> pl.DataFrame:
+    """The statement as the CSV's columns: one row per team, model and month charged, then the total."""
+    order = ("line_type", "for_month", "team", "model")
+    lines = (
+        with_budgets(statement.lines, budgets_usd)
+        .with_columns(
+            pl.when(pl.col("for_month") == pl.col("month"))
+            .then(pl.lit("usage"))
+            .otherwise(pl.lit("adjustment"))
+            .alias("line_type")
+        )
+        .sort(order, descending=[True, False, False, False])
+        # The budget once per team (its first line), so summing the column counts it once.
+        .with_columns(
+            team_budget_usd=pl.when(
+                (pl.int_range(pl.len()).over("team") == 0) & (pl.col("budget_usd") > 0)
+            )
+            .then(pl.col("budget_usd"))
+            .otherwise(None)
+        )
+        .with_columns(team_cents=pl.col("total_cents").sum().over("team"))
+    )
+    body = lines.select(
+        "month", "team", "model", "line_type", "for_month", *_SUMMED,
+        *(pl.col(f"{c}_cents") for c in _CENTS), "team_budget_usd",
+        _percent(pl.col("team_cents"), pl.col("team_budget_usd")).alias("team_budget_used_percent"),
+    )  # fmt: skip
+    total = _total_row(lines, statement.month).with_columns(
+        _percent(pl.col("total_cents"), pl.col("team_budget_usd")).alias("team_budget_used_percent")
+    )
+    frame = pl.concat([body, total], how="vertical_relaxed")
+    return frame.select(
+        "month", "team", "model", "line_type", "for_month", "requests", "prompt_tokens",
+        "completion_tokens", pl.col("gpu_hours").round(6), pl.col("energy_kwh").round(6),
+        *((pl.col(f"{c}_cents") / 100).round(2).alias(f"{c}_usd") for c in _CENTS),
+        "team_budget_usd", "team_budget_used_percent",
+    ).with_columns(defuse(c) for c in ("month", "team", "model", "for_month"))  # fmt: skip
 
 
 def write_csv(frame: pl.DataFrame) -> str:

@@ -11,10 +11,19 @@ here, so list, contracted, effective and billed cost are the same number. Late r
 closed month appear as ``ChargeClass = Correction`` rows whose charge period is that month.
 Custom columns (``x_`` prefix, as FOCUS requires) carry what FOCUS has no column for: team,
 model, replica group, tokens, requests, energy and the cost components.
+
+Unit prices (``ListUnitPrice``, ``ContractedUnitPrice``: USD per GPU-hour of the line) are not
+divided out of the line's cents, whose rounding would swing the price of a small line by
+dollars per GPU-hour. Compute and energy are priced again, unrounded, from the line's measured
+GPU-hours and kWh at the price book's rates (GPU-hours x the model's GPU price, kWh x price x
+PUE), as allocation priced them; only the idle-capacity share, which allocation does not carry
+per line, is taken in cents. A model whose replicas run on differently priced GPUs, and a line
+that could not be priced, fall back to the cents.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Final
 
 import polars as pl
@@ -24,7 +33,7 @@ from infermeter.config import Config
 from infermeter.months import month_bounds
 from infermeter.statement import Statement
 
-__all__ = ["FOCUS_1_2_MANDATORY", "focus_frame"]
+__all__ = ["FOCUS_1_2_MANDATORY", "focus_frame", "gpu_hour_prices", "unit_price_usd"]
 
 # The FOCUS 1.2 specification's mandatory columns.
 FOCUS_1_2_MANDATORY: Final = (
@@ -35,6 +44,8 @@ FOCUS_1_2_MANDATORY: Final = (
     "ServiceName",
 )  # fmt: skip
 PROVIDER: Final = "infermeter"
+# How allocation names a line it could not price; such a line costs nothing.
+_UNPRICED: Final = "(error) "
 SERVICE_NAME: Final = "LLM Inference"
 SERVICE_CATEGORY: Final = "AI and Machine Learning"
 
@@ -57,6 +68,26 @@ def _decimal(value: pl.Expr) -> pl.Expr:
     return value.round(6).cast(pl.Decimal(38, 6))
 
 
+def gpu_hour_prices(config: Config) -> dict[str, float]:
+    """USD per GPU-hour of each model whose replicas all run on GPUs of one price."""
+    book = config.prices.usd_per_gpu_hour
+    prices: dict[str, set[float]] = {}
+    for replica in config.replicas:
+        price = book.get(replica.gpu_model)
+        prices.setdefault(replica.model, set()).add(-1.0 if price is None else price)
+    return {m: p.pop() for m, p in prices.items() if len(p) == 1 and min(p) >= 0}
+
+
+def unit_price_usd(prices: Mapping[str, float], usd_per_kwh: float, pue: float) -> pl.Expr:
+    """USD per GPU-hour of each line, from its unrounded compute and energy cost (see above)."""
+    hours = pl.col("gpu_hours")
+    rate = pl.col("model").replace_strict(dict(prices), default=None, return_dtype=pl.Float64)
+    repriced = rate.is_not_null() & ~pl.col("model").str.starts_with(_UNPRICED)
+    exact = hours * rate + pl.col("energy_kwh") * (usd_per_kwh * pue) + pl.col("idle_cents") / 100
+    cost = pl.when(repriced).then(exact).otherwise(pl.col("total_cents") / 100)
+    return pl.when(hours > 0).then(cost / hours).otherwise(None)
+
+
 def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> pl.DataFrame:
     """The statement as FOCUS ``version`` ("1.0" or "1.2") rows."""
     if version not in ("1.0", "1.2"):
@@ -75,12 +106,8 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
     }
     total = _usd("total_cents")
     correction = pl.col("for_month") != pl.lit(statement.month)
-    # Price per GPU-hour of the line (it may mix GPU models, so it is derived, not looked up).
-    unit_price = _decimal(
-        pl.when(pl.col("gpu_hours") > 0)
-        .then(pl.col("total_cents") / 100 / pl.col("gpu_hours"))
-        .otherwise(None)
-    )
+    prices = config.prices
+    unit_price = _decimal(unit_price_usd(gpu_hour_prices(config), prices.usd_per_kwh, prices.pue))
     frame = lines.select(
         total.alias("BilledCost"),
         pl.lit(PROVIDER).alias("BillingAccountId"),

@@ -5,7 +5,9 @@ This module is where the parts meet: it imports each part's ``cli`` module and a
 (the shared pieces are in ``infermeter.commands``).
 
 Configuration is loaded here, once, and handed down; errors a user can fix (a bad config file, a
-port in use) end the program with a one-line message and exit code 2, never a traceback.
+port in use, a bad argument value) end the program with a one-line message and exit code 2, and
+those of the machine (a ledger file in use, a path that cannot be written) with exit code 1;
+never a traceback. ``tests/infermeter/test_cli_errors.py`` runs every subcommand to hold this.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from billing import cli as billing_cli
 from collectors import cli as collectors_cli
 from dashboards import cli as dashboards_cli
 from infermeter import __version__
-from infermeter.commands import Handler, Subparsers, add_config, config_path
+from infermeter.commands import CommandError, Handler, Subparsers, add_config, config_path
 from sidecar import cli as sidecar_cli
 from simulator import cli as simulator_cli
 
@@ -107,6 +109,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PortInUseError as exc:
         print(f"infermeter: {exc}", file=sys.stderr)
         return 2
+    except CommandError as exc:
+        print(f"infermeter: {exc}", file=sys.stderr)
+        return exc.code
+    except OSError as exc:
+        # A file or directory the command was pointed at that cannot be used: the user's to fix.
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"infermeter: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 0
 
@@ -155,4 +165,18 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
     urls.append(("billing API (admin: im-demo-admin)", f"{config.billing.url}/v1/spend"))
     urls.append(("dashboard (sign in: im-demo-admin)", f"http://{config.dashboard.listen}/"))
     urls.append(("autoscaler (desired replicas)", f"http://{config.autoscale.listen}/metrics"))
+    keys = demo_team_keys(config)
+    if keys:
+        urls.append(("team keys (API and dashboard)", ", ".join(keys)))
     return fleet.run(children, urls)
+
+
+def demo_team_keys(config: Config) -> list[str]:
+    """The public demo keys (``im-demo-<team>``) that this configuration accepts, team by team."""
+    from infermeter.config import hash_key
+
+    return [
+        f"im-demo-{t.name}"
+        for t in config.teams
+        if hash_key(f"im-demo-{t.name}") in t.api_key_sha256
+    ]

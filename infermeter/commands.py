@@ -20,12 +20,24 @@ from typing import TYPE_CHECKING, TypeAlias
 if TYPE_CHECKING:
     from infermeter.config import Config
 
-__all__ = ["Handler", "Subparsers", "add_config", "config_path", "fail"]
+__all__ = ["CommandError", "Handler", "Subparsers", "add_config", "config_path", "fail"]
 
 #: What a subcommand's parser sets as its ``handler`` default: the exit code of the command.
 Handler: TypeAlias = "Callable[[argparse.Namespace, Config], int]"
 #: What ``register(subparsers)`` receives: ``ArgumentParser.add_subparsers()``'s result.
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+class CommandError(Exception):
+    """A failure the user can act on: the ``infermeter`` command prints it as one line, no traceback.
+
+    Handlers raise it (or return ``fail(...)``) for a bad argument value or a resource they
+    cannot use, such as a ledger file another process holds; ``code`` is the exit code.
+    """
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def add_config(parser: argparse.ArgumentParser, nested: bool = False) -> None:

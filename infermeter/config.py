@@ -18,12 +18,13 @@ names the file when ``--config`` is not given.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -102,13 +103,18 @@ class ConfigError(Exception):
     """A configuration file that cannot be used, with where and why.
 
     The message is one line per problem, ``file: key.path = value: reason``, so an operator can
-    fix the file without reading a traceback.
+    fix the file without reading a traceback. A problem with a value an environment variable
+    set names that variable instead of the file (``sources``, one per problem), since the file
+    is not where the operator would fix it.
     """
 
-    def __init__(self, source: str, problems: list[str]) -> None:
+    def __init__(self, source: str, problems: list[str], sources: list[str] | None = None) -> None:
         self.source = source
         self.problems = problems
-        super().__init__("\n".join(f"{source}: {p}" for p in problems))
+        self.sources = sources or [source] * len(problems)
+        super().__init__(
+            "\n".join(f"{where}: {p}" for where, p in zip(self.sources, problems, strict=True))
+        )
 
 
 class _Strict(BaseModel):
@@ -675,17 +681,30 @@ def load_config(path: Path | None = None, environ: Mapping[str, str] | None = No
         raise ConfigError(source, [f"{where}malformed YAML: {reason}"]) from None
     if not isinstance(raw, dict):
         raise ConfigError(source, ["the top level must be a mapping of sections"])
-    raw = apply_env_overrides(raw, environ, source)
+    origins: dict[tuple[str | int, ...], str] = {}
+    raw = apply_env_overrides(raw, environ, source, origins)
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(source, [_describe(err, raw) for err in exc.errors()]) from None
+        errors = exc.errors()
+        raise ConfigError(
+            source,
+            [_describe(err, raw) for err in errors],
+            [_origin(err, origins, source) for err in errors],
+        ) from None
 
 
 def apply_env_overrides(
-    raw: dict[str, Any], environ: Mapping[str, str], source: str
+    raw: dict[str, Any],
+    environ: Mapping[str, str],
+    source: str,
+    origins: dict[tuple[str | int, ...], str] | None = None,
 ) -> dict[str, Any]:
-    """Return ``raw`` with every ``INFERMETER__`` variable applied, in sorted order."""
+    """Return ``raw`` with every ``INFERMETER__`` variable applied, in sorted order.
+
+    ``origins`` receives the key path each variable set (list entries by index), so a value
+    that then fails validation is blamed on its variable rather than on the file.
+    """
     for var in sorted(environ):
         if not var.upper().startswith(ENV_PREFIX):
             continue
@@ -693,47 +712,109 @@ def apply_env_overrides(
         if not parts:
             continue
         try:
-            _set_path(raw, parts, yaml.safe_load(environ[var]))
+            path = _set_path(raw, parts, yaml.safe_load(environ[var]))
         except (KeyError, IndexError, TypeError) as exc:
-            raise ConfigError(
-                source, [f"environment variable {var}: no such key ({exc})"]
-            ) from None
+            reason = exc.args[0] if exc.args else exc
+            raise ConfigError(f"environment variable {var}", [f"no such key: {reason}"]) from None
+        if origins is not None:
+            origins[tuple(path)] = var
     return raw
+
+
+def _origin(err: Any, origins: Mapping[tuple[str | int, ...], str], source: str) -> str:
+    """Where the value of a validation error came from: the variable that set it, else the file.
+
+    An unknown key is the variable's when the variable created it (its path runs through it).
+    """
+    loc = tuple(err["loc"])
+    for length in range(len(loc), 0, -1):
+        var = origins.get(loc[:length])
+        if var is not None:
+            return f"environment variable {var}"
+    if err["type"] == "extra_forbidden" and loc:
+        for path, var in origins.items():
+            if path[: len(loc)] == loc:
+                return f"environment variable {var}"
+    return source
 
 
 def _norm(text: str) -> str:
     return re.sub(r"[^a-z0-9]", "_", text.lower())
 
 
-def _set_path(node: Any, parts: list[str], value: Any) -> None:
+def _set_path(node: Any, parts: list[str], value: Any) -> list[str | int]:
+    """Set ``value`` at ``parts`` below ``node``; the key path it went to (list entries by index)."""
     head, rest = parts[0], parts[1:]
     if isinstance(node, dict):
         key = next((k for k in node if _norm(str(k)) == _norm(head)), head.lower())
         if not rest:
             node[key] = value
-            return
+            return [key]
         if key not in node:
             node[key] = {}
-        _set_path(node[key], rest, value)
-    elif isinstance(node, list):
+        return [key, *_set_path(node[key], rest, value)]
+    if isinstance(node, list):
         index = _list_index(node, head)
         if not rest:
             node[index] = value
-            return
-        _set_path(node[index], rest, value)
-    else:
-        raise TypeError(f"{head!r} is below a plain value")
+            return [index]
+        return [index, *_set_path(node[index], rest, value)]
+    raise TypeError(f"{head!r} is below a plain value")
 
 
 def _list_index(items: list[Any], head: str) -> int:
+    idents = []
     for i, item in enumerate(items):
         if isinstance(item, dict):
             ident = item.get("id", item.get("name"))
             if ident is not None and _norm(str(ident)) == _norm(head):
                 return i
+            if ident is not None:
+                idents.append(str(ident))
     if head.isdigit() and int(head) < len(items):
         return int(head)
-    raise KeyError(head)
+    known = f"; the entries are {', '.join(idents)}" if idents else ""
+    raise KeyError(f"no entry {head!r}{_did_you_mean(head.lower(), idents) or known}")
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to ``word``, or nothing.
+
+    A word close to the start of a longer key counts too (``budgt`` for ``budget_usd_per_month``).
+    """
+    names = {_norm(c): c for c in choices}
+    typed = _norm(word)
+    close = difflib.get_close_matches(typed, list(names), n=1, cutoff=0.6)
+    if not close:
+        heads = {name[: len(typed) + 1]: name for name in names}
+        near = difflib.get_close_matches(typed, list(heads), n=1, cutoff=0.8)
+        close = [heads[near[0]]] if near else []
+    return f" (did you mean {names[close[0]]!r}?)" if close else ""
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (``X``, ``X | None``, ``list[X]``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the configuration allows in the mapping at ``loc`` (empty when not a model)."""
+    model: type[BaseModel] = Config
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        inner = _model_in(field.annotation) if field is not None else None
+        if inner is None:
+            return []
+        model = inner
+    return list(model.model_fields)
 
 
 def _describe(err: Any, raw: Any) -> str:
@@ -743,7 +824,7 @@ def _describe(err: Any, raw: Any) -> str:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     reason = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        return f"{path}: unknown key"
+        return f"{path}: unknown key{_did_you_mean(str(err['loc'][-1]), _keys_at(err['loc'][:-1]))}"
     if err["type"] == "missing":
         return f"{path}: required key is missing"
     value = err.get("input")

@@ -1,12 +1,15 @@
 """Chargeback: a month's statement as exported, its downloads, and its reconciliation.
 
 The table and the downloads are billing's own files (its export routes, with the signed-in
-user's token): the page shows and saves what finance would get, and builds no file itself.
+user's token): the page shows and saves what finance would get, formatted for reading, and
+builds no file itself. Billing computes the statement and the file when asked, so the page
+agrees with ``/v1/spend`` and the command line at the time it shows.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from dash import Dash, Input, Output, State, dcc, html, no_update
@@ -15,6 +18,7 @@ from dashboards.client import BillingError, Download
 from dashboards.components import csv_table, note, page, usd
 from dashboards.context import Context, signed_in
 from dashboards.data import recent_months, statement_from_json
+from dashboards.formatting import as_of
 from infermeter.months import month_of
 
 PATH = "/chargeback"
@@ -89,25 +93,33 @@ def register(app: Dash, ctx: Context) -> None:
         Output("chargeback-table", "children"),
         Input("chargeback-month", "value"),
         Input("auth", "data"),
+        Input("tick", "n_intervals"),
+        State("tz", "data"),
     )
-    def show(month: str | None, auth: Any) -> tuple[Any, Any]:
+    def show(month: str | None, auth: Any, _: Any, tz: str | None) -> tuple[Any, Any]:
         if not signed_in(auth) or not month:
             return note("Sign in and pick a month."), None
+        token = auth["token"]
         try:
-            body = ctx.client.statement(auth["token"], month)
-            lines = ctx.client.export(auth["token"], month, "csv")
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                body_call = pool.submit(ctx.client.current_statement, token, month)
+                file_call = pool.submit(ctx.client.export, token, month, "csv")
+                body, lines = body_call.result(), file_call.result()
         except BillingError as exc:
             return note(str(exc), "error"), None
         statement = statement_from_json(body)
-        state = "closed" if statement.closed else "open (changes until the month is closed)"
+        state = "closed" if statement.closed else "open: it changes until the month is closed"
         return (
             html.Div(
                 [
-                    html.P(f"{month}: {state}"),
+                    html.P(
+                        f"{month} is {state}. As of {as_of(time.time(), tz)} (your time).",
+                        id="chargeback-state",
+                    ),
                     _reconciliation(body, statement.total_cents, platform),
                 ]
             ),
-            csv_table(lines.text, "chargeback-lines"),
+            csv_table(lines.text, "chargeback-lines", hidden=("month",)),
         )
 
     def download(auth: Any, month: str | None, kind: Literal["csv", "focus"]) -> Any:

@@ -134,6 +134,7 @@ def register(app: Dash, ctx: Context) -> None:
             "gpu": f.gpu, "memory_gb": f.memory_gb,
             "gpus": str(f.tensor_parallel) if f.fits else "does not fit",
             "per_gpu_gb": round(f.per_gpu_gb, 1) if f.per_gpu_gb is not None else None,
-            "usd_per_hour": "-" if not f.fits else (f"{f.usd_per_hour:.2f}" if f.usd_per_hour is not None else "no price"),
+            "usd_per_hour": "-" if not f.fits else (f"${f.usd_per_hour:,.2f}" if f.usd_per_hour is not None else "no price"),
         } for f in result.fits]  # fmt: skip
-        return summary, frame_table(pl.DataFrame(rows), "plan-gpus")
+        kinds = {"gpus": "text", "usd_per_hour": "text"}
+        return summary, frame_table(pl.DataFrame(rows), "plan-gpus", kinds=kinds)  # type: ignore[arg-type]

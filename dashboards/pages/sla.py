@@ -65,6 +65,12 @@ def compliance_frames(ctx: Context, rows: pl.DataFrame) -> tuple[pl.DataFrame, p
     return by_model, by_team.select(cols).sort("model", "team")
 
 
+def _share(frame: pl.DataFrame) -> float | None:
+    """Requests within target as a percentage of all, over every row of ``frame``."""
+    asked = int(frame["ttft_requests"].sum()) if frame.height else 0
+    return round(100 * int(frame["within_sla"].sum()) / asked, 2) if asked else None
+
+
 def register(app: Dash, ctx: Context) -> None:
     """The SLA page's callback, refreshed on the interval."""
     targets = {m.name: m.sla.ttft_p95_seconds for m in ctx.config.models}
@@ -99,11 +105,13 @@ def register(app: Dash, ctx: Context) -> None:
                 )
                 .rename({"t": "hour"})
             )
+        totals = {"compliance_pct": _share(by_model)}
         return [
-            html.P("Compliance: share of requests whose TTFT was within the model's p95 target."),
-            frame_table(by_model, "sla-models-table"),
-            frame_table(by_team, "sla-teams-table"),
-            frame_table(worst, "sla-worst-table")
-            if worst.height
-            else note("No requests in range."),
-        ]
+            html.P("Within target: the share of requests whose time to first token was within "
+                   "the model's p95 target, over the range picked above."),
+            frame_table(by_model, "sla-models-table", total=("ttft_requests", "within_sla"),
+                        total_values=totals, empty="No requests in range."),
+            frame_table(by_team, "sla-teams-table", total=("ttft_requests", "within_sla"),
+                        total_values=totals, empty="No requests in range."),
+            frame_table(worst, "sla-worst-table", empty="No requests in range."),
+        ]  # fmt: skip

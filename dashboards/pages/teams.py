@@ -1,22 +1,27 @@
-"""Teams: month-to-date spend against budget with a forecast, usage, unit cost and energy."""
+"""Teams: month-to-date spend against budget with a forecast, usage, unit cost and energy.
+
+Every figure here comes from the money snapshot the summary row fetched (``money`` store):
+the same spend and statement, at the same moment, as the tiles above it.
+"""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import plotly.graph_objects as go  # type: ignore[import-untyped]
 import polars as pl
 from dash import Dash, Input, Output, html
 
-from dashboards.client import BillingError
 from dashboards.components import frame_table, graph, note, page
 from dashboards.context import Context, signed_in
 from dashboards.data import statement_from_json
-from infermeter.months import month_of
+from dashboards.figures import budget_figure, empty_figure
+from dashboards.formatting import as_of
 
 PATH = "/teams"
 TITLE = "Teams"
+_SPEND_COLUMNS = ("team", "spent_usd", "forecast_usd", "budget_usd", "budget_used_pct", "requests",
+                  "prompt_tokens", "completion_tokens", "energy_kwh")  # fmt: skip
 
 
 def layout(ctx: Context) -> html.Div:
@@ -25,8 +30,8 @@ def layout(ctx: Context) -> html.Div:
         TITLE,
         html.Div(id="teams-status"),
         html.Div(id="teams-spend"),
-        graph("teams-spend-figure"),
-        html.H3("Cost per 1M tokens by model"),
+        html.Div(graph("teams-spend-figure"), className="grid"),
+        html.H3("Cost per million tokens by model, month to date"),
         html.Div(id="teams-models"),
     )
 
@@ -53,12 +58,12 @@ def spend_frame(spend: list[dict[str, Any]], lines: pl.DataFrame) -> pl.DataFram
         frame.join(usage, on="team", how="left")
         .with_columns(
             budget_used_pct=pl.when(pl.col("budget_usd") > 0)
-            .then((100 * pl.col("spent_usd") / pl.col("budget_usd")).round(1))
+            .then(100 * pl.col("spent_usd") / pl.col("budget_usd"))
             .otherwise(None)
         )
-        .fill_null(0)
+        .with_columns(pl.col("requests", "prompt_tokens", "completion_tokens", "energy_kwh").fill_null(0))
         .sort("team")
-    )
+    )  # fmt: skip
 
 
 def unit_cost_frame(lines: pl.DataFrame) -> pl.DataFrame:
@@ -78,41 +83,60 @@ def unit_cost_frame(lines: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+def _spend_table(frame: pl.DataFrame) -> html.Div:
+    budget = float(frame["budget_usd"].sum()) if frame.height else 0.0
+    used = 100 * float(frame["spent_usd"].sum()) / budget if budget > 0 else None
+    return frame_table(frame, "teams-table", _SPEND_COLUMNS, total=_SPEND_COLUMNS[1:4] + _SPEND_COLUMNS[5:],
+                       total_values={"budget_used_pct": used})  # fmt: skip
+
+
+def _models_table(lines: pl.DataFrame) -> html.Div:
+    frame = unit_cost_frame(lines)
+    cost, tokens = float(frame["cost_usd"].sum()), float(frame["tokens"].sum())
+    per_million = cost * 1e6 / tokens if tokens > 0 else None
+    return frame_table(frame, "teams-models-table", total=("cost_usd", "tokens"),
+                       total_values={"usd_per_million_tokens": per_million},
+                       empty="No usage this month yet.")  # fmt: skip
+
+
 def _figure(frame: pl.DataFrame) -> go.Figure:
-    fig = go.Figure()
-    for column, name in (
-        ("spent_usd", "spent"),
-        ("forecast_usd", "forecast"),
-        ("budget_usd", "budget"),
-    ):
-        fig.add_trace(go.Bar(x=frame["team"].to_list(), y=frame[column].to_list(), name=name))
-    fig.update_layout(title="Month to date: spent, forecast to month end, budget", barmode="group",
-                      yaxis_title="USD", height=320, margin={"l": 50, "r": 10, "t": 40, "b": 30})  # fmt: skip
-    return fig
+    budgeted = frame.filter(pl.col("budget_usd") > 0)
+    if budgeted.height == 0:
+        return empty_figure("Budget use by team", "No team shown here has a monthly budget.")
+    if float(budgeted["forecast_usd"].sum()) == 0:
+        return empty_figure(
+            "Budget use by team",
+            "Nothing spent this month yet; the budgets are in the table above.",
+        )
+    return budget_figure(
+        budgeted["team"].to_list(),
+        (100 * budgeted["spent_usd"] / budgeted["budget_usd"]).to_list(),
+        (100 * budgeted["forecast_usd"] / budgeted["budget_usd"]).to_list(),
+        budgeted["spent_usd"].to_list(),
+        budgeted["forecast_usd"].to_list(),
+    )
 
 
 def register(app: Dash, ctx: Context) -> None:
-    """The teams page's callback, refreshed on the interval."""
+    """The teams page's callback, run whenever the summary fetches a new money snapshot."""
 
     @app.callback(
         Output("teams-status", "children"),
         Output("teams-spend", "children"),
         Output("teams-spend-figure", "figure"),
         Output("teams-models", "children"),
-        Input("tick", "n_intervals"),
+        Input("money", "data"),
         Input("auth", "data"),
+        Input("tz", "data"),
     )
-    def refresh(_: int, auth: Any) -> list[Any]:
+    def refresh(money: Any, auth: Any, tz: str | None) -> list[Any]:
         if not signed_in(auth):
-            return [note("Sign in to see spend."), None, go.Figure(), None]
-        token = auth["token"]
-        try:
-            spend = ctx.client.spend(token)
-            month = spend[0]["month"] if spend else month_of(time.time())
-            statement = statement_from_json(ctx.client.statement(token, month))
-        except BillingError as exc:
-            return [note(str(exc), "error"), None, go.Figure(), None]
-        frame = spend_frame(spend, statement.lines)
-        status = html.P(f"Month to date: {month}", id="teams-month")
-        return [status, frame_table(frame, "teams-table"), _figure(frame),
-                frame_table(unit_cost_frame(statement.lines), "teams-models-table")]  # fmt: skip
+            return [note("Sign in to see spend."), None, empty_figure("", ""), None]
+        if not money:
+            return [note("Waiting for billing's figures..."), None, empty_figure("", ""), None]
+        lines = statement_from_json(money["statement"]).lines
+        frame = spend_frame(money["spend"], lines)
+        status = html.P(
+            f"Month to date: {money['month']}, as of {as_of(money['as_of'], tz)}", id="teams-month"
+        )
+        return [status, _spend_table(frame), _figure(frame), _models_table(lines)]

@@ -66,3 +66,21 @@ def test_render_reports_an_unknown_model_in_an_sla_override(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "alerts.slas[0].model = 'chat-huge': no such model" in err
     assert err.startswith(f"infermeter: config error: {config}: ")
+
+
+def test_render_without_out_prints_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    """Without --out the rules go to stdout, one document per file, and no file is touched."""
+    monkeypatch.delenv("INFERMETER_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["alerts", "render"]) == 0
+    documents = capsys.readouterr().out.split("---\n")
+    groups = render(load_config(DEFAULT_CONFIG, environ={}))
+    assert documents == [
+        f"# file: {name}\n" + to_yaml({"groups": groups[name]})
+        for name in (RECORDING_FILE, ALERTING_FILE)
+    ]
+    assert [yaml.safe_load(d)["groups"] for d in documents] == [
+        groups[RECORDING_FILE],
+        groups[ALERTING_FILE],
+    ]
+    assert list(tmp_path.iterdir()) == []

@@ -105,11 +105,42 @@ def test_chargeback_csv_lists_adjustments_after_usage(ledger, config):
     """Usage lines come first; October's correction is an adjustment line for_month 2026-10."""
     statement = _statement(ledger, config)
     frame = chargeback_frame(statement, {t.name: t.budget_usd_per_month for t in config.teams})
-    types = frame["line_type"].to_list()
+    *types, last = frame["line_type"].to_list()
     assert types == sorted(types, reverse=True)
+    assert last == "total"
     adjustments = frame.filter(pl.col("line_type") == "adjustment")
     assert set(adjustments["for_month"]) == {"2026-10"}
-    assert frame.filter(pl.col("team") == "search")["budget_usd"].to_list()[0] == 6000
+    assert frame.filter(pl.col("team") == "search")["team_budget_usd"].to_list()[0] == 6000
+
+
+def test_chargeback_csv_counts_each_budget_once_and_ends_with_the_total(ledger, config):
+    """A team's budget is on its first line only; the last row sums every line and budget."""
+    statement = _statement(ledger, config)
+    budgets = {t.name: t.budget_usd_per_month for t in config.teams}
+    frame = chargeback_frame(statement, budgets)
+    lines, total = frame[:-1], frame.row(-1, named=True)
+    teams = set(lines["team"])
+    assert lines["team_budget_usd"].sum() == sum(budgets[t] for t in teams if budgets[t] > 0)
+    for team in teams:
+        own = lines.filter(pl.col("team") == team)
+        assert own["team_budget_usd"].drop_nulls().len() == (1 if budgets[team] > 0 else 0)
+    assert total["line_type"] == "total"
+    assert (total["team"], total["model"], total["for_month"]) == (None, None, None)
+    assert round(total["total_usd"] * 100) == statement.total_cents
+    assert total["requests"] == lines["requests"].sum()
+    assert total["team_budget_usd"] == lines["team_budget_usd"].sum()
+
+
+def test_budget_used_is_a_percentage():
+    """46 cents of a 10-dollar budget is written 4.6 (percent), on the team's first line."""
+    lines = pl.DataFrame(
+        {"month": ["2026-11"] * 2, "for_month": ["2026-11"] * 2, "team": ["search"] * 2,
+         "model": ["a", "b"], "requests": [1, 1], "prompt_tokens": [1, 1], "completion_tokens": [1, 1],
+         "gpu_hours": [0.1, 0.1], "energy_kwh": [0.0, 0.0], "compute_cents": [20, 20],
+         "energy_cents": [0, 0], "idle_cents": [3, 3], "total_cents": [23, 23]}
+    )  # fmt: skip
+    frame = chargeback_frame(Statement("2026-11", False, lines, 46, 0), {"search": 10.0})
+    assert frame["team_budget_used_percent"].to_list() == [4.6, None, 4.6]
 
 
 @pytest.mark.parametrize(
@@ -132,9 +163,39 @@ def test_the_chargeback_command_writes_from_a_ledger_file(
 
 
 def test_the_chargeback_command_names_a_bad_month(tmp_path, capsys):
-    """A month that is not YYYY-MM is a one-line error."""
-    with pytest.raises(ValueError, match="month '2026-13' is not of the form YYYY-MM"):
+    """A month that is not YYYY-MM is a one-line usage error, exit 2, and no file is opened."""
+    with pytest.raises(SystemExit) as info:
         main(["chargeback", "--month", "2026-13", "--database", str(tmp_path / "x.duckdb")])
+    assert info.value.code == 2
+    assert "month '2026-13' is not of the form YYYY-MM" in capsys.readouterr().err
+    assert not (tmp_path / "x.duckdb").exists()
+
+
+def test_focus_unit_prices_come_from_unrounded_costs(config):
+    """A line of a few GPU-seconds is priced at the book's rate, not at its cents over its hours."""
+    lines = pl.DataFrame(
+        {"month": ["2026-11"] * 2, "for_month": ["2026-11"] * 2, "team": ["search"] * 2,
+         "model": ["chat-large", "(error) no price for GPU model B200 in prices.usd_per_gpu_hour"],
+         "requests": [1, 1], "prompt_tokens": [10, 10], "completion_tokens": [1, 1],
+         "gpu_hours": [0.001, 0.5], "energy_kwh": [0.0005, 0.1], "compute_cents": [0, 0],
+         "energy_cents": [0, 0], "idle_cents": [0, 0], "total_cents": [0, 0]}
+    )  # fmt: skip
+    frame = focus_frame(Statement("2026-11", False, lines, 0, 0), config, "1.2")
+    rate = 3.90 + 0.0005 / 0.001 * 0.14 * 1.35  # H100 price + the line's energy per GPU-hour
+    assert float(frame["ListUnitPrice"][0]) == pytest.approx(rate, abs=1e-6)
+    assert float(frame["ContractedUnitPrice"][0]) == pytest.approx(rate, abs=1e-6)
+    assert float(frame["ListUnitPrice"][1]) == 0  # a line that could not be priced costs nothing
+
+
+def test_focus_unit_prices_times_quantity_give_the_billed_cost(ledger, config):
+    """Unit price x GPU-hours is each line's billed cost to within the cent it was rounded to."""
+    statement = _statement(ledger, config)
+    frame = focus_frame(statement, config, "1.0").filter(pl.col("PricingQuantity") > 0)
+    assert frame.height
+    for price, quantity, billed in frame.select(
+        "ListUnitPrice", "PricingQuantity", "BilledCost"
+    ).iter_rows():
+        assert float(price) * float(quantity) == pytest.approx(float(billed), abs=0.01)
 
 
 def _pods(ledger: Ledger, config: Config) -> Chargeback:

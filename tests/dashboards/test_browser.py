@@ -22,6 +22,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
+from dashboards.formatting import parse_number
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
 from infermeter.config import Config, DashboardSettings, load_config
@@ -96,15 +97,37 @@ def sign_in(stack: Stack, key: str, path: str) -> None:
 
 
 def column(stack: Stack, table: str, name: str) -> list[str]:
-    """Every cell of column ``name`` in table ``table``."""
-    cells = stack.driver.find_elements(By.CSS_SELECTOR, f"#{table} td[data-column='{name}']")
+    """Every body cell of column ``name`` in table ``table`` (the total row left out)."""
+    cells = stack.driver.find_elements(By.CSS_SELECTOR, f"#{table} tbody td[data-column='{name}']")
     return [c.text for c in cells]
+
+
+def total(stack: Stack, table: str, name: str) -> str:
+    """The total row's cell of column ``name`` in table ``table``."""
+    return stack.driver.find_element(
+        By.CSS_SELECTOR, f"#{table} tfoot td[data-column='{name}']"
+    ).text
 
 
 def rows(stack: Stack, table: str) -> list[list[str]]:
     """The table's body as text, row by row."""
     body = stack.driver.find_elements(By.CSS_SELECTOR, f"#{table} tbody tr")
     return [[td.text for td in tr.find_elements(By.TAG_NAME, "td")] for tr in body]
+
+
+def same_cells(shown: dict[str, str], file: dict[str, str]) -> bool:
+    """True when every shown cell is the file's value, formatted (numbers compared as numbers)."""
+    for name, text in shown.items():
+        value = file[name]
+        number = parse_number(text)
+        if value == "" and text == "":
+            continue
+        if number is None or not value.lstrip("-").replace(".", "", 1).isdigit():
+            if text != value:
+                return False
+        elif abs(number - float(value)) > 0.0015 * max(1.0, abs(float(value))):
+            return False
+    return True
 
 
 def finish(stack: Stack, name: str) -> None:
@@ -137,10 +160,21 @@ def test_chargeback_table_is_the_export_and_reconciles(stack):
     csv_text = write_csv(chargeback_frame(statement, budgets))
     sign_in(stack, ADMIN_KEY, "/chargeback")
     wait(stack, "#chargeback-reconciles", "Reconciles to the cent")
-    expected = [line.split(",") for line in csv_text.strip().splitlines()[1:]]
-    assert rows(stack, "chargeback-lines") == expected
-    shown_total = sum(float(x) for x in column(stack, "chargeback-lines", "total_usd"))
+    header, *body = [line.split(",") for line in csv_text.strip().splitlines()]
+    *lines, last = body
+    shown = rows(stack, "chargeback-lines")
+    assert len(shown) == len(lines)
+    for cells, line in zip(shown, lines, strict=True):
+        assert same_cells(
+            dict(zip(header[1:], cells, strict=True)), dict(zip(header, line, strict=True))
+        )
+    assert last[header.index("line_type")] == "total"
+    shown_total = sum(parse_number(x) or 0 for x in column(stack, "chargeback-lines", "total_usd"))
     assert round(shown_total * 100) == statement.total_cents == statement.fleet_cents
+    assert (
+        parse_number(total(stack, "chargeback-lines", "total_usd")) == statement.total_cents / 100
+    )
+    assert "$" in column(stack, "chargeback-lines", "total_usd")[0]
     assert f"${statement.total_cents / 100:,.2f}" in wait(stack, "#chargeback-total")
     stack.driver.find_element(By.ID, "chargeback-csv-button").click()
     target = stack.downloads / f"chargeback-{month}.csv"
@@ -179,15 +213,16 @@ def test_team_key_sees_only_its_team(stack):
     sign_in(stack, TEAM_KEYS["search"], "/teams")
     wait(stack, "#teams-table")
     assert column(stack, "teams-table", "team") == ["search"]
-    shown = float(column(stack, "teams-table", "spent_usd")[0].replace(",", ""))
+    shown = parse_number(column(stack, "teams-table", "spent_usd")[0])
     assert shown == pytest.approx(spend["search"].spent_usd)
     finish(stack, "teams-search")
 
     stack.driver.get(stack.url + "/?range=24h")
     own = Counter(r["team"] for r in stack.fleet.usage)["search"]
     wait(stack, "#fleet-requests-total", f"{own} requests in range")
-    wait(stack, "#fleet-admin-note", "admin credential")
+    wait(stack, "#fleet-admin-note", "admin only")
     wait(stack, "#fleet-reconciliation", "admin credential")
+    assert not stack.driver.find_element(By.ID, "fleet-admin-figures").is_displayed()
     finish(stack, "fleet-search")
 
     stack.driver.get(stack.url + "/chargeback")
@@ -206,7 +241,7 @@ def test_sla_compliance_equals_the_ledgers_share(stack):
         target = stack.config.model(model).sla.ttft_p95_seconds
         reqs = [r for r in stack.fleet.usage if r["model"] == model]
         within = sum(r["first_token_at"] - r["received_at"] <= target for r in reqs)
-        assert float(pct) == pytest.approx(round(100 * within / len(reqs), 2))
+        assert parse_number(pct) == pytest.approx(round(100 * within / len(reqs), 1), abs=0.051)
     assert len(column(stack, "sla-worst-table", "p95_seconds")) == 2
     local = dt.datetime.fromtimestamp(stack.fleet.start, ZoneInfo(VIEWER_TZ)).replace(tzinfo=None)
     assert set(column(stack, "sla-worst-table", "hour")) == {str(local)}
@@ -230,6 +265,25 @@ def test_planner_sizes_70b_fp8(stack):
             strict=True,
         )
     )
-    assert prices["H100"] == "7.80"
+    assert prices["H100"] == "$7.80"
     assert prices["H200"] == "no price"
     finish(stack, "planner")
+
+
+def test_tables_sort_by_a_clicked_header(stack):
+    """A header click sorts the rows by that column as numbers, again reverses; the total stays last."""
+    sign_in(stack, ADMIN_KEY, "/chargeback")
+    wait(stack, "#chargeback-reconciles", "Reconciles")
+    header = stack.driver.find_element(
+        By.CSS_SELECTOR, "#chargeback-lines th[data-column='total_usd']"
+    )
+    before = total(stack, "chargeback-lines", "total_usd")
+    header.click()
+    shown = [parse_number(v) or 0.0 for v in column(stack, "chargeback-lines", "total_usd")]
+    assert shown == sorted(shown)
+    assert header.get_attribute("aria-sort") == "ascending"
+    header.click()
+    shown = [parse_number(v) or 0.0 for v in column(stack, "chargeback-lines", "total_usd")]
+    assert shown == sorted(shown, reverse=True)
+    assert total(stack, "chargeback-lines", "total_usd") == before
+    finish(stack, "chargeback-sorted")

@@ -53,3 +53,16 @@ def test_dashboard_arguments():
     )
     assert (args.listen, args.billing_url) == ("127.0.0.1:1", "http://b")
     assert callable(args.handler)
+
+
+def test_plan_takes_a_size_without_preset_from_its_shape(capsys):
+    """A size no preset has is planned from the layers and heads given on the command line."""
+    argv = ["plan", "--params", "13", "--layers", "40", "--kv-heads", "40", "--head-dim", "128"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("13B bf16, 40 layers x 40 KV heads x 128")
+
+
+def test_plan_refuses_a_size_it_has_no_shape_for(capsys):
+    """A size no preset has, without its shape, is refused rather than planned as another model."""
+    assert main(["plan", "--params", "13"]) == 2
+    assert "no model shape for 13B parameters" in capsys.readouterr().err

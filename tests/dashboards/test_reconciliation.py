@@ -32,7 +32,8 @@ def test_the_table_sums_each_group_over_the_range(config: Config) -> None:
     assert rows == [{"replica": "small-0", "model": "chat-small", "engine_tokens": 3000,
                      "ledger_tokens": 2700, "difference_tokens": 300, "unattributed_tokens": 300,
                      "unattributed_share": 0.1}]  # fmt: skip
-    assert getattr(table(frame), "id", None) == "fleet-reconciliation-table"
+    shown = table(frame).children  # the table, in its scrolling wrapper
+    assert getattr(shown, "id", None) == "fleet-reconciliation-table"
 
 
 def test_an_empty_range_is_an_empty_table() -> None:

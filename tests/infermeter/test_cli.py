@@ -163,3 +163,10 @@ def test_demo_command_runs_the_fleet(tmp_path):
     assert all(_gone(r["upstream_url"] + "/health") for r in config["replicas"]), (
         "no replica outlives the demo"
     )
+
+
+def test_demo_lists_every_team_key(config):
+    """The demo names the public key of every team the embedded configuration has."""
+    from infermeter.cli import demo_team_keys
+
+    assert demo_team_keys(config) == [f"im-demo-{t.name}" for t in config.teams]

@@ -132,7 +132,12 @@ def test_negative_numbers_stay_numbers_in_the_chargeback_csv():
     )
     row = rows[0]
     assert row["team"] == "'-search"
-    assert (row["requests"], row["gpu_hours"], row["total_usd"], row["budget_used_pct"]) == (
+    assert (
+        row["requests"],
+        row["gpu_hours"],
+        row["total_usd"],
+        row["team_budget_used_percent"],
+    ) == (
         "-2",
         "-0.25",
         "-0.46",
