@@ -19,7 +19,7 @@ from billing.ledger import Ledger
 from billing.metrics import IngestCounters, LedgerCollector, SpendCollector, StatementCollector
 from billing.ratelimit import ReadLimiter
 from billing.rollups import Rollups
-from billing.routes import errors, ingest, ops, queries, statements
+from billing.routes import efficiency, errors, ingest, ops, queries, statements
 from billing.routes.dependencies import Services
 from billing.statement_cache import CachedChargeback
 from infermeter.config import Config
@@ -58,7 +58,7 @@ def create_app(config: Config, ledger: Ledger, statement_ttl_seconds: float = 30
         reads=ReadLimiter(b.read_rate_per_second, b.read_burst),
         computing=CapacityLimiter(STATEMENT_THREADS),
     )
-    for module in (ops, ingest, statements, queries):
+    for module in (ops, ingest, statements, queries, efficiency):
         app.include_router(module.router)
     errors.install(app)
     return app

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from billing.efficiency import cli as efficiency_cli
 from infermeter.commands import Subparsers, add_config, fail
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ def register(sub: Subparsers) -> None:
         "--billing-url", metavar="URL", help="the billing service (default: billing.url)"
     )
     cb.set_defaults(handler=_chargeback)
+    efficiency_cli.register(sub)
 
 
 def _serve(args: argparse.Namespace, config: Config) -> int:
