@@ -17,7 +17,6 @@ from billing.efficiency.advice import shape_of
 from billing.efficiency.cli import table
 from billing.ledger import Ledger
 from infermeter.config import Config
-
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
 
 NOW = OCT + 40 * 86400
