@@ -22,13 +22,13 @@ from dashboards.client import BillingClient, BillingError
 from dashboards.context import Context, signed_in
 from dashboards.data import RANGES
 from dashboards.headers import content_security_policy, install_security_headers
-from dashboards.pages import chargeback, fleet, planner, sla, teams
+from dashboards.pages import chargeback, efficiency, fleet, planner, sla, teams
 from dashboards.throttle import SignInThrottle, locked_message
 from infermeter.config import Config
 
 __all__ = ["PAGES", "create_app"]
 
-PAGES: Final[tuple[ModuleType, ...]] = (fleet, teams, chargeback, sla, planner)
+PAGES: Final[tuple[ModuleType, ...]] = (fleet, teams, chargeback, sla, planner, efficiency)
 
 _STYLE: Final = """
 body { font-family: system-ui, sans-serif; margin: 0; color: #1d2430; }
