@@ -10,12 +10,15 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import orjson
 import pytest
 
 from billing.efficiency import Policy, read_report
 from billing.efficiency.advice import shape_of
 from billing.efficiency.cli import table
 from billing.ledger import Ledger
+from billing.serve import open_ledger
+from infermeter.cli import main
 from infermeter.config import Config
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
 
@@ -205,3 +208,20 @@ def test_a_served_version_names_its_planner_shape(served, params, precision):
 def test_the_saving_floor_is_a_policy():
     """The default policy offers nothing under a dollar a month."""
     assert Policy().min_saving_usd_per_month == 1.0
+
+
+def test_advise_reads_a_ledger_file_and_prints_the_advice(config, tmp_path, capsys):
+    """`infermeter advise --database` prints the month's recommendations as a table and as JSON."""
+    path = str(tmp_path / "ledger.duckdb")
+    ledger = open_ledger(config, path)
+    fill(ledger, usage=requests(10) + requests(10, replica="small-1"),
+         gpu_samples=gpus("small-0") + gpus("small-1", first=1),
+         engine_samples=engine("small-0", 10) + engine("small-1", 10))  # fmt: skip
+    ledger.close()
+    assert main(["advise", "--month", "2026-10", "--database", path]) == 0
+    text = capsys.readouterr().out
+    assert "1,168.00 USD/month  chat-small: run 1 replica instead of 2  [right_size]" in text
+    assert "evidence: replicas=2, gpu_model=L40S, peak_running=20" in text
+    assert main(["advise", "--month", "2026-10", "--database", path, "--format", "json"]) == 0
+    body = orjson.loads(capsys.readouterr().out)
+    assert [r["saving_usd_per_month"] for r in body["recommendations"]] == [1168.0]
