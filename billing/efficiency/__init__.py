@@ -1,6 +1,5 @@
-"""The efficiency advisor: where the GPU money goes, and what would save it, from measured use."""
+"""The efficiency advisor: where the GPU money goes, and what would save it, from measured use.
 
-from billing.efficiency.advice import Policy, Recommendation, advise
-from billing.efficiency.store import Report, read_report
-
-__all__ = ["Policy", "Recommendation", "Report", "advise", "read_report"]
+``figures`` builds the SQL, ``store`` runs it, ``advice`` holds the rules, ``cli`` the command.
+The package imports nothing itself, so ``infermeter --help`` stays light.
+"""

@@ -13,9 +13,9 @@ from typing import Any
 import orjson
 import pytest
 
-from billing.efficiency import Policy, read_report
-from billing.efficiency.advice import shape_of
+from billing.efficiency.advice import Policy, shape_of
 from billing.efficiency.cli import table
+from billing.efficiency.store import read_report
 from billing.ledger import Ledger
 from billing.serve import open_ledger
 from infermeter.cli import main

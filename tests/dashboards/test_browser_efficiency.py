@@ -11,7 +11,7 @@ import time
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from billing.efficiency import read_report
+from billing.efficiency.store import read_report
 from infermeter.months import month_of
 from tests.dashboards.records import ADMIN_KEY, REPLICAS, TEAM_KEYS
 from tests.dashboards.test_browser import Stack, column, finish, sign_in, stack, wait  # noqa: F401
