@@ -14,6 +14,9 @@ changing gets an empty list.
 - **quantize**: the planner (``dashboards.planner``) sizes the served model at 8 and 4 bits on
   the GPU it runs on, with the KV cache of the measured peak; a precision that needs fewer GPUs
   per replica saves those GPUs' measured GPU-hour cost.
+- **gpu_type**: a model the fleet serves on two GPU types, cheaper per token on one of them
+  (which holds the TTFT target and fits the model by the planner): the other type's tokens
+  priced at the difference of the two measured costs per weighted token.
 - **route**: a team's short requests (prompt and output under thresholds) to a model that a
   cheaper, smaller model in the fleet could serve; priced at both models' measured cost per
   weighted token.
@@ -37,13 +40,14 @@ __all__ = [
     "Recommendation",
     "ShortRequests",
     "advise",
+    "gpu_type",
     "quantize",
     "right_size",
     "route",
     "shape_of",
 ]
 
-KINDS: Final = ("right_size", "quantize", "route")
+KINDS: Final = ("right_size", "quantize", "gpu_type", "route")
 
 QUALITY_CAVEAT: Final[Mapping[str, str]] = {
     "fp8": "8-bit weights (FP8) usually stay close to the 16-bit model's quality, but check it "
@@ -334,15 +338,80 @@ def _cheaper_smaller(big: ModelFigures, models: Sequence[ModelFigures] | Any,
     return best
 
 
+def gpu_type(per_gpu: Sequence[ModelFigures], weights: tuple[float, float],
+             policy: Policy) -> list[Recommendation]:  # fmt: skip
+    """Move a model's replicas to the GPU type it was measured cheaper per token on."""
+    wp, wc = weights
+    found = []
+    for now in per_gpu:
+        rate_now = now.usd_per_weighted_token(wp, wc)
+        best = _cheapest_type(now, per_gpu, weights, policy)
+        if rate_now is None or best is None:
+            continue
+        other, rate = best
+        weighted = wp * now.prompt_tokens + wc * now.completion_tokens
+        saving = now.per_month(weighted * (rate_now - rate))
+        if saving < policy.min_saving_usd_per_month:
+            continue
+        found.append(Recommendation(
+            kind="gpu_type", model=now.model, team=None,
+            title=f"{now.model}: serve on {other.gpu_model} instead of {now.gpu_model}",
+            saving_usd_per_month=saving,
+            evidence={
+                "gpu_model_now": now.gpu_model, "gpu_model_after": other.gpu_model,
+                "replicas_now": now.replicas,
+                "usd_per_1m_weighted_tokens_now": rate_now * 1e6,
+                "usd_per_1m_weighted_tokens_after": rate * 1e6,
+                "ttft_within_sla_share_after": other.ttft_within_sla_share,
+                "weighted_tokens_now": weighted, "hours_measured": now.hours,
+            },
+            assumptions=(
+                f"{other.gpu_model} keeps its measured cost per token with this load added "
+                "(its replicas are as busy as they were measured)",
+                f"the capacity planner fits the model on {other.gpu_model}",
+                f"the {now.hours} hours measured are representative of a month",
+            ),
+            caveat=f"{other.gpu_model} must be available: check the cloud's or the cluster's capacity.",
+            action={"gpu_model": other.gpu_model},
+        ))  # fmt: skip
+    return found
+
+
+def _cheapest_type(now: ModelFigures, per_gpu: Sequence[ModelFigures], weights: tuple[float, float],
+                   policy: Policy) -> tuple[ModelFigures, float] | None:  # fmt: skip
+    rate_now = now.usd_per_weighted_token(*weights)
+    best: tuple[ModelFigures, float] | None = None
+    for other in per_gpu:
+        rate = other.usd_per_weighted_token(*weights)
+        if other.model != now.model or other.gpu_model == now.gpu_model or rate is None:
+            continue
+        share = other.ttft_within_sla_share
+        if share is None or share < policy.sla_share or rate_now is None or rate >= rate_now:
+            continue
+        shape = shape_of(now.served_version, _mean_context(now), 1)
+        if shape is not None and other.gpu_model in GPUS_GB:
+            fit = plan(shape, {}, {other.gpu_model: GPUS_GB[other.gpu_model]}).fits[0]
+            if not fit.fits:
+                continue
+        if best is None or rate < best[1]:
+            best = (other, rate)
+    return best
+
+
 def advise(models: Sequence[ModelFigures], shorts: Sequence[ShortRequests],
            usd_per_gpu_hour: Mapping[str, float], weights: tuple[float, float],
-           policy: Policy | None = None) -> list[Recommendation]:  # fmt: skip
-    """Every recommendation for the fleet, largest saving first."""
+           policy: Policy | None = None,
+           per_gpu: Sequence[ModelFigures] = ()) -> list[Recommendation]:  # fmt: skip
+    """Every recommendation for the fleet, largest saving first.
+
+    ``models``: one summary per model; ``per_gpu``: one per model and GPU type it runs on.
+    """
     policy = Policy() if policy is None else policy
     found: list[Recommendation] = []
     for m in models:
         for rec in (right_size(m, policy), quantize(m, usd_per_gpu_hour, policy)):
             if rec is not None and rec.saving_usd_per_month >= policy.min_saving_usd_per_month:
                 found.append(rec)
+    found.extend(gpu_type(per_gpu, weights, policy))
     found.extend(route(shorts, {m.model: m for m in models}, weights, policy))
     return sorted(found, key=lambda r: (-r.saving_usd_per_month, r.kind, r.model, r.team or ""))

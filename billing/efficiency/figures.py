@@ -37,6 +37,7 @@ __all__ = [
     "fleet_of",
     "group_hourly_sql",
     "instance_hourly_sql",
+    "model_gpu_sql",
     "model_summary_sql",
     "short_requests_sql",
     "team_hourly_sql",
@@ -206,7 +207,6 @@ ORDER BY gpu.replica, t, model"""
 
 def instance_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
     """Per hour and engine instance: batch occupancy, KV cache, preemptions, prefix hits, queue."""
-    _, params = _cost_ctes(fleet)
     seqs, params = _values("seqs", [("replica", "VARCHAR"), ("max_num_seqs", "BIGINT")],
                            sorted(fleet.max_num_seqs.items()))  # fmt: skip
     sql = f"""
@@ -305,6 +305,38 @@ FROM served s JOIN gpu g ON g.replica = s.replica
 LEFT JOIN seqs q ON q.replica = s.replica
 LEFT JOIN peaks p ON p.model = s.model
 GROUP BY s.model ORDER BY s.model"""
+    return sql, params | _range(lo_slot, hi_slot)
+
+
+def model_gpu_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
+    """Per model and GPU model over the range: cost, tokens and TTFT, to compare GPU types.
+
+    A replica group runs on one GPU model; a model served on two GPU types has been measured on
+    both, at the same prompts, so their costs per token can be set side by side.
+    """
+    ctes, params = _cost_ctes(fleet)
+    sql = f"""
+WITH {ctes},
+kinds AS (SELECT replica, any_value(gpu_model) AS gpu_model FROM gpu_slots
+          WHERE replica <> '' AND slot >= $lo AND slot < $hi GROUP BY replica),
+served AS (
+    SELECT replica, any_value(model) AS model, sum(requests) AS requests, sum(prompt_tokens) AS prompt_tokens,
+        sum(completion_tokens) AS completion_tokens, sum(ttft_count) AS ttft_count,
+        sum(ttft_within_sla) AS ttft_within_sla
+    FROM usage_slots WHERE slot >= $lo AND slot < $hi GROUP BY replica),
+gpu AS (
+    SELECT replica, sum(gpu_seconds) AS gpu_seconds, sum(gpu_usd) AS gpu_usd,
+        sum(gpu_usd + energy_usd) AS cost_usd, count(*) AS minutes,
+        count(DISTINCT slot // {_MINUTES_PER_HOUR}) AS hours
+    FROM cost GROUP BY replica)
+SELECT s.model, k.gpu_model, count(*) AS replicas,
+    sum(g.gpu_seconds) / sum(g.minutes * {SLOT_SECONDS}) AS gpus_per_replica, max(g.hours) AS hours,
+    sum(g.gpu_usd) AS gpu_usd, sum(g.cost_usd) AS cost_usd, CAST(sum(s.requests) AS BIGINT) AS requests,
+    CAST(sum(s.prompt_tokens) AS BIGINT) AS prompt_tokens,
+    CAST(sum(s.completion_tokens) AS BIGINT) AS completion_tokens,
+    sum(s.ttft_within_sla) / nullif(sum(s.ttft_count), 0) AS ttft_within_sla_share
+FROM served s JOIN gpu g ON g.replica = s.replica JOIN kinds k ON k.replica = s.replica
+GROUP BY s.model, k.gpu_model ORDER BY s.model, k.gpu_model"""
     return sql, params | _range(lo_slot, hi_slot)
 
 

@@ -20,6 +20,7 @@ from billing.efficiency.figures import (
     fleet_of,
     group_hourly_sql,
     instance_hourly_sql,
+    model_gpu_sql,
     model_summary_sql,
     short_requests_sql,
     team_hourly_sql,
@@ -28,7 +29,7 @@ from billing.schema import SLOT_SECONDS
 from infermeter.config import Config
 from infermeter.months import month_bounds
 
-__all__ = ["Report", "month_slots", "read_models", "read_report", "read_shorts"]
+__all__ = ["Report", "month_slots", "read_models", "read_per_gpu", "read_report", "read_shorts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +104,28 @@ def read_models(cursor: duckdb.DuckDBPyConnection, config: Config, fleet: Fleet,
     return found
 
 
+def read_per_gpu(cursor: duckdb.DuckDBPyConnection, config: Config, fleet: Fleet, lo: int,
+                 hi: int) -> list[ModelFigures]:  # fmt: skip
+    """Each model's measured summary on each GPU type it runs on (no engine peaks)."""
+    known = {m.name: m for m in config.models}
+    found = []
+    for row in _frame(cursor, model_gpu_sql(lo, hi, fleet)).iter_rows(named=True):
+        model = known.get(row["model"])
+        found.append(ModelFigures(
+            model=row["model"],
+            served_version=model.current_version if model else row["model"],
+            gpu_model=row["gpu_model"], replicas=int(row["replicas"]),
+            gpus_per_replica=float(row["gpus_per_replica"] or 0), hours=int(row["hours"] or 0),
+            gpu_hours=0.0, gpu_usd=float(row["gpu_usd"] or 0), cost_usd=float(row["cost_usd"] or 0),
+            requests=int(row["requests"] or 0), prompt_tokens=int(row["prompt_tokens"] or 0),
+            completion_tokens=int(row["completion_tokens"] or 0),
+            ttft_within_sla_share=row["ttft_within_sla_share"], max_num_seqs=None,
+            peak_running=None, peak_waiting=None,
+            max_model_len=model.max_model_len if model else 8192,
+        ))  # fmt: skip
+    return found
+
+
 def read_shorts(cursor: duckdb.DuckDBPyConnection, policy: Policy, lo: int,
                 hi: int) -> list[ShortRequests]:  # fmt: skip
     """Short requests per model and team, as the policy's thresholds define them."""
@@ -122,7 +145,8 @@ def read_report(cursor: duckdb.DuckDBPyConnection, config: Config, month: str, n
     lo, hi = month_slots(month, now)
     weights = (fleet.prompt_weight, fleet.completion_weight)
     recs = advise(read_models(cursor, config, fleet, lo, hi), read_shorts(cursor, policy, lo, hi),
-                  fleet.usd_per_gpu_hour, weights, policy)  # fmt: skip
+                  fleet.usd_per_gpu_hour, weights, policy,
+                  read_per_gpu(cursor, config, fleet, lo, hi))  # fmt: skip
     teams = _frame(cursor, team_hourly_sql(lo, hi, fleet, team))
     if team is None:
         groups = _frame(cursor, group_hourly_sql(lo, hi, fleet))

@@ -148,6 +148,29 @@ def test_quantize_does_not_fire_when_the_kv_cache_needs_the_gpus(ledger, config)
     assert kinds(report(ledger, config), "quantize") == []
 
 
+def _two_gpu_types(ledger: Ledger, ttft_seconds: float = 0.1) -> None:
+    """chat-small on an L40S (100 requests, $1.60) and on an A100-80GB (300 requests, $2.40)."""
+    slow = [r | {"first_token_at": r["received_at"] + ttft_seconds}
+            for r in requests(300, "assistant", replica="small-1")]  # fmt: skip
+    fill(ledger, usage=requests(100) + slow,
+         gpu_samples=gpus("small-0") + gpus("small-1", gpu_model="A100-80GB", first=1))  # fmt: skip
+
+
+def test_gpu_type_fires_for_a_type_measured_cheaper_per_token(ledger, config):
+    """The L40S replica's 25,000 weighted tokens cost 6.4e-5 each; on the A100 3.2e-5: $0.80 an hour saved."""
+    _two_gpu_types(ledger)
+    [rec] = kinds(report(ledger, config), "gpu_type")
+    assert rec.action == {"gpu_model": "A100-80GB"}
+    assert rec.evidence["gpu_model_now"] == "L40S"
+    assert rec.saving_usd_per_month == pytest.approx(25_000 * (1.60 / 25_000 - 2.40 / 75_000) * 730)
+
+
+def test_gpu_type_does_not_fire_when_the_cheaper_type_misses_the_sla(ledger, config):
+    """A GPU type whose requests missed the 0.5 s TTFT target is no place to move a model to."""
+    _two_gpu_types(ledger, ttft_seconds=1.0)
+    assert kinds(report(ledger, config), "gpu_type") == []
+
+
 def _route_ledger(ledger: Ledger, short: int) -> None:
     """search sends 10 requests to chat-large, ``short`` of them short; assistant fills chat-small."""
     fill(ledger,
