@@ -25,7 +25,7 @@ Conventions the figures share:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from billing.schema import SLOT_SECONDS
@@ -58,6 +58,7 @@ class Fleet:
     usd_per_kwh: float
     pue: float
     max_num_seqs: Mapping[str, int]  # replica group -> the engine's max_num_seqs
+    replica_models: Mapping[str, str] = field(default_factory=dict)  # replica group -> model
     prompt_weight: float = 1.0
     completion_weight: float = 3.0
 
@@ -69,6 +70,7 @@ def fleet_of(config: Config) -> Fleet:
         usd_per_kwh=config.prices.usd_per_kwh,
         pue=config.prices.pue,
         max_num_seqs={r.id: r.max_num_seqs for r in config.replicas if r.max_num_seqs},
+        replica_models={r.id: r.model for r in config.replicas},
         prompt_weight=config.billing.token_weights.prompt,
         completion_weight=config.billing.token_weights.completion,
     )
@@ -155,8 +157,10 @@ def _token_costs(fleet: Fleet, cost: str, prompt: str, completion: str) -> str:
 def group_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
     """Per hour, model and replica group: what the GPUs cost and what they served (fleet-wide)."""
     ctes, params = _cost_ctes(fleet)
+    models, p2 = _values("models", [("replica", "VARCHAR"), ("model", "VARCHAR")],
+                         sorted(fleet.replica_models.items()))  # fmt: skip
     sql = f"""
-WITH {ctes}, {_engine_cte()},
+WITH {ctes}, {models}, {_engine_cte()},
 gpu AS (
     SELECT replica, slot // {_MINUTES_PER_HOUR} AS hour, sum(gpu_seconds) AS gpu_seconds,
         sum(energy_joules) AS energy_joules, sum(gpu_usd + energy_usd) AS cost_usd,
@@ -178,7 +182,7 @@ eng AS (
         sum(prefix_cache_queries) AS prefix_cache_queries, sum(prefix_cache_hits) AS prefix_cache_hits,
         count(DISTINCT instance) AS instances
     FROM engine e LEFT JOIN seqs s ON s.replica = e.replica GROUP BY e.replica, hour)
-SELECT gpu.hour * 3600 AS t, coalesce(served.model, eng.model) AS model, gpu.replica,
+SELECT gpu.hour * 3600 AS t, coalesce(served.model, eng.model, models.model) AS model, gpu.replica,
     eng.instances, gpu.gpu_seconds / 3600 AS gpu_hours, gpu.cost_usd,
     CAST(coalesce(served.requests, 0) AS BIGINT) AS requests,
     CAST(coalesce(served.prompt_tokens, 0) AS BIGINT) AS prompt_tokens,
@@ -200,9 +204,10 @@ FROM gpu
 LEFT JOIN busy ON busy.replica = gpu.replica AND busy.hour = gpu.hour
 LEFT JOIN served ON served.replica = gpu.replica AND served.hour = gpu.hour
 LEFT JOIN eng ON eng.replica = gpu.replica AND eng.hour = gpu.hour
+LEFT JOIN models ON models.replica = gpu.replica
 WHERE gpu.gpu_seconds > 0
 ORDER BY gpu.replica, t, model"""
-    return sql, params | _range(lo_slot, hi_slot)
+    return sql, params | p2 | _range(lo_slot, hi_slot)
 
 
 def instance_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:

@@ -248,3 +248,12 @@ def test_advise_reads_a_ledger_file_and_prints_the_advice(config, tmp_path, caps
     assert main(["advise", "--month", "2026-10", "--database", path, "--format", "json"]) == 0
     body = orjson.loads(capsys.readouterr().out)
     assert [r["saving_usd_per_month"] for r in body["recommendations"]] == [1168.0]
+
+
+def test_an_hour_with_gpu_time_and_no_requests_is_all_idle(ledger, config):
+    """A replica that served nothing for an hour shows its model, its cost and an idle share of 1."""
+    fill(ledger, gpu_samples=gpus("small-1", first=1))
+    [row] = report(ledger, config).groups.iter_rows(named=True)
+    assert (row["model"], row["requests"], row["idle_share"]) == ("chat-small", 0, 1.0)
+    assert row["cost_usd"] == pytest.approx(1.60)
+    assert row["tokens_per_gpu_second"] == 0
