@@ -294,8 +294,7 @@ per_minute AS (
         SELECT model, instance, slot, avg(requests_running) AS running, avg(requests_waiting) AS waiting
         FROM engine GROUP BY ALL) GROUP BY ALL),
 peaks AS (
-    SELECT model, max(running) AS peak_running, arg_max(waiting, running) AS waiting_at_peak,
-        max(waiting) AS peak_waiting
+    SELECT model, max(running) AS peak_running, max(waiting) AS peak_waiting
     FROM per_minute GROUP BY model)
 SELECT s.model, count(*) AS replicas, string_agg(DISTINCT g.gpu_model, ',') AS gpu_model,
     sum(g.gpu_seconds) / sum(g.minutes * {SLOT_SECONDS}) AS gpus_per_replica,

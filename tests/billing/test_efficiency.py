@@ -257,3 +257,16 @@ def test_an_hour_with_gpu_time_and_no_requests_is_all_idle(ledger, config):
     assert (row["model"], row["requests"], row["idle_share"]) == ("chat-small", 0, 1.0)
     assert row["cost_usd"] == pytest.approx(1.60)
     assert row["tokens_per_gpu_second"] == 0
+
+
+def test_instances_of_one_group_are_figured_apart(ledger, config):
+    """Two engine instances of small-0 keep their own occupancy and preemption counts."""
+    first = engine("small-0", 64, preemptions_total=lambda i: float(i))
+    second = engine("small-0", 32, preemptions_total=lambda i: 100.0)
+    fill(ledger, engine_samples=[s | {"instance": "small-0-a"} for s in first]
+         + [s | {"instance": "small-0-b"} for s in second])  # fmt: skip
+    rows = {r["instance"]: r for r in report(ledger, config).instances.iter_rows(named=True)}
+    assert rows["small-0-a"]["batch_occupancy"] == pytest.approx(0.5)
+    assert rows["small-0-a"]["preemptions"] == pytest.approx(59)
+    assert rows["small-0-b"]["batch_occupancy"] == pytest.approx(0.25)
+    assert rows["small-0-b"]["preemptions"] == pytest.approx(0)
