@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -216,7 +216,6 @@ def right_size(m: ModelFigures, policy: Policy) -> Recommendation | None:
 def quantize(m: ModelFigures, usd_per_gpu_hour: Mapping[str, float],
              policy: Policy) -> Recommendation | None:  # fmt: skip
     """A lower precision that the planner fits on fewer GPUs per replica than the model uses."""
-    del policy  # the floor applies below; kept in the signature so every rule reads alike
     context = _mean_context(m)
     shape = shape_of(m.served_version, context, math.ceil(m.peak_running or 1))
     gpus_now = round(m.gpus_per_replica)
@@ -236,6 +235,8 @@ def quantize(m: ModelFigures, usd_per_gpu_hour: Mapping[str, float],
         return None
     precision, tp = best
     saving = m.per_month(m.gpu_usd * (gpus_now - tp) / gpus_now)
+    if saving < policy.min_saving_usd_per_month:
+        return None
     return Recommendation(
         kind="quantize",
         model=m.model,
@@ -321,7 +322,7 @@ def route(shorts: Sequence[ShortRequests], models: Mapping[str, ModelFigures],
     return found
 
 
-def _cheaper_smaller(big: ModelFigures, models: Sequence[ModelFigures] | Any,
+def _cheaper_smaller(big: ModelFigures, models: Iterable[ModelFigures],
                      weights: tuple[float, float]) -> tuple[ModelFigures, float, float] | None:  # fmt: skip
     big_rate = big.usd_per_weighted_token(*weights)
     big_params = _params(big)
