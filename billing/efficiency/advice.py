@@ -91,6 +91,17 @@ class ModelFigures:
     peak_running: float | None
     peak_waiting: float | None
     max_model_len: int = 8192
+    engines: int | None = None  # most engine instances seen in one minute
+
+    @property
+    def units(self) -> int:
+        """Engines that serve the model: its replicas, or more when a group runs several."""
+        return max(self.replicas, self.engines or 0)
+
+    @property
+    def gpus_per_engine(self) -> float:
+        """GPUs one engine holds (a replica group of several instances shares its GPU time)."""
+        return self.gpus_per_replica * self.replicas / self.units if self.units else 0.0
 
     def per_month(self, usd: float) -> float:
         """``usd`` measured over the period, as USD per month."""
@@ -169,32 +180,36 @@ def shape_of(served_version: str, context_tokens: int, concurrency: int) -> Mode
                       max(1, concurrency), preset.layers, preset.kv_heads, preset.head_dim)  # fmt: skip
 
 
+_AUTOSCALED: Final = "the autoscaler sets the instance count: lower the group's replica limits."
+
+
 def right_size(m: ModelFigures, policy: Policy) -> Recommendation | None:
-    """Fewer replicas for a model whose busiest minute, with headroom, needs fewer."""
-    if m.max_num_seqs is None or m.peak_running is None or m.replicas <= policy.min_replicas:
+    """Fewer engines for a model whose busiest minute, with headroom, needs fewer."""
+    units = m.units
+    if m.max_num_seqs is None or m.peak_running is None or units <= policy.min_replicas:
         return None
     if (m.peak_waiting or 0) > 0:
-        return None  # requests queued at some minute: every replica was needed then
+        return None  # requests queued at some minute: every engine was needed then
     if m.ttft_within_sla_share is not None and m.ttft_within_sla_share < policy.sla_share:
         return None
     needed = max(
         policy.min_replicas,
         math.ceil(m.peak_running * (1 + policy.headroom) / m.max_num_seqs - 1e-9),
     )
-    if needed >= m.replicas:
+    if needed >= units:
         return None
-    removed = m.replicas - needed
-    saving = m.per_month(m.gpu_usd * removed / m.replicas)
+    saving = m.per_month(m.gpu_usd * (units - needed) / units)
     if saving < policy.min_saving_usd_per_month:
         return None
+    noun = "replica" if units == m.replicas else "instance"
     return Recommendation(
         kind="right_size",
         model=m.model,
         team=None,
-        title=f"{m.model}: run {needed} replica{'s' * (needed != 1)} instead of {m.replicas}",
+        title=f"{m.model}: run {needed} {noun}{'s' * (needed != 1)} instead of {units}",
         saving_usd_per_month=saving,
         evidence={
-            "replicas": m.replicas,
+            f"{noun}s": units,
             "gpu_model": m.gpu_model,
             "peak_running": m.peak_running,
             "peak_waiting": m.peak_waiting or 0,
@@ -205,11 +220,12 @@ def right_size(m: ModelFigures, policy: Policy) -> Recommendation | None:
         },
         assumptions=(
             f"the busiest minute measured, plus {policy.headroom:.0%} headroom, is the peak to hold",
-            "load spreads evenly over the replicas that remain",
+            f"load spreads evenly over the {noun}s that remain",
             "energy follows the tokens, which stay: only GPU-hours are saved",
             f"the {m.hours} hours measured are representative of a month",
         ),
-        action={"replicas": needed},
+        caveat=None if noun == "replica" else _AUTOSCALED,
+        action={f"{noun}s": needed},
     )
 
 
@@ -218,7 +234,7 @@ def quantize(m: ModelFigures, usd_per_gpu_hour: Mapping[str, float],
     """A lower precision that the planner fits on fewer GPUs per replica than the model uses."""
     context = _mean_context(m)
     shape = shape_of(m.served_version, context, math.ceil(m.peak_running or 1))
-    gpus_now = round(m.gpus_per_replica)
+    gpus_now = round(m.gpus_per_engine)
     if shape is None or m.gpu_model not in GPUS_GB or gpus_now < 2:
         return None
     best: tuple[str, int] | None = None
@@ -234,7 +250,7 @@ def quantize(m: ModelFigures, usd_per_gpu_hour: Mapping[str, float],
     if best is None:
         return None
     precision, tp = best
-    saving = m.per_month(m.gpu_usd * (gpus_now - tp) / gpus_now)
+    saving = m.per_month(m.gpu_usd * (gpus_now - tp) / gpus_now)  # every engine sheds as many
     if saving < policy.min_saving_usd_per_month:
         return None
     return Recommendation(
@@ -248,7 +264,7 @@ def quantize(m: ModelFigures, usd_per_gpu_hour: Mapping[str, float],
             "precision_now": shape.precision,
             "gpus_per_replica": gpus_now,
             "gpus_per_replica_after": tp,
-            "replicas": m.replicas,
+            "replicas": m.units,
             "peak_running": m.peak_running,
             "mean_tokens_per_request": context,
             "gpu_usd_measured": m.gpu_usd,

@@ -272,7 +272,8 @@ def model_summary_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
     ``peak_running`` is the busiest minute's running sequences summed over the model's
     instances (each instance's mean in that minute); ``peak_waiting`` the queue in that minute's
     worst. ``replicas`` counts the replica groups with GPU time; ``gpus_per_replica`` is GPU-time
-    per replica-minute, so a replica of two GPUs reads 2.
+    per replica-minute, so a replica of two GPUs reads 2; ``engines`` the most engine instances
+    that reported in one minute (a replica group of a dynamic fleet runs several).
     """
     ctes, params = _cost_ctes(fleet)
     sql = f"""
@@ -290,11 +291,11 @@ gpu AS (
         ON g.replica = c.replica
     GROUP BY c.replica),
 per_minute AS (
-    SELECT model, slot, sum(running) AS running, sum(waiting) AS waiting FROM (
+    SELECT model, slot, sum(running) AS running, sum(waiting) AS waiting, count(*) AS engines FROM (
         SELECT model, instance, slot, avg(requests_running) AS running, avg(requests_waiting) AS waiting
         FROM engine GROUP BY ALL) GROUP BY ALL),
 peaks AS (
-    SELECT model, max(running) AS peak_running, max(waiting) AS peak_waiting
+    SELECT model, max(running) AS peak_running, max(waiting) AS peak_waiting, max(engines) AS engines
     FROM per_minute GROUP BY model)
 SELECT s.model, count(*) AS replicas, string_agg(DISTINCT g.gpu_model, ',') AS gpu_model,
     sum(g.gpu_seconds) / sum(g.minutes * {SLOT_SECONDS}) AS gpus_per_replica,
@@ -304,7 +305,7 @@ SELECT s.model, count(*) AS replicas, string_agg(DISTINCT g.gpu_model, ',') AS g
     CAST(sum(s.completion_tokens) AS BIGINT) AS completion_tokens,
     sum(s.ttft_within_sla) / nullif(sum(s.ttft_count), 0) AS ttft_within_sla_share,
     min(q.max_num_seqs) AS max_num_seqs, any_value(p.peak_running) AS peak_running,
-    any_value(p.peak_waiting) AS peak_waiting
+    any_value(p.peak_waiting) AS peak_waiting, any_value(p.engines) AS engines
 FROM served s JOIN gpu g ON g.replica = s.replica
 LEFT JOIN seqs q ON q.replica = s.replica
 LEFT JOIN peaks p ON p.model = s.model

@@ -100,6 +100,7 @@ def read_models(cursor: duckdb.DuckDBPyConnection, config: Config, fleet: Fleet,
             max_num_seqs=row["max_num_seqs"], peak_running=row["peak_running"],
             peak_waiting=row["peak_waiting"],
             max_model_len=model.max_model_len if model else 8192,
+            engines=row["engines"],
         ))  # fmt: skip
     return found
 

@@ -129,6 +129,18 @@ def test_right_size_does_not_fire_when_the_peak_needs_every_replica(ledger, conf
     assert kinds(report(ledger, config), "right_size") == []
 
 
+def test_right_size_counts_the_instances_of_a_dynamic_group(ledger, config):
+    """One replica group running two single-GPU instances of 10 sequences each needs one instance."""
+    samples = [s | {"instance": "small-0-a"} for s in engine("small-0", 10)]
+    samples += [s | {"instance": "small-0-b"} for s in engine("small-0", 10)]
+    fill(ledger, usage=requests(20), gpu_samples=gpus("small-0", 2), engine_samples=samples)
+    found = report(ledger, config)
+    [rec] = kinds(found, "right_size")
+    assert rec.action == {"instances": 1}
+    assert rec.saving_usd_per_month == pytest.approx(3.20 / 2 * 730)
+    assert kinds(found, "quantize") == []  # each instance holds one GPU, not two
+
+
 def test_quantize_fires_when_4_bits_fit_on_one_gpu(ledger, config):
     """The 70B FP8 model on two H100s fits at 4 bits on one for its measured load: one H100 saved."""
     fill(ledger, usage=requests(10, replica="large-0", model="chat-large"),
