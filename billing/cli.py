@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from billing.efficiency import cli as efficiency_cli
 from infermeter.commands import CommandError, Subparsers, add_config, fail
 from infermeter.months import check_month
 
@@ -129,6 +130,7 @@ def register(sub: Subparsers) -> None:
         "--billing-url", metavar="URL", help="the billing service (default: billing.url)"
     )
     cb.set_defaults(handler=_chargeback)
+    efficiency_cli.register(sub)
 
 
 def _serve(args: argparse.Namespace, config: Config) -> int:

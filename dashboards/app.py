@@ -30,7 +30,7 @@ from dashboards.context import Context, signed_in
 from dashboards.data import RANGE_LABELS, RANGES, fetch_queries, time_range
 from dashboards.formatting import as_of
 from dashboards.headers import content_security_policy, install_security_headers
-from dashboards.pages import chargeback, fleet, planner, sla, teams
+from dashboards.pages import chargeback, efficiency, fleet, planner, sla, teams
 from dashboards.style import SORT_JS, STYLE, TZ_JS
 from dashboards.summary import summary_row, tiles
 from dashboards.throttle import SignInThrottle, locked_message
@@ -40,7 +40,7 @@ from infermeter.statement import statement_from_json
 
 __all__ = ["PAGES", "create_app"]
 
-PAGES: Final[tuple[ModuleType, ...]] = (fleet, teams, chargeback, sla, planner)
+PAGES: Final[tuple[ModuleType, ...]] = (fleet, teams, chargeback, sla, planner, efficiency)
 
 _HIDDEN: Final = {"display": "none"}
 

@@ -134,6 +134,14 @@ class BillingClient:
         )
         return body
 
+    def efficiency(self, token: str, month: str) -> dict[str, Any]:
+        """A month's efficiency figures and recommendations as billing answers them for this
+        token (a team key gets its own rows and advice); computed from the month's rollups."""
+        body: dict[str, Any] = self._get(
+            token, f"/v1/efficiency/{month}", timeout_seconds=STATEMENT_TIMEOUT_SECONDS
+        )
+        return body
+
     def months(self, token: str) -> list[dict[str, Any]]:
         """Months the ledger has data for (admin)."""
         body: list[dict[str, Any]] = self._get(token, "/v1/months")

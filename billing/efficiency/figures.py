@@ -1,0 +1,370 @@
+"""Efficiency figures: SQL built by pure functions over the ledger's rollups and raw tables.
+
+What the fleet got for its GPU money, hour by hour: tokens per GPU-second, batch occupancy
+(running sequences / ``max_num_seqs``), KV-cache use and preemptions, the prefix-cache hit rate,
+queue depth and the wait it implies, the idle share, cost per 1M input and output tokens and
+energy per token. The builders return ``(sql, params)`` and open nothing, so tests run them on
+an in-memory DuckDB; ``billing.efficiency.store`` is the one module that holds a cursor.
+
+Conventions the figures share:
+
+- **Cost** is measured the way the statement measures it: GPU-seconds x the price book's USD per
+  GPU-hour, plus measured energy x USD per kWh x PUE. A GPU model without a price costs nothing
+  here (the statement shows it as an error line).
+- **Input and output cost** split a group's cost by ``billing.token_weights`` (prompt 1,
+  completion 3 by default), the weights the ``tokens`` allocation uses: an output token costs
+  ``completion / prompt`` input tokens.
+- **Idle share**: the part of the GPU-minutes during which no request was in flight, as the
+  ``in_flight`` allocation counts idle capacity (``1 - min(60, in-flight seconds) / 60``).
+- **Queue wait** is Little's law over the engine's own queue: mean waiting requests x seconds /
+  requests served.
+- **Counters** (prefix-cache queries and hits, preemptions) are read as Prometheus reads them:
+  the increase between consecutive samples of one instance, a drop being a restart from zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from billing.schema import SLOT_SECONDS
+from infermeter.config import Config
+
+__all__ = [
+    "HOURS_PER_MONTH",
+    "Fleet",
+    "fleet_of",
+    "group_hourly_sql",
+    "instance_hourly_sql",
+    "model_gpu_sql",
+    "model_summary_sql",
+    "short_requests_sql",
+    "team_hourly_sql",
+]
+
+# 365 x 24 / 12: what a measured hourly cost becomes over a month.
+HOURS_PER_MONTH: Final = 730.0
+_MINUTES_PER_HOUR: Final = 3600 // SLOT_SECONDS
+
+Sql = tuple[str, dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """What the figures need from the configuration: prices, engine limits, token weights."""
+
+    usd_per_gpu_hour: Mapping[str, float]
+    usd_per_kwh: float
+    pue: float
+    max_num_seqs: Mapping[str, int]  # replica group -> the engine's max_num_seqs
+    replica_models: Mapping[str, str] = field(default_factory=dict)  # replica group -> model
+    prompt_weight: float = 1.0
+    completion_weight: float = 3.0
+
+
+def fleet_of(config: Config) -> Fleet:
+    """The ``Fleet`` a configuration describes (replicas without ``max_num_seqs`` are left out)."""
+    return Fleet(
+        usd_per_gpu_hour=dict(config.prices.usd_per_gpu_hour),
+        usd_per_kwh=config.prices.usd_per_kwh,
+        pue=config.prices.pue,
+        max_num_seqs={r.id: r.max_num_seqs for r in config.replicas if r.max_num_seqs},
+        replica_models={r.id: r.model for r in config.replicas},
+        prompt_weight=config.billing.token_weights.prompt,
+        completion_weight=config.billing.token_weights.completion,
+    )
+
+
+def _values(name: str, columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[Any]]) -> Sql:
+    """A CTE ``name`` holding ``rows`` as bound parameters (an empty one when there are none)."""
+    params: dict[str, Any] = {}
+    if not rows:
+        nulls = ", ".join(f"NULL::{t} AS {c}" for c, t in columns)
+        return f"{name} AS (SELECT {nulls} WHERE false)", params
+    tuples = []
+    for i, row in enumerate(rows):
+        cells = []
+        for j, ((_, sql_type), value) in enumerate(zip(columns, row, strict=True)):
+            key = f"{name}_{i}_{j}"
+            params[key] = value
+            cells.append(f"${key}::{sql_type}")
+        tuples.append(f"({', '.join(cells)})")
+    names = ", ".join(c for c, _ in columns)
+    return f"{name} AS (SELECT * FROM (VALUES {', '.join(tuples)}) AS v({names}))", params
+
+
+def _range(lo_slot: int, hi_slot: int) -> dict[str, Any]:
+    return {"lo": int(lo_slot), "hi": int(hi_slot)}
+
+
+def _cost_ctes(fleet: Fleet) -> Sql:
+    """CTEs ``prices``, ``seqs`` and ``cost``: each replica group's measured cost per minute."""
+    prices, p1 = _values("prices", [("gpu_model", "VARCHAR"), ("usd", "DOUBLE")],
+                         sorted(fleet.usd_per_gpu_hour.items()))  # fmt: skip
+    seqs, p2 = _values("seqs", [("replica", "VARCHAR"), ("max_num_seqs", "BIGINT")],
+                       sorted(fleet.max_num_seqs.items()))  # fmt: skip
+    energy_usd = fleet.usd_per_kwh * fleet.pue
+    cost = f"""cost AS (
+    SELECT g.replica, g.slot, sum(g.gpu_seconds) AS gpu_seconds, sum(g.energy_joules) AS energy_joules,
+        sum(g.utilization_seconds) AS utilization_seconds,
+        sum(g.gpu_seconds * coalesce(p.usd, 0)) / 3600 AS gpu_usd,
+        sum(g.energy_joules) / 3.6e6 * {energy_usd!r} AS energy_usd
+    FROM gpu_slots g LEFT JOIN prices p ON p.gpu_model = g.gpu_model
+    WHERE g.replica <> '' AND g.slot >= $lo AND g.slot < $hi
+    GROUP BY ALL HAVING sum(g.gpu_seconds) > 0)"""
+    return f"{prices}, {seqs}, {cost}", p1 | p2
+
+
+def _engine_cte() -> str:
+    """CTE ``engine``: one row per engine sample, with its counters' increases since the last."""
+
+    def increase(column: str) -> str:
+        prev = f"lag({column}) OVER w"
+        return (f"CASE WHEN {prev} IS NULL THEN 0 WHEN {column} >= {prev} THEN {column} - {prev} "
+                f"ELSE {column} END AS {column.removesuffix('_total')}")  # fmt: skip
+
+    counters = ", ".join(
+        increase(c)
+        for c in ("prefix_cache_queries_total", "prefix_cache_hits_total", "preemptions_total")
+    )
+    # A minute before the range so the first increase inside it has a sample to start from.
+    return f"""engine AS (
+    SELECT * FROM (
+        SELECT replica, model, coalesce(instance, replica) AS instance,
+            CAST(floor("timestamp" / {SLOT_SECONDS}) AS BIGINT) AS slot,
+            requests_running, requests_waiting, kv_cache_usage, {counters}
+        FROM engine_samples
+        WHERE "timestamp" >= ($lo - 1) * {SLOT_SECONDS} AND "timestamp" < $hi * {SLOT_SECONDS}
+        WINDOW w AS (PARTITION BY coalesce(instance, replica) ORDER BY "timestamp"))
+    WHERE slot >= $lo AND slot < $hi)"""
+
+
+def _per_million(cost: str, tokens: str) -> str:
+    return f"CASE WHEN {tokens} > 0 THEN {cost} / {tokens} * 1e6 END"
+
+
+def _token_costs(fleet: Fleet, cost: str, prompt: str, completion: str) -> str:
+    """Cost per 1M input and output tokens: ``cost`` split by the token weights."""
+    wp, wc = fleet.prompt_weight, fleet.completion_weight
+    weighted = f"({wp!r} * {prompt} + {wc!r} * {completion})"
+    return (
+        f"{_per_million(f'{cost} * {wp!r}', weighted)} AS usd_per_1m_input_tokens, "
+        f"{_per_million(f'{cost} * {wc!r}', weighted)} AS usd_per_1m_output_tokens"
+    )
+
+
+def group_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
+    """Per hour, model and replica group: what the GPUs cost and what they served (fleet-wide)."""
+    ctes, params = _cost_ctes(fleet)
+    models, p2 = _values("models", [("replica", "VARCHAR"), ("model", "VARCHAR")],
+                         sorted(fleet.replica_models.items()))  # fmt: skip
+    sql = f"""
+WITH {ctes}, {models}, {_engine_cte()},
+gpu AS (
+    SELECT replica, slot // {_MINUTES_PER_HOUR} AS hour, sum(gpu_seconds) AS gpu_seconds,
+        sum(energy_joules) AS energy_joules, sum(gpu_usd + energy_usd) AS cost_usd,
+        sum(utilization_seconds) AS utilization_seconds, count(*) AS minutes
+    FROM cost GROUP BY ALL),
+busy AS (
+    SELECT replica, slot // {_MINUTES_PER_HOUR} AS hour, sum(least(inflight_seconds, {SLOT_SECONDS})) AS busy_seconds
+    FROM replica_slots WHERE slot >= $lo AND slot < $hi GROUP BY ALL),
+served AS (
+    SELECT replica, model, slot // {_MINUTES_PER_HOUR} AS hour, sum(requests) AS requests,
+        sum(prompt_tokens) AS prompt_tokens, sum(cached_prompt_tokens) AS cached_prompt_tokens,
+        sum(completion_tokens) AS completion_tokens
+    FROM usage_slots WHERE slot >= $lo AND slot < $hi GROUP BY ALL),
+eng AS (
+    SELECT e.replica, any_value(e.model) AS model, slot // {_MINUTES_PER_HOUR} AS hour,
+        avg(requests_running) AS requests_running, avg(requests_running / s.max_num_seqs) AS batch_occupancy,
+        avg(requests_waiting) AS requests_waiting, avg(kv_cache_usage) AS kv_cache_usage,
+        max(kv_cache_usage) AS kv_cache_usage_max, sum(preemptions) AS preemptions,
+        sum(prefix_cache_queries) AS prefix_cache_queries, sum(prefix_cache_hits) AS prefix_cache_hits,
+        count(DISTINCT instance) AS instances
+    FROM engine e LEFT JOIN seqs s ON s.replica = e.replica GROUP BY e.replica, hour)
+SELECT gpu.hour * 3600 AS t, coalesce(served.model, eng.model, models.model) AS model, gpu.replica,
+    eng.instances, gpu.gpu_seconds / 3600 AS gpu_hours, gpu.cost_usd,
+    CAST(coalesce(served.requests, 0) AS BIGINT) AS requests,
+    CAST(coalesce(served.prompt_tokens, 0) AS BIGINT) AS prompt_tokens,
+    CAST(coalesce(served.completion_tokens, 0) AS BIGINT) AS completion_tokens,
+    (coalesce(served.prompt_tokens, 0) + coalesce(served.completion_tokens, 0)) / nullif(gpu.gpu_seconds, 0)
+        AS tokens_per_gpu_second,
+    gpu.utilization_seconds / nullif(gpu.gpu_seconds, 0) AS gpu_utilization,
+    1 - coalesce(busy.busy_seconds, 0) / (gpu.minutes * {SLOT_SECONDS}) AS idle_share,
+    eng.batch_occupancy, eng.requests_running, eng.kv_cache_usage, eng.kv_cache_usage_max,
+    eng.preemptions, eng.prefix_cache_hits / nullif(eng.prefix_cache_queries, 0) AS prefix_cache_hit_rate,
+    coalesce(served.cached_prompt_tokens, 0) / nullif(served.prompt_tokens, 0) AS cached_prompt_share,
+    eng.requests_waiting, eng.requests_waiting * 3600 / nullif(served.requests, 0) AS queue_wait_seconds,
+    {_token_costs(fleet, "gpu.cost_usd", "served.prompt_tokens", "served.completion_tokens")},
+    gpu.energy_joules / nullif(served.prompt_tokens + served.completion_tokens, 0) AS joules_per_token,
+    gpu.energy_joules / 3.6e6 AS energy_kwh,
+    gpu.energy_joules / 3.6e6 / nullif(served.prompt_tokens + served.completion_tokens, 0) * 1e6
+        AS kwh_per_1m_tokens
+FROM gpu
+LEFT JOIN busy ON busy.replica = gpu.replica AND busy.hour = gpu.hour
+LEFT JOIN served ON served.replica = gpu.replica AND served.hour = gpu.hour
+LEFT JOIN eng ON eng.replica = gpu.replica AND eng.hour = gpu.hour
+LEFT JOIN models ON models.replica = gpu.replica
+WHERE gpu.gpu_seconds > 0
+ORDER BY gpu.replica, t, model"""
+    return sql, params | p2 | _range(lo_slot, hi_slot)
+
+
+def instance_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
+    """Per hour and engine instance: batch occupancy, KV cache, preemptions, prefix hits, queue."""
+    seqs, params = _values("seqs", [("replica", "VARCHAR"), ("max_num_seqs", "BIGINT")],
+                           sorted(fleet.max_num_seqs.items()))  # fmt: skip
+    sql = f"""
+WITH {seqs}, {_engine_cte()}
+SELECT slot // {_MINUTES_PER_HOUR} * 3600 AS t, e.model, e.replica, instance,
+    avg(requests_running) AS requests_running, avg(requests_running / s.max_num_seqs) AS batch_occupancy,
+    avg(requests_waiting) AS requests_waiting, max(requests_waiting) AS requests_waiting_max,
+    avg(kv_cache_usage) AS kv_cache_usage, max(kv_cache_usage) AS kv_cache_usage_max,
+    sum(preemptions) AS preemptions,
+    sum(prefix_cache_hits) / nullif(sum(prefix_cache_queries), 0) AS prefix_cache_hit_rate
+FROM engine e LEFT JOIN seqs s ON s.replica = e.replica
+GROUP BY ALL ORDER BY e.replica, instance, t"""
+    return sql, params | _range(lo_slot, hi_slot)
+
+
+def team_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet, team: str | None = None) -> Sql:
+    """Per hour, model and team: tokens, the busy cost of the team's in-flight share, unit costs.
+
+    A team's cost here is its in-flight share of each minute's measured cost (the ``in_flight``
+    allocation without the idle part): what its own requests held of the GPUs.
+    """
+    ctes, params = _cost_ctes(fleet)
+    where = "" if team is None else "AND u.team = $team"
+    if team is not None:
+        params["team"] = team
+    sql = f"""
+WITH {ctes},
+shares AS (
+    SELECT u.slot // {_MINUTES_PER_HOUR} AS hour, u.model, u.team, u.requests, u.prompt_tokens,
+        u.cached_prompt_tokens, u.completion_tokens, u.inflight_seconds,
+        u.inflight_seconds / greatest({SLOT_SECONDS}, r.inflight_seconds) AS share,
+        c.gpu_seconds, c.gpu_usd + c.energy_usd AS cost_usd, c.energy_joules
+    FROM usage_slots u
+    JOIN replica_slots r ON r.replica = u.replica AND r.slot = u.slot
+    LEFT JOIN cost c ON c.replica = u.replica AND c.slot = u.slot
+    WHERE u.slot >= $lo AND u.slot < $hi {where}),
+hourly AS (
+    SELECT hour, model, team, sum(requests) AS requests, sum(prompt_tokens) AS prompt_tokens,
+        sum(cached_prompt_tokens) AS cached_prompt_tokens, sum(completion_tokens) AS completion_tokens,
+        sum(share * coalesce(gpu_seconds, 0)) AS gpu_seconds, sum(share * coalesce(cost_usd, 0)) AS cost_usd,
+        sum(share * coalesce(energy_joules, 0)) AS energy_joules
+    FROM shares GROUP BY ALL)
+SELECT hour * 3600 AS t, model, team, CAST(requests AS BIGINT) AS requests,
+    CAST(prompt_tokens AS BIGINT) AS prompt_tokens, CAST(completion_tokens AS BIGINT) AS completion_tokens,
+    gpu_seconds / 3600 AS gpu_hours, cost_usd,
+    (prompt_tokens + completion_tokens) / nullif(gpu_seconds, 0) AS tokens_per_gpu_second,
+    cached_prompt_tokens / nullif(prompt_tokens, 0) AS cached_prompt_share,
+    {_token_costs(fleet, "cost_usd", "prompt_tokens", "completion_tokens")},
+    energy_joules / nullif(prompt_tokens + completion_tokens, 0) AS joules_per_token,
+    energy_joules / 3.6e6 AS energy_kwh
+FROM hourly ORDER BY team, model, t"""
+    return sql, params | _range(lo_slot, hi_slot)
+
+
+def model_summary_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
+    """Per model over the range: what the advisor weighs (cost, load, peaks, SLA, GPUs).
+
+    ``peak_running`` is the busiest minute's running sequences summed over the model's
+    instances (each instance's mean in that minute); ``peak_waiting`` the queue in that minute's
+    worst. ``replicas`` counts the replica groups with GPU time; ``gpus_per_replica`` is GPU-time
+    per replica-minute, so a replica of two GPUs reads 2; ``engines`` the most engine instances
+    that reported in one minute (a replica group of a dynamic fleet runs several).
+    """
+    ctes, params = _cost_ctes(fleet)
+    sql = f"""
+WITH {ctes}, {_engine_cte()},
+served AS (
+    SELECT replica, any_value(model) AS model, sum(requests) AS requests, sum(prompt_tokens) AS prompt_tokens,
+        sum(completion_tokens) AS completion_tokens, sum(ttft_count) AS ttft_count,
+        sum(ttft_within_sla) AS ttft_within_sla
+    FROM usage_slots WHERE slot >= $lo AND slot < $hi GROUP BY replica),
+gpu AS (
+    SELECT c.replica, any_value(g.gpu_model) AS gpu_model, sum(c.gpu_seconds) AS gpu_seconds,
+        sum(c.gpu_usd) AS gpu_usd, sum(c.energy_usd) AS energy_usd, count(*) AS minutes,
+        count(DISTINCT c.slot // {_MINUTES_PER_HOUR}) AS hours
+    FROM cost c JOIN (SELECT DISTINCT replica, gpu_model FROM gpu_slots WHERE slot >= $lo AND slot < $hi) g
+        ON g.replica = c.replica
+    GROUP BY c.replica),
+per_minute AS (
+    SELECT model, slot, sum(running) AS running, sum(waiting) AS waiting, count(*) AS engines FROM (
+        SELECT model, instance, slot, avg(requests_running) AS running, avg(requests_waiting) AS waiting
+        FROM engine GROUP BY ALL) GROUP BY ALL),
+peaks AS (
+    SELECT model, max(running) AS peak_running, max(waiting) AS peak_waiting, max(engines) AS engines
+    FROM per_minute GROUP BY model)
+SELECT s.model, count(*) AS replicas, string_agg(DISTINCT g.gpu_model, ',') AS gpu_model,
+    sum(g.gpu_seconds) / sum(g.minutes * {SLOT_SECONDS}) AS gpus_per_replica,
+    max(g.hours) AS hours, sum(g.gpu_seconds) / 3600 AS gpu_hours,
+    sum(g.gpu_usd) AS gpu_usd, sum(g.energy_usd) AS energy_usd, sum(g.gpu_usd + g.energy_usd) AS cost_usd,
+    CAST(sum(s.requests) AS BIGINT) AS requests, CAST(sum(s.prompt_tokens) AS BIGINT) AS prompt_tokens,
+    CAST(sum(s.completion_tokens) AS BIGINT) AS completion_tokens,
+    sum(s.ttft_within_sla) / nullif(sum(s.ttft_count), 0) AS ttft_within_sla_share,
+    min(q.max_num_seqs) AS max_num_seqs, any_value(p.peak_running) AS peak_running,
+    any_value(p.peak_waiting) AS peak_waiting, any_value(p.engines) AS engines
+FROM served s JOIN gpu g ON g.replica = s.replica
+LEFT JOIN seqs q ON q.replica = s.replica
+LEFT JOIN peaks p ON p.model = s.model
+GROUP BY s.model ORDER BY s.model"""
+    return sql, params | _range(lo_slot, hi_slot)
+
+
+def model_gpu_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
+    """Per model and GPU model over the range: cost, tokens and TTFT, to compare GPU types.
+
+    A replica group runs on one GPU model; a model served on two GPU types has been measured on
+    both, at the same prompts, so their costs per token can be set side by side.
+    """
+    ctes, params = _cost_ctes(fleet)
+    sql = f"""
+WITH {ctes},
+kinds AS (SELECT replica, any_value(gpu_model) AS gpu_model FROM gpu_slots
+          WHERE replica <> '' AND slot >= $lo AND slot < $hi GROUP BY replica),
+served AS (
+    SELECT replica, any_value(model) AS model, sum(requests) AS requests, sum(prompt_tokens) AS prompt_tokens,
+        sum(completion_tokens) AS completion_tokens, sum(ttft_count) AS ttft_count,
+        sum(ttft_within_sla) AS ttft_within_sla
+    FROM usage_slots WHERE slot >= $lo AND slot < $hi GROUP BY replica),
+gpu AS (
+    SELECT replica, sum(gpu_seconds) AS gpu_seconds, sum(gpu_usd) AS gpu_usd,
+        sum(gpu_usd + energy_usd) AS cost_usd, count(*) AS minutes,
+        count(DISTINCT slot // {_MINUTES_PER_HOUR}) AS hours
+    FROM cost GROUP BY replica)
+SELECT s.model, k.gpu_model, count(*) AS replicas,
+    sum(g.gpu_seconds) / sum(g.minutes * {SLOT_SECONDS}) AS gpus_per_replica, max(g.hours) AS hours,
+    sum(g.gpu_usd) AS gpu_usd, sum(g.cost_usd) AS cost_usd, CAST(sum(s.requests) AS BIGINT) AS requests,
+    CAST(sum(s.prompt_tokens) AS BIGINT) AS prompt_tokens,
+    CAST(sum(s.completion_tokens) AS BIGINT) AS completion_tokens,
+    sum(s.ttft_within_sla) / nullif(sum(s.ttft_count), 0) AS ttft_within_sla_share
+FROM served s JOIN gpu g ON g.replica = s.replica JOIN kinds k ON k.replica = s.replica
+GROUP BY s.model, k.gpu_model ORDER BY s.model, k.gpu_model"""
+    return sql, params | _range(lo_slot, hi_slot)
+
+
+def short_requests_sql(lo_slot: int, hi_slot: int, max_prompt_tokens: int,
+                       max_completion_tokens: int) -> Sql:  # fmt: skip
+    """Per model and team, from the raw usage: requests, and those short on both sides.
+
+    Only requests that reached a GPU and finished (status ``ok``) count; a short request has at
+    most ``max_prompt_tokens`` in and ``max_completion_tokens`` out.
+    """
+    sql = f"""
+SELECT model, team, count(*) AS requests,
+    count(*) FILTER (WHERE short) AS short_requests,
+    CAST(coalesce(sum(prompt_tokens) FILTER (WHERE short), 0) AS BIGINT) AS short_prompt_tokens,
+    CAST(coalesce(sum(completion_tokens) FILTER (WHERE short), 0) AS BIGINT) AS short_completion_tokens
+FROM (
+    SELECT model, team, prompt_tokens, completion_tokens,
+        prompt_tokens <= $max_prompt AND completion_tokens <= $max_completion AS short
+    FROM usage
+    WHERE status = 'ok' AND finished_at >= $lo * {SLOT_SECONDS} AND finished_at < $hi * {SLOT_SECONDS})
+GROUP BY ALL ORDER BY model, team"""
+    params = _range(lo_slot, hi_slot) | {
+        "max_prompt": int(max_prompt_tokens),
+        "max_completion": int(max_completion_tokens),
+    }
+    return sql, params

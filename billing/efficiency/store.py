@@ -1,0 +1,159 @@
+"""The advisor's one edge: run the figures' SQL on a ledger cursor and hand rows to the rules.
+
+A month is read whole (clipped to now): its hourly figures per replica group, engine instance
+and team, each model's summary, and the short requests per model and team; the
+recommendations are then computed from those rows alone (``billing.efficiency.advice``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import duckdb
+import polars as pl
+
+from billing.efficiency.advice import ModelFigures, Policy, Recommendation, ShortRequests, advise
+from billing.efficiency.figures import (
+    Fleet,
+    fleet_of,
+    group_hourly_sql,
+    instance_hourly_sql,
+    model_gpu_sql,
+    model_summary_sql,
+    short_requests_sql,
+    team_hourly_sql,
+)
+from billing.schema import SLOT_SECONDS
+from infermeter.config import Config
+from infermeter.months import month_bounds
+
+__all__ = ["Report", "month_slots", "read_models", "read_per_gpu", "read_report", "read_shorts"]
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """A month's figures and recommendations; ``team`` set when it is one team's view."""
+
+    month: str
+    start: float
+    end: float
+    team: str | None
+    groups: pl.DataFrame
+    instances: pl.DataFrame
+    teams: pl.DataFrame
+    recommendations: tuple[Recommendation, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON-ready values (frames as columns and rows, as the query API)."""
+        return {
+            "month": self.month,
+            "from": self.start,
+            "to": self.end,
+            "team": self.team,
+            "recommendations": [r.to_json() for r in self.recommendations],
+            "saving_usd_per_month": round(
+                sum(r.saving_usd_per_month for r in self.recommendations), 2
+            ),
+            "figures": {
+                name: {"columns": frame.columns, "rows": frame.rows()}
+                for name, frame in (
+                    ("groups", self.groups),
+                    ("instances", self.instances),
+                    ("teams", self.teams),
+                )
+            },
+        }
+
+
+def month_slots(month: str, now: float) -> tuple[int, int]:
+    """The month's first slot and the slot after its last, ending no later than ``now``."""
+    start, end = month_bounds(month)
+    end = min(end, max(start, now))
+    return int(start // SLOT_SECONDS), math.ceil(end / SLOT_SECONDS)
+
+
+def _frame(cursor: duckdb.DuckDBPyConnection, built: tuple[str, dict[str, Any]]) -> pl.DataFrame:
+    sql, params = built
+    frame: pl.DataFrame = cursor.sql(sql, params=params).pl()
+    return frame
+
+
+def read_models(cursor: duckdb.DuckDBPyConnection, config: Config, fleet: Fleet, lo: int,
+                hi: int) -> list[ModelFigures]:  # fmt: skip
+    """Each model's measured summary, joined to how the configuration serves it."""
+    known = {m.name: m for m in config.models}
+    found = []
+    for row in _frame(cursor, model_summary_sql(lo, hi, fleet)).iter_rows(named=True):
+        model = known.get(row["model"])
+        found.append(ModelFigures(
+            model=row["model"],
+            served_version=model.current_version if model else row["model"],
+            gpu_model=row["gpu_model"] or "", replicas=int(row["replicas"]),
+            gpus_per_replica=float(row["gpus_per_replica"] or 0), hours=int(row["hours"] or 0),
+            gpu_hours=float(row["gpu_hours"] or 0), gpu_usd=float(row["gpu_usd"] or 0),
+            cost_usd=float(row["cost_usd"] or 0), requests=int(row["requests"] or 0),
+            prompt_tokens=int(row["prompt_tokens"] or 0),
+            completion_tokens=int(row["completion_tokens"] or 0),
+            ttft_within_sla_share=row["ttft_within_sla_share"],
+            max_num_seqs=row["max_num_seqs"], peak_running=row["peak_running"],
+            peak_waiting=row["peak_waiting"],
+            max_model_len=model.max_model_len if model else 8192,
+            engines=row["engines"],
+        ))  # fmt: skip
+    return found
+
+
+def read_per_gpu(cursor: duckdb.DuckDBPyConnection, config: Config, fleet: Fleet, lo: int,
+                 hi: int) -> list[ModelFigures]:  # fmt: skip
+    """Each model's measured summary on each GPU type it runs on (no engine peaks)."""
+    known = {m.name: m for m in config.models}
+    found = []
+    for row in _frame(cursor, model_gpu_sql(lo, hi, fleet)).iter_rows(named=True):
+        model = known.get(row["model"])
+        found.append(ModelFigures(
+            model=row["model"],
+            served_version=model.current_version if model else row["model"],
+            gpu_model=row["gpu_model"], replicas=int(row["replicas"]),
+            gpus_per_replica=float(row["gpus_per_replica"] or 0), hours=int(row["hours"] or 0),
+            gpu_hours=0.0, gpu_usd=float(row["gpu_usd"] or 0), cost_usd=float(row["cost_usd"] or 0),
+            requests=int(row["requests"] or 0), prompt_tokens=int(row["prompt_tokens"] or 0),
+            completion_tokens=int(row["completion_tokens"] or 0),
+            ttft_within_sla_share=row["ttft_within_sla_share"], max_num_seqs=None,
+            peak_running=None, peak_waiting=None,
+            max_model_len=model.max_model_len if model else 8192,
+        ))  # fmt: skip
+    return found
+
+
+def read_shorts(cursor: duckdb.DuckDBPyConnection, policy: Policy, lo: int,
+                hi: int) -> list[ShortRequests]:  # fmt: skip
+    """Short requests per model and team, as the policy's thresholds define them."""
+    built = short_requests_sql(lo, hi, policy.short_prompt_tokens, policy.short_completion_tokens)
+    return [ShortRequests(**row) for row in _frame(cursor, built).iter_rows(named=True)]
+
+
+def read_report(cursor: duckdb.DuckDBPyConnection, config: Config, month: str, now: float,
+                team: str | None = None, policy: Policy | None = None) -> Report:  # fmt: skip
+    """``month``'s figures and recommendations; with ``team``, only what that team may see.
+
+    A team sees its own hourly figures and the recommendations about its own requests; the
+    replica groups, instances and fleet-wide recommendations are the admin's.
+    """
+    policy = Policy() if policy is None else policy
+    fleet = fleet_of(config)
+    lo, hi = month_slots(month, now)
+    weights = (fleet.prompt_weight, fleet.completion_weight)
+    recs = advise(read_models(cursor, config, fleet, lo, hi), read_shorts(cursor, policy, lo, hi),
+                  fleet.usd_per_gpu_hour, weights, policy,
+                  read_per_gpu(cursor, config, fleet, lo, hi))  # fmt: skip
+    teams = _frame(cursor, team_hourly_sql(lo, hi, fleet, team))
+    if team is None:
+        groups = _frame(cursor, group_hourly_sql(lo, hi, fleet))
+        instances = _frame(cursor, instance_hourly_sql(lo, hi, fleet))
+    else:
+        groups = instances = pl.DataFrame()
+        recs = [r for r in recs if r.team == team]
+    return Report(month, lo * SLOT_SECONDS, hi * SLOT_SECONDS, team, groups, instances, teams,
+                  tuple(recs))  # fmt: skip
