@@ -286,6 +286,42 @@ class GatewaySettings(_Strict):
     secret_env: str = "INFERMETER_GATEWAY_SECRET"
 
 
+class SharedLimitsSettings(_Strict):
+    """Team limits held fleet-wide in Redis; without ``redis_url`` each sidecar keeps its own."""
+
+    redis_url: str | None = None
+    key_prefix: str = "infermeter"
+    # "team": one set of limits per team for the whole fleet; "team_replica": one per replica
+    # group (model group), so a team's limit applies to each model it calls.
+    scope: Literal["team", "team_replica"] = "team"
+    # Redis unreachable or slower than timeout_millis: each sidecar serves limit / live instances
+    # (fail_open), or refuses with 503 and Retry-After (fail_closed).
+    on_failure: Literal["fail_open", "fail_closed"] = "fail_open"
+    timeout_millis: Annotated[int, Field(gt=0)] = 50
+    # After a failure, Redis is tried again this often; requests meanwhile follow on_failure.
+    retry_seconds: Positive = 1.0
+    # A concurrency slot not renewed for this long is free again (a sidecar killed holding it).
+    lease_seconds: Positive = 30.0
+    # Billing's instance registry, for the number of live instances sharing a limit in fail_open.
+    registry_url: str | None = None
+    registry_token_env: str = "INFERMETER_REGISTRY_TOKEN"
+    instances_refresh_seconds: Positive = 30.0
+
+
+class BudgetSettings(_Strict):
+    """Budgets enforced by the sidecars from billing's month-to-date spend (``GET /v1/spend``)."""
+
+    spend_url: str | None = None
+    spend_token_env: str = "INFERMETER_SPEND_TOKEN"
+    refresh_seconds: Annotated[float, Field(gt=0, le=60)] = 30.0
+    # Past this share of the monthly budget, responses carry x-infermeter-budget-warning.
+    soft_share: Annotated[float, Field(gt=0, le=1)] = 0.8
+    # Past the whole budget: refuse every request (429 budget_exceeded), only requests for
+    # models not in priority_models, or none (warn only).
+    on_exceeded: Literal["refuse", "refuse_non_priority", "warn"] = "refuse"
+    priority_models: list[str] = Field(default_factory=list)
+
+
 class SidecarSettings(_Strict):
     """How every sidecar relays, limits and meters."""
 
@@ -309,6 +345,8 @@ class SidecarSettings(_Strict):
     body_timeout_seconds: Positive = 30.0
     max_connections: Annotated[int, Field(gt=0)] = 4096
     gateway: GatewaySettings = GatewaySettings()
+    shared_limits: SharedLimitsSettings = SharedLimitsSettings()
+    budgets: BudgetSettings = BudgetSettings()
 
 
 class RegistryDiscovery(_Strict):

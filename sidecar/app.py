@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -43,10 +44,11 @@ from sidecar import tracing
 from sidecar.bounds import capped, label
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 from sidecar.lifetime import Lifetime, last_shipment
-from sidecar.limits import Admission, LimitExceeded, RateLimiter, estimate_prompt_tokens
+from sidecar.limits import Admission, LimitExceeded, estimate_prompt_tokens
 from sidecar.metrics import SidecarMetrics
 from sidecar.state import ModelNotFoundError, View, build_view
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
+from sidecar.team_limits import LimitsUnavailable, team_limiter, team_limits
 from sidecar.upstream import UPSTREAM_ERRORS, StallWatch, Upstream, upstream_failure
 
 if TYPE_CHECKING:
@@ -121,7 +123,7 @@ class Sidecar:
         self.settings = settings
         self.upstream = self.view.replica.upstream_url.rstrip("/")
         self.metrics = SidecarMetrics()
-        self.limiter = RateLimiter({t.name: t.limits for t in config.teams}, time.monotonic())
+        self.limiter = team_limiter(config, replica_id, self.metrics.registry)
         capacity = self.view.replica.max_num_seqs
         self.fair = (
             FairShare(
@@ -167,6 +169,7 @@ class Sidecar:
     async def startup(self) -> None:
         """Take the spool directory, open the spools, start the shippers, announce the start."""
         await self.lifetime.claim()
+        await self.limiter.start()
         self.spool.open()
         self.metrics.spool_backlog.set_function(lambda: self.spool.backlog)
         if self.ingest_url:
@@ -192,13 +195,14 @@ class Sidecar:
         await self.lifetime.close()
         await last_shipment(self._shippers)
         self.lifetime.release()
+        await self.limiter.close()
         await self.client.aclose()
         await self.generation.close()
 
     def reload(self, config: Config) -> None:
         """Apply a new configuration without a restart (keys, limits, approved models)."""
         self.view = build_view(config, self.replica_id, self.replay)
-        self.limiter.configure({t.name: t.limits for t in config.teams}, time.monotonic())
+        self.limiter.configure(team_limits(config))
 
     # -- ASGI ------------------------------------------------------------------------------------
 
@@ -348,7 +352,7 @@ class Sidecar:
         except _Reject as refused:
             rej = refused
             if call.team and call.admission is None and rej.status in _CHARGED_REFUSALS:
-                rej = self._charge_refusal(call, rej)
+                rej = await self._charge_refusal(call, rej)
             status, http_status = rej.record_status, rej.status
             headers = [_JSON, *((k.encode(), v.encode()) for k, v in rej.headers)]
             body_err = error_body(rej.status, rej.message, rej.err_type, rej.code, rej.param)
@@ -362,12 +366,14 @@ class Sidecar:
             self._release(call, usage)
         self._account(call, status, usage, meter, finish)
 
-    def _charge_refusal(self, call: _Call, rej: _Reject) -> _Reject:
+    async def _charge_refusal(self, call: _Call, rej: _Reject) -> _Reject:
         """A refusal takes one of the team's requests; past the limit it becomes a 429."""
         try:
-            self.limiter.take_request(call.team, time.monotonic())
+            await self.limiter.take_request(call.team)
         except LimitExceeded as exc:
             return self._rate_limited(call, exc)
+        except LimitsUnavailable:
+            pass
         return rej
 
     def _rate_limited(self, call: _Call, exc: LimitExceeded) -> _Reject:
@@ -439,9 +445,12 @@ class Sidecar:
         )
         reserve = estimate_prompt_tokens(len(raw)) + out * max(1, n)
         try:
-            call.admission = self.limiter.admit(call.team, reserve, time.monotonic())
+            call.admission = await self.limiter.admit(call.team, reserve)
         except LimitExceeded as exc:
             raise self._rate_limited(call, exc) from None
+        except LimitsUnavailable as exc:
+            raise _Reject(503, str(exc), "server_error", "limits_unavailable", RequestStatus.REJECTED,
+                          (("retry-after", str(max(1, math.ceil(exc.retry_after_seconds)))),)) from None  # fmt: skip
         # In flight from the moment it holds an admission, which is exactly when _release
         # decrements: nothing between the two can skip one of them.
         self.metrics.in_flight.labels(call.team, call.model).inc()
@@ -714,7 +723,7 @@ class Sidecar:
     def _release(self, call: _Call, usage: UsageCounts | None) -> None:
         if call.admission is not None:
             used = (usage.prompt + usage.completion) if usage else 0
-            self.limiter.settle(call.admission, used, time.monotonic())
+            self.limiter.settle(call.admission, used)
             self.metrics.in_flight.labels(call.team, call.model).dec()
         if call.slot is not None:
             call.slot.release()
