@@ -297,7 +297,7 @@ class SharedLimitsSettings(_Strict):
     # Redis unreachable or slower than timeout_millis: each sidecar serves limit / live instances
     # (fail_open), or refuses with 503 and Retry-After (fail_closed).
     on_failure: Literal["fail_open", "fail_closed"] = "fail_open"
-    timeout_millis: Annotated[int, Field(gt=0)] = 50
+    timeout_millis: Annotated[int, Field(gt=0)] = 100
     # After a failure, Redis is tried again this often; requests meanwhile follow on_failure.
     retry_seconds: Positive = 1.0
     # A concurrency slot not renewed for this long is free again (a sidecar killed holding it).

@@ -123,6 +123,7 @@ class SharedTeamLimiter:
         self._admit = self.redis.register_script(ADMIT)
         self._settle = self.redis.register_script(SETTLE)
         self._renew = self.redis.register_script(RENEW)
+        self.registry = registry
         self.metrics = _Metrics(registry)
         group = replica_id if settings.scope == "team_replica" else None
         self.live = LiveInstances(settings.registry_url, os.environ.get(settings.registry_token_env),
