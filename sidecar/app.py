@@ -31,7 +31,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import generate_latest
 
 from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
-from infermeter.auth import AuthError, bearer_key
+from infermeter.auth import ADMIN, AuthError, bearer_key
 from infermeter.config import Config
 from infermeter.errors import error_body, sse_error_event
 from infermeter.http_guard import ServerLimits
@@ -42,13 +42,14 @@ from infermeter.replay import ReplayCache
 from infermeter.spool import Spool, SpoolError
 from sidecar import tracing
 from sidecar.bounds import capped, label
+from sidecar.budgets import BudgetExceeded, budget_gate, parse_override
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 from sidecar.lifetime import Lifetime, last_shipment
 from sidecar.limits import Admission, LimitExceeded, estimate_prompt_tokens
 from sidecar.metrics import SidecarMetrics
 from sidecar.state import ModelNotFoundError, View, build_view
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
-from sidecar.team_limits import LimitsUnavailable, team_limiter, team_limits
+from sidecar.team_limits import LimitsUnavailable, shared_redis, team_limiter, team_limits
 from sidecar.upstream import UPSTREAM_ERRORS, StallWatch, Upstream, upstream_failure
 
 if TYPE_CHECKING:
@@ -124,6 +125,9 @@ class Sidecar:
         self.upstream = self.view.replica.upstream_url.rstrip("/")
         self.metrics = SidecarMetrics()
         self.limiter = team_limiter(config, replica_id, self.metrics.registry)
+        self.budgets = budget_gate(settings.budgets, {t.name: t.budget_usd_per_month for t in config.teams},
+                                   self.metrics.registry, os.environ.get(settings.budgets.spend_token_env),
+                                   shared_redis(self.limiter), settings.shared_limits.key_prefix)  # fmt: skip
         capacity = self.view.replica.max_num_seqs
         self.fair = (
             FairShare(
@@ -170,6 +174,8 @@ class Sidecar:
         """Take the spool directory, open the spools, start the shippers, announce the start."""
         await self.lifetime.claim()
         await self.limiter.start()
+        if self.settings.budgets.spend_url:
+            self._tasks.append(asyncio.get_running_loop().create_task(self.budgets.run()))
         self.spool.open()
         self.metrics.spool_backlog.set_function(lambda: self.spool.backlog)
         if self.ingest_url:
@@ -196,6 +202,7 @@ class Sidecar:
         await last_shipment(self._shippers)
         self.lifetime.release()
         await self.limiter.close()
+        await self.budgets.close()
         await self.client.aclose()
         await self.generation.close()
 
@@ -203,6 +210,7 @@ class Sidecar:
         """Apply a new configuration without a restart (keys, limits, approved models)."""
         self.view = build_view(config, self.replica_id, self.replay)
         self.limiter.configure(team_limits(config))
+        self.budgets.budgets = {t.name: t.budget_usd_per_month for t in config.teams}
 
     # -- ASGI ------------------------------------------------------------------------------------
 
@@ -222,6 +230,8 @@ class Sidecar:
             await self._metrics(scope, send)
         elif path == "/engine/metrics" and method == "GET":
             await self._engine_metrics(scope, send)
+        elif path == "/v1/admin/budget-overrides" and method == "POST":
+            await self._budget_override(scope, receive, send)
         elif path == "/healthz":
             await respond(send, 200, b'{"status":"ok"}', [_JSON])
         elif path == "/readyz":
@@ -267,6 +277,29 @@ class Sidecar:
         await respond(
             send, 200, body, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
         )
+
+    async def _budget_override(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            role = self.view.control.team_for(bearer_key(header(scope, b"authorization")))
+        except AuthError:
+            role = None
+        if role != ADMIN:
+            await respond(send, 401, error_body(401, "A budget override needs the admin token.",
+                                                 "invalid_request_error", "invalid_api_key"), [_JSON])  # fmt: skip
+            return
+        raw = await read_body(receive, 64 * 1024, self.settings.body_timeout_seconds)
+        try:
+            override = parse_override(raw or b"", frozenset(self.budgets.budgets), time.time())
+        except ValueError as exc:
+            await respond(
+                send,
+                400,
+                error_body(400, str(exc), "invalid_request_error", "invalid_override"),
+                [_JSON],
+            )
+            return
+        await self.budgets.grant(override)
+        await respond(send, 201, override.to_json(), [_JSON])
 
     async def _engine_metrics(self, scope: Scope, send: Send) -> None:
         # vLLM listens on loopback only (it serves some routes without its API key), so its
@@ -445,12 +478,19 @@ class Sidecar:
         )
         reserve = estimate_prompt_tokens(len(raw)) + out * max(1, n)
         try:
+            verdict = self.budgets.check(call.team, call.model)
+        except BudgetExceeded as exc:
+            raise _Reject(
+                429, str(exc), "insufficient_quota", "budget_exceeded", RequestStatus.RATE_LIMITED
+            ) from None
+        try:
             call.admission = await self.limiter.admit(call.team, reserve)
         except LimitExceeded as exc:
             raise self._rate_limited(call, exc) from None
         except LimitsUnavailable as exc:
             raise _Reject(503, str(exc), "server_error", "limits_unavailable", RequestStatus.REJECTED,
                           (("retry-after", str(max(1, math.ceil(exc.retry_after_seconds)))),)) from None  # fmt: skip
+        call.admission.headers += verdict.headers
         # In flight from the moment it holds an admission, which is exactly when _release
         # decrements: nothing between the two can skip one of them.
         self.metrics.in_flight.labels(call.team, call.model).inc()

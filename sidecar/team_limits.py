@@ -14,13 +14,21 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from infermeter.config import Config, TeamLimits
 from sidecar.limits import Admission, RateLimiter
 from sidecar.shared_limits import LimitsUnavailable, SharedTeamLimiter
 
-__all__ = ["LimitsUnavailable", "LocalTeamLimiter", "TeamLimiter", "team_limiter", "team_limits"]
+__all__ = [
+    "LimitsUnavailable",
+    "LocalTeamLimiter",
+    "TeamLimiter",
+    "shared_redis",
+    "team_limiter",
+    "team_limits",
+]
 
 
 class TeamLimiter(Protocol):
@@ -91,3 +99,8 @@ def team_limiter(config: Config, replica_id: str, registry: CollectorRegistry) -
     if settings.redis_url is None:
         return LocalTeamLimiter(team_limits(config))
     return SharedTeamLimiter(settings, team_limits(config), replica_id, registry)
+
+
+def shared_redis(limiter: TeamLimiter) -> aioredis.Redis | None:
+    """The Redis client of a shared limiter (for state the fleet shares beside limits)."""
+    return limiter.redis if isinstance(limiter, SharedTeamLimiter) else None
