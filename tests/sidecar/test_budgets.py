@@ -126,7 +126,7 @@ async def test_a_team_past_its_hard_budget_is_refused_within_one_refresh_until_o
 
             async def refused() -> bool:
                 r = await c.post("/v1/chat/completions", json=CHAT)
-                return r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded"
+                return r.status_code == 429 and bool(r.json()["error"]["code"] == "budget_exceeded")
 
             await wait_for(refused, 0.5)
             assert stack.records()[-1]["status"] == "rate_limited"
@@ -142,5 +142,6 @@ async def test_a_team_past_its_hard_budget_is_refused_within_one_refresh_until_o
     assert "x-infermeter-budget-override" in through.headers
     assert 'infermeter_budget_overrides_total{team="search"} 1.0' in metrics.text
     assert 'infermeter_team_budget_used_ratio{team="search"} 1.005' in metrics.text
-    stored = await stack.sidecar.budgets.redis.hgetall("infermeter:budget-overrides")  # type: ignore[union-attr,misc]
+    assert stack.sidecar.budgets.redis is not None
+    stored = await stack.sidecar.budgets.redis.hgetall("infermeter:budget-overrides")
     assert b"search" in stored
