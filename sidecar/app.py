@@ -135,6 +135,7 @@ class Sidecar:
                 settings.fair_headroom,
                 settings.fair_queue_max_per_team,
                 settings.fair_wait_timeout_seconds,
+                priorities={t.name: t.priority for t in config.teams},
             )
             if capacity
             else None
@@ -211,6 +212,8 @@ class Sidecar:
         self.view = build_view(config, self.replica_id, self.replay)
         self.limiter.configure(team_limits(config))
         self.budgets.budgets = {t.name: t.budget_usd_per_month for t in config.teams}
+        if self.fair is not None:
+            self.fair.priorities = {t.name: t.priority for t in config.teams}
 
     # -- ASGI ------------------------------------------------------------------------------------
 
