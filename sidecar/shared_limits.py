@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from infermeter.config import SharedLimitsSettings, TeamLimits
 from sidecar.limits import Admission, LimitExceeded, RateLimiter
@@ -141,6 +141,7 @@ class SharedTeamLimiter:
         self._retry_at = 0.0
         self._drained: set[str] = set()
         self._draining = False
+        self._closing = False
 
     # -- the interface ---------------------------------------------------------------------------
 
@@ -237,11 +238,19 @@ class SharedTeamLimiter:
 
     async def close(self) -> None:
         """Send what is queued, stop the tasks, close the connections."""
+        self._closing = True
+        self._wake.set()
+        others = self._tasks[1:]
+        if self._tasks:
+            settler = self._tasks[0]
+            # Not cancelled: a pipeline cancelled mid-execute can hang; it ends by itself.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(settler), 5.0)
         with contextlib.suppress(*_STORE_ERRORS):
             await self._flush()
-        for task in self._tasks:
+        for task in others:
             task.cancel()
-        for task in self._tasks:
+        for task in others:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.live.close()
@@ -298,14 +307,21 @@ class SharedTeamLimiter:
         pending, self._pending = self._pending, []
         if not pending:
             return
+        # EVALSHA straight into the pipeline: redis-py's script objects would ask SCRIPT EXISTS
+        # before every pipeline, one more command per settlement when they come one at a time.
         async with self.redis.pipeline(transaction=False) as pipe:
             for scope, member, args in pending:
-                await self._settle(keys=self._keys(scope), args=[*args, member], client=pipe)
-            await pipe.execute()
+                pipe.evalsha(self._settle.sha, 2, *self._keys(scope), *map(str, args), member)
+            results = await pipe.execute(raise_on_error=False)
+        if any(isinstance(r, NoScriptError) for r in results):
+            # Redis restarted and forgot the script: load it and send the settlements again.
+            await self.redis.script_load(SETTLE)
+            self._pending = pending + self._pending
+            self._wake.set()
 
     async def _settler(self) -> None:
-        """Send queued settlements as they come, many in one pipeline."""
-        while True:
+        """Send queued settlements as they come, many in one pipeline, until closed."""
+        while not self._closing:
             await self._wake.wait()
             self._wake.clear()
             try:
