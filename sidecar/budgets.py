@@ -115,7 +115,9 @@ def parse_spend(body: Any) -> dict[str, float]:
     return out
 
 
-class _Metrics:
+class BudgetMetrics:
+    """The metrics of budget enforcement."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.used = Gauge("infermeter_team_budget_used_ratio",
                           "Month-to-date spend over the monthly budget, as this sidecar last read it.", ("team",), registry=registry)  # fmt: skip
@@ -144,7 +146,7 @@ class BudgetGate:
     read_at: float | None = None
 
     def __post_init__(self) -> None:
-        self.metrics = _Metrics(self.registry)
+        self.metrics = BudgetMetrics(self.registry)
         self.metrics.age.set_function(
             lambda: -1.0 if self.read_at is None else time.monotonic() - self.read_at
         )

@@ -39,7 +39,13 @@ from sidecar.limits import Admission, LimitExceeded, RateLimiter
 from sidecar.live_instances import LiveInstances
 from sidecar.shared_scripts import ADMIT, RENEW, SETTLE
 
-__all__ = ["LimitsUnavailable", "SharedAdmission", "SharedTeamLimiter", "fallback_limits"]
+__all__ = [
+    "LimitsUnavailable",
+    "SharedAdmission",
+    "SharedLimitsMetrics",
+    "SharedTeamLimiter",
+    "fallback_limits",
+]
 
 log = logging.getLogger("infermeter.sidecar")
 
@@ -94,7 +100,9 @@ def shared_headers(lim: TeamLimits, requests: float, tokens: float) -> tuple[tup
     return tuple(out)
 
 
-class _Metrics:
+class SharedLimitsMetrics:
+    """The metrics of the shared limiter: store health, fallbacks and what teams have left."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.up = Gauge("infermeter_shared_limits_up",
                         "1 while team limits are decided in the shared store, 0 while it is down.", registry=registry)  # fmt: skip
@@ -124,7 +132,7 @@ class SharedTeamLimiter:
         self._settle = self.redis.register_script(SETTLE)
         self._renew = self.redis.register_script(RENEW)
         self.registry = registry
-        self.metrics = _Metrics(registry)
+        self.metrics = SharedLimitsMetrics(registry)
         group = replica_id if settings.scope == "team_replica" else None
         self.live = LiveInstances(settings.registry_url, os.environ.get(settings.registry_token_env),
                                   group, settings.instances_refresh_seconds)  # fmt: skip
