@@ -47,6 +47,7 @@ from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 from sidecar.lifetime import Lifetime, last_shipment
 from sidecar.limits import Admission, LimitExceeded, estimate_prompt_tokens
 from sidecar.metrics import SidecarMetrics
+from sidecar.shared_fairness import FairShareSync
 from sidecar.state import ModelNotFoundError, View, build_view
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
 from sidecar.team_limits import LimitsUnavailable, shared_redis, team_limiter, team_limits
@@ -177,6 +178,10 @@ class Sidecar:
         await self.limiter.start()
         if self.settings.budgets.spend_url:
             self._tasks.append(asyncio.get_running_loop().create_task(self.budgets.run()))
+        if (redis := shared_redis(self.limiter)) is not None and self.fair is not None:
+            sync = FairShareSync(redis, self.fair, self.settings.shared_limits.key_prefix,
+                                 self.replica_id, self.identity.instance)  # fmt: skip
+            self._tasks.append(asyncio.get_running_loop().create_task(sync.run()))
         self.spool.open()
         self.metrics.spool_backlog.set_function(lambda: self.spool.backlog)
         if self.ingest_url:

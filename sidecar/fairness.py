@@ -60,6 +60,8 @@ class FairShare:
     wait_timeout_seconds: float | None = None
     in_flight: dict[str, int] = field(default_factory=dict)
     priorities: dict[str, int] = field(default_factory=dict)
+    # In flight per team on the other replicas of the group (``sidecar.shared_fairness``).
+    remote_in_flight: dict[str, int] = field(default_factory=dict)
     _waiting: dict[str, deque[asyncio.Future[None]]] = field(default_factory=dict)
     _total: int = 0
 
@@ -112,6 +114,11 @@ class FairShare:
             raise
         return Slot(team, self)
 
+    def _rank(self, team: str) -> tuple[int, int]:
+        """Lower priority value first, then fewest in flight across the replica group."""
+        group = self.in_flight.get(team, 0) + self.remote_in_flight.get(team, 0)
+        return self.priorities.get(team, 0), group
+
     def _start(self, team: str) -> None:
         self.in_flight[team] = self.in_flight.get(team, 0) + 1
         self._total += 1
@@ -126,9 +133,7 @@ class FairShare:
             candidates = [t for t, q in self._waiting.items() if q and self._may_start(t)]
             if not candidates:
                 return
-            team = min(
-                candidates, key=lambda t: (self.priorities.get(t, 0), self.in_flight.get(t, 0))
-            )
+            team = min(candidates, key=self._rank)
             future = self._waiting[team].popleft()
             if future.done():
                 continue

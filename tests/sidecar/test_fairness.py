@@ -226,3 +226,15 @@ async def test_without_priorities_the_team_with_fewer_in_flight_goes_next(spawn)
     await idle()
     assert granted(b) == 1
     assert granted(a_more) == 0
+
+
+async def test_a_freed_slot_goes_to_the_team_with_fewer_in_flight_across_the_group(spawn):
+    """Counts from the other replicas of the group decide who goes next among equals."""
+    fair = FairShare(2, headroom_share=0.0, remote_in_flight={"a": 5})
+    running = await requests(spawn, fair, "b", 2)
+    a = await requests(spawn, fair, "a", 1)
+    b_more = await requests(spawn, fair, "b", 1)
+    running[0].result().release()
+    await idle()
+    assert granted(b_more) == 1
+    assert granted(a) == 0
