@@ -31,7 +31,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import generate_latest
 
 from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
-from infermeter.auth import ADMIN, AuthError, bearer_key
+from infermeter.auth import AuthError, bearer_key
 from infermeter.config import Config
 from infermeter.errors import error_body, sse_error_event
 from infermeter.http_guard import ServerLimits
@@ -42,7 +42,7 @@ from infermeter.replay import ReplayCache
 from infermeter.spool import Spool, SpoolError
 from sidecar import tracing
 from sidecar.bounds import capped, label
-from sidecar.budgets import BudgetExceeded, budget_gate, parse_override
+from sidecar.budgets import BudgetExceeded, budget_gate, serve_override
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 from sidecar.lifetime import Lifetime, last_shipment
 from sidecar.limits import Admission, LimitExceeded, estimate_prompt_tokens
@@ -239,7 +239,7 @@ class Sidecar:
         elif path == "/engine/metrics" and method == "GET":
             await self._engine_metrics(scope, send)
         elif path == "/v1/admin/budget-overrides" and method == "POST":
-            await self._budget_override(scope, receive, send)
+            await serve_override(self.budgets, self.view.control, scope, receive, send)
         elif path == "/healthz":
             await respond(send, 200, b'{"status":"ok"}', [_JSON])
         elif path == "/readyz":
@@ -285,29 +285,6 @@ class Sidecar:
         await respond(
             send, 200, body, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
         )
-
-    async def _budget_override(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            role = self.view.control.team_for(bearer_key(header(scope, b"authorization")))
-        except AuthError:
-            role = None
-        if role != ADMIN:
-            await respond(send, 401, error_body(401, "A budget override needs the admin token.",
-                                                 "invalid_request_error", "invalid_api_key"), [_JSON])  # fmt: skip
-            return
-        raw = await read_body(receive, 64 * 1024, self.settings.body_timeout_seconds)
-        try:
-            override = parse_override(raw or b"", frozenset(self.budgets.budgets), time.time())
-        except ValueError as exc:
-            await respond(
-                send,
-                400,
-                error_body(400, str(exc), "invalid_request_error", "invalid_override"),
-                [_JSON],
-            )
-            return
-        await self.budgets.grant(override)
-        await respond(send, 201, override.to_json(), [_JSON])
 
     async def _engine_metrics(self, scope: Scope, send: Send) -> None:
         # vLLM listens on loopback only (it serves some routes without its API key), so its

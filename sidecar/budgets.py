@@ -27,7 +27,10 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.exceptions import RedisError
 
+from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
+from infermeter.auth import ADMIN, AuthError, KeyRing, bearer_key
 from infermeter.config import BudgetSettings
+from infermeter.errors import error_body
 
 __all__ = [
     "BudgetExceeded",
@@ -246,3 +249,27 @@ def budget_gate(settings: BudgetSettings, budgets: dict[str, float], registry: C
                 token: str | None, redis: aioredis.Redis | None, key_prefix: str) -> BudgetGate:  # fmt: skip
     """The sidecar's budget gate; overrides are shared through ``redis`` when there is one."""
     return BudgetGate(settings, budgets, registry, token, redis, f"{key_prefix}:budget-overrides")
+
+
+_JSON = (b"content-type", b"application/json")
+
+
+async def serve_override(gate: BudgetGate, control: KeyRing, scope: Scope, receive: Receive,
+                         send: Send) -> None:  # fmt: skip
+    """``POST /v1/admin/budget-overrides``: the admin grants a team an override (201), else 400/401."""
+    try:
+        role = control.team_for(bearer_key(header(scope, b"authorization")))
+    except AuthError:
+        role = None
+    if role != ADMIN:
+        await respond(send, 401, error_body(401, "A budget override needs the admin token.",
+                                             "invalid_request_error", "invalid_api_key"), [_JSON])  # fmt: skip
+        return
+    raw = await read_body(receive, 64 * 1024, 30.0)
+    try:
+        override = parse_override(raw or b"", frozenset(gate.budgets), time.time())
+    except ValueError as exc:
+        await respond(send, 400, error_body(400, str(exc), "invalid_request_error", "invalid_override"), [_JSON])  # fmt: skip
+        return
+    await gate.grant(override)
+    await respond(send, 201, override.to_json(), [_JSON])
