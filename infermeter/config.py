@@ -290,6 +290,8 @@ class SharedLimitsSettings(_Strict):
     """Team limits held fleet-wide in Redis; without ``redis_url`` each sidecar keeps its own."""
 
     redis_url: str | None = None
+    # The Redis password (AUTH) is read from this variable, never written in the URL.
+    password_env: str = "INFERMETER_REDIS_PASSWORD"
     key_prefix: str = "infermeter"
     # "team": one set of limits per team for the whole fleet; "team_replica": one per replica
     # group (model group), so a team's limit applies to each model it calls.

@@ -128,7 +128,8 @@ class SharedTeamLimiter:
         assert settings.redis_url is not None
         self.redis = client or aioredis.Redis.from_url(
             settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout,
-            retry_on_timeout=False, health_check_interval=0)  # fmt: skip
+            retry_on_timeout=False, health_check_interval=0,
+            password=os.environ.get(settings.password_env) or None)  # fmt: skip
         self._admit = self.redis.register_script(ADMIT)
         self._settle = self.redis.register_script(SETTLE)
         self._renew = self.redis.register_script(RENEW)
