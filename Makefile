@@ -43,7 +43,7 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-## system-deps: Debian packages the tests use for real (promtool, Prometheus)
+## system-deps: Debian packages the tests use for real (promtool, Prometheus, chromium, redis-server)
 system-deps:
 	bash scripts/system-deps.sh
 

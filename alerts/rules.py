@@ -413,6 +413,12 @@ def _platform_alerts(config: Config) -> list[Rule]:
                f"the collector cannot scrape {{{{ $labels.kind }}}} target {{{{ $labels.target }}}} (for {duration(a.target_down_for_seconds)})",
                "Check the target's URL in the config (nodes[].dcgm_exporter_url or replicas[].upstream_url) and that "
                "dcgm-exporter or vLLM runs there; until it is back its GPU time is recorded as gaps, never invented."),
+        _alert("InfermeterSharedLimitsDown",
+               "infermeter_shared_limits_up == 0",
+               60, "critical",
+               "sidecar {{ $labels.instance }} cannot reach the shared team-limits store (Redis) and serves by sidecar.shared_limits.on_failure (for 1m)",
+               "Check Redis (sidecar.shared_limits.redis_url) and the network to it. With fail_open each sidecar admits "
+               "limit / live instances, so team limits hold only roughly; with fail_closed requests get 503 until it returns."),
         _alert("InfermeterGPUXidError",
                "infermeter_gpu_xid_errors != 0",
                0, "critical",

@@ -292,6 +292,44 @@ class GatewaySettings(_Strict):
     secret_env: str = "INFERMETER_GATEWAY_SECRET"
 
 
+class SharedLimitsSettings(_Strict):
+    """Team limits held fleet-wide in Redis; without ``redis_url`` each sidecar keeps its own."""
+
+    redis_url: str | None = None
+    # The Redis password (AUTH) is read from this variable, never written in the URL.
+    password_env: str = "INFERMETER_REDIS_PASSWORD"
+    key_prefix: str = "infermeter"
+    # "team": one set of limits per team for the whole fleet; "team_replica": one per replica
+    # group (model group), so a team's limit applies to each model it calls.
+    scope: Literal["team", "team_replica"] = "team"
+    # Redis unreachable or slower than timeout_millis: each sidecar serves limit / live instances
+    # (fail_open), or refuses with 503 and Retry-After (fail_closed).
+    on_failure: Literal["fail_open", "fail_closed"] = "fail_open"
+    timeout_millis: Annotated[int, Field(gt=0)] = 100
+    # After a failure, Redis is tried again this often; requests meanwhile follow on_failure.
+    retry_seconds: Positive = 1.0
+    # A concurrency slot not renewed for this long is free again (a sidecar killed holding it).
+    lease_seconds: Positive = 30.0
+    # Billing's instance registry, for the number of live instances sharing a limit in fail_open.
+    registry_url: str | None = None
+    registry_token_env: str = "INFERMETER_REGISTRY_TOKEN"
+    instances_refresh_seconds: Positive = 30.0
+
+
+class BudgetSettings(_Strict):
+    """Budgets enforced by the sidecars from billing's month-to-date spend (``GET /v1/spend``)."""
+
+    spend_url: str | None = None
+    spend_token_env: str = "INFERMETER_SPEND_TOKEN"
+    refresh_seconds: Annotated[float, Field(gt=0, le=60)] = 30.0
+    # Past this share of the monthly budget, responses carry x-infermeter-budget-warning.
+    soft_share: Annotated[float, Field(gt=0, le=1)] = 0.8
+    # Past the whole budget: refuse every request (429 budget_exceeded), only requests for
+    # models not in priority_models, or none (warn only).
+    on_exceeded: Literal["refuse", "refuse_non_priority", "warn"] = "refuse"
+    priority_models: list[str] = Field(default_factory=list)
+
+
 class SidecarSettings(_Strict):
     """How every sidecar relays, limits and meters."""
 
@@ -325,6 +363,8 @@ class SidecarSettings(_Strict):
     # How often the admission journal marks the tokens of running requests and fsyncs itself.
     journal_mark_millis: Annotated[int, Field(gt=0)] = 500
     gateway: GatewaySettings = GatewaySettings()
+    shared_limits: SharedLimitsSettings = SharedLimitsSettings()
+    budgets: BudgetSettings = BudgetSettings()
 
 
 class RegistryDiscovery(_Strict):

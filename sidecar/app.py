@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -44,15 +45,18 @@ from infermeter.spool import Spool, SpoolError
 from sidecar import tracing
 from sidecar.assemble import Assembler, answer, assemblable, streamed_body
 from sidecar.bounds import capped, label
+from sidecar.budgets import BudgetExceeded, budget_gate, serve_override
 from sidecar.drain import Drain
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 from sidecar.journal import AdmissionJournal, JournalError
 from sidecar.lifetime import Lifetime, last_shipment
-from sidecar.limits import Admission, LimitExceeded, RateLimiter, estimate_prompt_tokens
+from sidecar.limits import Admission, LimitExceeded, estimate_prompt_tokens
 from sidecar.metrics import SidecarMetrics
 from sidecar.request_ids import client_request_id, response_id
+from sidecar.shared_fairness import FairShareSync
 from sidecar.state import ModelNotFoundError, View, build_view
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
+from sidecar.team_limits import LimitsUnavailable, shared_redis, team_limiter, team_limits
 from sidecar.upstream import UPSTREAM_ERRORS, StallWatch, Upstream, upstream_failure
 
 if TYPE_CHECKING:
@@ -130,7 +134,10 @@ class Sidecar:
         self.settings = settings
         self.upstream = self.view.replica.upstream_url.rstrip("/")
         self.metrics = SidecarMetrics()
-        self.limiter = RateLimiter({t.name: t.limits for t in config.teams}, time.monotonic())
+        self.limiter = team_limiter(config, replica_id, self.metrics.registry)
+        self.budgets = budget_gate(settings.budgets, {t.name: t.budget_usd_per_month for t in config.teams},
+                                   self.metrics.registry, os.environ.get(settings.budgets.spend_token_env),
+                                   shared_redis(self.limiter), settings.shared_limits.key_prefix)  # fmt: skip
         capacity = self.view.replica.max_num_seqs
         self.fair = (
             FairShare(
@@ -138,6 +145,7 @@ class Sidecar:
                 settings.fair_headroom,
                 settings.fair_queue_max_per_team,
                 settings.fair_wait_timeout_seconds,
+                priorities={t.name: t.priority for t in config.teams},
             )
             if capacity
             else None
@@ -181,6 +189,13 @@ class Sidecar:
         """Take the spool directory, open the spools, record what a killed predecessor left
         running, start the shippers, announce the start."""
         await self.lifetime.claim()
+        await self.limiter.start()
+        if self.settings.budgets.spend_url:
+            self._tasks.append(asyncio.get_running_loop().create_task(self.budgets.run()))
+        if (redis := shared_redis(self.limiter)) is not None and self.fair is not None:
+            sync = FairShareSync(redis, self.fair, self.settings.shared_limits.key_prefix,
+                                 self.replica_id, self.identity.instance)  # fmt: skip
+            self._tasks.append(asyncio.get_running_loop().create_task(sync.run()))
         self.spool.open()
         await recover(self.journal.open(), self.spool)
         self.metrics.spool_backlog.set_function(lambda: self.spool.backlog)
@@ -208,6 +223,8 @@ class Sidecar:
         await self.spool.close()
         await self.lifetime.close()
         self.lifetime.release()
+        await self.limiter.close()
+        await self.budgets.close()
         await self.client.aclose()
         await self.generation.close()
 
@@ -233,7 +250,10 @@ class Sidecar:
     def reload(self, config: Config) -> None:
         """Apply a new configuration without a restart (keys, limits, approved models)."""
         self.view = build_view(config, self.replica_id, self.replay)
-        self.limiter.configure({t.name: t.limits for t in config.teams}, time.monotonic())
+        self.limiter.configure(team_limits(config))
+        self.budgets.budgets = {t.name: t.budget_usd_per_month for t in config.teams}
+        if self.fair is not None:
+            self.fair.priorities = {t.name: t.priority for t in config.teams}
 
     # -- ASGI ------------------------------------------------------------------------------------
 
@@ -253,6 +273,8 @@ class Sidecar:
             await self._metrics(scope, send)
         elif path == "/engine/metrics" and method == "GET":
             await self._engine_metrics(scope, send)
+        elif path == "/v1/admin/budget-overrides" and method == "POST":
+            await serve_override(self.budgets, self.view.control, scope, receive, send)
         elif path == "/healthz":
             await respond(send, 200, b'{"status":"ok"}', [_JSON])
         elif path == "/readyz":
@@ -387,7 +409,7 @@ class Sidecar:
         except _Reject as refused:
             rej = refused
             if call.team and call.admission is None and rej.status in _CHARGED_REFUSALS:
-                rej = self._charge_refusal(call, rej)
+                rej = await self._charge_refusal(call, rej)
             status, http_status = rej.record_status, rej.status
             headers = [_JSON, *((k.encode(), v.encode()) for k, v in rej.headers),
                        *_echo_headers(call)]  # fmt: skip
@@ -418,12 +440,14 @@ class Sidecar:
                 "%s; request %s would go unrecorded if the sidecar died", exc, call.request_id
             )
 
-    def _charge_refusal(self, call: _Call, rej: _Reject) -> _Reject:
+    async def _charge_refusal(self, call: _Call, rej: _Reject) -> _Reject:
         """A refusal takes one of the team's requests; past the limit it becomes a 429."""
         try:
-            self.limiter.take_request(call.team, time.monotonic())
+            await self.limiter.take_request(call.team)
         except LimitExceeded as exc:
             return self._rate_limited(call, exc)
+        except LimitsUnavailable:
+            pass
         return rej
 
     def _rate_limited(self, call: _Call, exc: LimitExceeded) -> _Reject:
@@ -495,9 +519,19 @@ class Sidecar:
         )
         reserve = estimate_prompt_tokens(len(raw)) + out * max(1, n)
         try:
-            call.admission = self.limiter.admit(call.team, reserve, time.monotonic())
+            verdict = self.budgets.check(call.team, call.model)
+        except BudgetExceeded as exc:
+            raise _Reject(
+                429, str(exc), "insufficient_quota", "budget_exceeded", RequestStatus.RATE_LIMITED
+            ) from None
+        try:
+            call.admission = await self.limiter.admit(call.team, reserve)
         except LimitExceeded as exc:
             raise self._rate_limited(call, exc) from None
+        except LimitsUnavailable as exc:
+            raise _Reject(503, str(exc), "server_error", "limits_unavailable", RequestStatus.REJECTED,
+                          (("retry-after", str(max(1, math.ceil(exc.retry_after_seconds)))),)) from None  # fmt: skip
+        call.admission.headers += verdict.headers
         # In flight from the moment it holds an admission, which is exactly when _release
         # decrements: nothing between the two can skip one of them.
         self.metrics.in_flight.labels(call.team, call.model).inc()
@@ -900,7 +934,7 @@ class Sidecar:
     def _release(self, call: _Call, usage: UsageCounts | None) -> None:
         if call.admission is not None:
             used = (usage.prompt + usage.completion) if usage else 0
-            self.limiter.settle(call.admission, used, time.monotonic())
+            self.limiter.settle(call.admission, used)
             self.metrics.in_flight.labels(call.team, call.model).dec()
         if call.slot is not None:
             call.slot.release()

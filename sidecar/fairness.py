@@ -11,6 +11,11 @@ every slot but the headroom, which stays free for the first request of anyone el
 The wait is bounded twice: a team may have at most ``max_waiting_per_team`` requests queued
 (one more is refused at once with ``QueueFull``, so a flood costs its sender, not the others),
 and no request waits longer than ``wait_timeout_seconds`` (``WaitTimeout``).
+
+``priorities`` (``teams[].priority``, lower is served first) orders the teams waiting for a freed
+slot before their in-flight counts do: a waiting request of a priority-0 team goes ahead of every
+waiting request of a priority-1 team. It orders waiting only; a team already running keeps its
+slots, and the headroom still keeps the first request of any team from waiting behind a flood.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ class FairShare:
     max_waiting_per_team: int | None = None
     wait_timeout_seconds: float | None = None
     in_flight: dict[str, int] = field(default_factory=dict)
+    priorities: dict[str, int] = field(default_factory=dict)
+    # In flight per team on the other replicas of the group (``sidecar.shared_fairness``).
+    remote_in_flight: dict[str, int] = field(default_factory=dict)
     _waiting: dict[str, deque[asyncio.Future[None]]] = field(default_factory=dict)
     _total: int = 0
 
@@ -79,7 +87,7 @@ class FairShare:
         return self._total < self.capacity - self.headroom
 
     async def acquire(self, team: str) -> Slot:
-        """Wait for a slot for ``team``; FIFO within a team, fewest-in-flight across teams."""
+        """Wait for a slot for ``team``; FIFO within a team, then by priority and fewest in flight."""
         if not self._waiting.get(team) and self._may_start(team):
             self._start(team)
             return Slot(team, self)
@@ -106,6 +114,11 @@ class FairShare:
             raise
         return Slot(team, self)
 
+    def _rank(self, team: str) -> tuple[int, int]:
+        """Lower priority value first, then fewest in flight across the replica group."""
+        group = self.in_flight.get(team, 0) + self.remote_in_flight.get(team, 0)
+        return self.priorities.get(team, 0), group
+
     def _start(self, team: str) -> None:
         self.in_flight[team] = self.in_flight.get(team, 0) + 1
         self._total += 1
@@ -120,7 +133,7 @@ class FairShare:
             candidates = [t for t, q in self._waiting.items() if q and self._may_start(t)]
             if not candidates:
                 return
-            team = min(candidates, key=lambda t: self.in_flight.get(t, 0))
+            team = min(candidates, key=self._rank)
             future = self._waiting[team].popleft()
             if future.done():
                 continue

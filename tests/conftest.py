@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from infermeter.config import Config, load_config
+from tests.redis_server import RedisServer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -40,3 +41,25 @@ def real_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     venv_dir, model_dir = ensure_vllm_ready(Path(__file__).parents[1])
     with start_real_vllm(venv_dir, model_dir, free_port(), tmp_path_factory.mktemp("vllm")) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def redis_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server on loopback for the whole session; stopped at its end."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def redis_server(redis_session: RedisServer) -> Iterator[RedisServer]:
+    """The session's redis-server, empty and running (a test may kill it; it is restarted)."""
+    if redis_session.process is None:
+        redis_session.start()
+    redis_session.flush()
+    yield redis_session
+    if redis_session.process is None:
+        redis_session.start()

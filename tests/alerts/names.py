@@ -11,7 +11,9 @@ from prometheus_client.registry import Collector
 from collectors.loop import FleetCollector
 from collectors.metrics import FleetMetrics
 from infermeter.config import Config
+from sidecar.budgets import BudgetMetrics
 from sidecar.metrics import SidecarMetrics
+from sidecar.shared_limits import SharedLimitsMetrics
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 # Announced by billing for the spend and reconciliation alerts and dashboards.
@@ -48,7 +50,10 @@ def _sample_names(collector: Collector) -> set[str]:
 
 def exposed_names(config: Config) -> set[str]:
     """Series names the sidecar, the collector, vLLM (captured) and billing expose."""
-    sidecar = _sample_names(SidecarMetrics().registry)
+    registry = SidecarMetrics().registry
+    SharedLimitsMetrics(registry)
+    BudgetMetrics(registry)
+    sidecar = _sample_names(registry)
     collector = _sample_names(FleetMetrics(FleetCollector(config, [], [])))
     text = (FIXTURES / "vllm-0.32-metrics.prom").read_text()
     vllm = {s.name for f in text_string_to_metric_families(text) for s in f.samples}

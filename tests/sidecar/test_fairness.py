@@ -201,3 +201,40 @@ async def test_a_wait_past_the_timeout_leaves_the_queue(spawn):
         await fair.acquire("b")
     assert fair.waiting() == 0
     assert fair.in_flight == {"a": 1}
+
+
+async def test_a_freed_slot_goes_to_the_waiting_team_of_lower_priority_value(spawn):
+    """Priority 0 is served before priority 1 even when it has more requests in flight."""
+    fair = FairShare(2, headroom_share=0.0, priorities={"urgent": 0, "batch": 1})
+    running = await requests(spawn, fair, "urgent", 2)
+    batch = await requests(spawn, fair, "batch", 1)
+    urgent = await requests(spawn, fair, "urgent", 1)
+    assert granted(batch) == granted(urgent) == 0
+    running[0].result().release()
+    await idle()
+    assert granted(urgent) == 1
+    assert granted(batch) == 0
+
+
+async def test_without_priorities_the_team_with_fewer_in_flight_goes_next(spawn):
+    """Equal priorities fall back to fewest in flight."""
+    fair = FairShare(2, headroom_share=0.0)
+    running = await requests(spawn, fair, "a", 2)
+    a_more = await requests(spawn, fair, "a", 1)
+    b = await requests(spawn, fair, "b", 1)
+    running[0].result().release()
+    await idle()
+    assert granted(b) == 1
+    assert granted(a_more) == 0
+
+
+async def test_a_freed_slot_goes_to_the_team_with_fewer_in_flight_across_the_group(spawn):
+    """Counts from the other replicas of the group decide who goes next among equals."""
+    fair = FairShare(2, headroom_share=0.0, remote_in_flight={"a": 5})
+    running = await requests(spawn, fair, "b", 2)
+    a = await requests(spawn, fair, "a", 1)
+    b_more = await requests(spawn, fair, "b", 1)
+    running[0].result().release()
+    await idle()
+    assert granted(b_more) == 1
+    assert granted(a) == 0

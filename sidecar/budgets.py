@@ -1,0 +1,275 @@
+"""Monthly budgets enforced at admission, from billing's month-to-date spend.
+
+The spend is read in the background (``GET /v1/spend``, every ``refresh_seconds``, at most a
+minute) into a frozen snapshot replaced whole; admission only looks a team up in it, so a budget
+costs the request path no I/O. Past ``soft_share`` of its budget a team's responses carry
+``x-infermeter-budget-warning``; past the whole budget ``on_exceeded`` decides: refuse every
+request (429 ``budget_exceeded``), refuse only models outside ``priority_models``, or warn only.
+A team without a budget (0) is never refused.
+
+An admin may let a team past its budget until a given time (``POST /v1/admin/budget-overrides``).
+The override is logged, counted, stored in Redis when the fleet shares one (every sidecar reads it
+at its next refresh) and marks each response it lets through with ``x-infermeter-budget-override``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import httpx
+import orjson
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from redis.exceptions import RedisError
+
+from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
+from infermeter.auth import ADMIN, AuthError, KeyRing, bearer_key
+from infermeter.config import BudgetSettings
+from infermeter.errors import error_body
+
+__all__ = [
+    "BudgetExceeded",
+    "BudgetGate",
+    "Override",
+    "Verdict",
+    "budget_gate",
+    "judge",
+    "parse_override",
+    "parse_spend",
+]
+
+log = logging.getLogger("infermeter.sidecar")
+
+
+class BudgetExceeded(Exception):
+    """A team past its hard budget; answered 429 ``budget_exceeded``."""
+
+    def __init__(self, team: str, spent_usd: float, budget_usd: float) -> None:
+        super().__init__(
+            f"Team {team} has spent ${spent_usd:.2f} of its ${budget_usd:.2f} monthly budget; "
+            "requests are refused until the month ends or an admin grants an override."
+        )
+        self.team, self.spent_usd, self.budget_usd = team, spent_usd, budget_usd
+
+
+@dataclass(frozen=True)
+class Override:
+    """An admin's permission for a team to spend past its budget until ``until`` (epoch s)."""
+
+    team: str
+    until: float
+    reason: str
+    granted_at: float
+
+    def to_json(self) -> bytes:
+        """The stored form."""
+        return orjson.dumps(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a budget means for one request: headers to add, and whether an override let it in."""
+
+    headers: tuple[tuple[str, str], ...] = ()
+    overridden: bool = False
+    state: str = "ok"
+
+
+def judge(team: str, model: str, spent_usd: float, budget_usd: float, settings: BudgetSettings,
+          override: Override | None, now: float) -> Verdict:  # fmt: skip
+    """The budget's verdict on a request: BudgetExceeded, or the headers it carries."""
+    if budget_usd <= 0:
+        return Verdict()
+    share = spent_usd / budget_usd
+    used = (("x-infermeter-budget-used", f"{share:.3f}"),)
+    if share < settings.soft_share:
+        return Verdict()
+    warning = (("x-infermeter-budget-warning", f"{share:.0%} of the monthly budget spent"),)
+    if share < 1.0:
+        return Verdict(used + warning, state="soft")
+    refused = settings.on_exceeded == "refuse" or (
+        settings.on_exceeded == "refuse_non_priority" and model not in settings.priority_models
+    )
+    if not refused:
+        return Verdict(used + warning, state="hard")
+    if override is not None and override.until > now:
+        until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(override.until))
+        return Verdict((*used, ("x-infermeter-budget-override", until)), True, "override")
+    raise BudgetExceeded(team, spent_usd, budget_usd)
+
+
+def parse_spend(body: Any) -> dict[str, float]:
+    """Spend per team from a ``GET /v1/spend`` answer; ValueError when it is not one."""
+    if not isinstance(body, list):
+        raise ValueError("spend answer is not a list")
+    out: dict[str, float] = {}
+    for row in body:
+        if not isinstance(row, dict) or not isinstance(row.get("team"), str):
+            raise ValueError(f"spend row without a team: {row!r}")
+        spent = row.get("spent_usd")
+        if not isinstance(spent, int | float):
+            raise ValueError(f"spend row without spent_usd: {row!r}")
+        out[row["team"]] = float(spent)
+    return out
+
+
+class BudgetMetrics:
+    """The metrics of budget enforcement."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.used = Gauge("infermeter_team_budget_used_ratio",
+                          "Month-to-date spend over the monthly budget, as this sidecar last read it.", ("team",), registry=registry)  # fmt: skip
+        self.remaining = Gauge("infermeter_team_budget_remaining_usd",
+                               "Monthly budget left, as this sidecar last read it.", ("team",), registry=registry)  # fmt: skip
+        self.decisions = Counter("infermeter_budget_decisions",
+                                 "Requests past a budget threshold, by what was done.", ("team", "state"), registry=registry)  # fmt: skip
+        self.age = Gauge("infermeter_budget_spend_age_seconds",
+                         "Seconds since the spend was last read from billing.", registry=registry)  # fmt: skip
+        self.overrides = Counter("infermeter_budget_overrides",
+                                 "Budget overrides granted by an admin through this sidecar.", ("team",), registry=registry)  # fmt: skip
+
+
+@dataclass
+class BudgetGate:
+    """The budget state of one sidecar: a spend snapshot and the overrides in force."""
+
+    settings: BudgetSettings
+    budgets: dict[str, float]
+    registry: CollectorRegistry
+    spend_token: str | None = None
+    redis: aioredis.Redis | None = None
+    key: str = "infermeter:budget-overrides"
+    spent: dict[str, float] = field(default_factory=dict)
+    overrides: dict[str, Override] = field(default_factory=dict)
+    read_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = BudgetMetrics(self.registry)
+        self.metrics.age.set_function(
+            lambda: -1.0 if self.read_at is None else time.monotonic() - self.read_at
+        )
+        self.client = httpx.AsyncClient(timeout=10.0)
+
+    def check(self, team: str, model: str) -> Verdict:
+        """The verdict for a request of ``team`` for ``model``; BudgetExceeded past the budget."""
+        spent = self.spent.get(team)
+        if spent is None:
+            return Verdict()
+        try:
+            verdict = judge(team, model, spent, self.budgets.get(team, 0.0), self.settings,
+                            self.overrides.get(team), time.time())  # fmt: skip
+        except BudgetExceeded:
+            self.metrics.decisions.labels(team, "refused").inc()
+            raise
+        if verdict.state != "ok":
+            self.metrics.decisions.labels(team, verdict.state).inc()
+        return verdict
+
+    async def grant(self, override: Override) -> None:
+        """Record an override: logged, counted, shared through Redis when there is one."""
+        log.warning("budget override for team %s until %s: %s", override.team,
+                    time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(override.until)), override.reason)  # fmt: skip
+        self.metrics.overrides.labels(override.team).inc()
+        self.overrides = {**self.overrides, override.team: override}
+        if self.redis is not None:
+            # redis-py types its commands for both its sync and asyncio clients.
+            await cast(
+                "Awaitable[int]",
+                self.redis.hset(self.key, override.team, override.to_json().decode()),
+            )
+
+    async def refresh(self) -> None:
+        """Read billing's spend (and the shared overrides); keep the last ones on failure."""
+        if self.settings.spend_url is None:
+            return
+        headers = {"authorization": f"Bearer {self.spend_token}"} if self.spend_token else {}
+        try:
+            r = await self.client.get(self.settings.spend_url.rstrip("/") + "/v1/spend",
+                                      headers=headers)  # fmt: skip
+            r.raise_for_status()
+            spent = parse_spend(r.json())
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("budget spend unreadable, keeping the last one: %s", exc)
+            return
+        self.spent, self.read_at = spent, time.monotonic()
+        for team, value in spent.items():
+            budget = self.budgets.get(team, 0.0)
+            if budget > 0:
+                self.metrics.used.labels(team).set(value / budget)
+                self.metrics.remaining.labels(team).set(max(0.0, budget - value))
+        await self._read_overrides()
+
+    async def _read_overrides(self) -> None:
+        if self.redis is None:
+            return
+        try:
+            stored = await cast("Awaitable[dict[bytes, bytes]]", self.redis.hgetall(self.key))
+        except (RedisError, OSError) as exc:
+            log.warning("budget overrides unreadable in Redis, keeping the last ones: %s", exc)
+            return
+        now = time.time()
+        found = {k.decode(): Override(**orjson.loads(v)) for k, v in stored.items()}
+        self.overrides = {t: o for t, o in found.items() if o.until > now}
+
+    async def run(self) -> None:
+        """Refresh until cancelled."""
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.settings.refresh_seconds)
+
+    async def close(self) -> None:
+        """Close the HTTP client."""
+        await self.client.aclose()
+
+
+def parse_override(raw: bytes, teams: frozenset[str], now: float) -> Override:
+    """An override from an admin's request body; ValueError naming what is wrong."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    team, minutes, reason = body.get("team"), body.get("minutes"), body.get("reason")
+    if team not in teams:
+        raise ValueError(f"team: {team!r} is not a configured team")
+    if not isinstance(minutes, int | float) or not 0 < minutes <= 44640:
+        raise ValueError(f"minutes: {minutes!r} must be a number in (0, 44640] (one month)")
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError("reason: an override needs a reason, for the record")
+    return Override(str(team), now + float(minutes) * 60, reason.strip()[:500], now)
+
+
+def budget_gate(settings: BudgetSettings, budgets: dict[str, float], registry: CollectorRegistry,
+                token: str | None, redis: aioredis.Redis | None, key_prefix: str) -> BudgetGate:  # fmt: skip
+    """The sidecar's budget gate; overrides are shared through ``redis`` when there is one."""
+    return BudgetGate(settings, budgets, registry, token, redis, f"{key_prefix}:budget-overrides")
+
+
+_JSON = (b"content-type", b"application/json")
+
+
+async def serve_override(gate: BudgetGate, control: KeyRing, scope: Scope, receive: Receive,
+                         send: Send) -> None:  # fmt: skip
+    """``POST /v1/admin/budget-overrides``: the admin grants a team an override (201), else 400/401."""
+    try:
+        role = control.team_for(bearer_key(header(scope, b"authorization")))
+    except AuthError:
+        role = None
+    if role != ADMIN:
+        await respond(send, 401, error_body(401, "A budget override needs the admin token.",
+                                             "invalid_request_error", "invalid_api_key"), [_JSON])  # fmt: skip
+        return
+    raw = await read_body(receive, 64 * 1024, 30.0)
+    try:
+        override = parse_override(raw or b"", frozenset(gate.budgets), time.time())
+    except ValueError as exc:
+        await respond(send, 400, error_body(400, str(exc), "invalid_request_error", "invalid_override"), [_JSON])  # fmt: skip
+        return
+    await gate.grant(override)
+    await respond(send, 201, override.to_json(), [_JSON])

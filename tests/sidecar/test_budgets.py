@@ -1,0 +1,147 @@
+"""Budgets enforced by the sidecar from billing's spend: soft warning, hard refusal, override."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from infermeter.config import BudgetSettings
+from sidecar.budgets import BudgetExceeded, Override, judge, parse_override, parse_spend
+from tests.servers import serving
+
+CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+ADMIN = {"authorization": "Bearer im-demo-admin"}
+
+
+class FakeSpend:
+    """Billing's ``GET /v1/spend`` over a mutable spend per team."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+
+    def app(self) -> Starlette:
+        """The ASGI app serving /v1/spend."""
+
+        async def handle(request: Request) -> JSONResponse:
+            rows = [{"team": t, "month": "2026-12", "spent_usd": s, "budget_usd": 0.0,
+                     "forecast_usd": s} for t, s in self.spent.items()]  # fmt: skip
+            return JSONResponse(rows)
+
+        return Starlette(routes=[Route("/v1/spend", handle)])
+
+
+@pytest.mark.parametrize(
+    ("spent", "on_exceeded", "model", "state"),
+    [
+        (10.0, "refuse", "m", "ok"),
+        (85.0, "refuse", "m", "soft"),
+        (100.0, "refuse", "m", "refused"),
+        (150.0, "refuse_non_priority", "vip", "hard"),
+        (150.0, "refuse_non_priority", "m", "refused"),
+        (150.0, "warn", "m", "hard"),
+    ],
+)
+def test_judge_applies_the_thresholds_and_the_policy(spent, on_exceeded, model, state):
+    """Below soft nothing, then a warning, then refusal as on_exceeded says."""
+    settings = BudgetSettings(on_exceeded=on_exceeded, priority_models=["vip"])
+    try:
+        verdict = judge("t", model, spent, 100.0, settings, None, 0.0)
+    except BudgetExceeded:
+        assert state == "refused"
+        return
+    assert verdict.state == state
+    assert ("x-infermeter-budget-warning" in dict(verdict.headers)) == (state != "ok")
+
+
+def test_a_team_without_a_budget_is_never_refused():
+    """Budget 0 means no budget."""
+    assert judge("t", "m", 1e9, 0.0, BudgetSettings(), None, 0.0).state == "ok"
+
+
+def test_an_override_in_force_lets_a_team_past_its_budget_and_an_expired_one_does_not():
+    """An override counts until its end, not after."""
+    override = Override("t", 100.0, "launch", 0.0)
+    assert judge("t", "m", 200.0, 100.0, BudgetSettings(), override, 50.0).overridden
+    with pytest.raises(BudgetExceeded):
+        judge("t", "m", 200.0, 100.0, BudgetSettings(), override, 150.0)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"{", "not JSON"),
+        (b'{"team": "nobody", "minutes": 5, "reason": "x"}', "not a configured team"),
+        (b'{"team": "search", "minutes": 0, "reason": "x"}', "minutes"),
+        (b'{"team": "search", "minutes": 5, "reason": " "}', "needs a reason"),
+    ],
+)
+def test_parse_override_names_what_is_wrong(body, message):
+    """A bad override request is refused with the field at fault."""
+    with pytest.raises(ValueError, match=message):
+        parse_override(body, frozenset({"search"}), 0.0)
+
+
+def test_parse_spend_refuses_an_answer_of_another_shape():
+    """Spend rows need a team and spent_usd."""
+    assert parse_spend([{"team": "a", "spent_usd": 1.5}]) == {"a": 1.5}
+    with pytest.raises(ValueError, match="spent_usd"):
+        parse_spend([{"team": "a"}])
+
+
+async def wait_for(predicate: Any, seconds: float = 3.0) -> None:
+    """Poll ``predicate`` until it is true."""
+    for _ in range(int(seconds / 0.05)):
+        if await predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition never held")
+
+
+async def test_a_team_past_its_hard_budget_is_refused_within_one_refresh_until_overridden(
+    stack_factory, redis_server
+):
+    """Spend past the budget: 429 budget_exceeded at the next refresh; an override lets it in."""
+    spend = FakeSpend()
+    async with serving(spend.app(), lifespan="off") as billing:
+        stack = await stack_factory(**{
+            "sidecar.budgets": {"spend_url": billing, "refresh_seconds": 0.1},
+            "sidecar.shared_limits": {"redis_url": redis_server.url, "timeout_millis": 2000},
+            "teams.0.budget_usd_per_month": 100.0,
+        })  # fmt: skip
+        async with stack.client() as c:
+            spend.spent["search"] = 85.0
+
+            async def warned() -> bool:
+                r = await c.post("/v1/chat/completions", json=CHAT)
+                return "x-infermeter-budget-warning" in r.headers
+
+            await wait_for(warned)
+            spend.spent["search"] = 100.5
+
+            async def refused() -> bool:
+                r = await c.post("/v1/chat/completions", json=CHAT)
+                return r.status_code == 429 and bool(r.json()["error"]["code"] == "budget_exceeded")
+
+            await wait_for(refused, 0.5)
+            assert stack.records()[-1]["status"] == "rate_limited"
+            bad = await c.post("/v1/admin/budget-overrides", json={"team": "search", "minutes": 5,
+                                                                   "reason": "launch"})  # fmt: skip
+            granted = await c.post("/v1/admin/budget-overrides", headers=ADMIN,
+                                   json={"team": "search", "minutes": 5, "reason": "launch"})  # fmt: skip
+            through = await c.post("/v1/chat/completions", json=CHAT)
+            metrics = await c.get("/metrics", headers=ADMIN)
+    assert bad.status_code == 401
+    assert granted.status_code == 201
+    assert through.status_code == 200
+    assert "x-infermeter-budget-override" in through.headers
+    assert 'infermeter_budget_overrides_total{team="search"} 1.0' in metrics.text
+    assert 'infermeter_team_budget_used_ratio{team="search"} 1.005' in metrics.text
+    assert stack.sidecar.budgets.redis is not None
+    stored = await stack.sidecar.budgets.redis.hgetall("infermeter:budget-overrides")
+    assert b"search" in stored

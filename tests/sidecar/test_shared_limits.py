@@ -1,0 +1,252 @@
+"""Fleet-wide team limits in a real redis-server: exactness, leases, failure policy, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from infermeter.config import SharedLimitsSettings, TeamLimits
+from sidecar.limits import LimitExceeded
+from sidecar.live_instances import count_live
+from sidecar.shared_limits import LimitsUnavailable, SharedAdmission, SharedTeamLimiter
+from tests.redis_server import RedisServer
+from tests.servers import serving
+
+ROOT = Path(__file__).parents[2]
+
+
+def make(redis: RedisServer, limits: TeamLimits, **settings: object) -> SharedTeamLimiter:
+    """A shared limiter of team ``t`` on the test's redis-server, with its own registry."""
+    # Generous timeout: the test machine is shared, and a slow answer here would mean fail_open.
+    s = SharedLimitsSettings.model_validate(
+        {"redis_url": redis.url, "timeout_millis": 2000, **settings}
+    )
+    return SharedTeamLimiter(s, {"t": limits}, "small-0", CollectorRegistry())
+
+
+async def hammer(limiter: SharedTeamLimiter, seconds: float) -> int:
+    """Admit as fast as Redis answers for ``seconds``; the number admitted (settled at once)."""
+    admitted = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            admission = await limiter.admit("t", 1)
+        except LimitExceeded:
+            await asyncio.sleep(0.002)
+            continue
+        admitted += 1
+        limiter.settle(admission, 1)
+    return admitted
+
+
+async def test_three_sidecars_share_one_requests_per_minute_limit(redis_server):
+    """Three limiters hammering one team at RPM 600 admit the bucket plus its refill within 1%."""
+    limiters = [make(redis_server, TeamLimits(requests_per_minute=600)) for _ in range(3)]
+    for lim in limiters:
+        await lim.start()
+    started = time.monotonic()
+    counts = await asyncio.gather(*(hammer(lim, 3.0) for lim in limiters))
+    elapsed = time.monotonic() - started
+    for lim in limiters:
+        await lim.close()
+    expected = 600 + 600 / 60 * elapsed
+    assert all(n > 0 for n in counts)
+    assert expected * 0.99 <= sum(counts) <= expected * 1.01 + 1, (counts, elapsed)
+
+
+async def test_tokens_are_reserved_at_admission_and_settled_by_real_usage(redis_server):
+    """A settled request leaves only its real usage taken from the fleet's tokens bucket."""
+    a, b = (make(redis_server, TeamLimits(tokens_per_minute=6000)) for _ in range(2))
+    for lim in (a, b):
+        await lim.start()
+    first = await a.admit("t", 1000)
+    assert dict(first.headers)["x-ratelimit-remaining-tokens"] in {"5000", "5001"}
+    a.settle(first, 120)
+    await asyncio.sleep(0.1)
+    second = await b.admit("t", 10)
+    remaining = int(dict(second.headers)["x-ratelimit-remaining-tokens"])
+    # 6000 - 120 - 10, plus at most two seconds of refill (100 tokens a second).
+    assert 5870 <= remaining <= 5870 + 200
+    for lim in (a, b):
+        await lim.close()
+
+
+async def test_a_request_larger_than_the_bucket_passes_only_when_it_is_full(redis_server):
+    """Like the local limiter, a reservation above the capacity waits for a full bucket."""
+    lim = make(redis_server, TeamLimits(tokens_per_minute=100))
+    await lim.admit("t", 500)
+    with pytest.raises(LimitExceeded) as refused:
+        await lim.admit("t", 500)
+    assert refused.value.reason == "tokens"
+    assert refused.value.retry_after_seconds > 59
+    await lim.close()
+
+
+async def test_concurrency_holds_across_sidecars(redis_server):
+    """Eight slots over three limiters: the ninth request anywhere is refused until one ends."""
+    limiters = [make(redis_server, TeamLimits(max_concurrent=8)) for _ in range(3)]
+    held = [await limiters[i % 3].admit("t", 1) for i in range(8)]
+    for lim in limiters:
+        with pytest.raises(LimitExceeded) as refused:
+            await lim.admit("t", 1)
+        assert refused.value.reason == "concurrency"
+    await limiters[0].start()
+    limiters[0].settle(held[0], 1)
+    await asyncio.sleep(0.1)
+    assert isinstance(await limiters[2].admit("t", 1), SharedAdmission)
+    for lim in limiters:
+        await lim.close()
+
+
+_HOLDER = """
+import asyncio, sys
+from prometheus_client import CollectorRegistry
+from infermeter.config import SharedLimitsSettings, TeamLimits
+from sidecar.shared_limits import SharedTeamLimiter
+
+async def main():
+    s = SharedLimitsSettings(redis_url=sys.argv[1], lease_seconds=1.0, timeout_millis=2000)
+    lim = SharedTeamLimiter(s, {"t": TeamLimits(max_concurrent=8)}, "small-0", CollectorRegistry())
+    await lim.start()
+    for _ in range(3):
+        await lim.admit("t", 1)
+    print("held", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_slots_of_a_sidecar_killed_with_sigkill_come_back_within_the_lease(redis_server):
+    """A process holding three slots keeps them while alive and loses them one lease after -9."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, redis_server.url],
+                              stdout=subprocess.PIPE, env=env)  # fmt: skip
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == b"held"
+        lim = make(redis_server, TeamLimits(max_concurrent=8), lease_seconds=1.0)
+        await lim.start()
+        mine = [await lim.admit("t", 1) for _ in range(5)]
+        await asyncio.sleep(1.5)  # past one lease: the living holder renewed its slots
+        with pytest.raises(LimitExceeded):
+            await lim.admit("t", 1)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        killed = time.monotonic()
+        while True:
+            try:
+                await lim.admit("t", 1)
+                break
+            except LimitExceeded:
+                assert time.monotonic() - killed < 1.5, "slots of the dead sidecar never came back"
+                await asyncio.sleep(0.05)
+        assert len(mine) == 5
+        await lim.close()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+async def registry_app(instances: list[dict[str, str]]) -> Starlette:
+    """Billing's instance registry answering ``GET /v1/instances?state=live``."""
+
+    async def handle(request: Request) -> JSONResponse:
+        assert request.query_params.get("state") == "live"
+        return JSONResponse({"instances": instances})
+
+    return Starlette(routes=[Route("/v1/instances", handle)])
+
+
+async def test_fail_open_serves_the_limit_over_live_instances_then_shares_again(redis_server):
+    """With Redis gone each sidecar takes limit / live instances; on return no burst passes."""
+    live = [{"instance": f"small-0-{i}", "replica": "small-0", "state": "live"} for i in range(3)]
+    async with serving(await registry_app(live), lifespan="off") as registry:
+        lim = make(redis_server, TeamLimits(requests_per_minute=600), registry_url=registry,
+                   retry_seconds=0.2)  # fmt: skip
+        await lim.start()
+        await asyncio.sleep(0.2)
+        assert lim.live.count == 3
+        await lim.admit("t", 1)
+        redis_server.kill()
+        admitted = await hammer(lim, 0.5)
+        assert 200 <= admitted <= 205  # 600 / 3, plus the refill while it ran
+        reg = lim.registry
+        assert reg.get_sample_value("infermeter_shared_limits_up") == 0
+        fallbacks = reg.get_sample_value(
+            "infermeter_shared_limits_fallback_total", {"policy": "fail_open"}
+        )
+        assert (fallbacks or 0) >= 200
+        redis_server.start()
+        await asyncio.sleep(0.3)
+        back = await hammer(lim, 1.0)
+        # The buckets restart empty and refill at 10 a second: one second admits about 10.
+        assert back <= 12
+        assert reg.get_sample_value("infermeter_shared_limits_up") == 1
+        await lim.close()
+
+
+async def test_fail_closed_refuses_while_redis_is_down_and_recovers(redis_server):
+    """fail_closed raises LimitsUnavailable (the sidecar's 503) until Redis answers again."""
+    lim = make(redis_server, TeamLimits(requests_per_minute=600), on_failure="fail_closed",
+               retry_seconds=0.2)  # fmt: skip
+    await lim.admit("t", 1)
+    redis_server.kill()
+    with pytest.raises(LimitsUnavailable) as down:
+        await lim.admit("t", 1)
+    assert down.value.retry_after_seconds == 0.2
+    redis_server.start()
+    await asyncio.sleep(0.25)
+    deadline = time.monotonic() + 2
+    while True:
+        try:
+            await lim.admit("t", 1)
+            break
+        except LimitExceeded:  # the drained bucket after recovery refills within 0.1 s
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+    await lim.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "replica", "expected"),
+    [
+        (
+            {
+                "instances": [
+                    {"instance": "a", "replica": "r1", "state": "live"},
+                    {"instance": "b", "replica": "r2", "state": "live"},
+                ]
+            },
+            None,
+            2,
+        ),
+        (
+            {
+                "instances": [
+                    {"instance": "a", "replica": "r1", "state": "live"},
+                    {"instance": "b", "replica": "r2", "state": "live"},
+                ]
+            },
+            "r1",
+            1,
+        ),
+        ({"instances": [{"instance": "a", "replica": "r1", "state": "gone"}]}, None, 0),
+        ({"nothing": []}, None, None),
+    ],
+)
+def test_count_live_reads_the_registry_answer(body, replica, expected):
+    """Live instances are counted from the registry's answer, per replica group when asked."""
+    assert count_live(body, replica) == expected
