@@ -7,7 +7,7 @@ Those are separate processes in separate packages, so they meet here, in a file
 
 Shape::
 
-    {"instances": [{"instance": "small-0-1", "replica": "small-0", "model": "chat-small",
+    {"instances": [{"instance": "vllm-small-0-1", "replica": "small-0", "model": "chat-small",
                     "node": "node-b", "gpus": [2], "namespace": "local",
                     "upstream_url": "http://127.0.0.1:40123", "sidecar_url": "http://127.0.0.1:40124",
                     "started_at": 1764578700.2, "stopped_at": null, "usage": null}],

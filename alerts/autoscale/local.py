@@ -3,8 +3,11 @@
 What Kubernetes does for the shipped manifests (start pods of a Deployment, stop the newest
 first), this hook does for the simulated fleet of ``infermeter demo``: each instance of a replica
 group is one simulated vLLM replica process and its sidecar process, on free loopback ports, on
-spare GPUs of the configured nodes. The sidecar starts with ``INFERMETER_INSTANCE=<group>-<n>``
+spare GPUs of the configured nodes. The sidecar starts with ``INFERMETER_INSTANCE=vllm-<group>-<n>``
 (and the node, GPUs and namespace a pod would have), so it meters as that instance of the group.
+The name is a pod name of the shipped manifests' shape: the collector places a GPU whose pod
+label reads ``vllm-<group>-...`` in that group (``collectors.attribution``), so the lent boards
+the dcgm-exporter stand-in labels with the instance are billed to it.
 
 The hook writes the live instances to ``simulator.instances_file`` (``infermeter.local_fleet``):
 the dcgm-exporter stand-in shows their GPUs with the pod labels, the traffic generator sends them
@@ -39,6 +42,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from alerts.autoscale.hooks import HookError
 from alerts.autoscale.policy import Decision
+from collectors.attribution import POD_PREFIX
 from infermeter.config import Config, Replica
 from infermeter.local_fleet import LocalInstance, read_fleet, write_fleet
 from infermeter.serving import free_port
@@ -203,7 +207,7 @@ class LocalScaleHook:
 
     async def _start(self, group: Replica, node: str, gpus: tuple[int, ...]) -> _Running:
         self._serial[group.id] = self._serial.get(group.id, 0) + 1
-        instance = f"{group.id}-{self._serial[group.id]}"
+        instance = f"{POD_PREFIX}{group.id}-{self._serial[group.id]}"
         upstream = f"http://127.0.0.1:{free_port()}"
         listen = f"127.0.0.1:{free_port()}"
         replica = self._spawn(
@@ -290,6 +294,6 @@ class LocalScaleHook:
 
 
 def _serial(inst: LocalInstance) -> int:
-    """The ``<n>`` of an instance called ``<group>-<n>``; 0 for any other name."""
-    tail = inst.instance.removeprefix(f"{inst.replica}-")
+    """The ``<n>`` of an instance called ``vllm-<group>-<n>`` (or ``<group>-<n>``); else 0."""
+    tail = inst.instance.removeprefix(POD_PREFIX).removeprefix(f"{inst.replica}-")
     return int(tail) if tail.isdigit() else 0

@@ -92,11 +92,11 @@ async def test_one_to_three_to_one_instances_under_traffic(tmp_path: Path) -> No
         hook = LocalScaleHook(config, path, client, registry)
         try:
             await hook.publish(decision(1))
-            assert [i.instance for i in hook.instances()] == [f"{GROUP}-1"]
+            assert [i.instance for i in hook.instances()] == [f"vllm-{GROUP}-1"]
             await hook.publish(decision(3))
             live = hook.instances()
             assert [(i.instance, i.gpus) for i in live] == [
-                (f"{GROUP}-1", (2,)), (f"{GROUP}-2", (3,)), (f"{GROUP}-3", (4,))
+                (f"vllm-{GROUP}-1", (2,)), (f"vllm-{GROUP}-2", (3,)), (f"vllm-{GROUP}-3", (4,))
             ]  # fmt: skip
             assert read_fleet(config_instances(config)).instances == tuple(live)
             for _ in range(3):
@@ -106,7 +106,7 @@ async def test_one_to_three_to_one_instances_under_traffic(tmp_path: Path) -> No
             page = render(await exporter.gpus())
             pods = gpu_pods(page)
             assert {pods[g] for g in ("2", "3", "4")} == {
-                ("local", f"{GROUP}-{n}") for n in (1, 2, 3)
+                ("local", f"vllm-{GROUP}-{n}") for n in (1, 2, 3)
             }
             assert set(pods) == {"2", "3", "4"}  # the fixed replicas are not running here
 
@@ -118,11 +118,11 @@ async def test_one_to_three_to_one_instances_under_traffic(tmp_path: Path) -> No
             processes = [(r.replica.pid, r.sidecar.pid) for r in hook.running[GROUP]]
 
             await hook.publish(decision(1))
-            assert [i.instance for i in hook.instances()] == [f"{GROUP}-1"]
+            assert [i.instance for i in hook.instances()] == [f"vllm-{GROUP}-1"]
             assert all(gone(pid) for pair in processes[1:] for pid in pair)
             assert not any(gone(pid) for pid in processes[0])
             fleet = read_fleet(config_instances(config))
-            assert [i.instance for i in fleet.stopped] == [f"{GROUP}-3", f"{GROUP}-2"]
+            assert [i.instance for i in fleet.stopped] == [f"vllm-{GROUP}-3", f"vllm-{GROUP}-2"]
             for stopped in fleet.stopped:
                 assert stopped.usage is not None
                 assert stopped.usage["generation_tokens"] > 0
@@ -139,7 +139,7 @@ async def test_no_spare_gpu_is_said_and_never_oversubscribed(tmp_path: Path) -> 
     """Asking for more instances than spare boards starts what fits and counts the rest."""
     path, config = write_config(tmp_path, gpus=3)
     registry = CollectorRegistry()
-    earlier = LocalInstance(f"{GROUP}-7", GROUP, "chat-small", "node-b", (2,), "local",
+    earlier = LocalInstance(f"vllm-{GROUP}-7", GROUP, "chat-small", "node-b", (2,), "local",
                             "http://127.0.0.1:1", None, 0.0)  # fmt: skip
     write_fleet(config_instances(config), [earlier], [])  # left by an autoscaler that died
     async with httpx.AsyncClient(timeout=30.0) as client:
@@ -147,9 +147,9 @@ async def test_no_spare_gpu_is_said_and_never_oversubscribed(tmp_path: Path) -> 
         try:
             await hook.publish(decision(3))
             # The dead autoscaler's instance holds nothing now, and its id is not used again.
-            assert [(i.instance, i.gpus) for i in hook.instances()] == [(f"{GROUP}-8", (2,))]
+            assert [(i.instance, i.gpus) for i in hook.instances()] == [(f"vllm-{GROUP}-8", (2,))]
             assert [i.instance for i in read_fleet(config_instances(config)).stopped] == [
-                f"{GROUP}-7"
+                f"vllm-{GROUP}-7"
             ]
             get = registry.get_sample_value
             assert get("infermeter_autoscale_local_unplaced", {"replica": GROUP}) == 2
