@@ -98,6 +98,8 @@ class WsgiServer:
         if type(self._server) is not TcpWSGIServer:
             # A host name with several addresses makes waitress listen on each of them.
             raise ValueError(f"listen on one address, not on every address of {host!r}")
+        # create_server builds the server and its listening socket itself; the guarded subclass
+        # only adds methods, so the built server takes its class in place.
         self._server.__class__ = _guarded_server(limits.header_timeout_seconds)
         self.started = threading.Event()
 
