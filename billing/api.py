@@ -39,15 +39,19 @@ __all__ = ["create_app"]
 STATEMENT_THREADS = 2
 
 
-def create_app(config: Config, ledger: Ledger, statement_ttl_seconds: float = 300.0) -> FastAPI:
+def create_app(
+    config: Config, ledger: Ledger, statement_ttl_seconds: float | None = None
+) -> FastAPI:
     """The API over ``ledger``; the caller owns (opens and closes) the ledger.
 
-    ``statement_ttl_seconds``: how long a cached statement is served before it is recomputed.
+    ``statement_ttl_seconds``: how long a cached statement is served before it is recomputed
+    (default ``Config.statement_ttl_seconds``: at most one dashboard refresh).
     The coarse rollups are built from the whole ledger here, before the first query.
     """
     app = FastAPI(title="infermeter billing", version="1", docs_url=None, redoc_url=None)
     b = config.billing
-    cache = CachedChargeback(ledger, config, statement_ttl_seconds, b.statement_cache_entries)
+    ttl = config.statement_ttl_seconds if statement_ttl_seconds is None else statement_ttl_seconds
+    cache = CachedChargeback(ledger, config, ttl, b.statement_cache_entries)
     rollups = Rollups(ledger)
     rollups.refresh(time.time())
     registry = CollectorRegistry()

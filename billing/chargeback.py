@@ -15,7 +15,7 @@ from infermeter.config import Config
 from infermeter.months import check_month, month_bounds, month_of
 from infermeter.statement import Statement
 
-__all__ = ["Chargeback", "Spend", "policy_from_config"]
+__all__ = ["Chargeback", "Spend", "policy_from_config", "spend_of"]
 
 
 def policy_from_config(config: Config) -> Policy:
@@ -113,19 +113,22 @@ class Chargeback:
     def spend(self, now: float | None = None) -> list[Spend]:
         """Month-to-date spend, budget and forecast per team, for the current month."""
         now = time.time() if now is None else now
-        month = month_of(now)
-        start, end = month_bounds(month)
-        statement = self.statement(month)
-        totals = team_totals(statement.lines, [t.name for t in self.config.teams])
-        elapsed = max(now - start, 60.0) / (end - start)
-        budgets = {t.name: t.budget_usd_per_month for t in self.config.teams}
-        return [
-            Spend(
-                team,
-                month,
-                cents / 100,
-                budgets.get(team, 0.0),
-                round(cents / 100 / min(1.0, elapsed), 2),
-            )
-            for team, cents in sorted(totals.items())
-        ]
+        return spend_of(self.statement(month_of(now)), now, self.config)
+
+
+def spend_of(statement: Statement, now: float, config: Config) -> list[Spend]:
+    """Each team's spend in ``statement`` (its month so far at ``now``), with a straight-line forecast."""
+    start, end = month_bounds(statement.month)
+    totals = team_totals(statement.lines, [t.name for t in config.teams])
+    elapsed = max(now - start, 60.0) / (end - start)
+    budgets = {t.name: t.budget_usd_per_month for t in config.teams}
+    return [
+        Spend(
+            team,
+            statement.month,
+            cents / 100,
+            budgets.get(team, 0.0),
+            round(cents / 100 / min(1.0, elapsed), 2),
+        )
+        for team, cents in sorted(totals.items())
+    ]

@@ -10,7 +10,8 @@ response carries the security headers of ``dashboards.headers``.
 
 Signed out, a visitor sees the sign-in form and nothing else: no navigation, no range picker, no
 sign-out button, no figures. Signed in, every page opens with the summary row
-(``dashboards.summary``), whose money figures are computed by billing at the moment shown.
+(``dashboards.summary``), whose money figures are billing's cached statement, shown with the
+time billing read the ledger for it (at most one refresh interval ago).
 """
 
 from __future__ import annotations
@@ -119,12 +120,13 @@ def _summary(ctx: Context, auth: dict[str, Any], choice: str | None,
         # Money and service figures are fetched together, so the row waits for the slowest only.
         with ThreadPoolExecutor(max_workers=2) as pool:
             spend = pool.submit(ctx.client.spend, token)
-            statement = pool.submit(ctx.client.current_statement, token, month)
+            statement = pool.submit(ctx.client.statement, token, month)
             frames = fetch_queries(ctx.client, token, names, start, end)
             money: dict[str, Any] = {"spend": spend.result(), "statement": statement.result()}
     except BillingError as exc:
         return note(f"Figures unavailable: {exc}.", "error"), None
-    now = time.time()
+    # The time billing read the ledger for these figures (when it says), not the time we asked.
+    now = float(money["statement"].get("as_of") or time.time())
     money |= {"as_of": now, "month": month}
     lines = statement_from_json(money["statement"]).lines
     period = f"the {RANGE_LABELS.get(choice or '1h', 'last hour').lower()}"

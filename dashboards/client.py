@@ -108,7 +108,8 @@ class BillingClient:
     def statement(self, token: str, month: str) -> dict[str, Any]:
         """A month's statement as billing answers it (a team key gets its own lines only).
 
-        Billing reuses a computed statement for a few minutes; the first one of a month is
+        From billing's statement cache (``/v1/query/statement/{month}``): at most one refresh
+        old, with ``as_of``, the time billing read the ledger. When it has expired it is
         computed while we wait, which takes seconds on a large ledger, hence the long timeout.
         """
         body: dict[str, Any] = self._get(
@@ -117,20 +118,14 @@ class BillingClient:
         return body
 
     def spend(self, token: str) -> list[dict[str, Any]]:
-        """Month-to-date spend, budget and forecast per visible team, computed now.
+        """Month-to-date spend, budget and forecast per visible team, each row with its ``as_of``.
 
-        ``/v1/spend`` rather than the cached ``/v1/query/spend``: the figures on a page must
-        agree with what billing's API says at the same moment, not with a copy minutes old.
+        From the same cached statement as ``statement`` (``/v1/query/spend``), so the spend and
+        the lines a page shows are one computation, and ``/v1/spend`` and the command line
+        agree with them within one refresh.
         """
         body: list[dict[str, Any]] = self._get(
-            token, "/v1/spend", timeout_seconds=STATEMENT_TIMEOUT_SECONDS
-        )
-        return body
-
-    def current_statement(self, token: str, month: str) -> dict[str, Any]:
-        """A month's statement computed now (``/v1/chargeback/{month}``), as the files are."""
-        body: dict[str, Any] = self._get(
-            token, f"/v1/chargeback/{month}", timeout_seconds=STATEMENT_TIMEOUT_SECONDS
+            token, "/v1/query/spend", timeout_seconds=STATEMENT_TIMEOUT_SECONDS
         )
         return body
 

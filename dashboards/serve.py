@@ -1,30 +1,21 @@
-"""Serving the dashboard: the Dash (Flask) app under uvicorn through a2wsgi, on its address.
+"""Serving the dashboard: the Dash (Flask) app under waitress (``dashboards.wsgi``), on its address.
 
-Why uvicorn and a2wsgi rather than a WSGI server of its own:
-
-- **One server for every service.** The dashboard starts through ``infermeter.serving`` like
-  billing, the sidecars and the collector: the same HTTP parser, logging, graceful-shutdown
-  timeout and one-line error for a taken port, and the same Ctrl-C and SIGTERM handling (uvicorn
-  stops gracefully, then the command exits as for every other service).
-- **Started and stopped in-process.** ``infermeter dashboard`` runs it under the demo's supervisor
-  and the browser tests run it in a thread, stopped by ``should_exit`` as they stop billing.
-  gunicorn cannot start inside a process (it forks its own workers from its own command line);
-  waitress can, but would be a second server with its own settings, logging, signal handling
-  and shutdown behaviour to keep in line with uvicorn's.
-- **a2wsgi, not uvicorn's WSGI mode**, which is deprecated in a2wsgi's favour. It is pure Python
-  with no dependencies: Flask runs on a bounded pool of worker threads (``wsgi_server``'s
-  ``threads``) instead of Werkzeug's development server, which starts a thread per request.
+``infermeter dashboard`` stops gracefully on SIGINT and SIGTERM: it stops accepting, lets the
+requests being served finish for up to 2 s, then exits (0 after SIGINT, 128 + 15 after SIGTERM,
+as a process killed by the signal would). A taken port is a one-line error before anything
+starts, as for every other service.
 """
 
 from __future__ import annotations
 
-import asyncio
-
-import uvicorn
+import signal
+from types import FrameType
 
 from dashboards.app import create_app
+from dashboards.wsgi import WsgiServer
 from infermeter.config import Config
-from infermeter.serving import ensure_free, host_port, wsgi_server
+from infermeter.http_guard import DEFAULT_LIMITS
+from infermeter.serving import ensure_free, host_port
 
 __all__ = ["billing_url_of", "dashboard_server", "serve_dashboard"]
 
@@ -34,17 +25,25 @@ def billing_url_of(config: Config, billing_url: str | None = None) -> str:
     return billing_url or config.dashboard.billing_url or config.billing.url
 
 
-def dashboard_server(config: Config, host: str, port: int, billing_url: str) -> uvicorn.Server:
-    """The dashboard's server, ready to ``serve()``; a taken port is a ``PortInUseError`` first."""
+def dashboard_server(config: Config, host: str, port: int, billing_url: str) -> WsgiServer:
+    """The dashboard's server, listening, ready to ``serve()``; a taken port is a ``PortInUseError``."""
     ensure_free(host, port, "dashboard listen address")
-    return wsgi_server(create_app(config, billing_url).server, host, port)
+    return WsgiServer(create_app(config, billing_url).server, host, port, DEFAULT_LIMITS)
 
 
 def serve_dashboard(config: Config, listen: str | None, billing_url: str | None) -> int:
-    """Serve until interrupted; 0 on a clean stop."""
+    """Serve until SIGINT or SIGTERM; the exit status (0, or 143 after SIGTERM)."""
     host, port = host_port(listen or config.dashboard.listen)
     url = billing_url_of(config, billing_url)
     server = dashboard_server(config, host, port, url)
+    received: list[int] = []
+
+    def on_signal(sig: int, _: FrameType | None) -> None:
+        received.append(sig)
+        server.stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     print(f"dashboard: http://{host}:{port}/ (reading billing at {url})", flush=True)
-    asyncio.run(server.serve())
-    return 0
+    server.serve()
+    return 128 + signal.SIGTERM if signal.SIGTERM in received else 0

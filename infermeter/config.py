@@ -462,6 +462,9 @@ class BillingSettings(_Strict):
     read_rate_per_second: Positive = 10.0
     read_burst: Annotated[int, Field(gt=0)] = 120
     statement_cache_entries: Annotated[int, Field(gt=0)] = 36
+    # How long a cached statement (and the spend read from it) is served: unset, the dashboard's
+    # refresh_seconds; never longer, so the pages, /v1/spend and the CLI agree within a refresh.
+    statement_ttl_seconds: Positive | None = None
     max_clock_skew_seconds: NonNegative = 300.0
     allocation: Literal["in_flight", "tokens", "requests"] = "in_flight"
     token_weights: TokenWeights = TokenWeights()
@@ -632,6 +635,12 @@ class Config(_Strict):
                 problems.append(f"alerts.slas[{i}].model = {o.model!r}: no such model")
             if o.team not in teams:
                 problems.append(f"alerts.slas[{i}].team = {o.team!r}: no such team")
+        ttl = self.billing.statement_ttl_seconds
+        if ttl is not None and ttl > self.dashboard.refresh_seconds:
+            problems.append(
+                f"billing.statement_ttl_seconds {ttl:g} is longer than dashboard.refresh_seconds "
+                f"{self.dashboard.refresh_seconds:g}: pages would show figures older than a refresh"
+            )
         if self.billing.platform_account in teams:
             problems.append(
                 f"billing.platform_account {self.billing.platform_account!r} is also a team name"
@@ -640,6 +649,11 @@ class Config(_Strict):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    @property
+    def statement_ttl_seconds(self) -> float:
+        """How long billing serves a cached statement: its own setting, else a dashboard refresh."""
+        return self.billing.statement_ttl_seconds or self.dashboard.refresh_seconds
 
     def model(self, name: str) -> Model:
         """The model called ``name``; KeyError if there is none."""

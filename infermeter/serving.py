@@ -1,9 +1,10 @@
 """Serving HTTP: the uvicorn settings, listen addresses and port checks every server shares.
 
-Every infermeter server (sidecar, collector, billing, autoscaler, dashboard, the simulator and the
-tests' own servers) is started through ``server`` (the dashboard, a WSGI app, through
-``wsgi_server``) so they all get the same parser, logging and shutdown behaviour, and fail with
-the same one-line message when their port is taken.
+Every infermeter ASGI server (sidecar, collector, billing, autoscaler, the simulator and the
+tests' own servers) is started through ``server`` so they all get the same parser, logging and
+shutdown behaviour. The dashboard, a WSGI app, runs under waitress (``dashboards.wsgi``) with the
+same client limits; ``wsgi_server`` (uvicorn through a2wsgi) remains for the benchmark that
+compares them. Every server fails with the same one-line message when its port is taken.
 """
 
 from __future__ import annotations

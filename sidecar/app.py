@@ -52,6 +52,7 @@ from sidecar.journal import AdmissionJournal, JournalError
 from sidecar.lifetime import Lifetime, last_shipment
 from sidecar.limits import Admission, LimitExceeded, estimate_prompt_tokens
 from sidecar.metrics import SidecarMetrics
+from sidecar.models_list import with_aliases
 from sidecar.request_ids import client_request_id, response_id
 from sidecar.shared_fairness import FairShareSync
 from sidecar.state import ModelNotFoundError, View, build_view
@@ -369,7 +370,8 @@ class Sidecar:
             status, body = upstream_failure(exc)
             await respond(send, status, body, [_JSON])
             return
-        await respond(send, r.status_code, r.content, [_JSON])
+        body = with_aliases(r.content, self.view) if r.status_code == 200 else r.content
+        await respond(send, r.status_code, body, [_JSON])
 
     # -- generation endpoints --------------------------------------------------------------------
 

@@ -47,8 +47,9 @@ def _sidecar(args: argparse.Namespace, config: Config) -> int:
     import asyncio
 
     from infermeter.identity import IdentityError
-    from sidecar.serve import serve_sidecar
+    from sidecar.serve import log_to_stderr, serve_sidecar
 
+    log_to_stderr()
     try:
         config.replica(args.replica)
     except KeyError:

@@ -10,6 +10,7 @@ import signal
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from infermeter.config import Config, ConfigError, load_config
 from infermeter.exposure import public_key_problems
@@ -20,7 +21,7 @@ from sidecar.drain import DrainingServer, drain
 from sidecar.lifetime import engine_metrics_url, resource_attributes
 from sidecar.tracing import make_tracer_provider
 
-__all__ = ["serve_sidecar"]
+__all__ = ["log_to_stderr", "ready_line", "serve_sidecar"]
 
 log = logging.getLogger("infermeter.sidecar")
 
@@ -87,12 +88,53 @@ async def serve_sidecar(
 
     loop.add_signal_handler(signal.SIGHUP, reload)
     watcher = loop.create_task(_watch(config_path, reload))
+    announce = loop.create_task(_announce_ready(srv, ready_line(app, host, port)))
     try:
         await srv.serve()
     finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        for task in (watcher, announce):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def log_to_stderr() -> None:
+    """Sidecar lines on stderr: its own from INFO (the ready line), everyone else's from WARNING."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
+
+
+def ready_line(app: Sidecar, host: str, port: int) -> str:
+    """The one line saying the sidecar serves: where, for whom, in front of what, limited how.
+
+    Nothing secret: the upstream is shown without credentials or query, Redis by its mode only.
+    """
+    shared = app.settings.shared_limits
+    limits = (
+        "local (per process)"
+        if shared.redis_url is None
+        else f"shared in Redis (scope {shared.scope}, {shared.on_failure})"
+    )
+    return (
+        f"sidecar ready on http://{host}:{port}: replica group {app.replica_id}, "
+        f"instance {app.identity.instance}, upstream {_without_credentials(app.upstream)}, "
+        f"limits {limits}"
+    )
+
+
+def _without_credentials(url: str) -> str:
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+async def _announce_ready(srv: DrainingServer, line: str) -> None:
+    """Log ``line`` once, as soon as the server listens (never if it stops first)."""
+    while not srv.started:
+        if srv.should_exit:
+            return
+        await asyncio.sleep(0.05)
+    log.info("%s", line)
 
 
 async def _watch(path: Path, reload: Callable[[], None], interval_seconds: float = 2.0) -> None:

@@ -9,13 +9,24 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Final
 
 from infermeter.auth import ADMIN, METRICS, GatewayVerifier, KeyRing
 from infermeter.config import Config, Replica
 from infermeter.replay import ReplayCache
 from sidecar.bounds import shown
 
-__all__ = ["ModelNotFoundError", "Route", "View", "build_view"]
+__all__ = [
+    "MAX_LISTED",
+    "ModelNotFoundError",
+    "Route",
+    "View",
+    "build_view",
+    "not_found_message",
+]
+
+# A 404 names at most this many models, each capped like any echoed name, so it stays short.
+MAX_LISTED: Final = 8
 
 
 class ModelNotFoundError(Exception):
@@ -48,21 +59,37 @@ class View:
         """Every model name a metric label may carry: the alias and its approved versions."""
         return self.approved | {self.model, self.served_version}
 
+    @property
+    def available(self) -> tuple[str, ...]:
+        """The names a client may ask for now: the alias first, then the approved versions.
+
+        None while the replica's own version is not approved (rolled back): nothing is served.
+        """
+        if self.served_version not in self.approved:
+            return ()
+        return (self.model, *sorted(self.approved))
+
     def route(self, requested: str | None) -> Route:
         """Map a requested name (model alias or approved version) to this replica's version.
 
         Only approved versions are served: when the replica's own version is no longer approved
-        (rolled back), every request is refused.
+        (rolled back), every request is refused. A request naming another approved version is
+        served by the version this replica runs: every approved version may stand for the alias.
         """
-        if self.served_version not in self.approved:
-            raise ModelNotFoundError(
-                f"The model `{shown(requested)}` does not exist or you do not have access to it."
-            )
-        if requested is None or requested == self.model or requested == self.served_version:
+        available = self.available
+        if available and (requested is None or requested in available):
             return Route(self.model, self.served_version)
-        raise ModelNotFoundError(
-            f"The model `{shown(requested)}` does not exist or you do not have access to it."
-        )
+        raise ModelNotFoundError(not_found_message(requested, available))
+
+
+def not_found_message(requested: str | None, available: tuple[str, ...]) -> str:
+    """OpenAI's 404 sentence, then the names that do exist here (bounded: the names are configured)."""
+    head = f"The model `{shown(requested)}` does not exist or you do not have access to it."
+    if not available:
+        return f"{head} This replica serves no approved version right now."
+    names = ", ".join(f"`{shown(n)}`" for n in available[:MAX_LISTED])
+    more = f" and {len(available) - MAX_LISTED} more" if len(available) > MAX_LISTED else ""
+    return f"{head} Available models: {names}{more}."
 
 
 def build_view(config: Config, replica_id: str, replay: ReplayCache | None = None) -> View:

@@ -51,9 +51,9 @@ class Services:
     config: Config
     ledger: Ledger
     ring: KeyRing
-    # Exports and /v1/chargeback compute statements afresh (``statements.recompute``, shared
-    # by concurrent asks for one month); /metrics and the dashboards' query routes are served
-    # from the cache, so a scrape does not recompute the month.
+    # Closing uses ``chargeback``; every statement and spend answer goes through ``statements``
+    # (the files, spend, /metrics and the query routes from its cache, at most one dashboard
+    # refresh old; /v1/chargeback/{month} computed afresh), shared by concurrent asks.
     chargeback: Chargeback
     statements: CachedChargeback
     rollups: Rollups

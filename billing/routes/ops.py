@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import generate_latest
@@ -11,8 +9,6 @@ from starlette.concurrency import run_in_threadpool
 
 from billing.routes.dependencies import Scraper, ServicesDep
 from billing.routes.openapi import errors, text
-from billing.routes.responses import refresh_if_stale
-from infermeter.months import month_of
 
 __all__ = ["router"]
 
@@ -36,7 +32,9 @@ async def readyz(svc: ServicesDep) -> dict[str, str]:
     "/metrics", responses=text("text/plain", "Prometheus text exposition.") | errors(401, 403)
 )
 async def metrics(_: Scraper, svc: ServicesDep) -> Response:
-    """Prometheus text: spend per team (from the cached statement) and ingest counters."""
+    """Prometheus text: spend per team (from the cached statement) and ingest counters.
+
+    A statement older than ``billing.statement_ttl_seconds`` is recomputed during the scrape.
+    """
     body = await run_in_threadpool(generate_latest, svc.registry)
-    return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8",
-                             background=refresh_if_stale(svc, month_of(time.time())))  # fmt: skip
+    return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -23,10 +23,9 @@ from billing.rollups import Rollups
 from billing.routes.dependencies import Asker, Month, Reader, ServicesDep, compute
 from billing.routes.errors import error_response
 from billing.routes.openapi import READ, errors
-from billing.routes.responses import fields_of, json_response, refresh_if_stale
+from billing.routes.responses import json_response, lifetime_headers, spend_rows
 from infermeter.auth import SCRAPERS, Caller, Forbidden
 from infermeter.errors import BadRequest
-from infermeter.months import month_of
 from infermeter.statement import statement_json
 
 __all__ = ["router", "scope"]
@@ -57,18 +56,21 @@ def scope(caller: Caller, query: queries.Query, team: str | None) -> str | None:
 
 @router.get("/v1/query/statement/{month}", responses=errors(400, *READ))
 async def statement(who: Reader, month: Month, svc: ServicesDep) -> Response:
-    """A month's statement (as ``/v1/chargeback/{month}``), reused for a few minutes."""
-    body = statement_json(await compute(svc, svc.statements.statement, month), who.team)
-    return json_response(body, refresh_if_stale(svc, month))
+    """A month's statement (as ``/v1/chargeback/{month}``), reused within the cache's lifetime.
+
+    ``as_of`` says when the ledger was read; it is never older than ``billing.statement_ttl_seconds``.
+    """
+    entry = await compute(svc, svc.statements.cached, month)
+    body = statement_json(entry.statement, who.team) | {"as_of": entry.as_of}
+    return json_response(body, lifetime_headers(entry, time.time()))
 
 
 @router.get("/v1/query/spend", responses=errors(*READ))
 async def spend(who: Reader, svc: ServicesDep) -> Response:
     """Month-to-date spend, budget and forecast (as ``/v1/spend``), from the cached statement."""
-    now = time.time()
-    rows = await compute(svc, svc.statements.spend, now)
-    body = [fields_of(s) for s in rows if who.is_admin or s.team == who.team]
-    return json_response(body, refresh_if_stale(svc, month_of(now)))
+    entry = await compute(svc, svc.statements.current)
+    body = spend_rows(entry, svc.config, None if who.is_admin else who.team)
+    return json_response(body, lifetime_headers(entry, time.time()))
 
 
 @router.get("/v1/query", responses=errors(*READ))

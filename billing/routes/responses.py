@@ -1,24 +1,27 @@
-"""How the routes answer: JSON through orjson, CSV downloads, statement refreshes after a response."""
+"""How the routes answer: JSON through orjson, CSV downloads, cached statements with their age."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import orjson
 from fastapi.responses import Response
-from starlette.background import BackgroundTask
 
-from billing.routes.dependencies import Services, compute
+from billing.statement_cache import Cached
 
-__all__ = ["download", "fields_of", "json_response", "refresh_if_stale"]
+__all__ = ["download", "fields_of", "json_response", "lifetime_headers", "spend_rows"]
 
 
-def json_response(body: Any, background: BackgroundTask | None = None) -> Response:
+def json_response(body: Any, headers: dict[str, str] | None = None) -> Response:
     """``body`` as JSON; NaN (an empty mean) becomes null, which JSON clients can read."""
     return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
-                    media_type="application/json", background=background)  # fmt: skip
+                    media_type="application/json", headers=headers)  # fmt: skip
+
+
+def lifetime_headers(entry: Cached, now: float) -> dict[str, str]:
+    """``Cache-Control`` for an answer read from ``entry``: private, and only while it is served."""
+    return {"cache-control": f"private, max-age={max(0, int(entry.expires_at - now))}"}
 
 
 def download(text: str, filename: str) -> Response:
@@ -32,8 +35,10 @@ def fields_of(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
-def refresh_if_stale(svc: Services, month: str) -> BackgroundTask | None:
-    """Recompute a stale statement after the response is sent (the server waits for it on exit)."""
-    if not svc.statements.stale(month, time.monotonic()):
-        return None
-    return BackgroundTask(compute, svc, svc.statements.recompute, month)
+def spend_rows(entry: Cached, config: Any, team: str | None) -> list[dict[str, Any]]:
+    """The spend rows ``entry`` gives (every team's, or ``team``'s only), each with its ``as_of``."""
+    return [
+        fields_of(s) | {"as_of": entry.as_of}
+        for s in entry.spend(config)
+        if team is None or s.team == team
+    ]

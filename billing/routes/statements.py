@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from billing.routes.dependencies import Manager, Month, Reader, Services, ServicesDep, compute
 from billing.routes.openapi import CSV, READ, errors, text
-from billing.routes.responses import download, fields_of, json_response
+from billing.routes.responses import download, json_response, spend_rows
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
 from infermeter.auth import Caller
@@ -29,12 +29,12 @@ router = APIRouter()
 
 
 async def _statement(svc: Services, month: str, who: Caller) -> Statement:
-    """``month``'s statement computed now, as ``who`` may see it.
+    """``month``'s statement as ``who`` may see it, at most ``billing.statement_ttl_seconds`` old.
 
-    Computed through the statement cache, which keeps it: requests for a month already being
-    computed share that computation instead of starting their own.
+    Read through the statement cache: the files, the pages and ``/v1/spend`` within one refresh
+    are made from one computation, and requests for a month being computed share it.
     """
-    return for_team(await compute(svc, svc.statements.recompute, month), who.team)
+    return for_team(await compute(svc, svc.statements.statement, month), who.team)
 
 
 @router.get("/v1/months", responses=errors(*READ))
@@ -75,16 +75,21 @@ async def chargeback_csv(who: Reader, month: Month, svc: ServicesDep) -> Respons
 
 @router.get("/v1/chargeback/{month}", responses=errors(400, *READ))
 async def chargeback_json(who: Reader, month: Month, svc: ServicesDep) -> Response:
-    """A month's statement: every line for the admin, a team's own lines for a team."""
-    statement = await compute(svc, svc.statements.recompute, month)
-    return json_response(statement_json(statement, who.team))
+    """A month's statement computed now: every line for the admin, a team's own lines for a team."""
+    entry = await compute(svc, svc.statements.compute, month)
+    return json_response(statement_json(entry.statement, who.team) | {"as_of": entry.as_of})
 
 
 @router.get("/v1/spend", responses=errors(*READ))
 async def spend(who: Reader, svc: ServicesDep) -> list[dict[str, Any]]:
-    """Month-to-date spend, budget and forecast: every team for the admin, its own for a team."""
-    rows = await compute(svc, svc.chargeback.spend)
-    return [fields_of(s) for s in rows if who.is_admin or s.team == who.team]
+    """Month-to-date spend, budget and forecast: every team for the admin, its own for a team.
+
+    From the cached statement of the month, at most ``billing.statement_ttl_seconds`` old (the
+    sidecars of a large fleet all ask for it). Each row's ``as_of`` is when the ledger was read;
+    the forecast is extrapolated from then.
+    """
+    entry = await compute(svc, svc.statements.current)
+    return spend_rows(entry, svc.config, None if who.is_admin else who.team)
 
 
 @router.post("/v1/admin/export", responses=errors(*READ))

@@ -102,7 +102,7 @@ def register(app: Dash, ctx: Context) -> None:
         token = auth["token"]
         try:
             with ThreadPoolExecutor(max_workers=2) as pool:
-                body_call = pool.submit(ctx.client.current_statement, token, month)
+                body_call = pool.submit(ctx.client.statement, token, month)
                 file_call = pool.submit(ctx.client.export, token, month, "csv")
                 body, lines = body_call.result(), file_call.result()
         except BillingError as exc:
@@ -113,7 +113,7 @@ def register(app: Dash, ctx: Context) -> None:
             html.Div(
                 [
                     html.P(
-                        f"{month} is {state}. As of {as_of(time.time(), tz)} (your time).",
+                        f"{month} is {state}. As of {as_of(body.get('as_of') or time.time(), tz)} (your time).",
                         id="chargeback-state",
                     ),
                     _reconciliation(body, statement.total_cents, platform),

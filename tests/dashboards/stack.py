@@ -84,10 +84,17 @@ def metrics_thread(text: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def dashboard_thread(config: Config, billing_url: str) -> Iterator[str]:
-    """The dashboard on a loopback port, in a thread; yields its URL."""
+    """The dashboard on a loopback port, in a thread, as ``infermeter dashboard`` serves it; yields its URL."""
     port = free_port()
-    with server_thread(dashboard_server(config, "127.0.0.1", port, billing_url), "dashboard"):
+    server = dashboard_server(config, "127.0.0.1", port, billing_url)
+    thread = threading.Thread(target=server.serve, name="dashboard", daemon=True)
+    thread.start()
+    server.started.wait(10)
+    try:
         yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+        thread.join(10)
 
 
 @contextlib.contextmanager

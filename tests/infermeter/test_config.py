@@ -147,6 +147,22 @@ def test_serve_version_must_be_approved(tmp_path):
     assert "serve_version 'llama-unapproved' is not in approved_versions" in message
 
 
+def test_statement_lifetime_defaults_to_one_dashboard_refresh(tmp_path):
+    """Unset, billing serves a cached statement for one dashboard refresh interval."""
+    data = _base()
+    data.setdefault("dashboard", {})["refresh_seconds"] = 7
+    assert load_config(_write(tmp_path, data), environ={}).statement_ttl_seconds == 7
+
+
+def test_statement_lifetime_longer_than_a_refresh_is_rejected(tmp_path):
+    """A cached statement may not outlive a refresh: the pages would show older figures."""
+    data = _base()
+    data.setdefault("billing", {})["statement_ttl_seconds"] = 300
+    assert "billing.statement_ttl_seconds 300 is longer than dashboard.refresh_seconds 10" in (
+        _error(tmp_path, data)
+    )
+
+
 def test_missing_file_is_one_line(tmp_path):
     """A path that does not exist is reported as such."""
     with pytest.raises(ConfigError, match="cannot read file"):

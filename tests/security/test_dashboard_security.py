@@ -19,7 +19,6 @@ import pytest
 from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
-from werkzeug.serving import make_server
 
 from dashboards.app import create_app
 from dashboards.throttle import (
@@ -29,7 +28,9 @@ from dashboards.throttle import (
     after_failure,
     locked_message,
 )
+from dashboards.wsgi import WsgiServer
 from infermeter.config import Config, DashboardSettings, load_config
+from infermeter.serving import free_port
 from tests.dashboards import records
 from tests.dashboards.records import ADMIN_KEY
 from tests.dashboards.stack import billing_thread, chromium
@@ -53,18 +54,18 @@ PAGES = [
 def dashboard(
     config: Config, billing: str, throttle: SignInThrottle | None = None
 ) -> Iterator[str]:
-    """The dashboard app under a threaded WSGI server on a loopback port; yields its URL."""
-    server = make_server(
-        "127.0.0.1", 0, create_app(config, billing, throttle=throttle).server, threaded=True
-    )
-    thread = threading.Thread(target=server.serve_forever, name="dashboard", daemon=True)
+    """The dashboard app under its production server (waitress) on a loopback port; yields its URL."""
+    port = free_port()
+    app = create_app(config, billing, throttle=throttle).server
+    server = WsgiServer(app, "127.0.0.1", port)
+    thread = threading.Thread(target=server.serve, name="dashboard", daemon=True)
     thread.start()
+    server.started.wait(10)
     try:
-        yield f"http://127.0.0.1:{server.server_port}"
+        yield f"http://127.0.0.1:{port}"
     finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+        server.stop()
+        thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,11 @@ async def _sdk_calls(client: openai.AsyncOpenAI) -> None:
     assert text.usage is not None
     assert text.usage.completion_tokens == 4
     models = await client.models.list()
-    assert [m.id for m in models.data] == ["llama-3.1-8b-instruct"]
+    assert [m.id for m in models.data] == [
+        "chat-small",
+        "llama-3.1-8b-instruct-2024-07",
+        "llama-3.1-8b-instruct",
+    ]
 
 
 @pytest.mark.parametrize(

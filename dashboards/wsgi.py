@@ -1,0 +1,128 @@
+"""The dashboard's production WSGI server: waitress, with infermeter's client limits and a graceful stop.
+
+Why waitress (measured with ``python -m bench.dashboard_servers``, docs/dashboards.md): it
+serves Flask from a bounded pool of threads like gunicorn's ``gthread`` worker, for the same
+latency and CPU per callback, and it runs inside the process, so ``infermeter dashboard``, the
+demo's supervisor and the browser tests start and stop it the same way; gunicorn forks its
+workers from its own command line and takes over the process's signals.
+
+waitress has a connection cap (``connection_limit``: past it no connection is accepted, they wait
+in the listen backlog) and a header size cap (``max_request_header_size``: larger headers are
+``431``), which take ``ServerLimits``' values. It has no header deadline: its ``channel_timeout``
+closes a connection only when it is silent, so one that trickles its headers a byte at a time is
+kept. ``_GuardedChannel`` adds the deadline: request headers not complete within
+``header_timeout_seconds`` of their first byte close the connection, as
+``infermeter.http_guard`` does for uvicorn. An idle keep-alive connection is closed after
+``keep_alive_seconds``.
+
+``stop`` is graceful: the listening socket closes at once, requests being served get up to
+``graceful_seconds`` to finish, then the connections close and the loop ends.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from waitress import wasyncore
+from waitress.channel import HTTPChannel
+from waitress.server import TcpWSGIServer, create_server
+
+from infermeter.http_guard import DEFAULT_LIMITS, ServerLimits
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import WSGIApplication
+
+__all__ = ["WsgiServer"]
+
+# How often the loop wakes to check deadlines and a stop request, seconds.
+_TICK_SECONDS = 0.25
+
+
+class _GuardedChannel(HTTPChannel):  # type: ignore[misc]
+    """waitress's connection, remembering when the request whose headers it reads began."""
+
+    headers_since: float | None = None
+
+    def received(self, data: bytes) -> bool:
+        """Read ``data``; start the header clock on a new request, stop it once headers are in."""
+        if data and self.request is None and self.headers_since is None:
+            self.headers_since = time.monotonic()
+        result: bool = super().received(data)
+        if self.request is None or self.request.headers_finished:
+            self.headers_since = None
+        return result
+
+
+def _guarded_server(header_timeout_seconds: float) -> type[TcpWSGIServer]:
+    class GuardedServer(TcpWSGIServer):  # type: ignore[misc]
+        channel_class = _GuardedChannel
+
+        def maintenance(self, now: float) -> None:
+            """waitress's idle cleanup, then close connections past their header deadline."""
+            super().maintenance(now)
+            late = time.monotonic() - header_timeout_seconds
+            for channel in list(self.active_channels.values()):
+                since = getattr(channel, "headers_since", None)
+                if since is not None and since < late and not channel.requests:
+                    channel.will_close = True
+
+    return GuardedServer
+
+
+class WsgiServer:
+    """A WSGI app served by waitress on ``host:port`` until ``stop``; bound when constructed."""
+
+    def __init__(self, app: WSGIApplication, host: str, port: int,
+                 limits: ServerLimits = DEFAULT_LIMITS, threads: int = 16,
+                 graceful_seconds: float = 2.0) -> None:  # fmt: skip
+        self.graceful_seconds = graceful_seconds
+        self._stop = threading.Event()
+        self._map: dict[int, Any] = {}
+        self._server: TcpWSGIServer = create_server(
+            app,
+            map=self._map,
+            host=host,
+            port=port,
+            threads=threads,
+            connection_limit=limits.max_connections,
+            max_request_header_size=limits.max_header_bytes,
+            channel_timeout=limits.keep_alive_seconds,
+            cleanup_interval=_TICK_SECONDS,
+            asyncore_loop_timeout=_TICK_SECONDS,
+            # poll(), not select(): select cannot watch descriptors past 1024.
+            asyncore_use_poll=True,
+            ident="infermeter",
+        )
+        if type(self._server) is not TcpWSGIServer:
+            # A host name with several addresses makes waitress listen on each of them.
+            raise ValueError(f"listen on one address, not on every address of {host!r}")
+        # create_server builds the server and its listening socket itself; the guarded subclass
+        # only adds methods, so the built server takes its class in place.
+        self._server.__class__ = _guarded_server(limits.header_timeout_seconds)
+        self.started = threading.Event()
+
+    def serve(self) -> None:
+        """Serve until ``stop``, then finish gracefully (see the module's docstring)."""
+        server = self._server
+        self.started.set()
+        while not self._stop.is_set():
+            wasyncore.loop(_TICK_SECONDS, True, self._map, count=1)
+        # Stop accepting: close the listening socket only (waitress's close() ends everything).
+        wasyncore.dispatcher.close(server)
+        deadline = time.monotonic() + self.graceful_seconds
+        while time.monotonic() < deadline and any(
+            c.requests for c in list(server.active_channels.values())
+        ):
+            wasyncore.loop(_TICK_SECONDS, True, self._map, count=1)
+        server.task_dispatcher.shutdown(cancel_pending=True, timeout=self.graceful_seconds)
+        server.trigger.close()
+        wasyncore.close_all(self._map)
+
+    def stop(self) -> None:
+        """Ask ``serve`` to finish (from any thread or a signal handler); it returns once done."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._server.pull_trigger()
