@@ -3,8 +3,9 @@
 Admission is one round trip: one ``EVALSHA`` of ``shared_scripts.ADMIT`` checks and takes the
 concurrency slot, the request and the token reservation atomically on the server (the admissions
 of one event-loop tick share one pipeline, each still its own script call). Settlement (giving
-back the unused reservation, freeing the slot) is queued and sent in the background, the other settlements that are waiting, so it never delays a response: two Redis commands per
-request in all, plus one lease renewal per team per third of a lease.
+back the unused reservation, freeing the slot) is queued and sent in the background, pipelined
+with the other settlements that are waiting, so it never delays a response: two Redis commands
+per request in all, plus one lease renewal per team per third of a lease.
 
 When Redis fails or answers slower than ``timeout_millis``, ``on_failure`` decides:
 
