@@ -1,11 +1,10 @@
 """Team limits that hold across every sidecar of the fleet, kept in Redis.
 
 Admission is one round trip: one ``EVALSHA`` of ``shared_scripts.ADMIT`` checks and takes the
-concurrency slot, the request and the token reservation atomically on the server (the admissions
-of one event-loop tick share one pipeline, each still its own script call). Settlement (giving
-back the unused reservation, freeing the slot) is queued and sent in the background, pipelined
-with the other settlements that are waiting, so it never delays a response: two Redis commands
-per request in all, plus one lease renewal per team per third of a lease.
+concurrency slot, the request and the token reservation atomically on the server. Settlement
+(giving back the unused reservation, freeing the slot) is queued and sent in the background,
+pipelined with the other settlements that are waiting, so it never delays a response: two Redis
+commands per request in all, plus one lease renewal per team per third of a lease.
 
 When Redis fails or answers slower than ``timeout_millis``, ``on_failure`` decides:
 
@@ -39,7 +38,6 @@ from redis.exceptions import NoScriptError, RedisError
 from infermeter.config import SharedLimitsSettings, TeamLimits
 from sidecar.limits import Admission, LimitExceeded, RateLimiter
 from sidecar.live_instances import LiveInstances
-from sidecar.script_batch import ScriptBatcher
 from sidecar.shared_scripts import ADMIT, RENEW, SETTLE
 
 __all__ = [
@@ -132,7 +130,7 @@ class SharedTeamLimiter:
             settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout,
             retry_on_timeout=False, health_check_interval=0,
             password=os.environ.get(settings.password_env) or None)  # fmt: skip
-        self._admit = ScriptBatcher(self.redis, ADMIT)
+        self._admit = self.redis.register_script(ADMIT)
         self._settle = self.redis.register_script(SETTLE)
         self._renew = self.redis.register_script(RENEW)
         self.registry = registry
@@ -201,7 +199,7 @@ class SharedTeamLimiter:
         args: list[int | str] = [lim.requests_per_minute or 0, lim.tokens_per_minute or 0, lim.max_concurrent or 0,
                 reserve_tokens, member, lease_ms, 1 if drain else 0]  # fmt: skip
         try:
-            result = await self._admit.call(self._keys(scope), args)
+            result = await self._admit(keys=self._keys(scope), args=args)
         except _STORE_ERRORS as exc:
             self._went_down(exc, "admit")
             return None
