@@ -17,10 +17,12 @@ from billing.columns import COLUMN_TYPES, sql_default
 from billing.schema import SLOT_SECONDS
 from infermeter.records import (
     BILLABLE_STATUSES,
+    BUDGET_OVERRIDES,
     ENGINE,
     FAILED_STATUSES,
     GPU,
     INSTANCES,
+    MAX_OVERRIDE_REASON,
     USAGE,
     Field,
     FieldType,
@@ -120,6 +122,19 @@ CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
         ('"timestamp" > $now + $skew', "'timestamp in the future'"),
         ('started_at > "timestamp"', "'started_at is after timestamp'"),
         ("gpu_count < 0 OR gpu_count > 64", "'gpu_count: out of range'"),
+    ),
+    BUDGET_OVERRIDES.key: (
+        ("override_id = ''", "'override_id: empty'"),
+        ("team NOT IN (SELECT name FROM _known_teams)", "'unknown team ' || to_json(team)"),
+        ("trim(admin_reason) = ''", "'admin_reason: empty'"),
+        (
+            f"length(admin_reason) > {MAX_OVERRIDE_REASON}",
+            f"'admin_reason: longer than {MAX_OVERRIDE_REASON} characters'",
+        ),
+        ("issued_by = ''", "'issued_by: empty'"),
+        ("issued_at < 946684800", "'issued_at: not Unix seconds (before 2000)'"),
+        ("issued_at > $now + $skew", "'timestamp in the future: issued_at'"),
+        ("until <= issued_at", "'until is not after issued_at'"),
     ),
 }
 

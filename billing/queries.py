@@ -35,6 +35,7 @@ __all__ = [
     "Query",
     "QueryParams",
     "auto_step",
+    "budget_overrides_sql",
     "params_from",
     "reconciliation_sql",
     "rollup_setup_sql",
@@ -407,6 +408,26 @@ def reconciliation_sql(p: QueryParams) -> Sql:
     return reconciliation.reconciliation_sql(*reconciliation.hours(p.start, p.end), model=p.model)
 
 
+def budget_overrides_sql(p: QueryParams) -> Sql:
+    """The budget overrides admins granted in the range, newest first: who, why, until when."""
+    where = "issued_at >= $start AND issued_at < $end"
+    values: dict[str, Any] = {"start": p.start, "end": p.end}
+    if p.team is not None:
+        where, values["team"] = f"{where} AND team = $team", p.team
+    return (
+        f"""
+SELECT DISTINCT ON (override_id) override_id, team, admin_reason, until, issued_at, issued_by
+FROM budget_overrides WHERE {where}
+ORDER BY override_id""",
+        values,
+    )
+
+
+def newest_first(frame: pl.DataFrame) -> pl.DataFrame:
+    """Rows by ``issued_at``, newest first."""
+    return frame.sort("issued_at", descending=True)
+
+
 @dataclass(frozen=True, slots=True)
 class Query:
     """A named query: its SQL, whether a team key may run it (for its own team), and a
@@ -439,6 +460,12 @@ QUERIES: Final[Mapping[str, Query]] = {
         False,
         "engine tokens against the ledger's per instance and hour",
         scrapers=True,
+    ),
+    "budget_overrides": Query(
+        budget_overrides_sql,
+        False,
+        "budget overrides granted by admins: team, reason, until, issuing instance",
+        newest_first,
     ),
 }
 

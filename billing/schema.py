@@ -249,7 +249,21 @@ DROP TABLE gpu_slots;
 ALTER TABLE gpu_slots_v4 RENAME TO gpu_slots;
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4)
+# The budget overrides admins granted, as the sidecar that took each one recorded it
+# (``infermeter.records.BudgetOverride``).
+_V5 = """
+CREATE TABLE budget_overrides (
+    override_id VARCHAR NOT NULL,
+    team VARCHAR NOT NULL,
+    admin_reason VARCHAR NOT NULL,
+    until DOUBLE NOT NULL,
+    issued_at DOUBLE NOT NULL,
+    issued_by VARCHAR NOT NULL,
+    ingested_at DOUBLE NOT NULL
+);
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5)
 LATEST_VERSION: Final = len(MIGRATIONS)
 
 

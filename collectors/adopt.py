@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from infermeter.journal import JOURNAL_DIR, journal_files, recover
 from infermeter.shipper import Shipper, ShipperMetrics
 from infermeter.spool import Segment, Spool
-from infermeter.spooldir import INSTANCES, LOCK, SpoolLock
+from infermeter.spooldir import BUDGET_OVERRIDES, INSTANCES, LOCK, SpoolLock
 
 __all__ = [
     "Action",
@@ -47,7 +47,7 @@ __all__ = [
 log = logging.getLogger("infermeter.collectors")
 
 # Each spool of an instance directory and the kind its records are shipped as.
-_KINDS = (("", "usage"), (INSTANCES, "instances"))
+_KINDS = (("", "usage"), (INSTANCES, "instances"), (BUDGET_OVERRIDES, "budget_overrides"))
 
 
 class Action(StrEnum):
@@ -68,6 +68,8 @@ class Listing:
     journals: int = 0
     # Files that are neither segments nor the lock: rejected.jsonl, or anything unknown.
     other_files: tuple[str, ...] = ()
+    # Budget overrides an admin granted through the sidecar, not shipped yet.
+    override_segments: int = 0
 
 
 def candidates(names: Iterable[str]) -> list[str]:
@@ -77,28 +79,30 @@ def candidates(names: Iterable[str]) -> list[str]:
 
 def plan(found: Listing) -> Action:
     """Ship what there is; remove a directory left with nothing; keep one with dead letters."""
-    if found.usage_segments or found.instance_segments or found.journals:
+    if found.usage_segments or found.instance_segments or found.override_segments or found.journals:
         return Action.SHIP
     return Action.KEEP if found.other_files else Action.REMOVE
 
 
 def listing(directory: Path) -> Listing:
     """Look at an instance's spool directory (without reading the segments)."""
-    usage = instances = journals = 0
+    usage = journals = 0
+    segments = {INSTANCES: 0, BUDGET_OVERRIDES: 0}
     others: list[str] = []
     for entry in directory.iterdir():
         if entry.name.startswith("seg-") and entry.name.endswith(".jsonl"):
             usage += 1
         elif entry.name == JOURNAL_DIR and entry.is_dir():
             journals = len(journal_files(directory))
-        elif entry.name == INSTANCES and entry.is_dir():
-            instances = sum(1 for _ in entry.glob("seg-*.jsonl"))
+        elif entry.name in segments and entry.is_dir():
+            segments[entry.name] = sum(1 for _ in entry.glob("seg-*.jsonl"))
             others += [
-                f"{INSTANCES}/{p.name}" for p in entry.iterdir() if not p.name.startswith("seg-")
+                f"{entry.name}/{p.name}" for p in entry.iterdir() if not p.name.startswith("seg-")
             ]
         elif entry.name != LOCK:
             others.append(entry.name)
-    return Listing(usage, instances, journals, tuple(sorted(others)))
+    return Listing(usage, segments[INSTANCES], journals, tuple(sorted(others)),
+                   segments[BUDGET_OVERRIDES])  # fmt: skip
 
 
 class Leftovers:

@@ -22,12 +22,16 @@ from typing import Any, ClassVar, Final, Self
 
 __all__ = [
     "BILLABLE_STATUSES",
+    "BUDGET_OVERRIDES",
     "ENGINE",
     "FAILED_STATUSES",
     "GPU",
     "INSTANCES",
     "KINDS",
+    "MAX_OVERRIDE_REASON",
+    "RESERVED",
     "USAGE",
+    "BudgetOverride",
     "EngineSample",
     "Field",
     "FieldType",
@@ -213,6 +217,30 @@ class InstanceEvent(_Record):
     engine_metrics_url: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class BudgetOverride(_Record):
+    """An admin's permission for a team to spend past its budget, as granted at one sidecar.
+
+    Written to the sidecar's ``budget-overrides`` spool when the admin grants it and shipped as
+    ``budget_overrides``, so the ledger answers who let which team past its budget, why and until
+    when, long after the override itself has run out.
+    """
+
+    override_id: str
+    team: str
+    # The admin's words, at most ``MAX_OVERRIDE_REASON`` characters. Not ``reason``: ingest
+    # names its own verdict column so (see ``RESERVED``).
+    admin_reason: str
+    until: float
+    issued_at: float
+    # The instance (sidecar) that took the admin's request.
+    issued_by: str
+
+
+# How long an override's reason may be, in characters: enough for a ticket and a sentence.
+MAX_OVERRIDE_REASON: Final = 500
+
+
 class FieldType(StrEnum):
     """A field's JSON type; each layer maps it to its own (Arrow, SQL, Polars) in one table."""
 
@@ -270,17 +298,23 @@ class RecordKind:
         return tuple(f.name for f in self.fields)
 
 
+# Columns billing's ingest adds beside a record's fields while checking a batch.
+RESERVED: Final = frozenset({"item", "pos", "dup", "reason", "type_reason"})
+
+
 def record_kind(
     record: type[Any], *, key: str, table: str, id_field: str, time_field: str
 ) -> RecordKind:
     """The kind of ``record`` (a dataclass), its fields read from the declaration.
 
-    TypeError for a field whose type has no loss-free form in JSON, Arrow and SQL, and for a
-    default made by a factory (it could not be written into the ledger's column definition).
+    TypeError for a field whose type has no loss-free form in JSON, Arrow and SQL, for a name in
+    ``RESERVED``, and for a default made by a factory (it could not be written into the ledger's column definition).
     """
     hints = typing.get_type_hints(record)
     fields = []
     for f in dataclasses.fields(record):
+        if f.name in RESERVED:
+            raise TypeError(f"{record.__name__}.{f.name}: the name is ingest's own column")
         ftype, nullable = _field_type(record.__name__, f.name, hints[f.name])
         if f.default_factory is not dataclasses.MISSING:
             raise TypeError(f"{record.__name__}.{f.name}: a default must be a plain value")
@@ -324,5 +358,12 @@ INSTANCES: Final = record_kind(
     id_field="event_id",
     time_field="timestamp",
 )
+BUDGET_OVERRIDES: Final = record_kind(
+    BudgetOverride,
+    key="budget_overrides",
+    table="budget_overrides",
+    id_field="override_id",
+    time_field="issued_at",
+)
 # Every kind that crosses a process, by its wire name (the ingest route and the JSON batch key).
-KINDS: Final = {k.key: k for k in (USAGE, GPU, ENGINE, INSTANCES)}
+KINDS: Final = {k.key: k for k in (USAGE, GPU, ENGINE, INSTANCES, BUDGET_OVERRIDES)}

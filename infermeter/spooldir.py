@@ -31,9 +31,10 @@ from typing import Final
 
 from infermeter.journal import JOURNAL_DIR
 
-__all__ = ["INSTANCES", "LOCK", "SpoolBusyError", "SpoolLock"]
+__all__ = ["BUDGET_OVERRIDES", "INSTANCES", "LOCK", "SpoolBusyError", "SpoolLock"]
 
 INSTANCES: Final = "instances"
+BUDGET_OVERRIDES: Final = "budget-overrides"
 LOCK: Final = ".lock"
 
 
@@ -107,7 +108,7 @@ class SpoolLock:
         lock meanwhile finds its file unnamed and starts afresh.
         """
         assert self._fd is not None, "remove a spool directory only while holding its lock"
-        for sub in (INSTANCES, JOURNAL_DIR):
+        for sub in (INSTANCES, BUDGET_OVERRIDES, JOURNAL_DIR):
             with contextlib.suppress(OSError):  # absent, or not empty: the check below tells
                 (self.directory / sub).rmdir()
         if any(p.name != LOCK for p in self.directory.iterdir()):

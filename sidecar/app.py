@@ -42,6 +42,7 @@ from infermeter.journal import JOURNAL_DIR, recover
 from infermeter.records import RequestStatus, UsageRecord
 from infermeter.replay import ReplayCache
 from infermeter.spool import Spool, SpoolError
+from infermeter.spooldir import BUDGET_OVERRIDES
 from sidecar import tracing
 from sidecar.assemble import Assembler, answer, assemblable, streamed_body
 from sidecar.bounds import capped, label
@@ -49,7 +50,7 @@ from sidecar.budgets import BudgetExceeded, budget_gate, serve_override
 from sidecar.drain import Drain
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 from sidecar.journal import AdmissionJournal, JournalError
-from sidecar.lifetime import Lifetime, last_shipment
+from sidecar.lifetime import EVENTS_MAX_BYTES, Lifetime, last_shipment
 from sidecar.limits import Admission, LimitExceeded, estimate_prompt_tokens
 from sidecar.metrics import SidecarMetrics
 from sidecar.models_list import with_aliases
@@ -136,9 +137,6 @@ class Sidecar:
         self.upstream = self.view.replica.upstream_url.rstrip("/")
         self.metrics = SidecarMetrics()
         self.limiter = team_limiter(config, replica_id, self.metrics.registry)
-        self.budgets = budget_gate(settings.budgets, {t.name: t.budget_usd_per_month for t in config.teams},
-                                   self.metrics.registry, os.environ.get(settings.budgets.spend_token_env),
-                                   shared_redis(self.limiter), settings.shared_limits.key_prefix)  # fmt: skip
         capacity = self.view.replica.max_num_seqs
         self.fair = (
             FairShare(
@@ -157,6 +155,12 @@ class Sidecar:
         self.instance = self.identity.instance if self.identity.dynamic else None
         directory = spool_dir or Path(settings.spool_dir) / self.identity.spool_key
         self.spool = Spool(directory, max_bytes=settings.spool_max_bytes)
+        # Overrides are few (an admin's hand): the lifetime events' bound is ample.
+        self.override_spool = Spool(directory / BUDGET_OVERRIDES, max_bytes=EVENTS_MAX_BYTES)
+        self.budgets = budget_gate(settings.budgets, {t.name: t.budget_usd_per_month for t in config.teams},
+                                   self.metrics.registry, os.environ.get(settings.budgets.spend_token_env),
+                                   shared_redis(self.limiter), settings.shared_limits.key_prefix,
+                                   self.override_spool, self.identity.instance)  # fmt: skip
         self.lifetime = Lifetime(self.identity, directory, settings.heartbeat_seconds,
                                  self.view.replica.gpu_count, engine_metrics_url, self.metrics.registry)  # fmt: skip
         self.spool_broken = False
@@ -198,13 +202,15 @@ class Sidecar:
                                  self.replica_id, self.identity.instance)  # fmt: skip
             self._tasks.append(asyncio.get_running_loop().create_task(sync.run()))
         self.spool.open()
+        self.override_spool.open()
         await recover(self.journal.open(), self.spool)
         self.metrics.spool_backlog.set_function(lambda: self.spool.backlog)
         if self.ingest_url:
             from infermeter.shipper import Shipper, ShipperMetrics
 
             shipped = ShipperMetrics(self.metrics.registry)
-            for spool, kind in ((self.spool, "usage"), (self.lifetime.spool, "instances")):
+            for spool, kind in ((self.spool, "usage"), (self.lifetime.spool, "instances"),
+                                (self.override_spool, "budget_overrides")):  # fmt: skip
                 shipper = Shipper(spool, self.ingest_url, self.ingest_token, kind, self.client,
                                   metrics=shipped)  # fmt: skip
                 self._shippers.append(shipper)
@@ -222,6 +228,7 @@ class Sidecar:
         await self.ship_remaining(self.settings.drain_ship_seconds)
         await self.journal.close()
         await self.spool.close()
+        await self.override_spool.close()
         await self.lifetime.close()
         self.lifetime.release()
         await self.limiter.close()

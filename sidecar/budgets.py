@@ -8,7 +8,9 @@ request (429 ``budget_exceeded``), refuse only models outside ``priority_models`
 A team without a budget (0) is never refused.
 
 An admin may let a team past its budget until a given time (``POST /v1/admin/budget-overrides``).
-The override is logged, counted, stored in Redis when the fleet shares one (every sidecar reads it
+The override is first written to its own spool (``<spool>/budget-overrides``, shipped as
+``budget_overrides`` into the ledger; one that cannot be written is not granted), then logged,
+counted, stored in Redis when the fleet shares one (every sidecar reads it
 at its next refresh) and marks each response it lets through with ``x-infermeter-budget-override``.
 """
 
@@ -31,6 +33,9 @@ from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
 from infermeter.auth import ADMIN, AuthError, KeyRing, bearer_key
 from infermeter.config import BudgetSettings
 from infermeter.errors import error_body
+from infermeter.ids import sample_id
+from infermeter.records import MAX_OVERRIDE_REASON, BudgetOverride
+from infermeter.spool import Spool, SpoolError
 
 __all__ = [
     "BudgetExceeded",
@@ -147,6 +152,9 @@ class BudgetGate:
     spent: dict[str, float] = field(default_factory=dict)
     overrides: dict[str, Override] = field(default_factory=dict)
     read_at: float | None = None
+    # Where granted overrides are written for the ledger, and the instance they are issued by.
+    ledger: Spool | None = None
+    instance: str = ""
 
     def __post_init__(self) -> None:
         self.metrics = BudgetMetrics(self.registry)
@@ -171,7 +179,10 @@ class BudgetGate:
         return verdict
 
     async def grant(self, override: Override) -> None:
-        """Record an override: logged, counted, shared through Redis when there is one."""
+        """Record an override: in the ledger's spool first (SpoolError: not granted), then
+        logged, counted, and shared through Redis when there is one."""
+        if self.ledger is not None:
+            await self.ledger.append(override_record(override, self.instance).to_json())
         log.warning("budget override for team %s until %s: %s", override.team,
                     time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(override.until)), override.reason)  # fmt: skip
         self.metrics.overrides.labels(override.team).inc()
@@ -242,13 +253,28 @@ def parse_override(raw: bytes, teams: frozenset[str], now: float) -> Override:
         raise ValueError(f"minutes: {minutes!r} must be a number in (0, 44640] (one month)")
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError("reason: an override needs a reason, for the record")
-    return Override(str(team), now + float(minutes) * 60, reason.strip()[:500], now)
+    return Override(str(team), now + float(minutes) * 60, reason.strip()[:MAX_OVERRIDE_REASON], now)
+
+
+def override_record(override: Override, instance: str) -> BudgetOverride:
+    """The ledger's record of ``override``, granted through ``instance``."""
+    return BudgetOverride(
+        override_id=sample_id(override.granted_at, instance, override.team),
+        team=override.team,
+        admin_reason=override.reason,
+        until=override.until,
+        issued_at=override.granted_at,
+        issued_by=instance,
+    )
 
 
 def budget_gate(settings: BudgetSettings, budgets: dict[str, float], registry: CollectorRegistry,
-                token: str | None, redis: aioredis.Redis | None, key_prefix: str) -> BudgetGate:  # fmt: skip
-    """The sidecar's budget gate; overrides are shared through ``redis`` when there is one."""
-    return BudgetGate(settings, budgets, registry, token, redis, f"{key_prefix}:budget-overrides")
+                token: str | None, redis: aioredis.Redis | None, key_prefix: str,
+                ledger: Spool | None = None, instance: str = "") -> BudgetGate:  # fmt: skip
+    """The sidecar's budget gate; overrides are shared through ``redis`` when there is one and
+    written to ``ledger`` (a spool shipped as ``budget_overrides``) as ``instance`` issued them."""
+    return BudgetGate(settings, budgets, registry, token, redis, f"{key_prefix}:budget-overrides",
+                      ledger=ledger, instance=instance)  # fmt: skip
 
 
 _JSON = (b"content-type", b"application/json")
@@ -271,5 +297,11 @@ async def serve_override(gate: BudgetGate, control: KeyRing, scope: Scope, recei
     except ValueError as exc:
         await respond(send, 400, error_body(400, str(exc), "invalid_request_error", "invalid_override"), [_JSON])  # fmt: skip
         return
-    await gate.grant(override)
+    try:
+        await gate.grant(override)
+    except SpoolError as exc:
+        log.error("budget override for team %s not granted: not recorded: %s", override.team, exc)
+        await respond(send, 503, error_body(503, "The override could not be recorded; it was not granted.",
+                                            "server_error", "override_not_recorded"), [_JSON])  # fmt: skip
+        return
     await respond(send, 201, override.to_json(), [_JSON])

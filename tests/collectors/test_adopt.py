@@ -39,11 +39,12 @@ POD = {"POD_NAME": "vllm-small-7d9f8-abcde", "POD_UID": "0b6c1f2e-1111-2222-3333
     [
         (Listing(usage_segments=2), Action.SHIP),
         (Listing(instance_segments=1), Action.SHIP),
+        (Listing(override_segments=1), Action.SHIP),
         (Listing(usage_segments=1, other_files=("rejected.jsonl",)), Action.SHIP),
         (Listing(), Action.REMOVE),
         (Listing(other_files=("rejected.jsonl",)), Action.KEEP),
     ],
-    ids=["usage", "events", "usage-and-dead-letters", "empty", "only-dead-letters"],
+    ids=["usage", "events", "overrides", "usage-and-dead-letters", "empty", "only-dead-letters"],
 )
 def test_plan_ships_what_there_is_and_removes_only_an_empty_directory(found, action):
     """Segments are shipped; an empty directory is removed; dead letters keep it for an operator."""

@@ -11,7 +11,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from billing import queries
+from billing.ledger import Ledger
 from infermeter.config import BudgetSettings
+from infermeter.spooldir import BUDGET_OVERRIDES
 from sidecar.budgets import BudgetExceeded, Override, judge, parse_override, parse_spend
 from tests.servers import serving
 
@@ -104,9 +107,9 @@ async def wait_for(predicate: Any, seconds: float = 3.0) -> None:
 
 
 async def test_a_team_past_its_hard_budget_is_refused_within_one_refresh_until_overridden(
-    stack_factory, redis_server
+    stack_factory, redis_server, tmp_path
 ):
-    """Spend past the budget: 429 budget_exceeded at the next refresh; an override lets it in."""
+    """Spend past the budget: 429 at the next refresh; an override lets it in and is in the ledger."""
     spend = FakeSpend()
     async with serving(spend.app(), lifespan="off") as billing:
         stack = await stack_factory(**{
@@ -145,3 +148,21 @@ async def test_a_team_past_its_hard_budget_is_refused_within_one_refresh_until_o
     assert stack.sidecar.budgets.redis is not None
     stored = await stack.sidecar.budgets.redis.hgetall("infermeter:budget-overrides")
     assert b"search" in stored
+    # The override's spool, as its shipper sends it, into a real ledger; the admin's query finds it.
+    body = b"".join(
+        p.read_bytes() for p in sorted((stack.spool / BUDGET_OVERRIDES).glob("seg-*.jsonl"))
+    )
+    ledger = Ledger.open(tmp_path / "ledger.duckdb", ["search", "assistant"], {})
+    try:
+        assert ledger.ingest_lines("budget_overrides", body).accepted == 1
+        issued = granted.json()["granted_at"]
+        with ledger.reader() as cur:
+            rows = queries.run(
+                cur, "budget_overrides", queries.params_from(issued - 60, issued + 60)
+            )
+    finally:
+        ledger.close()
+    assert rows.select("team", "admin_reason", "issued_by").rows() == [
+        ("search", "launch", stack.sidecar.identity.instance)
+    ]
+    assert rows["until"][0] == pytest.approx(issued + 300)
