@@ -10,8 +10,8 @@ import argparse
 import math
 from typing import TYPE_CHECKING
 
-from dashboards.planner import BYTES_PER_PARAM, GPUS_GB, PRESETS, ModelShape, Plan, plan
 from infermeter.commands import Subparsers, add_config, fail
+from infermeter.planner import BYTES_PER_PARAM, GPUS_GB, PRESETS, ModelShape, Plan, plan
 
 if TYPE_CHECKING:
     from infermeter.config import Config

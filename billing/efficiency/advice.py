@@ -11,7 +11,7 @@ changing gets an empty list.
   when requests queued at the peak or the TTFT target was already missed. Saving: the removed
   replicas' share of the measured GPU-hour cost. Energy follows the tokens, which stay, so it
   is not counted as saved.
-- **quantize**: the planner (``dashboards.planner``) sizes the served model at 8 and 4 bits on
+- **quantize**: the planner (``infermeter.planner``) sizes the served model at 8 and 4 bits on
   the GPU it runs on, with the KV cache of the measured peak; a precision that needs fewer GPUs
   per replica saves those GPUs' measured GPU-hour cost.
 - **gpu_type**: a model the fleet serves on two GPU types, cheaper per token on one of them

@@ -9,7 +9,7 @@ from dash import Dash, Input, Output, dcc, html
 
 from dashboards.components import frame_table, note, page
 from dashboards.context import Context
-from dashboards.planner import (
+from infermeter.planner import (
     ACTIVATION_SHARE,
     BYTES_PER_PARAM,
     FIXED_GB_PER_GPU,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dashboards.planner import (
+from infermeter.planner import (
     PRESETS,
     ModelShape,
     kv_cache_gb,
