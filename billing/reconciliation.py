@@ -265,7 +265,16 @@ def claims(policy: Policy, start: float, end: float, usage: str = "usage",
     """
 
     def run(con: duckdb.DuckDBPyConnection, replicas: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:  # fmt: skip
-        sql, values = reconciliation_sql(*hours(start, end), usage=usage, engine=engine)
+        first, after = hours(start, end)
+        # No engine sample in the range: no instance-hour to reconcile, and the scan of the
+        # month's usage (most of the statement's time on a large ledger) is skipped.
+        sampled = con.execute(
+            f'SELECT 1 FROM {engine} WHERE "timestamp" >= ? AND "timestamp" < ? LIMIT 1',
+            [float(first * HOUR_SECONDS), float(after * HOUR_SECONDS)],
+        ).fetchone()
+        if sampled is None:
+            return replicas, pl.DataFrame()
+        sql, values = reconciliation_sql(first, after, usage=usage, engine=engine)
         con.execute(f"CREATE OR REPLACE TEMP TABLE _reconciliation AS {sql}", values)
         hourly = con.sql(unattributed_sql(policy, "_reconciliation")).pl()
         return charge(replicas, hourly, policy)
