@@ -107,7 +107,9 @@ async def test_abandoned_requests_are_aborted_and_carry_vllms_counts(real_vllm, 
         httpx.AsyncClient(base_url=url, headers=KEY) as client,
     ):
         started = time.perf_counter()
-        whole = await engine.post(f"{real_vllm}/v1/chat/completions", json={**body, "model": "tiny"})
+        whole = await engine.post(
+            f"{real_vllm}/v1/chat/completions", json={**body, "model": "tiny"}
+        )
         full = time.perf_counter() - started
         assert whole.json()["usage"]["completion_tokens"] == max_tokens
         before = await _engine(engine, real_vllm)
