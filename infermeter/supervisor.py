@@ -1,8 +1,8 @@
 """Start, watch and stop the processes of a local fleet (``simulate`` and ``demo``).
 
 Children run in their own sessions so that Ctrl-C reaches only this supervisor, which then
-stops them in reverse start order: traffic first, servers last, so nothing logs a refused
-connection on the way down.
+stops them one at a time in reverse start order: traffic first, billing last, so nothing logs a
+refused connection on the way down and every record shipped on the way down is taken.
 """
 
 from __future__ import annotations
@@ -93,14 +93,17 @@ class Supervisor:
         return 0
 
     def stop(self, timeout_seconds: float = 10.0) -> None:
-        """Stop children in reverse start order: SIGTERM, then SIGKILL after the timeout."""
+        """Stop children one at a time in reverse start order: SIGTERM, SIGKILL after the timeout.
+
+        One at a time, because the later children report to the earlier ones: a sidecar that
+        stops ships its last records and its instance's stop to billing, which must still be up
+        to take them (else they wait in the spool for the next start).
+        """
         for _, proc in reversed(self._procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_seconds
-        for _, proc in reversed(self._procs):
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(max(0.1, deadline - time.monotonic()))
+                proc.wait(timeout_seconds)
             if proc.poll() is None:
                 # Each child leads its own process group: its own children (the autoscaler's
                 # instances) go with it rather than outlive the fleet.
