@@ -10,7 +10,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# Only what the package needs: the build context also holds virtualenvs and caches.
+# The dependencies first, each pinned and checked against its hash (`make lock` writes the
+# file), so the image holds exactly the versions the tests ran; then the package, with no
+# dependency resolution left to do. Only what the package needs is copied: the build context
+# also holds virtualenvs and caches.
+COPY requirements-image.lock /src/
+RUN pip install --require-hashes -r /src/requirements-image.lock
 COPY pyproject.toml README.md /src/
 COPY infermeter /src/infermeter
 COPY simulator /src/simulator
@@ -20,7 +25,7 @@ COPY billing /src/billing
 COPY exporters /src/exporters
 COPY dashboards /src/dashboards
 COPY alerts /src/alerts
-RUN pip install /src && rm -rf /src
+RUN pip install --no-deps --no-build-isolation /src && rm -rf /src
 
 # The manifests run it as this user with a read-only root; state lives in /var/lib/infermeter.
 RUN useradd --uid 10001 --user-group --home-dir /var/lib/infermeter --create-home infermeter

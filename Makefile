@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed-stamp
 # Every package of the venv, pinned with its hashes: pyproject.toml's dependencies, the dev extra
 # and the build backend, resolved for CPython 3.11 on Linux x86_64. `make lock` regenerates it.
 LOCK := requirements.lock
+# The container image's packages only (no dev extra), pinned with hashes, resolved the same way.
+IMAGE_LOCK := requirements-image.lock
 VLLM_VENV := .venv-vllm
 FOCUS_VENV := .venv-focus
 
@@ -18,12 +20,17 @@ $(STAMP): $(LOCK) pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-## lock: resolve pyproject.toml (dependencies, dev extra, build backend) into $(LOCK) with hashes;
+## lock: resolve pyproject.toml (dependencies, dev extra, build backend) into $(LOCK) with hashes,
+## and its dependencies alone into $(IMAGE_LOCK) for the image, from the same pins;
 ## existing pins are kept unless LOCK_ARGS=--upgrade (or --upgrade-package NAME)
 lock: $(STAMP)
 	CUSTOM_COMPILE_COMMAND="make lock" $(BIN)/pip-compile --quiet --generate-hashes --allow-unsafe \
 		--strip-extras --extra dev --build-deps-for editable --no-emit-index-url --no-emit-find-links \
 		$(LOCK_ARGS) --output-file $(LOCK) pyproject.toml
+	cp $(LOCK) $(IMAGE_LOCK)
+	CUSTOM_COMPILE_COMMAND="make lock" $(BIN)/pip-compile --quiet --generate-hashes --allow-unsafe \
+		--strip-extras --build-deps-for wheel --no-emit-index-url --no-emit-find-links \
+		--output-file $(IMAGE_LOCK) pyproject.toml
 
 ## demo: install, then run the platform on its embedded defaults (simulated fleet + traffic)
 demo: $(STAMP)

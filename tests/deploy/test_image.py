@@ -36,3 +36,20 @@ def test_manifests_run_this_version_of_the_image():
                 if container["image"].startswith(IMAGE):
                     images.add(container["image"])
     assert images == {f"{IMAGE}:{version}"}
+
+
+def test_the_image_installs_the_locked_dependencies_only():
+    """The image installs its dependencies from a hashed lock with the test venv's pins, then the
+    package without resolving anything."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "pip install --require-hashes -r /src/requirements-image.lock" in dockerfile
+    assert "pip install --no-deps --no-build-isolation /src" in dockerfile
+
+    def pins(name: str) -> dict[str, str]:
+        text = (ROOT / name).read_text()
+        return dict(re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+) \\$", text, re.MULTILINE))
+
+    image, venv = pins("requirements-image.lock"), pins("requirements.lock")
+    assert image
+    assert {name: venv.get(name) for name in image} == image
+    assert "pytest" not in image
