@@ -141,6 +141,23 @@ def test_only_labelled_clients_and_metrics_readers_reach_the_sidecar() -> None:
     ]
 
 
+@pytest.mark.parametrize("component", ["billing", "dashboard"])
+def test_billing_and_the_dashboard_admit_named_peers_on_their_port_only(component: str) -> None:
+    """Billing's and the dashboard's pods are under an ingress policy: their port, labelled peers."""
+    (workload,) = [w for w in DOCS if w["kind"] in WORKLOADS
+                   and _labels(w).get("app.kubernetes.io/component") == component]  # fmt: skip
+    policies = [p for p in _of("NetworkPolicy") if "Ingress" in p["spec"].get("policyTypes", [])
+                and _selects(p["spec"]["podSelector"].get("matchLabels", {}), _labels(workload))]  # fmt: skip
+    assert policies, component
+    ports = {p["name"] for c in _pod(workload)["containers"] for p in c.get("ports", [])}
+    for policy in policies:
+        for rule in policy["spec"]["ingress"]:
+            assert {p["port"] for p in rule["ports"]} <= ports, _name(policy)
+            assert rule["from"], f"{_name(policy)} admits everyone"
+            for peer in rule["from"]:
+                assert any(sel.get("matchLabels") for sel in peer.values()), peer
+
+
 def test_vllm_metrics_are_read_through_the_sidecar_with_the_token(tmp_path: Path) -> None:
     """Prometheus and the collector read vLLM's metrics at each pod's sidecar /engine/metrics, with the metrics token."""
     vllm_services = {s["metadata"]["name"] for s in _of("Service")
