@@ -38,6 +38,7 @@ __all__ = [
     "group_hourly_sql",
     "instance_hourly_sql",
     "model_gpu_sql",
+    "model_hourly_sql",
     "model_summary_sql",
     "short_requests_sql",
     "team_hourly_sql",
@@ -311,6 +312,38 @@ LEFT JOIN seqs q ON q.replica = s.replica
 LEFT JOIN peaks p ON p.model = s.model
 GROUP BY s.model ORDER BY s.model"""
     return sql, params | _range(lo_slot, hi_slot)
+
+
+def model_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
+    """Per model and hour: GPU-hours and their GPU cost, the busiest minute's running and waiting.
+
+    The demand the schedule advice reads: ``peak_running`` is the hour's busiest minute of
+    running sequences summed over the model's instances (as ``model_summary_sql`` takes it for
+    the whole range), ``peak_waiting`` that hour's worst queue. A replica group belongs to the
+    model the configuration gives it.
+    """
+    ctes, params = _cost_ctes(fleet)
+    models, p2 = _values("models", [("replica", "VARCHAR"), ("model", "VARCHAR")],
+                         sorted(fleet.replica_models.items()))  # fmt: skip
+    sql = f"""
+WITH {ctes}, {models}, {_engine_cte()},
+per_minute AS (
+    SELECT model, slot, sum(running) AS running, sum(waiting) AS waiting FROM (
+        SELECT model, instance, slot, avg(requests_running) AS running, avg(requests_waiting) AS waiting
+        FROM engine GROUP BY ALL) GROUP BY ALL),
+peaks AS (
+    SELECT model, slot // {_MINUTES_PER_HOUR} AS hour, max(running) AS peak_running,
+        max(waiting) AS peak_waiting
+    FROM per_minute GROUP BY ALL),
+gpu AS (
+    SELECT m.model, c.slot // {_MINUTES_PER_HOUR} AS hour, sum(c.gpu_seconds) AS gpu_seconds,
+        sum(c.gpu_usd) AS gpu_usd
+    FROM cost c JOIN models m ON m.replica = c.replica GROUP BY ALL)
+SELECT gpu.model, gpu.hour * 3600 AS t, gpu.gpu_seconds / 3600 AS gpu_hours, gpu.gpu_usd,
+    peaks.peak_running, peaks.peak_waiting
+FROM gpu LEFT JOIN peaks ON peaks.model = gpu.model AND peaks.hour = gpu.hour
+ORDER BY gpu.model, t"""
+    return sql, params | p2 | _range(lo_slot, hi_slot)
 
 
 def model_gpu_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
