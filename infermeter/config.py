@@ -362,6 +362,11 @@ class SidecarSettings(_Strict):
     drain_ship_seconds: NonNegative = 30.0
     # How often the admission journal marks the tokens of running requests and fsyncs itself.
     journal_mark_millis: Annotated[int, Field(gt=0)] = 500
+    # The prompt-prefix digest on usage records (``sidecar.prefix``): the variable holding the
+    # deployment's key (unset: no digests) and how many characters of the first message it covers
+    # (about 4 a token).
+    prefix_key_env: str = "INFERMETER_PREFIX_KEY"
+    prefix_digest_chars: Annotated[int, Field(gt=0)] = 2048
     gateway: GatewaySettings = GatewaySettings()
     shared_limits: SharedLimitsSettings = SharedLimitsSettings()
     budgets: BudgetSettings = BudgetSettings()
