@@ -74,6 +74,9 @@ class Policy:
     min_short_share: float = 0.2
     min_saving_usd_per_month: float = 1.0
     startup_seconds: float = 180.0  # an engine asked for serves this much later (scaling's)
+    min_shared_requests: int = 10  # requests with one prompt head for it to count as shared
+    min_shared_share: float = 0.2  # share of a model's requests with a shared head
+    working_cache_share: float = 0.5  # hits over this share of what is reusable: cache works
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ __all__ = [
     "model_gpu_sql",
     "model_hourly_sql",
     "model_summary_sql",
+    "prefix_sql",
     "short_requests_sql",
     "team_hourly_sql",
 ]
@@ -401,3 +402,40 @@ GROUP BY ALL ORDER BY model, team"""
         "max_completion": int(max_completion_tokens),
     }
     return sql, params
+
+
+def prefix_sql(lo_slot: int, hi_slot: int, min_shared_requests: int) -> Sql:
+    """Per model: requests, those whose prompt head is shared, the tokens of the shared heads.
+
+    A head is shared when at least ``min_shared_requests`` finished requests of the model carry
+    its digest. A request's head tokens are its ``prefix_share`` of vLLM's prompt-token count;
+    ``mean_head_tokens_sum`` adds each shared head's mean, what one miss per engine costs. The
+    engines' own prefix-cache counters (lookups and hits, in tokens) come alongside.
+    """
+    sql = f"""
+WITH {_engine_cte()},
+heads AS (
+    SELECT model, prefix_digest, count(*) AS n, sum(prompt_tokens * prefix_share) AS tokens
+    FROM usage
+    WHERE status = 'ok' AND prefix_digest IS NOT NULL AND prefix_share IS NOT NULL
+        AND finished_at >= $lo * {SLOT_SECONDS} AND finished_at < $hi * {SLOT_SECONDS}
+    GROUP BY ALL),
+shared AS (
+    SELECT model, CAST(sum(n) AS BIGINT) AS shared_requests, count(*) AS shared_prefixes,
+        sum(tokens) AS shared_head_tokens, sum(tokens / n) AS mean_head_tokens_sum, max(n) AS largest_share
+    FROM heads WHERE n >= $min_shared GROUP BY model),
+served AS (
+    SELECT model, count(*) AS requests, CAST(sum(prompt_tokens) AS BIGINT) AS prompt_tokens
+    FROM usage
+    WHERE status = 'ok' AND finished_at >= $lo * {SLOT_SECONDS} AND finished_at < $hi * {SLOT_SECONDS}
+    GROUP BY model),
+cache AS (
+    SELECT model, sum(prefix_cache_queries) AS cache_queries, sum(prefix_cache_hits) AS cache_hits
+    FROM engine GROUP BY model)
+SELECT s.model, s.requests, s.prompt_tokens, coalesce(h.shared_requests, 0) AS shared_requests,
+    coalesce(h.shared_prefixes, 0) AS shared_prefixes, coalesce(h.shared_head_tokens, 0) AS shared_head_tokens,
+    coalesce(h.mean_head_tokens_sum, 0) AS mean_head_tokens_sum, coalesce(h.largest_share, 0) AS largest_share,
+    coalesce(c.cache_queries, 0) AS cache_queries, coalesce(c.cache_hits, 0) AS cache_hits
+FROM served s LEFT JOIN shared h ON h.model = s.model LEFT JOIN cache c ON c.model = s.model
+ORDER BY s.model"""
+    return sql, _range(lo_slot, hi_slot) | {"min_shared": int(min_shared_requests)}

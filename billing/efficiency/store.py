@@ -30,9 +30,11 @@ from billing.efficiency.figures import (
     model_gpu_sql,
     model_hourly_sql,
     model_summary_sql,
+    prefix_sql,
     short_requests_sql,
     team_hourly_sql,
 )
+from billing.efficiency.prefix import PrefixFigures, prefix_cache
 from billing.efficiency.schedule import HourFigures, schedule
 from billing.schema import SLOT_SECONDS
 from infermeter.config import Config
@@ -45,6 +47,7 @@ __all__ = [
     "read_hours",
     "read_models",
     "read_per_gpu",
+    "read_prefixes",
     "read_report",
     "read_shorts",
 ]
@@ -158,6 +161,13 @@ def read_hours(cursor: duckdb.DuckDBPyConnection, fleet: Fleet, lo: int,
     return [HourFigures(**row) for row in _frame(cursor, model_hourly_sql(lo, hi, fleet)).iter_rows(named=True)]  # fmt: skip
 
 
+def read_prefixes(cursor: duckdb.DuckDBPyConnection, policy: Policy, lo: int,
+                  hi: int) -> list[PrefixFigures]:  # fmt: skip
+    """Each model's shared prompt heads and prefix-cache counters."""
+    built = prefix_sql(lo, hi, policy.min_shared_requests)
+    return [PrefixFigures(**row) for row in _frame(cursor, built).iter_rows(named=True)]
+
+
 def policy_of(config: Config) -> Policy:
     """The advisor's default policy, with the scaling section's engine start-up time."""
     return Policy(startup_seconds=config.scaling.startup_seconds)
@@ -178,8 +188,12 @@ def read_report(cursor: duckdb.DuckDBPyConnection, config: Config, month: str, n
     recs = advise(models, read_shorts(cursor, policy, lo, hi), fleet.usd_per_gpu_hour, weights,
                   policy, read_per_gpu(cursor, config, fleet, lo, hi))  # fmt: skip
     hours = read_hours(cursor, fleet, lo, hi)
+    prefixes = {p.model: p for p in read_prefixes(cursor, policy, lo, hi)}
     for m in models:
         found = schedule(m, [h for h in hours if h.model == m.model], policy)
+        recs += [found] if found is not None else []
+        shared = prefixes.get(m.model)
+        found = None if shared is None else prefix_cache(m, shared, weights, policy)
         recs += [found] if found is not None else []
     recs = ranked(recs)
     teams = _frame(cursor, team_hourly_sql(lo, hi, fleet, team))
