@@ -7,7 +7,6 @@ from typing import Any
 import pytest
 
 from billing.ledger import Ledger
-from infermeter.config import Config
 from tests.billing.test_efficiency import engine, fill, gpus, kinds, report, requests
 
 
@@ -24,7 +23,7 @@ def _ledger(ledger: Ledger, usage: list[dict[str, Any]], **counters: Any) -> Non
          engine_samples=engine("small-0", 10, **counters))  # fmt: skip
 
 
-def test_prefix_cache_fires_when_shared_heads_are_computed_every_time(ledger, config: Config):
+def test_prefix_cache_fires_when_shared_heads_are_computed_every_time(ledger, config):
     """100 requests share a 500-token head and the cache served none: 99 x 500 tokens at the measured input rate."""
     _ledger(ledger, _shared(100))
     [rec] = kinds(report(ledger, config), "prefix_cache")
@@ -34,14 +33,14 @@ def test_prefix_cache_fires_when_shared_heads_are_computed_every_time(ledger, co
     assert rec.saving_usd_per_month == pytest.approx(99 * 500 * 1.60 / 115_000 * 730)
 
 
-def test_prefix_cache_does_not_fire_when_the_cache_serves_the_heads(ledger, config: Config):
+def test_prefix_cache_does_not_fire_when_the_cache_serves_the_heads(ledger, config):
     """Engines that found over half the reusable tokens in their cache already cache the heads."""
     _ledger(ledger, _shared(100), prefix_cache_queries_total=lambda i: 2000.0 * i,
             prefix_cache_hits_total=lambda i: 1000.0 * i)  # fmt: skip
     assert kinds(report(ledger, config), "prefix_cache") == []
 
 
-def test_a_low_hit_rate_is_named_as_a_cache_that_misses(ledger, config: Config):
+def test_a_low_hit_rate_is_named_as_a_cache_that_misses(ledger, config):
     """A cache that is consulted but serves little gets the advice to make it hold the heads."""
     _ledger(ledger, _shared(100), prefix_cache_queries_total=lambda i: 2000.0 * i,
             prefix_cache_hits_total=lambda i: 10.0 * i)  # fmt: skip
@@ -51,14 +50,14 @@ def test_a_low_hit_rate_is_named_as_a_cache_that_misses(ledger, config: Config):
     assert rec.saving_usd_per_month == pytest.approx((99 * 500 - 590) * 1.60 / 115_000 * 730)
 
 
-def test_prefix_cache_does_not_fire_when_few_requests_share_a_head(ledger, config: Config):
+def test_prefix_cache_does_not_fire_when_few_requests_share_a_head(ledger, config):
     """Ten shared requests among a hundred of distinct heads are under the 20% the advice needs."""
     distinct = [r | {"prefix_digest": f"own-{i}"} for i, r in enumerate(_shared(90))]
     _ledger(ledger, _shared(10) + distinct)
     assert kinds(report(ledger, config), "prefix_cache") == []
 
 
-def test_records_without_digests_give_no_prefix_advice(ledger, config: Config):
+def test_records_without_digests_give_no_prefix_advice(ledger, config):
     """A fleet whose sidecars have no prefix key says nothing about prefix caching."""
     _ledger(ledger, _shared(100, digest=None, share=None))
     assert kinds(report(ledger, config), "prefix_cache") == []

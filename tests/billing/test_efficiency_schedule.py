@@ -7,7 +7,6 @@ import pytest
 from billing.efficiency.advice import Policy
 from billing.efficiency.schedule import segments
 from billing.ledger import Ledger
-from infermeter.config import Config
 from tests.billing.conftest import OCT, gpu_samples
 from tests.billing.test_efficiency import engine, fill, kinds, report, requests
 
@@ -28,7 +27,7 @@ def _day(ledger: Ledger, night: float, day: float, waiting_at_night: float = 0.0
          engine_samples=samples)  # fmt: skip
 
 
-def test_schedule_fires_when_the_night_needs_fewer_engines(ledger, config: Config):
+def test_schedule_fires_when_the_night_needs_fewer_engines(ledger, config):
     """20 sequences at night need one engine of 128, 200 by day two: one L40S saved 8 h a day, less its start-up."""
     _day(ledger, night=10, day=100)
     found = report(ledger, config)
@@ -42,19 +41,19 @@ def test_schedule_fires_when_the_night_needs_fewer_engines(ledger, config: Confi
     assert kinds(found, "right_size") == []  # the day needs both engines
 
 
-def test_schedule_does_not_fire_when_every_hour_needs_the_same(ledger, config: Config):
+def test_schedule_does_not_fire_when_every_hour_needs_the_same(ledger, config):
     """A fleet busy around the clock has no hours to scale down in."""
     _day(ledger, night=100, day=100)
     assert kinds(report(ledger, config), "schedule") == []
 
 
-def test_hours_in_which_requests_queued_keep_their_engines(ledger, config: Config):
+def test_hours_in_which_requests_queued_keep_their_engines(ledger, config):
     """Nights with a queue needed both engines, however few sequences ran."""
     _day(ledger, night=10, day=100, waiting_at_night=3)
     assert kinds(report(ledger, config), "schedule") == []
 
 
-def test_schedule_counts_only_what_right_size_leaves(ledger, config: Config):
+def test_schedule_counts_only_what_right_size_leaves(ledger, config):
     """With the day needing one engine and the night one, right-size saves it all and the schedule nothing."""
     _day(ledger, night=10, day=40)
     found = report(ledger, config)
@@ -71,7 +70,7 @@ def test_an_unmeasured_hour_keeps_the_level_before_it():
     ]
 
 
-def test_start_up_time_comes_from_the_scaling_section(config: Config):
+def test_start_up_time_comes_from_the_scaling_section(config):
     """The report's policy starts engines as long before the hour as scaling.startup_seconds says."""
     from billing.efficiency.store import policy_of
 
