@@ -8,7 +8,7 @@ of the requests share one of 40 system prompts, the rest are distinct). The meas
 every figure (groups, instances, teams per hour) and every recommendation.
 
     .venv/bin/python -m bench.advisor_scale --records 3000000
-    .venv/bin/python -m bench.advisor_scale --records 3000000 --dir /tmp/adv --reuse
+    .venv/bin/python -m bench.advisor_scale --records 3000000 --dir var/advisor-bench --reuse
 """
 
 from __future__ import annotations
