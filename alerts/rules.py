@@ -116,6 +116,7 @@ def recording_groups(config: Config) -> list[Group]:
         {"name": "infermeter.fleet.recording", "interval": interval, "rules": _fleet_rules()},
         {"name": "infermeter.billing.recording", "interval": interval, "rules": _billing_rules()},
         {"name": "infermeter.sla.recording", "interval": interval, "rules": _sla_targets(config)},
+        {"name": "infermeter.efficiency.recording", "interval": interval, "rules": _efficiency_rules(config)},
     ]  # fmt: skip
 
 
@@ -182,6 +183,68 @@ def _billing_rules() -> list[Rule]:
                 f"max by (team) (infermeter_team_spend_usd) / {budget}"),
         _record("team:infermeter_team_spend_forecast_per_budget:ratio",
                 f"max by (team) (infermeter_team_spend_forecast_usd) / {budget}"),
+    ]  # fmt: skip
+
+
+def _efficiency_rules(config: Config) -> list[Rule]:
+    """KV cache, preemptions, prefix-cache hits, batch occupancy and GPU cost per 1M tokens.
+
+    Engines are read per instance from the collector; ``max`` over the same labels keeps two
+    collectors scraping one engine from counting it twice. Batch occupancy divides each
+    instance's running sequences by its replica's ``max_num_seqs`` (replicas without one are
+    left out); the GPU cost is the replica's GPUs at the price book's hourly rate, energy left
+    out, split between input and output tokens by ``billing.token_weights`` as billing does.
+    """
+    w, by = _window(config), "instance_id, replica, model"
+    rules = [
+        _record("instance:infermeter_instance_kv_cache_usage_ratio:max",
+                f"max by ({by}) (infermeter_instance_kv_cache_usage_ratio)"),
+        _record("replica:infermeter_instance_kv_cache_usage_ratio:max",
+                "max by (replica, model) (instance:infermeter_instance_kv_cache_usage_ratio:max)"),
+    ]  # fmt: skip
+    for counter in ("preemptions", "prefix_cache_queries", "prefix_cache_hits"):
+        rules.append(_record(f"instance:infermeter_instance_{counter}:rate{w}",
+                             f"max by ({by}) (rate(infermeter_instance_{counter}_total[{w}]))"))  # fmt: skip
+        rules.append(_record(f"replica:infermeter_instance_{counter}:rate{w}",
+                             f"sum by (replica, model) (instance:infermeter_instance_{counter}:rate{w})"))  # fmt: skip
+    rules.append(_record(f"replica:infermeter_instance_prefix_cache_hits_per_query:ratio_rate{w}",
+                         f"replica:infermeter_instance_prefix_cache_hits:rate{w} / "
+                         f"replica:infermeter_instance_prefix_cache_queries:rate{w}"))  # fmt: skip
+    seqs = [r for r in config.replicas if r.max_num_seqs]
+    if seqs:
+        occupancy = " or ".join(
+            f"max by ({by}) (infermeter_instance_requests_running{{replica={_quote(r.id)}}}) / {r.max_num_seqs}"
+            for r in seqs
+        )
+        rules.append(_record("instance:infermeter_instance_batch_occupancy:ratio", occupancy))
+        rules.append(_record("replica:infermeter_instance_batch_occupancy:avg",
+                             "avg by (replica, model) (instance:infermeter_instance_batch_occupancy:ratio)"))  # fmt: skip
+    return rules + _cost_rules(config)
+
+
+def _cost_rules(config: Config) -> list[Rule]:
+    w, prices = _window(config), config.prices.usd_per_gpu_hour
+    priced = [r for r in config.replicas if r.gpu_model in prices]
+    if not priced:
+        return []
+    cost = " or ".join(
+        f"max by (replica, model) (infermeter_replica_gpus{{replica={_quote(r.id)}}}) * {_number(prices[r.gpu_model])}"
+        for r in priced
+    )
+    wp, wc = config.billing.token_weights.prompt, config.billing.token_weights.completion
+    weighted = (f"({_number(wp)} * model:infermeter_prompt_tokens:rate{w} + "
+                f"{_number(wc)} * model:infermeter_completion_tokens:rate{w})")  # fmt: skip
+    per_million = f"model:infermeter_gpu_cost_usd_per_hour:sum * 1000000 / 3600 / {weighted}"
+    return [
+        _record("replica:infermeter_gpu_cost_usd_per_hour:sum", cost),
+        _record("model:infermeter_gpu_cost_usd_per_hour:sum",
+                "sum by (model) (replica:infermeter_gpu_cost_usd_per_hour:sum)"),
+        _record(f"model:infermeter_prompt_tokens:rate{w}",
+                f"sum by (model) (rate(infermeter_prompt_tokens_total[{w}]))"),
+        _record(f"model:infermeter_gpu_cost_usd_per_million_input_tokens:ratio_rate{w}",
+                f"{per_million} * {_number(wp)}"),
+        _record(f"model:infermeter_gpu_cost_usd_per_million_output_tokens:ratio_rate{w}",
+                f"{per_million} * {_number(wc)}"),
     ]  # fmt: skip
 
 
@@ -268,6 +331,7 @@ def alerting_groups(config: Config) -> list[Group]:
         {"name": "infermeter.capacity.alerts", "interval": interval, "rules": _capacity_alerts(config)},
         {"name": "infermeter.spend.alerts", "interval": interval, "rules": _spend_alerts(config)},
         {"name": "infermeter.platform.alerts", "interval": interval, "rules": _platform_alerts(config)},
+        {"name": "infermeter.efficiency.alerts", "interval": interval, "rules": _efficiency_alerts(config)},
     ]  # fmt: skip
 
 
@@ -426,6 +490,33 @@ def _platform_alerts(config: Config) -> list[Rule]:
                "Look the XID code up in NVIDIA's XID catalogue; for 48, 63, 64, 74, 79, 94 or 95 drain the node and "
                "reset or replace the GPU, then check the replica's error ratio."),
     ]  # fmt: skip
+
+
+def _efficiency_alerts(config: Config) -> list[Rule]:
+    a, w = config.alerts, _window(config)
+    rules = [
+        _alert("InfermeterKVCachePressure",
+               f"instance:infermeter_instance_kv_cache_usage_ratio:max > {_number(a.kv_cache_usage_ratio)}",
+               a.kv_cache_for_seconds, "warning",
+               f"the KV cache of instance {{{{ $labels.instance_id }}}} ({{{{ $labels.model }}}}) is {{{{ $value | humanizePercentage }}}} full, over {a.kv_cache_usage_ratio:.0%} for {duration(a.kv_cache_for_seconds)}",
+               "The engine is about to preempt sequences, or does (see InfermeterPreemptionStorm), and each preempted "
+               "sequence computes its prompt again: lower max_num_seqs or max_model_len, scale the model out, or serve it "
+               "on GPUs with more memory (infermeter plan)."),
+        _alert("InfermeterPreemptionStorm",
+               f"instance:infermeter_instance_preemptions:rate{w} > {_number(a.preemptions_per_second)}",
+               a.kv_cache_for_seconds, "warning",
+               f"instance {{{{ $labels.instance_id }}}} ({{{{ $labels.model }}}}) preempts {{{{ $value | humanize }}}} sequences a second, over {_number(a.preemptions_per_second)} for {duration(a.kv_cache_for_seconds)}",
+               "The KV cache cannot hold the running batch: GPU time goes into recomputing prompts and TTFT and decode speed "
+               "fall. Lower max_num_seqs, scale the model out, or quantize the KV cache; check its KV-cache use per instance."),
+    ]  # fmt: skip
+    if any(r.max_num_seqs for r in config.replicas):
+        rules.append(_alert("InfermeterBatchOccupancyLow",
+               f"replica:infermeter_instance_batch_occupancy:avg < {_number(a.low_batch_occupancy_ratio)}",
+               a.low_batch_occupancy_for_seconds, "info",
+               f"the engines of replica group {{{{ $labels.replica }}}} ({{{{ $labels.model }}}}) run batches {{{{ $value | humanizePercentage }}}} full, under {a.low_batch_occupancy_ratio:.0%} of max_num_seqs for {duration(a.low_batch_occupancy_for_seconds)}",
+               "The group's GPUs are paid for and mostly idle: read `infermeter advise` for how many instances its peak "
+               "needs, lower its minimum replicas, or move a smaller model onto these GPUs."))  # fmt: skip
+    return rules
 
 
 # --- shapes on disk ----------------------------------------------------------------------------

@@ -41,6 +41,9 @@ infermeter_instance_queue_depth                   the same three, per engine ins
   {instance_id,replica,model}                     (``instance_id``: the pod; the replica id
 infermeter_instance_requests_running{...}         for a fixed replica)
 infermeter_instance_kv_cache_usage_ratio{...}
+infermeter_instance_preemptions_total{...}        vllm:num_preemptions, per instance
+infermeter_instance_prefix_cache_queries_total    vllm:prefix_cache_queries and _hits (prompt
+  {...}, ..._prefix_cache_hits_total{...}         tokens looked up, and found), per instance
 infermeter_collector_target_up{target,kind}       1 if the last scrape succeeded; ``kind`` is
                                                   ``dcgm``, ``nvml`` or ``vllm``
 infermeter_collector_scrape_duration_seconds      duration of the target's last scrape

@@ -143,6 +143,11 @@ class FleetMetrics(Collector):
             labels=INSTANCE_LABELS,
         )
         kv = GaugeMetricFamily("infermeter_instance_kv_cache_usage_ratio", "KV-cache blocks in use in one engine instance, 0 to 1.", labels=INSTANCE_LABELS)  # fmt: skip
+        # The engine's own counters, passed on per instance: a sum over a group would fall when
+        # one instance restarts, and rate() would read that as a reset of the whole group.
+        preempted = CounterMetricFamily("infermeter_instance_preemptions", "Sequences the engine preempted (vllm:num_preemptions).", labels=INSTANCE_LABELS)  # fmt: skip
+        queries = CounterMetricFamily("infermeter_instance_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vllm:prefix_cache_queries).", labels=INSTANCE_LABELS)  # fmt: skip
+        hits = CounterMetricFamily("infermeter_instance_prefix_cache_hits", "Prompt tokens found in the prefix cache (vllm:prefix_cache_hits).", labels=INSTANCE_LABELS)  # fmt: skip
         for e in sorted(
             self.collector.engines.values(), key=lambda e: (e.replica, e.instance or "")
         ):
@@ -150,7 +155,10 @@ class FleetMetrics(Collector):
             queue.add_metric(labels, e.requests_waiting)
             running.add_metric(labels, e.requests_running)
             kv.add_metric(labels, e.kv_cache_usage)
-        yield from (queue, running, kv)
+            preempted.add_metric(labels, e.preemptions_total)
+            queries.add_metric(labels, e.prefix_cache_queries_total)
+            hits.add_metric(labels, e.prefix_cache_hits_total)
+        yield from (queue, running, kv, preempted, queries, hits)
 
     def _target_families(self) -> Iterator[Metric]:
         c = self.collector

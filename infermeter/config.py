@@ -362,6 +362,11 @@ class SidecarSettings(_Strict):
     drain_ship_seconds: NonNegative = 30.0
     # How often the admission journal marks the tokens of running requests and fsyncs itself.
     journal_mark_millis: Annotated[int, Field(gt=0)] = 500
+    # The prompt-prefix digest on usage records (``sidecar.prefix``): the variable holding the
+    # deployment's key (unset: no digests) and how many characters of the first message it covers
+    # (about 4 a token).
+    prefix_key_env: str = "INFERMETER_PREFIX_KEY"
+    prefix_digest_chars: Annotated[int, Field(gt=0)] = 2048
     gateway: GatewaySettings = GatewaySettings()
     shared_limits: SharedLimitsSettings = SharedLimitsSettings()
     budgets: BudgetSettings = BudgetSettings()
@@ -508,6 +513,13 @@ class AlertSettings(_Strict):
     spool_backlog_for_seconds: NonNegative = 900
     target_down_for_seconds: NonNegative = 120
     budget_forecast_for_seconds: NonNegative = 3600
+    # Engine efficiency: an instance's KV cache this full, or preempting this often, for
+    # ``kv_cache_for_seconds``; a replica group's batches this empty for the longer wait.
+    kv_cache_usage_ratio: Annotated[float, Field(gt=0, le=1)] = 0.9
+    preemptions_per_second: NonNegative = 0.2
+    kv_cache_for_seconds: NonNegative = 300
+    low_batch_occupancy_ratio: Annotated[float, Field(ge=0, le=1)] = 0.2
+    low_batch_occupancy_for_seconds: NonNegative = 3600
     slas: list[SlaOverride] = Field(default_factory=list)
 
 

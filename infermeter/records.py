@@ -133,6 +133,10 @@ class UsageRecord(_Record):
     response_id: str | None = None
     # The caller's own ``x-request-id``, when it sent a valid one.
     client_request_id: str | None = None
+    # A keyed digest of the prompt's head (the first message), never its text, and the share of
+    # the prompt's characters it covers (``sidecar.prefix``); None when digests are off.
+    prefix_digest: str | None = None
+    prefix_share: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

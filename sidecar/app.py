@@ -54,6 +54,7 @@ from sidecar.lifetime import EVENTS_MAX_BYTES, Lifetime, last_shipment
 from sidecar.limits import Admission, LimitExceeded, estimate_prompt_tokens
 from sidecar.metrics import SidecarMetrics
 from sidecar.models_list import with_aliases
+from sidecar.prefix import Prefix, prefix_of
 from sidecar.request_ids import client_request_id, response_id
 from sidecar.shared_fairness import FairShareSync
 from sidecar.state import ModelNotFoundError, View, build_view
@@ -118,6 +119,7 @@ class _Call:
     # The caller's own x-request-id (when valid) and vLLM's id for the response.
     client_request_id: str | None = None
     response_id: str | None = None
+    prefix: Prefix | None = None
 
 
 class Sidecar:
@@ -513,6 +515,7 @@ class Sidecar:
                 404, str(exc), "invalid_request_error", "model_not_found", RequestStatus.REJECTED
             ) from None
         call.model, call.served_version = route.model, route.served_version
+        call.prefix = prefix_of(self.view.prefix, body)
         call.stream = bool(body.get("stream")) and call.endpoint != "/v1/embeddings"
         options = body.get("stream_options") or {}
         if self.spool_broken and self.settings.on_spool_failure == "refuse":
@@ -937,6 +940,7 @@ class Sidecar:
             completion_tokens=usage.completion if usage else 0, status=status.value, http_status=http_status,
             stream=call.stream, endpoint=call.endpoint, finish_reason=None if finish is None else capped(finish), usage_exact=exact,
             response_id=None if call.response_id is None else capped(call.response_id), client_request_id=call.client_request_id,
+            prefix_digest=call.prefix.digest if call.prefix else None, prefix_share=call.prefix.share if call.prefix else None,
         )  # fmt: skip
         return record
 

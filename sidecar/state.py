@@ -15,6 +15,7 @@ from infermeter.auth import ADMIN, METRICS, GatewayVerifier, KeyRing
 from infermeter.config import Config, Replica
 from infermeter.replay import ReplayCache
 from sidecar.bounds import shown
+from sidecar.prefix import PrefixDigester, prefix_digester
 
 __all__ = [
     "MAX_LISTED",
@@ -53,6 +54,7 @@ class View:
     control: KeyRing
     control_open: bool
     gateway: GatewayVerifier | None
+    prefix: PrefixDigester | None = None
 
     @property
     def model_names(self) -> frozenset[str]:
@@ -122,4 +124,7 @@ def build_view(config: Config, replica_id: str, replay: ReplayCache | None = Non
         ),
         control_open=not control_digests,
         gateway=gateway,
+        prefix=prefix_digester(
+            os.environ.get(config.sidecar.prefix_key_env), config.sidecar.prefix_digest_chars
+        ),
     )

@@ -20,6 +20,10 @@ changing gets an empty list.
 - **route**: a team's short requests (prompt and output under thresholds) to a model that a
   cheaper, smaller model in the fleet could serve; priced at both models' measured cost per
   weighted token.
+
+``schedule`` (scaling by the hour of the day) and ``prefix_cache`` (requests that share a prompt
+prefix the engine does not reuse) live in their own modules and return the same
+``Recommendation``.
 """
 
 from __future__ import annotations
@@ -42,12 +46,13 @@ __all__ = [
     "advise",
     "gpu_type",
     "quantize",
+    "ranked",
     "right_size",
     "route",
     "shape_of",
 ]
 
-KINDS: Final = ("right_size", "quantize", "gpu_type", "route")
+KINDS: Final = ("right_size", "quantize", "gpu_type", "route", "schedule", "prefix_cache")
 
 QUALITY_CAVEAT: Final[Mapping[str, str]] = {
     "fp8": "8-bit weights (FP8) usually stay close to the 16-bit model's quality, but check it "
@@ -68,6 +73,10 @@ class Policy:
     short_completion_tokens: int = 256
     min_short_share: float = 0.2
     min_saving_usd_per_month: float = 1.0
+    startup_seconds: float = 180.0  # an engine asked for serves this much later (scaling's)
+    min_shared_requests: int = 10  # requests with one prompt head for it to count as shared
+    min_shared_share: float = 0.2  # share of a model's requests with a shared head
+    working_cache_share: float = 0.5  # hits over this share of what is reusable: cache works
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,4 +440,9 @@ def advise(models: Sequence[ModelFigures], shorts: Sequence[ShortRequests],
                 found.append(rec)
     found.extend(gpu_type(per_gpu, weights, policy))
     found.extend(route(shorts, {m.model: m for m in models}, weights, policy))
-    return sorted(found, key=lambda r: (-r.saving_usd_per_month, r.kind, r.model, r.team or ""))
+    return ranked(found)
+
+
+def ranked(recs: Iterable[Recommendation]) -> list[Recommendation]:
+    """``recs`` largest saving first, ties in a stable order (kind, model, team)."""
+    return sorted(recs, key=lambda r: (-r.saving_usd_per_month, r.kind, r.model, r.team or ""))

@@ -38,7 +38,9 @@ __all__ = [
     "group_hourly_sql",
     "instance_hourly_sql",
     "model_gpu_sql",
+    "model_hourly_sql",
     "model_summary_sql",
+    "prefix_sql",
     "short_requests_sql",
     "team_hourly_sql",
 ]
@@ -313,6 +315,38 @@ GROUP BY s.model ORDER BY s.model"""
     return sql, params | _range(lo_slot, hi_slot)
 
 
+def model_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
+    """Per model and hour: GPU-hours and their GPU cost, the busiest minute's running and waiting.
+
+    The demand the schedule advice reads: ``peak_running`` is the hour's busiest minute of
+    running sequences summed over the model's instances (as ``model_summary_sql`` takes it for
+    the whole range), ``peak_waiting`` that hour's worst queue. A replica group belongs to the
+    model the configuration gives it.
+    """
+    ctes, params = _cost_ctes(fleet)
+    models, p2 = _values("models", [("replica", "VARCHAR"), ("model", "VARCHAR")],
+                         sorted(fleet.replica_models.items()))  # fmt: skip
+    sql = f"""
+WITH {ctes}, {models}, {_engine_cte()},
+per_minute AS (
+    SELECT model, slot, sum(running) AS running, sum(waiting) AS waiting FROM (
+        SELECT model, instance, slot, avg(requests_running) AS running, avg(requests_waiting) AS waiting
+        FROM engine GROUP BY ALL) GROUP BY ALL),
+peaks AS (
+    SELECT model, slot // {_MINUTES_PER_HOUR} AS hour, max(running) AS peak_running,
+        max(waiting) AS peak_waiting
+    FROM per_minute GROUP BY ALL),
+gpu AS (
+    SELECT m.model, c.slot // {_MINUTES_PER_HOUR} AS hour, sum(c.gpu_seconds) AS gpu_seconds,
+        sum(c.gpu_usd) AS gpu_usd
+    FROM cost c JOIN models m ON m.replica = c.replica GROUP BY ALL)
+SELECT gpu.model, gpu.hour * 3600 AS t, gpu.gpu_seconds / 3600 AS gpu_hours, gpu.gpu_usd,
+    peaks.peak_running, peaks.peak_waiting
+FROM gpu LEFT JOIN peaks ON peaks.model = gpu.model AND peaks.hour = gpu.hour
+ORDER BY gpu.model, t"""
+    return sql, params | p2 | _range(lo_slot, hi_slot)
+
+
 def model_gpu_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
     """Per model and GPU model over the range: cost, tokens and TTFT, to compare GPU types.
 
@@ -368,3 +402,40 @@ GROUP BY ALL ORDER BY model, team"""
         "max_completion": int(max_completion_tokens),
     }
     return sql, params
+
+
+def prefix_sql(lo_slot: int, hi_slot: int, min_shared_requests: int) -> Sql:
+    """Per model: requests, those whose prompt head is shared, the tokens of the shared heads.
+
+    A head is shared when at least ``min_shared_requests`` finished requests of the model carry
+    its digest. A request's head tokens are its ``prefix_share`` of vLLM's prompt-token count;
+    ``mean_head_tokens_sum`` adds each shared head's mean, what one miss per engine costs. The
+    engines' own prefix-cache counters (lookups and hits, in tokens) come alongside.
+    """
+    sql = f"""
+WITH {_engine_cte()},
+heads AS (
+    SELECT model, prefix_digest, count(*) AS n, sum(prompt_tokens * prefix_share) AS tokens
+    FROM usage
+    WHERE status = 'ok' AND prefix_digest IS NOT NULL AND prefix_share IS NOT NULL
+        AND finished_at >= $lo * {SLOT_SECONDS} AND finished_at < $hi * {SLOT_SECONDS}
+    GROUP BY ALL),
+shared AS (
+    SELECT model, CAST(sum(n) AS BIGINT) AS shared_requests, count(*) AS shared_prefixes,
+        sum(tokens) AS shared_head_tokens, sum(tokens / n) AS mean_head_tokens_sum, max(n) AS largest_share
+    FROM heads WHERE n >= $min_shared GROUP BY model),
+served AS (
+    SELECT model, count(*) AS requests, CAST(sum(prompt_tokens) AS BIGINT) AS prompt_tokens
+    FROM usage
+    WHERE status = 'ok' AND finished_at >= $lo * {SLOT_SECONDS} AND finished_at < $hi * {SLOT_SECONDS}
+    GROUP BY model),
+cache AS (
+    SELECT model, sum(prefix_cache_queries) AS cache_queries, sum(prefix_cache_hits) AS cache_hits
+    FROM engine GROUP BY model)
+SELECT s.model, s.requests, s.prompt_tokens, coalesce(h.shared_requests, 0) AS shared_requests,
+    coalesce(h.shared_prefixes, 0) AS shared_prefixes, coalesce(h.shared_head_tokens, 0) AS shared_head_tokens,
+    coalesce(h.mean_head_tokens_sum, 0) AS mean_head_tokens_sum, coalesce(h.largest_share, 0) AS largest_share,
+    coalesce(c.cache_queries, 0) AS cache_queries, coalesce(c.cache_hits, 0) AS cache_hits
+FROM served s LEFT JOIN shared h ON h.model = s.model LEFT JOIN cache c ON c.model = s.model
+ORDER BY s.model"""
+    return sql, _range(lo_slot, hi_slot) | {"min_shared": int(min_shared_requests)}

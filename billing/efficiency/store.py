@@ -14,22 +14,43 @@ from typing import Any
 import duckdb
 import polars as pl
 
-from billing.efficiency.advice import ModelFigures, Policy, Recommendation, ShortRequests, advise
+from billing.efficiency.advice import (
+    ModelFigures,
+    Policy,
+    Recommendation,
+    ShortRequests,
+    advise,
+    ranked,
+)
 from billing.efficiency.figures import (
     Fleet,
     fleet_of,
     group_hourly_sql,
     instance_hourly_sql,
     model_gpu_sql,
+    model_hourly_sql,
     model_summary_sql,
+    prefix_sql,
     short_requests_sql,
     team_hourly_sql,
 )
+from billing.efficiency.prefix import PrefixFigures, prefix_cache
+from billing.efficiency.schedule import HourFigures, schedule
 from billing.schema import SLOT_SECONDS
 from infermeter.config import Config
 from infermeter.months import month_bounds
 
-__all__ = ["Report", "month_slots", "read_models", "read_per_gpu", "read_report", "read_shorts"]
+__all__ = [
+    "Report",
+    "month_slots",
+    "policy_of",
+    "read_hours",
+    "read_models",
+    "read_per_gpu",
+    "read_prefixes",
+    "read_report",
+    "read_shorts",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +155,24 @@ def read_shorts(cursor: duckdb.DuckDBPyConnection, policy: Policy, lo: int,
     return [ShortRequests(**row) for row in _frame(cursor, built).iter_rows(named=True)]
 
 
+def read_hours(cursor: duckdb.DuckDBPyConnection, fleet: Fleet, lo: int,
+               hi: int) -> list[HourFigures]:  # fmt: skip
+    """Each model's measured hours: GPU cost and the busiest minute's demand."""
+    return [HourFigures(**row) for row in _frame(cursor, model_hourly_sql(lo, hi, fleet)).iter_rows(named=True)]  # fmt: skip
+
+
+def read_prefixes(cursor: duckdb.DuckDBPyConnection, policy: Policy, lo: int,
+                  hi: int) -> list[PrefixFigures]:  # fmt: skip
+    """Each model's shared prompt heads and prefix-cache counters."""
+    built = prefix_sql(lo, hi, policy.min_shared_requests)
+    return [PrefixFigures(**row) for row in _frame(cursor, built).iter_rows(named=True)]
+
+
+def policy_of(config: Config) -> Policy:
+    """The advisor's default policy, with the scaling section's engine start-up time."""
+    return Policy(startup_seconds=config.scaling.startup_seconds)
+
+
 def read_report(cursor: duckdb.DuckDBPyConnection, config: Config, month: str, now: float,
                 team: str | None = None, policy: Policy | None = None) -> Report:  # fmt: skip
     """``month``'s figures and recommendations; with ``team``, only what that team may see.
@@ -141,13 +180,22 @@ def read_report(cursor: duckdb.DuckDBPyConnection, config: Config, month: str, n
     A team sees its own hourly figures and the recommendations about its own requests; the
     replica groups, instances and fleet-wide recommendations are the admin's.
     """
-    policy = Policy() if policy is None else policy
+    policy = policy_of(config) if policy is None else policy
     fleet = fleet_of(config)
     lo, hi = month_slots(month, now)
     weights = (fleet.prompt_weight, fleet.completion_weight)
-    recs = advise(read_models(cursor, config, fleet, lo, hi), read_shorts(cursor, policy, lo, hi),
-                  fleet.usd_per_gpu_hour, weights, policy,
-                  read_per_gpu(cursor, config, fleet, lo, hi))  # fmt: skip
+    models = read_models(cursor, config, fleet, lo, hi)
+    recs = advise(models, read_shorts(cursor, policy, lo, hi), fleet.usd_per_gpu_hour, weights,
+                  policy, read_per_gpu(cursor, config, fleet, lo, hi))  # fmt: skip
+    hours = read_hours(cursor, fleet, lo, hi)
+    prefixes = {p.model: p for p in read_prefixes(cursor, policy, lo, hi)}
+    for m in models:
+        found = schedule(m, [h for h in hours if h.model == m.model], policy)
+        recs += [found] if found is not None else []
+        shared = prefixes.get(m.model)
+        found = None if shared is None else prefix_cache(m, shared, weights, policy)
+        recs += [found] if found is not None else []
+    recs = ranked(recs)
     teams = _frame(cursor, team_hourly_sql(lo, hi, fleet, team))
     if team is None:
         groups = _frame(cursor, group_hourly_sql(lo, hi, fleet))

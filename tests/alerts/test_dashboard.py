@@ -40,6 +40,13 @@ def test_dashboard_is_valid_json_with_the_promised_panels():
     assert dashboard["uid"] == "infermeter-overview"
 
 
+def test_dashboard_has_the_engine_efficiency_panels():
+    """Batch occupancy, KV-cache use, preemptions, prefix-cache hits and cost per 1M tokens are drawn."""
+    titles = {p["title"] for p in _load()["panels"]}
+    assert {"Batch occupancy", "KV-cache use", "Preemptions", "Prefix-cache hit rate",
+            "GPU cost per 1M tokens"} <= titles  # fmt: skip
+
+
 def test_every_query_uses_the_datasource_variable():
     """Panels and targets read the chosen Prometheus, so the file imports into any Grafana."""
     for p in _load()["panels"]:

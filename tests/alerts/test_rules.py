@@ -118,7 +118,7 @@ def test_recording_rules_cover_the_sidecar_collector_and_billing_metrics(config)
 def test_every_alert_has_severity_summary_and_runbook(config):
     """Each alert carries a severity label and summary and runbook annotations."""
     alerts = [r for r in _rules(render(config)) if "alert" in r]
-    assert len({a["alert"] for a in alerts}) == 11
+    assert len({a["alert"] for a in alerts}) == 14
     for a in alerts:
         assert a["labels"]["severity"] in {"critical", "warning", "info"}, a["alert"]
         assert a["annotations"]["summary"].strip(), a["alert"]
@@ -176,6 +176,42 @@ def test_default_capacity_alerts_are_the_seed_policy(config):
     [idle] = _alerts(config, "InfermeterGPUIdle")
     assert (queue["expr"].split()[-2:], queue["for"]) == ([">", "10"], "30s")
     assert (idle["expr"].split()[-2:], idle["for"]) == (["<", "0.3"], "5m")
+
+
+def test_efficiency_alerts_take_the_alerts_sections_thresholds():
+    """KV-cache, preemption and batch-occupancy alerts use the configured thresholds and waits."""
+    config = _config(**{"alerts.kv_cache_usage_ratio": 0.8, "alerts.preemptions_per_second": 1.5,
+                        "alerts.kv_cache_for_seconds": 120, "alerts.low_batch_occupancy_ratio": 0.1,
+                        "alerts.low_batch_occupancy_for_seconds": 7200})  # fmt: skip
+    [kv] = _alerts(config, "InfermeterKVCachePressure")
+    [storm] = _alerts(config, "InfermeterPreemptionStorm")
+    [low] = _alerts(config, "InfermeterBatchOccupancyLow")
+    assert (kv["expr"].split()[-2:], kv["for"]) == ([">", "0.8"], "2m")
+    assert (storm["expr"].split()[-2:], storm["for"]) == ([">", "1.5"], "2m")
+    assert (low["expr"].split()[-2:], low["for"]) == (["<", "0.1"], "2h")
+
+
+def test_batch_occupancy_divides_by_each_replicas_max_num_seqs(config):
+    """Each replica's running sequences are divided by its own max_num_seqs."""
+    [rule] = [r for r in _rules(render(config))
+              if r.get("record") == "instance:infermeter_instance_batch_occupancy:ratio"]  # fmt: skip
+    assert '{replica="large-0"}) / 64' in rule["expr"]
+    assert '{replica="small-0"}) / 128' in rule["expr"]
+
+
+def test_no_max_num_seqs_means_no_batch_occupancy_alert():
+    """Without any replica's max_num_seqs there is nothing to divide by: no occupancy rule or alert."""
+    config = _config(**{f"replicas.{i}.max_num_seqs": None for i in range(3)})
+    assert _alerts(config, "InfermeterBatchOccupancyLow") == []
+    assert all("batch_occupancy" not in r.get("record", "") for r in _rules(render(config)))
+
+
+def test_gpu_cost_per_hour_is_each_replicas_gpus_at_its_price(config):
+    """The cost rule multiplies each replica's GPU count by its GPU model's hourly price."""
+    [rule] = [r for r in _rules(render(config))
+              if r.get("record") == "replica:infermeter_gpu_cost_usd_per_hour:sum"]  # fmt: skip
+    assert '{replica="large-0"}) * 3.9' in rule["expr"]
+    assert '{replica="small-1"}) * 1.6' in rule["expr"]
 
 
 def test_windows_and_durations_come_from_the_alerts_section():
