@@ -59,6 +59,16 @@ class RedisServer:
             self.process.wait()
         self.process = None
 
+    def pause(self) -> None:
+        """SIGSTOP the server: it keeps its connections and keys but answers nothing."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused server: it answers again, the commands it was sent first."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
     def flush(self) -> None:
         """Forget every key (between tests sharing the server)."""
         with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
