@@ -144,6 +144,10 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.fail(ConnectionError, f"connection to Redis lost: {exc or 'closed by the server'}")
 
+    def usable(self) -> bool:
+        """Open, and not already being closed (writes to a closing socket would be dropped)."""
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
     def send(self, payloads: Sequence[bytes]) -> list[asyncio.Future[Any]]:
         """Write the commands in one system call; their futures, in order."""
         assert self.transport is not None
@@ -192,7 +196,7 @@ class RespClient:
     async def call(self, *parts: Arg) -> Any:
         """Send one command and return its reply (``ReplyError`` for an error reply)."""
         conn = self._conn
-        if conn is None or conn.closed:
+        if conn is None or not conn.usable():
             conn = await self._connected()
         (future,) = conn.send((_pack(parts),))
         return await self._wait(conn, future)
@@ -205,7 +209,7 @@ class RespClient:
         if not commands:
             return []
         conn = self._conn
-        if conn is None or conn.closed:
+        if conn is None or not conn.usable():
             conn = await self._connected()
         futures = conn.send([_pack(c) for c in commands])
         done = await self._wait(conn, asyncio.gather(*futures, return_exceptions=True))
