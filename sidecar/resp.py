@@ -108,13 +108,21 @@ _MORE = object()  # hiredis's answer when the buffer holds no complete reply yet
 
 
 class _Connection(asyncio.Protocol):
-    """One socket to Redis: each reply resolves the oldest waiting future."""
+    """One socket to Redis: each reply resolves the oldest waiting future.
 
-    def __init__(self) -> None:
+    The deadlines are kept by one timer per connection, not one per call: calls are answered in
+    order, so only the oldest unanswered call can be late, and a timer armed and cancelled per
+    call would cost more than the rest of the call (on the loop's heap of timers).
+    """
+
+    def __init__(self, timeout_seconds: float) -> None:
+        self.timeout_seconds = timeout_seconds
         self.reader = hiredis.Reader(replyError=_reply_error, notEnoughData=_MORE)
-        self.waiting: deque[asyncio.Future[Any]] = deque()
+        # Each call's future and the loop time its reply is due by, oldest first.
+        self.waiting: deque[tuple[asyncio.Future[Any], float]] = deque()
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self._watchdog: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -133,7 +141,7 @@ class _Connection(asyncio.Protocol):
             if not self.waiting:
                 self.abort(ConnectionError, "Redis sent a reply to no command")
                 return
-            future = self.waiting.popleft()
+            future, _ = self.waiting.popleft()
             if future.done():  # its caller gave up (cancelled); the reply is not theirs to get
                 continue
             if isinstance(reply, ReplyError):
@@ -152,10 +160,26 @@ class _Connection(asyncio.Protocol):
         """Write the commands in one system call; their futures, in order."""
         assert self.transport is not None
         loop = asyncio.get_running_loop()
+        due = loop.time() + self.timeout_seconds
         futures = [loop.create_future() for _ in payloads]
-        self.waiting.extend(futures)
+        self.waiting.extend((f, due) for f in futures)
         self.transport.write(payloads[0] if len(payloads) == 1 else b"".join(payloads))
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(due, self._check_deadline)
         return futures
+
+    def _check_deadline(self) -> None:
+        """Drop the connection if its oldest unanswered call is past due; else look again then."""
+        self._watchdog = None
+        if self.closed or not self.waiting:
+            return
+        loop = asyncio.get_running_loop()
+        due = self.waiting[0][1]
+        if loop.time() >= due:
+            ms = self.timeout_seconds * 1000
+            self.abort(TimeoutError, f"Redis did not answer within {ms:g} ms")
+        else:
+            self._watchdog = loop.call_at(due, self._check_deadline)
 
     def fail(self, kind: type[Exception], message: str) -> None:
         """Mark the connection unusable and fail every call still waiting on it.
@@ -163,8 +187,11 @@ class _Connection(asyncio.Protocol):
         One exception per call: an instance raised in many tasks would pile up their tracebacks.
         """
         self.closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         while self.waiting:
-            future = self.waiting.popleft()
+            future, _ = self.waiting.popleft()
             if not future.done():
                 future.set_exception(kind(message))
 
@@ -199,7 +226,7 @@ class RespClient:
         if conn is None or not conn.usable():
             conn = await self._connected()
         (future,) = conn.send((_pack(parts),))
-        return await self._wait(conn, future)
+        return await future
 
     async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:
         """Send the commands in one write; their replies in order, an error reply in its place.
@@ -212,7 +239,7 @@ class RespClient:
         if conn is None or not conn.usable():
             conn = await self._connected()
         futures = conn.send([_pack(c) for c in commands])
-        done = await self._wait(conn, asyncio.gather(*futures, return_exceptions=True))
+        done = await asyncio.gather(*futures, return_exceptions=True)
         for reply in done:
             if isinstance(reply, (OSError, TimeoutError)):
                 raise reply
@@ -241,21 +268,7 @@ class RespClient:
         # The transport closes on the next loop turn; let it, so nothing is left to the GC.
         await asyncio.sleep(0)
 
-    # -- deadline and connection -----------------------------------------------------------------
-
-    async def _wait(self, conn: _Connection, future: asyncio.Future[Any]) -> Any:
-        """``future``'s result, or TimeoutError (and the connection dropped) past the deadline."""
-        timer = asyncio.get_running_loop().call_later(self.timeout_seconds, self._expire, conn)
-        try:
-            return await future
-        finally:
-            timer.cancel()
-
-    def _expire(self, conn: _Connection) -> None:
-        ms = self.timeout_seconds * 1000
-        conn.abort(TimeoutError, f"Redis did not answer within {ms:g} ms")
-        if self._conn is conn:
-            self._conn = None
+    # -- connection ------------------------------------------------------------------------------
 
     async def _connected(self) -> _Connection:
         """The open connection: the one being opened, or a new one when attempts are due."""
@@ -281,7 +294,7 @@ class RespClient:
         try:
             async with asyncio.timeout(self.timeout_seconds):
                 _, conn = await loop.create_connection(
-                    _Connection,
+                    lambda: _Connection(self.timeout_seconds),
                     ep.host,
                     ep.port,
                     ssl=ssl.create_default_context() if ep.tls else None,

@@ -137,6 +137,18 @@ async def test_a_paused_server_times_out_every_waiting_call_then_answers_again(r
     await client.close()
 
 
+async def test_a_connection_answering_steadily_never_times_out(redis_server):
+    """Calls answered in time keep the connection however long the traffic lasts past the timeout."""
+    client = client_of(redis_server, timeout_seconds=0.1)
+    first = await client.call("CLIENT", "ID")
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        await asyncio.gather(*(client.call("PING") for _ in range(8)))
+        await asyncio.sleep(0.01)
+    assert await client.call("CLIENT", "ID") == first
+    await client.close()
+
+
 async def test_failed_connection_attempts_back_off(tmp_path):
     """After a refused connection the next attempt waits its backoff; calls meanwhile fail fast."""
     server = RedisServer(tmp_path, port=free_port())
