@@ -144,6 +144,7 @@ class SharedTeamLimiter:
             retry_on_timeout=False, health_check_interval=0, password=password)  # fmt: skip
         self.registry = registry
         self.metrics = SharedLimitsMetrics(registry)
+        self._gauges: dict[tuple[str, str], Gauge] = {}
         group = replica_id if settings.scope == "team_replica" else None
         self.live = LiveInstances(settings.registry_url, os.environ.get(settings.registry_token_env),
                                   group, settings.instances_refresh_seconds)  # fmt: skip
@@ -315,11 +316,20 @@ class SharedTeamLimiter:
     def _observe(self, team: str, lim: TeamLimits, requests: float, tokens: float,
                  in_flight: int) -> None:  # fmt: skip
         if lim.requests_per_minute is not None:
-            self.metrics.remaining.labels(team, "requests").set(max(0.0, math.floor(requests)))
+            self._remaining(team, "requests").set(max(0.0, math.floor(requests)))
         if lim.tokens_per_minute is not None:
-            self.metrics.remaining.labels(team, "tokens").set(max(0.0, math.floor(tokens)))
+            self._remaining(team, "tokens").set(max(0.0, math.floor(tokens)))
         if lim.max_concurrent is not None:
-            self.metrics.remaining.labels(team, "concurrency").set(lim.max_concurrent - in_flight)
+            self._remaining(team, "concurrency").set(lim.max_concurrent - in_flight)
+
+    def _remaining(self, team: str, limit: str) -> Gauge:
+        """The team's gauge, looked up once: ``labels`` costs more than the rest of admission's
+        bookkeeping in Python (profiled).
+        """
+        child = self._gauges.get((team, limit))
+        if child is None:
+            child = self._gauges[team, limit] = self.metrics.remaining.labels(team, limit)
+        return child
 
     # -- background work -------------------------------------------------------------------------
 
