@@ -132,7 +132,7 @@ async def test_a_paused_server_times_out_every_waiting_call_then_answers_again(r
     finally:
         redis_server.resume()
     assert all(isinstance(o, TimeoutError) for o in outcomes), outcomes
-    assert 0.2 <= elapsed < 0.6
+    assert 0.2 <= elapsed < 1.0  # the deadline, plus what a loaded machine adds
     assert await client.call("ECHO", "back") == b"back"
     await client.close()
 
@@ -152,16 +152,18 @@ async def test_a_connection_answering_steadily_never_times_out(redis_server):
 async def test_failed_connection_attempts_back_off(tmp_path):
     """After a refused connection the next attempt waits its backoff; calls meanwhile fail fast."""
     server = RedisServer(tmp_path, port=free_port())
-    client = client_of(server, min_backoff_seconds=0.2, max_backoff_seconds=0.4)
+    client = client_of(server, min_backoff_seconds=1.0, max_backoff_seconds=2.0)
     with pytest.raises(ConnectionError, match="cannot connect"):
         await client.call("PING")
+    refused = time.monotonic()
     with pytest.raises(ConnectionError, match="next attempt in"):
         await client.call("PING")
     server.start()
     try:
-        with pytest.raises(ConnectionError, match="next attempt in"):
-            await client.call("PING")
-        await asyncio.sleep(0.25)
+        if time.monotonic() - refused < 0.9:  # a slow start may already have used the backoff
+            with pytest.raises(ConnectionError, match="next attempt in"):
+                await client.call("PING")
+        await asyncio.sleep(max(0.0, refused + 1.05 - time.monotonic()))
         assert await client.call("PING") == b"PONG"
     finally:
         await client.close()

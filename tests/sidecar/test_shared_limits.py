@@ -268,7 +268,7 @@ async def test_a_server_slower_than_the_timeout_applies_the_policy_then_shares_a
                 await lim.admit("t", 1)
         else:
             assert not isinstance(await lim.admit("t", 1), SharedAdmission)
-        assert 0.2 <= time.monotonic() - started < 0.6
+        assert 0.2 <= time.monotonic() - started < 1.0  # the deadline, plus a loaded machine
     finally:
         redis_server.resume()
     reg = lim.registry
