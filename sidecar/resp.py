@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
 
@@ -74,28 +74,41 @@ class Endpoint:
     username: str | None = None
     password: str | None = None
     tls: bool = False
+    unix_path: str | None = None  # a Unix socket instead of host and port
+
+    @property
+    def where(self) -> str:
+        """The address, for messages (never the login)."""
+        return self.unix_path or f"{self.host}:{self.port}"
 
 
 def parse_url(url: str, password: str | None = None) -> Endpoint:
-    """``redis://[[user]:password@]host[:port][/db]`` (``rediss://`` for TLS) as an Endpoint.
+    """A Redis URL as an Endpoint, in the forms redis-py reads.
 
-    ``password``, when given, wins over one in the URL (the sidecar reads it from the
-    environment so that it is never written in the configuration).
+    ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` for TLS, and
+    ``unix://[[user]:password@]/path/to/socket[?db=N]``. ``password``, when given, wins over
+    one in the URL (the sidecar reads it from the environment so that it is never written in
+    the configuration). Messages name the scheme and the database, never the URL, which may
+    hold a password.
     """
     parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss"):
-        raise ValueError(f"Redis URL {url!r}: the scheme must be redis:// or rediss://")
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(
+            f"Redis URL with scheme {parts.scheme!r}: the scheme must be redis://, rediss:// or unix://"
+        )
+    user = unquote(parts.username) if parts.username else None
+    password = password or (unquote(parts.password) if parts.password else None)
+    if parts.scheme == "unix":
+        db = parse_qs(parts.query).get("db", ["0"])[0]
+        if not db.isdigit():
+            raise ValueError(f"Redis URL: db must be a database number, not {db!r}")
+        return Endpoint(db=int(db), username=user, password=password, unix_path=parts.path)
     path = parts.path.strip("/")
     if path and not path.isdigit():
-        raise ValueError(f"Redis URL {url!r}: the path must be a database number, not {path!r}")
-    return Endpoint(
-        host=parts.hostname or "127.0.0.1",
-        port=parts.port or 6379,
-        db=int(path) if path else 0,
-        username=unquote(parts.username) if parts.username else None,
-        password=password or (unquote(parts.password) if parts.password else None),
-        tls=parts.scheme == "rediss",
-    )
+        raise ValueError(f"Redis URL: the path must be a database number, not {path!r}")
+    return Endpoint(host=parts.hostname or "127.0.0.1", port=parts.port or 6379,
+                    db=int(path) if path else 0, username=user, password=password,
+                    tls=parts.scheme == "rediss")  # fmt: skip
 
 
 def _pack(parts: Sequence[Arg]) -> bytes:
@@ -278,7 +291,7 @@ class RespClient:
             wait = self._next_attempt - time.monotonic()
             if wait > 0:
                 raise ConnectionError(
-                    f"Redis at {self.endpoint.host}:{self.endpoint.port} is unreachable; "
+                    f"Redis at {self.endpoint.where} is unreachable; "
                     f"next attempt in {wait * 1000:.0f} ms"
                 )
             self._connecting = asyncio.get_running_loop().create_task(self._open())
@@ -293,12 +306,7 @@ class RespClient:
         conn: _Connection | None = None
         try:
             async with asyncio.timeout(self.timeout_seconds):
-                _, conn = await loop.create_connection(
-                    lambda: _Connection(self.timeout_seconds),
-                    ep.host,
-                    ep.port,
-                    ssl=ssl.create_default_context() if ep.tls else None,
-                )
+                conn = await self._dial(loop)
                 login: list[tuple[Arg, ...]] = []
                 if ep.password is not None:
                     login.append(
@@ -315,10 +323,24 @@ class RespClient:
                                 max(self.min_backoff_seconds, self._backoff * 2))  # fmt: skip
             self._next_attempt = time.monotonic() + self._backoff
             raise ConnectionError(
-                f"cannot connect to Redis at {ep.host}:{ep.port}: {type(exc).__name__}: {exc}"
+                f"cannot connect to Redis at {ep.where}: {type(exc).__name__}: {exc}"
             ) from exc
         finally:
             self._connecting = None
         self._backoff = 0.0
         self._conn = conn
+        return conn
+
+    async def _dial(self, loop: asyncio.AbstractEventLoop) -> _Connection:
+        """A new connection to the endpoint, not yet logged in."""
+        ep = self.endpoint
+        if ep.unix_path is not None:
+            _, conn = await loop.create_unix_connection(
+                lambda: _Connection(self.timeout_seconds), ep.unix_path
+            )
+        else:
+            tls = ssl.create_default_context() if ep.tls else None
+            _, conn = await loop.create_connection(
+                lambda: _Connection(self.timeout_seconds), ep.host, ep.port, ssl=tls
+            )
         return conn

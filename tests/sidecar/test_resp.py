@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -199,6 +200,8 @@ async def test_password_and_database_come_from_the_endpoint(redis_server):
         ("redis://:pw@redis:1/0", None, Endpoint("redis", 1, 0, None, "pw")),
         ("redis://u:pw@redis:1", "env", Endpoint("redis", 1, 0, "u", "env")),
         ("rediss://redis:6380/1", None, Endpoint("redis", 6380, 1, tls=True)),
+        ("unix:///run/redis.sock?db=4", None, Endpoint(db=4, unix_path="/run/redis.sock")),
+        ("unix://:pw@/run/redis.sock", None, Endpoint(password="pw", unix_path="/run/redis.sock")),
     ],
 )
 def test_parse_url_reads_host_port_database_and_login(url, password, expected):
@@ -209,11 +212,30 @@ def test_parse_url_reads_host_port_database_and_login(url, password, expected):
 @pytest.mark.parametrize(
     ("url", "message"),
     [
-        ("http://redis:6379", "the scheme must be redis:// or rediss://"),
-        ("redis://redis:6379/cache", "the path must be a database number, not 'cache'"),
+        (
+            "http://u:hunter2@redis:6379",
+            "scheme 'http': the scheme must be redis://, rediss:// or unix://",
+        ),
+        ("redis://:hunter2@redis:6379/cache", "the path must be a database number, not 'cache'"),
+        ("unix://:hunter2@/run/redis.sock?db=x", "db must be a database number, not 'x'"),
     ],
 )
-def test_parse_url_names_what_is_wrong(url, message):
-    """A URL the client cannot use is refused with the reason."""
-    with pytest.raises(ValueError, match=message):
+def test_parse_url_names_what_is_wrong_and_not_the_password(url, message):
+    """A URL the client cannot use is refused with the reason, without repeating the URL."""
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
         parse_url(url)
+    assert "hunter2" not in str(refused.value)
+
+
+async def test_a_unix_socket_endpoint_is_served(tmp_path):
+    """A unix:// URL reaches Redis over its Unix socket."""
+    server = RedisServer(tmp_path, unix_socket=True)
+    server.start()
+    try:
+        client = RespClient(parse_url(f"unix://{server.unix_socket}?db=2"), 2.0)
+        info = (await client.call("CLIENT", "INFO")).decode().split()
+        assert "flags=U" in info  # Redis's mark of a client on its Unix socket
+        assert "db=2" in info
+        await client.close()
+    finally:
+        server.kill()
