@@ -17,14 +17,17 @@ __all__ = ["RedisServer"]
 class RedisServer:
     """Debian's redis-server, without persistence, in its own directory."""
 
-    def __init__(self, directory: Path, port: int | None = None) -> None:
-        """``port``: where it listens (a free one by default); kept across restarts."""
+    def __init__(self, directory: Path, port: int | None = None, unix_socket: bool = False) -> None:
+        """``port``: where it listens (a free one by default); kept across restarts.
+        ``unix_socket``: also listen on ``redis.sock`` in ``directory``.
+        """
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (make system-deps)")
         self.binary = binary
         self.directory = directory
         self.port = port or free_port()
+        self.unix_socket = directory / "redis.sock" if unix_socket else None
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -37,6 +40,8 @@ class RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", str(self.directory), "--protected-mode", "no"]  # fmt: skip
+        if self.unix_socket is not None:
+            args += ["--unixsocket", str(self.unix_socket)]
         log = (self.directory / "redis.log").open("ab")
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
@@ -58,6 +63,16 @@ class RedisServer:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait()
         self.process = None
+
+    def pause(self) -> None:
+        """SIGSTOP the server: it keeps its connections and keys but answers nothing."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused server: it answers again, the commands it was sent first."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
 
     def flush(self) -> None:
         """Forget every key (between tests sharing the server)."""

@@ -250,3 +250,61 @@ async def test_fail_closed_refuses_while_redis_is_down_and_recovers(redis_server
 def test_count_live_reads_the_registry_answer(body, replica, expected):
     """Live instances are counted from the registry's answer, per replica group when asked."""
     assert count_live(body, replica) == expected
+
+
+@pytest.mark.parametrize("policy", ["fail_open", "fail_closed"])
+async def test_a_server_slower_than_the_timeout_applies_the_policy_then_shares_again(
+    redis_server, policy
+):
+    """A paused Redis times admission out at timeout_millis and the policy decides, until it answers."""
+    lim = make(redis_server, TeamLimits(requests_per_minute=6000), on_failure=policy,
+               timeout_millis=200, retry_seconds=0.2)  # fmt: skip
+    assert isinstance(await lim.admit("t", 1), SharedAdmission)
+    redis_server.pause()
+    try:
+        started = time.monotonic()
+        if policy == "fail_closed":
+            with pytest.raises(LimitsUnavailable):
+                await lim.admit("t", 1)
+        else:
+            assert not isinstance(await lim.admit("t", 1), SharedAdmission)
+        assert 0.2 <= time.monotonic() - started < 1.0  # the deadline, plus a loaded machine
+    finally:
+        redis_server.resume()
+    reg = lim.registry
+    assert reg.get_sample_value("infermeter_shared_limits_up") == 0
+    assert reg.get_sample_value("infermeter_shared_limits_errors_total", {"call": "admit"}) == 1
+    assert reg.get_sample_value("infermeter_shared_limits_fallback_total", {"policy": policy}) == 1
+    await asyncio.sleep(0.25)
+    deadline = time.monotonic() + 2
+    while True:
+        try:
+            assert isinstance(await lim.admit("t", 1), SharedAdmission)
+            break
+        except LimitExceeded:  # the drained bucket after recovery refills within 0.01 s
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+    assert reg.get_sample_value("infermeter_shared_limits_up") == 1
+    await lim.close()
+
+
+async def test_admission_and_settlement_survive_script_flush(redis_server):
+    """After SCRIPT FLUSH the limiter loads its scripts again: slots are still taken and freed."""
+    lim = make(redis_server, TeamLimits(max_concurrent=1))
+    await lim.start()
+    first = await lim.admit("t", 1)
+    assert await lim.resp.call("SCRIPT", "FLUSH") == b"OK"
+    lim.settle(first, 1)  # EVALSHA of the settle script: NOSCRIPT, loaded, sent again
+    deadline = time.monotonic() + 2
+    while True:
+        try:
+            second = await lim.admit("t", 1)
+            break
+        except LimitExceeded:
+            assert time.monotonic() < deadline, "the settlement never freed the slot"
+            await asyncio.sleep(0.02)
+    with pytest.raises(LimitExceeded):
+        await lim.admit("t", 1)
+    lim.settle(second, 1)
+    assert lim.registry.get_sample_value("infermeter_shared_limits_up") == 1
+    await lim.close()
