@@ -165,6 +165,14 @@ FROM {usage} u JOIN _alloc_keys k USING ({", ".join(k)}) GROUP BY ALL;
 """
 
 
+def _dense(unit: str, slot: str, slot_range: tuple[int, int] | None) -> str:
+    """SQL numbering (``unit``, ``slot``) densely from 0 over ``slot_range``; NULL without one."""
+    if slot_range is None:
+        return "NULL::BIGINT"
+    first, after = slot_range
+    return f"({unit} - 1)::BIGINT * {after - first} + ({slot} - {first})"
+
+
 def _prices(policy: Policy) -> str:
     rows = ", ".join(
         f"({_lit(m)}, {float(p)!r})" for m, p in sorted(policy.usd_per_gpu_hour.items())
@@ -214,6 +222,7 @@ def allocation_sql(
     occupancy: str | None = None,
     lifetimes: str | None = None,
     keyed: Keyed | None = None,
+    slot_range: tuple[int, int] | None = None,
 ) -> AllocationSql:
     """The queries allocating ``gpus`` (gpu_slots rows) to ``usage`` (usage_slots rows).
 
@@ -223,7 +232,10 @@ def allocation_sql(
     lifetimes of instances, in whole slots; without it every instance is allocated wherever it
     was seen. ``keyed``: ``usage`` as the ledger keeps it for statements (integer keys, counts
     per hour); without it, ``prepare`` numbers ``usage`` itself. Either way the usage is read
-    through the keyed relations, so both give the same lines. Pure: nothing is run here.
+    through the keyed relations, so both give the same lines. ``slot_range``: [first, after-last)
+    slot of every row, when known; the big join then matches one integer, the instance's slot
+    numbered densely, which DuckDB joins several times faster than (instance, slot). Pure:
+    nothing is run here.
     """
     numbering = _keyed_from(usage) if keyed is None else ""
     keyed = _KEYED_FROM_USAGE if keyed is None else keyed
@@ -253,7 +265,8 @@ slots AS (
     LEFT JOIN {units} n USING (replica, instance)
 )
 -- per_* : what one in-flight second of the slot pays, so the big join only multiplies.
-SELECT *, {", ".join(f"CASE WHEN occupied > 0 THEN {c} * busy / occupied ELSE 0.0 END AS per_{c}" for c in MONEY)}
+SELECT *, {", ".join(f"CASE WHEN occupied > 0 THEN {c} * busy / occupied ELSE 0.0 END AS per_{c}" for c in MONEY)},
+    {_dense("unit", "slot", slot_range)} AS i
 FROM slots"""
     busy_money = ", ".join(f"sum({c} * busy) AS {c}" for c in MONEY)
     # Per key, its requests and tokens: every key with usage in the range has an hour row.
@@ -263,13 +276,21 @@ FROM slots"""
             f"coalesce(sum(u.inflight_seconds * s.per_{c}), 0.0) AS {c}" for c in MONEY
         )
         # The one pass over the biggest table joins and groups on integers; names come after.
+        # An inner join (several times faster than an outer one here): the keys come from the
+        # counts, which have a row for every key with usage in the range.
+        match = (
+            f"s.i = {_dense('u.unit', 'u.slot', slot_range)}"
+            if slot_range
+            else "s.unit = u.unit AND s.slot = u.slot"
+        )
         shares = f"""
-SELECT k.replica, k.instance, k.team, k.model, {", ".join(f"x.{c}" for c in MONEY)},
-    {", ".join(f"coalesce(n.{c}, 0)::BIGINT AS {c}" for c in ("requests", "prompt_tokens", "completion_tokens"))}
-FROM (SELECT u."key", {share_cols}
-      FROM {keyed.slots} u LEFT JOIN _slots s ON s.unit = u.unit AND s.slot = u.slot
-      GROUP BY u."key") x
-JOIN {keyed.keys} k USING ("key") LEFT JOIN {key_counts} n USING ("key")"""
+SELECT k.replica, k.instance, k.team, k.model,
+    {", ".join(f"coalesce(x.{c}, 0.0) AS {c}" for c in MONEY)},
+    {", ".join(f"n.{c}::BIGINT AS {c}" for c in ("requests", "prompt_tokens", "completion_tokens"))}
+FROM {key_counts} n JOIN {keyed.keys} k USING ("key")
+LEFT JOIN (SELECT u."key", {share_cols}
+      FROM {keyed.slots} u JOIN _slots s ON {match}
+      GROUP BY u."key") x USING ("key")"""
     else:
         weight = (
             f"sum(prompt_tokens * {float(policy.prompt_weight)!r} + completion_tokens * {float(policy.completion_weight)!r})"

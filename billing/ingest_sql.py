@@ -38,6 +38,8 @@ __all__ = [
     "STATUSES",
     "append_sql",
     "checked_sql",
+    "counter_delta_sql",
+    "engine_rollup_sql",
     "fresh_sql",
     "good_sql",
     "gpu_rollup_sql",
@@ -484,4 +486,46 @@ ON CONFLICT DO UPDATE SET
 INSERT INTO usage_edges
 SELECT coalesce(instance, replica), {tp}, finished_at, prompt_tokens, completion_tokens
 FROM fresh WHERE status IN {BILLABLE} AND NOT ({summed});
+"""
+
+
+def counter_delta_sql(value: str, previous: str) -> str:
+    """A counter's increase since the previous sample; after a drop (a restart), its value."""
+    return f"CASE WHEN {previous} IS NULL THEN 0.0 WHEN {value} < {previous} THEN {value} ELSE {value} - {previous} END"
+
+
+def engine_rollup_sql(bounded: bool = True) -> str:
+    """SQL recomputing ``engine_hours`` for the instance-hours the ``fresh`` samples fall in.
+
+    Each such hour is read again from ``engine_samples`` whole (a sample may arrive between two
+    kept ones). ``bounded``: parameters ``$lo``..``$hi`` (Unix seconds) bound the fresh samples'
+    times, so only the row groups of their hours are read. Deltas within the hour are ordered by
+    time, then sample id, as ``billing.reconciliation`` orders them.
+    """
+    hour = f'CAST(floor("timestamp" / {HOUR_SECONDS}) AS BIGINT)'
+    within = (
+        f"""e."timestamp" >= floor($lo / {HOUR_SECONDS}) * {HOUR_SECONDS}
+        AND e."timestamp" < (floor($hi / {HOUR_SECONDS}) + 1) * {HOUR_SECONDS}"""
+        if bounded
+        else "true"
+    )
+    return f"""
+INSERT OR REPLACE INTO engine_hours
+WITH touched AS (SELECT DISTINCT coalesce(instance, replica) AS i, {hour} AS hour FROM fresh),
+samples AS (
+    SELECT coalesce(e.instance, e.replica) AS i, {hour} AS hour, e.replica, e.model, e."timestamp",
+        e.sample_id, e.prompt_tokens_total AS p, e.generation_tokens_total AS c
+    FROM engine_samples e SEMI JOIN touched t ON t.i = coalesce(e.instance, e.replica) AND t.hour = {hour}
+    WHERE {within}
+),
+ordered AS (
+    SELECT *, row_number() OVER w AS n, count(*) OVER (PARTITION BY i, hour) AS samples,
+        {counter_delta_sql("p", "lag(p) OVER w")} AS dp, {counter_delta_sql("c", "lag(c) OVER w")} AS dc
+    FROM samples
+    WINDOW w AS (PARTITION BY i, hour ORDER BY "timestamp", sample_id)
+)
+SELECT i, hour, max(replica), max(model), max(samples), min("timestamp"), max("timestamp"),
+    max(p) FILTER (WHERE n = 1), max(c) FILTER (WHERE n = 1),
+    max(p) FILTER (WHERE n = samples), max(c) FILTER (WHERE n = samples), sum(dp), sum(dc)
+FROM ordered GROUP BY i, hour
 """

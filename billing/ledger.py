@@ -408,6 +408,9 @@ class Ledger:
             con.execute(ingest_sql.ttft_rollup_sql())
         elif kind.key == "gpu_samples":
             con.execute(ingest_sql.gpu_rollup_sql())
+        elif kind.key == "engine_samples":
+            con.execute(ingest_sql.engine_rollup_sql(), {"lo": span[0], "hi": span[1]})
+            return
         else:
             return
         first, last = month_of(span[0]), month_of(span[1])
@@ -532,7 +535,12 @@ class Ledger:
             "alloc_keys",
             f"(SELECT * FROM alloc_hours WHERE hour >= {lo // per_hour} AND hour < {hi // per_hour})",
         )
-        return allocation.allocation_sql(policy, usage, gpus, occupancy, "_lifetimes", keyed)
+        # No lifetime in the month (a fleet of fixed replicas): nothing to bound, and the check
+        # of every GPU minute against them is skipped.
+        known = bool(cur.execute("SELECT 1 FROM _lifetimes LIMIT 1").fetchall())
+        return allocation.allocation_sql(
+            policy, usage, gpus, occupancy, "_lifetimes" if known else None, keyed, (lo, hi)
+        )
 
     def live_instances(
         self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
@@ -720,6 +728,8 @@ _BACKFILLS: Final[Mapping[int, tuple[str, ...]]] = {
     6: (
         "CREATE OR REPLACE TEMP VIEW fresh AS SELECT * FROM usage",
         ingest_sql.token_rollup_sql(),
+        "CREATE OR REPLACE TEMP VIEW fresh AS SELECT * FROM engine_samples",
+        ingest_sql.engine_rollup_sql(bounded=False),
         "DROP VIEW fresh",
     ),
 }

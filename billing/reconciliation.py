@@ -48,7 +48,13 @@ import duckdb
 import polars as pl
 
 from billing.allocation import LINE_COLUMNS, MONEY, IdleClaims, Policy
-from billing.ingest_sql import BILLABLE, FIRST_TOKEN_SQL, summed_sql, token_hour_sql
+from billing.ingest_sql import (
+    BILLABLE,
+    FIRST_TOKEN_SQL,
+    counter_delta_sql,
+    summed_sql,
+    token_hour_sql,
+)
 from billing.schema import EDGE_SECONDS, HOUR_SECONDS
 
 __all__ = [
@@ -92,9 +98,27 @@ def hours(start: float, end: float) -> tuple[int, int]:
     return int(start // HOUR_SECONDS), int(-(-end // HOUR_SECONDS))
 
 
-def _delta(value: str, previous: str) -> str:
-    """A counter's increase since the previous sample; after a drop (a restart), its value."""
-    return f"CASE WHEN {previous} IS NULL THEN 0.0 WHEN {value} < {previous} THEN {value} ELSE {value} - {previous} END"
+_delta = counter_delta_sql
+
+
+def _rollup_windows_ctes() -> str:
+    """``_windows_ctes`` from ``engine_hours``: an hour's increases, plus the step from the last
+    reading of the hour with samples before it (in the range read) to its first."""
+    back_hours = LOOKBACK_SECONDS // HOUR_SECONDS
+    prompt = _delta("first_prompt_total", "lag(last_prompt_total) OVER w")
+    completion = _delta("first_generation_total", "lag(last_generation_total) OVER w")
+    return f"""hourly AS (
+    SELECT instance, hour, replica, model,
+        prompt_tokens + {prompt} AS engine_prompt,
+        generation_tokens + {completion} AS engine_completion,
+        first_ts, last_ts AS hi
+    FROM engine_hours WHERE hour >= $lo - {back_hours} AND hour < $hi
+    WINDOW w AS (PARTITION BY instance ORDER BY hour)
+),
+windows AS (
+    SELECT *, coalesce(lag(hi) OVER (PARTITION BY instance ORDER BY hour), first_ts) AS lo
+    FROM hourly
+)"""
 
 
 def _windows_ctes(engine: str) -> str:
@@ -136,10 +160,21 @@ ledger AS (
     -- A request across windows: its completion tokens by the time it spent in each.
     SELECT x.instance, w.hour, 0.0,
         sum(x.c * (least(w.hi, x.tf) - greatest(w.lo, x.tp)) / (x.tf - x.tp))
-    FROM (SELECT * FROM placed WHERE NOT inside AND tf > tp) x
-    JOIN windows w ON w.instance = x.instance AND w.hi > x.tp AND w.lo < x.tf
+    FROM {across} w ON w.instance = x.instance AND w.hi > x.tp AND w.lo < x.tf{meets}
     GROUP BY ALL{more}
 )"""
+
+# The requests across windows and every window of their instance: simple, and quadratic.
+_EVERY_WINDOW = "(SELECT * FROM placed WHERE NOT inside AND tf > tp) x JOIN windows"
+
+# The same pairs, found without trying every window: a request meets the windows from the one
+# its first token fell in to the first that ends at or after its end (or the last there is), so
+# those hours are listed and joined on (instance, hour).
+_ITS_WINDOWS = """(
+    SELECT r.*, unnest(range(r.hour, coalesce(e.hour, $hi) + 1)) AS meets
+    FROM (SELECT * FROM placed WHERE NOT inside AND tf > tp) r
+    ASOF LEFT JOIN windows e ON r.instance = e.instance AND r.tf <= e.hi
+) x JOIN windows"""
 
 
 def _counted(filter_model: str) -> str:
@@ -175,7 +210,9 @@ def _values(first_hour: int, end_hour: int, model: str | None) -> tuple[dict[str
 
 
 # Which records a window reads: billable, and able to meet the hours asked for.
-_RECORDS_IN_RANGE = f"finished_at > $lo * {HOUR_SECONDS} - $back AND {FIRST_TOKEN_SQL} <= $hi * {HOUR_SECONDS}"
+_RECORDS_IN_RANGE = (
+    f"finished_at > $lo * {HOUR_SECONDS} - $back AND {FIRST_TOKEN_SQL} <= $hi * {HOUR_SECONDS}"
+)
 
 
 def reconciliation_sql(first_hour: int, end_hour: int, model: str | None = None,
@@ -199,23 +236,25 @@ records AS (
         prompt_tokens AS p, completion_tokens AS c
     FROM {usage}
     WHERE status IN {BILLABLE} AND {_RECORDS_IN_RANGE}
-),{_PLACED.format(more="")},
+),{_PLACED.format(across=_EVERY_WINDOW, meets="", more="")},
 {_counted(filter_model)}""",
         values,
     )
 
 
-def windows_sql(first_hour: int, end_hour: int, engine: str = "engine_samples") -> Sql:
+def windows_sql(first_hour: int, end_hour: int) -> Sql:
     """SQL creating temp table ``_windows``: ``reconciliation_sql``'s windows, with neighbours.
 
     Per instance and hour with samples: the engine's tokens, the window (lo, hi], and the hours
-    of the instance's windows before (``prev_hour``, null for its first) and after it.
+    of the instance's windows before (``prev_hour``, null for its first) and after it. Read
+    from ``engine_hours``, a row per instance-hour.
     """
     values, _ = _values(first_hour, end_hour, None)
+    values.pop("back")
     return (
         f"""
 CREATE OR REPLACE TEMP TABLE _windows AS
-WITH {_windows_ctes(engine)}
+WITH {_rollup_windows_ctes()}
 SELECT *, lag(hour) OVER (PARTITION BY instance ORDER BY hour) AS prev_hour,
     lead(hour) OVER (PARTITION BY instance ORDER BY hour) AS next_hour
 FROM windows""",
@@ -290,7 +329,7 @@ WITH windows AS (SELECT * FROM _windows),
 records AS (
     SELECT instance, first_token_at AS tp, finished_at AS tf, prompt_tokens AS p, completion_tokens AS c
     FROM {edges} WHERE {_RECORDS_IN_RANGE.replace(FIRST_TOKEN_SQL, "first_token_at")}{" UNION ALL " + raw if raw else ""}
-),{_PLACED.format(more=summed)},
+),{_PLACED.format(across=_ITS_WINDOWS, meets=" AND w.hour = x.meets", more=summed)},
 {_counted(filter_model)}""",
         values,
     )
@@ -304,9 +343,7 @@ def reconcile(con: duckdb.DuckDBPyConnection, first_hour: int, end_hour: int,
     """
     sql, values = windows_sql(first_hour, end_hour)
     con.execute(sql, values)
-    con.execute(
-        f"CREATE OR REPLACE TEMP TABLE _unsummed AS {unsummed_sql()}", {"lo": first_hour}
-    )
+    con.execute(f"CREATE OR REPLACE TEMP TABLE _unsummed AS {unsummed_sql()}", {"lo": first_hour})
     unsummed = [int(r[0]) for r in con.execute("SELECT DISTINCT hour FROM _unsummed").fetchall()]
     sql, values = rollup_reconciliation_sql(first_hour, end_hour, unsummed, model)
     con.execute(f"CREATE OR REPLACE TEMP TABLE _reconciliation AS {sql}", values)

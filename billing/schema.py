@@ -290,8 +290,10 @@ CREATE TABLE budget_overrides (
 # instance-hour whose engine was last read within ``EDGE_SECONDS`` of its end (every hour, for a
 # collector reading at least once a minute) holds every record of the first kind whole, so its
 # tokens are read from the sums; only the records near an hour's edge are placed one by one.
-# These two are filled from the raw records by ``billing.ledger.migrate`` (with ingest's own SQL,
-# once the usage table has all its fields).
+# ``engine_hours`` holds per instance-hour the engine counters' first and last readings and
+# their increases in between, so the hourly engine tokens come from a row per hour, not from
+# every sample. These three are filled from the raw rows by ``billing.ledger.migrate`` (with
+# ingest's own SQL, once the raw tables have all their fields).
 _V6 = f"""
 CREATE TABLE alloc_units (
     unit INTEGER PRIMARY KEY,
@@ -336,6 +338,22 @@ CREATE TABLE usage_edges (
     finished_at DOUBLE NOT NULL,
     prompt_tokens BIGINT NOT NULL,
     completion_tokens BIGINT NOT NULL
+);
+CREATE TABLE engine_hours (
+    instance VARCHAR NOT NULL,
+    hour BIGINT NOT NULL,
+    replica VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    samples BIGINT NOT NULL,
+    first_ts DOUBLE NOT NULL,
+    last_ts DOUBLE NOT NULL,
+    first_prompt_total DOUBLE NOT NULL,
+    first_generation_total DOUBLE NOT NULL,
+    last_prompt_total DOUBLE NOT NULL,
+    last_generation_total DOUBLE NOT NULL,
+    prompt_tokens DOUBLE NOT NULL,  -- the counters' increases between the hour's own samples
+    generation_tokens DOUBLE NOT NULL,
+    PRIMARY KEY (instance, hour)
 );
 INSERT INTO alloc_units
 SELECT row_number() OVER (ORDER BY replica, instance), replica, instance

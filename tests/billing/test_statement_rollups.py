@@ -13,14 +13,22 @@ import pytest
 from billing import ingest_sql
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
-from billing.reconciliation import hour_runs, reconciliation_sql
+from billing.reconciliation import hour_runs, reconcile, reconciliation_sql
 from billing.schema import LATEST_VERSION
 from infermeter.config import Config
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
 
 HOUR = 3600.0
 _ids = itertools.count()
-_V6_TABLES = ("alloc_units", "alloc_keys", "alloc_slots", "alloc_hours", "usage_hours", "usage_edges")
+_V6_TABLES = (
+    "engine_hours",
+    "alloc_units",
+    "alloc_keys",
+    "alloc_slots",
+    "alloc_hours",
+    "usage_hours",
+    "usage_edges",
+)
 
 
 def random_records(rng: random.Random, hours: int) -> list[dict[str, Any]]:
@@ -32,10 +40,10 @@ def random_records(rng: random.Random, hours: int) -> list[dict[str, Any]]:
         placement = rng.choice([{}, {"instance": "small-0-a"}, {"instance": "small-0-b"}])
         first = start + rng.uniform(0, seconds) if rng.random() < 0.85 else None
         status = rng.choice(["ok", "ok", "ok", "client_aborted", "upstream_error", "rejected"])
+        tokens = {"prompt_tokens": rng.randint(0, 900), "completion_tokens": rng.randint(0, 900)}
+        team = rng.choice(["search", "assistant"])
         out.append(
-            usage(rng.choice(["search", "assistant"]), start, seconds, first_token_at=first,
-                  status=status, prompt_tokens=rng.randint(0, 900),
-                  completion_tokens=rng.randint(0, 900), **placement)  # fmt: skip
+            usage(team, start, seconds, first_token_at=first, status=status, **tokens, **placement)
         )
     return out
 
@@ -69,7 +77,8 @@ def raw_reconciliation(ledger: Ledger, first_hour: int, end_hour: int) -> pl.Dat
     """The reconciliation read from every raw record, as the rollups must reproduce it."""
     sql, values = reconciliation_sql(first_hour, end_hour)
     with ledger.reader() as cur:
-        return cur.sql(sql, params=values).pl()
+        frame: pl.DataFrame = cur.sql(sql, params=values).pl()
+    return frame
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -99,8 +108,6 @@ def test_reconciliation_reads_raw_records_only_of_hours_read_early(ledger: Ledge
     ledger.ingest(batch("engine_samples", steady), now=OCT + 60 * 86400)
     first = int(OCT // HOUR)
     with ledger.reader() as cur:
-        from billing.reconciliation import reconcile
-
         reconcile(cur, first, first + 4)
         unsummed = cur.execute("SELECT instance, hour FROM _unsummed").fetchall()
     assert unsummed == [("small-0", first)]
@@ -185,6 +192,9 @@ def test_an_older_ledger_is_backfilled_once(tmp_path: Path, config: Config) -> N
     ledger.ingest(batch("gpu_samples", gpu_samples(seconds=3 * HOUR)), now=OCT + 60 * 86400)
     before = Chargeback(ledger, config).statement("2026-10").lines
     expected = kept(ledger)
+    with ledger.reader() as cur:
+        engine = cur.execute("SELECT * FROM engine_hours ORDER BY ALL").fetchall()
+    assert engine
     # What a ledger of the previous schema version holds: no statement rollups.
     with ledger.reader() as cur:
         for table in _V6_TABLES:
@@ -194,6 +204,8 @@ def test_an_older_ledger_is_backfilled_once(tmp_path: Path, config: Config) -> N
     ledger = Ledger.open(path, teams, sla)
     try:
         assert kept(ledger) == expected
+        with ledger.reader() as cur:
+            assert cur.execute("SELECT * FROM engine_hours ORDER BY ALL").fetchall() == engine
         assert Chargeback(ledger, config).statement("2026-10").lines.equals(before)
         with ledger.reader() as cur:
             versions = cur.execute("SELECT count(*) FROM schema_version WHERE version = ?",
