@@ -60,7 +60,7 @@ from typing import Final, Literal
 import duckdb
 import polars as pl
 
-from billing.schema import SLOT_SECONDS
+from billing.schema import HOUR_SECONDS, SLOT_SECONDS
 
 __all__ = [
     "ERROR_PREFIX",
@@ -160,7 +160,7 @@ CREATE OR REPLACE TEMP TABLE _alloc_slots AS
 SELECT k."key", k.unit, u.slot, u.inflight_seconds
 FROM {usage} u JOIN _alloc_keys k USING ({", ".join(k)});
 CREATE OR REPLACE TEMP TABLE _alloc_hours AS
-SELECT k."key", u.slot // {3600 // SLOT_SECONDS} AS hour, {_COUNT_SUMS}
+SELECT k."key", u.slot // {HOUR_SECONDS // SLOT_SECONDS} AS hour, {_COUNT_SUMS}
 FROM {usage} u JOIN _alloc_keys k USING ({", ".join(k)}) GROUP BY ALL;
 """
 

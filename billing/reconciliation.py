@@ -35,8 +35,11 @@ pay exactly their measured share and the statement still adds up to the fleet's 
 cent. The claim is capped at the hour's idle cost; beyond it there is no idle time the lost
 work could have filled.
 
-SQL built by pure functions (``reconciliation_sql``, ``unattributed_sql``), run by the ledger;
-``charge`` turns the per-hour costs into lines, plain Polars.
+SQL built by pure functions, run by the ledger; ``charge`` turns the per-hour costs into lines,
+plain Polars. ``reconciliation_sql`` reads the raw records and samples (any range, for the
+query route); ``reconcile`` gives the same rows from the rollups ingest keeps (``engine_hours``,
+``usage_hours``, ``usage_edges``: see ``billing.schema``), for statements and metrics, so their
+cost follows instance-hours, not requests.
 """
 
 from __future__ import annotations
