@@ -4,7 +4,8 @@ Three measurements, each printed as a table row:
 
 ``generate``  N usage records of one month (20 teams, 16 replicas, 4 models, request times
               spread over the month, 1-60 s long) written straight into a ledger file with SQL,
-              and 64 GPUs sampled every 10 s; then the rollups built with the same SQL that
+              64 GPUs sampled every 10 s, each replica's engine counters every 15 s (so the
+              statement reconciles every hour); then the rollups built with the same SQL that
               ingest runs per batch. This is set-up, reported for completeness.
 ``chargeback``the month's statement (``Chargeback.statement``: rollups -> allocation -> cents),
               against a bare ``GROUP BY team, model`` over the same raw table.
@@ -100,10 +101,13 @@ def generate(ledger: Ledger, records: int) -> None:
             false, {START + SECONDS}
         FROM range(16) a(r), unnest({gpus}) b(g), range({SECONDS // 10}) c(k)
     """)  # fmt: skip
+    engine_samples(con)
     con.execute("CREATE OR REPLACE TEMP VIEW fresh AS SELECT * EXCLUDE (ingested_at) FROM usage")
     ledger._set_teams(TEAMS)
     con.execute(ingest_sql.usage_rollup_sql())
     con.execute(ingest_sql.occupancy_rollup_sql())
+    con.execute(ingest_sql.statement_rollup_sql())
+    con.execute(ingest_sql.token_rollup_sql())
     con.execute(ingest_sql.ttft_rollup_sql())
     con.execute(
         "CREATE OR REPLACE TEMP VIEW fresh AS SELECT * EXCLUDE (ingested_at) FROM gpu_samples"
@@ -112,6 +116,40 @@ def generate(ledger: Ledger, records: int) -> None:
     con.execute("DROP VIEW fresh")
     con.execute("INSERT INTO months VALUES (?, NULL, false) ON CONFLICT DO NOTHING", [MONTH])
     con.execute("CHECKPOINT")
+
+
+def engine_samples(con: Any) -> None:
+    """Each replica's vLLM counters every 15 s, as the collector stores them.
+
+    The counters run 1% ahead of the ledger's tokens plus 3 a sample (requests the ledger never
+    saw), so every instance-hour reconciles to a small unattributed remainder.
+    """
+    models = "[" + ", ".join(f"'{('chat-large', 'chat-small')[i % 2]}'" for i in range(16)) + "]"
+    replicas = "[" + ", ".join(f"'{r}'" for r in REPLICAS) + "]"
+    tp = "least(coalesce(first_token_at, finished_at), finished_at)"
+    con.execute(f"""
+        INSERT INTO engine_samples (sample_id, replica, model, "timestamp", requests_running,
+            requests_waiting, kv_cache_usage, prompt_tokens_total, generation_tokens_total,
+            prefix_cache_queries_total, prefix_cache_hits_total, preemptions_total, ingested_at)
+        WITH grid AS (
+            SELECT r, {replicas}[r + 1] AS replica, {models}[r + 1] AS model, k
+            FROM range(16) a(r), range({SECONDS // 15}) b(k)
+        ),
+        prompt AS (
+            SELECT replica, CAST(ceil(({tp} - {START}) / 15) AS BIGINT) AS k, sum(prompt_tokens) AS n
+            FROM usage GROUP BY ALL
+        ),
+        completion AS (
+            SELECT replica, CAST(ceil((finished_at - {START}) / 15) AS BIGINT) AS k, sum(completion_tokens) AS n
+            FROM usage GROUP BY ALL
+        )
+        SELECT 'eng-' || g.replica || '-' || g.k, g.replica, g.model, {START} + g.k * 15.0, 4, 0, 0.5,
+            floor(1.01 * sum(coalesce(p.n, 0)) OVER w) + 3 * g.k,
+            floor(1.01 * sum(coalesce(c.n, 0)) OVER w) + 3 * g.k,
+            0, 0, 0, {START + SECONDS}
+        FROM grid g LEFT JOIN prompt p USING (replica, k) LEFT JOIN completion c USING (replica, k)
+        WINDOW w AS (PARTITION BY g.replica ORDER BY g.k)
+    """)  # fmt: skip
 
 
 def timed(fn: Any, repeat: int) -> tuple[float, float, Any]:

@@ -14,7 +14,7 @@ from typing import Final
 
 from billing.buckets import bucket_sql
 from billing.columns import COLUMN_TYPES, sql_default
-from billing.schema import SLOT_SECONDS
+from billing.schema import EDGE_SECONDS, HOUR_SECONDS, SLOT_SECONDS
 from infermeter.records import (
     BILLABLE_STATUSES,
     BUDGET_OVERRIDES,
@@ -34,9 +34,12 @@ from infermeter.records import (
 __all__ = [
     "BILLABLE",
     "CHECKS",
+    "FIRST_TOKEN_SQL",
     "STATUSES",
     "append_sql",
     "checked_sql",
+    "counter_delta_sql",
+    "engine_rollup_sql",
     "fresh_sql",
     "good_sql",
     "gpu_rollup_sql",
@@ -44,6 +47,10 @@ __all__ = [
     "occupancy_rollup_sql",
     "rejected_sql",
     "stage_sql",
+    "statement_rollup_sql",
+    "summed_sql",
+    "token_hour_sql",
+    "token_rollup_sql",
     "ttft_rollup_sql",
     "usage_rollup_sql",
 ]
@@ -405,4 +412,120 @@ ON CONFLICT DO UPDATE SET
     power_watt_seconds = power_watt_seconds + excluded.power_watt_seconds,
     samples = samples + excluded.samples,
     xid_errors = xid_errors + excluded.xid_errors;
+"""
+
+
+def statement_rollup_sql() -> str:
+    """SQL adding ``_usage_delta`` (``usage_rollup_sql``) to allocation's integer-keyed rollups.
+
+    New instances and (instance, team, model) keys are numbered after the ones already kept;
+    then the batch's slots and its counts per hour are added under those numbers.
+    """
+    per_hour = HOUR_SECONDS // SLOT_SECONDS
+    return f"""
+INSERT INTO alloc_units
+SELECT (SELECT coalesce(max(unit), 0) FROM alloc_units) + row_number() OVER (ORDER BY replica, instance),
+    replica, instance
+FROM (SELECT DISTINCT replica, instance FROM _usage_delta) d
+ANTI JOIN alloc_units u USING (replica, instance);
+INSERT INTO alloc_keys
+SELECT (SELECT coalesce(max("key"), 0) FROM alloc_keys)
+        + row_number() OVER (ORDER BY d.replica, d.instance, d.team, d.model),
+    u.unit, d.replica, d.instance, d.team, d.model
+FROM (SELECT DISTINCT replica, instance, team, model FROM _usage_delta
+      ANTI JOIN alloc_keys USING (replica, instance, team, model)) d
+JOIN alloc_units u USING (replica, instance);
+CREATE OR REPLACE TEMP TABLE _keyed_delta AS
+SELECT k."key", k.unit, d.slot, d.inflight_seconds, d.requests, d.prompt_tokens, d.completion_tokens
+FROM _usage_delta d JOIN alloc_keys k USING (replica, instance, team, model);
+INSERT INTO alloc_slots SELECT "key", unit, slot, inflight_seconds FROM _keyed_delta
+ON CONFLICT DO UPDATE SET inflight_seconds = inflight_seconds + excluded.inflight_seconds;
+INSERT INTO alloc_hours
+SELECT "key", slot // {per_hour}, sum(requests), sum(prompt_tokens), sum(completion_tokens)
+FROM _keyed_delta GROUP BY ALL
+ON CONFLICT DO UPDATE SET
+    requests = requests + excluded.requests,
+    prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+    completion_tokens = completion_tokens + excluded.completion_tokens;
+"""
+
+
+# When a record's prompt tokens count for the engine: at its first token (at its end without one).
+FIRST_TOKEN_SQL: Final = "least(coalesce(first_token_at, finished_at), finished_at)"
+
+
+def token_hour_sql(tp: str = FIRST_TOKEN_SQL) -> str:
+    """The hour (Unix hours) of a record's first token ``tp``: its hour in ``usage_hours``."""
+    return f"CAST(floor({tp} / {HOUR_SECONDS}) AS BIGINT)"
+
+
+def summed_sql(tp: str = FIRST_TOKEN_SQL, tf: str = "finished_at") -> str:
+    """Whether a record is summed in ``usage_hours`` (else kept whole in ``usage_edges``).
+
+    It is when it ends at least ``EDGE_SECONDS`` before the end of its first token's hour.
+    """
+    return f"{tf} < ({token_hour_sql(tp)} + 1) * {HOUR_SECONDS}.0 - {EDGE_SECONDS}"
+
+
+def token_rollup_sql() -> str:
+    """SQL adding the ``fresh`` usage records to reconciliation's ``usage_hours`` and ``usage_edges``.
+
+    Per instance, by the hour of the first token (as ``billing.reconciliation`` places prompt
+    tokens): a record that ends at least ``EDGE_SECONDS`` before that hour does is summed, any
+    other is kept whole.
+    """
+    tp, hour, summed = FIRST_TOKEN_SQL, token_hour_sql(), summed_sql()
+    return f"""
+INSERT INTO usage_hours
+SELECT coalesce(instance, replica), {hour}, sum(prompt_tokens), sum(completion_tokens)
+FROM fresh WHERE status IN {BILLABLE} AND {summed}
+GROUP BY ALL
+ON CONFLICT DO UPDATE SET
+    prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+    completion_tokens = completion_tokens + excluded.completion_tokens;
+INSERT INTO usage_edges
+SELECT coalesce(instance, replica), {tp}, finished_at, prompt_tokens, completion_tokens
+FROM fresh WHERE status IN {BILLABLE} AND NOT ({summed});
+"""
+
+
+def counter_delta_sql(value: str, previous: str) -> str:
+    """A counter's increase since the previous sample; after a drop (a restart), its value."""
+    return f"CASE WHEN {previous} IS NULL THEN 0.0 WHEN {value} < {previous} THEN {value} ELSE {value} - {previous} END"
+
+
+def engine_rollup_sql(bounded: bool = True) -> str:
+    """SQL recomputing ``engine_hours`` for the instance-hours the ``fresh`` samples fall in.
+
+    Each such hour is read again from ``engine_samples`` whole (a sample may arrive between two
+    kept ones). ``bounded``: parameters ``$lo``..``$hi`` (Unix seconds) bound the fresh samples'
+    times, so only the row groups of their hours are read. Deltas within the hour are ordered by
+    time, then sample id, as ``billing.reconciliation`` orders them.
+    """
+    hour = f'CAST(floor("timestamp" / {HOUR_SECONDS}) AS BIGINT)'
+    within = (
+        f"""e."timestamp" >= floor($lo / {HOUR_SECONDS}) * {HOUR_SECONDS}
+        AND e."timestamp" < (floor($hi / {HOUR_SECONDS}) + 1) * {HOUR_SECONDS}"""
+        if bounded
+        else "true"
+    )
+    return f"""
+INSERT OR REPLACE INTO engine_hours
+WITH touched AS (SELECT DISTINCT coalesce(instance, replica) AS i, {hour} AS hour FROM fresh),
+samples AS (
+    SELECT coalesce(e.instance, e.replica) AS i, {hour} AS hour, e.replica, e.model, e."timestamp",
+        e.sample_id, e.prompt_tokens_total AS p, e.generation_tokens_total AS c
+    FROM engine_samples e SEMI JOIN touched t ON t.i = coalesce(e.instance, e.replica) AND t.hour = {hour}
+    WHERE {within}
+),
+ordered AS (
+    SELECT *, row_number() OVER w AS n, count(*) OVER (PARTITION BY i, hour) AS samples,
+        {counter_delta_sql("p", "lag(p) OVER w")} AS dp, {counter_delta_sql("c", "lag(c) OVER w")} AS dc
+    FROM samples
+    WINDOW w AS (PARTITION BY i, hour ORDER BY "timestamp", sample_id)
+)
+SELECT i, hour, max(replica), max(model), max(samples), min("timestamp"), max("timestamp"),
+    max(p) FILTER (WHERE n = 1), max(c) FILTER (WHERE n = 1),
+    max(p) FILTER (WHERE n = samples), max(c) FILTER (WHERE n = samples), sum(dp), sum(dc)
+FROM ordered GROUP BY i, hour
 """

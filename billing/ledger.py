@@ -34,7 +34,7 @@ from billing.lifetimes import (
     live_counts_sql,
     slot_windows_sql,
 )
-from billing.schema import LATEST_VERSION, MIGRATIONS, SLOT_SECONDS, new_field_sql
+from billing.schema import HOUR_SECONDS, LATEST_VERSION, MIGRATIONS, SLOT_SECONDS, new_field_sql
 from infermeter.errors import BadRequest
 from infermeter.months import month_bounds, month_of
 from infermeter.records import KINDS, RecordKind
@@ -403,9 +403,14 @@ class Ledger:
         if kind.key == "usage":
             con.execute(ingest_sql.usage_rollup_sql())
             con.execute(ingest_sql.occupancy_rollup_sql())
+            con.execute(ingest_sql.statement_rollup_sql())
+            con.execute(ingest_sql.token_rollup_sql())
             con.execute(ingest_sql.ttft_rollup_sql())
         elif kind.key == "gpu_samples":
             con.execute(ingest_sql.gpu_rollup_sql())
+        elif kind.key == "engine_samples":
+            con.execute(ingest_sql.engine_rollup_sql(), {"lo": span[0], "hi": span[1]})
+            return
         else:
             return
         first, last = month_of(span[0]), month_of(span[1])
@@ -524,7 +529,18 @@ class Ledger:
         cur.execute(
             f"CREATE OR REPLACE TEMP TABLE _lifetimes AS SELECT * FROM {slot_windows_sql(lo, hi)}"
         )
-        return allocation.allocation_sql(policy, usage, gpus, occupancy, "_lifetimes")
+        per_hour = HOUR_SECONDS // SLOT_SECONDS
+        keyed = allocation.Keyed(
+            f"(SELECT * FROM alloc_slots WHERE slot >= {lo} AND slot < {hi})",
+            "alloc_keys",
+            f"(SELECT * FROM alloc_hours WHERE hour >= {lo // per_hour} AND hour < {hi // per_hour})",
+        )
+        # No lifetime in the month (a fleet of fixed replicas): nothing to bound, and the check
+        # of every GPU minute against them is skipped.
+        known = bool(cur.execute("SELECT 1 FROM _lifetimes LIMIT 1").fetchall())
+        return allocation.allocation_sql(
+            policy, usage, gpus, occupancy, "_lifetimes" if known else None, keyed, (lo, hi)
+        )
 
     def live_instances(
         self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
@@ -548,9 +564,9 @@ class Ledger:
 
         One row per instance and hour, as ``billing.reconciliation.reconciliation_sql`` says.
         """
-        sql, values = reconciliation.reconciliation_sql(*reconciliation.hours(start, end))
         with self.reader() as cur:
-            return _frame(cur, sql, values)
+            table = reconciliation.reconcile(cur, *reconciliation.hours(start, end))
+            return _frame(cur, f"SELECT * FROM {table}", [])
 
     def latest_month(self) -> str:
         """The newest month with data, or the current month."""
@@ -690,9 +706,37 @@ def migrate(
         )
     for version in range(current + 1, LATEST_VERSION + 1):
         con.execute("BEGIN TRANSACTION")
-        con.execute(MIGRATIONS[version - 1])
-        con.execute("INSERT INTO schema_version VALUES (?, ?)", [version, time.time()])
-        con.execute("COMMIT")
+        try:
+            con.execute(MIGRATIONS[version - 1])
+            backfill = _BACKFILLS.get(version)
+            if backfill is not None:
+                # The raw rows are read with every field they have today, so fields first.
+                _add_new_fields(con, kinds)
+                for statement in backfill:
+                    con.execute(statement)
+            con.execute("INSERT INTO schema_version VALUES (?, ?)", [version, time.time()])
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+    _add_new_fields(con, kinds)
+    return LATEST_VERSION
+
+
+# Rollups that a migration fills from the raw rows once, with the SQL ingest keeps them by.
+_BACKFILLS: Final[Mapping[int, tuple[str, ...]]] = {
+    6: (
+        "CREATE OR REPLACE TEMP VIEW fresh AS SELECT * FROM usage",
+        ingest_sql.token_rollup_sql(),
+        "CREATE OR REPLACE TEMP VIEW fresh AS SELECT * FROM engine_samples",
+        ingest_sql.engine_rollup_sql(bounded=False),
+        "DROP VIEW fresh",
+    ),
+}
+
+
+def _add_new_fields(con: duckdb.DuckDBPyConnection, kinds: Iterable[RecordKind]) -> None:
+    """Add to each kind's table the fields declared since the table was made."""
     for kind in kinds:
         columns = [r[0] for r in con.execute(
             "SELECT column_name FROM duckdb_columns() WHERE table_name = ? AND schema_name = 'main'",
@@ -700,4 +744,3 @@ def migrate(
         ).fetchall()]  # fmt: skip
         for statement in new_field_sql(kind, columns):
             con.execute(statement)
-    return LATEST_VERSION

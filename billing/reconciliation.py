@@ -35,19 +35,30 @@ pay exactly their measured share and the statement still adds up to the fleet's 
 cent. The claim is capped at the hour's idle cost; beyond it there is no idle time the lost
 work could have filled.
 
-SQL built by pure functions (``reconciliation_sql``, ``unattributed_sql``), run by the ledger;
-``charge`` turns the per-hour costs into lines, plain Polars.
+SQL built by pure functions, run by the ledger; ``charge`` turns the per-hour costs into lines,
+plain Polars. ``reconciliation_sql`` reads the raw records and samples (any range, for the
+query route); ``reconcile`` gives the same rows from the rollups ingest keeps (``engine_hours``,
+``usage_hours``, ``usage_edges``: see ``billing.schema``), for statements and metrics, so their
+cost follows instance-hours, not requests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
 import duckdb
 import polars as pl
 
 from billing.allocation import LINE_COLUMNS, MONEY, IdleClaims, Policy
-from infermeter.records import BILLABLE_STATUSES
+from billing.ingest_sql import (
+    BILLABLE,
+    FIRST_TOKEN_SQL,
+    counter_delta_sql,
+    summed_sql,
+    token_hour_sql,
+)
+from billing.schema import EDGE_SECONDS, HOUR_SECONDS
 
 __all__ = [
     "HOUR_SECONDS",
@@ -55,14 +66,18 @@ __all__ = [
     "UNATTRIBUTED_SUFFIX",
     "charge",
     "claims",
+    "hour_runs",
     "hours",
     "is_unattributed",
+    "reconcile",
     "reconciliation_sql",
+    "rollup_reconciliation_sql",
     "unattributed_model",
     "unattributed_sql",
+    "unsummed_sql",
+    "windows_sql",
 ]
 
-HOUR_SECONDS: Final = 3600
 # How far before the first hour asked for samples and records are read, so that the first
 # hour's window starts at the previous sample rather than at its own first one.
 LOOKBACK_SECONDS: Final = 2 * HOUR_SECONDS
@@ -86,29 +101,32 @@ def hours(start: float, end: float) -> tuple[int, int]:
     return int(start // HOUR_SECONDS), int(-(-end // HOUR_SECONDS))
 
 
-def _delta(value: str, previous: str) -> str:
-    """A counter's increase since the previous sample; after a drop (a restart), its value."""
-    return f"CASE WHEN {previous} IS NULL THEN 0.0 WHEN {value} < {previous} THEN {value} ELSE {value} - {previous} END"
+_delta = counter_delta_sql
 
 
-def reconciliation_sql(first_hour: int, end_hour: int, model: str | None = None,
-                       usage: str = "usage", engine: str = "engine_samples") -> Sql:  # fmt: skip
-    """Per instance and hour in ``first_hour``..``end_hour`` (Unix hours): engine, ledger, difference.
+def _rollup_windows_ctes() -> str:
+    """``_windows_ctes`` from ``engine_hours``: an hour's increases, plus the step from the last
+    reading of the hour with samples before it (in the range read) to its first."""
+    back_hours = LOOKBACK_SECONDS // HOUR_SECONDS
+    prompt = _delta("first_prompt_total", "lag(last_prompt_total) OVER w")
+    completion = _delta("first_generation_total", "lag(last_generation_total) OVER w")
+    return f"""hourly AS (
+    SELECT instance, hour, replica, model,
+        prompt_tokens + {prompt} AS engine_prompt,
+        generation_tokens + {completion} AS engine_completion,
+        first_ts, last_ts AS hi
+    FROM engine_hours WHERE hour >= $lo - {back_hours} AND hour < $hi
+    WINDOW w AS (PARTITION BY instance ORDER BY hour)
+),
+windows AS (
+    SELECT *, coalesce(lag(hi) OVER (PARTITION BY instance ORDER BY hour), first_ts) AS lo
+    FROM hourly
+)"""
 
-    Columns: ``t`` (the hour's start, Unix seconds), ``instance``, ``replica`` (its group),
-    ``model``, engine and ledger prompt and completion tokens, ``engine_tokens``,
-    ``ledger_tokens``, ``difference_tokens`` (engine - ledger), ``share`` (the difference over
-    the engine's tokens), ``unattributed_prompt_tokens``, ``unattributed_completion_tokens``,
-    ``unattributed_tokens`` and ``unattributed_share``. Pure: nothing is run here.
-    """
-    statuses = ", ".join(f"'{s.value}'" for s in BILLABLE_STATUSES)
-    filter_model = "AND model = $model" if model is not None else ""
-    values: dict[str, Any] = {"lo": first_hour, "hi": end_hour, "back": float(LOOKBACK_SECONDS)}
-    if model is not None:
-        values["model"] = model
-    return (
-        f"""
-WITH samples AS (
+
+def _windows_ctes(engine: str) -> str:
+    """CTEs ``samples``, ``hourly`` and ``windows``: each instance-hour's engine tokens and window."""
+    return f"""samples AS (
     SELECT coalesce(instance, replica) AS instance, replica, model, "timestamp" AS ts,
         {_delta("prompt_tokens_total", "lag(prompt_tokens_total) OVER w")} AS prompt,
         {_delta("generation_tokens_total", "lag(generation_tokens_total) OVER w")} AS completion
@@ -127,15 +145,12 @@ hourly AS (
 windows AS (
     SELECT *, coalesce(lag(hi) OVER (PARTITION BY instance ORDER BY hour), first_ts) AS lo
     FROM hourly
-),
-records AS (
-    SELECT coalesce(instance, replica) AS instance,
-        least(coalesce(first_token_at, finished_at), finished_at) AS tp, finished_at AS tf,
-        prompt_tokens AS p, completion_tokens AS c
-    FROM {usage}
-    WHERE status IN ({statuses}) AND finished_at > $lo * {HOUR_SECONDS} - $back
-        AND least(coalesce(first_token_at, finished_at), finished_at) <= $hi * {HOUR_SECONDS}
-),
+)"""
+
+
+# The records a window counts, placed one by one: ``records`` (instance, tp, tf, p, c) in, CTEs
+# ``placed`` and ``ledger`` (instance, hour, prompt, completion) out.
+_PLACED = """
 -- The window each record's first token fell in; records after the last sample have none yet.
 placed AS (
     SELECT r.*, w.hour, w.lo, w.hi, r.tp > w.lo AND r.tf <= w.hi AS inside
@@ -148,11 +163,26 @@ ledger AS (
     -- A request across windows: its completion tokens by the time it spent in each.
     SELECT x.instance, w.hour, 0.0,
         sum(x.c * (least(w.hi, x.tf) - greatest(w.lo, x.tp)) / (x.tf - x.tp))
-    FROM (SELECT * FROM placed WHERE NOT inside AND tf > tp) x
-    JOIN windows w ON w.instance = x.instance AND w.hi > x.tp AND w.lo < x.tf
-    GROUP BY ALL
-),
-counted AS (
+    FROM {across} w ON w.instance = x.instance AND w.hi > x.tp AND w.lo < x.tf{meets}
+    GROUP BY ALL{more}
+)"""
+
+# The requests across windows and every window of their instance: simple, and quadratic.
+_EVERY_WINDOW = "(SELECT * FROM placed WHERE NOT inside AND tf > tp) x JOIN windows"
+
+# The same pairs, found without trying every window: a request meets the windows from the one
+# its first token fell in to the first that ends at or after its end (or the last there is), so
+# those hours are listed and joined on (instance, hour).
+_ITS_WINDOWS = """(
+    SELECT r.*, unnest(range(r.hour, coalesce(e.hour, $hi) + 1)) AS meets
+    FROM (SELECT * FROM placed WHERE NOT inside AND tf > tp) r
+    ASOF LEFT JOIN windows e ON r.instance = e.instance AND r.tf <= e.hi
+) x JOIN windows"""
+
+
+def _counted(filter_model: str) -> str:
+    """CTE ``counted`` and the final select: the windows asked for against ``ledger``."""
+    return f"""counted AS (
     SELECT w.hour, w.instance, w.replica, w.model,
         CAST(round(w.engine_prompt) AS BIGINT) AS engine_prompt_tokens,
         CAST(round(w.engine_completion) AS BIGINT) AS engine_completion_tokens,
@@ -172,9 +202,155 @@ SELECT hour * {HOUR_SECONDS} AS t, instance, replica, model,
     greatest(0, engine_completion_tokens - ledger_completion_tokens) AS unattributed_completion_tokens,
     unattributed_prompt_tokens + unattributed_completion_tokens AS unattributed_tokens,
     unattributed_tokens / nullif(engine_tokens, 0) AS unattributed_share
-FROM counted ORDER BY t, replica, instance""",
+FROM counted ORDER BY t, replica, instance"""
+
+
+def _values(first_hour: int, end_hour: int, model: str | None) -> tuple[dict[str, Any], str]:
+    values: dict[str, Any] = {"lo": first_hour, "hi": end_hour, "back": float(LOOKBACK_SECONDS)}
+    if model is not None:
+        values["model"] = model
+    return values, ("AND model = $model" if model is not None else "")
+
+
+# Which records a window reads: billable, and able to meet the hours asked for.
+_RECORDS_IN_RANGE = (
+    f"finished_at > $lo * {HOUR_SECONDS} - $back AND {FIRST_TOKEN_SQL} <= $hi * {HOUR_SECONDS}"
+)
+
+
+def reconciliation_sql(first_hour: int, end_hour: int, model: str | None = None,
+                       usage: str = "usage", engine: str = "engine_samples") -> Sql:  # fmt: skip
+    """Per instance and hour in ``first_hour``..``end_hour`` (Unix hours): engine, ledger, difference.
+
+    Columns: ``t`` (the hour's start, Unix seconds), ``instance``, ``replica`` (its group),
+    ``model``, engine and ledger prompt and completion tokens, ``engine_tokens``,
+    ``ledger_tokens``, ``difference_tokens`` (engine - ledger), ``share`` (the difference over
+    the engine's tokens), ``unattributed_prompt_tokens``, ``unattributed_completion_tokens``,
+    ``unattributed_tokens`` and ``unattributed_share``. Reads every raw record in the range
+    (``Reconciler`` gives the same rows from the rollups). Pure: nothing is run here.
+    """
+    values, filter_model = _values(first_hour, end_hour, model)
+    return (
+        f"""
+WITH {_windows_ctes(engine)},
+records AS (
+    SELECT coalesce(instance, replica) AS instance,
+        {FIRST_TOKEN_SQL} AS tp, finished_at AS tf,
+        prompt_tokens AS p, completion_tokens AS c
+    FROM {usage}
+    WHERE status IN {BILLABLE} AND {_RECORDS_IN_RANGE}
+),{_PLACED.format(across=_EVERY_WINDOW, meets="", more="")},
+{_counted(filter_model)}""",
         values,
     )
+
+
+def windows_sql(first_hour: int, end_hour: int) -> Sql:
+    """SQL creating temp table ``_windows``: ``reconciliation_sql``'s windows, with neighbours.
+
+    Per instance and hour with samples: the engine's tokens, the window (lo, hi], and the hours
+    of the instance's windows before (``prev_hour``, null for its first) and after it. Read
+    from ``engine_hours``, a row per instance-hour.
+    """
+    values, _ = _values(first_hour, end_hour, None)
+    values.pop("back")
+    return (
+        f"""
+CREATE OR REPLACE TEMP TABLE _windows AS
+WITH {_rollup_windows_ctes()}
+SELECT *, lag(hour) OVER (PARTITION BY instance ORDER BY hour) AS prev_hour,
+    lead(hour) OVER (PARTITION BY instance ORDER BY hour) AS next_hour
+FROM windows""",
+        values,
+    )
+
+
+def unsummed_sql() -> str:
+    """SQL: the instance-hours whose summed records must be placed one by one (over ``_windows``).
+
+    A window's summed records (``usage_hours``: they end ``EDGE_SECONDS`` or more before their
+    hour does) all fall whole inside it when its last sample is at most ``EDGE_SECONDS``
+    before the hour's end and it has a window before it. Otherwise (an instance's first window,
+    whose records before its first sample count for nothing; an hour read early) its hour's
+    records are read raw, when it can meet the hours asked for (``$lo``). Columns: instance,
+    hour.
+    """
+    return f"""
+SELECT instance, hour FROM _windows
+WHERE (prev_hour IS NULL OR hi < (hour + 1) * {HOUR_SECONDS}.0 - {EDGE_SECONDS})
+    AND (hour >= $lo OR next_hour >= $lo)
+ORDER BY hour, instance"""
+
+
+def hour_runs(hours: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive ``hours`` as [first, after-last) runs, in order."""
+    runs: list[tuple[int, int]] = []
+    for h in sorted(set(hours)):
+        if runs and runs[-1][1] == h:
+            runs[-1] = (runs[-1][0], h + 1)
+        else:
+            runs.append((h, h + 1))
+    return runs
+
+
+def rollup_reconciliation_sql(first_hour: int, end_hour: int, unsummed: Sequence[int],
+                              model: str | None = None, usage: str = "usage",
+                              hours_table: str = "usage_hours",
+                              edges: str = "usage_edges") -> Sql:  # fmt: skip
+    """``reconciliation_sql``'s rows from the rollups, over ``_windows`` (``windows_sql``).
+
+    Tokens of summed records come from ``hours_table`` per instance-hour, each added to the
+    window its hour falls in; ``edges``' records are placed one by one. ``unsummed``: the hours
+    of ``_unsummed`` (``unsummed_sql``, a temp table), whose summed records are read from
+    ``usage`` and placed one by one instead; only the row groups of those hours are read
+    (``finished_at`` within them), so a ledger ordered by time skips the rest. Pure.
+    """
+    values, filter_model = _values(first_hour, end_hour, model)
+    back_hours = LOOKBACK_SECONDS // HOUR_SECONDS
+    raw = " UNION ALL ".join(
+        f"""
+    SELECT coalesce(u.instance, u.replica) AS instance, {FIRST_TOKEN_SQL} AS tp, u.finished_at AS tf,
+        u.prompt_tokens AS p, u.completion_tokens AS c
+    FROM {usage} u SEMI JOIN _unsummed x
+        ON x.instance = coalesce(u.instance, u.replica) AND x.hour = {token_hour_sql()}
+    WHERE u.finished_at >= {a * HOUR_SECONDS}.0 AND u.finished_at < {b * HOUR_SECONDS}.0
+        AND u.status IN {BILLABLE} AND {summed_sql()} AND {_RECORDS_IN_RANGE}"""
+        for a, b in hour_runs(unsummed)
+    )
+    summed = f"""
+    UNION ALL
+    -- Summed records: whole inside the window of the first hour with samples at or after theirs.
+    SELECT w.instance, w.hour, sum(h.prompt_tokens)::DOUBLE, sum(h.completion_tokens)::DOUBLE
+    FROM (SELECT * FROM {hours_table} WHERE hour >= $lo - {back_hours} AND hour < $hi) h
+    ASOF JOIN windows w ON h.instance = w.instance AND h.hour <= w.hour
+    ANTI JOIN _unsummed x ON x.instance = h.instance AND x.hour = h.hour
+    WHERE NOT (w.prev_hour IS NULL AND h.hour < w.hour)  -- before the first sample: not counted
+    GROUP BY ALL"""
+    return (
+        f"""
+WITH windows AS (SELECT * FROM _windows),
+records AS (
+    SELECT instance, first_token_at AS tp, finished_at AS tf, prompt_tokens AS p, completion_tokens AS c
+    FROM {edges} WHERE {_RECORDS_IN_RANGE.replace(FIRST_TOKEN_SQL, "first_token_at")}{" UNION ALL " + raw if raw else ""}
+),{_PLACED.format(across=_ITS_WINDOWS, meets=" AND w.hour = x.meets", more=summed)},
+{_counted(filter_model)}""",
+        values,
+    )
+
+
+def reconcile(con: duckdb.DuckDBPyConnection, first_hour: int, end_hour: int,
+              model: str | None = None) -> str:  # fmt: skip
+    """Reconcile the ledger's hours ``first_hour``..``end_hour`` on ``con`` from its rollups.
+
+    Leaves ``reconciliation_sql``'s rows in temp table ``_reconciliation`` and returns its name.
+    """
+    sql, values = windows_sql(first_hour, end_hour)
+    con.execute(sql, values)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE _unsummed AS {unsummed_sql()}", {"lo": first_hour})
+    unsummed = [int(r[0]) for r in con.execute("SELECT DISTINCT hour FROM _unsummed").fetchall()]
+    sql, values = rollup_reconciliation_sql(first_hour, end_hour, unsummed, model)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE _reconciliation AS {sql}", values)
+    return "_reconciliation"
 
 
 def unattributed_sql(policy: Policy, reconciliation: str, slots: str = "_slots") -> str:
@@ -256,27 +432,16 @@ def charge(replicas: pl.DataFrame, hourly: pl.DataFrame, policy: Policy) -> tupl
     return replicas, lines.select(LINE_COLUMNS).sort("team", "model")
 
 
-def claims(policy: Policy, start: float, end: float, usage: str = "usage",
-           engine: str = "engine_samples") -> IdleClaims:  # fmt: skip
-    """The claims of the hours in ``start``..``end``, for ``allocation.run``.
+def claims(policy: Policy, start: float, end: float) -> IdleClaims:
+    """The claims of the hours in ``start``..``end``, for ``allocation.run`` on a ledger.
 
-    Reconciles the range on the connection ``allocation.run`` gives, into temp table
-    ``_reconciliation``, then prices it against that allocation's ``_slots``.
+    Reconciles the range from the ledger's rollups (``reconcile``) on the connection
+    ``allocation.run`` gives, then prices it against that allocation's ``_slots``.
     """
 
     def run(con: duckdb.DuckDBPyConnection, replicas: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:  # fmt: skip
-        first, after = hours(start, end)
-        # No engine sample in the range: no instance-hour to reconcile, and the scan of the
-        # month's usage (most of the statement's time on a large ledger) is skipped.
-        sampled = con.execute(
-            f'SELECT 1 FROM {engine} WHERE "timestamp" >= ? AND "timestamp" < ? LIMIT 1',
-            [float(first * HOUR_SECONDS), float(after * HOUR_SECONDS)],
-        ).fetchone()
-        if sampled is None:
-            return replicas, pl.DataFrame()
-        sql, values = reconciliation_sql(first, after, usage=usage, engine=engine)
-        con.execute(f"CREATE OR REPLACE TEMP TABLE _reconciliation AS {sql}", values)
-        hourly = con.sql(unattributed_sql(policy, "_reconciliation")).pl()
+        table = reconcile(con, *hours(start, end))
+        hourly = con.sql(unattributed_sql(policy, table)).pl()
         return charge(replicas, hourly, policy)
 
     return run

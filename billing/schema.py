@@ -20,9 +20,20 @@ from typing import Final
 from billing.columns import column_ddl
 from infermeter.records import RecordKind
 
-__all__ = ["LATEST_VERSION", "MIGRATIONS", "SLOT_SECONDS", "new_field_sql"]
+__all__ = [
+    "EDGE_SECONDS",
+    "HOUR_SECONDS",
+    "LATEST_VERSION",
+    "MIGRATIONS",
+    "SLOT_SECONDS",
+    "new_field_sql",
+]
 
 SLOT_SECONDS: Final = 60
+HOUR_SECONDS: Final = 3600
+# How close to the end of its hour an instance's engine must have been read last for that hour's
+# tokens to come from ``usage_hours`` (see ``_V6``); a collector reading at least once a minute.
+EDGE_SECONDS: Final = 60
 
 _V1 = """
 CREATE TABLE usage (
@@ -263,7 +274,106 @@ CREATE TABLE budget_overrides (
 );
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5)
+# What a statement reads, kept at ingest so that it never reads the raw rows nor joins on strings.
+#
+# Allocation: ``alloc_units`` numbers the instances (replica group, instance) and ``alloc_keys``
+# the (instance, team, model) rows of ``usage_slots``; ``alloc_slots`` is ``usage_slots``' in-flight
+# seconds under those numbers (one row for each of its rows), so the statement's one big join, every
+# team's minutes against its instance's cost, compares integers; ``alloc_hours`` holds the
+# requests and tokens per key and hour (of the slot they finished in; a row for every hour a
+# key has slots in), so counts and the token and request splits read a few rows per hour.
+#
+# Reconciliation (``billing.reconciliation``), per instance (``coalesce(instance, replica)``):
+# ``usage_hours`` sums the billable records' tokens by the hour of their first token, for the
+# records that end at least ``EDGE_SECONDS`` before that hour does; ``usage_edges`` keeps the
+# others (ending in the last ``EDGE_SECONDS`` of that hour, or later) one row each. An
+# instance-hour whose engine was last read within ``EDGE_SECONDS`` of its end (every hour, for a
+# collector reading at least once a minute) holds every record of the first kind whole, so its
+# tokens are read from the sums; only the records near an hour's edge are placed one by one.
+# ``engine_hours`` holds per instance-hour the engine counters' first and last readings and
+# their increases in between, so the hourly engine tokens come from a row per hour, not from
+# every sample. These three are filled from the raw rows by ``billing.ledger.migrate`` (with
+# ingest's own SQL, once the raw tables have all their fields).
+_V6 = f"""
+CREATE TABLE alloc_units (
+    unit INTEGER PRIMARY KEY,
+    replica VARCHAR NOT NULL,
+    instance VARCHAR NOT NULL,
+    UNIQUE (replica, instance)
+);
+CREATE TABLE alloc_keys (
+    "key" INTEGER PRIMARY KEY,
+    unit INTEGER NOT NULL,
+    replica VARCHAR NOT NULL,
+    instance VARCHAR NOT NULL,
+    team VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    UNIQUE (replica, instance, team, model)
+);
+CREATE TABLE alloc_slots (
+    "key" INTEGER NOT NULL,
+    unit INTEGER NOT NULL,
+    slot BIGINT NOT NULL,
+    inflight_seconds DOUBLE NOT NULL,
+    PRIMARY KEY ("key", slot)
+);
+CREATE TABLE alloc_hours (
+    "key" INTEGER NOT NULL,
+    hour BIGINT NOT NULL,
+    requests BIGINT NOT NULL,
+    prompt_tokens BIGINT NOT NULL,
+    completion_tokens BIGINT NOT NULL,
+    PRIMARY KEY ("key", hour)
+);
+CREATE TABLE usage_hours (
+    instance VARCHAR NOT NULL,
+    hour BIGINT NOT NULL,
+    prompt_tokens BIGINT NOT NULL,
+    completion_tokens BIGINT NOT NULL,
+    PRIMARY KEY (instance, hour)
+);
+CREATE TABLE usage_edges (
+    instance VARCHAR NOT NULL,
+    first_token_at DOUBLE NOT NULL,  -- least(coalesce(first_token_at, finished_at), finished_at)
+    finished_at DOUBLE NOT NULL,
+    prompt_tokens BIGINT NOT NULL,
+    completion_tokens BIGINT NOT NULL
+);
+CREATE TABLE engine_hours (
+    instance VARCHAR NOT NULL,
+    hour BIGINT NOT NULL,
+    replica VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    samples BIGINT NOT NULL,
+    first_ts DOUBLE NOT NULL,
+    last_ts DOUBLE NOT NULL,
+    first_prompt_total DOUBLE NOT NULL,
+    first_generation_total DOUBLE NOT NULL,
+    last_prompt_total DOUBLE NOT NULL,
+    last_generation_total DOUBLE NOT NULL,
+    prompt_tokens DOUBLE NOT NULL,  -- the counters' increases between the hour's own samples
+    generation_tokens DOUBLE NOT NULL,
+    PRIMARY KEY (instance, hour)
+);
+INSERT INTO alloc_units
+SELECT row_number() OVER (ORDER BY replica, instance), replica, instance
+FROM (SELECT DISTINCT replica, instance FROM usage_slots);
+INSERT INTO alloc_keys
+SELECT row_number() OVER (ORDER BY k.replica, k.instance, k.team, k.model), u.unit,
+    k.replica, k.instance, k.team, k.model
+FROM (SELECT DISTINCT replica, instance, team, model FROM usage_slots) k
+JOIN alloc_units u USING (replica, instance);
+INSERT INTO alloc_slots
+SELECT k."key", k.unit, s.slot, s.inflight_seconds
+FROM usage_slots s JOIN alloc_keys k USING (replica, instance, team, model);
+INSERT INTO alloc_hours
+SELECT k."key", s.slot // {HOUR_SECONDS // SLOT_SECONDS}, sum(s.requests), sum(s.prompt_tokens),
+    sum(s.completion_tokens)
+FROM usage_slots s JOIN alloc_keys k USING (replica, instance, team, model)
+GROUP BY ALL;
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5, _V6)
 LATEST_VERSION: Final = len(MIGRATIONS)
 
 
