@@ -32,7 +32,7 @@ from infermeter.asgi import Receive, Scope, Send, read_body, respond
 from infermeter.auth import AuthError, bearer_key
 from infermeter.config import Config
 from infermeter.errors import error_body
-from infermeter.http_guard import ServerLimits
+from infermeter.http_guard import RAW_WRITER, ServerLimits
 from infermeter.identity import Identity, identity_from_environment
 from infermeter.ids import request_id
 from infermeter.journal import JOURNAL_DIR, recover
@@ -137,7 +137,8 @@ class Sidecar:
         self.client = client or httpx.AsyncClient(timeout=timeout, limits=limits)
         self.generation = Upstream(settings.connect_timeout_seconds, settings.read_timeout_seconds)
         self.relay = Relay(self.view.replica.upstream_url.rstrip("/"), self.generation,
-                           self.accounting, self.journal, self.drain, settings.non_streamed_via_stream)  # fmt: skip
+                           self.accounting, self.journal, self.drain, settings.non_streamed_via_stream,
+                           settings.protocol_relay)  # fmt: skip
         self.ingest_url = settings.ingest_url
         self.ingest_token = os.environ.get(settings.ingest_token_env) or None
         self._tasks: list[asyncio.Task[None]] = []
@@ -210,7 +211,7 @@ class Sidecar:
         await self.limiter.close()
         await self.budgets.close()
         await self.client.aclose()
-        await self.generation.close()
+        await self.relay.close()
 
     async def _stop_tasks(self) -> None:
         for task in self._tasks:
@@ -373,7 +374,7 @@ class Sidecar:
             self._enter(call)
             upstream = self._upstream_headers(headers, call)
             if call.stream:
-                meter, status, _ = await self.relay.stream(call, receive, send, body, upstream)
+                meter, status = await self._stream(call, scope, receive, send, body, upstream)
                 usage, finish = meter.usage, meter.finish_reason
             else:
                 usage, status, _, finish = await self.relay.whole(
@@ -386,6 +387,17 @@ class Sidecar:
         finally:
             self._release(call, usage)
         self.accounting.observe(call, status, usage, meter, finish, self.view.model_names)
+
+    async def _stream(self, call: Call, scope: Scope, receive: Receive, send: Send,
+                      body: dict[str, Any], upstream: dict[str, str]) -> tuple[StreamMeter, RequestStatus]:  # fmt: skip
+        """Relay a stream on protocols when the server and the upstream allow it, else on ASGI."""
+        raw = scope.get("extensions", {}).get(RAW_WRITER) if self.settings.protocol_relay else None
+        if raw is not None:
+            done = await self.relay.stream_direct(call, receive, send, body, upstream, raw)
+            if done is not None:
+                return done[0], done[1]
+        meter, status, _ = await self.relay.stream(call, receive, send, body, upstream)
+        return meter, status
 
     async def _refuse(self, call: Call, refused: Refusal, send: Send) -> RequestStatus:
         """Answer a refusal (charged to the team when it is one of the charged kinds)."""

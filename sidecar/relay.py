@@ -20,13 +20,16 @@ import orjson
 
 from infermeter.asgi import Receive, Send, respond
 from infermeter.errors import error_body, sse_error_event
+from infermeter.http_guard import RawWriter
 from infermeter.records import RequestStatus
 from infermeter.spool import SpoolError
 from sidecar.accounting import Accounting, Call
 from sidecar.admission import Refusal
 from sidecar.assemble import Assembler, answer, assemblable, streamed_body
+from sidecar.direct import Pools, StreamSink, WholeSink
 from sidecar.drain import Drain
 from sidecar.journal import AdmissionJournal
+from sidecar.pool import Connection, request_head
 from sidecar.request_ids import response_id
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
 from sidecar.upstream import UPSTREAM_ERRORS, StallWatch, Upstream, upstream_failure
@@ -51,7 +54,8 @@ class Relay:
     """Forwarding for one replica: its upstream pool, the drain, the journal and accounting."""
 
     def __init__(self, upstream: str, generation: Upstream, accounting: Accounting,
-                 journal: AdmissionJournal, drain: Drain, assemble: bool) -> None:  # fmt: skip
+                 journal: AdmissionJournal, drain: Drain, assemble: bool,
+                 direct: bool = False) -> None:  # fmt: skip
         self.upstream = upstream
         self.generation = generation
         self.accounting = accounting
@@ -59,6 +63,14 @@ class Relay:
         self.drain = drain
         # ``sidecar.non_streamed_via_stream``: read whole answers as streams when possible.
         self.assemble = assemble
+        self.pools = Pools(generation.connect_timeout_seconds, generation.read_timeout_seconds)
+        # ``sidecar.protocol_relay``: whole answers on the protocol pool too (``sidecar.direct``).
+        self.direct = direct
+
+    async def close(self) -> None:
+        """Close every upstream connection."""
+        await self.generation.close()
+        await self.pools.close()
 
     async def _open(self, call: Call, body: dict[str, Any],
                     headers: dict[str, str]) -> aiohttp.ClientResponse:  # fmt: skip
@@ -67,9 +79,7 @@ class Relay:
                 self.upstream + call.endpoint, orjson.dumps(body), headers
             )
         except UPSTREAM_ERRORS as exc:
-            status, message = upstream_failure(exc)
-            raise Refusal(status, orjson.loads(message)["error"]["message"], "upstream_error",
-                          "upstream_unreachable" if status == 502 else "upstream_timeout", RequestStatus.UPSTREAM_ERROR) from None  # fmt: skip
+            raise _refusal(exc) from None
 
     # -- streamed --------------------------------------------------------------------------------
 
@@ -115,6 +125,84 @@ class Relay:
             else:
                 # Closing the connection is what makes vLLM abort the request.
                 response.close()
+        return await self._end_stream(call, meter, status, send)
+
+    async def _send_direct(self, call: Call, body: dict[str, Any], headers: dict[str, str],
+                           sink: StreamSink | WholeSink) -> Connection | None:  # fmt: skip
+        """Send the request on a pooled connection; None when the upstream is not plain HTTP."""
+        found = self.pools.get(self.upstream)
+        if found is None:
+            return None
+        pool, host, prefix = found
+        try:
+            conn = await pool.connection()
+        except UPSTREAM_ERRORS as exc:
+            raise _refusal(exc) from None
+        payload = orjson.dumps(body)
+        head = request_head(b"POST", prefix + call.endpoint.encode(), host, headers, len(payload))
+        conn.send(head + payload, sink, pool.read_timeout_seconds)
+        return conn
+
+    async def stream_direct(self, call: Call, receive: Receive, send: Send, body: dict[str, Any],
+                            headers: dict[str, str], raw: RawWriter) -> tuple[StreamMeter, RequestStatus, int] | None:  # fmt: skip
+        """``stream`` on protocols (``sidecar.direct``); None when this upstream needs ``stream``."""
+        meter = StreamMeter(call.client_usage, call.client_continuous, call.started)
+        sink = StreamSink(meter, asyncio.get_running_loop())
+        conn = await self._send_direct(call, body, headers, sink)
+        if conn is None:
+            return None
+        got = await sink.headed
+        if isinstance(got, BaseException):
+            conn.close()
+            raise _refusal(got)
+        if got != 200:
+            return await self._refused_direct(call, conn, sink, send)
+        self.journal.track(call.request_id, meter)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()),
+                                *call.echo_headers(), *call.ratelimit_headers()]})  # fmt: skip
+        sink.go_direct(raw)
+        raw.on_pause, raw.on_resume = conn.pause_reading, conn.resume_reading
+        if raw.paused:
+            conn.pause_reading()
+        watcher = asyncio.get_running_loop().create_task(wait_disconnect(receive))
+        status = RequestStatus.OK
+        try:
+            await asyncio.wait(
+                (sink.finished, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            raw.on_pause = raw.on_resume = None
+            sink.writer = None
+            watcher.cancel()
+        if not sink.finished.done():
+            # Closing the connection is what makes vLLM abort the request.
+            conn.close()
+            status = RequestStatus.CLIENT_ABORTED if watcher.done() else RequestStatus.INTERRUPTED
+        elif (exc := sink.finished.result()) is not None and not meter.done:
+            # (A failure after [DONE], while reading the terminator, loses nothing.)
+            status = RequestStatus.UPSTREAM_ERROR
+            log.warning("upstream failed mid-stream on %s: %s", self.accounting.replica, exc)
+        return await self._end_stream(call, meter, status, send)
+
+    async def _refused_direct(self, call: Call, conn: Connection, sink: StreamSink,
+                              send: Send) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+        # vLLM refuses bad streamed requests with a JSON error before any SSE: pass it on.
+        if await sink.finished is not None:
+            conn.close()
+        content = b"".join(sink.error)
+        status = RequestStatus.BAD_REQUEST if sink.status < 500 else RequestStatus.UPSTREAM_ERROR
+        meter = StreamMeter(False, False, call.started)
+        at = content.find(b'"usage":{')
+        meter.usage = parse_usage(content[at:]) if at >= 0 else None
+        await self.accounting.record(call, status, sink.status, meter.usage, None, None)
+        await respond(send, sink.status, content,
+                      [JSON, *call.echo_headers(), *call.ratelimit_headers()])  # fmt: skip
+        return meter, status, sink.status
+
+    async def _end_stream(self, call: Call, meter: StreamMeter, status: RequestStatus,
+                          send: Send) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+        """Record the stream, then give the client its last event (the record is durable first)."""
         tail = meter.close()
         call.response_id = meter.response_id
         if status is RequestStatus.OK and not meter.done:
@@ -163,7 +251,12 @@ class Relay:
         if self.assemble and assemblable(call.endpoint, body):
             return await self._assembled(call, receive, send, body, headers)
 
-        async def exchange() -> tuple[aiohttp.ClientResponse, bytes]:
+        direct = self.direct and self.pools.get(self.upstream) is not None
+
+        async def exchange() -> tuple[aiohttp.ClientResponse | WholeSink, bytes]:
+            if direct:
+                sink = await self._exchange_direct(call, body, headers, None)
+                return sink, b"".join(sink.parts)
             response = await self._open(call, body, headers)
             try:
                 content = await response.read()
@@ -234,7 +327,12 @@ class Relay:
         n = body.get("n")
         assembler = Assembler(call.endpoint, n if isinstance(n, int) and n > 0 else 1)
 
-        async def exchange() -> tuple[aiohttp.ClientResponse, bytes | None]:
+        direct = self.direct and self.pools.get(self.upstream) is not None
+
+        async def exchange() -> tuple[aiohttp.ClientResponse | WholeSink, bytes | None]:
+            if direct:
+                sink = await self._exchange_direct(call, streamed_body(body), headers, assembler)
+                return sink, None if sink.streamed else b"".join(sink.parts)
             response = await self._open(call, streamed_body(body), headers)
             try:
                 # A refusal before any SSE is the same JSON error as for the whole request.
@@ -295,6 +393,25 @@ class Relay:
         await respond(send, out.http_status, out.body, whole_headers(call, raw))
         return out.usage, out.status, out.http_status, finish
 
+    async def _exchange_direct(self, call: Call, body: dict[str, Any], headers: dict[str, str],
+                               assembler: Assembler | None) -> WholeSink:  # fmt: skip
+        """A whole exchange on the protocol pool; the same errors as ``_open`` and aiohttp's read."""
+        sink = WholeSink(asyncio.get_running_loop(), assembler)
+        conn = await self._send_direct(call, body, headers, sink)
+        assert conn is not None
+        try:
+            exc = await sink.finished
+        except BaseException:
+            # Cancelled (the client left, or the drain): closing makes vLLM abort the request.
+            conn.close()
+            raise
+        if exc is None:
+            return sink
+        if sink.status == 0:
+            # Nothing came back: unreachable or timed out, as a refused connection is.
+            raise _refusal(exc)
+        raise exc
+
     async def _collect(self, response: aiohttp.ClientResponse, assembler: Assembler) -> None:
         """Read a stream to its end into ``assembler``; the read timeout is per read, as streamed."""
         watch = StallWatch(response, self.generation.read_timeout_seconds)
@@ -352,6 +469,13 @@ _STREAM_ENDS = {
         "server_shutting_down",
     ),
 }
+
+
+def _refusal(exc: BaseException) -> Refusal:
+    """The 502 or 504 of an upstream that failed before its response head."""
+    status, message = upstream_failure(exc)
+    return Refusal(status, orjson.loads(message)["error"]["message"], "upstream_error",
+                   "upstream_unreachable" if status == 502 else "upstream_timeout", RequestStatus.UPSTREAM_ERROR)  # fmt: skip
 
 
 def stream_end(status: RequestStatus) -> bytes:
