@@ -156,6 +156,9 @@ class Connection(asyncio.Protocol):
         self._timer = asyncio.get_running_loop().call_later(
             read_timeout_seconds, self._check, read_timeout_seconds
         )
+        if not self.transport.is_reading():
+            # The last exchange may have ended while its client had paused reading.
+            self.transport.resume_reading()
         self.transport.write(data)
 
     def pause_reading(self) -> None:
