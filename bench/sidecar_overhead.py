@@ -29,6 +29,7 @@ TTFT is the time from sending the request to receiving the first SSE event that 
 
     .venv/bin/python -m bench.sidecar_overhead            # about 3 minutes
     .venv/bin/python -m bench.sidecar_overhead --quick    # about 1.5 minutes, shorter windows
+    .venv/bin/python -m bench.sidecar_overhead --relay asgi   # the aiohttp + ASGI relay instead
     .venv/bin/python -m bench.sidecar_overhead --json > overhead.json
 
 Every process it starts (replica, nginx, sidecar, client) is stopped when it ends, also on
@@ -1130,9 +1131,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(to measure a patched sidecar, or the same one on another event loop)",
     )
     parser.add_argument(
-        "--protocol-relay",
-        action="store_true",
-        help="run the sidecar with sidecar.protocol_relay: true (the relay on asyncio protocols)",
+        "--relay",
+        choices=("protocol", "asgi"),
+        help="the sidecar's relay: sidecar.protocol_relay true (protocol, the default) or false "
+        "(asgi: aiohttp and ASGI messages), to compare both in one sitting",
     )
     parser.add_argument(
         "--py-spy",
@@ -1173,7 +1175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     started = time.monotonic()
     try:
-        settings = {"protocol_relay": True} if args.protocol_relay else None
+        settings = None if args.relay is None else {"protocol_relay": args.relay == "protocol"}
         result = run_benchmark(plan, nginx_bin, args.py_spy, echo, args.sidecar_launcher, settings)
     except KeyboardInterrupt:
         print("interrupted; everything started was stopped", file=sys.stderr)
