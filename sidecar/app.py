@@ -1,10 +1,12 @@
 """The sidecar: a metering, team-aware streaming proxy in front of one vLLM replica.
 
-Plain ASGI, because every token of every user passes through ``sidecar.relay`` and a framework's
-per-message machinery would cost more than the work itself. The path of one request:
+Plain ASGI for the request itself; every token of every user then passes through the relay on
+asyncio protocols (``sidecar.direct``, ``sidecar.pool``), or the ASGI relay (``sidecar.relay``)
+when ``sidecar.protocol_relay`` is off. The path of one request:
 
-    identify team -> read and check body -> route model -> team limits -> fair batch slot
-    -> forward (aiohttp, streamed) -> meter and rewrite chunks -> usage record durable in the spool
+    identify team -> read and check body -> route model (``sidecar.admission``) -> team limits
+    -> fair batch slot -> forward, streamed -> meter and rewrite chunks
+    -> usage record durable in the spool (``sidecar.accounting``)
     -> final ``data: [DONE]`` (or the whole body) -> settle limits, metrics, span
 
 A record is on disk before the client sees the end of its response, so a response a client saw

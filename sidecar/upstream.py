@@ -1,4 +1,6 @@
-"""The sidecar's connections to its vLLM replica for generation requests: aiohttp's client.
+"""The sidecar's aiohttp connections to its vLLM replica, when ``sidecar.protocol_relay`` is off.
+
+(With it on, the default, generation requests go through ``sidecar.pool`` instead.)
 
 Every token of every user is read here, so this path uses aiohttp rather than httpx: its
 keep-alive pool hands out an idle connection in O(1) (httpx's pool checks every pooled connection
