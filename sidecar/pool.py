@@ -109,6 +109,7 @@ class Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamClosed(f"invalid HTTP from the replica: {exc}"))
+            self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         """End an exchange in flight with an error; an idle connection just leaves the pool."""

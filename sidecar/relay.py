@@ -151,9 +151,18 @@ class Relay:
         conn = await self._send_direct(call, body, headers, sink)
         if conn is None:
             return None
+        try:
+            return await self._relay_direct(call, receive, send, conn, sink, raw)
+        finally:
+            if not sink.finished.done():
+                # Cancelled or cut short: closing the connection makes vLLM abort the request.
+                conn.close()
+
+    async def _relay_direct(self, call: Call, receive: Receive, send: Send, conn: Connection,
+                            sink: StreamSink, raw: RawWriter) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+        meter = sink.meter
         got = await sink.headed
         if isinstance(got, BaseException):
-            conn.close()
             raise _refusal(got)
         if got != 200:
             return await self._refused_direct(call, conn, sink, send)
