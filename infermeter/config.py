@@ -349,6 +349,8 @@ class SidecarSettings(_Strict):
     # Non-streamed completions are asked of vLLM as streams with continuous usage and answered
     # whole (``sidecar.assemble``), so a client that leaves is metered; false relays them as sent.
     non_streamed_via_stream: bool = True
+    # Relay on asyncio protocols (sidecar.pool, sidecar.direct); false: aiohttp and ASGI messages.
+    protocol_relay: bool = True
     fair_headroom: Annotated[float, Field(ge=0, lt=1)] = 0.125
     fair_queue_max_per_team: Annotated[int, Field(gt=0)] = 256
     fair_wait_timeout_seconds: Positive = 30.0

@@ -13,16 +13,23 @@ the three missing bounds on top of uvicorn's own, and nothing else:
 - past ``max_connections`` open connections, a new one is closed as soon as it is accepted.
 
 The body has its own deadline in the application, which reads it (``infermeter.asgi.read_body``).
+
+Each request's scope also carries a ``RawWriter`` (``scope["extensions"]["infermeter.raw"]``): a
+streaming application may write the chunks of a response body it started with ``send`` straight
+to the client's transport, and be told when the client stops taking them.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["DEFAULT_LIMITS", "ServerLimits", "guarded_protocol"]
+__all__ = ["DEFAULT_LIMITS", "RAW_WRITER", "RawWriter", "ServerLimits", "guarded_protocol"]
+
+RAW_WRITER = "infermeter.raw"
 
 _TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
@@ -41,15 +48,53 @@ class ServerLimits:
 DEFAULT_LIMITS = ServerLimits()
 
 
+class RawWriter:
+    """Chunks of a started chunked response, written to the client's transport past ASGI.
+
+    The response must have been started with ``send`` (``http.response.start``, no
+    content-length) and must be ended with ``send`` too (the last ``http.response.body``), so the
+    server keeps its own account of the response; in between, ``write`` frames and writes each
+    piece at once. ``on_pause`` and ``on_resume`` are called when the client's socket buffer fills
+    and drains again; ``paused`` says which holds now.
+    """
+
+    __slots__ = ("on_pause", "on_resume", "paused", "transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.paused = False
+        self.on_pause: Callable[[], None] | None = None
+        self.on_resume: Callable[[], None] | None = None
+
+    def write(self, data: bytes) -> None:
+        """Write ``data`` as one chunk of the body (nothing for empty data)."""
+        if data and not self.transport.is_closing():
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def pause(self) -> None:
+        """The transport's buffer is full."""
+        self.paused = True
+        if self.on_pause is not None:
+            self.on_pause()
+
+    def resume(self) -> None:
+        """The transport's buffer drained."""
+        self.paused = False
+        if self.on_resume is not None:
+            self.on_resume()
+
+
 def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with ``limits`` applied, as a class uvicorn can instantiate."""
 
     class GuardedHttpTools(HttpToolsProtocol):
         _deadline: asyncio.TimerHandle | None = None
         _header_bytes = 0
+        _raw: RawWriter | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self._raw = RawWriter(transport)
             if len(self.connections) > limits.max_connections:
                 transport.close()
                 return
@@ -61,6 +106,8 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            if self._raw is not None:
+                self.scope["extensions"] = {RAW_WRITER: self._raw}  # type: ignore[dict-item]
             self._header_bytes = 0
             if self._deadline is None:
                 self._arm()
@@ -76,6 +123,16 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._raw is not None:
+                self._raw.pause()
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._raw is not None:
+                self._raw.resume()
 
         def _count(self, size: int) -> None:
             self._header_bytes += size

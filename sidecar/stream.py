@@ -74,23 +74,26 @@ class StreamMeter:
     _tail: bytes = b""
     _held: bytes = b""
     _usage: UsageCounts | None = None
-    # The latest usage object seen, parsed only when asked for: every chunk carries one, and only
-    # the last one counts.
-    _usage_raw: bytes = b""
+    # The block holding the latest usage object seen and where it starts, parsed only when asked
+    # for: every chunk carries one, only the last one counts, and keeping the block costs no copy.
+    _usage_block: bytes = b""
+    _usage_at: int = 0
 
     @property
     def usage(self) -> UsageCounts | None:
         """The latest token counts vLLM reported, None before any."""
-        if self._usage_raw:
-            counts = parse_usage(self._usage_raw)
-            self._usage_raw = b""
+        if self._usage_block:
+            at = self._usage_at
+            # One level of nesting (prompt_tokens_details) fits well within 400 bytes.
+            counts = parse_usage(self._usage_block[at : at + 400])
+            self._usage_block = b""
             if counts is not None:
                 self._usage = counts
         return self._usage
 
     @usage.setter
     def usage(self, counts: UsageCounts | None) -> None:
-        self._usage, self._usage_raw = counts, b""
+        self._usage, self._usage_block = counts, b""
 
     @property
     def passthrough(self) -> bool:
@@ -129,8 +132,7 @@ class StreamMeter:
         tokens = events - data.count(_ROLE) - usage_only
         at = data.rfind(_USAGE_KEY)
         if at >= 0:
-            # One level of nesting (prompt_tokens_details) fits well within 400 bytes.
-            self._usage_raw = data[at : at + 400]
+            self._usage_block, self._usage_at = data, at
             self.final_usage = self.final_usage or usage_only > 0
         if _FINISH in data:
             i = data.rfind(_FINISH) + len(_FINISH)

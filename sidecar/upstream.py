@@ -1,4 +1,6 @@
-"""The sidecar's connections to its vLLM replica for generation requests: aiohttp's client.
+"""The sidecar's aiohttp connections to its vLLM replica, when ``sidecar.protocol_relay`` is off.
+
+(With it on, the default, generation requests go through ``sidecar.pool`` instead.)
 
 Every token of every user is read here, so this path uses aiohttp rather than httpx: its
 keep-alive pool hands out an idle connection in O(1) (httpx's pool checks every pooled connection
@@ -16,11 +18,12 @@ import aiohttp
 import httpx
 
 from infermeter.errors import error_body
+from sidecar.pool import UpstreamError
 
 __all__ = ["UPSTREAM_ERRORS", "StallWatch", "Upstream", "upstream_failure"]
 
-# What a failed exchange with the replica raises, from either client.
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, httpx.HTTPError)
+# What a failed exchange with the replica raises, from any of the clients.
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, httpx.HTTPError, UpstreamError)
 # uvicorn, which serves vLLM's API, closes idle connections after 5 s; dropping them first avoids
 # sending a request on a connection the server is closing.
 _KEEPALIVE_SECONDS = 4.0
@@ -30,6 +33,7 @@ class Upstream:
     """A keep-alive pool of connections to one replica, opened on first use."""
 
     def __init__(self, connect_timeout_seconds: float, read_timeout_seconds: float) -> None:
+        self.connect_timeout_seconds = connect_timeout_seconds
         self.read_timeout_seconds = read_timeout_seconds
         self.timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=connect_timeout_seconds, sock_read=read_timeout_seconds

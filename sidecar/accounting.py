@@ -1,0 +1,188 @@
+"""Accounting: what a finished request leaves behind, its usage record, metrics and span.
+
+The record is written whatever the path that served the request (the ASGI relay, the protocol
+relay, a refusal); it is durable in the spool before the client sees the end of its response.
+Metrics and the span follow off the client's critical path, once per request: the inter-token
+gaps the meter collected are observed here, in one batch, never per chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from opentelemetry import trace
+
+from infermeter.records import RequestStatus, UsageRecord
+from infermeter.spool import Spool, SpoolError
+from sidecar import tracing
+from sidecar.bounds import capped, label
+from sidecar.fairness import Slot
+from sidecar.journal import AdmissionJournal
+from sidecar.limits import Admission
+from sidecar.metrics import SidecarMetrics
+from sidecar.prefix import Prefix
+from sidecar.stream import StreamMeter, UsageCounts
+
+__all__ = ["Accounting", "Call", "usage_record"]
+
+log = logging.getLogger("infermeter.sidecar")
+
+# Statuses whose record is exact although vLLM reported no usage: nothing was generated.
+_EXACT_WITHOUT_USAGE = frozenset({RequestStatus.REJECTED, RequestStatus.RATE_LIMITED,
+                                  RequestStatus.UNAUTHORIZED, RequestStatus.BAD_REQUEST})  # fmt: skip
+_INEXACT = frozenset(
+    {RequestStatus.CLIENT_ABORTED, RequestStatus.UPSTREAM_ERROR, RequestStatus.INTERRUPTED}
+)
+
+
+@dataclass
+class Call:
+    """Everything known about one request while it is served."""
+
+    request_id: str
+    endpoint: str
+    received_at: float
+    started: float
+    team: str = ""
+    model: str = ""
+    served_version: str = ""
+    stream: bool = False
+    admission: Admission | None = None
+    slot: Slot | None = None
+    span: trace.Span | None = None
+    # What the client asked of the stream (``include_usage``, ``continuous_usage_stats``).
+    client_usage: bool = False
+    client_continuous: bool = False
+    # The caller's own x-request-id (when valid) and vLLM's id for the response.
+    client_request_id: str | None = None
+    response_id: str | None = None
+    # The keyed digest of the prompt's head (sidecar.prefix), when the deployment has a key.
+    prefix: Prefix | None = None
+
+    def echo_headers(self) -> list[tuple[bytes, bytes]]:
+        """The caller's own x-request-id, echoed when it sent a valid one."""
+        if self.client_request_id is None:
+            return []
+        return [(b"x-request-id", self.client_request_id.encode())]
+
+    def ratelimit_headers(self) -> list[tuple[bytes, bytes]]:
+        """The team's rate-limit state, as the admission left it."""
+        if self.admission is None:
+            return []
+        return [(k.encode(), v.encode()) for k, v in self.admission.headers]
+
+
+def usage_record(call: Call, replica: str, instance: str | None, status: RequestStatus,
+                 http_status: int, usage: UsageCounts | None, meter: StreamMeter | None,
+                 finish: str | None, now: float) -> UsageRecord:  # fmt: skip
+    """The request's record if it ended at ``now`` (``perf_counter``) like this."""
+    exact = usage is not None or status in _EXACT_WITHOUT_USAGE
+    first = meter.first_token_at if meter else None
+    return UsageRecord(
+        request_id=call.request_id, team=call.team, model=capped(call.model), served_version=call.served_version,
+        replica=replica, instance=instance, received_at=call.received_at,
+        first_token_at=None if first is None else call.received_at + (first - call.started),
+        finished_at=call.received_at + (now - call.started),
+        prompt_tokens=usage.prompt if usage else 0, cached_prompt_tokens=usage.cached if usage else 0,
+        completion_tokens=usage.completion if usage else 0, status=status.value, http_status=http_status,
+        stream=call.stream, endpoint=call.endpoint, finish_reason=None if finish is None else capped(finish), usage_exact=exact,
+        response_id=None if call.response_id is None else capped(call.response_id), client_request_id=call.client_request_id,
+        prefix_digest=call.prefix.digest if call.prefix else None, prefix_share=call.prefix.share if call.prefix else None,
+    )  # fmt: skip
+
+
+class Accounting:
+    """Records into the spool and the journal, metrics and spans, for one replica's requests."""
+
+    def __init__(self, spool: Spool, journal: AdmissionJournal, metrics: SidecarMetrics,
+                 replica: str, instance: str | None,
+                 on_spool_failure: Literal["refuse", "serve_unmetered"]) -> None:  # fmt: skip
+        self.spool, self.journal, self.metrics = spool, journal, metrics
+        self.replica, self.instance = replica, instance
+        self.on_spool_failure = on_spool_failure
+        # The last append failed: with ``refuse``, new requests are refused until one succeeds.
+        self.spool_broken = False
+
+    @property
+    def refusing(self) -> bool:
+        """True while the spool is failing and unmetered requests must not be served."""
+        return self.spool_broken and self.on_spool_failure == "refuse"
+
+    def record_of(self, call: Call, status: RequestStatus, http_status: int,
+                  usage: UsageCounts | None, meter: StreamMeter | None,
+                  finish: str | None) -> UsageRecord:  # fmt: skip
+        """``usage_record`` for this replica, ending now."""
+        return usage_record(call, self.replica, self.instance, status, http_status, usage, meter,
+                            finish, time.perf_counter())  # fmt: skip
+
+    async def record(self, call: Call, status: RequestStatus, http_status: int,
+                     usage: UsageCounts | None, meter: StreamMeter | None,
+                     finish: str | None) -> None:  # fmt: skip
+        """Make the usage record durable; on failure follow ``on_spool_failure``.
+
+        SpoolError (after counting it) only when the sidecar refuses to serve unmetered.
+        """
+        record = self.record_of(call, status, http_status, usage, meter, finish)
+        try:
+            await self.spool.append(record.to_json())
+            self.spool_broken = False
+        except SpoolError:
+            self.spool_broken = True
+            self.metrics.spool_errors.inc()
+            if self.on_spool_failure == "refuse":
+                raise
+            log.error("serving UNMETERED: usage of request %s (team %s) is lost",
+                      call.request_id, call.team)  # fmt: skip
+        self.journal.finish(call.request_id)
+
+    def observe(self, call: Call, status: RequestStatus, usage: UsageCounts | None,
+                meter: StreamMeter | None, finish: str | None,
+                model_names: frozenset[str]) -> None:  # fmt: skip
+        """Metrics and span for a finished request (off the client's critical path)."""
+        m = self.metrics
+        # Labels only ever take configured names, so no request can mint a series.
+        labels = (call.team or "unknown", label(call.model, model_names))
+        m.requests.labels(*labels, status.value).inc()
+        if status is not RequestStatus.UNAUTHORIZED:
+            m.duration.observe(labels, time.perf_counter() - call.started)
+        if usage is not None:
+            m.prompt_tokens.labels(*labels).inc(usage.prompt)
+            m.completion_tokens.labels(*labels).inc(usage.completion)
+            if usage.cached:
+                m.cached_prompt_tokens.labels(*labels).inc(usage.cached)
+        elif call.admission is not None and status in _INEXACT:
+            m.inexact.labels(*labels).inc()
+        if meter is not None and meter.first_token_at is not None:
+            _observe_stream(m, labels, call, usage, meter)
+        if call.span is not None:
+            _end_span(call.span, call, status, usage, meter, finish)
+
+
+def _observe_stream(m: SidecarMetrics, labels: tuple[str, str], call: Call,
+                    usage: UsageCounts | None, meter: StreamMeter) -> None:  # fmt: skip
+    first = meter.first_token_at
+    assert first is not None
+    m.ttft.observe(labels, first - call.started)
+    for gap, count in meter.itl:
+        m.itl.observe(labels, gap, count)
+    last = meter.last_token_at
+    if usage is not None and usage.completion > 1 and last and last > first:
+        m.tps.observe(labels, (usage.completion - 1) / (last - first))
+
+
+def _end_span(span: trace.Span, call: Call, status: RequestStatus, usage: UsageCounts | None,
+              meter: StreamMeter | None, finish: str | None) -> None:  # fmt: skip
+    span.set_attribute(tracing.RESPONSE_MODEL, call.served_version)
+    if usage is not None:
+        span.set_attribute(tracing.INPUT_TOKENS, usage.prompt)
+        span.set_attribute(tracing.OUTPUT_TOKENS, usage.completion)
+    if finish:
+        span.set_attribute(tracing.FINISH_REASONS, [finish])
+    if meter is not None and meter.first_token_at is not None:
+        span.set_attribute(tracing.TIME_TO_FIRST_CHUNK, meter.first_token_at - call.started)
+    if status is not RequestStatus.OK:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, status.value))
+    span.end()

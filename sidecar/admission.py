@@ -1,0 +1,187 @@
+"""Admission: what the sidecar decides about a generation request before anything is forwarded.
+
+Pure functions over the request's head and body and the configuration's ``View``: who calls,
+whether the body is a request the sidecar can meter, which model serves it, how many tokens it
+reserves and what exactly goes upstream. Each returns a typed ``Plan`` or a ``Refusal`` (the
+OpenAI error the client gets), so every rule is testable without a server. What needs state
+that changes under the request (limits, budgets, fair share, the spool) is asked by the caller,
+in the order the module docstring of ``sidecar.app`` gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from infermeter.auth import bearer_key
+from infermeter.records import RequestStatus
+from sidecar.bounds import capped
+from sidecar.limits import estimate_prompt_tokens
+from sidecar.prefix import Prefix, prefix_of
+from sidecar.request_ids import client_request_id
+from sidecar.state import ModelNotFoundError, View
+
+__all__ = [
+    "CHARGED_REFUSALS",
+    "GENERATE",
+    "Headers",
+    "Plan",
+    "Refusal",
+    "first_header",
+    "gateway_signed",
+    "identify",
+    "parse_body",
+    "plan",
+    "upstream_headers",
+]
+
+Headers = Sequence[tuple[bytes, bytes]]
+
+# The generation endpoints and their operation names (OpenTelemetry's gen_ai.operation.name).
+GENERATE = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+    "/v1/embeddings": "embeddings",
+}
+# Refusals decided before admission; each still costs one of the team's requests per minute.
+CHARGED_REFUSALS = frozenset({400, 404, 408, 413})
+# Headers never passed upstream: hop-by-hop ones, the caller's credentials, and what the client
+# library sets.
+_DROP = frozenset({b"authorization", b"host", b"content-length", b"connection", b"keep-alive",
+                   b"transfer-encoding", b"te", b"upgrade", b"proxy-authorization", b"accept-encoding"})  # fmt: skip
+
+
+class Refusal(Exception):
+    """An answer decided before forwarding: status, OpenAI error and extra headers.
+
+    An exception as well as a value, so the steps after admission (limits, fair share, the
+    upstream's head) can end the request the same way from any depth.
+    """
+
+    def __init__(self, status: int, message: str, err_type: str, code: str | None,
+                 record_status: RequestStatus, headers: tuple[tuple[str, str], ...] = (),
+                 param: str | None = None, model: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.code = status, message, err_type, code
+        self.record_status, self.headers, self.param = record_status, headers, param
+        # The model the client asked for, when the refusal is that no such model is served.
+        self.model = model
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to forward for an identified team's request, and what to meter it as."""
+
+    model: str
+    served_version: str
+    # The model as the client named it (for the span), the served alias when it named none.
+    requested: str
+    stream: bool
+    # What the client asked of the stream; the sidecar always asks vLLM for both.
+    client_usage: bool
+    client_continuous: bool
+    reserve_tokens: int
+    # The request for vLLM, as a dict (the assembling path rewrites it once more).
+    body: dict[str, Any]
+    # The keyed digest of the prompt's head (sidecar.prefix), when the deployment has a key.
+    prefix: Prefix | None = None
+
+
+def first_header(headers: Headers, name: bytes) -> str | None:
+    """The first value of header ``name`` (lower-case bytes), or None."""
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def gateway_signed(view: View, headers: Headers) -> bool:
+    """True when a gateway is configured and this request carries its team header."""
+    gateway = view.gateway
+    return gateway is not None and first_header(headers, gateway.team_header.encode()) is not None
+
+
+def identify(view: View, method: str, path: str, headers: Headers, body: bytes = b"") -> str:
+    """The calling team, by its key or, in gateway mode, by a signature over the request.
+
+    AuthError when neither proves a team.
+    """
+    if view.gateway is not None and gateway_signed(view, headers):
+        named = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+        return view.gateway.team_for(named, method, path, body)
+    return view.keys.team_for(bearer_key(first_header(headers, b"authorization")))
+
+
+def parse_body(raw: bytes) -> dict[str, Any] | Refusal:
+    """The request's JSON object, or the 400 a client gets for a body that is not one."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return Refusal(400, f"We could not parse the JSON body of your request. ({exc})",
+                       "invalid_request_error", "invalid_json", RequestStatus.BAD_REQUEST)  # fmt: skip
+    if not isinstance(body, dict):
+        return Refusal(400, "The request body must be a JSON object.", "invalid_request_error",
+                       "invalid_json", RequestStatus.BAD_REQUEST)  # fmt: skip
+    if not isinstance(body.get("stream_options", {}), dict | None):
+        # It is read to rewrite the stream; vLLM refuses it anyway.
+        return Refusal(400, "'stream_options' must be an object or null.", "invalid_request_error",
+                       "invalid_type", RequestStatus.BAD_REQUEST, param="stream_options")  # fmt: skip
+    return body
+
+
+def plan(view: View, endpoint: str, raw: bytes, *, default_reserve_tokens: int,
+         metering_down: bool) -> Plan | Refusal:  # fmt: skip
+    """The plan for an identified team's request body ``raw`` on ``endpoint``, or its refusal.
+
+    ``metering_down``: the spool failed and the sidecar refuses what it cannot meter.
+    """
+    body = parse_body(raw)
+    if isinstance(body, Refusal):
+        return body
+    requested = body.get("model")
+    try:
+        route = view.route(requested if isinstance(requested, str) else None)
+    except ModelNotFoundError as exc:
+        return Refusal(404, str(exc), "invalid_request_error", "model_not_found",
+                       RequestStatus.REJECTED, model=capped(str(requested)))  # fmt: skip
+    if metering_down:
+        return Refusal(503, "Usage metering is unavailable; the request was not served.",
+                       "server_error", "metering_unavailable", RequestStatus.REJECTED)  # fmt: skip
+    stream = bool(body.get("stream")) and endpoint != "/v1/embeddings"
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    n_raw = body.get("n")
+    n = n_raw if isinstance(n_raw, int) else 1
+    out = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else default_reserve_tokens
+    reserve = estimate_prompt_tokens(len(raw)) + out * max(1, n)
+    options = body.get("stream_options") or {}
+    usage = bool(options.get("include_usage"))
+    continuous = usage and bool(options.get("continuous_usage_stats"))
+    prefix = prefix_of(view.prefix, body)
+    body["model"] = route.served_version
+    if stream:
+        body["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": True}
+    return Plan(route.model, route.served_version, str(requested or route.model), stream,
+                usage, continuous, reserve, body, prefix)  # fmt: skip
+
+
+def upstream_headers(view: View, headers: Headers, upstream_key: str | None) -> dict[str, str]:
+    """The headers sent to vLLM: the client's, less credentials, hop-by-hop and our own.
+
+    The gateway's signed headers, and anything in the sidecar's own ``x-infermeter-*``
+    namespace, stay here: vLLM learns nothing of who called or how they proved it.
+    """
+    gateway = view.gateway
+    signed = frozenset(h.lower().encode() for h in gateway.headers) if gateway else frozenset()
+    out = {
+        k.decode("latin-1"): v.decode("latin-1")
+        for k, v in headers
+        if k not in _DROP and k not in signed and not k.startswith(b"x-infermeter-")
+    }
+    if "x-request-id" in out and client_request_id(first_header(headers, b"x-request-id")) is None:
+        del out["x-request-id"]
+    if upstream_key:
+        out["authorization"] = f"Bearer {upstream_key}"
+    return out

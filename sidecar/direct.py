@@ -1,0 +1,146 @@
+"""The streamed relay on protocols: vLLM's blocks metered and written to the client as they arrive.
+
+``StreamSink`` receives the response on the upstream connection (``sidecar.pool``) and, from
+inside ``data_received``, meters each block (``StreamMeter.feed``) and writes what the client
+should see to the client's transport (``infermeter.http_guard.RawWriter``). Per block that is
+one parse, one meter pass and one write: no task switch, no ASGI message, no timer. The coroutine
+serving the request only starts the response, waits for the end, the client leaving or the
+drain, and then makes the record durable before the final ``data: [DONE]``, as the ASGI relay
+does (``sidecar.relay``).
+
+Flow control both ways: while the client's transport is paused (its socket buffer is full), the
+upstream connection stops reading, so vLLM's bytes wait in the kernel, not in the sidecar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from urllib.parse import urlsplit
+
+from infermeter.http_guard import RawWriter
+from sidecar.assemble import Assembler
+from sidecar.pool import Pool, UpstreamClosed
+from sidecar.stream import StreamMeter
+
+__all__ = ["Pools", "StreamSink", "WholeSink"]
+
+
+class StreamSink:
+    """One streamed response: held until the client's response starts, then relayed directly."""
+
+    __slots__ = ("error", "finished", "headed", "meter", "pending", "status", "writer")
+
+    def __init__(self, meter: StreamMeter, loop: asyncio.AbstractEventLoop) -> None:
+        self.meter = meter
+        self.status = 0
+        # The status once the head is in, or the exception that came instead.
+        self.headed: asyncio.Future[int | BaseException] = loop.create_future()
+        # None once the response ended cleanly, else the exception that ended it.
+        self.finished: asyncio.Future[BaseException | None] = loop.create_future()
+        self.writer: RawWriter | None = None
+        # What the client should see, metered before its response had started.
+        self.pending: list[bytes] = []
+        # A refusal's body (any status but 200), read whole.
+        self.error: list[bytes] = []
+
+    def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """The status is in: the serving coroutine decides how to answer."""
+        self.status = status
+        if not self.headed.done():
+            self.headed.set_result(status)
+
+    def body(self, data: bytes) -> None:
+        """Meter a block and relay it (the per-chunk path)."""
+        if self.status != 200:
+            self.error.append(data)
+            return
+        meter = self.meter
+        if meter.done:
+            # Bytes after [DONE] are not vLLM's stream.
+            return
+        out = meter.feed(data, time.perf_counter())
+        if out:
+            writer = self.writer
+            if writer is not None:
+                writer.write(out)
+            else:
+                self.pending.append(out)
+
+    def end(self, exc: BaseException | None) -> None:
+        """The response ended (``exc`` None) or failed."""
+        if not self.headed.done():
+            self.headed.set_result(exc or UpstreamClosed("no response from the replica"))
+        if not self.finished.done():
+            self.finished.set_result(exc)
+
+    def go_direct(self, writer: RawWriter) -> None:
+        """The client's response has started: write what is held, then every block at once."""
+        for out in self.pending:
+            writer.write(out)
+        self.pending.clear()
+        self.writer = writer
+
+
+class WholeSink:
+    """A whole response read to its end, or a stream read into an ``Assembler``."""
+
+    __slots__ = ("assembler", "finished", "parts", "raw_headers", "status", "streamed")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, assembler: Assembler | None) -> None:
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.parts: list[bytes] = []
+        self.assembler = assembler
+        self.streamed = False
+        self.finished: asyncio.Future[BaseException | None] = loop.create_future()
+
+    def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Keep the status and headers; a refusal before any SSE is read whole."""
+        self.status, self.raw_headers = status, headers
+        if self.assembler is not None and status == 200:
+            kind = next((v for k, v in headers if k.lower() == b"content-type"), b"")
+            self.streamed = kind.split(b";")[0].strip().lower() == b"text/event-stream"
+
+    def body(self, data: bytes) -> None:
+        """Keep a piece of the body, or feed it to the assembler."""
+        if self.streamed:
+            assert self.assembler is not None
+            if not self.assembler.done:
+                self.assembler.feed(data)
+        else:
+            self.parts.append(data)
+
+    def end(self, exc: BaseException | None) -> None:
+        """Wake the waiting coroutine."""
+        if not self.finished.done():
+            self.finished.set_result(exc)
+
+
+class Pools:
+    """One connection pool per upstream base URL (plain HTTP only), made on first use."""
+
+    def __init__(self, connect_timeout_seconds: float, read_timeout_seconds: float) -> None:
+        self.connect_timeout_seconds = connect_timeout_seconds
+        self.read_timeout_seconds = read_timeout_seconds
+        self._pools: dict[str, tuple[Pool, bytes, bytes]] = {}
+
+    def get(self, base_url: str) -> tuple[Pool, bytes, bytes] | None:
+        """The pool, ``host`` header and path prefix for ``base_url``; None for what it cannot serve."""
+        found = self._pools.get(base_url)
+        if found is not None:
+            return found
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or parts.hostname is None or parts.username or parts.query:
+            return None
+        port = parts.port or 80
+        pool = Pool(parts.hostname, port, self.connect_timeout_seconds, self.read_timeout_seconds)
+        found = (pool, parts.netloc.encode("latin-1"), parts.path.rstrip("/").encode("latin-1"))
+        self._pools[base_url] = found
+        return found
+
+    async def close(self) -> None:
+        """Close every connection of every pool."""
+        for pool, _, _ in self._pools.values():
+            await pool.close()
+        self._pools.clear()

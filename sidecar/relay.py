@@ -1,0 +1,526 @@
+"""The relay over ASGI: forward an admitted request to vLLM and give the client its answer.
+
+Three shapes: a stream (every block metered and rewritten on its way, ``sidecar.stream``), a
+whole answer relayed as vLLM gives it, and a whole answer assembled from vLLM's stream
+(``sidecar.assemble``). Each ends with the usage record durable (``Accounting.record``) before
+the client sees the end of its response, and returns what the request's accounting needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import aiohttp
+import orjson
+
+from infermeter.asgi import Receive, Send, respond
+from infermeter.errors import error_body, sse_error_event
+from infermeter.http_guard import RawWriter
+from infermeter.records import RequestStatus
+from infermeter.spool import SpoolError
+from sidecar.accounting import Accounting, Call
+from sidecar.admission import Refusal
+from sidecar.assemble import Assembler, answer, assemblable, streamed_body
+from sidecar.direct import Pools, StreamSink, WholeSink
+from sidecar.drain import Drain
+from sidecar.journal import AdmissionJournal
+from sidecar.pool import Connection, request_head
+from sidecar.request_ids import response_id
+from sidecar.stream import StreamMeter, UsageCounts, parse_usage
+from sidecar.upstream import UPSTREAM_ERRORS, StallWatch, Upstream, upstream_failure
+
+__all__ = ["JSON", "Relay", "Whole"]
+
+log = logging.getLogger("infermeter.sidecar")
+
+JSON = (b"content-type", b"application/json")
+_SSE = (b"content-type", b"text/event-stream; charset=utf-8")
+_DROP_DOWN = frozenset(
+    {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"date", b"server"}
+)
+_WITHHELD = ("Usage metering is unavailable; the response was withheld.", "server_error",
+             "metering_unavailable", RequestStatus.REJECTED)  # fmt: skip
+
+# How a whole (non-streamed) request ended: usage, status, HTTP status, finish reason.
+Whole = tuple[UsageCounts | None, RequestStatus, int, str | None]
+
+
+class Relay:
+    """Forwarding for one replica: its upstream pool, the drain, the journal and accounting."""
+
+    def __init__(self, upstream: str, generation: Upstream, accounting: Accounting,
+                 journal: AdmissionJournal, drain: Drain, assemble: bool,
+                 direct: bool = False) -> None:  # fmt: skip
+        self.upstream = upstream
+        self.generation = generation
+        self.accounting = accounting
+        self.journal = journal
+        self.drain = drain
+        # ``sidecar.non_streamed_via_stream``: read whole answers as streams when possible.
+        self.assemble = assemble
+        self.pools = Pools(generation.connect_timeout_seconds, generation.read_timeout_seconds)
+        # ``sidecar.protocol_relay``: whole answers on the protocol pool too (``sidecar.direct``).
+        self.direct = direct
+
+    async def close(self) -> None:
+        """Close every upstream connection."""
+        await self.generation.close()
+        await self.pools.close()
+
+    async def _open(self, call: Call, body: dict[str, Any],
+                    headers: dict[str, str]) -> aiohttp.ClientResponse:  # fmt: skip
+        try:
+            return await self.generation.post(
+                self.upstream + call.endpoint, orjson.dumps(body), headers
+            )
+        except UPSTREAM_ERRORS as exc:
+            raise _refusal(exc) from None
+
+    # -- streamed --------------------------------------------------------------------------------
+
+    async def stream(self, call: Call, receive: Receive, send: Send, body: dict[str, Any],
+                     headers: dict[str, str]) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+        """Relay a streamed request; the meter, the record's status and the HTTP status."""
+        response = await self._open(call, body, headers)
+        if response.status != 200:
+            return await self._refused_stream(call, response, send)
+        meter = StreamMeter(call.client_usage, call.client_continuous, call.started)
+        self.journal.track(call.request_id, meter)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()),
+                                *call.echo_headers(), *call.ratelimit_headers()]})  # fmt: skip
+        watch = StallWatch(response, self.generation.read_timeout_seconds)
+        loop = asyncio.get_running_loop()
+        relay = loop.create_task(_pump(response, meter, send, watch))
+        watcher = loop.create_task(wait_disconnect(receive))
+        status = RequestStatus.OK
+        read_to_end = False
+        try:
+            await asyncio.wait(
+                (relay, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED
+            )
+            if not relay.done():
+                relay.cancel()
+                status = (
+                    RequestStatus.CLIENT_ABORTED if watcher.done() else RequestStatus.INTERRUPTED
+                )
+                with contextlib.suppress(asyncio.CancelledError):
+                    await relay
+            elif (exc := relay.exception()) is None:
+                read_to_end = True
+            elif not meter.done:
+                # (A failure after [DONE], while reading the terminator, loses nothing.)
+                status = RequestStatus.UPSTREAM_ERROR
+                log.warning("upstream failed mid-stream on %s: %s", self.accounting.replica, exc)
+        finally:
+            watcher.cancel()
+            watch.cancel()
+            if read_to_end:
+                response.release()
+            else:
+                # Closing the connection is what makes vLLM abort the request.
+                response.close()
+        return await self._end_stream(call, meter, status, send)
+
+    async def _send_direct(self, call: Call, body: dict[str, Any], headers: dict[str, str],
+                           sink: StreamSink | WholeSink) -> Connection | None:  # fmt: skip
+        """Send the request on a pooled connection; None when the upstream is not plain HTTP."""
+        found = self.pools.get(self.upstream)
+        if found is None:
+            return None
+        pool, host, prefix = found
+        try:
+            conn = await pool.connection()
+        except UPSTREAM_ERRORS as exc:
+            raise _refusal(exc) from None
+        payload = orjson.dumps(body)
+        head = request_head(b"POST", prefix + call.endpoint.encode(), host, headers, len(payload))
+        conn.send(head + payload, sink, pool.read_timeout_seconds)
+        return conn
+
+    async def stream_direct(self, call: Call, receive: Receive, send: Send, body: dict[str, Any],
+                            headers: dict[str, str], raw: RawWriter) -> tuple[StreamMeter, RequestStatus, int] | None:  # fmt: skip
+        """``stream`` on protocols (``sidecar.direct``); None when this upstream needs ``stream``."""
+        meter = StreamMeter(call.client_usage, call.client_continuous, call.started)
+        sink = StreamSink(meter, asyncio.get_running_loop())
+        conn = await self._send_direct(call, body, headers, sink)
+        if conn is None:
+            return None
+        try:
+            return await self._relay_direct(call, receive, send, conn, sink, raw)
+        finally:
+            if not sink.finished.done():
+                # Cancelled or cut short: closing the connection makes vLLM abort the request.
+                conn.close()
+
+    async def _relay_direct(self, call: Call, receive: Receive, send: Send, conn: Connection,
+                            sink: StreamSink, raw: RawWriter) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+        meter = sink.meter
+        got = await sink.headed
+        if isinstance(got, BaseException):
+            raise _refusal(got)
+        if got != 200:
+            return await self._refused_direct(call, conn, sink, send)
+        self.journal.track(call.request_id, meter)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()),
+                                *call.echo_headers(), *call.ratelimit_headers()]})  # fmt: skip
+        sink.go_direct(raw)
+        raw.on_pause, raw.on_resume = conn.pause_reading, conn.resume_reading
+        if raw.paused:
+            conn.pause_reading()
+        watcher = asyncio.get_running_loop().create_task(wait_disconnect(receive))
+        status = RequestStatus.OK
+        try:
+            await asyncio.wait(
+                (sink.finished, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            raw.on_pause = raw.on_resume = None
+            sink.writer = None
+            watcher.cancel()
+        if not sink.finished.done():
+            # Closing the connection is what makes vLLM abort the request.
+            conn.close()
+            status = RequestStatus.CLIENT_ABORTED if watcher.done() else RequestStatus.INTERRUPTED
+        elif (exc := sink.finished.result()) is not None and not meter.done:
+            # (A failure after [DONE], while reading the terminator, loses nothing.)
+            status = RequestStatus.UPSTREAM_ERROR
+            log.warning("upstream failed mid-stream on %s: %s", self.accounting.replica, exc)
+        return await self._end_stream(call, meter, status, send)
+
+    async def _refused_direct(self, call: Call, conn: Connection, sink: StreamSink,
+                              send: Send) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+        # vLLM refuses bad streamed requests with a JSON error before any SSE: pass it on.
+        if await sink.finished is not None:
+            conn.close()
+        content = b"".join(sink.error)
+        status = RequestStatus.BAD_REQUEST if sink.status < 500 else RequestStatus.UPSTREAM_ERROR
+        meter = StreamMeter(False, False, call.started)
+        at = content.find(b'"usage":{')
+        meter.usage = parse_usage(content[at:]) if at >= 0 else None
+        await self.accounting.record(call, status, sink.status, meter.usage, None, None)
+        await respond(send, sink.status, content,
+                      [JSON, *call.echo_headers(), *call.ratelimit_headers()])  # fmt: skip
+        return meter, status, sink.status
+
+    async def _end_stream(self, call: Call, meter: StreamMeter, status: RequestStatus,
+                          send: Send) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+        """Record the stream, then give the client its last event (the record is durable first)."""
+        tail = meter.close()
+        call.response_id = meter.response_id
+        if status is RequestStatus.OK and not meter.done:
+            status = RequestStatus.UPSTREAM_ERROR
+        try:
+            await self.accounting.record(call, status, 200, meter.usage, meter, meter.finish_reason)
+        except SpoolError:
+            # The client must not see a complete response whose usage is not durable.
+            await send(
+                {"type": "http.response.body", "body": tail + _UNMETERED, "more_body": False}
+            )
+            return meter, RequestStatus.UPSTREAM_ERROR, 200
+        if status is not RequestStatus.CLIENT_ABORTED:
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": tail + stream_end(status),
+                    "more_body": False,
+                }
+            )
+        return meter, status, 200
+
+    async def _refused_stream(self, call: Call, response: aiohttp.ClientResponse,
+                              send: Send) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+        # vLLM refuses bad streamed requests with a JSON error before any SSE: pass it on.
+        try:
+            content = await response.read()
+        finally:
+            response.release()
+        status = (
+            RequestStatus.BAD_REQUEST if response.status < 500 else RequestStatus.UPSTREAM_ERROR
+        )
+        meter = StreamMeter(False, False, call.started)
+        at = content.find(b'"usage":{')
+        meter.usage = parse_usage(content[at:]) if at >= 0 else None
+        await self.accounting.record(call, status, response.status, meter.usage, None, None)
+        await respond(send, response.status, content,
+                      [JSON, *call.echo_headers(), *call.ratelimit_headers()])  # fmt: skip
+        return meter, status, response.status
+
+    # -- whole -----------------------------------------------------------------------------------
+
+    async def whole(self, call: Call, receive: Receive, send: Send, body: dict[str, Any],
+                    headers: dict[str, str]) -> Whole:  # fmt: skip
+        """Relay a non-streamed request."""
+        if self.assemble and assemblable(call.endpoint, body):
+            return await self._assembled(call, receive, send, body, headers)
+
+        direct = self.direct and self.pools.get(self.upstream) is not None
+
+        async def exchange() -> tuple[aiohttp.ClientResponse | WholeSink, bytes]:
+            if direct:
+                sink = await self._exchange_direct(call, body, headers, None)
+                return sink, b"".join(sink.parts)
+            response = await self._open(call, body, headers)
+            try:
+                content = await response.read()
+            except BaseException:
+                response.close()
+                raise
+            response.release()
+            return response, content
+
+        # vLLM sends nothing, not even headers, until a non-streamed completion is done, so the
+        # whole exchange is raced against the client leaving.
+        loop = asyncio.get_running_loop()
+        work = loop.create_task(exchange())
+        watcher = loop.create_task(wait_disconnect(receive))
+        await asyncio.wait((work, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED)
+        watcher.cancel()
+        if not work.done() and not watcher.done():
+            return await self._cut(call, work, send)
+        if not work.done():
+            # Cancelling closes the upstream connection, which makes vLLM abort the request.
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, Refusal):
+                await work
+            with contextlib.suppress(SpoolError):
+                await self.accounting.record(
+                    call, RequestStatus.CLIENT_ABORTED, 499, None, None, None
+                )
+            return None, RequestStatus.CLIENT_ABORTED, 499, None
+        try:
+            response, content = work.result()
+        except UPSTREAM_ERRORS as exc:
+            code, message = upstream_failure(exc)
+            raise Refusal(code, orjson.loads(message)["error"]["message"], "upstream_error",
+                          "upstream_error", RequestStatus.UPSTREAM_ERROR) from None  # fmt: skip
+        usage, status, finish = whole_outcome(response.status, content)
+        call.response_id = response_id(content)
+        try:
+            await self.accounting.record(call, status, response.status, usage, None, finish)
+        except SpoolError:
+            raise Refusal(503, *_WITHHELD) from None
+        await respond(send, response.status, content, whole_headers(call, response.raw_headers))
+        return usage, status, response.status, finish
+
+    async def _cut(self, call: Call, work: asyncio.Task[Any], send: Send,
+                   assembler: Assembler | None = None) -> Whole:  # fmt: skip
+        """End a non-streamed request still running past the drain: 503 and its record.
+
+        With ``assembler`` (the request was read as a stream), the record has the tokens vLLM
+        had spent when it was cut.
+        """
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, Refusal):
+            await work
+        usage = None
+        if assembler is not None:
+            call.response_id = assembler.response_id
+            usage = assembler.usage_so_far()
+        with contextlib.suppress(SpoolError):
+            await self.accounting.record(call, RequestStatus.INTERRUPTED, 503, usage, None, None)
+        await respond(send, 503, error_body(503, "The sidecar shut down before the response was complete.",
+                                            "server_error", "server_shutting_down"),
+                      [JSON, (b"retry-after", b"1"), (b"x-infermeter-request-id", call.request_id.encode())])  # fmt: skip
+        return usage, RequestStatus.INTERRUPTED, 503, None
+
+    async def _assembled(self, call: Call, receive: Receive, send: Send, body: dict[str, Any],
+                         headers: dict[str, str]) -> Whole:  # fmt: skip
+        """A non-streamed request served from vLLM's stream (``sidecar.assemble``)."""
+        n = body.get("n")
+        assembler = Assembler(call.endpoint, n if isinstance(n, int) and n > 0 else 1)
+
+        direct = self.direct and self.pools.get(self.upstream) is not None
+
+        async def exchange() -> tuple[aiohttp.ClientResponse | WholeSink, bytes | None]:
+            if direct:
+                sink = await self._exchange_direct(call, streamed_body(body), headers, assembler)
+                return sink, None if sink.streamed else b"".join(sink.parts)
+            response = await self._open(call, streamed_body(body), headers)
+            try:
+                # A refusal before any SSE is the same JSON error as for the whole request.
+                streamed = response.status == 200 and response.content_type == "text/event-stream"
+                whole = None if streamed else await response.read()
+                if streamed:
+                    await self._collect(response, assembler)
+            except BaseException:
+                response.close()
+                raise
+            response.release()
+            return response, whole
+
+        loop = asyncio.get_running_loop()
+        work = loop.create_task(exchange())
+        watcher = loop.create_task(wait_disconnect(receive))
+        await asyncio.wait((work, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED)
+        watcher.cancel()
+        if not work.done() and not watcher.done():
+            return await self._cut(call, work, send, assembler)
+        if not work.done():
+            # Cancelling closes the upstream connection, which makes vLLM abort the request;
+            # the tokens it spent until then are in the last chunk read.
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, Refusal):
+                await work
+            call.response_id = assembler.response_id
+            usage = assembler.usage_so_far()
+            with contextlib.suppress(SpoolError):
+                await self.accounting.record(
+                    call, RequestStatus.CLIENT_ABORTED, 499, usage, None, None
+                )
+            return usage, RequestStatus.CLIENT_ABORTED, 499, None
+        call.response_id = assembler.response_id
+        try:
+            response, whole = work.result()
+        except UPSTREAM_ERRORS as exc:
+            code, message = upstream_failure(exc)
+            usage = assembler.usage_so_far()
+            with contextlib.suppress(SpoolError):
+                await self.accounting.record(
+                    call, RequestStatus.UPSTREAM_ERROR, code, usage, None, None
+                )
+            await respond(send, code, message, [JSON, *call.echo_headers()])
+            return usage, RequestStatus.UPSTREAM_ERROR, code, None
+        out = answer(response.status, whole, assembler)
+        if whole is not None:
+            call.response_id = response_id(whole)
+        finish = assembler.finish_reason
+        try:
+            await self.accounting.record(call, out.status, out.http_status, out.usage, None, finish)
+        except SpoolError:
+            raise Refusal(503, *_WITHHELD) from None
+        # The stream's own content type gives way to the one vLLM gives a whole answer.
+        raw = response.raw_headers
+        if whole is None:
+            raw = ((b"content-type", b"application/json"), *((k, v) for k, v in raw if k.lower() != b"content-type"))  # fmt: skip
+        await respond(send, out.http_status, out.body, whole_headers(call, raw))
+        return out.usage, out.status, out.http_status, finish
+
+    async def _exchange_direct(self, call: Call, body: dict[str, Any], headers: dict[str, str],
+                               assembler: Assembler | None) -> WholeSink:  # fmt: skip
+        """A whole exchange on the protocol pool; the same errors as ``_open`` and aiohttp's read."""
+        sink = WholeSink(asyncio.get_running_loop(), assembler)
+        conn = await self._send_direct(call, body, headers, sink)
+        assert conn is not None
+        try:
+            exc = await sink.finished
+        except BaseException:
+            # Cancelled (the client left, or the drain): closing makes vLLM abort the request.
+            conn.close()
+            raise
+        if exc is None:
+            return sink
+        if sink.status == 0:
+            # Nothing came back: unreachable or timed out, as a refused connection is.
+            raise _refusal(exc)
+        raise exc
+
+    async def _collect(self, response: aiohttp.ClientResponse, assembler: Assembler) -> None:
+        """Read a stream to its end into ``assembler``; the read timeout is per read, as streamed."""
+        watch = StallWatch(response, self.generation.read_timeout_seconds)
+        clock = time.perf_counter
+        read = response.content.readany
+        try:
+            while not assembler.done:
+                watch.waiting_since = clock()
+                block = await read()
+                watch.waiting_since = None
+                if not block:
+                    break
+                assembler.feed(block)
+            if assembler.done:
+                # Read past [DONE] to the chunked terminator, so the connection can be reused.
+                while await read():
+                    pass
+        finally:
+            watch.cancel()
+
+
+async def _pump(response: aiohttp.ClientResponse, meter: StreamMeter, send: Send,
+                watch: StallWatch) -> None:  # fmt: skip
+    """The per-chunk loop: read what has arrived, meter it, send what the client should see.
+
+    It reads past ``data: [DONE]`` to the end of the response (the chunked terminator), so
+    the connection goes back to the pool instead of being closed.
+    """
+    clock = time.perf_counter
+    read = response.content.readany
+    while True:
+        watch.waiting_since = clock()
+        block = await read()
+        watch.waiting_since = None
+        if not block:
+            return
+        if meter.done:
+            # Bytes after [DONE] are not vLLM's stream: stop, and the connection is closed.
+            return
+        out = meter.feed(block, clock())
+        if out:
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+
+
+_UNMETERED = sse_error_event("Usage metering is unavailable; the response is incomplete.",
+                             "server_error", "metering_unavailable")  # fmt: skip
+_STREAM_ENDS = {
+    RequestStatus.OK: b"data: [DONE]\n\n",
+    RequestStatus.UPSTREAM_ERROR: sse_error_event(
+        "The upstream model server stopped responding mid-stream."
+    ),
+    RequestStatus.INTERRUPTED: sse_error_event(
+        "The sidecar shut down before the stream was complete.",
+        "server_error",
+        "server_shutting_down",
+    ),
+}
+
+
+def _refusal(exc: BaseException) -> Refusal:
+    """The 502 or 504 of an upstream that failed before its response head."""
+    status, message = upstream_failure(exc)
+    return Refusal(status, orjson.loads(message)["error"]["message"], "upstream_error",
+                   "upstream_unreachable" if status == 502 else "upstream_timeout", RequestStatus.UPSTREAM_ERROR)  # fmt: skip
+
+
+def stream_end(status: RequestStatus) -> bytes:
+    """The last event of a stream that ended with ``status`` (none for a client that left)."""
+    return _STREAM_ENDS.get(status, b"")
+
+
+def whole_outcome(
+    http_status: int, content: bytes
+) -> tuple[UsageCounts | None, RequestStatus, str | None]:
+    """Usage, record status and finish reason of a whole answer vLLM gave."""
+    usage = finish = None
+    at = content.find(b'"usage":{')
+    if at >= 0:
+        usage = parse_usage(content[at:])
+    if http_status == 200:
+        i = content.find(b'"finish_reason":"')
+        if i >= 0:
+            i += len(b'"finish_reason":"')
+            finish = content[i : content.find(b'"', i)].decode()
+        return usage, RequestStatus.OK, finish
+    status = RequestStatus.BAD_REQUEST if http_status < 500 else RequestStatus.UPSTREAM_ERROR
+    return usage, status, finish
+
+
+def whole_headers(call: Call, raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """A whole (non-streamed) answer's headers: vLLM's own, then the sidecar's."""
+    echo = call.echo_headers()
+    # vLLM may echo x-request-id itself; the caller's is sent once.
+    drop = _DROP_DOWN | {b"x-request-id"} if echo else _DROP_DOWN
+    headers = [(k.lower(), v) for k, v in raw if k.lower() not in drop]
+    return [*headers, (b"x-infermeter-request-id", call.request_id.encode()), *echo,
+            *call.ratelimit_headers()]  # fmt: skip
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Return once the client has gone (ASGI's ``http.disconnect``)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

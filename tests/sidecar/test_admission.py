@@ -1,0 +1,92 @@
+"""Admission decides a request's plan or refusal from its head and body alone, with no server."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from infermeter.auth import AuthError
+from infermeter.records import RequestStatus
+from sidecar.admission import Plan, Refusal, identify, parse_body, plan, upstream_headers
+from sidecar.state import build_view
+from tests.sidecar.conftest import KEYS, make_config
+
+VIEW = build_view(make_config("http://127.0.0.1:9"), "small-0")
+
+
+def _plan(body: object, endpoint: str = "/v1/chat/completions", **kw: bool) -> Plan | Refusal:
+    return plan(VIEW, endpoint, orjson.dumps(body), default_reserve_tokens=256,
+                metering_down=kw.get("metering_down", False))  # fmt: skip
+
+
+def test_a_team_is_known_by_its_key():
+    """The bearer key names the team it was issued to."""
+    headers = [(b"authorization", f"Bearer {KEYS['search']}".encode())]
+    assert identify(VIEW, "POST", "/v1/completions", headers) == "search"
+
+
+def test_an_unknown_key_is_refused():
+    """A key no team holds proves nothing."""
+    with pytest.raises(AuthError):
+        identify(VIEW, "POST", "/v1/completions", [(b"authorization", b"Bearer im-nobody")])
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [(b"{", "invalid_json"), (b"[1]", "invalid_json"), (b'{"stream_options": 3}', "invalid_type")],
+)
+def test_bodies_that_are_not_requests_are_400(raw, code):
+    """Malformed JSON, a non-object and a non-object stream_options are each a 400."""
+    refused = parse_body(raw)
+    assert isinstance(refused, Refusal)
+    assert (refused.status, refused.code) == (400, code)
+
+
+def test_an_unknown_model_is_404_naming_it():
+    """A model no route serves is refused, and the refusal keeps the name for the record."""
+    refused = _plan({"model": "made-up", "messages": []})
+    assert isinstance(refused, Refusal)
+    assert (refused.status, refused.model) == (404, "made-up")
+
+
+def test_a_stream_asks_vllm_for_usage_and_remembers_what_the_client_asked():
+    """The upstream body always carries continuous usage; the plan keeps the client's choice."""
+    planned = _plan({"model": "chat-small", "stream": True, "max_tokens": 10,
+                     "stream_options": {"include_usage": True}})  # fmt: skip
+    assert isinstance(planned, Plan)
+    assert planned.body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert (planned.client_usage, planned.client_continuous) == (True, False)
+    assert planned.body["model"] == planned.served_version
+
+
+def test_the_reserve_counts_every_choice():
+    """``n`` choices of ``max_tokens`` each reserve n times the output."""
+    one = _plan({"model": "chat-small", "max_tokens": 100})
+    three = _plan({"model": "chat-small", "max_tokens": 100, "n": 3})
+    assert isinstance(one, Plan)
+    assert isinstance(three, Plan)
+    assert three.reserve_tokens - one.reserve_tokens >= 200
+
+
+def test_embeddings_never_stream():
+    """``stream`` on the embeddings endpoint is not a stream."""
+    planned = _plan({"model": "chat-small", "stream": True}, "/v1/embeddings")
+    assert isinstance(planned, Plan)
+    assert not planned.stream
+
+
+def test_a_failing_spool_refuses_with_503():
+    """With metering down, a request the sidecar cannot meter is refused."""
+    refused = _plan({"model": "chat-small"}, metering_down=True)
+    assert isinstance(refused, Refusal)
+    assert (refused.status, refused.record_status) == (503, RequestStatus.REJECTED)
+
+
+def test_credentials_and_own_headers_never_go_upstream():
+    """The caller's key and x-infermeter-* headers stay; the upstream key replaces the key."""
+    headers = [(b"authorization", b"Bearer im-demo-search"), (b"x-infermeter-client-usage", b"1"),
+               (b"x-custom", b"kept")]  # fmt: skip
+    assert upstream_headers(VIEW, headers, "up") == {
+        "x-custom": "kept",
+        "authorization": "Bearer up",
+    }
