@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
@@ -13,7 +14,7 @@ from tests.sidecar.conftest import KEYS
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
 
 
-def _capture_upstream(body: bytes):
+def _capture_upstream(body: bytes) -> Any:
     """An upstream that answers every request with ``body`` as an SSE stream, in two writes."""
 
     async def app(scope, receive, send):
