@@ -137,6 +137,9 @@ class Team(_Strict):
     budget_usd_per_month: NonNegative = 0.0
     limits: TeamLimits = TeamLimits()
     priority: int = 0
+    # Whether the team's work can wait for off-peak hours (the efficiency advisor's off-peak
+    # advice): "auto" judges it from the share of its requests that were not streamed.
+    workload: Literal["auto", "interactive", "batch"] = "auto"
 
 
 class Sla(_Strict):

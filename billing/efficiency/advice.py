@@ -21,9 +21,9 @@ changing gets an empty list.
   cheaper, smaller model in the fleet could serve; priced at both models' measured cost per
   weighted token.
 
-``schedule`` (scaling by the hour of the day) and ``prefix_cache`` (requests that share a prompt
-prefix the engine does not reuse) live in their own modules and return the same
-``Recommendation``.
+``schedule`` (scaling by the hour of the day), ``off_peak`` (a batch team's work moved out of the
+peak hours) and ``prefix_cache`` (requests that share a prompt prefix the engine does not reuse)
+live in their own modules and return the same ``Recommendation``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,15 @@ __all__ = [
     "shape_of",
 ]
 
-KINDS: Final = ("right_size", "quantize", "gpu_type", "route", "schedule", "prefix_cache")
+KINDS: Final = (
+    "right_size",
+    "quantize",
+    "gpu_type",
+    "route",
+    "schedule",
+    "off_peak",
+    "prefix_cache",
+)
 
 QUALITY_CAVEAT: Final[Mapping[str, str]] = {
     "fp8": "8-bit weights (FP8) usually stay close to the 16-bit model's quality, but check it "
@@ -77,6 +85,7 @@ class Policy:
     min_shared_requests: int = 10  # requests with one prompt head for it to count as shared
     min_shared_share: float = 0.2  # share of a model's requests with a shared head
     working_cache_share: float = 0.5  # hits over this share of what is reusable: cache works
+    min_batch_share: float = 0.8  # unstreamed share of a team's requests that makes it batch work
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,8 @@ __all__ = [
     "prefix_sql",
     "short_requests_sql",
     "team_hourly_sql",
+    "team_peak_sql",
+    "workload_sql",
 ]
 
 # 365 x 24 / 12: what a measured hourly cost becomes over a month.
@@ -439,3 +441,49 @@ SELECT s.model, s.requests, s.prompt_tokens, coalesce(h.shared_requests, 0) AS s
 FROM served s LEFT JOIN shared h ON h.model = s.model LEFT JOIN cache c ON c.model = s.model
 ORDER BY s.model"""
     return sql, _range(lo_slot, hi_slot) | {"min_shared": int(min_shared_requests)}
+
+
+def team_peak_sql(lo_slot: int, hi_slot: int) -> Sql:
+    """Per model, team and hour: the busiest minute without the team, and the team's own demand.
+
+    A team's running sequences in a minute are its share of the model's in-flight seconds in
+    that minute times the sequences the model's engines ran (summed over instances, as
+    ``model_hourly_sql`` takes them). ``rest_peak`` is the hour's busiest minute once the team's
+    part is taken out, ``team_at_peak`` the team's part of the hour's busiest minute, and
+    ``sequence_hours`` the team's sequences summed over the hour's sampled minutes: its work.
+    """
+    sql = f"""
+WITH {_engine_cte()},
+per_minute AS (
+    SELECT model, slot, sum(running) AS running FROM (
+        SELECT model, instance, slot, avg(requests_running) AS running FROM engine GROUP BY ALL)
+    GROUP BY ALL),
+inflight AS (
+    SELECT model, team, slot, sum(inflight_seconds) AS seconds
+    FROM usage_slots WHERE slot >= $lo AND slot < $hi GROUP BY ALL),
+totals AS (SELECT model, slot, sum(seconds) AS seconds FROM inflight GROUP BY ALL),
+present AS (SELECT DISTINCT model, team, slot // {_MINUTES_PER_HOUR} AS hour FROM inflight),
+minutes AS (
+    SELECT t.model, t.team, t.hour, p.running,
+        p.running * coalesce(i.seconds / nullif(tot.seconds, 0), 0) AS team_running
+    FROM present t
+    JOIN per_minute p ON p.model = t.model AND p.slot // {_MINUTES_PER_HOUR} = t.hour
+    LEFT JOIN inflight i ON i.model = t.model AND i.team = t.team AND i.slot = p.slot
+    LEFT JOIN totals tot ON tot.model = t.model AND tot.slot = p.slot)
+SELECT model, team, hour * 3600 AS t, max(running - team_running) AS rest_peak,
+    arg_max(team_running, running) AS team_at_peak, sum(team_running) / {_MINUTES_PER_HOUR} AS sequence_hours
+FROM minutes GROUP BY model, team, hour ORDER BY model, team, t"""
+    return sql, _range(lo_slot, hi_slot)
+
+
+def workload_sql(lo_slot: int, hi_slot: int) -> Sql:
+    """Per model and team, from the raw usage: finished requests, and those not streamed.
+
+    A request nobody streamed was not watched as it was written: the mark of work that can wait.
+    """
+    sql = f"""
+SELECT model, team, count(*) AS requests, count(*) FILTER (WHERE NOT stream) AS unstreamed_requests
+FROM usage
+WHERE status = 'ok' AND finished_at >= $lo * {SLOT_SECONDS} AND finished_at < $hi * {SLOT_SECONDS}
+GROUP BY ALL ORDER BY model, team"""
+    return sql, _range(lo_slot, hi_slot)

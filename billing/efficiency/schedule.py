@@ -22,7 +22,16 @@ from typing import Final
 
 from billing.efficiency.advice import ModelFigures, Policy, Recommendation
 
-__all__ = ["HourFigures", "Segment", "daily_levels", "schedule", "segments"]
+__all__ = [
+    "HourFigures",
+    "Segment",
+    "daily_levels",
+    "engines_ran",
+    "needed",
+    "schedule",
+    "segments",
+    "startup_engine_hours",
+]
 
 _HOURS: Final = 24
 
@@ -53,12 +62,13 @@ class Segment:
                 "engines": self.engines}  # fmt: skip
 
 
-def _needed(peak_running: float, max_num_seqs: int, policy: Policy) -> int:
+def needed(peak_running: float, max_num_seqs: int, policy: Policy) -> int:
+    """Engines a minute of ``peak_running`` sequences needs, with headroom, at least the minimum."""
     return max(policy.min_replicas,
                math.ceil(peak_running * (1 + policy.headroom) / max_num_seqs - 1e-9))  # fmt: skip
 
 
-def _engines(h: HourFigures, m: ModelFigures) -> float:
+def engines_ran(h: HourFigures, m: ModelFigures) -> float:
     """Engines that ran in the hour, on average: its GPU-hours over the GPUs one engine holds."""
     return h.gpu_hours / m.gpus_per_engine if m.gpus_per_engine else 0.0
 
@@ -72,9 +82,9 @@ def daily_levels(m: ModelFigures, hours: Sequence[HourFigures],
     for h in hours:
         if h.peak_running is None:
             continue
-        need = _needed(h.peak_running, m.max_num_seqs, policy)
+        need = needed(h.peak_running, m.max_num_seqs, policy)
         if (h.peak_waiting or 0) > 0:
-            need = max(need, math.ceil(_engines(h, m) - 1e-9))  # queued: every engine was needed
+            need = max(need, math.ceil(engines_ran(h, m) - 1e-9))  # queued: every engine was needed
         hod = int(h.t // 3600) % _HOURS
         now = levels[hod]
         levels[hod] = need if now is None else max(now, need)
@@ -100,7 +110,7 @@ def segments(levels: Sequence[int | None]) -> list[Segment]:
     return runs
 
 
-def _startup_engine_hours(runs: Sequence[Segment], policy: Policy) -> float:
+def startup_engine_hours(runs: Sequence[Segment], policy: Policy) -> float:
     """Engine-hours a day spent starting engines ahead of each scale-up (midnight included)."""
     if len(runs) < 2:
         return 0.0
@@ -123,7 +133,7 @@ def schedule(
     saved = engine_hours = cost = 0.0
     days: set[int] = set()
     for h in hours:
-        ran = _engines(h, m)
+        ran = engines_ran(h, m)
         if ran <= 0:
             continue
         per_engine_hour = h.gpu_usd / ran
@@ -133,7 +143,7 @@ def schedule(
         cost += h.gpu_usd
         days.add(int(h.t // 86400))
     startup = (
-        _startup_engine_hours(runs, policy)
+        startup_engine_hours(runs, policy)
         * len(days)
         * (cost / engine_hours if engine_hours else 0.0)
     )

@@ -33,7 +33,10 @@ from billing.efficiency.figures import (
     prefix_sql,
     short_requests_sql,
     team_hourly_sql,
+    team_peak_sql,
+    workload_sql,
 )
+from billing.efficiency.offpeak import TeamHour, TeamWorkload, off_peak
 from billing.efficiency.prefix import PrefixFigures, prefix_cache
 from billing.efficiency.schedule import HourFigures, schedule
 from billing.schema import SLOT_SECONDS
@@ -50,6 +53,8 @@ __all__ = [
     "read_prefixes",
     "read_report",
     "read_shorts",
+    "read_team_hours",
+    "read_workloads",
 ]
 
 
@@ -168,6 +173,37 @@ def read_prefixes(cursor: duckdb.DuckDBPyConnection, policy: Policy, lo: int,
     return [PrefixFigures(**row) for row in _frame(cursor, built).iter_rows(named=True)]
 
 
+def read_team_hours(cursor: duckdb.DuckDBPyConnection, lo: int, hi: int) -> list[TeamHour]:
+    """Each team's part of each model's measured hours: the peak without it, and its work."""
+    return [TeamHour(**row) for row in _frame(cursor, team_peak_sql(lo, hi)).iter_rows(named=True)]
+
+
+def read_workloads(cursor: duckdb.DuckDBPyConnection, lo: int, hi: int) -> list[TeamWorkload]:
+    """Each team's finished requests per model, and those not streamed."""
+    return [
+        TeamWorkload(**row) for row in _frame(cursor, workload_sql(lo, hi)).iter_rows(named=True)
+    ]
+
+
+def _off_peak(cursor: duckdb.DuckDBPyConnection, config: Config, models: list[ModelFigures],
+              hours: list[HourFigures], policy: Policy, lo: int,
+              hi: int) -> list[Recommendation]:  # fmt: skip
+    """The off-peak advice for every batch-type team's work on every model."""
+    declared = {t.name: t.workload for t in config.teams}
+    by_model = {m.model: m for m in models}
+    team_hours = read_team_hours(cursor, lo, hi)
+    found = []
+    for w in read_workloads(cursor, lo, hi):
+        m = by_model.get(w.model)
+        if m is None or declared.get(w.team, "auto") == "interactive":
+            continue
+        mine = [th for th in team_hours if th.model == w.model and th.team == w.team]
+        rec = off_peak(m, [h for h in hours if h.model == m.model], mine, w,
+                       declared.get(w.team, "auto"), policy)  # fmt: skip
+        found += [rec] if rec is not None else []
+    return found
+
+
 def policy_of(config: Config) -> Policy:
     """The advisor's default policy, with the scaling section's engine start-up time."""
     return Policy(startup_seconds=config.scaling.startup_seconds)
@@ -195,7 +231,7 @@ def read_report(cursor: duckdb.DuckDBPyConnection, config: Config, month: str, n
         shared = prefixes.get(m.model)
         found = None if shared is None else prefix_cache(m, shared, weights, policy)
         recs += [found] if found is not None else []
-    recs = ranked(recs)
+    recs = ranked([*recs, *_off_peak(cursor, config, models, hours, policy, lo, hi)])
     teams = _frame(cursor, team_hourly_sql(lo, hi, fleet, team))
     if team is None:
         groups = _frame(cursor, group_hourly_sql(lo, hi, fleet))
