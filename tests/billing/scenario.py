@@ -43,6 +43,8 @@ class Stream:
     completion_tokens: int
     system_words: int = 0  # a system prompt every request of the stream shares (0: none)
     offset_seconds: float = 0.0
+    until_seconds: float | None = None  # the last request is sent before this (None: the end)
+    stream: bool = True  # whether the client streams the answer (a batch job does not)
 
     def messages(self, k: int) -> list[dict[str, object]]:
         """The ``k``-th request's chat messages: the shared system prompt, then its own question."""
@@ -70,6 +72,8 @@ class Scenario:
     def arrivals(self, stream: Stream) -> list[float]:
         """When the stream's requests arrive: evenly, stopping two minutes before the end."""
         end = START + self.hours * 3600 - 120
+        if stream.until_seconds is not None:
+            end = min(end, START + stream.until_seconds)
         times, t = [], START + stream.offset_seconds
         while t < end:
             times.append(t)
@@ -114,7 +118,7 @@ def _queue(config: Config, scenario: Scenario, engines: dict[str, _Engine]) -> N
             seq = Seq(f"s{next(_ids)}", len(tokens), s.completion_tokens, s.completion_tokens,
                       blocks, arrived_at=t)  # fmt: skip
             prefix = DIGESTER.of({"messages": s.messages(k)})
-            meta = {"team": s.team, "model": model,
+            meta = {"team": s.team, "model": model, "stream": s.stream,
                     "prefix_digest": prefix.digest if prefix else None,
                     "prefix_share": prefix.share if prefix else None}  # fmt: skip
             engines[rid].pending.append((t, seq, meta))
@@ -169,7 +173,8 @@ def _usage(e: _Engine, seq: Seq, meta: dict[str, Any], served: str) -> dict[str,
                  replica=e.replica, model=meta["model"], served_version=served,
                  first_token_at=seq.first_token_at, prompt_tokens=seq.prompt_tokens,
                  cached_prompt_tokens=seq.cached_tokens, completion_tokens=seq.generated,
-                 prefix_digest=meta["prefix_digest"], prefix_share=meta["prefix_share"])  # fmt: skip
+                 prefix_digest=meta["prefix_digest"], prefix_share=meta["prefix_share"],
+                 stream=meta["stream"])  # fmt: skip
 
 
 @dataclass(frozen=True)

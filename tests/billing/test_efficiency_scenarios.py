@@ -9,6 +9,7 @@ computed here from the scenario's own parameters.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -124,3 +125,32 @@ def test_a_fleet_with_nothing_to_save_gets_no_recommendation(ledger, config):
     """One L40S replica serving distinct questions, nothing sent to a larger model: no advice at all."""
     scenario = Scenario({"small-0": "L40S"}, (SMALL_CHAT,))
     assert run(ledger, config, scenario).report.recommendations == ()
+
+
+def test_a_batch_team_in_the_peak_is_moved_off_peak(ledger, ledger_factory, config):
+    """analytics' unstreamed jobs double the 01:00 peak: the estimate matches one engine holding the day once they run at 02:00."""
+    small = [r.model_copy(update={"max_num_seqs": 16}) if r.model == "chat-small" else r
+             for r in config.replicas]  # fmt: skip
+    config = config.model_copy(update={"replicas": small})
+    peak = Stream("search", "chat-small", every_seconds=0.8, user_words=40, completion_tokens=60,
+                  until_seconds=3600)  # fmt: skip
+    quiet = Stream("search", "chat-small", every_seconds=20, user_words=40, completion_tokens=60,
+                   offset_seconds=3600)  # fmt: skip
+    jobs = Stream("analytics", "chat-small", every_seconds=2.5, user_words=300,
+                  completion_tokens=400, until_seconds=3600, stream=False)  # fmt: skip
+    scenario = Scenario({"small-0": "L40S", "small-1": "L40S"}, (peak, quiet, jobs), hours=3)
+    before = run(ledger, config, scenario)
+    [rec] = by_kind(before, "off_peak")
+    assert (rec.team, rec.evidence["peak_hours"]) == ("analytics", ["01:00-02:00"])
+    assert by_kind(before, "right_size") == []
+    [schedule] = by_kind(before, "schedule")
+    moved = replace(jobs, offset_seconds=3600, until_seconds=7200)
+    after = run(ledger_factory(), config,
+                Scenario({"small-0": "L40S"}, (peak, quiet, moved), hours=3))  # fmt: skip
+    # One engine now holds the day: right-sizing, the schedule and the move saved it all.
+    measured = (before.cost_usd() - after.cost_usd()) * MONTH_HOURS / 3
+    assert measured == pytest.approx(3 * 1.60 * MONTH_HOURS / 3)
+    assert rec.saving_usd_per_month == pytest.approx(
+        measured - schedule.saving_usd_per_month, rel=0.10
+    )
+    assert _within_sla(after, 0.5) >= 0.95
