@@ -30,8 +30,8 @@ def register(sub: Subparsers) -> None:
         "advise",
         help="what would save GPU money, in USD/month, from the month's measured use",
         description=(
-            "Right-sizing, quantization, GPU type, routing, scaling-schedule and prefix-caching "
-            "recommendations for a month (default: this "
+            "Right-sizing, quantization, GPU type, routing, scaling-schedule, off-peak batch and "
+            "prefix-caching recommendations for a month (default: this "
             "one), each with the measured figures it rests on and its assumptions. Asks the "
             f"billing service (admin token in ${ADMIN_TOKEN_ENV}) or reads --database."
         ),

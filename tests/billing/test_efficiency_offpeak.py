@@ -69,8 +69,9 @@ def test_a_batch_team_holding_half_the_peak_is_moved_off_peak(ledger, config):
     )
     # 4 engine-hours at $1.60, plus the 180 s start-up at 08:00 the flat day no longer pays.
     assert rec.saving_usd_per_month == pytest.approx((4 * 1.60 + 0.05 * 1.60) * 730 / 24)
-    [schedule] = kinds(found, "schedule")  # the two add up: the day on one engine, as measured
-    total = schedule.saving_usd_per_month + rec.saving_usd_per_month
+    [schedule] = kinds(found, "schedule")  # 20 quiet engine-hours, less the same start-up
+    assert schedule.saving_usd_per_month == pytest.approx((20 * 1.60 - 0.05 * 1.60) * 730 / 24)
+    total = schedule.saving_usd_per_month + rec.saving_usd_per_month  # the day on one engine
     assert total == pytest.approx(24 * 1.60 * 730 / 24)
 
 

@@ -127,21 +127,33 @@ def test_a_fleet_with_nothing_to_save_gets_no_recommendation(ledger, config):
     assert run(ledger, config, scenario).report.recommendations == ()
 
 
-def test_a_batch_team_in_the_peak_is_moved_off_peak(ledger, ledger_factory, config):
-    """analytics' unstreamed jobs double the 01:00 peak: the estimate matches one engine holding the day once they run at 02:00."""
+def _batch_fleet(config: Config) -> Config:
+    """chat-small replicas of 16 sequences, on engines with 200 ms steps (TTFT still under 0.5 s)."""
     small = [r.model_copy(update={"max_num_seqs": 16}) if r.model == "chat-small" else r
              for r in config.replicas]  # fmt: skip
-    config = config.model_copy(update={"replicas": small})
-    peak = Stream("search", "chat-small", every_seconds=0.8, user_words=40, completion_tokens=60,
+    sim = config.simulator
+    slow = sim.engines["chat-small"].model_copy(update={"step_base_ms": 200})
+    engines = {**sim.engines, "chat-small": slow}
+    return config.model_copy(
+        update={"replicas": small, "simulator": sim.model_copy(update={"engines": engines})}
+    )
+
+
+def test_a_batch_team_in_the_peak_is_moved_off_peak(ledger, ledger_factory, config):
+    """analytics' unstreamed jobs double the 01:00 peak: the estimate matches one engine holding the day once they run at 02:00."""
+    config = _batch_fleet(config)
+    peak = Stream("search", "chat-small", every_seconds=2.5, user_words=40, completion_tokens=60,
                   until_seconds=3600)  # fmt: skip
-    quiet = Stream("search", "chat-small", every_seconds=20, user_words=40, completion_tokens=60,
+    quiet = Stream("search", "chat-small", every_seconds=60, user_words=40, completion_tokens=60,
                    offset_seconds=3600)  # fmt: skip
-    jobs = Stream("analytics", "chat-small", every_seconds=2.5, user_words=300,
+    jobs = Stream("analytics", "chat-small", every_seconds=8, user_words=300,
                   completion_tokens=400, until_seconds=3600, stream=False)  # fmt: skip
     scenario = Scenario({"small-0": "L40S", "small-1": "L40S"}, (peak, quiet, jobs), hours=3)
     before = run(ledger, config, scenario)
     [rec] = by_kind(before, "off_peak")
     assert (rec.team, rec.evidence["peak_hours"]) == ("analytics", ["01:00-02:00"])
+    assert rec.evidence["engines_needed_by_hour"][1:4] == [2, 1, 1]
+    assert rec.evidence["engines_needed_by_hour_after"][1:4] == [1, 1, 1]
     assert by_kind(before, "right_size") == []
     [schedule] = by_kind(before, "schedule")
     moved = replace(jobs, offset_seconds=3600, until_seconds=7200)

@@ -180,3 +180,14 @@ def test_cli_reports_config_errors_in_one_line_per_problem(tmp_path, capsys):
         f"infermeter: config error: {path}: prices.pue = 0.5: Input should be greater than or equal to 1"
     )
     assert "Traceback" not in err
+
+
+def test_team_workload_is_one_of_three(tmp_path):
+    """teams[].workload takes auto, interactive or batch, and names the bad value otherwise."""
+    data = _base()
+    assert load_config(_write(tmp_path, data), environ={}).teams[0].workload == "auto"
+    data["teams"][0]["workload"] = "nightly"
+    assert (
+        "teams[0].workload = 'nightly': Input should be 'auto', 'interactive' or 'batch'"
+        in _error(tmp_path, data)
+    )
