@@ -443,8 +443,11 @@ ORDER BY s.model"""
     return sql, _range(lo_slot, hi_slot) | {"min_shared": int(min_shared_requests)}
 
 
-def team_peak_sql(lo_slot: int, hi_slot: int) -> Sql:
+def team_peak_sql(lo_slot: int, hi_slot: int, pairs: Sequence[tuple[str, str]]) -> Sql:
     """Per model, team and hour: the busiest minute without the team, and the team's own demand.
+
+    Only the ``(model, team)`` pairs asked for are figured: the whole fleet's in-flight time is
+    read for the totals, but each minute is joined to those teams alone.
 
     A team's running sequences in a minute are its share of the model's in-flight seconds in
     that minute times the sequences the model's engines ran (summed over instances, as
@@ -452,17 +455,24 @@ def team_peak_sql(lo_slot: int, hi_slot: int) -> Sql:
     part is taken out, ``team_at_peak`` the team's part of the hour's busiest minute, and
     ``sequence_hours`` the team's sequences summed over the hour's sampled minutes: its work.
     """
+    wanted, params = _values("wanted", [("model", "VARCHAR"), ("team", "VARCHAR")], sorted(pairs))
+    # Only the running gauge is read, so the counters' window over every sample is skipped.
     sql = f"""
-WITH {_engine_cte()},
-per_minute AS (
+WITH {wanted}, per_minute AS (
     SELECT model, slot, sum(running) AS running FROM (
-        SELECT model, instance, slot, avg(requests_running) AS running FROM engine GROUP BY ALL)
+        SELECT model, coalesce(instance, replica) AS instance,
+            CAST(floor("timestamp" / {SLOT_SECONDS}) AS BIGINT) AS slot, avg(requests_running) AS running
+        FROM engine_samples
+        WHERE "timestamp" >= $lo * {SLOT_SECONDS} AND "timestamp" < $hi * {SLOT_SECONDS}
+        GROUP BY ALL)
     GROUP BY ALL),
 inflight AS (
     SELECT model, team, slot, sum(inflight_seconds) AS seconds
     FROM usage_slots WHERE slot >= $lo AND slot < $hi GROUP BY ALL),
 totals AS (SELECT model, slot, sum(seconds) AS seconds FROM inflight GROUP BY ALL),
-present AS (SELECT DISTINCT model, team, slot // {_MINUTES_PER_HOUR} AS hour FROM inflight),
+present AS (
+    SELECT DISTINCT i.model, i.team, i.slot // {_MINUTES_PER_HOUR} AS hour
+    FROM inflight i JOIN wanted w ON w.model = i.model AND w.team = i.team),
 minutes AS (
     SELECT t.model, t.team, t.hour, p.running,
         p.running * coalesce(i.seconds / nullif(tot.seconds, 0), 0) AS team_running
@@ -473,7 +483,7 @@ minutes AS (
 SELECT model, team, hour * 3600 AS t, max(running - team_running) AS rest_peak,
     arg_max(team_running, running) AS team_at_peak, sum(team_running) / {_MINUTES_PER_HOUR} AS sequence_hours
 FROM minutes GROUP BY model, team, hour ORDER BY model, team, t"""
-    return sql, _range(lo_slot, hi_slot)
+    return sql, params | _range(lo_slot, hi_slot)
 
 
 def workload_sql(lo_slot: int, hi_slot: int) -> Sql:

@@ -8,6 +8,7 @@ recommendations are then computed from those rows alone (``billing.efficiency.ad
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from billing.efficiency.figures import (
     team_peak_sql,
     workload_sql,
 )
-from billing.efficiency.offpeak import TeamHour, TeamWorkload, off_peak
+from billing.efficiency.offpeak import TeamHour, TeamWorkload, is_batch, off_peak
 from billing.efficiency.prefix import PrefixFigures, prefix_cache
 from billing.efficiency.schedule import HourFigures, schedule
 from billing.schema import SLOT_SECONDS
@@ -173,9 +174,13 @@ def read_prefixes(cursor: duckdb.DuckDBPyConnection, policy: Policy, lo: int,
     return [PrefixFigures(**row) for row in _frame(cursor, built).iter_rows(named=True)]
 
 
-def read_team_hours(cursor: duckdb.DuckDBPyConnection, lo: int, hi: int) -> list[TeamHour]:
-    """Each team's part of each model's measured hours: the peak without it, and its work."""
-    return [TeamHour(**row) for row in _frame(cursor, team_peak_sql(lo, hi)).iter_rows(named=True)]
+def read_team_hours(cursor: duckdb.DuckDBPyConnection, lo: int, hi: int,
+                    pairs: Sequence[tuple[str, str]]) -> list[TeamHour]:  # fmt: skip
+    """Each asked-for team's part of a model's measured hours: the peak without it, its work."""
+    if not pairs:
+        return []
+    built = team_peak_sql(lo, hi, pairs)
+    return [TeamHour(**row) for row in _frame(cursor, built).iter_rows(named=True)]
 
 
 def read_workloads(cursor: duckdb.DuckDBPyConnection, lo: int, hi: int) -> list[TeamWorkload]:
@@ -188,15 +193,18 @@ def read_workloads(cursor: duckdb.DuckDBPyConnection, lo: int, hi: int) -> list[
 def _off_peak(cursor: duckdb.DuckDBPyConnection, config: Config, models: list[ModelFigures],
               hours: list[HourFigures], policy: Policy, lo: int,
               hi: int) -> list[Recommendation]:  # fmt: skip
-    """The off-peak advice for every batch-type team's work on every model."""
+    """The off-peak advice for every batch-type team's work on every model.
+
+    The teams' hourly parts are read only for the work that can wait, usually none or few.
+    """
     declared = {t.name: t.workload for t in config.teams}
     by_model = {m.model: m for m in models}
-    team_hours = read_team_hours(cursor, lo, hi)
+    batch = [w for w in read_workloads(cursor, lo, hi)
+             if w.model in by_model and is_batch(w, declared.get(w.team, "auto"), policy)]  # fmt: skip
+    team_hours = read_team_hours(cursor, lo, hi, [(w.model, w.team) for w in batch])
     found = []
-    for w in read_workloads(cursor, lo, hi):
-        m = by_model.get(w.model)
-        if m is None or declared.get(w.team, "auto") == "interactive":
-            continue
+    for w in batch:
+        m = by_model[w.model]
         mine = [th for th in team_hours if th.model == w.model and th.team == w.team]
         rec = off_peak(m, [h for h in hours if h.model == m.model], mine, w,
                        declared.get(w.team, "auto"), policy)  # fmt: skip
