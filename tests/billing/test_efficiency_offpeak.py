@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
 
+from billing.api import create_app
 from billing.efficiency.advice import Policy
 from billing.efficiency.cli import table
 from billing.efficiency.offpeak import TeamWorkload, is_batch
@@ -13,6 +15,7 @@ from billing.ledger import Ledger
 from infermeter.config import Config
 from tests.billing.conftest import OCT, gpu_samples, usage
 from tests.billing.test_efficiency import engine, fill, kinds, report
+from tests.servers import serving
 
 PEAK = range(8, 12)
 PEAK_HOURS = ["08:00-09:00", "09:00-10:00", "10:00-11:00", "11:00-12:00"]
@@ -112,6 +115,22 @@ def test_a_team_sees_its_own_off_peak_advice(ledger, config):
     found = report(ledger, config, team="analytics")
     assert [r.kind for r in found.recommendations] == ["off_peak"]
     assert "[off_peak]" in table(found.to_json())
+
+
+async def test_the_api_gives_the_team_its_off_peak_advice(ledger, config):
+    """GET /v1/efficiency/{month} with analytics' key carries the advice, priced as read_report prices it."""
+    _day(ledger)
+    async with serving(create_app(config, ledger), lifespan="off") as url:
+        headers = {"authorization": "Bearer im-demo-analytics"}
+        async with httpx.AsyncClient(base_url=url, headers=headers) as client:
+            body = (await client.get("/v1/efficiency/2026-10")).json()
+    [rec] = body["recommendations"]
+    assert (rec["kind"], rec["team"], rec["action"]["move_from"]) == (
+        "off_peak",
+        "analytics",
+        PEAK_HOURS,
+    )
+    assert rec["saving_usd_per_month"] == pytest.approx(197.10)
 
 
 @pytest.mark.parametrize(
