@@ -17,6 +17,7 @@ user. Apart from the bytes sent on, a block allocates nothing unless it holds a 
 from __future__ import annotations
 
 import re
+from array import array
 from dataclasses import dataclass, field
 
 from sidecar.request_ids import response_id
@@ -93,7 +94,10 @@ class StreamMeter:
     finish_reason: str | None = None
     # vLLM's id for the response (``chatcmpl-...``), read from the first chunk.
     response_id: str | None = None
-    itl: list[tuple[float, int]] = field(default_factory=list)
+    # Inter-token gaps and how many tokens shared each, kept unboxed: appending to an array
+    # keeps no object per block, and the histogram takes them once, when the request ends.
+    _gaps: array[float] = field(default_factory=lambda: array("d"))
+    _gap_tokens: array[int] = field(default_factory=lambda: array("q"))
     _tail: bytes = b""
     _held: bytes = b""
     _usage: UsageCounts | None = None
@@ -117,6 +121,11 @@ class StreamMeter:
     @usage.setter
     def usage(self, counts: UsageCounts | None) -> None:
         self._usage, self._usage_block = counts, b""
+
+    @property
+    def itl(self) -> list[tuple[float, int]]:
+        """Inter-token gaps in seconds, each with the number of tokens that shared it."""
+        return list(zip(self._gaps, self._gap_tokens, strict=True))
 
     @property
     def passthrough(self) -> bool:
@@ -199,7 +208,8 @@ class StreamMeter:
                 return
         if self.last_token_at is not None:
             # Events that arrive together share the gap since the previous block.
-            self.itl.append(((now - self.last_token_at) / tokens, tokens))
+            self._gaps.append((now - self.last_token_at) / tokens)
+            self._gap_tokens.append(tokens)
         self.token_events += tokens
         self.last_token_at = now
 
