@@ -105,6 +105,8 @@ class StreamMeter:
     # for: every chunk carries one, only the last one counts, and keeping the block costs no copy.
     _usage_block: bytes = b""
     _usage_at: int = 0
+    # Whether the block just scanned holds a finish chunk (the rewrite may have to hold it).
+    _finish_in_block: bool = False
 
     @property
     def usage(self) -> UsageCounts | None:
@@ -154,7 +156,7 @@ class StreamMeter:
         out = self._scan(data, now)
         if self.client_usage:
             return out
-        out = self._rewrite(out, data.rfind(_FINISH) >= 0)
+        out = self._rewrite(out, self._finish_in_block)
         return out + self._flush_held() if self.done else out
 
     def _scan(self, data: bytes, now: float) -> bytes:
@@ -188,6 +190,7 @@ class StreamMeter:
         if last >= 0:
             self._usage_block, self._usage_at = data, last
         finish = data.rfind(_FINISH)
+        self._finish_in_block = finish >= 0
         if finish >= 0:
             i = finish + len(_FINISH)
             self.finish_reason = data[i : data.find(b'"', i)].decode()
