@@ -8,13 +8,16 @@ metering, rewriting or spool. Its CPU per chunk is what the sidecar's own work i
 
     .venv/bin/python -m bench.sidecar_overhead --sidecar-launcher bench/relay_floor.py
 
-It takes the arguments of ``infermeter sidecar`` (``--config``, ``--replica``, ``--listen``).
+It takes the arguments of ``infermeter sidecar`` (``--config``, ``--replica``, ``--listen``), and
+runs on uvloop with ``BENCH_EVENT_LOOP=uvloop``. ``bench/protocol_floor.py`` is the floor under
+the protocol relay, on bare asyncio protocols.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,7 +78,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     host, port = host_port(args.listen)
     app = Relay(replica.upstream_url, aliases)
     srv = server(app, host, port, lifespan="off")  # every server's uvicorn settings
-    asyncio.run(srv.serve())
+    if os.environ.get("BENCH_EVENT_LOOP", "asyncio") == "uvloop":
+        # Run as a script, this file cannot import bench/protocol_floor.py's helper.
+        import uvloop
+
+        uvloop.run(srv.serve())
+    else:
+        asyncio.run(srv.serve())
 
 
 if __name__ == "__main__":

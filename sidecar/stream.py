@@ -6,14 +6,18 @@ stream it would have had from vLLM directly: per-chunk usage is cut out unless i
 continuous stats, the final usage chunk is dropped unless it asked for usage, and then its
 ``system_fingerprint`` moves back to the last finish chunk, where vLLM puts it in that case.
 
-Nothing here decodes JSON. Upstream reads arrive as blocks of one or more complete SSE events
-(plus possibly a partial one, kept for the next block); every operation is a ``bytes`` search or
-one regular-expression pass over a block, because this code runs for every token of every user.
+Nothing here decodes JSON, and nothing runs a regular expression per block. Upstream reads arrive
+as blocks of one or more complete SSE events (plus possibly a partial one, kept for the next
+block). One left-to-right walk over a block's ``"usage":{`` keys finds the running usage, the final
+usage chunk and the per-chunk usage objects to cut out, with ``bytes.find`` on fixed markers and
+constant-time checks of the bytes before each key, because this code runs for every token of every
+user. Apart from the bytes sent on, a block allocates nothing unless it holds a finish chunk.
 """
 
 from __future__ import annotations
 
 import re
+from array import array
 from dataclasses import dataclass, field
 
 from sidecar.request_ids import response_id
@@ -26,14 +30,34 @@ _ROLE = b'"delta":{"role"'
 _USAGE_ONLY = b'"choices":[],"usage"'
 _FINISH = b'"finish_reason":"'
 _USAGE_KEY = b'"usage":{'
-# Per-chunk usage follows the choices array ("}]"); the final usage chunk's follows "[],", so it
-# is not matched. One level of nesting covers prompt_tokens_details.
-# The pattern starts with a literal (no look-behind) so the regex engine can scan for it fast.
-_CHUNK_USAGE = re.compile(rb'\}\],"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
-_FINGERPRINT = re.compile(rb',"system_fingerprint":"[^"]*"')
+# Per-chunk usage follows the choices array ("}],"); the final usage chunk's follows
+# '"choices":[],', so it is kept. Both are checked at a fixed offset before the key.
+_AFTER_CHOICES = b"}],"
+_NO_CHOICES = b'"choices":[],'
+_FINGERPRINT = b',"system_fingerprint":"'
 _PROMPT = re.compile(rb'"prompt_tokens":(\d+)')
 _COMPLETION = re.compile(rb'"completion_tokens":(\d+)')
 _CACHED = re.compile(rb'"cached_tokens":(\d+)')
+
+
+def object_end(data: bytes, brace: int) -> int:
+    """The offset just past the object opening at ``data[brace]``, -1 past one level of nesting.
+
+    Usage objects hold numbers, nulls and at most one level of nested objects
+    (``prompt_tokens_details``); anything deeper or unclosed is left alone, as it is not usage.
+    """
+    pos = brace + 1
+    while True:
+        close = data.find(b"}", pos)
+        if close < 0:
+            return -1
+        inner = data.find(b"{", pos, close)
+        if inner < 0:
+            return close + 1
+        inner_close = data.find(b"}", inner + 1)
+        if inner_close < 0 or data.find(b"{", inner + 1, inner_close) >= 0:
+            return -1
+        pos = inner_close + 1
 
 
 @dataclass(frozen=True)
@@ -70,7 +94,10 @@ class StreamMeter:
     finish_reason: str | None = None
     # vLLM's id for the response (``chatcmpl-...``), read from the first chunk.
     response_id: str | None = None
-    itl: list[tuple[float, int]] = field(default_factory=list)
+    # Inter-token gaps and how many tokens shared each, kept unboxed: appending to an array
+    # keeps no object per block, and the histogram takes them once, when the request ends.
+    _gaps: array[float] = field(default_factory=lambda: array("d"))
+    _gap_tokens: array[int] = field(default_factory=lambda: array("q"))
     _tail: bytes = b""
     _held: bytes = b""
     _usage: UsageCounts | None = None
@@ -78,6 +105,8 @@ class StreamMeter:
     # for: every chunk carries one, only the last one counts, and keeping the block costs no copy.
     _usage_block: bytes = b""
     _usage_at: int = 0
+    # Whether the block just scanned holds a finish chunk (the rewrite may have to hold it).
+    _finish_in_block: bool = False
 
     @property
     def usage(self) -> UsageCounts | None:
@@ -96,6 +125,11 @@ class StreamMeter:
         self._usage, self._usage_block = counts, b""
 
     @property
+    def itl(self) -> list[tuple[float, int]]:
+        """Inter-token gaps in seconds, each with the number of tokens that shared it."""
+        return list(zip(self._gaps, self._gap_tokens, strict=True))
+
+    @property
     def passthrough(self) -> bool:
         """True when the client asked for exactly what the sidecar asks vLLM for."""
         return self.client_usage and self.client_continuous
@@ -105,11 +139,11 @@ class StreamMeter:
         if self._tail:
             data = self._tail + data
             self._tail = b""
-        end = data.rfind(b"\n\n")
-        if end < 0:
-            self._tail = data
-            return b""
-        if end + 2 < len(data):
+        if not data.endswith(_END):
+            end = data.rfind(_END)
+            if end < 0:
+                self._tail = data
+                return b""
             self._tail = data[end + 2 :]
             data = data[: end + 2]
         if self.response_id is None:
@@ -119,26 +153,55 @@ class StreamMeter:
             data = data[: -len(_DONE)]
             if not data:
                 return self._flush_held()
-        self._meter(data, now)
-        if self.passthrough:
-            return data
-        out = self._rewrite(data)
+        out = self._scan(data, now)
+        if self.client_usage:
+            return out
+        out = self._rewrite(out, self._finish_in_block)
         return out + self._flush_held() if self.done else out
 
-    def _meter(self, data: bytes, now: float) -> None:
+    def _scan(self, data: bytes, now: float) -> bytes:
+        """Meter ``data`` in one walk over its usage keys; cut per-chunk usage unless asked for."""
         # Count event ends, not "data: ": generated text may contain "data: ", never a raw newline.
-        events = data.count(_END)
-        usage_only = data.count(_USAGE_ONLY)
-        tokens = events - data.count(_ROLE) - usage_only
-        at = data.rfind(_USAGE_KEY)
-        if at >= 0:
-            self._usage_block, self._usage_at = data, at
-            self.final_usage = self.final_usage or usage_only > 0
-        if _FINISH in data:
-            i = data.rfind(_FINISH) + len(_FINISH)
+        tokens = data.count(_END)
+        if self.first_token_at is None:
+            # vLLM sends every choice's role chunk before any token.
+            tokens -= data.count(_ROLE)
+        cut = not self.passthrough
+        pieces: list[bytes] | None = None
+        copied = 0
+        last = -1
+        # A key inside generated text is escaped (\"usage\":{), so every match is a real key.
+        at = data.find(_USAGE_KEY)
+        while at >= 0:
+            last = at
+            after = at + len(_USAGE_KEY)
+            if data.startswith(_AFTER_CHOICES, at - 3):
+                stop = object_end(data, after - 1) if cut else -1
+                if stop > 0:
+                    if pieces is None:
+                        pieces = []
+                    # Keep the "}]" closing the choices; drop ',"usage":{...}'.
+                    pieces.append(data[copied : at - 1])
+                    copied = after = stop
+            elif data.startswith(_NO_CHOICES, at - len(_NO_CHOICES)):
+                tokens -= 1
+                self.final_usage = True
+            at = data.find(_USAGE_KEY, after)
+        if last >= 0:
+            self._usage_block, self._usage_at = data, last
+        finish = data.rfind(_FINISH)
+        self._finish_in_block = finish >= 0
+        if finish >= 0:
+            i = finish + len(_FINISH)
             self.finish_reason = data[i : data.find(b'"', i)].decode()
-        if tokens <= 0:
-            return
+        if tokens > 0:
+            self._count(tokens, now)
+        if pieces is None:
+            return data
+        pieces.append(data[copied:])
+        return b"".join(pieces)
+
+    def _count(self, tokens: int, now: float) -> None:
         if self.first_token_at is None:
             # Tokens that arrive with the first one follow it after no gap at all.
             self.first_token_at = self.last_token_at = now
@@ -148,32 +211,35 @@ class StreamMeter:
                 return
         if self.last_token_at is not None:
             # Events that arrive together share the gap since the previous block.
-            self.itl.append(((now - self.last_token_at) / tokens, tokens))
+            self._gaps.append((now - self.last_token_at) / tokens)
+            self._gap_tokens.append(tokens)
         self.token_events += tokens
         self.last_token_at = now
 
-    def _rewrite(self, data: bytes) -> bytes:
-        data = _CHUNK_USAGE.sub(b"}]", data)
-        if self.client_usage:
-            return data
-        out = self._held + data
+    def _rewrite(self, data: bytes, has_finish: bool) -> bytes:
+        """Drop the final usage chunk for a client that did not ask for usage."""
+        out = self._held + data if self._held else data
         self._held = b""
-        at = out.find(_USAGE_ONLY)
+        at = out.find(_USAGE_ONLY) if self.final_usage else -1
         if at >= 0:
-            start = out.rfind(b"\n\n", 0, at) + 2 if out.rfind(b"\n\n", 0, at) >= 0 else 0
-            stop = out.find(b"\n\n", at) + 2
+            before = out.rfind(_END, 0, at)
+            start = before + 2 if before >= 0 else 0
+            stop = out.find(_END, at) + 2
             usage_event = out[start:stop]
             out = out[:start] + out[stop:]
-            fingerprint = _FINGERPRINT.search(usage_event)
-            if fingerprint is not None and start > 0:
+            fp = usage_event.find(_FINGERPRINT)
+            if fp >= 0 and start > 0:
+                fp_end = usage_event.find(b'"', fp + len(_FINGERPRINT)) + 1
                 # start - 3 is the closing brace of the previous event (the last finish chunk).
-                out = out[: start - 3] + fingerprint[0] + out[start - 3 :]
+                out = out[: start - 3] + usage_event[fp:fp_end] + out[start - 3 :]
+            return out
+        if not has_finish:
             return out
         # A finish chunk that ends the block may be the last JSON chunk: hold it until the next
         # block shows whether the usage chunk (with the fingerprint to move) follows.
         cut = out.rfind(_END, 0, len(out) - 2)
         last = cut + 2 if cut >= 0 else 0
-        if out and _FINISH in out[last:]:
+        if out and out.find(_FINISH, last) >= 0:
             self._held = out[last:]
             return out[:last]
         return out
