@@ -12,8 +12,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Coroutine, Iterable
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 import orjson
@@ -37,6 +37,10 @@ from sidecar.upstream import UPSTREAM_ERRORS, StallWatch, Upstream, upstream_fai
 __all__ = ["JSON", "Relay", "Whole"]
 
 log = logging.getLogger("infermeter.sidecar")
+
+_T = TypeVar("_T")
+# How a non-streamed exchange raced against the client and the drain ended (``Relay._race``).
+_Ended = Literal["done", "left", "cut"]
 
 JSON = (b"content-type", b"application/json")
 _SSE = (b"content-type", b"text/event-stream; charset=utf-8")
@@ -275,20 +279,10 @@ class Relay:
             response.release()
             return response, content
 
-        # vLLM sends nothing, not even headers, until a non-streamed completion is done, so the
-        # whole exchange is raced against the client leaving.
-        loop = asyncio.get_running_loop()
-        work = loop.create_task(exchange())
-        watcher = loop.create_task(wait_disconnect(receive))
-        await asyncio.wait((work, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED)
-        watcher.cancel()
-        if not work.done() and not watcher.done():
+        work, ended = await self._race(exchange(), receive)
+        if ended == "cut":
             return await self._cut(call, work, send)
-        if not work.done():
-            # Cancelling closes the upstream connection, which makes vLLM abort the request.
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, Refusal):
-                await work
+        if ended == "left":
             with contextlib.suppress(SpoolError):
                 await self.accounting.record(
                     call, RequestStatus.CLIENT_ABORTED, 499, None, None, None
@@ -308,6 +302,29 @@ class Relay:
             raise Refusal(503, *_WITHHELD) from None
         await respond(send, response.status, content, whole_headers(call, response.raw_headers))
         return usage, status, response.status, finish
+
+    async def _race(self, exchange: Coroutine[Any, Any, _T],
+                    receive: Receive) -> tuple[asyncio.Task[_T], _Ended]:  # fmt: skip
+        """Run a non-streamed ``exchange`` against the client leaving and the drain's cut.
+
+        vLLM sends nothing, not even headers, until a non-streamed completion is done, so the
+        whole exchange is raced. ``left``: the client hung up, and the exchange was cancelled,
+        which closes the upstream connection and makes vLLM abort the request. ``cut``: the
+        drain ran out with the exchange still running (the caller ends it, ``_cut``).
+        """
+        loop = asyncio.get_running_loop()
+        work = loop.create_task(exchange)
+        watcher = loop.create_task(wait_disconnect(receive))
+        await asyncio.wait((work, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED)
+        watcher.cancel()
+        if work.done():
+            return work, "done"
+        if not watcher.done():
+            return work, "cut"
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, Refusal):
+            await work
+        return work, "left"
 
     async def _cut(self, call: Call, work: asyncio.Task[Any], send: Send,
                    assembler: Assembler | None = None) -> Whole:  # fmt: skip
@@ -355,19 +372,11 @@ class Relay:
             response.release()
             return response, whole
 
-        loop = asyncio.get_running_loop()
-        work = loop.create_task(exchange())
-        watcher = loop.create_task(wait_disconnect(receive))
-        await asyncio.wait((work, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED)
-        watcher.cancel()
-        if not work.done() and not watcher.done():
+        work, ended = await self._race(exchange(), receive)
+        if ended == "cut":
             return await self._cut(call, work, send, assembler)
-        if not work.done():
-            # Cancelling closes the upstream connection, which makes vLLM abort the request;
-            # the tokens it spent until then are in the last chunk read.
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, Refusal):
-                await work
+        if ended == "left":
+            # The tokens vLLM spent until the hang-up are in the last chunk read.
             call.response_id = assembler.response_id
             usage = assembler.usage_so_far()
             with contextlib.suppress(SpoolError):
