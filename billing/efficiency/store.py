@@ -107,51 +107,44 @@ def _frame(cursor: duckdb.DuckDBPyConnection, built: tuple[str, dict[str, Any]])
     return frame
 
 
+def _figures(row: dict[str, Any], known: dict[str, Any], *, per_gpu: bool) -> ModelFigures:
+    """A model's figures from one row of ``model_summary_sql`` or (``per_gpu``) ``model_gpu_sql``.
+
+    The per-GPU rows carry no GPU-hours and no engine peaks.
+    """
+    model = known.get(row["model"])
+    return ModelFigures(
+        model=row["model"],
+        served_version=model.current_version if model else row["model"],
+        gpu_model=row["gpu_model"] or "", replicas=int(row["replicas"]),
+        gpus_per_replica=float(row["gpus_per_replica"] or 0), hours=int(row["hours"] or 0),
+        gpu_hours=0.0 if per_gpu else float(row["gpu_hours"] or 0),
+        gpu_usd=float(row["gpu_usd"] or 0), cost_usd=float(row["cost_usd"] or 0),
+        requests=int(row["requests"] or 0), prompt_tokens=int(row["prompt_tokens"] or 0),
+        completion_tokens=int(row["completion_tokens"] or 0),
+        ttft_within_sla_share=row["ttft_within_sla_share"],
+        max_num_seqs=None if per_gpu else row["max_num_seqs"],
+        peak_running=None if per_gpu else row["peak_running"],
+        peak_waiting=None if per_gpu else row["peak_waiting"],
+        max_model_len=model.max_model_len if model else 8192,
+        engines=None if per_gpu else row["engines"],
+    )  # fmt: skip
+
+
 def read_models(cursor: duckdb.DuckDBPyConnection, config: Config, fleet: Fleet, lo: int,
                 hi: int) -> list[ModelFigures]:  # fmt: skip
     """Each model's measured summary, joined to how the configuration serves it."""
     known = {m.name: m for m in config.models}
-    found = []
-    for row in _frame(cursor, model_summary_sql(lo, hi, fleet)).iter_rows(named=True):
-        model = known.get(row["model"])
-        found.append(ModelFigures(
-            model=row["model"],
-            served_version=model.current_version if model else row["model"],
-            gpu_model=row["gpu_model"] or "", replicas=int(row["replicas"]),
-            gpus_per_replica=float(row["gpus_per_replica"] or 0), hours=int(row["hours"] or 0),
-            gpu_hours=float(row["gpu_hours"] or 0), gpu_usd=float(row["gpu_usd"] or 0),
-            cost_usd=float(row["cost_usd"] or 0), requests=int(row["requests"] or 0),
-            prompt_tokens=int(row["prompt_tokens"] or 0),
-            completion_tokens=int(row["completion_tokens"] or 0),
-            ttft_within_sla_share=row["ttft_within_sla_share"],
-            max_num_seqs=row["max_num_seqs"], peak_running=row["peak_running"],
-            peak_waiting=row["peak_waiting"],
-            max_model_len=model.max_model_len if model else 8192,
-            engines=row["engines"],
-        ))  # fmt: skip
-    return found
+    rows = _frame(cursor, model_summary_sql(lo, hi, fleet)).iter_rows(named=True)
+    return [_figures(row, known, per_gpu=False) for row in rows]
 
 
 def read_per_gpu(cursor: duckdb.DuckDBPyConnection, config: Config, fleet: Fleet, lo: int,
                  hi: int) -> list[ModelFigures]:  # fmt: skip
     """Each model's measured summary on each GPU type it runs on (no engine peaks)."""
     known = {m.name: m for m in config.models}
-    found = []
-    for row in _frame(cursor, model_gpu_sql(lo, hi, fleet)).iter_rows(named=True):
-        model = known.get(row["model"])
-        found.append(ModelFigures(
-            model=row["model"],
-            served_version=model.current_version if model else row["model"],
-            gpu_model=row["gpu_model"], replicas=int(row["replicas"]),
-            gpus_per_replica=float(row["gpus_per_replica"] or 0), hours=int(row["hours"] or 0),
-            gpu_hours=0.0, gpu_usd=float(row["gpu_usd"] or 0), cost_usd=float(row["cost_usd"] or 0),
-            requests=int(row["requests"] or 0), prompt_tokens=int(row["prompt_tokens"] or 0),
-            completion_tokens=int(row["completion_tokens"] or 0),
-            ttft_within_sla_share=row["ttft_within_sla_share"], max_num_seqs=None,
-            peak_running=None, peak_waiting=None,
-            max_model_len=model.max_model_len if model else 8192,
-        ))  # fmt: skip
-    return found
+    rows = _frame(cursor, model_gpu_sql(lo, hi, fleet)).iter_rows(named=True)
+    return [_figures(row, known, per_gpu=True) for row in rows]
 
 
 def read_shorts(cursor: duckdb.DuckDBPyConnection, policy: Policy, lo: int,
