@@ -773,6 +773,15 @@ def measure(
     )
 
 
+PHASES = (
+    "ttft_c1",
+    "c64_1tok",
+    "max_throughput",
+    "c64_16tok",
+    "c64_64tok",
+    "paced_500",
+    "rss_1000",
+)
 _PROFILED = frozenset({"c64_1tok", "max_throughput", "c64_64tok", "paced_500"})
 
 
@@ -787,13 +796,17 @@ def run_benchmark(
     echo: Callable[[str], None],
     launcher: Path | None = None,
     sidecar_settings: dict[str, Any] | None = None,
+    phases: frozenset[str] | None = None,
 ) -> dict[str, Any]:
-    """Every phase on every path; returns the windows and the sidecar's idle RSS."""
+    """Every phase (or those in ``phases``) on every path; returns the windows and the
+    sidecar's idle RSS."""
     windows: list[Window] = []
     profiler = Profiler(profile_dir, shutil.which("py-spy") or _venv_tool("py-spy"))
     idle_rss: dict[str, float] = {}
 
     def run(st: Stack, phase: str, paths: Sequence[str], tokens: int, **kw: Any) -> None:
+        if phases is not None and phase not in phases:
+            return
         for path in paths:
             spec = LoadSpec(st.ports[path], req(st, path, tokens), **kw)
             profiled = profiler if phase in _PROFILED else None
@@ -801,6 +814,9 @@ def run_benchmark(
             windows.append(w)
             echo(_row(w))
             _settle()
+
+    def wanted(*names: str) -> bool:
+        return phases is None or not phases.isdisjoint(names)
 
     def req(st: Stack, path: str, max_tokens: int) -> bytes:
         port = st.ports[path]
@@ -813,29 +829,34 @@ def run_benchmark(
     try:
         with tempfile.TemporaryDirectory(prefix="sidecar-overhead-") as tmp_name:
             tmp = Path(tmp_name)
-            with stack(tmp, FAST, nginx_bin, "fast", launcher, sidecar_settings) as st:
-                idle_rss = {path: round(rss_kib(st.proxy(path).pids()) / 1024, 1) for path in PATHS}
-                echo(_HEADER)
-                run(st, "ttft_c1", PATHS, 16, concurrency=1, warmup_s=0.5, duration_s=60.0,
-                    max_requests=p.c1_requests)  # fmt: skip
-                run(st, "c64_1tok", PATHS, 1, concurrency=64, warmup_s=p.warmup_s / 2,
-                    duration_s=p.window_s * 0.6, stagger_s=0.05, record_ttft=False)  # fmt: skip
-                run(st, "max_throughput", PATHS, 256, concurrency=p.throughput_concurrency,
-                    warmup_s=p.warmup_s, duration_s=p.window_s, stagger_s=0.3)  # fmt: skip
-            with stack(tmp, DEMO, nginx_bin, "demo", launcher, sidecar_settings) as st:
-                run(st, "c64_16tok", PATHS, 16, concurrency=64, warmup_s=p.warmup_s,
-                    duration_s=p.window_s, stagger_s=0.3)  # fmt: skip
-                run(st, "c64_64tok", PATHS, 64, concurrency=64, warmup_s=p.warmup_s,
-                    duration_s=p.window_s, stagger_s=1.0)  # fmt: skip
-            with stack(tmp, PACED, nginx_bin, "paced", launcher, sidecar_settings) as st:
-                tokens = int(20 * (p.paced_window_s + p.warmup_s + 10))
-                run(st, "paced_500", ("nginx", "sidecar"), tokens, concurrency=p.paced_streams,
-                    warmup_s=p.warmup_s, duration_s=p.paced_window_s, stagger_s=1.0,
-                    wait_streaming=True, record_ttft=False)  # fmt: skip
-                tokens = int(20 * (p.rss_window_s + p.warmup_s + 20))
-                run(st, "rss_1000", ("nginx", "sidecar"), tokens, concurrency=p.rss_streams,
-                    warmup_s=p.warmup_s, duration_s=p.rss_window_s, stagger_s=2.0,
-                    wait_streaming=True, record_ttft=False)  # fmt: skip
+            echo(_HEADER)
+            if wanted("ttft_c1", "c64_1tok", "max_throughput"):
+                with stack(tmp, FAST, nginx_bin, "fast", launcher, sidecar_settings) as st:
+                    idle_rss = {
+                        path: round(rss_kib(st.proxy(path).pids()) / 1024, 1) for path in PATHS
+                    }
+                    run(st, "ttft_c1", PATHS, 16, concurrency=1, warmup_s=0.5, duration_s=60.0,
+                        max_requests=p.c1_requests)  # fmt: skip
+                    run(st, "c64_1tok", PATHS, 1, concurrency=64, warmup_s=p.warmup_s / 2,
+                        duration_s=p.window_s * 0.6, stagger_s=0.05, record_ttft=False)  # fmt: skip
+                    run(st, "max_throughput", PATHS, 256, concurrency=p.throughput_concurrency,
+                        warmup_s=p.warmup_s, duration_s=p.window_s, stagger_s=0.3)  # fmt: skip
+            if wanted("c64_16tok", "c64_64tok"):
+                with stack(tmp, DEMO, nginx_bin, "demo", launcher, sidecar_settings) as st:
+                    run(st, "c64_16tok", PATHS, 16, concurrency=64, warmup_s=p.warmup_s,
+                        duration_s=p.window_s, stagger_s=0.3)  # fmt: skip
+                    run(st, "c64_64tok", PATHS, 64, concurrency=64, warmup_s=p.warmup_s,
+                        duration_s=p.window_s, stagger_s=1.0)  # fmt: skip
+            if wanted("paced_500", "rss_1000"):
+                with stack(tmp, PACED, nginx_bin, "paced", launcher, sidecar_settings) as st:
+                    tokens = int(20 * (p.paced_window_s + p.warmup_s + 10))
+                    run(st, "paced_500", ("nginx", "sidecar"), tokens, concurrency=p.paced_streams,
+                        warmup_s=p.warmup_s, duration_s=p.paced_window_s, stagger_s=1.0,
+                        wait_streaming=True, record_ttft=False)  # fmt: skip
+                    tokens = int(20 * (p.rss_window_s + p.warmup_s + 20))
+                    run(st, "rss_1000", ("nginx", "sidecar"), tokens, concurrency=p.rss_streams,
+                        warmup_s=p.warmup_s, duration_s=p.rss_window_s, stagger_s=2.0,
+                        wait_streaming=True, record_ttft=False)  # fmt: skip
     finally:
         client.close()
     return {"windows": windows, "idle_rss_mb": idle_rss}
@@ -1137,6 +1158,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(asgi: aiohttp and ASGI messages), to compare both in one sitting",
     )
     parser.add_argument(
+        "--phases",
+        metavar="NAMES",
+        help=f"only these phases, comma-separated (of {', '.join(PHASES)}); the targets of the "
+        "others are reported as not measured",
+    )
+    parser.add_argument(
         "--py-spy",
         metavar="DIR",
         type=Path,
@@ -1176,7 +1203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     try:
         settings = None if args.relay is None else {"protocol_relay": args.relay == "protocol"}
-        result = run_benchmark(plan, nginx_bin, args.py_spy, echo, args.sidecar_launcher, settings)
+        phases = None if args.phases is None else frozenset(args.phases.split(","))
+        result = run_benchmark(plan, nginx_bin, args.py_spy, echo, args.sidecar_launcher, settings,
+                               phases)  # fmt: skip
     except KeyboardInterrupt:
         print("interrupted; everything started was stopped", file=sys.stderr)
         return 130

@@ -354,6 +354,9 @@ class SidecarSettings(_Strict):
     non_streamed_via_stream: bool = True
     # Relay on asyncio protocols (sidecar.pool, sidecar.direct); false: aiohttp and ASGI messages.
     protocol_relay: bool = True
+    # The event loop the sidecar process runs on: uvloop (libuv; the relay's system calls and
+    # callbacks cost less) or Python's own. "auto": uvloop when it is installed.
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     fair_headroom: Annotated[float, Field(ge=0, lt=1)] = 0.125
     fair_queue_max_per_team: Annotated[int, Field(gt=0)] = 256
     fair_wait_timeout_seconds: Positive = 30.0

@@ -9,8 +9,10 @@ compares them. Every server fails with the same one-line message when its port i
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
@@ -68,6 +70,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def loop_factory(
+    choice: Literal["auto", "uvloop", "asyncio"],
+) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop a server process runs on (``asyncio.Runner(loop_factory=...)``).
+
+    None is Python's own loop. "auto" takes uvloop when it is installed; "uvloop" without it is
+    an ImportError for the caller to report against the setting that asked for it.
+    """
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
 
 
 def server(

@@ -47,6 +47,7 @@ def _sidecar(args: argparse.Namespace, config: Config) -> int:
     import asyncio
 
     from infermeter.identity import IdentityError
+    from infermeter.serving import loop_factory
     from sidecar.serve import log_to_stderr, serve_sidecar
 
     log_to_stderr()
@@ -54,10 +55,16 @@ def _sidecar(args: argparse.Namespace, config: Config) -> int:
         config.replica(args.replica)
     except KeyError:
         return fail(f"no replica {args.replica!r} in {config_path(args)}")
+    choice = config.sidecar.event_loop
     try:
-        asyncio.run(
-            serve_sidecar(Path(config_path(args)), args.replica, args.listen, args.upstream)
-        )
+        factory = loop_factory(choice)
+    except ImportError:
+        return fail(f"{config_path(args)}: sidecar.event_loop: {choice!r}: uvloop is not installed")
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(
+                serve_sidecar(Path(config_path(args)), args.replica, args.listen, args.upstream)
+            )
     except IdentityError as exc:
         return fail(f"cannot tell which instance this is: {exc}")
     return 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Protocol
+from typing import Protocol, cast
 
 import httptools
 
@@ -98,9 +98,8 @@ class Connection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        """Keep the transport."""
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        """Keep the transport (a stream transport: uvloop's is not an ``asyncio.Transport`` subclass)."""
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         """Parse; the parser's callbacks feed the sink."""

@@ -118,8 +118,13 @@ def ready_line(app: Sidecar, host: str, port: int) -> str:
     return (
         f"sidecar ready on http://{host}:{port}: replica group {app.replica_id}, "
         f"instance {app.identity.instance}, upstream {_without_credentials(app.upstream)}, "
-        f"limits {limits}"
+        f"limits {limits}, event loop {_loop_name()}"
     )
+
+
+def _loop_name() -> str:
+    """ "uvloop" or "asyncio": the loop this process runs on (``sidecar.event_loop``)."""
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
 
 def _without_credentials(url: str) -> str:

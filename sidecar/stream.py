@@ -30,8 +30,10 @@ _ROLE = b'"delta":{"role"'
 _USAGE_ONLY = b'"choices":[],"usage"'
 _FINISH = b'"finish_reason":"'
 _USAGE_KEY = b'"usage":{'
-# Per-chunk usage follows the choices array ("}],"); the final usage chunk's follows
-# '"choices":[],', so it is kept. Both are checked at a fixed offset before the key.
+# Per-chunk usage follows the choices array ("}],"), an object of numbers and nulls with at most
+# one level of nested objects (prompt_tokens_details); anything deeper is not usage and is left
+# alone. The final usage chunk's follows '"choices":[],' instead.
+_CHUNK_USAGE = re.compile(rb'\}\],"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
 _AFTER_CHOICES = b"}],"
 _NO_CHOICES = b'"choices":[],'
 _FINGERPRINT = b',"system_fingerprint":"'
@@ -160,35 +162,29 @@ class StreamMeter:
         return out + self._flush_held() if self.done else out
 
     def _scan(self, data: bytes, now: float) -> bytes:
-        """Meter ``data`` in one walk over its usage keys; cut per-chunk usage unless asked for."""
+        """Meter ``data``; cut per-chunk usage unless asked for.
+
+        A few C-level searches over the block and no Python loop over it: this runs for every
+        block of every stream. A block of one event (the usual case: one read per token) takes
+        the shortest path; several events take one regular-expression substitution.
+        """
         # Count event ends, not "data: ": generated text may contain "data: ", never a raw newline.
-        tokens = data.count(_END)
+        single = data.find(_END) == len(data) - 2
+        tokens = 1 if single else data.count(_END)
         if self.first_token_at is None:
             # vLLM sends every choice's role chunk before any token.
             tokens -= data.count(_ROLE)
-        cut = not self.passthrough
-        pieces: list[bytes] | None = None
-        copied = 0
-        last = -1
         # A key inside generated text is escaped (\"usage\":{), so every match is a real key.
-        at = data.find(_USAGE_KEY)
-        while at >= 0:
-            last = at
-            after = at + len(_USAGE_KEY)
-            if data.startswith(_AFTER_CHOICES, at - 3):
-                stop = object_end(data, after - 1) if cut else -1
-                if stop > 0:
-                    if pieces is None:
-                        pieces = []
-                    # Keep the "}]" closing the choices; drop ',"usage":{...}'.
-                    pieces.append(data[copied : at - 1])
-                    copied = after = stop
-            elif data.startswith(_NO_CHOICES, at - len(_NO_CHOICES)):
-                tokens -= 1
-                self.final_usage = True
-            at = data.find(_USAGE_KEY, after)
+        last = data.rfind(_USAGE_KEY)
         if last >= 0:
             self._usage_block, self._usage_at = data, last
+            if single:
+                finals = 1 if data.startswith(_NO_CHOICES, last - len(_NO_CHOICES)) else 0
+            else:
+                finals = data.count(_NO_CHOICES + _USAGE_KEY)
+            if finals:
+                tokens -= finals
+                self.final_usage = True
         finish = data.rfind(_FINISH)
         self._finish_in_block = finish >= 0
         if finish >= 0:
@@ -196,10 +192,16 @@ class StreamMeter:
             self.finish_reason = data[i : data.find(b'"', i)].decode()
         if tokens > 0:
             self._count(tokens, now)
-        if pieces is None:
+        if last < 0 or self.passthrough:
             return data
-        pieces.append(data[copied:])
-        return b"".join(pieces)
+        # Keep the "}]" closing the choices; drop ',"usage":{...}'. The final usage chunk's
+        # follows '"choices":[],' and is kept.
+        if single:
+            if not data.startswith(_AFTER_CHOICES, last - 3):
+                return data
+            stop = object_end(data, last + len(_USAGE_KEY) - 1)
+            return data if stop < 0 else data[: last - 1] + data[stop:]
+        return _CHUNK_USAGE.sub(b"}]", data)
 
     def _count(self, tokens: int, now: float) -> None:
         if self.first_token_at is None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import uvloop
 import yaml
 
 from infermeter.config import DEFAULT_CONFIG, Config
@@ -99,3 +101,16 @@ async def stack(stack_factory: StackFactory) -> Stack:
     """The default stack."""
     result: Stack = await stack_factory()
     return result
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]] | None:
+    """Tests marked ``both_loops`` run once on each loop the sidecar may run on.
+
+    The sidecar process runs on uvloop by default (``sidecar.event_loop``), whose transports
+    differ from Python's in type and in when they call back; the relay's tests run on both.
+    """
+    if item.get_closest_marker("both_loops") is None:
+        return None
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}

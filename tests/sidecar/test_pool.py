@@ -11,6 +11,9 @@ from sidecar.direct import WholeSink
 from sidecar.pool import Pool, ReadTimeout, UpstreamClosed, request_head
 from tests.servers import serving
 
+# The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
+pytestmark = pytest.mark.both_loops
+
 
 async def _ok(scope, receive, send):
     while (await receive()).get("more_body"):

@@ -11,6 +11,9 @@ import pytest
 from infermeter.serving import free_port
 from tests.sidecar.conftest import KEYS
 
+# The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
+pytestmark = pytest.mark.both_loops
+
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
 
 

@@ -21,6 +21,9 @@ from tests.servers import serving
 from tests.sidecar.conftest import METRICS_TOKEN, make_config
 from tests.simulator.shapes import sse_events
 
+# The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
+pytestmark = pytest.mark.both_loops
+
 CHAT = {
     "model": "chat-small",
     "messages": [{"role": "user", "content": "count please"}],

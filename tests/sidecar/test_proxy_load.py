@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 import yaml
 
 from infermeter.config import DEFAULT_CONFIG
@@ -24,6 +25,9 @@ from infermeter.wire import ARROW_STREAM, decode_arrow
 from simulator.replica import ReplicaSim, replica_spec
 from tests.servers import serving
 from tests.sidecar.conftest import KEYS, make_config
+
+# The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
+pytestmark = pytest.mark.both_loops
 
 CHAT = {
     "model": "chat-small",

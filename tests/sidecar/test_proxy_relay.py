@@ -15,6 +15,9 @@ from infermeter.auth import sign_request
 from tests.sidecar.conftest import KEYS, make_config
 from tests.simulator.shapes import classify, skeleton, sse_events
 
+# The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
+pytestmark = pytest.mark.both_loops
+
 CHAT = {
     "model": "chat-small",
     "messages": [{"role": "user", "content": "hello there"}],

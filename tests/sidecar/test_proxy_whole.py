@@ -12,6 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.sidecar.test_proxy_accounting import _breaks_mid_stream, _engine_dies, _engine_stalls
 
+# The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
+pytestmark = pytest.mark.both_loops
+
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "count please"}],
         "max_tokens": 12}  # fmt: skip
 TEXT = {"model": "chat-small", "prompt": "a b c", "max_tokens": 9}

@@ -61,6 +61,7 @@ def test_the_sidecar_logs_one_ready_line_with_its_address_and_nothing_secret(tmp
     assert "replica group small-0" in line
     assert "instance small-0" in line
     assert "limits local" in line
+    assert "event loop uvloop" in line  # sidecar.event_loop "auto", and uvloop is a dependency
     assert "upstream http://127.0.0.1:" in line
     assert "hunter2" not in line
     assert "s3cret" not in line

@@ -12,6 +12,9 @@ from infermeter.serving import free_port
 from sidecar.resp import Endpoint, NoScriptError, ReplyError, RespClient, Script, parse_url
 from tests.redis_server import RedisServer
 
+# The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
+pytestmark = pytest.mark.both_loops
+
 ECHO = Script("return ARGV[1]")
 
 

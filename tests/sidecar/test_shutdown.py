@@ -30,6 +30,9 @@ from simulator.replica import ReplicaSim, replica_spec
 from tests.servers import running, serving
 from tests.sidecar.conftest import KEYS
 
+# The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
+pytestmark = pytest.mark.both_loops
+
 INGEST_TOKEN = "im-demo-ingest"
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
 BILLABLE = {"ok", "client_aborted", "upstream_error", "interrupted"}
