@@ -166,8 +166,7 @@ def _observe_stream(m: SidecarMetrics, labels: tuple[str, str], call: Call,
     first = meter.first_token_at
     assert first is not None
     m.ttft.observe(labels, first - call.started)
-    for gap, count in meter.itl:
-        m.itl.observe(labels, gap, count)
+    m.itl.merge(labels, meter.itl)
     last = meter.last_token_at
     if usage is not None and usage.completion > 1 and last and last > first:
         m.tps.observe(labels, (usage.completion - 1) / (last - first))

@@ -100,6 +100,14 @@ class FastHistogram(Collector):
         series[bisect_left(self.bounds, value)] += count
         series[-1] += value * count
 
+    def merge(self, labels: tuple[str, ...], series: Sequence[float]) -> None:
+        """Add a histogram kept in this one's layout (bucket counts, +Inf, sum), e.g. a stream's."""
+        mine = self._series.get(labels)
+        if mine is None:
+            mine = self._series[labels] = [0.0] * (len(self.bounds) + 2)
+        for i, value in enumerate(series):
+            mine[i] += value
+
     def collect(self) -> Iterator[Metric]:
         """Build the family at scrape time, cumulative as the exposition wants."""
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)

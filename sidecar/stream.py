@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import re
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
+from sidecar.metrics import ITL_BUCKETS
 from sidecar.request_ids import response_id
 
 __all__ = ["StreamMeter", "UsageCounts", "parse_usage"]
@@ -37,6 +39,8 @@ _CHUNK_USAGE = re.compile(rb'\}\],"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
 _AFTER_CHOICES = b"}],"
 _NO_CHOICES = b'"choices":[],'
 _FINGERPRINT = b',"system_fingerprint":"'
+_ITL_BOUNDS = tuple(float(b) for b in ITL_BUCKETS)
+_ITL_EMPTY = bytes(array("d", [0.0]).itemsize * (len(_ITL_BOUNDS) + 2))
 _PROMPT = re.compile(rb'"prompt_tokens":(\d+)')
 _COMPLETION = re.compile(rb'"completion_tokens":(\d+)')
 _CACHED = re.compile(rb'"cached_tokens":(\d+)')
@@ -96,10 +100,10 @@ class StreamMeter:
     finish_reason: str | None = None
     # vLLM's id for the response (``chatcmpl-...``), read from the first chunk.
     response_id: str | None = None
-    # Inter-token gaps and how many tokens shared each, kept unboxed: appending to an array
-    # keeps no object per block, and the histogram takes them once, when the request ends.
-    _gaps: array[float] = field(default_factory=lambda: array("d"))
-    _gap_tokens: array[int] = field(default_factory=lambda: array("q"))
+    # Inter-token gaps as a histogram of ``ITL_BUCKETS`` (counts per bucket, +Inf, then the sum,
+    # the layout of ``FastHistogram``): fixed memory however long the stream, one bisect per
+    # block, and one merge into the shared histogram when the request ends.
+    _itl: array[float] = field(default_factory=lambda: array("d", _ITL_EMPTY))
     _tail: bytes = b""
     _held: bytes = b""
     _usage: UsageCounts | None = None
@@ -127,9 +131,9 @@ class StreamMeter:
         self._usage, self._usage_block = counts, b""
 
     @property
-    def itl(self) -> list[tuple[float, int]]:
-        """Inter-token gaps in seconds, each with the number of tokens that shared it."""
-        return list(zip(self._gaps, self._gap_tokens, strict=True))
+    def itl(self) -> array[float]:
+        """Inter-token gaps: tokens per ``ITL_BUCKETS`` bucket (not cumulative), +Inf, the sum."""
+        return self._itl
 
     @property
     def passthrough(self) -> bool:
@@ -213,8 +217,10 @@ class StreamMeter:
                 return
         if self.last_token_at is not None:
             # Events that arrive together share the gap since the previous block.
-            self._gaps.append((now - self.last_token_at) / tokens)
-            self._gap_tokens.append(tokens)
+            gap = (now - self.last_token_at) / tokens
+            itl = self._itl
+            itl[bisect_left(_ITL_BOUNDS, gap)] += tokens
+            itl[-1] += gap * tokens
         self.token_events += tokens
         self.last_token_at = now
 

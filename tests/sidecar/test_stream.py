@@ -15,6 +15,7 @@ import orjson
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from sidecar.metrics import ITL_BUCKETS
 from sidecar.stream import StreamMeter, UsageCounts
 from simulator.protocol import CompletionFormatter
 from tests.simulator.shapes import classify, skeleton, sse_events
@@ -279,13 +280,16 @@ def test_inter_token_latencies_cover_every_token_but_the_first(stream, whole):
     """The ITL entries account for every token event after the first."""
     raw = UPSTREAM[stream][0]
     meter = run(raw, CONTINUOUS, [raw] if whole else None)[1]
-    assert sum(count for _, count in meter.itl) == meter.token_events - 1
+    assert sum(meter.itl[:-1]) == meter.token_events - 1
 
 
 def test_tokens_arriving_with_the_first_have_no_gap():
     """Tokens in the first token's block follow it after zero seconds."""
     raw = capture(CONTINUOUS_CHAT)
-    assert run(raw, CONTINUOUS, [raw])[1].itl == [(0.0, 4)]
+    itl = run(raw, CONTINUOUS, [raw])[1].itl
+    assert itl[0] == 4  # the first bucket
+    assert sum(itl[:-1]) == 4
+    assert itl[-1] == 0.0  # the sum of the gaps
 
 
 def test_tokens_in_one_block_share_the_gap_since_the_last():
@@ -294,7 +298,9 @@ def test_tokens_in_one_block_share_the_gap_since_the_last():
     meter = new_meter(CONTINUOUS)
     meter.feed(b"".join(evs[:2]), 1.0)
     meter.feed(b"".join(evs[2:4]), 3.0)
-    assert meter.itl == [(1.0, 2)]
+    assert meter.itl[ITL_BUCKETS.index(1.0)] == 2  # two observations in the bucket up to 1 s
+    assert sum(meter.itl[:-1]) == 2
+    assert meter.itl[-1] == 2.0  # their sum
 
 
 def test_partial_event_is_held_until_completed():
@@ -368,4 +374,4 @@ def test_inter_token_latencies_cover_every_token_but_the_first_however_split(str
     """Wherever the blocks are cut, ITL counts add up to one less than the token events."""
     raw = UPSTREAM[stream][0]
     meter = run(raw, CONTINUOUS, _draw_blocks(data, raw))[1]
-    assert sum(count for _, count in meter.itl) == meter.token_events - 1
+    assert sum(meter.itl[:-1]) == meter.token_events - 1
