@@ -19,8 +19,8 @@ END: Final = b"\r\n0\r\n\r\n"  # the last chunk of a chunked HTTP/1.1 body
 class RepeatingStream(asyncio.Protocol):
     """One keep-alive connection re-sending ``request`` until ``stop`` is set.
 
-    A response that is not ``200`` with a chunked body closes the connection and counts as
-    an error. Subclasses count what they need in ``on_send``, ``on_body`` and ``on_error``.
+    A response that is not ``200`` with a chunked body (or one with a content-length: a
+    non-streamed answer) closes the connection and counts as an error. Subclasses count what they need in ``on_send``, ``on_body`` and ``on_error``.
     """
 
     def __init__(self, request: bytes, stop: asyncio.Event) -> None:
@@ -31,6 +31,8 @@ class RepeatingStream(asyncio.Protocol):
         self.head = b""
         self.in_body = False
         self.end_tail = b""
+        # Body bytes still to come of a response with a content-length (-1: a chunked one).
+        self.remaining = -1
 
     def on_send(self) -> None:
         """A request is about to go out."""
@@ -50,7 +52,7 @@ class RepeatingStream(asyncio.Protocol):
 
     def _send(self) -> None:
         assert self.transport is not None
-        self.head, self.in_body, self.end_tail = b"", False, b""
+        self.head, self.in_body, self.end_tail, self.remaining = b"", False, b"", -1
         self.on_send()
         self.transport.write(self.request)
 
@@ -62,14 +64,21 @@ class RepeatingStream(asyncio.Protocol):
             if split < 0:
                 return
             head, data = self.head[:split], self.head[split + 4 :]
-            if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
+            lower = head.lower()
+            length = _content_length(lower)
+            if not head.startswith(b"HTTP/1.1 200") or (b"chunked" not in lower and length < 0):
                 self.on_error()
                 self.transport.close()
                 return
-            self.in_body = True
+            self.in_body, self.remaining = True, length
         self.on_body(data)
-        self.end_tail = (self.end_tail + data)[-len(END) :]
-        if self.end_tail == END:
+        if self.remaining >= 0:
+            self.remaining -= len(data)
+            finished = self.remaining <= 0
+        else:
+            self.end_tail = (self.end_tail + data)[-len(END) :]
+            finished = self.end_tail == END
+        if finished:
             self.on_done()
             if self.stop.is_set():
                 self.transport.close()
@@ -79,6 +88,16 @@ class RepeatingStream(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.closed.done():
             self.closed.set_result(None)
+
+
+def _content_length(head: bytes) -> int:
+    """The content-length of a lower-cased response head, -1 without one."""
+    at = head.find(b"\r\ncontent-length:")
+    if at < 0:
+        return -1
+    start = at + len(b"\r\ncontent-length:")
+    end = head.find(b"\r\n", start)
+    return int(head[start : end if end >= 0 else len(head)])
 
 
 async def run_connections(make: Callable[[], RepeatingStream], host: str, port: int,

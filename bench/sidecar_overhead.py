@@ -15,6 +15,8 @@ reads the proxy's CPU time (``/proc/PID/task/*/schedstat``; nginx: master plus w
 
 1. ``ttft_c1`` (fast engine, 1 ms steps): sequential 16-token requests on one connection: TTFT.
 2. ``c64_1tok`` (fast engine): 64 connections of 1-token requests: fixed CPU per request.
+   ``c16_json`` (fast engine): 16 connections of non-streamed 16-token requests: CPU per
+   request answered whole (the sidecar reads vLLM's stream and answers JSON, or relays JSON).
 3. ``max_throughput`` (fast engine): 256 streams of 256 tokens: max chunks/s, CPU per chunk.
 4. ``c64_16tok`` (the defaults' ``chat-small`` engine, ~60 tokens/s per stream at 64): 64 streams
    of 16 tokens, closed loop, starts staggered: TTFT at c=64. (On the fast engine any closed loop
@@ -81,6 +83,7 @@ _PR_SET_PDEATHSIG = 1
 
 # Targets of the data-plane issue, as ratios to nginx measured in the same run where they are.
 TARGET_CPU_RATIO = 3.0  # sidecar CPU per 64-chunk request / nginx's
+TARGET_JSON_RATIO = 5.0  # sidecar CPU per non-streamed 16-token request / nginx's
 TARGET_ADDED_P50_C1_MS = 0.3
 TARGET_ADDED_P99_C64_MS = 2.0
 TARGET_PACED_RATIO = 1.5  # sidecar CPU per paced chunk / nginx's
@@ -559,13 +562,15 @@ def stack(
             service.stop(signal.SIGTERM if service.name == "nginx" else signal.SIGINT)
 
 
-def request_bytes(port: int, model: str, max_tokens: int, key: str | None) -> bytes:
-    """A streamed chat completion as raw HTTP/1.1 bytes."""
+def request_bytes(
+    port: int, model: str, max_tokens: int, key: str | None, stream: bool = True
+) -> bytes:
+    """A chat completion (streamed unless ``stream`` is false) as raw HTTP/1.1 bytes."""
     body = json.dumps(
         {
             "model": model,
             "messages": [{"role": "user", "content": "Count to a large number, please."}],
-            "stream": True,
+            "stream": stream,
             "max_tokens": max_tokens,
             "ignore_eos": True,
         }
@@ -776,13 +781,14 @@ def measure(
 PHASES = (
     "ttft_c1",
     "c64_1tok",
+    "c16_json",
     "max_throughput",
     "c64_16tok",
     "c64_64tok",
     "paced_500",
     "rss_1000",
 )
-_PROFILED = frozenset({"c64_1tok", "max_throughput", "c64_64tok", "paced_500"})
+_PROFILED = frozenset({"c64_1tok", "c16_json", "max_throughput", "c64_64tok", "paced_500"})
 
 
 def _settle(seconds: float = 0.5) -> None:
@@ -804,11 +810,12 @@ def run_benchmark(
     profiler = Profiler(profile_dir, shutil.which("py-spy") or _venv_tool("py-spy"))
     idle_rss: dict[str, float] = {}
 
-    def run(st: Stack, phase: str, paths: Sequence[str], tokens: int, **kw: Any) -> None:
+    def run(st: Stack, phase: str, paths: Sequence[str], tokens: int, stream: bool = True,
+            **kw: Any) -> None:  # fmt: skip
         if phases is not None and phase not in phases:
             return
         for path in paths:
-            spec = LoadSpec(st.ports[path], req(st, path, tokens), **kw)
+            spec = LoadSpec(st.ports[path], req(st, path, tokens, stream), **kw)
             profiled = profiler if phase in _PROFILED else None
             w = measure(client, st, path, phase, spec, tokens, profiled)
             windows.append(w)
@@ -818,11 +825,11 @@ def run_benchmark(
     def wanted(*names: str) -> bool:
         return phases is None or not phases.isdisjoint(names)
 
-    def req(st: Stack, path: str, max_tokens: int) -> bytes:
+    def req(st: Stack, path: str, max_tokens: int, stream: bool) -> bytes:
         port = st.ports[path]
         if path == "sidecar":
-            return request_bytes(port, SIDECAR_MODEL, max_tokens, API_KEY)
-        return request_bytes(port, st.served_model, max_tokens, None)
+            return request_bytes(port, SIDECAR_MODEL, max_tokens, API_KEY, stream)
+        return request_bytes(port, st.served_model, max_tokens, None, stream)
 
     p = plan
     client = Client()
@@ -830,7 +837,7 @@ def run_benchmark(
         with tempfile.TemporaryDirectory(prefix="sidecar-overhead-") as tmp_name:
             tmp = Path(tmp_name)
             echo(_HEADER)
-            if wanted("ttft_c1", "c64_1tok", "max_throughput"):
+            if wanted("ttft_c1", "c64_1tok", "c16_json", "max_throughput"):
                 with stack(tmp, FAST, nginx_bin, "fast", launcher, sidecar_settings) as st:
                     idle_rss = {
                         path: round(rss_kib(st.proxy(path).pids()) / 1024, 1) for path in PATHS
@@ -839,6 +846,9 @@ def run_benchmark(
                         max_requests=p.c1_requests)  # fmt: skip
                     run(st, "c64_1tok", PATHS, 1, concurrency=64, warmup_s=p.warmup_s / 2,
                         duration_s=p.window_s * 0.6, stagger_s=0.05, record_ttft=False)  # fmt: skip
+                    run(st, "c16_json", PATHS, 16, stream=False, concurrency=16,
+                        warmup_s=p.warmup_s / 2, duration_s=p.window_s * 0.6, stagger_s=0.05,
+                        record_ttft=False)  # fmt: skip
                     run(st, "max_throughput", PATHS, 256, concurrency=p.throughput_concurrency,
                         warmup_s=p.warmup_s, duration_s=p.window_s, stagger_s=0.3)  # fmt: skip
             if wanted("c64_16tok", "c64_64tok"):
@@ -889,6 +899,7 @@ def summarize(windows: list[Window], idle_rss: dict[str, float]) -> dict[str, An
 
     for path in PATHS:
         c1, one, top = get("ttft_c1", path), get("c64_1tok", path), get("max_throughput", path)
+        whole = get("c16_json", path)
         c16, c64 = get("c64_16tok", path), get("c64_64tok", path)
         paced, mem = get("paced_500", path), get("rss_1000", path)
         marginal = None
@@ -902,6 +913,7 @@ def summarize(windows: list[Window], idle_rss: dict[str, float]) -> dict[str, An
             "cpu_us_per_16tok_request": _r(c16.us_per_request, 1) if c16 else None,
             "cpu_us_marginal_per_chunk": _r(marginal, 2),
             "cpu_us_per_1tok_request": _r(one.us_per_request, 1) if one else None,
+            "cpu_us_per_json_request": _r(whole.us_per_request, 1) if whole else None,
             "ttft_c1_p50_ms": c1.ttft_p50_ms if c1 else None,
             "ttft_c1_p99_ms": c1.ttft_p99_ms if c1 else None,
             "ttft_c64_p50_ms": c16.ttft_p50_ms if c16 else None,
@@ -935,6 +947,11 @@ def summarize(windows: list[Window], idle_rss: dict[str, float]) -> dict[str, An
         if side["cpu_us_per_64tok_request"] and ngx["cpu_us_per_64tok_request"]
         else None
     )
+    json_ratio = (
+        round(side["cpu_us_per_json_request"] / ngx["cpu_us_per_json_request"], 1)
+        if side["cpu_us_per_json_request"] and ngx["cpu_us_per_json_request"]
+        else None
+    )
     paced_ratio = (
         round(side["paced_cpu_us_per_chunk"] / ngx["paced_cpu_us_per_chunk"], 2)
         if side["paced_cpu_us_per_chunk"] and ngx["paced_cpu_us_per_chunk"]
@@ -956,6 +973,12 @@ def summarize(windows: list[Window], idle_rss: dict[str, float]) -> dict[str, An
             "value": ratio,
             "unit": "x",
             "verdict": verdict(ratio, TARGET_CPU_RATIO),
+        },
+        {
+            "target": f"sidecar CPU per non-streamed request <= {TARGET_JSON_RATIO:g}x nginx's",
+            "value": json_ratio,
+            "unit": "x",
+            "verdict": verdict(json_ratio, TARGET_JSON_RATIO),
         },
         {
             "target": f"added TTFT p50 <= {TARGET_ADDED_P50_C1_MS} ms at c=1",
@@ -1020,6 +1043,7 @@ _SUMMARY_ROWS = (
     ("CPU us / 16-token request (c=64)", "cpu_us_per_16tok_request", ".0f"),
     ("marginal CPU us per extra chunk", "cpu_us_marginal_per_chunk", ".1f"),
     ("CPU us / 1-token request (c=64)", "cpu_us_per_1tok_request", ".0f"),
+    ("CPU us / non-streamed request (c=16)", "cpu_us_per_json_request", ".0f"),
     ("TTFT p50 / p99 ms, c=1", ("ttft_c1_p50_ms", "ttft_c1_p99_ms"), ".3f"),
     ("TTFT p50 / p99 ms, c=64", ("ttft_c64_p50_ms", "ttft_c64_p99_ms"), ".3f"),
     ("added TTFT p50 / p99 ms, c=1", ("added_ttft_c1_p50_ms", "added_ttft_c1_p99_ms"), ".3f"),

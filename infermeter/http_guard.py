@@ -55,13 +55,15 @@ class RawWriter:
     content-length) and must be ended with ``send`` too (the last ``http.response.body``), so the
     server keeps its own account of the response; in between, ``write`` frames and writes each
     piece at once. ``on_pause`` and ``on_resume`` are called when the client's socket buffer fills
-    and drains again; ``paused`` says which holds now.
+    and drains again; ``paused`` says which holds now. ``lost`` resolves when the connection
+    closes: a relay waits on it, where waiting for ASGI's ``http.disconnect`` takes a task.
     """
 
-    __slots__ = ("on_pause", "on_resume", "paused", "transport")
+    __slots__ = ("lost", "on_pause", "on_resume", "paused", "transport")
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+    def __init__(self, transport: asyncio.Transport, lost: asyncio.Future[None]) -> None:
         self.transport = transport
+        self.lost = lost
         self.paused = False
         self.on_pause: Callable[[], None] | None = None
         self.on_resume: Callable[[], None] | None = None
@@ -94,7 +96,7 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._raw = RawWriter(transport)
+            self._raw = RawWriter(transport, self.loop.create_future())
             if len(self.connections) > limits.max_connections:
                 transport.close()
                 return
@@ -103,6 +105,8 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
+            if self._raw is not None and not self._raw.lost.done():
+                self._raw.lost.set_result(None)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

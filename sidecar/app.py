@@ -401,7 +401,7 @@ class Sidecar:
         """Relay a stream on protocols when the server and the upstream allow it, else on ASGI."""
         raw = scope.get("extensions", {}).get(RAW_WRITER) if self.settings.protocol_relay else None
         if raw is not None:
-            done = await self.relay.stream_direct(call, receive, send, body, upstream, raw)
+            done = await self.relay.stream_direct(call, send, body, upstream, raw)
             if done is not None:
                 return done[0], done[1]
         meter, status, _ = await self.relay.stream(call, receive, send, body, upstream)

@@ -13,7 +13,10 @@ spent GPU time on every request it forwarded. The journal closes that gap:
   happens per chunk: the marks read the meters the relay keeps anyway, so a killed stream is
   recorded with its counts as of at most ``mark_seconds`` before the kill, and a crash of the
   whole machine loses at most the last interval's lines.
-- ``finish``: once the request's own record is in the spool, one line says so.
+- ``finish``: once the request's own record is in the spool, one line says so. It is not
+  written at once but with the next admission or mark (one ``write(2)`` per request, not two):
+  a line lost with the process only makes recovery look for the record in the spool, where it is
+  (``infermeter.journal.recover`` skips spooled ids; billing keeps one record per id).
 
 At start, ``infermeter.journal.recover`` turns what the previous process left into records (the
 file format, and the rules of those records, are told there).
@@ -92,6 +95,8 @@ class AdmissionJournal:
         self._size = 0
         self._unsynced = False
         self._task: asyncio.Task[None] | None = None
+        # Finish lines waiting to go out with the next write.
+        self._finished: list[bytes] = []
 
     @property
     def running(self) -> int:
@@ -114,6 +119,7 @@ class AdmissionJournal:
                 await self._task
         if self._fd >= 0:
             with contextlib.suppress(OSError):
+                self._flush_finished()
                 os.fsync(self._fd)
             os.close(self._fd)
             self._fd = -1
@@ -124,7 +130,11 @@ class AdmissionJournal:
         """Journal ``record`` (its end unknown yet); JournalError when it cannot be written."""
         line = admission_line(record)
         try:
-            self._write(line)
+            if self._finished:
+                self._write(b"".join((*self._finished, line)))
+                self._finished.clear()
+            else:
+                self._write(line)
         except OSError as exc:
             raise JournalError(f"cannot write the admission journal in {self.directory}: {exc.strerror or exc}") from None  # fmt: skip
         self._running[record.request_id] = _Running(
@@ -138,15 +148,18 @@ class AdmissionJournal:
             running.progress = progress
 
     def finish(self, request_id: str) -> None:
-        """The request's own record is durable: it needs the journal no more."""
-        if self._running.pop(request_id, None) is None:
-            return
-        try:
-            self._write(finish_line(request_id))
-        except OSError as exc:
-            # Without its end the request becomes an interrupted record at the next start; its
-            # real record, spooled first, is the one billing keeps.
-            log.error("admission journal: end of %s not written: %s", request_id, exc)
+        """The request's own record is durable: it needs the journal no more.
+
+        The line goes out with the next admission or mark. Without it (lost with the process, or
+        not writable) recovery finds the record in the spool, or billing keeps the first of two.
+        """
+        if self._running.pop(request_id, None) is not None:
+            self._finished.append(finish_line(request_id))
+
+    def _flush_finished(self) -> None:
+        if self._finished:
+            self._write(b"".join(self._finished))
+            self._finished.clear()
 
     def interrupted_now(self) -> list[UsageRecord]:
         """Records of the requests still running, with their counts as of now (at shutdown)."""
@@ -190,7 +203,8 @@ class AdmissionJournal:
 
     def _mark_all(self, now: float) -> None:
         lines = [self._mark_one(r, now) for r in self._running.values()]
-        data = b"".join(lines)
+        data = b"".join((*self._finished, *lines))
+        self._finished.clear()
         if data:
             self._write(data)
 
@@ -213,6 +227,8 @@ class AdmissionJournal:
     async def _rotate(self) -> None:
         """Copy the running requests to a fresh file, make it durable, delete the old one."""
         old_fd, old_path = self._fd, self._path
+        # Finish lines refer to the old file's admissions; the new one holds only running ones.
+        self._finished.clear()
         self._start_file()
         self._write(b"".join(r.line + r.mark for r in self._running.values()))
         self._unsynced = False

@@ -147,7 +147,7 @@ class Relay:
         conn.send(head + payload, sink, pool.read_timeout_seconds)
         return conn
 
-    async def stream_direct(self, call: Call, receive: Receive, send: Send, body: dict[str, Any],
+    async def stream_direct(self, call: Call, send: Send, body: dict[str, Any],
                             headers: dict[str, str], raw: RawWriter) -> tuple[StreamMeter, RequestStatus, int] | None:  # fmt: skip
         """``stream`` on protocols (``sidecar.direct``); None when this upstream needs ``stream``."""
         meter = StreamMeter(call.client_usage, call.client_continuous, call.started)
@@ -156,13 +156,13 @@ class Relay:
         if conn is None:
             return None
         try:
-            return await self._relay_direct(call, receive, send, conn, sink, raw)
+            return await self._relay_direct(call, send, conn, sink, raw)
         finally:
             if not sink.finished.done():
                 # Cancelled or cut short: closing the connection makes vLLM abort the request.
                 conn.close()
 
-    async def _relay_direct(self, call: Call, receive: Receive, send: Send, conn: Connection,
+    async def _relay_direct(self, call: Call, send: Send, conn: Connection,
                             sink: StreamSink, raw: RawWriter) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
         meter = sink.meter
         got = await sink.headed
@@ -178,20 +178,19 @@ class Relay:
         raw.on_pause, raw.on_resume = conn.pause_reading, conn.resume_reading
         if raw.paused:
             conn.pause_reading()
-        watcher = asyncio.get_running_loop().create_task(wait_disconnect(receive))
         status = RequestStatus.OK
         try:
+            # The client's connection closing, not ASGI's disconnect message: no task to wait.
             await asyncio.wait(
-                (sink.finished, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED
+                (sink.finished, raw.lost, self.drain.cut), return_when=asyncio.FIRST_COMPLETED
             )
         finally:
             raw.on_pause = raw.on_resume = None
             sink.writer = None
-            watcher.cancel()
         if not sink.finished.done():
             # Closing the connection is what makes vLLM abort the request.
             conn.close()
-            status = RequestStatus.CLIENT_ABORTED if watcher.done() else RequestStatus.INTERRUPTED
+            status = RequestStatus.CLIENT_ABORTED if raw.lost.done() else RequestStatus.INTERRUPTED
         elif (exc := sink.finished.result()) is not None and not meter.done:
             # (A failure after [DONE], while reading the terminator, loses nothing.)
             status = RequestStatus.UPSTREAM_ERROR

@@ -63,6 +63,9 @@ async def test_recover_spools_interrupted_records_once(tmp_path):
     dead.open()
     for rid in ("r1", "r2", "r3"):
         dead.admit(admitted(rid), 0.0)
+    # r3 ends as the sidecar ends a request: its record spooled, then finished in the journal
+    # (a line that waits for the next write, so the death below loses it).
+    await spool.append(admitted("r3").to_json() | {"status": "ok", "completion_tokens": 7})
     dead.finish("r3")
     os.close(dead._fd)  # the process dies: nothing is flushed, closed or deleted by it
     assert dead._task is not None
@@ -78,9 +81,31 @@ async def test_recover_spools_interrupted_records_once(tmp_path):
     ]
     assert [(r["request_id"], r["status"]) for r in records] == [
         ("r2", "ok"),
+        ("r3", "ok"),
         ("r1", "interrupted"),
     ]
     assert list((tmp_path / "spool" / "journal").iterdir()) == []
+
+
+async def test_a_finish_line_goes_out_with_the_next_admission_in_one_write(tmp_path):
+    """Ending a request costs no write of its own; the next admission carries its line."""
+    journal = AdmissionJournal(tmp_path / "journal", 60)
+    journal.open()
+    journal.admit(admitted("r1"), 0.0)
+    assert journal._path is not None
+    size = journal._path.stat().st_size
+    journal.finish("r1")
+    assert journal._path.stat().st_size == size  # nothing written yet
+    writes: list[bytes] = []
+    real_write = journal._write
+    journal._write = lambda data: (writes.append(data), real_write(data))[1]  # type: ignore[method-assign]
+    journal.admit(admitted("r2"), 0.0)
+    assert len(writes) == 1
+    assert writes[0].count(b"\n") == 2  # r1's end, then r2's admission
+    assert list(unfinished(journal._path.read_bytes().splitlines(keepends=True))) == ["r2"]
+    journal.finish("r2")
+    await journal.close()  # the last end is written at close: no request left, file deleted
+    assert list((tmp_path / "journal").iterdir()) == []
 
 
 async def test_rotation_keeps_only_running_requests(tmp_path):
