@@ -385,8 +385,9 @@ class Sidecar:
                 meter, status = await self._stream(call, scope, receive, send, body, upstream)
                 usage, finish = meter.usage, meter.finish_reason
             else:
+                raw = scope.get("extensions", {}).get(RAW_WRITER)
                 usage, status, _, finish = await self.relay.whole(
-                    call, receive, send, body, upstream
+                    call, receive, send, body, upstream, None if raw is None else raw.lost
                 )
         except Refusal as refused:
             status = await self._refuse(call, refused, send)

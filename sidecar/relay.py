@@ -258,10 +258,14 @@ class Relay:
     # -- whole -----------------------------------------------------------------------------------
 
     async def whole(self, call: Call, receive: Receive, send: Send, body: dict[str, Any],
-                    headers: dict[str, str]) -> Whole:  # fmt: skip
-        """Relay a non-streamed request."""
+                    headers: dict[str, str], lost: asyncio.Future[None] | None = None) -> Whole:  # fmt: skip
+        """Relay a non-streamed request.
+
+        ``lost``: resolves when the client's connection closes (``RawWriter.lost``); without
+        it, ASGI's disconnect message is awaited instead, in a task of its own.
+        """
         if self.assemble and assemblable(call.endpoint, body):
-            return await self._assembled(call, receive, send, body, headers)
+            return await self._assembled(call, receive, send, body, headers, lost)
 
         direct = self.direct and self.pools.get(self.upstream) is not None
 
@@ -278,7 +282,7 @@ class Relay:
             response.release()
             return response, content
 
-        work, ended = await self._race(exchange(), receive)
+        work, ended = await self._race(exchange(), receive, lost)
         if ended == "cut":
             return await self._cut(call, work, send)
         if ended == "left":
@@ -302,8 +306,8 @@ class Relay:
         await respond(send, response.status, content, whole_headers(call, response.raw_headers))
         return usage, status, response.status, finish
 
-    async def _race(self, exchange: Coroutine[Any, Any, _T],
-                    receive: Receive) -> tuple[asyncio.Task[_T], _Ended]:  # fmt: skip
+    async def _race(self, exchange: Coroutine[Any, Any, _T], receive: Receive,
+                    lost: asyncio.Future[None] | None) -> tuple[asyncio.Task[_T], _Ended]:  # fmt: skip
         """Run a non-streamed ``exchange`` against the client leaving and the drain's cut.
 
         vLLM sends nothing, not even headers, until a non-streamed completion is done, so the
@@ -313,9 +317,10 @@ class Relay:
         """
         loop = asyncio.get_running_loop()
         work = loop.create_task(exchange)
-        watcher = loop.create_task(wait_disconnect(receive))
+        watcher = loop.create_task(wait_disconnect(receive)) if lost is None else lost
         await asyncio.wait((work, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED)
-        watcher.cancel()
+        if lost is None:
+            watcher.cancel()
         if work.done():
             return work, "done"
         if not watcher.done():
@@ -347,7 +352,7 @@ class Relay:
         return usage, RequestStatus.INTERRUPTED, 503, None
 
     async def _assembled(self, call: Call, receive: Receive, send: Send, body: dict[str, Any],
-                         headers: dict[str, str]) -> Whole:  # fmt: skip
+                         headers: dict[str, str], lost: asyncio.Future[None] | None) -> Whole:  # fmt: skip
         """A non-streamed request served from vLLM's stream (``sidecar.assemble``)."""
         n = body.get("n")
         assembler = Assembler(call.endpoint, n if isinstance(n, int) and n > 0 else 1)
@@ -371,7 +376,7 @@ class Relay:
             response.release()
             return response, whole
 
-        work, ended = await self._race(exchange(), receive)
+        work, ended = await self._race(exchange(), receive, lost)
         if ended == "cut":
             return await self._cut(call, work, send, assembler)
         if ended == "left":
