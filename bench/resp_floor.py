@@ -19,6 +19,7 @@ from typing import Any
 import redis
 
 from bench.shared_limits import redis_server
+from infermeter.serving import loop_factory
 from sidecar.shared_scripts import ADMIT
 
 
@@ -117,10 +118,16 @@ def cli() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--duration", type=float, default=5.0)
+    p.add_argument(
+        "--loop",
+        choices=("auto", "uvloop", "asyncio"),
+        default="auto",
+        help="the event loop, as sidecar.event_loop (auto: uvloop, the sidecar's default)",
+    )
     p.add_argument("--request-ms", type=float, default=100.0)
     args = p.parse_args()
-    with redis_server() as port:
-        r = asyncio.run(run(port, args.concurrency, args.duration, args.request_ms / 1000))
+    with redis_server() as port, asyncio.Runner(loop_factory=loop_factory(args.loop)) as runner:
+        r = runner.run(run(port, args.concurrency, args.duration, args.request_ms / 1000))
     print(f"raw RESP c={args.concurrency}: {r['requests']} admissions, p50 {r['p50_ms']:.3f} ms, "
           f"p99 {r['p99_ms']:.3f} ms, {r['cpu_us_per_request']:.1f} us CPU per admission")  # fmt: skip
 

@@ -29,7 +29,7 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from infermeter.config import SharedLimitsSettings, TeamLimits
-from infermeter.serving import free_port
+from infermeter.serving import free_port, loop_factory
 from sidecar.shared_limits import SharedTeamLimiter
 from sidecar.team_limits import LocalTeamLimiter, TeamLimiter
 
@@ -126,6 +126,12 @@ def cli() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument(
+        "--loop",
+        choices=("auto", "uvloop", "asyncio"),
+        default="auto",
+        help="the event loop, as sidecar.event_loop (auto: uvloop, the sidecar's default)",
+    )
+    p.add_argument(
         "--request-ms",
         type=float,
         default=100.0,
@@ -133,7 +139,8 @@ def cli() -> None:
     )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    out = asyncio.run(main(args.concurrency, args.duration, args.request_ms / 1000))
+    with asyncio.Runner(loop_factory=loop_factory(args.loop)) as runner:
+        out = runner.run(main(args.concurrency, args.duration, args.request_ms / 1000))
     if args.json:
         print(json.dumps(out, indent=2))
         return
