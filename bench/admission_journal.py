@@ -5,7 +5,8 @@ file system to measure its fsync). It drives ``sidecar.journal.AdmissionJournal`
 sidecar does, without HTTP, and counts CPU time of its thread (``time.thread_time``), so that the journal's own
 cost is measured and not the noise of a loaded machine around it:
 
-- ``request``: build the admitted record, ``admit`` (one ``write(2)``) and ``finish`` (another),
+- ``request``: build the admitted record, ``admit`` (one ``write(2)``, which also carries the
+  previous request's end line) and ``finish`` (no write of its own),
   the journal's whole cost on the event loop per request;
 - ``chunk``: the relay's per-chunk work (``StreamMeter.feed`` of one token chunk), which the
   journal does not touch, next to the marks' cost spread over the chunks of an interval: one
@@ -136,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(figures, indent=2))
         return 0
-    print(f"per request (admit + finish, 2 writes): {figures['request_us']:8.2f} us")
+    print(f"per request (admit + finish, 1 write):  {figures['request_us']:8.2f} us")
     print(f"per chunk, the relay's feed (unchanged): {figures['chunk_feed_us']:8.2f} us")
     print(f"per chunk, marks spread over the chunks: {figures['mark_per_chunk_us']:8.3f} us"
           f"  ({args.streams} streams x {args.tokens_per_second:g} tok/s, one tick"
