@@ -22,7 +22,7 @@ def test_auto_and_uvloop_run_on_uvloop_and_asyncio_on_pythons_own_loop():
         assert isinstance(runner.get_loop(), uvloop.Loop)
 
 
-def test_an_unknown_event_loop_names_the_file_the_key_and_the_value(tmp_path: Path):
+def test_an_unknown_event_loop_names_the_file_the_key_and_the_value(tmp_path: Path) -> None:
     """A typo in the setting is a configuration error, not a silent fallback."""
     data = yaml.safe_load(DEFAULT_CONFIG.read_text())
     data.setdefault("sidecar", {})["event_loop"] = "trio"

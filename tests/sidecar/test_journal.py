@@ -98,7 +98,12 @@ async def test_a_finish_line_goes_out_with_the_next_admission_in_one_write(tmp_p
     assert journal._path.stat().st_size == size  # nothing written yet
     writes: list[bytes] = []
     real_write = journal._write
-    journal._write = lambda data: (writes.append(data), real_write(data))[1]  # type: ignore[method-assign]
+
+    def counted(data: bytes) -> None:
+        writes.append(data)
+        real_write(data)
+
+    journal._write = counted  # type: ignore[method-assign]
     journal.admit(admitted("r2"), 0.0)
     assert len(writes) == 1
     assert writes[0].count(b"\n") == 2  # r1's end, then r2's admission
