@@ -158,13 +158,20 @@ def _token_costs(fleet: Fleet, cost: str, prompt: str, completion: str) -> str:
     )
 
 
-def group_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
-    """Per hour, model and replica group: what the GPUs cost and what they served (fleet-wide)."""
+def _hourly_head(fleet: Fleet) -> Sql:
+    """``WITH`` the cost CTEs, ``models`` (each replica group's model) and ``engine``: what the
+    hourly queries start from."""
     ctes, params = _cost_ctes(fleet)
     models, p2 = _values("models", [("replica", "VARCHAR"), ("model", "VARCHAR")],
                          sorted(fleet.replica_models.items()))  # fmt: skip
+    return f"WITH {ctes}, {models}, {_engine_cte()}", params | p2
+
+
+def group_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
+    """Per hour, model and replica group: what the GPUs cost and what they served (fleet-wide)."""
+    head, params = _hourly_head(fleet)
     sql = f"""
-WITH {ctes}, {models}, {_engine_cte()},
+{head},
 gpu AS (
     SELECT replica, slot // {_MINUTES_PER_HOUR} AS hour, sum(gpu_seconds) AS gpu_seconds,
         sum(energy_joules) AS energy_joules, sum(gpu_usd + energy_usd) AS cost_usd,
@@ -211,7 +218,7 @@ LEFT JOIN eng ON eng.replica = gpu.replica AND eng.hour = gpu.hour
 LEFT JOIN models ON models.replica = gpu.replica
 WHERE gpu.gpu_seconds > 0
 ORDER BY gpu.replica, t, model"""
-    return sql, params | p2 | _range(lo_slot, hi_slot)
+    return sql, params | _range(lo_slot, hi_slot)
 
 
 def instance_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
@@ -325,11 +332,9 @@ def model_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
     the whole range), ``peak_waiting`` that hour's worst queue. A replica group belongs to the
     model the configuration gives it.
     """
-    ctes, params = _cost_ctes(fleet)
-    models, p2 = _values("models", [("replica", "VARCHAR"), ("model", "VARCHAR")],
-                         sorted(fleet.replica_models.items()))  # fmt: skip
+    head, params = _hourly_head(fleet)
     sql = f"""
-WITH {ctes}, {models}, {_engine_cte()},
+{head},
 per_minute AS (
     SELECT model, slot, sum(running) AS running, sum(waiting) AS waiting FROM (
         SELECT model, instance, slot, avg(requests_running) AS running, avg(requests_waiting) AS waiting
@@ -346,7 +351,7 @@ SELECT gpu.model, gpu.hour * 3600 AS t, gpu.gpu_seconds / 3600 AS gpu_hours, gpu
     peaks.peak_running, peaks.peak_waiting
 FROM gpu LEFT JOIN peaks ON peaks.model = gpu.model AND peaks.hour = gpu.hour
 ORDER BY gpu.model, t"""
-    return sql, params | p2 | _range(lo_slot, hi_slot)
+    return sql, params | _range(lo_slot, hi_slot)
 
 
 def model_gpu_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
