@@ -34,7 +34,7 @@ from infermeter.asgi import Receive, Scope, Send, read_body, respond
 from infermeter.auth import AuthError, bearer_key
 from infermeter.config import Config
 from infermeter.errors import error_body
-from infermeter.http_guard import RAW_WRITER, ServerLimits
+from infermeter.http_guard import RAW_WRITER, RawWriter, ServerLimits
 from infermeter.identity import Identity, identity_from_environment
 from infermeter.ids import request_id
 from infermeter.journal import JOURNAL_DIR, recover
@@ -385,7 +385,7 @@ class Sidecar:
                 meter, status = await self._stream(call, scope, receive, send, body, upstream)
                 usage, finish = meter.usage, meter.finish_reason
             else:
-                raw = scope.get("extensions", {}).get(RAW_WRITER)
+                raw = _raw_writer(scope)
                 usage, status, _, finish = await self.relay.whole(
                     call, receive, send, body, upstream, None if raw is None else raw.lost
                 )
@@ -400,7 +400,7 @@ class Sidecar:
     async def _stream(self, call: Call, scope: Scope, receive: Receive, send: Send,
                       body: dict[str, Any], upstream: dict[str, str]) -> tuple[StreamMeter, RequestStatus]:  # fmt: skip
         """Relay a stream on protocols when the server and the upstream allow it, else on ASGI."""
-        raw = scope.get("extensions", {}).get(RAW_WRITER) if self.settings.protocol_relay else None
+        raw = _raw_writer(scope) if self.settings.protocol_relay else None
         if raw is not None:
             done = await self.relay.stream_direct(call, send, body, upstream, raw)
             if done is not None:
@@ -572,3 +572,9 @@ class Sidecar:
             self.metrics.in_flight.labels(call.team, call.model).dec()
         if call.slot is not None:
             call.slot.release()
+
+
+def _raw_writer(scope: Scope) -> RawWriter | None:
+    """The client connection's raw writer (``infermeter.http_guard``), when the server gave one."""
+    raw: RawWriter | None = scope.get("extensions", {}).get(RAW_WRITER)
+    return raw
