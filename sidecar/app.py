@@ -65,7 +65,6 @@ from sidecar.metrics import SidecarMetrics
 from sidecar.models_list import with_aliases
 from sidecar.relay import JSON, Relay
 from sidecar.request_ids import client_request_id
-from sidecar.shared_fairness import FairShareSync
 from sidecar.state import View, build_view
 from sidecar.stream import StreamMeter, UsageCounts
 from sidecar.team_limits import LimitsUnavailable, shared_redis, team_limiter, team_limits
@@ -183,6 +182,8 @@ class Sidecar:
         if self.settings.budgets.spend_url:
             self._tasks.append(asyncio.get_running_loop().create_task(self.budgets.run()))
         if (redis := shared_redis(self.limiter)) is not None and self.fair is not None:
+            from sidecar.shared_fairness import FairShareSync  # with redis-py, only when shared
+
             sync = FairShareSync(redis, self.fair, self.settings.shared_limits.key_prefix,
                                  self.replica_id, self.identity.instance)  # fmt: skip
             self._tasks.append(asyncio.get_running_loop().create_task(sync.run()))

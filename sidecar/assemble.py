@@ -21,10 +21,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import aiohttp
 import orjson
 
 from infermeter.records import RequestStatus
+from sidecar.pool import UpstreamClosed
 from sidecar.request_ids import response_id
 from sidecar.stream import UsageCounts, parse_usage
 from sidecar.upstream import upstream_failure
@@ -313,7 +313,7 @@ def answer(upstream_status: int, whole: bytes | None, assembler: Assembler) -> A
         code, body = assembler.error_body()
         return Answer(_failed(code), code, body, assembler.usage)
     if not assembler.done:
-        code, body = upstream_failure(aiohttp.ServerDisconnectedError())
+        code, body = upstream_failure(UpstreamClosed())
         return Answer(RequestStatus.UPSTREAM_ERROR, code, body, assembler.usage_so_far())
     return Answer(RequestStatus.OK, 200, assembler.body(), assembler.usage)
 

@@ -21,13 +21,11 @@ import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 import orjson
-import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from redis.exceptions import RedisError
 
 from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
 from infermeter.auth import ADMIN, AuthError, KeyRing, bearer_key
@@ -36,6 +34,9 @@ from infermeter.errors import error_body
 from infermeter.ids import sample_id
 from infermeter.records import MAX_OVERRIDE_REASON, BudgetOverride
 from infermeter.spool import Spool, SpoolError
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
 
 __all__ = [
     "BudgetExceeded",
@@ -161,7 +162,8 @@ class BudgetGate:
         self.metrics.age.set_function(
             lambda: -1.0 if self.read_at is None else time.monotonic() - self.read_at
         )
-        self.client = httpx.AsyncClient(timeout=10.0)
+        # Only a gate that reads a spend has a client (each one loads the CA bundle).
+        self.client = httpx.AsyncClient(timeout=10.0) if self.settings.spend_url else None
 
     def check(self, team: str, model: str) -> Verdict:
         """The verdict for a request of ``team`` for ``model``; BudgetExceeded past the budget."""
@@ -196,7 +198,7 @@ class BudgetGate:
 
     async def refresh(self) -> None:
         """Read billing's spend (and the shared overrides); keep the last ones on failure."""
-        if self.settings.spend_url is None:
+        if self.settings.spend_url is None or self.client is None:
             return
         headers = {"authorization": f"Bearer {self.spend_token}"} if self.spend_token else {}
         try:
@@ -218,6 +220,8 @@ class BudgetGate:
     async def _read_overrides(self) -> None:
         if self.redis is None:
             return
+        from redis.exceptions import RedisError  # loaded with the client
+
         try:
             stored = await cast("Awaitable[dict[bytes, bytes]]", self.redis.hgetall(self.key))
         except (RedisError, OSError) as exc:
@@ -235,7 +239,8 @@ class BudgetGate:
 
     async def close(self) -> None:
         """Close the HTTP client."""
-        await self.client.aclose()
+        if self.client is not None:
+            await self.client.aclose()
 
 
 def parse_override(raw: bytes, teams: frozenset[str], now: float) -> Override:

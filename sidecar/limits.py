@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from infermeter.config import TeamLimits
 
-__all__ = ["Admission", "LimitExceeded", "RateLimiter", "ratelimit_headers"]
+__all__ = ["Admission", "LimitExceeded", "LimitsUnavailable", "RateLimiter", "ratelimit_headers"]
 
 
 @dataclass
@@ -62,6 +62,14 @@ class LimitExceeded(Exception):
         return (
             f"Rate limit reached for {what}. Please try again in {self.retry_after_seconds:.1f}s."
         )
+
+
+class LimitsUnavailable(Exception):
+    """The shared limit store is down and the policy is fail_closed: answer 503."""
+
+    def __init__(self, retry_after_seconds: float) -> None:
+        super().__init__("Team limits are unavailable; the request was not served.")
+        self.retry_after_seconds = retry_after_seconds
 
 
 @dataclass

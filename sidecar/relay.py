@@ -13,9 +13,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Iterable
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-import aiohttp
 import orjson
 
 from infermeter.asgi import Receive, Send, respond
@@ -32,7 +31,10 @@ from sidecar.journal import AdmissionJournal
 from sidecar.pool import Connection, request_head
 from sidecar.request_ids import response_id
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
-from sidecar.upstream import UPSTREAM_ERRORS, StallWatch, Upstream, upstream_failure
+from sidecar.upstream import StallWatch, Upstream, upstream_errors, upstream_failure
+
+if TYPE_CHECKING:
+    import aiohttp
 
 __all__ = ["JSON", "Relay", "Whole"]
 
@@ -82,7 +84,7 @@ class Relay:
             return await self.generation.post(
                 self.upstream + call.endpoint, orjson.dumps(body), headers
             )
-        except UPSTREAM_ERRORS as exc:
+        except upstream_errors() as exc:
             raise _refusal(exc) from None
 
     # -- streamed --------------------------------------------------------------------------------
@@ -140,7 +142,7 @@ class Relay:
         pool, host, prefix = found
         try:
             conn = await pool.connection()
-        except UPSTREAM_ERRORS as exc:
+        except upstream_errors() as exc:
             raise _refusal(exc) from None
         payload = orjson.dumps(body)
         head = request_head(b"POST", prefix + call.endpoint.encode(), host, headers, len(payload))
@@ -293,7 +295,7 @@ class Relay:
             return None, RequestStatus.CLIENT_ABORTED, 499, None
         try:
             response, content = work.result()
-        except UPSTREAM_ERRORS as exc:
+        except upstream_errors() as exc:
             code, message = upstream_failure(exc)
             raise Refusal(code, orjson.loads(message)["error"]["message"], "upstream_error",
                           "upstream_error", RequestStatus.UPSTREAM_ERROR) from None  # fmt: skip
@@ -326,7 +328,7 @@ class Relay:
         if not watcher.done():
             return work, "cut"
         work.cancel()
-        with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, Refusal):
+        with contextlib.suppress(asyncio.CancelledError, *upstream_errors(), Refusal):
             await work
         return work, "left"
 
@@ -338,7 +340,7 @@ class Relay:
         had spent when it was cut.
         """
         work.cancel()
-        with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, Refusal):
+        with contextlib.suppress(asyncio.CancelledError, *upstream_errors(), Refusal):
             await work
         usage = None
         if assembler is not None:
@@ -391,7 +393,7 @@ class Relay:
         call.response_id = assembler.response_id
         try:
             response, whole = work.result()
-        except UPSTREAM_ERRORS as exc:
+        except upstream_errors() as exc:
             code, message = upstream_failure(exc)
             usage = assembler.usage_so_far()
             with contextlib.suppress(SpoolError):

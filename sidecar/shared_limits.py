@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.exceptions import RedisError
 
 from infermeter.config import SharedLimitsSettings, TeamLimits
-from sidecar.limits import Admission, LimitExceeded, RateLimiter
+from sidecar.limits import Admission, LimitExceeded, LimitsUnavailable, RateLimiter
 from sidecar.live_instances import LiveInstances
 from sidecar.resp import NoScriptError, ReplyError, RespClient, Script, parse_url
 from sidecar.shared_scripts import ADMIT, RENEW, SETTLE
@@ -60,14 +60,6 @@ _ADMIT, _SETTLE, _RENEW = Script(ADMIT), Script(SETTLE), Script(RENEW)
 # that is several per system call instead of one, which measured a little less CPU and admission
 # latency (a slot is freed 5 ms later, against a lease of seconds).
 _SETTLE_GATHER_SECONDS = 0.005
-
-
-class LimitsUnavailable(Exception):
-    """The shared limit store is down and the policy is fail_closed: answer 503."""
-
-    def __init__(self, retry_after_seconds: float) -> None:
-        super().__init__("Team limits are unavailable; the request was not served.")
-        self.retry_after_seconds = retry_after_seconds
 
 
 @dataclass(eq=False)

@@ -12,14 +12,15 @@ response and must never delay it: a shared limiter queues it and sends it in the
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from infermeter.config import Config, TeamLimits
-from sidecar.limits import Admission, RateLimiter
-from sidecar.shared_limits import LimitsUnavailable, SharedTeamLimiter
+from sidecar.limits import Admission, LimitsUnavailable, RateLimiter
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
 
 __all__ = [
     "LimitsUnavailable",
@@ -33,6 +34,9 @@ __all__ = [
 
 class TeamLimiter(Protocol):
     """Admission against each team's requests/min, tokens/min and concurrent requests."""
+
+    # The shared store's client, for state the fleet shares beside limits; None when local.
+    redis: aioredis.Redis | None
 
     async def admit(self, team: str, reserve_tokens: int) -> Admission:
         """Admit, or raise LimitExceeded (or LimitsUnavailable for a shared store that is down)."""
@@ -63,6 +67,7 @@ class LocalTeamLimiter:
     """The per-process limiter behind the shared interface: limits hold per sidecar."""
 
     def __init__(self, limits: dict[str, TeamLimits]) -> None:
+        self.redis: aioredis.Redis | None = None
         self.limiter = RateLimiter(limits, time.monotonic())
 
     async def admit(self, team: str, reserve_tokens: int) -> Admission:
@@ -94,13 +99,18 @@ def team_limits(config: Config) -> dict[str, TeamLimits]:
 
 
 def team_limiter(config: Config, replica_id: str, registry: CollectorRegistry) -> TeamLimiter:
-    """The shared limiter when Redis is configured, the per-process one otherwise."""
+    """The shared limiter when Redis is configured, the per-process one otherwise.
+
+    The shared one's module (and redis-py, about 4 MB) is loaded only when it is configured.
+    """
     settings = config.sidecar.shared_limits
     if settings.redis_url is None:
         return LocalTeamLimiter(team_limits(config))
+    from sidecar.shared_limits import SharedTeamLimiter
+
     return SharedTeamLimiter(settings, team_limits(config), replica_id, registry)
 
 
 def shared_redis(limiter: TeamLimiter) -> aioredis.Redis | None:
     """The Redis client of a shared limiter (for state the fleet shares beside limits)."""
-    return limiter.redis if isinstance(limiter, SharedTeamLimiter) else None
+    return limiter.redis

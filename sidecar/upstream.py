@@ -7,23 +7,31 @@ keep-alive pool hands out an idle connection in O(1) (httpx's pool checks every 
 on every request), and ``readany()`` returns everything that has arrived in one ``bytes``, so
 events that arrive together are metered and sent on together instead of one HTTP chunk at a time.
 The sidecar's other upstream calls (health, model list, shipping) stay on httpx.
+
+aiohttp is imported only when this relay is first used (about 9 MB of an idle sidecar's memory
+otherwise): the default relay never loads it, and no aiohttp error can be raised before it is
+loaded, which is what ``upstream_errors`` relies on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
+from typing import TYPE_CHECKING
 
-import aiohttp
 import httpx
 
 from infermeter.errors import error_body
 from sidecar.pool import UpstreamError
 
-__all__ = ["UPSTREAM_ERRORS", "StallWatch", "Upstream", "upstream_failure"]
+if TYPE_CHECKING:
+    import aiohttp
 
-# What a failed exchange with the replica raises, from any of the clients.
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, httpx.HTTPError, UpstreamError)
+__all__ = ["StallWatch", "Upstream", "upstream_errors", "upstream_failure"]
+
+# What a failed exchange with the replica raises from the protocol pool and httpx.
+_ERRORS: tuple[type[BaseException], ...] = (asyncio.TimeoutError, httpx.HTTPError, UpstreamError)
 # uvicorn, which serves vLLM's API, closes idle connections after 5 s; dropping them first avoids
 # sending a request on a connection the server is closing.
 _KEEPALIVE_SECONDS = 4.0
@@ -35,19 +43,20 @@ class Upstream:
     def __init__(self, connect_timeout_seconds: float, read_timeout_seconds: float) -> None:
         self.connect_timeout_seconds = connect_timeout_seconds
         self.read_timeout_seconds = read_timeout_seconds
-        self.timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=connect_timeout_seconds, sock_read=read_timeout_seconds
-        )
         self._session: aiohttp.ClientSession | None = None
 
     def _open(self) -> aiohttp.ClientSession:
         # A session belongs to the event loop it was made on, so it is made inside the server.
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_seconds,
+                                        sock_read=self.read_timeout_seconds)  # fmt: skip
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=0, keepalive_timeout=_KEEPALIVE_SECONDS
         )
         # No cookie jar: a proxy must not carry one client's cookies into another's requests.
         return aiohttp.ClientSession(
-            connector=connector, timeout=self.timeout, cookie_jar=aiohttp.DummyCookieJar()
+            connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar()
         )
 
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
@@ -92,6 +101,8 @@ class StallWatch:
         since = self.waiting_since
         waited = 0.0 if since is None else time.perf_counter() - since
         if waited >= self._seconds:
+            import aiohttp  # loaded: this watches an aiohttp response
+
             exc = aiohttp.SocketTimeoutError("Timeout on reading data from socket")
             self._response.content.set_exception(exc)
             return
@@ -102,9 +113,22 @@ class StallWatch:
         self._handle.cancel()
 
 
+def upstream_errors() -> tuple[type[BaseException], ...]:
+    """What a failed exchange with the replica raises, from any of the clients in use.
+
+    aiohttp's errors are among them once the ASGI relay has loaded aiohttp; before that, none
+    can be raised.
+    """
+    loaded = sys.modules.get("aiohttp")
+    return _ERRORS if loaded is None else (*_ERRORS, loaded.ClientError)
+
+
 def upstream_failure(exc: BaseException) -> tuple[int, bytes]:
     """The status and OpenAI error body for a failed exchange: 504 on a read timeout, else 502."""
-    connect = isinstance(exc, httpx.ConnectTimeout | aiohttp.ConnectionTimeoutError)
+    loaded = sys.modules.get("aiohttp")
+    connect = isinstance(exc, httpx.ConnectTimeout) or (
+        loaded is not None and isinstance(exc, loaded.ConnectionTimeoutError)
+    )
     if isinstance(exc, httpx.TimeoutException | asyncio.TimeoutError) and not connect:
         return 504, error_body(
             504, "The upstream model server timed out.", "upstream_error", "upstream_timeout"

@@ -1,0 +1,50 @@
+"""A sidecar loads aiohttp and redis-py only when its configuration uses them.
+
+Each costs an idle sidecar several MB of memory (aiohttp about 9, redis-py about 4): the
+protocol relay (the default) never needs aiohttp, and redis-py is for shared limits only.
+Checked in a fresh interpreter, since this test process has long imported both.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+_PROBE = textwrap.dedent(
+    """
+    import sys, tempfile
+    from pathlib import Path
+    import infermeter.cli
+    from infermeter.config import DEFAULT_CONFIG, load_config
+    from sidecar.app import Sidecar
+
+    overrides = dict(arg.split("=", 1) for arg in sys.argv[1:])
+    config = load_config(DEFAULT_CONFIG, environ={
+        "INFERMETER__" + key.upper().replace(".", "__"): value for key, value in overrides.items()
+    })
+    Sidecar(config, "small-0", spool_dir=Path(tempfile.mkdtemp()))
+    print(" ".join(m for m in ("aiohttp", "redis") if m in sys.modules))
+    """
+)
+
+
+def _loaded(*overrides: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, *overrides],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=Path(__file__).parents[2],
+    )
+    return set(out.stdout.split())
+
+
+def test_a_default_sidecar_loads_neither_aiohttp_nor_redis() -> None:
+    assert _loaded() == set()
+
+
+def test_shared_limits_load_redis_and_still_not_aiohttp() -> None:
+    assert _loaded("sidecar.shared_limits.redis_url=redis://127.0.0.1:1/0") == {"redis"}
