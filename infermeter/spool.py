@@ -2,8 +2,8 @@
 
 A record is durable when ``append`` returns: it is written and fsync'ed. Appends that arrive
 while a write is in progress share the next write and fsync (group commit), so a thousand
-concurrent requests cost a few fsyncs, not a thousand. The write and fsync run in a thread so
-the event loop keeps relaying tokens meanwhile.
+concurrent requests cost a few fsyncs, not a thousand. The write and fsync run in the spool's own
+thread (``infermeter.disk_thread``) so the event loop keeps relaying tokens meanwhile.
 
 Each write costs a hand-off to that thread and back, which on a busy two-core machine costs more
 CPU than the write itself, so a write should carry as many records as it can. With
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import orjson
+
+from infermeter.disk_thread import DiskThread
 
 __all__ = ["Segment", "SegmentReader", "Spool", "SpoolError", "read_segment"]
 
@@ -97,6 +100,10 @@ class SegmentReader:
             yield batch
 
 
+def _nothing() -> None:
+    pass
+
+
 class Spool:
     """Group-committing writer of one spool directory."""
 
@@ -126,6 +133,7 @@ class Spool:
         self._opened_at = 0.0
         self._closed: list[Segment] = []
         self._lock = asyncio.Lock()
+        self._disk = DiskThread(f"spool {directory.name}")
         self.backlog = 0
 
     def open(self) -> None:
@@ -151,6 +159,9 @@ class Spool:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            # A write the cancelled writer was waiting for ends before its file is closed.
+            await self._disk.run(_nothing)
+            self._disk.stop()
         self._roll()
 
     async def append(self, record: dict[str, Any]) -> None:
@@ -177,7 +188,7 @@ class Spool:
             data = b"".join(line for line, _ in batch)
             try:
                 async with self._lock:  # the shipper rolls segments under the same lock
-                    await asyncio.to_thread(self._write, data)
+                    await self._disk.run(functools.partial(self._write, data))
             except OSError as exc:
                 error = SpoolError(
                     f"cannot write usage spool in {self.directory}: {exc.strerror or exc}"
