@@ -144,17 +144,18 @@ class Accounting:
         """Metrics and span for a finished request (off the client's critical path)."""
         m = self.metrics
         # Labels only ever take configured names, so no request can mint a series.
-        labels = (call.team or "unknown", label(call.model, model_names))
-        m.requests.labels(*labels, status.value).inc()
+        series = m.series(call.team or "unknown", label(call.model, model_names))
+        labels = series.labels
+        series.request(status.value).inc()
         if status is not RequestStatus.UNAUTHORIZED:
             m.duration.observe(labels, time.perf_counter() - call.started)
         if usage is not None:
-            m.prompt_tokens.labels(*labels).inc(usage.prompt)
-            m.completion_tokens.labels(*labels).inc(usage.completion)
+            series.prompt.inc(usage.prompt)
+            series.completion.inc(usage.completion)
             if usage.cached:
-                m.cached_prompt_tokens.labels(*labels).inc(usage.cached)
+                series.cached.inc(usage.cached)
         elif call.admission is not None and status in _INEXACT:
-            m.inexact.labels(*labels).inc()
+            series.inexact.inc()
         if meter is not None and meter.first_token_at is not None:
             _observe_stream(m, labels, call, usage, meter)
         if call.span is not None:

@@ -522,7 +522,7 @@ class Sidecar:
         call.admission.headers += verdict.headers
         # In flight from the moment it holds an admission, which is exactly when _release
         # decrements: nothing between the two can skip one of them.
-        self.metrics.in_flight.labels(call.team, call.model).inc()
+        self.metrics.series(call.team, call.model).in_flight.inc()
         if self.fair is not None:
             call.slot = await self._fair_slot(call.team)
         if self.tracer is not None:
@@ -570,7 +570,7 @@ class Sidecar:
         if call.admission is not None:
             used = (usage.prompt + usage.completion) if usage else 0
             self.limiter.settle(call.admission, used)
-            self.metrics.in_flight.labels(call.team, call.model).dec()
+            self.metrics.series(call.team, call.model).in_flight.dec()
         if call.slot is not None:
             call.slot.release()
 
