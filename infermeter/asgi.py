@@ -28,14 +28,17 @@ def header(scope: Scope, name: bytes) -> str | None:
 
 
 async def read_body(
-    receive: Receive, limit: int, timeout_seconds: float | None = None
+    receive: Receive, limit: int, timeout_seconds: float | None = None, complete: bool = False
 ) -> bytes | None:
     """The whole request body, ``b""`` if the client left, None when it exceeds ``limit``.
 
     With ``timeout_seconds``, TimeoutError when the whole body has not arrived by then: the
     HTTP server has no body deadline of its own, and a client trickling a body would otherwise
-    hold its request (and whatever it reserved) for as long as it likes.
+    hold its request (and whatever it reserved) for as long as it likes. ``complete``: the
+    server says the whole body is in (``http_guard.BODY_COMPLETE``), so no deadline is armed.
     """
+    if complete:
+        return await _read_body(receive, limit)
     async with asyncio.timeout(timeout_seconds):
         return await _read_body(receive, limit)
 

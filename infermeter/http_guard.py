@@ -16,7 +16,9 @@ The body has its own deadline in the application, which reads it (``infermeter.a
 
 Each request's scope also carries a ``RawWriter`` (``scope["extensions"]["infermeter.raw"]``): a
 streaming application may write the chunks of a response body it started with ``send`` straight
-to the client's transport, and be told when the client stops taking them.
+to the client's transport, and be told when the client stops taking them. Once the whole body
+has arrived, ``scope["extensions"]["infermeter.body_complete"]`` is true: reading it then cannot
+wait, so the application's body deadline (a timer per request) can be skipped.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["DEFAULT_LIMITS", "RAW_WRITER", "RawWriter", "ServerLimits", "guarded_protocol"]
+__all__ = ["BODY_COMPLETE", "DEFAULT_LIMITS", "RAW_WRITER", "RawWriter", "ServerLimits",
+           "guarded_protocol"]  # fmt: skip
 
 RAW_WRITER = "infermeter.raw"
+BODY_COMPLETE = "infermeter.body_complete"
 
 _TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
@@ -127,6 +131,12 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            extensions = self.scope.get("extensions")
+            if extensions is not None:
+                extensions[BODY_COMPLETE] = True  # type: ignore[assignment]
 
         def pause_writing(self) -> None:
             super().pause_writing()

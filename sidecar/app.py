@@ -34,7 +34,7 @@ from infermeter.asgi import Receive, Scope, Send, read_body, respond
 from infermeter.auth import AuthError, bearer_key
 from infermeter.config import Config
 from infermeter.errors import error_body
-from infermeter.http_guard import RAW_WRITER, RawWriter, ServerLimits
+from infermeter.http_guard import BODY_COMPLETE, RAW_WRITER, RawWriter, ServerLimits
 from infermeter.identity import Identity, identity_from_environment
 from infermeter.ids import request_id
 from infermeter.journal import JOURNAL_DIR, recover
@@ -457,11 +457,12 @@ class Sidecar:
         return Refusal(429, str(exc), "requests" if exc.reason == "requests" else "tokens",
                        "rate_limit_exceeded", RequestStatus.RATE_LIMITED, headers)  # fmt: skip
 
-    async def _read(self, receive: Receive) -> bytes:
+    async def _read(self, scope: Scope, receive: Receive) -> bytes:
         """The request body, or the 408 or 413 refusal of a body too slow or too large."""
         limit = self.settings.max_body_bytes
+        complete = scope.get("extensions", {}).get(BODY_COMPLETE, False)
         try:
-            raw = await read_body(receive, limit, self.settings.body_timeout_seconds)
+            raw = await read_body(receive, limit, self.settings.body_timeout_seconds, complete)
         except TimeoutError:
             raise Refusal(408, "The request body did not arrive in time.", "invalid_request_error",
                           "request_timeout", RequestStatus.BAD_REQUEST) from None  # fmt: skip
@@ -477,7 +478,7 @@ class Sidecar:
         # A gateway's signature covers the body, so that body is read first; a key is checked
         # before a byte of the body is read.
         signed = gateway_signed(view, headers)
-        raw = await self._read(receive) if signed else b""
+        raw = await self._read(scope, receive) if signed else b""
         try:
             call.team = identify(view, scope["method"], scope["path"], headers, raw)
         except AuthError as exc:
@@ -485,7 +486,7 @@ class Sidecar:
                 401, str(exc), "invalid_request_error", exc.code, RequestStatus.UNAUTHORIZED
             ) from None
         if not signed:
-            raw = await self._read(receive)
+            raw = await self._read(scope, receive)
         return await self.admit_planned(call, headers, raw)
 
     async def admit_planned(self, call: Call, headers: Headers, raw: bytes) -> dict[str, Any]:

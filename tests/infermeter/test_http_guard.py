@@ -1,0 +1,73 @@
+"""The guarded server protocol marks a request whose whole body has arrived, and only then.
+
+An application may skip its body deadline for such a request (``read_body(..., complete=True)``),
+so the marker must never be set while a body is still on its way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from infermeter.asgi import Receive, Scope, Send, read_body, respond
+from infermeter.http_guard import BODY_COMPLETE
+from infermeter.serving import free_port, server
+
+
+class _Recorder:
+    """An ASGI app noting, per request, the marker before and after reading the body."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, bool, bytes]] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        before = bool(scope["extensions"].get(BODY_COMPLETE, False))
+        body = await read_body(receive, 1 << 20, 5.0, before)
+        after = bool(scope["extensions"].get(BODY_COMPLETE, False))
+        self.seen.append((before, after, body or b""))
+        await respond(send, 200, b"ok", [(b"content-type", b"text/plain")])
+
+
+async def _exchange(port: int, parts: list[bytes], pause: float) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    for part in parts:
+        writer.write(part)
+        await writer.drain()
+        await asyncio.sleep(pause)
+    answer = await reader.readuntil(b"ok")
+    writer.close()
+    return answer
+
+
+@pytest.fixture
+async def served() -> Any:
+    app = _Recorder()
+    port = free_port()
+    srv = server(app, "127.0.0.1", port, lifespan="off")
+    task = asyncio.get_running_loop().create_task(srv.serve())
+    while not srv.started:
+        await asyncio.sleep(0.01)
+    yield app, port
+    srv.should_exit = True
+    await task
+
+
+async def test_a_body_that_came_with_its_head_is_marked_complete(served: Any) -> None:
+    app, port = served
+    body = b'{"x": 1}'
+    head = b"POST /v HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body)
+    answer = await _exchange(port, [head + body], 0)
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert app.seen == [(True, True, body)]
+
+
+async def test_a_body_still_arriving_is_not_marked_until_it_has(served: Any) -> None:
+    app, port = served
+    head = b"POST /v HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n"
+    answer = await _exchange(port, [head + b"01234", b"56789"], 0.2)
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert app.seen == [(False, True, b"0123456789")]
