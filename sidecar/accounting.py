@@ -38,7 +38,7 @@ _INEXACT = frozenset(
 )
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """Everything known about one request while it is served."""
 

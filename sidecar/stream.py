@@ -85,7 +85,7 @@ def parse_usage(fragment: bytes) -> UsageCounts | None:
     return UsageCounts(int(prompt[1]), int(completion[1]), int(cached[1]) if cached else 0)
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamMeter:
     """Timing, token counts and client-facing rewriting of one streamed response."""
 
