@@ -37,6 +37,8 @@ _USAGE_KEY = b'"usage":{'
 # alone. The final usage chunk's follows '"choices":[],' instead.
 _CHUNK_USAGE = re.compile(rb'\}\],"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
 _AFTER_CHOICES = b"}],"
+_USAGE_LAST = b"}}\n\n"
+_EVENT_END = b"}\n\n"
 _NO_CHOICES = b'"choices":[],'
 _FINGERPRINT = b',"system_fingerprint":"'
 _ITL_BOUNDS = tuple(float(b) for b in ITL_BUCKETS)
@@ -173,7 +175,8 @@ class StreamMeter:
         the shortest path; several events take one regular-expression substitution.
         """
         # Count event ends, not "data: ": generated text may contain "data: ", never a raw newline.
-        single = data.find(_END) == len(data) - 2
+        # So the block is one event when its first newline is the end's (a one-byte search).
+        single = data.find(b"\n") == len(data) - 2
         tokens = 1 if single else data.count(_END)
         if self.first_token_at is None:
             # vLLM sends every choice's role chunk before any token.
@@ -203,7 +206,12 @@ class StreamMeter:
         if single:
             if not data.startswith(_AFTER_CHOICES, last - 3):
                 return data
-            stop = object_end(data, last + len(_USAGE_KEY) - 1)
+            brace = last + len(_USAGE_KEY) - 1
+            # vLLM puts usage last in the chunk: with no object nested in it, it ends where the
+            # event's own closing brace begins.
+            if data.endswith(_USAGE_LAST) and data.find(b"{", brace + 1) < 0:
+                return data[: last - 1] + _EVENT_END
+            stop = object_end(data, brace)
             return data if stop < 0 else data[: last - 1] + data[stop:]
         return _CHUNK_USAGE.sub(b"}]", data)
 
