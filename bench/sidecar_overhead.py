@@ -347,6 +347,19 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return total
 
 
+def user_sys_ticks(pids: Sequence[int]) -> tuple[int, int]:
+    """utime and stime so far (clock ticks) over every thread of ``pids``."""
+    user = system = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                stat = _read(f"/proc/{pid}/task/{tid}/stat")
+                if stat:
+                    fields = stat[stat.rindex(")") + 2 :].split()
+                    user, system = user + int(fields[11]), system + int(fields[12])
+    return user, system
+
+
 def rss_kib(pids: Sequence[int], key: str = "VmRSS") -> int:
     """Sum of ``key`` (VmRSS, VmHWM) in KiB over ``pids``."""
     total = 0
@@ -608,6 +621,9 @@ class Window:
     ttft_p99_ms: float | None
     ttft_samples: int
     loadavg_1m: float
+    # The kernel's share of the proxy's CPU in the window (utime/stime ticks): system calls
+    # and wake-ups, against the proxy's own code.
+    proxy_sys_share: float | None = None
 
     @property
     def chunks_per_s(self) -> float:
@@ -738,6 +754,7 @@ def measure(
     client.receive(limit)  # "start"
     pids = proxy.pids() if path != "direct" else []
     cpu0, rep0 = cpu_seconds(pids), cpu_seconds([st.replica.pid])
+    ticks0 = user_sys_ticks(pids)
     if profiler is not None and path == "sidecar":
         profiler.start(phase, st.sidecar.pid, spec.duration_s)
     peak = 0
@@ -748,6 +765,7 @@ def measure(
 
     msg = client.receive(spec.duration_s + 30.0, sample)  # "end"
     cpu1, rep1 = cpu_seconds(pids), cpu_seconds([st.replica.pid])
+    ticks1 = user_sys_ticks(pids)
     sample()
     hwm = rss_kib(pids, "VmHWM")
     client.conn.send(("close",))
@@ -775,7 +793,12 @@ def measure(
         ttft_p99_ms=_r(_quantile(ttft, 0.99), 3),
         ttft_samples=len(ttft),
         loadavg_1m=round(os.getloadavg()[0], 2),
+        proxy_sys_share=_share(ticks1[1] - ticks0[1], ticks1[0] - ticks0[0]) if pids else None,
     )
+
+
+def _share(system: int, user: int) -> float | None:
+    return round(system / (system + user), 2) if system + user else None
 
 
 PHASES = (
@@ -1017,7 +1040,7 @@ def summarize(windows: list[Window], idle_rss: dict[str, float]) -> dict[str, An
 _HEADER = (
     f"{'phase':<15} {'path':<8} {'conc':>5} {'req':>6} {'chunks/s':>9} {'proxy CPU/s':>11} "
     f"{'us/req':>8} {'us/chunk':>8} {'TTFT p50':>9} {'p99 ms':>8} {'RSS MB':>7} "
-    f"{'repl CPU/s':>10} {'cli CPU/s':>9} {'err':>4} {'load1':>5}"
+    f"{'repl CPU/s':>10} {'cli CPU/s':>9} {'err':>4} {'load1':>5} {'sys%':>4}"
 )
 
 
@@ -1032,7 +1055,8 @@ def _row(w: Window) -> str:
         f"{_fmt(w.us_per_chunk, '8.1f'):>8} {_fmt(w.ttft_p50_ms, '9.3f'):>9} "
         f"{_fmt(w.ttft_p99_ms, '8.3f'):>8} {_fmt(w.proxy_rss_mb, '7.1f'):>7} "
         f"{w.replica_cpu_s / w.window_s:>10.2f} {w.client_cpu_s / w.window_s:>9.2f} "
-        f"{w.errors:>4} {w.loadavg_1m:>5.2f}"
+        f"{w.errors:>4} {w.loadavg_1m:>5.2f} "
+        f"{_fmt(None if w.proxy_sys_share is None else 100 * w.proxy_sys_share, '4.0f'):>4}"
     )
 
 
