@@ -245,7 +245,7 @@ class Adopter:
         finally:
             await spool.close()
         if made:
-            self.metrics.interrupted.inc(made)
+            self.metrics.interrupted.inc(len(made))
 
     async def _ship(self, directory: Path) -> int:
         """Ship each spool of ``directory``; stops at the first round billing did not take."""

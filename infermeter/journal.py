@@ -120,15 +120,15 @@ def interrupted_record(pending: Pending, last_alive: float) -> UsageRecord:
     )  # fmt: skip
 
 
-async def recover(paths: list[Path], spool: Spool) -> int:
+async def recover(paths: list[Path], spool: Spool) -> list[UsageRecord]:
     """Spool the interrupted records of journal files left by a dead process, then delete them.
 
-    Returns how many records were made. Idempotent: killed half-way, it makes the same records
+    Returns the records made (for the caller's metrics). Idempotent: killed half-way, it makes the same records
     (same ids) again next time, and billing keeps one of each. When the spool refuses them (full,
     unwritable) the files are kept for the next start, and the sidecar starts all the same.
     """
     if not paths:
-        return 0
+        return []
     pending = await asyncio.to_thread(_read_unfinished, paths)
     if pending:
         last_alive = max(p.stat().st_mtime for p in paths)
@@ -141,14 +141,14 @@ async def recover(paths: list[Path], spool: Spool) -> int:
         except SpoolError as exc:
             # The files stay: the next start makes the same records (same ids) again.
             log.error("interrupted requests NOT recorded yet, journal kept: %s", exc)
-            return 0
+            return []
         log.warning("%d request(s) were running when the sidecar stopped; recorded as interrupted",
                     len(records))  # fmt: skip
     else:
         records = []
     for path in paths:
         path.unlink(missing_ok=True)
-    return len(records)
+    return records
 
 
 def _read_unfinished(paths: list[Path]) -> dict[str, Pending]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -160,6 +161,25 @@ class Accounting:
             _observe_stream(m, labels, call, usage, meter)
         if call.span is not None:
             _end_span(call.span, call, status, usage, meter, finish)
+
+
+def count_recovered(metrics: SidecarMetrics, records: Iterable[UsageRecord],
+                    team_names: frozenset[str], model_names: frozenset[str]) -> None:  # fmt: skip
+    """Count the records a start made of requests its killed predecessor left running.
+
+    They ended as interrupted, with the tokens of their last journal mark (inexact): the SLA's
+    error ratio and the token counters would otherwise never see them.
+    """
+    for record in records:
+        # The journal is the sidecar's own file, but labels still take configured names only.
+        series = metrics.series(label(record.team, team_names), label(record.model, model_names))
+        series.request(record.status).inc()
+        series.prompt.inc(record.prompt_tokens)
+        series.completion.inc(record.completion_tokens)
+        if record.cached_prompt_tokens:
+            series.cached.inc(record.cached_prompt_tokens)
+        if not record.usage_exact:
+            series.inexact.inc()
 
 
 def _observe_stream(m: SidecarMetrics, labels: tuple[str, str], call: Call,

@@ -43,7 +43,7 @@ from infermeter.replay import ReplayCache
 from infermeter.spool import Spool, SpoolError
 from infermeter.spooldir import BUDGET_OVERRIDES
 from sidecar import tracing
-from sidecar.accounting import Accounting, Call
+from sidecar.accounting import Accounting, Call, count_recovered
 from sidecar.admission import (
     CHARGED_REFUSALS,
     GENERATE,
@@ -97,6 +97,7 @@ class Sidecar:
         # Outlives reloads: a new view must not forget which signed requests were served.
         self.replay = ReplayCache(gateway.max_skew_seconds, gateway.replay_cache_entries)
         self.view: View = build_view(config, replica_id, self.replay)
+        self.team_names = frozenset(t.name for t in config.teams)
         settings = config.sidecar
         self.settings = settings
         self.metrics = SidecarMetrics()
@@ -189,7 +190,8 @@ class Sidecar:
             self._tasks.append(asyncio.get_running_loop().create_task(sync.run()))
         self.spool.open()
         self.override_spool.open()
-        await recover(self.journal.open(), self.spool)
+        recovered = await recover(self.journal.open(), self.spool)
+        count_recovered(self.metrics, recovered, self.team_names, self.view.model_names)
         self.metrics.spool_backlog.set_function(lambda: self.spool.backlog)
         if self.ingest_url:
             from infermeter.shipper import Shipper, ShipperMetrics
@@ -244,6 +246,7 @@ class Sidecar:
     def reload(self, config: Config) -> None:
         """Apply a new configuration without a restart (keys, limits, approved models)."""
         self.view = build_view(config, self.replica_id, self.replay)
+        self.team_names = frozenset(t.name for t in config.teams)
         self.limiter.configure(team_limits(config))
         self.budgets.budgets = {t.name: t.budget_usd_per_month for t in config.teams}
         if self.fair is not None:

@@ -16,6 +16,7 @@ import httpx
 import orjson
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from infermeter.config import DEFAULT_CONFIG
 from infermeter.records import KINDS
@@ -24,7 +25,7 @@ from infermeter.spool import read_segment
 from infermeter.wire import ARROW_STREAM, decode_arrow
 from simulator.replica import ReplicaSim, replica_spec
 from tests.servers import serving
-from tests.sidecar.conftest import KEYS, make_config
+from tests.sidecar.conftest import KEYS, METRICS_TOKEN, make_config
 
 # The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
 pytestmark = pytest.mark.both_loops
@@ -279,6 +280,16 @@ async def test_kill_9_loses_no_completed_response_and_duplicates_none(tmp_path):
                 not set(spooled) <= set(received) or list(segments("seg-*.jsonl"))
             ) and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
+            # The restarted sidecar counts what its start recorded as interrupted.
+            async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+                page = await c.get("/metrics", headers={"authorization": f"Bearer {METRICS_TOKEN}"})
+            interrupted = sum(
+                sample.value
+                for family in text_string_to_metric_families(page.text)
+                for sample in family.samples
+                if sample.name == "infermeter_requests_total"
+                and sample.labels.get("status") == "interrupted"
+            )
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -289,5 +300,6 @@ async def test_kill_9_loses_no_completed_response_and_duplicates_none(tmp_path):
     # Besides what was spooled, only the requests running at the kill, made from the journal.
     assert set(spooled) <= set(received)
     assert {statuses[r] for r in set(received) - set(spooled)} <= {"interrupted"}
+    assert interrupted == len(set(received) - set(spooled))
     assert set(received.values()) == {1}
     assert not list((tmp_path / "spool" / "small-0").glob("seg-*.jsonl"))
