@@ -62,6 +62,8 @@ class Call:
     response_id: str | None = None
     # The keyed digest of the prompt's head (sidecar.prefix), when the deployment has a key.
     prefix: Prefix | None = None
+    # Choices per prompt of a stream of several (``Plan.choices``), else 0.
+    choices: int = 0
 
     def echo_headers(self) -> list[tuple[bytes, bytes]]:
         """The caller's own x-request-id, echoed when it sent a valid one."""

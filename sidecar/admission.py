@@ -88,6 +88,16 @@ class Plan:
     body: dict[str, Any]
     # The keyed digest of the prompt's head (sidecar.prefix), when the deployment has a key.
     prefix: Prefix | None = None
+    # Choices per prompt when a stream carries several (n > 1, or a batch of prompts), else 0.
+    choices: int = 0
+
+
+def _choices(endpoint: str, body: dict[str, Any], n: int) -> int:
+    """``n`` when the answer has several choices, else 0 (one prompt, one choice)."""
+    prompt = body.get("prompt") if endpoint == "/v1/completions" else None
+    # A list of strings or of token lists is a batch; a list of ints is one tokenised prompt.
+    batch = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+    return max(1, n) if n > 1 or batch else 0
 
 
 def first_header(headers: Headers, name: bytes) -> str | None:
@@ -164,7 +174,7 @@ def plan(view: View, endpoint: str, raw: bytes, *, default_reserve_tokens: int,
     if stream:
         body["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": True}
     return Plan(route.model, route.served_version, str(requested or route.model), stream,
-                usage, continuous, reserve, body, prefix)  # fmt: skip
+                usage, continuous, reserve, body, prefix, _choices(endpoint, body, n))  # fmt: skip
 
 
 def upstream_headers(view: View, headers: Headers, upstream_key: str | None) -> dict[str, str]:

@@ -509,7 +509,7 @@ class Sidecar:
             planned.stream,
         )
         call.client_usage, call.client_continuous = planned.client_usage, planned.client_continuous
-        call.prefix = planned.prefix
+        call.prefix, call.choices = planned.prefix, planned.choices
         try:
             verdict = self.budgets.check(call.team, call.model)
         except BudgetExceeded as exc:

@@ -95,7 +95,8 @@ class Relay:
         response = await self._open(call, body, headers)
         if response.status != 200:
             return await self._refused_stream(call, response, send)
-        meter = StreamMeter(call.client_usage, call.client_continuous, call.started)
+        meter = StreamMeter(call.client_usage, call.client_continuous, call.started,
+                            choices=call.choices)  # fmt: skip
         self.journal.track(call.request_id, meter)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()),
@@ -152,7 +153,8 @@ class Relay:
     async def stream_direct(self, call: Call, send: Send, body: dict[str, Any],
                             headers: dict[str, str], raw: RawWriter) -> tuple[StreamMeter, RequestStatus, int] | None:  # fmt: skip
         """``stream`` on protocols (``sidecar.direct``); None when this upstream needs ``stream``."""
-        meter = StreamMeter(call.client_usage, call.client_continuous, call.started)
+        meter = StreamMeter(call.client_usage, call.client_continuous, call.started,
+                            choices=call.choices)  # fmt: skip
         sink = StreamSink(meter, asyncio.get_running_loop())
         conn = await self._send_direct(call, body, headers, sink)
         if conn is None:

@@ -46,6 +46,7 @@ _ITL_EMPTY = bytes(array("d", [0.0]).itemsize * (len(_ITL_BOUNDS) + 2))
 _PROMPT = re.compile(rb'"prompt_tokens":(\d+)')
 _COMPLETION = re.compile(rb'"completion_tokens":(\d+)')
 _CACHED = re.compile(rb'"cached_tokens":(\d+)')
+_CHOICE_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')
 
 
 def object_end(data: bytes, brace: int) -> int:
@@ -115,10 +116,32 @@ class StreamMeter:
     _usage_at: int = 0
     # Whether the block just scanned holds a finish chunk (the rewrite may have to hold it).
     _finish_in_block: bool = False
+    # Choices per prompt when the stream carries several choices (``n`` > 1, or a batch of
+    # prompts), else 0. vLLM's running usage on a chunk then counts that chunk's choice only,
+    # so the latest counts of every choice are kept for a stream that ends before its total.
+    choices: int = 0
+    _per_choice: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def usage(self) -> UsageCounts | None:
-        """The latest token counts vLLM reported, None before any."""
+        """The latest token counts vLLM reported, None before any.
+
+        For several choices before vLLM's final usage chunk: every choice's latest counts, each
+        prompt's tokens once.
+        """
+        if self._per_choice and not self.final_usage:
+            latest = self._latest()
+            prompts = {i // self.choices: p for i, (p, _) in sorted(self._per_choice.items())}
+            completion = sum(c for _, c in self._per_choice.values())
+            return UsageCounts(sum(prompts.values()), completion, latest.cached if latest else 0)
+        return self._latest()
+
+    @usage.setter
+    def usage(self, counts: UsageCounts | None) -> None:
+        self._usage, self._usage_block = counts, b""
+        self._per_choice.clear()
+
+    def _latest(self) -> UsageCounts | None:
         if self._usage_block:
             at = self._usage_at
             # One level of nesting (prompt_tokens_details) fits well within 400 bytes.
@@ -127,10 +150,6 @@ class StreamMeter:
             if counts is not None:
                 self._usage = counts
         return self._usage
-
-    @usage.setter
-    def usage(self, counts: UsageCounts | None) -> None:
-        self._usage, self._usage_block = counts, b""
 
     @property
     def itl(self) -> array[float]:
@@ -185,6 +204,8 @@ class StreamMeter:
         last = data.rfind(_USAGE_KEY)
         if last >= 0:
             self._usage_block, self._usage_at = data, last
+            if self.choices:
+                self._track_choices(data)
             if single:
                 finals = 1 if data.startswith(_NO_CHOICES, last - len(_NO_CHOICES)) else 0
             else:
@@ -214,6 +235,16 @@ class StreamMeter:
             stop = object_end(data, brace)
             return data if stop < 0 else data[: last - 1] + data[stop:]
         return _CHUNK_USAGE.sub(b"}]", data)
+
+    def _track_choices(self, data: bytes) -> None:
+        """Keep each choice's latest counts (streams of several choices only)."""
+        for event in data.split(_END):
+            index = _CHOICE_INDEX.search(event)
+            at = event.rfind(_USAGE_KEY)
+            if index is not None and at >= 0:
+                counts = parse_usage(event[at : at + 400])
+                if counts is not None:
+                    self._per_choice[int(index[1])] = (counts.prompt, counts.completion)
 
     def _count(self, tokens: int, now: float) -> None:
         if self.first_token_at is None:

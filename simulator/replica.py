@@ -428,6 +428,7 @@ class ReplicaSim:
         await send({"type": "http.response.start", "status": 200, "headers": _SSE})
         chat = isinstance(fmt, ChatFormatter)
         prompt = gen.prompt_tokens
+        choice_prompt = [len(gen.prompts[i // gen.n]) for i in range(len(req.seqs))]
         emitted = [0] * len(req.seqs)
         started = False
         while True:
@@ -438,8 +439,8 @@ class ReplicaSim:
             parts: list[bytes] = []
             if chat and not started and any(s.generated for s in req.seqs):
                 started = True
-                usage = (prompt, 0) if gen.continuous_usage else None
-                parts.extend(fmt.role_chunk(i, usage) for i in range(len(req.seqs)))  # type: ignore[union-attr]
+                parts.extend(fmt.role_chunk(i, (choice_prompt[i], 0) if gen.continuous_usage else None)  # type: ignore[union-attr]
+                             for i in range(len(req.seqs)))  # fmt: skip
             last_args: tuple[int, str, str | None, tuple[int, int] | None] | None = None
             for i, seq in enumerate(req.seqs):
                 rng = req.rngs[i]
@@ -448,7 +449,9 @@ class ReplicaSim:
                     last = seq.done and emitted[i] == seq.generated
                     finish = seq.finish_reason if last else None
                     text = "" if finish == "stop" else next_text(rng)
-                    usage = (prompt, sum(emitted)) if gen.continuous_usage else None
+                    # As vLLM: a chunk's running usage is its own choice's completion tokens
+                    # and its own prompt's tokens (serving_chat/serving_completion).
+                    usage = (choice_prompt[i], emitted[i]) if gen.continuous_usage else None
                     last_args = (i, text, finish, usage)
                     parts.append(fmt.token_chunk(*last_args))
             done = all(s.done for s in req.seqs)

@@ -90,3 +90,22 @@ def test_credentials_and_own_headers_never_go_upstream():
         "x-custom": "kept",
         "authorization": "Bearer up",
     }
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "extra", "choices"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 0),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 3),
+        ("/v1/completions", {"prompt": "a b"}, 0),
+        ("/v1/completions", {"prompt": ["a b", "c d"]}, 1),
+        ("/v1/completions", {"prompt": [[1, 2], [3, 4]], "n": 2}, 2),
+        ("/v1/completions", {"prompt": [1, 2, 3]}, 0),
+    ],
+)
+def test_the_plan_says_when_a_stream_carries_several_choices(
+    endpoint: str, extra: dict[str, object], choices: int
+) -> None:
+    planned = _plan({"model": "chat-small", "stream": True, **extra}, endpoint)
+    assert isinstance(planned, Plan)
+    assert planned.choices == choices

@@ -281,6 +281,31 @@ async def test_serve_unmetered_mode_serves_when_the_spool_fails(stack_factory):
     assert stack.sidecar.metrics.spool_errors._value.get() >= 1
 
 
+async def test_aborted_streams_of_two_choices_are_recorded_with_both_choices_tokens(stack):
+    """n=2: each chunk's running usage counts its own choice; a hang-up records both choices."""
+    before = await _vllm_counters(stack.upstream)
+    aborts = 4
+    async with stack.client() as c:
+        for _ in range(aborts):
+            body = {**CHAT, "n": 2, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen == 20:
+                        break
+    await asyncio.sleep(0.5)
+    after = await _vllm_counters(stack.upstream)
+    records = stack.records()
+    assert [r["status"] for r in records] == ["client_aborted"] * aborts
+    recorded = sum(r["completion_tokens"] for r in records)
+    gap = after[1] - before[1] - recorded
+    # Each client read 18 tokens (20 events less two role chunks); vLLM's own counter says how
+    # many it generated. Counting one choice only would leave half of them out.
+    assert recorded >= aborts * 17
+    assert 0 <= gap <= 3 * 2 * aborts
+
+
 async def test_non_streamed_client_disconnect_aborts_upstream(stack):
     """A client that gives up on a non-streamed request: vLLM stops generating, record says so."""
     async with stack.client(timeout=0.5) as c:

@@ -375,3 +375,44 @@ def test_inter_token_latencies_cover_every_token_but_the_first_however_split(str
     raw = UPSTREAM[stream][0]
     meter = run(raw, CONTINUOUS, _draw_blocks(data, raw))[1]
     assert sum(meter.itl[:-1]) == meter.token_events - 1
+
+
+def _choice_chunk(index: int, prompt: int, completion: int) -> bytes:
+    """A vLLM chunk of one choice with continuous usage (that choice's counts)."""
+    return (
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":%d,'
+        b'"delta":{"content":"x"},"logprobs":null,"finish_reason":null}],"usage":{"prompt_tokens":%d,'
+        b'"total_tokens":%d,"completion_tokens":%d}}\n\n'
+        % (index, prompt, prompt + completion, completion)
+    )
+
+
+def test_a_stream_of_two_choices_cut_short_counts_both_choices() -> None:
+    """n=2: each chunk's usage counts its own choice; an unfinished stream sums the latest of each."""
+    meter = StreamMeter(False, False, 0.0, choices=2)
+    for i in range(1, 6):
+        meter.feed(_choice_chunk(0, 7, i), i / 100)
+        meter.feed(_choice_chunk(1, 7, i) + _choice_chunk(0, 7, i + 1), i / 100 + 0.005)
+    assert meter.usage == UsageCounts(7, 6 + 5)
+
+
+def test_the_final_usage_of_several_choices_is_vllms_total() -> None:
+    meter = StreamMeter(False, False, 0.0, choices=2)
+    meter.feed(_choice_chunk(0, 7, 3) + _choice_chunk(1, 7, 2), 0.01)
+    final = (b'data: {"id":"c","object":"chat.completion.chunk","choices":[],"usage":'
+             b'{"prompt_tokens":7,"total_tokens":17,"completion_tokens":10}}\n\n')  # fmt: skip
+    meter.feed(final + b"data: [DONE]\n\n", 0.02)
+    assert meter.usage == UsageCounts(7, 10)
+
+
+def test_a_batch_of_prompts_cut_short_counts_each_prompt_once() -> None:
+    """Two prompts, one choice each: both prompts' tokens, both choices' completions."""
+    meter = StreamMeter(False, False, 0.0, choices=1)
+    meter.feed(_choice_chunk(0, 5, 2) + _choice_chunk(1, 9, 3), 0.01)
+    assert meter.usage == UsageCounts(14, 5)
+
+
+def test_one_choice_keeps_the_latest_counts_only() -> None:
+    meter = StreamMeter(False, False, 0.0)
+    meter.feed(_choice_chunk(0, 7, 1) + _choice_chunk(0, 7, 2), 0.01)
+    assert meter.usage == UsageCounts(7, 2)
