@@ -42,6 +42,18 @@ async def _vllm_counters(url: str) -> tuple[float, float]:
     return _value(text, "vllm:prompt_tokens_total"), _value(text, "vllm:generation_tokens_total")
 
 
+async def _hang_up(stack: Any, body: dict[str, Any], times: int, events: int) -> None:
+    """Send the streamed ``body`` ``times`` times, hanging up after ``events`` SSE events each."""
+    async with stack.client() as c:
+        for _ in range(times):
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen == events:
+                        break
+
+
 async def test_token_totals_equal_vllm_counters(stack):
     """Streamed, non-streamed, text and refused requests: records sum to vLLM's own counters."""
     before = await _vllm_counters(stack.upstream)
@@ -73,15 +85,9 @@ async def test_aborted_streams_are_recorded_with_tokens_seen(stack):
     """A client that hangs up: upstream aborted at once, record says client_aborted and what was sent."""
     before = await _vllm_counters(stack.upstream)
     aborts = 6
-    async with stack.client() as c:
-        for _ in range(aborts):
-            body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
-            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-                seen = 0
-                async for line in r.aiter_lines():
-                    seen += line.startswith("data: ")
-                    if seen == 10:
-                        break
+    await _hang_up(
+        stack, {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}, aborts, 10
+    )
     await asyncio.sleep(0.5)
     after = await _vllm_counters(stack.upstream)
     records = stack.records()
@@ -285,15 +291,8 @@ async def test_aborted_streams_of_two_choices_are_recorded_with_both_choices_tok
     """n=2: each chunk's running usage counts its own choice; a hang-up records both choices."""
     before = await _vllm_counters(stack.upstream)
     aborts = 4
-    async with stack.client() as c:
-        for _ in range(aborts):
-            body = {**CHAT, "n": 2, "max_tokens": 2000, "ignore_eos": True, "stream": True}
-            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-                seen = 0
-                async for line in r.aiter_lines():
-                    seen += line.startswith("data: ")
-                    if seen == 20:
-                        break
+    body = {**CHAT, "n": 2, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    await _hang_up(stack, body, aborts, 20)
     await asyncio.sleep(0.5)
     after = await _vllm_counters(stack.upstream)
     records = stack.records()
