@@ -147,18 +147,11 @@ class Accounting:
         """Metrics and span for a finished request (off the client's critical path)."""
         m = self.metrics
         # Labels only ever take configured names, so no request can mint a series.
-        series = m.series(call.team or "unknown", label(call.model, model_names))
-        labels = series.labels
-        series.request(status.value).inc()
+        labels = (call.team or "unknown", label(call.model, model_names))
+        inexact = usage is None and call.admission is not None and status in _INEXACT
+        _count(m, labels, status.value, usage, inexact)
         if status is not RequestStatus.UNAUTHORIZED:
             m.duration.observe(labels, time.perf_counter() - call.started)
-        if usage is not None:
-            series.prompt.inc(usage.prompt)
-            series.completion.inc(usage.completion)
-            if usage.cached:
-                series.cached.inc(usage.cached)
-        elif call.admission is not None and status in _INEXACT:
-            series.inexact.inc()
         if meter is not None and meter.first_token_at is not None:
             _observe_stream(m, labels, call, usage, meter)
         if call.span is not None:
@@ -172,16 +165,24 @@ def count_recovered(metrics: SidecarMetrics, records: Iterable[UsageRecord],
     They ended as interrupted, with the tokens of their last journal mark (inexact): the SLA's
     error ratio and the token counters would otherwise never see them.
     """
-    for record in records:
+    for r in records:
         # The journal is the sidecar's own file, but labels still take configured names only.
-        series = metrics.series(label(record.team, team_names), label(record.model, model_names))
-        series.request(record.status).inc()
-        series.prompt.inc(record.prompt_tokens)
-        series.completion.inc(record.completion_tokens)
-        if record.cached_prompt_tokens:
-            series.cached.inc(record.cached_prompt_tokens)
-        if not record.usage_exact:
-            series.inexact.inc()
+        labels = (label(r.team, team_names), label(r.model, model_names))
+        usage = UsageCounts(r.prompt_tokens, r.completion_tokens, r.cached_prompt_tokens)
+        _count(metrics, labels, r.status, usage, not r.usage_exact)
+
+
+def _count(m: SidecarMetrics, labels: tuple[str, str], status: str, usage: UsageCounts | None,
+           inexact: bool) -> None:  # fmt: skip
+    """One ended request in the counters: its ending, its tokens, whether they are inexact."""
+    m.child(m.requests, *labels, status).inc()
+    if usage is not None:
+        m.child(m.prompt_tokens, *labels).inc(usage.prompt)
+        m.child(m.completion_tokens, *labels).inc(usage.completion)
+        if usage.cached:
+            m.child(m.cached_prompt_tokens, *labels).inc(usage.cached)
+    if inexact:
+        m.child(m.inexact, *labels).inc()
 
 
 def _observe_stream(m: SidecarMetrics, labels: tuple[str, str], call: Call,

@@ -67,7 +67,7 @@ from sidecar.relay import JSON, Relay
 from sidecar.request_ids import client_request_id
 from sidecar.state import View, build_view
 from sidecar.stream import StreamMeter, UsageCounts
-from sidecar.team_limits import LimitsUnavailable, shared_redis, team_limiter, team_limits
+from sidecar.team_limits import LimitsUnavailable, team_limiter, team_limits
 from sidecar.upstream import Upstream, upstream_failure
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ class Sidecar:
         self.override_spool = Spool(directory / BUDGET_OVERRIDES, max_bytes=EVENTS_MAX_BYTES)
         self.budgets = budget_gate(settings.budgets, {t.name: t.budget_usd_per_month for t in config.teams},
                                    self.metrics.registry, os.environ.get(settings.budgets.spend_token_env),
-                                   shared_redis(self.limiter), settings.shared_limits.key_prefix,
+                                   self.limiter.redis, settings.shared_limits.key_prefix,
                                    self.override_spool, self.identity.instance)  # fmt: skip
         self.lifetime = Lifetime(self.identity, directory, settings.heartbeat_seconds,
                                  self.view.replica.gpu_count, engine_metrics_url, self.metrics.registry)  # fmt: skip
@@ -182,7 +182,7 @@ class Sidecar:
         await self.limiter.start()
         if self.settings.budgets.spend_url:
             self._tasks.append(asyncio.get_running_loop().create_task(self.budgets.run()))
-        if (redis := shared_redis(self.limiter)) is not None and self.fair is not None:
+        if (redis := self.limiter.redis) is not None and self.fair is not None:
             from sidecar.shared_fairness import FairShareSync  # with redis-py, only when shared
 
             sync = FairShareSync(redis, self.fair, self.settings.shared_limits.key_prefix,
@@ -526,7 +526,7 @@ class Sidecar:
         call.admission.headers += verdict.headers
         # In flight from the moment it holds an admission, which is exactly when _release
         # decrements: nothing between the two can skip one of them.
-        self.metrics.series(call.team, call.model).in_flight.inc()
+        self.metrics.child(self.metrics.in_flight, call.team, call.model).inc()
         if self.fair is not None:
             call.slot = await self._fair_slot(call.team)
         if self.tracer is not None:
@@ -574,7 +574,7 @@ class Sidecar:
         if call.admission is not None:
             used = (usage.prompt + usage.completion) if usage else 0
             self.limiter.settle(call.admission, used)
-            self.metrics.series(call.team, call.model).in_flight.dec()
+            self.metrics.child(self.metrics.in_flight, call.team, call.model).dec()
         if call.slot is not None:
             call.slot.release()
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from typing import cast
+from typing import TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["FastHistogram", "Series", "SidecarMetrics"]
+__all__ = ["FastHistogram", "SidecarMetrics"]
+
+_M = TypeVar("_M", Counter, Gauge)
 
 TTFT_BUCKETS = (
     0.001,
@@ -190,66 +192,18 @@ class SidecarMetrics:
         self.spool_errors = Counter(
             "infermeter_usage_spool_errors", "Failures to make a usage record durable.", registry=r
         )
-        self._series: dict[tuple[str, str], Series] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Counter | Gauge] = {}
 
-    def series(self, team: str, model: str) -> Series:
-        """The per-request metrics of ``(team, model)``, looked up once and then kept.
+    def child(self, metric: _M, *labels: str) -> _M:
+        """``metric.labels(*labels)``, looked up once and then kept.
 
         ``labels()`` validates and locks on every call: five of them per request cost more
-        than the counters themselves. Labels only ever take configured names (``bounds``), so
-        this holds a bounded number of entries.
+        than the counters themselves. A child is still made on first use, so a series appears
+        in the exposition only once something was counted in it. Labels only ever take
+        configured names (``bounds``), so this holds a bounded number of entries.
         """
-        found = self._series.get((team, model))
+        key = (id(metric), labels)
+        found = self._children.get(key)
         if found is None:
-            found = self._series[team, model] = Series(self, team, model)
-        return found
-
-
-class Series:
-    """One ``(team, model)``'s labelled children of the per-request metrics.
-
-    Each child is made on first use, as ``labels`` would make it: a series appears in the
-    exposition only once something was counted in it.
-    """
-
-    __slots__ = ("_children", "_metrics", "labels")
-
-    def __init__(self, metrics: SidecarMetrics, team: str, model: str) -> None:
-        self.labels = (team, model)
-        self._metrics = metrics
-        self._children: dict[str, Counter | Gauge] = {}
-
-    def _child(self, key: str, metric: Counter | Gauge, *more: str) -> Counter | Gauge:
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*self.labels, *more)
-        return child
-
-    def request(self, status: str) -> Counter:
-        """Requests that ended with ``status``."""
-        return cast(Counter, self._child(status, self._metrics.requests, status))
-
-    @property
-    def prompt(self) -> Counter:
-        """Prompt tokens."""
-        return cast(Counter, self._child(" prompt", self._metrics.prompt_tokens))
-
-    @property
-    def completion(self) -> Counter:
-        """Completion tokens."""
-        return cast(Counter, self._child(" completion", self._metrics.completion_tokens))
-
-    @property
-    def cached(self) -> Counter:
-        """Prompt tokens served from the prefix cache."""
-        return cast(Counter, self._child(" cached", self._metrics.cached_prompt_tokens))
-
-    @property
-    def inexact(self) -> Counter:
-        """Requests whose counts could not be read exactly."""
-        return cast(Counter, self._child(" inexact", self._metrics.inexact))
-
-    @property
-    def in_flight(self) -> Gauge:
-        """Requests being served now."""
-        return cast(Gauge, self._child(" in_flight", self._metrics.in_flight))
+            found = self._children[key] = metric.labels(*labels)
+        return cast(_M, found)

@@ -4,7 +4,7 @@ Admission is one round trip: one ``EVALSHA`` of ``shared_scripts.ADMIT`` checks 
 concurrency slot, the request and the token reservation atomically on the server. It goes
 through ``sidecar.resp``, a small pipelined client on one connection, because redis-py's asyncio
 client costs more than the round trip itself; redis-py stays for what is off the hot path
-(``shared_redis``: budget overrides, fair-share state). Settlement (giving back the unused
+(``TeamLimiter.redis``: budget overrides, fair-share state). Settlement (giving back the unused
 reservation, freeing the slot) is queued and sent in the background on the same connection,
 together with the other settlements of the next 5 ms, so it never delays a response: two Redis
 commands per request in all, plus one lease renewal per team per third of a lease.

@@ -26,7 +26,6 @@ __all__ = [
     "LimitsUnavailable",
     "LocalTeamLimiter",
     "TeamLimiter",
-    "shared_redis",
     "team_limiter",
     "team_limits",
 ]
@@ -109,8 +108,3 @@ def team_limiter(config: Config, replica_id: str, registry: CollectorRegistry) -
     from sidecar.shared_limits import SharedTeamLimiter
 
     return SharedTeamLimiter(settings, team_limits(config), replica_id, registry)
-
-
-def shared_redis(limiter: TeamLimiter) -> aioredis.Redis | None:
-    """The Redis client of a shared limiter (for state the fleet shares beside limits)."""
-    return limiter.redis
