@@ -2,8 +2,8 @@
 
 ``asyncio.to_thread`` goes through the loop's default executor: a concurrent future wrapped in an
 asyncio one, a context copy and a work queue with its semaphore, per call. Measured on two cores
-with uvloop, a round trip through it costs about 136 µs of CPU for a call that does nothing,
-where a queue this thread reads and ``call_soon_threadsafe`` to answer cost about 54 µs
+with uvloop, a round trip through it costs about 120 µs of CPU for a call that does nothing,
+where a queue this thread reads and ``call_soon_threadsafe`` to answer cost about 56 µs
 (``python -m bench.disk_thread``). A spool makes one such call per group commit, so the saving
 is paid back on every batch of usage records.
 
