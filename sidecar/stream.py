@@ -120,7 +120,7 @@ class StreamMeter:
     # prompts), else 0. vLLM's running usage on a chunk then counts that chunk's choice only,
     # so the latest counts of every choice are kept for a stream that ends before its total.
     choices: int = 0
-    _per_choice: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _per_choice: dict[int, tuple[int, int]] | None = None
 
     @property
     def usage(self) -> UsageCounts | None:
@@ -138,8 +138,7 @@ class StreamMeter:
 
     @usage.setter
     def usage(self, counts: UsageCounts | None) -> None:
-        self._usage, self._usage_block = counts, b""
-        self._per_choice.clear()
+        self._usage, self._usage_block, self._per_choice = counts, b"", None
 
     def _latest(self) -> UsageCounts | None:
         if self._usage_block:
@@ -238,6 +237,8 @@ class StreamMeter:
 
     def _track_choices(self, data: bytes) -> None:
         """Keep each choice's latest counts (streams of several choices only)."""
+        if self._per_choice is None:
+            self._per_choice = {}
         for event in data.split(_END):
             index = _CHOICE_INDEX.search(event)
             at = event.rfind(_USAGE_KEY)
