@@ -201,7 +201,10 @@ class Assembler:
             self._final = chunk
 
     def _choice(self, c: dict[str, Any]) -> None:
-        choice = self._choices.setdefault(int(c["index"]), _Choice())
+        index = int(c["index"])
+        choice = self._choices.get(index)
+        if choice is None:  # (not setdefault: that would build a _Choice for every chunk)
+            choice = self._choices[index] = _Choice()
         if self.endpoint == CHAT:
             delta = c.get("delta") or {}
             choice.role = delta.get("role", choice.role)
