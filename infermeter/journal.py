@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,9 +59,9 @@ def journal_files(spool_directory: Path) -> list[Path]:
     return sorted((spool_directory / JOURNAL_DIR).glob("journal-*.log"))
 
 
-def admission_line(record: UsageRecord) -> bytes:
-    """The line of an admitted request."""
-    return orjson.dumps({"a": record.to_json()}) + b"\n"
+def admission_line(record: Mapping[str, Any]) -> bytes:
+    """The line of an admitted request, from its record's JSON form (``UsageRecord.to_json``)."""
+    return orjson.dumps({"a": record}) + b"\n"
 
 
 def mark_line(request_id: str, prompt: int, completion: int, cached: int,

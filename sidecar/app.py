@@ -431,10 +431,7 @@ class Sidecar:
             raise Refusal(503, "The sidecar is shutting down; send the request again.", "server_error",
                           "server_shutting_down", RequestStatus.REJECTED, (("retry-after", "1"),))  # fmt: skip
         try:
-            record = self.accounting.record_of(
-                call, RequestStatus.INTERRUPTED, 502, None, None, None
-            )
-            self.journal.admit(record, call.started)
+            self.journal.admit(self.accounting.admission(call), call.started)
         except JournalError as exc:
             self.metrics.spool_errors.inc()
             if self.settings.on_spool_failure == "refuse":

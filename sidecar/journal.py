@@ -33,9 +33,10 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 
@@ -126,8 +127,11 @@ class AdmissionJournal:
             if not self._running and self._path is not None:
                 self._path.unlink(missing_ok=True)
 
-    def admit(self, record: UsageRecord, started: float) -> None:
-        """Journal ``record`` (its end unknown yet); JournalError when it cannot be written."""
+    def admit(self, record: Mapping[str, Any], started: float) -> None:
+        """Journal ``record`` (``UsageRecord.to_json``'s form, its end unknown yet).
+
+        JournalError when it cannot be written.
+        """
         line = admission_line(record)
         try:
             if self._finished:
@@ -137,9 +141,8 @@ class AdmissionJournal:
                 self._write(line)
         except OSError as exc:
             raise JournalError(f"cannot write the admission journal in {self.directory}: {exc.strerror or exc}") from None  # fmt: skip
-        self._running[record.request_id] = _Running(
-            record.request_id, line, record.received_at, started
-        )
+        request_id: str = record["request_id"]
+        self._running[request_id] = _Running(request_id, line, record["received_at"], started)
 
     def track(self, request_id: str, progress: Progress) -> None:
         """Mark ``request_id``'s counts from ``progress`` from now on."""

@@ -28,7 +28,7 @@ async def test_a_finished_request_leaves_no_journal(tmp_path):
     """Admitted and finished, then closed: the journal file is deleted and nothing is pending."""
     journal = AdmissionJournal(tmp_path / "journal", 0.05)
     assert journal.open() == []
-    journal.admit(admitted(), 0.0)
+    journal.admit(admitted().to_json(), 0.0)
     assert journal.running == 1
     journal.finish("r1")
     await journal.close()
@@ -39,7 +39,7 @@ async def test_marks_follow_the_meter_without_a_write_per_chunk(tmp_path):
     """Ten chunks between two marks make one mark line with the latest counts."""
     journal = AdmissionJournal(tmp_path / "journal", 0.1)
     journal.open()
-    journal.admit(admitted(), 100.0)
+    journal.admit(admitted().to_json(), 100.0)
     meter = StreamMeter(True, True, 100.0)
     journal.track("r1", meter)
     for i in range(1, 11):
@@ -62,7 +62,7 @@ async def test_recover_spools_interrupted_records_once(tmp_path):
     dead = AdmissionJournal(tmp_path / "spool" / "journal", 60)
     dead.open()
     for rid in ("r1", "r2", "r3"):
-        dead.admit(admitted(rid), 0.0)
+        dead.admit(admitted(rid).to_json(), 0.0)
     # r3 ends as the sidecar ends a request: its record spooled, then finished in the journal
     # (a line that waits for the next write, so the death below loses it).
     await spool.append(admitted("r3").to_json() | {"status": "ok", "completion_tokens": 7})
@@ -91,7 +91,7 @@ async def test_a_finish_line_goes_out_with_the_next_admission_in_one_write(tmp_p
     """Ending a request costs no write of its own; the next admission carries its line."""
     journal = AdmissionJournal(tmp_path / "journal", 60)
     journal.open()
-    journal.admit(admitted("r1"), 0.0)
+    journal.admit(admitted("r1").to_json(), 0.0)
     assert journal._path is not None
     size = journal._path.stat().st_size
     journal.finish("r1")
@@ -104,7 +104,7 @@ async def test_a_finish_line_goes_out_with_the_next_admission_in_one_write(tmp_p
         real_write(data)
 
     journal._write = counted  # type: ignore[method-assign]
-    journal.admit(admitted("r2"), 0.0)
+    journal.admit(admitted("r2").to_json(), 0.0)
     assert len(writes) == 1
     assert writes[0].count(b"\n") == 2  # r1's end, then r2's admission
     assert list(unfinished(journal._path.read_bytes().splitlines(keepends=True))) == ["r2"]
@@ -118,7 +118,7 @@ async def test_rotation_keeps_only_running_requests(tmp_path):
     journal = AdmissionJournal(tmp_path / "journal", 0.05, rotate_bytes=2_000)
     journal.open()
     for i in range(20):
-        journal.admit(admitted(f"r{i}"), 0.0)
+        journal.admit(admitted(f"r{i}").to_json(), 0.0)
         if i != 7:
             journal.finish(f"r{i}")
     await asyncio.sleep(0.2)
@@ -132,7 +132,7 @@ async def test_interrupted_now_uses_the_counts_of_this_moment(tmp_path):
     """At shutdown a request still running is recorded with its meter's counts as of now."""
     journal = AdmissionJournal(tmp_path / "journal", 60)
     journal.open()
-    journal.admit(admitted(), 100.0)
+    journal.admit(admitted().to_json(), 100.0)
     meter = StreamMeter(True, True, 100.0)
     journal.track("r1", meter)
     meter.feed(chunk(1) + chunk(2) + chunk(3), 100.5)
