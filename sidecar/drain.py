@@ -25,13 +25,14 @@ the node's collector). A second signal skips the rest of the drain period (step 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import socket
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -53,6 +54,9 @@ class Drain:
     def __init__(self) -> None:
         self.draining = False
         self._cut: asyncio.Future[None] | None = None
+        # The waiters of ``until_first`` now waiting: a set, where callbacks on ``cut`` would be
+        # a list that every ending request scans (1,000 streams, 1,000 entries).
+        self._waiters: set[asyncio.Future[None]] = set()
 
     @property
     def cut(self) -> asyncio.Future[None]:
@@ -70,6 +74,33 @@ class Drain:
         self.draining = True
         if not self.cut.done():
             self.cut.set_result(None)
+        for waiter in self._waiters:
+            _wake(waiter)
+
+    async def until_first(self, *futures: asyncio.Future[Any]) -> None:
+        """Return once one of ``futures`` is done or running requests must end (``cut``).
+
+        What ``asyncio.wait(..., FIRST_COMPLETED)`` does for a request's end, its client and the
+        cut, for half its cost per request: one waiter future, no sets, no task checks.
+        """
+        if (self._cut is not None and self._cut.done()) or any(f.done() for f in futures):
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        wake = functools.partial(_wake, waiter)
+        for future in futures:
+            future.add_done_callback(wake)
+        self._waiters.add(waiter)
+        try:
+            await waiter
+        finally:
+            self._waiters.discard(waiter)
+            for future in futures:
+                future.remove_done_callback(wake)
+
+
+def _wake(waiter: asyncio.Future[None], _: object = None) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 async def drain(sidecar: Sidecar, drain_seconds: float) -> None:

@@ -108,9 +108,7 @@ class Relay:
         status = RequestStatus.OK
         read_to_end = False
         try:
-            await asyncio.wait(
-                (relay, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED
-            )
+            await self.drain.until_first(relay, watcher)
             if not relay.done():
                 relay.cancel()
                 status = (
@@ -185,9 +183,7 @@ class Relay:
         status = RequestStatus.OK
         try:
             # The client's connection closing, not ASGI's disconnect message: no task to wait.
-            await asyncio.wait(
-                (sink.finished, raw.lost, self.drain.cut), return_when=asyncio.FIRST_COMPLETED
-            )
+            await self.drain.until_first(sink.finished, raw.lost)
         finally:
             raw.on_pause = raw.on_resume = None
             sink.writer = None
@@ -322,7 +318,7 @@ class Relay:
         loop = asyncio.get_running_loop()
         work = loop.create_task(exchange)
         watcher = loop.create_task(wait_disconnect(receive)) if lost is None else lost
-        await asyncio.wait((work, watcher, self.drain.cut), return_when=asyncio.FIRST_COMPLETED)
+        await self.drain.until_first(work, watcher)
         if lost is None:
             watcher.cancel()
         if work.done():
