@@ -41,6 +41,9 @@ _USAGE_LAST = b"}}\n\n"
 _EVENT_END = b"}\n\n"
 _NO_CHOICES = b'"choices":[],'
 _FINGERPRINT = b',"system_fingerprint":"'
+_DONE_SIZE = len(_DONE)
+_NO_CHOICES_SIZE = len(_NO_CHOICES)
+_USAGE_KEY_SIZE = len(_USAGE_KEY)
 _ITL_BOUNDS = tuple(float(b) for b in ITL_BUCKETS)
 _ITL_EMPTY = bytes(array("d", [0.0]).itemsize * (len(_ITL_BOUNDS) + 2))
 _PROMPT = re.compile(rb'"prompt_tokens":(\d+)')
@@ -121,6 +124,9 @@ class StreamMeter:
     # so the latest counts of every choice are kept for a stream that ends before its total.
     choices: int = 0
     _per_choice: dict[int, tuple[int, int]] | None = None
+    # The next block may take the short path (``_token``): set by every block the long path
+    # (``_block``) takes, and left as it is by the short path, which changes none of its terms.
+    _steady: bool = False
 
     @property
     def usage(self) -> UsageCounts | None:
@@ -162,6 +168,48 @@ class StreamMeter:
 
     def feed(self, data: bytes, now: float) -> bytes:
         """Meter a block from upstream; return the bytes to send on (complete events only)."""
+        if self._steady:
+            out = self._token(data, now)
+            if out is not None:
+                return out
+        return self._block(data, now)
+
+    def _token(self, data: bytes, now: float) -> bytes | None:
+        """The usual block, one token's chunk in one read, in the fewest steps; else None.
+
+        None, having changed nothing, for anything else: several events or part of one, the
+        first token, a finish, the final usage chunk, ``[DONE]``, a chunk without usage. Those
+        take ``_block``, which handles every block. ``_steady`` says the stream is past its
+        first token, has one choice, and holds no partial event and no finish chunk.
+        """
+        size = len(data)
+        if data.find(b"\n") != size - 2 or data[-1] != 10 or size == _DONE_SIZE:
+            return None
+        last = data.rfind(_USAGE_KEY)
+        if (last < 0 or data.startswith(_NO_CHOICES, last - _NO_CHOICES_SIZE)
+                or data.rfind(_FINISH) >= 0):  # fmt: skip
+            return None
+        self._usage_block, self._usage_at = data, last
+        last_at = self.last_token_at
+        assert last_at is not None
+        gap = now - last_at
+        itl = self._itl
+        itl[bisect_left(_ITL_BOUNDS, gap)] += 1
+        itl[-1] += gap
+        self.token_events += 1
+        self.last_token_at = now
+        if (self.client_continuous and self.client_usage) or not data.startswith(
+            _AFTER_CHOICES, last - 3
+        ):
+            return data
+        if data.endswith(_USAGE_LAST) and data.find(b"{", last + _USAGE_KEY_SIZE) < 0:
+            return data[: last - 1] + _EVENT_END
+        stop = object_end(data, last + _USAGE_KEY_SIZE - 1)
+        return data if stop < 0 else data[: last - 1] + data[stop:]
+
+    def _block(self, data: bytes, now: float) -> bytes:
+        """``feed`` for any block."""
+        self._steady = False
         if self._tail:
             data = self._tail + data
             self._tail = b""
@@ -180,9 +228,20 @@ class StreamMeter:
             if not data:
                 return self._flush_held()
         out = self._scan(data, now)
+        self._steady = (
+            self.first_token_at is not None
+            and not self.choices
+            and not self._tail
+            and not self._held
+            and not self.final_usage
+            and not self.done
+            and not self._finish_in_block
+            and self.response_id is not None
+        )
         if self.client_usage:
             return out
         out = self._rewrite(out, self._finish_in_block)
+        self._steady = self._steady and not self._held
         return out + self._flush_held() if self.done else out
 
     def _scan(self, data: bytes, now: float) -> bytes:

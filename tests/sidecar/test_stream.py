@@ -416,3 +416,64 @@ def test_one_choice_keeps_the_latest_counts_only() -> None:
     meter = StreamMeter(False, False, 0.0)
     meter.feed(_choice_chunk(0, 7, 1) + _choice_chunk(0, 7, 2), 0.01)
     assert meter.usage == UsageCounts(7, 2)
+
+
+class _LongPathOnly(StreamMeter):
+    """The meter with its one-token short path (``_token``) switched off."""
+
+    def _token(self, data: bytes, now: float) -> bytes | None:
+        return None
+
+
+def _state(meter: StreamMeter) -> tuple[Any, ...]:
+    return (*_counts(meter), meter.first_token_at, meter.last_token_at, meter.response_id,
+            list(meter.itl))  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", sorted(UPSTREAM))
+@EVERY_CLIENT
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_the_one_token_short_path_gives_what_the_long_path_gives(stream, client, data):
+    """Blocks of whole events (mostly one each, as vLLM's reads come) or cut anywhere: the
+    short path's bytes, counts, times and ITL are the long path's."""
+    raw = UPSTREAM[stream][0]
+    evs = events(raw)
+    if data.draw(st.booleans(), label="cut anywhere"):
+        blocks = _draw_blocks(data, raw)
+    else:
+        joins = data.draw(st.lists(st.booleans(), min_size=len(evs), max_size=len(evs)))
+        blocks = []
+        for event, join in zip(evs, joins, strict=True):
+            if join and blocks:
+                blocks[-1] += event
+            else:
+                blocks.append(event)
+    times = [float(i) + 0.01 * i * i for i in range(1, len(blocks) + 1)]
+    usage, continuous = client
+    short, long = StreamMeter(usage, continuous, 0.0), _LongPathOnly(usage, continuous, 0.0)
+    out_short = [short.feed(b, t) for b, t in zip(blocks, times, strict=True)]
+    out_long = [long.feed(b, t) for b, t in zip(blocks, times, strict=True)]
+    assert out_short == out_long
+    assert short.close() == long.close()
+    assert _state(short) == _state(long)
+
+
+def test_the_short_path_takes_the_usual_token_chunks() -> None:
+    """One event per block: every token chunk after the first takes the short path."""
+    raw = UPSTREAM["chat"][0]
+    taken: list[bytes] = []
+
+    class Counting(StreamMeter):
+        def _token(self, data: bytes, now: float) -> bytes | None:
+            out = StreamMeter._token(self, data, now)
+            if out is not None:
+                taken.append(data)
+            return out
+
+    meter = Counting(False, False, 0.0)
+    for i, block in enumerate(events(raw), start=1):
+        meter.feed(block, float(i))
+    # Role and first token go the long way, then the finish chunk, the usage chunk and [DONE].
+    assert len(taken) == meter.token_events - 2
+    assert all(b'"finish_reason":null' in b for b in taken)

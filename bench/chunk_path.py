@@ -1,0 +1,107 @@
+"""CPU per chunk of the sidecar's whole per-token path in Python, without the sockets.
+
+One upstream read of one vLLM chunk (chunked framing included) goes through what the protocol
+relay runs for it in the sidecar: ``sidecar.pool.Connection.data_received`` (httptools' parser
+and its ``on_body``), ``sidecar.direct.StreamSink.body``, ``StreamMeter.feed`` and the client's
+``RawWriter.write``, down to a transport whose ``write`` keeps the bytes. What the event loop
+and the kernel add (the read and write system calls, epoll) is not in it: ``bench.sidecar_overhead``
+measures the whole. Reported: the best and the median of ``--rounds`` rounds, µs per chunk.
+
+``--root DIR`` imports the sidecar from ``DIR`` instead (a ``git worktree`` of another
+revision), so two revisions can be compared with the same script:
+
+    .venv/bin/python -m bench.chunk_path
+    git worktree add /tmp/base HEAD~3 && .venv/bin/python -m bench.chunk_path --root /tmp/base
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from typing import Any
+
+CHUNK = (
+    b'data: {"id":"chatcmpl-5f1c0a7e9b2d4c1f8e3a6b9d0c2e4f61","object":"chat.completion.chunk",'
+    b'"created":1764612000,"model":"chat-small","choices":[{"index":0,"delta":{"content":" word"},'
+    b'"logprobs":null,"finish_reason":null}],'
+    b'"usage":{"prompt_tokens":12,"total_tokens":20,"completion_tokens":8}}\n\n'
+)
+ROLE = CHUNK.replace(b'"delta":{"content":" word"}', b'"delta":{"role":"assistant","content":""}')
+HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
+
+
+class Transport:
+    """Enough of an ``asyncio.Transport`` for both ends: writes are kept, then dropped."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+        self.write = self.out.append
+
+    def is_closing(self) -> bool:
+        return False
+
+    def is_reading(self) -> bool:
+        return True
+
+
+def framed(event: bytes) -> bytes:
+    """``event`` as one chunk of a chunked body, as vLLM's server writes it."""
+    return b"%x\r\n%b\r\n" % (len(event), event)
+
+
+def per_chunk(chunks: int) -> float:
+    """µs per upstream read of one chunk on a fresh stream, after its head and role chunk."""
+    from infermeter.http_guard import RawWriter
+    from sidecar.direct import StreamSink
+    from sidecar.pool import Connection, Pool
+    from sidecar.stream import StreamMeter
+
+    loop = asyncio.new_event_loop()
+    try:
+        conn = Connection(Pool("127.0.0.1", 9, 1.0, 60.0))
+        upstream, client = Transport(), Transport()
+        conn.connection_made(upstream)  # type: ignore[arg-type]
+        sink = StreamSink(StreamMeter(False, False, time.perf_counter()), loop)
+        conn._sink = sink
+        conn.data_received(HEAD)
+        writer: Any = RawWriter(client, loop.create_future())  # type: ignore[arg-type]
+        sink.go_direct(writer)
+        conn.data_received(framed(ROLE))
+        block, feed, out = framed(CHUNK), conn.data_received, client.out
+        start = time.perf_counter()
+        for i in range(chunks):
+            feed(block)
+            if i & 1023 == 0:
+                out.clear()
+        elapsed = time.perf_counter() - start
+        assert sink.meter.token_events == chunks, "the meter did not count every chunk"
+        return elapsed / chunks * 1e6
+    finally:
+        loop.close()
+
+
+def main() -> int:
+    """Measure and print."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", help="import the sidecar from this directory (another revision)")
+    parser.add_argument("--chunks", type=int, default=50_000, help="reads per round (50,000)")
+    parser.add_argument("--rounds", type=int, default=15, help="rounds (15)")
+    args = parser.parse_args()
+    if args.root:
+        sys.path.insert(0, args.root)
+    values = [per_chunk(args.chunks) for _ in range(args.rounds)]
+    import sidecar
+
+    print(f"{sidecar.__file__.rsplit('/', 2)[0]}: best {min(values):.2f} µs, median "
+          f"{statistics.median(values):.2f} µs per chunk ({args.rounds} rounds of {args.chunks})")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
