@@ -83,6 +83,10 @@ def request_head(method: bytes, target: bytes, host: bytes, headers: dict[str, s
 class Connection(asyncio.Protocol):
     """One keep-alive connection to the replica, serving one exchange at a time."""
 
+    # Read on every block of every stream: slots keep them in the object, not in a dict of its own.
+    __slots__ = ("_headers", "_parser", "_pool", "_sink", "_timer", "closed", "idle_since",
+                 "last_read", "transport")  # fmt: skip
+
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
         self.transport: asyncio.Transport | None = None
