@@ -1,0 +1,117 @@
+"""CPU of two per-request steps of the sidecar, in-process: the usage record and the end wait.
+
+- ``record``: what one request's accounting serialises: its admission line for the journal
+  (``Accounting.admission`` and ``infermeter.journal.admission_line``) and its usage record
+  for the spool (``Accounting.record_of`` and the spool's ``orjson.dumps``). Revisions before
+  the record was built once as JSON fields made a ``UsageRecord`` twice and converted each.
+- ``wait``: a request waiting for the first of its end, its client leaving and the drain's cut,
+  the end coming first: ``asyncio.wait(..., FIRST_COMPLETED)`` and ``Drain.until_first`` (when
+  the revision has it), on uvloop.
+
+``--root DIR`` imports the sidecar from ``DIR`` (a ``git worktree`` of another revision):
+
+    .venv/bin/python -m bench.request_steps
+    git worktree add /tmp/base d337e09 && .venv/bin/python -m bench.request_steps --root /tmp/base
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+
+def record_us(rounds: int, n: int) -> list[float]:
+    """µs per request for the journal's admission line and the spool's record line."""
+    from infermeter.journal import admission_line
+    from infermeter.records import RequestStatus
+    from sidecar.accounting import Accounting, Call
+    from sidecar.stream import StreamMeter, UsageCounts
+
+    accounting: Any = Accounting.__new__(Accounting)
+    accounting.replica, accounting.instance = "small-0", None
+    meter = StreamMeter(False, False, 0.0)
+    meter.first_token_at = 0.2
+    usage = UsageCounts(12, 64, 0)
+    admitted: Callable[[Any], Any] = getattr(
+        accounting,
+        "admission",
+        lambda call: accounting.record_of(call, RequestStatus.INTERRUPTED, 502, None, None, None),
+    )
+
+    def one() -> None:
+        call = Call("req-0123456789abcdef", "/v1/chat/completions", 1.7e9, 0.0, team="search",
+                    model="chat-small", served_version="chat-small", stream=True)  # fmt: skip
+        admission_line(admitted(call))
+        record = accounting.record_of(call, RequestStatus.OK, 200, usage, meter, "stop")
+        orjson.dumps(record if isinstance(record, dict) else record.to_json())
+
+    out = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(n):
+            one()
+        out.append((time.perf_counter() - start) / n * 1e6)
+    return out
+
+
+def wait_us(rounds: int, n: int) -> dict[str, list[float]]:
+    """µs per wait for the first of three futures, the first one set soon after it starts."""
+    import uvloop
+
+    from sidecar.drain import Drain
+
+    drain = Drain()
+
+    async def asyncio_wait(a: Any, b: Any) -> None:
+        await asyncio.wait((a, b, drain.cut), return_when=asyncio.FIRST_COMPLETED)
+
+    ways: dict[str, Callable[[Any, Any], Any]] = {"asyncio.wait": asyncio_wait}
+    if hasattr(drain, "until_first"):
+        ways["Drain.until_first"] = drain.until_first
+    results: dict[str, list[float]] = {name: [] for name in ways}
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(rounds):
+            for name, way in ways.items():
+                start = time.perf_counter()
+                for _ in range(n):
+                    ended, lost = loop.create_future(), loop.create_future()
+                    loop.call_soon(ended.set_result, None)
+                    await way(ended, lost)
+                results[name].append((time.perf_counter() - start) / n * 1e6)
+
+    uvloop.run(main())
+    return results
+
+
+def main() -> int:
+    """Measure and print."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", help="import the sidecar from this directory (another revision)")
+    parser.add_argument("--rounds", type=int, default=9, help="rounds (9)")
+    parser.add_argument("-n", type=int, default=20_000, help="requests per round (20,000)")
+    args = parser.parse_args()
+    if args.root:
+        sys.path.insert(0, args.root)
+    import sidecar
+
+    print(f"sidecar from {Path(sidecar.__file__).parents[1]}; best and median of {args.rounds} "
+          f"rounds of {args.n}, µs per request")  # fmt: skip
+    rows = {"record (journal + spool lines)": record_us(args.rounds, args.n)}
+    rows |= {f"end wait ({name})": v for name, v in wait_us(args.rounds, args.n).items()}
+    for name, values in rows.items():
+        print(f"  {name:34} best {min(values):6.2f}  median {statistics.median(values):6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
