@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import orjson
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -58,6 +57,7 @@ from sidecar.admission import (
 from sidecar.budgets import BudgetExceeded, budget_gate, serve_override
 from sidecar.drain import Drain
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
+from sidecar.fetch import Fetched, fetch
 from sidecar.journal import AdmissionJournal, JournalError
 from sidecar.lifetime import EVENTS_MAX_BYTES, Lifetime, last_shipment
 from sidecar.limits import LimitExceeded
@@ -68,9 +68,11 @@ from sidecar.request_ids import client_request_id
 from sidecar.state import View, build_view
 from sidecar.stream import StreamMeter, UsageCounts
 from sidecar.team_limits import LimitsUnavailable, team_limiter, team_limits
-from sidecar.upstream import Upstream, upstream_failure
+from sidecar.upstream import Upstream, upstream_errors, upstream_failure
 
 if TYPE_CHECKING:
+    import httpx
+
     from infermeter.shipper import Shipper
 
 __all__ = ["Sidecar"]
@@ -138,11 +140,8 @@ class Sidecar:
         self.drain = Drain()
         self.tracer = tracing.tracer(tracer_provider)
         self.upstream_key = os.environ.get(settings.upstream_api_key_env) or None
-        timeout = httpx.Timeout(
-            settings.read_timeout_seconds, connect=settings.connect_timeout_seconds
-        )
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        self.client = client or httpx.AsyncClient(timeout=timeout, limits=limits)
+        # For shipping only, made when the shippers start (``client``).
+        self._client = client
         self.generation = Upstream(settings.connect_timeout_seconds, settings.read_timeout_seconds)
         self.relay = Relay(self.view.replica.upstream_url.rstrip("/"), self.generation,
                            self.accounting, self.journal, self.drain, settings.non_streamed_via_stream,
@@ -151,6 +150,19 @@ class Sidecar:
         self.ingest_token = os.environ.get(settings.ingest_token_env) or None
         self._tasks: list[asyncio.Task[None]] = []
         self._shippers: list[Shipper] = []
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The HTTP client the shippers send with, made on first use (httpx loads with it)."""
+        if self._client is None:
+            import httpx
+
+            settings = self.settings
+            timeout = httpx.Timeout(
+                settings.read_timeout_seconds, connect=settings.connect_timeout_seconds
+            )
+            self._client = httpx.AsyncClient(timeout=timeout)
+        return self._client
 
     @property
     def upstream(self) -> str:
@@ -221,7 +233,8 @@ class Sidecar:
         self.lifetime.release()
         await self.limiter.close()
         await self.budgets.close()
-        await self.client.aclose()
+        if self._client is not None:
+            await self._client.aclose()
         await self.relay.close()
 
     async def _stop_tasks(self) -> None:
@@ -326,21 +339,21 @@ class Sidecar:
             await respond(send, 401, _NEEDS_METRICS_TOKEN, [JSON])
             return
         try:
-            r = await self.client.get(f"{self.upstream}/metrics", timeout=10.0)
-        except httpx.HTTPError as exc:
+            r = await self._fetch("/metrics", {}, 10.0)
+        except upstream_errors() as exc:
             status, body = upstream_failure(exc)
             await respond(send, status, body, [JSON])
             return
-        kind = r.headers.get("content-type", "text/plain; version=0.0.4; charset=utf-8")
-        await respond(send, r.status_code, r.content, [(b"content-type", kind.encode("latin-1"))])
+        kind = r.content_type or b"text/plain; version=0.0.4; charset=utf-8"
+        await respond(send, r.status, r.body, [(b"content-type", kind)])
 
     async def _ready(self, send: Send) -> None:
         problems = []
         try:
-            r = await self.client.get(f"{self.upstream}/health", timeout=2.0)
-            if r.status_code != 200:
-                problems.append(f"upstream /health answered {r.status_code}")
-        except httpx.HTTPError as exc:
+            r = await self._fetch("/health", {}, 2.0)
+            if r.status != 200:
+                problems.append(f"upstream /health answered {r.status}")
+        except upstream_errors() as exc:
             problems.append(f"upstream unreachable: {type(exc).__name__}")
         if self.accounting.refusing:
             problems.append("usage spool is not writable")
@@ -360,15 +373,18 @@ class Sidecar:
             )
             return
         try:
-            r = await self.client.get(
-                f"{self.upstream}/v1/models", headers=self._upstream_headers(scope["headers"], None)
-            )
-        except httpx.HTTPError as exc:
+            r = await self._fetch("/v1/models", self._upstream_headers(scope["headers"], None),
+                                  self.settings.read_timeout_seconds)  # fmt: skip
+        except upstream_errors() as exc:
             status, body = upstream_failure(exc)
             await respond(send, status, body, [JSON])
             return
-        body = with_aliases(r.content, self.view) if r.status_code == 200 else r.content
-        await respond(send, r.status_code, body, [JSON])
+        body = with_aliases(r.body, self.view) if r.status == 200 else r.body
+        await respond(send, r.status, body, [JSON])
+
+    async def _fetch(self, path: str, headers: dict[str, str], timeout_seconds: float) -> Fetched:
+        """A GET to the replica's own ``path`` (``sidecar.fetch``)."""
+        return await fetch(self.relay.pools, self.upstream, path, headers, timeout_seconds)
 
     # -- generation endpoints --------------------------------------------------------------------
 

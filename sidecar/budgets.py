@@ -23,7 +23,6 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-import httpx
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -36,6 +35,7 @@ from infermeter.records import MAX_OVERRIDE_REASON, BudgetOverride
 from infermeter.spool import Spool, SpoolError
 
 if TYPE_CHECKING:
+    import httpx
     import redis.asyncio as aioredis
 
 __all__ = [
@@ -162,8 +162,13 @@ class BudgetGate:
         self.metrics.age.set_function(
             lambda: -1.0 if self.read_at is None else time.monotonic() - self.read_at
         )
-        # Only a gate that reads a spend has a client (each one loads the CA bundle).
-        self.client = httpx.AsyncClient(timeout=10.0) if self.settings.spend_url else None
+        # Only a gate that reads a spend has a client (httpx loads with it, and each client
+        # loads the CA bundle).
+        self.client: httpx.AsyncClient | None = None
+        if self.settings.spend_url:
+            import httpx
+
+            self.client = httpx.AsyncClient(timeout=10.0)
 
     def check(self, team: str, model: str) -> Verdict:
         """The verdict for a request of ``team`` for ``model``; BudgetExceeded past the budget."""
@@ -200,6 +205,8 @@ class BudgetGate:
         """Read billing's spend (and the shared overrides); keep the last ones on failure."""
         if self.settings.spend_url is None or self.client is None:
             return
+        import httpx  # loaded with the client
+
         headers = {"authorization": f"Bearer {self.spend_token}"} if self.spend_token else {}
         try:
             r = await self.client.get(self.settings.spend_url.rstrip("/") + "/v1/spend",

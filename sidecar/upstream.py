@@ -6,11 +6,12 @@ Every token of every user is read here, so this path uses aiohttp rather than ht
 keep-alive pool hands out an idle connection in O(1) (httpx's pool checks every pooled connection
 on every request), and ``readany()`` returns everything that has arrived in one ``bytes``, so
 events that arrive together are metered and sent on together instead of one HTTP chunk at a time.
-The sidecar's other upstream calls (health, model list, shipping) stay on httpx.
+The sidecar's other calls to the replica (health, model list, metrics) take the protocol pool
+too (``sidecar.fetch``); httpx is loaded only for an https upstream or for shipping.
 
 aiohttp is imported only when this relay is first used (7.6 MB of an idle sidecar's memory
 otherwise): the default relay never loads it, and no aiohttp error can be raised before it is
-loaded, which is what ``upstream_errors`` relies on.
+loaded, which is what ``upstream_errors`` relies on. The same holds for httpx.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-import httpx
-
 from infermeter.errors import error_body
 from sidecar.pool import UpstreamError
 
@@ -30,8 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = ["StallWatch", "Upstream", "upstream_errors", "upstream_failure"]
 
-# What a failed exchange with the replica raises from the protocol pool and httpx.
-_ERRORS: tuple[type[BaseException], ...] = (asyncio.TimeoutError, httpx.HTTPError, UpstreamError)
+# What a failed exchange with the replica raises from the protocol pool.
+_ERRORS: tuple[type[BaseException], ...] = (asyncio.TimeoutError, UpstreamError)
 # uvicorn, which serves vLLM's API, closes idle connections after 5 s; dropping them first avoids
 # sending a request on a connection the server is closing.
 _KEEPALIVE_SECONDS = 4.0
@@ -116,20 +115,27 @@ class StallWatch:
 def upstream_errors() -> tuple[type[BaseException], ...]:
     """What a failed exchange with the replica raises, from any of the clients in use.
 
-    aiohttp's errors are among them once the ASGI relay has loaded aiohttp; before that, none
-    can be raised.
+    aiohttp's and httpx's errors are among them once something has loaded that library; before
+    that, none of them can be raised.
     """
-    loaded = sys.modules.get("aiohttp")
-    return _ERRORS if loaded is None else (*_ERRORS, loaded.ClientError)
+    errors = _ERRORS
+    if (aiohttp := sys.modules.get("aiohttp")) is not None:
+        errors = (*errors, aiohttp.ClientError)
+    if (httpx := sys.modules.get("httpx")) is not None:
+        errors = (*errors, httpx.HTTPError)
+    return errors
 
 
 def upstream_failure(exc: BaseException) -> tuple[int, bytes]:
     """The status and OpenAI error body for a failed exchange: 504 on a read timeout, else 502."""
-    loaded = sys.modules.get("aiohttp")
-    connect = isinstance(exc, httpx.ConnectTimeout) or (
-        loaded is not None and isinstance(exc, loaded.ConnectionTimeoutError)
+    aiohttp, httpx = sys.modules.get("aiohttp"), sys.modules.get("httpx")
+    connect = (httpx is not None and isinstance(exc, httpx.ConnectTimeout)) or (
+        aiohttp is not None and isinstance(exc, aiohttp.ConnectionTimeoutError)
     )
-    if isinstance(exc, httpx.TimeoutException | asyncio.TimeoutError) and not connect:
+    timeout = isinstance(exc, asyncio.TimeoutError) or (
+        httpx is not None and isinstance(exc, httpx.TimeoutException)
+    )
+    if timeout and not connect:
         return 504, error_body(
             504, "The upstream model server timed out.", "upstream_error", "upstream_timeout"
         )

@@ -1,8 +1,9 @@
-"""A sidecar loads aiohttp and redis-py only when its configuration uses them.
+"""A sidecar loads aiohttp, redis-py and httpx only when its configuration uses them.
 
-Each costs an idle sidecar several MB of memory (aiohttp 7.6, redis-py 3.2; docs/benchmarks.md): the
-protocol relay (the default) never needs aiohttp, and redis-py is for shared limits only.
-Checked in a fresh interpreter, since this test process has long imported both.
+Each costs an idle sidecar several MB of memory (docs/benchmarks.md): the protocol relay (the
+default) never needs aiohttp, redis-py is for shared limits only, and httpx for shipping, a
+budget's spend or an https upstream. Checked in a fresh interpreter, since this test process has
+long imported all three.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ _PROBE = textwrap.dedent(
         "INFERMETER__" + key.upper().replace(".", "__"): value for key, value in overrides.items()
     })
     Sidecar(config, "small-0", spool_dir=Path(tempfile.mkdtemp()))
-    print(" ".join(m for m in ("aiohttp", "redis") if m in sys.modules))
+    print(" ".join(m for m in ("aiohttp", "redis", "httpx") if m in sys.modules))
     """
 )
 
@@ -42,9 +43,14 @@ def _loaded(*overrides: str) -> set[str]:
     return set(out.stdout.split())
 
 
-def test_a_default_sidecar_loads_neither_aiohttp_nor_redis() -> None:
+def test_a_default_sidecar_loads_none_of_aiohttp_redis_and_httpx() -> None:
     assert _loaded() == set()
 
 
 def test_shared_limits_load_redis_and_still_not_aiohttp() -> None:
-    assert _loaded("sidecar.shared_limits.redis_url=redis://127.0.0.1:1/0") == {"redis"}
+    # (and the fleet's live-instance list reads billing with httpx)
+    assert _loaded("sidecar.shared_limits.redis_url=redis://127.0.0.1:1/0") == {"redis", "httpx"}
+
+
+def test_a_budget_spend_loads_httpx() -> None:
+    assert _loaded("sidecar.budgets.spend_url=http://127.0.0.1:1") == {"httpx"}
