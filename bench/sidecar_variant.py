@@ -7,6 +7,8 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
   client gets vLLM's bytes, per-chunk usage included; only ``[DONE]`` is still detected);
 - ``asyncio``: Python's own event loop instead of uvloop (``sidecar.event_loop: asyncio``);
 - ``arena1``: glibc's malloc limited to one arena (``MALLOC_ARENA_MAX=1``), for RSS;
+- ``malloc``: Python's objects allocated by glibc's malloc, not pymalloc (``PYTHONMALLOC=malloc``),
+  for RSS;
 - ``cprofile``: the unchanged sidecar under cProfile from its ``SIDECAR_PROFILE_FROM``-th
   generation request (default 40) until the ``SIDECAR_PROFILE_TO``-th (default 200) ends; the
   stats go to ``SIDECAR_PROFILE`` (``pstats`` format). cProfile's cost per call inflates
@@ -78,6 +80,9 @@ def main() -> int:
     if variant == "arena1" and os.environ.get("MALLOC_ARENA_MAX") != "1":
         env = dict(os.environ, MALLOC_ARENA_MAX="1")
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if variant == "malloc" and os.environ.get("PYTHONMALLOC") != "malloc":
+        env = dict(os.environ, PYTHONMALLOC="malloc")
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     if variant == "unmetered":
         _unmetered()
     elif variant == "asyncio":
@@ -86,7 +91,7 @@ def main() -> int:
         serving.loop_factory = lambda choice: None
     elif variant == "cprofile":
         _cprofile()
-    elif variant not in ("", "arena1"):
+    elif variant not in ("", "arena1", "malloc"):
         raise SystemExit(f"SIDECAR_VARIANT: unknown variant {variant!r}")
     from infermeter.cli import main as run_infermeter
 
