@@ -75,7 +75,7 @@ async def measure(directory: Path, streams: int, tokens_per_second: float, mark_
     def one_request() -> None:
         i = next(counter)
         record = _record(i)
-        journal.admit(record, 0.0)
+        journal.admit(record.to_json(), 0.0)
         journal.finish(record.request_id)
 
     request_us = _best_us(one_request, 2_000)
@@ -93,7 +93,7 @@ async def measure(directory: Path, streams: int, tokens_per_second: float, mark_
     meters = []
     for i in range(streams):
         rec = _record(i)
-        journal.admit(rec, 0.0)
+        journal.admit(rec.to_json(), 0.0)
         m = StreamMeter(False, False, 0.0)
         journal.track(rec.request_id, m)
         meters.append(m)
