@@ -16,20 +16,13 @@ revision), so two revisions can be compared with the same script:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
-import sys
 import time
 from typing import Any
 
-CHUNK = (
-    b'data: {"id":"chatcmpl-5f1c0a7e9b2d4c1f8e3a6b9d0c2e4f61","object":"chat.completion.chunk",'
-    b'"created":1764612000,"model":"chat-small","choices":[{"index":0,"delta":{"content":" word"},'
-    b'"logprobs":null,"finish_reason":null}],'
-    b'"usage":{"prompt_tokens":12,"total_tokens":20,"completion_tokens":8}}\n\n'
-)
-ROLE = CHUNK.replace(b'"delta":{"content":" word"}', b'"delta":{"role":"assistant","content":""}')
+from bench.chunks import CHUNK, ROLE, import_root, revision_parser
+
 HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
     b"transfer-encoding: chunked\r\n\r\n"
@@ -88,18 +81,14 @@ def per_chunk(chunks: int) -> float:
 
 def main() -> int:
     """Measure and print."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", help="import the sidecar from this directory (another revision)")
+    parser = revision_parser(__doc__ or "")
     parser.add_argument("--chunks", type=int, default=50_000, help="reads per round (50,000)")
     parser.add_argument("--rounds", type=int, default=15, help="rounds (15)")
     args = parser.parse_args()
-    if args.root:
-        sys.path.insert(0, args.root)
+    where = import_root(args.root)
     values = [per_chunk(args.chunks) for _ in range(args.rounds)]
-    import sidecar
-
-    print(f"{sidecar.__file__.rsplit('/', 2)[0]}: best {min(values):.2f} µs, median "
-          f"{statistics.median(values):.2f} µs per chunk ({args.rounds} rounds of {args.chunks})")  # fmt: skip
+    print(f"{where}: best {min(values):.2f} µs, median {statistics.median(values):.2f} µs per "
+          f"chunk ({args.rounds} rounds of {args.chunks})")  # fmt: skip
     return 0
 
 

@@ -23,15 +23,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from bench.chunks import CHUNK, ROLE
 from sidecar import stream
-
-CHUNK = (
-    b'data: {"id":"chatcmpl-5f1c0a7e9b2d4c1f8e3a6b9d0c2e4f61","object":"chat.completion.chunk",'
-    b'"created":1764612000,"model":"chat-small","choices":[{"index":0,"delta":{"content":" word"},'
-    b'"logprobs":null,"finish_reason":null}],'
-    b'"usage":{"prompt_tokens":12,"total_tokens":20,"completion_tokens":8}}\n\n'
-)
-ROLE = CHUNK.replace(b'"delta":{"content":" word"}', b'"delta":{"role":"assistant","content":""}')
 
 
 def per_chunk(module: ModuleType, chunks: int) -> float:

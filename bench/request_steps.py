@@ -16,16 +16,15 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import orjson
+
+from bench.chunks import import_root, revision_parser
 
 
 def record_us(rounds: int, n: int) -> list[float]:
@@ -95,17 +94,13 @@ def wait_us(rounds: int, n: int) -> dict[str, list[float]]:
 
 def main() -> int:
     """Measure and print."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", help="import the sidecar from this directory (another revision)")
+    parser = revision_parser(__doc__ or "")
     parser.add_argument("--rounds", type=int, default=9, help="rounds (9)")
     parser.add_argument("-n", type=int, default=20_000, help="requests per round (20,000)")
     args = parser.parse_args()
-    if args.root:
-        sys.path.insert(0, args.root)
-    import sidecar
-
-    print(f"sidecar from {Path(sidecar.__file__).parents[1]}; best and median of {args.rounds} "
-          f"rounds of {args.n}, µs per request")  # fmt: skip
+    where = import_root(args.root)
+    print(f"sidecar from {where}; best and median of {args.rounds} rounds of {args.n}, "
+          "µs per request")  # fmt: skip
     rows = {"record (journal + spool lines)": record_us(args.rounds, args.n)}
     rows |= {f"end wait ({name})": v for name, v in wait_us(args.rounds, args.n).items()}
     for name, values in rows.items():
