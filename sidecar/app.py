@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import generate_latest
 
 from infermeter.asgi import Receive, Scope, Send, read_body, respond
@@ -72,6 +71,7 @@ from sidecar.upstream import Upstream, upstream_errors, upstream_failure
 
 if TYPE_CHECKING:
     import httpx
+    from opentelemetry.sdk.trace import TracerProvider
 
     from infermeter.shipper import Shipper
 

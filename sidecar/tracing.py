@@ -4,20 +4,23 @@ Export is configured by the standard variables: a span exporter is installed onl
 ``OTEL_TRACES_EXPORTER`` is ``otlp`` or an ``OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT`` is set, and
 then ``OTLPSpanExporter`` reads the rest (endpoint, headers, timeout) itself. Without one, spans
 are not recorded at all, but a caller's W3C ``traceparent`` is still passed on to vLLM, so a
-trace that starts upstream of the sidecar continues into the engine.
+trace that starts upstream of the sidecar continues into the engine. The SDK (and the
+exporter) are imported only when export is configured: a sidecar that records no spans needs
+only the API.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 __all__ = ["PROPAGATOR", "export_configured", "make_tracer_provider"]
 
@@ -65,6 +68,9 @@ def make_tracer_provider(
     if not export_configured(environ):
         return None
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     resource = Resource.create({**(attributes or {}), "service.name": service_name})
     provider = TracerProvider(resource=resource)
