@@ -277,6 +277,24 @@ def test_otlp_export_follows_the_standard_variables():
     assert not export_configured({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"})
 
 
+def test_a_configured_export_makes_a_provider_naming_the_instance():
+    """With export asked for, the provider (the SDK, loaded then) carries the instance."""
+    from sidecar.tracing import make_tracer_provider, tracer
+
+    assert make_tracer_provider("infermeter-sidecar-small-0", {}) is None
+    provider = make_tracer_provider("infermeter-sidecar-small-0",
+                                    {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"},
+                                    {"service.instance.id": "vllm-small-0-a"})  # fmt: skip
+    assert provider is not None
+    try:
+        attributes = provider.resource.attributes
+        assert attributes["service.name"] == "infermeter-sidecar-small-0"
+        assert attributes["service.instance.id"] == "vllm-small-0-a"
+        assert tracer(provider) is not None
+    finally:
+        provider.shutdown()
+
+
 async def test_serve_unmetered_mode_serves_when_the_spool_fails(stack_factory):
     """Configured to serve unmetered, a spool failure is logged and the request still served."""
     stack = await stack_factory(**{"sidecar.on_spool_failure": "serve_unmetered"})
