@@ -33,7 +33,7 @@ _DONE = b"data: [DONE]\n\n"
 def _unmetered() -> None:
     from sidecar.direct import StreamSink
 
-    def body(self: StreamSink, data: bytes) -> None:
+    def body(self: StreamSink, data: bytes, now: float) -> None:
         if data.endswith(_DONE):
             self.meter.done = True
         writer = self.writer

@@ -15,7 +15,6 @@ upstream connection stops reading, so vLLM's bytes wait in the kernel, not in th
 from __future__ import annotations
 
 import asyncio
-import time
 from urllib.parse import urlsplit
 
 from infermeter.http_guard import RawWriter
@@ -50,8 +49,8 @@ class StreamSink:
         if not self.headed.done():
             self.headed.set_result(status)
 
-    def body(self, data: bytes) -> None:
-        """Meter a block and relay it (the per-chunk path)."""
+    def body(self, data: bytes, now: float) -> None:
+        """Meter a block read at ``now`` and relay it (the per-chunk path)."""
         if self.status != 200:
             self.error.append(data)
             return
@@ -59,7 +58,7 @@ class StreamSink:
         if meter.done:
             # Bytes after [DONE] are not vLLM's stream.
             return
-        out = meter.feed(data, time.perf_counter())
+        out = meter.feed(data, now)
         if out:
             writer = self.writer
             if writer is not None:
@@ -102,7 +101,7 @@ class WholeSink:
             kind = next((v for k, v in headers if k.lower() == b"content-type"), b"")
             self.streamed = kind.split(b";")[0].strip().lower() == b"text/event-stream"
 
-    def body(self, data: bytes) -> None:
+    def body(self, data: bytes, now: float) -> None:
         """Keep a piece of the body, or feed it to the assembler."""
         if self.streamed:
             assert self.assembler is not None

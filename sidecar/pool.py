@@ -60,8 +60,8 @@ class Sink(Protocol):
     def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """The status line and headers are in."""
 
-    def body(self, data: bytes) -> None:
-        """A piece of the body (chunked framing removed)."""
+    def body(self, data: bytes, now: float) -> None:
+        """A piece of the body (chunked framing removed), read at ``now`` (``perf_counter``)."""
 
     def end(self, exc: BaseException | None) -> None:
         """The response is complete (``exc`` None), or failed with ``exc``."""
@@ -137,7 +137,7 @@ class Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         """Hand a piece of the body to the sink."""
         if self._sink is not None:
-            self._sink.body(body)
+            self._sink.body(body, self.last_read)
 
     def on_message_complete(self) -> None:
         """The exchange is over: back to the pool when the replica keeps the connection."""
