@@ -1,0 +1,116 @@
+"""This revision's sidecar against another revision's, in alternating runs: paired figures.
+
+On a shared machine, two runs of ``bench.sidecar_overhead`` of the same code differ by more than
+a few-percent change (nginx's own CPU per paced chunk moved from 16.8 to 20.4 µs within an hour
+here). This runs the benchmark ``--pairs`` times for each sidecar, in turns (the order
+alternating, so that a drift in one direction hits both alike), with the other revision's
+sidecar started from a ``git worktree`` of it (``--root``). Each CPU figure is taken as a ratio
+to nginx's in the same run, and each pair gives one ratio of the two sidecars; the report is the
+median of each side and of the pairs, and in how many pairs this revision came out lower.
+
+    git worktree add /tmp/base d337e09
+    .venv/bin/python -m bench.ab_sidecar --root /tmp/base --pairs 4   # about 10 minutes
+
+Only the benchmark's sidecar changes between the runs: the replica and nginx come from this
+tree, and both sidecars read the same generated configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# (label, key in the benchmark's per-path summary, compared to nginx's figure in the same run)
+FIGURES = (
+    ("CPU per 64-token request, x nginx", "cpu_us_per_64tok_request", True),
+    ("CPU per 1-token request, x nginx", "cpu_us_per_1tok_request", True),
+    ("CPU per non-streamed request, x nginx", "cpu_us_per_json_request", True),
+    ("CPU per paced chunk, x nginx", "paced_cpu_us_per_chunk", True),
+    ("RSS MB idle", "idle_rss_mb", False),
+    ("RSS MB at 1000 streams", "rss_1000_streams_mb", False),
+)
+PHASES = "c64_1tok,c16_json,c64_64tok,paced_500,rss_1000"
+
+_LAUNCHER = """import sys
+sys.path.insert(0, {root!r})
+from infermeter.cli import main
+import sidecar
+assert sidecar.__file__.startswith({root!r}), sidecar.__file__
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def one_run(launcher: Path | None, phases: str) -> dict[str, Any]:
+    """One quick benchmark run's per-path summary (sidecar and nginx)."""
+    cmd = [sys.executable, "-m", "bench.sidecar_overhead", "--quick", "--json", "--phases", phases]
+    if launcher is not None:
+        cmd += ["--sidecar-launcher", str(launcher)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"benchmark run failed ({out.returncode}):\n{out.stderr[-2000:]}")
+    paths: dict[str, Any] = json.loads(out.stdout)["paths"]
+    return paths
+
+
+def figure(paths: dict[str, Any], key: str, to_nginx: bool) -> float | None:
+    """The sidecar's figure, as a ratio to nginx's in the same run when ``to_nginx``."""
+    mine = paths["sidecar"].get(key)
+    if mine is None:
+        return None
+    if not to_nginx:
+        return float(mine)
+    theirs = paths["nginx"].get(key)
+    return float(mine) / float(theirs) if theirs else None
+
+
+def report(this: list[dict[str, Any]], other: list[dict[str, Any]], name: str) -> list[str]:
+    """One line per figure: both medians, the median paired ratio, the pairs this one won."""
+    lines = [f"{'':40} {'this':>8} {name:>8} {'this/it':>8}  lower in"]
+    for label, key, to_nginx in FIGURES:
+        pairs = [
+            (a, b)
+            for a, b in ((figure(x, key, to_nginx), figure(y, key, to_nginx)) for x, y in zip(this, other, strict=True))
+            if a is not None and b is not None
+        ]  # fmt: skip
+        if not pairs:
+            continue
+        ratios = [a / b for a, b in pairs if b]
+        won = sum(1 for a, b in pairs if a < b)
+        lines.append(
+            f"{label:40} {statistics.median(a for a, _ in pairs):8.2f} "
+            f"{statistics.median(b for _, b in pairs):8.2f} {statistics.median(ratios):8.3f}  "
+            f"{won} of {len(pairs)}"
+        )
+    return lines
+
+
+def main() -> int:
+    """Run the pairs and print the report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", required=True, help="a worktree of the other revision")
+    parser.add_argument("--pairs", type=int, default=4, help="runs of each sidecar (4)")
+    parser.add_argument("--phases", default=PHASES, help=f"benchmark phases ({PHASES})")
+    args = parser.parse_args()
+    root = str(Path(args.root).resolve())
+    this: list[dict[str, Any]] = []
+    other: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        launcher = Path(tmp) / "other_sidecar.py"
+        launcher.write_text(_LAUNCHER.format(root=root))
+        for i in range(args.pairs):
+            order = ((this, None), (other, launcher))
+            for runs, script in order if i % 2 == 0 else reversed(order):
+                runs.append(one_run(script, args.phases))
+                print(f"pair {i + 1}: {'other' if script else 'this'} done", flush=True)
+    print("\n".join(report(this, other, Path(root).name)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
