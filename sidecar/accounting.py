@@ -27,7 +27,7 @@ from sidecar.metrics import SidecarMetrics
 from sidecar.prefix import Prefix
 from sidecar.stream import StreamMeter, UsageCounts
 
-__all__ = ["Accounting", "Call", "admitted_fields", "ending_fields", "usage_record"]
+__all__ = ["Accounting", "Call", "admitted_fields", "ending_fields"]
 
 log = logging.getLogger("infermeter.sidecar")
 
@@ -78,14 +78,6 @@ class Call:
         if self.admission is None:
             return []
         return [(k.encode(), v.encode()) for k, v in self.admission.headers]
-
-
-def usage_record(call: Call, replica: str, instance: str | None, status: RequestStatus,
-                 http_status: int, usage: UsageCounts | None, meter: StreamMeter | None,
-                 finish: str | None, now: float) -> UsageRecord:  # fmt: skip
-    """The request's record if it ended at ``now`` (``perf_counter``) like this."""
-    return UsageRecord(**admitted_fields(call, replica, instance),
-                       **ending_fields(call, status, http_status, usage, meter, finish, now))  # fmt: skip
 
 
 def admitted_fields(call: Call, replica: str, instance: str | None) -> dict[str, Any]:
