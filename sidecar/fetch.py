@@ -6,8 +6,9 @@ takes httpx, imported then: httpx loads its command-line tool with ``rich`` and 
 when they are installed and builds an SSL context per client, which is several MB of every
 sidecar's memory for three small GETs (``docs/benchmarks.md``).
 
-Failures raise what ``sidecar.upstream.upstream_errors`` lists: ``UpstreamError`` from the pool,
-``TimeoutError`` past ``timeout_seconds``, httpx's errors on the https path.
+Failures raise what ``sidecar.upstream.upstream_errors`` lists: ``UpstreamError`` from the pool
+(httpx's errors on the https path are turned into the same), ``TimeoutError`` past
+``timeout_seconds``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 from dataclasses import dataclass
 
 from sidecar.direct import Pools, WholeSink
-from sidecar.pool import request_head
+from sidecar.pool import ConnectTimeout, ReadTimeout, UpstreamClosed, request_head
 
 __all__ = ["Fetched", "fetch"]
 
@@ -54,9 +55,17 @@ async def fetch(pools: Pools, base: str, path: str, headers: dict[str, str],
 
 
 async def _fetch_https(url: str, headers: dict[str, str], timeout_seconds: float) -> Fetched:
+    """The same GET with httpx, its errors turned into the pool's (the callers know only those)."""
     import httpx  # only for an upstream the pool does not speak
 
-    async with httpx.AsyncClient(timeout=timeout_seconds) as client:
-        r = await client.get(url, headers=headers)
+    try:
+        async with httpx.AsyncClient(timeout=timeout_seconds) as client:
+            r = await client.get(url, headers=headers)
+    except httpx.ConnectTimeout as exc:
+        raise ConnectTimeout("connect timeout") from exc
+    except httpx.TimeoutException as exc:
+        raise ReadTimeout("Timeout on reading data from the replica") from exc
+    except httpx.HTTPError as exc:
+        raise UpstreamClosed(f"{type(exc).__name__}: {exc}") from exc
     kind = r.headers.get("content-type", "")
     return Fetched(r.status_code, kind.encode("latin-1"), r.content)

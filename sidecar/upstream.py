@@ -11,7 +11,7 @@ too (``sidecar.fetch``); httpx is loaded only for an https upstream or for shipp
 
 aiohttp is imported only when this relay is first used (7.6 MB of an idle sidecar's memory
 otherwise): the default relay never loads it, and no aiohttp error can be raised before it is
-loaded, which is what ``upstream_errors`` relies on. The same holds for httpx.
+loaded, which is what ``upstream_errors`` relies on.
 """
 
 from __future__ import annotations
@@ -115,27 +115,18 @@ class StallWatch:
 def upstream_errors() -> tuple[type[BaseException], ...]:
     """What a failed exchange with the replica raises, from any of the clients in use.
 
-    aiohttp's and httpx's errors are among them once something has loaded that library; before
-    that, none of them can be raised.
+    aiohttp's errors are among them once the ASGI relay has loaded aiohttp; before that, none
+    can be raised. (httpx's, on an https upstream's GETs, are converted in ``sidecar.fetch``.)
     """
-    errors = _ERRORS
-    if (aiohttp := sys.modules.get("aiohttp")) is not None:
-        errors = (*errors, aiohttp.ClientError)
-    if (httpx := sys.modules.get("httpx")) is not None:
-        errors = (*errors, httpx.HTTPError)
-    return errors
+    loaded = sys.modules.get("aiohttp")
+    return _ERRORS if loaded is None else (*_ERRORS, loaded.ClientError)
 
 
 def upstream_failure(exc: BaseException) -> tuple[int, bytes]:
     """The status and OpenAI error body for a failed exchange: 504 on a read timeout, else 502."""
-    aiohttp, httpx = sys.modules.get("aiohttp"), sys.modules.get("httpx")
-    connect = (httpx is not None and isinstance(exc, httpx.ConnectTimeout)) or (
-        aiohttp is not None and isinstance(exc, aiohttp.ConnectionTimeoutError)
-    )
-    timeout = isinstance(exc, asyncio.TimeoutError) or (
-        httpx is not None and isinstance(exc, httpx.TimeoutException)
-    )
-    if timeout and not connect:
+    loaded = sys.modules.get("aiohttp")
+    connect = loaded is not None and isinstance(exc, loaded.ConnectionTimeoutError)
+    if isinstance(exc, asyncio.TimeoutError) and not connect:
         return 504, error_body(
             504, "The upstream model server timed out.", "upstream_error", "upstream_timeout"
         )

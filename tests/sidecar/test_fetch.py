@@ -11,7 +11,8 @@ import pytest
 from infermeter.serving import free_port
 from sidecar.direct import Pools
 from sidecar.fetch import fetch
-from sidecar.upstream import upstream_errors
+from sidecar.pool import UpstreamError
+from sidecar.upstream import upstream_errors, upstream_failure
 from tests.servers import serving
 from tests.sidecar.conftest import METRICS_TOKEN, StackFactory
 
@@ -100,7 +101,10 @@ async def test_a_body_and_status_are_passed_on_whole() -> None:
 
 
 async def test_an_https_replica_is_fetched_with_httpx_and_fails_as_an_upstream_error() -> None:
-    """The pool speaks plain HTTP only; an https base takes httpx, whose errors are upstream errors."""
-    with pytest.raises(upstream_errors()) as caught:
+    """The pool speaks plain HTTP only: an https base takes httpx, whose error comes back as the
+    pool's own, with httpx's as its cause."""
+    with pytest.raises(UpstreamError) as caught:
         await fetch(Pools(1.0, 5.0), f"https://127.0.0.1:{free_port()}", "/health", {}, 2.0)
-    assert isinstance(caught.value, httpx.HTTPError)
+    assert isinstance(caught.value, upstream_errors())
+    assert isinstance(caught.value.__cause__, httpx.ConnectError)
+    assert upstream_failure(caught.value)[0] == 502
