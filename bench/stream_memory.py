@@ -23,7 +23,8 @@ from pathlib import Path
 import uvloop
 
 from infermeter.config import DEFAULT_CONFIG, load_config
-from infermeter.serving import free_port, server
+from infermeter.http_server import HttpServer
+from infermeter.serving import free_port
 from sidecar.app import Sidecar
 
 _BODY = (
@@ -59,7 +60,7 @@ async def measure(streams: int, top: int) -> None:
     with tempfile.TemporaryDirectory() as spool:
         app = Sidecar(config, "small-0", spool_dir=Path(spool))
         port = free_port()
-        srv = server(app, "127.0.0.1", port, limits=app.server_limits)
+        srv = HttpServer(app, "127.0.0.1", port, limits=app.server_limits)  # as the sidecar serves
         task = asyncio.get_running_loop().create_task(srv.serve())
         while not srv.started:
             await asyncio.sleep(0.05)

@@ -27,16 +27,14 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-__all__ = ["BODY_COMPLETE", "DEFAULT_LIMITS", "RAW_WRITER", "RawWriter", "ServerLimits",
-           "guarded_protocol"]  # fmt: skip
+__all__ = ["BODY_COMPLETE", "DEFAULT_LIMITS", "HEADERS_TOO_LARGE", "RAW_WRITER", "REQUEST_TIMEOUT",
+           "RawWriter", "ServerLimits", "guarded_protocol"]  # fmt: skip
 
 RAW_WRITER = "infermeter.raw"
 BODY_COMPLETE = "infermeter.body_complete"
 
-_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+HEADERS_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
 @dataclass(frozen=True)
@@ -91,7 +89,12 @@ class RawWriter:
 
 
 def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with ``limits`` applied, as a class uvicorn can instantiate."""
+    """uvicorn's httptools protocol with ``limits`` applied, as a class uvicorn can instantiate.
+
+    uvicorn is imported here, not with the module: the sidecar, which serves on its own protocol
+    (``infermeter.http_server``), uses this module's writer and limits without loading uvicorn.
+    """
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class GuardedHttpTools(HttpToolsProtocol):
         _deadline: asyncio.TimerHandle | None = None
@@ -151,11 +154,11 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
         def _count(self, size: int) -> None:
             self._header_bytes += size
             if self._header_bytes > limits.max_header_bytes:
-                self._refuse(_TOO_LARGE)
+                self._refuse(HEADERS_TOO_LARGE)
 
         def _arm(self) -> None:
             self._deadline = self.loop.call_later(
-                limits.header_timeout_seconds, self._refuse, _TIMEOUT
+                limits.header_timeout_seconds, self._refuse, REQUEST_TIMEOUT
             )
 
         def _disarm(self) -> None:

@@ -1,8 +1,10 @@
 """Serving HTTP: the uvicorn settings, listen addresses and port checks every server shares.
 
-Every infermeter ASGI server (sidecar, collector, billing, autoscaler, the simulator and the
-tests' own servers) is started through ``server`` so they all get the same parser, logging and
-shutdown behaviour. The dashboard, a WSGI app, runs under waitress (``dashboards.wsgi``) with the
+Every infermeter ASGI server but the sidecar (collector, billing, autoscaler, the simulator and
+the tests' own servers) is started through ``server`` so they all get the same parser, logging
+and shutdown behaviour. The sidecar, whose every request is on the metered path, serves on its
+own protocol (``infermeter.http_server``) with the same client limits, and uvicorn is imported
+only by ``server``, so a sidecar never loads it. The dashboard, a WSGI app, runs under waitress (``dashboards.wsgi``) with the
 same client limits; ``wsgi_server`` (uvicorn through a2wsgi) remains for the benchmark that
 compares them. Every server fails with the same one-line message when its port is taken.
 """
@@ -16,12 +18,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
-import uvicorn
-from a2wsgi import WSGIMiddleware
-
 from infermeter.http_guard import DEFAULT_LIMITS, ServerLimits, guarded_protocol
 
 if TYPE_CHECKING:
+    import uvicorn
     from _typeshed.wsgi import WSGIApplication
 
 __all__ = [
@@ -108,6 +108,8 @@ def server(
     ``loop`` setting only applies to ``Server.run()``. Measured, uvloop was not faster for the
     simulator's per-step wake-ups (docs/benchmarks.md), so the standard loop is used.
     """
+    import uvicorn  # here, not with the module: the sidecar serves without it
+
     config = uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=host,
@@ -133,6 +135,8 @@ def wsgi_server(app: WSGIApplication, host: str, port: int, threads: int = 16) -
     so ``threads`` bounds the requests served at once; the rest wait for a free thread. A browser
     opens up to six connections to one host, so the default lets a few page loads run together.
     """
+    from a2wsgi import WSGIMiddleware
+
     # a2wsgi types the environ as its own TypedDict, the standard library's WSGI types as a dict.
     wsgi = WSGIMiddleware(app, workers=threads)  # type: ignore[arg-type]
     return server(wsgi, host, port, lifespan="off")

@@ -1,9 +1,10 @@
 """Graceful drain on SIGTERM: stop admitting, let streams finish, end the rest, ship, exit.
 
 Kubernetes sends SIGTERM on every scale-down and rollout, then SIGKILL after the pod's
-``terminationGracePeriodSeconds``. uvicorn's own answer to SIGTERM is to stop listening and
-cancel whatever still runs after ``timeout_graceful_shutdown``: streams cut with no SSE error and
-no usage record. ``DrainingServer`` takes the signal instead, and ``drain`` runs the sequence:
+``terminationGracePeriodSeconds``. A server's usual answer to SIGTERM is to stop listening and
+cancel whatever still runs after a short grace: streams cut with no SSE error and no usage
+record. The sidecar's server hands the signal to ``drain`` instead
+(``infermeter.http_server.HttpServer``'s ``on_signal``), which runs the sequence:
 
 1. ``Drain.begin``: new requests get ``503 server_shutting_down`` with ``Retry-After`` and
    ``/readyz`` answers 503, while the server keeps listening (endpoints are removed from the
@@ -14,8 +15,8 @@ no usage record. ``DrainingServer`` takes the signal instead, and ``drain`` runs
    503) and each request its record, status ``interrupted``, with vLLM's counts up to the last
    chunk relayed.
 
-Then uvicorn is told to exit: it stops listening and, with nothing left running, its own timeout
-cuts nothing. The sidecar's shutdown (``Sidecar.shutdown``) follows: a request still unrecorded
+Then the server is told to exit: it stops listening and, with nothing left running, its own
+grace cuts nothing. The sidecar's shutdown (``Sidecar.shutdown``) follows: a request still unrecorded
 (its handler did not finish within ``_SETTLE_SECONDS`` of the cut) is recorded from the admission
 journal, and the spool is sealed and shipped to billing for at most
 ``sidecar.drain_ship_seconds``; what billing did not take stays on disk for the next start (or
@@ -27,19 +28,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import signal
-import socket
 import time
 from collections.abc import Callable
-from types import FrameType
 from typing import TYPE_CHECKING, Any
-
-import uvicorn
 
 if TYPE_CHECKING:
     from sidecar.app import Sidecar
 
-__all__ = ["Drain", "DrainingServer", "drain"]
+__all__ = ["Drain", "drain"]
 
 log = logging.getLogger("infermeter.sidecar")
 
@@ -127,29 +123,3 @@ async def _until(
     deadline = time.monotonic() + seconds
     while not done() and time.monotonic() < deadline and not (stop is not None and stop.done()):
         await asyncio.sleep(_POLL_SECONDS)
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn, with SIGTERM and SIGINT handed to ``on_signal`` instead of stopping the server.
-
-    The callback runs on the event loop. The server stops when ``should_exit`` is set, which the
-    drain does once it is over; signals are not raised again afterwards, so a drained sidecar
-    exits with status 0.
-    """
-
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[signal.Signals], None]) -> None:
-        super().__init__(config)
-        self._on_signal = on_signal
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        """Serve until the drain sets ``should_exit``."""
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """Hand the signal to the loop (a signal handler must not run the drain itself)."""
-        if self._loop is None:
-            self.should_exit = True
-            return
-        self._loop.call_soon_threadsafe(self._on_signal, signal.Signals(sig))

@@ -1,4 +1,4 @@
-"""Run one sidecar as a server: uvicorn, reload on SIGHUP or a file change, drain on SIGTERM."""
+"""Run one sidecar as a server (``infermeter.http_server``): reload on SIGHUP or a file change, drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 from infermeter.config import Config, ConfigError, load_config
 from infermeter.exposure import public_key_problems
+from infermeter.http_server import HttpServer
 from infermeter.identity import identity_from_environment
-from infermeter.serving import ensure_free, host_port, server
+from infermeter.serving import ensure_free, host_port
 from sidecar.app import Sidecar
-from sidecar.drain import DrainingServer, drain
+from sidecar.drain import drain
 from sidecar.lifetime import engine_metrics_url, resource_attributes
 from sidecar.tracing import make_tracer_provider
 
@@ -32,7 +33,7 @@ async def serve_sidecar(
     """Serve the sidecar of ``replica_id`` until told to stop.
 
     IdentityError when the environment names the instance wrongly. A start-up that fails (the
-    spool directory stays locked) is uvicorn's: logged, and the process exits with status 3.
+    spool directory stays locked) is logged, and the process exits with status 3.
     """
     config = load_config(config_path)
     if upstream:
@@ -73,7 +74,8 @@ async def serve_sidecar(
         finally:
             srv.should_exit = True
 
-    srv = DrainingServer(server(app, host, port, limits=app.server_limits).config, on_signal)
+    # SIGTERM and SIGINT start the drain (``on_signal``), which stops the server once it is over.
+    srv = HttpServer(app, host, port, limits=app.server_limits, on_signal=on_signal)
 
     def reload() -> None:
         try:
@@ -133,7 +135,7 @@ def _without_credentials(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
-async def _announce_ready(srv: DrainingServer, line: str) -> None:
+async def _announce_ready(srv: HttpServer, line: str) -> None:
     """Log ``line`` once, as soon as the server listens (never if it stops first)."""
     while not srv.started:
         if srv.should_exit:

@@ -1,4 +1,8 @@
-"""Real servers on loopback for tests: free ports and uvicorn inside the test's event loop."""
+"""Real servers on loopback for tests: free ports, each app on the server it runs on in production.
+
+A sidecar is served by its own server (``infermeter.http_server``), every other app by uvicorn
+(``infermeter.serving.server``), inside the test's event loop.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,9 @@ from typing import Any, Literal
 
 import uvicorn
 
+from infermeter.http_server import HttpServer
 from infermeter.serving import DEFAULT_LIMITS, ServerLimits, free_port, server as serve
+from sidecar.app import Sidecar
 
 
 @contextlib.asynccontextmanager
@@ -21,12 +27,17 @@ async def serving(
 ) -> AsyncIterator[str]:
     """Serve ``app`` on loopback, with the settings of every infermeter server, for the duration of the block; yields its URL."""
     port = port or free_port()
-    async with running(serve(app, "127.0.0.1", port, lifespan=lifespan, limits=limits)) as url:
+    built: uvicorn.Server | HttpServer
+    if isinstance(app, Sidecar):
+        built = HttpServer(app, "127.0.0.1", port, limits=limits, lifespan=lifespan != "off")
+    else:
+        built = serve(app, "127.0.0.1", port, lifespan=lifespan, limits=limits)
+    async with running(built) as url:
         yield url
 
 
 @contextlib.asynccontextmanager
-async def running(server: uvicorn.Server) -> AsyncIterator[str]:
+async def running(server: uvicorn.Server | HttpServer) -> AsyncIterator[str]:
     """Run an already built server inside the test's event loop; yields its URL."""
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -34,7 +45,10 @@ async def running(server: uvicorn.Server) -> AsyncIterator[str]:
             task.result()
         await asyncio.sleep(0.01)
     try:
-        yield f"http://{server.config.host}:{server.config.port}"
+        if isinstance(server, HttpServer):
+            yield server.url
+        else:
+            yield f"http://{server.config.host}:{server.config.port}"
     finally:
         server.should_exit = True
         await task

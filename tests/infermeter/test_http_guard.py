@@ -1,4 +1,6 @@
-"""The guarded server protocol marks a request whose whole body has arrived, and only then.
+"""Both server protocols (uvicorn's, guarded, and the sidecar's own) mark a whole body, and only it.
+
+Each marks a request whose whole body has arrived, and only then.
 
 An application may skip its body deadline for such a request (``read_body(..., complete=True)``),
 so the marker must never be set while a body is still on its way.
@@ -13,6 +15,7 @@ import pytest
 
 from infermeter.asgi import Receive, Scope, Send, read_body, respond
 from infermeter.http_guard import BODY_COMPLETE
+from infermeter.http_server import HttpServer
 from infermeter.serving import free_port, server
 
 
@@ -43,11 +46,16 @@ async def _exchange(port: int, parts: list[bytes], pause: float) -> bytes:
     return answer
 
 
-@pytest.fixture
-async def served() -> Any:
+@pytest.fixture(params=["uvicorn", "http_server"])
+async def served(request: pytest.FixtureRequest) -> Any:
+    """The recorder behind uvicorn with the guard, or behind the sidecar's own server."""
     app = _Recorder()
     port = free_port()
-    srv = server(app, "127.0.0.1", port, lifespan="off")
+    srv: Any = (
+        server(app, "127.0.0.1", port, lifespan="off")
+        if request.param == "uvicorn"
+        else HttpServer(app, "127.0.0.1", port, lifespan=False)
+    )
     task = asyncio.get_running_loop().create_task(srv.serve())
     while not srv.started:
         await asyncio.sleep(0.01)

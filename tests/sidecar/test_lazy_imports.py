@@ -1,9 +1,11 @@
-"""A sidecar loads aiohttp, redis-py, httpx and OpenTelemetry's SDK only when it uses them.
+"""A sidecar loads aiohttp, redis-py, httpx and OpenTelemetry's SDK only when it uses them, and
+never uvicorn.
 
 Each costs an idle sidecar memory (docs/benchmarks.md): the protocol relay (the default) never
 needs aiohttp, redis-py is for shared limits only, httpx for shipping, a budget's spend or an
-https upstream, and the SDK for exporting spans (the API alone passes a trace on). Checked in a fresh interpreter, since this test process has
-long imported all three.
+https upstream, and the SDK for exporting spans (the API alone passes a trace on). The sidecar
+serves on its own server (``infermeter.http_server``), so uvicorn is never needed.
+Checked in a fresh interpreter, since this test process has long imported them all.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ _PROBE = textwrap.dedent(
     })
     Sidecar(config, "small-0", spool_dir=Path(tempfile.mkdtemp()))
     import sidecar.serve
-    print(" ".join(m for m in ("aiohttp", "redis", "httpx", "opentelemetry.sdk")
+    print(" ".join(m for m in ("aiohttp", "redis", "httpx", "opentelemetry.sdk", "uvicorn")
                    if m in sys.modules))
     """
 )

@@ -1,0 +1,657 @@
+"""The sidecar's HTTP/1.1 server: httptools' parser on an asyncio protocol, serving an ASGI app.
+
+Why not uvicorn, which serves the other infermeter servers: every request of the sidecar is on
+the metered path, and uvicorn's per-request machinery is general. Per request it makes a scope
+with a copy of the lifespan state, a ``RequestResponseCycle`` with an ``asyncio.Event`` (and one
+more per connection for flow control; each allocates a deque block on first wait), checks every
+response header against two regular expressions, and keeps a ``server`` header; importing it
+also imports click. Measured on the sidecar (docs/benchmarks.md): about 3 KiB of its 7 KiB per
+open stream and about 6 MB of its idle RSS. This module serves the subset of ASGI 3 the sidecar
+uses, with nothing per request but the scope, one slotted exchange and the task:
+
+- ``http`` scopes with ``method``, ``path``, ``raw_path``, ``query_string``, ``headers`` (names
+  lower-cased), ``http_version``, ``scheme``, ``server``, ``client``, ``root_path``, and the
+  extensions of ``infermeter.http_guard`` (``RawWriter``, the body-complete flag);
+- ``receive``: the body as it arrives (reading pauses while 64 KiB are unread), then
+  ``http.disconnect`` once the client has gone or the response is complete; an ``Expect:
+  100-continue`` is answered on the first ``receive``;
+- ``send``: ``content-length`` when the app gives one, else chunked (never for HEAD, 204, 304),
+  a ``date`` header, ``connection: close`` when the connection closes after the response; a
+  header value with CR or LF is refused (it would split the response);
+- keep-alive with an idle timeout; pipelined requests are answered in order, one at a time;
+- the bounds of ``infermeter.http_guard``: the header deadline (408), the header size (431) and
+  the connection cap; a malformed request gets 400 and the connection closes;
+- ``lifespan``: a failed start-up is logged and the process exits with status 3, as uvicorn's;
+- graceful stop: stop listening, close idle connections, let running responses end, cancel
+  what still runs after ``graceful_seconds``, then the lifespan's shutdown.
+
+Not served: TLS, WebSocket and other upgrades (an ``Upgrade`` header is ignored; the request is
+answered as plain HTTP/1.1, as uvicorn does without a WebSocket library).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Any, cast
+from urllib.parse import unquote
+
+import httptools
+
+from infermeter.asgi import Message, Scope
+from infermeter.http_guard import (
+    BODY_COMPLETE,
+    DEFAULT_LIMITS,
+    HEADERS_TOO_LARGE,
+    RAW_WRITER,
+    REQUEST_TIMEOUT,
+    RawWriter,
+    ServerLimits,
+)
+
+__all__ = ["STARTUP_FAILURE", "HttpServer"]
+
+log = logging.getLogger("infermeter.http")
+
+# uvicorn's exit status for a start-up that failed; kept, so supervisors read it the same way.
+STARTUP_FAILURE = 3
+# Unread request body past which the connection stops reading (uvicorn's HIGH_WATER_LIMIT).
+_BODY_HIGH_WATER = 65536
+_BACKLOG = 2048
+
+
+def _status_line(code: int) -> bytes:
+    try:
+        phrase = HTTPStatus(code).phrase.encode()
+    except ValueError:
+        phrase = b""
+    return b"HTTP/1.1 %d %s\r\n" % (code, phrase)
+
+
+_STATUS = {code: _status_line(code) for code in range(100, 600)}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_BAD_REQUEST = (
+    b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"content-length: 24\r\nconnection: close\r\n\r\nInvalid HTTP request.\r\n\r\n"
+)
+_SERVER_ERROR = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"),
+                 (b"connection", b"close")]  # fmt: skip
+_DISCONNECT: Message = {"type": "http.disconnect"}
+App = Callable[..., Any]
+
+
+class _Exchange:
+    """One request and its response: the ASGI ``receive`` and ``send`` of one scope."""
+
+    __slots__ = ("body", "body_done", "chunked", "conn", "done", "expect_continue", "head_only",
+                 "keep_alive", "more_body", "remaining", "scope", "started", "unread", "waiter")  # fmt: skip
+
+    def __init__(self, conn: _Connection, scope: Scope, keep_alive: bool, expect: bool) -> None:
+        self.conn = conn
+        self.scope = scope
+        self.keep_alive = keep_alive
+        self.expect_continue = expect
+        self.head_only = scope["method"] == "HEAD"
+        self.body: list[bytes] = []
+        self.unread = 0
+        self.more_body = True
+        # The last http.request message (more_body false) was given to the app.
+        self.body_done = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.started = False
+        self.done = False
+        self.chunked = False
+        self.remaining = 0
+
+    def wake(self) -> None:
+        """Something ``receive`` waits for happened (body, its end, the client gone, the end)."""
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def receive(self) -> Message:
+        """The next ``http.request`` message, or ``http.disconnect``."""
+        conn = self.conn
+        if self.expect_continue:
+            self.expect_continue = False
+            if not conn.lost:
+                conn.write(_CONTINUE)
+        while True:
+            if conn.lost or self.done:
+                return _DISCONNECT
+            if self.body or (not self.more_body and not self.body_done):
+                data = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+                self.body = []
+                self.unread = 0
+                self.body_done = not self.more_body
+                conn.body_read()
+                return {"type": "http.request", "body": data, "more_body": self.more_body}
+            self.waiter = conn.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+    async def send(self, message: Message) -> None:
+        """Write the response's head or a piece of its body."""
+        conn = self.conn
+        if conn.write_paused and not conn.lost:
+            await conn.drained()
+        if conn.lost:
+            return
+        kind = message["type"]
+        if not self.started:
+            if kind != "http.response.start":
+                raise RuntimeError(
+                    f"Expected ASGI message 'http.response.start', but got {kind!r}."
+                )
+            self._start(message["status"], message.get("headers", ()))
+        elif not self.done:
+            if kind != "http.response.body":
+                raise RuntimeError(f"Expected ASGI message 'http.response.body', but got {kind!r}.")
+            self._body(message.get("body", b""), message.get("more_body", False))
+        else:
+            raise RuntimeError(f"Unexpected ASGI message {kind!r} after the response was complete.")
+
+    def _start(self, status: int, headers: Any) -> None:
+        head = [_STATUS[status]]
+        chunked: bool | None = None
+        close = False
+        for name, value in headers:
+            if b"\r" in value or b"\n" in value or b"\r" in name or b"\n" in name:
+                raise RuntimeError("Invalid HTTP header: CR or LF in a response header.")
+            lower = name.lower()
+            if lower == b"content-length" and chunked is None:
+                self.remaining = int(value)
+                chunked = False
+            elif lower == b"transfer-encoding" and value.lower() == b"chunked":
+                self.remaining = 0
+                chunked = True
+            elif lower == b"connection" and b"close" in value.lower():
+                self.keep_alive = False
+                close = True
+            head += (lower, b": ", value, b"\r\n")
+        # Started only once the head is valid: a refused head can still become a 500.
+        self.started = True
+        self.expect_continue = False
+        head.append(self.conn.server.date_line)
+        if self.conn.closing:
+            self.keep_alive = False
+        if not self.keep_alive and not close:
+            head.append(b"connection: close\r\n")
+        if chunked is None and not self.head_only and status not in (204, 304):
+            chunked = True
+            head.append(b"transfer-encoding: chunked\r\n")
+        self.chunked = bool(chunked)
+        head.append(b"\r\n")
+        self.conn.write(b"".join(head))
+
+    def _body(self, body: bytes, more: bool) -> None:
+        conn = self.conn
+        if self.head_only:
+            self.remaining = 0
+        elif self.chunked:
+            if more:
+                if body:
+                    conn.write(b"%x\r\n%b\r\n" % (len(body), body))
+            elif body:
+                conn.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body))
+            else:
+                conn.write(b"0\r\n\r\n")
+        else:
+            if len(body) > self.remaining:
+                raise RuntimeError("Response content longer than Content-Length")
+            self.remaining -= len(body)
+            if body:
+                conn.write(body)
+        if not more:
+            if self.remaining:
+                raise RuntimeError("Response content shorter than Content-Length")
+            self.done = True
+            self.wake()
+            conn.answered(self)
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parse requests, run each as an ASGI task, one answered at a time."""
+
+    __slots__ = ("_answering", "_deadline", "_drained", "_expect", "_header_bytes", "_headers",
+                 "_idle", "_parsing", "_queued", "_reading_paused", "_url", "closing", "limits",
+                 "local", "loop", "lost", "parser", "peer", "raw", "server", "transport",
+                 "write_paused")  # fmt: skip
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.limits = server.limits
+        self.parser = httptools.HttpRequestParser(self)
+        with contextlib.suppress(AttributeError):  # httptools < 0.6.3
+            # Parse what a client pipelined after a request that asked for the connection closed.
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self.transport: asyncio.Transport | None = None
+        self.raw: RawWriter | None = None
+        self.local: tuple[str, int] | None = None
+        self.peer: tuple[str, int] | None = None
+        self.lost = False
+        # Once the server stops: answer what runs, then close.
+        self.closing = False
+        self.write_paused = False
+        self._drained: asyncio.Future[None] | None = None
+        self._reading_paused = False
+        # The request being parsed, the one being answered, and those parsed in between.
+        self._parsing: _Exchange | None = None
+        self._answering: _Exchange | None = None
+        # (A list, not a deque: pipelining is rare, and an empty deque is 600 bytes a connection.)
+        self._queued: list[_Exchange] = []
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._header_bytes = 0
+        self._expect = False
+        self._deadline: asyncio.TimerHandle | None = None
+        self._idle: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # (uvloop's transports do not subclass asyncio.Transport, so a cast, not an isinstance.)
+        transport = cast("asyncio.Transport", transport)
+        self.transport = transport
+        connections = self.server.connections
+        connections.add(self)
+        self.raw = RawWriter(transport, self.loop.create_future())
+        if len(connections) > self.limits.max_connections:
+            transport.close()
+            return
+        self.local = _address(transport.get_extra_info("sockname"))
+        self.peer = _address(transport.get_extra_info("peername"))
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self.lost = True
+        self._disarm()
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        if self._answering is not None:
+            self._answering.wake()
+        self._queued.clear()
+        if self.raw is not None and not self.raw.lost.done():
+            self.raw.lost.set_result(None)
+        self._wake_drained()
+
+    def data_received(self, data: bytes) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass  # answered as plain HTTP/1.1 (module docstring)
+        except httptools.HttpParserError:
+            answering = self._answering
+            if answering is None or not answering.started:
+                self.write(_BAD_REQUEST)
+            self.close()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self.raw is not None:
+            self.raw.pause()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.raw is not None:
+            self.raw.resume()
+        self._wake_drained()
+
+    # -- httptools callbacks ---------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._header_bytes = 0
+        self._expect = False
+        if self._deadline is None:
+            self._arm()
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self._expect = True
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        parser = self.parser
+        version = parser.get_http_version()
+        url = httptools.parse_url(self._url)
+        raw_path: bytes = url.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = unquote(path)
+        scope: Scope = {
+            "type": "http",
+            "asgi": _ASGI,
+            "http_version": version,
+            "scheme": "http",
+            "method": parser.get_method().decode("ascii"),
+            "path": path,
+            "raw_path": raw_path,
+            "query_string": url.query or b"",
+            "root_path": "",
+            "headers": self._headers,
+            "server": self.local,
+            "client": self.peer,
+            "extensions": {RAW_WRITER: self.raw, BODY_COMPLETE: False},
+        }
+        keep_alive = version != "1.0" and parser.should_keep_alive()
+        exchange = _Exchange(self, scope, keep_alive, self._expect)
+        self._parsing = exchange
+        if self._answering is None:
+            self._start(exchange)
+        else:
+            self._queued.append(exchange)
+            self._pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        exchange = self._parsing
+        if exchange is None or exchange.done:
+            return
+        exchange.body.append(body)
+        exchange.unread += len(body)
+        if exchange.unread > _BODY_HIGH_WATER:
+            self._pause_reading()
+        exchange.wake()
+
+    def on_message_complete(self) -> None:
+        exchange = self._parsing
+        if exchange is None:
+            return
+        self._parsing = None
+        exchange.more_body = False
+        exchange.scope["extensions"][BODY_COMPLETE] = True
+        exchange.wake()
+
+    # -- for the exchange ------------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        """Write to the client unless the connection is closing."""
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
+
+    def close(self) -> None:
+        """Close the connection (after what is written)."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    async def drained(self) -> None:
+        """Return once the client's socket buffer has room again (or the client is gone)."""
+        if self._drained is None or self._drained.done():
+            self._drained = self.loop.create_future()
+        await self._drained
+
+    def body_read(self) -> None:
+        """The app took the body it was given: read more if reading paused for it."""
+        if self._reading_paused and not self._queued:
+            self._resume_reading()
+
+    def answered(self, exchange: _Exchange) -> None:
+        """``exchange``'s response is complete: close, or answer the next request, or idle."""
+        if exchange is self._answering:
+            self._answering = None
+        if not exchange.keep_alive or self.closing:
+            self.close()
+            return
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self._queued:
+            self._start(self._queued.pop(0))
+        if not self._queued:
+            self._resume_reading()
+        if self._answering is None:
+            self._idle = self.loop.call_later(self.limits.keep_alive_seconds, self.close)
+
+    def shutdown(self) -> None:
+        """The server stops: close now if idle, else once the running response is complete."""
+        self.closing = True
+        if self._answering is None:
+            self.close()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _start(self, exchange: _Exchange) -> None:
+        self._answering = exchange
+        tasks = self.server.tasks
+        task = self.loop.create_task(self._run(exchange))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _run(self, exchange: _Exchange) -> None:
+        try:
+            await self.server.app(exchange.scope, exchange.receive, exchange.send)
+        except asyncio.CancelledError:
+            self.close()
+        except BaseException as exc:  # the app's failure must not take the server down
+            log.error("Exception in ASGI application", exc_info=exc)
+            if not exchange.started and not self.lost:
+                exchange.keep_alive = False
+                await exchange.send({"type": "http.response.start", "status": 500,
+                                     "headers": _SERVER_ERROR})  # fmt: skip
+                await exchange.send(
+                    {"type": "http.response.body", "body": b"Internal Server Error"}
+                )
+            else:
+                self.close()
+        else:
+            if self.lost or exchange.done:
+                return
+            if not exchange.started:
+                log.error("ASGI callable returned without starting response.")
+                exchange.keep_alive = False
+                await exchange.send({"type": "http.response.start", "status": 500,
+                                     "headers": _SERVER_ERROR})  # fmt: skip
+                await exchange.send(
+                    {"type": "http.response.body", "body": b"Internal Server Error"}
+                )
+            else:
+                log.error("ASGI callable returned without completing response.")
+                self.close()
+
+    def _count(self, size: int) -> None:
+        self._header_bytes += size
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._refuse(HEADERS_TOO_LARGE)
+
+    def _arm(self) -> None:
+        self._deadline = self.loop.call_later(
+            self.limits.header_timeout_seconds, self._refuse, REQUEST_TIMEOUT
+        )
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _refuse(self, answer: bytes) -> None:
+        self._disarm()
+        self.write(answer)
+        self.close()
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if self._reading_paused and self.transport is not None and not self.lost:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    def _wake_drained(self) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+
+_ASGI = {"version": "3.0", "spec_version": "2.3"}
+
+
+def _address(value: Any) -> tuple[str, int] | None:
+    """``(host, port)`` of a socket name, None for anything else (a Unix socket)."""
+    if isinstance(value, tuple) and len(value) >= 2:
+        return str(value[0]), int(value[1])
+    return None
+
+
+class _Lifespan:
+    """ASGI's lifespan protocol, run in a task of its own as uvicorn does."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.inbox: asyncio.Queue[Message] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.started: asyncio.Future[bool] = loop.create_future()
+        self.stopped: asyncio.Future[None] = loop.create_future()
+        self.task: asyncio.Task[None] | None = None
+
+    async def startup(self) -> bool:
+        """Run the app's start-up; False when it failed (logged)."""
+        self.task = asyncio.get_running_loop().create_task(self._run())
+        await self.inbox.put({"type": "lifespan.startup"})
+        return await self.started
+
+    async def shutdown(self) -> None:
+        """Run the app's shutdown, once its start-up completed."""
+        if self.task is None or self.task.done():
+            return
+        await self.inbox.put({"type": "lifespan.shutdown"})
+        await self.stopped
+
+    async def _run(self) -> None:
+        scope = {"type": "lifespan", "asgi": _ASGI, "state": {}}
+        try:
+            await self.app(scope, self.inbox.get, self._send)
+        except BaseException as exc:
+            log.error("Exception in 'lifespan' protocol", exc_info=exc)
+        finally:
+            if not self.started.done():
+                self.started.set_result(False)
+            if not self.stopped.done():
+                self.stopped.set_result(None)
+
+    async def _send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "lifespan.startup.complete":
+            self.started.set_result(True)
+        elif kind == "lifespan.startup.failed":
+            log.error("%s", message.get("message", "start-up failed"))
+            self.started.set_result(False)
+        elif kind in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+            if kind.endswith("failed"):
+                log.error("%s", message.get("message", "shutdown failed"))
+            self.stopped.set_result(None)
+
+
+class HttpServer:
+    """Serve ``app`` on ``host:port`` until ``should_exit`` is set (the surface of uvicorn.Server
+    that infermeter uses: ``serve``, ``started``, ``should_exit``).
+
+    ``on_signal``: SIGTERM and SIGINT go to it on the event loop, and the server does not stop
+    by itself (the sidecar's drain sets ``should_exit``). Without it, signals are left alone.
+    """
+
+    def __init__(self, app: App, host: str, port: int, *, limits: ServerLimits = DEFAULT_LIMITS,
+                 lifespan: bool = True, on_signal: Callable[[signal.Signals], None] | None = None,
+                 graceful_seconds: float = 2.0) -> None:  # fmt: skip
+        self.app = app
+        self.host = host
+        self.port = port
+        self.limits = limits
+        self.lifespan = lifespan
+        self.on_signal = on_signal
+        self.graceful_seconds = graceful_seconds
+        self.started = False
+        self.should_exit = False
+        self.connections: set[_Connection] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.date_line = b""
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in serve
+
+    @property
+    def url(self) -> str:
+        """Where it listens."""
+        return f"http://{self.host}:{self.port}"
+
+    async def serve(self) -> None:
+        """Start up, listen, serve until ``should_exit``, then stop gracefully."""
+        self.loop = asyncio.get_running_loop()
+        lifespan = _Lifespan(self.app) if self.lifespan else None
+        if lifespan is not None and not await lifespan.startup():
+            log.error("Application startup failed. Exiting.")
+            sys.exit(STARTUP_FAILURE)
+        self._date()
+        try:
+            listener = await self.loop.create_server(
+                lambda: _Connection(self), self.host, self.port, backlog=_BACKLOG,
+                reuse_address=True,
+            )  # fmt: skip
+        except OSError as exc:
+            log.error("%s", exc)
+            if lifespan is not None:
+                await lifespan.shutdown()
+            sys.exit(STARTUP_FAILURE)
+        self.started = True
+        with self._signals():
+            while not self.should_exit:
+                await asyncio.sleep(0.1)
+                self._date()
+        await self._stop(listener, lifespan)
+
+    def _date(self) -> None:
+        """Refresh the ``date`` header (once per second is what HTTP's resolution needs)."""
+        self.date_line = b"date: %s\r\n" % formatdate(time.time(), usegmt=True).encode()
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        handler = self.on_signal
+        if handler is None:
+            yield
+            return
+        signals = (signal.SIGTERM, signal.SIGINT)
+        for sig in signals:
+            self.loop.add_signal_handler(sig, handler, sig)
+        try:
+            yield
+        finally:
+            for sig in signals:
+                self.loop.remove_signal_handler(sig)
+
+    async def _stop(self, listener: asyncio.Server, lifespan: _Lifespan | None) -> None:
+        listener.close()
+        for conn in list(self.connections):
+            conn.shutdown()
+        try:
+            async with asyncio.timeout(self.graceful_seconds):
+                while self.connections or self.tasks:
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            log.error("Cancel %d running task(s), graceful shutdown timed out", len(self.tasks))
+            for task in list(self.tasks):
+                task.cancel()
+            for conn in list(self.connections):
+                conn.close()
+        if lifespan is not None:
+            await lifespan.shutdown()

@@ -1,0 +1,321 @@
+"""The sidecar's HTTP/1.1 server speaks HTTP as a client expects, over real loopback sockets.
+
+Each test talks raw HTTP/1.1 to ``infermeter.http_server.HttpServer`` (keep-alive, pipelining,
+100-continue, HEAD, chunked bodies, bad requests, failing apps, graceful stop, lifespan), so
+what is asserted is what is on the wire, not what a client library makes of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from infermeter.asgi import Message, Receive, Scope, Send, read_body, respond
+from infermeter.http_guard import ServerLimits
+from infermeter.http_server import STARTUP_FAILURE, HttpServer
+from infermeter.serving import free_port
+
+TEXT = [(b"content-type", b"text/plain")]
+
+
+class _App:
+    """Echo the method, path, query and body; a few paths misbehave on purpose."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.lifespan: list[str] = []
+        self.fail_startup = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        path = scope["path"]
+        if path == "/boom":
+            raise ValueError("the app failed")
+        if path == "/silent":
+            return
+        if path == "/bad-header":
+            await respond(send, 200, b"x", [(b"x-evil", b"a\r\nset-cookie: b")])
+            return
+        if path == "/slow":
+            await send({"type": "http.response.start", "status": 200, "headers": TEXT})
+            await self.release.wait()
+            await send({"type": "http.response.body", "body": b"slow done"})
+            return
+        body = await read_body(receive, 1 << 22)
+        answer = b"%s %s ?%s %d:%s" % (scope["method"].encode(), scope["raw_path"],
+                                       scope["query_string"], len(body or b""), (body or b"")[:16])  # fmt: skip
+        if path == "/chunked":
+            await send({"type": "http.response.start", "status": 200, "headers": TEXT})
+            await send({"type": "http.response.body", "body": answer, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        await respond(send, 200, answer, [*TEXT, (b"content-length", b"%d" % len(answer))])
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message: Message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.lifespan.append("startup")
+                if self.fail_startup:
+                    await send({"type": "lifespan.startup.failed", "message": "no spool"})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            else:
+                self.lifespan.append("shutdown")
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+@contextlib.asynccontextmanager
+async def _serving(app: _App, limits: ServerLimits | None = None) -> AsyncIterator[HttpServer]:
+    srv = HttpServer(app, "127.0.0.1", free_port(), limits=limits or ServerLimits())
+    task = asyncio.get_running_loop().create_task(srv.serve())
+    while not srv.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    try:
+        yield srv
+    finally:
+        srv.should_exit = True
+        await task
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[bytes, dict[bytes, bytes], bytes]:
+    """One response off the wire: status line, headers, body (by content-length or chunked)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    lines = head.split(b"\r\n")
+    headers = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(b": ")
+            headers[name] = value
+    if b"content-length" in headers:
+        body = await reader.readexactly(int(headers[b"content-length"]))
+    elif headers.get(b"transfer-encoding") == b"chunked":
+        body = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            body += data[:-2]
+    else:
+        body = b""
+    return lines[0], headers, body
+
+
+async def _connect(srv: HttpServer) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection(srv.host, srv.port)
+
+
+async def test_requests_on_one_kept_alive_connection_are_answered_in_turn() -> None:
+    async with _serving(_App()) as srv:
+        reader, writer = await _connect(srv)
+        for i in range(3):
+            writer.write(
+                b"POST /echo?i=%d HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nhello" % i
+            )
+            status, headers, body = await _read_response(reader)
+            assert status == b"HTTP/1.1 200 OK"
+            assert body == b"POST /echo ?i=%d 5:hello" % i
+            assert b"date" in headers
+            assert b"connection" not in headers
+        writer.close()
+
+
+async def test_pipelined_requests_are_answered_in_order() -> None:
+    async with _serving(_App()) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(b"".join(b"GET /p%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(4)))
+        bodies = [(await _read_response(reader))[2] for _ in range(4)]
+        assert bodies == [b"GET /p%d ? 0:" % i for i in range(4)]
+        writer.close()
+
+
+async def test_a_chunked_request_body_and_a_chunked_response() -> None:
+    async with _serving(_App()) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(b"POST /chunked HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                     b"3\r\nabc\r\n4\r\ndefg\r\n0\r\n\r\n")  # fmt: skip
+        _status, headers, body = await _read_response(reader)
+        assert headers[b"transfer-encoding"] == b"chunked"
+        assert body == b"POST /chunked ? 7:abcdefg"
+        writer.close()
+
+
+async def test_a_body_larger_than_the_read_pause_arrives_whole() -> None:
+    payload = bytes(range(256)) * 1024  # 256 KiB: reading pauses and resumes several times
+    async with _serving(_App()) as srv, httpx.AsyncClient() as client:
+        r = await client.post(srv.url + "/echo", content=payload)
+        assert r.text.startswith(f"POST /echo ? {len(payload)}:")
+
+
+async def test_expect_100_continue_is_answered_before_the_body_is_sent() -> None:
+    async with _serving(_App()) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(
+            b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\nexpect: 100-continue\r\n\r\n"
+        )
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"data")
+        assert (await _read_response(reader))[2] == b"POST /echo ? 4:data"
+        writer.close()
+
+
+async def test_head_gets_headers_only_and_the_connection_stays_usable() -> None:
+    async with _serving(_App()) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(
+            b"HEAD /chunked HTTP/1.1\r\nhost: x\r\n\r\nGET /after HTTP/1.1\r\nhost: x\r\n\r\n"
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 OK")
+        assert b"transfer-encoding" not in head
+        assert (await _read_response(reader))[2] == b"GET /after ? 0:"
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "request_line",
+    [b"GET /close HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n", b"GET /old HTTP/1.0\r\n\r\n"],
+)
+async def test_a_connection_the_client_will_not_keep_is_closed_after_its_answer(
+    request_line: bytes,
+) -> None:
+    async with _serving(_App()) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(request_line)
+        _, headers, _ = await _read_response(reader)
+        assert headers[b"connection"] == b"close"
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+
+
+async def test_a_malformed_request_gets_400_and_the_connection_closes() -> None:
+    async with _serving(_App()) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(b"GET / HTTP/1.1\r\nbad header line\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 5)
+        assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+        assert b"connection: close" in answer
+        writer.close()
+
+
+@pytest.mark.parametrize("path", ["/boom", "/silent", "/bad-header"])
+async def test_an_app_that_fails_before_answering_gives_500(path: str) -> None:
+    async with _serving(_App()) as srv, httpx.AsyncClient() as client:
+        r = await client.get(srv.url + path)
+        assert r.status_code == 500
+        assert r.text == "Internal Server Error"
+        assert "x-evil" not in r.headers
+        assert "set-cookie" not in r.headers
+        # The server still serves.
+        assert (await client.get(srv.url + "/after")).status_code == 200
+
+
+async def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_time() -> None:
+    async with _serving(_App(), ServerLimits(keep_alive_seconds=1)) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(b"GET /once HTTP/1.1\r\nhost: x\r\n\r\n")
+        await _read_response(reader)
+        assert await asyncio.wait_for(reader.read(), 3) == b""
+        writer.close()
+
+
+async def test_stopping_lets_a_running_response_end_and_closes_idle_connections() -> None:
+    app = _App()
+    srv = HttpServer(app, "127.0.0.1", free_port())
+    task = asyncio.get_running_loop().create_task(srv.serve())
+    while not srv.started:
+        await asyncio.sleep(0.01)
+    idle_reader, idle_writer = await _connect(srv)
+    reader, writer = await _connect(srv)
+    writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200 OK")
+    srv.should_exit = True
+    assert await asyncio.wait_for(idle_reader.read(), 5) == b"", "an idle connection is closed"
+    app.release.set()
+    rest = await asyncio.wait_for(reader.read(), 5)
+    assert b"slow done" in rest
+    assert rest.endswith(b"0\r\n\r\n")
+    await task
+    assert app.lifespan == ["startup", "shutdown"]
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.open_connection(srv.host, srv.port)
+    for w in (idle_writer, writer):
+        w.close()
+
+
+async def test_a_response_still_running_past_the_grace_is_cancelled() -> None:
+    app = _App()
+    srv = HttpServer(app, "127.0.0.1", free_port(), graceful_seconds=0.3)
+    task = asyncio.get_running_loop().create_task(srv.serve())
+    while not srv.started:
+        await asyncio.sleep(0.01)
+    reader, writer = await _connect(srv)
+    writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+    await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    srv.should_exit = True
+    await asyncio.wait_for(task, 5)
+    assert not srv.tasks
+    assert not srv.connections
+    assert b"slow done" not in await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+
+
+async def test_a_failed_start_up_exits_with_status_3_without_listening() -> None:
+    app = _App()
+    app.fail_startup = True
+    srv = HttpServer(app, "127.0.0.1", free_port())
+    with pytest.raises(SystemExit) as exited:
+        await srv.serve()
+    assert exited.value.code == STARTUP_FAILURE
+    assert not srv.started
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.open_connection(srv.host, srv.port)
+
+
+async def test_a_port_in_use_exits_with_status_3_after_shutting_the_app_down() -> None:
+    app = _App()
+    async with _serving(_App()) as taken:
+        srv = HttpServer(app, "127.0.0.1", taken.port)
+        with pytest.raises(SystemExit) as exited:
+            await srv.serve()
+    assert exited.value.code == STARTUP_FAILURE
+    assert app.lifespan == ["startup", "shutdown"]
+
+
+async def test_the_scope_carries_what_the_apps_read() -> None:
+    seen: list[Scope] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            seen.append(scope)
+            await respond(send, 204, b"", [])
+
+    srv: Any = HttpServer(app, "127.0.0.1", free_port(), lifespan=False)
+    task = asyncio.get_running_loop().create_task(srv.serve())
+    while not srv.started:
+        await asyncio.sleep(0.01)
+    async with httpx.AsyncClient() as client:
+        r = await client.get(srv.url + "/v1/a%20b?x=1", headers={"X-Team": "search"})
+    srv.should_exit = True
+    await task
+    assert r.status_code == 204
+    assert "transfer-encoding" not in r.headers
+    scope = seen[0]
+    assert (scope["method"], scope["path"], scope["raw_path"], scope["query_string"]) == (
+        "GET", "/v1/a b", b"/v1/a%20b", b"x=1")  # fmt: skip
+    assert (b"x-team", b"search") in scope["headers"]
+    assert scope["client"][0] == "127.0.0.1"
+    assert scope["server"] == ("127.0.0.1", srv.port)
