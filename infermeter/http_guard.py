@@ -133,9 +133,19 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
 
         def on_headers_complete(self) -> None:
             self._disarm()
+            if self.transport.is_closing():
+                # Refused while its headers were parsed (431): the parser still calls back for
+                # what it was fed, but no request may start for it.
+                return
             super().on_headers_complete()
 
+        def on_body(self, body: bytes) -> None:
+            if not self.transport.is_closing():
+                super().on_body(body)
+
         def on_message_complete(self) -> None:
+            if self.transport.is_closing():
+                return
             super().on_message_complete()
             extensions = self.scope.get("extensions")
             if extensions is not None:

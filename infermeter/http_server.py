@@ -335,6 +335,10 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        if self.transport is None or self.transport.is_closing():
+            # Refused while its headers were parsed (431, 408) or the connection is going: the
+            # parser still calls back for what it was fed, but nothing may run for it.
+            return
         parser = self.parser
         version = parser.get_http_version()
         url = httptools.parse_url(self._url)

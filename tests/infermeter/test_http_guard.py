@@ -79,3 +79,18 @@ async def test_a_body_still_arriving_is_not_marked_until_it_has(served: Any) -> 
     answer = await _exchange(port, [head + b"01234", b"56789"], 0.2)
     assert answer.startswith(b"HTTP/1.1 200")
     assert app.seen == [(False, True, b"0123456789")]
+
+
+async def test_a_request_refused_for_its_header_size_is_not_served(served: Any) -> None:
+    """Headers past the 64 KiB cap, sent whole with a body in one write: 431, and no request."""
+    app, port = served
+    head = b"POST /v HTTP/1.1\r\nhost: x\r\nx-filler: %b\r\ncontent-length: 2\r\n\r\n" % (
+        b"f" * 70_000
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head + b"hi")
+    answer = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 431 ")
+    await asyncio.sleep(0.1)
+    assert app.seen == []

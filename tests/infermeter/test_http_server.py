@@ -30,12 +30,14 @@ class _App:
         self.release = asyncio.Event()
         self.lifespan: list[str] = []
         self.fail_startup = False
+        self.paths: list[str] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
         path = scope["path"]
+        self.paths.append(path)
         if path == "/boom":
             raise ValueError("the app failed")
         if path == "/silent":
@@ -319,3 +321,16 @@ async def test_the_scope_carries_what_the_apps_read() -> None:
     assert (b"x-team", b"search") in scope["headers"]
     assert scope["client"][0] == "127.0.0.1"
     assert scope["server"] == ("127.0.0.1", srv.port)
+
+
+async def test_a_request_refused_for_its_header_size_never_reaches_the_app() -> None:
+    """Headers past the cap, sent whole in one write: 431, and the app is not run for them."""
+    app = _App()
+    async with _serving(app, ServerLimits(max_header_bytes=1024)) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\nx-filler: " + b"f" * 2048 + b"\r\n"
+                     b"content-length: 2\r\n\r\nhi")  # fmt: skip
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 431 ")
+    assert app.paths == []
