@@ -401,11 +401,19 @@ class Sidecar:
             body = await self._admit(call, scope, receive)
             self._enter(call)
             upstream = self._upstream_headers(headers, call)
+            raw = _raw_writer(scope)
             if call.stream:
-                meter, status = await self._stream(call, scope, receive, send, body, upstream)
+                direct = raw is not None and self.settings.protocol_relay
+                opened = await self.relay.open_direct(call, body, upstream) if direct else None
+                if opened is not None and raw is not None:
+                    # A stream may run for minutes: its parsed body (the prompt) and headers,
+                    # sent now, are not kept for its length (memory per open stream).
+                    del body, upstream
+                    meter, status, _ = await self.relay.relay_direct(call, send, opened, raw)
+                else:
+                    meter, status, _ = await self.relay.stream(call, receive, send, body, upstream)
                 usage, finish = meter.usage, meter.finish_reason
             else:
-                raw = _raw_writer(scope)
                 usage, status, _, finish = await self.relay.whole(
                     call, receive, send, body, upstream, None if raw is None else raw.lost
                 )
@@ -416,17 +424,6 @@ class Sidecar:
         finally:
             self._release(call, usage)
         self.accounting.observe(call, status, usage, meter, finish, self.view.model_names)
-
-    async def _stream(self, call: Call, scope: Scope, receive: Receive, send: Send,
-                      body: dict[str, Any], upstream: dict[str, str]) -> tuple[StreamMeter, RequestStatus]:  # fmt: skip
-        """Relay a stream on protocols when the server and the upstream allow it, else on ASGI."""
-        raw = _raw_writer(scope) if self.settings.protocol_relay else None
-        if raw is not None:
-            done = await self.relay.stream_direct(call, send, body, upstream, raw)
-            if done is not None:
-                return done[0], done[1]
-        meter, status, _ = await self.relay.stream(call, receive, send, body, upstream)
-        return meter, status
 
     async def _refuse(self, call: Call, refused: Refusal, send: Send) -> RequestStatus:
         """Answer a refusal (charged to the team when it is one of the charged kinds)."""

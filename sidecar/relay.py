@@ -36,7 +36,7 @@ from sidecar.upstream import StallWatch, Upstream, upstream_errors, upstream_fai
 if TYPE_CHECKING:
     import aiohttp
 
-__all__ = ["JSON", "Relay", "Whole"]
+__all__ = ["JSON", "DirectStream", "Relay", "Whole"]
 
 log = logging.getLogger("infermeter.sidecar")
 
@@ -54,6 +54,8 @@ _WITHHELD = ("Usage metering is unavailable; the response was withheld.", "serve
 
 # How a whole (non-streamed) request ended: usage, status, HTTP status, finish reason.
 Whole = tuple[UsageCounts | None, RequestStatus, int, str | None]
+# A streamed request sent on a pooled connection, its response to be read into the sink.
+DirectStream = tuple[Connection, StreamSink]
 
 
 class Relay:
@@ -148,15 +150,21 @@ class Relay:
         conn.send(head + payload, sink, pool.read_timeout_seconds)
         return conn
 
-    async def stream_direct(self, call: Call, send: Send, body: dict[str, Any],
-                            headers: dict[str, str], raw: RawWriter) -> tuple[StreamMeter, RequestStatus, int] | None:  # fmt: skip
-        """``stream`` on protocols (``sidecar.direct``); None when this upstream needs ``stream``."""
+    async def open_direct(self, call: Call, body: dict[str, Any],
+                          headers: dict[str, str]) -> DirectStream | None:  # fmt: skip
+        """Send a streamed request on protocols (``sidecar.direct``); None when this upstream
+        needs ``stream``. Once this returns, the caller may drop ``body`` and ``headers``: a
+        stream holds neither while it runs (``relay_direct``)."""
         meter = StreamMeter(call.client_usage, call.client_continuous, call.started,
                             choices=call.choices)  # fmt: skip
         sink = StreamSink(meter, asyncio.get_running_loop())
         conn = await self._send_direct(call, body, headers, sink)
-        if conn is None:
-            return None
+        return None if conn is None else (conn, sink)
+
+    async def relay_direct(self, call: Call, send: Send, opened: DirectStream,
+                           raw: RawWriter) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+        """``stream`` on protocols, for a request ``open_direct`` sent."""
+        conn, sink = opened
         try:
             return await self._relay_direct(call, send, conn, sink, raw)
         finally:
