@@ -59,21 +59,35 @@ class RawWriter:
     piece at once. ``on_pause`` and ``on_resume`` are called when the client's socket buffer fills
     and drains again; ``paused`` says which holds now. ``lost`` resolves when the connection
     closes: a relay waits on it, where waiting for ASGI's ``http.disconnect`` takes a task.
+
+    ``head``: the response's head when the server holds it back to send it with the first piece
+    of the body in one write (``infermeter.http_server``; uvicorn writes it at once).
     """
 
-    __slots__ = ("lost", "on_pause", "on_resume", "paused", "transport")
+    __slots__ = ("head", "lost", "on_pause", "on_resume", "paused", "transport")
 
     def __init__(self, transport: asyncio.Transport, lost: asyncio.Future[None]) -> None:
         self.transport = transport
         self.lost = lost
         self.paused = False
+        self.head = b""
         self.on_pause: Callable[[], None] | None = None
         self.on_resume: Callable[[], None] | None = None
 
     def write(self, data: bytes) -> None:
         """Write ``data`` as one chunk of the body (nothing for empty data)."""
         if data and not self.transport.is_closing():
-            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            frame = b"%x\r\n%b\r\n" % (len(data), data)
+            if self.head:
+                frame, self.head = self.head + frame, b""
+            self.transport.write(frame)
+
+    def flush(self) -> None:
+        """Write a head still held back."""
+        if self.head:
+            if not self.transport.is_closing():
+                self.transport.write(self.head)
+            self.head = b""
 
     def pause(self) -> None:
         """The transport's buffer is full."""

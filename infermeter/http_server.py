@@ -191,26 +191,36 @@ class _Exchange:
             head.append(b"transfer-encoding: chunked\r\n")
         self.chunked = bool(chunked)
         head.append(b"\r\n")
-        self.conn.write(b"".join(head))
+        # Held back to go out with the body's first piece in one write (one system call and one
+        # segment, not two), and written on the loop's next turn if no piece comes before.
+        raw = self.conn.raw
+        assert raw is not None
+        raw.head = b"".join(head)
+        self.conn.loop.call_soon(raw.flush)
 
     def _body(self, body: bytes, more: bool) -> None:
         conn = self.conn
+        out = b""
         if self.head_only:
             self.remaining = 0
         elif self.chunked:
             if more:
                 if body:
-                    conn.write(b"%x\r\n%b\r\n" % (len(body), body))
+                    out = b"%x\r\n%b\r\n" % (len(body), body)
             elif body:
-                conn.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body))
+                out = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
             else:
-                conn.write(b"0\r\n\r\n")
+                out = b"0\r\n\r\n"
         else:
             if len(body) > self.remaining:
                 raise RuntimeError("Response content longer than Content-Length")
             self.remaining -= len(body)
-            if body:
-                conn.write(body)
+            out = body
+        raw = conn.raw
+        if raw is not None and raw.head:
+            out, raw.head = raw.head + out, b""
+        if out:
+            conn.write(out)
         if not more:
             if self.remaining:
                 raise RuntimeError("Response content shorter than Content-Length")

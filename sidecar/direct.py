@@ -74,10 +74,11 @@ class StreamSink:
             self.finished.set_result(exc)
 
     def go_direct(self, writer: RawWriter) -> None:
-        """The client's response has started: write what is held, then every block at once."""
-        for out in self.pending:
-            writer.write(out)
-        self.pending.clear()
+        """The client's response has started: write what is held (one write), then every block
+        at once."""
+        if self.pending:
+            writer.write(b"".join(self.pending))
+            self.pending.clear()
         self.writer = writer
 
 
