@@ -36,7 +36,7 @@ class WaitTimeout(Exception):
     """No batch slot came free within the wait timeout."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Slot:
     """One admitted request's hold on a batch slot; release it exactly once."""
 

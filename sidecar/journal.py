@@ -70,7 +70,7 @@ class Progress(Protocol):
         """The latest counts vLLM reported."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Running:
     """One admitted request in memory: its admission line, clock origin and progress."""
 

@@ -72,7 +72,7 @@ class LimitsUnavailable(Exception):
         self.retry_after_seconds = retry_after_seconds
 
 
-@dataclass
+@dataclass(slots=True)
 class Admission:
     """A granted request: what it reserved, to be settled exactly once."""
 

@@ -72,7 +72,7 @@ def object_end(data: bytes, brace: int) -> int:
         pos = inner_close + 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class UsageCounts:
     """Token counts as vLLM reported them."""
 
