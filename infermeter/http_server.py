@@ -233,7 +233,7 @@ class _Connection(asyncio.Protocol):
     """One client connection: parse requests, run each as an ASGI task, one answered at a time."""
 
     __slots__ = ("_answering", "_deadline", "_drained", "_expect", "_header_bytes", "_headers",
-                 "_idle", "_parsing", "_queued", "_reading_paused", "_url", "closing", "limits",
+                 "_heading", "_idle", "_parsing", "_queued", "_reading_paused", "_url", "closing", "limits",
                  "local", "loop", "lost", "parser", "peer", "raw", "server", "transport",
                  "write_paused")  # fmt: skip
 
@@ -265,6 +265,8 @@ class _Connection(asyncio.Protocol):
         self._header_bytes = 0
         self._expect = False
         self._deadline: asyncio.TimerHandle | None = None
+        # A request's head has begun and is not complete yet.
+        self._heading = False
         self._idle: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
@@ -310,6 +312,11 @@ class _Connection(asyncio.Protocol):
             if answering is None or not answering.started:
                 self.write(_BAD_REQUEST)
             self.close()
+            return
+        if self._heading and self._deadline is None:
+            # A head split across reads: its deadline runs from its first bytes. (A head that
+            # came whole, as a kept-alive client's usually does, never costs a timer.)
+            self._arm()
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -329,8 +336,7 @@ class _Connection(asyncio.Protocol):
         self._headers = []
         self._header_bytes = 0
         self._expect = False
-        if self._deadline is None:
-            self._arm()
+        self._heading = True
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -344,6 +350,7 @@ class _Connection(asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self._heading = False
         self._disarm()
         if self.transport is None or self.transport.is_closing():
             # Refused while its headers were parsed (431, 408) or the connection is going: the
@@ -501,6 +508,7 @@ class _Connection(asyncio.Protocol):
             self._deadline = None
 
     def _refuse(self, answer: bytes) -> None:
+        self._heading = False
         self._disarm()
         self.write(answer)
         self.close()

@@ -334,3 +334,17 @@ async def test_a_request_refused_for_its_header_size_never_reaches_the_app() -> 
         writer.close()
     assert answer.startswith(b"HTTP/1.1 431 ")
     assert app.paths == []
+
+
+async def test_a_later_request_trickling_its_head_on_a_kept_alive_connection_gets_408() -> None:
+    """The header deadline also holds for the second request of a connection, from its first byte."""
+    async with _serving(
+        _App(), ServerLimits(header_timeout_seconds=0.5, keep_alive_seconds=30)
+    ) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(b"GET /first HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert (await _read_response(reader))[2] == b"GET /first ? 0:"
+        writer.write(b"GET /second HTTP/1.1\r\nhost: x\r\n")  # and never the blank line
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 408 ")
