@@ -170,3 +170,31 @@ def test_demo_lists_every_team_key(config):
     from infermeter.cli import demo_team_keys
 
     assert demo_team_keys(config) == [f"im-demo-{t.name}" for t in config.teams]
+
+
+def test_parts_name_exactly_the_commands_each_module_registers():
+    """``PARTS`` (which module a command needs) matches what each part's ``register`` adds."""
+    import argparse
+    import importlib
+
+    from infermeter.cli import PARTS
+
+    for module, names in PARTS:
+        if module is None:
+            continue
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(module).register(sub)
+        assert tuple(sub.choices) == names, module
+
+
+
+def test_a_command_loads_only_its_own_part():
+    """`infermeter sidecar ...` parses without importing any other part's command-line module."""
+    code = (
+        "import sys; from infermeter.cli import build_parser, _command; "
+        "argv = ['sidecar', '--replica', 'small-0']; "
+        "args = build_parser(_command(argv)).parse_args(argv); "
+        "print(args.command, ' '.join(sorted(m for m in sys.modules if m.endswith('.cli'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["sidecar", "infermeter.cli", "sidecar.cli"]
