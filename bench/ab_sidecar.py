@@ -72,6 +72,7 @@ def figure(paths: dict[str, Any], key: str, to_nginx: bool) -> float | None:
 def report(this: list[dict[str, Any]], other: list[dict[str, Any]], name: str) -> list[str]:
     """One line per figure: both medians, the median paired ratio, the pairs this one won."""
     lines = [f"{'':40} {'this':>8} {name:>8} {'this/it':>8}  lower in"]
+    runs: list[str] = []
     for label, key, to_nginx in FIGURES:
         pairs = [
             (a, b)
@@ -87,7 +88,9 @@ def report(this: list[dict[str, Any]], other: list[dict[str, Any]], name: str) -
             f"{statistics.median(b for _, b in pairs):8.2f} {statistics.median(ratios):8.3f}  "
             f"{won} of {len(pairs)}"
         )
-    return lines
+        runs.append(f"  {label}: this {', '.join(f'{a:.2f}' for a, _ in pairs)}; "
+                    f"{name} {', '.join(f'{b:.2f}' for _, b in pairs)}")  # fmt: skip
+    return [*lines, "each run, pair by pair:", *runs]
 
 
 def main() -> int:
