@@ -466,31 +466,23 @@ class _Connection(asyncio.Protocol):
             await self.server.app(exchange.scope, exchange.receive, exchange.send)
         except asyncio.CancelledError:
             self.close()
+            return
         except BaseException as exc:  # the app's failure must not take the server down
             log.error("Exception in ASGI application", exc_info=exc)
-            if not exchange.started and not self.lost:
-                exchange.keep_alive = False
-                await exchange.send({"type": "http.response.start", "status": 500,
-                                     "headers": _SERVER_ERROR})  # fmt: skip
-                await exchange.send(
-                    {"type": "http.response.body", "body": b"Internal Server Error"}
-                )
-            else:
-                self.close()
         else:
             if self.lost or exchange.done:
                 return
-            if not exchange.started:
-                log.error("ASGI callable returned without starting response.")
-                exchange.keep_alive = False
-                await exchange.send({"type": "http.response.start", "status": 500,
-                                     "headers": _SERVER_ERROR})  # fmt: skip
-                await exchange.send(
-                    {"type": "http.response.body", "body": b"Internal Server Error"}
-                )
-            else:
-                log.error("ASGI callable returned without completing response.")
-                self.close()
+            missing = "completing" if exchange.started else "starting"
+            log.error("ASGI callable returned without %s response.", missing)
+        if exchange.started or self.lost:
+            # Half a response cannot be mended: the client sees the connection close.
+            self.close()
+            return
+        exchange.keep_alive = False
+        await exchange.send(
+            {"type": "http.response.start", "status": 500, "headers": _SERVER_ERROR}
+        )
+        await exchange.send({"type": "http.response.body", "body": b"Internal Server Error"})
 
     def _count(self, size: int) -> None:
         self._header_bytes += size
