@@ -113,6 +113,9 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
     class GuardedHttpTools(HttpToolsProtocol):
         _deadline: asyncio.TimerHandle | None = None
         _header_bytes = 0
+        # A head has begun and is not complete; bytes read for it past its first read.
+        _heading = False
+        _head_read = 0
         _raw: RawWriter | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -129,7 +132,19 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
             if self._raw is not None and not self._raw.lost.done():
                 self._raw.lost.set_result(None)
 
+        def data_received(self, data: bytes) -> None:
+            heading = self._heading
+            super().data_received(data)
+            if heading and self._heading:
+                # httptools joins a long header line itself and calls back only at its end:
+                # the size is bounded here too, by the bytes read while the head is incomplete.
+                self._head_read += len(data)
+                if self._head_read > limits.max_header_bytes:
+                    self._refuse(HEADERS_TOO_LARGE)
+
         def on_message_begin(self) -> None:
+            self._heading = True
+            self._head_read = 0
             super().on_message_begin()
             if self._raw is not None:
                 self.scope["extensions"] = {RAW_WRITER: self._raw}  # type: ignore[dict-item]
@@ -146,6 +161,7 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
             super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
+            self._heading = False
             self._disarm()
             if self.transport.is_closing():
                 # Refused while its headers were parsed (431): the parser still calls back for
@@ -191,6 +207,7 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
                 self._deadline = None
 
         def _refuse(self, answer: bytes) -> None:
+            self._heading = False
             self._disarm()
             if not self.transport.is_closing():
                 self.transport.write(answer)

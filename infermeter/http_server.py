@@ -18,15 +18,21 @@ uses, with nothing per request but the scope, one slotted exchange and the task:
 - ``send``: ``content-length`` when the app gives one, else chunked (never for HEAD, 204, 304),
   a ``date`` header, ``connection: close`` when the connection closes after the response; a
   header value with CR or LF is refused (it would split the response);
-- keep-alive with an idle timeout; pipelined requests are answered in order, one at a time;
-- the bounds of ``infermeter.http_guard``: the header deadline (408), the header size (431) and
-  the connection cap; a malformed request gets 400 and the connection closes;
+- keep-alive with an idle timeout that only a request's first byte ends; a response given before
+  its request's body is all in closes the connection; pipelined requests are answered in order,
+  one at a time, at most 16 waiting (the connection closes past that);
+- the bounds of ``infermeter.http_guard``: the header deadline (408), the header size (431, also
+  inside one long header line) and the connection cap; a malformed request gets 400 and the
+  connection closes. While an earlier request is answered, none of these is written (it would
+  land in that answer): reading stops and the connection closes once that answer is complete;
 - ``lifespan``: a failed start-up is logged and the process exits with status 3, as uvicorn's;
 - graceful stop: stop listening, close idle connections, let running responses end, cancel
   what still runs after ``graceful_seconds``, then the lifespan's shutdown.
 
-Not served: TLS, WebSocket and other upgrades (an ``Upgrade`` header is ignored; the request is
-answered as plain HTTP/1.1, as uvicorn does without a WebSocket library).
+Not served: TLS, WebSocket and other upgrades. A request asking for one is answered as plain
+HTTP/1.1 and the connection then closes; nothing after its head is read, since httptools hands
+those bytes to the new protocol (read as HTTP, they could smuggle a second request). An HTTP/1.0
+client is answered chunked when the app gives no length, as uvicorn does.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ log = logging.getLogger("infermeter.http")
 STARTUP_FAILURE = 3
 # Unread request body past which the connection stops reading (uvicorn's HIGH_WATER_LIMIT).
 _BODY_HIGH_WATER = 65536
+# Requests parsed while another is answered, at most, per connection (clients pipeline a few).
+_MAX_PIPELINED = 16
 _BACKLOG = 2048
 
 
@@ -182,7 +190,9 @@ class _Exchange:
         self.started = True
         self.expect_continue = False
         head.append(self.conn.server.date_line)
-        if self.conn.closing:
+        if self.conn.closing or self.more_body:
+            # (A body not all in yet: the parser would read its rest, or a request the client
+            # sends after giving up on ``100-continue``, as the next request. Close instead.)
             self.keep_alive = False
         if not self.keep_alive and not close:
             head.append(b"connection: close\r\n")
@@ -232,10 +242,10 @@ class _Exchange:
 class _Connection(asyncio.Protocol):
     """One client connection: parse requests, run each as an ASGI task, one answered at a time."""
 
-    __slots__ = ("_answering", "_deadline", "_drained", "_expect", "_header_bytes", "_headers",
-                 "_heading", "_idle", "_parsing", "_queued", "_reading_paused", "_url", "closing", "limits",
-                 "local", "loop", "lost", "parser", "peer", "raw", "server", "transport",
-                 "write_paused")  # fmt: skip
+    __slots__ = ("_answering", "_deadline", "_drained", "_expect", "_head_read", "_header_bytes",
+                 "_headers", "_heading", "_idle", "_ignore", "_parsing", "_queued",
+                 "_reading_paused", "_url", "closing", "limits", "local", "loop", "lost", "parser",
+                 "peer", "raw", "server", "transport", "write_paused")  # fmt: skip
 
     def __init__(self, server: HttpServer) -> None:
         self.server = server
@@ -265,8 +275,11 @@ class _Connection(asyncio.Protocol):
         self._header_bytes = 0
         self._expect = False
         self._deadline: asyncio.TimerHandle | None = None
-        # A request's head has begun and is not complete yet.
+        # A request's head has begun and is not complete yet; bytes read for it past its first read.
         self._heading = False
+        self._head_read = 0
+        # After an upgrade request: nothing more on this connection is read (module docstring).
+        self._ignore = False
         self._idle: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
@@ -300,22 +313,29 @@ class _Connection(asyncio.Protocol):
         self._wake_drained()
 
     def data_received(self, data: bytes) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        if self._ignore:
+            return
+        heading = self._heading
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            pass  # answered as plain HTTP/1.1 (module docstring)
+            pass  # answered as plain HTTP/1.1, then closed (module docstring)
         except httptools.HttpParserError:
-            answering = self._answering
-            if answering is None or not answering.started:
-                self.write(_BAD_REQUEST)
-            self.close()
+            self._refuse(_BAD_REQUEST)
             return
-        if self._heading and self._deadline is None:
+        if not self._heading:
+            return
+        if heading:
+            # A whole read inside one head: httptools joins a long header line itself and calls
+            # back only at its end, so the size is bounded here, by the bytes read for the head.
+            self._head_read += len(data)
+            if self._head_read > self.limits.max_header_bytes:
+                self._refuse(HEADERS_TOO_LARGE)
+                return
+        if self._deadline is None and not self._reading_paused:
             # A head split across reads: its deadline runs from its first bytes. (A head that
-            # came whole, as a kept-alive client's usually does, never costs a timer.)
+            # came whole, as a kept-alive client's usually does, never costs a timer; one
+            # behind a pipelined request gets it when reading resumes.)
             self._arm()
 
     def pause_writing(self) -> None:
@@ -337,6 +357,12 @@ class _Connection(asyncio.Protocol):
         self._header_bytes = 0
         self._expect = False
         self._heading = True
+        self._head_read = 0
+        if self._idle is not None:
+            # Only a request's first byte ends the keep-alive wait: stray bytes (a lone CRLF,
+            # the rest of a body the app did not read) do not keep a connection open.
+            self._idle.cancel()
+            self._idle = None
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -352,7 +378,7 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._heading = False
         self._disarm()
-        if self.transport is None or self.transport.is_closing():
+        if self._ignore or self.transport is None or self.transport.is_closing():
             # Refused while its headers were parsed (431, 408) or the connection is going: the
             # parser still calls back for what it was fed, but nothing may run for it.
             return
@@ -379,10 +405,18 @@ class _Connection(asyncio.Protocol):
             "extensions": {RAW_WRITER: self.raw, BODY_COMPLETE: False},
         }
         keep_alive = version != "1.0" and parser.should_keep_alive()
-        exchange = _Exchange(self, scope, keep_alive, self._expect)
+        if parser.should_upgrade():
+            # httptools hands what follows the head to the new protocol, which is not served:
+            # the request is answered, and nothing after its head is read (or it could smuggle
+            # a second request in its body).
+            self._ignore = True
+            keep_alive = False
+        exchange = _Exchange(self, scope, keep_alive, self._expect and version == "1.1")
         self._parsing = exchange
         if self._answering is None:
             self._start(exchange)
+        elif len(self._queued) >= _MAX_PIPELINED:
+            self.close()  # one read of tiny requests must not queue thousands
         else:
             self._queued.append(exchange)
             self._pause_reading()
@@ -469,6 +503,8 @@ class _Connection(asyncio.Protocol):
             return
         except BaseException as exc:  # the app's failure must not take the server down
             log.error("Exception in ASGI application", exc_info=exc)
+            if exchange.done:
+                return  # its response is whole; the next request on the connection may run
         else:
             if self.lost or exchange.done:
                 return
@@ -500,20 +536,38 @@ class _Connection(asyncio.Protocol):
             self._deadline = None
 
     def _refuse(self, answer: bytes) -> None:
+        """Answer a request that cannot be read (400, 408, 431) and close.
+
+        While an earlier request is answered or waits, nothing is written (an answer written now
+        would land in that request's response, or be read as its answer): the connection reads
+        no more and closes once that answer is complete.
+        """
         self._heading = False
         self._disarm()
-        self.write(answer)
-        self.close()
+        if self._answering is None and not self._queued:
+            self.write(answer)
+            self.close()
+            return
+        if self._parsing is not None and self._parsing is self._answering:
+            self.close()  # the request being answered is the broken one: its body cannot come
+            return
+        # Read nothing more; the running answer ends, then the connection closes (``answered``).
+        self._ignore = True
+        self.closing = True
 
     def _pause_reading(self) -> None:
         if not self._reading_paused and self.transport is not None:
             self._reading_paused = True
             self.transport.pause_reading()
+            # A head the server stopped reading is not the client's delay.
+            self._disarm()
 
     def _resume_reading(self) -> None:
         if self._reading_paused and self.transport is not None and not self.lost:
             self._reading_paused = False
             self.transport.resume_reading()
+            if self._heading and self._deadline is None:
+                self._arm()
 
     def _wake_drained(self) -> None:
         if self._drained is not None and not self._drained.done():

@@ -9,6 +9,7 @@ so the marker must never be set while a body is still on its way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -93,4 +94,27 @@ async def test_a_request_refused_for_its_header_size_is_not_served(served: Any) 
     writer.close()
     assert answer.startswith(b"HTTP/1.1 431 ")
     await asyncio.sleep(0.1)
+    assert app.seen == []
+
+
+async def test_one_header_line_past_the_cap_in_many_reads_is_refused(served: Any) -> None:
+    """httptools joins a long header value itself: the cap must hold inside one line too.
+
+    The server answers 431 and closes (the client, still writing, may see a reset instead);
+    without the bound it would keep reading the line until the header deadline.
+    """
+    app, port = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\nx-long: ")
+    await writer.drain()
+    answer = b""
+    with contextlib.suppress(ConnectionError):
+        for _ in range(40):  # 40 x 8 KiB = 320 KiB of one value, well past the 64 KiB cap
+            await asyncio.sleep(0.02)
+            writer.write(b"v" * 8192)
+            await writer.drain()
+    with contextlib.suppress(ConnectionError):
+        answer = await asyncio.wait_for(reader.read(), 3)  # TimeoutError: still reading it
+    writer.close()
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 431 ")
     assert app.seen == []

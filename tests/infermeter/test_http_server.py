@@ -45,6 +45,12 @@ class _App:
         if path == "/bad-header":
             await respond(send, 200, b"x", [(b"x-evil", b"a\r\nset-cookie: b")])
             return
+        if path == "/early":  # answers without reading the body (as a 401 does)
+            await respond(send, 401, b"no", [*TEXT, (b"content-length", b"2")])
+            return
+        if path == "/boom-after":  # fails once its response is complete
+            await respond(send, 200, b"ok", [*TEXT, (b"content-length", b"2")])
+            raise ValueError("the app failed after answering")
         if path == "/slow":
             await send({"type": "http.response.start", "status": 200, "headers": TEXT})
             await self.release.wait()
@@ -348,3 +354,108 @@ async def test_a_later_request_trickling_its_head_on_a_kept_alive_connection_get
         answer = await asyncio.wait_for(reader.read(), 5)
         writer.close()
     assert answer.startswith(b"HTTP/1.1 408 ")
+
+
+async def test_stray_bytes_after_an_answer_do_not_keep_the_connection_open() -> None:
+    """Only a request's first byte ends the keep-alive wait; a lone CRLF does not."""
+    async with _serving(_App(), ServerLimits(keep_alive_seconds=1)) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(b"GET /once HTTP/1.1\r\nhost: x\r\n\r\n")
+        await _read_response(reader)
+        writer.write(b"\r\n")
+        assert await asyncio.wait_for(reader.read(), 4) == b""
+        writer.close()
+
+
+async def test_an_answer_before_the_body_is_in_closes_the_connection() -> None:
+    """The rest of that body would be read as the next request, or trickled to hold the
+    connection open: the answer says ``connection: close`` and the connection closes."""
+    app = _App()
+    async with _serving(app) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(b"POST /early HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\npartial")
+        status, headers, _ = await _read_response(reader)
+        assert status == b"HTTP/1.1 401 Unauthorized"
+        assert headers[b"connection"] == b"close"
+        writer.write(b"GET /smuggled HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+    assert app.paths == ["/early"]
+
+
+async def test_an_upgrade_request_cannot_carry_a_second_request() -> None:
+    """An ``Upgrade`` request is answered as plain HTTP/1.1; nothing after its head is read."""
+    app = _App()
+    async with _serving(app) as srv:
+        reader, writer = await _connect(srv)
+        smuggled = b"GET /smuggled HTTP/1.1\r\nhost: x\r\n\r\n"
+        writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: h2c\r\n"
+                     b"content-length: %d\r\n\r\n" % len(smuggled))  # fmt: skip
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(smuggled)
+        _, headers, _ = await _read_response(reader)
+        assert headers[b"connection"] == b"close"
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+    assert app.paths == ["/echo"]
+
+
+async def test_a_flood_of_pipelined_requests_is_cut_at_a_bound() -> None:
+    """One read of tiny requests does not queue without bound: the connection closes."""
+    app = _App()
+    async with _serving(app) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(b"GET /p HTTP/1.1\r\nhost: x\r\n\r\n" * 2000)
+        with contextlib.suppress(ConnectionError):
+            await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+    assert 1 <= len(app.paths) <= 17
+
+
+async def test_a_bad_request_behind_one_being_answered_does_not_take_its_answer() -> None:
+    """A malformed or oversized pipelined request: the one before it is answered whole (with
+    ``connection: close``), and no 400 or 431 is written in its place or into it."""
+    for bad in (b"GARBAGE\x01\r\n\r\n", b"GET / HTTP/1.1\r\nx: " + b"a" * 70_000 + b"\r\n\r\n"):
+        app = _App()
+        async with _serving(app) as srv:
+            reader, writer = await _connect(srv)
+            writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            writer.write(bad)
+            await asyncio.sleep(0.2)
+            app.release.set()
+            rest = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+        assert head.startswith(b"HTTP/1.1 200 OK")
+        assert rest.endswith(b"slow done\r\n0\r\n\r\n")
+        assert b"HTTP/1.1 4" not in rest
+
+
+async def test_a_pipelined_head_left_half_sent_does_not_cut_the_running_stream() -> None:
+    """Its header deadline runs out mid-stream: the stream still ends whole, then the
+    connection closes (nothing is written into the stream)."""
+    app = _App()
+    async with _serving(app, ServerLimits(header_timeout_seconds=0.3)) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.write(b"GET /next HTTP/1.1\r\nho")
+        await asyncio.sleep(0.8)
+        app.release.set()
+        rest = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+    assert rest.endswith(b"slow done\r\n0\r\n\r\n")
+    assert app.paths == ["/slow"]
+
+
+async def test_an_app_failing_after_its_answer_does_not_cut_the_next_request() -> None:
+    app = _App()
+    async with _serving(app) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(
+            b"GET /boom-after HTTP/1.1\r\nhost: x\r\n\r\nGET /after HTTP/1.1\r\nhost: x\r\n\r\n"
+        )
+        assert (await _read_response(reader))[2] == b"ok"
+        assert (await _read_response(reader))[2] == b"GET /after ? 0:"
+        writer.close()
