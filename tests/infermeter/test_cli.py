@@ -187,7 +187,6 @@ def test_parts_name_exactly_the_commands_each_module_registers():
         assert tuple(sub.choices) == names, module
 
 
-
 def test_a_command_loads_only_its_own_part():
     """`infermeter sidecar ...` parses without importing any other part's command-line module."""
     code = (
