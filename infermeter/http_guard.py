@@ -116,6 +116,8 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
         # A head has begun and is not complete; bytes read for it past its first read.
         _heading = False
         _head_read = 0
+        # A request began in the read being parsed.
+        _began = False
         _raw: RawWriter | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -134,7 +136,16 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
 
         def data_received(self, data: bytes) -> None:
             heading = self._heading
-            super().data_received(data)
+            idle = self.timeout_keep_alive_task
+            self._began = False
+            super().data_received(data)  # (uvicorn cancels the keep-alive wait on any bytes)
+            if idle is not None and not self._began and not self.transport.is_closing():
+                # Stray bytes between requests (a lone CRLF, the rest of a body the app did not
+                # read) do not end the keep-alive wait, nor start it again: it ends when it
+                # was to end.
+                self.timeout_keep_alive_task = self.loop.call_at(
+                    idle.when(), self.timeout_keep_alive_handler
+                )
             if heading and self._heading:
                 # httptools joins a long header line itself and calls back only at its end:
                 # the size is bounded here too, by the bytes read while the head is incomplete.
@@ -144,6 +155,7 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
 
         def on_message_begin(self) -> None:
             self._heading = True
+            self._began = True
             self._head_read = 0
             super().on_message_begin()
             if self._raw is not None:

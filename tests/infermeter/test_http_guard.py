@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from infermeter.asgi import Receive, Scope, Send, read_body, respond
-from infermeter.http_guard import BODY_COMPLETE
+from infermeter.http_guard import BODY_COMPLETE, ServerLimits
 from infermeter.http_server import HttpServer
 from infermeter.serving import free_port, server
 
@@ -52,10 +52,12 @@ async def served(request: pytest.FixtureRequest) -> Any:
     """The recorder behind uvicorn with the guard, or behind the sidecar's own server."""
     app = _Recorder()
     port = free_port()
+    # A short keep-alive, so that the test of stray bytes runs in seconds.
+    limits = ServerLimits(keep_alive_seconds=1)
     srv: Any = (
-        server(app, "127.0.0.1", port, lifespan="off")
+        server(app, "127.0.0.1", port, lifespan="off", limits=limits)
         if request.param == "uvicorn"
-        else HttpServer(app, "127.0.0.1", port, lifespan=False)
+        else HttpServer(app, "127.0.0.1", port, lifespan=False, limits=limits)
     )
     task = asyncio.get_running_loop().create_task(srv.serve())
     while not srv.started:
@@ -118,3 +120,35 @@ async def test_one_header_line_past_the_cap_in_many_reads_is_refused(served: Any
     writer.close()
     assert answer == b"" or answer.startswith(b"HTTP/1.1 431 ")
     assert app.seen == []
+
+
+async def test_stray_bytes_do_not_keep_a_kept_alive_connection_open(served: Any) -> None:
+    """A CRLF every 0.3 s after an answer: the 1 s keep-alive wait still ends the connection.
+
+    (uvicorn ends its keep-alive wait on any bytes and arms it again only after a response, so
+    without the guard's mend a client holds the connection for as long as it keeps sending.)
+    """
+    _, port = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /v HTTP/1.1\r\nhost: x\r\n\r\n")
+    await reader.readuntil(b"ok")
+    closed = False
+    for _ in range(10):  # 3 s of stray bytes
+        await asyncio.sleep(0.3)
+        try:
+            writer.write(b"\r\n")
+            await writer.drain()
+            closed = reader.at_eof() or await _eof_within(reader, 0.01)
+        except ConnectionError:
+            closed = True
+        if closed:
+            break
+    writer.close()
+    assert closed
+
+
+async def _eof_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(), seconds) == b""
+    except TimeoutError:
+        return False
