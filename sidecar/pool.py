@@ -7,10 +7,14 @@ response parser, and the response is pushed into a ``Sink`` from ``data_received
 relay meters a block and writes it to the client's transport in the same call, with no task
 switch and no copy beyond what the meter makes.
 
-The read timeout is lazy, as in ``sidecar.upstream.StallWatch``: one timer per exchange that
-fires at most once per ``read_timeout_seconds`` and fails the exchange only if nothing has
-arrived for that long. Reads are paused and resumed by the sink (``pause_reading``), which is
-how a slow client slows its upstream instead of being buffered for without bound.
+The read timeout is swept, not timed per exchange: one timer for the whole pool wakes every
+quarter of the shortest timeout in flight (at most once a second) and fails the exchanges that
+have read nothing for their timeout, so one fires between the timeout and a quarter more. A
+timer per exchange cost every open stream about 500 bytes (the handle, its libuv timer and its
+arguments) and every request an arm and a cancel. Reads are paused and resumed by the sink
+(``pause_reading``), which is how a slow client slows its upstream instead of being buffered for
+without bound; a paused exchange is not timed out, since the replica is not the one keeping it
+waiting.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ __all__ = [
 # uvicorn, which serves vLLM's API, closes idle connections after 5 s; dropping them first avoids
 # sending a request on a connection the server is closing.
 _KEEPALIVE_SECONDS = 4.0
+# The longest interval between two sweeps of the read timeouts.
+_SWEEP_SECONDS = 1.0
 
 
 class UpstreamError(Exception):
@@ -84,7 +90,7 @@ class Connection(asyncio.Protocol):
     """One keep-alive connection to the replica, serving one exchange at a time."""
 
     # Read on every block of every stream: slots keep them in the object, not in a dict of its own.
-    __slots__ = ("_headers", "_parser", "_pool", "_sink", "_timer", "closed", "idle_since",
+    __slots__ = ("_headers", "_parser", "_pool", "_sink", "_timeout", "closed", "idle_since",
                  "last_read", "transport")  # fmt: skip
 
     def __init__(self, pool: Pool) -> None:
@@ -94,9 +100,11 @@ class Connection(asyncio.Protocol):
         self._sink: Sink | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self.idle_since = 0.0
-        # perf_counter of the last arrival (or of the request sent); None while not waiting.
+        # perf_counter of the last arrival (or of the request sent, or of the last sweep that
+        # found reading paused by the client).
         self.last_read = 0.0
-        self._timer: asyncio.TimerHandle | None = None
+        # The exchange's read timeout, in seconds.
+        self._timeout = 0.0
         self.closed = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
@@ -142,7 +150,6 @@ class Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         """The exchange is over: back to the pool when the replica keeps the connection."""
         sink, self._sink = self._sink, None
-        self._disarm()
         if self._parser.should_keep_alive() and self.transport is not None:
             self._pool.release(self)
         else:
@@ -157,9 +164,8 @@ class Connection(asyncio.Protocol):
         assert self.transport is not None
         self._sink = sink
         self.last_read = time.perf_counter()
-        self._timer = asyncio.get_running_loop().call_later(
-            read_timeout_seconds, self._check, read_timeout_seconds
-        )
+        self._timeout = read_timeout_seconds
+        self._pool.watch(read_timeout_seconds)
         if not self.transport.is_reading():
             # The last exchange may have ended while its client had paused reading.
             self.transport.resume_reading()
@@ -178,33 +184,28 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         """Close the connection: a request still running is aborted by vLLM when it sees this."""
         self._sink = None
-        self._disarm()
         self.closed = True
         self._pool.forget(self)
         if self.transport is not None:
             self.transport.close()
 
-    def _check(self, seconds: float) -> None:
-        waited = time.perf_counter() - self.last_read
+    def waiting(self, now: float) -> bool:
+        """True while an exchange waits on the replica; fails it once its read timeout passed."""
         if self._sink is None:
-            return
+            return False
         if self.transport is not None and not self.transport.is_reading():
-            # Paused by a slow client: the replica is not the one keeping the exchange waiting.
-            waited = 0.0
-        if waited >= seconds:
-            self._fail(ReadTimeout("Timeout on reading data from the replica"))
-            self.close()
-            return
-        self._timer = asyncio.get_running_loop().call_later(seconds - waited, self._check, seconds)
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+            # Paused by a slow client: the replica is not the one keeping the exchange waiting,
+            # so its timeout counts from when reading resumes (at most a sweep later).
+            self.last_read = now
+            return True
+        if now - self.last_read < self._timeout:
+            return True
+        self._fail(ReadTimeout("Timeout on reading data from the replica"))
+        self.close()
+        return False
 
     def _fail(self, exc: BaseException) -> None:
         sink, self._sink = self._sink, None
-        self._disarm()
         if sink is not None:
             sink.end(exc)
 
@@ -225,6 +226,8 @@ class Pool:
         self.read_timeout_seconds = read_timeout_seconds
         self._idle: deque[Connection] = deque()
         self._all: set[Connection] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._sweep_seconds = _SWEEP_SECONDS
 
     async def connection(self) -> Connection:
         """An idle connection that is still fresh, else a new one.
@@ -261,8 +264,32 @@ class Pool:
         if conn in self._idle:
             self._idle.remove(conn)
 
+    def watch(self, read_timeout_seconds: float) -> None:
+        """An exchange began: sweep the read timeouts often enough for ``read_timeout_seconds``."""
+        seconds = read_timeout_seconds / 4
+        if self._sweeper is not None and seconds >= self._sweep_seconds:
+            return
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self._sweep_seconds = min(self._sweep_seconds, seconds)
+        self._sweeper = asyncio.get_running_loop().call_later(self._sweep_seconds, self._sweep)
+
+    def _sweep(self) -> None:
+        now = time.perf_counter()
+        busy = False
+        # (A copy: an exchange that times out closes its connection, which leaves the set.)
+        for conn in list(self._all):
+            busy = conn.waiting(now) or busy
+        if busy:
+            self._sweeper = asyncio.get_running_loop().call_later(self._sweep_seconds, self._sweep)
+        else:
+            self._sweeper, self._sweep_seconds = None, _SWEEP_SECONDS
+
     async def close(self) -> None:
         """Close every connection."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for conn in list(self._all):
             conn.close()
         self._idle.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -61,3 +62,56 @@ async def test_nothing_listening_is_unreachable():
     pool = Pool("127.0.0.1", free_port(), 1.0, 1.0)
     with pytest.raises(UpstreamClosed, match="ConnectionRefusedError"):
         await pool.connection()
+
+
+async def _trickle(scope, receive, send):
+    """A response that sends a piece every 0.1 s for 1 s: slow, but never silent for long."""
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    for _ in range(10):
+        await asyncio.sleep(0.1)
+        await send({"type": "http.response.body", "body": b"x", "more_body": True})
+    await send({"type": "http.response.body", "body": b"end"})
+
+
+async def test_the_read_timeout_counts_from_the_last_read_not_the_request():
+    """A response longer than the read timeout, with no gap as long, is read to its end."""
+    async with serving(_trickle, lifespan="off") as url:
+        pool = Pool(*host_port(url), 1.0, 0.4)
+        sink = await _get(pool)
+        assert (sink.finished.result(), b"".join(sink.parts)) == (None, b"x" * 10 + b"end")
+        await pool.close()
+
+
+async def test_a_timeout_never_fires_early_and_a_short_one_is_not_held_by_a_long_one():
+    """Exchanges of different timeouts share the pool's sweeps: each fails at its own time."""
+    async with serving(_ok, lifespan="off") as url:
+        pool = Pool(*host_port(url), 1.0, 30.0)
+        loop = asyncio.get_running_loop()
+        long_sink = WholeSink(loop, None)
+        (await pool.connection()).send(
+            request_head(b"POST", b"/slow", b"h", {}, 0), long_sink, 30.0
+        )
+        short_sink = WholeSink(loop, None)
+        started = time.monotonic()
+        (await pool.connection()).send(
+            request_head(b"POST", b"/slow", b"h", {}, 0), short_sink, 0.4
+        )
+        exc = await asyncio.wait_for(asyncio.shield(short_sink.finished), 5)
+        elapsed = time.monotonic() - started
+        assert isinstance(exc, ReadTimeout)
+        assert 0.4 <= elapsed < 3.0, elapsed
+        assert not long_sink.finished.done()
+        await pool.close()
+
+
+async def test_a_quiet_pool_keeps_no_sweep_timer():
+    """Once no exchange waits, the sweeps stop (an idle sidecar wakes for nothing)."""
+    async with serving(_ok, lifespan="off") as url:
+        pool = Pool(*host_port(url), 1.0, 0.4)
+        await _get(pool)
+        assert pool._sweeper is not None  # armed by the exchange
+        await asyncio.sleep(0.3)  # a sweep (every 0.1 s here) finds nothing waiting
+        assert pool._sweeper is None
+        await pool.close()
