@@ -268,7 +268,8 @@ async def test_a_server_slower_than_the_timeout_applies_the_policy_then_shares_a
                 await lim.admit("t", 1)
         else:
             assert not isinstance(await lim.admit("t", 1), SharedAdmission)
-        assert 0.2 <= time.monotonic() - started < 1.0  # the deadline, plus a loaded machine
+        # The deadline (less the loop's clock granularity), plus a loaded machine.
+        assert 0.2 - 0.005 <= time.monotonic() - started < 1.0
     finally:
         redis_server.resume()
     reg = lim.registry
