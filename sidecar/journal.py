@@ -23,6 +23,13 @@ file format, and the rules of those records, are told there).
 
 When a file passes ``rotate_bytes`` the requests still running are copied to a fresh one and the
 old one is deleted.
+
+Memory: a running request costs the journal a small slotted entry, not a copy of its lines. The
+admission lines of the running requests are read back from the file when they are needed (at a
+rotation, and at shutdown for ``interrupted_now``): the file holds every one of them, since a
+rotation copies them, and it was just written, so the read comes from the page cache. Keeping
+each line in memory instead cost every open stream about 700 bytes (its admission line and its
+last mark) for the whole of its length.
 """
 
 from __future__ import annotations
@@ -70,17 +77,19 @@ class Progress(Protocol):
         """The latest counts vLLM reported."""
 
 
+# How every admission line begins (``admission_line``: the record's first field is its id).
+_ADMISSION = b'{"a":{"request_id":"'
+
+
 @dataclass(slots=True)
 class _Running:
-    """One admitted request in memory: its admission line, clock origin and progress."""
+    """One admitted request in memory: its clock origin and progress (its lines are on disk)."""
 
     request_id: str
-    line: bytes
     received_at: float
     started: float
     progress: Progress | None = None
     marked_events: int = -1
-    mark: bytes = b""
 
 
 class AdmissionJournal:
@@ -142,7 +151,7 @@ class AdmissionJournal:
         except OSError as exc:
             raise JournalError(f"cannot write the admission journal in {self.directory}: {exc.strerror or exc}") from None  # fmt: skip
         request_id: str = record["request_id"]
-        self._running[request_id] = _Running(request_id, line, record["received_at"], started)
+        self._running[request_id] = _Running(request_id, record["received_at"], started)
 
     def track(self, request_id: str, progress: Progress) -> None:
         """Mark ``request_id``'s counts from ``progress`` from now on."""
@@ -165,17 +174,50 @@ class AdmissionJournal:
             self._finished.clear()
 
     def interrupted_now(self) -> list[UsageRecord]:
-        """Records of the requests still running, with their counts as of now (at shutdown)."""
+        """Records of the requests still running, with their counts as of now (at shutdown).
+
+        A request whose admission line cannot be read back is left to ``recover`` at the next
+        start, which reads the same file.
+        """
         now = time.time()
         out = []
-        for running in self._running.values():
-            self._mark_one(running, now)
-            mark = orjson.loads(running.mark) if running.mark else None
-            pending = Pending(orjson.loads(running.line)["a"], mark)
+        try:
+            lines = self._admission_lines()
+        except OSError as exc:
+            log.error("admission journal in %s: %s; its running requests are recorded at the next start",
+                      self.directory, exc)  # fmt: skip
+            return []
+        for request_id, line in lines.items():
+            running = self._running[request_id]
+            mark = self._latest_mark(running, now)
+            pending = Pending(orjson.loads(line)["a"], orjson.loads(mark) if mark else None)
             record = interrupted_record(pending, now)
             exact = running.progress is not None and running.progress.usage is not None
             out.append(dataclasses.replace(record, usage_exact=exact))
         return out
+
+    def _admission_lines(self) -> dict[str, bytes]:
+        """The admission lines of the running requests, read back from the open file.
+
+        Found by how they begin (``bytes.find``), without parsing the marks and ends between
+        them; a last line the process could not write whole (a full disk) has no end and is
+        left out.
+        """
+        assert self._path is not None
+        data = self._path.read_bytes()
+        running = self._running
+        found: dict[str, bytes] = {}
+        pos = 0 if data.startswith(_ADMISSION) else _next_admission(data, 0)
+        while pos >= 0:
+            start = pos + len(_ADMISSION)
+            end = data.find(b"\n", start)
+            if end < 0:
+                break
+            request_id = data[start : data.find(b'"', start)].decode()
+            if request_id in running:
+                found[request_id] = data[pos : end + 1]
+            pos = _next_admission(data, end)
+        return found
 
     # -- the file --------------------------------------------------------------------------------
 
@@ -217,25 +259,39 @@ class AdmissionJournal:
         if progress is None or progress.token_events == running.marked_events:
             return b""
         running.marked_events = progress.token_events
-        usage = progress.usage
-        if usage is None:
+        return self._latest_mark(running, now)
+
+    @staticmethod
+    def _latest_mark(running: _Running, now: float) -> bytes:
+        """The mark line of ``running``'s counts as of ``now``, b"" before vLLM reported any."""
+        progress = running.progress
+        usage = None if progress is None else progress.usage
+        if progress is None or usage is None:
             return b""
         first = progress.first_token_at
         first = None if first is None else running.received_at + (first - running.started)
-        running.mark = mark_line(
+        return mark_line(
             running.request_id, usage.prompt, usage.completion, usage.cached, first, now
         )
-        return running.mark
 
     async def _rotate(self) -> None:
         """Copy the running requests to a fresh file, make it durable, delete the old one."""
+        lines = self._admission_lines()  # (an OSError here leaves the old file in use)
+        now = time.time()
         old_fd, old_path = self._fd, self._path
         # Finish lines refer to the old file's admissions; the new one holds only running ones.
         self._finished.clear()
         self._start_file()
-        self._write(b"".join(r.line + r.mark for r in self._running.values()))
+        self._write(b"".join(line + self._latest_mark(self._running[rid], now)
+                             for rid, line in lines.items()))  # fmt: skip
         self._unsynced = False
         await asyncio.to_thread(os.fsync, self._fd)
         os.close(old_fd)
         if old_path is not None:
             old_path.unlink(missing_ok=True)
+
+
+def _next_admission(data: bytes, at: int) -> int:
+    """Where the first admission line after offset ``at`` begins, -1 if none does."""
+    pos = data.find(b"\n" + _ADMISSION, at)
+    return pos if pos < 0 else pos + 1

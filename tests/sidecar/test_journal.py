@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tracemalloc
 
 import orjson
 import pytest
@@ -125,6 +126,51 @@ async def test_rotation_keeps_only_running_requests(tmp_path):
     (path,) = (tmp_path / "journal").glob("journal-*.log")
     assert list(unfinished(path.read_bytes().splitlines())) == ["r7"]
     assert path.stat().st_size < 2_000
+    await journal.close()
+
+
+async def test_rotation_copies_a_running_stream_with_its_counts_and_can_rotate_again(tmp_path):
+    """The running requests' admissions, read back from the old file, go to the new one with
+    their latest counts; a second rotation copies them again, and recovery reads the result."""
+    journal = AdmissionJournal(tmp_path / "journal", 0.05, rotate_bytes=2_000)
+    journal.open()
+    journal.admit(admitted("long").to_json(), 100.0)
+    meter = StreamMeter(True, True, 100.0)
+    journal.track("long", meter)
+    meter.feed(chunk(1) + chunk(2), 100.5)
+    for round_ in range(2):
+        for i in range(8):
+            journal.admit(admitted(f"r{round_}-{i}").to_json(), 0.0)
+            journal.finish(f"r{round_}-{i}")
+        await asyncio.sleep(0.2)
+        meter.feed(chunk(3 + round_), 101.0)
+    (path,) = (tmp_path / "journal").glob("journal-*.log")
+    assert path.stat().st_size < 2_000
+    pending = unfinished(path.read_bytes().splitlines())
+    assert list(pending) == ["long"]
+    assert pending["long"].record == admitted("long").to_json()
+    assert pending["long"].mark is not None
+    assert pending["long"].mark["c"] >= 3
+    (record,) = journal.interrupted_now()
+    assert (record.request_id, record.completion_tokens) == ("long", 4)
+    await journal.close()
+
+
+async def test_a_running_request_holds_no_copy_of_its_journal_lines(tmp_path):
+    """What the journal keeps per running request does not grow with its admission line."""
+    journal = AdmissionJournal(tmp_path / "journal", 60)
+    journal.open()
+    big = admitted().to_json() | {"client_request_id": "x" * 8_000}
+    journal.admit(big | {"request_id": "warm"}, 0.0)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(100):
+        journal.admit(big | {"request_id": f"r{i}"}, 0.0)
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert held < 100 * 1_000, f"{held / 100:.0f} bytes per running request"
+    (record,) = [r for r in journal.interrupted_now() if r.request_id == "r42"]
+    assert record.client_request_id == "x" * 8_000  # read back from the file whole
     await journal.close()
 
 

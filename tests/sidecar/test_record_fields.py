@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from infermeter.journal import admission_line
 from infermeter.records import RequestStatus, UsageRecord
 from sidecar.accounting import Call, admitted_fields, ending_fields
 from sidecar.prefix import Prefix
@@ -50,3 +51,14 @@ def test_a_record_without_usage_is_exact_only_when_nothing_was_generated() -> No
     refused = ending_fields(call, RequestStatus.RATE_LIMITED, 429, None, None, None, 51.0)
     assert aborted["usage_exact"] is False
     assert refused["usage_exact"] is True
+
+
+def test_the_request_id_comes_first_as_the_journal_finds_admissions_by_it() -> None:
+    """The journal reads a running request's admission back by how its line begins."""
+    call = served_call()
+    sidecar_form = admitted_fields(call, "small-0", None) | ending_fields(
+        call, RequestStatus.INTERRUPTED, 502, None, None, None, 51.0
+    )
+    dataclass_form = UsageRecord.from_json(sidecar_form).to_json()
+    for record in (sidecar_form, dataclass_form):
+        assert admission_line(record).startswith(b'{"a":{"request_id":"req-1"')
