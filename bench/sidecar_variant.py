@@ -39,6 +39,8 @@ def _unmetered() -> None:
         writer = self.writer
         if writer is not None:
             writer.write(data)
+        elif self.pending is None:
+            self.pending = [data]
         else:
             self.pending.append(data)
 

@@ -64,7 +64,7 @@ class RawWriter:
     of the body in one write (``infermeter.http_server``; uvicorn writes it at once).
     """
 
-    __slots__ = ("head", "lost", "on_pause", "on_resume", "paused", "transport")
+    __slots__ = ("head", "lost", "on_lost", "on_pause", "on_resume", "paused", "transport")
 
     def __init__(self, transport: asyncio.Transport, lost: asyncio.Future[None]) -> None:
         self.transport = transport
@@ -73,6 +73,9 @@ class RawWriter:
         self.head = b""
         self.on_pause: Callable[[], None] | None = None
         self.on_resume: Callable[[], None] | None = None
+        # Told when the connection closes: a stream that waits for its end on one future of its
+        # own is woken by this hook, not by a callback on ``lost`` (which copies a context).
+        self.on_lost: Callable[[], None] | None = None
 
     def write(self, data: bytes) -> None:
         """Write ``data`` as one chunk of the body (nothing for empty data)."""
@@ -81,6 +84,13 @@ class RawWriter:
             if self.head:
                 frame, self.head = self.head + frame, b""
             self.transport.write(frame)
+
+    def connection_lost(self) -> None:
+        """The connection closed: resolve ``lost`` and call ``on_lost``."""
+        if not self.lost.done():
+            self.lost.set_result(None)
+        if self.on_lost is not None:
+            self.on_lost()
 
     def flush(self) -> None:
         """Write a head still held back."""
@@ -131,8 +141,8 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
-            if self._raw is not None and not self._raw.lost.done():
-                self._raw.lost.set_result(None)
+            if self._raw is not None:
+                self._raw.connection_lost()
 
         def data_received(self, data: bytes) -> None:
             heading = self._heading

@@ -308,8 +308,8 @@ class _Connection(asyncio.Protocol):
         if self._answering is not None:
             self._answering.wake()
         self._queued.clear()
-        if self.raw is not None and not self.raw.lost.done():
-            self.raw.lost.set_result(None)
+        if self.raw is not None:
+            self.raw.connection_lost()
         self._wake_drained()
 
     def data_received(self, data: bytes) -> None:

@@ -6,7 +6,9 @@ should see to the client's transport (``infermeter.http_guard.RawWriter``). Per 
 one parse, one meter pass and one write: no task switch, no ASGI message, no timer. The coroutine
 serving the request only starts the response, waits for the end, the client leaving or the
 drain, and then makes the record durable before the final ``data: [DONE]``, as the ASGI relay
-does (``sidecar.relay``).
+does (``sidecar.relay``). All three end the wait through the one future ``finished``: the
+upstream's end gives it None or the error, the client's connection closing ``LEFT``
+(``client_left``, the writer's ``on_lost``), the drain's cut ``sidecar.drain.CUT``.
 
 Flow control both ways: while the client's transport is paused (its socket buffer is full), the
 upstream connection stops reading, so vLLM's bytes wait in the kernel, not in the sidecar.
@@ -22,7 +24,15 @@ from sidecar.assemble import Assembler
 from sidecar.pool import Pool, UpstreamClosed
 from sidecar.stream import StreamMeter
 
-__all__ = ["Pools", "StreamSink", "WholeSink"]
+__all__ = ["LEFT", "Left", "Pools", "StreamSink", "WholeSink"]
+
+
+class Left(Exception):
+    """The client's connection closed, as the result a stream's ``finished`` gets (never raised)."""
+
+
+# The one value of ``Left`` a stream's ``finished`` is given.
+LEFT = Left("the client closed the connection")
 
 
 class StreamSink:
@@ -35,13 +45,15 @@ class StreamSink:
         self.status = 0
         # The status once the head is in, or the exception that came instead.
         self.headed: asyncio.Future[int | BaseException] = loop.create_future()
-        # None once the response ended cleanly, else the exception that ended it.
+        # None once the response ended cleanly, else the exception that ended it, ``LEFT`` or
+        # the drain's ``CUT`` (whichever came first).
         self.finished: asyncio.Future[BaseException | None] = loop.create_future()
         self.writer: RawWriter | None = None
-        # What the client should see, metered before its response had started.
-        self.pending: list[bytes] = []
+        # What the client should see, metered before its response had started (made when needed:
+        # most streams start their response before their first block).
+        self.pending: list[bytes] | None = None
         # A refusal's body (any status but 200), read whole.
-        self.error: list[bytes] = []
+        self.error: list[bytes] | None = None
 
     def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """The status is in: the serving coroutine decides how to answer."""
@@ -52,6 +64,8 @@ class StreamSink:
     def body(self, data: bytes, now: float) -> None:
         """Meter a block read at ``now`` and relay it (the per-chunk path)."""
         if self.status != 200:
+            if self.error is None:
+                self.error = []
             self.error.append(data)
             return
         meter = self.meter
@@ -63,6 +77,8 @@ class StreamSink:
             writer = self.writer
             if writer is not None:
                 writer.write(out)
+            elif self.pending is None:
+                self.pending = [out]
             else:
                 self.pending.append(out)
 
@@ -73,12 +89,17 @@ class StreamSink:
         if not self.finished.done():
             self.finished.set_result(exc)
 
+    def client_left(self) -> None:
+        """The client's connection closed (``RawWriter.on_lost``)."""
+        if not self.finished.done():
+            self.finished.set_result(LEFT)
+
     def go_direct(self, writer: RawWriter) -> None:
         """The client's response has started: write what is held (one write), then every block
         at once."""
         if self.pending:
             writer.write(b"".join(self.pending))
-            self.pending.clear()
+            self.pending = None
         self.writer = writer
 
 

@@ -30,12 +30,22 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from sidecar.app import Sidecar
 
-__all__ = ["Drain", "drain"]
+__all__ = ["CUT", "Cut", "Drain", "drain"]
+
+_T = TypeVar("_T")
+
+
+class Cut(Exception):
+    """The drain's cut, as the result ``Drain.until_done`` gives (never raised)."""
+
+
+# The one value of ``Cut`` the futures woken by the cut are given.
+CUT = Cut("the drain period ran out")
 
 log = logging.getLogger("infermeter.sidecar")
 
@@ -50,9 +60,9 @@ class Drain:
     def __init__(self) -> None:
         self.draining = False
         self._cut: asyncio.Future[None] | None = None
-        # The waiters of ``until_first`` now waiting: a set, where callbacks on ``cut`` would be
-        # a list that every ending request scans (1,000 streams, 1,000 entries).
-        self._waiters: set[asyncio.Future[None]] = set()
+        # The futures ``until_first`` and ``until_done`` now wait on: a set, where callbacks on
+        # ``cut`` would be a list that every ending request scans (1,000 streams, 1,000 entries).
+        self._waiters: set[asyncio.Future[Any]] = set()
 
     @property
     def cut(self) -> asyncio.Future[None]:
@@ -70,8 +80,26 @@ class Drain:
         self.draining = True
         if not self.cut.done():
             self.cut.set_result(None)
-        for waiter in self._waiters:
-            _wake(waiter)
+        for waiter in list(self._waiters):
+            if not waiter.done():
+                waiter.set_result(CUT)
+
+    async def until_done(self, future: asyncio.Future[_T]) -> _T | Cut:
+        """``future``'s result, or ``CUT`` once running requests must end (it is given ``CUT``).
+
+        For a future whose result tells how the wait ended (a stream's end, its client leaving):
+        one set entry while it waits, where ``until_first`` takes a waiter, a callback on each
+        future and a coroutine. Cancelling the caller cancels ``future``.
+        """
+        if not future.done():
+            if self._cut is not None and self._cut.done():
+                return CUT
+            self._waiters.add(future)
+            try:
+                await future
+            finally:
+                self._waiters.discard(future)
+        return future.result()
 
     async def until_first(self, *futures: asyncio.Future[Any]) -> None:
         """Return once one of ``futures`` is done or running requests must end (``cut``).

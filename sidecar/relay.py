@@ -25,8 +25,8 @@ from infermeter.spool import SpoolError
 from sidecar.accounting import Accounting, Call
 from sidecar.admission import Refusal
 from sidecar.assemble import Assembler, answer, assemblable, streamed_body
-from sidecar.direct import Pools, StreamSink, WholeSink
-from sidecar.drain import Drain
+from sidecar.direct import LEFT, Pools, StreamSink, WholeSink
+from sidecar.drain import CUT, Drain
 from sidecar.journal import AdmissionJournal
 from sidecar.pool import Connection, request_head
 from sidecar.request_ids import response_id
@@ -163,46 +163,50 @@ class Relay:
 
     async def relay_direct(self, call: Call, send: Send, opened: DirectStream,
                            raw: RawWriter) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
-        """``stream`` on protocols, for a request ``open_direct`` sent."""
-        conn, sink = opened
-        try:
-            return await self._relay_direct(call, send, conn, sink, raw)
-        finally:
-            if not sink.finished.done():
-                # Cancelled or cut short: closing the connection makes vLLM abort the request.
-                conn.close()
+        """``stream`` on protocols, for a request ``open_direct`` sent.
 
-    async def _relay_direct(self, call: Call, send: Send, conn: Connection,
-                            sink: StreamSink, raw: RawWriter) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+        One coroutine waits on one future for the whole stream (``StreamSink.finished``, which
+        the end, the client leaving and the drain's cut all resolve): what an open stream holds.
+        """
+        conn, sink = opened
         meter = sink.meter
-        got = await sink.headed
-        if isinstance(got, BaseException):
-            raise _refusal(got)
-        if got != 200:
-            return await self._refused_direct(call, conn, sink, send)
-        self.journal.track(call.request_id, meter)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()),
-                                *call.echo_headers(), *call.ratelimit_headers()]})  # fmt: skip
-        sink.go_direct(raw)
-        raw.on_pause, raw.on_resume = conn.pause_reading, conn.resume_reading
-        if raw.paused:
-            conn.pause_reading()
-        status = RequestStatus.OK
+        finished = sink.finished
         try:
+            got = await sink.headed
+            if isinstance(got, BaseException):
+                raise _refusal(got)
+            if got != 200:
+                return await self._refused_direct(call, conn, sink, send)
+            self.journal.track(call.request_id, meter)
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()),
+                                    *call.echo_headers(), *call.ratelimit_headers()]})  # fmt: skip
+            sink.go_direct(raw)
+            raw.on_pause, raw.on_resume = conn.pause_reading, conn.resume_reading
             # The client's connection closing, not ASGI's disconnect message: no task to wait.
-            await self.drain.until_first(sink.finished, raw.lost)
+            raw.on_lost = sink.client_left
+            if raw.lost.done():
+                sink.client_left()
+            if raw.paused:
+                conn.pause_reading()
+            try:
+                ended = await self.drain.until_done(finished)
+            finally:
+                raw.on_pause = raw.on_resume = raw.on_lost = None
+                sink.writer = None
         finally:
-            raw.on_pause = raw.on_resume = None
-            sink.writer = None
-        if not sink.finished.done():
+            if not finished.done() or finished.cancelled():
+                # Cancelled: closing the connection makes vLLM abort the request.
+                conn.close()
+        status = RequestStatus.OK
+        if ended is LEFT or ended is CUT:
             # Closing the connection is what makes vLLM abort the request.
             conn.close()
             status = RequestStatus.CLIENT_ABORTED if raw.lost.done() else RequestStatus.INTERRUPTED
-        elif (exc := sink.finished.result()) is not None and not meter.done:
+        elif ended is not None and not meter.done:
             # (A failure after [DONE], while reading the terminator, loses nothing.)
             status = RequestStatus.UPSTREAM_ERROR
-            log.warning("upstream failed mid-stream on %s: %s", self.accounting.replica, exc)
+            log.warning("upstream failed mid-stream on %s: %s", self.accounting.replica, ended)
         return await self._end_stream(call, meter, status, send)
 
     async def _refused_direct(self, call: Call, conn: Connection, sink: StreamSink,
@@ -210,7 +214,7 @@ class Relay:
         # vLLM refuses bad streamed requests with a JSON error before any SSE: pass it on.
         if await sink.finished is not None:
             conn.close()
-        content = b"".join(sink.error)
+        content = b"".join(sink.error or ())
         status = RequestStatus.BAD_REQUEST if sink.status < 500 else RequestStatus.UPSTREAM_ERROR
         meter = StreamMeter(False, False, call.started)
         at = content.find(b'"usage":{')
