@@ -72,10 +72,14 @@ class Call:
         return [(b"x-request-id", self.client_request_id.encode())]
 
     def ratelimit_headers(self) -> list[tuple[bytes, bytes]]:
-        """The team's rate-limit state, as the admission left it."""
-        if self.admission is None:
+        """The team's rate-limit state, as the admission left it, for the one response that
+        carries it: handed over, not kept, since a stream would hold them (about 1 kB with
+        both limits) for its whole length."""
+        admission = self.admission
+        if admission is None or not admission.headers:
             return []
-        return [(k.encode(), v.encode()) for k, v in self.admission.headers]
+        headers, admission.headers = admission.headers, ()
+        return [(k.encode(), v.encode()) for k, v in headers]
 
 
 def admitted_fields(call: Call, replica: str, instance: str | None) -> dict[str, Any]:

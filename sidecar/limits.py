@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 
 from infermeter.config import TeamLimits
 
-__all__ = ["Admission", "LimitExceeded", "LimitsUnavailable", "RateLimiter", "ratelimit_headers"]
+__all__ = [
+    "HEADER_NAMES",
+    "Admission",
+    "LimitExceeded",
+    "LimitsUnavailable",
+    "RateLimiter",
+    "ratelimit_headers",
+]
 
 
 @dataclass
@@ -82,16 +89,28 @@ class Admission:
     settled: bool = field(default=False)
 
 
+# The header names of each bucket, made once.
+HEADER_NAMES = {
+    name: (
+        f"x-ratelimit-limit-{name}",
+        f"x-ratelimit-remaining-{name}",
+        f"x-ratelimit-reset-{name}",
+    )
+    for name in ("requests", "tokens")
+}
+
+
 def ratelimit_headers(state: _TeamState) -> tuple[tuple[str, str], ...]:
     """The ``x-ratelimit-*`` headers OpenAI clients read, for the limits the team has."""
     out: list[tuple[str, str]] = []
     for name, bucket in (("requests", state.requests), ("tokens", state.tokens)):
         if bucket is None:
             continue
+        limit, remaining, reset = HEADER_NAMES[name]
         out += [
-            (f"x-ratelimit-limit-{name}", str(int(bucket.capacity))),
-            (f"x-ratelimit-remaining-{name}", str(max(0, int(bucket.level)))),
-            (f"x-ratelimit-reset-{name}", f"{bucket.reset_seconds():.3f}s"),
+            (limit, str(int(bucket.capacity))),
+            (remaining, str(max(0, int(bucket.level)))),
+            (reset, f"{bucket.reset_seconds():.3f}s"),
         ]
     return tuple(out)
 

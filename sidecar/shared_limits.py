@@ -38,7 +38,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.exceptions import RedisError
 
 from infermeter.config import SharedLimitsSettings, TeamLimits
-from sidecar.limits import Admission, LimitExceeded, LimitsUnavailable, RateLimiter
+from sidecar.limits import (
+    HEADER_NAMES,
+    Admission,
+    LimitExceeded,
+    LimitsUnavailable,
+    RateLimiter,
+)
 from sidecar.live_instances import LiveInstances
 from sidecar.resp import NoScriptError, ReplyError, RespClient, Script, parse_url
 from sidecar.shared_scripts import ADMIT, RENEW, SETTLE
@@ -93,10 +99,11 @@ def shared_headers(lim: TeamLimits, requests: float, tokens: float) -> tuple[tup
                              ("tokens", lim.tokens_per_minute, tokens)):  # fmt: skip
         if cap is None:
             continue
+        limit, remaining, reset = HEADER_NAMES[name]
         out += [
-            (f"x-ratelimit-limit-{name}", str(cap)),
-            (f"x-ratelimit-remaining-{name}", str(max(0, int(level)))),
-            (f"x-ratelimit-reset-{name}", f"{max(0.0, (cap - level) * 60.0 / cap):.3f}s"),
+            (limit, str(cap)),
+            (remaining, str(max(0, int(level)))),
+            (reset, f"{max(0.0, (cap - level) * 60.0 / cap):.3f}s"),
         ]
     return tuple(out)
 

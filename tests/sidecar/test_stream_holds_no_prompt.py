@@ -1,10 +1,12 @@
-"""An open stream does not keep its request's parsed body (the prompt) while it runs.
+"""An open stream does not keep its request's parsed body (the prompt) or its rate-limit headers.
 
 A sidecar holds as many streams as vLLM runs, each for as long as it generates; a prompt of a
 few megabytes kept for each of them would be the largest thing in the process. Once the request
 is sent upstream, its parsed body is dropped (``Relay.open_direct``). Measured with tracemalloc
 on the allocations made where the body is parsed (``sidecar/admission.py``), while the stream is
 open: the upstream here reads the request and throws it away, so nothing else holds the prompt.
+Likewise for the ``x-ratelimit-*`` headers of a team with limits (about 1 kB a request, made in
+``sidecar/limits.py``): once the response has started with them, they are not kept.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ class _HeldStream:
                     "body": _CHUNK % (b"b", b'"stop"', 11, 2) + b"data: [DONE]\n\n"})  # fmt: skip
 
 
-def _held_by_admission(snapshot: tracemalloc.Snapshot) -> int:
-    kept = snapshot.filter_traces([tracemalloc.Filter(True, "*/sidecar/admission.py")])
+def _held_by(snapshot: tracemalloc.Snapshot, pattern: str) -> int:
+    kept = snapshot.filter_traces([tracemalloc.Filter(True, pattern)])
     return sum(stat.size for stat in kept.statistics("filename"))
 
 
@@ -63,10 +65,38 @@ async def test_an_open_stream_does_not_keep_a_large_prompt(stack_factory: StackF
             lines = r.aiter_lines()
             assert (await anext(lines)).startswith("data: ")
             gc.collect()
-            held = _held_by_admission(tracemalloc.take_snapshot())
+            held = _held_by(tracemalloc.take_snapshot(), "*/sidecar/admission.py")
             upstream.release.set()
             rest = [line async for line in lines]
     finally:
         tracemalloc.stop()
     assert "data: [DONE]" in rest
     assert held < 100_000, f"{held} bytes parsed from the request still held by the open stream"
+
+
+async def test_an_open_stream_does_not_keep_its_rate_limit_headers(
+    stack_factory: StackFactory,
+) -> None:
+    upstream = _HeldStream()
+    limits = {"requests_per_minute": 1000, "tokens_per_minute": 1_000_000}
+    stack = await stack_factory(upstream, **{"teams.0.limits": limits})
+    body = {"model": "chat-small", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    tracemalloc.start(1)
+    try:
+        async with (
+            stack.client() as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as r,
+        ):
+            assert r.headers["x-ratelimit-limit-requests"] == "1000"
+            assert r.headers["x-ratelimit-remaining-tokens"].isdigit()
+            await upstream.first_sent.wait()
+            lines = r.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            gc.collect()
+            held = _held_by(tracemalloc.take_snapshot(), "*/sidecar/limits.py")
+            upstream.release.set()
+            rest = [line async for line in lines]
+    finally:
+        tracemalloc.stop()
+    assert "data: [DONE]" in rest
+    assert held < 400, f"{held} bytes of the admission's limits still held by the open stream"
