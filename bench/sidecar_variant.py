@@ -9,6 +9,13 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
 - ``arena1``: glibc's malloc limited to one arena (``MALLOC_ARENA_MAX=1``), for RSS;
 - ``malloc``: Python's objects allocated by glibc's malloc, not pymalloc (``PYTHONMALLOC=malloc``),
   for RSS;
+- ``memory``: the unchanged sidecar, with a thread that writes every second to
+  ``SIDECAR_MEMORY_LOG`` (default ``sidecar-memory.txt``) its RSS, what glibc's malloc holds in
+  use and free (``mallinfo2``) and what Python's allocator holds in live and free blocks
+  (``sys._debugmallocstats``); with ``SIDECAR_TRACEMALLOC=1`` it also traces allocations and, at
+  each new RSS peak, writes to ``<log>.sites`` the 40 source lines whose live allocations grew
+  most since start-up (tracing makes every allocation dearer, so read the RSS of that run as
+  inflated);
 - ``cprofile``: the unchanged sidecar under cProfile from its ``SIDECAR_PROFILE_FROM``-th
   generation request (default 40) until the ``SIDECAR_PROFILE_TO``-th (default 200) ends; the
   stats go to ``SIDECAR_PROFILE`` (``pstats`` format). cProfile's cost per call inflates
@@ -16,6 +23,8 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
 
     SIDECAR_VARIANT=unmetered .venv/bin/python -m bench.sidecar_overhead --quick \\
         --phases paced_500 --sidecar-launcher bench/sidecar_variant.py
+    SIDECAR_VARIANT=memory SIDECAR_MEMORY_LOG=/tmp/mem.txt .venv/bin/python -m \
+        bench.sidecar_overhead --quick --phases rss_1000 --sidecar-launcher bench/sidecar_variant.py
     SIDECAR_VARIANT=cprofile SIDECAR_PROFILE=/tmp/c16.prof .venv/bin/python -m \
         bench.sidecar_overhead --quick --phases c16_json --sidecar-launcher bench/sidecar_variant.py
 
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -76,6 +86,79 @@ def _cprofile() -> None:
     Sidecar._generate = counted  # type: ignore[method-assign,assignment]
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return int(status.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+def _pymalloc_mb() -> tuple[float, float]:
+    """Python's allocator: MB in live blocks, MB in free blocks of its pools."""
+    read, write = os.pipe()
+    saved = os.dup(2)
+    os.dup2(write, 2)  # sys._debugmallocstats writes to the C stderr
+    os.close(write)
+    try:
+        sys._debugmallocstats()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    chunks = []
+    while chunk := os.read(read, 1 << 16):
+        chunks.append(chunk)
+    os.close(read)
+    values = {}
+    for line in b"".join(chunks).decode().splitlines():
+        key, _, value = line.partition("=")
+        values[key.strip()] = value.strip().replace(",", "")
+    mb = 1024 * 1024
+    return (int(values["# bytes in allocated blocks"]) / mb,
+            int(values["# bytes in available blocks"]) / mb)  # fmt: skip
+
+
+def _memory() -> None:
+    import ctypes
+    import threading
+    import tracemalloc
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks",
+                    "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    log = os.environ.get("SIDECAR_MEMORY_LOG", "sidecar-memory.txt")
+    sites = os.environ.get("SIDECAR_TRACEMALLOC") == "1"
+    if sites:
+        tracemalloc.start()
+
+    def watch() -> None:
+        mb = 1024 * 1024
+        base = None
+        peak = 0.0
+        with open(log, "w") as out:
+            while True:
+                time.sleep(1.0)
+                rss, info = _rss_mb(), libc.mallinfo2()
+                live, free = _pymalloc_mb()
+                out.write(f"{time.time():.0f} rss {rss:.1f} MB; malloc in use {info.uordblks / mb:.1f}, "
+                          f"free {info.fordblks / mb:.1f}, mmap {info.hblkhd / mb:.1f}; "
+                          f"pymalloc live {live:.1f}, free {free:.1f}\n")  # fmt: skip
+                out.flush()
+                if not sites:
+                    continue
+                if base is None:
+                    base = tracemalloc.take_snapshot()
+                elif rss > peak + 0.5:
+                    peak = rss
+                    grown = tracemalloc.take_snapshot().compare_to(base, "lineno")[:40]
+                    with open(log + ".sites", "w") as top:
+                        top.write(f"rss {rss:.1f} MB\n")
+                        top.writelines(f"{d.size_diff:>12,} B {d.count_diff:>9,} blocks  "
+                                       f"{d.traceback[0]}\n" for d in grown)  # fmt: skip
+
+    threading.Thread(target=watch, name="memory-log", daemon=True).start()
+
+
 def main() -> int:
     """Apply ``SIDECAR_VARIANT`` and run ``infermeter`` with this process's arguments."""
     variant = os.environ.get("SIDECAR_VARIANT", "")
@@ -93,6 +176,8 @@ def main() -> int:
         serving.loop_factory = lambda choice: None
     elif variant == "cprofile":
         _cprofile()
+    elif variant == "memory":
+        _memory()
     elif variant not in ("", "arena1", "malloc"):
         raise SystemExit(f"SIDECAR_VARIANT: unknown variant {variant!r}")
     from infermeter.cli import main as run_infermeter
