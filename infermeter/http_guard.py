@@ -24,11 +24,11 @@ wait, so the application's body deadline (a timer per request) can be skipped.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 __all__ = ["BODY_COMPLETE", "DEFAULT_LIMITS", "HEADERS_TOO_LARGE", "RAW_WRITER", "REQUEST_TIMEOUT",
-           "RawWriter", "ServerLimits", "guarded_protocol"]  # fmt: skip
+           "RawWriter", "ServerLimits", "WriterListener", "guarded_protocol"]  # fmt: skip
 
 RAW_WRITER = "infermeter.raw"
 BODY_COMPLETE = "infermeter.body_complete"
@@ -50,32 +50,45 @@ class ServerLimits:
 DEFAULT_LIMITS = ServerLimits()
 
 
+class WriterListener(Protocol):
+    """What a relay is told of its client's connection (``RawWriter.listener``)."""
+
+    def writer_paused(self) -> None:
+        """The client's socket buffer is full: stop producing."""
+
+    def writer_resumed(self) -> None:
+        """It drained: produce again."""
+
+    def writer_lost(self) -> None:
+        """The connection closed."""
+
+
 class RawWriter:
     """Chunks of a started chunked response, written to the client's transport past ASGI.
 
     The response must have been started with ``send`` (``http.response.start``, no
     content-length) and must be ended with ``send`` too (the last ``http.response.body``), so the
     server keeps its own account of the response; in between, ``write`` frames and writes each
-    piece at once. ``on_pause`` and ``on_resume`` are called when the client's socket buffer fills
-    and drains again; ``paused`` says which holds now. ``lost`` resolves when the connection
-    closes: a relay waits on it, where waiting for ASGI's ``http.disconnect`` takes a task.
+    piece at once. ``listener`` (a ``WriterListener``, one for the response being relayed) is told
+    when the client's socket buffer fills and drains again, and when the connection closes;
+    ``paused`` says which holds now. ``lost`` resolves when the connection closes: a relay waits
+    on it, where waiting for ASGI's ``http.disconnect`` takes a task. (One listener object, not a
+    callable per event: three bound methods would be about 200 bytes of every open stream.)
 
     ``head``: the response's head when the server holds it back to send it with the first piece
     of the body in one write (``infermeter.http_server``; uvicorn writes it at once).
     """
 
-    __slots__ = ("head", "lost", "on_lost", "on_pause", "on_resume", "paused", "transport")
+    __slots__ = ("head", "listener", "lost", "paused", "transport")
 
     def __init__(self, transport: asyncio.Transport, lost: asyncio.Future[None]) -> None:
         self.transport = transport
         self.lost = lost
         self.paused = False
         self.head = b""
-        self.on_pause: Callable[[], None] | None = None
-        self.on_resume: Callable[[], None] | None = None
-        # Told when the connection closes: a stream that waits for its end on one future of its
-        # own is woken by this hook, not by a callback on ``lost`` (which copies a context).
-        self.on_lost: Callable[[], None] | None = None
+        # Told when the connection closes too: a stream that waits for its end on one future of
+        # its own is woken by it, not by a callback on ``lost`` (which copies a context).
+        self.listener: WriterListener | None = None
 
     def write(self, data: bytes) -> None:
         """Write ``data`` as one chunk of the body (nothing for empty data)."""
@@ -86,11 +99,11 @@ class RawWriter:
             self.transport.write(frame)
 
     def connection_lost(self) -> None:
-        """The connection closed: resolve ``lost`` and call ``on_lost``."""
+        """The connection closed: resolve ``lost`` and tell the listener."""
         if not self.lost.done():
             self.lost.set_result(None)
-        if self.on_lost is not None:
-            self.on_lost()
+        if self.listener is not None:
+            self.listener.writer_lost()
 
     def flush(self) -> None:
         """Write a head still held back."""
@@ -102,14 +115,14 @@ class RawWriter:
     def pause(self) -> None:
         """The transport's buffer is full."""
         self.paused = True
-        if self.on_pause is not None:
-            self.on_pause()
+        if self.listener is not None:
+            self.listener.writer_paused()
 
     def resume(self) -> None:
         """The transport's buffer drained."""
         self.paused = False
-        if self.on_resume is not None:
-            self.on_resume()
+        if self.listener is not None:
+            self.listener.writer_resumed()
 
 
 def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:

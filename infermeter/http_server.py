@@ -490,35 +490,37 @@ class _Connection(asyncio.Protocol):
 
     def _start(self, exchange: _Exchange) -> None:
         self._answering = exchange
-        tasks = self.server.tasks
-        task = self.loop.create_task(self._run(exchange))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        # The task leaves the set at the end of ``_run``.
+        self.server.tasks.add(self.loop.create_task(self._run(exchange)))
 
     async def _run(self, exchange: _Exchange) -> None:
         try:
-            await self.server.app(exchange.scope, exchange.receive, exchange.send)
-        except asyncio.CancelledError:
-            self.close()
-            return
-        except BaseException as exc:  # the app's failure must not take the server down
-            log.error("Exception in ASGI application", exc_info=exc)
-            if exchange.done:
-                return  # its response is whole; the next request on the connection may run
-        else:
-            if self.lost or exchange.done:
+            try:
+                await self.server.app(exchange.scope, exchange.receive, exchange.send)
+            except asyncio.CancelledError:
+                self.close()
                 return
-            missing = "completing" if exchange.started else "starting"
-            log.error("ASGI callable returned without %s response.", missing)
-        if exchange.started or self.lost:
-            # Half a response cannot be mended: the client sees the connection close.
-            self.close()
-            return
-        exchange.keep_alive = False
-        await exchange.send(
-            {"type": "http.response.start", "status": 500, "headers": _SERVER_ERROR}
-        )
-        await exchange.send({"type": "http.response.body", "body": b"Internal Server Error"})
+            except BaseException as exc:  # the app's failure must not take the server down
+                log.error("Exception in ASGI application", exc_info=exc)
+                if exchange.done:
+                    return  # its response is whole; the next request on the connection may run
+            else:
+                if self.lost or exchange.done:
+                    return
+                missing = "completing" if exchange.started else "starting"
+                log.error("ASGI callable returned without %s response.", missing)
+            if exchange.started or self.lost:
+                # Half a response cannot be mended: the client sees the connection close.
+                self.close()
+                return
+            exchange.keep_alive = False
+            await exchange.send(
+                {"type": "http.response.start", "status": 500, "headers": _SERVER_ERROR}
+            )
+            await exchange.send({"type": "http.response.body", "body": b"Internal Server Error"})
+        finally:
+            # (Here, not a done callback: that would cost a bound method and a context copy.)
+            self.server.tasks.discard(asyncio.current_task())
 
     def _count(self, size: int) -> None:
         self._header_bytes += size

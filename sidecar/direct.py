@@ -8,7 +8,8 @@ serving the request only starts the response, waits for the end, the client leav
 drain, and then makes the record durable before the final ``data: [DONE]``, as the ASGI relay
 does (``sidecar.relay``). All three end the wait through the one future ``finished``: the
 upstream's end gives it None or the error, the client's connection closing ``LEFT``
-(``client_left``, the writer's ``on_lost``), the drain's cut ``sidecar.drain.CUT``.
+(``writer_lost``: the sink is the client writer's listener), the drain's cut
+``sidecar.drain.CUT``.
 
 Flow control both ways: while the client's transport is paused (its socket buffer is full), the
 upstream connection stops reading, so vLLM's bytes wait in the kernel, not in the sidecar.
@@ -21,7 +22,7 @@ from urllib.parse import urlsplit
 
 from infermeter.http_guard import RawWriter
 from sidecar.assemble import Assembler
-from sidecar.pool import Pool, UpstreamClosed
+from sidecar.pool import Connection, Pool, UpstreamClosed
 from sidecar.stream import StreamMeter
 
 __all__ = ["LEFT", "Left", "Pools", "StreamSink", "WholeSink"]
@@ -38,7 +39,7 @@ LEFT = Left("the client closed the connection")
 class StreamSink:
     """One streamed response: held until the client's response starts, then relayed directly."""
 
-    __slots__ = ("error", "finished", "headed", "meter", "pending", "status", "writer")
+    __slots__ = ("error", "finished", "headed", "meter", "pending", "status", "upstream", "writer")
 
     def __init__(self, meter: StreamMeter, loop: asyncio.AbstractEventLoop) -> None:
         self.meter = meter
@@ -49,6 +50,8 @@ class StreamSink:
         # the drain's ``CUT`` (whichever came first).
         self.finished: asyncio.Future[BaseException | None] = loop.create_future()
         self.writer: RawWriter | None = None
+        # The connection the response comes on, paused and resumed with the client's writer.
+        self.upstream: Connection | None = None
         # What the client should see, metered before its response had started (made when needed:
         # most streams start their response before their first block).
         self.pending: list[bytes] | None = None
@@ -89,8 +92,20 @@ class StreamSink:
         if not self.finished.done():
             self.finished.set_result(exc)
 
-    def client_left(self) -> None:
-        """The client's connection closed (``RawWriter.on_lost``)."""
+    # -- the client writer's listener (``infermeter.http_guard.WriterListener``) ----------------
+
+    def writer_paused(self) -> None:
+        """The client cannot take more for now: stop reading from the replica."""
+        if self.upstream is not None:
+            self.upstream.pause_reading()
+
+    def writer_resumed(self) -> None:
+        """The client takes more again."""
+        if self.upstream is not None:
+            self.upstream.resume_reading()
+
+    def writer_lost(self) -> None:
+        """The client's connection closed."""
         if not self.finished.done():
             self.finished.set_result(LEFT)
 

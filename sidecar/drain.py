@@ -30,18 +30,16 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sidecar.app import Sidecar
 
 __all__ = ["CUT", "Cut", "Drain", "drain"]
 
-_T = TypeVar("_T")
-
 
 class Cut(Exception):
-    """The drain's cut, as the result ``Drain.until_done`` gives (never raised)."""
+    """The drain's cut, as the result a watched future is given (``Drain.watch``; never raised)."""
 
 
 # The one value of ``Cut`` the futures woken by the cut are given.
@@ -60,7 +58,7 @@ class Drain:
     def __init__(self) -> None:
         self.draining = False
         self._cut: asyncio.Future[None] | None = None
-        # The futures ``until_first`` and ``until_done`` now wait on: a set, where callbacks on
+        # The futures ``until_first`` waits on and those ``watch`` watches: a set, where callbacks on
         # ``cut`` would be a list that every ending request scans (1,000 streams, 1,000 entries).
         self._waiters: set[asyncio.Future[Any]] = set()
 
@@ -84,22 +82,22 @@ class Drain:
             if not waiter.done():
                 waiter.set_result(CUT)
 
-    async def until_done(self, future: asyncio.Future[_T]) -> _T | Cut:
-        """``future``'s result, or ``CUT`` once running requests must end (it is given ``CUT``).
+    def watch(self, future: asyncio.Future[Any]) -> bool:
+        """Give ``future`` the result ``CUT`` when running requests must end; False (and nothing
+        watched) when they already must. ``unwatch`` it once it is done or no longer awaited.
 
-        For a future whose result tells how the wait ended (a stream's end, its client leaving):
-        one set entry while it waits, where ``until_first`` takes a waiter, a callback on each
-        future and a coroutine. Cancelling the caller cancels ``future``.
+        For a future whose result tells how a wait ended (a stream's end, its client leaving):
+        one set entry while it is awaited, where ``until_first`` takes a waiter, a callback on
+        each future and a coroutine.
         """
-        if not future.done():
-            if self._cut is not None and self._cut.done():
-                return CUT
-            self._waiters.add(future)
-            try:
-                await future
-            finally:
-                self._waiters.discard(future)
-        return future.result()
+        if self._cut is not None and self._cut.done() and not future.done():
+            return False
+        self._waiters.add(future)
+        return True
+
+    def unwatch(self, future: asyncio.Future[Any]) -> None:
+        """Stop watching ``future``."""
+        self._waiters.discard(future)
 
     async def until_first(self, *futures: asyncio.Future[Any]) -> None:
         """Return once one of ``futures`` is done or running requests must end (``cut``).

@@ -1,11 +1,9 @@
-"""Drain.until_first and until_done: a request's wait for its end, its client leaving or the cut."""
+"""Drain.until_first and watch: a request's wait for its end, its client leaving or the cut."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
-
-import pytest
 
 from sidecar.drain import CUT, Drain
 
@@ -60,46 +58,30 @@ async def test_a_cancelled_wait_unhooks_itself() -> None:
     ended.set_result(None)  # no waiter left to wake
 
 
-async def test_until_done_gives_the_result_and_leaves_nothing_behind() -> None:
-    """A stream's end, or its client leaving, is the result of the one future it waits on."""
-    drain = Drain()
-    loop = asyncio.get_running_loop()
-    ended: asyncio.Future[str] = loop.create_future()
-    wait = drain.until_done(ended)
-    waiting = loop.create_task(wait)
-    await asyncio.sleep(0)
-    assert not waiting.done()
-    ended.set_result("left")
-    assert await asyncio.wait_for(waiting, 1) == "left"
-    assert drain._waiters == set()
-
-
-async def test_the_cut_is_the_result_of_every_until_done_wait_and_of_later_ones() -> None:
+async def test_a_watched_future_is_given_the_cut_and_an_ended_one_keeps_its_result() -> None:
+    """A stream's own future is how its wait ends: its end, its client leaving, or the cut."""
     drain = Drain()
     loop = asyncio.get_running_loop()
     futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(3)]
-    coros = [drain.until_done(f) for f in futures]
-    waits = [loop.create_task(c) for c in coros]
-    await asyncio.sleep(0)
+    assert all(drain.watch(f) for f in futures)
+    futures[0].set_result("left")  # ended before the cut
     drain.cut_now()
-    assert await asyncio.wait_for(asyncio.gather(*waits), 1) == [CUT, CUT, CUT]
-    # The future itself holds the cut, so whoever else reads it sees how the wait ended.
-    assert [f.result() for f in futures] == [CUT, CUT, CUT]
-    assert await drain.until_done(loop.create_future()) is CUT
+    assert [f.result() for f in futures] == ["left", CUT, CUT]
+    for f in futures:
+        drain.unwatch(f)
+    assert drain._waiters == set()
+
+
+async def test_after_the_cut_nothing_more_is_watched() -> None:
+    """A wait that begins after the cut does not begin: the caller ends the stream at once."""
+    drain = Drain()
+    loop = asyncio.get_running_loop()
+    drain.cut_now()
+    pending: asyncio.Future[int] = loop.create_future()
+    assert not drain.watch(pending)
+    assert not pending.done()
     done: asyncio.Future[int] = loop.create_future()
     done.set_result(7)
-    assert await drain.until_done(done) == 7  # what ended before the cut is not overwritten
-
-
-async def test_cancelling_an_until_done_wait_cancels_its_future() -> None:
-    """The relay closes the replica's connection when it sees its future cancelled."""
-    drain = Drain()
-    ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    wait = drain.until_done(ended)
-    waiting = asyncio.get_running_loop().create_task(wait)
-    await asyncio.sleep(0)
-    waiting.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await waiting
-    assert ended.cancelled()
+    assert drain.watch(done)  # an ended one is awaited at once, for its own result
+    drain.unwatch(done)
     assert drain._waiters == set()
