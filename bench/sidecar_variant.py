@@ -16,6 +16,12 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
   each new RSS peak, writes to ``<log>.sites`` the 40 source lines whose live allocations grew
   most since start-up (tracing makes every allocation dearer, so read the RSS of that run as
   inflated);
+- ``stamps``: the unchanged sidecar, with the time of each step of a generation request taken
+  from the read that brought it (the app's start, the plan and admission, the journal, the
+  upstream write, the upstream head and first content, the first write to the client), the
+  medians written to ``SIDECAR_STAMPS`` (default ``sidecar-stamps.txt``) every 20 requests:
+  where the added TTFT of ``ttft_c1`` goes (run that phase alone: at any concurrency the steps
+  of different requests interleave);
 - ``cprofile``: the unchanged sidecar under cProfile from its ``SIDECAR_PROFILE_FROM``-th
   generation request (default 40) until the ``SIDECAR_PROFILE_TO``-th (default 200) ends; the
   stats go to ``SIDECAR_PROFILE`` (``pstats`` format). cProfile's cost per call inflates
@@ -23,6 +29,8 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
 
     SIDECAR_VARIANT=unmetered .venv/bin/python -m bench.sidecar_overhead --quick \\
         --phases paced_500 --sidecar-launcher bench/sidecar_variant.py
+    SIDECAR_VARIANT=stamps SIDECAR_STAMPS=/tmp/stamps.txt .venv/bin/python -m \
+        bench.sidecar_overhead --quick --phases ttft_c1 --sidecar-launcher bench/sidecar_variant.py
     SIDECAR_VARIANT=memory SIDECAR_MEMORY_LOG=/tmp/mem.txt .venv/bin/python -m \
         bench.sidecar_overhead --quick --phases rss_1000 --sidecar-launcher bench/sidecar_variant.py
     SIDECAR_VARIANT=cprofile SIDECAR_PROFILE=/tmp/c16.prof .venv/bin/python -m \
@@ -91,28 +99,33 @@ def _rss_mb() -> float:
         return int(status.read().split("VmRSS:")[1].split()[0]) / 1024
 
 
-def _pymalloc_mb() -> tuple[float, float]:
-    """Python's allocator: MB in live blocks, MB in free blocks of its pools."""
-    read, write = os.pipe()
-    saved = os.dup(2)
-    os.dup2(write, 2)  # sys._debugmallocstats writes to the C stderr
-    os.close(write)
-    try:
-        sys._debugmallocstats()
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-    chunks = []
-    while chunk := os.read(read, 1 << 16):
-        chunks.append(chunk)
-    os.close(read)
+def _pymalloc_mb() -> tuple[float, float] | None:
+    """Python's allocator: MB in live blocks, MB in free blocks of its pools (None when another
+    allocator is in front of it, as tracemalloc is)."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as stats:
+        saved = os.dup(2)
+        os.dup2(stats.fileno(), 2)  # sys._debugmallocstats writes to the C stderr
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        stats.seek(0)
+        text = stats.read().decode()
     values = {}
-    for line in b"".join(chunks).decode().splitlines():
+    for line in text.splitlines():
         key, _, value = line.partition("=")
         values[key.strip()] = value.strip().replace(",", "")
+    live, free = (
+        values.get("# bytes in allocated blocks"),
+        values.get("# bytes in available blocks"),
+    )
+    if live is None or free is None:
+        return None
     mb = 1024 * 1024
-    return (int(values["# bytes in allocated blocks"]) / mb,
-            int(values["# bytes in available blocks"]) / mb)  # fmt: skip
+    return int(live) / mb, int(free) / mb
 
 
 def _memory() -> None:
@@ -138,11 +151,14 @@ def _memory() -> None:
         with open(log, "w") as out:
             while True:
                 time.sleep(1.0)
-                rss, info = _rss_mb(), libc.mallinfo2()
-                live, free = _pymalloc_mb()
+                rss, info, blocks = _rss_mb(), libc.mallinfo2(), _pymalloc_mb()
+                python = (
+                    ""
+                    if blocks is None
+                    else f"; pymalloc live {blocks[0]:.1f}, free {blocks[1]:.1f}"
+                )
                 out.write(f"{time.time():.0f} rss {rss:.1f} MB; malloc in use {info.uordblks / mb:.1f}, "
-                          f"free {info.fordblks / mb:.1f}, mmap {info.hblkhd / mb:.1f}; "
-                          f"pymalloc live {live:.1f}, free {free:.1f}\n")  # fmt: skip
+                          f"free {info.fordblks / mb:.1f}, mmap {info.hblkhd / mb:.1f}{python}\n")  # fmt: skip
                 out.flush()
                 if not sites:
                     continue
@@ -157,6 +173,90 @@ def _memory() -> None:
                                        f"{d.traceback[0]}\n" for d in grown)  # fmt: skip
 
     threading.Thread(target=watch, name="memory-log", daemon=True).start()
+
+
+def _stamps() -> None:
+    import statistics
+    from typing import Any
+
+    from infermeter import http_guard, http_server
+    from sidecar import pool
+    from sidecar.app import Sidecar
+
+    out = os.environ.get("SIDECAR_STAMPS", "sidecar-stamps.txt")
+    clock = time.perf_counter
+    now: dict[str, float] = {}
+    rows: list[dict[str, float]] = []
+    steps = ("app", "planned", "admitted", "journaled", "sent", "upstream head", "upstream content",
+             "client write")  # fmt: skip
+
+    def report() -> None:
+        with open(out, "w") as f:
+            f.write(f"{len(rows)} requests; µs from the read that brought the request, median\n")
+            for step in steps:
+                values = [r[step] - r["read"] for r in rows[10:] if step in r]
+                if values:
+                    f.write(f"{step:>18} {statistics.median(values) * 1e6:8.0f}\n")
+
+    def wrap(cls: Any, name: str, before: str | None, after: str | None) -> None:
+        original = getattr(cls, name)
+
+        def stamped(*args: Any) -> Any:
+            if before is not None and before not in now:
+                now[before] = clock()
+            result = original(*args)
+            if after is not None and after not in now:
+                now[after] = clock()
+            return result
+
+        setattr(cls, name, stamped)
+
+    def wrap_async(cls: Any, name: str, before: str | None, after: str | None) -> None:
+        original = getattr(cls, name)
+
+        async def stamped(*args: Any) -> Any:
+            if before is not None:
+                now[before] = clock()
+            result = await original(*args)
+            if after is not None:
+                now[after] = clock()
+            return result
+
+        setattr(cls, name, stamped)
+
+    read = http_server._Connection.data_received
+
+    def data_received(self: Any, data: bytes) -> None:
+        if b"/v1/" in data[:64]:
+            now.clear()
+            now["read"] = clock()
+        read(self, data)
+
+    http_server._Connection.data_received = data_received  # type: ignore[method-assign]
+    wrap_async(Sidecar, "_generate", "app", None)
+    wrap_async(Sidecar, "admit_planned", "planned", "admitted")
+    wrap(Sidecar, "_enter", None, "journaled")
+    wrap(pool.Connection, "send", None, "sent")
+    wrap(pool.Connection, "on_headers_complete", "upstream head", None)
+    on_body = pool.Connection.on_body
+
+    def body(self: Any, data: bytes) -> None:
+        if "upstream content" not in now and b'"content"' in data:
+            now["upstream content"] = self.last_read
+        on_body(self, data)
+
+    pool.Connection.on_body = body  # type: ignore[method-assign,assignment]
+    write = http_guard.RawWriter.write
+
+    def client_write(self: Any, data: bytes) -> None:
+        write(self, data)
+        if "upstream content" in now and "client write" not in now:
+            now["client write"] = clock()
+            rows.append(dict(now))
+            if len(rows) % 20 == 0:
+                report()
+
+    http_guard.RawWriter.write = client_write  # type: ignore[method-assign]
 
 
 def main() -> int:
@@ -178,6 +278,8 @@ def main() -> int:
         _cprofile()
     elif variant == "memory":
         _memory()
+    elif variant == "stamps":
+        _stamps()
     elif variant not in ("", "arena1", "malloc"):
         raise SystemExit(f"SIDECAR_VARIANT: unknown variant {variant!r}")
     from infermeter.cli import main as run_infermeter
