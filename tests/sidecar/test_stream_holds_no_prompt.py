@@ -16,6 +16,8 @@ import gc
 import tracemalloc
 from typing import Any
 
+import httpx
+
 from infermeter.asgi import Receive, Scope, Send, read_body
 from tests.sidecar.conftest import StackFactory
 
@@ -48,12 +50,13 @@ def _held_by(snapshot: tracemalloc.Snapshot, pattern: str) -> int:
     return sum(stat.size for stat in kept.statistics("filename"))
 
 
-async def test_an_open_stream_does_not_keep_a_large_prompt(stack_factory: StackFactory) -> None:
+async def _held_while_open(
+    stack_factory: StackFactory, body: dict[str, Any], pattern: str, **settings: Any
+) -> tuple[int, httpx.Headers]:
+    """Bytes allocated in files matching ``pattern`` still held while a stream of ``body`` is
+    open (after its first event), and the response's headers."""
     upstream = _HeldStream()
-    stack = await stack_factory(upstream)
-    prompt = "word " * 800_000  # 4 MB
-    body: dict[str, Any] = {"model": "chat-small", "stream": True,
-                            "messages": [{"role": "user", "content": prompt}]}  # fmt: skip
+    stack = await stack_factory(upstream, **settings)
     tracemalloc.start(1)
     try:
         async with (
@@ -65,38 +68,31 @@ async def test_an_open_stream_does_not_keep_a_large_prompt(stack_factory: StackF
             lines = r.aiter_lines()
             assert (await anext(lines)).startswith("data: ")
             gc.collect()
-            held = _held_by(tracemalloc.take_snapshot(), "*/sidecar/admission.py")
+            held = _held_by(tracemalloc.take_snapshot(), pattern)
             upstream.release.set()
             rest = [line async for line in lines]
     finally:
         tracemalloc.stop()
     assert "data: [DONE]" in rest
+    return held, r.headers
+
+
+async def test_an_open_stream_does_not_keep_a_large_prompt(stack_factory: StackFactory) -> None:
+    prompt = "word " * 800_000  # 4 MB
+    body: dict[str, Any] = {"model": "chat-small", "stream": True,
+                            "messages": [{"role": "user", "content": prompt}]}  # fmt: skip
+    held, _ = await _held_while_open(stack_factory, body, "*/sidecar/admission.py")
     assert held < 100_000, f"{held} bytes parsed from the request still held by the open stream"
 
 
 async def test_an_open_stream_does_not_keep_its_rate_limit_headers(
     stack_factory: StackFactory,
 ) -> None:
-    upstream = _HeldStream()
-    limits = {"requests_per_minute": 1000, "tokens_per_minute": 1_000_000}
-    stack = await stack_factory(upstream, **{"teams.0.limits": limits})
     body = {"model": "chat-small", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    tracemalloc.start(1)
-    try:
-        async with (
-            stack.client() as client,
-            client.stream("POST", "/v1/chat/completions", json=body) as r,
-        ):
-            assert r.headers["x-ratelimit-limit-requests"] == "1000"
-            assert r.headers["x-ratelimit-remaining-tokens"].isdigit()
-            await upstream.first_sent.wait()
-            lines = r.aiter_lines()
-            assert (await anext(lines)).startswith("data: ")
-            gc.collect()
-            held = _held_by(tracemalloc.take_snapshot(), "*/sidecar/limits.py")
-            upstream.release.set()
-            rest = [line async for line in lines]
-    finally:
-        tracemalloc.stop()
-    assert "data: [DONE]" in rest
+    limits = {"requests_per_minute": 1000, "tokens_per_minute": 1_000_000}
+    held, headers = await _held_while_open(
+        stack_factory, body, "*/sidecar/limits.py", **{"teams.0.limits": limits}
+    )
+    assert headers["x-ratelimit-limit-requests"] == "1000"
+    assert headers["x-ratelimit-remaining-tokens"].isdigit()
     assert held < 400, f"{held} bytes of the admission's limits still held by the open stream"
