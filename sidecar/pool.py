@@ -8,8 +8,9 @@ relay meters a block and writes it to the client's transport in the same call, w
 switch and no copy beyond what the meter makes.
 
 The read timeout is swept, not timed per exchange: one timer for the whole pool wakes every
-quarter of the shortest timeout in flight (at most once a second) and fails the exchanges that
-have read nothing for their timeout, so one fires between the timeout and a quarter more. A
+quarter of the shortest timeout it has served since it was last idle (at most once a second)
+and fails the exchanges that have read nothing for their timeout, so one fires between the
+timeout and a quarter more (or a second more, for a timeout over four seconds). A
 timer per exchange cost every open stream about 500 bytes (the handle, its libuv timer and its
 arguments) and every request an arm and a cancel. Reads are paused and resumed by the sink
 (``pause_reading``), which is how a slow client slows its upstream instead of being buffered for
