@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from infermeter.config import TeamLimits
 
 __all__ = [
-    "HEADER_NAMES",
     "Admission",
     "LimitExceeded",
     "LimitsUnavailable",
     "RateLimiter",
+    "bucket_headers",
     "ratelimit_headers",
 ]
 
@@ -90,7 +90,7 @@ class Admission:
 
 
 # The header names of each bucket, made once.
-HEADER_NAMES = {
+_HEADER_NAMES = {
     name: (
         f"x-ratelimit-limit-{name}",
         f"x-ratelimit-remaining-{name}",
@@ -100,18 +100,24 @@ HEADER_NAMES = {
 }
 
 
+def bucket_headers(
+    name: str, limit: int, level: float, reset_seconds: float
+) -> list[tuple[str, str]]:
+    """The three ``x-ratelimit-*`` headers of one bucket (``requests`` or ``tokens``)."""
+    limit_name, remaining_name, reset_name = _HEADER_NAMES[name]
+    return [
+        (limit_name, str(limit)),
+        (remaining_name, str(max(0, int(level)))),
+        (reset_name, f"{reset_seconds:.3f}s"),
+    ]
+
+
 def ratelimit_headers(state: _TeamState) -> tuple[tuple[str, str], ...]:
     """The ``x-ratelimit-*`` headers OpenAI clients read, for the limits the team has."""
     out: list[tuple[str, str]] = []
     for name, bucket in (("requests", state.requests), ("tokens", state.tokens)):
-        if bucket is None:
-            continue
-        limit, remaining, reset = HEADER_NAMES[name]
-        out += [
-            (limit, str(int(bucket.capacity))),
-            (remaining, str(max(0, int(bucket.level)))),
-            (reset, f"{bucket.reset_seconds():.3f}s"),
-        ]
+        if bucket is not None:
+            out += bucket_headers(name, int(bucket.capacity), bucket.level, bucket.reset_seconds())
     return tuple(out)
 
 

@@ -39,11 +39,11 @@ from redis.exceptions import RedisError
 
 from infermeter.config import SharedLimitsSettings, TeamLimits
 from sidecar.limits import (
-    HEADER_NAMES,
     Admission,
     LimitExceeded,
     LimitsUnavailable,
     RateLimiter,
+    bucket_headers,
 )
 from sidecar.live_instances import LiveInstances
 from sidecar.resp import NoScriptError, ReplyError, RespClient, Script, parse_url
@@ -97,14 +97,8 @@ def shared_headers(lim: TeamLimits, requests: float, tokens: float) -> tuple[tup
     out: list[tuple[str, str]] = []
     for name, cap, level in (("requests", lim.requests_per_minute, requests),
                              ("tokens", lim.tokens_per_minute, tokens)):  # fmt: skip
-        if cap is None:
-            continue
-        limit, remaining, reset = HEADER_NAMES[name]
-        out += [
-            (limit, str(cap)),
-            (remaining, str(max(0, int(level)))),
-            (reset, f"{max(0.0, (cap - level) * 60.0 / cap):.3f}s"),
-        ]
+        if cap is not None:
+            out += bucket_headers(name, cap, level, max(0.0, (cap - level) * 60.0 / cap))
     return tuple(out)
 
 
