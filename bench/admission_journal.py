@@ -12,7 +12,9 @@ cost is measured and not the noise of a loaded machine around it:
   journal does not touch, next to the marks' cost spread over the chunks of an interval: one
   tick over ``--streams`` running streams whose counts all moved, divided by the chunks those
   streams relay in ``journal_mark_millis`` at ``--tokens-per-second`` each;
-- ``fsync``: one fsync of the journal file (run off the event loop, once per mark interval).
+- ``fsync``: one fsync of the journal file (run off the event loop, once per mark interval);
+- ``rotation``: reading the running streams' admission lines back from a full file (8 MiB of
+  admissions, ends and marks), which a rotation does on the event loop, once per file.
 
     .venv/bin/python -m bench.admission_journal            # about 10 seconds
     .venv/bin/python -m bench.admission_journal --json
@@ -106,6 +108,16 @@ async def measure(directory: Path, streams: int, tokens_per_second: float, mark_
         ticks.append((time.thread_time() - start) * 1e6)
     tick_us = statistics.median(ticks)
     chunks_per_tick = streams * tokens_per_second * mark_millis / 1000
+    while journal._size < journal.rotate_bytes:
+        for _ in range(1000):
+            one_request()
+        journal._mark_all(time.time())
+    reads = []
+    for _ in range(5):
+        start = time.thread_time()
+        found = journal._admission_lines()
+        reads.append((time.thread_time() - start) * 1e6)
+    assert len(found) == streams
     fsyncs = []
     for _ in range(20):
         start = time.perf_counter()
@@ -120,6 +132,8 @@ async def measure(directory: Path, streams: int, tokens_per_second: float, mark_
         "fsync_p50_us": statistics.median(fsyncs),
         "fsync_max_us": max(fsyncs),
         "fsyncs_per_second": 1000 / mark_millis,
+        "rotation_read_us": statistics.median(reads),
+        "rotation_file_bytes": journal._size,
     }
 
 
@@ -144,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f" {figures['mark_tick_us'] / 1000:.2f} ms every {args.mark_millis} ms)")  # fmt: skip
     print(f"fsync of the journal (off the loop):     {figures['fsync_p50_us']:8.0f} us p50,"
           f" {figures['fsync_max_us']:.0f} us max, {figures['fsyncs_per_second']:g} a second")  # fmt: skip
+    print(f"rotation: reading back {args.streams} admissions: {figures['rotation_read_us'] / 1000:8.2f} ms"
+          f" (from a {figures['rotation_file_bytes'] / 2**20:.1f} MiB file, on the loop, once a file)")  # fmt: skip
     return 0
 
 

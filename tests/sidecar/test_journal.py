@@ -186,3 +186,21 @@ async def test_interrupted_now_uses_the_counts_of_this_moment(tmp_path):
     assert (record.status, record.completion_tokens, record.usage_exact) == ("interrupted", 3, True)
     assert record.first_token_at == pytest.approx(T0 + 0.5)
     await journal.close()
+
+
+async def test_a_line_not_where_it_was_written_is_left_out_not_misread(tmp_path, caplog):
+    """Running requests are read back by offset and checked: a file changed under the journal
+    gives no wrong record, only an error (recovery at the next start reads the file whole)."""
+    journal = AdmissionJournal(tmp_path / "journal", 60)
+    journal.open()
+    journal.admit(admitted("r1").to_json(), 0.0)
+    journal.admit(admitted("r2").to_json(), 0.0)
+    assert [r.request_id for r in journal.interrupted_now()] == ["r1", "r2"]
+    assert journal._path is not None
+    with journal._path.open("r+b") as fh:
+        fh.write(b"x")  # r1's line no longer begins as an admission
+    assert [r.request_id for r in journal.interrupted_now()] == ["r2"]
+    assert "request r1 is not where it was written" in caplog.text
+    journal._path.write_bytes(b"")
+    assert journal.interrupted_now() == []
+    await journal.close()
