@@ -124,6 +124,15 @@ async def _connect(srv: HttpServer) -> tuple[asyncio.StreamReader, asyncio.Strea
     return await asyncio.open_connection(srv.host, srv.port)
 
 
+async def _answered_then_closed(reader: asyncio.StreamReader) -> bytes:
+    """The status line of the answer read, which says ``connection: close`` and is the last
+    thing on the connection before it closes."""
+    status, headers, _ = await _read_response(reader)
+    assert headers[b"connection"] == b"close"
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    return status
+
+
 async def test_requests_on_one_kept_alive_connection_are_answered_in_turn() -> None:
     async with _serving(_App()) as srv:
         reader, writer = await _connect(srv)
@@ -202,9 +211,7 @@ async def test_a_connection_the_client_will_not_keep_is_closed_after_its_answer(
     async with _serving(_App()) as srv:
         reader, writer = await _connect(srv)
         writer.write(request_line)
-        _, headers, _ = await _read_response(reader)
-        assert headers[b"connection"] == b"close"
-        assert await asyncio.wait_for(reader.read(), 5) == b""
+        await _answered_then_closed(reader)
         writer.close()
 
 
@@ -394,9 +401,7 @@ async def test_an_upgrade_request_cannot_carry_a_second_request() -> None:
         await writer.drain()
         await asyncio.sleep(0.1)
         writer.write(smuggled)
-        _, headers, _ = await _read_response(reader)
-        assert headers[b"connection"] == b"close"
-        assert await asyncio.wait_for(reader.read(), 5) == b""
+        await _answered_then_closed(reader)
         writer.close()
     assert app.paths == ["/echo"]
 
