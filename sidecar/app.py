@@ -415,7 +415,7 @@ class Sidecar:
                 usage, finish = meter.usage, meter.finish_reason
             else:
                 usage, status, _, finish = await self.relay.whole(
-                    call, receive, send, body, upstream, None if raw is None else raw.lost
+                    call, receive, send, body, upstream, raw
                 )
         except Refusal as refused:
             status = await self._refuse(call, refused, send)

@@ -63,10 +63,7 @@ _WHEN_OFF = frozenset({"stream", "logprobs", "top_logprobs", "echo", "use_beam_s
 _FALSE_IS_OFF = frozenset({"stream", "logprobs", "echo", "use_beam_search", "return_token_ids",
                            "return_tokens_as_token_ids"})  # fmt: skip
 _PROMPT_DETAILS = ("cached_tokens", "created_cache_tokens", "multimodal_tokens")
-_USAGE_KEY = b'"usage":{'
 _DONE = b"data: [DONE]\n\n"
-# vLLM's error event, the one event that is not a chunk: ``data: {"error": {...}}``.
-_ERROR = b'data: {"error"'
 
 
 def assemblable(endpoint: str, body: dict[str, Any]) -> bool:
@@ -108,31 +105,63 @@ class _Choice:
 class Assembler:
     """Reads one vLLM stream and builds the non-streamed answer it stands for.
 
-    While the stream runs, a block costs a few byte searches (the latest usage, the end); the
-    events are parsed once, together, when the answer is built. A stream abandoned half-way is
-    never parsed: its latest usage is all that is needed.
+    While the stream runs, a block is only kept: the events are parsed once, together, when the
+    stream has ended and the answer is built, or when a stream abandoned half-way is asked for
+    the tokens it had spent. Everything read from it (``done``, ``error``, ``usage``,
+    ``response_id``) is what the blocks fed so far hold.
     """
 
     endpoint: str
     # Choices per prompt (the request's ``n``): a cut-short stream's counts are per choice.
     n: int = 1
-    done: bool = False
+    _done: bool = False
     # ``{"message", "type", "param", "code"}`` when vLLM ended the stream with an error event.
-    error: dict[str, Any] | None = None
-    response_id: str | None = None
+    _error: dict[str, Any] | None = None
+    _response_id: str | None = None
     _head: dict[str, Any] = field(default_factory=dict)
     _choices: dict[int, _Choice] = field(default_factory=dict)
     _final: dict[str, Any] = field(default_factory=dict)
+    # Blocks fed and not parsed yet; ``_tail`` is the parsed text's incomplete last event.
     _blocks: list[bytes] = field(default_factory=list)
-    _usage_raw: bytes = b""
     _tail: bytes = b""
+    _started: bool = False
+    # The usage object of the latest chunk that carried one.
+    _usage: dict[str, Any] | None = None
     # The latest (prompt, completion) counts of each choice, for a stream that was cut short.
     _per_choice: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def feed(self, block: bytes) -> None:
+        """Take a block of the stream as it arrived (events may be split across blocks)."""
+        self._blocks.append(block)
+
+    @property
+    def done(self) -> bool:
+        """True once vLLM's ``[DONE]`` was fed."""
+        self._parse()
+        return self._done
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        """vLLM's error event, when the stream ended with one."""
+        self._parse()
+        return self._error
+
+    @property
+    def response_id(self) -> str | None:
+        """vLLM's id for the response, from the first event."""
+        self._parse()
+        return self._response_id
 
     @property
     def usage(self) -> UsageCounts | None:
         """The latest token counts vLLM reported, None before any."""
-        return parse_usage(self._usage_raw) if self._usage_raw else None
+        self._parse()
+        u = self._usage
+        if u is None:
+            return None
+        details = u.get("prompt_tokens_details") or {}
+        return UsageCounts(int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0),
+                           int(details.get("cached_tokens") or 0))  # fmt: skip
 
     def usage_so_far(self) -> UsageCounts | None:
         """The tokens spent on a stream that did not finish: every choice's latest counts.
@@ -141,8 +170,7 @@ class Assembler:
         tokens and its prompt's tokens, so ``n > 1`` or several prompts are summed here.
         """
         latest = self.usage
-        self._parse()
-        if latest is None or self.done or not self._per_choice:
+        if latest is None or self._done or not self._per_choice:
             return latest
         prompts = {i // self.n: p for i, (p, _) in sorted(self._per_choice.items())}
         completion = sum(c for _, c in self._per_choice.values())
@@ -151,78 +179,84 @@ class Assembler:
     @property
     def finish_reason(self) -> str | None:
         """The first choice's finish reason, once the answer is built."""
+        self._parse()
         first = self._choices.get(min(self._choices)) if self._choices else None
         return None if first is None else first.finish_reason
 
-    def feed(self, block: bytes) -> None:
-        """Take a block of the stream as it arrived (events may be split across blocks)."""
-        data = self._tail + block
+    def _parse(self) -> None:
+        """Parse every whole event fed so far, all in one ``orjson.loads``."""
+        if not self._blocks:
+            return
+        data = b"".join([self._tail, *self._blocks])
+        self._blocks = []
         end = data.rfind(b"\n\n")
         if end < 0:
             self._tail = data
             return
         self._tail = data[end + 2 :]
         data = data[: end + 2]
-        self._blocks.append(data)
-        if self.response_id is None:
-            self.response_id = response_id(data)
-        at = data.rfind(_USAGE_KEY)
-        if at >= 0:
-            # One level of nesting (prompt_tokens_details) fits well within 400 bytes.
-            self._usage_raw = data[at : at + 400]
+        if not self._started:
+            self._started = True
+            self._response_id = response_id(data)
+        payloads = [line[6:] for line in data.split(b"\n") if line.startswith(b"data: {")]
         if _DONE in data:
-            self.done = True
-        if _ERROR in data:
-            self._parse()
-
-    def _parse(self) -> None:
-        """Parse every event read so far, all in one ``orjson.loads``."""
-        payloads = [line[6:] for line in b"".join(self._blocks).split(b"\n")
-                    if line.startswith(b"data: {")]  # fmt: skip
-        self._blocks = []
+            self._done = True
+        if not payloads:
+            return
+        chat = self.endpoint == CHAT
         for chunk in orjson.loads(b"[" + b",".join(payloads) + b"]"):
-            self._take(chunk)
+            self._take(chunk, chat)
 
-    def _take(self, chunk: dict[str, Any]) -> None:
-        if "error" in chunk and "choices" not in chunk:
-            self.error = chunk["error"]
+    def _take(self, chunk: dict[str, Any], chat: bool) -> None:
+        choices: list[dict[str, Any]] | None = chunk.get("choices")
+        if choices is None and "error" in chunk:
+            self._error = chunk["error"]
             return
         if not self._head:
             self._head = {k: chunk[k] for k in ("id", "created", "model")}
-        choices: list[dict[str, Any]] = chunk.get("choices") or []
-        for c in choices:
-            self._choice(c)
+        for c in choices or ():
+            self._choice(c, chat)
         usage = chunk.get("usage")
-        if usage and len(choices) == 1:
-            self._per_choice[int(choices[0]["index"])] = (
-                int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))  # fmt: skip
+        if usage:
+            self._usage = usage
+            if choices and len(choices) == 1:
+                self._per_choice[int(choices[0]["index"])] = (
+                    int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))  # fmt: skip
         if not choices:
             # The final usage chunk: vLLM's fingerprint and per-request metrics ride on it.
             self._final = chunk
 
-    def _choice(self, c: dict[str, Any]) -> None:
+    def _choice(self, c: dict[str, Any], chat: bool) -> None:
         index = int(c["index"])
         choice = self._choices.get(index)
         if choice is None:  # (not setdefault: that would build a _Choice for every chunk)
             choice = self._choices[index] = _Choice()
-        if self.endpoint == CHAT:
+        if chat:
             delta = c.get("delta") or {}
-            choice.role = delta.get("role", choice.role)
-            if delta.get("content") is not None:
-                choice.parts.append(delta["content"])
-            if delta.get("reasoning") is not None:
-                choice.reasoning = [*(choice.reasoning or ()), delta["reasoning"]]
-        elif c.get("text") is not None:
-            choice.parts.append(c["text"])
-        if c.get("finish_reason") is not None:
-            choice.finish_reason, choice.stop_reason = c["finish_reason"], c.get("stop_reason")
+            role = delta.get("role")
+            if role is not None:
+                choice.role = role
+            content = delta.get("content")
+            if content is not None:
+                choice.parts.append(content)
+            reasoning = delta.get("reasoning")
+            if reasoning is not None:
+                choice.reasoning = [*(choice.reasoning or ()), reasoning]
+        else:
+            text = c.get("text")
+            if text is not None:
+                choice.parts.append(text)
+        finish = c.get("finish_reason")
+        if finish is not None:
+            choice.finish_reason, choice.stop_reason = finish, c.get("stop_reason")
 
     def error_body(self) -> tuple[int, bytes]:
         """The status and body vLLM answers a non-streamed request with for the stream's error."""
-        assert self.error is not None
-        code = self.error.get("code")
+        error = self.error
+        assert error is not None
+        code = error.get("code")
         status = code if isinstance(code, int) and 400 <= code <= 599 else 500
-        return status, _dumps({"error": self.error})
+        return status, _dumps({"error": error})
 
     def body(self) -> bytes:
         """The non-streamed answer, as vLLM serialises it."""
@@ -312,7 +346,7 @@ def answer(upstream_status: int, whole: bytes | None, assembler: Assembler) -> A
         usage = parse_usage(whole[at:]) if at >= 0 else None
         status = RequestStatus.OK if upstream_status == 200 else _failed(upstream_status)
         return Answer(status, upstream_status, whole, usage)
-    if assembler.error is not None:
+    if assembler.error is not None:  # (parses what the stream held, once)
         code, body = assembler.error_body()
         return Answer(_failed(code), code, body, assembler.usage)
     if not assembler.done:

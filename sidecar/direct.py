@@ -142,8 +142,7 @@ class WholeSink:
         """Keep a piece of the body, or feed it to the assembler."""
         if self.streamed:
             assert self.assembler is not None
-            if not self.assembler.done:
-                self.assembler.feed(data)
+            self.assembler.feed(data)
         else:
             self.parts.append(data)
 
@@ -151,6 +150,19 @@ class WholeSink:
         """Wake the waiting coroutine."""
         if not self.finished.done():
             self.finished.set_result(exc)
+
+    # -- the client writer's listener (``infermeter.http_guard.WriterListener``) ----------------
+
+    def writer_paused(self) -> None:
+        """Nothing to do: the answer is written once it is whole."""
+
+    def writer_resumed(self) -> None:
+        """Nothing to do: the answer is written once it is whole."""
+
+    def writer_lost(self) -> None:
+        """The client's connection closed."""
+        if not self.finished.done():
+            self.finished.set_result(LEFT)
 
 
 class Pools:

@@ -21,6 +21,7 @@ waiting.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import deque
 from typing import Protocol, cast
@@ -181,6 +182,30 @@ class Connection(asyncio.Protocol):
         """Read again."""
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
+
+    def read_received(self, limit: int = 1 << 20) -> None:
+        """Parse what the kernel has received on the connection and the loop has not read yet.
+
+        Called before closing on an exchange whose client left: those bytes are tokens the
+        replica spent and sent, and the record bills them, where closing would drop them unread
+        (how many there are depends on how busy the loop was, not on the replica). At most
+        ``limit`` bytes: the replica goes on writing until it sees the close.
+        """
+        transport = self.transport
+        sock = None if transport is None else transport.get_extra_info("socket")
+        if sock is None:
+            return
+        fd = sock.fileno()
+        while limit > 0 and self._sink is not None and not self.closed:
+            try:
+                # The socket is non-blocking (the loop's): this takes what is there, no more.
+                data = os.read(fd, min(limit, 65536))
+            except OSError:  # BlockingIOError: nothing more; any other: the close is next anyway
+                return
+            if not data:
+                return
+            limit -= len(data)
+            self.data_received(data)
 
     def close(self) -> None:
         """Close the connection: a request still running is aborted by vLLM when it sees this."""

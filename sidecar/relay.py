@@ -43,6 +43,8 @@ log = logging.getLogger("infermeter.sidecar")
 _T = TypeVar("_T")
 # How a non-streamed exchange raced against the client and the drain ended (``Relay._race``).
 _Ended = Literal["done", "left", "cut"]
+# A non-streamed exchange's outcome: the response and its body (None: read into an assembler).
+_Exchanged = tuple["aiohttp.ClientResponse | WholeSink", bytes | None]
 
 JSON = (b"content-type", b"application/json")
 _SSE = (b"content-type", b"text/event-stream; charset=utf-8")
@@ -204,6 +206,10 @@ class Relay:
         ended = finished.result() if finished.done() else CUT
         status = RequestStatus.OK
         if ended is LEFT or ended is CUT:
+            if raw.lost.done():
+                # What vLLM sent until the client left was spent on it: metered, then dropped.
+                # (A drain's cut bills only what the client was given.)
+                conn.read_received()
             # Closing the connection is what makes vLLM abort the request.
             conn.close()
             status = RequestStatus.CLIENT_ABORTED if raw.lost.done() else RequestStatus.INTERRUPTED
@@ -274,18 +280,18 @@ class Relay:
     # -- whole -----------------------------------------------------------------------------------
 
     async def whole(self, call: Call, receive: Receive, send: Send, body: dict[str, Any],
-                    headers: dict[str, str], lost: asyncio.Future[None] | None = None) -> Whole:  # fmt: skip
+                    headers: dict[str, str], raw: RawWriter | None = None) -> Whole:  # fmt: skip
         """Relay a non-streamed request.
 
-        ``lost``: resolves when the client's connection closes (``RawWriter.lost``); without
-        it, ASGI's disconnect message is awaited instead, in a task of its own.
+        ``raw``: the client's writer, whose connection closing tells that the client left;
+        without it, ASGI's disconnect message is awaited instead, in a task of its own.
         """
         if self.assemble and assemblable(call.endpoint, body):
-            return await self._assembled(call, receive, send, body, headers, lost)
+            return await self._assembled(call, receive, send, body, headers, raw)
 
         direct = self.direct and self.pools.get(self.upstream) is not None
 
-        async def exchange() -> tuple[aiohttp.ClientResponse | WholeSink, bytes]:
+        async def exchange() -> _Exchanged:
             if direct:
                 sink = await self._exchange_direct(call, body, headers, None)
                 return sink, b"".join(sink.parts)
@@ -298,7 +304,10 @@ class Relay:
             response.release()
             return response, content
 
-        work, ended = await self._race(exchange(), receive, lost)
+        if direct and raw is not None:
+            work, ended = await self._whole_direct(call, body, headers, None, raw)
+        else:
+            work, ended = await self._race(exchange(), receive, None if raw is None else raw.lost)
         if ended == "cut":
             return await self._cut(call, work, send)
         if ended == "left":
@@ -309,6 +318,7 @@ class Relay:
             return None, RequestStatus.CLIENT_ABORTED, 499, None
         try:
             response, content = work.result()
+            assert content is not None  # (read whole: there is no assembler)
         except upstream_errors() as exc:
             code, message = upstream_failure(exc)
             raise Refusal(code, orjson.loads(message)["error"]["message"], "upstream_error",
@@ -346,7 +356,7 @@ class Relay:
             await work
         return work, "left"
 
-    async def _cut(self, call: Call, work: asyncio.Task[Any], send: Send,
+    async def _cut(self, call: Call, work: asyncio.Future[Any], send: Send,
                    assembler: Assembler | None = None) -> Whole:  # fmt: skip
         """End a non-streamed request still running past the drain: 503 and its record.
 
@@ -368,7 +378,7 @@ class Relay:
         return usage, RequestStatus.INTERRUPTED, 503, None
 
     async def _assembled(self, call: Call, receive: Receive, send: Send, body: dict[str, Any],
-                         headers: dict[str, str], lost: asyncio.Future[None] | None) -> Whole:  # fmt: skip
+                         headers: dict[str, str], raw: RawWriter | None) -> Whole:  # fmt: skip
         """A non-streamed request served from vLLM's stream (``sidecar.assemble``)."""
         n = body.get("n")
         assembler = Assembler(call.endpoint, n if isinstance(n, int) and n > 0 else 1)
@@ -392,7 +402,12 @@ class Relay:
             response.release()
             return response, whole
 
-        work, ended = await self._race(exchange(), receive, lost)
+        if direct and raw is not None:
+            work, ended = await self._whole_direct(
+                call, streamed_body(body), headers, assembler, raw
+            )
+        else:
+            work, ended = await self._race(exchange(), receive, None if raw is None else raw.lost)
         if ended == "cut":
             return await self._cut(call, work, send, assembler)
         if ended == "left":
@@ -425,11 +440,57 @@ class Relay:
         except SpoolError:
             raise Refusal(503, *_WITHHELD) from None
         # The stream's own content type gives way to the one vLLM gives a whole answer.
-        raw = response.raw_headers
+        head = response.raw_headers
         if whole is None:
-            raw = ((b"content-type", b"application/json"), *((k, v) for k, v in raw if k.lower() != b"content-type"))  # fmt: skip
-        await respond(send, out.http_status, out.body, whole_headers(call, raw))
+            head = ((b"content-type", b"application/json"), *((k, v) for k, v in head if k.lower() != b"content-type"))  # fmt: skip
+        await respond(send, out.http_status, out.body, whole_headers(call, head))
         return out.usage, out.status, out.http_status, finish
+
+    async def _whole_direct(self, call: Call, body: dict[str, Any], headers: dict[str, str],
+                            assembler: Assembler | None,
+                            raw: RawWriter) -> tuple[asyncio.Future[_Exchanged], _Ended]:  # fmt: skip
+        """A whole exchange on the protocol pool, waited for as a stream is (``relay_direct``).
+
+        The response's end, the client's connection closing (the sink is the client writer's
+        listener) and the drain's cut all resolve the sink's one future ``finished``: no task
+        and no race. What ``_race`` gives, as a future already done: the exchange's outcome (or
+        error) and how the wait ended; on ``left`` and ``cut`` the connection is closed, which
+        makes vLLM abort the request.
+        """
+        loop = asyncio.get_running_loop()
+        work: asyncio.Future[_Exchanged] = loop.create_future()
+        sink = WholeSink(loop, assembler)
+        try:
+            conn = await self._send_direct(call, body, headers, sink)
+        except Exception as exc:
+            work.set_exception(exc)
+            return work, "done"
+        assert conn is not None
+        finished = sink.finished
+        raw.listener = sink
+        if raw.lost.done():
+            sink.writer_lost()
+        try:
+            if self.drain.watch(finished):
+                await finished
+        finally:
+            self.drain.unwatch(finished)
+            raw.listener = None
+            if not finished.done() or finished.cancelled():
+                conn.close()
+        ended = finished.result() if finished.done() else CUT
+        if ended is LEFT or ended is CUT:
+            # The client gets nothing either way; what vLLM sent until now was spent on it.
+            conn.read_received()
+            conn.close()
+            work.cancel()
+            return work, "left" if ended is LEFT else "cut"
+        if ended is None:
+            work.set_result((sink, None if sink.streamed else b"".join(sink.parts)))
+        else:
+            # Nothing came back: unreachable or timed out, as a refused connection is.
+            work.set_exception(_refusal(ended) if sink.status == 0 else ended)
+        return work, "done"
 
     async def _exchange_direct(self, call: Call, body: dict[str, Any], headers: dict[str, str],
                                assembler: Assembler | None) -> WholeSink:  # fmt: skip

@@ -101,7 +101,11 @@ async def test_abandoned_requests_are_aborted_and_carry_vllms_counts(real_vllm, 
     """Hang-ups mid-generation: vLLM stops at once; records hold its counter deltas, less the tail.
 
     The hang-ups come at a share of the time vLLM takes for the whole answer on this machine,
-    measured first. The test's HTTP clients are made once, before vLLM is busy: the sidecar runs
+    measured first, warm (the first answer of a fresh vLLM takes several times longer). The tail
+    is what vLLM generated after the last chunk the sidecar read: a few tokens per hang-up, plus
+    what vLLM makes while it notices the closed connection, which took up to 0.8 s when its own
+    threads held both cores (the sidecar had mostly closed within milliseconds of the hang-up), so
+    it is bounded by vLLM's rate over the time it took to stop. The test's HTTP clients are made once, before vLLM is busy: the sidecar runs
     on the test's event loop, and building a client (it loads the CA bundle, synchronously) took
     1-2 s of that loop while vLLM's threads held both cores, so the sidecar saw the hang-up only
     when vLLM had finished. A try that vLLM finished anyway is recorded ``ok``, counted like the
@@ -117,12 +121,15 @@ async def test_abandoned_requests_are_aborted_and_carry_vllms_counts(real_vllm, 
         httpx.AsyncClient(timeout=120) as engine,
         httpx.AsyncClient(base_url=url, headers=KEY) as client,
     ):
-        started = time.perf_counter()
-        whole = await engine.post(
-            f"{real_vllm}/v1/chat/completions", json={**body, "model": "tiny"}
-        )
-        full = time.perf_counter() - started
-        assert whole.json()["usage"]["completion_tokens"] == max_tokens
+        timings = []
+        for _ in range(2):
+            started = time.perf_counter()
+            whole = await engine.post(
+                f"{real_vllm}/v1/chat/completions", json={**body, "model": "tiny"}
+            )
+            timings.append(time.perf_counter() - started)
+            assert whole.json()["usage"]["completion_tokens"] == max_tokens
+        full = min(timings)
         before = await _engine(engine, real_vllm)
         stopped_after: list[float] = []
         tries = 0
@@ -155,5 +162,6 @@ async def test_abandoned_requests_are_aborted_and_carry_vllms_counts(real_vllm, 
           "last chunk read")  # fmt: skip
     assert sum(r["prompt_tokens"] for r in records) == prompt
     # What vLLM generated between the last chunk the sidecar read and noticing the closed
-    # connection: a few tokens per hang-up on a loaded machine, more when vLLM runs fast.
-    assert 0 <= generated - recorded <= 10 * len(aborted)
+    # connection: a few tokens per hang-up, and its rate over the time it took to stop.
+    rate = max_tokens / full
+    assert 0 <= generated - recorded <= 10 * len(aborted) + rate * sum(stopped_after)

@@ -115,3 +115,39 @@ async def test_a_quiet_pool_keeps_no_sweep_timer():
         await asyncio.sleep(0.3)  # a sweep (every 0.1 s here) finds nothing waiting
         assert pool._sweeper is None
         await pool.close()
+
+
+async def _pieces(scope, receive, send):
+    """A response whose head comes at once, five pieces 0.2 s later, then nothing for 1 s."""
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await asyncio.sleep(0.2)
+    for i in range(5):
+        await send({"type": "http.response.body", "body": b"piece%d;" % i, "more_body": True})
+    await asyncio.sleep(1)
+    await send({"type": "http.response.body", "body": b"end"})
+
+
+async def test_read_received_takes_what_the_kernel_holds_before_a_close():
+    """Bytes the replica sent but the loop has not read (reading paused here) are parsed at once.
+
+    A request whose client left is closed at once; what the replica had sent by then was spent
+    on it and is billed, so it must reach the sink, not be dropped with the socket.
+    """
+    async with serving(_pieces, lifespan="off") as url:
+        pool = Pool(*host_port(url), 1.0, 10.0)
+        sink = WholeSink(asyncio.get_running_loop(), None)
+        conn = await pool.connection()
+        conn.send(request_head(b"POST", b"/", b"h", {}, 0), sink, pool.read_timeout_seconds)
+        while sink.status == 0:
+            await asyncio.sleep(0.01)
+        conn.pause_reading()
+        await asyncio.sleep(0.5)  # the pieces arrive in the socket's buffer, unread
+        before = b"".join(sink.parts)
+        conn.read_received()
+        after = b"".join(sink.parts)
+        conn.close()
+        await pool.close()
+    assert before == b""
+    assert after == b"piece0;piece1;piece2;piece3;piece4;"
