@@ -18,7 +18,8 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
   inflated);
 - ``stamps``: the unchanged sidecar, with the time of each step of a generation request taken
   from the read that brought it (the app's start, the plan and admission, the journal, the
-  upstream write, the upstream head and first content, the first write to the client), the
+  relay opening, the pooled connection in hand, the upstream write's call and its return, the
+  upstream head and first content, the first write to the client), the
   medians written to ``SIDECAR_STAMPS`` (default ``sidecar-stamps.txt``) every 20 requests:
   where the added TTFT of ``ttft_c1`` goes (run that phase alone: at any concurrency the steps
   of different requests interleave);
@@ -182,13 +183,14 @@ def _stamps() -> None:
     from infermeter import http_guard, http_server
     from sidecar import pool
     from sidecar.app import Sidecar
+    from sidecar.relay import Relay
 
     out = os.environ.get("SIDECAR_STAMPS", "sidecar-stamps.txt")
     clock = time.perf_counter
     now: dict[str, float] = {}
     rows: list[dict[str, float]] = []
-    steps = ("app", "planned", "admitted", "journaled", "sent", "upstream head", "upstream content",
-             "client write")  # fmt: skip
+    steps = ("app", "planned", "admitted", "journaled", "opening", "pooled", "sending", "sent",
+             "upstream head", "upstream content", "client write")  # fmt: skip
 
     def report() -> None:
         with open(out, "w") as f:
@@ -236,7 +238,9 @@ def _stamps() -> None:
     wrap_async(Sidecar, "_generate", "app", None)
     wrap_async(Sidecar, "admit_planned", "planned", "admitted")
     wrap(Sidecar, "_enter", None, "journaled")
-    wrap(pool.Connection, "send", None, "sent")
+    wrap_async(Relay, "open_direct", "opening", None)
+    wrap_async(pool.Pool, "connection", None, "pooled")
+    wrap(pool.Connection, "send", "sending", "sent")
     wrap(pool.Connection, "on_headers_complete", "upstream head", None)
     on_body = pool.Connection.on_body
 
