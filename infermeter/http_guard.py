@@ -79,13 +79,16 @@ class RawWriter:
     of the body in one write (``infermeter.http_server``; uvicorn writes it at once).
     """
 
-    __slots__ = ("head", "listener", "lost", "paused", "transport")
+    __slots__ = ("chunked", "head", "listener", "lost", "paused", "transport")
 
     def __init__(self, transport: asyncio.Transport, lost: asyncio.Future[None]) -> None:
         self.transport = transport
         self.lost = lost
         self.paused = False
         self.head = b""
+        # False for a response whose body ends with the connection (an HTTP/1.0 client, which
+        # cannot read chunked framing): pieces are written as they are.
+        self.chunked = True
         # Told when the connection closes too: a stream that waits for its end on one future of
         # its own is woken by it, not by a callback on ``lost`` (which copies a context).
         self.listener: WriterListener | None = None
@@ -93,7 +96,7 @@ class RawWriter:
     def write(self, data: bytes) -> None:
         """Write ``data`` as one chunk of the body (nothing for empty data)."""
         if data and not self.transport.is_closing():
-            frame = b"%x\r\n%b\r\n" % (len(data), data)
+            frame = b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data
             if self.head:
                 frame, self.head = self.head + frame, b""
             self.transport.write(frame)

@@ -99,7 +99,8 @@ class _Exchange:
     """One request and its response: the ASGI ``receive`` and ``send`` of one scope."""
 
     __slots__ = ("body", "body_done", "chunked", "conn", "done", "expect_continue", "head_only",
-                 "keep_alive", "more_body", "remaining", "scope", "started", "unread", "waiter")  # fmt: skip
+                 "keep_alive", "more_body", "remaining", "scope", "started", "unread",
+                 "until_close", "waiter")  # fmt: skip
 
     def __init__(self, conn: _Connection, scope: Scope, keep_alive: bool, expect: bool) -> None:
         self.conn = conn
@@ -116,6 +117,8 @@ class _Exchange:
         self.started = False
         self.done = False
         self.chunked = False
+        # The body ends with the connection (no length, no chunks: an HTTP/1.0 client).
+        self.until_close = False
         self.remaining = 0
 
     def wake(self) -> None:
@@ -197,8 +200,13 @@ class _Exchange:
         if not self.keep_alive and not close:
             head.append(b"connection: close\r\n")
         if chunked is None and not self.head_only and status not in (204, 304):
-            chunked = True
-            head.append(b"transfer-encoding: chunked\r\n")
+            if self.scope["http_version"] == "1.0":
+                # An HTTP/1.0 client cannot read chunked framing: the body ends with the
+                # connection, which a 1.0 request never keeps.
+                self.until_close = True
+            else:
+                chunked = True
+                head.append(b"transfer-encoding: chunked\r\n")
         self.chunked = bool(chunked)
         head.append(b"\r\n")
         # Held back to go out with the body's first piece in one write (one system call and one
@@ -206,6 +214,7 @@ class _Exchange:
         raw = self.conn.raw
         assert raw is not None
         raw.head = b"".join(head)
+        raw.chunked = self.chunked
         self.conn.loop.call_soon(raw.flush)
 
     def _body(self, body: bytes, more: bool) -> None:
@@ -221,6 +230,8 @@ class _Exchange:
                 out = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
             else:
                 out = b"0\r\n\r\n"
+        elif self.until_close:
+            out = body
         else:
             if len(body) > self.remaining:
                 raise RuntimeError("Response content longer than Content-Length")

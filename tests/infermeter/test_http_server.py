@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from infermeter.asgi import Message, Receive, Scope, Send, read_body, respond
-from infermeter.http_guard import ServerLimits
+from infermeter.http_guard import RAW_WRITER, ServerLimits
 from infermeter.http_server import STARTUP_FAILURE, HttpServer
 from infermeter.serving import free_port
 
@@ -55,6 +55,12 @@ class _App:
             await send({"type": "http.response.start", "status": 200, "headers": TEXT})
             await self.release.wait()
             await send({"type": "http.response.body", "body": b"slow done"})
+            return
+        if path == "/raw":  # a body written past ASGI, as the sidecar's relay writes a stream
+            await send({"type": "http.response.start", "status": 200, "headers": TEXT})
+            scope["extensions"][RAW_WRITER].write(b"one,")
+            scope["extensions"][RAW_WRITER].write(b"two")
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         body = await read_body(receive, 1 << 22)
         answer = b"%s %s ?%s %d:%s" % (scope["method"].encode(), scope["raw_path"],
@@ -213,6 +219,30 @@ async def test_a_connection_the_client_will_not_keep_is_closed_after_its_answer(
         writer.write(request_line)
         await _answered_then_closed(reader)
         writer.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [(b"/chunked", b"GET /chunked ? 0:"), (b"/raw", b"one,two")]
+)
+async def test_an_http_1_0_client_gets_a_body_that_ends_with_the_connection(
+    path: bytes, body: bytes
+) -> None:
+    """HTTP/1.0 has no chunked framing: a body of unknown length is sent as it is, then closed.
+
+    For a 1.1 client the same answers are chunked (the tests above); a 1.0 client would read
+    the chunk sizes as part of the body.
+    """
+    async with _serving(_App()) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(b"GET %s HTTP/1.0\r\n\r\n" % path)
+        answer = await asyncio.wait_for(reader.read(), 5)  # to the connection's end
+        writer.close()
+    head, _, got = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"transfer-encoding" not in head
+    assert b"content-length" not in head
+    assert b"connection: close" in head
+    assert got == body
 
 
 async def test_a_malformed_request_gets_400_and_the_connection_closes() -> None:
