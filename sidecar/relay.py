@@ -488,8 +488,7 @@ class Relay:
         if ended is None:
             work.set_result((sink, None if sink.streamed else b"".join(sink.parts)))
         else:
-            # Nothing came back: unreachable or timed out, as a refused connection is.
-            work.set_exception(_refusal(ended) if sink.status == 0 else ended)
+            work.set_exception(_whole_failure(sink, ended))
         return work, "done"
 
     async def _exchange_direct(self, call: Call, body: dict[str, Any], headers: dict[str, str],
@@ -506,10 +505,7 @@ class Relay:
             raise
         if exc is None:
             return sink
-        if sink.status == 0:
-            # Nothing came back: unreachable or timed out, as a refused connection is.
-            raise _refusal(exc)
-        raise exc
+        raise _whole_failure(sink, exc)
 
     async def _collect(self, response: aiohttp.ClientResponse, assembler: Assembler) -> None:
         """Read a stream to its end into ``assembler``; the read timeout is per read, as streamed."""
@@ -575,6 +571,12 @@ def _refusal(exc: BaseException) -> Refusal:
     status, message = upstream_failure(exc)
     return Refusal(status, orjson.loads(message)["error"]["message"], "upstream_error",
                    "upstream_unreachable" if status == 502 else "upstream_timeout", RequestStatus.UPSTREAM_ERROR)  # fmt: skip
+
+
+def _whole_failure(sink: WholeSink, exc: BaseException) -> BaseException:
+    """What a failed whole exchange raises: with nothing back (unreachable, or timed out) the
+    502 or 504 a refused connection gets, else the error itself."""
+    return _refusal(exc) if sink.status == 0 else exc
 
 
 def stream_end(status: RequestStatus) -> bytes:
