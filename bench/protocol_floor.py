@@ -13,6 +13,16 @@ limits, metering, rewriting, spool or flow control. The sidecar's CPU above this
 
 ``BENCH_EVENT_LOOP=uvloop`` runs it (and ``bench/relay_floor.py``) on uvloop instead of the
 standard library's loop. It takes the arguments of ``infermeter sidecar``.
+
+``BENCH_FLOOR_WORK=1`` adds, written inline with no structure around it, the least work that the
+sidecar cannot skip for a request (``Work``): a request id, the team key's SHA-256 compared in
+constant time with every team's, the body parsed, its model swapped and ``include_usage`` set,
+then serialized again, a token bucket taken, the admission's journal line written to a file
+before forwarding (for kill -9), and every upstream read scanned for content and usage before
+it is written. What the sidecar adds above this is the cost of its structure, not of its job:
+
+    BENCH_FLOOR_WORK=1 BENCH_EVENT_LOOP=uvloop .venv/bin/python -m bench.sidecar_overhead \\
+        --quick --phases ttft_c1,ttft_paired --sidecar-launcher bench/protocol_floor.py
 """
 
 from __future__ import annotations
@@ -22,13 +32,17 @@ import asyncio
 import contextlib
 import os
 import sys
+import tempfile
+import time
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import httptools
+import orjson
 
-from infermeter.config import load_config
+from infermeter.auth import AuthError, KeyRing
+from infermeter.config import Config, load_config
 from infermeter.serving import host_port
 
 __all__ = ["main", "run_on_loop"]
@@ -47,11 +61,54 @@ def run_on_loop(main: Coroutine[Any, Any, None]) -> None:
         asyncio.run(main)
 
 
+class Work:
+    """The least per-request work of the sidecar's job, inline (``BENCH_FLOOR_WORK=1``)."""
+
+    def __init__(self, config: Config, replica: str, journal: int) -> None:
+        self.keys = KeyRing((t.name, t.api_key_sha256) for t in config.teams)
+        self.journal = journal
+        self.replica = replica
+        # One token bucket per team: tokens, refill per second, when last taken.
+        self.buckets = {t.name: [1e9, 1e6, time.monotonic()] for t in config.teams}
+
+    def admit(self, key: bytes, body: bytes, aliases: dict[str, str]) -> bytes | None:
+        """The body to forward, journaled; None for a refused key."""
+        received, started = time.time(), time.perf_counter()
+        request = os.urandom(16).hex()
+        try:
+            team = self.keys.team_for(key.decode("latin-1").partition(" ")[2])
+        except AuthError:
+            return None
+        document = orjson.loads(body)
+        requested = document.get("model")
+        model = aliases.get(requested, requested)
+        document["model"] = model
+        if document.get("stream"):
+            document["stream_options"] = {"include_usage": True}
+        now = time.monotonic()
+        bucket = self.buckets[team]
+        bucket[0] = min(1e9, bucket[0] + (now - bucket[2]) * bucket[1]) - 1
+        bucket[2] = now
+        record = {"request_id": request, "team": team, "model": requested, "served": model,
+                  "endpoint": "chat.completions", "stream": bool(document.get("stream")),
+                  "replica": self.replica, "received_at": received, "started": started,
+                  "reserve": 256, "status": "running", "client_request_id": None}  # fmt: skip
+        os.write(self.journal, orjson.dumps({"a": record}) + b"\n")
+        return orjson.dumps(document)
+
+    @staticmethod
+    def scan(data: bytes) -> None:
+        """What metering reads of an upstream block: its first content and its usage."""
+        data.find(b'"content"')
+        data.find(b'"usage"')
+
+
 class Upstream(asyncio.Protocol):
     """One keep-alive connection to the replica, lent to one client request at a time."""
 
-    def __init__(self, idle: list[Upstream]) -> None:
+    def __init__(self, idle: list[Upstream], work: Work | None) -> None:
         self.idle = idle
+        self.work = work
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.client: asyncio.Transport | None = None
@@ -62,6 +119,8 @@ class Upstream(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.client is not None:
+            if self.work is not None:
+                self.work.scan(data)
             self.client.write(data)
         self.parser.feed_data(data)
 
@@ -79,8 +138,11 @@ class Upstream(asyncio.Protocol):
 class Front(asyncio.Protocol):
     """A client connection: parse each request and hand it to an upstream connection."""
 
-    def __init__(self, upstream: tuple[str, int], aliases: dict[bytes, bytes], idle: list[Upstream]) -> None:  # fmt: skip
-        self.upstream, self.aliases, self.idle = upstream, aliases, idle
+    def __init__(self, upstream: tuple[str, int], aliases: dict[bytes, bytes], idle: list[Upstream],
+                 work: Work | None) -> None:  # fmt: skip
+        self.upstream, self.aliases, self.idle, self.work = upstream, aliases, idle, work
+        self.names = {a.strip(b'"').decode(): s.strip(b'"').decode() for a, s in aliases.items()}
+        self.key = b""
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.url = b""
@@ -99,12 +161,15 @@ class Front(asyncio.Protocol):
             self.transport.close()
 
     def on_message_begin(self) -> None:
-        self.url, self.headers, self.body = b"", [], []
+        self.url, self.headers, self.body, self.key = b"", [], [], b""
 
     def on_url(self, url: bytes) -> None:
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.work is not None and name.lower() == b"authorization":
+            self.key = value
+            return
         if name.lower() not in _HOP:
             self.headers.append(b"%b: %b\r\n" % (name, value))
 
@@ -117,8 +182,15 @@ class Front(asyncio.Protocol):
             self.transport.write(_HEALTHY)
             return
         body = b"".join(self.body)
-        for alias, served in self.aliases.items():
-            body = body.replace(alias, served)
+        if self.work is not None:
+            admitted = self.work.admit(self.key, body, self.names)
+            if admitted is None:
+                self.transport.close()
+                return
+            body = admitted
+        else:
+            for alias, served in self.aliases.items():
+                body = body.replace(alias, served)
         method = self.parser.get_method()
         head = b"%b %b HTTP/1.1\r\nhost: %b:%d\r\ncontent-length: %d\r\n%b\r\n" % (
             method, self.url, self.upstream[0].encode(), self.upstream[1], len(body),
@@ -132,7 +204,9 @@ class Front(asyncio.Protocol):
 
     async def _connect(self, request: bytes) -> None:
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(lambda: Upstream(self.idle), *self.upstream)
+        _, conn = await loop.create_connection(
+            lambda: Upstream(self.idle, self.work), *self.upstream
+        )
         self._send(conn, request)
 
     def _send(self, conn: Upstream, request: bytes) -> None:
@@ -141,12 +215,13 @@ class Front(asyncio.Protocol):
         conn.transport.write(request)
 
 
-async def serve(listen: str, upstream: tuple[str, int], aliases: dict[bytes, bytes]) -> None:
+async def serve(listen: str, upstream: tuple[str, int], aliases: dict[bytes, bytes],
+                work: Work | None = None) -> None:  # fmt: skip
     """Serve until cancelled (Ctrl-C)."""
     idle: list[Upstream] = []
     host, port = host_port(listen)
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Front(upstream, aliases, idle), host, port)
+    server = await loop.create_server(lambda: Front(upstream, aliases, idle, work), host, port)
     async with server:
         await server.serve_forever()
 
@@ -159,11 +234,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--replica", required=True)
     parser.add_argument("--listen", required=True)
     args = parser.parse_args(argv)
-    replica = load_config(args.config).replica(args.replica)
+    config = load_config(args.config)
+    replica = config.replica(args.replica)
     aliases = {f'"{replica.model}"'.encode(): f'"{replica.served_version}"'.encode()}
     upstream = host_port(replica.upstream_url)
-    with contextlib.suppress(KeyboardInterrupt):
-        run_on_loop(serve(args.listen, upstream, aliases))
+    with contextlib.ExitStack() as stack:
+        work = None
+        if os.environ.get("BENCH_FLOOR_WORK") == "1":
+            journal = stack.enter_context(tempfile.TemporaryFile(prefix="floor-journal-"))
+            work = Work(config, replica.id, journal.fileno())
+        with contextlib.suppress(KeyboardInterrupt):
+            run_on_loop(serve(args.listen, upstream, aliases, work))
 
 
 if __name__ == "__main__":
