@@ -787,6 +787,9 @@ class Profiler:
 
     def finish(self) -> None:
         for _, proc in self.procs:
+            # The window is over (a phase with a request count ends before its duration): py-spy
+            # writes what it recorded when interrupted, and nothing when killed.
+            proc.send_signal(signal.SIGINT)
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
@@ -869,7 +872,7 @@ PHASES = (
     "paced_500",
     "rss_1000",
 )
-_PROFILED = frozenset({"c64_1tok", "c16_json", "max_throughput", "c64_64tok", "paced_500"})
+_PROFILED = frozenset({"ttft_c1", "c64_1tok", "c16_json", "max_throughput", "c64_64tok", "paced_500"})
 
 
 def _settle(seconds: float = 0.5) -> None:
