@@ -375,12 +375,19 @@ class _Connection(asyncio.Protocol):
             self._idle.cancel()
             self._idle = None
 
+    # (The size count is written out in both callbacks, not called: they run per header of
+    # every request, before it is forwarded.)
+
     def on_url(self, url: bytes) -> None:
-        self._count(len(url))
+        self._header_bytes += len(url)
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._refuse(HEADERS_TOO_LARGE)
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value) + 4)
+        self._header_bytes += len(name) + len(value) + 4
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._refuse(HEADERS_TOO_LARGE)
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect = True
@@ -532,11 +539,6 @@ class _Connection(asyncio.Protocol):
         finally:
             # (Here, not a done callback: that would cost a bound method and a context copy.)
             self.server.tasks.discard(asyncio.current_task())
-
-    def _count(self, size: int) -> None:
-        self._header_bytes += size
-        if self._header_bytes > self.limits.max_header_bytes:
-            self._refuse(HEADERS_TOO_LARGE)
 
     def _arm(self) -> None:
         self._deadline = self.loop.call_later(

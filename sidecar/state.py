@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Final
 
 from infermeter.auth import ADMIN, METRICS, GatewayVerifier, KeyRing
@@ -56,12 +57,15 @@ class View:
     gateway: GatewayVerifier | None
     prefix: PrefixDigester | None = None
 
-    @property
+    # The properties below are read by every request and constant for the view: computed once
+    # (a reload builds a new view).
+
+    @cached_property
     def model_names(self) -> frozenset[str]:
         """Every model name a metric label may carry: the alias and its approved versions."""
         return self.approved | {self.model, self.served_version}
 
-    @property
+    @cached_property
     def available(self) -> tuple[str, ...]:
         """The names a client may ask for now: the alias first, then the approved versions.
 
@@ -80,8 +84,13 @@ class View:
         """
         available = self.available
         if available and (requested is None or requested in available):
-            return Route(self.model, self.served_version)
+            return self._route
         raise ModelNotFoundError(not_found_message(requested, available))
+
+
+    @cached_property
+    def _route(self) -> Route:
+        return Route(self.model, self.served_version)
 
 
 def not_found_message(requested: str | None, available: tuple[str, ...]) -> str:
