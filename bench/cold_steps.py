@@ -1,0 +1,141 @@
+"""The sidecar's admission steps timed warm and cold: why a few hundred µs at c=1, a few µs at c=16.
+
+At c=1 each request finds the sidecar's core after other processes (the client, the replica)
+ran on it: the caches and TLB hold their memory, not the sidecar's. The same Python then takes
+several times as long as when requests follow each other on a busy sidecar. This times the pure
+steps of admitting one streamed request with the sidecar's own functions (the key check, the
+plan of its body, the journal's admission line, the upstream request head) in one process
+pinned to one core, after each of:
+
+- ``warm``: a 2 ms spin (the core stays on this process);
+- ``idle``: a 2 ms sleep (the core idles, nothing else runs);
+- ``other``: another process's 2 ms turn on the same core, reading 16 MB (as the client and the
+  replica run between two of the sidecar's requests at c=1).
+
+    .venv/bin/python -m bench.cold_steps
+
+Read the ratio of ``other`` to ``warm``; the µs themselves move with the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+_GAP_SECONDS = 0.002
+_TOUCH_BYTES = 16 << 20
+
+
+def admission_steps() -> Callable[[], None]:
+    """One streamed request's pure admission steps, on the embedded demo configuration."""
+    from infermeter.config import load_config
+    from infermeter.journal import admission_line
+    from infermeter.records import RequestStatus
+    from sidecar.accounting import Call, admitted_fields, ending_fields
+    from sidecar.admission import identify, plan, upstream_headers
+    from sidecar.pool import request_head
+    from sidecar.state import build_view
+
+    view = build_view(load_config(), "small-0")
+    headers = [(b"host", b"127.0.0.1:9000"), (b"authorization", b"Bearer im-demo-search"),
+               (b"content-type", b"application/json"), (b"content-length", b"120")]  # fmt: skip
+    body = (b'{"model":"chat-small","messages":[{"role":"user","content":"Say hello."}],'
+            b'"max_tokens":16,"stream":true}')  # fmt: skip
+
+    def one() -> None:
+        call = Call(os.urandom(16).hex(), "/v1/chat/completions", time.time(), time.perf_counter())
+        call.team = identify(view, "POST", call.endpoint, headers)
+        planned = plan(view, call.endpoint, body, default_reserve_tokens=256, metering_down=False)
+        assert not isinstance(planned, BaseException)
+        call.model, call.served_version, call.stream = (
+            planned.model, planned.served_version, planned.stream,
+        )  # fmt: skip
+        record = admitted_fields(call, "small-0", None) | ending_fields(
+            call, RequestStatus.INTERRUPTED, 502, None, None, None, time.perf_counter()
+        )
+        admission_line(record)
+        out = upstream_headers(view, headers, None)
+        import orjson
+
+        sent = orjson.dumps(planned.body)
+        request_head(b"POST", call.endpoint.encode(), b"127.0.0.1:8000", out, len(sent))
+
+    return one
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _other(turn: int, done: int) -> None:
+    """The other process: on each byte from ``turn``, read 16 MB over and over for 2 ms (every
+    cache line and page of it), then answer."""
+    memory = bytearray(_TOUCH_BYTES)
+    while os.read(turn, 1):
+        end = time.perf_counter() + _GAP_SECONDS
+        while time.perf_counter() < end:
+            memory.find(b"\x01")
+        os.write(done, b"x")
+
+
+def measure(samples: int, rounds: int) -> dict[str, float]:
+    """Median µs of the steps after each kind of gap, over ``rounds`` interleaved rounds."""
+    steps = admission_steps()
+    for _ in range(200):
+        steps()
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    turn_r, turn_w = os.pipe()
+    done_r, done_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(turn_w)
+        os.close(done_r)
+        _other(turn_r, done_w)
+        os._exit(0)
+    os.close(turn_r)
+    os.close(done_w)
+
+    def other() -> None:
+        os.write(turn_w, b"x")
+        os.read(done_r, 1)
+
+    gaps: dict[str, Callable[[], None]] = {
+        "warm": lambda: _spin(_GAP_SECONDS),
+        "idle": lambda: time.sleep(_GAP_SECONDS),
+        "other": other,
+    }
+    times: dict[str, list[float]] = {name: [] for name in gaps}
+    try:
+        for _ in range(rounds):
+            for name, gap in gaps.items():
+                for _ in range(samples):
+                    gap()
+                    start = time.perf_counter()
+                    steps()
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        os.close(turn_w)
+        os.waitpid(child, 0)
+    return {name: statistics.median(values) * 1e6 for name, values in times.items()}
+
+
+def main() -> None:
+    """Print the median µs of the admission steps after each kind of gap."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--samples", type=int, default=200, help="requests per gap per round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds, the gaps interleaved")
+    args = parser.parse_args()
+    result = measure(args.samples, args.rounds)
+    warm = result["warm"]
+    print("admission steps of one streamed request, one core, median µs after each gap")
+    for name, us in result.items():
+        print(f"  {name:>6} {us:8.1f}   x{us / warm:.1f}")
+
+
+if __name__ == "__main__":
+    main()
