@@ -18,11 +18,15 @@ standard library's loop. It takes the arguments of ``infermeter sidecar``.
 sidecar cannot skip for a request (``Work``): a request id, the team key's SHA-256 compared in
 constant time with every team's, the body parsed, its model swapped and ``include_usage`` set,
 then serialized again, a token bucket taken, the admission's journal line written to a file
-before forwarding (for kill -9), and every upstream read scanned for content and usage before
-it is written. What the sidecar adds above this is the cost of its structure, not of its job:
+before forwarding (for kill -9), every upstream read scanned for content and usage before it
+is written, and the request's record written at its end. A non-streamed request is asked of the
+replica as a stream with usage on every chunk, read whole and answered as one JSON body, as the
+sidecar does to bill a client that hangs up. Not done: fsync (the sidecar makes each record
+durable, its disk thread sharing one fsync among records), so this is a floor below the job.
+What the sidecar adds above it is the cost of its structure, not of its job:
 
     BENCH_FLOOR_WORK=1 BENCH_EVENT_LOOP=uvloop .venv/bin/python -m bench.sidecar_overhead \\
-        --quick --phases ttft_c1,ttft_paired --sidecar-launcher bench/protocol_floor.py
+        --quick --phases ttft_c1,ttft_paired,c16_json --sidecar-launcher bench/protocol_floor.py
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from infermeter.serving import host_port
 
 __all__ = ["main", "run_on_loop"]
 
+# The body to forward, whether the client asked for a whole answer, and the journaled record.
+Admitted = tuple[bytes, bool, dict[str, Any]]
 _HOP = frozenset({b"host", b"content-length", b"connection", b"transfer-encoding"})
 _HEALTHY = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
@@ -71,8 +77,13 @@ class Work:
         # One token bucket per team: tokens, refill per second, when last taken.
         self.buckets = {t.name: [1e9, 1e6, time.monotonic()] for t in config.teams}
 
-    def admit(self, key: bytes, body: bytes, aliases: dict[str, str]) -> bytes | None:
-        """The body to forward, journaled; None for a refused key."""
+    def admit(self, key: bytes, body: bytes, aliases: dict[str, str]) -> Admitted | None:
+        """The body to forward, journaled; None for a refused key.
+
+        A non-streamed request is asked of the replica as a stream with usage on every chunk
+        and answered whole at its end, as the sidecar does so that a client that hangs up is
+        still billed (``sidecar.non_streamed_via_stream``).
+        """
         received, started = time.time(), time.perf_counter()
         request = os.urandom(16).hex()
         try:
@@ -83,24 +94,48 @@ class Work:
         requested = document.get("model")
         model = aliases.get(requested, requested)
         document["model"] = model
-        if document.get("stream"):
-            document["stream_options"] = {"include_usage": True}
+        whole = not document.get("stream")
+        document["stream"] = True
+        document["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         now = time.monotonic()
         bucket = self.buckets[team]
         bucket[0] = min(1e9, bucket[0] + (now - bucket[2]) * bucket[1]) - 1
         bucket[2] = now
         record = {"request_id": request, "team": team, "model": requested, "served": model,
-                  "endpoint": "chat.completions", "stream": bool(document.get("stream")),
+                  "endpoint": "chat.completions", "stream": not whole,
                   "replica": self.replica, "received_at": received, "started": started,
                   "reserve": 256, "status": "running", "client_request_id": None}  # fmt: skip
         os.write(self.journal, orjson.dumps({"a": record}) + b"\n")
-        return orjson.dumps(document)
+        return orjson.dumps(document), whole, record
+
+    def end(self, record: dict[str, Any], usage: bytes) -> None:
+        """The request's record, with the last usage seen, written where the journal is."""
+        record["status"], record["usage"] = "ok", usage[:200].decode("latin-1")
+        record["finished"] = time.perf_counter()
+        os.write(self.journal, orjson.dumps(record) + b"\n")
 
     @staticmethod
-    def scan(data: bytes) -> None:
-        """What metering reads of an upstream block: its first content and its usage."""
-        data.find(b'"content"')
-        data.find(b'"usage"')
+    def answer(stream: bytes) -> bytes:
+        """A non-streamed answer (its head and body) from the stream the replica sent."""
+        payloads = [line[6:] for line in stream.split(b"\n") if line.startswith(b"data: {")]
+        chunks = orjson.loads(b"[" + b",".join(payloads) + b"]")
+        text, finish, usage = [], None, None
+        for chunk in chunks:
+            for choice in chunk.get("choices") or ():
+                content = choice.get("delta", {}).get("content")
+                if content is not None:
+                    text.append(content)
+                finish = choice.get("finish_reason") or finish
+            usage = chunk.get("usage") or usage
+        first = chunks[0] if chunks else {}
+        message = {"role": "assistant", "content": "".join(text)}
+        body = orjson.dumps({"id": first.get("id"), "object": "chat.completion",
+                             "created": first.get("created"), "model": first.get("model"),
+                             "choices": [{"index": 0, "message": message,
+                                          "finish_reason": finish}],
+                             "usage": usage})  # fmt: skip
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+        return head % len(body) + body
 
 
 class Upstream(asyncio.Protocol):
@@ -112,20 +147,40 @@ class Upstream(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.client: asyncio.Transport | None = None
+        # With ``work``: the exchange's record, the stream of a whole answer, the last usage.
+        self.record: dict[str, Any] | None = None
+        self.whole: list[bytes] | None = None
+        self.usage = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not subclasses of asyncio.Transport, only alike.
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        if self.client is not None:
+        if self.client is not None and self.whole is None:
             if self.work is not None:
-                self.work.scan(data)
+                self.scan(data)
             self.client.write(data)
         self.parser.feed_data(data)
 
+    def scan(self, data: bytes) -> None:
+        """What metering reads of an upstream block: its first content and its latest usage."""
+        data.find(b'"content"')
+        at = data.rfind(b'"usage"')
+        if at >= 0:
+            self.usage = data[at:]
+
+    def on_body(self, body: bytes) -> None:
+        if self.whole is not None:
+            self.whole.append(body)
+            self.scan(body)
+
     def on_message_complete(self) -> None:
-        self.client = None
+        if self.work is not None and self.record is not None:
+            self.work.end(self.record, self.usage)
+            if self.whole is not None and self.client is not None:
+                self.client.write(self.work.answer(b"".join(self.whole)))
+        self.client, self.record, self.whole, self.usage = None, None, None, b""
         self.idle.append(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -182,12 +237,13 @@ class Front(asyncio.Protocol):
             self.transport.write(_HEALTHY)
             return
         body = b"".join(self.body)
+        admitted = None
         if self.work is not None:
             admitted = self.work.admit(self.key, body, self.names)
             if admitted is None:
                 self.transport.close()
                 return
-            body = admitted
+            body = admitted[0]
         else:
             for alias, served in self.aliases.items():
                 body = body.replace(alias, served)
@@ -198,20 +254,23 @@ class Front(asyncio.Protocol):
         )  # fmt: skip
         request = head + body
         if self.idle:
-            self._send(self.idle.pop(), request)
+            self._send(self.idle.pop(), request, admitted)
         else:
-            asyncio.get_running_loop().create_task(self._connect(request))
+            asyncio.get_running_loop().create_task(self._connect(request, admitted))
 
-    async def _connect(self, request: bytes) -> None:
+    async def _connect(self, request: bytes, admitted: Admitted | None) -> None:
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(
             lambda: Upstream(self.idle, self.work), *self.upstream
         )
-        self._send(conn, request)
+        self._send(conn, request, admitted)
 
-    def _send(self, conn: Upstream, request: bytes) -> None:
+    def _send(self, conn: Upstream, request: bytes, admitted: Admitted | None) -> None:
         assert conn.transport is not None
         conn.client = self.transport
+        if admitted is not None:
+            conn.record = admitted[2]
+            conn.whole = [] if admitted[1] else None
         conn.transport.write(request)
 
 
