@@ -872,7 +872,9 @@ PHASES = (
     "paced_500",
     "rss_1000",
 )
-_PROFILED = frozenset({"ttft_c1", "c64_1tok", "c16_json", "max_throughput", "c64_64tok", "paced_500"})
+_PROFILED = frozenset(
+    {"ttft_c1", "c64_1tok", "c16_json", "max_throughput", "c64_64tok", "paced_500"}
+)
 
 
 def _settle(seconds: float = 0.5) -> None:

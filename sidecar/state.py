@@ -87,7 +87,6 @@ class View:
             return self._route
         raise ModelNotFoundError(not_found_message(requested, available))
 
-
     @cached_property
     def _route(self) -> Route:
         return Route(self.model, self.served_version)
