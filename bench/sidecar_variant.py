@@ -23,6 +23,8 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
   medians written to ``SIDECAR_STAMPS`` (default ``sidecar-stamps.txt``) every 20 requests:
   where the added TTFT of ``ttft_c1`` goes (run that phase alone: at any concurrency the steps
   of different requests interleave);
+- ``nofsync``: the spool's records written but not fsync'ed (``Spool._write`` without
+  ``os.fsync``): what making each usage record durable costs, the disk thread's hand-off kept;
 - ``cprofile``: the unchanged sidecar under cProfile from its ``SIDECAR_PROFILE_FROM``-th
   generation request (default 40) until the ``SIDECAR_PROFILE_TO``-th (default 200) ends; the
   stats go to ``SIDECAR_PROFILE`` (``pstats`` format). cProfile's cost per call inflates
@@ -93,6 +95,19 @@ def _cprofile() -> None:
                 profile.dump_stats(out)
 
     Sidecar._generate = counted  # type: ignore[method-assign,assignment]
+
+
+def _nofsync() -> None:
+    from infermeter.spool import Spool
+
+    def write(self: Spool, data: bytes) -> None:
+        if self._fh is None:
+            self._start_segment()
+        assert self._fh is not None
+        self._fh.write(data)
+        self._fh.flush()
+
+    Spool._write = write  # type: ignore[method-assign]
 
 
 def _rss_mb() -> float:
@@ -280,6 +295,8 @@ def main() -> int:
         serving.loop_factory = lambda choice: None
     elif variant == "cprofile":
         _cprofile()
+    elif variant == "nofsync":
+        _nofsync()
     elif variant == "memory":
         _memory()
     elif variant == "stamps":
