@@ -32,7 +32,8 @@ uses, with nothing per request but the scope, one slotted exchange and the task:
 Not served: TLS, WebSocket and other upgrades. A request asking for one is answered as plain
 HTTP/1.1 and the connection then closes; nothing after its head is read, since httptools hands
 those bytes to the new protocol (read as HTTP, they could smuggle a second request). An HTTP/1.0
-client is answered chunked when the app gives no length, as uvicorn does.
+client, which cannot read chunked framing, gets a body of unknown length as it is, ended by the
+connection closing (uvicorn would send it chunked).
 """
 
 from __future__ import annotations
