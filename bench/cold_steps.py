@@ -31,6 +31,8 @@ _TOUCH_BYTES = 16 << 20
 
 def admission_steps() -> Callable[[], None]:
     """One streamed request's pure admission steps, on the embedded demo configuration."""
+    import orjson
+
     from infermeter.config import load_config
     from infermeter.journal import admission_line
     from infermeter.records import RequestStatus
@@ -58,8 +60,6 @@ def admission_steps() -> Callable[[], None]:
         )
         admission_line(record)
         out = upstream_headers(view, headers, None)
-        import orjson
-
         sent = orjson.dumps(planned.body)
         request_head(b"POST", call.endpoint.encode(), b"127.0.0.1:8000", out, len(sent))
 
