@@ -1,0 +1,75 @@
+"""What building one non-streamed answer from vLLM's stream costs, in process: µs per answer.
+
+The sidecar answers a non-streamed chat completion from vLLM's stream (``sidecar.assemble``):
+it keeps each block as it arrives, parses them once at the end and serializes the answer as
+vLLM would. This feeds an ``Assembler`` the blocks of a ``--tokens``-token stream with usage on
+every chunk (one block per chunk, as the sidecar reads them at one request at a time) and times
+``answer`` with the reads the relay makes of it (finish reason, response id), warm.
+
+    .venv/bin/python -m bench.assemble_cost
+    .venv/bin/python -m bench.assemble_cost --tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+_HEAD = (b'data: {"id":"chatcmpl-0123456789abcdef","object":"chat.completion.chunk",'
+         b'"created":1700000000,"model":"llama-3.1-8b-instruct","choices":[')  # fmt: skip
+
+
+def stream(tokens: int) -> list[bytes]:
+    """The blocks of a ``tokens``-token chat stream with continuous usage, then [DONE]."""
+    blocks = [_HEAD + b'{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+              b'"finish_reason":null}],"usage":{"prompt_tokens":12,"total_tokens":12,'
+              b'"completion_tokens":0}}\n\n']  # fmt: skip
+    for i in range(tokens):
+        finish = b'"stop"' if i == tokens - 1 else b"null"
+        blocks.append(_HEAD + b'{"index":0,"delta":{"content":" tok%d"},"logprobs":null,'
+                      b'"finish_reason":%b}],"usage":{"prompt_tokens":12,"total_tokens":%d,'
+                      b'"completion_tokens":%d}}\n\n' % (i, finish, 13 + i, i + 1))  # fmt: skip
+    blocks.append(_HEAD + b'],"usage":{"prompt_tokens":12,"total_tokens":%d,'
+                  b'"completion_tokens":%d}}\n\ndata: [DONE]\n\n' % (12 + tokens, tokens))  # fmt: skip
+    return blocks
+
+
+def measure(tokens: int, rounds: int, n: int) -> list[float]:
+    """µs per answer, one figure per round of ``n`` answers."""
+    from sidecar.assemble import CHAT, Assembler, answer
+
+    blocks = stream(tokens)
+
+    def one() -> None:
+        assembler = Assembler(CHAT)
+        for block in blocks:
+            assembler.feed(block)
+        out = answer(200, None, assembler)
+        assert out.http_status == 200
+        assert out.usage is not None
+        _ = assembler.finish_reason, assembler.response_id
+
+    out = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(n):
+            one()
+        out.append((time.perf_counter() - start) / n * 1e6)
+    return out
+
+
+def main() -> None:
+    """Print the best and median µs per answer."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=16, help="completion tokens per answer")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--n", type=int, default=3000, help="answers per round")
+    args = parser.parse_args()
+    figures = measure(args.tokens, args.rounds, args.n)
+    print(f"one {args.tokens}-token answer assembled from its stream, {args.rounds} rounds of "
+          f"{args.n}: best {min(figures):.1f} µs, median {statistics.median(figures):.1f} µs")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
