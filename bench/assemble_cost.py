@@ -14,25 +14,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-_HEAD = (b'data: {"id":"chatcmpl-0123456789abcdef","object":"chat.completion.chunk",'
-         b'"created":1700000000,"model":"llama-3.1-8b-instruct","choices":[')  # fmt: skip
+from bench.chunks import CHUNK, ROLE, rounds_us
+
+_FIRST = b'"delta":{"content":" word"},"logprobs":null,"finish_reason":null}]'
+_LAST = b'"delta":{"content":" word"},"logprobs":null,"finish_reason":"stop"}]'
 
 
 def stream(tokens: int) -> list[bytes]:
-    """The blocks of a ``tokens``-token chat stream with continuous usage, then [DONE]."""
-    blocks = [_HEAD + b'{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
-              b'"finish_reason":null}],"usage":{"prompt_tokens":12,"total_tokens":12,'
-              b'"completion_tokens":0}}\n\n']  # fmt: skip
-    for i in range(tokens):
-        finish = b'"stop"' if i == tokens - 1 else b"null"
-        blocks.append(_HEAD + b'{"index":0,"delta":{"content":" tok%d"},"logprobs":null,'
-                      b'"finish_reason":%b}],"usage":{"prompt_tokens":12,"total_tokens":%d,'
-                      b'"completion_tokens":%d}}\n\n' % (i, finish, 13 + i, i + 1))  # fmt: skip
-    blocks.append(_HEAD + b'],"usage":{"prompt_tokens":12,"total_tokens":%d,'
-                  b'"completion_tokens":%d}}\n\ndata: [DONE]\n\n' % (12 + tokens, tokens))  # fmt: skip
-    return blocks
+    """The blocks of a ``tokens``-token chat stream with usage on every chunk (vLLM's chunks of
+    ``bench.chunks``): the role, the tokens, the last with its finish reason, the usage chunk
+    and [DONE]."""
+    choices = CHUNK[CHUNK.index(b'"choices":[') + 11 : CHUNK.index(b'],"usage"')]
+    last = CHUNK.replace(_FIRST, _LAST)
+    usage = CHUNK.replace(choices, b"") + b"data: [DONE]\n\n"
+    return [ROLE, *[CHUNK] * (tokens - 1), last, usage]
 
 
 def measure(tokens: int, rounds: int, n: int) -> list[float]:
@@ -50,13 +46,7 @@ def measure(tokens: int, rounds: int, n: int) -> list[float]:
         assert out.usage is not None
         _ = assembler.finish_reason, assembler.response_id
 
-    out = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(n):
-            one()
-        out.append((time.perf_counter() - start) / n * 1e6)
-    return out
+    return rounds_us(one, rounds, n)
 
 
 def main() -> None:

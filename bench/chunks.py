@@ -1,11 +1,14 @@
-"""The vLLM chunks the per-token benchmarks feed (no sidecar import: ``--root`` must come first)."""
+"""The vLLM chunks the per-token benchmarks feed, and their shared helpers (no sidecar import:
+``--root`` must come first)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Callable
 
-__all__ = ["CHUNK", "ROLE", "import_root", "revision_parser"]
+__all__ = ["CHUNK", "ROLE", "import_root", "revision_parser", "rounds_us"]
 
 # One token's chunk as vLLM 0.32 sends it with continuous usage, which a client that asked for
 # no usage does not get (the meter cuts it out).
@@ -33,3 +36,14 @@ def import_root(root: str | None) -> str:
     import sidecar
 
     return sidecar.__file__.rsplit("/", 2)[0]
+
+
+def rounds_us(one: Callable[[], object], rounds: int, n: int) -> list[float]:
+    """Wall µs per call of ``one``, one figure per round of ``n`` calls."""
+    out = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(n):
+            one()
+        out.append((time.perf_counter() - start) / n * 1e6)
+    return out

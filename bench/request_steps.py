@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from bench.chunks import import_root, revision_parser
+from bench.chunks import import_root, revision_parser, rounds_us
 
 
 def record_us(rounds: int, n: int) -> list[float]:
@@ -52,13 +52,7 @@ def record_us(rounds: int, n: int) -> list[float]:
         record = accounting.record_of(call, RequestStatus.OK, 200, usage, meter, "stop")
         orjson.dumps(record if isinstance(record, dict) else record.to_json())
 
-    out = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(n):
-            one()
-        out.append((time.perf_counter() - start) / n * 1e6)
-    return out
+    return rounds_us(one, rounds, n)
 
 
 def wait_us(rounds: int, n: int) -> dict[str, list[float]]:
