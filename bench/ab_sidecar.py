@@ -13,12 +13,19 @@ median of each side and of the pairs, and in how many pairs this revision came o
 
 Only the benchmark's sidecar changes between the runs: the replica and nginx come from this
 tree, and both sidecars read the same generated configuration.
+
+The other sidecar can instead be this tree's run through a launcher with its own environment,
+such as a variant of ``bench/sidecar_variant.py`` (what one part costs, in paired runs):
+
+    .venv/bin/python -m bench.ab_sidecar --phases c16_json --pairs 6 \
+        --other-launcher bench/sidecar_variant.py --other-env SIDECAR_VARIANT=norecord
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -46,12 +53,16 @@ raise SystemExit(main(sys.argv[1:]))
 """
 
 
-def one_run(launcher: Path | None, phases: str) -> dict[str, Any]:
-    """One quick benchmark run's per-path summary (sidecar and nginx)."""
+def one_run(
+    launcher: Path | None, phases: str, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """One quick benchmark run's per-path summary (sidecar and nginx); ``env`` is added to the
+    benchmark's environment (its processes inherit it)."""
     cmd = [sys.executable, "-m", "bench.sidecar_overhead", "--quick", "--json", "--phases", phases]
     if launcher is not None:
         cmd += ["--sidecar-launcher", str(launcher)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    full_env = {**os.environ, **env} if env else None
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=full_env)
     if out.returncode != 0:
         raise SystemExit(f"benchmark run failed ({out.returncode}):\n{out.stderr[-2000:]}")
     paths: dict[str, Any] = json.loads(out.stdout)["paths"]
@@ -96,22 +107,37 @@ def report(this: list[dict[str, Any]], other: list[dict[str, Any]], name: str) -
 def main() -> int:
     """Run the pairs and print the report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", required=True, help="a worktree of the other revision")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--root", help="a worktree of the other revision")
+    which.add_argument("--other-launcher", type=Path,
+                       help="this tree's sidecar run through this launcher (bench.sidecar_overhead's "
+                            "--sidecar-launcher), as the other")  # fmt: skip
+    parser.add_argument("--other-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="set in the other's runs only (repeatable)")  # fmt: skip
     parser.add_argument("--pairs", type=int, default=4, help="runs of each sidecar (4)")
     parser.add_argument("--phases", default=PHASES, help=f"benchmark phases ({PHASES})")
     args = parser.parse_args()
-    root = str(Path(args.root).resolve())
+    bad = [item for item in args.other_env if "=" not in item]
+    if bad:
+        parser.error(f"--other-env: expected KEY=VALUE, got {bad[0]!r}")
+    other_env = dict(item.split("=", 1) for item in args.other_env)
     this: list[dict[str, Any]] = []
     other: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        launcher = Path(tmp) / "other_sidecar.py"
-        launcher.write_text(_LAUNCHER.format(root=root))
+        if args.root is not None:
+            root = str(Path(args.root).resolve())
+            launcher = Path(tmp) / "other_sidecar.py"
+            launcher.write_text(_LAUNCHER.format(root=root))
+            name = Path(root).name
+        else:
+            launcher = args.other_launcher.resolve()
+            name = "other"
         for i in range(args.pairs):
-            order = ((this, None), (other, launcher))
-            for runs, script in order if i % 2 == 0 else reversed(order):
-                runs.append(one_run(script, args.phases))
+            order = ((this, None, None), (other, launcher, other_env))
+            for runs, script, env in order if i % 2 == 0 else reversed(order):
+                runs.append(one_run(script, args.phases, env))
                 print(f"pair {i + 1}: {'other' if script else 'this'} done", flush=True)
-    print("\n".join(report(this, other, Path(root).name)))
+    print("\n".join(report(this, other, name)))
     return 0
 
 

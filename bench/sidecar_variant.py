@@ -25,6 +25,9 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
   of different requests interleave);
 - ``nofsync``: the spool's records written but not fsync'ed (``Spool._write`` without
   ``os.fsync``): what making each usage record durable costs, the disk thread's hand-off kept;
+- ``norecord``: no usage record spooled (``Spool.append`` returns at once; the record's fields
+  are still built and the admission journal still written): the most the spool's part of a
+  record, its JSON line, write, fsync and thread hand-off, can cost together;
 - ``cprofile``: the unchanged sidecar under cProfile from its ``SIDECAR_PROFILE_FROM``-th
   generation request (default 40) until the ``SIDECAR_PROFILE_TO``-th (default 200) ends; the
   stats go to ``SIDECAR_PROFILE`` (``pstats`` format). cProfile's cost per call inflates
@@ -108,6 +111,17 @@ def _nofsync() -> None:
         self._fh.flush()
 
     Spool._write = write  # type: ignore[method-assign]
+
+
+def _norecord() -> None:
+    from typing import Any
+
+    from infermeter.spool import Spool
+
+    async def append(self: Spool, record: dict[str, Any]) -> None:
+        return None
+
+    Spool.append = append  # type: ignore[method-assign]
 
 
 def _rss_mb() -> float:
@@ -297,6 +311,8 @@ def main() -> int:
         _cprofile()
     elif variant == "nofsync":
         _nofsync()
+    elif variant == "norecord":
+        _norecord()
     elif variant == "memory":
         _memory()
     elif variant == "stamps":
