@@ -11,13 +11,14 @@ samples it at 2 kHz with call stacks.
 
 Per request: the tool's interval also covers the phase's warm-up, where the benchmark counts no
 requests, so the requests in it are estimated as the sidecar's CPU time while the tool was
-attached over the benchmark's CPU per request in its window. With ``--strace``, a third run
-under ``strace -c`` gives the system calls by name (strace slows every call: counts only). The counters cost the process some CPU of their own (tracepoints on every system call):
-compare these figures between proxies, not with the benchmark's. Needs ``perf`` (Debian's
+attached over the benchmark's CPU per request in its window. The counters cost the process some
+CPU of their own (a tracepoint on every system call): compare these figures between proxies,
+not with the benchmark's. With ``--strace``, a third run under ``strace -c`` gives the system
+calls by name (strace slows every call, so more chunks wait per read: counts only). Needs ``perf`` (Debian's
 ``linux-perf``) and root or a permissive ``kernel.perf_event_paranoid``.
 
-    .venv/bin/python -m bench.perf_split                                  # the sidecar, c16_json
-    BENCH_FLOOR_WORK=1 BENCH_EVENT_LOOP=uvloop .venv/bin/python -m bench.perf_split \\
+    .venv/bin/python -m bench.perf_split --strace                         # the sidecar, c16_json
+    BENCH_FLOOR_WORK=1 BENCH_EVENT_LOOP=uvloop .venv/bin/python -m bench.perf_split --strace \\
         --sidecar-launcher bench/protocol_floor.py                        # the floor with the work
 """
 
@@ -42,10 +43,12 @@ _EVENTS = "raw_syscalls:sys_enter,context-switches"
 
 
 def _proxy_pid(bench: subprocess.Popen[bytes], pattern: str, timeout: float = 60.0) -> int:
-    """The pid of the sidecar process the benchmark starts (its command line has ``pattern``)."""
+    """The pid of the sidecar process this benchmark run starts: a child of it whose command
+    line has ``pattern`` (not another run's sidecar)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and bench.poll() is None:
-        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+        found = subprocess.run(["pgrep", "-P", str(bench.pid), "-f", pattern],
+                               capture_output=True, text=True).stdout  # fmt: skip
         pids = [int(p) for p in found.split()]
         if pids:
             return pids[0]
