@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from bench.chunks import rounds_us
 from infermeter.records import RequestStatus, UsageRecord
 from sidecar.journal import AdmissionJournal
 from sidecar.stream import StreamMeter
@@ -59,13 +60,7 @@ def _record(i: int) -> UsageRecord:
 
 def _best_us(fn: Callable[[], None], count: int, repeats: int = 7) -> float:
     """The median over ``repeats`` runs of ``fn`` x ``count``: CPU microseconds per call."""
-    runs = []
-    for _ in range(repeats):
-        start = time.thread_time()
-        for _ in range(count):
-            fn()
-        runs.append((time.thread_time() - start) / count * 1e6)
-    return statistics.median(runs)
+    return statistics.median(rounds_us(fn, repeats, count, clock=time.thread_time))
 
 
 async def measure(directory: Path, streams: int, tokens_per_second: float, mark_millis: int) -> dict[str, float]:  # fmt: skip
