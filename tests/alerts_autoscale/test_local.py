@@ -17,6 +17,7 @@ from alerts.autoscale.policy import Decision
 from infermeter.config import DEFAULT_CONFIG, Config, load_config
 from infermeter.local_fleet import LocalInstance, read_fleet, write_fleet
 from simulator.dcgm import node_exporters, render
+from tests.ports import off_demo_ports
 
 GROUP = "small-0"
 
@@ -36,7 +37,7 @@ def write_config(tmp_path: Path, gpus: int = 5) -> tuple[Path, Config]:
                   "stop_timeout_seconds": 5},
     }  # fmt: skip
     path = tmp_path / "infermeter.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path.write_text(yaml.safe_dump(off_demo_ports(raw)))
     return path, load_config(path, environ={})
 
 

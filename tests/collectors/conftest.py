@@ -10,25 +10,21 @@ import httpx
 import pytest
 
 from infermeter.config import Config
-from infermeter.serving import free_port
 from simulator.dcgm import NodeExporter, node_exporters
 from simulator.replica import ReplicaSim, replica_spec
+from tests.ports import off_demo_ports
 from tests.servers import serving
 
 
 @pytest.fixture
 def fleet_config(config: Config) -> Callable[..., Config]:
-    """The demo config with small-0 and node-b's exporter on free ports, collector settings set."""
+    """The demo config on free ports (nothing listens on them), collector settings set."""
 
     def make(small_gpus: list[int] | None = None, **collector: Any) -> Config:
-        data = config.model_dump()
+        data = off_demo_ports(config.model_dump())
         for r in data["replicas"]:
-            if r["id"] == "small-0":
-                r["upstream_url"] = f"http://127.0.0.1:{free_port()}"
-                if small_gpus is not None:
-                    r["gpus"] = small_gpus
-        for n in data["nodes"]:
-            n["dcgm_exporter_url"] = f"http://127.0.0.1:{free_port()}/metrics"
+            if r["id"] == "small-0" and small_gpus is not None:
+                r["gpus"] = small_gpus
         data["collector"].update(collector)
         return Config.model_validate(data)
 

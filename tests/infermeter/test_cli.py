@@ -16,7 +16,7 @@ import yaml
 
 from infermeter.cli import build_parser, main
 from infermeter.config import DEFAULT_CONFIG
-from infermeter.serving import free_port
+from tests.ports import off_demo_ports
 
 
 def test_every_subcommand_has_help(capsys):
@@ -45,18 +45,11 @@ def test_help_imports_no_heavy_library():
 
 def _fleet_config(tmp_path: Path) -> Path:
     """The demo fleet moved to free ports so tests never collide with a running demo."""
-    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    for r in data["replicas"]:
-        r["upstream_url"] = f"http://127.0.0.1:{free_port()}"
-        r["sidecar_listen"] = f"127.0.0.1:{free_port()}"
-    for n in data["nodes"]:
-        n["dcgm_exporter_url"] = f"http://127.0.0.1:{free_port()}/metrics"
+    data = off_demo_ports(yaml.safe_load(DEFAULT_CONFIG.read_text()))
     data["sidecar"]["spool_dir"] = str(tmp_path / "spool")
-    data["collector"].update(
-        listen=f"127.0.0.1:{free_port()}", spool_dir=str(tmp_path / "collector-spool")
-    )
-    data["autoscale"] = {"listen": f"127.0.0.1:{free_port()}",
-                         "history_file": str(tmp_path / "autoscale-history.json")}  # fmt: skip
+    data["collector"]["spool_dir"] = str(tmp_path / "collector-spool")
+    data["billing"]["database"] = str(tmp_path / "infermeter.duckdb")
+    data["autoscale"]["history_file"] = str(tmp_path / "autoscale-history.json")
     data["simulator"]["instances_file"] = str(tmp_path / "instances.json")
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -1,0 +1,37 @@
+"""The tests' guard of the demo's ports: configurations moved off them, and the ports held."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import yaml
+
+from infermeter.config import DEFAULT_CONFIG, Config
+from infermeter.serving import free_port
+from tests.demo_ports import hold
+from tests.ports import embedded_addresses, off_demo_ports
+
+
+def test_embedded_addresses_include_defaults_the_file_leaves_out():
+    """The dashboard's and the autoscaler's ports (code defaults) are found beside the file's."""
+    found = {port for _, port in embedded_addresses()}
+    assert {18001, 18102, 19401, 19500, 19600}.issubset(found)  # written in defaults.yaml
+    assert {19700, 19800}.issubset(found)  # defaults of config.py
+
+
+def test_a_moved_configuration_names_no_demo_address():
+    """Every address is moved, defaults included, and billing's listen and url stay one server."""
+    moved = Config.model_validate(off_demo_ports(yaml.safe_load(DEFAULT_CONFIG.read_text())))
+    dump = yaml.safe_dump(moved.model_dump(mode="json"))
+    for host, port in embedded_addresses():
+        assert f"{host}:{port}" not in dump
+    assert moved.billing.url == f"http://{moved.billing.listen}"
+
+
+def test_a_test_that_reaches_a_held_port_is_named():
+    """A request to a held port is noted with its method, path and address."""
+    port = free_port()
+    with hold([("127.0.0.1", port)]) as contacts:
+        with pytest.raises(httpx.HTTPStatusError):
+            httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).raise_for_status()
+        assert f"GET /metrics on 127.0.0.1:{port}" in contacts.since(0)
