@@ -598,6 +598,8 @@ class Simulator(_Strict):
     # The instances the autoscaler's local hook runs: read by the dcgm-exporter stand-in and
     # the traffic generator, written (atomically) by the hook.
     instances_file: str = "var/simulated-instances.json"
+    # Where each simulator process writes the ground-truth log (``simulator.truth``); "" is off.
+    truth_dir: str = ""
     gpus: dict[Name, GpuProfile] = Field(default_factory=dict)
     engines: dict[Name, EngineProfile] = Field(default_factory=dict)
 

@@ -9,6 +9,7 @@ millijoules since boot, Kubernetes pod labels only on GPUs that a pod holds. ``r
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from infermeter.config import Config, GpuProfile
 from infermeter.local_fleet import read_fleet
 from simulator.gpu import GpuMeter
 
-__all__ = ["DcgmGpu", "NodeExporter", "gpu_uuid", "node_exporters", "render"]
+__all__ = ["Board", "DcgmGpu", "NodeExporter", "gpu_uuid", "node_exporters", "render"]
 
 DRIVER_VERSION = "580.95.05"
 
@@ -162,8 +163,12 @@ class _Slot:
     boot_offset_mj: int
     last_energy_j: float = 0.0
     spare_base_j: float = 0.0
+    last_busy_s: float = 0.0
+    busy_base_s: float = 0.0  # the board's busy counter less the instance's when lent
     instance: str | None = None  # the simulated instance the board was last lent to
     instance_base_j: float = 0.0  # the board's counter less the instance's meter when lent
+    owner: str | None = None  # the fixed replica the configuration gives the board to
+    gpu_model: str = ""  # the configuration's name of the board's model (prices are by it)
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,24 @@ class _Lent:
     gpu: int
     instance: str
     namespace: str
+    replica: str
+
+
+@dataclass(frozen=True)
+class Board:
+    """One board at one reading: what dcgm-exporter shows, and what only the simulation knows.
+
+    ``holder`` is the instance the board is lent to or the fixed replica that owns it (None:
+    spare), ``replica`` the holder's group; ``energy_j`` and ``busy_s`` are the board's counters
+    since the stand-in began (the ground-truth log's GPU side).
+    """
+
+    gpu: DcgmGpu
+    gpu_model: str
+    holder: str | None
+    replica: str | None
+    energy_j: float
+    busy_s: float
 
 
 class NodeExporter:
@@ -190,6 +213,9 @@ class NodeExporter:
         self.slots = slots
         self.client = client
         self.instances_file = instances_file
+        # A scrape and the ground-truth log may read at once; the boards' counters are kept
+        # across reads, so one reading at a time.
+        self._lock = asyncio.Lock()
 
     def _lent(self) -> dict[int, _Lent]:
         """This node's boards that the live simulated instances hold, by index."""
@@ -201,11 +227,19 @@ class NodeExporter:
                 continue
             for local, index in enumerate(inst.gpus):
                 url = inst.upstream_url.rstrip("/")
-                lent[index] = _Lent(url, local, inst.instance, inst.namespace)
+                lent[index] = _Lent(url, local, inst.instance, inst.namespace, inst.replica)
         return lent
 
     async def gpus(self) -> list[DcgmGpu]:
         """Read every board now."""
+        return [board.gpu for board in await self.boards()]
+
+    async def boards(self) -> list[Board]:
+        """Read every board now, with its holder and counters."""
+        async with self._lock:
+            return await self._boards()
+
+    async def _boards(self) -> list[Board]:
         now = time.monotonic()
         cache: dict[str, list[dict[str, float]]] = {}
         lent = self._lent()
@@ -226,36 +260,45 @@ class NodeExporter:
                 util, power = spare.utilization_pct, spare.power_watts
                 energy_j = idle_energy_j
                 used, free = 0.0, float(slot.profile.memory_mib)
+                busy_s = slot.last_busy_s
             else:
                 util, power = reading["utilization_pct"], reading["power_watts"]
                 energy_j = reading["energy_joules"]
+                busy_s = slot.busy_base_s + reading["busy_seconds"]
                 if borrower is not None:
                     # The instance's meter started with its process: from the scrape that first
                     # sees it lent, the board's counter goes on by what that meter adds.
                     if slot.instance != borrower.instance:
                         slot.instance = borrower.instance
                         slot.instance_base_j = idle_energy_j - energy_j
+                        slot.busy_base_s = slot.last_busy_s - reading["busy_seconds"]
+                        busy_s = slot.last_busy_s
                     energy_j += slot.instance_base_j
                 slot.last_energy_j = energy_j
+                slot.last_busy_s = busy_s
                 slot.spare_base_j = spare.energy_joules
                 used, free = reading["memory_used_mib"], reading["memory_free_mib"]
             pod = slot.pod
+            holder, group = slot.owner, slot.owner
             if borrower is not None:
                 pod = ("vllm", borrower.namespace, borrower.instance)
-            out.append(
-                DcgmGpu(
-                    index=slot.index,
-                    uuid=slot.uuid,
-                    model_name=slot.profile.product_name,
-                    hostname=self.node,
-                    utilization_pct=util,
-                    power_watts=power,
-                    energy_mj=slot.boot_offset_mj + round(energy_j * 1000),
-                    memory_used_mib=used,
-                    memory_free_mib=free,
-                    pod=pod if reading is not None else None,
-                )
+                # A lent board is its instance's while the instance's engine answers for it:
+                # the span dcgm-exporter shows it with the pod's labels.
+                if reading is not None:
+                    holder, group = borrower.instance, borrower.replica
+            shown = DcgmGpu(
+                index=slot.index,
+                uuid=slot.uuid,
+                model_name=slot.profile.product_name,
+                hostname=self.node,
+                utilization_pct=util,
+                power_watts=power,
+                energy_mj=slot.boot_offset_mj + round(energy_j * 1000),
+                memory_used_mib=used,
+                memory_free_mib=free,
+                pod=pod if reading is not None else None,
             )
+            out.append(Board(shown, slot.gpu_model, holder, group, energy_j, busy_s))
         return out
 
     async def _fetch(self, url: str) -> list[dict[str, float]]:
@@ -324,6 +367,8 @@ def node_exporters(
                     pod=pod,
                     spare=GpuMeter(profile, now, memory_fraction=0.0),
                     boot_offset_mj=offset,
+                    owner=owner[3] if owner else None,
+                    gpu_model=gpu_model,
                 )
             )
         result[node_name] = NodeExporter(node_name, slots, client, instances_file)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from simulator.protocol import (
     parse_json,
 )
 from simulator.text import VOCAB, prefix_block_hashes, request_rng
+from simulator.truth import TruthWriter
 from simulator.vllm_metrics import VllmMetrics
 
 __all__ = ["ReplicaSim", "ReplicaSpec", "replica_spec"]
@@ -118,9 +120,15 @@ class _Request:
 class ReplicaSim:
     """The engine loop, meters and metrics of one replica, and its ASGI app."""
 
-    def __init__(self, spec: ReplicaSpec, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        spec: ReplicaSpec,
+        clock: Callable[[], float] = time.monotonic,
+        truth: TruthWriter | None = None,
+    ) -> None:
         self.spec = spec
         self.clock = clock
+        self.truth = truth
         self.scheduler = Scheduler(spec.engine)
         self.metrics = VllmMetrics(spec.served_model, spec.engine)
         now = clock()
@@ -134,6 +142,8 @@ class ReplicaSim:
         self._exported = {"prompt": 0, "gen": 0, "queries": 0, "hits": 0, "preempt": 0}
         self._task: asyncio.Task[None] | None = None
         self.started_at = time.time()
+        # The engine keeps its own clock; the truth log speaks wall time.
+        self._wall_offset = self.started_at - now
 
     # -- engine loop ---------------------------------------------------------------------------
 
@@ -141,6 +151,7 @@ class ReplicaSim:
         """Start the engine loop on the running event loop."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
+            self._truth_instance("start")
 
     async def stop(self) -> None:
         """Stop the engine loop."""
@@ -149,6 +160,43 @@ class ReplicaSim:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+            self._truth_instance("stop")
+
+    def _truth_instance(self, event: str) -> None:
+        if self.truth is not None:
+            self.truth.write(
+                "instance",
+                {
+                    "event": event,
+                    "instance": self.spec.instance,
+                    "replica": self.spec.replica_id,
+                    "model": self.spec.served_model,
+                    "gpu_count": self.spec.gpu_count,
+                    "t": time.time(),
+                    "pid": os.getpid(),
+                },
+            )
+
+    def _truth_request(
+        self, req: _Request, path: str, request_id: str, given_id: str | None
+    ) -> None:
+        """What the engine did for ``req``, once it ended (the ground-truth log)."""
+        assert self.truth is not None
+        wall = self._wall_offset
+        seqs = req.seqs
+        firsts = [s.first_token_at for s in seqs if s.first_token_at is not None]
+        ends = [s.finished_at for s in seqs if s.finished_at is not None]
+        self.truth.write("request", {
+            "instance": self.spec.instance, "replica": self.spec.replica_id,
+            "request_id": given_id, "response_id": request_id, "endpoint": path,
+            "stream": req.gen.stream, "n": req.gen.n, "arrived": req.arrived_at + wall,
+            "first_token": min(firsts) + wall if firsts else None,
+            "ended": (max(ends) if ends else self.clock()) + wall,
+            "prompt_tokens": [s.prompt_tokens if s.admitted_at is not None else 0 for s in seqs],
+            "cached_tokens": [s.cached_tokens if s.admitted_at is not None else 0 for s in seqs],
+            "completion_tokens": [s.generated for s in seqs],
+            "aborted": any(s.finish_reason == "abort" for s in seqs),
+        })  # fmt: skip
 
     async def _run(self) -> None:
         while True:
@@ -411,6 +459,8 @@ class ReplicaSim:
             watcher.cancel()
             if any(not s.done for s in req.seqs):
                 self.abort(req)
+            if self.truth is not None:
+                self._truth_request(req, path, request_id, given_id)
 
     async def _watch_disconnect(self, req: _Request, receive: Receive) -> None:
         while True:

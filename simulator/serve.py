@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -10,8 +11,9 @@ import uvicorn
 
 from infermeter.config import Config
 from infermeter.serving import ensure_free, host_port, server
-from simulator.dcgm import node_exporters
+from simulator.dcgm import NodeExporter, node_exporters
 from simulator.replica import ReplicaSim, replica_spec
+from simulator.truth import TruthWriter, open_truth
 
 __all__ = ["serve_dcgm", "serve_replica"]
 
@@ -26,7 +28,8 @@ def replica_server(
     replica = config.replica(replica_id)
     host, port = host_port(listen or replica.upstream_url)
     ensure_free(host, port, f"replica {instance or replica_id} address")
-    sim = ReplicaSim(replica_spec(config, replica_id, instance))
+    truth = open_truth(config.simulator.truth_dir, f"replica-{instance or replica_id}")
+    sim = ReplicaSim(replica_spec(config, replica_id, instance), truth=truth)
     return sim, server(sim, host, port)
 
 
@@ -38,12 +41,45 @@ async def serve_replica(
     await srv.serve()
 
 
+BOARD_TRUTH_SECONDS = 1.0
+
+
+async def record_boards(exporter: NodeExporter, writer: TruthWriter, every: float) -> None:
+    """Write each board's holder and counters every ``every`` seconds (the ground-truth log)."""
+    while True:
+        t = time.time()
+        for board in await exporter.boards():
+            gpu = board.gpu
+            writer.write(
+                "board",
+                {
+                    "node": exporter.node,
+                    "index": gpu.index,
+                    "uuid": gpu.uuid,
+                    "gpu_model": board.gpu_model,
+                    "holder": board.holder,
+                    "replica": board.replica,
+                    "t": t,
+                    "energy_j": board.energy_j,
+                    "busy_s": board.busy_s,
+                },
+            )
+        await asyncio.sleep(max(0.0, t + every - time.time()))
+
+
 async def serve_dcgm(config: Config) -> None:
-    """Serve every node's dcgm-exporter stand-in in this process."""
+    """Serve every node's dcgm-exporter stand-in in this process.
+
+    With ``simulator.truth_dir`` set, each node's boards also go to the ground-truth log.
+    """
     servers = []
+    tasks = []
     async with httpx.AsyncClient() as client:
         instances = Path(config.simulator.instances_file)
         for name, app in node_exporters(config, client, instances).items():
+            truth = open_truth(config.simulator.truth_dir, f"dcgm-{name}")
+            if truth is not None:
+                tasks.append(asyncio.create_task(record_boards(app, truth, BOARD_TRUTH_SECONDS)))
             node = next((n for n in config.nodes if n.name == name), None)
             if node is None or node.dcgm_exporter_url is None:
                 continue
