@@ -87,8 +87,9 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     import asyncio
 
     from alerts.autoscale.hooks import HookError
-    from alerts.autoscale.service import serve_autoscaler
+    from alerts.autoscale.service import log_to_stderr, serve_autoscaler
 
+    log_to_stderr()
     try:
         path = Path(config_path(args))
         asyncio.run(serve_autoscaler(config, args.listen, args.prometheus, path, args.day_seconds))

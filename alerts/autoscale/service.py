@@ -59,6 +59,7 @@ __all__ = [
     "PrometheusReader",
     "build_hooks",
     "history_file",
+    "log_to_stderr",
     "serve_autoscaler",
 ]
 
@@ -168,7 +169,10 @@ class Autoscaler:
         obs = await self.reader.read()
         if obs is None:
             return {}
-        decisions, self.states = evaluate(self.params, self.limits, self.states, obs)
+        before = self.states
+        decisions, self.states = evaluate(self.params, self.limits, before, obs)
+        for decision in decisions.values():
+            _log_change(decision, before.get(decision.model))
         self.gauges.update(decisions)
         if self.memory is not None:
             await self.memory.maybe_save(self.states)
@@ -189,8 +193,9 @@ class Autoscaler:
                 continue
             self.gauges.hook_errors.labels(hook=hook.name).set(0)
             self.delivered[key] = decision.desired
-            log.info("autoscale: %s: %s -> %d (%s)", hook.name, decision.model,
-                     decision.desired, "; ".join(decision.reasons))  # fmt: skip
+            # The change itself was logged when it was decided (``_log_change``).
+            log.debug("autoscale: %s hook: %s -> %d delivered", hook.name, decision.model,
+                      decision.desired)  # fmt: skip
 
     async def run(self, interval_seconds: float) -> None:
         """Tick every ``interval_seconds`` until cancelled."""
@@ -203,6 +208,25 @@ class Autoscaler:
         """Write the demand history now (on the way out: the periodic save may be seconds old)."""
         if self.memory is not None:
             self.memory.save(self.states)
+
+
+def _log_change(decision: Decision, state: ModelState | None) -> None:
+    """One INFO line when a model's desired count changes: from, to, and why.
+
+    "From" is the count last asked for, or on the first tick the replicas seen serving: the
+    same count the policy measures a change against.
+    """
+    last = state.last_desired if state is not None else None
+    previous = decision.current if last is None else last
+    if decision.desired != previous:
+        log.info("autoscale: %s: %d -> %d replicas: %s", decision.model, previous,
+                 decision.desired, "; ".join(decision.reasons))  # fmt: skip
+
+
+def log_to_stderr() -> None:
+    """The autoscaler's own lines on stderr from INFO (its decisions), everyone else's from WARNING."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
 
 
 def build_hooks(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import httpx
@@ -13,7 +14,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from alerts.autoscale.hooks import Hook, HookError, KubernetesScaleHook, ScalingGauges, WebhookHook
-from alerts.autoscale.policy import model_limits, params_from_config
+from alerts.autoscale.policy import Decision, model_limits, params_from_config
 from alerts.autoscale.service import Autoscaler, PageReader, build_hooks, build_reader, create_app
 from infermeter.config import Config
 from infermeter.serving import free_port
@@ -83,6 +84,38 @@ async def test_ticks_set_gauges_and_deliver_each_change_once(config: Config) -> 
     ]
     assert [p["body"] for p in fleet.patches] == [{"spec": {"replicas": 2}},
                                                    {"spec": {"replicas": 3}}]  # fmt: skip
+
+
+async def test_each_change_of_desired_replicas_is_logged_in_one_line(
+    config: Config, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A change logs model, from -> to and the reasons at INFO, once; a tick that holds logs none."""
+    fleet = Fleet()
+    now = [1000.0]
+    async with serving(fleet.app()) as url, httpx.AsyncClient() as client:
+        reader = PageReader(f"{url}/metrics", [], ["chat-small", "chat-large"], client,
+                            clock=lambda: now[0])  # fmt: skip
+        limits = {m.name: model_limits(config, m.name) for m in config.models}
+        scaler = Autoscaler(params_from_config(config), limits, reader, ScalingGauges())
+
+        async def tick(seconds: float) -> tuple[dict[str, Decision], list[tuple[int, str]]]:
+            now[0] += seconds
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="infermeter.autoscale"):
+                decisions = await scaler.tick()
+            return decisions, [(r.levelno, r.getMessage()) for r in caplog.records]
+
+        _, first = await tick(0)
+        _, holding = await tick(15)
+        decided, raised = await tick(20)  # queue 12 > 10 for 35 s
+        _, still = await tick(5)
+    assert first == [(logging.INFO, "autoscale: chat-large: 1 -> 2 replicas: "
+                      "raised to min_replicas 2")]  # fmt: skip
+    assert holding == []
+    reasons = "; ".join(decided["chat-small"].reasons)
+    assert "queue" in reasons
+    assert raised == [(logging.INFO, f"autoscale: chat-small: 2 -> 3 replicas: {reasons}")]
+    assert still == []  # asked for 3 already: nothing new to say
 
 
 async def test_an_unreachable_collector_skips_the_tick(config: Config) -> None:
