@@ -3,7 +3,8 @@
 Pure functions over the request's head and body and the configuration's ``View``: who calls,
 whether the body is a request the sidecar can meter, which model serves it, how many tokens it
 reserves and what exactly goes upstream. Each returns a typed ``Plan`` or a ``Refusal`` (the
-OpenAI error the client gets), so every rule is testable without a server. What needs state
+OpenAI error the client gets), so every rule is testable without a server. All of it runs before
+the team limits are asked: a request refused here takes nothing from any bucket. What needs state
 that changes under the request (limits, budgets, fair share, the spool) is asked by the caller,
 in the order the module docstring of ``sidecar.app`` gives.
 """
@@ -25,7 +26,6 @@ from sidecar.request_ids import client_request_id
 from sidecar.state import ModelNotFoundError, View
 
 __all__ = [
-    "CHARGED_REFUSALS",
     "GENERATE",
     "Headers",
     "Plan",
@@ -46,8 +46,6 @@ GENERATE = {
     "/v1/completions": "text_completion",
     "/v1/embeddings": "embeddings",
 }
-# Refusals decided before admission; each still costs one of the team's requests per minute.
-CHARGED_REFUSALS = frozenset({400, 404, 408, 413})
 # Headers never passed upstream: hop-by-hop ones, the caller's credentials, and what the client
 # library sets.
 _DROP = frozenset({b"authorization", b"host", b"content-length", b"connection", b"keep-alive",

@@ -4,10 +4,15 @@ Plain ASGI for the request itself; every token of every user then passes through
 asyncio protocols (``sidecar.direct``, ``sidecar.pool``), or the ASGI relay (``sidecar.relay``)
 when ``sidecar.protocol_relay`` is off. The path of one request:
 
-    identify team -> read and check body -> route model (``sidecar.admission``) -> team limits
-    -> fair batch slot -> forward, streamed -> meter and rewrite chunks
+    identify team -> read and check body -> route model (``sidecar.admission``) -> budget
+    -> team limits -> fair batch slot -> forward, streamed -> meter and rewrite chunks
     -> usage record durable in the spool (``sidecar.accounting``)
     -> final ``data: [DONE]`` (or the whole body) -> settle limits, metrics, span
+
+A request refused for any reason takes nothing from the team's limits: every refusal that can
+come before the limits does (401, 400, 404, 408, 413, budget), and one after them (fair share,
+draining, the journal) refunds its admission whole instead of settling it. Only a request that
+was forwarded is settled, by what vLLM reported it used.
 
 A record is on disk before the client sees the end of its response, so a response a client saw
 complete is never lost, even if the sidecar is killed right after.
@@ -43,7 +48,6 @@ from infermeter.spooldir import BUDGET_OVERRIDES
 from sidecar import tracing
 from sidecar.accounting import Accounting, Call, count_recovered
 from sidecar.admission import (
-    CHARGED_REFUSALS,
     GENERATE,
     Headers,
     Refusal,
@@ -397,9 +401,11 @@ class Sidecar:
         usage: UsageCounts | None = None
         status = RequestStatus.OK
         finish: str | None = None
+        forwarded = False
         try:
             body = await self._admit(call, scope, receive)
             self._enter(call)
+            forwarded = True
             upstream = self._upstream_headers(headers, call)
             raw = _raw_writer(scope)
             if call.stream:
@@ -422,14 +428,11 @@ class Sidecar:
             self.accounting.observe(call, status, None, None, None, self.view.model_names)
             return
         finally:
-            self._release(call, usage)
+            self._release(call, usage, forwarded)
         self.accounting.observe(call, status, usage, meter, finish, self.view.model_names)
 
-    async def _refuse(self, call: Call, refused: Refusal, send: Send) -> RequestStatus:
-        """Answer a refusal (charged to the team when it is one of the charged kinds)."""
-        rej = refused
-        if call.team and call.admission is None and rej.status in CHARGED_REFUSALS:
-            rej = await self._charge_refusal(call, rej)
+    async def _refuse(self, call: Call, rej: Refusal, send: Send) -> RequestStatus:
+        """Answer a refusal; it takes nothing from the team's limits (``_release``)."""
         headers = [JSON, *((k.encode(), v.encode()) for k, v in rej.headers), *call.echo_headers()]
         body = error_body(rej.status, rej.message, rej.err_type, rej.code, rej.param)
         if call.team:
@@ -453,16 +456,6 @@ class Sidecar:
             log.error(
                 "%s; request %s would go unrecorded if the sidecar died", exc, call.request_id
             )
-
-    async def _charge_refusal(self, call: Call, rej: Refusal) -> Refusal:
-        """A refusal takes one of the team's requests; past the limit it becomes a 429."""
-        try:
-            await self.limiter.take_request(call.team)
-        except LimitExceeded as exc:
-            return self._rate_limited(call, exc)
-        except LimitsUnavailable:
-            pass
-        return rej
 
     def _rate_limited(self, call: Call, exc: LimitExceeded) -> Refusal:
         self.metrics.rate_limited.labels(call.team, exc.reason).inc()
@@ -580,10 +573,14 @@ class Sidecar:
                 tracing.PROPAGATOR.inject(out, context=trace.set_span_in_context(call.span))
         return out
 
-    def _release(self, call: Call, usage: UsageCounts | None) -> None:
+    def _release(self, call: Call, usage: UsageCounts | None, forwarded: bool) -> None:
+        """Settle what a forwarded request used, or refund a refused one's admission whole."""
         if call.admission is not None:
-            used = (usage.prompt + usage.completion) if usage else 0
-            self.limiter.settle(call.admission, used)
+            if forwarded:
+                used = (usage.prompt + usage.completion) if usage else 0
+                self.limiter.settle(call.admission, used)
+            else:
+                self.limiter.refund(call.admission)
             self.metrics.child(self.metrics.in_flight, call.team, call.model).dec()
         if call.slot is not None:
             call.slot.release()

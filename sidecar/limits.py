@@ -3,8 +3,10 @@
 Token buckets refill continuously. A request reserves its prompt estimate plus ``max_tokens`` from
 the tokens bucket when it is admitted, because the real count is known only when it ends; it
 settles with the real usage then, returning what it did not use (or taking what it used beyond
-the estimate, which may leave the bucket in debt until it refills). All of this is pure: the
-clock is an argument, so the tests drive it.
+the estimate, which may leave the bucket in debt until it refills). A request refused for any
+reason takes nothing: a refusal before admission never reaches the buckets, and one after it
+(fair share, draining) is refunded whole. All of this is pure: the clock is an argument, so the
+tests drive it.
 """
 
 from __future__ import annotations
@@ -172,22 +174,6 @@ class RateLimiter:
         state.in_flight += 1
         return Admission(team, reserve_tokens, ratelimit_headers(state))
 
-    def take_request(self, team: str, now: float) -> None:
-        """Count a request refused before admission (bad body, unknown model) against the
-        team's requests per minute; LimitExceeded when none is left.
-
-        Refusals cost the sidecar work and a spooled record, so they are not free to send.
-        """
-        state = self._teams.get(team)
-        if state is None or state.requests is None:
-            return
-        state.requests.refill(now)
-        if state.requests.level < 1:
-            raise LimitExceeded(
-                "requests", state.requests.seconds_until(1), ratelimit_headers(state)
-            )
-        state.requests.level -= 1
-
     def settle(self, admission: Admission, used_tokens: int, now: float) -> None:
         """Replace the reservation by the real usage and free the concurrency slot."""
         if admission.settled:
@@ -202,6 +188,24 @@ class RateLimiter:
             state.tokens.level = min(
                 state.tokens.capacity, state.tokens.level + admission.reserved_tokens - used_tokens
             )
+
+    def refund(self, admission: Admission, now: float) -> None:
+        """Give back all an admission took, its request, reservation and slot: its request was
+        refused after admission (fair share, draining), so it was never served.
+
+        Exactly once, like ``settle``; a refund after a settle, or a settle after it, is a no-op.
+        """
+        if admission.settled:
+            return
+        admission.settled = True
+        state = self._teams.get(admission.team)
+        if state is None:
+            return
+        state.in_flight = max(0, state.in_flight - 1)
+        for bucket, amount in ((state.requests, 1), (state.tokens, admission.reserved_tokens)):
+            if bucket is not None:
+                bucket.refill(now)
+                bucket.level = min(bucket.capacity, bucket.level + amount)
 
 
 def _resize(old: _Bucket | None, per_minute: int | None, now: float) -> _Bucket | None:

@@ -4,6 +4,11 @@ When the shared limit store is down and the policy is fail_open, each sidecar se
 divided by this number, so the fleet as a whole stays near the limit. The count is read in the
 background (``GET /v1/instances?state=live``) and kept when a read fails: a stale count is better
 than none, and 1 (the whole limit per sidecar) is what is left when billing was never reached.
+
+The registry is told of instances by the instances themselves, so its count is not trusted past
+what the configuration allows (``instance_bound``): 250 forged live instances must not divide
+every team's limit by 250. The bound errs high (a loose bound only weakens that protection; a
+tight one would give a real fleet more than its share).
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from typing import Any
 
 import httpx
 
-__all__ = ["LiveInstances", "count_live"]
+from infermeter.config import Config
+
+__all__ = ["LiveInstances", "count_live", "instance_bound"]
 
 log = logging.getLogger("infermeter.sidecar")
 
@@ -31,13 +38,31 @@ def count_live(body: Any, replica: str | None) -> int | None:
     return len(rows)
 
 
+def instance_bound(config: Config, replica: str | None) -> int:
+    """The most instances the configuration lets share a limit: of replica group ``replica``,
+    or of the whole fleet when None.
+
+    A group runs its configured replica and up to ``scaling.max_replicas`` more (the autoscaler's
+    ceiling; ``min_replicas`` when there is none, the least the autoscaler keeps); the fleet is
+    every configured group.
+    """
+    scaling = config.scaling
+    per_group = 1 + max(scaling.max_replicas or 0, scaling.min_replicas, 1)
+    groups = 1 if replica is not None else max(1, len(config.replicas))
+    return per_group * groups
+
+
 class LiveInstances:
     """The live instance count, refreshed every ``refresh_seconds`` while ``run`` runs."""
 
     def __init__(self, url: str | None, token: str | None, replica: str | None,
-                 refresh_seconds: float, client: httpx.AsyncClient | None = None) -> None:  # fmt: skip
-        """``replica``: count only that replica group's instances (limits per model group)."""
+                 refresh_seconds: float, client: httpx.AsyncClient | None = None,
+                 max_count: int | None = None) -> None:  # fmt: skip
+        """``replica``: count only that replica group's instances (limits per model group).
+        ``max_count``: the most the count may be (``instance_bound``); None for no bound.
+        """
         self.url = None if url is None else url.rstrip("/") + "/v1/instances"
+        self.max_count = max_count
         self.headers = {"authorization": f"Bearer {token}"} if token else {}
         self.replica = replica
         self.refresh_seconds = refresh_seconds
@@ -58,7 +83,16 @@ class LiveInstances:
         if n is None:
             log.warning("instance registry answer has no instances list; keeping %d", self.count)
             return
-        self.count = max(1, n)
+        self.count = self.clamped(n)
+
+    def clamped(self, n: int) -> int:
+        """``n`` live instances as the count to use: at least 1, at most ``max_count``."""
+        if self.max_count is not None and n > self.max_count:
+            log.warning("instance registry lists %d live instances, more than the %d the "
+                        "configuration allows (scaling.max_replicas per replica group); using %d",
+                        n, self.max_count, self.max_count)  # fmt: skip
+            return self.max_count
+        return max(1, n)
 
     async def run(self) -> None:
         """Refresh until cancelled."""

@@ -14,9 +14,12 @@ the core the sidecar shares with the relay. This client does only what shared ad
   treated as down) and leaves no late reply to be matched to the wrong caller;
 - reconnection on the next call, with attempts spaced by an exponential backoff while they fail.
 
-Errors: ``ConnectionError`` (an ``OSError``) when there is no connection or it is lost,
-``TimeoutError`` past the deadline, ``ReplyError`` (``NoScriptError``) when Redis answers with an
-error. Everything off the hot path (budget overrides, fair-share state) keeps redis-py.
+Errors: ``ConnectionError`` (an ``OSError``) when the connection is lost, ``TimeoutError`` past
+the deadline, ``ReplyError`` (``NoScriptError``) when Redis answers with an error. After any of
+those Redis may or may not have run the command. ``NotSent`` (a ``ConnectionError``) says it
+cannot have: there was no connection, so the command was never written; a caller that must undo
+what a lost command may have done (``sidecar.shared_limits``) needs that difference. Everything
+off the hot path (budget overrides, fair-share state) keeps redis-py.
 """
 
 from __future__ import annotations
@@ -33,7 +36,15 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
 
-__all__ = ["Endpoint", "NoScriptError", "ReplyError", "RespClient", "Script", "parse_url"]
+__all__ = [
+    "Endpoint",
+    "NoScriptError",
+    "NotSent",
+    "ReplyError",
+    "RespClient",
+    "Script",
+    "parse_url",
+]
 
 Arg = str | bytes | int | float
 
@@ -44,6 +55,10 @@ class ReplyError(Exception):
 
 class NoScriptError(ReplyError):
     """EVALSHA of a script the server does not hold (it restarted, or SCRIPT FLUSH ran)."""
+
+
+class NotSent(ConnectionError):
+    """No connection to Redis: the command was never written, so Redis cannot run it."""
 
 
 def _reply_error(message: str) -> ReplyError:
@@ -286,11 +301,11 @@ class RespClient:
     async def _connected(self) -> _Connection:
         """The open connection: the one being opened, or a new one when attempts are due."""
         if self._closed:
-            raise ConnectionError("the Redis client was closed")
+            raise NotSent("the Redis client was closed")
         if self._connecting is None:
             wait = self._next_attempt - time.monotonic()
             if wait > 0:
-                raise ConnectionError(
+                raise NotSent(
                     f"Redis at {self.endpoint.where} is unreachable; "
                     f"next attempt in {wait * 1000:.0f} ms"
                 )
@@ -322,7 +337,7 @@ class RespClient:
             self._backoff = min(self.max_backoff_seconds,
                                 max(self.min_backoff_seconds, self._backoff * 2))  # fmt: skip
             self._next_attempt = time.monotonic() + self._backoff
-            raise ConnectionError(
+            raise NotSent(
                 f"cannot connect to Redis at {ep.where}: {type(exc).__name__}: {exc}"
             ) from exc
         finally:

@@ -12,13 +12,37 @@ commands per request in all, plus one lease renewal per team per third of a leas
 When Redis fails or answers slower than ``timeout_millis``, ``on_failure`` decides:
 
 - ``fail_open``: each sidecar admits against local buckets holding the limit divided by the
-  number of live instances (billing's instance registry), so the fleet stays near the limit;
+  number of live instances (billing's instance registry, never more than the configuration
+  allows: ``live_instances.instance_bound``), so the fleet stays near the limit;
 - ``fail_closed``: ``LimitsUnavailable``, which the sidecar answers with 503 and Retry-After.
 
 Either way the transition is logged once, ``infermeter_shared_limits_up`` drops to 0 and
 ``infermeter_shared_limits_fallback`` counts the requests decided without Redis. Redis is tried
-again every ``retry_seconds``; the first admission of each scope after an outage drains the
-shared buckets, which then refill at the limit, so recovery brings no burst above it.
+again every ``retry_seconds``.
+
+What one sidecar's outage (a blip, a timeout, a refused connection) may do to the others:
+nothing but account for what it served. Each admission carries a unique member that Redis keeps
+while the request runs, so every later step is exactly once:
+
+- A call that fails after it was written (a timeout, a lost connection, a cancelled caller) may
+  still run, or have run: the sidecar queues an ``UNDO`` of its member, sent once Redis answers
+  again. It gives back what the admission took if it ran, and bars the member if it has not, so
+  a late run does nothing. A call never written (``resp.NotSent``) needs nothing.
+- Settlements that fail are sent again: a settlement acts only on the member it removes, so a
+  second one changes nothing.
+- Recovery: while it could not reach Redis, the sidecar admitted requests from its local
+  buckets. It owes the fleet exactly those: the requests it admitted and the tokens they used
+  (counted when they settle) in the last minute, the span over which a bucket remembers
+  anything, since by then it has refilled whole. Its next admission of each scope carries that
+  debt, taken at most one bucket deep and never below empty. The shared buckets are never reset:
+  resetting them on recovery (as this module once did) emptied every bucket the sidecar touched,
+  so one sidecar's blip gave every other sidecar 429s, N times for N sidecars; and forgiving the
+  debt instead would let the fleet exceed its limit by what the recovering sidecar served. Taking
+  what was really served keeps the fleet within its limit over the window (the local admissions
+  plus the shared ones); when the whole fleet was cut off, the debts of all sidecars add up to
+  what the fleet served in the last minute of the outage. Requests still running on local slots
+  when Redis returns are not moved to Redis (their tokens are owed when they end), so the fleet
+  may run up to one local share above ``max_concurrent`` until they do.
 """
 
 from __future__ import annotations
@@ -31,6 +55,7 @@ import math
 import os
 import time
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -46,8 +71,8 @@ from sidecar.limits import (
     bucket_headers,
 )
 from sidecar.live_instances import LiveInstances
-from sidecar.resp import NoScriptError, ReplyError, RespClient, Script, parse_url
-from sidecar.shared_scripts import ADMIT, RENEW, SETTLE
+from sidecar.resp import NoScriptError, NotSent, ReplyError, RespClient, Script, parse_url
+from sidecar.shared_scripts import ADMIT, RENEW, SETTLE, UNDO
 
 __all__ = [
     "LimitsUnavailable",
@@ -61,11 +86,16 @@ log = logging.getLogger("infermeter.sidecar")
 
 _REASONS = {1: "concurrency", 2: "requests", 3: "tokens"}
 _STORE_ERRORS = (RedisError, ReplyError, OSError, TimeoutError)
-_ADMIT, _SETTLE, _RENEW = Script(ADMIT), Script(SETTLE), Script(RENEW)
+_ADMIT, _SETTLE, _UNDO, _RENEW = Script(ADMIT), Script(SETTLE), Script(UNDO), Script(RENEW)
 # Settlements wait this long for others to share their write: at hundreds of requests a second
 # that is several per system call instead of one, which measured a little less CPU and admission
 # latency (a slot is freed 5 ms later, against a lease of seconds).
 _SETTLE_GATHER_SECONDS = 0.005
+# Local admissions are owed to the shared buckets this long: a bucket refills whole in a minute.
+_OWED_SECONDS = 60
+# Settlements and withdrawals kept for Redis while it does not answer; past this the oldest go
+# (their slots then come free when their lease ends).
+_MAX_QUEUED = 100_000
 
 
 @dataclass(eq=False)
@@ -74,6 +104,46 @@ class SharedAdmission(Admission):
 
     scope: str = ""
     member: str = ""
+
+
+@dataclass(eq=False)
+class _LocalAdmission(Admission):
+    """An admission from the local buckets while Redis was out of reach, and when it was made."""
+
+    at: float = 0.0  # time.monotonic()
+
+
+class _Owed:
+    """What this sidecar served on its own for one scope and has not yet told Redis: requests
+    and tokens by the second they were admitted or used, for the last ``_OWED_SECONDS``."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, list[int]] = {}
+
+    def add(self, now: float, requests: int, tokens: int, second: int | None = None) -> None:
+        """Count ``requests`` and ``tokens`` at ``second`` (default: now's); older ones go."""
+        for old in [s for s in self.slots if s <= now - _OWED_SECONDS]:
+            del self.slots[old]
+        second = int(now) if second is None else second
+        if second <= now - _OWED_SECONDS:
+            return
+        slot = self.slots.setdefault(second, [0, 0])
+        slot[0] += requests
+        slot[1] += tokens
+
+    def total(self, now: float) -> tuple[int, int]:
+        """What is owed now: the requests and tokens of the last ``_OWED_SECONDS``."""
+        recent = [v for s, v in self.slots.items() if s > now - _OWED_SECONDS]
+        return sum(v[0] for v in recent), sum(v[1] for v in recent)
+
+
+@dataclass(frozen=True)
+class _Queued:
+    """A script call to send in the background: a settlement or a withdrawal."""
+
+    script: Script
+    scope: str
+    args: tuple[int | str, ...]
 
 
 def fallback_limits(limits: dict[str, TeamLimits], live: int) -> dict[str, TeamLimits]:
@@ -122,7 +192,9 @@ class SharedTeamLimiter:
 
     def __init__(self, settings: SharedLimitsSettings, limits: dict[str, TeamLimits],
                  replica_id: str, registry: CollectorRegistry,
-                 client: aioredis.Redis | None = None) -> None:  # fmt: skip
+                 client: aioredis.Redis | None = None, max_live: int | None = None) -> None:  # fmt: skip
+        """``max_live``: the most live instances the configuration allows to share a limit
+        (``live_instances.instance_bound``); the registry's count is clamped to it."""
         self.settings = settings
         self.replica_id = replica_id
         timeout = settings.timeout_millis / 1000
@@ -140,20 +212,22 @@ class SharedTeamLimiter:
         self._gauges: dict[tuple[str, str], Gauge] = {}
         group = replica_id if settings.scope == "team_replica" else None
         self.live = LiveInstances(settings.registry_url, os.environ.get(settings.registry_token_env),
-                                  group, settings.instances_refresh_seconds)  # fmt: skip
+                                  group, settings.instances_refresh_seconds, max_count=max_live)  # fmt: skip
         self._live_applied = 1
         self.limits = limits
         self.fallback = RateLimiter(fallback_limits(limits, 1), time.monotonic())
         self._id = uuid.uuid4().hex[:12]
         self._seq = itertools.count()
-        self._held: dict[str, set[str]] = {}
-        self._pending: list[tuple[str, str, list[int | str]]] = []
+        self._lease_ms = int(settings.lease_seconds * 1000)
+        # The members of the admissions in flight here, by scope: renewed until settled.
+        self._held: dict[str, set[str]] = defaultdict(set)
+        self._queued: list[_Queued] = []
+        self._owed: dict[str, _Owed] = defaultdict(_Owed)
         self._wake = asyncio.Event()
+        self._closed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._down_since: float | None = None
         self._retry_at = 0.0
-        self._drained: set[str] = set()
-        self._draining = False
         self._closing = False
 
     # -- the interface ---------------------------------------------------------------------------
@@ -163,9 +237,10 @@ class SharedTeamLimiter:
             return f"{team}/{self.replica_id}"
         return team
 
-    def _keys(self, scope: str) -> tuple[str, str]:
+    def _keys(self, scope: str) -> tuple[str, str, str]:
+        """The scope's buckets, its admissions in flight and its withdrawn admissions."""
         base = f"{self.settings.key_prefix}:{{{scope}}}"
-        return f"{base}:b", f"{base}:c"
+        return f"{base}:b", f"{base}:c", f"{base}:x"
 
     async def admit(self, team: str, reserve_tokens: int) -> Admission:
         """One atomic round trip to Redis; the failure policy when it does not answer in time."""
@@ -178,18 +253,8 @@ class SharedTeamLimiter:
             return Admission(team, reserve_tokens)
         admission = await self._decide(team, lim, reserve_tokens)
         if admission is None:
-            return self._fallback_admit(team, reserve_tokens)
+            return self._fallback_admit(team, lim, reserve_tokens)
         return admission
-
-    async def take_request(self, team: str) -> None:
-        """Charge a refused request to the fleet-wide requests bucket (no slot, no tokens)."""
-        lim = self.limits.get(team)
-        if lim is None or lim.requests_per_minute is None:
-            return
-        only_requests = TeamLimits(requests_per_minute=lim.requests_per_minute)
-        if await self._decide(team, only_requests, 0) is None:
-            self._fallback_policy()
-            self.fallback.take_request(team, time.monotonic())
 
     async def _decide(self, team: str, lim: TeamLimits, reserve_tokens: int) -> Admission | None:
         """Redis's decision (an admission, or LimitExceeded), or None when Redis is down."""
@@ -197,46 +262,67 @@ class SharedTeamLimiter:
             return None
         scope = self._scope(team)
         member = f"{self._id}:{next(self._seq)}"
-        drain = self._draining and scope not in self._drained
-        lease_ms = int(self.settings.lease_seconds * 1000)
-        args: list[int | str] = [lim.requests_per_minute or 0, lim.tokens_per_minute or 0, lim.max_concurrent or 0,
-                reserve_tokens, member, lease_ms, 1 if drain else 0]  # fmt: skip
+        owed_requests, owed_tokens = self._take_owed(scope)
+        rpm, tpm = lim.requests_per_minute or 0, lim.tokens_per_minute or 0
+        args: list[int | str] = [rpm, tpm, lim.max_concurrent or 0, reserve_tokens, member,
+                                 self._lease_ms, owed_requests, owed_tokens]  # fmt: skip
         try:
             result = await self.resp.evalsha(_ADMIT, self._keys(scope), args)
-        except _STORE_ERRORS as exc:
+        except NotSent as exc:
+            self._owed[scope].add(time.monotonic(), owed_requests, owed_tokens)
+            self._went_down(exc, "admit")
+            return None
+        except (*_STORE_ERRORS, asyncio.CancelledError) as exc:
+            # Written, so Redis may have run it, or run it yet (a pause): withdraw it.
+            self._queue(_UNDO, scope, rpm, tpm, reserve_tokens, member, self._lease_ms,
+                        owed_requests, owed_tokens)  # fmt: skip
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             self._went_down(exc, "admit")
             return None
         self._came_back()
-        if drain:
-            self._drained.add(scope)
         admitted, reason, retry_ms = int(result[0]), int(result[1]), int(result[2])
         requests, tokens, in_flight = float(result[3]), float(result[4]), int(result[5])
         self._observe(team, lim, requests, tokens, in_flight)
         headers = shared_headers(lim, requests, tokens)
         if not admitted:
             raise LimitExceeded(_REASONS[reason], retry_ms / 1000, headers)
-        if lim.max_concurrent is not None:
-            self._held.setdefault(scope, set()).add(member)
+        self._held[scope].add(member)
         return SharedAdmission(team, reserve_tokens, headers, scope=scope, member=member)
 
     def settle(self, admission: Admission, used_tokens: int) -> None:
         """Queue the settlement; a background task sends the queue in one pipeline."""
         if admission.settled:
             return
+        lim = self.limits.get(admission.team, TeamLimits())
         if not isinstance(admission, SharedAdmission):
-            self.fallback.settle(admission, used_tokens, time.monotonic())
+            now = time.monotonic()
+            self.fallback.settle(admission, used_tokens, now)
+            if isinstance(admission, _LocalAdmission) and lim.tokens_per_minute:
+                self._owed[self._scope(admission.team)].add(now, 0, used_tokens)
             return
         admission.settled = True
-        held = self._held.get(admission.scope)
-        if held is not None:
-            held.discard(admission.member)
-        lim = self.limits.get(admission.team, TeamLimits())
+        self._held[admission.scope].discard(admission.member)
         delta = admission.reserved_tokens - used_tokens if lim.tokens_per_minute else 0
-        if lim.max_concurrent is None and delta == 0:
+        self._queue(_SETTLE, admission.scope, lim.requests_per_minute or 0,
+                    lim.tokens_per_minute or 0, delta, admission.member)  # fmt: skip
+
+    def refund(self, admission: Admission) -> None:
+        """Give back the request, the reservation and the slot of an admission never served."""
+        if admission.settled:
             return
-        self._pending.append((admission.scope, admission.member,
-                              [lim.requests_per_minute or 0, lim.tokens_per_minute or 0, delta]))  # fmt: skip
-        self._wake.set()
+        lim = self.limits.get(admission.team, TeamLimits())
+        if not isinstance(admission, SharedAdmission):
+            now = time.monotonic()
+            self.fallback.refund(admission, now)
+            if isinstance(admission, _LocalAdmission) and lim.requests_per_minute:
+                # Taken back where it was counted (given back with the next, if already sent).
+                self._owed[self._scope(admission.team)].add(now, -1, 0, int(admission.at))
+            return
+        admission.settled = True
+        self._held[admission.scope].discard(admission.member)
+        self._queue(_UNDO, admission.scope, lim.requests_per_minute or 0, lim.tokens_per_minute or 0,
+                    admission.reserved_tokens, admission.member, self._lease_ms, 0, 0)  # fmt: skip
 
     def configure(self, limits: dict[str, TeamLimits]) -> None:
         """Apply new limits; the shared buckets adopt them at their next admission."""
@@ -250,22 +336,21 @@ class SharedTeamLimiter:
                        loop.create_task(self.live.run())]  # fmt: skip
 
     async def close(self) -> None:
-        """Send what is queued, stop the tasks, close the connections."""
+        """Send what is queued (for at most 5 s), stop the tasks, close the connections."""
         self._closing = True
+        self._closed.set()
         self._wake.set()
-        others = self._tasks[1:]
         if self._tasks:
-            settler = self._tasks[0]
-            # Not cancelled: it sends what is queued, and ends by itself once closing is set.
+            # The settler ends by itself once what is queued is sent (or cannot be).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(settler), 5.0)
-        with contextlib.suppress(*_STORE_ERRORS):
-            await self._flush()
-        for task in others:
+                await asyncio.wait_for(asyncio.shield(self._tasks[0]), 5.0)
+        for task in self._tasks:
             task.cancel()
-        for task in others:
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        with contextlib.suppress(*_STORE_ERRORS):
+            await self._flush()  # what a limiter never started has queued
         await self.live.close()
         await self.resp.close()
         await self.redis.aclose()
@@ -282,9 +367,18 @@ class SharedTeamLimiter:
             self._live_applied = self.live.count
             self.fallback.configure(fallback_limits(self.limits, self.live.count), time.monotonic())
 
-    def _fallback_admit(self, team: str, reserve_tokens: int) -> Admission:
+    def _fallback_admit(self, team: str, lim: TeamLimits, reserve_tokens: int) -> Admission:
         self._fallback_policy()
-        return self.fallback.admit(team, reserve_tokens, time.monotonic())
+        now = time.monotonic()
+        local = self.fallback.admit(team, reserve_tokens, now)
+        if lim.requests_per_minute:
+            self._owed[self._scope(team)].add(now, 1, 0)
+        return _LocalAdmission(team, reserve_tokens, local.headers, at=now)
+
+    def _take_owed(self, scope: str) -> tuple[int, int]:
+        """What ``scope`` owes for local admissions, to send with its next admission."""
+        owed = self._owed.pop(scope, None)
+        return (0, 0) if owed is None else owed.total(time.monotonic())
 
     def _went_down(self, exc: BaseException, call: str) -> None:
         self.metrics.errors.labels(call).inc()
@@ -299,12 +393,12 @@ class SharedTeamLimiter:
     def _came_back(self) -> None:
         if self._down_since is None:
             return
-        log.warning("shared team limits back after %.1fs; buckets restart empty",
-                    time.monotonic() - self._down_since)  # fmt: skip
+        log.warning("shared team limits back after %.1fs; what was admitted locally meanwhile "
+                    "is taken from the shared buckets", time.monotonic() - self._down_since)  # fmt: skip
         self._down_since = None
         self.metrics.up.set(1)
-        self._draining = True
-        self._drained = set()
+        if self._queued:
+            self._wake.set()
 
     def _observe(self, team: str, lim: TeamLimits, requests: float, tokens: float,
                  in_flight: int) -> None:  # fmt: skip
@@ -326,46 +420,81 @@ class SharedTeamLimiter:
 
     # -- background work -------------------------------------------------------------------------
 
+    def _queue(self, script: Script, scope: str, *args: int | str) -> None:
+        """Queue a settlement or a withdrawal for the settler."""
+        if len(self._queued) >= _MAX_QUEUED:
+            del self._queued[0]
+            log.error("more than %d settlements wait for Redis; the oldest is dropped (its slot "
+                      "comes free at the end of its lease)", _MAX_QUEUED)  # fmt: skip
+        self._queued.append(_Queued(script, scope, args))
+        self._wake.set()
+
+    def _command(self, q: _Queued) -> tuple[int | str, ...]:
+        keys = self._keys(q.scope)[: 2 if q.script is _SETTLE else 3]
+        return ("EVALSHA", q.script.sha, len(keys), *keys, *q.args)
+
     async def _flush(self) -> None:
-        pending, self._pending = self._pending, []
-        if not pending:
+        """Send what is queued in one write; on a failure it stays queued, to be sent again."""
+        batch, self._queued = self._queued, []
+        if not batch:
             return
         # On the admissions' connection, in one write: the replies queue behind nothing but
         # each other, and a settlement costs no pool checkout.
-        results = await self.resp.pipeline(
-            [("EVALSHA", _SETTLE.sha, 2, *self._keys(scope), *args, member)
-             for scope, member, args in pending]
-        )  # fmt: skip
-        if any(isinstance(r, NoScriptError) for r in results):
-            # Redis restarted and forgot the script: load it and send those settlements again.
-            await self.resp.load(_SETTLE)
-            again = [
-                p for p, r in zip(pending, results, strict=True) if isinstance(r, NoScriptError)
-            ]
-            self._pending = again + self._pending
+        try:
+            results = await self.resp.pipeline([self._command(q) for q in batch])
+        except BaseException:
+            # Each is exactly once on the server, so sending it again is safe.
+            self._queued = batch + self._queued
+            raise
+        self._came_back()
+        again = [q for q, r in zip(batch, results, strict=True) if isinstance(r, NoScriptError)]
+        failed = [
+            r for r in results if isinstance(r, ReplyError) and not isinstance(r, NoScriptError)
+        ]
+        if failed:
+            log.error(
+                "%d settlement(s) refused by Redis, not sent again: %s", len(failed), failed[0]
+            )
+        if again:
+            # Redis restarted and forgot the scripts: load them and send those again.
+            for script in {q.script for q in again}:
+                await self.resp.load(script)
+            self._queued = again + self._queued
             self._wake.set()
 
     async def _settler(self) -> None:
-        """Send queued settlements as they come, many in one pipeline, until closed."""
-        while not self._closing:
+        """Send queued settlements as they come, many in one pipeline, until closed; while
+        Redis does not answer, keep them and try again every ``retry_seconds``."""
+        while True:
             await self._wake.wait()
-            await asyncio.sleep(_SETTLE_GATHER_SECONDS)
+            if not self._closing:
+                await asyncio.sleep(_SETTLE_GATHER_SECONDS)
+                wait = self._retry_at - time.monotonic() if self._down_since is not None else 0
+                if wait > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._closed.wait(), wait)
             self._wake.clear()
             try:
                 await self._flush()
             except _STORE_ERRORS as exc:
-                # Lost settlements cost at most one lease of a slot and an unreturned reservation.
                 self._went_down(exc, "settle")
+                if self._closing:
+                    return
+                self._wake.set()
+                continue
+            if self._closing and not self._queued:
+                return
 
     async def _renewer(self) -> None:
         """Extend the leases of the slots held here every third of a lease."""
-        lease_ms = int(self.settings.lease_seconds * 1000)
         while True:
             await asyncio.sleep(self.settings.lease_seconds / 3)
             for scope, members in list(self._held.items()):
                 if not members:
                     continue
                 try:
-                    await self.resp.evalsha(_RENEW, [self._keys(scope)[1]], [lease_ms, *members])
+                    await self.resp.evalsha(
+                        _RENEW, [self._keys(scope)[1]], [self._lease_ms, *members]
+                    )
                 except _STORE_ERRORS as exc:
                     self._went_down(exc, "renew")

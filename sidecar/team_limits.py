@@ -7,6 +7,9 @@ picks one from ``sidecar.shared_limits.redis_url``.
 
 Admission is awaited (a shared limiter asks Redis); settling is not, because it happens after the
 response and must never delay it: a shared limiter queues it and sends it in the background.
+A request refused for any reason takes nothing from any bucket: the sidecar asks for admission
+only once everything that can refuse before it has passed (key, body, model, budget), and an
+admission whose request is refused afterwards (fair share, draining) is refunded, not settled.
 """
 
 from __future__ import annotations
@@ -41,12 +44,13 @@ class TeamLimiter(Protocol):
         """Admit, or raise LimitExceeded (or LimitsUnavailable for a shared store that is down)."""
         ...
 
-    async def take_request(self, team: str) -> None:
-        """Charge one request refused before admission; LimitExceeded when none is left."""
-        ...
-
     def settle(self, admission: Admission, used_tokens: int) -> None:
         """Replace the reservation by the real usage and free the slot, exactly once."""
+        ...
+
+    def refund(self, admission: Admission) -> None:
+        """Give back the request, the whole reservation and the slot of an admission whose
+        request was refused before it was forwarded; exactly once, like ``settle``."""
         ...
 
     def configure(self, limits: dict[str, TeamLimits]) -> None:
@@ -73,13 +77,13 @@ class LocalTeamLimiter:
         """Admit from this process's buckets."""
         return self.limiter.admit(team, reserve_tokens, time.monotonic())
 
-    async def take_request(self, team: str) -> None:
-        """Charge a refused request to this process's requests bucket."""
-        self.limiter.take_request(team, time.monotonic())
-
     def settle(self, admission: Admission, used_tokens: int) -> None:
         """Settle in this process's buckets."""
         self.limiter.settle(admission, used_tokens, time.monotonic())
+
+    def refund(self, admission: Admission) -> None:
+        """Give everything back to this process's buckets."""
+        self.limiter.refund(admission, time.monotonic())
 
     def configure(self, limits: dict[str, TeamLimits]) -> None:
         """Apply new limits, keeping levels."""
@@ -105,6 +109,9 @@ def team_limiter(config: Config, replica_id: str, registry: CollectorRegistry) -
     settings = config.sidecar.shared_limits
     if settings.redis_url is None:
         return LocalTeamLimiter(team_limits(config))
+    from sidecar.live_instances import instance_bound
     from sidecar.shared_limits import SharedTeamLimiter
 
-    return SharedTeamLimiter(settings, team_limits(config), replica_id, registry)
+    group = replica_id if settings.scope == "team_replica" else None
+    return SharedTeamLimiter(settings, team_limits(config), replica_id, registry,
+                             max_live=instance_bound(config, group))  # fmt: skip

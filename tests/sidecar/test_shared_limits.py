@@ -171,7 +171,7 @@ async def registry_app(instances: list[dict[str, str]]) -> Starlette:
 
 
 async def test_fail_open_serves_the_limit_over_live_instances_then_shares_again(redis_server):
-    """With Redis gone each sidecar takes limit / live instances; on return no burst passes."""
+    """With Redis gone each sidecar takes limit / live instances; on return it owes those."""
     live = [{"instance": f"small-0-{i}", "replica": "small-0", "state": "live"} for i in range(3)]
     async with serving(await registry_app(live), lifespan="off") as registry:
         lim = make(redis_server, TeamLimits(requests_per_minute=600), registry_url=registry,
@@ -192,8 +192,9 @@ async def test_fail_open_serves_the_limit_over_live_instances_then_shares_again(
         redis_server.start()
         await asyncio.sleep(0.3)
         back = await hammer(lim, 1.0)
-        # The buckets restart empty and refill at 10 a second: one second admits about 10.
-        assert back <= 12
+        # The restarted Redis lost its keys (a full bucket of 600), and the first admission took
+        # what was admitted locally meanwhile: the minute's total stays at 600 plus the refill.
+        assert 600 - admitted <= back <= 600 - admitted + 12
         assert reg.get_sample_value("infermeter_shared_limits_up") == 1
         await lim.close()
 
@@ -209,14 +210,8 @@ async def test_fail_closed_refuses_while_redis_is_down_and_recovers(redis_server
     assert down.value.retry_after_seconds == 0.2
     redis_server.start()
     await asyncio.sleep(0.25)
-    deadline = time.monotonic() + 2
-    while True:
-        try:
-            await lim.admit("t", 1)
-            break
-        except LimitExceeded:  # the drained bucket after recovery refills within 0.1 s
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+    # Nothing was admitted meanwhile, so nothing is owed: the bucket is there at once.
+    assert isinstance(await lim.admit("t", 1), SharedAdmission)
     await lim.close()
 
 
@@ -277,14 +272,10 @@ async def test_a_server_slower_than_the_timeout_applies_the_policy_then_shares_a
     assert reg.get_sample_value("infermeter_shared_limits_errors_total", {"call": "admit"}) == 1
     assert reg.get_sample_value("infermeter_shared_limits_fallback_total", {"policy": policy}) == 1
     await asyncio.sleep(0.25)
-    deadline = time.monotonic() + 2
-    while True:
-        try:
-            assert isinstance(await lim.admit("t", 1), SharedAdmission)
-            break
-        except LimitExceeded:  # the drained bucket after recovery refills within 0.01 s
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+    # The bucket of 6000 was never reset: what was admitted meanwhile (one) is all it lost.
+    back = await lim.admit("t", 1)
+    assert isinstance(back, SharedAdmission)
+    assert int(dict(back.headers)["x-ratelimit-remaining-requests"]) >= 6000 - 4
     assert reg.get_sample_value("infermeter_shared_limits_up") == 1
     await lim.close()
 
