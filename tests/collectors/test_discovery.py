@@ -28,6 +28,7 @@ from infermeter.config import Config
 from infermeter.kubernetes import KubernetesApiError, bearer, in_cluster_api
 from simulator.dcgm import DcgmGpu, render
 from tests.collectors.fakes import text_app
+from tests.ports import off_demo_ports
 from tests.servers import serving
 
 VLLM_PAGE = b"""\
@@ -122,7 +123,7 @@ async def running_task(coro: Awaitable[None]) -> AsyncIterator[asyncio.Task[None
 
 
 def _k8s_config(config: Config, api_url: str, sidecar_port: int) -> Config:
-    data = config.model_dump()
+    data = off_demo_ports(config.model_dump())  # the configured fleet: nothing listens there
     data["collector"].update(discovery="kubernetes", scrape_timeout_seconds=2.0)
     data["collector"]["kubernetes"].update(api_url=api_url, namespace="inference",
                                            sidecar_port=sidecar_port, retry_seconds=0.05)  # fmt: skip
@@ -284,7 +285,7 @@ async def test_registry_drives_the_engines_and_an_outage_keeps_the_last_set(conf
                                  instance("vllm-small-0-b", "small-0", page),
                                  instance("vllm-small-0-old", "small-0", page, state="stopped")])  # fmt: skip
         async with serving(registry.app()) as billing_url, httpx.AsyncClient() as client:
-            data = config.model_dump()
+            data = off_demo_ports(config.model_dump())  # nothing listens at the configured fleet
             data["collector"].update(discovery="registry", registry={"url": billing_url})
             cfg = Config.model_validate(data)
             env = {"INFERMETER_METRICS_TOKEN": "mt"}
@@ -347,7 +348,7 @@ async def test_gpu_samples_name_the_pod_on_them_as_their_instance(config):
                 pod=("vllm", "inference", "vllm-small-1-5c6d7-fghij")),
         DcgmGpu(6, "GPU-b6", "NVIDIA L40S", "node-b", 0.0, 30.0, 2_000_000, 0.0, 46000.0),
     ]  # fmt: skip
-    data = config.model_dump()
+    data = off_demo_ports(config.model_dump())  # nothing listens at the configured fleet
     data["collector"]["dcgm_exporter_url"] = "http://127.0.0.1:1/metrics"
     async with serving(text_app(render(gpus).encode())) as url, httpx.AsyncClient() as client:
         data["collector"]["dcgm_exporter_url"] = f"{url}/metrics"

@@ -13,6 +13,7 @@ from infermeter.local_fleet import LocalInstance, write_fleet
 from infermeter.serving import free_port
 from simulator.dcgm import DcgmGpu, node_exporters, render
 from simulator.replica import ReplicaSim, replica_spec
+from tests.ports import off_demo_ports
 from tests.servers import serving
 
 LINE = re.compile(r"^(?P<name>[A-Z_]+)\{(?P<labels>.*)\} (?P<value>\S+)$")
@@ -77,7 +78,7 @@ async def test_node_exporter_reports_replica_load_and_consistent_energy(config):
     """A loaded replica's GPUs show utilization; the energy counter matches the simulator's."""
     port = free_port()
     replica = config.replica("small-0")
-    data = config.model_dump()
+    data = off_demo_ports(config.model_dump())  # the other replicas: nothing listens there
     for r in data["replicas"]:
         if r["id"] == "small-0":
             r["upstream_url"] = f"http://127.0.0.1:{port}"
@@ -139,7 +140,7 @@ def _board(text: str, gpu: str) -> dict[str, tuple[float, dict[str, str]]]:
 
 async def test_a_board_lent_to_an_instance_follows_its_load_and_reads_idle_after(config, tmp_path):
     """A spare board shows the instance's load and pod while lent, idles after, and its energy never goes back."""
-    data = config.model_dump()
+    data = off_demo_ports(config.model_dump())  # the fixed replicas: nothing listens there
     next(n for n in data["nodes"] if n["name"] == "node-b")["gpu_count"] = 3
     cfg = type(config).model_validate(data)
     instances = tmp_path / "instances.json"
