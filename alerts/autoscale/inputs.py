@@ -35,8 +35,8 @@ COMPLETION_TOKENS = "infermeter_completion_tokens_total"
 
 # One instant query per input, each answering one value per ``model``.
 PROMQL = {
-    "current": "count by (model) (infermeter_replica_queue_depth)",
-    "queue": "sum by (model) (infermeter_replica_queue_depth)",
+    "current": "count by (model) (infermeter_instance_queue_depth)",
+    "queue": "sum by (model) (infermeter_instance_queue_depth)",
     "utilization": "avg by (model) (infermeter_replica_gpu_utilization_ratio)",
     "ttft_p95": (
         "histogram_quantile(0.95, sum by (model, le) "
@@ -80,8 +80,9 @@ def parse_pages(time: float, collector_page: str, sidecar_pages: Sequence[str | 
         model = labels.get("model", "")
         if not model:
             continue
-        if name == "infermeter_replica_queue_depth":
-            replicas[model].add(labels.get("replica", ""))
+        if name == "infermeter_instance_queue_depth":
+            # Engines are counted one by one: a replica group of N pods is N replicas serving.
+            replicas[model].add(labels.get("instance", ""))
             queue[model] += value
         elif name == "infermeter_replica_gpu_utilization_ratio":
             utils[model].append(value)

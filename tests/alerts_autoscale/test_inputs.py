@@ -39,6 +39,11 @@ infermeter_replica_gpus{model="chat-large",replica="large-0"} 2.0
 infermeter_replica_queue_depth{model="chat-small",replica="small-0"} 5.0
 infermeter_replica_queue_depth{model="chat-small",replica="small-1"} 7.0
 infermeter_replica_queue_depth{model="chat-large",replica="large-0"} 0.0
+# HELP infermeter_instance_queue_depth Requests waiting in one engine instance's queue.
+# TYPE infermeter_instance_queue_depth gauge
+infermeter_instance_queue_depth{instance="small-0",model="chat-small",replica="small-0"} 5.0
+infermeter_instance_queue_depth{instance="small-1",model="chat-small",replica="small-1"} 7.0
+infermeter_instance_queue_depth{instance="large-0",model="chat-large",replica="large-0"} 0.0
 """
 MODELS = ("chat-small", "chat-large", "idle-model")
 
@@ -56,6 +61,20 @@ def test_gauges_are_summed_averaged_and_counted_per_model():
     assert (small.ttft_p95_seconds, small.tokens_per_second_per_gpu) == (None, None)
     assert obs["idle-model"].current_replicas == 0
     assert obs["idle-model"].gpu_utilization is None
+
+
+def test_every_instance_of_a_group_counts_as_a_replica_serving():
+    """A replica group of three pods is three replicas serving, as the autoscaler scaled it."""
+    page = COLLECTOR_PAGE.replace(
+        'infermeter_instance_queue_depth{instance="small-1",model="chat-small",replica="small-1"} 7.0',
+        "\n".join(
+            f'infermeter_instance_queue_depth{{instance="vllm-small-1-{n}",model="chat-small",'
+            f'replica="small-1"}} {q}'
+            for n, q in ((1, 4.0), (2, 3.0))
+        ),
+    )
+    small = observations(None, parse_pages(100.0, page, []), MODELS)["chat-small"]
+    assert (small.current_replicas, small.queue_depth) == (3, 12.0)
 
 
 def test_rates_and_ttft_p95_come_from_the_last_interval():
