@@ -295,10 +295,14 @@ def fresh_sql(kind: RecordKind) -> str:
     return f"CREATE OR REPLACE TEMP VIEW fresh AS SELECT * FROM _good ANTI JOIN _known USING ({_q(kind.id_field)})"
 
 
-def append_sql(kind: RecordKind) -> str:
-    """SQL appending ``fresh`` (from ``fresh_sql``) to the kind's table. Parameter: ``$now``."""
+def append_sql(kind: RecordKind, where: str = "true") -> str:
+    """SQL appending ``fresh`` (from ``fresh_sql``) to the kind's table. Parameter: ``$now``.
+
+    ``where``: which fresh records are kept raw (instance heartbeats past their retention are
+    only folded into ``lifetimes``, see ``billing.lifetimes``).
+    """
     cols = ", ".join(_q(f.name) for f in kind.fields)
-    return f"INSERT INTO {kind.table} ({cols}, ingested_at) SELECT {cols}, CAST($now AS DOUBLE) FROM fresh"
+    return f"INSERT INTO {kind.table} ({cols}, ingested_at) SELECT {cols}, CAST($now AS DOUBLE) FROM fresh WHERE {where}"
 
 
 def _slots(start: str, end: str) -> str:

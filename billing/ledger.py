@@ -22,7 +22,7 @@ import duckdb
 import orjson
 import polars as pl
 
-from billing import allocation, ingest_sql, reconciliation
+from billing import allocation, ingest_sql, lifetimes, reconciliation
 from billing.allocation import Policy
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
 from billing.group_commit import GroupCommit, Ticket
@@ -30,6 +30,7 @@ from billing.jsonkeys import duplicate_key
 from billing.lifetimes import (
     COLUMNS as LIFETIME_COLUMNS,
     DEFAULT_HEARTBEAT_SECONDS,
+    HEARTBEAT_RETENTION_SECONDS,
     lifetimes_sql,
     live_counts_sql,
     slot_windows_sql,
@@ -104,10 +105,15 @@ class Ledger:
     """The ledger file, its schema, and the only writer to it."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, teams: Sequence[str],
-                 ttft_sla_seconds: dict[str, float],
-                 kinds: Mapping[str, RecordKind] = KINDS) -> None:  # fmt: skip
+                 ttft_sla_seconds: dict[str, float], kinds: Mapping[str, RecordKind] = KINDS,
+                 heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS) -> None:  # fmt: skip
         self._con = con
         self.kinds = kinds
+        # The sidecars' heartbeat (``sidecar.heartbeat_seconds``): where allocation ends a
+        # lifetime that never stopped (``billing.lifetimes``).
+        self.heartbeat_seconds = float(heartbeat_seconds)
+        # Heartbeats before this time have been pruned from ``instance_events`` (by this process).
+        self._pruned_before = float("-inf")
         self._write_lock = threading.Lock()
         # Committed ingest transactions and the records they kept, for /metrics (written only
         # under the writer lock): their ratio is how well group commit is grouping.
@@ -129,7 +135,8 @@ class Ledger:
     @classmethod
     def open(cls, path: str | Path, teams: Sequence[str], ttft_sla_seconds: dict[str, float],
              memory_limit: str = "2GB", threads: int | None = None,
-             kinds: Mapping[str, RecordKind] = KINDS) -> Ledger:  # fmt: skip
+             kinds: Mapping[str, RecordKind] = KINDS,
+             heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS) -> Ledger:  # fmt: skip
         """Open (or create) the ledger at ``path`` (":memory:" for a throw-away one) and migrate it."""
         if str(path) != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -141,7 +148,7 @@ class Ledger:
         except duckdb.Error as exc:
             raise LedgerError(f"{path}: cannot open the ledger: {exc}") from None
         migrate(con, str(path), kinds.values())
-        return cls(con, teams, ttft_sla_seconds, kinds)
+        return cls(con, teams, ttft_sla_seconds, kinds, heartbeat_seconds)
 
     def close(self) -> None:
         """Checkpoint and close the file."""
@@ -386,12 +393,18 @@ class Ledger:
             for item, n in con.execute("SELECT item, count(*) FROM fresh GROUP BY item").fetchall():
                 fresh[item] = n
         if sum(fresh):
-            con.execute(ingest_sql.append_sql(kind), {"now": now})
+            if kind.key == "instances":  # heartbeats older than their retention are not kept raw
+                con.execute(
+                    ingest_sql.append_sql(kind, lifetimes.RAW_KEPT),
+                    {"now": now, "old_before": now - HEARTBEAT_RETENTION_SECONDS},
+                )
+            else:
+                con.execute(ingest_sql.append_sql(kind), {"now": now})
             row = con.execute(f"SELECT min(t), max(t) FROM ({_SPANS[kind.key]})").fetchone()
             assert row is not None
             assert row[0] is not None
             span = (float(row[0]), float(row[1]))
-            self._roll_up(con, kind, span)
+            self._roll_up(con, kind, span, now)
         results = [
             IngestResult(kind.key, f, g - f, r)
             for f, g, r in zip(fresh, good, rejected, strict=True)
@@ -399,7 +412,12 @@ class Ledger:
         return results, span
 
     def _roll_up(self, con: duckdb.DuckDBPyConnection, kind: RecordKind,
-                 span: tuple[float, float]) -> None:  # fmt: skip
+                 span: tuple[float, float], now: float) -> None:  # fmt: skip
+        if kind.key == "instances":
+            self._fold_lifetimes(con, now)
+            return
+        if kind.key in ("gpu_samples", "engine_samples"):
+            con.execute(lifetimes.sample_fold_sql(kind.table))
         if kind.key == "usage":
             con.execute(ingest_sql.usage_rollup_sql())
             con.execute(ingest_sql.occupancy_rollup_sql())
@@ -425,6 +443,17 @@ class Ledger:
             f"UPDATE months SET dirty = true WHERE closed_at IS NOT NULL AND month IN ({months})",
             params,
         )
+
+    def _fold_lifetimes(self, con: duckdb.DuckDBPyConnection, now: float) -> None:
+        """Fold the ``fresh`` instance events into ``lifetimes``; prune old heartbeats hourly."""
+        con.execute(lifetimes.delta_sql(), {"old_before": now - HEARTBEAT_RETENTION_SECONDS})
+        con.execute(lifetimes.fold_sql())
+        _read_samples_again(con)
+        # The hour boundary keeps this to one delete an hour, whatever the rate of batches.
+        before = (now - HEARTBEAT_RETENTION_SECONDS) // HOUR_SECONDS * HOUR_SECONDS
+        if before > self._pruned_before:
+            con.execute(lifetimes.prune_sql(), {"before": before})
+            self._pruned_before = before
 
     # -- months ---------------------------------------------------------------------------
 
@@ -526,9 +555,8 @@ class Ledger:
         gpus = f"(SELECT * FROM gpu_slots WHERE slot >= {lo} AND slot < {hi})"
         occupancy = f"(SELECT * FROM replica_slots WHERE slot >= {lo} AND slot < {hi})"
         # Materialised once: the allocation reads the windows for every GPU row.
-        cur.execute(
-            f"CREATE OR REPLACE TEMP TABLE _lifetimes AS SELECT * FROM {slot_windows_sql(lo, hi)}"
-        )
+        windows = slot_windows_sql(lo, hi, self.heartbeat_seconds)
+        cur.execute(f"CREATE OR REPLACE TEMP TABLE _lifetimes AS SELECT * FROM {windows}")
         per_hour = HOUR_SECONDS // SLOT_SECONDS
         keyed = allocation.Keyed(
             f"(SELECT * FROM alloc_slots WHERE slot >= {lo} AND slot < {hi})",
@@ -732,7 +760,27 @@ _BACKFILLS: Final[Mapping[int, tuple[str, ...]]] = {
         ingest_sql.engine_rollup_sql(bounded=False),
         "DROP VIEW fresh",
     ),
+    7: (
+        "CREATE OR REPLACE TEMP VIEW fresh AS SELECT * FROM instance_events",
+        lifetimes.delta_sql(old_before="'-infinity'::DOUBLE"),  # every kept event counts
+        lifetimes.fold_sql(),
+        lifetimes.touched_sql(),
+        lifetimes.seen_sql(since="'-infinity'::DOUBLE"),
+        "DROP VIEW fresh",
+    ),
 }
+
+
+def _read_samples_again(con: duckdb.DuckDBPyConnection) -> None:
+    """Read the samples of the lifetimes ``lifetimes.touched_sql`` picks from the raw rows.
+
+    The scan starts at the earliest of their last events, as a constant, so DuckDB skips every
+    row group of samples before it.
+    """
+    con.execute(lifetimes.touched_sql())
+    row = con.execute("SELECT min(last_seen) FROM _touched").fetchone()
+    if row is not None and row[0] is not None:
+        con.execute(lifetimes.seen_sql(), {"since": row[0]})
 
 
 def _add_new_fields(con: duckdb.DuckDBPyConnection, kinds: Iterable[RecordKind]) -> None:

@@ -373,7 +373,38 @@ FROM usage_slots s JOIN alloc_keys k USING (replica, instance, team, model)
 GROUP BY ALL;
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5, _V6)
+# One row per instance lifetime (``billing.lifetimes``), folded from ``instance_events`` at ingest
+# so that readers never aggregate heartbeats: the latest event's word on the instance (by time,
+# then ``latest_event_id``), its first and last event, its stop, how many events and heartbeats
+# were counted, and, while it has not stopped, the latest GPU and engine sample attributed to it
+# after its last event (evidence of when it ended). Filled from the raw events
+# and samples by ``billing.ledger.migrate``, with ingest's own SQL.
+_V7 = """
+CREATE TABLE lifetimes (
+    instance VARCHAR NOT NULL,
+    started_at DOUBLE NOT NULL,
+    replica VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    node VARCHAR NOT NULL,
+    gpu_model VARCHAR NOT NULL,
+    gpu_count BIGINT NOT NULL,
+    gpus VARCHAR NOT NULL,
+    namespace VARCHAR,
+    pod_uid VARCHAR,
+    engine_metrics_url VARCHAR,
+    latest_event_id VARCHAR NOT NULL,
+    first_seen DOUBLE NOT NULL,
+    last_seen DOUBLE NOT NULL,
+    stopped_at DOUBLE,
+    events BIGINT NOT NULL,
+    heartbeats BIGINT NOT NULL,
+    gpu_seen_until DOUBLE,
+    engine_seen_until DOUBLE,
+    PRIMARY KEY (instance, started_at)
+);
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7)
 LATEST_VERSION: Final = len(MIGRATIONS)
 
 

@@ -8,6 +8,7 @@ import uvicorn
 
 from billing.api import create_app
 from billing.ledger import Ledger
+from billing.lifetimes import heartbeat_seconds
 from infermeter.config import Config
 from infermeter.serving import ServerLimits, ensure_free, host_port, server
 
@@ -25,6 +26,7 @@ def open_ledger(config: Config, database: str | None = None) -> Ledger:
         ttft_sla_seconds={m.name: m.sla.ttft_p95_seconds for m in config.models},
         memory_limit=b.memory_limit,
         threads=b.threads,
+        heartbeat_seconds=heartbeat_seconds(config),
     )
 
 

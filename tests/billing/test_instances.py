@@ -31,7 +31,8 @@ SEARCH = "im-demo-search"
 # GPU-minute costs $0.10. Its three instances' lifetimes overlap:
 #   g-a  start T0, heartbeats, stop at T0+170      minutes 0, 1, 2
 #   g-b  start T0+60, heartbeats, stop at T0+230   minutes 1, 2, 3
-#   g-c  heartbeats only, T0+90..T0+150 (lost)     minutes 1, 2; its GPU is seen in minute 3 too
+#   g-c  heartbeats only, T0+90..T0+150 (lost)     minutes 1, 2 (it ends at T0+180, the heartbeat
+#                                                  that never came); its GPU is seen in minute 3 too
 T0 = OCT + 3600
 MONTH = "2026-10"
 _ids = itertools.count()
@@ -107,7 +108,7 @@ def test_each_instance_pays_and_idles_on_its_own(fleet):
         ("assistant", "chat-small"): (0.05, 0.0),
         # g-a idle 2 minutes, g-b 2.5, g-c 1 (inside its lifetime)
         ("platform", "chat-small"): (0.0, 0.55),
-        # g-c's GPU in minute 3, after its last heartbeat: nobody's instance, the platform's
+        # g-c's GPU in minute 3, after its lifetime: nobody's instance, the platform's
         ("platform", UNALLOCATED): (0.0, 0.10),
     }
     assert fleet_usd == pytest.approx(0.90)
