@@ -160,8 +160,8 @@ class LedgerCollector(Collector):
 class InstanceCollector(Collector):
     """infermeter_billing_live_instances: the dynamic fleet's live instances per replica group.
 
-    From the instance registry (``billing.lifetimes``), which reads only the recent end of the
-    instance events, so a scrape stays cheap however long the fleet has run.
+    From the instance registry (``billing.lifetimes``), which reads the ``lifetimes`` table (one
+    row per lifetime, kept at ingest), so a scrape stays cheap however long the fleet has run.
     """
 
     def __init__(self, ledger: Ledger, heartbeat_seconds: float) -> None:

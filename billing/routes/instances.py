@@ -2,7 +2,8 @@
 
 Every instance of the dynamic fleet announces itself through its sidecar (start, heartbeats,
 stop); the registry answers what those announcements add up to (``billing.lifetimes``): each
-instance's group, node, GPUs, where its engine metrics are read, and its state. The admin and
+instance's group, node, GPUs, where its engine metrics are read, and its state. It reads the
+``lifetimes`` table that ingest keeps, one row per lifetime, never the heartbeats. The admin and
 the metrics role may read it (a collector runs with the metrics token); teams may not, as it
 spans the whole fleet.
 """
