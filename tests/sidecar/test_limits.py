@@ -237,3 +237,43 @@ def test_admission_starts_unsettled():
     """A fresh admission records its team and reservation and is not yet settled."""
     admission = limiter().admit(TEAM, 42, 0.0)
     assert admission == Admission(TEAM, 42, (), settled=False)
+
+
+def test_refund_gives_back_the_request_the_reservation_and_the_slot():
+    """A refunded admission (its request refused after admission) leaves the team as before it."""
+    lim = limiter(requests_per_minute=60, tokens_per_minute=1000, max_concurrent=1)
+    lim.refund(lim.admit(TEAM, 300, 0.0), 0.0)
+    headers = dict(lim.admit(TEAM, 300, 0.0).headers)
+    assert (headers["x-ratelimit-remaining-requests"], headers["x-ratelimit-remaining-tokens"]) == (
+        "59",
+        "700",
+    )
+    assert lim.in_flight(TEAM) == 1
+
+
+def test_refund_is_once_and_not_after_a_settle():
+    """A second refund, or a refund after the settle, gives nothing more back."""
+    lim = limiter(requests_per_minute=60, tokens_per_minute=1000)
+    settled = lim.admit(TEAM, 300, 0.0)
+    lim.settle(settled, 100, 0.0)
+    lim.refund(settled, 0.0)
+    refunded = lim.admit(TEAM, 300, 0.0)
+    lim.refund(refunded, 0.0)
+    lim.refund(refunded, 0.0)
+    headers = dict(lim.admit(TEAM, 0, 0.0).headers)
+    assert (headers["x-ratelimit-remaining-requests"], headers["x-ratelimit-remaining-tokens"]) == (
+        "58",
+        "900",
+    )
+
+
+def test_refund_never_fills_a_bucket_past_its_capacity():
+    """Refill meanwhile and the refund together stop at the limit."""
+    lim = limiter(requests_per_minute=60, tokens_per_minute=1000)
+    admission = lim.admit(TEAM, 300, 0.0)
+    lim.refund(admission, 120.0)
+    headers = dict(lim.admit(TEAM, 0, 120.0).headers)
+    assert (headers["x-ratelimit-remaining-requests"], headers["x-ratelimit-remaining-tokens"]) == (
+        "59",
+        "1000",
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,8 +20,9 @@ from starlette.routing import Route
 
 from infermeter.config import SharedLimitsSettings, TeamLimits
 from sidecar.limits import LimitExceeded
-from sidecar.live_instances import count_live
+from sidecar.live_instances import count_live, instance_bound
 from sidecar.shared_limits import LimitsUnavailable, SharedAdmission, SharedTeamLimiter
+from sidecar.team_limits import team_limiter
 from tests.redis_server import RedisServer
 from tests.servers import serving
 
@@ -197,6 +199,48 @@ async def test_fail_open_serves_the_limit_over_live_instances_then_shares_again(
         assert 600 - admitted <= back <= 600 - admitted + 12
         assert reg.get_sample_value("infermeter_shared_limits_up") == 1
         await lim.close()
+
+
+@pytest.mark.parametrize(
+    ("max_replicas", "replica", "bound"),
+    [(None, None, 9), (None, "small-0", 3), (4, None, 15), (4, "large-0", 5)],
+    ids=["fleet", "group", "fleet-max-4", "group-max-4"],
+)
+def test_the_live_count_is_bounded_by_the_configured_groups_and_their_scaling(
+    config, max_replicas, replica, bound
+):
+    """A group runs its replica and up to max_replicas more (else min_replicas, 2); the fleet,
+    every one of the demo's three groups."""
+    scaling = config.scaling.model_copy(update={"max_replicas": max_replicas})
+    assert instance_bound(config.model_copy(update={"scaling": scaling}), replica) == bound
+
+
+async def test_a_forged_live_count_is_clamped_to_the_configurations_bound(redis_server, config):
+    """250 forged live instances split a team's limit by the fleet's bound (9), not by 250."""
+    forged = [{"instance": f"x-{i}", "replica": "small-0", "state": "live"} for i in range(250)]
+    async with serving(await registry_app(forged), lifespan="off") as registry:
+        settings = SharedLimitsSettings(redis_url=redis_server.url, timeout_millis=2000,
+                                        retry_seconds=60, registry_url=registry)  # fmt: skip
+        teams = [t.model_copy(update={"limits": TeamLimits(requests_per_minute=600)})
+                 for t in config.teams]  # fmt: skip
+        sidecar = config.sidecar.model_copy(update={"shared_limits": settings})
+        lim = team_limiter(config.model_copy(update={"teams": teams, "sidecar": sidecar}),
+                           "small-0", CollectorRegistry())  # fmt: skip
+        assert isinstance(lim, SharedTeamLimiter)
+        await lim.start()
+        deadline = time.monotonic() + 5
+        while lim.live.count == 1:
+            assert time.monotonic() < deadline, "the registry was never read"
+            await asyncio.sleep(0.05)
+        redis_server.kill()
+        team = config.teams[0].name
+        admitted = []
+        for _ in range(30):
+            with contextlib.suppress(LimitExceeded):
+                admitted.append(await lim.admit(team, 1))
+        await lim.close()
+    assert lim.live.count == 9
+    assert len(admitted) == 30  # 600 / 9 = 66 each; divided by 250 it would be 2
 
 
 async def test_fail_closed_refuses_while_redis_is_down_and_recovers(redis_server):

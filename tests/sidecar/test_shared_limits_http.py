@@ -6,7 +6,12 @@ import asyncio
 import time
 from typing import Any
 
+import httpx
+import pytest
+import redis
+
 from tests.sidecar.conftest import Stack, StackFactory
+from tests.sidecar.test_shared_limits_fleet import stall
 
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
@@ -111,3 +116,74 @@ async def test_fail_open_keeps_serving_while_redis_is_down(stack_factory, redis_
         metrics = await c.get("/metrics", headers={"authorization": "Bearer im-demo-metrics"})
     assert statuses == [200] * 10
     assert "infermeter_shared_limits_up 0.0" in metrics.text
+
+
+# Slow to refill (a request every 10 s): the buckets stay in Redis (a bucket's key expires when
+# it would be full again) for as long as these tests look at them.
+LIMITS = {"requests_per_minute": 6, "tokens_per_minute": 60_000, "max_concurrent": 4}
+
+
+def stored(store: redis.Redis) -> dict[bytes, Any]:
+    """Every key of team search's limits, as ``DUMP`` serializes it (its value, byte for byte)."""
+    keys: list[bytes] = store.keys("infermeter:{search}:*")  # type: ignore[assignment]
+    return {key: store.dump(key) for key in sorted(keys)}
+
+
+async def test_refused_requests_leave_every_key_in_redis_as_it_was(stack_factory, redis_server):
+    """A 413, a 400, a 404 and a 401 through a real sidecar write nothing to the shared limits."""
+    stack = await stack_factory(**shared(redis_server.url, **{"teams.0.limits": LIMITS,
+                                                              "sidecar.max_body_bytes": 65_536}))  # fmt: skip
+    store = redis.Redis.from_url(redis_server.url)
+    async with stack.client() as c:
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        await asyncio.sleep(0.2)  # its settlement is sent after the response
+        before = stored(store)
+        statuses = [
+            (await c.post("/v1/chat/completions", content=b"x" * 70_000)).status_code,
+            (await c.post("/v1/chat/completions", content=b"{not json")).status_code,
+            (await c.post("/v1/chat/completions", json={**CHAT, "model": "made-up"})).status_code,
+        ]
+    async with httpx.AsyncClient(base_url=stack.url, headers={"authorization": "Bearer nope"}) as c:
+        statuses.append((await c.post("/v1/chat/completions", json=CHAT)).status_code)
+    await asyncio.sleep(0.2)
+    assert statuses == [413, 400, 404, 401]
+    assert before  # the served request's buckets
+    assert stored(store) == before
+
+
+def levels_at(bucket: dict[bytes, bytes], at_ms: float) -> tuple[float, float]:
+    """The requests and tokens levels of a stored bucket, refilled to ``at_ms`` (Redis time)."""
+    out = []
+    for level, when, cap in ((b"r", b"rt", 6), (b"t", b"tt", 60_000)):
+        since = at_ms - float(bucket[when])
+        out.append(min(cap, float(bucket[level]) + since * cap / 60_000))
+    return out[0], out[1]
+
+
+async def test_a_request_refused_after_admission_gives_its_admission_back(
+    stack_factory, redis_server
+):
+    """A fair-share 503 after admission leaves the fleet's buckets and slots as they were."""
+    stack = await stack_factory(upstream_app=stall, **shared(redis_server.url, **{
+        "teams.0.limits": LIMITS, "replicas.1.max_num_seqs": 1, "sidecar.fair_headroom": 0,
+        "sidecar.fair_wait_timeout_seconds": 0.3, "sidecar.drain_seconds": 0}))  # fmt: skip
+    store = redis.Redis.from_url(redis_server.url)
+    async with stack.client() as c:
+        holding = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))
+        deadline = time.monotonic() + 10
+        while store.zcard("infermeter:{search}:c") != 1:
+            assert time.monotonic() < deadline, "the first request was never admitted"
+            await asyncio.sleep(0.02)
+        before = store.hgetall("infermeter:{search}:b")
+        refused = await c.post("/v1/chat/completions", json=CHAT)
+        await asyncio.sleep(0.2)  # the refund is sent in the background
+        after = store.hgetall("infermeter:{search}:b")
+        slots = store.zcard("infermeter:{search}:c")
+        holding.cancel()
+    assert (refused.status_code, refused.json()["error"]["code"]) == (503, "replica_busy")
+    assert slots == 1  # the first request's slot only
+    at = float(after[b"rt"])  # type: ignore[index]
+    now = levels_at(after, at)  # type: ignore[arg-type]
+    then = levels_at(before, at)  # type: ignore[arg-type]
+    assert now[0] == pytest.approx(then[0])
+    assert now[1] == pytest.approx(then[1])
