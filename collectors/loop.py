@@ -2,9 +2,14 @@
 
 ``FleetCollector.scrape_once`` is one round: every target that is due is read concurrently,
 each under the scrape timeout. A target that fails (down, slow, garbage, no NVML) is marked
-down with its one-line reason and retried after a doubling back-off, capped at
-``max_backoff_seconds``; the other targets and the loop go on. The latest joined view (GPU and
-engine samples, target states, running energy totals) stays on the object for /metrics to read.
+down with its one-line reason; the other targets and the loop go on. How soon it is tried again
+depends on what the failure cost: one that came back at once (a refused connection, an HTTP
+error, a page that is not the exporter's) is tried again next round, because it cost the round
+nothing and an engine that is starting answers so until its server listens, and the first
+reading of a new engine is the baseline reconciliation counts from; one that held a scrape slot
+for half the timeout or more backs off, doubling, up to ``max_backoff_seconds``. The latest
+joined view (GPU and engine samples, target states, running energy totals) stays on the object
+for /metrics to read.
 
 Engine targets come and go while the loop runs (``replace_engine_sources``, fed by discovery): a
 target that vanished takes its state (up/down, back-off, latest sample) with it, and so does a
@@ -18,6 +23,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from collectors.attribution import Owner, owner_of
 from collectors.energy import Point, interval_energy
@@ -33,9 +39,20 @@ from infermeter.ids import sample_id
 from infermeter.records import EngineSample, GpuSample
 from infermeter.spool import SpoolError
 
-__all__ = ["Batch", "FleetCollector", "Sink", "TargetState", "backoff_seconds"]
+__all__ = [
+    "SLOW_FAILURE_SHARE",
+    "Batch",
+    "FleetCollector",
+    "Sink",
+    "TargetState",
+    "backoff_seconds",
+]
 
 log = logging.getLogger("infermeter.collectors")
+
+
+# A failed read that took at least this share of the scrape timeout is slow: it backs off.
+SLOW_FAILURE_SHARE: Final = 0.5
 
 
 def backoff_seconds(failures: int, interval_seconds: float, max_seconds: float) -> float:
@@ -47,12 +64,17 @@ def backoff_seconds(failures: int, interval_seconds: float, max_seconds: float) 
 
 @dataclass
 class TargetState:
-    """How one target fared: up or down, why, and when it is next due."""
+    """How one target fared: up or down, why, and when it is next due.
+
+    ``failures`` counts the failures in a row; ``slow_failures`` those of them that held a
+    scrape slot (the back-off grows with these only).
+    """
 
     target: str
     kind: str
     up: bool = False
     failures: int = 0
+    slow_failures: int = 0
     next_attempt: float = 0.0
     last_error: str | None = None
     scrape_seconds: float = 0.0
@@ -198,23 +220,27 @@ class FleetCollector:
                 )
         except (ScrapeError, TimeoutError) as exc:
             reason = str(exc) if isinstance(exc, ScrapeError) else f"no answer within {timeout:g} s"
-            self._mark_down(state, reason)
+            slow = time.perf_counter() - started >= SLOW_FAILURE_SHARE * timeout
+            self._mark_down(state, reason, slow)
             return None
         finally:
             state.scrape_seconds = time.perf_counter() - started
         if not state.up:
             log.info("%s target %s is up", state.kind, state.target)
-        state.up, state.failures, state.last_error, state.next_attempt = True, 0, None, 0.0
+        state.up, state.failures, state.slow_failures = True, 0, 0
+        state.last_error, state.next_attempt = None, 0.0
         return self.clock(), reading
 
-    def _mark_down(self, state: TargetState, reason: str) -> None:
+    def _mark_down(self, state: TargetState, reason: str, slow: bool) -> None:
+        """Down with ``reason``; a ``slow`` failure backs off, a quick one is due next round."""
         if state.up or state.failures == 0 or reason != state.last_error:
             log.warning("%s target %s is down: %s", state.kind, state.target, reason)
         state.up = False
         state.failures += 1
+        state.slow_failures = state.slow_failures + 1 if slow else 0
         state.errors_total += 1
         state.last_error = reason
-        wait = backoff_seconds(state.failures, self.settings.scrape_interval_seconds,
+        wait = backoff_seconds(state.slow_failures, self.settings.scrape_interval_seconds,
                                self.settings.max_backoff_seconds)  # fmt: skip
         # Due again one interval early, so the next round that falls after the wait picks it up.
         state.next_attempt = self.clock() + wait - self.settings.scrape_interval_seconds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import httpx
@@ -14,6 +15,7 @@ from collectors.serve import SpoolSink, build_collector
 from collectors.sources import GpuReading, ScrapeError
 from collectors.vllm import VllmSource
 from infermeter.spool import read_segment
+from simulator.replica import ReplicaSim, replica_spec
 from tests.collectors.fakes import FakeGpuSource, hanging_app, reading, text_app
 from tests.servers import serving
 
@@ -113,6 +115,48 @@ async def test_hung_target_is_marked_down_and_the_loop_goes_on(fleet_config, run
     assert len(batches) == 6
     assert all(b.engines and {s.node for s in b.gpus} == {"node-b"} for b in batches)
     assert took < 6 * 0.2 + 3 * 0.3 + 1.0
+
+
+async def test_an_engine_started_after_the_collector_is_read_within_two_intervals(fleet_config):
+    """small-0 refused for many rounds, then starts: its first reading comes within two intervals.
+
+    With the doubling back-off every refused read used to take, the collector would by then be
+    waiting 2**9 intervals between tries (the demo's 4 min 20 s before a first good scrape).
+    """
+    interval = 0.2
+    cfg = fleet_config(scrape_interval_seconds=interval, max_backoff_seconds=300.0)
+    replica = cfg.replica("small-0")
+    port = int(replica.upstream_url.rsplit(":", 1)[1])
+    started_at: list[float] = []
+    read_at: list[float] = []
+
+    async def sink(batch: Batch) -> None:
+        if batch.engines and not read_at:
+            read_at.append(time.monotonic())
+
+    async with httpx.AsyncClient() as client:
+        engine = VllmSource("small-0", f"{replica.upstream_url}/metrics", client, 1.0)
+        collector = FleetCollector(cfg, [], [engine])
+        loop = asyncio.create_task(collector.run(sink))
+        try:
+            await asyncio.sleep(10 * interval)
+            state = collector.states[("small-0", "vllm")]
+            assert not state.up
+            assert state.failures == collector.rounds >= 8, state  # tried every round
+            assert "ConnectError" in (state.last_error or "")
+            async with serving(ReplicaSim(replica_spec(cfg, "small-0")), port):
+                started_at.append(time.monotonic())
+                for _ in range(100):
+                    if read_at:
+                        break
+                    await asyncio.sleep(interval / 10)
+        finally:
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+    assert read_at, "the engine was never read"
+    assert read_at[0] - started_at[0] <= 2 * interval
+    assert collector.states[("small-0", "vllm")].up
 
 
 async def test_garbage_target_is_down_with_the_reason(config):
