@@ -150,13 +150,14 @@ async def test_an_engine_started_after_the_collector_is_read_within_two_interval
                     if read_at:
                         break
                     await asyncio.sleep(interval / 10)
+                up = collector.states[("small-0", "vllm")].up
         finally:
             loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
     assert read_at, "the engine was never read"
     assert read_at[0] - started_at[0] <= 2 * interval
-    assert collector.states[("small-0", "vllm")].up
+    assert up
 
 
 async def test_garbage_target_is_down_with_the_reason(config):
