@@ -168,6 +168,12 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
         "INFERMETER__COLLECTOR__INGEST_URL", config.collector.ingest_url or ingest
     )
     os.environ.setdefault("INFERMETER_INGEST_TOKEN", DEMO_INGEST_TOKEN)
+    # The collector ships what a sidecar that is gone left in its spool: the records of an
+    # instance the autoscaler stopped, or of a sidecar killed before it shipped them.
+    os.environ.setdefault(
+        "INFERMETER__COLLECTOR__ADOPT_SPOOLS_DIR",
+        config.collector.adopt_spools_dir or config.sidecar.spool_dir,
+    )
     # The autoscaler reads the collector's and the sidecars' /metrics with the demo's reader key.
     os.environ.setdefault(config.autoscale.metrics_token_env, DEMO_METRICS_TOKEN)
     # Spare GPUs on every node, for the instances the autoscaler starts (every child must agree).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from infermeter.config import Config
@@ -144,7 +145,8 @@ def traffic_child(config_path: str, args: argparse.Namespace) -> Child:
         argv.append("--via-sidecars")
     if getattr(args, "duration", None) is not None:
         argv += ["--duration", str(args.duration)]
-    return Child("traffic", argv)
+    # SIGINT: the generator is a plain asyncio.run program, which SIGINT cancels cleanly.
+    return Child("traffic", argv, stop_signal=signal.SIGINT)
 
 
 def simulator_urls(config: Config) -> list[tuple[str, str]]:
@@ -159,7 +161,10 @@ def simulator_urls(config: Config) -> list[tuple[str, str]]:
 
 
 def run(children: list[Child], urls: list[tuple[str, str]]) -> int:
-    """Start the children, print the URLs, and run until Ctrl-C or a child dies."""
+    """Start the children, print the URLs, and run until Ctrl-C (children that die restart).
+
+    A child that fails to start stops the fleet (exit 1): that is a port or a file to fix.
+    """
     supervisor = Supervisor(children)
     try:
         supervisor.start()

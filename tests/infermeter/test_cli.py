@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -16,6 +22,7 @@ import yaml
 
 from infermeter.cli import build_parser, main
 from infermeter.config import DEFAULT_CONFIG
+from infermeter.serving import free_port
 from tests.ports import off_demo_ports
 
 
@@ -128,34 +135,146 @@ def test_unknown_replica_is_a_one_line_error(capsys):
     assert "no replica 'nope'" in capsys.readouterr().err
 
 
-def test_demo_command_runs_the_fleet(tmp_path):
-    """`infermeter demo` comes up, traffic flows through the sidecars into the spool; SIGTERM stops it."""
-    path = _fleet_config(tmp_path)
+@dataclass
+class Demo:
+    """A running ``infermeter demo``: its process, configuration and every line it printed."""
+
+    proc: subprocess.Popen[str]
+    path: Path
+    config: dict[str, Any]
+    tmp: Path
+    lines: list[str]
+
+    def wait_for_line(self, text: str, timeout: float = 60.0) -> str:
+        """The first line printed (so far or within ``timeout``) that contains ``text``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = next((x for x in list(self.lines) if text in x), None)
+            if found is not None:
+                return found
+            assert self.proc.poll() is None, "".join(self.lines[-30:])
+            time.sleep(0.2)
+        raise AssertionError(f"no line with {text!r} in:\n" + "".join(self.lines[-30:]))
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
+    """`infermeter demo` on free ports and its own files, up; stopped after the module."""
+    tmp = tmp_path_factory.mktemp("demo")
+    path = _fleet_config(tmp)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "infermeter", "demo", "--config", str(path)],
-                            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=tmp)  # fmt: skip
+    lines: list[str] = []
+    out = proc.stdout
+    assert out is not None
+    reader = threading.Thread(target=lambda: lines.extend(iter(out.readline, "")))
+    reader.start()
+    running = Demo(proc, path, yaml.safe_load(path.read_text()), tmp, lines)
     try:
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("Ctrl-C"):
-                break
-        deadline = time.monotonic() + 30
-        while not list((tmp_path / "spool").glob("*/seg-*.jsonl")) and time.monotonic() < deadline:
-            time.sleep(0.3)
-        assert list((tmp_path / "spool").glob("*/seg-*.jsonl")), "usage records from demo traffic"
+        running.wait_for_line("Ctrl-C stops everything", timeout=120)
+        yield running
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
-    assert proc.returncode == 0
-    assert any("vLLM replica large-0" in x for x in lines)
-    assert any("sidecar small-0 (OpenAI API)" in x for x in lines)
-    assert any("collector (fleet view)" in x for x in lines)
-    config = yaml.safe_load(path.read_text())
-    assert all(_gone(r["upstream_url"] + "/health") for r in config["replicas"]), (
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        reader.join(10)
+
+
+def test_demo_comes_up_and_meters_its_traffic(demo: Demo) -> None:
+    """Every endpoint is listed, and traffic through the sidecars lands in their spools."""
+    spool = demo.tmp / "spool"
+    deadline = time.monotonic() + 30
+    while not list(spool.glob("*/seg-*.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert list(spool.glob("*/seg-*.jsonl")), "usage records from demo traffic"
+    assert any("vLLM replica large-0" in x for x in demo.lines)
+    assert any("sidecar small-0 (OpenAI API)" in x for x in demo.lines)
+    assert any("collector (fleet view)" in x for x in demo.lines)
+
+
+def test_demo_shows_each_scaling_decision(demo: Demo) -> None:
+    """The autoscaler's change of a model's desired count is one line of the demo's output."""
+    # chat-large has one configured replica and min_replicas 2: asked for at the first tick,
+    # from the one replica seen serving (none, when the tick ran before the fleet was up).
+    line = demo.wait_for_line("autoscale: chat-large: ")
+    assert re.search(r"autoscale: chat-large: [01] -> 2 replicas: raised to min_replicas 2$", line)
+
+
+def test_demo_restarts_a_sidecar_that_dies(demo: Demo) -> None:
+    """A sidecar killed with SIGKILL is reported in one line, started again, and serves."""
+    replica = next(r for r in demo.config["replicas"] if r["id"] == "small-1")
+    pid = _child_pid(demo.proc.pid, "sidecar", "--replica", "small-1")
+    os.kill(pid, signal.SIGKILL)
+    line = demo.wait_for_line("sidecar small-1 was killed by SIGKILL; restarting it in 1 s")
+    assert line == "infermeter: sidecar small-1 was killed by SIGKILL; restarting it in 1 s\n"
+    _wait(f"http://{replica['sidecar_listen']}/healthz")
+    assert _child_pid(demo.proc.pid, "sidecar", "--replica", "small-1") != pid
+    assert _tracebacks(demo.lines) == []
+
+
+def test_demo_ships_the_spool_of_an_instance_that_stopped(demo: Demo) -> None:
+    """Records left in the spool of an instance that stopped reach billing; its directory goes."""
+    listen = f"127.0.0.1:{free_port()}"
+    # An instance of small-0 whose sidecar cannot ship (no ingest URL): its record stays behind.
+    env = {**os.environ, "INFERMETER_INSTANCE": "vllm-small-0-99"}
+    env.pop("INFERMETER__SIDECAR__INGEST_URL", None)
+    sidecar = subprocess.Popen([sys.executable, "-m", "infermeter", "sidecar", "--config",
+                                str(demo.path), "--replica", "small-0", "--listen", listen],
+                               env=env, cwd=demo.tmp, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        _wait(f"http://{listen}/healthz")
+        body = {"model": "chat-small", "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+        headers = {"authorization": "Bearer im-demo-search", "x-request-id": "left-behind-1"}
+        answer = httpx.post(f"http://{listen}/v1/chat/completions", json=body, headers=headers,
+                            timeout=30)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+    finally:
+        sidecar.send_signal(signal.SIGTERM)
+        sidecar.wait(30)
+    left = demo.tmp / "spool" / "vllm-small-0-99"
+    assert list(left.glob("seg-*.jsonl")), "the stopped instance left its record in its spool"
+    deadline = time.monotonic() + 60
+    while left.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left.exists(), "the collector adopted the spool and removed it"
+    found = httpx.get(f"{demo.config['billing']['url']}/v1/usage/records",
+                      params={"id": "left-behind-1", "by": "client_request_id"},
+                      headers={"authorization": "Bearer im-demo-admin"}, timeout=10).json()  # fmt: skip
+    assert [r["instance"] for r in found["records"]] == ["vllm-small-0-99"]
+
+
+def test_sigterm_stops_the_whole_demo(demo: Demo) -> None:
+    """SIGTERM stops every child and exits 0, with no traceback; no replica outlives it."""
+    demo.proc.send_signal(signal.SIGTERM)
+    assert demo.proc.wait(60) == 0
+    assert all(_gone(r["upstream_url"] + "/health") for r in demo.config["replicas"]), (
         "no replica outlives the demo"
     )
+    assert _tracebacks(demo.lines) == []
+
+
+def _tracebacks(lines: list[str]) -> list[str]:
+    """Each traceback in the output, with the two lines before it and the rest of it."""
+    found = []
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback"):
+            end = next((j for j in range(i + 1, len(lines)) if not lines[j][:1].isspace()), i)
+            found.append("".join(lines[max(0, i - 2) : end + 1]))
+    return found
+
+
+def _child_pid(parent: int, *words: str) -> int:
+    """The pid of the child of ``parent`` whose command line holds every word in ``words``."""
+    for task in Path(f"/proc/{parent}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            with contextlib.suppress(FileNotFoundError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if all(w.encode() in argv for w in words):
+                    return int(pid)
+    raise AssertionError(f"no child of {parent} runs {words}")
 
 
 def test_demo_lists_every_team_key(config):
