@@ -58,22 +58,23 @@ local function read(key, rpm, tpm, now)
   local h = redis.call('HMGET', key, 'r', 'rt', 't', 'tt')
   return level(h[1], h[2], rpm, now), level(h[3], h[4], tpm, now)
 end
--- Writes the buckets the caller has a limit for; the key lives until the emptier is full again,
--- and never less than it already had (the other bucket may need longer).
+-- Writes the buckets the caller has a limit for; the key lives until the emptier is full again.
+-- A caller with one limit only keeps at least the time the key already had (the other bucket,
+-- which it cannot see, may need longer).
 local function store(key, r, rpm, tk, tpm, now)
-  if rpm <= 0 and tpm <= 0 then return end
-  local fields = {}
-  if rpm > 0 then
-    fields[#fields + 1] = 'r'; fields[#fields + 1] = tostring(r)
-    fields[#fields + 1] = 'rt'; fields[#fields + 1] = tostring(now)
-  end
-  if tpm > 0 then
-    fields[#fields + 1] = 't'; fields[#fields + 1] = tostring(tk)
-    fields[#fields + 1] = 'tt'; fields[#fields + 1] = tostring(now)
-  end
-  redis.call('HSET', key, unpack(fields))
+  local at = tostring(now)
   local ttl = math.max(full_in_ms(r, rpm), full_in_ms(tk, tpm), 1000)
-  ttl = math.max(ttl, redis.call('PTTL', key))
+  if rpm > 0 and tpm > 0 then
+    redis.call('HSET', key, 'r', tostring(r), 'rt', at, 't', tostring(tk), 'tt', at)
+  elseif rpm > 0 then
+    redis.call('HSET', key, 'r', tostring(r), 'rt', at)
+    ttl = math.max(ttl, redis.call('PTTL', key))
+  elseif tpm > 0 then
+    redis.call('HSET', key, 't', tostring(tk), 'tt', at)
+    ttl = math.max(ttl, redis.call('PTTL', key))
+  else
+    return
+  end
   redis.call('PEXPIRE', key, ttl)
 end
 """
