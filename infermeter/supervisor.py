@@ -117,8 +117,8 @@ def _say(line: str) -> None:
 class Supervisor:
     """Runs children until a signal arrives, restarting each one that dies on its own.
 
-    ``clock`` and ``say`` are the seams a test replaces: the monotonic time the policy reads, and
-    where the one-line reports go.
+    ``clock`` is the monotonic time the restart policy reads; ``say`` is where the one-line
+    reports go (stderr, prefixed ``infermeter:``, like every message of the command).
     """
 
     def __init__(
