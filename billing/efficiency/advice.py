@@ -96,7 +96,7 @@ class ModelFigures:
     served_version: str
     gpu_model: str
     replicas: int
-    gpus_per_replica: float
+    gpus_per_engine: float  # GPUs one engine holds: its GPU-seconds per measured second
     hours: int
     gpu_hours: float
     gpu_usd: float
@@ -115,11 +115,6 @@ class ModelFigures:
     def units(self) -> int:
         """Engines that serve the model: its replicas, or more when a group runs several."""
         return max(self.replicas, self.engines or 0)
-
-    @property
-    def gpus_per_engine(self) -> float:
-        """GPUs one engine holds (a replica group of several instances shares its GPU time)."""
-        return self.gpus_per_replica * self.replicas / self.units if self.units else 0.0
 
     def per_month(self, usd: float) -> float:
         """``usd`` measured over the period, as USD per month."""

@@ -8,16 +8,31 @@ an in-memory DuckDB; ``billing.efficiency.store`` is the one module that holds a
 
 Conventions the figures share:
 
+- **Per instance, then per group.** The unit is the engine instance (a pod of a replica group;
+  a fixed replica is its own one instance), as allocation's: every rollup is keyed by
+  ``(replica, instance, slot)`` and every join between rollups includes ``instance``. Each
+  figure is worked out for each instance-minute first, then summed over the group's instances:
+  a join on the group alone pairs every instance's rows with every other's, counting a team's
+  requests once per instance and its cost once per instance squared.
 - **Cost** is measured the way the statement measures it: GPU-seconds x the price book's USD per
   GPU-hour, plus measured energy x USD per kWh x PUE. A GPU model without a price costs nothing
   here (the statement shows it as an error line).
 - **Input and output cost** split a group's cost by ``billing.token_weights`` (prompt 1,
   completion 3 by default), the weights the ``tokens`` allocation uses: an output token costs
   ``completion / prompt`` input tokens.
-- **Idle share**: the part of the GPU-minutes during which no request was in flight, as the
-  ``in_flight`` allocation counts idle capacity (``1 - min(60, in-flight seconds) / 60``).
-- **Queue wait** is Little's law over the engine's own queue: mean waiting requests x seconds /
-  requests served.
+- **Idle share**: ``1 - busy instance-seconds / measured instance-seconds``. A measured
+  instance-minute (one with GPU time) is 60 s; it was busy for ``min(60, in-flight seconds on
+  that instance)``, as the ``in_flight`` allocation counts idle capacity. Busy time is only
+  counted in measured minutes, so the share lies in [0, 1] by construction.
+- **Engines** in an hour: the mean live instances, instance-minutes with GPU time / the hour's
+  minutes (those inside the range). **GPUs per engine**: GPU-seconds / measured
+  instance-seconds, each instance's own GPUs, so a group of 2-GPU instances reads 2 whatever
+  the instance count.
+- **Engine gauges** (running, waiting, KV cache) are read per instance and minute first; a
+  group's running and waiting sequences are its instances' summed each minute, its occupancy
+  and KV use the mean over its instance-minutes.
+- **Queue wait** is Little's law over the engines' own queues: the group's mean waiting
+  requests x the hour's seconds / requests served.
 - **Counters** (prefix-cache queries and hits, preemptions) are read as Prometheus reads them:
   the increase between consecutive samples of one instance, a drop being a restart from zero.
 """
@@ -102,21 +117,38 @@ def _range(lo_slot: int, hi_slot: int) -> dict[str, Any]:
     return {"lo": int(lo_slot), "hi": int(hi_slot)}
 
 
+def _hour_minutes(hour: str) -> str:
+    """SQL: the minutes of hour ``hour`` inside the range (60, but for a range's cut hour)."""
+    m = _MINUTES_PER_HOUR
+    return f"(least({m}, $hi - {hour} * {m}) - greatest(0, $lo - {hour} * {m}))"
+
+
 def _cost_ctes(fleet: Fleet) -> Sql:
-    """CTEs ``prices``, ``seqs`` and ``cost``: each replica group's measured cost per minute."""
+    """CTEs ``prices``, ``seqs``, ``cost`` and ``measured``: each instance's minutes.
+
+    ``cost``: per replica group, instance and minute with GPU time, what it cost.
+    ``measured``: the same minutes with the seconds the instance was busy in each (at most 60,
+    and only in minutes it was measured, so busy time never exceeds measured time).
+    """
     prices, p1 = _values("prices", [("gpu_model", "VARCHAR"), ("usd", "DOUBLE")],
                          sorted(fleet.usd_per_gpu_hour.items()))  # fmt: skip
     seqs, p2 = _values("seqs", [("replica", "VARCHAR"), ("max_num_seqs", "BIGINT")],
                        sorted(fleet.max_num_seqs.items()))  # fmt: skip
     energy_usd = fleet.usd_per_kwh * fleet.pue
     cost = f"""cost AS (
-    SELECT g.replica, g.slot, sum(g.gpu_seconds) AS gpu_seconds, sum(g.energy_joules) AS energy_joules,
+    SELECT g.replica, g.instance, g.slot, min(g.gpu_model) AS gpu_model,
+        sum(g.gpu_seconds) AS gpu_seconds, sum(g.energy_joules) AS energy_joules,
         sum(g.utilization_seconds) AS utilization_seconds,
         sum(g.gpu_seconds * coalesce(p.usd, 0)) / 3600 AS gpu_usd,
         sum(g.energy_joules) / 3.6e6 * {energy_usd!r} AS energy_usd
     FROM gpu_slots g LEFT JOIN prices p ON p.gpu_model = g.gpu_model
     WHERE g.replica <> '' AND g.slot >= $lo AND g.slot < $hi
-    GROUP BY ALL HAVING sum(g.gpu_seconds) > 0)"""
+    GROUP BY g.replica, g.instance, g.slot HAVING sum(g.gpu_seconds) > 0),
+measured AS (
+    SELECT c.*, least(coalesce(r.inflight_seconds, 0), {SLOT_SECONDS}) AS busy_seconds
+    FROM cost c
+    LEFT JOIN (SELECT * FROM replica_slots WHERE slot >= $lo AND slot < $hi) r
+        ON r.replica = c.replica AND r.instance = c.instance AND r.slot = c.slot)"""
     return f"{prices}, {seqs}, {cost}", p1 | p2
 
 
@@ -144,6 +176,23 @@ def _engine_cte() -> str:
     WHERE slot >= $lo AND slot < $hi)"""
 
 
+def _engine_minutes_cte() -> str:
+    """CTE ``eng_min``: per replica group, instance and minute, the engine's gauges and counters.
+
+    ``max_num_seqs`` is the group's, so occupancy is taken from the minute's mean (one join per
+    instance-minute rather than per sample).
+    """
+    return """eng_min AS (
+    SELECT m.*, m.running / s.max_num_seqs AS occupancy
+    FROM (
+        SELECT replica, instance, slot, any_value(model) AS model, avg(requests_running) AS running,
+            avg(requests_waiting) AS waiting, max(requests_waiting) AS waiting_max,
+            avg(kv_cache_usage) AS kv, max(kv_cache_usage) AS kv_max, sum(preemptions) AS preemptions,
+            sum(prefix_cache_queries) AS queries, sum(prefix_cache_hits) AS hits
+        FROM engine GROUP BY replica, instance, slot) m
+    LEFT JOIN seqs s ON s.replica = m.replica)"""
+
+
 def _per_million(cost: str, tokens: str) -> str:
     return f"CASE WHEN {tokens} > 0 THEN {cost} / {tokens} * 1e6 END"
 
@@ -159,60 +208,77 @@ def _token_costs(fleet: Fleet, cost: str, prompt: str, completion: str) -> str:
 
 
 def _hourly_head(fleet: Fleet) -> Sql:
-    """``WITH`` the cost CTEs, ``models`` (each replica group's model) and ``engine``: what the
-    hourly queries start from."""
+    """``WITH`` the cost CTEs, ``models`` (each replica group's model), ``engine``, ``eng_min``
+    and ``inst_gpu`` (per instance and hour: GPU time, cost, measured and busy minutes): what
+    the hourly queries start from."""
     ctes, params = _cost_ctes(fleet)
     models, p2 = _values("models", [("replica", "VARCHAR"), ("model", "VARCHAR")],
                          sorted(fleet.replica_models.items()))  # fmt: skip
-    return f"WITH {ctes}, {models}, {_engine_cte()}", params | p2
+    inst_gpu = f"""inst_gpu AS (
+    SELECT replica, instance, slot // {_MINUTES_PER_HOUR} AS hour, sum(gpu_seconds) AS gpu_seconds,
+        sum(energy_joules) AS energy_joules, sum(gpu_usd) AS gpu_usd,
+        sum(gpu_usd + energy_usd) AS cost_usd, sum(utilization_seconds) AS utilization_seconds,
+        count(*) AS minutes, sum(busy_seconds) AS busy_seconds
+    FROM measured GROUP BY ALL)"""
+    head = f"WITH {ctes}, {models}, {_engine_cte()}, {_engine_minutes_cte()}, {inst_gpu}"
+    return head, params | p2
+
+
+def _time_figures(gpu: str, hour: str) -> str:
+    """Select items over a ``gpu`` row (sums over instance-hours): engines, GPUs, idle share."""
+    measured = f"{gpu}.minutes * {SLOT_SECONDS}"
+    return f"""{gpu}.minutes / {_hour_minutes(hour)} AS engines,
+    {gpu}.gpu_seconds / ({measured}) AS gpus_per_engine, {gpu}.minutes / {_MINUTES_PER_HOUR} AS instance_hours,
+    {gpu}.busy_seconds / 3600 AS busy_hours, 1 - {gpu}.busy_seconds / ({measured}) AS idle_share"""
 
 
 def group_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
-    """Per hour, model and replica group: what the GPUs cost and what they served (fleet-wide)."""
+    """Per hour, model and replica group: what the GPUs cost and what they served (fleet-wide).
+
+    Each instance's minutes are figured on their own (``inst_gpu``, ``eng_min``) and summed
+    over the group; requests and tokens are the group's usage, each request once.
+    """
     head, params = _hourly_head(fleet)
     sql = f"""
 {head},
 gpu AS (
-    SELECT replica, slot // {_MINUTES_PER_HOUR} AS hour, sum(gpu_seconds) AS gpu_seconds,
-        sum(energy_joules) AS energy_joules, sum(gpu_usd + energy_usd) AS cost_usd,
-        sum(utilization_seconds) AS utilization_seconds, count(*) AS minutes
-    FROM cost GROUP BY ALL),
-busy AS (
-    SELECT replica, slot // {_MINUTES_PER_HOUR} AS hour, sum(least(inflight_seconds, {SLOT_SECONDS})) AS busy_seconds
-    FROM replica_slots WHERE slot >= $lo AND slot < $hi GROUP BY ALL),
+    SELECT replica, hour, sum(gpu_seconds) AS gpu_seconds, sum(energy_joules) AS energy_joules,
+        sum(cost_usd) AS cost_usd, sum(utilization_seconds) AS utilization_seconds,
+        sum(minutes) AS minutes, sum(busy_seconds) AS busy_seconds, count(*) AS instances
+    FROM inst_gpu GROUP BY ALL),
 served AS (
-    SELECT replica, model, slot // {_MINUTES_PER_HOUR} AS hour, sum(requests) AS requests,
+    SELECT replica, slot // {_MINUTES_PER_HOUR} AS hour, any_value(model) AS model, sum(requests) AS requests,
         sum(prompt_tokens) AS prompt_tokens, sum(cached_prompt_tokens) AS cached_prompt_tokens,
         sum(completion_tokens) AS completion_tokens
-    FROM usage_slots WHERE slot >= $lo AND slot < $hi GROUP BY ALL),
+    FROM usage_slots WHERE slot >= $lo AND slot < $hi GROUP BY replica, hour),
 eng AS (
-    SELECT e.replica, any_value(e.model) AS model, slot // {_MINUTES_PER_HOUR} AS hour,
-        avg(requests_running) AS requests_running, avg(requests_running / s.max_num_seqs) AS batch_occupancy,
-        avg(requests_waiting) AS requests_waiting, avg(kv_cache_usage) AS kv_cache_usage,
-        max(kv_cache_usage) AS kv_cache_usage_max, sum(preemptions) AS preemptions,
-        sum(prefix_cache_queries) AS prefix_cache_queries, sum(prefix_cache_hits) AS prefix_cache_hits,
-        count(DISTINCT instance) AS instances
-    FROM engine e LEFT JOIN seqs s ON s.replica = e.replica GROUP BY e.replica, hour)
+    SELECT replica, slot // {_MINUTES_PER_HOUR} AS hour, any_value(model) AS model,
+        sum(running) / count(DISTINCT slot) AS requests_running,
+        sum(waiting) / count(DISTINCT slot) AS requests_waiting,
+        avg(occupancy) AS batch_occupancy, avg(kv) AS kv_cache_usage, max(kv_max) AS kv_cache_usage_max,
+        sum(preemptions) AS preemptions, sum(queries) AS prefix_cache_queries, sum(hits) AS prefix_cache_hits
+    FROM eng_min GROUP BY replica, hour)
 SELECT gpu.hour * 3600 AS t, coalesce(served.model, eng.model, models.model) AS model, gpu.replica,
-    eng.instances, gpu.gpu_seconds / 3600 AS gpu_hours, gpu.cost_usd,
+    gpu.instances, {_time_figures("gpu", "gpu.hour")},
+    gpu.gpu_seconds / 3600 AS gpu_hours, gpu.cost_usd,
     CAST(coalesce(served.requests, 0) AS BIGINT) AS requests,
     CAST(coalesce(served.prompt_tokens, 0) AS BIGINT) AS prompt_tokens,
     CAST(coalesce(served.completion_tokens, 0) AS BIGINT) AS completion_tokens,
     (coalesce(served.prompt_tokens, 0) + coalesce(served.completion_tokens, 0)) / nullif(gpu.gpu_seconds, 0)
         AS tokens_per_gpu_second,
     gpu.utilization_seconds / nullif(gpu.gpu_seconds, 0) AS gpu_utilization,
-    1 - coalesce(busy.busy_seconds, 0) / (gpu.minutes * {SLOT_SECONDS}) AS idle_share,
     eng.batch_occupancy, eng.requests_running, eng.kv_cache_usage, eng.kv_cache_usage_max,
     eng.preemptions, eng.prefix_cache_hits / nullif(eng.prefix_cache_queries, 0) AS prefix_cache_hit_rate,
     coalesce(served.cached_prompt_tokens, 0) / nullif(served.prompt_tokens, 0) AS cached_prompt_share,
-    eng.requests_waiting, eng.requests_waiting * 3600 / nullif(served.requests, 0) AS queue_wait_seconds,
+    eng.requests_waiting,
+    eng.requests_waiting * {_hour_minutes("gpu.hour")} * {SLOT_SECONDS} / nullif(served.requests, 0)
+        AS queue_wait_seconds,
     {_token_costs(fleet, "gpu.cost_usd", "served.prompt_tokens", "served.completion_tokens")},
     gpu.energy_joules / nullif(served.prompt_tokens + served.completion_tokens, 0) AS joules_per_token,
     gpu.energy_joules / 3.6e6 AS energy_kwh,
     gpu.energy_joules / 3.6e6 / nullif(served.prompt_tokens + served.completion_tokens, 0) * 1e6
         AS kwh_per_1m_tokens
 FROM gpu
-LEFT JOIN busy ON busy.replica = gpu.replica AND busy.hour = gpu.hour
 LEFT JOIN served ON served.replica = gpu.replica AND served.hour = gpu.hour
 LEFT JOIN eng ON eng.replica = gpu.replica AND eng.hour = gpu.hour
 LEFT JOIN models ON models.replica = gpu.replica
@@ -222,27 +288,56 @@ ORDER BY gpu.replica, t, model"""
 
 
 def instance_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
-    """Per hour and engine instance: batch occupancy, KV cache, preemptions, prefix hits, queue."""
-    seqs, params = _values("seqs", [("replica", "VARCHAR"), ("max_num_seqs", "BIGINT")],
-                           sorted(fleet.max_num_seqs.items()))  # fmt: skip
+    """Per hour and engine instance: its GPU time, cost, idle share and GPUs, what it served, and
+    its engine's occupancy, KV cache, preemptions, prefix hits and queue.
+
+    An instance seen only by the engine collector, or only in the usage, still has its row
+    (the figures it has no measurement for are empty).
+    """
+    head, params = _hourly_head(fleet)
     sql = f"""
-WITH {seqs}, {_engine_cte()}
-SELECT slot // {_MINUTES_PER_HOUR} * 3600 AS t, e.model, e.replica, instance,
-    avg(requests_running) AS requests_running, avg(requests_running / s.max_num_seqs) AS batch_occupancy,
-    avg(requests_waiting) AS requests_waiting, max(requests_waiting) AS requests_waiting_max,
-    avg(kv_cache_usage) AS kv_cache_usage, max(kv_cache_usage) AS kv_cache_usage_max,
-    sum(preemptions) AS preemptions,
-    sum(prefix_cache_hits) / nullif(sum(prefix_cache_queries), 0) AS prefix_cache_hit_rate
-FROM engine e LEFT JOIN seqs s ON s.replica = e.replica
-GROUP BY ALL ORDER BY e.replica, instance, t"""
+{head},
+inst_eng AS (
+    SELECT replica, instance, slot // {_MINUTES_PER_HOUR} AS hour, any_value(model) AS model,
+        avg(running) AS requests_running, avg(occupancy) AS batch_occupancy,
+        avg(waiting) AS requests_waiting, max(waiting_max) AS requests_waiting_max,
+        avg(kv) AS kv_cache_usage, max(kv_max) AS kv_cache_usage_max, sum(preemptions) AS preemptions,
+        sum(hits) / nullif(sum(queries), 0) AS prefix_cache_hit_rate
+    FROM eng_min GROUP BY replica, instance, hour),
+inst_served AS (
+    SELECT replica, instance, slot // {_MINUTES_PER_HOUR} AS hour, any_value(model) AS model,
+        sum(requests) AS requests, sum(prompt_tokens) AS prompt_tokens,
+        sum(completion_tokens) AS completion_tokens
+    FROM usage_slots WHERE slot >= $lo AND slot < $hi GROUP BY replica, instance, hour),
+joined AS (
+    SELECT replica, instance, hour, coalesce(s.model, e.model) AS seen_model,
+        g.gpu_seconds, g.cost_usd, g.minutes, g.busy_seconds, s.requests, s.prompt_tokens,
+        s.completion_tokens, e.requests_running, e.batch_occupancy, e.requests_waiting,
+        e.requests_waiting_max, e.kv_cache_usage, e.kv_cache_usage_max, e.preemptions,
+        e.prefix_cache_hit_rate
+    FROM inst_gpu g
+    FULL JOIN inst_eng e USING (replica, instance, hour)
+    FULL JOIN inst_served s USING (replica, instance, hour))
+SELECT j.hour * 3600 AS t, coalesce(j.seen_model, models.model) AS model, j.replica, j.instance,
+    {_time_figures("j", "j.hour")},
+    j.gpu_seconds / 3600 AS gpu_hours, j.cost_usd,
+    CAST(coalesce(j.requests, 0) AS BIGINT) AS requests,
+    CAST(coalesce(j.prompt_tokens, 0) AS BIGINT) AS prompt_tokens,
+    CAST(coalesce(j.completion_tokens, 0) AS BIGINT) AS completion_tokens,
+    j.requests_running, j.batch_occupancy, j.requests_waiting, j.requests_waiting_max,
+    j.kv_cache_usage, j.kv_cache_usage_max, j.preemptions, j.prefix_cache_hit_rate
+FROM joined j LEFT JOIN models ON models.replica = j.replica
+ORDER BY j.replica, j.instance, t"""
     return sql, params | _range(lo_slot, hi_slot)
 
 
 def team_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet, team: str | None = None) -> Sql:
     """Per hour, model and team: tokens, the busy cost of the team's in-flight share, unit costs.
 
-    A team's cost here is its in-flight share of each minute's measured cost (the ``in_flight``
-    allocation without the idle part): what its own requests held of the GPUs.
+    A team's cost here is its in-flight share of each of its instances' minutes (the ``in_flight``
+    allocation without the idle part): what its own requests held of the GPUs. The share is of
+    the instance that served them, never of the group: joined on the group alone, each of a
+    team's rows would meet every instance's minute.
     """
     ctes, params = _cost_ctes(fleet)
     where = "" if team is None else "AND u.team = $team"
@@ -256,8 +351,8 @@ shares AS (
         u.inflight_seconds / greatest({SLOT_SECONDS}, r.inflight_seconds) AS share,
         c.gpu_seconds, c.gpu_usd + c.energy_usd AS cost_usd, c.energy_joules
     FROM usage_slots u
-    JOIN replica_slots r ON r.replica = u.replica AND r.slot = u.slot
-    LEFT JOIN cost c ON c.replica = u.replica AND c.slot = u.slot
+    JOIN replica_slots r ON r.replica = u.replica AND r.instance = u.instance AND r.slot = u.slot
+    LEFT JOIN cost c ON c.replica = u.replica AND c.instance = u.instance AND c.slot = u.slot
     WHERE u.slot >= $lo AND u.slot < $hi {where}),
 hourly AS (
     SELECT hour, model, team, sum(requests) AS requests, sum(prompt_tokens) AS prompt_tokens,
@@ -282,9 +377,10 @@ def model_summary_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
 
     ``peak_running`` is the busiest minute's running sequences summed over the model's
     instances (each instance's mean in that minute); ``peak_waiting`` the queue in that minute's
-    worst. ``replicas`` counts the replica groups with GPU time; ``gpus_per_replica`` is GPU-time
-    per replica-minute, so a replica of two GPUs reads 2; ``engines`` the most engine instances
-    that reported in one minute (a replica group of a dynamic fleet runs several).
+    worst. ``replicas`` counts the replica groups with GPU time; ``gpus_per_engine`` is
+    GPU-seconds per measured instance-second, each instance's own GPUs, so an engine of two GPUs
+    reads 2 however many instances its group runs; ``engines`` the most engine instances that
+    reported in one minute (a replica group of a dynamic fleet runs several).
     """
     ctes, params = _cost_ctes(fleet)
     sql = f"""
@@ -295,21 +391,20 @@ served AS (
         sum(ttft_within_sla) AS ttft_within_sla
     FROM usage_slots WHERE slot >= $lo AND slot < $hi GROUP BY replica),
 gpu AS (
-    SELECT c.replica, any_value(g.gpu_model) AS gpu_model, sum(c.gpu_seconds) AS gpu_seconds,
-        sum(c.gpu_usd) AS gpu_usd, sum(c.energy_usd) AS energy_usd, count(*) AS minutes,
-        count(DISTINCT c.slot // {_MINUTES_PER_HOUR}) AS hours
-    FROM cost c JOIN (SELECT DISTINCT replica, gpu_model FROM gpu_slots WHERE slot >= $lo AND slot < $hi) g
-        ON g.replica = c.replica
-    GROUP BY c.replica),
+    SELECT replica, any_value(gpu_model) AS gpu_model, sum(gpu_seconds) AS gpu_seconds,
+        sum(gpu_usd) AS gpu_usd, sum(energy_usd) AS energy_usd, count(*) AS minutes,
+        count(DISTINCT slot // {_MINUTES_PER_HOUR}) AS hours
+    FROM cost GROUP BY replica),
 per_minute AS (
     SELECT model, slot, sum(running) AS running, sum(waiting) AS waiting, count(*) AS engines FROM (
-        SELECT model, instance, slot, avg(requests_running) AS running, avg(requests_waiting) AS waiting
+        SELECT model, replica, instance, slot, avg(requests_running) AS running,
+            avg(requests_waiting) AS waiting
         FROM engine GROUP BY ALL) GROUP BY ALL),
 peaks AS (
     SELECT model, max(running) AS peak_running, max(waiting) AS peak_waiting, max(engines) AS engines
     FROM per_minute GROUP BY model)
 SELECT s.model, count(*) AS replicas, string_agg(DISTINCT g.gpu_model, ',') AS gpu_model,
-    sum(g.gpu_seconds) / sum(g.minutes * {SLOT_SECONDS}) AS gpus_per_replica,
+    sum(g.gpu_seconds) / sum(g.minutes * {SLOT_SECONDS}) AS gpus_per_engine,
     max(g.hours) AS hours, sum(g.gpu_seconds) / 3600 AS gpu_hours,
     sum(g.gpu_usd) AS gpu_usd, sum(g.energy_usd) AS energy_usd, sum(g.gpu_usd + g.energy_usd) AS cost_usd,
     CAST(sum(s.requests) AS BIGINT) AS requests, CAST(sum(s.prompt_tokens) AS BIGINT) AS prompt_tokens,
@@ -325,30 +420,30 @@ GROUP BY s.model ORDER BY s.model"""
 
 
 def model_hourly_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
-    """Per model and hour: GPU-hours and their GPU cost, the busiest minute's running and waiting.
+    """Per model and hour: GPU-hours and their GPU cost, the engines that ran, the busiest
+    minute's running and waiting.
 
     The demand the schedule advice reads: ``peak_running`` is the hour's busiest minute of
     running sequences summed over the model's instances (as ``model_summary_sql`` takes it for
-    the whole range), ``peak_waiting`` that hour's worst queue. A replica group belongs to the
-    model the configuration gives it.
+    the whole range), ``peak_waiting`` that hour's worst queue; ``engines`` the mean live
+    instances (instance-minutes with GPU time over the hour's minutes). A replica group belongs
+    to the model the configuration gives it.
     """
     head, params = _hourly_head(fleet)
     sql = f"""
 {head},
 per_minute AS (
-    SELECT model, slot, sum(running) AS running, sum(waiting) AS waiting FROM (
-        SELECT model, instance, slot, avg(requests_running) AS running, avg(requests_waiting) AS waiting
-        FROM engine GROUP BY ALL) GROUP BY ALL),
+    SELECT model, slot, sum(running) AS running, sum(waiting) AS waiting FROM eng_min GROUP BY ALL),
 peaks AS (
     SELECT model, slot // {_MINUTES_PER_HOUR} AS hour, max(running) AS peak_running,
         max(waiting) AS peak_waiting
     FROM per_minute GROUP BY ALL),
 gpu AS (
-    SELECT m.model, c.slot // {_MINUTES_PER_HOUR} AS hour, sum(c.gpu_seconds) AS gpu_seconds,
-        sum(c.gpu_usd) AS gpu_usd
-    FROM cost c JOIN models m ON m.replica = c.replica GROUP BY ALL)
+    SELECT m.model, i.hour, sum(i.gpu_seconds) AS gpu_seconds, sum(i.gpu_usd) AS gpu_usd,
+        sum(i.minutes) AS minutes
+    FROM inst_gpu i JOIN models m ON m.replica = i.replica GROUP BY ALL)
 SELECT gpu.model, gpu.hour * 3600 AS t, gpu.gpu_seconds / 3600 AS gpu_hours, gpu.gpu_usd,
-    peaks.peak_running, peaks.peak_waiting
+    gpu.minutes / {_hour_minutes("gpu.hour")} AS engines, peaks.peak_running, peaks.peak_waiting
 FROM gpu LEFT JOIN peaks ON peaks.model = gpu.model AND peaks.hour = gpu.hour
 ORDER BY gpu.model, t"""
     return sql, params | _range(lo_slot, hi_slot)
@@ -363,26 +458,24 @@ def model_gpu_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
     ctes, params = _cost_ctes(fleet)
     sql = f"""
 WITH {ctes},
-kinds AS (SELECT replica, any_value(gpu_model) AS gpu_model FROM gpu_slots
-          WHERE replica <> '' AND slot >= $lo AND slot < $hi GROUP BY replica),
 served AS (
     SELECT replica, any_value(model) AS model, sum(requests) AS requests, sum(prompt_tokens) AS prompt_tokens,
         sum(completion_tokens) AS completion_tokens, sum(ttft_count) AS ttft_count,
         sum(ttft_within_sla) AS ttft_within_sla
     FROM usage_slots WHERE slot >= $lo AND slot < $hi GROUP BY replica),
 gpu AS (
-    SELECT replica, sum(gpu_seconds) AS gpu_seconds, sum(gpu_usd) AS gpu_usd,
-        sum(gpu_usd + energy_usd) AS cost_usd, count(*) AS minutes,
+    SELECT replica, any_value(gpu_model) AS gpu_model, sum(gpu_seconds) AS gpu_seconds,
+        sum(gpu_usd) AS gpu_usd, sum(gpu_usd + energy_usd) AS cost_usd, count(*) AS minutes,
         count(DISTINCT slot // {_MINUTES_PER_HOUR}) AS hours
     FROM cost GROUP BY replica)
-SELECT s.model, k.gpu_model, count(*) AS replicas,
-    sum(g.gpu_seconds) / sum(g.minutes * {SLOT_SECONDS}) AS gpus_per_replica, max(g.hours) AS hours,
+SELECT s.model, g.gpu_model, count(*) AS replicas,
+    sum(g.gpu_seconds) / sum(g.minutes * {SLOT_SECONDS}) AS gpus_per_engine, max(g.hours) AS hours,
     sum(g.gpu_usd) AS gpu_usd, sum(g.cost_usd) AS cost_usd, CAST(sum(s.requests) AS BIGINT) AS requests,
     CAST(sum(s.prompt_tokens) AS BIGINT) AS prompt_tokens,
     CAST(sum(s.completion_tokens) AS BIGINT) AS completion_tokens,
     sum(s.ttft_within_sla) / nullif(sum(s.ttft_count), 0) AS ttft_within_sla_share
-FROM served s JOIN gpu g ON g.replica = s.replica JOIN kinds k ON k.replica = s.replica
-GROUP BY s.model, k.gpu_model ORDER BY s.model, k.gpu_model"""
+FROM served s JOIN gpu g ON g.replica = s.replica
+GROUP BY s.model, g.gpu_model ORDER BY s.model, g.gpu_model"""
     return sql, params | _range(lo_slot, hi_slot)
 
 

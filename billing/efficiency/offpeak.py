@@ -93,7 +93,7 @@ def _after_peak(m: ModelFigures, hours: Sequence[HourFigures], team: Mapping[flo
             continue
         if (h.peak_waiting or 0) > 0:  # queued: every engine was needed, with or without it
             need = max(needed(h.peak_running, m.max_num_seqs, policy),
-                       math.ceil(engines_ran(h, m) - 1e-9))  # fmt: skip
+                       math.ceil(engines_ran(h) - 1e-9))  # fmt: skip
         else:
             found = team.get(h.t)
             rest = h.peak_running if found is None else max(0.0, found.rest_peak)
@@ -177,7 +177,7 @@ def _priced(m: ModelFigures, hours: Sequence[HourFigures], before: Sequence[int 
     saved = engine_hours = cost = 0.0
     days: set[int] = set()
     for h in hours:
-        ran = engines_ran(h, m)
+        ran = engines_ran(h)
         lv, new = before[_hod(h.t)], after[_hod(h.t)]
         if ran <= 0 or lv is None or new is None:
             continue

@@ -44,6 +44,7 @@ class HourFigures:
     t: float  # the hour's start, Unix seconds
     gpu_hours: float
     gpu_usd: float
+    engines: float  # mean live instances: instance-minutes with GPU time / the hour's minutes
     peak_running: float | None
     peak_waiting: float | None
 
@@ -68,9 +69,13 @@ def needed(peak_running: float, max_num_seqs: int, policy: Policy) -> int:
                math.ceil(peak_running * (1 + policy.headroom) / max_num_seqs - 1e-9))  # fmt: skip
 
 
-def engines_ran(h: HourFigures, m: ModelFigures) -> float:
-    """Engines that ran in the hour, on average: its GPU-hours over the GPUs one engine holds."""
-    return h.gpu_hours / m.gpus_per_engine if m.gpus_per_engine else 0.0
+def engines_ran(h: HourFigures) -> float:
+    """Engines that ran in the hour, on average: the mean of its live instances, as measured.
+
+    Each instance counts for the minutes it had GPU time, so an autoscaled group is counted as
+    it grew and shrank within the hour, whatever GPUs each instance holds.
+    """
+    return h.engines
 
 
 def daily_levels(m: ModelFigures, hours: Sequence[HourFigures],
@@ -84,7 +89,7 @@ def daily_levels(m: ModelFigures, hours: Sequence[HourFigures],
             continue
         need = needed(h.peak_running, m.max_num_seqs, policy)
         if (h.peak_waiting or 0) > 0:
-            need = max(need, math.ceil(engines_ran(h, m) - 1e-9))  # queued: every engine was needed
+            need = max(need, math.ceil(engines_ran(h) - 1e-9))  # queued: every engine was needed
         hod = int(h.t // 3600) % _HOURS
         now = levels[hod]
         levels[hod] = need if now is None else max(now, need)
@@ -133,7 +138,7 @@ def schedule(
     saved = engine_hours = cost = 0.0
     days: set[int] = set()
     for h in hours:
-        ran = engines_ran(h, m)
+        ran = engines_ran(h)
         if ran <= 0:
             continue
         per_engine_hour = h.gpu_usd / ran

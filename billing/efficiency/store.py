@@ -117,7 +117,7 @@ def _figures(row: dict[str, Any], known: dict[str, Any], *, per_gpu: bool) -> Mo
         model=row["model"],
         served_version=model.current_version if model else row["model"],
         gpu_model=row["gpu_model"] or "", replicas=int(row["replicas"]),
-        gpus_per_replica=float(row["gpus_per_replica"] or 0), hours=int(row["hours"] or 0),
+        gpus_per_engine=float(row["gpus_per_engine"] or 0), hours=int(row["hours"] or 0),
         gpu_hours=0.0 if per_gpu else float(row["gpu_hours"] or 0),
         gpu_usd=float(row["gpu_usd"] or 0), cost_usd=float(row["cost_usd"] or 0),
         requests=int(row["requests"] or 0), prompt_tokens=int(row["prompt_tokens"] or 0),

@@ -20,6 +20,7 @@ from dashboards.components import frame_table, graph, note, page, usd
 from dashboards.context import Context, signed_in
 from dashboards.data import local_range, local_times, recent_months
 from dashboards.figures import line_figure
+from dashboards.formatting import Kind, format_cell, kind_of
 from infermeter.months import check_month, month_bounds, month_of
 
 PATH = "/efficiency"
@@ -42,6 +43,8 @@ TEAM_CHARTS: Final = (
     ("efficiency-prefix", "cached_prompt_share", "Prompt tokens served from cache", "share"),
     ("efficiency-idle", "requests", "Requests per hour", "requests"),
 )  # fmt: skip
+# Shares are shown in percent, as the charts draw them (``idle_share`` is one by its name).
+SUMMARY_KINDS: Final[dict[str, Kind]] = {"batch_occupancy": "share", "engines": "number"}
 _ADVICE_COLUMNS: Final = ("saving_usd_per_month", "kind", "model", "team", "title", "evidence",
                           "assumptions", "caveat")  # fmt: skip
 
@@ -76,36 +79,53 @@ def frame_of(figures: dict[str, Any]) -> pl.DataFrame:
 
 
 def advice_frame(recommendations: list[dict[str, Any]]) -> pl.DataFrame:
-    """One row per recommendation: its saving, what, why (evidence) and what it assumes."""
+    """One row per recommendation: its saving, what, why (evidence) and what it assumes.
 
-    def text(value: Any) -> str:
+    Evidence that is a share (``*_share``, ``*_rate``) reads in percent, as on the charts.
+    """
+
+    def text(key: str, value: Any) -> str:
+        if isinstance(value, int | float) and not isinstance(value, bool) and _is_share(key):
+            return format_cell(value, "share")
         return f"{value:.4g}" if isinstance(value, float) else str(value)
 
     rows = [{
         "saving_usd_per_month": usd(r["saving_usd_per_month"]), "kind": r["kind"],
         "model": r["model"], "team": r["team"] or "", "title": r["title"],
-        "evidence": "; ".join(f"{k} = {text(v)}" for k, v in r["evidence"].items()),
+        "evidence": "; ".join(f"{k} = {text(k, v)}" for k, v in r["evidence"].items()),
         "assumptions": "; ".join(r["assumptions"]), "caveat": r["caveat"] or "",
     } for r in recommendations]  # fmt: skip
     return pl.DataFrame(rows, schema=dict.fromkeys(_ADVICE_COLUMNS, pl.String))
 
 
+def _is_share(key: str) -> bool:
+    return kind_of(key) == "share" or key.endswith(("_rate", "share_of_peak"))
+
+
 def group_summary(groups: pl.DataFrame) -> pl.DataFrame:
-    """Each replica group's month: GPU-hours, cost, tokens per GPU-second, occupancy, idle share."""
+    """Each replica group's month: engines, GPU-hours, cost, tokens per GPU-second, occupancy,
+    idle share.
+
+    Summed from the hourly rows the way each hour is: the idle share is 1 - busy over measured
+    instance-hours, the engines the mean live instances of the hours measured, the occupancy
+    weighted by instance-hours; so a group whose instance count changes reads as it ran.
+    """
     if groups.height == 0:
         return groups
     tokens = pl.col("prompt_tokens") + pl.col("completion_tokens")
+    instance_hours = pl.col("instance_hours")
+    occupied = instance_hours.filter(pl.col("batch_occupancy").is_not_null())
     return (
         groups.group_by("replica")
         .agg(
             pl.col("model").drop_nulls().first(),
+            pl.col("engines").mean(),
             pl.col("gpu_hours").sum(),
-            pl.col("cost_usd").sum().round(2),
+            pl.col("cost_usd").sum(),
             pl.col("requests").sum(),
-            (tokens.sum() / (pl.col("gpu_hours").sum() * 3600)).round(2).alias("tokens_per_gpu_second"),
-            pl.col("batch_occupancy").mean().round(3),
-            (pl.col("idle_share") * pl.col("gpu_hours")).sum().truediv(pl.col("gpu_hours").sum()).round(3)
-            .alias("idle_share"),
+            (tokens.sum() / (pl.col("gpu_hours").sum() * 3600)).alias("tokens_per_gpu_second"),
+            ((pl.col("batch_occupancy") * instance_hours).sum() / occupied.sum()).alias("batch_occupancy"),
+            (1 - pl.col("busy_hours").sum() / instance_hours.sum()).alias("idle_share"),
         )
         .sort("replica")
     )  # fmt: skip
@@ -162,7 +182,8 @@ def register(app: Dash, ctx: Context) -> None:
                   if recs else note("Nothing to save from the use measured this month."))  # fmt: skip
         if auth.get("is_admin"):
             rows, series, charts = frame_of(body["figures"]["groups"]), "replica", GROUP_CHARTS
-            summary: Any = frame_table(group_summary(rows), "efficiency-summary-table") \
+            summary: Any = frame_table(group_summary(rows), "efficiency-summary-table",
+                                       kinds=SUMMARY_KINDS) \
                 if rows.height else note("No GPU time measured this month.")  # fmt: skip
         else:
             rows, series, charts = frame_of(body["figures"]["teams"]), "model", TEAM_CHARTS

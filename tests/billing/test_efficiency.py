@@ -131,9 +131,12 @@ def test_right_size_does_not_fire_when_the_peak_needs_every_replica(ledger, conf
 
 def test_right_size_counts_the_instances_of_a_dynamic_group(ledger, config):
     """One replica group running two single-GPU instances of 10 sequences each needs one instance."""
-    samples = [s | {"instance": "small-0-a"} for s in engine("small-0", 10)]
-    samples += [s | {"instance": "small-0-b"} for s in engine("small-0", 10)]
-    fill(ledger, usage=requests(20), gpu_samples=gpus("small-0", 2), engine_samples=samples)
+    samples, served, held = [], [], []
+    for i, pod in enumerate(("small-0-a", "small-0-b")):
+        samples += [s | {"instance": pod} for s in engine("small-0", 10)]
+        served += [r | {"instance": pod} for r in requests(10)]
+        held += [g | {"instance": pod} for g in gpus("small-0", first=i)]
+    fill(ledger, usage=served, gpu_samples=held, engine_samples=samples)
     found = report(ledger, config)
     [rec] = kinds(found, "right_size")
     assert rec.action == {"instances": 1}
