@@ -86,10 +86,14 @@ COLUMNS: Final = (
 State = Literal["live", "stopped", "lost"]
 
 # What an instance says of itself may change between events (a metrics URL learned late): the
-# latest event's word is kept.
+# latest event's word is kept. A field an event may leave empty keeps the latest word given, with
+# the (time, event id) of the event that gave it in ``<field>_from``.
 _LATEST = ("replica", "model", "node", "gpu_model", "gpu_count", "gpus", "namespace", "pod_uid",
            "engine_metrics_url")  # fmt: skip
+_NULLABLE = ("namespace", "pod_uid", "engine_metrics_url")
 _COUNTED_FIELDS = ("events", "heartbeats")
+# The order of events: by time, then by event id.
+_KEY = 'struct_pack(t := "timestamp", id := event_id)'
 
 # An event kept raw in ``instance_events``: any but a heartbeat older than the retention.
 # Parameter ``$old_before``: the time before which a heartbeat is that old.
@@ -114,10 +118,14 @@ def delta_sql(old_before: str = "$old_before") -> str:
     """SQL folding the ``fresh`` instance events per lifetime into temp table ``_lifetime_delta``.
 
     ``old_before``: a SQL value; a heartbeat older than it is folded but not counted (see
-    ``RAW_KEPT``). The latest fields come from the event latest by (time, event id).
+    ``RAW_KEPT``). The latest fields come from the event latest by (time, event id); a field
+    that may be null, from the latest event that gave it (``arg_max`` skips nulls).
     """
     by = '("timestamp", event_id)'
-    latest = ",\n    ".join(f"arg_max({c}, {by}) AS {c}" for c in _LATEST)
+    latest = ",\n    ".join(
+        [f"arg_max({c}, {by}) AS {c}" for c in _LATEST]
+        + [f"max({_KEY}) FILTER (WHERE {c} IS NOT NULL) AS {c}_from" for c in _NULLABLE]
+    )
     counted = f"""NOT (event = 'heartbeat' AND "timestamp" < {old_before})"""
     return f"""
 CREATE OR REPLACE TEMP TABLE _lifetime_delta AS
@@ -145,18 +153,22 @@ def fold_sql() -> str:
         "(excluded.last_seen > last_seen OR "
         "(excluded.last_seen = last_seen AND excluded.latest_event_id > latest_event_id))"
     )
+    given = "({0}_from IS NULL OR excluded.{0}_from > {0}_from)"
     open_after = "least(stopped_at, excluded.stopped_at) IS NULL AND {0} > greatest(last_seen, excluded.last_seen)"
     seen = ",\n    ".join(
         f"{c} = CASE WHEN {open_after.format(c)} THEN {c} END" for c in _SAMPLE_COLUMNS.values()
     )
     latest = ",\n    ".join(
-        f"{c} = CASE WHEN {newer} THEN excluded.{c} ELSE {c} END"
-        for c in (*_LATEST, "latest_event_id")
-    )
+        [f"{c} = CASE WHEN {newer} THEN excluded.{c} ELSE {c} END"
+         for c in (*_LATEST, "latest_event_id") if c not in _NULLABLE]
+        + [f"{c} = CASE WHEN {given.format(c)} THEN excluded.{c} ELSE {c} END, "
+           f"{c}_from = CASE WHEN {given.format(c)} THEN excluded.{c}_from ELSE {c}_from END"
+           for c in _NULLABLE]
+    )  # fmt: skip
     counts = ",\n    ".join(f"{c} = {c} + excluded.{c}" for c in _COUNTED_FIELDS)
     columns = ", ".join(
-        ("instance", "started_at", *_LATEST, "latest_event_id", "first_seen", "last_seen",
-         "stopped_at", *_COUNTED_FIELDS)
+        ("instance", "started_at", *_LATEST, *(f"{c}_from" for c in _NULLABLE), "latest_event_id",
+         "first_seen", "last_seen", "stopped_at", *_COUNTED_FIELDS)
     )  # fmt: skip
     return f"""
 CREATE OR REPLACE TEMP TABLE _new_lifetimes AS

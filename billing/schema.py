@@ -375,7 +375,8 @@ GROUP BY ALL;
 
 # One row per instance lifetime (``billing.lifetimes``), folded from ``instance_events`` at ingest
 # so that readers never aggregate heartbeats: the latest event's word on the instance (by time,
-# then ``latest_event_id``), its first and last event, its stop, how many events and heartbeats
+# then ``latest_event_id``; for a field an event may leave null, the latest word given and the
+# event it came from), its first and last event, its stop, how many events and heartbeats
 # were counted, and, while it has not stopped, the latest GPU and engine sample attributed to it
 # after its last event (evidence of when it ended). Filled from the raw events
 # and samples by ``billing.ledger.migrate``, with ingest's own SQL.
@@ -392,6 +393,9 @@ CREATE TABLE lifetimes (
     namespace VARCHAR,
     pod_uid VARCHAR,
     engine_metrics_url VARCHAR,
+    namespace_from STRUCT(t DOUBLE, id VARCHAR),  -- (time, event id) of the event that gave it
+    pod_uid_from STRUCT(t DOUBLE, id VARCHAR),
+    engine_metrics_url_from STRUCT(t DOUBLE, id VARCHAR),
     latest_event_id VARCHAR NOT NULL,
     first_seen DOUBLE NOT NULL,
     last_seen DOUBLE NOT NULL,

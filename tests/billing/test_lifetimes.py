@@ -198,6 +198,45 @@ def test_events_and_samples_in_any_order_and_batches_give_the_same_lifetimes(tmp
     assert (first[10], first[8]) == (url, "llm")  # engine_metrics_url, namespace
 
 
+# The registry's answer as it was computed before ``lifetimes`` was kept: aggregated from the raw
+# events at every request.
+_BEFORE = """
+SELECT instance, started_at, arg_max(replica, "timestamp"), arg_max(node, "timestamp"),
+    arg_max(engine_metrics_url, "timestamp"), max("timestamp") AS last_seen,
+    min("timestamp") FILTER (WHERE event = 'stop') AS stopped_at
+FROM instance_events GROUP BY instance, started_at ORDER BY 1, 2"""
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_the_registry_answers_what_the_raw_events_said(ledger, seed):
+    """Random pods, restarts, stops and silences: the lifetimes the old aggregate gave, live or not."""
+    rng = random.Random(seed)
+    events = []
+    for pod in range(12):
+        start = T0 + rng.uniform(0, 600)
+        for _ in range(rng.randint(1, 3)):  # lifetimes of one pod name, one after the other
+            last = start + rng.uniform(30, 900)
+            url = f"http://10.0.0.{pod}:{rng.randint(1000, 9999)}/engine/metrics"
+            beats_ = [{**b, "timestamp": b["timestamp"] + rng.uniform(0, 1)}
+                      for b in beats(f"g-{pod}", start, last)]  # fmt: skip
+            if beats_ and rng.random() < 0.5:
+                beats_[-1]["engine_metrics_url"] = url  # learned late
+            events += [event(f"g-{pod}", "start", start, start), *beats_]
+            if rng.random() < 0.6:
+                events.append(event(f"g-{pod}", "stop", last + 1, start))
+            start = last + rng.uniform(5, 120)
+    for part in shuffled_in_batches(events, seed):
+        ledger.ingest(batch("instances", part), now=T0 + DAY)
+    now = T0 + rng.uniform(300, 3000)
+    answer = [(r["instance"], r["started_at"], r["replica"], r["node"], r["engine_metrics_url"],
+               r["last_seen"], r["stopped_at"]) for r in ledger.lifetimes(now=now)]  # fmt: skip
+    assert sorted(answer) == rows(ledger, _BEFORE)
+    live = {(r["instance"], r["started_at"]) for r in ledger.lifetimes(now=now, state="live")}
+    assert live == {
+        (i, s) for i, s, *_, last, stop in rows(ledger, _BEFORE) if stop is None and last > now - 90
+    }
+
+
 # -- where a lifetime that never stopped ends ------------------------------------------------
 
 
