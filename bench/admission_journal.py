@@ -1,4 +1,4 @@
-"""What the admission journal costs the sidecar: per request, per chunk, and in fsyncs.
+"""What the admission journal costs the sidecar: per request, per chunk, per tick, and in fsyncs.
 
 In-process and on this machine's disk (``--dir``, default a temporary directory; pass the spool's
 file system to measure its fsync). It drives ``sidecar.journal.AdmissionJournal`` exactly as the
@@ -6,15 +6,18 @@ sidecar does, without HTTP, and counts CPU time of its thread (``time.thread_tim
 cost is measured and not the noise of a loaded machine around it:
 
 - ``request``: build the admitted record, ``admit`` (one ``write(2)``, which also carries the
-  previous request's end line) and ``finish`` (no write of its own),
-  the journal's whole cost on the event loop per request;
-- ``chunk``: the relay's per-chunk work (``StreamMeter.feed`` of one token chunk), which the
-  journal does not touch, next to the marks' cost spread over the chunks of an interval: one
-  tick over ``--streams`` running streams whose counts all moved, divided by the chunks those
-  streams relay in ``journal_mark_millis`` at ``--tokens-per-second`` each;
-- ``fsync``: one fsync of the journal file (run off the event loop, once per mark interval);
+  previous request's end line, and the slot taken) and ``finish`` (no write of its own; the
+  slot given back), the journal's whole cost on the event loop per request;
+- ``chunk``: the relay's per-chunk work (``StreamMeter.feed`` of one token chunk) without a
+  progress slot and with one (``sidecar.progress``: the chunk's count kept before it is sent),
+  in alternating rounds, and the difference: what the journal adds to a chunk;
+- ``tick``: one tick over ``--streams`` running streams (nothing is written for them: their
+  slots are written as they relay), and over as many non-streamed requests read from vLLM's
+  stream (the tick writes each one's tokens so far to its slot);
+- ``fsync``: one fsync of the journal file and one of the slot file, with ``--streams`` slots
+  written since the last (off the event loop, once per tick);
 - ``rotation``: reading the running streams' admission lines back from a full file (8 MiB of
-  admissions, ends and marks), which a rotation does on the event loop, once per file.
+  admissions and ends), which a rotation does on the event loop, once per file.
 
     .venv/bin/python -m bench.admission_journal            # about 10 seconds
     .venv/bin/python -m bench.admission_journal --json
@@ -34,6 +37,7 @@ from pathlib import Path
 
 from bench.chunks import rounds_us
 from infermeter.records import RequestStatus, UsageRecord
+from sidecar.assemble import Assembler
 from sidecar.journal import AdmissionJournal
 from sidecar.stream import StreamMeter
 
@@ -45,6 +49,8 @@ _CHUNK = (
     b'"logprobs":null,"finish_reason":null}],"usage":{"prompt_tokens":42,"total_tokens":%d,'
     b'"completion_tokens":%d}}\n\n'
 )
+# The stream's first chunk: the role, and vLLM's first usage (the prompt).
+_ROLE = _CHUNK.replace(b'"content":" word"', b'"role":"assistant","content":""') % (42, 0)
 
 
 def _record(i: int) -> UsageRecord:
@@ -63,7 +69,7 @@ def _best_us(fn: Callable[[], None], count: int, repeats: int = 7) -> float:
     return statistics.median(rounds_us(fn, repeats, count, clock=time.thread_time))
 
 
-async def measure(directory: Path, streams: int, tokens_per_second: float, mark_millis: int) -> dict[str, float]:  # fmt: skip
+async def measure(directory: Path, streams: int, mark_millis: int) -> dict[str, float]:
     """The figures of the module docstring, in microseconds."""
     journal = AdmissionJournal(directory, 3600)  # no tick of its own during the measurement
     journal.open()
@@ -77,59 +83,98 @@ async def measure(directory: Path, streams: int, tokens_per_second: float, mark_
 
     request_us = _best_us(one_request, 2_000)
 
-    meter = StreamMeter(False, False, 0.0)
     chunks = [_CHUNK % (42 + n, n) for n in range(1, 20_001)]
-    feed_at = iter(range(10**9))
+    plain = StreamMeter(False, False, 0.0)
+    streamed = _record(10**8)
+    journal.admit(streamed.to_json(), 0.0)
+    slotted = StreamMeter(False, False, 0.0, slot=journal.slot(streamed.request_id))
+    for meter in (plain, slotted):
+        meter.feed(_ROLE, 0.0)
 
-    def one_chunk() -> None:
-        n = next(feed_at)
-        meter.feed(chunks[n % len(chunks)], n * 1e-3)
+    def feeder(meter: StreamMeter) -> Callable[[], None]:
+        feed_at = iter(range(1, 10**9))
 
-    chunk_us = _best_us(one_chunk, 2_000)
+        def one_chunk() -> None:
+            n = next(feed_at)
+            meter.feed(chunks[n % len(chunks)], n * 1e-3)
+
+        return one_chunk
+
+    plain_rounds: list[float] = []
+    slot_rounds: list[float] = []
+    one_plain, one_slotted = feeder(plain), feeder(slotted)
+    for _ in range(9):  # alternating, so that the machine's drift hits both alike
+        plain_rounds += rounds_us(one_plain, 1, 5_000, clock=time.thread_time)
+        slot_rounds += rounds_us(one_slotted, 1, 5_000, clock=time.thread_time)
+    assert slotted.slot is not None
+    assert slotted.token_events == plain.token_events
 
     meters = []
     for i in range(streams):
         rec = _record(i)
         journal.admit(rec.to_json(), 0.0)
-        m = StreamMeter(False, False, 0.0)
-        journal.track(rec.request_id, m)
-        meters.append(m)
-    ticks = []
-    for t in range(1, 8):
-        for m in meters:  # every stream's counts moved since the last tick: the worst case
-            m.feed(_CHUNK % (42 + t, t), t * 1e-3)
-        start = time.thread_time()
-        journal._mark_all(time.time())
-        ticks.append((time.thread_time() - start) * 1e6)
-    tick_us = statistics.median(ticks)
-    chunks_per_tick = streams * tokens_per_second * mark_millis / 1000
+        meter = StreamMeter(False, False, 0.0, slot=journal.slot(rec.request_id))
+        meter.feed(_ROLE + chunks[0], 0.0)
+        meters.append(meter)
+    streams_tick = _tick_us(journal, [])
+    counting = []
+    for i in range(streams):
+        rec = _record(streams + i)
+        journal.admit(rec.to_json(), 0.0)
+        assembler = Assembler("/v1/chat/completions")
+        journal.track(rec.request_id, assembler)
+        counting.append(assembler)
+    whole_tick = _tick_us(journal, counting)
+    fsyncs: dict[str, list[float]] = {"log": [], "slots": []}
+    assert journal._slots is not None
+    for t in range(20):
+        for meter in meters:  # every stream's slot written since the last fsync
+            meter.feed(chunks[t + 1], 0.0)
+        journal._tick(time.time())
+        for name, fd in (("log", journal._fd), ("slots", journal._slots.fd)):
+            start = time.perf_counter()
+            await asyncio.to_thread(os.fsync, fd)
+            fsyncs[name].append((time.perf_counter() - start) * 1e6)
     while journal._size < journal.rotate_bytes:
         for _ in range(1000):
             one_request()
-        journal._mark_all(time.time())
+        journal._tick(time.time())
     reads = []
     for _ in range(5):
         start = time.thread_time()
         found = journal._admission_lines()
         reads.append((time.thread_time() - start) * 1e6)
-    assert len(found) == streams
-    fsyncs = []
-    for _ in range(20):
-        start = time.perf_counter()
-        await asyncio.to_thread(os.fsync, journal._fd)
-        fsyncs.append((time.perf_counter() - start) * 1e6)
+    assert len(found) == 2 * streams + 1
     await journal.close()
     return {
         "request_us": request_us,
-        "chunk_feed_us": chunk_us,
-        "mark_tick_us": tick_us,
-        "mark_per_chunk_us": tick_us / chunks_per_tick,
-        "fsync_p50_us": statistics.median(fsyncs),
-        "fsync_max_us": max(fsyncs),
-        "fsyncs_per_second": 1000 / mark_millis,
+        "chunk_feed_us": statistics.median(plain_rounds),
+        "chunk_slot_us": statistics.median(slot_rounds),
+        "chunk_feed_best_us": min(plain_rounds),
+        "chunk_slot_best_us": min(slot_rounds),
+        "tick_streams_us": streams_tick,
+        "tick_whole_us": whole_tick,
+        "fsync_log_p50_us": statistics.median(fsyncs["log"]),
+        "fsync_slots_p50_us": statistics.median(fsyncs["slots"]),
+        "fsync_max_us": max(fsyncs["log"] + fsyncs["slots"]),
+        "ticks_per_second": 1000 / mark_millis,
         "rotation_read_us": statistics.median(reads),
         "rotation_file_bytes": journal._size,
     }
+
+
+def _tick_us(journal: AdmissionJournal, counting: list[Assembler]) -> float:
+    """CPU µs of one tick (the median of 7), the non-streamed requests' blocks moving between."""
+    ticks = []
+    for t in range(1, 8):
+        for (
+            assembler
+        ) in counting:  # every request's counts moved since the last tick: the worst case
+            assembler.feed(_CHUNK % (42 + t, t))
+        start = time.thread_time()
+        journal._tick(time.time())
+        ticks.append((time.thread_time() - start) * 1e6)
+    return statistics.median(ticks)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,22 +182,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, help="where to put the journal (default: a temp dir)")
     parser.add_argument("--streams", type=int, default=1000)
-    parser.add_argument("--tokens-per-second", type=float, default=20.0)
     parser.add_argument("--mark-millis", type=int, default=500)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        figures = asyncio.run(measure(Path(tmp), args.streams, args.tokens_per_second, args.mark_millis))  # fmt: skip
+        figures = asyncio.run(measure(Path(tmp), args.streams, args.mark_millis))  # fmt: skip
     if args.json:
         print(json.dumps(figures, indent=2))
         return 0
     print(f"per request (admit + finish, 1 write):  {figures['request_us']:8.2f} us")
-    print(f"per chunk, the relay's feed (unchanged): {figures['chunk_feed_us']:8.2f} us")
-    print(f"per chunk, marks spread over the chunks: {figures['mark_per_chunk_us']:8.3f} us"
-          f"  ({args.streams} streams x {args.tokens_per_second:g} tok/s, one tick"
-          f" {figures['mark_tick_us'] / 1000:.2f} ms every {args.mark_millis} ms)")  # fmt: skip
-    print(f"fsync of the journal (off the loop):     {figures['fsync_p50_us']:8.0f} us p50,"
-          f" {figures['fsync_max_us']:.0f} us max, {figures['fsyncs_per_second']:g} a second")  # fmt: skip
+    print(f"per chunk, the relay's feed, no slot:    {figures['chunk_feed_us']:8.2f} us"
+          f" (best {figures['chunk_feed_best_us']:.2f})")  # fmt: skip
+    print(f"per chunk, the relay's feed, with slot:  {figures['chunk_slot_us']:8.2f} us"
+          f" (best {figures['chunk_slot_best_us']:.2f})")  # fmt: skip
+    print(f"per chunk, the slot's part:              {figures['chunk_slot_us'] - figures['chunk_feed_us']:8.2f} us"
+          f" (best {figures['chunk_slot_best_us'] - figures['chunk_feed_best_us']:.2f})")  # fmt: skip
+    print(f"tick over {args.streams} streams:            {figures['tick_streams_us'] / 1000:8.3f} ms"
+          f" every {args.mark_millis} ms")  # fmt: skip
+    print(f"tick over {args.streams} non-streamed requests: {figures['tick_whole_us'] / 1000:8.3f} ms"
+          f" every {args.mark_millis} ms")  # fmt: skip
+    print(f"fsync (off the loop), p50:               {figures['fsync_log_p50_us']:8.0f} us the log,"
+          f" {figures['fsync_slots_p50_us']:.0f} us the slots, {figures['fsync_max_us']:.0f} us max,"
+          f" {figures['ticks_per_second']:g} of each a second")  # fmt: skip
     print(f"rotation: reading back {args.streams} admissions: {figures['rotation_read_us'] / 1000:8.2f} ms"
           f" (from a {figures['rotation_file_bytes'] / 2**20:.1f} MiB file, on the loop, once a file)")  # fmt: skip
     return 0

@@ -2,8 +2,9 @@
 
 One upstream read of one vLLM chunk (chunked framing included) goes through what the protocol
 relay runs for it in the sidecar: ``sidecar.pool.Connection.data_received`` (httptools' parser
-and its ``on_body``), ``sidecar.direct.StreamSink.body``, ``StreamMeter.feed`` and the client's
-``RawWriter.write``, down to a transport whose ``write`` keeps the bytes. What the event loop
+and its ``on_body``), ``sidecar.direct.StreamSink.body``, ``StreamMeter.feed`` (with the
+stream's admission-journal slot, ``sidecar.progress``, in a revision that has one) and the
+client's ``RawWriter.write``, down to a transport whose ``write`` keeps the bytes. What the event loop
 and the kernel add (the read and write system calls, epoll) is not in it: ``bench.sidecar_overhead``
 measures the whole. Reported: the best and the median of ``--rounds`` rounds, µs per chunk.
 
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from bench.chunks import CHUNK, ROLE, import_root, revision_parser
@@ -56,11 +59,18 @@ def per_chunk(chunks: int) -> float:
     from sidecar.stream import StreamMeter
 
     loop = asyncio.new_event_loop()
+    slots: Any = None
+    meter = StreamMeter(False, False, time.perf_counter())
+    if "slot" in StreamMeter.__slots__:  # (a revision whose streams are journaled in slots)
+        from sidecar.progress import SlotTable
+
+        slots = SlotTable(Path(tempfile.mkdtemp()) / "journal-0.slots")
+        meter.slot = slots.take("0" * 32, 0.0)
     try:
         conn = Connection(Pool("127.0.0.1", 9, 1.0, 60.0))
         upstream, client = Transport(), Transport()
         conn.connection_made(upstream)  # type: ignore[arg-type]
-        sink = StreamSink(StreamMeter(False, False, time.perf_counter()), loop)
+        sink = StreamSink(meter, loop)
         conn._sink = sink
         conn.data_received(HEAD)
         writer: Any = RawWriter(client, loop.create_future())  # type: ignore[arg-type]
@@ -77,6 +87,9 @@ def per_chunk(chunks: int) -> float:
         return elapsed / chunks * 1e6
     finally:
         loop.close()
+        if slots is not None:
+            slots.close(delete=True)
+            slots.path.parent.rmdir()
 
 
 def main() -> int:

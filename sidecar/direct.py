@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from infermeter.http_guard import RawWriter
 from sidecar.assemble import Assembler
 from sidecar.pool import Connection, Pool, UpstreamClosed
+from sidecar.progress import Slot
 from sidecar.stream import StreamMeter
 
 __all__ = ["LEFT", "Left", "Pools", "StreamSink", "WholeSink"]
@@ -121,13 +122,17 @@ class StreamSink:
 class WholeSink:
     """A whole response read to its end, or a stream read into an ``Assembler``."""
 
-    __slots__ = ("assembler", "finished", "parts", "raw_headers", "status", "streamed")
+    __slots__ = ("assembler", "finished", "parts", "raw_headers", "slot", "status", "streamed")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, assembler: Assembler | None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, assembler: Assembler | None,
+                 slot: Slot | None = None) -> None:  # fmt: skip
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.parts: list[bytes] = []
         self.assembler = assembler
+        # The journal's slot, until it has the prompt tokens and response id of the stream's
+        # first events (``Slot.opening``).
+        self.slot = slot
         self.streamed = False
         self.finished: asyncio.Future[BaseException | None] = loop.create_future()
 
@@ -143,6 +148,8 @@ class WholeSink:
         if self.streamed:
             assert self.assembler is not None
             self.assembler.feed(data)
+            if self.slot is not None and self.slot.opening(data):
+                self.slot = None
         else:
             self.parts.append(data)
 

@@ -2,37 +2,43 @@
 
 A request's usage record is made durable when the request ends (``infermeter.spool``). A sidecar
 killed while it serves (SIGKILL, the OOM killer, a crash) never gets there, yet vLLM has already
-spent GPU time on every request it forwarded. The journal closes that gap:
+spent GPU time on every request it forwarded, and a stream's client may hold many of its chunks.
+The journal closes that gap:
 
 - ``admit``: before a request is forwarded, one line holding its record as it would read if the
   request ended right then (status ``interrupted``, no tokens) goes to the journal file with one
   ``write(2)``. From that moment it survives the death of the process: the bytes are the kernel's.
-- Every ``mark_seconds`` a background task writes a progress mark for each running stream whose
-  counts moved (vLLM's running usage and the first-token time, read from the stream's meter),
-  then fsyncs the file once for everything written since the last time (group commit). Nothing
-  happens per chunk: the marks read the meters the relay keeps anyway, so a killed stream is
-  recorded with its counts as of at most ``mark_seconds`` before the kill, and a crash of the
-  whole machine loses at most the last interval's lines.
-- ``finish``: once the request's own record is in the spool, one line says so. It is not
-  written at once but with the next admission or mark (one ``write(2)`` per request, not two):
-  a line lost with the process only makes recovery look for the record in the spool, where it is
-  (``infermeter.journal.recover`` skips spooled ids; billing keeps one record per id).
+  The request also takes a progress slot (``sidecar.progress``): a fixed place in a file mapped
+  ``MAP_SHARED`` where its relay keeps, with memory stores before each chunk goes to the client,
+  vLLM's counts in that chunk, the first-token time, vLLM's response id and whether the client
+  had its head. The kernel keeps a killed process's stores, so recovery reads exact counts.
+- Every ``mark_seconds`` a tick writes what cannot be written as it happens: the tokens so far of
+  each non-streamed request read from vLLM's stream (``track``; its client receives nothing
+  before the end, and the assembler parses its blocks only when asked), the time of the tick in
+  the slot file's header, and the end lines waiting. Then one fsync of each file, in a thread,
+  covers everything since the last tick (group commit), so a crash of the whole machine loses at
+  most the last interval. Nothing is written or checked per chunk here.
+- ``finish``: once the request's own record is in the spool, one line says so and its slot is
+  given back. The line is not written at once but with the next admission or tick (one
+  ``write(2)`` per request, not two): a line lost with the process only makes recovery look for
+  the record in the spool, where it is (``infermeter.journal.recover`` skips spooled ids;
+  billing keeps one record per id).
 
 At start, ``infermeter.journal.recover`` turns what the previous process left into records (the
-file format, and the rules of those records, are told there).
+files' formats, and the rules of those records, are told there).
 
 When a file passes ``rotate_bytes`` the requests still running are copied to a fresh one and the
-old one is deleted.
+old one is deleted. The slot file is not rotated: its slots are reused.
 
 Memory: a running request costs the journal a small slotted entry with where its admission
-line is in the file, not a copy of its lines. The admission lines of the running requests are
-read back from the file when they are needed (at a rotation, and at shutdown for
+line is in the file and its slot, not a copy of its lines. The admission lines of the running
+requests are read back from the file when they are needed (at a rotation, and at shutdown for
 ``interrupted_now``): the file holds every one of them, since a rotation copies them, and it
 was just written, so the read comes from the page cache. Keeping each line in memory instead
-cost every open stream about 700 bytes (its admission line and its last mark) for the whole of
-its length. Found by their offsets, the lines of 1,000 running streams come out of a full file
-in about a millisecond (``python -m bench.admission_journal``); searching the file for them
-took 33-45 ms, a stall of the event loop at every rotation.
+cost every open stream about 700 bytes for the whole of its length. Found by their offsets, the
+lines of 1,000 running streams come out of a full file in about a millisecond
+(``python -m bench.admission_journal``); searching the file for them took 33-45 ms, a stall of
+the event loop at every rotation.
 """
 
 from __future__ import annotations
@@ -51,17 +57,12 @@ from typing import Any, Protocol
 
 import orjson
 
-from infermeter.journal import (
-    Pending,
-    admission_line,
-    finish_line,
-    interrupted_record,
-    mark_line,
-)
+from infermeter.journal import Pending, admission_line, files_in, finish_line, interrupted_record
 from infermeter.records import UsageRecord
+from sidecar.progress import Slot, SlotTable
 from sidecar.stream import UsageCounts
 
-__all__ = ["AdmissionJournal", "JournalError", "Progress"]
+__all__ = ["AdmissionJournal", "Counting", "JournalError"]
 
 log = logging.getLogger("infermeter.sidecar")
 
@@ -70,15 +71,11 @@ class JournalError(Exception):
     """An admission could not be written to the journal (disk full, read-only, ...)."""
 
 
-class Progress(Protocol):
-    """What the journal reads of a running request: ``sidecar.stream.StreamMeter`` has it."""
+class Counting(Protocol):
+    """A request whose tokens the tick writes to its slot: ``sidecar.assemble.Assembler``."""
 
-    token_events: int
-    first_token_at: float | None
-
-    @property
-    def usage(self) -> UsageCounts | None:
-        """The latest counts vLLM reported."""
+    def usage_so_far(self) -> UsageCounts | None:
+        """The tokens vLLM has reported so far."""
 
 
 # How every admission line begins (``admission_line``: the record's first field is its id).
@@ -87,19 +84,17 @@ _ADMISSION = b'{"a":{"request_id":"'
 
 @dataclass(slots=True)
 class _Running:
-    """One admitted request in memory: its clock origin and progress (its lines are on disk)."""
+    """One admitted request in memory (its lines are on disk, its progress in its slot)."""
 
     request_id: str
-    received_at: float
-    started: float
     # Where its admission line begins in the open file.
     at: int
-    progress: Progress | None = None
-    marked_events: int = -1
+    slot: Slot | None = None
+    counting: Counting | None = None
 
 
 class AdmissionJournal:
-    """The journal of one sidecar: ``admit``, ``track``, ``finish``, and marks in the background."""
+    """The journal of one sidecar: ``admit``, ``slot``, ``track``, ``finish``, and the ticks."""
 
     def __init__(self, directory: Path, mark_seconds: float, rotate_bytes: int = 8 << 20) -> None:
         self.directory = directory
@@ -110,6 +105,9 @@ class AdmissionJournal:
         self._path: Path | None = None
         self._size = 0
         self._unsynced = False
+        self._slots: SlotTable | None = None
+        # Slots were given back since the last fsync of their file.
+        self._released = False
         self._task: asyncio.Task[None] | None = None
         # Finish lines waiting to go out with the next write.
         self._finished: list[bytes] = []
@@ -120,34 +118,43 @@ class AdmissionJournal:
         return len(self._running)
 
     def open(self) -> list[Path]:
-        """Start a fresh journal file and the marks; return the files an earlier process left."""
+        """Start a fresh journal and slot file and the ticks; return the files an earlier
+        process left (``infermeter.journal.journal_files``: its logs, then its slot files)."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        left = sorted(self.directory.glob("journal-*.log"))
+        left = files_in(self.directory)
         self._start_file()
+        self._slots = SlotTable(self.directory / f"journal-{time.time_ns():020d}.slots")
         self._task = asyncio.get_running_loop().create_task(self._run())
         return left
 
     async def close(self) -> None:
-        """Stop the marks and close the file; it is deleted when no request is left running."""
+        """Stop the ticks and close the files; they are deleted when no request is left running."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self._fd >= 0:
             with contextlib.suppress(OSError):
-                self._flush_finished()
+                self._tick(time.time())
                 os.fsync(self._fd)
+                if self._slots is not None:
+                    os.fsync(self._slots.fd)
             os.close(self._fd)
             self._fd = -1
             if not self._running and self._path is not None:
                 self._path.unlink(missing_ok=True)
+        if self._slots is not None:
+            self._slots.close(delete=not self._running)
+            self._slots = None
 
     def admit(self, record: Mapping[str, Any], started: float) -> None:
-        """Journal ``record`` (``UsageRecord.to_json``'s form, its end unknown yet).
+        """Journal ``record`` (``UsageRecord.to_json``'s form, its end unknown yet), and give it
+        a slot; ``started`` is the ``perf_counter`` of its ``received_at``.
 
         JournalError when it cannot be written.
         """
         line = admission_line(record)
+        request_id: str = record["request_id"]
         try:
             if self._finished:
                 data = b"".join((*self._finished, line))
@@ -156,25 +163,35 @@ class AdmissionJournal:
                 data = line
             at = self._size + len(data) - len(line)
             self._write(data)
+            assert self._slots is not None, "admit before open"
+            slot = self._slots.take(request_id, record["received_at"] - started)
         except OSError as exc:
             raise JournalError(f"cannot write the admission journal in {self.directory}: {exc.strerror or exc}") from None  # fmt: skip
-        request_id: str = record["request_id"]
-        self._running[request_id] = _Running(request_id, record["received_at"], started, at)
+        self._running[request_id] = _Running(request_id, at, slot)
 
-    def track(self, request_id: str, progress: Progress) -> None:
-        """Mark ``request_id``'s counts from ``progress`` from now on."""
+    def slot(self, request_id: str) -> Slot | None:
+        """The slot ``request_id``'s relay writes its progress to (None when not journaled)."""
+        running = self._running.get(request_id)
+        return None if running is None else running.slot
+
+    def track(self, request_id: str, counting: Counting) -> None:
+        """Write ``counting``'s tokens so far to ``request_id``'s slot at every tick."""
         running = self._running.get(request_id)
         if running is not None:
-            running.progress = progress
+            running.counting = counting
 
     def finish(self, request_id: str) -> None:
         """The request's own record is durable: it needs the journal no more.
 
-        The line goes out with the next admission or mark. Without it (lost with the process, or
-        not writable) recovery finds the record in the spool, or billing keeps the first of two.
+        The line goes out with the next admission or tick. Without it (lost with the process,
+        or not writable) recovery finds the record in the spool, or billing keeps the first of two.
         """
-        if self._running.pop(request_id, None) is not None:
+        running = self._running.pop(request_id, None)
+        if running is not None:
             self._finished.append(finish_line(request_id))
+            if running.slot is not None and self._slots is not None:
+                self._slots.release(running.slot)
+                self._released = True
 
     def _flush_finished(self) -> None:
         if self._finished:
@@ -185,7 +202,7 @@ class AdmissionJournal:
         """Records of the requests still running, with their counts as of now (at shutdown).
 
         A request whose admission line cannot be read back is left to ``recover`` at the next
-        start, which reads the same file.
+        start, which reads the same files.
         """
         now = time.time()
         out = []
@@ -197,10 +214,13 @@ class AdmissionJournal:
             return []
         for request_id, line in lines.items():
             running = self._running[request_id]
-            mark = self._latest_mark(running, now)
-            pending = Pending(orjson.loads(line)["a"], orjson.loads(mark) if mark else None)
-            record = interrupted_record(pending, now)
-            exact = running.progress is not None and running.progress.usage is not None
+            progress = None
+            if running.slot is not None and self._slots is not None:
+                if running.counting is not None:
+                    running.slot.counts(running.counting.usage_so_far())
+                progress = self._slots.progress(running.slot)
+            record = interrupted_record(Pending(orjson.loads(line)["a"], progress=progress), now)
+            exact = progress is not None and progress.counted
             out.append(dataclasses.replace(record, usage_exact=exact))
         return out
 
@@ -233,7 +253,7 @@ class AdmissionJournal:
                     found[request_id] = line
         return found
 
-    # -- the file --------------------------------------------------------------------------------
+    # -- the files -------------------------------------------------------------------------------
 
     def _start_file(self) -> None:
         self._path = self.directory / f"journal-{time.time_ns():020d}.log"
@@ -254,61 +274,43 @@ class AdmissionJournal:
         while True:
             await asyncio.sleep(self.mark_seconds)
             try:
-                self._mark_all(time.time())
+                moved = self._tick(time.time())
                 if self._unsynced:
                     self._unsynced = False
                     await asyncio.to_thread(os.fsync, self._fd)
+                if moved and self._slots is not None:
+                    # (fsync of the file writes back the pages the mapping dirtied.)
+                    await asyncio.to_thread(os.fsync, self._slots.fd)
                 if self._size > self.rotate_bytes:
                     await self._rotate()
             except OSError as exc:
                 log.error("admission journal in %s: %s", self.directory, exc)
 
-    def _mark_all(self, now: float) -> None:
-        lines = [self._mark_one(r, now) for r in self._running.values()]
-        data = b"".join((*self._finished, *lines))
-        self._finished.clear()
-        if data:
-            self._write(data)
-
-    def _mark_one(self, running: _Running, now: float) -> bytes:
-        """A new mark line for ``running`` if its counts moved since the last one, else b""."""
-        progress = running.progress
-        if progress is None or progress.token_events == running.marked_events:
-            return b""
-        running.marked_events = progress.token_events
-        return self._latest_mark(running, now)
-
-    @staticmethod
-    def _latest_mark(running: _Running, now: float) -> bytes:
-        """The mark line of ``running``'s counts as of ``now``, b"" before vLLM reported any."""
-        progress = running.progress
-        usage = None if progress is None else progress.usage
-        if progress is None or usage is None:
-            return b""
-        first = progress.first_token_at
-        first = None if first is None else running.received_at + (first - running.started)
-        return mark_line(
-            running.request_id, usage.prompt, usage.completion, usage.cached, first, now
-        )
+    def _tick(self, now: float) -> bool:
+        """Write what waits for the tick; True when the slot file may have moved since the last."""
+        self._flush_finished()
+        released, self._released = self._released, False
+        if not self._running or self._slots is None:
+            return released
+        for running in self._running.values():
+            if running.counting is not None and running.slot is not None:
+                running.slot.counts(running.counting.usage_so_far())
+        self._slots.tick(now)
+        return True
 
     async def _rotate(self) -> None:
         """Copy the running requests to a fresh file, make it durable, delete the old one."""
         lines = self._admission_lines()  # (an OSError here leaves the old file in use)
-        now = time.time()
         old_fd, old_path = self._fd, self._path
         # Finish lines refer to the old file's admissions; the new one holds only running ones.
         self._finished.clear()
         self._start_file()
-        parts: list[bytes] = []
         offsets: list[tuple[_Running, int]] = []
         at = 0
         for request_id, line in lines.items():
-            running = self._running[request_id]
-            offsets.append((running, at))
-            mark = self._latest_mark(running, now)
-            parts += (line, mark)
-            at += len(line) + len(mark)
-        self._write(b"".join(parts))
+            offsets.append((self._running[request_id], at))
+            at += len(line)
+        self._write(b"".join(lines.values()))
         for running, at in offsets:
             running.at = at
         self._unsynced = False

@@ -29,6 +29,7 @@ from sidecar.direct import LEFT, Pools, StreamSink, WholeSink
 from sidecar.drain import CUT, Drain
 from sidecar.journal import AdmissionJournal
 from sidecar.pool import Connection, request_head
+from sidecar.progress import Slot
 from sidecar.request_ids import response_id
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
 from sidecar.upstream import StallWatch, Upstream, upstream_errors, upstream_failure
@@ -100,8 +101,9 @@ class Relay:
         if response.status != 200:
             return await self._refused_stream(call, response, send)
         meter = StreamMeter(call.client_usage, call.client_continuous, call.started,
-                            choices=call.choices)  # fmt: skip
-        self.journal.track(call.request_id, meter)
+                            choices=call.choices, slot=self.journal.slot(call.request_id))  # fmt: skip
+        if meter.slot is not None:
+            meter.slot.began()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()),
                                 *call.echo_headers(), *call.ratelimit_headers()]})  # fmt: skip
@@ -158,7 +160,7 @@ class Relay:
         needs ``stream``. Once this returns, the caller may drop ``body`` and ``headers``: a
         stream holds neither while it runs (``relay_direct``)."""
         meter = StreamMeter(call.client_usage, call.client_continuous, call.started,
-                            choices=call.choices)  # fmt: skip
+                            choices=call.choices, slot=self.journal.slot(call.request_id))  # fmt: skip
         sink = StreamSink(meter, asyncio.get_running_loop())
         conn = await self._send_direct(call, body, headers, sink)
         return None if conn is None else (conn, sink)
@@ -179,7 +181,8 @@ class Relay:
                 raise _refusal(got)
             if got != 200:
                 return await self._refused_direct(call, conn, sink, send)
-            self.journal.track(call.request_id, meter)
+            if meter.slot is not None:
+                meter.slot.began()
             await send({"type": "http.response.start", "status": 200,
                         "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()),
                                     *call.echo_headers(), *call.ratelimit_headers()]})  # fmt: skip
@@ -382,12 +385,18 @@ class Relay:
         """A non-streamed request served from vLLM's stream (``sidecar.assemble``)."""
         n = body.get("n")
         assembler = Assembler(call.endpoint, n if isinstance(n, int) and n > 0 else 1)
+        # The client gets nothing before the end: the journal's tick keeps the tokens so far,
+        # and the slot the prompt and response id of the first events.
+        self.journal.track(call.request_id, assembler)
+        slot = self.journal.slot(call.request_id)
 
         direct = self.direct and self.pools.get(self.upstream) is not None
 
         async def exchange() -> tuple[aiohttp.ClientResponse | WholeSink, bytes | None]:
             if direct:
-                sink = await self._exchange_direct(call, streamed_body(body), headers, assembler)
+                sink = await self._exchange_direct(
+                    call, streamed_body(body), headers, assembler, slot
+                )
                 return sink, None if sink.streamed else b"".join(sink.parts)
             response = await self._open(call, streamed_body(body), headers)
             try:
@@ -395,7 +404,7 @@ class Relay:
                 streamed = response.status == 200 and response.content_type == "text/event-stream"
                 whole = None if streamed else await response.read()
                 if streamed:
-                    await self._collect(response, assembler)
+                    await self._collect(response, assembler, slot)
             except BaseException:
                 response.close()
                 raise
@@ -404,7 +413,7 @@ class Relay:
 
         if direct and raw is not None:
             work, ended = await self._whole_direct(
-                call, streamed_body(body), headers, assembler, raw
+                call, streamed_body(body), headers, assembler, raw, slot
             )
         else:
             work, ended = await self._race(exchange(), receive, None if raw is None else raw.lost)
@@ -447,8 +456,8 @@ class Relay:
         return out.usage, out.status, out.http_status, finish
 
     async def _whole_direct(self, call: Call, body: dict[str, Any], headers: dict[str, str],
-                            assembler: Assembler | None,
-                            raw: RawWriter) -> tuple[asyncio.Future[_Exchanged], _Ended]:  # fmt: skip
+                            assembler: Assembler | None, raw: RawWriter,
+                            slot: Slot | None = None) -> tuple[asyncio.Future[_Exchanged], _Ended]:  # fmt: skip
         """A whole exchange on the protocol pool, waited for as a stream is (``relay_direct``).
 
         The response's end, the client's connection closing (the sink is the client writer's
@@ -459,7 +468,7 @@ class Relay:
         """
         loop = asyncio.get_running_loop()
         work: asyncio.Future[_Exchanged] = loop.create_future()
-        sink = WholeSink(loop, assembler)
+        sink = WholeSink(loop, assembler, slot)
         try:
             conn = await self._send_direct(call, body, headers, sink)
         except Exception as exc:
@@ -492,9 +501,9 @@ class Relay:
         return work, "done"
 
     async def _exchange_direct(self, call: Call, body: dict[str, Any], headers: dict[str, str],
-                               assembler: Assembler | None) -> WholeSink:  # fmt: skip
+                               assembler: Assembler | None, slot: Slot | None = None) -> WholeSink:  # fmt: skip
         """A whole exchange on the protocol pool; the same errors as ``_open`` and aiohttp's read."""
-        sink = WholeSink(asyncio.get_running_loop(), assembler)
+        sink = WholeSink(asyncio.get_running_loop(), assembler, slot)
         conn = await self._send_direct(call, body, headers, sink)
         assert conn is not None
         try:
@@ -507,8 +516,12 @@ class Relay:
             return sink
         raise _whole_failure(sink, exc)
 
-    async def _collect(self, response: aiohttp.ClientResponse, assembler: Assembler) -> None:
-        """Read a stream to its end into ``assembler``; the read timeout is per read, as streamed."""
+    async def _collect(self, response: aiohttp.ClientResponse, assembler: Assembler,
+                       slot: Slot | None) -> None:  # fmt: skip
+        """Read a stream to its end into ``assembler``; the read timeout is per read, as streamed.
+
+        ``slot`` gets the prompt tokens and response id of the first events (``Slot.opening``).
+        """
         watch = StallWatch(response, self.generation.read_timeout_seconds)
         clock = time.perf_counter
         read = response.content.readany
@@ -520,6 +533,8 @@ class Relay:
                 if not block:
                     break
                 assembler.feed(block)
+                if slot is not None and slot.opening(block):
+                    slot = None
             if assembler.done:
                 # Read past [DONE] to the chunked terminator, so the connection can be reused.
                 while await read():

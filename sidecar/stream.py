@@ -11,7 +11,10 @@ as blocks of one or more complete SSE events (plus possibly a partial one, kept 
 block). One left-to-right walk over a block's ``"usage":{`` keys finds the running usage, the final
 usage chunk and the per-chunk usage objects to cut out, with ``bytes.find`` on fixed markers and
 constant-time checks of the bytes before each key, because this code runs for every token of every
-user. Apart from the bytes sent on, a block allocates nothing unless it holds a finish chunk.
+user. Apart from the bytes sent on, a block allocates nothing unless it holds a finish chunk, but
+the copy of the start of its last usage object that goes to the stream's admission-journal slot
+(``StreamMeter.slot``, ``sidecar.progress``) before the client gets the block: what a sidecar
+killed mid-stream bills the request.
 """
 
 from __future__ import annotations
@@ -20,9 +23,13 @@ import re
 from array import array
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sidecar.metrics import ITL_BUCKETS
 from sidecar.request_ids import response_id
+
+if TYPE_CHECKING:
+    from sidecar.progress import Slot
 
 __all__ = ["StreamMeter", "UsageCounts", "parse_usage"]
 
@@ -127,6 +134,10 @@ class StreamMeter:
     # The next block may take the short path (``_token``): set by every block the long path
     # (``_block``) takes, and left as it is by the short path, which changes none of its terms.
     _steady: bool = False
+    # The admission journal's slot of this request (``sidecar.progress``), written as each
+    # block is metered, before the client gets its bytes: what a killed sidecar's request is
+    # billed. None when not journaled.
+    slot: Slot | None = None
 
     @property
     def usage(self) -> UsageCounts | None:
@@ -190,6 +201,8 @@ class StreamMeter:
                 or data.rfind(_FINISH) >= 0):  # fmt: skip
             return None
         self._usage_block, self._usage_at = data, last
+        if self.slot is not None:
+            self.slot.usage(data, last)
         last_at = self.last_token_at
         assert last_at is not None
         gap = now - last_at
@@ -222,6 +235,8 @@ class StreamMeter:
             data = data[: end + 2]
         if self.response_id is None:
             self.response_id = response_id(data)
+            if self.slot is not None:
+                self.slot.response_id(self.response_id)
         if data.endswith(_DONE):
             self.done = True
             data = data[: -len(_DONE)]
@@ -271,6 +286,12 @@ class StreamMeter:
             if finals:
                 tokens -= finals
                 self.final_usage = True
+            slot = self.slot
+            if slot is not None:
+                if self.choices or not slot.counted:
+                    slot.counts(self.usage)
+                else:
+                    slot.usage(data, last)
         finish = data.rfind(_FINISH)
         self._finish_in_block = finish >= 0
         if finish >= 0:
@@ -310,6 +331,8 @@ class StreamMeter:
         if self.first_token_at is None:
             # Tokens that arrive with the first one follow it after no gap at all.
             self.first_token_at = self.last_token_at = now
+            if self.slot is not None:
+                self.slot.first_token(now)
             self.token_events += 1
             tokens -= 1
             if tokens <= 0:

@@ -5,7 +5,16 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from infermeter.journal import Pending, interrupted_record, recover, unfinished
+from infermeter.journal import (
+    SLOT_BYTES,
+    Pending,
+    Progress,
+    interrupted_record,
+    read_slots,
+    recover,
+    unfinished,
+    usage_counts,
+)
 from infermeter.records import RequestStatus, UsageRecord
 from infermeter.spool import Spool
 
@@ -28,7 +37,8 @@ def line(entry: dict[str, object]) -> bytes:
 
 
 def test_unfinished_keeps_admissions_without_an_end_and_their_last_mark():
-    """An admission with no finish line is pending with its last mark; a finished one is gone."""
+    """An admission with no finish line is pending with its last mark (a line of earlier
+    versions); a finished one is gone."""
     lines = [
         line({"a": admitted("r1").to_json()}),
         line({"a": admitted("r2").to_json()}),
@@ -77,3 +87,73 @@ async def test_recover_keeps_the_journal_when_the_spool_refuses(tmp_path):
     await spool.close()
     assert left.exists()
     assert not list(spool.directory.glob("seg-*.jsonl"))
+
+
+@pytest.mark.parametrize(
+    ("progress", "mark", "stream", "expected"),
+    [
+        # A stream whose client had its head and three chunks, before any mark.
+        (Progress(7, 3, 2, T0 + 0.1, True, "chatcmpl-a"), None, True, (7, 3, 2, 200, "chatcmpl-a")),
+        # Its head not yet sent: the client got nothing.
+        (Progress(7, 0, 0, None, False, "chatcmpl-a"), None, True, (7, 0, 0, 502, "chatcmpl-a")),
+        # A non-streamed request: 502 whatever its tokens; the response id all the same.
+        (Progress(7, 5, 0, None, False, "chatcmpl-b"), None, False, (7, 5, 0, 502, "chatcmpl-b")),
+        # A slot and a mark (files of two versions): the larger of each count.
+        (Progress(7, 4, 0, None, True, None), {"p": 7, "c": 9, "k": 1, "t": None, "at": T0}, True,
+         (7, 9, 1, 200, None)),
+        # vLLM had reported nothing yet.
+        (Progress(None, None), None, True, (0, 0, 0, 502, None)),
+    ],
+)  # fmt: skip
+def test_interrupted_record_takes_the_slots_progress(progress, mark, stream, expected):
+    """Counts, the HTTP status the client saw and vLLM's response id come from the slot."""
+    pending = Pending(admitted(stream=stream).to_json(), mark, progress)
+    record = interrupted_record(pending, T0 + 2.0)
+    got = (record.prompt_tokens, record.completion_tokens, record.cached_prompt_tokens,
+           record.http_status, record.response_id)  # fmt: skip
+    assert got == expected
+    assert (record.status, record.usage_exact) == ("interrupted", False)
+    assert record.first_token_at == progress.first_token_at
+    assert record.finished_at == T0 + 2.0
+
+
+def test_a_file_not_in_the_slot_format_holds_no_progress():
+    """A slot file of the wrong kind or size reads as empty, not as requests."""
+    assert read_slots(b"") == (None, {})
+    assert read_slots(b"x" * 4 * SLOT_BYTES) == (None, {})
+
+
+async def test_recover_deletes_the_slot_files_with_the_logs(tmp_path):
+    """A dead process's slot file goes with its log once their records are spooled."""
+    directory = tmp_path / "spool" / "journal"
+    directory.mkdir(parents=True)
+    log = directory / "journal-00000000000000000001.log"
+    log.write_bytes(line({"a": admitted().to_json()}))
+    slots = directory / "journal-00000000000000000001.slots"
+    slots.write_bytes(bytes(2 * SLOT_BYTES))
+    spool = Spool(tmp_path / "spool")
+    spool.open()
+    (record,) = await recover([log, slots], spool)
+    await spool.close()
+    assert record.request_id == "r1"
+    assert list(directory.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("area", "expected"),
+    [
+        # vLLM 0.32's usage, from its first key: every count whole.
+        (b'"prompt_tokens":10,"total_tokens":11,"completion_tokens":1,"completio', (10, 1)),
+        # The completion count cut by the area's end: the total less the prompt.
+        (b'"prompt_tokens":1234567,"total_tokens":1240000,"completion_tokens":5', (1234567, 5433)),
+        # The total cut too: the prompt alone.
+        (b'"prompt_tokens":1234567,"total_tokens":12400', (1234567, None)),
+        # A short usage, zeros after it (the simulator's last key closes the object).
+        (b'"prompt_tokens":7,"total_tokens":9,"completion_tokens":2}}\n\n\0\0\0', (7, 2)),
+        # Nothing written yet.
+        (bytes(47), (None, None)),
+    ],
+)
+def test_a_usage_area_reads_only_whole_numbers(area, expected):
+    """A number the area's end cut is never read as a smaller one."""
+    assert usage_counts(area) == expected

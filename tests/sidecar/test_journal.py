@@ -5,14 +5,24 @@ from __future__ import annotations
 import asyncio
 import os
 import tracemalloc
+from pathlib import Path
 
-import orjson
 import pytest
 
-from infermeter.journal import recover, unfinished
+from infermeter.journal import (
+    SLOT_BYTES,
+    Progress,
+    SlotLayout,
+    files_in,
+    read_slots,
+    recover,
+    unfinished,
+)
 from infermeter.spool import Spool, read_segment
+from sidecar.assemble import Assembler
 from sidecar.journal import AdmissionJournal
-from sidecar.stream import StreamMeter
+from sidecar.progress import SlotTable
+from sidecar.stream import StreamMeter, UsageCounts
 from tests.infermeter.test_journal import T0, admitted
 
 
@@ -36,21 +46,27 @@ async def test_a_finished_request_leaves_no_journal(tmp_path):
     assert list((tmp_path / "journal").iterdir()) == []
 
 
-async def test_marks_follow_the_meter_without_a_write_per_chunk(tmp_path):
-    """Ten chunks between two marks make one mark line with the latest counts."""
-    journal = AdmissionJournal(tmp_path / "journal", 0.1)
+def slots_on_disk(directory: Path) -> dict[str, Progress]:
+    """What the slot file holds, read from the file as a new process would (not the mapping)."""
+    (path,) = directory.glob("journal-*.slots")
+    return read_slots(path.read_bytes())[1]
+
+
+async def test_a_stream_keeps_its_counts_in_its_slot_with_no_write_per_chunk(tmp_path):
+    """Each chunk fed leaves vLLM's counts in the slot file; the journal file does not grow."""
+    journal = AdmissionJournal(tmp_path / "journal", 60)
     journal.open()
     journal.admit(admitted().to_json(), 100.0)
-    meter = StreamMeter(True, True, 100.0)
-    journal.track("r1", meter)
+    assert journal._path is not None
+    size = journal._path.stat().st_size
+    meter = StreamMeter(True, True, 100.0, slot=journal.slot("r1"))
     for i in range(1, 11):
         meter.feed(chunk(i), 100.0 + i / 100)
-    await asyncio.sleep(0.25)
-    await asyncio.sleep(0.15)  # a tick with no new chunk writes no mark
-    (path,) = (tmp_path / "journal").glob("journal-*.log")
-    marks = [orjson.loads(x) for x in path.read_bytes().splitlines() if b'"m"' in x]
-    assert [(m["p"], m["c"]) for m in marks] == [(7, 10)]
-    assert marks[0]["t"] == pytest.approx(T0 + 0.01)
+        assert slots_on_disk(tmp_path / "journal")["r1"].completion == i
+    progress = slots_on_disk(tmp_path / "journal")["r1"]
+    assert (progress.prompt, progress.completion, progress.response_id) == (7, 10, "c")
+    assert progress.first_token_at == pytest.approx(T0 + 0.01)
+    assert journal._path.stat().st_size == size
     await journal.close()
 
 
@@ -63,14 +79,19 @@ async def test_recover_spools_interrupted_records_once(tmp_path):
     dead = AdmissionJournal(tmp_path / "spool" / "journal", 60)
     dead.open()
     for rid in ("r1", "r2", "r3"):
-        dead.admit(admitted(rid).to_json(), 0.0)
+        dead.admit(admitted(rid).to_json(), 100.0)
+    r1 = StreamMeter(False, False, 100.0, slot=dead.slot("r1"))
+    r1.feed(chunk(0).replace(b'"id":"c"', b'"id":"chatcmpl-r1"') + chunk(1) + chunk(2), 100.5)
     # r3 ends as the sidecar ends a request: its record spooled, then finished in the journal
     # (a line that waits for the next write, so the death below loses it).
     await spool.append(admitted("r3").to_json() | {"status": "ok", "completion_tokens": 7})
     dead.finish("r3")
-    os.close(dead._fd)  # the process dies: nothing is flushed, closed or deleted by it
+    # The process dies: nothing is flushed, closed or deleted by it.
+    os.close(dead._fd)
     assert dead._task is not None
+    assert dead._slots is not None
     dead._task.cancel()
+    dead._slots.close(delete=False)
 
     restarted = AdmissionJournal(tmp_path / "spool" / "journal", 60)
     left = restarted.open()
@@ -85,6 +106,13 @@ async def test_recover_spools_interrupted_records_once(tmp_path):
         ("r3", "ok"),
         ("r1", "interrupted"),
     ]
+    got = records[-1]
+    assert (got["prompt_tokens"], got["completion_tokens"], got["response_id"]) == (
+        7,
+        2,
+        "chatcmpl-r1",
+    )
+    assert (got["http_status"], got["usage_exact"]) == (502, False)  # its head was never sent
     assert list((tmp_path / "spool" / "journal").iterdir()) == []
 
 
@@ -129,14 +157,13 @@ async def test_rotation_keeps_only_running_requests(tmp_path):
     await journal.close()
 
 
-async def test_rotation_copies_a_running_stream_with_its_counts_and_can_rotate_again(tmp_path):
-    """The running requests' admissions, read back from the old file, go to the new one with
-    their latest counts; a second rotation copies them again, and recovery reads the result."""
+async def test_rotation_copies_a_running_stream_and_can_rotate_again(tmp_path):
+    """The running requests' admissions, read back from the old file, go to the new one; a
+    second rotation copies them again, and the stream's slot still has its counts."""
     journal = AdmissionJournal(tmp_path / "journal", 0.05, rotate_bytes=2_000)
     journal.open()
     journal.admit(admitted("long").to_json(), 100.0)
-    meter = StreamMeter(True, True, 100.0)
-    journal.track("long", meter)
+    meter = StreamMeter(True, True, 100.0, slot=journal.slot("long"))
     meter.feed(chunk(1) + chunk(2), 100.5)
     for round_ in range(2):
         for i in range(8):
@@ -149,8 +176,7 @@ async def test_rotation_copies_a_running_stream_with_its_counts_and_can_rotate_a
     pending = unfinished(path.read_bytes().splitlines())
     assert list(pending) == ["long"]
     assert pending["long"].record == admitted("long").to_json()
-    assert pending["long"].mark is not None
-    assert pending["long"].mark["c"] >= 3
+    assert slots_on_disk(tmp_path / "journal")["long"].completion == 4
     (record,) = journal.interrupted_now()
     assert (record.request_id, record.completion_tokens) == ("long", 4)
     await journal.close()
@@ -179,11 +205,12 @@ async def test_interrupted_now_uses_the_counts_of_this_moment(tmp_path):
     journal = AdmissionJournal(tmp_path / "journal", 60)
     journal.open()
     journal.admit(admitted().to_json(), 100.0)
-    meter = StreamMeter(True, True, 100.0)
-    journal.track("r1", meter)
+    meter = StreamMeter(True, True, 100.0, slot=journal.slot("r1"))
+    meter.slot.began()  # type: ignore[union-attr]
     meter.feed(chunk(1) + chunk(2) + chunk(3), 100.5)
     (record,) = journal.interrupted_now()
     assert (record.status, record.completion_tokens, record.usage_exact) == ("interrupted", 3, True)
+    assert (record.http_status, record.response_id) == (200, "c")
     assert record.first_token_at == pytest.approx(T0 + 0.5)
     await journal.close()
 
@@ -204,3 +231,145 @@ async def test_a_line_not_where_it_was_written_is_left_out_not_misread(tmp_path,
     journal._path.write_bytes(b"")
     assert journal.interrupted_now() == []
     await journal.close()
+
+
+def vllm_chunk(index: int, prompt: int, completion: int, rid: bytes = b"chatcmpl-9f2") -> bytes:
+    """A chunk as real vLLM 0.32 writes it with continuous usage (``completion_tokens_details``
+    after the count), for choice ``index``."""
+    return (
+        b'data: {"id":"%s","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+        b'[{"index":%d,"delta":{"content":"x"},"logprobs":null,"finish_reason":null,'
+        b'"token_ids":null}],"usage":{"prompt_tokens":%d,"total_tokens":%d,'
+        b'"completion_tokens":%d,"completion_tokens_details":null}}\n\n'
+        % (rid, index, prompt, prompt + completion, completion)
+    )
+
+
+async def test_a_count_torn_by_a_kill_leaves_the_previous_one(tmp_path):
+    """Counts go to two areas in turn, each with its sequence number last: a process killed
+    mid-copy leaves garbage where the next count was going, and recovery reads the last whole one."""
+    journal = AdmissionJournal(tmp_path / "journal", 60)
+    journal.open()
+    journal.admit(admitted().to_json(), 100.0)
+    meter = StreamMeter(False, False, 100.0, slot=journal.slot("r1"))
+    meter.feed(vllm_chunk(0, 7, 0) + vllm_chunk(0, 7, 1), 100.1)
+    meter.feed(vllm_chunk(0, 7, 2), 100.2)
+    (path,) = (tmp_path / "journal").glob("journal-*.slots")
+    data = bytearray(path.read_bytes())
+    assert slots_on_disk(tmp_path / "journal")["r1"].completion == 2
+    for area in SlotLayout.AREAS:  # the next copy begun in the other area, its number not yet
+        at = SLOT_BYTES + area
+        if b'"total_tokens":9,' not in data[at : at + SlotLayout.AREA_BYTES]:
+            data[at : at + 30] = b'"prompt_tokens":7,"total_token'
+    assert read_slots(bytes(data))[1]["r1"].completion == 2
+    await journal.close()
+
+
+async def test_a_slot_given_back_takes_no_late_write(tmp_path):
+    """The next request gets the slot a finished one gave back; a write through the old
+    request's handle changes nothing of it."""
+    journal = AdmissionJournal(tmp_path / "journal", 60)
+    journal.open()
+    journal.admit(admitted("r1").to_json(), 100.0)
+    old = journal.slot("r1")
+    assert old is not None
+    journal.finish("r1")
+    journal.admit(admitted("r2").to_json(), 100.0)
+    late = vllm_chunk(0, 7, 99)
+    old.usage(late, late.find(b'"usage":{'))
+    old.counts(UsageCounts(7, 99))
+    assert slots_on_disk(tmp_path / "journal") == {"r2": Progress(None, None)}
+    await journal.close()
+
+
+def test_the_slot_file_grows_when_every_slot_is_taken(tmp_path):
+    """Past its first size the file doubles; every slot, old and new, keeps its own request."""
+    table = SlotTable(tmp_path / "journal-1.slots", slots=4)
+    slots = [table.take(f"r{i}", 0.0) for i in range(10)]
+    for i, slot in enumerate(slots):
+        assert slot is not None
+        slot.counts(UsageCounts(i, 10 * i))
+    got = read_slots((tmp_path / "journal-1.slots").read_bytes())[1]
+    assert {rid: (p.prompt, p.completion) for rid, p in got.items()} == {
+        f"r{i}": (i, 10 * i) for i in range(10)
+    }
+    table.close(delete=True)
+    assert not (tmp_path / "journal-1.slots").exists()
+
+
+async def test_two_choices_keep_the_sum_of_both(tmp_path):
+    """n=2: each chunk counts its own choice; the slot holds both choices' latest, the prompt once."""
+    journal = AdmissionJournal(tmp_path / "journal", 60)
+    journal.open()
+    journal.admit(admitted().to_json(), 100.0)
+    meter = StreamMeter(False, False, 100.0, choices=2, slot=journal.slot("r1"))
+    for i in range(1, 4):
+        meter.feed(vllm_chunk(0, 7, i), 100 + i / 10)
+        meter.feed(vllm_chunk(1, 7, i), 100 + i / 10)
+    meter.feed(vllm_chunk(0, 7, 4), 101.0)
+    progress = slots_on_disk(tmp_path / "journal")["r1"]
+    assert (progress.prompt, progress.completion, progress.response_id) == (
+        7,
+        4 + 3,
+        "chatcmpl-9f2",
+    )
+    await journal.close()
+
+
+async def test_an_assembled_request_keeps_its_prompt_at_once_and_its_tokens_at_each_tick(tmp_path):
+    """A non-streamed request read as a stream: the prompt and response id of its first block
+    are in its slot at once; its completion tokens follow at the next tick."""
+    journal = AdmissionJournal(tmp_path / "journal", 0.05)
+    journal.open()
+    journal.admit(admitted(stream=False).to_json(), 100.0)
+    assembler = Assembler("/v1/chat/completions", n=2)
+    journal.track("r1", assembler)
+    slot = journal.slot("r1")
+    assert slot is not None
+    first = vllm_chunk(0, 7, 0, b"chatcmpl-whole")
+    assert not slot.opening(first[:150])  # no whole usage object yet
+    assert slot.opening(first)
+    for i in range(1, 6):
+        assembler.feed(vllm_chunk(0, 7, i) + vllm_chunk(1, 7, i))
+    progress = slots_on_disk(tmp_path / "journal")["r1"]
+    assert (progress.prompt, progress.completion, progress.response_id) == (7, 0, "chatcmpl-whole")
+    await asyncio.sleep(0.15)
+    assert slots_on_disk(tmp_path / "journal")["r1"].completion == 10
+    (record,) = journal.interrupted_now()
+    assert (record.prompt_tokens, record.completion_tokens) == (7, 10)
+    assert (record.http_status, record.response_id) == (502, "chatcmpl-whole")
+    await journal.close()
+
+
+async def test_ids_a_slot_cannot_hold_are_left_out_not_cut(tmp_path):
+    """A request id over 32 bytes gets no slot (the sidecar's own are 32); a response id over
+    96 bytes (vLLM's prefix on a long ``x-request-id``) is not kept rather than kept in part."""
+    journal = AdmissionJournal(tmp_path / "journal", 60)
+    journal.open()
+    journal.admit(admitted("x" * 33).to_json(), 0.0)
+    assert journal.slot("x" * 33) is None
+    journal.admit(admitted("r1").to_json(), 0.0)
+    slot = journal.slot("r1")
+    assert slot is not None
+    slot.response_id("chatcmpl-" + "y" * 88)
+    assert slots_on_disk(tmp_path / "journal")["r1"].response_id is None
+    slot.response_id("chatcmpl-" + "y" * 87)
+    assert slots_on_disk(tmp_path / "journal")["r1"].response_id == "chatcmpl-" + "y" * 87
+    assert sorted(r.request_id for r in journal.interrupted_now()) == ["r1", "x" * 33]
+    await journal.close()
+
+
+async def test_a_journal_left_by_a_dead_process_is_every_file_it_wrote(tmp_path):
+    """The files an earlier process left, as ``open`` returns them: its logs, then its slot file."""
+    dead = AdmissionJournal(tmp_path / "journal", 60)
+    dead.open()
+    await dead.close()
+    assert files_in(tmp_path / "journal") == []
+    dead = AdmissionJournal(tmp_path / "journal", 60)
+    dead.open()
+    dead.admit(admitted().to_json(), 0.0)
+    await dead.close()  # a request still running: its files stay
+    restarted = AdmissionJournal(tmp_path / "journal", 60)
+    left = restarted.open()
+    assert [p.suffix for p in left] == [".log", ".slots"]
+    await restarted.close()
