@@ -173,7 +173,7 @@ async def test_kill_9_under_load_leaves_a_record_of_every_admitted_request(tmp_p
                     deadline = time.monotonic() + 60
                     while len(seen) < 80 and time.monotonic() < deadline:
                         await asyncio.sleep(0.01)
-                    await asyncio.sleep(1.0)  # streams under way, marks written
+                    await asyncio.sleep(1.0)  # streams under way, ticks written
                     os.kill(proc.pid, signal.SIGKILL)
 
                 await asyncio.gather(killer(), *(one(i) for i in range(240)))
@@ -194,16 +194,17 @@ async def test_kill_9_under_load_leaves_a_record_of_every_admitted_request(tmp_p
     assert set(seen) <= {r["request_id"] for r in rows}
     assert {r["status"] for r in billable} <= {"ok", "interrupted"}
     assert interrupted, "the kill found no request running"
-    assert any(r["completion_tokens"] for r in interrupted), "no progress mark was recorded"
+    assert any(r["completion_tokens"] for r in interrupted), "no progress was recorded"
     # Every request vLLM received has its record. Beyond those, only requests admitted but not yet
     # forwarded when the kill came: interrupted, with no tokens.
     never_sent = sum(
         1 for r in interrupted if not r["prompt_tokens"] and not r["completion_tokens"]
     )
     assert fleet.upstream_requests <= len(billable) <= fleet.upstream_requests + never_sent
-    # Tokens: at most what vLLM generated; what is missing is at most the tail after each
-    # killed stream's last mark (0.1 s, 20 tokens at 5 ms a step; 40 for a loaded machine) and the
-    # whole output (20 tokens) of each killed non-streamed request (no counts until it ends).
+    # Tokens: at most what vLLM generated; what is missing is at most, for each killed stream, what
+    # vLLM had sent and the sidecar not yet read when it died (its slot has every chunk read: 40
+    # tokens, 0.2 s at 5 ms a step, for a loaded machine), and for each killed non-streamed
+    # request what came after the last tick (0.1 s: its whole output, 20 tokens, at most).
     ledger_tokens = sum(r["completion_tokens"] for r in billable)
     lost = sum(40 if r["stream"] else 20 for r in interrupted)
     assert generated - lost <= ledger_tokens <= generated
