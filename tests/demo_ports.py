@@ -6,16 +6,19 @@ module listens on each port the embedded configuration names (every ``host:port`
 so a port added to ``infermeter/defaults.yaml`` is held too) from before the first test until
 after the last. A test that binds one fails with "address already in use"; a test that connects
 to one (it would be talking to the demo's services) gets an error at its teardown naming the
-port and the request.
+port, the request and the process. On a shared machine, connections from processes outside this
+session's process tree are not blamed on a test; the summary at the end counts them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,12 +33,14 @@ class Contacts:
     """What reached the held ports: one line per connection and per request."""
 
     seen: list[str] = field(default_factory=list)
+    # Contacts from processes outside this session (the machine may be shared): not a test's.
+    outside: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, line: str) -> None:
+    def add(self, line: str, ours: bool = True) -> None:
         """Note one contact (called from the listeners' threads)."""
         with self.lock:
-            self.seen.append(line)
+            (self.seen if ours else self.outside).append(line)
 
     def since(self, mark: int) -> list[str]:
         """The contacts after the first ``mark`` ones."""
@@ -51,24 +56,67 @@ class _Listener(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], contacts: Contacts) -> None:
         super().__init__(address, _Answer)
         self.contacts = contacts
+        self.ours: dict[int, bool] = {}  # by client port: was the connection this session's
         self.where = f"{address[0]}:{address[1]}"
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
-        """Every connection is noted, even one that never sends a request."""
-        self.contacts.add(f"a connection to {self.where}")
+        """Every connection of this session is noted, even one that never sends a request.
+
+        One from a process outside this session is answered and left out of the contacts.
+        """
+        who, ours = _who(client_address[1])
+        self.ours[client_address[1]] = ours
+        self.contacts.add(f"a connection to {self.where} from {who}", ours)
         return True
 
 
 class _Answer(BaseHTTPRequestHandler):
     def _answer(self) -> None:
         assert isinstance(self.server, _Listener)
-        self.server.contacts.add(f"{self.command} {self.path} on {self.server.where}")
+        ours = self.server.ours.get(self.client_address[1], True)
+        self.server.contacts.add(f"{self.command} {self.path} on {self.server.where}", ours)
         self.send_error(503, "held by tests.demo_ports")
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _answer  # the names http.server calls
 
     def log_message(self, format: str, *args: object) -> None:
         """Quiet: the contact is reported by the test it belongs to."""
+
+
+def _who(port: int) -> tuple[str, bool]:
+    """Who holds the loopback client socket on ``port`` (Linux), and whether it is this session.
+
+    The machine may be shared: a process outside this session's process tree (another
+    session's fleet on the demo's ports) is not this session's test reaching them. A process
+    that cannot be found counts as this session's.
+    """
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
+                pid = int(fd_dir.parent.name)
+                argv = (fd_dir.parent / "cmdline").read_bytes().split(b"\0")
+                command = " ".join(a.decode(errors="replace") for a in argv if a)
+                return f"pid {pid}: {command[:160]}", _descends(pid, os.getpid())
+    return f"port {port} (its process not found)", True
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    """True if ``pid`` is ``ancestor`` or one of its descendants (a gone parent ends the walk)."""
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return False
 
 
 @contextlib.contextmanager
@@ -91,11 +139,25 @@ def hold(addresses: Iterable[tuple[str, int]]) -> Iterator[Contacts]:
         yield contacts
 
 
+_SESSIONS: list[Contacts] = []  # for the summary
+
+
 @pytest.fixture(scope="session")
 def demo_ports_contacts() -> Iterator[Contacts]:
     """The embedded configuration's ports, held for the whole session; what reached them."""
     with hold(embedded_addresses()) as contacts:
+        _SESSIONS.append(contacts)
         yield contacts
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many contacts came from processes outside this session, and the first few."""
+    for contacts in _SESSIONS:
+        outside = contacts.outside
+        terminalreporter.write_line(
+            f"demo ports held: {len(contacts.seen)} contact(s) from this session, "
+            f"{len(outside)} from other processes" + (f", such as {outside[:3]}" if outside else "")
+        )
 
 
 @pytest.fixture(autouse=True)

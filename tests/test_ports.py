@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import httpx
 import pytest
 import yaml
@@ -35,3 +39,23 @@ def test_a_test_that_reaches_a_held_port_is_named():
         with pytest.raises(httpx.HTTPStatusError):
             httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).raise_for_status()
         assert f"GET /metrics on 127.0.0.1:{port}" in contacts.since(0)
+
+
+def test_a_contact_from_outside_this_session_is_not_blamed_on_a_test():
+    """A process outside this session's tree (another session's fleet) is set apart, not blamed."""
+    port = free_port()
+    # Forks and lets its parent exit, so the process that connects descends from nobody here.
+    code = ("import os, sys, time, urllib.request\n"
+            "if os.fork():\n    sys.exit(0)\n"
+            "time.sleep(0.5)\n"
+            "try:\n"
+            f"    urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=5)\n"
+            "except Exception:\n    pass\n")  # fmt: skip
+    with hold([("127.0.0.1", port)]) as contacts:
+        subprocess.run([sys.executable, "-c", code], check=True)
+        deadline = time.monotonic() + 30
+        while len(contacts.outside) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert contacts.since(0) == []
+    assert contacts.outside[1] == f"GET /metrics on 127.0.0.1:{port}"
+    assert contacts.outside[0].startswith(f"a connection to 127.0.0.1:{port} from pid ")
