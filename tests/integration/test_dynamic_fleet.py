@@ -48,6 +48,7 @@ from infermeter.serving import free_port
 from infermeter.spool import read_segment
 from infermeter.statement import Statement
 from simulator.dcgm import node_exporters
+from tests.ports import off_demo_ports
 from tests.servers import serving
 
 GROUP = "small-0"
@@ -102,7 +103,8 @@ def write_config(tmp_path: Path) -> tuple[Path, Config]:
                   "ready_timeout_seconds": 60, "stop_timeout_seconds": 30},
     }  # fmt: skip
     path = tmp_path / "infermeter.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    # What it left at the demo's addresses (small-0's own, the dashboard's) moves to free ports.
+    path.write_text(yaml.safe_dump(off_demo_ports(raw)))
     return path, load_config(path, environ={})
 
 
