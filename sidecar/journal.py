@@ -155,7 +155,11 @@ class AdmissionJournal:
         """
         line = admission_line(record)
         request_id: str = record["request_id"]
+        assert self._slots is not None, "admit before open"
+        slot = None
         try:
+            # The slot first: one without an admission line is nobody's at recovery.
+            slot = self._slots.take(request_id, record["received_at"] - started)
             if self._finished:
                 data = b"".join((*self._finished, line))
                 self._finished.clear()
@@ -163,9 +167,9 @@ class AdmissionJournal:
                 data = line
             at = self._size + len(data) - len(line)
             self._write(data)
-            assert self._slots is not None, "admit before open"
-            slot = self._slots.take(request_id, record["received_at"] - started)
         except OSError as exc:
+            if slot is not None:
+                self._slots.release(slot)
             raise JournalError(f"cannot write the admission journal in {self.directory}: {exc.strerror or exc}") from None  # fmt: skip
         self._running[request_id] = _Running(request_id, at, slot)
 

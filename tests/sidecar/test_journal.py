@@ -20,7 +20,7 @@ from infermeter.journal import (
 )
 from infermeter.spool import Spool, read_segment
 from sidecar.assemble import Assembler
-from sidecar.journal import AdmissionJournal
+from sidecar.journal import AdmissionJournal, JournalError
 from sidecar.progress import SlotTable
 from sidecar.stream import StreamMeter, UsageCounts
 from tests.infermeter.test_journal import T0, admitted
@@ -373,3 +373,18 @@ async def test_a_journal_left_by_a_dead_process_is_every_file_it_wrote(tmp_path)
     left = restarted.open()
     assert [p.suffix for p in left] == [".log", ".slots"]
     await restarted.close()
+
+
+async def test_an_admission_that_cannot_be_written_takes_no_slot(tmp_path):
+    """A journal that cannot be written refuses the admission (JournalError) and gives its slot
+    back: no slot names a request the journal has no line of."""
+    journal = AdmissionJournal(tmp_path / "journal", 60)
+    journal.open()
+    fd, journal._fd = journal._fd, os.open(os.devnull, os.O_RDONLY)  # writes now fail (EBADF)
+    with pytest.raises(JournalError, match="cannot write the admission journal"):
+        journal.admit(admitted().to_json(), 0.0)
+    assert journal.running == 0
+    assert slots_on_disk(tmp_path / "journal") == {}
+    os.close(journal._fd)
+    journal._fd = fd
+    await journal.close()
