@@ -266,6 +266,8 @@ async def test_sigterm_drains_streams_records_all_and_ships_the_spool(tmp_path):
         assert rows[rid]["usage_exact"]
         assert rows[rid]["completion_tokens"] == content_events(bodies[rid])
         assert 0 < rows[rid]["completion_tokens"] < 4000
+        # vLLM's response id, the one in the chunks the client holds.
+        assert f'"id":"{rows[rid]["response_id"]}"'.encode() in bodies[rid]
 
 
 async def test_drain_ends_a_non_streamed_request_with_503_and_a_record(stack_factory):
@@ -298,6 +300,7 @@ async def test_drain_ends_a_non_streamed_request_with_503_and_a_record(stack_fac
     )
     assert record["prompt_tokens"] > 0
     assert record["completion_tokens"] > 0
+    assert record["response_id"].startswith("chatcmpl-")  # vLLM's, from its stream
 
 
 async def test_drain_answers_requests_waiting_for_a_batch_slot(stack_factory):
