@@ -368,7 +368,8 @@ class SidecarSettings(_Strict):
     # long shipping the spool to billing may take before the process exits anyway.
     drain_seconds: NonNegative = 600.0
     drain_ship_seconds: NonNegative = 30.0
-    # How often the admission journal marks the tokens of running requests and fsyncs itself.
+    # How often the admission journal ticks: non-streamed requests' tokens to their progress
+    # slots, and an fsync of its files (``sidecar.journal``).
     journal_mark_millis: Annotated[int, Field(gt=0)] = 500
     # The prompt-prefix digest on usage records (``sidecar.prefix``): the variable holding the
     # deployment's key (unset: no digests) and how many characters of the first message it covers

@@ -192,7 +192,7 @@ def count_recovered(metrics: SidecarMetrics, records: Iterable[UsageRecord],
                     team_names: frozenset[str], model_names: frozenset[str]) -> None:  # fmt: skip
     """Count the records a start made of requests its killed predecessor left running.
 
-    They ended as interrupted, with the tokens of their last journal mark (inexact): the SLA's
+    They ended as interrupted, with the tokens of their journal slots (inexact): the SLA's
     error ratio and the token counters would otherwise never see them.
     """
     for r in records:
