@@ -7,6 +7,7 @@ instance's ``started_at``. One lifetime is one (instance, started_at): a pod nam
 
 ``stopped``  it said ``stop``
 ``live``     it did not, and its last event is younger than ``LIVE_HEARTBEATS`` heartbeats
+             plus ``SHIP_ALLOWANCE_SECONDS`` (the time an event may take to reach billing)
 ``lost``     it did not, and has been silent longer than that
 
 **Kept at ingest.** Table ``lifetimes`` holds one row per lifetime, folded from the events in the
@@ -59,6 +60,7 @@ __all__ = [
     "HEARTBEAT_RETENTION_SECONDS",
     "LIVE_HEARTBEATS",
     "RAW_KEPT",
+    "SHIP_ALLOWANCE_SECONDS",
     "State",
     "delta_sql",
     "ended_sql",
@@ -66,6 +68,7 @@ __all__ = [
     "heartbeat_seconds",
     "lifetimes_sql",
     "live_counts_sql",
+    "live_window_seconds",
     "prune_sql",
     "sample_fold_sql",
     "seen_sql",
@@ -76,6 +79,11 @@ __all__ = [
 DEFAULT_HEARTBEAT_SECONDS: Final = 30.0
 # Heartbeats an instance may miss (a slow shipper, a billing restart) and still count as live.
 LIVE_HEARTBEATS: Final = 3
+# On top of those, how late an event may reach billing: it travels through the sidecar's spool
+# (a segment is shipped once 2 s old), the shipper (every second, backing off after a failure) and
+# a group commit. Without it, an instance heartbeating every few seconds reads as lost, and
+# drops out of the collectors' targets and the autoscaler's count, each time shipping lags.
+SHIP_ALLOWANCE_SECONDS: Final = 10.0
 # How long heartbeats stay in ``instance_events`` after their time (see the module docstring).
 HEARTBEAT_RETENTION_SECONDS: Final = 7 * 86_400
 COLUMNS: Final = (
@@ -292,6 +300,11 @@ def live_counts_sql(
     )
 
 
+def live_window_seconds(heartbeat_seconds: float) -> float:
+    """How long after its last event an instance that never said stop still counts as live."""
+    return LIVE_HEARTBEATS * heartbeat_seconds + SHIP_ALLOWANCE_SECONDS
+
+
 def lifetimes_sql(
     now: float,
     heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
@@ -304,7 +317,7 @@ def lifetimes_sql(
     Ordered by group, instance and start; at most ``limit`` rows. ``last_seen`` is the last
     event: what the instance itself last said.
     """
-    params: dict[str, Any] = {"since": float(now) - LIVE_HEARTBEATS * heartbeat_seconds}
+    params: dict[str, Any] = {"since": float(now) - live_window_seconds(heartbeat_seconds)}
     where = []
     if state == "live":
         where.append("stopped_at IS NULL AND last_seen > $since")
