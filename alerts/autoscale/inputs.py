@@ -82,7 +82,7 @@ def parse_pages(time: float, collector_page: str, sidecar_pages: Sequence[str | 
             continue
         if name == "infermeter_instance_queue_depth":
             # Engines are counted one by one: a replica group of N pods is N replicas serving.
-            replicas[model].add(labels.get("instance", ""))
+            replicas[model].add(labels.get("instance_id", ""))
             queue[model] += value
         elif name == "infermeter_replica_gpu_utilization_ratio":
             utils[model].append(value)

@@ -6,7 +6,7 @@ import math
 
 import httpx
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -20,7 +20,11 @@ from alerts.autoscale.inputs import (
     observations_from_vectors,
     parse_pages,
 )
+from collectors.loop import FleetCollector
+from collectors.metrics import FleetMetrics
+from infermeter.config import Config
 from sidecar.metrics import SidecarMetrics
+from tests.collectors.fakes import FakeInstance
 from tests.servers import serving
 
 COLLECTOR_PAGE = """\
@@ -41,9 +45,9 @@ infermeter_replica_queue_depth{model="chat-small",replica="small-1"} 7.0
 infermeter_replica_queue_depth{model="chat-large",replica="large-0"} 0.0
 # HELP infermeter_instance_queue_depth Requests waiting in one engine instance's queue.
 # TYPE infermeter_instance_queue_depth gauge
-infermeter_instance_queue_depth{instance="small-0",model="chat-small",replica="small-0"} 5.0
-infermeter_instance_queue_depth{instance="small-1",model="chat-small",replica="small-1"} 7.0
-infermeter_instance_queue_depth{instance="large-0",model="chat-large",replica="large-0"} 0.0
+infermeter_instance_queue_depth{instance_id="small-0",model="chat-small",replica="small-0"} 5.0
+infermeter_instance_queue_depth{instance_id="small-1",model="chat-small",replica="small-1"} 7.0
+infermeter_instance_queue_depth{instance_id="large-0",model="chat-large",replica="large-0"} 0.0
 """
 MODELS = ("chat-small", "chat-large", "idle-model")
 
@@ -63,18 +67,16 @@ def test_gauges_are_summed_averaged_and_counted_per_model():
     assert obs["idle-model"].gpu_utilization is None
 
 
-def test_every_instance_of_a_group_counts_as_a_replica_serving():
-    """A replica group of three pods is three replicas serving, as the autoscaler scaled it."""
-    page = COLLECTOR_PAGE.replace(
-        'infermeter_instance_queue_depth{instance="small-1",model="chat-small",replica="small-1"} 7.0',
-        "\n".join(
-            f'infermeter_instance_queue_depth{{instance="vllm-small-1-{n}",model="chat-small",'
-            f'replica="small-1"}} {q}'
-            for n, q in ((1, 4.0), (2, 3.0))
-        ),
-    )
+async def test_every_instance_of_a_group_counts_as_a_replica_serving(config: Config) -> None:
+    """Three pods of small-0, as the collector itself shows them: three replicas serving."""
+    pods = [FakeInstance(f"vllm-small-0-{n}") for n in "abc"]
+    collector = FleetCollector(config, [], pods)
+    await collector.scrape_once()
+    registry = CollectorRegistry()
+    registry.register(FleetMetrics(collector))
+    page = generate_latest(registry).decode()
     small = observations(None, parse_pages(100.0, page, []), MODELS)["chat-small"]
-    assert (small.current_replicas, small.queue_depth) == (3, 12.0)
+    assert (small.current_replicas, small.queue_depth) == (3, 15.0)
 
 
 def test_rates_and_ttft_p95_come_from_the_last_interval():

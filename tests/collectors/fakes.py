@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from collectors.sources import GpuReading, ScrapeError
+from collectors.sources import EngineReading, GpuReading, ScrapeError
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -58,3 +58,24 @@ def text_app(body: bytes, status: int = 200) -> Callable[[Scope, Receive, Send],
         await send({"type": "http.response.body", "body": body})
 
     return app
+
+
+class FakeEngine:
+    """small-0's engine with a queue."""
+
+    target, kind, replica = "small-0", "vllm", "small-0"
+    instance: str | None = None
+
+    async def read(self) -> EngineReading:
+        """A busy engine."""
+        return EngineReading(requests_running=12, requests_waiting=5, kv_cache_usage=0.4,
+                             prompt_tokens_total=100, generation_tokens_total=50,
+                             prefix_cache_queries_total=10, prefix_cache_hits_total=5,
+                             preemptions_total=0)  # fmt: skip
+
+
+class FakeInstance(FakeEngine):
+    """One instance (pod) of small-0, as a discovered engine."""
+
+    def __init__(self, pod: str) -> None:
+        self.target = self.instance = pod

@@ -11,31 +11,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from collectors.loop import FleetCollector
 from collectors.metrics import FleetMetrics, create_app
 from collectors.serve import serve_collector
-from collectors.sources import EngineReading
 from infermeter.config import Config
 from infermeter.serving import free_port
-from tests.collectors.fakes import FakeGpuSource, reading
-
-
-class FakeEngine:
-    """small-0's engine with a queue."""
-
-    target, kind, replica = "small-0", "vllm", "small-0"
-    instance: str | None = None
-
-    async def read(self) -> EngineReading:
-        """A busy engine."""
-        return EngineReading(requests_running=12, requests_waiting=5, kv_cache_usage=0.4,
-                             prompt_tokens_total=100, generation_tokens_total=50,
-                             prefix_cache_queries_total=10, prefix_cache_hits_total=5,
-                             preemptions_total=0)  # fmt: skip
-
-
-class FakeInstance(FakeEngine):
-    """One instance (pod) of small-0, as a discovered engine."""
-
-    def __init__(self, pod: str) -> None:
-        self.target = self.instance = pod
+from tests.collectors.fakes import FakeEngine, FakeGpuSource, FakeInstance, reading
 
 
 async def _collector(config: Config) -> FleetCollector:
