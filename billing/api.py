@@ -27,7 +27,17 @@ from billing.metrics import (
 )
 from billing.ratelimit import ReadLimiter
 from billing.rollups import Rollups
-from billing.routes import efficiency, errors, ingest, instances, ops, queries, records, statements
+from billing.routes import (
+    efficiency,
+    errors,
+    fleet,
+    ingest,
+    instances,
+    ops,
+    queries,
+    records,
+    statements,
+)
 from billing.routes.dependencies import Services
 from billing.statement_cache import CachedChargeback
 from infermeter.config import Config
@@ -72,7 +82,7 @@ def create_app(
         reads=ReadLimiter(b.read_rate_per_second, b.read_burst),
         computing=CapacityLimiter(STATEMENT_THREADS),
     )
-    for module in (ops, ingest, statements, queries, instances, records, efficiency):
+    for module in (ops, ingest, statements, queries, instances, fleet, records, efficiency):
         app.include_router(module.router)
     errors.install(app)
     return app

@@ -22,7 +22,10 @@ from infermeter.records import (
     FAILED_STATUSES,
     GPU,
     INSTANCES,
+    MAX_DECISION_REASONS,
     MAX_OVERRIDE_REASON,
+    MAX_SCALED_REPLICAS,
+    SCALING_DECISIONS,
     USAGE,
     Field,
     FieldType,
@@ -142,6 +145,23 @@ CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
         ("issued_at < 946684800", "'issued_at: not Unix seconds (before 2000)'"),
         ("issued_at > $now + $skew", "'timestamp in the future: issued_at'"),
         ("until <= issued_at", "'until is not after issued_at'"),
+    ),
+    SCALING_DECISIONS.key: (
+        ("decision_id = ''", "'decision_id: empty'"),
+        ("model NOT IN (SELECT model FROM _sla)", "'unknown model ' || to_json(model)"),
+        ("decided_at < 946684800", "'decided_at: not Unix seconds (before 2000)'"),
+        ("decided_at > $now + $skew", "'timestamp in the future: decided_at'"),
+        (
+            f"least(previous, current, desired) < 0 "
+            f"OR greatest(previous, current, desired) > {MAX_SCALED_REPLICAS}",
+            f"'replica counts: not between 0 and {MAX_SCALED_REPLICAS:,}'",
+        ),
+        ("previous = desired", "'desired equals previous: not a change'"),
+        ("trim(reasons) = ''", "'reasons: empty'"),
+        (
+            f"length(reasons) > {MAX_DECISION_REASONS}",
+            f"'reasons: longer than {MAX_DECISION_REASONS} characters'",
+        ),
     ),
 }
 

@@ -648,6 +648,7 @@ _SPANS = {
     "engine_samples": 'SELECT "timestamp" AS t FROM fresh',
     "instances": 'SELECT "timestamp" AS t FROM fresh',
     "budget_overrides": "SELECT issued_at AS t FROM fresh",
+    "scaling_decisions": "SELECT decided_at AS t FROM fresh",
 }
 # A raw table's time column, for partitioning its Parquet export by month.
 _TIME_COLUMNS = {k.table: f'"{k.time_field}"' for k in KINDS.values()}

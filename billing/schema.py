@@ -408,7 +408,22 @@ CREATE TABLE lifetimes (
 );
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7)
+# The autoscaler's decisions: each change of a model's desired replica count, when and why
+# (``infermeter.records.ScalingDecision``), for the fleet view (``billing.fleet``).
+_V8 = """
+CREATE TABLE scaling_decisions (
+    decision_id VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    decided_at DOUBLE NOT NULL,
+    previous BIGINT NOT NULL,
+    current BIGINT NOT NULL,
+    desired BIGINT NOT NULL,
+    reasons VARCHAR NOT NULL,
+    ingested_at DOUBLE NOT NULL
+);
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8)
 LATEST_VERSION: Final = len(MIGRATIONS)
 
 
@@ -418,6 +433,8 @@ def new_field_sql(kind: RecordKind, columns: Collection[str]) -> list[str]:
     ValueError for a missing field without a default: the rows already kept could not have a
     value for it.
     """
+    if not columns:  # no table yet: a later migration makes it with every field it needs
+        return []
     statements = []
     for f in kind.fields:
         if f.name in columns:

@@ -28,8 +28,11 @@ __all__ = [
     "GPU",
     "INSTANCES",
     "KINDS",
+    "MAX_DECISION_REASONS",
     "MAX_OVERRIDE_REASON",
+    "MAX_SCALED_REPLICAS",
     "RESERVED",
+    "SCALING_DECISIONS",
     "USAGE",
     "BudgetOverride",
     "EngineSample",
@@ -40,6 +43,7 @@ __all__ = [
     "InstanceEventType",
     "RecordKind",
     "RequestStatus",
+    "ScalingDecision",
     "UsageRecord",
     "record_kind",
 ]
@@ -245,6 +249,33 @@ class BudgetOverride(_Record):
 MAX_OVERRIDE_REASON: Final = 500
 
 
+@dataclass(frozen=True, slots=True)
+class ScalingDecision(_Record):
+    """One change of a model's desired replica count, as the autoscaler decided it.
+
+    Written to the autoscaler's spool when the policy's answer differs from the count it last
+    asked for, and shipped as ``scaling_decisions``, so the ledger can say when the fleet was
+    asked to grow or shrink and why, beside the instances that came and went.
+    """
+
+    decision_id: str
+    model: str
+    decided_at: float
+    # The count asked for before (on the autoscaler's first decision: the replicas serving).
+    previous: int
+    # The replicas seen serving when it decided, and the count it asks for now.
+    current: int
+    desired: int
+    # The policy's reasons, joined by "; ", at most ``MAX_DECISION_REASONS`` characters.
+    reasons: str
+
+
+# How long a decision's reasons may be, in characters: the policy writes a few short sentences.
+MAX_DECISION_REASONS: Final = 1000
+# A replica count beyond any fleet: a decision asking for more is not one the policy makes.
+MAX_SCALED_REPLICAS: Final = 10_000
+
+
 class FieldType(StrEnum):
     """A field's JSON type; each layer maps it to its own (Arrow, SQL, Polars) in one table."""
 
@@ -369,5 +400,14 @@ BUDGET_OVERRIDES: Final = record_kind(
     id_field="override_id",
     time_field="issued_at",
 )
+SCALING_DECISIONS: Final = record_kind(
+    ScalingDecision,
+    key="scaling_decisions",
+    table="scaling_decisions",
+    id_field="decision_id",
+    time_field="decided_at",
+)
 # Every kind that crosses a process, by its wire name (the ingest route and the JSON batch key).
-KINDS: Final = {k.key: k for k in (USAGE, GPU, ENGINE, INSTANCES, BUDGET_OVERRIDES)}
+KINDS: Final = {
+    k.key: k for k in (USAGE, GPU, ENGINE, INSTANCES, BUDGET_OVERRIDES, SCALING_DECISIONS)
+}

@@ -54,11 +54,12 @@ def checks_for(case: Any) -> list[Any]:
 
     Two refusals of schema-valid requests are right and cannot be told apart in OpenAPI: an
     Arrow body is "binary" to it, and most bytes are not an Arrow stream (400); a query's range
-    must have ``to`` after ``from`` and span at most 93 days, a rule between two parameters
-    (400). Those cases are held to every check but the acceptance of schema-valid data.
+    (and the fleet's range of decisions) must have ``to`` after ``from``, and a query's span at
+    most 93 days, a rule between two parameters (400). Those cases are held to every check but
+    the acceptance of schema-valid data.
     """
     arrow = case.media_type == ARROW_STREAM
-    ranged = case.path == "/v1/query/{name}" and bool(case.query)
+    ranged = case.path in ("/v1/query/{name}", "/v1/fleet") and bool(case.query)
     return [c for c in CHECKS if c is not positive_data_acceptance or not (arrow or ranged)]
 
 
