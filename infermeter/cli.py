@@ -160,12 +160,16 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
     path = config_path(args)
     args.via_sidecars = True
     args.duration = None
-    # Sidecars and the collector ship to the demo's billing service with the demo ingest token
-    # (its hash is in the embedded defaults); a user's own settings win.
+    # Sidecars, the collector and the autoscaler (each change of a model's desired count, for the
+    # Fleet page) ship to the demo's billing service with the demo ingest token (its hash is in
+    # the embedded defaults); a user's own settings win.
     ingest = f"{config.billing.url.rstrip('/')}/v1/ingest"
     os.environ.setdefault("INFERMETER__SIDECAR__INGEST_URL", config.sidecar.ingest_url or ingest)
     os.environ.setdefault(
         "INFERMETER__COLLECTOR__INGEST_URL", config.collector.ingest_url or ingest
+    )
+    os.environ.setdefault(
+        "INFERMETER__AUTOSCALE__INGEST_URL", config.autoscale.ingest_url or ingest
     )
     os.environ.setdefault("INFERMETER_INGEST_TOKEN", DEMO_INGEST_TOKEN)
     # The collector ships what a sidecar that is gone left in its spool: the records of an

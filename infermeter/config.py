@@ -590,6 +590,11 @@ class AutoscaleSettings(_Strict):
     history_file: str = "var/autoscale-history.json"
     history_save_seconds: Positive = 5.0
     local: LocalHookSettings = LocalHookSettings()
+    # Each change of a model's desired count is spooled here and shipped to billing's ingest
+    # (kind scaling_decisions) when ingest_url is set; one autoscaler per directory.
+    spool_dir: str = "var/autoscale-spool"
+    ingest_url: str | None = None
+    ingest_token_env: str = "INFERMETER_INGEST_TOKEN"
 
 
 class Simulator(_Strict):

@@ -5,6 +5,11 @@ or Prometheus), evaluate the pure policy, set the gauges, and call the hooks for
 whose desired count differs from the last one delivered. A hook that fails is logged and tried
 again at the next tick; a failed read skips the tick and leaves the gauges at their last value,
 so KEDA keeps the last decision instead of seeing the replicas drop to zero.
+
+Each change of a model's desired count is logged in one line and, with ``autoscale.ingest_url``
+set, written to the autoscaler's own spool (``autoscale.spool_dir``) as a ``ScalingDecision``
+before the hooks hear of it, and shipped to billing like every other record, so the ledger
+keeps when and why the fleet was asked to change.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any, Protocol
 import httpx
 from prometheus_client import CollectorRegistry, make_asgi_app
 
+from alerts.autoscale.decisions import DecisionShipping, changed_from, decision_record
 from alerts.autoscale.hooks import (  # fmt: skip
     Hook,
     HookError,
@@ -52,12 +58,14 @@ from alerts.autoscale.policy import (
 from infermeter.asgi import Receive, Scope, Send, idle_lifespan, respond
 from infermeter.config import Config
 from infermeter.serving import ensure_free, host_port, server
+from infermeter.spool import Spool, SpoolError
 
 __all__ = [
     "Autoscaler",
     "PageReader",
     "PrometheusReader",
     "build_hooks",
+    "decision_shipping",
     "history_file",
     "log_to_stderr",
     "serve_autoscaler",
@@ -159,6 +167,8 @@ class Autoscaler:
     states: dict[str, ModelState] = field(default_factory=dict)
     delivered: dict[tuple[str, str], int] = field(default_factory=dict)
     memory: HistoryFile | None = None
+    # Where each change is kept for billing (opened by the caller); None: the log line only.
+    spool: Spool | None = None
 
     def __post_init__(self) -> None:
         if self.memory is not None and not self.states:
@@ -172,13 +182,26 @@ class Autoscaler:
         before = self.states
         decisions, self.states = evaluate(self.params, self.limits, before, obs)
         for decision in decisions.values():
-            _log_change(decision, before.get(decision.model))
+            previous = changed_from(decision, before.get(decision.model))
+            if previous is not None:
+                _log_change(decision, previous)
+                await self._record(decision, previous)
         self.gauges.update(decisions)
         if self.memory is not None:
             await self.memory.maybe_save(self.states)
         for decision in decisions.values():
             await self._deliver(decision)
         return decisions
+
+    async def _record(self, decision: Decision, previous: int) -> None:
+        """Spool the change for billing; a spool that fails loses the record, never the tick."""
+        if self.spool is None:
+            return
+        try:
+            await self.spool.append(decision_record(decision, previous).to_json())
+        except SpoolError as exc:
+            log.error("autoscale: %s: the change to %d is not kept for billing: %s",
+                      decision.model, decision.desired, exc)  # fmt: skip
 
     async def _deliver(self, decision: Decision) -> None:
         for hook in self.hooks:
@@ -210,17 +233,10 @@ class Autoscaler:
             self.memory.save(self.states)
 
 
-def _log_change(decision: Decision, state: ModelState | None) -> None:
-    """One INFO line when a model's desired count changes: from, to, and why.
-
-    "From" is the count last asked for, or on the first tick the replicas seen serving: the
-    same count the policy measures a change against.
-    """
-    last = state.last_desired if state is not None else None
-    previous = decision.current if last is None else last
-    if decision.desired != previous:
-        log.info("autoscale: %s: %d -> %d replicas: %s", decision.model, previous,
-                 decision.desired, "; ".join(decision.reasons))  # fmt: skip
+def _log_change(decision: Decision, previous: int) -> None:
+    """One INFO line when a model's desired count changes: from, to, and why."""
+    log.info("autoscale: %s: %d -> %d replicas: %s", decision.model, previous,
+             decision.desired, "; ".join(decision.reasons))  # fmt: skip
 
 
 def log_to_stderr() -> None:
@@ -324,6 +340,17 @@ def history_file(config: Config, params: PolicyParams) -> HistoryFile | None:
     return HistoryFile(Path(a.history_file), params, models, a.history_save_seconds)
 
 
+def decision_shipping(
+    config: Config, client: httpx.AsyncClient, registry: CollectorRegistry | None = None
+) -> DecisionShipping | None:
+    """The decisions' spool and shipper when ``autoscale.ingest_url`` is set; else None."""
+    a = config.autoscale
+    if not a.ingest_url:
+        return None
+    token = os.environ.get(a.ingest_token_env)
+    return DecisionShipping(Path(a.spool_dir), a.ingest_url, token, client, registry)
+
+
 async def serve_autoscaler(
     config: Config,
     listen: str | None,
@@ -343,6 +370,7 @@ async def serve_autoscaler(
         gauges = ScalingGauges()
         hooks = build_hooks(config, client, config_path=config_path, registry=gauges.registry)
         params = params_from_config(config, day_seconds=day_seconds)
+        shipping = decision_shipping(config, client, gauges.registry)
         scaler = Autoscaler(
             params,
             {m.name: model_limits(config, m.name) for m in config.models},
@@ -350,10 +378,14 @@ async def serve_autoscaler(
             gauges,
             hooks,
             memory=history_file(config, params),
+            spool=shipping.spool if shipping is not None else None,
         )
+        if shipping is not None:
+            await shipping.start()
         task = asyncio.create_task(scaler.run(a.interval_seconds), name="autoscale")
-        log.info("autoscale: every %g s, hooks: %s, /metrics on http://%s:%d/metrics",
-                 a.interval_seconds, [h.name for h in hooks] or "none", host, port)  # fmt: skip
+        log.info("autoscale: every %g s, hooks: %s, decisions to %s, /metrics on "
+                 "http://%s:%d/metrics", a.interval_seconds, [h.name for h in hooks] or "none",
+                 a.ingest_url or "the log only", host, port)  # fmt: skip
         try:
             await server(create_app(gauges), host, port).serve()
         finally:
@@ -361,6 +393,8 @@ async def serve_autoscaler(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             scaler.save_history()
+            if shipping is not None:
+                await shipping.stop()
             for hook in hooks:
                 if isinstance(hook, KubernetesScaleHook):
                     await hook.client.aclose()

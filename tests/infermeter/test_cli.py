@@ -202,6 +202,22 @@ def test_demo_shows_each_scaling_decision(demo: Demo) -> None:
     assert re.search(r"autoscale: chat-large: [01] -> 2 replicas: raised to min_replicas 2$", line)
 
 
+def test_demo_ships_each_scaling_decision_to_billing(demo: Demo) -> None:
+    """The change the autoscaler logged is the model's latest decision in billing's fleet view."""
+    demo.wait_for_line("autoscale: chat-large: ")
+    url = f"{demo.config['billing']['url']}/v1/fleet"
+    deadline, large = time.monotonic() + 30, None
+    while time.monotonic() < deadline:
+        body = httpx.get(url, headers={"authorization": "Bearer im-demo-admin"}, timeout=10).json()
+        large = next(m for m in body["models"] if m["model"] == "chat-large")
+        if large["last_decision"] is not None:
+            break
+        time.sleep(0.5)
+    assert large is not None
+    assert large["desired"] == 2
+    assert large["last_decision"]["reasons"] == "raised to min_replicas 2"
+
+
 def test_demo_restarts_a_sidecar_that_dies(demo: Demo) -> None:
     """A sidecar killed with SIGKILL is reported in one line, started again, and serves."""
     replica = next(r for r in demo.config["replicas"] if r["id"] == "small-1")
