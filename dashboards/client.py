@@ -137,6 +137,13 @@ class BillingClient:
         )
         return body
 
+    def fleet(self, token: str, start: float, end: float) -> dict[str, Any]:
+        """The fleet now (``/v1/fleet``, admin): per model its groups, live instances and the
+        autoscaler's latest desired count, per group its live instances, and the scaling
+        decisions made in ``start``..``end``, newest first."""
+        body: dict[str, Any] = self._get(token, "/v1/fleet", {"from": start, "to": end})
+        return body
+
     def months(self, token: str) -> list[dict[str, Any]]:
         """Months the ledger has data for (admin)."""
         body: list[dict[str, Any]] = self._get(token, "/v1/months")

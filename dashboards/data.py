@@ -1,6 +1,11 @@
 """Data for the pages, kept out of the layouts: time ranges, local times, statements, scaling.
 
 Pages call these with the signed-in user's token; nothing here keeps state between calls.
+
+A chart's last bucket is usually still filling: ``drawn`` keeps it, marked as partial, with its
+per-second rates taken over the part of it that has passed, so a chart agrees with the range's
+totals from the first request on (a fresh ledger has nothing but that bucket) and its last point
+does not dip only because its bucket is young.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import datetime as dt
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Final
 
 import httpx
@@ -22,7 +28,9 @@ from infermeter.statement import statement_from_json
 __all__ = [
     "RANGES",
     "RANGE_LABELS",
+    "Drawn",
     "desired_replicas",
+    "drawn",
     "fetch_answers",
     "fetch_queries",
     "local_range",
@@ -41,6 +49,8 @@ RANGE_LABELS: Final = {
     "7d": "Last 7 days",
 }
 DESIRED_METRIC: Final = "infermeter_desired_replicas"
+# The least part of a bucket a partial rate is taken over: the first second's rate is noise.
+MIN_PARTIAL_SECONDS: Final = 1.0
 
 
 def time_range(choice: str | None, now: float | None = None) -> tuple[float, float]:
@@ -71,6 +81,41 @@ def local_range(start: float, end: float, tz: str | None) -> tuple[dt.datetime, 
     frame = local_times(pl.DataFrame({"t": [start, end]}), tz)
     first, last = frame["t"].to_list()
     return first, last
+
+
+@dataclass(frozen=True, slots=True)
+class Drawn:
+    """A query's rows as a chart draws them: the complete buckets, then the one still filling."""
+
+    frame: pl.DataFrame
+    # The start (Unix seconds) of the bucket still filling when it has rows; None: none has.
+    partial_from: float | None
+
+
+def drawn(answer: Answer, end: float, rates: Sequence[str] = ()) -> Drawn:
+    """``answer``'s rows of buckets that ended by ``end``, and of the one ``end`` falls in.
+
+    ``rates``: columns that are a bucket's sum per second of its step (requests per second...);
+    in the bucket still filling they are per second of the part that has passed (at least
+    ``MIN_PARTIAL_SECONDS``). Shares and means need no such care. Rows after ``end`` are left out.
+    """
+    frame, step = answer.frame, answer.step
+    if frame.height == 0 or "t" not in frame.columns:
+        return Drawn(frame, None)
+    t = pl.col("t").cast(pl.Float64)
+    complete = frame.filter(t + step <= end)
+    partial = frame.filter((t <= end) & (t + step > end))
+    if partial.height == 0:
+        return Drawn(complete, None)
+    start = float(partial["t"].cast(pl.Float64).min())  # type: ignore[arg-type]
+    scale = step / max(end - start, MIN_PARTIAL_SECONDS)
+    partial = partial.with_columns(
+        [(pl.col(c).cast(pl.Float64) * scale).alias(c) for c in rates if c in partial.columns]
+    )
+    complete = complete.with_columns(
+        [pl.col(c).cast(pl.Float64) for c in rates if c in complete.columns]
+    )
+    return Drawn(pl.concat([complete, partial], how="vertical_relaxed"), start)
 
 
 def fetch_answers(client: BillingClient, token: str, names: Sequence[str], start: float,

@@ -1,11 +1,23 @@
-"""Fleet: latency against the SLA, throughput and errors per model; engines and GPUs per replica.
+"""Fleet: replicas and instances, latency against the SLA, throughput and errors per model;
+engines and GPUs per replica.
 
-Fleet-wide telemetry (engines, GPUs) spans every team, so billing answers it to the admin only;
-a team sees its own charts and a sentence in place of the fleet's, never empty plots.
+The Replicas table is billing's ``/v1/fleet``: per model the replica groups the configuration
+lists, the instances live now (their lifetimes, as their sidecars announce them) and the
+autoscaler's latest desired count with the change that set it and why; below it, every live
+instance. The autoscaler's gauge on ``dashboard.metrics_urls`` stands in for a desired count
+billing has no decision for. Each chart marks the decisions of its range (a dotted line and a
+triangle whose hover says from, to and why), and draws the bucket still filling, shaded as
+partial (``dashboards.data.drawn``), so it agrees with the range's totals from the first minute.
+
+Fleet-wide telemetry (engines, GPUs, instances, decisions) spans every team, so billing answers
+it to the admin only; a team sees its own charts and a sentence in place of the fleet's, never
+empty plots.
 """
 
 from __future__ import annotations
 
+import html as html_text
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -17,14 +29,27 @@ from dashboards import reconciliation
 from dashboards.client import Answer, BillingError
 from dashboards.components import frame_table, graph, note, page
 from dashboards.context import Context, signed_in
-from dashboards.data import desired_replicas, fetch_answers, local_range, local_times, time_range
-from dashboards.figures import colours_for, complete_buckets, empty_figure, line_figure
+from dashboards.data import (
+    Drawn,
+    desired_replicas,
+    drawn,
+    fetch_answers,
+    local_range,
+    local_times,
+    time_range,
+)
+from dashboards.figures import colours_for, empty_figure, line_figure
+from dashboards.formatting import as_of
 
 PATH = "/"
 TITLE = "Fleet"
 _FIGURES = ("fleet-ttft", "fleet-tokens", "fleet-requests", "fleet-errors")
 _ADMIN_FIGURES = ("fleet-queue", "fleet-kv", "fleet-gpu-util", "fleet-gpu-power")
 _HIDDEN = {"display": "none"}
+# Per-second columns of the throughput query: in the bucket still filling, per second so far.
+_RATES = ("requests_per_second", "output_tokens_per_second", "prompt_tokens_per_second")
+_PARTIAL_SHADE = "#98a2b3"
+_PARTIAL_NOTE = "partial: the last bucket so far"
 
 
 def layout(ctx: Context) -> html.Div:
@@ -34,6 +59,8 @@ def layout(ctx: Context) -> html.Div:
         html.Div(id="fleet-status"),
         html.H3("Replicas"),
         html.Div(id="fleet-replicas"),
+        html.H3("Live instances"),
+        html.Div(id="fleet-instances"),
         html.H3("Requests by model"),
         html.Div([graph(f) for f in _FIGURES], className="grid"),
         html.H3("Engines and GPUs"),
@@ -44,9 +71,73 @@ def layout(ctx: Context) -> html.Div:
     )
 
 
-def _series(answer: Answer, end: float, tz: str | None) -> pl.DataFrame:
-    """Complete buckets only, in the viewer's zone."""
-    return local_times(complete_buckets(answer.frame, answer.step, end), tz)
+def _series(answer: Answer, end: float, tz: str | None, rates: Sequence[str] = ()) -> Drawn:
+    """The complete buckets and the one still filling, in the viewer's zone."""
+    found = drawn(answer, end, rates)
+    return Drawn(local_times(found.frame, tz), found.partial_from)
+
+
+def _mark_partial(fig: go.Figure, series: Drawn, end: float, tz: str | None) -> go.Figure:
+    """Shade the bucket still filling and ring its points, so they read as "so far".
+
+    Its points stand at the bucket's start, like every other, a few seconds before the range's
+    end; the words sit at the right edge, over the shade.
+    """
+    if series.partial_from is None or not fig.data:
+        return fig
+    x0, x1 = local_range(series.partial_from, end, tz)
+    fig.add_vrect(x0=x0, x1=x1, fillcolor=_PARTIAL_SHADE, opacity=0.25, line_width=0)
+    for trace in list(fig.data):
+        xs, ys = list(trace.x or ()), list(trace.y or ())
+        if xs and xs[-1] == x0:
+            fig.add_trace(go.Scatter(
+                x=[x0], y=[ys[-1]], mode="markers", showlegend=False,
+                marker={"symbol": "circle-open", "size": 11, "line": {"width": 2},
+                        "color": trace.line.color or _PARTIAL_SHADE},
+                hovertemplate=f"%{{y:,.3~f}} so far<extra>{trace.name} (partial)</extra>",
+            ))  # fmt: skip
+    fig.add_annotation(x=x1, y=1.0, xref="x", yref="paper", xanchor="right", yanchor="bottom",
+                       text=_PARTIAL_NOTE, showarrow=False,
+                       font={"size": 10, "color": "#475467"})  # fmt: skip
+    return fig
+
+
+def _mark_decisions(fig: go.Figure, decisions: pl.DataFrame, colours: dict[str, str]) -> go.Figure:
+    """A dotted line and a triangle per scaling decision, its hover saying from, to and why.
+
+    The triangles sit on an axis of their own (0..1, hidden), at the top, whatever the chart's
+    values.
+    """
+    if decisions.height == 0 or not fig.data:
+        return fig
+    for row in decisions.iter_rows(named=True):
+        fig.add_vline(x=row["t"], line_dash="dot", line_width=1,
+                      line_color=colours.get(row["model"], "#475467"))  # fmt: skip
+    fig.add_trace(
+        go.Scatter(
+            x=decisions["t"].to_list(), y=[0.97] * decisions.height, yaxis="y2",
+            mode="markers", name="scale events", showlegend=False,
+            marker={"size": 10, "color": [colours.get(m, "#475467") for m in decisions["model"]],
+                    "symbol": ["triangle-up" if u else "triangle-down" for u in decisions["up"]]},
+            text=decisions["hover"].to_list(), hovertemplate="%{text}<extra></extra>",
+        )
+    )  # fmt: skip
+    fig.update_layout(yaxis2={"overlaying": "y", "range": [0, 1], "visible": False,
+                              "fixedrange": True})  # fmt: skip
+    return fig
+
+
+def _decisions(fleet: dict[str, Any] | None, tz: str | None) -> pl.DataFrame:
+    """The range's scaling decisions with their times in the viewer's zone and their hover text."""
+    rows = [
+        {"t": d["decided_at"], "model": d["model"], "up": d["desired"] > d["previous"],
+         "hover": f"<b>{html_text.escape(d['model'])}: {d['previous']} -> {d['desired']} "
+                  "replicas</b><br>" + "<br>".join(html_text.escape(r)
+                                                   for r in str(d["reasons"]).split("; "))}
+        for d in (fleet or {}).get("decisions", [])
+    ]  # fmt: skip
+    schema = {"t": pl.Float64, "model": pl.String, "up": pl.Boolean, "hover": pl.String}
+    return local_times(pl.DataFrame(rows, schema=schema), tz)
 
 
 def _ttft_figure(
@@ -73,22 +164,67 @@ def _ttft_figure(
     return fig
 
 
-def _replicas(ctx: Context, reporting: pl.DataFrame | None, desired: dict[str, float]) -> html.Div:
-    live = (
-        dict(reporting.select("model", "replicas").rows())
-        if reporting is not None and reporting.height
-        else {}
-    )
+def _desired(model: dict[str, Any] | None, name: str, scraped: dict[str, float]) -> str:
+    """Billing's latest decision; else the autoscaler's gauge; else "n/a"."""
+    if model is not None and model.get("desired") is not None:
+        return str(model["desired"])
+    return f"{scraped[name]:g}" if name in scraped else "n/a"
+
+
+def _replicas(ctx: Context, fleet: dict[str, Any] | None, scraped: dict[str, float],
+              tz: str | None) -> html.Div:  # fmt: skip
+    """Per model: groups, configured, live and desired replicas, and the last change with its why.
+
+    ``fleet`` is billing's ``/v1/fleet`` (None for a team, which may not read it).
+    """
+    by_model = {m["model"]: m for m in (fleet or {}).get("models", [])}
+    names = [m.name for m in ctx.config.models]
+    names += [n for n in by_model if n not in names]
     rows = []
-    for m in ctx.config.models:
-        configured = sum(r.model == m.name for r in ctx.config.replicas)
-        rows.append({
-            "model": m.name, "configured": configured,
-            "reporting": str(live.get(m.name, 0)) if reporting is not None else "admin only",
-            "desired": f"{desired[m.name]:g}" if m.name in desired else "n/a",
-        })  # fmt: skip
-    kinds = {"reporting": "text", "desired": "text"}
-    return frame_table(pl.DataFrame(rows), "fleet-replicas-table", kinds=kinds)  # type: ignore[arg-type]
+    for name in names:
+        model = by_model.get(name)
+        configured = sum(r.model == name for r in ctx.config.replicas)
+        row: dict[str, Any] = {"model": name, "configured": configured,
+                               "live": "admin only", "desired": _desired(model, name, scraped)}  # fmt: skip
+        if fleet is not None:
+            last = model.get("last_decision") if model else None
+            row |= {"groups": ", ".join(model["groups"]) if model else "",
+                    "live": str(model["live"]) if model else "0",
+                    "last_change": (f"{_when(last['decided_at'], fleet['as_of'], tz)}: "
+                                    f"{last['previous']} -> {last['desired']}") if last else "none yet",
+                    "why": last["reasons"] if last else ""}  # fmt: skip
+        rows.append(row)
+    columns = ["model", "configured", "live", "desired"]
+    if fleet is not None:
+        columns = ["model", "groups", "configured", "live", "desired", "last_change", "why"]
+    kinds = {"live": "count" if fleet is not None else "text", "desired": "text"}
+    return frame_table(pl.DataFrame(rows), "fleet-replicas-table", columns, kinds=kinds)  # type: ignore[arg-type]
+
+
+def _when(t: float, now: float, tz: str | None) -> str:
+    """A decision's time in the viewer's zone: the time of day within a day, else with its date."""
+    if now - t < 86_400:
+        return as_of(t, tz)
+    day = local_times(pl.DataFrame({"t": [t]}), tz)["t"][0]
+    return f"{day:%Y-%m-%d %H:%M}"
+
+
+def _instances(fleet: dict[str, Any] | None, tz: str | None) -> html.Div | html.P:
+    """Every live instance, group by group, oldest first: where it runs and since when."""
+    if fleet is None:
+        return note("Instances span every team, so they are shown to the admin only.",
+                    note_id="fleet-instances-sentence")  # fmt: skip
+    rows = [
+        {"replica_group": g["replica"], "instance": i["instance"], "node": i["node"],
+         "gpu_ids": ", ".join(i["gpus"]) or f"{i['gpu_count']} ({i['gpu_model']})",
+         "started": i["started_at"]}
+        for g in fleet["groups"] for i in g["instances"]
+    ]  # fmt: skip
+    schema = {"replica_group": pl.String, "instance": pl.String, "node": pl.String,
+              "gpu_ids": pl.String, "started": pl.Float64}  # fmt: skip
+    frame = local_times(pl.DataFrame(rows, schema=schema), tz, "started")
+    return frame_table(frame, "fleet-instances-table", empty="No instance is live: billing has "
+                       "heard from none in the last three heartbeats.")  # fmt: skip
 
 
 def _admin_figures(engine: pl.DataFrame, gpus: pl.DataFrame, x_range: Any) -> list[go.Figure]:
@@ -117,7 +253,8 @@ def register(app: Dash, ctx: Context) -> None:
     reconciliation.register(app, ctx)
     colours = colours_for([m.name for m in ctx.config.models])
     outputs = [Output("fleet-status", "children"), Output("fleet-replicas", "children"),
-               Output("fleet-admin-note", "children"), Output("fleet-admin-figures", "style")]  # fmt: skip
+               Output("fleet-instances", "children"), Output("fleet-admin-note", "children"),
+               Output("fleet-admin-figures", "style")]  # fmt: skip
     outputs += [Output(f, "figure") for f in (*_FIGURES, *_ADMIN_FIGURES)]
     inputs = [
         Input("tick", "n_intervals"),
@@ -130,44 +267,52 @@ def register(app: Dash, ctx: Context) -> None:
     def refresh(_: int, choice: str | None, auth: Any, tz: str | None) -> list[Any]:
         blank = [empty_figure("", "")] * (len(_FIGURES) + len(_ADMIN_FIGURES))
         if not signed_in(auth):
-            return [note("Sign in to see the fleet."), None, None, _HIDDEN, *blank]
+            return [note("Sign in to see the fleet."), None, None, None, _HIDDEN, *blank]
         token, (start, end) = auth["token"], time_range(choice)
         admin = bool(auth.get("is_admin"))
-        names = ["ttft", "throughput", "team_usage"] + (
-            ["engine", "gpus", "replicas"] if admin else []
-        )
-        # The scaling signal is scraped while billing answers, not after.
-        with ThreadPoolExecutor(max_workers=1) as pool:
+        names = ["ttft", "throughput", "team_usage"] + (["engine", "gpus"] if admin else [])
+        # The scaling signal is scraped, and the fleet asked for, while billing answers the rest.
+        with ThreadPoolExecutor(max_workers=2) as pool:
             scrape = pool.submit(desired_replicas, ctx.config.dashboard.metrics_urls)
+            asked = pool.submit(ctx.client.fleet, token, start, end) if admin else None
             try:
                 answers = fetch_answers(ctx.client, token, names, start, end)
+                fleet = asked.result() if asked is not None else None
             except BillingError as exc:
-                return [note(str(exc), "error"), None, None, _HIDDEN, *blank]
-            desired = scrape.result()
+                return [note(str(exc), "error"), None, None, None, _HIDDEN, *blank]
+            scraped = scrape.result()
         x_range = local_range(start, end, tz)
-        ttft, thr = _series(answers["ttft"], end, tz), _series(answers["throughput"], end, tz)
+        ttft = _series(answers["ttft"], end, tz)
+        thr = _series(answers["throughput"], end, tz, _RATES)
         usage = answers["team_usage"].frame
         requests = int(usage["requests"].sum()) if usage.height else 0
         status = html.P(f"{requests:,} requests in range", id="fleet-requests-total")
         idle = "No requests in this range."
         figures = [
-            _ttft_figure(ctx, ttft, x_range, colours),
-            line_figure(thr, "output_tokens_per_second", "model", "Output tokens per second",
-                        "tokens/s", x_range, colours=colours, empty=idle),
-            line_figure(thr, "requests_per_second", "model", "Requests per second",
-                        "requests/s", x_range, colours=colours, empty=idle),
-            line_figure(thr, "error_ratio", "model", "Error rate", "of requests", x_range,
-                        kind="fraction", colours=colours, empty=idle,
-                        subtitle="requests that failed upstream"),
+            (_ttft_figure(ctx, ttft.frame, x_range, colours), ttft),
+            (line_figure(thr.frame, "output_tokens_per_second", "model", "Output tokens per second",
+                         "tokens/s", x_range, colours=colours, empty=idle), thr),
+            (line_figure(thr.frame, "requests_per_second", "model", "Requests per second",
+                         "requests/s", x_range, colours=colours, empty=idle), thr),
+            (line_figure(thr.frame, "error_ratio", "model", "Error rate", "of requests", x_range,
+                         kind="fraction", colours=colours, empty=idle,
+                         subtitle="requests that failed upstream"), thr),
         ]  # fmt: skip
+        replicas, instances = _replicas(ctx, fleet, scraped, tz), _instances(fleet, tz)
         if not admin:
             admin_note = note(
                 "Engine and GPU telemetry spans every team, so it is shown to the admin only.",
                 note_id="fleet-admin-sentence",
             )
-            return [status, _replicas(ctx, None, desired), admin_note, _HIDDEN, *figures,
+            shown = [_mark_partial(f, series, end, tz) for f, series in figures]
+            return [status, replicas, instances, admin_note, _HIDDEN, *shown,
                     *blank[: len(_ADMIN_FIGURES)]]  # fmt: skip
         engine, gpus = _series(answers["engine"], end, tz), _series(answers["gpus"], end, tz)
-        figures += _admin_figures(engine, gpus, x_range)
-        reporting = answers["replicas"].frame
-        return [status, _replicas(ctx, reporting, desired), None, {}, *figures]
+        admin_figures = _admin_figures(engine.frame, gpus.frame, x_range)
+        figures += zip(admin_figures, (engine, engine, gpus, gpus), strict=True)
+        decisions = _decisions(fleet, tz)
+        shown = [
+            _mark_decisions(_mark_partial(f, series, end, tz), decisions, colours)
+            for f, series in figures
+        ]
+        return [status, replicas, instances, None, {}, *shown]

@@ -8,11 +8,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infermeter.config import load_config
+from infermeter.config import Config, load_config
 from simulator.dcgm import node_exporters
 from simulator.replica import ReplicaSim
 from simulator.serve import record_boards
 from simulator.truth import TruthWriter, open_truth, read_truth
+from tests.ports import off_demo_ports
 from tests.servers import serving
 from tests.simulator.conftest import tiny_spec
 
@@ -88,7 +89,8 @@ async def test_a_hang_up_logs_the_tokens_generated_until_the_abort(tmp_path: Pat
 
 async def test_boards_are_logged_with_their_holder_and_counters(tmp_path: Path) -> None:
     """The dcgm stand-in's log: every board once per tick, owned boards with their replica."""
-    config = load_config(None, environ={})
+    # The replicas moved off the demo's ports: nothing answers there, as when none runs.
+    config = Config.model_validate(off_demo_ports(load_config(None, environ={}).model_dump()))
     async with httpx.AsyncClient() as client:
         exporter = next(iter(node_exporters(config, client).values()))
         writer = TruthWriter(tmp_path, "dcgm")
