@@ -31,6 +31,7 @@ from billing.lifetimes import (
     COLUMNS as LIFETIME_COLUMNS,
     DEFAULT_HEARTBEAT_SECONDS,
     HEARTBEAT_RETENTION_SECONDS,
+    Restart,
     lifetimes_sql,
     live_counts_sql,
     slot_windows_sql,
@@ -128,9 +129,19 @@ class Ledger:
         )
         self._touched_lock = threading.Lock()
         self._touched: tuple[float, float] | None = None
+        # What the instance registry needs to judge liveness across this process's start.
+        self.restart = Restart(time.time(), self._last_heard())
         self.teams = list(teams)
         self.ttft_sla = dict(ttft_sla_seconds)
         self._set_teams(self.teams)
+
+    def _last_heard(self) -> float | None:
+        """The latest instance event the ledger holds (None: none, or no lifetimes table)."""
+        try:
+            row = self._con.execute("SELECT max(last_seen) FROM lifetimes").fetchone()
+        except duckdb.CatalogException:
+            return None
+        return float(row[0]) if row and row[0] is not None else None
 
     @classmethod
     def open(cls, path: str | Path, teams: Sequence[str], ttft_sla_seconds: dict[str, float],
@@ -574,7 +585,7 @@ class Ledger:
         self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
     ) -> list[tuple[str, str, int]]:
         """(replica group, model, live instances), for /metrics."""
-        sql, params = live_counts_sql(now, heartbeat_seconds)
+        sql, params = live_counts_sql(now, heartbeat_seconds, self.restart)
         with self.reader() as cur:
             return [(str(r), str(m), int(n)) for r, m, n in cur.execute(sql, params).fetchall()]
 
@@ -582,7 +593,7 @@ class Ledger:
                   state: Literal["live", "all"] = "all", replica: str | None = None,
                   limit: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
         """Instance lifetimes as ``billing.lifetimes`` defines them, one dict per lifetime."""
-        sql, params = lifetimes_sql(now, heartbeat_seconds, state, replica, limit)
+        sql, params = lifetimes_sql(now, heartbeat_seconds, state, replica, limit, self.restart)
         with self.reader() as cur:
             rows = cur.execute(sql, params).fetchall()
         return [dict(zip(LIFETIME_COLUMNS, row, strict=True)) for row in rows]

@@ -49,6 +49,7 @@ The builders are pure (SQL and parameters); ``billing.ledger`` runs them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from billing.schema import SLOT_SECONDS
@@ -61,6 +62,7 @@ __all__ = [
     "LIVE_HEARTBEATS",
     "RAW_KEPT",
     "SHIP_ALLOWANCE_SECONDS",
+    "Restart",
     "State",
     "delta_sql",
     "ended_sql",
@@ -68,6 +70,7 @@ __all__ = [
     "heartbeat_seconds",
     "lifetimes_sql",
     "live_counts_sql",
+    "live_since",
     "live_window_seconds",
     "prune_sql",
     "sample_fold_sql",
@@ -290,10 +293,12 @@ def ended_sql(heartbeat_seconds: float) -> str:
 
 
 def live_counts_sql(
-    now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
+    now: float,
+    heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
+    restart: Restart | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Live instances per replica group and model (replica, model, instances)."""
-    sql, params = lifetimes_sql(now, heartbeat_seconds, "live")
+    sql, params = lifetimes_sql(now, heartbeat_seconds, "live", restart=restart)
     return (
         f"SELECT replica, model, count(*) AS instances FROM ({sql}) GROUP BY ALL ORDER BY ALL",
         params,
@@ -305,19 +310,44 @@ def live_window_seconds(heartbeat_seconds: float) -> float:
     return LIVE_HEARTBEATS * heartbeat_seconds + SHIP_ALLOWANCE_SECONDS
 
 
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """When this billing process began, and the latest instance event its ledger held then."""
+
+    at: float
+    last_heard: float | None
+
+
+def live_since(now: float, heartbeat_seconds: float, restart: Restart | None = None) -> float:
+    """The oldest last event an instance may have and still be live at ``now``.
+
+    Billing hears nothing while it is down; the events the sidecars spooled meanwhile arrive
+    only once it is back. Until it has been up a whole live window, an instance last heard of
+    before it stopped is judged from that moment, not from now: a billing restart must not
+    read the whole fleet as lost (the collectors would drop every engine, the autoscaler would
+    count none, and fail-open limits would split by one).
+    """
+    window = live_window_seconds(heartbeat_seconds)
+    since = now - window
+    if restart is not None and restart.last_heard is not None and now - restart.at < window:
+        since = min(since, restart.last_heard - window)
+    return since
+
+
 def lifetimes_sql(
     now: float,
     heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
     state: Literal["live", "all"] = "all",
     replica: str | None = None,
     limit: int | None = None,
+    restart: Restart | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Every lifetime (``COLUMNS``), or the live ones, optionally of one replica group.
 
     Ordered by group, instance and start; at most ``limit`` rows. ``last_seen`` is the last
-    event: what the instance itself last said.
+    event: what the instance itself last said. ``restart``: see ``live_since``.
     """
-    params: dict[str, Any] = {"since": float(now) - live_window_seconds(heartbeat_seconds)}
+    params: dict[str, Any] = {"since": live_since(float(now), heartbeat_seconds, restart)}
     where = []
     if state == "live":
         where.append("stopped_at IS NULL AND last_seen > $since")

@@ -363,3 +363,28 @@ def test_a_line_split_by_instance_keeps_its_sign_and_an_error_line_stays_whole()
         ("2026-11", None, 0, 0),
     ]  # fmt: skip
     assert split["gpu_hours"].to_list()[:2] == pytest.approx([0.2, 0.1])
+
+
+def test_a_billing_restart_does_not_read_the_fleet_as_lost(tmp_path, config):
+    """Billing down 60 s, then back: for one live window, instances heard of before it stopped
+    stay live (their spooled heartbeats are still on the way); after it, silence means lost."""
+    path = tmp_path / "ledger.duckdb"
+    teams = [t.name for t in config.teams]
+    first = Ledger.open(path, teams, {})
+    now = time.time()
+    events = [
+        event("g-a", "start", now - 100, now - 100),
+        event("g-a", "heartbeat", now - 70, now - 100),
+    ]
+    assert first.ingest(batch("instances", events), now=now).accepted == 2  # fmt: skip
+    first.close()
+    # Billing was down from now-70 to now: the heartbeat it last heard is 70 s old.
+    second = Ledger.open(path, teams, {})
+    try:
+        assert [r["instance"] for r in second.lifetimes(now, state="live")] == ["g-a"]
+        assert second.live_instances(now) == [("g", "chat-small", 1)]
+        # Once billing has been up a whole window (3 x 30 s + 10 s), g-a's silence counts.
+        window = 3 * 30 + 10
+        assert second.lifetimes(second.restart.at + window + 1, state="live") == []
+    finally:
+        second.close()
