@@ -9,8 +9,16 @@ import polars as pl
 
 from billing.allocation import Policy
 from billing.ledger import Ledger, LedgerError
+from billing.reconciliation import hours, reconcile
 from billing.rounding import to_cents
-from billing.statement import adjustment_lines, cents_lines, instance_lines, team_totals
+from billing.statement import (
+    adjustment_lines,
+    cents_lines,
+    instance_lines,
+    merged,
+    team_totals,
+    unreconciled_of,
+)
 from infermeter.config import Config
 from infermeter.months import check_month, month_bounds, month_of
 from infermeter.statement import Statement
@@ -55,7 +63,19 @@ class Chargeback:
 
     def _cents(self, month: str) -> tuple[pl.DataFrame, int]:
         lines, fleet = self.ledger.allocate(self.policy, month)
-        return cents_lines(month, lines, fleet), to_cents(fleet)
+        return cents_lines(month, merged(lines), fleet), to_cents(fleet)
+
+    def unreconciled(self, month: str) -> pl.DataFrame:
+        """``month``'s requests that no engine reading covers, per replica group and model.
+
+        Read from the ledger each time, closed month or not: a reading that arrives late
+        reconciles them. The hang-ups are not examined again here: allocation has just done it,
+        and they do not change which requests no reading covers.
+        """
+        with self.ledger.reader() as cur:
+            table = reconcile(cur, *hours(*month_bounds(month)), tails=False)
+            rows: pl.DataFrame = cur.sql(f"SELECT * FROM {table}").pl()
+        return unreconciled_of(rows)
 
     def statement(self, month: str) -> Statement:
         """``month``'s statement: frozen if closed, computed from the ledger now if open."""
@@ -65,7 +85,8 @@ class Chargeback:
             lines = self.ledger.issued_lines(month=month)
             own = lines.filter(pl.col("for_month") == month)
             adjust = int(lines.filter(pl.col("for_month") != month)["total_cents"].sum())
-            return Statement(month, True, lines, int(own["total_cents"].sum()), adjust)
+            return Statement(month, True, lines, int(own["total_cents"].sum()), adjust,
+                             self.unreconciled(month))  # fmt: skip
         lines, fleet = self._cents(month)
         adjustments = []
         adjust_cents = 0
@@ -77,7 +98,7 @@ class Chargeback:
             adjustments.append(diff)
             adjust_cents += int(diff["total_cents"].sum())
         all_lines = pl.concat([lines, *adjustments]) if adjustments else lines
-        return Statement(month, False, all_lines, fleet, adjust_cents)
+        return Statement(month, False, all_lines, fleet, adjust_cents, self.unreconciled(month))
 
     def by_instance(self, statement: Statement) -> Statement:
         """``statement`` with its lines split by the instances that made them (for the exports)."""

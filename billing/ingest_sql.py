@@ -37,6 +37,7 @@ from infermeter.records import (
 __all__ = [
     "BILLABLE",
     "CHECKS",
+    "ENGINE_PROMPT_SQL",
     "FIRST_TOKEN_SQL",
     "STATUSES",
     "append_sql",
@@ -73,6 +74,9 @@ _TEAM_CHECK = (
 # carries at most 100M tokens each way (far beyond any context window).
 MAX_REQUEST_SECONDS: Final = 86_400
 MAX_TOKENS: Final = 100_000_000
+# Choices per prompt (``n``): far beyond any real request, and small enough that prompt tokens
+# times choices stays an exact integer.
+MAX_CHOICES: Final = 1_000_000
 
 # The checks beyond types, per kind: (SQL condition that means "bad", reason). The fields, their
 # types and defaults come from the record declarations (infermeter.records).
@@ -86,6 +90,10 @@ CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
             "'token counts must not be negative'",
         ),
         ("cached_prompt_tokens > prompt_tokens", "'cached_prompt_tokens exceeds prompt_tokens'"),
+        (
+            f"choices < 1 OR choices > {MAX_CHOICES}",
+            f"'choices: not between 1 and {MAX_CHOICES:,}'",
+        ),
         (
             f"prompt_tokens > {MAX_TOKENS} OR completion_tokens > {MAX_TOKENS}",
             f"'token counts above {MAX_TOKENS:,}'",
@@ -476,6 +484,8 @@ ON CONFLICT DO UPDATE SET
 
 # When a record's prompt tokens count for the engine: at its first token (at its end without one).
 FIRST_TOKEN_SQL: Final = "least(coalesce(first_token_at, finished_at), finished_at)"
+# A record's prompt tokens as vLLM counts them: once per choice (the usage object: once).
+ENGINE_PROMPT_SQL: Final = "prompt_tokens * choices"
 
 
 def token_hour_sql(tp: str = FIRST_TOKEN_SQL) -> str:
@@ -492,24 +502,35 @@ def summed_sql(tp: str = FIRST_TOKEN_SQL, tf: str = "finished_at") -> str:
 
 
 def token_rollup_sql() -> str:
-    """SQL adding the ``fresh`` usage records to reconciliation's ``usage_hours`` and ``usage_edges``.
+    """SQL adding the ``fresh`` usage records to reconciliation's ``usage_hours``, ``usage_edges``
+    and ``usage_hangups``.
 
     Per instance, by the hour of the first token (as ``billing.reconciliation`` places prompt
     tokens): a record that ends at least ``EDGE_SECONDS`` before that hour does is summed, any
-    other is kept whole.
+    other is kept whole; prompt tokens as the engine counts them (``ENGINE_PROMPT_SQL``). Every
+    client-aborted record is also kept whole in ``usage_hangups``, where reconciliation looks for
+    the tokens vLLM generated after the hang-up.
     """
-    tp, hour, summed = FIRST_TOKEN_SQL, token_hour_sql(), summed_sql()
+    tp, hour, summed, p = FIRST_TOKEN_SQL, token_hour_sql(), summed_sql(), ENGINE_PROMPT_SQL
     return f"""
 INSERT INTO usage_hours
-SELECT coalesce(instance, replica), {hour}, sum(prompt_tokens), sum(completion_tokens)
+SELECT coalesce(instance, replica), {hour}, max(replica), max(model), count(*), sum({p}),
+    sum(completion_tokens)
 FROM fresh WHERE status IN {BILLABLE} AND {summed}
 GROUP BY ALL
 ON CONFLICT DO UPDATE SET
+    replica = greatest(replica, excluded.replica),
+    model = greatest(model, excluded.model),
+    requests = requests + excluded.requests,
     prompt_tokens = prompt_tokens + excluded.prompt_tokens,
     completion_tokens = completion_tokens + excluded.completion_tokens;
 INSERT INTO usage_edges
-SELECT coalesce(instance, replica), {tp}, finished_at, prompt_tokens, completion_tokens
+SELECT coalesce(instance, replica), replica, model, {tp}, finished_at, {p}, completion_tokens
 FROM fresh WHERE status IN {BILLABLE} AND NOT ({summed});
+INSERT INTO usage_hangups
+SELECT request_id, coalesce(instance, replica), replica, team, model, received_at, {tp},
+    finished_at, {p}, completion_tokens, choices
+FROM fresh WHERE status = '{RequestStatus.CLIENT_ABORTED}';
 """
 
 

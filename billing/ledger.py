@@ -765,9 +765,8 @@ def migrate(
 
 # Rollups that a migration fills from the raw rows once, with the SQL ingest keeps them by.
 _BACKFILLS: Final[Mapping[int, tuple[str, ...]]] = {
+    # (usage_hours and usage_edges are rebuilt and filled by migration 9.)
     6: (
-        "CREATE OR REPLACE TEMP VIEW fresh AS SELECT * FROM usage",
-        ingest_sql.token_rollup_sql(),
         "CREATE OR REPLACE TEMP VIEW fresh AS SELECT * FROM engine_samples",
         ingest_sql.engine_rollup_sql(bounded=False),
         "DROP VIEW fresh",
@@ -778,6 +777,11 @@ _BACKFILLS: Final[Mapping[int, tuple[str, ...]]] = {
         lifetimes.fold_sql(),
         lifetimes.touched_sql(),
         lifetimes.seen_sql(since="'-infinity'::DOUBLE"),
+        "DROP VIEW fresh",
+    ),
+    9: (
+        "CREATE OR REPLACE TEMP VIEW fresh AS SELECT * FROM usage",
+        ingest_sql.token_rollup_sql(),
         "DROP VIEW fresh",
     ),
 }

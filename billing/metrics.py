@@ -77,8 +77,10 @@ class ReconciliationCollector(Collector):
     """The last whole hour's reconciliation per replica group: engine, unattributed, share.
 
     infermeter_reconciliation_engine_tokens, _difference_tokens (engine - ledger, signed),
-    _unattributed_tokens (the positive part, prompt and completion apart, summed over the
-    group's instances), _unattributed_share (of the engine's tokens) and _hour_start_seconds.
+    _hangup_tokens (the hang-up tails charged to the teams that hung up), _unattributed_tokens
+    (the rest of the positive part, prompt and completion apart, summed over the group's
+    instances), _unattributed_share (of the engine's tokens), _unreconciled_tokens and
+    _unreconciled_requests (billed with no engine reading around them), and _hour_start_seconds.
     The hour is a whole one so that the alert on the share compares like with like; it is
     read from the ledger at scrape time, at most once per ``max_age_seconds`` (it reads the raw
     tables), so records that arrive late lower it again.
@@ -104,30 +106,35 @@ class ReconciliationCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """One sample per replica group and model for each gauge."""
         end, frame = self._hour(self.clock())
+        summed = ("engine_tokens", "difference_tokens", "hangup_tokens", "unattributed_tokens",
+                  "unreconciled_tokens", "unreconciled_requests")  # fmt: skip
         groups = (
-            frame.group_by("replica", "model")
-            .agg(pl.col("engine_tokens", "difference_tokens", "unattributed_tokens").sum())
-            .sort("replica", "model")
+            frame.group_by("replica", "model").agg(pl.col(*summed).sum()).sort("replica", "model")
         )
         labels = ["replica", "model"]
-        engine = GaugeMetricFamily("infermeter_reconciliation_engine_tokens",
-                                   "Tokens the group's engines counted in the last whole hour.", labels=labels)  # fmt: skip
-        difference = GaugeMetricFamily("infermeter_reconciliation_difference_tokens",
-                                       "Engine tokens minus the ledger's in the last whole hour (negative: reported, not billed).",
-                                       labels=labels)  # fmt: skip
-        lost = GaugeMetricFamily("infermeter_reconciliation_unattributed_tokens",
-                                 "Tokens the engines counted that no usage record carries, last whole hour.", labels=labels)  # fmt: skip
-        share = GaugeMetricFamily("infermeter_reconciliation_unattributed_share",
-                                  "Unattributed tokens over the engines' tokens, last whole hour.", labels=labels)  # fmt: skip
-        for replica, model, tokens, diff, unattributed in groups.iter_rows():
-            engine.add_metric([replica, model], tokens)
-            difference.add_metric([replica, model], diff)
-            lost.add_metric([replica, model], unattributed)
-            share.add_metric([replica, model], unattributed / tokens if tokens else 0.0)
-        yield engine
-        yield difference
-        yield lost
-        yield share
+
+        def gauge(name: str, text: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"infermeter_reconciliation_{name}", text, labels=labels)
+
+        engine = gauge(
+            "engine_tokens", "Tokens the group's engines counted in the last whole hour."
+        )
+        difference = gauge("difference_tokens", "Engine tokens minus the ledger's in the last whole hour (negative: reported, not billed).")  # fmt: skip
+        hangup = gauge("hangup_tokens", "Tokens vLLM generated after a client hung up, charged to that team, last whole hour.")  # fmt: skip
+        lost = gauge("unattributed_tokens", "Tokens the engines counted that no usage record carries, last whole hour.")  # fmt: skip
+        share = gauge("unattributed_share", "Unattributed tokens over the engines' tokens, last whole hour.")  # fmt: skip
+        missed = gauge("unreconciled_tokens", "Billed tokens with no engine reading before (or, once the instance went unread, after) them, by first token, last whole hour.")  # fmt: skip
+        missed_requests = gauge("unreconciled_requests", "Billed requests with no engine reading around their first token, last whole hour.")  # fmt: skip
+        for replica, model, tokens, diff, tails, unattributed, unrec, unrec_n in groups.iter_rows():
+            at = [replica, model]
+            engine.add_metric(at, tokens)
+            difference.add_metric(at, diff)
+            hangup.add_metric(at, tails)
+            lost.add_metric(at, unattributed)
+            share.add_metric(at, unattributed / tokens if tokens else 0.0)
+            missed.add_metric(at, unrec)
+            missed_requests.add_metric(at, unrec_n)
+        yield from (engine, difference, hangup, lost, share, missed, missed_requests)
         yield GaugeMetricFamily("infermeter_reconciliation_hour_start_seconds",
                                 "Start of the hour the reconciliation gauges describe, Unix seconds.", value=end - HOUR_SECONDS)  # fmt: skip
 

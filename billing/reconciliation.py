@@ -15,15 +15,31 @@ own only instance):
   instance-hour is the *window* from the last sample of the instance's previous hour with samples
   to the last sample of this hour, so the counters are read where they were actually read, not
   guessed at the hour's edge.
-- **Ledger.** Billable records (ok, client-aborted, upstream error) in that same window: prompt
-  tokens at the first token (when vLLM has finished the prefill and counted them), completion
-  tokens spread evenly from the first token to the end of the request, so a stream running across
-  the window's edge counts on both sides as the engine counted it. Tokens after the instance's
-  last sample are not reconciled yet: the engine has not reported them.
+- **Ledger.** Billable records (ok, client-aborted, upstream error, interrupted) in that same
+  window: prompt tokens at the first token (when vLLM has finished the prefill and counted them),
+  once per choice as vLLM counts them (``prompt_tokens x choices``: the usage object counts a
+  prompt once whatever ``n``), completion tokens spread evenly from the first token to the end of
+  the request, so a stream running across the window's edge counts on both sides as the engine
+  counted it.
 
-The difference (engine - ledger) is reported signed; only a positive one, prompt and completion
-apart, is *unattributed*: work the engines did that no record carries. A negative one is
-reported, never billed.
+The difference (engine - ledger) is reported signed; its positive part, prompt and completion
+apart, is split in two:
+
+- **Hang-up tails** (``billing.hangups``): tokens vLLM generated for a request after its client
+  hung up, when the interval between the readings around the hang-up held that request alone.
+  They are the hanging-up team's: its statement line carries them (no money: the in-flight split
+  already charged the team the GPU time its request held).
+- **Unattributed**: the rest, work the engines did that no record carries.
+
+The negative part (``ledger_excess_tokens``) is reported, never billed.
+
+**Unreconciled.** A record with no engine reading before its first token (an instance read for
+the first time after it started serving, or never read) has nothing to be counted against, and
+neither has one after an instance's last reading once the instance has gone unread for
+``PENDING_SECONDS`` while the fleet's engines were read (an instance gone, or lost by the
+collector; until then its records wait for its next reading). Their requests and tokens are
+reported as unreconciled, per instance and hour of their first token: billed (the team's record
+says what vLLM's usage reported), but not checked by any engine counter.
 
 Unattributed tokens are a statement line of their own (model ``<model> (unattributed)``), for
 the replica group's owner when its idle policy is ``owner``, else for the platform account.
@@ -38,8 +54,8 @@ work could have filled.
 SQL built by pure functions, run by the ledger; ``charge`` turns the per-hour costs into lines,
 plain Polars. ``reconciliation_sql`` reads the raw records and samples (any range, for the
 query route); ``reconcile`` gives the same rows from the rollups ingest keeps (``engine_hours``,
-``usage_hours``, ``usage_edges``: see ``billing.schema``), for statements and metrics, so their
-cost follows instance-hours, not requests.
+``usage_hours``, ``usage_edges``, ``usage_hangups``: see ``billing.schema``), for statements and
+metrics, so their cost follows instance-hours and hang-ups, not requests.
 """
 
 from __future__ import annotations
@@ -50,9 +66,11 @@ from typing import Any, Final
 import duckdb
 import polars as pl
 
+from billing import hangups
 from billing.allocation import LINE_COLUMNS, MONEY, IdleClaims, Policy
 from billing.ingest_sql import (
     BILLABLE,
+    ENGINE_PROMPT_SQL,
     FIRST_TOKEN_SQL,
     counter_delta_sql,
     summed_sql,
@@ -63,6 +81,7 @@ from billing.schema import EDGE_SECONDS, HOUR_SECONDS
 __all__ = [
     "HOUR_SECONDS",
     "LOOKBACK_SECONDS",
+    "PENDING_SECONDS",
     "UNATTRIBUTED_SUFFIX",
     "charge",
     "claims",
@@ -79,9 +98,14 @@ __all__ = [
 ]
 
 # How far before the first hour asked for samples and records are read, so that the first
-# hour's window starts at the previous sample rather than at its own first one.
+# hour's window starts at the previous sample rather than at its own first one; and how far
+# after the last hour an instance's next reading is looked for.
 LOOKBACK_SECONDS: Final = 2 * HOUR_SECONDS
+# Records after an instance's last reading wait for its next one, until the fleet's engines have
+# been read this long after it without it: then they are unreconciled.
+PENDING_SECONDS: Final = 600
 UNATTRIBUTED_SUFFIX: Final = " (unattributed)"
+H: Final = HOUR_SECONDS
 
 Sql = tuple[str, dict[str, Any]]
 
@@ -102,12 +126,12 @@ def hours(start: float, end: float) -> tuple[int, int]:
 
 
 _delta = counter_delta_sql
+_BACK_HOURS: Final = LOOKBACK_SECONDS // HOUR_SECONDS
 
 
 def _rollup_windows_ctes() -> str:
     """``_windows_ctes`` from ``engine_hours``: an hour's increases, plus the step from the last
     reading of the hour with samples before it (in the range read) to its first."""
-    back_hours = LOOKBACK_SECONDS // HOUR_SECONDS
     prompt = _delta("first_prompt_total", "lag(last_prompt_total) OVER w")
     completion = _delta("first_generation_total", "lag(last_generation_total) OVER w")
     return f"""hourly AS (
@@ -115,7 +139,7 @@ def _rollup_windows_ctes() -> str:
         prompt_tokens + {prompt} AS engine_prompt,
         generation_tokens + {completion} AS engine_completion,
         first_ts, last_ts AS hi
-    FROM engine_hours WHERE hour >= $lo - {back_hours} AND hour < $hi
+    FROM engine_hours WHERE hour >= $lo - {_BACK_HOURS} AND hour < $hi
     WINDOW w AS (PARTITION BY instance ORDER BY hour)
 ),
 windows AS (
@@ -131,11 +155,11 @@ def _windows_ctes(engine: str) -> str:
         {_delta("prompt_tokens_total", "lag(prompt_tokens_total) OVER w")} AS prompt,
         {_delta("generation_tokens_total", "lag(generation_tokens_total) OVER w")} AS completion
     FROM {engine}
-    WHERE "timestamp" >= $lo * {HOUR_SECONDS} - $back AND "timestamp" < $hi * {HOUR_SECONDS}
+    WHERE "timestamp" >= $lo * {H} - $back AND "timestamp" < $hi * {H}
     WINDOW w AS (PARTITION BY coalesce(instance, replica) ORDER BY "timestamp", sample_id)
 ),
 hourly AS (
-    SELECT instance, CAST(floor(ts / {HOUR_SECONDS}) AS BIGINT) AS hour,
+    SELECT instance, CAST(floor(ts / {H}) AS BIGINT) AS hour,
         max(replica) AS replica, max(model) AS model,
         sum(prompt) AS engine_prompt, sum(completion) AS engine_completion,
         min(ts) AS first_ts, max(ts) AS hi
@@ -148,8 +172,27 @@ windows AS (
 )"""
 
 
-# The records a window counts, placed one by one: ``records`` (instance, tp, tf, p, c) in, CTEs
-# ``placed`` and ``ledger`` (instance, hour, prompt, completion) out.
+def _cover_ctes(ahead: str) -> str:
+    """CTEs ``ahead``, ``newest`` and ``cover``: per instance, the span its readings cover.
+
+    ``ahead`` (instance, ts) holds each instance's latest reading in the ``LOOKBACK_SECONDS``
+    after the hours asked for. ``cover``: the first and last reading in the range read and their
+    hours, and ``stale``: no reading after the last one, while the fleet's engines were read
+    ``PENDING_SECONDS`` or more after it.
+    """
+    return f"""ahead AS ({ahead}),
+newest AS (SELECT greatest((SELECT max(hi) FROM windows), (SELECT max(ts) FROM ahead)) AS ts),
+cover AS (
+    SELECT w.instance, min(w.lo) AS first_reading, max(w.hi) AS last_reading,
+        min(w.hour) AS first_hour, max(w.hour) AS last_hour,
+        NOT EXISTS (SELECT 1 FROM ahead a WHERE a.instance = w.instance)
+            AND (SELECT ts FROM newest) >= max(w.hi) + {PENDING_SECONDS} AS stale
+    FROM windows w GROUP BY w.instance
+)"""
+
+
+# The records a window counts, placed one by one: ``records`` (instance, replica, model, tp, tf,
+# p, c, n) in, CTEs ``placed`` and ``ledger`` (instance, hour, prompt, completion) out.
 _PLACED = """
 -- The window each record's first token fell in; records after the last sample have none yet.
 placed AS (
@@ -158,13 +201,13 @@ placed AS (
 ),
 ledger AS (
     SELECT instance, hour, sum(p)::DOUBLE AS prompt, sum(CASE WHEN inside THEN c ELSE 0 END)::DOUBLE AS completion
-    FROM placed WHERE tp > lo GROUP BY ALL
+    FROM placed WHERE tp > lo GROUP BY instance, hour
     UNION ALL
     -- A request across windows: its completion tokens by the time it spent in each.
     SELECT x.instance, w.hour, 0.0,
         sum(x.c * (least(w.hi, x.tf) - greatest(w.lo, x.tp)) / (x.tf - x.tp))
     FROM {across} w ON w.instance = x.instance AND w.hi > x.tp AND w.lo < x.tf{meets}
-    GROUP BY ALL{more}
+    GROUP BY x.instance, w.hour{more}
 )"""
 
 # The requests across windows and every window of their instance: simple, and quadratic.
@@ -180,8 +223,36 @@ _ITS_WINDOWS = """(
 ) x JOIN windows"""
 
 
-def _counted(filter_model: str) -> str:
-    """CTE ``counted`` and the final select: the windows asked for against ``ledger``."""
+def _unreconciled(records: str) -> str:
+    """What of ``records`` no reading covers: per record, its instance, hour of first token,
+    group, model, and the requests, prompt and completion tokens outside ``cover``.
+
+    A record whose first token has no reading before it (or, on a stale instance, after it) is
+    unreconciled whole, request included; of one that crosses the first or (stale) last reading,
+    the completion tokens outside them, in proportion to its time there.
+    """
+    whole = "(k.instance IS NULL OR r.tp <= k.first_reading OR (k.stale AND r.tp > k.last_reading))"
+    return f"""
+SELECT r.instance, {token_hour_sql("r.tp")} AS hour, r.replica, r.model,
+    CASE WHEN {whole} THEN r.n ELSE 0 END AS requests,
+    CASE WHEN {whole} THEN r.p ELSE 0 END::DOUBLE AS p,
+    r.c * CASE WHEN k.instance IS NULL THEN 1.0
+        WHEN r.tf > r.tp THEN (greatest(0.0, least(r.tf, k.first_reading) - r.tp)
+            + CASE WHEN k.stale THEN greatest(0.0, r.tf - greatest(r.tp, k.last_reading)) ELSE 0.0 END)
+            / (r.tf - r.tp)
+        WHEN {whole} THEN 1.0 ELSE 0.0 END AS c
+FROM {records} r LEFT JOIN cover k USING (instance)
+WHERE r.tp >= $lo * {H} AND r.tp < $hi * {H}
+    AND (k.instance IS NULL OR r.tp <= k.first_reading OR (k.stale AND r.tf > k.last_reading))"""
+
+
+def _rows(filter_model: str) -> str:
+    """CTEs ``counted``, ``missed``, ``split`` and ``joined``, then the final select.
+
+    Over ``windows``, ``ledger``, ``unreconciled`` (``_unreconciled``'s rows) and ``tails``
+    (``billing.hangups.tails_sql``'s): the windows asked for against the ledger, and the
+    instance-hours with unreconciled records, with or without a window.
+    """
     return f"""counted AS (
     SELECT w.hour, w.instance, w.replica, w.model,
         CAST(round(w.engine_prompt) AS BIGINT) AS engine_prompt_tokens,
@@ -189,27 +260,59 @@ def _counted(filter_model: str) -> str:
         CAST(round(coalesce(sum(l.prompt), 0)) AS BIGINT) AS ledger_prompt_tokens,
         CAST(round(coalesce(sum(l.completion), 0)) AS BIGINT) AS ledger_completion_tokens
     FROM windows w LEFT JOIN ledger l USING (instance, hour)
-    WHERE w.hour >= $lo AND w.hour < $hi {filter_model}
+    WHERE w.hour >= $lo AND w.hour < $hi
     GROUP BY ALL
+),
+missed AS (
+    SELECT instance, hour, max(replica) AS replica, max(model) AS model,
+        sum(requests)::BIGINT AS requests,
+        CAST(round(sum(p)) AS BIGINT) AS prompt, CAST(round(sum(c)) AS BIGINT) AS completion
+    FROM unreconciled GROUP BY instance, hour
+),
+split AS ({hangups.split_sql("tails", "counted")}),
+joined AS (
+    SELECT hour, instance, coalesce(c.replica, m.replica) AS replica,
+        coalesce(c.model, m.model) AS model,
+        coalesce(c.engine_prompt_tokens, 0) AS engine_prompt_tokens,
+        coalesce(c.engine_completion_tokens, 0) AS engine_completion_tokens,
+        coalesce(c.ledger_prompt_tokens, 0) AS ledger_prompt_tokens,
+        coalesce(c.ledger_completion_tokens, 0) AS ledger_completion_tokens,
+        coalesce(s.prompt, 0)::BIGINT AS hangup_prompt_tokens,
+        coalesce(s.completion, 0)::BIGINT AS hangup_completion_tokens,
+        coalesce(m.requests, 0) AS unreconciled_requests,
+        coalesce(m.prompt, 0) AS unreconciled_prompt_tokens,
+        coalesce(m.completion, 0) AS unreconciled_completion_tokens
+    FROM counted c FULL JOIN missed m USING (instance, hour)
+    LEFT JOIN (SELECT instance, hour, sum(prompt_tokens) AS prompt,
+                      sum(completion_tokens) AS completion
+               FROM split GROUP BY instance, hour) s USING (instance, hour)
 )
-SELECT hour * {HOUR_SECONDS} AS t, instance, replica, model,
+SELECT hour * {H} AS t, instance, replica, model,
     engine_prompt_tokens, engine_completion_tokens, ledger_prompt_tokens, ledger_completion_tokens,
     engine_prompt_tokens + engine_completion_tokens AS engine_tokens,
     ledger_prompt_tokens + ledger_completion_tokens AS ledger_tokens,
     engine_tokens - ledger_tokens AS difference_tokens,
     difference_tokens / nullif(engine_tokens, 0) AS share,
-    greatest(0, engine_prompt_tokens - ledger_prompt_tokens) AS unattributed_prompt_tokens,
-    greatest(0, engine_completion_tokens - ledger_completion_tokens) AS unattributed_completion_tokens,
+    hangup_prompt_tokens, hangup_completion_tokens,
+    hangup_prompt_tokens + hangup_completion_tokens AS hangup_tokens,
+    greatest(0, engine_prompt_tokens - ledger_prompt_tokens) - hangup_prompt_tokens
+        AS unattributed_prompt_tokens,
+    greatest(0, engine_completion_tokens - ledger_completion_tokens) - hangup_completion_tokens
+        AS unattributed_completion_tokens,
     unattributed_prompt_tokens + unattributed_completion_tokens AS unattributed_tokens,
-    unattributed_tokens / nullif(engine_tokens, 0) AS unattributed_share
-FROM counted ORDER BY t, replica, instance"""
+    unattributed_tokens / nullif(engine_tokens, 0) AS unattributed_share,
+    greatest(0, ledger_prompt_tokens - engine_prompt_tokens)
+        + greatest(0, ledger_completion_tokens - engine_completion_tokens) AS ledger_excess_tokens,
+    unreconciled_requests, unreconciled_prompt_tokens, unreconciled_completion_tokens,
+    unreconciled_prompt_tokens + unreconciled_completion_tokens AS unreconciled_tokens
+FROM joined {filter_model} ORDER BY t, replica, instance"""
 
 
 def _values(first_hour: int, end_hour: int, model: str | None) -> tuple[dict[str, Any], str]:
     values: dict[str, Any] = {"lo": first_hour, "hi": end_hour, "back": float(LOOKBACK_SECONDS)}
     if model is not None:
         values["model"] = model
-    return values, ("AND model = $model" if model is not None else "")
+    return values, ("WHERE model = $model" if model is not None else "")
 
 
 # Which records a window reads: billable, and able to meet the hours asked for.
@@ -223,24 +326,38 @@ def reconciliation_sql(first_hour: int, end_hour: int, model: str | None = None,
     """Per instance and hour in ``first_hour``..``end_hour`` (Unix hours): engine, ledger, difference.
 
     Columns: ``t`` (the hour's start, Unix seconds), ``instance``, ``replica`` (its group),
-    ``model``, engine and ledger prompt and completion tokens, ``engine_tokens``,
-    ``ledger_tokens``, ``difference_tokens`` (engine - ledger), ``share`` (the difference over
-    the engine's tokens), ``unattributed_prompt_tokens``, ``unattributed_completion_tokens``,
-    ``unattributed_tokens`` and ``unattributed_share``. Reads every raw record in the range
-    (``Reconciler`` gives the same rows from the rollups). Pure: nothing is run here.
+    ``model``, engine and ledger prompt and completion tokens (the ledger's prompt tokens once
+    per choice), ``engine_tokens``, ``ledger_tokens``, ``difference_tokens`` (engine - ledger),
+    ``share`` (the difference over the engine's tokens), ``hangup_prompt_tokens``,
+    ``hangup_completion_tokens``, ``hangup_tokens`` (the hanging-up teams'),
+    ``unattributed_prompt_tokens``, ``unattributed_completion_tokens``, ``unattributed_tokens``,
+    ``unattributed_share``, ``ledger_excess_tokens`` (the ledger's tokens beyond the engine's),
+    ``unreconciled_requests``, ``unreconciled_prompt_tokens``,
+    ``unreconciled_completion_tokens`` and ``unreconciled_tokens``. So ``difference_tokens`` =
+    ``hangup_tokens`` + ``unattributed_tokens`` - ``ledger_excess_tokens``. An instance-hour
+    with unreconciled records and no reading has zero engine and ledger tokens. Reads every raw
+    record in the range (``reconcile`` gives the same rows from the rollups). Pure: nothing is
+    run here.
     """
     values, filter_model = _values(first_hour, end_hour, model)
+    ahead = f"""SELECT coalesce(instance, replica) AS instance, max("timestamp") AS ts FROM {engine}
+    WHERE "timestamp" >= $hi * {H} AND "timestamp" < $hi * {H} + $back GROUP BY ALL"""
+    bounded = hangups.bounded_sql(hangups.raw_hangups_sql(usage), hangups.raw_readings_sql(engine))
     return (
         f"""
 WITH {_windows_ctes(engine)},
 records AS (
-    SELECT coalesce(instance, replica) AS instance,
+    SELECT coalesce(instance, replica) AS instance, replica, model,
         {FIRST_TOKEN_SQL} AS tp, finished_at AS tf,
-        prompt_tokens AS p, completion_tokens AS c
+        {ENGINE_PROMPT_SQL} AS p, completion_tokens AS c, 1 AS n
     FROM {usage}
     WHERE status IN {BILLABLE} AND {_RECORDS_IN_RANGE}
 ),{_PLACED.format(across=_EVERY_WINDOW, meets="", more="")},
-{_counted(filter_model)}""",
+{_cover_ctes(ahead)},
+unreconciled AS ({_unreconciled("records")}),
+bounded AS ({bounded}),
+tails AS ({hangups.tails_sql("bounded", hangups.others_sql(None, usage))}),
+{_rows(filter_model)}""",
         values,
     )
 
@@ -296,21 +413,21 @@ def hour_runs(hours: Sequence[int]) -> list[tuple[int, int]]:
 def rollup_reconciliation_sql(first_hour: int, end_hour: int, unsummed: Sequence[int],
                               model: str | None = None, usage: str = "usage",
                               hours_table: str = "usage_hours",
-                              edges: str = "usage_edges") -> Sql:  # fmt: skip
+                              edges: str = "usage_edges", tails: str = "_tails") -> Sql:  # fmt: skip
     """``reconciliation_sql``'s rows from the rollups, over ``_windows`` (``windows_sql``).
 
     Tokens of summed records come from ``hours_table`` per instance-hour, each added to the
     window its hour falls in; ``edges``' records are placed one by one. ``unsummed``: the hours
     of ``_unsummed`` (``unsummed_sql``, a temp table), whose summed records are read from
     ``usage`` and placed one by one instead; only the row groups of those hours are read
-    (``finished_at`` within them), so a ledger ordered by time skips the rest. Pure.
+    (``finished_at`` within them), so a ledger ordered by time skips the rest. ``tails``: the
+    hang-up tails (``billing.hangups.tails_sql``'s rows). Pure.
     """
     values, filter_model = _values(first_hour, end_hour, model)
-    back_hours = LOOKBACK_SECONDS // HOUR_SECONDS
     raw = " UNION ALL ".join(
         f"""
-    SELECT coalesce(u.instance, u.replica) AS instance, {FIRST_TOKEN_SQL} AS tp, u.finished_at AS tf,
-        u.prompt_tokens AS p, u.completion_tokens AS c
+    SELECT coalesce(u.instance, u.replica) AS instance, u.replica, u.model, {FIRST_TOKEN_SQL} AS tp,
+        u.finished_at AS tf, u.prompt_tokens * u.choices AS p, u.completion_tokens AS c, 1 AS n
     FROM {usage} u SEMI JOIN _unsummed x
         ON x.instance = coalesce(u.instance, u.replica) AND x.hour = {token_hour_sql()}
     WHERE u.finished_at >= {a * HOUR_SECONDS}.0 AND u.finished_at < {b * HOUR_SECONDS}.0
@@ -321,35 +438,76 @@ def rollup_reconciliation_sql(first_hour: int, end_hour: int, unsummed: Sequence
     UNION ALL
     -- Summed records: whole inside the window of the first hour with samples at or after theirs.
     SELECT w.instance, w.hour, sum(h.prompt_tokens)::DOUBLE, sum(h.completion_tokens)::DOUBLE
-    FROM (SELECT * FROM {hours_table} WHERE hour >= $lo - {back_hours} AND hour < $hi) h
+    FROM (SELECT * FROM {hours_table} WHERE hour >= $lo - {_BACK_HOURS} AND hour < $hi) h
     ASOF JOIN windows w ON h.instance = w.instance AND h.hour <= w.hour
     ANTI JOIN _unsummed x ON x.instance = h.instance AND x.hour = h.hour
     WHERE NOT (w.prev_hour IS NULL AND h.hour < w.hour)  -- before the first sample: not counted
     GROUP BY ALL"""
+    # Summed records no reading covers: a whole hour before an instance's first window, after
+    # its last (once stale), or of an instance with no window (its partial hours are unsummed).
+    summed_missed = f"""
+    UNION ALL
+    SELECT h.instance, h.hour, h.replica, h.model, h.requests, h.prompt_tokens::DOUBLE,
+        h.completion_tokens::DOUBLE
+    FROM {hours_table} h LEFT JOIN cover k USING (instance)
+    WHERE h.hour >= $lo AND h.hour < $hi
+        AND (k.instance IS NULL OR h.hour < k.first_hour OR (k.stale AND h.hour > k.last_hour))"""
+    ahead = f"""SELECT instance, max(last_ts) AS ts FROM engine_hours
+    WHERE hour >= $hi AND hour < $hi + {_BACK_HOURS} GROUP BY ALL"""
+    edge_range = _RECORDS_IN_RANGE.replace(FIRST_TOKEN_SQL, "first_token_at")
     return (
         f"""
 WITH windows AS (SELECT * FROM _windows),
 records AS (
-    SELECT instance, first_token_at AS tp, finished_at AS tf, prompt_tokens AS p, completion_tokens AS c
-    FROM {edges} WHERE {_RECORDS_IN_RANGE.replace(FIRST_TOKEN_SQL, "first_token_at")}{" UNION ALL " + raw if raw else ""}
+    SELECT instance, replica, model, first_token_at AS tp, finished_at AS tf, prompt_tokens AS p,
+        completion_tokens AS c, 1 AS n
+    FROM {edges} WHERE {edge_range}{" UNION ALL " + raw if raw else ""}
 ),{_PLACED.format(across=_ITS_WINDOWS, meets=" AND w.hour = x.meets", more=summed)},
-{_counted(filter_model)}""",
+{_cover_ctes(ahead)},
+unreconciled AS ({_unreconciled("records")}{summed_missed}),
+tails AS (SELECT * FROM {tails}),
+{_rows(filter_model)}""",
         values,
     )
 
 
+def _tails(con: duckdb.DuckDBPyConnection, values: dict[str, Any]) -> None:
+    """Leave the range's hang-up tails in temp table ``_tails`` (``billing.hangups``).
+
+    The engine's readings are read for the hours around the hang-ups only, and the other records
+    for the spans of the intervals its gauges leave open only.
+    """
+    found = con.execute(hangups.hangup_hours_sql(), values).fetchall()
+    around = [h + d for (h,) in found for d in (-1, 0, 1)]
+    readings = hangups.readings_sql(hour_runs(around))
+    bounded = hangups.bounded_sql(hangups.kept_hangups_sql(), readings)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE _bounded AS {bounded}", values)
+    intervals = con.execute("SELECT a_ts, b_ts FROM _bounded").fetchall()
+    others = hangups.others_sql(hangups.spans([(float(a), float(b)) for a, b in intervals]))
+    con.execute(f"CREATE OR REPLACE TEMP TABLE _tails AS {hangups.tails_sql('_bounded', others)}")
+
+
 def reconcile(con: duckdb.DuckDBPyConnection, first_hour: int, end_hour: int,
-              model: str | None = None) -> str:  # fmt: skip
+              model: str | None = None, tails: bool = True) -> str:  # fmt: skip
     """Reconcile the ledger's hours ``first_hour``..``end_hour`` on ``con`` from its rollups.
 
-    Leaves ``reconciliation_sql``'s rows in temp table ``_reconciliation`` and returns its name.
+    Leaves ``reconciliation_sql``'s rows in temp table ``_reconciliation`` and returns its name;
+    each team's share of the hang-up tails is left in ``_hangups`` (instance, hour, team, model,
+    replica, prompt_tokens, completion_tokens). Without ``tails``, no hang-up is examined (their
+    tails count as unattributed): for what does not depend on them, the unreconciled requests.
     """
     sql, values = windows_sql(first_hour, end_hour)
     con.execute(sql, values)
     con.execute(f"CREATE OR REPLACE TEMP TABLE _unsummed AS {unsummed_sql()}", {"lo": first_hour})
     unsummed = [int(r[0]) for r in con.execute("SELECT DISTINCT hour FROM _unsummed").fetchall()]
+    if tails:
+        _tails(con, _values(first_hour, end_hour, None)[0])
+    else:
+        con.execute(f"CREATE OR REPLACE TEMP TABLE _tails AS {hangups.NO_TAILS}")
     sql, values = rollup_reconciliation_sql(first_hour, end_hour, unsummed, model)
     con.execute(f"CREATE OR REPLACE TEMP TABLE _reconciliation AS {sql}", values)
+    counted = f"(SELECT *, CAST(t // {H} AS BIGINT) AS hour FROM _reconciliation)"
+    con.execute(f"CREATE OR REPLACE TEMP TABLE _hangups AS {hangups.split_sql('_tails', counted)}")
     return "_reconciliation"
 
 
@@ -393,13 +551,16 @@ SELECT replica, instance, hour, model, prompt_tokens, completion_tokens,
 FROM claimed ORDER BY replica, instance, hour"""
 
 
-def charge(replicas: pl.DataFrame, hourly: pl.DataFrame, policy: Policy) -> tuple[pl.DataFrame, pl.DataFrame]:  # fmt: skip
+def charge(replicas: pl.DataFrame, hourly: pl.DataFrame, policy: Policy,
+           tails: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:  # fmt: skip
     """``replicas`` (busy and idle cost per instance) with ``hourly``'s claims taken out of each
     instance's idle, and the lines.
 
     ``hourly`` holds ``unattributed_sql``'s rows. One line per team and model, in
     ``LINE_COLUMNS`` (costs unrounded, no idle of their own: the money is compute and energy
-    that was counted idle).
+    that was counted idle). ``tails`` (team, model, prompt_tokens, completion_tokens): the
+    hang-up tails each team is charged, as lines of tokens only, under the team's own model;
+    the statement adds them to the team's line of that model (``billing.statement.merged``).
     """
     hourly = hourly.with_columns(pl.col(*MONEY).cast(pl.Float64)).sort(
         "replica", "instance", "hour"
@@ -429,19 +590,37 @@ def charge(replicas: pl.DataFrame, hourly: pl.DataFrame, policy: Policy) -> tupl
             pl.lit(0.0).alias("idle_usd"),
         )
     )  # fmt: skip
-    return replicas, lines.select(LINE_COLUMNS).sort("team", "model")
+    lines = lines.select(LINE_COLUMNS)
+    if tails is not None and tails.height:
+        tokens = ("prompt_tokens", "completion_tokens")
+        carried = (
+            tails.group_by("team", "model")
+            .agg(pl.col(*tokens).sum().cast(pl.Int64))
+            .filter(pl.col("prompt_tokens") + pl.col("completion_tokens") > 0)
+            .with_columns(
+                pl.lit(0, dtype=pl.Int64).alias("requests"),
+                *(pl.lit(0.0).alias(c) for c in (*MONEY, "idle_usd")),
+            )
+        )
+        lines = pl.concat([lines, carried.select(LINE_COLUMNS)], how="vertical_relaxed")
+    return replicas, lines.sort("team", "model")
 
 
 def claims(policy: Policy, start: float, end: float) -> IdleClaims:
     """The claims of the hours in ``start``..``end``, for ``allocation.run`` on a ledger.
 
     Reconciles the range from the ledger's rollups (``reconcile``) on the connection
-    ``allocation.run`` gives, then prices it against that allocation's ``_slots``.
+    ``allocation.run`` gives, then prices it against that allocation's ``_slots``; the hang-up
+    tails come along as lines of tokens.
     """
 
     def run(con: duckdb.DuckDBPyConnection, replicas: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:  # fmt: skip
         table = reconcile(con, *hours(start, end))
         hourly = con.sql(unattributed_sql(policy, table)).pl()
-        return charge(replicas, hourly, policy)
+        tails = con.sql(
+            "SELECT team, model, sum(prompt_tokens) AS prompt_tokens, "
+            "sum(completion_tokens) AS completion_tokens FROM _hangups GROUP BY ALL"
+        ).pl()
+        return charge(replicas, hourly, policy, tails)
 
     return run

@@ -423,7 +423,51 @@ CREATE TABLE scaling_decisions (
 );
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8)
+# Reconciliation, second form (``billing.reconciliation``). ``usage_hours`` and ``usage_edges`` hold
+# prompt tokens as vLLM counts them, once per choice (``prompt_tokens x choices``), and the replica
+# group and model of their records; ``usage_hours`` counts its records, so an hour no engine
+# reading covers is reported with its requests. ``usage_hangups`` keeps every client-aborted
+# record whole: reconciliation examines only the sample intervals that hold one's end, for the
+# tokens vLLM generated after the hang-up. The two tables are rebuilt and all three filled from
+# the raw rows by ``billing.ledger.migrate`` (with ingest's own SQL).
+_V9 = """
+DROP TABLE usage_hours;
+CREATE TABLE usage_hours (
+    instance VARCHAR NOT NULL,
+    hour BIGINT NOT NULL,
+    replica VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    requests BIGINT NOT NULL,
+    prompt_tokens BIGINT NOT NULL,  -- prompt_tokens x choices
+    completion_tokens BIGINT NOT NULL,
+    PRIMARY KEY (instance, hour)
+);
+DROP TABLE usage_edges;
+CREATE TABLE usage_edges (
+    instance VARCHAR NOT NULL,
+    replica VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    first_token_at DOUBLE NOT NULL,  -- least(coalesce(first_token_at, finished_at), finished_at)
+    finished_at DOUBLE NOT NULL,
+    prompt_tokens BIGINT NOT NULL,  -- prompt_tokens x choices
+    completion_tokens BIGINT NOT NULL
+);
+CREATE TABLE usage_hangups (
+    request_id VARCHAR NOT NULL,
+    instance VARCHAR NOT NULL,
+    replica VARCHAR NOT NULL,
+    team VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    received_at DOUBLE NOT NULL,
+    first_token_at DOUBLE NOT NULL,  -- as in usage_edges
+    finished_at DOUBLE NOT NULL,
+    prompt_tokens BIGINT NOT NULL,  -- prompt_tokens x choices
+    completion_tokens BIGINT NOT NULL,
+    choices BIGINT NOT NULL
+);
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9)
 LATEST_VERSION: Final = len(MIGRATIONS)
 
 

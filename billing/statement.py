@@ -13,11 +13,54 @@ from typing import Any, Final
 
 import polars as pl
 
-from billing.allocation import ERROR_PREFIX
+from billing.allocation import ERROR_PREFIX, LINE_COLUMNS
 from billing.rounding import largest_remainder
-from infermeter.statement import CENT_COLUMNS, COUNT_COLUMNS, LINE_SCHEMA, empty_lines
+from infermeter.statement import (
+    CENT_COLUMNS,
+    COUNT_COLUMNS,
+    LINE_SCHEMA,
+    UNRECONCILED_SCHEMA,
+    empty_lines,
+)
 
-__all__ = ["adjustment_lines", "cents_lines", "error_lines", "instance_lines", "team_totals"]
+__all__ = [
+    "adjustment_lines",
+    "cents_lines",
+    "error_lines",
+    "instance_lines",
+    "merged",
+    "team_totals",
+    "unreconciled_of",
+]
+
+
+def merged(lines: pl.DataFrame) -> pl.DataFrame:
+    """Allocation lines (``LINE_COLUMNS``) with the rows of one team and model summed into one.
+
+    Reconciliation hands a team's hang-up tails over as rows of tokens only, under the team's own
+    model (``billing.reconciliation.charge``); the statement shows them on the team's line.
+    """
+    keys = ["team", "model"]
+    values = [c for c in LINE_COLUMNS if c not in keys]
+    if lines.height == lines.select(keys).n_unique():
+        return lines
+    return lines.group_by(keys, maintain_order=True).agg(pl.col(values).sum()).sort(keys)
+
+
+def unreconciled_of(reconciliation: pl.DataFrame) -> pl.DataFrame:
+    """The unreconciled requests and tokens of ``reconciliation``'s instance-hours, per replica
+    group and model (``infermeter.statement.UNRECONCILED_SCHEMA``), those with any."""
+    columns = {"unreconciled_requests": "requests", "unreconciled_prompt_tokens": "prompt_tokens",
+               "unreconciled_completion_tokens": "completion_tokens"}  # fmt: skip
+    if reconciliation.height == 0:
+        return pl.DataFrame(schema=UNRECONCILED_SCHEMA)
+    return (
+        reconciliation.group_by("replica", "model")
+        .agg(pl.col(c).sum().alias(name) for c, name in columns.items())
+        .filter(pl.sum_horizontal(*columns.values()) > 0)
+        .sort("replica", "model")
+        .cast(UNRECONCILED_SCHEMA)  # type: ignore[arg-type]
+    )
 
 
 def cents_lines(month: str, lines: pl.DataFrame, fleet_usd: float) -> pl.DataFrame:

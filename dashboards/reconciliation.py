@@ -3,6 +3,13 @@
 Billing's ``reconciliation`` query answers per instance and hour; the table sums the range per
 replica group, so an operator sees at a glance which group has tokens no team was billed for
 (``docs/billing.md``, "Reconciliation"). Its numbers span every team, so only the admin sees them.
+
+The columns after the engine's and the ledger's say where their difference went, so none repeats
+another: engine - ledger = hang-up tails + unattributed - ledger excess. Hang-up tails are the
+tokens vLLM generated after a client hung up, charged to that team; unattributed, those no record
+accounts for, charged out of idle capacity; ledger excess, the ledger's tokens beyond the
+engine's, reported and never billed. Unreconciled requests and tokens are billed with no engine
+reading around them: no counter checked them.
 """
 
 from __future__ import annotations
@@ -17,12 +24,20 @@ from dashboards.components import frame_table, note
 from dashboards.context import Context, signed_in
 from dashboards.data import time_range
 
-__all__ = ["COLUMNS", "register", "summary", "table"]
+__all__ = ["CAPTION", "COLUMNS", "register", "summary", "table"]
 
 TABLE_ID: Final = "fleet-reconciliation-table"
-COLUMNS: Final = ("replica", "model", "engine_tokens", "ledger_tokens", "difference_tokens",
-                  "unattributed_tokens", "unattributed_share")  # fmt: skip
-_SUMS: Final = ("engine_tokens", "ledger_tokens", "difference_tokens", "unattributed_tokens")
+COLUMNS: Final = ("replica", "model", "engine_tokens", "ledger_tokens", "hangup_tokens",
+                  "unattributed_tokens", "ledger_excess_tokens", "unattributed_share",
+                  "unreconciled_requests", "unreconciled_tokens")  # fmt: skip
+_SUMS: Final = ("engine_tokens", "ledger_tokens", "hangup_tokens", "unattributed_tokens",
+                "ledger_excess_tokens", "unreconciled_requests", "unreconciled_tokens")  # fmt: skip
+CAPTION: Final = (
+    "Engine - ledger = hang-up tails (tokens vLLM generated after a client hung up, on that "
+    "team's line) + unattributed (no record carries them; charged out of idle capacity) - "
+    "ledger excess (reported, not billed). Unreconciled: billed with no engine reading around "
+    "them, so no counter checked them."
+)
 
 
 def summary(frame: pl.DataFrame) -> pl.DataFrame:
@@ -64,6 +79,7 @@ def register(app: Dash, ctx: Context) -> None:
             return note("The reconciliation spans every team: shown to the admin credential.")
         start, end = time_range(choice)
         try:
-            return table(ctx.client.query(auth["token"], "reconciliation", start, end))
+            frame = ctx.client.query(auth["token"], "reconciliation", start, end)
         except BillingError as exc:
             return note(str(exc), "error")
+        return html.Div([table(frame), note(CAPTION, note_id="fleet-reconciliation-caption")])

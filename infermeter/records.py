@@ -141,6 +141,10 @@ class UsageRecord(_Record):
     # the prompt's characters it covers (``sidecar.prefix``); None when digests are off.
     prefix_digest: str | None = None
     prefix_share: float | None = None
+    # Choices vLLM generated per prompt (the request's ``n``). The usage object counts each prompt
+    # once, vLLM's ``vllm:prompt_tokens_total`` once per choice, so reconciliation counts
+    # ``prompt_tokens x choices`` against the engine (``billing.reconciliation``).
+    choices: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ The JSON here is the body of billing's chargeback routes; ``statement_from_json`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import polars as pl
@@ -17,8 +17,10 @@ __all__ = [
     "CENT_COLUMNS",
     "COUNT_COLUMNS",
     "LINE_SCHEMA",
+    "UNRECONCILED_SCHEMA",
     "Statement",
     "empty_lines",
+    "empty_unreconciled",
     "for_team",
     "statement_from_json",
     "statement_json",
@@ -33,17 +35,35 @@ LINE_SCHEMA: Final = {
     "gpu_hours": pl.Float64, "energy_kwh": pl.Float64, "compute_cents": pl.Int64,
     "energy_cents": pl.Int64, "idle_cents": pl.Int64, "total_cents": pl.Int64,
 }  # fmt: skip
+# Requests and tokens (prompt tokens once per choice, as vLLM counts them) per replica group and
+# model that no engine reading covers.
+UNRECONCILED_SCHEMA: Final = {
+    "replica": pl.String, "model": pl.String, "requests": pl.Int64, "prompt_tokens": pl.Int64,
+    "completion_tokens": pl.Int64,
+}  # fmt: skip
+
+
+def empty_unreconciled() -> pl.DataFrame:
+    """No unreconciled requests."""
+    return pl.DataFrame(schema=UNRECONCILED_SCHEMA)
 
 
 @dataclass(frozen=True, slots=True)
 class Statement:
-    """One month's lines (cents) and the totals they must reconcile to."""
+    """One month's lines (cents) and the totals they must reconcile to.
+
+    ``unreconciled`` (``UNRECONCILED_SCHEMA``): the month's billable requests that no engine
+    reading covers (``billing.reconciliation``), per replica group and model. They are on the
+    lines like any other, billed as their records say; this says that vLLM's counters did not
+    check them, and is not added to anything.
+    """
 
     month: str
     closed: bool
     lines: pl.DataFrame  # LINE_SCHEMA columns
     fleet_cents: int
     adjustment_cents: int
+    unreconciled: pl.DataFrame = field(default_factory=empty_unreconciled)
 
     @property
     def total_cents(self) -> int:
@@ -65,7 +85,8 @@ def for_team(statement: Statement, team: str | None) -> Statement:
     """``statement`` as ``team`` may see it: its own lines only (None: every line).
 
     The team's view carries its own total as the fleet cost and no adjustments, so it
-    reconciles by itself and says nothing about other teams.
+    reconciles by itself and says nothing about other teams (nor about the groups' unreconciled
+    requests, which span every team).
     """
     if team is None:
         return statement
@@ -90,7 +111,11 @@ def with_budgets(lines: pl.DataFrame, budgets_usd: Mapping[str, float]) -> pl.Da
 
 
 def statement_json(statement: Statement, team: str | None) -> dict[str, Any]:
-    """A statement as billing's chargeback API answers it: a team gets only its own lines."""
+    """A statement as billing's chargeback API answers it: a team gets only its own lines.
+
+    The admin's answer also carries the totals and ``unreconciled`` (a row per replica group and
+    model).
+    """
     lines = statement.lines if team is None else statement.lines.filter(pl.col("team") == team)
     body: dict[str, Any] = {
         "month": statement.month,
@@ -100,7 +125,8 @@ def statement_json(statement: Statement, team: str | None) -> dict[str, Any]:
     }
     if team is None:
         body |= {"fleet_cents": statement.fleet_cents, "adjustment_cents": statement.adjustment_cents,
-                 "reconciles": statement.reconciles}  # fmt: skip
+                 "reconciles": statement.reconciles,
+                 "unreconciled": statement.unreconciled.to_dicts()}  # fmt: skip
     return body
 
 
@@ -108,14 +134,19 @@ def statement_from_json(body: Mapping[str, Any]) -> Statement:
     """A ``Statement`` rebuilt from billing's JSON (``statement_json``).
 
     A team key's answer has no fleet total; the statement then carries its own total as the
-    fleet cost and callers show the reconciliation only when ``fleet_cents`` was sent.
+    fleet cost and callers show the reconciliation only when ``fleet_cents`` was sent; nor does
+    it carry ``unreconciled``.
     """
     lines = pl.DataFrame(body["lines"], schema=LINE_SCHEMA) if body["lines"] else empty_lines()
     total = int(body.get("total_cents", 0))
+    missed = body.get("unreconciled") or []
     return Statement(
         month=body["month"],
         closed=bool(body["closed"]),
         lines=lines,
         fleet_cents=int(body.get("fleet_cents", total)),
         adjustment_cents=int(body.get("adjustment_cents", 0)),
+        unreconciled=pl.DataFrame(missed, schema=UNRECONCILED_SCHEMA)
+        if missed
+        else empty_unreconciled(),
     )

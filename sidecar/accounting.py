@@ -27,7 +27,7 @@ from sidecar.metrics import SidecarMetrics
 from sidecar.prefix import Prefix
 from sidecar.stream import StreamMeter, UsageCounts
 
-__all__ = ["Accounting", "Call", "admitted_fields", "ending_fields"]
+__all__ = ["Accounting", "Call", "admitted_fields", "ending_fields", "engine_choices"]
 
 log = logging.getLogger("infermeter.sidecar")
 
@@ -100,7 +100,17 @@ def admitted_fields(call: Call, replica: str, instance: str | None) -> dict[str,
         "client_request_id": call.client_request_id,
         "prefix_digest": prefix.digest if prefix else None,
         "prefix_share": prefix.share if prefix else None,
+        "choices": engine_choices(call),
     }  # fmt: skip
+
+
+def engine_choices(call: Call) -> int:
+    """How many times vLLM counts each prompt of ``call``: once per choice (its ``n``).
+
+    ``Call.choices`` is ``n`` for a request of several choices and 0 for one; an embedding has
+    none to multiply.
+    """
+    return 1 if call.endpoint == "/v1/embeddings" else max(1, call.choices)
 
 
 def ending_fields(call: Call, status: RequestStatus, http_status: int, usage: UsageCounts | None,

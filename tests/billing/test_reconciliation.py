@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import duckdb
@@ -33,20 +34,26 @@ _ids = itertools.count()
 def engine_samples(
     requests: list[dict[str, Any]], start: float, end: float, every: float = 60.0,
     replica: str = "small-0", instance: str | None = None, restart_at: float | None = None,
+    extra: Sequence[tuple[float, int, int]] = (), running: Callable[[float], float] | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """vLLM's counters read every ``every`` seconds: the tokens of ``requests`` processed so far.
 
-    Prompt tokens count at the first token, completion tokens evenly up to the end, as vLLM
-    counts them; with ``restart_at`` (when nothing is in flight) they start again from zero.
+    Prompt tokens count at the first token, once per choice, completion tokens evenly up to the
+    end, as vLLM counts them; with ``restart_at`` (when nothing is in flight) they start again
+    from zero. ``extra``: (time, prompt, completion) the engine counted at that time beyond the
+    requests (a hang-up's tail, a request without a record). ``running(t)``: the requests the
+    engine runs at each reading (default none).
     """
 
     def counted(t: float) -> tuple[float, float]:
         prompt = completion = 0.0
         for r in requests:
             tp, tf = r["first_token_at"], r["finished_at"]
-            prompt += r["prompt_tokens"] if t >= tp else 0
+            prompt += r["prompt_tokens"] * r.get("choices", 1) if t >= tp else 0
             done = min(max((t - tp) / (tf - tp), 0.0), 1.0) if tf > tp else float(t >= tf)
             completion += r["completion_tokens"] * done
+        for at, p, c in extra:
+            prompt, completion = prompt + (p if t >= at else 0), completion + (c if t >= at else 0)
         return prompt, completion
 
     out = []
@@ -60,7 +67,7 @@ def engine_samples(
             )
         out.append({
             "sample_id": f"eng-{next(_ids)}", "replica": replica, "model": "chat-small", "timestamp": t,
-            "requests_running": 0.0, "requests_waiting": 0.0, "kv_cache_usage": 0.0,
+            "requests_running": running(t) if running else 0.0, "requests_waiting": 0.0, "kv_cache_usage": 0.0,
             "prompt_tokens_total": float(prompt), "generation_tokens_total": float(completion),
             "instance": instance,
         })  # fmt: skip
@@ -243,6 +250,42 @@ def test_instances_of_a_group_reconcile_each_on_its_own(ledger: Ledger) -> None:
     assert frame.select("instance", "replica", "difference_tokens").rows() == [
         ("small-0-a", "small-0", 0),
         ("small-0-b", "small-0", 150),
+    ]
+
+
+def test_a_prompt_of_several_choices_counts_once_per_choice(ledger: Ledger, config: Config) -> None:
+    """n=2: vLLM counts each prompt twice, the record once with choices 2; nothing is unattributed
+    and the team's line keeps the prompt tokens its usage objects said."""
+    hour1 = requests(10, 1, choices=2)
+    fill(ledger, hour1, engine_samples(hour1, OCT, OCT + 3 * HOUR))
+    one = row(ledger.reconciliation(OCT, OCT + 3 * HOUR), 1)
+    assert (one["engine_prompt_tokens"], one["ledger_prompt_tokens"]) == (2000, 2000)
+    assert (one["difference_tokens"], one["unattributed_tokens"]) == (0, 0)
+    lines = Chargeback(ledger, config).statement("2026-10").lines
+    assert lines.filter(pl.col("team") == "search").select(
+        "model", "requests", "prompt_tokens", "completion_tokens"
+    ).rows() == [("chat-small", 10, 1000, 500)]
+    assert not any(is_unattributed(m) for m in lines["model"])
+
+
+def test_a_record_from_an_older_sidecar_counts_its_prompt_once(ledger: Ledger) -> None:
+    """A record without ``choices`` (a shipper that predates it) is one choice."""
+    hour1 = requests(4, 1)
+    for r in hour1:
+        del r["choices"]
+    fill(ledger, hour1, engine_samples(hour1, OCT, OCT + 3 * HOUR))
+    one = row(ledger.reconciliation(OCT, OCT + 3 * HOUR), 1)
+    assert (one["engine_prompt_tokens"], one["ledger_prompt_tokens"]) == (400, 400)
+
+
+@pytest.mark.parametrize("choices", [0, -1, 1_000_001])
+def test_choices_out_of_range_are_refused(ledger: Ledger, choices: int) -> None:
+    """A record whose choices is not 1..1,000,000 is refused with the reason, the others kept."""
+    good, bad = requests(2, 1), usage("search", OCT + HOUR, choices=choices)
+    result = ledger.ingest(batch("usage", [*good, bad]), now=OCT + 40 * 86400)
+    assert result.accepted == 2
+    assert [(r.id, r.reason) for r in result.rejected] == [
+        (bad["request_id"], "choices: not between 1 and 1,000,000")
     ]
 
 

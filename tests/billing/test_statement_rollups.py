@@ -47,7 +47,8 @@ def _tables_after(version: int) -> list[str]:
 
 
 def random_records(rng: random.Random, hours: int) -> list[dict[str, Any]]:
-    """Requests on a fixed replica and on two pods, of any length, some failing or first-tokenless."""
+    """Requests on a fixed replica and on two pods, of any length, some failing, first-tokenless
+    or of several choices."""
     out = []
     for _ in range(rng.randint(50, 300)):
         start = OCT + rng.uniform(0, hours * HOUR)
@@ -57,9 +58,9 @@ def random_records(rng: random.Random, hours: int) -> list[dict[str, Any]]:
         status = rng.choice(["ok", "ok", "ok", "client_aborted", "upstream_error", "rejected"])
         tokens = {"prompt_tokens": rng.randint(0, 900), "completion_tokens": rng.randint(0, 900)}
         team = rng.choice(["search", "assistant"])
-        out.append(
-            usage(team, start, seconds, first_token_at=first, status=status, **tokens, **placement)
-        )
+        choices = rng.choice([1, 1, 1, 2, 3])
+        out.append(usage(team, start, seconds, first_token_at=first, status=status, choices=choices,
+                         **tokens, **placement))  # fmt: skip
     return out
 
 
@@ -71,8 +72,9 @@ def random_samples(rng: random.Random, hours: int, instance: str | None) -> list
         prompt, completion = prompt + rng.randint(0, 5000), completion + rng.randint(0, 5000)
         out.append({
             "sample_id": f"eng-{next(_ids)}", "replica": "small-0", "model": "chat-small", "timestamp": t,
-            "requests_running": 0.0, "requests_waiting": 0.0, "kv_cache_usage": 0.0,
-            "prompt_tokens_total": prompt, "generation_tokens_total": completion, "instance": instance,
+            "requests_running": float(rng.choice([0, 0, 1, 2])), "requests_waiting": 0.0,
+            "kv_cache_usage": 0.0, "prompt_tokens_total": prompt,
+            "generation_tokens_total": completion, "instance": instance,
         })  # fmt: skip
         t += rng.uniform(0.5, 1.5) * every if rng.random() < 0.995 else rng.uniform(0, 3 * HOUR)
     return out
@@ -144,14 +146,19 @@ def rebuilt(ledger: Ledger) -> dict[str, list[tuple[Any, ...]]]:
         tp = ingest_sql.FIRST_TOKEN_SQL
         return {
             "usage_hours": cur.execute(f"""
-                SELECT coalesce(instance, replica), {ingest_sql.token_hour_sql()}, sum(prompt_tokens),
-                    sum(completion_tokens)
+                SELECT coalesce(instance, replica), {ingest_sql.token_hour_sql()}, max(replica),
+                    max(model), count(*), sum(prompt_tokens * choices), sum(completion_tokens)
                 FROM fresh WHERE status IN {ingest_sql.BILLABLE} AND {ingest_sql.summed_sql()}
                 GROUP BY ALL ORDER BY ALL""").fetchall(),
             "usage_edges": cur.execute(f"""
-                SELECT coalesce(instance, replica), {tp}, finished_at, prompt_tokens, completion_tokens
+                SELECT coalesce(instance, replica), replica, model, {tp}, finished_at,
+                    prompt_tokens * choices, completion_tokens
                 FROM fresh WHERE status IN {ingest_sql.BILLABLE} AND NOT ({ingest_sql.summed_sql()})
                 ORDER BY ALL""").fetchall(),
+            "usage_hangups": cur.execute(f"""
+                SELECT request_id, coalesce(instance, replica), replica, team, model, received_at,
+                    {tp}, finished_at, prompt_tokens * choices, completion_tokens, choices
+                FROM fresh WHERE status = 'client_aborted' ORDER BY ALL""").fetchall(),
             "alloc": cur.execute("""
                 SELECT replica, instance, team, model, slot, inflight_seconds FROM usage_slots
                 ORDER BY ALL""").fetchall(),
@@ -168,6 +175,7 @@ def kept(ledger: Ledger) -> dict[str, list[tuple[Any, ...]]]:
         return {
             "usage_hours": cur.execute("SELECT * FROM usage_hours ORDER BY ALL").fetchall(),
             "usage_edges": cur.execute("SELECT * FROM usage_edges ORDER BY ALL").fetchall(),
+            "usage_hangups": cur.execute("SELECT * FROM usage_hangups ORDER BY ALL").fetchall(),
             "alloc": cur.execute("""
                 SELECT k.replica, k.instance, k.team, k.model, s.slot, s.inflight_seconds
                 FROM alloc_slots s JOIN alloc_keys k USING ("key")

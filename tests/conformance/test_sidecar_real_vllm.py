@@ -76,6 +76,34 @@ async def test_records_equal_real_vllm_counters(real_vllm, sidecar_url):
     assert sum(r["completion_tokens"] for r in records) == after[1] - before[1]
 
 
+async def test_records_of_several_choices_count_prompts_as_real_vllm_does(real_vllm, sidecar_url):
+    """n > 1 and a batch of prompts: vLLM counts each prompt once per choice, the record says n.
+
+    The usage object counts a prompt once whatever n; prompt_tokens x choices is what vLLM's
+    counter moved by, so reconciliation finds nothing unattributed.
+    """
+    url, spool = sidecar_url
+    before = await _counters(real_vllm)
+    async with httpx.AsyncClient(
+        base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=120
+    ) as c:
+        sent = [
+            ("/v1/chat/completions", {"model": "chat-small", "messages": MSG, "max_tokens": 4, "n": 2}),
+            ("/v1/chat/completions",
+             {"model": "chat-small", "messages": MSG, "max_tokens": 4, "n": 3, "stream": True}),
+            ("/v1/completions",
+             {"model": "chat-small", "prompt": ["Hello world", "One two three four"], "max_tokens": 3, "n": 2}),
+        ]  # fmt: skip
+        for path, body in sent:
+            response = await c.post(path, json=body)
+            assert response.status_code == 200, response.text
+    after = await _counters(real_vllm)
+    records = [r for seg in spool.glob("seg-*.jsonl") for r in read_segment(seg)[0]]
+    assert [r["choices"] for r in records] == [2, 3, 2]
+    assert sum(r["prompt_tokens"] * r["choices"] for r in records) == after[0] - before[0]
+    assert sum(r["completion_tokens"] for r in records) == after[1] - before[1]
+
+
 async def test_aborted_stream_difference_is_small_and_reported(real_vllm, sidecar_url):
     """A client hanging up: vLLM aborts; what it generated past the last relayed chunk is a few tokens.
 
