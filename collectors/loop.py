@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from collectors.attribution import Owner, owner_of
+from collectors.baseline import BaselineFile
 from collectors.energy import Point, interval_energy
 from collectors.sources import (
     EngineReading,
@@ -115,6 +116,8 @@ class FleetCollector:
         self.sink_errors_total = 0
         self.rounds = 0
         self._last: dict[tuple[str, str, str], Point] = {}
+        # Where each GPU's last reading is kept across restarts (``collectors.baseline``).
+        self.baseline: BaselineFile | None = None
         # Owner of each (GPU, pod) seen in the last round of each GPU target: rebuilt every round,
         # so the pods that have come and gone on a GPU are forgotten.
         self._owners: dict[str, dict[tuple[tuple[str, str, str], str | None], Owner]] = {}
@@ -148,6 +151,12 @@ class FleetCollector:
             next_round += interval
             await asyncio.sleep(max(0.0, next_round - loop.time()))
 
+    def restore(self, baseline: BaselineFile, now: float) -> None:
+        """Take each GPU's last reading from ``baseline``, and keep it there from now on."""
+        self.baseline = baseline
+        for key, point in baseline.read(now).items():
+            self._last.setdefault(key, point)
+
     async def _deliver(self, sink: Sink, batch: Batch) -> None:
         try:
             await sink(batch)
@@ -155,6 +164,10 @@ class FleetCollector:
             self.sink_errors_total += 1
             log.error("collector could not spool %d samples: %s",
                       len(batch.gpus) + len(batch.engines), exc)  # fmt: skip
+            return
+        # Only once the samples are on disk: the next start measures from what was spooled.
+        if self.baseline is not None and batch.gpus:
+            await self.baseline.save(self._last)
 
     async def scrape_once(self) -> Batch:
         """One round over every due target; returns the new samples."""

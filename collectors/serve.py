@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from collectors.adopt import Adopter, AdoptionMetrics
+from collectors.baseline import BaselineFile
 from collectors.dcgm import DcgmSource
 from collectors.discovery import OnTargets, PodWatcher, RegistryPoller
 from collectors.loop import Batch, FleetCollector
@@ -26,7 +28,7 @@ from collectors.vllm import VllmSource
 from infermeter.config import Config
 from infermeter.kubernetes import in_cluster_api
 from infermeter.serving import ensure_free, host_port, server
-from infermeter.shipper import Shipper, ShipperMetrics
+from infermeter.shipper import Shipper, ShipperMetrics, last_shipment
 from infermeter.spool import Spool
 
 __all__ = [
@@ -41,6 +43,8 @@ __all__ = [
 log = logging.getLogger("infermeter.collectors")
 
 GPU_KIND = "gpu_samples"
+# Each GPU's last reading, beside the spools (``collectors.baseline``).
+BASELINE_FILE = "gpu-baseline.json"
 ENGINE_KIND = "engine_samples"
 
 
@@ -169,15 +173,18 @@ async def serve_collector(config: Config, listen: str | None) -> None:
             discover = watcher.run
         sink = SpoolSink(Path(settings.spool_dir))
         sink.open()
+        collector.restore(BaselineFile(Path(settings.spool_dir) / BASELINE_FILE), time.time())
         tasks = [asyncio.create_task(collector.run(sink), name="collector")]
         if discover is not None:
             tasks.append(asyncio.create_task(discover(), name=f"discover-{settings.discovery}"))
         registry = CollectorRegistry()
+        shippers: list[Shipper] = []
         if settings.ingest_url:
             token = os.environ.get(settings.ingest_token_env)
             shipped = ShipperMetrics(registry)
             for spool, kind in ((sink.gpus, GPU_KIND), (sink.engines, ENGINE_KIND)):
                 shipper = Shipper(spool, settings.ingest_url, token, kind, client, metrics=shipped)
+                shippers.append(shipper)
                 tasks.append(asyncio.create_task(shipper.run(), name=f"ship-{kind}"))
             if settings.adopt_spools_dir:
                 adopter = Adopter(Path(settings.adopt_spools_dir), settings.ingest_url, token, client,
@@ -198,3 +205,11 @@ async def serve_collector(config: Config, listen: str | None) -> None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await sink.close()
+            # The last samples go to billing now, not at the next start (which may not come: a
+            # node drained for good). What billing does not take in time stays spooled.
+            await last_shipment(shippers, settings.drain_ship_seconds)
+            left = sink.gpus.backlog + sink.engines.backlog
+            if shippers and left:
+                log.warning(
+                    "collector: %d sample(s) left unshipped in %s", left, settings.spool_dir
+                )

@@ -432,6 +432,8 @@ class CollectorSettings(_Strict):
     # The sidecars' spool root on this node (their ``sidecar.spool_dir``): spools whose sidecar
     # is gone are shipped from here. None: no adoption.
     adopt_spools_dir: str | None = None
+    # On SIGTERM, how long the collector tries to ship what its spools hold before it exits.
+    drain_ship_seconds: NonNegative = 5.0
     # This node's dcgm-exporter, for a collector that runs on every node (a DaemonSet): scraped
     # instead of nodes[].dcgm_exporter_url, under the node name in $NODE_NAME (else the host name).
     dcgm_exporter_url: str | None = None

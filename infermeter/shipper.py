@@ -13,7 +13,9 @@ reason, so nothing is dropped silently and nothing blocks the records behind it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,7 +33,7 @@ from infermeter.records import KINDS
 from infermeter.spool import Segment, SegmentReader
 from infermeter.wire import ARROW_STREAM, NDJSON, encode_arrow
 
-__all__ = ["IngestRejectedError", "Segments", "Shipper", "ShipperMetrics"]
+__all__ = ["IngestRejectedError", "Segments", "Shipper", "ShipperMetrics", "last_shipment"]
 
 log = logging.getLogger("infermeter.shipper")
 
@@ -282,3 +284,18 @@ def _loads(line: bytes) -> Any:
         return orjson.loads(line)
     except orjson.JSONDecodeError:
         return line.decode("utf-8", "replace").rstrip("\n")
+
+
+async def last_shipment(shippers: Iterable[Shipper], seconds: float) -> None:
+    """Ship the spools' closed segments once more, for at most ``seconds`` in all.
+
+    On the way out of a process: what billing does not take in time stays on disk for the next
+    start (or for the collector that adopts a gone sidecar's spool).
+    """
+    deadline = asyncio.get_running_loop().time() + seconds
+    for shipper in shippers:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(shipper.ship_round(max_wait_seconds=left), left)

@@ -62,7 +62,7 @@ from sidecar.drain import Drain
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 from sidecar.fetch import Fetched, fetch
 from sidecar.journal import AdmissionJournal, JournalError
-from sidecar.lifetime import EVENTS_MAX_BYTES, Lifetime, last_shipment
+from sidecar.lifetime import EVENTS_MAX_BYTES, Lifetime
 from sidecar.limits import LimitExceeded
 from sidecar.metrics import SidecarMetrics
 from sidecar.models_list import with_aliases
@@ -254,6 +254,8 @@ class Sidecar:
         await self._stop_tasks()
         if not self._shippers or max_seconds <= 0:
             return
+        from infermeter.shipper import last_shipment
+
         await self.spool.seal()
         await self.lifetime.spool.seal()
         await last_shipment(self._shippers, max_seconds)

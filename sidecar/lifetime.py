@@ -20,9 +20,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -32,17 +32,12 @@ from infermeter.records import InstanceEvent, InstanceEventType
 from infermeter.spool import Spool, SpoolError
 from infermeter.spooldir import INSTANCES, SpoolLock
 
-if TYPE_CHECKING:
-    from infermeter.shipper import Shipper
-
 __all__ = [
     "EVENTS_MAX_BYTES",
-    "LAST_SHIPMENT_SECONDS",
     "LOCK_WAIT_SECONDS",
     "Lifetime",
     "engine_metrics_url",
     "instance_event",
-    "last_shipment",
     "resource_attributes",
 ]
 
@@ -53,9 +48,6 @@ log = logging.getLogger("infermeter.sidecar")
 LOCK_WAIT_SECONDS: Final = 30.0
 # Unshipped lifetime events kept at most: about 150,000 events, 50 days of 30 s heartbeats.
 EVENTS_MAX_BYTES: Final = 64 << 20
-# At shutdown, the spools are shipped once more for at most this long; what is left stays on
-# disk for the next start or for the node's collector.
-LAST_SHIPMENT_SECONDS: Final = 5.0
 _WILDCARDS: Final = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
@@ -173,16 +165,3 @@ class Lifetime:
         except SpoolError as exc:
             log.error("instance %s: %s event not recorded: %s", self.identity.instance,
                       event.value, exc)  # fmt: skip
-
-
-async def last_shipment(
-    shippers: Iterable[Shipper], seconds: float = LAST_SHIPMENT_SECONDS
-) -> None:
-    """Ship the spools' closed segments once more, for at most ``seconds`` in all."""
-    deadline = asyncio.get_running_loop().time() + seconds
-    for shipper in shippers:
-        left = deadline - asyncio.get_running_loop().time()
-        if left <= 0:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(shipper.ship_round(max_wait_seconds=left), left)

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from alerts.autoscale.policy import Decision, ModelState
 from infermeter.ids import sample_id
 from infermeter.records import MAX_DECISION_REASONS, SCALING_DECISIONS, ScalingDecision
-from infermeter.shipper import Shipper, ShipperMetrics
+from infermeter.shipper import Shipper, ShipperMetrics, last_shipment
 from infermeter.spool import Spool
 
 __all__ = [
@@ -97,11 +97,7 @@ class DecisionShipping:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.spool.close()
-        try:
-            async with asyncio.timeout(last_shipment_seconds):
-                await self.shipper.ship_round(max_wait_seconds=last_shipment_seconds)
-        except TimeoutError:
-            pass
+        await last_shipment([self.shipper], last_shipment_seconds)
         if self.spool.backlog:
             log.warning("autoscale: %d decision(s) not shipped yet; kept in %s for the next start",
                         self.spool.backlog, self.spool.directory)  # fmt: skip

@@ -1,0 +1,124 @@
+"""A restarted collector measures the time it was away from each GPU's last reading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from collectors.baseline import MAX_AGE_SECONDS, BaselineFile, dump, load
+from collectors.energy import Point
+from collectors.loop import FleetCollector
+from collectors.serve import SpoolSink
+from infermeter.config import Config
+from infermeter.spool import read_segment
+from tests.collectors.fakes import FakeGpuSource, reading
+
+
+def test_readings_round_trip_and_old_or_future_ones_are_dropped() -> None:
+    """What ``dump`` writes, ``load`` reads back, within its age and not from the future."""
+    points = {
+        ("node-a", "GPU-0", ""): Point(1000.0, 300.0, 9_000_000.0),
+        ("node-a", "GPU-1", "1"): Point(400.0 - MAX_AGE_SECONDS, 50.0, None),
+        ("node-a", "GPU-2", ""): Point(1001.0, 50.0, 1.0),
+    }
+    got = load(dump(points), now=1000.0)
+    assert got == {("node-a", "GPU-0", ""): Point(1000.0, 300.0, 9_000_000.0)}
+
+
+def test_a_file_that_is_not_a_baseline_is_refused_by_name() -> None:
+    """Garbage is a ValueError, never readings."""
+    with pytest.raises(ValueError, match="not a baseline file"):
+        load(b'{"key": 1}', now=0.0)
+
+
+def test_an_unreadable_file_reads_as_no_baseline(tmp_path: Path) -> None:
+    """A damaged file is ignored (logged): the collector starts afresh, as with none."""
+    path = tmp_path / "gpu-baseline.json"
+    path.write_bytes(b"\x00garbage")
+    assert BaselineFile(path).read(now=0.0) == {}
+    assert BaselineFile(tmp_path / "absent.json").read(now=0.0) == {}
+
+
+async def test_a_restart_bills_the_time_and_energy_it_was_away(
+    config: Config, tmp_path: Path
+) -> None:
+    """Away between two readings: the restarted collector's first sample covers that time and
+    the energy the counter says, as if it had never stopped (within the gap limit)."""
+    t = [1000.0]
+    baseline = BaselineFile(tmp_path / "gpu-baseline.json")
+    sink = SpoolSink(tmp_path / "spool")
+    sink.open()
+    first = FleetCollector(
+        config,
+        [
+            FakeGpuSource(
+                "node-a",
+                [
+                    [reading(node="node-a", gpu="0", energy_mj=9_000_000.0)],
+                    [reading(node="node-a", gpu="0", energy_mj=9_500_000.0)],
+                ],
+            )
+        ],
+        [],
+        clock=lambda: t[0],
+    )
+    first.restore(baseline, t[0])
+    for step in (0.0, 10.0):
+        t[0] += step
+        await first._deliver(sink, await first.scrape_once())
+    away = first.gap_seconds - 1.0
+    t[0] += away
+    second = FleetCollector(
+        config,
+        [
+            FakeGpuSource(
+                "node-a",
+                [
+                    [reading(node="node-a", gpu="0", energy_mj=11_000_000.0)],
+                ],
+            )
+        ],
+        [],
+        clock=lambda: t[0],
+    )
+    second.restore(baseline, t[0])
+    await second._deliver(sink, await second.scrape_once())
+    await sink.close()
+    samples = [
+        s
+        for seg in sorted((tmp_path / "spool" / "gpu_samples").glob("seg-*.jsonl"))
+        for s in read_segment(seg)[0]
+    ]
+    assert [(s["interval_seconds"], s["energy_joules"]) for s in samples] == [
+        (0.0, 0.0),
+        (10.0, 500.0),
+        (away, 1500.0),
+    ]
+    assert sum(s["interval_seconds"] for s in samples) == t[0] - 1000.0
+
+
+async def test_away_longer_than_the_gap_limit_counts_the_time_not_the_energy(
+    config: Config, tmp_path: Path
+) -> None:
+    """Past the gap limit the interval is a gap, as for a collector that never stopped."""
+    baseline = BaselineFile(tmp_path / "gpu-baseline.json")
+    first = FleetCollector(
+        config, [FakeGpuSource("node-a", [[reading(energy_mj=1.0)]])], [], clock=lambda: 1000.0
+    )
+    first.restore(baseline, 1000.0)
+    sink = SpoolSink(tmp_path / "spool")
+    sink.open()
+    await first._deliver(sink, await first.scrape_once())
+    later = 1000.0 + first.gap_seconds + 5.0
+    second = FleetCollector(
+        config, [FakeGpuSource("node-a", [[reading(energy_mj=9.0)]])], [], clock=lambda: later
+    )
+    second.restore(baseline, later)
+    [sample] = (await second.scrape_once()).gpus
+    await sink.close()
+    assert (sample.interval_seconds, sample.energy_joules, sample.gap) == (
+        first.gap_seconds + 5.0,
+        None,
+        True,
+    )
