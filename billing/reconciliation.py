@@ -33,13 +33,13 @@ apart, is split in two:
 
 The negative part (``ledger_excess_tokens``) is reported, never billed.
 
-**Unreconciled.** A record with no engine reading before its first token (an instance read for
-the first time after it started serving, or never read) has nothing to be counted against, and
-neither has one after an instance's last reading once the instance has gone unread for
-``PENDING_SECONDS`` while the fleet's engines were read (an instance gone, or lost by the
-collector; until then its records wait for its next reading). Their requests and tokens are
-reported as unreconciled, per instance and hour of their first token: billed (the team's record
-says what vLLM's usage reported), but not checked by any engine counter.
+**Unreconciled** (``billing.unreconciled``). A record with no engine reading before its first
+token (an instance read for the first time after it started serving, or never read) has nothing
+to be counted against, and neither has one after an instance's last reading once the instance
+has gone unread for ``PENDING_SECONDS`` while the fleet's engines were read (an instance gone,
+or lost by the collector; until then its records wait for its next reading). Their requests and
+tokens are reported as unreconciled, per instance and hour of their first token: billed (the
+team's record says what vLLM's usage reported), but not checked by any engine counter.
 
 Unattributed tokens are a statement line of their own (model ``<model> (unattributed)``), for
 the replica group's owner when its idle policy is ``owner``, else for the platform account.
@@ -66,7 +66,7 @@ from typing import Any, Final
 import duckdb
 import polars as pl
 
-from billing import hangups
+from billing import hangups, unreconciled
 from billing.allocation import LINE_COLUMNS, MONEY, IdleClaims, Policy
 from billing.ingest_sql import (
     BILLABLE,
@@ -77,6 +77,7 @@ from billing.ingest_sql import (
     token_hour_sql,
 )
 from billing.schema import EDGE_SECONDS, HOUR_SECONDS
+from billing.unreconciled import PENDING_SECONDS
 
 __all__ = [
     "HOUR_SECONDS",
@@ -101,9 +102,6 @@ __all__ = [
 # hour's window starts at the previous sample rather than at its own first one; and how far
 # after the last hour an instance's next reading is looked for.
 LOOKBACK_SECONDS: Final = 2 * HOUR_SECONDS
-# Records after an instance's last reading wait for its next one, until the fleet's engines have
-# been read this long after it without it: then they are unreconciled.
-PENDING_SECONDS: Final = 600
 UNATTRIBUTED_SUFFIX: Final = " (unattributed)"
 H: Final = HOUR_SECONDS
 
@@ -172,25 +170,6 @@ windows AS (
 )"""
 
 
-def _cover_ctes(ahead: str) -> str:
-    """CTEs ``ahead``, ``newest`` and ``cover``: per instance, the span its readings cover.
-
-    ``ahead`` (instance, ts) holds each instance's latest reading in the ``LOOKBACK_SECONDS``
-    after the hours asked for. ``cover``: the first and last reading in the range read and their
-    hours, and ``stale``: no reading after the last one, while the fleet's engines were read
-    ``PENDING_SECONDS`` or more after it.
-    """
-    return f"""ahead AS ({ahead}),
-newest AS (SELECT greatest((SELECT max(hi) FROM windows), (SELECT max(ts) FROM ahead)) AS ts),
-cover AS (
-    SELECT w.instance, min(w.lo) AS first_reading, max(w.hi) AS last_reading,
-        min(w.hour) AS first_hour, max(w.hour) AS last_hour,
-        NOT EXISTS (SELECT 1 FROM ahead a WHERE a.instance = w.instance)
-            AND (SELECT ts FROM newest) >= max(w.hi) + {PENDING_SECONDS} AS stale
-    FROM windows w GROUP BY w.instance
-)"""
-
-
 # The records a window counts, placed one by one: ``records`` (instance, replica, model, tp, tf,
 # p, c, n) in, CTEs ``placed`` and ``ledger`` (instance, hour, prompt, completion) out.
 _PLACED = """
@@ -221,29 +200,6 @@ _ITS_WINDOWS = """(
     FROM (SELECT * FROM placed WHERE NOT inside AND tf > tp) r
     ASOF LEFT JOIN windows e ON r.instance = e.instance AND r.tf <= e.hi
 ) x JOIN windows"""
-
-
-def _unreconciled(records: str) -> str:
-    """What of ``records`` no reading covers: per record, its instance, hour of first token,
-    group, model, and the requests, prompt and completion tokens outside ``cover``.
-
-    A record whose first token has no reading before it (or, on a stale instance, after it) is
-    unreconciled whole, request included; of one that crosses the first or (stale) last reading,
-    the completion tokens outside them, in proportion to its time there.
-    """
-    whole = "(k.instance IS NULL OR r.tp <= k.first_reading OR (k.stale AND r.tp > k.last_reading))"
-    return f"""
-SELECT r.instance, {token_hour_sql("r.tp")} AS hour, r.replica, r.model,
-    CASE WHEN {whole} THEN r.n ELSE 0 END AS requests,
-    CASE WHEN {whole} THEN r.p ELSE 0 END::DOUBLE AS p,
-    r.c * CASE WHEN k.instance IS NULL THEN 1.0
-        WHEN r.tf > r.tp THEN (greatest(0.0, least(r.tf, k.first_reading) - r.tp)
-            + CASE WHEN k.stale THEN greatest(0.0, r.tf - greatest(r.tp, k.last_reading)) ELSE 0.0 END)
-            / (r.tf - r.tp)
-        WHEN {whole} THEN 1.0 ELSE 0.0 END AS c
-FROM {records} r LEFT JOIN cover k USING (instance)
-WHERE r.tp >= $lo * {H} AND r.tp < $hi * {H}
-    AND (k.instance IS NULL OR r.tp <= k.first_reading OR (k.stale AND r.tf > k.last_reading))"""
 
 
 def _rows(filter_model: str) -> str:
@@ -353,8 +309,8 @@ records AS (
     FROM {usage}
     WHERE status IN {BILLABLE} AND {_RECORDS_IN_RANGE}
 ),{_PLACED.format(across=_EVERY_WINDOW, meets="", more="")},
-{_cover_ctes(ahead)},
-unreconciled AS ({_unreconciled("records")}),
+{unreconciled.cover_ctes(ahead)},
+unreconciled AS ({unreconciled.records_sql("records")}),
 bounded AS ({bounded}),
 tails AS ({hangups.tails_sql("bounded", hangups.others_sql(None, usage))}),
 {_rows(filter_model)}""",
@@ -443,15 +399,6 @@ def rollup_reconciliation_sql(first_hour: int, end_hour: int, unsummed: Sequence
     ANTI JOIN _unsummed x ON x.instance = h.instance AND x.hour = h.hour
     WHERE NOT (w.prev_hour IS NULL AND h.hour < w.hour)  -- before the first sample: not counted
     GROUP BY ALL"""
-    # Summed records no reading covers: a whole hour before an instance's first window, after
-    # its last (once stale), or of an instance with no window (its partial hours are unsummed).
-    summed_missed = f"""
-    UNION ALL
-    SELECT h.instance, h.hour, h.replica, h.model, h.requests, h.prompt_tokens::DOUBLE,
-        h.completion_tokens::DOUBLE
-    FROM {hours_table} h LEFT JOIN cover k USING (instance)
-    WHERE h.hour >= $lo AND h.hour < $hi
-        AND (k.instance IS NULL OR h.hour < k.first_hour OR (k.stale AND h.hour > k.last_hour))"""
     ahead = f"""SELECT instance, max(last_ts) AS ts FROM engine_hours
     WHERE hour >= $hi AND hour < $hi + {_BACK_HOURS} GROUP BY ALL"""
     edge_range = _RECORDS_IN_RANGE.replace(FIRST_TOKEN_SQL, "first_token_at")
@@ -463,8 +410,9 @@ records AS (
         completion_tokens AS c, 1 AS n
     FROM {edges} WHERE {edge_range}{" UNION ALL " + raw if raw else ""}
 ),{_PLACED.format(across=_ITS_WINDOWS, meets=" AND w.hour = x.meets", more=summed)},
-{_cover_ctes(ahead)},
-unreconciled AS ({_unreconciled("records")}{summed_missed}),
+{unreconciled.cover_ctes(ahead)},
+unreconciled AS ({unreconciled.records_sql("records")}
+    UNION ALL {unreconciled.summed_sql(hours_table)}),
 tails AS (SELECT * FROM {tails}),
 {_rows(filter_model)}""",
         values,
