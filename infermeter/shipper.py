@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -123,6 +124,8 @@ class Shipper:
         self.headers = {"authorization": f"Bearer {token}"} if token else {}
         self.shipped = 0
         self.metrics = metrics or ShipperMetrics()
+        # Since when billing has not taken a batch (None: it takes them), for the log.
+        self._down_since: float | None = None
 
     async def run(self) -> None:
         """Ship forever; errors are logged, counted and retried with back-off, never raised."""
@@ -209,11 +212,27 @@ class Shipper:
     async def _attempt(self, ndjson: bytes, arrow: bytes | None) -> list[dict[str, Any]]:
         """One ``_post``; a failure worth retrying is counted and logged before it is retried."""
         try:
-            return await self._post(ndjson, arrow)
+            rejected = await self._post(ndjson, arrow)
         except _RetryableError as exc:
             self.metrics.failures.labels(self.kind, exc.reason).inc()
-            log.warning("billing did not take a %s batch: %s; will retry", self.kind, exc)
+            # Once per outage: a billing that is down for a minute would otherwise fill the log
+            # with a line per retry of every shipper (the counter above still counts each).
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                log.warning(
+                    "billing did not take a %s batch: %s; retrying until it does", self.kind, exc
+                )
+            else:
+                log.debug("billing did not take a %s batch: %s; will retry", self.kind, exc)
             raise
+        if self._down_since is not None:
+            log.info(
+                "billing takes %s batches again, after %.0f s",
+                self.kind,
+                time.monotonic() - self._down_since,
+            )
+            self._down_since = None
+        return rejected
 
     async def _post(self, ndjson: bytes, arrow: bytes | None) -> list[dict[str, Any]]:
         """Send the batch (as Arrow if it converted) and return the records billing rejected."""

@@ -136,3 +136,27 @@ def test_a_segment_is_read_in_batches_not_whole(tmp_path):
     one_line = len(lines.splitlines()[0]) + 1
     by_bytes = SegmentReader(path, records=100, max_bytes=one_line * 3)
     assert [len(b) for b in by_bytes] == [3, 3, 3, 1]
+
+
+async def test_an_outage_is_logged_once_and_its_end_once(tmp_path, caplog):
+    """Billing unable to take five posts in a row: one warning, one line when it takes again."""
+    spool = await _spool(tmp_path / "spool", [usage()])
+    app = _Flaky(bad=5, body=b"<html>gateway</html>")
+    caplog.set_level("INFO", logger="infermeter.shipper")
+    async with serving(app, lifespan="off") as url, httpx.AsyncClient() as client:
+        shipper = Shipper(
+            spool, f"{url}/v1/ingest", INGEST, "usage", client, arrow=False, interval_seconds=0.01
+        )
+        task = asyncio.create_task(shipper.run())
+        try:
+            async with asyncio.timeout(60):
+                while shipper.shipped < 1:
+                    await asyncio.sleep(0.02)
+        finally:
+            task.cancel()
+    await spool.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "infermeter.shipper"]
+    assert app.posts == 6
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("billing did not take a usage batch: HTTP 200")
+    assert lines[1].startswith("billing takes usage batches again, after ")
