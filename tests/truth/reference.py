@@ -12,8 +12,11 @@ The rules applied:
   drew x USD per kWh x PUE. A board held by an instance (lent to it, or owned by a fixed
   replica) is that instance's; a spare board is the platform's, model ``(unallocated)``.
 - **In-flight split**, per instance and minute: a team pays ``its in-flight seconds / max(60, all
-  in-flight seconds)`` of the instance's cost in that minute. In flight means on the engine:
-  from the request's arrival at the engine to its end (or abort).
+  in-flight seconds)`` of the instance's cost in that minute. In flight means on the instance:
+  from the moment its sidecar had the request (a request waiting in the sidecar's fair-share
+  queue waits for this instance's GPUs, as one in vLLM's own queue does) to its end. The truth
+  bounds that moment between the client's send and the engine's arrival (``expected``'s
+  ``widest``).
 - **Idle** (the rest of each minute) by the group's ``idle_policy``: ``spread`` over the teams in
   proportion to what they paid on that instance in the period (else on its group; else the
   platform's), ``platform``, or ``owner``.
@@ -88,8 +91,8 @@ class InstanceFigures:
     gpu_seconds: float = 0.0
     energy_j: float = 0.0
     cost_usd: float = 0.0
-    measured_seconds: float = 0.0  # instance-seconds with its boards held (GPU-seconds / boards)
-    busy_seconds: float = 0.0  # per minute, in-flight seconds up to the measured seconds
+    measured_seconds: float = 0.0  # 60 s for every minute the instance held its boards in
+    busy_seconds: float = 0.0  # per such minute, its in-flight seconds up to 60
     engine_prompt_tokens: int = 0
     engine_completion_tokens: int = 0
 
@@ -121,6 +124,14 @@ class Expected:
                 prompt += fig.engine_prompt_tokens
                 completion += fig.engine_completion_tokens
         return prompt, completion
+
+    def requests_of(self, model: str, groups: Mapping[str, Group]) -> list[dict[str, Any]]:
+        """The engines' lines of the requests ``model``'s instances served."""
+        return [
+            r["engine"]
+            for r in self.requests.values()
+            if groups[r["engine"]["replica"]].model == model
+        ]
 
 
 def _minutes(a: float, b: float) -> Iterable[tuple[int, float]]:
@@ -158,8 +169,25 @@ def _board_intervals(
             }
 
 
-def expected(truth: Any, groups: Mapping[str, Group], book: Book, lo: float, hi: float) -> Expected:
-    """The statement, instance figures and request outcomes the truth implies over ``[lo, hi)``."""
+def expected(
+    truth: Any,
+    groups: Mapping[str, Group],
+    book: Book,
+    lo: float,
+    hi: float,
+    widest: bool = True,
+    spans: Mapping[str, tuple[float, float]] | None = None,
+) -> Expected:
+    """The statement, instance figures and request outcomes the truth implies over ``[lo, hi)``.
+
+    What the truth cannot pin down is when a sidecar had a request: after its client sent it,
+    and before the engine saw it; and when it let go: the engine's end, or the client's for a
+    client that hung up before vLLM's abort took effect. ``widest`` takes each request's span
+    from the earlier start to the later end (client sent to the later end); without it, the
+    engine's own span. A product that meters in-flight time right lies between the two.
+    ``spans``: by the caller's request id, the span to use instead (the product's own, once each
+    has been checked against the truth): the split is then exact to the product's clock.
+    """
     out = Expected()
     clients = {c["request_id"]: c for c in truth.clients if c.get("request_id")}
     kwh_usd = book.usd_per_kwh * book.pue
@@ -218,20 +246,26 @@ def expected(truth: Any, groups: Mapping[str, Group], book: Book, lo: float, hi:
             line.cut_prompt_max += sum(per_prompt)
             line.cut_completion_min += received
             line.cut_completion_max += sum(req["completion_tokens"])
-        for m, seconds in _minutes(max(req["arrived"], lo), min(req["ended"], hi)):
+        began, ended = req["arrived"], req["ended"]
+        if widest and client:
+            began = min(began, client["sent"])
+            ended = max(ended, client.get("ended") or ended)
+        if spans is not None and req.get("request_id") in spans:
+            began, ended = spans[req["request_id"]]
+        for m, seconds in _minutes(max(began, lo), min(ended, hi)):
             inflight[(req["instance"], m)][(team, group.model)] += seconds
 
     # The in-flight split of each instance-minute, and what is left idle.
     idle_of: dict[str, float] = defaultdict(float)
     paid: dict[str, dict[tuple[str, str], float]] = defaultdict(lambda: defaultdict(float))
-    held = _boards_held(truth.boards)
     for (instance, m), usd in cost.items():
         fig = out.instances[instance]
         shares = inflight.get((instance, m), {})
         total = sum(shares.values())
-        measured = gpu_s[(instance, m)] / max(1, held.get(instance, 0))
-        fig.measured_seconds += measured
-        fig.busy_seconds += min(total, measured, SLOT)
+        # The allocation's resolution is the minute: a minute the instance held its boards in
+        # at all is measured whole, as docs/billing.md states.
+        fig.measured_seconds += SLOT
+        fig.busy_seconds += min(total, SLOT)
         denominator = max(SLOT, total)
         for team_model, seconds in shares.items():
             line = out.line(*team_model)
@@ -244,15 +278,6 @@ def expected(truth: Any, groups: Mapping[str, Group], book: Book, lo: float, hi:
     for instance, usd in idle_of.items():
         _charge_idle(out, instance, usd, groups, book, paid)
     return out
-
-
-def _boards_held(boards: list[dict[str, Any]]) -> dict[str, int]:
-    """How many boards each holder ever held (its GPUs per engine)."""
-    held: dict[str, set[tuple[str, int]]] = defaultdict(set)
-    for b in boards:
-        if b["holder"] is not None:
-            held[b["holder"]].add((b["node"], b["index"]))
-    return {holder: len(boards) for holder, boards in held.items()}
 
 
 def _charge_idle(

@@ -59,9 +59,15 @@ def request(
     }
 
 
-def client(rid: str, team: str, received: int = 5) -> dict[str, Any]:
-    """A client's line."""
-    return {"request_id": rid, "team": team, "status": 200, "received_tokens": received}
+def client(rid: str, team: str, received: int = 5, sent: float = 0.0) -> dict[str, Any]:
+    """A client's line (sent at 0 s: before any engine saw it)."""
+    return {
+        "request_id": rid,
+        "team": team,
+        "status": 200,
+        "received_tokens": received,
+        "sent": sent,
+    }
 
 
 def test_worked_example_in_flight_share_with_idle_spread() -> None:
@@ -73,7 +79,7 @@ def test_worked_example_in_flight_share_with_idle_spread() -> None:
             request("b", "r1", "r1", 0, 60),
             request("c", "r1", "r1", 60, 90),
         ],
-        clients=[client("a", "search"), client("b", "assistant"), client("c", "search")],
+        clients=[client("a", "search"), client("b", "assistant"), client("c", "search", sent=60.0)],
     )
     got = expected(truth, {"r1": Group("r1", "m")}, BOOK, 0.0, 180.0)
     assert got.fleet_usd == pytest.approx(0.309)
@@ -129,3 +135,15 @@ def test_a_cut_off_request_is_bounded_by_what_the_client_got_and_the_engine_made
     assert (line.prompt_tokens, line.completion_tokens) == (0, 0)
     assert (line.cut_prompt_min, line.cut_prompt_max) == (7, 7)
     assert (line.cut_completion_min, line.cut_completion_max) == (4, 9)
+
+
+def test_time_waiting_before_the_engine_counts_as_in_flight() -> None:
+    """Sent at 0, queued in the sidecar, on the engine from 30 to 60: in flight all minute."""
+    truth = Truth(
+        boards=board(0, range(61), "r1", "r1"),
+        requests=[request("a", "r1", "r1", 30, 60)],
+        clients=[client("a", "search", sent=0.0)],
+    )
+    got = expected(truth, {"r1": Group("r1", "m", "platform")}, BOOK, 0.0, 61.0)
+    assert got.lines[("search", "m")].busy_usd == pytest.approx(0.103)
+    assert got.instances["r1"].idle_share == pytest.approx(0.0)
