@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from billing.access import keyring
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
-from billing.lifetimes import heartbeat_seconds
+from billing.lifetimes import heartbeat_seconds, live_bound
 from billing.metrics import (
     IngestCounters,
     InstanceCollector,
@@ -68,7 +68,7 @@ def create_app(
     registry.register(SpendCollector(cache))
     registry.register(LedgerCollector(ledger))
     registry.register(StatementCollector(cache))
-    registry.register(InstanceCollector(ledger, heartbeat_seconds(config)))
+    registry.register(InstanceCollector(ledger, heartbeat_seconds(config), live_bound(config)))
     registry.register(ReconciliationCollector(ledger))
     app.state.services = Services(
         config=config,

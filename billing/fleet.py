@@ -28,6 +28,7 @@ __all__ = [
     "Group",
     "Instance",
     "ModelFleet",
+    "asked_sql",
     "fleet_view",
     "latest_decisions_sql",
     "recent_decisions_sql",
@@ -48,6 +49,20 @@ def latest_decisions_sql() -> str:
 SELECT {columns} FROM scaling_decisions
 QUALIFY row_number() OVER (PARTITION BY model ORDER BY {_ORDER}) = 1
 ORDER BY model"""
+
+
+def asked_sql(since: float) -> tuple[str, dict[str, Any]]:
+    """Per model the most replicas the autoscaler asked for lately (model, asked).
+
+    Its latest desired count, whenever decided, or more when a decision since ``since`` asked
+    for more or scaled down from more (``previous``): those instances may still be draining.
+    It bounds how many live instances the registry believes (``billing.lifetimes.LiveBound``).
+    """
+    sql = """
+SELECT model, greatest(arg_max(desired, struct_pack(t := decided_at, id := decision_id)),
+    coalesce(max(greatest(desired, previous)) FILTER (WHERE decided_at >= $since), 0)) AS asked
+FROM scaling_decisions GROUP BY model"""
+    return sql, {"since": float(since)}
 
 
 def recent_decisions_sql(start: float, end: float, limit: int) -> tuple[str, dict[str, Any]]:

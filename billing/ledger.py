@@ -25,12 +25,15 @@ import polars as pl
 from billing import allocation, ingest_sql, lifetimes, reconciliation
 from billing.allocation import Policy
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
+from billing.fleet import asked_sql
 from billing.group_commit import GroupCommit, Ticket
 from billing.jsonkeys import duplicate_key
 from billing.lifetimes import (
     COLUMNS as LIFETIME_COLUMNS,
     DEFAULT_HEARTBEAT_SECONDS,
     HEARTBEAT_RETENTION_SECONDS,
+    GroupCaps,
+    LiveBound,
     Restart,
     lifetimes_sql,
     live_counts_sql,
@@ -581,20 +584,25 @@ class Ledger:
             policy, usage, gpus, occupancy, "_lifetimes" if known else None, keyed, (lo, hi)
         )
 
-    def live_instances(
-        self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
-    ) -> list[tuple[str, str, int]]:
-        """(replica group, model, live instances), for /metrics."""
-        sql, params = live_counts_sql(now, heartbeat_seconds, self.restart)
+    def live_instances(self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
+                       bound: LiveBound | None = None) -> list[tuple[str, str, int]]:  # fmt: skip
+        """(replica group, model, live instances), for /metrics; within ``bound`` when given."""
         with self.reader() as cur:
+            caps = _caps(cur, bound, now)
+            sql, params = live_counts_sql(now, heartbeat_seconds, self.restart, caps)
             return [(str(r), str(m), int(n)) for r, m, n in cur.execute(sql, params).fetchall()]
 
     def lifetimes(self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
                   state: Literal["live", "all"] = "all", replica: str | None = None,
-                  limit: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
-        """Instance lifetimes as ``billing.lifetimes`` defines them, one dict per lifetime."""
-        sql, params = lifetimes_sql(now, heartbeat_seconds, state, replica, limit, self.restart)
+                  limit: int | None = None, bound: LiveBound | None = None) -> list[dict[str, Any]]:  # fmt: skip
+        """Instance lifetimes as ``billing.lifetimes`` defines them, one dict per lifetime.
+
+        ``bound``: the live ones are at most what the configuration allows (``LiveBound``).
+        """
         with self.reader() as cur:
+            caps = _caps(cur, bound, now) if state == "live" else None
+            sql, params = lifetimes_sql(now, heartbeat_seconds, state, replica, limit,
+                                        self.restart, caps)  # fmt: skip
             rows = cur.execute(sql, params).fetchall()
         return [dict(zip(LIFETIME_COLUMNS, row, strict=True)) for row in rows]
 
@@ -720,6 +728,14 @@ def _frame(cur: duckdb.DuckDBPyConnection, sql: str,
 
 def _sql_path(path: Path) -> str:
     return str(path).replace("'", "''")
+
+
+def _caps(cur: duckdb.DuckDBPyConnection, bound: LiveBound | None, now: float) -> GroupCaps | None:
+    """``bound``'s caps, given what the autoscaler asked for lately; None without a bound."""
+    if bound is None:
+        return None
+    sql, params = asked_sql(now - bound.asked_seconds)
+    return bound.caps({str(m): int(n) for m, n in cur.execute(sql, params).fetchall()})
 
 
 def _slot_range(month: str) -> tuple[int, int]:

@@ -44,16 +44,27 @@ lifetime that appears after its samples, or whose pod name comes back, is read a
 samples once (``touched_sql``, ``seen_sql``). The cap is applied when lifetimes are read, with
 the configured heartbeat.
 
+**The live answer is bounded** (``LiveBound``). Instances announce themselves, so what the
+registry calls live steers the collectors (which engines they read) and the sidecars' fail-open
+limits (split by the live count). Per replica group, no more instances are live than the
+configuration lets the group have (``infermeter.fleet_bound.group_bound``: its replica and
+``scaling.max_replicas`` more; without a ceiling, ``min_replicas`` more, or what the autoscaler
+has asked for lately, whichever is more); every group the configuration does not list shares one
+such bound. Past it, the instances that started first are kept: an instance forged now cannot
+push out the engines that were already running.
+
 The builders are pure (SQL and parameters); ``billing.ledger`` runs them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from billing.schema import SLOT_SECONDS
-from infermeter.config import Config
+from infermeter.config import Config, ScalingPolicy
+from infermeter.fleet_bound import group_bound
 
 __all__ = [
     "COLUMNS",
@@ -62,6 +73,8 @@ __all__ = [
     "LIVE_HEARTBEATS",
     "RAW_KEPT",
     "SHIP_ALLOWANCE_SECONDS",
+    "GroupCaps",
+    "LiveBound",
     "Restart",
     "State",
     "delta_sql",
@@ -69,6 +82,7 @@ __all__ = [
     "fold_sql",
     "heartbeat_seconds",
     "lifetimes_sql",
+    "live_bound",
     "live_counts_sql",
     "live_since",
     "live_window_seconds",
@@ -296,9 +310,10 @@ def live_counts_sql(
     now: float,
     heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
     restart: Restart | None = None,
+    caps: GroupCaps | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Live instances per replica group and model (replica, model, instances)."""
-    sql, params = lifetimes_sql(now, heartbeat_seconds, "live", restart=restart)
+    sql, params = lifetimes_sql(now, heartbeat_seconds, "live", restart=restart, caps=caps)
     return (
         f"SELECT replica, model, count(*) AS instances FROM ({sql}) GROUP BY ALL ORDER BY ALL",
         params,
@@ -334,6 +349,37 @@ def live_since(now: float, heartbeat_seconds: float, restart: Restart | None = N
     return since
 
 
+@dataclass(frozen=True, slots=True)
+class GroupCaps:
+    """The most live instances of each configured replica group, and of all the others together."""
+
+    groups: Mapping[str, int]
+    other: int
+
+
+@dataclass(frozen=True, slots=True)
+class LiveBound:
+    """What the configuration lets each replica group run (see the module docstring)."""
+
+    scaling: ScalingPolicy
+    # Each configured replica group and the model it serves (the autoscaler decides per model).
+    groups: Mapping[str, str]
+    # How far back the autoscaler's asks still count: an instance it asked for before a
+    # scale-down drains, and may stay live, that long after.
+    asked_seconds: float
+
+    def caps(self, asked: Mapping[str, int]) -> GroupCaps:
+        """The caps, given the most the autoscaler lately asked for of each model."""
+        groups = {g: group_bound(self.scaling, asked.get(m, 0)) for g, m in self.groups.items()}
+        return GroupCaps(groups, group_bound(self.scaling))
+
+
+def live_bound(config: Config) -> LiveBound:
+    """The bound of ``config``'s fleet; asks count for a drain plus a live window."""
+    window = config.sidecar.drain_seconds + live_window_seconds(heartbeat_seconds(config))
+    return LiveBound(config.scaling, {r.id: r.model for r in config.replicas}, window)
+
+
 def lifetimes_sql(
     now: float,
     heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
@@ -341,28 +387,58 @@ def lifetimes_sql(
     replica: str | None = None,
     limit: int | None = None,
     restart: Restart | None = None,
+    caps: GroupCaps | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Every lifetime (``COLUMNS``), or the live ones, optionally of one replica group.
 
     Ordered by group, instance and start; at most ``limit`` rows. ``last_seen`` is the last
-    event: what the instance itself last said. ``restart``: see ``live_since``.
+    event: what the instance itself last said. ``restart``: see ``live_since``. ``caps``: the
+    live ones are at most these, per group, the first started kept (the module docstring).
     """
     params: dict[str, Any] = {"since": live_since(float(now), heartbeat_seconds, restart)}
     where = []
     if state == "live":
         where.append("stopped_at IS NULL AND last_seen > $since")
+    columns = ", ".join(COLUMNS[:-1])
+    source = "lifetimes"
+    if state == "live" and caps is not None:
+        source, capped = _capped_sql(caps)
+        params.update(capped)
     if replica is not None:
         where.append("replica = $replica")
         params["replica"] = replica
-    columns = ", ".join(COLUMNS[:-1])
     sql = f"""
 SELECT {columns}, CASE WHEN stopped_at IS NOT NULL THEN 'stopped'
     WHEN last_seen > $since THEN 'live' ELSE 'lost' END AS state
-FROM lifetimes {"WHERE " + " AND ".join(where) if where else ""}
+FROM {source} {"WHERE " + " AND ".join(where) if where else ""}
 ORDER BY replica, instance, started_at"""
     if limit is not None:
         sql += "\nLIMIT $limit"
         params["limit"] = int(limit)
+    return sql, params
+
+
+def _capped_sql(caps: GroupCaps) -> tuple[str, dict[str, Any]]:
+    """The live lifetimes within ``caps``, as a subquery, and its parameters.
+
+    Ranked per group by start (then name), a group the configuration does not list ranked with
+    every other such group, so forged groups share one cap instead of having one each.
+    """
+    params: dict[str, Any] = {"other_cap": int(caps.other)}
+    rows = []
+    for i, (group, cap) in enumerate(sorted(caps.groups.items())):
+        rows.append(f"($cap_group_{i}, $cap_{i})")
+        params[f"cap_group_{i}"], params[f"cap_{i}"] = group, int(cap)
+    known = (
+        f"(VALUES {', '.join(rows)}) AS c(cap_group, cap)"
+        if rows
+        else "(SELECT NULL::VARCHAR AS cap_group, NULL::BIGINT AS cap WHERE false) AS c"
+    )
+    sql = f"""(
+SELECT l.* FROM lifetimes AS l LEFT JOIN {known} ON c.cap_group = l.replica
+WHERE l.stopped_at IS NULL AND l.last_seen > $since
+QUALIFY row_number() OVER (PARTITION BY c.cap_group ORDER BY l.started_at, l.instance)
+    <= coalesce(c.cap, $other_cap)) AS live"""
     return sql, params
 
 

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from billing.chargeback import Chargeback
 from billing.ledger import IngestResult, Ledger
+from billing.lifetimes import LiveBound
 from billing.reconciliation import HOUR_SECONDS
 from billing.statement import error_lines
 from billing.statement_cache import CachedChargeback
@@ -171,9 +172,12 @@ class InstanceCollector(Collector):
     row per lifetime, kept at ingest), so a scrape stays cheap however long the fleet has run.
     """
 
-    def __init__(self, ledger: Ledger, heartbeat_seconds: float) -> None:
+    def __init__(self, ledger: Ledger, heartbeat_seconds: float,
+                 bound: LiveBound | None = None) -> None:  # fmt: skip
+        """``bound``: count no more than the configuration lets each group run."""
         self.ledger = ledger
         self.heartbeat_seconds = heartbeat_seconds
+        self.bound = bound
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """One sample per replica group and model with a live instance."""
@@ -183,7 +187,7 @@ class InstanceCollector(Collector):
             labels=["replica", "model"],
         )
         for replica, model, count in self.ledger.live_instances(
-            time.time(), self.heartbeat_seconds
+            time.time(), self.heartbeat_seconds, self.bound
         ):
             family.add_metric([replica, model], count)
         yield family

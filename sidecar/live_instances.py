@@ -6,9 +6,9 @@ background (``GET /v1/instances?state=live``) and kept when a read fails: a stal
 than none, and 1 (the whole limit per sidecar) is what is left when billing was never reached.
 
 The registry is told of instances by the instances themselves, so its count is not trusted past
-what the configuration allows (``instance_bound``): 250 forged live instances must not divide
-every team's limit by 250. The bound errs high (a loose bound only weakens that protection; a
-tight one would give a real fleet more than its share).
+what the configuration allows (``instance_bound``, from ``infermeter.fleet_bound``): 250 forged
+live instances must not divide every team's limit by 250. The bound errs high (a loose bound only
+weakens that protection; a tight one would give a real fleet more than its share).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from infermeter.config import Config
+from infermeter.fleet_bound import instance_bound
 
 __all__ = ["LiveInstances", "count_live", "instance_bound"]
 
@@ -36,20 +36,6 @@ def count_live(body: Any, replica: str | None) -> int | None:
     if replica is not None:
         rows = [r for r in rows if r.get("replica") == replica]
     return len(rows)
-
-
-def instance_bound(config: Config, replica: str | None) -> int:
-    """The most instances the configuration lets share a limit: of replica group ``replica``,
-    or of the whole fleet when None.
-
-    A group runs its configured replica and up to ``scaling.max_replicas`` more (the autoscaler's
-    ceiling; ``min_replicas`` when there is none, the least the autoscaler keeps); the fleet is
-    every configured group.
-    """
-    scaling = config.scaling
-    per_group = 1 + max(scaling.max_replicas or 0, scaling.min_replicas, 1)
-    groups = 1 if replica is not None else max(1, len(config.replicas))
-    return per_group * groups
 
 
 class LiveInstances:

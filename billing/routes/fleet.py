@@ -23,7 +23,7 @@ from billing.fleet import (
     recent_decisions_sql,
 )
 from billing.ledger import Ledger
-from billing.lifetimes import heartbeat_seconds
+from billing.lifetimes import heartbeat_seconds, live_bound
 from billing.routes.dependencies import Scraper, ServicesDep
 from billing.routes.instances import MAX_INSTANCES
 from billing.routes.openapi import errors
@@ -62,7 +62,8 @@ async def fleet(
 
 def _read(ledger: Ledger, config: Config, now: float, start: float, end: float,
           limit: int) -> FleetView:  # fmt: skip
-    live = ledger.lifetimes(now, heartbeat_seconds(config), "live", limit=MAX_INSTANCES)
+    live = ledger.lifetimes(now, heartbeat_seconds(config), "live", limit=MAX_INSTANCES,
+                            bound=live_bound(config))  # fmt: skip
     sql, params = recent_decisions_sql(start, end, limit + 1)
     with ledger.reader() as cur:
         latest = _rows(cur.execute(latest_decisions_sql()).fetchall())

@@ -3,7 +3,9 @@
 Every instance of the dynamic fleet announces itself through its sidecar (start, heartbeats,
 stop); the registry answers what those announcements add up to (``billing.lifetimes``): each
 instance's group, node, GPUs, where its engine metrics are read, and its state. It reads the
-``lifetimes`` table that ingest keeps, one row per lifetime, never the heartbeats. The admin and
+``lifetimes`` table that ingest keeps, one row per lifetime, never the heartbeats. The live
+answer is bounded by what the configuration lets each group run (``billing.lifetimes.LiveBound``):
+instances announce themselves, and a collector reads every engine listed here. The admin and
 the metrics role may read it (a collector runs with the metrics token); teams may not, as it
 spans the whole fleet.
 """
@@ -17,7 +19,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from billing.lifetimes import State, heartbeat_seconds
+from billing.lifetimes import State, heartbeat_seconds, live_bound
 from billing.routes.dependencies import Scraper, ServicesDep
 from billing.routes.openapi import errors
 
@@ -69,7 +71,7 @@ async def instances(
     limit: Annotated[int, Query(ge=1, le=MAX_INSTANCES)] = 1000,
 ) -> Instances:
     """Live instances (``state=all``: every lifetime kept), optionally of one replica group."""
-    rows = await run_in_threadpool(
-        svc.ledger.lifetimes, time.time(), heartbeat_seconds(svc.config), state, replica, limit
-    )
+    config = svc.config
+    rows = await run_in_threadpool(svc.ledger.lifetimes, time.time(), heartbeat_seconds(config),
+                                   state, replica, limit, live_bound(config))  # fmt: skip
     return Instances(instances=[_entry(r) for r in rows])

@@ -1,0 +1,126 @@
+"""Forged live instances cannot steer the registry: billing lists no more than the fleet may run.
+
+Instances announce themselves, so a writer that forges start events can make billing hear of
+any number of them. What steers the fleet (the collectors' engines, the sidecars' fail-open
+split, the Fleet page, the live-instance metric) is bounded by the configuration: here the demo's,
+``min_replicas: 2`` and no ``max_replicas``, so each group may run its replica and 2 more (3);
+more when the autoscaler has asked for more.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from billing.api import create_app
+from billing.ledger import Ledger
+from infermeter.config import Config
+from infermeter.ids import sample_id
+from infermeter.records import InstanceEvent, ScalingDecision
+from tests.billing.conftest import batch
+from tests.servers import serving
+
+METRICS = {"authorization": "Bearer im-demo-metrics"}
+NOW = time.time()
+
+
+def _start(instance: str, started_at: float, replica: str = "small-0") -> dict[str, Any]:
+    """A start event, and so a live instance, of ``replica`` (one of chat-small's groups)."""
+    return InstanceEvent(
+        event_id=f"ev-{replica}-{instance}", instance=instance, replica=replica, model="chat-small",
+        event="start", timestamp=NOW - 5, started_at=started_at, node="node-b", gpu_model="L40S",
+        gpu_count=1, gpus="1", engine_metrics_url=f"http://10.9.9.9:9/{instance}",
+    ).to_json()  # fmt: skip
+
+
+def _asked(desired: int, previous: int = 2) -> dict[str, Any]:
+    """The autoscaler's decision to run ``desired`` replicas of chat-small, from ``previous``."""
+    return ScalingDecision(
+        decision_id=sample_id(NOW - 30, "scale", "chat-small"), model="chat-small",
+        decided_at=NOW - 30, previous=previous, current=previous, desired=desired,
+        reasons="scale",
+    ).to_json()  # fmt: skip
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, config: Config) -> Iterator[Ledger]:
+    """A ledger file where small-0 has two real instances and 250 forged ones started later."""
+    sla = {m.name: m.sla.ttft_p95_seconds for m in config.models}
+    led = Ledger.open(tmp_path / "ledger.duckdb", [t.name for t in config.teams], sla)
+    real = [_start("small-0-a", NOW - 3600), _start("small-0-b", NOW - 1800)]
+    forged = [_start(f"ghost-{i}", NOW - 60) for i in range(250)]
+    assert led.ingest(batch("instances", real + forged), now=NOW).accepted == 252
+    yield led
+    led.close()
+
+
+@pytest.fixture
+async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
+    """The billing API over that ledger."""
+    async with serving(create_app(config, ledger), lifespan="off") as base:
+        yield base
+
+
+async def _live(base: str, **params: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(base_url=base, headers=METRICS) as client:
+        r = await client.get("/v1/instances", params={"state": "live", **params})
+    assert r.status_code == 200
+    instances: list[dict[str, Any]] = r.json()["instances"]
+    return instances
+
+
+async def test_the_registry_lists_no_more_live_instances_than_a_group_may_run(billing):
+    """250 forged instances of small-0: the registry lists 3, the real ones first."""
+    live = await _live(billing, replica="small-0")
+    names = [i["instance"] for i in live]
+    assert len(names) == 3
+    assert {"small-0-a", "small-0-b"} <= set(names)
+
+
+async def test_the_live_metric_and_the_fleet_view_are_bounded_too(billing):
+    """billing's live-instance metric and GET /v1/fleet count 3 for small-0, not 252."""
+    async with httpx.AsyncClient(base_url=billing, headers=METRICS) as client:
+        text = (await client.get("/metrics")).text
+        fleet = (await client.get("/v1/fleet")).json()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    counts = {s.labels["replica"]: s.value
+              for s in families["infermeter_billing_live_instances"].samples}  # fmt: skip
+    assert counts == {"small-0": 3}
+    small = next(g for g in fleet["groups"] if g["replica"] == "small-0")
+    assert (small["live"], len(small["instances"])) == (3, 3)
+
+
+async def test_groups_the_configuration_does_not_list_share_one_bound(billing, ledger):
+    """250 forged groups of one instance each: 3 live in all of them together, not 250."""
+    forged = [_start(f"stray-{i}", NOW - 60, replica=f"ghost-group-{i}") for i in range(250)]
+    assert ledger.ingest(batch("instances", forged), now=NOW).accepted == 250
+    live = await _live(billing)
+    assert len([i for i in live if i["replica"].startswith("ghost-group-")]) == 3
+
+
+async def test_what_the_autoscaler_asked_for_raises_the_bound(billing, ledger):
+    """Without max_replicas, the autoscaler asking for 5 replicas lets small-0 list 6."""
+    assert ledger.ingest(batch("scaling_decisions", [_asked(5)]), now=NOW).accepted == 1
+    assert len(await _live(billing, replica="small-0")) == 6
+
+
+async def test_instances_draining_after_a_scale_down_stay_listed(billing, ledger):
+    """A scale-down from 5 to 2 a moment ago: the 5 may still be draining, so 6 are listed."""
+    assert ledger.ingest(batch("scaling_decisions", [_asked(2, previous=5)]), now=NOW).accepted == 1
+    assert len(await _live(billing, replica="small-0")) == 6
+
+
+async def test_max_replicas_bounds_the_registry_whatever_is_asked(config, ledger):
+    """With min and max_replicas 1 a group lists at most 2, even after a decision asking for 5."""
+    scaling = config.scaling.model_copy(update={"min_replicas": 1, "max_replicas": 1})
+    bounded = config.model_copy(update={"scaling": scaling})
+    assert ledger.ingest(batch("scaling_decisions", [_asked(5)]), now=NOW).accepted == 1
+    async with serving(create_app(bounded, ledger), lifespan="off") as base:
+        live = await _live(base, replica="small-0")
+    assert [i["instance"] for i in live] == ["small-0-a", "small-0-b"]
