@@ -1,239 +1,26 @@
-"""A continuous-batching scheduler with vLLM's timing shape, as a pure state machine.
+"""The simulated replicas' engine: vLLM's continuous-batching loop, from the core's engine model.
 
-Real vLLM runs one engine loop per replica. Each step it admits waiting requests while there is a
-free sequence slot and room in the KV cache, prefills (in chunks of at most
-``max_num_batched_tokens``) and decodes one token for every running sequence. That one loop is
-why time to first token grows with the queue, why per-sequence decode speed falls as the batch
-grows and why total throughput still rises with it. This module models exactly that loop and
-nothing else: it has no clock and no I/O. ``plan()`` says how long the next step takes and
-``commit()`` applies it, so tests can drive it with a virtual clock and the server drives it with
-asyncio (see ``simulator.runner``).
+The model itself (``infermeter.engine_model``) is shared with the efficiency advisor's replay,
+which must not import the simulator; the simulator drives it on asyncio's clock
+(``simulator.replica``) and its tests on a virtual one.
 """
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from infermeter.engine_model import (
+    MAX_NUM_BATCHED_TOKENS,
+    PREFIX_CACHE_BLOCKS,
+    Counters,
+    Scheduler,
+    Sequence,
+    Step,
+)
 
-from infermeter.config import EngineProfile
-
-__all__ = ["Scheduler", "Sequence", "Step"]
-
-MAX_NUM_BATCHED_TOKENS = 8192
-PREFIX_CACHE_BLOCKS = 50_000
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One sequence being generated: a request with n=2 has two of them sharing a prompt."""
-
-    seq_id: str
-    prompt_tokens: int
-    max_tokens: int
-    stop_after: int
-    prefix_blocks: tuple[int, ...] = ()
-    arrived_at: float = 0.0
-    admitted_at: float | None = None
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    prefilled: int = 0
-    cached_tokens: int = 0
-    generated: int = 0
-    preemptions: int = 0
-    finish_reason: str | None = None
-    last_token_at: float | None = None
-    new_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
-
-    @property
-    def context_tokens(self) -> int:
-        """Tokens whose KV entries the sequence needs: prompt plus what it generated."""
-        return self.prompt_tokens + self.generated
-
-    @property
-    def done(self) -> bool:
-        """True once the sequence stopped, ran out of length, or was aborted."""
-        return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class Step:
-    """The plan of one engine step: who runs, what gets prefilled, and how long it takes."""
-
-    duration: float
-    decode: tuple[Sequence, ...]
-    prefill: tuple[tuple[Sequence, int], ...]
-    load: float
-
-    @property
-    def prefill_tokens(self) -> int:
-        """Prompt tokens computed in this step."""
-        return sum(n for _, n in self.prefill)
-
-
-@dataclass
-class Counters:
-    """Monotonic totals, exported as the ``vllm:`` counters."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    preemptions: int = 0
-    iterations: int = 0
-
-
-class Scheduler:
-    """The waiting queue, the running batch and the KV-cache budget of one engine."""
-
-    def __init__(self, profile: EngineProfile) -> None:
-        self.profile = profile
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.counters = Counters()
-        self._prefix_cache: OrderedDict[int, None] = OrderedDict()
-        self._kv_blocks_total = profile.kv_cache_tokens // profile.block_size
-
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; it is admitted by a later ``plan()``."""
-        self.waiting.append(seq)
-
-    def abort(self, seq: Sequence, now: float) -> None:
-        """Stop a sequence at once and free its slot, as vLLM does when a client goes away."""
-        if seq.done:
-            return
-        seq.finish_reason = "abort"
-        seq.finished_at = now
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-
-    @property
-    def idle(self) -> bool:
-        """True when there is nothing to run."""
-        return not self.running and not self.waiting
-
-    def kv_blocks_used(self) -> int:
-        """KV-cache blocks held by running sequences (prompt + generated, rounded up)."""
-        size = self.profile.block_size
-        return sum(math.ceil((s.context_tokens + 1) / size) for s in self.running)
-
-    def kv_usage(self) -> float:
-        """Share of the KV cache in use, as vllm:kv_cache_usage_perc reports it (0..1)."""
-        return min(1.0, self.kv_blocks_used() / self._kv_blocks_total)
-
-    def plan(self, now: float) -> Step | None:
-        """Admit what fits at ``now`` and describe the next step; None when idle."""
-        self._admit(now)
-        if not self.running:
-            return None
-        self._preempt_if_full()
-        budget = MAX_NUM_BATCHED_TOKENS
-        decode: list[Sequence] = []
-        prefill: list[tuple[Sequence, int]] = []
-        for seq in self.running:
-            remaining = seq.context_tokens - seq.prefilled - seq.cached_tokens
-            if remaining > 0:
-                chunk = min(remaining, budget)
-                if chunk > 0:
-                    prefill.append((seq, chunk))
-                    budget -= chunk
-            else:
-                decode.append(seq)
-                budget -= 1
-        p = self.profile
-        prefill_tokens = sum(n for _, n in prefill)
-        batch = len(decode) + len(prefill)
-        duration_ms = (
-            p.step_base_ms
-            + p.step_per_seq_ms * batch
-            + 1000.0 * prefill_tokens / p.prefill_tokens_per_second
-        )
-        load = min(1.0, batch / p.max_num_seqs + prefill_tokens / MAX_NUM_BATCHED_TOKENS)
-        return Step(duration_ms / 1000.0, tuple(decode), tuple(prefill), load)
-
-    def commit(self, step: Step, now: float) -> list[Sequence]:
-        """Apply a planned step that ended at ``now``; return the sequences given a token."""
-        self.counters.iterations += 1
-        emitted: list[Sequence] = []
-        for seq, n in step.prefill:
-            if seq.done:
-                continue
-            seq.prefilled += n
-            if seq.prefilled + seq.cached_tokens >= seq.context_tokens:
-                emitted.append(seq)
-        emitted.extend(s for s in step.decode if not s.done)
-        for seq in emitted:
-            self._emit_token(seq, now)
-        return emitted
-
-    def _emit_token(self, seq: Sequence, now: float) -> None:
-        if seq.last_token_at is not None:
-            seq.itl.append(now - seq.last_token_at)
-        seq.generated += 1
-        seq.new_tokens += 1
-        seq.last_token_at = now
-        if seq.first_token_at is None:
-            seq.first_token_at = now
-        self.counters.generation_tokens += 1
-        if seq.generated >= seq.max_tokens:
-            seq.finish_reason = "length"
-        elif seq.generated >= seq.stop_after:
-            seq.finish_reason = "stop"
-        if seq.done:
-            seq.finished_at = now
-            self.running.remove(seq)
-            self._remember_prefix(seq)
-
-    def _admit(self, now: float) -> None:
-        size = self.profile.block_size
-        free = self._kv_blocks_total - self.kv_blocks_used()
-        while self.waiting and len(self.running) < self.profile.max_num_seqs:
-            seq = self.waiting[0]
-            need = math.ceil((seq.context_tokens + 1) / size)
-            if need > free and self.running:
-                break
-            self.waiting.popleft()
-            free -= need
-            if seq.admitted_at is None:
-                seq.admitted_at = now
-                self._lookup_prefix(seq)
-            else:
-                seq.prefilled = 0
-            self.running.append(seq)
-
-    def _preempt_if_full(self) -> None:
-        """Recompute-preempt the newest sequences when decode would overflow the KV cache."""
-        size = self.profile.block_size
-        while len(self.running) > 1:
-            growth = sum(1 for s in self.running if (s.context_tokens + 1) % size == 0)
-            if self.kv_blocks_used() + growth <= self._kv_blocks_total:
-                return
-            victim = self.running.pop()
-            victim.preemptions += 1
-            victim.cached_tokens = 0
-            self.counters.preemptions += 1
-            self.waiting.appendleft(victim)
-
-    def _lookup_prefix(self, seq: Sequence) -> None:
-        hits = 0
-        for block in seq.prefix_blocks:
-            if block not in self._prefix_cache:
-                break
-            self._prefix_cache.move_to_end(block)
-            hits += 1
-        # vLLM always recomputes at least the last prompt token, so a full hit leaves one.
-        seq.cached_tokens = min(hits * self.profile.block_size, seq.prompt_tokens - 1)
-        # Like vLLM, each choice of an n>1 request counts its prompt again.
-        self.counters.prompt_tokens += seq.prompt_tokens
-        self.counters.prefix_cache_queries += seq.prompt_tokens
-        self.counters.prefix_cache_hits += seq.cached_tokens
-
-    def _remember_prefix(self, seq: Sequence) -> None:
-        for block in seq.prefix_blocks:
-            self._prefix_cache[block] = None
-            self._prefix_cache.move_to_end(block)
-        while len(self._prefix_cache) > PREFIX_CACHE_BLOCKS:
-            self._prefix_cache.popitem(last=False)
+__all__ = [
+    "MAX_NUM_BATCHED_TOKENS",
+    "PREFIX_CACHE_BLOCKS",
+    "Counters",
+    "Scheduler",
+    "Sequence",
+    "Step",
+]
