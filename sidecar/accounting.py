@@ -12,13 +12,14 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from opentelemetry import trace
 
 from infermeter.records import RequestStatus, UsageRecord
 from infermeter.spool import Spool, SpoolError
 from sidecar import tracing
+from sidecar.admission import GENERATE
 from sidecar.bounds import capped, label
 from sidecar.fairness import Slot
 from sidecar.journal import AdmissionJournal
@@ -26,6 +27,9 @@ from sidecar.limits import Admission
 from sidecar.metrics import SidecarMetrics
 from sidecar.prefix import Prefix
 from sidecar.stream import StreamMeter, UsageCounts
+
+if TYPE_CHECKING:
+    from sidecar.otel_metrics import GenAiMetrics
 
 __all__ = ["Accounting", "Call", "admitted_fields", "ending_fields", "engine_choices"]
 
@@ -141,6 +145,8 @@ class Accounting:
         self.on_spool_failure = on_spool_failure
         # The last append failed: with ``refuse``, new requests are refused until one succeeds.
         self.spool_broken = False
+        # The GenAI metrics kept for OTLP export, when export is on (``sidecar.otel_metrics``).
+        self.genai: GenAiMetrics | None = None
 
     @property
     def refusing(self) -> bool:
@@ -190,21 +196,33 @@ class Accounting:
         labels = (call.team or "unknown", label(call.model, model_names))
         inexact = usage is None and call.admission is not None and status in _INEXACT
         _count(m, labels, status.value, usage, inexact)
+        duration = ttft = tpot = None
         if status is not RequestStatus.UNAUTHORIZED:
-            m.duration.observe(labels, time.perf_counter() - call.started)
+            duration = time.perf_counter() - call.started
+            m.duration.observe(labels, duration)
         if meter is not None and meter.first_token_at is not None:
-            _observe_stream(m, labels, call, usage, meter)
+            ttft, tpot = _observe_stream(m, labels, call, usage, meter)
+        if self.genai is not None:
+            response = label(call.served_version, model_names) if call.served_version else ""
+            error = None if status is RequestStatus.OK else status.value
+            self.genai.observe((GENERATE.get(call.endpoint, call.endpoint), *labels, response),
+                               error, duration, ttft, tpot, usage)  # fmt: skip
         if call.span is not None:
             _end_span(call.span, call, status, usage, meter, finish)
 
 
 def count_recovered(metrics: SidecarMetrics, records: Iterable[UsageRecord],
-                    team_names: frozenset[str], model_names: frozenset[str]) -> None:  # fmt: skip
+                    team_names: frozenset[str], model_names: frozenset[str],
+                    genai: GenAiMetrics | None = None) -> None:  # fmt: skip
     """Count the records a start made of requests its killed predecessor left running.
 
     They ended as interrupted, with the tokens of their journal slots (inexact): the SLA's
-    error ratio and the token counters would otherwise never see them.
+    error ratio and the token counters would otherwise never see them (nor the GenAI token
+    usage, when it is kept).
     """
+    records = list(records)
+    if genai is not None:
+        genai.recovered(records, team_names, model_names, GENERATE)
     for r in records:
         # The journal is the sidecar's own file, but labels still take configured names only.
         labels = (label(r.team, team_names), label(r.model, model_names))
@@ -226,14 +244,19 @@ def _count(m: SidecarMetrics, labels: tuple[str, str], status: str, usage: Usage
 
 
 def _observe_stream(m: SidecarMetrics, labels: tuple[str, str], call: Call,
-                    usage: UsageCounts | None, meter: StreamMeter) -> None:  # fmt: skip
+                    usage: UsageCounts | None, meter: StreamMeter) -> tuple[float, float | None]:  # fmt: skip
+    """The stream's histograms; returns its TTFT and its time per output token after the first
+    (None when fewer than two tokens were timed apart), for the GenAI metrics."""
     first = meter.first_token_at
     assert first is not None
-    m.ttft.observe(labels, first - call.started)
+    ttft = first - call.started
+    m.ttft.observe(labels, ttft)
     m.itl.merge(labels, meter.itl)
     last = meter.last_token_at
     if usage is not None and usage.completion > 1 and last and last > first:
         m.tps.observe(labels, (usage.completion - 1) / (last - first))
+        return ttft, (last - first) / (usage.completion - 1)
+    return ttft, None
 
 
 def _end_span(span: trace.Span, call: Call, status: RequestStatus, usage: UsageCounts | None,

@@ -62,7 +62,7 @@ from sidecar.drain import Drain
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 from sidecar.fetch import Fetched, fetch
 from sidecar.journal import AdmissionJournal, JournalError
-from sidecar.lifetime import EVENTS_MAX_BYTES, Lifetime
+from sidecar.lifetime import EVENTS_MAX_BYTES, Lifetime, resource_attributes
 from sidecar.limits import LimitExceeded
 from sidecar.metrics import SidecarMetrics
 from sidecar.models_list import with_aliases
@@ -77,6 +77,8 @@ if TYPE_CHECKING:
     import httpx
     from opentelemetry.sdk.trace import TracerProvider
 
+    from infermeter.otlp import OtlpSettings
+    from infermeter.otlp_export import MetricsExport
     from infermeter.shipper import Shipper
 
 __all__ = ["Sidecar"]
@@ -96,8 +98,10 @@ class Sidecar:
 
     def __init__(self, config: Config, replica_id: str, *, spool_dir: Path | None = None,
                  tracer_provider: TracerProvider | None = None, client: httpx.AsyncClient | None = None,
-                 identity: Identity | None = None, engine_metrics_url: str | None = None) -> None:  # fmt: skip
-        """``identity``: the instance fronted (default: the fixed replica); ``spool_dir``: its spool."""
+                 identity: Identity | None = None, engine_metrics_url: str | None = None,
+                 otlp: OtlpSettings | None = None) -> None:  # fmt: skip
+        """``identity``: the instance fronted (default: the fixed replica); ``spool_dir``: its spool;
+        ``otlp``: how to export the GenAI metrics over OTLP (None: not exported, nothing kept)."""
         self.replica_id = replica_id
         gateway = config.sidecar.gateway
         # Outlives reloads: a new view must not forget which signed requests were served.
@@ -154,6 +158,18 @@ class Sidecar:
         self.ingest_token = os.environ.get(settings.ingest_token_env) or None
         self._tasks: list[asyncio.Task[None]] = []
         self._shippers: list[Shipper] = []
+        self.otlp = self._metrics_export(otlp) if otlp is not None else None
+
+    def _metrics_export(self, settings: OtlpSettings) -> MetricsExport:
+        """The GenAI metrics, kept at each request's end and exported over OTLP (the SDK loads here)."""
+        from infermeter.otlp_export import make_metrics_export
+        from sidecar.otel_metrics import GenAiMetrics
+
+        genai = GenAiMetrics(self.view.replica.upstream_url, settings.opt_in)
+        self.accounting.genai = genai
+        return make_metrics_export(settings, f"infermeter-sidecar-{self.replica_id}", "infermeter.sidecar",
+                                   resource_attributes(self.identity), [genai.produce],
+                                   self.metrics.registry, genai.schema_url)  # fmt: skip
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -207,7 +223,10 @@ class Sidecar:
         self.spool.open()
         self.override_spool.open()
         recovered = await recover(self.journal.open(), self.spool)
-        count_recovered(self.metrics, recovered, self.team_names, self.view.model_names)
+        count_recovered(self.metrics, recovered, self.team_names, self.view.model_names,
+                        self.accounting.genai)  # fmt: skip
+        if self.otlp is not None:
+            self._tasks.append(asyncio.get_running_loop().create_task(self.otlp.run()))
         self.metrics.spool_backlog.set_function(lambda: self.spool.backlog)
         if self.ingest_url:
             from infermeter.shipper import Shipper, ShipperMetrics
@@ -240,6 +259,8 @@ class Sidecar:
         if self._client is not None:
             await self._client.aclose()
         await self.relay.close()
+        if self.otlp is not None:  # the last figures, every request above counted
+            await self.otlp.close()
 
     async def _stop_tasks(self) -> None:
         for task in self._tasks:

@@ -47,6 +47,7 @@ def _sidecar(args: argparse.Namespace, config: Config) -> int:
     import asyncio
 
     from infermeter.identity import IdentityError
+    from infermeter.otlp import OtlpConfigError
     from infermeter.serving import loop_factory
     from sidecar.serve import log_to_stderr, serve_sidecar
 
@@ -67,4 +68,6 @@ def _sidecar(args: argparse.Namespace, config: Config) -> int:
             )
     except IdentityError as exc:
         return fail(f"cannot tell which instance this is: {exc}")
+    except OtlpConfigError as exc:
+        return fail(f"cannot export metrics over OTLP: {exc}")
     return 0

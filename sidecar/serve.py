@@ -16,6 +16,7 @@ from infermeter.config import Config, ConfigError, load_config
 from infermeter.exposure import public_key_problems
 from infermeter.http_server import HttpServer
 from infermeter.identity import identity_from_environment
+from infermeter.otlp import metrics_export_configured, otlp_settings
 from infermeter.serving import ensure_free, host_port
 from sidecar.app import Sidecar
 from sidecar.drain import drain
@@ -32,7 +33,8 @@ async def serve_sidecar(
 ) -> None:
     """Serve the sidecar of ``replica_id`` until told to stop.
 
-    IdentityError when the environment names the instance wrongly. A start-up that fails (the
+    IdentityError when the environment names the instance wrongly, OtlpConfigError when the
+    OTEL_* variables ask for a metric export that cannot be made. A start-up that fails (the
     spool directory stays locked) is logged, and the process exits with status 3.
     """
     config = load_config(config_path)
@@ -51,9 +53,10 @@ async def serve_sidecar(
     tracer_provider = make_tracer_provider(
         f"infermeter-sidecar-{replica_id}", attributes=resource_attributes(identity)
     )
+    otlp = otlp_settings() if metrics_export_configured() else None
     metrics_url = engine_metrics_url(host, port, os.environ, socket.gethostname())
     app = Sidecar(config, replica_id, tracer_provider=tracer_provider, identity=identity,
-                  engine_metrics_url=metrics_url)  # fmt: skip
+                  engine_metrics_url=metrics_url, otlp=otlp)  # fmt: skip
     loop = asyncio.get_running_loop()
     draining: list[asyncio.Task[None]] = []
 

@@ -1,0 +1,71 @@
+"""The OTEL_* variables read as the OpenTelemetry specification reads them, and bad ones refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from infermeter.otlp import (
+    GEN_AI_LATEST,
+    OtlpConfigError,
+    OtlpSettings,
+    metrics_export_configured,
+    otlp_settings,
+)
+
+ENDPOINT = "http://collector:4318"
+
+
+@pytest.mark.parametrize(
+    ("environ", "configured"),
+    [
+        ({}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT}, True),
+        ({"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": f"{ENDPOINT}/v1/metrics"}, True),
+        ({"OTEL_METRICS_EXPORTER": "otlp"}, True),
+        ({"OTEL_METRICS_EXPORTER": "console,otlp"}, True),
+        ({"OTEL_METRICS_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT}, False),
+        ({"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT}, False),
+        ({"OTEL_SDK_DISABLED": "false", "OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT}, True),
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, False),
+    ],
+)
+def test_export_is_on_when_the_variables_ask_for_it(environ, configured):
+    """An endpoint or the otlp exporter turns metric export on; none or a disabled SDK off."""
+    assert metrics_export_configured(environ) is configured
+
+
+@pytest.mark.parametrize(
+    ("environ", "settings"),
+    [
+        ({}, OtlpSettings("http/protobuf", 60.0)),
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, OtlpSettings("grpc", 60.0)),
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf"},
+         OtlpSettings("http/protobuf", 60.0)),
+        ({"OTEL_METRIC_EXPORT_INTERVAL": "5000"}, OtlpSettings("http/protobuf", 5.0)),
+        ({"OTEL_SEMCONV_STABILITY_OPT_IN": f"http, {GEN_AI_LATEST}"},
+         OtlpSettings("http/protobuf", 60.0, frozenset({"http", GEN_AI_LATEST}))),
+    ],
+)  # fmt: skip
+def test_settings_follow_the_metrics_variable_first(environ, settings):
+    """The metrics-specific protocol wins over the general one; the interval is milliseconds."""
+    assert otlp_settings(environ) == settings
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+         "OTEL_EXPORTER_OTLP_PROTOCOL='http/json': metrics can be exported over http/protobuf or grpc"),
+        ({"OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "thrift"},
+         "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL='thrift': metrics can be exported over http/protobuf or grpc"),
+        ({"OTEL_METRIC_EXPORT_INTERVAL": "soon"},
+         "OTEL_METRIC_EXPORT_INTERVAL='soon': not a positive number of milliseconds"),
+        ({"OTEL_METRIC_EXPORT_INTERVAL": "0"},
+         "OTEL_METRIC_EXPORT_INTERVAL='0': not a positive number of milliseconds"),
+    ],
+)  # fmt: skip
+def test_a_value_export_cannot_honour_is_refused_by_name(environ, message):
+    """The error names the variable and its value."""
+    with pytest.raises(OtlpConfigError) as caught:
+        otlp_settings(environ)
+    assert str(caught.value) == message
