@@ -330,6 +330,7 @@ class FleetCollector:
             prefix_cache_queries_total=r.prefix_cache_queries_total,
             prefix_cache_hits_total=r.prefix_cache_hits_total,
             preemptions_total=r.preemptions_total,
+            kv_cache_tokens=r.kv_cache_tokens,
         )
         # A target that vanished while it was read is not kept in the view.
         if any(s.target == source.target for s in self.engine_sources):

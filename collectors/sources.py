@@ -67,6 +67,7 @@ class EngineReading:
     prefix_cache_queries_total: float
     prefix_cache_hits_total: float
     preemptions_total: float
+    kv_cache_tokens: float | None = None  # the engine's KV-cache capacity, when it says
 
 
 class GpuSource(Protocol):

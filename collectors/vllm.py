@@ -2,9 +2,11 @@
 
 Read: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
 (a ratio despite its name), ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``,
-``vllm:num_preemptions_total``, ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``.
-A replica with several engines (data parallel) reports one series per ``engine`` label: counts
-and counters are summed, KV-cache usage is averaged.
+``vllm:num_preemptions_total``, ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
+and the KV cache's size from the info gauge ``vllm:cache_config_info`` (its labels
+``num_gpu_blocks`` x ``block_size``: the engine's real capacity, which the efficiency advisor
+sizes batches against). A replica with several engines (data parallel) reports one series per
+``engine`` label: counts, counters and capacities are summed, KV-cache usage is averaged.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collectors.dcgm import fetch_text
 from collectors.exposition import ExpositionError, Sample, parse_samples
 from collectors.sources import EngineReading, ScrapeError
 
-__all__ = ["VLLM_FIELDS", "VllmSource", "engine_reading"]
+__all__ = ["VLLM_FIELDS", "VllmSource", "engine_reading", "kv_cache_tokens"]
 
 VLLM_FIELDS = (
     "vllm:num_requests_running",
@@ -26,6 +28,7 @@ VLLM_FIELDS = (
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
     "vllm:num_preemptions_total",
+    "vllm:cache_config_info",
 )
 
 
@@ -44,7 +47,23 @@ def engine_reading(text: str) -> EngineReading:
         prefix_cache_queries_total=_sum(s["vllm:prefix_cache_queries_total"]),
         prefix_cache_hits_total=_sum(s["vllm:prefix_cache_hits_total"]),
         preemptions_total=_sum(s["vllm:num_preemptions_total"]),
+        kv_cache_tokens=kv_cache_tokens(s["vllm:cache_config_info"]),
     )
+
+
+def kv_cache_tokens(info: list[Sample]) -> float | None:
+    """The KV cache's tokens from ``vllm:cache_config_info`` series, summed over engines.
+
+    None when no series says both its GPU blocks and its block size as positive whole numbers
+    (vLLM writes "None" for what it has not resolved): an unknown capacity is not a zero one.
+    """
+    total, known = 0.0, False
+    for labels, _ in info:
+        blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+        if blocks.isdigit() and size.isdigit() and int(blocks) > 0 and int(size) > 0:
+            total += int(blocks) * int(size)
+            known = True
+    return total if known else None
 
 
 def _sum(samples: list[Sample]) -> float:

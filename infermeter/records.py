@@ -190,6 +190,9 @@ class EngineSample(_Record):
     preemptions_total: float = 0.0
     # The instance (pod) read; ``replica`` is its replica group. None: a fixed replica.
     instance: str | None = None
+    # The engine's KV-cache capacity in tokens, as vLLM publishes it (``vllm:cache_config_info``:
+    # GPU blocks x block size, summed over its engines). None: the page did not say.
+    kv_cache_tokens: float | None = None
 
 
 class InstanceEventType(StrEnum):

@@ -15,6 +15,8 @@ def test_real_vllm_capture(fixture_text):
     assert (r.prompt_tokens_total, r.generation_tokens_total) == (2097.0, 6965.0)
     assert (r.prefix_cache_queries_total, r.prefix_cache_hits_total) == (2097.0, 0.0)
     assert r.preemptions_total == 0.0
+    # vllm:cache_config_info: 4096 GPU blocks of 128 tokens.
+    assert r.kv_cache_tokens == 4096 * 128
 
 
 def test_engines_of_one_replica_are_summed_and_kv_cache_averaged():
@@ -36,3 +38,31 @@ def test_a_page_that_is_not_vllm_is_refused(fixture_text):
     """A dcgm-exporter page served where vLLM should be is an error, not zeros."""
     with pytest.raises(ExpositionError, match="num_requests_running"):
         engine_reading(fixture_text("dcgm-exporter-rtx4000ada-k8s.prom"))
+
+
+def test_kv_cache_capacity_of_data_parallel_engines_is_summed():
+    """Two engines of 100 and 50 blocks of 16 tokens hold 2,400 tokens; an unresolved one adds nothing."""
+    text = 'vllm:num_requests_running{engine="0",model_name="m"} 1.0\n' + "".join(
+        f'vllm:cache_config_info{{block_size="{size}",engine="{e}",num_gpu_blocks="{blocks}"}} 1.0\n'
+        for e, blocks, size in ((0, "100", "16"), (1, "50", "16"), (2, "None", "16"))
+    )
+    assert engine_reading(text).kv_cache_tokens == 2400
+
+
+def test_a_page_without_the_cache_info_leaves_the_capacity_unknown():
+    """No vllm:cache_config_info: the capacity is None, not zero."""
+    text = 'vllm:num_requests_running{engine="0",model_name="m"} 1.0\n'
+    assert engine_reading(text).kv_cache_tokens is None
+
+
+def test_the_simulated_engine_publishes_its_profile_capacity():
+    """The simulator's page (vLLM 0.32's labels) reads back as its profile's KV-cache tokens."""
+    from prometheus_client import generate_latest
+
+    from infermeter.config import EngineProfile
+    from simulator.vllm_metrics import VllmMetrics
+
+    metrics = VllmMetrics("m", EngineProfile(kv_cache_tokens=120_000, block_size=16))
+    metrics["num_requests_running"].set(3)
+    reading = engine_reading(generate_latest(metrics.registry).decode())
+    assert (reading.requests_running, reading.kv_cache_tokens) == (3.0, 120_000)
