@@ -42,10 +42,14 @@ def _collect(args: argparse.Namespace, config: Config) -> int:
 
     from collectors.serve import serve_collector
     from infermeter.kubernetes import KubernetesApiError
+    from infermeter.otlp import OtlpConfigError
 
     try:
         asyncio.run(serve_collector(config, args.listen))
     except KubernetesApiError as exc:
         print(f"infermeter: collector.kubernetes: {exc}", file=sys.stderr)
+        return 2
+    except OtlpConfigError as exc:
+        print(f"infermeter: cannot export metrics over OTLP: {exc}", file=sys.stderr)
         return 2
     return 0

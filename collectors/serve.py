@@ -10,7 +10,7 @@ import socket
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -27,14 +27,19 @@ from collectors.targets import EngineTarget, PodRules, static_targets
 from collectors.vllm import VllmSource
 from infermeter.config import Config
 from infermeter.kubernetes import in_cluster_api
+from infermeter.otlp import metrics_export_configured, otlp_settings
 from infermeter.serving import ensure_free, host_port, server
 from infermeter.shipper import Shipper, ShipperMetrics, last_shipment
 from infermeter.spool import Spool
+
+if TYPE_CHECKING:
+    from infermeter.otlp_export import MetricsExport
 
 __all__ = [
     "SpoolSink",
     "build_collector",
     "engine_sources",
+    "metrics_export",
     "pod_watcher",
     "registry_poller",
     "serve_collector",
@@ -123,6 +128,23 @@ def pod_watcher(config: Config, on_targets: OnTargets,
     return watcher, client
 
 
+def metrics_export(collector: FleetCollector, registry: CollectorRegistry,
+                   environ: Mapping[str, str]) -> MetricsExport | None:  # fmt: skip
+    """The GPU readings over OTLP when the OTEL_* variables ask for it (``collectors.otlp_metrics``).
+
+    The SDK is imported only then (its exporter reads the rest of the variables from the
+    process environment). OtlpConfigError for a protocol or interval it cannot honour.
+    """
+    if not metrics_export_configured(environ):
+        return None
+    from collectors.otlp_metrics import SCHEMA_URL, GpuExport
+    from infermeter.otlp_export import make_metrics_export
+
+    return make_metrics_export(otlp_settings(environ), "infermeter-collector", "infermeter.collector",
+                               {"service.instance.id": socket.gethostname()}, [GpuExport(collector).produce],
+                               registry, SCHEMA_URL)  # fmt: skip
+
+
 class SpoolSink:
     """Appends each round's samples to one spool per kind (group-committed, durable)."""
 
@@ -178,6 +200,9 @@ async def serve_collector(config: Config, listen: str | None) -> None:
         if discover is not None:
             tasks.append(asyncio.create_task(discover(), name=f"discover-{settings.discovery}"))
         registry = CollectorRegistry()
+        export = metrics_export(collector, registry, env)
+        if export is not None:
+            tasks.append(asyncio.create_task(export.run(), name="otlp-metrics"))
         shippers: list[Shipper] = []
         if settings.ingest_url:
             token = os.environ.get(settings.ingest_token_env)
@@ -213,3 +238,5 @@ async def serve_collector(config: Config, listen: str | None) -> None:
                 log.warning(
                     "collector: %d sample(s) left unshipped in %s", left, settings.spool_dir
                 )
+            if export is not None:
+                await export.close()
