@@ -138,6 +138,7 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
 
     from billing.ledger import LedgerError
     from billing.serve import serve_billing
+    from infermeter.otlp import OtlpConfigError
 
     try:
         asyncio.run(serve_billing(config, args.listen, args.database))
@@ -145,6 +146,8 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
         raise CommandError(
             ledger_problem(args.database or config.billing.database, str(exc)), code=1
         ) from None
+    except OtlpConfigError as exc:
+        raise CommandError(f"cannot export metrics over OTLP: {exc}", code=2) from None
     return 0
 
 

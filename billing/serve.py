@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import uvicorn
+from fastapi import FastAPI
 
 from billing.api import create_app
 from billing.ledger import Ledger
 from billing.lifetimes import heartbeat_seconds
 from infermeter.config import Config
+from infermeter.otlp import metrics_export_configured, otlp_settings
 from infermeter.serving import ServerLimits, ensure_free, host_port, server
 
-__all__ = ["billing_server", "open_ledger", "serve_billing"]
+if TYPE_CHECKING:
+    from infermeter.otlp_export import MetricsExport
+
+__all__ = ["billing_server", "metrics_export", "open_ledger", "serve_billing"]
 
 log = logging.getLogger("infermeter.billing")
 
@@ -30,15 +40,33 @@ def open_ledger(config: Config, database: str | None = None) -> Ledger:
     )
 
 
-def billing_server(config: Config, ledger: Ledger, host: str, port: int) -> uvicorn.Server:
-    """The billing API on ``host:port``, with the connection cap and deadlines of its settings."""
+def billing_server(config: Config, ledger: Ledger, host: str, port: int,
+                   app: FastAPI | None = None) -> uvicorn.Server:  # fmt: skip
+    """The billing API (``app``, or one made over ``ledger``) on ``host:port``, with the
+    connection cap and deadlines of its settings."""
     b = config.billing
     limits = ServerLimits(
         header_timeout_seconds=b.header_timeout_seconds,
         max_connections=b.max_connections,
         keep_alive_seconds=b.keep_alive_timeout_seconds,
     )
-    return server(create_app(config, ledger), host, port, limits=limits)
+    return server(app or create_app(config, ledger), host, port, limits=limits)
+
+
+def metrics_export(app: FastAPI, environ: Mapping[str, str]) -> MetricsExport | None:
+    """``infermeter.cost`` over OTLP when the OTEL_* variables ask for it (``billing.otlp_metrics``).
+
+    The SDK is imported only then (its exporter reads the rest of the variables from the process
+    environment). OtlpConfigError for a protocol or interval it cannot honour.
+    """
+    if not metrics_export_configured(environ):
+        return None
+    from billing.otlp_metrics import CostExport
+    from infermeter.otlp_export import make_metrics_export
+
+    services = app.state.services
+    return make_metrics_export(otlp_settings(environ), "infermeter-billing", "infermeter.billing", {},
+                               [CostExport(services.statements).produce], services.registry)  # fmt: skip
 
 
 async def serve_billing(
@@ -55,7 +83,17 @@ async def serve_billing(
             host,
             port,
         )
-        await billing_server(config, ledger, host, port).serve()
+        app = create_app(config, ledger)
+        export = metrics_export(app, os.environ)
+        task = asyncio.create_task(export.run()) if export is not None else None
+        try:
+            await billing_server(config, ledger, host, port, app).serve()
+        finally:
+            if task is not None and export is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await export.close()
     finally:
         # On SIGTERM this runs because the command turns the signal into SystemExit.
         ledger.close()
