@@ -146,6 +146,7 @@ class MetricsExport:
         self._failed_in_row = 0
         self._reason = _capture_exporter_logs()
         self._lock = asyncio.Lock()
+        self._sending: asyncio.Future[bool] | None = None
 
     async def run(self) -> None:
         """Export every interval until cancelled."""
@@ -154,15 +155,23 @@ class MetricsExport:
             await self.export_once()
 
     async def export_once(self) -> bool:
-        """Build the points now and send them; True when the receiver took them."""
+        """Build the points now and send them; True when the receiver took them.
+
+        Sends never overlap (the SDK's exporters are not made for it): a send whose caller was
+        cancelled (the loop stopping) goes on in its thread, and the next export waits for it.
+        """
         async with self._lock:
+            if self._sending is not None:
+                await asyncio.wait([self._sending])
             now = time.time_ns()
             metrics = [
                 m for p in self.producers for m in await p(self.start_ns, now) if m.data.data_points
             ]
             data = MetricsData([ResourceMetrics(self.resource, [ScopeMetrics(self.scope, metrics, self.scope.schema_url or "")],
                                                 self.resource.schema_url)])  # fmt: skip
-            ok = await asyncio.to_thread(self._send, data)
+            self._sending = asyncio.ensure_future(asyncio.to_thread(self._send, data))
+            ok = await asyncio.shield(self._sending)
+            self._sending = None
             self._note(ok)
             return ok
 
