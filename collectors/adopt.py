@@ -10,7 +10,10 @@ sidecar uses), then removes the directory once nothing is left. Record ids make 
 harmless: a segment the sidecar had sent but not yet deleted is simply acknowledged again.
 
 The lock is let go between rounds, so a pod restarted with the same UID gets its directory back
-(it waits for the lock, ``sidecar.lifetime.LOCK_WAIT_SECONDS``) and ships the rest itself.
+(it waits for the lock, ``sidecar.lifetime.LOCK_WAIT_SECONDS``) and ships the rest itself. For
+the same reason a directory is not removed while its gateway nonces (``sidecar.nonces``) were
+written less than ``keep_nonces_seconds`` ago: a sidecar restarted within that time must still
+refuse the signed requests it served.
 
 What to do with a directory, once locked, is decided by ``plan`` alone, from a ``Listing`` of it;
 the file system and HTTP live in ``Adopter``.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -31,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from infermeter.journal import JOURNAL_DIR, journal_files, recover
 from infermeter.shipper import Shipper, ShipperMetrics
 from infermeter.spool import Segment, Spool
-from infermeter.spooldir import BUDGET_OVERRIDES, INSTANCES, LOCK, SpoolLock
+from infermeter.spooldir import BUDGET_OVERRIDES, GATEWAY_NONCES, INSTANCES, LOCK, SpoolLock
 
 __all__ = [
     "Action",
@@ -70,6 +74,8 @@ class Listing:
     other_files: tuple[str, ...] = ()
     # Budget overrides an admin granted through the sidecar, not shipped yet.
     override_segments: int = 0
+    # Gateway nonces a restarted sidecar would still need (written within the time asked).
+    recent_nonces: bool = False
 
 
 def candidates(names: Iterable[str]) -> list[str]:
@@ -78,20 +84,26 @@ def candidates(names: Iterable[str]) -> list[str]:
 
 
 def plan(found: Listing) -> Action:
-    """Ship what there is; remove a directory left with nothing; keep one with dead letters."""
+    """Ship what there is; remove a directory left with nothing; keep one with dead letters,
+    or with gateway nonces its sidecar, restarted, would still need."""
     if found.usage_segments or found.instance_segments or found.override_segments or found.journals:
         return Action.SHIP
-    return Action.KEEP if found.other_files else Action.REMOVE
+    return Action.KEEP if found.other_files or found.recent_nonces else Action.REMOVE
 
 
-def listing(directory: Path) -> Listing:
-    """Look at an instance's spool directory (without reading the segments)."""
+def listing(directory: Path, keep_nonces_seconds: float = 0.0) -> Listing:
+    """Look at an instance's spool directory (without reading the segments); gateway nonces
+    written within ``keep_nonces_seconds`` are recent."""
     usage = journals = 0
     segments = {INSTANCES: 0, BUDGET_OVERRIDES: 0}
     others: list[str] = []
+    recent = False
     for entry in directory.iterdir():
         if entry.name.startswith("seg-") and entry.name.endswith(".jsonl"):
             usage += 1
+        elif entry.name == GATEWAY_NONCES and entry.is_dir():
+            since = time.time() - keep_nonces_seconds
+            recent = any(p.stat().st_mtime > since for p in entry.iterdir())
         elif entry.name == JOURNAL_DIR and entry.is_dir():
             journals = len(journal_files(directory))
         elif entry.name in segments and entry.is_dir():
@@ -102,7 +114,7 @@ def listing(directory: Path) -> Listing:
         elif entry.name != LOCK:
             others.append(entry.name)
     return Listing(usage, segments[INSTANCES], journals, tuple(sorted(others)),
-                   segments[BUDGET_OVERRIDES])  # fmt: skip
+                   segments[BUDGET_OVERRIDES], recent)  # fmt: skip
 
 
 class Leftovers:
@@ -166,7 +178,9 @@ class Adopter:
     def __init__(self, root: Path, ingest_url: str, token: str | None, client: httpx.AsyncClient,
                  metrics: AdoptionMetrics, shipper_metrics: ShipperMetrics | None = None,
                  interval_seconds: float = 10.0, max_wait_seconds: float = 5.0,
-                 exclude: Iterable[Path] = ()) -> None:  # fmt: skip
+                 exclude: Iterable[Path] = (), keep_nonces_seconds: float = 0.0) -> None:  # fmt: skip
+        """``keep_nonces_seconds``: how long after its last write a sidecar's gateway nonces
+        keep its directory (twice the gateway's skew window: see the module docstring)."""
         self.root = root
         self.ingest_url = ingest_url
         self.token = token
@@ -177,6 +191,7 @@ class Adopter:
         # Per batch: billing down ends the round quickly, so that the lock is let go.
         self.max_wait_seconds = max_wait_seconds
         self.exclude = frozenset(p.resolve() for p in exclude)
+        self.keep_nonces_seconds = keep_nonces_seconds
         self._adopted: set[str] = set()
 
     async def run(self) -> None:
@@ -214,7 +229,7 @@ class Adopter:
 
     async def _adopt(self, name: str, directory: Path, lock: SpoolLock) -> tuple[int, int]:
         """Ship and remove one locked directory; (records shipped, 1 if records are left)."""
-        action = plan(listing(directory))
+        action = plan(listing(directory, self.keep_nonces_seconds))
         shipped = 0
         if action is Action.SHIP:
             if name not in self._adopted:
@@ -223,7 +238,7 @@ class Adopter:
                 log.warning("adopting the spool of a sidecar that is gone: %s", directory)
             await self._recover(directory)
             shipped = await self._ship(directory)
-            action = plan(listing(directory))
+            action = plan(listing(directory, self.keep_nonces_seconds))
         if action is Action.REMOVE and lock.remove_directory():
             log.info("spool %s shipped and removed", directory)
             self._adopted.discard(name)

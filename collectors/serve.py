@@ -214,7 +214,8 @@ async def serve_collector(config: Config, listen: str | None) -> None:
             if settings.adopt_spools_dir:
                 adopter = Adopter(Path(settings.adopt_spools_dir), settings.ingest_url, token, client,
                                   AdoptionMetrics(registry), shipped, settings.scrape_interval_seconds,
-                                  exclude=[Path(settings.spool_dir)])  # fmt: skip
+                                  exclude=[Path(settings.spool_dir)],
+                                  keep_nonces_seconds=2 * config.sidecar.gateway.max_skew_seconds)  # fmt: skip
                 tasks.append(asyncio.create_task(adopter.run(), name="adopt-spools"))
         elif settings.adopt_spools_dir:
             log.warning("collector.adopt_spools_dir is set but collector.ingest_url is not: "

@@ -20,8 +20,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from infermeter.replay import ReplayCache
-
 __all__ = [
     "ADMIN",
     "INGEST",
@@ -35,6 +33,7 @@ __all__ = [
     "Forbidden",
     "GatewayVerifier",
     "KeyRing",
+    "Signed",
     "Unauthenticated",
     "bearer_key",
     "identify",
@@ -96,47 +95,69 @@ def bearer_key(authorization: str | None) -> str:
     return key.strip()
 
 
-SIGNATURE_VERSION: Final = "infermeter-gateway-v2"
+SIGNATURE_VERSION: Final = "infermeter-gateway-v3"
 _NONCE = re.compile(r"[A-Za-z0-9_.-]{16,128}")
 _HEX_SIGNATURE = re.compile(r"[0-9a-fA-F]{64}")
 
 
 def string_to_sign(
-    *, team: str, timestamp: int, nonce: str, method: str, path: str, body: bytes
+    *, team: str, timestamp: int, nonce: str, audience: str, method: str, path: str, body: bytes
 ) -> bytes:
-    """The exact bytes a gateway signs: seven lines joined by ``\n``, UTF-8 encoded.
+    """The exact bytes a gateway signs: eight lines joined by ``\n``, UTF-8 encoded.
 
     ::
 
-        infermeter-gateway-v2
+        infermeter-gateway-v3
         <timestamp: Unix seconds, decimal>
         <nonce: 16-128 of A-Z a-z 0-9 _ . ->
         <team>
+        <audience: the configured model the request is sent to, such as chat-small>
         <method, upper case>
         <path, as sent, without the query string>
         <SHA-256 of the request body, lower-case hex (of b"" when there is none)>
 
-    Binding the method, path and body means a signature is good for one request only; the
-    nonce, remembered by the sidecar for the skew window, means that request is served once.
+    Binding the audience, method, path and body means a signature is good for one request to one
+    model's sidecars only; the nonce, remembered for the skew window (``sidecar.nonces``), means
+    that request is served once.
     """
     digest = hashlib.sha256(body).hexdigest()
-    lines = (SIGNATURE_VERSION, str(timestamp), nonce, team, method.upper(), path, digest)
+    lines = (SIGNATURE_VERSION, str(timestamp), nonce, team, audience, method.upper(), path, digest)
     return "\n".join(lines).encode()
 
 
 def sign_request(
-    secret: bytes, *, team: str, timestamp: int, nonce: str, method: str, path: str, body: bytes
+    secret: bytes,
+    *,
+    team: str,
+    timestamp: int,
+    nonce: str,
+    audience: str,
+    method: str,
+    path: str,
+    body: bytes,
 ) -> str:
     """Hex HMAC-SHA256 of ``string_to_sign(...)`` under ``secret``: what a trusted gateway sends."""
-    message = string_to_sign(
-        team=team, timestamp=timestamp, nonce=nonce, method=method, path=path, body=body
-    )
+    message = string_to_sign(team=team, timestamp=timestamp, nonce=nonce, audience=audience,
+                             method=method, path=path, body=body)  # fmt: skip
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Signed:
+    """A request a gateway signed: its team, and the nonce and timestamp that make it good once."""
+
+    team: str
+    nonce: str
+    timestamp: int
 
 
 @dataclass(frozen=True)
 class GatewayVerifier:
-    """Checks a gateway's signature over one request, its timestamp window and its nonce."""
+    """Checks a gateway's signature over one request to ``audience`` and its timestamp window.
+
+    Whether its nonce was used before is for the caller to ask (``sidecar.nonces``): that memory
+    is kept on disk and shared in Redis, which a pure check cannot reach.
+    """
 
     secret: bytes
     team_header: str
@@ -144,8 +165,9 @@ class GatewayVerifier:
     signature_header: str
     max_skew_seconds: float
     known_teams: frozenset[str]
+    # The configured model this verifier's sidecar serves: a signature names the one it is for.
+    audience: str
     nonce_header: str = "x-infermeter-nonce"
-    replay: ReplayCache | None = None
 
     @property
     def headers(self) -> frozenset[str]:
@@ -154,15 +176,15 @@ class GatewayVerifier:
             {self.team_header, self.timestamp_header, self.signature_header, self.nonce_header}
         )
 
-    def team_for(
+    def verify(
         self,
         headers: Mapping[str, str],
         method: str,
         path: str,
         body: bytes,
         now: float | None = None,
-    ) -> str:
-        """The signed team; AuthError if unsigned, malformed, stale, forged, replayed or unknown."""
+    ) -> Signed:
+        """The signed request; AuthError if unsigned, malformed, stale, forged or of an unknown team."""
         team = headers.get(self.team_header)
         stamp = headers.get(self.timestamp_header)
         signature = headers.get(self.signature_header)
@@ -182,20 +204,13 @@ class GatewayVerifier:
         now = time.time() if now is None else now
         if abs(now - ts) > self.max_skew_seconds:
             raise AuthError("Stale gateway signature.", "invalid_team_signature")
-        expected = sign_request(
-            self.secret, team=team, timestamp=ts, nonce=nonce, method=method, path=path, body=body
-        ).encode()
+        expected = sign_request(self.secret, team=team, timestamp=ts, nonce=nonce, audience=self.audience,
+                                method=method, path=path, body=body).encode()  # fmt: skip
         if not hmac.compare_digest(expected, signature.lower().encode()):
             raise AuthError("Invalid gateway signature.", "invalid_team_signature")
         if team not in self.known_teams:
             raise AuthError("Unknown team.", "invalid_team_signature")
-        if self.replay is not None:
-            refused = self.replay.admit(nonce, ts, now)
-            if refused == "replayed":
-                raise AuthError("Replayed gateway signature.", "invalid_team_signature")
-            if refused == "stale":
-                raise AuthError("Stale gateway signature.", "invalid_team_signature")
-        return team
+        return Signed(team, nonce, ts)
 
 
 class Unauthenticated(Exception):

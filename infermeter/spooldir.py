@@ -6,6 +6,7 @@ pod UID in Kubernetes, else the instance id, which for a fixed replica is the re
     <spool_key>/seg-<n>.jsonl              usage records (``usage``)
     <spool_key>/instances/seg-<n>.jsonl    the instance's start, heartbeats and stop (``instances``)
     <spool_key>/rejected.jsonl             records billing refused, with the reason
+    <spool_key>/gateway-nonces/            the signed gateway requests served (``sidecar.nonces``)
     <spool_key>/.lock                      held (``flock``) by the sidecar while it runs
 
 The sidecar holds an exclusive ``flock`` on ``.lock`` for as long as it runs; the kernel releases
@@ -31,10 +32,11 @@ from typing import Final
 
 from infermeter.journal import JOURNAL_DIR
 
-__all__ = ["BUDGET_OVERRIDES", "INSTANCES", "LOCK", "SpoolBusyError", "SpoolLock"]
+__all__ = ["BUDGET_OVERRIDES", "GATEWAY_NONCES", "INSTANCES", "LOCK", "SpoolBusyError", "SpoolLock"]
 
 INSTANCES: Final = "instances"
 BUDGET_OVERRIDES: Final = "budget-overrides"
+GATEWAY_NONCES: Final = "gateway-nonces"
 LOCK: Final = ".lock"
 
 
@@ -108,7 +110,11 @@ class SpoolLock:
         lock meanwhile finds its file unnamed and starts afresh.
         """
         assert self._fd is not None, "remove a spool directory only while holding its lock"
-        for sub in (INSTANCES, BUDGET_OVERRIDES, JOURNAL_DIR):
+        nonces = self.directory / GATEWAY_NONCES
+        if nonces.is_dir():  # nothing to ship: the caller judged them too old to matter
+            for path in nonces.iterdir():
+                path.unlink(missing_ok=True)
+        for sub in (INSTANCES, BUDGET_OVERRIDES, JOURNAL_DIR, GATEWAY_NONCES):
             with contextlib.suppress(OSError):  # absent, or not empty: the check below tells
                 (self.directory / sub).rmdir()
         if any(p.name != LOCK for p in self.directory.iterdir()):

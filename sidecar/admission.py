@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from infermeter.auth import bearer_key
+from infermeter.auth import Signed, bearer_key
 from infermeter.records import RequestStatus
 from sidecar.bounds import capped
 from sidecar.limits import estimate_prompt_tokens
@@ -112,14 +112,17 @@ def gateway_signed(view: View, headers: Headers) -> bool:
     return gateway is not None and first_header(headers, gateway.team_header.encode()) is not None
 
 
-def identify(view: View, method: str, path: str, headers: Headers, body: bytes = b"") -> str:
-    """The calling team, by its key or, in gateway mode, by a signature over the request.
+def identify(
+    view: View, method: str, path: str, headers: Headers, body: bytes = b""
+) -> str | Signed:
+    """The calling team by its key or, in gateway mode, the request its signature proves.
 
-    AuthError when neither proves a team.
+    A signed request's nonce is still to be checked against the nonces served before
+    (``sidecar.nonces.team_of``). AuthError when neither proves a team.
     """
     if view.gateway is not None and gateway_signed(view, headers):
         named = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
-        return view.gateway.team_for(named, method, path, body)
+        return view.gateway.verify(named, method, path, body)
     return view.keys.team_for(bearer_key(first_header(headers, b"authorization")))
 
 

@@ -42,7 +42,6 @@ from infermeter.identity import Identity, identity_from_environment
 from infermeter.ids import request_id
 from infermeter.journal import JOURNAL_DIR, recover
 from infermeter.records import RequestStatus
-from infermeter.replay import ReplayCache
 from infermeter.spool import Spool, SpoolError
 from infermeter.spooldir import BUDGET_OVERRIDES
 from sidecar import tracing
@@ -53,7 +52,6 @@ from sidecar.admission import (
     Refusal,
     first_header,
     gateway_signed,
-    identify,
     plan,
     upstream_headers,
 )
@@ -66,6 +64,7 @@ from sidecar.lifetime import EVENTS_MAX_BYTES, Lifetime, resource_attributes
 from sidecar.limits import LimitExceeded
 from sidecar.metrics import SidecarMetrics
 from sidecar.models_list import with_aliases
+from sidecar.nonces import nonce_store, team_of
 from sidecar.relay import JSON, Relay
 from sidecar.request_ids import client_request_id
 from sidecar.state import View, build_view
@@ -103,10 +102,7 @@ class Sidecar:
         """``identity``: the instance fronted (default: the fixed replica); ``spool_dir``: its spool;
         ``otlp``: how to export the GenAI metrics over OTLP (None: not exported, nothing kept)."""
         self.replica_id = replica_id
-        gateway = config.sidecar.gateway
-        # Outlives reloads: a new view must not forget which signed requests were served.
-        self.replay = ReplayCache(gateway.max_skew_seconds, gateway.replay_cache_entries)
-        self.view: View = build_view(config, replica_id, self.replay)
+        self.view: View = build_view(config, replica_id)
         self.team_names = frozenset(t.name for t in config.teams)
         settings = config.sidecar
         self.settings = settings
@@ -131,6 +127,8 @@ class Sidecar:
         directory = spool_dir or Path(settings.spool_dir) / self.identity.spool_key
         self.spool = Spool(directory, max_bytes=settings.spool_max_bytes,
                            commit_delay_seconds=SPOOL_COMMIT_DELAY_SECONDS)  # fmt: skip
+        # Outlives reloads: a new view must not forget which signed requests were served.
+        self.nonces = nonce_store(config, directory, self.metrics.registry)
         # Overrides are few (an admin's hand): the lifetime events' bound is ample.
         self.override_spool = Spool(directory / BUDGET_OVERRIDES, max_bytes=EVENTS_MAX_BYTES)
         self.budgets = budget_gate(settings.budgets, {t.name: t.budget_usd_per_month for t in config.teams},
@@ -212,6 +210,7 @@ class Sidecar:
         running, start the shippers, announce the start."""
         await self.lifetime.claim()
         await self.limiter.start()
+        self._tasks.append(asyncio.get_running_loop().create_task(self.nonces.run()))
         if self.settings.budgets.spend_url:
             self._tasks.append(asyncio.get_running_loop().create_task(self.budgets.run()))
         if (redis := self.limiter.redis) is not None and self.fair is not None:
@@ -255,6 +254,7 @@ class Sidecar:
         await self.lifetime.close()
         self.lifetime.release()
         await self.limiter.close()
+        await self.nonces.close()
         await self.budgets.close()
         if self._client is not None:
             await self._client.aclose()
@@ -285,7 +285,7 @@ class Sidecar:
 
     def reload(self, config: Config) -> None:
         """Apply a new configuration without a restart (keys, limits, approved models)."""
-        self.view = build_view(config, self.replica_id, self.replay)
+        self.view = build_view(config, self.replica_id)
         self.team_names = frozenset(t.name for t in config.teams)
         self.limiter.configure(team_limits(config))
         self.budgets.budgets = {t.name: t.budget_usd_per_month for t in config.teams}
@@ -393,11 +393,16 @@ class Sidecar:
 
     async def _models(self, scope: Scope, send: Send) -> None:
         try:
-            identify(self.view, scope["method"], scope["path"], scope["headers"])
+            await team_of(self.view, self.nonces, scope["method"], scope["path"], scope["headers"])
         except AuthError as exc:
             await respond(
                 send, 401, error_body(401, str(exc), "invalid_request_error", exc.code), [JSON]
             )
+            return
+        except Refusal as refused:
+            body = error_body(refused.status, refused.message, refused.err_type, refused.code)
+            await respond(send, refused.status, body,
+                          [JSON, *((k.encode(), v.encode()) for k, v in refused.headers)])  # fmt: skip
             return
         try:
             r = await self._fetch("/v1/models", self._upstream_headers(scope["headers"], None),
@@ -509,7 +514,9 @@ class Sidecar:
         signed = gateway_signed(view, headers)
         raw = await self._read(scope, receive) if signed else b""
         try:
-            call.team = identify(view, scope["method"], scope["path"], headers, raw)
+            call.team = await team_of(
+                view, self.nonces, scope["method"], scope["path"], headers, raw
+            )
         except AuthError as exc:
             raise Refusal(
                 401, str(exc), "invalid_request_error", exc.code, RequestStatus.UNAUTHORIZED

@@ -14,7 +14,6 @@ from typing import Final
 
 from infermeter.auth import ADMIN, METRICS, GatewayVerifier, KeyRing
 from infermeter.config import Config, Replica
-from infermeter.replay import ReplayCache
 from sidecar.bounds import shown
 from sidecar.prefix import PrefixDigester, prefix_digester
 
@@ -102,11 +101,12 @@ def not_found_message(requested: str | None, available: tuple[str, ...]) -> str:
     return f"{head} Available models: {names}{more}."
 
 
-def build_view(config: Config, replica_id: str, replay: ReplayCache | None = None) -> View:
+def build_view(config: Config, replica_id: str) -> View:
     """The view of ``replica_id``; KeyError if the replica is not configured.
 
-    ``replay`` is the gateway's nonce memory, kept by the sidecar across reloads so that a
-    reload does not open a window for replays.
+    In gateway mode a signature names the model it is for: this replica's (the audience). The
+    memory of nonces served is the sidecar's, not the view's (``sidecar.nonces``): a reload
+    does not forget it.
     """
     replica = config.replica(replica_id)
     model = config.model(replica.model)
@@ -118,7 +118,7 @@ def build_view(config: Config, replica_id: str, replay: ReplayCache | None = Non
             raise ValueError(f"sidecar.gateway is enabled but ${g.secret_env} is empty")
         gateway = GatewayVerifier(secret.encode(), g.team_header, g.timestamp_header, g.signature_header,
                                   g.max_skew_seconds, frozenset(t.name for t in config.teams),
-                                  g.nonce_header, replay or ReplayCache(g.max_skew_seconds, g.replay_cache_entries))  # fmt: skip
+                                  model.name, g.nonce_header)  # fmt: skip
     control_digests = [*config.admin_token_sha256, *config.metrics_token_sha256]
     return View(
         replica=replica,

@@ -43,11 +43,14 @@ POD = {"POD_NAME": "vllm-small-7d9f8-abcde", "POD_UID": "0b6c1f2e-1111-2222-3333
         (Listing(usage_segments=1, other_files=("rejected.jsonl",)), Action.SHIP),
         (Listing(), Action.REMOVE),
         (Listing(other_files=("rejected.jsonl",)), Action.KEEP),
+        (Listing(recent_nonces=True), Action.KEEP),
     ],
-    ids=["usage", "events", "overrides", "usage-and-dead-letters", "empty", "only-dead-letters"],
-)
+    ids=["usage", "events", "overrides", "usage-and-dead-letters", "empty", "only-dead-letters",
+         "recent-nonces"],
+)  # fmt: skip
 def test_plan_ships_what_there_is_and_removes_only_an_empty_directory(found, action):
-    """Segments are shipped; an empty directory is removed; dead letters keep it for an operator."""
+    """Segments are shipped; an empty directory is removed; dead letters keep it for an operator,
+    and gateway nonces a restarted sidecar would still need keep it for that sidecar."""
     assert plan(found) is action
 
 
@@ -143,6 +146,22 @@ async def test_dead_letters_keep_the_directory_and_its_lock_free(tmp_path):
     lock = SpoolLock(directory)
     assert lock.try_acquire()
     lock.release()
+
+
+async def test_gateway_nonces_keep_the_directory_only_while_they_matter(tmp_path):
+    """Nonces written within keep_nonces_seconds keep a shipped directory; older ones go with it."""
+    nonces = tmp_path / "small-0" / "gateway-nonces"
+    nonces.mkdir(parents=True)
+    written = nonces / "nonces-000000000000.log"
+    written.write_text(f"{int(time.time())} n-0123456789abcdef\n")
+    async with httpx.AsyncClient() as client:
+        adopter = Adopter(tmp_path, f"http://127.0.0.1:{free_port()}/v1/ingest", INGEST, client,
+                          AdoptionMetrics(CollectorRegistry()), keep_nonces_seconds=600)  # fmt: skip
+        await adopter.adopt_once()
+        assert written.exists()
+        os.utime(written, (time.time() - 601, time.time() - 601))
+        await adopter.adopt_once()
+    assert not (tmp_path / "small-0").exists()
 
 
 def _sidecar_config(tmp_path: Path, upstream: str, listen: str, billing_port: int) -> Path:

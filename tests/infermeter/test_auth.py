@@ -18,6 +18,7 @@ from infermeter.auth import (
     Forbidden,
     GatewayVerifier,
     KeyRing,
+    Signed,
     Unauthenticated,
     bearer_key,
     identify,
@@ -33,6 +34,7 @@ SKEW = 300
 PATH = "/v1/chat/completions"
 BODY = b'{"model":"chat-small"}'
 NONCE = "nonce-0123456789abcdef"
+MODEL = "chat-small"
 
 
 def digest(key: str) -> str:
@@ -59,17 +61,21 @@ def gateway() -> GatewayVerifier:
         signature_header="x-infermeter-signature",
         max_skew_seconds=SKEW,
         known_teams=frozenset(KEYS.values()),
-        replay=ReplayCache(SKEW, 1000),
+        audience=MODEL,
     )
 
 
 def signed(
-    team: str, timestamp: int = NOW, secret: bytes = SECRET, nonce: str = NONCE
+    team: str,
+    timestamp: int = NOW,
+    secret: bytes = SECRET,
+    nonce: str = NONCE,
+    audience: str = MODEL,
 ) -> dict[str, str]:
-    """The headers a gateway holding ``secret`` sends for ``team``'s POST of BODY to PATH."""
-    signature = sign_request(
-        secret, team=team, timestamp=timestamp, nonce=nonce, method="POST", path=PATH, body=BODY
-    )
+    """The headers a gateway holding ``secret`` sends for ``team``'s POST of BODY to PATH of
+    ``audience``'s sidecars."""
+    signature = sign_request(secret, team=team, timestamp=timestamp, nonce=nonce, audience=audience,
+                             method="POST", path=PATH, body=BODY)  # fmt: skip
     return {
         "x-infermeter-team": team,
         "x-infermeter-timestamp": str(timestamp),
@@ -134,14 +140,16 @@ def test_key_never_appears_in_an_error(ring, header):
 @pytest.mark.parametrize("now", [NOW, NOW - SKEW, NOW + SKEW], ids=["fresh", "oldest", "newest"])
 def test_gateway_header_signed_within_the_window_is_accepted(gateway, now):
     """A correctly signed header is accepted up to ``max_skew_seconds`` either side of now."""
-    assert gateway.team_for(signed("search"), "POST", PATH, BODY, now=now) == "search"
+    assert gateway.verify(signed("search"), "POST", PATH, BODY, now=now) == Signed(
+        "search", NONCE, NOW
+    )
 
 
 def test_gateway_signature_is_accepted_in_upper_case_hex(gateway):
     """Hex case does not matter in the signature."""
     headers = signed("search")
     headers["x-infermeter-signature"] = headers["x-infermeter-signature"].upper()
-    assert gateway.team_for(headers, "POST", PATH, BODY, now=NOW) == "search"
+    assert gateway.verify(headers, "POST", PATH, BODY, now=NOW).team == "search"
 
 
 def _without(name: str) -> dict[str, str]:
@@ -170,25 +178,34 @@ def _with(name: str, value: str) -> dict[str, str]:
         (signed("search", NOW + SKEW + 1), "invalid_team_signature", "Stale gateway signature."),
         (signed("search", secret=b"not-the-secret"), "invalid_team_signature", "Invalid gateway signature."),
         (_tampered_team(), "invalid_team_signature", "Invalid gateway signature."),
+        (signed("search", audience="chat-large"), "invalid_team_signature", "Invalid gateway signature."),
         (_with("signature", "é" * 64), "invalid_team_signature", "Invalid gateway signature."),
         (signed("marketing"), "invalid_team_signature", "Unknown team."),
     ],
     ids=["no-team", "no-timestamp", "unsigned", "no-nonce", "400-digit-timestamp", "short-nonce", "bad-timestamp", "stale-past", "stale-future",
-         "forged", "tampered-team", "non-ascii-signature", "unknown-team"],
+         "forged", "tampered-team", "other-model", "non-ascii-signature", "unknown-team"],
 )  # fmt: skip
 def test_gateway_header_is_refused(gateway, headers, code, message):
-    """Unsigned, stale, forged, tampered or unknown-team headers are refused with a specific error."""
+    """Unsigned, stale, forged, tampered, other-model or unknown-team headers are refused with a
+    specific error."""
     with pytest.raises(AuthError) as caught:
-        gateway.team_for(headers, "POST", PATH, BODY, now=NOW)
+        gateway.verify(headers, "POST", PATH, BODY, now=NOW)
     assert (str(caught.value), caught.value.code) == (message, code)
 
 
-def test_string_to_sign_is_the_documented_seven_lines():
-    """The signed string is version, timestamp, nonce, team, method, path and body digest, one a line."""
+def test_string_to_sign_is_the_documented_eight_lines():
+    """The signed string is version, timestamp, nonce, team, audience, method, path and body
+    digest, one a line."""
     assert string_to_sign(
-        team="search", timestamp=NOW, nonce=NONCE, method="post", path=PATH, body=b""
+        team="search",
+        timestamp=NOW,
+        nonce=NONCE,
+        audience=MODEL,
+        method="post",
+        path=PATH,
+        body=b"",
     ) == (
-        b"infermeter-gateway-v2\n1800000000\nnonce-0123456789abcdef\nsearch\nPOST\n"
+        b"infermeter-gateway-v3\n1800000000\nnonce-0123456789abcdef\nsearch\nchat-small\nPOST\n"
         b"/v1/chat/completions\ne3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
     )
 
@@ -201,14 +218,7 @@ def test_string_to_sign_is_the_documented_seven_lines():
 def test_gateway_signature_covers_method_path_and_body(gateway, method, path, body):
     """A signature made for one request does not verify another method, path or body."""
     with pytest.raises(AuthError, match="Invalid gateway signature"):
-        gateway.team_for(signed("search"), method, path, body, now=NOW)
-
-
-def test_gateway_nonce_is_accepted_once(gateway):
-    """The same signed request presented twice is refused the second time."""
-    assert gateway.team_for(signed("search"), "POST", PATH, BODY, now=NOW) == "search"
-    with pytest.raises(AuthError, match="Replayed gateway signature"):
-        gateway.team_for(signed("search"), "POST", PATH, BODY, now=NOW + 1)
+        gateway.verify(signed("search"), method, path, body, now=NOW)
 
 
 def test_replay_cache_stays_bounded_and_refuses_what_it_forgot():
@@ -219,6 +229,13 @@ def test_replay_cache_stays_bounded_and_refuses_what_it_forgot():
     assert len(cache) == 3
     assert cache.admit("n0", NOW, now=NOW + 5) == "stale"
     assert cache.admit("n4", NOW + 4, now=NOW + 5) == "replayed"
+
+
+def test_replay_cache_refuses_a_nonce_older_than_its_own_window():
+    """A timestamp past the memory's window is stale, whatever window the signature check had."""
+    cache = ReplayCache(window_seconds=SKEW, max_entries=3)
+    assert cache.admit("n0", NOW - SKEW - 1, now=NOW) == "stale"
+    assert cache.admit("n1", NOW - SKEW, now=NOW) is None
 
 
 def test_replay_cache_forgets_nonces_past_the_window():

@@ -241,7 +241,8 @@ async def test_gateway_mode_accepts_only_fresh_signed_team_headers(stack_factory
     def signed(ts: int) -> dict[str, str]:
         nonce = f"nonce-{ts}-0123456789"
         signature = sign_request(b"s3cret", team="research", timestamp=ts, nonce=nonce,
-                                 method="POST", path="/v1/chat/completions", body=body)  # fmt: skip
+                                 audience="chat-small", method="POST", path="/v1/chat/completions",
+                                 body=body)  # fmt: skip
         return {"x-infermeter-team": "research", "x-infermeter-timestamp": str(ts),
                 "x-infermeter-nonce": nonce, "x-infermeter-signature": signature}  # fmt: skip
 
