@@ -70,6 +70,7 @@ from typing import Any, cast
 
 import yaml
 
+from bench.otlp_sink import OtlpSink
 from bench.rawload import RepeatingStream, run_connections
 from infermeter.config import DEFAULT_CONFIG, load_config
 from infermeter.serving import free_port
@@ -578,11 +579,13 @@ def stack(
     tag: str,
     launcher: Path | None = None,
     sidecar_settings: dict[str, Any] | None = None,
+    sidecar_env: dict[str, str] | None = None,
 ) -> Iterator[Stack]:
     """Start replica, nginx and sidecar; stop all three on the way out, whatever happens.
 
     ``launcher``: a Python script run instead of ``-m infermeter`` for the sidecar only, with
-    the same arguments (to measure a patched sidecar, or one on another event loop)."""
+    the same arguments (to measure a patched sidecar, or one on another event loop);
+    ``sidecar_env``: variables for the sidecar only (the OTEL_* ones of ``--otlp-metrics``)."""
     base = tmp / tag
     base.mkdir()
     ports = {path: free_port(HOST) for path in PATHS}
@@ -619,7 +622,7 @@ def stack(
             "sidecar",
             side_cmd,
             base / "sidecar.log",
-            env,
+            {**env, **(sidecar_env or {})},
         )
         started.append(sidecar)
         replica.wait_ready(ports["direct"], "/health")
@@ -889,6 +892,7 @@ def run_benchmark(
     launcher: Path | None = None,
     sidecar_settings: dict[str, Any] | None = None,
     phases: frozenset[str] | None = None,
+    sidecar_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Every phase (or those in ``phases``) on every path; returns the windows and the
     sidecar's idle RSS."""
@@ -925,7 +929,9 @@ def run_benchmark(
             tmp = Path(tmp_name)
             echo(_HEADER)
             if wanted("ttft_c1", "ttft_paired", "c64_1tok", "c16_json", "max_throughput"):
-                with stack(tmp, FAST, nginx_bin, "fast", launcher, sidecar_settings) as st:
+                with stack(
+                    tmp, FAST, nginx_bin, "fast", launcher, sidecar_settings, sidecar_env
+                ) as st:
                     idle_rss = {
                         path: round(rss_kib(st.proxy(path).pids()) / 1024, 1) for path in PATHS
                     }
@@ -947,13 +953,17 @@ def run_benchmark(
                     run(st, "max_throughput", PATHS, 256, concurrency=p.throughput_concurrency,
                         warmup_s=p.warmup_s, duration_s=p.window_s, stagger_s=0.3)  # fmt: skip
             if wanted("c64_16tok", "c64_64tok"):
-                with stack(tmp, DEMO, nginx_bin, "demo", launcher, sidecar_settings) as st:
+                with stack(
+                    tmp, DEMO, nginx_bin, "demo", launcher, sidecar_settings, sidecar_env
+                ) as st:
                     run(st, "c64_16tok", PATHS, 16, concurrency=64, warmup_s=p.warmup_s,
                         duration_s=p.window_s, stagger_s=0.3)  # fmt: skip
                     run(st, "c64_64tok", PATHS, 64, concurrency=64, warmup_s=p.warmup_s,
                         duration_s=p.window_s, stagger_s=1.0)  # fmt: skip
             if wanted("paced_500", "rss_1000"):
-                with stack(tmp, PACED, nginx_bin, "paced", launcher, sidecar_settings) as st:
+                with stack(
+                    tmp, PACED, nginx_bin, "paced", launcher, sidecar_settings, sidecar_env
+                ) as st:
                     tokens = int(20 * (p.paced_window_s + p.warmup_s + 10))
                     run(st, "paced_500", ("nginx", "sidecar"), tokens, concurrency=p.paced_streams,
                         warmup_s=p.warmup_s, duration_s=p.paced_window_s, stagger_s=1.0,
@@ -1318,6 +1328,12 @@ def build_parser() -> argparse.ArgumentParser:
         "others are reported as not measured",
     )
     parser.add_argument(
+        "--otlp-metrics",
+        action="store_true",
+        help="the sidecar exports its GenAI metrics over OTLP every second, to a sink this "
+        "benchmark runs (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_METRIC_EXPORT_INTERVAL=1000)",
+    )
+    parser.add_argument(
         "--py-spy",
         metavar="DIR",
         type=Path,
@@ -1358,8 +1374,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = None if args.relay is None else {"protocol_relay": args.relay == "protocol"}
         phases = None if args.phases is None else frozenset(args.phases.split(","))
-        result = run_benchmark(plan, nginx_bin, args.py_spy, echo, args.sidecar_launcher, settings,
-                               phases)  # fmt: skip
+        with contextlib.ExitStack() as exits:
+            sidecar_env = None
+            if args.otlp_metrics:
+                sink = exits.enter_context(OtlpSink())
+                sidecar_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                               "OTEL_METRIC_EXPORT_INTERVAL": "1000"}  # fmt: skip
+            result = run_benchmark(plan, nginx_bin, args.py_spy, echo, args.sidecar_launcher, settings,
+                                   phases, sidecar_env)  # fmt: skip
+            if args.otlp_metrics:
+                echo(f"OTLP metric exports received: {sink.exports} ({sink.bytes} bytes)")
     except KeyboardInterrupt:
         print("interrupted; everything started was stopped", file=sys.stderr)
         return 130

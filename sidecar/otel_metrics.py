@@ -29,6 +29,7 @@ configured names only (``sidecar.bounds``), so no request can add a series.
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -70,6 +71,8 @@ TOKEN_MODALITY = "gen_ai.token.modality"
 
 # A series: (operation, team, model, response model); "" for a response model not yet known.
 Key = tuple[str, str, str, str]
+# A histogram's series as copied for one export: (key, counts, overflow, sum, min, max).
+Snapshot = list[tuple[tuple[str, ...], list[float]]]
 
 
 class _Histogram:
@@ -94,7 +97,7 @@ class _Histogram:
         if value > s[n + 2]:
             s[n + 2] = value
 
-    def snapshot(self) -> list[tuple[tuple[str, ...], list[float]]]:
+    def snapshot(self) -> Snapshot:
         """A copy of every series, taken at once (on the event loop that observes)."""
         return [(key, list(s)) for key, s in self.series.items()]
 
@@ -162,32 +165,50 @@ class GenAiMetrics:
         attrs[tracing.TEAM] = team
         return attrs
 
-    def _series(self, hist: _Histogram, extra: str | None) -> list[tuple[Attributes, list[float]]]:
+    def _series(self, bounds: Sequence[float], series: Snapshot,
+                extra: str | None) -> tuple[Sequence[float], list[tuple[Attributes, list[float]]]]:  # fmt: skip
         """Each series with its attributes; ``extra`` names the key's fifth element, if any."""
         out: list[tuple[Attributes, list[float]]] = []
-        for key, s in hist.snapshot():
+        for key, s in series:
             attrs = self._attributes(key[:4])  # type: ignore[arg-type]
             if extra is not None and key[4]:
                 attrs[extra] = key[4]
             out.append((attrs, s))
-        return out
+        return bounds, out
 
     async def produce(self, start_ns: int, now_ns: int) -> Sequence[Metric]:
-        """The points of one export."""
+        """The points of one export: the figures copied at once on the event loop that keeps
+        them (tens of microseconds), the points built from the copy on a worker thread (a few
+        milliseconds for a hundred series, which the loop's requests should not wait for)."""
+        copied = (self.duration.snapshot(), self.ttft.snapshot(), self.tpot.snapshot(),
+                  self.tokens.snapshot(), list(self.token_totals.items()))  # fmt: skip
+        return await asyncio.to_thread(self._build, copied, start_ns, now_ns)
+
+    def _build(self, copied: tuple[Snapshot, Snapshot, Snapshot, Snapshot, list[tuple[tuple[Key, str], float]]],
+               start_ns: int, now_ns: int) -> list[Metric]:  # fmt: skip
         from infermeter.otlp_export import histogram, monotonic_sum
 
+        duration, ttft, tpot, tokens, totals = copied
+
         def hist(
-            name: str, unit: str, text: str, h: _Histogram, extra: str | None = None
+            name: str,
+            unit: str,
+            text: str,
+            h: _Histogram,
+            series: Snapshot,
+            extra: str | None = None,
         ) -> Metric:
-            return histogram(name, unit, text, h.bounds, self._series(h, extra), start_ns, now_ns)
+            return histogram(
+                name, unit, text, *self._series(h.bounds, series, extra), start_ns, now_ns
+            )
 
         metrics = [
-            hist("gen_ai.server.request.duration", "s", "Generative AI server request duration such as time-to-last byte or last output token.", self.duration, ERROR_TYPE),
-            hist("gen_ai.server.time_to_first_token", "s", "Time to generate first token for successful responses.", self.ttft),
-            hist("gen_ai.server.time_per_output_token", "s", "Time per output token generated after the first token for successful responses.", self.tpot),
+            hist("gen_ai.server.request.duration", "s", "Generative AI server request duration such as time-to-last byte or last output token.", self.duration, duration, ERROR_TYPE),
+            hist("gen_ai.server.time_to_first_token", "s", "Time to generate first token for successful responses.", self.ttft, ttft),
+            hist("gen_ai.server.time_per_output_token", "s", "Time per output token generated after the first token for successful responses.", self.tpot, tpot),
         ]  # fmt: skip
         if not self.latest:
-            metrics.append(hist("gen_ai.client.token.usage", "{token}", "Number of input and output tokens used.", self.tokens, TOKEN_TYPE))  # fmt: skip
+            metrics.append(hist("gen_ai.client.token.usage", "{token}", "Number of input and output tokens used.", self.tokens, tokens, TOKEN_TYPE))  # fmt: skip
             return metrics
         texts = {
             "input": ("gen_ai.client.inference.usage.input_tokens", "The number of input (prompt) tokens used, including cached tokens."),
@@ -196,6 +217,6 @@ class GenAiMetrics:
         }  # fmt: skip
         for kind, (name, text) in texts.items():
             values = [({**self._attributes(key), TOKEN_MODALITY: "unknown"}, n)
-                      for (key, k), n in list(self.token_totals.items()) if k == kind]  # fmt: skip
+                      for (key, k), n in totals if k == kind]  # fmt: skip
             metrics.append(monotonic_sum(name, "{token}", text, values, start_ns, now_ns))
         return metrics
