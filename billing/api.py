@@ -7,6 +7,7 @@ OpenAI-style JSON, like the sidecar's, so the same clients can read both.
 
 from __future__ import annotations
 
+import os
 import time
 
 from anyio import CapacityLimiter
@@ -21,6 +22,7 @@ from billing.metrics import (
     IngestCounters,
     InstanceCollector,
     LedgerCollector,
+    QuarantineCollector,
     ReconciliationCollector,
     SpendCollector,
     StatementCollector,
@@ -40,7 +42,9 @@ from billing.routes import (
 )
 from billing.routes.dependencies import Services
 from billing.statement_cache import CachedChargeback
+from billing.writers import WriterGate
 from infermeter.config import Config
+from infermeter.writers import WriterKeys
 
 __all__ = ["create_app"]
 
@@ -50,12 +54,17 @@ STATEMENT_THREADS = 2
 
 
 def create_app(
-    config: Config, ledger: Ledger, statement_ttl_seconds: float | None = None
+    config: Config,
+    ledger: Ledger,
+    statement_ttl_seconds: float | None = None,
+    writer_secret: bytes | None = None,
 ) -> FastAPI:
     """The API over ``ledger``; the caller owns (opens and closes) the ledger.
 
     ``statement_ttl_seconds``: how long a cached statement is served before it is recomputed
     (default ``Config.statement_ttl_seconds``: at most one dashboard refresh).
+    ``writer_secret``: what writer credentials are derived from (default: the variable
+    ``billing.writer_secret_env`` names; unset, billing takes no writer credential).
     The coarse rollups are built from the whole ledger here, before the first query.
     """
     app = FastAPI(title="infermeter billing", version="1", docs_url=None, redoc_url=None)
@@ -70,10 +79,14 @@ def create_app(
     registry.register(StatementCollector(cache))
     registry.register(InstanceCollector(ledger, heartbeat_seconds(config), live_bound(config)))
     registry.register(ReconciliationCollector(ledger))
+    registry.register(QuarantineCollector(ledger))
+    if writer_secret is None:
+        writer_secret = os.environ.get(b.writer_secret_env, "").encode() or None
+    ring = keyring(config)
     app.state.services = Services(
         config=config,
         ledger=ledger,
-        ring=keyring(config),
+        ring=ring,
         chargeback=Chargeback(ledger, config),
         statements=cache,
         rollups=rollups,
@@ -81,6 +94,9 @@ def create_app(
         ingest_counters=IngestCounters(registry),
         reads=ReadLimiter(b.read_rate_per_second, b.read_burst),
         computing=CapacityLimiter(STATEMENT_THREADS),
+        writers=WriterGate(
+            WriterKeys(writer_secret) if writer_secret else None, ring, b.shared_ingest_token
+        ),
     )
     for module in (ops, ingest, statements, queries, instances, fleet, records, efficiency):
         app.include_router(module.router)

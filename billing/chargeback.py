@@ -77,6 +77,13 @@ class Chargeback:
             rows: pl.DataFrame = cur.sql(f"SELECT * FROM {table}").pl()
         return unreconciled_of(rows)
 
+    def quarantined(self, month: str) -> pl.DataFrame:
+        """``month``'s records kept in quarantine and billed to no one, per kind and reason.
+
+        Read each time, closed month or not: what arrives late for a month shows on it.
+        """
+        return self.ledger.quarantined(*month_bounds(month))
+
     def statement(self, month: str) -> Statement:
         """``month``'s statement: frozen if closed, computed from the ledger now if open."""
         check_month(month)
@@ -86,7 +93,7 @@ class Chargeback:
             own = lines.filter(pl.col("for_month") == month)
             adjust = int(lines.filter(pl.col("for_month") != month)["total_cents"].sum())
             return Statement(month, True, lines, int(own["total_cents"].sum()), adjust,
-                             self.unreconciled(month))  # fmt: skip
+                             self.unreconciled(month), self.quarantined(month))  # fmt: skip
         lines, fleet = self._cents(month)
         adjustments = []
         adjust_cents = 0
@@ -98,7 +105,8 @@ class Chargeback:
             adjustments.append(diff)
             adjust_cents += int(diff["total_cents"].sum())
         all_lines = pl.concat([lines, *adjustments]) if adjustments else lines
-        return Statement(month, False, all_lines, fleet, adjust_cents, self.unreconciled(month))
+        return Statement(month, False, all_lines, fleet, adjust_cents, self.unreconciled(month),
+                         self.quarantined(month))  # fmt: skip
 
     def by_instance(self, statement: Statement) -> Statement:
         """``statement`` with its lines split by the instances that made them (for the exports)."""

@@ -15,6 +15,7 @@ from typing import Final
 from billing.buckets import bucket_sql
 from billing.columns import COLUMN_TYPES, sql_default
 from billing.schema import EDGE_SECONDS, HOUR_SECONDS, SLOT_SECONDS
+from billing.trust_sql import record_json_sql, trusted_sql
 from infermeter.records import (
     BILLABLE_STATUSES,
     BUDGET_OVERRIDES,
@@ -64,11 +65,6 @@ STATUSES: Final = tuple(str(s) for s in RequestStatus)
 BILLABLE: Final = repr(tuple(str(s) for s in BILLABLE_STATUSES))
 FAILED: Final = repr(tuple(str(s) for s in FAILED_STATUSES))
 
-_TEAM_CHECK = (
-    f"status IN {BILLABLE} AND team NOT IN (SELECT name FROM _known_teams)",
-    "'unknown team ' || to_json(team)",
-)
-
 # Bounds a record must be within: one record must not unroll into unbounded work or money. A
 # request is at most a day long (a longer one would spread over ~1,440 minute rows and more), and
 # carries at most 100M tokens each way (far beyond any context window).
@@ -79,12 +75,13 @@ MAX_TOKENS: Final = 100_000_000
 MAX_CHOICES: Final = 1_000_000
 
 # The checks beyond types, per kind: (SQL condition that means "bad", reason). The fields, their
-# types and defaults come from the record declarations (infermeter.records).
+# types and defaults come from the record declarations (infermeter.records). A record that passes
+# them all may still be quarantined rather than kept: who wrote it, and whether the configuration
+# knows its team, model, group and node, are ``billing.trust_sql``'s checks.
 CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
     USAGE.key: (
         ("request_id = ''", "'request_id: empty'"),
         (f"status NOT IN {STATUSES!r}", "'status: unknown value ' || to_json(status)"),
-        _TEAM_CHECK,
         (
             "prompt_tokens < 0 OR cached_prompt_tokens < 0 OR completion_tokens < 0",
             "'token counts must not be negative'",
@@ -207,11 +204,13 @@ def _value(f: Field) -> str:
     return f"{value} AS {_q(f.name)}"
 
 
-def stage_sql(kind: RecordKind) -> str:
+def stage_sql(kind: RecordKind, fleet: bool = False) -> str:
     """SQL creating temp table ``staged``: one row per record of the batch, typed, with a reason.
 
     Parameters: ``$body`` (the batch's JSON text), ``$now`` and ``$skew`` (seconds). ``reason``
-    is NULL for a good record; ``dup`` is true for a repeat of an earlier id in the same batch.
+    is NULL for a good record; ``quarantine`` is set for a good one billing does not trust
+    (``billing.trust_sql``, which ``fleet`` is passed to); ``dup`` is true for a repeat of an
+    earlier id in the same batch. The batch's writer is item 0 of ``_writers``.
     """
     allowed = "[" + ", ".join(f"'{f.name}'" for f in kind.fields) + "]"
     type_checks = [_type_check(f) for f in kind.fields]
@@ -235,11 +234,11 @@ typed AS (
     {values}
     FROM raw
 )
-{_checked(kind, "typed")}
+{_checked(kind, "typed", fleet=fleet)}
 """
 
 
-def checked_sql(kind: RecordKind, relation: str) -> str:
+def checked_sql(kind: RecordKind, relation: str, fleet: bool = False) -> str:
     """Like ``stage_sql``'s table, as a query over a relation whose columns have the kind's types.
 
     The fast path: when a whole batch parses to exactly the expected column types (which is
@@ -251,7 +250,7 @@ def checked_sql(kind: RecordKind, relation: str) -> str:
     cols = ", ".join(_q(f.name) for f in kind.fields)
     return f"""(
 WITH typed AS (SELECT item, pos, dup, NULL::VARCHAR AS type_reason, {cols} FROM {relation})
-{_checked(kind, "typed", "dup")}
+{_checked(kind, "typed", "dup", fleet)}
 )"""
 
 
@@ -264,25 +263,34 @@ def _finite_checks(kind: RecordKind) -> list[tuple[str, str]]:
     ]
 
 
-def _checked(kind: RecordKind, relation: str, dup: str | None = None) -> str:
+def _checked(kind: RecordKind, relation: str, dup: str | None = None, fleet: bool = False) -> str:
     checks = [*_finite_checks(kind), *CHECKS[kind.key]]
     domain = "\n".join(f"        WHEN {cond} THEN {reason}" for cond, reason in checks)
     columns = "* EXCLUDE (dup)" if dup else "*"
     dup = dup or f"row_number() OVER (PARTITION BY {_q(kind.id_field)} ORDER BY pos) > 1 AS dup"
-    return f"""SELECT {columns},
+    checked = f"""(SELECT {columns},
     coalesce(type_reason, CASE
 {domain}
     END) AS reason,
     {dup}
-FROM {relation}"""
+FROM {relation} LEFT JOIN _writers USING (item))"""
+    return trusted_sql(kind, checked, fleet)
 
 
 def rejected_sql(kind: RecordKind, checked: str) -> str:
-    """SQL keeping the bad records of ``checked`` (position, id, reason) in ``_rejected``."""
-    return (
-        "CREATE OR REPLACE TEMP TABLE _rejected AS "
-        f"SELECT item, pos, {_q(kind.id_field)} AS id, reason FROM {checked} WHERE reason IS NOT NULL"
-    )
+    """SQL keeping the records of ``checked`` that are not kept in ``_rejected``.
+
+    Per record: its batch and place, id, reason; for a quarantined one (``billing.trust_sql``)
+    also its ``label``, the record as JSON, the time it claims and its ``writer``.
+    """
+    quarantined = "quarantine IS NOT NULL"
+    return f"""CREATE OR REPLACE TEMP TABLE _rejected AS
+SELECT item, pos, {_q(kind.id_field)} AS id, coalesce(reason, quarantine.reason) AS reason,
+    quarantine.label AS label,
+    CASE WHEN {quarantined} THEN {record_json_sql(kind)} END AS record,
+    CASE WHEN {quarantined} THEN TRY_CAST({_q(kind.time_field)} AS DOUBLE) END AS record_time,
+    w_principal AS writer
+FROM {checked} WHERE reason IS NOT NULL OR {quarantined}"""
 
 
 def good_sql(kind: RecordKind, source: str) -> str:

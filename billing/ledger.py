@@ -22,7 +22,7 @@ import duckdb
 import orjson
 import polars as pl
 
-from billing import allocation, ingest_sql, lifetimes, reconciliation
+from billing import allocation, ingest_sql, lifetimes, quarantine, reconciliation, trust_sql
 from billing.allocation import Policy
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
 from billing.fleet import asked_sql
@@ -39,11 +39,13 @@ from billing.lifetimes import (
     live_counts_sql,
     slot_windows_sql,
 )
+from billing.quarantine import KnownFleet, Unopened
 from billing.schema import HOUR_SECONDS, LATEST_VERSION, MIGRATIONS, SLOT_SECONDS, new_field_sql
 from infermeter.errors import BadRequest
 from infermeter.months import month_bounds, month_of
 from infermeter.records import KINDS, RecordKind
 from infermeter.wire import arrow_extent, line_count
+from infermeter.writers import Writer
 
 __all__ = ["BatchTooLargeError", "IngestResult", "Ledger", "LedgerError", "Rejection"]
 
@@ -66,12 +68,17 @@ class Rejection:
 
 @dataclass(frozen=True, slots=True)
 class IngestResult:
-    """What happened to one batch: kept, already known, or refused with a reason."""
+    """What happened to one batch: kept, already known, refused with a reason, or quarantined.
+
+    A quarantined record is well formed but not one billing trusts (``billing.trust_sql``): it
+    is kept in the ``quarantine`` table, never billed, so its shipper need not keep it.
+    """
 
     kind: str
     accepted: int
     duplicates: int
     rejected: list[Rejection] = field(default_factory=list)
+    quarantined: list[Rejection] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The ingest API's answer."""
@@ -80,6 +87,7 @@ class IngestResult:
             "accepted": self.accepted,
             "duplicates": self.duplicates,
             "rejected": [{"id": r.id, "reason": r.reason} for r in self.rejected],
+            "quarantined": [{"id": r.id, "reason": r.reason} for r in self.quarantined],
         }
 
 
@@ -103,6 +111,8 @@ class _Pending:
     malformed: frozenset[int]
     now: float | None
     skew: float
+    # Who sent it (None: the shared ingest token, or a caller inside billing).
+    writer: Writer | None = None
 
 
 class Ledger:
@@ -110,8 +120,12 @@ class Ledger:
 
     def __init__(self, con: duckdb.DuckDBPyConnection, teams: Sequence[str],
                  ttft_sla_seconds: dict[str, float], kinds: Mapping[str, RecordKind] = KINDS,
-                 heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS) -> None:  # fmt: skip
+                 heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
+                 fleet: KnownFleet | None = None) -> None:  # fmt: skip
         self._con = con
+        # The configuration's models, groups and nodes, for the trust checks (``billing.trust_sql``);
+        # None (a ledger opened by a tool): only teams are checked.
+        self.fleet = fleet
         self.kinds = kinds
         # The sidecars' heartbeat (``sidecar.heartbeat_seconds``): where allocation ends a
         # lifetime that never stopped (``billing.lifetimes``).
@@ -150,7 +164,8 @@ class Ledger:
     def open(cls, path: str | Path, teams: Sequence[str], ttft_sla_seconds: dict[str, float],
              memory_limit: str = "2GB", threads: int | None = None,
              kinds: Mapping[str, RecordKind] = KINDS,
-             heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS) -> Ledger:  # fmt: skip
+             heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
+             fleet: KnownFleet | None = None) -> Ledger:  # fmt: skip
         """Open (or create) the ledger at ``path`` (":memory:" for a throw-away one) and migrate it."""
         if str(path) != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -162,7 +177,7 @@ class Ledger:
         except duckdb.Error as exc:
             raise LedgerError(f"{path}: cannot open the ledger: {exc}") from None
         migrate(con, str(path), kinds.values())
-        return cls(con, teams, ttft_sla_seconds, kinds, heartbeat_seconds)
+        return cls(con, teams, ttft_sla_seconds, kinds, heartbeat_seconds, fleet)
 
     def close(self) -> None:
         """Checkpoint and close the file."""
@@ -171,16 +186,16 @@ class Ledger:
             self._con.close()
 
     def _set_teams(self, teams: Sequence[str]) -> None:
-        self._con.execute("CREATE OR REPLACE TEMP TABLE _known_teams (name VARCHAR)")
-        if teams:
-            self._con.executemany("INSERT INTO _known_teams VALUES (?)", [(t,) for t in teams])
+        quarantine.known_tables(self._con, teams, self.fleet)
         self._con.execute("CREATE OR REPLACE TEMP TABLE _sla (model VARCHAR, ttft_seconds DOUBLE)")
         if self.ttft_sla:
             self._con.executemany("INSERT INTO _sla VALUES (?, ?)", list(self.ttft_sla.items()))
 
-    def reconfigure(self, teams: Sequence[str], ttft_sla_seconds: dict[str, float]) -> None:
-        """Adopt a new team list and SLA targets (after a config reload)."""
+    def reconfigure(self, teams: Sequence[str], ttft_sla_seconds: dict[str, float],
+                    fleet: KnownFleet | None = None) -> None:  # fmt: skip
+        """Adopt a new team list, SLA targets and fleet (after a config reload)."""
         with self._write_lock:
+            self.fleet = fleet if fleet is not None else self.fleet
             self.teams = list(teams)
             self.ttft_sla = dict(ttft_sla_seconds)
             self._set_teams(self.teams)
@@ -194,14 +209,32 @@ class Ledger:
         finally:
             cursor.close()
 
+    @contextmanager
+    def snapshot(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A cursor whose every query reads the ledger as one committed state.
+
+        A statement is many queries (the GPU costs, the in-flight seconds that split them, the
+        engines' counters); read one by one while batches commit in between, the shares of one
+        state would be applied to the costs of another. One transaction makes them all read the
+        state it began with; its temp tables go with it.
+        """
+        with self.reader() as cursor:
+            cursor.execute("BEGIN TRANSACTION")
+            try:
+                yield cursor
+            finally:
+                cursor.execute("ROLLBACK")
+
     # -- ingest ---------------------------------------------------------------------------
 
     def ingest(self, body: str | bytes, now: float | None = None, skew_seconds: float = 300.0,
-               max_records: int | None = None) -> IngestResult:  # fmt: skip
+               max_records: int | None = None, writer: Writer | None = None) -> IngestResult:  # fmt: skip
         """Validate and keep one batch ``{"<kind>": [records...]}`` in one transaction.
 
         Raises ``BadRequest`` when the body itself is not a batch (the whole request is bad);
-        a bad record only lands in ``rejected``.
+        a bad record only lands in ``rejected``, an untrusted one in ``quarantined``. ``writer``:
+        whose credential sent it (None: trusted to write as anyone; the configuration is still
+        checked).
         """
         raw = body.encode() if isinstance(body, str) else body
         # orjson keeps the last of two equal keys and DuckDB the first: a batch whose readers
@@ -210,7 +243,7 @@ class Ledger:
         if key is not None:
             raise _not_a_batch(f"duplicate key {key!r} in a JSON object")
         kind, records = self._batch(raw, max_records)
-        return self._commit(kind, typed_frame(kind, records), raw, now, skew_seconds)
+        return self._commit(kind, typed_frame(kind, records), raw, now, skew_seconds, writer=writer)
 
     def announce(self) -> AbstractContextManager[Ticket[_Pending, IngestResult]]:
         """Say a batch is on its way, before its body has even arrived (``GroupCommit.announce``).
@@ -222,7 +255,8 @@ class Ledger:
 
     def ingest_lines(self, kind_key: str, body: bytes, now: float | None = None,
                      skew_seconds: float = 300.0, max_records: int | None = None,
-                     ticket: Ticket[_Pending, IngestResult] | None = None) -> IngestResult:  # fmt: skip
+                     ticket: Ticket[_Pending, IngestResult] | None = None,
+                     writer: Writer | None = None) -> IngestResult:  # fmt: skip
         """Validate and keep one NDJSON batch of ``kind_key`` records, one per line.
 
         A spool segment's lines as they are on disk (what a shipper sends when its lines do not
@@ -237,20 +271,20 @@ class Ledger:
             ticket = ticket or stack.enter_context(self._group.announce())
             frame = ndjson_frame(kind, body, lines)
             if frame is not None:
-                batch = _Pending(kind, frame, None, frozenset(), now, skew_seconds)
+                batch = _Pending(kind, frame, None, frozenset(), now, skew_seconds, writer)
                 return ticket.submit(batch, frame.height)
             texts, records, malformed, duplicates = _ndjson_records(body)
             # A line with a duplicate key is checked in DuckDB from its own text, which names it;
             # orjson's reading of it (the last value wins) is never used.
             frame = None if duplicates else typed_frame(kind, records)
             raw = None if frame is not None else _json_batch(kind, texts)
-            batch = _Pending(kind, frame, raw, malformed, now, skew_seconds)
+            batch = _Pending(kind, frame, raw, malformed, now, skew_seconds, writer)
             return ticket.submit(batch, frame.height if frame is not None else 1)
 
     def ingest_arrow(self, kind_key: str, body: bytes, now: float | None = None,
                      skew_seconds: float = 300.0, max_records: int | None = None,
                      ticket: Ticket[_Pending, IngestResult] | None = None,
-                     max_bytes: int | None = None) -> IngestResult:  # fmt: skip
+                     max_bytes: int | None = None, writer: Writer | None = None) -> IngestResult:  # fmt: skip
         """Keep one Arrow IPC batch of ``kind_key`` records (``infermeter.wire``), as shippers send.
 
         The columns are typed already, so only the range checks are left; the batch may share
@@ -267,11 +301,12 @@ class Ledger:
             ticket = ticket or stack.enter_context(self._group.announce())
             frame = arrow_frame(kind, body)
             _check_size(frame.height, max_records)
-            batch = _Pending(kind, frame, None, frozenset(), now, skew_seconds)
+            batch = _Pending(kind, frame, None, frozenset(), now, skew_seconds, writer)
             return ticket.submit(batch, frame.height)
 
     def _commit(self, kind: RecordKind, frame: pl.DataFrame | None, raw: bytes | None,
-                now: float | None, skew: float, malformed: frozenset[int] = frozenset()) -> IngestResult:  # fmt: skip
+                now: float | None, skew: float, malformed: frozenset[int] = frozenset(),
+                writer: Writer | None = None) -> IngestResult:  # fmt: skip
         """Keep a batch, typed ``frame`` (fast path) or ``raw`` JSON text, in a committed transaction.
 
         Batches on the fast path may share their transaction with others (group commit).
@@ -279,7 +314,7 @@ class Ledger:
         their reason says so.
         """
         size = frame.height if frame is not None else 1
-        return self._group.submit(_Pending(kind, frame, raw, malformed, now, skew), size)
+        return self._group.submit(_Pending(kind, frame, raw, malformed, now, skew, writer), size)
 
     def _run_group(self, group: Sequence[_Pending]) -> list[IngestResult | BaseException]:
         """Commit ``group`` (under the writer lock): fast-path batches of one kind together."""
@@ -313,6 +348,7 @@ class Ledger:
         con = self._con
         con.execute("BEGIN TRANSACTION")
         try:
+            quarantine.writers_table(con, [b.writer for b in batches])
             results, span = self._ingest(con, first.kind, first.raw, frame, now, first.skew,
                                          first.malformed, len(batches))  # fmt: skip
             con.execute("COMMIT")
@@ -349,6 +385,34 @@ class Ledger:
             old = self._touched
             self._touched = span if old is None else (min(old[0], span[0]), max(old[1], span[1]))
 
+    def quarantine_lines(self, kind_key: str, lines: Sequence[Unopened], writer: Writer | None,
+                         now: float | None = None) -> list[Rejection]:  # fmt: skip
+        """Keep lines that could not be opened as their writer's (``billing.writers``) in
+        quarantine, in one transaction; each one's (id, reason). ``writer``: who sent them."""
+        kind = self._kind(kind_key)
+        now = time.time() if now is None else now
+        principal = writer.principal if writer is not None else None
+        with self._write_lock:
+            con = self._con
+            con.execute("BEGIN TRANSACTION")
+            try:
+                kept = quarantine.keep_unopened(con, kind, lines, principal, now)
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+        return [Rejection(rid, reason) for rid, reason in kept]
+
+    def quarantined(self, start: float, end: float) -> pl.DataFrame:
+        """Records quarantined for ``start``..``end``, per kind and reason (``QUARANTINED_SCHEMA``)."""
+        with self.reader() as cur:
+            return quarantine.summary(cur, start, end)
+
+    def quarantine_counts(self) -> list[tuple[str, str, int]]:
+        """Every record ever quarantined, per (kind, reason category), for /metrics."""
+        with self.reader() as cur:
+            return quarantine.counts(cur)
+
     def _kind(self, key: str) -> RecordKind:
         kind = self.kinds.get(key)
         if kind is None:
@@ -378,24 +442,31 @@ class Ledger:
         """Keep ``batches`` batches (told apart by column ``item``) in the open transaction."""
         params = {"now": now, "skew": skew}
         totals = [0] * batches
+        fleet = self.fleet is not None
         if frame is not None:
             con.register("_batch", frame)
-            source, checked = "_batch", ingest_sql.checked_sql(kind, "_batch")
+            source, checked = "_batch", ingest_sql.checked_sql(kind, "_batch", fleet)
             for item, n in frame.group_by("item").len().iter_rows():
                 totals[item] = n
         else:
             assert raw is not None
-            con.execute(ingest_sql.stage_sql(kind), {"body": raw.decode(), **params})
+            con.execute(ingest_sql.stage_sql(kind, fleet), {"body": raw.decode(), **params})
             row = con.execute("SELECT count(*) FROM staged").fetchone()
             source, checked, totals[0] = "staged", "staged", int(row[0]) if row else 0
         con.execute(ingest_sql.rejected_sql(kind, checked), params if frame is not None else None)
         rejected: list[list[Rejection]] = [[] for _ in range(batches)]
-        for item, pos, rid, reason in con.execute(
-            "SELECT item, pos, id, reason FROM _rejected ORDER BY item, pos"
+        quarantined: list[list[Rejection]] = [[] for _ in range(batches)]
+        for item, pos, rid, reason, label in con.execute(
+            "SELECT item, pos, id, reason, label FROM _rejected ORDER BY item, pos"
         ).fetchall():
             rid = str(rid) if rid is not None else f"#{pos}"
+            if label is not None:
+                quarantined[item].append(Rejection(rid, reason))
+                continue
             rejected[item].append(Rejection(rid, "not valid JSON" if pos in malformed else reason))
-        good = [t - len(r) for t, r in zip(totals, rejected, strict=True)]
+        if any(quarantined):
+            con.execute(trust_sql.quarantine_sql(kind), {"now": now})
+        good = [t - len(r) - len(q) for t, r, q in zip(totals, rejected, quarantined, strict=True)]
         fresh = [0] * batches
         span = None
         if sum(good):
@@ -420,8 +491,8 @@ class Ledger:
             span = (float(row[0]), float(row[1]))
             self._roll_up(con, kind, span, now)
         results = [
-            IngestResult(kind.key, f, g - f, r)
-            for f, g, r in zip(fresh, good, rejected, strict=True)
+            IngestResult(kind.key, f, g - f, r, q)
+            for f, g, r, q in zip(fresh, good, rejected, quarantined, strict=True)
         ]
         return results, span
 
@@ -546,19 +617,20 @@ class Ledger:
 
     # -- reads for allocation -----------------------------------------------------------
 
-    def allocate(self, policy: Policy, month: str) -> tuple[pl.DataFrame, float]:
-        """``month``'s allocation lines (unrounded) and fleet cost, from the rollups.
+    def allocate(self, policy: Policy, month: str) -> tuple[pl.DataFrame, int]:
+        """``month``'s allocation lines (money in micro-cents) and fleet cost, from the rollups.
 
         Tokens the engines counted and no record carries are lines of their own, costed out of
-        the idle capacity (``billing.reconciliation``).
+        the idle capacity (``billing.reconciliation``). Read in one snapshot: the lines add up
+        to the fleet cost while batches keep arriving.
         """
         claims = reconciliation.claims(policy, *month_bounds(month))
-        with self.reader() as cur:
+        with self.snapshot() as cur:
             return allocation.run(cur, self._month_sql(cur, policy, month), policy, claims)
 
     def by_instance(self, policy: Policy, month: str) -> pl.DataFrame:
-        """``month``'s lines per instance, unrounded (``billing.allocation.by_instance``)."""
-        with self.reader() as cur:
+        """``month``'s lines per instance, in micro-cents (``billing.allocation.by_instance``)."""
+        with self.snapshot() as cur:
             return allocation.by_instance(cur, self._month_sql(cur, policy, month), policy)
 
     def _month_sql(self, cur: duckdb.DuckDBPyConnection, policy: Policy,

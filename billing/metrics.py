@@ -27,6 +27,7 @@ __all__ = [
     "IngestCounters",
     "InstanceCollector",
     "LedgerCollector",
+    "QuarantineCollector",
     "ReconciliationCollector",
     "SpendCollector",
     "StatementCollector",
@@ -163,6 +164,30 @@ class LedgerCollector(Collector):
             "Batches parsed and queued for the next ingest transaction.",
             value=self.ledger.waiting_batches,
         )
+
+
+class QuarantineCollector(Collector):
+    """infermeter_billing_quarantined_records_total{kind, reason}: records billing kept but does
+    not bill (``billing.trust_sql``), by kind and reason category.
+
+    Counted from the ``quarantine`` table at scrape time, so it survives a restart of billing and
+    a batch sent twice counts once; the rendered rules alert on any increase.
+    """
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """One sample per kind and reason with any quarantined record."""
+        family = CounterMetricFamily(
+            "infermeter_billing_quarantined_records",
+            "Records kept in quarantine and never billed: an untrusted writer, an unknown team, "
+            "model, replica group or node, or a spool line whose seal does not verify.",
+            labels=["kind", "reason"],
+        )
+        for kind, reason, count in self.ledger.quarantine_counts():
+            family.add_metric([kind, reason], count)
+        yield family
 
 
 class InstanceCollector(Collector):

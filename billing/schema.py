@@ -467,7 +467,26 @@ CREATE TABLE usage_hangups (
 );
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9)
+# Records billing keeps but does not bill (``billing.quarantine``): written by a credential that
+# may not write them, for a team, model, replica group or node the configuration does not know, or
+# in a spool line whose seal does not verify. Each is kept as it arrived, with the writer, the
+# reason and its category (``label``, the /metrics label), once per digest of kind, record and
+# label, so a resent batch adds nothing.
+_V10 = """
+CREATE TABLE quarantine (
+    digest VARCHAR NOT NULL PRIMARY KEY,
+    kind VARCHAR NOT NULL,
+    record_id VARCHAR,
+    writer VARCHAR,
+    label VARCHAR NOT NULL,
+    reason VARCHAR NOT NULL,
+    record VARCHAR NOT NULL,
+    record_time DOUBLE,
+    quarantined_at DOUBLE NOT NULL
+);
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10)
 LATEST_VERSION: Final = len(MIGRATIONS)
 
 

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from billing.api import create_app
 from billing.ledger import Ledger
 from billing.lifetimes import heartbeat_seconds
+from billing.quarantine import KnownFleet
 from infermeter.config import Config
 from infermeter.otlp import metrics_export_configured, otlp_settings
 from infermeter.serving import ServerLimits, ensure_free, host_port, server
@@ -28,7 +29,8 @@ log = logging.getLogger("infermeter.billing")
 
 
 def open_ledger(config: Config, database: str | None = None) -> Ledger:
-    """The configured ledger file (or ``database``), migrated and ready."""
+    """The configured ledger file (or ``database``), migrated and ready, knowing the fleet's
+    models, replica groups and nodes (what the trust checks take records for)."""
     b = config.billing
     return Ledger.open(
         database or b.database,
@@ -37,6 +39,7 @@ def open_ledger(config: Config, database: str | None = None) -> Ledger:
         memory_limit=b.memory_limit,
         threads=b.threads,
         heartbeat_seconds=heartbeat_seconds(config),
+        fleet=KnownFleet.of(config),
     )
 
 

@@ -355,6 +355,9 @@ class SidecarSettings(_Strict):
     # Relay on asyncio protocols (sidecar.pool, sidecar.direct); false: aiohttp and ASGI messages.
     protocol_relay: bool = True
     # The event loop the sidecar process runs on: uvloop (libuv; the relay's system calls and
+    # The instance's own writer credential (``infermeter.writers``): it seals the spool lines and
+    # ships them. Unset: the shared ingest token in ingest_token_env, if billing still takes it.
+    credential_env: str = "INFERMETER_WRITER_CREDENTIAL"
     # callbacks cost less) or Python's own. "auto": uvloop when it is installed.
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     fair_headroom: Annotated[float, Field(ge=0, lt=1)] = 0.125
@@ -442,6 +445,8 @@ class CollectorSettings(_Strict):
     # Where the vLLM engines to scrape come from: replicas[] (static), billing's instance
     # registry, or the Kubernetes API. Targets come and go without a restart.
     discovery: Literal["static", "registry", "kubernetes"] = "static"
+    # The collector's writer credential, for the nodes it reads (``infermeter.writers``).
+    credential_env: str = "INFERMETER_WRITER_CREDENTIAL"
     registry: RegistryDiscovery = RegistryDiscovery()
     kubernetes: KubernetesDiscovery = KubernetesDiscovery()
 
@@ -480,6 +485,12 @@ class BillingSettings(_Strict):
     statement_cache_entries: Annotated[int, Field(gt=0)] = 36
     # How long a cached statement (and the spend read from it) is served: unset, the dashboard's
     # refresh_seconds; never longer, so the pages, /v1/spend and the CLI agree within a refresh.
+    # The secret every writer credential is derived from (``infermeter.writers``), read from this
+    # variable, never from the file.
+    writer_secret_env: str = "INFERMETER_WRITER_SECRET"
+    # Whether the one shared ingest token (its hash below) is still taken: it writes as any
+    # instance, so it is off unless an installation that still ships with it turns it on.
+    shared_ingest_token: bool = False
     statement_ttl_seconds: Positive | None = None
     max_clock_skew_seconds: NonNegative = 300.0
     allocation: Literal["in_flight", "tokens", "requests"] = "in_flight"
@@ -615,6 +626,8 @@ class Simulator(_Strict):
         """The timing profile of ``model``'s engines, or the default one."""
         return self.engines.get(model, EngineProfile())
 
+    # The autoscaler's writer credential (``infermeter.writers``).
+    credential_env: str = "INFERMETER_WRITER_CREDENTIAL"
 
 class Config(_Strict):
     """The whole configuration, validated across sections."""

@@ -193,6 +193,9 @@ class EngineSample(_Record):
     # The engine's KV-cache capacity in tokens, as vLLM publishes it (``vllm:cache_config_info``:
     # GPU blocks x block size, summed over its engines). None: the page did not say.
     kv_cache_tokens: float | None = None
+    # The node the engine runs on, as the collector found it: billing takes the sample only from
+    # a collector whose credential covers that node. None: from a collector that did not say.
+    node: str | None = None
 
 
 class InstanceEventType(StrEnum):
@@ -340,8 +343,12 @@ class RecordKind:
         return tuple(f.name for f in self.fields)
 
 
-# Columns billing's ingest adds beside a record's fields while checking a batch.
-RESERVED: Final = frozenset({"item", "pos", "dup", "reason", "type_reason"})
+# Columns billing's ingest adds beside a record's fields while checking a batch (the writer's,
+# ``billing.trust_sql``), and the key a spool line's seal is written under (``infermeter.writers``).
+RESERVED: Final = frozenset({
+    "item", "pos", "dup", "reason", "type_reason", "quarantine", "seal",
+    "w_role", "w_principal", "w_group", "w_instance", "w_address", "w_nodes",
+})  # fmt: skip
 
 
 def record_kind(

@@ -8,6 +8,13 @@ Arrow stream. The ingest API is idempotent by record id, so a segment that was s
 acknowledgement was lost is simply sent again. Retries back off exponentially with jitter (tenacity). A record
 that billing rejects as invalid is never retried: it goes to ``<spool>/rejected.jsonl`` with the
 reason, so nothing is dropped silently and nothing blocks the records behind it.
+
+With a writer credential (``infermeter.writers``) the shipper sends as that writer. Lines it
+sealed itself and that still verify are sent as above, without their seals: billing takes the
+credential's word for them, since the same key made the seals. A batch holding any other line (a
+line changed or written on disk by someone else, or a gone instance's lines that the collector
+adopted) is sent as it is on disk, seals and all (``SEALED_NDJSON``), and billing checks every
+seal itself. What billing quarantines it keeps, so those records are counted, not dead-lettered.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from tenacity import (
 from infermeter.records import KINDS
 from infermeter.spool import Segment, SegmentReader
 from infermeter.wire import ARROW_STREAM, NDJSON, encode_arrow
+from infermeter.writers import SEALED_NDJSON, Credential, Sealer, strip_seal
 
 __all__ = ["IngestRejectedError", "Segments", "Shipper", "ShipperMetrics", "last_shipment"]
 
@@ -85,7 +93,8 @@ class ShipperMetrics:
         )
         self.records = Counter(
             "infermeter_shipper_records_total",
-            "Records billing acknowledged, by outcome (kept, or dead-lettered as rejected).",
+            "Records billing acknowledged, by outcome (kept, dead-lettered as rejected, or "
+            "quarantined by billing).",
             ["kind", "outcome"],
             registry=registry,
         )
@@ -104,12 +113,15 @@ class Shipper:
 
     Nothing ends the shipping loop: every failure is logged, counted (``ShipperMetrics``) and
     retried after a back-off.
+
+    ``credential``: the writer's own (sent instead of ``token``); see the module's docstring.
     """
 
     def __init__(self, spool: Segments, url: str, token: str | None, kind: str, client: httpx.AsyncClient,
                  batch_size: int = 50_000, interval_seconds: float = 1.0, arrow: bool = True,
                  batch_bytes: int = 16 << 20, metrics: ShipperMetrics | None = None,
-                 max_backoff_seconds: float = 60.0) -> None:  # fmt: skip
+                 max_backoff_seconds: float = 60.0,
+                 credential: Credential | None = None) -> None:  # fmt: skip
         self.spool = spool
         self.url = f"{url.rstrip('/')}/{kind}"
         self.kind = kind
@@ -121,6 +133,8 @@ class Shipper:
         self.record_kind = KINDS.get(kind)
         self.arrow = arrow and self.record_kind is not None
         self.id_field = self.record_kind.id_field if self.record_kind else "id"
+        self.sealer = Sealer(credential) if credential is not None else None
+        token = credential.token if credential is not None else token
         self.headers = {"authorization": f"Bearer {token}"} if token else {}
         self.shipped = 0
         self.metrics = metrics or ShipperMetrics()
@@ -179,11 +193,10 @@ class Shipper:
 
     async def _deliver(self, directory: Path, batch: list[bytes], max_wait_seconds: float) -> None:
         """Send ``batch`` until billing answers; split it while billing finds it too large."""
-        body = b"".join(batch)
-        encoded = None
-        if self.arrow and self.record_kind is not None:
-            # Off the event loop: Arrow parses without the GIL while the sidecar relays tokens.
-            encoded = await asyncio.to_thread(encode_arrow, self.record_kind, body)
+        # Off the event loop: seals are checked, and Arrow parses without the GIL, while the
+        # sidecar relays tokens.
+        body, encoded, content_type = await asyncio.to_thread(self._prepare, batch)
+        quarantined: list[dict[str, Any]] = []
         try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception_type(_RetryableError),
@@ -192,7 +205,7 @@ class Shipper:
                 reraise=True,
             ):
                 with attempt:
-                    rejected = await self._attempt(body, encoded)
+                    rejected, quarantined = await self._attempt(body, encoded, content_type)
         except _TooLargeError as exc:
             if len(batch) == 1:
                 rid = self._record_id(_loads(batch[0])) or "#1"
@@ -206,13 +219,38 @@ class Shipper:
                 return
         if rejected:
             self._dead_letter(directory, batch, rejected)
-        self.metrics.records.labels(self.kind, "kept").inc(len(batch) - len(rejected))
+        if quarantined:
+            log.error("billing quarantined %d %s record(s), first: %s", len(quarantined),
+                      self.kind, quarantined[0].get("reason"))  # fmt: skip
+        kept = len(batch) - len(rejected) - len(quarantined)
+        self.metrics.records.labels(self.kind, "kept").inc(max(kept, 0))
         self.metrics.records.labels(self.kind, "dead_lettered").inc(len(rejected))
+        self.metrics.records.labels(self.kind, "quarantined").inc(len(quarantined))
 
-    async def _attempt(self, ndjson: bytes, arrow: bytes | None) -> list[dict[str, Any]]:
+    def _prepare(self, batch: list[bytes]) -> tuple[bytes, bytes | None, str]:
+        """The batch as billing takes it: (NDJSON body, Arrow stream or None, NDJSON media type).
+
+        With a credential: its own sealed lines, seals removed, when every line is one; else
+        every line as it is on disk, for billing to check (``SEALED_NDJSON``). Without one, any
+        seal is removed (billing then trusts the shared ingest token).
+        """
+        if self.sealer is not None:
+            records = [self.sealer.vouches(line) for line in batch]
+            if any(r is None for r in records):
+                return b"".join(batch), None, SEALED_NDJSON
+            body = b"\n".join(r for r in records if r is not None) + b"\n"
+        else:
+            body = b"".join(strip_seal(line) for line in batch)
+        encoded = None
+        if self.arrow and self.record_kind is not None:
+            encoded = encode_arrow(self.record_kind, body)
+        return body, encoded, NDJSON
+
+    async def _attempt(self, ndjson: bytes, arrow: bytes | None,
+                       content_type: str = NDJSON) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
         """One ``_post``; a failure worth retrying is counted and logged before it is retried."""
         try:
-            rejected = await self._post(ndjson, arrow)
+            answer = await self._post(ndjson, arrow, content_type)
         except _RetryableError as exc:
             self.metrics.failures.labels(self.kind, exc.reason).inc()
             # Once per outage: a billing that is down for a minute would otherwise fill the log
@@ -232,17 +270,18 @@ class Shipper:
                 time.monotonic() - self._down_since,
             )
             self._down_since = None
-        return rejected
+        return answer
 
-    async def _post(self, ndjson: bytes, arrow: bytes | None) -> list[dict[str, Any]]:
-        """Send the batch (as Arrow if it converted) and return the records billing rejected."""
+    async def _post(self, ndjson: bytes, arrow: bytes | None,
+                    content_type: str = NDJSON) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
+        """Send the batch (as Arrow if it converted); the records billing rejected and quarantined."""
         if arrow is not None:
             response = await self._send(arrow, ARROW_STREAM)
             if response.status_code not in (400, 415):
                 return self._answer(response)
             log.warning("billing refused the %s batch as Arrow (HTTP %d: %s); sending NDJSON",
                         self.kind, response.status_code, response.text[:200])  # fmt: skip
-        return self._answer(await self._send(ndjson, NDJSON))
+        return self._answer(await self._send(ndjson, content_type))
 
     async def _send(self, content: bytes, content_type: str) -> httpx.Response:
         try:
@@ -253,7 +292,7 @@ class Shipper:
             raise _RetryableError(f"{type(exc).__name__}: {exc}", _UNREACHABLE) from exc
 
     @staticmethod
-    def _answer(response: httpx.Response) -> list[dict[str, Any]]:
+    def _answer(response: httpx.Response) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         status = response.status_code
         if status >= 500 or status == 429:
             raise _RetryableError(f"HTTP {status}", _UNAVAILABLE)
@@ -269,12 +308,13 @@ class Shipper:
             raise _RetryableError(
                 f"HTTP {status} with a body that is not JSON", _BAD_ANSWER
             ) from None
-        rejected = answer.get("rejected", []) if isinstance(answer, dict) else None
-        if not isinstance(rejected, list) or not all(isinstance(r, dict) for r in rejected):
+        rejected = _records(answer, "rejected")
+        quarantined = _records(answer, "quarantined")
+        if rejected is None or quarantined is None:
             raise _RetryableError(
                 f"HTTP {status} with a body that is not an ingest answer", _BAD_ANSWER
             )
-        return rejected
+        return rejected, quarantined
 
     def _record_id(self, record: Any) -> Any:
         return record.get(self.id_field) if isinstance(record, dict) else None
@@ -295,6 +335,14 @@ class Shipper:
         log.error(
             "billing rejected %d record(s); kept in %s/rejected.jsonl", len(reasons), directory
         )
+
+
+def _records(answer: Any, key: str) -> list[dict[str, Any]] | None:
+    """``answer[key]`` when it is a list of objects (absent: none); None when it is not."""
+    found = answer.get(key, []) if isinstance(answer, dict) else None
+    if not isinstance(found, list) or not all(isinstance(r, dict) for r in found):
+        return None
+    return found
 
 
 def _loads(line: bytes) -> Any:

@@ -18,6 +18,11 @@ once billing has acknowledged every record in it. A process that dies mid-write 
 last line: it is reported by ``read_segment`` and skipped (its request never saw its end, since
 durability comes before the response does).
 
+Seals: with a ``sealer`` (``infermeter.writers.Sealer``), each line carries the writer's seal as its
+last key, one HMAC per record computed in ``append``, so a line changed or written on disk by
+anyone without the writer's key is refused by billing. ``read_segment`` gives the records without
+it.
+
 Size: with ``max_bytes`` set, the records not yet acknowledged (on disk or queued) never take more
 than that; an append that would pass it fails with ``SpoolError`` at once, like a full disk, and
 the caller's failure policy applies. Space comes back as billing acknowledges segments.
@@ -59,14 +64,18 @@ class Segment:
 
 
 def read_segment(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """Records of a segment and the number of unreadable (torn) lines skipped."""
+    """Records of a segment (without their seals) and the number of unreadable (torn) lines."""
     records, torn = [], 0
     with path.open("rb") as fh:
         for line in fh:
             try:
-                records.append(orjson.loads(line))
+                record = orjson.loads(line)
             except orjson.JSONDecodeError:
                 torn += 1
+                continue
+            if isinstance(record, dict):
+                record.pop("seal", None)
+            records.append(record)
     return records, torn
 
 
@@ -114,8 +123,11 @@ class Spool:
         roll_records: int = 50_000,
         max_bytes: int | None = None,
         commit_delay_seconds: float = 0.0,
+        sealer: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self.directory = directory
+        # The writer's seal on each line (``infermeter.writers.Sealer``); None writes them bare.
+        self.sealer = sealer
         self.commit_delay_seconds = commit_delay_seconds
         # How many records are still to come (see ``expect``); none known by default.
         self._siblings: Callable[[], int] | None = None
@@ -167,7 +179,10 @@ class Spool:
     async def append(self, record: dict[str, Any]) -> None:
         """Return once ``record`` is on disk; SpoolError if it cannot be."""
         assert self._queue is not None, "Spool.open() first"
-        line = orjson.dumps(record) + b"\n"
+        line = orjson.dumps(record)
+        if self.sealer is not None:
+            line = self.sealer(line)
+        line += b"\n"
         if self.max_bytes is not None and self.size_bytes + len(line) > self.max_bytes:
             raise SpoolError(
                 f"usage spool in {self.directory} is full ({self.size_bytes} of {self.max_bytes} bytes)"

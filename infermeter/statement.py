@@ -17,9 +17,11 @@ __all__ = [
     "CENT_COLUMNS",
     "COUNT_COLUMNS",
     "LINE_SCHEMA",
+    "QUARANTINED_SCHEMA",
     "UNRECONCILED_SCHEMA",
     "Statement",
     "empty_lines",
+    "empty_quarantined",
     "empty_unreconciled",
     "for_team",
     "statement_from_json",
@@ -43,9 +45,18 @@ UNRECONCILED_SCHEMA: Final = {
 }  # fmt: skip
 
 
+# Records billing kept in quarantine and billed to no one, per kind and reason category.
+QUARANTINED_SCHEMA: Final = {"kind": pl.String, "reason": pl.String, "records": pl.Int64}
+
+
 def empty_unreconciled() -> pl.DataFrame:
     """No unreconciled requests."""
     return pl.DataFrame(schema=UNRECONCILED_SCHEMA)
+
+
+def empty_quarantined() -> pl.DataFrame:
+    """No quarantined records."""
+    return pl.DataFrame(schema=QUARANTINED_SCHEMA)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +67,10 @@ class Statement:
     reading covers (``billing.reconciliation``), per replica group and model. They are on the
     lines like any other, billed as their records say; this says that vLLM's counters did not
     check them, and is not added to anything.
+
+    ``quarantined`` (``QUARANTINED_SCHEMA``): the month's records billing kept but will not bill
+    (an untrusted writer, an unknown team, model or node, a broken seal), per kind and reason.
+    They are on no line and in no total.
     """
 
     month: str
@@ -64,6 +79,7 @@ class Statement:
     fleet_cents: int
     adjustment_cents: int
     unreconciled: pl.DataFrame = field(default_factory=empty_unreconciled)
+    quarantined: pl.DataFrame = field(default_factory=empty_quarantined)
 
     @property
     def total_cents(self) -> int:
@@ -113,8 +129,8 @@ def with_budgets(lines: pl.DataFrame, budgets_usd: Mapping[str, float]) -> pl.Da
 def statement_json(statement: Statement, team: str | None) -> dict[str, Any]:
     """A statement as billing's chargeback API answers it: a team gets only its own lines.
 
-    The admin's answer also carries the totals and ``unreconciled`` (a row per replica group and
-    model).
+    The admin's answer also carries the totals, ``unreconciled`` (a row per replica group and
+    model) and ``quarantined`` (a row per kind and reason: records kept and billed to no one).
     """
     lines = statement.lines if team is None else statement.lines.filter(pl.col("team") == team)
     body: dict[str, Any] = {
@@ -126,7 +142,8 @@ def statement_json(statement: Statement, team: str | None) -> dict[str, Any]:
     if team is None:
         body |= {"fleet_cents": statement.fleet_cents, "adjustment_cents": statement.adjustment_cents,
                  "reconciles": statement.reconciles,
-                 "unreconciled": statement.unreconciled.to_dicts()}  # fmt: skip
+                 "unreconciled": statement.unreconciled.to_dicts(),
+                 "quarantined": statement.quarantined.to_dicts()}  # fmt: skip
     return body
 
 
@@ -140,6 +157,7 @@ def statement_from_json(body: Mapping[str, Any]) -> Statement:
     lines = pl.DataFrame(body["lines"], schema=LINE_SCHEMA) if body["lines"] else empty_lines()
     total = int(body.get("total_cents", 0))
     missed = body.get("unreconciled") or []
+    held = body.get("quarantined") or []
     return Statement(
         month=body["month"],
         closed=bool(body["closed"]),
@@ -149,4 +167,5 @@ def statement_from_json(body: Mapping[str, Any]) -> Statement:
         unreconciled=pl.DataFrame(missed, schema=UNRECONCILED_SCHEMA)
         if missed
         else empty_unreconciled(),
+        quarantined=pl.DataFrame(held, schema=QUARANTINED_SCHEMA) if held else empty_quarantined(),
     )

@@ -15,8 +15,10 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 @pytest.fixture
 def config() -> Config:
-    """The embedded demo configuration, with no environment overrides."""
-    return load_config(None, environ={})
+    """The embedded demo configuration, with no environment overrides but one: billing still
+    takes the shared ingest token (``billing.shared_ingest_token``), which the tests of other
+    things ship records with; tests/security holds the writers to their own credentials."""
+    return load_config(None, environ={"INFERMETER__BILLING__SHARED_INGEST_TOKEN": "true"})
 
 
 @pytest.fixture

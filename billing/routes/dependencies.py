@@ -23,6 +23,7 @@ from billing.metrics import IngestCounters
 from billing.ratelimit import ReadLimiter
 from billing.rollups import Rollups
 from billing.statement_cache import CachedChargeback
+from billing.writers import WriterGate
 from infermeter.auth import INGESTERS, MANAGERS, SCRAPERS, Caller, KeyRing, identify
 from infermeter.config import Config
 from infermeter.errors import BadRequest
@@ -62,6 +63,8 @@ class Services:
     reads: ReadLimiter
     # Statement computations run on these threads only (``compute``), not on ingest's.
     computing: CapacityLimiter
+    # Who may ingest: writer credentials and, if allowed, the shared ingest token.
+    writers: WriterGate
 
 
 async def compute(svc: Services, fn: Callable[..., T], *args: Any) -> T:

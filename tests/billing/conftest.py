@@ -66,8 +66,9 @@ def ndjson(records: list[Any]) -> bytes:
 
 @pytest.fixture
 def config() -> Config:
-    """The embedded demo configuration."""
-    return load_config(DEFAULT_CONFIG, environ={})
+    """The embedded demo configuration, where billing still takes the shared ingest token the
+    tests ship records with (tests/security holds the writers to their own credentials)."""
+    return load_config(DEFAULT_CONFIG, environ={"INFERMETER__BILLING__SHARED_INGEST_TOKEN": "true"})
 
 
 @pytest.fixture

@@ -53,12 +53,12 @@ async def _seed(url: str) -> None:
 
 async def test_ingest_acknowledges_what_it_kept(billing):
     """The answer counts accepted, duplicate and rejected records, with reasons."""
-    body = batch("usage", [usage(), usage(team="nobody")])
+    body = batch("usage", [usage(), usage(completion_tokens=-5)])
     async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
         first = (await client.post("/v1/ingest", content=body)).json()
         second = (await client.post("/v1/ingest", content=body)).json()
     assert (first["accepted"], first["duplicates"], len(first["rejected"])) == (1, 0, 1)
-    assert first["rejected"][0]["reason"] == 'unknown team "nobody"'
+    assert first["rejected"][0]["reason"] == "token counts must not be negative"
     assert (second["accepted"], second["duplicates"]) == (0, 1)
 
 
@@ -124,7 +124,7 @@ async def test_every_error_has_the_openai_shape(billing, method, path, status):
 
 async def test_ndjson_ingest_route_answers_like_the_json_one(billing, ledger):
     """POST /v1/ingest/usage with one record a line: same counts and reasons, same credentials."""
-    body = ndjson([usage(), usage(team="nobody")])
+    body = ndjson([usage(), usage(completion_tokens=-5)])
     async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
         first = (await client.post("/v1/ingest/usage", content=body)).json()
         second = (await client.post("/v1/ingest/usage", content=body)).json()
@@ -133,7 +133,7 @@ async def test_ndjson_ingest_route_answers_like_the_json_one(billing, ledger):
     async with httpx.AsyncClient(base_url=billing, headers=bearer(SEARCH)) as client:
         forbidden = await client.post("/v1/ingest/usage", content=body)
     assert (first["accepted"], first["duplicates"]) == (1, 0)
-    assert [r["reason"] for r in first["rejected"]] == ['unknown team "nobody"']
+    assert [r["reason"] for r in first["rejected"]] == ["token counts must not be negative"]
     assert (second["accepted"], second["duplicates"]) == (0, 1)
     assert unknown.status_code == 400
     assert "unknown record kind 'bills'" in unknown.json()["error"]["message"]
@@ -144,7 +144,7 @@ async def test_ndjson_ingest_route_answers_like_the_json_one(billing, ledger):
 
 async def test_arrow_ingest_route_keeps_typed_batches_and_refuses_other_schemas(billing, ledger):
     """An Arrow stream is kept like NDJSON; a stream that is not Arrow is a 400 naming why."""
-    lines = ndjson([usage(), usage(team="nobody")])
+    lines = ndjson([usage(), usage(completion_tokens=-5)])
     encoded = encode_arrow(USAGE, lines)
     assert encoded is not None
     async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
@@ -153,7 +153,7 @@ async def test_arrow_ingest_route_keeps_typed_batches_and_refuses_other_schemas(
         garbage = await client.post("/v1/ingest/usage", content=lines,
                                     headers={"content-type": ARROW_STREAM})  # fmt: skip
     assert (kept.json()["accepted"], [r["reason"] for r in kept.json()["rejected"]]) == (
-        1, ['unknown team "nobody"'],
+        1, ["token counts must not be negative"],
     )  # fmt: skip
     assert garbage.status_code == 400
     assert "not an Arrow IPC stream" in garbage.json()["error"]["message"]
@@ -206,7 +206,7 @@ async def test_the_shipper_sends_arrow_when_lines_convert_and_ndjson_otherwise(
 
 async def test_metrics_count_ingest_by_outcome_format_and_transaction(billing):
     """/metrics tells operators what ingest kept, refused and how it grouped transactions."""
-    lines = ndjson([usage(), usage(team="nobody")])
+    lines = ndjson([usage(), usage(completion_tokens=-5)])
     encoded = encode_arrow(USAGE, lines)
     async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
         await client.post(
@@ -344,7 +344,7 @@ async def test_the_shipper_delivers_a_spool_and_dead_letters_rejects(billing, tm
     """Sidecar spool -> shipper -> billing: good records kept once, bad ones in rejected.jsonl."""
     spool = Spool(tmp_path / "spool", roll_seconds=0.0)
     spool.open()
-    for record in [usage(), usage(), usage(team="nobody")]:
+    for record in [usage(), usage(), usage(completion_tokens=-5)]:
         await spool.append(record)
     async with httpx.AsyncClient() as client:
         shipper = Shipper(spool, f"{billing}/v1/ingest", INGEST, "usage", client)
@@ -354,8 +354,8 @@ async def test_the_shipper_delivers_a_spool_and_dead_letters_rejects(billing, tm
         orjson.loads(line)
         for line in (tmp_path / "spool" / "rejected.jsonl").read_bytes().splitlines()
     ]
-    assert [r["record"]["team"] for r in rejected] == ["nobody"]
-    assert rejected[0]["reason"] == 'unknown team "nobody"'
+    assert [r["record"]["completion_tokens"] for r in rejected] == [-5]
+    assert rejected[0]["reason"] == "token counts must not be negative"
     assert await spool.closed_segments() == []
 
 

@@ -68,7 +68,6 @@ def test_a_repeated_id_inside_one_batch_is_kept_once(ledger):
 
 
 BAD: list[tuple[str, Any, str]] = [
-    ("unknown team", usage(team="nobody"), 'unknown team "nobody"'),
     ("negative tokens", usage(completion_tokens=-5), "token counts must not be negative"),
     ("future timestamp", usage(start=NOW + 3600), "timestamp in the future: finished_at"),
     ("string for a number", usage(prompt_tokens="100"), "prompt_tokens: must be an integer"),
@@ -93,6 +92,23 @@ def test_a_bad_record_is_refused_with_its_reason_and_the_rest_kept(ledger, case,
     assert result.accepted == 2
     assert [r.reason for r in result.rejected] == [reason]
     assert _count(ledger, "usage") == 2
+
+
+def test_a_record_of_an_unknown_team_is_quarantined_whole_and_the_rest_kept(ledger):
+    """A well-formed record for a team the configuration does not know is kept in quarantine
+    with its reason, not billed and not handed back as rejected."""
+    stranger = usage(team="nobody")
+    result = ledger.ingest(batch("usage", [usage(), stranger, usage()]), now=NOW)
+    assert (result.accepted, result.rejected) == (2, [])
+    assert [(r.id, r.reason) for r in result.quarantined] == [
+        (stranger["request_id"], 'unknown team "nobody"')
+    ]
+    assert _count(ledger, "usage") == 2
+    with ledger.reader() as cur:
+        kept = cur.execute("SELECT label, record FROM quarantine").fetchall()
+    assert [(label, orjson.loads(record)["team"]) for label, record in kept] == [
+        ("unknown_team", "nobody")
+    ]
 
 
 def test_a_batch_of_only_bad_types_is_refused_record_by_record(ledger):
@@ -325,7 +341,8 @@ def test_batches_waiting_for_the_writer_share_one_transaction(ledger):
     for t in threads:
         t.join(10)
     answers = {
-        i: (r.accepted, r.duplicates, [x.reason for x in r.rejected]) for i, r in results.items()
+        i: (r.accepted, r.duplicates, [x.reason for x in r.rejected + r.quarantined])
+        for i, r in results.items()
     }
     # The shared id is fresh in whichever of the first two batches was queued first.
     assert {answers[0][:2], answers[1][:2]} in ({(2, 0), (2, 1)}, {(1, 1), (3, 0)})
@@ -348,10 +365,13 @@ def test_an_arrow_batch_is_checked_and_kept_likendjson(ledger):
     result = ledger.ingest_arrow("usage", encoded, now=NOW)
     assert (result.accepted, result.duplicates) == (2, 0)
     assert [(r.id, r.reason) for r in result.rejected] == [
-        (records[1]["request_id"], 'unknown team "nobody"'),
         (records[2]["request_id"], "token counts must not be negative"),
     ]
+    assert [(r.id, r.reason) for r in result.quarantined] == [
+        (records[1]["request_id"], 'unknown team "nobody"'),
+    ]
     again = ledger.ingest_lines("usage", ndjson(records), now=NOW)
-    assert (again.accepted, again.duplicates, len(again.rejected)) == (0, 2, 2)
+    assert (again.accepted, again.duplicates, len(again.rejected)) == (0, 2, 1)
+    assert len(again.quarantined) == 1
     with pytest.raises(BatchTooLargeError):
         ledger.ingest_arrow("usage", encoded, now=NOW, max_records=3)

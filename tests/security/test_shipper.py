@@ -75,8 +75,10 @@ async def test_a_200_that_is_not_an_ingest_answer_is_counted_and_retried(tmp_pat
 
 @pytest.fixture
 def small_batches() -> Config:
-    """The demo configuration with billing taking at most 2 records a batch."""
-    return load_config(None, environ={"INFERMETER__BILLING__MAX_BATCH_RECORDS": "2"})
+    """The demo configuration with billing taking at most 2 records a batch (and the shared
+    ingest token, which the shipper sends)."""
+    return load_config(None, environ={"INFERMETER__BILLING__MAX_BATCH_RECORDS": "2",
+                                      "INFERMETER__BILLING__SHARED_INGEST_TOKEN": "true"})  # fmt: skip
 
 
 async def test_a_batch_over_billings_limit_is_split_until_it_fits(tmp_path, small_batches):

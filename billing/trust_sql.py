@@ -1,0 +1,264 @@
+"""SQL deciding which well-formed records billing trusts, and keeping the others in quarantine.
+
+A record can be well formed (every check of ``billing.ingest_sql`` passes) and still not be one to
+bill: written by a credential that may not write it (another instance's usage, another node's GPU
+samples, an engine address that is not the instance's own), or naming a team, model, replica
+group or node the configuration does not know. Those are quarantined: kept whole in the
+``quarantine`` table with the writer and the reason, counted on /metrics and shown on the
+statement, never billed and never dropped.
+
+Each batch's writer is a row of temp table ``_writers`` (``item``, and ``w_role``,
+``w_principal``, ``w_group``, ``w_instance``, ``w_address``, ``w_nodes`` from
+``infermeter.writers.Writer``; all null for the shared ingest token, whose records are checked
+against the configuration only). What the configuration knows is in ``_known_teams(name)``,
+``_known_models(name)``, ``_known_groups(replica, model, node)`` and ``_known_nodes(name)``;
+the model, group and node checks are left out when the ledger was not told the fleet
+(``fleet=False``), as for a ledger opened by a tool.
+
+The builders are pure; the checks are (condition, label, reason) over the checked batch ``t``,
+the label being the bounded category /metrics counts by.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+from infermeter.records import (
+    BILLABLE_STATUSES,
+    BUDGET_OVERRIDES,
+    ENGINE,
+    GPU,
+    INSTANCES,
+    SCALING_DECISIONS,
+    USAGE,
+    RecordKind,
+    RequestStatus,
+)
+from infermeter.writers import KINDS_BY_ROLE
+
+__all__ = [
+    "LABELS",
+    "WRITER_COLUMNS",
+    "quarantine_sql",
+    "trusted_sql",
+]
+
+# The categories a quarantined record is counted by (a bounded /metrics label).
+LABELS: Final = (
+    "unsealed",
+    "bad_seal",
+    "foreign_writer",
+    "foreign_address",
+    "unknown_team",
+    "unknown_model",
+    "unknown_replica",
+    "unknown_node",
+)
+# The columns of ``_writers``, with their types.
+WRITER_COLUMNS: Final = (
+    ("item", "INTEGER"),
+    ("w_role", "VARCHAR"),
+    ("w_principal", "VARCHAR"),
+    ("w_group", "VARCHAR"),
+    ("w_instance", "VARCHAR"),
+    ("w_address", "VARCHAR"),
+    ("w_nodes", "VARCHAR[]"),
+)
+
+_BILLABLE = repr(tuple(str(s) for s in BILLABLE_STATUSES))
+_ENGINE_OF = "coalesce(t.instance, t.replica)"
+_BY = "' (written by ' || w_principal || ')'"
+
+Check = tuple[str, str, str]
+
+
+def _roles(kind: str) -> Check:
+    roles = tuple(sorted(str(r) for r, kinds in KINDS_BY_ROLE.items() if kind in kinds))
+    allowed = repr(roles).replace(",)", ")") if roles else "('')"
+    return (
+        f"w_role IS NOT NULL AND w_role NOT IN {allowed}",
+        "foreign_writer",
+        f"'a ' || w_role || ' may not write {kind}' || {_BY}",
+    )
+
+
+def _not_its_instance(instance: str, group: str) -> Check:
+    return (
+        f"w_role = 'instance' AND ({group} IS DISTINCT FROM w_group OR {instance} IS DISTINCT FROM w_instance)",
+        "foreign_writer",
+        f"'instance ' || to_json({instance}) || ' of group ' || to_json({group}) || "
+        f"' is not the credential''s' || {_BY}",
+    )
+
+
+# The instance ``t`` names runs on one of the collector's nodes: its lifetime says so, or it is
+# a fixed replica of a group configured there.
+_ON_COLLECTOR_NODES = f"""(EXISTS (SELECT 1 FROM lifetimes l WHERE l.instance = {_ENGINE_OF}
+        AND list_contains(t.w_nodes, l.node))
+    OR EXISTS (SELECT 1 FROM _known_groups g WHERE t.instance IS NULL AND g.replica = t.replica
+        AND list_contains(t.w_nodes, g.node)))"""
+
+
+def _known(column: str, table: str, label: str, noun: str, guard: str = "true") -> Check:
+    return (
+        f"{guard} AND {column} IS NOT NULL AND {column} NOT IN (SELECT name FROM {table})",
+        label,
+        f"'unknown {noun} ' || to_json({column})",
+    )
+
+
+def _group_known(guard: str = "true") -> Check:
+    return (
+        f"{guard} AND t.replica IS NOT NULL AND t.replica NOT IN (SELECT replica FROM _known_groups)",
+        "unknown_replica",
+        "'unknown replica group ' || to_json(t.replica)",
+    )
+
+
+def _group_serves(guard: str = "true") -> Check:
+    return (
+        f"""{guard} AND t.replica IN (SELECT replica FROM _known_groups) AND NOT EXISTS (
+            SELECT 1 FROM _known_groups g WHERE g.replica = t.replica AND g.model = t.model)""",
+        "unknown_model",
+        "'replica group ' || to_json(t.replica) || ' does not serve model ' || to_json(t.model)",
+    )
+
+
+def _identity_checks() -> Mapping[str, tuple[Check, ...]]:
+    """Who may write each kind's records, whatever the configuration knows."""
+    interrupted = f"'{RequestStatus.INTERRUPTED}'"
+    return {
+        USAGE.key: (
+            _roles(USAGE.key),
+            _not_its_instance(_ENGINE_OF, "t.replica"),
+            (
+                f"w_role = 'collector' AND t.status <> {interrupted}",
+                "foreign_writer",
+                f"'a collector writes only the interrupted requests of gone sidecars' || {_BY}",
+            ),
+            (
+                f"w_role = 'collector' AND NOT {_ON_COLLECTOR_NODES}",
+                "foreign_writer",
+                f"'instance ' || to_json({_ENGINE_OF}) || ' is not on the collector''s nodes' || {_BY}",
+            ),
+        ),
+        GPU.key: (
+            _roles(GPU.key),
+            (
+                "w_role = 'collector' AND NOT list_contains(w_nodes, t.node)",
+                "foreign_writer",
+                f"'node ' || to_json(t.node) || ' is not the collector''s' || {_BY}",
+            ),
+        ),
+        ENGINE.key: (
+            _roles(ENGINE.key),
+            (
+                "w_role = 'collector' AND (t.node IS NULL OR NOT list_contains(w_nodes, t.node))",
+                "foreign_writer",
+                f"'engine on node ' || coalesce(to_json(t.node), 'null') || ', not the collector''s' || {_BY}",
+            ),
+            (
+                f"""w_role = 'collector' AND (
+                    (EXISTS (SELECT 1 FROM lifetimes l WHERE l.instance = {_ENGINE_OF})
+                     AND NOT EXISTS (SELECT 1 FROM lifetimes l WHERE l.instance = {_ENGINE_OF}
+                                     AND l.node = t.node))
+                    OR EXISTS (SELECT 1 FROM _known_groups g WHERE t.instance IS NULL
+                               AND g.replica = t.replica AND g.node <> t.node))""",
+                "foreign_writer",
+                f"'engine ' || to_json({_ENGINE_OF}) || ' does not run on node ' || to_json(t.node) || {_BY}",
+            ),
+        ),
+        INSTANCES.key: (
+            _roles(INSTANCES.key),
+            _not_its_instance("t.instance", "t.replica"),
+            (
+                "w_role = 'instance' AND t.engine_metrics_url IS NOT NULL AND "
+                "t.engine_metrics_url IS DISTINCT FROM ('http://' || w_address || '/engine/metrics')",
+                "foreign_address",
+                "'engine_metrics_url ' || to_json(t.engine_metrics_url) || ' is not the instance''s "
+                f"own address (' || coalesce(w_address, 'none in its credential') || ')' || {_BY}",
+            ),
+        ),
+        BUDGET_OVERRIDES.key: (
+            _roles(BUDGET_OVERRIDES.key),
+            _not_its_instance("t.issued_by", "w_group"),
+        ),
+        SCALING_DECISIONS.key: (_roles(SCALING_DECISIONS.key),),
+    }
+
+
+def _knowledge_checks(fleet: bool) -> Mapping[str, tuple[Check, ...]]:
+    """What each kind must name that the configuration knows; with ``fleet``, beyond teams."""
+    billable = f"t.status IN {_BILLABLE}"
+    usage = [_known("t.team", "_known_teams", "unknown_team", "team", billable)]
+    gpu: list[Check] = []
+    engine: list[Check] = []
+    instances: list[Check] = []
+    if fleet:
+        usage += [
+            _known("t.model", "_known_models", "unknown_model", "model", billable),
+            _group_known(billable),
+            _group_serves(billable),
+        ]
+        gpu += [
+            _known("t.node", "_known_nodes", "unknown_node", "node"),
+            _known("t.model", "_known_models", "unknown_model", "model"),
+            _group_known(),
+        ]
+        engine += [
+            _known("t.node", "_known_nodes", "unknown_node", "node"),
+            _known("t.model", "_known_models", "unknown_model", "model"),
+            _group_known(),
+        ]
+        instances += [
+            _known("t.node", "_known_nodes", "unknown_node", "node"),
+            _known("t.model", "_known_models", "unknown_model", "model"),
+            _group_known(),
+            _group_serves(),
+        ]
+    return {USAGE.key: tuple(usage), GPU.key: tuple(gpu), ENGINE.key: tuple(engine),
+            INSTANCES.key: tuple(instances)}  # fmt: skip
+
+
+def trusted_sql(kind: RecordKind, checked: str, fleet: bool) -> str:
+    """``checked`` (a query with ``reason``) with ``quarantine``: a struct (label, reason) for a
+    well-formed record billing does not trust, null for one it does and for a malformed one.
+
+    ``checked`` must carry the ``_writers`` columns of its batch.
+    """
+    checks = [*_identity_checks()[kind.key], *_knowledge_checks(fleet).get(kind.key, ())]
+    if not checks:
+        return f"SELECT *, NULL::STRUCT(label VARCHAR, reason VARCHAR) AS quarantine FROM {checked}"
+    cases = "\n".join(
+        f"        WHEN {cond} THEN struct_pack(label := '{label}', reason := {reason})"
+        for cond, label, reason in checks
+    )
+    return f"""SELECT t.*, CASE WHEN t.reason IS NULL THEN CASE
+{cases}
+    END END AS quarantine
+FROM {checked} t"""
+
+
+def record_json_sql(kind: RecordKind) -> str:
+    """A checked record as one JSON object, as the ``quarantine`` table keeps it."""
+    pairs = ", ".join(f"'{f.name}', \"{f.name}\"" for f in kind.fields)
+    return f"json_object({pairs})"
+
+
+def quarantine_sql(kind: RecordKind) -> str:
+    """SQL keeping the quarantined rows of ``_rejected`` (those with a label) in ``quarantine``.
+
+    Once per digest: a batch sent again adds nothing. Parameter ``$now``. Its result is the
+    number of rows added.
+    """
+    return f"""
+INSERT INTO quarantine (digest, kind, record_id, writer, label, reason, record, record_time,
+    quarantined_at)
+SELECT digest, '{kind.key}', id, writer, label, reason, record, record_time, CAST($now AS DOUBLE)
+FROM (
+    SELECT *, sha256('{kind.key}' || chr(10) || record || chr(10) || label) AS digest
+    FROM _rejected WHERE label IS NOT NULL
+    QUALIFY row_number() OVER (PARTITION BY digest ORDER BY item, pos) = 1
+) ANTI JOIN quarantine USING (digest)
+"""

@@ -1,0 +1,266 @@
+"""Every writer proves which instance it is, and billing takes its records only as that writer's.
+
+Real billing on loopback, holding the writer secret, over a ledger that knows the demo fleet; the
+credentials are issued as a cluster would hand them out. What a credential may not write, and
+what names a team, model, group or node the configuration does not know, is quarantined: kept,
+counted on /metrics, shown on the statement, billed to no one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import orjson
+import pytest
+
+from billing.ledger import Ledger
+from infermeter.config import Config, load_config
+from infermeter.months import month_of
+from infermeter.writers import Credential, Writer, WriterError, issue
+from tests.security.writers import (
+    ADMIN,
+    COLLECTOR_A,
+    COLLECTOR_B,
+    METRICS,
+    SECRET,
+    SMALL_0,
+    billing,
+    engine,
+    event,
+    fleet_ledger,
+    gpu,
+    post,
+    quarantined_total,
+    usage,
+)
+
+
+@pytest.fixture
+def strict() -> Config:
+    """The embedded demo configuration as it ships: no shared ingest token taken."""
+    return load_config(None, environ={})
+
+
+@pytest.fixture
+async def ledger(strict: Config) -> AsyncIterator[Ledger]:
+    """A ledger that knows the demo fleet."""
+    led = fleet_ledger(strict)
+    yield led
+    led.close()
+
+
+@pytest.fixture
+async def url(strict: Config, ledger: Ledger) -> AsyncIterator[str]:
+    """Billing on loopback with the writer secret."""
+    async with billing(strict, ledger) as base:
+        yield base
+
+
+def _count(ledger: Ledger, table: str) -> int:
+    with ledger.reader() as cur:
+        row = cur.execute(f"SELECT count(*) FROM {table}").fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_the_demo_configuration_takes_no_shared_ingest_token(strict):
+    """A new installation (the embedded configuration is one) leaves the shared token off."""
+    assert strict.billing.shared_ingest_token is False
+
+
+async def test_the_shared_ingest_token_is_refused_unless_the_configuration_allows_it(
+    strict, ledger, url
+):
+    """403 naming the setting, nothing kept; with the setting on, the same batch is kept."""
+    async with httpx.AsyncClient() as client:
+        refused = await post(client, url, "usage", [usage()], "im-demo-ingest")
+        assert refused.status_code == 403
+        assert "billing.shared_ingest_token" in refused.json()["error"]["message"]
+        assert _count(ledger, "usage") == 0
+        allowed = load_config(None, environ={"INFERMETER__BILLING__SHARED_INGEST_TOKEN": "true"})
+        async with billing(allowed, ledger) as legacy:
+            taken = await post(client, legacy, "usage", [usage()], "im-demo-ingest")
+    assert taken.status_code == 200, taken.text
+    assert taken.json()["accepted"] == 1
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        issue(b"another secret", Writer.for_instance("small-0", "small-0")).token,
+        SMALL_0.token[:-1] + ("0" if SMALL_0.token[-1] != "0" else "1"),
+        "imw1:instance:small-0/small-0:not-a-key",
+        "im-demo-search",
+    ],
+    ids=["other secret", "one digit changed", "malformed", "a team key"],
+)
+async def test_a_credential_billing_did_not_issue_writes_nothing(ledger, url, token):
+    """401 for a key not derived from billing's secret (403 for a team's key); nothing kept."""
+    async with httpx.AsyncClient() as client:
+        answer = await post(client, url, "usage", [usage()], token)
+    assert answer.status_code in (401, 403)
+    assert _count(ledger, "usage") == 0
+
+
+async def test_without_a_writer_secret_billing_takes_no_writer_credential(strict, ledger):
+    """A billing service with no secret cannot check a credential, so it takes none."""
+    async with billing(strict, ledger, secret=None) as base, httpx.AsyncClient() as client:
+        answer = await post(client, base, "usage", [usage()], SMALL_0)
+    assert answer.status_code == 401
+    assert "billing.writer_secret_env" in answer.json()["error"]["message"]
+
+
+async def test_an_instance_writes_usage_only_as_itself(strict, ledger, url):
+    """Its own record is kept; one for a ghost instance or another group is quarantined, counted,
+    on the statement, and billed to no one."""
+    own, ghost, other_group = (
+        usage(),
+        usage(instance="ghost-9", team="analytics", completion_tokens=99_000_000),
+        usage(replica="large-0", model="chat-large", team="analytics"),
+    )
+    async with httpx.AsyncClient() as client:
+        answer = await post(client, url, "usage", [own, ghost, other_group], SMALL_0)
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        counted = await quarantined_total(client, url)
+        month = month_of(time.time())
+        statement = (await client.get(f"{url}/v1/chargeback/{month}", headers=ADMIN)).json()
+    assert (body["accepted"], body["rejected"]) == (1, [])
+    assert [q["id"] for q in body["quarantined"]] == [
+        ghost["request_id"],
+        other_group["request_id"],
+    ]
+    assert all("is not the credential's" in q["reason"] for q in body["quarantined"])
+    assert counted == {("usage", "foreign_writer"): 2.0}
+    assert {"kind": "usage", "reason": "foreign_writer", "records": 2} in statement["quarantined"]
+    assert all(line["team"] != "analytics" for line in statement["lines"])
+    with ledger.reader() as cur:
+        assert cur.execute("SELECT request_id FROM usage").fetchall() == [(own["request_id"],)]
+        kept = cur.execute("SELECT writer, record FROM quarantine ORDER BY record_id").fetchall()
+    assert {w for w, _ in kept} == {SMALL_0.writer.principal}
+    assert sorted(orjson.loads(r)["request_id"] for _, r in kept) == sorted(
+        [ghost["request_id"], other_group["request_id"]]
+    )
+
+
+async def test_records_for_what_the_configuration_does_not_know_are_quarantined(ledger, url):
+    """A forged team, an unknown model, an unknown node: each kept in quarantine with its reason."""
+    nobody = usage(team="nobody")
+    huge = usage(model="chat-huge")
+    unknown_node = issue(SECRET, Writer.for_collector(["node-z"]))
+    async with httpx.AsyncClient() as client:
+        people = (await post(client, url, "usage", [usage(), nobody, huge], SMALL_0)).json()
+        boards = (await post(client, url, "gpu_samples", [gpu("node-z")], unknown_node)).json()
+        counted = await quarantined_total(client, url)
+    assert [(q["id"], q["reason"]) for q in people["quarantined"]] == [
+        (nobody["request_id"], 'unknown team "nobody"'),
+        (huge["request_id"], 'unknown model "chat-huge"'),
+    ]
+    assert [q["reason"] for q in boards["quarantined"]] == ['unknown node "node-z"']
+    assert counted == {
+        ("usage", "unknown_team"): 1.0,
+        ("usage", "unknown_model"): 1.0,
+        ("gpu_samples", "unknown_node"): 1.0,
+    }
+    assert (_count(ledger, "usage"), _count(ledger, "gpu_samples")) == (1, 0)
+
+
+async def test_fifty_fake_instances_are_quarantined_and_none_is_live(ledger, url):
+    """One instance's credential announcing 50 others: all quarantined, the registry lists none,
+    so no collector scrapes them and no limit is split by them."""
+    fakes = [event(instance=f"fake-{n}") for n in range(50)]
+    async with httpx.AsyncClient() as client:
+        answer = (await post(client, url, "instances", fakes, SMALL_0)).json()
+        live = (await client.get(f"{url}/v1/instances?state=live", headers=METRICS)).json()
+        counted = await quarantined_total(client, url)
+    assert (answer["accepted"], len(answer["quarantined"])) == (0, 50)
+    assert [i["instance"] for i in live["instances"]] == []
+    assert counted == {("instances", "foreign_writer"): 50.0}
+
+
+async def test_an_instance_announces_no_engine_address_but_its_own(ledger, url):
+    """The address in its credential is kept; any other one is quarantined (foreign_address)."""
+    own = event(engine_metrics_url="http://127.0.0.1:18102/engine/metrics")
+    elsewhere = event(engine_metrics_url="http://127.0.0.1:9/engine/metrics")
+    bare = issue(SECRET, Writer.for_instance("small-0", "small-0"))
+    async with httpx.AsyncClient() as client:
+        steered = (await post(client, url, "instances", [elsewhere], SMALL_0)).json()
+        unaddressed = (await post(client, url, "instances", [own], bare)).json()
+        kept = (await post(client, url, "instances", [own], SMALL_0)).json()
+        live = (await client.get(f"{url}/v1/instances?state=live", headers=METRICS)).json()
+    assert (
+        "is not the instance's own address (127.0.0.1:18102)" in steered["quarantined"][0]["reason"]
+    )
+    assert "none in its credential" in unaddressed["quarantined"][0]["reason"]
+    assert kept["accepted"] == 1
+    assert [i["engine_metrics_url"] for i in live["instances"]] == [own["engine_metrics_url"]]
+
+
+async def test_a_collector_writes_only_for_its_nodes(ledger, url):
+    """GPU and engine samples of node-b are node-b's collector's, not node-a's."""
+    async with httpx.AsyncClient() as client:
+        ours = (await post(client, url, "gpu_samples", [gpu("node-b")], COLLECTOR_B)).json()
+        theirs = (await post(client, url, "gpu_samples", [gpu("node-b")], COLLECTOR_A)).json()
+        engines = (await post(client, url, "engine_samples", [engine("node-b"), engine(None)],
+                              COLLECTOR_A)).json()  # fmt: skip
+        own_engine = (
+            await post(client, url, "engine_samples", [engine("node-b")], COLLECTOR_B)
+        ).json()
+    assert (ours["accepted"], theirs["accepted"], len(theirs["quarantined"])) == (1, 0, 1)
+    assert "is not the collector's" in theirs["quarantined"][0]["reason"]
+    assert (engines["accepted"], len(engines["quarantined"])) == (0, 2)
+    assert own_engine["accepted"] == 1
+
+
+async def test_a_collector_does_not_write_an_engine_on_another_node_than_its_lifetime(ledger, url):
+    """An engine whose lifetime says node-b cannot be written as node-a's by node-a's collector."""
+    async with httpx.AsyncClient() as client:
+        await post(client, url, "instances", [event(instance="vllm-small-0-1")],
+                   issue(SECRET, Writer.for_instance("small-0", "vllm-small-0-1")))  # fmt: skip
+        moved = (await post(client, url, "engine_samples",
+                            [engine("node-a", instance="vllm-small-0-1")], COLLECTOR_A)).json()  # fmt: skip
+    assert moved["accepted"] == 0
+    assert "does not run on node" in moved["quarantined"][0]["reason"]
+
+
+@pytest.mark.parametrize(
+    ("credential", "kind", "record"),
+    [
+        (issue(SECRET, Writer.for_autoscaler()), "usage", usage()),
+        (SMALL_0, "gpu_samples", gpu()),
+        (COLLECTOR_B, "usage", usage()),
+    ],
+    ids=["autoscaler usage", "instance gpu samples", "collector usage that was not interrupted"],
+)
+async def test_a_writer_writes_only_its_own_kinds(ledger, url, credential, kind, record):
+    """Each role has its kinds: anything else it sends is quarantined as a foreign writer's."""
+    async with httpx.AsyncClient() as client:
+        answer = (await post(client, url, kind, [record], credential)).json()
+    assert answer["accepted"] == 0
+    assert len(answer["quarantined"]) == 1
+
+
+async def test_a_quarantined_batch_sent_again_is_kept_and_counted_once(ledger, url):
+    """The shipper resends what it has no answer for: the quarantine does not grow with it."""
+    forged = [usage(instance="ghost-9") for _ in range(3)]
+    async with httpx.AsyncClient() as client:
+        for _ in range(3):
+            answer = await post(client, url, "usage", forged, SMALL_0)
+            assert len(answer.json()["quarantined"]) == 3
+        counted = await quarantined_total(client, url)
+    assert counted == {("usage", "foreign_writer"): 3.0}
+    assert _count(ledger, "quarantine") == 3
+
+
+def test_a_credential_names_its_writer_and_nothing_else():
+    """Parsing takes exactly what issuing wrote, and refuses what is not a credential."""
+    writer = Writer.for_instance("large-0", "vllm-large-0-7", "[fd00::1]:9000")
+    credential = issue(SECRET, writer)
+    assert Credential.parse(credential.token) == credential
+    assert writer.engine_metrics_url == "http://[fd00::1]:9000/engine/metrics"
+    assert Writer.for_collector(["node-b", "node-a"]).principal == "collector:node-a,node-b"
+    for bad in ("instance:g/", "instance:g/i@host", "collector:", "root:x", "instance:g/i j"):
+        with pytest.raises(WriterError):
+            Writer.parse(bad)
+    assert "key" not in repr(credential).replace("writer", "")

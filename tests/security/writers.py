@@ -1,0 +1,118 @@
+"""What the writer-credential tests share: a billing service that holds the writer secret, and
+records of the demo fleet as its writers would send them, timed now."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+
+from billing.api import create_app
+from billing.ledger import Ledger
+from billing.quarantine import KnownFleet
+from infermeter.config import Config
+from infermeter.records import EngineSample, GpuSample, InstanceEvent, UsageRecord
+from infermeter.writers import Credential, Writer, issue
+from tests.servers import serving
+
+SECRET = b"a writer secret for the tests"
+ADMIN = {"authorization": "Bearer im-demo-admin"}
+METRICS = {"authorization": "Bearer im-demo-metrics"}
+# small-0 of the demo, the one instance of its group, at its sidecar's address.
+SMALL_0 = issue(SECRET, Writer.for_instance("small-0", "small-0", "127.0.0.1:18102"))
+COLLECTOR_A = issue(SECRET, Writer.for_collector(["node-a"]))
+COLLECTOR_B = issue(SECRET, Writer.for_collector(["node-b"]))
+_ids = itertools.count()
+
+
+def bearer(credential: Credential | str) -> dict[str, str]:
+    """The Authorization header of a credential (or of a plain token)."""
+    token = credential.token if isinstance(credential, Credential) else credential
+    return {"authorization": f"Bearer {token}"}
+
+
+def usage(**kw: Any) -> dict[str, Any]:
+    """A request of team search on small-0 that ended a minute ago."""
+    t = time.time() - 60
+    record = UsageRecord(
+        request_id=f"req-{time.time_ns()}-{next(_ids)}", team="search", model="chat-small",
+        served_version="llama-3.1-8b-instruct", replica="small-0", received_at=t - 2,
+        first_token_at=t - 1.9, finished_at=t, prompt_tokens=100, cached_prompt_tokens=0,
+        completion_tokens=50, status="ok", http_status=200, stream=True,
+    ).to_json()  # fmt: skip
+    return record | kw
+
+
+def gpu(node: str = "node-b", **kw: Any) -> dict[str, Any]:
+    """A GPU of ``node`` read 10 s ago, held by small-0."""
+    t = time.time() - 10
+    return GpuSample(
+        sample_id=f"gpu-{time.time_ns()}-{next(_ids)}", node=node, gpu="0", uuid=f"GPU-{node}-0",
+        gpu_model="L40S", replica="small-0", model="chat-small", timestamp=t, interval_seconds=10.0,
+        utilization=0.5, power_watts=200.0, energy_joules=2000.0, memory_used_mib=1.0,
+        memory_free_mib=1.0,
+    ).to_json() | kw  # fmt: skip
+
+
+def engine(node: str | None = "node-b", **kw: Any) -> dict[str, Any]:
+    """small-0's engine read 10 s ago on ``node``."""
+    return EngineSample(
+        sample_id=f"eng-{time.time_ns()}-{next(_ids)}", replica="small-0", model="chat-small",
+        timestamp=time.time() - 10, requests_running=1, requests_waiting=0, kv_cache_usage=0.1,
+        prompt_tokens_total=100, generation_tokens_total=50, node=node,
+    ).to_json() | kw  # fmt: skip
+
+
+def event(instance: str = "small-0", replica: str = "small-0", **kw: Any) -> dict[str, Any]:
+    """A start event of ``instance`` of ``replica`` on node-b, with no engine address."""
+    t = time.time() - 5
+    return InstanceEvent(
+        event_id=f"ev-{time.time_ns()}-{next(_ids)}", instance=instance, replica=replica,
+        model="chat-small", event="start", timestamp=t, started_at=t, node="node-b",
+        gpu_model="L40S", gpu_count=1,
+    ).to_json() | kw  # fmt: skip
+
+
+def lines(records: list[dict[str, Any]]) -> bytes:
+    """NDJSON, as a shipper sends a segment."""
+    return b"".join(orjson.dumps(r) + b"\n" for r in records)
+
+
+def fleet_ledger(config: Config) -> Ledger:
+    """An in-memory ledger that knows the fleet of ``config``, as the billing service opens it."""
+    return Ledger.open(":memory:", [t.name for t in config.teams],
+                       {m.name: m.sla.ttft_p95_seconds for m in config.models},
+                       fleet=KnownFleet.of(config))  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def billing(
+    config: Config, ledger: Ledger, secret: bytes | None = SECRET
+) -> AsyncIterator[str]:
+    """The billing API over ``ledger`` on loopback, holding ``secret``; yields its URL."""
+    async with serving(create_app(config, ledger, writer_secret=secret), lifespan="off") as url:
+        yield url
+
+
+async def post(client: httpx.AsyncClient, url: str, kind: str, records: list[dict[str, Any]],
+               credential: Credential | str) -> httpx.Response:  # fmt: skip
+    """POST ``records`` as NDJSON to ``/v1/ingest/<kind>`` with ``credential``."""
+    headers = bearer(credential) | {"content-type": "application/x-ndjson"}
+    return await client.post(f"{url}/v1/ingest/{kind}", content=lines(records), headers=headers)
+
+
+async def quarantined_total(client: httpx.AsyncClient, url: str) -> dict[tuple[str, str], float]:
+    """billing's /metrics quarantine counter, per (kind, reason)."""
+    text = (await client.get(f"{url}/metrics", headers=METRICS)).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("infermeter_billing_quarantined_records_total{"):
+            labels, value = line.rsplit(" ", 1)
+            pairs = dict(p.split("=", 1) for p in labels[labels.index("{") + 1 : -1].split(","))
+            out[(pairs["kind"].strip('"'), pairs["reason"].strip('"'))] = float(value)
+    return out
