@@ -18,12 +18,14 @@ __all__ = ["OtlpSink"]
 
 
 class OtlpSink:
-    """``with OtlpSink() as sink``: ``sink.url`` takes exports; ``sink.exports``, ``sink.bytes``."""
+    """``with OtlpSink() as sink``: ``sink.url`` takes exports; ``sink.exports``, ``sink.bytes``,
+    and ``sink.traces`` (those to ``/v1/traces``)."""
 
     def __init__(self) -> None:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.exports = 0
         self.bytes = 0
+        self.traces = 0
         self._server: ThreadingHTTPServer | None = None
 
     def __enter__(self) -> OtlpSink:
@@ -35,6 +37,7 @@ class OtlpSink:
                 self.rfile.read(n)
                 sink.exports += 1
                 sink.bytes += n
+                sink.traces += self.path == "/v1/traces"
                 self.send_response(200)
                 self.send_header("content-type", "application/x-protobuf")
                 self.send_header("content-length", "0")

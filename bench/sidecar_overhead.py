@@ -1330,8 +1330,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--otlp-metrics",
         action="store_true",
-        help="the sidecar exports its GenAI metrics over OTLP every second, to a sink this "
-        "benchmark runs (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_METRIC_EXPORT_INTERVAL=1000)",
+        help="the sidecar exports its GenAI metrics (not spans) over OTLP every second, to a sink "
+        "this benchmark runs (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_TRACES_EXPORTER=none, "
+        "OTEL_METRIC_EXPORT_INTERVAL=1000)",
     )
     parser.add_argument(
         "--py-spy",
@@ -1378,12 +1379,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             sidecar_env = None
             if args.otlp_metrics:
                 sink = exits.enter_context(OtlpSink())
-                sidecar_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                # Metrics only: the endpoint alone would turn span export on too.
+                sidecar_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url, "OTEL_TRACES_EXPORTER": "none",
                                "OTEL_METRIC_EXPORT_INTERVAL": "1000"}  # fmt: skip
             result = run_benchmark(plan, nginx_bin, args.py_spy, echo, args.sidecar_launcher, settings,
                                    phases, sidecar_env)  # fmt: skip
             if args.otlp_metrics:
-                echo(f"OTLP metric exports received: {sink.exports} ({sink.bytes} bytes)")
+                echo(f"OTLP exports received: {sink.exports} ({sink.bytes} bytes), "
+                     f"of which span batches: {sink.traces}")  # fmt: skip
     except KeyboardInterrupt:
         print("interrupted; everything started was stopped", file=sys.stderr)
         return 130
