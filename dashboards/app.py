@@ -2,11 +2,13 @@
 
 Pages are plain modules routed by ``dcc.Location`` rather than ``dash.register_page``, whose
 registry is process-wide: two apps in one process (tests, or two configurations) must not share
-pages or callbacks. The signed-in key lives only in the browser's session storage and is sent
-to billing with every data request; the server keeps no session. Sign-out and sign-in empty the
-key box, and sign-out removes the key from storage, so the key never outlives the tab or the
-sign-out. Failed sign-ins are throttled per client address (``dashboards.throttle``), and every
-response carries the security headers of ``dashboards.headers``.
+pages or callbacks. Only the sign-in form takes a key: once billing accepts it, the server keeps
+it in a session and the browser's session storage holds the session's opaque id, which every
+data callback names (``dashboards.sessions``), so no callback can be used to test keys. Failed
+sign-ins are throttled per client address (``dashboards.throttle``), and while an address is
+locked out no callback from it looks anything up. Sign-out and sign-in empty the key box, and
+sign-out ends the session. Every response carries the security headers of
+``dashboards.headers``.
 
 Signed out, a visitor sees the sign-in form and nothing else: no navigation, no range picker, no
 sign-out button, no figures. Signed in, every page opens with the summary row
@@ -27,11 +29,12 @@ from flask import request
 
 from dashboards.client import BillingClient, BillingError
 from dashboards.components import note
-from dashboards.context import Context, signed_in
+from dashboards.context import Context
 from dashboards.data import RANGE_LABELS, RANGES, fetch_queries, time_range
 from dashboards.formatting import as_of
 from dashboards.headers import content_security_policy, install_security_headers
 from dashboards.pages import chargeback, efficiency, fleet, planner, sla, teams
+from dashboards.sessions import Gate, Session, Sessions, clean_key
 from dashboards.style import SORT_JS, STYLE, TZ_JS
 from dashboards.summary import summary_row, tiles
 from dashboards.throttle import SignInThrottle, locked_message
@@ -97,22 +100,29 @@ def _shell(ctx: Context) -> html.Div:
     )
 
 
-def _refused(throttle: SignInThrottle, address: str) -> str:
-    """Count an unknown key from ``address`` and say how many tries it has left."""
+def _refused(throttle: SignInThrottle, address: str, status: int) -> str:
+    """Count a refused key from ``address`` and say why, and how many tries it has left.
+
+    401: billing knows no such key. 403: the key is one of the services' (metrics, ingest),
+    which billing knows but which may not read the ledger; it counts all the same, as a guess.
+    """
+    why = ("this key is not known" if status == 401 else
+           "this key is known, but it is a service's (metrics or ingest), which may not sign in: "
+           "use the admin key or a team key")  # fmt: skip
     attempts = throttle.failed(address)
     locked = attempts.retry_after(throttle.now())
     if locked > 0:
-        return f"Not signed in: this key is not known. {locked_message(locked)}"
+        return f"Not signed in: {why}. {locked_message(locked)}"
     left = throttle.policy.max_failures - attempts.failures
     tries = "1 more try" if left == 1 else f"{left} more tries"
     wait = f"{throttle.policy.lockout_seconds:g} s"
-    return f"Not signed in: this key is not known ({tries} before a {wait} wait)."
+    return f"Not signed in: {why} ({tries} before a {wait} wait)."
 
 
-def _summary(ctx: Context, auth: dict[str, Any], choice: str | None,
+def _summary(ctx: Context, session: Session, choice: str | None,
              tz: str | None) -> tuple[Any, Any]:  # fmt: skip
     """The summary row and the money snapshot it was computed from."""
-    token, admin = auth["token"], bool(auth.get("is_admin"))
+    token, admin = session.token, session.is_admin
     start, end = time_range(choice)
     month = month_of(end)
     names = ["team_usage", "sla", *(["gpus"] if admin else [])]
@@ -136,13 +146,16 @@ def _summary(ctx: Context, auth: dict[str, Any], choice: str | None,
     return summary_row(found, as_of(now, tz), month), money
 
 
-def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None = None) -> Dash:
+def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None = None,
+               sessions: Sessions | None = None) -> Dash:  # fmt: skip
     """The dashboard app reading from the billing service at ``billing_url``.
 
-    ``throttle`` counts failed sign-ins per client address; each app has its own by default.
+    ``throttle`` counts failed sign-ins per client address, ``sessions`` holds the signed-in
+    callers; each app has its own of both by default.
     """
-    ctx = Context(config, BillingClient(billing_url))
     signins = SignInThrottle() if throttle is None else throttle
+    gate = Gate(signins, Sessions() if sessions is None else sessions)
+    ctx = Context(config, BillingClient(billing_url), gate)
     app = Dash(__name__, title="infermeter", update_title="", assets_ignore=".*",
                serve_locally=True, suppress_callback_exceptions=False)  # fmt: skip
     app.index_string = app.index_string.replace("{%css%}", "{%css%}<style>" + STYLE + "</style>")
@@ -163,11 +176,12 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
     )
     def route(path: str | None, auth: Any) -> tuple[Any, dict[str, str], str, dict[str, str],
                                                     dict[str, str]]:  # fmt: skip
-        if not signed_in(auth):
+        session = ctx.session(auth)
+        if session is None:
             return None, {}, "", _HIDDEN, _HIDDEN
         module = by_path.get(path or "/")
         content = module.layout(ctx) if module else html.P(f"No page at {path}", className="note")
-        who = "admin" if auth.get("is_admin") else f"team {auth.get('team')}"
+        who = "admin" if session.is_admin else f"team {session.team}"
         return content, _HIDDEN, who, {}, {}
 
     @app.callback(
@@ -179,9 +193,10 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
         Input("tz", "data"),
     )
     def summary(_: Any, choice: str | None, auth: Any, tz: str | None) -> tuple[Any, Any]:
-        if not signed_in(auth):
+        session = ctx.session(auth)
+        if session is None:
             return None, None
-        return _summary(ctx, auth, choice, tz)
+        return _summary(ctx, session, choice, tz)
 
     @app.callback(
         Output("auth", "data"),
@@ -192,27 +207,32 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
         Input("login-key", "n_submit"),
         Input("logout", "n_clicks"),
         State("login-key", "value"),
+        State("auth", "data"),
         prevent_initial_call=True,
     )
-    def sign_in(_: Any, __: Any, ___: Any, key: str | None) -> tuple[Any, bool, str, Any]:
+    def sign_in(_: Any, __: Any, ___: Any, typed: str | None,
+                auth: Any) -> tuple[Any, bool, str, Any]:  # fmt: skip
+        if isinstance(auth, dict) and isinstance(auth.get("session"), str):
+            gate.sessions.end(auth["session"])  # signing out, or in again: the old one is over
         if callback_context.triggered_id == "logout":
             return None, True, "", ""
+        key = clean_key(typed)
         if not key:
-            return no_update, False, "Enter a key.", no_update
+            return None, True, "Enter a key.", no_update
         address = request.remote_addr or "unknown"
         wait_seconds = signins.retry_after(address)
         if wait_seconds > 0:
-            return no_update, False, locked_message(wait_seconds), no_update
+            return None, True, locked_message(wait_seconds), no_update
         try:
-            who = ctx.client.whoami(key.strip())
+            who = ctx.client.whoami(key)
         except BillingError as exc:
             if exc.status not in (401, 403):
-                return no_update, False, f"Not signed in: {exc}.", no_update
-            return no_update, False, _refused(signins, address), no_update
+                return None, True, f"Not signed in: {exc}.", no_update
+            return None, True, _refused(signins, address, exc.status), no_update
         signins.succeeded(address)
         caller = who["caller"]
-        return {"token": key.strip(), "name": caller["name"], "team": caller["team"],
-                "is_admin": caller["is_admin"], "teams": who["teams"]}, False, "", ""  # fmt: skip
+        session = Session(key, caller["name"], caller["team"], bool(caller["is_admin"]))
+        return {"session": gate.sessions.begin(session)}, False, "", ""
 
     @app.callback(Output("range", "value"), Input("url", "search"))
     def range_from_url(search: str | None) -> Any:

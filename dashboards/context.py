@@ -1,24 +1,32 @@
-"""What every page needs, made once per app: the configuration and the billing client."""
+"""What every page needs, made once per app: the configuration, the billing client, the gate."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from flask import request
+
 from dashboards.client import BillingClient
+from dashboards.sessions import Gate, Session
 from infermeter.config import Config
 
-__all__ = ["Context", "signed_in"]
+__all__ = ["Context"]
 
 
 @dataclass(frozen=True, slots=True)
 class Context:
-    """The configuration the app was started with and its client for billing."""
+    """The configuration the app was started with, its client for billing, and the gate every
+    callback passes (``dashboards.sessions``)."""
 
     config: Config
     client: BillingClient
+    gate: Gate
 
+    def session(self, auth: Any) -> Session | None:
+        """The signed-in session the browser's ``auth`` store names, for this request's address.
 
-def signed_in(auth: Any) -> bool:
-    """True when the session store holds a credential that billing accepted."""
-    return isinstance(auth, dict) and isinstance(auth.get("token"), str)
+        None when signed out, when the session is unknown or over, or while the address is locked
+        out of sign-in: a callback then shows nothing and asks billing nothing.
+        """
+        return self.gate.session(auth, request.remote_addr or "unknown")

@@ -15,7 +15,12 @@ from typing import Final
 
 from flask import Flask, Response
 
-__all__ = ["content_security_policy", "install_security_headers", "security_headers"]
+__all__ = [
+    "content_security_policy",
+    "install_security_headers",
+    "installed_headers",
+    "security_headers",
+]
 
 _FIXED: Final[Mapping[str, str]] = {
     "X-Frame-Options": "DENY",
@@ -49,9 +54,17 @@ def security_headers(csp: str) -> dict[str, str]:
 def install_security_headers(server: Flask, csp: str) -> None:
     """Add the security headers to every response ``server`` makes, errors included."""
     headers = security_headers(csp)
+    server.extensions["infermeter_security_headers"] = headers
 
     def add(response: Response) -> Response:
         response.headers.update(headers)
         return response
 
     server.after_request(add)
+
+
+def installed_headers(server: Flask) -> dict[str, str]:
+    """The headers ``install_security_headers`` gave ``server``, for answers its WSGI server
+    makes without it (waitress's own 413)."""
+    headers: dict[str, str] = server.extensions["infermeter_security_headers"]
+    return headers

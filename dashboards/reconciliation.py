@@ -21,7 +21,7 @@ from dash import Dash, Input, Output, html
 
 from dashboards.client import BillingError
 from dashboards.components import frame_table, note
-from dashboards.context import Context, signed_in
+from dashboards.context import Context
 from dashboards.data import time_range
 
 __all__ = ["CAPTION", "COLUMNS", "register", "summary", "table"]
@@ -73,13 +73,14 @@ def register(app: Dash, ctx: Context) -> None:
         Input("auth", "data"),
     )
     def refresh(_: int, choice: str | None, auth: Any) -> Any:
-        if not signed_in(auth):
+        session = ctx.session(auth)
+        if session is None:
             return None
-        if not auth.get("is_admin"):
+        if not session.is_admin:
             return note("The reconciliation spans every team: shown to the admin credential.")
         start, end = time_range(choice)
         try:
-            frame = ctx.client.query(auth["token"], "reconciliation", start, end)
+            frame = ctx.client.query(session.token, "reconciliation", start, end)
         except BillingError as exc:
             return note(str(exc), "error")
         return html.Div([table(frame), note(CAPTION, note_id="fleet-reconciliation-caption")])

@@ -12,6 +12,7 @@ import signal
 from types import FrameType
 
 from dashboards.app import create_app
+from dashboards.headers import installed_headers
 from dashboards.wsgi import WsgiServer
 from infermeter.config import Config
 from infermeter.http_guard import DEFAULT_LIMITS
@@ -28,7 +29,9 @@ def billing_url_of(config: Config, billing_url: str | None = None) -> str:
 def dashboard_server(config: Config, host: str, port: int, billing_url: str) -> WsgiServer:
     """The dashboard's server, listening, ready to ``serve()``; a taken port is a ``PortInUseError``."""
     ensure_free(host, port, "dashboard listen address")
-    return WsgiServer(create_app(config, billing_url).server, host, port, DEFAULT_LIMITS)
+    app = create_app(config, billing_url).server
+    return WsgiServer(app, host, port, DEFAULT_LIMITS, max_body_bytes=config.dashboard.max_body_bytes,
+                      error_headers=installed_headers(app))  # fmt: skip
 
 
 def serve_dashboard(config: Config, listen: str | None, billing_url: str | None) -> int:

@@ -15,6 +15,13 @@ kept. ``_GuardedChannel`` adds the deadline: request headers not complete within
 ``infermeter.http_guard`` does for uvicorn. An idle keep-alive connection is closed after
 ``keep_alive_seconds``.
 
+waitress reads a request's whole body (into memory, then a temporary file) before it calls the
+app, and Flask then reads it into memory again: one 400 MiB POST to ``/_dash-update-component``
+left the process at 941 MiB. So the body limit is waitress's own ``max_request_body_size``: a
+``Content-Length`` over ``max_body_bytes`` is answered ``413`` as soon as the headers are in,
+before a byte of the body is read, and a chunked body is cut off at the limit. waitress writes
+that answer itself, so ``error_headers`` (the app's security headers) are added to it here.
+
 ``stop`` is graceful: the listening socket closes at once, requests being served get up to
 ``graceful_seconds`` to finish, then the connections close and the loop ends.
 """
@@ -23,11 +30,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from waitress import wasyncore
 from waitress.channel import HTTPChannel
 from waitress.server import TcpWSGIServer, create_server
+from waitress.task import ErrorTask
 
 from infermeter.http_guard import DEFAULT_LIMITS, ServerLimits
 
@@ -55,9 +64,20 @@ class _GuardedChannel(HTTPChannel):  # type: ignore[misc]
         return result
 
 
-def _guarded_server(header_timeout_seconds: float) -> type[TcpWSGIServer]:
+def _guarded_server(header_timeout_seconds: float,
+                    error_headers: Mapping[str, str]) -> type[TcpWSGIServer]:  # fmt: skip
+    class HeadedErrorTask(ErrorTask):  # type: ignore[misc]
+        """waitress's own error answer (400, 413, 431), with the app's headers."""
+
+        def execute(self) -> None:
+            self.response_headers.extend(error_headers.items())
+            super().execute()
+
+    class HeadedChannel(_GuardedChannel):
+        error_task_class = HeadedErrorTask
+
     class GuardedServer(TcpWSGIServer):  # type: ignore[misc]
-        channel_class = _GuardedChannel
+        channel_class = HeadedChannel
 
         def maintenance(self, now: float) -> None:
             """waitress's idle cleanup, then close connections past their header deadline."""
@@ -76,7 +96,11 @@ class WsgiServer:
 
     def __init__(self, app: WSGIApplication, host: str, port: int,
                  limits: ServerLimits = DEFAULT_LIMITS, threads: int = 16,
-                 graceful_seconds: float = 2.0) -> None:  # fmt: skip
+                 graceful_seconds: float = 2.0, max_body_bytes: int = 1 << 20,
+                 error_headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
+        """``max_body_bytes``: the largest request body taken (larger: 413, unread);
+        ``error_headers``: added to the answers waitress makes itself (see the module docstring).
+        """
         self.graceful_seconds = graceful_seconds
         self._stop = threading.Event()
         self._map: dict[int, Any] = {}
@@ -88,6 +112,8 @@ class WsgiServer:
             threads=threads,
             connection_limit=limits.max_connections,
             max_request_header_size=limits.max_header_bytes,
+            # waitress refuses a body of this size or more: one byte over the limit.
+            max_request_body_size=max_body_bytes + 1,
             channel_timeout=limits.keep_alive_seconds,
             cleanup_interval=_TICK_SECONDS,
             asyncore_loop_timeout=_TICK_SECONDS,
@@ -100,7 +126,7 @@ class WsgiServer:
             raise ValueError(f"listen on one address, not on every address of {host!r}")
         # create_server builds the server and its listening socket itself; the guarded subclass
         # only adds methods, so the built server takes its class in place.
-        self._server.__class__ = _guarded_server(limits.header_timeout_seconds)
+        self._server.__class__ = _guarded_server(limits.header_timeout_seconds, error_headers or {})
         self.started = threading.Event()
 
     def serve(self) -> None:

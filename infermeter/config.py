@@ -509,6 +509,8 @@ class DashboardSettings(_Strict):
     billing_url: str | None = None
     metrics_urls: list[str] = Field(default_factory=list)
     refresh_seconds: Positive = 10.0
+    # A request body over this is answered 413 before it is read (a callback's is a few KiB).
+    max_body_bytes: Annotated[int, Field(gt=0)] = 1 << 20
 
 
 class SlaOverride(_Strict):

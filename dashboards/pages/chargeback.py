@@ -16,7 +16,7 @@ from dash import Dash, Input, Output, State, dcc, html, no_update
 
 from dashboards.client import BillingError, Download
 from dashboards.components import csv_table, note, page, usd
-from dashboards.context import Context, signed_in
+from dashboards.context import Context
 from dashboards.data import recent_months, statement_from_json
 from dashboards.formatting import as_of
 from infermeter.months import month_of
@@ -80,9 +80,10 @@ def register(app: Dash, ctx: Context) -> None:
     )
     def months(auth: Any) -> tuple[list[str], str]:
         known: list[str] = []
-        if signed_in(auth) and auth.get("is_admin"):
+        session = ctx.session(auth)
+        if session is not None and session.is_admin:
             try:
-                known = [m["month"] for m in ctx.client.months(auth["token"])]
+                known = [m["month"] for m in ctx.client.months(session.token)]
             except BillingError:
                 known = []
         choices = recent_months(known)
@@ -97,9 +98,10 @@ def register(app: Dash, ctx: Context) -> None:
         State("tz", "data"),
     )
     def show(month: str | None, auth: Any, _: Any, tz: str | None) -> tuple[Any, Any]:
-        if not signed_in(auth) or not month:
+        session = ctx.session(auth)
+        if session is None or not month:
             return note("Sign in and pick a month."), None
-        token = auth["token"]
+        token = session.token
         try:
             with ThreadPoolExecutor(max_workers=2) as pool:
                 body_call = pool.submit(ctx.client.statement, token, month)
@@ -123,9 +125,10 @@ def register(app: Dash, ctx: Context) -> None:
         )
 
     def download(auth: Any, month: str | None, kind: Literal["csv", "focus"]) -> Any:
-        if not signed_in(auth) or not month:
+        session = ctx.session(auth)
+        if session is None or not month:
             return no_update
-        return _file(ctx.client.export(auth["token"], month, kind))
+        return _file(ctx.client.export(session.token, month, kind))
 
     @app.callback(
         Output("chargeback-csv", "data"),

@@ -17,7 +17,7 @@ from dash import Dash, Input, Output, dcc, html
 
 from dashboards.client import BillingError
 from dashboards.components import frame_table, graph, note, page, usd
-from dashboards.context import Context, signed_in
+from dashboards.context import Context
 from dashboards.data import local_range, local_times, recent_months
 from dashboards.figures import line_figure
 from dashboards.formatting import Kind, format_cell, kind_of
@@ -165,10 +165,11 @@ def register(app: Dash, ctx: Context) -> None:
         empty = [
             _chart(pl.DataFrame(), "", "", title, axis, span) for _, _, title, axis in GROUP_CHARTS
         ]
-        if not signed_in(auth) or not month:
+        session = ctx.session(auth)
+        if session is None or not month:
             return [note("Sign in and pick a month."), None, None, *empty]
         try:
-            body = ctx.client.efficiency(auth["token"], month)
+            body = ctx.client.efficiency(session.token, month)
         except BillingError as exc:
             return [note(str(exc), "error"), None, None, *empty]
         recs = body["recommendations"]
@@ -180,7 +181,7 @@ def register(app: Dash, ctx: Context) -> None:
         )
         advice = (frame_table(advice_frame(recs), "efficiency-advice-table")
                   if recs else note("Nothing to save from the use measured this month."))  # fmt: skip
-        if auth.get("is_admin"):
+        if session.is_admin:
             rows, series, charts = frame_of(body["figures"]["groups"]), "replica", GROUP_CHARTS
             summary: Any = frame_table(group_summary(rows), "efficiency-summary-table",
                                        kinds=SUMMARY_KINDS) \

@@ -28,7 +28,7 @@ from dash import Dash, Input, Output, html
 from dashboards import reconciliation
 from dashboards.client import Answer, BillingError
 from dashboards.components import frame_table, graph, note, page
-from dashboards.context import Context, signed_in
+from dashboards.context import Context
 from dashboards.data import (
     Drawn,
     desired_replicas,
@@ -266,10 +266,11 @@ def register(app: Dash, ctx: Context) -> None:
     @app.callback(*outputs, *inputs)
     def refresh(_: int, choice: str | None, auth: Any, tz: str | None) -> list[Any]:
         blank = [empty_figure("", "")] * (len(_FIGURES) + len(_ADMIN_FIGURES))
-        if not signed_in(auth):
+        session = ctx.session(auth)
+        if session is None:
             return [note("Sign in to see the fleet."), None, None, None, _HIDDEN, *blank]
-        token, (start, end) = auth["token"], time_range(choice)
-        admin = bool(auth.get("is_admin"))
+        token, (start, end) = session.token, time_range(choice)
+        admin = session.is_admin
         names = ["ttft", "throughput", "team_usage"] + (["engine", "gpus"] if admin else [])
         # The scaling signal is scraped, and the fleet asked for, while billing answers the rest.
         with ThreadPoolExecutor(max_workers=2) as pool:

@@ -9,7 +9,7 @@ from dash import Dash, Input, Output, html
 
 from dashboards.client import BillingError
 from dashboards.components import frame_table, note, page
-from dashboards.context import Context, signed_in
+from dashboards.context import Context
 from dashboards.data import fetch_queries, local_times, time_range
 
 PATH = "/sla"
@@ -86,11 +86,12 @@ def register(app: Dash, ctx: Context) -> None:
         Input("tz", "data"),
     )
     def refresh(_: int, choice: str | None, auth: Any, tz: str | None) -> list[Any]:
-        if not signed_in(auth):
+        session = ctx.session(auth)
+        if session is None:
             return [note("Sign in to see SLA compliance."), None, None, None]
         start, end = time_range(choice)
         try:
-            frames = fetch_queries(ctx.client, auth["token"], ["sla", "worst_hours"], start, end)
+            frames = fetch_queries(ctx.client, session.token, ["sla", "worst_hours"], start, end)
             rows, worst = frames["sla"], frames["worst_hours"]
         except BillingError as exc:
             return [note(str(exc), "error"), None, None, None]

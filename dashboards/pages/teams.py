@@ -13,7 +13,7 @@ import polars as pl
 from dash import Dash, Input, Output, html
 
 from dashboards.components import frame_table, graph, note, page
-from dashboards.context import Context, signed_in
+from dashboards.context import Context
 from dashboards.data import statement_from_json
 from dashboards.figures import budget_figure, empty_figure
 from dashboards.formatting import as_of
@@ -130,7 +130,7 @@ def register(app: Dash, ctx: Context) -> None:
         Input("tz", "data"),
     )
     def refresh(money: Any, auth: Any, tz: str | None) -> list[Any]:
-        if not signed_in(auth):
+        if ctx.session(auth) is None:
             return [note("Sign in to see spend."), None, empty_figure("", ""), None]
         if not money:
             return [note("Waiting for billing's figures..."), None, empty_figure("", ""), None]

@@ -1,18 +1,26 @@
-"""The dashboard's pages and sign-in hold against the browser-side attacks on a key typed into them.
+"""The dashboard's pages and sign-in hold against the attacks on a key typed into them.
 
 Adversaries: a page elsewhere that frames the dashboard to overlay its sign-in form, markup or
 script injected into a page (the Content-Security-Policy must stop it while Dash still works, in
 real Chromium), the next person at the same browser (the key must not outlive the tab or the
-sign-out), and a guesser of keys at the sign-in form (failures from one address are throttled).
+sign-out, and never reaches the browser's storage: it holds a session id), a guesser of keys
+(failures from one address are throttled, and no data callback takes a key, so none is a way
+around the throttle), and a client sending a body large enough to exhaust memory (413 before it
+is read).
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -21,6 +29,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from dashboards.app import create_app
+from dashboards.headers import installed_headers
+from dashboards.sessions import Session, Sessions, clean_key
 from dashboards.throttle import (
     Attempts,
     SignInThrottle,
@@ -54,10 +64,12 @@ PAGES = [
 def dashboard(
     config: Config, billing: str, throttle: SignInThrottle | None = None
 ) -> Iterator[str]:
-    """The dashboard app under its production server (waitress) on a loopback port; yields its URL."""
+    """The dashboard app under its production server (waitress) on a loopback port, with its body
+    limit and headers as ``infermeter dashboard`` sets them; yields its URL."""
     port = free_port()
     app = create_app(config, billing, throttle=throttle).server
-    server = WsgiServer(app, "127.0.0.1", port)
+    server = WsgiServer(app, "127.0.0.1", port, max_body_bytes=config.dashboard.max_body_bytes,
+                        error_headers=installed_headers(app))  # fmt: skip
     thread = threading.Thread(target=server.serve, name="dashboard", daemon=True)
     thread.start()
     server.started.wait(10)
@@ -201,11 +213,14 @@ def test_injected_inline_script_does_not_run(driver, url):
     assert any("Content Security Policy" in str(e["message"]) for e in severe_logs(driver))
 
 
-def test_the_key_lives_only_in_the_tab_and_sign_out_clears_it(driver, url):
-    """The key is never in local storage or a cookie, and sign-out leaves it nowhere."""
+def test_the_key_never_reaches_the_browsers_storage_and_sign_out_clears_it(driver, url):
+    """Signed in, the tab holds a session id, never the key (in no storage, no cookie); sign-out
+    leaves nothing."""
     open_fresh(driver, url)
     try_key(driver, ADMIN_KEY)
     wait_text(driver, "#who", "admin")
+    assert ADMIN_KEY not in stored(driver, "sessionStorage")
+    assert "session" in stored(driver, "sessionStorage")
     assert ADMIN_KEY not in stored(driver, "localStorage")
     assert driver.get_cookies() == []
     assert driver.find_element(By.ID, "login-key").get_attribute("value") == ""
@@ -287,3 +302,191 @@ def test_remembered_addresses_are_bounded():
     assert len(throttle) == 100
     assert throttle.failed("10.0.0.0").failures == 1
     assert throttle.failed("10.0.3.231").failures == 2
+
+
+# -- no callback is a way around the sign-in form ---------------------------------------------
+
+SUMMARY = "..summary.children...money.data.."
+SIGN_IN = "..auth.data...auth.clear_data...login-error.children...login-key.value.."
+
+
+def callback(url: str, output: str, inputs: list[dict[str, Any]],
+             state: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Post one Dash callback the way the browser does (or an attacker's script would)."""
+    outputs = [dict(zip(("id", "property"), o.split("."), strict=True))
+               for o in output.strip(".").split("...")]  # fmt: skip
+    body = {"output": output, "outputs": outputs, "inputs": inputs, "state": state or [],
+            "changedPropIds": [f"{inputs[0]['id']}.{inputs[0]['property']}"]}  # fmt: skip
+    r = httpx.post(f"{url}/_dash-update-component", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    answer: dict[str, Any] = r.json()["response"]
+    return answer
+
+
+def summary(url: str, auth: Any) -> dict[str, Any]:
+    """The summary row's callback (it reads spend and the statement from billing) for ``auth``."""
+    return callback(url, SUMMARY, [
+        {"id": "tick", "property": "n_intervals", "value": 1},
+        {"id": "range", "property": "value", "value": "24h"},
+        {"id": "auth", "property": "data", "value": auth},
+        {"id": "tz", "property": "data", "value": "UTC"},
+    ])  # fmt: skip
+
+
+def sign_in(url: str, key: str) -> dict[str, Any]:
+    """The sign-in form's callback, as pressing its button with ``key`` typed sends it."""
+    return callback(url, SIGN_IN, [
+        {"id": "login-button", "property": "n_clicks", "value": 1},
+        {"id": "login-key", "property": "n_submit", "value": None},
+        {"id": "logout", "property": "n_clicks", "value": None},
+    ], [{"id": "login-key", "property": "value", "value": key},
+        {"id": "auth", "property": "data", "value": None}])  # fmt: skip
+
+
+SIGNED_OUT = {"summary": {"children": None}, "money": {"data": None}}
+
+
+def test_a_data_callback_takes_no_key(url):
+    """A key put in the session store by hand is not a sign-in: the right key and a wrong one get
+    the same signed-out answer, and so does a session id nobody was given."""
+    assert summary(url, {"token": ADMIN_KEY, "is_admin": True}) == SIGNED_OUT
+    assert summary(url, {"token": "im-not-a-key", "is_admin": True}) == SIGNED_OUT
+    assert summary(url, {"session": "made-up-" + "x" * 40}) == SIGNED_OUT
+    session = sign_in(url, ADMIN_KEY)["auth"]["data"]
+    assert summary(url, session)["money"]["data"]["statement"]["lines"]
+
+
+def test_while_locked_out_no_callback_looks_anything_up(config, billing):
+    """Locked out of sign-in, an address gets the signed-out answer from every callback, even
+    with a session that was valid: nothing it sends tells a valid key or session from a wrong
+    one until the lockout ends."""
+    clock = Clock()
+    throttle = SignInThrottle(ThrottlePolicy(max_failures=2, lockout_seconds=60), clock)
+    with dashboard(config, billing, throttle) as url:
+        session = sign_in(url, ADMIN_KEY)["auth"]["data"]
+        assert summary(url, session)["money"]["data"] is not None
+        for _ in range(2):
+            sign_in(url, "im-not-a-key")
+        assert "try again in 60 s" in sign_in(url, ADMIN_KEY)["login-error"]["children"]
+        assert summary(url, session) == SIGNED_OUT
+        assert summary(url, {"token": ADMIN_KEY, "is_admin": True}) == SIGNED_OUT
+        clock.now += 60
+        assert summary(url, session)["money"]["data"] is not None
+
+
+def test_a_key_is_trimmed_before_it_is_checked(url):
+    """Spaces, tabs, newlines and invisible characters around a pasted key are not part of it."""
+    pasted = f" \t\u00a0\u200b{ADMIN_KEY}\ufeff \n"
+    assert clean_key(pasted) == ADMIN_KEY
+    assert "session" in sign_in(url, pasted)["auth"]["data"]
+    blank = sign_in(url, " \u200b\n")
+    assert blank["login-error"]["children"] == "Enter a key."
+
+
+def test_a_services_key_is_called_known_but_not_allowed(url):
+    """The metrics token is known to billing: the form says it is a service's, not unknown."""
+    said = sign_in(url, "im-demo-metrics")["login-error"]["children"]
+    assert "this key is known, but it is a service's (metrics or ingest)" in said
+    assert "not known" not in said
+    assert "not known" in sign_in(url, "im-not-a-key")["login-error"]["children"]
+
+
+def test_sessions_are_bounded_and_end_when_idle():
+    """At most max_sessions live (the least recently used goes), and an idle one is over."""
+    clock = Clock()
+    sessions = Sessions(idle_seconds=100, max_sessions=3, clock=clock)
+    ids = [sessions.begin(Session(f"k{i}", f"t{i}", f"t{i}", False)) for i in range(4)]
+    assert len(sessions) == 3
+    assert sessions.get(ids[0]) is None
+    assert sessions.get(ids[3]) == Session("k3", "t3", "t3", False)
+    clock.now += 101
+    assert sessions.get(ids[3]) is None
+    sessions.end(ids[2])
+    assert sessions.get(ids[2]) is None
+
+
+# -- request bodies ---------------------------------------------------------------------------
+
+
+def _raw(url: str, head: bytes, body: bytes = b"", timeout: float = 10) -> bytes:
+    """Send ``head`` (and ``body``) on a raw connection; what comes back before it closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(head)
+        with contextlib.suppress(OSError):
+            sock.sendall(body)
+        answer = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                answer += chunk
+    return answer
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(config, url):
+    """Content-Length 400 MiB: 413, with the security headers, before a byte of the body is sent."""
+    head = (b"POST /_dash-update-component HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 419430400\r\n\r\n")  # fmt: skip
+    answer = _raw(url, head).decode("latin-1")
+    assert answer.startswith("HTTP/1.1 413 "), answer[:200]
+    headers = answer.partition("\r\n\r\n")[0].lower()
+    for name, value in HEADERS.items():
+        assert f"{name}: {value}".lower() in headers
+    assert "frame-ancestors 'none'" in headers
+
+
+def test_a_chunked_body_is_cut_off_at_the_limit(config, url):
+    """A chunked body (no length announced) is refused once it passes max_body_bytes."""
+    limit = config.dashboard.max_body_bytes
+    chunk = b"x" * 65536
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(limit // len(chunk) + 2))
+    head = (b"POST /_dash-update-component HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    assert _raw(url, head, body).startswith(b"HTTP/1.1 413 ")
+
+
+def test_a_body_within_the_limit_still_reaches_dash(url):
+    """A callback body of half the limit is read and answered by Dash."""
+    assert summary(url, {"session": "x", "padding": "x" * 500_000}) == SIGNED_OUT
+
+
+def _peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.timeout(120)
+def test_a_400_mib_post_leaves_the_process_where_it_was(tmp_path):
+    """``infermeter dashboard`` sent 400 MiB to /_dash-update-component: its peak memory grows
+    by less than 20 MiB (it once reached 941 MiB), and it still answers."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "dashboard", "--listen",
+                             f"127.0.0.1:{port}", "--billing-url", "http://127.0.0.1:9"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/", timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the dashboard did not start"
+            time.sleep(0.2)
+        before = _peak_rss_mib(proc.pid)
+        head = (b"POST /_dash-update-component HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 419430400\r\n\r\n")  # fmt: skip
+        host_port = ("127.0.0.1", port)
+        with socket.create_connection(host_port, timeout=10) as sock:
+            sock.sendall(head)
+            sent = 0
+            block = b"x" * (1 << 20)
+            with contextlib.suppress(OSError):
+                while sent < 400 << 20:
+                    sock.sendall(block)
+                    sent += len(block)
+        assert httpx.get(url + "/", timeout=5).status_code == 200
+        assert _peak_rss_mib(proc.pid) - before < 20
+    finally:
+        proc.terminate()
+        proc.wait(10)

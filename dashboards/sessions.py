@@ -1,0 +1,106 @@
+"""Signed-in sessions, held by the dashboard server: one door for the sign-in form and every callback.
+
+A key is a bearer credential for billing. If the browser kept it and sent it with each data
+callback, every callback would be a second sign-in form without the throttle: whoever is locked
+out of the form could put any key in the session store and read, from a callback's answer,
+whether billing took it. So only the sign-in form ever takes a key. Once billing has accepted
+it, the server keeps it in a ``Session`` and the browser gets an opaque id (256 random bits),
+which is all it stores and sends; a callback names a session, never a key, and finds nothing
+for an id it was not given. While an address is locked out of sign-in (``dashboards.throttle``),
+nothing from it is looked up at all: no key, no session.
+
+An unknown id is not counted as a failed sign-in: it cannot be guessed, and every tab open
+across a restart of the dashboard (sessions live in memory) would otherwise lock its own
+address out. Bounded: at most ``max_sessions`` (the least recently used goes first), and one
+unused for ``idle_seconds`` is gone.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from dashboards.throttle import SignInThrottle
+
+__all__ = ["IDLE_SECONDS", "Gate", "Session", "Sessions", "clean_key"]
+
+# A session unused this long is over: a working day and then some.
+IDLE_SECONDS: Final = 12 * 3600.0
+# What a pasted key may carry around it: whitespace, and the invisible characters editors and
+# chat tools add (zero-width spaces and joiners, the byte-order mark).
+_AROUND = re.compile(r"^[\s\u200b\u200c\u200d\u2060\ufeff]+|[\s\u200b\u200c\u200d\u2060\ufeff]+$")
+
+
+def clean_key(typed: str | None) -> str:
+    """The key as typed or pasted, without what surrounds it ("" when nothing else is left)."""
+    return _AROUND.sub("", typed or "")
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """A signed-in caller: the key billing accepted and who billing said it is."""
+
+    token: str
+    name: str
+    team: str | None
+    is_admin: bool
+
+
+class Sessions:
+    """Every live session by its id, shared by the server's threads."""
+
+    def __init__(self, idle_seconds: float = IDLE_SECONDS, max_sessions: int = 10_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.idle_seconds = idle_seconds
+        self.max_sessions = max_sessions
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_id: OrderedDict[str, tuple[Session, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def begin(self, session: Session) -> str:
+        """Keep ``session``; the id the browser will name it by."""
+        sid = secrets.token_urlsafe(32)
+        with self._lock:
+            self._by_id[sid] = (session, self._clock())
+            while len(self._by_id) > self.max_sessions:
+                self._by_id.popitem(last=False)
+        return sid
+
+    def get(self, sid: str) -> Session | None:
+        """The session named ``sid``, if it lives; using it keeps it alive."""
+        now = self._clock()
+        with self._lock:
+            found = self._by_id.pop(sid, None)
+            if found is None or now - found[1] > self.idle_seconds:
+                return None
+            self._by_id[sid] = (found[0], now)
+            return found[0]
+
+    def end(self, sid: str) -> None:
+        """Forget ``sid`` (sign-out)."""
+        with self._lock:
+            self._by_id.pop(sid, None)
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """The sign-in throttle and the sessions, asked together by every callback."""
+
+    throttle: SignInThrottle
+    sessions: Sessions
+
+    def session(self, auth: Any, address: str) -> Session | None:
+        """The session the browser's store names, unless ``address`` is locked out."""
+        sid = auth.get("session") if isinstance(auth, dict) else None
+        if not isinstance(sid, str) or self.throttle.retry_after(address) > 0:
+            return None
+        return self.sessions.get(sid)
