@@ -3,6 +3,11 @@
 ``FleetMetrics`` is a prometheus-client custom collector that reads ``FleetCollector``'s latest
 view inside ``collect()``; it holds no metric objects of its own. ``create_app`` serves it from
 its own ``CollectorRegistry`` (never the global one) next to ``/healthz``.
+
+``/metrics`` needs the metrics or admin token, like every other service's: it is per-GPU and
+per-instance telemetry of the whole fleet (which GPU each team's model runs on, how busy, how
+much power), which billing shows the admin only. Open when the configuration sets neither
+token (``scrapers``), as the sidecar's is; ``/healthz`` is always open.
 """
 
 from __future__ import annotations
@@ -17,9 +22,16 @@ from prometheus_client.registry import Collector
 
 from collectors.loop import FleetCollector
 from infermeter.asgi import Receive, Scope, Send, idle_lifespan, respond
+from infermeter.auth import ADMIN, METRICS, AuthError, KeyRing, bearer_key
+from infermeter.config import Config
+from infermeter.errors import error_body
 from infermeter.records import EngineSample, GpuSample
 
-__all__ = ["FleetMetrics", "create_app"]
+__all__ = ["FleetMetrics", "create_app", "scrapers"]
+
+_NEEDS_TOKEN = error_body(401, "The metrics endpoint needs the metrics or admin token.",
+                          "invalid_request_error", "invalid_api_key")  # fmt: skip
+_JSON = (b"content-type", b"application/json")
 
 MIB = 2**20
 GPU_LABELS = ["node", "gpu", "uuid", "replica", "model"]
@@ -192,10 +204,30 @@ class FleetMetrics(Collector):
         yield CounterMetricFamily("infermeter_collector_spool_errors", "Batches of samples that could not be spooled.", value=c.sink_errors_total)  # fmt: skip
 
 
-def create_app(collector: FleetCollector, registry: CollectorRegistry | None = None) -> Callable[
-    [Scope, Receive, Send], Awaitable[None]
-]:  # fmt: skip
-    """The collector's ASGI app: ``/metrics`` (fleet view) and ``/healthz``."""
+def scrapers(config: Config) -> KeyRing | None:
+    """Who may read ``/metrics``: the admin and metrics tokens; None (anyone) when neither is set."""
+    if not (config.admin_token_sha256 or config.metrics_token_sha256):
+        return None
+    return KeyRing([(ADMIN, config.admin_token_sha256), (METRICS, config.metrics_token_sha256)])
+
+
+def _allowed(ring: KeyRing | None, scope: Scope) -> bool:
+    if ring is None:
+        return True
+    header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+    try:
+        ring.team_for(bearer_key(header.decode("latin-1") if header is not None else None))
+    except AuthError:
+        return False
+    return True
+
+
+def create_app(collector: FleetCollector, registry: CollectorRegistry | None = None,
+               scraper_keys: KeyRing | None = None) -> Callable[[Scope, Receive, Send], Awaitable[None]]:  # fmt: skip
+    """The collector's ASGI app: ``/metrics`` (fleet view) and ``/healthz``.
+
+    ``scraper_keys``: the tokens ``/metrics`` asks for (``scrapers``); None serves it to anyone.
+    """
     registry = registry or CollectorRegistry()
     registry.register(FleetMetrics(collector))
     metrics = make_asgi_app(registry)
@@ -207,6 +239,9 @@ def create_app(collector: FleetCollector, registry: CollectorRegistry | None = N
         if scope["type"] != "http":
             return
         if scope["path"] == "/metrics":
+            if not _allowed(scraper_keys, scope):
+                await respond(send, 401, _NEEDS_TOKEN, [_JSON])
+                return
             await metrics(scope, receive, send)
             return
         status, body = (200, b"ok\n") if scope["path"] == "/healthz" else (404, b"not found\n")

@@ -20,7 +20,7 @@ from collectors.baseline import BaselineFile
 from collectors.dcgm import DcgmSource
 from collectors.discovery import OnTargets, PodWatcher, RegistryPoller
 from collectors.loop import Batch, FleetCollector
-from collectors.metrics import create_app
+from collectors.metrics import create_app, scrapers
 from collectors.nvml import NvmlSource
 from collectors.sources import EngineSource, GpuSource
 from collectors.targets import EngineTarget, PodRules, static_targets
@@ -223,7 +223,7 @@ async def serve_collector(config: Config, listen: str | None) -> None:
         log.info("collector: %d GPU targets, engines from %s discovery, /metrics on "
                  "http://%s:%d/metrics", len(collector.gpu_sources), settings.discovery, host, port)  # fmt: skip
         try:
-            await server(create_app(collector, registry), host, port).serve()
+            await server(create_app(collector, registry, scrapers(config)), host, port).serve()
         finally:
             for task in tasks:
                 task.cancel()

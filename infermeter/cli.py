@@ -190,7 +190,8 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
     children.append(fleet.autoscaler_child(config, path, args.day_seconds))
     children.append(fleet.traffic_child(path, args))
     urls = fleet.sidecar_urls(config) + fleet.simulator_urls(config)
-    urls.append(("collector (fleet view)", f"http://{config.collector.listen}/metrics"))
+    fleet_view = f"http://{config.collector.listen}/metrics"
+    urls.append(("collector (fleet view) (metrics: im-demo-metrics)", fleet_view))
     urls.append(("billing API (admin: im-demo-admin)", f"{config.billing.url}/v1/spend"))
     urls.append(("dashboard (sign in: im-demo-admin)", f"http://{config.dashboard.listen}/"))
     urls.append(("autoscaler (desired replicas)", f"http://{config.autoscale.listen}/metrics"))

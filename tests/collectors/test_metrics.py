@@ -92,6 +92,9 @@ async def test_app_serves_metrics_and_healthz(config):
     assert (health.status_code, health.text) == (200, "ok\n")
 
 
+SCRAPER = {"authorization": "Bearer im-demo-metrics"}
+
+
 async def test_serve_collector_runs_with_every_target_down(config, tmp_path):
     """``infermeter collect`` with nothing to scrape still serves /metrics, all targets down."""
     data = config.model_dump()
@@ -108,7 +111,7 @@ async def test_serve_collector_runs_with_every_target_down(config, tmp_path):
             for _ in range(100):
                 await asyncio.sleep(0.05)
                 try:
-                    text = (await client.get(f"http://{listen}/metrics")).text
+                    text = (await client.get(f"http://{listen}/metrics", headers=SCRAPER)).text
                 except httpx.ConnectError:
                     continue
                 if (
