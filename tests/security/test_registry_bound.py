@@ -4,11 +4,14 @@ Instances announce themselves, so a writer that forges start events can make bil
 any number of them. What steers the fleet (the collectors' engines, the sidecars' fail-open
 split, the Fleet page, the live-instance metric) is bounded by the configuration: here the demo's,
 ``min_replicas: 2`` and no ``max_replicas``, so each group may run its replica and 2 more (3);
-more when the autoscaler has asked for more.
+more when the autoscaler has asked for more. Once, 250 forged live instances made the fail-open
+path divide every team's limit by 253: 28 of 30 requests refused.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -16,13 +19,17 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from billing.api import create_app
 from billing.ledger import Ledger
-from infermeter.config import Config
+from infermeter.config import Config, SharedLimitsSettings, TeamLimits
 from infermeter.ids import sample_id
 from infermeter.records import InstanceEvent, ScalingDecision
+from sidecar.limits import LimitExceeded
+from sidecar.shared_limits import SharedTeamLimiter
+from sidecar.team_limits import team_limiter
 from tests.billing.conftest import batch
 from tests.servers import serving
 
@@ -124,3 +131,34 @@ async def test_max_replicas_bounds_the_registry_whatever_is_asked(config, ledger
     async with serving(create_app(bounded, ledger), lifespan="off") as base:
         live = await _live(base, replica="small-0")
     assert [i["instance"] for i in live] == ["small-0-a", "small-0-b"]
+
+
+async def test_a_sidecar_reading_the_registry_splits_its_limit_by_the_bound(
+    billing, config, redis_server, monkeypatch
+):
+    """Redis down (fail_open), a sidecar reads billing's live count: 3, not 252, so a team of
+    600 requests a minute still gets 30 requests through this sidecar."""
+    monkeypatch.setenv("INFERMETER_REGISTRY_TOKEN", "im-demo-metrics")
+    settings = SharedLimitsSettings(redis_url=redis_server.url, timeout_millis=2000,
+                                    retry_seconds=60, registry_url=billing)  # fmt: skip
+    teams = [t.model_copy(update={"limits": TeamLimits(requests_per_minute=600)})
+             for t in config.teams]  # fmt: skip
+    sidecar = config.sidecar.model_copy(update={"shared_limits": settings})
+    limiter = team_limiter(config.model_copy(update={"teams": teams, "sidecar": sidecar}),
+                           "small-0", CollectorRegistry())  # fmt: skip
+    assert isinstance(limiter, SharedTeamLimiter)
+    await limiter.start()
+    try:
+        deadline = time.monotonic() + 10
+        while limiter.live.count == 1:
+            assert time.monotonic() < deadline, "the registry was never read"
+            await asyncio.sleep(0.05)
+        redis_server.kill()
+        admitted = []
+        for _ in range(30):
+            with contextlib.suppress(LimitExceeded):
+                admitted.append(await limiter.admit(config.teams[0].name, 1))
+    finally:
+        await limiter.close()
+    assert limiter.live.count == 3
+    assert len(admitted) == 30
