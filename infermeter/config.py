@@ -53,6 +53,7 @@ __all__ = [
     "KubernetesDiscovery",
     "KubernetesHookSettings",
     "Model",
+    "ModelArchitecture",
     "Node",
     "Prices",
     "RegistryDiscovery",
@@ -150,6 +151,21 @@ class Sla(_Strict):
     max_error_ratio: Annotated[float, Field(ge=0, le=1)] = 0.01
 
 
+class ModelArchitecture(_Strict):
+    """A model's size and attention shape, as its ``config.json`` states them.
+
+    What the efficiency advisor sizes memory by (weights and KV cache at another precision, on
+    fewer GPUs); without it a model gets no memory-based advice, never a shape guessed from its
+    name.
+    """
+
+    params_billions: Positive
+    layers: Annotated[int, Field(gt=0)]
+    kv_heads: Annotated[int, Field(gt=0)]
+    head_dim: Annotated[int, Field(gt=0)]
+    precision: Literal["bf16", "fp16", "fp8", "int8", "int4"] = "bf16"  # of the served weights
+
+
 class Model(_Strict):
     """A model name clients ask for, and the served versions that are approved for it."""
 
@@ -159,6 +175,7 @@ class Model(_Strict):
     use_case: Name = "interactive"
     sla: Sla = Sla()
     max_model_len: Annotated[int, Field(gt=0)] = 8192
+    architecture: ModelArchitecture | None = None
 
     @model_validator(mode="after")
     def _serve_version_is_approved(self) -> Model:

@@ -137,7 +137,7 @@ class Scheduler:
     def kv_blocks_used(self) -> int:
         """KV-cache blocks held by running sequences (prompt + generated, rounded up)."""
         size = self.profile.block_size
-        return sum(math.ceil((s.context_tokens + 1) / size) for s in self.running)
+        return sum(-(-(s.prompt_tokens + s.generated + 1) // size) for s in self.running)
 
     def kv_usage(self) -> float:
         """Share of the KV cache in use, as vllm:kv_cache_usage_perc reports it (0..1)."""
@@ -153,7 +153,7 @@ class Scheduler:
         decode: list[Sequence] = []
         prefill: list[tuple[Sequence, int]] = []
         for seq in self.running:
-            remaining = seq.context_tokens - seq.prefilled - seq.cached_tokens
+            remaining = seq.prompt_tokens + seq.generated - seq.prefilled - seq.cached_tokens
             if remaining > 0:
                 chunk = min(remaining, budget)
                 if chunk > 0:
@@ -285,6 +285,8 @@ class Scheduler:
             self._remember_prefix(seq)
 
     def _admit(self, now: float) -> None:
+        if not self.waiting or len(self.running) >= self.profile.max_num_seqs:
+            return
         size = self.profile.block_size
         free = self._kv_blocks_total - self.kv_blocks_used()
         while self.waiting and len(self.running) < self.profile.max_num_seqs:
@@ -305,8 +307,10 @@ class Scheduler:
         """Recompute-preempt the newest sequences when decode would overflow the KV cache."""
         size = self.profile.block_size
         while len(self.running) > 1:
-            growth = sum(1 for s in self.running if (s.context_tokens + 1) % size == 0)
-            if self.kv_blocks_used() + growth <= self._kv_blocks_total:
+            # The blocks held plus one for each sequence whose next token opens a block:
+            # ceil((context + 1) / size) + [(context + 1) % size == 0] = ceil((context + 2) / size).
+            need = sum(-(-(s.prompt_tokens + s.generated + 2) // size) for s in self.running)
+            if need <= self._kv_blocks_total:
                 return
             victim = self.running.pop()
             victim.preemptions += 1

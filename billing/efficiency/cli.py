@@ -1,4 +1,4 @@
-"""``infermeter advise``: the month's recommendations, as a table for people or JSON for tools.
+"""``infermeter advise``: the month's plan, as a table for people or JSON for tools.
 
 Like ``infermeter chargeback``, it asks the billing service with the admin token, or reads a
 ledger file itself with ``--database`` (the service stopped).
@@ -30,10 +30,11 @@ def register(sub: Subparsers) -> None:
         "advise",
         help="what would save GPU money, in USD/month, from the month's measured use",
         description=(
-            "Right-sizing, quantization, GPU type, routing, scaling-schedule, off-peak batch and "
-            "prefix-caching recommendations for a month (default: this "
-            "one), each with the measured figures it rests on and its assumptions. Asks the "
-            f"billing service (admin token in ${ADMIN_TOKEN_ENV}) or reads --database."
+            "One plan for a month (default: this one): engines by the hour, batch size, precision, "
+            "GPU type, routing, off-peak batch work and prefix caching, each change proven by "
+            "replaying the month's requests through the engine model and priced within the "
+            "plan, with the figures and replay it rests on. Asks the billing service (admin "
+            f"token in ${ADMIN_TOKEN_ENV}) or reads --database."
         ),
     )
     add_config(advise)
@@ -98,24 +99,62 @@ def _from_service(config: Config, url: str | None, month: str) -> dict[str, Any]
 
 
 def table(report: dict[str, Any]) -> str:
-    """The recommendations as aligned text, largest saving first, then the total."""
-    recs = report["recommendations"]
+    """The plan as aligned text: each change, largest saving first, with its replay, then notes."""
+    recs, plan = report["recommendations"], report.get("plan", {})
+    lines: list[str] = []
     if not recs:
-        return f"{report['month']}: nothing to save from the use measured.\n"
-    lines = [f"{report['month']}: {len(recs)} recommendation(s), "
-             f"{report['saving_usd_per_month']:,.2f} USD/month in all", ""]  # fmt: skip
-    width = max(len(r["title"]) for r in recs)
-    for r in recs:
-        lines.append(
-            f"{r['saving_usd_per_month']:>12,.2f} USD/month  {r['title']:<{width}}  [{r['kind']}]"
-        )
-        evidence = ", ".join(f"{k}={_short(v)}" for k, v in r["evidence"].items())
-        lines.append(f"{'':>24}evidence: {evidence}")
-        lines.extend(f"{'':>24}assumes: {a}" for a in r["assumptions"])
-        if r["caveat"]:
-            lines.append(f"{'':>24}caveat: {r['caveat']}")
+        lines.append(f"{report['month']}: nothing to save from the use measured.")
+    else:
+        lines += [
+            f"{report['month']}: one plan of {len(recs)} change{'s' * (len(recs) != 1)}, "
+            f"{report['saving_usd_per_month']:,.2f} USD/month ({plan.get('saving_usd', 0):,.2f} USD "
+            f"over the {plan.get('hours_measured', 0)} hours measured, of "
+            f"{plan.get('measured_usd', 0):,.2f} USD they cost)",
+            "",
+        ]
+        width = max(len(r["title"]) for r in recs)
+        for r in recs:
+            lines.append(
+                f"{r['saving_usd_per_month']:>12,.2f} USD/month  {r['title']:<{width}}  [{r['kind']}]"
+            )
+            lines += _details(r)
+    notes = report.get("notes", [])
+    if notes:
+        lines += ["", "not advised:"] + [f"  {n['text']}" for n in notes]
     return "\n".join(lines) + "\n"
 
 
+def _details(r: dict[str, Any]) -> list[str]:
+    """A recommendation's change, evidence, replay, assumptions, policy change and caveat."""
+    pad = " " * 24
+    out = [f"{pad}change: " + ", ".join(f"{k}={_short(v)}" for k, v in r["change"].items())]
+    out.append(f"{pad}evidence: " + ", ".join(f"{k}={_short(v)}" for k, v in r["evidence"].items()))
+    for model, rep in r.get("replay", {}).items():
+        out.append(f"{pad}replay {model}: GPU-hours {rep['gpu_hours_before']:,.1f} -> "
+                   f"{rep['gpu_hours_after']:,.1f}, cost {rep['cost_usd_before']:,.2f} -> "
+                   f"{rep['cost_usd_after']:,.2f} USD")  # fmt: skip
+        for before, after in zip(rep["sla_before"], rep["sla_after"], strict=False):
+            out.append(f"{pad}  {after['team']} TTFT p95 {_s(before['ttft_p95_s'])} -> "
+                       f"{_s(after['ttft_p95_s'])} s (target {_s(after['ttft_target_s'])}), "
+                       f"inter-token p95 {_s(before['itl_p95_s'])} -> {_s(after['itl_p95_s'])} s "
+                       f"(target {_s(after['itl_target_s'])})")  # fmt: skip
+    out += [f"{pad}assumes: {a}" for a in r["assumptions"]]
+    if r.get("policy_change"):
+        out.append(
+            f"{pad}policy change: " + ", ".join(f"{k}={v}" for k, v in r["policy_change"].items())
+        )
+    if r["caveat"]:
+        out.append(f"{pad}caveat: {r['caveat']}")
+    return out
+
+
+def _s(value: Any) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
 def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list) and len(value) == 24 and len(set(value)) == 1:
+        return f"{value[0]} every hour"
+    return str(value)

@@ -1,67 +1,53 @@
-"""The advisor's one edge: run the figures' SQL on a ledger cursor and hand rows to the rules.
+"""The advisor's one edge: run the SQL on a ledger cursor and hand the rows to the pure parts.
 
 A month is read whole (clipped to now): its hourly figures per replica group, engine instance
-and team, each model's summary, and the short requests per model and team; the
-recommendations are then computed from those rows alone (``billing.efficiency.advice``).
+and team (``billing.efficiency.figures``), and what the replay is built from
+(``billing.efficiency.replay_sql``): the requests as they arrived, the instances as they ran,
+and what each replica group measured. The plan is then built from those rows alone
+(``billing.efficiency.plan``, with the changes of ``billing.efficiency.changes``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import duckdb
 import polars as pl
 
-from billing.efficiency.advice import (
-    ModelFigures,
-    Policy,
-    Recommendation,
-    ShortRequests,
-    advise,
-    ranked,
-)
+from billing.efficiency.advice import Policy, Recommendation, ranked
+from billing.efficiency.changes import Facts, GroupEngine, propose, sizing_notes
 from billing.efficiency.figures import (
+    HOURS_PER_MONTH,
     Fleet,
     fleet_of,
     group_hourly_sql,
     instance_hourly_sql,
-    model_gpu_sql,
-    model_hourly_sql,
-    model_summary_sql,
-    prefix_sql,
-    short_requests_sql,
     team_hourly_sql,
-    team_peak_sql,
-    workload_sql,
 )
-from billing.efficiency.offpeak import TeamHour, TeamWorkload, is_batch, off_peak
-from billing.efficiency.prefix import PrefixFigures, prefix_cache
-from billing.efficiency.schedule import HourFigures, schedule
+from billing.efficiency.plan import GroupMeasured, Inputs, Note, Plan, Target, World, build_plan
+from billing.efficiency.replay import Arrival, GroupSetup, ModelSetup, Run
+from billing.efficiency.replay_sql import (
+    arrivals_sql,
+    group_engine_sql,
+    group_measured_sql,
+    hours_sql,
+    runs_sql,
+)
+from billing.lifetimes import heartbeat_seconds
 from billing.schema import SLOT_SECONDS
 from infermeter.config import Config
 from infermeter.months import month_bounds
 
-__all__ = [
-    "Report",
-    "month_slots",
-    "policy_of",
-    "read_hours",
-    "read_models",
-    "read_per_gpu",
-    "read_prefixes",
-    "read_report",
-    "read_shorts",
-    "read_team_hours",
-    "read_workloads",
-]
+__all__ = ["Report", "month_end_share", "month_slots", "policy_of", "read_plan", "read_report"]
 
 
 @dataclass(frozen=True, slots=True)
 class Report:
-    """A month's figures and recommendations; ``team`` set when it is one team's view."""
+    """A month's figures and plan; ``team`` set when it is one team's view."""
 
     month: str
     start: float
@@ -71,18 +57,37 @@ class Report:
     instances: pl.DataFrame
     teams: pl.DataFrame
     recommendations: tuple[Recommendation, ...]
+    notes: tuple[Note, ...] = ()
+    hours: int = 0
+    measured_usd: float = 0.0
+    month_end_share: float = 1.0  # the elapsed share of the month the spend forecast divides by
+
+    @property
+    def saving_usd(self) -> float:
+        """The plan's saving over the period measured (of the recommendations shown)."""
+        return sum(r.saving_usd for r in self.recommendations)
 
     def to_json(self) -> dict[str, Any]:
         """The report as JSON-ready values (frames as columns and rows, as the query API)."""
+        per_month = HOURS_PER_MONTH / self.hours if self.hours else 0.0
         return {
             "month": self.month,
             "from": self.start,
             "to": self.end,
             "team": self.team,
             "recommendations": [r.to_json() for r in self.recommendations],
-            "saving_usd_per_month": round(
-                sum(r.saving_usd_per_month for r in self.recommendations), 2
-            ),
+            "saving_usd_per_month": round(self.saving_usd * per_month, 2),
+            "plan": {
+                "hours_measured": self.hours,
+                "saving_usd": self.saving_usd,
+                "saving_usd_per_month": round(self.saving_usd * per_month, 2),
+                "measured_usd": self.measured_usd,
+                "measured_usd_per_month": round(self.measured_usd * per_month, 2),
+                # As the spend forecast counts: the period's money over the elapsed share.
+                "saving_usd_month_end": round(self.saving_usd / self.month_end_share, 2),
+                "month_elapsed_share": self.month_end_share,
+            },
+            "notes": [n.to_json() for n in self.notes],
             "figures": {
                 name: {"columns": frame.columns, "rows": frame.rows()}
                 for name, frame in (
@@ -101,108 +106,23 @@ def month_slots(month: str, now: float) -> tuple[int, int]:
     return int(start // SLOT_SECONDS), math.ceil(end / SLOT_SECONDS)
 
 
+def month_end_share(month: str, now: float) -> float:
+    """The elapsed share of ``month`` at ``now``, as the spend forecast divides by it (at least a
+    minute, at most the whole month)."""
+    start, end = month_bounds(month)
+    return min(1.0, max(now - start, 60.0) / (end - start))
+
+
 def _frame(cursor: duckdb.DuckDBPyConnection, built: tuple[str, dict[str, Any]]) -> pl.DataFrame:
     sql, params = built
     frame: pl.DataFrame = cursor.sql(sql, params=params).pl()
     return frame
 
 
-def _figures(row: dict[str, Any], known: dict[str, Any], *, per_gpu: bool) -> ModelFigures:
-    """A model's figures from one row of ``model_summary_sql`` or (``per_gpu``) ``model_gpu_sql``.
-
-    The per-GPU rows carry no GPU-hours and no engine peaks.
-    """
-    model = known.get(row["model"])
-    return ModelFigures(
-        model=row["model"],
-        served_version=model.current_version if model else row["model"],
-        gpu_model=row["gpu_model"] or "", replicas=int(row["replicas"]),
-        gpus_per_engine=float(row["gpus_per_engine"] or 0), hours=int(row["hours"] or 0),
-        gpu_hours=0.0 if per_gpu else float(row["gpu_hours"] or 0),
-        gpu_usd=float(row["gpu_usd"] or 0), cost_usd=float(row["cost_usd"] or 0),
-        requests=int(row["requests"] or 0), prompt_tokens=int(row["prompt_tokens"] or 0),
-        completion_tokens=int(row["completion_tokens"] or 0),
-        ttft_within_sla_share=row["ttft_within_sla_share"],
-        max_num_seqs=None if per_gpu else row["max_num_seqs"],
-        peak_running=None if per_gpu else row["peak_running"],
-        peak_waiting=None if per_gpu else row["peak_waiting"],
-        max_model_len=model.max_model_len if model else 8192,
-        engines=None if per_gpu else row["engines"],
-    )  # fmt: skip
-
-
-def read_models(cursor: duckdb.DuckDBPyConnection, config: Config, fleet: Fleet, lo: int,
-                hi: int) -> list[ModelFigures]:  # fmt: skip
-    """Each model's measured summary, joined to how the configuration serves it."""
-    known = {m.name: m for m in config.models}
-    rows = _frame(cursor, model_summary_sql(lo, hi, fleet)).iter_rows(named=True)
-    return [_figures(row, known, per_gpu=False) for row in rows]
-
-
-def read_per_gpu(cursor: duckdb.DuckDBPyConnection, config: Config, fleet: Fleet, lo: int,
-                 hi: int) -> list[ModelFigures]:  # fmt: skip
-    """Each model's measured summary on each GPU type it runs on (no engine peaks)."""
-    known = {m.name: m for m in config.models}
-    rows = _frame(cursor, model_gpu_sql(lo, hi, fleet)).iter_rows(named=True)
-    return [_figures(row, known, per_gpu=True) for row in rows]
-
-
-def read_shorts(cursor: duckdb.DuckDBPyConnection, policy: Policy, lo: int,
-                hi: int) -> list[ShortRequests]:  # fmt: skip
-    """Short requests per model and team, as the policy's thresholds define them."""
-    built = short_requests_sql(lo, hi, policy.short_prompt_tokens, policy.short_completion_tokens)
-    return [ShortRequests(**row) for row in _frame(cursor, built).iter_rows(named=True)]
-
-
-def read_hours(cursor: duckdb.DuckDBPyConnection, fleet: Fleet, lo: int,
-               hi: int) -> list[HourFigures]:  # fmt: skip
-    """Each model's measured hours: GPU cost and the busiest minute's demand."""
-    return [HourFigures(**row) for row in _frame(cursor, model_hourly_sql(lo, hi, fleet)).iter_rows(named=True)]  # fmt: skip
-
-
-def read_prefixes(cursor: duckdb.DuckDBPyConnection, policy: Policy, lo: int,
-                  hi: int) -> list[PrefixFigures]:  # fmt: skip
-    """Each model's shared prompt heads and prefix-cache counters."""
-    built = prefix_sql(lo, hi, policy.min_shared_requests)
-    return [PrefixFigures(**row) for row in _frame(cursor, built).iter_rows(named=True)]
-
-
-def read_team_hours(cursor: duckdb.DuckDBPyConnection, lo: int, hi: int,
-                    pairs: Sequence[tuple[str, str]]) -> list[TeamHour]:  # fmt: skip
-    """Each asked-for team's part of a model's measured hours: the peak without it, its work."""
-    if not pairs:
-        return []
-    built = team_peak_sql(lo, hi, pairs)
-    return [TeamHour(**row) for row in _frame(cursor, built).iter_rows(named=True)]
-
-
-def read_workloads(cursor: duckdb.DuckDBPyConnection, lo: int, hi: int) -> list[TeamWorkload]:
-    """Each team's finished requests per model, and those not streamed."""
-    return [
-        TeamWorkload(**row) for row in _frame(cursor, workload_sql(lo, hi)).iter_rows(named=True)
-    ]
-
-
-def _off_peak(cursor: duckdb.DuckDBPyConnection, config: Config, models: list[ModelFigures],
-              hours: list[HourFigures], policy: Policy, lo: int,
-              hi: int) -> list[Recommendation]:  # fmt: skip
-    """The off-peak advice for every batch-type team's work on every model.
-
-    The teams' hourly parts are read only for the work that can wait, usually none or few.
-    """
-    declared = {t.name: t.workload for t in config.teams}
-    by_model = {m.model: m for m in models}
-    batch = [w for w in read_workloads(cursor, lo, hi)
-             if w.model in by_model and is_batch(w, declared.get(w.team, "auto"), policy)]  # fmt: skip
-    team_hours = read_team_hours(cursor, lo, hi, [(w.model, w.team) for w in batch])
-    found = []
-    for w in batch:
-        m = by_model[w.model]
-        mine = [th for th in team_hours if th.model == w.model and th.team == w.team]
-        rec = off_peak(m, [h for h in hours if h.model == m.model], mine, w,
-                       declared.get(w.team, "auto"), policy)  # fmt: skip
-        found += [rec] if rec is not None else []
-    return found
+def _rows(
+    cursor: duckdb.DuckDBPyConnection, built: tuple[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    return list(_frame(cursor, built).iter_rows(named=True))
 
 
 def policy_of(config: Config) -> Policy:
@@ -210,35 +130,109 @@ def policy_of(config: Config) -> Policy:
     return Policy(startup_seconds=config.scaling.startup_seconds)
 
 
+def _targets(config: Config) -> dict[tuple[str, str], Target]:
+    """Each model's SLA, and each team's override of it (``alerts.slas``)."""
+
+    def itl(tps: float) -> float | None:
+        return 1.0 / tps if tps > 0 else None
+
+    out = {(m.name, ""): Target(m.sla.ttft_p95_seconds, itl(m.sla.min_output_tokens_per_second))
+           for m in config.models}  # fmt: skip
+    for o in config.alerts.slas:
+        base = config.model(o.model).sla
+        tps = o.min_output_tokens_per_second
+        out[(o.model, o.team)] = Target(o.ttft_p95_seconds or base.ttft_p95_seconds,
+                                        itl(base.min_output_tokens_per_second if tps is None else tps))  # fmt: skip
+    return out
+
+
+def _groups(config: Config, runs: list[dict[str, Any]], engines: Mapping[str, GroupEngine]
+            ) -> dict[str, list[GroupSetup]]:  # fmt: skip
+    """Each model's replica groups that ran, set up as configured and as their engines reported."""
+    out: dict[str, list[GroupSetup]] = defaultdict(list)
+    ran = {r["replica"] for r in runs}
+    for r in config.replicas:
+        if r.id not in ran:
+            continue
+        base = config.simulator.engine_for(r.model)
+        measured = engines.get(r.id)
+        kv = measured.kv_cache_tokens if measured and measured.kv_cache_tokens else None
+        profile = base.model_copy(update={"max_num_seqs": r.max_num_seqs or base.max_num_seqs,
+                                          "kv_cache_tokens": int(kv) if kv else base.kv_cache_tokens})  # fmt: skip
+        hits = measured is not None and measured.prefix_cache_hits > 0
+        dynamic = any(x["replica"] == r.id and x["instance"] != r.id for x in runs)
+        out[r.model].append(GroupSetup(r.id, r.model, r.gpu_model, r.gpu_count,
+                                       config.prices.usd_per_gpu_hour.get(r.gpu_model, 0.0),
+                                       profile, hits, dynamic))  # fmt: skip
+    return out
+
+
+def read_plan(cursor: duckdb.DuckDBPyConnection, config: Config, lo: int, hi: int,
+              policy: Policy, fleet: Fleet | None = None) -> Plan:  # fmt: skip
+    """The plan for slots ``[lo, hi)``: replayed from the ledger's requests and instances."""
+    fleet = fleet_of(config) if fleet is None else fleet
+    models = {m.name for m in config.models}
+    arrivals: dict[str, list[Arrival]] = defaultdict(list)
+    for row in _frame(cursor, arrivals_sql(lo, hi)).iter_rows():
+        t, team, model, prompt, completion, choices, stream, head, head_tokens = row
+        if model in models:
+            arrivals[model].append(Arrival(t, team, model, prompt, completion, choices, head,
+                                           head_tokens, stream))  # fmt: skip
+    runs = _rows(cursor, runs_sql(lo, hi, heartbeat_seconds(config)))
+    engines = {
+        row["replica"]: GroupEngine(**row) for row in _rows(cursor, group_engine_sql(lo, hi, fleet))
+    }
+    groups = _groups(config, runs, engines)
+    replica_model = {r.id: r.model for r in config.replicas}
+    measured = {
+        row["replica"]: GroupMeasured(**(row | {"model": replica_model[row["replica"]]}))
+        for row in _rows(cursor, group_measured_sql(lo, hi, fleet))
+        if row["replica"] in replica_model and row["gpu_seconds"] > 0
+    }
+    setups = {
+        model: ModelSetup(model, tuple(gs), tuple(
+            Run(r["replica"], r["instance"], r["start"], r["end"], r["start"])
+            for r in runs if r["replica"] in {g.replica for g in gs}))
+        for model, gs in groups.items()
+    }  # fmt: skip
+    world = World(setups, {m: arrivals.get(m, []) for m in setups})
+    [hours] = _frame(cursor, hours_sql(lo, hi))["hours"].to_list()
+    facts = Facts(
+        architectures={m.name: m.architecture for m in config.models if m.architecture},
+        use_cases={m.name: m.use_case for m in config.models},
+        served_versions={m.name: m.current_version for m in config.models},
+        max_model_len={m.name: m.max_model_len for m in config.models},
+        workloads={t.name: t.workload for t in config.teams},
+        engines=engines, measured=measured, policy=policy,
+        min_replicas=config.scaling.min_replicas, period_end=hi * SLOT_SECONDS,
+    )  # fmt: skip
+    inputs = Inputs(lo * SLOT_SECONDS, hi * SLOT_SECONDS, int(hours), world, measured,
+                    _targets(config), config.scaling.min_replicas, policy,
+                    tuple(sizing_notes(world, facts)))  # fmt: skip
+    return build_plan(inputs, propose(facts))
+
+
 def read_report(cursor: duckdb.DuckDBPyConnection, config: Config, month: str, now: float,
                 team: str | None = None, policy: Policy | None = None) -> Report:  # fmt: skip
-    """``month``'s figures and recommendations; with ``team``, only what that team may see.
+    """``month``'s figures and plan; with ``team``, only what that team may see.
 
-    A team sees its own hourly figures and the recommendations about its own requests; the
-    replica groups, instances and fleet-wide recommendations are the admin's.
+    A team sees its own hourly figures and the recommendations about its own requests (routing,
+    off-peak); the replica groups, instances, fleet-wide changes and notes are the admin's.
     """
     policy = policy_of(config) if policy is None else policy
     fleet = fleet_of(config)
     lo, hi = month_slots(month, now)
-    weights = (fleet.prompt_weight, fleet.completion_weight)
-    models = read_models(cursor, config, fleet, lo, hi)
-    recs = advise(models, read_shorts(cursor, policy, lo, hi), fleet.usd_per_gpu_hour, weights,
-                  policy, read_per_gpu(cursor, config, fleet, lo, hi))  # fmt: skip
-    hours = read_hours(cursor, fleet, lo, hi)
-    prefixes = {p.model: p for p in read_prefixes(cursor, policy, lo, hi)}
-    for m in models:
-        found = schedule(m, [h for h in hours if h.model == m.model], policy)
-        recs += [found] if found is not None else []
-        shared = prefixes.get(m.model)
-        found = None if shared is None else prefix_cache(m, shared, weights, policy)
-        recs += [found] if found is not None else []
-    recs = ranked([*recs, *_off_peak(cursor, config, models, hours, policy, lo, hi)])
+    plan = read_plan(cursor, config, lo, hi, policy, fleet)
+    recs = ranked(plan.recommendations)
     teams = _frame(cursor, team_hourly_sql(lo, hi, fleet, team))
+    notes = plan.notes
     if team is None:
         groups = _frame(cursor, group_hourly_sql(lo, hi, fleet))
         instances = _frame(cursor, instance_hourly_sql(lo, hi, fleet))
     else:
         groups = instances = pl.DataFrame()
         recs = [r for r in recs if r.team == team]
+        notes = ()
     return Report(month, lo * SLOT_SECONDS, hi * SLOT_SECONDS, team, groups, instances, teams,
-                  tuple(recs))  # fmt: skip
+                  tuple(recs), tuple(notes), plan.hours, plan.measured_usd,
+                  month_end_share(month, min(now, hi * SLOT_SECONDS)))  # fmt: skip

@@ -12,15 +12,16 @@ from typing import Any
 
 import orjson
 import pytest
+import yaml
 
-from billing.efficiency.advice import Policy, shape_of
-from billing.efficiency.cli import table
+from billing.efficiency.advice import Policy
 from billing.efficiency.store import read_report
 from billing.ledger import Ledger
 from billing.serve import open_ledger
 from infermeter.cli import main
 from infermeter.config import Config
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
+from tests.billing.fleet_month import Group, Month, Stream, hourly, month_config, run
 
 NOW = OCT + 40 * 86400
 HOUR = OCT + 3600  # 01:00 on the first: every ledger's one measured hour starts here
@@ -102,145 +103,18 @@ def test_group_figures_are_measured_per_hour(ledger, config):
     assert row["queue_wait_seconds"] == pytest.approx(0.0)
 
 
-def test_right_size_fires_on_a_group_its_peak_does_not_need(ledger, config):
-    """Two L40S replicas whose busiest minute runs 20 sequences need one: half their $3.20 an hour saved."""
-    fill(ledger, usage=requests(10) + requests(10, replica="small-1"),
-         gpu_samples=gpus("small-0") + gpus("small-1", first=1),
-         engine_samples=engine("small-0", 10) + engine("small-1", 10))  # fmt: skip
-    [rec] = kinds(report(ledger, config), "right_size")
-    assert rec.action == {"replicas": 1}
-    assert rec.evidence["peak_running"] == pytest.approx(20)
-    assert rec.saving_usd_per_month == pytest.approx(3.20 / 2 * 730)
+def _small_month(days: int = 2) -> Month:
+    """Two L40S replicas of chat-small whose load one holds, for ``days`` days."""
+    return Month((Group("small-0"), Group("small-1")),
+                 (Stream("search", "chat-small", hourly(8, 8), 300, 150),), days=days)  # fmt: skip
 
 
-def test_right_size_does_not_fire_when_requests_queued(ledger, config):
-    """A group whose queue was ever non-empty keeps every replica, however idle it looks on average."""
-    fill(ledger, usage=requests(10) + requests(10, replica="small-1"),
-         gpu_samples=gpus("small-0") + gpus("small-1", first=1),
-         engine_samples=engine("small-0", 10, waiting=1) + engine("small-1", 10))  # fmt: skip
-    assert kinds(report(ledger, config), "right_size") == []
-
-
-def test_right_size_does_not_fire_when_the_peak_needs_every_replica(ledger, config):
-    """110 + 110 running sequences, with 25% headroom, need both replicas of 128."""
-    fill(ledger, usage=requests(10) + requests(10, replica="small-1"),
-         gpu_samples=gpus("small-0") + gpus("small-1", first=1),
-         engine_samples=engine("small-0", 110) + engine("small-1", 110))  # fmt: skip
-    assert kinds(report(ledger, config), "right_size") == []
-
-
-def test_right_size_counts_the_instances_of_a_dynamic_group(ledger, config):
-    """One replica group running two single-GPU instances of 10 sequences each needs one instance."""
-    samples, served, held = [], [], []
-    for i, pod in enumerate(("small-0-a", "small-0-b")):
-        samples += [s | {"instance": pod} for s in engine("small-0", 10)]
-        served += [r | {"instance": pod} for r in requests(10)]
-        held += [g | {"instance": pod} for g in gpus("small-0", first=i)]
-    fill(ledger, usage=served, gpu_samples=held, engine_samples=samples)
-    found = report(ledger, config)
-    [rec] = kinds(found, "right_size")
-    assert rec.action == {"instances": 1}
-    assert rec.saving_usd_per_month == pytest.approx(3.20 / 2 * 730)
-    assert kinds(found, "quantize") == []  # each instance holds one GPU, not two
-
-
-def test_quantize_fires_when_4_bits_fit_on_one_gpu(ledger, config):
-    """The 70B FP8 model on two H100s fits at 4 bits on one for its measured load: one H100 saved."""
-    fill(ledger, usage=requests(10, replica="large-0", model="chat-large"),
-         gpu_samples=gpus("large-0", 2, "H100", "node-a"),
-         engine_samples=engine("large-0", 8, model="chat-large"))  # fmt: skip
-    [rec] = kinds(report(ledger, config), "quantize")
-    assert rec.action == {"precision": "int4", "tensor_parallel": 1}
-    assert rec.saving_usd_per_month == pytest.approx(3.90 * 730)
-    assert "quality" in (rec.caveat or "")
-
-
-def test_quantize_does_not_fire_when_the_kv_cache_needs_the_gpus(ledger, config):
-    """64 sequences of 8,000 tokens need 168 GB of KV cache: even at 4 bits the model needs its two H100s and more."""
-    fill(ledger, usage=requests(10, replica="large-0", model="chat-large", prompt=7000, completion=1000),
-         gpu_samples=gpus("large-0", 2, "H100", "node-a"),
-         engine_samples=engine("large-0", 64, model="chat-large"))  # fmt: skip
-    assert kinds(report(ledger, config), "quantize") == []
-
-
-def _two_gpu_types(ledger: Ledger, ttft_seconds: float = 0.1) -> None:
-    """chat-small on an L40S (100 requests, $1.60) and on an A100-80GB (300 requests, $2.40)."""
-    slow = [r | {"first_token_at": r["received_at"] + ttft_seconds}
-            for r in requests(300, "assistant", replica="small-1")]  # fmt: skip
-    fill(ledger, usage=requests(100) + slow,
-         gpu_samples=gpus("small-0") + gpus("small-1", gpu_model="A100-80GB", first=1))  # fmt: skip
-
-
-def test_gpu_type_fires_for_a_type_measured_cheaper_per_token(ledger, config):
-    """The L40S replica's 25,000 weighted tokens cost 6.4e-5 each; on the A100 3.2e-5: $0.80 an hour saved."""
-    _two_gpu_types(ledger)
-    [rec] = kinds(report(ledger, config), "gpu_type")
-    assert rec.action == {"gpu_model": "A100-80GB"}
-    assert rec.evidence["gpu_model_now"] == "L40S"
-    assert rec.saving_usd_per_month == pytest.approx(25_000 * (1.60 / 25_000 - 2.40 / 75_000) * 730)
-
-
-def test_gpu_type_does_not_fire_when_the_cheaper_type_misses_the_sla(ledger, config):
-    """A GPU type whose requests missed the 0.5 s TTFT target is no place to move a model to."""
-    _two_gpu_types(ledger, ttft_seconds=1.0)
-    assert kinds(report(ledger, config), "gpu_type") == []
-
-
-def _route_ledger(ledger: Ledger, short: int) -> None:
-    """search sends 10 requests to chat-large, ``short`` of them short; assistant fills chat-small."""
-    fill(ledger,
-         usage=requests(short, replica="large-0", model="chat-large")
-         + requests(10 - short, replica="large-0", model="chat-large", prompt=2000, completion=1000)
-         + requests(100, "assistant"),
-         gpu_samples=gpus("large-0", 2, "H100", "node-a") + gpus("small-0"))  # fmt: skip
-
-
-def test_route_fires_on_short_requests_a_smaller_model_serves_cheaper(ledger, config):
-    """6 of search's 10 chat-large requests are short: their weighted tokens priced at both models' measured rates."""
-    _route_ledger(ledger, short=6)
-    [rec] = kinds(report(ledger, config), "route")
-    assert (rec.team, rec.model, rec.action["route_to"]) == ("search", "chat-large", "chat-small")
-    assert rec.evidence["short_share"] == pytest.approx(0.6)
-    # chat-large: $7.80 over 6 x 250 + 4 x 5,000 = 21,500 weighted tokens; chat-small: $1.60
-    # over 100 x 250 = 25,000. The short requests weigh 6 x 250 = 1,500.
-    assert rec.saving_usd_per_month == pytest.approx(1500 * (7.80 / 21_500 - 1.60 / 25_000) * 730)
-
-
-def test_route_does_not_fire_when_requests_are_long(ledger, config):
-    """A team whose requests are all long has nothing to send to the smaller model."""
-    _route_ledger(ledger, short=0)
-    assert kinds(report(ledger, config), "route") == []
-
-
-def test_a_fleet_with_nothing_to_save_gets_no_recommendation(ledger, config):
-    """One busy 8B replica on one GPU, nothing queued and nothing short sent to a larger model: no advice."""
-    fill(ledger, usage=requests(50), gpu_samples=gpus("small-0"),
-         engine_samples=engine("small-0", 100))  # fmt: skip
-    found = report(ledger, config)
+def test_min_replicas_is_never_broken(ledger, config):
+    """The demo's scaling.min_replicas is 2: two replicas whose load one holds are left alone."""
+    assert config.scaling.min_replicas == 2
+    found = run(config, _small_month(), ledger).report
+    assert found is not None
     assert found.recommendations == ()
-    assert table(found.to_json()) == "2026-10: nothing to save from the use measured.\n"
-
-
-def test_a_team_sees_its_own_figures_and_advice_only(ledger, config):
-    """A team's view has its own hourly rows and the routes of its own requests, no groups or fleet-wide advice."""
-    _route_ledger(ledger, short=6)
-    search, assistant = report(ledger, config, "search"), report(ledger, config, "assistant")
-    assert set(search.teams["team"]) == {"search"}
-    assert search.groups.height == 0
-    assert [r.kind for r in search.recommendations] == ["route"]
-    assert assistant.recommendations == ()
-
-
-@pytest.mark.parametrize(
-    ("served", "params", "precision"),
-    [("llama-3.1-70b-instruct-fp8", 70.0, "fp8"), ("llama-3.1-8b-instruct", 8.0, "bf16"),
-     ("Llama-3.1-405B-AWQ", 405.0, "int4"), ("mistral-7b", None, None)],
-)  # fmt: skip
-def test_a_served_version_names_its_planner_shape(served, params, precision):
-    """The size picks the planner's preset and the name's tag the precision; an unknown size has none."""
-    shape = shape_of(served, 100, 1)
-    found = (shape.params_billions, shape.precision) if shape else (None, None)
-    assert found == (params, precision)
 
 
 def test_the_saving_floor_is_a_policy():
@@ -248,21 +122,36 @@ def test_the_saving_floor_is_a_policy():
     assert Policy().min_saving_usd_per_month == 1.0
 
 
-def test_advise_reads_a_ledger_file_and_prints_the_advice(config, tmp_path, capsys):
-    """`infermeter advise --database` prints the month's recommendations as a table and as JSON."""
-    path = str(tmp_path / "ledger.duckdb")
+def test_advise_reads_a_ledger_file_and_prints_the_plan(tmp_path, capsys):
+    """`infermeter advise --database` prints the plan as a table, with its replay, and as JSON."""
+    config = month_config()
+    path, config_file = str(tmp_path / "ledger.duckdb"), tmp_path / "fleet.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     ledger = open_ledger(config, path)
-    fill(ledger, usage=requests(10) + requests(10, replica="small-1"),
-         gpu_samples=gpus("small-0") + gpus("small-1", first=1),
-         engine_samples=engine("small-0", 10) + engine("small-1", 10))  # fmt: skip
+    run(config, _small_month(), ledger)
     ledger.close()
-    assert main(["advise", "--month", "2026-10", "--database", path]) == 0
+    args = ["advise", "--config", str(config_file), "--month", "2026-10", "--database", path]
+    assert main(args) == 0
     text = capsys.readouterr().out
+    # 48 hours of one L40S saved: $76.80, x 730 / 48 = $1,168 a month.
+    assert "2026-10: one plan of 1 change, 1,168.00 USD/month" in text
     assert "1,168.00 USD/month  chat-small: run 1 replica instead of 2  [right_size]" in text
-    assert "evidence: replicas=2, gpu_model=L40S, peak_running=20" in text
-    assert main(["advise", "--month", "2026-10", "--database", path, "--format", "json"]) == 0
+    assert "replay chat-small: GPU-hours 96.0 -> 48.0" in text
+    assert "search TTFT p95" in text
+    assert main([*args, "--format", "json"]) == 0
     body = orjson.loads(capsys.readouterr().out)
     assert [r["saving_usd_per_month"] for r in body["recommendations"]] == [1168.0]
+    assert body["plan"]["saving_usd_per_month"] == 1168.0
+
+
+def test_a_team_sees_only_its_own_advice(ledger):
+    """A team's view has its own hourly rows and no fleet-wide advice, groups or notes."""
+    config = month_config()
+    run(config, _small_month(), ledger)
+    with ledger.reader() as cursor:
+        found = read_report(cursor, config, "2026-10", NOW, "search")
+    assert set(found.teams["team"]) == {"search"}
+    assert (found.groups.height, found.recommendations, found.notes) == (0, (), ())
 
 
 def test_an_hour_with_gpu_time_and_no_requests_is_all_idle(ledger, config):

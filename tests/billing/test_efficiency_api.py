@@ -1,4 +1,4 @@
-"""``GET /v1/efficiency/{month}`` over real loopback HTTP: team scoping and the advice it carries."""
+"""``GET /v1/efficiency/{month}`` over real loopback HTTP: team scoping and the plan it carries."""
 
 from __future__ import annotations
 
@@ -10,49 +10,81 @@ import pytest
 from billing.api import create_app
 from billing.ledger import Ledger
 from infermeter.config import Config
-from tests.billing.test_efficiency import fill, gpus, requests
+from tests.billing.fleet_month import Group, Month, Stream, month_config, run
 from tests.servers import serving
 
 ADMIN, SEARCH, ASSISTANT = "im-demo-admin", "im-demo-search", "im-demo-assistant"
+PEAK = tuple(int(10 <= h < 14) for h in range(24))
+
+
+def route_config() -> Config:
+    """Engines 20 times slower than the demo's, chat-large's slowing 5 ms a sequence more per step."""
+    data = month_config(slower=20).model_dump()
+    data["simulator"]["engines"]["chat-large"]["step_per_seq_ms"] = 5 * 20
+    return Config.model_validate(data)
 
 
 @pytest.fixture
-async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
-    """The billing API over a ledger where search sends short requests to the large model."""
-    fill(ledger,
-         usage=requests(6, replica="large-0", model="chat-large") + requests(100, "assistant"),
-         gpu_samples=gpus("large-0", 2, "H100", "node-a") + gpus("small-0"))  # fmt: skip
+async def billing() -> AsyncIterator[str]:
+    """Two days in which search's short chat-large requests need a second pod at the peak."""
+    config = route_config()
+    ledger = Ledger.open(":memory:", [t.name for t in config.teams],
+                         {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    month = Month(
+        (Group("large-0", tuple(2 if p else 1 for p in PEAK), dynamic=True), Group("small-0")),
+        (Stream("search", "chat-large", tuple(50.0 * p for p in PEAK), 200, 250),
+         Stream("search", "chat-large", (2.0,) * 24, 2000, 1000),
+         Stream("assistant", "chat-small", (10.0,) * 24, 300, 150)),
+        days=2,
+    )  # fmt: skip
+    run(config, month, ledger)
     async with serving(create_app(config, ledger), lifespan="off") as url:
         yield url
+    ledger.close()
 
 
 async def _get(url: str, key: str, path: str = "/v1/efficiency/2026-10") -> httpx.Response:
-    async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {key}"}) as c:
+    async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {key}"},
+                                 timeout=60) as c:  # fmt: skip
         return await c.get(path)
 
 
-async def test_the_admin_sees_the_fleet_and_every_recommendation(billing):
-    """The admin's answer has the replica groups' figures and fleet-wide advice, largest saving first."""
+async def test_the_admin_sees_the_plan_its_replay_and_the_fleet(billing):
+    """The admin's answer: the groups' figures, the plan with each change's replay, and the notes."""
     body = (await _get(billing, ADMIN)).json()
     groups = body["figures"]["groups"]
-    assert {row[groups["columns"].index("replica")] for row in groups["rows"]} == {
-        "large-0",
-        "small-0",
-    }
-    kinds = [r["kind"] for r in body["recommendations"]]
-    assert set(kinds) == {"quantize", "route"}
-    savings = [r["saving_usd_per_month"] for r in body["recommendations"]]
-    assert savings == sorted(savings, reverse=True)
-    assert body["saving_usd_per_month"] == pytest.approx(sum(savings), abs=0.02)
+    replicas = {row[groups["columns"].index("replica")] for row in groups["rows"]}
+    assert replicas == {"large-0", "small-0"}
+    [rec] = body["recommendations"]
+    assert (rec["kind"], rec["team"], rec["change"]["route"]["to"]) == (
+        "route",
+        "search",
+        "chat-small",
+    )
+    assert set(rec["replay"]) == {"chat-large", "chat-small"}
+    large = rec["replay"]["chat-large"]
+    assert large["gpu_hours_after"] < large["gpu_hours_before"]
+    assert all(row["holds"] for row in large["sla_after"])
+    assert (
+        body["saving_usd_per_month"]
+        == body["plan"]["saving_usd_per_month"]
+        == rec["saving_usd_per_month"]
+    )
+    assert body["plan"]["saving_usd"] <= body["plan"]["measured_usd"]
+    assert body["plan"]["hours_measured"] == 48
+    assert [n["kind"] for n in body["notes"]] == ["cannot_size"]
 
 
 async def test_a_team_sees_its_own_rows_and_its_own_advice(billing):
-    """search gets its hourly rows and its route advice, no replica groups and no fleet-wide advice."""
+    """search gets its hourly rows and its route advice, no replica groups and no notes."""
     body = (await _get(billing, SEARCH)).json()
     teams = body["figures"]["teams"]
     assert {row[teams["columns"].index("team")] for row in teams["rows"]} == {"search"}
     assert body["figures"]["groups"]["rows"] == []
     assert [(r["kind"], r["team"]) for r in body["recommendations"]] == [("route", "search")]
+    assert body["notes"] == []
+    other = (await _get(billing, ASSISTANT)).json()
+    assert (other["recommendations"], other["saving_usd_per_month"]) == ([], 0)
 
 
 async def test_a_team_may_not_read_another_teams_efficiency(billing):

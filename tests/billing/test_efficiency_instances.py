@@ -22,12 +22,13 @@ from typing import Any
 import pytest
 
 from billing.efficiency.figures import fleet_of
-from billing.efficiency.store import month_slots, read_hours, read_models
+from billing.efficiency.replay_sql import group_measured_sql, runs_sql
+from billing.efficiency.store import month_slots
 from billing.ledger import Ledger
 from dashboards.components import frame_table
 from dashboards.pages.efficiency import SUMMARY_KINDS, frame_of, group_summary
 from tests.billing.conftest import gpu_samples, usage
-from tests.billing.test_efficiency import HOUR, NOW, engine, fill, kinds, report
+from tests.billing.test_efficiency import HOUR, NOW, engine, fill, report
 
 MINUTE_USD = 2 * 3.90 / 60  # one instance-minute of two H100s
 SERVED = "llama-3.1-70b-instruct-fp8"
@@ -147,35 +148,21 @@ def test_busy_time_outside_measured_minutes_keeps_idle_share_in_range(ledger, co
     assert pods["large-0-d"]["idle_share"] is None  # nothing measured to be idle in
 
 
-def test_gpus_per_engine_reads_each_instances_own_gpus(ledger, config):
-    """A group of 2-GPU instances reads 2 GPUs an engine as it grows from two instances to three."""
+def test_the_replay_runs_each_pod_over_its_own_minutes(ledger, config):
+    """Pods without lifetimes run in the replay over the minutes they had GPU time, with their GPUs:
+    a and b the hour, c from 01:20, 2 GPUs each, 19,200 GPU-seconds as measured."""
     _group(ledger)
     lo, hi = month_slots("2026-10", NOW)
     with ledger.reader() as cursor:
-        [model] = read_models(cursor, config, fleet_of(config), lo, hi)
-    assert model.gpus_per_engine == pytest.approx(2.0)
-    assert (model.replicas, model.engines) == (1, 3)
-    assert model.cost_usd == pytest.approx(160 * MINUTE_USD)
-
-
-def test_engines_per_hour_are_the_mean_live_instances(ledger, config):
-    """The hour the schedule reads ran 160 instance-minutes: 8/3 engines, not its 3 at the end."""
-    _group(ledger)
-    lo, hi = month_slots("2026-10", NOW)
-    with ledger.reader() as cursor:
-        [hour] = read_hours(cursor, fleet_of(config), lo, hi)
-    assert (hour.model, hour.t) == ("chat-large", HOUR)
-    assert hour.engines == pytest.approx(160 / 60)
-    assert hour.gpu_hours == pytest.approx(19_200 / 3600)
-    assert hour.peak_running == pytest.approx(60)
-
-
-def test_quantize_reads_two_gpus_an_engine(ledger, config):
-    """The 70B FP8 model on 2-GPU pods fits at 4 bits on one: half the $20.80 saved, per engine."""
-    _group(ledger)
-    [rec] = kinds(report(ledger, config), "quantize")
-    assert (rec.evidence["gpus_per_replica"], rec.action["tensor_parallel"]) == (2, 1)
-    assert rec.saving_usd_per_month == pytest.approx(160 * MINUTE_USD / 2 * 730)
+        sql, params = runs_sql(lo, hi, 30.0)
+        runs = cursor.sql(sql, params=params).fetchall()
+        sql, params = group_measured_sql(lo, hi, fleet_of(config))
+        measured = cursor.sql(sql, params=params).pl()
+    assert [(pod, start - HOUR, end - HOUR, gpus) for _, pod, start, end, gpus, _ in runs] == [
+        ("large-0-a", 0, 3600, 2.0), ("large-0-b", 0, 3600, 2.0), ("large-0-c", 1200, 3600, 2.0)]  # fmt: skip
+    [row] = measured.iter_rows(named=True)
+    assert (row["replica"], row["gpu_seconds"]) == ("large-0", pytest.approx(19_200))
+    assert row["gpu_usd"] == pytest.approx(160 * MINUTE_USD)
 
 
 def test_the_page_summarises_the_group_from_instance_seconds(ledger, config):

@@ -1,42 +1,36 @@
-"""The advisor on simulated fleets whose saving is known: each estimate within 10% of the truth.
+"""The advisor on scripted months whose right answer is known, each held to the simulator's truth.
 
-Each scenario runs the simulator's engine model in virtual time into a real ledger
-(``tests.billing.scenario``). Where a change can be replayed, the truth is measured by running
-the scenario again with the change applied; where the saving is an allocation (routing), it is
-computed here from the scenario's own parameters.
+Each month runs a simulated fleet in virtual time into a real ledger (``tests.billing.fleet_month``:
+the engine model on a virtual clock, requests spread at random over the serving instances, pods
+with lifetimes). The advisor replays the ledger; the test then runs the month again with the
+recommended change applied and holds the advice to it: the expected kind and change and no
+other, its saving within 10 % of the cost the second run saved, and every team's TTFT p95 still
+within its target.
+
+Some months run engines ``slower`` times slower than the demo's, with SLAs as much looser: the
+load is the same, in ``slower`` times fewer requests, so a month replays in about a second.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 
 import pytest
-import yaml
 
+from billing.efficiency.advice import Recommendation
 from billing.ledger import Ledger
-from infermeter.config import DEFAULT_CONFIG, Config
-from tests.billing.scenario import Outcome, Scenario, Stream, by_kind, run, with_replicas
+from infermeter.config import Config
+from tests.billing.fleet_month import Group, Month, Outcome, Stream, hourly, month_config, run
 
-MONTH_HOURS = 730
-SMALL_CHAT = Stream("search", "chat-small", every_seconds=4, user_words=40, completion_tokens=60)
-
-
-@pytest.fixture
-def config() -> Config:
-    """The demo configuration with coarser engine steps, so an hour simulates in about a second."""
-    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    data["simulator"]["engines"]["chat-small"].update(step_base_ms=60, step_per_seq_ms=0.5)
-    data["simulator"]["engines"]["chat-large"].update(step_base_ms=120, step_per_seq_ms=1.0)
-    return Config.model_validate(data)
+PEAK = tuple(int(10 <= h < 14) for h in range(24))  # 10:00-14:00 UTC
 
 
 @pytest.fixture
-def ledger_factory(config: Config) -> Iterator[Callable[[], Ledger]]:
-    """Fresh in-memory ledgers, for running a scenario again with a change applied."""
+def ledger_for() -> Iterator[Callable[[Config], Ledger]]:
+    """Fresh in-memory ledgers, one per scenario run."""
     opened: list[Ledger] = []
 
-    def make() -> Ledger:
+    def make(config: Config) -> Ledger:
         opened.append(Ledger.open(":memory:", [t.name for t in config.teams],
                                   {m.name: m.sla.ttft_p95_seconds for m in config.models}))  # fmt: skip
         return opened[-1]
@@ -46,123 +40,135 @@ def ledger_factory(config: Config) -> Iterator[Callable[[], Ledger]]:
         led.close()
 
 
-def _within_sla(outcome: Outcome, seconds: float) -> float:
-    ttfts = [float(r["first_token_at"]) - float(r["received_at"]) for r in outcome.usage]
-    return sum(t <= seconds for t in ttfts) / len(ttfts)
+def advised(config: Config, month: Month, ledger: Ledger) -> tuple[Outcome, list[Recommendation]]:
+    """The month simulated into ``ledger``, and the advisor's recommendations on it."""
+    outcome = run(config, month, ledger)
+    assert outcome.report is not None
+    return outcome, list(outcome.report.recommendations)
 
 
-def test_an_over_provisioned_group_is_right_sized(ledger, ledger_factory, config):
-    """Two L40S replicas whose load one holds: the estimate matches the cost saved by running one, SLA kept."""
-    scenario = Scenario({"small-0": "L40S", "small-1": "L40S"}, (SMALL_CHAT,))
-    [rec] = by_kind(run(ledger, config, scenario), "right_size")
-    assert rec.action == {"replicas": 1}
-    before = run(ledger_factory(), config, scenario).cost_usd()
-    after = run(ledger_factory(), config, with_replicas(scenario, {"small-0": "L40S"}))
-    measured = (before - after.cost_usd()) * MONTH_HOURS
-    assert measured == pytest.approx(1.60 * MONTH_HOURS)
+def held_to_truth(rec: Recommendation, before: Outcome, after: Outcome, config: Config) -> None:
+    """The saving within 10 % of what the month run again saved, and every team's TTFT p95 after
+    within the strictest target of the models it used."""
+    measured = before.per_month(before.cost_usd - after.cost_usd)
+    assert measured > 0
     assert rec.saving_usd_per_month == pytest.approx(measured, rel=0.10)
-    assert _within_sla(after, 0.5) >= 0.95
+    for team in after.ttft:
+        target = min(m.sla.ttft_p95_seconds for m in config.models if (team, m.name) in after.used)
+        assert after.ttft_p95(team) <= target, team
 
 
-def test_a_model_on_a_dearer_gpu_moves_to_the_cheaper_one(ledger, ledger_factory, config):
-    """chat-small on an H100 and an L40S alike: the estimate matches the cost saved by an L40S in the H100's place."""
-    scenario = Scenario({"small-0": "L40S", "small-1": "H100"}, (SMALL_CHAT,))
-    [rec] = by_kind(run(ledger, config, scenario), "gpu_type")
-    assert (rec.evidence["gpu_model_now"], rec.action) == ("H100", {"gpu_model": "L40S"})
-    before = run(ledger_factory(), config, scenario).cost_usd()
-    after = run(
-        ledger_factory(), config, with_replicas(scenario, {"small-0": "L40S", "small-1": "L40S"})
-    )
-    measured = (before - after.cost_usd()) * MONTH_HOURS
-    assert measured == pytest.approx((3.90 - 1.60) * MONTH_HOURS)
-    assert rec.saving_usd_per_month == pytest.approx(measured, rel=0.10)
-    assert _within_sla(after, 0.5) >= 0.95
+def test_an_over_provisioned_group_is_right_sized(ledger_for):
+    """Two L40S replicas whose load one holds: run one, and save what the second cost."""
+    config = month_config()
+    month = Month((Group("small-0"), Group("small-1")),
+                  (Stream("search", "chat-small", hourly(8, 8), 300, 150),))  # fmt: skip
+    before, [rec] = advised(config, month, ledger_for(config))
+    assert (rec.kind, rec.change["engines_by_hour"]) == ("right_size", [1] * 24)
+    assert rec.title == "chat-small: run 1 replica instead of 2"
+    after = run(config, Month((Group("small-0"),), month.streams))
+    held_to_truth(rec, before, after, config)
+    assert rec.saving_usd_per_month == pytest.approx(1.60 * 730)
 
 
-def test_a_share_of_short_requests_is_routed_to_the_smaller_model(ledger, config):
-    """60% of search's chat-large requests are short: the saving is their weighted tokens at both models' cost per token."""
-    short = Stream("search", "chat-large", every_seconds=5, user_words=40, completion_tokens=100)
-    long = Stream("search", "chat-large", every_seconds=7.5, user_words=700, completion_tokens=300,
-                  offset_seconds=1.0)  # fmt: skip
-    small = Stream("assistant", "chat-small", every_seconds=1, user_words=40, completion_tokens=60)
-    scenario = Scenario({"large-0": "H100", "small-0": "L40S"}, (short, long, small))
-    [rec] = by_kind(run(ledger, config, scenario), "route")
-    assert (rec.team, rec.model, rec.action["route_to"]) == ("search", "chat-large", "chat-small")
-
-    def weighted(s: Stream) -> float:
-        arrivals = scenario.arrivals(s)
-        prompt = sum(s.prompt_tokens(k) for k in range(len(arrivals)))
-        return prompt + 3 * s.completion_tokens * len(arrivals)
-
-    shares = len(scenario.arrivals(short)) / (
-        len(scenario.arrivals(short)) + len(scenario.arrivals(long))
-    )
-    assert shares == pytest.approx(0.6, abs=0.01)
-    large_rate = 2 * 3.90 / (weighted(short) + weighted(long))
-    small_rate = 1.60 / weighted(small)
-    expected = weighted(short) * (large_rate - small_rate) * MONTH_HOURS
-    assert rec.saving_usd_per_month == pytest.approx(expected, rel=0.10)
+def test_an_autoscaled_group_already_right_sized_gets_no_advice(ledger_for):
+    """Pods of one group run 1 at night and 3 by day, each KV cache holding 4 of the requests: the
+    load needs them all, so nothing is offered."""
+    config = month_config(slower=40, **{"small-0": {"max_num_seqs": 4}})
+    counts = tuple(3 if 8 <= h < 20 else 1 for h in range(24))
+    month = Month((Group("small-0", counts, dynamic=True, kv_cache_tokens=9000),),
+                  (Stream("search", "chat-small", hourly(5, 40), 500, 1500),))  # fmt: skip
+    before, recs = advised(config, month, ledger_for(config))
+    assert recs == []
+    assert before.report is not None
+    assert before.report.notes == ()
+    fewer = Month((Group("small-0", tuple(min(c, 2) for c in counts), dynamic=True,
+                         kv_cache_tokens=9000),), month.streams)  # fmt: skip
+    assert run(config, fewer).ttft_p95("search") > 0.5 * 40  # one pod fewer by day misses the SLA
 
 
-def test_a_shared_system_prompt_without_prefix_caching_is_priced(ledger, ledger_factory, config):
-    """Every request opens with one system prompt and the cache is off: the estimate matches the tokens caching serves when on."""
-    shared = Stream("assistant", "chat-small", every_seconds=2, user_words=10, completion_tokens=20,
-                    system_words=250)  # fmt: skip
-    scenario = Scenario({"small-0": "L40S"}, (shared,))
-    [rec] = by_kind(run(ledger, config, scenario), "prefix_cache")
-    assert rec.title == "chat-small: turn on prefix caching"
-    cached = run(
-        ledger_factory(), config, Scenario({"small-0": "L40S"}, (shared,), prefix_caching=True)
-    )
-    served_from_cache = sum(r["cached_prompt_tokens"] for r in cached.usage)
-    assert by_kind(cached, "prefix_cache") == []
-    per_input_token = rec.evidence["usd_per_1m_input_tokens"] / 1e6
-    measured = served_from_cache * per_input_token * MONTH_HOURS
-    assert rec.saving_usd_per_month == pytest.approx(measured, rel=0.10)
+def test_an_under_batched_engine_gets_a_larger_batch(ledger_for):
+    """Four pods of 2 sequences whose KV caches hold 120 each: one pod with a larger batch holds."""
+    config = month_config(slower=40, **{"small-0": {"max_num_seqs": 2}})
+    month = Month((Group("small-0", (4,) * 24, dynamic=True),),
+                  (Stream("search", "chat-small", hourly(20, 20), 500, 1500),))  # fmt: skip
+    before, [rec] = advised(config, month, ledger_for(config))
+    assert rec.kind == "batch"
+    assert rec.change["max_num_seqs"] == {"small-0": 120}
+    assert rec.change["chat-small.engines_by_hour"] == [1] * 24
+    after = run(config, Month((Group("small-0", (1,) * 24, dynamic=True, max_num_seqs=120),),
+                              month.streams))  # fmt: skip
+    held_to_truth(rec, before, after, config)
 
 
-def test_a_fleet_with_nothing_to_save_gets_no_recommendation(ledger, config):
-    """One L40S replica serving distinct questions, nothing sent to a larger model: no advice at all."""
-    scenario = Scenario({"small-0": "L40S"}, (SMALL_CHAT,))
-    assert run(ledger, config, scenario).report.recommendations == ()
+def test_a_model_that_fits_on_fewer_gpus_at_lower_precision_is_quantized(ledger_for):
+    """The 70B FP8 model on two H100s, configured by its architecture: int4 on one holds its load."""
+    config = month_config()
+    data = config.model_dump()
+    data["models"][0]["architecture"] = {"params_billions": 70, "layers": 80, "kv_heads": 8,
+                                         "head_dim": 128, "precision": "fp8"}  # fmt: skip
+    config = Config.model_validate(data)
+    month = Month((Group("large-0"),),
+                  (Stream("search", "chat-large", hourly(3, 3), 1000, 300),))  # fmt: skip
+    before, [rec] = advised(config, month, ledger_for(config))
+    assert (rec.kind, rec.change) == ("quantize", {"precision": "int4", "gpus_per_replica": 1})
+    assert rec.policy_change["where"] == "models[chat-large].approved_versions"
+    kv = rec.evidence["kv_cache_tokens_after"]
+    assert kv == pytest.approx(120_000 / 2, rel=0.01)  # half the KV cache: half the memory left
+    after = run(config, Month((Group("large-0", gpus=1, kv_cache_tokens=kv),), month.streams))
+    held_to_truth(rec, before, after, config)
+    assert rec.saving_usd_per_month == pytest.approx(3.90 * 730)
 
 
-def _batch_fleet(config: Config) -> Config:
-    """chat-small replicas of 16 sequences, on engines with 200 ms steps (TTFT still under 0.5 s)."""
-    small = [r.model_copy(update={"max_num_seqs": 16}) if r.model == "chat-small" else r
-             for r in config.replicas]  # fmt: skip
-    sim = config.simulator
-    slow = sim.engines["chat-small"].model_copy(update={"step_base_ms": 200})
-    engines = {**sim.engines, "chat-small": slow}
-    return config.model_copy(
-        update={"replicas": small, "simulator": sim.model_copy(update={"engines": engines})}
-    )
+def test_short_requests_are_routed_to_the_smaller_model(ledger_for):
+    """search's short chat-large requests make the peak need a second pod; on chat-small they fit."""
+    config = month_config(slower=20)
+    data = config.model_dump()
+    data["simulator"]["engines"]["chat-large"]["step_per_seq_ms"] = 5 * 20
+    config = Config.model_validate(data)
+    month = Month(
+        (Group("large-0", tuple(2 if p else 1 for p in PEAK), dynamic=True), Group("small-0")),
+        (Stream("search", "chat-large", tuple(50.0 * p for p in PEAK), 200, 250),
+         Stream("search", "chat-large", (2.0,) * 24, 2000, 1000),
+         Stream("assistant", "chat-small", (10.0,) * 24, 300, 150)),
+    )  # fmt: skip
+    before, [rec] = advised(config, month, ledger_for(config))
+    assert (rec.kind, rec.team) == ("route", "search")
+    assert rec.change["route"]["to"] == "chat-small"
+    assert rec.change["chat-large.engines_by_hour"] == [1] * 24
+    after = run(config, Month(
+        (Group("large-0", (1,) * 24, dynamic=True), Group("small-0")), month.streams,
+        routes={("search", "chat-large"): ("chat-small", 512, 256)}))  # fmt: skip
+    held_to_truth(rec, before, after, config)
 
 
-def test_a_batch_team_in_the_peak_is_moved_off_peak(ledger, ledger_factory, config):
-    """analytics' unstreamed jobs double the 01:00 peak: the estimate matches one engine holding the day once they run at 02:00."""
-    config = _batch_fleet(config)
-    peak = Stream("search", "chat-small", every_seconds=2.5, user_words=40, completion_tokens=60,
-                  until_seconds=3600)  # fmt: skip
-    quiet = Stream("search", "chat-small", every_seconds=60, user_words=40, completion_tokens=60,
-                   offset_seconds=3600)  # fmt: skip
-    jobs = Stream("analytics", "chat-small", every_seconds=8, user_words=300,
-                  completion_tokens=400, until_seconds=3600, stream=False)  # fmt: skip
-    scenario = Scenario({"small-0": "L40S", "small-1": "L40S"}, (peak, quiet, jobs), hours=3)
-    before = run(ledger, config, scenario)
-    [rec] = by_kind(before, "off_peak")
-    assert (rec.team, rec.evidence["peak_hours"]) == ("analytics", ["01:00-02:00"])
-    assert rec.evidence["engines_needed_by_hour"][1:4] == [2, 1, 1]
-    assert rec.evidence["engines_needed_by_hour_after"][1:4] == [1, 1, 1]
-    assert by_kind(before, "right_size") == []
-    [schedule] = by_kind(before, "schedule")
-    moved = replace(jobs, offset_seconds=3600, until_seconds=7200)
-    after = run(ledger_factory(), config,
-                Scenario({"small-0": "L40S"}, (peak, quiet, moved), hours=3))  # fmt: skip
-    # One engine now holds the day: right-sizing, the schedule and the move saved it all.
-    measured = (before.cost_usd() - after.cost_usd()) * MONTH_HOURS / 3
-    assert measured == pytest.approx(3 * 1.60 * MONTH_HOURS / 3)
-    assert rec.saving_usd_per_month == pytest.approx(
-        measured - schedule.saving_usd_per_month, rel=0.10
-    )
-    assert _within_sla(after, 0.5) >= 0.95
+def test_a_prefix_heavy_team_gets_prefix_caching(ledger_for):
+    """Every request opens with one 1,000-token system prompt on engines slow to prefill: cached,
+    one pod holds the peak that needed three."""
+    config = month_config(slower=40)
+    data = config.model_dump()
+    data["simulator"]["engines"]["chat-large"]["prefill_tokens_per_second"] = 34
+    config = Config.model_validate(data)
+    month = Month(
+        (Group("large-0", tuple(3 if p else 1 for p in PEAK), dynamic=True),),
+        (Stream("assistant", "chat-large", tuple(60.0 if p else 7.5 for p in PEAK), 1040, 40,
+                head="policy", head_tokens=1000),),
+    )  # fmt: skip
+    before, [rec] = advised(config, month, ledger_for(config))
+    assert rec.kind == "prefix_cache"
+    assert rec.change["enable_prefix_caching"] is True
+    assert rec.change["chat-large.engines_by_hour"] == [1] * 24
+    after = run(config, Month((Group("large-0", (1,) * 24, dynamic=True, prefix_caching=True),),
+                              month.streams))  # fmt: skip
+    held_to_truth(rec, before, after, config)
+
+
+def test_a_group_the_replay_does_not_match_gets_no_advice(ledger_for):
+    """Engines three times slower than their profile says: the advisor cannot vouch, and says so."""
+    config = month_config(slower=20)
+    month = Month((Group("small-0", slower=3), Group("small-1", slower=3)),
+                  (Stream("search", "chat-small", hourly(8, 8), 300, 150),))  # fmt: skip
+    before, recs = advised(config, month, ledger_for(config))
+    assert recs == []
+    assert before.report is not None
+    assert {(n.kind, n.replica) for n in before.report.notes} >= {("cannot_vouch", "small-0")}
