@@ -1,9 +1,13 @@
-"""Efficiency: where the month's GPU money went, hour by hour, and what would save it.
+"""Efficiency: where the month's GPU money went, hour by hour, and the plan that would save it.
 
-The recommendations and figures are billing's (``/v1/efficiency/{month}``, with the signed-in
-user's token): the admin sees every replica group and every recommendation, a team its own
-hourly figures and the advice about its own requests. Each recommendation is shown with the
-measured figures it rests on and what it assumes, so the saving can be checked, not trusted.
+The plan and figures are billing's (``/v1/efficiency/{month}``, with the signed-in user's
+token): the admin sees every replica group, every change and why a model got none; a team its
+own hourly figures and the changes about its own requests. Each change is shown with its saving
+within the plan and its share of the cost it rests on, the replay that proves it (GPU-hours, each
+team's TTFT and inter-token p95 before and after, against the target) and the measured figures,
+labelled, so the saving can be checked, not trusted. Beside the plan, its saving on the spend
+forecast's basis (the month so far over the elapsed share of the month) stands next to the
+forecast itself.
 """
 
 from __future__ import annotations
@@ -45,8 +49,11 @@ TEAM_CHARTS: Final = (
 )  # fmt: skip
 # Shares are shown in percent, as the charts draw them (``idle_share`` is one by its name).
 SUMMARY_KINDS: Final[dict[str, Kind]] = {"batch_occupancy": "share", "engines": "number"}
-_ADVICE_COLUMNS: Final = ("saving_usd_per_month", "kind", "model", "team", "title", "evidence",
-                          "assumptions", "caveat")  # fmt: skip
+_PLAN_COLUMNS: Final = ("saving_usd_per_month", "share_of_cost_pct", "kind", "team", "title",
+                        "replay", "sla", "evidence", "assumptions", "caveat")  # fmt: skip
+_PLAN_KINDS: Final[dict[str, Kind]] = {"saving_usd_per_month": "usd", "kind": "text", "team": "text", "title": "text",
+                                       "replay": "text", "sla": "text", "evidence": "text",
+                                       "assumptions": "text", "caveat": "text"}  # fmt: skip
 
 
 def layout(ctx: Context) -> html.Div:
@@ -62,7 +69,7 @@ def layout(ctx: Context) -> html.Div:
             className="toolbar",
         ),
         html.Div(id="efficiency-status"),
-        html.H3("What would save money"),
+        html.H3("The plan: what would save money, proven by replaying the month"),
         html.Div(id="efficiency-advice"),
         html.H3("The month by replica group"),
         html.Div(id="efficiency-summary"),
@@ -78,28 +85,104 @@ def frame_of(figures: dict[str, Any]) -> pl.DataFrame:
     return pl.DataFrame(figures["rows"], schema=columns, orient="row", infer_schema_length=None)
 
 
-def advice_frame(recommendations: list[dict[str, Any]]) -> pl.DataFrame:
-    """One row per recommendation: its saving, what, why (evidence) and what it assumes.
-
-    Evidence that is a share (``*_share``, ``*_rate``) reads in percent, as on the charts.
-    """
-
-    def text(key: str, value: Any) -> str:
-        if isinstance(value, int | float) and not isinstance(value, bool) and _is_share(key):
-            return format_cell(value, "share")
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-    rows = [{
-        "saving_usd_per_month": usd(r["saving_usd_per_month"]), "kind": r["kind"],
-        "model": r["model"], "team": r["team"] or "", "title": r["title"],
-        "evidence": "; ".join(f"{k} = {text(k, v)}" for k, v in r["evidence"].items()),
-        "assumptions": "; ".join(r["assumptions"]), "caveat": r["caveat"] or "",
-    } for r in recommendations]  # fmt: skip
-    return pl.DataFrame(rows, schema=dict.fromkeys(_ADVICE_COLUMNS, pl.String))
+def _figure(key: str, value: Any) -> str:
+    """One evidence figure as ``label value``: shares in percent, 24 equal hours as one value."""
+    label = key.replace("_", " ")
+    if isinstance(value, int | float) and not isinstance(value, bool) and _is_share(key):
+        return f"{label} {format_cell(value, 'share')}"
+    if isinstance(value, list) and len(value) == 24:
+        known = [v for v in value if v is not None]
+        if known and len(set(known)) == 1:
+            return f"{label} {_number(known[0])} every hour"
+        return f"{label} by hour {', '.join('-' if v is None else _number(v) for v in value)}"
+    if isinstance(value, dict):
+        return f"{label} " + ", ".join(f"{k} {_number(v)}" for k, v in value.items())
+    return f"{label} {_number(value)}"
 
 
 def _is_share(key: str) -> bool:
     return kind_of(key) == "share" or key.endswith(("_rate", "share_of_peak"))
+
+
+def _number(value: Any) -> str:
+    return f"{value:,.4g}" if isinstance(value, float) else str(value)
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:,.0f} ms" if value < 1 else f"{value:,.2f} s"
+
+
+def _sla(replay: dict[str, Any]) -> str:
+    """Each team's p95s before and after, against their targets, per model the change touches."""
+    parts = []
+    for model, r in replay.items():
+        for before, after in zip(r["sla_before"], r["sla_after"], strict=False):
+            text = (f"{model}/{after['team']}: TTFT {_seconds(before['ttft_p95_s'])} -> "
+                    f"{_seconds(after['ttft_p95_s'])} (target {_seconds(after['ttft_target_s'])})")  # fmt: skip
+            if after["itl_target_s"] is not None:
+                text += (f", inter-token {_seconds(before['itl_p95_s'])} -> "
+                         f"{_seconds(after['itl_p95_s'])} (target {_seconds(after['itl_target_s'])})")  # fmt: skip
+            parts.append(text)
+    return "; ".join(parts)
+
+
+def plan_frame(recommendations: list[dict[str, Any]]) -> pl.DataFrame:
+    """One row per change of the plan: its saving a month and share of the cost it rests on
+    (the replayed cost of the models it touches), the change, its replay and SLA, its evidence."""
+    rows = []
+    for r in recommendations:
+        replay = r.get("replay", {})
+        before = sum(x["cost_usd_before"] for x in replay.values())
+        rows.append({
+            "saving_usd_per_month": float(r["saving_usd_per_month"]),
+            "share_of_cost_pct": 100 * r["saving_usd"] / before if before else None,
+            "kind": r["kind"], "team": r["team"] or "", "title": r["title"],
+            "replay": "; ".join(f"{m}: GPU-hours {x['gpu_hours_before']:,.1f} -> "
+                                f"{x['gpu_hours_after']:,.1f}" for m, x in replay.items()),
+            "sla": _sla(replay),
+            "evidence": "; ".join(_figure(k, v) for k, v in r["evidence"].items()),
+            "assumptions": "; ".join(r["assumptions"]),
+            "caveat": " ".join(x for x in (r["caveat"], _policy(r.get("policy_change"))) if x),
+        })  # fmt: skip
+    schema = dict.fromkeys(_PLAN_COLUMNS, pl.String) | {
+        "saving_usd_per_month": pl.Float64, "share_of_cost_pct": pl.Float64}  # fmt: skip
+    return pl.DataFrame(rows, schema=schema)
+
+
+def _policy(change: dict[str, Any] | None) -> str:
+    if not change:
+        return ""
+    return "Policy change needed: " + ", ".join(f"{v}" for v in change.values()) + "."
+
+
+def plan_table(body: dict[str, Any]) -> Any:
+    """The plan as a table with a total row: the plan's saving and its share of the cost."""
+    recs = body["recommendations"]
+    plan = body.get("plan", {})
+    measured = plan.get("measured_usd") or 0.0
+    share = 100 * plan.get("saving_usd", 0.0) / measured if measured else None
+    return frame_table(plan_frame(recs), "efficiency-advice-table", _PLAN_COLUMNS,
+                       kinds=_PLAN_KINDS, total=("saving_usd_per_month",),
+                       total_values={"share_of_cost_pct": share})  # fmt: skip
+
+
+def plan_status(month: str, body: dict[str, Any], forecast_usd: float | None) -> str:
+    """The plan in one line: a month at the measured run rate, and this month on the spend
+    forecast's basis, beside the forecast."""
+    recs, plan = body["recommendations"], body.get("plan", {})
+    if not recs:
+        return (
+            f"{month}: no change to offer from the {plan.get('hours_measured', 0)} hours measured"
+        )
+    text = (f"{month}: one plan of {len(recs)} change{'s' * (len(recs) != 1)}, "
+            f"{usd(body['saving_usd_per_month'])} a month at the run rate of the "
+            f"{plan.get('hours_measured', 0)} hours measured; this month on the spend forecast's "
+            f"basis {usd(plan.get('saving_usd_month_end', 0.0))}")  # fmt: skip
+    if forecast_usd is not None:
+        text += f", of a forecast spend of {usd(forecast_usd)}"
+    return text
 
 
 def group_summary(groups: pl.DataFrame) -> pl.DataFrame:
@@ -173,14 +256,14 @@ def register(app: Dash, ctx: Context) -> None:
         except BillingError as exc:
             return [note(str(exc), "error"), None, None, *empty]
         recs = body["recommendations"]
-        status = html.P(
-            f"{month}: {len(recs)} recommendation{'s' * (len(recs) != 1)}, "
-            f"{usd(body['saving_usd_per_month'])} a month in all (each is priced on its own; two "
-            "on the same model overlap)",
-            id="efficiency-total",
-        )
-        advice = (frame_table(advice_frame(recs), "efficiency-advice-table")
-                  if recs else note("Nothing to save from the use measured this month."))  # fmt: skip
+        status = html.P(plan_status(month, body, _forecast(ctx, session.token, month)),
+                        id="efficiency-total")  # fmt: skip
+        advice: Any = (plan_table(body) if recs
+                       else note("Nothing to save from the use measured this month."))  # fmt: skip
+        if body.get("notes"):
+            advice = html.Div([advice, html.H4("Not advised"),
+                               html.Ul([html.Li(n["text"]) for n in body["notes"]],
+                                       id="efficiency-notes")])  # fmt: skip
         if session.is_admin:
             rows, series, charts = frame_of(body["figures"]["groups"]), "replica", GROUP_CHARTS
             summary: Any = frame_table(group_summary(rows), "efficiency-summary-table",
@@ -196,6 +279,16 @@ def register(app: Dash, ctx: Context) -> None:
         for figure in figures:  # hourly points: a month's first hour is one point, drawn as a dot
             figure.update_traces(mode="lines+markers")
         return [status, advice, summary, *figures]
+
+
+def _forecast(ctx: Context, token: str, month: str) -> float | None:
+    """The month-end spend forecast of the teams the token sees, for the month being shown."""
+    if month != month_of(time.time()):
+        return None  # a past month has no forecast but its spend, which the plan is not beside
+    try:
+        return sum(float(s["forecast_usd"]) for s in ctx.client.spend(token))
+    except BillingError:
+        return None
 
 
 def _chart(rows: pl.DataFrame, column: str, series: str, title: str, axis: str, span: Any) -> Any:
