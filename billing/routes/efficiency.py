@@ -1,9 +1,11 @@
-"""``GET /v1/efficiency/{month}``: the efficiency figures and the advisor's recommendations.
+"""``GET /v1/efficiency/{month}``: the efficiency figures and the advisor's plan.
 
 Team-scoped as the query routes are: the admin sees the whole fleet (or one team, with
-``team``); a team key sees its own hourly figures and the recommendations about its own
-requests, and asking for another team is 403. Replica groups, engine instances and fleet-wide
-recommendations span every team, so they are the admin's.
+``team``); a team key sees its own hourly figures and the changes about its own requests
+(routing, off-peak), and asking for another team is 403. Replica groups, engine instances,
+fleet-wide changes and the notes on what could not be advised span every team, so they are the
+admin's. The plan replays the month's requests (``billing.efficiency.plan``): on a busy month
+that takes a while, on a statement thread like the statements'.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def _report(svc: Services, month: str, team: str | None) -> bytes:
 @router.get("/v1/efficiency/{month}", responses=errors(400, *READ))
 async def efficiency(who: Reader, month: Month, svc: ServicesDep,
                      team: Annotated[str | None, Query()] = None) -> Response:  # fmt: skip
-    """A month's efficiency figures per replica group, instance, team and hour, and what would
-    save money, each recommendation with its evidence, assumptions and USD/month saving."""
+    """A month's efficiency figures per replica group, instance, team and hour, and the plan that
+    would save money: each change proven by replay, with its saving within the plan, the replay
+    (GPU-hours, cost, each team's SLA before and after), evidence and assumptions."""
     body = await compute(svc, _report, svc, month, _team(who, team))
     return Response(body, media_type="application/json")
