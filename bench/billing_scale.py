@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import os
 import resource
 import shutil
@@ -47,7 +46,7 @@ from billing import ingest_sql
 from billing.chargeback import Chargeback
 from billing.fastpath import arrow_frame, ndjson_frame
 from billing.ledger import Ledger
-from infermeter import wire
+from infermeter import wire, writers
 from infermeter.config import DEFAULT_CONFIG, Config
 from infermeter.records import USAGE
 
@@ -56,6 +55,7 @@ START = 1790812800  # 2026-10-01T00:00:00Z
 SECONDS = 31 * 86400
 TEAMS = [f"team-{i:02d}" for i in range(20)]
 REPLICAS = [f"rep-{i:02d}" for i in range(16)]
+WRITER_SECRET = b"bench writer secret"
 
 
 def bench_config(database: Path, memory_limit: str, port: int) -> tuple[dict[str, Any], Config]:
@@ -172,8 +172,11 @@ def ingest_rate(path: Path, port: int, batch: int, clients: int, batches: int,
     encode_cpu = time.process_time() - encode_cpu
     route = "/v1/ingest" if fmt == "json" else "/v1/ingest/usage"
     ctype = {"arrow": wire.ARROW_STREAM, "ndjson": wire.NDJSON, "json": "application/json"}[fmt]
+    # Each batch is one instance's, sent with its credential, as a sidecar's shipper sends it.
+    tokens = [_credential(b) for b in range(batches)]
+    env = {**os.environ, "INFERMETER_WRITER_SECRET": WRITER_SECRET.decode()}
     proc = subprocess.Popen([sys.executable, "-m", "infermeter", "billing", "--config", str(path)],
-                            env=dict(os.environ))  # fmt: skip
+                            env=env)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(300):
@@ -184,7 +187,7 @@ def ingest_rate(path: Path, port: int, batch: int, clients: int, batches: int,
                 time.sleep(0.1)
         server_cpu = _cpu_seconds(proc.pid)
         client_cpu = time.process_time()
-        accepted, elapsed = asyncio.run(_post_all(url, route, ctype, bodies, clients))
+        accepted, elapsed = asyncio.run(_post_all(url, route, ctype, bodies, clients, tokens))
         client_cpu = time.process_time() - client_cpu
         server_cpu = _cpu_seconds(proc.pid) - server_cpu
     finally:
@@ -201,11 +204,20 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _credential(b: int) -> str:
+    """The writer credential of batch ``b``'s instance (a replica, its own one instance)."""
+    replica = REPLICAS[b % len(REPLICAS)]
+    return writers.issue(WRITER_SECRET, writers.Writer.for_instance(replica, replica)).token
+
+
 def _usage_batch(b: int, n: int, bad_record: bool = False, ndjson: bool = False) -> bytes:
+    """Batch ``b``: ``n`` records of one replica (as one sidecar ships them), of its model."""
     t0 = START + 40 * 86400 + b * 60.0
+    r = b % len(REPLICAS)
+    model = ("chat-large", "chat-small")[r % 2]
     records = [
-        {"request_id": f"live-{b}-{i}", "team": TEAMS[i % 20], "model": "chat-small", "served_version": "v1",
-         "replica": REPLICAS[i % 16], "received_at": t0 + i * 0.001, "first_token_at": t0 + i * 0.001 + 0.1,
+        {"request_id": f"live-{b}-{i}", "team": TEAMS[i % 20], "model": model, "served_version": "v1",
+         "replica": REPLICAS[r], "received_at": t0 + i * 0.001, "first_token_at": t0 + i * 0.001 + 0.1,
          "finished_at": t0 + i * 0.001 + 4.0, "prompt_tokens": 300, "cached_prompt_tokens": 0,
          "completion_tokens": 120, "status": "ok", "http_status": 200, "stream": True,
          "endpoint": "/v1/chat/completions", "finish_reason": "stop", "usage_exact": True}
@@ -247,18 +259,18 @@ def ingest_breakdown(work: Path, batch: int, batches: int, fmt: str) -> dict[str
 
 
 async def _post_all(
-    url: str, route: str, ctype: str, bodies: list[bytes], clients: int
+    url: str, route: str, ctype: str, bodies: list[bytes], clients: int, tokens: list[str]
 ) -> tuple[int, float]:
-    queue: asyncio.Queue[bytes] = asyncio.Queue()
-    for body in bodies:
-        queue.put_nowait(body)
+    queue: asyncio.Queue[tuple[bytes, str]] = asyncio.Queue()
+    for body, token in zip(bodies, tokens, strict=True):
+        queue.put_nowait((body, token))
     accepted = 0
-    headers = {"authorization": "Bearer im-bench-ingest", "content-type": ctype}
 
     async def worker(client: httpx.AsyncClient) -> None:
         nonlocal accepted
         while not queue.empty():
-            body = queue.get_nowait()
+            body, token = queue.get_nowait()
+            headers = {"authorization": f"Bearer {token}", "content-type": ctype}
             response = await client.post(route, content=body, headers=headers)
             response.raise_for_status()
             accepted += response.json()["accepted"]
@@ -307,7 +319,6 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     port = 39600
     data, config = bench_config(work / "ledger.duckdb", args.memory_limit, port)
-    data["billing"]["ingest_token_sha256"] = [hashlib.sha256(b"im-bench-ingest").hexdigest()]
     path = work / "infermeter.yaml"
     path.write_text(yaml.safe_dump(data))
     try:

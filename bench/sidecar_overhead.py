@@ -1335,6 +1335,12 @@ def build_parser() -> argparse.ArgumentParser:
         "OTEL_METRIC_EXPORT_INTERVAL=1000)",
     )
     parser.add_argument(
+        "--sealed",
+        action="store_true",
+        help="the sidecar holds a writer credential (sidecar.credential_env), so every usage "
+        "record it spools carries its seal (one HMAC per record), as in a fleet with credentials",
+    )
+    parser.add_argument(
         "--py-spy",
         metavar="DIR",
         type=Path,
@@ -1376,12 +1382,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = None if args.relay is None else {"protocol_relay": args.relay == "protocol"}
         phases = None if args.phases is None else frozenset(args.phases.split(","))
         with contextlib.ExitStack() as exits:
-            sidecar_env = None
+            sidecar_env: dict[str, str] | None = None
+            if args.sealed:
+                from infermeter.writers import Writer, issue
+
+                writer = Writer.for_instance(REPLICA, REPLICA)
+                sidecar_env = {"INFERMETER_WRITER_CREDENTIAL": issue(b"bench", writer).token}
             if args.otlp_metrics:
                 sink = exits.enter_context(OtlpSink())
                 # Metrics only: the endpoint alone would turn span export on too.
-                sidecar_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url, "OTEL_TRACES_EXPORTER": "none",
-                               "OTEL_METRIC_EXPORT_INTERVAL": "1000"}  # fmt: skip
+                sidecar_env = {**(sidecar_env or {}), "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                               "OTEL_TRACES_EXPORTER": "none", "OTEL_METRIC_EXPORT_INTERVAL": "1000"}  # fmt: skip
             result = run_benchmark(plan, nginx_bin, args.py_spy, echo, args.sidecar_launcher, settings,
                                    phases, sidecar_env)  # fmt: skip
             if args.otlp_metrics:

@@ -76,8 +76,12 @@ async def serve_billing(
     config: Config, listen: str | None = None, database: str | None = None
 ) -> None:
     """Serve until told to exit; the ledger is checkpointed and closed after the server stops."""
-    host, port = host_port(listen or config.billing.listen)
+    b = config.billing
+    host, port = host_port(listen or b.listen)
     ensure_free(host, port, "billing listen address")
+    if not os.environ.get(b.writer_secret_env) and not b.shared_ingest_token:
+        log.warning("billing: $%s is not set and billing.shared_ingest_token is false: no "
+                    "writer can send records (docs/security.md)", b.writer_secret_env)  # fmt: skip
     ledger = open_ledger(config, database)
     try:
         log.info(

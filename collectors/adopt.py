@@ -36,6 +36,7 @@ from infermeter.journal import JOURNAL_DIR, journal_files, recover
 from infermeter.shipper import Shipper, ShipperMetrics
 from infermeter.spool import Segment, Spool
 from infermeter.spooldir import BUDGET_OVERRIDES, GATEWAY_NONCES, INSTANCES, LOCK, SpoolLock
+from infermeter.writers import Credential, Sealer
 
 __all__ = [
     "Action",
@@ -178,9 +179,12 @@ class Adopter:
     def __init__(self, root: Path, ingest_url: str, token: str | None, client: httpx.AsyncClient,
                  metrics: AdoptionMetrics, shipper_metrics: ShipperMetrics | None = None,
                  interval_seconds: float = 10.0, max_wait_seconds: float = 5.0,
-                 exclude: Iterable[Path] = (), keep_nonces_seconds: float = 0.0) -> None:  # fmt: skip
+                 exclude: Iterable[Path] = (), keep_nonces_seconds: float = 0.0,
+                 credential: Credential | None = None) -> None:  # fmt: skip
         """``keep_nonces_seconds``: how long after its last write a sidecar's gateway nonces
-        keep its directory (twice the gateway's skew window: see the module docstring)."""
+        keep its directory (twice the gateway's skew window: see the module docstring).
+        ``credential``: the collector's own; the gone sidecar's lines keep the instance's seals,
+        which billing checks, and the requests recovered from its journal are sealed with this."""
         self.root = root
         self.ingest_url = ingest_url
         self.token = token
@@ -192,6 +196,7 @@ class Adopter:
         self.max_wait_seconds = max_wait_seconds
         self.exclude = frozenset(p.resolve() for p in exclude)
         self.keep_nonces_seconds = keep_nonces_seconds
+        self.credential = credential
         self._adopted: set[str] = set()
 
     async def run(self) -> None:
@@ -253,7 +258,7 @@ class Adopter:
         paths = journal_files(directory)
         if not paths:
             return
-        spool = Spool(directory)
+        spool = Spool(directory, sealer=Sealer(self.credential) if self.credential else None)
         spool.open()
         try:
             made = await recover(paths, spool)
@@ -270,7 +275,7 @@ class Adopter:
             if not any(path.glob("seg-*.jsonl")):
                 continue
             shipper = Shipper(Leftovers(path), self.ingest_url, self.token, kind, self.client,
-                              metrics=self.shipper_metrics)  # fmt: skip
+                              metrics=self.shipper_metrics, credential=self.credential)  # fmt: skip
             ok = await shipper.ship_round(self.max_wait_seconds)
             shipped += shipper.shipped
             self.metrics.records.labels(kind).inc(shipper.shipped)

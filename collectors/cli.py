@@ -43,6 +43,7 @@ def _collect(args: argparse.Namespace, config: Config) -> int:
     from collectors.serve import serve_collector
     from infermeter.kubernetes import KubernetesApiError
     from infermeter.otlp import OtlpConfigError
+    from infermeter.writers import WriterError
 
     try:
         asyncio.run(serve_collector(config, args.listen))
@@ -51,5 +52,8 @@ def _collect(args: argparse.Namespace, config: Config) -> int:
         return 2
     except OtlpConfigError as exc:
         print(f"infermeter: cannot export metrics over OTLP: {exc}", file=sys.stderr)
+        return 2
+    except WriterError as exc:
+        print(f"infermeter: collector.credential_env: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -320,6 +320,7 @@ class FleetCollector:
             sample_id=sample_id(t, source.target),
             replica=replica.id,
             instance=source.instance,
+            node=source.node,
             model=replica.model,
             timestamp=t,
             requests_running=r.requests_running,

@@ -31,6 +31,7 @@ from infermeter.otlp import metrics_export_configured, otlp_settings
 from infermeter.serving import ensure_free, host_port, server
 from infermeter.shipper import Shipper, ShipperMetrics, last_shipment
 from infermeter.spool import Spool
+from infermeter.writers import Credential, Role, Sealer, credential_from
 
 if TYPE_CHECKING:
     from infermeter.otlp_export import MetricsExport
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SpoolSink",
     "build_collector",
+    "collector_credential",
     "engine_sources",
     "metrics_export",
     "pod_watcher",
@@ -88,7 +90,7 @@ def engine_sources(config: Config, targets: Mapping[str, EngineTarget],
     token = environ.get(settings.metrics_token_env) or None
     return [
         VllmSource(t.replica, t.url, client, settings.scrape_timeout_seconds,
-                   token if t.token else None, t.instance)
+                   token if t.token else None, t.instance, t.node)
         for t in targets.values()
     ]  # fmt: skip
 
@@ -145,12 +147,31 @@ def metrics_export(collector: FleetCollector, registry: CollectorRegistry,
                                registry, SCHEMA_URL)  # fmt: skip
 
 
-class SpoolSink:
-    """Appends each round's samples to one spool per kind (group-committed, durable)."""
+def collector_credential(config: Config, collector: FleetCollector,
+                         environ: Mapping[str, str]) -> Credential | None:  # fmt: skip
+    """The collector's writer credential (``collector.credential_env``; None when unset).
 
-    def __init__(self, directory: Path) -> None:
-        self.gpus = Spool(directory / GPU_KIND)
-        self.engines = Spool(directory / ENGINE_KIND)
+    WriterError when the variable holds another writer's. A node this collector reads GPUs of
+    that its credential does not cover is logged: billing would quarantine those samples.
+    """
+    credential = credential_from(environ, config.collector.credential_env, Role.COLLECTOR)
+    if credential is not None:
+        outside = sorted({s.target for s in collector.gpu_sources} - set(credential.writer.nodes))
+        if outside:
+            log.error("collector: its credential (%s) does not cover node(s) %s: billing will "
+                      "quarantine their samples", credential.writer.principal, ", ".join(outside))  # fmt: skip
+    return credential
+
+
+class SpoolSink:
+    """Appends each round's samples to one spool per kind (group-committed, durable).
+
+    ``sealer``: the collector's seal on each line (``infermeter.writers.Sealer``).
+    """
+
+    def __init__(self, directory: Path, sealer: Callable[[bytes], bytes] | None = None) -> None:
+        self.gpus = Spool(directory / GPU_KIND, sealer=sealer)
+        self.engines = Spool(directory / ENGINE_KIND, sealer=sealer)
 
     def open(self) -> None:
         """Create the directories and start the writers."""
@@ -193,7 +214,8 @@ async def serve_collector(config: Config, listen: str | None) -> None:
             watcher, api = pod_watcher(config, on_targets, env)
             await stack.enter_async_context(api)
             discover = watcher.run
-        sink = SpoolSink(Path(settings.spool_dir))
+        credential = collector_credential(config, collector, env)
+        sink = SpoolSink(Path(settings.spool_dir), Sealer(credential) if credential else None)
         sink.open()
         collector.restore(BaselineFile(Path(settings.spool_dir) / BASELINE_FILE), time.time())
         tasks = [asyncio.create_task(collector.run(sink), name="collector")]
@@ -208,13 +230,14 @@ async def serve_collector(config: Config, listen: str | None) -> None:
             token = os.environ.get(settings.ingest_token_env)
             shipped = ShipperMetrics(registry)
             for spool, kind in ((sink.gpus, GPU_KIND), (sink.engines, ENGINE_KIND)):
-                shipper = Shipper(spool, settings.ingest_url, token, kind, client, metrics=shipped)
+                shipper = Shipper(spool, settings.ingest_url, token, kind, client, metrics=shipped,
+                                  credential=credential)  # fmt: skip
                 shippers.append(shipper)
                 tasks.append(asyncio.create_task(shipper.run(), name=f"ship-{kind}"))
             if settings.adopt_spools_dir:
                 adopter = Adopter(Path(settings.adopt_spools_dir), settings.ingest_url, token, client,
                                   AdoptionMetrics(registry), shipped, settings.scrape_interval_seconds,
-                                  exclude=[Path(settings.spool_dir)],
+                                  exclude=[Path(settings.spool_dir)], credential=credential,
                                   keep_nonces_seconds=2 * config.sidecar.gateway.max_skew_seconds)  # fmt: skip
                 tasks.append(asyncio.create_task(adopter.run(), name="adopt-spools"))
         elif settings.adopt_spools_dir:

@@ -107,6 +107,11 @@ class EngineSource(Protocol):
         ...
 
     @property
+    def node(self) -> str | None:
+        """The node the engine runs on, when its discovery said (its samples carry it)."""
+        ...
+
+    @property
     def kind(self) -> str:
         """``vllm``."""
         ...

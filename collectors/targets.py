@@ -8,7 +8,9 @@ by instance id, with no I/O:
 - ``static_targets``: ``replicas[]`` of the configuration (``engine_metrics_url``, else
   ``<upstream_url>/metrics``), as before instances existed;
 - ``registry_targets``: billing's ``GET /v1/instances`` answer, each live instance at its
-  ``engine_metrics_url``;
+  ``engine_metrics_url``: billing takes from an instance no address but the one its writer
+  credential names, and the collector sends the metrics token only to a sidecar's relay there
+  (``http://<host>:<port>/engine/metrics``, nothing else in the URL);
 - ``pod_target`` and ``apply_pod_event``: the Kubernetes pods of a list and of each watch event;
   an engine is read at ``http://<pod IP>:<sidecar port>/engine/metrics``, never through a Service
   (which would answer from a random pod each scrape).
@@ -18,9 +20,10 @@ An entry whose group is not in the configuration is left out: its samples could 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from collectors.attribution import replica_for_pod
 from infermeter.config import Replica
@@ -39,6 +42,11 @@ __all__ = [
 
 Targets = Mapping[str, "EngineTarget"]
 
+# A sidecar's relay of vLLM's metrics, and nothing else: no credentials, query or other path.
+_RELAY: Final = re.compile(
+    r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}/engine/metrics"
+)
+
 
 class DiscoveryError(ValueError):
     """A discovery source answered something that is not what its contract promises."""
@@ -49,13 +57,15 @@ class EngineTarget:
     """One engine to scrape.
 
     ``token`` says whether the metrics token is sent: a sidecar's ``/engine/metrics`` needs it;
-    a plain vLLM ``/metrics`` must never see it.
+    a plain vLLM ``/metrics`` must never see it. ``node``: where the engine runs, as the source
+    said (its samples carry it; billing checks it against the collector's credential).
     """
 
     replica: str
     url: str
     instance: str | None = None
     token: bool = True
+    node: str | None = None
 
     @property
     def key(self) -> str:
@@ -75,9 +85,10 @@ class PodRules:
 def static_targets(replicas: Sequence[Replica]) -> dict[str, EngineTarget]:
     """One target per configured replica; the token only where a relay URL was configured."""
     return {
-        r.id: EngineTarget(r.id, r.engine_metrics, token=r.engine_metrics_url is not None)
+        r.id: EngineTarget(r.id, r.engine_metrics, token=r.engine_metrics_url is not None,
+                           node=r.node)
         for r in replicas
-    }
+    }  # fmt: skip
 
 
 def registry_targets(answer: Any, replicas: Sequence[Replica]) -> dict[str, EngineTarget]:
@@ -85,7 +96,8 @@ def registry_targets(answer: Any, replicas: Sequence[Replica]) -> dict[str, Engi
 
     A fixed replica (instance id equal to its group id) keeps ``instance=None``, as its samples
     did before instances existed. An instance without an engine URL or in an unknown group is
-    skipped.
+    skipped; so is one whose URL is not a sidecar's relay (``_RELAY``), which the metrics token
+    must not be sent to.
     """
     if not isinstance(answer, dict) or not isinstance(answer.get("instances"), list):
         raise DiscoveryError('the registry answered without an "instances" list')
@@ -103,9 +115,11 @@ def registry_targets(answer: Any, replicas: Sequence[Replica]) -> dict[str, Engi
             raise DiscoveryError(f"an instance entry has no instance or replica id: {str(item)[:120]!r}")  # fmt: skip
         if item.get("state", "live") != "live" or not isinstance(url, str) or not url:
             continue
-        if replica not in groups:
+        if replica not in groups or not _RELAY.fullmatch(url):
             continue
-        target = EngineTarget(replica, url, None if instance == replica else instance)
+        node = item.get("node")
+        target = EngineTarget(replica, url, None if instance == replica else instance,
+                              node=node if isinstance(node, str) else None)  # fmt: skip
         out[target.key] = target
     return out
 
@@ -124,9 +138,9 @@ def pod_target(pod: Any, replicas: Sequence[Replica], rules: PodRules) -> Engine
     if group is None:
         return None
     host = f"[{ip}]" if ":" in ip else ip
-    return EngineTarget(
-        group, f"http://{host}:{rules.sidecar_port}{rules.engine_metrics_path}", name
-    )
+    node = (pod.get("spec") or {}).get("nodeName")
+    return EngineTarget(group, f"http://{host}:{rules.sidecar_port}{rules.engine_metrics_path}",
+                        name, node=node if isinstance(node, str) else None)  # fmt: skip
 
 
 def _group(name: str, labels: Mapping[str, Any], replicas: Sequence[Replica], rules: PodRules) -> str | None:  # fmt: skip

@@ -82,9 +82,10 @@ class VllmSource:
 
     def __init__(self, replica: str, url: str, client: httpx.AsyncClient,
                  timeout_seconds: float, token: str | None = None,
-                 instance: str | None = None) -> None:  # fmt: skip
+                 instance: str | None = None, node: str | None = None) -> None:  # fmt: skip
         self.replica = replica
         self.instance = instance
+        self.node = node
         self.target = instance or replica
         self.url = url
         self.client = client

@@ -30,8 +30,10 @@ if TYPE_CHECKING:
 
 __all__ = ["build_parser", "main"]
 
-DEMO_INGEST_TOKEN = "im-demo-ingest"  # public, like the demo team keys
-DEMO_METRICS_TOKEN = "im-demo-metrics"
+DEMO_METRICS_TOKEN = "im-demo-metrics"  # public, like the demo team keys
+# What the demo's writer credentials are derived from: public too, and given only to billing and
+# the autoscaler (``infermeter.fleet.with_writer_credentials``).
+DEMO_WRITER_SECRET = "im-demo-writer-secret"
 
 
 # Each part's ``cli`` module and the commands its ``register`` adds, in the order ``--help``
@@ -161,8 +163,9 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
     args.via_sidecars = True
     args.duration = None
     # Sidecars, the collector and the autoscaler (each change of a model's desired count, for the
-    # Fleet page) ship to the demo's billing service with the demo ingest token (its hash is in
-    # the embedded defaults); a user's own settings win.
+    # Fleet page) ship to the demo's billing service, each with a writer credential of its own
+    # (the shared ingest token is not taken: the demo is a new installation); a user's own
+    # settings win.
     ingest = f"{config.billing.url.rstrip('/')}/v1/ingest"
     os.environ.setdefault("INFERMETER__SIDECAR__INGEST_URL", config.sidecar.ingest_url or ingest)
     os.environ.setdefault(
@@ -171,7 +174,6 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
     os.environ.setdefault(
         "INFERMETER__AUTOSCALE__INGEST_URL", config.autoscale.ingest_url or ingest
     )
-    os.environ.setdefault("INFERMETER_INGEST_TOKEN", DEMO_INGEST_TOKEN)
     # The collector ships what a sidecar that is gone left in its spool: the records of an
     # instance the autoscaler stopped, or of a sidecar killed before it shipped them.
     os.environ.setdefault(
@@ -189,6 +191,8 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
     children.append(fleet.dashboard_child(config, path))
     children.append(fleet.autoscaler_child(config, path, args.day_seconds))
     children.append(fleet.traffic_child(path, args))
+    secret = os.environ.get(config.billing.writer_secret_env) or DEMO_WRITER_SECRET
+    children = fleet.with_writer_credentials(children, config, secret.encode())
     urls = fleet.sidecar_urls(config) + fleet.simulator_urls(config)
     fleet_view = f"http://{config.collector.listen}/metrics"
     urls.append(("collector (fleet view) (metrics: im-demo-metrics)", fleet_view))

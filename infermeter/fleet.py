@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
+from collections.abc import Sequence
 
 from infermeter.config import Config
 from infermeter.serving import ensure_free, host_port
 from infermeter.supervisor import Child, ChildFailedError, Supervisor
+from infermeter.writers import Writer, issue
 
 __all__ = [
     "DEMO_AUTOSCALE_SETTINGS",
@@ -23,6 +26,8 @@ __all__ = [
     "simulator_urls",
     "spare_gpu_overrides",
     "traffic_child",
+    "with_writer_credentials",
+    "writer_environments",
 ]
 
 
@@ -158,6 +163,38 @@ def simulator_urls(config: Config) -> list[tuple[str, str]]:
         if n.dcgm_exporter_url
     ]
     return urls
+
+
+def writer_environments(config: Config, secret: bytes) -> dict[str, dict[str, str]]:
+    """Per child name, what its environment gets so each writes to billing as itself.
+
+    A sidecar as its replica (the one instance of its group, at its listen address), the
+    collector for every node, the autoscaler as itself. Billing gets the writer secret, and so
+    does the autoscaler, whose local hook stands where the cluster would and issues the
+    credentials of the instances it starts; no other child sees it.
+    """
+    secret_env = config.billing.writer_secret_env
+    envs = {
+        "billing": {secret_env: secret.decode()},
+        "collector": {config.collector.credential_env:
+                      issue(secret, Writer.for_collector(config.node_names())).token},
+        "autoscaler": {config.autoscale.credential_env:
+                       issue(secret, Writer.for_autoscaler()).token, secret_env: secret.decode()},
+    }  # fmt: skip
+    for r in config.replicas:
+        writer = Writer.for_instance(r.id, r.id, r.sidecar_listen)
+        envs[f"sidecar {r.id}"] = {config.sidecar.credential_env: issue(secret, writer).token}
+    return envs
+
+
+def with_writer_credentials(children: Sequence[Child], config: Config,
+                            secret: bytes) -> list[Child]:  # fmt: skip
+    """``children``, each with what ``writer_environments`` gives it."""
+    envs = writer_environments(config, secret)
+    return [
+        dataclasses.replace(child, env={**child.env, **envs.get(child.name, {})})
+        for child in children
+    ]
 
 
 def run(children: list[Child], urls: list[tuple[str, str]]) -> int:

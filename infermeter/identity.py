@@ -16,6 +16,10 @@ environment the pod is started with (the downward API and the NVIDIA device plug
 
 With none of them set, the instance is the replica itself (id, node and GPUs from the
 configuration), so a fleet of fixed replicas keeps working unchanged: one instance each.
+
+What the instance may write to billing is proved by its writer credential
+(``infermeter.writers``), handed to it in the variable ``sidecar.credential_env`` names;
+``instance_credential`` reads it and checks that it names this instance of this group.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from dataclasses import dataclass
 from typing import Final
 
 from infermeter.config import Replica
+from infermeter.writers import Credential, Role, WriterError
 
-__all__ = ["Identity", "IdentityError", "identity_from_environment"]
+__all__ = ["Identity", "IdentityError", "identity_from_environment", "instance_credential"]
 
 # What the device plugin may put in NVIDIA_VISIBLE_DEVICES besides a list of devices.
 _NOT_A_LIST: Final = frozenset({"", "all", "none", "void"})
@@ -104,3 +109,31 @@ def _gpus(raw: str) -> tuple[str, ...] | None:
                 f"environment variable NVIDIA_VISIBLE_DEVICES: {d[:80]!r} is not a GPU"
             )
     return devices or None
+
+
+def instance_credential(
+    identity: Identity, environ: Mapping[str, str], variable: str
+) -> Credential | None:
+    """The writer credential in ``variable`` (None when unset), which must name ``identity``.
+
+    IdentityError naming the variable when it holds no credential, or another writer's: a sidecar
+    that started with it would ship records billing quarantines.
+    """
+    raw = environ.get(variable, "").strip()
+    if not raw:
+        return None
+    try:
+        credential = Credential.parse(raw)
+    except WriterError as exc:
+        raise IdentityError(f"environment variable {variable}: {exc}") from None
+    writer = credential.writer
+    if (writer.role, writer.group, writer.instance) != (
+        Role.INSTANCE,
+        identity.replica,
+        identity.instance,
+    ):
+        raise IdentityError(
+            f"environment variable {variable}: the credential of {writer.principal}, not of "
+            f"instance {identity.instance} of group {identity.replica}"
+        )
+    return credential

@@ -38,12 +38,13 @@ from infermeter.auth import AuthError, bearer_key
 from infermeter.config import Config
 from infermeter.errors import error_body
 from infermeter.http_guard import BODY_COMPLETE, RAW_WRITER, RawWriter, ServerLimits
-from infermeter.identity import Identity, identity_from_environment
+from infermeter.identity import Identity, identity_from_environment, instance_credential
 from infermeter.ids import request_id
 from infermeter.journal import JOURNAL_DIR, recover
 from infermeter.records import RequestStatus
 from infermeter.spool import Spool, SpoolError
 from infermeter.spooldir import BUDGET_OVERRIDES
+from infermeter.writers import Sealer
 from sidecar import tracing
 from sidecar.accounting import Accounting, Call, count_recovered
 from sidecar.admission import (
@@ -125,18 +126,26 @@ class Sidecar:
         # Usage records name the instance only when it is not the fixed replica itself.
         self.instance = self.identity.instance if self.identity.dynamic else None
         directory = spool_dir or Path(settings.spool_dir) / self.identity.spool_key
+        # The instance's writer credential: it seals every spool line and ships them; its address
+        # is the only engine metrics URL billing takes from this instance.
+        self.credential = instance_credential(self.identity, os.environ, settings.credential_env)
+        sealer = Sealer(self.credential) if self.credential is not None else None
+        if self.credential is not None:
+            engine_metrics_url = self.credential.writer.engine_metrics_url
         self.spool = Spool(directory, max_bytes=settings.spool_max_bytes,
-                           commit_delay_seconds=SPOOL_COMMIT_DELAY_SECONDS)  # fmt: skip
+                           commit_delay_seconds=SPOOL_COMMIT_DELAY_SECONDS, sealer=sealer)  # fmt: skip
         # Outlives reloads: a new view must not forget which signed requests were served.
         self.nonces = nonce_store(config, directory, self.metrics.registry)
         # Overrides are few (an admin's hand): the lifetime events' bound is ample.
-        self.override_spool = Spool(directory / BUDGET_OVERRIDES, max_bytes=EVENTS_MAX_BYTES)
+        self.override_spool = Spool(directory / BUDGET_OVERRIDES, max_bytes=EVENTS_MAX_BYTES,
+                                    sealer=sealer)  # fmt: skip
         self.budgets = budget_gate(settings.budgets, {t.name: t.budget_usd_per_month for t in config.teams},
                                    self.metrics.registry, os.environ.get(settings.budgets.spend_token_env),
                                    self.limiter.redis, settings.shared_limits.key_prefix,
                                    self.override_spool, self.identity.instance)  # fmt: skip
         self.lifetime = Lifetime(self.identity, directory, settings.heartbeat_seconds,
-                                 self.view.replica.gpu_count, engine_metrics_url, self.metrics.registry)  # fmt: skip
+                                 self.view.replica.gpu_count, engine_metrics_url, self.metrics.registry,
+                                 sealer=sealer)  # fmt: skip
         self.journal = AdmissionJournal(
             self.spool.directory / JOURNAL_DIR, settings.journal_mark_millis / 1000
         )
@@ -234,7 +243,7 @@ class Sidecar:
             for spool, kind in ((self.spool, "usage"), (self.lifetime.spool, "instances"),
                                 (self.override_spool, "budget_overrides")):  # fmt: skip
                 shipper = Shipper(spool, self.ingest_url, self.ingest_token, kind, self.client,
-                                  metrics=shipped)  # fmt: skip
+                                  metrics=shipped, credential=self.credential)  # fmt: skip
                 self._shippers.append(shipper)
                 self._tasks.append(asyncio.get_running_loop().create_task(shipper.run()))
         await self.lifetime.start()

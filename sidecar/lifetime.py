@@ -56,7 +56,9 @@ def engine_metrics_url(host: str, port: int, environ: Mapping[str, str], hostnam
 
     In Kubernetes the pod's IP (``POD_IP`` from the downward API): the listen address there is a
     wildcard, and a Service would answer with a random pod. Elsewhere the listen address, or the
-    host's name when that is a wildcard, which no one can connect to.
+    host's name when that is a wildcard, which no one can connect to. An instance with a writer
+    credential announces the address its credential names instead (``Writer.engine_metrics_url``),
+    the only one billing takes from it.
     """
     address = environ.get("POD_IP", "").strip() or (hostname if host in _WILDCARDS else host)
     if ":" in address and not address.startswith("["):
@@ -102,10 +104,12 @@ class Lifetime:
 
     def __init__(self, identity: Identity, directory: Path, heartbeat_seconds: float, gpu_count: int,
                  engine_metrics_url: str | None = None, registry: CollectorRegistry | None = None,
-                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.time,
+                 sealer: Callable[[bytes], bytes] | None = None) -> None:  # fmt: skip
+        """``sealer``: the instance's seal on each event (``infermeter.writers.Sealer``)."""
         self.identity = identity
         self.lock = SpoolLock(directory)
-        self.spool = Spool(directory / INSTANCES, max_bytes=EVENTS_MAX_BYTES)
+        self.spool = Spool(directory / INSTANCES, max_bytes=EVENTS_MAX_BYTES, sealer=sealer)
         self.heartbeat_seconds = heartbeat_seconds
         self.gpu_count = gpu_count
         self.engine_metrics_url = engine_metrics_url

@@ -88,6 +88,7 @@ def _run(args: argparse.Namespace, config: Config) -> int:
 
     from alerts.autoscale.hooks import HookError
     from alerts.autoscale.service import log_to_stderr, serve_autoscaler
+    from infermeter.writers import WriterError
 
     log_to_stderr()
     try:
@@ -95,6 +96,8 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         asyncio.run(serve_autoscaler(config, args.listen, args.prometheus, path, args.day_seconds))
     except HookError as exc:
         return fail(f"autoscale: {exc}")
+    except WriterError as exc:
+        return fail(f"autoscale.credential_env: {exc}")
     return 0
 
 

@@ -24,6 +24,7 @@ from infermeter.ids import sample_id
 from infermeter.records import MAX_DECISION_REASONS, SCALING_DECISIONS, ScalingDecision
 from infermeter.shipper import Shipper, ShipperMetrics, last_shipment
 from infermeter.spool import Spool
+from infermeter.writers import Credential, Sealer
 
 __all__ = [
     "DECISIONS_MAX_BYTES",
@@ -79,10 +80,13 @@ class DecisionShipping:
     """The decisions' spool and the shipper that empties it into billing's ingest."""
 
     def __init__(self, directory: Path, ingest_url: str, token: str | None,
-                 client: httpx.AsyncClient, registry: CollectorRegistry | None = None) -> None:  # fmt: skip
-        self.spool = Spool(directory, max_bytes=DECISIONS_MAX_BYTES)
+                 client: httpx.AsyncClient, registry: CollectorRegistry | None = None,
+                 credential: Credential | None = None) -> None:  # fmt: skip
+        """``credential``: the autoscaler's writer credential (it seals and ships the decisions)."""
+        sealer = Sealer(credential) if credential is not None else None
+        self.spool = Spool(directory, max_bytes=DECISIONS_MAX_BYTES, sealer=sealer)
         self.shipper = Shipper(self.spool, ingest_url, token, SCALING_DECISIONS.key, client,
-                               metrics=ShipperMetrics(registry))  # fmt: skip
+                               metrics=ShipperMetrics(registry), credential=credential)  # fmt: skip
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

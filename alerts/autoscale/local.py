@@ -9,6 +9,12 @@ The name is a pod name of the shipped manifests' shape: the collector places a G
 label reads ``vllm-<group>-...`` in that group (``collectors.attribution``), so the lent boards
 the dcgm-exporter stand-in labels with the instance are billed to it.
 
+Standing where the cluster would, the hook also hands each sidecar it starts its writer credential
+(``infermeter.writers``: instance ``vllm-<group>-<n>`` of the group, at its listen address),
+issued from the writer secret in its own environment (``billing.writer_secret_env``); neither the
+secret nor the autoscaler's own credential reaches the processes it starts. Without the secret, a
+sidecar starts with no credential (and ships with the shared ingest token, if it has one).
+
 The hook writes the live instances to ``simulator.instances_file`` (``infermeter.local_fleet``):
 the dcgm-exporter stand-in shows their GPUs with the pod labels, the traffic generator sends them
 requests, and each stopped instance keeps the simulator's own figures (GPU-seconds busy and seen,
@@ -46,6 +52,7 @@ from collectors.attribution import POD_PREFIX
 from infermeter.config import Config, Replica
 from infermeter.local_fleet import LocalInstance, read_fleet, write_fleet
 from infermeter.serving import free_port
+from infermeter.writers import Writer, issue
 
 __all__ = [
     "LocalScaleHook",
@@ -129,7 +136,14 @@ class LocalScaleHook:
         self.config_path = config_path
         self.client = client
         self.path = Path(config.simulator.instances_file)
-        self.environ = dict(os.environ if environ is None else environ)
+        environ = dict(os.environ if environ is None else environ)
+        secret = environ.get(config.billing.writer_secret_env, "")
+        self._secret = secret.encode() or None
+        # What the processes it starts inherit: never the secret nor the autoscaler's credential.
+        for name in (config.billing.writer_secret_env, config.autoscale.credential_env,
+                     config.sidecar.credential_env):  # fmt: skip
+            environ.pop(name, None)
+        self.environ = environ
         self.running: dict[str, list[_Running]] = {}
         previous = read_fleet(self.path)
         # Instances an earlier run left live died with it (they run in its process group).
@@ -218,6 +232,9 @@ class LocalScaleHook:
                "NVIDIA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
                # The sidecar spools under <sidecar.spool_dir>/<instance>: a spool of its own.
                "POD_NAMESPACE": self.settings.namespace}  # fmt: skip
+        if self._secret is not None:
+            writer = Writer.for_instance(group.id, instance, listen)
+            env[self.config.sidecar.credential_env] = issue(self._secret, writer).token
         sidecar: subprocess.Popen[bytes] | None = None
         try:
             await self._ready(replica, f"{upstream}/health", instance)

@@ -59,6 +59,7 @@ from infermeter.asgi import Receive, Scope, Send, idle_lifespan, respond
 from infermeter.config import Config
 from infermeter.serving import ensure_free, host_port, server
 from infermeter.spool import Spool, SpoolError
+from infermeter.writers import Role, credential_from
 
 __all__ = [
     "Autoscaler",
@@ -343,12 +344,16 @@ def history_file(config: Config, params: PolicyParams) -> HistoryFile | None:
 def decision_shipping(
     config: Config, client: httpx.AsyncClient, registry: CollectorRegistry | None = None
 ) -> DecisionShipping | None:
-    """The decisions' spool and shipper when ``autoscale.ingest_url`` is set; else None."""
+    """The decisions' spool and shipper when ``autoscale.ingest_url`` is set; else None.
+
+    WriterError when ``autoscale.credential_env`` holds another writer's credential.
+    """
     a = config.autoscale
     if not a.ingest_url:
         return None
     token = os.environ.get(a.ingest_token_env)
-    return DecisionShipping(Path(a.spool_dir), a.ingest_url, token, client, registry)
+    credential = credential_from(os.environ, a.credential_env, Role.AUTOSCALER)
+    return DecisionShipping(Path(a.spool_dir), a.ingest_url, token, client, registry, credential)
 
 
 async def serve_autoscaler(

@@ -65,6 +65,7 @@ class FakeEngine:
 
     target, kind, replica = "small-0", "vllm", "small-0"
     instance: str | None = None
+    node: str | None = "node-b"
 
     async def read(self) -> EngineReading:
         """A busy engine."""

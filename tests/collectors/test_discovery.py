@@ -218,6 +218,7 @@ class SlowEngine:
     """An instance whose read waits until the test lets it answer."""
 
     kind, replica = "vllm", "small-0"
+    node: str | None = "node-b"
 
     def __init__(self, pod: str) -> None:
         self.target = self.instance = pod

@@ -32,11 +32,11 @@ def pod(name: str, ip: str | None = "10.0.0.7", phase: str = "Running", **labels
 
 
 def test_static_targets_are_the_configured_replicas(config):
-    """Each replica is its own instance (instance None), read at its engine_metrics URL."""
+    """Each replica is its own instance (instance None), read at its engine_metrics URL, on its node."""
     targets = static_targets(config.replicas)
     assert sorted(targets) == ["large-0", "small-0", "small-1"]
     assert targets["small-0"] == EngineTarget(
-        "small-0", "http://127.0.0.1:18002/metrics", None, token=False
+        "small-0", "http://127.0.0.1:18002/metrics", None, token=False, node="node-b"
     )
 
 

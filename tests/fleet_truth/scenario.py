@@ -32,6 +32,7 @@ import httpx
 import yaml
 
 from infermeter.config import DEFAULT_CONFIG, Config, load_config
+from infermeter.fleet import writer_environments
 from infermeter.local_fleet import read_fleet
 from infermeter.serving import free_port
 from infermeter.spool import read_segment
@@ -41,8 +42,9 @@ from tests.redis_server import RedisServer
 
 ADMIN = "im-demo-admin"
 KEYS = {t: f"im-demo-{t}" for t in ("search", "assistant", "analytics", "research")}
+# Every writer ships with a credential of its own, as in the demo (``writer_environments``).
+WRITER_SECRET = b"the fleet-truth writer secret"
 TOKENS = {
-    "INFERMETER_INGEST_TOKEN": "im-demo-ingest",
     "INFERMETER_METRICS_TOKEN": "im-demo-metrics",
     "INFERMETER_REGISTRY_TOKEN": "im-demo-metrics",
     "INFERMETER_SPEND_TOKEN": ADMIN,
@@ -179,9 +181,10 @@ def write_config(tmp: Path, redis_url: str) -> tuple[Path, Config]:
 class Processes:
     """The scenario's long-running processes by name: start, kill -9, stop, restart."""
 
-    def __init__(self, config_path: Path, log_dir: Path) -> None:
+    def __init__(self, config_path: Path, log_dir: Path, config: Config) -> None:
         self.config_path = config_path
         self.log_dir = log_dir
+        self.writers = writer_environments(config, WRITER_SECRET)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.args: dict[str, list[str]] = {}
 
@@ -191,7 +194,7 @@ class Processes:
         log = (self.log_dir / f"{name}.log").open("ab")
         self.procs[name] = subprocess.Popen(
             argv,
-            env={**os.environ, **TOKENS},
+            env={**os.environ, **TOKENS, **self.writers.get(name, {})},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -261,8 +264,13 @@ async def watch_spend(client: httpx.AsyncClient, config: Config, run: Run) -> No
 
 
 def spooled(root: Path) -> list[dict[str, Any]]:
-    """Records still in the spools under ``root``."""
-    return [r for seg in sorted(root.rglob("seg-*.jsonl")) for r in read_segment(seg)[0]]
+    """Records still in the spools under ``root`` (listed again when the collector removed a
+    directory it adopted while it was being listed)."""
+    while True:
+        try:
+            return [r for seg in sorted(root.rglob("seg-*.jsonl")) for r in read_segment(seg)[0]]
+        except FileNotFoundError:
+            continue
 
 
 @dataclass
@@ -393,7 +401,7 @@ async def run_scenario(tmp: Path) -> Run:
     logs.mkdir(parents=True, exist_ok=True)
     with redis_server(tmp) as redis:
         path, config = write_config(tmp, redis.url)
-        procs = Processes(path, logs)
+        procs = Processes(path, logs, config)
         run = Run(config, path, Path(config.simulator.truth_dir), time.time(), 0.0, [])
         try:
             async with httpx.AsyncClient(timeout=10.0) as http:

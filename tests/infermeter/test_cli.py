@@ -20,9 +20,10 @@ import httpx
 import pytest
 import yaml
 
-from infermeter.cli import build_parser, main
+from infermeter.cli import DEMO_WRITER_SECRET, build_parser, main
 from infermeter.config import DEFAULT_CONFIG
 from infermeter.serving import free_port
+from infermeter.writers import Writer, issue
 from tests.ports import off_demo_ports
 
 
@@ -233,8 +234,11 @@ def test_demo_restarts_a_sidecar_that_dies(demo: Demo) -> None:
 def test_demo_ships_the_spool_of_an_instance_that_stopped(demo: Demo) -> None:
     """Records left in the spool of an instance that stopped reach billing; its directory goes."""
     listen = f"127.0.0.1:{free_port()}"
-    # An instance of small-0 whose sidecar cannot ship (no ingest URL): its record stays behind.
-    env = {**os.environ, "INFERMETER_INSTANCE": "vllm-small-0-99"}
+    # An instance of small-0 whose sidecar cannot ship (no ingest URL): its record stays behind,
+    # sealed with the credential the demo's secret issues it (as the local scale hook would).
+    writer = Writer.for_instance("small-0", "vllm-small-0-99", listen)
+    env = {**os.environ, "INFERMETER_INSTANCE": "vllm-small-0-99",
+           "INFERMETER_WRITER_CREDENTIAL": issue(DEMO_WRITER_SECRET.encode(), writer).token}  # fmt: skip
     env.pop("INFERMETER__SIDECAR__INGEST_URL", None)
     sidecar = subprocess.Popen([sys.executable, "-m", "infermeter", "sidecar", "--config",
                                 str(demo.path), "--replica", "small-0", "--listen", listen],

@@ -43,6 +43,7 @@ from alerts.autoscale.policy import Decision
 from billing.chargeback import Chargeback, policy_from_config
 from billing.serve import open_ledger
 from infermeter.config import DEFAULT_CONFIG, Config, load_config
+from infermeter.fleet import writer_environments
 from infermeter.local_fleet import LocalInstance, read_fleet
 from infermeter.serving import free_port
 from infermeter.spool import read_segment
@@ -57,9 +58,11 @@ KEYS = {"search": "im-demo-search", "assistant": "im-demo-assistant",
         "analytics": "im-demo-analytics"}  # fmt: skip
 ADMIN = {"authorization": "Bearer im-demo-admin"}
 TOKENS = {
-    "INFERMETER_INGEST_TOKEN": "im-demo-ingest",
     "INFERMETER_METRICS_TOKEN": "im-demo-metrics",
 }
+# Billing, the collector and the hook (which issues its instances' credentials) get their part
+# of what the demo hands its children (``writer_environments``).
+WRITER_SECRET = b"the dynamic fleet's writer secret"
 SCRAPE_SECONDS = 0.5
 NAMES = [f"vllm-{GROUP}-{n}" for n in (1, 2, 3)]
 WAIT_SECONDS = 90.0  # generous: the machine may be busy; every wait polls its condition
@@ -108,16 +111,20 @@ def write_config(tmp_path: Path) -> tuple[Path, Config]:
     return path, load_config(path, environ={})
 
 
-def environ() -> dict[str, str]:
-    """This process's environment with the ingest and metrics tokens the services use."""
-    return {**os.environ, **TOKENS}
+def environ(config: Config | None = None, name: str = "") -> dict[str, str]:
+    """This process's environment with the metrics token, and the writer credential or secret
+    ``name`` (a child of the demo's) gets."""
+    writers = writer_environments(config, WRITER_SECRET).get(name, {}) if config else {}
+    return {**os.environ, **TOKENS, **writers}
 
 
 @contextlib.contextmanager
-def process(args: list[str], path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``infermeter <args> --config <path>`` for the block; SIGTERM (then SIGKILL) after it."""
+def process(args: list[str], path: Path, config: Config | None = None,
+            name: str = "") -> Iterator[subprocess.Popen[bytes]]:  # fmt: skip
+    """``infermeter <args> --config <path>`` for the block, as demo child ``name`` would run;
+    SIGTERM (then SIGKILL) after it."""
     argv = [sys.executable, "-m", "infermeter", *args, "--config", str(path)]
-    proc = subprocess.Popen(argv, env=environ())
+    proc = subprocess.Popen(argv, env=environ(config, name))
     try:
         yield proc
     finally:
@@ -274,13 +281,13 @@ async def scale_under_traffic(tmp_path: Path) -> Run:
         dcgm = node_exporters(config, client, Path(config.simulator.instances_file))["node-b"]
         dcgm_port = httpx.URL(str(config.nodes[0].dcgm_exporter_url)).port
         await stack.enter_async_context(serving(dcgm, dcgm_port))
-        billing = stack.enter_context(process(["billing"], path))
+        billing = stack.enter_context(process(["billing"], path, config, "billing"))
         await until("billing", lambda: answers(client, f"{billing_url}/healthz"))
-        collector = stack.enter_context(process(["collect"], path))
+        collector = stack.enter_context(process(["collect"], path, config, "collector"))
         await until(
             "the collector", lambda: answers(client, f"http://{config.collector.listen}/metrics")
         )
-        hook = LocalScaleHook(config, path, client, environ=environ())
+        hook = LocalScaleHook(config, path, client, environ=environ(config, "autoscaler"))
         starts: dict[str, tuple[float, float]] = {}
         try:
             await hook.publish(decision(1))

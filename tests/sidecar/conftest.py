@@ -34,6 +34,8 @@ def make_config(upstream: str, **changes: Any) -> Config:
         if r["id"] == "small-0":
             r["upstream_url"] = upstream
     data["simulator"]["engines"]["chat-small"].update(step_base_ms=3, step_per_seq_ms=0.02)
+    # A billing made from it takes the shared ingest token the sidecar tests ship with.
+    data["billing"]["shared_ingest_token"] = True
     for path, value in changes.items():
         node = data
         *parents, last = path.split(".")

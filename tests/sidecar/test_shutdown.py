@@ -51,7 +51,8 @@ class Fleet:
                                    sidecar_listen=f"127.0.0.1:{self.side_port}")  # fmt: skip
         data["simulator"]["engines"]["chat-small"].update(step_base_ms=5, step_per_seq_ms=0)
         data["teams"][0]["limits"] = {}
-        data["billing"].update(database=str(self.ledger_path))
+        # Billing takes the shared ingest token the sidecar ships with here.
+        data["billing"].update(database=str(self.ledger_path), shared_ingest_token=True)
         data["sidecar"] = {"spool_dir": str(tmp_path / "spool"),
                            "ingest_url": f"http://127.0.0.1:{self.billing_port}/v1/ingest", **sidecar}  # fmt: skip
         self.config_path = tmp_path / "infermeter.yaml"
