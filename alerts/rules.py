@@ -483,6 +483,18 @@ def _platform_alerts(config: Config) -> list[Rule]:
                "sidecar {{ $labels.instance }} cannot reach the shared team-limits store (Redis) and serves by sidecar.shared_limits.on_failure (for 1m)",
                "Check Redis (sidecar.shared_limits.redis_url) and the network to it. With fail_open each sidecar admits "
                "limit / live instances, so team limits hold only roughly; with fail_closed requests get 503 until it returns."),
+        # Against the count 10 minutes earlier, or 0 for a (kind, reason) not seen then: the
+        # first records quarantined for a reason start its series, which increase() would miss.
+        _alert("InfermeterRecordsQuarantined",
+               "sum by (kind, reason) (infermeter_billing_quarantined_records_total"
+               " - (infermeter_billing_quarantined_records_total offset 10m"
+               " or infermeter_billing_quarantined_records_total * 0)) > 0",
+               0, "critical",
+               "{{ $value | humanize }} {{ $labels.kind }} record(s) quarantined by billing in the last 10m ({{ $labels.reason }}): kept, billed to no one",
+               "Read the statement's quarantined rows and the ledger's quarantine table (writer, reason, record). An "
+               "unknown team, model, replica group or node is configuration to fix; foreign_writer, foreign_address, "
+               "bad_seal or unsealed is a credential used beyond its writer or a spool changed on disk: find the writer "
+               "named and replace its credential (docs/security.md)."),
         _alert("InfermeterGPUXidError",
                "infermeter_gpu_xid_errors != 0",
                0, "critical",

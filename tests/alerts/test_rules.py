@@ -118,7 +118,7 @@ def test_recording_rules_cover_the_sidecar_collector_and_billing_metrics(config)
 def test_every_alert_has_severity_summary_and_runbook(config):
     """Each alert carries a severity label and summary and runbook annotations."""
     alerts = [r for r in _rules(render(config)) if "alert" in r]
-    assert len({a["alert"] for a in alerts}) == 14
+    assert len({a["alert"] for a in alerts}) == 15
     for a in alerts:
         assert a["labels"]["severity"] in {"critical", "warning", "info"}, a["alert"]
         assert a["annotations"]["summary"].strip(), a["alert"]
