@@ -253,3 +253,4 @@ class IngestCounters:
         self.records.labels(result.kind, "accepted").inc(result.accepted)
         self.records.labels(result.kind, "duplicate").inc(result.duplicates)
         self.records.labels(result.kind, "rejected").inc(len(result.rejected))
+        self.records.labels(result.kind, "quarantined").inc(len(result.quarantined))
