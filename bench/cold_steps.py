@@ -49,7 +49,9 @@ def admission_steps() -> Callable[[], None]:
 
     def one() -> None:
         call = Call(os.urandom(16).hex(), "/v1/chat/completions", time.time(), time.perf_counter())
-        call.team = identify(view, "POST", call.endpoint, headers)
+        team = identify(view, "POST", call.endpoint, headers)
+        assert isinstance(team, str)  # a key's team (a gateway signature would be Signed)
+        call.team = team
         planned = plan(view, call.endpoint, body, default_reserve_tokens=256, metering_down=False)
         assert not isinstance(planned, BaseException)
         call.model, call.served_version, call.stream = (
