@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from billing.access import keyring
 from billing.chargeback import Chargeback
+from billing.explorer_cache import Months
 from billing.ledger import Ledger
 from billing.lifetimes import heartbeat_seconds, live_bound
 from billing.metrics import (
@@ -30,8 +31,10 @@ from billing.metrics import (
 from billing.ratelimit import ReadLimiter
 from billing.rollups import Rollups
 from billing.routes import (
+    allocation,
     efficiency,
     errors,
+    events,
     fleet,
     ingest,
     instances,
@@ -90,6 +93,7 @@ def create_app(
         chargeback=Chargeback(ledger, config),
         statements=cache,
         rollups=rollups,
+        explorer=Months(cache, rollups, ttl),
         registry=registry,
         ingest_counters=IngestCounters(registry),
         reads=ReadLimiter(b.read_rate_per_second, b.read_burst),
@@ -98,7 +102,8 @@ def create_app(
             WriterKeys(writer_secret) if writer_secret else None, ring, b.shared_ingest_token
         ),
     )
-    for module in (ops, ingest, statements, queries, instances, fleet, records, efficiency):
+    for module in (ops, ingest, statements, queries, allocation, events, instances, fleet,
+                   records, efficiency):  # fmt: skip
         app.include_router(module.router)
     errors.install(app)
     return app

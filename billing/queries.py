@@ -36,6 +36,8 @@ __all__ = [
     "QueryParams",
     "auto_step",
     "budget_overrides_sql",
+    "explorer_gpu_sql",
+    "explorer_usage_sql",
     "params_from",
     "reconciliation_sql",
     "rollup_setup_sql",
@@ -423,6 +425,76 @@ ORDER BY override_id""",
     )
 
 
+def span_sql(p: QueryParams) -> Sql:
+    """The first and the end (Unix seconds, whole minutes) of the data the caller may see.
+
+    Usage for a team; usage and GPU time for the admin (spare GPUs are data before any
+    request). The range is ignored: this is what a page's default range is fitted to.
+    """
+    if p.team is not None:
+        return (
+            "SELECT min(slot) * 60 AS first, (max(slot) + 1) * 60 AS last FROM usage_slots "
+            "WHERE team = $team",
+            {"team": p.team},
+        )
+    return (
+        """
+SELECT min(first) AS first, max(last) AS last FROM (
+    SELECT min(slot) * 60 AS first, (max(slot) + 1) * 60 AS last FROM usage_slots
+    UNION ALL SELECT min(slot) * 60, (max(slot) + 1) * 60 FROM gpu_slots)""",
+        {},
+    )
+
+
+# -- the allocation explorer's profiles (``billing.explorer``) -----------------------------
+# Where in a month each statement line's money and counts fall, hour by hour: read from the
+# hourly copies (and the minutes they do not cover yet), so a month is a few hundred thousand
+# rows whatever the number of requests.
+
+
+def _quoted(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def explorer_gpu_sql(p: QueryParams, usd_per_gpu_hour: Mapping[str, float],
+                     usd_per_kwh: float) -> Sql:  # fmt: skip
+    """Per instance (and group), hour, node and GPU model: cost at the price book, GPU-hours, kWh.
+
+    ``usd_per_kwh`` includes the PUE. GPU models without a price are left out, as the
+    allocation leaves them out of the fleet's cost. ``p.step`` must be 3600.
+    """
+    rows = ", ".join(f"({_quoted(m)}, {float(u)!r})" for m, u in sorted(usd_per_gpu_hour.items()))
+    if not rows:
+        return "SELECT NULL::VARCHAR AS replica WHERE false", {}
+    where, values = _where(p, team=False, model=False)
+    return (
+        f"""
+SELECT replica, instance, CAST(slot // 60 AS BIGINT) AS hour, node, gpu_model,
+    sum(gpu_seconds) / 3600.0 * any_value(p.usd) + sum(energy_joules) / 3.6e6 * {float(usd_per_kwh)!r}
+        AS cost_usd,
+    sum(gpu_seconds) / 3600.0 AS gpu_hours, sum(energy_joules) / 3.6e6 AS energy_kwh
+FROM {_source("gpu_slots", p)} JOIN (VALUES {rows}) AS p(gpu_model, usd) USING (gpu_model)
+WHERE {where} GROUP BY ALL""",
+        values,
+    )
+
+
+def explorer_usage_sql(p: QueryParams) -> Sql:
+    """Per instance (and group), team, model and hour: in-flight seconds, requests and tokens.
+
+    ``p.step`` must be 3600.
+    """
+    where, values = _where(p)
+    return (
+        f"""
+SELECT replica, instance, team, model, CAST(slot // 60 AS BIGINT) AS hour,
+    sum(inflight_seconds) AS inflight_seconds, sum(requests)::DOUBLE AS requests,
+    sum(prompt_tokens)::DOUBLE AS prompt_tokens, sum(completion_tokens)::DOUBLE AS completion_tokens
+FROM {_source("usage_slots", p)} WHERE {where} GROUP BY ALL""",
+        values,
+    )
+
+
 def newest_first(frame: pl.DataFrame) -> pl.DataFrame:
     """Rows by ``issued_at``, newest first."""
     return frame.sort("issued_at", descending=True)
@@ -461,6 +533,7 @@ QUERIES: Final[Mapping[str, Query]] = {
         "engine tokens against the ledger's per instance and hour",
         scrapers=True,
     ),
+    "span": Query(span_sql, True, "the first and last minute of the data the caller may see"),
     "budget_overrides": Query(
         budget_overrides_sql,
         False,

@@ -18,6 +18,7 @@ from fastapi import Depends, Header, Path, Request
 from prometheus_client import CollectorRegistry
 
 from billing.chargeback import Chargeback
+from billing.explorer_cache import Months
 from billing.ledger import Ledger
 from billing.metrics import IngestCounters
 from billing.ratelimit import ReadLimiter
@@ -58,6 +59,8 @@ class Services:
     chargeback: Chargeback
     statements: CachedChargeback
     rollups: Rollups
+    # The allocation explorer's months, made from ``statements``' entries.
+    explorer: Months
     registry: CollectorRegistry
     ingest_counters: IngestCounters
     reads: ReadLimiter
