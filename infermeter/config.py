@@ -525,6 +525,8 @@ class DashboardSettings(_Strict):
     listen: str = "127.0.0.1:19800"
     billing_url: str | None = None
     metrics_urls: list[str] = Field(default_factory=list)
+    # Prometheus's HTTP API (http://host:9090): the alerts that fired are marked on the charts.
+    prometheus_url: str | None = None
     refresh_seconds: Positive = 10.0
     # A request body over this is answered 413 before it is read (a callback's is a few KiB).
     max_body_bytes: Annotated[int, Field(gt=0)] = 1 << 20
