@@ -9,7 +9,8 @@ Three places touch a seal (``infermeter.writers``):
 
 Each is timed over the same usage records (a real ``UsageRecord``'s JSON, about 500 bytes), and
 set beside what the same place already spends per record: ``orjson.dumps`` of the record in
-``append``. Reported: the median of ``--rounds`` rounds, µs per record.
+``append``. Reported: the median of ``--rounds`` rounds, µs of CPU per record (this process's CPU
+time, so a busy machine stretches the wall clock more than the figures).
 
     .venv/bin/python -m bench.seal_cost
 """
@@ -47,12 +48,12 @@ def records(n: int) -> list[dict[str, Any]]:
 
 
 def per_record(fn: Callable[[], object], n: int, rounds: int) -> float:
-    """Median µs per record of ``fn`` (which handles ``n`` records) over ``rounds`` rounds."""
+    """Median µs of CPU per record of ``fn`` (which handles ``n`` records) over ``rounds`` rounds."""
     times = []
     for _ in range(rounds):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        times.append((time.perf_counter() - start) / n * 1e6)
+        times.append((time.process_time() - start) / n * 1e6)
     return statistics.median(times)
 
 
