@@ -139,6 +139,7 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
     from billing.ledger import LedgerError
     from billing.serve import serve_billing
     from infermeter.otlp import OtlpConfigError
+    from infermeter.writers import WriterError
 
     try:
         asyncio.run(serve_billing(config, args.listen, args.database))
@@ -148,6 +149,8 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
         ) from None
     except OtlpConfigError as exc:
         raise CommandError(f"cannot export metrics over OTLP: {exc}", code=2) from None
+    except WriterError as exc:
+        raise CommandError(str(exc), code=2) from None
     return 0
 
 

@@ -18,8 +18,10 @@ from billing.lifetimes import heartbeat_seconds
 from billing.quarantine import KnownFleet
 from infermeter.config import Config
 from infermeter.otlp import metrics_export_configured, otlp_settings
+from infermeter.exposure import is_loopback
 from infermeter.serving import ServerLimits, ensure_free, host_port, server
 
+from infermeter.writers import DEMO_SECRET, WriterError
 if TYPE_CHECKING:
     from infermeter.otlp_export import MetricsExport
 
@@ -79,7 +81,14 @@ async def serve_billing(
     b = config.billing
     host, port = host_port(listen or b.listen)
     ensure_free(host, port, "billing listen address")
-    if not os.environ.get(b.writer_secret_env) and not b.shared_ingest_token:
+    secret = os.environ.get(b.writer_secret_env, "")
+    if secret.encode() == DEMO_SECRET and not is_loopback(f"{host}:{port}"):
+        raise WriterError(
+            f"${b.writer_secret_env} is the public demo writer secret and billing listens on "
+            f"{host}:{port}: anyone could issue credentials; set a secret of your own, or listen "
+            "on 127.0.0.1 only"
+        )
+    if not secret and not b.shared_ingest_token:
         log.warning("billing: $%s is not set and billing.shared_ingest_token is false: no "
                     "writer can send records (docs/security.md)", b.writer_secret_env)  # fmt: skip
     ledger = open_ledger(config, database)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from infermeter import __version__
 from infermeter.commands import CommandError, Handler, Subparsers, add_config, config_path
+from infermeter.writers import DEMO_SECRET
 
 if TYPE_CHECKING:
     from infermeter.config import Config
@@ -31,9 +32,9 @@ if TYPE_CHECKING:
 __all__ = ["build_parser", "main"]
 
 DEMO_METRICS_TOKEN = "im-demo-metrics"  # public, like the demo team keys
-# What the demo's writer credentials are derived from: public too, and given only to billing and
-# the autoscaler (``infermeter.fleet.with_writer_credentials``).
-DEMO_WRITER_SECRET = "im-demo-writer-secret"
+# What the demo's writer credentials are derived from (``infermeter.writers.DEMO_SECRET``): public
+# too, and given only to billing and the autoscaler (``infermeter.fleet.with_writer_credentials``).
+DEMO_WRITER_SECRET = DEMO_SECRET.decode()
 
 
 # Each part's ``cli`` module and the commands its ``register`` adds, in the order ``--help``

@@ -49,6 +49,7 @@ from typing import Final
 
 __all__ = [
     "CREDENTIAL_PREFIX",
+    "DEMO_SECRET",
     "KINDS_BY_ROLE",
     "SEALED_NDJSON",
     "Credential",
@@ -66,6 +67,8 @@ __all__ = [
 ]
 
 CREDENTIAL_PREFIX: Final = "imw1:"
+# The demo's writer secret: public, like the demo keys, so billing refuses it beyond loopback.
+DEMO_SECRET: Final = b"im-demo-writer-secret"
 # The media type of a batch billing must check line by line: the spool's lines as they are on
 # disk, seals and all.
 SEALED_NDJSON: Final = "application/vnd.infermeter.sealed-ndjson"

@@ -16,9 +16,11 @@ import orjson
 import pytest
 
 from billing.ledger import Ledger
+from billing.serve import serve_billing
 from infermeter.config import Config, load_config
 from infermeter.months import month_of
-from infermeter.writers import Credential, Writer, WriterError, issue
+from infermeter.serving import free_port
+from infermeter.writers import DEMO_SECRET, Credential, Writer, WriterError, issue
 from tests.security.writers import (
     ADMIN,
     COLLECTOR_A,
@@ -264,3 +266,14 @@ def test_a_credential_names_its_writer_and_nothing_else():
         with pytest.raises(WriterError):
             Writer.parse(bad)
     assert "key" not in repr(credential).replace("writer", "")
+
+
+async def test_billing_refuses_the_public_demo_secret_beyond_loopback(
+    strict, monkeypatch, tmp_path
+):
+    """Anyone could issue credentials from the demo's secret: billing will not serve the network
+    with it, and says what to do instead."""
+    monkeypatch.setenv(strict.billing.writer_secret_env, DEMO_SECRET.decode())
+    with pytest.raises(WriterError, match="public demo writer secret"):
+        await serve_billing(strict, f"0.0.0.0:{free_port()}", str(tmp_path / "ledger.duckdb"))
+    assert not (tmp_path / "ledger.duckdb").exists()
