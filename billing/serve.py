@@ -17,11 +17,11 @@ from billing.ledger import Ledger
 from billing.lifetimes import heartbeat_seconds
 from billing.quarantine import KnownFleet
 from infermeter.config import Config
-from infermeter.otlp import metrics_export_configured, otlp_settings
 from infermeter.exposure import is_loopback
+from infermeter.otlp import metrics_export_configured, otlp_settings
 from infermeter.serving import ServerLimits, ensure_free, host_port, server
-
 from infermeter.writers import DEMO_SECRET, WriterError
+
 if TYPE_CHECKING:
     from infermeter.otlp_export import MetricsExport
 
