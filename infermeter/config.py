@@ -355,6 +355,9 @@ class SidecarSettings(_Strict):
 
     spool_dir: str = "var/spool"
     ingest_url: str | None = None
+    # The instance's own writer credential (``infermeter.writers``): it seals the spool lines and
+    # ships them. Unset: the shared ingest token in ingest_token_env, if billing still takes it.
+    credential_env: str = "INFERMETER_WRITER_CREDENTIAL"
     ingest_token_env: str = "INFERMETER_INGEST_TOKEN"
     upstream_api_key_env: str = "INFERMETER_UPSTREAM_API_KEY"
     max_body_bytes: Annotated[int, Field(gt=0)] = 8 * 1024 * 1024
@@ -372,9 +375,6 @@ class SidecarSettings(_Strict):
     # Relay on asyncio protocols (sidecar.pool, sidecar.direct); false: aiohttp and ASGI messages.
     protocol_relay: bool = True
     # The event loop the sidecar process runs on: uvloop (libuv; the relay's system calls and
-    # The instance's own writer credential (``infermeter.writers``): it seals the spool lines and
-    # ships them. Unset: the shared ingest token in ingest_token_env, if billing still takes it.
-    credential_env: str = "INFERMETER_WRITER_CREDENTIAL"
     # callbacks cost less) or Python's own. "auto": uvloop when it is installed.
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     fair_headroom: Annotated[float, Field(ge=0, lt=1)] = 0.125
@@ -445,6 +445,8 @@ class CollectorSettings(_Strict):
     source: Literal["dcgm", "nvml"] = "dcgm"
     spool_dir: str = "var/collector-spool"
     ingest_url: str | None = None
+    # The collector's writer credential, for the nodes it reads (``infermeter.writers``).
+    credential_env: str = "INFERMETER_WRITER_CREDENTIAL"
     ingest_token_env: str = "INFERMETER_INGEST_TOKEN"
     # Sent as a bearer token to every engine_metrics_url when the variable is set: the sidecar's
     # /engine/metrics needs the metrics or admin token.
@@ -462,8 +464,6 @@ class CollectorSettings(_Strict):
     # Where the vLLM engines to scrape come from: replicas[] (static), billing's instance
     # registry, or the Kubernetes API. Targets come and go without a restart.
     discovery: Literal["static", "registry", "kubernetes"] = "static"
-    # The collector's writer credential, for the nodes it reads (``infermeter.writers``).
-    credential_env: str = "INFERMETER_WRITER_CREDENTIAL"
     registry: RegistryDiscovery = RegistryDiscovery()
     kubernetes: KubernetesDiscovery = KubernetesDiscovery()
 
@@ -485,6 +485,12 @@ class BillingSettings(_Strict):
         str, StringConstraints(pattern=r"^[0-9]+(\.[0-9]+)? *(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
     ] = "2GB"
     threads: Annotated[int, Field(gt=0)] | None = None
+    # The secret every writer credential is derived from (``infermeter.writers``), read from this
+    # variable, never from the file.
+    writer_secret_env: str = "INFERMETER_WRITER_SECRET"
+    # Whether the one shared ingest token (its hash below) is still taken: it writes as any
+    # instance, so it is off unless an installation that still ships with it turns it on.
+    shared_ingest_token: bool = False
     ingest_token_sha256: list[Sha256] = Field(default_factory=list)
     max_batch_records: Annotated[int, Field(gt=0)] = 100_000
     # An ingest body, read as it arrives and refused (413) past this; an Arrow stream may not
@@ -502,12 +508,6 @@ class BillingSettings(_Strict):
     statement_cache_entries: Annotated[int, Field(gt=0)] = 36
     # How long a cached statement (and the spend read from it) is served: unset, the dashboard's
     # refresh_seconds; never longer, so the pages, /v1/spend and the CLI agree within a refresh.
-    # The secret every writer credential is derived from (``infermeter.writers``), read from this
-    # variable, never from the file.
-    writer_secret_env: str = "INFERMETER_WRITER_SECRET"
-    # Whether the one shared ingest token (its hash below) is still taken: it writes as any
-    # instance, so it is off unless an installation that still ships with it turns it on.
-    shared_ingest_token: bool = False
     statement_ttl_seconds: Positive | None = None
     max_clock_skew_seconds: NonNegative = 300.0
     allocation: Literal["in_flight", "tokens", "requests"] = "in_flight"
@@ -628,6 +628,8 @@ class AutoscaleSettings(_Strict):
     # (kind scaling_decisions) when ingest_url is set; one autoscaler per directory.
     spool_dir: str = "var/autoscale-spool"
     ingest_url: str | None = None
+    # The autoscaler's writer credential (``infermeter.writers``).
+    credential_env: str = "INFERMETER_WRITER_CREDENTIAL"
     ingest_token_env: str = "INFERMETER_INGEST_TOKEN"
 
 
@@ -647,8 +649,6 @@ class Simulator(_Strict):
         """The timing profile of ``model``'s engines, or the default one."""
         return self.engines.get(model, EngineProfile())
 
-    # The autoscaler's writer credential (``infermeter.writers``).
-    credential_env: str = "INFERMETER_WRITER_CREDENTIAL"
 
 class Config(_Strict):
     """The whole configuration, validated across sections."""
