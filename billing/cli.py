@@ -223,13 +223,21 @@ def _chargeback(args: argparse.Namespace, config: Config) -> int:
     suffix = "csv" if args.format == "csv" else "focus.csv"
     if args.database:
         text = _statement_text(config, args.database, month, args.format, args.focus_version)
+        if not _has_lines(text):
+            with _ledger(config, args.database) as ledger:
+                known = [m["month"] for m in ledger.months()]
+            _warn_empty(month, known)
     else:
         with _admin_client(config, args.billing_url) as client:
             params = {"version": args.focus_version} if args.format == "focus" else {}
             response = _call(client, "GET", f"/v1/chargeback/{month}.{suffix}", params)
-        if response.status_code != 200:
-            return _fail(response)
-        text = response.text
+            if response.status_code != 200:
+                return _fail(response)
+            text = response.text
+            if not _has_lines(text):
+                months = _call(client, "GET", "/v1/months")
+                known = [m["month"] for m in months.json()] if months.status_code == 200 else []
+                _warn_empty(month, known)
     if args.out:
         try:
             args.out.write_text(text)
@@ -239,6 +247,23 @@ def _chargeback(args: argparse.Namespace, config: Config) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _has_lines(text: str) -> bool:
+    """Whether a chargeback CSV or FOCUS file has a line besides the chargeback CSV's total."""
+    import csv
+    import io
+
+    return any(row.get("line_type") != "total" for row in csv.DictReader(io.StringIO(text)))
+
+
+def _warn_empty(month: str, known: list[str]) -> None:
+    """Say on stderr that ``month`` has no data, so a mistyped month does not pass for zero."""
+    where = (
+        f"months with data: {', '.join(known)}" if known else "the ledger has no month with data"
+    )
+    print(f"warning: {month} has no usage or GPU time in the ledger, so every figure in this "
+          f"statement is zero; is it the month you meant? ({where})", file=sys.stderr)  # fmt: skip
 
 
 def _statement_text(config: Config, database: str, month: str, fmt: str, version: str) -> str:
