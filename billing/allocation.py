@@ -44,27 +44,33 @@ prices.usd_per_gpu_hour`` saying what to fix. Adding the price later turns the l
 
 The work is split the way the data is shaped. The per-slot arithmetic runs over millions of
 rollup rows, so it is SQL, built here by pure functions (``allocation_sql``) and run by whoever
-holds a DuckDB connection. What comes back is a few rows per replica and team; charging idle
-capacity and assembling lines is plain Polars on those (``lines_from``). ``allocate`` runs the
-whole thing over two frames in an in-memory DuckDB, for tests and small jobs.
+holds a DuckDB connection. What comes back is a few rows per instance and team, measured in
+floats; ``billing.charges`` turns each instance's cost into integer micro-cents once and splits
+it exactly among the teams, the unattributed tokens and the idle capacity, so the lines add up
+to the fleet's cost by construction (``lines_from`` sums them per team and model).
+``allocate`` runs the whole thing over two frames in an in-memory DuckDB, for tests and small
+jobs.
 ``docs/billing.md`` works one example by hand; ``tests/billing`` checks it, and with hypothesis
 that every split adds up to the fleet cost.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Final, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
 
 import duckdb
 import polars as pl
 
+from billing.charges import CASH, ERROR_PREFIX, UNALLOCATED, Charges, Policy, charge
 from billing.schema import HOUR_SECONDS, SLOT_SECONDS
 
 __all__ = [
     "ERROR_PREFIX",
     "LINE_COLUMNS",
+    "LINE_TYPES",
+    "MONEY",
     "UNALLOCATED",
     "AllocationSql",
     "IdleClaims",
@@ -74,36 +80,19 @@ __all__ = [
     "allocation_sql",
     "by_instance",
     "lines_from",
+    "run",
     "unpriced_model",
 ]
 
-UNALLOCATED: Final = "(unallocated)"
-# The model of a line that could not be priced starts with this; the rest says why.
-ERROR_PREFIX: Final = "(error) "
-LINE_COLUMNS: Final = (
-    "team", "model", "requests", "prompt_tokens", "completion_tokens", "gpu_hours", "energy_kwh",
-    "compute_usd", "energy_usd", "idle_usd",
-)  # fmt: skip
+COUNTS: Final = ("requests", "prompt_tokens", "completion_tokens")
+# A statement line before rounding: counts, quantities, and its money in integer micro-cents.
+LINE_COLUMNS: Final = ("team", "model", *COUNTS, "gpu_hours", "energy_kwh", *CASH)
+LINE_TYPES: Final = {
+    "team": pl.String, "model": pl.String, **dict.fromkeys(COUNTS, pl.Int64),
+    "gpu_hours": pl.Float64, "energy_kwh": pl.Float64, **dict.fromkeys(CASH, pl.Int64),
+}  # fmt: skip
+# What the SQL measures per slot, instance and team, in floats: quantities and USD.
 MONEY: Final = ("gpu_hours", "energy_kwh", "compute_usd", "energy_usd")
-
-IdlePolicy = Literal["spread", "platform", "owner"]
-
-
-@dataclass(frozen=True, slots=True)
-class Policy:
-    """Everything allocation needs besides the measurements: prices and rules."""
-
-    usd_per_gpu_hour: Mapping[str, float]
-    usd_per_kwh: float = 0.0
-    pue: float = 1.0
-    allocation: Literal["in_flight", "tokens", "requests"] = "in_flight"
-    prompt_weight: float = 1.0
-    completion_weight: float = 1.0
-    platform_account: str = "platform"
-    # replica group -> (idle policy, owner team); a group not listed spreads its idle capacity.
-    idle: Mapping[str, tuple[IdlePolicy, str | None]] = field(default_factory=dict)
-    # replica group -> model, for idle lines of instances that served nothing in the month.
-    replica_model: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,10 +102,12 @@ class AllocationSql:
     ``unpriced``: GPU models seen without a price, with their GPU-hours and kWh. ``prepare``:
     creates temp table ``_slots`` (cost and occupancy per replica group, instance and slot),
     which the next two read, so the big join is done once. ``instances``: per instance (and its
-    group), its busy and idle cost. ``shares``: per instance, team and model, the busy cost it
-    pays and its GPU-hours and kWh (with the in-flight split, also the counts). ``counts``:
-    requests and tokens per team and model, or "" when ``shares`` carries them.
-    ``instance_counts``: the same per instance too, or "". ``fleet``: the fleet cost.
+    group), its cost (compute, energy), GPU-hours, kWh and the slot of its highest cost.
+    ``shares``: per instance, team and model, what it used of the instance's cost and its
+    GPU-hours and kWh (with the in-flight split, also the counts). ``counts``: requests and
+    tokens per team and model, or "" when ``shares`` carries them. ``instance_counts``: the
+    same per instance too, or "". The fleet's cost is the instances' costs summed
+    (``billing.charges``), read in the same pass as everything it is split into.
     """
 
     unpriced: str
@@ -125,7 +116,6 @@ class AllocationSql:
     shares: str
     counts: str
     instance_counts: str
-    fleet: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,9 +299,9 @@ totals AS (SELECT replica, instance, {busy_money} FROM _slots GROUP BY replica, 
 SELECT w.replica, w.instance, w.team, w.model, {share_cols}
 FROM weights w JOIN totals t USING (replica, instance)"""
     instances = """
-SELECT replica, instance,
-    sum((compute_usd + energy_usd) * busy) AS busy_usd,
-    sum((compute_usd + energy_usd) * (1.0 - busy)) AS idle_usd
+SELECT replica, instance, sum(compute_usd) AS compute_usd, sum(energy_usd) AS energy_usd,
+    sum(gpu_hours) AS gpu_hours, sum(energy_kwh) AS energy_kwh,
+    arg_max(slot, compute_usd + energy_usd) AS peak_slot
 FROM _slots GROUP BY replica, instance"""
     priced = ", ".join(_lit(m) for m in sorted(policy.usd_per_gpu_hour))
     # (NOT IN () is not SQL, and NOT IN (NULL) matches nothing: with no prices, every model.)
@@ -328,40 +318,41 @@ FROM {gpus} {unpriced_where} GROUP BY gpu_model ORDER BY gpu_model""",
         instance_counts=""
         if policy.allocation == "in_flight"
         else f'SELECT replica, instance, team, model, {_COUNT_SUMS} FROM {keyed.hours} JOIN {keyed.keys} USING ("key") GROUP BY ALL',
-        fleet=f"""SELECT coalesce(sum(g.gpu_seconds / 3600.0 * p.usd), 0) + coalesce(sum(g.energy_joules), 0) / 3.6e6 * {energy_price!r}
-FROM {gpus} g JOIN {_prices(policy)} USING (gpu_model)""",
     )
 
 
-def lines_from(
-    instances: pl.DataFrame, shares: pl.DataFrame, counts: pl.DataFrame, policy: Policy
-) -> pl.DataFrame:
-    """The statement's lines from the small query results: idle charged, one row per team and model.
+def lines_from(charges: Charges, counts: pl.DataFrame) -> pl.DataFrame:
+    """The statement's lines from ``charges``: one row per team and model, in ``LINE_COLUMNS``.
 
-    Costs are unrounded; ``billing.statement.cents_lines`` turns them into cents.
+    ``counts``: requests and tokens per team and model. Money stays in micro-cents;
+    ``billing.statement.cents_lines`` turns it into cents.
     """
-    shares = shares.with_columns(pl.col(c).cast(pl.Float64) for c in MONEY)
-    idle = _idle_lines(instances, shares, policy)
-    money = pl.concat(
-        [shares.drop("replica", "instance"), idle.drop("replica", "instance")],
-        how="diagonal_relaxed",
+    return _summed(charges.rows, counts, ["team", "model"]).select(LINE_COLUMNS)
+
+
+def _summed(rows: pl.DataFrame, counts: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
+    """``rows`` (``billing.charges.CHARGE_SCHEMA``) summed per ``keys``, with ``counts`` joined.
+
+    A charge row's tokens are an unattributed line's, added to the counts of its key.
+    """
+    quantities = ("gpu_hours", "energy_kwh")
+    money = rows.group_by(keys).agg(
+        pl.col("prompt_tokens", "completion_tokens").sum().name.suffix("_charged"),
+        pl.col(*quantities, *CASH).sum(),
     )
-    lines = (
-        money.group_by("team", "model")
-        .agg(pl.col(*MONEY, "idle_usd").fill_null(0.0).sum())
-        .join(counts, on=["team", "model"], how="full", coalesce=True)
-        .with_columns(
-            pl.col("requests", "prompt_tokens", "completion_tokens").fill_null(0).cast(pl.Int64),
-            pl.col(*MONEY, "idle_usd").fill_null(0.0),
-        )
+    counted = counts.group_by(keys).agg(pl.col(*COUNTS).sum())
+    lines = money.join(counted, on=keys, how="full", coalesce=True).with_columns(
+        pl.col("requests").fill_null(0).cast(pl.Int64),
+        *(
+            (pl.col(c).fill_null(0) + pl.col(f"{c}_charged").fill_null(0)).cast(pl.Int64).alias(c)
+            for c in ("prompt_tokens", "completion_tokens")
+        ),
+        # Float sums may differ in their last bits with the order rows arrive in; rounding far
+        # below anything shown makes the same usage give the same lines.
+        pl.col(*quantities).fill_null(0.0).round(10),
+        pl.col(*CASH).fill_null(0).cast(pl.Int64),
     )
-    # Float sums may differ in their last bits with the order rows arrive in; rounding far
-    # below a cent makes the same usage give the same lines.
-    return (
-        lines.select(LINE_COLUMNS)
-        .with_columns(pl.col(*MONEY, "idle_usd").round(10))
-        .sort("team", "model")
-    )
+    return lines.sort(keys)
 
 
 def unpriced_model(gpu_model: str) -> str:
@@ -374,69 +365,33 @@ def unpriced_lines(unpriced: pl.DataFrame, policy: Policy) -> pl.DataFrame:
     return unpriced.select(
         pl.lit(policy.platform_account).alias("team"),
         pl.format(unpriced_model("{}"), "gpu_model").alias("model"),
-        *(pl.lit(0, dtype=pl.Int64).alias(c) for c in ("requests", "prompt_tokens", "completion_tokens")),
+        *(pl.lit(0, dtype=pl.Int64).alias(c) for c in COUNTS),
         *(pl.col(c).cast(pl.Float64).round(10) for c in ("gpu_hours", "energy_kwh")),
-        *(pl.lit(0.0).alias(c) for c in ("compute_usd", "energy_usd", "idle_usd")),
-    )  # fmt: skip
-
-
-_IDLE_SCHEMA: Final = {
-    "team": pl.String, "model": pl.String, "idle_usd": pl.Float64, "replica": pl.String,
-    "instance": pl.String,
-}  # fmt: skip
-
-
-def _idle_lines(instances: pl.DataFrame, shares: pl.DataFrame, policy: Policy) -> pl.DataFrame:
-    """Idle capacity per instance, charged by its replica group's policy: team, model, idle_usd."""
-    # Sums in one fixed order: float addition is not associative, and the statement must not
-    # change (by a rounding tie) with the order the rows arrived in.
-    keys = ["replica", "instance"]
-    shares = shares.sort(*keys, "team", "model", "compute_usd", "energy_usd")
-    paid = shares.group_by(keys).agg(paid=(pl.col("compute_usd") + pl.col("energy_usd")).sum())
-    # Busy cost with no team to carry it (tokens/requests split with zero weight) is idle too.
-    idle = instances.join(paid, on=keys, how="left").with_columns(
-        idle_usd=pl.col("idle_usd")
-        + (pl.col("busy_usd") - pl.col("paid").fill_null(0.0)).clip(lower_bound=0.0)
+        *(pl.lit(0, dtype=pl.Int64).alias(c) for c in CASH),
     )
-    payers = shares.with_columns(paid=pl.col("compute_usd") + pl.col("energy_usd"))
-    by_instance = dict(payers.group_by(keys))
-    by_group = {k[0]: g for k, g in payers.group_by("replica")}
-    empty = payers.clear()
-    rows: list[dict[str, object]] = []
-    for replica, instance, amount in idle.select(*keys, "idle_usd").sort(keys).iter_rows():
-        if not amount:
-            continue
-        at = {"replica": replica, "instance": instance}
-        rule, owner = policy.idle.get(replica, ("spread", None))
-        model = policy.replica_model.get(replica, UNALLOCATED)
-        # Nobody used this instance (one the autoscaler just added, say): its idle follows what
-        # the teams paid on its group.
-        mine = by_instance.get((replica, instance), empty)
-        if float(mine["paid"].sum()) <= 0:
-            mine = by_group.get(replica, empty)
-        mine = mine.group_by("team", "model").agg(pl.col("paid").sum()).sort("team", "model")
-        total = float(mine["paid"].sum())
-        if replica == "":
-            rows.append(
-                {"team": policy.platform_account, "model": UNALLOCATED, "idle_usd": amount, **at}
-            )
-        elif rule == "owner" and owner:
-            rows.append({"team": owner, "model": model, "idle_usd": amount, **at})
-        elif rule == "spread" and total > 0:
-            # The share first: amount * p can underflow when p is tiny (a request in flight for
-            # a subnormal number of seconds), and the shares would no longer add up to amount.
-            rows.extend(
-                {"team": t, "model": m, "idle_usd": amount * (p / total), **at}
-                for t, m, p in mine.select("team", "model", "paid").iter_rows()
-            )
-        else:
-            rows.append({"team": policy.platform_account, "model": model, "idle_usd": amount, **at})
-    return pl.DataFrame(rows, schema=_IDLE_SCHEMA)
 
 
-# Called by ``run`` once ``_slots`` exists, with the per-replica busy and idle cost: returns them
-# with part of the idle claimed by other lines (``billing.reconciliation``), and those lines.
-IdleClaims = Callable[[duckdb.DuckDBPyConnection, pl.DataFrame], tuple[pl.DataFrame, pl.DataFrame]]
+# Called by ``run`` once ``_slots`` exists: the lines that take their money out of instances'
+# idle capacity (``billing.charges.charge``'s claims, from ``billing.reconciliation``), and
+# lines of tokens only (no money) that the statement adds to the teams' own lines.
+IdleClaims = Callable[[duckdb.DuckDBPyConnection], tuple[pl.DataFrame, pl.DataFrame]]
+
+
+def _measured(con: duckdb.DuckDBPyConnection, queries: AllocationSql,
+              instance_counts: bool) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:  # fmt: skip
+    """Run ``prepare`` and read the instances, the shares and the counts (per instance with
+    ``instance_counts``, else per team and model)."""
+    con.execute(queries.prepare)
+    shares: pl.DataFrame = con.sql(queries.shares).pl()
+    shares = shares.with_columns(pl.col(c).cast(pl.Float64) for c in MONEY)
+    keys = ["team", "model", "replica", "instance"] if instance_counts else ["team", "model"]
+    query = queries.instance_counts if instance_counts else queries.counts
+    if query:
+        counts: pl.DataFrame = con.sql(query).pl()
+    else:  # the in-flight split's shares carry them
+        counts = shares.select(*keys, *COUNTS)
+        shares = shares.drop(COUNTS)
+    return con.sql(queries.instances).pl(), shares, counts
 
 
 def run(
@@ -444,69 +399,45 @@ def run(
     queries: AllocationSql,
     policy: Policy,
     claims: IdleClaims | None = None,
-) -> tuple[pl.DataFrame, float]:
-    """Run ``queries`` on ``con``: the lines (error lines for unpriced GPUs) and the fleet cost.
+) -> tuple[pl.DataFrame, int]:
+    """Run ``queries`` on ``con``: the lines and the fleet cost in micro-cents.
 
-    ``claims``, when given, takes its lines out of the idle capacity before idle is charged.
+    The lines' money adds up to the fleet cost exactly (``billing.charges``); error lines
+    (unpriced GPU models, instances whose cost is out of range) carry none. ``claims``, when
+    given, takes its lines out of the idle capacity before idle is charged. Every query reads
+    ``con`` as it is: on a ledger that is being written, run it in one transaction
+    (``billing.ledger.Ledger.snapshot``) so that all of them read the same state.
     """
     unpriced = con.sql(queries.unpriced).pl()
-    fleet_rows = con.execute(queries.fleet).fetchall()
-    fleet = float(fleet_rows[0][0]) if fleet_rows and fleet_rows[0][0] is not None else 0.0
-    con.execute(queries.prepare)
-    shares = con.sql(queries.shares).pl()
-    if queries.counts:
-        counts = con.sql(queries.counts).pl()
-    else:
-        counts = shares.group_by("team", "model").agg(
-            pl.col("requests", "prompt_tokens", "completion_tokens").sum()
-        )
-        shares = shares.drop("requests", "prompt_tokens", "completion_tokens")
-    instances = con.sql(queries.instances).pl()
-    claimed = None
+    instances, shares, counts = _measured(con, queries, instance_counts=False)
+    claimed = tails = None
     if claims is not None:
-        instances, claimed = claims(con, instances)
-    lines = lines_from(instances, shares, counts, policy)
-    if claimed is not None and claimed.height:
-        lines = pl.concat([lines, claimed]).sort("team", "model")
+        claimed, tails = claims(con)
+    charges = charge(instances, shares, policy, claimed)
+    parts = [lines_from(charges, counts)]
+    if tails is not None and tails.height:
+        parts.append(tails.select(LINE_COLUMNS))
+    if charges.errors:
+        parts.append(pl.DataFrame(charges.errors).select(LINE_COLUMNS))
     if unpriced.height:
-        lines = pl.concat([lines, unpriced_lines(unpriced, policy)]).sort("team", "model")
-    return lines, fleet
+        parts.append(unpriced_lines(unpriced, policy))
+    lines = pl.concat([p.cast(LINE_TYPES) for p in parts]).sort("team", "model")  # type: ignore[arg-type]
+    return lines, charges.fleet_microcents
 
 
 def by_instance(
     con: duckdb.DuckDBPyConnection, queries: AllocationSql, policy: Policy
 ) -> pl.DataFrame:
-    """What each line is made of: its unrounded money and quantities per instance.
+    """What each line is made of: its money (micro-cents) and quantities per instance.
 
     Columns: team, model, replica (group), instance, then ``LINE_COLUMNS``' numbers; the rows
     of one (team, model) add up to its line (but for error lines, which have none). The
     exports split lines by these (``billing.statement.instance_lines``).
     """
-    con.execute(queries.prepare)
-    shares: pl.DataFrame = con.sql(queries.shares).pl()
-    shares = shares.with_columns(pl.col(c).cast(pl.Float64) for c in MONEY)
-    count_cols = ["requests", "prompt_tokens", "completion_tokens"]
+    instances, shares, counts = _measured(con, queries, instance_counts=True)
+    charges = charge(instances, shares, policy)
     keys = ["team", "model", "replica", "instance"]
-    counts: pl.DataFrame
-    if queries.instance_counts:
-        counts = con.sql(queries.instance_counts).pl()
-    else:
-        counts = shares.select(*keys, *count_cols)
-        shares = shares.drop(count_cols)
-    idle = _idle_lines(con.sql(queries.instances).pl(), shares, policy)
-    money = pl.concat([shares, idle], how="diagonal_relaxed")
-    return (
-        money.group_by(keys)
-        .agg(pl.col(*MONEY, "idle_usd").fill_null(0.0).sum())
-        .join(
-            counts.group_by(keys).agg(pl.col(count_cols).sum()), on=keys, how="full", coalesce=True
-        )
-        .with_columns(
-            pl.col(count_cols).fill_null(0).cast(pl.Int64),
-            pl.col(*MONEY, "idle_usd").fill_null(0.0),
-        )
-        .sort(keys)
-    )
+    return _summed(charges.rows, counts, keys).select(*keys, *LINE_COLUMNS[2:])
 
 
 def _with_instance(frame: pl.DataFrame) -> pl.DataFrame:
@@ -520,12 +451,12 @@ def allocate(
     gpus: pl.DataFrame,
     policy: Policy,
     lifetimes: pl.DataFrame | None = None,
-) -> tuple[pl.DataFrame, float]:
-    """Lines and fleet cost for two frames with the rollup tables' columns (an in-memory DuckDB).
+) -> tuple[pl.DataFrame, int]:
+    """Lines and fleet cost (micro-cents) for two frames with the rollup tables' columns.
 
-    Frames without an ``instance`` column are a fixed fleet's: each replica is its one instance.
-    ``lifetimes`` (instance, replica, first_slot, last_slot), when given, bounds the instances
-    it names.
+    Runs in an in-memory DuckDB. Frames without an ``instance`` column are a fixed fleet's:
+    each replica is its one instance. ``lifetimes`` (instance, replica, first_slot,
+    last_slot), when given, bounds the instances it names.
     """
     con = duckdb.connect()
     try:

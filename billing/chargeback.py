@@ -10,7 +10,7 @@ import polars as pl
 from billing.allocation import Policy
 from billing.ledger import Ledger, LedgerError
 from billing.reconciliation import hours, reconcile
-from billing.rounding import to_cents
+from billing.rounding import cents
 from billing.statement import (
     adjustment_lines,
     cents_lines,
@@ -62,8 +62,8 @@ class Chargeback:
         self.policy = policy_from_config(config)
 
     def _cents(self, month: str) -> tuple[pl.DataFrame, int]:
-        lines, fleet = self.ledger.allocate(self.policy, month)
-        return cents_lines(month, merged(lines), fleet), to_cents(fleet)
+        lines, fleet_microcents = self.ledger.allocate(self.policy, month)
+        return cents_lines(month, merged(lines)), cents(fleet_microcents)
 
     def unreconciled(self, month: str) -> pl.DataFrame:
         """``month``'s requests that no engine reading covers, per replica group and model.

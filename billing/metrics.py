@@ -19,7 +19,7 @@ from billing.chargeback import Chargeback
 from billing.ledger import IngestResult, Ledger
 from billing.lifetimes import LiveBound
 from billing.reconciliation import HOUR_SECONDS
-from billing.statement import error_lines
+from billing.statement import error_counts
 from billing.statement_cache import CachedChargeback
 from infermeter.months import month_of
 
@@ -37,8 +37,10 @@ __all__ = [
 class SpendCollector(Collector):
     """infermeter_team_spend_usd, infermeter_team_budget_usd, infermeter_team_spend_forecast_usd.
 
-    And infermeter_billing_statement_error_lines: lines of this month's statement that could not
-    be priced (a GPU model missing from the price book), which an operator should alert on.
+    And infermeter_billing_statement_error_lines{reason}: lines of this month's statement that
+    could not be priced (``billing.statement.ERROR_REASONS``: a GPU model missing from the price
+    book, an instance whose measured cost is out of range, a line that could not be rounded),
+    which an operator should alert on.
     """
 
     def __init__(self, chargeback: Chargeback) -> None:
@@ -54,7 +56,8 @@ class SpendCollector(Collector):
             "Lines of this month's statement that could not be priced (zero cost; the line's model says why).",
             labels=["reason"],
         )
-        errors.add_metric(["unpriced_gpu_model"], error_lines(statement.lines).height)
+        for reason, count in error_counts(statement.lines).items():
+            errors.add_metric([reason], count)
         spend = GaugeMetricFamily(
             "infermeter_team_spend_usd",
             "Month-to-date cost charged to the team, USD.",

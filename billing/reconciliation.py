@@ -51,8 +51,9 @@ pay exactly their measured share and the statement still adds up to the fleet's 
 cent. The claim is capped at the hour's idle cost; beyond it there is no idle time the lost
 work could have filled.
 
-SQL built by pure functions, run by the ledger; ``charge`` turns the per-hour costs into lines,
-plain Polars. ``reconciliation_sql`` reads the raw records and samples (any range, for the
+SQL built by pure functions, run by the ledger; ``claim_rows`` says who carries the per-hour
+costs, plain Polars, and ``billing.charges`` takes them out of the idle capacity in integer
+micro-cents, never beyond it. ``reconciliation_sql`` reads the raw records and samples (any range, for the
 query route); ``reconcile`` gives the same rows from the rollups ingest keeps (``engine_hours``,
 ``usage_hours``, ``usage_edges``, ``usage_hangups``: see ``billing.schema``), for statements and
 metrics, so their cost follows instance-hours and hang-ups, not requests.
@@ -68,6 +69,7 @@ import polars as pl
 
 from billing import hangups, unreconciled
 from billing.allocation import LINE_COLUMNS, MONEY, IdleClaims, Policy
+from billing.charges import CASH
 from billing.ingest_sql import (
     BILLABLE,
     ENGINE_PROMPT_SQL,
@@ -84,7 +86,7 @@ __all__ = [
     "LOOKBACK_SECONDS",
     "PENDING_SECONDS",
     "UNATTRIBUTED_SUFFIX",
-    "charge",
+    "claim_rows",
     "claims",
     "hour_runs",
     "hours",
@@ -92,6 +94,7 @@ __all__ = [
     "reconcile",
     "reconciliation_sql",
     "rollup_reconciliation_sql",
+    "tail_lines",
     "unattributed_model",
     "unattributed_sql",
     "unsummed_sql",
@@ -499,59 +502,52 @@ SELECT replica, instance, hour, model, prompt_tokens, completion_tokens,
 FROM claimed ORDER BY replica, instance, hour"""
 
 
-def charge(replicas: pl.DataFrame, hourly: pl.DataFrame, policy: Policy,
-           tails: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:  # fmt: skip
-    """``replicas`` (busy and idle cost per instance) with ``hourly``'s claims taken out of each
-    instance's idle, and the lines.
+def claim_rows(hourly: pl.DataFrame, policy: Policy) -> pl.DataFrame:
+    """Who carries ``hourly``'s unattributed tokens, and what they claim of each instance's idle.
 
-    ``hourly`` holds ``unattributed_sql``'s rows. One line per team and model, in
-    ``LINE_COLUMNS`` (costs unrounded, no idle of their own: the money is compute and energy
-    that was counted idle). ``tails`` (team, model, prompt_tokens, completion_tokens): the
-    hang-up tails each team is charged, as lines of tokens only, under the team's own model;
-    the statement adds them to the team's line of that model (``billing.statement.merged``).
+    ``hourly`` holds ``unattributed_sql``'s rows. One row per instance and line (team, model
+    ``<model> (unattributed)``): the group's owner under ``idle_policy: owner``, else the
+    platform account. Columns replica, instance, team, model, prompt_tokens,
+    completion_tokens, then ``MONEY`` (floats): the claim, which ``billing.charges.charge``
+    takes out of the instance's idle capacity in micro-cents, never beyond it.
     """
-    hourly = hourly.with_columns(pl.col(*MONEY).cast(pl.Float64)).sort(
-        "replica", "instance", "hour"
-    )
-    taken = hourly.group_by("replica", "instance").agg(
-        claimed=(pl.col("compute_usd") + pl.col("energy_usd")).sum()
-    )
-    replicas = (
-        replicas.join(taken, on=["replica", "instance"], how="left")
-        .with_columns((pl.col("idle_usd") - pl.col("claimed").fill_null(0.0)).clip(lower_bound=0.0))
-        .drop("claimed")
-    )  # fmt: skip
     teams = {r: (owner if rule == "owner" and owner else policy.platform_account)
              for r, (rule, owner) in policy.idle.items()}  # fmt: skip
-    lines = (
+    keys = ["replica", "instance", "team", "model"]
+    return (
         hourly.with_columns(
+            pl.col(*MONEY).cast(pl.Float64),
             team=pl.col("replica").replace_strict(teams, default=policy.platform_account),
-            model=pl.col("replica").replace_strict(dict(policy.replica_model), default=pl.col("model")),
+            model=pl.col("replica").replace_strict(dict(policy.replica_model), default=pl.col("model"))
+            + UNATTRIBUTED_SUFFIX,
         )
-        .group_by("team", "model")
-        .agg(pl.col("prompt_tokens", "completion_tokens").sum(), pl.col(*MONEY).sum())
-        .with_columns(
-            pl.col("model") + UNATTRIBUTED_SUFFIX,
-            pl.lit(0, dtype=pl.Int64).alias("requests"),
-            pl.col("prompt_tokens", "completion_tokens").cast(pl.Int64),
-            pl.col(*MONEY).round(10),
-            pl.lit(0.0).alias("idle_usd"),
-        )
+        .group_by(keys)
+        .agg(pl.col("prompt_tokens", "completion_tokens").sum().cast(pl.Int64), pl.col(*MONEY).sum())
+        .sort(keys)
     )  # fmt: skip
-    lines = lines.select(LINE_COLUMNS)
-    if tails is not None and tails.height:
-        tokens = ("prompt_tokens", "completion_tokens")
-        carried = (
-            tails.group_by("team", "model")
-            .agg(pl.col(*tokens).sum().cast(pl.Int64))
-            .filter(pl.col("prompt_tokens") + pl.col("completion_tokens") > 0)
-            .with_columns(
-                pl.lit(0, dtype=pl.Int64).alias("requests"),
-                *(pl.lit(0.0).alias(c) for c in (*MONEY, "idle_usd")),
-            )
+
+
+def tail_lines(tails: pl.DataFrame) -> pl.DataFrame:
+    """The hang-up tails each team is charged (team, model, prompt_tokens, completion_tokens), as
+    lines of tokens only (``LINE_COLUMNS``), under the team's own model.
+
+    No money: the in-flight split already charged the team the GPU time its request held. The
+    statement adds them to the team's line of that model (``billing.statement.merged``).
+    """
+    tokens = ("prompt_tokens", "completion_tokens")
+    return (
+        tails.group_by("team", "model")
+        .agg(pl.col(*tokens).sum().cast(pl.Int64))
+        .filter(pl.col("prompt_tokens") + pl.col("completion_tokens") > 0)
+        .with_columns(
+            pl.lit(0, dtype=pl.Int64).alias("requests"),
+            pl.lit(0.0).alias("gpu_hours"),
+            pl.lit(0.0).alias("energy_kwh"),
+            *(pl.lit(0, dtype=pl.Int64).alias(c) for c in CASH),
         )
-        lines = pl.concat([lines, carried.select(LINE_COLUMNS)], how="vertical_relaxed")
-    return replicas, lines.sort("team", "model")
+        .select(LINE_COLUMNS)
+        .sort("team", "model")
+    )
 
 
 def claims(policy: Policy, start: float, end: float) -> IdleClaims:
@@ -562,13 +558,13 @@ def claims(policy: Policy, start: float, end: float) -> IdleClaims:
     tails come along as lines of tokens.
     """
 
-    def run(con: duckdb.DuckDBPyConnection, replicas: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:  # fmt: skip
+    def run(con: duckdb.DuckDBPyConnection) -> tuple[pl.DataFrame, pl.DataFrame]:
         table = reconcile(con, *hours(start, end))
         hourly = con.sql(unattributed_sql(policy, table)).pl()
         tails = con.sql(
             "SELECT team, model, sum(prompt_tokens) AS prompt_tokens, "
             "sum(completion_tokens) AS completion_tokens FROM _hangups GROUP BY ALL"
         ).pl()
-        return charge(replicas, hourly, policy, tails)
+        return claim_rows(hourly, policy), tail_lines(tails)
 
     return run

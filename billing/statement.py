@@ -7,14 +7,16 @@ adjustments it carries for earlier, closed months, to the cent.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any, Final
 
 import polars as pl
 
-from billing.allocation import ERROR_PREFIX, LINE_COLUMNS
-from billing.rounding import largest_remainder
+from billing.allocation import LINE_COLUMNS
+from billing.charges import CASH, ERROR_PREFIX
+from billing.rounding import largest_remainder, split
 from infermeter.statement import (
     CENT_COLUMNS,
     COUNT_COLUMNS,
@@ -24,14 +26,19 @@ from infermeter.statement import (
 )
 
 __all__ = [
+    "ERROR_REASONS",
     "adjustment_lines",
     "cents_lines",
+    "error_counts",
     "error_lines",
     "instance_lines",
     "merged",
     "team_totals",
     "unreconciled_of",
+    "unroundable_model",
 ]
+
+log = logging.getLogger("infermeter.billing")
 
 
 def merged(lines: pl.DataFrame) -> pl.DataFrame:
@@ -63,18 +70,31 @@ def unreconciled_of(reconciliation: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def cents_lines(month: str, lines: pl.DataFrame, fleet_usd: float) -> pl.DataFrame:
-    """Allocation lines (USD floats) as cents that add up to ``fleet_usd`` rounded.
+def cents_lines(month: str, lines: pl.DataFrame) -> pl.DataFrame:
+    """Allocation lines (money in micro-cents) as cents that add up to the lines' total, rounded.
 
     Every cell (compute, energy and idle of every line) takes part in one largest-remainder
-    rounding, so both the line totals and the statement total are exact. Error lines stay out
-    of it: a leftover cent must never land on a line that says it could not be priced.
+    rounding, so both the line totals and the statement total are exact: the lines add up to
+    the fleet's cost in micro-cents (``billing.charges``), and their cents to that cost
+    rounded. Error lines stay out of it: a leftover cent must never land on a line that says it
+    could not be priced. A line that cannot be rounded (a negative amount) becomes an error
+    line naming it, and the rest of the month is rounded without it.
     """
     if lines.height == 0:
         return empty_lines()
-    rows = lines.select("compute_usd", "energy_usd", "idle_usd").rows()
-    priced = [i for i, m in enumerate(lines["model"]) if not (m or "").startswith(ERROR_PREFIX)]
-    rounded = largest_remainder([max(0.0, c) for i in priced for c in rows[i]], fleet_usd)
+    rows = lines.select(*CASH).rows()
+    models = [m or "" for m in lines["model"]]
+    bad = {
+        i
+        for i, cells in enumerate(rows)
+        if min(cells) < 0 and not models[i].startswith(ERROR_PREFIX)
+    }
+    for i in sorted(bad):
+        log.error("statement %s: line %s / %s has a negative amount %s; shown as an error line",
+                  month, lines["team"][i], models[i], rows[i])  # fmt: skip
+        models[i] = unroundable_model(models[i])
+    priced = [i for i, m in enumerate(models) if not m.startswith(ERROR_PREFIX)]
+    rounded = largest_remainder([c for i in priced for c in rows[i]])
     cents = [0] * (3 * len(rows))
     for k, i in enumerate(priced):
         cents[3 * i : 3 * i + 3] = rounded[3 * k : 3 * k + 3]
@@ -82,12 +102,17 @@ def cents_lines(month: str, lines: pl.DataFrame, fleet_usd: float) -> pl.DataFra
     return lines.select(
         pl.lit(month).alias("month"),
         pl.lit(month).alias("for_month"),
-        "team", "model", *COUNT_COLUMNS,
+        "team", pl.Series("model", models, dtype=pl.String), *COUNT_COLUMNS,
         pl.Series("compute_cents", compute, dtype=pl.Int64),
         pl.Series("energy_cents", energy, dtype=pl.Int64),
         pl.Series("idle_cents", idle, dtype=pl.Int64),
         pl.Series("total_cents", [a + b + c for a, b, c in zip(compute, energy, idle, strict=True)], dtype=pl.Int64),
     ).cast(LINE_SCHEMA)  # type: ignore[arg-type]  # fmt: skip
+
+
+def unroundable_model(model: str) -> str:
+    """The model column of an error line for a line of ``model`` that could not be rounded."""
+    return f"{ERROR_PREFIX}cannot round the line of {model}: a negative amount"
 
 
 def adjustment_lines(
@@ -123,6 +148,23 @@ def error_lines(lines: pl.DataFrame) -> pl.DataFrame:
     return lines.filter(pl.col("model").str.starts_with(ERROR_PREFIX))
 
 
+# Why a line is an error line, by how its model column begins (after ``ERROR_PREFIX``).
+ERROR_REASONS: Final = {
+    "unpriced_gpu_model": "no price for GPU model",
+    "cost_out_of_range": "cost out of range",
+    "unroundable": "cannot round",
+}
+
+
+def error_counts(lines: pl.DataFrame) -> dict[str, int]:
+    """The error lines of ``lines`` per reason (``ERROR_REASONS``), every reason present."""
+    models = error_lines(lines)["model"].to_list()
+    return {
+        reason: sum(1 for m in models if m.startswith(ERROR_PREFIX + text))
+        for reason, text in ERROR_REASONS.items()
+    }
+
+
 def team_totals(lines: pl.DataFrame, teams: Sequence[str]) -> dict[str, int]:
     """Cents per team over all lines, with 0 for teams without lines."""
     totals = dict.fromkeys(teams, 0)
@@ -133,7 +175,8 @@ def team_totals(lines: pl.DataFrame, teams: Sequence[str]) -> dict[str, int]:
 
 # What each cent column of a line is split by: the same money per instance.
 _SPLIT_BY: Final = {
-    "compute_cents": "compute_usd", "energy_cents": "energy_usd", "idle_cents": "idle_usd",
+    "compute_cents": "compute_microcents", "energy_cents": "energy_microcents",
+    "idle_cents": "idle_microcents",
     "requests": "requests", "prompt_tokens": "prompt_tokens",
     "completion_tokens": "completion_tokens",
 }  # fmt: skip
@@ -154,20 +197,18 @@ def instance_lines(lines: pl.DataFrame, parts: pl.DataFrame) -> pl.DataFrame:
     rows: list[dict[str, Any]] = []
     for line in lines.iter_rows(named=True):
         mine = groups.get(tuple(line[k] for k in keys))
-        money = (
-            None if mine is None else mine["compute_usd"] + mine["energy_usd"] + mine["idle_usd"]
-        )
+        money = None if mine is None else mine.select(pl.sum_horizontal(*CASH)).to_series()
         if mine is None or money is None or float(money.sum()) <= 0:
             rows.append({**line, "replica": None, "instance": None})
             continue
         mine = mine.sort("replica", "instance")
         fallback = money.to_list()
-        split = {c: _split(line[c], mine[w].to_list(), fallback) for c, w in _SPLIT_BY.items()}
+        shares = {c: _split(line[c], mine[w].to_list(), fallback) for c, w in _SPLIT_BY.items()}
         for name in ("gpu_hours", "energy_kwh"):
             weights = _weights(mine[name].to_list(), fallback)
-            split[name] = [line[name] * w for w in weights]
+            shares[name] = [line[name] * w for w in weights]
         for i, (replica, instance) in enumerate(mine.select("replica", "instance").iter_rows()):
-            row = {**line, **{c: v[i] for c, v in split.items()}}
+            row = {**line, **{c: v[i] for c, v in shares.items()}}
             row["total_cents"] = row["compute_cents"] + row["energy_cents"] + row["idle_cents"]
             if any(row[c] for c in (*_SPLIT_BY, "gpu_hours", "energy_kwh")):
                 rows.append({**row, "replica": replica, "instance": instance})
@@ -184,13 +225,10 @@ def _weights(amounts: Sequence[float], fallback: Sequence[float]) -> list[float]
 
 
 def _split(whole: int, amounts: Sequence[float], fallback: Sequence[float]) -> list[int]:
-    """``whole`` in whole units over ``amounts`` by largest remainder; the parts add up to it."""
+    """``whole`` in whole units over ``amounts`` (``fallback`` when they are all zero) by largest
+    remainder, exactly (``billing.rounding.split``); the parts add up to it, sign and all."""
     if whole == 0:
         return [0] * len(amounts)
-    sign, size = (1 if whole > 0 else -1), abs(whole)
-    exact = [size * w for w in _weights(amounts, fallback)]
-    floors = [math.floor(e) for e in exact]
-    missing = min(size - sum(floors), len(floors))
-    for i in sorted(range(len(exact)), key=lambda i: (floors[i] - exact[i], i))[:missing]:
-        floors[i] += 1
-    return [sign * f for f in floors]
+    weights = amounts if math.fsum(amounts) > 0 else fallback
+    parts = split(abs(whole), [max(0.0, w) for w in weights])
+    return parts if whole > 0 else [-p for p in parts]

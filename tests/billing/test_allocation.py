@@ -9,8 +9,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from billing.allocation import UNALLOCATED, Policy, allocate
-from billing.rounding import to_cents
+from billing.rounding import MICROCENTS_PER_USD, cents
 from billing.statement import cents_lines
+
+CASH = ("compute_microcents", "energy_microcents", "idle_microcents")
 
 # The worked example: one GPU at $6.00 per GPU-hour drawing 600 W, energy at $0.20/kWh, PUE 1.5.
 # Each minute costs $0.10 of GPU time and 0.01 kWh x 0.20 x 1.5 = $0.003 of energy.
@@ -44,18 +46,27 @@ def line(frame: pl.DataFrame, team: str) -> dict[str, Any]:
     return rows[0]
 
 
+def usd(microcents: int) -> float:
+    """Micro-cents as USD (10^8 to the dollar), to compare with amounts worked out by hand."""
+    return microcents / MICROCENTS_PER_USD
+
+
+def money(frame: pl.DataFrame) -> pl.Series:
+    """Each line's compute, energy and idle micro-cents together."""
+    return frame.select(pl.sum_horizontal(*CASH)).to_series()
+
+
 def test_worked_example_in_flight_share_with_idle_spread():
     """search pays 1.5 minutes' busy share... as docs/billing.md works out by hand."""
     lines, fleet = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, policy())
     search, assistant = line(lines, "search"), line(lines, "assistant")
     # Busy: minute 0 split in half, minute 1 half busy (search), so search 1.0 and assistant
-    # 0.5 minute; the idle 1.5 minutes are spread 2:1 by what each paid.
-    assert search["compute_usd"] == pytest.approx(0.10)
-    assert search["energy_usd"] == pytest.approx(0.003)
-    assert search["idle_usd"] == pytest.approx(0.103)
-    assert assistant["compute_usd"] == pytest.approx(0.05)
-    assert assistant["energy_usd"] == pytest.approx(0.0015)
-    assert assistant["idle_usd"] == pytest.approx(0.0515)
+    # 0.5 minute; the idle 1.5 minutes are spread 2:1 by what each paid. Exact, in micro-cents
+    # (10^-8 USD): $0.10 is 10,000,000.
+    assert (search["compute_microcents"], search["energy_microcents"]) == (10_000_000, 300_000)
+    assert search["idle_microcents"] == 10_300_000
+    assert (assistant["compute_microcents"], assistant["energy_microcents"]) == (5_000_000, 150_000)
+    assert assistant["idle_microcents"] == 5_150_000
     assert search["gpu_hours"] == pytest.approx(1 / 60)
     assert search["energy_kwh"] == pytest.approx(0.01)
     assert (search["requests"], search["prompt_tokens"], assistant["completion_tokens"]) == (
@@ -63,10 +74,12 @@ def test_worked_example_in_flight_share_with_idle_spread():
         300,
         10,
     )
-    assert fleet == pytest.approx(0.309)
-    # $0.309 is 31 cents (half up); the one cent the floors miss goes to the largest remainder.
-    cents = cents_lines("2026-10", lines, fleet)
-    assert dict(zip(cents["team"], cents["total_cents"], strict=True)) == {
+    assert fleet == 30_900_000  # $0.309
+    # $0.309 is 31 cents (half up); the one cent the floors miss goes to the largest remainder:
+    # search's energy, 0.30 of a cent, tied with search's idle and won by the earlier cell.
+    rounded = cents_lines("2026-10", lines)
+    assert line(rounded, "search")["energy_cents"] == 1
+    assert dict(zip(rounded["team"], rounded["total_cents"], strict=True)) == {
         "search": 21,
         "assistant": 10,
     }
@@ -75,15 +88,15 @@ def test_worked_example_in_flight_share_with_idle_spread():
 def test_idle_capacity_charged_to_the_platform():
     """idle_policy platform: the 1.5 idle minutes become a platform line for the model."""
     lines, _ = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, policy(idle={"r1": ("platform", None)}))
-    assert line(lines, "platform")["idle_usd"] == pytest.approx(0.1545)
-    assert line(lines, "search")["idle_usd"] == 0.0
+    assert line(lines, "platform")["idle_microcents"] == 15_450_000
+    assert line(lines, "search")["idle_microcents"] == 0
 
 
 def test_idle_capacity_charged_to_the_owner_of_a_dedicated_replica():
     """idle_policy owner: the owning team pays the idle minutes, even if it ran nothing."""
     lines, _ = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, policy(idle={"r1": ("owner", "research")}))
-    assert line(lines, "research")["idle_usd"] == pytest.approx(0.1545)
-    assert line(lines, "research")["compute_usd"] == 0.0
+    assert line(lines, "research")["idle_microcents"] == 15_450_000
+    assert line(lines, "research")["compute_microcents"] == 0
 
 
 def test_ten_requests_sharing_a_batch_each_pay_a_tenth():
@@ -92,16 +105,16 @@ def test_ten_requests_sharing_a_batch_each_pay_a_tenth():
                           "slot": [0] * 10, "inflight_seconds": [60.0] * 10, "requests": [1] * 10,
                           "prompt_tokens": [1] * 10, "completion_tokens": [1] * 10})  # fmt: skip
     lines, _ = allocate(usage, EXAMPLE_GPUS.head(1), policy())
-    assert lines["compute_usd"].to_list() == pytest.approx([0.01] * 10)
-    assert lines["idle_usd"].sum() == 0.0
+    assert lines["compute_microcents"].to_list() == [1_000_000] * 10
+    assert lines["idle_microcents"].sum() == 0
 
 
 def test_a_request_alone_pays_exactly_the_time_it_held_the_gpu():
     """One request in flight for 15 s of a minute pays 15/60 of it; the rest is idle."""
     usage = EXAMPLE_USAGE.head(1).with_columns(inflight_seconds=pl.lit(15.0))
     lines, _ = allocate(usage, EXAMPLE_GPUS.head(1), policy(idle={"r1": ("platform", None)}))
-    assert line(lines, "search")["compute_usd"] == pytest.approx(0.025)
-    assert line(lines, "platform")["idle_usd"] == pytest.approx(0.103 * 0.75)
+    assert line(lines, "search")["compute_microcents"] == 2_500_000
+    assert line(lines, "platform")["idle_microcents"] == 7_725_000  # 0.103 x 0.75
 
 
 @pytest.mark.parametrize(("mode", "search_share"), [("tokens", 330 / 440), ("requests", 2 / 3)])
@@ -112,9 +125,9 @@ def test_token_and_request_splits_share_the_busy_cost(mode, search_share):
     )
     lines, _ = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, p)
     busy = 1.5 * 0.103  # minute 0 and half of minute 1
-    assert line(lines, "search")["compute_usd"] + line(lines, "search")[
-        "energy_usd"
-    ] == pytest.approx(busy * search_share)
+    search = line(lines, "search")
+    paid = usd(search["compute_microcents"] + search["energy_microcents"])
+    assert paid == pytest.approx(busy * search_share, abs=2e-8)
 
 
 def test_gpus_no_replica_runs_on_are_the_platforms():
@@ -123,7 +136,7 @@ def test_gpus_no_replica_runs_on_are_the_platforms():
     lines, _ = allocate(EXAMPLE_USAGE.head(0), spare, policy())
     assert lines.to_dicts()[0]["team"] == "platform"
     assert lines.to_dicts()[0]["model"] == UNALLOCATED
-    assert lines["idle_usd"].sum() == pytest.approx(0.103)
+    assert lines["idle_microcents"].sum() == 10_300_000
 
 
 def test_an_unpriced_gpu_model_is_an_error_naming_it():
@@ -133,7 +146,7 @@ def test_an_unpriced_gpu_model_is_an_error_naming_it():
     error = line(lines, "platform")
     assert error["model"] == "(error) no price for GPU model B200 in prices.usd_per_gpu_hour"
     assert error["gpu_hours"] == pytest.approx(3 / 60)
-    assert (error["compute_usd"], error["energy_usd"], error["idle_usd"], fleet) == (0, 0, 0, 0)
+    assert (*(error[c] for c in CASH), fleet) == (0, 0, 0, 0)
 
 
 REPLICAS = ["r1", "r2", "r3"]
@@ -180,24 +193,20 @@ def fleets(draw):
 def test_every_split_adds_up_to_the_fleet_cost_to_the_cent(fleet):
     """For random usage, the lines' cents sum to the fleet cost in cents, and none is negative."""
     usage, gpus, p = fleet
-    lines, fleet_usd = allocate(usage, gpus, p)
-    money = (
-        lines.select(pl.col("compute_usd") + pl.col("energy_usd") + pl.col("idle_usd"))
-        .to_series()
-        .sum()
-    )
-    assert money == pytest.approx(fleet_usd, rel=1e-9, abs=1e-9)
-    cents = cents_lines("2026-10", lines, fleet_usd)
-    assert int(cents["total_cents"].sum() if cents.height else 0) == to_cents(fleet_usd)
-    if cents.height:
+    lines, fleet_microcents = allocate(usage, gpus, p)
+    # Exact in micro-cents: no tolerance.
+    assert int(money(lines).sum()) == fleet_microcents
+    assert all(c >= 0 for row in lines.select(*CASH).iter_rows() for c in row)
+    rounded = cents_lines("2026-10", lines)
+    assert int(rounded["total_cents"].sum() if rounded.height else 0) == cents(fleet_microcents)
+    if rounded.height:
         assert all(
             c >= 0
-            for row in cents.select("compute_cents", "energy_cents", "idle_cents").iter_rows()
+            for row in rounded.select("compute_cents", "energy_cents", "idle_cents").iter_rows()
             for c in row
         )
         # Each line is within one cent per cell of its exact amount.
-        exact = lines["compute_usd"] + lines["energy_usd"] + lines["idle_usd"]
-        assert ((cents["total_cents"] - exact * 100).abs() <= 3 + 1e-6).all()
+        assert ((rounded["total_cents"] * 10**6 - money(lines)).abs() <= 3 * 10**6).all()
 
 
 @settings(max_examples=50, deadline=None)
@@ -205,6 +214,6 @@ def test_every_split_adds_up_to_the_fleet_cost_to_the_cent(fleet):
 def test_the_same_usage_gives_the_same_statement(fleet):
     """Allocation is deterministic: row order of the input does not change any line."""
     usage, gpus, p = fleet
-    a = cents_lines("2026-10", *allocate(usage, gpus, p))
-    b = cents_lines("2026-10", *allocate(usage.reverse(), gpus.reverse(), p))
+    a = cents_lines("2026-10", allocate(usage, gpus, p)[0])
+    b = cents_lines("2026-10", allocate(usage.reverse(), gpus.reverse(), p)[0])
     assert a.equals(b)

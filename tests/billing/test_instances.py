@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from billing.allocation import UNALLOCATED, Policy, allocate
 from billing.api import create_app
 from billing.ledger import Ledger
-from billing.rounding import to_cents
+from billing.rounding import cents
 from billing.schema import MIGRATIONS
 from billing.statement import cents_lines
 from infermeter.config import Config
@@ -94,13 +94,14 @@ def fleet(ledger: Ledger) -> Ledger:
 
 
 def by_team(lines: pl.DataFrame) -> dict[tuple[str, str], tuple[float, float]]:
-    return {(t, m): (round(c, 6), round(i, 6))
-            for t, m, c, i in lines.select("team", "model", "compute_usd", "idle_usd").iter_rows()}  # fmt: skip
+    """(compute, idle) USD per line, from its exact micro-cents."""
+    columns = ("team", "model", "compute_microcents", "idle_microcents")
+    return {(t, m): (c / 10**8, i / 10**8) for t, m, c, i in lines.select(columns).iter_rows()}
 
 
 def test_each_instance_pays_and_idles_on_its_own(fleet):
     """Sixty in-flight seconds on one pod make that pod's minute busy, not its siblings'."""
-    lines, fleet_usd = fleet.allocate(policy("platform"), MONTH)
+    lines, fleet_microcents = fleet.allocate(policy("platform"), MONTH)
     # Keyed by replica, minute 2 (three GPUs, 60 in-flight seconds) would be all busy and
     # search would pay $0.30 for it; per instance it pays g-c's $0.10 and g-a and g-b idle.
     assert by_team(lines) == {
@@ -111,7 +112,7 @@ def test_each_instance_pays_and_idles_on_its_own(fleet):
         # g-c's GPU in minute 3, after its lifetime: nobody's instance, the platform's
         ("platform", UNALLOCATED): (0.0, 0.10),
     }
-    assert fleet_usd == pytest.approx(0.90)
+    assert fleet_microcents == 90_000_000
 
 
 def test_spread_idle_follows_the_teams_that_used_that_instance(fleet):
@@ -131,9 +132,9 @@ def test_teams_and_idle_add_up_to_the_fleet_cost_to_the_cent(fleet, rule):
     if rule == "owner":
         p = Policy(usd_per_gpu_hour=p.usd_per_gpu_hour, idle={"g": ("owner", "research")},
                    replica_model=p.replica_model)  # fmt: skip
-    lines, fleet_usd = fleet.allocate(p, MONTH)
-    cents = cents_lines(MONTH, lines, fleet_usd)
-    assert int(cents["total_cents"].sum()) == to_cents(fleet_usd) == 90
+    lines, fleet_microcents = fleet.allocate(p, MONTH)
+    rounded = cents_lines(MONTH, lines)
+    assert int(rounded["total_cents"].sum()) == cents(fleet_microcents) == 90
 
 
 def test_an_instance_with_no_lifetime_is_allocated_wherever_it_was_seen(ledger):
@@ -226,7 +227,7 @@ def test_an_old_ledger_upgrades_and_keeps_its_statement(tmp_path):
                      replica_model={"r1": "m"})  # fmt: skip
     ledger = Ledger.open(path, ["search", "assistant"], {})
     try:
-        lines, fleet_usd = ledger.allocate(example, MONTH)
+        lines, fleet_microcents = ledger.allocate(example, MONTH)
         with ledger.reader() as cur:
             instances = cur.execute("SELECT DISTINCT replica, instance FROM gpu_slots").fetchall()
     finally:
@@ -234,9 +235,9 @@ def test_an_old_ledger_upgrades_and_keeps_its_statement(tmp_path):
     expected, expected_fleet = allocate(EXAMPLE_USAGE, EXAMPLE_GPUS, example)
     assert instances == [("r1", "r1")]
     assert lines.equals(expected)
-    assert fleet_usd == pytest.approx(expected_fleet)
-    cents = cents_lines(MONTH, lines, fleet_usd)
-    assert dict(zip(cents["team"], cents["total_cents"], strict=True)) == {
+    assert fleet_microcents == expected_fleet
+    rounded = cents_lines(MONTH, lines)
+    assert dict(zip(rounded["team"], rounded["total_cents"], strict=True)) == {
         "search": 21,
         "assistant": 10,
     }
@@ -350,7 +351,8 @@ def test_a_line_split_by_instance_keeps_its_sign_and_an_error_line_stays_whole()
         "for_month": ["2026-11", "2026-11", "2026-10", "2026-10"], "team": ["search"] * 4,
         "model": ["m"] * 4, "replica": ["g"] * 4, "instance": ["g-a", "g-b", "g-a", "g-b"],
         "gpu_hours": [0.2, 0.1, 0.2, 0.1], "energy_kwh": [0.0] * 4,
-        "compute_usd": [2 / 30, 1 / 30, 0.2, 0.1], "energy_usd": [0.0] * 4, "idle_usd": [0.0] * 4,
+        "compute_microcents": [6_666_667, 3_333_333, 20_000_000, 10_000_000],
+        "energy_microcents": [0] * 4, "idle_microcents": [0] * 4,
         "requests": [2, 1, 2, 1], "prompt_tokens": [0] * 4, "completion_tokens": [0] * 4,
     })  # fmt: skip
     split = instance_lines(lines, parts)

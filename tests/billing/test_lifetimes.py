@@ -300,7 +300,7 @@ def test_allocation_gives_a_killed_pod_the_minute_it_still_held_its_gpu(ledger):
     policy = Policy(usd_per_gpu_hour={"L40S": 6.0}, idle={"g": ("platform", None)},
                     replica_model={"g": "chat-small"})  # fmt: skip
     lines, _ = ledger.allocate(policy, "2026-10")
-    idle = {m: round(usd, 6) for m, usd in lines.select("model", "idle_usd").iter_rows()}
+    idle = {m: uc / 10**8 for m, uc in lines.select("model", "idle_microcents").iter_rows()}
     # $0.10 a GPU-minute. The pod ended at 2:10 (the cap, 1:50 + 30 s, is not reached): minutes
     # 0, 1 and 2 are its idle; before, it ended at 1:50 and minute 2 was unallocated.
     assert idle == {"chat-small": 0.30, UNALLOCATED: 0.40}

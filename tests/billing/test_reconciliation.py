@@ -18,14 +18,19 @@ from billing.api import create_app
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
 from billing.metrics import ReconciliationCollector
-from billing.reconciliation import charge, is_unattributed, unattributed_model, unattributed_sql
-from billing.rounding import to_cents
+from billing.reconciliation import (
+    claim_rows,
+    is_unattributed,
+    unattributed_model,
+    unattributed_sql,
+)
+from billing.rounding import cents, to_cents
 from billing.statement import cents_lines
 from exporters.chargeback_csv import chargeback_frame
 from exporters.focus import focus_frame
 from infermeter.config import Config
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
-from tests.billing.test_allocation import REPLICAS, fleets
+from tests.billing.test_allocation import CASH, REPLICAS, fleets, money, usd
 
 HOUR = 3600.0
 _ids = itertools.count()
@@ -140,16 +145,16 @@ def test_the_unattributed_line_costs_the_induced_difference(lossy: Ledger, confi
     )  # fmt: skip
     # Weighted 1:3, the engine processed 2000 + 3 x 1000 and the lost requests 400 + 3 x 200:
     # a fifth of hour 1's GPU hour (L40S at $1.60) and of its 0.2 kWh (x $0.14 x PUE 1.35).
-    assert got["compute_usd"] == pytest.approx(0.2 * 1.60)
-    assert got["energy_usd"] == pytest.approx(0.2 * 0.2 * 0.14 * 1.35)
+    assert usd(got["compute_microcents"]) == pytest.approx(0.2 * 1.60)
+    assert usd(got["energy_microcents"]) == pytest.approx(0.2 * 0.2 * 0.14 * 1.35)
     assert got["gpu_hours"] == pytest.approx(0.2)
-    assert got["idle_usd"] == 0.0
-    assert fleet == pytest.approx(3 * (1.60 + 0.2 * 0.14 * 1.35))
+    assert got["idle_microcents"] == 0
+    assert usd(fleet) == pytest.approx(3 * (1.60 + 0.2 * 0.14 * 1.35))
     statement = chargeback.statement("2026-10")
     assert statement.reconciles
-    assert statement.total_cents == to_cents(fleet)
-    cents = statement.lines.filter(pl.col("model") == unattributed_model("chat-small"))
-    assert cents["total_cents"].to_list() == [to_cents(0.2 * (1.60 + 0.2 * 0.14 * 1.35))]
+    assert statement.total_cents == cents(fleet)
+    unattributed = statement.lines.filter(pl.col("model") == unattributed_model("chat-small"))
+    assert unattributed["total_cents"].to_list() == [to_cents(0.2 * (1.60 + 0.2 * 0.14 * 1.35))]
 
 
 def test_the_line_reads_as_its_own_in_csv_and_focus(lossy: Ledger, config: Config) -> None:
@@ -182,10 +187,11 @@ def test_teams_pay_their_measured_share_and_idle_pays_for_the_loss(
     search_before = before.filter(pl.col("team") == "search").to_dicts()[0]
     search_after = after.filter(pl.col("team") == "search").to_dicts()[0]
     assert fleet_after == fleet_before
-    assert search_after["compute_usd"] == search_before["compute_usd"]
+    assert search_after["compute_microcents"] == search_before["compute_microcents"]
     claimed = after.filter(pl.col("model").map_elements(is_unattributed, return_dtype=pl.Boolean))
-    cost = float((claimed["compute_usd"] + claimed["energy_usd"]).sum())
-    assert search_after["idle_usd"] == pytest.approx(search_before["idle_usd"] - cost)
+    cost = int((claimed["compute_microcents"] + claimed["energy_microcents"]).sum())
+    # Exactly: the claim leaves the one payer's idle share, micro-cent for micro-cent.
+    assert search_after["idle_microcents"] == search_before["idle_microcents"] - cost
 
 
 def test_an_owned_group_charges_its_owner(ledger: Ledger, config: Config) -> None:
@@ -375,16 +381,12 @@ def test_teams_idle_and_unattributed_add_up_to_the_fleet_cost_to_the_cent(fleet:
     con.register("gpus_in", gpus)
     con.register("recon_in", recon)
 
-    def claims(
-        c: duckdb.DuckDBPyConnection, replicas: pl.DataFrame
-    ) -> tuple[pl.DataFrame, pl.DataFrame]:
-        return charge(replicas, c.sql(unattributed_sql(policy, "recon_in")).pl(), policy)
+    def claims(c: duckdb.DuckDBPyConnection) -> tuple[pl.DataFrame, pl.DataFrame]:
+        hourly = c.sql(unattributed_sql(policy, "recon_in")).pl()
+        return claim_rows(hourly, policy), pl.DataFrame()
 
-    lines, fleet_usd = run(con, allocation_sql(policy, "usage_in", "gpus_in"), policy, claims)
-    money = lines.select(
-        pl.col("compute_usd") + pl.col("energy_usd") + pl.col("idle_usd")
-    ).to_series()
-    assert float(money.sum()) == pytest.approx(fleet_usd, rel=1e-9, abs=1e-9)
-    assert (money >= 0).all()
-    cents = cents_lines("2026-10", lines, fleet_usd)
-    assert int(cents["total_cents"].sum() if cents.height else 0) == to_cents(fleet_usd)
+    lines, fleet = run(con, allocation_sql(policy, "usage_in", "gpus_in"), policy, claims)
+    assert int(money(lines).sum()) == fleet
+    assert all(c >= 0 for row in lines.select(*CASH).iter_rows() for c in row)
+    rounded = cents_lines("2026-10", lines)
+    assert int(rounded["total_cents"].sum() if rounded.height else 0) == cents(fleet)

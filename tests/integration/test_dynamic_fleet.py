@@ -374,7 +374,7 @@ def test_idle_is_charged_per_instance_by_the_group_policy(run: Run) -> None:
         parts = pl.concat([ledger.by_instance(policy, m) for m in run.months])
     finally:
         ledger.close()
-    idle = parts.filter(pl.col("idle_usd") > 0)
+    idle = parts.filter(pl.col("idle_microcents") > 0)
     # The fixed small-0's board (configured, never started) is the group's idle too.
     assert set(idle.filter(pl.col("replica") == GROUP)["team"]) == {OWNER}, idle
     assert set(idle.filter(pl.col("replica") == "")["team"]) == {"platform"}, idle
