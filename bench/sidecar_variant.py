@@ -23,11 +23,12 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
   medians written to ``SIDECAR_STAMPS`` (default ``sidecar-stamps.txt``) every 20 requests:
   where the added TTFT of ``ttft_c1`` goes (run that phase alone: at any concurrency the steps
   of different requests interleave);
-- ``nofsync``: the spool's records written but not fsync'ed (``Spool._write`` without
-  ``os.fsync``): what making each usage record durable costs, the disk thread's hand-off kept;
-- ``norecord``: no usage record spooled (``Spool.append`` returns at once; the record's fields
-  are still built and the admission journal still written): the most the spool's part of a
-  record, its JSON line, write, fsync and thread hand-off, can cost together;
+- ``nofsync``: the spool's records written but not fsync'ed (``Spool._sync_files`` does
+  nothing): what the tick's fsync costs, the disk thread's hand-off kept;
+- ``norecord``: no usage record spooled (``Spool.write`` returns at once, its request finished
+  in the journal; the record's fields are still built and the admission journal still
+  written): the most the spool's part of a record, its JSON line, seal, write and the tick's
+  fsync, can cost together;
 - ``cprofile``: the unchanged sidecar under cProfile from its ``SIDECAR_PROFILE_FROM``-th
   generation request (default 40) until the ``SIDECAR_PROFILE_TO``-th (default 200) ends; the
   stats go to ``SIDECAR_PROFILE`` (``pstats`` format). cProfile's cost per call inflates
@@ -101,27 +102,29 @@ def _cprofile() -> None:
 
 
 def _nofsync() -> None:
+    from typing import IO
+
     from infermeter.spool import Spool
 
-    def write(self: Spool, data: bytes) -> None:
-        if self._fh is None:
-            self._start_segment()
-        assert self._fh is not None
-        self._fh.write(data)
-        self._fh.flush()
+    def sync_files(self: Spool, files: list[IO[bytes]]) -> None:
+        return None
 
-    Spool._write = write  # type: ignore[method-assign]
+    Spool._sync_files = sync_files  # type: ignore[method-assign]
 
 
 def _norecord() -> None:
+    from collections.abc import Callable
     from typing import Any
 
     from infermeter.spool import Spool
 
-    async def append(self: Spool, record: dict[str, Any]) -> None:
-        return None
+    def write(
+        self: Spool, record: dict[str, Any], durable: Callable[[], None] | None = None
+    ) -> None:
+        if durable is not None:
+            durable()
 
-    Spool.append = append  # type: ignore[method-assign]
+    Spool.write = write  # type: ignore[method-assign]
 
 
 def _rss_mb() -> float:

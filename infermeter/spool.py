@@ -1,31 +1,42 @@
 """A local, append-only, group-committed spool of records on their way to billing.
 
-A record is durable when ``append`` returns: it is written and fsync'ed. Appends that arrive
-while a write is in progress share the next write and fsync (group commit), so a thousand
-concurrent requests cost a few fsyncs, not a thousand. The write and fsync run in the spool's own
-thread (``infermeter.disk_thread``) so the event loop keeps relaying tokens meanwhile.
+Two ways in, one file:
 
-Each write costs a hand-off to that thread and back, which on a busy two-core machine costs more
-CPU than the write itself, so a write should carry as many records as it can. With
-``commit_delay_seconds`` and a ``siblings`` count (the requests in flight that will each append a
-record), the writer holds a write back for at most that delay while more of them are still to
-come, as PostgreSQL's ``commit_delay`` does when ``commit_siblings`` transactions are open. A
-lone request is never held back, and no record is ever acknowledged before its fsync.
+- ``append``: the record is durable when it returns: written and fsync'ed. Appends that arrive
+  while an fsync is in progress share the next one (group commit), so a thousand concurrent
+  requests cost a few fsyncs, not a thousand.
+- ``write``: the record is written when it returns, into the kernel's page cache, where a
+  process killed at any instruction after it leaves it (``kill -9``, the OOM killer); it is
+  fsync'ed with the others written in the same ``sync_seconds`` (one fsync per tick, however many
+  records), and then its ``durable`` callback runs. A crash of the whole machine may lose the
+  records of the last tick. The sidecar writes a request's usage record this way before the
+  client sees the end of its response: nothing waits on the disk per request, and the admission
+  journal keeps each request that has no durable record yet (``sidecar.journal``).
+
+The ``write(2)`` of a record runs on the caller's thread, the event loop: a write into the page
+cache takes microseconds, where handing it to a thread and back cost tens of microseconds and two
+context switches per batch. The fsync, which waits on the device, runs in the spool's own thread
+(``infermeter.disk_thread``), so the event loop keeps relaying tokens meanwhile.
+
+With ``commit_delay_seconds`` and a ``siblings`` count (the appends still to come), an fsync an
+``append`` waits for is held back for at most that delay while more of them are still to come,
+as PostgreSQL's ``commit_delay`` does when ``commit_siblings`` transactions are open. A lone
+append is never held back, and no ``append`` returns before its fsync.
 
 Layout: ``<dir>/seg-<n>.jsonl`` segment files, one JSON record per line. The newest segment is
-open for appends; older ones are closed and handed to the shipper, which deletes a segment only
+open for writes; older ones are closed and handed to the shipper, which deletes a segment only
 once billing has acknowledged every record in it. A process that dies mid-write can leave a torn
 last line: it is reported by ``read_segment`` and skipped (its request never saw its end, since
-durability comes before the response does).
+the record is written before the response ends).
 
 Seals: with a ``sealer`` (``infermeter.writers.Sealer``), each line carries the writer's seal as its
-last key, one HMAC per record computed in ``append``, so a line changed or written on disk by
+last key, one HMAC per record computed as it is written, so a line changed or written on disk by
 anyone without the writer's key is refused by billing. ``read_segment`` gives the records without
 it.
 
-Size: with ``max_bytes`` set, the records not yet acknowledged (on disk or queued) never take more
-than that; an append that would pass it fails with ``SpoolError`` at once, like a full disk, and
-the caller's failure policy applies. Space comes back as billing acknowledges segments.
+Size: with ``max_bytes`` set, the records not yet acknowledged never take more than that; a record
+that would pass it fails with ``SpoolError`` at once, like a full disk, and the caller's failure
+policy applies. Space comes back as billing acknowledges segments.
 """
 
 from __future__ import annotations
@@ -51,7 +62,7 @@ log = logging.getLogger("infermeter.spool")
 
 
 class SpoolError(Exception):
-    """A record could not be made durable (disk full, read-only, ...)."""
+    """A record could not be written, or made durable (disk full, read-only, ...)."""
 
 
 @dataclass(frozen=True)
@@ -109,12 +120,8 @@ class SegmentReader:
             yield batch
 
 
-def _nothing() -> None:
-    pass
-
-
 class Spool:
-    """Group-committing writer of one spool directory."""
+    """Writer of one spool directory: records written at once, fsync'ed together."""
 
     def __init__(
         self,
@@ -124,32 +131,47 @@ class Spool:
         max_bytes: int | None = None,
         commit_delay_seconds: float = 0.0,
         sealer: Callable[[bytes], bytes] | None = None,
+        sync_seconds: float = 0.0,
     ) -> None:
         self.directory = directory
         # The writer's seal on each line (``infermeter.writers.Sealer``); None writes them bare.
         self.sealer = sealer
         self.commit_delay_seconds = commit_delay_seconds
-        # How many records are still to come (see ``expect``); none known by default.
+        # How long a record from ``write`` may wait for its fsync (0: as soon as possible).
+        self.sync_seconds = sync_seconds
+        # How many appends are still to come (see ``expect``); none known by default.
         self._siblings: Callable[[], int] | None = None
         self.max_bytes = max_bytes
-        # Bytes of records not yet acknowledged: closed and open segments plus queued appends.
+        # Bytes of records not yet acknowledged: closed and open segments.
         self.size_bytes = 0
         self._current_bytes = 0
         self.roll_seconds = roll_seconds
         self.roll_records = roll_records
-        self._queue: asyncio.Queue[tuple[bytes, asyncio.Future[None]]] | None = None
-        self._task: asyncio.Task[None] | None = None
         self._fh: IO[bytes] | None = None
         self._current: Path | None = None
         self._current_records = 0
         self._opened_at = 0.0
         self._closed: list[Segment] = []
+        # Files rolled since their last fsync: closed once fsync'ed, never while the disk thread
+        # may hold them.
+        self._retired: list[IO[bytes]] = []
+        # Something was written since the last fsync began.
+        self._dirty = False
+        # What waits for the next fsync: appends, and the ``durable`` callbacks of writes.
+        self._waiters: list[asyncio.Future[None]] = []
+        self._callbacks: list[Callable[[], None]] = []
+        # An append waits: no tick to wait for.
+        self._urgent = False
+        # The syncer waits for anything written (``_idle``), or for its tick (``_ticking``).
+        self._idle: asyncio.Future[None] | None = None
+        self._ticking: asyncio.Future[None] | None = None
         self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
         self._disk = DiskThread(f"spool {directory.name}")
         self.backlog = 0
 
     def open(self) -> None:
-        """Create the directory, adopt segments left by an earlier run, start the writer."""
+        """Create the directory, adopt segments left by an earlier run, start the syncer."""
         self.directory.mkdir(parents=True, exist_ok=True)
         for path in sorted(self.directory.glob("seg-*.jsonl")):
             records, _ = read_segment(path)
@@ -157,28 +179,54 @@ class Spool:
             self._closed.append(Segment(path, len(records), size))
             self.backlog += len(records)
             self.size_bytes += size
-        self._queue = asyncio.Queue()
         self._lock = asyncio.Lock()
-        self._task = asyncio.get_running_loop().create_task(self._writer())
+        self._task = asyncio.get_running_loop().create_task(self._syncer())
 
     def expect(self, siblings: Callable[[], int]) -> None:
-        """Count on ``siblings()`` appends to come (queued ones included) when deciding to wait."""
+        """Count on ``siblings()`` appends to come (waiting ones included) when deciding to wait."""
         self._siblings = siblings
 
     async def close(self) -> None:
-        """Stop the writer after the queued appends and close the open segment."""
+        """Make everything written durable, stop the syncer and close the open segment."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            # A write the cancelled writer was waiting for ends before its file is closed.
-            await self._disk.run(_nothing)
+            self._task = None
+            with contextlib.suppress(SpoolError):
+                await self._sync_now()
             self._disk.stop()
         self._roll()
+        for fh in self._retired:
+            with contextlib.suppress(OSError):
+                fh.close()
+        self._retired = []
 
     async def append(self, record: dict[str, Any]) -> None:
-        """Return once ``record`` is on disk; SpoolError if it cannot be."""
-        assert self._queue is not None, "Spool.open() first"
+        """Return once ``record`` is on disk (written and fsync'ed); SpoolError if it cannot be."""
+        self._put(record)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(future)
+        self._urgent = True
+        _wake(self._idle)
+        _wake(self._ticking)
+        await future
+
+    def write(self, record: dict[str, Any], durable: Callable[[], None] | None = None) -> None:
+        """Write ``record`` now: a process killed after this call keeps it. ``durable()`` runs
+        once it is fsync'ed too, within ``sync_seconds``. SpoolError if it cannot be written."""
+        self._put(record)
+        if durable is not None:
+            self._callbacks.append(durable)
+        _wake(self._idle)
+
+    async def sync(self) -> None:
+        """Fsync what was written so far now, and run its ``durable`` callbacks."""
+        await self._sync_now()
+
+    def _put(self, record: dict[str, Any]) -> None:
+        """Write one record's line to the open segment (one ``write(2)``, on this thread)."""
+        assert self._task is not None, "Spool.open() first"
         line = orjson.dumps(record)
         if self.sealer is not None:
             line = self.sealer(line)
@@ -187,85 +235,129 @@ class Spool:
             raise SpoolError(
                 f"usage spool in {self.directory} is full ({self.size_bytes} of {self.max_bytes} bytes)"
             )
+        try:
+            if self._fh is None:
+                self._start_segment()
+            assert self._fh is not None
+            _write_all(self._fh, line)
+        except OSError as exc:
+            error = SpoolError(
+                f"cannot write usage spool in {self.directory}: {exc.strerror or exc}"
+            )
+            log.error("%s", error)
+            self._abandon_current()
+            raise error from None
+        self._dirty = True
         self.size_bytes += len(line)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((line, future))
-        await future
+        self._current_records += 1
+        self._current_bytes += len(line)
+        self.backlog += 1
+        if self._current_records >= self.roll_records:
+            self._roll()
 
-    async def _writer(self) -> None:
-        assert self._queue is not None
+    async def _syncer(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            batch = [await self._queue.get()]
+            if not self._dirty:
+                self._idle = loop.create_future()
+                try:
+                    await self._idle
+                finally:
+                    self._idle = None
+                continue
+            if not self._urgent and self.sync_seconds > 0:
+                # Only writes wait: one fsync per tick, unless an append comes to wait meanwhile.
+                # (Writes do not wake the syncer here: a wake-up per record is what is saved.)
+                self._ticking = tick = loop.create_future()
+                timer = loop.call_later(self.sync_seconds, _wake, tick)
+                try:
+                    await tick
+                finally:
+                    timer.cancel()
+                    self._ticking = None
             if self._worth_waiting():
                 await asyncio.sleep(self.commit_delay_seconds)
-            while not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            data = b"".join(line for line, _ in batch)
-            try:
-                async with self._lock:  # the shipper rolls segments under the same lock
-                    await self._disk.run(functools.partial(self._write, data))
-            except OSError as exc:
-                error = SpoolError(
-                    f"cannot write usage spool in {self.directory}: {exc.strerror or exc}"
-                )
-                log.error("%s", error)
-                self.size_bytes -= len(data)
-                self._abandon_current()
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(error)
-                continue
-            self._current_records += len(batch)
-            self._current_bytes += len(data)
-            self.backlog += len(batch)
-            for _, future in batch:
-                if not future.done():
-                    future.set_result(None)
-            if self._current_records >= self.roll_records:
-                self._roll()
+            with contextlib.suppress(SpoolError):  # (told to the waiters, and logged)
+                await self._sync_now()
 
     def _worth_waiting(self) -> bool:
-        """More records are expected than are queued, and a delay is allowed."""
-        assert self._queue is not None
+        """More appends are expected than wait, and a delay is allowed."""
         if self._siblings is None or self.commit_delay_seconds <= 0:
             return False
-        # The record already taken off the queue is one of the siblings.
-        return self._siblings() > self._queue.qsize() + 1
+        return self._siblings() > len(self._waiters)
 
-    def _write(self, data: bytes) -> None:
-        if self._fh is None:
-            self._start_segment()
-        assert self._fh is not None
-        self._fh.write(data)
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+    async def _sync_now(self) -> None:
+        """Fsync every file written since its last fsync; then tell who waited for it."""
+        async with self._lock:  # the shipper rolls segments under the same lock
+            waiters, self._waiters = self._waiters, []
+            callbacks, self._callbacks = self._callbacks, []
+            self._urgent = self._dirty = False
+            # Rolled files are closed once fsync'ed; one rolled during the fsync waits for the next.
+            retired = list(self._retired)
+            files = retired if self._fh is None else [*retired, self._fh]
+            try:
+                if files:
+                    await self._disk.run(functools.partial(self._sync_files, files))
+            except OSError as exc:
+                error = SpoolError(
+                    f"cannot sync usage spool in {self.directory}: {exc.strerror or exc}"
+                )
+                log.error(
+                    "%s; %d record(s) may not be durable", error, len(waiters) + len(callbacks)
+                )
+                self._abandon_current()
+                for future in waiters:
+                    if not future.done():
+                        future.set_exception(error)
+                raise error from None
+            finally:
+                for fh in retired:
+                    with contextlib.suppress(OSError):
+                        fh.close()
+                self._retired = [fh for fh in self._retired if fh not in retired]
+        for future in waiters:
+            if not future.done():
+                future.set_result(None)
+        for callback in callbacks:
+            callback()
+
+    def _sync_files(self, files: list[IO[bytes]]) -> None:
+        """Fsync ``files`` (in the disk thread)."""
+        for fh in files:
+            os.fsync(fh.fileno())
 
     def _start_segment(self) -> None:
         stamp = time.time_ns()
         self._current = self.directory / f"seg-{stamp:020d}.jsonl"
-        self._fh = self._current.open("ab")
+        self._fh = self._current.open("ab", buffering=0)
         self._current_records = 0
         self._current_bytes = 0
         self._opened_at = time.monotonic()
 
+    def _retire(self) -> None:
+        """Hand the open file to the syncer, which fsyncs and closes it (never closed here:
+        the disk thread may be fsyncing it)."""
+        if self._fh is not None:
+            self._retired.append(self._fh)
+            self._dirty = True
+        self._fh = None
+
     def _abandon_current(self) -> None:
         """After a failed write the open file's tail is unknown: close it and start afresh."""
-        if self._fh is not None:
-            with contextlib.suppress(OSError):
-                self._fh.close()
         if self._current is not None and self._current_records:
             self._closed.append(Segment(self._current, self._current_records, self._current_bytes))
-        self._fh, self._current, self._current_records = None, None, 0
+        self._retire()
+        self._current, self._current_records = None, 0
 
     def _roll(self) -> None:
         if self._fh is None or self._current is None:
             return
-        self._fh.close()
         if self._current_records:
             self._closed.append(Segment(self._current, self._current_records, self._current_bytes))
         else:
             self._current.unlink(missing_ok=True)
-        self._fh, self._current, self._current_records = None, None, 0
+        self._retire()
+        self._current, self._current_records = None, 0
 
     async def seal(self) -> None:
         """Close the open segment now, so that every record written so far can be shipped."""
@@ -285,3 +377,19 @@ class Spool:
         self._closed.remove(segment)
         self.backlog -= segment.records
         self.size_bytes -= segment.size_bytes
+
+
+def _wake(future: asyncio.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
+
+
+def _write_all(fh: IO[bytes], data: bytes) -> None:
+    """Write all of ``data`` (an unbuffered file may take part of it per call)."""
+    view = memoryview(data)
+    while view:
+        written = fh.write(view)
+        if written is None:  # (a non-blocking file; a spool's never is)
+            raise BlockingIOError("the spool file would block")
+        view = view[written:]
+    fh.flush()

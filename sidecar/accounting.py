@@ -1,13 +1,15 @@
 """Accounting: what a finished request leaves behind, its usage record, metrics and span.
 
 The record is written whatever the path that served the request (the ASGI relay, the protocol
-relay, a refusal); it is durable in the spool before the client sees the end of its response.
+relay, a refusal); it is in the spool file before the client sees the end of its response, and
+fsync'ed with the others of the spool's tick (``infermeter.spool``, ``Spool.write``).
 Metrics and the span follow off the client's critical path, once per request: the inter-token
 gaps the meter collected are observed here, in one batch, never per chunk.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable
@@ -167,25 +169,32 @@ class Accounting:
             call, status, http_status, usage, meter, finish, time.perf_counter()
         )
 
-    async def record(self, call: Call, status: RequestStatus, http_status: int,
-                     usage: UsageCounts | None, meter: StreamMeter | None,
-                     finish: str | None) -> None:  # fmt: skip
-        """Make the usage record durable; on failure follow ``on_spool_failure``.
+    def record(self, call: Call, status: RequestStatus, http_status: int,
+               usage: UsageCounts | None, meter: StreamMeter | None,
+               finish: str | None) -> None:  # fmt: skip
+        """Write the usage record; on failure follow ``on_spool_failure``.
+
+        The record is in the spool file when this returns (one ``write(2)``: a process killed
+        after it keeps it), and fsync'ed with every other record of the spool's tick; the
+        journal keeps the request until then, so a crash of the whole machine before that
+        fsync still leaves it to recovery (``sidecar.journal``). Nothing here waits.
 
         SpoolError (after counting it) only when the sidecar refuses to serve unmetered.
         """
         record = self.record_of(call, status, http_status, usage, meter, finish)
+        request_id = call.request_id
         try:
-            await self.spool.append(record)
+            self.spool.write(record, functools.partial(self.journal.finish, request_id))
             self.spool_broken = False
+            return
         except SpoolError:
             self.spool_broken = True
             self.metrics.spool_errors.inc()
             if self.on_spool_failure == "refuse":
                 raise
             log.error("serving UNMETERED: usage of request %s (team %s) is lost",
-                      call.request_id, call.team)  # fmt: skip
-        self.journal.finish(call.request_id)
+                      request_id, call.team)  # fmt: skip
+        self.journal.finish(request_id)
 
     def observe(self, call: Call, status: RequestStatus, usage: UsageCounts | None,
                 meter: StreamMeter | None, finish: str | None,

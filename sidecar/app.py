@@ -14,8 +14,9 @@ come before the limits does (401, 400, 404, 408, 413, budget), and one after the
 draining, the journal) refunds its admission whole instead of settling it. Only a request that
 was forwarded is settled, by what vLLM reported it used.
 
-A record is on disk before the client sees the end of its response, so a response a client saw
-complete is never lost, even if the sidecar is killed right after.
+A record is in the spool file before the client sees the end of its response, so a response a
+client saw complete is never lost, even if the sidecar is killed right after; it is fsync'ed with
+the others of the journal's tick, and until then the admission journal keeps the request.
 """
 
 from __future__ import annotations
@@ -84,10 +85,6 @@ if TYPE_CHECKING:
 __all__ = ["Sidecar"]
 
 log = logging.getLogger("infermeter.sidecar")
-# While other requests are in flight, a usage record waits up to this long for theirs to share
-# its write and fsync: a request's end is delayed by at most this, and the thread hand-off per
-# record (most of a streamed request's accounting CPU) is shared by several.
-SPOOL_COMMIT_DELAY_SECONDS = 0.001
 
 _NEEDS_METRICS_TOKEN = error_body(401, "The metrics endpoint needs the metrics or admin token.",
                                   "invalid_request_error", "invalid_api_key")  # fmt: skip
@@ -132,8 +129,11 @@ class Sidecar:
         sealer = Sealer(self.credential) if self.credential is not None else None
         if self.credential is not None:
             engine_metrics_url = self.credential.writer.engine_metrics_url
-        self.spool = Spool(directory, max_bytes=settings.spool_max_bytes,
-                           commit_delay_seconds=SPOOL_COMMIT_DELAY_SECONDS, sealer=sealer)  # fmt: skip
+        # Usage records are written as requests end and fsync'ed once per journal tick: the
+        # journal keeps every request whose record is not fsync'ed yet (``Accounting.record``).
+        tick_seconds = settings.journal_mark_millis / 1000
+        self.spool = Spool(directory, max_bytes=settings.spool_max_bytes, sealer=sealer,
+                           sync_seconds=tick_seconds)  # fmt: skip
         # Outlives reloads: a new view must not forget which signed requests were served.
         self.nonces = nonce_store(config, directory, self.metrics.registry)
         # Overrides are few (an admin's hand): the lifetime events' bound is ample.
@@ -146,10 +146,7 @@ class Sidecar:
         self.lifetime = Lifetime(self.identity, directory, settings.heartbeat_seconds,
                                  self.view.replica.gpu_count, engine_metrics_url, self.metrics.registry,
                                  sealer=sealer)  # fmt: skip
-        self.journal = AdmissionJournal(
-            self.spool.directory / JOURNAL_DIR, settings.journal_mark_millis / 1000
-        )
-        self.spool.expect(lambda: self.journal.running)
+        self.journal = AdmissionJournal(self.spool.directory / JOURNAL_DIR, tick_seconds)
         self.accounting = Accounting(self.spool, self.journal, self.metrics, replica_id,
                                      self.instance, settings.on_spool_failure)  # fmt: skip
         self.drain = Drain()
@@ -251,6 +248,9 @@ class Sidecar:
     async def shutdown(self) -> None:
         """Record requests left running, announce the stop, ship the spools, let them go."""
         await self._stop_tasks()
+        # The records written and not fsync'ed yet leave the journal first: they are not running.
+        with contextlib.suppress(SpoolError):
+            await self.spool.sync()
         for record in self.journal.interrupted_now():
             with contextlib.suppress(SpoolError):
                 await self.spool.append(record.to_json())
@@ -474,7 +474,7 @@ class Sidecar:
         body = error_body(rej.status, rej.message, rej.err_type, rej.code, rej.param)
         if call.team:
             with contextlib.suppress(SpoolError):
-                await self.accounting.record(call, rej.record_status, rej.status, None, None, None)
+                self.accounting.record(call, rej.record_status, rej.status, None, None, None)
         await respond(send, rej.status, body, headers)
         return rej.record_status
 

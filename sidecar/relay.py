@@ -232,7 +232,7 @@ class Relay:
         meter = StreamMeter(False, False, call.started)
         at = content.find(b'"usage":{')
         meter.usage = parse_usage(content[at:]) if at >= 0 else None
-        await self.accounting.record(call, status, sink.status, meter.usage, None, None)
+        self.accounting.record(call, status, sink.status, meter.usage, None, None)
         await respond(send, sink.status, content,
                       [JSON, *call.echo_headers(), *call.ratelimit_headers()])  # fmt: skip
         return meter, status, sink.status
@@ -245,7 +245,7 @@ class Relay:
         if status is RequestStatus.OK and not meter.done:
             status = RequestStatus.UPSTREAM_ERROR
         try:
-            await self.accounting.record(call, status, 200, meter.usage, meter, meter.finish_reason)
+            self.accounting.record(call, status, 200, meter.usage, meter, meter.finish_reason)
         except SpoolError:
             # The client must not see a complete response whose usage is not durable.
             await send(
@@ -275,7 +275,7 @@ class Relay:
         meter = StreamMeter(False, False, call.started)
         at = content.find(b'"usage":{')
         meter.usage = parse_usage(content[at:]) if at >= 0 else None
-        await self.accounting.record(call, status, response.status, meter.usage, None, None)
+        self.accounting.record(call, status, response.status, meter.usage, None, None)
         await respond(send, response.status, content,
                       [JSON, *call.echo_headers(), *call.ratelimit_headers()])  # fmt: skip
         return meter, status, response.status
@@ -315,9 +315,7 @@ class Relay:
             return await self._cut(call, work, send)
         if ended == "left":
             with contextlib.suppress(SpoolError):
-                await self.accounting.record(
-                    call, RequestStatus.CLIENT_ABORTED, 499, None, None, None
-                )
+                self.accounting.record(call, RequestStatus.CLIENT_ABORTED, 499, None, None, None)
             return None, RequestStatus.CLIENT_ABORTED, 499, None
         try:
             response, content = work.result()
@@ -329,7 +327,7 @@ class Relay:
         usage, status, finish = whole_outcome(response.status, content)
         call.response_id = response_id(content)
         try:
-            await self.accounting.record(call, status, response.status, usage, None, finish)
+            self.accounting.record(call, status, response.status, usage, None, finish)
         except SpoolError:
             raise Refusal(503, *_WITHHELD) from None
         await respond(send, response.status, content, whole_headers(call, response.raw_headers))
@@ -374,7 +372,7 @@ class Relay:
             call.response_id = assembler.response_id
             usage = assembler.usage_so_far()
         with contextlib.suppress(SpoolError):
-            await self.accounting.record(call, RequestStatus.INTERRUPTED, 503, usage, None, None)
+            self.accounting.record(call, RequestStatus.INTERRUPTED, 503, usage, None, None)
         await respond(send, 503, error_body(503, "The sidecar shut down before the response was complete.",
                                             "server_error", "server_shutting_down"),
                       [JSON, (b"retry-after", b"1"), (b"x-infermeter-request-id", call.request_id.encode())])  # fmt: skip
@@ -424,9 +422,7 @@ class Relay:
             call.response_id = assembler.response_id
             usage = assembler.usage_so_far()
             with contextlib.suppress(SpoolError):
-                await self.accounting.record(
-                    call, RequestStatus.CLIENT_ABORTED, 499, usage, None, None
-                )
+                self.accounting.record(call, RequestStatus.CLIENT_ABORTED, 499, usage, None, None)
             return usage, RequestStatus.CLIENT_ABORTED, 499, None
         call.response_id = assembler.response_id
         try:
@@ -435,9 +431,7 @@ class Relay:
             code, message = upstream_failure(exc)
             usage = assembler.usage_so_far()
             with contextlib.suppress(SpoolError):
-                await self.accounting.record(
-                    call, RequestStatus.UPSTREAM_ERROR, code, usage, None, None
-                )
+                self.accounting.record(call, RequestStatus.UPSTREAM_ERROR, code, usage, None, None)
             await respond(send, code, message, [JSON, *call.echo_headers()])
             return usage, RequestStatus.UPSTREAM_ERROR, code, None
         out = answer(response.status, whole, assembler)
@@ -445,7 +439,7 @@ class Relay:
             call.response_id = response_id(whole)
         finish = assembler.finish_reason
         try:
-            await self.accounting.record(call, out.status, out.http_status, out.usage, None, finish)
+            self.accounting.record(call, out.status, out.http_status, out.usage, None, finish)
         except SpoolError:
             raise Refusal(503, *_WITHHELD) from None
         # The stream's own content type gives way to the one vLLM gives a whole answer.
