@@ -127,6 +127,7 @@ class ModelReplay:
     peak_in_engines: dict[int, float] = field(default_factory=dict)  # hour -> sequences
     preemptions: int = 0
     unserved: int = 0
+    _index: dict[tuple[str, int], list[int]] = field(default_factory=dict, repr=False)
 
     @property
     def cost_usd(self) -> float:
@@ -149,12 +150,9 @@ class ModelReplay:
     def hours_missing(self, team: str, ttft_s: float, itl_s: float | None,
                       share: float = 0.05) -> set[int]:  # fmt: skip
         """Hours of the day (UTC) in which more than ``share`` of a team's requests missed."""
-        t = self.teams.index(team) if team in self.teams else -1
         asked: dict[int, int] = defaultdict(int)
         missed: dict[int, int] = defaultdict(int)
-        for i, who in enumerate(self.team_of):
-            if who != t:
-                continue
+        for i in self._indexes(team, None):
             hod = self.hour_of[i] % 24
             asked[hod] += 1
             gap = self.itl[i]
@@ -162,13 +160,24 @@ class ModelReplay:
                 missed[hod] += 1
         return {h for h, n in missed.items() if n > share * asked[h]}
 
+    def _indexes(self, team: str | None, group: str | None) -> list[int]:
+        """The requests of a team, of a group, or all (each list built once)."""
+        if not self._index:
+            for i, (t, g) in enumerate(zip(self.team_of, self.group_of, strict=True)):
+                self._index.setdefault(("team", t), []).append(i)
+                self._index.setdefault(("group", g), []).append(i)
+        if team is None and group is None:
+            return list(range(len(self.ttft)))
+        if team is not None and group is not None:
+            return sorted(set(self._indexes(team, None)) & set(self._indexes(None, group)))
+        if team is not None:
+            key = ("team", self.teams.index(team)) if team in self.teams else None
+        else:
+            key = ("group", self.groups.index(group)) if group in self.groups else None
+        return self._index.get(key, []) if key is not None else []
+
     def _pick(self, values: array[float], team: str | None, group: str | None) -> list[float]:
-        t = self.teams.index(team) if team is not None and team in self.teams else None
-        g = self.groups.index(group) if group is not None and group in self.groups else None
-        if (team is not None and t is None) or (group is not None and g is None):
-            return []
-        return [v for i, v in enumerate(values)
-                if (t is None or self.team_of[i] == t) and (g is None or self.group_of[i] == g)]  # fmt: skip
+        return [values[i] for i in self._indexes(team, group)]
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -239,7 +248,6 @@ def _drive(run: Run, group: GroupSetup, arrivals: Sequence[Arrival], mine: Seque
     sched = Scheduler(group.profile, keep_itl=False)
     owners: dict[int, tuple[int, list[Seq]]] = {}
     done: dict[int, tuple[float, float]] = {}
-    seqs_of: dict[int, list[Seq]] = {}
     caching = group.prefix_caching
     size = group.profile.block_size
     known: dict[tuple[str, int], tuple[int, ...]] = {}
@@ -263,7 +271,6 @@ def _drive(run: Run, group: GroupSetup, arrivals: Sequence[Arrival], mine: Seque
             for s in seqs:
                 sched.add(s)
                 owners[id(s)] = (k, seqs)
-            seqs_of[k] = seqs
             i += 1
         step = sched.plan(t)
         if step is None:
