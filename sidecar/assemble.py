@@ -17,7 +17,9 @@ all. The others are relayed as they are, and a client leaving them is metered as
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -64,6 +66,30 @@ _FALSE_IS_OFF = frozenset({"stream", "logprobs", "echo", "use_beam_search", "ret
                            "return_tokens_as_token_ids"})  # fmt: skip
 _PROMPT_DETAILS = ("cached_tokens", "created_cache_tokens", "multimodal_tokens")
 _DONE = b"data: [DONE]\n\n"
+# A token chunk is read without decoding it (``_events_of``): one choice whose delta is text
+# only, with no finish reason, as vLLM 0.32 writes it; anything else is parsed whole. What comes
+# after the choice's index, around its text (a JSON string's body, escapes kept).
+_TOKEN_SHAPES: Final = {
+    CHAT: (rb',"delta":\{"content":"', rb'"\},"logprobs":null,"finish_reason":null(?:,"token_ids":null)?\}\]'),
+    COMPLETIONS: (rb',"text":"', rb'","logprobs":null,"finish_reason":null,"stop_reason":null'
+                  rb'(?:,"prompt_token_ids":null)?(?:,"token_ids":null)?\}\]'),
+}  # fmt: skip
+# The groups of a match: the index, the text, the usage (when the chunk has one) of a token
+# chunk; or the JSON of any other event.
+_TOKEN_USAGE: Final = 3
+_OTHER: Final = 4
+
+
+@functools.lru_cache(maxsize=64)
+def _events_of(head: bytes, endpoint: str) -> re.Pattern[bytes]:
+    """The events of a stream whose chunks begin with ``head`` (its first object's fields up to
+    ``"choices"``, without the closing brace): one match per event, a token chunk's index, text
+    and usage in groups 1-3, any other event's JSON in group 4. Streams of one model within a
+    second share ``head`` but for the id, so the cache holds a few."""
+    before, after = _TOKEN_SHAPES[endpoint]
+    token = (rb"data: " + re.escape(head) + rb',"choices":\[\{"index":(\d+)' + before
+             + rb'((?:[^"\\\n]|\\.)*)' + after + rb'(,"usage":\{[^\n]*)?\}')  # fmt: skip
+    return re.compile(rb"^(?:" + token + rb"|data: (\{[^\n]*))$", re.MULTILINE)
 
 
 def assemblable(endpoint: str, body: dict[str, Any]) -> bool:
@@ -96,19 +122,43 @@ def streamed_body(body: dict[str, Any]) -> dict[str, Any]:
 class _Choice:
     role: str | None = None
     parts: list[str] = field(default_factory=list)
+    # Text of token chunks as it is in the stream (JSON string escapes kept), not decoded yet:
+    # decoded once, in one piece, before a part is added or the text is read (``text``).
+    raw: list[bytes] = field(default_factory=list)
     reasoning: list[str] | None = None
     finish_reason: str | None = None
     stop_reason: Any = None
+
+    def add(self, part: str) -> None:
+        """A decoded part of the text, after what ``raw`` holds."""
+        if self.raw:
+            self._decode()
+        self.parts.append(part)
+
+    def text(self) -> str:
+        """The choice's text so far."""
+        if self.raw:
+            self._decode()
+        return "".join(self.parts)
+
+    def _decode(self) -> None:
+        # Escaped JSON string bodies joined are the escaped body of the joined text.
+        self.parts.append(orjson.loads(b'"%s"' % b"".join(self.raw)))
+        self.raw = []
 
 
 @dataclass
 class Assembler:
     """Reads one vLLM stream and builds the non-streamed answer it stands for.
 
-    While the stream runs, a block is only kept: the events are parsed once, together, when the
-    stream has ended and the answer is built, or when a stream abandoned half-way is asked for
-    the tokens it had spent. Everything read from it (``done``, ``error``, ``usage``,
-    ``response_id``) is what the blocks fed so far hold.
+    While the stream runs, a block is only kept: the events are read when the stream has ended
+    and the answer is built, or when a stream abandoned half-way is asked for the tokens it had
+    spent (the journal's tick). A token chunk is not decoded: its text, as the stream escapes
+    it, is found by a few byte searches and appended to its choice's buffer, and its usage is
+    kept where it is, parsed only when asked for (``_token``). The buffer is decoded once, when
+    the text is read. The other events (the role chunk, the finish chunk, the usage chunk, an
+    error, anything unexpected) are parsed whole. Everything read from it (``done``, ``error``,
+    ``usage``, ``response_id``) is what the blocks fed so far hold.
     """
 
     endpoint: str
@@ -125,10 +175,13 @@ class Assembler:
     _blocks: list[bytes] = field(default_factory=list)
     _tail: bytes = b""
     _started: bool = False
-    # The usage object of the latest chunk that carried one.
-    _usage: dict[str, Any] | None = None
-    # The latest (prompt, completion) counts of each choice, for a stream that was cut short.
-    _per_choice: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # The usage object of the latest chunk that carried one, or where it is in a token chunk.
+    _usage: dict[str, Any] | tuple[bytes, int] | None = None
+    # The latest (prompt, completion) counts of each choice, for a stream that was cut short
+    # (or where they are in a token chunk).
+    _per_choice: dict[int, tuple[int, int] | tuple[bytes, int]] = field(default_factory=dict)
+    # The events of this stream (``_learn``, ``_events_of``): unknown before its first chunk.
+    _events: re.Pattern[bytes] | None = None
 
     def feed(self, block: bytes) -> None:
         """Take a block of the stream as it arrived (events may be split across blocks)."""
@@ -159,6 +212,9 @@ class Assembler:
         u = self._usage
         if u is None:
             return None
+        if isinstance(u, tuple):
+            block, at = u
+            return parse_usage(block[at : at + 400])
         details = u.get("prompt_tokens_details") or {}
         return UsageCounts(int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0),
                            int(details.get("cached_tokens") or 0))  # fmt: skip
@@ -172,8 +228,9 @@ class Assembler:
         latest = self.usage
         if latest is None or self._done or not self._per_choice:
             return latest
-        prompts = {i // self.n: p for i, (p, _) in sorted(self._per_choice.items())}
-        completion = sum(c for _, c in self._per_choice.values())
+        counts = {i: _counts(c) for i, c in sorted(self._per_choice.items())}
+        prompts = {i // self.n: p for i, (p, _) in counts.items()}
+        completion = sum(c for _, c in counts.values())
         return UsageCounts(sum(prompts.values()), completion, latest.cached)
 
     @property
@@ -184,7 +241,8 @@ class Assembler:
         return None if first is None else first.finish_reason
 
     def _parse(self) -> None:
-        """Parse every whole event fed so far, all in one ``orjson.loads``."""
+        """Read every whole event fed so far: token chunks by one regular expression over them
+        all (``_learn``), the other events parsed whole."""
         if not self._blocks:
             return
         data = b"".join([self._tail, *self._blocks])
@@ -198,14 +256,33 @@ class Assembler:
         if not self._started:
             self._started = True
             self._response_id = response_id(data)
-        payloads = [line[6:] for line in data.split(b"\n") if line.startswith(b"data: {")]
         if _DONE in data:
             self._done = True
-        if not payloads:
-            return
         chat = self.endpoint == CHAT
-        for chunk in orjson.loads(b"[" + b",".join(payloads) + b"]"):
-            self._take(chunk, chat)
+        pos = 0
+        while self._events is None and pos < len(data):
+            # Before the first chunk is read, its shape is not known: one event at a time.
+            nl = data.find(b"\n", pos)
+            line = data[pos:nl]
+            pos = nl + 1
+            if line.startswith(b"data: {"):
+                self._take(orjson.loads(line[6:]), chat)
+        if self._events is None:
+            return
+        choices = self._choices
+        for event in self._events.finditer(data, pos):
+            if event.lastindex == _OTHER:
+                self._take(orjson.loads(event[_OTHER]), chat)
+                continue
+            index = int(event[1])
+            choice = choices.get(index)
+            if choice is None:
+                choice = choices[index] = _Choice()
+            choice.raw.append(event[2])
+            if event.lastindex == _TOKEN_USAGE:
+                where = (data, event.start(_TOKEN_USAGE) + 1)
+                self._usage = where
+                self._per_choice[index] = where
 
     def _take(self, chunk: dict[str, Any], chat: bool) -> None:
         choices: list[dict[str, Any]] | None = chunk.get("choices")
@@ -214,6 +291,7 @@ class Assembler:
             return
         if not self._head:
             self._head = {k: chunk[k] for k in ("id", "created", "model")}
+            self._learn(chunk)
         for c in choices or ():
             self._choice(c, chat)
         usage = chunk.get("usage")
@@ -225,6 +303,12 @@ class Assembler:
         if not choices:
             # The final usage chunk: vLLM's fingerprint and per-request metrics ride on it.
             self._final = chunk
+
+    def _learn(self, chunk: dict[str, Any]) -> None:
+        """How this stream's events read (``_events``), from its first chunk: vLLM begins every
+        chunk of a stream alike, ``data: {"id":..,"object":..,"created":..,"model":..``."""
+        head = orjson.dumps({k: chunk[k] for k in ("id", "object", "created", "model")})
+        self._events = _events_of(head[:-1], self.endpoint)
 
     def _choice(self, c: dict[str, Any], chat: bool) -> None:
         index = int(c["index"])
@@ -238,14 +322,14 @@ class Assembler:
                 choice.role = role
             content = delta.get("content")
             if content is not None:
-                choice.parts.append(content)
+                choice.add(content)
             reasoning = delta.get("reasoning")
             if reasoning is not None:
                 choice.reasoning = [*(choice.reasoning or ()), reasoning]
         else:
             text = c.get("text")
             if text is not None:
-                choice.parts.append(text)
+                choice.add(text)
         finish = c.get("finish_reason")
         if finish is not None:
             choice.finish_reason, choice.stop_reason = finish, c.get("stop_reason")
@@ -298,7 +382,7 @@ class Assembler:
     def _chat_choice(index: int, c: _Choice) -> dict[str, Any]:
         message = {
             "role": c.role or "assistant",
-            "content": "".join(c.parts) if c.parts or c.reasoning is None else None,
+            "content": c.text() if c.parts or c.raw or c.reasoning is None else None,
             "refusal": None,
             "annotations": None,
             "audio": None,
@@ -311,10 +395,19 @@ class Assembler:
 
     @staticmethod
     def _text_choice(index: int, c: _Choice) -> dict[str, Any]:
-        return {"index": index, "text": "".join(c.parts), "logprobs": None,
+        return {"index": index, "text": c.text(), "logprobs": None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                 "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
                 "routed_experts": None}  # fmt: skip
+
+
+def _counts(found: tuple[int, int] | tuple[bytes, int]) -> tuple[int, int]:
+    """(prompt, completion) of a choice: counted already, or read where its usage is."""
+    first, second = found
+    if isinstance(first, int):
+        return first, second
+    usage = parse_usage(first[second : second + 400])
+    return (0, 0) if usage is None else (usage.prompt, usage.completion)
 
 
 def _dumps(value: Any) -> bytes:

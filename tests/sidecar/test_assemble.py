@@ -234,3 +234,80 @@ def test_an_upstream_that_does_not_stream_is_answered_as_it_is():
     out = answer(200, body, Assembler("/v1/chat/completions"))
     assert (out.status, out.http_status, out.body, out.usage) == (
         RequestStatus.OK, 200, body, UsageCounts(1, 2))  # fmt: skip
+
+
+# Texts a token may carry, each escaped by vLLM's JSON: quotes, backslashes (alone, doubled,
+# before a quote), what follows a token's text in its chunk, newlines, non-ASCII, nothing.
+_TRICKY = [' "quoted"', "\\", "\\\\", '\\"', '"},"logprobs":null,"finish_reason":null}]',
+           "line\nbreak\t", "é中🙂", "", " plain", "\u2028", "}]", ',"usage":{"prompt_tokens":1}']  # fmt: skip
+
+
+def _chat_stream(texts: list[str], choices: int = 1) -> bytes:
+    """A chat stream as vLLM 0.32 writes it with usage on every chunk (the simulator's formatter,
+    checked against real vLLM by tests/conformance): role chunks, tokens in turn, finishes, the
+    usage chunk and [DONE]."""
+    from simulator.protocol import ChatFormatter
+
+    fmt = ChatFormatter("chatcmpl-abc", 1796029083, "tiny", "vllm-0.32.0-x")
+    out = [fmt.role_chunk(i, (10, 0)) for i in range(choices)]
+    for n, text in enumerate(texts):
+        last = n == len(texts) - 1
+        for i in range(choices):
+            out.append(fmt.token_chunk(i, text, "length" if last else None, (10, n + 1)))
+    out.append(fmt.usage_chunk(10 * choices, len(texts) * choices))
+    out.append(fmt.done())
+    return b"".join(out)
+
+
+class _CountingAssembler(Assembler):
+    """An assembler that counts the events it decodes whole."""
+
+    decoded = 0
+
+    def _take(self, chunk, chat):
+        self.decoded += 1
+        super()._take(chunk, chat)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "ticks"), [(1, False), (5, True), (64, True), (1_000_000, False)]
+)
+def test_token_chunks_are_read_without_decoding_each(block_size, ticks):
+    """A stream's token chunks give their exact text without a JSON parse each: only the role,
+    the finish and the usage chunks are decoded, whatever the escapes, however it is cut, and
+    whether or not the journal's ticks read its counts on the way."""
+    raw = _chat_stream(_TRICKY * 3)
+    assembler = _CountingAssembler("/v1/chat/completions")
+    for i in range(0, len(raw), block_size):
+        assembler.feed(raw[i : i + block_size])
+        if ticks:
+            assembler.usage_so_far()
+    body = orjson.loads(assembler.body())
+    assert body["choices"][0]["message"]["content"] == "".join(_TRICKY * 3)
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert assembler.usage == UsageCounts(10, len(_TRICKY) * 3)
+    assert assembler.decoded == 3
+
+
+def test_an_unexpected_chunk_mid_stream_keeps_its_place():
+    """A chunk of another shape between token chunks (here a reasoning delta and one with a
+    field vLLM does not write) is decoded whole, and the text keeps the stream's order."""
+    raw = _chat_stream(["a", "b", "c", "d"]).split(b"\n\n")
+    reasoning = raw[2].replace(b'{"content":"b"}', b'{"reasoning":"why"}')
+    extra = raw[3].replace(b'"logprobs":null', b'"logprobs":null,"new":1')
+    assembler = Assembler("/v1/chat/completions")
+    assembler.feed(b"\n\n".join([raw[0], raw[1], reasoning, extra, *raw[4:]]))
+    message = orjson.loads(assembler.body())["choices"][0]["message"]
+    assert (message["content"], message["reasoning"]) == ("acd", "why")
+
+
+def test_several_choices_read_without_decoding_keep_their_own_text_and_counts():
+    """With n = 2, each choice gets its own tokens' text; cut short, both choices' counts add up."""
+    raw = _chat_stream(["x", '"y"', "z"], choices=2)
+    whole = Assembler("/v1/chat/completions", n=2)
+    whole.feed(raw)
+    choices = orjson.loads(whole.body())["choices"]
+    assert [c["message"]["content"] for c in choices] == ['x"y"z', 'x"y"z']
+    cut = Assembler("/v1/chat/completions", n=2)
+    cut.feed(b"\n\n".join(raw.split(b"\n\n")[:6]) + b"\n\n")  # roles, then 2 tokens of each
+    assert cut.usage_so_far() == UsageCounts(10, 4)
