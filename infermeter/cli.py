@@ -49,6 +49,7 @@ PARTS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
     ("billing.cli", ("billing", "chargeback", "advise")),
     ("alerts.autoscale.cli", ("autoscale",)),
     ("dashboards.cli", ("dashboard", "plan")),
+    ("infermeter.credentials", ("credential",)),
 )
 
 

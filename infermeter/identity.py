@@ -6,8 +6,8 @@ with the autoscaler, so their identity cannot be in the configuration. It comes 
 environment the pod is started with (the downward API and the NVIDIA device plugin):
 
 ==========================  =================================================================
-``INFERMETER_INSTANCE``     the instance id, when set (outside Kubernetes: e.g. host:port)
-``POD_NAME``                otherwise the instance id (unique among live pods of a namespace)
+``INFERMETER_INSTANCE``     the instance id outside Kubernetes (e.g. host:port)
+``POD_NAME``                the instance id in Kubernetes (unique among live pods of a namespace)
 ``POD_UID``                 the pod's UID: names the spool directory, unique for all time
 ``POD_NAMESPACE``           the pod's namespace
 ``NODE_NAME``               the node it runs on (default: the group's ``node``)
@@ -16,6 +16,11 @@ environment the pod is started with (the downward API and the NVIDIA device plug
 
 With none of them set, the instance is the replica itself (id, node and GPUs from the
 configuration), so a fleet of fixed replicas keeps working unchanged: one instance each.
+
+In a pod the instance id is the pod name and nothing else: dcgm-exporter names the pod that
+holds each GPU, the collector finds the pod by its name, and the pod's writer credential is
+issued to that name. An ``INFERMETER_INSTANCE`` that differs from ``POD_NAME`` would bill the
+requests to one instance and its GPUs to another, so it is refused.
 
 What the instance may write to billing is proved by its writer credential
 (``infermeter.writers``), handed to it in the variable ``sidecar.credential_env`` names;
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from infermeter.config import Replica
-from infermeter.writers import Credential, Role, WriterError
+from infermeter.writers import Credential, Role, WriterError, credential_text
 
 __all__ = ["Identity", "IdentityError", "identity_from_environment", "instance_credential"]
 
@@ -74,7 +79,14 @@ def identity_from_environment(replica: Replica, environ: Mapping[str, str]) -> I
 
     IdentityError naming the variable when one is set to something that is not an id.
     """
-    instance = _value(environ, "INFERMETER_INSTANCE") or _value(environ, "POD_NAME")
+    named, pod = _value(environ, "INFERMETER_INSTANCE"), _value(environ, "POD_NAME")
+    if named and pod and named != pod:
+        raise IdentityError(
+            f"environment variables INFERMETER_INSTANCE={named!r} and POD_NAME={pod!r} differ: "
+            "in a pod the instance is the pod name (its GPUs and its credential are the pod's); "
+            "unset INFERMETER_INSTANCE"
+        )
+    instance = named or pod
     gpus = _gpus(environ.get("NVIDIA_VISIBLE_DEVICES", ""))
     return Identity(
         instance=instance or replica.id,
@@ -119,13 +131,16 @@ def instance_credential(
     IdentityError naming the variable when it holds no credential, or another writer's: a sidecar
     that started with it would ship records billing quarantines.
     """
-    raw = environ.get(variable, "").strip()
+    try:
+        raw, where = credential_text(environ, variable)
+    except WriterError as exc:
+        raise IdentityError(str(exc)) from None
     if not raw:
         return None
     try:
         credential = Credential.parse(raw)
     except WriterError as exc:
-        raise IdentityError(f"environment variable {variable}: {exc}") from None
+        raise IdentityError(f"environment variable {where}: {exc}") from None
     writer = credential.writer
     if (writer.role, writer.group, writer.instance) != (
         Role.INSTANCE,
@@ -133,7 +148,7 @@ def instance_credential(
         identity.instance,
     ):
         raise IdentityError(
-            f"environment variable {variable}: the credential of {writer.principal}, not of "
+            f"environment variable {where}: the credential of {writer.principal}, not of "
             f"instance {identity.instance} of group {identity.replica}"
         )
     return credential

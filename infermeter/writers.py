@@ -60,6 +60,7 @@ __all__ = [
     "WriterError",
     "WriterKeys",
     "credential_from",
+    "credential_text",
     "derive_key",
     "issue",
     "open_line",
@@ -213,12 +214,34 @@ class Credential:
         return cls(Writer.parse(principal), bytes.fromhex(key))
 
 
+def credential_text(environ: Mapping[str, str], variable: str) -> tuple[str, str]:
+    """The credential handed over in ``variable``, or in the file ``<variable>_FILE`` names.
+
+    Returns ``(text, where)``: the credential ("" when neither is set) and the name to quote in
+    an error. A pod gets its credential as a file: an init container derives it before the
+    process starts, and a variable cannot be filled from a file. WriterError when the file
+    cannot be read.
+    """
+    raw = environ.get(variable, "").strip()
+    if raw:
+        return raw, variable
+    path = environ.get(f"{variable}_FILE", "").strip()
+    if not path:
+        return "", variable
+    where = f"{variable}_FILE={path}"
+    try:
+        with open(path, encoding="ascii") as handle:
+            return handle.read(_MAX_PRINCIPAL + 200).strip(), where
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WriterError(f"environment variable {where}: cannot read it: {exc}") from None
+
+
 def credential_from(environ: Mapping[str, str], variable: str, role: Role) -> Credential | None:
-    """The credential of a ``role`` writer in ``variable`` (None when unset).
+    """The credential of a ``role`` writer in ``variable`` or its file (None when neither is set).
 
     WriterError naming the variable when it holds no credential, or one of another role.
     """
-    raw = environ.get(variable, "").strip()
+    raw, variable = credential_text(environ, variable)
     if not raw:
         return None
     try:

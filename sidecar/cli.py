@@ -40,6 +40,16 @@ def register(subparsers: Subparsers) -> None:
     side.add_argument(
         "--upstream", metavar="URL", help="the vLLM server (default: the replica's upstream_url)"
     )
+    side.add_argument(
+        "--spool-dir", type=Path, metavar="DIR",
+        help="this instance's own spool directory (default: sidecar.spool_dir/<pod UID or instance "
+        "id>); in a pod, the node directory mounted for this pod alone",
+    )  # fmt: skip
+    side.add_argument(
+        "--engine-metrics-listen", metavar="HOST:PORT",
+        help="also serve vLLM's /metrics here, and nothing else, without a token (for an "
+        "endpoint picker; keep the port to it with a NetworkPolicy)",
+    )  # fmt: skip
     side.set_defaults(handler=_sidecar)
 
 
@@ -64,7 +74,14 @@ def _sidecar(args: argparse.Namespace, config: Config) -> int:
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
             runner.run(
-                serve_sidecar(Path(config_path(args)), args.replica, args.listen, args.upstream)
+                serve_sidecar(
+                    Path(config_path(args)),
+                    args.replica,
+                    args.listen,
+                    args.upstream,
+                    spool_dir=args.spool_dir,
+                    engine_metrics_listen=args.engine_metrics_listen,
+                )
             )
     except IdentityError as exc:
         return fail(f"cannot tell which instance this is: {exc}")

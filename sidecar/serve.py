@@ -20,6 +20,7 @@ from infermeter.otlp import metrics_export_configured, otlp_settings
 from infermeter.serving import ensure_free, host_port
 from sidecar.app import Sidecar
 from sidecar.drain import drain
+from sidecar.engine_listener import EngineMetricsOnly
 from sidecar.lifetime import engine_metrics_url, resource_attributes
 from sidecar.tracing import make_tracer_provider
 
@@ -29,9 +30,14 @@ log = logging.getLogger("infermeter.sidecar")
 
 
 async def serve_sidecar(
-    config_path: Path, replica_id: str, listen: str | None, upstream: str | None
-) -> None:
+    config_path: Path, replica_id: str, listen: str | None, upstream: str | None, *,
+    spool_dir: Path | None = None, engine_metrics_listen: str | None = None,
+) -> None:  # fmt: skip
     """Serve the sidecar of ``replica_id`` until told to stop.
+
+    ``spool_dir``: this instance's own spool directory (default: under ``sidecar.spool_dir``).
+    ``engine_metrics_listen``: a second listener serving vLLM's ``/metrics`` alone, without a
+    token (``sidecar.engine_listener``), stopped with the sidecar.
 
     IdentityError when the environment names the instance wrongly, OtlpConfigError when the
     OTEL_* variables ask for a metric export that cannot be made. A start-up that fails (the
@@ -50,13 +56,16 @@ async def serve_sidecar(
         )
     host, port = host_port(address)
     ensure_free(host, port, f"sidecar of replica {replica_id}")
+    extra = host_port(engine_metrics_listen) if engine_metrics_listen else None
+    if extra is not None:
+        ensure_free(*extra, "sidecar --engine-metrics-listen")
     tracer_provider = make_tracer_provider(
         f"infermeter-sidecar-{replica_id}", attributes=resource_attributes(identity)
     )
     otlp = otlp_settings() if metrics_export_configured() else None
     metrics_url = engine_metrics_url(host, port, os.environ, socket.gethostname())
     app = Sidecar(config, replica_id, tracer_provider=tracer_provider, identity=identity,
-                  engine_metrics_url=metrics_url, otlp=otlp)  # fmt: skip
+                  engine_metrics_url=metrics_url, otlp=otlp, spool_dir=spool_dir)  # fmt: skip
     loop = asyncio.get_running_loop()
     draining: list[asyncio.Task[None]] = []
 
@@ -79,6 +88,10 @@ async def serve_sidecar(
 
     # SIGTERM and SIGINT start the drain (``on_signal``), which stops the server once it is over.
     srv = HttpServer(app, host, port, limits=app.server_limits, on_signal=on_signal)
+    gauges = None
+    if extra is not None:
+        gauges = HttpServer(EngineMetricsOnly.of(app), *extra, limits=app.server_limits,
+                            lifespan=False)  # fmt: skip
 
     def reload() -> None:
         try:
@@ -94,9 +107,13 @@ async def serve_sidecar(
     loop.add_signal_handler(signal.SIGHUP, reload)
     watcher = loop.create_task(_watch(config_path, reload))
     announce = loop.create_task(_announce_ready(srv, ready_line(app, host, port)))
+    serving_gauges = loop.create_task(gauges.serve()) if gauges is not None else None
     try:
         await srv.serve()
     finally:
+        if gauges is not None and serving_gauges is not None:
+            gauges.should_exit = True
+            await serving_gauges
         for task in (watcher, announce):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -39,10 +39,19 @@ def test_a_device_list_that_names_no_device_falls_back_to_the_config(devices):
     assert identity_from_environment(SMALL, {"NVIDIA_VISIBLE_DEVICES": devices}).gpus == ("1",)
 
 
-def test_infermeter_instance_wins_over_the_pod_name():
-    """Outside Kubernetes an operator names the instance, e.g. by host and port."""
-    env = {"INFERMETER_INSTANCE": "gpu-host-3:8000", "POD_NAME": "ignored"}
+def test_outside_kubernetes_infermeter_instance_names_the_instance():
+    """An operator names the instance, e.g. by host and port."""
+    env = {"INFERMETER_INSTANCE": "gpu-host-3:8000"}
     assert identity_from_environment(SMALL, env).instance == "gpu-host-3:8000"
+
+
+def test_in_a_pod_an_instance_name_other_than_the_pod_name_is_refused():
+    """The pod's GPUs and credential are its name's: another instance id would split its bill in two."""
+    env = {"INFERMETER_INSTANCE": "gpu-host-3:8000", "POD_NAME": "vllm-small-7d9f8-abcde"}
+    with pytest.raises(IdentityError, match="INFERMETER_INSTANCE.*POD_NAME.*differ"):
+        identity_from_environment(SMALL, env)
+    same = {"INFERMETER_INSTANCE": "vllm-small-7d9f8-abcde", "POD_NAME": "vllm-small-7d9f8-abcde"}
+    assert identity_from_environment(SMALL, same).instance == "vllm-small-7d9f8-abcde"
 
 
 @pytest.mark.parametrize(

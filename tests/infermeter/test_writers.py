@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import orjson
 import pytest
@@ -106,3 +107,35 @@ def test_a_sidecar_with_another_instances_credential_does_not_start(tmp_path):
     assert "INFERMETER_WRITER_CREDENTIAL" in errors[0]
     assert "instance:small-0/vllm-small-0-9" in errors[0]
     assert "Traceback" not in done.stderr
+
+
+def test_a_credential_handed_over_as_a_file_is_read_from_variable_file(
+    tmp_path: Path, config: Config
+) -> None:
+    """``<variable>_FILE`` names the file an init container wrote; the variable itself wins."""
+    identity = identity_from_environment(config.replica("small-0"), POD)
+    own = issue(SECRET, Writer.for_instance("small-0", "vllm-small-0-3", "10.0.0.7:9000"))
+    path = tmp_path / "credential"
+    path.write_text(own.token + "\n")
+    assert instance_credential(identity, {"V_FILE": str(path)}, "V") == own
+    collector = issue(SECRET, Writer.for_collector(["node-a"]))
+    path.write_text(collector.token)
+    assert credential_from({"V_FILE": str(path)}, "V", Role.COLLECTOR) == collector
+    assert credential_from({"V": collector.token, "V_FILE": "/nonexistent"}, "V",
+                           Role.COLLECTOR) == collector  # fmt: skip
+
+
+def test_a_credential_file_that_cannot_be_read_is_one_error_naming_it(
+    tmp_path: Path, config: Config
+) -> None:
+    """A missing file or one holding something else: an error naming the variable and the path."""
+    identity = identity_from_environment(config.replica("small-0"), POD)
+    missing = str(tmp_path / "absent")
+    with pytest.raises(IdentityError, match=f"V_FILE={missing}: cannot read it"):
+        instance_credential(identity, {"V_FILE": missing}, "V")
+    with pytest.raises(WriterError, match=f"V_FILE={missing}: cannot read it"):
+        credential_from({"V_FILE": missing}, "V", Role.AUTOSCALER)
+    junk = tmp_path / "junk"
+    junk.write_text("im-demo-ingest")
+    with pytest.raises(IdentityError, match=f"V_FILE={junk}: a writer credential begins"):
+        instance_credential(identity, {"V_FILE": str(junk)}, "V")
