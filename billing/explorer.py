@@ -31,13 +31,24 @@ Pure functions over frames; ``billing.explorer_cache`` reads the ledger and keep
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Final
 
 import polars as pl
 
 from billing.reconciliation import UNATTRIBUTED_SUFFIX
 
-__all__ = ["CELL_SCHEMA", "KEYS", "MEASURES", "NONE", "spread"]
+__all__ = [
+    "ATOM_SCHEMA",
+    "CELL_SCHEMA",
+    "KEYS",
+    "MEASURES",
+    "NONE",
+    "Cells",
+    "by_day",
+    "empty",
+    "spread",
+]
 
 # What a cell can be grouped and filtered by, in drill-down order.
 KEYS: Final = ("team", "model", "replica", "instance", "node", "gpu_model")
@@ -47,10 +58,8 @@ QUANTITIES: Final = ("gpu_hours", "energy_kwh")
 MEASURES: Final = (*MONEY, *COUNTS, *QUANTITIES)
 # A key a line does not have (an error line's instance, a cell on no node).
 NONE: Final = "(none)"
-CELL_SCHEMA: Final = {
-    "month": pl.String, "hour": pl.Int64, **dict.fromkeys(KEYS, pl.String),
-    **dict.fromkeys(MEASURES, pl.Float64),
-}  # fmt: skip
+ATOM_SCHEMA: Final = {"atom": pl.UInt32, **dict.fromkeys(KEYS, pl.String)}
+CELL_SCHEMA: Final = {"hour": pl.Int64, "atom": pl.UInt32, **dict.fromkeys(MEASURES, pl.Float64)}
 
 _INSTANCE = ("replica", "instance")
 _LINE = ("team", "model", "replica", "instance")
@@ -138,9 +147,33 @@ def _share(order: tuple[str, ...]) -> pl.Expr:
     return share
 
 
+@dataclass(frozen=True, slots=True)
+class Cells:
+    """A month's cells, kept small: ``atoms`` (``ATOM_SCHEMA``: an id per combination of the
+    keys), ``cells`` (``CELL_SCHEMA``: per hour and atom, the measures) and ``days`` (the same
+    per UTC day, ``hour`` being the day's first), which a long window reads for its whole days."""
+
+    month: str
+    atoms: pl.DataFrame
+    cells: pl.DataFrame
+    days: pl.DataFrame
+
+
+def empty(month: str) -> Cells:
+    """A month without a line."""
+    none = pl.DataFrame(schema=CELL_SCHEMA)
+    return Cells(month, pl.DataFrame(schema=ATOM_SCHEMA), none, none)
+
+
+def by_day(cells: pl.DataFrame) -> pl.DataFrame:
+    """``cells`` summed per UTC day and atom (``hour``: the day's first hour)."""
+    day = (pl.col("hour") // 24 * 24).alias("hour")
+    return cells.group_by(day, "atom").agg(pl.col(MEASURES).sum()).sort("hour", "atom")
+
+
 def spread(month: str, lines: pl.DataFrame, gpus: pl.DataFrame, usage: pl.DataFrame,
-           first_hour: int) -> pl.DataFrame:  # fmt: skip
-    """The month's lines as cells (``CELL_SCHEMA``): each line's amounts over its hours and nodes.
+           first_hour: int) -> Cells:  # fmt: skip
+    """The month's lines as cells: each line's amounts over its hours, nodes and GPU models.
 
     ``lines``: the month's own lines split by instance (team, model, replica, instance, the
     counts, GPU-hours, kWh and cents; an error line has no replica or instance). ``gpus``:
@@ -148,7 +181,7 @@ def spread(month: str, lines: pl.DataFrame, gpus: pl.DataFrame, usage: pl.DataFr
     month's first hour (Unix hours), for lines that fall nowhere else.
     """
     if lines.height == 0:
-        return pl.DataFrame(schema=CELL_SCHEMA)
+        return empty(month)
     lines = lines.with_columns(
         pl.col("replica", "instance").fill_null(NONE), line=pl.int_range(pl.len())
     )
@@ -172,12 +205,24 @@ def spread(month: str, lines: pl.DataFrame, gpus: pl.DataFrame, usage: pl.DataFr
     by = {"compute_cents": "s_busy", "energy_cents": "s_busy", "idle_cents": "s_idle",
           "gpu_hours": "s_busy", "energy_kwh": "s_busy", **{c: f"s_{c}" for c in COUNTS}}  # fmt: skip
     out = shares.join(lines.select("line", *KEYS[:4], *MEASURES), on="line").select(
-        pl.lit(month).alias("month"), "hour", *KEYS[:4], "node", "gpu_model",
+        "hour", *KEYS[:4], "node", "gpu_model",
         *((pl.col(c).cast(pl.Float64) * pl.col(s)).alias(c) for c, s in by.items()),
     )  # fmt: skip
-    nonzero = pl.any_horizontal(pl.col(c) != 0 for c in MEASURES)
     # Spare GPUs are nobody's group or instance: named so, not left blank.
-    out = out.with_columns(
+    out = out.filter(pl.any_horizontal(pl.col(c) != 0 for c in MEASURES)).with_columns(
         pl.when(pl.col(k) == "").then(pl.lit(NONE)).otherwise(pl.col(k)).alias(k) for k in KEYS
     )
-    return out.filter(nonzero).select(*CELL_SCHEMA).cast(CELL_SCHEMA)  # type: ignore[arg-type]
+    atoms = (
+        out.select(KEYS)
+        .unique()
+        .sort(KEYS)
+        .with_columns(atom=pl.int_range(pl.len(), dtype=pl.UInt32))
+    )
+    keyed = out.join(atoms, on=list(KEYS)).group_by("hour", "atom").agg(pl.col(MEASURES).sum())
+    hourly = keyed.sort("hour", "atom").select(*CELL_SCHEMA).cast(CELL_SCHEMA)  # type: ignore[arg-type]
+    return Cells(
+        month,
+        atoms.select(*ATOM_SCHEMA).cast(ATOM_SCHEMA),  # type: ignore[arg-type]
+        hourly,
+        by_day(hourly),
+    )

@@ -7,9 +7,11 @@ groups them again, which takes milliseconds; so each month's cells are kept:
 
 - built from the statement cache's entry (``billing.statement_cache``), so they are the
   statement of that moment, and carry its ``as_of``;
-- served as they are while younger than ``ttl_seconds`` (the statement cache's lifetime);
-- older, but younger than ``stale_seconds``: served as they are while one rebuild runs in the
-  background, so no request waits seconds for a month that is being looked at;
+- served as they are while younger than ``ttl_seconds``: the statement cache's lifetime, but
+  at least ``MIN_TTL_SECONDS`` (a minute), since a rebuild costs a statement's allocation again
+  and the explorer is for looking back, not for watching the last seconds;
+- older, but younger than ``stale_seconds`` (five lifetimes): served as they are while one
+  rebuild runs in the background, so no request waits seconds for a month being looked at;
 - older still, or not built yet: built while the request waits (requests for a month being
   built share that build);
 - at most ``max_months`` months kept, the least recently used dropped first.
@@ -28,15 +30,17 @@ from dataclasses import dataclass
 import polars as pl
 
 from billing import queries
-from billing.explorer import spread
+from billing.explorer import Cells, spread
 from billing.ledger import Ledger
 from billing.rollups import Rollups
 from billing.statement_cache import CachedChargeback
 from infermeter.months import month_bounds
 
-__all__ = ["Month", "Months"]
+__all__ = ["MIN_TTL_SECONDS", "Month", "Months"]
 
 log = logging.getLogger("infermeter.billing")
+
+MIN_TTL_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +50,7 @@ class Month:
     team (cents), which are on the statement but are no use of this month."""
 
     month: str
-    cells: pl.DataFrame
+    cells: Cells
     as_of: float
     closed: bool
     adjustments: dict[str, int]
@@ -57,13 +61,13 @@ class Months:
     """Each month's cells, reused within ``ttl_seconds`` and rebuilt as the module says."""
 
     def __init__(self, statements: CachedChargeback, rollups: Rollups, ttl_seconds: float,
-                 stale_seconds: float = 60.0, max_months: int = 4,
+                 max_months: int = 4,
                  clock: Callable[[], float] = time.time) -> None:  # fmt: skip
         self._statements = statements
         self._ledger: Ledger = statements.ledger
         self._rollups = rollups
-        self.ttl_seconds = ttl_seconds
-        self.stale_seconds = max(stale_seconds, ttl_seconds)
+        self.ttl_seconds = max(ttl_seconds, MIN_TTL_SECONDS)
+        self.stale_seconds = 5 * self.ttl_seconds
         self._max = max_months
         self._clock = clock
         self._lock = threading.Lock()

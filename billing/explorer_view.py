@@ -25,7 +25,7 @@ from typing import Any, Final
 
 import polars as pl
 
-from billing.explorer import COUNTS, KEYS, MEASURES, MONEY, QUANTITIES
+from billing.explorer import COUNTS, KEYS, MEASURES, MONEY, QUANTITIES, Cells
 from billing.rounding import split
 from exporters.chargeback_csv import defuse, write_csv
 from infermeter.months import month_bounds, month_of
@@ -145,9 +145,9 @@ def _split(whole: int, weights: Sequence[float]) -> list[int]:
     return parts if whole > 0 else [-p for p in parts]
 
 
-def _lines(cells: pl.DataFrame) -> pl.DataFrame:
-    """The window's cells per month, team and model, each integer measure rounded per month."""
-    lines = cells.group_by(_LINE).agg(pl.col(MEASURES).sum()).sort(_LINE)
+def _lines(atoms: pl.DataFrame) -> pl.DataFrame:
+    """The window's atoms per month, team and model, each integer measure rounded per month."""
+    lines = atoms.group_by(_LINE).agg(pl.col(MEASURES).sum()).sort(_LINE)
     parts = []
     for _, part in lines.group_by("month", maintain_order=True):
         # The money of every line in one rounding, as the statement does; counts column by column.
@@ -160,19 +160,55 @@ def _lines(cells: pl.DataFrame) -> pl.DataFrame:
     return pl.concat(parts) if parts else lines.cast(dict.fromkeys(_INTEGERS, pl.Int64))
 
 
-def _atoms(cells: pl.DataFrame) -> pl.DataFrame:
-    """The window's cells per month and every key, with whole cents and counts that add up to
-    the rounded lines (``_lines``) exactly."""
-    atoms = cells.group_by(_ATOM).agg(pl.col(MEASURES).sum()).sort(_ATOM)
-    lines = _lines(cells)
+def _whole(atoms: pl.DataFrame) -> pl.DataFrame:
+    """The window's atoms (per month and every key) with whole cents and counts that add up
+    to the rounded lines (``_lines``) exactly."""
+    atoms = atoms.sort(_ATOM)
+    lines = _lines(atoms)
     whole = {tuple(r[:3]): r[3:] for r in lines.select(*_LINE, *_INTEGERS).iter_rows()}
     out: dict[str, list[int]] = {c: [] for c in _INTEGERS}
     for key, part in atoms.group_by(_LINE, maintain_order=True):
         totals = whole[tuple(str(k) for k in key)]
         for c, amount in zip(_INTEGERS, totals, strict=True):
             out[c].extend(_split(int(amount), part[c].to_list()))
-    # group_by kept the sorted order, so the parts line up with the atoms.
+    # Sorted by the line first, so the groups come in order and the parts line up with the atoms.
     return atoms.with_columns(pl.Series(c, v, pl.Int64) for c, v in out.items())
+
+
+def _hours(m: Cells, query: ExplorerQuery) -> pl.DataFrame:
+    """The month's cells of the window: its whole UTC days from ``days``, the rest by the hour.
+
+    With hourly steps (a window of three days at most), every hour from ``cells``.
+    """
+    lo, hi = query.first_hour, query.end_hour
+    if query.step == HOUR:
+        return m.cells.filter(pl.col("hour").is_between(lo, hi - 1))
+    first_day, end_day = -(-lo // 24) * 24, hi // 24 * 24
+    if first_day >= end_day:
+        return m.cells.filter(pl.col("hour").is_between(lo, hi - 1))
+    hour = pl.col("hour")
+    edges = m.cells.filter(hour.is_between(lo, first_day - 1) | hour.is_between(end_day, hi - 1))
+    days = m.days.filter(hour.is_between(first_day, end_day - 1))
+    return pl.concat([days, edges])
+
+
+def _in_window(months: Sequence[Cells], query: ExplorerQuery) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(per month and atom: the window's sums, with the atom's keys; per step and atom: its cost,
+    with the keys), read from each month's integer-keyed cells."""
+    sums, steps = [], []
+    for m in months:
+        cells = _hours(m, query)
+        keys = m.atoms.with_columns(month=pl.lit(m.month))
+        sums.append(cells.group_by("atom").agg(pl.col(MEASURES).sum()).join(keys, on="atom"))
+        per_step = cells.group_by(
+            (pl.col("hour") * HOUR // query.step * query.step).alias("t"), "atom"
+        ).agg(pl.sum_horizontal(*MONEY).sum().alias("cents"))
+        steps.append(per_step.join(keys, on="atom"))
+    schema = {"month": pl.String, **dict.fromkeys(KEYS, pl.String)}
+    if not sums:
+        empty_sums = pl.DataFrame(schema=schema | dict.fromkeys(MEASURES, pl.Float64))
+        return empty_sums, pl.DataFrame(schema=schema | {"t": pl.Int64, "cents": pl.Float64})
+    return pl.concat(sums, how="diagonal_relaxed"), pl.concat(steps, how="diagonal_relaxed")
 
 
 def _derived(frame: pl.DataFrame) -> pl.DataFrame:
@@ -203,17 +239,16 @@ def _kept(frame: pl.DataFrame, query: ExplorerQuery) -> pl.DataFrame:
     return frame
 
 
-def _series(cells: pl.DataFrame, query: ExplorerQuery, order: Sequence[str]) -> pl.DataFrame:
+def _series(steps: pl.DataFrame, query: ExplorerQuery, order: Sequence[str]) -> pl.DataFrame:
     """Cost per step and group (the top ``MAX_SERIES`` - 1 groups by cost, the rest as one)."""
-    top = set(order[: MAX_SERIES - 1]) if len(order) > MAX_SERIES else set(order)
+    top = order[: MAX_SERIES - 1] if len(order) > MAX_SERIES else order
     label = _label(query.by)
     return (
-        cells.with_columns(
-            t=pl.col("hour") * HOUR // query.step * query.step,
-            group=pl.when(label.is_in(sorted(top))).then(label).otherwise(pl.lit(OTHER)),
+        steps.with_columns(
+            group=pl.when(label.is_in(list(top))).then(label).otherwise(pl.lit(OTHER)),
         )
         .group_by("t", "group")
-        .agg((pl.sum_horizontal(*MONEY).sum() / 100).alias("cost_usd"))
+        .agg((pl.col("cents").sum() / 100).alias("cost_usd"))
         .sort("t", "group")
     )
 
@@ -223,10 +258,10 @@ def _label(by: Sequence[str]) -> pl.Expr:
     return pl.concat_str([pl.col(k) for k in by], separator=" / ")
 
 
-def view(cells: pl.DataFrame, query: ExplorerQuery) -> View:
-    """The explorer's answer for ``query`` over ``cells`` (``CELL_SCHEMA``, the months it touches)."""
-    window = cells.filter(pl.col("hour").is_between(query.first_hour, query.end_hour - 1))
-    atoms = _kept(_atoms(window), query)
+def view(months: Sequence[Cells], query: ExplorerQuery) -> View:
+    """The explorer's answer for ``query`` over the cells of the months its window touches."""
+    sums, steps = _in_window(months, query)
+    atoms = _kept(_whole(sums), query)
     rows = _derived(atoms.group_by(query.by).agg(pl.col(*_INTEGERS, *QUANTITIES).sum())).sort(
         "total_cents", *query.by, descending=[True, *([False] * len(query.by))]
     )
@@ -234,9 +269,9 @@ def view(cells: pl.DataFrame, query: ExplorerQuery) -> View:
     summed = atoms.select(pl.col(*_INTEGERS, *QUANTITIES).sum())
     total = _derived(summed).select(*COLUMNS, "total_cents").row(0, named=True)
     order = rows.select(_label(query.by)).to_series().to_list()
-    own = window if query.team is None else window.filter(pl.col("team") == query.team)
+    own = sums if query.team is None else sums.filter(pl.col("team") == query.team)
     values = {k: sorted(own[k].unique().to_list()) for k in KEYS}
-    series = _series(_kept(window, query), query, order)
+    series = _series(_kept(steps, query), query, order)
     return View(rows.select(columns), total, series, values)
 
 

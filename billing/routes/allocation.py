@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any
 
-import polars as pl
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
@@ -42,7 +41,7 @@ def _query(who: Caller, request: Request, start: float | None, end: float | None
     end = now if end is None else end
     start = month_bounds(month_of(end - 1e-6))[0] if start is None else start
     filters = {k: request.query_params.getlist(k) for k in KEYS if k in request.query_params}
-    team = None if who.is_admin else who.team
+    team = who.scope
     for asked in filters.get("team", []):
         if team is not None and asked != team:
             who.require_team(asked)
@@ -55,8 +54,7 @@ def _query(who: Caller, request: Request, start: float | None, end: float | None
 
 async def _view(svc: Any, query: ExplorerQuery) -> tuple[View, list[Month]]:
     months = [await compute(svc, svc.explorer.get, m) for m in months_of(query)]
-    cells = pl.concat([m.cells for m in months]) if months else pl.DataFrame()
-    return view(cells, query), months
+    return view([m.cells for m in months], query), months
 
 
 def _month(month: Month, team: str | None) -> dict[str, Any]:

@@ -230,3 +230,14 @@ def test_a_query_is_widened_to_whole_hours():
     long = ExplorerQuery.checked(OCT, OCT + 10 * 86400, ["team"], {"model": ["chat-small"]}, None)
     assert long.step == 86400
     assert long.filters == {"model": frozenset({"chat-small"})}
+
+
+async def test_a_long_window_reads_whole_days_and_its_edge_hours_alike(billing):
+    """Hours 1 to 5 give the same rows whether read by the hour or as days with edge hours."""
+    hourly = await ask(billing, ADMIN, by="instance", **{"from": OCT + HOUR, "to": OCT + 6 * HOUR})
+    daily = await ask(
+        billing, ADMIN, by="instance", **{"from": OCT + HOUR, "to": OCT + 4 * 86400 + 5 * HOUR}
+    )
+    assert (hourly["step"], daily["step"]) == (3600, 86400)
+    assert daily["rows"] == hourly["rows"]
+    assert daily["total"] == hourly["total"]
