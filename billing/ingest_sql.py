@@ -426,19 +426,22 @@ def gpu_rollup_sql() -> str:
     """SQL adding the ``fresh`` GPU samples to ``gpu_slots``, spread over the slots they cover.
 
     A sample's instance is the pod on the GPU, or for a fixed replica the replica itself; a GPU
-    no instance runs on is replica and instance ''.
+    no instance runs on is replica and instance ''. A sample's GPU time is its interval times
+    its ``share`` of the board (a MIG slice's compute share, a time-sliced board's part), so a
+    board cut into parts counts once; its energy and power are already its part's.
     """
     start = '("timestamp" - interval_seconds)'
     overlap = _overlap(start, '"timestamp"')
     share = f"CASE WHEN interval_seconds > 0 THEN {overlap} / interval_seconds ELSE 1.0 END"
+    part = f"({overlap} * least(greatest(share, 0.0), 1.0))"
     return f"""
 INSERT INTO gpu_slots
 SELECT node, gpu_model, coalesce(replica, '') AS replica,
     coalesce(instance, replica, '') AS instance, slot,
-    sum({overlap}),
+    sum({part}),
     sum(coalesce(energy_joules, 0) * {share}),
-    sum(CASE WHEN energy_joules IS NULL THEN {overlap} ELSE 0 END),
-    sum(utilization * {overlap}),
+    sum(CASE WHEN energy_joules IS NULL THEN {part} ELSE 0 END),
+    sum(utilization * {part}),
     sum(power_watts * {overlap}),
     count(*),
     sum(CASE WHEN xid_errors > 0 THEN 1 ELSE 0 END)

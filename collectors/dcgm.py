@@ -96,7 +96,7 @@ def _split_mig_board_values(readings: list[GpuReading]) -> list[GpuReading]:
             out.append(r)
             continue
         energy = None if r.energy_mj is None else r.energy_mj * f
-        out.append(replace(r, power_watts=r.power_watts * f, energy_mj=energy))
+        out.append(replace(r, power_watts=r.power_watts * f, energy_mj=energy, share=f))
     return out
 
 

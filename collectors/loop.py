@@ -21,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from collectors.attribution import Owner, owner_of
+from collectors.attribution import Owner, Placements, owner_of
 from collectors.baseline import BaselineFile
-from collectors.energy import Point, interval_energy
+from collectors.energy import Energy, Point, interval_energy
 from collectors.sources import (
     EngineReading,
     EngineSource,
@@ -121,6 +122,9 @@ class FleetCollector:
         # Owner of each (GPU, pod) seen in the last round of each GPU target: rebuilt every round,
         # so the pods that have come and gone on a GPU are forgotten.
         self._owners: dict[str, dict[tuple[tuple[str, str, str], str | None], Owner]] = {}
+        # The instances discovery found, which GPUs are joined to by their pod labels (None: no
+        # discovery, the configuration and the pod-name rule; ``collectors.attribution``).
+        self.placements: Placements | None = None
         # httpx's connection pool does work in proportion to its connections on every request,
         # so a round of 128 scrapes at once cost more CPU than the parsing (docs/benchmarks.md).
         self._limit = asyncio.Semaphore(max_concurrent_scrapes)
@@ -195,6 +199,15 @@ class FleetCollector:
                 self.engines.pop(esource.target, None)
         return batch
 
+    def place(self, placements: Placements) -> None:
+        """Join GPUs to these instances from the next round on (discovery found them).
+
+        The owners kept per GPU and pod are forgotten: a GPU first seen before its pod was
+        discovered is looked up again, not left with the platform.
+        """
+        self.placements = placements
+        self._owners.clear()
+
     def replace_engine_sources(self, sources: Sequence[EngineSource]) -> None:
         """Scrape these engines from the next round on; the state of vanished ones is dropped.
 
@@ -259,31 +272,46 @@ class FleetCollector:
         state.next_attempt = self.clock() + wait - self.settings.scrape_interval_seconds
 
     def _gpu_samples(self, target: str, t: float, readings: list[GpuReading]) -> list[GpuSample]:
+        """One sample per reading, joined to its owner.
+
+        A board several pods share by time-slicing is read once per pod (dcgm-exporter repeats it
+        with each pod's labels): its interval is measured once and each pod's sample stands for
+        an equal part of it (``share``, power and energy), so the board counts once.
+        """
         node = next((n for n in self.config.nodes if n.name == target), None)
         out = []
         owners = self._owners.get(target, {})
         seen: dict[tuple[tuple[str, str, str], str | None], Owner] = {}
+        holders = Counter(r.key for r in readings)
+        measured: dict[tuple[str, str, str], Energy] = {}
         for r in readings:
             owner = seen[(r.key, r.pod)] = owners.get((r.key, r.pod)) or owner_of(
-                r, self.config.replicas
+                r, self.config.replicas, self.placements
             )
             replica = owner.replica
-            point = Point(t, r.power_watts, r.energy_mj)
-            energy = interval_energy(self._last.get(r.key), point, self.gap_seconds)
-            self._last[r.key] = point
-            if energy.gap:
-                self.gaps_total += 1
-            elif energy.joules:
+            energy = measured.get(r.key)
+            if energy is None:
+                point = Point(t, r.power_watts, r.energy_mj)
+                energy = measured[r.key] = interval_energy(self._last.get(r.key), point,
+                                                           self.gap_seconds)  # fmt: skip
+                self._last[r.key] = point
+                if energy.gap:
+                    self.gaps_total += 1
+            part = 1.0 / holders[r.key]
+            joules = None if energy.joules is None else energy.joules * part
+            if joules:
                 gkey = (r.node, r.slot)
-                self.gpu_energy_joules[gkey] = self.gpu_energy_joules.get(gkey, 0.0) + energy.joules
+                self.gpu_energy_joules[gkey] = self.gpu_energy_joules.get(gkey, 0.0) + joules
                 if replica is not None:
                     self.replica_energy_joules[replica.id] = (
-                        self.replica_energy_joules.get(replica.id, 0.0) + energy.joules
+                        self.replica_energy_joules.get(replica.id, 0.0) + joules
                     )
             gpu_model = replica.gpu_model if replica else (node.gpu_model if node else None)
+            # A shared board's samples differ by pod only: the pod is part of their ids.
+            sharer = (r.pod or "-",) if holders[r.key] > 1 else ()
             out.append(
                 GpuSample(
-                    sample_id=sample_id(t, r.node, r.uuid, r.mig_instance or "-"),
+                    sample_id=sample_id(t, r.node, r.uuid, r.mig_instance or "-", *sharer),
                     node=r.node,
                     gpu=r.slot,
                     uuid=r.uuid,
@@ -294,18 +322,19 @@ class FleetCollector:
                     timestamp=t,
                     interval_seconds=energy.interval_seconds,
                     utilization=r.utilization,
-                    power_watts=r.power_watts,
-                    energy_joules=energy.joules,
+                    power_watts=r.power_watts * part,
+                    energy_joules=joules,
                     memory_used_mib=r.memory_used_mib,
                     memory_free_mib=r.memory_free_mib,
                     xid_errors=r.xid_errors,
                     mig_profile=r.mig_profile,
                     gap=energy.gap,
+                    share=r.share * part,
                 )
             )
         self.gpus[target] = out
-        # The configuration never changes under a collector, so a board's owner is looked up
-        # once per pod it is seen with, and kept while that pod stays on it.
+        # A board's owner is looked up once per pod it is seen with, and kept while that pod
+        # stays on it (or until discovery changes what it knows: ``place``).
         self._owners[target] = seen
         return out
 

@@ -23,7 +23,7 @@ from collectors.loop import Batch, FleetCollector
 from collectors.metrics import create_app, scrapers
 from collectors.nvml import NvmlSource
 from collectors.sources import EngineSource, GpuSource
-from collectors.targets import EngineTarget, PodRules, static_targets
+from collectors.targets import EngineTarget, PodRules, placements, static_targets
 from collectors.vllm import VllmSource
 from infermeter.config import Config
 from infermeter.kubernetes import in_cluster_api
@@ -204,6 +204,8 @@ async def serve_collector(config: Config, listen: str | None) -> None:
 
         def on_targets(targets: Mapping[str, EngineTarget]) -> None:
             collector.replace_engine_sources(engine_sources(config, targets, client, env))
+            # GPUs are joined to the instances discovery found by their pod labels and devices.
+            collector.place(placements(targets))
 
         # Found before anything runs: outside a cluster with no api_url this raises, and the
         # command stops with one line.

@@ -43,6 +43,9 @@ class GpuReading:
     pod: str | None = None
     namespace: str | None = None
     container: str | None = None
+    # The part of the board this reading stands for: 1 for a whole GPU, a MIG slice's compute
+    # share of its board (its power and energy are that share of the board's).
+    share: float = 1.0
 
     @property
     def key(self) -> tuple[str, str, str]:

@@ -16,6 +16,10 @@ by instance id, with no I/O:
   (which would answer from a random pod each scrape).
 
 An entry whose group is not in the configuration is left out: its samples could not be priced.
+
+``placements`` turns a target set into what GPU attribution joins readings to
+(``collectors.attribution.Placements``): each instance by its namespace and pod name, and by the
+devices it announced.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from collectors.attribution import replica_for_pod
+from collectors.attribution import Placement, Placements, replica_for_pod
 from infermeter.config import Replica
 
 __all__ = [
@@ -35,6 +39,7 @@ __all__ = [
     "apply_pod_event",
     "changes",
     "listed_pods",
+    "placements",
     "pod_target",
     "registry_targets",
     "static_targets",
@@ -66,6 +71,8 @@ class EngineTarget:
     instance: str | None = None
     token: bool = True
     node: str | None = None
+    namespace: str | None = None
+    gpus: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -117,9 +124,12 @@ def registry_targets(answer: Any, replicas: Sequence[Replica]) -> dict[str, Engi
             continue
         if replica not in groups or not _RELAY.fullmatch(url):
             continue
-        node = item.get("node")
+        node, namespace, gpus = item.get("node"), item.get("namespace"), item.get("gpus")
         target = EngineTarget(replica, url, None if instance == replica else instance,
-                              node=node if isinstance(node, str) else None)  # fmt: skip
+                              node=node if isinstance(node, str) else None,
+                              namespace=namespace if isinstance(namespace, str) else None,
+                              gpus=tuple(g for g in gpus if isinstance(g, str))
+                              if isinstance(gpus, list) else ())  # fmt: skip
         out[target.key] = target
     return out
 
@@ -139,8 +149,10 @@ def pod_target(pod: Any, replicas: Sequence[Replica], rules: PodRules) -> Engine
         return None
     host = f"[{ip}]" if ":" in ip else ip
     node = (pod.get("spec") or {}).get("nodeName")
+    namespace = meta.get("namespace")
     return EngineTarget(group, f"http://{host}:{rules.sidecar_port}{rules.engine_metrics_path}",
-                        name, node=node if isinstance(node, str) else None)  # fmt: skip
+                        name, node=node if isinstance(node, str) else None,
+                        namespace=namespace if isinstance(namespace, str) else None)  # fmt: skip
 
 
 def _group(name: str, labels: Mapping[str, Any], replicas: Sequence[Replica], rules: PodRules) -> str | None:  # fmt: skip
@@ -188,3 +200,12 @@ def apply_pod_event(targets: Targets, event: str, pod: Any, replicas: Sequence[R
 def changes(before: Targets, after: Targets) -> tuple[list[str], list[str]]:
     """The keys that appeared and those that vanished (a changed URL is neither), sorted."""
     return sorted(after.keys() - before.keys()), sorted(before.keys() - after.keys())
+
+
+def placements(targets: Targets) -> Placements:
+    """The instances of ``targets`` as GPU attribution joins them (fixed replicas are not placed)."""
+    return Placements(
+        Placement(t.replica, t.instance, t.node, t.namespace, t.gpus)
+        for t in targets.values()
+        if t.instance is not None
+    )

@@ -170,6 +170,10 @@ class GpuSample(_Record):
     gap: bool = False
     # The instance (pod) running on the GPU, when known; ``replica`` is its replica group.
     instance: str | None = None
+    # The part of the board this sample stands for, so a board counts once however it is cut:
+    # 1 for a whole GPU, a MIG slice's compute share, 1/n of a board n pods share by time-slicing.
+    # Billing counts interval_seconds x share as GPU time.
+    share: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,8 @@ def test_lines_round_trip_through_arrow_unchanged():
 
 def test_samples_have_an_arrow_form_too():
     """GPU samples convert as well (the collector ships them the same way)."""
-    samples = [dict(s, xid_errors=0, mig_profile=None, gap=False) for s in gpu_samples(seconds=30)]
+    samples = [dict(s, xid_errors=0, mig_profile=None, gap=False, share=1.0)
+               for s in gpu_samples(seconds=30)]  # fmt: skip
     encoded = encode_arrow(GPU, ndjson(samples))
     assert encoded is not None
     assert decode_arrow(KINDS["gpu_samples"], encoded).num_rows == 3

@@ -1,10 +1,12 @@
-"""GPUs are joined to replicas by configuration, then by the vllm-<replica> pod label."""
+"""GPUs are joined to replicas by configuration, then by the pods discovery found (their namespace
+and name, or the devices they announced), and without discovery by the vllm-<replica> pod name."""
 
 from __future__ import annotations
 
 import pytest
 
-from collectors.attribution import attribute, replica_for_pod
+from collectors.attribution import Placement, Placements, attribute, owner_of, replica_for_pod
+from collectors.targets import EngineTarget, placements
 from infermeter.config import Replica
 from tests.collectors.fakes import reading
 
@@ -71,3 +73,52 @@ def test_longest_replica_id_wins_for_a_pod():
     owner = replica_for_pod("vllm-small-0-0", REPLICAS)
     assert owner is not None
     assert owner.id == "small-0"
+
+
+PLACED = Placements([
+    Placement("small", "chat-0", node="node-a", namespace="inference"),
+    Placement("small-0", "frontdoor-7d9f8-x", node="node-a", namespace="team-b"),
+    Placement("small", "twin", node="node-a", namespace="ns-1"),
+    Placement("small-0", "twin", node="node-a", namespace="ns-2"),
+    Placement("small-0", "vm-host-3", node="node-c", gpus=("GPU-beef", "4")),
+])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kw", "expected"),
+    [
+        ({"gpu": "5", "pod": "chat-0", "namespace": "inference"}, ("small", "chat-0")),
+        ({"gpu": "5", "pod": "frontdoor-7d9f8-x", "namespace": "team-b", "container": "vllm"},
+         ("small-0", "frontdoor-7d9f8-x")),
+        ({"gpu": "5", "pod": "chat-0", "namespace": "elsewhere"}, (None, None)),
+        ({"gpu": "5", "pod": "chat-0"}, ("small", "chat-0")),
+        ({"gpu": "5", "pod": "twin"}, (None, None)),
+        ({"gpu": "5", "pod": "twin", "namespace": "ns-2"}, ("small-0", "twin")),
+        ({"gpu": "5", "pod": "vllm-small-0-0", "namespace": "inference"}, (None, None)),
+        ({"node": "node-c", "gpu": "0", "uuid": "GPU-beef"}, ("small-0", "vm-host-3")),
+        ({"node": "node-c", "gpu": "4", "uuid": "GPU-0404"}, ("small-0", "vm-host-3")),
+        ({"node": "node-a", "gpu": "9", "uuid": "GPU-beef"}, (None, None)),
+        ({"gpu": "1", "pod": "chat-0", "namespace": "inference"}, ("big", None)),
+    ],
+    ids=["label-not-name", "any-name-with-container", "other-namespace", "no-namespace-unique",
+         "no-namespace-ambiguous", "namespace-picks", "name-rule-off-with-discovery",
+         "announced-uuid", "announced-index", "device-on-another-node", "config-first"],
+)  # fmt: skip
+def test_discovered_pods_own_their_gpus_by_namespace_and_pod(kw, expected):
+    """A pod discovery found owns the GPUs dcgm-exporter labels with its namespace and name."""
+    owner = owner_of(reading(**kw), REPLICAS, PLACED)
+    assert ((owner.replica.id if owner.replica else None), owner.instance) == expected
+
+
+def test_targets_become_placements_with_their_namespace_and_devices(config):
+    """Discovery's targets (pods, registry instances) are what attribution joins to."""
+    found = placements({
+        "a": EngineTarget("small-0", "http://10.0.0.1:9000/engine/metrics", "chat-0",
+                          node="node-b", namespace="inference"),
+        "b": EngineTarget("small-1", "http://10.0.0.2:9000/engine/metrics", "gpu-host:9000",
+                          node="node-b", gpus=("GPU-1234",)),
+        "small-1": EngineTarget("small-1", "http://127.0.0.1:1/metrics"),
+    })  # fmt: skip
+    assert len(found) == 2
+    assert found.pod("inference", "chat-0") == Placement("small-0", "chat-0", "node-b", "inference")
+    assert found.device(reading(node="node-b", gpu="3", uuid="GPU-1234")) is not None

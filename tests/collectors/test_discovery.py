@@ -157,7 +157,7 @@ async def test_pod_watch_drives_the_target_set_and_relists_on_410(config):
     assert sets == [["vllm-small-0-a"], ["vllm-small-0-a", "vllm-small-1-b"], ["vllm-small-1-b"],
                     ["vllm-small-0-c"]]  # fmt: skip
     assert watcher.targets["vllm-small-0-c"] == EngineTarget(
-        "small-0", "http://127.0.0.3:9000/engine/metrics", "vllm-small-0-c"
+        "small-0", "http://127.0.0.3:9000/engine/metrics", "vllm-small-0-c", namespace="inference"
     )
     lists = [r for r in fake.requests if "watch" not in r["query"]]
     watches = [r["query"] for r in fake.requests if "watch" in r["query"]]

@@ -13,6 +13,7 @@ from collectors.dcgm import DcgmSource
 from collectors.loop import Batch, FleetCollector
 from collectors.serve import SpoolSink, build_collector
 from collectors.sources import GpuReading, ScrapeError
+from collectors.targets import EngineTarget, placements
 from collectors.vllm import VllmSource
 from infermeter.spool import read_segment
 from simulator.replica import ReplicaSim, replica_spec
@@ -243,3 +244,45 @@ def test_a_samples_json_is_its_fields(config):
     )
     sample: GpuSample = asyncio.run(collector.scrape_once()).gpus[0]
     assert sample.to_json() == dataclasses.asdict(sample)
+
+
+async def test_a_time_sliced_board_counts_once_split_among_its_pods(config):
+    """Two pods sharing one board: one sample each, half the board's time and energy each."""
+    t = [1000.0]
+    placed = placements({
+        "a": EngineTarget("small-0", "http://10.0.0.1:9000/engine/metrics", "pod-a", node="node-a",
+                          namespace="ns"),
+        "b": EngineTarget("small-1", "http://10.0.0.2:9000/engine/metrics", "pod-b", node="node-a",
+                          namespace="ns"),
+    })  # fmt: skip
+    shared: list[list[GpuReading] | ScrapeError] = [
+        [
+            reading(gpu="3", uuid="GPU-3333", pod=pod, namespace="ns", energy_mj=e)
+            for pod in ("pod-a", "pod-b")
+        ]
+        for e in (1_000_000.0, 1_600_000.0)
+    ]
+    collector = FleetCollector(config, [FakeGpuSource("node-a", shared)], [], clock=lambda: t[0])
+    collector.place(placed)
+    await collector.scrape_once()
+    t[0] += 10
+    batch = await collector.scrape_once()
+    assert sorted((s.instance, s.replica, s.share, s.energy_joules, s.power_watts) for s in batch.gpus) == [
+        ("pod-a", "small-0", 0.5, 300.0, 150.0), ("pod-b", "small-1", 0.5, 300.0, 150.0)]  # fmt: skip
+    assert len({s.sample_id for s in batch.gpus}) == 2
+    assert collector.gpu_energy_joules[("node-a", "3")] == 600.0
+
+
+async def test_a_gpu_seen_before_its_pod_was_discovered_is_joined_once_it_is(config):
+    """The owner looked up while discovery did not know the pod is not kept once it does."""
+    script: list[list[GpuReading] | ScrapeError] = [
+        [reading(gpu="3", uuid="GPU-3333", pod="chat-0", namespace="ns")]
+    ]
+    collector = FleetCollector(config, [FakeGpuSource("node-a", script)], [])
+    collector.place(placements({}))
+    first = await collector.scrape_once()
+    collector.place(placements({"x": EngineTarget("small-0", "http://10.0.0.1:9000/engine/metrics",
+                                                  "chat-0", node="node-a", namespace="ns")}))  # fmt: skip
+    second = await collector.scrape_once()
+    assert [(s.replica, s.instance) for s in first.gpus] == [(None, None)]
+    assert [(s.replica, s.instance) for s in second.gpus] == [("small-0", "chat-0")]
