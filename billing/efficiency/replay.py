@@ -59,6 +59,7 @@ class Arrival:
     head: str | None = None
     head_tokens: int = 0
     stream: bool = True
+    timed: bool = True  # its first token was seen (the sidecar records none for some answers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,7 @@ class ModelReplay:
     model: str
     teams: list[str]
     team_of: array[int] = field(default_factory=lambda: array("H"))
+    timed: array[int] = field(default_factory=lambda: array("b"))
     group_of: array[int] = field(default_factory=lambda: array("H"))
     hour_of: array[int] = field(default_factory=lambda: array("q"))
     ttft: array[float] = field(default_factory=lambda: array("d"))
@@ -140,8 +142,9 @@ class ModelReplay:
         return sum(self.gpu_seconds.values()) / _HOUR
 
     def ttft_p95(self, team: str | None = None, group: str | None = None) -> float | None:
-        """The 95th percentile of TTFT, of one team's or one group's requests, or all."""
-        return percentile(self._pick(self.ttft, team, group), 0.95)
+        """The 95th percentile of TTFT, of one team's or one group's requests, or all: of those
+        whose first token was seen, as the measured one is."""
+        return percentile((self.ttft[i] for i in self._indexes(team, group) if self.timed[i]), 0.95)
 
     def itl_p95(self, team: str | None = None, group: str | None = None) -> float | None:
         """The 95th percentile of the requests' mean inter-token gaps (those of 2+ tokens)."""
@@ -156,7 +159,8 @@ class ModelReplay:
             hod = self.hour_of[i] % 24
             asked[hod] += 1
             gap = self.itl[i]
-            if self.ttft[i] > ttft_s or (itl_s is not None and gap == gap and gap > itl_s):
+            late = self.timed[i] and self.ttft[i] > ttft_s
+            if late or (itl_s is not None and gap == gap and gap > itl_s):
                 missed[hod] += 1
         return {h for h, n in missed.items() if n > share * asked[h]}
 
@@ -339,5 +343,6 @@ def replay(setup: ModelSetup, arrivals: Sequence[Arrival], lo: float, hi: float)
         out.group_of.append(group_index.get(where.get(k, ""), len(groups)))
         out.hour_of.append(int(a.t // _HOUR))
         out.ttft.append(ttft)
+        out.timed.append(int(a.timed))
         out.itl.append(gap)
     return out

@@ -1,8 +1,9 @@
 """What the replay is built from: SQL over the ledger, built by pure functions.
 
 - ``arrivals_sql``: every billable request received in the range, in arrival order: team,
-  model, prompt and output tokens, choices, whether it streamed, and its shared prompt head
-  (the sidecar's digest, with the head's tokens: its share of the prompt).
+  model, prompt and output tokens, choices, whether it streamed, its shared prompt head (the
+  sidecar's digest, with the head's tokens: its share of the prompt), and whether its first
+  token was seen (TTFT is measured, and held to its SLA, only where it was).
 - ``runs_sql``: the engine instances as they ran. An instance with a lifetime (its sidecar's
   start, heartbeats and stop, ``billing.lifetimes``) runs from its start to its end, with the
   GPUs it announced; one without (a fixed replica whose sidecar says nothing) runs over each
@@ -33,7 +34,8 @@ def arrivals_sql(lo_slot: int, hi_slot: int) -> Sql:
     sql = f"""
 SELECT received_at AS t, team, model, prompt_tokens, completion_tokens, choices, stream,
     CASE WHEN prefix_digest IS NOT NULL AND coalesce(prefix_share, 0) > 0 THEN prefix_digest END AS head,
-    CAST(floor(coalesce(prefix_share, 0) * prompt_tokens) AS BIGINT) AS head_tokens
+    CAST(floor(coalesce(prefix_share, 0) * prompt_tokens) AS BIGINT) AS head_tokens,
+    first_token_at IS NOT NULL AS timed
 FROM usage
 WHERE status IN ({_BILLABLE}) AND {_RECEIVED}
 ORDER BY received_at, request_id"""

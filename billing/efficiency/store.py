@@ -174,10 +174,10 @@ def read_plan(cursor: duckdb.DuckDBPyConnection, config: Config, lo: int, hi: in
     models = {m.name for m in config.models}
     arrivals: dict[str, list[Arrival]] = defaultdict(list)
     for row in _frame(cursor, arrivals_sql(lo, hi)).iter_rows():
-        t, team, model, prompt, completion, choices, stream, head, head_tokens = row
+        t, team, model, prompt, completion, choices, stream, head, head_tokens, timed = row
         if model in models:
             arrivals[model].append(Arrival(t, team, model, prompt, completion, choices, head,
-                                           head_tokens, stream))  # fmt: skip
+                                           head_tokens, stream, timed))  # fmt: skip
     runs = _rows(cursor, runs_sql(lo, hi, heartbeat_seconds(config)))
     engines = {
         row["replica"]: GroupEngine(**row) for row in _rows(cursor, group_engine_sql(lo, hi, fleet))

@@ -91,3 +91,12 @@ def test_percentile_is_duckdbs_quantile_cont():
     [(expected,)] = found.fetchall()
     assert percentile(values, 0.95) == pytest.approx(expected)
     assert percentile([], 0.95) is None
+
+
+def test_ttft_counts_only_requests_whose_first_token_was_seen():
+    """A long prompt the sidecar saw no first token of is replayed, and left out of TTFT as it is
+    left out of the measured TTFT."""
+    arrivals = [_arrival(1.0), Arrival(1.5, "search", "m", 3000, 11, timed=False)]
+    r = replay(_setup(Run("g", "a", 0, 100, 0)), arrivals, 0, 100)
+    assert len(r.ttft) == 2
+    assert r.ttft_p95() == pytest.approx(0.021)
