@@ -1,4 +1,4 @@
-"""The credentials billing accepts: every team's key and the three roles' tokens.
+"""The configured credentials billing accepts: every team's key and the roles' tokens.
 
 Who may do what is ``infermeter.auth``'s (shared with the sidecar); billing only builds its key
 ring from the configuration.
@@ -6,7 +6,7 @@ ring from the configuration.
 
 from __future__ import annotations
 
-from infermeter.auth import ADMIN, INGEST, METRICS, KeyRing
+from infermeter.auth import ADMIN, INGEST, METRICS, SPEND_READER, KeyRing
 from infermeter.config import Config
 
 __all__ = ["keyring"]
@@ -16,5 +16,6 @@ def keyring(config: Config) -> KeyRing:
     """Every credential billing accepts, with the role or team it stands for."""
     entries = [(t.name, t.api_key_sha256) for t in config.teams]
     entries += [(ADMIN, config.admin_token_sha256), (METRICS, config.metrics_token_sha256),
+                (SPEND_READER, config.spend_token_sha256),
                 (INGEST, config.billing.ingest_token_sha256)]  # fmt: skip
     return KeyRing(entries)

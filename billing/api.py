@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from billing.access import keyring
 from billing.chargeback import Chargeback
 from billing.explorer_cache import Months
+from billing.keys import KeyBook, Publisher
 from billing.ledger import Ledger
 from billing.lifetimes import heartbeat_seconds, live_bound
 from billing.metrics import (
@@ -32,12 +33,14 @@ from billing.ratelimit import ReadLimiter
 from billing.rollups import Rollups
 from billing.routes import (
     allocation,
+    audit,
     efficiency,
     errors,
     events,
     fleet,
     ingest,
     instances,
+    keys,
     ops,
     queries,
     records,
@@ -61,6 +64,7 @@ def create_app(
     ledger: Ledger,
     statement_ttl_seconds: float | None = None,
     writer_secret: bytes | None = None,
+    key_publisher: Publisher | None = None,
 ) -> FastAPI:
     """The API over ``ledger``; the caller owns (opens and closes) the ledger.
 
@@ -68,6 +72,7 @@ def create_app(
     (default ``Config.statement_ttl_seconds``: at most one dashboard refresh).
     ``writer_secret``: what writer credentials are derived from (default: the variable
     ``billing.writer_secret_env`` names; unset, billing takes no writer credential).
+    ``key_publisher``: where the sidecars read the issued keys besides billing (Redis).
     The coarse rollups are built from the whole ledger here, before the first query.
     """
     app = FastAPI(title="infermeter billing", version="1", docs_url=None, redoc_url=None)
@@ -89,7 +94,7 @@ def create_app(
     app.state.services = Services(
         config=config,
         ledger=ledger,
-        ring=ring,
+        keys=KeyBook(ledger, ring, [t.name for t in config.teams], key_publisher),
         chargeback=Chargeback(ledger, config),
         statements=cache,
         rollups=rollups,
@@ -102,7 +107,8 @@ def create_app(
             WriterKeys(writer_secret) if writer_secret else None, ring, b.shared_ingest_token
         ),
     )
-    for module in (ops, ingest, statements, queries, allocation, events, instances, fleet,
+    # The audit trail's ingest route first: /v1/ingest/{kind} would take /v1/ingest/audit.
+    for module in (ops, audit, ingest, keys, statements, queries, allocation, events, instances, fleet,
                    records, efficiency):  # fmt: skip
         app.include_router(module.router)
     errors.install(app)

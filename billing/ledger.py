@@ -210,6 +210,19 @@ class Ledger:
             cursor.close()
 
     @contextmanager
+    def writing(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A cursor in a transaction of its own, under the writer's lock: committed when the block
+        ends, rolled back if it raises. For the few rows billing writes itself (keys, audit)."""
+        with self._write_lock, self.reader() as cursor:
+            cursor.execute("BEGIN TRANSACTION")
+            try:
+                yield cursor
+            except BaseException:
+                cursor.execute("ROLLBACK")
+                raise
+            cursor.execute("COMMIT")
+
+    @contextmanager
     def snapshot(self) -> Iterator[duckdb.DuckDBPyConnection]:
         """A cursor whose every query reads the ledger as one committed state.
 

@@ -486,7 +486,46 @@ CREATE TABLE quarantine (
 );
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10)
+# Keys issued at run time (``infermeter.keys``, ``billing.keys``): never a secret, only its digest;
+# a revoked key keeps its row (revoked_at). ``changed_seq`` orders the changes, so the set's
+# version (its largest value) tells a sidecar whether its copy is current. And the audit trail
+# (``infermeter.audit``): appended, never updated or deleted by any route.
+_V11 = """
+CREATE TABLE api_keys (
+    key_id VARCHAR NOT NULL PRIMARY KEY,
+    role VARCHAR NOT NULL,
+    team VARCHAR,
+    digest VARCHAR NOT NULL,
+    created_at DOUBLE NOT NULL,
+    created_by VARCHAR NOT NULL,
+    member VARCHAR,
+    project VARCHAR,
+    expires_at DOUBLE,
+    revoked_at DOUBLE,
+    replaced_by VARCHAR,
+    requests_per_minute BIGINT,
+    tokens_per_minute BIGINT,
+    max_concurrent BIGINT,
+    budget_usd_per_month DOUBLE,
+    changed_seq BIGINT NOT NULL
+);
+CREATE TABLE audit_events (
+    event_id VARCHAR NOT NULL PRIMARY KEY,
+    occurred_at DOUBLE NOT NULL,
+    action VARCHAR NOT NULL,
+    actor VARCHAR NOT NULL,
+    actor_role VARCHAR NOT NULL,
+    source VARCHAR NOT NULL,
+    address VARCHAR,
+    target VARCHAR NOT NULL,
+    detail VARCHAR NOT NULL,
+    why VARCHAR NOT NULL,
+    outcome VARCHAR NOT NULL,
+    kept_at DOUBLE NOT NULL
+);
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10, _V11)
 LATEST_VERSION: Final = len(MIGRATIONS)
 
 

@@ -23,9 +23,10 @@ from infermeter.serving import ServerLimits, ensure_free, host_port, server
 from infermeter.writers import DEMO_SECRET, WriterError
 
 if TYPE_CHECKING:
+    from billing.key_publish import RedisPublisher
     from infermeter.otlp_export import MetricsExport
 
-__all__ = ["billing_server", "metrics_export", "open_ledger", "serve_billing"]
+__all__ = ["billing_server", "key_publisher", "metrics_export", "open_ledger", "serve_billing"]
 
 log = logging.getLogger("infermeter.billing")
 
@@ -74,6 +75,15 @@ def metrics_export(app: FastAPI, environ: Mapping[str, str]) -> MetricsExport | 
                                [CostExport(services.statements).produce], services.registry)  # fmt: skip
 
 
+def key_publisher(config: Config) -> RedisPublisher | None:
+    """Where the sidecars read the issued keys besides billing: the Redis of their shared limits."""
+    if config.sidecar.shared_limits.redis_url is None:
+        return None
+    from billing.key_publish import RedisPublisher  # redis-py, only when configured
+
+    return RedisPublisher(config.sidecar.shared_limits)
+
+
 async def serve_billing(
     config: Config, listen: str | None = None, database: str | None = None
 ) -> None:
@@ -99,12 +109,19 @@ async def serve_billing(
             host,
             port,
         )
-        app = create_app(config, ledger)
+        publisher = key_publisher(config)
+        app = create_app(config, ledger, key_publisher=publisher)
         export = metrics_export(app, os.environ)
         task = asyncio.create_task(export.run()) if export is not None else None
+        keys = app.state.services.keys
+        keeping = asyncio.create_task(publisher.keep(lambda: keys.issued)) if publisher else None
         try:
             await billing_server(config, ledger, host, port, app).serve()
         finally:
+            if keeping is not None:
+                keeping.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await keeping
             if task is not None and export is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -4,10 +4,25 @@ Keys are only ever held as SHA-256 digests. A presented key is hashed and compar
 known digest with ``hmac.compare_digest`` (constant time per comparison, and every digest is
 compared), so neither the key nor which team it nearly matched leaks through timing.
 
-Besides the teams there are three roles, one credential each, shared by every service: the
-admin (every team's data, closing months), metrics (scrapes ``/metrics``) and ingest (ships
-records to billing). Roles are named with a leading ``@``, which no team name can have, so a
-team can never be mistaken for a role.
+One role model for every service (the sidecar's admin routes, billing's API, the dashboard). A
+caller is a team (a member of it, or its lead) or one of the roles, named with a leading ``@``,
+which no team name can have, so a team can never be mistaken for a role:
+
+=================  ==========================================================================
+``@admin``         everything: every team's data, months, keys, the audit trail, overrides
+``@finance``       reads every team's statements and files, closes and reopens months; no keys
+``@viewer``        reads every team's data; changes nothing
+``@spend_reader``  what a sidecar needs: every team's month-to-date spend and the issued keys'
+                   digests; nothing else (the sidecars hold it instead of the admin token)
+``@metrics``       scrapes ``/metrics``
+``@ingest``        the shared ingest token of earlier releases
+team member        reads its own team's data
+team lead          as a member, and issues, rotates and revokes its own team's keys
+=================  ==========================================================================
+
+A credential is a key whose digest is in the configuration (``KeyRing``), a key issued at run
+time (``infermeter.keys``: kept in the ledger, with an expiry), or a signed-in person's ID token
+(``infermeter.oidc``); each of them becomes a ``Caller``, which is all a route looks at.
 """
 
 from __future__ import annotations
@@ -18,20 +33,30 @@ import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 __all__ = [
     "ADMIN",
+    "AUDITORS",
+    "CLOSERS",
+    "FINANCE",
     "INGEST",
     "INGESTERS",
+    "KEY_READERS",
     "MANAGERS",
     "METRICS",
+    "READ_ALL",
+    "ROLES",
     "SCRAPERS",
     "SIGNATURE_VERSION",
+    "SPENDERS",
+    "SPEND_READER",
+    "VIEWER",
     "AuthError",
     "Caller",
     "Forbidden",
     "GatewayVerifier",
+    "Issued",
     "KeyRing",
     "Signed",
     "Unauthenticated",
@@ -42,11 +67,21 @@ __all__ = [
 ]
 
 ADMIN: Final = "@admin"
+FINANCE: Final = "@finance"
+VIEWER: Final = "@viewer"
+SPEND_READER: Final = "@spend_reader"
 INGEST: Final = "@ingest"
 METRICS: Final = "@metrics"
+ROLES: Final = frozenset({ADMIN, FINANCE, VIEWER, SPEND_READER, INGEST, METRICS})
 
-# Who may do what (besides the teams, who read their own data):
-MANAGERS: Final = frozenset({ADMIN})  # every team's data, months, closing, ledger exports
+# Who may do what (besides the teams, who read their own data, and their leads, who also
+# manage their own team's keys). One table for every service.
+MANAGERS: Final = frozenset({ADMIN})  # ledger exports, keys of any team, overrides, settings
+READ_ALL: Final = frozenset({ADMIN, FINANCE, VIEWER})  # every team's data
+CLOSERS: Final = frozenset({ADMIN, FINANCE})  # close and reopen months
+SPENDERS: Final = READ_ALL | {SPEND_READER}  # every team's month-to-date spend
+KEY_READERS: Final = frozenset({ADMIN, SPEND_READER})  # the issued keys' digests (the sidecars)
+AUDITORS: Final = frozenset({ADMIN})  # the audit trail
 SCRAPERS: Final = frozenset({ADMIN, METRICS})  # /metrics of every service
 INGESTERS: Final = frozenset({INGEST})  # records into billing
 
@@ -63,14 +98,43 @@ class AuthError(Exception):
         self.code = code
 
 
-class KeyRing:
-    """Team API key digests, looked up in constant time."""
+class Issued(Protocol):
+    """Keys issued at run time (``infermeter.keys.IssuedKeys``), asked before the static ring."""
 
-    def __init__(self, teams: Iterable[tuple[str, Iterable[str]]]) -> None:
+    def caller_for(self, key: str, now: float) -> Caller | None:
+        """The caller ``key`` makes (None: not an issued key); AuthError if revoked or expired."""
+        ...
+
+
+class KeyRing:
+    """API key digests from the configuration, looked up in constant time, and the keys issued
+    at run time beside them (``issued``: replaced whole when the set changes)."""
+
+    def __init__(self, teams: Iterable[tuple[str, Iterable[str]]],
+                 issued: Issued | None = None) -> None:  # fmt: skip
         self._entries = [(bytes.fromhex(d), team) for team, digests in teams for d in digests]
+        self.issued = issued
+
+    def with_issued(self, issued: Issued | None) -> KeyRing:
+        """The same configured digests with ``issued`` as the run-time keys."""
+        ring = KeyRing(())
+        ring._entries = self._entries
+        ring.issued = issued
+        return ring
+
+    def caller_for(self, key: str, now: float | None = None) -> Caller:
+        """The caller ``key`` makes; AuthError if nobody issued it (or it expired, or was revoked)."""
+        if self.issued is not None:
+            found = self.issued.caller_for(key, time.time() if now is None else now)
+            if found is not None:
+                return found
+        return Caller(self._configured(key))
 
     def team_for(self, key: str) -> str:
-        """The team owning ``key``; AuthError if none does."""
+        """The team (or role) owning ``key``; AuthError if none does."""
+        return self.caller_for(key).name
+
+    def _configured(self, key: str) -> str:
         digest = hashlib.sha256(key.encode()).digest()
         found: str | None = None
         for known, team in self._entries:
@@ -223,19 +287,50 @@ class Forbidden(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """An identified caller: a team, or one of the roles."""
+    """An identified caller: a team (a member, or its ``lead``), or one of the roles.
+
+    ``key_id``: the issued key it presented (None: a configured key, or a person signed in);
+    ``person``: who signed in (the ID token's subject or e-mail), for the audit trail.
+    """
 
     name: str
+    lead: bool = False
+    key_id: str | None = None
+    person: str | None = None
 
     @property
     def is_admin(self) -> bool:
-        """The admin credential reads everything and closes months."""
+        """The admin credential reads everything, manages keys and the settings."""
         return self.name == ADMIN
+
+    @property
+    def reads_all(self) -> bool:
+        """Whether the caller reads every team's data (the admin, finance, a viewer)."""
+        return self.name in READ_ALL
 
     @property
     def team(self) -> str | None:
         """The team this caller is, or None for a role."""
         return None if self.name.startswith("@") else self.name
+
+    @property
+    def scope(self) -> str | None:
+        """The one team whose data the caller sees, None for every team (a reader of all)."""
+        return None if self.reads_all else self.team
+
+    @property
+    def role(self) -> str:
+        """The caller's role in one word: admin, finance, viewer, ..., lead or member."""
+        if self.team is None:
+            return self.name.removeprefix("@")
+        return "lead" if self.lead else "member"
+
+    @property
+    def who(self) -> str:
+        """Who acted, as the audit trail names them: the person, the key, or the role."""
+        if self.person:
+            return self.person
+        return f"key:{self.key_id}" if self.key_id else self.name
 
     def require(self, allowed: frozenset[str]) -> None:
         """Forbidden unless the caller is one of the ``allowed`` roles."""
@@ -243,19 +338,28 @@ class Caller:
             raise Forbidden("this credential may not do that")
 
     def require_reader(self) -> None:
-        """Forbidden unless the caller may read the ledger: the admin, or a team (its own)."""
-        if not (self.is_admin or self.team is not None):
+        """Forbidden unless the caller may read the ledger: a reader of all, or a team (its own)."""
+        if not (self.reads_all or self.team is not None):
             raise Forbidden("this credential may not read the ledger")
 
     def require_team(self, team: str) -> None:
-        """Forbidden unless the caller is ``team`` or the admin."""
-        if not (self.is_admin or self.name == team):
+        """Forbidden unless the caller is ``team`` or reads every team."""
+        if not (self.reads_all or self.name == team):
             raise Forbidden(f"this credential may not read team {team!r}")
 
+    def require_spend(self) -> None:
+        """Forbidden unless the caller may read month-to-date spend (every team's, or its own)."""
+        if not (self.name in SPENDERS or self.team is not None):
+            raise Forbidden("this credential may not read spend")
 
-def identify(ring: KeyRing, authorization: str | None) -> Caller:
+    def may_manage_keys(self, team: str | None) -> bool:
+        """Whether the caller issues and revokes keys of ``team`` (None: a role's key)."""
+        return self.is_admin or (self.lead and team is not None and self.name == team)
+
+
+def identify(ring: KeyRing, authorization: str | None, now: float | None = None) -> Caller:
     """The caller named by an ``Authorization: Bearer`` header; Unauthenticated if none is."""
     try:
-        return Caller(ring.team_for(bearer_key(authorization)))
+        return ring.caller_for(bearer_key(authorization), now)
     except AuthError as exc:
         raise Unauthenticated(str(exc)) from None

@@ -50,6 +50,7 @@ PARTS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
     ("alerts.autoscale.cli", ("autoscale",)),
     ("dashboards.cli", ("dashboard", "plan")),
     ("infermeter.credentials", ("credential",)),
+    ("infermeter.keys_cli", ("keys",)),
 )
 
 

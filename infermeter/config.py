@@ -368,6 +368,9 @@ class SidecarSettings(_Strict):
     spool_max_bytes: Annotated[int, Field(gt=0)] = 1024 * 1024 * 1024
     # An instance announces it is alive this often; billing closes one silent for 3 of these.
     heartbeat_seconds: Positive = 30.0
+    # How often a sidecar asks whether the keys issued at run time changed (sidecar.keysync):
+    # a new or revoked key is taken within about this plus one read.
+    key_sync_seconds: Annotated[float, Field(gt=0, le=5)] = 1.0
     default_reserve_tokens: Annotated[int, Field(gt=0)] = 1024
     # Non-streamed completions are asked of vLLM as streams with continuous usage and answered
     # whole (``sidecar.assemble``), so a client that leaves is metered; false relays them as sent.
@@ -668,6 +671,9 @@ class Config(_Strict):
     autoscale: AutoscaleSettings = AutoscaleSettings()
     admin_token_sha256: list[Sha256] = Field(default_factory=list)
     metrics_token_sha256: list[Sha256] = Field(default_factory=list)
+    # The spend_reader role (``infermeter.auth``): what the sidecars hold to read every team's
+    # month-to-date spend and the issued keys, instead of the admin token.
+    spend_token_sha256: list[Sha256] = Field(default_factory=list)
 
     @field_validator("teams", "models", "replicas", "nodes")
     @classmethod
@@ -744,13 +750,14 @@ def credential_hashes(config: Config) -> list[tuple[str, str, str]]:
     """Every stored key hash as ``(principal, key path, digest)``, in file order.
 
     A principal is who the key makes the caller: a team (``team:<name>``), or ``admin``,
-    ``metrics`` or ``ingest``.
+    ``metrics``, ``spend_reader`` or ``ingest``.
     """
     out = [(f"team:{t.name}", f"teams[{i}].api_key_sha256[{j}]", d)
            for i, t in enumerate(config.teams) for j, d in enumerate(t.api_key_sha256)]  # fmt: skip
     for principal, path, digests in (
         ("admin", "admin_token_sha256", config.admin_token_sha256),
         ("metrics", "metrics_token_sha256", config.metrics_token_sha256),
+        ("spend_reader", "spend_token_sha256", config.spend_token_sha256),
         ("ingest", "billing.ingest_token_sha256", config.billing.ingest_token_sha256),
     ):
         out += [(principal, f"{path}[{j}]", d) for j, d in enumerate(digests)]

@@ -42,6 +42,7 @@ from infermeter.http_guard import BODY_COMPLETE, RAW_WRITER, RawWriter, ServerLi
 from infermeter.identity import Identity, identity_from_environment, instance_credential
 from infermeter.ids import request_id
 from infermeter.journal import JOURNAL_DIR, recover
+from infermeter.keys import IssuedKeys
 from infermeter.records import RequestStatus
 from infermeter.spool import Spool, SpoolError
 from infermeter.spooldir import BUDGET_OVERRIDES
@@ -62,6 +63,7 @@ from sidecar.drain import Drain
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 from sidecar.fetch import Fetched, fetch
 from sidecar.journal import AdmissionJournal, JournalError
+from sidecar.keysync import KeySync
 from sidecar.lifetime import EVENTS_MAX_BYTES, Lifetime, resource_attributes
 from sidecar.limits import LimitExceeded
 from sidecar.metrics import SidecarMetrics
@@ -143,6 +145,11 @@ class Sidecar:
                                    self.metrics.registry, os.environ.get(settings.budgets.spend_token_env),
                                    self.limiter.redis, settings.shared_limits.key_prefix,
                                    self.override_spool, self.identity.instance)  # fmt: skip
+        # The keys issued at run time, from Redis or billing (the last set read is on disk too).
+        self.keysync = KeySync(self._take_keys, directory, lambda: self.client, config.billing.url,
+                               os.environ.get(settings.budgets.spend_token_env), self.limiter.redis,
+                               settings.shared_limits.key_prefix, settings.key_sync_seconds)  # fmt: skip
+        self.keysync.load()
         self.lifetime = Lifetime(self.identity, directory, settings.heartbeat_seconds,
                                  self.view.replica.gpu_count, engine_metrics_url, self.metrics.registry,
                                  sealer=sealer)  # fmt: skip
@@ -219,6 +226,8 @@ class Sidecar:
         self._tasks.append(asyncio.get_running_loop().create_task(self.nonces.run()))
         if self.settings.budgets.spend_url:
             self._tasks.append(asyncio.get_running_loop().create_task(self.budgets.run()))
+        if self.keysync.enabled:
+            self._tasks.append(asyncio.get_running_loop().create_task(self.keysync.run()))
         if (redis := self.limiter.redis) is not None and self.fair is not None:
             from sidecar.shared_fairness import FairShareSync  # with redis-py, only when shared
 
@@ -294,12 +303,16 @@ class Sidecar:
 
     def reload(self, config: Config) -> None:
         """Apply a new configuration without a restart (keys, limits, approved models)."""
-        self.view = build_view(config, self.replica_id)
+        self.view = build_view(config, self.replica_id, self.keysync.current)
         self.team_names = frozenset(t.name for t in config.teams)
         self.limiter.configure(team_limits(config))
         self.budgets.budgets = {t.name: t.budget_usd_per_month for t in config.teams}
         if self.fair is not None:
             self.fair.priorities = {t.name: t.priority for t in config.teams}
+
+    def _take_keys(self, issued: IssuedKeys) -> None:
+        """Swap in a newer set of keys issued at run time (``sidecar.keysync``)."""
+        self.view = self.view.with_issued(issued)
 
     # -- ASGI ------------------------------------------------------------------------------------
 

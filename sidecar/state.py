@@ -2,18 +2,20 @@
 
 Everything a reload may change (keys, limits, the model registry) lives in one frozen ``View``
 built from the configuration; a reload builds a new one and swaps it in with one assignment, so
-a request in flight keeps the view it started with.
+a request in flight keeps the view it started with. A newer set of keys issued at run time
+(``sidecar.keysync``) is swapped in the same way (``with_issued``).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Final
 
 from infermeter.auth import ADMIN, METRICS, GatewayVerifier, KeyRing
 from infermeter.config import Config, Replica
+from infermeter.keys import IssuedKeys
 from sidecar.bounds import shown
 from sidecar.prefix import PrefixDigester, prefix_digester
 
@@ -86,6 +88,10 @@ class View:
             return self._route
         raise ModelNotFoundError(not_found_message(requested, available))
 
+    def with_issued(self, issued: IssuedKeys) -> View:
+        """This view with ``issued`` as the run-time keys beside the configured ones."""
+        return replace(self, keys=self.keys.with_issued(issued))
+
     @cached_property
     def _route(self) -> Route:
         return Route(self.model, self.served_version)
@@ -101,8 +107,11 @@ def not_found_message(requested: str | None, available: tuple[str, ...]) -> str:
     return f"{head} Available models: {names}{more}."
 
 
-def build_view(config: Config, replica_id: str) -> View:
+def build_view(config: Config, replica_id: str, issued: IssuedKeys | None = None) -> View:
     """The view of ``replica_id``; KeyError if the replica is not configured.
+
+    ``issued``: the team keys issued at run time (``sidecar.keysync``), taken beside the
+    configured ones; a reload keeps the set the sidecar holds.
 
     In gateway mode a signature names the model it is for: this replica's (the audience). The
     memory of nonces served is the sidecar's, not the view's (``sidecar.nonces``): a reload
@@ -125,7 +134,7 @@ def build_view(config: Config, replica_id: str) -> View:
         model=model.name,
         served_version=replica.served_version or model.current_version,
         approved=frozenset(model.approved_versions),
-        keys=KeyRing((t.name, t.api_key_sha256) for t in config.teams),
+        keys=KeyRing(((t.name, t.api_key_sha256) for t in config.teams), issued),
         # The control endpoints (/metrics) are for the scrapers: the admin and metrics roles.
         control=KeyRing(
             [(ADMIN, config.admin_token_sha256), (METRICS, config.metrics_token_sha256)]

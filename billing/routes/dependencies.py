@@ -1,9 +1,10 @@
 """What the routes share: the service's objects on ``app.state``, the caller and its role.
 
-A route names who may call it in its signature (``Manager``, ``Scraper``, ``Ingester``,
-``Reader``, ``Asker``); identifying the caller, checking its role and, for the reading roles
-(``Manager``, ``Reader``, ``Asker``), taking one of its read tokens happen before the handler
-runs, and their failures (401, 403, 429) are mapped once, in ``billing.routes.errors``.
+A route names who may call it in its signature (``Manager``, ``Closer``, ``AllReader``,
+``Spender``, ``KeyReader``, ``Auditor``, ``Scraper``, ``Ingester``, ``Reader``, ``Asker``), from
+the one role model of ``infermeter.auth``; identifying the caller, checking its role and, for the
+reading roles, taking one of its read tokens happen before the handler runs, and their failures
+(401, 403, 429) are mapped once, in ``billing.routes.errors``.
 """
 
 from __future__ import annotations
@@ -19,13 +20,24 @@ from prometheus_client import CollectorRegistry
 
 from billing.chargeback import Chargeback
 from billing.explorer_cache import Months
+from billing.keys import KeyBook
 from billing.ledger import Ledger
 from billing.metrics import IngestCounters
 from billing.ratelimit import ReadLimiter
 from billing.rollups import Rollups
 from billing.statement_cache import CachedChargeback
 from billing.writers import WriterGate
-from infermeter.auth import INGESTERS, MANAGERS, SCRAPERS, Caller, KeyRing, identify
+from infermeter.auth import (
+    AUDITORS,
+    CLOSERS,
+    INGESTERS,
+    KEY_READERS,
+    MANAGERS,
+    READ_ALL,
+    SCRAPERS,
+    Caller,
+    identify,
+)
 from infermeter.config import Config
 from infermeter.errors import BadRequest
 from infermeter.months import MONTH_PATTERN, check_month
@@ -33,14 +45,19 @@ from infermeter.months import MONTH_PATTERN, check_month
 T = TypeVar("T")
 
 __all__ = [
+    "AllReader",
     "Asker",
+    "Auditor",
+    "Closer",
     "Ingester",
+    "KeyReader",
     "Manager",
     "Month",
     "Reader",
     "Scraper",
     "Services",
     "ServicesDep",
+    "Spender",
     "Who",
     "compute",
 ]
@@ -52,7 +69,8 @@ class Services:
 
     config: Config
     ledger: Ledger
-    ring: KeyRing
+    # The configured keys and, beside them, the keys issued at run time (``keys``).
+    keys: KeyBook
     # Closing uses ``chargeback``; every statement and spend answer goes through ``statements``
     # (the files, spend, /metrics and the query routes from its cache, at most one dashboard
     # refresh old; /v1/chargeback/{month} computed afresh), shared by concurrent asks.
@@ -86,7 +104,7 @@ ServicesDep = Annotated[Services, Depends(services)]
 
 def caller(svc: ServicesDep, authorization: Annotated[str | None, Header()] = None) -> Caller:
     """The identified caller; Unauthenticated (401) when the credential is missing or unknown."""
-    return identify(svc.ring, authorization)
+    return identify(svc.keys.ring, authorization)
 
 
 Who = Annotated[Caller, Depends(caller)]
@@ -104,6 +122,36 @@ def manager(who: Who, svc: ServicesDep) -> Caller:
     return asker(who, svc)
 
 
+def closer(who: Who, svc: ServicesDep) -> Caller:
+    """The admin or finance (closing and reopening months)."""
+    who.require(CLOSERS)
+    return asker(who, svc)
+
+
+def all_reader(who: Who, svc: ServicesDep) -> Caller:
+    """A reader of every team: the admin, finance or a viewer."""
+    who.require(READ_ALL)
+    return asker(who, svc)
+
+
+def spender(who: Who, svc: ServicesDep) -> Caller:
+    """Whoever may read month-to-date spend: readers, teams and the sidecars' spend_reader."""
+    who.require_spend()
+    return asker(who, svc)
+
+
+def key_reader(who: Who) -> Caller:
+    """The admin or the sidecars' spend_reader: the issued keys' digests."""
+    who.require(KEY_READERS)
+    return who
+
+
+def auditor(who: Who, svc: ServicesDep) -> Caller:
+    """The admin: the audit trail."""
+    who.require(AUDITORS)
+    return asker(who, svc)
+
+
 def scraper(who: Who) -> Caller:
     """The admin or the metrics role."""
     who.require(SCRAPERS)
@@ -117,7 +165,7 @@ def ingester(who: Who) -> Caller:
 
 
 def reader(who: Who, svc: ServicesDep) -> Caller:
-    """The admin (every team) or a team (its own data); the other roles may not read."""
+    """A reader of every team, or a team (its own data); the other roles may not read."""
     who.require_reader()
     return asker(who, svc)
 
@@ -127,6 +175,11 @@ Scraper = Annotated[Caller, Depends(scraper)]
 Ingester = Annotated[Caller, Depends(ingester)]
 Reader = Annotated[Caller, Depends(reader)]
 Asker = Annotated[Caller, Depends(asker)]
+Closer = Annotated[Caller, Depends(closer)]
+AllReader = Annotated[Caller, Depends(all_reader)]
+Spender = Annotated[Caller, Depends(spender)]
+KeyReader = Annotated[Caller, Depends(key_reader)]
+Auditor = Annotated[Caller, Depends(auditor)]
 
 
 def month(month: Annotated[str, Path(json_schema_extra={"pattern": MONTH_PATTERN})]) -> str:

@@ -28,8 +28,8 @@ router = APIRouter()
 
 
 def _team(who: Caller, team: str | None) -> str | None:
-    """The team view ``who`` gets when asking for ``team`` (None: the whole fleet, admin only)."""
-    if who.is_admin:
+    """The team view ``who`` gets when asking for ``team`` (None: the whole fleet, readers of all)."""
+    if who.reads_all:
         return team
     if team is not None and team != who.team:
         who.require_team(team)

@@ -4,7 +4,7 @@ Each event has a time (``at``, Unix seconds), a ``kind``, a one-line ``title`` a
 that says why:
 
 - ``scale_up`` / ``scale_down``: the autoscaler changed a model's desired count
-  (``scaling_decisions``); the detail is the policy's reasons. Fleet-wide, so the admin only.
+  (``scaling_decisions``); the detail is the policy's reasons. Fleet-wide: readers of all only.
 - ``month_close``: a month's statement was frozen (``months.closed_at``); any caller.
 - ``price_change``: the price book changed. The price book (``prices``) carries no dates, so
   there are none; ``price_changes`` in the answer says so.
@@ -46,7 +46,7 @@ async def events(
     if end <= start:
         raise BadRequest(f"the range must have to > from (from={start}, to={end})",
                          code="invalid_value")  # fmt: skip
-    found = await run_in_threadpool(_read, svc.ledger, start, end, who.is_admin)
+    found = await run_in_threadpool(_read, svc.ledger, start, end, who.reads_all)
     return {"from": start, "to": end, "events": found, "price_changes": NO_PRICE_CHANGES}
 
 

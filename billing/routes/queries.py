@@ -36,11 +36,12 @@ router = APIRouter()
 def scope(caller: Caller, query: queries.Query, team: str | None) -> str | None:
     """The team filter ``caller`` gets for ``query`` when it asks for ``team``.
 
-    The admin gets what it asks for (None: every team); the metrics role, a query open to
-    scrapers, over every team. A team always gets its own team; Forbidden when it asks for
-    another, for a fleet-wide query, or when the caller is another role (metrics, ingest).
+    A reader of every team (admin, finance, viewer) gets what it asks for (None: every team); the
+    metrics role, a query open to scrapers, over every team. A team always gets its own team;
+    Forbidden when it asks for another, for a fleet-wide query, or when the caller is another
+    role (metrics, ingest, spend_reader).
     """
-    if caller.is_admin:
+    if caller.reads_all:
         return team
     if query.scrapers and caller.name in SCRAPERS:
         return None
@@ -69,19 +70,21 @@ async def statement(who: Reader, month: Month, svc: ServicesDep) -> Response:
 async def spend(who: Reader, svc: ServicesDep) -> Response:
     """Month-to-date spend, budget and forecast (as ``/v1/spend``), from the cached statement."""
     entry = await compute(svc, svc.statements.current)
-    body = spend_rows(entry, svc.config, None if who.is_admin else who.team)
+    body = spend_rows(entry, svc.config, who.scope)
     return json_response(body, lifetime_headers(entry, time.time()))
 
 
 @router.get("/v1/query", responses=errors(*READ))
 async def index(who: Reader, svc: ServicesDep) -> dict[str, Any]:
     """The queries there are, and who the caller is (the dashboard's sign-in check)."""
-    visible = [t.name for t in svc.config.teams] if who.is_admin else [who.team]
+    visible = [t.name for t in svc.config.teams] if who.reads_all else [who.team]
+    caller = {"name": who.name, "team": who.team, "is_admin": who.is_admin,
+              "reads_all": who.reads_all, "role": who.role, "who": who.who}  # fmt: skip
     return {
-        "caller": {"name": who.name, "team": who.team, "is_admin": who.is_admin},
+        "caller": caller,
         "teams": visible,
         "queries": {
-            name: q.doc for name, q in queries.QUERIES.items() if who.is_admin or q.per_team
+            name: q.doc for name, q in queries.QUERIES.items() if who.reads_all or q.per_team
         },
     }
 

@@ -3,7 +3,7 @@
 The sidecar's ``request_id``, vLLM's response id (``chatcmpl-...``) and the caller's own
 ``x-request-id`` each find the record (``billing.lookup``). A team key sees only its own team's
 records, so an id of another team's request finds nothing rather than a 403: whether an id
-exists elsewhere is not the team's to learn. The admin sees every team's.
+exists elsewhere is not the team's to learn. A reader of every team (admin, finance, viewer) sees every team's.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ async def usage_records_by_id(
     limit: Annotated[int, Query(ge=1, le=MAX_RECORDS)] = 20,
 ) -> Response:
     """The usage records whose ``by`` id (any of the three, by default) is ``id``, newest first."""
-    lookup = Lookup(id, by, None if who.is_admin else who.team, limit)
+    lookup = Lookup(id, by, who.scope, limit)
     rows = await run_in_threadpool(_run, svc.ledger, lookup)
     return json_response({"records": rows})
 

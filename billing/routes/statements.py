@@ -1,8 +1,10 @@
 """Statements and what is made of them: months, closing, the JSON, CSV and FOCUS files, spend.
 
-The admin sees every team's lines; a team sees its own (the same rule for the JSON and for
-the files); the metrics and ingest roles see none. Months, closing and the Parquet export of
-the whole ledger are the admin's.
+A reader of every team (admin, finance, viewer) sees every team's lines; a team sees its own
+(the same rule for the JSON and for the files); the metrics, ingest and spend_reader roles see
+none. The months are for readers of every team, closing one is the admin's and finance's (and
+audited), the Parquet export of the whole ledger the admin's. Spend is also the sidecars'
+(spend_reader).
 """
 
 from __future__ import annotations
@@ -11,15 +13,27 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from billing.routes.dependencies import Manager, Month, Reader, Services, ServicesDep, compute
+from billing import audit
+from billing.routes.dependencies import (
+    AllReader,
+    Closer,
+    Manager,
+    Month,
+    Reader,
+    Services,
+    ServicesDep,
+    Spender,
+    compute,
+)
 from billing.routes.openapi import CSV, READ, errors, text
 from billing.routes.responses import download, json_response, spend_rows
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
+from infermeter.audit import AuditEvent, audit_event
 from infermeter.auth import Caller
 from infermeter.statement import Statement, for_team, statement_json
 
@@ -38,17 +52,26 @@ async def _statement(svc: Services, month: str, who: Caller) -> Statement:
 
 
 @router.get("/v1/months", responses=errors(*READ))
-async def months(_: Manager, svc: ServicesDep) -> list[dict[str, Any]]:
-    """Months the ledger has data for, and whether each is closed (admin)."""
+async def months(_: AllReader, svc: ServicesDep) -> list[dict[str, Any]]:
+    """Months the ledger has data for, and whether each is closed (readers of every team)."""
     return await run_in_threadpool(svc.ledger.months)
 
 
 @router.post("/v1/months/{month}/close", responses=errors(400, *READ, 409))
-async def close(_: Manager, month: Month, svc: ServicesDep) -> dict[str, Any]:
-    """Freeze a month's statement (admin)."""
+async def close(who: Closer, month: Month, svc: ServicesDep, request: Request) -> dict[str, Any]:
+    """Freeze a month's statement (admin, finance); the close is on the audit trail."""
     statement = await compute(svc, svc.chargeback.close, month)
     await compute(svc, svc.statements.recompute, month)
+    address = request.client.host if request.client else None
+    event = audit_event("month.closed", who.who, who.role, "billing", target=f"month:{month}",
+                        detail={"total_cents": statement.total_cents}, address=address)  # fmt: skip
+    await run_in_threadpool(_audited, svc, event)
     return statement_json(statement, None)
+
+
+def _audited(svc: Services, event: AuditEvent) -> None:
+    with svc.ledger.writing() as cur:
+        audit.append(cur, [event], time.time())
 
 
 # Declared before ``{month}.csv``, which would otherwise take "2026-12.focus.csv" with the
@@ -81,15 +104,16 @@ async def chargeback_json(who: Reader, month: Month, svc: ServicesDep) -> Respon
 
 
 @router.get("/v1/spend", responses=errors(*READ))
-async def spend(who: Reader, svc: ServicesDep) -> list[dict[str, Any]]:
-    """Month-to-date spend, budget and forecast: every team for the admin, its own for a team.
+async def spend(who: Spender, svc: ServicesDep) -> list[dict[str, Any]]:
+    """Month-to-date spend, budget and forecast: every team for readers of every team and the
+    sidecars' spend_reader, its own for a team.
 
     From the cached statement of the month, at most ``billing.statement_ttl_seconds`` old (the
     sidecars of a large fleet all ask for it). Each row's ``as_of`` is when the ledger was read;
     the forecast is extrapolated from then.
     """
     entry = await compute(svc, svc.statements.current)
-    return spend_rows(entry, svc.config, None if who.is_admin else who.team)
+    return spend_rows(entry, svc.config, who.team)
 
 
 @router.post("/v1/admin/export", responses=errors(*READ))

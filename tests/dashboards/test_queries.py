@@ -182,7 +182,8 @@ def test_index_names_the_caller(client):
     body = client.get(
         "/v1/query", headers={"authorization": f"Bearer {TEAM_KEYS['search']}"}
     ).json()
-    assert body["caller"] == {"name": "search", "team": "search", "is_admin": False}
+    assert body["caller"] == {"name": "search", "team": "search", "is_admin": False,
+                              "reads_all": False, "role": "member", "who": "search"}  # fmt: skip
     assert body["teams"] == ["search"]
     assert "gpus" not in body["queries"]
 

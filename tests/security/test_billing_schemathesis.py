@@ -54,12 +54,17 @@ def checks_for(case: Any) -> list[Any]:
 
     Two refusals of schema-valid requests are right and cannot be told apart in OpenAPI: an
     Arrow body is "binary" to it, and most bytes are not an Arrow stream (400); a query's range
-    (and the fleet's range of decisions) must have ``to`` after ``from``, and a query's span at
-    most 93 days, a rule between two parameters (400). Those cases are held to every check but
+    (and the fleet's range of decisions, the audit trail's) must have ``to`` after ``from``, and a
+    query's span at most 93 days, a rule between two parameters (400). Those cases are held to every check but
     the acceptance of schema-valid data.
     """
     arrow = case.media_type == ARROW_STREAM
-    ranged = case.path in ("/v1/query/{name}", "/v1/fleet") and bool(case.query)
+    ranged = case.path in ("/v1/query/{name}", "/v1/fleet", "/v1/audit", "/v1/audit.csv") and bool(
+        case.query
+    )
+    # A key is issued for a team the configuration names, with one expiry form, a rotation's
+    # grace at most a week: rules between a body and the configuration.
+    ranged = ranged or case.path in ("/v1/keys", "/v1/keys/{key_id}/rotate")
     return [c for c in CHECKS if c is not positive_data_acceptance or not (arrow or ranged)]
 
 

@@ -43,6 +43,7 @@ def _own_keys(data: dict[str, Any]) -> dict[str, Any]:
         team["api_key_sha256"] = [hash_key(f"own key of {team['name']}")]
     data["admin_token_sha256"] = [hash_key("own admin token")]
     data["metrics_token_sha256"] = [hash_key("own metrics token")]
+    data["spend_token_sha256"] = [hash_key("own spend token")]
     data["billing"]["ingest_token_sha256"] = [hash_key("own ingest token")]
     return data
 

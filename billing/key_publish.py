@@ -1,0 +1,74 @@
+"""Billing's copy of the issued keys in Redis, where the sidecars read it (``sidecar.keysync``).
+
+After each change billing writes the set, then its version (so a sidecar that sees the version
+finds the set at least that new), in one MULTI. Redis may be down at that moment, or restarted
+empty later: ``keep`` checks every ``CHECK_SECONDS`` that Redis holds billing's version and writes
+the set again when it does not. Meanwhile the sidecars read billing's route instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from typing import Final
+
+import orjson
+import redis
+from redis.exceptions import RedisError
+
+from infermeter.config import SharedLimitsSettings
+from infermeter.keys import IssuedKeys, redis_keys
+
+__all__ = ["CHECK_SECONDS", "RedisPublisher"]
+
+log = logging.getLogger("infermeter.billing")
+
+CHECK_SECONDS: Final = 2.0
+
+
+class RedisPublisher:
+    """Writes the issued keys under the sidecars' key prefix."""
+
+    def __init__(self, settings: SharedLimitsSettings, client: redis.Redis | None = None) -> None:
+        assert settings.redis_url is not None
+        password = os.environ.get(settings.password_env) or None
+        timeout = max(settings.timeout_millis / 1000, 0.5)
+        self.client = client or redis.Redis.from_url(
+            settings.redis_url, password=password, socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+        )  # fmt: skip
+        self.set_key, self.version_key = redis_keys(settings.key_prefix)
+        self._failing = False
+
+    def publish(self, keys: IssuedKeys) -> None:
+        """Write ``keys`` and its version; a failure is logged (``keep`` writes it again)."""
+        try:
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.set(self.set_key, orjson.dumps(keys.to_json()))
+                pipe.set(self.version_key, keys.version)
+                pipe.execute()
+        except (RedisError, OSError) as exc:
+            if not self._failing:
+                log.warning("issued keys not written to Redis (%s); the sidecars read billing", exc)
+            self._failing = True
+            return
+        if self._failing:
+            log.info("issued keys written to Redis again")
+        self._failing = False
+
+    def check(self, keys: IssuedKeys) -> None:
+        """Write ``keys`` unless Redis holds its version already."""
+        try:
+            held = self.client.get(self.version_key)
+        except (RedisError, OSError):
+            held = None
+        if not isinstance(held, bytes | str) or int(held) != keys.version:
+            self.publish(keys)
+
+    async def keep(self, current: Callable[[], IssuedKeys]) -> None:
+        """Check every ``CHECK_SECONDS`` that Redis holds the set ``current`` gives."""
+        while True:
+            await asyncio.to_thread(self.check, current())
+            await asyncio.sleep(CHECK_SECONDS)

@@ -1,0 +1,198 @@
+"""Keys issued at run time, kept in the ledger (``api_keys``), and the ring billing checks them in.
+
+``KeyBook`` is billing's one holder of them: it issues, rotates and revokes (each change and its
+audit event in one transaction), lists them for who may see them, and keeps ``ring`` (the
+configured keys and the issued ones in force) current, replacing it whole after each change. A
+``Publisher`` then tells the sidecars (``billing.key_publish``: Redis); without one they poll
+``GET /v1/keys/active``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import fields, replace
+from typing import Any, Final, Protocol
+
+import duckdb
+
+from billing import audit
+from billing.ledger import Ledger
+from infermeter.audit import audit_event
+from infermeter.auth import Caller, Forbidden, KeyRing
+from infermeter.errors import BadRequest
+from infermeter.keys import IssuedKey, IssuedKeys, KeyRequestError, new_key, rotated
+
+__all__ = ["KeyBook", "KeyNotFoundError", "Publisher"]
+
+log = logging.getLogger("infermeter.billing")
+
+_COLUMNS: Final = tuple(f.name for f in fields(IssuedKey))
+_NAMES: Final = ", ".join(_COLUMNS)
+# The longest a rotated key may keep working beside its successor.
+MAX_GRACE_SECONDS: Final = 7 * 86400.0
+
+
+class KeyNotFoundError(LookupError):
+    """No issued key has that id (or not one the caller may see): HTTP 404."""
+
+
+class Publisher(Protocol):
+    """Where the sidecars read the set from, besides billing itself."""
+
+    def publish(self, keys: IssuedKeys) -> None:
+        """Make ``keys`` the set the sidecars read; never raises (a failure is retried later)."""
+        ...
+
+
+class KeyBook:
+    """The issued keys: the ledger's rows, and the ring of the ones in force."""
+
+    def __init__(self, ledger: Ledger, configured: KeyRing, teams: Iterable[str],
+                 publisher: Publisher | None = None) -> None:  # fmt: skip
+        self._ledger = ledger
+        self._lock = threading.Lock()
+        self._configured = configured
+        self.teams = frozenset(teams)
+        self.publisher = publisher
+        self.issued = self._load()
+        self.ring = configured.with_issued(self.issued)
+
+    def reconfigure(self, configured: KeyRing, teams: Iterable[str]) -> None:
+        """Adopt the configured keys and teams of a reloaded configuration."""
+        with self._lock:
+            self._configured = configured
+            self.teams = frozenset(teams)
+            self.ring = configured.with_issued(self.issued)
+
+    # -- changes ---------------------------------------------------------------------------
+
+    def create(self, request: dict[str, Any], creator: Caller,
+               address: str | None) -> tuple[IssuedKey, str]:  # fmt: skip
+        """Issue the key ``request`` asks for; the key and its secret (shown once, never kept).
+
+        BadRequest for a request that cannot be issued, Forbidden for a key the creator may not.
+        """
+        why = _why(request.pop("reason", ""))
+        now = time.time()
+        try:
+            issued, secret = new_key(request, self.teams, creator, now)
+        except KeyRequestError as exc:
+            raise BadRequest(str(exc), code="invalid_value") from None
+        event = _event("key.created", creator, issued, why, address, now)
+        self._write([issued], [event])
+        return issued, secret
+
+    def revoke(self, key_id: str, caller: Caller, address: str | None, why: str) -> IssuedKey:
+        """Revoke ``key_id`` now (a key revoked already is returned as it is, with no event)."""
+        old = self._managed(key_id, caller)
+        if old.revoked_at is not None:
+            return old
+        now = time.time()
+        gone = replace(old, revoked_at=now)
+        self._write([gone], [_event("key.revoked", caller, gone, _why(why), address, now)])
+        return gone
+
+    def rotate(self, key_id: str, caller: Caller, address: str | None, why: str,
+               grace_seconds: float = 0.0) -> tuple[IssuedKey, str]:  # fmt: skip
+        """A new key in place of ``key_id``, and its secret; the old one is revoked now, or
+        expires after ``grace_seconds`` (at most a week) so clients can move over."""
+        old = self._managed(key_id, caller)
+        now = time.time()
+        if not old.active(now):
+            raise BadRequest(
+                f"key {key_id} is revoked or expired: issue a new one", code="invalid_value"
+            )
+        if not 0 <= grace_seconds <= MAX_GRACE_SECONDS:
+            raise BadRequest("grace_seconds: from 0 to 604800 (a week)", code="invalid_value")
+        fresh, secret = rotated(old, caller, now)
+        if grace_seconds:
+            until = now + grace_seconds
+            ending = min(old.expires_at or until, until)
+            done = replace(old, expires_at=ending, replaced_by=fresh.key_id)
+        else:
+            done = replace(old, revoked_at=now, replaced_by=fresh.key_id)
+        event = _event("key.rotated", caller, done, _why(why), address, now,
+                       {"new_key_id": fresh.key_id, "grace_seconds": grace_seconds})  # fmt: skip
+        self._write([done, fresh], [event])
+        return fresh, secret
+
+    def _managed(self, key_id: str, caller: Caller) -> IssuedKey:
+        """The key ``key_id`` if ``caller`` manages it; KeyNotFoundError, else Forbidden."""
+        with self._ledger.reader() as cur:
+            row = cur.execute(
+                f"SELECT {_NAMES} FROM api_keys WHERE key_id = ?", [key_id]
+            ).fetchone()
+        if row is None:
+            raise KeyNotFoundError(f"no issued key {key_id!r}")
+        key = IssuedKey(**dict(zip(_COLUMNS, row, strict=True)))
+        if not caller.may_manage_keys(key.team) or (not caller.is_admin and key.role != "member"):
+            raise Forbidden(f"this credential may not manage key {key_id}")
+        return key
+
+    def _write(self, keys: list[IssuedKey], events: list[Any]) -> None:
+        """Keep ``keys`` (new or changed) and ``events`` in one transaction, then swap the ring."""
+        with self._lock:
+            with self._ledger.writing() as cur:
+                seq = _next_seq(cur)
+                for key in keys:
+                    cur.execute(
+                        f"INSERT OR REPLACE INTO api_keys ({_NAMES}, changed_seq) "
+                        f"VALUES ({', '.join('?' * (len(_COLUMNS) + 1))})",
+                        [*(getattr(key, c) for c in _COLUMNS), seq],
+                    )
+                audit.append(cur, events, time.time())
+            self.issued = self._load()
+            self.ring = self._configured.with_issued(self.issued)
+        if self.publisher is not None:
+            self.publisher.publish(self.issued)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def listing(self, caller: Caller, revoked: bool = False) -> list[IssuedKey]:
+        """The keys ``caller`` manages: every key for the admin, its team's for a lead."""
+        if not (caller.is_admin or caller.lead):
+            raise Forbidden("this credential may not list keys")
+        where = "" if revoked else "WHERE revoked_at IS NULL"
+        with self._ledger.reader() as cur:
+            rows = cur.execute(
+                f"SELECT {_NAMES} FROM api_keys {where} ORDER BY created_at, key_id"
+            ).fetchall()
+        keys = [IssuedKey(**dict(zip(_COLUMNS, r, strict=True))) for r in rows]
+        return [k for k in keys if caller.is_admin or k.team == caller.team]
+
+    def _load(self) -> IssuedKeys:
+        """The keys not revoked, at the version of the last change."""
+        with self._ledger.reader() as cur:
+            rows = cur.execute(
+                f"SELECT {_NAMES} FROM api_keys WHERE revoked_at IS NULL ORDER BY key_id"
+            ).fetchall()
+            version = _version(cur)
+        return IssuedKeys.of(
+            version, (IssuedKey(**dict(zip(_COLUMNS, r, strict=True))) for r in rows)
+        )
+
+
+def _version(cur: duckdb.DuckDBPyConnection) -> int:
+    row = cur.execute("SELECT coalesce(max(changed_seq), 0) FROM api_keys").fetchone()
+    return int(row[0]) if row else 0
+
+
+def _next_seq(cur: duckdb.DuckDBPyConnection) -> int:
+    return _version(cur) + 1
+
+
+def _why(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 500:
+        raise BadRequest("reason: a string of at most 500 characters", code="invalid_value")
+    return value
+
+
+def _event(action: str, caller: Caller, key: IssuedKey, why: str, address: str | None,
+           now: float, extra: dict[str, Any] | None = None) -> Any:  # fmt: skip
+    detail = {"team": key.team, "role": key.role, "member": key.member, "project": key.project,
+              "expires_at": key.expires_at} | (extra or {})  # fmt: skip
+    return audit_event(action, caller.who, caller.role, "billing", target=f"key:{key.key_id}",
+                       detail=detail, why=why, address=address, at=now)  # fmt: skip

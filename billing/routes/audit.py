@@ -1,0 +1,127 @@
+"""The audit trail: the services' events in (``POST /v1/ingest/audit``), the admin's reads out.
+
+A service ships its spooled events as any writer ships records: NDJSON with its own credential,
+or the lines as on disk (sealed) for billing to open one by one. Each event is kept once (by
+``event_id``) with the writer that sent it as its ``source``; a line that does not open, or is
+not an event, is answered as rejected with its reason (the shipper keeps it in
+``rejected.jsonl``). Reading is the admin's: ``GET /v1/audit`` and ``GET /v1/audit.csv``. No
+route updates or deletes an event.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import time
+from typing import Annotated, Any
+
+import orjson
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from billing import audit
+from billing.routes.body import read_body
+from billing.routes.dependencies import Auditor, Services, ServicesDep
+from billing.routes.ingest import Sending
+from billing.routes.openapi import CSV, READ, errors, text
+from billing.routes.responses import download, json_response
+from infermeter.audit import ACTIONS, AuditEvent, AuditEventError, parse_event
+from infermeter.errors import BadRequest
+from infermeter.wire import NDJSON
+from infermeter.writers import SEALED_NDJSON
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+_BODY = {"requestBody": {"required": True, "content": {
+    NDJSON: {"schema": {"type": "string", "description": "One audit event per line."}}}}}  # fmt: skip
+
+
+@router.post("/v1/ingest/audit", responses=errors(400, 401, 403, 408, 413, 503),
+             openapi_extra=_BODY)  # fmt: skip
+async def ingest(request: Request, who: Sending, svc: ServicesDep) -> Response:
+    """Keep a batch of a service's audit events; answer only after it is committed."""
+    b = svc.config.billing
+    body = await read_body(request, b.max_body_bytes, b.body_read_timeout_seconds)
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    sender = who.writer.principal if who.writer is not None else "@ingest"
+    if media == SEALED_NDJSON:
+        opened = svc.writers.open(body)
+        lines = [(pos, line, g.writer.principal) for g in opened.groups
+                 for pos, line in zip(g.places, g.records, strict=True)]  # fmt: skip
+        refused = [{"id": f"#{u.pos}", "reason": u.reason} for u in opened.unopened]
+    else:
+        parts = body.split(b"\n")
+        lines = [(pos, line, sender) for pos, line in enumerate(parts, start=1) if line.strip()]
+        refused = []
+    events: list[AuditEvent] = []
+    now = time.time()
+    for pos, line, source in lines:
+        try:
+            events.append(parse_event(orjson.loads(line), source, now, b.max_clock_skew_seconds))
+        except (orjson.JSONDecodeError, AuditEventError) as exc:
+            refused.append({"id": f"#{pos}", "reason": f"not an audit event: {exc}"})
+    kept = await run_in_threadpool(_append, svc, events, now)
+    return json_response({"kind": "audit", "kept": kept, "rejected": refused, "quarantined": []})
+
+
+def _append(svc: Services, events: list[AuditEvent], now: float) -> int:
+    with svc.ledger.writing() as cur:
+        return audit.append(cur, events, now)
+
+
+def _range(start: float | None, end: float | None) -> tuple[float, float]:
+    end = time.time() if end is None else end
+    start = end - 30 * 86_400.0 if start is None else start
+    if end <= start:
+        raise BadRequest(f"the range must have to > from (from={start}, to={end})",
+                         code="invalid_value")  # fmt: skip
+    return start, end
+
+
+def _read(svc: Services, start: float, end: float, actions: list[str]) -> list[dict[str, Any]]:
+    unknown = sorted(set(actions) - ACTIONS)
+    if unknown:
+        raise BadRequest(f"unknown action(s): {', '.join(unknown)}", code="invalid_value")
+    with svc.ledger.reader() as cur:
+        return audit.read(cur, start, end, actions)
+
+
+From = Annotated[float | None, Query(alias="from", allow_inf_nan=False)]
+To = Annotated[float | None, Query(alias="to", allow_inf_nan=False)]
+Actions = Annotated[
+    list[str] | None,
+    Query(alias="action", json_schema_extra={"items": {"type": "string", "enum": sorted(ACTIONS)}}),
+]
+
+
+@router.get("/v1/audit", responses=errors(400, *READ))
+async def read(_: Auditor, svc: ServicesDep, start: From = None, end: To = None,
+               action: Actions = None) -> dict[str, Any]:  # fmt: skip
+    """The events of ``from``..``to`` (Unix seconds; default: the last 30 days), oldest first."""
+    start, end = _range(start, end)
+    found = await run_in_threadpool(_read, svc, start, end, action or [])
+    return {"from": start, "to": end, "events": found}
+
+
+@router.get("/v1/audit.csv", responses=text(CSV, "The audit trail as CSV.") | errors(400, *READ))
+async def export(_: Auditor, svc: ServicesDep, start: From = None, end: To = None,
+                 action: Actions = None) -> Response:  # fmt: skip
+    """The same events as a CSV file, for an auditor's spreadsheet (cells that a spreadsheet
+    would run as a formula are prefixed with ``'``)."""
+    start, end = _range(start, end)
+    found = await run_in_threadpool(_read, svc, start, end, action or [])
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(audit.COLUMNS)
+    for row in found:
+        writer.writerow([_cell(row[c]) for c in audit.COLUMNS])
+    return download(out.getvalue(), f"audit-{int(start)}-{int(end)}.csv")
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value

@@ -1,0 +1,150 @@
+"""``infermeter keys create|list|revoke|rotate``: keys issued at run time, through billing's API.
+
+The command is a client of ``/v1/keys`` (billing keeps the keys, ``billing.keys``), run with the
+admin token or a team lead's key in ``$INFERMETER_TOKEN`` (else ``$INFERMETER_ADMIN_TOKEN``). A
+new key's secret is printed once, alone on stdout, so a script can take it
+(``KEY=$(infermeter keys create --team search)``); what it is for goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import TYPE_CHECKING, Any, Final
+
+from infermeter.commands import CommandError, Subparsers, add_config
+
+if TYPE_CHECKING:
+    from infermeter.config import Config
+
+__all__ = ["parse_duration", "register"]
+
+TOKEN_ENVS: Final = ("INFERMETER_TOKEN", "INFERMETER_ADMIN_TOKEN")
+_DURATION: Final = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)$")
+_UNITS: Final = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90``, ``90s``, ``15m``, ``12h``, ``30d`` or ``2w``; ArgumentTypeError else."""
+    found = _DURATION.match(text.strip())
+    if not found:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration such as 3600, 15m, 12h, 30d or 2w")
+    return float(found.group(1)) * _UNITS[found.group(2)]
+
+
+def register(subparsers: Subparsers) -> None:
+    """Add ``keys`` and its actions."""
+    cmd = subparsers.add_parser(
+        "keys",
+        help="issue, list, rotate and revoke API keys at run time (billing's /v1/keys)",
+        description=(
+            "Manage the API keys billing issues at run time: per team, with an optional member, "
+            "project, expiry, limits and budget. Runs with the admin token, or a team lead's key, "
+            f"in ${TOKEN_ENVS[0]} (else ${TOKEN_ENVS[1]}). A new key is printed once."
+        ),
+    )
+    add_config(cmd)
+    cmd.add_argument("--billing-url", help="billing's URL (default: billing.url)")
+    actions = cmd.add_subparsers(dest="action", metavar="ACTION", required=True)
+    create = actions.add_parser("create", help="issue a key; its secret is printed once")
+    add_config(create, nested=True)
+    create.add_argument("--team", help="the team the key is for (member and lead keys)")
+    create.add_argument("--role", default="member",
+                        choices=("member", "lead", "finance", "viewer", "spend_reader"))  # fmt: skip
+    create.add_argument("--member", help="who in the team holds it (a label)")
+    create.add_argument("--project", help="what it is for (a label)")
+    create.add_argument("--expires-in", type=parse_duration, metavar="DURATION",
+                        help="it stops working after this (15m, 12h, 30d); default: never")  # fmt: skip
+    create.add_argument("--requests-per-minute", type=int, metavar="N")
+    create.add_argument("--tokens-per-minute", type=int, metavar="N")
+    create.add_argument("--max-concurrent", type=int, metavar="N")
+    create.add_argument(
+        "--budget-usd", type=float, metavar="USD", help="a monthly budget of its own"
+    )
+    create.add_argument("--reason", default="", help="why, for the audit trail")
+    listing = actions.add_parser("list", help="the keys you manage (never a secret)")
+    add_config(listing, nested=True)
+    listing.add_argument("--revoked", action="store_true", help="revoked keys too")
+    for name, text in (("revoke", "revoke a key now"),
+                       ("rotate", "issue a key in place of another; the new secret is printed")):  # fmt: skip
+        action = actions.add_parser(name, help=text)
+        add_config(action, nested=True)
+        action.add_argument("key_id", metavar="KEY_ID")
+        action.add_argument("--reason", default="", help="why, for the audit trail")
+        if name == "rotate":
+            action.add_argument("--grace", type=parse_duration, default=0.0, metavar="DURATION",
+                                help="how long the old key keeps working (at most 7d)")  # fmt: skip
+    cmd.set_defaults(handler=_keys)
+
+
+def _keys(args: argparse.Namespace, config: Config) -> int:
+    token = next((os.environ[v] for v in TOKEN_ENVS if os.environ.get(v)), None)
+    if token is None:
+        raise CommandError(f"set ${TOKEN_ENVS[0]} to the admin token or a team lead's key")
+    url = (args.billing_url or config.billing.url).rstrip("/")
+    if args.action == "create":
+        body = {k: v for k, v in {
+            "team": args.team, "role": args.role, "member": args.member, "project": args.project,
+            "expires_in_seconds": args.expires_in, "requests_per_minute": args.requests_per_minute,
+            "tokens_per_minute": args.tokens_per_minute, "max_concurrent": args.max_concurrent,
+            "budget_usd_per_month": args.budget_usd, "reason": args.reason,
+        }.items() if v is not None}  # fmt: skip
+        return _issued(_call(url, token, "POST", "/v1/keys", body))
+    if args.action == "list":
+        found = _call(url, token, "GET", "/v1/keys" + ("?revoked=true" if args.revoked else ""))
+        _table(found["keys"])
+        return 0
+    if args.action == "revoke":
+        gone = _call(url, token, "POST", f"/v1/keys/{args.key_id}/revoke", {"reason": args.reason})
+        print(f"revoked {gone['key_id']} (team {gone['team'] or '-'}, role {gone['role']})",
+              file=sys.stderr)  # fmt: skip
+        return 0
+    body = {"reason": args.reason, "grace_seconds": args.grace}
+    return _issued(_call(url, token, "POST", f"/v1/keys/{args.key_id}/rotate", body))
+
+
+def _issued(found: dict[str, Any]) -> int:
+    print(found["key"])
+    whose = f"team {found['team']}" if found["team"] else "no team"
+    print(f"key {found['key_id']}: {found['role']}, {whose}; the secret above is shown this once",
+          file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def _call(url: str, token: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    import httpx
+
+    try:
+        answer = httpx.request(method, url + path, json=body, timeout=30,
+                               headers={"authorization": f"Bearer {token}"})  # fmt: skip
+    except httpx.HTTPError as exc:
+        raise CommandError(f"billing at {url} did not answer: {exc}", code=1) from None
+    if answer.status_code >= 400:
+        try:
+            message = answer.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = answer.text[:200]
+        raise CommandError(f"billing refused: HTTP {answer.status_code}: {message}")
+    return answer.json()
+
+
+def _table(keys: list[dict[str, Any]]) -> None:
+    columns = ("key_id", "role", "team", "member", "project", "expires_at", "revoked_at",
+               "requests_per_minute", "tokens_per_minute", "max_concurrent", "budget_usd_per_month")  # fmt: skip
+    rows = [[_shown(k.get(c)) for c in columns] for k in keys]
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+    for line in ([list(columns)], rows):
+        for row in line:
+            print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and value > 946684800:
+        import time
+
+        return time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(value))
+    return str(value)

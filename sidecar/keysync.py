@@ -1,0 +1,151 @@
+"""A sidecar's copy of the keys issued at run time, kept current within the propagation bound.
+
+Billing is the keys' one writer (``billing.keys``). Every ``sidecar.key_sync_seconds`` (1 s) a
+sidecar asks for the set's version, and reads the set only when the version moved:
+
+- with shared limits configured, from Redis (``<prefix>:keys:version``, ``<prefix>:keys``),
+  where billing writes the set after each change, so a fleet of sidecars costs billing nothing;
+- otherwise, or while Redis does not answer, from billing's ``GET /v1/keys/active`` with the
+  version as ``If-None-Match`` (a 304 while it has not moved), with the spend_reader token.
+
+A new or revoked key is thus taken (or refused) by every sidecar within a few seconds: the sync
+interval plus one read (docs/identity.md measures it). When neither answers, the sidecar keeps
+the set it has: the last one it read, which it also keeps in its spool directory
+(``issued-keys.json``, replaced atomically), so a sidecar started while billing is down takes the
+keys it knew. Only team keys (member, lead) are kept: the sidecar serves teams, and a role's key
+(finance, viewer, spend_reader) is no team's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import orjson
+
+from infermeter.keys import IssuedKeys, KeyRequestError, redis_keys
+
+if TYPE_CHECKING:
+    import httpx
+    import redis.asyncio as aioredis
+
+__all__ = ["KEYS_FILE", "KeySync", "team_keys"]
+
+log = logging.getLogger("infermeter.sidecar")
+
+KEYS_FILE: Final = "issued-keys.json"
+
+
+def team_keys(issued: IssuedKeys) -> IssuedKeys:
+    """The team keys of ``issued`` (members and leads): what a sidecar admits requests with."""
+    return IssuedKeys.of(issued.version, (k for k in issued.by_id.values() if k.team is not None))
+
+
+class KeySync:
+    """Reads the issued keys from Redis or billing and hands each newer set to ``apply``."""
+
+    def __init__(self, apply: Callable[[IssuedKeys], None], directory: Path,
+                 client: Callable[[], httpx.AsyncClient], billing_url: str | None,
+                 token: str | None, redis: aioredis.Redis | None, prefix: str,
+                 interval_seconds: float = 1.0) -> None:  # fmt: skip
+        self._apply = apply
+        self.path = directory / KEYS_FILE
+        self._client = client
+        self.url = f"{billing_url.rstrip('/')}/v1/keys/active" if billing_url else None
+        self.token = token
+        self.redis = redis
+        self.set_key, self.version_key = redis_keys(prefix)
+        self.interval_seconds = interval_seconds
+        self.current: IssuedKeys | None = None
+        self._failing = False
+
+    @property
+    def enabled(self) -> bool:
+        """Whether there is a source to ask: Redis, or billing with the spend_reader token."""
+        return self.redis is not None or (self.url is not None and self.token is not None)
+
+    def load(self) -> IssuedKeys | None:
+        """The set kept on disk by an earlier run (None: none, or not readable), applied."""
+        try:
+            found = IssuedKeys.from_json(orjson.loads(self.path.read_bytes()))
+        except FileNotFoundError:
+            return None
+        except (OSError, orjson.JSONDecodeError, KeyRequestError) as exc:
+            log.error("%s: the issued keys kept here cannot be read (%s); waiting for billing",
+                      self.path, exc)  # fmt: skip
+            return None
+        self._take(found)
+        return found
+
+    async def run(self) -> None:
+        """Poll until cancelled."""
+        while True:
+            await self.poll()
+            await asyncio.sleep(self.interval_seconds)
+
+    async def poll(self) -> bool:
+        """One round: True when a newer set was taken. Never raises for an unreachable source."""
+        found = None
+        reached = False
+        if self.redis is not None:
+            from redis.exceptions import RedisError  # loaded with the Redis client already
+
+            with contextlib.suppress(RedisError, OSError, ValueError):  # down: billing instead
+                found = await self._from_redis()
+                reached = True
+        if not reached and self.url is not None:
+            import httpx  # only a sidecar that syncs loads it, as for shipping
+
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                found = await self._from_billing()
+                reached = True
+        if not reached:
+            if not self._failing:
+                log.warning("issued keys: neither Redis nor billing answers; serving the %s",
+                            "last set read" if self.current else "configured keys only")  # fmt: skip
+            self._failing = True
+            return False
+        self._failing = False
+        if found is None or (self.current is not None and found.version <= self.current.version):
+            return False
+        self._take(found)
+        await asyncio.to_thread(self._keep, found)
+        return True
+
+    def _take(self, found: IssuedKeys) -> None:
+        self.current = team_keys(found)
+        self._apply(self.current)
+
+    async def _from_redis(self) -> IssuedKeys | None:
+        assert self.redis is not None
+        version = await self.redis.get(self.version_key)
+        if version is None or (self.current is not None and int(version) <= self.current.version):
+            return None
+        raw = await self.redis.get(self.set_key)
+        return None if raw is None else IssuedKeys.from_json(orjson.loads(raw))
+
+    async def _from_billing(self) -> IssuedKeys | None:
+        assert self.url is not None
+        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+        if self.current is not None:
+            headers["if-none-match"] = f'"{self.current.version}"'
+        response = await self._client().get(self.url, headers=headers, timeout=5.0)
+        if response.status_code == 304:
+            return None
+        response.raise_for_status()
+        data: Any = orjson.loads(response.content)
+        return IssuedKeys.from_json(data)
+
+    def _keep(self, found: IssuedKeys) -> None:
+        """Keep ``found`` on disk for a start while billing is down (atomic replace)."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            tmp.write_bytes(orjson.dumps(found.to_json()))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.error("%s: the issued keys cannot be kept on disk: %s", self.path, exc)
