@@ -7,6 +7,7 @@ import pytest
 from billing.efficiency.advice import Policy
 from billing.efficiency.changes import (
     Facts,
+    batch_candidates,
     kv_capacity_tokens,
     off_peak_candidates,
     propose,
@@ -191,3 +192,28 @@ def test_replays_of_a_world_are_judged_per_team():
     r: ModelReplay = replay(*_model("m", 1)[:1], _model("m", 1)[1], 0, DAY)
     rows = judge(r, lambda team: Target(0.5, 1 / 30), 0.10)
     assert [(row["team"], row["holds"]) for row in rows] == [("search", True)]
+
+
+def test_a_group_moves_to_the_gpu_type_measured_as_fast_and_cheaper():
+    """chat on an L40S and on an H100, measured alike: the H100's replica moves to an L40S, and
+    the plan saves the difference of their hours."""
+    setup, arrivals = _model("chat", 2)
+    dear = GroupSetup("chat-1", "chat", "H100", 1, 3.90, PROFILE, False)
+    setup = ModelSetup("chat", (setup.groups[0], dear), setup.runs)
+    inputs = _inputs((setup, arrivals), min_replicas=2)
+    [rec] = _plan(inputs).recommendations
+    assert (rec.kind, rec.change) == (
+        "gpu_type",
+        {"replica": "chat-1", "gpu_model": "L40S", "gpu_count": 1},
+    )
+    assert rec.saving_usd == pytest.approx(24 * (3.90 - 1.60))
+
+
+def test_a_larger_batch_is_tried_only_where_the_batch_limit_sizes_the_engines():
+    """Engines running a few sequences of 16 get no batch change, however large their KV cache."""
+    inputs = _inputs(_model("m", 3))
+    r = replay(inputs.world.setups["m"], inputs.world.arrivals["m"], 0, DAY)
+    assert batch_candidates(inputs.world, _facts(inputs), {"m": r}) == []
+    r.peak_in_engines[12] = 3 * 16.0  # every slot of the three engines held at noon
+    [cand] = batch_candidates(inputs.world, _facts(inputs), {"m": r})
+    assert cand.change == {"max_num_seqs": {f"m-{k}": 256 for k in range(3)}}
