@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["build_parser", "main"]
 
 DEMO_METRICS_TOKEN = "im-demo-metrics"  # public, like the demo team keys
+DEMO_SPEND_TOKEN = "im-demo-spend"  # the sidecars' spend_reader token, public too
 # What the demo's writer credentials are derived from (``infermeter.writers.DEMO_SECRET``): public
 # too, and given only to billing and the autoscaler (``infermeter.fleet.with_writer_credentials``).
 DEMO_WRITER_SECRET = DEMO_SECRET.decode()
@@ -185,6 +186,9 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
     )
     # The autoscaler reads the collector's and the sidecars' /metrics with the demo's reader key.
     os.environ.setdefault(config.autoscale.metrics_token_env, DEMO_METRICS_TOKEN)
+    # The sidecars read spend and the keys issued at run time with the spend_reader token, not
+    # the admin's (the ones the autoscaler starts inherit it too).
+    os.environ.setdefault(config.sidecar.budgets.spend_token_env, DEMO_SPEND_TOKEN)
     # Spare GPUs on every node, for the instances the autoscaler starts (every child must agree).
     for key, value in fleet.spare_gpu_overrides(config).items():
         os.environ.setdefault(key, value)

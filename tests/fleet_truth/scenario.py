@@ -47,7 +47,7 @@ WRITER_SECRET = b"the fleet-truth writer secret"
 TOKENS = {
     "INFERMETER_METRICS_TOKEN": "im-demo-metrics",
     "INFERMETER_REGISTRY_TOKEN": "im-demo-metrics",
-    "INFERMETER_SPEND_TOKEN": ADMIN,
+    "INFERMETER_SPEND_TOKEN": "im-demo-spend",
 }
 SCRAPE_SECONDS = 0.5
 WAIT_SECONDS = 120.0
