@@ -30,7 +30,8 @@ Conventions the figures share:
   the instance count.
 - **Engine gauges** (running, waiting, KV cache) are read per instance and minute first; a
   group's running and waiting sequences are its instances' summed each minute, its occupancy
-  and KV use the mean over its instance-minutes.
+  and KV use the mean over its instance-minutes. **Occupancy** is against the engine's real
+  capacity: the fuller of its slots (running / ``max_num_seqs``) and its KV cache.
 - **Queue wait** is Little's law over the engines' own queues: the group's mean waiting
   requests x the hour's seconds / requests served.
 - **Counters** (prefix-cache queries and hits, preemptions) are read as Prometheus reads them:
@@ -172,11 +173,13 @@ def _engine_cte() -> str:
 def _engine_minutes_cte() -> str:
     """CTE ``eng_min``: per replica group, instance and minute, the engine's gauges and counters.
 
-    ``max_num_seqs`` is the group's, so occupancy is taken from the minute's mean (one join per
+    Occupancy is against the engine's real capacity: the fuller of its sequence slots (running
+    over the group's ``max_num_seqs``) and its KV cache (the engine's own gauge, of the cache it
+    reports), since either stops admission. It is taken from the minute's means (one join per
     instance-minute rather than per sample).
     """
     return """eng_min AS (
-    SELECT m.*, m.running / s.max_num_seqs AS occupancy
+    SELECT m.*, greatest(m.running / s.max_num_seqs, m.kv) AS occupancy
     FROM (
         SELECT replica, instance, slot, any_value(model) AS model, avg(requests_running) AS running,
             avg(requests_waiting) AS waiting, max(requests_waiting) AS waiting_max,

@@ -33,7 +33,7 @@ TITLE = "Efficiency"
 # (graph id, column, title, axis) for the replica groups (admin) and for a team's own rows.
 GROUP_CHARTS: Final = (
     ("efficiency-tokens", "tokens_per_gpu_second", "Tokens per GPU-second", "tokens/s"),
-    ("efficiency-occupancy", "batch_occupancy", "Batch occupancy (running / max_num_seqs)", "share"),
+    ("efficiency-occupancy", "batch_occupancy", "Batch occupancy (fuller of slots and KV cache)", "share"),
     ("efficiency-kv", "kv_cache_usage", "KV-cache use", "share"),
     ("efficiency-prefix", "prefix_cache_hit_rate", "Prefix-cache hit rate", "share"),
     ("efficiency-idle", "idle_share", "Idle share of GPU time", "share"),

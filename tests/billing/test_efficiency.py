@@ -29,11 +29,13 @@ _ids = itertools.count()
 
 
 def engine(replica: str, running: float, waiting: float = 0.0, model: str = "chat-small",
-           start: float = HOUR, every: float = 60.0, **counters: Any) -> list[dict[str, Any]]:  # fmt: skip
-    """One engine sample a minute through the hour, ``running`` and ``waiting`` throughout."""
+           start: float = HOUR, every: float = 60.0, kv: float = 0.1,
+           **counters: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """One engine sample a minute through the hour, ``running``, ``waiting`` and the KV cache's
+    use ``kv`` throughout."""
     return [{"sample_id": f"e-{next(_ids)}", "replica": replica, "model": model,
              "timestamp": start + 30 + i * every, "requests_running": running,
-             "requests_waiting": waiting, "kv_cache_usage": 0.5, "prompt_tokens_total": 0.0,
+             "requests_waiting": waiting, "kv_cache_usage": kv, "prompt_tokens_total": 0.0,
              "generation_tokens_total": 0.0, **{k: v(i) for k, v in counters.items()}}
             for i in range(int(3600 // every))]  # fmt: skip
 
@@ -152,6 +154,15 @@ def test_a_team_sees_only_its_own_advice(ledger):
         found = read_report(cursor, config, "2026-10", NOW, "search")
     assert set(found.teams["team"]) == {"search"}
     assert (found.groups.height, found.recommendations, found.notes) == (0, (), ())
+
+
+def test_occupancy_is_against_the_fuller_of_slots_and_kv_cache(ledger, config):
+    """32 of 128 slots running with the KV cache 80 % full: the engine is 80 % occupied."""
+    fill(ledger, usage=requests(10), gpu_samples=gpus("small-0"),
+         engine_samples=engine("small-0", 32, kv=0.8))  # fmt: skip
+    row = report(ledger, config).groups.row(0, named=True)
+    assert row["batch_occupancy"] == pytest.approx(0.8)
+    assert row["kv_cache_usage"] == pytest.approx(0.8)
 
 
 def test_an_hour_with_gpu_time_and_no_requests_is_all_idle(ledger, config):
