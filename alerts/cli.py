@@ -16,7 +16,7 @@ from infermeter.commands import Subparsers, add_config, config_path
 if TYPE_CHECKING:
     from infermeter.config import Config
 
-__all__ = ["register", "rules_text", "write_rules"]
+__all__ = ["configmap_config", "register", "rules_text", "write_manifests", "write_rules"]
 
 
 def register(subparsers: Subparsers) -> None:
@@ -34,10 +34,26 @@ def register(subparsers: Subparsers) -> None:
             "Render recording and alerting rules from the configuration: printed to stdout, "
             "one YAML document per file, or written into DIR with --out (one file for each "
             "kind). With --prometheusrule also a Prometheus-operator PrometheusRule manifest "
-            "of the same groups. A configuration the rules cannot honour is an error."
+            "of the same groups; with --scaledobjects KEDA's ScaledObjects, with "
+            "--inference-routing the Gateway API Inference Extension's pools, route and "
+            "objectives. --configmap reads the configuration from a ConfigMap manifest's "
+            "infermeter.yaml (deploy/kubernetes/configmap.yaml, once its keys are filled). A "
+            "configuration the rules cannot honour is an error."
         ),
     )
     add_config(render)
+    render.add_argument(
+        "--configmap", type=Path, default=None, metavar="FILE",
+        help="read the configuration from the infermeter.yaml of the ConfigMap in FILE",
+    )  # fmt: skip
+    render.add_argument(
+        "--scaledobjects", type=Path, default=None, metavar="FILE",
+        help="also write KEDA ScaledObjects of the autoscaled Deployments to FILE",
+    )  # fmt: skip
+    render.add_argument(
+        "--inference-routing", type=Path, default=None, metavar="FILE",
+        help="also write the InferencePools, HTTPRoute and InferenceObjectives to FILE",
+    )  # fmt: skip
     render.add_argument(
         "--out", type=Path, default=None, metavar="DIR",
         help="write the rule files into DIR (default: print them to stdout)",
@@ -79,13 +95,60 @@ def rules_text(config: Config, source: str) -> str:
     )
 
 
+def configmap_config(path: Path) -> Config:
+    """The configuration in the ``infermeter.yaml`` key of the ConfigMap manifest at ``path``.
+
+    ConfigError naming the file when it holds no such ConfigMap or the configuration is bad.
+    """
+    import tempfile
+
+    import yaml
+
+    from infermeter.config import ConfigError, load_config
+
+    try:
+        docs = list(yaml.safe_load_all(path.read_text(encoding="utf-8")))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(str(path), [f"cannot read the manifest: {exc}"]) from None
+    texts = [d["data"]["infermeter.yaml"] for d in docs
+             if isinstance(d, dict) and d.get("kind") == "ConfigMap"
+             and isinstance(d.get("data"), dict) and "infermeter.yaml" in d["data"]]  # fmt: skip
+    if len(texts) != 1:
+        raise ConfigError(str(path), ["no ConfigMap with one infermeter.yaml key in the file"])
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "infermeter.yaml"
+        copy.write_text(texts[0], encoding="utf-8")
+        try:
+            return load_config(copy, environ={})
+        except ConfigError as exc:
+            raise ConfigError(f"{path} (infermeter.yaml)", exc.problems) from None
+
+
 def _render(args: argparse.Namespace, config: Config) -> int:
     source = config_path(args)
+    if args.configmap is not None:
+        config, source = configmap_config(args.configmap), str(args.configmap)
     if args.out is None:
         # The rules go to stdout, so the names of files written go to stderr.
         sys.stdout.write(rules_text(config, source))
-    if args.out is None and args.prometheusrule is None:
-        return 0
-    for path in write_rules(config, source, args.out, args.prometheusrule):
+    written = []
+    if args.out is not None or args.prometheusrule is not None:
+        written += write_rules(config, source, args.out, args.prometheusrule)
+    written += write_manifests(config, args.scaledobjects, args.inference_routing)
+    for path in written:
         print(f"wrote {path}", file=sys.stdout if args.out else sys.stderr)
     return 0
+
+
+def write_manifests(config: Config, scaledobjects: Path | None,
+                    routing: Path | None) -> list[Path]:  # fmt: skip
+    """Write KEDA's ScaledObjects and the inference routing objects where asked; the paths."""
+    from alerts.manifests import inference_routing, scaled_objects, to_yaml
+
+    written = []
+    for path, render in ((scaledobjects, scaled_objects), (routing, inference_routing)):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(to_yaml(render(config)), encoding="utf-8")
+            written.append(path)
+    return written

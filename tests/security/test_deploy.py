@@ -19,8 +19,10 @@ from tests.placeholders import filled
 KUSTOMIZE = Path(__file__).parents[2] / "deploy" / "kubernetes"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
 VLLM_IMAGE = "vllm/vllm-openai:"
-# The one thing "restricted" does not admit: the usage spool on the node (docs/deploy.md).
+# The one thing "restricted" does not admit: the spools on the node (docs/deploy.md): the
+# sidecars' root (each vLLM pod mounts its own directory of it) and the collector's own.
 SPOOL_ROOT = "/var/lib/infermeter/spool"
+COLLECTOR_SPOOL = "/var/lib/infermeter/collector"
 SPOOL_INIT = "spool-dir"
 TOKEN_HOLDERS = {"infermeter-autoscaler": "scale patches", "infermeter-collector": "the pod watch"}
 
@@ -70,8 +72,14 @@ def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
-def _label_selector(selector: str) -> dict[str, str]:
-    return dict(term.split("=", 1) for term in selector.split(","))
+def _label_selector(selector: str) -> dict[str, str | None]:
+    """``key=value`` terms, and ``key`` alone (the label present, any value) as None."""
+    terms = [term.split("=", 1) for term in selector.split(",")]
+    return {t[0]: (t[1] if len(t) == 2 else None) for t in terms}
+
+
+def _selects_terms(selector: dict[str, str | None], labels: dict[str, str]) -> bool:
+    return all(k in labels and (v is None or labels[k] == v) for k, v in selector.items())
 
 
 def _name(doc: Doc) -> str:
@@ -127,7 +135,12 @@ def test_only_labelled_clients_and_metrics_readers_reach_the_sidecar() -> None:
     """The sidecar's port admits a labelled client namespace, the collector and Prometheus; no one else."""
     (policy,) = [p for p in _of("NetworkPolicy")
                  if _selects(p["spec"]["podSelector"]["matchLabels"], _labels(_vllm_pods()[0][0]))]  # fmt: skip
-    peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+    for rule in policy["spec"]["ingress"]:
+        for peer in rule["from"]:
+            assert any(sel.get("matchLabels") for sel in peer.values()), peer
+    # The API port; the endpoint pickers' port (vLLM's gauges alone) is held in tests/deploy.
+    peers = [peer for rule in policy["spec"]["ingress"]
+             if {p["port"] for p in rule["ports"]} == {"sidecar"} for peer in rule["from"]]  # fmt: skip
     for peer in peers:
         # An empty selector would admit every namespace or every pod: never on its own.
         assert any(sel.get("matchLabels") for sel in peer.values()), peer
@@ -180,7 +193,7 @@ def test_vllm_metrics_are_read_through_the_sidecar_with_the_token(tmp_path: Path
     k8s = config.collector.kubernetes
     assert k8s.engine_metrics_path == "/engine/metrics"
     for workload, vllm in _vllm_pods():
-        assert _selects(_label_selector(k8s.label_selector), _labels(workload))
+        assert _selects_terms(_label_selector(k8s.label_selector), _labels(workload))
         sidecar_ports = {p["containerPort"] for c in _pod(workload)["containers"] if c is not vllm
                          for p in c.get("ports", [])}  # fmt: skip
         assert k8s.sidecar_port in sidecar_ports
@@ -209,7 +222,7 @@ def test_every_container_is_unprivileged_with_a_read_only_root(workload: Doc) ->
     """Each container (vLLM's included): non-root, no privilege escalation, no capabilities, read-only root."""
     pod = _pod(workload)
     for c in pod["containers"] + pod.get("initContainers", []):
-        if c["name"] == SPOOL_INIT and workload in [w for w, _ in _vllm_pods()]:
+        if c["name"] == SPOOL_INIT and workload in _spool_owners():
             continue  # held to its own narrower rule below
         sc = c.get("securityContext", {})
         assert sc.get("runAsNonRoot", pod["securityContext"].get("runAsNonRoot")) is True, c["name"]
@@ -221,17 +234,27 @@ def test_every_container_is_unprivileged_with_a_read_only_root(workload: Doc) ->
         assert not sc.get("privileged"), c["name"]
 
 
+def _spool_owners() -> list[Doc]:
+    """The workloads with a spool on the node: the vLLM pods and the collector."""
+    return [w for w, _ in _vllm_pods()] + [
+        w for w in _workloads() if w["metadata"]["name"] == "infermeter-collector"
+    ]
+
+
 def test_the_spool_init_container_may_only_chown_the_spool() -> None:
-    """The one root container: CAP_CHOWN alone, no escalation, read-only root, the spool its only mount."""
-    for workload, _ in _vllm_pods():
-        (init,) = _pod(workload)["initContainers"]
-        assert init["name"] == SPOOL_INIT
+    """The one root container: CAP_CHOWN alone, no escalation, read-only root, the spools its only mounts."""
+    for workload in _spool_owners():
+        (init,) = [c for c in _pod(workload)["initContainers"] if c["name"] == SPOOL_INIT]
         sc = init["securityContext"]
         assert (sc["runAsUser"], sc["allowPrivilegeEscalation"], sc["readOnlyRootFilesystem"]) == (0, False, True)  # fmt: skip
         assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
         assert not sc.get("privileged")
-        (mount,) = init["volumeMounts"]
-        assert _volume(workload, mount["name"])["hostPath"]["path"] == SPOOL_ROOT
+        roots = {_volume(workload, m["name"])["hostPath"]["path"] for m in init["volumeMounts"]}
+        assert roots <= {SPOOL_ROOT, COLLECTOR_SPOOL}, workload["metadata"]["name"]
+        # Every other init container runs as the unprivileged UID.
+        for other in _pod(workload)["initContainers"]:
+            if other is not init:
+                assert other["securityContext"]["runAsUser"] != 0
 
 
 @pytest.mark.parametrize("workload", _workloads(), ids=lambda w: w["metadata"]["name"])
@@ -272,7 +295,7 @@ def _volume(workload: Doc, name: str) -> Doc:
 
 @pytest.mark.parametrize("workload", _workloads(), ids=lambda w: w["metadata"]["name"])
 def test_no_pod_needs_more_than_restricted_but_the_spool_on_the_node(workload: Doc) -> None:
-    """No host namespaces or host ports; the only hostPath is the spool root, written by the sidecar and by the collector that adopts it."""
+    """No host namespaces or host ports; the only hostPaths are the spool roots: a sidecar writes its own pod's directory, the collector adopts the rest and keeps its own."""
     pod = _pod(workload)
     name = workload["metadata"]["name"]
     assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
@@ -282,14 +305,20 @@ def test_no_pod_needs_more_than_restricted_but_the_spool_on_the_node(workload: D
     if not (is_vllm or name == "infermeter-collector"):
         assert hostpaths == {}
         return
-    assert list(hostpaths.values()) == [{"path": SPOOL_ROOT, "type": "DirectoryOrCreate"}]
-    (volume,) = hostpaths
-    for c in pod["containers"]:
-        for m in c.get("volumeMounts", []):
-            if m["name"] == volume:
-                # The collector deletes what it shipped from a spool whose pod is gone.
-                writer = (is_vllm and c["name"] == "sidecar") or name == "infermeter-collector"
-                assert m.get("readOnly", False) is not writer, (name, c["name"])
+    allowed = [{"path": SPOOL_ROOT, "type": "DirectoryOrCreate"}]
+    if name == "infermeter-collector":
+        allowed.append({"path": COLLECTOR_SPOOL, "type": "DirectoryOrCreate"})
+    assert sorted(hostpaths.values(), key=str) == sorted(allowed, key=str)
+    for volume in hostpaths:
+        for c in pod["containers"]:
+            for m in c.get("volumeMounts", []):
+                if m["name"] == volume:
+                    # The collector deletes what it shipped from a spool whose pod is gone; a
+                    # sidecar sees its own pod's directory only.
+                    writer = (is_vllm and c["name"] == "sidecar") or name == "infermeter-collector"
+                    assert m.get("readOnly", False) is not writer, (name, c["name"])
+                    if is_vllm:
+                        assert m.get("subPathExpr") == "$(POD_UID)", (name, c["name"])
 
 
 def test_exports_are_not_on_the_ledger_volume(tmp_path: Path) -> None:
@@ -298,7 +327,7 @@ def test_exports_are_not_on_the_ledger_volume(tmp_path: Path) -> None:
     path = tmp_path / "infermeter.yaml"
     path.write_text(filled(cm["data"]["infermeter.yaml"]))
     config = load_config(path, environ={})
-    (billing,) = _of("StatefulSet")
+    (billing,) = [s for s in _of("StatefulSet") if s["metadata"]["name"] == "infermeter-billing"]
     (claim,) = billing["spec"]["volumeClaimTemplates"]
     (container,) = _pod(billing)["containers"]
     mounts: dict[str, str] = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
@@ -310,3 +339,19 @@ def test_exports_are_not_on_the_ledger_volume(tmp_path: Path) -> None:
 
     assert volume_of(config.billing.database) == claim["metadata"]["name"]
     assert volume_of(config.billing.export_dir) != claim["metadata"]["name"]
+
+
+def test_the_writer_secret_is_in_no_serving_container() -> None:
+    """Only billing and the init containers that derive a pod's own credential hold writer-secret:
+    nothing a client or a pod can reach can issue another writer's credential."""
+    holders = {
+        (w["metadata"]["name"], c["name"])
+        for w in _workloads()
+        for c in _pod(w)["containers"] + _pod(w).get("initContainers", [])
+        for e in c.get("env", [])
+        if e.get("valueFrom", {}).get("secretKeyRef", {}).get("key") == "writer-secret"
+    }
+    assert {c for _, c in holders} == {"billing", "credential"}
+    for workload in _workloads():
+        for volume in _pod(workload).get("volumes", []):
+            assert "secret" not in volume, (workload["metadata"]["name"], volume["name"])
