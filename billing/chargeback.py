@@ -61,6 +61,10 @@ class Chargeback:
         self.config = config
         self.policy = policy_from_config(config)
 
+    def reconfigure(self, config: Config) -> None:
+        """Price, split and budget by ``config`` from now on (a configuration reload)."""
+        self.config, self.policy = config, policy_from_config(config)
+
     def _cents(self, month: str) -> tuple[pl.DataFrame, int]:
         lines, fleet_microcents = self.ledger.allocate(self.policy, month)
         return cents_lines(month, merged(lines)), cents(fleet_microcents)

@@ -138,11 +138,12 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
 
     from billing.ledger import LedgerError
     from billing.serve import serve_billing
+    from infermeter.commands import config_path
     from infermeter.otlp import OtlpConfigError
     from infermeter.writers import WriterError
 
     try:
-        asyncio.run(serve_billing(config, args.listen, args.database))
+        asyncio.run(serve_billing(config, args.listen, args.database, Path(config_path(args))))
     except LedgerError as exc:
         raise CommandError(
             ledger_problem(args.database or config.billing.database, str(exc)), code=1

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -75,6 +76,22 @@ def metrics_export(app: FastAPI, environ: Mapping[str, str]) -> MetricsExport | 
                                [CostExport(services.statements).produce], services.registry)  # fmt: skip
 
 
+def _reloading(app: FastAPI, config: Config, path: Path, listen: str) -> asyncio.Task[None]:
+    """Reload ``app``'s configuration from ``path`` on SIGHUP and on a change of the file."""
+    from billing import reload
+    from infermeter.exposure import public_key_problems
+    from infermeter.reload import Reloader
+
+    def check(fresh: Config) -> list[str]:
+        return public_key_problems(fresh, listen) + reload.restart_needed(config, fresh)
+
+    async def audit(action: str, trigger: str, why: str) -> None:
+        await asyncio.to_thread(reload.record_reload, app, action, trigger, why)
+
+    reloader = Reloader(path, "billing", lambda fresh: reload.reconfigure(app, fresh), audit, check)
+    return reloader.install(asyncio.get_running_loop())
+
+
 def key_publisher(config: Config) -> RedisPublisher | None:
     """Where the sidecars read the issued keys besides billing: the Redis of their shared limits."""
     if config.sidecar.shared_limits.redis_url is None:
@@ -85,9 +102,16 @@ def key_publisher(config: Config) -> RedisPublisher | None:
 
 
 async def serve_billing(
-    config: Config, listen: str | None = None, database: str | None = None
+    config: Config,
+    listen: str | None = None,
+    database: str | None = None,
+    config_path: Path | None = None,
 ) -> None:
-    """Serve until told to exit; the ledger is checkpointed and closed after the server stops."""
+    """Serve until told to exit; the ledger is checkpointed and closed after the server stops.
+
+    With ``config_path``, SIGHUP or a change of the file reloads teams, prices, SLAs and the
+    configured keys (``billing.reload``), validated first and audited.
+    """
     b = config.billing
     host, port = host_port(listen or b.listen)
     ensure_free(host, port, "billing listen address")
@@ -115,13 +139,15 @@ async def serve_billing(
         task = asyncio.create_task(export.run()) if export is not None else None
         keys = app.state.services.keys
         keeping = asyncio.create_task(publisher.keep(lambda: keys.issued)) if publisher else None
+        watching = _reloading(app, config, config_path, f"{host}:{port}") if config_path else None
         try:
             await billing_server(config, ledger, host, port, app).serve()
         finally:
-            if keeping is not None:
-                keeping.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await keeping
+            for task in (keeping, watching):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             if task is not None and export is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

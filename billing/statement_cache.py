@@ -65,6 +65,13 @@ class CachedChargeback(Chargeback):
         self._computing: dict[str, Future[Cached]] = {}
         self.computations = 0
 
+    def reconfigure(self, config: Config) -> None:
+        """Price by ``config`` from now on; every kept statement is dropped (it was priced by
+        the configuration before)."""
+        with self._lock:
+            super().reconfigure(config)
+            self._entries.clear()
+
     def __len__(self) -> int:
         """Months cached now."""
         with self._lock:

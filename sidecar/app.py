@@ -35,7 +35,8 @@ from opentelemetry import trace
 from prometheus_client import generate_latest
 
 from infermeter.asgi import Receive, Scope, Send, read_body, respond
-from infermeter.auth import AuthError, bearer_key
+from infermeter.audit_spool import AUDIT_DIR, AUDIT_KIND, AuditLog
+from infermeter.auth import ADMIN, AuthError, bearer_key
 from infermeter.config import Config
 from infermeter.errors import error_body
 from infermeter.http_guard import BODY_COMPLETE, RAW_WRITER, RawWriter, ServerLimits
@@ -58,7 +59,7 @@ from sidecar.admission import (
     plan,
     upstream_headers,
 )
-from sidecar.budgets import BudgetExceeded, budget_gate, serve_override
+from sidecar.budgets import BudgetExceeded, Override, budget_gate, serve_override
 from sidecar.drain import Drain
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 from sidecar.fetch import Fetched, fetch
@@ -150,6 +151,13 @@ class Sidecar:
                                os.environ.get(settings.budgets.spend_token_env), self.limiter.redis,
                                settings.shared_limits.key_prefix, settings.key_sync_seconds)  # fmt: skip
         self.keysync.load()
+        # What this instance's admins and operators changed (overrides, reloads): spooled, shipped.
+        source = (
+            self.credential.writer.principal
+            if self.credential
+            else f"sidecar:{self.identity.instance}"
+        )
+        self.audit = AuditLog(directory / AUDIT_DIR, source, self.credential)
         self.lifetime = Lifetime(self.identity, directory, settings.heartbeat_seconds,
                                  self.view.replica.gpu_count, engine_metrics_url, self.metrics.registry,
                                  sealer=sealer)  # fmt: skip
@@ -236,6 +244,7 @@ class Sidecar:
             self._tasks.append(asyncio.get_running_loop().create_task(sync.run()))
         self.spool.open()
         self.override_spool.open()
+        self.audit.open()
         recovered = await recover(self.journal.open(), self.spool)
         count_recovered(self.metrics, recovered, self.team_names, self.view.model_names,
                         self.accounting.genai)  # fmt: skip
@@ -247,7 +256,7 @@ class Sidecar:
 
             shipped = ShipperMetrics(self.metrics.registry)
             for spool, kind in ((self.spool, "usage"), (self.lifetime.spool, "instances"),
-                                (self.override_spool, "budget_overrides")):  # fmt: skip
+                                (self.override_spool, "budget_overrides"), (self.audit.spool, AUDIT_KIND)):  # fmt: skip
                 shipper = Shipper(spool, self.ingest_url, self.ingest_token, kind, self.client,
                                   metrics=shipped, credential=self.credential)  # fmt: skip
                 self._shippers.append(shipper)
@@ -269,6 +278,7 @@ class Sidecar:
         await self.journal.close()
         await self.spool.close()
         await self.override_spool.close()
+        await self.audit.close()
         await self.lifetime.close()
         self.lifetime.release()
         await self.limiter.close()
@@ -310,6 +320,12 @@ class Sidecar:
         if self.fair is not None:
             self.fair.priorities = {t.name: t.priority for t in config.teams}
 
+    async def _audit_override(self, override: Override, address: str | None) -> None:
+        """The override granted, on the audit trail (after it is in the ledger's spool)."""
+        await self.audit.note("budget.override", ADMIN, "admin", target=f"team:{override.team}",
+                              detail={"until": override.until, "instance": self.identity.instance},
+                              why=override.reason, address=address)  # fmt: skip
+
     def _take_keys(self, issued: IssuedKeys) -> None:
         """Swap in a newer set of keys issued at run time (``sidecar.keysync``)."""
         self.view = self.view.with_issued(issued)
@@ -333,7 +349,9 @@ class Sidecar:
         elif path == "/engine/metrics" and method == "GET":
             await self._engine_metrics(scope, send)
         elif path == "/v1/admin/budget-overrides" and method == "POST":
-            await serve_override(self.budgets, self.view.control, scope, receive, send)
+            await serve_override(
+                self.budgets, self.view.control, scope, receive, send, self._audit_override
+            )
         elif path == "/healthz":
             await respond(send, 200, b'{"status":"ok"}', [JSON])
         elif path == "/readyz":

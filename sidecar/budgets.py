@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -290,11 +290,16 @@ def budget_gate(settings: BudgetSettings, budgets: dict[str, float], registry: C
 
 
 _JSON = (b"content-type", b"application/json")
+# What hears of an override granted: the override and the client's address.
+Audit = Callable[["Override", str | None], Awaitable[None]]
 
 
 async def serve_override(gate: BudgetGate, control: KeyRing, scope: Scope, receive: Receive,
-                         send: Send) -> None:  # fmt: skip
-    """``POST /v1/admin/budget-overrides``: the admin grants a team an override (201), else 400/401."""
+                         send: Send, audit: Audit | None = None) -> None:  # fmt: skip
+    """``POST /v1/admin/budget-overrides``: the admin grants a team an override (201), else 400/401.
+
+    ``audit``: told of each override granted, with the client's address (the audit trail).
+    """
     try:
         role = control.team_for(bearer_key(header(scope, b"authorization")))
     except AuthError:
@@ -316,4 +321,7 @@ async def serve_override(gate: BudgetGate, control: KeyRing, scope: Scope, recei
         await respond(send, 503, error_body(503, "The override could not be recorded; it was not granted.",
                                             "server_error", "override_not_recorded"), [_JSON])  # fmt: skip
         return
+    if audit is not None:
+        client = scope.get("client")
+        await audit(override, client[0] if client else None)
     await respond(send, 201, override.to_json(), [_JSON])

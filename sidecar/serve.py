@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -17,6 +16,7 @@ from infermeter.exposure import public_key_problems
 from infermeter.http_server import HttpServer
 from infermeter.identity import identity_from_environment
 from infermeter.otlp import metrics_export_configured, otlp_settings
+from infermeter.reload import Reloader
 from infermeter.serving import ensure_free, host_port
 from sidecar.app import Sidecar
 from sidecar.drain import drain
@@ -93,19 +93,18 @@ async def serve_sidecar(
         gauges = HttpServer(EngineMetricsOnly.of(app), *extra, limits=app.server_limits,
                             lifespan=False)  # fmt: skip
 
-    def reload() -> None:
-        try:
-            fresh = load_config(config_path)
-            problems = public_key_problems(fresh, address)
-            if problems:
-                raise ConfigError(str(config_path), problems)
-            app.reload(_with_upstream(fresh, replica_id, upstream) if upstream else fresh)
-            log.warning("configuration reloaded from %s", config_path)
-        except (ConfigError, KeyError, ValueError) as exc:
-            log.error("configuration NOT reloaded, keeping the previous one: %s", exc)
+    def apply(fresh: Config) -> None:
+        app.reload(_with_upstream(fresh, replica_id, upstream) if upstream else fresh)
 
-    loop.add_signal_handler(signal.SIGHUP, reload)
-    watcher = loop.create_task(_watch(config_path, reload))
+    async def audit(action: str, trigger: str, why: str) -> None:
+        # Who reloads is the operator behind the signal or the file change.
+        await app.audit.note(action, f"operator ({trigger})", "operator",
+                             target=f"file:{config_path}", why=why,
+                             outcome="ok" if action == "config.reloaded" else "refused")  # fmt: skip
+
+    reloader = Reloader(config_path, f"sidecar {replica_id}", apply, audit,
+                        lambda fresh: public_key_problems(fresh, address))  # fmt: skip
+    watcher = reloader.install(loop)
     announce = loop.create_task(_announce_ready(srv, ready_line(app, host, port)))
     serving_gauges = loop.create_task(gauges.serve()) if gauges is not None else None
     try:
@@ -162,24 +161,6 @@ async def _announce_ready(srv: HttpServer, line: str) -> None:
             return
         await asyncio.sleep(0.05)
     log.info("%s", line)
-
-
-async def _watch(path: Path, reload: Callable[[], None], interval_seconds: float = 2.0) -> None:
-    """Reload when the file's modification time changes (the file-watch half of hot reload)."""
-    last = _mtime(path)
-    while True:
-        await asyncio.sleep(interval_seconds)
-        now = _mtime(path)
-        if now != last:
-            last = now
-            reload()
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0
 
 
 def _with_upstream(config: Config, replica_id: str, upstream: str) -> Config:

@@ -1,0 +1,64 @@
+"""Billing's part of a configuration reload: teams, prices, SLAs, keys, without a restart.
+
+``reconfigure`` sets every object that holds the configuration to the new one: the ledger's
+known teams, models, groups and nodes and its SLA targets (what ingest checks records against),
+the statement computations (prices, split policy, budgets: the cached statements are dropped,
+since they were priced before), the configured keys, and the services' ``config`` that the
+routes read. ``restart_needed`` names what a running billing cannot take (where it listens, its
+ledger file, its thread and memory limits): such a file is refused, so nothing changes half-way.
+Billing's own reloads go on the audit trail in the ledger (``audit_sql``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from fastapi import FastAPI
+
+from billing import audit
+from billing.access import keyring
+from billing.quarantine import KnownFleet
+from billing.routes.dependencies import Services
+from infermeter.audit import audit_event
+from infermeter.config import Config
+
+__all__ = ["reconfigure", "record_reload", "restart_needed"]
+
+# Billing's settings a running process cannot change.
+_FIXED = ("listen", "database", "memory_limit", "threads", "writer_secret_env")
+
+
+def restart_needed(old: Config, new: Config) -> list[str]:
+    """One problem per setting ``new`` changes that billing only takes at a restart."""
+    return [
+        f"billing.{name}: {getattr(old.billing, name)!r} -> {getattr(new.billing, name)!r} "
+        "needs a restart of billing; nothing was reloaded"
+        for name in _FIXED
+        if getattr(old.billing, name) != getattr(new.billing, name)
+    ]
+
+
+def reconfigure(app: FastAPI, config: Config) -> None:
+    """Make ``config`` the one every route of ``app`` works by."""
+    svc: Services = app.state.services
+    teams = [t.name for t in config.teams]
+    svc.ledger.reconfigure(teams, {m.name: m.sla.ttft_p95_seconds for m in config.models},
+                           KnownFleet.of(config))  # fmt: skip
+    svc.chargeback.reconfigure(config)
+    svc.statements.reconfigure(config)
+    ring = keyring(config)
+    svc.keys.reconfigure(ring, teams)
+    svc.writers.ring = ring
+    svc.writers.shared_token = config.billing.shared_ingest_token
+    app.state.services = dataclasses.replace(svc, config=config)
+
+
+def record_reload(app: FastAPI, action: str, trigger: str, why: str) -> None:
+    """Billing's reload (or refusal) on the audit trail."""
+    svc: Services = app.state.services
+    event = audit_event(action, f"operator ({trigger})", "operator", "billing",
+                        target="configuration", why=why,
+                        outcome="ok" if action == "config.reloaded" else "refused")  # fmt: skip
+    with svc.ledger.writing() as cur:
+        audit.append(cur, [event], time.time())
