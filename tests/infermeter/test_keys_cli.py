@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -12,12 +13,13 @@ import pytest
 from billing.api import create_app
 from billing.ledger import Ledger
 from infermeter.cli import main
+from infermeter.config import Config
 from infermeter.keys_cli import parse_duration
 from tests.servers import serving
 
 
 @pytest.fixture
-async def billing(config, tmp_path: Path):
+async def billing(config: Config, tmp_path: Path) -> AsyncIterator[str]:
     """Billing over a ledger file, on a loopback port."""
     ledger = Ledger.open(tmp_path / "ledger.duckdb", [t.name for t in config.teams],
                          {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
@@ -28,7 +30,7 @@ async def billing(config, tmp_path: Path):
         ledger.close()
 
 
-async def keys(capsys, url: str, *argv: str) -> tuple[int, str, str]:
+async def keys(capsys: pytest.CaptureFixture[str], url: str, *argv: str) -> tuple[int, str, str]:
     code = await asyncio.to_thread(main, ["keys", "--billing-url", url, *argv])
     out = capsys.readouterr()
     return code, out.out, out.err

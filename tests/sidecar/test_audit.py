@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 
@@ -17,9 +18,9 @@ ADMIN = {"authorization": "Bearer im-demo-admin"}
 OVERRIDE = {"team": "search", "minutes": 5, "reason": "launch day"}
 
 
-async def trail(billing: str) -> list[dict]:
+async def trail(billing: str) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(base_url=billing) as client:
-        events: list[dict] = (await client.get("/v1/audit", headers=ADMIN)).json()["events"]
+        events: list[dict[str, Any]] = (await client.get("/v1/audit", headers=ADMIN)).json()["events"]
     return events
 
 
