@@ -20,7 +20,9 @@ OVERRIDE = {"team": "search", "minutes": 5, "reason": "launch day"}
 
 async def trail(billing: str) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(base_url=billing) as client:
-        events: list[dict[str, Any]] = (await client.get("/v1/audit", headers=ADMIN)).json()["events"]
+        events: list[dict[str, Any]] = (await client.get("/v1/audit", headers=ADMIN)).json()[
+            "events"
+        ]
     return events
 
 
