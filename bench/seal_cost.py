@@ -2,14 +2,14 @@
 
 Three places touch a seal (``infermeter.writers``):
 
-- the sidecar, in ``Spool.append``, once per request (never per chunk): ``Sealer.__call__``
+- the sidecar, in ``Spool.write``, once per request (never per chunk): ``Sealer.__call__``
   on the record's JSON, the only part on the request's path;
 - its shipper, off the event loop, once per line it vouches for (``Sealer.vouches``);
 - billing, for a batch it must open itself (``WriterKeys.check``, a gone pod's spool).
 
 Each is timed over the same usage records (a real ``UsageRecord``'s JSON, about 500 bytes), and
 set beside what the same place already spends per record: ``orjson.dumps`` of the record in
-``append``. Reported: the median of ``--rounds`` rounds, µs of CPU per record (this process's CPU
+``write``. Reported: the median of ``--rounds`` rounds, µs of CPU per record (this process's CPU
 time, so a busy machine stretches the wall clock more than the figures).
 
     .venv/bin/python -m bench.seal_cost
@@ -72,9 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sealed = [sealer(b) for b in dumped]
     keys = WriterKeys(SECRET)
     rows = [
-        ("orjson.dumps of the record (append, already paid)",
+        ("orjson.dumps of the record (write, already paid)",
          per_record(lambda: [orjson.dumps(d) for d in docs], n, args.rounds)),
-        ("seal (append: the sidecar's request path)",
+        ("seal (write: the sidecar's request path)",
          per_record(lambda: [sealer(b) for b in dumped], n, args.rounds)),
         ("vouch (the shipper, off the event loop)",
          per_record(lambda: [sealer.vouches(s) for s in sealed], n, args.rounds)),
