@@ -14,7 +14,7 @@ default team), and any key again as a filter, repeatable (``?model=chat-small&no
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
@@ -32,6 +32,11 @@ from infermeter.months import month_bounds, month_of
 __all__ = ["router"]
 
 router = APIRouter()
+
+# The window's ends: from 2000 (as ingest dates records) to the end of 2999 (the last month
+# served, its last hour); anything else is a 422 naming the parameter, not a date no calendar holds.
+FIRST_SECOND: Final = 946_684_800.0
+LAST_SECOND: Final = 32_503_676_400.0  # 2999-12-31T23:00Z
 
 
 def _query(who: Caller, request: Request, start: float | None, end: float | None,
@@ -70,8 +75,8 @@ async def allocation_csv(
     who: Reader,
     svc: ServicesDep,
     request: Request,
-    start: Annotated[float | None, Query(alias="from")] = None,
-    end: Annotated[float | None, Query(alias="to")] = None,
+    start: Annotated[float | None, Query(alias="from", ge=FIRST_SECOND, le=LAST_SECOND)] = None,
+    end: Annotated[float | None, Query(alias="to", ge=FIRST_SECOND, le=LAST_SECOND)] = None,
     by: str = "team",
 ) -> Response:
     """The explorer's rows for the window and their total, as a spreadsheet-safe CSV file."""
@@ -86,8 +91,8 @@ async def allocation(
     who: Reader,
     svc: ServicesDep,
     request: Request,
-    start: Annotated[float | None, Query(alias="from")] = None,
-    end: Annotated[float | None, Query(alias="to")] = None,
+    start: Annotated[float | None, Query(alias="from", ge=FIRST_SECOND, le=LAST_SECOND)] = None,
+    end: Annotated[float | None, Query(alias="to", ge=FIRST_SECOND, le=LAST_SECOND)] = None,
     by: str = "team",
 ) -> Response:
     """Cost, GPU-hours, tokens, efficiency and idle per group over the window, with its total,

@@ -204,15 +204,23 @@ async def test_the_csv_is_the_rows_shown_and_safe_in_a_spreadsheet(billing):
 
 
 async def test_bad_windows_and_keys_are_refused_with_a_reason(billing):
-    """A reversed window, an unknown key and three keys are 400s that say what is wrong."""
+    """A reversed window, an unknown key and three keys are 400s that say what is wrong; an end
+    outside the calendar served is a 422 naming it."""
     async with httpx.AsyncClient(base_url=billing) as client:
-        for params, says in (({"from": 10, "to": 5}, "to > from"), ({"by": "colour"}, "colour"),
+        t = 1_760_000_000
+        for params, says in (({"from": t + 10, "to": t + 5}, "to > from"), ({"by": "colour"}, "colour"),
                              ({"by": "team,model,node"}, "one or two"),
-                             ({"from": 0, "to": 200 * 86400}, "at most 93")):  # fmt: skip
+                             ({"from": t, "to": t + 200 * 86400}, "at most 93")):  # fmt: skip
             response = await client.get("/v1/allocation", params=params,
                                         headers={"authorization": f"Bearer {ADMIN}"})  # fmt: skip
             assert response.status_code == 400, params
             assert says in response.json()["error"]["message"]
+        # Ends no calendar month holds (before 2000, after 2999) are refused by name, not a 500.
+        for params in ({"from": -4e16, "to": t}, {"to": 1.9e176}, {"to": 2.2e-309}):
+            response = await client.get("/v1/allocation.csv", params=params,
+                                        headers={"authorization": f"Bearer {ADMIN}"})  # fmt: skip
+            assert response.status_code == 422, params
+            assert next(iter(params)) in response.text
 
 
 def test_rounding_keeps_whole_numbers_and_the_total():
