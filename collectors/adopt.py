@@ -32,10 +32,18 @@ from pathlib import Path
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from infermeter.audit_spool import AUDIT_DIR
 from infermeter.journal import JOURNAL_DIR, journal_files, recover
 from infermeter.shipper import Shipper, ShipperMetrics
 from infermeter.spool import Segment, Spool
-from infermeter.spooldir import BUDGET_OVERRIDES, GATEWAY_NONCES, INSTANCES, LOCK, SpoolLock
+from infermeter.spooldir import (
+    BUDGET_OVERRIDES,
+    GATEWAY_NONCES,
+    INSTANCES,
+    ISSUED_KEYS,
+    LOCK,
+    SpoolLock,
+)
 from infermeter.writers import Credential, Sealer
 
 __all__ = [
@@ -112,7 +120,11 @@ def listing(directory: Path, keep_nonces_seconds: float = 0.0) -> Listing:
             others += [
                 f"{entry.name}/{p.name}" for p in entry.iterdir() if not p.name.startswith("seg-")
             ]
-        elif entry.name != LOCK:
+        elif entry.name == AUDIT_DIR and entry.is_dir():
+            # Audit events are shipped by their own service only: a gone sidecar's unshipped ones
+            # keep the directory for an operator; an empty audit spool is nothing left.
+            others += [f"{entry.name}/{p.name}" for p in entry.iterdir() if p.name != LOCK]
+        elif entry.name not in (LOCK, ISSUED_KEYS):  # the issued keys are a cache of billing's
             others.append(entry.name)
     return Listing(usage, segments[INSTANCES], journals, tuple(sorted(others)),
                    segments[BUDGET_OVERRIDES], recent)  # fmt: skip

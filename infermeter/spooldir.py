@@ -30,13 +30,19 @@ import time
 from pathlib import Path
 from typing import Final
 
+from infermeter.audit_spool import AUDIT_DIR
 from infermeter.journal import JOURNAL_DIR
 
-__all__ = ["BUDGET_OVERRIDES", "GATEWAY_NONCES", "INSTANCES", "LOCK", "SpoolBusyError", "SpoolLock"]
+__all__ = [
+    "BUDGET_OVERRIDES", "GATEWAY_NONCES", "INSTANCES", "ISSUED_KEYS", "LOCK", "SpoolBusyError",
+    "SpoolLock",
+]  # fmt: skip
 
 INSTANCES: Final = "instances"
 BUDGET_OVERRIDES: Final = "budget-overrides"
 GATEWAY_NONCES: Final = "gateway-nonces"
+# The keys billing issued, as a sidecar last read them (``sidecar.keysync``): a cache.
+ISSUED_KEYS: Final = "issued-keys.json"
 LOCK: Final = ".lock"
 
 
@@ -114,7 +120,9 @@ class SpoolLock:
         if nonces.is_dir():  # nothing to ship: the caller judged them too old to matter
             for path in nonces.iterdir():
                 path.unlink(missing_ok=True)
-        for sub in (INSTANCES, BUDGET_OVERRIDES, JOURNAL_DIR, GATEWAY_NONCES):
+        (self.directory / ISSUED_KEYS).unlink(missing_ok=True)  # a cache of billing's
+        (self.directory / AUDIT_DIR / LOCK).unlink(missing_ok=True)
+        for sub in (INSTANCES, BUDGET_OVERRIDES, JOURNAL_DIR, GATEWAY_NONCES, AUDIT_DIR):
             with contextlib.suppress(OSError):  # absent, or not empty: the check below tells
                 (self.directory / sub).rmdir()
         if any(p.name != LOCK for p in self.directory.iterdir()):

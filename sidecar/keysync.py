@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 import orjson
 
 from infermeter.keys import IssuedKeys, KeyRequestError, redis_keys
+from infermeter.spooldir import ISSUED_KEYS
 
 if TYPE_CHECKING:
     import httpx
@@ -38,7 +39,7 @@ __all__ = ["KEYS_FILE", "KeySync", "team_keys"]
 
 log = logging.getLogger("infermeter.sidecar")
 
-KEYS_FILE: Final = "issued-keys.json"
+KEYS_FILE: Final = ISSUED_KEYS
 
 
 def team_keys(issued: IssuedKeys) -> IssuedKeys:

@@ -148,6 +148,21 @@ async def test_dead_letters_keep_the_directory_and_its_lock_free(tmp_path):
     lock.release()
 
 
+async def test_an_empty_audit_spool_and_the_keys_cache_leave_nothing_behind(tmp_path):
+    """A gone sidecar's audit spool with nothing in it and its cache of issued keys do not keep
+    its directory; an audit event it did not ship does (for an operator: nothing is lost)."""
+    emptied, unshipped = tmp_path / "small-0", tmp_path / "small-1"
+    for directory in (emptied, unshipped):
+        (directory / "audit").mkdir(parents=True)
+        (directory / "issued-keys.json").write_text("{}")
+    (unshipped / "audit" / "seg-00000000000000000001.jsonl").write_text('{"action": "x"}\n')
+    async with httpx.AsyncClient() as client:
+        adopter, _ = _adopter(tmp_path, free_port(), client)
+        assert await adopter.adopt_once() == 0
+    assert not emptied.exists()
+    assert (unshipped / "audit" / "seg-00000000000000000001.jsonl").exists()
+
+
 async def test_gateway_nonces_keep_the_directory_only_while_they_matter(tmp_path):
     """Nonces written within keep_nonces_seconds keep a shipped directory; older ones go with it."""
     nonces = tmp_path / "small-0" / "gateway-nonces"
