@@ -216,11 +216,11 @@ async def test_bad_windows_and_keys_are_refused_with_a_reason(billing):
             assert response.status_code == 400, params
             assert says in response.json()["error"]["message"]
         # Ends no calendar month holds (before 2000, after 2999) are refused by name, not a 500.
-        for params in ({"from": -4e16, "to": t}, {"to": 1.9e176}, {"to": 2.2e-309}):
-            response = await client.get("/v1/allocation.csv", params=params,
+        for bad in ({"from": -4e16, "to": t}, {"to": 1.9e176}, {"to": 2.2e-309}):
+            response = await client.get("/v1/allocation.csv", params=bad,
                                         headers={"authorization": f"Bearer {ADMIN}"})  # fmt: skip
-            assert response.status_code == 422, params
-            assert next(iter(params)) in response.text
+            assert response.status_code == 422, bad
+            assert next(iter(bad)) in response.text
 
 
 def test_rounding_keeps_whole_numbers_and_the_total():
