@@ -12,6 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
+from billing.bounds import (
+    COUNTER_SLACK_SECONDS,
+    MAX_BOARD_MIB,
+    MAX_COUNTER,
+    MAX_GAP_SECONDS,
+    MAX_REQUESTS,
+    POWER_MARGIN,
+)
 from billing.buckets import bucket_sql
 from billing.columns import COLUMN_TYPES, sql_default
 from billing.schema import EDGE_SECONDS, HOUR_SECONDS, SLOT_SECONDS
@@ -73,6 +81,25 @@ MAX_TOKENS: Final = 100_000_000
 # Choices per prompt (``n``): far beyond any real request, and small enough that prompt tokens
 # times choices stays an exact integer.
 MAX_CHOICES: Final = 1_000_000
+# The longest id a rejection answers with; a longer one is answered as "#<place in the batch>".
+MAX_ANSWERED_ID: Final = 256
+
+# What the board a GPU sample names can draw, in W (``billing.bounds``: a macro over a map of the
+# boards' limits, made on the ledger's connection).
+_BOARD_WATTS = "_board_watts(gpu_model)"
+_MOST_WATTS = f"({_BOARD_WATTS} * {1 + POWER_MARGIN})"
+_ENGINE_COUNTERS = (
+    "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+    "prefix_cache_hits_total", "preemptions_total",
+)  # fmt: skip
+
+
+def _counter_check(name: str) -> tuple[str, str]:
+    return (
+        f"{name} < 0 OR {name} > {MAX_COUNTER:.0e}",
+        f"'{name}: not between 0 and {MAX_COUNTER:.0e}'",
+    )
+
 
 # The checks beyond types, per kind: (SQL condition that means "bad", reason). The fields, their
 # types and defaults come from the record declarations (infermeter.records). A record that passes
@@ -112,16 +139,49 @@ CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
         ("sample_id = ''", "'sample_id: empty'"),
         ('"timestamp" < 946684800', "'timestamp: not Unix seconds (before 2000)'"),
         ('"timestamp" > $now + $skew', "'timestamp in the future'"),
-        ("interval_seconds < 0 OR interval_seconds > 86400", "'interval_seconds: out of range'"),
+        ("interval_seconds < 0", "'interval_seconds: negative'"),
+        (
+            "NOT gap AND interval_seconds > _max_measured_seconds()",
+            "printf('interval_seconds: a measured interval of %.6g s, longer than %.6g s "
+            "(a longer one is a gap)', interval_seconds, _max_measured_seconds())",
+        ),
+        (
+            f"interval_seconds > {MAX_GAP_SECONDS}",
+            f"'interval_seconds: longer than {MAX_GAP_SECONDS:.0f} s'",
+        ),
         ("utilization < 0 OR utilization > 1", "'utilization: not between 0 and 1'"),
+        ("power_watts < 0", "'power_watts: negative'"),
+        ("energy_joules < 0", "'energy_joules: negative'"),
+        (
+            f"power_watts > {_MOST_WATTS}",
+            f"printf('power_watts: %.6g W is more than the board can draw (%.6g W for %s, "
+            f"+{POWER_MARGIN:.0%}%)', power_watts, {_BOARD_WATTS}, left(gpu_model, 64))",
+        ),
+        (
+            f"energy_joules > {_MOST_WATTS} * (interval_seconds + {COUNTER_SLACK_SECONDS})",
+            f"printf('energy_joules: %.6g J is more than the board can draw in %.6g s (%.6g W for "
+            f"%s, +{POWER_MARGIN:.0%}%, {COUNTER_SLACK_SECONDS:.0f} s of counter slack)', "
+            f"energy_joules, interval_seconds, {_BOARD_WATTS}, left(gpu_model, 64))",
+        ),
         ("memory_used_mib < 0 OR memory_free_mib < 0", "'memory must not be negative'"),
-        ("power_watts < 0 OR energy_joules < 0", "'power and energy must not be negative'"),
+        (
+            f"memory_used_mib + memory_free_mib > {MAX_BOARD_MIB}",
+            f"'memory: more than {MAX_BOARD_MIB:.0f} MiB on one board'",
+        ),
+        ("xid_errors < 0", "'xid_errors: negative'"),
     ),
     ENGINE.key: (
         ("sample_id = ''", "'sample_id: empty'"),
         ('"timestamp" < 946684800', "'timestamp: not Unix seconds (before 2000)'"),
         ('"timestamp" > $now + $skew', "'timestamp in the future'"),
         ("requests_running < 0 OR requests_waiting < 0", "'request counts must not be negative'"),
+        (
+            f"requests_running > {MAX_REQUESTS} OR requests_waiting > {MAX_REQUESTS}",
+            f"'request counts above {MAX_REQUESTS:,}'",
+        ),
+        ("kv_cache_usage < 0 OR kv_cache_usage > 1", "'kv_cache_usage: not between 0 and 1'"),
+        *(_counter_check(name) for name in _ENGINE_COUNTERS),
+        _counter_check("kv_cache_tokens"),
     ),
     INSTANCES.key: (
         ("event_id = ''", "'event_id: empty'"),
@@ -284,8 +344,14 @@ def rejected_sql(kind: RecordKind, checked: str) -> str:
     also its ``label``, the record as JSON, the time it claims and its ``writer``.
     """
     quarantined = "quarantine IS NOT NULL"
+    # A refused record is answered by its id, unless the id is what is wrong with it (missing,
+    # empty, not a string: an array sent as the id is not echoed back) or is longer than an id
+    # can be; then by its place, so the answer stays small.
+    rid = _q(kind.id_field)
+    answered = f"length({rid}) <= {MAX_ANSWERED_ID} AND NOT starts_with(coalesce(reason, ''), '{kind.id_field}:')"
     return f"""CREATE OR REPLACE TEMP TABLE _rejected AS
-SELECT item, pos, {_q(kind.id_field)} AS id, coalesce(reason, quarantine.reason) AS reason,
+SELECT item, pos, CASE WHEN {quarantined} OR ({answered}) THEN {rid} END AS id,
+    coalesce(reason, quarantine.reason) AS reason,
     quarantine.label AS label,
     CASE WHEN {quarantined} THEN {record_json_sql(kind)} END AS record,
     CASE WHEN {quarantined} THEN TRY_CAST({_q(kind.time_field)} AS DOUBLE) END AS record_time,

@@ -14,7 +14,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["duplicate_key"]
+__all__ = ["NestedTooDeeplyError", "duplicate_key"]
+
+
+class NestedTooDeeplyError(ValueError):
+    """The text nests arrays or objects deeper than the standard library's parser follows.
+
+    Its C scanner recurses once per level and stops with ``RecursionError`` near the
+    interpreter's recursion limit (about a thousand levels, fewer on a deep stack). A batch's
+    records are flat objects, so no batch nests anywhere near that: such a text is the caller's
+    to fix, never a fault of the service.
+    """
 
 
 class _Duplicate(Exception):
@@ -32,11 +42,18 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> None:
 
 
 def duplicate_key(text: bytes | str) -> str | None:
-    """The first key found twice in one object of ``text`` (valid JSON), or None."""
+    """The first key found twice in one object of ``text`` (valid JSON), or None.
+
+    Raises ``NestedTooDeeplyError`` for a text nested too deeply to be read this way.
+    """
     try:
         json.loads(text, object_pairs_hook=_no_duplicates)
     except _Duplicate as dup:
         return dup.key
+    except RecursionError:
+        raise NestedTooDeeplyError(
+            "nested too deeply: a batch's records are flat JSON objects"
+        ) from None
     except ValueError:
         return None  # not JSON at all: the caller's own parser says so
     return None

@@ -24,10 +24,11 @@ import polars as pl
 
 from billing import allocation, ingest_sql, lifetimes, quarantine, reconciliation, trust_sql
 from billing.allocation import Policy
+from billing.bounds import SampleBounds, bounds_tables
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
 from billing.fleet import asked_sql
 from billing.group_commit import GroupCommit, Ticket
-from billing.jsonkeys import duplicate_key
+from billing.jsonkeys import NestedTooDeeplyError, duplicate_key
 from billing.lifetimes import (
     COLUMNS as LIFETIME_COLUMNS,
     DEFAULT_HEARTBEAT_SECONDS,
@@ -121,8 +122,11 @@ class Ledger:
     def __init__(self, con: duckdb.DuckDBPyConnection, teams: Sequence[str],
                  ttft_sla_seconds: dict[str, float], kinds: Mapping[str, RecordKind] = KINDS,
                  heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
-                 fleet: KnownFleet | None = None) -> None:  # fmt: skip
+                 fleet: KnownFleet | None = None,
+                 bounds: SampleBounds | None = None) -> None:  # fmt: skip
         self._con = con
+        # What a sample may physically claim (``billing.bounds``); the defaults without one.
+        self.bounds = bounds or SampleBounds()
         # The configuration's models, groups and nodes, for the trust checks (``billing.trust_sql``);
         # None (a ledger opened by a tool): only teams are checked.
         self.fleet = fleet
@@ -165,7 +169,8 @@ class Ledger:
              memory_limit: str = "2GB", threads: int | None = None,
              kinds: Mapping[str, RecordKind] = KINDS,
              heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
-             fleet: KnownFleet | None = None) -> Ledger:  # fmt: skip
+             fleet: KnownFleet | None = None,
+             bounds: SampleBounds | None = None) -> Ledger:  # fmt: skip
         """Open (or create) the ledger at ``path`` (":memory:" for a throw-away one) and migrate it."""
         if str(path) != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -177,7 +182,7 @@ class Ledger:
         except duckdb.Error as exc:
             raise LedgerError(f"{path}: cannot open the ledger: {exc}") from None
         migrate(con, str(path), kinds.values())
-        return cls(con, teams, ttft_sla_seconds, kinds, heartbeat_seconds, fleet)
+        return cls(con, teams, ttft_sla_seconds, kinds, heartbeat_seconds, fleet, bounds)
 
     def close(self) -> None:
         """Checkpoint and close the file."""
@@ -187,6 +192,7 @@ class Ledger:
 
     def _set_teams(self, teams: Sequence[str]) -> None:
         quarantine.known_tables(self._con, teams, self.fleet)
+        bounds_tables(self._con, self.bounds)
         self._con.execute("CREATE OR REPLACE TEMP TABLE _sla (model VARCHAR, ttft_seconds DOUBLE)")
         if self.ttft_sla:
             self._con.executemany("INSERT INTO _sla VALUES (?, ?)", list(self.ttft_sla.items()))
@@ -252,7 +258,10 @@ class Ledger:
         raw = body.encode() if isinstance(body, str) else body
         # orjson keeps the last of two equal keys and DuckDB the first: a batch whose readers
         # could disagree on what it holds is refused whole, before either reads it.
-        key = duplicate_key(raw)
+        try:
+            key = duplicate_key(raw)
+        except NestedTooDeeplyError as exc:
+            raise _not_a_batch(f"the body is {exc}") from None
         if key is not None:
             raise _not_a_batch(f"duplicate key {key!r} in a JSON object")
         kind, records = self._batch(raw, max_records)
@@ -792,6 +801,9 @@ def _ndjson_records(body: bytes) -> tuple[list[bytes], list[Any], frozenset[int]
             records.append(orjson.loads(line))
             texts.append(line)
             duplicates = duplicates or duplicate_key(line) is not None
+        except NestedTooDeeplyError:
+            # DuckDB reads it from its own text, and names what is wrong with the record.
+            duplicates = True
         except orjson.JSONDecodeError:
             records.append(None)
             texts.append(b"null")

@@ -7,8 +7,10 @@ routes use, so a scrape never recomputes the month while the scraper waits.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
+from typing import Final
 
 import polars as pl
 from prometheus_client import CollectorRegistry, Counter
@@ -22,6 +24,7 @@ from billing.reconciliation import HOUR_SECONDS
 from billing.statement import error_counts
 from billing.statement_cache import CachedChargeback
 from infermeter.months import month_of
+from infermeter.records import KINDS
 
 __all__ = [
     "IngestCounters",
@@ -31,6 +34,7 @@ __all__ = [
     "ReconciliationCollector",
     "SpendCollector",
     "StatementCollector",
+    "rejection_label",
 ]
 
 
@@ -241,14 +245,45 @@ class StatementCollector(Collector):
         )
 
 
+# Rejection reasons that do not begin with a field name, by how they begin: the label they count
+# under. Anything else is "other", so no caller can grow the label's values.
+_REASON_LABELS: Final = (
+    ("not valid JSON", "not_json"), ("not a JSON object", "not_an_object"),
+    ("duplicate key", "duplicate_key"), ("unknown key", "unknown_key"),
+    ("unknown team", "team"), ("token counts", "tokens"), ("request counts", "requests"),
+    ("memory", "memory"), ("replica counts", "replica_counts"),
+)  # fmt: skip
+_LEADING_NAME: Final = re.compile(r"[a-z_]+")
+
+
+def rejection_label(kind: str, reason: str) -> str:
+    """The bounded label a rejection ``reason`` counts under: the field it names, or its rule.
+
+    Reasons name their field first (``power_watts: 5000 W is more than the board can draw``);
+    the rest begin with one of a few fixed phrases. Values and names a caller sent never
+    become a label.
+    """
+    record = KINDS.get(kind)
+    match = _LEADING_NAME.match(reason)
+    if record is not None and match and match.group() in record.names:
+        return match.group()
+    return next((label for text, label in _REASON_LABELS if reason.startswith(text)), "other")
+
+
 class IngestCounters:
-    """infermeter_billing_ingest_records (by outcome) and _batches (by wire format)."""
+    """infermeter_billing_ingest_records (by outcome), _batches (by wire format) and
+    _rejections (by the field or rule that refused a record, ``rejection_label``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.records = Counter("infermeter_billing_ingest_records", "Records received by ingest, by outcome.",
                                ["kind", "outcome"], registry=registry)  # fmt: skip
         self.batches = Counter("infermeter_billing_ingest_batches", "Batches acknowledged by ingest, by wire format.",
                                ["kind", "format"], registry=registry)  # fmt: skip
+        self.rejections = Counter(
+            "infermeter_billing_ingest_rejections",
+            "Records ingest refused, by kind and the field or rule that refused them.",
+            ["kind", "reason"], registry=registry,
+        )  # fmt: skip
 
     def count(self, result: IngestResult, wire_format: str) -> None:
         """Count one acknowledged batch and what became of its records."""
@@ -257,3 +292,7 @@ class IngestCounters:
         self.records.labels(result.kind, "duplicate").inc(result.duplicates)
         self.records.labels(result.kind, "rejected").inc(len(result.rejected))
         self.records.labels(result.kind, "quarantined").inc(len(result.quarantined))
+        for rejection in result.rejected:
+            self.rejections.labels(
+                result.kind, rejection_label(result.kind, rejection.reason)
+            ).inc()

@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from billing.api import create_app
+from billing.bounds import SampleBounds
 from billing.ledger import Ledger
 from billing.lifetimes import heartbeat_seconds
 from billing.quarantine import KnownFleet
@@ -44,6 +45,7 @@ def open_ledger(config: Config, database: str | None = None) -> Ledger:
         threads=b.threads,
         heartbeat_seconds=heartbeat_seconds(config),
         fleet=KnownFleet.of(config),
+        bounds=SampleBounds.of(config),
     )
 
 

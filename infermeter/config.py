@@ -520,6 +520,9 @@ class BillingSettings(_Strict):
     # The share of a replica group's engine tokens in the last whole hour that no usage record
     # carries, over which the rendered rules raise InfermeterTokensUnattributed.
     reconciliation_alert_share: Annotated[float, Field(ge=0, le=1)] = 0.02
+    # Board power limits (W) by GPU model, over infermeter.boards' table: a GPU sample drawing
+    # more (with a margin) is refused at ingest as no board can draw it (billing.bounds).
+    gpu_max_watts: dict[str, Positive] = Field(default_factory=dict)
 
 
 class DashboardSettings(_Strict):
@@ -533,6 +536,10 @@ class DashboardSettings(_Strict):
     refresh_seconds: Positive = 10.0
     # A request body over this is answered 413 before it is read (a callback's is a few KiB).
     max_body_bytes: Annotated[int, Field(gt=0)] = 1 << 20
+    # Sign-ins and sign-in failures go on the audit trail: spooled here, shipped to billing with
+    # the dashboard's writer credential (``dashboard:<name>``) from this variable.
+    spool_dir: str = "var/spool/dashboard"
+    credential_env: str = "INFERMETER_WRITER_CREDENTIAL"
 
 
 class SlaOverride(_Strict):

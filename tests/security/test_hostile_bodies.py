@@ -11,8 +11,19 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import AsyncIterator
 
+import httpx
+import orjson
 import pytest
+
+from billing.api import create_app
+from billing.ledger import Ledger
+from infermeter.config import Config
+from tests.billing.conftest import OCT, gpu_samples, usage
+from tests.servers import serving
+
+INGEST = "im-demo-ingest"
 
 HEADER = textwrap.dedent(
     """
@@ -97,3 +108,96 @@ def test_arrow_streams_with_random_bytes_changed_never_crash_the_reader() -> Non
         """
     )
     assert sum(json.loads(out).values()) == 4000
+
+
+# -- bodies that are valid JSON, or nearly, built to fail the service rather than the reader --
+
+
+def _deep(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.fixture
+async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
+    """The billing API over the in-memory ledger, on a loopback port (its handlers run on the
+    server's worker threads, whose stacks are shallower than a test's)."""
+    async with serving(create_app(config, ledger), lifespan="off") as url:
+        yield url
+
+
+async def _post(url: str, path: str, body: bytes, content_type: str) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        return await client.post(path, content=body, headers={
+            "authorization": f"Bearer {INGEST}", "content-type": content_type})  # fmt: skip
+
+
+@pytest.mark.parametrize("depth", [100, 990, 1_000, 1_030, 100_000])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        lambda deep: deep,
+        lambda deep: b'{"usage": ' + deep + b"}",
+        lambda deep: b'{"usage": [{"request_id": ' + deep + b"}]}",
+    ],
+    ids=["the-body", "the-batch", "a-field"],
+)  # fmt: skip
+async def test_json_nested_deep_is_a_400_or_a_rejected_record_never_a_500(billing, shape, depth):
+    """Nesting of any depth, where the body, the batch or a field should be flat: a 4xx or a
+    refused record, each with a reason (it was a RecursionError and a 500)."""
+    answer = await _post(billing, "/v1/ingest", shape(_deep(depth)), "application/json")
+    assert answer.status_code < 500, answer.text[:300]
+    if answer.status_code == 200:
+        assert answer.json()["accepted"] == 0
+        assert answer.json()["rejected"]
+    else:
+        assert answer.status_code == 400
+        assert answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("depth", [100, 990, 1_000, 1_030, 100_000])
+async def test_an_ndjson_line_nested_deep_is_one_rejected_record(billing, depth):
+    """In NDJSON, a deep line is refused by name and its neighbours are kept."""
+    good = usage(start=OCT + 3600)
+    lines = [orjson.dumps(good), b'{"request_id": ' + _deep(depth) + b"}", _deep(depth)]
+    answer = await _post(
+        billing, "/v1/ingest/usage", b"\n".join(lines) + b"\n", "application/x-ndjson"
+    )
+    assert answer.status_code == 200, answer.text[:300]
+    body = answer.json()
+    assert body["accepted"] == 1
+    assert [r["id"] for r in body["rejected"]] == ["#2", "#3"]
+
+
+async def test_a_huge_array_in_a_field_is_refused_and_not_answered_back(billing):
+    """A million-element array as an id is one refused record answered by its place, not echoed."""
+    huge = b"[" + b",".join([b"1"] * 1_000_000) + b"]"
+    answer = await _post(
+        billing, "/v1/ingest/usage", b'{"request_id": ' + huge + b"}\n", "application/x-ndjson"
+    )
+    assert answer.status_code == 200
+    assert answer.json()["rejected"] == [
+        {"id": "#1", "reason": answer.json()["rejected"][0]["reason"]}
+    ]
+    assert len(answer.content) < 1_000
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"1e400", b"-1e400", b"123456789012345678901234567890", b"1e-400", b"1" * 5000],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "field", ["energy_joules", "power_watts", "interval_seconds", "xid_errors"]
+)
+async def test_absurd_magnitudes_are_a_4xx_or_a_rejected_record(billing, field, value):
+    """Numbers past any float or integer, in every wire form, never reach the ledger as a 500."""
+    line = orjson.dumps(gpu_samples(start=OCT + 3600, seconds=10)[0] | {field: 0}).replace(
+        f'"{field}":0'.encode(), f'"{field}":'.encode() + value
+    )
+    for path, body, content_type in (
+        ("/v1/ingest/gpu_samples", line + b"\n", "application/x-ndjson"),
+        ("/v1/ingest", b'{"gpu_samples": [' + line + b"]}", "application/json"),
+    ):
+        answer = await _post(billing, path, body, content_type)
+        assert answer.status_code < 500, (path, answer.text[:300])
+        if answer.status_code == 200 and value != b"1e-400":
+            assert answer.json()["accepted"] == 0, answer.text[:300]

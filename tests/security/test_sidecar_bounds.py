@@ -130,3 +130,30 @@ async def test_spool_size_cap_is_freed_by_acknowledgement(tmp_path):
         assert reopened.size_bytes == sum(p.stat().st_size for p in tmp_path.glob("seg-*.jsonl"))
     finally:
         await reopened.close()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["local-bucket", "redis-bucket"])
+async def test_refusals_take_nothing_from_the_token_limit(stack_factory, redis_server, shared):
+    """A 70 kB body refused with 413 and two 400s leave the team's tokens per minute whole: after
+    them the sidecar serves exactly what a sidecar that refused nothing serves (a 9 MiB body
+    once emptied the bucket, 5,999,978 tokens to 2,162)."""
+    changes = {"teams.0.limits.tokens_per_minute": 50, "sidecar.max_body_bytes": 65_536}
+
+    async def served(refused_first: bool) -> list[int]:
+        extra = {"sidecar.shared_limits.redis_url": redis_server.url} if shared else {}
+        if shared:
+            redis_server.flush()
+        stack = await stack_factory(**changes, **extra)
+        async with stack.client() as c:
+            if refused_first:
+                for body, status in ((b"x" * 70_000, 413), (b"{not json", 400), (b"[1, 2]", 400)):
+                    r = await c.post("/v1/chat/completions", content=body)
+                    assert r.status_code == status
+            return [
+                (await c.post("/v1/chat/completions", json=CHAT)).status_code for _ in range(12)
+            ]
+
+    expected = await served(refused_first=False)
+    assert 200 in expected, expected
+    assert 429 in expected, expected  # the bucket runs out within the run
+    assert await served(refused_first=True) == expected
