@@ -19,6 +19,7 @@ time billing read the ledger for it (at most one refresh interval ago).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any, Final
@@ -30,10 +31,10 @@ from flask import request
 from dashboards.client import BillingClient, BillingError
 from dashboards.components import note
 from dashboards.context import Context
-from dashboards.data import RANGE_LABELS, RANGES, fetch_queries, time_range
+from dashboards.data import RANGE_LABELS, RANGES, fetch_queries
 from dashboards.formatting import as_of
 from dashboards.headers import content_security_policy, install_security_headers
-from dashboards.pages import chargeback, efficiency, fleet, planner, sla, teams
+from dashboards.pages import allocation, chargeback, efficiency, fleet, planner, sla, teams
 from dashboards.sessions import Gate, Session, Sessions, clean_key
 from dashboards.style import SORT_JS, STYLE, TZ_JS
 from dashboards.summary import summary_row, tiles
@@ -42,9 +43,25 @@ from infermeter.config import Config
 from infermeter.months import month_of
 from infermeter.statement import statement_from_json
 
-__all__ = ["PAGES", "create_app"]
+__all__ = ["PAGES", "Audit", "create_app"]
 
-PAGES: Final[tuple[ModuleType, ...]] = (fleet, teams, chargeback, sla, planner, efficiency)
+# Told of each sign-in, failure and sign-out: (action, actor, role, address=, why=, ...).
+Audit = Callable[..., None]
+
+
+def _unheard(*_: Any, **__: Any) -> None:
+    """No audit trail configured (tests of the pages alone)."""
+
+
+PAGES: Final[tuple[ModuleType, ...]] = (
+    fleet,
+    teams,
+    allocation,
+    chargeback,
+    sla,
+    planner,
+    efficiency,
+)
 
 _HIDDEN: Final = {"display": "none"}
 
@@ -52,8 +69,8 @@ _HIDDEN: Final = {"display": "none"}
 def _shell(ctx: Context) -> html.Div:
     links = [dcc.Link(p.TITLE, href=p.PATH) for p in PAGES]
     options = [{"label": RANGE_LABELS[r], "value": r} for r in RANGES]
-    range_picker = dcc.Dropdown(id="range", options=options, value="1h", clearable=False,
-                                searchable=False, style={"width": "10em"})  # fmt: skip
+    range_picker = dcc.Dropdown(id="range", options=options, value="fit", clearable=False,
+                                searchable=False, style={"width": "11em"})  # fmt: skip
     return html.Div(
         [
             dcc.Location(id="url"),
@@ -123,7 +140,8 @@ def _summary(ctx: Context, session: Session, choice: str | None,
              tz: str | None) -> tuple[Any, Any]:  # fmt: skip
     """The summary row and the money snapshot it was computed from."""
     token, admin = session.token, session.is_admin
-    start, end = time_range(choice)
+    shown = ctx.window(session, choice)
+    start, end = shown.start, shown.end
     month = month_of(end)
     names = ["team_usage", "sla", *(["gpus"] if admin else [])]
     try:
@@ -139,7 +157,7 @@ def _summary(ctx: Context, session: Session, choice: str | None,
     now = float(money["statement"].get("as_of") or time.time())
     money |= {"as_of": now, "month": month}
     lines = statement_from_json(money["statement"]).lines
-    period = f"the {RANGE_LABELS.get(choice or '1h', 'last hour').lower()}"
+    period = shown.label
     found = tiles(
         money["spend"], lines, frames["team_usage"], frames["sla"], frames.get("gpus"), period
     )
@@ -147,12 +165,14 @@ def _summary(ctx: Context, session: Session, choice: str | None,
 
 
 def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None = None,
-               sessions: Sessions | None = None) -> Dash:  # fmt: skip
+               sessions: Sessions | None = None, audit: Audit | None = None) -> Dash:  # fmt: skip
     """The dashboard app reading from the billing service at ``billing_url``.
 
     ``throttle`` counts failed sign-ins per client address, ``sessions`` holds the signed-in
-    callers; each app has its own of both by default.
+    callers; each app has its own of both by default. ``audit`` hears every sign-in, sign-in
+    failure and sign-out (the audit trail; ``infermeter.audit_spool.AuditThread.record``).
     """
+    heard = audit or _unheard
     signins = SignInThrottle() if throttle is None else throttle
     gate = Gate(signins, Sessions() if sessions is None else sessions)
     ctx = Context(config, BillingClient(billing_url), gate)
@@ -212,25 +232,35 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
     )
     def sign_in(_: Any, __: Any, ___: Any, typed: str | None,
                 auth: Any) -> tuple[Any, bool, str, Any]:  # fmt: skip
+        address = request.remote_addr or "unknown"
         if isinstance(auth, dict) and isinstance(auth.get("session"), str):
+            ended = gate.sessions.get(auth["session"])
             gate.sessions.end(auth["session"])  # signing out, or in again: the old one is over
+            if ended is not None and callback_context.triggered_id == "logout":
+                heard("signout", ended.name, "", address=address)
         if callback_context.triggered_id == "logout":
             return None, True, "", ""
         key = clean_key(typed)
         if not key:
             return None, True, "Enter a key.", no_update
-        address = request.remote_addr or "unknown"
         wait_seconds = signins.retry_after(address)
         if wait_seconds > 0:
+            heard(
+                "signin.failed", "unknown", "", address=address, why="locked out", outcome="refused"
+            )
             return None, True, locked_message(wait_seconds), no_update
         try:
             who = ctx.client.whoami(key)
         except BillingError as exc:
             if exc.status not in (401, 403):
                 return None, True, f"Not signed in: {exc}.", no_update
+            why = "unknown key" if exc.status == 401 else "a service's key"
+            heard("signin.failed", "unknown", "", address=address, why=why, outcome="refused")
             return None, True, _refused(signins, address, exc.status), no_update
         signins.succeeded(address)
         caller = who["caller"]
+        heard("signin.succeeded", caller.get("who") or caller["name"], caller.get("role", ""),
+              address=address, detail={"with": "key"})  # fmt: skip
         session = Session(key, caller["name"], caller["team"], bool(caller["is_admin"]))
         return {"session": gate.sessions.begin(session)}, False, "", ""
 

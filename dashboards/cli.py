@@ -10,6 +10,7 @@ import argparse
 import math
 from typing import TYPE_CHECKING
 
+from dashboards.formatting import MISSING
 from infermeter.commands import Subparsers, add_config, fail
 from infermeter.planner import BYTES_PER_PARAM, GPUS_GB, PRESETS, ModelShape, Plan, plan
 
@@ -120,14 +121,19 @@ def format_plan(shape: ModelShape, result: Plan) -> str:
                 f.gpu,
                 f"{f.memory_gb:g} GB",
                 str(f.tensor_parallel) if f.fits else "does not fit",
-                f"{f.per_gpu_gb:.1f} GB" if f.per_gpu_gb is not None else "-",
-                "-" if not f.fits else (f"{f.usd_per_hour:.2f}" if f.usd_per_hour is not None else "no price"),
+                f"{f.per_gpu_gb:.1f} GB" if f.per_gpu_gb is not None else MISSING,
+                f"{f.usd_per_hour:.2f}" if f.fits and f.usd_per_hour is not None else MISSING,
             )
         )  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
     ]
+    unpriced = [f.gpu for f in result.fits if f.fits and f.usd_per_hour is None]
+    if unpriced:
+        lines.append(
+            f"{MISSING} USD/hour: no price in prices.usd_per_gpu_hour for {', '.join(unpriced)}"
+        )
     return head + "\n".join(lines)
 
 

@@ -144,6 +144,29 @@ class BillingClient:
         body: dict[str, Any] = self._get(token, "/v1/fleet", {"from": start, "to": end})
         return body
 
+    def allocation(self, token: str, params: dict[str, Any]) -> dict[str, Any]:
+        """The allocation explorer's answer (``/v1/allocation``): rows, total, series, CSV.
+
+        ``params``: from, to, by, and the filters (a key to a list of values). Building a month
+        the first time costs billing a statement's allocation, hence the long timeout.
+        """
+        body: dict[str, Any] = self._get(
+            token, "/v1/allocation", params, timeout_seconds=STATEMENT_TIMEOUT_SECONDS
+        )
+        return body
+
+    def events(self, token: str, start: float, end: float) -> list[dict[str, Any]]:
+        """What happened in ``start``..``end`` (``/v1/events``): scaling (admin) and month closes."""
+        body: dict[str, Any] = self._get(token, "/v1/events", {"from": start, "to": end})
+        events: list[dict[str, Any]] = body["events"]
+        return events
+
+    def span(self, token: str) -> tuple[float, float] | None:
+        """The first and the end (Unix seconds) of the data this token may see; None: no data."""
+        body = self._get(token, "/v1/query/span")
+        first, last = body["rows"][0] if body["rows"] else (None, None)
+        return None if first is None or last is None else (float(first), float(last))
+
     def months(self, token: str) -> list[dict[str, Any]]:
         """Months the ledger has data for (admin)."""
         body: list[dict[str, Any]] = self._get(token, "/v1/months")

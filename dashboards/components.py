@@ -1,9 +1,10 @@
 """Small layout pieces shared by the pages: finance tables, graphs, notes and the page frame.
 
 Every table reads the same way: headers in words, money with its currency sign, counts with
-thousands separators, numbers right-aligned in tabular figures, yes/no in words, and a total
-row where a column adds up. Each cell keeps its column's name (``data-column``) for screen
-readers and tests.
+thousands separators, numbers right-aligned in tabular figures (a column is numeric when its
+kind is, or when any of its cells reads as a number), one notation for a missing value
+(``MISSING``), yes/no in words, and a total row where a column adds up. Each cell keeps its
+column's name (``data-column``) for screen readers and tests.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import polars as pl
 from dash import dcc, html
 
 from dashboards.figures import empty_figure
-from dashboards.formatting import Kind, format_cell, kind_of, label, usd
+from dashboards.formatting import MISSING, Kind, format_cell, kind_of, label, parse_number, usd
 
 __all__ = ["csv_table", "frame_table", "graph", "note", "page", "usd"]
 
@@ -41,18 +42,30 @@ def _column(name: str) -> Any:
     return {"data-column": name}
 
 
-def _td(value: Any, column: str, kind: Kind) -> html.Td:
-    cls = "num" if kind in _NUMERIC else None
-    return html.Td(format_cell(value, kind), className=cls, **_column(column))
+def _td(value: Any, column: str, kind: Kind, numeric: bool) -> html.Td:
+    return html.Td(
+        format_cell(value, kind), className="num" if numeric else None, **_column(column)
+    )
 
 
-def _head(columns: Sequence[str], kinds: Mapping[str, Kind]) -> html.Thead:
+def _numeric(columns: Sequence[str], kinds: Mapping[str, Kind],
+             rows: Sequence[Mapping[str, Any]]) -> dict[str, bool]:  # fmt: skip
+    """Which columns are right-aligned: numeric kinds, and any column a number shows in."""
+    found = {c: kinds[c] in _NUMERIC for c in columns}
+    for c in columns:
+        if not found[c]:
+            shown = (format_cell(r[c], kinds[c]) for r in rows)
+            found[c] = any(t != MISSING and parse_number(t) is not None for t in shown)
+    return found
+
+
+def _head(columns: Sequence[str], numeric: Mapping[str, bool]) -> html.Thead:
     return html.Thead(
         html.Tr(
             [
                 html.Th(
                     label(c),
-                    className="num" if kinds[c] in _NUMERIC else None,
+                    className="num" if numeric[c] else None,
                     scope="col",
                     **_column(c),
                 )
@@ -71,25 +84,34 @@ def frame_table(
     total: Sequence[str] = (),
     total_values: Mapping[str, Any] | None = None,
     empty: str = "Nothing to show yet.",
+    row_id: str | None = None,
 ) -> html.Div:
     """``frame`` as a finance table; ``total`` names the columns summed in a last row.
 
     ``total_values`` gives a total that is not a sum (a percentage of the summed budgets). A
-    frame without rows is the sentence ``empty`` rather than a table of headers only.
+    frame without rows is the sentence ``empty`` rather than a table of headers only. With
+    ``row_id``, each body row is clickable: its id is ``{"type": row_id, "index": i}``.
     """
     if frame.height == 0:
         return html.Div(note(empty), id=table_id, className="table-wrap")
     columns = list(columns or frame.columns)
     kind = {c: (kinds or {}).get(c) or kind_of(c) for c in columns}
-    body = html.Tbody([
-        html.Tr([_td(row[c], c, kind[c]) for c in columns])
-        for row in frame.select(columns).iter_rows(named=True)
-    ])  # fmt: skip
-    parts: list[Any] = [_head(columns, kind), body]
+    rows = list(frame.select(columns).iter_rows(named=True))
+    numeric = _numeric(columns, kind, rows)
+
+    def tr(i: int, row: Mapping[str, Any]) -> html.Tr:
+        cells = [_td(row[c], c, kind[c], numeric[c]) for c in columns]
+        if row_id is None:
+            return html.Tr(cells)
+        return html.Tr(cells, id={"type": row_id, "index": i}, n_clicks=0, className="clickable",
+                       title="Click to drill into this row")  # fmt: skip
+
+    parts: list[Any] = [_head(columns, numeric), html.Tbody([tr(i, r) for i, r in enumerate(rows)])]
     if (total or total_values) and frame.height > 1:  # one row is its own total
         sums = {c: frame[c].sum() for c in total} | dict(total_values or {})
         cells = [
-            _td(sums[c], c, kind[c]) if c in sums else html.Td("Total" if i == 0 else "", **_column(c))
+            _td(sums[c], c, kind[c], numeric[c]) if c in sums
+            else html.Td("Total" if i == 0 else "", **_column(c))
             for i, c in enumerate(columns)
         ]  # fmt: skip
         parts.append(html.Tfoot(html.Tr(cells, className="total")))
@@ -100,27 +122,30 @@ def csv_table(text: str, table_id: str, hidden: Sequence[str] = (),
               empty: str = "No charges for this month yet.") -> html.Div:  # fmt: skip
     """Billing's CSV as a finance table: its rows as the file has them, formatted for reading.
 
-    The file's own total row (``line_type`` = ``total``) becomes the table's footer.
+    The file's own total row (``line_type`` = ``total``) becomes the table's footer. An empty
+    cell in a numeric column is missing (``MISSING``).
     """
     header, *rows = list(csv.reader(io.StringIO(text)))
     columns = [c for c in header if c not in hidden]
     kind = {c: kind_of(c) for c in columns}
     kind["line_type"] = "text"
+    numeric = {c: kind[c] != "text" for c in columns}
 
     def cells(row: list[str]) -> list[html.Td]:
         values = dict(zip(header, row, strict=True))
         out = []
         for c in columns:
             raw = values[c]
-            number = _number(raw) if kind[c] != "text" else None
-            out.append(_td(number if number is not None else raw, c, kind[c]))
+            # A numeric cell shows its number, or MISSING when the file has none.
+            shown = raw if kind[c] == "text" else _number(raw)
+            out.append(_td(raw if shown is None and raw != "" else shown, c, kind[c], numeric[c]))
         return out
 
     body = [r for r in rows if dict(zip(header, r, strict=True)).get("line_type") != "total"]
     totals = [r for r in rows if dict(zip(header, r, strict=True)).get("line_type") == "total"]
     if not body:
         return html.Div(note(empty), id=table_id, className="table-wrap")
-    parts: list[Any] = [_head(columns, kind), html.Tbody([html.Tr(cells(r)) for r in body])]
+    parts: list[Any] = [_head(columns, numeric), html.Tbody([html.Tr(cells(r)) for r in body])]
     if totals:
         foot = cells(totals[0])
         foot[0] = html.Td("Total", **_column(columns[0]))

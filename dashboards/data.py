@@ -29,6 +29,7 @@ __all__ = [
     "RANGES",
     "RANGE_LABELS",
     "Drawn",
+    "Window",
     "desired_replicas",
     "drawn",
     "fetch_answers",
@@ -38,11 +39,14 @@ __all__ = [
     "recent_months",
     "statement_from_json",
     "time_range",
+    "window",
 ]
 
-# The time-range picker's choices: label -> seconds back from now.
-RANGES: Final = {"1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400}
+# The time-range picker's choices: "fit" (the default) fits the range to the data's span; the
+# others are seconds back from now.
+RANGES: Final = {"fit": None, "1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400}
 RANGE_LABELS: Final = {
+    "fit": "Fit to the data",
     "1h": "Last hour",
     "6h": "Last 6 hours",
     "24h": "Last 24 hours",
@@ -51,12 +55,57 @@ RANGE_LABELS: Final = {
 DESIRED_METRIC: Final = "infermeter_desired_replicas"
 # The least part of a bucket a partial rate is taken over: the first second's rate is noise.
 MIN_PARTIAL_SECONDS: Final = 1.0
+# A range fitted to young data is at least this long, so its first minutes are not a sliver.
+MIN_FIT_SECONDS: Final = 300.0
 
 
-def time_range(choice: str | None, now: float | None = None) -> tuple[float, float]:
-    """(from, to) in Unix seconds for a picker choice; unknown choices mean the last hour."""
+@dataclass(frozen=True, slots=True)
+class Window:
+    """The range a page shows: ``start``..``end`` (Unix seconds) and how a person says it
+    ("the last 6 hours", "the data so far: 20 minutes")."""
+
+    start: float
+    end: float
+    label: str
+
+
+def _duration(seconds: float) -> str:
+    """How long, as a person says it: "20 minutes", "1 h 45 min", "3 days"."""
+    minutes = max(1, round(seconds / 60))
+    if minutes < 60:
+        return "1 minute" if minutes == 1 else f"{minutes} minutes"
+    if minutes < 48 * 60:
+        hours, rest = divmod(minutes, 60)
+        return f"{hours} h {rest} min" if rest else f"{hours} h"
+    return f"{minutes / 1440:.1f} days".replace(".0 days", " days")
+
+
+def window(choice: str | None, span: tuple[float, float] | None = None,
+           now: float | None = None) -> Window:  # fmt: skip
+    """The range for a picker choice: a preset, or ("fit", the default) the data's span.
+
+    Fitted, the range starts at the data's first minute (drawn at least ``MIN_FIT_SECONDS``
+    long) and ends now, for data up to 7 days old; older data is shown over the last 7 days.
+    With no data, the last hour. Unknown choices fit too.
+    """
     now = time.time() if now is None else now
-    return now - RANGES.get(choice or "1h", 3600), now
+    preset = RANGES.get(choice or "fit")
+    if preset is not None:
+        return Window(now - preset, now, f"the {RANGE_LABELS[choice or 'fit'].lower()}")
+    if span is None:
+        return Window(now - 3600, now, "the last hour")
+    age = now - span[0]
+    if age > 7 * 86400:
+        return Window(now - 7 * 86400, now, "the last 7 days")
+    shown = max(age, MIN_FIT_SECONDS)
+    return Window(now - shown, now, f"the data so far ({_duration(age)})")
+
+
+def time_range(choice: str | None, now: float | None = None,
+               span: tuple[float, float] | None = None) -> tuple[float, float]:  # fmt: skip
+    """(from, to) in Unix seconds for a picker choice (``window``'s)."""
+    found = window(choice, span, now)
+    return found.start, found.end
 
 
 def local_times(frame: pl.DataFrame, tz: str | None, column: str = "t") -> pl.DataFrame:

@@ -10,6 +10,7 @@ point, or none, still reads as "the last hour".
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal
 
@@ -24,13 +25,18 @@ __all__ = [
     "complete_buckets",
     "empty_figure",
     "line_figure",
+    "stacked_figure",
 ]
 
 # Okabe-Ito, readable by the colour-blind; models take them in the configuration's order.
 PALETTE: Final = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")  # fmt: skip
 YAxis = Literal["number", "share", "fraction"]
 _HEIGHT: Final = 300
-_MARGIN: Final = {"l": 60, "r": 16, "t": 56, "b": 40}
+_MARGIN: Final = {"l": 60, "r": 16, "t": 56, "b": 72}
+# Under the plot, below the date labels of the time axis (which take two lines, about 36 px),
+# never on them: anchored by its top a quarter of the plot's height under the axis (at least
+# 40 px when two rows of legend shrink the plot), and the bottom margin holds one row of it.
+_LEGEND: Final = {"orientation": "h", "yanchor": "top", "y": -0.27, "x": 0}
 
 
 def colours_for(names: Sequence[str]) -> dict[str, str]:
@@ -117,33 +123,94 @@ def line_figure(
                 hovertemplate=f"%{{y:{'.1%' if kind != 'number' else ',.3~f'}}}<extra>{name}</extra>",
             )
         )
-    fig.update_layout(**_layout(title, subtitle), hovermode="x unified",
-                      legend={"orientation": "h", "y": -0.18, "x": 0})  # fmt: skip
+    fig.update_layout(**_layout(title, subtitle), hovermode="x unified", legend=_LEGEND)
     fig.update_xaxes(range=list(x_range), title=None)
     peak = float(rows[y].max() or 0)  # type: ignore[arg-type]
     _y_axis(fig, kind, y_title, peak)
     return fig
 
 
-def budget_figure(teams: Sequence[str], spent_pct: Sequence[float], forecast_pct: Sequence[float],
-                  spent_usd: Sequence[float], forecast_usd: Sequence[float]) -> go.Figure:  # fmt: skip
-    """Spent and forecast per team as a share of its budget, against a line at 100 %.
+def stacked_figure(series: pl.DataFrame, title: str, subtitle: str,
+                   x_range: tuple[dt.datetime, dt.datetime], *, order: Sequence[str],
+                   colours: Mapping[str, str], step: int) -> go.Figure:  # fmt: skip
+    """Cost per step (``t``, Unix seconds UTC, ``step`` long), stacked by ``group``, the costliest
+    group lowest.
 
-    Drawn as shares, not dollars, so a large budget does not dwarf the spend it is compared
-    with; each bar carries its dollar figure as text.
+    ``order``: the groups, costliest first (the table's order); groups not in it come last.
     """
     fig = go.Figure()
+    groups = series["group"].unique().to_list()
+    ranked = [g for g in order if g in groups] + sorted(g for g in groups if g not in order)
+    for group in ranked:
+        part = series.filter(pl.col("group") == group).sort("t")
+        # Each bar spans its step (a date axis would otherwise draw a lone bar a hairline wide).
+        times = [
+            dt.datetime.fromtimestamp(t + step / 2, dt.UTC).replace(tzinfo=None) for t in part["t"]
+        ]
+        fig.add_trace(go.Bar(x=times, y=part["cost_usd"].to_list(), name=str(group),
+                             marker_color=colours.get(group), width=step * 1000 * 0.9,
+                             hovertemplate=f"%{{y:$,.2f}}<extra>{group}</extra>"))  # fmt: skip
+    fig.update_layout(**_layout(title, subtitle), barmode="stack", bargap=0.1,
+                      legend=_LEGEND, hovermode="x unified")  # fmt: skip
+    fig.update_xaxes(range=list(x_range), title=None)
+    fig.update_yaxes(title="USD", rangemode="tozero", tickprefix="$")
+    return fig
+
+
+def budget_figure(teams: Sequence[str], spent_pct: Sequence[float], forecast_pct: Sequence[float],
+                  spent_usd: Sequence[float], forecast_usd: Sequence[float]) -> go.Figure:  # fmt: skip
+    """Spent and forecast per team as a share of its budget, as bars across, with 100 % marked.
+
+    Drawn as shares, not dollars, so a large budget does not dwarf the spend it is compared
+    with. The axis fits the largest share, so small shares are seen; 100 % is a line when it is
+    on the axis, and a sentence saying how far off it is when it is not. A share too small to
+    see (under ``MIN_BAR`` of the axis) is drawn that wide, and its label, just past the bar's
+    end, says its real share and dollars.
+    """
+    fig = go.Figure()
+    peak = max([*spent_pct, *forecast_pct, 0.0]) / 100
+    top = max(peak * 1.45, 1e-6) if peak < 1 else peak * 1.3
     for name, pct, money, colour in (("Spent", spent_pct, spent_usd, "#0072B2"),
                                      ("Forecast at month end", forecast_pct, forecast_usd, "#56B4E9")):  # fmt: skip
+        shares = [p / 100 for p in pct]
         fig.add_trace(
-            go.Bar(x=list(teams), y=[p / 100 for p in pct], name=name, marker_color=colour, width=0.3,
-                   text=[f"${m:,.2f}" for m in money], textposition="outside", cliponaxis=False,
-                   hovertemplate="%{y:.1%} of budget (%{text})<extra>" + name + "</extra>")
+            go.Bar(y=list(teams), x=[max(v, top * MIN_BAR) if v > 0 else 0.0 for v in shares],
+                   customdata=shares,
+                   orientation="h", name=name, marker_color=colour,
+                   text=[f"{_share(v)} \u00b7 ${m:,.2f}" for v, m in zip(shares, money, strict=True)],
+                   textposition="outside", cliponaxis=False, textfont={"size": 11},
+                   hovertemplate="%{customdata:.4%} of budget (%{text})<extra>" + name + "</extra>")
         )  # fmt: skip
-    peak = max([*spent_pct, *forecast_pct, 0.0]) / 100
+    height = 90 + 46 * max(1, len(teams))
     fig.update_layout(**_layout("Budget use by team", "month to date and forecast, share of monthly budget"),
-                      barmode="group", legend={"orientation": "h", "y": -0.15, "x": 0})  # fmt: skip
-    fig.update_yaxes(title="share of budget", tickformat=".0%", range=[0, max(1.1, peak * 1.2)])
-    fig.add_hline(y=1, line_dash="dash", line_color="#b42318", annotation_text="budget",
-                  annotation_position="top left")  # fmt: skip
+                      barmode="group", legend=_LEGEND)  # fmt: skip
+    fig.update_layout(height=max(_HEIGHT, height), margin={**_MARGIN, "r": 150})
+    fig.update_yaxes(autorange="reversed", title=None)
+    fig.update_xaxes(title="share of budget", tickformat=_tick_format(top), range=[0, top])
+    if top >= 1:
+        fig.add_vline(x=1, line_dash="dash", line_color="#b42318", annotation_text="budget",
+                      annotation_position="top")  # fmt: skip
+    else:
+        fig.add_annotation(text=f"100 % of budget is off this scale (the largest share is {_share(peak)})",
+                           xref="paper", yref="paper", x=1, y=1.0, xanchor="right", yanchor="bottom",
+                           showarrow=False, font={"size": 11, "color": "#b42318"})  # fmt: skip
     return fig
+
+
+# A bar narrower than this share of the axis would not be seen: it is drawn this wide.
+MIN_BAR: Final = 0.006
+
+
+def _share(value: float) -> str:
+    """A share of budget as a person reads it: 12.5 %, 0.08 %, 0.0012 %."""
+    pct = 100 * value
+    if pct == 0:
+        return "0 %"
+    digits = 1 if pct >= 1 else max(2, 1 - math.floor(math.log10(pct)) + 1)
+    return f"{pct:,.{digits}f} %"
+
+
+def _tick_format(top: float) -> str:
+    pct = 100 * top
+    digits = 0 if pct >= 5 else max(1, 1 - math.floor(math.log10(pct)))
+    return f".{digits}%"

@@ -15,6 +15,7 @@ from typing import Final, Literal
 
 __all__ = [
     "LABELS",
+    "MISSING",
     "Kind",
     "as_of",
     "compact",
@@ -25,6 +26,9 @@ __all__ = [
     "percent",
     "usd",
 ]
+
+# The one notation for a value there is none of: no price, no budget, nothing to divide by.
+MISSING: Final = "\u2014"
 
 Kind = Literal["text", "count", "usd", "percent", "share", "hours", "kwh", "seconds", "gb", "bool", "number"]  # fmt: skip
 
@@ -74,6 +78,12 @@ LABELS: Final[Mapping[str, str]] = {
     "gpus": "GPUs (tensor parallel)",
     "per_gpu_gb": "Per GPU",
     "usd_per_hour": "Cost per hour",
+    "replica": "Replica group",
+    "instance": "Instance",
+    "node": "Node",
+    "gpu_model": "GPU model",
+    "efficiency_pct": "Efficiency",
+    "unattributed_tokens": "Unattributed tokens",
 }
 
 
@@ -109,17 +119,17 @@ def label(column: str) -> str:
 
 
 def usd(value: float | None, cents: bool = True) -> str:
-    """Money: ``$1,234.56`` (``-$3.10`` when negative); a dash when there is none."""
+    """Money: ``$1,234.56`` (``-$3.10`` when negative); ``MISSING`` when there is none."""
     if value is None or math.isnan(value):
-        return "-"
+        return MISSING
     sign = "-" if value < 0 else ""
     return f"{sign}${abs(value):,.2f}" if cents else f"{sign}${abs(value):,.0f}"
 
 
 def percent(value: float | None, digits: int = 1) -> str:
-    """A percentage already on the 0-100 scale: ``12.5 %``."""
+    """A percentage already on the 0-100 scale: ``12.5 %``; ``MISSING`` when there is none."""
     if value is None or math.isnan(value):
-        return "-"
+        return MISSING
     return f"{value:,.{digits}f} %"
 
 
@@ -132,9 +142,9 @@ def compact(value: float) -> str:
 
 
 def format_cell(value: object, kind: Kind) -> str:
-    """One table cell of ``kind``; empty for a missing value."""
+    """One table cell of ``kind``; ``MISSING`` for a missing value."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        return ""
+        return MISSING
     if kind == "bool" or isinstance(value, bool):
         return "Yes" if value else "No"
     if not isinstance(value, int | float):

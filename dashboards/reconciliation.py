@@ -22,7 +22,6 @@ from dash import Dash, Input, Output, html
 from dashboards.client import BillingError
 from dashboards.components import frame_table, note
 from dashboards.context import Context
-from dashboards.data import time_range
 
 __all__ = ["CAPTION", "COLUMNS", "register", "summary", "table"]
 
@@ -78,7 +77,8 @@ def register(app: Dash, ctx: Context) -> None:
             return None
         if not session.is_admin:
             return note("The reconciliation spans every team: shown to the admin credential.")
-        start, end = time_range(choice)
+        shown = ctx.window(session, choice)
+        start, end = shown.start, shown.end
         try:
             frame = ctx.client.query(session.token, "reconciliation", start, end)
         except BillingError as exc:

@@ -14,10 +14,11 @@ __all__ = ["SORT_JS", "STYLE", "TZ_JS"]
 STYLE: Final = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1d2430;
        background: #f8f9fb; }
-header { display: flex; gap: 1.2em; align-items: center; padding: .55em 1.2em; background: #1d2430;
+header { display: flex; gap: 1em; align-items: center; padding: .55em 1.2em; background: #1d2430;
          min-height: 2.4em; }
 header .brand { color: #fff; font-weight: 700; letter-spacing: .02em; }
-#nav { display: flex; flex: 1; gap: 1.1em; align-items: center; }
+#nav { display: flex; flex: 1; flex-wrap: wrap; gap: .4em 1em; align-items: center; min-width: 0; }
+#nav > a { white-space: nowrap; }
 #nav > a { color: #d0d5dd; text-decoration: none; } #nav > a:hover { color: #fff; }
 #nav .spacer { flex: 1; } #who { color: #fff; }
 #nav label { color: #d0d5dd; font-size: .9em; }
@@ -31,16 +32,20 @@ header .brand { color: #fff; font-weight: 700; letter-spacing: .02em; }
 .page { padding: 0 1.2em 2em; }
 .page h3 { margin: 1.2em 0 .3em; }
 .grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(520px, 1fr)); gap: .6em; }
-.grid .dash-graph { background: #fff; border: 1px solid #e4e7ec; border-radius: 8px; }
+.grid .dash-graph, .wide .dash-graph { background: #fff; border: 1px solid #e4e7ec;
+                                       border-radius: 8px; }
 /* The chart toolbar only while the pointer is over its chart, never over a title. */
 .js-plotly-plot .modebar-container { opacity: 0; transition: opacity .15s; }
 .js-plotly-plot:hover .modebar-container { opacity: 1; }
 .table-wrap { max-width: 100%; overflow-x: auto; }
-.frame-table { border-collapse: collapse; font-size: .88em; margin: .5em 0; background: #fff;
+.frame-table { border-collapse: collapse; font-size: .86em; margin: .5em 0; background: #fff;
                font-variant-numeric: tabular-nums; }
-.frame-table th, .frame-table td { border-bottom: 1px solid #e4e7ec; padding: .35em .7em;
+.frame-table th, .frame-table td { border-bottom: 1px solid #e4e7ec; padding: .35em .55em;
                                    text-align: left; white-space: nowrap; }
-.frame-table th { background: #f2f4f7; font-weight: 600; white-space: normal; vertical-align: bottom; }
+/* Headers wrap between words, never inside one: "Monthly budget" is two whole words. */
+.frame-table th { background: #f2f4f7; font-weight: 600; white-space: normal; vertical-align: bottom;
+                  overflow-wrap: normal; word-break: keep-all; hyphens: none; }
+.frame-table tbody tr.clickable { cursor: pointer; }
 .frame-table thead th { cursor: pointer; user-select: none; }
 .frame-table th[aria-sort="ascending"]::after { content: " \\25B2"; font-size: .7em; }
 .frame-table th[aria-sort="descending"]::after { content: " \\25BC"; font-size: .7em; }

@@ -38,8 +38,8 @@ def _sum(frame: pl.DataFrame, column: str) -> float:
 
 
 def _or_na(share: float | None) -> str:
-    """A percentage, or "n/a" when there was nothing to divide by."""
-    return "n/a" if share is None else percent(share)
+    """A percentage, or ``MISSING`` when there was nothing to divide by."""
+    return percent(share)
 
 
 def _spend_tile(spend: Sequence[dict[str, Any]]) -> Tile:

@@ -14,7 +14,11 @@ role            principal                                      writes
                                                                interrupted requests it recovers
                                                                from a gone sidecar's journal there
 ``autoscaler``  ``autoscaler:<name>``                          scaling decisions
+``dashboard``   ``dashboard:<name>``                           audit events only (sign-ins)
 ==============  ============================================  ===================================
+
+Every writer may also send its own audit events (``infermeter.audit_spool``), which billing keeps
+under the writer's principal, on a route of their own (``POST /v1/ingest/audit``).
 
 The key of a principal is derived from billing's secret, ``HMAC-SHA256(secret, "infermeter
 writer key v1\\n" + principal)``, so billing needs no table of issued keys: it derives the key of
@@ -93,6 +97,7 @@ class Role(StrEnum):
     INSTANCE = "instance"
     COLLECTOR = "collector"
     AUTOSCALER = "autoscaler"
+    DASHBOARD = "dashboard"
 
 
 # The record kinds each role may write at all (billing checks the records themselves too).
@@ -100,6 +105,7 @@ KINDS_BY_ROLE: Final = {
     Role.INSTANCE: frozenset({"usage", "instances", "budget_overrides"}),
     Role.COLLECTOR: frozenset({"gpu_samples", "engine_samples", "usage"}),
     Role.AUTOSCALER: frozenset({"scaling_decisions"}),
+    Role.DASHBOARD: frozenset(),
 }
 
 
@@ -130,6 +136,11 @@ class Writer:
         return cls.parse(f"autoscaler:{name}")
 
     @classmethod
+    def for_dashboard(cls, name: str = "dashboard") -> Writer:
+        """The dashboard called ``name`` (it writes its sign-ins to the audit trail)."""
+        return cls.parse(f"dashboard:{name}")
+
+    @classmethod
     def parse(cls, principal: str) -> Writer:
         """The writer ``principal`` names; WriterError saying what is wrong with it."""
         if len(principal) > _MAX_PRINCIPAL:
@@ -143,10 +154,10 @@ class Writer:
             if bad or len(set(nodes)) != len(nodes):
                 raise WriterError(f"collector nodes {rest[:80]!r}: node names, each once")
             return cls(Role.COLLECTOR, nodes=nodes)
-        if role == Role.AUTOSCALER:
+        if role in (Role.AUTOSCALER, Role.DASHBOARD):
             if not _NAME.fullmatch(rest):
-                raise WriterError(f"autoscaler name {rest[:80]!r} is not a name")
-            return cls(Role.AUTOSCALER, name=rest)
+                raise WriterError(f"{role} name {rest[:80]!r} is not a name")
+            return cls(Role(role), name=rest)
         raise WriterError(f"role {role[:40]!r}: one of {', '.join(Role)}")
 
     @property
@@ -157,7 +168,7 @@ class Writer:
             return f"instance:{self.group}/{self.instance}{at}"
         if self.role is Role.COLLECTOR:
             return "collector:" + ",".join(self.nodes)
-        return f"autoscaler:{self.name}"
+        return f"{self.role}:{self.name}"
 
     @property
     def engine_metrics_url(self) -> str | None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
+from urllib.parse import parse_qs
 
+import polars as pl
 from dash import Dash, Input, Output, State, dcc, html, no_update
 
 from dashboards.client import BillingError, Download
@@ -19,7 +21,8 @@ from dashboards.components import csv_table, note, page, usd
 from dashboards.context import Context
 from dashboards.data import recent_months, statement_from_json
 from dashboards.formatting import as_of
-from infermeter.months import month_of
+from dashboards.sessions import Session
+from infermeter.months import check_month, month_of
 
 PATH = "/chargeback"
 TITLE = "Chargeback"
@@ -64,6 +67,22 @@ def _reconciliation(body: dict[str, Any], total_cents: int, platform: str) -> ht
     ])  # fmt: skip
 
 
+def _empty_month(ctx: Context, session: Session, month: str, lines: int) -> list[Any]:
+    """A note when ``month`` has no line at all: every figure is zero, which a typo also gives."""
+    if lines:
+        return []
+    whose = "the ledger holds" if session.is_admin else "billing holds for your team"
+    known = ""
+    if session.is_admin:
+        try:
+            months = [m["month"] for m in ctx.client.months(session.token)]
+        except BillingError:
+            months = []
+        known = f" Months with data: {', '.join(months)}." if months else " The ledger is empty."
+    return [note(f"No data for {month}: {whose} no usage or GPU time in it, so every figure is "
+                 f"zero. Is it the month you meant?{known}", note_id="chargeback-empty")]  # fmt: skip
+
+
 def _file(file: Download) -> dict[str, Any]:
     """What ``dcc.Download`` takes for a text file (as ``dcc.send_string`` builds it)."""
     return {"content": file.text, "filename": file.filename, "type": "text/csv", "base64": False}
@@ -77,8 +96,10 @@ def register(app: Dash, ctx: Context) -> None:
         Output("chargeback-month", "options"),
         Output("chargeback-month", "value"),
         Input("auth", "data"),
+        Input("url", "search"),
     )
-    def months(auth: Any) -> tuple[list[str], str]:
+    def months(auth: Any, search: str | None) -> tuple[list[str], str]:
+        """The months with data and the last year's; ``?month=YYYY-MM`` in the address picks one."""
         known: list[str] = []
         session = ctx.session(auth)
         if session is not None and session.is_admin:
@@ -86,8 +107,13 @@ def register(app: Dash, ctx: Context) -> None:
                 known = [m["month"] for m in ctx.client.months(session.token)]
             except BillingError:
                 known = []
-        choices = recent_months(known)
-        return choices, max(known) if known else month_of(time.time())
+        asked = parse_qs((search or "").lstrip("?")).get("month", [None])[0]
+        try:
+            picked = check_month(asked) if asked else None
+        except ValueError:
+            picked = None
+        choices = recent_months([*known, *([picked] if picked else [])])
+        return choices, picked or (max(known) if known else month_of(time.time()))
 
     @app.callback(
         Output("chargeback-reconciliation", "children"),
@@ -111,6 +137,9 @@ def register(app: Dash, ctx: Context) -> None:
             return note(str(exc), "error"), None
         statement = statement_from_json(body)
         state = "closed" if statement.closed else "open: it changes until the month is closed"
+        adjusted = statement.lines.filter(pl.col("for_month") != month).height > 0
+        # Line and usage month only tell lines apart when some are adjustments.
+        hidden = ("month",) if adjusted else ("month", "line_type", "for_month")
         return (
             html.Div(
                 [
@@ -118,10 +147,11 @@ def register(app: Dash, ctx: Context) -> None:
                         f"{month} is {state}. As of {as_of(body.get('as_of') or time.time(), tz)} (your time).",
                         id="chargeback-state",
                     ),
+                    *_empty_month(ctx, session, month, statement.lines.height),
                     _reconciliation(body, statement.total_cents, platform),
                 ]
             ),
-            csv_table(lines.text, "chargeback-lines", hidden=("month",)),
+            csv_table(lines.text, "chargeback-lines", hidden=hidden),
         )
 
     def download(auth: Any, month: str | None, kind: Literal["csv", "focus"]) -> Any:

@@ -5,9 +5,11 @@ The Replicas table is billing's ``/v1/fleet``: per model the replica groups the 
 lists, the instances live now (their lifetimes, as their sidecars announce them) and the
 autoscaler's latest desired count with the change that set it and why; below it, every live
 instance. The autoscaler's gauge on ``dashboard.metrics_urls`` stands in for a desired count
-billing has no decision for. Each chart marks the decisions of its range (a dotted line and a
-triangle whose hover says from, to and why), and draws the bucket still filling, shaded as
-partial (``dashboards.data.drawn``), so it agrees with the range's totals from the first minute.
+billing has no decision for. Each chart marks the events of its range (``dashboards.events``:
+scaling decisions, alerts that fired, month closes; a dotted line and a symbol whose hover says
+what and why), and draws the bucket still filling, shaded as partial
+(``dashboards.data.drawn``), so it agrees with the range's totals from the first minute. Spare
+GPUs are one series, "unassigned", on the GPU charts.
 
 Fleet-wide telemetry (engines, GPUs, instances, decisions) spans every team, so billing answers
 it to the admin only; a team sees its own charts and a sentence in place of the fleet's, never
@@ -16,7 +18,6 @@ empty plots.
 
 from __future__ import annotations
 
-import html as html_text
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,7 +26,7 @@ import plotly.graph_objects as go  # type: ignore[import-untyped]
 import polars as pl
 from dash import Dash, Input, Output, html
 
-from dashboards import reconciliation
+from dashboards import events, reconciliation
 from dashboards.client import Answer, BillingError
 from dashboards.components import frame_table, graph, note, page
 from dashboards.context import Context
@@ -36,7 +37,6 @@ from dashboards.data import (
     fetch_answers,
     local_range,
     local_times,
-    time_range,
 )
 from dashboards.figures import colours_for, empty_figure, line_figure
 from dashboards.formatting import as_of
@@ -62,6 +62,7 @@ def layout(ctx: Context) -> html.Div:
         html.H3("Live instances"),
         html.Div(id="fleet-instances"),
         html.H3("Requests by model"),
+        html.Div(id="fleet-events-note"),
         html.Div([graph(f) for f in _FIGURES], className="grid"),
         html.H3("Engines and GPUs"),
         html.Div(id="fleet-admin-note"),
@@ -102,44 +103,6 @@ def _mark_partial(fig: go.Figure, series: Drawn, end: float, tz: str | None) -> 
     return fig
 
 
-def _mark_decisions(fig: go.Figure, decisions: pl.DataFrame, colours: dict[str, str]) -> go.Figure:
-    """A dotted line and a triangle per scaling decision, its hover saying from, to and why.
-
-    The triangles sit on an axis of their own (0..1, hidden), at the top, whatever the chart's
-    values.
-    """
-    if decisions.height == 0 or not fig.data:
-        return fig
-    for row in decisions.iter_rows(named=True):
-        fig.add_vline(x=row["t"], line_dash="dot", line_width=1,
-                      line_color=colours.get(row["model"], "#475467"))  # fmt: skip
-    fig.add_trace(
-        go.Scatter(
-            x=decisions["t"].to_list(), y=[0.97] * decisions.height, yaxis="y2",
-            mode="markers", name="scale events", showlegend=False,
-            marker={"size": 10, "color": [colours.get(m, "#475467") for m in decisions["model"]],
-                    "symbol": ["triangle-up" if u else "triangle-down" for u in decisions["up"]]},
-            text=decisions["hover"].to_list(), hovertemplate="%{text}<extra></extra>",
-        )
-    )  # fmt: skip
-    fig.update_layout(yaxis2={"overlaying": "y", "range": [0, 1], "visible": False,
-                              "fixedrange": True})  # fmt: skip
-    return fig
-
-
-def _decisions(fleet: dict[str, Any] | None, tz: str | None) -> pl.DataFrame:
-    """The range's scaling decisions with their times in the viewer's zone and their hover text."""
-    rows = [
-        {"t": d["decided_at"], "model": d["model"], "up": d["desired"] > d["previous"],
-         "hover": f"<b>{html_text.escape(d['model'])}: {d['previous']} -> {d['desired']} "
-                  "replicas</b><br>" + "<br>".join(html_text.escape(r)
-                                                   for r in str(d["reasons"]).split("; "))}
-        for d in (fleet or {}).get("decisions", [])
-    ]  # fmt: skip
-    schema = {"t": pl.Float64, "model": pl.String, "up": pl.Boolean, "hover": pl.String}
-    return local_times(pl.DataFrame(rows, schema=schema), tz)
-
-
 def _ttft_figure(
     ctx: Context, frame: pl.DataFrame, x_range: Any, colours: dict[str, str]
 ) -> go.Figure:
@@ -164,11 +127,11 @@ def _ttft_figure(
     return fig
 
 
-def _desired(model: dict[str, Any] | None, name: str, scraped: dict[str, float]) -> str:
-    """Billing's latest decision; else the autoscaler's gauge; else "n/a"."""
+def _desired(model: dict[str, Any] | None, name: str, scraped: dict[str, float]) -> float | None:
+    """Billing's latest decision; else the autoscaler's gauge; else None (shown as a dash)."""
     if model is not None and model.get("desired") is not None:
-        return str(model["desired"])
-    return f"{scraped[name]:g}" if name in scraped else "n/a"
+        return float(model["desired"])
+    return scraped.get(name)
 
 
 def _replicas(ctx: Context, fleet: dict[str, Any] | None, scraped: dict[str, float],
@@ -189,7 +152,7 @@ def _replicas(ctx: Context, fleet: dict[str, Any] | None, scraped: dict[str, flo
         if fleet is not None:
             last = model.get("last_decision") if model else None
             row |= {"groups": ", ".join(model["groups"]) if model else "",
-                    "live": str(model["live"]) if model else "0",
+                    "live": int(model["live"]) if model else 0,
                     "last_change": (f"{_when(last['decided_at'], fleet['as_of'], tz)}: "
                                     f"{last['previous']} -> {last['desired']}") if last else "none yet",
                     "why": last["reasons"] if last else ""}  # fmt: skip
@@ -197,7 +160,7 @@ def _replicas(ctx: Context, fleet: dict[str, Any] | None, scraped: dict[str, flo
     columns = ["model", "configured", "live", "desired"]
     if fleet is not None:
         columns = ["model", "groups", "configured", "live", "desired", "last_change", "why"]
-    kinds = {"live": "count" if fleet is not None else "text", "desired": "text"}
+    kinds = {"live": "count", "desired": "count"}
     return frame_table(pl.DataFrame(rows), "fleet-replicas-table", columns, kinds=kinds)  # type: ignore[arg-type]
 
 
@@ -227,13 +190,37 @@ def _instances(fleet: dict[str, Any] | None, tz: str | None) -> html.Div | html.
                        "heard from none in the last three heartbeats.")  # fmt: skip
 
 
-def _admin_figures(engine: pl.DataFrame, gpus: pl.DataFrame, x_range: Any) -> list[go.Figure]:
-    if gpus.height:
-        gpus = gpus.with_columns(
-            series=pl.col("replica").cast(pl.String).fill_null("").replace("", "(no replica)")
-            + " "
-            + pl.col("node").cast(pl.String)
+UNASSIGNED = "unassigned"
+
+
+def gpu_series(gpus: pl.DataFrame) -> pl.DataFrame:
+    """Per step, one row per instance (named by its group, and by itself when the group runs
+    several, then its node) and one for every spare GPU together, "unassigned", each the mean
+    over its GPUs (weighted by the GPUs busy in the step)."""
+    if gpus.height == 0:
+        return gpus.with_columns(series=pl.lit(None, pl.String))
+    replica = pl.col("replica").cast(pl.String).fill_null("")
+    instance = pl.col("instance").cast(pl.String).fill_null("")
+    named = pl.when((instance == "") | (instance == replica)).then(replica).otherwise(instance)
+    series = (
+        pl.when(replica == "").then(pl.lit(UNASSIGNED))
+        .otherwise(named + " " + pl.col("node").cast(pl.String))
+    )  # fmt: skip
+    weight = pl.col("gpus").cast(pl.Float64)
+    return (
+        gpus.with_columns(series=series, w=weight)
+        .group_by("t", "series")
+        .agg(
+            ((pl.col("utilization") * pl.col("w")).sum() / pl.col("w").sum()).alias("utilization"),
+            ((pl.col("power_watts") * pl.col("w")).sum() / pl.col("w").sum()).alias("power_watts"),
+            pl.col("w").sum().alias("gpus"),
         )
+        .sort("series", "t")
+    )
+
+
+def _admin_figures(engine: pl.DataFrame, gpus: pl.DataFrame, x_range: Any) -> list[go.Figure]:
+    gpus = gpu_series(gpus)
     no_engine = "No engine samples in this range."
     no_gpu = "No GPU samples in this range."
     return [
@@ -242,9 +229,11 @@ def _admin_figures(engine: pl.DataFrame, gpus: pl.DataFrame, x_range: Any) -> li
         line_figure(engine, "kv_cache_usage", "replica", "KV-cache use", "of the cache", x_range,
                     kind="share", subtitle="mean, per replica", empty=no_engine),
         line_figure(gpus, "utilization", "series", "GPU utilization", "busy", x_range,
-                    kind="share", subtitle="mean, per replica and node", empty=no_gpu),
+                    kind="share", subtitle="mean, per instance and node; spare GPUs together",
+                    empty=no_gpu),
         line_figure(gpus, "power_watts", "series", "GPU power", "watts per GPU", x_range,
-                    subtitle="mean per GPU, per replica and node", empty=no_gpu),
+                    subtitle="mean per GPU, per instance and node; spare GPUs together",
+                    empty=no_gpu),
     ]  # fmt: skip
 
 
@@ -254,7 +243,7 @@ def register(app: Dash, ctx: Context) -> None:
     colours = colours_for([m.name for m in ctx.config.models])
     outputs = [Output("fleet-status", "children"), Output("fleet-replicas", "children"),
                Output("fleet-instances", "children"), Output("fleet-admin-note", "children"),
-               Output("fleet-admin-figures", "style")]  # fmt: skip
+               Output("fleet-admin-figures", "style"), Output("fleet-events-note", "children")]  # fmt: skip
     outputs += [Output(f, "figure") for f in (*_FIGURES, *_ADMIN_FIGURES)]
     inputs = [
         Input("tick", "n_intervals"),
@@ -268,20 +257,28 @@ def register(app: Dash, ctx: Context) -> None:
         blank = [empty_figure("", "")] * (len(_FIGURES) + len(_ADMIN_FIGURES))
         session = ctx.session(auth)
         if session is None:
-            return [note("Sign in to see the fleet."), None, None, None, _HIDDEN, *blank]
-        token, (start, end) = session.token, time_range(choice)
+            return [note("Sign in to see the fleet."), None, None, None, _HIDDEN, None, *blank]
+        token, picked = session.token, ctx.window(session, choice)
+        start, end = picked.start, picked.end
         admin = session.is_admin
         names = ["ttft", "throughput", "team_usage"] + (["engine", "gpus"] if admin else [])
-        # The scaling signal is scraped, and the fleet asked for, while billing answers the rest.
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        # The scaling signal is scraped, the fleet and the events asked for, while billing
+        # answers the rest.
+        with ThreadPoolExecutor(max_workers=3) as pool:
             scrape = pool.submit(desired_replicas, ctx.config.dashboard.metrics_urls)
             asked = pool.submit(ctx.client.fleet, token, start, end) if admin else None
+            happened = pool.submit(events.gather, ctx.client, token, admin,
+                                   ctx.config.dashboard.prometheus_url, start, end)  # fmt: skip
             try:
                 answers = fetch_answers(ctx.client, token, names, start, end)
                 fleet = asked.result() if asked is not None else None
             except BillingError as exc:
-                return [note(str(exc), "error"), None, None, None, _HIDDEN, *blank]
+                return [note(str(exc), "error"), None, None, None, _HIDDEN, None, *blank]
             scraped = scrape.result()
+            found, problem = happened.result()
+        marks = events.events_frame(found, tz)
+        legend = html.Div([note(events.LEGEND, note_id="fleet-events-legend"),
+                           *([note(problem, "error")] if problem else [])])  # fmt: skip
         x_range = local_range(start, end, tz)
         ttft = _series(answers["ttft"], end, tz)
         thr = _series(answers["throughput"], end, tz, _RATES)
@@ -305,15 +302,16 @@ def register(app: Dash, ctx: Context) -> None:
                 "Engine and GPU telemetry spans every team, so it is shown to the admin only.",
                 note_id="fleet-admin-sentence",
             )
-            shown = [_mark_partial(f, series, end, tz) for f, series in figures]
-            return [status, replicas, instances, admin_note, _HIDDEN, *shown,
+            shown = [
+                events.mark(_mark_partial(f, series, end, tz), marks, colours)
+                for f, series in figures
+            ]
+            return [status, replicas, instances, admin_note, _HIDDEN, legend, *shown,
                     *blank[: len(_ADMIN_FIGURES)]]  # fmt: skip
         engine, gpus = _series(answers["engine"], end, tz), _series(answers["gpus"], end, tz)
         admin_figures = _admin_figures(engine.frame, gpus.frame, x_range)
         figures += zip(admin_figures, (engine, engine, gpus, gpus), strict=True)
-        decisions = _decisions(fleet, tz)
         shown = [
-            _mark_decisions(_mark_partial(f, series, end, tz), decisions, colours)
-            for f, series in figures
+            events.mark(_mark_partial(f, series, end, tz), marks, colours) for f, series in figures
         ]
-        return [status, replicas, instances, None, {}, *shown]
+        return [status, replicas, instances, None, {}, legend, *shown]

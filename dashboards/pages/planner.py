@@ -9,6 +9,7 @@ from dash import Dash, Input, Output, dcc, html
 
 from dashboards.components import frame_table, note, page
 from dashboards.context import Context
+from dashboards.formatting import MISSING
 from infermeter.planner import (
     ACTIVATION_SHARE,
     BYTES_PER_PARAM,
@@ -134,7 +135,15 @@ def register(app: Dash, ctx: Context) -> None:
             "gpu": f.gpu, "memory_gb": f.memory_gb,
             "gpus": str(f.tensor_parallel) if f.fits else "does not fit",
             "per_gpu_gb": round(f.per_gpu_gb, 1) if f.per_gpu_gb is not None else None,
-            "usd_per_hour": "-" if not f.fits else (f"${f.usd_per_hour:,.2f}" if f.usd_per_hour is not None else "no price"),
+            "usd_per_hour": f.usd_per_hour if f.fits else None,
         } for f in result.fits]  # fmt: skip
-        kinds = {"gpus": "text", "usd_per_hour": "text"}
-        return summary, frame_table(pl.DataFrame(rows), "plan-gpus", kinds=kinds)  # type: ignore[arg-type]
+        kinds = {"gpus": "count", "usd_per_hour": "usd"}
+        unpriced = [f.gpu for f in result.fits if f.fits and f.usd_per_hour is None]
+        why = (
+            f"{MISSING} in Cost per hour: no price in prices.usd_per_gpu_hour for "
+            f"{', '.join(unpriced)}; a GPU the model does not fit has no cost either."
+            if unpriced
+            else f"{MISSING} in Cost per hour: the model does not fit that GPU."
+        )
+        table = frame_table(pl.DataFrame(rows), "plan-gpus", kinds=kinds)  # type: ignore[arg-type]
+        return summary, html.Div([table, note(why, note_id="plan-missing")])

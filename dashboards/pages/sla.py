@@ -10,7 +10,7 @@ from dash import Dash, Input, Output, html
 from dashboards.client import BillingError
 from dashboards.components import frame_table, note, page
 from dashboards.context import Context
-from dashboards.data import fetch_queries, local_times, time_range
+from dashboards.data import fetch_queries, local_times
 
 PATH = "/sla"
 TITLE = "SLA"
@@ -89,7 +89,8 @@ def register(app: Dash, ctx: Context) -> None:
         session = ctx.session(auth)
         if session is None:
             return [note("Sign in to see SLA compliance."), None, None, None]
-        start, end = time_range(choice)
+        shown = ctx.window(session, choice)
+        start, end = shown.start, shown.end
         try:
             frames = fetch_queries(ctx.client, session.token, ["sla", "worst_hours"], start, end)
             rows, worst = frames["sla"], frames["worst_hours"]

@@ -2,6 +2,11 @@
 
 Every figure here comes from the money snapshot the summary row fetched (``money`` store):
 the same spend and statement, at the same moment, as the tiles above it.
+
+The platform account is no team: it is charged the idle capacity no team pays for (spare GPUs,
+groups whose idle policy is ``platform``) and the tokens the engines counted that no record
+carries (its unattributed lines). Its row says so, and shows those tokens as unattributed, not
+as requests or completions of its own, which it has none of.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from dashboards.formatting import as_of
 PATH = "/teams"
 TITLE = "Teams"
 _SPEND_COLUMNS = ("team", "spent_usd", "forecast_usd", "budget_usd", "budget_used_pct", "requests",
-                  "prompt_tokens", "completion_tokens", "energy_kwh")  # fmt: skip
+                  "prompt_tokens", "completion_tokens", "unattributed_tokens", "energy_kwh")  # fmt: skip
+_UNATTRIBUTED = " (unattributed)"  # the model of an unattributed line ends so (billing's rule)
 
 
 def layout(ctx: Context) -> html.Div:
@@ -36,14 +42,27 @@ def layout(ctx: Context) -> html.Div:
     )
 
 
-def spend_frame(spend: list[dict[str, Any]], lines: pl.DataFrame) -> pl.DataFrame:
-    """One row per team: spend, budget, forecast, and the month's requests, tokens and energy."""
+def platform_label(platform: str) -> str:
+    """The platform account's row: what it is charged for, since it is no team."""
+    return f"{platform} (idle capacity, unattributed tokens)"
+
+
+def spend_frame(spend: list[dict[str, Any]], lines: pl.DataFrame, platform: str) -> pl.DataFrame:
+    """One row per team: spend, budget, forecast, and the month's requests, tokens and energy.
+
+    Tokens of unattributed lines are counted apart; the platform account's row has no requests,
+    prompts, completions or budget of its own (missing, not zero).
+    """
+    unattributed = pl.col("model").str.ends_with(_UNATTRIBUTED)
+    own = pl.when(unattributed).then(0)
     usage = lines.group_by("team").agg(
         pl.col("requests").sum(),
-        pl.col("prompt_tokens").sum(),
-        pl.col("completion_tokens").sum(),
+        own.otherwise(pl.col("prompt_tokens")).sum().alias("prompt_tokens"),
+        own.otherwise(pl.col("completion_tokens")).sum().alias("completion_tokens"),
+        pl.when(unattributed).then(pl.col("prompt_tokens") + pl.col("completion_tokens"))
+        .otherwise(0).sum().alias("unattributed_tokens"),
         pl.col("energy_kwh").sum().round(4),
-    )
+    )  # fmt: skip
     frame = pl.DataFrame(
         spend,
         schema={
@@ -54,6 +73,9 @@ def spend_frame(spend: list[dict[str, Any]], lines: pl.DataFrame) -> pl.DataFram
             "forecast_usd": pl.Float64,
         },
     )
+    counts = ("requests", "prompt_tokens", "completion_tokens", "unattributed_tokens", "energy_kwh")
+    is_platform = pl.col("team") == platform
+    mine = ("requests", "prompt_tokens", "completion_tokens", "budget_usd")
     return (
         frame.join(usage, on="team", how="left")
         .with_columns(
@@ -61,8 +83,12 @@ def spend_frame(spend: list[dict[str, Any]], lines: pl.DataFrame) -> pl.DataFram
             .then(100 * pl.col("spent_usd") / pl.col("budget_usd"))
             .otherwise(None)
         )
-        .with_columns(pl.col("requests", "prompt_tokens", "completion_tokens", "energy_kwh").fill_null(0))
-        .sort("team")
+        .with_columns(pl.col(counts).fill_null(0))
+        .with_columns(pl.when(is_platform).then(None).otherwise(pl.col(c)).alias(c) for c in mine)
+        .sort(is_platform, "team")
+        .with_columns(
+            team=pl.when(is_platform).then(pl.lit(platform_label(platform))).otherwise(pl.col("team"))
+        )
     )  # fmt: skip
 
 
@@ -100,7 +126,7 @@ def _models_table(lines: pl.DataFrame) -> html.Div:
 
 
 def _figure(frame: pl.DataFrame) -> go.Figure:
-    budgeted = frame.filter(pl.col("budget_usd") > 0)
+    budgeted = frame.filter(pl.col("budget_usd").fill_null(0) > 0)
     if budgeted.height == 0:
         return empty_figure("Budget use by team", "No team shown here has a monthly budget.")
     if float(budgeted["forecast_usd"].sum()) == 0:
@@ -135,7 +161,7 @@ def register(app: Dash, ctx: Context) -> None:
         if not money:
             return [note("Waiting for billing's figures..."), None, empty_figure("", ""), None]
         lines = statement_from_json(money["statement"]).lines
-        frame = spend_frame(money["spend"], lines)
+        frame = spend_frame(money["spend"], lines, ctx.config.billing.platform_account)
         status = html.P(
             f"Month to date: {money['month']}, as of {as_of(money['as_of'], tz)}", id="teams-month"
         )

@@ -22,7 +22,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
-from dashboards.formatting import parse_number
+from dashboards.formatting import MISSING, parse_number
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
 from infermeter.config import Config, DashboardSettings, load_config
@@ -195,7 +195,7 @@ def test_fleet_page_shows_the_ledgers_requests_and_desired_replicas(stack):
     wait(stack, "#fleet-requests-total", f"{len(stack.fleet.usage)} requests in range")
     desired = dict(zip(column(stack, "fleet-replicas-table", "model"),
                        column(stack, "fleet-replicas-table", "desired"), strict=True))  # fmt: skip
-    assert desired == {"chat-large": "n/a", "chat-small": "3"}
+    assert desired == {"chat-large": MISSING, "chat-small": "3"}
     wait(stack, "#fleet-reconciliation-table")
     assert column(stack, "fleet-reconciliation-table", "replica") == sorted(REPLICAS)
     # The totals can show before Plotly has drawn the graphs: it draws them asynchronously.
@@ -266,7 +266,8 @@ def test_planner_sizes_70b_fp8(stack):
         )
     )
     assert prices["H100"] == "$7.80"
-    assert prices["H200"] == "no price"
+    assert prices["H200"] == MISSING  # and the note says why
+    assert "no price in prices.usd_per_gpu_hour for H200" in wait(stack, "#plan-missing")
     finish(stack, "planner")
 
 

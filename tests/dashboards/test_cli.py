@@ -28,7 +28,8 @@ def test_plan_prints_the_table(capsys):
     rows = {line.split()[0]: line.split() for line in out.splitlines()[3:]}
     assert rows["H200"][3] == "1"
     assert rows["H100"][-1] == "7.80"
-    assert rows["H200"][-1] == "price"  # "no price": the demo price book has no H200
+    assert rows["H200"][-1] == "\u2014"  # the demo price book has no H200: missing, one notation
+    assert "no price in prices.usd_per_gpu_hour for H200" in out
     assert rows["T4"][3:6] == ["does", "not", "fit"]
 
 
@@ -36,8 +37,9 @@ def test_plan_one_gpu(capsys):
     """--gpu limits the table to that GPU model."""
     assert main(["plan", "--params", "8", "--precision", "bf16", "--gpu", "L4"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-1].split()[0] == "L4"
-    assert len(lines) == 4
+    assert lines[-2].split()[0] == "L4"
+    assert lines[-1] == "\u2014 USD/hour: no price in prices.usd_per_gpu_hour for L4"
+    assert len(lines) == 5
 
 
 def test_plan_refuses_a_bad_size(capsys):

@@ -13,6 +13,7 @@ from dashboards.data import (
     recent_months,
     statement_from_json,
     time_range,
+    window,
 )
 from infermeter.statement import empty_lines
 from tests.dashboards.stack import metrics_thread
@@ -60,7 +61,25 @@ def test_recent_months_lists_a_year_newest_first():
     assert months[-1] == "2024-03"
 
 
-def test_time_range_defaults_to_the_last_hour():
-    """An unknown picker value means the last hour."""
-    assert time_range("nope", now=10_000.0) == (6_400.0, 10_000.0)
+def test_time_range_of_a_preset_is_that_long():
+    """A preset is the last hour, 6 hours, day or week; without data, fitting is the last hour."""
     assert time_range("7d", now=1e6) == (1e6 - 7 * 86400, 1e6)
+    assert time_range("1h", now=1e6) == (1e6 - 3600, 1e6)
+    assert time_range("fit", now=10_000.0) == (6_400.0, 10_000.0)
+
+
+@pytest.mark.parametrize(
+    ("age", "shown", "label"),
+    [
+        (20 * 60, 20 * 60, "the data so far (20 minutes)"),
+        (60, 300, "the data so far (1 minute)"),  # at least 5 minutes drawn
+        (105 * 60, 105 * 60, "the data so far (1 h 45 min)"),
+        (3 * 86400, 3 * 86400, "the data so far (3 days)"),
+        (90 * 86400, 7 * 86400, "the last 7 days"),
+    ],
+)
+def test_fitting_shows_the_datas_span(age, shown, label):
+    """A 20-minute-old ledger is drawn over its 20 minutes, one older than a week over the week."""
+    now = 1e9
+    found = window("fit", (now - age, now), now)
+    assert (found.start, found.end, found.label) == (now - shown, now, label)

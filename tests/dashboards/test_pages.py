@@ -21,7 +21,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from billing.chargeback import Chargeback
-from dashboards.formatting import parse_number, usd
+from dashboards.formatting import MISSING, parse_number, usd
 from infermeter.cli import main
 from infermeter.config import DashboardSettings, load_config
 from tests.dashboards import records
@@ -29,8 +29,8 @@ from tests.dashboards.records import ADMIN_KEY, TEAM_KEYS
 from tests.dashboards.stack import billing_thread, chromium, dashboard_thread, metrics_thread
 from tests.dashboards.test_browser import DESIRED, VIEWER_TZ, Stack, sign_in, wait
 
-PAGES = {"/?range=24h": "fleet", "/teams": "teams", "/chargeback": "chargeback",
-         "/sla?range=24h": "sla", "/planner": "planner"}  # fmt: skip
+PAGES = {"/?range=24h": "fleet", "/teams": "teams", "/allocation": "allocation",
+         "/chargeback": "chargeback", "/sla?range=24h": "sla", "/planner": "planner"}  # fmt: skip
 KEYS = {"admin": ADMIN_KEY, "search": TEAM_KEYS["search"]}
 WIDTH = 1280
 
@@ -110,7 +110,9 @@ def test_page_draws_every_figure_and_fits(stack, who, path):
     if path != "/planner":
         wait(stack, "#summary-spend-value", "$")
     # The fleet page's fleet-wide charts are a sentence for a team; the teams page has one chart.
-    expected = {"fleet": 8 if who == "admin" else 4, "teams": 1}.get(PAGES[path], 0)
+    expected = {"fleet": 8 if who == "admin" else 4, "teams": 1, "allocation": 1}.get(
+        PAGES[path], 0
+    )
     figures = figures_settled(stack, expected)
     assert len(figures) == expected
     for figure in figures:
@@ -136,8 +138,8 @@ def test_summary_is_the_ledgers(stack):
     detail = wait(stack, "#summary-requests .tile-detail")
     assert parse_number(detail.split()[0]) == len(usage)
     if not usage:
-        assert summary_value(stack, "sla") == "n/a"
-        assert summary_value(stack, "gpu") == "n/a"
+        assert summary_value(stack, "sla") == MISSING
+        assert summary_value(stack, "gpu") == MISSING
         return
     within = sum(
         r["first_token_at"] - r["received_at"]

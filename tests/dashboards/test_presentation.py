@@ -9,7 +9,7 @@ import pytest
 
 from dashboards.components import csv_table, frame_table
 from dashboards.figures import colours_for, complete_buckets, empty_figure, line_figure
-from dashboards.formatting import compact, format_cell, kind_of, label, parse_number, usd
+from dashboards.formatting import MISSING, compact, format_cell, kind_of, label, parse_number, usd
 from dashboards.summary import tiles
 
 X_RANGE = (dt.datetime(2026, 12, 1, 10), dt.datetime(2026, 12, 1, 11))
@@ -30,7 +30,7 @@ X_RANGE = (dt.datetime(2026, 12, 1, 10), dt.datetime(2026, 12, 1, 11))
         ("p95_seconds", 2.5051, "2.505 s"),
         ("gpu_hours", 0.1479, "0.148"),
         ("team", "search", "search"),
-        ("budget_usd", None, ""),
+        ("budget_usd", None, MISSING),
     ],
 )
 def test_cells_are_formatted_by_their_column(column, value, shown):
@@ -57,7 +57,7 @@ def test_formatted_numbers_parse_back():
         ("6,000", 6000),
     ):
         assert parse_number(text) == number
-    assert usd(None) == "-"
+    assert usd(None) == MISSING == "\u2014"
     assert compact(84954) == "85 k"
     assert compact(950) == "950"
 
