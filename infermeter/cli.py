@@ -100,6 +100,14 @@ def _register_demo(subparsers: Subparsers) -> None:
     demo.add_argument(
         "--day-seconds", type=float, default=600.0, help="wall seconds per simulated day"
     )
+    demo.add_argument(
+        "--front-door", default="127.0.0.1:18100", metavar="HOST:PORT",
+        help="where vLLM's router serves every model (the one base URL; default %(default)s)",
+    )  # fmt: skip
+    demo.add_argument(
+        "--front-door-metrics-port", type=int, default=18190, metavar="PORT",
+        help="where the router serves its own metrics (default %(default)s)",
+    )  # fmt: skip
     demo.set_defaults(handler=_demo)
 
 
@@ -194,13 +202,16 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
         os.environ.setdefault(key, value)
     children = [fleet.billing_child(config, path)]
     children += fleet.simulator_children(config, path) + fleet.sidecar_children(config, path)
+    # One base URL for every model: vLLM's router in front of the sidecars.
+    children.append(fleet.front_door_child(path, args.front_door, args.front_door_metrics_port))
     children.append(fleet.collector_child(config, path))
     children.append(fleet.dashboard_child(config, path))
     children.append(fleet.autoscaler_child(config, path, args.day_seconds))
     children.append(fleet.traffic_child(path, args))
     secret = os.environ.get(config.billing.writer_secret_env) or DEMO_WRITER_SECRET
     children = fleet.with_writer_credentials(children, config, secret.encode())
-    urls = fleet.sidecar_urls(config) + fleet.simulator_urls(config)
+    urls = [("front door: every model (OpenAI API)", f"http://{args.front_door}/v1")]
+    urls += fleet.sidecar_urls(config) + fleet.simulator_urls(config)
     fleet_view = f"http://{config.collector.listen}/metrics"
     urls.append(("collector (fleet view) (metrics: im-demo-metrics)", fleet_view))
     urls.append(("billing API (admin: im-demo-admin)", f"{config.billing.url}/v1/spend"))

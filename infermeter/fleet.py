@@ -19,6 +19,7 @@ __all__ = [
     "billing_child",
     "collector_child",
     "dashboard_child",
+    "front_door_child",
     "run",
     "sidecar_children",
     "sidecar_urls",
@@ -71,6 +72,15 @@ def sidecar_children(config: Config, config_path: str) -> list[Child]:
         argv = _infermeter("sidecar", "--config", config_path, "--replica", r.id)
         children.append(Child(f"sidecar {r.id}", argv, f"http://{r.sidecar_listen}/healthz"))
     return children
+
+
+def front_door_child(config_path: str, listen: str, metrics_port: int) -> Child:
+    """vLLM's router on ``listen``, routing each request by its model to the sidecars."""
+    ensure_free(*host_port(listen), "front door (vllm-router)")
+    ensure_free(host_port(listen)[0], metrics_port, "front door's metrics")
+    argv = [sys.executable, "-m", "infermeter.front_door", "--config", config_path,
+            "--listen", listen, "--metrics-port", str(metrics_port)]  # fmt: skip
+    return Child("front door", argv, f"http://{listen}/health")
 
 
 def sidecar_urls(config: Config) -> list[tuple[str, str]]:
@@ -169,7 +179,7 @@ def writer_environments(config: Config, secret: bytes) -> dict[str, dict[str, st
     """Per child name, what its environment gets so each writes to billing as itself.
 
     A sidecar as its replica (the one instance of its group, at its listen address), the
-    collector for every node, the autoscaler as itself. Billing gets the writer secret, and so
+    collector for every node, the autoscaler and the dashboard (its audit events) as themselves. Billing gets the writer secret, and so
     does the autoscaler, whose local hook stands where the cluster would and issues the
     credentials of the instances it starts; no other child sees it.
     """
@@ -180,6 +190,7 @@ def writer_environments(config: Config, secret: bytes) -> dict[str, dict[str, st
                       issue(secret, Writer.for_collector(config.node_names())).token},
         "autoscaler": {config.autoscale.credential_env:
                        issue(secret, Writer.for_autoscaler()).token, secret_env: secret.decode()},
+        "dashboard": {config.dashboard.credential_env: issue(secret, Writer.for_dashboard()).token},
     }  # fmt: skip
     for r in config.replicas:
         writer = Writer.for_instance(r.id, r.id, r.sidecar_listen)

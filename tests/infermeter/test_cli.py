@@ -164,7 +164,9 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
     tmp = tmp_path_factory.mktemp("demo")
     path = _fleet_config(tmp)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "demo", "--config", str(path)],
+    front_door = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "demo", "--config", str(path),
+                             "--front-door", front_door, "--front-door-metrics-port", str(free_port())],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=tmp)  # fmt: skip
     lines: list[str] = []
@@ -193,6 +195,24 @@ def test_demo_comes_up_and_meters_its_traffic(demo: Demo) -> None:
     assert any("vLLM replica large-0" in x for x in demo.lines)
     assert any("sidecar small-0 (OpenAI API)" in x for x in demo.lines)
     assert any("collector (fleet view)" in x for x in demo.lines)
+
+
+def test_demo_serves_every_model_at_one_base_url(demo: Demo) -> None:
+    """The front door the demo prints answers both models with a team key, through their sidecars."""
+    line = demo.wait_for_line("front door: every model (OpenAI API)")
+    base = line.split()[-1]
+    for model in ("chat-large", "chat-small"):
+        body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        deadline = time.monotonic() + 30
+        while True:
+            answer = httpx.post(f"{base}/chat/completions", json=body, timeout=30,
+                                headers={"authorization": "Bearer im-demo-search"})  # fmt: skip
+            if answer.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)  # the router registers the sidecars once they answer
+        assert answer.status_code == 200, answer.text
+        served = {r["served_version"] for r in demo.config["replicas"] if r["model"] == model}
+        assert answer.json()["model"] in served
 
 
 def test_demo_shows_each_scaling_decision(demo: Demo) -> None:
