@@ -597,8 +597,13 @@ def test_limits_and_budgets_are_fleet_wide_through_the_deployed_redis_and_billin
     (policy,) = [p for p in _of("NetworkPolicy") if p["metadata"]["name"] == "infermeter-redis"]
     (rule,) = policy["spec"]["ingress"]
     assert rule["from"] == [
-        {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "vllm"}}}
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "vllm"}}},
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "billing"}}},
     ]
+    # Billing publishes the issued keys there (billing.key_publish), with the password.
+    (billing,) = [s for s in _of("StatefulSet") if s["metadata"]["name"] == "infermeter-billing"]
+    (ledger,) = _containers(billing)
+    assert _env(ledger)[shared.password_env]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
     assert rule["ports"] == [{"port": "redis", "protocol": "TCP"}]
 
 
