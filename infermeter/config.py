@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -55,6 +56,7 @@ __all__ = [
     "Model",
     "ModelArchitecture",
     "Node",
+    "OidcSettings",
     "Prices",
     "RegistryDiscovery",
     "Replica",
@@ -525,6 +527,48 @@ class BillingSettings(_Strict):
     gpu_max_watts: dict[str, Positive] = Field(default_factory=dict)
 
 
+# What an IdP group may map to: a role of ``infermeter.auth`` or a team's lead or member.
+_OIDC_ROLE = re.compile(r"(admin|finance|viewer|(lead|member):[A-Za-z0-9][A-Za-z0-9._:/-]{0,127})")
+
+
+def _oidc_role(value: str) -> str:
+    if not _OIDC_ROLE.fullmatch(value):
+        raise ValueError("must be admin, finance, viewer, lead:<team> or member:<team>")
+    return value
+
+
+OidcRole = Annotated[str, AfterValidator(_oidc_role)]
+
+
+class OidcSettings(_Strict):
+    """Single sign-on (OpenID Connect): the dashboard signs people in with the code flow and
+    PKCE, and billing's read routes take the ID token it was given as a bearer.
+
+    ``groups`` maps a value of the ID token's ``groups_claim`` to ``admin``, ``finance``,
+    ``viewer``, ``lead:<team>`` or ``member:<team>``; a person none of whose groups is mapped is
+    refused. The client secret is read from the variable ``client_secret_env`` names, never
+    from the file.
+    """
+
+    issuer: Annotated[str, StringConstraints(pattern=r"^https?://[^\s]+$")]
+    client_id: Annotated[str, StringConstraints(min_length=1)]
+    client_secret_env: str = "INFERMETER_OIDC_CLIENT_SECRET"
+    # The sign-in button says "Sign in with <display_name>".
+    display_name: Annotated[str, StringConstraints(min_length=1, max_length=60)] = "single sign-on"
+    # Add the scope your IdP needs for the groups claim (often "groups").
+    scopes: list[str] = Field(default_factory=lambda: ["openid", "profile", "email"])
+    groups_claim: Annotated[str, StringConstraints(min_length=1)] = "groups"
+    groups: dict[str, OidcRole] = Field(default_factory=dict)
+    # A signed-in session ends this long after sign-in (or when the ID token expires, if sooner).
+    session_seconds: Positive = 8 * 3600.0
+
+    @model_validator(mode="after")
+    def _needs_openid(self) -> OidcSettings:
+        if "openid" not in self.scopes:
+            raise ValueError(f"scopes = {self.scopes!r}: must include 'openid' (the ID token)")
+        return self
+
+
 class DashboardSettings(_Strict):
     """The Dash web app: where it listens and where it reads its data."""
 
@@ -540,6 +584,8 @@ class DashboardSettings(_Strict):
     # the dashboard's writer credential (``dashboard:<name>``) from this variable.
     spool_dir: str = "var/spool/dashboard"
     credential_env: str = "INFERMETER_WRITER_CREDENTIAL"
+    # Off (None): only the key form signs in.
+    oidc: OidcSettings | None = None
 
 
 class SlaOverride(_Strict):
@@ -718,6 +764,11 @@ class Config(_Strict):
                 f"billing.statement_ttl_seconds {ttl:g} is longer than dashboard.refresh_seconds "
                 f"{self.dashboard.refresh_seconds:g}: pages would show figures older than a refresh"
             )
+        oidc = self.dashboard.oidc
+        for group, role in (oidc.groups if oidc else {}).items():
+            team = role.partition(":")[2]
+            if team and team not in teams:
+                problems.append(f"dashboard.oidc.groups[{group!r}] = {role!r}: no such team")
         if self.billing.platform_account in teams:
             problems.append(
                 f"billing.platform_account {self.billing.platform_account!r} is also a team name"
