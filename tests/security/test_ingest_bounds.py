@@ -70,7 +70,7 @@ def test_a_sample_that_is_not_a_finite_number_is_rejected_and_the_month_still_co
     """Arrow can carry NaN and infinity (JSON cannot): such a sample is refused, chargeback works."""
     samples = gpu_samples(start=OCT, seconds=60)
     for s in samples:
-        s.update(xid_errors=0, mig_profile=None, gap=False)
+        s.update(xid_errors=0, mig_profile=None, gap=False, share=1.0)
     samples[1]["energy_joules"] = value
     table = pa.Table.from_pylist(samples, schema=arrow_schema(GPU))
     sink = pa.BufferOutputStream()

@@ -20,7 +20,9 @@ from packaging.version import Version
 ROOT = Path(__file__).parents[2]
 LOCK = ROOT / "requirements.lock"
 _PIN = re.compile(
-    r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)((?: \\\n\s+--hash=sha256:[0-9a-f]{64})*)", re.M
+    # name==version, an optional environment marker (``; sys_platform != "win32"``), the hashes
+    r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)(?: ;[^\\\n]*[^\\\n ])?((?: \\\n\s+--hash=sha256:[0-9a-f]{64})*)",
+    re.M,
 )
 
 
