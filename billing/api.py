@@ -50,6 +50,7 @@ from billing.routes.dependencies import Services
 from billing.statement_cache import CachedChargeback
 from billing.writers import WriterGate
 from infermeter.config import Config
+from infermeter.oidc import IdTokens
 from infermeter.writers import WriterKeys
 
 __all__ = ["create_app"]
@@ -106,6 +107,7 @@ def create_app(
         writers=WriterGate(
             WriterKeys(writer_secret) if writer_secret else None, ring, b.shared_ingest_token
         ),
+        id_tokens=IdTokens(config.dashboard.oidc) if config.dashboard.oidc else None,
     )
     # The audit trail's ingest route first: /v1/ingest/{kind} would take /v1/ingest/audit.
     for module in (ops, audit, ingest, keys, statements, queries, allocation, events, instances, fleet,

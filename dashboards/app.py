@@ -18,8 +18,9 @@ time billing read the ledger for it (at most one refresh interval ago).
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any, Final
@@ -34,6 +35,7 @@ from dashboards.context import Context
 from dashboards.data import RANGE_LABELS, RANGES, fetch_queries
 from dashboards.formatting import as_of
 from dashboards.headers import content_security_policy, install_security_headers
+from dashboards.oidc import LOGIN_PATH, end_sso, install_oidc, take_error
 from dashboards.pages import allocation, chargeback, efficiency, fleet, planner, sla, teams
 from dashboards.sessions import Gate, Session, Sessions, clean_key
 from dashboards.style import SORT_JS, STYLE, TZ_JS
@@ -109,12 +111,24 @@ def _shell(ctx: Context) -> html.Div:
                     ),
                     html.Button("Sign in", id="login-button"),
                     html.P(id="login-error", className="note-error"),
+                    *_sso_button(ctx),
                 ],
                 id="login",
             ),
             html.Div(id="content"),
         ]
     )
+
+
+def _sso_button(ctx: Context) -> list[Any]:
+    """The "Sign in with <IdP>" link and where its refusal is said, when single sign-on is on."""
+    oidc = ctx.config.dashboard.oidc
+    if oidc is None:
+        return []
+    return [
+        html.A(f"Sign in with {oidc.display_name}", href=LOGIN_PATH, id="sso-login"),
+        html.P(id="sso-error", className="note-error"),
+    ]
 
 
 def _refused(throttle: SignInThrottle, address: str, status: int) -> str:
@@ -165,12 +179,14 @@ def _summary(ctx: Context, session: Session, choice: str | None,
 
 
 def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None = None,
-               sessions: Sessions | None = None, audit: Audit | None = None) -> Dash:  # fmt: skip
+               sessions: Sessions | None = None, audit: Audit | None = None,
+               environ: Mapping[str, str] | None = None) -> Dash:  # fmt: skip
     """The dashboard app reading from the billing service at ``billing_url``.
 
     ``throttle`` counts failed sign-ins per client address, ``sessions`` holds the signed-in
     callers; each app has its own of both by default. ``audit`` hears every sign-in, sign-in
     failure and sign-out (the audit trail; ``infermeter.audit_spool.AuditThread.record``).
+    ``environ`` holds the single sign-on client secret (``dashboard.oidc``; default the process's).
     """
     heard = audit or _unheard
     signins = SignInThrottle() if throttle is None else throttle
@@ -184,6 +200,15 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
         [_shell(ctx), *(p.layout(ctx) for p in PAGES)]
     )
     by_path = {p.PATH: p for p in PAGES}
+    oidc = config.dashboard.oidc
+    if oidc is not None:
+        env = os.environ if environ is None else environ
+        install_oidc(app.server, oidc, env, gate.sessions, heard)
+
+        @app.callback(Output("sso-error", "children"), Input("url", "pathname"))
+        def sso_error(_: Any) -> str:
+            """Why the last single sign-on was refused, shown once on the sign-in form."""
+            return take_error() or ""
 
     @app.callback(
         Output("content", "children"),
@@ -202,6 +227,10 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
         module = by_path.get(path or "/")
         content = module.layout(ctx) if module else html.P(f"No page at {path}", className="note")
         who = "admin" if session.is_admin else f"team {session.team}"
+        if session.team is None and not session.is_admin:
+            who = session.name.removeprefix("@")  # finance or viewer
+        if session.person:
+            who = f"{session.person} ({who})"
         return content, _HIDDEN, who, {}, {}
 
     @app.callback(
@@ -239,6 +268,7 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
             if ended is not None and callback_context.triggered_id == "logout":
                 heard("signout", ended.name, "", address=address)
         if callback_context.triggered_id == "logout":
+            end_sso(gate.sessions, heard, address)
             return None, True, "", ""
         key = clean_key(typed)
         if not key:

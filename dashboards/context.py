@@ -11,6 +11,7 @@ from flask import request
 
 from dashboards.client import BillingClient, BillingError
 from dashboards.data import Window, window
+from dashboards.oidc import sso_session_id
 from dashboards.sessions import Gate, Session
 from infermeter.config import Config
 
@@ -60,11 +61,15 @@ class Context:
         object.__setattr__(self, "spans", Spans(self.client))
 
     def session(self, auth: Any) -> Session | None:
-        """The signed-in session the browser's ``auth`` store names, for this request's address.
+        """The signed-in session the browser's ``auth`` store (else its single sign-on cookie)
+        names, for this request's address.
 
         None when signed out, when the session is unknown or over, or while the address is locked
         out of sign-in: a callback then shows nothing and asks billing nothing.
         """
+        names_one = isinstance(auth, dict) and isinstance(auth.get("session"), str)
+        if not names_one and (sid := sso_session_id()) is not None:
+            auth = {"session": sid}  # signed in with single sign-on: the cookie names it
         return self.gate.session(auth, request.remote_addr or "unknown")
 
     def window(self, session: Session, choice: str | None) -> Window:

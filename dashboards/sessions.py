@@ -44,22 +44,30 @@ def clean_key(typed: str | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Session:
-    """A signed-in caller: the key billing accepted and who billing said it is."""
+    """A signed-in caller: the key billing accepted and who billing said it is.
+
+    Signed in with single sign-on (``dashboards.oidc``), ``token`` is the person's ID token,
+    ``person`` who they are, and ``expires_at`` (Unix time) when the session ends, however busy.
+    """
 
     token: str
     name: str
     team: str | None
     is_admin: bool
+    person: str | None = None
+    expires_at: float | None = None
 
 
 class Sessions:
     """Every live session by its id, shared by the server's threads."""
 
     def __init__(self, idle_seconds: float = IDLE_SECONDS, max_sessions: int = 10_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:  # fmt: skip
         self.idle_seconds = idle_seconds
         self.max_sessions = max_sessions
         self._clock = clock
+        self._wall = wall
         self._lock = threading.Lock()
         self._by_id: OrderedDict[str, tuple[Session, float]] = OrderedDict()
 
@@ -82,6 +90,9 @@ class Sessions:
             found = self._by_id.pop(sid, None)
             if found is None or now - found[1] > self.idle_seconds:
                 return None
+            expires = found[0].expires_at
+            if expires is not None and self._wall() >= expires:
+                return None  # over for good: popped above, so it is forgotten too
             self._by_id[sid] = (found[0], now)
             return found[0]
 

@@ -35,12 +35,16 @@ from infermeter.auth import (
     MANAGERS,
     READ_ALL,
     SCRAPERS,
+    AuthError,
     Caller,
+    Forbidden,
+    Unauthenticated,
     identify,
 )
 from infermeter.config import Config
 from infermeter.errors import BadRequest
 from infermeter.months import MONTH_PATTERN, check_month
+from infermeter.oidc import IdTokens, Unmapped, looks_like_jwt
 
 T = TypeVar("T")
 
@@ -86,6 +90,8 @@ class Services:
     computing: CapacityLimiter
     # Who may ingest: writer credentials and, if allowed, the shared ingest token.
     writers: WriterGate
+    # People signed in with single sign-on (``dashboard.oidc``): None when it is off.
+    id_tokens: IdTokens | None = None
 
 
 async def compute(svc: Services, fn: Callable[..., T], *args: Any) -> T:
@@ -102,9 +108,27 @@ def services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(services)]
 
 
-def caller(svc: ServicesDep, authorization: Annotated[str | None, Header()] = None) -> Caller:
-    """The identified caller; Unauthenticated (401) when the credential is missing or unknown."""
-    return identify(svc.keys.ring, authorization)
+def caller(request: Request, svc: ServicesDep,
+           authorization: Annotated[str | None, Header()] = None) -> Caller:  # fmt: skip
+    """The identified caller; Unauthenticated (401) when the credential is missing or unknown.
+
+    With single sign-on configured, a bearer shaped like a JWT is a person's ID token
+    (``infermeter.oidc``): it reads (GET and HEAD) and changes nothing, so a token lifted from a
+    browser can never issue keys or close a month; a person whose groups give no role is 403.
+    """
+    tokens = svc.id_tokens
+    scheme, _, credential = (authorization or "").partition(" ")
+    if tokens is None or scheme.lower() != "bearer" or not looks_like_jwt(credential.strip()):
+        return identify(svc.keys.ring, authorization)
+    try:
+        who = tokens.caller(credential.strip())
+    except Unmapped as exc:
+        raise Forbidden(str(exc)) from None
+    except AuthError as exc:
+        raise Unauthenticated(str(exc)) from None
+    if request.method not in ("GET", "HEAD"):
+        raise Forbidden("a signed-in person's ID token only reads; changes take an API key")
+    return who
 
 
 Who = Annotated[Caller, Depends(caller)]
