@@ -103,7 +103,7 @@ def install_oidc(server: flask.Flask, settings: OidcSettings, environ: Mapping[s
 
     @server.get(LOGIN_PATH)
     def oidc_login() -> ResponseReturnValue:
-        redirect_uri = flask.url_for("oidc_callback", _external=True)
+        redirect_uri = settings.redirect_url or flask.url_for("oidc_callback", _external=True)
         answer: ResponseReturnValue = client.authorize_redirect(redirect_uri)
         return answer
 

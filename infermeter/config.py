@@ -559,6 +559,9 @@ class OidcSettings(_Strict):
     scopes: list[str] = Field(default_factory=lambda: ["openid", "profile", "email"])
     groups_claim: Annotated[str, StringConstraints(min_length=1)] = "groups"
     groups: dict[str, OidcRole] = Field(default_factory=dict)
+    # Where the IdP sends the browser back: unset, this request's own address +
+    # /auth/oidc/callback (behind a reverse proxy, set the public https:// address).
+    redirect_url: Annotated[str, StringConstraints(pattern=r"^https?://[^\s]+$")] | None = None
     # A signed-in session ends this long after sign-in (or when the ID token expires, if sooner).
     session_seconds: Positive = 8 * 3600.0
 
