@@ -16,21 +16,24 @@ from sidecar.metrics import SidecarMetrics
 from sidecar.shared_limits import SharedLimitsMetrics
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
-# Announced by billing for the spend and reconciliation alerts and dashboards.
+# Announced by billing for the spend, reconciliation and quarantine alerts and dashboards.
 BILLING = {"infermeter_team_spend_usd", "infermeter_team_budget_usd", "infermeter_team_spend_forecast_usd",
-           "infermeter_reconciliation_unattributed_share"}  # fmt: skip
+           "infermeter_reconciliation_unattributed_share",
+           "infermeter_billing_quarantined_records_total"}  # fmt: skip
 
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
 _MATCHERS = re.compile(r"\{[^}]*\}")
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 _RANGES = re.compile(r"\[[^\]]*\]")
+_OFFSETS = re.compile(r"\boffset\s+-?[0-9][0-9a-z]*")
 _IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 _KEYWORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan", "group_left", "group_right"}
 
 
 def metric_names(expr: str) -> set[str]:
     """Every metric (or recorded) name ``expr`` selects: identifiers that are not calls or labels."""
-    text = _RANGES.sub("", _GROUPING.sub("", _MATCHERS.sub("", _STRINGS.sub('""', expr))))
+    text = _STRINGS.sub('""', expr)
+    text = _OFFSETS.sub("", _RANGES.sub("", _GROUPING.sub("", _MATCHERS.sub("", text))))
     names = set()
     for m in _IDENT.finditer(text):
         following = text[m.end() :].lstrip()

@@ -89,7 +89,7 @@ def test_rules_read_only_metrics_that_infermeter_exposes(config):
 
 
 def test_metric_names_finds_selectors_not_labels_or_functions():
-    """The name extractor skips functions, grouping labels, matchers, ranges and keywords."""
+    """The name extractor skips functions, grouping labels, matchers, ranges, offsets and keywords."""
     expr = ('sum by (model, le) (rate(a_bucket{status=~"x|y"}[5m])) / on (model) '
-            'group_left b:c:d > bool 0 or vector(1)')  # fmt: skip
-    assert metric_names(expr) == {"a_bucket", "b:c:d"}
+            'group_left b:c:d > bool 0 or vector(1) or e offset 10m')  # fmt: skip
+    assert metric_names(expr) == {"a_bucket", "b:c:d", "e"}

@@ -18,7 +18,10 @@ from infermeter.config import DEFAULT_CONFIG
 from infermeter.serving import free_port
 
 # A value for every required option of every subcommand, so the command gets past argparse.
-REQUIRED = {"--month": "2026-11", "--out": "out", "--params": "8", "--replica": "large-0"}
+REQUIRED = {"--month": "2026-11", "--out": "out", "--params": "8", "--replica": "large-0",
+            "--role": "collector"}  # fmt: skip
+# A value for every required positional argument, by its name.
+POSITIONAL = {"key_id": "k-0123456789"}
 
 
 def leaf_commands() -> list[list[str]]:
@@ -36,7 +39,8 @@ def leaf_commands() -> list[list[str]]:
 
 
 def required_args(path: list[str]) -> list[str]:
-    """The required options of the command at ``path``, each with a valid value."""
+    """The required options and positional arguments of the command at ``path``, each with a
+    valid value."""
     parser = build_parser()
     for name in path:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -45,6 +49,8 @@ def required_args(path: list[str]) -> list[str]:
     for action in parser._actions:
         if action.required and action.option_strings:
             args += [action.option_strings[0], REQUIRED[action.option_strings[0]]]
+        elif not action.option_strings and action.nargs is None and action.dest in POSITIONAL:
+            args.append(POSITIONAL[action.dest])
     return args
 
 
