@@ -32,7 +32,9 @@ def _config(tmp_path: Path, upstream: str, billing_port: int) -> tuple[Path, Con
     data["simulator"]["engines"]["chat-small"].update(step_base_ms=3, step_per_seq_ms=0.02)
     data["teams"][0]["limits"] = {}
     data["billing"].update(listen=f"127.0.0.1:{billing_port}", url=f"http://127.0.0.1:{billing_port}",
-                           database=str(tmp_path / "ledger.duckdb"))  # fmt: skip
+                           database=str(tmp_path / "ledger.duckdb"),
+                           # durability is under test here, not writer credentials: the shared token
+                           shared_ingest_token=True)  # fmt: skip
     data["sidecar"] = {"spool_dir": str(tmp_path / "spool"),
                        "ingest_url": f"http://127.0.0.1:{billing_port}/v1/ingest"}  # fmt: skip
     path = tmp_path / "infermeter.yaml"
