@@ -36,7 +36,7 @@ from dashboards.data import RANGE_LABELS, RANGES, fetch_queries
 from dashboards.formatting import as_of
 from dashboards.headers import content_security_policy, install_security_headers
 from dashboards.oidc import LOGIN_PATH, end_sso, install_oidc, take_error
-from dashboards.pages import allocation, chargeback, efficiency, fleet, planner, sla, teams
+from dashboards.pages import allocation, chargeback, efficiency, fleet, keys, planner, sla, teams
 from dashboards.sessions import Gate, Session, Sessions, clean_key
 from dashboards.style import SORT_JS, STYLE, TZ_JS
 from dashboards.summary import summary_row, tiles
@@ -63,6 +63,7 @@ PAGES: Final[tuple[ModuleType, ...]] = (
     sla,
     planner,
     efficiency,
+    keys,
 )
 
 _HIDDEN: Final = {"display": "none"}

@@ -56,15 +56,19 @@ class BillingClient:
         self._http.close()
 
     def _send(self, token: str, path: str, params: dict[str, Any] | None = None,
-              timeout_seconds: float | None = None) -> httpx.Response:  # fmt: skip
+              timeout_seconds: float | None = None,
+              body: dict[str, Any] | None = None) -> httpx.Response:  # fmt: skip
+        """GET ``path`` (POST ``body`` when given) as ``token``; BillingError unless it succeeds."""
         timeout = self._http.timeout if timeout_seconds is None else httpx.Timeout(timeout_seconds)
+        headers = {"authorization": f"Bearer {token}"}
         try:
-            response = self._http.get(
-                path, params=params, headers={"authorization": f"Bearer {token}"}, timeout=timeout
-            )
+            if body is None:
+                response = self._http.get(path, params=params, headers=headers, timeout=timeout)
+            else:
+                response = self._http.post(path, json=body, headers=headers, timeout=timeout)
         except httpx.HTTPError as exc:
             raise BillingError(0, f"billing is unreachable: {exc}") from None
-        if response.status_code != 200:
+        if response.status_code not in (200, 201):
             try:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
@@ -171,6 +175,24 @@ class BillingClient:
         """Months the ledger has data for (admin)."""
         body: list[dict[str, Any]] = self._get(token, "/v1/months")
         return body
+
+    def keys(self, token: str, revoked: bool = False) -> list[dict[str, Any]]:
+        """The keys this token manages (the admin every one, a lead its team's); no secrets."""
+        body = self._get(token, "/v1/keys", {"revoked": "true" if revoked else "false"})
+        found: list[dict[str, Any]] = body["keys"]
+        return found
+
+    def issue_key(self, token: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Issue a key (``POST /v1/keys``); the answer's ``key`` is its secret, shown this once."""
+        found: dict[str, Any] = self._send(token, "/v1/keys", body=request).json()
+        return found
+
+    def change_key(self, token: str, key_id: str, action: Literal["revoke", "rotate"],
+                   reason: str) -> dict[str, Any]:  # fmt: skip
+        """Revoke or rotate key ``key_id``; a rotation's answer carries the new secret."""
+        path = f"/v1/keys/{key_id}/{action}"
+        found: dict[str, Any] = self._send(token, path, body={"reason": reason}).json()
+        return found
 
     def export(self, token: str, month: str, kind: Literal["csv", "focus"],
                focus_version: str = "1.0") -> Download:  # fmt: skip

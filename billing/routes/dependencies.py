@@ -113,8 +113,10 @@ def caller(request: Request, svc: ServicesDep,
     """The identified caller; Unauthenticated (401) when the credential is missing or unknown.
 
     With single sign-on configured, a bearer shaped like a JWT is a person's ID token
-    (``infermeter.oidc``): it reads (GET and HEAD) and changes nothing, so a token lifted from a
-    browser can never issue keys or close a month; a person whose groups give no role is 403.
+    (``infermeter.oidc``): it reads (GET and HEAD) and manages keys as the person's role allows
+    (a person's own act, audited under their name: the dashboard's keys page), and changes
+    nothing else, so such a token can never close a month, export the ledger or write records;
+    a person whose groups give no role is 403.
     """
     tokens = svc.id_tokens
     scheme, _, credential = (authorization or "").partition(" ")
@@ -126,9 +128,16 @@ def caller(request: Request, svc: ServicesDep,
         raise Forbidden(str(exc)) from None
     except AuthError as exc:
         raise Unauthenticated(str(exc)) from None
-    if request.method not in ("GET", "HEAD"):
-        raise Forbidden("a signed-in person's ID token only reads; changes take an API key")
+    path = request.url.path
+    if request.method not in ("GET", "HEAD") and path != _KEYS and not path.startswith(_KEYS + "/"):
+        raise Forbidden(
+            "a signed-in person's ID token reads and manages keys; other changes take an API key"
+        )
     return who
+
+
+# The only changes a person signed in with single sign-on makes with their ID token.
+_KEYS = "/v1/keys"
 
 
 Who = Annotated[Caller, Depends(caller)]

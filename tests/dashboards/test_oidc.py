@@ -47,12 +47,14 @@ SECRET_ENV = "TEST_OIDC_CLIENT_SECRET"
 ADMIN = "ana@example.com"
 MEMBER = "sam@example.com"
 STRANGER = "eve@example.com"
+LEAD = "lia@example.com"
 USERS = {
     ADMIN: ["platform-admins", "everyone"],
     MEMBER: ["search-devs", "everyone"],
     STRANGER: ["marketing"],
+    LEAD: ["search-leads", "search-devs"],
 }
-GROUPS = {"platform-admins": "admin", "search-devs": "member:search"}
+GROUPS = {"platform-admins": "admin", "search-devs": "member:search", "search-leads": "lead:search"}
 
 
 @dataclass
@@ -308,14 +310,70 @@ def test_tampered_id_token_is_refused(stack: Stack) -> None:
     assert "ID token refused" in answer.text
 
 
-def test_id_token_reads_but_changes_nothing_and_unmapped_is_forbidden(stack: Stack) -> None:
-    """Even the admin's ID token may not issue a key (403); a stranger's token reads nothing."""
+def test_id_token_closes_no_month_and_unmapped_is_forbidden(stack: Stack) -> None:
+    """Even the admin's ID token may not close a month (403); a stranger's token reads nothing."""
     admin = id_token(stack.issuer, ADMIN)
-    issued = httpx.post(stack.billing + "/v1/keys", headers={"authorization": f"Bearer {admin}"},
-                        json={"team": "search"})  # fmt: skip
-    assert issued.status_code == 403
-    assert "only reads" in issued.text
+    closed = httpx.post(stack.billing + "/v1/months/2020-01/close",
+                        headers={"authorization": f"Bearer {admin}"})  # fmt: skip
+    assert closed.status_code == 403
+    assert "other changes take an API key" in closed.text
     stranger = id_token(stack.issuer, STRANGER)
     refused = _get(stack, "/v1/spend", stranger)
     assert refused.status_code == 403
     assert "none of your groups" in refused.text
+
+
+def _fill(driver: webdriver.Chrome, element_id: str, text: str) -> None:
+    box = driver.find_element(By.ID, element_id)
+    box.clear()
+    box.send_keys(text)
+
+
+def test_a_lead_issues_and_revokes_a_key_on_the_keys_page(stack: Stack) -> None:
+    """A team lead signed in with single sign-on issues a member key of their team on the keys
+    page, sees its secret once, the key reads that team from billing, and once revoked it is
+    refused; the audit trail names the person."""
+    driver = stack.driver
+    sign_in_as(driver, stack.url, LEAD)
+    assert wait(driver, "#who", LEAD) == f"{LEAD} (team search)"
+    driver.get(stack.url + "/keys")
+    wait(driver, "#keys-issue")
+    _fill(driver, "keys-member", "rag-service")
+    _fill(driver, "keys-reason", "a service of ours")
+    driver.find_element(By.ID, "keys-issue").click()
+    secret = wait(driver, "#keys-secret-value").strip()
+    assert secret.startswith("imk_")
+    key_id = secret.split("_")[1]
+    spend = _get(stack, "/v1/spend", secret)
+    assert spend.status_code == 200
+    assert {row["team"] for row in spend.json()} == {"search"}
+    wait(driver, "#keys-list", key_id)
+    row = driver.find_element(By.XPATH, f"//table[@id='keys-list']//tr[td[text()='{key_id}']]")
+    assert "rag-service" in row.text
+    assert "active" in row.text
+
+    _fill(driver, "keys-id", key_id)
+    _fill(driver, "keys-change-reason", "done with it")
+    driver.find_element(By.ID, "keys-revoke").click()
+    wait(driver, "#keys-secret", f"Revoked key {key_id}.")
+    assert _get(stack, "/v1/spend", secret).status_code == 401
+    driver.refresh()
+    wait(driver, "#keys-list", key_id)
+    assert "revoked" in driver.find_element(By.ID, "keys-list").text
+
+    trail = _get(stack, "/v1/audit", id_token(stack.issuer, ADMIN)).json()
+    events = trail["events"] if isinstance(trail, dict) else trail
+    made = {(e["action"], e["actor"]) for e in events if e.get("target") == f"key:{key_id}"}
+    assert made == {("key.created", LEAD), ("key.revoked", LEAD)}
+
+
+def test_a_member_is_told_only_leads_manage_keys(stack: Stack) -> None:
+    """A team member sees why the keys page lists nothing, and a click issues nothing."""
+    driver = stack.driver
+    sign_in_as(driver, stack.url, MEMBER)
+    wait(driver, "#who", MEMBER)
+    driver.get(stack.url + "/keys")
+    wait(driver, "#keys-status", "Only the admin and team leads manage keys.")
+    driver.find_element(By.ID, "keys-issue").click()
+    assert "Refused:" in wait(driver, "#keys-secret", "Refused")
+    assert driver.find_elements(By.ID, "keys-secret-value") == []
