@@ -152,7 +152,7 @@ class IdTokens:
     def _key_set(self, force: bool) -> KeySet:
         """The issuer's keys, read when first needed or (``force``) when a token names a new one."""
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             stale = force and now - self._fetched_at >= JWKS_REFRESH_SECONDS
             if self._keys is None or stale:
                 try:

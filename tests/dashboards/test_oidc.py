@@ -86,7 +86,9 @@ def provider() -> Iterator[str]:
                 if httpx.get(f"{issuer}/.well-known/openid-configuration").status_code == 200:
                     break
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the OIDC provider did not start: {process.stderr!r}")
+                ended = process.poll() is not None and process.stderr is not None
+                said = process.stderr.read().decode()[-2000:] if ended and process.stderr else ""
+                raise RuntimeError(f"the OIDC provider did not start: {said}")
             time.sleep(0.1)
         yield issuer
     finally:

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from joserfc import jwt
+from joserfc.jwk import ECKey, KeySet, OctKey, OKPKey, RSAKey
 
-from infermeter.auth import ADMIN, FINANCE, VIEWER, Caller
-from infermeter.config import DEFAULT_CONFIG, ConfigError, load_config
-from infermeter.oidc import Unmapped, caller_for_groups, groups_of, looks_like_jwt, person_of
+from infermeter.auth import ADMIN, FINANCE, VIEWER, AuthError, Caller
+from infermeter.config import DEFAULT_CONFIG, ConfigError, OidcSettings, load_config
+from infermeter.oidc import (
+    JWKS_REFRESH_SECONDS,
+    IdTokens,
+    Unmapped,
+    caller_for_groups,
+    groups_of,
+    looks_like_jwt,
+    person_of,
+)
 
 MAPPING = {
     "ops": "admin",
@@ -109,3 +120,87 @@ def test_scopes_without_openid_are_refused(tmp_path: Path) -> None:
 def test_single_sign_on_is_off_by_default() -> None:
     """The embedded configuration signs in with keys only."""
     assert load_config(DEFAULT_CONFIG, environ={}).dashboard.oidc is None
+
+
+ISSUER = "https://idp.example"
+KEY = RSAKey.generate_key(2048, parameters={"kid": "k1"}, private=True)
+OTHER = RSAKey.generate_key(2048, parameters={"kid": "k1"}, private=True)
+NOW = 1_800_000_000
+
+
+def _published(url: str) -> dict[str, Any]:
+    """The IdP's discovery document and public keys, as ``IdTokens`` fetches them."""
+    if url == f"{ISSUER}/.well-known/openid-configuration":
+        return {"issuer": ISSUER, "jwks_uri": f"{ISSUER}/jwks"}
+    assert url == f"{ISSUER}/jwks"
+    return dict(KeySet([KEY]).as_dict(private=False))
+
+
+def _tokens() -> IdTokens:
+    settings = OidcSettings(issuer=ISSUER, client_id="dash", groups={"ops": "admin"})
+    return IdTokens(settings, fetch=_published, clock=lambda: NOW)
+
+
+def _signed(key: RSAKey = KEY, alg: str = "RS256", **changes: Any) -> str:
+    claims = {"iss": ISSUER, "aud": "dash", "sub": "s1", "email": "ana@example.com",
+              "groups": ["ops"], "iat": NOW, "exp": NOW + 300} | changes  # fmt: skip
+    return jwt.encode({"alg": alg, "kid": "k1"}, claims, key)
+
+
+def test_an_id_token_of_the_issuer_makes_the_caller() -> None:
+    """A token signed by the issuer's key, for this client, in date, is its person's mapped role."""
+    assert _tokens().caller(_signed()) == Caller(ADMIN, person="ana@example.com")
+
+
+@pytest.mark.parametrize(
+    ("token", "why"),
+    [
+        (lambda: _signed(key=OTHER), "bad_signature"),
+        (lambda: _signed(aud="another-client"), "Invalid claim: 'aud'"),
+        (lambda: _signed(iss="https://evil.example"), "Invalid claim: 'iss'"),
+        (lambda: _signed(exp=NOW - 120), "expired"),
+    ],
+    ids=["signed by another key", "for another client", "another issuer", "expired"],
+)
+def test_an_id_token_not_of_the_issuer_for_this_client_in_date_is_refused(
+    token: Callable[[], str], why: str
+) -> None:
+    """Each broken property is an AuthError that says the ID token was refused, and why."""
+    with pytest.raises(AuthError, match="ID token refused") as info:
+        _tokens().caller(token())
+    assert why in str(info.value)
+
+
+def test_an_hmac_token_keyed_with_public_material_is_refused() -> None:
+    """An HS256 token is refused whatever its key: only the issuer's asymmetric keys sign."""
+    forged = jwt.encode({"alg": "HS256", "kid": "k1"}, {"iss": ISSUER, "aud": "dash", "sub": "x",
+                        "exp": NOW + 60, "groups": ["ops"]}, OctKey.generate_key(256))  # fmt: skip
+    with pytest.raises(AuthError, match="ID token refused"):
+        _tokens().caller(forged)
+
+
+def test_a_token_signed_by_a_new_key_reads_the_keys_again() -> None:
+    """After the IdP rotates its signing key, a token naming the new key id is checked with it."""
+    rotated = RSAKey.generate_key(2048, parameters={"kid": "k2"}, private=True)
+    published: list[OctKey | RSAKey | ECKey | OKPKey] = [KEY]
+    asked: list[str] = []
+    now = [float(NOW)]
+
+    def fetch(url: str) -> dict[str, Any]:
+        asked.append(url)
+        if url.endswith("/jwks"):
+            return dict(KeySet(published).as_dict(private=False))
+        return _published(url)
+
+    settings = OidcSettings(issuer=ISSUER, client_id="dash", groups={"ops": "admin"})
+    tokens = IdTokens(settings, fetch=fetch, clock=lambda: now[0])
+    assert tokens.caller(_signed()).name == ADMIN
+    published.append(rotated)
+    claims = {"iss": ISSUER, "aud": "dash", "sub": "s1", "groups": ["ops"], "exp": NOW + 600}
+    fresh = jwt.encode({"alg": "RS256", "kid": "k2"}, claims, rotated)
+    # A burst of tokens naming unknown keys reads the keys at most every JWKS_REFRESH_SECONDS.
+    with pytest.raises(AuthError, match="No key for kid"):
+        tokens.caller(fresh)
+    now[0] += JWKS_REFRESH_SECONDS
+    assert tokens.caller(fresh).name == ADMIN
+    assert sum(url.endswith("/jwks") for url in asked) == 2
