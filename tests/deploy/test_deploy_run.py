@@ -438,11 +438,13 @@ def test_a_team_limit_holds_fleet_wide_through_the_deployed_redis(deployment: De
     not 6 by each pod, because the sidecars keep the limit in the deployed Redis."""
     key = deployment.team_key(TEAM_LIMITED)
     port = deployment.cluster.sidecar_port
+    began = time.monotonic()
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda pod: _chat(pod, port, key).status_code,
                                 deployment.sidecar_pods * 8))  # fmt: skip
-    assert answers.count(200) == RPM, answers
-    assert answers.count(429) == len(answers) - RPM
+    refilled = int((time.monotonic() - began) * RPM / 60)  # what the bucket regained meanwhile
+    assert RPM <= answers.count(200) <= RPM + refilled, answers
+    assert answers.count(429) == len(answers) - answers.count(200)
     for pod in deployment.sidecar_pods:  # each pod refused some: neither kept a limit of its own
         served = [a for a, p in zip(answers, deployment.sidecar_pods * 8, strict=True) if p is pod]
         assert 429 in served
@@ -479,8 +481,9 @@ def test_a_scaled_down_pods_spool_is_adopted_by_the_nodes_collector(deployment: 
         ids = _served(deployment, pod, TEAM, 3)
         deployment.api.delete(pod.name)
         stop(pod.processes, grace_seconds=3)  # SIGTERM, then SIGKILL after the grace period
-        left = [f for f in spool.rglob("*") if f.is_file() and f.stat().st_size]
-        assert left, "the pod shipped everything before it stopped: nothing to adopt"
+        held = b"".join(f.read_bytes() for f in spool.glob("seg-*.jsonl"))
+        # The pod could not ship them: its usage spool holds them for the collector.
+        assert all(i.encode() in held for i in ids), "the pod's spool does not hold its records"
     finally:
         billing.send_signal(signal.SIGCONT)
     _metered_to(deployment, ids, pod, TEAM, 90)
@@ -492,6 +495,7 @@ def test_the_rendered_rules_evaluate_over_the_scraped_processes(deployment: Depl
     rendered PrometheusRule without an error, and the recording rules over the sidecars',
     the collector's and billing's series have values for this deployment."""
     url = deployment.prometheus
+    _served(deployment, deployment.sidecar_pods[0], TEAM, 2)  # streamed: a time to first token
 
     def evaluated() -> list[dict[str, Any]] | None:
         groups = httpx.get(f"{url}/api/v1/rules", timeout=10).json()["data"]["groups"]
