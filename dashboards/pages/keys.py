@@ -34,47 +34,42 @@ _COLUMNS: Final = ("key_id", "team", "role", "member", "project", "created", "cr
 _DAY_SECONDS: Final = 86_400.0
 
 
+def _field(name: str, control: Any, width: str) -> html.Div:
+    return html.Div([html.Label(name, htmlFor=control.id), control], className="field",
+                    style={"minWidth": width, "maxWidth": width})  # fmt: skip
+
+
 def layout(ctx: Context) -> html.Div:
     """The keys page's frame; ``register`` fills it."""
     teams = [{"label": t.name, "value": t.name} for t in ctx.config.teams]
     roles = [{"label": r, "value": r} for r in ROLES]
+    issue = [
+        _field("Team", dcc.Dropdown(id="keys-team", options=teams, placeholder="(your team)"), "10em"),
+        _field("Role", dcc.Dropdown(id="keys-role", options=roles, value="member",
+                                    clearable=False, searchable=False), "9em"),
+        _field("Member", dcc.Input(id="keys-member", placeholder="optional"), "10em"),
+        _field("Project", dcc.Input(id="keys-project", placeholder="optional"), "10em"),
+        _field("Expires in days", dcc.Input(id="keys-days", type="number", min=1,
+                                            placeholder="never"), "9em"),
+        _field("Why", dcc.Input(id="keys-reason", placeholder="for the audit trail"), "16em"),
+        html.Button("Issue key", id="keys-issue"),
+    ]  # fmt: skip
+    change = [
+        _field("Key id", dcc.Input(id="keys-id", placeholder="12 characters"), "10em"),
+        _field(
+            "Why", dcc.Input(id="keys-change-reason", placeholder="for the audit trail"), "16em"
+        ),
+        html.Button("Revoke", id="keys-revoke"),
+        html.Button("Rotate", id="keys-rotate"),
+    ]
     return page(
         TITLE,
         html.Div(id="keys-status"),
         html.H3("Issue a key"),
-        html.Div(
-            [
-                html.Label("Team", htmlFor="keys-team"),
-                dcc.Dropdown(
-                    id="keys-team", options=teams, clearable=True, style={"width": "12em"}
-                ),
-                html.Label("Role", htmlFor="keys-role"),
-                dcc.Dropdown(
-                    id="keys-role",
-                    options=roles,
-                    value="member",
-                    clearable=False,
-                    style={"width": "10em"},
-                ),
-                dcc.Input(id="keys-member", placeholder="member (optional)"),
-                dcc.Input(id="keys-project", placeholder="project (optional)"),
-                dcc.Input(id="keys-days", type="number", min=1, placeholder="expires in days"),
-                dcc.Input(id="keys-reason", placeholder="why"),
-                html.Button("Issue key", id="keys-issue"),
-            ],
-            className="toolbar",
-        ),
+        html.Div(issue, className="toolbar"),
         html.Div(id="keys-secret"),
         html.H3("Revoke or rotate"),
-        html.Div(
-            [
-                dcc.Input(id="keys-id", placeholder="key id (12 characters)"),
-                dcc.Input(id="keys-change-reason", placeholder="why"),
-                html.Button("Revoke", id="keys-revoke"),
-                html.Button("Rotate", id="keys-rotate"),
-            ],
-            className="toolbar",
-        ),
+        html.Div(change, className="toolbar"),
         html.H3("Keys"),
         html.Div(id="keys-table"),
         dcc.Store(id="keys-changed", data=0),
