@@ -3,9 +3,10 @@
 ``reconfigure`` sets every object that holds the configuration to the new one: the ledger's
 known teams, models, groups and nodes and its SLA targets (what ingest checks records against),
 the statement computations (prices, split policy, budgets: the cached statements are dropped,
-since they were priced before), the configured keys, and the services' ``config`` that the
-routes read. ``restart_needed`` names what a running billing cannot take (where it listens, its
-ledger file, its thread and memory limits): such a file is refused, so nothing changes half-way.
+since they were priced before), the configured keys, single sign-on's issuer, client and group
+mapping (``dashboard.oidc``), and the services' ``config`` that the routes read.
+``restart_needed`` names what a running billing cannot take (where it listens, its ledger file,
+its thread and memory limits): such a file is refused, so nothing changes half-way.
 Billing's own reloads go on the audit trail in the ledger (``audit_sql``).
 """
 
@@ -22,6 +23,7 @@ from billing.quarantine import KnownFleet
 from billing.routes.dependencies import Services
 from infermeter.audit import audit_event
 from infermeter.config import Config
+from infermeter.oidc import IdTokens
 
 __all__ = ["reconfigure", "record_reload", "restart_needed"]
 
@@ -51,7 +53,17 @@ def reconfigure(app: FastAPI, config: Config) -> None:
     svc.keys.reconfigure(ring, teams)
     svc.writers.ring = ring
     svc.writers.shared_token = config.billing.shared_ingest_token
-    app.state.services = dataclasses.replace(svc, config=config)
+    app.state.services = dataclasses.replace(svc, config=config, id_tokens=_id_tokens(svc, config))
+
+
+def _id_tokens(svc: Services, config: Config) -> IdTokens | None:
+    """The ID token checker for ``config``: the one in use while single sign-on's settings are
+    the same (its issuer's keys already read), a new one when they changed, none when it is off."""
+    oidc = config.dashboard.oidc
+    if oidc is None:
+        return None
+    kept = svc.id_tokens
+    return kept if kept is not None and kept.settings == oidc else IdTokens(oidc)
 
 
 def record_reload(app: FastAPI, action: str, trigger: str, why: str) -> None:
