@@ -256,6 +256,30 @@ def test_group_mapped_to_nothing_is_refused(stack: Stack) -> None:
     assert refused[-1][2]["outcome"] == "refused"
 
 
+def test_a_denied_or_forged_callback_signs_nobody_in(stack: Stack) -> None:
+    """Denying at the IdP, or a callback whose state the browser never sent, is a refusal."""
+    driver = stack.driver
+    driver.delete_all_cookies()
+    driver.get(stack.url + "/")
+    wait(driver, "#sso-login").strip()
+    driver.find_element(By.ID, "sso-login").click()
+    deny = "button[name='action'][value='deny']"
+    WebDriverWait(driver, 20).until(lambda d: d.find_elements(By.CSS_SELECTOR, deny))
+    driver.find_element(By.CSS_SELECTOR, deny).click()
+    assert wait(driver, "#sso-error", "Not signed in") == (
+        "Not signed in: the sign-in was not completed."
+    )
+    driver.get(stack.url + "/auth/oidc/callback?code=stolen&state=made-up")
+    assert wait(driver, "#sso-error", "Not signed in") == (
+        "Not signed in: the identity provider's answer was refused."
+    )
+    assert not driver.find_element(By.ID, "nav").is_displayed()
+    assert [h[2]["why"] for h in stack.heard[-2:]] == [
+        "sso: access_denied",
+        "sso: MismatchingStateError",
+    ]
+
+
 def test_sign_out_ends_the_session_on_the_server(stack: Stack) -> None:
     """After sign-out, the browser's old cookie, put back, names no session."""
     sign_in_as(stack.driver, stack.url, ADMIN)
