@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 
 from billing.ledger import BatchTooLargeError, LedgerError
 from billing.ratelimit import RateLimitedError
-from billing.routes.body import BodyTimeoutError, BodyTooLargeError
+from billing.routes.body import BodyIncompleteError, BodyTimeoutError, BodyTooLargeError
 from infermeter.auth import Forbidden, Unauthenticated
 from infermeter.errors import BadRequest, error_body
 
@@ -87,16 +87,17 @@ def _fixed(
     return handle
 
 
-# Errors whose answer is their message with a fixed status, type and code. The two body errors
-# do not close the connection at once: closing a socket with unread input resets it, and the
-# client would lose the answer. The server discards what is left of the body, for at most the
-# header deadline of the next request (``infermeter.serving``), and then closes it.
+# Errors whose answer is their message with a fixed status, type and code. A body too large or
+# too slow does not close the connection at once: closing a socket with unread input resets it,
+# and the client would lose the answer. The server discards what is left of the body, for at
+# most the header deadline of the next request (``infermeter.serving``), and then closes it.
 _FIXED: tuple[tuple[type[Exception], int, str, str], ...] = (
     (Unauthenticated, 401, "invalid_request_error", "invalid_api_key"),
     (Forbidden, 403, "permission_error", "forbidden"),
     (BatchTooLargeError, 413, "invalid_request_error", "batch_too_large"),
     (BodyTooLargeError, 413, "invalid_request_error", "body_too_large"),
     (BodyTimeoutError, 408, "invalid_request_error", "body_timeout"),
+    (BodyIncompleteError, 400, "invalid_request_error", "body_incomplete"),
     (LedgerError, 409, "invalid_request_error", "conflict"),
 )
 
