@@ -103,24 +103,33 @@ class Placements:
 
 
 def owner_of(reading: GpuReading, replicas: Sequence[Replica],
-             placements: Placements | None = None) -> Owner:  # fmt: skip
+             placements: Placements | None = None, name_rule: bool = False) -> Owner:  # fmt: skip
     """The replica group and instance that run on ``reading``'s GPU or MIG slice.
 
     ``placements``: the instances discovery found (None: no discovery, the pod-name rule).
+    ``name_rule``: with discovery too, the pod-name rule for a pod it does not place. Registry
+    discovery learns of an instance only once its start event reached billing and the next
+    refresh ran, seconds after dcgm-exporter labels its GPU with the pod: without the rule, a
+    starting instance's first seconds of GPU time went to idle capacity (2 % of a scaling
+    group's GPU-hours). Kubernetes discovery reads the pods themselves, and never guesses.
     """
     by_config = configured_owner(reading, replicas)
     if by_config is not None:
         return Owner(by_config)
     if placements is None:
-        by_pod = replica_for_pod(reading.pod, replicas)
-        return Owner(by_pod, reading.pod if by_pod is not None else None)
+        return _by_name(reading, replicas)
     placed = placements.pod(reading.namespace, reading.pod) if reading.pod else None
     if placed is None:
         placed = placements.device(reading)
     group = _replica(placed.replica, replicas) if placed is not None else None
     if placed is None or group is None:
-        return Owner(None)
+        return _by_name(reading, replicas) if name_rule else Owner(None)
     return Owner(group, placed.instance)
+
+
+def _by_name(reading: GpuReading, replicas: Sequence[Replica]) -> Owner:
+    by_pod = replica_for_pod(reading.pod, replicas)
+    return Owner(by_pod, reading.pod if by_pod is not None else None)
 
 
 def attribute(reading: GpuReading, replicas: Sequence[Replica],

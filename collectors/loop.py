@@ -125,6 +125,8 @@ class FleetCollector:
         # The instances discovery found, which GPUs are joined to by their pod labels (None: no
         # discovery, the configuration and the pod-name rule; ``collectors.attribution``).
         self.placements: Placements | None = None
+        # The pod-name rule for pods discovery has not placed (yet): all but Kubernetes discovery.
+        self._name_rule = config.collector.discovery != "kubernetes"
         # httpx's connection pool does work in proportion to its connections on every request,
         # so a round of 128 scrapes at once cost more CPU than the parsing (docs/benchmarks.md).
         self._limit = asyncio.Semaphore(max_concurrent_scrapes)
@@ -286,7 +288,7 @@ class FleetCollector:
         measured: dict[tuple[str, str, str], Energy] = {}
         for r in readings:
             owner = seen[(r.key, r.pod)] = owners.get((r.key, r.pod)) or owner_of(
-                r, self.config.replicas, self.placements
+                r, self.config.replicas, self.placements, self._name_rule
             )
             replica = owner.replica
             energy = measured.get(r.key)

@@ -122,3 +122,18 @@ def test_targets_become_placements_with_their_namespace_and_devices(config):
     assert len(found) == 2
     assert found.pod("inference", "chat-0") == Placement("small-0", "chat-0", "node-b", "inference")
     assert found.device(reading(node="node-b", gpu="3", uuid="GPU-1234")) is not None
+
+
+def test_registry_discovery_places_a_pod_it_does_not_list_yet_by_its_name():
+    """With the name rule (every discovery but Kubernetes'), a pod the registry does not list yet
+    is placed by the ``vllm-<group>`` rule; a pod it lists keeps its placement."""
+    early = owner_of(reading(gpu="5", pod="vllm-small-0-0", namespace="inference"), REPLICAS,
+                     PLACED, name_rule=True)  # fmt: skip
+    assert ((early.replica.id if early.replica else None), early.instance) == (
+        "small-0", "vllm-small-0-0",
+    )  # fmt: skip
+    listed = owner_of(reading(gpu="5", pod="chat-0", namespace="inference"), REPLICAS, PLACED,
+                      name_rule=True)  # fmt: skip
+    assert ((listed.replica.id if listed.replica else None), listed.instance) == ("small", "chat-0")
+    stranger = owner_of(reading(gpu="5", pod="notebook-1"), REPLICAS, PLACED, name_rule=True)
+    assert (stranger.replica, stranger.instance) == (None, None)
