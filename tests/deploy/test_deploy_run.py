@@ -493,7 +493,8 @@ def test_a_scaled_down_pods_spool_is_adopted_by_the_nodes_collector(deployment: 
 def test_the_rendered_rules_evaluate_over_the_scraped_processes(deployment: Deployment) -> None:
     """Prometheus, scraping what the ServiceMonitors select, evaluates every rule of the
     rendered PrometheusRule without an error, and the recording rules over the sidecars',
-    the collector's and billing's series have values for this deployment."""
+    the collector's and billing's series have values for this deployment (billing's scraped
+    once a minute, as its ServiceMonitor says: up to a minute and a half)."""
     url = deployment.prometheus
     _served(deployment, deployment.sidecar_pods[0], TEAM, 2)  # streamed: a time to first token
 
@@ -516,3 +517,9 @@ def test_the_rendered_rules_evaluate_over_the_scraped_processes(deployment: Depl
     assert {s["metric"].get("replica") for s in power} == {GROUP}
     assert _until(lambda: series("team_model:infermeter_time_to_first_token_seconds_bucket:rate5m"), 60,
                   "TTFT per team and model")  # fmt: skip
+
+    def capped_share() -> list[dict[str, Any]]:
+        return series(f'team:infermeter_team_spend_per_budget:ratio{{team="{TEAM_CAPPED}"}}')
+
+    (share,) = _until(capped_share, 100, "the capped team's spend per budget")
+    assert float(share["value"][1]) >= 1.0
