@@ -261,7 +261,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     config = scenario(yaml.safe_load(text), keys["the capped team's key"])
     secret = {"writer-secret": secrets.token_urlsafe(32), "redis-password": secrets.token_urlsafe(16),
               "metrics-token": keys["metrics-token in infermeter-secrets"],
-              "spend-token": keys["the admin token"],
+              "spend-token": keys["spend-token in infermeter-secrets"],
               "upstream-api-key": secrets.token_urlsafe(16)}  # fmt: skip
     ips = ["127.0.0.2", "127.0.0.3"]
     ports = {"billing": free_port(), "redis": free_port(), "collector": free_port(),

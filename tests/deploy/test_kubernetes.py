@@ -586,6 +586,9 @@ def test_limits_and_budgets_are_fleet_wide_through_the_deployed_redis_and_billin
     assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
     assert _env(server)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
     assert budgets.spend_url == config.billing.url  # the sidecar asks its /v1/spend
+    # The sidecars read it with a spend_reader token of its own, never the admin's.
+    assert config.spend_token_sha256
+    assert not set(config.spend_token_sha256) & set(config.admin_token_sha256)
     assert shared.registry_url == config.billing.url
     for replica in config.replicas:
         _, sidecar = _containers(_group_workload(replica.id))
