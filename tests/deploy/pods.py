@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -238,11 +238,6 @@ def stop(processes: list[subprocess.Popen[bytes]], grace_seconds: float = 10.0) 
                 os.killpg(proc.pid, signal.SIGKILL)  # the container's every process (``start``)
             proc.kill()
             proc.wait(timeout=10)
-
-
-def iter_containers(pod: Pod) -> Iterator[Doc]:
-    """The pod's main containers."""
-    yield from pod.spec["containers"]
 
 
 class PodApi:

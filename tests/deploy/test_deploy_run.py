@@ -88,7 +88,9 @@ def scenario(config: Doc, capped_key: str) -> Doc:
     """The ConfigMap's infermeter.yaml with what a short test must reach in seconds.
 
     ``search`` may send 6 requests a minute (fleet-wide, through Redis), and one more team,
-    ``capped``, has a budget of one cent a month; nothing else differs from the rendered ConfigMap.
+    ``capped``, has a budget of one cent a month. Besides these and ``localize``'s mapping, only
+    the collector's ``kubernetes.api_url`` (the API server's stand-in) differs from the rendered
+    ConfigMap.
     """
     for team in config["teams"]:
         if team["name"] == TEAM_LIMITED:
