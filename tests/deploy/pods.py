@@ -1,7 +1,7 @@
 """The rendered pods as local processes: what the kubelet gives a container, on one machine.
 
-``localize`` is the one place that changes a manifest's value, and only where one machine cannot
-hold what a cluster does:
+``localize`` (with ``localize_script`` for an inline ``python3 -c``) is the one place that
+changes a manifest's value, and only where one machine cannot hold what a cluster does:
 
 - a Service's DNS name (``infermeter-billing:8500``) -> ``127.0.0.1:<free port>`` of its pod;
 - a pod's own address: each vLLM pod gets a loopback address of its own (127.0.0.2, .3, ...) and
@@ -16,7 +16,9 @@ hold what a cluster does:
 - run as another user than root, a script's UID of the pods' ``runAsUser`` -> the test's own
   (the spool-dir init containers hand the spools to that UID; as root they run unchanged).
 
-Everything else (commands, arguments, environment, the ConfigMap's settings) runs as rendered.
+The images' programs are this machine's: ``infermeter`` (the image's entrypoint) of this
+virtualenv, ``python3`` this interpreter, ``redis-server`` Debian's (``command``). Everything else
+(commands, arguments, environment, the ConfigMap's settings) runs as rendered.
 """
 
 from __future__ import annotations
