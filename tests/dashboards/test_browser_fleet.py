@@ -190,6 +190,8 @@ def test_a_three_instance_group_shows_three_live_the_desired_count_and_why(
             decision("chat-small", 900, 2, 3, "queue 12 > 10 for 35 s (>= 30 s): scale up"),
             decision("chat-large", 600, 1, 2, "raised to min_replicas 2"),
         ])  # fmt: skip
+        # Requests from before the decisions: the default range fits the data, so it holds both.
+        requests(p.ledger, 5, time.time() - 1_000)
         requests(p.ledger, 5, time.time() - 120)
         sign_in(p, ADMIN_KEY)
         wait(p, "#fleet-replicas-table")
