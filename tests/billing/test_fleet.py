@@ -30,6 +30,14 @@ NOW = time.time()
 _ids = itertools.count()
 
 
+@pytest.fixture(autouse=True)
+def _now() -> None:
+    """NOW is the test's own start: billing judges liveness by its own clock, and a full run
+    reaches this module minutes after collecting it, when heartbeats from then are stale."""
+    global NOW
+    NOW = time.time()
+
+
 def decision(model: str = "chat-small", at: float = NOW - 60, previous: int = 2,
              desired: int = 3, **changes: Any) -> dict[str, Any]:  # fmt: skip
     """One decision as the autoscaler spools it (its own ``to_json``), with ``changes``."""
