@@ -10,6 +10,12 @@ Each change of a model's desired count is logged in one line and, with ``autosca
 set, written to the autoscaler's own spool (``autoscale.spool_dir``) as a ``ScalingDecision``
 before the hooks hear of it, and shipped to billing like every other record, so the ledger
 keeps when and why the fleet was asked to change.
+
+Given its configuration file, the autoscaler reloads it on SIGHUP and when it changes
+(``alerts.autoscale.reload``): new SLA targets and scaling policy decide from the next tick, a
+file that changes what only a restart takes is refused naming it. Each reload and refusal is an
+audit event, spooled under ``<autoscale.spool_dir>/audit`` and shipped to billing with the
+decisions' writer credential when ``autoscale.ingest_url`` is set.
 """
 
 from __future__ import annotations
@@ -27,7 +33,12 @@ from typing import Any, Protocol
 import httpx
 from prometheus_client import CollectorRegistry, make_asgi_app
 
-from alerts.autoscale.decisions import DecisionShipping, changed_from, decision_record
+from alerts.autoscale.decisions import (
+    LAST_SHIPMENT_SECONDS,
+    DecisionShipping,
+    changed_from,
+    decision_record,
+)
 from alerts.autoscale.hooks import (  # fmt: skip
     Hook,
     HookError,
@@ -52,12 +63,14 @@ from alerts.autoscale.policy import (
     Observation,
     PolicyParams,
     evaluate,
-    model_limits,
-    params_from_config,
 )
+from alerts.autoscale.reload import policy_of, restart_needed
 from infermeter.asgi import Receive, Scope, Send, idle_lifespan, respond
+from infermeter.audit_spool import AUDIT_DIR, AuditLog
 from infermeter.config import Config
+from infermeter.reload import Reloader
 from infermeter.serving import ensure_free, host_port, server
+from infermeter.shipper import last_shipment
 from infermeter.spool import Spool, SpoolError
 from infermeter.writers import Role, credential_from
 
@@ -65,6 +78,7 @@ __all__ = [
     "Autoscaler",
     "PageReader",
     "PrometheusReader",
+    "audit_log",
     "build_hooks",
     "decision_shipping",
     "history_file",
@@ -174,6 +188,10 @@ class Autoscaler:
     def __post_init__(self) -> None:
         if self.memory is not None and not self.states:
             self.states = self.memory.load()
+
+    def reconfigure(self, params: PolicyParams, limits: dict[str, ModelLimits]) -> None:
+        """Decide with ``params`` and ``limits`` from the next tick; states and history stay."""
+        self.params, self.limits = params, limits
 
     async def tick(self) -> dict[str, Decision]:
         """One evaluation: read, decide, set gauges, deliver changes. Never raises for I/O."""
@@ -356,6 +374,21 @@ def decision_shipping(
     return DecisionShipping(Path(a.spool_dir), a.ingest_url, token, client, registry, credential)
 
 
+def audit_log(config: Config) -> AuditLog | None:
+    """The reloads' audit spool (``<autoscale.spool_dir>/audit``) when ``autoscale.ingest_url``
+    is set, sealed with the autoscaler's writer credential; else None (the log line only).
+
+    Beside the decisions it ships with, in the autoscaler's own directory: one autoscaler per
+    directory already, and no second setting to keep apart from the first.
+    """
+    a = config.autoscale
+    if not a.ingest_url:
+        return None
+    credential = credential_from(os.environ, a.credential_env, Role.AUTOSCALER)
+    source = credential.writer.principal if credential is not None else "autoscaler"
+    return AuditLog(Path(a.spool_dir) / AUDIT_DIR, source, credential)
+
+
 async def serve_autoscaler(
     config: Config,
     listen: str | None,
@@ -366,7 +399,8 @@ async def serve_autoscaler(
     """Evaluate every ``autoscale.interval_seconds`` and serve /metrics until told to exit.
 
     ``day_seconds``: the length of the day the predictive term's slots divide (shorter for a
-    simulated fleet whose day is compressed).
+    simulated fleet whose day is compressed). With ``config_path``, the file is reloaded on
+    SIGHUP and when it changes.
     """
     a = config.autoscale
     host, port = host_port(listen or a.listen)
@@ -374,11 +408,12 @@ async def serve_autoscaler(
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=3.0)) as client:
         gauges = ScalingGauges()
         hooks = build_hooks(config, client, config_path=config_path, registry=gauges.registry)
-        params = params_from_config(config, day_seconds=day_seconds)
+        params, limits = policy_of(config, day_seconds)
         shipping = decision_shipping(config, client, gauges.registry)
+        audit = audit_log(config)
         scaler = Autoscaler(
             params,
-            {m.name: model_limits(config, m.name) for m in config.models},
+            limits,
             build_reader(config, client, prometheus_url, hooks),
             gauges,
             hooks,
@@ -387,6 +422,17 @@ async def serve_autoscaler(
         )
         if shipping is not None:
             await shipping.start()
+        background: list[asyncio.Task[None]] = []
+        audit_shipper = None
+        if audit is not None and a.ingest_url:
+            audit.open()
+            token = os.environ.get(a.ingest_token_env)
+            audit_shipper = audit.shipper(a.ingest_url, token, client)
+            background.append(asyncio.create_task(audit_shipper.run(), name="ship-audit"))
+        if config_path is not None:
+            reloader = _reloader(config, config_path, scaler, audit, listen=listen,
+                                 prometheus_url=prometheus_url, day_seconds=day_seconds)  # fmt: skip
+            background.append(reloader.install(asyncio.get_running_loop()))
         task = asyncio.create_task(scaler.run(a.interval_seconds), name="autoscale")
         log.info("autoscale: every %g s, hooks: %s, decisions to %s, /metrics on "
                  "http://%s:%d/metrics", a.interval_seconds, [h.name for h in hooks] or "none",
@@ -394,14 +440,46 @@ async def serve_autoscaler(
         try:
             await server(create_app(gauges), host, port).serve()
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for running in (task, *background):
+                running.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await running
             scaler.save_history()
             if shipping is not None:
                 await shipping.stop()
+            if audit is not None:
+                await audit.close()
+            if audit_shipper is not None:
+                await last_shipment([audit_shipper], LAST_SHIPMENT_SECONDS)
             for hook in hooks:
                 if isinstance(hook, KubernetesScaleHook):
                     await hook.client.aclose()
                 elif isinstance(hook, LocalScaleHook):
                     await hook.close()
+
+
+def _reloader(
+    config: Config, path: Path, scaler: Autoscaler, audit: AuditLog | None, *,
+    listen: str | None, prometheus_url: str | None, day_seconds: float,
+) -> Reloader:  # fmt: skip
+    """The reloader of ``path``: a new policy for ``scaler``, checked against the one in force."""
+    in_force = [config]
+
+    def check(fresh: Config) -> list[str]:
+        return restart_needed(in_force[0], fresh, listen=listen, prometheus_url=prometheus_url)
+
+    def apply(fresh: Config) -> None:
+        scaler.reconfigure(*policy_of(fresh, day_seconds))
+        for hook in scaler.hooks:
+            if isinstance(hook, LocalScaleHook):
+                hook.config = fresh  # its min_replicas; what it places on is checked unchanged
+        in_force[0] = fresh
+
+    async def note(action: str, trigger: str, why: str) -> None:
+        if audit is None:
+            return
+        # Who reloads is the operator behind the signal or the file change.
+        await audit.note(action, f"operator ({trigger})", "operator", target=f"file:{path}",
+                         why=why, outcome="ok" if action == "config.reloaded" else "refused")  # fmt: skip
+
+    return Reloader(path, "autoscaler", apply, note, check)
