@@ -68,6 +68,7 @@ from alerts.autoscale.reload import policy_of, restart_needed
 from infermeter.asgi import Receive, Scope, Send, idle_lifespan, respond
 from infermeter.audit_spool import AUDIT_DIR, AuditLog
 from infermeter.config import Config
+from infermeter.exposure import public_key_problems
 from infermeter.reload import Reloader
 from infermeter.serving import ensure_free, host_port, server
 from infermeter.shipper import last_shipment
@@ -466,7 +467,11 @@ def _reloader(
     in_force = [config]
 
     def check(fresh: Config) -> list[str]:
-        return restart_needed(in_force[0], fresh, listen=listen, prometheus_url=prometheus_url)
+        # As at start (and in every service that reloads): no public demo key hash with an
+        # address beyond loopback, whichever server of the file would listen there.
+        return public_key_problems(fresh, listen) + restart_needed(
+            in_force[0], fresh, listen=listen, prometheus_url=prometheus_url
+        )
 
     def apply(fresh: Config) -> None:
         scaler.reconfigure(*policy_of(fresh, day_seconds))

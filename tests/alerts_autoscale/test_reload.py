@@ -181,8 +181,9 @@ def test_a_higher_min_replicas_decides_after_sighup(running: Running) -> None:
 def test_a_file_needing_a_restart_or_invalid_is_refused_and_the_old_policy_decides(
     running: Running,
 ) -> None:
-    """A new listen address with min_replicas 4 is refused whole (by the file watch); so is a
-    negative min_replicas; the policy in force keeps asking for 3."""
+    """A new listen address with min_replicas 4 is refused whole (by the file watch); so are a
+    negative min_replicas and, with the demo's public key hashes, a dashboard listening on every
+    interface; the policy in force keeps asking for 3."""
     changed = yaml.safe_load(yaml.safe_dump(running.data))
     changed["autoscale"]["listen"] = f"127.0.0.1:{free_port()}"
     changed["scaling"]["min_replicas"] = 4
@@ -193,23 +194,32 @@ def test_a_file_needing_a_restart_or_invalid_is_refused_and_the_old_policy_decid
     time.sleep(1.1)  # a modification time the watch sees as new on any file system
     write(running.path, changed)
     wait_for("the second refusal is not on the trail", lambda: len(trail(running)) >= 3)
+    changed = yaml.safe_load(yaml.safe_dump(running.data))
+    changed.setdefault("dashboard", {})["listen"] = f"0.0.0.0:{free_port()}"
+    changed["scaling"]["min_replicas"] = 4
+    time.sleep(1.1)
+    write(running.path, changed)
+    wait_for("the third refusal is not on the trail", lambda: len(trail(running)) >= 4)
     time.sleep(1.0)  # ticks of the policy in force
     assert desired(running, "chat-large") == 3
     assert running.autoscaler.poll() is None
 
 
 def test_each_reload_and_refusal_is_on_billings_audit_trail(running: Running) -> None:
-    """In order: reloaded (SIGHUP), refused naming autoscale.listen, refused naming min_replicas;
-    sent by the autoscaler's writer through its own audit spool."""
+    """In order: reloaded (SIGHUP), refused naming autoscale.listen, refused naming min_replicas,
+    refused naming the public key hash; sent by the autoscaler's writer through its own audit
+    spool."""
     events = trail(running)
     assert [(e["action"], e["actor"], e["outcome"]) for e in events] == [
         ("config.reloaded", "operator (SIGHUP)", "ok"),
+        ("config.refused", "operator (file change)", "refused"),
         ("config.refused", "operator (file change)", "refused"),
         ("config.refused", "operator (file change)", "refused"),
     ]
     assert "autoscale.listen" in events[1]["why"]
     assert "restart" in events[1]["why"]
     assert "min_replicas" in events[2]["why"]
+    assert "is the hash of a public demo key and dashboard.listen" in events[3]["why"]
     assert {e["source"] for e in events} == {Writer.for_autoscaler().principal}
     assert {e["target"] for e in events} == {f"file:{running.path}"}
     assert (running.spool / AUDIT_DIR).is_dir()  # its segments deleted once billing had them
