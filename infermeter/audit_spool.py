@@ -1,7 +1,7 @@
 """A service's own audit events, spooled before they count and shipped like usage.
 
 The sidecars (budget overrides, configuration reloads), the dashboard (sign-ins, sign-in
-failures, sign-outs), the collector and the autoscaler (configuration reloads) record the changes
+failures, sign-outs) and the autoscaler (configuration reloads) record the changes
 they see with ``AuditLog.record``: the event is a sealed line in the service's ``audit`` spool
 once the call returns, and a ``Shipper`` sends it to billing's ``POST /v1/ingest/audit`` as billing
 can take it, so an event made while billing is down is kept until billing has it. Billing keeps
