@@ -149,14 +149,20 @@ SLOW_ENGINE = {"simulator.engines.chat-small": {"step_base_ms": 9, "step_per_seq
 
 
 async def test_a_flooding_team_does_not_starve_the_others(stack_factory):
-    """With analytics at 10x the replica's capacity, other teams' p95 TTFT stays within 2x.
+    """With analytics at 10x the replica's capacity, other teams' p95 TTFT stays within 2x, plus
+    the one engine step a request admitted to a busy engine waits for (an idle engine steps at
+    once; a full batch's step is 9 + 0.12 x 16 ms here). Starving them would cost the seconds a
+    400-token flood request holds its slot.
 
     Client, sidecar and simulated replica share this process and a 2-core machine with the
     rest of the suite, so one measurement can catch a scheduler hiccup; the pair of
     measurements is taken up to three times and one within the bound passes. Starvation is
     not a hiccup: without fair share every attempt is far over the bound.
     """
-    stack = await stack_factory(**{"replicas.1.max_num_seqs": 16, **FLOOD_TEAMS, **SLOW_ENGINE})
+    seqs = 16
+    stack = await stack_factory(**{"replicas.1.max_num_seqs": seqs, **FLOOD_TEAMS, **SLOW_ENGINE})
+    engine = SLOW_ENGINE["simulator.engines.chat-small"]
+    busy_step = (engine["step_base_ms"] + engine["step_per_seq_ms"] * seqs) / 1000
     attempts = []
     for _ in range(3):
         unloaded = await _p95_under_flood(stack, 0)
@@ -165,9 +171,9 @@ async def test_a_flooding_team_does_not_starve_the_others(stack_factory):
         print(
             f"\nfair share on: p95 TTFT unloaded {unloaded * 1000:.1f} ms, flooded {loaded * 1000:.1f} ms"
         )
-        if loaded <= 2 * unloaded:
+        if loaded <= 2 * unloaded + busy_step:
             break
-    assert any(loaded <= 2 * unloaded for unloaded, loaded in attempts), attempts
+    assert any(loaded <= 2 * unloaded + busy_step for unloaded, loaded in attempts), attempts
 
 
 def _sidecar_config(tmp_path: Path, upstream: str, listen: str, ingest: str | None,
