@@ -9,55 +9,33 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
-import pytest
 from prometheus_client import CollectorRegistry
 
 from billing.ledger import Ledger
 from collectors.adopt import Adopter, AdoptionMetrics
-from infermeter.config import Config, load_config
 from infermeter.months import month_of
 from infermeter.shipper import Shipper, ShipperMetrics
 from infermeter.spool import Spool
 from infermeter.writers import Sealer, Writer, issue, open_line
+from tests.security import writers as writer_fixtures
 from tests.security.writers import (
     ADMIN,
     COLLECTOR_B,
     SECRET,
     SMALL_0,
-    billing,
-    fleet_ledger,
     quarantined_total,
     usage,
 )
 
 POD = issue(SECRET, Writer.for_instance("small-0", "vllm-small-0-1", "127.0.0.1:40124"))
 
-
-@pytest.fixture
-def strict() -> Config:
-    """The embedded demo configuration as it ships: no shared ingest token taken."""
-    return load_config(None, environ={})
-
-
-@pytest.fixture
-async def ledger(strict: Config) -> AsyncIterator[Ledger]:
-    """A ledger that knows the demo fleet."""
-    led = fleet_ledger(strict)
-    yield led
-    led.close()
-
-
-@pytest.fixture
-async def url(strict: Config, ledger: Ledger) -> AsyncIterator[str]:
-    """Billing on loopback with the writer secret."""
-    async with billing(strict, ledger) as base:
-        yield base
+# The demo configuration as it ships, a ledger of its fleet and billing over it (writer secret on).
+strict, ledger, url = writer_fixtures.strict, writer_fixtures.ledger, writer_fixtures.url
 
 
 async def _written(directory: Path, records: list[dict[str, Any]], sealer: Sealer) -> Path:

@@ -9,7 +9,6 @@ counted on /metrics, shown on the statement, billed to no one.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
 import httpx
 import orjson
@@ -17,10 +16,11 @@ import pytest
 
 from billing.ledger import Ledger
 from billing.serve import serve_billing
-from infermeter.config import Config, load_config
+from infermeter.config import load_config
 from infermeter.months import month_of
 from infermeter.serving import free_port
 from infermeter.writers import DEMO_SECRET, Credential, Writer, WriterError, issue
+from tests.security import writers as writer_fixtures
 from tests.security.writers import (
     ADMIN,
     COLLECTOR_A,
@@ -31,33 +31,14 @@ from tests.security.writers import (
     billing,
     engine,
     event,
-    fleet_ledger,
     gpu,
     post,
     quarantined_total,
     usage,
 )
 
-
-@pytest.fixture
-def strict() -> Config:
-    """The embedded demo configuration as it ships: no shared ingest token taken."""
-    return load_config(None, environ={})
-
-
-@pytest.fixture
-async def ledger(strict: Config) -> AsyncIterator[Ledger]:
-    """A ledger that knows the demo fleet."""
-    led = fleet_ledger(strict)
-    yield led
-    led.close()
-
-
-@pytest.fixture
-async def url(strict: Config, ledger: Ledger) -> AsyncIterator[str]:
-    """Billing on loopback with the writer secret."""
-    async with billing(strict, ledger) as base:
-        yield base
+# The demo configuration as it ships, a ledger of its fleet and billing over it (writer secret on).
+strict, ledger, url = writer_fixtures.strict, writer_fixtures.ledger, writer_fixtures.url
 
 
 def _count(ledger: Ledger, table: str) -> int:

@@ -11,11 +11,12 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 
 from billing.api import create_app
 from billing.ledger import Ledger
 from billing.quarantine import KnownFleet
-from infermeter.config import Config
+from infermeter.config import Config, load_config
 from infermeter.records import EngineSample, GpuSample, InstanceEvent, UsageRecord
 from infermeter.writers import Credential, Writer, issue
 from tests.servers import serving
@@ -116,3 +117,24 @@ async def quarantined_total(client: httpx.AsyncClient, url: str) -> dict[tuple[s
             pairs = dict(p.split("=", 1) for p in labels[labels.index("{") + 1 : -1].split(","))
             out[(pairs["kind"].strip('"'), pairs["reason"].strip('"'))] = float(value)
     return out
+
+
+@pytest.fixture
+def strict() -> Config:
+    """The embedded demo configuration as it ships: no shared ingest token taken."""
+    return load_config(None, environ={})
+
+
+@pytest.fixture
+async def ledger(strict: Config) -> AsyncIterator[Ledger]:
+    """A ledger that knows the demo fleet."""
+    led = fleet_ledger(strict)
+    yield led
+    led.close()
+
+
+@pytest.fixture
+async def url(strict: Config, ledger: Ledger) -> AsyncIterator[str]:
+    """Billing on loopback with the writer secret."""
+    async with billing(strict, ledger) as base:
+        yield base
