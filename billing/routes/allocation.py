@@ -37,6 +37,8 @@ router = APIRouter()
 # served, its last hour); anything else is a 422 naming the parameter, not a date no calendar holds.
 FIRST_SECOND: Final = 946_684_800.0
 LAST_SECOND: Final = 32_503_676_400.0  # 2999-12-31T23:00Z
+From = Annotated[float | None, Query(alias="from", ge=FIRST_SECOND, le=LAST_SECOND)]
+To = Annotated[float | None, Query(alias="to", ge=FIRST_SECOND, le=LAST_SECOND)]
 
 
 def _query(who: Caller, request: Request, start: float | None, end: float | None,
@@ -75,8 +77,8 @@ async def allocation_csv(
     who: Reader,
     svc: ServicesDep,
     request: Request,
-    start: Annotated[float | None, Query(alias="from", ge=FIRST_SECOND, le=LAST_SECOND)] = None,
-    end: Annotated[float | None, Query(alias="to", ge=FIRST_SECOND, le=LAST_SECOND)] = None,
+    start: From = None,
+    end: To = None,
     by: str = "team",
 ) -> Response:
     """The explorer's rows for the window and their total, as a spreadsheet-safe CSV file."""
@@ -91,8 +93,8 @@ async def allocation(
     who: Reader,
     svc: ServicesDep,
     request: Request,
-    start: Annotated[float | None, Query(alias="from", ge=FIRST_SECOND, le=LAST_SECOND)] = None,
-    end: Annotated[float | None, Query(alias="to", ge=FIRST_SECOND, le=LAST_SECOND)] = None,
+    start: From = None,
+    end: To = None,
     by: str = "team",
 ) -> Response:
     """Cost, GPU-hours, tokens, efficiency and idle per group over the window, with its total,
