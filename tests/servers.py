@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+import httpx
 import uvicorn
 
 from infermeter.http_server import HttpServer
@@ -52,3 +56,19 @@ async def running(server: uvicorn.Server | HttpServer) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await task
+
+
+def sidecar_process(config_path: str, url: str, replica: str = "small-0",
+                    seconds: float = 30.0) -> subprocess.Popen[bytes]:  # fmt: skip
+    """``infermeter sidecar`` for ``replica`` as a process, once it answers ``url``/healthz;
+    killed, and an AssertionError, when it does not within ``seconds``."""
+    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "sidecar", "--config",
+                             config_path, "--replica", replica])  # fmt: skip
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/healthz", timeout=0.5).status_code == 200:
+                return proc
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"the sidecar did not come up in {seconds:g} s")

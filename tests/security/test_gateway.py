@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from infermeter.serving import free_port
 from sidecar.app import Sidecar
 from simulator.replica import ReplicaSim, replica_spec
 from tests.redis_server import RedisServer
-from tests.servers import serving
+from tests.servers import serving, sidecar_process
 from tests.sidecar.conftest import KEYS, METRICS_TOKEN, make_config
 
 SECRET = b"s3cret"
@@ -290,16 +289,7 @@ class _Process:
 
     def start(self) -> subprocess.Popen[bytes]:
         """Start it and wait for /healthz."""
-        proc = subprocess.Popen([sys.executable, "-m", "infermeter", "sidecar", "--config",
-                                 str(self.path), "--replica", "small-0"])  # fmt: skip
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/healthz", timeout=0.5).status_code == 200:
-                    return proc
-            time.sleep(0.1)
-        proc.kill()
-        raise AssertionError("the sidecar did not come up in 30 s")
+        return sidecar_process(str(self.path), self.url)
 
 
 @pytest.mark.timeout(120)

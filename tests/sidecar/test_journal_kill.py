@@ -13,7 +13,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from infermeter.config import DEFAULT_CONFIG, Config
 from infermeter.serving import free_port
 from infermeter.spool import read_segment
 from simulator.replica import ReplicaSim, replica_spec
-from tests.servers import serving
+from tests.servers import serving, sidecar_process
 from tests.sidecar.conftest import KEYS
 
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "how far did it get?"}],
@@ -130,16 +129,7 @@ class Fleet:
 
     def start_sidecar(self) -> subprocess.Popen[bytes]:
         """A sidecar process, once it answers /healthz."""
-        proc = subprocess.Popen([sys.executable, "-m", "infermeter", "sidecar", "--config",
-                                 str(self.config_path), "--replica", "small-0"])  # fmt: skip
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/healthz", timeout=0.5).status_code == 200:
-                    return proc
-            time.sleep(0.1)
-        proc.kill()
-        raise AssertionError("the sidecar did not come up in 30 s")
+        return sidecar_process(str(self.config_path), self.url)
 
     def records(self) -> list[dict[str, Any]]:
         """Every record in the spool."""
