@@ -9,21 +9,19 @@ directly, once billing has stopped, and compared with what the simulator itself 
 How the GPU-second windows are aligned: the simulator counts an instance's GPU-seconds as its
 GPUs' wall time since its process began; billing counts each GPU sample as covering the
 ``interval_seconds`` before its ``timestamp``. The test reads the simulator's figures at two
-moments ``a`` and ``b`` while the instance is in the instances file and known to the collector
-(so every scrape in between sees its pod label and places it): the simulator's GPU-seconds for
-the window are the difference of the two.
+moments ``a`` and ``b`` while the instance is in the instances file (so every scrape in between
+sees its pod label, which places its GPU before the registry lists it): the simulator's
+GPU-seconds for the window are the difference of the two.
 Billing's for the same window are each of the instance's samples clipped to ``[a, b]`` (the
 part of its interval inside the window), the same overlap the rollups use to spread a sample
-over minute slots. Time before ``a`` (the process starting before its pod label shows, and
-before the collector's discovery lists it: idle capacity until then) and after ``b`` (stopping)
-is counted by neither.
+over minute slots. Time before ``a`` (the process starting before its pod label shows) and
+after ``b`` (stopping) is counted by neither.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import signal
 import subprocess
@@ -207,25 +205,14 @@ async def sim_usage(client: httpx.AsyncClient, upstream_url: str) -> tuple[float
     return (before + time.time()) / 2, figures
 
 
-async def opened(client: httpx.AsyncClient, live: list[LocalInstance],
-                 starts: dict[str, tuple[float, float]], collector: str) -> None:  # fmt: skip
-    """Open a window for each live instance that has none, once the collector has discovered it
-    (until then its GPUs are idle capacity, docs/collectors.md): when, and its GPU-seconds then."""
+async def opened(
+    client: httpx.AsyncClient, live: list[LocalInstance], starts: dict[str, tuple[float, float]]
+) -> None:
+    """Open a window for each live instance that has none: when, and its GPU-seconds then."""
     for inst in live:
         if inst.instance not in starts:
-            await until(f"the collector discovers {inst.instance}",
-                        functools.partial(discovered, client, collector, inst.instance))  # fmt: skip
             t, figures = await sim_usage(client, inst.upstream_url)
             starts[inst.instance] = (t, figures["gpu_seconds_seen"])
-
-
-async def discovered(client: httpx.AsyncClient, collector: str, instance: str) -> bool:
-    """Whether the collector at ``collector`` reads ``instance``'s engine (so it knows its GPUs)."""
-    page = await client.get(
-        f"{collector}/metrics",
-        headers={"authorization": f"Bearer {TOKENS['INFERMETER_METRICS_TOKEN']}"},
-    )
-    return page.status_code == 200 and f'instance_id="{instance}"' in page.text
 
 
 async def closed(
@@ -308,10 +295,10 @@ async def scale_under_traffic(tmp_path: Path) -> Run:
         starts: dict[str, tuple[float, float]] = {}
         try:
             await hook.publish(decision(1))
-            await opened(client, hook.instances(), starts, f"http://{config.collector.listen}")
+            await opened(client, hook.instances(), starts)
             await traffic(client, sidecars(hook), 4.0, tally)
             await hook.publish(decision(3))
-            await opened(client, hook.instances(), starts, f"http://{config.collector.listen}")
+            await opened(client, hook.instances(), starts)
             await traffic(client, sidecars(hook), 10.0, tally)
             # The newest two are stopped next: their windows end while they still run.
             await closed(client, hook.instances()[1:], starts, seen)
