@@ -36,6 +36,7 @@ import httpx
 import uvicorn
 
 from bench.billing_scale import START, TEAMS, bench_config, generate
+from bench.dashboard_queries import wait_ready
 from billing.api import create_app
 from billing.ledger import Ledger
 from infermeter.config import Config, hash_key
@@ -75,19 +76,6 @@ def _serve(path: str, port: int, ttl: float) -> None:
         ledger.close()
 
 
-def _wait(url: str, server: multiprocessing.process.BaseProcess) -> None:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if not server.is_alive():
-            raise RuntimeError("the billing service exited")
-        try:
-            httpx.get(url, timeout=1).raise_for_status()
-            return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise RuntimeError("the billing service did not start in 600 s")
-
-
 def _ask(client: httpx.Client, key: str, params: dict[str, Any]) -> float:
     t0 = time.perf_counter()
     response = client.get(
@@ -112,7 +100,7 @@ def measure(path: Path, repeats: int, ttl: float,
     )
     server.start()
     try:
-        _wait(f"http://127.0.0.1:{port}/healthz", server)
+        wait_ready(f"http://127.0.0.1:{port}/healthz", server, seconds=600)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
             first = _ask(client, ADMIN_KEY, {"from": START, "to": MONTH_END, "by": "team"})
             yield ("month", "first request (builds the cells)", "admin", first, first)

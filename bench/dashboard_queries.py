@@ -262,7 +262,7 @@ def _time_pages(path: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     end = args.end_slot * 60
     results = []
     try:
-        _wait_ready(f"http://127.0.0.1:{port}/healthz", server)
+        wait_ready(f"http://127.0.0.1:{port}/healthz", server)
         for label, span in _ranges(args).items():
             for page, (key, names) in PAGES.items():
                 fetch_queries(client, key, names, end - span, end)  # warm the connections
@@ -313,9 +313,10 @@ def _time_statement_pages(client: BillingClient, repeats: int) -> list[dict[str,
     return results
 
 
-def _wait_ready(url: str, server: multiprocessing.process.BaseProcess) -> None:
-    """Until ``url`` answers; the service builds its coarse copies before it listens."""
-    deadline = time.monotonic() + 300
+def wait_ready(url: str, server: multiprocessing.process.BaseProcess, seconds: float = 300) -> None:
+    """Until ``url`` answers; the service builds its coarse copies before it listens (a month of
+    millions of records takes minutes)."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if not server.is_alive():
             raise RuntimeError("the billing service exited")
@@ -324,7 +325,7 @@ def _wait_ready(url: str, server: multiprocessing.process.BaseProcess) -> None:
             return
         except httpx.HTTPError:
             time.sleep(0.2)
-    raise RuntimeError("the billing service did not start in 300 s")
+    raise RuntimeError(f"the billing service did not start in {seconds:g} s")
 
 
 def _ranges(args: argparse.Namespace) -> dict[str, int]:
