@@ -8,20 +8,18 @@ loopback; the forged address is a server that counts every credential it is sent
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
-from billing.ledger import Ledger
 from collectors.discovery import RegistryPoller
 from collectors.serve import engine_sources
 from collectors.targets import EngineTarget, registry_targets
-from infermeter.config import Config, load_config
 from infermeter.serving import free_port
 from infermeter.writers import Writer, issue
-from tests.security.writers import SECRET, billing, event, fleet_ledger, post
+from tests.security import writers as writer_fixtures
+from tests.security.writers import SECRET, billing, event, post
 from tests.servers import serving
 
 METRICS_TOKEN = "im-demo-metrics"
@@ -45,18 +43,9 @@ class Counting:
         await send({"type": "http.response.body", "body": PAGE})
 
 
-@pytest.fixture
-def strict() -> Config:
-    """The demo configuration as it ships; the collector reads the registry with the metrics token."""
-    return load_config(None, environ={})
-
-
-@pytest.fixture
-async def ledger(strict: Config) -> AsyncIterator[Ledger]:
-    """A ledger that knows the demo fleet."""
-    led = fleet_ledger(strict)
-    yield led
-    led.close()
+# The demo configuration as it ships (the collector reads the registry with the metrics token)
+# and a ledger of its fleet.
+strict, ledger = writer_fixtures.strict, writer_fixtures.ledger
 
 
 async def test_a_forged_start_event_gets_no_metrics_token_sent_to_its_address(strict, ledger):
