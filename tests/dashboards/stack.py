@@ -22,6 +22,7 @@ from selenium.webdriver.chrome.service import Service
 from billing.api import create_app as billing_app
 from billing.ledger import Ledger
 from dashboards.serve import dashboard_server
+from dashboards.wsgi import WsgiServer
 from infermeter.config import Config
 from infermeter.serving import free_port, server as serve
 
@@ -86,7 +87,13 @@ def metrics_thread(text: str) -> Iterator[str]:
 def dashboard_thread(config: Config, billing_url: str) -> Iterator[str]:
     """The dashboard on a loopback port, in a thread, as ``infermeter dashboard`` serves it; yields its URL."""
     port = free_port()
-    server = dashboard_server(config, "127.0.0.1", port, billing_url)
+    with wsgi_thread(dashboard_server(config, "127.0.0.1", port, billing_url), port) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def wsgi_thread(server: WsgiServer, port: int) -> Iterator[str]:
+    """``server`` (listening on ``port`` of loopback) serving in a thread for the block; its URL."""
     thread = threading.Thread(target=server.serve, name="dashboard", daemon=True)
     thread.start()
     server.started.wait(10)

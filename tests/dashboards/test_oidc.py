@@ -17,7 +17,6 @@ import json
 import secrets
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from infermeter.config import Config, DashboardSettings, OidcSettings, load_conf
 from infermeter.http_guard import DEFAULT_LIMITS
 from infermeter.serving import free_port
 from tests.dashboards import records
-from tests.dashboards.stack import billing_thread, chromium
+from tests.dashboards.stack import billing_thread, chromium, wsgi_thread
 
 CLIENT_ID = "infermeter-dashboard"
 SECRET_ENV = "TEST_OIDC_CLIENT_SECRET"
@@ -116,14 +115,8 @@ def dashboard(config: Config, billing: str, sessions: Sessions,
     server = WsgiServer(
         app, "127.0.0.1", port, DEFAULT_LIMITS, error_headers=installed_headers(app)
     )
-    thread = threading.Thread(target=server.serve, name="dashboard", daemon=True)
-    thread.start()
-    server.started.wait(10)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
-        thread.join(10)
+    with wsgi_thread(server, port) as url:
+        yield url
 
 
 def sso_config(issuer: str, session_seconds: float = 3600) -> Config:

@@ -16,7 +16,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,7 +42,7 @@ from infermeter.config import Config, DashboardSettings, load_config
 from infermeter.serving import free_port
 from tests.dashboards import records
 from tests.dashboards.records import ADMIN_KEY
-from tests.dashboards.stack import billing_thread, chromium
+from tests.dashboards.stack import billing_thread, chromium, wsgi_thread
 
 HEADERS = {
     "x-frame-options": "DENY",
@@ -70,14 +69,8 @@ def dashboard(
     app = create_app(config, billing, throttle=throttle).server
     server = WsgiServer(app, "127.0.0.1", port, max_body_bytes=config.dashboard.max_body_bytes,
                         error_headers=installed_headers(app))  # fmt: skip
-    thread = threading.Thread(target=server.serve, name="dashboard", daemon=True)
-    thread.start()
-    server.started.wait(10)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
-        thread.join(10)
+    with wsgi_thread(server, port) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
