@@ -23,6 +23,7 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -56,8 +57,11 @@ __all__ = [
     "Model",
     "ModelArchitecture",
     "Node",
+    "NodePool",
     "OidcSettings",
+    "PoolPrice",
     "Prices",
+    "PricingCategory",
     "RegistryDiscovery",
     "Replica",
     "ScalingPolicy",
@@ -241,13 +245,141 @@ class Node(_Strict):
     gpu_count: Annotated[int, Field(ge=0)] = 0
 
 
+PricingCategory = Literal["on_demand", "committed", "spot", "owned"]
+
+
+def _utc_minute(value: object) -> object:
+    """An ISO date or UTC date-time, as epoch seconds on a whole minute.
+
+    Prices change at a minute (the ledger's slot); a time zone other than UTC, or seconds
+    within the minute, would make the split ambiguous, so both are refused.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        t = float(value)
+    elif isinstance(value, str):
+        text = value.strip().replace("Z", "+00:00")
+        try:
+            parsed = datetime.fromisoformat(text)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an ISO date or date-time") from None
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=UTC)
+        elif parsed.utcoffset() != timedelta(0):
+            raise ValueError(f"{value!r}: give the time in UTC (Z or +00:00)")
+        t = parsed.timestamp()
+    elif isinstance(value, date):  # YAML reads an unquoted 2026-11-15 as a date
+        return _utc_minute(value.isoformat())
+    else:
+        raise ValueError(f"{value!r} is not an ISO date or date-time")
+    if t % 60:
+        raise ValueError(f"{value!r}: prices change on a whole minute")
+    return t
+
+
+UtcMinute = Annotated[float, BeforeValidator(_utc_minute)]
+
+
+class PoolPrice(_Strict):
+    """One dated entry of a node pool's price: in effect from ``from_`` until the next entry.
+
+    ``on_demand`` and ``spot`` are a GPU-hour rate. ``committed`` is a rate and the GPUs paid
+    for at it whether used or not (``committed_gpus``). ``owned`` is hardware bought: its rate
+    is worked out from the purchase (``billing.pricebook.owned_rate``), and its power is billed
+    as measured like any GPU's. ``usd_per_kwh`` (and ``pue``) replace the price book's energy
+    price for this pool: 0 for a cloud pool, whose GPU rate includes power.
+    """
+
+    from_: Annotated[UtcMinute, Field(alias="from")]
+    category: PricingCategory = "on_demand"
+    usd_per_gpu_hour: NonNegative | None = None
+    committed_gpus: Annotated[int, Field(gt=0, le=100_000)] | None = None
+    purchase_usd_per_gpu: NonNegative | None = None
+    depreciation_months: Annotated[int, Field(gt=0, le=240)] | None = None
+    salvage_usd_per_gpu: NonNegative = 0.0
+    hosting_usd_per_gpu_month: NonNegative = 0.0
+    usd_per_kwh: NonNegative | None = None
+    pue: Annotated[float, Field(ge=1.0, le=3.0)] | None = None
+    sku: Annotated[str, StringConstraints(max_length=128)] | None = None
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _complete(self) -> PoolPrice:
+        if self.category == "owned":
+            if self.purchase_usd_per_gpu is None or self.depreciation_months is None:
+                raise ValueError(
+                    "an owned entry needs purchase_usd_per_gpu and depreciation_months"
+                )
+            if self.salvage_usd_per_gpu > self.purchase_usd_per_gpu:
+                raise ValueError("salvage_usd_per_gpu is more than purchase_usd_per_gpu")
+            if self.usd_per_gpu_hour is not None or self.committed_gpus is not None:
+                raise ValueError(
+                    "an owned entry's rate comes from its purchase: drop usd_per_gpu_hour / committed_gpus"
+                )
+        else:
+            if self.usd_per_gpu_hour is None:
+                raise ValueError(f"a {self.category} entry needs usd_per_gpu_hour")
+            if (self.category == "committed") != (self.committed_gpus is not None):
+                raise ValueError("committed_gpus is given with, and only with, category committed")
+            if self.purchase_usd_per_gpu is not None or self.depreciation_months is not None:
+                raise ValueError(
+                    f"purchase and depreciation are for owned entries, not {self.category}"
+                )
+        return self
+
+
+class NodePool(_Strict):
+    """A set of nodes priced together: by name (``nodes``) or a glob on the name (``node_pattern``).
+
+    A node belongs to the first pool that names it or matches it, in the order pools are
+    listed; a node in no pool is priced by its GPU model (``usd_per_gpu_hour``) as on-demand.
+    ``resource_ids`` and ``invoice_tags`` say which line items of a cloud invoice bill this
+    pool (``billing.invoices``): an item whose ResourceId is listed, or whose Tags hold every
+    pair given.
+    """
+
+    name: Name
+    nodes: Annotated[list[Name], Field(max_length=10_000)] = Field(default_factory=list)
+    node_pattern: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
+    prices: Annotated[list[PoolPrice], Field(min_length=1, max_length=1000)]
+    resource_ids: Annotated[
+        list[Annotated[str, StringConstraints(min_length=1, max_length=1024)]],
+        Field(max_length=10_000),
+    ] = Field(default_factory=list)
+    invoice_tags: dict[
+        Annotated[str, StringConstraints(min_length=1, max_length=256)],
+        Annotated[str, StringConstraints(max_length=256)],
+    ] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _valid(self) -> NodePool:
+        if not self.nodes and self.node_pattern is None:
+            raise ValueError(f"pool {self.name!r} names no nodes: give nodes or node_pattern")
+        starts = [p.from_ for p in self.prices]
+        if starts != sorted(starts) or len(set(starts)) != len(starts):
+            raise ValueError(
+                f"pool {self.name!r}: prices must be listed by strictly increasing from"
+            )
+        return self
+
+
 class Prices(_Strict):
-    """The price book: GPU time by GPU model, plus energy."""
+    """The price book: GPU time by GPU model, plus energy, and dated prices per node pool."""
 
     usd_per_gpu_hour: dict[Name, NonNegative]
     usd_per_kwh: NonNegative = 0.0
     pue: Annotated[float, Field(ge=1.0, le=3.0)] = 1.0
     currency: Literal["USD"] = "USD"
+    pools: Annotated[list[NodePool], Field(max_length=1000)] = Field(default_factory=list)
+
+    @field_validator("pools")
+    @classmethod
+    def _unique_pools(cls, pools: list[NodePool]) -> list[NodePool]:
+        names = [p.name for p in pools]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate pool {dup[0]!r}")
+        return pools
 
 
 class ScalingPolicy(_Strict):
