@@ -14,13 +14,18 @@ from typing import Any, Final
 import polars as pl
 
 __all__ = [
+    "BASES",
+    "CACHE_SCHEMA",
     "CENT_COLUMNS",
     "COUNT_COLUMNS",
     "LINE_SCHEMA",
+    "POOL_SCHEMA",
     "QUARANTINED_SCHEMA",
     "UNRECONCILED_SCHEMA",
     "Statement",
+    "empty_cache",
     "empty_lines",
+    "empty_pools",
     "empty_quarantined",
     "empty_unreconciled",
     "for_team",
@@ -47,6 +52,25 @@ UNRECONCILED_SCHEMA: Final = {
 
 # Records billing kept in quarantine and billed to no one, per kind and reason category.
 QUARANTINED_SCHEMA: Final = {"kind": pl.String, "reason": pl.String, "records": pl.Int64}
+# What each node pool cost in the month (``billing.pricebook``): at the price book's list
+# prices (the usage basis), what its commitments paid for and left unused, and, when an invoice
+# was imported for it (``billing.invoices``), the invoiced amount the allocation basis scales to.
+POOL_SCHEMA: Final = {
+    "pool": pl.String, "category": pl.String, "gpu_hours": pl.Float64, "energy_kwh": pl.Float64,
+    "list_cents": pl.Int64, "committed_gpu_hours": pl.Float64, "committed_cents": pl.Int64,
+    "unused_commitment_cents": pl.Int64, "commitment_utilization": pl.Float64,
+    "invoice_cents": pl.Int64, "allocation_cents": pl.Int64, "difference_cents": pl.Int64,
+    "explanation": pl.String,
+}  # fmt: skip
+# Prompt caching per team and model: prompt tokens served from vLLM's prefix cache and what the
+# team paid less for them than for uncached prompt tokens (``billing.token_weights``).
+CACHE_SCHEMA: Final = {
+    "team": pl.String, "model": pl.String, "prompt_tokens": pl.Int64,
+    "cached_prompt_tokens": pl.Int64, "cache_savings_cents": pl.Int64,
+}  # fmt: skip
+# The bases a statement's lines can be on: the price book's list prices, or scaled per pool to
+# the imported invoices (teams + idle + unused commitment == invoice, to the cent).
+BASES: Final = ("list", "allocation")
 
 
 def empty_unreconciled() -> pl.DataFrame:
@@ -57,6 +81,16 @@ def empty_unreconciled() -> pl.DataFrame:
 def empty_quarantined() -> pl.DataFrame:
     """No quarantined records."""
     return pl.DataFrame(schema=QUARANTINED_SCHEMA)
+
+
+def empty_pools() -> pl.DataFrame:
+    """No node pools."""
+    return pl.DataFrame(schema=POOL_SCHEMA)
+
+
+def empty_cache() -> pl.DataFrame:
+    """No prompt caching."""
+    return pl.DataFrame(schema=CACHE_SCHEMA)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +105,12 @@ class Statement:
     ``quarantined`` (``QUARANTINED_SCHEMA``): the month's records billing kept but will not bill
     (an untrusted writer, an unknown team, model or node, a broken seal), per kind and reason.
     They are on no line and in no total.
+
+    ``basis``: ``list`` when the lines are at the price book's prices; ``allocation`` when at
+    least one node pool's cost was scaled to its imported invoice. ``usage_lines``: the same
+    lines at list prices (the usage basis), when the basis is ``allocation``; None otherwise.
+    ``pools`` (``POOL_SCHEMA``): each node pool's cost on both bases, its commitment and its
+    invoice. ``cache`` (``CACHE_SCHEMA``): each team's prompt-cache hits and savings.
     """
 
     month: str
@@ -80,6 +120,10 @@ class Statement:
     adjustment_cents: int
     unreconciled: pl.DataFrame = field(default_factory=empty_unreconciled)
     quarantined: pl.DataFrame = field(default_factory=empty_quarantined)
+    basis: str = "list"
+    usage_lines: pl.DataFrame | None = None
+    pools: pl.DataFrame = field(default_factory=empty_pools)
+    cache: pl.DataFrame = field(default_factory=empty_cache)
 
     @property
     def total_cents(self) -> int:
@@ -108,7 +152,14 @@ def for_team(statement: Statement, team: str | None) -> Statement:
         return statement
     lines = statement.lines.filter(pl.col("team") == team)
     total = int(lines["total_cents"].sum()) if lines.height else 0
-    return Statement(statement.month, statement.closed, lines, total, 0)
+    usage = (
+        None
+        if statement.usage_lines is None
+        else statement.usage_lines.filter(pl.col("team") == team)
+    )
+    cache = statement.cache.filter(pl.col("team") == team)
+    return Statement(statement.month, statement.closed, lines, total, 0, basis=statement.basis,
+                     usage_lines=usage, cache=cache)  # fmt: skip
 
 
 def with_budgets(lines: pl.DataFrame, budgets_usd: Mapping[str, float]) -> pl.DataFrame:
@@ -130,20 +181,28 @@ def statement_json(statement: Statement, team: str | None) -> dict[str, Any]:
     """A statement as billing's chargeback API answers it: a team gets only its own lines.
 
     The admin's answer also carries the totals, ``unreconciled`` (a row per replica group and
-    model) and ``quarantined`` (a row per kind and reason: records kept and billed to no one).
+    model), ``quarantined`` (a row per kind and reason: records kept and billed to no one) and
+    ``pools`` (each node pool's cost, commitment and invoice). Everyone gets the basis, the
+    usage-basis lines when they differ, and the prompt-cache savings of the lines they see.
     """
-    lines = statement.lines if team is None else statement.lines.filter(pl.col("team") == team)
+    mine = for_team(statement, team)
+    lines = mine.lines
     body: dict[str, Any] = {
         "month": statement.month,
         "closed": statement.closed,
+        "basis": statement.basis,
         "lines": lines.to_dicts(),
         "total_cents": int(lines["total_cents"].sum()) if lines.height else 0,
+        "cache": mine.cache.to_dicts(),
     }
+    if mine.usage_lines is not None:
+        body["usage_lines"] = mine.usage_lines.to_dicts()
     if team is None:
         body |= {"fleet_cents": statement.fleet_cents, "adjustment_cents": statement.adjustment_cents,
                  "reconciles": statement.reconciles,
                  "unreconciled": statement.unreconciled.to_dicts(),
-                 "quarantined": statement.quarantined.to_dicts()}  # fmt: skip
+                 "quarantined": statement.quarantined.to_dicts(),
+                 "pools": statement.pools.to_dicts()}  # fmt: skip
     return body
 
 
@@ -158,6 +217,9 @@ def statement_from_json(body: Mapping[str, Any]) -> Statement:
     total = int(body.get("total_cents", 0))
     missed = body.get("unreconciled") or []
     held = body.get("quarantined") or []
+    usage = body.get("usage_lines")
+    pools = body.get("pools") or []
+    cache = body.get("cache") or []
     return Statement(
         month=body["month"],
         closed=bool(body["closed"]),
@@ -168,4 +230,13 @@ def statement_from_json(body: Mapping[str, Any]) -> Statement:
         if missed
         else empty_unreconciled(),
         quarantined=pl.DataFrame(held, schema=QUARANTINED_SCHEMA) if held else empty_quarantined(),
+        basis=str(body.get("basis", "list")),
+        usage_lines=None if usage is None else _frame(usage, LINE_SCHEMA),
+        pools=_frame(pools, POOL_SCHEMA),
+        cache=_frame(cache, CACHE_SCHEMA),
     )
+
+
+def _frame(rows: list[dict[str, Any]], schema: Mapping[str, Any]) -> pl.DataFrame:
+    """``rows`` as a frame of ``schema``, empty rows or not."""
+    return pl.DataFrame(rows, schema=dict(schema)) if rows else pl.DataFrame(schema=dict(schema))
