@@ -145,6 +145,11 @@ class UsageRecord(_Record):
     # once, vLLM's ``vllm:prompt_tokens_total`` once per choice, so reconciliation counts
     # ``prompt_tokens x choices`` against the engine (``billing.reconciliation``).
     choices: int = 1
+    # Attribution below the team: the end user the request named (OpenAI's ``user`` field) and
+    # the project tag it carried (``X-Infermeter-Project``), checked by the sidecar; None when
+    # it gave none. Never metric labels: there may be a great many.
+    user: str | None = None
+    project: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

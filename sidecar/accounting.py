@@ -70,6 +70,9 @@ class Call:
     prefix: Prefix | None = None
     # Choices per prompt of a stream of several (``Plan.choices``), else 0.
     choices: int = 0
+    # The end user the body named and the project tag the request carried (``sidecar.tags``).
+    user: str | None = None
+    project: str | None = None
 
     def echo_headers(self) -> list[tuple[bytes, bytes]]:
         """The caller's own x-request-id, echoed when it sent a valid one."""
@@ -106,7 +109,7 @@ def admitted_fields(call: Call, replica: str, instance: str | None) -> dict[str,
         "client_request_id": call.client_request_id,
         "prefix_digest": prefix.digest if prefix else None,
         "prefix_share": prefix.share if prefix else None,
-        "choices": engine_choices(call),
+        "choices": engine_choices(call), "user": call.user, "project": call.project,
     }  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from sidecar.limits import estimate_prompt_tokens
 from sidecar.prefix import Prefix, prefix_of
 from sidecar.request_ids import client_request_id
 from sidecar.state import ModelNotFoundError, View
+from sidecar.tags import TagRefusal, user_of
 
 __all__ = [
     "GENERATE",
@@ -35,6 +36,7 @@ __all__ = [
     "identify",
     "parse_body",
     "plan",
+    "tag_refusal",
     "upstream_headers",
 ]
 
@@ -88,6 +90,8 @@ class Plan:
     prefix: Prefix | None = None
     # Choices per prompt when a stream carries several (n > 1, or a batch of prompts), else 0.
     choices: int = 0
+    # The end user the body names (OpenAI's ``user``, forwarded as sent), checked.
+    user: str | None = None
 
 
 def _choices(endpoint: str, body: dict[str, Any], n: int) -> int:
@@ -158,6 +162,10 @@ def plan(view: View, endpoint: str, raw: bytes, *, default_reserve_tokens: int,
     except ModelNotFoundError as exc:
         return Refusal(404, str(exc), "invalid_request_error", "model_not_found",
                        RequestStatus.REJECTED, model=capped(str(requested)))  # fmt: skip
+    try:
+        user = user_of(body)  # from the one parse of the body, before anything is forwarded
+    except TagRefusal as exc:
+        return tag_refusal(exc)
     if metering_down:
         return Refusal(503, "Usage metering is unavailable; the request was not served.",
                        "server_error", "metering_unavailable", RequestStatus.REJECTED)  # fmt: skip
@@ -175,7 +183,13 @@ def plan(view: View, endpoint: str, raw: bytes, *, default_reserve_tokens: int,
     if stream:
         body["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": True}
     return Plan(route.model, route.served_version, str(requested or route.model), stream,
-                usage, continuous, reserve, body, prefix, _choices(endpoint, body, n))  # fmt: skip
+                usage, continuous, reserve, body, prefix, _choices(endpoint, body, n), user)  # fmt: skip
+
+
+def tag_refusal(exc: TagRefusal) -> Refusal:
+    """The 400 a client gets for a project or user it may not send (``sidecar.tags``)."""
+    return Refusal(400, exc.message, "invalid_request_error", exc.code, RequestStatus.BAD_REQUEST,
+                   param=exc.param)  # fmt: skip
 
 
 def upstream_headers(view: View, headers: Headers, upstream_key: str | None) -> dict[str, str]:

@@ -57,9 +57,10 @@ from sidecar.admission import (
     first_header,
     gateway_signed,
     plan,
+    tag_refusal,
     upstream_headers,
 )
-from sidecar.budgets import BudgetExceeded, Override, budget_gate, serve_override
+from sidecar.budgets import BudgetExceeded, Override, budget_gate, project_budgets, serve_override
 from sidecar.drain import Drain
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 from sidecar.fetch import Fetched, fetch
@@ -74,6 +75,7 @@ from sidecar.relay import JSON, Relay
 from sidecar.request_ids import client_request_id
 from sidecar.state import View, build_view
 from sidecar.stream import StreamMeter, UsageCounts
+from sidecar.tags import TagRefusal, project_of
 from sidecar.team_limits import LimitsUnavailable, team_limiter, team_limits
 from sidecar.upstream import Upstream, upstream_errors, upstream_failure
 
@@ -145,7 +147,8 @@ class Sidecar:
         self.budgets = budget_gate(settings.budgets, {t.name: t.budget_usd_per_month for t in config.teams},
                                    self.metrics.registry, os.environ.get(settings.budgets.spend_token_env),
                                    self.limiter.redis, settings.shared_limits.key_prefix,
-                                   self.override_spool, self.identity.instance)  # fmt: skip
+                                   self.override_spool, self.identity.instance,
+                                   project_budgets(config))  # fmt: skip
         # The keys issued at run time, from Redis or billing (the last set read is on disk too).
         self.keysync = KeySync(self._take_keys, directory, lambda: self.client, config.billing.url,
                                os.environ.get(settings.budgets.spend_token_env), self.limiter.redis,
@@ -317,6 +320,7 @@ class Sidecar:
         self.team_names = frozenset(t.name for t in config.teams)
         self.limiter.configure(team_limits(config))
         self.budgets.budgets = {t.name: t.budget_usd_per_month for t in config.teams}
+        self.budgets.project_budgets = project_budgets(config)
         if self.fair is not None:
             self.fair.priorities = {t.name: t.priority for t in config.teams}
 
@@ -582,9 +586,13 @@ class Sidecar:
             planned.stream,
         )
         call.client_usage, call.client_continuous = planned.client_usage, planned.client_continuous
-        call.prefix, call.choices = planned.prefix, planned.choices
+        call.prefix, call.choices, call.user = planned.prefix, planned.choices, planned.user
         try:
-            verdict = self.budgets.check(call.team, call.model)
+            call.project = project_of(self.view.projects, call.team, headers)
+        except TagRefusal as exc:
+            raise tag_refusal(exc) from None
+        try:
+            verdict = self.budgets.check(call.team, call.model, call.project)
         except BudgetExceeded as exc:
             raise Refusal(
                 429, str(exc), "insufficient_quota", "budget_exceeded", RequestStatus.RATE_LIMITED
@@ -620,6 +628,8 @@ class Sidecar:
                 tracing.TEAM: call.team,
                 tracing.REPLICA: self.replica_id,
                 tracing.REQUEST_STREAM: call.stream,
+                **({tracing.END_USER: call.user} if call.user is not None else {}),
+                **({tracing.PROJECT: call.project} if call.project is not None else {}),
             },
         )
 

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
 from infermeter.auth import ADMIN, AuthError, KeyRing, bearer_key
-from infermeter.config import BudgetSettings
+from infermeter.config import BudgetSettings, Config
 from infermeter.errors import error_body
 from infermeter.ids import sample_id
 from infermeter.records import MAX_OVERRIDE_REASON, BudgetOverride
@@ -42,11 +42,14 @@ __all__ = [
     "BudgetExceeded",
     "BudgetGate",
     "Override",
+    "ProjectBudgetExceeded",
     "Verdict",
     "budget_gate",
     "judge",
     "parse_override",
+    "parse_project_spend",
     "parse_spend",
+    "project_budgets",
 ]
 
 log = logging.getLogger("infermeter.sidecar")
@@ -61,6 +64,20 @@ class BudgetExceeded(Exception):
             "requests are refused until the month ends or an admin grants an override."
         )
         self.team, self.spent_usd, self.budget_usd = team, spent_usd, budget_usd
+
+
+class ProjectBudgetExceeded(BudgetExceeded):
+    """A team's project past its own monthly budget; answered like a team past its budget."""
+
+    def __init__(self, team: str, project: str, spent_usd: float, budget_usd: float) -> None:
+        Exception.__init__(
+            self,
+            f"Project {project} of team {team} has spent ${spent_usd:.2f} of its "
+            f"${budget_usd:.2f} monthly budget; its requests are refused until the month ends "
+            "or an admin grants the team an override.",
+        )
+        self.team, self.spent_usd, self.budget_usd = team, spent_usd, budget_usd
+        self.project = project
 
 
 @dataclass(frozen=True)
@@ -107,6 +124,23 @@ def judge(team: str, model: str, spent_usd: float, budget_usd: float, settings: 
         until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(override.until))
         return Verdict((*used, ("x-infermeter-budget-override", until)), True, "override")
     raise BudgetExceeded(team, spent_usd, budget_usd)
+
+
+def parse_project_spend(body: Any) -> dict[str, dict[str, float]]:
+    """Spend per team and project from a ``GET /v1/spend`` answer (``parse_spend`` checked it).
+
+    Each row may carry ``projects`` (project -> USD); a billing of the previous version sends
+    none, and then no project is refused.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for row in body:
+        projects = row.get("projects")
+        if not isinstance(projects, dict):
+            continue
+        out[row["team"]] = {
+            str(p): float(v) for p, v in projects.items() if isinstance(v, int | float)
+        }
+    return out
 
 
 def parse_spend(body: Any) -> dict[str, float]:
@@ -156,6 +190,9 @@ class BudgetGate:
     # Where granted overrides are written for the ledger, and the instance they are issued by.
     ledger: Spool | None = None
     instance: str = ""
+    # Per team, its projects' budgets (USD a month) and month-to-date spend.
+    project_budgets: dict[str, dict[str, float]] = field(default_factory=dict)
+    project_spent: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics = BudgetMetrics(self.registry)
@@ -170,20 +207,38 @@ class BudgetGate:
 
             self.client = httpx.AsyncClient(timeout=10.0)
 
-    def check(self, team: str, model: str) -> Verdict:
-        """The verdict for a request of ``team`` for ``model``; BudgetExceeded past the budget."""
+    def check(self, team: str, model: str, project: str | None = None) -> Verdict:
+        """The verdict for a request of ``team`` (for ``project``) for ``model``;
+        BudgetExceeded past the team's budget, ProjectBudgetExceeded past the project's."""
         spent = self.spent.get(team)
         if spent is None:
             return Verdict()
         try:
             verdict = judge(team, model, spent, self.budgets.get(team, 0.0), self.settings,
                             self.overrides.get(team), time.time())  # fmt: skip
-        except BudgetExceeded:
-            self.metrics.decisions.labels(team, "refused").inc()
+            if project is not None and verdict.state in ("ok", "soft"):
+                self._check_project(team, model, project)
+        except BudgetExceeded as exc:
+            state = "project_refused" if isinstance(exc, ProjectBudgetExceeded) else "refused"
+            self.metrics.decisions.labels(team, state).inc()
             raise
         if verdict.state != "ok":
             self.metrics.decisions.labels(team, verdict.state).inc()
         return verdict
+
+    def _check_project(self, team: str, model: str, project: str) -> None:
+        """ProjectBudgetExceeded when ``project`` has a budget, its spend reached it, and the
+        settings refuse ``model`` past a budget (an override of the team lets it in too)."""
+        budget = self.project_budgets.get(team, {}).get(project, 0.0)
+        spent = self.project_spent.get(team, {}).get(project)
+        if budget <= 0 or spent is None:
+            return
+        try:
+            verdict = judge(team, model, spent, budget, self.settings, self.overrides.get(team),
+                            time.time())  # fmt: skip
+        except BudgetExceeded:
+            raise ProjectBudgetExceeded(team, project, spent, budget) from None
+        del verdict  # its warning headers are the team's to give (one set per response)
 
     async def grant(self, override: Override) -> None:
         """Record an override: in the ledger's spool first (SpoolError: not granted), then
@@ -212,11 +267,13 @@ class BudgetGate:
             r = await self.client.get(self.settings.spend_url.rstrip("/") + "/v1/spend",
                                       headers=headers)  # fmt: skip
             r.raise_for_status()
-            spent = parse_spend(r.json())
+            body = r.json()
+            spent = parse_spend(body)
         except (httpx.HTTPError, ValueError) as exc:
             log.warning("budget spend unreadable, keeping the last one: %s", exc)
             return
         self.spent, self.read_at = spent, time.monotonic()
+        self.project_spent = parse_project_spend(body)
         for team, value in spent.items():
             budget = self.budgets.get(team, 0.0)
             if budget > 0:
@@ -282,11 +339,21 @@ def override_record(override: Override, instance: str) -> BudgetOverride:
 
 def budget_gate(settings: BudgetSettings, budgets: dict[str, float], registry: CollectorRegistry,
                 token: str | None, redis: aioredis.Redis | None, key_prefix: str,
-                ledger: Spool | None = None, instance: str = "") -> BudgetGate:  # fmt: skip
+                ledger: Spool | None = None, instance: str = "",
+                project_budgets: dict[str, dict[str, float]] | None = None) -> BudgetGate:  # fmt: skip
     """The sidecar's budget gate; overrides are shared through ``redis`` when there is one and
     written to ``ledger`` (a spool shipped as ``budget_overrides``) as ``instance`` issued them."""
     return BudgetGate(settings, budgets, registry, token, redis, f"{key_prefix}:budget-overrides",
-                      ledger=ledger, instance=instance)  # fmt: skip
+                      ledger=ledger, instance=instance, project_budgets=project_budgets or {})  # fmt: skip
+
+
+def project_budgets(config: Config) -> dict[str, dict[str, float]]:
+    """Each team's project budgets (USD a month), for the teams that set any."""
+    return {
+        t.name: dict(t.project_budgets_usd_per_month)
+        for t in config.teams
+        if t.project_budgets_usd_per_month
+    }
 
 
 _JSON = (b"content-type", b"application/json")

@@ -9,7 +9,8 @@ a request in flight keeps the view it started with. A newer set of keys issued a
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Final
 
@@ -18,6 +19,7 @@ from infermeter.config import Config, Replica
 from infermeter.keys import IssuedKeys
 from sidecar.bounds import shown
 from sidecar.prefix import PrefixDigester, prefix_digester
+from sidecar.tags import ProjectRule, project_rules
 
 __all__ = [
     "MAX_LISTED",
@@ -57,6 +59,8 @@ class View:
     control_open: bool
     gateway: GatewayVerifier | None
     prefix: PrefixDigester | None = None
+    # Each team's allowed project tags (``sidecar.tags``).
+    projects: Mapping[str, ProjectRule] = field(default_factory=dict)
 
     # The properties below are read by every request and constant for the view: computed once
     # (a reload builds a new view).
@@ -144,4 +148,5 @@ def build_view(config: Config, replica_id: str, issued: IssuedKeys | None = None
         prefix=prefix_digester(
             os.environ.get(config.sidecar.prefix_key_env), config.sidecar.prefix_digest_chars
         ),
+        projects=project_rules(config),
     )

@@ -40,6 +40,10 @@ REQUEST_STREAM = "gen_ai.request.stream"
 TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
 TEAM = "infermeter.team"
 REPLICA = "infermeter.replica"
+# Who the request is for (general semantic conventions) and its project tag: span attributes
+# only, never metric labels (there may be a great many).
+END_USER = "enduser.id"
+PROJECT = "infermeter.project"
 
 
 def export_configured(environ: Mapping[str, str] | None = None) -> bool:

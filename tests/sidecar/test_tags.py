@@ -1,0 +1,121 @@
+"""Projects and end users: checked by the sidecar, carried on the record, budgeted per project."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sidecar.tags import MAX_USER_CHARS, PROJECT_HEADER
+from tests.servers import serving
+from tests.sidecar.test_budgets import FakeSpend, wait_for
+
+CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+PROJECTS = {
+    "teams.0.projects": ["alpha", "beta"],
+    "teams.0.project_pattern": "exp-[0-9]+",
+    "teams.0.project_budgets_usd_per_month": {"beta": 5.0},
+}
+
+
+def _error(r: Any) -> dict[str, Any]:
+    body: dict[str, Any] = r.json()["error"]
+    return body
+
+
+@pytest.mark.parametrize(
+    ("team", "headers", "body", "param", "code"),
+    [
+        ("search", {PROJECT_HEADER: "gamma"}, {}, PROJECT_HEADER, "invalid_project"),
+        ("search", {PROJECT_HEADER: "exp-1x"}, {}, PROJECT_HEADER, "invalid_project"),
+        ("assistant", {PROJECT_HEADER: "alpha"}, {}, PROJECT_HEADER, "invalid_project"),
+        ("search", {}, {"user": "u" * (MAX_USER_CHARS + 1)}, "user", "invalid_user"),
+        ("search", {}, {"user": "line\nbreak"}, "user", "invalid_user"),
+        ("search", {}, {"user": 42}, "user", "invalid_user"),
+    ],
+)
+async def test_a_project_the_team_does_not_allow_or_a_bad_user_is_an_openai_400_before_vllm(
+    stack_factory, team, headers, body, param, code
+):
+    """An unknown project (or one for a team without projects) and an oversized, unprintable or
+    non-string user are refused 400 naming the header or field; vLLM sees no request."""
+    stack = await stack_factory(**PROJECTS)
+    async with stack.client(team) as c:
+        r = await c.post("/v1/chat/completions", json=CHAT | body, headers=headers)
+    assert r.status_code == 400
+    error = _error(r)
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
+    assert stack.sim.finished_requests == 0
+    assert stack.records()[-1]["status"] == "bad_request"
+
+
+async def test_the_user_and_an_allowed_project_are_on_the_usage_record(
+    stack_factory,
+):
+    """A listed or pattern-matched project and the body's user land on the usage record."""
+    stack = await stack_factory(**PROJECTS)
+    async with stack.client() as c:
+        listed = await c.post(
+            "/v1/chat/completions", json=CHAT | {"user": "ana@example.com"},
+            headers={PROJECT_HEADER: "alpha"},
+        )  # fmt: skip
+        matched = await c.post(
+            "/v1/chat/completions", json=CHAT | {"stream": True}, headers={PROJECT_HEADER: "exp-7"}
+        )
+        plain = await c.post("/v1/chat/completions", json=CHAT)
+    assert [r.status_code for r in (listed, matched, plain)] == [200, 200, 200]
+    tags = [(r["user"], r["project"], r["status"]) for r in stack.records()]
+    assert tags == [("ana@example.com", "alpha", "ok"), (None, "exp-7", "ok"), (None, None, "ok")]
+
+
+async def test_a_project_past_its_budget_is_refused_while_the_team_and_its_other_projects_are_not(
+    stack_factory,
+):
+    """Billing's spend says project beta reached its $5 budget: beta's requests get 429
+    budget_exceeded at the next refresh; alpha's and untagged requests of the team still pass."""
+    spend = FakeSpend()
+    projects: dict[str, float] = {}
+
+    async def handle(scope: Any, receive: Any, send: Any) -> None:
+        rows = [{"team": t, "month": "2026-12", "spent_usd": s, "budget_usd": 100.0,
+                 "forecast_usd": s, "projects": projects} for t, s in spend.spent.items()]  # fmt: skip
+        from starlette.responses import JSONResponse
+
+        await JSONResponse(rows)(scope, receive, send)
+
+    async with serving(handle, lifespan="off") as billing:
+        stack = await stack_factory(**PROJECTS, **{
+            "sidecar.budgets": {"spend_url": billing, "refresh_seconds": 0.1},
+            "teams.0.budget_usd_per_month": 100.0,
+        })  # fmt: skip
+        async with stack.client() as c:
+            spend.spent["search"] = 10.0
+            projects["beta"] = 5.0
+
+            async def refused() -> bool:
+                r = await c.post("/v1/chat/completions", json=CHAT,
+                                 headers={PROJECT_HEADER: "beta"})  # fmt: skip
+                return bool(r.status_code == 429)
+
+            await wait_for(refused)
+            beta = await c.post("/v1/chat/completions", json=CHAT, headers={PROJECT_HEADER: "beta"})
+            alpha = await c.post(
+                "/v1/chat/completions", json=CHAT, headers={PROJECT_HEADER: "alpha"}
+            )
+            untagged = await c.post("/v1/chat/completions", json=CHAT)
+    assert beta.status_code == 429
+    assert _error(beta)["code"] == "budget_exceeded"
+    assert "Project beta of team search" in _error(beta)["message"]
+    assert [alpha.status_code, untagged.status_code] == [200, 200]
+    assert stack.records()[-3]["project"] == "beta"
+    assert stack.records()[-3]["status"] == "rate_limited"
+
+
+def test_spend_from_a_billing_without_projects_refuses_no_project():
+    """A spend answer of the previous version (no ``projects``) leaves every project unbudgeted."""
+    from sidecar.budgets import parse_project_spend
+
+    assert parse_project_spend([{"team": "a", "spent_usd": 1.0}]) == {}
+    assert parse_project_spend([{"team": "a", "spent_usd": 1.0, "projects": {"x": 2}}]) == {
+        "a": {"x": 2.0}
+    }
