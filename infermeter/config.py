@@ -41,7 +41,6 @@ from pydantic import (
 )
 
 __all__ = [
-    "CACHED_PROMPT_SHARE",
     "ENV_PREFIX",
     "HASH_HINT",
     "AlertSettings",
@@ -645,53 +644,11 @@ class CollectorSettings(_Strict):
     kubernetes: KubernetesDiscovery = KubernetesDiscovery()
 
 
-# What a prompt token served from vLLM's prefix cache costs the engine, in uncached prompt
-# tokens: measured on real vLLM by bench/prefix_cache_cost.py (docs/benchmarks.md).
-CACHED_PROMPT_SHARE = 0.3
-
-
 class TokenWeights(_Strict):
-    """Relative weight of a prompt, a cached prompt and a completion token for the ``tokens`` split.
-
-    ``cached_prompt`` weighs a prompt token vLLM found in its prefix cache; unset, it is
-    ``CACHED_PROMPT_SHARE`` of the prompt weight given, so a file that sets only ``prompt``
-    keeps the measured discount. It may not exceed ``prompt``: a cache hit never costs more.
-    """
+    """Relative weight of a prompt and a completion token for the ``tokens`` split."""
 
     prompt: NonNegative = 1.0
-    cached_prompt: NonNegative = CACHED_PROMPT_SHARE
     completion: NonNegative = 3.0
-
-    @model_validator(mode="before")
-    @classmethod
-    def _cached_from_prompt(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "cached_prompt" not in data and "prompt" in data:
-            prompt = data["prompt"]
-            if isinstance(prompt, int | float) and not isinstance(prompt, bool):
-                return {**data, "cached_prompt": prompt * CACHED_PROMPT_SHARE}
-        return data
-
-    @model_validator(mode="after")
-    def _cached_at_most_prompt(self) -> TokenWeights:
-        if self.cached_prompt > self.prompt:
-            raise ValueError(
-                f"cached_prompt ({self.cached_prompt}) exceeds prompt ({self.prompt}): a prompt "
-                "token served from the prefix cache cannot weigh more than an uncached one"
-            )
-        return self
-
-
-class RetentionSettings(_Strict):
-    """How long raw records stay in the ledger file before they move to the Parquet archive.
-
-    ``archive`` is a directory, or a URL any fsspec filesystem opens (installed separately);
-    ``interval_seconds`` is how often the billing service runs retention (0: never, leaving it
-    to ``infermeter billing retain``).
-    """
-
-    raw_days: Annotated[int, Field(ge=1, le=36_500)] = 35
-    archive: Annotated[str, StringConstraints(min_length=1)] = "var/archive"
-    interval_seconds: NonNegative = 3600.0
 
 
 class BillingSettings(_Strict):
@@ -739,8 +696,6 @@ class BillingSettings(_Strict):
     # Board power limits (W) by GPU model, over infermeter.boards' table: a GPU sample drawing
     # more (with a margin) is refused at ingest as no board can draw it (billing.bounds).
     gpu_max_watts: dict[str, Positive] = Field(default_factory=dict)
-    # Raw usage and samples older than this leave the ledger for a Parquet archive (billing.archive).
-    retention: RetentionSettings = RetentionSettings()
 
 
 # What an IdP group may map to: a role of ``infermeter.auth`` or a team's lead or member.
