@@ -651,6 +651,26 @@ class TokenWeights(_Strict):
     completion: NonNegative = 3.0
 
 
+class RetentionSettings(_Strict):
+    """How long raw records stay in the ledger file before they move to the Parquet archive.
+
+    ``archive`` is a directory (a mounted volume; object storage through a mount such as a CSI
+    driver); ``interval_seconds`` is how often the billing service runs retention (0: never,
+    leaving it to ``infermeter billing retain``).
+    """
+
+    raw_days: Annotated[int, Field(ge=1, le=36_500)] = 35
+    archive: Annotated[str, StringConstraints(min_length=1)] = "var/archive"
+    interval_seconds: NonNegative = 3600.0
+
+    @field_validator("archive")
+    @classmethod
+    def _a_directory(cls, value: str) -> str:
+        if "://" in value:
+            raise ValueError("must be a directory, not a URL (mount the storage, name the mount)")
+        return value
+
+
 class BillingSettings(_Strict):
     """The billing service: the only process that writes the DuckDB ledger."""
 
@@ -696,6 +716,8 @@ class BillingSettings(_Strict):
     # Board power limits (W) by GPU model, over infermeter.boards' table: a GPU sample drawing
     # more (with a margin) is refused at ingest as no board can draw it (billing.bounds).
     gpu_max_watts: dict[str, Positive] = Field(default_factory=dict)
+    # Raw usage and samples older than this leave the ledger for a Parquet archive (billing.archive).
+    retention: RetentionSettings = RetentionSettings()
 
 
 # What an IdP group may map to: a role of ``infermeter.auth`` or a team's lead or member.

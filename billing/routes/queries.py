@@ -17,7 +17,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from billing import queries
+from billing import archive, queries
 from billing.ledger import Ledger
 from billing.rollups import Rollups
 from billing.routes.dependencies import Asker, Month, Reader, ServicesDep, compute
@@ -132,5 +132,5 @@ async def query(
 def _run(ledger: Ledger, rollups: Rollups, name: str, params: queries.QueryParams,
          now: float) -> Any:  # fmt: skip
     rollups.refresh_if_due(now)
-    with ledger.reader() as cursor:
+    with archive.reader(ledger) as cursor:  # raw samples that left for the archive too
         return queries.run(cursor, name, params)

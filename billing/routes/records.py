@@ -14,6 +14,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from billing import archive
 from billing.ledger import Ledger
 from billing.lookup import ID_FIELDS, MAX_ID_CHARS, MAX_RECORDS, Lookup, lookup_sql
 from billing.routes.dependencies import Reader, ServicesDep
@@ -46,7 +47,7 @@ async def usage_records_by_id(
 def _run(ledger: Ledger, lookup: Lookup) -> list[dict[str, Any]]:
     sql, params = lookup_sql(lookup)
     names = [f.name for f in USAGE.fields]
-    with ledger.reader() as cursor:
+    with archive.reader(ledger) as cursor:  # records that left for the archive too
         return [
             dict(zip(names, row, strict=True)) for row in cursor.execute(sql, params).fetchall()
         ]

@@ -1,0 +1,380 @@
+"""Retention: raw rows older than ``billing.retention.raw_days`` leave the ledger for Parquet.
+
+What moves, and why only that. A month's statement reads the rollups (``usage_slots``,
+``gpu_slots``, ``alloc_*``, ``usage_hours``, ``engine_hours``...) and the lifetimes, which never
+leave the ledger; it reads raw ``usage`` and ``engine_samples`` only for the hours reconciliation
+cannot take from the rollups (hang-ups, records it places one by one), within
+``billing.reconciliation.LOOKBACK_SECONDS`` of the month, and a request runs at most
+``billing.ingest_sql.MAX_REQUEST_SECONDS``. So the raw rows of ``usage``, ``gpu_samples`` and
+``engine_samples`` before the *horizon* move, where the horizon is the earliest of:
+
+- ``raw_days`` before now;
+- ``MARGIN_SECONDS`` before the first month still computed from the ledger: one not closed, or
+  closed with late records waiting for their adjustment (the current month always is);
+
+floored to the hour, and never moved back. Instance events, lifetimes, statements, quarantine,
+keys and audit stay. Ingest refuses a record before the end of the horizon's month (the macro
+``_archived_before`` in ``billing.schema``): it could be in the archive already (its id could
+not be found to drop it as a repeat), and its month's statement is frozen.
+
+The archive is plain Hive-partitioned Parquet, ``<root>/kind=<table>/month=YYYY-MM/part-<run>.parquet``,
+readable by any engine; a run's manifest, ``<root>/_manifests/<run>-<table>.json`` (files,
+rows, SHA-256 of each file, time range, horizon), is written last. ``_``-prefixed paths are
+skipped by Hive readers.
+
+Crash safety, step by step (``retain``):
+
+1. Each file is written to a ``.tmp`` name, flushed and renamed: a file under its final name is
+   whole. 2. The manifest likewise, after every file. 3. One ledger transaction deletes the rows
+   whose ids the files hold (not "every row before the horizon": a record that arrived during the
+   run stays for the next one) and records the run and its files. A crash before 2 leaves files
+   no manifest names: the next run deletes them. A crash between 2 and 3 leaves a manifest the
+   ledger does not know: the next run checks its files' checksums and completes it. Nothing is
+   deleted from the ledger before its rows are durable in the archive, and a row is in the
+   ledger or in exactly one listed file, never both for a reader of the ledger
+   (``Ledger.archive_reader``), which reads only the files the ledger lists.
+
+The archive is a local directory (a mounted volume); one retention runs at a time per ledger
+(the service's timer, or the command with the service stopped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import orjson
+
+from billing.schema import HOUR_SECONDS
+from infermeter.months import month_bounds, month_of
+from infermeter.records import ENGINE, GPU, USAGE, RecordKind
+
+if TYPE_CHECKING:
+    import duckdb
+
+    from billing.ledger import Ledger
+
+__all__ = [
+    "MARGIN_SECONDS",
+    "RAW_KINDS",
+    "ArchiveError",
+    "Manifest",
+    "Report",
+    "horizon",
+    "part_path",
+    "reader",
+    "retain",
+    "view_sql",
+]
+
+# What leaves the ledger: the raw tables that grow with traffic.
+RAW_KINDS: Final[tuple[RecordKind, ...]] = (USAGE, GPU, ENGINE)
+# A request runs at most a day (MAX_REQUEST_SECONDS) and reconciliation looks two hours back:
+# two days before the first month still computed covers both.
+MARGIN_SECONDS: Final = 2 * 86_400
+DAY_SECONDS: Final = 86_400
+MANIFESTS: Final = "_manifests"
+
+
+class ArchiveError(Exception):
+    """The archive does not hold what its manifest says (a missing or altered file)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What one retention run did, per raw table: rows moved and runs completed or cleaned."""
+
+    horizon: float
+    moved: Mapping[str, int]
+    completed: Sequence[str]
+    removed: Sequence[str]
+
+    def to_json(self) -> dict[str, Any]:
+        """The API's and the command's answer."""
+        return {
+            "horizon": self.horizon,
+            "moved": dict(self.moved),
+            "completed": list(self.completed),
+            "removed": list(self.removed),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """One run's files for one raw table, as written last to ``_manifests``."""
+
+    run_id: str
+    kind: str
+    horizon: float
+    refuse_before: float
+    files: tuple[dict[str, Any], ...]  # path (relative), month, rows, sha256, bytes
+    time_range: tuple[float, float] | None
+
+    @property
+    def rows(self) -> int:
+        return sum(int(f["rows"]) for f in self.files)
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(
+            {
+                "run_id": self.run_id,
+                "kind": self.kind,
+                "horizon": self.horizon,
+                "refuse_before": self.refuse_before,
+                "rows": self.rows,
+                "time_range": list(self.time_range) if self.time_range else None,
+                "files": list(self.files),
+            },
+            option=orjson.OPT_INDENT_2,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        doc = orjson.loads(data)
+        span = doc.get("time_range")
+        return cls(doc["run_id"], doc["kind"], float(doc["horizon"]), float(doc["refuse_before"]),
+                   tuple(doc["files"]), (float(span[0]), float(span[1])) if span else None)  # fmt: skip
+
+
+# -- pure ----------------------------------------------------------------------------------
+
+
+def horizon(now: float, raw_days: int, computed_months: Iterable[str]) -> float:
+    """Where raw rows stop leaving the ledger (module docstring): an hour boundary."""
+    first = min([month_of(now), *computed_months])
+    edge = min(now - raw_days * DAY_SECONDS, month_bounds(first)[0] - MARGIN_SECONDS)
+    return float(edge // HOUR_SECONDS * HOUR_SECONDS)
+
+
+def refuse_before(edge: float) -> float:
+    """The end of the month ``edge`` falls in: ingest refuses records before it."""
+    return float(month_bounds(month_of(edge))[1]) if edge > 0 else 0.0
+
+
+def part_path(table: str, month: str, run_id: str) -> str:
+    """A run's file of ``table``'s rows of ``month``, relative to the archive's root (Hive style)."""
+    return f"kind={table}/month={month}/part-{run_id}.parquet"
+
+
+def manifest_path(run_id: str, table: str) -> str:
+    return f"{MANIFESTS}/{run_id}-{table}.json"
+
+
+def months_between(lo: float, hi: float) -> list[str]:
+    """Every month from the one of ``lo`` to the one of ``hi`` (inclusive)."""
+    months, t = [], lo
+    while t <= hi:
+        months.append(month_of(t))
+        t = month_bounds(month_of(t))[1]
+    return months
+
+
+def _quoted(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def files_sql(paths: Sequence[str]) -> str:
+    """A DuckDB list literal of ``paths``."""
+    return "[" + ", ".join(_quoted(p) for p in paths) + "]"
+
+
+def view_sql(database: str, table: str, paths: Sequence[str]) -> str:
+    """A temp view named ``table`` over the ledger's own rows and the archived ``paths``.
+
+    Temporary objects are found before the database's own, so a query written for the ledger
+    reads both unchanged; ``database`` names the file's catalog so the view does not read itself.
+    """
+    own = f'"{database}".main.{table}'
+    archived = f"read_parquet({files_sql(paths)}, union_by_name = true, hive_partitioning = false)"
+    return (
+        f"CREATE OR REPLACE TEMP VIEW {table} AS "
+        f"SELECT * FROM {own} UNION ALL BY NAME SELECT * FROM {archived}"
+    )
+
+
+def _select_sql(kind: RecordKind, lo: float, hi: float) -> str:
+    t = f'"{kind.time_field}"'
+    return f"SELECT * FROM {kind.table} WHERE {t} >= {lo!r} AND {t} < {hi!r} ORDER BY {t}"
+
+
+# -- files ---------------------------------------------------------------------------------
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Make ``tmp`` durable under ``final``: flushed, renamed, the directory flushed."""
+    _fsync(tmp)
+    os.replace(tmp, final)  # atomic on one filesystem: a reader sees the old name or the whole file
+    _fsync(final.parent)
+
+
+def _write_bytes(root: Path, rel: str, data: bytes) -> None:
+    final = root / rel
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp")
+    tmp.write_bytes(data)
+    _publish(tmp, final)
+
+
+def _manifests(root: Path) -> list[Manifest]:
+    folder = root / MANIFESTS
+    if not folder.is_dir():
+        return []
+    return [Manifest.from_bytes(p.read_bytes()) for p in sorted(folder.glob("*.json"))]
+
+
+def _check(root: Path, manifest: Manifest) -> None:
+    for f in manifest.files:
+        path = root / f["path"]
+        if not path.is_file() or sha256_of(path) != f["sha256"]:
+            raise ArchiveError(
+                f"{path}: missing or not what manifest {manifest.run_id}-{manifest.kind} says "
+                "(its rows are still in the ledger; restore the file or remove the manifest)"
+            )
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+def retain(ledger: Ledger, root: str | Path, raw_days: int, now: float | None = None) -> Report:
+    """Move raw rows before the horizon to the archive at ``root`` (module docstring)."""
+    base = Path(root).resolve()
+    now = time.time() if now is None else now
+    completed = _complete(ledger, base)
+    removed = _remove_orphans(base)
+    computed = [m["month"] for m in ledger.months() if not m["closed"] or m["late_records"]]
+    edge = horizon(now, raw_days, computed)
+    run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(4)
+    moved: dict[str, int] = {}
+    for kind in RAW_KINDS:
+        manifest = _export(ledger, base, kind, run_id, edge)
+        if manifest is not None:
+            _write_bytes(base, manifest_path(run_id, kind.table), manifest.to_bytes())
+            _commit(ledger, base, manifest)
+        moved[kind.table] = manifest.rows if manifest else 0
+    return Report(edge, moved, completed, removed)
+
+
+def _export(ledger: Ledger, root: Path, kind: RecordKind, run_id: str,
+            edge: float) -> Manifest | None:  # fmt: skip
+    """Write ``kind``'s rows before ``edge`` still in the ledger, one file per month."""
+    t = f'"{kind.time_field}"'
+    with ledger.snapshot() as cur:
+        row = cur.execute(f"SELECT min({t}), max({t}), count(*) FROM {kind.table} WHERE {t} < ?",
+                          [edge]).fetchone()  # fmt: skip
+        if row is None or not row[2]:
+            return None
+        lo, hi = float(row[0]), float(row[1])
+        files = []
+        for month in months_between(lo, hi):
+            a, b = month_bounds(month)
+            rel = part_path(kind.table, month, run_id)
+            final = root / rel
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = final.with_name(f".{final.name}.tmp")
+            sql = _select_sql(kind, max(a, lo), min(b, edge))
+            n = cur.execute(
+                f"COPY ({sql}) TO {_quoted(str(tmp))} (FORMAT parquet, COMPRESSION zstd)"
+            ).fetchone()
+            rows = int(n[0]) if n else 0
+            if not rows:
+                tmp.unlink()
+                continue
+            digest = sha256_of(tmp)
+            size = tmp.stat().st_size
+            _publish(tmp, final)
+            files.append(
+                {"path": rel, "month": month, "rows": rows, "sha256": digest, "bytes": size}
+            )
+    current = ledger.archive_horizons().get(kind.table, 0.0)
+    return Manifest(run_id, kind.table, max(edge, current), refuse_before(max(edge, current)),
+                    tuple(files), (lo, hi))  # fmt: skip
+
+
+def _commit(ledger: Ledger, root: Path, manifest: Manifest) -> None:
+    """Delete from the ledger the rows ``manifest``'s files hold, and list the files, at once."""
+    kind = next(k for k in RAW_KINDS if k.table == manifest.kind)
+    paths = [str(root / f["path"]) for f in manifest.files]
+    idf, t = f'"{kind.id_field}"', f'"{kind.time_field}"'
+    with ledger.writing() as cur:
+        if paths:
+            cur.execute(
+                f"DELETE FROM {kind.table} WHERE {t} < ? AND {idf} IN "
+                f"(SELECT {idf} FROM read_parquet({files_sql(paths)}))",
+                [manifest.horizon],
+            )
+        cur.execute(
+            "INSERT INTO archive_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [manifest.run_id, kind.table, manifest.horizon, manifest.refuse_before, str(root),
+             manifest_path(manifest.run_id, kind.table), manifest.rows, time.time()],
+        )  # fmt: skip
+        if manifest.files:
+            cur.executemany(
+                "INSERT INTO archive_files VALUES (?, ?, ?, ?, ?, ?)",
+                [[manifest.run_id, kind.table, f["month"], f["path"], f["rows"], f["sha256"]]
+                 for f in manifest.files],
+            )  # fmt: skip
+
+
+def _complete(ledger: Ledger, root: Path) -> list[str]:
+    """Finish the runs whose manifest is written but which the ledger does not list."""
+    known = ledger.archive_runs()
+    done = []
+    for manifest in _manifests(root):
+        if (manifest.run_id, manifest.kind) in known:
+            continue
+        _check(root, manifest)
+        _commit(ledger, root, manifest)
+        done.append(f"{manifest.run_id}-{manifest.kind}")
+    return done
+
+
+def _remove_orphans(root: Path) -> list[str]:
+    """Delete files no manifest names (a run that stopped before its manifest) and temp files."""
+    named = {f["path"] for m in _manifests(root) for f in m.files}
+    removed = []
+    for kind in RAW_KINDS:
+        folder = root / f"kind={kind.table}"
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.rglob("*")):
+            rel = path.relative_to(root).as_posix()
+            if path.is_file() and (path.name.endswith(".tmp") or rel not in named):
+                path.unlink()
+                removed.append(rel)
+    return removed
+
+
+@contextmanager
+def reader(ledger: Ledger) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A cursor on ``ledger`` whose raw tables also hold their archived rows (temp views)."""
+    files = ledger.archived_files()
+    with ledger.reader() as cursor:
+        if files:
+            row = cursor.execute("SELECT current_database()").fetchone()
+            assert row is not None
+            for table, paths in files.items():
+                cursor.execute(view_sql(str(row[0]), table, paths))
+        yield cursor

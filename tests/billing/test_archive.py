@@ -1,0 +1,191 @@
+"""Retention: raw rows of closed months leave the ledger for a Hive-partitioned Parquet archive."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import httpx
+import pyarrow.dataset as ds
+import pytest
+
+from billing import archive
+from billing.api import create_app
+from billing.chargeback import Chargeback
+from billing.ledger import Ledger
+from billing.schema import HOUR_SECONDS
+from infermeter.config import Config
+from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
+from tests.servers import serving
+
+DAY = 86_400
+# 2026-12-20: raw_days 35 reaches back to 2026-11-15; November is open, so the horizon is two
+# days before it: 2026-10-30 00:00 UTC.
+NOW = NOV + 49 * DAY
+HORIZON = NOV - 2 * DAY
+ADMIN = {"authorization": "Bearer im-demo-admin"}
+
+
+def _fill(ledger: Ledger) -> None:
+    """Requests every 6 hours of October and November, and an hour of GPU samples on days 1
+    and 31 of October and on 2 November."""
+    records = [usage("search" if i % 2 else "assistant", OCT + i * 6 * HOUR_SECONDS, request_id=f"r-{i}")
+               for i in range(4 * 61)]  # fmt: skip
+    result = ledger.ingest(batch("usage", records), now=NOW)
+    assert result.accepted == len(records), result.rejected
+    for day in (0, 30, 32):
+        samples = gpu_samples(start=OCT + day * DAY)
+        assert ledger.ingest(batch("gpu_samples", samples), now=NOW).accepted == len(samples)
+
+
+@pytest.fixture
+def filled(config: Config, tmp_path: Path) -> Iterator[Ledger]:
+    """A ledger file with October (closed) and November (open)."""
+    ledger = Ledger.open(tmp_path / "ledger.duckdb", [t.name for t in config.teams],
+                         {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    _fill(ledger)
+    Chargeback(ledger, config).close("2026-10", now=NOV + DAY)
+    yield ledger
+    ledger.close()
+
+
+def _duckdb(sql: str) -> list[tuple[Any, ...]]:
+    """``sql``'s rows from DuckDB alone, not the ledger."""
+    with duckdb.connect() as con:
+        return con.execute(sql).fetchall()
+
+
+def _count(ledger: Ledger, sql: str) -> int:
+    with ledger.reader() as cur:
+        row = cur.execute(sql).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_the_horizon_is_raw_days_back_or_two_days_before_the_first_month_computed() -> None:
+    """With November open the horizon stops before it; with it closed, raw_days decides."""
+    assert archive.horizon(NOW, 35, ["2026-11"]) == HORIZON
+    assert archive.horizon(NOW, 35, []) == NOW - 35 * DAY
+    assert archive.horizon(NOW, 5, []) == NOV + 30 * DAY - 2 * DAY  # the current month's margin
+
+
+def test_rows_before_the_horizon_move_and_the_statements_stay(
+    filled: Ledger, config: Config, tmp_path: Path
+) -> None:
+    """October's rows before the horizon leave the ledger; both months' statements are unchanged."""
+    charge = Chargeback(filled, config)
+    before = {m: charge.statement(m).lines.to_dicts() for m in ("2026-10", "2026-11")}
+    total = _count(filled, "SELECT count(*) FROM usage")
+    moved = _count(filled, f"SELECT count(*) FROM usage WHERE received_at < {HORIZON}")
+    report = archive.retain(filled, tmp_path / "archive", 35, now=NOW)
+    assert report.horizon == HORIZON
+    assert report.moved == {"usage": moved, "gpu_samples": 360, "engine_samples": 0}
+    assert _count(filled, "SELECT count(*) FROM usage") == total - moved
+    assert _count(filled, f"SELECT count(*) FROM usage WHERE received_at < {HORIZON}") == 0
+    after = {m: Chargeback(filled, config).statement(m).lines.to_dicts() for m in before}
+    assert after == before
+    again = archive.retain(filled, tmp_path / "archive", 35, now=NOW)
+    assert again.moved == {"usage": 0, "gpu_samples": 0, "engine_samples": 0}
+
+
+def test_other_engines_read_the_archive_as_hive_partitioned_parquet(
+    filled: Ledger, tmp_path: Path
+) -> None:
+    """pyarrow.dataset and DuckDB alone find each kind and month, with every moved row once."""
+    with filled.reader() as cur:
+        ids = {r[0] for r in cur.execute(f"SELECT request_id FROM usage WHERE received_at < {HORIZON}").fetchall()}  # fmt: skip
+    archive.retain(filled, tmp_path / "archive", 35, now=NOW)
+    root = str(tmp_path / "archive")
+    # One dataset per kind: each kind is a table of its own, with its own columns.
+    table = ds.dataset(f"{root}/kind=usage", format="parquet", partitioning="hive").to_table(
+        columns=["request_id", "month"]
+    )
+    assert sorted(table.column("request_id").to_pylist()) == sorted(ids)
+    assert set(table.column("month").to_pylist()) == {"2026-10"}
+    rows = _duckdb(
+        f"SELECT kind, month, count(*), count(DISTINCT coalesce(request_id, sample_id)) "
+        f"FROM read_parquet('{root}/**/*.parquet', hive_partitioning = true, union_by_name = true) "
+        "GROUP BY ALL ORDER BY ALL"
+    )
+    assert rows == [("gpu_samples", "2026-10", 360, 360), ("usage", "2026-10", len(ids), len(ids))]
+
+
+def test_a_record_before_the_archived_month_is_refused(filled: Ledger, tmp_path: Path) -> None:
+    """After a run, ingest refuses a record of the archived month, even one never seen, by name."""
+    archive.retain(filled, tmp_path / "archive", 35, now=NOW)
+    late = usage("search", OCT + 30 * DAY + 7200)  # 2026-10-31: after the horizon, same month
+    result = filled.ingest(batch("usage", [late]), now=NOW)
+    assert result.accepted == 0
+    assert [r.reason for r in result.rejected] == [
+        "received_at: in a month the ledger has archived (before 2026-11-01 UTC)"
+    ]
+    fresh = usage("search", NOV + 40 * DAY)
+    assert filled.ingest(batch("usage", [fresh]), now=NOW).accepted == 1
+
+
+def test_a_run_that_stopped_after_its_manifest_is_completed(filled: Ledger, tmp_path: Path) -> None:
+    """Files and manifest written, ledger untouched: the next run deletes those rows, once."""
+    root = (tmp_path / "archive").resolve()
+    total = _count(filled, "SELECT count(*) FROM usage")
+    manifest = archive._export(filled, root, archive.RAW_KINDS[0], "crashed", HORIZON)
+    assert manifest is not None
+    archive._write_bytes(root, archive.manifest_path("crashed", "usage"), manifest.to_bytes())
+    report = archive.retain(filled, root, 35, now=NOW)
+    assert report.completed == ["crashed-usage"]
+    assert report.moved["usage"] == 0  # the crashed run's files hold them all
+    kept = _count(filled, "SELECT count(*) FROM usage")
+    on_file = _duckdb(f"SELECT count(*) FROM '{root}/kind=usage/**/*.parquet'")[0][0]
+    assert (kept + on_file, kept) == (total, total - manifest.rows)
+
+
+def test_a_run_that_stopped_before_its_manifest_leaves_nothing_behind(
+    filled: Ledger, tmp_path: Path
+) -> None:
+    """Files without a manifest are removed and written again; no row is in two files."""
+    root = (tmp_path / "archive").resolve()
+    total = _count(filled, "SELECT count(*) FROM usage")
+    assert archive._export(filled, root, archive.RAW_KINDS[0], "crashed", HORIZON) is not None
+    (root / "kind=usage/month=2026-10/.part-x.parquet.tmp").write_bytes(b"half")
+    report = archive.retain(filled, root, 35, now=NOW)
+    assert report.removed == [
+        "kind=usage/month=2026-10/.part-x.parquet.tmp",
+        "kind=usage/month=2026-10/part-crashed.parquet",
+    ]
+    on_file = _duckdb(
+        f"SELECT count(*), count(DISTINCT request_id) FROM '{root}/kind=usage/**/*.parquet'"
+    )[0]
+    assert on_file == (report.moved["usage"],) * 2
+    assert _count(filled, "SELECT count(*) FROM usage") + on_file[0] == total
+
+
+def test_an_altered_file_stops_the_run_and_deletes_nothing(filled: Ledger, tmp_path: Path) -> None:
+    """A manifest's file whose checksum differs is an error, and the ledger keeps its rows."""
+    root = (tmp_path / "archive").resolve()
+    total = _count(filled, "SELECT count(*) FROM usage")
+    manifest = archive._export(filled, root, archive.RAW_KINDS[0], "crashed", HORIZON)
+    assert manifest is not None
+    archive._write_bytes(root, archive.manifest_path("crashed", "usage"), manifest.to_bytes())
+    (root / manifest.files[0]["path"]).write_bytes(b"not parquet")
+    with pytest.raises(archive.ArchiveError, match="missing or not what manifest crashed-usage"):
+        archive.retain(filled, root, 35, now=NOW)
+    assert _count(filled, "SELECT count(*) FROM usage") == total
+
+
+@pytest.fixture
+async def served(filled: Ledger, config: Config, tmp_path: Path) -> AsyncIterator[str]:
+    """The billing API over the ledger after a retention run."""
+    archive.retain(filled, tmp_path / "archive", 35, now=NOW)
+    async with serving(create_app(config, filled), lifespan="off") as url:
+        yield url
+
+
+async def test_the_records_route_reads_the_archive(served: str, filled: Ledger) -> None:
+    """``GET /v1/usage/records`` finds a record that left for the archive, whole."""
+    async with httpx.AsyncClient(base_url=served, headers=ADMIN) as c:
+        found = (await c.get("/v1/usage/records", params={"id": "r-0"})).json()["records"]
+    assert _count(filled, "SELECT count(*) FROM usage WHERE request_id = 'r-0'") == 0
+    assert [(r["request_id"], r["team"], r["received_at"]) for r in found] == [
+        ("r-0", "assistant", OCT)
+    ]
