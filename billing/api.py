@@ -34,6 +34,7 @@ from billing.rollups import Rollups
 from billing.routes import (
     allocation,
     audit,
+    breakdown,
     efficiency,
     errors,
     events,
@@ -111,7 +112,7 @@ def create_app(
     )
     # The audit trail's ingest route first: /v1/ingest/{kind} would take /v1/ingest/audit.
     for module in (ops, audit, ingest, keys, statements, queries, allocation, events, instances, fleet,
-                   records, efficiency):  # fmt: skip
+                   records, efficiency, breakdown):  # fmt: skip
         app.include_router(module.router)
     errors.install(app)
     return app

@@ -62,6 +62,7 @@ __all__ = [
     "stage_sql",
     "statement_rollup_sql",
     "summed_sql",
+    "tag_rollup_sql",
     "token_hour_sql",
     "token_rollup_sql",
     "ttft_rollup_sql",
@@ -101,16 +102,6 @@ def _counter_check(name: str) -> tuple[str, str]:
     )
 
 
-def _archived_check(kind: str, time: str) -> tuple[str, str]:
-    """Refuse a record of a month whose raw rows have begun leaving for the archive
-    (``billing.archive``): it may be there already, and that month's statement is frozen."""
-    return (
-        f"{time} < _archived_before('{kind}')",
-        f"'{time.strip(chr(34))}: in a month the ledger has archived (before ' || "
-        f"strftime(make_timestamp(CAST(_archived_before('{kind}') * 1000000 AS BIGINT)), '%Y-%m-%d') || ' UTC)'",
-    )
-
-
 # The checks beyond types, per kind: (SQL condition that means "bad", reason). The fields, their
 # types and defaults come from the record declarations (infermeter.records). A record that passes
 # them all may still be quarantined rather than kept: who wrote it, and whether the configuration
@@ -143,14 +134,12 @@ CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
             "'first_token_at is outside received_at..finished_at'",
         ),
         ("finished_at > $now + $skew", "'timestamp in the future: finished_at'"),
-        _archived_check(USAGE.key, "received_at"),
         ("http_status < 100 OR http_status > 599", "'http_status: not an HTTP status'"),
     ),
     GPU.key: (
         ("sample_id = ''", "'sample_id: empty'"),
         ('"timestamp" < 946684800', "'timestamp: not Unix seconds (before 2000)'"),
         ('"timestamp" > $now + $skew', "'timestamp in the future'"),
-        _archived_check(GPU.key, '"timestamp"'),
         ("interval_seconds < 0", "'interval_seconds: negative'"),
         (
             "NOT gap AND interval_seconds > _max_measured_seconds()",
@@ -186,7 +175,6 @@ CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
         ("sample_id = ''", "'sample_id: empty'"),
         ('"timestamp" < 946684800', "'timestamp: not Unix seconds (before 2000)'"),
         ('"timestamp" > $now + $skew', "'timestamp in the future'"),
-        _archived_check(ENGINE.key, '"timestamp"'),
         ("requests_running < 0 OR requests_waiting < 0", "'request counts must not be negative'"),
         (
             f"requests_running > {MAX_REQUESTS} OR requests_waiting > {MAX_REQUESTS}",
@@ -663,4 +651,34 @@ SELECT i, hour, max(replica), max(model), max(samples), min("timestamp"), max("t
     max(p) FILTER (WHERE n = 1), max(c) FILTER (WHERE n = 1),
     max(p) FILTER (WHERE n = samples), max(c) FILTER (WHERE n = samples), sum(dp), sum(dc)
 FROM ordered GROUP BY i, hour
+"""
+
+
+def tag_rollup_sql() -> str:
+    """SQL adding the ``fresh`` billable usage records to ``usage_tags`` (``billing.breakdown``).
+
+    Per hour, team, model, project and end user ('' for none): counts in the hour the record
+    finished in, in-flight seconds spread over the hours they were spent in, as ``usage_slots``
+    places them by the minute.
+    """
+    start, end = "received_at", "finished_at"
+    hours = f"unnest(range(CAST(floor({start} / {HOUR_SECONDS}) AS BIGINT), CAST(floor({end} / {HOUR_SECONDS}) AS BIGINT) + 1))"
+    overlap = f"greatest(0.0, least({end}, (hour + 1) * {HOUR_SECONDS}.0) - greatest({start}, hour * {HOUR_SECONDS}.0))"
+    fin = f"(hour = CAST(floor({end} / {HOUR_SECONDS}) AS BIGINT))"
+    return f"""
+INSERT INTO usage_tags
+SELECT hour, team, model, coalesce(project, ''), coalesce("user", ''),
+    count(*) FILTER (WHERE {fin}),
+    coalesce(sum(prompt_tokens) FILTER (WHERE {fin}), 0),
+    coalesce(sum(cached_prompt_tokens) FILTER (WHERE {fin}), 0),
+    coalesce(sum(completion_tokens) FILTER (WHERE {fin}), 0),
+    sum({overlap})
+FROM (SELECT *, {hours} AS hour FROM fresh WHERE status IN {BILLABLE})
+GROUP BY ALL
+ON CONFLICT DO UPDATE SET
+    requests = requests + excluded.requests,
+    prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+    cached_prompt_tokens = cached_prompt_tokens + excluded.cached_prompt_tokens,
+    completion_tokens = completion_tokens + excluded.completion_tokens,
+    inflight_seconds = inflight_seconds + excluded.inflight_seconds;
 """

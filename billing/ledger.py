@@ -41,7 +41,14 @@ from billing.lifetimes import (
     slot_windows_sql,
 )
 from billing.quarantine import KnownFleet, Unopened
-from billing.schema import HOUR_SECONDS, LATEST_VERSION, MIGRATIONS, SLOT_SECONDS, new_field_sql
+from billing.schema import (
+    HOUR_SECONDS,
+    LATEST_VERSION,
+    MIGRATIONS,
+    SLOT_SECONDS,
+    USAGE_TAGS_VERSION,
+    new_field_sql,
+)
 from infermeter.errors import BadRequest
 from infermeter.months import month_bounds, month_of
 from infermeter.records import KINDS, RecordKind
@@ -531,6 +538,7 @@ class Ledger:
             con.execute(ingest_sql.statement_rollup_sql())
             con.execute(ingest_sql.token_rollup_sql())
             con.execute(ingest_sql.ttft_rollup_sql())
+            con.execute(ingest_sql.tag_rollup_sql())
         elif kind.key == "gpu_samples":
             con.execute(ingest_sql.gpu_rollup_sql())
         elif kind.key == "engine_samples":
@@ -753,34 +761,6 @@ class Ledger:
         """Write every table to Parquet under ``directory``; returns the paths written."""
         return [self.export_table(t, directory, partitioned) for t in self.table_names()]
 
-    # -- the Parquet archive (``billing.archive``) ----------------------------------------
-
-    def archive_runs(self) -> set[tuple[str, str]]:
-        """(run, table) of every retention run the ledger has completed."""
-        with self.reader() as cur:
-            rows = cur.execute("SELECT run_id, kind FROM archive_runs").fetchall()
-        return {(str(r), str(k)) for r, k in rows}
-
-    def archive_horizons(self) -> dict[str, float]:
-        """Per raw table, the time before which its rows are in the archive."""
-        with self.reader() as cur:
-            rows = cur.execute(
-                "SELECT kind, max(horizon) FROM archive_runs GROUP BY kind"
-            ).fetchall()
-        return {str(k): float(h) for k, h in rows}
-
-    def archived_files(self) -> dict[str, list[str]]:
-        """Per raw table, the archive's files that hold its rows that left the ledger."""
-        with self.reader() as cur:
-            rows = cur.execute(
-                "SELECT f.kind, r.root || '/' || f.path FROM archive_files f "
-                "JOIN archive_runs r USING (run_id, kind) ORDER BY f.path"
-            ).fetchall()
-        files: dict[str, list[str]] = {}
-        for kind, path in rows:
-            files.setdefault(str(kind), []).append(str(path))
-        return files
-
 
 # The times a kind's fresh records cover: a request from arrival to end, a sample its interval.
 _SPANS = {
@@ -923,6 +903,11 @@ _BACKFILLS: Final[Mapping[int, tuple[str, ...]]] = {
     9: (
         "CREATE OR REPLACE TEMP VIEW fresh AS SELECT * FROM usage",
         ingest_sql.token_rollup_sql(),
+        "DROP VIEW fresh",
+    ),
+    USAGE_TAGS_VERSION: (
+        "CREATE OR REPLACE TEMP VIEW fresh AS SELECT * FROM usage",
+        ingest_sql.tag_rollup_sql(),
         "DROP VIEW fresh",
     ),
 }

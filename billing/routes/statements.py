@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from billing import audit
+from billing.routes.breakdown import with_projects
 from billing.routes.dependencies import (
     AllReader,
     Closer,
@@ -104,16 +105,17 @@ async def chargeback_json(who: Reader, month: Month, svc: ServicesDep) -> Respon
 
 
 @router.get("/v1/spend", responses=errors(*READ))
-async def spend(who: Spender, svc: ServicesDep) -> list[dict[str, Any]]:
+async def spend(who: Spender, svc: ServicesDep, request: Request) -> list[dict[str, Any]]:
     """Month-to-date spend, budget and forecast: every team for readers of every team and the
     sidecars' spend_reader, its own for a team.
 
     From the cached statement of the month, at most ``billing.statement_ttl_seconds`` old (the
     sidecars of a large fleet all ask for it). Each row's ``as_of`` is when the ledger was read;
-    the forecast is extrapolated from then.
+    the forecast is extrapolated from then. A team that budgets its projects has ``projects``
+    too: USD per project (``billing.breakdown``), what the sidecars refuse a project by.
     """
     entry = await compute(svc, svc.statements.current)
-    return spend_rows(entry, svc.config, who.team)
+    return await with_projects(request, svc, entry, spend_rows(entry, svc.config, who.team))
 
 
 @router.post("/v1/admin/export", responses=errors(*READ))
