@@ -102,6 +102,16 @@ def _counter_check(name: str) -> tuple[str, str]:
     )
 
 
+def _archived_check(kind: str, time: str) -> tuple[str, str]:
+    """Refuse a record of a month whose raw rows have begun leaving for the archive
+    (``billing.archive``): it may be there already, and that month's statement is frozen."""
+    return (
+        f"{time} < _archived_before('{kind}')",
+        f"'{time.strip(chr(34))}: in a month the ledger has archived (before ' || "
+        f"strftime(make_timestamp(CAST(_archived_before('{kind}') * 1000000 AS BIGINT)), '%Y-%m-%d') || ' UTC)'",
+    )
+
+
 # The checks beyond types, per kind: (SQL condition that means "bad", reason). The fields, their
 # types and defaults come from the record declarations (infermeter.records). A record that passes
 # them all may still be quarantined rather than kept: who wrote it, and whether the configuration
@@ -134,12 +144,14 @@ CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
             "'first_token_at is outside received_at..finished_at'",
         ),
         ("finished_at > $now + $skew", "'timestamp in the future: finished_at'"),
+        _archived_check(USAGE.key, "received_at"),
         ("http_status < 100 OR http_status > 599", "'http_status: not an HTTP status'"),
     ),
     GPU.key: (
         ("sample_id = ''", "'sample_id: empty'"),
         ('"timestamp" < 946684800', "'timestamp: not Unix seconds (before 2000)'"),
         ('"timestamp" > $now + $skew', "'timestamp in the future'"),
+        _archived_check(GPU.key, '"timestamp"'),
         ("interval_seconds < 0", "'interval_seconds: negative'"),
         (
             "NOT gap AND interval_seconds > _max_measured_seconds()",
@@ -175,6 +187,7 @@ CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
         ("sample_id = ''", "'sample_id: empty'"),
         ('"timestamp" < 946684800', "'timestamp: not Unix seconds (before 2000)'"),
         ('"timestamp" > $now + $skew', "'timestamp in the future'"),
+        _archived_check(ENGINE.key, '"timestamp"'),
         ("requests_running < 0 OR requests_waiting < 0", "'request counts must not be negative'"),
         (
             f"requests_running > {MAX_REQUESTS} OR requests_waiting > {MAX_REQUESTS}",

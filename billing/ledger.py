@@ -761,6 +761,34 @@ class Ledger:
         """Write every table to Parquet under ``directory``; returns the paths written."""
         return [self.export_table(t, directory, partitioned) for t in self.table_names()]
 
+    # -- the Parquet archive (``billing.archive``) ----------------------------------------
+
+    def archive_runs(self) -> set[tuple[str, str]]:
+        """(run, table) of every retention run the ledger has completed."""
+        with self.reader() as cur:
+            rows = cur.execute("SELECT run_id, kind FROM archive_runs").fetchall()
+        return {(str(r), str(k)) for r, k in rows}
+
+    def archive_horizons(self) -> dict[str, float]:
+        """Per raw table, the time before which its rows are in the archive."""
+        with self.reader() as cur:
+            rows = cur.execute(
+                "SELECT kind, max(horizon) FROM archive_runs GROUP BY kind"
+            ).fetchall()
+        return {str(k): float(h) for k, h in rows}
+
+    def archived_files(self) -> dict[str, list[str]]:
+        """Per raw table, the archive's files that hold its rows that left the ledger."""
+        with self.reader() as cur:
+            rows = cur.execute(
+                "SELECT f.kind, r.root || '/' || f.path FROM archive_files f "
+                "JOIN archive_runs r USING (run_id, kind) ORDER BY f.path"
+            ).fetchall()
+        files: dict[str, list[str]] = {}
+        for kind, path in rows:
+            files.setdefault(str(kind), []).append(str(path))
+        return files
+
 
 # The times a kind's fresh records cover: a request from arrival to end, a sample its interval.
 _SPANS = {

@@ -526,6 +526,38 @@ CREATE TABLE audit_events (
 );
 """
 
+# The Parquet archive (``billing.archive``): each retention run per raw table, with the horizon
+# below which that table's rows have left the ledger, and the files that hold them now. A run's
+# rows are written here in the transaction that deletes what its files hold, so the ledger and
+# its list of archived files always agree. ``_archived_before(kind)``: the end of the month of
+# the latest horizon (0 before any run), before which ingest refuses records: a record that
+# late could already be in the archive, and its month's statement no longer reads raw rows.
+# Written to be applied twice harmlessly (IF NOT EXISTS, OR REPLACE): its place in the list may
+# move while other migrations are added beside it.
+_ARCHIVE = """
+CREATE TABLE IF NOT EXISTS archive_runs (
+    run_id VARCHAR NOT NULL,
+    kind VARCHAR NOT NULL,
+    horizon DOUBLE NOT NULL,
+    refuse_before DOUBLE NOT NULL,
+    root VARCHAR NOT NULL,
+    manifest VARCHAR NOT NULL,
+    rows BIGINT NOT NULL,
+    done_at DOUBLE NOT NULL,
+    PRIMARY KEY (run_id, kind)
+);
+CREATE TABLE IF NOT EXISTS archive_files (
+    run_id VARCHAR NOT NULL,
+    kind VARCHAR NOT NULL,
+    month VARCHAR NOT NULL,
+    path VARCHAR NOT NULL PRIMARY KEY,
+    rows BIGINT NOT NULL,
+    sha256 VARCHAR NOT NULL
+);
+CREATE OR REPLACE MACRO _archived_before(k) AS
+    (SELECT coalesce(max(refuse_before), 0) FROM archive_runs WHERE kind = k);
+"""
+
 # Attribution below the team (``billing.breakdown``): the billable records' use per hour, team,
 # model, project and end user ('' where a request named none), so a statement line can be split
 # by project and user without reading the raw rows (which retention may have archived). Counts
@@ -576,7 +608,7 @@ CREATE TABLE statement_bases (
 """
 
 MIGRATIONS: Final[tuple[str, ...]] = (
-    _V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10, _V11, _USAGE_TAGS,
+    _V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10, _V11, _ARCHIVE, _USAGE_TAGS,
 )  # fmt: skip
 LATEST_VERSION: Final = len(MIGRATIONS)
 # The migration that makes ``usage_tags`` (its backfill runs with it).
