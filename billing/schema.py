@@ -526,55 +526,6 @@ CREATE TABLE audit_events (
 );
 """
 
-# Attribution below the team (``billing.breakdown``): the billable records' use per hour, team,
-# model, project and end user ('' where a request named none), so a statement line can be split
-# by project and user without reading the raw rows (which retention may have archived). Counts
-# are in the hour a record finished in, in-flight seconds in the hours they were spent in, as
-# ``usage_slots`` places them. Filled from the raw rows by ``billing.ledger.migrate`` (with
-# ingest's own SQL, once ``usage`` has its ``user`` and ``project`` columns).
-_USAGE_TAGS = """
-CREATE TABLE usage_tags (
-    hour BIGINT NOT NULL,
-    team VARCHAR NOT NULL,
-    model VARCHAR NOT NULL,
-    project VARCHAR NOT NULL,
-    "user" VARCHAR NOT NULL,
-    requests BIGINT NOT NULL,
-    prompt_tokens BIGINT NOT NULL,
-    cached_prompt_tokens BIGINT NOT NULL,
-    completion_tokens BIGINT NOT NULL,
-    inflight_seconds DOUBLE NOT NULL,
-    PRIMARY KEY (hour, team, model, project, "user")
-);
-"""
-
-# Cloud invoices imported (``billing.invoices``, ``billing.invoice_store``): what each node pool
-# was billed per month, in whole cents, from the file (``source``, its ``sha256``) whose rows are
-# in force; a re-issued invoice's rows replace them.
-_INVOICES = """
-CREATE TABLE invoices (
-    month VARCHAR NOT NULL,
-    pool VARCHAR NOT NULL,
-    billed_cents BIGINT NOT NULL,
-    line_items BIGINT NOT NULL,
-    source VARCHAR NOT NULL,
-    sha256 VARCHAR NOT NULL,
-    imported_at DOUBLE NOT NULL,
-    PRIMARY KEY (month, pool)
-);
-"""
-
-# A closed month's basis (``list`` or ``allocation``) and its node pools' costs as frozen with
-# its lines (``infermeter.statement.POOL_SCHEMA`` rows as JSON), so a later price book or
-# invoice cannot change what was issued.
-_STATEMENT_BASES = """
-CREATE TABLE statement_bases (
-    month VARCHAR PRIMARY KEY,
-    basis VARCHAR NOT NULL,
-    pools VARCHAR NOT NULL
-);
-"""
-
 # The Parquet archive (``billing.archive``): each retention run per raw table, with the horizon
 # below which that table's rows have left the ledger, and the files that hold them now. A run's
 # rows are written here in the transaction that deletes what its files hold, so the ledger and
@@ -657,7 +608,7 @@ CREATE TABLE statement_bases (
 """
 
 MIGRATIONS: Final[tuple[str, ...]] = (
-    _V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10, _V11, _USAGE_TAGS, _ARCHIVE,
+    _V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10, _V11, _ARCHIVE, _USAGE_TAGS,
 )  # fmt: skip
 LATEST_VERSION: Final = len(MIGRATIONS)
 # The migration that makes ``usage_tags`` (its backfill runs with it).
