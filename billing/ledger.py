@@ -22,12 +22,23 @@ import duckdb
 import orjson
 import polars as pl
 
-from billing import allocation, ingest_sql, lifetimes, quarantine, reconciliation, trust_sql
+from billing import (
+    allocation,
+    audit,
+    ingest_sql,
+    invoice_store,
+    lifetimes,
+    quarantine,
+    reconciliation,
+    trust_sql,
+)
 from billing.allocation import Policy
 from billing.bounds import SampleBounds, bounds_tables
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
 from billing.fleet import asked_sql
 from billing.group_commit import GroupCommit, Ticket
+from billing.invoice_store import Stored
+from billing.invoices import Invoice
 from billing.jsonkeys import NestedTooDeeplyError, duplicate_key
 from billing.lifetimes import (
     COLUMNS as LIFETIME_COLUMNS,
@@ -49,6 +60,7 @@ from billing.schema import (
     USAGE_TAGS_VERSION,
     new_field_sql,
 )
+from infermeter.audit import AuditEvent
 from infermeter.errors import BadRequest
 from infermeter.months import month_bounds, month_of
 from infermeter.records import KINDS, RecordKind
@@ -599,6 +611,34 @@ class Ledger:
                 [before],
             ).fetchall()
         return [r[0] for r in rows]
+
+    # -- invoices -------------------------------------------------------------------------
+
+    def import_invoice(self, invoice: Invoice, now: float | None = None,
+                       events: Sequence[AuditEvent] = ()) -> Stored:  # fmt: skip
+        """Keep ``invoice``'s totals per (month, pool), and ``events`` on the audit trail, in one
+        transaction (``billing.invoice_store``: the same file again changes nothing; a closed
+        month whose rows change is marked dirty)."""
+        now = time.time() if now is None else now
+        with self.writing() as cur:
+            stored = invoice_store.store(cur, invoice, now)
+            audit.append(cur, events, now)
+        return stored
+
+    def invoices(self, month: str) -> dict[str, int]:
+        """``month``'s invoiced cost per node pool, in whole cents (pools with no invoice absent)."""
+        with self.reader() as cur:
+            return invoice_store.by_pool(cur, month)
+
+    def invoice_rows(self, month: str | None = None) -> list[dict[str, Any]]:
+        """The invoice rows in force, of ``month`` or all (``invoice_store.COLUMNS``)."""
+        with self.reader() as cur:
+            return invoice_store.listing(cur, month)
+
+    def invoice_imports(self) -> list[dict[str, Any]]:
+        """Each imported file with rows in force: months, pools, cents, items; newest first."""
+        with self.reader() as cur:
+            return invoice_store.imports(cur)
 
     def issued_lines(self, month: str | None = None, for_month: str | None = None) -> pl.DataFrame:
         """Frozen statement lines, by the statement they are on and/or the month they charge."""
