@@ -19,7 +19,8 @@ USD per kWh times the data centre's PUE. That cost is split among teams by one o
     the time it held it.
 ``tokens``
     The instance's busy cost in the month is split by weighted tokens
-    (``prompt_weight * prompt + completion_weight * completion``).
+    (``prompt_weight * (prompt - cached) + cached_prompt_weight * cached
+    + completion_weight * completion``).
 ``requests``
     The instance's busy cost in the month is split by request count.
 
@@ -124,8 +125,8 @@ class Keyed:
 
     ``slots``: key, unit, slot, inflight_seconds (``alloc_slots`` rows); ``keys``: key, unit,
     replica, instance, team, model (``alloc_keys``); ``hours``: key, hour, requests,
-    prompt_tokens, completion_tokens (``alloc_hours``). Relation names or parenthesised
-    subqueries, limited to the slots and hours allocated.
+    prompt_tokens, completion_tokens, cached_prompt_tokens (``alloc_hours``). Relation names or
+    parenthesised subqueries, limited to the slots and hours allocated.
     """
 
     slots: str
@@ -150,9 +151,24 @@ CREATE OR REPLACE TEMP TABLE _alloc_slots AS
 SELECT k."key", k.unit, u.slot, u.inflight_seconds
 FROM {usage} u JOIN _alloc_keys k USING ({", ".join(k)});
 CREATE OR REPLACE TEMP TABLE _alloc_hours AS
-SELECT k."key", u.slot // {HOUR_SECONDS // SLOT_SECONDS} AS hour, {_COUNT_SUMS}
+SELECT k."key", u.slot // {HOUR_SECONDS // SLOT_SECONDS} AS hour, {_COUNT_SUMS},
+    sum(u.cached_prompt_tokens)::BIGINT AS cached_prompt_tokens
 FROM {usage} u JOIN _alloc_keys k USING ({", ".join(k)}) GROUP BY ALL;
 """
+
+
+def _token_weight(policy: Policy) -> str:
+    """SQL of the ``tokens`` rule's weight over ``alloc_hours`` rows.
+
+    A prompt token vLLM served from its prefix cache weighs ``cached_prompt_weight``, the rest
+    of the prompt ``prompt_weight``: a team whose prompts hit the cache used less of the engine.
+    """
+    prompt = float(policy.prompt_weight)
+    cached = prompt if policy.cached_prompt_weight is None else float(policy.cached_prompt_weight)
+    return (
+        f"sum((prompt_tokens - cached_prompt_tokens) * {prompt!r} + cached_prompt_tokens * {cached!r}"
+        f" + completion_tokens * {float(policy.completion_weight)!r})"
+    )
 
 
 def _dense(unit: str, slot: str, slot_range: tuple[int, int] | None) -> str:
@@ -282,11 +298,7 @@ LEFT JOIN (SELECT u."key", {share_cols}
       FROM {keyed.slots} u JOIN _slots s ON {match}
       GROUP BY u."key") x USING ("key")"""
     else:
-        weight = (
-            f"sum(prompt_tokens * {float(policy.prompt_weight)!r} + completion_tokens * {float(policy.completion_weight)!r})"
-            if policy.allocation == "tokens"
-            else "sum(requests)::DOUBLE"
-        )
+        weight = _token_weight(policy) if policy.allocation == "tokens" else "sum(requests)::DOUBLE"
         share_cols = ", ".join(
             f"t.{c} * w.w / sum(w.w) OVER (PARTITION BY w.replica, w.instance) AS {c}"
             for c in MONEY
@@ -441,9 +453,11 @@ def by_instance(
 
 
 def _with_instance(frame: pl.DataFrame) -> pl.DataFrame:
-    if "instance" in frame.columns:
+    if "instance" not in frame.columns:
+        frame = frame.with_columns(instance=pl.col("replica"))
+    if "cached_prompt_tokens" in frame.columns or "prompt_tokens" not in frame.columns:
         return frame
-    return frame.with_columns(instance=pl.col("replica"))
+    return frame.with_columns(cached_prompt_tokens=pl.lit(0, pl.Int64))  # no prefix cache hits
 
 
 def allocate(

@@ -36,6 +36,7 @@ def policy_from_config(config: Config) -> Policy:
         allocation=b.allocation,
         prompt_weight=b.token_weights.prompt,
         completion_weight=b.token_weights.completion,
+        cached_prompt_weight=b.token_weights.cached_prompt,
         platform_account=b.platform_account,
         idle={r.id: (r.idle_policy, r.owner_team) for r in config.replicas},
         replica_model={r.id: r.model for r in config.replicas},

@@ -75,6 +75,9 @@ class Policy:
     allocation: Literal["in_flight", "tokens", "requests"] = "in_flight"
     prompt_weight: float = 1.0
     completion_weight: float = 1.0
+    # What a prompt token served from vLLM's prefix cache weighs under ``tokens``; None: as much
+    # as an uncached one (``prompt_weight``), so a policy built without it splits as before.
+    cached_prompt_weight: float | None = None
     platform_account: str = "platform"
     # replica group -> (idle policy, owner team); a group not listed spreads its idle capacity.
     idle: Mapping[str, tuple[IdlePolicy, str | None]] = field(default_factory=dict)

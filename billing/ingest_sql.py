@@ -559,17 +559,20 @@ FROM (SELECT DISTINCT replica, instance, team, model FROM _usage_delta
       ANTI JOIN alloc_keys USING (replica, instance, team, model)) d
 JOIN alloc_units u USING (replica, instance);
 CREATE OR REPLACE TEMP TABLE _keyed_delta AS
-SELECT k."key", k.unit, d.slot, d.inflight_seconds, d.requests, d.prompt_tokens, d.completion_tokens
+SELECT k."key", k.unit, d.slot, d.inflight_seconds, d.requests, d.prompt_tokens, d.completion_tokens,
+    d.cached_prompt_tokens
 FROM _usage_delta d JOIN alloc_keys k USING (replica, instance, team, model);
 INSERT INTO alloc_slots SELECT "key", unit, slot, inflight_seconds FROM _keyed_delta
 ON CONFLICT DO UPDATE SET inflight_seconds = inflight_seconds + excluded.inflight_seconds;
-INSERT INTO alloc_hours
-SELECT "key", slot // {per_hour}, sum(requests), sum(prompt_tokens), sum(completion_tokens)
+INSERT INTO alloc_hours ("key", hour, requests, prompt_tokens, completion_tokens, cached_prompt_tokens)
+SELECT "key", slot // {per_hour}, sum(requests), sum(prompt_tokens), sum(completion_tokens),
+    sum(cached_prompt_tokens)
 FROM _keyed_delta GROUP BY ALL
 ON CONFLICT DO UPDATE SET
     requests = requests + excluded.requests,
     prompt_tokens = prompt_tokens + excluded.prompt_tokens,
-    completion_tokens = completion_tokens + excluded.completion_tokens;
+    completion_tokens = completion_tokens + excluded.completion_tokens,
+    cached_prompt_tokens = cached_prompt_tokens + excluded.cached_prompt_tokens;
 """
 
 

@@ -607,9 +607,23 @@ CREATE TABLE statement_bases (
 );
 """
 
+# The prompt tokens vLLM served from its prefix cache, per allocation key and hour, so the
+# ``tokens`` split weighs them at ``billing.token_weights.cached_prompt``; filled from
+# ``usage_slots``, which has always kept them per slot (DuckDB adds no column with a NOT NULL
+# constraint: the default and ingest keep it non-null). Applied twice, it sets the same values.
+_ALLOC_HOURS_CACHED = f"""
+ALTER TABLE alloc_hours ADD COLUMN IF NOT EXISTS cached_prompt_tokens BIGINT DEFAULT 0;
+UPDATE alloc_hours h SET cached_prompt_tokens = c.cached
+FROM (SELECT k."key", s.slot // {HOUR_SECONDS // SLOT_SECONDS} AS hour,
+        sum(s.cached_prompt_tokens)::BIGINT AS cached
+    FROM usage_slots s JOIN alloc_keys k USING (replica, instance, team, model)
+    GROUP BY ALL) c
+WHERE h."key" = c."key" AND h.hour = c.hour;
+"""
+
 MIGRATIONS: Final[tuple[str, ...]] = (
-    _V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10, _V11, _ARCHIVE, _USAGE_TAGS,
-    _INVOICES,
+    _V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10, _V11, _ARCHIVE, _USAGE_TAGS, _INVOICES,
+    _ALLOC_HOURS_CACHED,
 )  # fmt: skip
 LATEST_VERSION: Final = len(MIGRATIONS)
 # The migration that makes ``usage_tags`` (its backfill runs with it).

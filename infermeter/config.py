@@ -41,6 +41,7 @@ from pydantic import (
 )
 
 __all__ = [
+    "CACHED_PROMPT_SHARE",
     "ENV_PREFIX",
     "HASH_HINT",
     "AlertSettings",
@@ -644,11 +645,42 @@ class CollectorSettings(_Strict):
     kubernetes: KubernetesDiscovery = KubernetesDiscovery()
 
 
+# What a prompt token served from vLLM's prefix cache costs the engine, in uncached prompt
+# tokens: measured on real vLLM by bench/prefix_cache_cost.py (docs/benchmarks.md).
+CACHED_PROMPT_SHARE = 0.25
+
+
 class TokenWeights(_Strict):
-    """Relative weight of a prompt and a completion token for the ``tokens`` split."""
+    """Relative weight of a prompt, a cached prompt and a completion token for the ``tokens`` split.
+
+    ``cached_prompt`` weighs a prompt token vLLM found in its prefix cache; unset, it is
+    ``CACHED_PROMPT_SHARE`` of the prompt weight given, so a file that sets only ``prompt``
+    keeps the measured discount. It may not exceed ``prompt``: a cache hit never costs more.
+    """
 
     prompt: NonNegative = 1.0
+    cached_prompt: NonNegative = CACHED_PROMPT_SHARE
     completion: NonNegative = 3.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cached_from_prompt(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "cached_prompt" in data or "prompt" not in data:
+            return data
+        try:  # a number, or its text (an environment variable); anything else fails below
+            prompt = float(data["prompt"])
+        except (TypeError, ValueError):
+            return data
+        return {**data, "cached_prompt": prompt * CACHED_PROMPT_SHARE}
+
+    @model_validator(mode="after")
+    def _cached_at_most_prompt(self) -> TokenWeights:
+        if self.cached_prompt > self.prompt:
+            raise ValueError(
+                f"cached_prompt ({self.cached_prompt}) exceeds prompt ({self.prompt}): a prompt "
+                "token served from the prefix cache cannot weigh more than an uncached one"
+            )
+        return self
 
 
 class RetentionSettings(_Strict):
