@@ -121,6 +121,16 @@ class BillingClient:
         )
         return body
 
+    def breakdown(self, token: str, month: str) -> dict[str, Any]:
+        """A month's statement lines split by project and end user (a team key: its own rows).
+
+        From the same cached statement as ``statement`` (``/v1/chargeback/{month}/breakdown``).
+        """
+        body: dict[str, Any] = self._get(
+            token, f"/v1/chargeback/{month}/breakdown", timeout_seconds=STATEMENT_TIMEOUT_SECONDS
+        )
+        return body
+
     def spend(self, token: str) -> list[dict[str, Any]]:
         """Month-to-date spend, budget and forecast per visible team, each row with its ``as_of``.
 

@@ -1,4 +1,5 @@
-"""Teams: month-to-date spend against budget with a forecast, usage, unit cost and energy.
+"""Teams: month-to-date spend against budget with a forecast, usage, unit cost and energy, and
+each team's spend by project and end user.
 
 Every figure here comes from the money snapshot the summary row fetched (``money`` store):
 the same spend and statement, at the same moment, as the tiles above it.
@@ -17,6 +18,7 @@ import plotly.graph_objects as go  # type: ignore[import-untyped]
 import polars as pl
 from dash import Dash, Input, Output, html
 
+from dashboards.client import BillingError
 from dashboards.components import frame_table, graph, note, page
 from dashboards.context import Context
 from dashboards.data import statement_from_json
@@ -39,6 +41,8 @@ def layout(ctx: Context) -> html.Div:
         html.Div(graph("teams-spend-figure"), className="grid"),
         html.H3("Cost per million tokens by model, month to date"),
         html.Div(id="teams-models"),
+        html.H3("Projects and users, month to date"),
+        html.Div(id="teams-tags"),
     )
 
 
@@ -109,6 +113,34 @@ def unit_cost_frame(lines: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+# A request that named no project or no user (billing's null), as the table shows it.
+NO_PROJECT, NO_USER = "(no project)", "(no user)"
+_TAG_COLUMNS = ("team", "project", "user", "cost_usd", "requests", "prompt_tokens",
+                "completion_tokens")  # fmt: skip
+
+
+def tags_frame(rows: list[dict[str, Any]], platform: str) -> pl.DataFrame:
+    """Spend per team, project and end user over the month's breakdown rows (every model and
+    line summed), the largest first within a team; the platform account, no team, left out."""
+    schema = {"team": pl.String, "project": pl.String, "user": pl.String, "total_cents": pl.Int64,
+              "requests": pl.Int64, "prompt_tokens": pl.Int64, "completion_tokens": pl.Int64}  # fmt: skip
+    frame = pl.DataFrame([{k: r.get(k) for k in schema} for r in rows], schema=schema)
+    return (
+        frame.filter(pl.col("team") != platform)
+        .with_columns(pl.col("project").fill_null(NO_PROJECT), pl.col("user").fill_null(NO_USER))
+        .group_by("team", "project", "user")
+        .agg(pl.col("total_cents", "requests", "prompt_tokens", "completion_tokens").sum())
+        .with_columns(cost_usd=pl.col("total_cents") / 100)
+        .sort(["team", "total_cents", "project", "user"], descending=[False, True, False, False])
+        .select(_TAG_COLUMNS)
+    )
+
+
+def _tags_table(frame: pl.DataFrame) -> html.Div:
+    return frame_table(frame, "teams-tags-table", total=_TAG_COLUMNS[3:],
+                       empty="No requests this month yet.")  # fmt: skip
+
+
 def _spend_table(frame: pl.DataFrame) -> html.Div:
     budget = float(frame["budget_usd"].sum()) if frame.height else 0.0
     used = 100 * float(frame["spent_usd"].sum()) / budget if budget > 0 else None
@@ -166,3 +198,21 @@ def register(app: Dash, ctx: Context) -> None:
             f"Month to date: {money['month']}, as of {as_of(money['as_of'], tz)}", id="teams-month"
         )
         return [status, _spend_table(frame), _figure(frame), _models_table(lines)]
+
+    @app.callback(Output("teams-tags", "children"), Input("money", "data"), Input("auth", "data"))
+    def tags(money: Any, auth: Any) -> Any:
+        # Its own fetch, with the signed-in key: a team lead gets its own team's rows only.
+        session = ctx.session(auth)
+        if session is None or not money:
+            return None
+        try:
+            body = ctx.client.breakdown(session.token, money["month"])
+        except BillingError as exc:
+            return note(str(exc), "error")
+        frame = tags_frame(body["rows"], ctx.config.billing.platform_account)
+        shown = _tags_table(frame)
+        if body.get("truncated"):
+            return html.Div(
+                [note(f"The first {len(body['rows'])} of {body['total_rows']} rows."), shown]
+            )
+        return shown
