@@ -41,6 +41,7 @@ from billing.routes import (
     fleet,
     ingest,
     instances,
+    invoices,
     keys,
     ops,
     queries,
@@ -112,7 +113,7 @@ def create_app(
     )
     # The audit trail's ingest route first: /v1/ingest/{kind} would take /v1/ingest/audit.
     for module in (ops, audit, ingest, keys, statements, queries, allocation, events, instances, fleet,
-                   records, efficiency, breakdown):  # fmt: skip
+                   records, efficiency, invoices, breakdown):  # fmt: skip
         app.include_router(module.router)
     errors.install(app)
     return app

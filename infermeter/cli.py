@@ -48,6 +48,7 @@ PARTS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
     (None, ("demo",)),
     ("alerts.cli", ("alerts",)),
     ("billing.cli", ("billing", "chargeback", "advise")),
+    ("billing.invoices_cli", ("invoices",)),
     ("alerts.autoscale.cli", ("autoscale",)),
     ("dashboards.cli", ("dashboard", "plan")),
     ("infermeter.credentials", ("credential",)),

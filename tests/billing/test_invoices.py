@@ -9,11 +9,15 @@ infermeter-pool=l40s (so an item with both tags is ``l40s-spot``'s: the first po
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -21,6 +25,12 @@ import pytest
 from billing.invoices import Invoice, InvoiceError, PoolMonth, parse_invoice, split_by_month
 from billing.ledger import Ledger
 from infermeter.config import DEFAULT_CONFIG, Config, NodePool, load_config
+from tests.dashboards.stack import billing_thread
+
+ADMIN, SEARCH = "im-demo-admin", "im-demo-search"
+# Billing's URL, a token per caller, and its ledger.
+Service = tuple[str, dict[str, str], Ledger]
+REPO = Path(__file__).resolve().parents[2]
 
 POOLS_YAML = """
   pools:
@@ -356,3 +366,109 @@ def test_a_closed_month_the_same_file_leaves_alone_stays_clean(
     ledger.freeze("2026-10", ledger.issued_lines(), [], now=150.0)
     ledger.import_invoice(_invoice(pools), now=200.0)
     assert ledger.month_state("2026-10") == (True, False)
+
+
+# -- the route and the command, over real HTTP -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def service(pool_config: Config) -> Iterator[Service]:
+    """Billing with the pools over an in-memory ledger, in a thread, and a token per caller."""
+    ledger = Ledger.open(":memory:", [t.name for t in pool_config.teams], {})
+    with billing_thread(pool_config, ledger) as url:
+        tokens = {"admin": ADMIN, "member": SEARCH}
+        with httpx.Client(base_url=url) as client:
+            for role in ("finance", "viewer"):
+                made = client.post("/v1/keys", json={"role": role}, headers=_bearer(ADMIN))
+                assert made.status_code == 201, made.text
+                tokens[role] = made.json()["key"]
+        yield url, tokens, ledger
+    ledger.close()
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def test_finance_imports_over_http_and_readers_list_it(service: Service) -> None:
+    """Finance posts the CSV: the totals and the unclaimed items come back, the import is on
+    the audit trail, and GET /v1/invoices?month= lists the month's rows."""
+    url, tokens, _ = service
+    with httpx.Client(base_url=url) as client:
+        answer = client.post("/v1/invoices", content=FOCUS_1_0_CSV, params={"source": "oct.csv"},
+                             headers=_bearer(tokens["finance"]) | {"content-type": "text/csv"})  # fmt: skip
+        listed = client.get(
+            "/v1/invoices", params={"month": "2026-11"}, headers=_bearer(tokens["viewer"])
+        )
+        trail = client.get(
+            "/v1/audit", params={"action": "invoice.imported"}, headers=_bearer(ADMIN)
+        )
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert [(t["month"], t["pool"], t["billed_cents"]) for t in body["totals"]] == [
+        (t.month, t.pool, t.billed_cents) for t in EXPECTED]  # fmt: skip
+    assert body["unmatched"]["line_items"] == 2
+    assert body["unmatched"]["billed_cents"] == 1300
+    assert listed.status_code == 200
+    assert [(r["pool"], r["billed_cents"], r["source"]) for r in listed.json()["invoices"]] == [
+        ("l40s-spot", 253, "oct.csv")]  # fmt: skip
+    events = [e for e in trail.json()["events"] if e["action"] == "invoice.imported"]
+    assert events[-1]["actor_role"] == "finance"
+    assert events[-1]["target"] == f"invoice:{body['sha256']}"
+
+
+@pytest.mark.parametrize(
+    ("caller", "method", "status"),
+    [
+        ("viewer", "POST", 403),
+        ("member", "POST", 403),
+        ("member", "GET", 403),
+        ("admin", "POST", 200),
+    ],
+)
+def test_only_the_admin_and_finance_import(
+    service: Service, caller: str, method: str, status: int
+) -> None:
+    """A viewer lists but may not import; a team may do neither; the admin may import (Parquet)."""
+    url, tokens, _ = service
+    with httpx.Client(base_url=url) as client:
+        answer = client.request(method, "/v1/invoices", content=focus_1_3_parquet() if method == "POST" else None,
+                                params={"format": "parquet"} if method == "POST" else None,
+                                headers=_bearer(tokens[caller]))  # fmt: skip
+    assert answer.status_code == status, answer.text
+
+
+def test_a_malformed_upload_is_a_400_naming_the_row_and_keeps_nothing(service: Service) -> None:
+    """A bad cost in row 4: 400 with the row and column; the ledger holds nothing of the file."""
+    url, _, ledger = service
+    bad = FOCUS_1_0_CSV.replace(b"-50.005", b"lots")
+    with httpx.Client(base_url=url) as client:
+        answer = client.post("/v1/invoices", content=bad, params={"source": "bad.csv"},
+                             headers=_bearer(ADMIN) | {"content-type": "text/csv"})  # fmt: skip
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == (
+        "bad.csv: row 4, column BilledCost: 'lots' is not a decimal number"
+    )
+    assert all(r["source"] != "bad.csv" for r in ledger.invoice_rows())
+
+
+def test_the_command_imports_through_the_service_and_into_a_file(
+    service: Service, config_file: Path, tmp_path: Path
+) -> None:
+    """``infermeter invoices import``: through billing with a token, and into a stopped ledger
+    file with --database; both print the totals and what no pool claimed."""
+    url, _, _ = service
+    invoice = tmp_path / "nov.csv"
+    invoice.write_bytes(FOCUS_1_0_CSV)
+    env = os.environ | {"INFERMETER_ADMIN_TOKEN": ADMIN}
+    command = [sys.executable, "-m", "infermeter", "invoices", "import", str(invoice),
+               "--config", str(config_file)]  # fmt: skip
+    online = subprocess.run([*command, "--billing-url", url], capture_output=True, text=True,
+                            env=env, cwd=REPO, timeout=60, check=False)  # fmt: skip
+    offline = subprocess.run([*command, "--database", str(tmp_path / "ledger.duckdb")],
+                             capture_output=True, text=True, env=env, cwd=REPO, timeout=60,
+                             check=False)  # fmt: skip
+    for done in (online, offline):
+        assert done.returncode == 0, done.stderr
+        assert "2026-10  h100-reserved                  1,150.00        4\n" in done.stdout
+        assert "claimed by no pool: 2 items, 13.00 USD" in done.stdout

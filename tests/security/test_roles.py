@@ -40,6 +40,8 @@ MAY = {
     ("GET", "/v1/months"): {"admin", "finance", "viewer"},
     ("POST", f"/v1/months/{MONTH}/close"): {"admin", "finance"},
     ("POST", "/v1/admin/export"): {"admin"},
+    ("GET", "/v1/invoices"): {"admin", "finance", "viewer"},
+    ("POST", "/v1/invoices"): {"admin", "finance"},
     ("POST", "/v1/keys search"): {"admin", "lead"},
     ("POST", "/v1/keys research"): {"admin"},
     ("POST", "/v1/keys finance"): {"admin"},
