@@ -43,6 +43,7 @@ from billing.routes import (
     instances,
     invoices,
     keys,
+    maintenance,
     ops,
     queries,
     records,
@@ -113,7 +114,7 @@ def create_app(
     )
     # The audit trail's ingest route first: /v1/ingest/{kind} would take /v1/ingest/audit.
     for module in (ops, audit, ingest, keys, statements, queries, allocation, events, instances, fleet,
-                   records, efficiency, invoices, breakdown):  # fmt: skip
+                   records, efficiency, invoices, breakdown, maintenance):  # fmt: skip
         app.include_router(module.router)
     errors.install(app)
     return app

@@ -40,7 +40,10 @@ The archive is a local directory (a mounted volume); one retention runs at a tim
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import hashlib
+import logging
 import os
 import secrets
 import time
@@ -60,6 +63,9 @@ if TYPE_CHECKING:
     import duckdb
 
     from billing.ledger import Ledger
+    from infermeter.config import RetentionSettings
+
+log = logging.getLogger("infermeter.billing")
 
 __all__ = [
     "MARGIN_SECONDS",
@@ -71,6 +77,7 @@ __all__ = [
     "part_path",
     "reader",
     "retain",
+    "retaining",
     "view_sql",
 ]
 
@@ -81,6 +88,7 @@ RAW_KINDS: Final[tuple[RecordKind, ...]] = (USAGE, GPU, ENGINE)
 MARGIN_SECONDS: Final = 2 * 86_400
 DAY_SECONDS: Final = 86_400
 MANIFESTS: Final = "_manifests"
+LOCK: Final = "_lock"
 
 
 class ArchiveError(Exception):
@@ -259,9 +267,19 @@ def _check(root: Path, manifest: Manifest) -> None:
 
 
 def retain(ledger: Ledger, root: str | Path, raw_days: int, now: float | None = None) -> Report:
-    """Move raw rows before the horizon to the archive at ``root`` (module docstring)."""
+    """Move raw rows before the horizon to the archive at ``root`` (module docstring).
+
+    Runs one at a time per archive, across processes (a lock file in ``root``): the service's
+    timer and the command wait for each other rather than remove each other's files.
+    """
     base = Path(root).resolve()
-    now = time.time() if now is None else now
+    base.mkdir(parents=True, exist_ok=True)
+    with (base / LOCK).open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        return _retain(ledger, base, raw_days, time.time() if now is None else now)
+
+
+def _retain(ledger: Ledger, base: Path, raw_days: int, now: float) -> Report:
     completed = _complete(ledger, base)
     removed = _remove_orphans(base)
     computed = [m["month"] for m in ledger.months() if not m["closed"] or m["late_records"]]
@@ -378,3 +396,22 @@ def reader(ledger: Ledger) -> Iterator[duckdb.DuckDBPyConnection]:
             for table, paths in files.items():
                 cursor.execute(view_sql(str(row[0]), table, paths))
         yield cursor
+
+
+async def retaining(ledger: Ledger, settings: RetentionSettings) -> None:
+    """Run retention every ``settings.interval_seconds`` until cancelled (the billing service).
+
+    A failed run is logged and tried again at the next interval: what it had not committed is
+    still in the ledger, and the next run completes or removes what it left in the archive.
+    """
+    while True:
+        await asyncio.sleep(settings.interval_seconds)
+        try:
+            report = await asyncio.to_thread(retain, ledger, settings.archive, settings.raw_days)
+        except (ArchiveError, OSError, RuntimeError) as exc:
+            log.warning(
+                "billing: retention failed, retried in %.0f s: %s", settings.interval_seconds, exc
+            )
+            continue
+        if any(report.moved.values()) or report.completed or report.removed:
+            log.info("billing: retention moved %s to %s", report.moved, settings.archive)

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from billing import upkeep_cli
 from billing.efficiency import cli as efficiency_cli
 from infermeter.commands import CommandError, Subparsers, add_config, fail
 from infermeter.months import check_month
@@ -108,6 +109,7 @@ def register(sub: Subparsers) -> None:
         "--database", metavar="PATH", help="export this file (the service must be stopped)"
     )
     export.set_defaults(handler=_export)
+    upkeep_cli.register(actions)
 
     cb = sub.add_parser(
         "chargeback",

@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from billing.api import create_app
+from billing.archive import retaining
 from billing.bounds import SampleBounds
 from billing.ledger import Ledger
 from billing.lifetimes import heartbeat_seconds
@@ -142,9 +143,15 @@ async def serve_billing(
         keys = app.state.services.keys
         keeping = asyncio.create_task(publisher.keep(lambda: keys.issued)) if publisher else None
         watching = _reloading(app, config, config_path, f"{host}:{port}") if config_path else None
+        r = b.retention
+        retention = asyncio.create_task(retaining(ledger, r)) if r.interval_seconds > 0 else None
         try:
             await billing_server(config, ledger, host, port, app).serve()
         finally:
+            if retention is not None:
+                retention.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await retention
             for task in (keeping, watching):
                 if task is not None:
                     task.cancel()

@@ -1,0 +1,200 @@
+"""Backups of a running billing service under ingest, and restoring one."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import httpx
+import orjson
+import pytest
+import yaml
+
+from billing import backup
+from infermeter.config import DEFAULT_CONFIG
+from infermeter.serving import free_port
+from tests.billing.conftest import batch, usage
+
+INGEST = {"authorization": "Bearer im-demo-ingest"}
+ADMIN = {"authorization": "Bearer im-demo-admin"}
+BATCH = 200
+
+
+@dataclass
+class Billing:
+    """A billing process on loopback, its ledger file and its working directory."""
+
+    url: str
+    database: Path
+    root: Path
+    config: Path
+    process: subprocess.Popen[bytes] = field(repr=False)
+
+
+@pytest.fixture(scope="module")
+def billing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billing]:
+    """One billing service for the module, taking the shared ingest token, no retention timer."""
+    root = tmp_path_factory.mktemp("backup")
+    port = free_port()
+    data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["billing"].update(listen=f"127.0.0.1:{port}", url=f"http://127.0.0.1:{port}",
+                           database=str(root / "ledger.duckdb"), shared_ingest_token=True,
+                           retention={"interval_seconds": 0, "archive": str(root / "archive")})  # fmt: skip
+    config = root / "infermeter.yaml"
+    config.write_text(yaml.safe_dump(data))
+    command = [sys.executable, "-m", "infermeter", "billing", "--config", str(config)]
+    process = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert process.poll() is None, f"billing exited with {process.returncode}"
+            assert time.monotonic() < deadline, "billing did not answer in 30 s"
+            time.sleep(0.1)
+        yield Billing(url, root / "ledger.duckdb", root, config, process)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@dataclass
+class Shipped:
+    """One batch as a shipper sent it: its ids, and when it was sent and acknowledged."""
+
+    ids: list[str]
+    sent: float
+    acked: float
+
+
+def _ingest_until(url: str, stop: threading.Event, shipped: list[Shipped], tag: str) -> None:
+    """Send batches of fresh records one after another, as one shipper does, until ``stop``."""
+    with httpx.Client(base_url=url, headers=INGEST, timeout=30) as client:
+        n = 0
+        while not stop.is_set():
+            records = [usage("search", time.time() - 60, request_id=f"{tag}-{n}-{i}")
+                       for i in range(BATCH)]  # fmt: skip
+            sent = time.monotonic()
+            response = client.post("/v1/ingest", content=batch("usage", records))
+            assert response.status_code == 200, response.text
+            assert response.json()["accepted"] == BATCH, response.text
+            shipped.append(Shipped([r["request_id"] for r in records], sent, time.monotonic()))
+            n += 1
+
+
+def _ids(database: Path) -> list[str]:
+    with duckdb.connect(str(database), read_only=True) as con:
+        return [r[0] for r in con.execute("SELECT request_id FROM usage").fetchall()]
+
+
+def test_a_backup_under_ingest_holds_exactly_the_batches_committed_before_it(
+    billing: Billing, tmp_path: Path
+) -> None:
+    """Batches acknowledged before the backup began are in it, those sent after it ended are
+    not, none is in part, none twice; the manifest's counts are the restored ledger's."""
+    stop, shipped = threading.Event(), list[Shipped]()
+    sender = threading.Thread(target=_ingest_until, args=(billing.url, stop, shipped, "load"))
+    sender.start()
+    try:
+        time.sleep(1.0)
+        began = time.monotonic()
+        dest = tmp_path / "snapshot"
+        response = httpx.post(f"{billing.url}/v1/admin/backup", params={"dest": str(dest)},
+                              headers=ADMIN, timeout=120)  # fmt: skip
+        ended = time.monotonic()
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        sender.join(30)
+    assert response.status_code == 200, response.text
+    assert any(s.acked > began for s in shipped), "ingest did not go on during the backup"
+    rows = backup.restore(dest, tmp_path / "restored.duckdb")
+    ids = _ids(tmp_path / "restored.duckdb")
+    assert len(ids) == len(set(ids)) == rows["usage"] == response.json()["rows"]["usage"]
+    kept = set(ids)
+    whole = [s for s in shipped if kept.issuperset(s.ids)]
+    assert all(kept.isdisjoint(s.ids) for s in shipped if s not in whole)  # none in part
+    assert len(kept) == BATCH * len(whole)
+    assert all(s in whole for s in shipped if s.acked < began)
+    assert not any(s in whole for s in shipped if s.sent > ended)
+    assert whole == shipped[: len(whole)]  # what the snapshot holds is a prefix of the shipments
+
+
+def test_restore_refuses_a_live_ledger_an_existing_one_and_an_altered_backup(
+    billing: Billing, tmp_path: Path
+) -> None:
+    """The service's open file is never replaced; another needs --force; a changed file stops it."""
+    dest = tmp_path / "snapshot"
+    response = httpx.post(f"{billing.url}/v1/admin/backup", params={"dest": str(dest)},
+                          headers=ADMIN, timeout=120)  # fmt: skip
+    assert response.status_code == 200, response.text
+    with pytest.raises(backup.BackupError, match="in use"):
+        backup.restore(dest, billing.database, force=True)
+    other = tmp_path / "other.duckdb"
+    backup.restore(dest, other)
+    with pytest.raises(backup.BackupError, match="pass --force"):
+        backup.restore(dest, other)
+    assert sum(backup.restore(dest, other, force=True).values()) > 0
+    again = httpx.post(f"{billing.url}/v1/admin/backup", params={"dest": str(dest)},
+                       headers=ADMIN, timeout=30)  # fmt: skip
+    assert again.status_code == 409
+    assert "exists" in again.json()["error"]["message"]
+    altered = tmp_path / "altered"
+    shutil.copytree(dest, altered)
+    table = next(p for p in altered.iterdir() if p.name.startswith("usage"))
+    table.write_bytes(table.read_bytes() + b"x")
+    with pytest.raises(backup.BackupError, match="missing or altered"):
+        backup.restore(altered, tmp_path / "third.duckdb")
+
+
+def test_the_commands_take_a_backup_and_restore_it(billing: Billing, tmp_path: Path) -> None:
+    """``infermeter billing backup`` goes through the service; ``restore`` writes the file."""
+    env = {"INFERMETER_ADMIN_TOKEN": "im-demo-admin", "PATH": "/usr/bin:/bin"}
+    cli = [sys.executable, "-m", "infermeter", "billing"]
+    dest = tmp_path / "by-command"
+    taken = subprocess.run([*cli, "backup", "--config", str(billing.config), str(dest)],
+                           env=env, capture_output=True, timeout=120)  # fmt: skip
+    assert taken.returncode == 0, taken.stderr
+    manifest = orjson.loads(taken.stdout)
+    restored = tmp_path / "restored.duckdb"
+    back = subprocess.run([*cli, "restore", "--config", str(billing.config), str(dest),
+                           "--database", str(restored)], env=env, capture_output=True, timeout=120)  # fmt: skip
+    assert back.returncode == 0, back.stderr
+    assert len(_ids(restored)) == manifest["rows"]["usage"]
+
+
+def test_the_retain_command_runs_retention_in_the_service(billing: Billing) -> None:
+    """``infermeter billing retain`` asks the service, which answers with what it moved."""
+    env = {"INFERMETER_ADMIN_TOKEN": "im-demo-admin", "PATH": "/usr/bin:/bin"}
+    command = [
+        sys.executable,
+        "-m",
+        "infermeter",
+        "billing",
+        "retain",
+        "--config",
+        str(billing.config),
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = orjson.loads(done.stdout)
+    assert report["moved"] == {"usage": 0, "gpu_samples": 0, "engine_samples": 0}  # all recent
+    assert report["horizon"] < time.time() - 35 * 86_400
+    assert (billing.root / "archive" / "_lock").is_file()
