@@ -26,6 +26,7 @@ imported. A currency other than USD is refused (the price book is in USD).
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import io
 from collections.abc import Iterator, Mapping, Sequence
@@ -240,8 +241,19 @@ def _csv(data: bytes, source: str) -> pl.DataFrame:
         return pl.read_csv(io.StringIO(text), infer_schema=False)
     except (pl.exceptions.PolarsError, ValueError) as exc:
         raise InvoiceError(
-            f"{source}: not a CSV file polars can read: {_first_line(exc)}"
+            f"{source}: {_ragged_row(text) or 'not a CSV file polars can read'}: {_first_line(exc)}"
         ) from None
+
+
+def _ragged_row(text: str) -> str | None:
+    """Where a CSV file polars refused has a row of the wrong width ("row 3: 22 fields, the
+    header 21"), read again by the standard library to name it; None if none is."""
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header = next(reader, [])
+    for row, fields in enumerate(reader, start=1):
+        if fields and len(fields) != len(header):
+            return f"row {row}: {len(fields)} fields, the header {len(header)}"
+    return None
 
 
 def _parquet(data: bytes, source: str, max_rows: int) -> pl.DataFrame:

@@ -268,7 +268,7 @@ def _bad(text: bytes, pools: list[NodePool], fmt: str = "csv", **kw: Any) -> str
         (b"2026-10-03T00:00:00Z,Usage,,H100 hours", b"yesterday,Usage,,H100 hours",
          "invoice.csv: row 2, column ChargePeriodEnd: 'yesterday' is not an ISO 8601 date-time"),
         (b",Purchase,,H100 commitment,1000.00,", b",Purchase,,H100 commitment,1,000.00,",
-         "invoice.csv: not a CSV file polars can read"),
+         "invoice.csv: row 3: 20 fields, the header 19"),
         (b",Credit,,SLA credit,-50.005,", b",Credit,,SLA credit,abc,",
          "invoice.csv: row 4, column BilledCost: 'abc' is not a decimal number"),
         (b",Credit,,SLA credit,", b",Refund,,SLA credit,",
