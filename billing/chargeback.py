@@ -9,6 +9,7 @@ import polars as pl
 
 from billing.allocation import Policy
 from billing.bases import pool_frame
+from billing.cache import cache_rows, month_cached_tokens
 from billing.ledger import Ledger, LedgerError
 from billing.pricebook import price_book
 from billing.reconciliation import hours, reconcile
@@ -120,7 +121,7 @@ class Chargeback:
             basis, pools = self.ledger.issued_basis(month)
             return Statement(month, True, lines, int(own["total_cents"].sum()), adjust,
                              self.unreconciled(month), self.quarantined(month), basis=basis,
-                             pools=pools)  # fmt: skip
+                             pools=pools, cache=self._cache(month, own))  # fmt: skip
         now = self._cents(month)
         adjustments = []
         adjust_cents = 0
@@ -136,7 +137,12 @@ class Chargeback:
         all_lines = pl.concat([now.lines, *adjustments]) if adjustments else now.lines
         return Statement(month, False, all_lines, now.fleet_cents, adjust_cents,
                          self.unreconciled(month), self.quarantined(month), basis=now.basis,
-                         usage_lines=now.usage_lines, pools=now.pools)  # fmt: skip
+                         usage_lines=now.usage_lines, pools=now.pools,
+                         cache=self._cache(month, now.lines))  # fmt: skip
+
+    def _cache(self, month: str, lines: pl.DataFrame) -> pl.DataFrame:
+        """``month``'s prompt-cache hits and savings per team and model (``billing.cache``)."""
+        return cache_rows(lines, month_cached_tokens(self.ledger, month), self.policy)
 
     def by_instance(self, statement: Statement) -> Statement:
         """``statement`` with its lines split by the instances that made them (for the exports)."""

@@ -382,6 +382,11 @@ def test_the_statement_reconciles_to_the_invoice_and_keeps_the_usage_basis(
         214,
         14,
     )
+    # Each team's prompt-cache row comes with the statement (no hits in these records).
+    assert sorted(after.cache.select("team", "cached_prompt_tokens").rows()) == [
+        ("assistant", 0),
+        ("search", 0),
+    ]
     closed = cb.close("2026-10", now=AFTER_OCT)
     assert (closed.basis, closed.total_cents) == ("allocation", 214)
     assert closed.pools.row(0, named=True)["invoice_cents"] == 214
