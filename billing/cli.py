@@ -123,7 +123,7 @@ def register(sub: Subparsers) -> None:
     add_config(cb)
     cb.add_argument("--month", required=True, metavar="YYYY-MM", type=month_arg)
     cb.add_argument("--format", choices=("csv", "focus"), default="csv")
-    cb.add_argument("--focus-version", choices=("1.0", "1.2"), default="1.0")
+    cb.add_argument("--focus-version", choices=("1.0", "1.2", "1.3"), default="1.0")
     cb.add_argument("--out", type=Path, metavar="FILE", help="write here instead of stdout")
     cb.add_argument(
         "--database", metavar="PATH", help="read this ledger file instead of the service"

@@ -12,6 +12,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 FOCUS_VENV = Path(os.environ.get("INFERMETER_FOCUS_VENV") or ROOT / ".venv-focus")
@@ -42,3 +43,10 @@ def focus_1_0_failures(path: Path, report: Path) -> tuple[int, list[str]]:
         if c.find("failure") is not None or c.find("error") is not None
     ]
     return len(cases), failures
+
+
+def known_versions() -> set[str]:
+    """The FOCUS versions focus-validator has rules for (its ``version_sets.yaml``)."""
+    _, site = _focus_validator()
+    sets = yaml.safe_load((site / "focus_validator" / "rules" / "version_sets.yaml").read_text())
+    return {str(v) for v in sets}

@@ -80,7 +80,7 @@ def _audited(svc: Services, event: AuditEvent) -> None:
 @router.get("/v1/chargeback/{month}.focus.csv",
             responses=text(CSV, "The FOCUS file.") | errors(400, *READ))  # fmt: skip
 async def chargeback_focus(who: Reader, month: Month, svc: ServicesDep,
-                           version: Annotated[str, Query(pattern=r"^1\.[02]$")] = "1.0") -> Response:  # fmt: skip
+                           version: Annotated[str, Query(pattern=r"^1\.[023]$")] = "1.0") -> Response:  # fmt: skip
     """The FinOps FOCUS file, a row per line and instance: every line for the admin, a team's own for a team."""
     statement = await _statement(svc, month, who)
     statement = await compute(svc, svc.chargeback.by_instance, statement)

@@ -34,7 +34,7 @@ async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
         yield url
 
 
-@pytest.mark.parametrize("version", ["1.0", "1.2"])
+@pytest.mark.parametrize("version", ["1.0", "1.2", "1.3"])
 async def test_chargeback_focus_through_the_service_writes_the_focus_file(
     billing, tmp_path, monkeypatch, version
 ):
@@ -55,6 +55,7 @@ async def test_chargeback_focus_through_the_service_writes_the_focus_file(
     [
         ("/v1/chargeback/2026-11.focus.csv", 200, "focus-1.0-2026-11.csv"),
         ("/v1/chargeback/2026-11.focus.csv?version=1.2", 200, "focus-1.2-2026-11.csv"),
+        ("/v1/chargeback/2026-11.focus.csv?version=1.3", 200, "focus-1.3-2026-11.csv"),
         ("/v1/chargeback/2026-11.csv", 200, "chargeback-2026-11.csv"),
         ("/v1/chargeback/2026-11.focus.json", 400, None),
         ("/v1/chargeback/2026-11.xlsx", 400, None),

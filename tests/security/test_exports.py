@@ -18,7 +18,7 @@ from infermeter.statement import Statement
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
 from tests.focus_validator import focus_1_0_failures
 
-# The FOCUS columns whose type is Decimal, in both versions the product writes.
+# The FOCUS columns whose type is Decimal, in every version the product writes.
 DECIMAL_COLUMNS = (
     "BilledCost", "ContractedCost", "EffectiveCost", "ListCost", "PricingQuantity",
     "ConsumedQuantity", "ContractedUnitPrice", "ListUnitPrice",
@@ -50,7 +50,7 @@ def test_degenerate_months_pass_the_reference_focus_validator(ledger, config, tm
     assert failures == []
 
 
-@pytest.mark.parametrize("version", ["1.0", "1.2"])
+@pytest.mark.parametrize("version", ["1.0", "1.2", "1.3"])
 @pytest.mark.parametrize("kind", ["all-zero", "single-line"])
 def test_decimal_columns_are_written_as_decimals(ledger, config, kind, version):
     """Every Decimal column holds a number with a decimal point (or nothing), never ``0``."""
@@ -75,7 +75,7 @@ def test_focus_tags_are_json_whatever_the_model_is_called(config, model):
          "total_cents": [82]}
     )  # fmt: skip
     statement = Statement("2026-10", False, lines, 82, 0)
-    for version in ("1.0", "1.2"):
+    for version in ("1.0", "1.2", "1.3"):
         frame = focus_frame(statement, config, version)
         assert json.loads(frame["Tags"][0]) == {"team": "search", "model": model}
 

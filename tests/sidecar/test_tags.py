@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 
-from billing.ledger import Ledger
 from sidecar.tags import MAX_USER_CHARS, PROJECT_HEADER
 from tests.servers import serving
 from tests.sidecar.test_budgets import FakeSpend, wait_for
@@ -50,11 +49,10 @@ async def test_a_project_the_team_does_not_allow_or_a_bad_user_is_an_openai_400_
     assert stack.records()[-1]["status"] == "bad_request"
 
 
-async def test_the_user_and_an_allowed_project_are_on_the_usage_record_and_in_the_ledger(
-    stack_factory, tmp_path
+async def test_the_user_and_an_allowed_project_are_on_the_usage_record(
+    stack_factory,
 ):
-    """A listed or pattern-matched project and the body's user land on the usage record, and
-    billing keeps them from the spool's lines as the sidecar wrote them."""
+    """A listed or pattern-matched project and the body's user land on the usage record."""
     stack = await stack_factory(**PROJECTS)
     async with stack.client() as c:
         listed = await c.post(
@@ -68,17 +66,6 @@ async def test_the_user_and_an_allowed_project_are_on_the_usage_record_and_in_th
     assert [r.status_code for r in (listed, matched, plain)] == [200, 200, 200]
     tags = [(r["user"], r["project"], r["status"]) for r in stack.records()]
     assert tags == [("ana@example.com", "alpha", "ok"), (None, "exp-7", "ok"), (None, None, "ok")]
-    body = b"".join(p.read_bytes() for p in sorted(stack.spool.glob("seg-*.jsonl")))
-    ledger = Ledger.open(tmp_path / "ledger.duckdb", ["search", "assistant"], {})
-    try:
-        assert ledger.ingest_lines("usage", body).accepted == 3
-        with ledger.reader() as cur:
-            kept = cur.execute(
-                'SELECT project, "user", sum(requests) FROM usage_tags GROUP BY ALL ORDER BY ALL'
-            ).fetchall()
-    finally:
-        ledger.close()
-    assert kept == [("", "", 1), ("alpha", "ana@example.com", 1), ("exp-7", "", 1)]
 
 
 async def test_a_project_past_its_budget_is_refused_while_the_team_and_its_other_projects_are_not(
