@@ -1,4 +1,8 @@
-"""Chargeback: a month's statement as exported, its downloads, and its reconciliation.
+"""Chargeback: a month's statement as exported, its downloads, its reconciliation, its basis.
+
+Below the lines: whether they are on list prices or scaled to imported invoices (the
+allocation basis), each node pool's cost on both bases with the difference explained (the
+admin's and finance's view), and each team's prompt-cache savings.
 
 The table and the downloads are billing's own files (its export routes, with the signed-in
 user's token): the page shows and saves what finance would get, formatted for reading, and
@@ -23,6 +27,7 @@ from dashboards.data import recent_months, statement_from_json
 from dashboards.formatting import as_of
 from dashboards.sessions import Session
 from infermeter.months import check_month, month_of
+from infermeter.statement import Statement
 
 PATH = "/chargeback"
 TITLE = "Chargeback"
@@ -45,6 +50,7 @@ def layout(ctx: Context) -> html.Div:
         dcc.Download(id="chargeback-focus"),
         html.Div(id="chargeback-reconciliation"),
         html.Div(id="chargeback-table"),
+        html.Div(id="chargeback-bases"),
     )
 
 
@@ -65,6 +71,48 @@ def _reconciliation(body: dict[str, Any], total_cents: int, platform: str) -> ht
         html.P("Reconciles to the cent" if ok else "Does NOT reconcile", id="chargeback-reconciles",
                className="ok" if ok else "note-error"),
     ])  # fmt: skip
+
+
+# The pools table's money columns: cents in the statement, USD on the page.
+_POOL_MONEY = ("list", "committed", "unused_commitment", "invoice", "allocation", "difference")
+
+
+def pools_csv(pools: pl.DataFrame) -> str:
+    """A statement's node pools (``POOL_SCHEMA``) as a CSV the finance table shows: cents as USD."""
+    frame = pools.select(
+        "pool", "category", "gpu_hours",
+        *((pl.col(f"{c}_cents").cast(pl.Float64) / 100).alias(f"{c}_usd") for c in _POOL_MONEY),
+        "commitment_utilization", "explanation",
+    )  # fmt: skip
+    return frame.write_csv()
+
+
+def cache_csv(cache: pl.DataFrame) -> str:
+    """A statement's prompt-cache rows (``CACHE_SCHEMA``) as a CSV: savings in USD."""
+    return cache.select(
+        "team", "model", "prompt_tokens", "cached_prompt_tokens",
+        (pl.col("cache_savings_cents").cast(pl.Float64) / 100).alias("cache_savings_usd"),
+    ).write_csv()  # fmt: skip
+
+
+def _bases(body: dict[str, Any], statement: Statement) -> html.Div:
+    """Which basis the lines are on, each pool's cost on both, and the prompt-cache savings."""
+    if statement.basis == "allocation" and statement.usage_lines is not None:
+        listed = (
+            int(statement.usage_lines["total_cents"].sum()) if statement.usage_lines.height else 0
+        )
+        said = (f"Allocation basis: node pools with an imported invoice are scaled to it, so their "
+                f"lines add up to the invoice. At list prices (the usage basis) the same lines come "
+                f"to {usd(listed / 100)}.")  # fmt: skip
+    else:
+        said = "List prices: no invoice has been imported for this month."
+    parts: list[Any] = [html.P(said, id="chargeback-basis")]
+    if "pools" in body:
+        parts += [html.H3("Node pools"),
+                  csv_table(pools_csv(statement.pools), "chargeback-pools", empty="No GPU time priced.")]  # fmt: skip
+    parts += [html.H3("Prompt caching"),
+              csv_table(cache_csv(statement.cache), "chargeback-cache", empty="No prompt-cache hits.")]  # fmt: skip
+    return html.Div(parts)
 
 
 def _empty_month(ctx: Context, session: Session, month: str, lines: int) -> list[Any]:
@@ -118,15 +166,16 @@ def register(app: Dash, ctx: Context) -> None:
     @app.callback(
         Output("chargeback-reconciliation", "children"),
         Output("chargeback-table", "children"),
+        Output("chargeback-bases", "children"),
         Input("chargeback-month", "value"),
         Input("auth", "data"),
         Input("tick", "n_intervals"),
         State("tz", "data"),
     )
-    def show(month: str | None, auth: Any, _: Any, tz: str | None) -> tuple[Any, Any]:
+    def show(month: str | None, auth: Any, _: Any, tz: str | None) -> tuple[Any, Any, Any]:
         session = ctx.session(auth)
         if session is None or not month:
-            return note("Sign in and pick a month."), None
+            return note("Sign in and pick a month."), None, None
         token = session.token
         try:
             with ThreadPoolExecutor(max_workers=2) as pool:
@@ -134,7 +183,7 @@ def register(app: Dash, ctx: Context) -> None:
                 file_call = pool.submit(ctx.client.export, token, month, "csv")
                 body, lines = body_call.result(), file_call.result()
         except BillingError as exc:
-            return note(str(exc), "error"), None
+            return note(str(exc), "error"), None, None
         statement = statement_from_json(body)
         state = "closed" if statement.closed else "open: it changes until the month is closed"
         adjusted = statement.lines.filter(pl.col("for_month") != month).height > 0
@@ -152,6 +201,7 @@ def register(app: Dash, ctx: Context) -> None:
                 ]
             ),
             csv_table(lines.text, "chargeback-lines", hidden=hidden),
+            _bases(body, statement),
         )
 
     def download(auth: Any, month: str | None, kind: Literal["csv", "focus"]) -> Any:

@@ -179,6 +179,11 @@ def test_chargeback_table_is_the_export_and_reconciles(stack):
     )
     assert "$" in column(stack, "chargeback-lines", "total_usd")[0]
     assert f"${statement.total_cents / 100:,.2f}" in wait(stack, "#chargeback-total")
+    # No invoice imported: the lines are on list prices, and each node pool shows its list cost.
+    assert "List prices" in wait(stack, "#chargeback-basis")
+    assert column(stack, "chargeback-pools", "pool") == statement.pools["pool"].to_list()
+    shown_list = [parse_number(v) for v in column(stack, "chargeback-pools", "list_usd")]
+    assert shown_list == [c / 100 for c in statement.pools["list_cents"].to_list()]
     stack.driver.find_element(By.ID, "chargeback-csv-button").click()
     target = stack.downloads / f"chargeback-{month}.csv"
     WebDriverWait(stack.driver, 10).until(lambda _: target.exists() and target.stat().st_size > 0)
