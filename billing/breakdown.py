@@ -272,17 +272,19 @@ class ProjectSpends:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._last: tuple[object, dict[str, dict[str, float]]] | None = None
+        # The statement and configuration it was computed for, held so that neither is taken
+        # for another object that later gets its address.
+        self._last: tuple[Statement, Config, dict[str, dict[str, float]]] | None = None
 
     def of(
         self, ledger: Ledger, statement: Statement, config: Config
     ) -> dict[str, dict[str, float]]:
         """``project_spend(ledger, statement, config)``, reused while both are the same objects."""
-        key = (id(statement), id(config))
         with self._lock:
-            if self._last is not None and self._last[0] == key:
-                return self._last[1]
+            last = self._last
+        if last is not None and last[0] is statement and last[1] is config:
+            return last[2]
         found = project_spend(ledger, statement, config)
         with self._lock:
-            self._last = (key, found)
+            self._last = (statement, config, found)
         return found

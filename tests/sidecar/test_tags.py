@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
 
+from billing.ledger import Ledger
 from sidecar.tags import MAX_USER_CHARS, PROJECT_HEADER
 from tests.servers import serving
 from tests.sidecar.test_budgets import FakeSpend, wait_for
@@ -49,10 +51,11 @@ async def test_a_project_the_team_does_not_allow_or_a_bad_user_is_an_openai_400_
     assert stack.records()[-1]["status"] == "bad_request"
 
 
-async def test_the_user_and_an_allowed_project_are_on_the_usage_record(
-    stack_factory,
+async def test_the_user_and_an_allowed_project_are_on_the_usage_record_and_in_the_ledger(
+    stack_factory, tmp_path
 ):
-    """A listed or pattern-matched project and the body's user land on the usage record."""
+    """A listed or pattern-matched project and the body's user land on the usage record, and
+    billing keeps them from the spool's lines as the sidecar wrote them."""
     stack = await stack_factory(**PROJECTS)
     async with stack.client() as c:
         listed = await c.post(
@@ -66,6 +69,17 @@ async def test_the_user_and_an_allowed_project_are_on_the_usage_record(
     assert [r.status_code for r in (listed, matched, plain)] == [200, 200, 200]
     tags = [(r["user"], r["project"], r["status"]) for r in stack.records()]
     assert tags == [("ana@example.com", "alpha", "ok"), (None, "exp-7", "ok"), (None, None, "ok")]
+    body = b"".join(p.read_bytes() for p in sorted(stack.spool.glob("seg-*.jsonl")))
+    ledger = Ledger.open(tmp_path / "ledger.duckdb", ["search", "assistant"], {})
+    try:
+        assert ledger.ingest_lines("usage", body).accepted == 3
+        with ledger.reader() as cur:
+            kept = cur.execute(
+                'SELECT project, "user", sum(requests) FROM usage_tags GROUP BY ALL ORDER BY ALL'
+            ).fetchall()
+    finally:
+        ledger.close()
+    assert kept == [("", "", 1), ("alpha", "ana@example.com", 1), ("exp-7", "", 1)]
 
 
 async def test_a_project_past_its_budget_is_refused_while_the_team_and_its_other_projects_are_not(
@@ -119,3 +133,30 @@ def test_spend_from_a_billing_without_projects_refuses_no_project():
     assert parse_project_spend([{"team": "a", "spent_usd": 1.0, "projects": {"x": 2}}]) == {
         "a": {"x": 2.0}
     }
+
+
+async def test_the_span_carries_the_end_user_and_the_project(stack_factory, tmp_path):
+    """enduser.id and infermeter.project on the request's span; a request naming neither has
+    neither attribute."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sidecar.app import Sidecar
+    from tests.sidecar.conftest import make_config
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    stack = await stack_factory()
+    config = make_config(stack.upstream, **PROJECTS)
+    traced = Sidecar(config, "small-0", spool_dir=tmp_path / "traced", tracer_provider=provider)
+    async with serving(traced) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+        auth = {"authorization": "Bearer im-demo-search"}
+        await c.post("/v1/chat/completions", json=CHAT | {"user": "ana"},
+                     headers=auth | {PROJECT_HEADER: "beta"})  # fmt: skip
+        await c.post("/v1/chat/completions", json=CHAT, headers=auth)
+    tagged, plain = (dict(s.attributes or {}) for s in exporter.get_finished_spans())
+    assert (tagged["enduser.id"], tagged["infermeter.project"]) == ("ana", "beta")
+    assert "enduser.id" not in plain
+    assert "infermeter.project" not in plain
