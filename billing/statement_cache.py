@@ -72,6 +72,12 @@ class CachedChargeback(Chargeback):
             super().reconfigure(config)
             self._entries.clear()
 
+    def forget(self) -> None:
+        """Drop every kept statement: the ledger changed in a way records do not signal (an
+        imported invoice changes a month's basis and the adjustments of the months after it)."""
+        with self._lock:
+            self._entries.clear()
+
     def __len__(self) -> int:
         """Months cached now."""
         with self._lock:

@@ -82,6 +82,7 @@ async def import_invoice(
         address=request.client.host if request.client else None,
     )  # fmt: skip
     stored = await run_in_threadpool(svc.ledger.import_invoice, invoice, time.time(), [event])
+    svc.statements.forget()  # the next statement is on the invoice's basis, not a kept one
     return invoice.to_json() | stored.to_json()
 
 
