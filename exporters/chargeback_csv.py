@@ -23,6 +23,20 @@ Columns (in this order; money in USD with two decimals, computed from whole cent
 ``team_budget_used_percent``
                       the team's whole statement (all its lines) as a percentage of its budget,
                       on the same line: ``12.5`` is 12.5 %, ``0.01`` is one hundredth of 1 %
+``basis``             the statement's basis: ``list`` (the price book's prices) or
+                      ``allocation`` (node pools' costs scaled to their imported invoices); the
+                      same on every row
+``pricing_category``  the node pool's pricing category (``on_demand``, ``committed``, ``spot``,
+                      ``owned``), empty when the statement does not split its lines by pool
+``pool``              the node pool, empty likewise
+``project``           the requests' project tag, empty when the lines are not split by it or
+                      the requests had none
+
+The last four came after the others, so a reader that takes columns by position still finds
+the older ones where they were. A team and model's use in two pools or two projects is two rows.
+The person who sent the requests (``user``) is not a column: the file is the finance view,
+shared with every member of a team, and the FOCUS file's tags carry it where lines are split by
+user.
 
 The last row is the total (``line_type`` = ``total``, ``team`` and ``model`` empty): every
 count and amount summed over the lines above, the budgets of the teams in the file, and their
@@ -43,15 +57,19 @@ from typing import Final
 
 import polars as pl
 
-from infermeter.statement import Statement, with_budgets
+from exporters.focus_lines import with_commitments, with_optional
+from infermeter.statement import CENT_COLUMNS, COUNT_COLUMNS, Statement, empty_pools, with_budgets
 
 __all__ = ["CSV_COLUMNS", "TOTAL_LINE", "chargeback_frame", "defuse", "write_csv"]
 
 CSV_COLUMNS: Final = (
     "month", "team", "model", "line_type", "for_month", "requests", "prompt_tokens",
     "completion_tokens", "gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd",
-    "total_usd", "team_budget_usd", "team_budget_used_percent",
+    "total_usd", "team_budget_usd", "team_budget_used_percent", "basis", "pricing_category", "pool",
+    "project",
 )  # fmt: skip
+# The columns a line may be split by beyond team, model and month, that the file keeps.
+_SPLITS: Final = ("pricing_category", "pool", "project")
 TOTAL_LINE: Final = "total"
 _SUMMED: Final = ("requests", "prompt_tokens", "completion_tokens", "gpu_hours", "energy_kwh")
 _CENTS: Final = ("compute", "energy", "idle", "total")
@@ -87,18 +105,30 @@ def _total_row(lines: pl.DataFrame, month: str) -> pl.DataFrame:
     )
 
 
+def _by_split(lines: pl.DataFrame) -> pl.DataFrame:
+    """One line per month charged, team, model and ``_SPLITS`` (instances and users summed); a
+    line of a pool's unused commitment names its pool."""
+    keys = ["month", "for_month", "team", "model", *_SPLITS]
+    return (
+        with_commitments(with_optional(lines), empty_pools())
+        .group_by(keys, maintain_order=True)
+        .agg(pl.col(c).sum() for c in (*COUNT_COLUMNS, *CENT_COLUMNS))
+    )
+
+
 def chargeback_frame(statement: Statement, budgets_usd: Mapping[str, float]) -> pl.DataFrame:
-    """The statement as the CSV's columns: one row per team, model and month charged, then the total."""
-    order = ("line_type", "for_month", "team", "model")
+    """The statement as the CSV's columns: one row per team, model and month charged (and pool
+    or project when the lines are split by them), then the total."""
+    order = ("line_type", "for_month", "team", "model", *_SPLITS)
     lines = (
-        with_budgets(statement.lines, budgets_usd)
+        with_budgets(_by_split(statement.lines), budgets_usd)
         .with_columns(
             pl.when(pl.col("for_month") == pl.col("month"))
             .then(pl.lit("usage"))
             .otherwise(pl.lit("adjustment"))
             .alias("line_type")
         )
-        .sort(order, descending=[True, False, False, False])
+        .sort(order, descending=[True, *([False] * (len(order) - 1))], nulls_last=True)
         # The budget once per team (its first line), so summing the column counts it once.
         .with_columns(
             team_budget_usd=pl.when(
@@ -113,17 +143,19 @@ def chargeback_frame(statement: Statement, budgets_usd: Mapping[str, float]) -> 
         "month", "team", "model", "line_type", "for_month", *_SUMMED,
         *(pl.col(f"{c}_cents") for c in _CENTS), "team_budget_usd",
         _percent(pl.col("team_cents"), pl.col("team_budget_usd")).alias("team_budget_used_percent"),
+        *_SPLITS,
     )  # fmt: skip
     total = _total_row(lines, statement.month).with_columns(
         _percent(pl.col("total_cents"), pl.col("team_budget_usd")).alias("team_budget_used_percent")
     )
-    frame = pl.concat([body, total], how="vertical_relaxed")
+    frame = pl.concat([body, total], how="diagonal_relaxed")
     return frame.select(
         "month", "team", "model", "line_type", "for_month", "requests", "prompt_tokens",
         "completion_tokens", pl.col("gpu_hours").round(6), pl.col("energy_kwh").round(6),
         *((pl.col(f"{c}_cents") / 100).round(2).alias(f"{c}_usd") for c in _CENTS),
-        "team_budget_usd", "team_budget_used_percent",
-    ).with_columns(defuse(c) for c in ("month", "team", "model", "for_month"))  # fmt: skip
+        "team_budget_usd", "team_budget_used_percent", pl.lit(statement.basis).alias("basis"),
+        *(pl.col(c).cast(pl.String) for c in _SPLITS),
+    ).with_columns(defuse(c) for c in ("month", "team", "model", "for_month", *_SPLITS))  # fmt: skip
 
 
 def write_csv(frame: pl.DataFrame) -> str:
