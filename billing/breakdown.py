@@ -169,27 +169,37 @@ def tag_split(lines: pl.DataFrame, tags: pl.DataFrame, rule: Rule, weights: Mapp
     optionally ``cached_prompt`` (the ``tokens`` rule). ``max_users``: the bound per team
     (``default_max_users`` for a team it does not name). Rows come in the lines' order, then by
     project and user (nulls first); a line's rows add up to it in every integer column.
+
+    Columns of ``lines`` beyond ``LINE_SCHEMA`` (an export's ``instance``, a line type) are
+    carried to each of the line's rows as they are, before ``project`` and ``user``; a line
+    split by instance is split again by its team and model's use, which knows no instance.
     """
     by_key: dict[_Key, list[dict[str, Any]]] = defaultdict(list)
     for tag in tags.iter_rows(named=True):
         by_key[(tag["for_month"], tag["team"], tag["model"])].append(tag)
+    extra = [c for c in lines.columns if c not in LINE_SCHEMA and c not in ("project", "user")]
+    schema: dict[str, pl.DataType | type[pl.DataType]] = {
+        **lines.select(extra).schema,
+        **BREAKDOWN_SCHEMA,
+    }
+    order = [*lines.select(*LINE_SCHEMA, *extra).columns, "project", "user"]
     rows: list[dict[str, Any]] = []
-    for index, line in enumerate(lines.select(*LINE_SCHEMA).iter_rows(named=True)):
+    for index, line in enumerate(lines.select(*LINE_SCHEMA, *extra).iter_rows(named=True)):
         key = (line["for_month"], line["team"], line["model"])
         ordered = sorted(by_key.get(key, []), key=lambda t: (t["project"] or "", t["user"] or ""))
         rows += ({**row, "_line": index} for row in _split_line(line, ordered, rule, weights))
     _fold_users(rows, max_users or {}, default_max_users)
     if not rows:
-        return pl.DataFrame(schema=BREAKDOWN_SCHEMA)
-    frame = pl.DataFrame(rows, schema={**BREAKDOWN_SCHEMA, "_line": pl.Int64})
-    sums = [pl.col(c).sum() for c in (*_COUNTS, *_FLOATS, *_PARTS, "total_cents")]
-    keys = ("_line", "month", "for_month", "team", "model", "project", "user")
+        return pl.DataFrame(schema={c: schema[c] for c in order})
+    frame = pl.DataFrame(rows, schema={**schema, "_line": pl.Int64})
+    summed = (*_COUNTS, *_FLOATS, *_PARTS, "total_cents")
+    kept = [c for c in order if c not in summed and c not in ("project", "user")]
     return (
-        frame.group_by(keys, maintain_order=True)
-        .agg(sums)
+        frame.group_by("_line", "project", "user", maintain_order=True)
+        .agg(pl.col(*summed).sum(), pl.col(*kept).first())
         .sort("_line", "project", "user", nulls_last=False, maintain_order=True)
-        .select(*BREAKDOWN_SCHEMA)
-        .cast(BREAKDOWN_SCHEMA)  # type: ignore[arg-type]
+        .select(order)
+        .cast(schema)  # type: ignore[arg-type]
     )
 
 

@@ -297,3 +297,13 @@ def test_spend_carries_the_budgeted_projects_of_a_team_and_keeps_its_old_keys(bi
     assert {"team", "month", "spent_usd", "budget_usd", "forecast_usd", "as_of"} <= set(
         rows["assistant"]
     )
+
+
+def test_columns_beyond_the_line_schema_are_carried_to_every_row():
+    """An export's lines by instance keep their instance on each project and user row."""
+    lines, tags = frames([line("search", "chat-small", 1000, 101, 7, 6, 600, 300)], TWO_PROJECTS)
+    by_instance = lines.with_columns(instance=pl.lit("small-0-a"))
+    rows = tag_split(by_instance, tags, "in_flight", WEIGHTS)
+    assert rows.columns == [*LINE_SCHEMA, "instance", "project", "user"]
+    assert rows["instance"].to_list() == ["small-0-a"] * 3
+    assert rows["total_cents"].to_list() == [554, 185, 369]
