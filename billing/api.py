@@ -30,6 +30,7 @@ from billing.metrics import (
     StatementCollector,
 )
 from billing.ratelimit import ReadLimiter
+from billing.rates import RateCache
 from billing.rollups import Rollups
 from billing.routes import (
     allocation,
@@ -46,6 +47,7 @@ from billing.routes import (
     maintenance,
     ops,
     queries,
+    rates,
     records,
     statements,
 )
@@ -112,9 +114,10 @@ def create_app(
         ),
         id_tokens=IdTokens(config.dashboard.oidc) if config.dashboard.oidc else None,
     )
+    app.state.rates = RateCache()
     # The audit trail's ingest route first: /v1/ingest/{kind} would take /v1/ingest/audit.
     for module in (ops, audit, ingest, keys, statements, queries, allocation, events, instances, fleet,
-                   records, efficiency, invoices, breakdown, maintenance):  # fmt: skip
+                   records, efficiency, invoices, breakdown, maintenance, rates):  # fmt: skip
         app.include_router(module.router)
     errors.install(app)
     return app

@@ -71,6 +71,7 @@ from sidecar.limits import LimitExceeded
 from sidecar.metrics import SidecarMetrics
 from sidecar.models_list import with_aliases
 from sidecar.nonces import nonce_store, team_of
+from sidecar.rates import RatePoller
 from sidecar.relay import JSON, Relay
 from sidecar.request_ids import client_request_id
 from sidecar.state import View, build_view
@@ -176,6 +177,10 @@ class Sidecar:
         self.relay = Relay(self.view.replica.upstream_url.rstrip("/"), self.generation,
                            self.accounting, self.journal, self.drain, settings.non_streamed_via_stream,
                            settings.protocol_relay)  # fmt: skip
+        # Each answer's cost estimate, from billing's rates, read beside the spend.
+        self.rates = RatePoller(settings.budgets, os.environ.get(settings.budgets.spend_token_env),
+                                lambda: self.budgets.client)  # fmt: skip
+        self.relay.rates = self.rates
         self.ingest_url = settings.ingest_url
         self.ingest_token = os.environ.get(settings.ingest_token_env) or None
         self._tasks: list[asyncio.Task[None]] = []
@@ -237,6 +242,7 @@ class Sidecar:
         self._tasks.append(asyncio.get_running_loop().create_task(self.nonces.run()))
         if self.settings.budgets.spend_url:
             self._tasks.append(asyncio.get_running_loop().create_task(self.budgets.run()))
+            self._tasks.append(asyncio.get_running_loop().create_task(self.rates.run()))
         if self.keysync.enabled:
             self._tasks.append(asyncio.get_running_loop().create_task(self.keysync.run()))
         if (redis := self.limiter.redis) is not None and self.fair is not None:

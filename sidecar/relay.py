@@ -30,6 +30,7 @@ from sidecar.drain import CUT, Drain
 from sidecar.journal import AdmissionJournal
 from sidecar.pool import Connection, request_head
 from sidecar.progress import Slot
+from sidecar.rates import COST_HEADER, Rate, RatePoller, with_cost
 from sidecar.request_ids import response_id
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
 from sidecar.upstream import StallWatch, Upstream, upstream_errors, upstream_failure
@@ -77,6 +78,21 @@ class Relay:
         self.pools = Pools(generation.connect_timeout_seconds, generation.read_timeout_seconds)
         # ``sidecar.protocol_relay``: whole answers on the protocol pool too (``sidecar.direct``).
         self.direct = direct
+        # Billing's cost rates (``sidecar.rates``), for the estimate on each answer; None: none.
+        self.rates: RatePoller | None = None
+
+    def _rate(self, call: Call) -> Rate | None:
+        """The cost rate of ``call``'s model, when an estimate can go on its answer."""
+        return None if self.rates is None else self.rates.rate(call.model)
+
+    def _costed(self, call: Call, status: int, usage: UsageCounts | None,
+                body: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:  # fmt: skip
+        """A whole answer's body and extra headers with its cost estimate, when there is one."""
+        rate = self._rate(call) if status == 200 else None
+        text = None if rate is None else rate.text(usage)
+        if text is None:
+            return body, []
+        return with_cost(body, text), [(COST_HEADER, text)]
 
     async def close(self) -> None:
         """Close every upstream connection."""
@@ -101,7 +117,8 @@ class Relay:
         if response.status != 200:
             return await self._refused_stream(call, response, send)
         meter = StreamMeter(call.client_usage, call.client_continuous, call.started,
-                            choices=call.choices, slot=self.journal.slot(call.request_id))  # fmt: skip
+                            choices=call.choices, slot=self.journal.slot(call.request_id),
+                            rate=self._rate(call) if call.client_usage else None)  # fmt: skip
         if meter.slot is not None:
             meter.slot.began()
         await send({"type": "http.response.start", "status": 200,
@@ -160,7 +177,8 @@ class Relay:
         needs ``stream``. Once this returns, the caller may drop ``body`` and ``headers``: a
         stream holds neither while it runs (``relay_direct``)."""
         meter = StreamMeter(call.client_usage, call.client_continuous, call.started,
-                            choices=call.choices, slot=self.journal.slot(call.request_id))  # fmt: skip
+                            choices=call.choices, slot=self.journal.slot(call.request_id),
+                            rate=self._rate(call) if call.client_usage else None)  # fmt: skip
         sink = StreamSink(meter, asyncio.get_running_loop())
         conn = await self._send_direct(call, body, headers, sink)
         return None if conn is None else (conn, sink)
@@ -330,7 +348,9 @@ class Relay:
             self.accounting.record(call, status, response.status, usage, None, finish)
         except SpoolError:
             raise Refusal(503, *_WITHHELD) from None
-        await respond(send, response.status, content, whole_headers(call, response.raw_headers))
+        content, cost = self._costed(call, response.status, usage, content)
+        await respond(send, response.status, content,
+                      [*whole_headers(call, response.raw_headers), *cost])  # fmt: skip
         return usage, status, response.status, finish
 
     async def _race(self, exchange: Coroutine[Any, Any, _T], receive: Receive,
@@ -446,7 +466,8 @@ class Relay:
         head = response.raw_headers
         if whole is None:
             head = ((b"content-type", b"application/json"), *((k, v) for k, v in head if k.lower() != b"content-type"))  # fmt: skip
-        await respond(send, out.http_status, out.body, whole_headers(call, head))
+        content, cost = self._costed(call, out.http_status, out.usage, out.body)
+        await respond(send, out.http_status, content, [*whole_headers(call, head), *cost])
         return out.usage, out.status, out.http_status, finish
 
     async def _whole_direct(self, call: Call, body: dict[str, Any], headers: dict[str, str],

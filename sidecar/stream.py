@@ -30,6 +30,7 @@ from sidecar.request_ids import response_id
 
 if TYPE_CHECKING:
     from sidecar.progress import Slot
+    from sidecar.rates import Rate
 
 __all__ = ["StreamMeter", "UsageCounts", "parse_usage"]
 
@@ -138,6 +139,9 @@ class StreamMeter:
     # block is metered, before the client gets its bytes: what a killed sidecar's request is
     # billed. None when not journaled.
     slot: Slot | None = None
+    # The model's cost rate (``sidecar.rates``), for a client that asked for usage: the final
+    # usage chunk it gets carries the cost estimate. None: no estimate.
+    rate: Rate | None = None
 
     @property
     def usage(self) -> UsageCounts | None:
@@ -242,6 +246,7 @@ class StreamMeter:
             data = data[: -len(_DONE)]
             if not data:
                 return self._flush_held()
+        was_final = self.final_usage
         out = self._scan(data, now)
         self._steady = (
             self.first_token_at is not None
@@ -254,6 +259,8 @@ class StreamMeter:
             and self.response_id is not None
         )
         if self.client_usage:
+            if self.rate is not None and self.final_usage and not was_final:
+                return self.rate.final_chunk(out)  # once a stream, in its last block
             return out
         out = self._rewrite(out, self._finish_in_block)
         self._steady = self._steady and not self._held

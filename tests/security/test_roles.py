@@ -32,9 +32,11 @@ CALLERS = ("admin", "finance", "viewer", "spend_reader", "metrics", "lead", "mem
 # "other" a member of team research.
 MAY = {
     ("GET", "/v1/spend"): {"admin", "finance", "viewer", "spend_reader", "lead", "member", "other"},
+    ("GET", "/v1/rates"): {"admin", "finance", "viewer", "spend_reader", "lead", "member", "other"},
     ("GET", f"/v1/chargeback/{MONTH}"): {"admin", "finance", "viewer", "lead", "member", "other"},
     ("GET", f"/v1/chargeback/{MONTH}.csv"): {"admin", "finance", "viewer", "lead", "member", "other"},
     ("GET", f"/v1/chargeback/{MONTH}.focus.csv"): {"admin", "finance", "viewer", "lead", "member", "other"},
+    ("GET", f"/v1/chargeback/{MONTH}/breakdown"): {"admin", "finance", "viewer", "lead", "member", "other"},
     ("GET", "/v1/query/team_usage?team=research"): {"admin", "finance", "viewer", "other"},
     ("GET", "/v1/query/gpus"): {"admin", "finance", "viewer"},
     ("GET", "/v1/months"): {"admin", "finance", "viewer"},
