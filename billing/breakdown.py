@@ -31,7 +31,7 @@ The exporters (CSV, FOCUS) read these columns as they are; ``breakdown`` and
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, Literal
 
@@ -42,13 +42,14 @@ from billing.rounding import split
 from billing.schema import HOUR_SECONDS
 from infermeter.config import Config
 from infermeter.months import month_bounds
-from infermeter.statement import LINE_SCHEMA, Statement
+from infermeter.statement import LINE_SCHEMA, Statement, for_team
 
 __all__ = [
     "BREAKDOWN_SCHEMA",
     "DEFAULT_MAX_USERS",
     "OTHER_USERS",
     "TAG_SCHEMA",
+    "Breakdowns",
     "ProjectSpends",
     "Rule",
     "breakdown",
@@ -297,4 +298,34 @@ class ProjectSpends:
         found = project_spend(ledger, statement, config)
         with self._lock:
             self._last = (statement, config, found)
+        return found
+
+
+class Breakdowns:
+    """``breakdown`` of each statement and team computed once, the last ``entries`` kept: every
+    signed-in dashboard asks for the month's rows at each refresh, from one cached statement."""
+
+    def __init__(self, entries: int = 16) -> None:
+        self._lock = threading.Lock()
+        self._entries = entries
+        # By (statement, configuration, team), holding both objects so that neither is taken
+        # for another object that later gets its address.
+        self._kept: OrderedDict[tuple[int, int, str | None],
+                                tuple[Statement, Config, pl.DataFrame]] = OrderedDict()  # fmt: skip
+
+    def of(
+        self, ledger: Ledger, statement: Statement, config: Config, team: str | None
+    ) -> pl.DataFrame:
+        """``breakdown`` of ``statement`` as ``team`` sees it (None: every team)."""
+        key = (id(statement), id(config), team)
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is not None and kept[0] is statement and kept[1] is config:
+                self._kept.move_to_end(key)
+                return kept[2]
+        found = breakdown(ledger, for_team(statement, team), config)
+        with self._lock:
+            self._kept[key] = (statement, config, found)
+            while len(self._kept) > self._entries:
+                self._kept.popitem(last=False)
         return found

@@ -10,21 +10,21 @@ from the same cached statement as the other statement routes, and at most ``limi
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from billing.breakdown import ProjectSpends, breakdown
+from billing.breakdown import Breakdowns, ProjectSpends
 from billing.routes.dependencies import Month, Reader, Services, ServicesDep, compute
 from billing.routes.openapi import READ, errors
 from billing.routes.responses import json_response
 from billing.statement_cache import Cached
-from infermeter.statement import for_team
 
 __all__ = ["MAX_ROWS", "router", "with_projects"]
 
 router = APIRouter()
+T = TypeVar("T")
 
 # What one answer may carry; a fleet's month is far below it unless teams have very many
 # projects (each team's users are bounded by its max_users already).
@@ -33,14 +33,14 @@ MAX_ROWS = 50_000
 
 @router.get("/v1/chargeback/{month}/breakdown", responses=errors(400, *READ))
 async def chargeback_breakdown(
-    who: Reader, month: Month, svc: ServicesDep,
+    who: Reader, month: Month, svc: ServicesDep, request: Request,
     limit: Annotated[int, Query(ge=1, le=MAX_ROWS)] = 10_000,
 ) -> Response:  # fmt: skip
     """The month's lines by team, model, project and user: every team's for a reader of every
     team, its own for a team."""
     entry = await compute(svc, svc.statements.cached, month)
-    statement = for_team(entry.statement, who.scope)
-    rows = await compute(svc, breakdown, svc.ledger, statement, svc.config)
+    memo = _memo(request, "breakdowns", Breakdowns)
+    rows = await compute(svc, memo.of, svc.ledger, entry.statement, svc.config, who.scope)
     body: dict[str, Any] = {
         "month": month,
         "as_of": entry.as_of,
@@ -58,10 +58,18 @@ async def with_projects(request: Request, svc: Services, entry: Cached,
     previous version reads the answer as it did."""
     if not any(t.project_budgets_usd_per_month for t in svc.config.teams):
         return rows
-    state = request.app.state
-    memo: ProjectSpends | None = getattr(state, "project_spends", None)
-    if memo is None:  # one per app; two made at once only compute one statement twice
-        memo = state.project_spends = ProjectSpends()
+    memo = _memo(request, "project_spends", ProjectSpends)
     projects = await compute(svc, memo.of, svc.ledger, entry.statement, svc.config)
     return [row | {"projects": projects[row["team"]]} if row["team"] in projects else row
             for row in rows]  # fmt: skip
+
+
+def _memo(request: Request, name: str, kind: type[T]) -> T:
+    """The app's ``kind`` memo (on ``app.state``), made at first use: two made at once only
+    compute one statement's rows twice."""
+    state = request.app.state
+    memo: T | None = getattr(state, name, None)
+    if memo is None:
+        memo = kind()
+        setattr(state, name, memo)
+    return memo

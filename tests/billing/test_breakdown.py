@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +17,7 @@ from billing.breakdown import (
     BREAKDOWN_SCHEMA,
     OTHER_USERS,
     TAG_SCHEMA,
+    Rule,
     month_tags,
     tag_split,
 )
@@ -71,7 +73,7 @@ TWO_PROJECTS = [
 ]
 
 
-def test_two_projects_under_one_team_split_the_line_by_in_flight_share_to_the_cent():
+def test_two_projects_under_one_team_split_the_line_by_in_flight_share_to_the_cent() -> None:
     """The worked example: each cent column by largest remainder, the rows add up to the line."""
     lines, tags = frames(
         [line("search", "chat-small", 1000, 101, 7, 6, 600, 300, 1.2),
@@ -98,13 +100,13 @@ def test_two_projects_under_one_team_split_the_line_by_in_flight_share_to_the_ce
     assert rows["gpu_hours"].to_list()[:3] == pytest.approx([0.6, 0.2, 0.4])
 
 
-def test_the_requests_rule_splits_by_requests():
+def test_the_requests_rule_splits_by_requests() -> None:
     """Under ``requests`` the shares are 3:1:2 requests, here the same cents as in flight."""
     lines, tags = frames([line("search", "chat-small", 600, 0, 0, 6, 600, 300)], TWO_PROJECTS)
     assert tag_split(lines, tags, "requests", WEIGHTS)["total_cents"].to_list() == [300, 100, 200]
 
 
-def test_the_tokens_rule_weighs_cached_prompt_tokens_when_given_a_weight():
+def test_the_tokens_rule_weighs_cached_prompt_tokens_when_given_a_weight() -> None:
     """A pair whose prompt was all cache hits weighs its cached tokens at their own weight."""
     tags = [
         tag("search", "m", "alpha", None, 1, 100, 0, 1.0),
@@ -119,7 +121,7 @@ def test_the_tokens_rule_weighs_cached_prompt_tokens_when_given_a_weight():
     assert tag_split(lines, frame, "tokens", WEIGHTS)["total_cents"].to_list() == [65, 65]
 
 
-def test_users_past_the_teams_bound_are_folded_into_other_users_by_spend():
+def test_users_past_the_teams_bound_are_folded_into_other_users_by_spend() -> None:
     """max_users 1: ana (554 cents) stays, ben (185) becomes "(other users)"; no-user rows stay."""
     lines, tags = frames([line("search", "chat-small", 1000, 101, 7, 6, 600, 300)], TWO_PROJECTS)
     rows = tag_split(lines, tags, "in_flight", WEIGHTS, {"search": 1})
@@ -128,7 +130,7 @@ def test_users_past_the_teams_bound_are_folded_into_other_users_by_spend():
     ]  # fmt: skip
 
 
-def test_an_adjustment_line_is_split_by_the_use_of_the_month_it_is_for():
+def test_an_adjustment_line_is_split_by_the_use_of_the_month_it_is_for() -> None:
     """A negative late-record adjustment for October is split by October's tags, signs kept."""
     lines, tags = frames(
         [line("search", "chat-small", -9, 0, 0, month="2026-11", for_month="2026-10")],
@@ -161,7 +163,9 @@ def statements(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[dict[str, An
 
 @settings(max_examples=150, deadline=None)
 @given(statements(), st.sampled_from(["in_flight", "tokens", "requests"]), st.integers(1, 3))
-def test_the_rows_of_each_line_add_up_to_it_exactly(drawn, rule, bound):
+def test_the_rows_of_each_line_add_up_to_it_exactly(
+    drawn: tuple[list[dict[str, Any]], list[dict[str, Any]]], rule: Rule, bound: int
+) -> None:
     """Whatever the lines, use, rule and user bound: per line, every integer column's rows sum
     to the line's value, and each row's total is its parts' sum."""
     lines, tags = frames(*drawn)
@@ -175,7 +179,9 @@ def test_the_rows_of_each_line_add_up_to_it_exactly(drawn, rule, bound):
     assert rows.filter(pl.col("team") == "a")["user"].drop_nulls().n_unique() <= bound + 1
 
 
-def test_records_carry_user_and_project_into_the_ledger_and_its_hourly_tags(tmp_path, config):
+def test_records_carry_user_and_project_into_the_ledger_and_its_hourly_tags(
+    tmp_path: Path, config: Config
+) -> None:
     """Ingested records keep user and project; usage_tags sums them by hour, '' for none, and
     its migration fills it from the raw rows alike."""
     ledger = Ledger.open(tmp_path / "ledger.duckdb", [t.name for t in config.teams], {})
@@ -259,7 +265,9 @@ def _get(url: str, key: str, path: str) -> httpx.Response:
 
 @pytest.mark.parametrize(("key", "teams"), [(ADMIN, {"search", "assistant"}), (SEARCH, {"search"}),
                                             (ASSISTANT, {"assistant"})])  # fmt: skip
-def test_the_breakdown_route_gives_a_reader_every_team_and_a_team_its_own(billing, key, teams):
+def test_the_breakdown_route_gives_a_reader_every_team_and_a_team_its_own(
+    billing: str, key: str, teams: set[str]
+) -> None:
     """Rows per team, model, project and user that add up to the statement's lines the caller sees."""
     month = month_of(time.time())
     got = _get(billing, key, f"/v1/chargeback/{month}/breakdown")
@@ -280,13 +288,13 @@ def test_the_breakdown_route_gives_a_reader_every_team_and_a_team_its_own(billin
         assert tags == {("alpha", "ana"), ("alpha", "ben"), ("beta", None)}
 
 
-def test_the_breakdown_route_is_not_for_the_spend_reader(billing):
+def test_the_breakdown_route_is_not_for_the_spend_reader(billing: str) -> None:
     """The sidecars' spend_reader reads spend, not statements."""
     month = month_of(time.time())
     assert (_get(billing, SPEND, f"/v1/chargeback/{month}/breakdown")).status_code == 403
 
 
-def test_spend_carries_the_budgeted_projects_of_a_team_and_keeps_its_old_keys(billing):
+def test_spend_carries_the_budgeted_projects_of_a_team_and_keeps_its_old_keys(billing: str) -> None:
     """/v1/spend: search, which budgets a project, has projects (USD per project it used, each
     budgeted one present); the others' rows are as before."""
     rows = {r["team"]: r for r in orjson.loads((_get(billing, SPEND, "/v1/spend")).content)}
@@ -299,7 +307,7 @@ def test_spend_carries_the_budgeted_projects_of_a_team_and_keeps_its_old_keys(bi
     )
 
 
-def test_columns_beyond_the_line_schema_are_carried_to_every_row():
+def test_columns_beyond_the_line_schema_are_carried_to_every_row() -> None:
     """An export's lines by instance keep their instance on each project and user row."""
     lines, tags = frames([line("search", "chat-small", 1000, 101, 7, 6, 600, 300)], TWO_PROJECTS)
     by_instance = lines.with_columns(instance=pl.lit("small-0-a"))
@@ -307,3 +315,20 @@ def test_columns_beyond_the_line_schema_are_carried_to_every_row():
     assert rows.columns == [*LINE_SCHEMA, "instance", "project", "user"]
     assert rows["instance"].to_list() == ["small-0-a"] * 3
     assert rows["total_cents"].to_list() == [554, 185, 369]
+
+
+def test_a_statements_breakdown_is_computed_once_per_team_and_again_for_a_new_statement(
+    ledger: Ledger, config: Config
+) -> None:
+    """The memo answers the same rows for the same statement and team, its own for another
+    team, and computes anew for a statement computed since."""
+    from billing.breakdown import Breakdowns
+    from infermeter.statement import Statement
+
+    lines = pl.DataFrame([line("search", "chat-small", 10, 0, 0)], schema=LINE_SCHEMA)
+    first, second = (Statement("2026-11", False, lines, 10, 0) for _ in range(2))
+    memo = Breakdowns()
+    rows = memo.of(ledger, first, config, None)
+    assert memo.of(ledger, first, config, None) is rows
+    assert memo.of(ledger, first, config, "assistant").height == 0
+    assert memo.of(ledger, second, config, None) is not rows

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -10,6 +11,7 @@ import pytest
 from billing.ledger import Ledger
 from sidecar.tags import MAX_USER_CHARS, PROJECT_HEADER
 from tests.servers import serving
+from tests.sidecar.conftest import StackFactory
 from tests.sidecar.test_budgets import FakeSpend, wait_for
 
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -37,8 +39,13 @@ def _error(r: Any) -> dict[str, Any]:
     ],
 )
 async def test_a_project_the_team_does_not_allow_or_a_bad_user_is_an_openai_400_before_vllm(
-    stack_factory, team, headers, body, param, code
-):
+    stack_factory: StackFactory,
+    team: str,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    param: str,
+    code: str,
+) -> None:
     """An unknown project (or one for a team without projects) and an oversized, unprintable or
     non-string user are refused 400 naming the header or field; vLLM sees no request."""
     stack = await stack_factory(**PROJECTS)
@@ -52,8 +59,8 @@ async def test_a_project_the_team_does_not_allow_or_a_bad_user_is_an_openai_400_
 
 
 async def test_the_user_and_an_allowed_project_are_on_the_usage_record_and_in_the_ledger(
-    stack_factory, tmp_path
-):
+    stack_factory: StackFactory, tmp_path: Path
+) -> None:
     """A listed or pattern-matched project and the body's user land on the usage record, and
     billing keeps them from the spool's lines as the sidecar wrote them."""
     stack = await stack_factory(**PROJECTS)
@@ -83,8 +90,8 @@ async def test_the_user_and_an_allowed_project_are_on_the_usage_record_and_in_th
 
 
 async def test_a_project_past_its_budget_is_refused_while_the_team_and_its_other_projects_are_not(
-    stack_factory,
-):
+    stack_factory: StackFactory,
+) -> None:
     """Billing's spend says project beta reached its $5 budget: beta's requests get 429
     budget_exceeded at the next refresh; alpha's and untagged requests of the team still pass."""
     spend = FakeSpend()
@@ -125,7 +132,7 @@ async def test_a_project_past_its_budget_is_refused_while_the_team_and_its_other
     assert stack.records()[-3]["status"] == "rate_limited"
 
 
-def test_spend_from_a_billing_without_projects_refuses_no_project():
+def test_spend_from_a_billing_without_projects_refuses_no_project() -> None:
     """A spend answer of the previous version (no ``projects``) leaves every project unbudgeted."""
     from sidecar.budgets import parse_project_spend
 
@@ -135,7 +142,9 @@ def test_spend_from_a_billing_without_projects_refuses_no_project():
     }
 
 
-async def test_the_span_carries_the_end_user_and_the_project(stack_factory, tmp_path):
+async def test_the_span_carries_the_end_user_and_the_project(
+    stack_factory: StackFactory, tmp_path: Path
+) -> None:
     """enduser.id and infermeter.project on the request's span; a request naming neither has
     neither attribute."""
     from opentelemetry.sdk.trace import TracerProvider
