@@ -152,9 +152,12 @@ def _unused_hours() -> pl.Expr:
     return (pl.col("committed_gpu_hours") - pl.col("gpu_hours")).clip(lower_bound=0)
 
 
-def with_commitments(lines: pl.DataFrame, pools: pl.DataFrame) -> pl.DataFrame:
+def with_commitments(
+    lines: pl.DataFrame, pools: pl.DataFrame, skus: Mapping[str, str | None] | None = None
+) -> pl.DataFrame:
     """``lines`` (with ``OPTIONAL_COLUMNS``) with ``kind``: ``unused`` on the lines of unused
-    commitments (their pool and category filled in, their GPU-hours the unused ones), else ``usage``."""
+    commitments (their pool, category and the pool's SKU in ``skus`` filled in, their GPU-hours
+    the unused ones), else ``usage``."""
     unused = pl.col("model").str.starts_with(UNUSED_COMMITMENT)
     hours = dict(pools.select("pool", _unused_hours().alias("h")).iter_rows())
     pool = pl.coalesce("pool", pl.col("model").str.strip_prefix(UNUSED_COMMITMENT))
@@ -164,6 +167,9 @@ def with_commitments(lines: pl.DataFrame, pools: pl.DataFrame) -> pl.DataFrame:
         .otherwise(pl.col("pricing_category")).alias("pricing_category"),
         pl.when(unused).then(pl.lit("unused")).otherwise(pl.lit("usage")).alias("kind"),
     ).with_columns(
+        pl.when(pl.col("kind") == "unused")
+        .then(pl.coalesce("sku", pl.col("pool").replace_strict(dict(skus or {}), default=None, return_dtype=pl.String)))
+        .otherwise(pl.col("sku")).alias("sku"),
         pl.when(pl.col("kind") == "unused")
         .then(pl.coalesce(pl.col("pool").replace_strict(hours, default=None, return_dtype=pl.Float64),
                           pl.col("gpu_hours")))
@@ -230,7 +236,7 @@ def focus_lines(
     )
     lines = with_list_cents(lines, statement.usage_lines)
     lines = with_cache(lines, statement.cache, statement.month)
-    lines = with_commitments(lines, statement.pools)
+    lines = with_commitments(lines, statement.pools, skus)
     unused = unused_commitments(statement, platform_account, skus)
     columns = [*LINE_SCHEMA, *OPTIONAL_COLUMNS, "list_cents", "cached_prompt_tokens",
                "cache_savings_cents", "kind"]  # fmt: skip

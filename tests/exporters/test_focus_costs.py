@@ -106,6 +106,7 @@ def test_the_platforms_unused_commitment_line_is_the_unused_row_not_a_second_one
     assert _usd(unused["BilledCost"]) == Decimal("720.00")
     assert Decimal(unused["PricingQuantity"]) == Decimal("360")  # from the pool's row
     assert unused["x_NodePool"] == "reserved"
+    assert unused["SkuId"] == "gpu-h100-1y"  # the pool's, though the line names none
     assert sum(_usd(r["BilledCost"]) for r in rows) == Decimal("1471.00")  # 75 100 + 72 000 cents
 
 
