@@ -57,6 +57,7 @@ def random_records(rng: random.Random, hours: int) -> list[dict[str, Any]]:
         first = start + rng.uniform(0, seconds) if rng.random() < 0.85 else None
         status = rng.choice(["ok", "ok", "ok", "client_aborted", "upstream_error", "rejected"])
         tokens = {"prompt_tokens": rng.randint(0, 900), "completion_tokens": rng.randint(0, 900)}
+        tokens["cached_prompt_tokens"] = rng.randint(0, tokens["prompt_tokens"])
         team = rng.choice(["search", "assistant"])
         choices = rng.choice([1, 1, 1, 2, 3])
         out.append(usage(team, start, seconds, first_token_at=first, status=status, choices=choices,
@@ -164,7 +165,7 @@ def rebuilt(ledger: Ledger) -> dict[str, list[tuple[Any, ...]]]:
                 ORDER BY ALL""").fetchall(),
             "alloc_hours": cur.execute("""
                 SELECT replica, instance, team, model, slot // 60, sum(requests), sum(prompt_tokens),
-                    sum(completion_tokens)
+                    sum(completion_tokens), sum(cached_prompt_tokens)
                 FROM usage_slots GROUP BY ALL ORDER BY ALL""").fetchall(),
         }  # fmt: skip
 
@@ -184,7 +185,7 @@ def kept(ledger: Ledger) -> dict[str, list[tuple[Any, ...]]]:
                 ORDER BY ALL""").fetchall(),
             "alloc_hours": cur.execute("""
                 SELECT k.replica, k.instance, k.team, k.model, h.hour, h.requests, h.prompt_tokens,
-                    h.completion_tokens
+                    h.completion_tokens, h.cached_prompt_tokens
                 FROM alloc_hours h JOIN alloc_keys k USING ("key") ORDER BY ALL""").fetchall(),
         }  # fmt: skip
 
