@@ -233,12 +233,11 @@ class BudgetGate:
         spent = self.project_spent.get(team, {}).get(project)
         if budget <= 0 or spent is None:
             return
+        # Its warning headers are not given: the team's are (one set per response).
         try:
-            verdict = judge(team, model, spent, budget, self.settings, self.overrides.get(team),
-                            time.time())  # fmt: skip
+            judge(team, model, spent, budget, self.settings, self.overrides.get(team), time.time())
         except BudgetExceeded:
             raise ProjectBudgetExceeded(team, project, spent, budget) from None
-        del verdict  # its warning headers are the team's to give (one set per response)
 
     async def grant(self, override: Override) -> None:
         """Record an override: in the ledger's spool first (SpoolError: not granted), then
