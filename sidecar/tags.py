@@ -20,6 +20,7 @@ from infermeter.config import Config, Team
 from sidecar.bounds import shown
 
 __all__ = [
+    "MAX_PROJECT_CHARS",
     "MAX_USER_CHARS",
     "PROJECT_HEADER",
     "ProjectRule",
@@ -36,6 +37,8 @@ _HEADER_KEY: Final = PROJECT_HEADER.lower().encode()
 # OpenAI documents no limit; 128 characters holds a UUID, an e-mail address or a hashed id,
 # and bounds what a record (and a statement row) carries.
 MAX_USER_CHARS: Final = 128
+# A configured name's bound (``infermeter.config.Name``), held by tags a pattern allows too.
+MAX_PROJECT_CHARS: Final = 128
 
 
 class TagRefusal(Exception):
@@ -83,7 +86,7 @@ def project_of(
     if value is None:
         return None
     rule = rules.get(team)
-    if rule is None or not rule.allows(value):
+    if len(value) > MAX_PROJECT_CHARS or rule is None or not rule.allows(value):
         raise TagRefusal(
             f"Project `{shown(value)}` is not a project of team {team}: "
             f"send one its configuration allows, or no {PROJECT_HEADER} header.",

@@ -33,6 +33,7 @@ def _error(r: Any) -> dict[str, Any]:
         ("search", {PROJECT_HEADER: "gamma"}, {}, PROJECT_HEADER, "invalid_project"),
         ("search", {PROJECT_HEADER: "exp-1x"}, {}, PROJECT_HEADER, "invalid_project"),
         ("assistant", {PROJECT_HEADER: "alpha"}, {}, PROJECT_HEADER, "invalid_project"),
+        ("search", {PROJECT_HEADER: "exp-" + "1" * 125}, {}, PROJECT_HEADER, "invalid_project"),
         ("search", {}, {"user": "u" * (MAX_USER_CHARS + 1)}, "user", "invalid_user"),
         ("search", {}, {"user": "line\nbreak"}, "user", "invalid_user"),
         ("search", {}, {"user": 42}, "user", "invalid_user"),
@@ -46,8 +47,9 @@ async def test_a_project_the_team_does_not_allow_or_a_bad_user_is_an_openai_400_
     param: str,
     code: str,
 ) -> None:
-    """An unknown project (or one for a team without projects) and an oversized, unprintable or
-    non-string user are refused 400 naming the header or field; vLLM sees no request."""
+    """An unknown project (or one for a team without projects, or one the pattern matches but
+    longer than a name may be) and an oversized, unprintable or non-string user are refused 400
+    naming the header or field; vLLM sees no request."""
     stack = await stack_factory(**PROJECTS)
     async with stack.client(team) as c:
         r = await c.post("/v1/chat/completions", json=CHAT | body, headers=headers)
