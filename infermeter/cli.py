@@ -53,6 +53,7 @@ PARTS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
     ("dashboards.cli", ("dashboard", "plan")),
     ("infermeter.credentials", ("credential",)),
     ("infermeter.keys_cli", ("keys",)),
+    ("infermeter.spool_cli", ("spool",)),
 )
 
 

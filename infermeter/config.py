@@ -540,6 +540,9 @@ class SidecarSettings(_Strict):
     on_spool_failure: Literal["refuse", "serve_unmetered"] = "refuse"
     # Unshipped records past this size are a spool failure (on_spool_failure applies).
     spool_max_bytes: Annotated[int, Field(gt=0)] = 1024 * 1024 * 1024
+    # How long usage records billing acknowledged stay in the spool (``infermeter.spool``), to
+    # be shipped again after billing's ledger is restored to a backup (0: deleted at once).
+    spool_keep_acked_seconds: NonNegative = 0.0
     # An instance announces it is alive this often; billing closes one silent for 3 of these.
     heartbeat_seconds: Positive = 30.0
     # How often a sidecar asks whether the keys issued at run time changed (sidecar.keysync):

@@ -34,6 +34,13 @@ last key, one HMAC per record computed as it is written, so a line changed or wr
 anyone without the writer's key is refused by billing. ``read_segment`` gives the records without
 it.
 
+Kept after the acknowledgement: with ``keep_acked_seconds``, an acknowledged segment is renamed
+``acked-<n>.jsonl`` instead of deleted, and deleted once that much older; a ``reship`` file in
+the directory (``request_reship``, ``infermeter spool reship``) puts them back in line to be
+shipped. After billing's ledger is restored to a backup, the records it had acknowledged since
+are shipped again, and those it still has are dropped as repeats by their ids. The kept
+segments are not counted in ``max_bytes``.
+
 Size: with ``max_bytes`` set, the records not yet acknowledged never take more than that; a record
 that would pass it fails with ``SpoolError`` at once, like a full disk, and the caller's failure
 policy applies. Space comes back as billing acknowledges segments.
@@ -56,7 +63,18 @@ import orjson
 
 from infermeter.disk_thread import DiskThread
 
-__all__ = ["Segment", "SegmentReader", "Spool", "SpoolError", "read_segment"]
+__all__ = [
+    "RESHIP",
+    "Segment",
+    "SegmentReader",
+    "Spool",
+    "SpoolError",
+    "read_segment",
+    "request_reship",
+]
+
+# The file that asks a spool's owner to ship its kept acknowledged segments again.
+RESHIP = "reship"
 
 log = logging.getLogger("infermeter.spool")
 
@@ -132,8 +150,11 @@ class Spool:
         commit_delay_seconds: float = 0.0,
         sealer: Callable[[bytes], bytes] | None = None,
         sync_seconds: float = 0.0,
+        keep_acked_seconds: float = 0.0,
     ) -> None:
         self.directory = directory
+        # How long an acknowledged segment is kept to be shipped again (0: deleted at once).
+        self.keep_acked_seconds = keep_acked_seconds
         # The writer's seal on each line (``infermeter.writers.Sealer``); None writes them bare.
         self.sealer = sealer
         self.commit_delay_seconds = commit_delay_seconds
@@ -173,6 +194,7 @@ class Spool:
     def open(self) -> None:
         """Create the directory, adopt segments left by an earlier run, start the syncer."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._unacknowledge()
         for path in sorted(self.directory.glob("seg-*.jsonl")):
             records, _ = read_segment(path)
             size = path.stat().st_size
@@ -369,14 +391,69 @@ class Spool:
         async with self._lock:
             if self._fh is not None and time.monotonic() - self._opened_at >= self.roll_seconds:
                 self._roll()
+            if self.keep_acked_seconds:
+                self._readopt()
             return list(self._closed)
 
     def acknowledge(self, segment: Segment) -> None:
-        """Billing has every record of ``segment``: delete it."""
-        segment.path.unlink(missing_ok=True)
+        """Billing has every record of ``segment``: delete it, or keep it as acknowledged."""
+        if self.keep_acked_seconds:
+            kept = segment.path.with_name("acked-" + segment.path.name.removeprefix("seg-"))
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(segment.path, kept)
+                os.utime(kept)  # its age counts from the acknowledgement
+            self._prune_acked()
+        else:
+            segment.path.unlink(missing_ok=True)
         self._closed.remove(segment)
         self.backlog -= segment.records
         self.size_bytes -= segment.size_bytes
+
+    def _prune_acked(self) -> None:
+        before = time.time() - self.keep_acked_seconds
+        for path in self.directory.glob("acked-*.jsonl"):
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_mtime < before:
+                    path.unlink()
+
+    def _unacknowledge(self) -> list[Path]:
+        """If asked (a ``RESHIP`` file), put every kept acknowledged segment back in line."""
+        marker = self.directory / RESHIP
+        if not marker.exists():
+            return []
+        back = []
+        for path in sorted(self.directory.glob("acked-*.jsonl")):
+            fresh = path.with_name("seg-" + path.name.removeprefix("acked-"))
+            os.replace(path, fresh)
+            back.append(fresh)
+        marker.unlink(missing_ok=True)
+        if back:
+            log.info("spool %s: %d acknowledged segments to ship again", self.directory, len(back))
+        return back
+
+    def _readopt(self) -> None:
+        """Ship again what ``_unacknowledge`` put back (a stat per round while nothing is asked)."""
+        back = self._unacknowledge()
+        for path in back:
+            records, _ = read_segment(path)
+            size = path.stat().st_size
+            self._closed.append(Segment(path, len(records), size))
+            self.backlog += len(records)
+            self.size_bytes += size
+        if back:
+            self._closed.sort(key=lambda segment: segment.path.name)
+
+
+def request_reship(root: Path) -> list[Path]:
+    """Ask every spool under ``root`` that keeps acknowledged segments to ship them again.
+
+    Writes a ``RESHIP`` file beside them; the spool's owner acts on it at its next shipping
+    round (or when it starts). Returns the directories asked.
+    """
+    asked = sorted({p.parent for p in root.rglob("acked-*.jsonl")})
+    for directory in asked:
+        (directory / RESHIP).touch()
+    return asked
 
 
 def _wake(future: asyncio.Future[None] | None) -> None:

@@ -139,7 +139,8 @@ class Sidecar:
         # journal keeps every request whose record is not fsync'ed yet (``Accounting.record``).
         tick_seconds = settings.journal_mark_millis / 1000
         self.spool = Spool(directory, max_bytes=settings.spool_max_bytes, sealer=sealer,
-                           sync_seconds=tick_seconds)  # fmt: skip
+                           sync_seconds=tick_seconds,
+                           keep_acked_seconds=settings.spool_keep_acked_seconds)  # fmt: skip
         # Outlives reloads: a new view must not forget which signed requests were served.
         self.nonces = nonce_store(config, directory, self.metrics.registry)
         # Overrides are few (an admin's hand): the lifetime events' bound is ample.

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ import yaml
 from billing import backup
 from infermeter.config import DEFAULT_CONFIG
 from infermeter.serving import free_port
+from infermeter.shipper import Shipper
+from infermeter.spool import Spool
 from tests.billing.conftest import batch, usage
 
 INGEST = {"authorization": "Bearer im-demo-ingest"}
@@ -40,17 +43,23 @@ class Billing:
     process: subprocess.Popen[bytes] = field(repr=False)
 
 
-@pytest.fixture(scope="module")
-def billing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billing]:
-    """One billing service for the module, taking the shared ingest token, no retention timer."""
-    root = tmp_path_factory.mktemp("backup")
-    port = free_port()
+def _config(root: Path, port: int) -> Path:
+    """A configuration for billing on ``port`` with its ledger in ``root``, taking the shared
+    ingest token, without the retention timer."""
     data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
     data["billing"].update(listen=f"127.0.0.1:{port}", url=f"http://127.0.0.1:{port}",
                            database=str(root / "ledger.duckdb"), shared_ingest_token=True,
                            retention={"interval_seconds": 0, "archive": str(root / "archive")})  # fmt: skip
     config = root / "infermeter.yaml"
     config.write_text(yaml.safe_dump(data))
+    return config
+
+
+@contextmanager
+def _running(root: Path) -> Iterator[Billing]:
+    """``infermeter billing`` as its own process over ``root``'s ledger, stopped after the block."""
+    port = free_port()
+    config = _config(root, port)
     command = [sys.executable, "-m", "infermeter", "billing", "--config", str(config)]
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
@@ -73,6 +82,13 @@ def billing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billing]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="module")
+def billing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billing]:
+    """One billing service for the module."""
+    with _running(tmp_path_factory.mktemp("backup")) as service:
+        yield service
 
 
 @dataclass
@@ -198,3 +214,41 @@ def test_the_retain_command_runs_retention_in_the_service(billing: Billing) -> N
     assert report["moved"] == {"usage": 0, "gpu_samples": 0, "engine_samples": 0}  # all recent
     assert report["horizon"] < time.time() - 35 * 86_400
     assert (billing.root / "archive" / "_lock").is_file()
+
+
+async def test_after_a_restore_the_spool_ships_again_what_billing_had_acknowledged(
+    tmp_path: Path,
+) -> None:
+    """A spool that keeps acknowledged segments ships them again once asked (``infermeter spool
+    reship``): the restored ledger gets back what it acknowledged after the backup, each once."""
+    spool = Spool(tmp_path / "spool", keep_acked_seconds=3600)
+    spool.open()
+    before = [usage("search", time.time() - 60, request_id=f"before-{i}") for i in range(50)]
+    after = [usage("search", time.time() - 30, request_id=f"after-{i}") for i in range(50)]
+    with _running(tmp_path) as service:
+        async with httpx.AsyncClient(timeout=30) as client:
+            shipper = Shipper(spool, f"{service.url}/v1/ingest", "im-demo-ingest", "usage", client)
+            for record in before:
+                spool.write(record)
+            await spool.seal()
+            assert await shipper.ship_once() == 50
+            taken = await client.post(f"{service.url}/v1/admin/backup", headers=ADMIN,
+                                      params={"dest": str(tmp_path / "snapshot")})  # fmt: skip
+            assert taken.status_code == 200, taken.text
+            for record in after:
+                spool.write(record)
+            await spool.seal()
+            assert await shipper.ship_once() == 50
+    assert spool.backlog == 0
+    backup.restore(tmp_path / "snapshot", tmp_path / "ledger.duckdb", force=True)
+    assert len(_ids(tmp_path / "ledger.duckdb")) == 50  # the day after the backup is gone
+    command = [sys.executable, "-m", "infermeter", "spool", "reship", str(tmp_path / "spool")]
+    marked = subprocess.run(command, capture_output=True, timeout=60)
+    assert marked.returncode == 0, marked.stderr
+    with _running(tmp_path) as service:
+        async with httpx.AsyncClient(timeout=30) as client:
+            shipper = Shipper(spool, f"{service.url}/v1/ingest", "im-demo-ingest", "usage", client)
+            assert await shipper.ship_once() == 100  # acknowledged: 50 kept, 50 repeats
+    await spool.close()
+    ids = _ids(tmp_path / "ledger.duckdb")
+    assert sorted(ids) == sorted(r["request_id"] for r in before + after)
