@@ -9,6 +9,7 @@ stopped: it refuses a ledger a process has open, and one that exists without ``-
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,11 @@ def register(actions: Any) -> None:
     retain.set_defaults(handler=_retain)
     take = actions.add_parser("backup", help="snapshot the ledger into a new directory")
     add_config(take, nested=True)
-    take.add_argument("dest", metavar="DEST", help="a new directory (as billing sees it)")
+    take.add_argument(
+        "dest", metavar="DEST",
+        help="a new directory as billing sees it; strftime fields are filled in (UTC), as in "
+        "/backups/ledger-%%Y%%m%%dT%%H%%M%%SZ",
+    )  # fmt: skip
     take.add_argument("--database", metavar="PATH", help="this file, the service stopped")
     take.set_defaults(handler=_backup)
     back = actions.add_parser("restore", help="replace the ledger file with a backup")
@@ -71,6 +76,7 @@ def _backup(args: argparse.Namespace, config: Config) -> int:
     from billing import backup
     from billing.cli import _admin_client, _call, _fail, _ledger
 
+    args.dest = time.strftime(args.dest, time.gmtime())  # a schedule's each backup a new name
     if args.database:
         with _ledger(config, args.database) as ledger:
             try:

@@ -136,7 +136,13 @@ def test_every_rendered_object_is_valid_against_its_schema():
 
 def test_every_custom_kind_has_a_schema():
     """No object escapes validation: anything not built in has a schema in the repository."""
-    core_groups = {"v1", "apps/v1", "rbac.authorization.k8s.io/v1", "networking.k8s.io/v1"}
+    core_groups = {
+        "v1",
+        "apps/v1",
+        "batch/v1",
+        "rbac.authorization.k8s.io/v1",
+        "networking.k8s.io/v1",
+    }
     for doc in rendered():
         if doc["apiVersion"] not in core_groups:
             assert (doc["apiVersion"], doc["kind"]) in CUSTOM, doc["kind"]
@@ -443,10 +449,10 @@ def test_billing_is_a_single_writer_with_its_own_volume(tmp_path: Path) -> None:
     ((_, config),) = list(_configs(tmp_path))
     (billing,) = [s for s in _of("StatefulSet") if s["metadata"]["name"] == "infermeter-billing"]
     assert billing["spec"]["replicas"] == 1
-    (claim,) = billing["spec"]["volumeClaimTemplates"]
     (container,) = _containers(billing)
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert config.billing.database.startswith(mounts[claim["metadata"]["name"]] + "/")
+    claims = [c["metadata"]["name"] for c in billing["spec"]["volumeClaimTemplates"]]
+    assert [c for c in claims if config.billing.database.startswith(mounts[c] + "/")] == ["ledger"]
     service_name = billing["spec"]["serviceName"]
     assert service_name in {s["metadata"]["name"] for s in _of("Service")}
     assert f"//{service_name}:" in config.billing.url
@@ -768,3 +774,28 @@ def test_the_autoscalers_demand_history_is_on_a_volume_that_outlives_the_pod(
     (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
     claim = volume["persistentVolumeClaim"]["claimName"]
     assert [c for c in _of("PersistentVolumeClaim") if c["metadata"]["name"] == claim]
+
+
+def test_the_backup_cronjob_asks_billing_for_a_backup_on_its_own_volume(tmp_path: Path) -> None:
+    """The nightly job runs ``infermeter billing backup`` into billing's backups volume with the
+    admin token (documented), billing lets it in, and the archive is on a volume of its own."""
+    ((_, config),) = list(_configs(tmp_path))
+    (job,) = _of("CronJob")
+    pod = job["spec"]["jobTemplate"]["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["args"][:2] == ["billing", "backup"]
+    (billing,) = [s for s in _of("StatefulSet") if s["metadata"]["name"] == "infermeter-billing"]
+    (own,) = _containers(billing)
+    mounts = {m["name"]: m["mountPath"] for m in own["volumeMounts"]}
+    claims = {c["metadata"]["name"] for c in billing["spec"]["volumeClaimTemplates"]}
+    assert {"ledger", "archive", "backups"} <= claims
+    assert container["args"][-1].startswith(mounts["backups"] + "/")
+    assert config.billing.retention.archive == mounts["archive"]
+    token = _env(container)["INFERMETER_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert token == {"name": "infermeter-secrets", "key": "admin-token"}
+    assert "| `admin-token` |" in (ROOT / "docs" / "deploy.md").read_text()
+    (policy,) = [p for p in _of("NetworkPolicy") if p["metadata"]["name"] == "infermeter-billing"]
+    allowed = [f["podSelector"]["matchLabels"] for rule in policy["spec"]["ingress"]
+               for f in rule["from"] if set(f) == {"podSelector"}]  # fmt: skip
+    label = pod["metadata"]["labels"]["app.kubernetes.io/component"]
+    assert {"app.kubernetes.io/component": label} in allowed
