@@ -21,10 +21,11 @@ medians, with the cached counts vLLM reports), so the fixed cost of a request (H
 the one token every prefill computes) does not blur the per-token figures. The ratio
 ``per_cached / per_uncached`` is the cost of a cached prompt token in uncached ones.
 
-    .venv/bin/python -m bench.prefix_cache_cost --reps 40
+    .venv/bin/python -m bench.prefix_cache_cost --reps 60 --lengths 256 512 768 1000
 
-Flags: ``--lengths`` (prompt lengths, default 256 512 1000), ``--reps`` (repetitions per kind
-and length, default 40), ``--seed``, ``--json``. About two minutes, most of it vLLM starting.
+Flags: ``--lengths`` (prompt lengths, default 256 512 768 1000), ``--reps`` (repetitions per
+kind and length, default 60), ``--seed``, ``--json``. One to two minutes, half of it vLLM
+starting.
 """
 
 from __future__ import annotations
@@ -209,8 +210,8 @@ def _report(samples: list[Sample]) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     """Start vLLM, measure, print the medians and the fitted per-token ratio."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1000])
-    parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 768, 1000])
+    parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
