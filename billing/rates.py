@@ -57,8 +57,9 @@ def rates_sql(policy: Policy) -> str:
     """SQL of each model's cost (USD), weighted tokens and whether every GPU had a price.
 
     Parameters: the first and after-last slot, the first and after-last hour. A model's cost is
-    its replica groups' (``Policy.replica_model``) GPU rows'; a GPU model without a price makes
-    its cost unknown rather than low.
+    its replica groups' (``Policy.replica_model``) GPU rows' (a row naming only its instance
+    counts for the group that instance served in); a GPU model without a price makes its cost
+    unknown rather than low.
     """
     w = weights(policy)
     wp, wc, wo = w["prompt"], w["cached_prompt"], w["completion"]
@@ -70,7 +71,12 @@ WITH cost AS (
     SELECT g.model, sum(s.gpu_seconds / 3600.0 * coalesce(p.usd, 0.0))
             + sum(s.energy_joules) / 3.6e6 * {energy!r} AS usd,
         bool_and(p.usd IS NOT NULL) AS priced
-    FROM gpu_slots s JOIN {groups} g USING (replica) LEFT JOIN {prices} p USING (gpu_model)
+    FROM gpu_slots s
+    -- A sample that names its instance but not its group: the group the instance served in.
+    LEFT JOIN (SELECT instance, min(replica) AS served FROM alloc_units GROUP BY instance) u
+        ON s.replica = '' AND s.instance = u.instance
+    JOIN {groups} g ON g.replica = coalesce(nullif(s.replica, ''), u.served)
+    LEFT JOIN {prices} p USING (gpu_model)
     WHERE s.slot >= $1 AND s.slot < $2
     GROUP BY g.model
 ), work AS (

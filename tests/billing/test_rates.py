@@ -62,3 +62,15 @@ def test_the_answer_is_kept_for_a_minute(ledger: Ledger) -> None:
     assert cache.get(ledger, POLICY, MODELS) is first
     now[0] += 61
     assert cache.get(ledger, POLICY, MODELS)["models"]["chat-small"]["basis"] == "hour"
+
+
+def test_gpu_time_naming_only_its_instance_counts_for_the_group_it_served(ledger: Ledger) -> None:
+    """A pod's GPU samples without a group are the group's its records name: same $0.001."""
+    start = OCT + 3600
+    ledger.ingest(batch("usage", [usage("search", start + 60, 10.0, prompt_tokens=800,
+                                        cached_prompt_tokens=200, completion_tokens=150,
+                                        instance="small-0-a")]), now=start + 86400)  # fmt: skip
+    samples = [{**s, "instance": "small-0-a"} for s in gpu_samples("", start, 3600.0)]
+    ledger.ingest(batch("gpu_samples", samples), now=start + 86400)
+    small = rates(ledger, POLICY, MODELS, OCT + 2 * 3600)["models"]["chat-small"]
+    assert small["usd_per_weighted_token"] == pytest.approx(0.001)
