@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from billing.api import create_app
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
 from billing.schema import HOUR_SECONDS
-from infermeter.config import Config
+from infermeter.config import Config, RetentionSettings
 from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
 from tests.servers import serving
 
@@ -38,6 +40,19 @@ def _fill(ledger: Ledger) -> None:
     for day in (0, 30, 32):
         samples = gpu_samples(start=OCT + day * DAY)
         assert ledger.ingest(batch("gpu_samples", samples), now=NOW).accepted == len(samples)
+        readings = _engine_samples(OCT + day * DAY)
+        assert ledger.ingest(batch("engine_samples", readings), now=NOW).accepted == 40
+
+
+def _engine_samples(start: float) -> list[dict[str, Any]]:
+    """small-0's engine read every 15 s for 10 minutes from ``start``, its counters rising."""
+    return [
+        {"sample_id": f"eng-{start:.0f}-{k}", "replica": "small-0", "model": "chat-small",
+         "timestamp": start + 15 * k, "requests_running": 1.0, "requests_waiting": 2.0,
+         "kv_cache_usage": 0.5, "prompt_tokens_total": 100.0 * k,
+         "generation_tokens_total": 50.0 * k}
+        for k in range(40)
+    ]  # fmt: skip
 
 
 @pytest.fixture
@@ -81,11 +96,12 @@ def test_rows_before_the_horizon_move_and_the_statements_stay(
     moved = _count(filled, f"SELECT count(*) FROM usage WHERE received_at < {HORIZON}")
     report = archive.retain(filled, tmp_path / "archive", 35, now=NOW)
     assert report.horizon == HORIZON
-    assert report.moved == {"usage": moved, "gpu_samples": 360, "engine_samples": 0}
+    assert report.moved == {"usage": moved, "gpu_samples": 360, "engine_samples": 40}
     assert _count(filled, "SELECT count(*) FROM usage") == total - moved
     assert _count(filled, f"SELECT count(*) FROM usage WHERE received_at < {HORIZON}") == 0
     after = {m: Chargeback(filled, config).statement(m).lines.to_dicts() for m in before}
     assert after == before
+    assert _count(filled, "SELECT count(*) FROM engine_samples") == 80
     again = archive.retain(filled, tmp_path / "archive", 35, now=NOW)
     assert again.moved == {"usage": 0, "gpu_samples": 0, "engine_samples": 0}
 
@@ -109,7 +125,11 @@ def test_other_engines_read_the_archive_as_hive_partitioned_parquet(
         f"FROM read_parquet('{root}/**/*.parquet', hive_partitioning = true, union_by_name = true) "
         "GROUP BY ALL ORDER BY ALL"
     )
-    assert rows == [("gpu_samples", "2026-10", 360, 360), ("usage", "2026-10", len(ids), len(ids))]
+    assert rows == [
+        ("engine_samples", "2026-10", 40, 40),
+        ("gpu_samples", "2026-10", 360, 360),
+        ("usage", "2026-10", len(ids), len(ids)),
+    ]
 
 
 def test_a_record_before_the_archived_month_is_refused(filled: Ledger, tmp_path: Path) -> None:
@@ -189,3 +209,31 @@ async def test_the_records_route_reads_the_archive(served: str, filled: Ledger) 
     assert [(r["request_id"], r["team"], r["received_at"]) for r in found] == [
         ("r-0", "assistant", OCT)
     ]
+
+
+async def test_the_query_api_reads_archived_samples(served: str, filled: Ledger) -> None:
+    """``GET /v1/query/engine`` over an archived hour answers from the archive's samples."""
+    assert _count(filled, f"SELECT count(*) FROM engine_samples WHERE timestamp < {HORIZON}") == 0
+    params = {"from": OCT, "to": OCT + 3600, "step": 600}
+    async with httpx.AsyncClient(base_url=served, headers=ADMIN) as c:
+        answer = (await c.get("/v1/query/engine", params=params)).json()
+    rows = [dict(zip(answer["columns"], row, strict=True)) for row in answer["rows"]]
+    assert [(r["replica"], r["requests_waiting"]) for r in rows] == [("small-0", 2.0)]
+
+
+async def test_the_timer_runs_retention(filled: Ledger, tmp_path: Path) -> None:
+    """``retaining`` runs a retention every interval in the service, until cancelled."""
+    settings = RetentionSettings(archive=str(tmp_path / "archive"), interval_seconds=0.05)
+    task = asyncio.create_task(archive.retaining(filled, settings))
+    try:
+        for _ in range(200):
+            if len(filled.archive_runs()) == len(archive.RAW_KINDS):  # one run, every table
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    # Today, November is still open: the horizon is two days before it, as at NOW.
+    assert {kind for _, kind in filled.archive_runs()} == {"usage", "gpu_samples", "engine_samples"}
+    assert _count(filled, f"SELECT count(*) FROM usage WHERE received_at < {HORIZON}") == 0
