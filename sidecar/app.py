@@ -180,7 +180,7 @@ class Sidecar:
                            settings.protocol_relay)  # fmt: skip
         # Each answer's cost estimate, from billing's rates, read beside the spend.
         self.rates = RatePoller(settings.budgets, os.environ.get(settings.budgets.spend_token_env),
-                                lambda: self.budgets.client)  # fmt: skip
+                                lambda: self.budgets.client, self.metrics.registry)  # fmt: skip
         self.relay.rates = self.rates
         self.ingest_url = settings.ingest_url
         self.ingest_token = os.environ.get(settings.ingest_token_env) or None

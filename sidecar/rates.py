@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
 
+from prometheus_client import CollectorRegistry, Gauge
+
 from infermeter.config import BudgetSettings
 from sidecar.stream import UsageCounts, object_end, parse_usage
 
@@ -126,13 +128,21 @@ class RatePoller:
     """Billing's rates, read in the background; ``current`` is looked up per response."""
 
     def __init__(self, settings: BudgetSettings, token: str | None,
-                 client: Callable[[], httpx.AsyncClient | None]) -> None:  # fmt: skip
+                 client: Callable[[], httpx.AsyncClient | None],
+                 registry: CollectorRegistry | None = None) -> None:  # fmt: skip
         self.settings = settings
         self.token = token
         # The budget gate's client (``BudgetGate.client``): one connection pool to billing.
         self.client = client
         self.current: Mapping[str, Rate] = MappingProxyType({})
         self.read_at: float | None = None
+        if registry is not None:
+            age = Gauge("infermeter_cost_rates_age_seconds",
+                        "Seconds since billing's cost rates were last read (-1: never).",
+                        registry=registry)  # fmt: skip
+            age.set_function(
+                lambda: -1.0 if self.read_at is None else time.monotonic() - self.read_at
+            )
 
     def rate(self, model: str) -> Rate | None:
         """The latest rate of ``model``, None when billing has given none."""

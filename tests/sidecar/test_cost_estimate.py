@@ -36,7 +36,7 @@ from sidecar.rates import usd_text, with_cost
 from simulator.replica import ReplicaSim, replica_spec
 from tests.billing.conftest import batch, gpu_samples, usage
 from tests.servers import serving
-from tests.sidecar.conftest import KEYS, make_config
+from tests.sidecar.conftest import KEYS, METRICS_TOKEN, make_config
 
 SPEND = "im-demo-spend"
 HOUR = 3600
@@ -216,3 +216,14 @@ def test_the_cost_is_added_last_to_the_usage_object_in_plain_decimals() -> None:
     assert usd_text(2.0) == b"2.0"
     assert usd_text(1e-14) is None
     assert usd_text(0.0) is None
+
+
+def test_a_sidecar_shows_how_old_its_rates_are(fleet: Fleet) -> None:
+    """``infermeter_cost_rates_age_seconds``: read moments ago, within a couple of refreshes."""
+    text = httpx.get(
+        f"{fleet.small}/metrics", headers={"authorization": f"Bearer {METRICS_TOKEN}"}
+    ).text
+    ages = [float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("infermeter_cost_rates_age_seconds ")]  # fmt: skip
+    assert len(ages) == 1
+    assert 0.0 <= ages[0] < 5.0
