@@ -12,7 +12,8 @@ cannot take from the rollups (hang-ups, records it places one by one), within
 - ``MARGIN_SECONDS`` before the first month still computed from the ledger: one not closed, or
   closed with late records waiting for their adjustment (the current month always is);
 
-floored to the hour, and never moved back. Instance events, lifetimes, statements, quarantine,
+floored to the day (UTC), and never moved back: runs more often than daily find nothing new, so
+the archive holds about one file per table and day, not per run. Instance events, lifetimes, statements, quarantine,
 keys and audit stay. Ingest refuses a record before the end of the horizon's month (the macro
 ``_archived_before`` in ``billing.schema``): it could be in the archive already (its id could
 not be found to drop it as a repeat), and its month's statement is frozen.
@@ -55,7 +56,6 @@ from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
-from billing.schema import HOUR_SECONDS
 from infermeter.months import month_bounds, month_of
 from infermeter.records import ENGINE, GPU, USAGE, RecordKind
 
@@ -155,10 +155,10 @@ class Manifest:
 
 
 def horizon(now: float, raw_days: int, computed_months: Iterable[str]) -> float:
-    """Where raw rows stop leaving the ledger (module docstring): an hour boundary."""
+    """Where raw rows stop leaving the ledger (module docstring): a day boundary (UTC)."""
     first = min([month_of(now), *computed_months])
     edge = min(now - raw_days * DAY_SECONDS, month_bounds(first)[0] - MARGIN_SECONDS)
-    return float(edge // HOUR_SECONDS * HOUR_SECONDS)
+    return float(edge // DAY_SECONDS * DAY_SECONDS)
 
 
 def refuse_before(edge: float) -> float:
@@ -386,9 +386,19 @@ def _remove_orphans(root: Path) -> list[str]:
 
 
 @contextmanager
-def reader(ledger: Ledger) -> Iterator[duckdb.DuckDBPyConnection]:
-    """A cursor on ``ledger`` whose raw tables also hold their archived rows (temp views)."""
+def reader(
+    ledger: Ledger, span: tuple[float, float] | None = None
+) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A cursor on ``ledger`` whose raw tables also hold their archived rows (temp views).
+
+    ``span``: only the files of the months it touches (a query's range), so a query of this
+    week opens none.
+    """
     files = ledger.archived_files()
+    if span is not None:
+        months = {f"/month={m}/" for m in months_between(*span)}
+        files = {t: [p for p in paths if any(m in p for m in months)] for t, paths in files.items()}
+        files = {t: paths for t, paths in files.items() if paths}
     with ledger.reader() as cursor:
         if files:
             row = cursor.execute("SELECT current_database()").fetchone()

@@ -132,5 +132,7 @@ async def query(
 def _run(ledger: Ledger, rollups: Rollups, name: str, params: queries.QueryParams,
          now: float) -> Any:  # fmt: skip
     rollups.refresh_if_due(now)
-    with archive.reader(ledger) as cursor:  # raw samples that left for the archive too
+    # Raw rows that left for the archive too, from the files of the range's months only (a day
+    # earlier: reconciliation reads two hours back, and a request lasts up to a day).
+    with archive.reader(ledger, (params.start - 86_400, params.end)) as cursor:
         return queries.run(cursor, name, params)

@@ -45,9 +45,13 @@ async def usage_records_by_id(
 
 
 def _run(ledger: Ledger, lookup: Lookup) -> list[dict[str, Any]]:
+    """The ledger's records, and the archive's too when the ledger has fewer than ``limit``:
+    archived records are older than what the ledger holds, and reading the archive scans it."""
     sql, params = lookup_sql(lookup)
     names = [f.name for f in USAGE.fields]
-    with archive.reader(ledger) as cursor:  # records that left for the archive too
-        return [
-            dict(zip(names, row, strict=True)) for row in cursor.execute(sql, params).fetchall()
-        ]
+    with ledger.reader() as cursor:
+        rows = cursor.execute(sql, params).fetchall()
+    if len(rows) < lookup.limit and ledger.archived_files():
+        with archive.reader(ledger) as cursor:  # records that left for the archive too
+            rows = cursor.execute(sql, params).fetchall()
+    return [dict(zip(names, row, strict=True)) for row in rows]
