@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +22,14 @@ import pytest
 import yaml
 
 from billing import backup
-from infermeter.config import DEFAULT_CONFIG
+from infermeter.config import DEFAULT_CONFIG, Config
 from infermeter.serving import free_port
 from infermeter.shipper import Shipper
 from infermeter.spool import Spool
+from sidecar.app import Sidecar
+from simulator.replica import ReplicaSim, replica_spec
 from tests.billing.conftest import batch, usage
+from tests.servers import serving
 
 INGEST = {"authorization": "Bearer im-demo-ingest"}
 ADMIN = {"authorization": "Bearer im-demo-admin"}
@@ -43,10 +47,11 @@ class Billing:
     process: subprocess.Popen[bytes] = field(repr=False)
 
 
-def _config(root: Path, port: int) -> Path:
+def _config(root: Path, port: int, **sidecar: Any) -> Path:
     """A configuration for billing on ``port`` with its ledger in ``root``, taking the shared
-    ingest token, without the retention timer."""
+    ingest token, without the retention timer; ``sidecar``: settings of the sidecars."""
     data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["sidecar"].update(sidecar)
     data["billing"].update(listen=f"127.0.0.1:{port}", url=f"http://127.0.0.1:{port}",
                            database=str(root / "ledger.duckdb"), shared_ingest_token=True,
                            retention={"interval_seconds": 0, "archive": str(root / "archive")})  # fmt: skip
@@ -56,10 +61,15 @@ def _config(root: Path, port: int) -> Path:
 
 
 @contextmanager
-def _running(root: Path) -> Iterator[Billing]:
-    """``infermeter billing`` as its own process over ``root``'s ledger, stopped after the block."""
-    port = free_port()
-    config = _config(root, port)
+def _running(root: Path, port: int | None = None) -> Iterator[Billing]:
+    """``infermeter billing`` as its own process over ``root``'s ledger, stopped after the block;
+    its configuration is ``root``'s infermeter.yaml when there is one."""
+    config = root / "infermeter.yaml"
+    if config.exists():
+        port = int(yaml.safe_load(config.read_text())["billing"]["listen"].rsplit(":", 1)[1])
+    else:
+        port = port or free_port()
+        config = _config(root, port)
     command = [sys.executable, "-m", "infermeter", "billing", "--config", str(config)]
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
@@ -252,3 +262,74 @@ async def test_after_a_restore_the_spool_ships_again_what_billing_had_acknowledg
     await spool.close()
     ids = _ids(tmp_path / "ledger.duckdb")
     assert sorted(ids) == sorted(r["request_id"] for r in before + after)
+
+
+async def test_a_sidecar_ships_again_what_a_restore_took_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sidecar keeping acknowledged records (``spool_keep_acked_seconds``) in front of a
+    simulated replica: billing restored to a backup taken between two waves of requests gets
+    the second wave back once the spools are asked to reship, and no request twice."""
+    monkeypatch.setenv("INFERMETER_INGEST_TOKEN", "im-demo-ingest")
+    up_port, port = free_port(), free_port()
+    path = _config(tmp_path, port, spool_dir=str(tmp_path / "spool"), spool_keep_acked_seconds=3600,
+                   ingest_url=f"http://127.0.0.1:{port}/v1/ingest")  # fmt: skip
+    data = yaml.safe_load(path.read_text())
+    data["replicas"][1]["upstream_url"] = f"http://127.0.0.1:{up_port}"
+    path.write_text(yaml.safe_dump(data))
+    config = Config.model_validate(data)
+    sim = ReplicaSim(replica_spec(config, "small-0"))
+    sidecar = Sidecar(config, "small-0", spool_dir=tmp_path / "spool")
+    chat = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    waves: list[list[str]] = []
+    async with (
+        serving(sim, up_port),
+        serving(sidecar) as url,
+        httpx.AsyncClient(
+            base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=60
+        ) as client,  # fmt: skip
+    ):
+
+        async def wave() -> None:
+            ids = []
+            for _ in range(10):
+                response = await client.post("/v1/chat/completions", json=chat)
+                assert response.status_code == 200, response.text
+                ids.append(response.headers["x-infermeter-request-id"])
+            waves.append(ids)
+            await _until(lambda: sidecar.spool.backlog == 0, "the spool did not drain")
+
+        with _running(tmp_path, port) as service:
+            await wave()
+            taken = await client.post(f"{service.url}/v1/admin/backup", headers=ADMIN,
+                                      params={"dest": str(tmp_path / "snapshot")})  # fmt: skip
+            assert taken.status_code == 200, taken.text
+            await wave()
+        backup.restore(tmp_path / "snapshot", tmp_path / "ledger.duckdb", force=True)
+        assert sorted(_ids(tmp_path / "ledger.duckdb")) == sorted(waves[0])
+        command = [sys.executable, "-m", "infermeter", "spool", "reship", str(tmp_path / "spool")]
+        marked = subprocess.run(command, capture_output=True, timeout=60)
+        assert marked.returncode == 0, marked.stderr
+        with _running(tmp_path, port) as service:
+
+            async def found() -> bool:
+                answer = await client.get(f"{service.url}/v1/usage/records", headers=ADMIN,
+                                          params={"id": waves[1][-1]})  # fmt: skip
+                return bool(answer.json()["records"])
+
+            await _until(found, "the second wave did not come back")
+            await _until(lambda: sidecar.spool.backlog == 0, "the spool did not drain")
+    assert sorted(_ids(tmp_path / "ledger.duckdb")) == sorted(waves[0] + waves[1])
+
+
+async def _until(
+    check: Callable[[], bool | Awaitable[bool]], failure: str, seconds: float = 90
+) -> None:
+    """Wait until ``check`` holds, polling; fail with ``failure`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        held = check()
+        if held if isinstance(held, bool) else await held:
+            return
+        assert time.monotonic() < deadline, failure
+        await asyncio.sleep(0.2)
