@@ -54,14 +54,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+import duckdb
 import orjson
 
 from infermeter.months import month_bounds, month_of
 from infermeter.records import ENGINE, GPU, USAGE, RecordKind
 
 if TYPE_CHECKING:
-    import duckdb
-
     from billing.ledger import Ledger
     from infermeter.config import RetentionSettings
 
@@ -418,7 +417,7 @@ async def retaining(ledger: Ledger, settings: RetentionSettings) -> None:
         await asyncio.sleep(settings.interval_seconds)
         try:
             report = await asyncio.to_thread(retain, ledger, settings.archive, settings.raw_days)
-        except (ArchiveError, OSError, RuntimeError) as exc:
+        except (ArchiveError, OSError, duckdb.Error) as exc:
             log.warning(
                 "billing: retention failed, retried in %.0f s: %s", settings.interval_seconds, exc
             )
