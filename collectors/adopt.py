@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from infermeter.audit_spool import AUDIT_DIR
 from infermeter.journal import JOURNAL_DIR, journal_files, recover
 from infermeter.shipper import Shipper, ShipperMetrics
-from infermeter.spool import Segment, Spool
+from infermeter.spool import RESHIP, Segment, Spool
 from infermeter.spooldir import (
     BUDGET_OVERRIDES,
     GATEWAY_NONCES,
@@ -110,6 +110,8 @@ def listing(directory: Path, keep_nonces_seconds: float = 0.0) -> Listing:
     for entry in directory.iterdir():
         if entry.name.startswith("seg-") and entry.name.endswith(".jsonl"):
             usage += 1
+        elif entry.name.startswith("acked-") or entry.name == RESHIP:
+            continue  # acknowledged already: kept for a restore, gone with the directory
         elif entry.name == GATEWAY_NONCES and entry.is_dir():
             since = time.time() - keep_nonces_seconds
             recent = any(p.stat().st_mtime > since for p in entry.iterdir())

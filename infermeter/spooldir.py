@@ -32,6 +32,7 @@ from typing import Final
 
 from infermeter.audit_spool import AUDIT_DIR
 from infermeter.journal import JOURNAL_DIR
+from infermeter.spool import RESHIP
 
 __all__ = [
     "BUDGET_OVERRIDES", "GATEWAY_NONCES", "INSTANCES", "ISSUED_KEYS", "LOCK", "SpoolBusyError",
@@ -121,6 +122,9 @@ class SpoolLock:
             for path in nonces.iterdir():
                 path.unlink(missing_ok=True)
         (self.directory / ISSUED_KEYS).unlink(missing_ok=True)  # a cache of billing's
+        # Segments billing acknowledged, kept for a restore of its ledger: their writer is gone.
+        for path in [*self.directory.glob("acked-*.jsonl"), self.directory / RESHIP]:
+            path.unlink(missing_ok=True)
         (self.directory / AUDIT_DIR / LOCK).unlink(missing_ok=True)
         for sub in (INSTANCES, BUDGET_OVERRIDES, JOURNAL_DIR, GATEWAY_NONCES, AUDIT_DIR):
             with contextlib.suppress(OSError):  # absent, or not empty: the check below tells

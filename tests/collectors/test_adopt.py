@@ -163,6 +163,19 @@ async def test_an_empty_audit_spool_and_the_keys_cache_leave_nothing_behind(tmp_
     assert (unshipped / "audit" / "seg-00000000000000000001.jsonl").exists()
 
 
+async def test_acknowledged_segments_kept_for_a_restore_do_not_keep_the_directory(tmp_path):
+    """A gone sidecar's spool holding only segments billing acknowledged (kept by
+    ``spool_keep_acked_seconds``), even asked to reship, is removed like an empty one."""
+    directory = tmp_path / "small-0"
+    directory.mkdir()
+    (directory / "acked-00000000000000000001.jsonl").write_text('{"request_id": "r"}\n')
+    (directory / "reship").touch()
+    async with httpx.AsyncClient() as client:
+        adopter, _ = _adopter(tmp_path, free_port(), client)
+        assert await adopter.adopt_once() == 0
+    assert not directory.exists()
+
+
 async def test_gateway_nonces_keep_the_directory_only_while_they_matter(tmp_path):
     """Nonces written within keep_nonces_seconds keep a shipped directory; older ones go with it."""
     nonces = tmp_path / "small-0" / "gateway-nonces"
