@@ -3,7 +3,8 @@
 A sidecar puts a cost estimate on every response (``sidecar.rates``) from the answer's tokens
 and a rate it read from billing beforehand (``GET /v1/rates``), so no request waits on billing.
 The rate of a model is what its replica groups' GPUs cost in the last complete hour (GPU time
-at ``prices.usd_per_gpu_hour`` plus energy at ``prices.usd_per_kwh`` x ``prices.pue``, idle
+at the price book's prices (``billing.pricebook``: a node pool's rate in effect, else
+``prices.usd_per_gpu_hour``) plus energy at its USD per kWh x PUE, idle
 time included: the whole cost the model's users pay for between them) over the tokens its
 records carry in that hour, weighted as the ``tokens`` split weighs them
 (``billing.token_weights``: prompt, cached prompt, completion). Without both in that hour, the
@@ -23,6 +24,7 @@ from typing import Any, Final
 
 from billing.charges import Policy
 from billing.ledger import Ledger
+from billing.pricebook import priced_sql
 from billing.schema import HOUR_SECONDS, SLOT_SECONDS
 from infermeter.months import month_bounds, month_of
 
@@ -63,21 +65,19 @@ def rates_sql(policy: Policy) -> str:
     """
     w = weights(policy)
     wp, wc, wo = w["prompt"], w["cached_prompt"], w["completion"]
-    energy = float(policy.usd_per_kwh) * float(policy.pue)
-    prices = _values(policy.usd_per_gpu_hour, ("gpu_model", "usd"), "DOUBLE")
     groups = _values(policy.replica_model, ("replica", "model"), "VARCHAR")
+    # Priced as statements price them: by node pool and minute (``billing.pricebook``).
+    gpus = priced_sql(policy.prices, "(SELECT * FROM gpu_slots WHERE slot >= $1 AND slot < $2)")
     return f"""
 WITH cost AS (
-    SELECT g.model, sum(s.gpu_seconds / 3600.0 * coalesce(p.usd, 0.0))
-            + sum(s.energy_joules) / 3.6e6 * {energy!r} AS usd,
-        bool_and(p.usd IS NOT NULL) AS priced
-    FROM gpu_slots s
+    SELECT g.model, sum(s.gpu_seconds / 3600.0 * coalesce(s.usd, 0.0))
+            + sum(s.energy_joules / 3.6e6 * s.kwh_usd) AS usd,
+        bool_and(s.usd IS NOT NULL) AS priced
+    FROM {gpus} s
     -- A sample that names its instance but not its group: the group the instance served in.
     LEFT JOIN (SELECT instance, min(replica) AS served FROM alloc_units GROUP BY instance) u
         ON s.replica = '' AND s.instance = u.instance
     JOIN {groups} g ON g.replica = coalesce(nullif(s.replica, ''), u.served)
-    LEFT JOIN {prices} p USING (gpu_model)
-    WHERE s.slot >= $1 AND s.slot < $2
     GROUP BY g.model
 ), work AS (
     SELECT k.model, sum((h.prompt_tokens - h.cached_prompt_tokens) * {wp!r}

@@ -74,3 +74,19 @@ def test_gpu_time_naming_only_its_instance_counts_for_the_group_it_served(ledger
     ledger.ingest(batch("gpu_samples", samples), now=start + 86400)
     small = rates(ledger, POLICY, MODELS, OCT + 2 * 3600)["models"]["chat-small"]
     assert small["usd_per_weighted_token"] == pytest.approx(0.001)
+
+
+def test_the_rate_uses_the_node_pools_price(ledger: Ledger) -> None:
+    """node-b is in pool spot at $0.40 an hour (the GPU model's list price is $1.00): $0.0004."""
+    from dataclasses import replace
+
+    from billing.pricebook import price_book
+    from infermeter.config import Prices
+
+    prices = Prices.model_validate({"usd_per_gpu_hour": {"L40S": 1.0}, "pools": [
+        {"name": "spot", "nodes": ["node-b"], "prices": [
+            {"from": "2026-01-01", "category": "spot", "usd_per_gpu_hour": 0.4}]}]})  # fmt: skip
+    _hour(ledger, OCT + 3600, 800, 200, 150)
+    pooled = replace(POLICY, book=price_book(prices))
+    small = rates(ledger, pooled, MODELS, OCT + 2 * 3600 + 30)["models"]["chat-small"]
+    assert small["usd_per_weighted_token"] == pytest.approx(0.0004)
