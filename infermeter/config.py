@@ -689,9 +689,9 @@ class TokenWeights(_Strict):
 class RetentionSettings(_Strict):
     """How long raw records stay in the ledger file before they move to the Parquet archive.
 
-    ``archive`` is a directory (a mounted volume; object storage through a mount such as a CSI
-    driver); ``interval_seconds`` is how often the billing service runs retention (0: never,
-    leaving it to ``infermeter billing retain``).
+    ``archive`` is a directory on a filesystem with an atomic rename (a mounted volume: not a
+    URL, and not an object store mount without rename); ``interval_seconds`` is how often the
+    billing service runs retention (0: never, leaving it to ``infermeter billing retain``).
     """
 
     raw_days: Annotated[int, Field(ge=1, le=36_500)] = 35
