@@ -6,7 +6,7 @@ ring from the configuration.
 
 from __future__ import annotations
 
-from infermeter.auth import ADMIN, INGEST, METRICS, SPEND_READER, KeyRing
+from infermeter.auth import ADMIN, FEDERATION, INGEST, METRICS, SPEND_READER, KeyRing
 from infermeter.config import Config
 
 __all__ = ["keyring"]
@@ -17,5 +17,6 @@ def keyring(config: Config) -> KeyRing:
     entries = [(t.name, t.api_key_sha256) for t in config.teams]
     entries += [(ADMIN, config.admin_token_sha256), (METRICS, config.metrics_token_sha256),
                 (SPEND_READER, config.spend_token_sha256),
+                (FEDERATION, config.federation_token_sha256),
                 (INGEST, config.billing.ingest_token_sha256)]  # fmt: skip
     return KeyRing(entries)

@@ -28,7 +28,9 @@ from infermeter.oidc import IdTokens
 __all__ = ["reconfigure", "record_reload", "restart_needed"]
 
 # Billing's settings a running process cannot change.
-_FIXED = ("listen", "database", "memory_limit", "threads", "writer_secret_env")
+# The federation's settings too: a central's puller takes them when the service starts.
+_FIXED = ("listen", "database", "memory_limit", "threads", "writer_secret_env", "role", "clusters",
+          "federation")  # fmt: skip
 
 
 def restart_needed(old: Config, new: Config) -> list[str]:

@@ -14,6 +14,7 @@ which no team name can have, so a team can never be mistaken for a role:
 ``@viewer``        reads every team's data; changes nothing
 ``@spend_reader``  what a sidecar needs: every team's month-to-date spend and the issued keys'
                    digests; nothing else (the sidecars hold it instead of the admin token)
+``@federation``    what a central billing needs: this cluster's closed months, nothing else
 ``@metrics``       scrapes ``/metrics``
 ``@ingest``        the shared ingest token of earlier releases
 team member        reads its own team's data
@@ -39,6 +40,8 @@ __all__ = [
     "ADMIN",
     "AUDITORS",
     "CLOSERS",
+    "FEDERATION",
+    "FEDERATORS",
     "FINANCE",
     "INGEST",
     "INGESTERS",
@@ -72,7 +75,8 @@ VIEWER: Final = "@viewer"
 SPEND_READER: Final = "@spend_reader"
 INGEST: Final = "@ingest"
 METRICS: Final = "@metrics"
-ROLES: Final = frozenset({ADMIN, FINANCE, VIEWER, SPEND_READER, INGEST, METRICS})
+FEDERATION: Final = "@federation"
+ROLES: Final = frozenset({ADMIN, FINANCE, VIEWER, SPEND_READER, INGEST, METRICS, FEDERATION})
 
 # Who may do what (besides the teams, who read their own data, and their leads, who also
 # manage their own team's keys). One table for every service.
@@ -84,6 +88,7 @@ KEY_READERS: Final = frozenset({ADMIN, SPEND_READER})  # the issued keys' digest
 AUDITORS: Final = frozenset({ADMIN})  # the audit trail
 SCRAPERS: Final = frozenset({ADMIN, METRICS})  # /metrics of every service
 INGESTERS: Final = frozenset({INGEST})  # records into billing
+FEDERATORS: Final = frozenset({ADMIN, FEDERATION})  # a cluster's closed months, for a central
 
 # Unix seconds as the gateway writes them: int() alone would also take signs, spaces, "_",
 # other scripts' digits and numbers too large to compare with the clock.

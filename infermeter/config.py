@@ -706,6 +706,36 @@ class RetentionSettings(_Strict):
         return value
 
 
+# A cluster's name in a federation: no "/", which separates it from the team in the central's
+# FOCUS SubAccountId ("<cluster>/<team>").
+ClusterName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
+
+
+class FederatedCluster(_Strict):
+    """A cluster a central billing pulls closed months from (``billing.federation``).
+
+    The central presents the token in ``$token_env`` (never in the file); the cluster accepts it
+    because its hash is in the cluster's ``federation_token_sha256``, for the federation routes
+    only.
+    """
+
+    name: ClusterName
+    url: Annotated[str, StringConstraints(pattern=r"^https?://[^\s/]+(/[^\s]*)?$")]
+    token_env: Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+
+
+class FederationSettings(_Strict):
+    """How a central billing pulls its clusters: every ``interval_seconds``, each request within
+    ``timeout_seconds``, tried ``attempts`` times with exponential backoff before the cluster
+    is marked stale until the next round; an answer larger than ``max_body_bytes`` is refused."""
+
+    interval_seconds: Positive = 300.0
+    timeout_seconds: Positive = 30.0
+    attempts: Annotated[int, Field(ge=1, le=10)] = 3
+    backoff_seconds: Positive = 1.0
+    max_body_bytes: Annotated[int, Field(gt=0)] = 64 << 20
+
+
 class BillingSettings(_Strict):
     """The billing service: the only process that writes the DuckDB ledger."""
 
@@ -753,6 +783,21 @@ class BillingSettings(_Strict):
     gpu_max_watts: dict[str, Positive] = Field(default_factory=dict)
     # Raw usage and samples older than this leave the ledger for a Parquet archive (billing.archive).
     retention: RetentionSettings = RetentionSettings()
+    # A cluster's billing keeps its own ledger and serves its closed months to a central; a
+    # central (the same service) also pulls every cluster of ``clusters`` (docs/deploy.md).
+    role: Literal["cluster", "central"] = "cluster"
+    cluster_name: ClusterName = "default"
+    clusters: Annotated[list[FederatedCluster], Field(max_length=256)] = Field(default_factory=list)
+    federation: FederationSettings = FederationSettings()
+
+    @model_validator(mode="after")
+    def _federation(self) -> BillingSettings:
+        names = [c.name for c in self.clusters]
+        if len(set(names)) != len(names):
+            raise ValueError("billing.clusters: each cluster needs a name of its own")
+        if self.clusters and self.role != "central":
+            raise ValueError("billing.clusters is for billing.role: central only")
+        return self
 
 
 # What an IdP group may map to: a role of ``infermeter.auth`` or a team's lead or member.
@@ -958,6 +1003,9 @@ class Config(_Strict):
     # The spend_reader role (``infermeter.auth``): what the sidecars hold to read every team's
     # month-to-date spend and the issued keys, instead of the admin token.
     spend_token_sha256: list[Sha256] = Field(default_factory=list)
+    # The federation role: what a central billing holds to read this cluster's closed months
+    # (``GET /v1/federation/months``), and nothing else.
+    federation_token_sha256: list[Sha256] = Field(default_factory=list)
 
     @field_validator("teams", "models", "replicas", "nodes")
     @classmethod
@@ -1039,7 +1087,7 @@ def credential_hashes(config: Config) -> list[tuple[str, str, str]]:
     """Every stored key hash as ``(principal, key path, digest)``, in file order.
 
     A principal is who the key makes the caller: a team (``team:<name>``), or ``admin``,
-    ``metrics``, ``spend_reader`` or ``ingest``.
+    ``metrics``, ``spend_reader``, ``federation`` or ``ingest``.
     """
     out = [(f"team:{t.name}", f"teams[{i}].api_key_sha256[{j}]", d)
            for i, t in enumerate(config.teams) for j, d in enumerate(t.api_key_sha256)]  # fmt: skip
@@ -1047,6 +1095,7 @@ def credential_hashes(config: Config) -> list[tuple[str, str, str]]:
         ("admin", "admin_token_sha256", config.admin_token_sha256),
         ("metrics", "metrics_token_sha256", config.metrics_token_sha256),
         ("spend_reader", "spend_token_sha256", config.spend_token_sha256),
+        ("federation", "federation_token_sha256", config.federation_token_sha256),
         ("ingest", "billing.ingest_token_sha256", config.billing.ingest_token_sha256),
     ):
         out += [(principal, f"{path}[{j}]", d) for j, d in enumerate(digests)]
