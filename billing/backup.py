@@ -37,9 +37,11 @@ from billing.archive import sha256_of
 if TYPE_CHECKING:
     from billing.ledger import Ledger
 
-__all__ = ["MANIFEST", "BackupError", "backup", "restore"]
+__all__ = ["MANIFEST", "NAME_PATTERN", "BackupError", "backup", "restore"]
 
 MANIFEST: Final = "backup.json"
+# A backup's name when the service is asked for one: a directory name, never a path.
+NAME_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 
 class BackupError(Exception):

@@ -2,7 +2,8 @@
 
 ``retain`` and ``backup`` go through the running service (admin token in
 ``$INFERMETER_ADMIN_TOKEN``), which alone has the ledger open, or open the file themselves with
-``--database`` when it is stopped. ``restore`` always works on the file, with the service
+``--database`` when it is stopped. Through the service, a backup is named, and billing writes it
+under ``billing.backup_dir``. ``restore`` always works on the file, with the service
 stopped: it refuses a ledger a process has open, and one that exists without ``--force``.
 """
 
@@ -35,8 +36,9 @@ def register(actions: Any) -> None:
     add_config(take, nested=True)
     take.add_argument(
         "dest", metavar="DEST",
-        help="a new directory as billing sees it; strftime fields are filled in (UTC), as in "
-        "/backups/ledger-%%Y%%m%%dT%%H%%M%%SZ",
+        help="through the service: the new backup's name, a directory under billing.backup_dir; "
+        "with --database: a new directory; strftime fields are filled in (UTC), as in "
+        "ledger-%%Y%%m%%dT%%H%%M%%SZ",
     )  # fmt: skip
     take.add_argument("--database", metavar="PATH", help="this file, the service stopped")
     take.set_defaults(handler=_backup)
@@ -86,7 +88,7 @@ def _backup(args: argparse.Namespace, config: Config) -> int:
         _print({"directory": str(Path(args.dest).resolve()), **manifest})
         return 0
     with _admin_client(config, None) as client:
-        response = _call(client, "POST", "/v1/admin/backup", params={"dest": args.dest})
+        response = _call(client, "POST", "/v1/admin/backup", params={"name": args.dest})
     if response.status_code != 200:
         return _fail(response)
     _print(response.json())

@@ -775,6 +775,9 @@ class BillingSettings(_Strict):
     token_weights: TokenWeights = TokenWeights()
     platform_account: Name = "platform"
     export_dir: str = "var/exports"
+    # Where ``POST /v1/admin/backup`` (``infermeter billing backup``) writes each backup, in a
+    # new directory of the name the caller gives (billing.backup).
+    backup_dir: str = "var/backups"
     # The share of a replica group's engine tokens in the last whole hour that no usage record
     # carries, over which the rendered rules raise InfermeterTokensUnattributed.
     reconciliation_alert_share: Annotated[float, Field(ge=0, le=1)] = 0.02

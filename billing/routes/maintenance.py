@@ -1,12 +1,15 @@
 """``POST /v1/admin/retain`` and ``POST /v1/admin/backup``: the ledger's upkeep, by the admin.
 
 Both run in the service because it alone has the ledger open; the commands ``infermeter billing
-retain`` and ``backup`` call them. A backup's ``dest`` is a path on billing's own filesystem (a
-volume mounted for backups), and must not exist yet: a backup never replaces anything.
+retain`` and ``backup`` call them. A backup goes to a new directory ``name`` under
+``billing.backup_dir`` (a volume mounted for backups): a name, never a path, so the caller
+chooses no place on billing's filesystem, and one that exists is refused: a backup never
+replaces anything.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
@@ -38,11 +41,13 @@ async def retain(_: Manager, svc: ServicesDep) -> dict[str, Any] | Response:
 
 @router.post("/v1/admin/backup", responses=errors(*READ, 409), response_model=None)
 async def take_backup(
-    _: Manager, svc: ServicesDep, dest: Annotated[str, Query(min_length=1, max_length=4096)]
+    _: Manager, svc: ServicesDep, name: Annotated[str, Query(pattern=backup.NAME_PATTERN)]
 ) -> dict[str, Any] | Response:
-    """Snapshot the ledger into the new directory ``dest`` while ingest goes on."""
+    """Snapshot the ledger into the new directory ``name`` under ``billing.backup_dir`` while
+    ingest goes on."""
+    dest = Path(svc.config.billing.backup_dir) / name
     try:
         manifest = await run_in_threadpool(backup.backup, svc.ledger, dest)
     except backup.BackupError as exc:
-        return error_response(409, str(exc), "invalid_request_error", "conflict", "dest")
-    return {"directory": dest, **manifest}
+        return error_response(409, str(exc), "invalid_request_error", "conflict", "name")
+    return {"directory": str(dest.resolve()), **manifest}

@@ -54,6 +54,7 @@ def _config(root: Path, port: int, **sidecar: Any) -> Path:
     data["sidecar"].update(sidecar)
     data["billing"].update(listen=f"127.0.0.1:{port}", url=f"http://127.0.0.1:{port}",
                            database=str(root / "ledger.duckdb"), shared_ingest_token=True,
+                           backup_dir=str(root / "backups"),
                            retention={"interval_seconds": 0, "archive": str(root / "archive")})  # fmt: skip
     config = root / "infermeter.yaml"
     config.write_text(yaml.safe_dump(data))
@@ -141,8 +142,9 @@ def test_a_backup_under_ingest_holds_exactly_the_batches_committed_before_it(
     try:
         time.sleep(1.0)
         began = time.monotonic()
-        dest = tmp_path / "snapshot"
-        response = httpx.post(f"{billing.url}/v1/admin/backup", params={"dest": str(dest)},
+        name = f"snapshot-{tmp_path.name}"
+        dest = billing.root / "backups" / name
+        response = httpx.post(f"{billing.url}/v1/admin/backup", params={"name": name},
                               headers=ADMIN, timeout=120)  # fmt: skip
         ended = time.monotonic()
         time.sleep(0.5)
@@ -167,8 +169,9 @@ def test_restore_refuses_a_live_ledger_an_existing_one_and_an_altered_backup(
     billing: Billing, tmp_path: Path
 ) -> None:
     """The service's open file is never replaced; another needs --force; a changed file stops it."""
-    dest = tmp_path / "snapshot"
-    response = httpx.post(f"{billing.url}/v1/admin/backup", params={"dest": str(dest)},
+    name = f"snapshot-{tmp_path.name}"
+    dest = billing.root / "backups" / name
+    response = httpx.post(f"{billing.url}/v1/admin/backup", params={"name": name},
                           headers=ADMIN, timeout=120)  # fmt: skip
     assert response.status_code == 200, response.text
     with pytest.raises(backup.BackupError, match="in use"):
@@ -178,7 +181,10 @@ def test_restore_refuses_a_live_ledger_an_existing_one_and_an_altered_backup(
     with pytest.raises(backup.BackupError, match="pass --force"):
         backup.restore(dest, other)
     assert sum(backup.restore(dest, other, force=True).values()) > 0
-    again = httpx.post(f"{billing.url}/v1/admin/backup", params={"dest": str(dest)},
+    path = httpx.post(f"{billing.url}/v1/admin/backup", params={"name": "../elsewhere"},
+                      headers=ADMIN, timeout=30)  # fmt: skip
+    assert path.status_code == 422  # a name, never a path
+    again = httpx.post(f"{billing.url}/v1/admin/backup", params={"name": name},
                        headers=ADMIN, timeout=30)  # fmt: skip
     assert again.status_code == 409
     assert "exists" in again.json()["error"]["message"]
@@ -194,12 +200,13 @@ def test_the_commands_take_a_backup_and_restore_it(billing: Billing, tmp_path: P
     """``infermeter billing backup`` goes through the service; ``restore`` writes the file."""
     env = {"INFERMETER_ADMIN_TOKEN": "im-demo-admin", "PATH": "/usr/bin:/bin"}
     cli = [sys.executable, "-m", "infermeter", "billing"]
-    dest = tmp_path / "by-command"
-    taken = subprocess.run([*cli, "backup", "--config", str(billing.config), str(dest)],
+    taken = subprocess.run([*cli, "backup", "--config", str(billing.config), "by-command-%Y%m%d"],
                            env=env, capture_output=True, timeout=120)  # fmt: skip
     assert taken.returncode == 0, taken.stderr
     manifest = orjson.loads(taken.stdout)
     restored = tmp_path / "restored.duckdb"
+    dest = Path(manifest["directory"])
+    assert dest == billing.root / "backups" / time.strftime("by-command-%Y%m%d", time.gmtime())
     back = subprocess.run([*cli, "restore", "--config", str(billing.config), str(dest),
                            "--database", str(restored)], env=env, capture_output=True, timeout=120)  # fmt: skip
     assert back.returncode == 0, back.stderr
@@ -243,14 +250,14 @@ async def test_after_a_restore_the_spool_ships_again_what_billing_had_acknowledg
             await spool.seal()
             assert await shipper.ship_once() == 50
             taken = await client.post(f"{service.url}/v1/admin/backup", headers=ADMIN,
-                                      params={"dest": str(tmp_path / "snapshot")})  # fmt: skip
+                                      params={"name": "snapshot"})  # fmt: skip
             assert taken.status_code == 200, taken.text
             for record in after:
                 spool.write(record)
             await spool.seal()
             assert await shipper.ship_once() == 50
     assert spool.backlog == 0
-    backup.restore(tmp_path / "snapshot", tmp_path / "ledger.duckdb", force=True)
+    backup.restore(tmp_path / "backups" / "snapshot", tmp_path / "ledger.duckdb", force=True)
     assert len(_ids(tmp_path / "ledger.duckdb")) == 50  # the day after the backup is gone
     command = [sys.executable, "-m", "infermeter", "spool", "reship", str(tmp_path / "spool")]
     marked = subprocess.run(command, capture_output=True, timeout=60)
@@ -302,10 +309,10 @@ async def test_a_sidecar_ships_again_what_a_restore_took_back(
         with _running(tmp_path, port) as service:
             await wave()
             taken = await client.post(f"{service.url}/v1/admin/backup", headers=ADMIN,
-                                      params={"dest": str(tmp_path / "snapshot")})  # fmt: skip
+                                      params={"name": "snapshot"})  # fmt: skip
             assert taken.status_code == 200, taken.text
             await wave()
-        backup.restore(tmp_path / "snapshot", tmp_path / "ledger.duckdb", force=True)
+        backup.restore(tmp_path / "backups" / "snapshot", tmp_path / "ledger.duckdb", force=True)
         assert sorted(_ids(tmp_path / "ledger.duckdb")) == sorted(waves[0])
         command = [sys.executable, "-m", "infermeter", "spool", "reship", str(tmp_path / "spool")]
         marked = subprocess.run(command, capture_output=True, timeout=60)

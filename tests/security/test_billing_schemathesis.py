@@ -42,7 +42,10 @@ def _config(tmp_path: Path) -> Config:
         DEFAULT_CONFIG, environ={"INFERMETER__BILLING__SHARED_INGEST_TOKEN": "true"}
     )
     return config.model_copy(update={"billing": config.billing.model_copy(
-        update={"read_burst": 1_000_000, "export_dir": str(tmp_path)})})  # fmt: skip
+        update={"read_burst": 1_000_000, "export_dir": str(tmp_path),
+                "backup_dir": str(tmp_path / "backups"),
+                "retention": config.billing.retention.model_copy(
+                    update={"archive": str(tmp_path / "archive")})})})  # fmt: skip
 
 
 @pytest.fixture
