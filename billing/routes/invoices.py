@@ -34,8 +34,8 @@ _TYPES: Final[dict[str, Format]] = {
     "application/parquet": "parquet",
 }
 _EXTRA = {"requestBody": {"required": True, "content": {
-    "text/csv": {"schema": {"type": "string"}},
-    "application/vnd.apache.parquet": {"schema": {"type": "string", "format": "binary"}},
+    "text/csv": {"schema": {"type": "string", "minLength": 1}},
+    "application/vnd.apache.parquet": {"schema": {"type": "string", "format": "binary", "minLength": 1}},
 }}}  # fmt: skip
 
 
