@@ -57,7 +57,7 @@ that every split adds up to the fleet cost.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -65,6 +65,8 @@ import duckdb
 import polars as pl
 
 from billing.charges import CASH, ERROR_PREFIX, UNALLOCATED, Charges, Policy, charge
+from billing.pricebook import Commitment, commitments, priced_sql
+from billing.rounding import microcents
 from billing.schema import HOUR_SECONDS, SLOT_SECONDS
 
 __all__ = [
@@ -73,6 +75,8 @@ __all__ = [
     "LINE_TYPES",
     "MONEY",
     "UNALLOCATED",
+    "UNUSED_COMMITMENT",
+    "Allocation",
     "AllocationSql",
     "IdleClaims",
     "Keyed",
@@ -81,11 +85,16 @@ __all__ = [
     "allocation_sql",
     "by_instance",
     "lines_from",
+    "pool_use",
     "run",
+    "run_all",
     "unpriced_model",
+    "unused_commitment_model",
 ]
 
 COUNTS: Final = ("requests", "prompt_tokens", "completion_tokens")
+# The model column of a node pool's commitment paid for and not used starts with this.
+UNUSED_COMMITMENT: Final = "(unused commitment)"
 # A statement line before rounding: counts, quantities, and its money in integer micro-cents.
 LINE_COLUMNS: Final = ("team", "model", *COUNTS, "gpu_hours", "energy_kwh", *CASH)
 LINE_TYPES: Final = {
@@ -107,8 +116,11 @@ class AllocationSql:
     ``shares``: per instance, team and model, what it used of the instance's cost and its
     GPU-hours and kWh (with the in-flight split, also the counts). ``counts``: requests and
     tokens per team and model, or "" when ``shares`` carries them. ``instance_counts``: the
-    same per instance too, or "". The fleet's cost is the instances' costs summed
-    (``billing.charges``), read in the same pass as everything it is split into.
+    same per instance too, or "". ``pools``: per node pool and the first minute of its rate in
+    effect (``billing.pricebook``), the GPU-hours, kWh and cost measured. ``period``: [start,
+    end) of the allocation in epoch seconds, when known (commitments are paid for over it).
+    The fleet's cost is the instances' costs summed (``billing.charges``) plus unused
+    commitments, read in the same pass as everything it is split into.
     """
 
     unpriced: str
@@ -117,6 +129,8 @@ class AllocationSql:
     shares: str
     counts: str
     instance_counts: str
+    pools: str = ""
+    period: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,25 +193,10 @@ def _dense(unit: str, slot: str, slot_range: tuple[int, int] | None) -> str:
     return f"({unit} - 1)::BIGINT * {after - first} + ({slot} - {first})"
 
 
-def _prices(policy: Policy) -> str:
-    rows = ", ".join(
-        f"({_lit(m)}, {float(p)!r})" for m, p in sorted(policy.usd_per_gpu_hour.items())
-    )
-    return (
-        f"(VALUES {rows}) AS p(gpu_model, usd)"
-        if rows
-        else "(SELECT NULL::VARCHAR AS gpu_model, NULL::DOUBLE AS usd WHERE false) AS p"
-    )
-
-
 _COUNT_SUMS: Final = (
     "sum(requests)::BIGINT AS requests, sum(prompt_tokens)::BIGINT AS prompt_tokens, "
     "sum(completion_tokens)::BIGINT AS completion_tokens"
 )
-
-
-def _lit(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
 
 
 def _alive(gpus: str, lifetimes: str | None) -> str:
@@ -229,6 +228,7 @@ def allocation_sql(
     lifetimes: str | None = None,
     keyed: Keyed | None = None,
     slot_range: tuple[int, int] | None = None,
+    period: tuple[float, float] | None = None,
 ) -> AllocationSql:
     """The queries allocating ``gpus`` (gpu_slots rows) to ``usage`` (usage_slots rows).
 
@@ -240,7 +240,9 @@ def allocation_sql(
     per hour); without it, ``prepare`` numbers ``usage`` itself. Either way the usage is read
     through the keyed relations, so both give the same lines. ``slot_range``: [first, after-last)
     slot of every row, when known; the big join then matches one integer, the instance's slot
-    numbered densely, which DuckDB joins several times faster than (instance, slot). Pure:
+    numbered densely, which DuckDB joins several times faster than (instance, slot).
+    ``period``: the [start, end) the allocation covers, for commitments. Every GPU row is priced
+    by ``policy``'s price book at its node and minute (``billing.pricebook.priced_sql``). Pure:
     nothing is run here.
     """
     numbering = _keyed_from(usage) if keyed is None else ""
@@ -251,16 +253,18 @@ def allocation_sql(
         if occupancy
         else f"SELECT replica, instance, slot, sum(inflight_seconds) AS occupied FROM {usage} GROUP BY replica, instance, slot"
     )
-    energy_price = float(policy.usd_per_kwh) * float(policy.pue)
+    book = policy.prices
     prepare = f"""{numbering}
 CREATE OR REPLACE TEMP TABLE _slots AS
 WITH costs AS (
     SELECT g.replica, g.instance, g.slot,
         sum(g.gpu_seconds) / 3600.0 AS gpu_hours,
         sum(g.energy_joules) / 3.6e6 AS energy_kwh,
-        sum(g.gpu_seconds / 3600.0 * p.usd) AS compute_usd,
-        sum(g.energy_joules) / 3.6e6 * {energy_price!r} AS energy_usd
-    FROM {_alive(gpus, lifetimes)} g JOIN {_prices(policy)} USING (gpu_model)
+        sum(g.gpu_seconds / 3600.0 * g.usd) AS compute_usd,
+        sum(g.energy_joules / 3.6e6 * g.kwh_usd) AS energy_usd,
+        arg_max(g.pool, g.gpu_seconds) AS pool, arg_max(g.category, g.gpu_seconds) AS category,
+        arg_max(g.sku, g.gpu_seconds) AS sku
+    FROM {priced_sql(book, _alive(gpus, lifetimes), gpus)} g WHERE g.usd IS NOT NULL
     GROUP BY g.replica, g.instance, g.slot
 ),
 occupancy AS ({occupied}),
@@ -313,14 +317,19 @@ FROM weights w JOIN totals t USING (replica, instance)"""
     instances = """
 SELECT replica, instance, sum(compute_usd) AS compute_usd, sum(energy_usd) AS energy_usd,
     sum(gpu_hours) AS gpu_hours, sum(energy_kwh) AS energy_kwh,
-    arg_max(slot, compute_usd + energy_usd) AS peak_slot
+    arg_max(slot, compute_usd + energy_usd) AS peak_slot,
+    arg_max(pool, gpu_hours) AS pool, arg_max(category, gpu_hours) AS pricing_category,
+    arg_max(sku, gpu_hours) AS sku
 FROM _slots GROUP BY replica, instance"""
-    priced = ", ".join(_lit(m) for m in sorted(policy.usd_per_gpu_hour))
-    # (NOT IN () is not SQL, and NOT IN (NULL) matches nothing: with no prices, every model.)
-    unpriced_where = f"WHERE gpu_model NOT IN ({priced})" if priced else ""
+    priced = priced_sql(book, gpus)
     return AllocationSql(
         unpriced=f"""SELECT gpu_model, sum(gpu_seconds) / 3600.0 AS gpu_hours, sum(energy_joules) / 3.6e6 AS energy_kwh
-FROM {gpus} {unpriced_where} GROUP BY gpu_model ORDER BY gpu_model""",
+FROM {priced} WHERE usd IS NULL GROUP BY gpu_model ORDER BY gpu_model""",
+        pools=f"""SELECT pool, rate_slot, sum(gpu_seconds) / 3600.0 AS gpu_hours,
+    sum(energy_joules) / 3.6e6 AS energy_kwh, sum(gpu_seconds / 3600.0 * usd) AS compute_usd,
+    sum(energy_joules / 3.6e6 * kwh_usd) AS energy_usd
+FROM {priced} WHERE usd IS NOT NULL GROUP BY pool, rate_slot ORDER BY pool, rate_slot""",
+        period=period,
         prepare=prepare,
         instances=instances,
         shares=shares,
@@ -406,21 +415,73 @@ def _measured(con: duckdb.DuckDBPyConnection, queries: AllocationSql,
     return con.sql(queries.instances).pl(), shares, counts
 
 
-def run(
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """One allocation's result: the lines, the fleet's cost, and what each pool measured.
+
+    ``lines``: ``LINE_COLUMNS`` rows, money in micro-cents, adding up to ``fleet_microcents``
+    exactly. ``pools``: the ``pools`` query's rows (per pool and rate: GPU-hours, kWh, compute
+    and energy USD). ``commitments``: the committed rates in the period, with what ran.
+    """
+
+    lines: pl.DataFrame
+    fleet_microcents: int
+    pools: pl.DataFrame
+    commitments: list[Commitment]
+
+
+def unused_commitment_model(pool: str) -> str:
+    """The model column of the line of ``pool``'s commitment paid for and not used."""
+    return f"{UNUSED_COMMITMENT} {pool}"
+
+
+def _commitment_lines(held: Sequence[Commitment], policy: Policy) -> tuple[pl.DataFrame, int]:
+    """The unused commitments as the platform's lines (idle money, no GPU-hours), and their sum."""
+    rows = [
+        {"team": policy.platform_account, "model": unused_commitment_model(c.pool),
+         **dict.fromkeys(COUNTS, 0), "gpu_hours": 0.0, "energy_kwh": 0.0,
+         "compute_microcents": 0, "energy_microcents": 0, "idle_microcents": microcents(c.unused_usd)}
+        for c in held if microcents(c.unused_usd) > 0
+    ]  # fmt: skip
+    merged = pl.DataFrame(rows, schema=LINE_TYPES) if rows else pl.DataFrame(schema=LINE_TYPES)
+    if merged.height:
+        merged = merged.group_by("team", "model").agg(pl.col(c).sum() for c in LINE_COLUMNS[2:])
+    return merged.select(LINE_COLUMNS), int(merged["idle_microcents"].sum()) if merged.height else 0
+
+
+def pool_use(con: duckdb.DuckDBPyConnection, queries: AllocationSql,
+              policy: Policy) -> tuple[pl.DataFrame, list[Commitment]]:  # fmt: skip
+    """The ``pools`` query's rows and the period's commitments with the GPU-hours run under them."""
+    if not queries.pools:
+        return pl.DataFrame(), []
+    use: pl.DataFrame = con.sql(queries.pools).pl()
+    if queries.period is None:
+        return use, []
+    ran = {
+        (str(pool), int(slot)): float(hours)
+        for pool, slot, hours in use.select("pool", "rate_slot", "gpu_hours").iter_rows()
+        if slot is not None
+    }
+    return use, commitments(policy.prices, *queries.period, ran)
+
+
+def run_all(
     con: duckdb.DuckDBPyConnection,
     queries: AllocationSql,
     policy: Policy,
     claims: IdleClaims | None = None,
-) -> tuple[pl.DataFrame, int]:
-    """Run ``queries`` on ``con``: the lines and the fleet cost in micro-cents.
+) -> Allocation:
+    """Run ``queries`` on ``con``: the lines, the fleet cost in micro-cents, and the pools.
 
     The lines' money adds up to the fleet cost exactly (``billing.charges``); error lines
     (unpriced GPU models, instances whose cost is out of range) carry none. ``claims``, when
-    given, takes its lines out of the idle capacity before idle is charged. Every query reads
-    ``con`` as it is: on a ledger that is being written, run it in one transaction
+    given, takes its lines out of the idle capacity before idle is charged. Commitments paid for
+    and not used are the platform's lines, in the fleet's cost. Every query reads ``con`` as it
+    is: on a ledger that is being written, run it in one transaction
     (``billing.ledger.Ledger.snapshot``) so that all of them read the same state.
     """
     unpriced = con.sql(queries.unpriced).pl()
+    use, held = pool_use(con, queries, policy)
     instances, shares, counts = _measured(con, queries, instance_counts=False)
     claimed = tails = None
     if claims is not None:
@@ -433,8 +494,22 @@ def run(
         parts.append(pl.DataFrame(charges.errors).select(LINE_COLUMNS))
     if unpriced.height:
         parts.append(unpriced_lines(unpriced, policy))
+    unused, unused_microcents = _commitment_lines(held, policy)
+    if unused.height:
+        parts.append(unused)
     lines = pl.concat([p.cast(LINE_TYPES) for p in parts]).sort("team", "model")  # type: ignore[arg-type]
-    return lines, charges.fleet_microcents
+    return Allocation(lines, charges.fleet_microcents + unused_microcents, use, held)
+
+
+def run(
+    con: duckdb.DuckDBPyConnection,
+    queries: AllocationSql,
+    policy: Policy,
+    claims: IdleClaims | None = None,
+) -> tuple[pl.DataFrame, int]:
+    """``run_all``'s lines and fleet cost (micro-cents)."""
+    result = run_all(con, queries, policy, claims)
+    return result.lines, result.fleet_microcents
 
 
 def by_instance(
@@ -442,14 +517,17 @@ def by_instance(
 ) -> pl.DataFrame:
     """What each line is made of: its money (micro-cents) and quantities per instance.
 
-    Columns: team, model, replica (group), instance, then ``LINE_COLUMNS``' numbers; the rows
+    Columns: team, model, replica (group), instance, then ``LINE_COLUMNS``' numbers, then the
+    instance's node pool, pricing category and SKU (those of most of its GPU-hours); the rows
     of one (team, model) add up to its line (but for error lines, which have none). The
     exports split lines by these (``billing.statement.instance_lines``).
     """
     instances, shares, counts = _measured(con, queries, instance_counts=True)
     charges = charge(instances, shares, policy)
     keys = ["team", "model", "replica", "instance"]
-    return _summed(charges.rows, counts, keys).select(*keys, *LINE_COLUMNS[2:])
+    rows = _summed(charges.rows, counts, keys).select(*keys, *LINE_COLUMNS[2:])
+    where = instances.select("replica", "instance", "pool", "pricing_category", "sku")
+    return rows.join(where, on=["replica", "instance"], how="left")
 
 
 def _with_instance(frame: pl.DataFrame) -> pl.DataFrame:

@@ -8,7 +8,10 @@ from dataclasses import dataclass, replace
 import polars as pl
 
 from billing.allocation import Policy
+from billing.bases import pool_frame
+from billing.cache import cache_rows, month_cached_tokens
 from billing.ledger import Ledger, LedgerError
+from billing.pricebook import price_book
 from billing.reconciliation import hours, reconcile
 from billing.rounding import cents
 from billing.statement import (
@@ -40,7 +43,19 @@ def policy_from_config(config: Config) -> Policy:
         platform_account=b.platform_account,
         idle={r.id: (r.idle_policy, r.owner_team) for r in config.replicas},
         replica_model={r.id: r.model for r in config.replicas},
+        book=price_book(config.prices),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Month:
+    """One month computed from the ledger: lines (cents) on ``basis``, and what explains them."""
+
+    lines: pl.DataFrame
+    fleet_cents: int
+    basis: str
+    usage_lines: pl.DataFrame | None
+    pools: pl.DataFrame
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +81,15 @@ class Chargeback:
         """Price, split and budget by ``config`` from now on (a configuration reload)."""
         self.config, self.policy = config, policy_from_config(config)
 
-    def _cents(self, month: str) -> tuple[pl.DataFrame, int]:
-        lines, fleet_microcents = self.ledger.allocate(self.policy, month)
-        return cents_lines(month, merged(lines)), cents(fleet_microcents)
+    def _cents(self, month: str) -> _Month:
+        """``month`` computed now: its lines in cents on the basis its invoices allow, both bases."""
+        invoices = self.ledger.invoices(month)
+        listed, scaled = self.ledger.allocate_bases(self.policy, month, invoices)
+        chosen = listed if scaled is None else scaled
+        usage = None if scaled is None else cents_lines(month, merged(listed.lines))
+        pools = pool_frame(self.policy.prices, month_bounds(month), listed, scaled, invoices)
+        return _Month(cents_lines(month, merged(chosen.lines)), cents(chosen.fleet_microcents),
+                      "list" if scaled is None else "allocation", usage, pools)  # fmt: skip
 
     def unreconciled(self, month: str) -> pl.DataFrame:
         """``month``'s requests that no engine reading covers, per replica group and model.
@@ -97,27 +118,39 @@ class Chargeback:
             lines = self.ledger.issued_lines(month=month)
             own = lines.filter(pl.col("for_month") == month)
             adjust = int(lines.filter(pl.col("for_month") != month)["total_cents"].sum())
+            basis, pools = self.ledger.issued_basis(month)
             return Statement(month, True, lines, int(own["total_cents"].sum()), adjust,
-                             self.unreconciled(month), self.quarantined(month))  # fmt: skip
-        lines, fleet = self._cents(month)
+                             self.unreconciled(month), self.quarantined(month), basis=basis,
+                             pools=pools, cache=self._cache(month, own))  # fmt: skip
+        now = self._cents(month)
         adjustments = []
         adjust_cents = 0
         for earlier in self.ledger.dirty_closed_months(before=month):
-            now, _ = self._cents(earlier)
             diff = adjustment_lines(
-                month, earlier, now, self.ledger.issued_lines(for_month=earlier)
+                month,
+                earlier,
+                self._cents(earlier).lines,
+                self.ledger.issued_lines(for_month=earlier),
             )
             adjustments.append(diff)
             adjust_cents += int(diff["total_cents"].sum())
-        all_lines = pl.concat([lines, *adjustments]) if adjustments else lines
-        return Statement(month, False, all_lines, fleet, adjust_cents, self.unreconciled(month),
-                         self.quarantined(month))  # fmt: skip
+        all_lines = pl.concat([now.lines, *adjustments]) if adjustments else now.lines
+        return Statement(month, False, all_lines, now.fleet_cents, adjust_cents,
+                         self.unreconciled(month), self.quarantined(month), basis=now.basis,
+                         usage_lines=now.usage_lines, pools=now.pools,
+                         cache=self._cache(month, now.lines))  # fmt: skip
+
+    def _cache(self, month: str, lines: pl.DataFrame) -> pl.DataFrame:
+        """``month``'s prompt-cache hits and savings per team and model (``billing.cache``)."""
+        return cache_rows(lines, month_cached_tokens(self.ledger, month), self.policy)
 
     def by_instance(self, statement: Statement) -> Statement:
         """``statement`` with its lines split by the instances that made them (for the exports)."""
         months = sorted(set(statement.lines["for_month"].to_list()))
         parts = [
-            self.ledger.by_instance(self.policy, m).with_columns(for_month=pl.lit(m))
+            self.ledger.by_instance(self.policy, m, self.ledger.invoices(m)).with_columns(
+                for_month=pl.lit(m)
+            )
             for m in months
         ]
         if not parts:
@@ -141,7 +174,7 @@ class Chargeback:
         if not statement.reconciles:
             raise LedgerError(f"month {month} does not reconcile; refusing to close it")
         adjusted = sorted(set(statement.lines["for_month"].to_list()) - {month})
-        self.ledger.freeze(month, statement.lines, adjusted, now)
+        self.ledger.freeze(month, statement.lines, adjusted, now, statement.basis, statement.pools)
         return self.statement(month)
 
     def spend(self, now: float | None = None) -> list[Spend]:

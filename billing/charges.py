@@ -34,6 +34,7 @@ from typing import Any, Final, Literal
 
 import polars as pl
 
+from billing.pricebook import PriceBook
 from billing.rounding import microcents, split
 from billing.schema import SLOT_SECONDS
 
@@ -83,6 +84,16 @@ class Policy:
     idle: Mapping[str, tuple[IdlePolicy, str | None]] = field(default_factory=dict)
     # replica group -> model, for idle lines of instances that served nothing in the month.
     replica_model: Mapping[str, str] = field(default_factory=dict)
+    # Node pools and dated prices (``billing.pricebook``); None: ``usd_per_gpu_hour`` by GPU
+    # model and ``usd_per_kwh`` x ``pue`` for every node.
+    book: PriceBook | None = None
+
+    @property
+    def prices(self) -> PriceBook:
+        """The price book allocation prices by: ``book``, or one made of the list prices."""
+        if self.book is not None:
+            return self.book
+        return PriceBook(dict(self.usd_per_gpu_hour), float(self.usd_per_kwh) * float(self.pue))
 
 
 CHARGE_SCHEMA: Final = {

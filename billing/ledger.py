@@ -25,6 +25,7 @@ import polars as pl
 from billing import (
     allocation,
     audit,
+    bases,
     ingest_sql,
     invoice_store,
     lifetimes,
@@ -32,7 +33,7 @@ from billing import (
     reconciliation,
     trust_sql,
 )
-from billing.allocation import Policy
+from billing.allocation import Allocation, Policy
 from billing.bounds import SampleBounds, bounds_tables
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
 from billing.fleet import asked_sql
@@ -64,6 +65,7 @@ from infermeter.audit import AuditEvent
 from infermeter.errors import BadRequest
 from infermeter.months import month_bounds, month_of
 from infermeter.records import KINDS, RecordKind
+from infermeter.statement import POOL_SCHEMA, empty_pools
 from infermeter.wire import arrow_extent, line_count
 from infermeter.writers import Writer
 
@@ -653,8 +655,22 @@ class Ledger:
         with self.reader() as cur:
             return _frame(cur, sql + " ORDER BY month, for_month, team, model", params)
 
-    def freeze(self, month: str, lines: pl.DataFrame, adjusted: Sequence[str], now: float) -> None:
-        """Close ``month``: store its statement lines and clear the late flag of ``adjusted``."""
+    def issued_basis(self, month: str) -> tuple[str, pl.DataFrame]:
+        """A closed month's basis and node pools, as frozen with it (``list`` and none if it was
+        closed before bases were kept)."""
+        with self.reader() as cur:
+            row = cur.execute(
+                "SELECT basis, pools FROM statement_bases WHERE month = ?", [month]
+            ).fetchone()
+        if row is None:
+            return "list", empty_pools()
+        rows = orjson.loads(row[1])
+        return str(row[0]), pl.DataFrame(rows, schema=POOL_SCHEMA) if rows else empty_pools()
+
+    def freeze(self, month: str, lines: pl.DataFrame, adjusted: Sequence[str], now: float,
+               basis: str = "list", pools: pl.DataFrame | None = None) -> None:  # fmt: skip
+        """Close ``month``: store its statement lines, basis and node pools, and clear the late
+        flag of ``adjusted``."""
         with self._write_lock:
             con = self._con
             con.execute("BEGIN TRANSACTION")
@@ -672,6 +688,8 @@ class Ledger:
                     "energy_cents, idle_cents, total_cents FROM _lines"
                 )
                 con.unregister("_lines")
+                frozen = orjson.dumps([] if pools is None else pools.to_dicts()).decode()
+                con.execute("INSERT INTO statement_bases VALUES (?, ?, ?)", [month, basis, frozen])
                 con.execute(
                     "UPDATE months SET closed_at = ?, dirty = false WHERE month = ?", [now, month]
                 )
@@ -698,10 +716,33 @@ class Ledger:
         with self.snapshot() as cur:
             return allocation.run(cur, self._month_sql(cur, policy, month), policy, claims)
 
-    def by_instance(self, policy: Policy, month: str) -> pl.DataFrame:
-        """``month``'s lines per instance, in micro-cents (``billing.allocation.by_instance``)."""
+    def allocate_bases(self, policy: Policy, month: str,
+                       invoices: Mapping[str, int]) -> tuple[Allocation, Allocation | None]:  # fmt: skip
+        """``month``'s allocation at list prices and, when ``invoices`` (pool -> cents) covers a
+        pool, at the allocation basis (``billing.bases``): both read in one snapshot, so the
+        scale is worked out from exactly the GPU time it then divides."""
+        claims = reconciliation.claims(policy, *month_bounds(month))
         with self.snapshot() as cur:
-            return allocation.by_instance(cur, self._month_sql(cur, policy, month), policy)
+            listed = allocation.run_all(cur, self._month_sql(cur, policy, month), policy, claims)
+            if not invoices:
+                return listed, None
+            scaled_policy = bases.scaled_policy(policy, listed.pools, listed.commitments, invoices)
+            scaled = allocation.run_all(
+                cur, self._month_sql(cur, scaled_policy, month), scaled_policy, claims
+            )
+            return listed, bases.with_unmeasured(scaled, listed, invoices, policy.platform_account)
+
+    def by_instance(self, policy: Policy, month: str,
+                    invoices: Mapping[str, int] | None = None) -> pl.DataFrame:  # fmt: skip
+        """``month``'s lines per instance, in micro-cents (``billing.allocation.by_instance``),
+        at the allocation basis when ``invoices`` covers a pool."""
+        with self.snapshot() as cur:
+            queries = self._month_sql(cur, policy, month)
+            if invoices:
+                use, held = allocation.pool_use(cur, queries, policy)
+                policy = bases.scaled_policy(policy, use, held, invoices)
+                queries = self._month_sql(cur, policy, month)
+            return allocation.by_instance(cur, queries, policy)
 
     def _month_sql(self, cur: duckdb.DuckDBPyConnection, policy: Policy,
                    month: str) -> allocation.AllocationSql:  # fmt: skip
@@ -723,7 +764,14 @@ class Ledger:
         # of every GPU minute against them is skipped.
         known = bool(cur.execute("SELECT 1 FROM _lifetimes LIMIT 1").fetchall())
         return allocation.allocation_sql(
-            policy, usage, gpus, occupancy, "_lifetimes" if known else None, keyed, (lo, hi)
+            policy,
+            usage,
+            gpus,
+            occupancy,
+            "_lifetimes" if known else None,
+            keyed,
+            (lo, hi),
+            month_bounds(month),
         )
 
     def live_instances(self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,

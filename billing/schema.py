@@ -624,6 +624,7 @@ WHERE h."key" = c."key" AND h.hour = c.hour;
 MIGRATIONS: Final[tuple[str, ...]] = (
     _V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10, _V11, _ARCHIVE, _USAGE_TAGS, _INVOICES,
     _ALLOC_HOURS_CACHED,
+    _STATEMENT_BASES,
 )  # fmt: skip
 LATEST_VERSION: Final = len(MIGRATIONS)
 # The migration that makes ``usage_tags`` (its backfill runs with it).

@@ -182,15 +182,21 @@ _SPLIT_BY: Final = {
 }  # fmt: skip
 
 
+# Where an instance's row was served: its group, itself, and its GPUs' node pool, pricing
+# category and SKU (``billing.allocation.by_instance``).
+_WHERE: Final = ("replica", "instance", "pool", "pricing_category", "sku")
+
+
 def instance_lines(lines: pl.DataFrame, parts: pl.DataFrame) -> pl.DataFrame:
-    """``lines`` split by instance: columns ``replica`` (the group) and ``instance`` added.
+    """``lines`` split by instance: columns ``replica`` (the group), ``instance``, and the
+    instance's ``pool``, ``pricing_category`` and ``sku`` added.
 
     ``parts`` is ``billing.allocation.by_instance`` of each month charged, with ``for_month``:
     what every instance contributed to each (team, model). Each line's cents, requests and
     tokens are split in whole units by largest remainder, in proportion to the instances'
     own amounts, so the rows of a line add up to it exactly; GPU-hours and kWh are split in
     proportion too. A line with nothing to split it by (an error line) stays whole, with
-    null replica and instance. An adjustment is split as its month is now made up.
+    null replica, instance and pool. An adjustment is split as its month is now made up.
     """
     keys = ["for_month", "team", "model"]
     groups = dict(parts.group_by(keys))
@@ -199,7 +205,7 @@ def instance_lines(lines: pl.DataFrame, parts: pl.DataFrame) -> pl.DataFrame:
         mine = groups.get(tuple(line[k] for k in keys))
         money = None if mine is None else mine.select(pl.sum_horizontal(*CASH)).to_series()
         if mine is None or money is None or float(money.sum()) <= 0:
-            rows.append({**line, "replica": None, "instance": None})
+            rows.append({**line, **dict.fromkeys(_WHERE)})
             continue
         mine = mine.sort("replica", "instance")
         fallback = money.to_list()
@@ -207,12 +213,13 @@ def instance_lines(lines: pl.DataFrame, parts: pl.DataFrame) -> pl.DataFrame:
         for name in ("gpu_hours", "energy_kwh"):
             weights = _weights(mine[name].to_list(), fallback)
             shares[name] = [line[name] * w for w in weights]
-        for i, (replica, instance) in enumerate(mine.select("replica", "instance").iter_rows()):
+        where = mine.select(*(c if c in mine.columns else pl.lit(None).alias(c) for c in _WHERE))
+        for i, place in enumerate(where.iter_rows(named=True)):
             row = {**line, **{c: v[i] for c, v in shares.items()}}
             row["total_cents"] = row["compute_cents"] + row["energy_cents"] + row["idle_cents"]
             if any(row[c] for c in (*_SPLIT_BY, "gpu_hours", "energy_kwh")):
-                rows.append({**row, "replica": replica, "instance": instance})
-    schema = {**LINE_SCHEMA, "replica": pl.String, "instance": pl.String}
+                rows.append({**row, **place})
+    schema = {**LINE_SCHEMA, **dict.fromkeys(_WHERE, pl.String)}
     return pl.DataFrame(rows, schema=schema)
 
 

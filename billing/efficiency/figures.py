@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from billing.pricebook import PriceBook, price_book, priced_sql
 from billing.schema import SLOT_SECONDS
 from infermeter.config import Config
 
@@ -74,6 +75,8 @@ class Fleet:
     replica_models: Mapping[str, str] = field(default_factory=dict)  # replica group -> model
     prompt_weight: float = 1.0
     completion_weight: float = 3.0
+    # Node pools and dated prices, as statements price them; None: list prices by GPU model.
+    book: PriceBook | None = None
 
 
 def fleet_of(config: Config) -> Fleet:
@@ -86,6 +89,7 @@ def fleet_of(config: Config) -> Fleet:
         replica_models={r.id: r.model for r in config.replicas},
         prompt_weight=config.billing.token_weights.prompt,
         completion_weight=config.billing.token_weights.completion,
+        book=price_book(config.prices),
     )
 
 
@@ -124,26 +128,25 @@ def _cost_ctes(fleet: Fleet) -> Sql:
     ``measured``: the same minutes with the seconds the instance was busy in each (at most 60,
     and only in minutes it was measured, so busy time never exceeds measured time).
     """
-    prices, p1 = _values("prices", [("gpu_model", "VARCHAR"), ("usd", "DOUBLE")],
-                         sorted(fleet.usd_per_gpu_hour.items()))  # fmt: skip
-    seqs, p2 = _values("seqs", [("replica", "VARCHAR"), ("max_num_seqs", "BIGINT")],
-                       sorted(fleet.max_num_seqs.items()))  # fmt: skip
-    energy_usd = fleet.usd_per_kwh * fleet.pue
+    seqs, params = _values("seqs", [("replica", "VARCHAR"), ("max_num_seqs", "BIGINT")],
+                           sorted(fleet.max_num_seqs.items()))  # fmt: skip
+    book = fleet.book or PriceBook(dict(fleet.usd_per_gpu_hour), fleet.usd_per_kwh * fleet.pue)
+    # The statement's prices (``billing.pricebook``): a GPU nothing prices costs nothing here.
+    gpus = "(SELECT * FROM gpu_slots WHERE replica <> '' AND slot >= $lo AND slot < $hi)"
     cost = f"""cost AS (
     SELECT g.replica, g.instance, g.slot, min(g.gpu_model) AS gpu_model,
         sum(g.gpu_seconds) AS gpu_seconds, sum(g.energy_joules) AS energy_joules,
         sum(g.utilization_seconds) AS utilization_seconds,
-        sum(g.gpu_seconds * coalesce(p.usd, 0)) / 3600 AS gpu_usd,
-        sum(g.energy_joules) / 3.6e6 * {energy_usd!r} AS energy_usd
-    FROM gpu_slots g LEFT JOIN prices p ON p.gpu_model = g.gpu_model
-    WHERE g.replica <> '' AND g.slot >= $lo AND g.slot < $hi
+        sum(g.gpu_seconds * coalesce(g.usd, 0)) / 3600 AS gpu_usd,
+        sum(g.energy_joules / 3.6e6 * g.kwh_usd) AS energy_usd
+    FROM {priced_sql(book, gpus)} g
     GROUP BY g.replica, g.instance, g.slot HAVING sum(g.gpu_seconds) > 0),
 measured AS (
     SELECT c.*, least(coalesce(r.inflight_seconds, 0), {SLOT_SECONDS}) AS busy_seconds
     FROM cost c
     LEFT JOIN (SELECT * FROM replica_slots WHERE slot >= $lo AND slot < $hi) r
         ON r.replica = c.replica AND r.instance = c.instance AND r.slot = c.slot)"""
-    return f"{prices}, {seqs}, {cost}", p1 | p2
+    return f"{seqs}, {cost}", params
 
 
 def _engine_cte() -> str:
