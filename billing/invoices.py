@@ -81,6 +81,8 @@ _OLD_NAMES: Final = {
     "chargetype": "ChargeCategory",
     "resourceid": "ResourceId",
 }
+# The most service categories a summary lists.
+_SERVICES: Final = 30
 _COUNTED: Final = frozenset({"Usage", "Purchase", "Credit", "Adjustment"})
 _CATEGORIES: Final = {c.lower(): c for c in (*_COUNTED, "Tax")}
 # Exact: a sum that would need rounding raises instead (no invoice comes near 100 digits).
@@ -117,7 +119,8 @@ class Summary:
 
     line_items: int
     billed_cents: int
-    # The same, per ServiceCategory ("" when the file has none), largest cost first.
+    # The same, per ServiceCategory ("" when the file has none), largest cost first; at most
+    # ``_SERVICES`` of them (FOCUS names about 20 categories; a file may write anything there).
     by_service: tuple[tuple[str, int, int], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
@@ -459,7 +462,7 @@ def _summary(groups: Mapping[str, tuple[int, Decimal]]) -> Summary:
         total = sum((t for _, t in groups.values()), Decimal(0))
     by_service = sorted(((s, n, cents(t)) for s, (n, t) in groups.items()),
                         key=lambda g: (-abs(g[2]), g[0]))  # fmt: skip
-    return Summary(sum(n for n, _ in groups.values()), cents(total), tuple(by_service))
+    return Summary(sum(n for n, _ in groups.values()), cents(total), tuple(by_service[:_SERVICES]))
 
 
 def cents(usd: Decimal) -> int:

@@ -314,6 +314,18 @@ def test_a_file_over_the_bounds_is_refused_before_it_is_summed(
     )
 
 
+def test_the_unclaimed_summary_lists_at_most_30_service_categories(pools: list[NodePool]) -> None:
+    """40 categories of unclaimed items: the 30 costliest are listed, the totals count all 40."""
+    header = b"BilledCost,BillingCurrency,ChargePeriodStart,ChargePeriodEnd,ChargeCategory,ServiceCategory"
+    rows = [b"%d.00,USD,2026-10-01,2026-10-02,Usage,cat-%02d" % (n, n) for n in range(1, 41)]
+    invoice = parse_invoice(b"\n".join([header, *rows]), "many.csv", pools, "csv")
+    # 1 + 2 + ... + 40 = 820 USD; listed: cat-40 (4000 cents) down to cat-11.
+    assert (invoice.unmatched.line_items, invoice.unmatched.billed_cents) == (40, 82000)
+    assert len(invoice.unmatched.by_service) == 30
+    assert invoice.unmatched.by_service[0] == ("cat-40", 1, 4000)
+    assert invoice.unmatched.by_service[-1] == ("cat-11", 1, 1100)
+
+
 # -- the ledger ---------------------------------------------------------------------------
 
 
