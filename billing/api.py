@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from billing.access import keyring
 from billing.chargeback import Chargeback
 from billing.explorer_cache import Months
+from billing.federation_pull import Puller
 from billing.keys import KeyBook, Publisher
 from billing.ledger import Ledger
 from billing.lifetimes import heartbeat_seconds, live_bound
@@ -39,6 +40,7 @@ from billing.routes import (
     efficiency,
     errors,
     events,
+    federation,
     fleet,
     ingest,
     instances,
@@ -115,9 +117,12 @@ def create_app(
         id_tokens=IdTokens(config.dashboard.oidc) if config.dashboard.oidc else None,
     )
     app.state.rates = RateCache()
+    # A central's puller of its clusters' closed months (``billing.federation_pull``), run on its
+    # timer by the service and at once by ``POST /v1/federation/pull``.
+    app.state.federation = Puller(ledger, b) if b.role == "central" else None
     # The audit trail's ingest route first: /v1/ingest/{kind} would take /v1/ingest/audit.
     for module in (ops, audit, ingest, keys, statements, queries, allocation, events, instances, fleet,
-                   records, efficiency, invoices, breakdown, maintenance, rates):  # fmt: skip
+                   records, efficiency, invoices, breakdown, maintenance, rates, federation):  # fmt: skip
         app.include_router(module.router)
     errors.install(app)
     return app

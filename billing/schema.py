@@ -621,10 +621,50 @@ FROM (SELECT k."key", s.slot // {HOUR_SECONDS // SLOT_SECONDS} AS hour,
 WHERE h."key" = c."key" AND h.hour = c.hour;
 """
 
+# A central billing's copy of its clusters' closed months (``billing.federation``): each
+# (cluster, month) as the cluster froze it, replaced whole when the cluster's digest of it
+# changes; and, per cluster, when it was last pulled and since when pulls have failed.
+_FEDERATED_LINES = """
+CREATE TABLE IF NOT EXISTS federated_lines (
+    cluster VARCHAR NOT NULL,
+    month VARCHAR NOT NULL,
+    for_month VARCHAR NOT NULL,
+    team VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    requests BIGINT NOT NULL,
+    prompt_tokens BIGINT NOT NULL,
+    completion_tokens BIGINT NOT NULL,
+    gpu_hours DOUBLE NOT NULL,
+    energy_kwh DOUBLE NOT NULL,
+    compute_cents BIGINT NOT NULL,
+    energy_cents BIGINT NOT NULL,
+    idle_cents BIGINT NOT NULL,
+    total_cents BIGINT NOT NULL,
+    digest VARCHAR NOT NULL
+);
+CREATE TABLE IF NOT EXISTS federated_months (
+    cluster VARCHAR NOT NULL,
+    month VARCHAR NOT NULL,
+    digest VARCHAR NOT NULL,
+    basis VARCHAR NOT NULL,
+    pools VARCHAR NOT NULL,
+    total_cents BIGINT NOT NULL,
+    pulled_at DOUBLE NOT NULL,
+    PRIMARY KEY (cluster, month)
+);
+CREATE TABLE IF NOT EXISTS federated_clusters (
+    cluster VARCHAR PRIMARY KEY,
+    pulled_at DOUBLE,
+    failing_since DOUBLE,
+    error VARCHAR
+);
+"""
+
 MIGRATIONS: Final[tuple[str, ...]] = (
     _V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10, _V11, _ARCHIVE, _USAGE_TAGS, _INVOICES,
     _ALLOC_HOURS_CACHED,
     _STATEMENT_BASES,
+    _FEDERATED_LINES,
 )  # fmt: skip
 LATEST_VERSION: Final = len(MIGRATIONS)
 # The migration that makes ``usage_tags`` (its backfill runs with it).

@@ -145,6 +145,8 @@ async def serve_billing(
         watching = _reloading(app, config, config_path, f"{host}:{port}") if config_path else None
         r = b.retention
         retention = asyncio.create_task(retaining(ledger, r)) if r.interval_seconds > 0 else None
+        puller = app.state.federation
+        pulling = asyncio.create_task(puller.run()) if puller is not None else None
         try:
             await billing_server(config, ledger, host, port, app).serve()
         finally:
@@ -152,7 +154,7 @@ async def serve_billing(
                 retention.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await retention
-            for task in (keeping, watching):
+            for task in (keeping, watching, pulling):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):

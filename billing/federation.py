@@ -1,0 +1,196 @@
+"""Federation past one cluster: what a cluster's closed month is on the wire, and the central's
+statement across clusters.
+
+Pure functions over frames and dicts; the ledger's side is ``billing.federation_store``, the
+pulling ``billing.federation_pull``. A closed month never changes, so its content has one
+digest (SHA-256 of its canonical JSON): the central pulls a (cluster, month) again only when the
+cluster lists another digest for it (a month reopened and closed again), and checks each payload
+against the digest it came with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+import polars as pl
+
+from exporters.focus import focus_frame
+from infermeter.config import Config
+from infermeter.statement import LINE_SCHEMA, POOL_SCHEMA, Statement, empty_pools
+
+__all__ = [
+    "FEDERATED_SCHEMA",
+    "ClusterState",
+    "FederationError",
+    "MonthPayload",
+    "central_focus",
+    "central_statement",
+    "digest",
+    "month_payload",
+    "parse_payload",
+]
+
+# A federated line: the cluster's frozen statement line and which cluster it came from.
+FEDERATED_SCHEMA: Final = {"cluster": pl.String, **LINE_SCHEMA}
+
+
+class FederationError(ValueError):
+    """A cluster's answer that the central will not store (wrong month, cluster or digest)."""
+
+
+def digest(month: str, basis: str, pools: Sequence[Mapping[str, Any]],
+           lines: Sequence[Mapping[str, Any]]) -> str:  # fmt: skip
+    """The SHA-256 of a closed month's content, in a canonical JSON form (sorted keys, lines in
+    the ledger's order), so the same frozen month gives the same digest on every read."""
+    body = {"month": month, "basis": basis, "pools": list(pools), "lines": list(lines)}
+    return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class MonthPayload:
+    """One cluster's closed month, as the cluster serves it and the central keeps it."""
+
+    cluster: str
+    month: str
+    basis: str
+    pools: list[dict[str, Any]]
+    lines: list[dict[str, Any]]
+    total_cents: int
+    digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The route's answer."""
+        return {
+            "cluster": self.cluster, "month": self.month, "basis": self.basis,
+            "pools": self.pools, "lines": self.lines, "total_cents": self.total_cents,
+            "digest": self.digest,
+        }  # fmt: skip
+
+
+def month_payload(cluster: str, month: str, basis: str, pools: pl.DataFrame,
+                  lines: pl.DataFrame) -> MonthPayload:  # fmt: skip
+    """A closed month's frozen lines (``LINE_SCHEMA``), basis and node pools, with its digest."""
+    line_rows = lines.select(list(LINE_SCHEMA)).to_dicts()
+    pool_rows = pools.select(list(POOL_SCHEMA)).to_dicts() if pools.height else []
+    total = int(lines["total_cents"].sum()) if lines.height else 0
+    return MonthPayload(cluster, month, basis, pool_rows, line_rows, total,
+                        digest(month, basis, pool_rows, line_rows))  # fmt: skip
+
+
+def parse_payload(body: Mapping[str, Any], cluster: str, month: str) -> MonthPayload:
+    """``body`` as the month ``month`` of ``cluster``; FederationError unless it is that month of
+    that cluster, its lines and pools have their schemas, and its digest and total hold."""
+    if body.get("cluster") != cluster:
+        raise FederationError(f"the cluster at that address says it is {body.get('cluster')!r}")
+    if body.get("month") != month:
+        raise FederationError(f"asked for {month}, the cluster answered {body.get('month')!r}")
+    try:
+        lines = pl.DataFrame(body["lines"], schema=LINE_SCHEMA) if body["lines"] else None
+        pools = pl.DataFrame(body["pools"], schema=POOL_SCHEMA) if body["pools"] else None
+        basis, stated, total = str(body["basis"]), str(body["digest"]), int(body["total_cents"])
+    except (KeyError, TypeError, ValueError, pl.exceptions.PolarsError) as exc:
+        raise FederationError(f"month {month}: not a closed month's payload ({exc})") from None
+    line_frame = lines if lines is not None else pl.DataFrame(schema=LINE_SCHEMA)
+    payload = month_payload(cluster, month, basis, pools if pools is not None else empty_pools(),
+                            line_frame)  # fmt: skip
+    if payload.digest != stated:
+        raise FederationError(f"month {month}: the content does not match its digest")
+    if payload.total_cents != total:
+        raise FederationError(f"month {month}: the lines add up to {payload.total_cents} cents, "
+                              f"the cluster's total is {total}")  # fmt: skip
+    if line_frame.filter(pl.col("month") != month).height:
+        raise FederationError(f"month {month}: a line of another statement")
+    return payload
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterState:
+    """What the central knows of one configured cluster and of its month asked for.
+
+    ``stale_since``: when pulls from it began to fail (None: the last pull succeeded);
+    ``pulled_at``: its last successful pull (None: never). ``total_cents``: the cluster's own
+    total for the month (None: the central holds no closed month of it).
+    """
+
+    cluster: str
+    pulled_at: float | None
+    stale_since: float | None
+    error: str | None
+    total_cents: int | None = None
+    basis: str | None = None
+    pools: list[dict[str, Any]] | None = None
+
+    @property
+    def stale(self) -> bool:
+        """Whether what the central holds of it may be behind: its pulls fail, or never ran."""
+        return self.stale_since is not None or self.pulled_at is None
+
+
+def central_statement(month: str, lines: pl.DataFrame,
+                      clusters: Sequence[ClusterState]) -> dict[str, Any]:  # fmt: skip
+    """One statement across clusters: every line with its cluster, totals per cluster and
+    overall, and whether the lines add up to the clusters' own totals, to the cent."""
+    per_cluster = {
+        c: int(t) for c, t in lines.group_by("cluster").agg(pl.col("total_cents").sum()).iter_rows()
+    }
+    stated = sum(c.total_cents or 0 for c in clusters)
+    total = int(lines["total_cents"].sum()) if lines.height else 0
+    return {
+        "month": month,
+        "lines": lines.sort("cluster", "for_month", "team", "model").to_dicts(),
+        "clusters": [
+            {
+                "cluster": c.cluster,
+                "closed": c.total_cents is not None,
+                "total_cents": per_cluster.get(c.cluster, 0),
+                "stated_total_cents": c.total_cents,
+                "basis": c.basis,
+                "pools": c.pools or [],
+                "stale": c.stale,
+                "stale_since": c.stale_since,
+                "pulled_at": c.pulled_at,
+                "error": c.error,
+            }
+            for c in clusters
+        ],
+        "total_cents": total,
+        "stated_total_cents": stated,
+        "reconciles": total == stated,
+        "stale_clusters": [c.cluster for c in clusters if c.stale],
+    }
+
+
+def central_focus(month: str, lines: pl.DataFrame, clusters: Sequence[ClusterState],
+                  config: Config) -> pl.DataFrame:  # fmt: skip
+    """The clusters' month as FOCUS 1.2 rows: each cluster's statement through ``focus_frame``,
+    its teams as ``SubAccountId`` ``<cluster>/<team>`` and the cluster in ``x_Cluster``.
+
+    The cluster goes into the sub-account because the same team name in two clusters is two
+    budgets (each cluster's own chargeback), and a FOCUS reader groups by SubAccountId; a tag
+    would leave both under one sub-account.
+    """
+    frames = []
+    for state in clusters:
+        own = lines.filter(pl.col("cluster") == state.cluster).drop("cluster")
+        if state.total_cents is None or own.height == 0:
+            continue
+        this_month = int(own.filter(pl.col("for_month") == month)["total_cents"].sum())
+        pools = pl.DataFrame(state.pools, schema=POOL_SCHEMA) if state.pools else empty_pools()
+        statement = Statement(month, True, own, this_month, state.total_cents - this_month,
+                              basis=state.basis or "list", pools=pools)  # fmt: skip
+        account = pl.format("{}/{}", pl.lit(state.cluster), pl.col("SubAccountId"))
+        frames.append(
+            focus_frame(statement, config, "1.2").with_columns(
+                account.alias("SubAccountId"),
+                pl.format("{}/{}", pl.lit(state.cluster), pl.col("SubAccountName")).alias("SubAccountName"),
+                pl.lit(state.cluster).alias("x_Cluster"),
+            )
+        )  # fmt: skip
+    if not frames:
+        return focus_frame(Statement(month, True, pl.DataFrame(schema=LINE_SCHEMA), 0, 0), config,
+                           "1.2").with_columns(pl.lit(None, pl.String).alias("x_Cluster"))  # fmt: skip
+    return pl.concat(frames, how="diagonal_relaxed")

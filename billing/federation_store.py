@@ -1,0 +1,124 @@
+"""The ledger's side of federation: a cluster's closed months read out, and the central's copy
+of every cluster's (``federated_lines``, ``federated_months``, ``federated_clusters``).
+
+A (cluster, month) is replaced in one transaction, lines and month together, so a reader sees
+either the old copy or the new one, never a mix; a failed pull writes only the cluster's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import orjson
+import polars as pl
+
+from billing.federation import FEDERATED_SCHEMA, ClusterState, MonthPayload, month_payload
+from billing.ledger import Ledger
+from infermeter.statement import LINE_SCHEMA
+
+__all__ = [
+    "closed_months",
+    "federated_month",
+    "held_digests",
+    "mark_failed",
+    "mark_pulled",
+    "payload_of",
+    "replace_month",
+]
+
+_LINE_COLUMNS = ", ".join(LINE_SCHEMA)
+
+
+def closed_months(ledger: Ledger, cluster: str) -> list[dict[str, object]]:
+    """Every closed month of this cluster's ledger with its digest and total, oldest first."""
+    out: list[dict[str, object]] = []
+    for m in ledger.months():
+        if m["closed"]:
+            p = payload_of(ledger, cluster, str(m["month"]))
+            out.append({"month": p.month, "digest": p.digest, "total_cents": p.total_cents,
+                        "closed_at": m["closed_at"]})  # fmt: skip
+    return out
+
+
+def payload_of(ledger: Ledger, cluster: str, month: str) -> MonthPayload:
+    """A closed month of this cluster's ledger as the federation route serves it."""
+    basis, pools = ledger.issued_basis(month)
+    return month_payload(cluster, month, basis, pools, ledger.issued_lines(month=month))
+
+
+def held_digests(ledger: Ledger, cluster: str) -> dict[str, str]:
+    """The digest of each month the central holds of ``cluster``."""
+    with ledger.reader() as cur:
+        rows = cur.execute(
+            "SELECT month, digest FROM federated_months WHERE cluster = ?", [cluster]
+        ).fetchall()
+    return {str(m): str(d) for m, d in rows}
+
+
+def replace_month(ledger: Ledger, payload: MonthPayload, now: float) -> None:
+    """Keep ``payload`` as the central's copy of its (cluster, month), replacing the old one."""
+    lines = pl.DataFrame(payload.lines, schema=LINE_SCHEMA).with_columns(
+        pl.lit(payload.cluster).alias("cluster"), pl.lit(payload.digest).alias("digest")
+    )
+    key = [payload.cluster, payload.month]
+    with ledger.writing() as cur:
+        cur.execute("DELETE FROM federated_lines WHERE cluster = ? AND month = ?", key)
+        cur.execute("DELETE FROM federated_months WHERE cluster = ? AND month = ?", key)
+        cur.register("_federated", lines.to_arrow())
+        cur.execute(f"INSERT INTO federated_lines (cluster, {_LINE_COLUMNS}, digest) "
+                    f"SELECT cluster, {_LINE_COLUMNS}, digest FROM _federated")  # fmt: skip
+        cur.unregister("_federated")
+        cur.execute(
+            "INSERT INTO federated_months VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [*key, payload.digest, payload.basis, orjson.dumps(payload.pools).decode(),
+             payload.total_cents, now],
+        )  # fmt: skip
+
+
+def mark_pulled(ledger: Ledger, cluster: str, now: float) -> None:
+    """``cluster`` was pulled whole at ``now``: it is no longer stale."""
+    with ledger.writing() as cur:
+        cur.execute(
+            "INSERT OR REPLACE INTO federated_clusters VALUES (?, ?, NULL, NULL)", [cluster, now]
+        )
+
+
+def mark_failed(ledger: Ledger, cluster: str, now: float, error: str) -> None:
+    """A pull of ``cluster`` failed at ``now``: stale since its first failure after a success."""
+    with ledger.writing() as cur:
+        cur.execute(
+            "INSERT INTO federated_clusters VALUES (?, NULL, ?, ?) ON CONFLICT (cluster) DO UPDATE "
+            "SET failing_since = coalesce(federated_clusters.failing_since, excluded.failing_since), "
+            "error = excluded.error",
+            [cluster, now, error[:500]],
+        )
+
+
+def federated_month(ledger: Ledger, month: str, clusters: Sequence[str],
+                    started_at: float) -> tuple[pl.DataFrame, list[ClusterState]]:  # fmt: skip
+    """The lines of ``month`` held of the configured ``clusters``, and each cluster's state.
+
+    A cluster never pulled nor failed yet is stale since ``started_at`` (the central's start).
+    """
+    with ledger.reader() as cur:
+        lines = pl.DataFrame(
+            cur.execute(
+                f"SELECT cluster, {_LINE_COLUMNS} FROM federated_lines WHERE month = ?", [month]
+            ).fetchall(),
+            schema=FEDERATED_SCHEMA,
+            orient="row",
+        )
+        held = {r[0]: r[1:] for r in cur.execute(
+            "SELECT cluster, total_cents, basis, pools FROM federated_months WHERE month = ?",
+            [month],
+        ).fetchall()}  # fmt: skip
+        status = {r[0]: r[1:] for r in cur.execute(
+            "SELECT cluster, pulled_at, failing_since, error FROM federated_clusters"
+        ).fetchall()}  # fmt: skip
+    states = []
+    for name in clusters:
+        pulled_at, failing_since, error = status.get(name, (None, started_at, None))
+        total, basis, pools = held.get(name, (None, None, None))
+        states.append(ClusterState(name, pulled_at, failing_since, error, total, basis,
+                                   orjson.loads(pools) if pools else None))  # fmt: skip
+    return lines.filter(pl.col("cluster").is_in(list(clusters))), states

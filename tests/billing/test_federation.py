@@ -1,0 +1,386 @@
+"""Federation: two clusters' billing processes and a central one on loopback, over real HTTP.
+
+Each cluster keeps records of October 2026 and closes the month through its route; the central
+pulls the closed months with its per-cluster federation credential and serves one statement
+and one FOCUS file across them. One cluster is stopped for a while: the central keeps serving
+what it pulled of it, marked stale, and catches up once it is back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import polars as pl
+import pytest
+import yaml
+
+from billing.federation import FederationError, month_payload, parse_payload
+from infermeter.config import DEFAULT_CONFIG
+from infermeter.serving import free_port
+from infermeter.statement import LINE_SCHEMA, empty_pools
+from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
+
+ADMIN = {"Authorization": "Bearer im-demo-admin"}
+INGEST = {"Authorization": "Bearer im-demo-ingest"}
+TOKENS = {"east": "fed-east-secret", "west": "fed-west-secret"}
+
+
+@dataclass
+class Billing:
+    """A billing process on loopback, with what it takes to start it again."""
+
+    url: str
+    config: Path
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+
+def _config(root: Path, port: int, **billing: Any) -> Path:
+    """A configuration for billing on ``port`` with its ledger in ``root``."""
+    data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["billing"].update(listen=f"127.0.0.1:{port}", url=f"http://127.0.0.1:{port}",
+                           database=str(root / "ledger.duckdb"), shared_ingest_token=True,
+                           retention={"interval_seconds": 0, "archive": str(root / "archive")},
+                           **billing)  # fmt: skip
+    if billing.get("cluster_name") == "west":  # a price book of its own: dearer GPUs
+        data["prices"]["usd_per_gpu_hour"]["L40S"] = 2.10
+    config = root / "infermeter.yaml"
+    config.write_text(yaml.safe_dump(data))
+    return config
+
+
+def _start(service: Billing) -> None:
+    """Start ``service``'s process and wait until it answers."""
+    command = [sys.executable, "-m", "infermeter", "billing", "--config", str(service.config)]
+    service.process = subprocess.Popen(command, env=service.env)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{service.url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert service.process.poll() is None, f"billing exited with {service.process.returncode}"
+        assert time.monotonic() < deadline, "billing did not answer in 30 s"
+        time.sleep(0.1)
+
+
+def _stop(service: Billing) -> None:
+    """Stop ``service``'s process (SIGTERM, then SIGKILL after 20 s)."""
+    process = service.process
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@contextmanager
+def _running(*services: Billing) -> Iterator[None]:
+    try:
+        for service in services:
+            _start(service)
+        yield
+    finally:
+        for service in reversed(services):
+            _stop(service)
+
+
+@dataclass
+class Federation:
+    """Two clusters and their central."""
+
+    east: Billing
+    west: Billing
+    central: Billing
+
+
+def _sha(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _close(service: Billing, month: str) -> None:
+    response = httpx.post(f"{service.url}/v1/months/{month}/close", headers=ADMIN, timeout=30)
+    assert response.status_code == 200, response.text
+
+
+def _ingest(service: Billing, kind: str, records: list[Any]) -> None:
+    response = httpx.post(f"{service.url}/v1/ingest", content=batch(kind, records), headers=INGEST)
+    assert response.status_code == 200, response.text
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]:
+    """Two clusters with a closed October (east also a closed November carrying a late October
+    record as an adjustment) and a central pulling both, every hour on its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFERMETER")}
+    clusters = {}
+    for name in TOKENS:
+        port = free_port()
+        root = tmp_path_factory.mktemp(name)
+        config = _config(root, port, cluster_name=name)
+        data = yaml.safe_load(config.read_text())
+        data["federation_token_sha256"] = [_sha(TOKENS[name])]
+        config.write_text(yaml.safe_dump(data))
+        clusters[name] = Billing(f"http://127.0.0.1:{port}", config, env)
+    port = free_port()
+    listed = [
+        {"name": n, "url": c.url, "token_env": f"FED_{n.upper()}"} for n, c in clusters.items()
+    ]
+    central_config = _config(tmp_path_factory.mktemp("central"), port, role="central",
+                             cluster_name="central", clusters=listed,
+                             federation={"interval_seconds": 3600, "attempts": 2,
+                                         "backoff_seconds": 0.1, "timeout_seconds": 5})  # fmt: skip
+    central_env = env | {f"FED_{n.upper()}": t for n, t in TOKENS.items()}
+    central = Billing(f"http://127.0.0.1:{port}", central_config, central_env)
+    east, west = clusters["east"], clusters["west"]
+    with _running(east, west):
+        for service, teams in ((east, ("search", "assistant")), (west, ("search", "research"))):
+            _ingest(service, "gpu_samples", gpu_samples(start=OCT + 3600, seconds=3600))
+            _ingest(service, "usage", [usage(t, OCT + 3700 + 100 * i, 300 + 200 * i)
+                                       for i, t in enumerate(teams)])  # fmt: skip
+            _close(service, "2026-10")
+        _ingest(east, "usage", [usage("analytics", OCT + 4000, 900)])  # late: November's adjustment
+        _ingest(east, "gpu_samples", gpu_samples(start=NOV + 3600, seconds=1800))
+        _close(east, "2026-11")
+        with _running(central):
+            yield Federation(east, west, central)
+
+
+def _statement(service: Billing, month: str) -> dict[str, Any]:
+    response = httpx.get(f"{service.url}/v1/federation/statement/{month}", headers=ADMIN)
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def _own(service: Billing, month: str) -> dict[str, Any]:
+    response = httpx.get(f"{service.url}/v1/chargeback/{month}", headers=ADMIN, timeout=30)
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def _pull(central: Billing) -> dict[str, dict[str, Any]]:
+    response = httpx.post(f"{central.url}/v1/federation/pull", headers=ADMIN, timeout=60)
+    assert response.status_code == 200, response.text
+    return {c["cluster"]: c for c in response.json()["clusters"]}
+
+
+def _until_pulled(central: Billing) -> dict[str, Any]:
+    """October's statement once the central's own first round has pulled both clusters."""
+    deadline = time.monotonic() + 30
+    while True:
+        body = _statement(central, "2026-10")
+        if not body["stale_clusters"]:
+            return body
+        assert time.monotonic() < deadline, f"not pulled in 30 s: {body['clusters']}"
+        time.sleep(0.2)
+
+
+def _cents(lines: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    keys = ("for_month", "team", "model", "requests", "compute_cents", "energy_cents",
+            "idle_cents", "total_cents")  # fmt: skip
+    return sorted(tuple(line[k] for k in keys) for line in lines)
+
+
+def test_the_central_statement_is_the_sum_of_the_clusters_cent_for_cent(
+    federation: Federation,
+) -> None:
+    """Its own timer pulls both clusters; each cluster's lines and total arrive unchanged."""
+    body = _until_pulled(federation.central)
+    assert body["reconciles"]
+    total = 0
+    for name in TOKENS:
+        own = _own(getattr(federation, name), "2026-10")
+        mine = [line for line in body["lines"] if line["cluster"] == name]
+        assert _cents(mine) == _cents(own["lines"])
+        cluster = next(c for c in body["clusters"] if c["cluster"] == name)
+        assert cluster["total_cents"] == cluster["stated_total_cents"] == own["total_cents"]
+        total += own["total_cents"]
+    assert body["total_cents"] == total > 0
+    # West's price book is its own: the same hour of GPU costs it more.
+    by = {c["cluster"]: c["total_cents"] for c in body["clusters"]}
+    assert by["west"] > by["east"]
+
+
+def test_an_adjustment_arrives_with_the_closed_month_that_issued_it(
+    federation: Federation,
+) -> None:
+    """East's late October record is on its November statement, and on the central's."""
+    _until_pulled(federation.central)
+    body = _statement(federation.central, "2026-11")
+    late = [line for line in body["lines"] if line["for_month"] == "2026-10"]
+    assert {line["cluster"] for line in late} == {"east"}
+    assert "analytics" in {line["team"] for line in late}
+    own = _own(federation.east, "2026-11")
+    assert _cents(body["lines"]) == _cents(own["lines"])
+    west = next(c for c in body["clusters"] if c["cluster"] == "west")
+    assert west["closed"] is False
+    assert west["total_cents"] == 0
+    assert body["reconciles"]
+
+
+def test_pulling_twice_changes_nothing(federation: Federation) -> None:
+    """A round over unchanged clusters fetches no month and leaves the statement as it was."""
+    before = _until_pulled(federation.central)
+    first = _pull(federation.central)
+    second = _pull(federation.central)
+    for report in (*first.values(), *second.values()):
+        assert report["fetched"] == []
+        assert report["error"] is None
+    assert second["east"]["unchanged"] == 2
+    assert second["west"]["unchanged"] == 1
+    after = _statement(federation.central, "2026-10")
+    assert after["lines"] == before["lines"]
+    assert after["total_cents"] == before["total_cents"]
+
+
+@pytest.mark.parametrize(
+    ("token", "path", "status"),
+    [
+        (None, "/v1/federation/months", 401),
+        ("wrong-token", "/v1/federation/months", 401),
+        (TOKENS["west"], "/v1/federation/months", 401),  # west's credential is not east's
+        ("im-demo-search", "/v1/federation/months", 403),  # a team reads no federation
+        (TOKENS["east"], "/v1/chargeback/2026-10", 403),  # the federation role reads no statement
+        (TOKENS["east"], "/v1/months", 403),
+    ],
+)
+def test_a_cluster_takes_its_federation_credential_for_its_federation_route_only(
+    federation: Federation, token: str | None, path: str, status: int
+) -> None:
+    """Another cluster's credential, an unknown one or none is 401; another role's is 403, and
+    the federation credential is 403 on every other route."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    assert httpx.get(f"{federation.east.url}{path}", headers=headers).status_code == status
+
+
+def test_an_open_month_is_not_federated(federation: Federation) -> None:
+    """A cluster serves closed months only: December is 409, and not listed."""
+    headers = {"Authorization": f"Bearer {TOKENS['east']}"}
+    url = federation.east.url
+    assert httpx.get(f"{url}/v1/federation/months/2026-12", headers=headers).status_code == 409
+    listed = httpx.get(f"{url}/v1/federation/months", headers=headers).json()
+    assert [m["month"] for m in listed["months"]] == ["2026-10", "2026-11"]
+
+
+def test_the_federation_routes_of_a_central_are_not_on_a_cluster(federation: Federation) -> None:
+    """A cluster has no statement across clusters nor puller: 404."""
+    url = federation.east.url
+    assert httpx.get(f"{url}/v1/federation/statement/2026-10", headers=ADMIN).status_code == 404
+    assert httpx.post(f"{url}/v1/federation/pull", headers=ADMIN).status_code == 404
+
+
+def test_the_focus_file_names_each_cluster_in_the_sub_account(federation: Federation) -> None:
+    """FOCUS 1.2 rows of both clusters, SubAccountId "<cluster>/<team>", adding up to the total."""
+    body = _until_pulled(federation.central)
+    response = httpx.get(
+        f"{federation.central.url}/v1/federation/statement/2026-10.focus.csv", headers=ADMIN
+    )
+    assert response.status_code == 200, response.text
+    rows = pl.read_csv(io.StringIO(response.text), infer_schema_length=0)
+    assert set(rows["x_Cluster"]) == {"east", "west"}
+    accounts = set(rows["SubAccountId"])
+    assert {"east/search", "east/assistant", "west/search", "west/research"} <= accounts
+    for row in rows.iter_rows(named=True):
+        assert row["SubAccountId"].startswith(row["x_Cluster"] + "/")
+    billed = sum(round(float(c) * 100) for c in rows["BilledCost"])
+    assert billed == body["total_cents"]
+
+
+def test_a_stopped_cluster_is_served_stale_and_caught_up_once_back(
+    federation: Federation,
+) -> None:
+    """West down: the central keeps east's and west's last pulled lines, west marked stale since
+    the failed pull; west back with a newly closed month: the next round fetches it."""
+    central, west = federation.central, federation.west
+    before = _until_pulled(central)
+    _stop(west)
+    try:
+        failed_at = time.time()
+        reports = _pull(central)
+        assert reports["west"]["error"]
+        assert reports["east"]["error"] is None
+        body = _statement(central, "2026-10")
+        assert body["stale_clusters"] == ["west"]
+        state = next(c for c in body["clusters"] if c["cluster"] == "west")
+        assert state["stale"]
+        assert failed_at - 1 <= state["stale_since"] <= time.time()
+        assert _cents(body["lines"]) == _cents(before["lines"])
+        assert body["reconciles"]
+        again = _pull(central)  # still down: stale since the first failure, not the latest
+        assert again["west"]["error"]
+        later = next(
+            c for c in _statement(central, "2026-10")["clusters"] if c["cluster"] == "west"
+        )
+        assert later["stale_since"] == state["stale_since"]
+    finally:
+        _start(west)
+    _ingest(west, "gpu_samples", gpu_samples(start=NOV + 3600, seconds=1800))
+    _close(west, "2026-11")
+    reports = _pull(central)
+    assert reports["west"]["fetched"] == ["2026-11"]
+    assert reports["west"]["error"] is None
+    body = _statement(central, "2026-11")
+    assert body["stale_clusters"] == []
+    assert _cents([x for x in body["lines"] if x["cluster"] == "west"]) == _cents(
+        _own(west, "2026-11")["lines"]
+    )
+    assert body["reconciles"]
+
+
+def _payload() -> dict[str, Any]:
+    lines = pl.DataFrame(
+        [{"month": "2026-10", "for_month": "2026-10", "team": "search", "model": "chat-small",
+          "requests": 2, "prompt_tokens": 200, "completion_tokens": 100, "gpu_hours": 0.5,
+          "energy_kwh": 0.1, "compute_cents": 80, "energy_cents": 2, "idle_cents": 0,
+          "total_cents": 82}],
+        schema=LINE_SCHEMA,
+    )  # fmt: skip
+    return month_payload("east", "2026-10", "list", empty_pools(), lines).to_json()
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"cluster": "west"}, "says it is 'west'"),
+        ({"month": "2026-11"}, "answered '2026-11'"),
+        ({"total_cents": 83}, "the cluster's total is 83"),
+        ({"basis": "allocation"}, "does not match its digest"),
+        ({"lines": "nope"}, "not a closed month's payload"),
+    ],
+)
+def test_a_payload_that_is_not_what_was_asked_for_is_refused(
+    change: dict[str, Any], why: str
+) -> None:
+    """Another cluster's or month's answer, a total its lines do not make, or content changed
+    after its digest was taken is never stored."""
+    with pytest.raises(FederationError, match=why):
+        parse_payload(_payload() | change, "east", "2026-10")
+
+
+def test_a_payload_round_trips_with_its_digest() -> None:
+    """What a cluster serves parses back to the same content and digest."""
+    body = _payload()
+    parsed = parse_payload(orjson.loads(orjson.dumps(body)), "east", "2026-10")
+    assert parsed.to_json() == body
+    tampered = body["lines"][0] | {"total_cents": 81}
+    with pytest.raises(FederationError):
+        parse_payload(body | {"lines": [tampered], "total_cents": 81}, "east", "2026-10")
