@@ -121,6 +121,14 @@ class BillingClient:
         )
         return body
 
+    def federation_statement(self, token: str, month: str) -> dict[str, Any]:
+        """A central billing's statement of ``month`` across its clusters, with which clusters
+        are stale (``/v1/federation/statement/{month}``; readers of every team)."""
+        body: dict[str, Any] = self._get(
+            token, f"/v1/federation/statement/{month}", timeout_seconds=STATEMENT_TIMEOUT_SECONDS
+        )
+        return body
+
     def breakdown(self, token: str, month: str) -> dict[str, Any]:
         """A month's statement lines split by project and end user (a team key: its own rows).
 

@@ -2,7 +2,9 @@
 
 Below the lines: whether they are on list prices or scaled to imported invoices (the
 allocation basis), each node pool's cost on both bases with the difference explained (the
-admin's and finance's view), and each team's prompt-cache savings.
+admin's and finance's view), and each team's prompt-cache savings. On a central billing
+(``billing.role: central``), the admin also sees its clusters: each one's total for the month,
+whether what the central holds of it is stale, and since when.
 
 The table and the downloads are billing's own files (its export routes, with the signed-in
 user's token): the page shows and saves what finance would get, formatted for reading, and
@@ -12,6 +14,7 @@ agrees with ``/v1/spend`` and the command line at the time it shows.
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -51,6 +54,7 @@ def layout(ctx: Context) -> html.Div:
         html.Div(id="chargeback-reconciliation"),
         html.Div(id="chargeback-table"),
         html.Div(id="chargeback-bases"),
+        html.Div(id="chargeback-clusters"),
     )
 
 
@@ -131,6 +135,51 @@ def _empty_month(ctx: Context, session: Session, month: str, lines: int) -> list
                  f"zero. Is it the month you meant?{known}", note_id="chargeback-empty")]  # fmt: skip
 
 
+def clusters_csv(body: dict[str, Any]) -> str:
+    """A central's statement across clusters (``/v1/federation/statement``) as a CSV of one row
+    per cluster: its total in USD, whether its month is closed there, whether it is stale and
+    since when (UTC), and the last pull's error."""
+    rows = [
+        {
+            "cluster": c["cluster"],
+            "month_closed": "yes" if c["closed"] else "no",
+            "total_usd": int(c["total_cents"]) / 100,
+            "stale": "yes" if c["stale"] else "no",
+            "stale_since": utc(c["stale_since"]) if c["stale_since"] is not None else "",
+            "last_pulled": utc(c["pulled_at"]) if c["pulled_at"] is not None else "never",
+            "error": c["error"] or "",
+        }
+        for c in body["clusters"]
+    ]
+    schema = {"cluster": pl.String, "month_closed": pl.String, "total_usd": pl.Float64,
+              "stale": pl.String, "stale_since": pl.String, "last_pulled": pl.String,
+              "error": pl.String}  # fmt: skip
+    return pl.DataFrame(rows, schema=schema).write_csv()
+
+
+def utc(t: float) -> str:
+    """A Unix time as ``2026-12-05 22:49 UTC``."""
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _clusters(ctx: Context, session: Session, month: str) -> Any:
+    """The clusters table of a central billing, for the admin; nothing elsewhere."""
+    if ctx.config.billing.role != "central" or not session.is_admin:
+        return None
+    try:
+        body = ctx.client.federation_statement(session.token, month)
+    except BillingError as exc:
+        return note(str(exc), "error")
+    ok = "reconciles to the cent" if body["reconciles"] else "does NOT reconcile"
+    stale = body["stale_clusters"]
+    said = f"Across clusters: {usd(int(body['total_cents']) / 100)}, the sum of the clusters' own totals: {ok}."
+    if stale:
+        said += f" Stale (their last pulled months shown): {', '.join(stale)}."
+    return html.Div([html.H3("Clusters"), html.P(said, id="chargeback-clusters-total"),
+                     csv_table(clusters_csv(body), "chargeback-clusters-table",
+                               empty="No cluster configured.")])  # fmt: skip
+
+
 def _file(file: Download) -> dict[str, Any]:
     """What ``dcc.Download`` takes for a text file (as ``dcc.send_string`` builds it)."""
     return {"content": file.text, "filename": file.filename, "type": "text/csv", "base64": False}
@@ -167,15 +216,16 @@ def register(app: Dash, ctx: Context) -> None:
         Output("chargeback-reconciliation", "children"),
         Output("chargeback-table", "children"),
         Output("chargeback-bases", "children"),
+        Output("chargeback-clusters", "children"),
         Input("chargeback-month", "value"),
         Input("auth", "data"),
         Input("tick", "n_intervals"),
         State("tz", "data"),
     )
-    def show(month: str | None, auth: Any, _: Any, tz: str | None) -> tuple[Any, Any, Any]:
+    def show(month: str | None, auth: Any, _: Any, tz: str | None) -> tuple[Any, Any, Any, Any]:
         session = ctx.session(auth)
         if session is None or not month:
-            return note("Sign in and pick a month."), None, None
+            return note("Sign in and pick a month."), None, None, None
         token = session.token
         try:
             with ThreadPoolExecutor(max_workers=2) as pool:
@@ -183,7 +233,7 @@ def register(app: Dash, ctx: Context) -> None:
                 file_call = pool.submit(ctx.client.export, token, month, "csv")
                 body, lines = body_call.result(), file_call.result()
         except BillingError as exc:
-            return note(str(exc), "error"), None, None
+            return note(str(exc), "error"), None, None, _clusters(ctx, session, month)
         statement = statement_from_json(body)
         state = "closed" if statement.closed else "open: it changes until the month is closed"
         adjusted = statement.lines.filter(pl.col("for_month") != month).height > 0
@@ -202,6 +252,7 @@ def register(app: Dash, ctx: Context) -> None:
             ),
             csv_table(lines.text, "chargeback-lines", hidden=hidden),
             _bases(body, statement),
+            _clusters(ctx, session, month),
         )
 
     def download(auth: Any, month: str | None, kind: Literal["csv", "focus"]) -> Any:

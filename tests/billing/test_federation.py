@@ -26,12 +26,16 @@ import orjson
 import polars as pl
 import pytest
 import yaml
+from selenium import webdriver
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
 
 from billing.federation import FederationError, month_payload, parse_payload
-from infermeter.config import DEFAULT_CONFIG
+from infermeter.config import DEFAULT_CONFIG, load_config
 from infermeter.serving import free_port
 from infermeter.statement import LINE_SCHEMA, empty_pools
 from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
+from tests.dashboards.stack import chromium, dashboard_thread
 
 ADMIN = {"Authorization": "Bearer im-demo-admin"}
 INGEST = {"Authorization": "Bearer im-demo-ingest"}
@@ -303,6 +307,46 @@ def test_the_focus_file_names_each_cluster_in_the_sub_account(federation: Federa
         assert row["SubAccountId"].startswith(row["x_Cluster"] + "/")
     billed = sum(round(float(c) * 100) for c in rows["BilledCost"])
     assert billed == body["total_cents"]
+
+
+def _shown(driver: webdriver.Chrome, css: str, text: str) -> str:
+    """The text of the first element matching ``css`` once it contains ``text``."""
+
+    def ready(d: webdriver.Chrome) -> str | bool:
+        found = d.find_elements(By.CSS_SELECTOR, css)
+        return (found[0].text or True) if found and text in found[0].text else False
+
+    shown = WebDriverWait(driver, 30, poll_frequency=0.1).until(ready)
+    return shown if isinstance(shown, str) else ""
+
+
+def test_the_chargeback_page_of_a_central_lists_its_clusters(
+    federation: Federation, tmp_path: Path
+) -> None:
+    """Signed in as the admin on the central's dashboard, October shows each cluster's total,
+    neither stale, and that they add up to the statement across clusters."""
+    body = _until_pulled(federation.central)
+    config = load_config(federation.central.config, environ={})
+    with (
+        dashboard_thread(config, federation.central.url) as url,
+        chromium(tmp_path) as driver,
+    ):
+        driver.get(url + "/chargeback?month=2026-10")
+        _shown(driver, "#login-key", "")
+        driver.find_element(By.ID, "login-key").send_keys("im-demo-admin")
+        driver.find_element(By.ID, "login-button").click()
+        total = _shown(driver, "#chargeback-clusters-total", "Across clusters")
+        assert f"${body['total_cents'] / 100:,.2f}" in total
+        assert "reconciles to the cent" in total
+        assert "Stale" not in total
+        rows = driver.find_elements(By.CSS_SELECTOR, "#chargeback-clusters-table tbody tr")
+        cells = [[td.text for td in row.find_elements(By.TAG_NAME, "td")] for row in rows]
+        by_cluster = {c[0]: c for c in cells}
+        assert set(by_cluster) == {"east", "west"}
+        for state in body["clusters"]:
+            row = by_cluster[state["cluster"]]
+            assert f"${state['total_cents'] / 100:,.2f}" in row
+            assert row[3] == "no"  # stale
 
 
 def test_a_stopped_cluster_is_served_stale_and_caught_up_once_back(
