@@ -9,21 +9,24 @@ what it pulled of it, marked stale, and catches up once it is back.
 from __future__ import annotations
 
 import hashlib
+import http.server
 import io
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import orjson
 import polars as pl
+import pydantic
 import pytest
 import yaml
 from selenium import webdriver
@@ -31,7 +34,10 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from billing.federation import FederationError, month_payload, parse_payload
-from infermeter.config import DEFAULT_CONFIG, load_config
+from billing.federation_pull import Puller
+from billing.federation_store import federated_month
+from billing.ledger import Ledger
+from infermeter.config import DEFAULT_CONFIG, BillingSettings, load_config
 from infermeter.serving import free_port
 from infermeter.statement import LINE_SCHEMA, empty_pools
 from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
@@ -40,6 +46,7 @@ from tests.dashboards.stack import chromium, dashboard_thread
 ADMIN = {"Authorization": "Bearer im-demo-admin"}
 INGEST = {"Authorization": "Bearer im-demo-ingest"}
 TOKENS = {"east": "fed-east-secret", "west": "fed-west-secret"}
+_CLUSTER = {"name": "eu-west", "url": "http://127.0.0.1:1", "token_env": "FED_EU_WEST"}
 
 
 @dataclass
@@ -428,3 +435,75 @@ def test_a_payload_round_trips_with_its_digest() -> None:
     tampered = body["lines"][0] | {"total_cents": 81}
     with pytest.raises(FederationError):
         parse_payload(body | {"lines": [tampered], "total_cents": 81}, "east", "2026-10")
+
+
+@pytest.mark.parametrize(
+    ("billing", "why"),
+    [
+        ({"role": "central", "clusters": [_CLUSTER, _CLUSTER]}, "a name of its own"),
+        ({"clusters": [_CLUSTER]}, "billing.role: central only"),
+        ({"role": "central", "clusters": [_CLUSTER | {"name": "eu/west"}]}, "should match pattern"),
+        ({"role": "central", "clusters": [_CLUSTER | {"token_env": "has space"}]}, "pattern"),
+    ],
+)
+def test_a_federation_the_configuration_cannot_make_is_refused(
+    billing: dict[str, Any], why: str
+) -> None:
+    """Two clusters of one name, clusters on a cluster's billing, a "/" in a cluster's name (it
+    separates cluster and team in the FOCUS sub-account) or a token variable that is not a
+    variable's name fail validation."""
+    with pytest.raises(pydantic.ValidationError, match=why):
+        BillingSettings.model_validate(billing)
+
+
+class _FlakyCluster(http.server.BaseHTTPRequestHandler):
+    """A cluster's billing that answers 503 to every other request, and a listing of no month
+    (with the right token) to the rest."""
+
+    calls: ClassVar[list[int]] = []
+
+    def do_GET(self) -> None:
+        self.calls.append(len(self.calls))
+        if len(self.calls) % 2 == 1:
+            status, body = 503, b'{"error": {"message": "busy"}}'
+        elif self.headers.get("Authorization") != "Bearer flaky-token":
+            status, body = 401, b'{"error": {"message": "who?"}}'
+        else:
+            status, body = 200, orjson.dumps({"cluster": "flaky", "months": []})
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+async def test_a_busy_cluster_is_asked_again_with_backoff(tmp_path: Path) -> None:
+    """A 503 is tried again (after the backoff) within the round, and the cluster is pulled;
+    with one attempt only, the same 503 leaves it stale."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FlakyCluster)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    ledger = Ledger.open(str(tmp_path / "central.duckdb"), ["search"], {})
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for attempts, stale in ((2, False), (1, True)):
+            settings = BillingSettings.model_validate({
+                "role": "central",
+                "clusters": [{"name": "flaky", "url": url, "token_env": "FLAKY"}],
+                "federation": {"attempts": attempts, "backoff_seconds": 0.05},
+            })  # fmt: skip
+            puller = Puller(ledger, settings, environ={"FLAKY": "flaky-token"})
+            _FlakyCluster.calls.clear()
+            [report] = await puller.pull()
+            assert len(_FlakyCluster.calls) == attempts
+            assert (report.error is not None) == stale
+            _, [state] = federated_month(ledger, "2026-10", ["flaky"], puller.started_at)
+            assert state.stale == stale
+    finally:
+        ledger.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
