@@ -262,8 +262,8 @@ WITH costs AS (
         sum(g.energy_joules) / 3.6e6 AS energy_kwh,
         sum(g.gpu_seconds / 3600.0 * g.usd) AS compute_usd,
         sum(g.energy_joules / 3.6e6 * g.kwh_usd) AS energy_usd,
-        arg_max(g.pool, g.gpu_seconds) AS pool, arg_max(g.category, g.gpu_seconds) AS category,
-        arg_max(g.sku, g.gpu_seconds) AS sku
+        -- An instance's GPUs are on one node, so one pool and rate in a minute: any row's.
+        any_value(g.pool) AS pool, any_value(g.category) AS category, any_value(g.sku) AS sku
     FROM {priced_sql(book, _alive(gpus, lifetimes), gpus)} g WHERE g.usd IS NOT NULL
     GROUP BY g.replica, g.instance, g.slot
 ),
