@@ -19,7 +19,7 @@ import orjson
 import polars as pl
 
 from exporters.focus import focus_frame
-from infermeter.config import Config
+from infermeter.config import Config, Prices
 from infermeter.statement import LINE_SCHEMA, POOL_SCHEMA, Statement, empty_pools
 
 __all__ = [
@@ -61,24 +61,28 @@ class MonthPayload:
     lines: list[dict[str, Any]]
     total_cents: int
     digest: str
+    # The cluster's price book when it served the month (``Prices`` as JSON): not part of the
+    # digest, as it is not frozen with the month; None from a cluster that sent none.
+    prices: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The route's answer."""
         return {
             "cluster": self.cluster, "month": self.month, "basis": self.basis,
             "pools": self.pools, "lines": self.lines, "total_cents": self.total_cents,
-            "digest": self.digest,
+            "digest": self.digest, "prices": self.prices,
         }  # fmt: skip
 
 
-def month_payload(cluster: str, month: str, basis: str, pools: pl.DataFrame,
-                  lines: pl.DataFrame) -> MonthPayload:  # fmt: skip
-    """A closed month's frozen lines (``LINE_SCHEMA``), basis and node pools, with its digest."""
+def month_payload(cluster: str, month: str, basis: str, pools: pl.DataFrame, lines: pl.DataFrame,
+                  prices: dict[str, Any] | None = None) -> MonthPayload:  # fmt: skip
+    """A closed month's frozen lines (``LINE_SCHEMA``), basis and node pools, with its digest,
+    and the cluster's price book (``prices``)."""
     line_rows = lines.select(list(LINE_SCHEMA)).to_dicts()
     pool_rows = pools.select(list(POOL_SCHEMA)).to_dicts() if pools.height else []
     total = int(lines["total_cents"].sum()) if lines.height else 0
     return MonthPayload(cluster, month, basis, pool_rows, line_rows, total,
-                        digest(month, basis, pool_rows, line_rows))  # fmt: skip
+                        digest(month, basis, pool_rows, line_rows), prices)  # fmt: skip
 
 
 def parse_payload(body: Mapping[str, Any], cluster: str, month: str) -> MonthPayload:
@@ -92,11 +96,13 @@ def parse_payload(body: Mapping[str, Any], cluster: str, month: str) -> MonthPay
         lines = pl.DataFrame(body["lines"], schema=LINE_SCHEMA) if body["lines"] else None
         pools = pl.DataFrame(body["pools"], schema=POOL_SCHEMA) if body["pools"] else None
         basis, stated, total = str(body["basis"]), str(body["digest"]), int(body["total_cents"])
+        sent = body.get("prices")
+        prices = None if sent is None else Prices.model_validate(sent).model_dump(mode="json")
     except (KeyError, TypeError, ValueError, pl.exceptions.PolarsError) as exc:
         raise FederationError(f"month {month}: not a closed month's payload ({exc})") from None
     line_frame = lines if lines is not None else pl.DataFrame(schema=LINE_SCHEMA)
     payload = month_payload(cluster, month, basis, pools if pools is not None else empty_pools(),
-                            line_frame)  # fmt: skip
+                            line_frame, prices)  # fmt: skip
     if payload.digest != stated:
         raise FederationError(f"month {month}: the content does not match its digest")
     if payload.total_cents != total:
@@ -123,6 +129,7 @@ class ClusterState:
     total_cents: int | None = None
     basis: str | None = None
     pools: list[dict[str, Any]] | None = None
+    prices: dict[str, Any] | None = None
 
     @property
     def stale(self) -> bool:
@@ -169,7 +176,8 @@ def central_focus(month: str, lines: pl.DataFrame, clusters: Sequence[ClusterSta
     """The clusters' month as FOCUS 1.2 rows: each cluster's statement through ``focus_frame``,
     its teams as ``SubAccountId`` ``<cluster>/<team>`` and the cluster in ``x_Cluster``.
 
-    The cluster goes into the sub-account because the same team name in two clusters is two
+    Unit prices and SKUs are each cluster's price book's (as pulled with the month; the
+    central's for a cluster that sent none). The cluster goes into the sub-account because the same team name in two clusters is two
     budgets (each cluster's own chargeback), and a FOCUS reader groups by SubAccountId; a tag
     would leave both under one sub-account.
     """
@@ -180,11 +188,17 @@ def central_focus(month: str, lines: pl.DataFrame, clusters: Sequence[ClusterSta
             continue
         this_month = int(own.filter(pl.col("for_month") == month)["total_cents"].sum())
         pools = pl.DataFrame(state.pools, schema=POOL_SCHEMA) if state.pools else empty_pools()
+        # The cluster's own price book gives the unit prices and SKUs, as its own file would.
+        priced = (
+            config
+            if state.prices is None
+            else config.model_copy(update={"prices": Prices.model_validate(state.prices)})
+        )
         statement = Statement(month, True, own, this_month, state.total_cents - this_month,
                               basis=state.basis or "list", pools=pools)  # fmt: skip
         account = pl.format("{}/{}", pl.lit(state.cluster), pl.col("SubAccountId"))
         frames.append(
-            focus_frame(statement, config, "1.2").with_columns(
+            focus_frame(statement, priced, "1.2").with_columns(
                 account.alias("SubAccountId"),
                 pl.format("{}/{}", pl.lit(state.cluster), pl.col("SubAccountName")).alias("SubAccountName"),
                 pl.lit(state.cluster).alias("x_Cluster"),

@@ -8,6 +8,7 @@ either the old copy or the new one, never a mix; a failed pull writes only the c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import orjson
 import polars as pl
@@ -40,10 +41,12 @@ def closed_months(ledger: Ledger, cluster: str) -> list[dict[str, object]]:
     return out
 
 
-def payload_of(ledger: Ledger, cluster: str, month: str) -> MonthPayload:
-    """A closed month of this cluster's ledger as the federation route serves it."""
+def payload_of(ledger: Ledger, cluster: str, month: str,
+               prices: dict[str, Any] | None = None) -> MonthPayload:  # fmt: skip
+    """A closed month of this cluster's ledger as the federation route serves it, with the
+    cluster's price book ``prices``."""
     basis, pools = ledger.issued_basis(month)
-    return month_payload(cluster, month, basis, pools, ledger.issued_lines(month=month))
+    return month_payload(cluster, month, basis, pools, ledger.issued_lines(month=month), prices)
 
 
 def held_digests(ledger: Ledger, cluster: str) -> dict[str, str]:
@@ -69,9 +72,11 @@ def replace_month(ledger: Ledger, payload: MonthPayload, now: float) -> None:
                     f"SELECT cluster, {_LINE_COLUMNS}, digest FROM _federated")  # fmt: skip
         cur.unregister("_federated")
         cur.execute(
-            "INSERT INTO federated_months VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO federated_months (cluster, month, digest, basis, pools, total_cents, "
+            "pulled_at, prices) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             [*key, payload.digest, payload.basis, orjson.dumps(payload.pools).decode(),
-             payload.total_cents, now],
+             payload.total_cents, now,
+             None if payload.prices is None else orjson.dumps(payload.prices).decode()],
         )  # fmt: skip
 
 
@@ -109,7 +114,7 @@ def federated_month(ledger: Ledger, month: str, clusters: Sequence[str],
             orient="row",
         )
         held = {r[0]: r[1:] for r in cur.execute(
-            "SELECT cluster, total_cents, basis, pools FROM federated_months WHERE month = ?",
+            "SELECT cluster, total_cents, basis, pools, prices FROM federated_months WHERE month = ?",
             [month],
         ).fetchall()}  # fmt: skip
         status = {r[0]: r[1:] for r in cur.execute(
@@ -118,7 +123,8 @@ def federated_month(ledger: Ledger, month: str, clusters: Sequence[str],
     states = []
     for name in clusters:
         pulled_at, failing_since, error = status.get(name, (None, started_at, None))
-        total, basis, pools = held.get(name, (None, None, None))
+        total, basis, pools, prices = held.get(name, (None, None, None, None))
         states.append(ClusterState(name, pulled_at, failing_since, error, total, basis,
-                                   orjson.loads(pools) if pools else None))  # fmt: skip
+                                   orjson.loads(pools) if pools else None,
+                                   orjson.loads(prices) if prices else None))  # fmt: skip
     return lines.filter(pl.col("cluster").is_in(list(clusters))), states

@@ -660,11 +660,18 @@ CREATE TABLE IF NOT EXISTS federated_clusters (
 );
 """
 
+# The price book a cluster served with each closed month (``infermeter.config.Prices`` as JSON),
+# so the central's FOCUS file gives that cluster's unit prices, not the central's.
+_FEDERATED_PRICES = """
+ALTER TABLE federated_months ADD COLUMN IF NOT EXISTS prices VARCHAR;
+"""
+
 MIGRATIONS: Final[tuple[str, ...]] = (
     _V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10, _V11, _ARCHIVE, _USAGE_TAGS, _INVOICES,
     _ALLOC_HOURS_CACHED,
     _STATEMENT_BASES,
     _FEDERATED_LINES,
+    _FEDERATED_PRICES,
 )  # fmt: skip
 LATEST_VERSION: Final = len(MIGRATIONS)
 # The migration that makes ``usage_tags`` (its backfill runs with it).

@@ -64,11 +64,13 @@ async def months(who: Federator, svc: ServicesDep) -> dict[str, Any]:
 
 @router.get("/v1/federation/months/{month}", responses=errors(400, *READ, 409))
 async def month(who: Federator, month: Month, svc: ServicesDep) -> Response:
-    """A closed month's frozen lines, basis and node pools, with its digest; 409 while open."""
+    """A closed month's frozen lines, basis and node pools, with its digest, and this cluster's
+    price book; 409 while open."""
     if not svc.ledger.month_state(month)[0]:
         raise LedgerError(f"month {month} is not closed: only closed months are federated")
     name = svc.config.billing.cluster_name
-    payload = await compute(svc, store.payload_of, svc.ledger, name, month)
+    prices = svc.config.prices.model_dump(mode="json")
+    payload = await compute(svc, store.payload_of, svc.ledger, name, month, prices)
     return json_response(payload.to_json())
 
 

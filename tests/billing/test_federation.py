@@ -8,6 +8,7 @@ what it pulled of it, marked stale, and catches up once it is back.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import http.server
 import io
@@ -42,6 +43,7 @@ from infermeter.serving import free_port
 from infermeter.statement import LINE_SCHEMA, empty_pools
 from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
 from tests.dashboards.stack import chromium, dashboard_thread
+from tests.focus_spec import spec_failures
 
 ADMIN = {"Authorization": "Bearer im-demo-admin"}
 INGEST = {"Authorization": "Bearer im-demo-ingest"}
@@ -300,7 +302,8 @@ def test_the_federation_routes_of_a_central_are_not_on_a_cluster(federation: Fed
 
 
 def test_the_focus_file_names_each_cluster_in_the_sub_account(federation: Federation) -> None:
-    """FOCUS 1.2 rows of both clusters, SubAccountId "<cluster>/<team>", adding up to the total."""
+    """FOCUS 1.2 rows of both clusters, SubAccountId "<cluster>/<team>", adding up to the total,
+    and the file holds to the specification's checks."""
     body = _until_pulled(federation.central)
     response = httpx.get(
         f"{federation.central.url}/v1/federation/statement/2026-10.focus.csv", headers=ADMIN
@@ -314,6 +317,8 @@ def test_the_focus_file_names_each_cluster_in_the_sub_account(federation: Federa
         assert row["SubAccountId"].startswith(row["x_Cluster"] + "/")
     billed = sum(round(float(c) * 100) for c in rows["BilledCost"])
     assert billed == body["total_cents"]
+    problems = spec_failures(list(csv.DictReader(io.StringIO(response.text))), "1.2")
+    assert problems == [], problems
 
 
 def _shown(driver: webdriver.Chrome, css: str, text: str) -> str:
@@ -416,6 +421,7 @@ def _payload() -> dict[str, Any]:
         ({"total_cents": 83}, "the cluster's total is 83"),
         ({"basis": "allocation"}, "does not match its digest"),
         ({"lines": "nope"}, "not a closed month's payload"),
+        ({"prices": {"pue": "high"}}, "not a closed month's payload"),
     ],
 )
 def test_a_payload_that_is_not_what_was_asked_for_is_refused(
