@@ -281,7 +281,7 @@ def _statement_text(config: Config, database: str, month: str, fmt: str, version
             bar.update()
             chargeback = Chargeback(ledger, config)
             statement = chargeback.statement(month)
-            if fmt != "csv":
+            if fmt != "csv" or config.prices.pools:  # the CSV names each line's node pools
                 statement = chargeback.by_instance(statement)
         bar.update()
         budgets = {t.name: t.budget_usd_per_month for t in config.teams}

@@ -93,6 +93,8 @@ async def chargeback_focus(who: Reader, month: Month, svc: ServicesDep,
 async def chargeback_csv(who: Reader, month: Month, svc: ServicesDep) -> Response:
     """The chargeback CSV: every line for the admin, a team's own lines for a team."""
     statement = await _statement(svc, month, who)
+    if svc.config.prices.pools:  # a row per node pool a line ran in (the file sums instances)
+        statement = await compute(svc, svc.chargeback.by_instance, statement)
     budgets = {t.name: t.budget_usd_per_month for t in svc.config.teams}
     return download(write_csv(chargeback_frame(statement, budgets)), f"chargeback-{month}.csv")
 
