@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import duckdb
 import httpx
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
@@ -75,9 +76,17 @@ class Puller:
         self.started_at = time.time()
 
     async def run(self) -> None:
-        """A round now, then one every ``billing.federation.interval_seconds``, until cancelled."""
+        """A round now, then one every ``billing.federation.interval_seconds``, until cancelled.
+
+        A round the ledger fails (a DuckDB error: disk full) is logged and the timer goes on: what
+        it had not committed is pulled again at the next round.
+        """
         while True:
-            await self.pull()
+            try:
+                await self.pull()
+            except duckdb.Error as exc:
+                log.warning("billing: federation round failed, tried again in %.0f s: %s",
+                            self.settings.federation.interval_seconds, exc)  # fmt: skip
             await asyncio.sleep(self.settings.federation.interval_seconds)
 
     async def pull(self) -> list[ClusterReport]:

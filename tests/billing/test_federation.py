@@ -8,6 +8,8 @@ what it pulled of it, marked stale, and catches up once it is back.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import csv
 import hashlib
 import http.server
@@ -510,6 +512,34 @@ async def test_a_busy_cluster_is_asked_again_with_backoff(tmp_path: Path) -> Non
             assert state.stale == stale
     finally:
         ledger.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+async def test_the_timer_outlives_a_round_the_ledger_fails(tmp_path: Path) -> None:
+    """Rounds over a ledger that cannot be read (closed) are logged, and the timer goes on."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FlakyCluster)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    ledger = Ledger.open(str(tmp_path / "central.duckdb"), ["search"], {})
+    ledger.close()
+    try:
+        settings = BillingSettings.model_validate({
+            "role": "central",
+            "clusters": [{"name": "flaky", "url": f"http://127.0.0.1:{server.server_address[1]}",
+                          "token_env": "FLAKY"}],
+            "federation": {"attempts": 2, "backoff_seconds": 0.01, "interval_seconds": 0.05},
+        })  # fmt: skip
+        _FlakyCluster.calls.clear()
+        task = asyncio.create_task(Puller(ledger, settings, {"FLAKY": "flaky-token"}).run())
+        await asyncio.sleep(0.6)
+        assert not task.done()
+        assert len(_FlakyCluster.calls) >= 4  # the cluster was asked in several rounds
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
         server.shutdown()
         server.server_close()
         thread.join(5)
