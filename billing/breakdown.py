@@ -33,6 +33,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Final, Literal
 
 import polars as pl
@@ -56,6 +57,7 @@ __all__ = [
     "month_tags",
     "project_spend",
     "tag_split",
+    "with_tags",
 ]
 
 Rule = Literal["in_flight", "tokens", "requests"]
@@ -235,6 +237,21 @@ GROUP BY ALL""".format(user="""nullif("user", '')""" if by_user else "NULL::VARC
 def _split_of(config: Config) -> tuple[Rule, dict[str, float]]:
     b = config.billing
     return b.allocation, {k: float(v) for k, v in b.token_weights.model_dump().items()}
+
+
+def with_tags(ledger: Ledger, statement: Statement, config: Config) -> Statement:
+    """``statement`` with its lines split by project and end user for the exports, when the
+    requests of its months named any; as it is otherwise (the CSV then has no project, FOCUS
+    no project or user tag). Extra columns (an instance split's) are kept on every row."""
+    lines = statement.lines
+    if lines.height == 0:
+        return statement
+    tags = month_tags(ledger, lines["for_month"].to_list(), sorted(set(lines["team"].to_list())))
+    if tags.filter(pl.col("project").is_not_null() | pl.col("user").is_not_null()).height == 0:
+        return statement
+    rule, weights = _split_of(config)
+    split = tag_split(lines, tags, rule, weights, {t.name: t.max_users for t in config.teams})
+    return replace(statement, lines=split)
 
 
 def breakdown(ledger: Ledger, statement: Statement, config: Config) -> pl.DataFrame:

@@ -272,6 +272,7 @@ def _warn_empty(month: str, known: list[str]) -> None:
 def _statement_text(config: Config, database: str, month: str, fmt: str, version: str) -> str:
     from tqdm import tqdm
 
+    from billing.breakdown import with_tags
     from billing.chargeback import Chargeback
     from exporters.chargeback_csv import chargeback_frame, write_csv
     from exporters.focus import focus_frame
@@ -283,6 +284,7 @@ def _statement_text(config: Config, database: str, month: str, fmt: str, version
             statement = chargeback.statement(month)
             if fmt != "csv" or config.prices.pools:  # the CSV names each line's node pools
                 statement = chargeback.by_instance(statement)
+            statement = with_tags(ledger, statement, config)  # projects and end users
         bar.update()
         budgets = {t.name: t.budget_usd_per_month for t in config.teams}
         frame = (

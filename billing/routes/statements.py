@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from billing import audit
+from billing.breakdown import with_tags
 from billing.routes.breakdown import with_projects
 from billing.routes.dependencies import (
     AllReader,
@@ -84,6 +85,7 @@ async def chargeback_focus(who: Reader, month: Month, svc: ServicesDep,
     """The FinOps FOCUS file, a row per line and instance: every line for the admin, a team's own for a team."""
     statement = await _statement(svc, month, who)
     statement = await compute(svc, svc.chargeback.by_instance, statement)
+    statement = await compute(svc, with_tags, svc.ledger, statement, svc.config)
     text = write_csv(focus_frame(statement, svc.config, version))
     return download(text, f"focus-{version}-{month}.csv")
 
@@ -95,6 +97,7 @@ async def chargeback_csv(who: Reader, month: Month, svc: ServicesDep) -> Respons
     statement = await _statement(svc, month, who)
     if svc.config.prices.pools:  # a row per node pool a line ran in (the file sums instances)
         statement = await compute(svc, svc.chargeback.by_instance, statement)
+    statement = await compute(svc, with_tags, svc.ledger, statement, svc.config)  # and project
     budgets = {t.name: t.budget_usd_per_month for t in svc.config.teams}
     return download(write_csv(chargeback_frame(statement, budgets)), f"chargeback-{month}.csv")
 

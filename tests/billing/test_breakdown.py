@@ -332,3 +332,23 @@ def test_a_statements_breakdown_is_computed_once_per_team_and_again_for_a_new_st
     assert memo.of(ledger, first, config, None) is rows
     assert memo.of(ledger, first, config, "assistant").height == 0
     assert memo.of(ledger, second, config, None) is not rows
+
+
+def test_the_csv_and_focus_files_break_search_down_by_project_and_user(billing: str) -> None:
+    """The admin's CSV has a row per project of search (users summed) adding up to its line;
+    FOCUS 1.3 tags each of search's rows with its project and user."""
+    import csv
+    import io
+
+    month = month_of(time.time())
+    lines = _get(billing, ADMIN, f"/v1/chargeback/{month}").json()["lines"]
+    search_cents = sum(ln["total_cents"] for ln in lines if ln["team"] == "search")
+    text = _get(billing, ADMIN, f"/v1/chargeback/{month}.csv").text
+    rows = [r for r in csv.DictReader(io.StringIO(text)) if r["team"] == "search"]
+    assert sorted(r["project"] for r in rows) == ["alpha", "beta"]
+    assert round(sum(float(r["total_usd"]) for r in rows) * 100) == search_cents
+    focus = _get(billing, ADMIN, f"/v1/chargeback/{month}.focus.csv?version=1.3").text
+    tags = [orjson.loads(r["Tags"]) for r in csv.DictReader(io.StringIO(focus))
+            if r["SubAccountName"] == "search"]  # fmt: skip
+    assert {(t.get("project"), t.get("user")) for t in tags} == {
+        ("alpha", "ana"), ("alpha", "ben"), ("beta", None)}  # fmt: skip
