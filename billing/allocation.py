@@ -65,7 +65,7 @@ import duckdb
 import polars as pl
 
 from billing.charges import CASH, ERROR_PREFIX, UNALLOCATED, Charges, Policy, charge
-from billing.pricebook import Commitment, commitments, priced_sql
+from billing.pricebook import Commitment, commitments, pool_name_sql, priced_sql
 from billing.rounding import microcents
 from billing.schema import HOUR_SECONDS, SLOT_SECONDS
 
@@ -263,7 +263,8 @@ WITH costs AS (
         sum(g.gpu_seconds / 3600.0 * g.usd) AS compute_usd,
         sum(g.energy_joules / 3.6e6 * g.kwh_usd) AS energy_usd,
         -- An instance's GPUs are on one node, so one pool and rate in a minute: any row's.
-        any_value(g.pool) AS pool, any_value(g.category) AS category, any_value(g.sku) AS sku
+        any_value(g.pool) AS pool, any_value(g.category) AS category, any_value(g.sku) AS sku,
+        any_value(g.gpu_model) AS gpu_model
     FROM {priced_sql(book, _alive(gpus, lifetimes), gpus)} g WHERE g.usd IS NOT NULL
     GROUP BY g.replica, g.instance, g.slot
 ),
@@ -314,21 +315,23 @@ WITH weights AS (SELECT replica, instance, team, model, {weight} AS w
 totals AS (SELECT replica, instance, {busy_money} FROM _slots GROUP BY replica, instance)
 SELECT w.replica, w.instance, w.team, w.model, {share_cols}
 FROM weights w JOIN totals t USING (replica, instance)"""
-    instances = """
+    instances = f"""
 SELECT replica, instance, sum(compute_usd) AS compute_usd, sum(energy_usd) AS energy_usd,
     sum(gpu_hours) AS gpu_hours, sum(energy_kwh) AS energy_kwh,
     arg_max(slot, compute_usd + energy_usd) AS peak_slot,
-    arg_max(pool, gpu_hours) AS pool, arg_max(category, gpu_hours) AS pricing_category,
+    {pool_name_sql("arg_max(pool, gpu_hours)", "arg_max(gpu_model, gpu_hours)")} AS pool,
+    arg_max(category, gpu_hours) AS pricing_category,
     arg_max(sku, gpu_hours) AS sku
 FROM _slots GROUP BY replica, instance"""
     priced = priced_sql(book, gpus)
     return AllocationSql(
         unpriced=f"""SELECT gpu_model, sum(gpu_seconds) / 3600.0 AS gpu_hours, sum(energy_joules) / 3.6e6 AS energy_kwh
 FROM {priced} WHERE usd IS NULL GROUP BY gpu_model ORDER BY gpu_model""",
-        pools=f"""SELECT pool, rate_slot, sum(gpu_seconds) / 3600.0 AS gpu_hours,
+        pools=f"""SELECT {pool_name_sql("pool", "gpu_model")} AS pool, rate_slot,
+    sum(gpu_seconds) / 3600.0 AS gpu_hours,
     sum(energy_joules) / 3.6e6 AS energy_kwh, sum(gpu_seconds / 3600.0 * usd) AS compute_usd,
     sum(energy_joules / 3.6e6 * kwh_usd) AS energy_usd
-FROM {priced} WHERE usd IS NOT NULL GROUP BY pool, rate_slot ORDER BY pool, rate_slot""",
+FROM {priced} WHERE usd IS NOT NULL GROUP BY ALL ORDER BY pool, rate_slot""",
         period=period,
         prepare=prepare,
         instances=instances,

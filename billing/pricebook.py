@@ -53,6 +53,7 @@ __all__ = [
     "default_pool",
     "entry_rate",
     "owned_rate",
+    "pool_name_sql",
     "price_book",
     "priced_sql",
 ]
@@ -164,6 +165,11 @@ def _num(value: float) -> str:
     return f"{float(value)!r}::DOUBLE"
 
 
+def pool_name_sql(pool: str, gpu_model: str) -> str:
+    """SQL: the pool name of a priced row (``priced_sql``): its pool, or its GPU model's default."""
+    return f"coalesce({pool}, {_lit(DEFAULT_POOL_PREFIX)} || {gpu_model})"
+
+
 def _default_kwh_sql(book: PriceBook) -> str:
     """SQL: USD per kWh (PUE included) of a GPU row priced by its GPU model, scaled if it is."""
     scaled = [(m, f) for m in sorted(book.usd_per_gpu_hour)
@@ -193,7 +199,9 @@ def _pool_case(book: PriceBook, node: str) -> str:
 def priced_sql(book: PriceBook, gpus: str, nodes_from: str | None = None) -> str:
     """A parenthesised subquery: ``gpus`` (gpu_slots rows) priced by ``book``.
 
-    Adds ``pool``, ``category``, ``sku``, ``rate_slot`` (the first minute of the pool's rate in
+    Adds ``pool`` (NULL for a GPU priced by its GPU model: pool ``default_pool(gpu_model)``,
+    named only where rows are few, as ``pool_name_sql`` does), ``category``, ``sku``,
+    ``rate_slot`` (the first minute of the pool's rate in
     effect; NULL for a list price), ``usd`` (per GPU-hour) and ``kwh_usd`` (per kWh, PUE
     included), each in effect at the row's minute, scaled for the allocation basis; ``usd`` is
     NULL for a GPU that nothing prices (a GPU model without a list price on a node in no pool,
@@ -214,8 +222,7 @@ def priced_sql(book: PriceBook, gpus: str, nodes_from: str | None = None) -> str
     default_kwh = _default_kwh_sql(book)
     if not book.has_pools:
         # Prices by GPU model only: one small join, as before pools existed.
-        return f"""(SELECT g.*, {_lit(DEFAULT_POOL_PREFIX)} || g.gpu_model AS pool,
-    'on_demand' AS category, NULL::VARCHAR AS sku, NULL::BIGINT AS rate_slot,
+        return f"""(SELECT g.*, NULL::VARCHAR AS pool, 'on_demand' AS category, NULL::VARCHAR AS sku, NULL::BIGINT AS rate_slot,
     lp.list_usd AS usd, {default_kwh} AS kwh_usd
     FROM {gpus} g LEFT JOIN {list_prices} USING (gpu_model))"""
     rate_rows = ", ".join(
@@ -227,7 +234,7 @@ def priced_sql(book: PriceBook, gpus: str, nodes_from: str | None = None) -> str
     )
     rates = f"(VALUES {rate_rows}) AS r(pool, from_slot, category, sku, usd, kwh_usd)"
     return f"""(SELECT g.* EXCLUDE (node_pool),
-    coalesce(r.pool, {_lit(DEFAULT_POOL_PREFIX)} || g.gpu_model) AS pool,
+    r.pool AS pool,
     coalesce(r.category, 'on_demand') AS category, r.sku AS sku, r.from_slot AS rate_slot,
     CASE WHEN r.pool IS NOT NULL THEN r.usd ELSE lp.list_usd END AS usd,
     CASE WHEN r.pool IS NOT NULL THEN r.kwh_usd ELSE {default_kwh} END AS kwh_usd
