@@ -21,7 +21,8 @@ from infermeter.serving import free_port
 REQUIRED = {"--month": "2026-11", "--out": "out", "--params": "8", "--replica": "large-0",
             "--role": "collector"}  # fmt: skip
 # A value for every required positional argument, by its name.
-POSITIONAL = {"key_id": "k-0123456789"}
+POSITIONAL = {"key_id": "k-0123456789", "dest": "nightly", "src": "backups/nightly",
+              "file": "invoice.csv", "root": "var/spool"}  # fmt: skip
 
 
 def leaf_commands() -> list[list[str]]:
