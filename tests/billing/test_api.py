@@ -312,8 +312,11 @@ async def test_the_csv_is_the_statement_and_is_safe_in_a_spreadsheet(billing):
     assert list(rows[0]) == [
         "month", "team", "model", "line_type", "for_month", "requests", "prompt_tokens",
         "completion_tokens", "gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd",
-        "total_usd", "team_budget_usd", "team_budget_used_percent",
+        "total_usd", "team_budget_usd", "team_budget_used_percent", "basis", "pricing_category",
+        "pool", "project",
     ]  # fmt: skip
+    # No invoice and no node pools in the demo's price book: list prices, no pool named.
+    assert {(r["basis"], r["pool"]) for r in rows} == {("list", "")}
     *lines, total = rows
     assert total["line_type"] == "total"
     assert round(sum(float(r["total_usd"]) for r in lines) * 100) == statement["fleet_cents"]

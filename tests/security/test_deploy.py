@@ -322,13 +322,14 @@ def test_no_pod_needs_more_than_restricted_but_the_spool_on_the_node(workload: D
 
 
 def test_exports_are_not_on_the_ledger_volume(tmp_path: Path) -> None:
-    """billing.export_dir is on a volume of its own: a large export cannot fill the ledger's disk."""
+    """billing.export_dir, the backups and the archive are on volumes of their own: a large
+    export cannot fill the ledger's disk, and a backup does not share the ledger's."""
     (cm,) = _of("ConfigMap")
     path = tmp_path / "infermeter.yaml"
     path.write_text(filled(cm["data"]["infermeter.yaml"]))
     config = load_config(path, environ={})
     (billing,) = [s for s in _of("StatefulSet") if s["metadata"]["name"] == "infermeter-billing"]
-    (claim,) = billing["spec"]["volumeClaimTemplates"]
+    claims = {c["metadata"]["name"] for c in billing["spec"]["volumeClaimTemplates"]}
     (container,) = _pod(billing)["containers"]
     mounts: dict[str, str] = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
 
@@ -337,8 +338,11 @@ def test_exports_are_not_on_the_ledger_volume(tmp_path: Path) -> None:
                    key=len)  # fmt: skip
         return mounts[best]
 
-    assert volume_of(config.billing.database) == claim["metadata"]["name"]
-    assert volume_of(config.billing.export_dir) != claim["metadata"]["name"]
+    ledger = volume_of(config.billing.database)
+    assert ledger in claims
+    for elsewhere in (config.billing.export_dir, config.billing.backup_dir,
+                      config.billing.retention.archive):  # fmt: skip
+        assert volume_of(elsewhere) != ledger, elsewhere
 
 
 def test_the_writer_secret_is_in_no_serving_container() -> None:
