@@ -14,7 +14,9 @@ agrees with ``/v1/spend`` and the command line at the time it shows.
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
+import io
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -117,6 +119,12 @@ def _bases(body: dict[str, Any], statement: Statement) -> html.Div:
     parts += [html.H3("Prompt caching"),
               csv_table(cache_csv(statement.cache), "chargeback-cache", empty="No prompt-cache hits.")]  # fmt: skip
     return html.Div(parts)
+
+
+def _blank_columns(text: str, columns: tuple[str, ...]) -> list[str]:
+    """Those of ``columns`` that are empty on every row of the CSV ``text``."""
+    rows = list(csv.DictReader(io.StringIO(text)))
+    return [c for c in columns if not any(r.get(c) for r in rows)]
 
 
 def _empty_month(ctx: Context, session: Session, month: str, lines: int) -> list[Any]:
@@ -239,6 +247,12 @@ def register(app: Dash, ctx: Context) -> None:
         adjusted = statement.lines.filter(pl.col("for_month") != month).height > 0
         # Line and usage month only tell lines apart when some are adjustments.
         hidden = ("month",) if adjusted else ("month", "line_type", "for_month")
+        # The basis is said above the table; a split no line has would be a column of blanks.
+        hidden = (
+            *hidden,
+            "basis",
+            *_blank_columns(lines.text, ("pricing_category", "pool", "project")),
+        )
         return (
             html.Div(
                 [
