@@ -185,5 +185,7 @@ async def test_a_request_refused_after_admission_gives_its_admission_back(
     at = float(after[b"rt"])  # type: ignore[index]
     now = levels_at(after, at)  # type: ignore[arg-type]
     then = levels_at(before, at)  # type: ignore[arg-type]
-    assert now[0] == pytest.approx(then[0])
-    assert now[1] == pytest.approx(then[1])
+    # Equal but for the refill in the fraction of a millisecond the two writes' clocks differ by
+    # (1 ms refills 0.0001 of a request and 1 token here); a missed refund is a whole request.
+    assert now[0] == pytest.approx(then[0], abs=1e-4)
+    assert now[1] == pytest.approx(then[1], abs=1)
