@@ -72,6 +72,7 @@ __all__ = [
     "ArchiveError",
     "Manifest",
     "Report",
+    "fsync_path",
     "horizon",
     "part_path",
     "reader",
@@ -222,7 +223,8 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush ``path`` (a file or a directory, for a rename in it) to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -232,9 +234,9 @@ def _fsync(path: Path) -> None:
 
 def _publish(tmp: Path, final: Path) -> None:
     """Make ``tmp`` durable under ``final``: flushed, renamed, the directory flushed."""
-    _fsync(tmp)
+    fsync_path(tmp)
     os.replace(tmp, final)  # atomic on one filesystem: a reader sees the old name or the whole file
-    _fsync(final.parent)
+    fsync_path(final.parent)
 
 
 def _write_bytes(root: Path, rel: str, data: bytes) -> None:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Final
 import duckdb
 import orjson
 
-from billing.archive import sha256_of
+from billing.archive import fsync_path, sha256_of
 
 if TYPE_CHECKING:
     from billing.ledger import Ledger
@@ -81,9 +81,9 @@ def backup(ledger: Ledger, dest: str | Path) -> dict[str, Any]:
         }
         (work / MANIFEST).write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
         for path in work.iterdir():
-            _fsync(path)
+            fsync_path(path)
         os.replace(work, final)
-        _fsync(final.parent)
+        fsync_path(final.parent)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return manifest
@@ -114,7 +114,7 @@ def restore(src: str | Path, database: str | Path, force: bool = False) -> dict[
         if wal.exists():  # the old file's log must not be replayed onto the restored one
             wal.unlink()
         os.replace(work, target)
-        _fsync(target.parent)
+        fsync_path(target.parent)
     finally:
         for leftover in (work, work.with_name(work.name + ".wal")):
             leftover.unlink(missing_ok=True)
@@ -147,11 +147,3 @@ def _refuse_if_open(target: Path) -> None:
         raise BackupError(
             f"{target} is in use ({exc}); stop the billing service before restoring"
         ) from None
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from billing import upkeep_cli
 from billing.efficiency import cli as efficiency_cli
-from infermeter.commands import CommandError, Subparsers, add_config, fail
+from infermeter.commands import CommandError, Subparsers, add_config, billing_refused, fail
 from infermeter.months import check_month
 
 if TYPE_CHECKING:
@@ -178,14 +178,6 @@ def _call(client: httpx.Client, method: str, path: str,
         raise CommandError(f"billing at {client.base_url} did not answer: {exc}", code=1) from None
 
 
-def _fail(response: httpx.Response) -> int:
-    try:
-        message = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = response.text[:300]
-    return fail(f"billing answered {response.status_code}: {message}", code=1)
-
-
 def _close(args: argparse.Namespace, config: Config) -> int:
     month = args.month
     if args.database:
@@ -202,7 +194,7 @@ def _close(args: argparse.Namespace, config: Config) -> int:
     with _admin_client(config, None) as client:
         response = _call(client, "POST", f"/v1/months/{month}/close")
     if response.status_code != 200:
-        return _fail(response)
+        return billing_refused(response)
     print(f"closed {month}: {response.json()['total_cents'] / 100:.2f} {config.prices.currency}")
     return 0
 
@@ -235,7 +227,7 @@ def _chargeback(args: argparse.Namespace, config: Config) -> int:
             params = {"version": args.focus_version} if args.format == "focus" else {}
             response = _call(client, "GET", f"/v1/chargeback/{month}.{suffix}", params)
             if response.status_code != 200:
-                return _fail(response)
+                return billing_refused(response)
             text = response.text
             if not _has_lines(text):
                 months = _call(client, "GET", "/v1/months")

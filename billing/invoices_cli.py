@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infermeter.commands import CommandError, Subparsers, add_config, fail
+from infermeter.commands import CommandError, Subparsers, add_config, billing_refused, fail
 
 if TYPE_CHECKING:
     from infermeter.config import Config
@@ -114,11 +114,7 @@ def _online(args: argparse.Namespace, config: Config, fmt: str) -> dict[str, Any
     except httpx.HTTPError as exc:
         raise CommandError(f"billing at {url} did not answer: {exc}", code=1) from None
     if response.status_code != 200:
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text[:300]
-        return fail(f"billing answered {response.status_code}: {message}", code=1)
+        return billing_refused(response)
     found: dict[str, Any] = response.json()
     return found
 

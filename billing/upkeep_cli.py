@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from infermeter.commands import add_config, fail
+from infermeter.commands import add_config, billing_refused, fail
 
 if TYPE_CHECKING:
     from infermeter.config import Config
@@ -56,7 +56,7 @@ def _print(doc: Any) -> None:
 
 def _retain(args: argparse.Namespace, config: Config) -> int:
     from billing import archive
-    from billing.cli import _admin_client, _call, _fail, _ledger
+    from billing.cli import _admin_client, _call, _ledger
 
     r = config.billing.retention
     if args.database:
@@ -69,14 +69,14 @@ def _retain(args: argparse.Namespace, config: Config) -> int:
     with _admin_client(config, None) as client:
         response = _call(client, "POST", "/v1/admin/retain")
     if response.status_code != 200:
-        return _fail(response)
+        return billing_refused(response)
     _print(response.json())
     return 0
 
 
 def _backup(args: argparse.Namespace, config: Config) -> int:
     from billing import backup
-    from billing.cli import _admin_client, _call, _fail, _ledger
+    from billing.cli import _admin_client, _call, _ledger
 
     args.dest = time.strftime(args.dest, time.gmtime())  # a schedule's each backup a new name
     if args.database:
@@ -90,7 +90,7 @@ def _backup(args: argparse.Namespace, config: Config) -> int:
     with _admin_client(config, None) as client:
         response = _call(client, "POST", "/v1/admin/backup", params={"name": args.dest})
     if response.status_code != 200:
-        return _fail(response)
+        return billing_refused(response)
     _print(response.json())
     return 0
 

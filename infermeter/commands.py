@@ -15,12 +15,20 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 if TYPE_CHECKING:
     from infermeter.config import Config
 
-__all__ = ["CommandError", "Handler", "Subparsers", "add_config", "config_path", "fail"]
+__all__ = [
+    "CommandError",
+    "Handler",
+    "Subparsers",
+    "add_config",
+    "billing_refused",
+    "config_path",
+    "fail",
+]
 
 #: What a subcommand's parser sets as its ``handler`` default: the exit code of the command.
 Handler: TypeAlias = "Callable[[argparse.Namespace, Config], int]"
@@ -66,3 +74,25 @@ def fail(message: str, code: int = 2) -> int:
     """Report ``message`` as the command's one line on stderr; ``code`` is the exit code."""
     print(f"infermeter: {message}", file=sys.stderr)
     return code
+
+
+class _Answer(Protocol):
+    """What ``billing_refused`` reads of an HTTP answer (an ``httpx.Response``)."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def text(self) -> str: ...
+
+    def json(self) -> Any: ...
+
+
+def billing_refused(answer: _Answer) -> int:
+    """Report billing's refusal of a command's request: its error message (billing answers
+    OpenAI-style errors), else the start of its body; exit code 1."""
+    try:
+        message = answer.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = answer.text[:300]
+    return fail(f"billing answered {answer.status_code}: {message}", code=1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import subprocess
 import sys
 import time
@@ -72,3 +73,29 @@ def sidecar_process(config_path: str, url: str, replica: str = "small-0",
         time.sleep(0.1)
     proc.kill()
     raise AssertionError(f"the sidecar did not come up in {seconds:g} s")
+
+
+def wait_healthy(process: subprocess.Popen[Any], url: str, seconds: float = 30.0,
+                 what: str = "the service") -> None:  # fmt: skip
+    """Return once ``url``/healthz answers 200; an AssertionError when ``process`` exits first
+    or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        assert process.poll() is None, f"{what} exited with {process.returncode}"
+        assert time.monotonic() < deadline, f"{what} did not answer in {seconds:g} s"
+        time.sleep(0.1)
+
+
+def stop_process(process: subprocess.Popen[Any] | None, grace: float = 20.0) -> None:
+    """Stop ``process`` as an orchestrator does: SIGTERM, then SIGKILL after ``grace`` seconds."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

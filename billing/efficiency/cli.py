@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from infermeter.commands import Subparsers, add_config, fail
+from infermeter.commands import Subparsers, add_config, billing_refused, fail
 
 if TYPE_CHECKING:
     from infermeter.config import Config
@@ -89,11 +89,7 @@ def _from_service(config: Config, url: str | None, month: str) -> dict[str, Any]
     except httpx.HTTPError as exc:
         return fail(f"billing is unreachable: {exc}", code=1)
     if response.status_code != 200:
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text[:300]
-        return fail(f"billing answered {response.status_code}: {message}", code=1)
+        return billing_refused(response)
     body: dict[str, Any] = response.json()
     return body
 

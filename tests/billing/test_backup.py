@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -29,7 +28,7 @@ from infermeter.spool import Spool
 from sidecar.app import Sidecar
 from simulator.replica import ReplicaSim, replica_spec
 from tests.billing.conftest import batch, usage
-from tests.servers import serving
+from tests.servers import serving, stop_process, wait_healthy
 
 INGEST = {"authorization": "Bearer im-demo-ingest"}
 ADMIN = {"authorization": "Bearer im-demo-admin"}
@@ -75,24 +74,10 @@ def _running(root: Path, port: int | None = None) -> Iterator[Billing]:
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert process.poll() is None, f"billing exited with {process.returncode}"
-            assert time.monotonic() < deadline, "billing did not answer in 30 s"
-            time.sleep(0.1)
+        wait_healthy(process, url, what="billing")
         yield Billing(url, root / "ledger.duckdb", root, config, process)
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import hashlib
 import http.server
 import io
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -46,6 +45,7 @@ from infermeter.statement import LINE_SCHEMA, empty_pools
 from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
 from tests.dashboards.stack import chromium, dashboard_thread
 from tests.focus_spec import spec_failures
+from tests.servers import stop_process, wait_healthy
 
 ADMIN = {"Authorization": "Bearer im-demo-admin"}
 INGEST = {"Authorization": "Bearer im-demo-ingest"}
@@ -81,29 +81,12 @@ def _start(service: Billing) -> None:
     """Start ``service``'s process and wait until it answers."""
     command = [sys.executable, "-m", "infermeter", "billing", "--config", str(service.config)]
     service.process = subprocess.Popen(command, env=service.env)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{service.url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert service.process.poll() is None, f"billing exited with {service.process.returncode}"
-        assert time.monotonic() < deadline, "billing did not answer in 30 s"
-        time.sleep(0.1)
+    wait_healthy(service.process, service.url, what="billing")
 
 
 def _stop(service: Billing) -> None:
     """Stop ``service``'s process (SIGTERM, then SIGKILL after 20 s)."""
-    process = service.process
-    if process is None or process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    stop_process(service.process)
 
 
 @contextmanager
