@@ -239,7 +239,11 @@ def decision(desired: int) -> Decision:
 
 def spooled(root: Path, older_than: float | None = None) -> list[dict[str, Any]]:
     """Records still in the spools under ``root`` (those stamped at or before ``older_than``)."""
-    records = [r for seg in sorted(root.rglob("seg-*.jsonl")) for r in read_segment(seg)[0]]
+    records = []
+    for seg in sorted(root.rglob("seg-*.jsonl")):
+        # The shipper removes a segment billing acknowledged: listed, then gone, it is shipped.
+        with contextlib.suppress(FileNotFoundError):
+            records += read_segment(seg)[0]
     if older_than is None:
         return records
     return [r for r in records if r.get("timestamp", 0.0) <= older_than]
