@@ -34,6 +34,10 @@ REL = 0.005
 # instants: a board that changes holders, or a minute that ends, between two readings is placed
 # by the product at the reading. Seen up to 0.5006 % on the largest line of a loaded run.
 LINE_REL = 0.01
+# A small line's error is not a share of it but the readings at its edges: each change of holder
+# is placed at a reading, 0.5 s apart. A line of 200 GPU-seconds was seen 2.3 GPU-seconds off
+# (1.1 %) in a loaded full run; ten readings of one board bound it.
+LINE_ABS_GPU_SECONDS = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -330,16 +334,19 @@ def test_gpu_time_and_cost_per_team_are_what_really_happened(
     statements: list[Statement], measured: Expected
 ) -> None:
     """Each team's GPU-hours and cost: the boards' real seconds and joules split by in-flight
-    share per instance-minute, within 1 %."""
+    share per instance-minute, within 1 % (or 5 GPU-seconds, for a small line)."""
     got = {(t, m): (g, cents) for t, m, _r, _p, _c, g, cents in lines(statements).iter_rows()}
     wrong: list[tuple[Any, ...]] = []
     for (team, model), line in measured.lines.items():
         if line.total_usd < 1.0 or team == "platform":
             continue
         gpu_hours, cents = got.get((team, model), (0.0, 0))
-        if gpu_hours != pytest.approx(line.gpu_seconds / 3600, rel=LINE_REL):
+        slack_hours = LINE_ABS_GPU_SECONDS / 3600
+        if gpu_hours != pytest.approx(line.gpu_seconds / 3600, rel=LINE_REL, abs=slack_hours):
             wrong.append((team, model, "gpu_hours", gpu_hours, line.gpu_seconds / 3600))
-        if cents / 100 != pytest.approx(line.total_usd, rel=LINE_REL, abs=0.02):
+        # The same seconds at the line's own price per GPU-second, or 2 cents.
+        slack_usd = max(0.02, line.total_usd / max(line.gpu_seconds, 1.0) * LINE_ABS_GPU_SECONDS)
+        if cents / 100 != pytest.approx(line.total_usd, rel=LINE_REL, abs=slack_usd):
             wrong.append((team, model, "usd", cents / 100, line.total_usd))
     assert not wrong, wrong
 
