@@ -43,30 +43,46 @@ def register(subparsers: Subparsers) -> None:
     )
     add_config(render)
     render.add_argument(
-        "--configmap", type=Path, default=None, metavar="FILE",
+        "--configmap",
+        type=Path,
+        default=None,
+        metavar="FILE",
         help="read the configuration from the infermeter.yaml of the ConfigMap in FILE",
-    )  # fmt: skip
+    )
     render.add_argument(
-        "--scaledobjects", type=Path, default=None, metavar="FILE",
+        "--scaledobjects",
+        type=Path,
+        default=None,
+        metavar="FILE",
         help="also write KEDA ScaledObjects of the autoscaled Deployments to FILE",
-    )  # fmt: skip
+    )
     render.add_argument(
-        "--inference-routing", type=Path, default=None, metavar="FILE",
+        "--inference-routing",
+        type=Path,
+        default=None,
+        metavar="FILE",
         help="also write the InferencePools, HTTPRoute and InferenceObjectives to FILE",
-    )  # fmt: skip
+    )
     render.add_argument(
-        "--out", type=Path, default=None, metavar="DIR",
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
         help="write the rule files into DIR (default: print them to stdout)",
-    )  # fmt: skip
+    )
     render.add_argument(
-        "--prometheusrule", type=Path, default=None, metavar="FILE",
+        "--prometheusrule",
+        type=Path,
+        default=None,
+        metavar="FILE",
         help="also write the groups as a PrometheusRule manifest to FILE",
-    )  # fmt: skip
+    )
     render.set_defaults(handler=_render)
 
 
-def write_rules(config: Config, source: str, out: Path | None,
-                manifest: Path | None = None) -> list[Path]:  # fmt: skip
+def write_rules(
+    config: Config, source: str, out: Path | None, manifest: Path | None = None
+) -> list[Path]:
     """Render ``config``'s rules and write them (to ``out`` when given); the paths written, in order."""
     from alerts.rules import prometheus_rule, render, to_yaml
 
@@ -110,9 +126,14 @@ def configmap_config(path: Path) -> Config:
         docs = list(yaml.safe_load_all(path.read_text(encoding="utf-8")))
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(str(path), [f"cannot read the manifest: {exc}"]) from None
-    texts = [d["data"]["infermeter.yaml"] for d in docs
-             if isinstance(d, dict) and d.get("kind") == "ConfigMap"
-             and isinstance(d.get("data"), dict) and "infermeter.yaml" in d["data"]]  # fmt: skip
+    texts = [
+        d["data"]["infermeter.yaml"]
+        for d in docs
+        if isinstance(d, dict)
+        and d.get("kind") == "ConfigMap"
+        and isinstance(d.get("data"), dict)
+        and "infermeter.yaml" in d["data"]
+    ]
     if len(texts) != 1:
         raise ConfigError(str(path), ["no ConfigMap with one infermeter.yaml key in the file"])
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,8 +161,7 @@ def _render(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def write_manifests(config: Config, scaledobjects: Path | None,
-                    routing: Path | None) -> list[Path]:  # fmt: skip
+def write_manifests(config: Config, scaledobjects: Path | None, routing: Path | None) -> list[Path]:
     """Write KEDA's ScaledObjects and the inference routing objects where asked; the paths."""
     from alerts.manifests import inference_routing, scaled_objects, to_yaml
 

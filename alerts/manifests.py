@@ -213,6 +213,7 @@ class _NoAliases(yaml.SafeDumper):
 
 def to_yaml(documents: list[Doc]) -> str:
     """``documents`` as one stable YAML stream with the do-not-edit header."""
-    body = yaml.dump_all(documents, Dumper=_NoAliases, sort_keys=False, width=1000,
-                         explicit_start=True)  # fmt: skip
+    body = yaml.dump_all(
+        documents, Dumper=_NoAliases, sort_keys=False, width=1000, explicit_start=True
+    )
     return HEADER + body

@@ -112,12 +112,20 @@ def recording_groups(config: Config) -> list[Group]:
     """Per team and model request SLIs, per replica fleet state, per team spend."""
     interval = duration(config.alerts.evaluation_interval_seconds)
     return [
-        {"name": "infermeter.sidecar.recording", "interval": interval, "rules": _sidecar_rules(config)},
+        {
+            "name": "infermeter.sidecar.recording",
+            "interval": interval,
+            "rules": _sidecar_rules(config),
+        },
         {"name": "infermeter.fleet.recording", "interval": interval, "rules": _fleet_rules()},
         {"name": "infermeter.billing.recording", "interval": interval, "rules": _billing_rules()},
         {"name": "infermeter.sla.recording", "interval": interval, "rules": _sla_targets(config)},
-        {"name": "infermeter.efficiency.recording", "interval": interval, "rules": _efficiency_rules(config)},
-    ]  # fmt: skip
+        {
+            "name": "infermeter.efficiency.recording",
+            "interval": interval,
+            "rules": _efficiency_rules(config),
+        },
+    ]
 
 
 def _record(name: str, expr: str) -> Rule:
@@ -132,58 +140,98 @@ def _sidecar_rules(config: Config) -> list[Rule]:
         ("infermeter_output_tokens_per_second", (0.5,)),
     ):
         bucket = f"{metric}_bucket"
-        rules.append(_record(f"team_model:{bucket}:rate{w}",
-                             f"sum by (team, model, le) (rate({bucket}[{w}]))"))  # fmt: skip
-        rules.append(_record(f"model:{bucket}:rate{w}",
-                             f"sum by (model, le) (team_model:{bucket}:rate{w})"))  # fmt: skip
+        rules.append(
+            _record(
+                f"team_model:{bucket}:rate{w}", f"sum by (team, model, le) (rate({bucket}[{w}]))"
+            )
+        )
+        rules.append(
+            _record(f"model:{bucket}:rate{w}", f"sum by (model, le) (team_model:{bucket}:rate{w})")
+        )
         for level in ("team_model", "model"):
             for q in quantiles:
-                rules.append(_record(f"{level}:{metric}:p{round(q * 100)}_rate{w}",
-                                     f"histogram_quantile({q}, {level}:{bucket}:rate{w})"))  # fmt: skip
-    rules.append(_record(f"team_model:infermeter_completion_tokens:rate{w}",
-                         f"sum by (team, model) (rate(infermeter_completion_tokens_total[{w}]))"))  # fmt: skip
-    rules.append(_record(f"model:infermeter_completion_tokens:rate{w}",
-                         f"sum by (model) (team_model:infermeter_completion_tokens:rate{w})"))  # fmt: skip
-    rules.append(_record(f"team_model:infermeter_requests:rate{w}",
-                         f"sum by (team, model, status) (rate(infermeter_requests_total[{w}]))"))  # fmt: skip
+                rules.append(
+                    _record(
+                        f"{level}:{metric}:p{round(q * 100)}_rate{w}",
+                        f"histogram_quantile({q}, {level}:{bucket}:rate{w})",
+                    )
+                )
+    rules.append(
+        _record(
+            f"team_model:infermeter_completion_tokens:rate{w}",
+            f"sum by (team, model) (rate(infermeter_completion_tokens_total[{w}]))",
+        )
+    )
+    rules.append(
+        _record(
+            f"model:infermeter_completion_tokens:rate{w}",
+            f"sum by (model) (team_model:infermeter_completion_tokens:rate{w})",
+        )
+    )
+    rules.append(
+        _record(
+            f"team_model:infermeter_requests:rate{w}",
+            f"sum by (team, model, status) (rate(infermeter_requests_total[{w}]))",
+        )
+    )
     for level in ("team_model", "model"):
         by = "team, model" if level == "team_model" else "model"
         rate = f"team_model:infermeter_requests:rate{w}"
         served = f'sum by ({by}) ({rate}{{status!~"{NOT_SERVED_STATUSES}"}})'
         # "or ... * 0" makes a model with traffic and no errors read 0, not "no data".
         failed = f'(sum by ({by}) ({rate}{{status=~"{ERROR_STATUSES}"}}) or {served} * 0)'
-        rules.append(_record(f"{level}:infermeter_request_errors_per_request:ratio_rate{w}",
-                             f"{failed} / {served}"))  # fmt: skip
+        rules.append(
+            _record(
+                f"{level}:infermeter_request_errors_per_request:ratio_rate{w}",
+                f"{failed} / {served}",
+            )
+        )
     return rules
 
 
 def _fleet_rules() -> list[Rule]:
     return [
-        _record("replica:infermeter_replica_queue_depth:max",
-                "max by (replica, model) (infermeter_replica_queue_depth)"),
-        _record("model:infermeter_replica_queue_depth:sum",
-                "sum by (model) (infermeter_replica_queue_depth)"),
+        _record(
+            "replica:infermeter_replica_queue_depth:max",
+            "max by (replica, model) (infermeter_replica_queue_depth)",
+        ),
+        _record(
+            "model:infermeter_replica_queue_depth:sum",
+            "sum by (model) (infermeter_replica_queue_depth)",
+        ),
         # The engines' own gauge, for fleets scraped without the collector.
-        _record("instance_model_name:vllm_num_requests_waiting:sum",
-                "sum by (instance, model_name) (vllm:num_requests_waiting)"),
-        _record("replica:infermeter_replica_gpu_utilization_ratio:avg",
-                "avg by (replica, model) (infermeter_replica_gpu_utilization_ratio)"),
-        _record("replica:infermeter_replica_gpu_power_watts:sum",
-                "sum by (replica, model) (infermeter_replica_gpu_power_watts)"),
-        _record("model:infermeter_replica_gpu_power_watts:sum",
-                "sum by (model) (infermeter_replica_gpu_power_watts)"),
-    ]  # fmt: skip
+        _record(
+            "instance_model_name:vllm_num_requests_waiting:sum",
+            "sum by (instance, model_name) (vllm:num_requests_waiting)",
+        ),
+        _record(
+            "replica:infermeter_replica_gpu_utilization_ratio:avg",
+            "avg by (replica, model) (infermeter_replica_gpu_utilization_ratio)",
+        ),
+        _record(
+            "replica:infermeter_replica_gpu_power_watts:sum",
+            "sum by (replica, model) (infermeter_replica_gpu_power_watts)",
+        ),
+        _record(
+            "model:infermeter_replica_gpu_power_watts:sum",
+            "sum by (model) (infermeter_replica_gpu_power_watts)",
+        ),
+    ]
 
 
 def _billing_rules() -> list[Rule]:
     # "> 0" drops teams without a budget: a ratio to zero is no forecast of overspending.
     budget = "(max by (team) (infermeter_team_budget_usd) > 0)"
     return [
-        _record("team:infermeter_team_spend_per_budget:ratio",
-                f"max by (team) (infermeter_team_spend_usd) / {budget}"),
-        _record("team:infermeter_team_spend_forecast_per_budget:ratio",
-                f"max by (team) (infermeter_team_spend_forecast_usd) / {budget}"),
-    ]  # fmt: skip
+        _record(
+            "team:infermeter_team_spend_per_budget:ratio",
+            f"max by (team) (infermeter_team_spend_usd) / {budget}",
+        ),
+        _record(
+            "team:infermeter_team_spend_forecast_per_budget:ratio",
+            f"max by (team) (infermeter_team_spend_forecast_usd) / {budget}",
+        ),
+    ]
 
 
 def _efficiency_rules(config: Config) -> list[Rule]:
@@ -197,19 +245,35 @@ def _efficiency_rules(config: Config) -> list[Rule]:
     """
     w, by = _window(config), "instance_id, replica, model"
     rules = [
-        _record("instance:infermeter_instance_kv_cache_usage_ratio:max",
-                f"max by ({by}) (infermeter_instance_kv_cache_usage_ratio)"),
-        _record("replica:infermeter_instance_kv_cache_usage_ratio:max",
-                "max by (replica, model) (instance:infermeter_instance_kv_cache_usage_ratio:max)"),
-    ]  # fmt: skip
+        _record(
+            "instance:infermeter_instance_kv_cache_usage_ratio:max",
+            f"max by ({by}) (infermeter_instance_kv_cache_usage_ratio)",
+        ),
+        _record(
+            "replica:infermeter_instance_kv_cache_usage_ratio:max",
+            "max by (replica, model) (instance:infermeter_instance_kv_cache_usage_ratio:max)",
+        ),
+    ]
     for counter in ("preemptions", "prefix_cache_queries", "prefix_cache_hits"):
-        rules.append(_record(f"instance:infermeter_instance_{counter}:rate{w}",
-                             f"max by ({by}) (rate(infermeter_instance_{counter}_total[{w}]))"))  # fmt: skip
-        rules.append(_record(f"replica:infermeter_instance_{counter}:rate{w}",
-                             f"sum by (replica, model) (instance:infermeter_instance_{counter}:rate{w})"))  # fmt: skip
-    rules.append(_record(f"replica:infermeter_instance_prefix_cache_hits_per_query:ratio_rate{w}",
-                         f"replica:infermeter_instance_prefix_cache_hits:rate{w} / "
-                         f"replica:infermeter_instance_prefix_cache_queries:rate{w}"))  # fmt: skip
+        rules.append(
+            _record(
+                f"instance:infermeter_instance_{counter}:rate{w}",
+                f"max by ({by}) (rate(infermeter_instance_{counter}_total[{w}]))",
+            )
+        )
+        rules.append(
+            _record(
+                f"replica:infermeter_instance_{counter}:rate{w}",
+                f"sum by (replica, model) (instance:infermeter_instance_{counter}:rate{w})",
+            )
+        )
+    rules.append(
+        _record(
+            f"replica:infermeter_instance_prefix_cache_hits_per_query:ratio_rate{w}",
+            f"replica:infermeter_instance_prefix_cache_hits:rate{w} / "
+            f"replica:infermeter_instance_prefix_cache_queries:rate{w}",
+        )
+    )
     seqs = [r for r in config.replicas if r.max_num_seqs]
     if seqs:
         occupancy = " or ".join(
@@ -217,8 +281,12 @@ def _efficiency_rules(config: Config) -> list[Rule]:
             for r in seqs
         )
         rules.append(_record("instance:infermeter_instance_batch_occupancy:ratio", occupancy))
-        rules.append(_record("replica:infermeter_instance_batch_occupancy:avg",
-                             "avg by (replica, model) (instance:infermeter_instance_batch_occupancy:ratio)"))  # fmt: skip
+        rules.append(
+            _record(
+                "replica:infermeter_instance_batch_occupancy:avg",
+                "avg by (replica, model) (instance:infermeter_instance_batch_occupancy:ratio)",
+            )
+        )
     return rules + _cost_rules(config)
 
 
@@ -232,20 +300,30 @@ def _cost_rules(config: Config) -> list[Rule]:
         for r in priced
     )
     wp, wc = config.billing.token_weights.prompt, config.billing.token_weights.completion
-    weighted = (f"({_number(wp)} * model:infermeter_prompt_tokens:rate{w} + "
-                f"{_number(wc)} * model:infermeter_completion_tokens:rate{w})")  # fmt: skip
+    weighted = (
+        f"({_number(wp)} * model:infermeter_prompt_tokens:rate{w} + "
+        f"{_number(wc)} * model:infermeter_completion_tokens:rate{w})"
+    )
     per_million = f"model:infermeter_gpu_cost_usd_per_hour:sum * 1000000 / 3600 / {weighted}"
     return [
         _record("replica:infermeter_gpu_cost_usd_per_hour:sum", cost),
-        _record("model:infermeter_gpu_cost_usd_per_hour:sum",
-                "sum by (model) (replica:infermeter_gpu_cost_usd_per_hour:sum)"),
-        _record(f"model:infermeter_prompt_tokens:rate{w}",
-                f"sum by (model) (rate(infermeter_prompt_tokens_total[{w}]))"),
-        _record(f"model:infermeter_gpu_cost_usd_per_million_input_tokens:ratio_rate{w}",
-                f"{per_million} * {_number(wp)}"),
-        _record(f"model:infermeter_gpu_cost_usd_per_million_output_tokens:ratio_rate{w}",
-                f"{per_million} * {_number(wc)}"),
-    ]  # fmt: skip
+        _record(
+            "model:infermeter_gpu_cost_usd_per_hour:sum",
+            "sum by (model) (replica:infermeter_gpu_cost_usd_per_hour:sum)",
+        ),
+        _record(
+            f"model:infermeter_prompt_tokens:rate{w}",
+            f"sum by (model) (rate(infermeter_prompt_tokens_total[{w}]))",
+        ),
+        _record(
+            f"model:infermeter_gpu_cost_usd_per_million_input_tokens:ratio_rate{w}",
+            f"{per_million} * {_number(wp)}",
+        ),
+        _record(
+            f"model:infermeter_gpu_cost_usd_per_million_output_tokens:ratio_rate{w}",
+            f"{per_million} * {_number(wc)}",
+        ),
+    ]
 
 
 def _sla_targets(config: Config) -> list[Rule]:
@@ -298,7 +376,7 @@ def _sla_targets(config: Config) -> list[Rule]:
             sla.max_error_ratio,
             labels,
         )
-    return rules  # fmt: skip
+    return rules
 
 
 def _team_sla(config: Config, override: SlaOverride) -> Sla:
@@ -313,8 +391,15 @@ def _team_sla(config: Config, override: SlaOverride) -> Sla:
 # --- alerting rules ----------------------------------------------------------------------------
 
 
-def _alert(name: str, expr: str, for_seconds: float, severity: str, summary: str, runbook: str,
-           **labels: str) -> Rule:  # fmt: skip
+def _alert(
+    name: str,
+    expr: str,
+    for_seconds: float,
+    severity: str,
+    summary: str,
+    runbook: str,
+    **labels: str,
+) -> Rule:
     rule: Rule = {"alert": name, "expr": expr}
     if for_seconds > 0:
         rule["for"] = duration(for_seconds)
@@ -328,11 +413,23 @@ def alerting_groups(config: Config) -> list[Group]:
     interval = duration(config.alerts.evaluation_interval_seconds)
     return [
         {"name": "infermeter.sla.alerts", "interval": interval, "rules": _sla_alerts(config)},
-        {"name": "infermeter.capacity.alerts", "interval": interval, "rules": _capacity_alerts(config)},
+        {
+            "name": "infermeter.capacity.alerts",
+            "interval": interval,
+            "rules": _capacity_alerts(config),
+        },
         {"name": "infermeter.spend.alerts", "interval": interval, "rules": _spend_alerts(config)},
-        {"name": "infermeter.platform.alerts", "interval": interval, "rules": _platform_alerts(config)},
-        {"name": "infermeter.efficiency.alerts", "interval": interval, "rules": _efficiency_alerts(config)},
-    ]  # fmt: skip
+        {
+            "name": "infermeter.platform.alerts",
+            "interval": interval,
+            "rules": _platform_alerts(config),
+        },
+        {
+            "name": "infermeter.efficiency.alerts",
+            "interval": interval,
+            "rules": _efficiency_alerts(config),
+        },
+    ]
 
 
 def _sla_alerts(config: Config) -> list[Rule]:
@@ -350,29 +447,40 @@ def _model_sla_alerts(config: Config, model: Model) -> list[Rule]:
     # The model label is on the series already; stating it keeps the rules distinct to promtool.
     use_case = {"model": model.name, "use_case": model.use_case}
     rules = [
-        _alert("InfermeterTTFTAboveSLA",
-               f"model:infermeter_time_to_first_token_seconds:p95_rate{w}{match} > {_number(sla.ttft_p95_seconds)}",
-               wait, "warning",
-               f"p95 time to first token of {{{{ $labels.model }}}} is {{{{ $value | humanizeDuration }}}}, above its SLA of {_number(sla.ttft_p95_seconds)}s",
-               "Check the model's queue depth and GPU utilization per replica: a backlog means too few replicas (scale out); "
-               "no backlog means slow prefill (long prompts, a team that grew: compare team_model p95) or a degraded GPU.",
-               **use_case),
-        _alert("InfermeterErrorRatioHigh",
-               f"model:infermeter_request_errors_per_request:ratio_rate{w}{match} > {_number(sla.max_error_ratio)}",
-               wait, "critical",
-               f"{{{{ $value | humanizePercentage }}}} of {{{{ $labels.model }}}} requests fail, above its SLA of {sla.max_error_ratio:.2%}",
-               "Check the sidecars' logs for upstream_error (vLLM unreachable, timed out or died mid-stream) and rejected "
-               "(model version not approved, spool unwritable); check the replicas' health and recent rollouts.",
-               **use_case),
-    ]  # fmt: skip
+        _alert(
+            "InfermeterTTFTAboveSLA",
+            f"model:infermeter_time_to_first_token_seconds:p95_rate{w}{match} > {_number(sla.ttft_p95_seconds)}",
+            wait,
+            "warning",
+            f"p95 time to first token of {{{{ $labels.model }}}} is {{{{ $value | humanizeDuration }}}}, above its SLA of {_number(sla.ttft_p95_seconds)}s",
+            "Check the model's queue depth and GPU utilization per replica: a backlog means too few replicas (scale out); "
+            "no backlog means slow prefill (long prompts, a team that grew: compare team_model p95) or a degraded GPU.",
+            **use_case,
+        ),
+        _alert(
+            "InfermeterErrorRatioHigh",
+            f"model:infermeter_request_errors_per_request:ratio_rate{w}{match} > {_number(sla.max_error_ratio)}",
+            wait,
+            "critical",
+            f"{{{{ $value | humanizePercentage }}}} of {{{{ $labels.model }}}} requests fail, above its SLA of {sla.max_error_ratio:.2%}",
+            "Check the sidecars' logs for upstream_error (vLLM unreachable, timed out or died mid-stream) and rejected "
+            "(model version not approved, spool unwritable); check the replicas' health and recent rollouts.",
+            **use_case,
+        ),
+    ]
     if sla.min_output_tokens_per_second > 0:
-        rules.append(_alert("InfermeterOutputSpeedBelowSLA",
-               f"model:infermeter_output_tokens_per_second:p50_rate{w}{match} < {_number(sla.min_output_tokens_per_second)}",
-               wait, "warning",
-               f"median decode speed of {{{{ $labels.model }}}} is {{{{ $value | humanize }}}} tokens/s, below its SLA of {_number(sla.min_output_tokens_per_second)}",
-               "Batches are too large for the GPUs: check running requests and KV-cache use per replica; "
-               "scale out or lower max_num_seqs.",
-               **use_case))  # fmt: skip
+        rules.append(
+            _alert(
+                "InfermeterOutputSpeedBelowSLA",
+                f"model:infermeter_output_tokens_per_second:p50_rate{w}{match} < {_number(sla.min_output_tokens_per_second)}",
+                wait,
+                "warning",
+                f"median decode speed of {{{{ $labels.model }}}} is {{{{ $value | humanize }}}} tokens/s, below its SLA of {_number(sla.min_output_tokens_per_second)}",
+                "Batches are too large for the GPUs: check running requests and KV-cache use per replica; "
+                "scale out or lower max_num_seqs.",
+                **use_case,
+            )
+        )
     return rules
 
 
@@ -387,65 +495,90 @@ def _team_sla_alerts(config: Config, override: SlaOverride) -> list[Rule]:
     match = f"{{team={_quote(override.team)},model={_quote(override.model)}}}"
     labels = {"team": override.team, "model": override.model}
     rules = [
-        _alert("InfermeterTeamTTFTAboveSLA",
-               f"team_model:infermeter_time_to_first_token_seconds:p95_rate{w}{match} > {_number(ttft)}",
-               wait, "warning",
-               f"p95 time to first token of {{{{ $labels.model }}}} for team {{{{ $labels.team }}}} is {{{{ $value | humanizeDuration }}}}, above the team's SLA of {_number(ttft)}s",
-               "Compare with the model's p95: if only this team is slow, check its limits and fair-share waiting "
-               "(infermeter_fair_queue_waiting); otherwise follow InfermeterTTFTAboveSLA.",
-               **labels),
-        _alert("InfermeterTeamErrorRatioHigh",
-               f"team_model:infermeter_request_errors_per_request:ratio_rate{w}{match} > {_number(errors)}",
-               wait, "critical",
-               f"{{{{ $value | humanizePercentage }}}} of team {{{{ $labels.team }}}}'s {{{{ $labels.model }}}} requests fail, above the team's SLA of {errors:.2%}",
-               "Check the sidecars' logs for this team's upstream_error and rejected requests; follow InfermeterErrorRatioHigh.",
-               **labels),
-    ]  # fmt: skip
+        _alert(
+            "InfermeterTeamTTFTAboveSLA",
+            f"team_model:infermeter_time_to_first_token_seconds:p95_rate{w}{match} > {_number(ttft)}",
+            wait,
+            "warning",
+            f"p95 time to first token of {{{{ $labels.model }}}} for team {{{{ $labels.team }}}} is {{{{ $value | humanizeDuration }}}}, above the team's SLA of {_number(ttft)}s",
+            "Compare with the model's p95: if only this team is slow, check its limits and fair-share waiting "
+            "(infermeter_fair_queue_waiting); otherwise follow InfermeterTTFTAboveSLA.",
+            **labels,
+        ),
+        _alert(
+            "InfermeterTeamErrorRatioHigh",
+            f"team_model:infermeter_request_errors_per_request:ratio_rate{w}{match} > {_number(errors)}",
+            wait,
+            "critical",
+            f"{{{{ $value | humanizePercentage }}}} of team {{{{ $labels.team }}}}'s {{{{ $labels.model }}}} requests fail, above the team's SLA of {errors:.2%}",
+            "Check the sidecars' logs for this team's upstream_error and rejected requests; follow InfermeterErrorRatioHigh.",
+            **labels,
+        ),
+    ]
     if speed > 0:
-        rules.append(_alert("InfermeterTeamOutputSpeedBelowSLA",
-               f"team_model:infermeter_output_tokens_per_second:p50_rate{w}{match} < {_number(speed)}",
-               wait, "warning",
-               f"median decode speed of {{{{ $labels.model }}}} for team {{{{ $labels.team }}}} is {{{{ $value | humanize }}}} tokens/s, below the team's SLA of {_number(speed)}",
-               "Follow InfermeterOutputSpeedBelowSLA; if only this team is slow, check the size of its requests.",
-               **labels))  # fmt: skip
+        rules.append(
+            _alert(
+                "InfermeterTeamOutputSpeedBelowSLA",
+                f"team_model:infermeter_output_tokens_per_second:p50_rate{w}{match} < {_number(speed)}",
+                wait,
+                "warning",
+                f"median decode speed of {{{{ $labels.model }}}} for team {{{{ $labels.team }}}} is {{{{ $value | humanize }}}} tokens/s, below the team's SLA of {_number(speed)}",
+                "Follow InfermeterOutputSpeedBelowSLA; if only this team is slow, check the size of its requests.",
+                **labels,
+            )
+        )
     return rules
 
 
 def _capacity_alerts(config: Config) -> list[Rule]:
     s = config.scaling
     return [
-        _alert("InfermeterQueueBacklog",
-               f"replica:infermeter_replica_queue_depth:max > {_number(s.scale_up_queue_depth)}",
-               s.scale_up_after_seconds, "warning",
-               f"{{{{ $value | humanize }}}} requests wait in the queue of replica {{{{ $labels.replica }}}} ({{{{ $labels.model }}}}), over {s.scale_up_queue_depth} for {duration(s.scale_up_after_seconds)}",
-               "The model needs more replicas: check that the autoscaler is scaling it out (max_replicas, budget cap, "
-               "free GPUs); meanwhile TTFT rises for every team on it."),
-        _alert("InfermeterGPUIdle",
-               f"replica:infermeter_replica_gpu_utilization_ratio:avg < {_number(s.scale_down_gpu_utilization)}",
-               s.scale_down_after_seconds, "info",
-               f"GPUs of replica {{{{ $labels.replica }}}} ({{{{ $labels.model }}}}) are {{{{ $value | humanizePercentage }}}} busy, under {s.scale_down_gpu_utilization:.0%} for {duration(s.scale_down_after_seconds)}",
-               "Idle capacity is paid for by the teams or the platform: scale the model in (down to min_replicas) "
-               "or move a smaller model onto these GPUs."),
-    ]  # fmt: skip
+        _alert(
+            "InfermeterQueueBacklog",
+            f"replica:infermeter_replica_queue_depth:max > {_number(s.scale_up_queue_depth)}",
+            s.scale_up_after_seconds,
+            "warning",
+            f"{{{{ $value | humanize }}}} requests wait in the queue of replica {{{{ $labels.replica }}}} ({{{{ $labels.model }}}}), over {s.scale_up_queue_depth} for {duration(s.scale_up_after_seconds)}",
+            "The model needs more replicas: check that the autoscaler is scaling it out (max_replicas, budget cap, "
+            "free GPUs); meanwhile TTFT rises for every team on it.",
+        ),
+        _alert(
+            "InfermeterGPUIdle",
+            f"replica:infermeter_replica_gpu_utilization_ratio:avg < {_number(s.scale_down_gpu_utilization)}",
+            s.scale_down_after_seconds,
+            "info",
+            f"GPUs of replica {{{{ $labels.replica }}}} ({{{{ $labels.model }}}}) are {{{{ $value | humanizePercentage }}}} busy, under {s.scale_down_gpu_utilization:.0%} for {duration(s.scale_down_after_seconds)}",
+            "Idle capacity is paid for by the teams or the platform: scale the model in (down to min_replicas) "
+            "or move a smaller model onto these GPUs.",
+        ),
+    ]
 
 
 def _spend_alerts(config: Config) -> list[Rule]:
     wait, cap = config.alerts.budget_forecast_for_seconds, config.scaling.monthly_budget_cap_usd
     rules = [
-        _alert("InfermeterTeamSpendForecastAboveBudget",
-               "team:infermeter_team_spend_forecast_per_budget:ratio > 1",
-               wait, "warning",
-               "team {{ $labels.team }} is forecast to spend {{ $value | humanizePercentage }} of its monthly budget",
-               "Tell the team's owner: show their spend by model in the dashboard, and either raise "
-               "budget_usd_per_month or lower their limits (tokens_per_minute, max_concurrent)."),
-    ]  # fmt: skip
+        _alert(
+            "InfermeterTeamSpendForecastAboveBudget",
+            "team:infermeter_team_spend_forecast_per_budget:ratio > 1",
+            wait,
+            "warning",
+            "team {{ $labels.team }} is forecast to spend {{ $value | humanizePercentage }} of its monthly budget",
+            "Tell the team's owner: show their spend by model in the dashboard, and either raise "
+            "budget_usd_per_month or lower their limits (tokens_per_minute, max_concurrent).",
+        ),
+    ]
     if cap is not None:
-        rules.append(_alert("InfermeterFleetSpendForecastAboveCap",
-               f"sum(max by (team) (infermeter_team_spend_forecast_usd)) > {_number(cap)}",
-               wait, "warning",
-               f"the fleet is forecast to spend {{{{ $value | humanize }}}} USD this month, over the cap of {_number(cap)} USD",
-               "Find the teams that grew (dashboard: spend vs budget); agree a higher "
-               "scaling.monthly_budget_cap_usd or lower their limits before the cap holds back scaling."))  # fmt: skip
+        rules.append(
+            _alert(
+                "InfermeterFleetSpendForecastAboveCap",
+                f"sum(max by (team) (infermeter_team_spend_forecast_usd)) > {_number(cap)}",
+                wait,
+                "warning",
+                f"the fleet is forecast to spend {{{{ $value | humanize }}}} USD this month, over the cap of {_number(cap)} USD",
+                "Find the teams that grew (dashboard: spend vs budget); agree a higher "
+                "scaling.monthly_budget_cap_usd or lower their limits before the cap holds back scaling.",
+            )
+        )
     return rules
 
 
@@ -458,76 +591,105 @@ def _platform_alerts(config: Config) -> list[Rule]:
     a = config.alerts
     share = config.billing.reconciliation_alert_share
     return [
-        _alert("InfermeterTokensUnattributed",
-               f"max by (replica, model) (infermeter_reconciliation_unattributed_share) > {_number(share)}",
-               RECONCILIATION_FOR_SECONDS, "warning",
-               f"{{{{ $value | humanizePercentage }}}} of the tokens replica group {{{{ $labels.replica }}}} processed in the last whole hour have no usage record (over {_number(share * 100)}%)",
-               "Read GET /v1/query/reconciliation for the hour to find the instance; look for sidecars killed or cut off "
-               "(restarts, OOM kills, spool errors) and for requests reaching vLLM around the sidecar. The tokens are on "
-               "the statement as the group's unattributed line."),
-        _alert("InfermeterUsageSpoolBacklog",
-               f"infermeter_usage_spool_backlog > {a.spool_backlog_records}",
-               a.spool_backlog_for_seconds, "warning",
-               f"{{{{ $value | humanize }}}} usage records of {{{{ $labels.instance }}}} are not yet acknowledged by billing (over {a.spool_backlog_records} for {duration(a.spool_backlog_for_seconds)})",
-               "Check that billing is up and reachable from the sidecar (sidecar.ingest_url, ingest token) and that its "
-               "disk is not full; the records are safe in the spool until then, but chargeback lags."),
-        _alert("InfermeterCollectorTargetDown",
-               "infermeter_collector_target_up == 0",
-               a.target_down_for_seconds, "warning",
-               f"the collector cannot scrape {{{{ $labels.kind }}}} target {{{{ $labels.target }}}} (for {duration(a.target_down_for_seconds)})",
-               "Check the target's URL in the config (nodes[].dcgm_exporter_url or replicas[].upstream_url) and that "
-               "dcgm-exporter or vLLM runs there; until it is back its GPU time is recorded as gaps, never invented."),
-        _alert("InfermeterSharedLimitsDown",
-               "infermeter_shared_limits_up == 0",
-               60, "critical",
-               "sidecar {{ $labels.instance }} cannot reach the shared team-limits store (Redis) and serves by sidecar.shared_limits.on_failure (for 1m)",
-               "Check Redis (sidecar.shared_limits.redis_url) and the network to it. With fail_open each sidecar admits "
-               "limit / live instances, so team limits hold only roughly; with fail_closed requests get 503 until it returns."),
+        _alert(
+            "InfermeterTokensUnattributed",
+            f"max by (replica, model) (infermeter_reconciliation_unattributed_share) > {_number(share)}",
+            RECONCILIATION_FOR_SECONDS,
+            "warning",
+            f"{{{{ $value | humanizePercentage }}}} of the tokens replica group {{{{ $labels.replica }}}} processed in the last whole hour have no usage record (over {_number(share * 100)}%)",
+            "Read GET /v1/query/reconciliation for the hour to find the instance; look for sidecars killed or cut off "
+            "(restarts, OOM kills, spool errors) and for requests reaching vLLM around the sidecar. The tokens are on "
+            "the statement as the group's unattributed line.",
+        ),
+        _alert(
+            "InfermeterUsageSpoolBacklog",
+            f"infermeter_usage_spool_backlog > {a.spool_backlog_records}",
+            a.spool_backlog_for_seconds,
+            "warning",
+            f"{{{{ $value | humanize }}}} usage records of {{{{ $labels.instance }}}} are not yet acknowledged by billing (over {a.spool_backlog_records} for {duration(a.spool_backlog_for_seconds)})",
+            "Check that billing is up and reachable from the sidecar (sidecar.ingest_url, ingest token) and that its "
+            "disk is not full; the records are safe in the spool until then, but chargeback lags.",
+        ),
+        _alert(
+            "InfermeterCollectorTargetDown",
+            "infermeter_collector_target_up == 0",
+            a.target_down_for_seconds,
+            "warning",
+            f"the collector cannot scrape {{{{ $labels.kind }}}} target {{{{ $labels.target }}}} (for {duration(a.target_down_for_seconds)})",
+            "Check the target's URL in the config (nodes[].dcgm_exporter_url or replicas[].upstream_url) and that "
+            "dcgm-exporter or vLLM runs there; until it is back its GPU time is recorded as gaps, never invented.",
+        ),
+        _alert(
+            "InfermeterSharedLimitsDown",
+            "infermeter_shared_limits_up == 0",
+            60,
+            "critical",
+            "sidecar {{ $labels.instance }} cannot reach the shared team-limits store (Redis) and serves by sidecar.shared_limits.on_failure (for 1m)",
+            "Check Redis (sidecar.shared_limits.redis_url) and the network to it. With fail_open each sidecar admits "
+            "limit / live instances, so team limits hold only roughly; with fail_closed requests get 503 until it returns.",
+        ),
         # Against the count 10 minutes earlier, or 0 for a (kind, reason) not seen then: the
         # first records quarantined for a reason start its series, which increase() would miss.
-        _alert("InfermeterRecordsQuarantined",
-               "sum by (kind, reason) (infermeter_billing_quarantined_records_total"
-               " - (infermeter_billing_quarantined_records_total offset 10m"
-               " or infermeter_billing_quarantined_records_total * 0)) > 0",
-               0, "critical",
-               "{{ $value | humanize }} {{ $labels.kind }} record(s) quarantined by billing in the last 10m ({{ $labels.reason }}): kept, billed to no one",
-               "Read the statement's quarantined rows and the ledger's quarantine table (writer, reason, record). An "
-               "unknown team, model, replica group or node is configuration to fix; foreign_writer, foreign_address, "
-               "bad_seal or unsealed is a credential used beyond its writer or a spool changed on disk: find the writer "
-               "named and replace its credential (docs/security.md)."),
-        _alert("InfermeterGPUXidError",
-               "infermeter_gpu_xid_errors != 0",
-               0, "critical",
-               "GPU {{ $labels.gpu }} on node {{ $labels.node }} (replica {{ $labels.replica }}) reported XID error {{ $value }}",
-               "Look the XID code up in NVIDIA's XID catalogue; for 48, 63, 64, 74, 79, 94 or 95 drain the node and "
-               "reset or replace the GPU, then check the replica's error ratio."),
-    ]  # fmt: skip
+        _alert(
+            "InfermeterRecordsQuarantined",
+            "sum by (kind, reason) (infermeter_billing_quarantined_records_total"
+            " - (infermeter_billing_quarantined_records_total offset 10m"
+            " or infermeter_billing_quarantined_records_total * 0)) > 0",
+            0,
+            "critical",
+            "{{ $value | humanize }} {{ $labels.kind }} record(s) quarantined by billing in the last 10m ({{ $labels.reason }}): kept, billed to no one",
+            "Read the statement's quarantined rows and the ledger's quarantine table (writer, reason, record). An "
+            "unknown team, model, replica group or node is configuration to fix; foreign_writer, foreign_address, "
+            "bad_seal or unsealed is a credential used beyond its writer or a spool changed on disk: find the writer "
+            "named and replace its credential (docs/security.md).",
+        ),
+        _alert(
+            "InfermeterGPUXidError",
+            "infermeter_gpu_xid_errors != 0",
+            0,
+            "critical",
+            "GPU {{ $labels.gpu }} on node {{ $labels.node }} (replica {{ $labels.replica }}) reported XID error {{ $value }}",
+            "Look the XID code up in NVIDIA's XID catalogue; for 48, 63, 64, 74, 79, 94 or 95 drain the node and "
+            "reset or replace the GPU, then check the replica's error ratio.",
+        ),
+    ]
 
 
 def _efficiency_alerts(config: Config) -> list[Rule]:
     a, w = config.alerts, _window(config)
     rules = [
-        _alert("InfermeterKVCachePressure",
-               f"instance:infermeter_instance_kv_cache_usage_ratio:max > {_number(a.kv_cache_usage_ratio)}",
-               a.kv_cache_for_seconds, "warning",
-               f"the KV cache of instance {{{{ $labels.instance_id }}}} ({{{{ $labels.model }}}}) is {{{{ $value | humanizePercentage }}}} full, over {a.kv_cache_usage_ratio:.0%} for {duration(a.kv_cache_for_seconds)}",
-               "The engine is about to preempt sequences, or does (see InfermeterPreemptionStorm), and each preempted "
-               "sequence computes its prompt again: lower max_num_seqs or max_model_len, scale the model out, or serve it "
-               "on GPUs with more memory (infermeter plan)."),
-        _alert("InfermeterPreemptionStorm",
-               f"instance:infermeter_instance_preemptions:rate{w} > {_number(a.preemptions_per_second)}",
-               a.kv_cache_for_seconds, "warning",
-               f"instance {{{{ $labels.instance_id }}}} ({{{{ $labels.model }}}}) preempts {{{{ $value | humanize }}}} sequences a second, over {_number(a.preemptions_per_second)} for {duration(a.kv_cache_for_seconds)}",
-               "The KV cache cannot hold the running batch: GPU time goes into recomputing prompts and TTFT and decode speed "
-               "fall. Lower max_num_seqs, scale the model out, or quantize the KV cache; check its KV-cache use per instance."),
-    ]  # fmt: skip
+        _alert(
+            "InfermeterKVCachePressure",
+            f"instance:infermeter_instance_kv_cache_usage_ratio:max > {_number(a.kv_cache_usage_ratio)}",
+            a.kv_cache_for_seconds,
+            "warning",
+            f"the KV cache of instance {{{{ $labels.instance_id }}}} ({{{{ $labels.model }}}}) is {{{{ $value | humanizePercentage }}}} full, over {a.kv_cache_usage_ratio:.0%} for {duration(a.kv_cache_for_seconds)}",
+            "The engine is about to preempt sequences, or does (see InfermeterPreemptionStorm), and each preempted "
+            "sequence computes its prompt again: lower max_num_seqs or max_model_len, scale the model out, or serve it "
+            "on GPUs with more memory (infermeter plan).",
+        ),
+        _alert(
+            "InfermeterPreemptionStorm",
+            f"instance:infermeter_instance_preemptions:rate{w} > {_number(a.preemptions_per_second)}",
+            a.kv_cache_for_seconds,
+            "warning",
+            f"instance {{{{ $labels.instance_id }}}} ({{{{ $labels.model }}}}) preempts {{{{ $value | humanize }}}} sequences a second, over {_number(a.preemptions_per_second)} for {duration(a.kv_cache_for_seconds)}",
+            "The KV cache cannot hold the running batch: GPU time goes into recomputing prompts and TTFT and decode speed "
+            "fall. Lower max_num_seqs, scale the model out, or quantize the KV cache; check its KV-cache use per instance.",
+        ),
+    ]
     if any(r.max_num_seqs for r in config.replicas):
-        rules.append(_alert("InfermeterBatchOccupancyLow",
-               f"replica:infermeter_instance_batch_occupancy:avg < {_number(a.low_batch_occupancy_ratio)}",
-               a.low_batch_occupancy_for_seconds, "info",
-               f"the engines of replica group {{{{ $labels.replica }}}} ({{{{ $labels.model }}}}) run batches {{{{ $value | humanizePercentage }}}} full, under {a.low_batch_occupancy_ratio:.0%} of max_num_seqs for {duration(a.low_batch_occupancy_for_seconds)}",
-               "The group's GPUs are paid for and mostly idle: read `infermeter advise` for how many instances its peak "
-               "needs, lower its minimum replicas, or move a smaller model onto these GPUs."))  # fmt: skip
+        rules.append(
+            _alert(
+                "InfermeterBatchOccupancyLow",
+                f"replica:infermeter_instance_batch_occupancy:avg < {_number(a.low_batch_occupancy_ratio)}",
+                a.low_batch_occupancy_for_seconds,
+                "info",
+                f"the engines of replica group {{{{ $labels.replica }}}} ({{{{ $labels.model }}}}) run batches {{{{ $value | humanizePercentage }}}} full, under {a.low_batch_occupancy_ratio:.0%} of max_num_seqs for {duration(a.low_batch_occupancy_for_seconds)}",
+                "The group's GPUs are paid for and mostly idle: read `infermeter advise` for how many instances its peak "
+                "needs, lower its minimum replicas, or move a smaller model onto these GPUs.",
+            )
+        )
     return rules
 
 

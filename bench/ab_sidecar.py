@@ -87,9 +87,12 @@ def report(this: list[dict[str, Any]], other: list[dict[str, Any]], name: str) -
     for label, key, to_nginx in FIGURES:
         pairs = [
             (a, b)
-            for a, b in ((figure(x, key, to_nginx), figure(y, key, to_nginx)) for x, y in zip(this, other, strict=True))
+            for a, b in (
+                (figure(x, key, to_nginx), figure(y, key, to_nginx))
+                for x, y in zip(this, other, strict=True)
+            )
             if a is not None and b is not None
-        ]  # fmt: skip
+        ]
         if not pairs:
             continue
         ratios = [a / b for a, b in pairs if b]
@@ -99,8 +102,10 @@ def report(this: list[dict[str, Any]], other: list[dict[str, Any]], name: str) -
             f"{statistics.median(b for _, b in pairs):8.2f} {statistics.median(ratios):8.3f}  "
             f"{won} of {len(pairs)}"
         )
-        runs.append(f"  {label}: this {', '.join(f'{a:.2f}' for a, _ in pairs)}; "
-                    f"{name} {', '.join(f'{b:.2f}' for _, b in pairs)}")  # fmt: skip
+        runs.append(
+            f"  {label}: this {', '.join(f'{a:.2f}' for a, _ in pairs)}; "
+            f"{name} {', '.join(f'{b:.2f}' for _, b in pairs)}"
+        )
     return [*lines, "each run, pair by pair:", *runs]
 
 
@@ -109,11 +114,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--root", help="a worktree of the other revision")
-    which.add_argument("--other-launcher", type=Path,
-                       help="this tree's sidecar run through this launcher (bench.sidecar_overhead's "
-                            "--sidecar-launcher), as the other")  # fmt: skip
-    parser.add_argument("--other-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="set in the other's runs only (repeatable)")  # fmt: skip
+    which.add_argument(
+        "--other-launcher",
+        type=Path,
+        help="this tree's sidecar run through this launcher (bench.sidecar_overhead's "
+        "--sidecar-launcher), as the other",
+    )
+    parser.add_argument(
+        "--other-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set in the other's runs only (repeatable)",
+    )
     parser.add_argument("--pairs", type=int, default=4, help="runs of each sidecar (4)")
     parser.add_argument("--phases", default=PHASES, help=f"benchmark phases ({PHASES})")
     args = parser.parse_args()

@@ -56,12 +56,22 @@ _ROLE = _CHUNK.replace(b'"content":" word"', b'"role":"assistant","content":""')
 def _record(i: int) -> UsageRecord:
     now = time.time()
     return UsageRecord(
-        request_id=f"{int(now * 1000):012x}{i:020x}", team="search", model="chat-small",
-        served_version="llama-3.1-8b-instruct", replica="small-0", received_at=now,
-        first_token_at=None, finished_at=now, prompt_tokens=0, cached_prompt_tokens=0,
-        completion_tokens=0, status=RequestStatus.INTERRUPTED.value, http_status=502, stream=True,
+        request_id=f"{int(now * 1000):012x}{i:020x}",
+        team="search",
+        model="chat-small",
+        served_version="llama-3.1-8b-instruct",
+        replica="small-0",
+        received_at=now,
+        first_token_at=None,
+        finished_at=now,
+        prompt_tokens=0,
+        cached_prompt_tokens=0,
+        completion_tokens=0,
+        status=RequestStatus.INTERRUPTED.value,
+        http_status=502,
+        stream=True,
         usage_exact=False,
-    )  # fmt: skip
+    )
 
 
 def _best_us(fn: Callable[[], None], count: int, repeats: int = 7) -> float:
@@ -186,26 +196,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        figures = asyncio.run(measure(Path(tmp), args.streams, args.mark_millis))  # fmt: skip
+        figures = asyncio.run(measure(Path(tmp), args.streams, args.mark_millis))
     if args.json:
         print(json.dumps(figures, indent=2))
         return 0
     print(f"per request (admit + finish, 1 write):  {figures['request_us']:8.2f} us")
-    print(f"per chunk, the relay's feed, no slot:    {figures['chunk_feed_us']:8.2f} us"
-          f" (best {figures['chunk_feed_best_us']:.2f})")  # fmt: skip
-    print(f"per chunk, the relay's feed, with slot:  {figures['chunk_slot_us']:8.2f} us"
-          f" (best {figures['chunk_slot_best_us']:.2f})")  # fmt: skip
-    print(f"per chunk, the slot's part:              {figures['chunk_slot_us'] - figures['chunk_feed_us']:8.2f} us"
-          f" (best {figures['chunk_slot_best_us'] - figures['chunk_feed_best_us']:.2f})")  # fmt: skip
-    print(f"tick over {args.streams} streams:            {figures['tick_streams_us'] / 1000:8.3f} ms"
-          f" every {args.mark_millis} ms")  # fmt: skip
-    print(f"tick over {args.streams} non-streamed requests: {figures['tick_whole_us'] / 1000:8.3f} ms"
-          f" every {args.mark_millis} ms")  # fmt: skip
-    print(f"fsync (off the loop), p50:               {figures['fsync_log_p50_us']:8.0f} us the log,"
-          f" {figures['fsync_slots_p50_us']:.0f} us the slots, {figures['fsync_max_us']:.0f} us max,"
-          f" {figures['ticks_per_second']:g} of each a second")  # fmt: skip
-    print(f"rotation: reading back {args.streams} admissions: {figures['rotation_read_us'] / 1000:8.2f} ms"
-          f" (from a {figures['rotation_file_bytes'] / 2**20:.1f} MiB file, on the loop, once a file)")  # fmt: skip
+    print(
+        f"per chunk, the relay's feed, no slot:    {figures['chunk_feed_us']:8.2f} us"
+        f" (best {figures['chunk_feed_best_us']:.2f})"
+    )
+    print(
+        f"per chunk, the relay's feed, with slot:  {figures['chunk_slot_us']:8.2f} us"
+        f" (best {figures['chunk_slot_best_us']:.2f})"
+    )
+    print(
+        f"per chunk, the slot's part:              {figures['chunk_slot_us'] - figures['chunk_feed_us']:8.2f} us"
+        f" (best {figures['chunk_slot_best_us'] - figures['chunk_feed_best_us']:.2f})"
+    )
+    print(
+        f"tick over {args.streams} streams:            {figures['tick_streams_us'] / 1000:8.3f} ms"
+        f" every {args.mark_millis} ms"
+    )
+    print(
+        f"tick over {args.streams} non-streamed requests: {figures['tick_whole_us'] / 1000:8.3f} ms"
+        f" every {args.mark_millis} ms"
+    )
+    print(
+        f"fsync (off the loop), p50:               {figures['fsync_log_p50_us']:8.0f} us the log,"
+        f" {figures['fsync_slots_p50_us']:.0f} us the slots, {figures['fsync_max_us']:.0f} us max,"
+        f" {figures['ticks_per_second']:g} of each a second"
+    )
+    print(
+        f"rotation: reading back {args.streams} admissions: {figures['rotation_read_us'] / 1000:8.2f} ms"
+        f" (from a {figures['rotation_file_bytes'] / 2**20:.1f} MiB file, on the loop, once a file)"
+    )
     return 0
 
 

@@ -43,11 +43,17 @@ def arrivals(requests: int, days: int, seed: int = 7) -> dict[str, list[Arrival]
         prompt = min(6000, max(8, round(rng.lognormvariate(math.log(400), 0.8))))
         output = min(1500, max(1, round(rng.lognormvariate(math.log(150), 0.8))))
         shared = rng.random() < 1 / 3
-        out[model].append(Arrival(
-            hour * 3600.0 + rng.random() * 3600.0, f"team-{rng.randrange(20):02d}", model,
-            prompt, output, head=f"system-{rng.randrange(40)}" if shared else None,
-            head_tokens=min(prompt - 1, 300) if shared else 0,
-        ))  # fmt: skip
+        out[model].append(
+            Arrival(
+                hour * 3600.0 + rng.random() * 3600.0,
+                f"team-{rng.randrange(20):02d}",
+                model,
+                prompt,
+                output,
+                head=f"system-{rng.randrange(40)}" if shared else None,
+                head_tokens=min(prompt - 1, 300) if shared else 0,
+            )
+        )
     for found in out.values():
         found.sort(key=lambda a: a.t)
     return out
@@ -60,9 +66,18 @@ def fleet(days: int) -> dict[str, ModelSetup]:
     for model, (count, gpus, gpu, usd, _) in FLEET.items():
         base = config.simulator.engine_for(model)
         seqs = 128 if model == "chat-small" else 64
-        groups = tuple(GroupSetup(f"{model}-{k}", model, gpu, gpus, usd,
-                                  base.model_copy(update={"max_num_seqs": seqs}), True)
-                       for k in range(count))  # fmt: skip
+        groups = tuple(
+            GroupSetup(
+                f"{model}-{k}",
+                model,
+                gpu,
+                gpus,
+                usd,
+                base.model_copy(update={"max_num_seqs": seqs}),
+                True,
+            )
+            for k in range(count)
+        )
         runs = tuple(Run(g.replica, g.replica, 0.0, days * DAY, 0.0) for g in groups)
         setups[model] = ModelSetup(model, groups, runs)
     return setups
@@ -84,26 +99,34 @@ def main() -> int:
     t = time.perf_counter()
     by_model = arrivals(args.requests, args.days)
     setups = fleet(args.days)
-    print(f"arrivals   {args.requests:,} over {args.days} days, 20 replicas: "
-          f"{time.perf_counter() - t:.1f} s to generate")  # fmt: skip
+    print(
+        f"arrivals   {args.requests:,} over {args.days} days, 20 replicas: "
+        f"{time.perf_counter() - t:.1f} s to generate"
+    )
     total = {"as it ran": 0.0, "capped": 0.0}
     for model, setup in setups.items():
         found = by_model[model]
         r, seconds = timed(setup, found, args.days)
         total["as it ran"] += seconds
-        print(f"{model:<11} as it ran: {len(found):,} requests in {seconds:.1f} s "
-              f"({len(found) / seconds:,.0f}/s); TTFT p95 {r.ttft_p95():.3f} s, inter-token p95 "
-              f"{r.itl_p95():.4f} s, {r.gpu_hours:,.0f} GPU-hours")  # fmt: skip
+        print(
+            f"{model:<11} as it ran: {len(found):,} requests in {seconds:.1f} s "
+            f"({len(found) / seconds:,.0f}/s); TTFT p95 {r.ttft_p95():.3f} s, inter-token p95 "
+            f"{r.itl_p95():.4f} s, {r.gpu_hours:,.0f} GPU-hours"
+        )
         ran = engines_by_hour(setup.runs)
         capacity = min(engine_capacity(g, found) for g in setup.groups)
         caps = tuple(needed_by_hour(r, capacity, 0.25, 1, ran))
         small, seconds = timed(capped(setup, caps, 180.0), found, args.days)
         total["capped"] += seconds
-        print(f"{model:<11} capped {list(caps)}: {seconds:.1f} s; TTFT p95 "
-              f"{small.ttft_p95():.3f} s, {small.gpu_hours:,.0f} GPU-hours")  # fmt: skip
+        print(
+            f"{model:<11} capped {list(caps)}: {seconds:.1f} s; TTFT p95 "
+            f"{small.ttft_p95():.3f} s, {small.gpu_hours:,.0f} GPU-hours"
+        )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"total      as it ran {total['as it ran']:.1f} s, capped {total['capped']:.1f} s; "
-          f"peak RSS {rss:,.0f} MiB")  # fmt: skip
+    print(
+        f"total      as it ran {total['as it ran']:.1f} s, capped {total['capped']:.1f} s; "
+        f"peak RSS {rss:,.0f} MiB"
+    )
     return 0
 
 

@@ -46,7 +46,7 @@ def add_advisor_inputs(ledger: Ledger) -> None:
             {START} + (k + 1) * 10.0, 4 + hash(r * 31 + k) % 40, 0, 0.4, k * 900.0, k * 300.0,
             k * 900.0, k * 100.0, k // 360, {START + SECONDS}
         FROM range(16) a(r), range({SECONDS // 10}) c(k)
-    """)  # fmt: skip
+    """)
     con.execute("""
         UPDATE usage SET prefix_share = 0.6, prefix_digest = CASE WHEN hash(request_id) % 3 = 0
             THEN 'shared-' || (hash(request_id) % 40) ELSE 'own-' || request_id END
@@ -67,8 +67,12 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     _, config = bench_config(work / "ledger.duckdb", args.memory_limit, 39601)
     try:
-        ledger = Ledger.open(work / "ledger.duckdb", TEAMS, {"chat-small": 0.5, "chat-large": 1.5},
-                             memory_limit=args.memory_limit)  # fmt: skip
+        ledger = Ledger.open(
+            work / "ledger.duckdb",
+            TEAMS,
+            {"chat-small": 0.5, "chat-large": 1.5},
+            memory_limit=args.memory_limit,
+        )
         if not args.reuse:
             t = time.perf_counter()
             generate(ledger, args.records)
@@ -87,8 +91,10 @@ def main() -> int:
                 "SELECT (SELECT count(*) FROM usage), (SELECT count(*) FROM engine_samples)"
             ).fetchone()
         usage, engine = row if row else (0, 0)
-        print(f"advise {MONTH}: median {med:.2f} s (min {low:.2f}) over {usage:,} usage records and "
-              f"{engine:,} engine samples; {found} recommendations")  # fmt: skip
+        print(
+            f"advise {MONTH}: median {med:.2f} s (min {low:.2f}) over {usage:,} usage records and "
+            f"{engine:,} engine samples; {found} recommendations"
+        )
         ledger.close()
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"peak RSS of this process: {rss:.0f} MB (DuckDB memory_limit {args.memory_limit})")

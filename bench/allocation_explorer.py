@@ -45,8 +45,11 @@ from infermeter.serving import free_port
 ADMIN_KEY = "im-demo-admin"
 TEAM_KEY = "bench-team-00"
 MONTH_END = START + 31 * 86400
-WINDOWS = {"month": (START, MONTH_END), "last 7 days": (MONTH_END - 7 * 86400, MONTH_END),
-           "last day": (MONTH_END - 86400, MONTH_END)}  # fmt: skip
+WINDOWS = {
+    "month": (START, MONTH_END),
+    "last 7 days": (MONTH_END - 7 * 86400, MONTH_END),
+    "last day": (MONTH_END - 86400, MONTH_END),
+}
 GROUPINGS: dict[str, dict[str, str]] = {
     "by team": {"by": "team"},
     "by team, model": {"by": "team,model"},
@@ -70,8 +73,14 @@ def _serve(path: str, port: int, ttl: float) -> None:
     config = config_for(Path(path), ttl)
     ledger = Ledger.open(path, [t.name for t in config.teams], {}, memory_limit="4GB")
     try:
-        uvicorn.run(create_app(config, ledger), host="127.0.0.1", port=port, log_level="warning",
-                    access_log=False, lifespan="off")  # fmt: skip
+        uvicorn.run(
+            create_app(config, ledger),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+        )
     finally:
         ledger.close()
 
@@ -91,8 +100,9 @@ def _p95(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
-def measure(path: Path, repeats: int, ttl: float,
-            watch: float) -> Iterator[tuple[str, str, str, float, float]]:  # fmt: skip
+def measure(
+    path: Path, repeats: int, ttl: float, watch: float
+) -> Iterator[tuple[str, str, str, float, float]]:
     """(window, grouping, caller, p50 ms, p95 ms) rows, the first request's first, as measured."""
     port = free_port()
     server = multiprocessing.get_context("spawn").Process(
@@ -157,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             generate(ledger, args.records)
         finally:
             ledger.close()
-        print(f"filled {path}: {args.records:,} records in {time.perf_counter() - t0:.0f} s",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"filled {path}: {args.records:,} records in {time.perf_counter() - t0:.0f} s",
+            file=sys.stderr,
+        )
     records = _records(path)
     print(f"{records:,} usage records, {len(TEAMS)} teams, statement lifetime {args.ttl:g} s")
     print("| window | request | caller | p50 ms | p95 ms |")

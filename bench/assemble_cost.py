@@ -57,8 +57,10 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=3000, help="answers per round")
     args = parser.parse_args()
     figures = measure(args.tokens, args.rounds, args.n)
-    print(f"one {args.tokens}-token answer assembled from its stream, {args.rounds} rounds of "
-          f"{args.n}: best {min(figures):.1f} µs, median {statistics.median(figures):.1f} µs")  # fmt: skip
+    print(
+        f"one {args.tokens}-token answer assembled from its stream, {args.rounds} rounds of "
+        f"{args.n}: best {min(figures):.1f} µs, median {statistics.median(figures):.1f} µs"
+    )
 
 
 if __name__ == "__main__":

@@ -63,13 +63,23 @@ def bench_config(database: Path, memory_limit: str, port: int) -> tuple[dict[str
     data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
     data["teams"] = [{"name": t, "budget_usd_per_month": 10000} for t in TEAMS]
     data["replicas"] = [
-        {"id": r, "model": ("chat-large", "chat-small")[i % 2], "upstream_url": f"http://127.0.0.1:{30000 + i}",
-         "node": f"node-{i // 4}", "gpu_model": "H100", "gpu_count": 4}
+        {
+            "id": r,
+            "model": ("chat-large", "chat-small")[i % 2],
+            "upstream_url": f"http://127.0.0.1:{30000 + i}",
+            "node": f"node-{i // 4}",
+            "gpu_model": "H100",
+            "gpu_count": 4,
+        }
         for i, r in enumerate(REPLICAS)
-    ]  # fmt: skip
+    ]
     data["nodes"] = []
-    data["billing"].update(database=str(database), memory_limit=memory_limit,
-                           listen=f"127.0.0.1:{port}", url=f"http://127.0.0.1:{port}")  # fmt: skip
+    data["billing"].update(
+        database=str(database),
+        memory_limit=memory_limit,
+        listen=f"127.0.0.1:{port}",
+        url=f"http://127.0.0.1:{port}",
+    )
     return data, Config.model_validate(data)
 
 
@@ -90,7 +100,7 @@ def generate(ledger: Ledger, records: int) -> None:
             50 + hash(i * 11) % 2000, 0, 10 + hash(i * 13) % 500, 'ok', 200, true,
             '/v1/chat/completions', 'stop', true, {START + SECONDS}
         FROM range({records}) t(i)
-    """)  # fmt: skip
+    """)
     gpus = "[" + ", ".join(f"'{g}'" for g in range(4)) + "]"
     con.execute(f"""
         INSERT INTO gpu_samples (sample_id, node, gpu, uuid, gpu_model, replica, model, "timestamp",
@@ -100,7 +110,7 @@ def generate(ledger: Ledger, records: int) -> None:
             {replicas}[r + 1], 'm', {START} + (k + 1) * 10.0, 10.0, 0.6, 420.0, 4200.0, 1.0, 1.0, 0, NULL,
             false, {START + SECONDS}
         FROM range(16) a(r), unnest({gpus}) b(g), range({SECONDS // 10}) c(k)
-    """)  # fmt: skip
+    """)
     engine_samples(con)
     con.execute("CREATE OR REPLACE TEMP VIEW fresh AS SELECT * EXCLUDE (ingested_at) FROM usage")
     ledger._set_teams(TEAMS)
@@ -149,7 +159,7 @@ def engine_samples(con: Any) -> None:
             0, 0, 0, {START + SECONDS}
         FROM grid g LEFT JOIN prompt p USING (replica, k) LEFT JOIN completion c USING (replica, k)
         WINDOW w AS (PARTITION BY g.replica ORDER BY g.k)
-    """)  # fmt: skip
+    """)
 
 
 def timed(fn: Any, repeat: int) -> tuple[float, float, Any]:
@@ -162,8 +172,9 @@ def timed(fn: Any, repeat: int) -> tuple[float, float, Any]:
     return statistics.median(times), min(times), result
 
 
-def ingest_rate(path: Path, port: int, batch: int, clients: int, batches: int,
-                fmt: str = "arrow") -> dict[str, float]:  # fmt: skip
+def ingest_rate(
+    path: Path, port: int, batch: int, clients: int, batches: int, fmt: str = "arrow"
+) -> dict[str, float]:
     """Records/s through ``infermeter billing`` (its own process) over HTTP, and CPU used."""
     bodies = [_usage_batch(b, batch, ndjson=fmt != "json") for b in range(batches)]
     encode_cpu = time.process_time()
@@ -175,8 +186,9 @@ def ingest_rate(path: Path, port: int, batch: int, clients: int, batches: int,
     # Each batch is one instance's, sent with its credential, as a sidecar's shipper sends it.
     tokens = [_credential(b) for b in range(batches)]
     env = {**os.environ, "INFERMETER_WRITER_SECRET": WRITER_SECRET.decode()}
-    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "billing", "--config", str(path)],
-                            env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infermeter", "billing", "--config", str(path)], env=env
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(300):
@@ -193,9 +205,13 @@ def ingest_rate(path: Path, port: int, batch: int, clients: int, batches: int,
     finally:
         proc.terminate()
         proc.wait(30)
-    return {"records_per_s": accepted / elapsed, "server_cpu_us": 1e6 * server_cpu / accepted,
-            "client_cpu_us": 1e6 * client_cpu / accepted, "seconds": elapsed,
-            "encode_cpu_us": 1e6 * encode_cpu / (batch * batches)}  # fmt: skip
+    return {
+        "records_per_s": accepted / elapsed,
+        "server_cpu_us": 1e6 * server_cpu / accepted,
+        "client_cpu_us": 1e6 * client_cpu / accepted,
+        "seconds": elapsed,
+        "encode_cpu_us": 1e6 * encode_cpu / (batch * batches),
+    }
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -216,13 +232,27 @@ def _usage_batch(b: int, n: int, bad_record: bool = False, ndjson: bool = False)
     r = b % len(REPLICAS)
     model = ("chat-large", "chat-small")[r % 2]
     records = [
-        {"request_id": f"live-{b}-{i}", "team": TEAMS[i % 20], "model": model, "served_version": "v1",
-         "replica": REPLICAS[r], "received_at": t0 + i * 0.001, "first_token_at": t0 + i * 0.001 + 0.1,
-         "finished_at": t0 + i * 0.001 + 4.0, "prompt_tokens": 300, "cached_prompt_tokens": 0,
-         "completion_tokens": 120, "status": "ok", "http_status": 200, "stream": True,
-         "endpoint": "/v1/chat/completions", "finish_reason": "stop", "usage_exact": True}
+        {
+            "request_id": f"live-{b}-{i}",
+            "team": TEAMS[i % 20],
+            "model": model,
+            "served_version": "v1",
+            "replica": REPLICAS[r],
+            "received_at": t0 + i * 0.001,
+            "first_token_at": t0 + i * 0.001 + 0.1,
+            "finished_at": t0 + i * 0.001 + 4.0,
+            "prompt_tokens": 300,
+            "cached_prompt_tokens": 0,
+            "completion_tokens": 120,
+            "status": "ok",
+            "http_status": 200,
+            "stream": True,
+            "endpoint": "/v1/chat/completions",
+            "finish_reason": "stop",
+            "usage_exact": True,
+        }
         for i in range(n)
-    ]  # fmt: skip
+    ]
     if bad_record:  # one wrong type sends the whole batch to the per-record checks
         records[0]["prompt_tokens"] = "300"
     if ndjson:  # a spool segment's lines
@@ -254,8 +284,11 @@ def ingest_breakdown(work: Path, batch: int, batches: int, fmt: str) -> dict[str
             parse, total = parse + (t1 - t0), total + (t2 - t1)
     finally:
         ledger.close()
-    return {"records_per_s": batch * batches / total, "parse_ms": 1000 * parse / batches,
-            "transaction_ms": 1000 * (total - parse) / batches}  # fmt: skip
+    return {
+        "records_per_s": batch * batches / total,
+        "parse_ms": 1000 * parse / batches,
+        "transaction_ms": 1000 * (total - parse) / batches,
+    }
 
 
 async def _post_all(
@@ -289,9 +322,11 @@ def print_ingest(args: argparse.Namespace, r: dict[str, float]) -> None:
         if args.format == "arrow"
         else ""
     )
-    print(f"ingest     {args.batches} batches x {args.batch:,} records, {args.clients} clients, {args.format}: "
-          f"{r['records_per_s']:,.0f} records/s in {r['seconds']:.1f} s; CPU per record: service "
-          f"{r['server_cpu_us']:.2f} us, clients {r['client_cpu_us']:.2f} us{shippers}")  # fmt: skip
+    print(
+        f"ingest     {args.batches} batches x {args.batch:,} records, {args.clients} clients, {args.format}: "
+        f"{r['records_per_s']:,.0f} records/s in {r['seconds']:.1f} s; CPU per record: service "
+        f"{r['server_cpu_us']:.2f} us, clients {r['client_cpu_us']:.2f} us{shippers}"
+    )
 
 
 def main() -> int:
@@ -303,11 +338,18 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--batches", type=int, default=80)
     parser.add_argument("--skip-ingest", action="store_true")
-    parser.add_argument("--format", choices=("arrow", "ndjson", "json"), default="arrow",
-                        help="what the clients send (default: Arrow, as shippers do)")  # fmt: skip
+    parser.add_argument(
+        "--format",
+        choices=("arrow", "ndjson", "json"),
+        default="arrow",
+        help="what the clients send (default: Arrow, as shippers do)",
+    )
     parser.add_argument("--ingest-only", action="store_true", help="only the ingest measurement")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="only in-process ingest: reading vs transaction, for each path")  # fmt: skip
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="only in-process ingest: reading vs transaction, for each path",
+    )
     parser.add_argument(
         "--reuse", action="store_true", help="keep the ledger already in --dir (skip generate)"
     )
@@ -325,17 +367,23 @@ def main() -> int:
         if args.breakdown:
             for fmt in ("arrow", "ndjson", "per-record"):
                 r = ingest_breakdown(work, args.batch, args.batches, fmt)
-                print(f"ingest in-process, {fmt}: {r['records_per_s']:,.0f} records/s; per "
-                      f"{args.batch:,}-record batch: reading {r['parse_ms']:.0f} ms, "
-                      f"transaction {r['transaction_ms']:.0f} ms")  # fmt: skip
+                print(
+                    f"ingest in-process, {fmt}: {r['records_per_s']:,.0f} records/s; per "
+                    f"{args.batch:,}-record batch: reading {r['parse_ms']:.0f} ms, "
+                    f"transaction {r['transaction_ms']:.0f} ms"
+                )
             return 0
         if args.ingest_only:
             print_ingest(
                 args, ingest_rate(path, port, args.batch, args.clients, args.batches, args.format)
             )
             return 0
-        ledger = Ledger.open(work / "ledger.duckdb", TEAMS, {"chat-small": 0.5, "chat-large": 1.5},
-                             memory_limit=args.memory_limit)  # fmt: skip
+        ledger = Ledger.open(
+            work / "ledger.duckdb",
+            TEAMS,
+            {"chat-small": 0.5, "chat-large": 1.5},
+            memory_limit=args.memory_limit,
+        )
         if not args.reuse:
             t = time.perf_counter()
             generate(ledger, args.records)
@@ -352,9 +400,11 @@ def main() -> int:
         gb_med, gb_min, _ = timed(group_by, args.repeat)
         with ledger.reader() as cur:
             slots = cur.execute("SELECT count(*) FROM usage_slots").fetchone()
-        print(f"chargeback {MONTH}: median {cb_med:.2f} s (min {cb_min:.2f}); bare GROUP BY: median {gb_med:.2f} s "
-              f"(min {gb_min:.2f}); ratio {cb_med / gb_med:.2f}x; {statement.lines.height} lines, "
-              f"reconciles={statement.reconciles}, usage_slots rows={slots[0] if slots else 0:,}")  # fmt: skip
+        print(
+            f"chargeback {MONTH}: median {cb_med:.2f} s (min {cb_min:.2f}); bare GROUP BY: median {gb_med:.2f} s "
+            f"(min {gb_min:.2f}); ratio {cb_med / gb_med:.2f}x; {statement.lines.height} lines, "
+            f"reconciles={statement.reconciles}, usage_slots rows={slots[0] if slots else 0:,}"
+        )
         ledger.close()
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"peak RSS of this process: {rss:.0f} MB (DuckDB memory_limit {args.memory_limit})")

@@ -100,8 +100,10 @@ def main() -> int:
     args = parser.parse_args()
     where = import_root(args.root)
     values = [per_chunk(args.chunks) for _ in range(args.rounds)]
-    print(f"{where}: best {min(values):.2f} µs, median {statistics.median(values):.2f} µs per "
-          f"chunk ({args.rounds} rounds of {args.chunks})")  # fmt: skip
+    print(
+        f"{where}: best {min(values):.2f} µs, median {statistics.median(values):.2f} µs per "
+        f"chunk ({args.rounds} rounds of {args.chunks})"
+    )
     return 0
 
 

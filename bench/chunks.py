@@ -38,8 +38,9 @@ def import_root(root: str | None) -> str:
     return sidecar.__file__.rsplit("/", 2)[0]
 
 
-def rounds_us(one: Callable[[], object], rounds: int, n: int,
-              clock: Callable[[], float] = time.perf_counter) -> list[float]:  # fmt: skip
+def rounds_us(
+    one: Callable[[], object], rounds: int, n: int, clock: Callable[[], float] = time.perf_counter
+) -> list[float]:
     """µs per call of ``one`` by ``clock`` (wall time by default; ``time.thread_time`` for the
     calling thread's CPU), one figure per round of ``n`` calls."""
     out = []

@@ -42,10 +42,16 @@ def admission_steps() -> Callable[[], None]:
     from sidecar.state import build_view
 
     view = build_view(load_config(), "small-0")
-    headers = [(b"host", b"127.0.0.1:9000"), (b"authorization", b"Bearer im-demo-search"),
-               (b"content-type", b"application/json"), (b"content-length", b"120")]  # fmt: skip
-    body = (b'{"model":"chat-small","messages":[{"role":"user","content":"Say hello."}],'
-            b'"max_tokens":16,"stream":true}')  # fmt: skip
+    headers = [
+        (b"host", b"127.0.0.1:9000"),
+        (b"authorization", b"Bearer im-demo-search"),
+        (b"content-type", b"application/json"),
+        (b"content-length", b"120"),
+    ]
+    body = (
+        b'{"model":"chat-small","messages":[{"role":"user","content":"Say hello."}],'
+        b'"max_tokens":16,"stream":true}'
+    )
 
     def one() -> None:
         call = Call(os.urandom(16).hex(), "/v1/chat/completions", time.time(), time.perf_counter())
@@ -55,8 +61,10 @@ def admission_steps() -> Callable[[], None]:
         planned = plan(view, call.endpoint, body, default_reserve_tokens=256, metering_down=False)
         assert not isinstance(planned, BaseException)
         call.model, call.served_version, call.stream = (
-            planned.model, planned.served_version, planned.stream,
-        )  # fmt: skip
+            planned.model,
+            planned.served_version,
+            planned.stream,
+        )
         record = admitted_fields(call, "small-0", None) | ending_fields(
             call, RequestStatus.INTERRUPTED, 502, None, None, None, time.perf_counter()
         )

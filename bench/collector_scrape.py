@@ -47,12 +47,20 @@ from simulator.dcgm import DcgmGpu, gpu_uuid, render
 def node_page(node: int, gpus: int) -> str:
     """One node's dcgm-exporter page: busy boards, each held by replica r<node>'s pod."""
     boards = [
-        DcgmGpu(index=i, uuid=gpu_uuid(7, f"node-{node}", i), model_name="NVIDIA H100 80GB HBM3",
-                hostname=f"node-{node}", utilization_pct=40 + i, power_watts=350.5 + i,
-                energy_mj=1_000_000_000 + node * 1000 + i, memory_used_mib=70_000,
-                memory_free_mib=11_559, pod=("vllm", "inference", f"vllm-r{node}-0"))
+        DcgmGpu(
+            index=i,
+            uuid=gpu_uuid(7, f"node-{node}", i),
+            model_name="NVIDIA H100 80GB HBM3",
+            hostname=f"node-{node}",
+            utilization_pct=40 + i,
+            power_watts=350.5 + i,
+            energy_mj=1_000_000_000 + node * 1000 + i,
+            memory_used_mib=70_000,
+            memory_free_mib=11_559,
+            pod=("vllm", "inference", f"vllm-r{node}-0"),
+        )
         for i in range(gpus)
-    ]  # fmt: skip
+    ]
     return render(boards)
 
 
@@ -64,12 +72,15 @@ async def _fake_servers(nodes: int, gpus: int, conn: Connection) -> None:
     servers, ports = [], []
     for node in range(nodes):
         body = node_page(node, gpus).encode()
-        head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4; charset=utf-8\r\n"
-                b"content-length: %d\r\n\r\n" % len(body))  # fmt: skip
+        head = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4; charset=utf-8\r\n"
+            b"content-length: %d\r\n\r\n" % len(body)
+        )
         response = head + body
 
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                         response: bytes = response) -> None:  # fmt: skip
+        async def handle(
+            reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response: bytes = response
+        ) -> None:
             try:
                 while await reader.readuntil(b"\r\n\r\n"):
                     writer.write(response)
@@ -88,17 +99,29 @@ async def _fake_servers(nodes: int, gpus: int, conn: Connection) -> None:
 
 def fleet_config(ports: list[int], gpus: int, args: argparse.Namespace) -> Config:
     """One node per fake endpoint, one replica per node owning its boards by pod label."""
-    return Config.model_validate({
-        "teams": [{"name": "t"}],
-        "models": [{"name": "m", "approved_versions": ["m-v1"]}],
-        "replicas": [{"id": f"r{i}", "model": "m", "upstream_url": "http://127.0.0.1:9",
-                      "node": f"node-{i}", "gpu_model": "H100", "gpu_count": gpus}
-                     for i in range(len(ports))],
-        "nodes": [{"name": f"node-{i}", "dcgm_exporter_url": f"http://127.0.0.1:{p}/metrics"}
-                  for i, p in enumerate(ports)],
-        "prices": {"usd_per_gpu_hour": {"H100": 3.9}},
-        "collector": {"scrape_interval_seconds": args.interval, "scrape_timeout_seconds": 5.0},
-    })  # fmt: skip
+    return Config.model_validate(
+        {
+            "teams": [{"name": "t"}],
+            "models": [{"name": "m", "approved_versions": ["m-v1"]}],
+            "replicas": [
+                {
+                    "id": f"r{i}",
+                    "model": "m",
+                    "upstream_url": "http://127.0.0.1:9",
+                    "node": f"node-{i}",
+                    "gpu_model": "H100",
+                    "gpu_count": gpus,
+                }
+                for i in range(len(ports))
+            ],
+            "nodes": [
+                {"name": f"node-{i}", "dcgm_exporter_url": f"http://127.0.0.1:{p}/metrics"}
+                for i, p in enumerate(ports)
+            ],
+            "prices": {"usd_per_gpu_hour": {"H100": 3.9}},
+            "collector": {"scrape_interval_seconds": args.interval, "scrape_timeout_seconds": 5.0},
+        }
+    )
 
 
 async def measure(config: Config, args: argparse.Namespace) -> dict[str, Any]:
@@ -113,8 +136,9 @@ async def measure(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         sink = SpoolSink(Path(spool_dir))
         sink.open()
         async with httpx.AsyncClient(limits=limits) as client:
-            sources = [DcgmSource(n.name, n.dcgm_exporter_url or "", client, 5.0)
-                       for n in config.nodes]  # fmt: skip
+            sources = [
+                DcgmSource(n.name, n.dcgm_exporter_url or "", client, 5.0) for n in config.nodes
+            ]
             collector = FleetCollector(config, sources, [])
             scrape_once = collector.scrape_once
 

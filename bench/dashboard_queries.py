@@ -82,19 +82,22 @@ def fill(ledger: Ledger, days: int, buckets: int, end_slot: int) -> dict[str, in
         for day in range(days):
             lo, hi = start + day * MINUTES_PER_DAY, start + (day + 1) * MINUTES_PER_DAY
             cur.execute("BEGIN TRANSACTION")
-            cur.execute(_USAGE, {"lo": lo, "hi": hi, "replicas": REPLICAS, "teams": TEAMS,
-                                 "models": MODELS})  # fmt: skip
+            cur.execute(
+                _USAGE, {"lo": lo, "hi": hi, "replicas": REPLICAS, "teams": TEAMS, "models": MODELS}
+            )
             # Each replica's in-flight seconds per minute, as ingest keeps them for allocation.
             cur.execute(
                 "INSERT INTO replica_slots SELECT replica, instance, slot, sum(inflight_seconds) "
                 "FROM usage_slots WHERE slot >= $lo AND slot < $hi GROUP BY ALL ORDER BY slot",
                 {"lo": lo, "hi": hi},
             )
-            cur.execute(_TTFT, {"lo": lo, "hi": hi, "models": MODELS, "teams": TEAMS,
-                                "buckets": buckets})  # fmt: skip
+            cur.execute(
+                _TTFT, {"lo": lo, "hi": hi, "models": MODELS, "teams": TEAMS, "buckets": buckets}
+            )
             cur.execute(_GPU, {"lo": lo, "hi": hi, "replicas": REPLICAS, "gpus": GPUS_PER_REPLICA})
-            cur.execute(_ENGINE, {"lo": lo * 60, "hi": hi * 60, "replicas": REPLICAS,
-                                  "models": MODELS})  # fmt: skip
+            cur.execute(
+                _ENGINE, {"lo": lo * 60, "hi": hi * 60, "replicas": REPLICAS, "models": MODELS}
+            )
             cur.execute("COMMIT")
         cur.execute("CHECKPOINT")
         counts = {}
@@ -188,8 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         fresh = not (args.keep and path.exists())
         if fresh and path.exists():
             path.unlink()
-        ledger = Ledger.open(path, [f"team-{t}" for t in range(TEAMS)], {}, memory_limit="4GB",
-                             threads=args.threads)  # fmt: skip
+        ledger = Ledger.open(
+            path, [f"team-{t}" for t in range(TEAMS)], {}, memory_limit="4GB", threads=args.threads
+        )
         try:
             t0 = time.perf_counter()
             # The data ends at today's midnight (UTC), so the service's clock sees it as recent.
@@ -214,8 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             ledger.close()
         if args.pages:
             results += _time_pages(path, args)
-    report = {"rows": counts, "fill_seconds": round(fill_s, 1),
-              "rollup_build_seconds": round(build_s, 1), "results": results}  # fmt: skip
+    report = {
+        "rows": counts,
+        "fill_seconds": round(fill_s, 1),
+        "rollup_build_seconds": round(build_s, 1),
+        "results": results,
+    }
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -229,16 +237,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _run_all(ledger: Ledger, args: argparse.Namespace,
-             coverage: dict[tuple[str, int], tuple[int, int]]) -> list[dict[str, Any]]:  # fmt: skip
+def _run_all(
+    ledger: Ledger, args: argparse.Namespace, coverage: dict[tuple[str, int], tuple[int, int]]
+) -> list[dict[str, Any]]:
     end = args.end_slot * 60
     results = []
     for label, span in _ranges(args).items():
         params = queries.params_from(end - span, end, coverage=coverage)
         for name in queries.QUERIES:
             rows, times = time_query(ledger, name, params, args.repeats)
-            results.append({"query": name, "range": label, "step": params.step, "rows": rows,
-                            "p50_ms": statistics.median(times), "p95_ms": _p(times, 0.95)})  # fmt: skip
+            results.append(
+                {
+                    "query": name,
+                    "range": label,
+                    "step": params.step,
+                    "rows": rows,
+                    "p50_ms": statistics.median(times),
+                    "p95_ms": _p(times, 0.95),
+                }
+            )
     return results
 
 
@@ -247,8 +264,14 @@ def _serve(path: str, port: int) -> None:
     config = bench_config()
     ledger = Ledger.open(path, [t.name for t in config.teams], {}, memory_limit="4GB")
     try:
-        uvicorn.run(create_app(config, ledger), host="127.0.0.1", port=port, log_level="warning",
-                    access_log=False, lifespan="off")  # fmt: skip
+        uvicorn.run(
+            create_app(config, ledger),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+        )
     finally:
         ledger.close()
 
@@ -271,8 +294,16 @@ def _time_pages(path: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
                     t0 = time.perf_counter()
                     fetch_queries(client, key, names, end - span, end)
                     times.append((time.perf_counter() - t0) * 1000)
-                results.append({"query": f"page: {page}", "range": label, "step": 0, "rows": 0,
-                                "p50_ms": statistics.median(times), "p95_ms": _p(times, 0.95)})  # fmt: skip
+                results.append(
+                    {
+                        "query": f"page: {page}",
+                        "range": label,
+                        "step": 0,
+                        "rows": 0,
+                        "p50_ms": statistics.median(times),
+                        "p95_ms": _p(times, 0.95),
+                    }
+                )
         results += _time_statement_pages(client, args.repeats)
     finally:
         client.close()
@@ -294,9 +325,11 @@ def _time_statement_pages(client: BillingClient, repeats: int) -> list[dict[str,
     for key, who in ((ADMIN_KEY, "admin"), (TEAM_KEY, "team")):
         pages = {
             "teams": (lambda k=key: client.spend(k), lambda k=key: client.statement(k, month)),
-            "chargeback": (lambda k=key: client.statement(k, month),
-                           lambda k=key: client.export(k, month, "csv")),
-        }  # fmt: skip
+            "chargeback": (
+                lambda k=key: client.statement(k, month),
+                lambda k=key: client.export(k, month, "csv"),
+            ),
+        }
         for page, calls in pages.items():
             times = []
             for _ in range(repeats + 1):
@@ -306,10 +339,26 @@ def _time_statement_pages(client: BillingClient, repeats: int) -> list[dict[str,
                         future.result()
                 times.append((time.perf_counter() - t0) * 1000)
             if page == "teams" and who == "admin":
-                results.append({"query": "statement, first request", "range": month, "step": 0,
-                                "rows": 0, "p50_ms": times[0], "p95_ms": times[0]})  # fmt: skip
-            results.append({"query": f"page: {page} ({who})", "range": month, "step": 0, "rows": 0,
-                            "p50_ms": statistics.median(times[1:]), "p95_ms": _p(times[1:], 0.95)})  # fmt: skip
+                results.append(
+                    {
+                        "query": "statement, first request",
+                        "range": month,
+                        "step": 0,
+                        "rows": 0,
+                        "p50_ms": times[0],
+                        "p95_ms": times[0],
+                    }
+                )
+            results.append(
+                {
+                    "query": f"page: {page} ({who})",
+                    "range": month,
+                    "step": 0,
+                    "rows": 0,
+                    "p50_ms": statistics.median(times[1:]),
+                    "p95_ms": _p(times[1:], 0.95),
+                }
+            )
     return results
 
 
@@ -335,16 +384,30 @@ def _ranges(args: argparse.Namespace) -> dict[str, int]:
 
 def bench_config() -> Config:
     """A configuration naming the bench fleet's teams, models and replicas, priced."""
-    return Config.model_validate({
-        "teams": [{"name": f"team-{t}", "api_key_sha256": [hash_key(f"bench-team-{t}")]}
-                  for t in range(TEAMS)],
-        "models": [{"name": f"model-{m}", "approved_versions": [f"model-{m}"]} for m in range(MODELS)],
-        "replicas": [{"id": f"replica-{r}", "model": f"model-{r % MODELS}", "node": f"node-{r // 2}",
-                      "upstream_url": f"http://127.0.0.1:{20000 + r}", "gpu_model": "H100",
-                      "gpu_count": GPUS_PER_REPLICA} for r in range(REPLICAS)],
-        "prices": {"usd_per_gpu_hour": {"H100": 3.9}, "usd_per_kwh": 0.14, "pue": 1.3},
-        "admin_token_sha256": [hash_key(ADMIN_KEY)],
-    })  # fmt: skip
+    return Config.model_validate(
+        {
+            "teams": [
+                {"name": f"team-{t}", "api_key_sha256": [hash_key(f"bench-team-{t}")]}
+                for t in range(TEAMS)
+            ],
+            "models": [
+                {"name": f"model-{m}", "approved_versions": [f"model-{m}"]} for m in range(MODELS)
+            ],
+            "replicas": [
+                {
+                    "id": f"replica-{r}",
+                    "model": f"model-{r % MODELS}",
+                    "node": f"node-{r // 2}",
+                    "upstream_url": f"http://127.0.0.1:{20000 + r}",
+                    "gpu_model": "H100",
+                    "gpu_count": GPUS_PER_REPLICA,
+                }
+                for r in range(REPLICAS)
+            ],
+            "prices": {"usd_per_gpu_hour": {"H100": 3.9}, "usd_per_kwh": 0.14, "pue": 1.3},
+            "admin_token_sha256": [hash_key(ADMIN_KEY)],
+        }
+    )
 
 
 def _time_statement(ledger: Ledger, end_slot: int, repeats: int) -> dict[str, Any]:
@@ -356,8 +419,14 @@ def _time_statement(ledger: Ledger, end_slot: int, repeats: int) -> dict[str, An
         t0 = time.perf_counter()
         chargeback.statement(month)
         times.append((time.perf_counter() - t0) * 1000)
-    return {"query": "statement (chargeback)", "range": month, "step": 0, "rows": 0,
-            "p50_ms": statistics.median(times), "p95_ms": _p(times, 0.95)}  # fmt: skip
+    return {
+        "query": "statement (chargeback)",
+        "range": month,
+        "step": 0,
+        "rows": 0,
+        "p50_ms": statistics.median(times),
+        "p95_ms": _p(times, 0.95),
+    }
 
 
 if __name__ == "__main__":

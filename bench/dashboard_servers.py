@@ -78,9 +78,22 @@ def _serve(candidate: str, port: int) -> None:
 
 def _command(candidate: str, port: int) -> list[str]:
     if candidate == "gunicorn":
-        return [sys.executable, "-m", "gunicorn", "--bind", f"127.0.0.1:{port}", "--workers",
-                "1", "--worker-class", "gthread", "--threads", str(THREADS), "--log-level",
-                "warning", "bench.dashboard_servers:wsgi_app()"]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--workers",
+            "1",
+            "--worker-class",
+            "gthread",
+            "--threads",
+            str(THREADS),
+            "--log-level",
+            "warning",
+            "bench.dashboard_servers:wsgi_app()",
+        ]
     return [
         sys.executable,
         "-m",
@@ -191,9 +204,11 @@ def measure(url: str, pids: list[int], name: str, requests: int, clients: int) -
     with ThreadPoolExecutor(clients) as pool:
         times = sorted(pool.map(one, range(requests)))
     cpu = _cpu_ms(pids) - before
-    return {"p50_ms": round(statistics.median(times), 2),
-            "p95_ms": round(times[int(0.95 * (len(times) - 1))], 2),
-            "server_cpu_ms_per_request": round(cpu / requests, 2)}  # fmt: skip
+    return {
+        "p50_ms": round(statistics.median(times), 2),
+        "p95_ms": round(times[int(0.95 * (len(times) - 1))], 2),
+        "server_cpu_ms_per_request": round(cpu / requests, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'server':10} {'callback':9} {'p50 ms':>8} {'p95 ms':>8} {'CPU ms/req':>11}")
     for candidate, rows in results.items():
         for name, r in rows.items():
-            print(f"{candidate:10} {name:9} {r['p50_ms']:8.2f} {r['p95_ms']:8.2f} "
-                  f"{r['server_cpu_ms_per_request']:11.2f}")  # fmt: skip
+            print(
+                f"{candidate:10} {name:9} {r['p50_ms']:8.2f} {r['p95_ms']:8.2f} "
+                f"{r['server_cpu_ms_per_request']:11.2f}"
+            )
     return 0
 
 

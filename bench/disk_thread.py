@@ -61,8 +61,14 @@ async def measure(calls: int) -> list[tuple[str, str, float, float]]:
         cpu, wall = time.process_time(), time.perf_counter()
         for _ in range(calls):
             commit()
-        rows.append(("write+fsync", "inline (blocks the loop)",
-                     (time.process_time() - cpu) / calls * 1e6, (time.perf_counter() - wall) / calls * 1e6))  # fmt: skip
+        rows.append(
+            (
+                "write+fsync",
+                "inline (blocks the loop)",
+                (time.process_time() - cpu) / calls * 1e6,
+                (time.perf_counter() - wall) / calls * 1e6,
+            )
+        )
         disk.stop()
         os.close(fd)
     return rows

@@ -95,8 +95,15 @@ class Proxies(Stack):
 
 
 @contextlib.contextmanager
-def proxies(tmp: Path, tag: str, step_ms: float, nginx_bin: str, router: str | None,
-            floor: bool, launcher: str | None = None) -> Iterator[Proxies]:  # fmt: skip
+def proxies(
+    tmp: Path,
+    tag: str,
+    step_ms: float,
+    nginx_bin: str,
+    router: str | None,
+    floor: bool,
+    launcher: str | None = None,
+) -> Iterator[Proxies]:
     """Start the upstream and the proxies; stop them all on the way out, whatever happens.
 
     ``launcher``: a script run instead of ``-m infermeter`` for the sidecar (as
@@ -130,22 +137,62 @@ def proxies(tmp: Path, tag: str, step_ms: float, nginx_bin: str, router: str | N
 
     sidecar_args = ["sidecar", "--config", str(cfg), "--replica", REPLICA]
     try:
-        replica = start("replica", [sys.executable, "-m", "bench.vllm_upstream", "--port",
-                                    str(ports["direct"]), "--model", model, "--step-ms", str(step_ms)])  # fmt: skip
-        nginx = start("nginx", [nginx_bin, "-p", str(base), "-c", str(conf), "-e",
-                                str(base / "nginx-error.log"), "-g", "daemon off;"])  # fmt: skip
+        replica = start(
+            "replica",
+            [
+                sys.executable,
+                "-m",
+                "bench.vllm_upstream",
+                "--port",
+                str(ports["direct"]),
+                "--model",
+                model,
+                "--step-ms",
+                str(step_ms),
+            ],
+        )
+        nginx = start(
+            "nginx",
+            [
+                nginx_bin,
+                "-p",
+                str(base),
+                "-c",
+                str(conf),
+                "-e",
+                str(base / "nginx-error.log"),
+                "-g",
+                "daemon off;",
+            ],
+        )
         how = [launcher] if launcher else ["-m", "infermeter"]
-        sidecar = start("sidecar", [sys.executable, *how, *sidecar_args,
-                                    "--listen", f"{HOST}:{ports['sidecar']}"])  # fmt: skip
+        sidecar = start(
+            "sidecar",
+            [sys.executable, *how, *sidecar_args, "--listen", f"{HOST}:{ports['sidecar']}"],
+        )
         extra: dict[str, Service] = {}
         if router:
-            extra["router"] = start("router", [router, "--host", HOST, "--port", str(ports["router"]),
-                                               "--worker-urls", upstream_url, "--policy", "round_robin"])  # fmt: skip
+            extra["router"] = start(
+                "router",
+                [
+                    router,
+                    "--host",
+                    HOST,
+                    "--port",
+                    str(ports["router"]),
+                    "--worker-urls",
+                    upstream_url,
+                    "--policy",
+                    "round_robin",
+                ],
+            )
         if floor:
             launcher = str(Path(__file__).with_name("protocol_floor.py"))
-            extra["floor"] = start("floor", [sys.executable, launcher, *sidecar_args, "--listen",
-                                             f"{HOST}:{ports['floor']}"],
-                                   {"BENCH_FLOOR_WORK": "1", "BENCH_EVENT_LOOP": "uvloop"})  # fmt: skip
+            extra["floor"] = start(
+                "floor",
+                [sys.executable, launcher, *sidecar_args, "--listen", f"{HOST}:{ports['floor']}"],
+                {"BENCH_FLOOR_WORK": "1", "BENCH_EVENT_LOOP": "uvloop"},
+            )
         replica.wait_ready(ports["direct"], "/health")
         nginx.wait_ready(ports["nginx"], "/nginx-health")
         sidecar.wait_ready(ports["sidecar"], "/healthz")
@@ -166,9 +213,15 @@ def _request(st: Proxies, path: str, tokens: int, stream: bool) -> bytes:
     return request_bytes(port, st.served_model, tokens, None, stream)
 
 
-def run(nginx_bin: str, router: str | None, floor: bool, quick: bool,
-        echo: Callable[[str], None], launcher: str | None = None,
-        phases: frozenset[str] | None = None) -> dict[str, Any]:  # fmt: skip
+def run(
+    nginx_bin: str,
+    router: str | None,
+    floor: bool,
+    quick: bool,
+    echo: Callable[[str], None],
+    launcher: str | None = None,
+    phases: frozenset[str] | None = None,
+) -> dict[str, Any]:
     """Every phase (or those in ``phases``) on every path; the windows, the paired TTFT and the
     idle RSS."""
     window, warmup = (2.5, 1.0) if quick else (6.0, 2.0)
@@ -203,23 +256,63 @@ def run(nginx_bin: str, router: str | None, floor: bool, quick: bool,
                 if phases is None or "ttft_paired" in phases:
                     client.conn.send(("paired", PairedSpec(requests, 80 if quick else 200, 5)))
                     paired = client.receive(600.0)[1]
-                    echo("ttft_paired added p50: " + ", ".join(
-                        f"{p} {paired_added_ms(paired, p, 0.5):.3f} ms" for p in st.paths))  # fmt: skip
-                phase(st, "c16_64tok", 64, True, concurrency=16, warmup_s=warmup / 2,
-                      duration_s=window, stagger_s=0.05, record_ttft=False)  # fmt: skip
-                phase(st, "c16_json64", 64, False, concurrency=16, warmup_s=warmup / 2,
-                      duration_s=window, stagger_s=0.05, record_ttft=False)  # fmt: skip
+                    echo(
+                        "ttft_paired added p50: "
+                        + ", ".join(
+                            f"{p} {paired_added_ms(paired, p, 0.5):.3f} ms" for p in st.paths
+                        )
+                    )
+                phase(
+                    st,
+                    "c16_64tok",
+                    64,
+                    True,
+                    concurrency=16,
+                    warmup_s=warmup / 2,
+                    duration_s=window,
+                    stagger_s=0.05,
+                    record_ttft=False,
+                )
+                phase(
+                    st,
+                    "c16_json64",
+                    64,
+                    False,
+                    concurrency=16,
+                    warmup_s=warmup / 2,
+                    duration_s=window,
+                    stagger_s=0.05,
+                    record_ttft=False,
+                )
             if phases is not None and phases.isdisjoint({"paced_500", "rss_1000"}):
                 return {"windows": windows, "paired_ttft_s": paired, "idle_rss_mb": idle}
             with proxies(
                 tmp, "paced", PACED.step_base_ms, nginx_bin, router, False, launcher
             ) as st:
-                phase(st, "paced_500", int(20 * (window + warmup + 10)), True, concurrency=500,
-                      warmup_s=warmup, duration_s=window, stagger_s=1.0, wait_streaming=True,
-                      record_ttft=False)  # fmt: skip
-                phase(st, "rss_1000", int(20 * (window + warmup + 20)), True, concurrency=1000,
-                      warmup_s=warmup, duration_s=2.0, stagger_s=2.0, wait_streaming=True,
-                      record_ttft=False)  # fmt: skip
+                phase(
+                    st,
+                    "paced_500",
+                    int(20 * (window + warmup + 10)),
+                    True,
+                    concurrency=500,
+                    warmup_s=warmup,
+                    duration_s=window,
+                    stagger_s=1.0,
+                    wait_streaming=True,
+                    record_ttft=False,
+                )
+                phase(
+                    st,
+                    "rss_1000",
+                    int(20 * (window + warmup + 20)),
+                    True,
+                    concurrency=1000,
+                    warmup_s=warmup,
+                    duration_s=2.0,
+                    stagger_s=2.0,
+                    wait_streaming=True,
+                    record_ttft=False,
+                )
     finally:
         client.close()
     return {"windows": windows, "paired_ttft_s": paired, "idle_rss_mb": idle}
@@ -233,8 +326,10 @@ def _row(w: Window) -> str:
     )
     per_chunk = f"{w.us_per_chunk:6.1f}" if w.us_per_chunk is not None else "     -"
     rss = f"{w.proxy_rss_mb:6.1f}" if w.proxy_rss_mb is not None else "     -"
-    return (f"{w.phase:11} {w.path:8} req {w.requests:6} chunks {w.chunks:8} us/req {per_req} "
-            f"us/chunk {per_chunk} RSS {rss} MB err {w.errors} load {w.loadavg_1m:.2f}")  # fmt: skip
+    return (
+        f"{w.phase:11} {w.path:8} req {w.requests:6} chunks {w.chunks:8} us/req {per_req} "
+        f"us/chunk {per_chunk} RSS {rss} MB err {w.errors} load {w.loadavg_1m:.2f}"
+    )
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -264,13 +359,14 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     ttft = side.get("added_ttft_p50_ms"), nginx.get("added_ttft_p50_ms")
     targets = {
         "stream_64tok_x_nginx": ratio("us_per_64tok_request"),
-        "stream_64tok_below_router": None if "router" not in out else
-        side.get("us_per_64tok_request", 0) < out["router"].get("us_per_64tok_request", 0),
+        "stream_64tok_below_router": None
+        if "router" not in out
+        else side.get("us_per_64tok_request", 0) < out["router"].get("us_per_64tok_request", 0),
         "json64_x_nginx": ratio("us_per_json64_request"),
         "paced_chunk_x_nginx": ratio("us_per_paced_chunk"),
         "added_ttft_p50_over_nginx_ms": None if None in ttft else round(ttft[0] - ttft[1], 3),  # type: ignore[operator]
         "rss_1000_mb": side.get("rss_1000_mb"),
-    }  # fmt: skip
+    }
     return {"paths": out, "targets": targets, "loadavg": os.getloadavg()}
 
 

@@ -53,12 +53,33 @@ TEAMS = ["search"]
 
 # The queries as the registry and the live-instance metric ran them before migration 7
 # (billing/lifetimes.py at that time), on the raw events.
-_LATEST = ("replica", "model", "node", "gpu_model", "gpu_count", "gpus", "namespace", "pod_uid",
-           "engine_metrics_url")  # fmt: skip
+_LATEST = (
+    "replica",
+    "model",
+    "node",
+    "gpu_model",
+    "gpu_count",
+    "gpus",
+    "namespace",
+    "pod_uid",
+    "engine_metrics_url",
+)
 _COLUMNS = (
-    "instance", "replica", "model", "node", "gpu_model", "gpu_count", "gpus", "namespace",
-    "pod_uid", "engine_metrics_url", "started_at", "last_seen", "stopped_at", "state",
-)  # fmt: skip
+    "instance",
+    "replica",
+    "model",
+    "node",
+    "gpu_model",
+    "gpu_count",
+    "gpus",
+    "namespace",
+    "pod_uid",
+    "engine_metrics_url",
+    "started_at",
+    "last_seen",
+    "stopped_at",
+    "state",
+)
 
 
 def before_sql(now: float, state: str, limit: int | None = None) -> tuple[str, dict[str, Any]]:
@@ -116,9 +137,12 @@ def old_ledger(path: Path, pods: int, days: int) -> float:
         con.execute(migration)
         con.execute("INSERT INTO schema_version VALUES (?, 0)", [version])
     for kind in KINDS.values():
-        columns = [r[0] for r in con.execute(
-            "SELECT column_name FROM duckdb_columns() WHERE table_name = ?", [kind.table]
-        ).fetchall()]  # fmt: skip
+        columns = [
+            r[0]
+            for r in con.execute(
+                "SELECT column_name FROM duckdb_columns() WHERE table_name = ?", [kind.table]
+            ).fetchall()
+        ]
         for statement in new_field_sql(kind, columns):
             con.execute(statement)
     # Lifetimes: (pod, start, end, stopped). Every fifth pod stopped at ``restart`` and came back
@@ -176,25 +200,46 @@ def raw_rows(path: Path) -> int:
 def heartbeats(pods: int, days: int, now: float) -> bytes:
     """One heartbeat from each pod's current lifetime at ``now``, as one batch."""
     records = [
-        {"event_id": f"{round(now * 1000):013d}/pod-{p:03d}/heartbeat", "instance": f"pod-{p:03d}",
-         "replica": "g", "model": "chat-small", "event": "heartbeat", "timestamp": now,
-         "started_at": started(p, days), "node": f"node-{p // 8:02d}", "gpu_model": "L40S",
-         "gpu_count": 8}
+        {
+            "event_id": f"{round(now * 1000):013d}/pod-{p:03d}/heartbeat",
+            "instance": f"pod-{p:03d}",
+            "replica": "g",
+            "model": "chat-small",
+            "event": "heartbeat",
+            "timestamp": now,
+            "started_at": started(p, days),
+            "node": f"node-{p // 8:02d}",
+            "gpu_model": "L40S",
+            "gpu_count": 8,
+        }
         for p in range(pods)
-    ]  # fmt: skip
+    ]
     return orjson.dumps({"instances": records})
 
 
 def gpu_batch(pods: int, now: float, tag: str) -> bytes:
     """One scrape of 8 GPUs per pod at ``now``."""
     records = [
-        {"sample_id": f"{round(now * 1000):013d}/{tag}/{p}/{g}", "node": f"node-{p // 8:02d}",
-         "gpu": str(g), "uuid": f"GPU-{p}-{g}", "gpu_model": "L40S", "replica": "g",
-         "model": "chat-small", "timestamp": now, "interval_seconds": 10.0, "utilization": 0.5,
-         "power_watts": 300.0, "energy_joules": 3000.0, "memory_used_mib": 1000.0,
-         "memory_free_mib": 1000.0, "instance": f"pod-{p:03d}"}
-        for p in range(pods) for g in range(8)
-    ]  # fmt: skip
+        {
+            "sample_id": f"{round(now * 1000):013d}/{tag}/{p}/{g}",
+            "node": f"node-{p // 8:02d}",
+            "gpu": str(g),
+            "uuid": f"GPU-{p}-{g}",
+            "gpu_model": "L40S",
+            "replica": "g",
+            "model": "chat-small",
+            "timestamp": now,
+            "interval_seconds": 10.0,
+            "utilization": 0.5,
+            "power_watts": 300.0,
+            "energy_joules": 3000.0,
+            "memory_used_mib": 1000.0,
+            "memory_free_mib": 1000.0,
+            "instance": f"pod-{p:03d}",
+        }
+        for p in range(pods)
+        for g in range(8)
+    ]
     return orjson.dumps({"gpu_samples": records})
 
 

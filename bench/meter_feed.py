@@ -42,8 +42,11 @@ def per_chunk(module: ModuleType, chunks: int) -> float:
 def load_revision(rev: str, directory: Path) -> ModuleType:
     """``sidecar/stream.py`` as it was at ``rev``, imported under another name."""
     root = Path(__file__).resolve().parents[1]
-    source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:sidecar/stream.py"],
-                            capture_output=True, check=True).stdout  # fmt: skip
+    source = subprocess.run(
+        ["git", "-C", str(root), "show", f"{rev}:sidecar/stream.py"],
+        capture_output=True,
+        check=True,
+    ).stdout
     path = directory / "stream_at_revision.py"
     path.write_bytes(source)
     spec = importlib.util.spec_from_file_location("stream_at_revision", path)
@@ -71,8 +74,10 @@ def main() -> int:
             for name, module in versions.items():
                 results[name].append(per_chunk(module, args.chunks))
     for name, values in results.items():
-        print(f"{name:>10}: best {min(values):.2f} µs, median {statistics.median(values):.2f} µs "
-              f"per chunk ({args.rounds} rounds of {args.chunks})")  # fmt: skip
+        print(
+            f"{name:>10}: best {min(values):.2f} µs, median {statistics.median(values):.2f} µs "
+            f"per chunk ({args.rounds} rounds of {args.chunks})"
+        )
     return 0
 
 

@@ -45,12 +45,24 @@ def _sdk() -> float:
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     meter = MeterProvider(metric_readers=[InMemoryMetricReader()]).get_meter("bench")
-    hists = [meter.create_histogram(name, unit="s", explicit_bucket_boundaries_advisory=bounds)
-             for name, bounds in (("d", DURATION_BOUNDS), ("t", TTFT_BOUNDS), ("p", TPOT_BOUNDS),
-                                  ("u", TOKEN_BOUNDS))]  # fmt: skip
-    base: dict[str, str | int] = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "vllm",
-            "gen_ai.request.model": "chat-small", "gen_ai.response.model": "llama-3.1-8b-instruct",
-            "server.address": "127.0.0.1", "server.port": 8000, "infermeter.team": "search"}  # fmt: skip
+    hists = [
+        meter.create_histogram(name, unit="s", explicit_bucket_boundaries_advisory=bounds)
+        for name, bounds in (
+            ("d", DURATION_BOUNDS),
+            ("t", TTFT_BOUNDS),
+            ("p", TPOT_BOUNDS),
+            ("u", TOKEN_BOUNDS),
+        )
+    ]
+    base: dict[str, str | int] = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "vllm",
+        "gen_ai.request.model": "chat-small",
+        "gen_ai.response.model": "llama-3.1-8b-instruct",
+        "server.address": "127.0.0.1",
+        "server.port": 8000,
+        "infermeter.team": "search",
+    }
     inp: dict[str, str | int] = {**base, "gen_ai.token.type": "input"}
     out: dict[str, str | int] = {**base, "gen_ai.token.type": "output"}
     d, t, p, u = hists

@@ -52,8 +52,9 @@ class OtlpSink:
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

@@ -47,8 +47,9 @@ def _proxy_pid(bench: subprocess.Popen[bytes], pattern: str, timeout: float = 60
     line has ``pattern`` (not another run's sidecar)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and bench.poll() is None:
-        found = subprocess.run(["pgrep", "-P", str(bench.pid), "-f", pattern],
-                               capture_output=True, text=True).stdout  # fmt: skip
+        found = subprocess.run(
+            ["pgrep", "-P", str(bench.pid), "-f", pattern], capture_output=True, text=True
+        ).stdout
         pids = [int(p) for p in found.split()]
         if pids:
             return pids[0]
@@ -102,8 +103,11 @@ def _run(
     # the direct path and nginx first.
     time.sleep(settle)
     cpu = _CpuWatch(pid)
-    watcher = subprocess.Popen([*tool, "-p", str(pid), "-o", str(out)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    watcher = subprocess.Popen(
+        [*tool, "-p", str(pid), "-o", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     stdout, _ = bench.communicate()
     # The sidecar has exited with its stack; the tool ends on its own then, or on SIGINT.
     try:
@@ -144,13 +148,31 @@ def _counters(path: Path) -> dict[str, float]:
     return out
 
 
-def _shares(perf_bin: str, data: Path, top: int) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:  # fmt: skip
+def _shares(
+    perf_bin: str, data: Path, top: int
+) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
     """Self shares of samples by shared object and by symbol, from a ``perf record`` file."""
     report = subprocess.run(
-        [perf_bin, "report", "-i", str(data), "--no-children", "--sort", "dso,sym", "-g", "none",
-         "--stdio", "-F", "overhead,dso,sym", "--field-separator", "\t"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        [
+            perf_bin,
+            "report",
+            "-i",
+            str(data),
+            "--no-children",
+            "--sort",
+            "dso,sym",
+            "-g",
+            "none",
+            "--stdio",
+            "-F",
+            "overhead,dso,sym",
+            "--field-separator",
+            "\t",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     by_dso: dict[str, float] = collections.defaultdict(float)
     by_sym: list[tuple[str, float]] = []
     for line in report.splitlines():
@@ -172,10 +194,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--phase", default="c16_json", help="a phase of bench.sidecar_overhead")
     parser.add_argument("--sidecar-launcher", help="as bench.sidecar_overhead takes it")
     parser.add_argument("--top", type=int, default=12)
-    parser.add_argument("--strace", action="store_true",
-                        help="a third run under strace -c: the system calls by name")  # fmt: skip
-    parser.add_argument("--settle", type=float, default=4.0,
-                        help="seconds after the sidecar starts before perf attaches")  # fmt: skip
+    parser.add_argument(
+        "--strace",
+        action="store_true",
+        help="a third run under strace -c: the system calls by name",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=4.0,
+        help="seconds after the sidecar starts before perf attaches",
+    )
     args = parser.parse_args(argv)
     perf_bin = shutil.which("perf")
     if perf_bin is None:
@@ -187,8 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     counters = _counters(counts_file)
     per_request_us = window["proxy_us_per_request"]
     requests = 1e6 * cpu_s / per_request_us if per_request_us else 0.0
-    print(f"{args.phase}, {args.sidecar_launcher or 'the sidecar'}: {window['requests']} requests "
-          f"in the window, {per_request_us} µs of CPU each (with the counters on)")  # fmt: skip
+    print(
+        f"{args.phase}, {args.sidecar_launcher or 'the sidecar'}: {window['requests']} requests "
+        f"in the window, {per_request_us} µs of CPU each (with the counters on)"
+    )
     if requests:
         for event in ("raw_syscalls:sys_enter", "context-switches"):
             print(f"  {event} per request: {counters.get(event, 0.0) / requests:.1f}")
@@ -207,12 +238,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         strace_bin = shutil.which("strace")
         if strace_bin is None:
             raise SystemExit("strace not found (Debian: apt-get install strace)")
-        summary, calls_file, cpu_s = _run([strace_bin, "-f", "-c"], args.phase,
-                                          args.sidecar_launcher, args.settle)  # fmt: skip
+        summary, calls_file, cpu_s = _run(
+            [strace_bin, "-f", "-c"], args.phase, args.sidecar_launcher, args.settle
+        )
         per_request_us = _window(summary, args.phase)["proxy_us_per_request"]
         requests = 1e6 * cpu_s / per_request_us if per_request_us else 0.0
-        print(f"  system calls per request, by call (strace -c; {per_request_us} µs of CPU "
-              "per request under strace):")  # fmt: skip
+        print(
+            f"  system calls per request, by call (strace -c; {per_request_us} µs of CPU "
+            "per request under strace):"
+        )
         calls = sorted(_syscalls(calls_file).items(), key=lambda item: -item[1])
         for name, count in calls[: args.top]:
             if requests and count / requests >= 0.01:

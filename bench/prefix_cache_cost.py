@@ -74,13 +74,27 @@ class Sample:
 def _command(port: int) -> list[str]:
     """Real vLLM on loopback with prefix caching on and cached-token counts in its usage."""
     return [
-        str(VENV / "bin" / "python"), "-m", "vllm.entrypoints.launchers.api_server.entry",
-        "--model", str(MODEL), "--served-model-name", "tiny",
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
-        "--kv-cache-memory-bytes", "64M",
-        "--enable-prefix-caching", "--enable-prompt-tokens-details",
-    ]  # fmt: skip
+        str(VENV / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.launchers.api_server.entry",
+        "--model",
+        str(MODEL),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        "64M",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+    ]
 
 
 @contextmanager
@@ -88,13 +102,24 @@ def _vllm(scratch: Path) -> Iterator[str]:
     """Run real vLLM for the block (its own process group, stopped and reaped after)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", HF_HOME=str(scratch / "hf"),
-               VLLM_CACHE_ROOT=str(scratch / "vllm"))  # fmt: skip
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HOME=str(scratch / "hf"),
+        VLLM_CACHE_ROOT=str(scratch / "vllm"),
+    )
     log = scratch / "vllm.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(_command(port), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                cwd=scratch, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            _command(port),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=scratch,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -119,8 +144,14 @@ def _vllm(scratch: Path) -> Iterator[str]:
 
 def _ttft(client: httpx.Client, prompt: list[int]) -> tuple[float, int]:
     """The time to the first token of ``prompt`` (ms) and the prompt tokens vLLM had cached."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     first = None
     cached = 0
     start = time.perf_counter()
@@ -166,17 +197,20 @@ def measure(url: str, lengths: list[int], reps: int, seed: int) -> list[Sample]:
 
 def fit(samples: list[Sample]) -> tuple[float, float, float]:
     """Least squares ``ttft = fixed + a * uncached + b * cached``: (fixed, a, b) in ms."""
-    rows = [(1.0, float(s.prompt_tokens - s.cached_tokens), float(s.cached_tokens))
-            for s in samples]  # fmt: skip
+    rows = [
+        (1.0, float(s.prompt_tokens - s.cached_tokens), float(s.cached_tokens)) for s in samples
+    ]
     ys = [s.ttft_ms for s in samples]
     # Normal equations of a 3-parameter fit, solved by Cramer's rule: no numpy needed.
     m = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
     v = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(3)]
 
     def det(a: list[list[float]]) -> float:
-        return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
-                - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
-                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))  # fmt: skip
+        return (
+            a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
+            - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+            + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0])
+        )
 
     d = det(m)
     out = []
@@ -191,20 +225,35 @@ def _report(samples: list[Sample]) -> dict[str, object]:
     for n in sorted({s.prompt_tokens for s in samples}):
         for kind in ("cold", "partial", "full"):
             group = [s for s in samples if s.prompt_tokens == n and s.kind == kind]
-            table.append({"prompt_tokens": n, "kind": kind, "requests": len(group),
-                          "median_cached": statistics.median(s.cached_tokens for s in group),
-                          "median_ttft_ms": round(statistics.median(s.ttft_ms for s in group), 3)})  # fmt: skip
+            table.append(
+                {
+                    "prompt_tokens": n,
+                    "kind": kind,
+                    "requests": len(group),
+                    "median_cached": statistics.median(s.cached_tokens for s in group),
+                    "median_ttft_ms": round(statistics.median(s.ttft_ms for s in group), 3),
+                }
+            )
     # Fitted through each kind and length's median (its median cached count), so the few
     # requests a busy machine delays do not pull the line.
-    fixed, uncached, cached = fit([
-        Sample(str(r["kind"]), int(r["prompt_tokens"]), int(r["median_cached"]),
-               float(r["median_ttft_ms"]))
-        for r in table
-    ])  # fmt: skip
-    return {"medians": table, "fixed_ms": round(fixed, 3),
-            "us_per_uncached_token": round(uncached * 1000, 3),
-            "us_per_cached_token": round(cached * 1000, 3),
-            "cached_over_uncached": round(cached / uncached, 3)}  # fmt: skip
+    fixed, uncached, cached = fit(
+        [
+            Sample(
+                str(r["kind"]),
+                int(r["prompt_tokens"]),
+                int(r["median_cached"]),
+                float(r["median_ttft_ms"]),
+            )
+            for r in table
+        ]
+    )
+    return {
+        "medians": table,
+        "fixed_ms": round(fixed, 3),
+        "us_per_uncached_token": round(uncached * 1000, 3),
+        "us_per_cached_token": round(cached * 1000, 3),
+        "cached_over_uncached": round(cached / uncached, 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,10 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{'prompt':>7} {'kind':>8} {'n':>4} {'cached':>7} {'median TTFT ms':>15}")
     for row in report["medians"]:  # type: ignore[attr-defined]
-        print(f"{row['prompt_tokens']:>7} {row['kind']:>8} {row['requests']:>4} "
-              f"{row['median_cached']:>7} {row['median_ttft_ms']:>15}")  # fmt: skip
-    print(f"fit: fixed {report['fixed_ms']} ms, {report['us_per_uncached_token']} us per uncached "
-          f"token, {report['us_per_cached_token']} us per cached token")  # fmt: skip
+        print(
+            f"{row['prompt_tokens']:>7} {row['kind']:>8} {row['requests']:>4} "
+            f"{row['median_cached']:>7} {row['median_ttft_ms']:>15}"
+        )
+    print(
+        f"fit: fixed {report['fixed_ms']} ms, {report['us_per_uncached_token']} us per uncached "
+        f"token, {report['us_per_cached_token']} us per cached token"
+    )
     print(f"cached/uncached per prompt token: {report['cached_over_uncached']}")
     return 0
 

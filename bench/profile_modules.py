@@ -55,16 +55,22 @@ def by_module(stats: pstats.Stats, requests: int) -> list[tuple[str, float, floa
 def requests_in(stats: pstats.Stats) -> int:
     """How many generation requests started while profiling (calls of ``request_id``)."""
     table = stats.stats  # type: ignore[attr-defined]
-    return sum(ncalls for (filename, _, name), (_, ncalls, _, _, _) in table.items()
-               if name == "request_id" and filename.endswith("infermeter/ids.py"))  # fmt: skip
+    return sum(
+        ncalls
+        for (filename, _, name), (_, ncalls, _, _, _) in table.items()
+        if name == "request_id" and filename.endswith("infermeter/ids.py")
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("stats", help="a pstats file")
-    parser.add_argument("--requests", type=int,
-                        help="requests the profile covers (default: the calls of request_id)")  # fmt: skip
+    parser.add_argument(
+        "--requests",
+        type=int,
+        help="requests the profile covers (default: the calls of request_id)",
+    )
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args(argv)
     stats = pstats.Stats(args.stats)

@@ -101,10 +101,20 @@ class Work:
         bucket = self.buckets[team]
         bucket[0] = min(1e9, bucket[0] + (now - bucket[2]) * bucket[1]) - 1
         bucket[2] = now
-        record = {"request_id": request, "team": team, "model": requested, "served": model,
-                  "endpoint": "chat.completions", "stream": not whole,
-                  "replica": self.replica, "received_at": received, "started": started,
-                  "reserve": 256, "status": "running", "client_request_id": None}  # fmt: skip
+        record = {
+            "request_id": request,
+            "team": team,
+            "model": requested,
+            "served": model,
+            "endpoint": "chat.completions",
+            "stream": not whole,
+            "replica": self.replica,
+            "received_at": received,
+            "started": started,
+            "reserve": 256,
+            "status": "running",
+            "client_request_id": None,
+        }
         os.write(self.journal, orjson.dumps({"a": record}) + b"\n")
         return orjson.dumps(document), whole, record
 
@@ -129,11 +139,16 @@ class Work:
             usage = chunk.get("usage") or usage
         first = chunks[0] if chunks else {}
         message = {"role": "assistant", "content": "".join(text)}
-        body = orjson.dumps({"id": first.get("id"), "object": "chat.completion",
-                             "created": first.get("created"), "model": first.get("model"),
-                             "choices": [{"index": 0, "message": message,
-                                          "finish_reason": finish}],
-                             "usage": usage})  # fmt: skip
+        body = orjson.dumps(
+            {
+                "id": first.get("id"),
+                "object": "chat.completion",
+                "created": first.get("created"),
+                "model": first.get("model"),
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": usage,
+            }
+        )
         head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
         return head % len(body) + body
 
@@ -193,8 +208,13 @@ class Upstream(asyncio.Protocol):
 class Front(asyncio.Protocol):
     """A client connection: parse each request and hand it to an upstream connection."""
 
-    def __init__(self, upstream: tuple[str, int], aliases: dict[bytes, bytes], idle: list[Upstream],
-                 work: Work | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        upstream: tuple[str, int],
+        aliases: dict[bytes, bytes],
+        idle: list[Upstream],
+        work: Work | None,
+    ) -> None:
         self.upstream, self.aliases, self.idle, self.work = upstream, aliases, idle, work
         self.names = {a.strip(b'"').decode(): s.strip(b'"').decode() for a, s in aliases.items()}
         self.key = b""
@@ -249,9 +269,13 @@ class Front(asyncio.Protocol):
                 body = body.replace(alias, served)
         method = self.parser.get_method()
         head = b"%b %b HTTP/1.1\r\nhost: %b:%d\r\ncontent-length: %d\r\n%b\r\n" % (
-            method, self.url, self.upstream[0].encode(), self.upstream[1], len(body),
+            method,
+            self.url,
+            self.upstream[0].encode(),
+            self.upstream[1],
+            len(body),
             b"".join(self.headers),
-        )  # fmt: skip
+        )
         request = head + body
         if self.idle:
             self._send(self.idle.pop(), request, admitted)
@@ -274,8 +298,9 @@ class Front(asyncio.Protocol):
         conn.transport.write(request)
 
 
-async def serve(listen: str, upstream: tuple[str, int], aliases: dict[bytes, bytes],
-                work: Work | None = None) -> None:  # fmt: skip
+async def serve(
+    listen: str, upstream: tuple[str, int], aliases: dict[bytes, bytes], work: Work | None = None
+) -> None:
     """Serve until cancelled (Ctrl-C)."""
     idle: list[Upstream] = []
     host, port = host_port(listen)

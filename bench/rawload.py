@@ -100,9 +100,14 @@ def _content_length(head: bytes) -> int:
     return int(head[start : end if end >= 0 else len(head)])
 
 
-async def run_connections(make: Callable[[], RepeatingStream], host: str, port: int,
-                          stop: asyncio.Event, on_connect_error: Callable[[], None],
-                          live: set[RepeatingStream] | None = None) -> None:  # fmt: skip
+async def run_connections(
+    make: Callable[[], RepeatingStream],
+    host: str,
+    port: int,
+    stop: asyncio.Event,
+    on_connect_error: Callable[[], None],
+    live: set[RepeatingStream] | None = None,
+) -> None:
     """Keep one connection from ``make`` open until ``stop``, reconnecting when it closes."""
     loop = asyncio.get_running_loop()
     while not stop.is_set():

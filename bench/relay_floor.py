@@ -56,8 +56,15 @@ class Relay:
         headers = {k.decode(): v.decode() for k, v in scope["headers"] if k not in _HOP}
         url = self.upstream + scope["path"]
         async with self.session.post(url, data=body, headers=headers) as response:
-            await send({"type": "http.response.start", "status": response.status,
-                        "headers": [(b"content-type", response.headers.get("content-type", "").encode())]})  # fmt: skip
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status,
+                    "headers": [
+                        (b"content-type", response.headers.get("content-type", "").encode())
+                    ],
+                }
+            )
             read = response.content.readany
             while block := await read():
                 await send({"type": "http.response.body", "body": block, "more_body": True})

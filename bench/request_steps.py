@@ -46,8 +46,16 @@ def record_us(rounds: int, n: int) -> list[float]:
     )
 
     def one() -> None:
-        call = Call("req-0123456789abcdef", "/v1/chat/completions", 1.7e9, 0.0, team="search",
-                    model="chat-small", served_version="chat-small", stream=True)  # fmt: skip
+        call = Call(
+            "req-0123456789abcdef",
+            "/v1/chat/completions",
+            1.7e9,
+            0.0,
+            team="search",
+            model="chat-small",
+            served_version="chat-small",
+            stream=True,
+        )
         admission_line(admitted(call))
         record = accounting.record_of(call, RequestStatus.OK, 200, usage, meter, "stop")
         orjson.dumps(record if isinstance(record, dict) else record.to_json())
@@ -93,8 +101,9 @@ def main() -> int:
     parser.add_argument("-n", type=int, default=20_000, help="requests per round (20,000)")
     args = parser.parse_args()
     where = import_root(args.root)
-    print(f"sidecar from {where}; best and median of {args.rounds} rounds of {args.n}, "
-          "µs per request")  # fmt: skip
+    print(
+        f"sidecar from {where}; best and median of {args.rounds} rounds of {args.n}, µs per request"
+    )
     rows = {"record (journal + spool lines)": record_us(args.rounds, args.n)}
     rows |= {f"end wait ({name})": v for name, v in wait_us(args.rounds, args.n).items()}
     for name, values in rows.items():

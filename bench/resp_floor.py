@@ -96,8 +96,20 @@ async def run(
         seq = 0
         while time.monotonic() < stop:
             seq += 1
-            payload = command("EVALSHA", sha, 2, "f:{t}:b", "f:{t}:c", 10**9, 10**12, 10**6,
-                              100, f"{n}:{seq}", 30000, 0)  # fmt: skip
+            payload = command(
+                "EVALSHA",
+                sha,
+                2,
+                "f:{t}:b",
+                "f:{t}:c",
+                10**9,
+                10**12,
+                10**6,
+                100,
+                f"{n}:{seq}",
+                30000,
+                0,
+            )
             t0 = time.perf_counter()
             await proto.call(payload)
             latencies.append(time.perf_counter() - t0)
@@ -108,9 +120,12 @@ async def run(
     cpu = time.process_time() - cpu0
     latencies.sort()
     n = len(latencies)
-    return {"requests": n, "p50_ms": latencies[n // 2] * 1000,
-            "p99_ms": latencies[min(n - 1, int(n * 0.99))] * 1000,
-            "cpu_us_per_request": cpu / n * 1e6}  # fmt: skip
+    return {
+        "requests": n,
+        "p50_ms": latencies[n // 2] * 1000,
+        "p99_ms": latencies[min(n - 1, int(n * 0.99))] * 1000,
+        "cpu_us_per_request": cpu / n * 1e6,
+    }
 
 
 def cli() -> None:
@@ -128,8 +143,10 @@ def cli() -> None:
     args = p.parse_args()
     with redis_server() as port, asyncio.Runner(loop_factory=loop_factory(args.loop)) as runner:
         r = runner.run(run(port, args.concurrency, args.duration, args.request_ms / 1000))
-    print(f"raw RESP c={args.concurrency}: {r['requests']} admissions, p50 {r['p50_ms']:.3f} ms, "
-          f"p99 {r['p99_ms']:.3f} ms, {r['cpu_us_per_request']:.1f} us CPU per admission")  # fmt: skip
+    print(
+        f"raw RESP c={args.concurrency}: {r['requests']} admissions, p50 {r['p50_ms']:.3f} ms, "
+        f"p99 {r['p99_ms']:.3f} ms, {r['cpu_us_per_request']:.1f} us CPU per admission"
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,10 @@ def _tree_bytes(root: Path) -> int:
 
 def _row(stage: str, path: Path, used: int, records: int, archived: int) -> None:
     size = path.stat().st_size
-    print(f"| {stage} | {size / 2**20:,.0f} MiB | {size / records:,.1f} | "
-          f"{used / records:,.1f} | {archived / 2**20:,.0f} MiB |")  # fmt: skip
+    print(
+        f"| {stage} | {size / 2**20:,.0f} MiB | {size / records:,.1f} | "
+        f"{used / records:,.1f} | {archived / 2**20:,.0f} MiB |"
+    )
 
 
 def main() -> int:
@@ -65,8 +67,13 @@ def main() -> int:
         ledger.close()
         backup.restore(work / "backup", work / "compact.duckdb")
         compact = open_ledger(config, str(work / "compact.duckdb"))
-        _row("rewritten (backup + restore)", work / "compact.duckdb", _used_bytes(compact),
-             args.records, archived)  # fmt: skip
+        _row(
+            "rewritten (backup + restore)",
+            work / "compact.duckdb",
+            _used_bytes(compact),
+            args.records,
+            archived,
+        )
         compact.close()
         moved = ", ".join(f"{k} {v:,}" for k, v in report.moved.items())
         print(f"\nretention: {seconds:.1f} s, moved {moved}")

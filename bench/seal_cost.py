@@ -36,15 +36,27 @@ def records(n: int) -> list[dict[str, Any]]:
     t = 1_790_000_000.0
     return [
         UsageRecord(
-            request_id=f"req-{i:012d}-0123456789abcdef", team="search", model="chat-small",
-            served_version="llama-3.1-8b-instruct", replica="small-0", received_at=t + i,
-            first_token_at=t + i + 0.12, finished_at=t + i + 3.4, prompt_tokens=812,
-            cached_prompt_tokens=512, completion_tokens=245, status="ok", http_status=200,
-            stream=True, finish_reason="stop", instance="vllm-small-0-7f9c-abcde",
-            response_id=f"chatcmpl-{i:032x}", client_request_id=f"client-{i}",
+            request_id=f"req-{i:012d}-0123456789abcdef",
+            team="search",
+            model="chat-small",
+            served_version="llama-3.1-8b-instruct",
+            replica="small-0",
+            received_at=t + i,
+            first_token_at=t + i + 0.12,
+            finished_at=t + i + 3.4,
+            prompt_tokens=812,
+            cached_prompt_tokens=512,
+            completion_tokens=245,
+            status="ok",
+            http_status=200,
+            stream=True,
+            finish_reason="stop",
+            instance="vllm-small-0-7f9c-abcde",
+            response_id=f"chatcmpl-{i:032x}",
+            client_request_id=f"client-{i}",
         ).to_json()
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def per_record(fn: Callable[[], object], n: int, rounds: int) -> float:
@@ -64,23 +76,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
     n = args.records
-    credential = issue(SECRET, Writer.for_instance("small-0", "vllm-small-0-7f9c-abcde",
-                                                    "10.1.2.3:9000"))  # fmt: skip
+    credential = issue(
+        SECRET, Writer.for_instance("small-0", "vllm-small-0-7f9c-abcde", "10.1.2.3:9000")
+    )
     sealer = Sealer(credential)
     docs = records(n)
     dumped = [orjson.dumps(d) for d in docs]
     sealed = [sealer(b) for b in dumped]
     keys = WriterKeys(SECRET)
     rows = [
-        ("orjson.dumps of the record (write, already paid)",
-         per_record(lambda: [orjson.dumps(d) for d in docs], n, args.rounds)),
-        ("seal (write: the sidecar's request path)",
-         per_record(lambda: [sealer(b) for b in dumped], n, args.rounds)),
-        ("vouch (the shipper, off the event loop)",
-         per_record(lambda: [sealer.vouches(s) for s in sealed], n, args.rounds)),
-        ("check (billing, a batch it opens itself)",
-         per_record(lambda: [keys.check(s) for s in sealed], n, args.rounds)),
-    ]  # fmt: skip
+        (
+            "orjson.dumps of the record (write, already paid)",
+            per_record(lambda: [orjson.dumps(d) for d in docs], n, args.rounds),
+        ),
+        (
+            "seal (write: the sidecar's request path)",
+            per_record(lambda: [sealer(b) for b in dumped], n, args.rounds),
+        ),
+        (
+            "vouch (the shipper, off the event loop)",
+            per_record(lambda: [sealer.vouches(s) for s in sealed], n, args.rounds),
+        ),
+        (
+            "check (billing, a batch it opens itself)",
+            per_record(lambda: [keys.check(s) for s in sealed], n, args.rounds),
+        ),
+    ]
     size = statistics.mean(len(b) for b in dumped)
     grown = statistics.mean(len(s) for s in sealed) - size
     print(f"{n} usage records of {size:.0f} bytes; the seal adds {grown:.0f} bytes a line")

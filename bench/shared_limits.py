@@ -46,8 +46,22 @@ def redis_server() -> Iterator[int]:
         raise SystemExit("redis-server is not installed (make system-deps)")
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
-        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL)  # fmt: skip
+        proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                d,
+            ],
+            stdout=subprocess.DEVNULL,
+        )
         try:
             for _ in range(200):
                 try:
@@ -61,8 +75,9 @@ def redis_server() -> Iterator[int]:
             proc.wait()
 
 
-async def run(limiter: TeamLimiter, concurrency: int, duration: float,
-              request_seconds: float) -> dict[str, Any]:  # fmt: skip
+async def run(
+    limiter: TeamLimiter, concurrency: int, duration: float, request_seconds: float
+) -> dict[str, Any]:
     """Admit, hold for ``request_seconds`` and settle, from ``concurrency`` tasks."""
     latencies: list[float] = []
     rng = random.Random(1)
@@ -86,9 +101,12 @@ async def run(limiter: TeamLimiter, concurrency: int, duration: float,
     await limiter.close()
     latencies.sort()
     n = len(latencies)
-    return {"requests": n, "p50_ms": latencies[n // 2] * 1000,
-            "p99_ms": latencies[min(n - 1, int(n * 0.99))] * 1000,
-            "cpu_us_per_request": cpu / n * 1e6}  # fmt: skip
+    return {
+        "requests": n,
+        "p50_ms": latencies[n // 2] * 1000,
+        "p99_ms": latencies[min(n - 1, int(n * 0.99))] * 1000,
+        "cpu_us_per_request": cpu / n * 1e6,
+    }
 
 
 def redis_calls(port: int) -> int:
@@ -98,8 +116,11 @@ def redis_calls(port: int) -> int:
     round trip; the limiter sends nothing but EVALSHA (EVAL, SCRIPT on a restart).
     """
     stats: dict[str, Any] = redis.Redis(port=port).info("commandstats")  # type: ignore[assignment]
-    return sum(int(v["calls"]) for k, v in stats.items()
-               if k in ("cmdstat_evalsha", "cmdstat_eval") or k.startswith("cmdstat_script"))  # fmt: skip
+    return sum(
+        int(v["calls"])
+        for k, v in stats.items()
+        if k in ("cmdstat_evalsha", "cmdstat_eval") or k.startswith("cmdstat_script")
+    )
 
 
 async def main(concurrency: int, duration: float, request_seconds: float) -> dict[str, Any]:
@@ -115,9 +136,14 @@ async def main(concurrency: int, duration: float, request_seconds: float) -> dic
         await asyncio.sleep(0.2)
         sent = redis_calls(port) - before
         result["redis_commands_per_request"] = sent / (result["requests"] + 50)
-    return {"concurrency": concurrency, "request_ms": request_seconds * 1000, "local": local, "redis": result,
-            "added_p50_ms": result["p50_ms"] - local["p50_ms"],
-            "added_p99_ms": result["p99_ms"] - local["p99_ms"]}  # fmt: skip
+    return {
+        "concurrency": concurrency,
+        "request_ms": request_seconds * 1000,
+        "local": local,
+        "redis": result,
+        "added_p50_ms": result["p50_ms"] - local["p50_ms"],
+        "added_p99_ms": result["p99_ms"] - local["p99_ms"],
+    }
 
 
 def cli() -> None:
@@ -152,8 +178,10 @@ def cli() -> None:
         print(
             f"      {name:10} {r['requests']:9d} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['cpu_us_per_request']:11.1f}"
         )
-    print(f"added by Redis: p50 {out['added_p50_ms']:.3f} ms, p99 {out['added_p99_ms']:.3f} ms; "
-          f"{out['redis']['redis_commands_per_request']:.2f} Redis commands per request")  # fmt: skip
+    print(
+        f"added by Redis: p50 {out['added_p50_ms']:.3f} ms, p99 {out['added_p99_ms']:.3f} ms; "
+        f"{out['redis']['redis_commands_per_request']:.2f} Redis commands per request"
+    )
 
 
 if __name__ == "__main__":

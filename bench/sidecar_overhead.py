@@ -128,8 +128,14 @@ class Plan:
 
 
 FULL = Plan(c1_requests=200, window_s=6.0, warmup_s=2.0)
-QUICK = Plan(c1_requests=60, window_s=2.5, warmup_s=1.0, paced_window_s=4.0, rss_window_s=2.0,
-             paired_rounds=80)  # fmt: skip
+QUICK = Plan(
+    c1_requests=60,
+    window_s=2.5,
+    warmup_s=1.0,
+    paced_window_s=4.0,
+    rss_window_s=2.0,
+    paired_rounds=80,
+)
 
 
 # -- client process ------------------------------------------------------------------------------
@@ -226,8 +232,9 @@ async def _worker(
     def on_connect_error() -> None:
         stats.errors += 1
 
-    await run_connections(lambda: _Stream(spec.request, stats, stop), HOST, spec.port, stop,
-                          on_connect_error, live)  # fmt: skip
+    await run_connections(
+        lambda: _Stream(spec.request, stats, stop), HOST, spec.port, stop, on_connect_error, live
+    )
 
 
 async def _phase(conn: Connection, spec: LoadSpec) -> None:
@@ -290,8 +297,9 @@ class PairedSpec:
     warmup_rounds: int
 
 
-async def _ttft_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     request: bytes) -> float:  # fmt: skip
+async def _ttft_once(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
+) -> float:
     """Send ``request``, read its chunked response to the end; seconds to the first content."""
     sent = time.perf_counter()
     writer.write(request)
@@ -311,8 +319,9 @@ async def _ttft_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
 
 async def _paired(conn: Connection, spec: PairedSpec) -> None:
     """TTFT of every path, round by round, so that the machine's drift hits all paths alike."""
-    streams = {path: await asyncio.open_connection(HOST, port)
-               for path, (port, _) in spec.requests.items()}  # fmt: skip
+    streams = {
+        path: await asyncio.open_connection(HOST, port) for path, (port, _) in spec.requests.items()
+    }
     paths = list(spec.requests)
     ttft: dict[str, list[float]] = {path: [] for path in paths}
     try:
@@ -487,8 +496,9 @@ class Service:
                 self.proc.wait(timeout=5)
 
 
-def write_config(path: Path, tmp: Path, replica_port: int, engine: Engine,
-                 sidecar: dict[str, Any] | None = None) -> str:  # fmt: skip
+def write_config(
+    path: Path, tmp: Path, replica_port: int, engine: Engine, sidecar: dict[str, Any] | None = None
+) -> str:
     """The embedded defaults with ``REPLICA`` on ``replica_port``, ``engine`` as its model's
     profile, teams without limits, the spool in ``tmp`` and ``sidecar`` settings applied;
     returns the served model name."""
@@ -783,8 +793,21 @@ class Profiler:
         if self.directory is None or self.exe is None:
             return
         out = self.directory / f"{name}.txt"
-        cmd = [self.exe, "record", "--pid", str(pid), "--rate", "200", "--nonblocking",
-               "--format", "raw", "--duration", str(max(1, int(seconds))), "-o", str(out)]  # fmt: skip
+        cmd = [
+            self.exe,
+            "record",
+            "--pid",
+            str(pid),
+            "--rate",
+            "200",
+            "--nonblocking",
+            "--format",
+            "raw",
+            "--duration",
+            str(max(1, int(seconds))),
+            "-o",
+            str(out),
+        ]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.procs.append((name, proc))
 
@@ -901,8 +924,9 @@ def run_benchmark(
     idle_rss: dict[str, float] = {}
     paired: dict[str, list[float]] = {}
 
-    def run(st: Stack, phase: str, paths: Sequence[str], tokens: int, stream: bool = True,
-            **kw: Any) -> None:  # fmt: skip
+    def run(
+        st: Stack, phase: str, paths: Sequence[str], tokens: int, stream: bool = True, **kw: Any
+    ) -> None:
         if phases is not None and phase not in phases:
             return
         for path in paths:
@@ -935,8 +959,16 @@ def run_benchmark(
                     idle_rss = {
                         path: round(rss_kib(st.proxy(path).pids()) / 1024, 1) for path in PATHS
                     }
-                    run(st, "ttft_c1", PATHS, 16, concurrency=1, warmup_s=0.5, duration_s=60.0,
-                        max_requests=p.c1_requests)  # fmt: skip
+                    run(
+                        st,
+                        "ttft_c1",
+                        PATHS,
+                        16,
+                        concurrency=1,
+                        warmup_s=0.5,
+                        duration_s=60.0,
+                        max_requests=p.c1_requests,
+                    )
                     if wanted("ttft_paired"):
                         requests = {
                             path: (st.ports[path], req(st, path, 16, True)) for path in PATHS
@@ -945,33 +977,93 @@ def run_benchmark(
                         paired = client.receive(600.0)[1]
                         echo(_paired_row(paired))
                         _settle()
-                    run(st, "c64_1tok", PATHS, 1, concurrency=64, warmup_s=p.warmup_s / 2,
-                        duration_s=p.window_s * 0.6, stagger_s=0.05, record_ttft=False)  # fmt: skip
-                    run(st, "c16_json", PATHS, 16, stream=False, concurrency=16,
-                        warmup_s=p.warmup_s / 2, duration_s=p.window_s * 0.6, stagger_s=0.05,
-                        record_ttft=False)  # fmt: skip
-                    run(st, "max_throughput", PATHS, 256, concurrency=p.throughput_concurrency,
-                        warmup_s=p.warmup_s, duration_s=p.window_s, stagger_s=0.3)  # fmt: skip
+                    run(
+                        st,
+                        "c64_1tok",
+                        PATHS,
+                        1,
+                        concurrency=64,
+                        warmup_s=p.warmup_s / 2,
+                        duration_s=p.window_s * 0.6,
+                        stagger_s=0.05,
+                        record_ttft=False,
+                    )
+                    run(
+                        st,
+                        "c16_json",
+                        PATHS,
+                        16,
+                        stream=False,
+                        concurrency=16,
+                        warmup_s=p.warmup_s / 2,
+                        duration_s=p.window_s * 0.6,
+                        stagger_s=0.05,
+                        record_ttft=False,
+                    )
+                    run(
+                        st,
+                        "max_throughput",
+                        PATHS,
+                        256,
+                        concurrency=p.throughput_concurrency,
+                        warmup_s=p.warmup_s,
+                        duration_s=p.window_s,
+                        stagger_s=0.3,
+                    )
             if wanted("c64_16tok", "c64_64tok"):
                 with stack(
                     tmp, DEMO, nginx_bin, "demo", launcher, sidecar_settings, sidecar_env
                 ) as st:
-                    run(st, "c64_16tok", PATHS, 16, concurrency=64, warmup_s=p.warmup_s,
-                        duration_s=p.window_s, stagger_s=0.3)  # fmt: skip
-                    run(st, "c64_64tok", PATHS, 64, concurrency=64, warmup_s=p.warmup_s,
-                        duration_s=p.window_s, stagger_s=1.0)  # fmt: skip
+                    run(
+                        st,
+                        "c64_16tok",
+                        PATHS,
+                        16,
+                        concurrency=64,
+                        warmup_s=p.warmup_s,
+                        duration_s=p.window_s,
+                        stagger_s=0.3,
+                    )
+                    run(
+                        st,
+                        "c64_64tok",
+                        PATHS,
+                        64,
+                        concurrency=64,
+                        warmup_s=p.warmup_s,
+                        duration_s=p.window_s,
+                        stagger_s=1.0,
+                    )
             if wanted("paced_500", "rss_1000"):
                 with stack(
                     tmp, PACED, nginx_bin, "paced", launcher, sidecar_settings, sidecar_env
                 ) as st:
                     tokens = int(20 * (p.paced_window_s + p.warmup_s + 10))
-                    run(st, "paced_500", ("nginx", "sidecar"), tokens, concurrency=p.paced_streams,
-                        warmup_s=p.warmup_s, duration_s=p.paced_window_s, stagger_s=1.0,
-                        wait_streaming=True, record_ttft=False)  # fmt: skip
+                    run(
+                        st,
+                        "paced_500",
+                        ("nginx", "sidecar"),
+                        tokens,
+                        concurrency=p.paced_streams,
+                        warmup_s=p.warmup_s,
+                        duration_s=p.paced_window_s,
+                        stagger_s=1.0,
+                        wait_streaming=True,
+                        record_ttft=False,
+                    )
                     tokens = int(20 * (p.rss_window_s + p.warmup_s + 20))
-                    run(st, "rss_1000", ("nginx", "sidecar"), tokens, concurrency=p.rss_streams,
-                        warmup_s=p.warmup_s, duration_s=p.rss_window_s, stagger_s=2.0,
-                        wait_streaming=True, record_ttft=False)  # fmt: skip
+                    run(
+                        st,
+                        "rss_1000",
+                        ("nginx", "sidecar"),
+                        tokens,
+                        concurrency=p.rss_streams,
+                        warmup_s=p.warmup_s,
+                        duration_s=p.rss_window_s,
+                        stagger_s=2.0,
+                        wait_streaming=True,
+                        record_ttft=False,
+                    )
     finally:
         client.close()
     return {"windows": windows, "idle_rss_mb": idle_rss, "paired_ttft_s": paired}
@@ -1006,8 +1098,9 @@ def _sub(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a - b, 3)
 
 
-def summarize(windows: list[Window], idle_rss: dict[str, float],
-              paired: dict[str, list[float]] | None = None) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    windows: list[Window], idle_rss: dict[str, float], paired: dict[str, list[float]] | None = None
+) -> dict[str, Any]:
     """Per-path figures and the verdict on each target.
 
     Added TTFT at c=1 is judged on the paired phase when it ran (each round's difference to
@@ -1391,13 +1484,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.otlp_metrics:
                 sink = exits.enter_context(OtlpSink())
                 # Metrics only: the endpoint alone would turn span export on too.
-                sidecar_env = {**(sidecar_env or {}), "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
-                               "OTEL_TRACES_EXPORTER": "none", "OTEL_METRIC_EXPORT_INTERVAL": "1000"}  # fmt: skip
-            result = run_benchmark(plan, nginx_bin, args.py_spy, echo, args.sidecar_launcher, settings,
-                                   phases, sidecar_env)  # fmt: skip
+                sidecar_env = {
+                    **(sidecar_env or {}),
+                    "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                    "OTEL_TRACES_EXPORTER": "none",
+                    "OTEL_METRIC_EXPORT_INTERVAL": "1000",
+                }
+            result = run_benchmark(
+                plan,
+                nginx_bin,
+                args.py_spy,
+                echo,
+                args.sidecar_launcher,
+                settings,
+                phases,
+                sidecar_env,
+            )
             if args.otlp_metrics:
-                echo(f"OTLP exports received: {sink.exports} ({sink.bytes} bytes), "
-                     f"of which span batches: {sink.traces}")  # fmt: skip
+                echo(
+                    f"OTLP exports received: {sink.exports} ({sink.bytes} bytes), "
+                    f"of which span batches: {sink.traces}"
+                )
     except KeyboardInterrupt:
         print("interrupted; everything started was stopped", file=sys.stderr)
         return 130

@@ -167,8 +167,21 @@ def _memory() -> None:
     import tracemalloc
 
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks",
-                    "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
@@ -190,8 +203,10 @@ def _memory() -> None:
                     if blocks is None
                     else f"; pymalloc live {blocks[0]:.1f}, free {blocks[1]:.1f}"
                 )
-                out.write(f"{time.time():.0f} rss {rss:.1f} MB; malloc in use {info.uordblks / mb:.1f}, "
-                          f"free {info.fordblks / mb:.1f}, mmap {info.hblkhd / mb:.1f}{python}\n")  # fmt: skip
+                out.write(
+                    f"{time.time():.0f} rss {rss:.1f} MB; malloc in use {info.uordblks / mb:.1f}, "
+                    f"free {info.fordblks / mb:.1f}, mmap {info.hblkhd / mb:.1f}{python}\n"
+                )
                 out.flush()
                 if not sites:
                     continue
@@ -202,8 +217,10 @@ def _memory() -> None:
                     grown = tracemalloc.take_snapshot().compare_to(base, "lineno")[:40]
                     with open(log + ".sites", "w") as top:
                         top.write(f"rss {rss:.1f} MB\n")
-                        top.writelines(f"{d.size_diff:>12,} B {d.count_diff:>9,} blocks  "
-                                       f"{d.traceback[0]}\n" for d in grown)  # fmt: skip
+                        top.writelines(
+                            f"{d.size_diff:>12,} B {d.count_diff:>9,} blocks  {d.traceback[0]}\n"
+                            for d in grown
+                        )
 
     threading.Thread(target=watch, name="memory-log", daemon=True).start()
 
@@ -221,8 +238,19 @@ def _stamps() -> None:
     clock = time.perf_counter
     now: dict[str, float] = {}
     rows: list[dict[str, float]] = []
-    steps = ("app", "planned", "admitted", "journaled", "opening", "pooled", "sending", "sent",
-             "upstream head", "upstream content", "client write")  # fmt: skip
+    steps = (
+        "app",
+        "planned",
+        "admitted",
+        "journaled",
+        "opening",
+        "pooled",
+        "sending",
+        "sent",
+        "upstream head",
+        "upstream content",
+        "client write",
+    )
 
     def report() -> None:
         with open(out, "w") as f:

@@ -64,8 +64,10 @@ async def measure(streams: int, top: int) -> None:
         task = asyncio.get_running_loop().create_task(srv.serve())
         while not srv.started:
             await asyncio.sleep(0.05)
-        head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer "
-                b"im-demo-search\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n")  # fmt: skip
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer "
+            b"im-demo-search\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+        )
         request = head % len(_BODY) + _BODY
         loop = asyncio.get_running_loop()
         clients = []
@@ -91,8 +93,10 @@ async def measure(streams: int, top: int) -> None:
         traced = sum(s.size_diff for s in stats)
         print(f"upstream {replica.upstream_url}, {streams} streams")
         print(f"traced Python allocations: {traced / streams / 1024:.1f} KiB per stream")
-        print(f"RSS growth (tracemalloc's own bookkeeping included): "
-              f"{(rss1 - rss0) / streams:.1f} KiB per stream")  # fmt: skip
+        print(
+            f"RSS growth (tracemalloc's own bookkeeping included): "
+            f"{(rss1 - rss0) / streams:.1f} KiB per stream"
+        )
         for s in stats[:top]:
             frame = s.traceback[0]
             print(
@@ -111,8 +115,11 @@ def main() -> int:
     p.add_argument("--streams", type=int, default=300)
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
-    replica = subprocess.Popen([sys.executable, "-m", "infermeter", "simulate", "--replica", "small-0"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    replica = subprocess.Popen(
+        [sys.executable, "-m", "infermeter", "simulate", "--replica", "small-0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         time.sleep(3)
         uvloop.run(measure(args.streams, args.top))

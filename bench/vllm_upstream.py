@@ -55,8 +55,10 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 FINGERPRINT = "vllm-0.32.0-bench"
 MAX_MODEL_LEN = 1 << 20
-_SSE_HEAD = (b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\ncontent-type: text/event-stream; "
-             b"charset=utf-8\r\ntransfer-encoding: chunked\r\n")  # fmt: skip
+_SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\ncontent-type: text/event-stream; "
+    b"charset=utf-8\r\ntransfer-encoding: chunked\r\n"
+)
 
 
 @dataclass
@@ -80,30 +82,38 @@ def render(endpoint: str, body: bytes, model: str, request_id: str, seed: int = 
         gen = (parse_chat if chat else parse_completion)(parse_json(body), model, MAX_MODEL_LEN)
     except ApiError as err:
         return Answer([err.body()], False, err.status)
-    fmt = (ChatFormatter if chat else CompletionFormatter)(request_id, int(time.time()), model,
-                                                          FINGERPRINT)  # fmt: skip
+    fmt = (ChatFormatter if chat else CompletionFormatter)(
+        request_id, int(time.time()), model, FINGERPRINT
+    )
     rng = random.Random(seed)
     choices = len(gen.prompts) * gen.n
     prompts = [len(gen.prompts[i // gen.n]) for i in range(choices)]
     tokens = gen.max_tokens
     texts = [[next_text(rng) for _ in range(tokens)] for _ in range(choices)]
     if not gen.stream:
-        full = fmt.full(["".join(t) for t in texts], ["length"] * choices, gen.prompt_tokens,
-                        tokens * choices)  # fmt: skip
+        full = fmt.full(
+            ["".join(t) for t in texts], ["length"] * choices, gen.prompt_tokens, tokens * choices
+        )
         return Answer([b""] * (tokens - 1) + [full], False)
     return Answer(_stream_steps(gen, fmt, prompts, texts), True)
 
 
-def _stream_steps(gen: Generation, fmt: ChatFormatter | CompletionFormatter, prompts: list[int],
-                  texts: list[list[str]]) -> list[bytes]:  # fmt: skip
+def _stream_steps(
+    gen: Generation,
+    fmt: ChatFormatter | CompletionFormatter,
+    prompts: list[int],
+    texts: list[list[str]],
+) -> list[bytes]:
     """The bytes of each step of a stream, as ``simulator.replica`` writes them."""
     steps = []
     tokens = len(texts[0])
     for k in range(tokens):
         parts: list[bytes] = []
         if k == 0 and isinstance(fmt, ChatFormatter):
-            parts += [fmt.role_chunk(i, (p, 0) if gen.continuous_usage else None)
-                      for i, p in enumerate(prompts)]  # fmt: skip
+            parts += [
+                fmt.role_chunk(i, (p, 0) if gen.continuous_usage else None)
+                for i, p in enumerate(prompts)
+            ]
         last = k == tokens - 1
         for i, p in enumerate(prompts):
             usage = (p, k + 1) if gen.continuous_usage else None
@@ -189,8 +199,12 @@ class Upstream:
         elif path in ("/health", "/ping"):
             conn.write(_whole(200, b"", b"application/json"))
         elif path == "/v1/models":
-            models = {"object": "list", "data": [{"id": self.model, "object": "model",
-                                                  "owned_by": "vllm", "root": self.model}]}  # fmt: skip
+            models = {
+                "object": "list",
+                "data": [
+                    {"id": self.model, "object": "model", "owned_by": "vllm", "root": self.model}
+                ],
+            }
             conn.write(_whole(200, orjson.dumps(models), b"application/json"))
         elif path == "/metrics":
             conn.write(_whole(200, b"", b"text/plain; version=0.0.4; charset=utf-8"))
@@ -206,8 +220,11 @@ class Upstream:
             template = render(path, body, self.model, f"{prefix}-{0:016x}")
             self._cache[(path, body)] = template
         placeholder = f"{prefix}-{0:016x}".encode()
-        answer = Answer([s.replace(placeholder, request_id.encode()) for s in template.steps],
-                        template.stream, template.status)  # fmt: skip
+        answer = Answer(
+            [s.replace(placeholder, request_id.encode()) for s in template.steps],
+            template.stream,
+            template.status,
+        )
         if answer.status != 200:
             conn.write(_whole(answer.status, answer.steps[0], b"application/json"))
             return
@@ -238,8 +255,11 @@ class Upstream:
         running.step += 1
         done = running.step == len(answer.steps)
         if answer.stream:
-            conn.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if done
-                       else b"%x\r\n%b\r\n" % (len(data), data))  # fmt: skip
+            conn.write(
+                b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data)
+                if done
+                else b"%x\r\n%b\r\n" % (len(data), data)
+            )
         elif done:
             conn.write(_whole(200, data, b"application/json"))
         if done:
@@ -258,12 +278,19 @@ def _date() -> bytes:
 
 def _whole(status: int, body: bytes, kind: bytes) -> bytes:
     reason = {200: b"OK", 400: b"Bad Request", 404: b"Not Found"}.get(status, b"Error")
-    return (b"HTTP/1.1 %d %s\r\nserver: uvicorn\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s"
-            % (status, reason, kind, len(body), _date(), body))  # fmt: skip
+    return (
+        b"HTTP/1.1 %d %s\r\nserver: uvicorn\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s"
+        % (status, reason, kind, len(body), _date(), body)
+    )
 
 
-async def serve(host: str, port: int, model: str, step_seconds: float,
-                ready: Callable[[Upstream], Any] | None = None) -> None:  # fmt: skip
+async def serve(
+    host: str,
+    port: int,
+    model: str,
+    step_seconds: float,
+    ready: Callable[[Upstream], Any] | None = None,
+) -> None:
     """Serve until cancelled (or SIGTERM / SIGINT); ``ready`` gets the server once it listens."""
     loop = asyncio.get_running_loop()
     upstream = Upstream(model, step_seconds)

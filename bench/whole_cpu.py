@@ -51,11 +51,28 @@ def _stack(tmp: Path, via_stream: bool) -> Iterator[tuple[Service, int]]:
     write_config(cfg, base, replica_port, FAST)
     env = _env() | {"INFERMETER__SIDECAR__NON_STREAMED_VIA_STREAM": str(via_stream).lower()}
     py = [sys.executable, "-m", "infermeter"]
-    replica = Service("replica", [*py, "simulate", "--config", str(cfg), "--replica", REPLICA],
-                      base / "replica.log", env)  # fmt: skip
+    replica = Service(
+        "replica",
+        [*py, "simulate", "--config", str(cfg), "--replica", REPLICA],
+        base / "replica.log",
+        env,
+    )
     try:
-        sidecar = Service("sidecar", [*py, "sidecar", "--config", str(cfg), "--replica", REPLICA,
-                                      "--listen", f"{HOST}:{sidecar_port}"], base / "sidecar.log", env)  # fmt: skip
+        sidecar = Service(
+            "sidecar",
+            [
+                *py,
+                "sidecar",
+                "--config",
+                str(cfg),
+                "--replica",
+                REPLICA,
+                "--listen",
+                f"{HOST}:{sidecar_port}",
+            ],
+            base / "sidecar.log",
+            env,
+        )
         try:
             replica.wait_ready(replica_port, "/health")
             sidecar.wait_ready(sidecar_port, "/healthz")
@@ -67,11 +84,18 @@ def _stack(tmp: Path, via_stream: bool) -> Iterator[tuple[Service, int]]:
 
 
 async def _load(port: int, requests: int, concurrency: int, max_tokens: int) -> None:
-    body = {"model": SIDECAR_MODEL, "max_tokens": max_tokens, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "Count to a large number, please."}]}  # fmt: skip
+    body = {
+        "model": SIDECAR_MODEL,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Count to a large number, please."}],
+    }
     queue = iter(range(requests))
-    async with httpx.AsyncClient(base_url=f"http://{HOST}:{port}", timeout=120,
-                                 headers={"authorization": f"Bearer {API_KEY}"}) as c:  # fmt: skip
+    async with httpx.AsyncClient(
+        base_url=f"http://{HOST}:{port}",
+        timeout=120,
+        headers={"authorization": f"Bearer {API_KEY}"},
+    ) as c:
 
         async def worker() -> None:
             for _ in queue:
@@ -92,8 +116,10 @@ def measure(via_stream: bool, tokens: Sequence[int], requests: int, concurrency:
             asyncio.run(_load(port, requests, concurrency, n))
             cpu, wall = cpu_seconds(sidecar.pids()) - before, time.perf_counter() - t0
             mode = "stream+assemble" if via_stream else "relay whole"
-            rows.append(f"{mode:16} {n:>7} {requests:>9} {cpu / requests * 1e6:>13.0f} "
-                        f"{cpu / requests / n * 1e6:>11.1f} {wall:>7.1f}")  # fmt: skip
+            rows.append(
+                f"{mode:16} {n:>7} {requests:>9} {cpu / requests * 1e6:>13.0f} "
+                f"{cpu / requests / n * 1e6:>11.1f} {wall:>7.1f}"
+            )
     return rows
 
 

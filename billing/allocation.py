@@ -98,9 +98,13 @@ UNUSED_COMMITMENT: Final = "(unused commitment)"
 # A statement line before rounding: counts, quantities, and its money in integer micro-cents.
 LINE_COLUMNS: Final = ("team", "model", *COUNTS, "gpu_hours", "energy_kwh", *CASH)
 LINE_TYPES: Final = {
-    "team": pl.String, "model": pl.String, **dict.fromkeys(COUNTS, pl.Int64),
-    "gpu_hours": pl.Float64, "energy_kwh": pl.Float64, **dict.fromkeys(CASH, pl.Int64),
-}  # fmt: skip
+    "team": pl.String,
+    "model": pl.String,
+    **dict.fromkeys(COUNTS, pl.Int64),
+    "gpu_hours": pl.Float64,
+    "energy_kwh": pl.Float64,
+    **dict.fromkeys(CASH, pl.Int64),
+}
 # What the SQL measures per slot, instance and team, in floats: quantities and USD.
 MONEY: Final = ("gpu_hours", "energy_kwh", "compute_usd", "energy_usd")
 
@@ -401,8 +405,9 @@ def unpriced_lines(unpriced: pl.DataFrame, policy: Policy) -> pl.DataFrame:
 IdleClaims = Callable[[duckdb.DuckDBPyConnection], tuple[pl.DataFrame, pl.DataFrame]]
 
 
-def _measured(con: duckdb.DuckDBPyConnection, queries: AllocationSql,
-              instance_counts: bool) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:  # fmt: skip
+def _measured(
+    con: duckdb.DuckDBPyConnection, queries: AllocationSql, instance_counts: bool
+) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """Run ``prepare`` and read the instances, the shares and the counts (per instance with
     ``instance_counts``, else per team and model)."""
     con.execute(queries.prepare)
@@ -441,19 +446,28 @@ def unused_commitment_model(pool: str) -> str:
 def _commitment_lines(held: Sequence[Commitment], policy: Policy) -> tuple[pl.DataFrame, int]:
     """The unused commitments as the platform's lines (idle money, no GPU-hours), and their sum."""
     rows = [
-        {"team": policy.platform_account, "model": unused_commitment_model(c.pool),
-         **dict.fromkeys(COUNTS, 0), "gpu_hours": 0.0, "energy_kwh": 0.0,
-         "compute_microcents": 0, "energy_microcents": 0, "idle_microcents": microcents(c.unused_usd)}
-        for c in held if microcents(c.unused_usd) > 0
-    ]  # fmt: skip
+        {
+            "team": policy.platform_account,
+            "model": unused_commitment_model(c.pool),
+            **dict.fromkeys(COUNTS, 0),
+            "gpu_hours": 0.0,
+            "energy_kwh": 0.0,
+            "compute_microcents": 0,
+            "energy_microcents": 0,
+            "idle_microcents": microcents(c.unused_usd),
+        }
+        for c in held
+        if microcents(c.unused_usd) > 0
+    ]
     merged = pl.DataFrame(rows, schema=LINE_TYPES) if rows else pl.DataFrame(schema=LINE_TYPES)
     if merged.height:
         merged = merged.group_by("team", "model").agg(pl.col(c).sum() for c in LINE_COLUMNS[2:])
     return merged.select(LINE_COLUMNS), int(merged["idle_microcents"].sum()) if merged.height else 0
 
 
-def pool_use(con: duckdb.DuckDBPyConnection, queries: AllocationSql,
-              policy: Policy) -> tuple[pl.DataFrame, list[Commitment]]:  # fmt: skip
+def pool_use(
+    con: duckdb.DuckDBPyConnection, queries: AllocationSql, policy: Policy
+) -> tuple[pl.DataFrame, list[Commitment]]:
     """The ``pools`` query's rows and the period's commitments with the GPU-hours run under them."""
     if not queries.pools:
         return pl.DataFrame(), []

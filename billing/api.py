@@ -121,8 +121,25 @@ def create_app(
     # timer by the service and at once by ``POST /v1/federation/pull``.
     app.state.federation = Puller(ledger, b) if b.role == "central" else None
     # The audit trail's ingest route first: /v1/ingest/{kind} would take /v1/ingest/audit.
-    for module in (ops, audit, ingest, keys, statements, queries, allocation, events, instances, fleet,
-                   records, efficiency, invoices, breakdown, maintenance, rates, federation):  # fmt: skip
+    for module in (
+        ops,
+        audit,
+        ingest,
+        keys,
+        statements,
+        queries,
+        allocation,
+        events,
+        instances,
+        fleet,
+        records,
+        efficiency,
+        invoices,
+        breakdown,
+        maintenance,
+        rates,
+        federation,
+    ):
         app.include_router(module.router)
     errors.install(app)
     return app

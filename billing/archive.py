@@ -147,8 +147,14 @@ class Manifest:
     def from_bytes(cls, data: bytes) -> Manifest:
         doc = orjson.loads(data)
         span = doc.get("time_range")
-        return cls(doc["run_id"], doc["kind"], float(doc["horizon"]), float(doc["refuse_before"]),
-                   tuple(doc["files"]), (float(span[0]), float(span[1])) if span else None)  # fmt: skip
+        return cls(
+            doc["run_id"],
+            doc["kind"],
+            float(doc["horizon"]),
+            float(doc["refuse_before"]),
+            tuple(doc["files"]),
+            (float(span[0]), float(span[1])) if span else None,
+        )
 
 
 # -- pure ----------------------------------------------------------------------------------
@@ -296,13 +302,15 @@ def _retain(ledger: Ledger, base: Path, raw_days: int, now: float) -> Report:
     return Report(edge, moved, completed, removed)
 
 
-def _export(ledger: Ledger, root: Path, kind: RecordKind, run_id: str,
-            edge: float) -> Manifest | None:  # fmt: skip
+def _export(
+    ledger: Ledger, root: Path, kind: RecordKind, run_id: str, edge: float
+) -> Manifest | None:
     """Write ``kind``'s rows before ``edge`` still in the ledger, one file per month."""
     t = f'"{kind.time_field}"'
     with ledger.snapshot() as cur:
-        row = cur.execute(f"SELECT min({t}), max({t}), count(*) FROM {kind.table} WHERE {t} < ?",
-                          [edge]).fetchone()  # fmt: skip
+        row = cur.execute(
+            f"SELECT min({t}), max({t}), count(*) FROM {kind.table} WHERE {t} < ?", [edge]
+        ).fetchone()
         if row is None or not row[2]:
             return None
         lo, hi = float(row[0]), float(row[1])
@@ -328,8 +336,14 @@ def _export(ledger: Ledger, root: Path, kind: RecordKind, run_id: str,
                 {"path": rel, "month": month, "rows": rows, "sha256": digest, "bytes": size}
             )
     current = ledger.archive_horizons().get(kind.table, 0.0)
-    return Manifest(run_id, kind.table, max(edge, current), refuse_before(max(edge, current)),
-                    tuple(files), (lo, hi))  # fmt: skip
+    return Manifest(
+        run_id,
+        kind.table,
+        max(edge, current),
+        refuse_before(max(edge, current)),
+        tuple(files),
+        (lo, hi),
+    )
 
 
 def _commit(ledger: Ledger, root: Path, manifest: Manifest) -> None:
@@ -346,15 +360,25 @@ def _commit(ledger: Ledger, root: Path, manifest: Manifest) -> None:
             )
         cur.execute(
             "INSERT INTO archive_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            [manifest.run_id, kind.table, manifest.horizon, manifest.refuse_before, str(root),
-             manifest_path(manifest.run_id, kind.table), manifest.rows, time.time()],
-        )  # fmt: skip
+            [
+                manifest.run_id,
+                kind.table,
+                manifest.horizon,
+                manifest.refuse_before,
+                str(root),
+                manifest_path(manifest.run_id, kind.table),
+                manifest.rows,
+                time.time(),
+            ],
+        )
         if manifest.files:
             cur.executemany(
                 "INSERT INTO archive_files VALUES (?, ?, ?, ?, ?, ?)",
-                [[manifest.run_id, kind.table, f["month"], f["path"], f["rows"], f["sha256"]]
-                 for f in manifest.files],
-            )  # fmt: skip
+                [
+                    [manifest.run_id, kind.table, f["month"], f["path"], f["rows"], f["sha256"]]
+                    for f in manifest.files
+                ],
+            )
 
 
 def _complete(ledger: Ledger, root: Path) -> list[str]:

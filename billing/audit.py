@@ -43,8 +43,13 @@ def _count(cur: duckdb.DuckDBPyConnection) -> int:
     return int(row[0]) if row else 0
 
 
-def read(cur: duckdb.DuckDBPyConnection, start: float, end: float,
-         actions: Sequence[str] = (), limit: int = MAX_READ) -> list[dict[str, Any]]:  # fmt: skip
+def read(
+    cur: duckdb.DuckDBPyConnection,
+    start: float,
+    end: float,
+    actions: Sequence[str] = (),
+    limit: int = MAX_READ,
+) -> list[dict[str, Any]]:
     """The events of ``start``..``end`` (of ``actions`` when given), oldest first."""
     where = "occurred_at >= ? AND occurred_at < ?"
     params: list[Any] = [start, end]

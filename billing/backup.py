@@ -62,10 +62,13 @@ def backup(ledger: Ledger, dest: str | Path) -> dict[str, Any]:
     try:
         with ledger.snapshot() as cur:
             taken_at = time.time()
-            tables = [r[0] for r in cur.execute(
-                "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' "
-                "AND NOT temporary AND database_name = current_database() ORDER BY table_name"
-            ).fetchall()]  # fmt: skip
+            tables = [
+                r[0]
+                for r in cur.execute(
+                    "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' "
+                    "AND NOT temporary AND database_name = current_database() ORDER BY table_name"
+                ).fetchall()
+            ]
             rows = {t: _count(cur, t) for t in tables}
             row = cur.execute("SELECT max(version) FROM schema_version").fetchone()
             cur.execute(f"EXPORT DATABASE {_quoted(str(work))} (FORMAT parquet, COMPRESSION zstd)")

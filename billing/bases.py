@@ -91,12 +91,19 @@ def unmeasured_invoice_lines(
     """Invoiced pools that measured nothing: the platform's lines for them, and their micro-cents."""
     costs = pool_costs(listed.pools, listed.commitments)
     rows = [
-        {"team": platform, "model": f"{INVOICED_UNMEASURED} {pool}", **dict.fromkeys(COUNTS, 0),
-         "gpu_hours": 0.0, "energy_kwh": 0.0, "compute_microcents": billed * 1_000_000,
-         "energy_microcents": 0, "idle_microcents": 0}
+        {
+            "team": platform,
+            "model": f"{INVOICED_UNMEASURED} {pool}",
+            **dict.fromkeys(COUNTS, 0),
+            "gpu_hours": 0.0,
+            "energy_kwh": 0.0,
+            "compute_microcents": billed * 1_000_000,
+            "energy_microcents": 0,
+            "idle_microcents": 0,
+        }
         for pool, billed in sorted(invoices.items())
         if costs.get(pool, 0.0) <= 0 and billed != 0
-    ]  # fmt: skip
+    ]
     frame = pl.DataFrame(rows, schema=LINE_TYPES) if rows else pl.DataFrame(schema=LINE_TYPES)
     return frame.select(LINE_COLUMNS), int(frame["compute_microcents"].sum()) if rows else 0
 
@@ -146,17 +153,25 @@ def pool_frame(
             invoice if invoice is not None else cents(microcents(scaled_cost.get(pool, 0.0)))
         )
         hours, kwh = quantities.get(pool, (0.0, 0.0))
-        rows.append({
-            "pool": pool, "category": cats.get(pool, "on_demand"), "gpu_hours": round(hours, 10),
-            "energy_kwh": round(kwh, 10), "list_cents": list_cents,
-            "committed_gpu_hours": round(committed_h, 10),
-            "committed_cents": cents(microcents(sum(c.committed_usd for c in mine))),
-            "unused_commitment_cents": cents(microcents(sum(c.unused_usd for c in mine))),
-            "commitment_utilization": (min(1.0, ran / committed_h) if committed_h > 0 else None),
-            "invoice_cents": invoice, "allocation_cents": allocation_cents,
-            "difference_cents": allocation_cents - list_cents,
-            "explanation": _explain(list_cents, invoice, listed_cost.get(pool, 0.0)),
-        })  # fmt: skip
+        rows.append(
+            {
+                "pool": pool,
+                "category": cats.get(pool, "on_demand"),
+                "gpu_hours": round(hours, 10),
+                "energy_kwh": round(kwh, 10),
+                "list_cents": list_cents,
+                "committed_gpu_hours": round(committed_h, 10),
+                "committed_cents": cents(microcents(sum(c.committed_usd for c in mine))),
+                "unused_commitment_cents": cents(microcents(sum(c.unused_usd for c in mine))),
+                "commitment_utilization": (
+                    min(1.0, ran / committed_h) if committed_h > 0 else None
+                ),
+                "invoice_cents": invoice,
+                "allocation_cents": allocation_cents,
+                "difference_cents": allocation_cents - list_cents,
+                "explanation": _explain(list_cents, invoice, listed_cost.get(pool, 0.0)),
+            }
+        )
     return pl.DataFrame(rows, schema=POOL_SCHEMA) if rows else pl.DataFrame(schema=POOL_SCHEMA)
 
 

@@ -65,11 +65,17 @@ OTHER_USERS: Final = "(other users)"
 DEFAULT_MAX_USERS: Final = 1000
 # A month's use per team, model, project and user (null: none given), as ``month_tags`` reads it.
 TAG_SCHEMA: Final = {
-    "for_month": pl.String, "team": pl.String, "model": pl.String, "project": pl.String,
-    "user": pl.String, "requests": pl.Int64, "prompt_tokens": pl.Int64,
-    "cached_prompt_tokens": pl.Int64, "completion_tokens": pl.Int64,
+    "for_month": pl.String,
+    "team": pl.String,
+    "model": pl.String,
+    "project": pl.String,
+    "user": pl.String,
+    "requests": pl.Int64,
+    "prompt_tokens": pl.Int64,
+    "cached_prompt_tokens": pl.Int64,
+    "completion_tokens": pl.Int64,
     "inflight_seconds": pl.Float64,
-}  # fmt: skip
+}
 BREAKDOWN_SCHEMA: Final = {**LINE_SCHEMA, "project": pl.String, "user": pl.String}
 
 _PARTS: Final = ("compute_cents", "energy_cents", "idle_cents")
@@ -114,8 +120,12 @@ def _shares(
     return [0.0] * len(tags)
 
 
-def _split_line(line: Mapping[str, Any], tags: Sequence[Mapping[str, Any]], rule: Rule,
-                weights: Mapping[str, float]) -> list[dict[str, Any]]:  # fmt: skip
+def _split_line(
+    line: Mapping[str, Any],
+    tags: Sequence[Mapping[str, Any]],
+    rule: Rule,
+    weights: Mapping[str, float],
+) -> list[dict[str, Any]]:
     """``line`` as rows per (project, user) of ``tags``; one untagged row when none used anything."""
     shares = _shares(tags, rule, weights) if tags else []
     if not shares or sum(shares) == 0:
@@ -144,8 +154,9 @@ def _split_line(line: Mapping[str, Any], tags: Sequence[Mapping[str, Any]], rule
     return rows
 
 
-def _fold_users(rows: list[dict[str, Any]], max_users: Mapping[str, int],
-                default_max_users: int) -> None:  # fmt: skip
+def _fold_users(
+    rows: list[dict[str, Any]], max_users: Mapping[str, int], default_max_users: int
+) -> None:
     """Rename, in place, the users of each team past its bound to ``OTHER_USERS``."""
     spent: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for row in rows:
@@ -162,9 +173,14 @@ def _fold_users(rows: list[dict[str, Any]], max_users: Mapping[str, int],
                 row["user"] = OTHER_USERS
 
 
-def tag_split(lines: pl.DataFrame, tags: pl.DataFrame, rule: Rule, weights: Mapping[str, float],
-              max_users: Mapping[str, int] | None = None,
-              default_max_users: int = DEFAULT_MAX_USERS) -> pl.DataFrame:  # fmt: skip
+def tag_split(
+    lines: pl.DataFrame,
+    tags: pl.DataFrame,
+    rule: Rule,
+    weights: Mapping[str, float],
+    max_users: Mapping[str, int] | None = None,
+    default_max_users: int = DEFAULT_MAX_USERS,
+) -> pl.DataFrame:
     """Each of ``lines`` (``LINE_SCHEMA``) split by project and user, as the module says.
 
     ``tags`` (``TAG_SCHEMA``): the use behind the lines, per month the line is for
@@ -224,8 +240,12 @@ SELECT $month AS for_month, team, model, nullif(project, '') AS project, {user} 
 FROM usage_tags
 WHERE hour >= $lo AND hour < $hi AND (CAST($teams AS VARCHAR[]) IS NULL OR list_contains($teams, team))
 GROUP BY ALL""".format(user="""nullif("user", '')""" if by_user else "NULL::VARCHAR")
-            params = {"month": month, "lo": int(start // HOUR_SECONDS),
-                      "hi": int(end // HOUR_SECONDS), "teams": wanted}  # fmt: skip
+            params = {
+                "month": month,
+                "lo": int(start // HOUR_SECONDS),
+                "hi": int(end // HOUR_SECONDS),
+                "teams": wanted,
+            }
             parts.append(
                 pl.DataFrame(cur.execute(sql, params).fetchall(), schema=TAG_SCHEMA, orient="row")
             )
@@ -327,8 +347,9 @@ class Breakdowns:
         self._entries = entries
         # By (statement, configuration, team), holding both objects so that neither is taken
         # for another object that later gets its address.
-        self._kept: OrderedDict[tuple[int, int, str | None],
-                                tuple[Statement, Config, pl.DataFrame]] = OrderedDict()  # fmt: skip
+        self._kept: OrderedDict[
+            tuple[int, int, str | None], tuple[Statement, Config, pl.DataFrame]
+        ] = OrderedDict()
 
     def of(
         self, ledger: Ledger, statement: Statement, config: Config, team: str | None

@@ -36,9 +36,11 @@ __all__ = ["CACHED_SCHEMA", "cache_rows", "cached_tokens_sql", "month_cached_tok
 
 # The month's prompt tokens and cached prompt tokens per team and model, as the ledger kept them.
 CACHED_SCHEMA: Final = {
-    "team": pl.String, "model": pl.String, "prompt_tokens": pl.Int64,
+    "team": pl.String,
+    "model": pl.String,
+    "prompt_tokens": pl.Int64,
     "cached_prompt_tokens": pl.Int64,
-}  # fmt: skip
+}
 
 
 def cached_tokens_sql(month: str) -> tuple[str, list[Any]]:

@@ -88,8 +88,13 @@ class Chargeback:
         chosen = listed if scaled is None else scaled
         usage = None if scaled is None else cents_lines(month, merged(listed.lines))
         pools = pool_frame(self.policy.prices, month_bounds(month), listed, scaled, invoices)
-        return _Month(cents_lines(month, merged(chosen.lines)), cents(chosen.fleet_microcents),
-                      "list" if scaled is None else "allocation", usage, pools)  # fmt: skip
+        return _Month(
+            cents_lines(month, merged(chosen.lines)),
+            cents(chosen.fleet_microcents),
+            "list" if scaled is None else "allocation",
+            usage,
+            pools,
+        )
 
     def unreconciled(self, month: str) -> pl.DataFrame:
         """``month``'s requests that no engine reading covers, per replica group and model.
@@ -119,9 +124,18 @@ class Chargeback:
             own = lines.filter(pl.col("for_month") == month)
             adjust = int(lines.filter(pl.col("for_month") != month)["total_cents"].sum())
             basis, pools = self.ledger.issued_basis(month)
-            return Statement(month, True, lines, int(own["total_cents"].sum()), adjust,
-                             self.unreconciled(month), self.quarantined(month), basis=basis,
-                             pools=pools, cache=self._cache(month, own))  # fmt: skip
+            return Statement(
+                month,
+                True,
+                lines,
+                int(own["total_cents"].sum()),
+                adjust,
+                self.unreconciled(month),
+                self.quarantined(month),
+                basis=basis,
+                pools=pools,
+                cache=self._cache(month, own),
+            )
         now = self._cents(month)
         adjustments = []
         adjust_cents = 0
@@ -135,10 +149,19 @@ class Chargeback:
             adjustments.append(diff)
             adjust_cents += int(diff["total_cents"].sum())
         all_lines = pl.concat([now.lines, *adjustments]) if adjustments else now.lines
-        return Statement(month, False, all_lines, now.fleet_cents, adjust_cents,
-                         self.unreconciled(month), self.quarantined(month), basis=now.basis,
-                         usage_lines=now.usage_lines, pools=now.pools,
-                         cache=self._cache(month, now.lines))  # fmt: skip
+        return Statement(
+            month,
+            False,
+            all_lines,
+            now.fleet_cents,
+            adjust_cents,
+            self.unreconciled(month),
+            self.quarantined(month),
+            basis=now.basis,
+            usage_lines=now.usage_lines,
+            pools=now.pools,
+            cache=self._cache(month, now.lines),
+        )
 
     def _cache(self, month: str, lines: pl.DataFrame) -> pl.DataFrame:
         """``month``'s prompt-cache hits and savings per team and model (``billing.cache``)."""

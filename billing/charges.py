@@ -97,10 +97,16 @@ class Policy:
 
 
 CHARGE_SCHEMA: Final = {
-    "replica": pl.String, "instance": pl.String, "team": pl.String, "model": pl.String,
-    "prompt_tokens": pl.Int64, "completion_tokens": pl.Int64, "gpu_hours": pl.Float64,
-    "energy_kwh": pl.Float64, **dict.fromkeys(CASH, pl.Int64),
-}  # fmt: skip
+    "replica": pl.String,
+    "instance": pl.String,
+    "team": pl.String,
+    "model": pl.String,
+    "prompt_tokens": pl.Int64,
+    "completion_tokens": pl.Int64,
+    "gpu_hours": pl.Float64,
+    "energy_kwh": pl.Float64,
+    **dict.fromkeys(CASH, pl.Int64),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +130,17 @@ class _Book:
     def __init__(self) -> None:
         self._rows: dict[tuple[str, str, str, str], list[Any]] = {}
 
-    def add(self, at: Key, line: Line, *, tokens: tuple[int, int] = (0, 0),
-            quantities: tuple[float, float] = (0.0, 0.0), compute: int = 0, energy: int = 0,
-            idle: int = 0) -> None:  # fmt: skip
+    def add(
+        self,
+        at: Key,
+        line: Line,
+        *,
+        tokens: tuple[int, int] = (0, 0),
+        quantities: tuple[float, float] = (0.0, 0.0),
+        compute: int = 0,
+        energy: int = 0,
+        idle: int = 0,
+    ) -> None:
         row = self._rows.setdefault((*at, *line), [0, 0, 0.0, 0.0, 0, 0, 0])
         for i, v in enumerate((*tokens, *quantities, compute, energy, idle)):
             row[i] += v
@@ -176,7 +190,9 @@ def out_of_range_model(
     )
 
 
-def _totals(instances: pl.DataFrame, platform: str) -> tuple[dict[Key, tuple[int, int]], list[dict[str, Any]]]:  # fmt: skip
+def _totals(
+    instances: pl.DataFrame, platform: str
+) -> tuple[dict[Key, tuple[int, int]], list[dict[str, Any]]]:
     """Each instance's compute and energy cost in micro-cents; error lines for the unbillable."""
     totals: dict[Key, tuple[int, int]] = {}
     errors: list[dict[str, Any]] = []
@@ -188,13 +204,18 @@ def _totals(instances: pl.DataFrame, platform: str) -> tuple[dict[Key, tuple[int
             totals[key] = (microcents(compute), microcents(energy))
             continue
         quantities = [_number(row.get(c)) for c in ("gpu_hours", "energy_kwh")]
-        errors.append({
-            "team": platform, "model": out_of_range_model(*key, amount, row.get("peak_slot")),
-            "requests": 0, "prompt_tokens": 0, "completion_tokens": 0,
-            "gpu_hours": quantities[0] if math.isfinite(quantities[0]) else 0.0,
-            "energy_kwh": quantities[1] if math.isfinite(quantities[1]) else 0.0,
-            **dict.fromkeys(CASH, 0),
-        })  # fmt: skip
+        errors.append(
+            {
+                "team": platform,
+                "model": out_of_range_model(*key, amount, row.get("peak_slot")),
+                "requests": 0,
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+                "gpu_hours": quantities[0] if math.isfinite(quantities[0]) else 0.0,
+                "energy_kwh": quantities[1] if math.isfinite(quantities[1]) else 0.0,
+                **dict.fromkeys(CASH, 0),
+            }
+        )
     return totals, errors
 
 
@@ -220,12 +241,20 @@ def charge(
     for key, (compute, energy) in totals.items():
         free = [compute, energy]
         for rows, tokens in ((used.get(key, []), False), (claimed.get(key, []), True)):
-            parts = [_paid(free[0], [_number(r["compute_usd"]) for r in rows]),
-                     _paid(free[1], [_number(r["energy_usd"]) for r in rows])]  # fmt: skip
+            parts = [
+                _paid(free[0], [_number(r["compute_usd"]) for r in rows]),
+                _paid(free[1], [_number(r["energy_usd"]) for r in rows]),
+            ]
             for r, c, e in zip(rows, *parts, strict=True):
                 line = (r["team"], r["model"])
-                book.add(key, line, tokens=_tokens(r) if tokens else (0, 0),
-                         quantities=_quantities(r), compute=c, energy=e)  # fmt: skip
+                book.add(
+                    key,
+                    line,
+                    tokens=_tokens(r) if tokens else (0, 0),
+                    quantities=_quantities(r),
+                    compute=c,
+                    energy=e,
+                )
                 if not tokens:
                     mine = paid.setdefault(key, {})
                     mine[line] = mine.get(line, 0) + c + e
@@ -248,8 +277,9 @@ def _quantities(row: Mapping[str, Any]) -> tuple[float, float]:
     return _number(row.get("gpu_hours")), _number(row.get("energy_kwh"))
 
 
-def _charge_idle(book: _Book, idle: Mapping[Key, int], paid: Mapping[Key, Mapping[Line, int]],
-                 policy: Policy) -> None:  # fmt: skip
+def _charge_idle(
+    book: _Book, idle: Mapping[Key, int], paid: Mapping[Key, Mapping[Line, int]], policy: Policy
+) -> None:
     """Each instance's idle capacity, charged by its replica group's ``idle_policy``."""
     by_group: dict[str, dict[Line, int]] = defaultdict(dict)
     for (replica, _), lines in paid.items():

@@ -163,12 +163,16 @@ def _admin_client(config: Config, url: str | None) -> httpx.Client:
     token = os.environ.get(ADMIN_TOKEN_ENV)
     if not token:
         raise CommandError(f"set ${ADMIN_TOKEN_ENV} to the admin token (or use --database)")
-    return httpx.Client(base_url=url or config.billing.url, timeout=600,
-                        headers={"authorization": f"Bearer {token}"})  # fmt: skip
+    return httpx.Client(
+        base_url=url or config.billing.url,
+        timeout=600,
+        headers={"authorization": f"Bearer {token}"},
+    )
 
 
-def _call(client: httpx.Client, method: str, path: str,
-          params: dict[str, str] | None = None) -> httpx.Response:  # fmt: skip
+def _call(
+    client: httpx.Client, method: str, path: str, params: dict[str, str] | None = None
+) -> httpx.Response:
     """One request to billing; an unreachable service is a one-line error."""
     import httpx
 
@@ -203,8 +207,10 @@ def _export(args: argparse.Namespace, config: Config) -> int:
     from tqdm import tqdm
 
     if not args.database:
-        return fail("export reads the ledger file; stop the service and pass --database, "
-                    "or POST /v1/admin/export to the running service")  # fmt: skip
+        return fail(
+            "export reads the ledger file; stop the service and pass --database, "
+            "or POST /v1/admin/export to the running service"
+        )
     with _ledger(config, args.database) as ledger:
         tables = ledger.table_names()
         for table in tqdm(tables, desc="export", unit="table", disable=None):
@@ -257,8 +263,11 @@ def _warn_empty(month: str, known: list[str]) -> None:
     where = (
         f"months with data: {', '.join(known)}" if known else "the ledger has no month with data"
     )
-    print(f"warning: {month} has no usage or GPU time in the ledger, so every figure in this "
-          f"statement is zero; is it the month you meant? ({where})", file=sys.stderr)  # fmt: skip
+    print(
+        f"warning: {month} has no usage or GPU time in the ledger, so every figure in this "
+        f"statement is zero; is it the month you meant? ({where})",
+        file=sys.stderr,
+    )
 
 
 def _statement_text(config: Config, database: str, month: str, fmt: str, version: str) -> str:

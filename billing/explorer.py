@@ -72,9 +72,10 @@ _IDLE = ("w_idle", "w_cost", "w_busy", "w_usage")
 def _instance_cells(gpus: pl.DataFrame) -> pl.DataFrame:
     """Per instance and cell: its cost split into busy and idle, GPU-hours and kWh."""
     return gpus.select(
-        *_INSTANCE, *_CELL,
+        *_INSTANCE,
+        *_CELL,
         pl.col("cost_usd").cast(pl.Float64).fill_null(0.0).alias("w_cost"),
-    )  # fmt: skip
+    )
 
 
 def _occupancy(usage: pl.DataFrame) -> pl.DataFrame:
@@ -115,11 +116,13 @@ def _weights(lines: pl.DataFrame, gpus: pl.DataFrame, usage: pl.DataFrame) -> pl
         .with_columns(
             w_idle=pl.col("w_cost") * (1.0 - pl.col("busy")),
             w_busy=pl.when(pl.col("occupied") > 0)
-            .then(pl.col("w_cost") * pl.col("busy") * pl.col("inflight_seconds") / pl.col("occupied"))
+            .then(
+                pl.col("w_cost") * pl.col("busy") * pl.col("inflight_seconds") / pl.col("occupied")
+            )
             .otherwise(0.0),
         )
         .select("line", *_CELL, "w_busy", "w_idle", "w_cost")
-    )  # fmt: skip
+    )
     # Usage cells: the hours the line had requests in, on its instance's main node that hour.
     mains = _main_nodes(cells)
     used = (
@@ -171,8 +174,9 @@ def by_day(cells: pl.DataFrame) -> pl.DataFrame:
     return cells.group_by(day, "atom").agg(pl.col(MEASURES).sum()).sort("hour", "atom")
 
 
-def spread(month: str, lines: pl.DataFrame, gpus: pl.DataFrame, usage: pl.DataFrame,
-           first_hour: int) -> Cells:  # fmt: skip
+def spread(
+    month: str, lines: pl.DataFrame, gpus: pl.DataFrame, usage: pl.DataFrame, first_hour: int
+) -> Cells:
     """The month's lines as cells: each line's amounts over its hours, nodes and GPU models.
 
     ``lines``: the month's own lines split by instance (team, model, replica, instance, the
@@ -188,26 +192,45 @@ def spread(month: str, lines: pl.DataFrame, gpus: pl.DataFrame, usage: pl.DataFr
     weights = _weights(lines, gpus, usage)
     # A line with no cell at all (an error line; an instance with no GPU time and no usage).
     lost = lines.join(weights.select("line").unique(), on="line", how="anti").select(
-        "line", pl.lit(first_hour, pl.Int64).alias("hour"),
-        pl.lit(NONE).alias("node"), pl.lit(NONE).alias("gpu_model"),
-    )  # fmt: skip
+        "line",
+        pl.lit(first_hour, pl.Int64).alias("hour"),
+        pl.lit(NONE).alias("node"),
+        pl.lit(NONE).alias("gpu_model"),
+    )
     cells = pl.concat([weights, lost], how="diagonal_relaxed").with_columns(
         pl.col("^w_.*$", "^u_.*$").fill_null(0.0)
     )
     unattributed = pl.col("model").str.ends_with(UNATTRIBUTED_SUFFIX)
     counts_order = ("u_{}", "w_usage", "w_cost")
-    shares = cells.join(lines.select("line", "model"), on="line").with_columns(
-        s_busy=pl.when(unattributed).then(_share(_IDLE)).otherwise(_share(_BUSY)),
-        s_idle=_share(_IDLE),
-        **{f"s_{c}": pl.when(unattributed).then(_share(_IDLE))
-           .otherwise(_share(tuple(o.format(c) for o in counts_order))) for c in COUNTS},
-    ).select("line", *_CELL, "s_busy", "s_idle", *(f"s_{c}" for c in COUNTS))  # fmt: skip
-    by = {"compute_cents": "s_busy", "energy_cents": "s_busy", "idle_cents": "s_idle",
-          "gpu_hours": "s_busy", "energy_kwh": "s_busy", **{c: f"s_{c}" for c in COUNTS}}  # fmt: skip
+    shares = (
+        cells.join(lines.select("line", "model"), on="line")
+        .with_columns(
+            s_busy=pl.when(unattributed).then(_share(_IDLE)).otherwise(_share(_BUSY)),
+            s_idle=_share(_IDLE),
+            **{
+                f"s_{c}": pl.when(unattributed)
+                .then(_share(_IDLE))
+                .otherwise(_share(tuple(o.format(c) for o in counts_order)))
+                for c in COUNTS
+            },
+        )
+        .select("line", *_CELL, "s_busy", "s_idle", *(f"s_{c}" for c in COUNTS))
+    )
+    by = {
+        "compute_cents": "s_busy",
+        "energy_cents": "s_busy",
+        "idle_cents": "s_idle",
+        "gpu_hours": "s_busy",
+        "energy_kwh": "s_busy",
+        **{c: f"s_{c}" for c in COUNTS},
+    }
     out = shares.join(lines.select("line", *KEYS[:4], *MEASURES), on="line").select(
-        "hour", *KEYS[:4], "node", "gpu_model",
+        "hour",
+        *KEYS[:4],
+        "node",
+        "gpu_model",
         *((pl.col(c).cast(pl.Float64) * pl.col(s)).alias(c) for c, s in by.items()),
-    )  # fmt: skip
+    )
     # Spare GPUs are nobody's group or instance: named so, not left blank.
     out = out.filter(pl.any_horizontal(pl.col(c) != 0 for c in MEASURES)).with_columns(
         pl.when(pl.col(k) == "").then(pl.lit(NONE)).otherwise(pl.col(k)).alias(k) for k in KEYS

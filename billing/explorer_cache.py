@@ -60,9 +60,14 @@ class Month:
 class Months:
     """Each month's cells, reused within ``ttl_seconds`` and rebuilt as the module says."""
 
-    def __init__(self, statements: CachedChargeback, rollups: Rollups, ttl_seconds: float,
-                 max_months: int = 4,
-                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+    def __init__(
+        self,
+        statements: CachedChargeback,
+        rollups: Rollups,
+        ttl_seconds: float,
+        max_months: int = 4,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._statements = statements
         self._ledger: Ledger = statements.ledger
         self._rollups = rollups
@@ -92,8 +97,9 @@ class Months:
         with self._lock:
             if month in self._building:
                 return
-        thread = threading.Thread(target=self._quietly, args=(month,), daemon=True,
-                                  name=f"explorer {month}")  # fmt: skip
+        thread = threading.Thread(
+            target=self._quietly, args=(month,), daemon=True, name=f"explorer {month}"
+        )
         thread.start()
 
     def _quietly(self, month: str) -> None:
@@ -134,8 +140,10 @@ class Months:
         split = self._statements.by_instance(statement)
         own = split.lines.filter(pl.col("for_month") == month)
         later = statement.lines.filter(pl.col("for_month") != month)
-        adjustments = {str(t): int(c) for t, c in
-                       later.group_by("team").agg(pl.col("total_cents").sum()).iter_rows()}  # fmt: skip
+        adjustments = {
+            str(t): int(c)
+            for t, c in later.group_by("team").agg(pl.col("total_cents").sum()).iter_rows()
+        }
         start, end = month_bounds(month)
         gpus, usage = self._profiles(start, end)
         cells = spread(month, own, gpus, usage, int(start) // 3600)
@@ -147,14 +155,22 @@ class Months:
         prices = config.prices
         self._rollups.refresh_if_due(self._clock())
         params = queries.params_from(start, end, 3600, coverage=self._rollups.coverage())
-        gpu_sql = queries.explorer_gpu_sql(params, prices.usd_per_gpu_hour,
-                                           prices.usd_per_kwh * prices.pue)  # fmt: skip
+        gpu_sql = queries.explorer_gpu_sql(
+            params, prices.usd_per_gpu_hour, prices.usd_per_kwh * prices.pue
+        )
         usage_sql = queries.explorer_usage_sql(params)
         with self._ledger.reader() as cur:
             gpus: pl.DataFrame = cur.sql(gpu_sql[0], params=gpu_sql[1]).pl()
             usage: pl.DataFrame = cur.sql(usage_sql[0], params=usage_sql[1]).pl()
         if gpus.height == 0:
-            gpus = pl.DataFrame(schema={"replica": pl.String, "instance": pl.String, "hour": pl.Int64,
-                                        "node": pl.String, "gpu_model": pl.String,
-                                        "cost_usd": pl.Float64})  # fmt: skip
+            gpus = pl.DataFrame(
+                schema={
+                    "replica": pl.String,
+                    "instance": pl.String,
+                    "hour": pl.Int64,
+                    "node": pl.String,
+                    "gpu_model": pl.String,
+                    "cost_usd": pl.Float64,
+                }
+            )
         return gpus, usage

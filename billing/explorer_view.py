@@ -51,8 +51,17 @@ MAX_SERIES: Final = 12
 HOURLY_UP_TO: Final = 72
 OTHER: Final = "other"
 # The table's and the file's columns after the group keys.
-COLUMNS: Final = ("requests", "tokens", "gpu_hours", "compute_usd", "energy_usd", "idle_usd",
-                  "total_usd", "efficiency_pct", "usd_per_million_tokens")  # fmt: skip
+COLUMNS: Final = (
+    "requests",
+    "tokens",
+    "gpu_hours",
+    "compute_usd",
+    "energy_usd",
+    "idle_usd",
+    "total_usd",
+    "efficiency_pct",
+    "usd_per_million_tokens",
+)
 _ATOM: Final = ("month", *KEYS)
 _LINE: Final = ("month", "team", "model")
 _INTEGERS: Final = (*MONEY, *COUNTS)
@@ -71,8 +80,14 @@ class ExplorerQuery:
     team: str | None = None
 
     @classmethod
-    def checked(cls, start: float, end: float, by: Sequence[str],
-                filters: Mapping[str, Sequence[str]], team: str | None) -> ExplorerQuery:  # fmt: skip
+    def checked(
+        cls,
+        start: float,
+        end: float,
+        by: Sequence[str],
+        filters: Mapping[str, Sequence[str]],
+        team: str | None,
+    ) -> ExplorerQuery:
         """The query for ``start``..``end`` (Unix seconds, widened to whole hours); ValueError
         naming a bad range, key or filter."""
         if not (math.isfinite(start) and math.isfinite(end)) or end <= start:

@@ -42,8 +42,9 @@ class FederationError(ValueError):
     """A cluster's answer that the central will not store (wrong month, cluster or digest)."""
 
 
-def digest(month: str, basis: str, pools: Sequence[Mapping[str, Any]],
-           lines: Sequence[Mapping[str, Any]]) -> str:  # fmt: skip
+def digest(
+    month: str, basis: str, pools: Sequence[Mapping[str, Any]], lines: Sequence[Mapping[str, Any]]
+) -> str:
     """The SHA-256 of a closed month's content, in a canonical JSON form (sorted keys, lines in
     the ledger's order), so the same frozen month gives the same digest on every read."""
     body = {"month": month, "basis": basis, "pools": list(pools), "lines": list(lines)}
@@ -68,21 +69,40 @@ class MonthPayload:
     def to_json(self) -> dict[str, Any]:
         """The route's answer."""
         return {
-            "cluster": self.cluster, "month": self.month, "basis": self.basis,
-            "pools": self.pools, "lines": self.lines, "total_cents": self.total_cents,
-            "digest": self.digest, "prices": self.prices,
-        }  # fmt: skip
+            "cluster": self.cluster,
+            "month": self.month,
+            "basis": self.basis,
+            "pools": self.pools,
+            "lines": self.lines,
+            "total_cents": self.total_cents,
+            "digest": self.digest,
+            "prices": self.prices,
+        }
 
 
-def month_payload(cluster: str, month: str, basis: str, pools: pl.DataFrame, lines: pl.DataFrame,
-                  prices: dict[str, Any] | None = None) -> MonthPayload:  # fmt: skip
+def month_payload(
+    cluster: str,
+    month: str,
+    basis: str,
+    pools: pl.DataFrame,
+    lines: pl.DataFrame,
+    prices: dict[str, Any] | None = None,
+) -> MonthPayload:
     """A closed month's frozen lines (``LINE_SCHEMA``), basis and node pools, with its digest,
     and the cluster's price book (``prices``)."""
     line_rows = lines.select(list(LINE_SCHEMA)).to_dicts()
     pool_rows = pools.select(list(POOL_SCHEMA)).to_dicts() if pools.height else []
     total = int(lines["total_cents"].sum()) if lines.height else 0
-    return MonthPayload(cluster, month, basis, pool_rows, line_rows, total,
-                        digest(month, basis, pool_rows, line_rows), prices)  # fmt: skip
+    return MonthPayload(
+        cluster,
+        month,
+        basis,
+        pool_rows,
+        line_rows,
+        total,
+        digest(month, basis, pool_rows, line_rows),
+        prices,
+    )
 
 
 def parse_payload(body: Mapping[str, Any], cluster: str, month: str) -> MonthPayload:
@@ -101,13 +121,16 @@ def parse_payload(body: Mapping[str, Any], cluster: str, month: str) -> MonthPay
     except (KeyError, TypeError, ValueError, pl.exceptions.PolarsError) as exc:
         raise FederationError(f"month {month}: not a closed month's payload ({exc})") from None
     line_frame = lines if lines is not None else pl.DataFrame(schema=LINE_SCHEMA)
-    payload = month_payload(cluster, month, basis, pools if pools is not None else empty_pools(),
-                            line_frame, prices)  # fmt: skip
+    payload = month_payload(
+        cluster, month, basis, pools if pools is not None else empty_pools(), line_frame, prices
+    )
     if payload.digest != stated:
         raise FederationError(f"month {month}: the content does not match its digest")
     if payload.total_cents != total:
-        raise FederationError(f"month {month}: the lines add up to {payload.total_cents} cents, "
-                              f"the cluster's total is {total}")  # fmt: skip
+        raise FederationError(
+            f"month {month}: the lines add up to {payload.total_cents} cents, "
+            f"the cluster's total is {total}"
+        )
     if line_frame.filter(pl.col("month") != month).height:
         raise FederationError(f"month {month}: a line of another statement")
     return payload
@@ -137,8 +160,9 @@ class ClusterState:
         return self.stale_since is not None or self.pulled_at is None
 
 
-def central_statement(month: str, lines: pl.DataFrame,
-                      clusters: Sequence[ClusterState]) -> dict[str, Any]:  # fmt: skip
+def central_statement(
+    month: str, lines: pl.DataFrame, clusters: Sequence[ClusterState]
+) -> dict[str, Any]:
     """One statement across clusters: every line with its cluster, totals per cluster and
     overall, and whether the lines add up to the clusters' own totals, to the cent."""
     per_cluster = {
@@ -171,8 +195,9 @@ def central_statement(month: str, lines: pl.DataFrame,
     }
 
 
-def central_focus(month: str, lines: pl.DataFrame, clusters: Sequence[ClusterState],
-                  config: Config) -> pl.DataFrame:  # fmt: skip
+def central_focus(
+    month: str, lines: pl.DataFrame, clusters: Sequence[ClusterState], config: Config
+) -> pl.DataFrame:
     """The clusters' month as FOCUS 1.2 rows: each cluster's statement through ``focus_frame``,
     its teams as ``SubAccountId`` ``<cluster>/<team>`` and the cluster in ``x_Cluster``.
 
@@ -194,17 +219,27 @@ def central_focus(month: str, lines: pl.DataFrame, clusters: Sequence[ClusterSta
             if state.prices is None
             else config.model_copy(update={"prices": Prices.model_validate(state.prices)})
         )
-        statement = Statement(month, True, own, this_month, state.total_cents - this_month,
-                              basis=state.basis or "list", pools=pools)  # fmt: skip
+        statement = Statement(
+            month,
+            True,
+            own,
+            this_month,
+            state.total_cents - this_month,
+            basis=state.basis or "list",
+            pools=pools,
+        )
         account = pl.format("{}/{}", pl.lit(state.cluster), pl.col("SubAccountId"))
         frames.append(
             focus_frame(statement, priced, "1.2").with_columns(
                 account.alias("SubAccountId"),
-                pl.format("{}/{}", pl.lit(state.cluster), pl.col("SubAccountName")).alias("SubAccountName"),
+                pl.format("{}/{}", pl.lit(state.cluster), pl.col("SubAccountName")).alias(
+                    "SubAccountName"
+                ),
                 pl.lit(state.cluster).alias("x_Cluster"),
             )
-        )  # fmt: skip
+        )
     if not frames:
-        return focus_frame(Statement(month, True, pl.DataFrame(schema=LINE_SCHEMA), 0, 0), config,
-                           "1.2").with_columns(pl.lit(None, pl.String).alias("x_Cluster"))  # fmt: skip
+        return focus_frame(
+            Statement(month, True, pl.DataFrame(schema=LINE_SCHEMA), 0, 0), config, "1.2"
+        ).with_columns(pl.lit(None, pl.String).alias("x_Cluster"))
     return pl.concat(frames, how="diagonal_relaxed")

@@ -57,16 +57,24 @@ class ClusterReport:
 
     def to_json(self) -> dict[str, Any]:
         """The pull route's answer for this cluster."""
-        return {"cluster": self.cluster, "fetched": self.fetched, "unchanged": self.unchanged,
-                "error": self.error}  # fmt: skip
+        return {
+            "cluster": self.cluster,
+            "fetched": self.fetched,
+            "unchanged": self.unchanged,
+            "error": self.error,
+        }
 
 
 class Puller:
     """Pulls every cluster of ``settings.clusters`` into ``ledger``; one round at a time."""
 
-    def __init__(self, ledger: Ledger, settings: BillingSettings,
-                 environ: Mapping[str, str] | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ledger: Ledger,
+        settings: BillingSettings,
+        environ: Mapping[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.ledger = ledger
         self.settings = settings
         env = os.environ if environ is None else environ
@@ -85,8 +93,11 @@ class Puller:
             try:
                 await self.pull()
             except duckdb.Error as exc:
-                log.warning("billing: federation round failed, tried again in %.0f s: %s",
-                            self.settings.federation.interval_seconds, exc)  # fmt: skip
+                log.warning(
+                    "billing: federation round failed, tried again in %.0f s: %s",
+                    self.settings.federation.interval_seconds,
+                    exc,
+                )
             await asyncio.sleep(self.settings.federation.interval_seconds)
 
     async def pull(self) -> list[ClusterReport]:
@@ -96,7 +107,11 @@ class Puller:
             async with httpx.AsyncClient(
                 timeout=f.timeout_seconds, transport=self._transport
             ) as client:
-                return list(await asyncio.gather(*(self._cluster(client, c) for c in self.settings.clusters)))  # fmt: skip
+                return list(
+                    await asyncio.gather(
+                        *(self._cluster(client, c) for c in self.settings.clusters)
+                    )
+                )
 
     async def _cluster(self, client: httpx.AsyncClient, cluster: FederatedCluster) -> ClusterReport:
         report = ClusterReport(cluster.name)
@@ -104,15 +119,22 @@ class Puller:
             await self._pull_cluster(client, cluster, report)
         except (httpx.HTTPError, FederationError) as exc:
             report.error = _describe(exc)
-            log.warning("billing: federation: cluster %s not pulled, tried again in %.0f s: %s",
-                        cluster.name, self.settings.federation.interval_seconds, report.error)  # fmt: skip
-            await asyncio.to_thread(store.mark_failed, self.ledger, cluster.name, time.time(), report.error)  # fmt: skip
+            log.warning(
+                "billing: federation: cluster %s not pulled, tried again in %.0f s: %s",
+                cluster.name,
+                self.settings.federation.interval_seconds,
+                report.error,
+            )
+            await asyncio.to_thread(
+                store.mark_failed, self.ledger, cluster.name, time.time(), report.error
+            )
             return report
         await asyncio.to_thread(store.mark_pulled, self.ledger, cluster.name, time.time())
         return report
 
-    async def _pull_cluster(self, client: httpx.AsyncClient, cluster: FederatedCluster,
-                            report: ClusterReport) -> None:  # fmt: skip
+    async def _pull_cluster(
+        self, client: httpx.AsyncClient, cluster: FederatedCluster, report: ClusterReport
+    ) -> None:
         token = self._tokens[cluster.name]
         if not token:
             raise FederationError(f"${cluster.token_env} (its federation token) is not set")
@@ -147,8 +169,9 @@ class Puller:
         raise AssertionError("unreachable: tenacity reraises the last failure")
 
 
-async def _bounded_json(client: httpx.AsyncClient, url: str, token: str,
-                        limit: int) -> dict[str, Any]:  # fmt: skip
+async def _bounded_json(
+    client: httpx.AsyncClient, url: str, token: str, limit: int
+) -> dict[str, Any]:
     """The JSON object at ``url``, read no further than ``limit`` bytes."""
     headers = {"Authorization": f"Bearer {token}"}
     async with client.stream("GET", url, headers=headers) as response:

@@ -36,13 +36,20 @@ def closed_months(ledger: Ledger, cluster: str) -> list[dict[str, object]]:
     for m in ledger.months():
         if m["closed"]:
             p = payload_of(ledger, cluster, str(m["month"]))
-            out.append({"month": p.month, "digest": p.digest, "total_cents": p.total_cents,
-                        "closed_at": m["closed_at"]})  # fmt: skip
+            out.append(
+                {
+                    "month": p.month,
+                    "digest": p.digest,
+                    "total_cents": p.total_cents,
+                    "closed_at": m["closed_at"],
+                }
+            )
     return out
 
 
-def payload_of(ledger: Ledger, cluster: str, month: str,
-               prices: dict[str, Any] | None = None) -> MonthPayload:  # fmt: skip
+def payload_of(
+    ledger: Ledger, cluster: str, month: str, prices: dict[str, Any] | None = None
+) -> MonthPayload:
     """A closed month of this cluster's ledger as the federation route serves it, with the
     cluster's price book ``prices``."""
     basis, pools = ledger.issued_basis(month)
@@ -68,16 +75,24 @@ def replace_month(ledger: Ledger, payload: MonthPayload, now: float) -> None:
         cur.execute("DELETE FROM federated_lines WHERE cluster = ? AND month = ?", key)
         cur.execute("DELETE FROM federated_months WHERE cluster = ? AND month = ?", key)
         cur.register("_federated", lines.to_arrow())
-        cur.execute(f"INSERT INTO federated_lines (cluster, {_LINE_COLUMNS}, digest) "
-                    f"SELECT cluster, {_LINE_COLUMNS}, digest FROM _federated")  # fmt: skip
+        cur.execute(
+            f"INSERT INTO federated_lines (cluster, {_LINE_COLUMNS}, digest) "
+            f"SELECT cluster, {_LINE_COLUMNS}, digest FROM _federated"
+        )
         cur.unregister("_federated")
         cur.execute(
             "INSERT INTO federated_months (cluster, month, digest, basis, pools, total_cents, "
             "pulled_at, prices) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            [*key, payload.digest, payload.basis, orjson.dumps(payload.pools).decode(),
-             payload.total_cents, now,
-             None if payload.prices is None else orjson.dumps(payload.prices).decode()],
-        )  # fmt: skip
+            [
+                *key,
+                payload.digest,
+                payload.basis,
+                orjson.dumps(payload.pools).decode(),
+                payload.total_cents,
+                now,
+                None if payload.prices is None else orjson.dumps(payload.prices).decode(),
+            ],
+        )
 
 
 def mark_pulled(ledger: Ledger, cluster: str, now: float) -> None:
@@ -99,8 +114,9 @@ def mark_failed(ledger: Ledger, cluster: str, now: float, error: str) -> None:
         )
 
 
-def federated_month(ledger: Ledger, month: str, clusters: Sequence[str],
-                    started_at: float) -> tuple[pl.DataFrame, list[ClusterState]]:  # fmt: skip
+def federated_month(
+    ledger: Ledger, month: str, clusters: Sequence[str], started_at: float
+) -> tuple[pl.DataFrame, list[ClusterState]]:
     """The lines of ``month`` held of the configured ``clusters``, and each cluster's state.
 
     A cluster never pulled nor failed yet is stale since ``started_at`` (the central's start).
@@ -113,18 +129,33 @@ def federated_month(ledger: Ledger, month: str, clusters: Sequence[str],
             schema=FEDERATED_SCHEMA,
             orient="row",
         )
-        held = {r[0]: r[1:] for r in cur.execute(
-            "SELECT cluster, total_cents, basis, pools, prices FROM federated_months WHERE month = ?",
-            [month],
-        ).fetchall()}  # fmt: skip
-        status = {r[0]: r[1:] for r in cur.execute(
-            "SELECT cluster, pulled_at, failing_since, error FROM federated_clusters"
-        ).fetchall()}  # fmt: skip
+        held = {
+            r[0]: r[1:]
+            for r in cur.execute(
+                "SELECT cluster, total_cents, basis, pools, prices FROM federated_months WHERE month = ?",
+                [month],
+            ).fetchall()
+        }
+        status = {
+            r[0]: r[1:]
+            for r in cur.execute(
+                "SELECT cluster, pulled_at, failing_since, error FROM federated_clusters"
+            ).fetchall()
+        }
     states = []
     for name in clusters:
         pulled_at, failing_since, error = status.get(name, (None, started_at, None))
         total, basis, pools, prices = held.get(name, (None, None, None, None))
-        states.append(ClusterState(name, pulled_at, failing_since, error, total, basis,
-                                   orjson.loads(pools) if pools else None,
-                                   orjson.loads(prices) if prices else None))  # fmt: skip
+        states.append(
+            ClusterState(
+                name,
+                pulled_at,
+                failing_since,
+                error,
+                total,
+                basis,
+                orjson.loads(pools) if pools else None,
+                orjson.loads(prices) if prices else None,
+            )
+        )
     return lines.filter(pl.col("cluster").is_in(list(clusters))), states

@@ -139,9 +139,15 @@ class FleetView(_Frozen):
 
 def _instance(row: Mapping[str, Any]) -> Instance:
     gpus = [g for g in str(row.get("gpus") or "").split(",") if g]
-    return Instance(instance=row["instance"], node=row["node"], gpu_model=row["gpu_model"],
-                    gpu_count=int(row["gpu_count"]), gpus=gpus, started_at=float(row["started_at"]),
-                    last_seen=float(row["last_seen"]))  # fmt: skip
+    return Instance(
+        instance=row["instance"],
+        node=row["node"],
+        gpu_model=row["gpu_model"],
+        gpu_count=int(row["gpu_count"]),
+        gpus=gpus,
+        started_at=float(row["started_at"]),
+        last_seen=float(row["last_seen"]),
+    )
 
 
 def _decision(row: Mapping[str, Any]) -> Decision:
@@ -166,9 +172,15 @@ def fleet_view(
     groups = _groups(config, live)
     last = {row["model"]: _decision(row) for row in latest}
     start, end, truncated = window
-    return FleetView(as_of=now, models=_models(config, groups, last), groups=groups,
-                     decisions=[_decision(r) for r in recent], decisions_from=start,
-                     decisions_to=end, decisions_truncated=truncated)  # fmt: skip
+    return FleetView(
+        as_of=now,
+        models=_models(config, groups, last),
+        groups=groups,
+        decisions=[_decision(r) for r in recent],
+        decisions_from=start,
+        decisions_to=end,
+        decisions_truncated=truncated,
+    )
 
 
 def _groups(config: Config, live: Sequence[Mapping[str, Any]]) -> list[Group]:

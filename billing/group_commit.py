@@ -62,9 +62,14 @@ class GroupCommit(Generic[T, R]):
     for the announced ones to arrive; when nobody is announced it does not wait at all.
     """
 
-    def __init__(self, run: Callable[[Sequence[T]], Sequence[R | BaseException]],
-                 lock: threading.Lock, max_size: int, target_size: int = 0,
-                 max_wait: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run: Callable[[Sequence[T]], Sequence[R | BaseException]],
+        lock: threading.Lock,
+        max_size: int,
+        target_size: int = 0,
+        max_wait: float = 0.0,
+    ) -> None:
         self._run = run
         self._lock = lock
         self._max_size = max_size

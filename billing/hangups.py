@@ -129,8 +129,9 @@ WHERE x.a_ts >= (floor(x.tf / {H}) - 1) * {H} AND b.ts < (floor(x.tf / {H}) + 2)
     AND b.ts >= $lo * {H} AND b.ts < $hi * {H} AND x.others_busy < 0.5"""
 
 
-def spans(intervals: Sequence[tuple[float, float]], gap: float = SPAN_GAP_SECONDS,
-          most: int = MAX_SPANS) -> list[tuple[float, float]]:  # fmt: skip
+def spans(
+    intervals: Sequence[tuple[float, float]], gap: float = SPAN_GAP_SECONDS, most: int = MAX_SPANS
+) -> list[tuple[float, float]]:
     """``intervals`` merged where they overlap or lie within ``gap`` of each other, in order.
 
     More than ``most`` spans become one, from the first start to the last end: past that many

@@ -90,9 +90,12 @@ MAX_ANSWERED_ID: Final = 256
 _BOARD_WATTS = "_board_watts(gpu_model)"
 _MOST_WATTS = f"({_BOARD_WATTS} * {1 + POWER_MARGIN})"
 _ENGINE_COUNTERS = (
-    "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
-    "prefix_cache_hits_total", "preemptions_total",
-)  # fmt: skip
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+    "preemptions_total",
+)
 
 
 def _counter_check(name: str) -> tuple[str, str]:

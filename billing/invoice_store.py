@@ -57,9 +57,11 @@ def store(cur: duckdb.DuckDBPyConnection, invoice: Invoice, now: float) -> Store
     cur.executemany(
         "INSERT OR REPLACE INTO invoices (month, pool, billed_cents, line_items, source, sha256, "
         "imported_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-        [[t.month, t.pool, t.billed_cents, t.line_items, invoice.source, invoice.sha256, now]
-         for t in fresh],
-    )  # fmt: skip
+        [
+            [t.month, t.pool, t.billed_cents, t.line_items, invoice.source, invoice.sha256, now]
+            for t in fresh
+        ],
+    )
     months = sorted({t.month for t in fresh})
     dirty = cur.execute(
         "UPDATE months SET dirty = true WHERE closed_at IS NOT NULL AND list_contains(?, month) "

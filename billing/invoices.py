@@ -71,8 +71,13 @@ Format = Literal["csv", "parquet"]
 MAX_BYTES: Final = 256 << 20
 MAX_ROWS: Final = 2_000_000
 # The columns read, by their FOCUS names; every other column is ignored.
-REQUIRED: Final = ("BilledCost", "BillingCurrency", "ChargeCategory", "ChargePeriodStart",
-                   "ChargePeriodEnd")  # fmt: skip
+REQUIRED: Final = (
+    "BilledCost",
+    "BillingCurrency",
+    "ChargeCategory",
+    "ChargePeriodStart",
+    "ChargePeriodEnd",
+)
 OPTIONAL: Final = ("ResourceId", "Tags", "ServiceCategory")
 # Names the same columns had before FOCUS 1.0 (0.5 and the 1.0 preview). A file that has both
 # names is read by the FOCUS 1.0 one. Names are matched without regard to case.
@@ -181,9 +186,15 @@ def format_for(name: str, explicit: str | None = None) -> Format:
     )
 
 
-def read_invoice(path: str | Path, pools: Sequence[NodePool], fmt: str | None = None, *,
-                 max_bytes: int = MAX_BYTES, max_rows: int = MAX_ROWS,
-                 include_tax: bool = False) -> Invoice:  # fmt: skip
+def read_invoice(
+    path: str | Path,
+    pools: Sequence[NodePool],
+    fmt: str | None = None,
+    *,
+    max_bytes: int = MAX_BYTES,
+    max_rows: int = MAX_ROWS,
+    include_tax: bool = False,
+) -> Invoice:
     """The invoice in the file at ``path``; its size is checked before it is read."""
     source = str(path)
     try:
@@ -193,13 +204,27 @@ def read_invoice(path: str | Path, pools: Sequence[NodePool], fmt: str | None = 
         data = Path(path).read_bytes()
     except OSError as exc:
         raise InvoiceError(f"{source}: cannot read it: {exc.strerror or exc}") from None
-    return parse_invoice(data, source, pools, format_for(source, fmt), max_bytes=max_bytes,
-                         max_rows=max_rows, include_tax=include_tax)  # fmt: skip
+    return parse_invoice(
+        data,
+        source,
+        pools,
+        format_for(source, fmt),
+        max_bytes=max_bytes,
+        max_rows=max_rows,
+        include_tax=include_tax,
+    )
 
 
-def parse_invoice(data: bytes, source: str, pools: Sequence[NodePool], fmt: Format, *,
-                  max_bytes: int = MAX_BYTES, max_rows: int = MAX_ROWS,
-                  include_tax: bool = False) -> Invoice:  # fmt: skip
+def parse_invoice(
+    data: bytes,
+    source: str,
+    pools: Sequence[NodePool],
+    fmt: Format,
+    *,
+    max_bytes: int = MAX_BYTES,
+    max_rows: int = MAX_ROWS,
+    include_tax: bool = False,
+) -> Invoice:
     """The invoice ``data`` holds (``source`` names it in errors and in the ledger)."""
     if len(data) > max_bytes:
         raise InvoiceError(f"{source}: {len(data)} bytes, over the limit of {max_bytes}")
@@ -367,8 +392,11 @@ class _Cell:
     def category(self, value: Any) -> str:
         found = _CATEGORIES.get(self.text("ChargeCategory", value).lower())
         if found is None:
-            raise self.bad("ChargeCategory", value,
-                           "is not a FOCUS charge category (Usage, Purchase, Credit, Adjustment, Tax)")  # fmt: skip
+            raise self.bad(
+                "ChargeCategory",
+                value,
+                "is not a FOCUS charge category (Usage, Purchase, Credit, Adjustment, Tax)",
+            )
         return found
 
     def time(self, column: str, value: Any) -> int:
@@ -413,8 +441,9 @@ class _Sums:
     """Exact sums per (month, pool), and of the items left out."""
 
     def __init__(self, pools: Sequence[NodePool], include_tax: bool) -> None:
-        self._pools = [(p.name, frozenset(p.resource_ids), tuple(p.invoice_tags.items()))
-                       for p in pools]  # fmt: skip
+        self._pools = [
+            (p.name, frozenset(p.resource_ids), tuple(p.invoice_tags.items())) for p in pools
+        ]
         self._include_tax = include_tax
         self._sums: dict[tuple[str, str], Decimal] = {}
         self._items: dict[tuple[str, str], int] = {}
@@ -460,8 +489,9 @@ def _tally(into: dict[str, tuple[int, Decimal]], service: str, cost: Decimal) ->
 def _summary(groups: Mapping[str, tuple[int, Decimal]]) -> Summary:
     with localcontext(_EXACT):
         total = sum((t for _, t in groups.values()), Decimal(0))
-    by_service = sorted(((s, n, cents(t)) for s, (n, t) in groups.items()),
-                        key=lambda g: (-abs(g[2]), g[0]))  # fmt: skip
+    by_service = sorted(
+        ((s, n, cents(t)) for s, (n, t) in groups.items()), key=lambda g: (-abs(g[2]), g[0])
+    )
     return Summary(sum(n for n, _ in groups.values()), cents(total), tuple(by_service[:_SERVICES]))
 
 

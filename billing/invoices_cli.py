@@ -109,8 +109,12 @@ def _online(args: argparse.Namespace, config: Config, fmt: str) -> dict[str, Any
     url = args.billing_url or config.billing.url
     try:
         with httpx.Client(base_url=url, timeout=600) as client:
-            response = client.post("/v1/invoices", content=data, params=params, headers={
-                "authorization": f"Bearer {token}", "content-type": _MEDIA[fmt]})  # fmt: skip
+            response = client.post(
+                "/v1/invoices",
+                content=data,
+                params=params,
+                headers={"authorization": f"Bearer {token}", "content-type": _MEDIA[fmt]},
+            )
     except httpx.HTTPError as exc:
         raise CommandError(f"billing at {url} did not answer: {exc}", code=1) from None
     if response.status_code != 200:
@@ -124,22 +128,27 @@ def report(answer: dict[str, Any]) -> str:
     lines = [f"{answer['source']}: {answer['rows']} line items (sha256 {answer['sha256'][:12]})"]
     lines.append(f"{'month':<8} {'pool':<24} {'billed USD':>14} {'items':>8}")
     for t in answer["totals"]:
-        lines.append(f"{t['month']:<8} {t['pool']:<24} {_usd(t['billed_cents']):>14} "
-                     f"{t['line_items']:>8}")  # fmt: skip
+        lines.append(
+            f"{t['month']:<8} {t['pool']:<24} {_usd(t['billed_cents']):>14} {t['line_items']:>8}"
+        )
     for name, key in (("claimed by no pool", "unmatched"), ("tax, not counted", "excluded")):
         left = answer[key]
         if left["line_items"]:
             lines.append(f"{name}: {left['line_items']} items, {_usd(left['billed_cents'])} USD")
             for s in left["by_service_category"][:10]:
-                lines.append(f"  {s['service_category'] or '(no ServiceCategory)'}: "
-                             f"{s['line_items']} items, {_usd(s['billed_cents'])} USD")  # fmt: skip
+                lines.append(
+                    f"  {s['service_category'] or '(no ServiceCategory)'}: "
+                    f"{s['line_items']} items, {_usd(s['billed_cents'])} USD"
+                )
     if answer["unchanged"]:
         lines.append("unchanged: the ledger already holds this file's totals")
     else:
         lines.append(f"kept {len(answer['changed'])} (month, pool) rows")
     if answer["dirty_months"]:
-        lines.append(f"closed months changed (adjusted on the next statement): "
-                     f"{', '.join(answer['dirty_months'])}")  # fmt: skip
+        lines.append(
+            f"closed months changed (adjusted on the next statement): "
+            f"{', '.join(answer['dirty_months'])}"
+        )
     return "\n".join(lines) + "\n"
 
 

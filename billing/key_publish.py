@@ -36,9 +36,11 @@ class RedisPublisher:
         password = os.environ.get(settings.password_env) or None
         timeout = max(settings.timeout_millis / 1000, 0.5)
         self.client = client or redis.Redis.from_url(
-            settings.redis_url, password=password, socket_timeout=timeout,
+            settings.redis_url,
+            password=password,
+            socket_timeout=timeout,
             socket_connect_timeout=timeout,
-        )  # fmt: skip
+        )
         self.set_key, self.version_key = redis_keys(settings.key_prefix)
         self._failing = False
 

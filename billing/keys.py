@@ -50,8 +50,13 @@ class Publisher(Protocol):
 class KeyBook:
     """The issued keys: the ledger's rows, and the ring of the ones in force."""
 
-    def __init__(self, ledger: Ledger, configured: KeyRing, teams: Iterable[str],
-                 publisher: Publisher | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ledger: Ledger,
+        configured: KeyRing,
+        teams: Iterable[str],
+        publisher: Publisher | None = None,
+    ) -> None:
         self._ledger = ledger
         self._lock = threading.Lock()
         self._configured = configured
@@ -69,8 +74,9 @@ class KeyBook:
 
     # -- changes ---------------------------------------------------------------------------
 
-    def create(self, request: dict[str, Any], creator: Caller,
-               address: str | None) -> tuple[IssuedKey, str]:  # fmt: skip
+    def create(
+        self, request: dict[str, Any], creator: Caller, address: str | None
+    ) -> tuple[IssuedKey, str]:
         """Issue the key ``request`` asks for; the key and its secret (shown once, never kept).
 
         BadRequest for a request that cannot be issued, Forbidden for a key the creator may not.
@@ -95,8 +101,9 @@ class KeyBook:
         self._write([gone], [_event("key.revoked", caller, gone, _why(why), address, now)])
         return gone
 
-    def rotate(self, key_id: str, caller: Caller, address: str | None, why: str,
-               grace_seconds: float = 0.0) -> tuple[IssuedKey, str]:  # fmt: skip
+    def rotate(
+        self, key_id: str, caller: Caller, address: str | None, why: str, grace_seconds: float = 0.0
+    ) -> tuple[IssuedKey, str]:
         """A new key in place of ``key_id``, and its secret; the old one is revoked now, or
         expires after ``grace_seconds`` (at most a week) so clients can move over."""
         old = self._managed(key_id, caller)
@@ -114,8 +121,15 @@ class KeyBook:
             done = replace(old, expires_at=ending, replaced_by=fresh.key_id)
         else:
             done = replace(old, revoked_at=now, replaced_by=fresh.key_id)
-        event = _event("key.rotated", caller, done, _why(why), address, now,
-                       {"new_key_id": fresh.key_id, "grace_seconds": grace_seconds})  # fmt: skip
+        event = _event(
+            "key.rotated",
+            caller,
+            done,
+            _why(why),
+            address,
+            now,
+            {"new_key_id": fresh.key_id, "grace_seconds": grace_seconds},
+        )
         self._write([done, fresh], [event])
         return fresh, secret
 
@@ -190,9 +204,30 @@ def _why(value: Any) -> str:
     return value
 
 
-def _event(action: str, caller: Caller, key: IssuedKey, why: str, address: str | None,
-           now: float, extra: dict[str, Any] | None = None) -> Any:  # fmt: skip
-    detail = {"team": key.team, "role": key.role, "member": key.member, "project": key.project,
-              "expires_at": key.expires_at} | (extra or {})  # fmt: skip
-    return audit_event(action, caller.who, caller.role, "billing", target=f"key:{key.key_id}",
-                       detail=detail, why=why, address=address, at=now)  # fmt: skip
+def _event(
+    action: str,
+    caller: Caller,
+    key: IssuedKey,
+    why: str,
+    address: str | None,
+    now: float,
+    extra: dict[str, Any] | None = None,
+) -> Any:
+    detail = {
+        "team": key.team,
+        "role": key.role,
+        "member": key.member,
+        "project": key.project,
+        "expires_at": key.expires_at,
+    } | (extra or {})
+    return audit_event(
+        action,
+        caller.who,
+        caller.role,
+        "billing",
+        target=f"key:{key.key_id}",
+        detail=detail,
+        why=why,
+        address=address,
+        at=now,
+    )

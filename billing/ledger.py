@@ -140,11 +140,16 @@ class _Pending:
 class Ledger:
     """The ledger file, its schema, and the only writer to it."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, teams: Sequence[str],
-                 ttft_sla_seconds: dict[str, float], kinds: Mapping[str, RecordKind] = KINDS,
-                 heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
-                 fleet: KnownFleet | None = None,
-                 bounds: SampleBounds | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        teams: Sequence[str],
+        ttft_sla_seconds: dict[str, float],
+        kinds: Mapping[str, RecordKind] = KINDS,
+        heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
+        fleet: KnownFleet | None = None,
+        bounds: SampleBounds | None = None,
+    ) -> None:
         self._con = con
         # What a sample may physically claim (``billing.bounds``); the defaults without one.
         self.bounds = bounds or SampleBounds()
@@ -186,12 +191,18 @@ class Ledger:
         return float(row[0]) if row and row[0] is not None else None
 
     @classmethod
-    def open(cls, path: str | Path, teams: Sequence[str], ttft_sla_seconds: dict[str, float],
-             memory_limit: str = "2GB", threads: int | None = None,
-             kinds: Mapping[str, RecordKind] = KINDS,
-             heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
-             fleet: KnownFleet | None = None,
-             bounds: SampleBounds | None = None) -> Ledger:  # fmt: skip
+    def open(
+        cls,
+        path: str | Path,
+        teams: Sequence[str],
+        ttft_sla_seconds: dict[str, float],
+        memory_limit: str = "2GB",
+        threads: int | None = None,
+        kinds: Mapping[str, RecordKind] = KINDS,
+        heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
+        fleet: KnownFleet | None = None,
+        bounds: SampleBounds | None = None,
+    ) -> Ledger:
         """Open (or create) the ledger at ``path`` (":memory:" for a throw-away one) and migrate it."""
         if str(path) != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -218,8 +229,12 @@ class Ledger:
         if self.ttft_sla:
             self._con.executemany("INSERT INTO _sla VALUES (?, ?)", list(self.ttft_sla.items()))
 
-    def reconfigure(self, teams: Sequence[str], ttft_sla_seconds: dict[str, float],
-                    fleet: KnownFleet | None = None) -> None:  # fmt: skip
+    def reconfigure(
+        self,
+        teams: Sequence[str],
+        ttft_sla_seconds: dict[str, float],
+        fleet: KnownFleet | None = None,
+    ) -> None:
         """Adopt a new team list, SLA targets and fleet (after a config reload)."""
         with self._write_lock:
             self.fleet = fleet if fleet is not None else self.fleet
@@ -267,8 +282,14 @@ class Ledger:
 
     # -- ingest ---------------------------------------------------------------------------
 
-    def ingest(self, body: str | bytes, now: float | None = None, skew_seconds: float = 300.0,
-               max_records: int | None = None, writer: Writer | None = None) -> IngestResult:  # fmt: skip
+    def ingest(
+        self,
+        body: str | bytes,
+        now: float | None = None,
+        skew_seconds: float = 300.0,
+        max_records: int | None = None,
+        writer: Writer | None = None,
+    ) -> IngestResult:
         """Validate and keep one batch ``{"<kind>": [records...]}`` in one transaction.
 
         Raises ``BadRequest`` when the body itself is not a batch (the whole request is bad);
@@ -296,10 +317,16 @@ class Ledger:
         """
         return self._group.announce()
 
-    def ingest_lines(self, kind_key: str, body: bytes, now: float | None = None,
-                     skew_seconds: float = 300.0, max_records: int | None = None,
-                     ticket: Ticket[_Pending, IngestResult] | None = None,
-                     writer: Writer | None = None) -> IngestResult:  # fmt: skip
+    def ingest_lines(
+        self,
+        kind_key: str,
+        body: bytes,
+        now: float | None = None,
+        skew_seconds: float = 300.0,
+        max_records: int | None = None,
+        ticket: Ticket[_Pending, IngestResult] | None = None,
+        writer: Writer | None = None,
+    ) -> IngestResult:
         """Validate and keep one NDJSON batch of ``kind_key`` records, one per line.
 
         A spool segment's lines as they are on disk (what a shipper sends when its lines do not
@@ -324,10 +351,17 @@ class Ledger:
             batch = _Pending(kind, frame, raw, malformed, now, skew_seconds, writer)
             return ticket.submit(batch, frame.height if frame is not None else 1)
 
-    def ingest_arrow(self, kind_key: str, body: bytes, now: float | None = None,
-                     skew_seconds: float = 300.0, max_records: int | None = None,
-                     ticket: Ticket[_Pending, IngestResult] | None = None,
-                     max_bytes: int | None = None, writer: Writer | None = None) -> IngestResult:  # fmt: skip
+    def ingest_arrow(
+        self,
+        kind_key: str,
+        body: bytes,
+        now: float | None = None,
+        skew_seconds: float = 300.0,
+        max_records: int | None = None,
+        ticket: Ticket[_Pending, IngestResult] | None = None,
+        max_bytes: int | None = None,
+        writer: Writer | None = None,
+    ) -> IngestResult:
         """Keep one Arrow IPC batch of ``kind_key`` records (``infermeter.wire``), as shippers send.
 
         The columns are typed already, so only the range checks are left; the batch may share
@@ -347,9 +381,16 @@ class Ledger:
             batch = _Pending(kind, frame, None, frozenset(), now, skew_seconds, writer)
             return ticket.submit(batch, frame.height)
 
-    def _commit(self, kind: RecordKind, frame: pl.DataFrame | None, raw: bytes | None,
-                now: float | None, skew: float, malformed: frozenset[int] = frozenset(),
-                writer: Writer | None = None) -> IngestResult:  # fmt: skip
+    def _commit(
+        self,
+        kind: RecordKind,
+        frame: pl.DataFrame | None,
+        raw: bytes | None,
+        now: float | None,
+        skew: float,
+        malformed: frozenset[int] = frozenset(),
+        writer: Writer | None = None,
+    ) -> IngestResult:
         """Keep a batch, typed ``frame`` (fast path) or ``raw`` JSON text, in a committed transaction.
 
         Batches on the fast path may share their transaction with others (group commit).
@@ -383,8 +424,11 @@ class Ledger:
         now = time.time() if first.now is None else first.now
         frame = None
         if first.frame is not None:
-            frames = [b.frame.with_columns(item=pl.lit(i, pl.Int32))
-                      for i, b in enumerate(batches) if b.frame is not None]  # fmt: skip
+            frames = [
+                b.frame.with_columns(item=pl.lit(i, pl.Int32))
+                for i, b in enumerate(batches)
+                if b.frame is not None
+            ]
             frame = pl.concat(frames) if len(frames) > 1 else frames[0]
             if len(frames) > 1:  # an id repeated across the batches is a repeat too
                 frame = frame.with_columns(dup=~pl.col(first.kind.id_field).is_first_distinct())
@@ -392,8 +436,9 @@ class Ledger:
         con.execute("BEGIN TRANSACTION")
         try:
             quarantine.writers_table(con, [b.writer for b in batches])
-            results, span = self._ingest(con, first.kind, first.raw, frame, now, first.skew,
-                                         first.malformed, len(batches))  # fmt: skip
+            results, span = self._ingest(
+                con, first.kind, first.raw, frame, now, first.skew, first.malformed, len(batches)
+            )
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")
@@ -428,8 +473,13 @@ class Ledger:
             old = self._touched
             self._touched = span if old is None else (min(old[0], span[0]), max(old[1], span[1]))
 
-    def quarantine_lines(self, kind_key: str, lines: Sequence[Unopened], writer: Writer | None,
-                         now: float | None = None) -> list[Rejection]:  # fmt: skip
+    def quarantine_lines(
+        self,
+        kind_key: str,
+        lines: Sequence[Unopened],
+        writer: Writer | None,
+        now: float | None = None,
+    ) -> list[Rejection]:
         """Keep lines that could not be opened as their writer's (``billing.writers``) in
         quarantine, in one transaction; each one's (id, reason). ``writer``: who sent them."""
         kind = self._kind(kind_key)
@@ -479,9 +529,17 @@ class Ledger:
         _check_size(len(records), max_records)
         return self.kinds[key], records
 
-    def _ingest(self, con: duckdb.DuckDBPyConnection, kind: RecordKind, raw: bytes | None,
-                frame: pl.DataFrame | None, now: float, skew: float, malformed: frozenset[int],
-                batches: int) -> tuple[list[IngestResult], tuple[float, float] | None]:  # fmt: skip
+    def _ingest(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        kind: RecordKind,
+        raw: bytes | None,
+        frame: pl.DataFrame | None,
+        now: float,
+        skew: float,
+        malformed: frozenset[int],
+        batches: int,
+    ) -> tuple[list[IngestResult], tuple[float, float] | None]:
         """Keep ``batches`` batches (told apart by column ``item``) in the open transaction."""
         params = {"now": now, "skew": skew}
         totals = [0] * batches
@@ -539,8 +597,13 @@ class Ledger:
         ]
         return results, span
 
-    def _roll_up(self, con: duckdb.DuckDBPyConnection, kind: RecordKind,
-                 span: tuple[float, float], now: float) -> None:  # fmt: skip
+    def _roll_up(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        kind: RecordKind,
+        span: tuple[float, float],
+        now: float,
+    ) -> None:
         if kind.key == "instances":
             self._fold_lifetimes(con, now)
             return
@@ -616,8 +679,9 @@ class Ledger:
 
     # -- invoices -------------------------------------------------------------------------
 
-    def import_invoice(self, invoice: Invoice, now: float | None = None,
-                       events: Sequence[AuditEvent] = ()) -> Stored:  # fmt: skip
+    def import_invoice(
+        self, invoice: Invoice, now: float | None = None, events: Sequence[AuditEvent] = ()
+    ) -> Stored:
         """Keep ``invoice``'s totals per (month, pool), and ``events`` on the audit trail, in one
         transaction (``billing.invoice_store``: the same file again changes nothing; a closed
         month whose rows change is marked dirty)."""
@@ -667,8 +731,15 @@ class Ledger:
         rows = orjson.loads(row[1])
         return str(row[0]), pl.DataFrame(rows, schema=POOL_SCHEMA) if rows else empty_pools()
 
-    def freeze(self, month: str, lines: pl.DataFrame, adjusted: Sequence[str], now: float,
-               basis: str = "list", pools: pl.DataFrame | None = None) -> None:  # fmt: skip
+    def freeze(
+        self,
+        month: str,
+        lines: pl.DataFrame,
+        adjusted: Sequence[str],
+        now: float,
+        basis: str = "list",
+        pools: pl.DataFrame | None = None,
+    ) -> None:
         """Close ``month``: store its statement lines, basis and node pools, and clear the late
         flag of ``adjusted``."""
         with self._write_lock:
@@ -716,8 +787,9 @@ class Ledger:
         with self.snapshot() as cur:
             return allocation.run(cur, self._month_sql(cur, policy, month), policy, claims)
 
-    def allocate_bases(self, policy: Policy, month: str,
-                       invoices: Mapping[str, int]) -> tuple[Allocation, Allocation | None]:  # fmt: skip
+    def allocate_bases(
+        self, policy: Policy, month: str, invoices: Mapping[str, int]
+    ) -> tuple[Allocation, Allocation | None]:
         """``month``'s allocation at list prices and, when ``invoices`` (pool -> cents) covers a
         pool, at the allocation basis (``billing.bases``): both read in one snapshot, so the
         scale is worked out from exactly the GPU time it then divides."""
@@ -732,8 +804,9 @@ class Ledger:
             )
             return listed, bases.with_unmeasured(scaled, listed, invoices, policy.platform_account)
 
-    def by_instance(self, policy: Policy, month: str,
-                    invoices: Mapping[str, int] | None = None) -> pl.DataFrame:  # fmt: skip
+    def by_instance(
+        self, policy: Policy, month: str, invoices: Mapping[str, int] | None = None
+    ) -> pl.DataFrame:
         """``month``'s lines per instance, in micro-cents (``billing.allocation.by_instance``),
         at the allocation basis when ``invoices`` covers a pool."""
         with self.snapshot() as cur:
@@ -744,8 +817,9 @@ class Ledger:
                 queries = self._month_sql(cur, policy, month)
             return allocation.by_instance(cur, queries, policy)
 
-    def _month_sql(self, cur: duckdb.DuckDBPyConnection, policy: Policy,
-                   month: str) -> allocation.AllocationSql:  # fmt: skip
+    def _month_sql(
+        self, cur: duckdb.DuckDBPyConnection, policy: Policy, month: str
+    ) -> allocation.AllocationSql:
         """``month``'s allocation queries, its lifetimes put in temp table ``_lifetimes`` on ``cur``."""
         lo, hi = _slot_range(month)
         usage = f"(SELECT * FROM usage_slots WHERE slot >= {lo} AND slot < {hi})"
@@ -774,25 +848,36 @@ class Ledger:
             month_bounds(month),
         )
 
-    def live_instances(self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
-                       bound: LiveBound | None = None) -> list[tuple[str, str, int]]:  # fmt: skip
+    def live_instances(
+        self,
+        now: float,
+        heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
+        bound: LiveBound | None = None,
+    ) -> list[tuple[str, str, int]]:
         """(replica group, model, live instances), for /metrics; within ``bound`` when given."""
         with self.reader() as cur:
             caps = _caps(cur, bound, now)
             sql, params = live_counts_sql(now, heartbeat_seconds, self.restart, caps)
             return [(str(r), str(m), int(n)) for r, m, n in cur.execute(sql, params).fetchall()]
 
-    def lifetimes(self, now: float, heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
-                  state: Literal["live", "all"] = "all", replica: str | None = None,
-                  limit: int | None = None, bound: LiveBound | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    def lifetimes(
+        self,
+        now: float,
+        heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
+        state: Literal["live", "all"] = "all",
+        replica: str | None = None,
+        limit: int | None = None,
+        bound: LiveBound | None = None,
+    ) -> list[dict[str, Any]]:
         """Instance lifetimes as ``billing.lifetimes`` defines them, one dict per lifetime.
 
         ``bound``: the live ones are at most what the configuration allows (``LiveBound``).
         """
         with self.reader() as cur:
             caps = _caps(cur, bound, now) if state == "live" else None
-            sql, params = lifetimes_sql(now, heartbeat_seconds, state, replica, limit,
-                                        self.restart, caps)  # fmt: skip
+            sql, params = lifetimes_sql(
+                now, heartbeat_seconds, state, replica, limit, self.restart, caps
+            )
             rows = cur.execute(sql, params).fetchall()
         return [dict(zip(LIFETIME_COLUMNS, row, strict=True)) for row in rows]
 
@@ -940,8 +1025,9 @@ def _json_batch(kind: RecordKind, texts: Sequence[bytes]) -> bytes:
     return b'{"' + kind.key.encode() + b'": [' + b",".join(texts) + b"]}"
 
 
-def _frame(cur: duckdb.DuckDBPyConnection, sql: str,
-           params: Sequence[Any] | Mapping[str, Any]) -> pl.DataFrame:  # fmt: skip
+def _frame(
+    cur: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any] | Mapping[str, Any]
+) -> pl.DataFrame:
     """A query's result as a Polars frame (through Arrow, without copying row by row)."""
     frame: pl.DataFrame = cur.sql(sql, params=params).pl()
     return frame
@@ -1044,9 +1130,12 @@ def _read_samples_again(con: duckdb.DuckDBPyConnection) -> None:
 def _add_new_fields(con: duckdb.DuckDBPyConnection, kinds: Iterable[RecordKind]) -> None:
     """Add to each kind's table the fields declared since the table was made."""
     for kind in kinds:
-        columns = [r[0] for r in con.execute(
-            "SELECT column_name FROM duckdb_columns() WHERE table_name = ? AND schema_name = 'main'",
-            [kind.table],
-        ).fetchall()]  # fmt: skip
+        columns = [
+            r[0]
+            for r in con.execute(
+                "SELECT column_name FROM duckdb_columns() WHERE table_name = ? AND schema_name = 'main'",
+                [kind.table],
+            ).fetchall()
+        ]
         for statement in new_field_sql(kind, columns):
             con.execute(statement)

@@ -104,17 +104,38 @@ SHIP_ALLOWANCE_SECONDS: Final = 10.0
 # How long heartbeats stay in ``instance_events`` after their time (see the module docstring).
 HEARTBEAT_RETENTION_SECONDS: Final = 7 * 86_400
 COLUMNS: Final = (
-    "instance", "replica", "model", "node", "gpu_model", "gpu_count", "gpus", "namespace",
-    "pod_uid", "engine_metrics_url", "started_at", "last_seen", "stopped_at", "state",
-)  # fmt: skip
+    "instance",
+    "replica",
+    "model",
+    "node",
+    "gpu_model",
+    "gpu_count",
+    "gpus",
+    "namespace",
+    "pod_uid",
+    "engine_metrics_url",
+    "started_at",
+    "last_seen",
+    "stopped_at",
+    "state",
+)
 
 State = Literal["live", "stopped", "lost"]
 
 # What an instance says of itself may change between events (a metrics URL learned late): the
 # latest event's word is kept. A field an event may leave empty keeps the latest word given, with
 # the (time, event id) of the event that gave it in ``<field>_from``.
-_LATEST = ("replica", "model", "node", "gpu_model", "gpu_count", "gpus", "namespace", "pod_uid",
-           "engine_metrics_url")  # fmt: skip
+_LATEST = (
+    "replica",
+    "model",
+    "node",
+    "gpu_model",
+    "gpu_count",
+    "gpus",
+    "namespace",
+    "pod_uid",
+    "engine_metrics_url",
+)
 _NULLABLE = ("namespace", "pod_uid", "engine_metrics_url")
 _COUNTED_FIELDS = ("events", "heartbeats")
 # The order of events: by time, then by event id.
@@ -184,17 +205,31 @@ def fold_sql() -> str:
         f"{c} = CASE WHEN {open_after.format(c)} THEN {c} END" for c in _SAMPLE_COLUMNS.values()
     )
     latest = ",\n    ".join(
-        [f"{c} = CASE WHEN {newer} THEN excluded.{c} ELSE {c} END"
-         for c in (*_LATEST, "latest_event_id") if c not in _NULLABLE]
-        + [f"{c} = CASE WHEN {given.format(c)} THEN excluded.{c} ELSE {c} END, "
-           f"{c}_from = CASE WHEN {given.format(c)} THEN excluded.{c}_from ELSE {c}_from END"
-           for c in _NULLABLE]
-    )  # fmt: skip
+        [
+            f"{c} = CASE WHEN {newer} THEN excluded.{c} ELSE {c} END"
+            for c in (*_LATEST, "latest_event_id")
+            if c not in _NULLABLE
+        ]
+        + [
+            f"{c} = CASE WHEN {given.format(c)} THEN excluded.{c} ELSE {c} END, "
+            f"{c}_from = CASE WHEN {given.format(c)} THEN excluded.{c}_from ELSE {c}_from END"
+            for c in _NULLABLE
+        ]
+    )
     counts = ",\n    ".join(f"{c} = {c} + excluded.{c}" for c in _COUNTED_FIELDS)
     columns = ", ".join(
-        ("instance", "started_at", *_LATEST, *(f"{c}_from" for c in _NULLABLE), "latest_event_id",
-         "first_seen", "last_seen", "stopped_at", *_COUNTED_FIELDS)
-    )  # fmt: skip
+        (
+            "instance",
+            "started_at",
+            *_LATEST,
+            *(f"{c}_from" for c in _NULLABLE),
+            "latest_event_id",
+            "first_seen",
+            "last_seen",
+            "stopped_at",
+            *_COUNTED_FIELDS,
+        )
+    )
     return f"""
 CREATE OR REPLACE TEMP TABLE _new_lifetimes AS
 SELECT instance, started_at FROM _lifetime_delta ANTI JOIN lifetimes USING (instance, started_at);

@@ -70,8 +70,11 @@ class SpendCollector(Collector):
         budget = GaugeMetricFamily(
             "infermeter_team_budget_usd", "The team's monthly budget, USD.", labels=["team"]
         )
-        forecast = GaugeMetricFamily("infermeter_team_spend_forecast_usd",
-                                     "Month-to-date spend extrapolated to the end of the month, USD.", labels=["team"])  # fmt: skip
+        forecast = GaugeMetricFamily(
+            "infermeter_team_spend_forecast_usd",
+            "Month-to-date spend extrapolated to the end of the month, USD.",
+            labels=["team"],
+        )
         for s in rows:
             spend.add_metric([s.team], s.spent_usd)
             budget.add_metric([s.team], s.budget_usd)
@@ -95,8 +98,9 @@ class ReconciliationCollector(Collector):
     tables), so records that arrive late lower it again.
     """
 
-    def __init__(self, ledger: Ledger, clock: Callable[[], float] = time.time,
-                 max_age_seconds: float = 60.0) -> None:  # fmt: skip
+    def __init__(
+        self, ledger: Ledger, clock: Callable[[], float] = time.time, max_age_seconds: float = 60.0
+    ) -> None:
         self.ledger = ledger
         self.clock = clock
         self.max_age_seconds = max_age_seconds
@@ -115,8 +119,14 @@ class ReconciliationCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """One sample per replica group and model for each gauge."""
         end, frame = self._hour(self.clock())
-        summed = ("engine_tokens", "difference_tokens", "hangup_tokens", "unattributed_tokens",
-                  "unreconciled_tokens", "unreconciled_requests")  # fmt: skip
+        summed = (
+            "engine_tokens",
+            "difference_tokens",
+            "hangup_tokens",
+            "unattributed_tokens",
+            "unreconciled_tokens",
+            "unreconciled_requests",
+        )
         groups = (
             frame.group_by("replica", "model").agg(pl.col(*summed).sum()).sort("replica", "model")
         )
@@ -128,12 +138,29 @@ class ReconciliationCollector(Collector):
         engine = gauge(
             "engine_tokens", "Tokens the group's engines counted in the last whole hour."
         )
-        difference = gauge("difference_tokens", "Engine tokens minus the ledger's in the last whole hour (negative: reported, not billed).")  # fmt: skip
-        hangup = gauge("hangup_tokens", "Tokens vLLM generated after a client hung up, charged to that team, last whole hour.")  # fmt: skip
-        lost = gauge("unattributed_tokens", "Tokens the engines counted that no usage record carries, last whole hour.")  # fmt: skip
-        share = gauge("unattributed_share", "Unattributed tokens over the engines' tokens, last whole hour.")  # fmt: skip
-        missed = gauge("unreconciled_tokens", "Billed tokens with no engine reading before (or, once the instance went unread, after) them, by first token, last whole hour.")  # fmt: skip
-        missed_requests = gauge("unreconciled_requests", "Billed requests with no engine reading around their first token, last whole hour.")  # fmt: skip
+        difference = gauge(
+            "difference_tokens",
+            "Engine tokens minus the ledger's in the last whole hour (negative: reported, not billed).",
+        )
+        hangup = gauge(
+            "hangup_tokens",
+            "Tokens vLLM generated after a client hung up, charged to that team, last whole hour.",
+        )
+        lost = gauge(
+            "unattributed_tokens",
+            "Tokens the engines counted that no usage record carries, last whole hour.",
+        )
+        share = gauge(
+            "unattributed_share", "Unattributed tokens over the engines' tokens, last whole hour."
+        )
+        missed = gauge(
+            "unreconciled_tokens",
+            "Billed tokens with no engine reading before (or, once the instance went unread, after) them, by first token, last whole hour.",
+        )
+        missed_requests = gauge(
+            "unreconciled_requests",
+            "Billed requests with no engine reading around their first token, last whole hour.",
+        )
         for replica, model, tokens, diff, tails, unattributed, unrec, unrec_n in groups.iter_rows():
             at = [replica, model]
             engine.add_metric(at, tokens)
@@ -144,8 +171,11 @@ class ReconciliationCollector(Collector):
             missed.add_metric(at, unrec)
             missed_requests.add_metric(at, unrec_n)
         yield from (engine, difference, hangup, lost, share, missed, missed_requests)
-        yield GaugeMetricFamily("infermeter_reconciliation_hour_start_seconds",
-                                "Start of the hour the reconciliation gauges describe, Unix seconds.", value=end - HOUR_SECONDS)  # fmt: skip
+        yield GaugeMetricFamily(
+            "infermeter_reconciliation_hour_start_seconds",
+            "Start of the hour the reconciliation gauges describe, Unix seconds.",
+            value=end - HOUR_SECONDS,
+        )
 
 
 class LedgerCollector(Collector):
@@ -204,8 +234,9 @@ class InstanceCollector(Collector):
     row per lifetime, kept at ingest), so a scrape stays cheap however long the fleet has run.
     """
 
-    def __init__(self, ledger: Ledger, heartbeat_seconds: float,
-                 bound: LiveBound | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, ledger: Ledger, heartbeat_seconds: float, bound: LiveBound | None = None
+    ) -> None:
         """``bound``: count no more than the configuration lets each group run."""
         self.ledger = ledger
         self.heartbeat_seconds = heartbeat_seconds
@@ -248,11 +279,16 @@ class StatementCollector(Collector):
 # Rejection reasons that do not begin with a field name, by how they begin: the label they count
 # under. Anything else is "other", so no caller can grow the label's values.
 _REASON_LABELS: Final = (
-    ("not valid JSON", "not_json"), ("not a JSON object", "not_an_object"),
-    ("duplicate key", "duplicate_key"), ("unknown key", "unknown_key"),
-    ("unknown team", "team"), ("token counts", "tokens"), ("request counts", "requests"),
-    ("memory", "memory"), ("replica counts", "replica_counts"),
-)  # fmt: skip
+    ("not valid JSON", "not_json"),
+    ("not a JSON object", "not_an_object"),
+    ("duplicate key", "duplicate_key"),
+    ("unknown key", "unknown_key"),
+    ("unknown team", "team"),
+    ("token counts", "tokens"),
+    ("request counts", "requests"),
+    ("memory", "memory"),
+    ("replica counts", "replica_counts"),
+)
 _LEADING_NAME: Final = re.compile(r"[a-z_]+")
 
 
@@ -275,15 +311,24 @@ class IngestCounters:
     _rejections (by the field or rule that refused a record, ``rejection_label``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.records = Counter("infermeter_billing_ingest_records", "Records received by ingest, by outcome.",
-                               ["kind", "outcome"], registry=registry)  # fmt: skip
-        self.batches = Counter("infermeter_billing_ingest_batches", "Batches acknowledged by ingest, by wire format.",
-                               ["kind", "format"], registry=registry)  # fmt: skip
+        self.records = Counter(
+            "infermeter_billing_ingest_records",
+            "Records received by ingest, by outcome.",
+            ["kind", "outcome"],
+            registry=registry,
+        )
+        self.batches = Counter(
+            "infermeter_billing_ingest_batches",
+            "Batches acknowledged by ingest, by wire format.",
+            ["kind", "format"],
+            registry=registry,
+        )
         self.rejections = Counter(
             "infermeter_billing_ingest_rejections",
             "Records ingest refused, by kind and the field or rule that refused them.",
-            ["kind", "reason"], registry=registry,
-        )  # fmt: skip
+            ["kind", "reason"],
+            registry=registry,
+        )
 
     def count(self, result: IngestResult, wire_format: str) -> None:
         """Count one acknowledged batch and what became of its records."""

@@ -133,8 +133,15 @@ class PriceBook:
 
     def scaled(self, factors: Mapping[str, float]) -> PriceBook:
         """This price book with every price of each pool in ``factors`` multiplied by its factor."""
-        return PriceBook(self.usd_per_gpu_hour, self.usd_per_kwh, self.order, self.nodes,
-                         self.patterns, self.rates, dict(factors))  # fmt: skip
+        return PriceBook(
+            self.usd_per_gpu_hour,
+            self.usd_per_kwh,
+            self.order,
+            self.nodes,
+            self.patterns,
+            self.rates,
+            dict(factors),
+        )
 
 
 def price_book(prices: Prices) -> PriceBook:
@@ -153,8 +160,15 @@ def price_book(prices: Prices) -> PriceBook:
 def _rate(pool: NodePool, entry: PoolPrice, prices: Prices) -> Rate:
     kwh = prices.usd_per_kwh if entry.usd_per_kwh is None else entry.usd_per_kwh
     pue = prices.pue if entry.pue is None else entry.pue
-    return Rate(pool.name, entry.from_, entry.category, entry_rate(entry), kwh * pue,
-                entry.committed_gpus, entry.sku)  # fmt: skip
+    return Rate(
+        pool.name,
+        entry.from_,
+        entry.category,
+        entry_rate(entry),
+        kwh * pue,
+        entry.committed_gpus,
+        entry.sku,
+    )
 
 
 def _lit(text: str) -> str:
@@ -172,8 +186,11 @@ def pool_name_sql(pool: str, gpu_model: str) -> str:
 
 def _default_kwh_sql(book: PriceBook) -> str:
     """SQL: USD per kWh (PUE included) of a GPU row priced by its GPU model, scaled if it is."""
-    scaled = [(m, f) for m in sorted(book.usd_per_gpu_hour)
-              if (f := book.scale.get(default_pool(m), 1.0)) != 1.0]  # fmt: skip
+    scaled = [
+        (m, f)
+        for m in sorted(book.usd_per_gpu_hour)
+        if (f := book.scale.get(default_pool(m), 1.0)) != 1.0
+    ]
     if not scaled:
         return _num(book.usd_per_kwh)
     whens = " ".join(

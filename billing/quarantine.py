@@ -54,8 +54,9 @@ class KnownFleet:
         )
 
 
-def known_tables(con: duckdb.DuckDBPyConnection, teams: Sequence[str],
-                 fleet: KnownFleet | None) -> None:  # fmt: skip
+def known_tables(
+    con: duckdb.DuckDBPyConnection, teams: Sequence[str], fleet: KnownFleet | None
+) -> None:
     """(Re)create the temp tables the trust checks read; the fleet's are empty without one."""
     con.execute("CREATE OR REPLACE TEMP TABLE _known_teams (name VARCHAR)")
     con.execute("CREATE OR REPLACE TEMP TABLE _known_models (name VARCHAR)")
@@ -100,8 +101,13 @@ class Unopened:
     reason: str
 
 
-def keep_unopened(con: duckdb.DuckDBPyConnection, kind: RecordKind, lines: Sequence[Unopened],
-                  writer: str | None, now: float) -> list[tuple[str, str]]:  # fmt: skip
+def keep_unopened(
+    con: duckdb.DuckDBPyConnection,
+    kind: RecordKind,
+    lines: Sequence[Unopened],
+    writer: str | None,
+    now: float,
+) -> list[tuple[str, str]]:
     """Keep ``lines`` in ``quarantine`` (once each); their (id, reason), ids from the lines.
 
     ``writer``: the credential that sent them (it did not seal them, or they would have opened).

@@ -83,9 +83,14 @@ def auto_step(start: float, end: float, max_points: int = MAX_POINTS) -> int:
     return STEPS[-1]
 
 
-def params_from(start: float, end: float, step: int | None = None, team: str | None = None,
-                model: str | None = None,
-                coverage: Mapping[tuple[str, int], tuple[int, int]] | None = None) -> QueryParams:  # fmt: skip
+def params_from(
+    start: float,
+    end: float,
+    step: int | None = None,
+    team: str | None = None,
+    model: str | None = None,
+    coverage: Mapping[tuple[str, int], tuple[int, int]] | None = None,
+) -> QueryParams:
     """Checked parameters: the range widened to whole slots; ValueError naming a bad value."""
     if not (math.isfinite(start) and math.isfinite(end)) or end <= start:
         raise ValueError(f"the range must have to > from (from={start}, to={end})")
@@ -155,9 +160,18 @@ def _sums(*columns: str) -> str:
     return ", ".join(f"sum({c})" for c in columns)
 
 
-_USAGE_SUMS = _sums("inflight_seconds", "requests", "failed_requests", "prompt_tokens",
-                    "cached_prompt_tokens", "completion_tokens", "ttft_seconds_sum", "ttft_count",
-                    "ttft_within_sla", "decode_seconds_sum")  # fmt: skip
+_USAGE_SUMS = _sums(
+    "inflight_seconds",
+    "requests",
+    "failed_requests",
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "completion_tokens",
+    "ttft_seconds_sum",
+    "ttft_count",
+    "ttft_within_sla",
+    "decode_seconds_sum",
+)
 _ENGINE_RAW = (
     'SELECT replica, coalesce(instance, replica) AS instance, model, CAST(floor("timestamp" / 60) AS BIGINT) AS slot, '
     "requests_running AS running_sum, requests_waiting AS waiting_sum, "
@@ -166,22 +180,51 @@ _ENGINE_RAW = (
 )
 # "_all" copies sum every team into team '*': what the admin's fleet-wide charts read.
 COPIES: Final[Mapping[str, Copy]] = {
-    "usage_slots": Copy(_slot_table("usage_slots"), "replica, instance, team, model", _USAGE_SUMS,
-                        "SELECT min(slot) FROM usage_slots"),
-    "usage_slots_all": Copy(_slot_table("usage_slots"), "replica, instance, '*' AS team, model", _USAGE_SUMS,
-                            "SELECT min(slot) FROM usage_slots"),
-    "ttft_buckets": Copy(_slot_table("ttft_buckets"), "model, team", "bucket, sum(requests)",
-                         "SELECT min(slot) FROM ttft_buckets"),
-    "ttft_buckets_all": Copy(_slot_table("ttft_buckets"), "model, '*' AS team", "bucket, sum(requests)",
-                             "SELECT min(slot) FROM ttft_buckets"),
-    "gpu_slots": Copy(_slot_table("gpu_slots"), "node, gpu_model, replica, instance",
-                      _sums("gpu_seconds", "energy_joules", "unmeasured_seconds", "utilization_seconds",
-                            "power_watt_seconds", "samples", "xid_errors"),
-                      "SELECT min(slot) FROM gpu_slots"),
-    "engine_samples": Copy(_ENGINE_RAW, "replica, instance, model",
-                           "sum(running_sum), sum(waiting_sum), max(waiting_max), sum(kv_sum), sum(n)",
-                           'SELECT CAST(floor(min("timestamp") / 60) AS BIGINT) FROM engine_samples'),
-}  # fmt: skip
+    "usage_slots": Copy(
+        _slot_table("usage_slots"),
+        "replica, instance, team, model",
+        _USAGE_SUMS,
+        "SELECT min(slot) FROM usage_slots",
+    ),
+    "usage_slots_all": Copy(
+        _slot_table("usage_slots"),
+        "replica, instance, '*' AS team, model",
+        _USAGE_SUMS,
+        "SELECT min(slot) FROM usage_slots",
+    ),
+    "ttft_buckets": Copy(
+        _slot_table("ttft_buckets"),
+        "model, team",
+        "bucket, sum(requests)",
+        "SELECT min(slot) FROM ttft_buckets",
+    ),
+    "ttft_buckets_all": Copy(
+        _slot_table("ttft_buckets"),
+        "model, '*' AS team",
+        "bucket, sum(requests)",
+        "SELECT min(slot) FROM ttft_buckets",
+    ),
+    "gpu_slots": Copy(
+        _slot_table("gpu_slots"),
+        "node, gpu_model, replica, instance",
+        _sums(
+            "gpu_seconds",
+            "energy_joules",
+            "unmeasured_seconds",
+            "utilization_seconds",
+            "power_watt_seconds",
+            "samples",
+            "xid_errors",
+        ),
+        "SELECT min(slot) FROM gpu_slots",
+    ),
+    "engine_samples": Copy(
+        _ENGINE_RAW,
+        "replica, instance, model",
+        "sum(running_sum), sum(waiting_sum), max(waiting_max), sum(kv_sum), sum(n)",
+        'SELECT CAST(floor(min("timestamp") / 60) AS BIGINT) FROM engine_samples',
+    ),
+}
 
 
 def rollup_table(name: str, period: int) -> str:
@@ -456,8 +499,9 @@ def _quoted(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def explorer_gpu_sql(p: QueryParams, usd_per_gpu_hour: Mapping[str, float],
-                     usd_per_kwh: float) -> Sql:  # fmt: skip
+def explorer_gpu_sql(
+    p: QueryParams, usd_per_gpu_hour: Mapping[str, float], usd_per_kwh: float
+) -> Sql:
     """Per instance (and group), hour, node and GPU model: cost at the price book, GPU-hours, kWh.
 
     ``usd_per_kwh`` includes the PUE. GPU models without a price are left out, as the

@@ -144,8 +144,9 @@ class RateCache:
     Asks that arrive while it is computed wait for that computation rather than start another.
     """
 
-    def __init__(self, ttl_seconds: float = TTL_SECONDS,
-                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+    def __init__(
+        self, ttl_seconds: float = TTL_SECONDS, clock: Callable[[], float] = time.time
+    ) -> None:
         self.ttl_seconds = ttl_seconds
         self.clock = clock
         self._lock = threading.Lock()

@@ -280,8 +280,13 @@ _RECORDS_IN_RANGE = (
 )
 
 
-def reconciliation_sql(first_hour: int, end_hour: int, model: str | None = None,
-                       usage: str = "usage", engine: str = "engine_samples") -> Sql:  # fmt: skip
+def reconciliation_sql(
+    first_hour: int,
+    end_hour: int,
+    model: str | None = None,
+    usage: str = "usage",
+    engine: str = "engine_samples",
+) -> Sql:
     """Per instance and hour in ``first_hour``..``end_hour`` (Unix hours): engine, ledger, difference.
 
     Columns: ``t`` (the hour's start, Unix seconds), ``instance``, ``replica`` (its group),
@@ -369,10 +374,16 @@ def hour_runs(hours: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def rollup_reconciliation_sql(first_hour: int, end_hour: int, unsummed: Sequence[int],
-                              model: str | None = None, usage: str = "usage",
-                              hours_table: str = "usage_hours",
-                              edges: str = "usage_edges", tails: str = "_tails") -> Sql:  # fmt: skip
+def rollup_reconciliation_sql(
+    first_hour: int,
+    end_hour: int,
+    unsummed: Sequence[int],
+    model: str | None = None,
+    usage: str = "usage",
+    hours_table: str = "usage_hours",
+    edges: str = "usage_edges",
+    tails: str = "_tails",
+) -> Sql:
     """``reconciliation_sql``'s rows from the rollups, over ``_windows`` (``windows_sql``).
 
     Tokens of summed records come from ``hours_table`` per instance-hour, each added to the
@@ -438,8 +449,13 @@ def _tails(con: duckdb.DuckDBPyConnection, values: dict[str, Any]) -> None:
     con.execute(f"CREATE OR REPLACE TEMP TABLE _tails AS {hangups.tails_sql('_bounded', others)}")
 
 
-def reconcile(con: duckdb.DuckDBPyConnection, first_hour: int, end_hour: int,
-              model: str | None = None, tails: bool = True) -> str:  # fmt: skip
+def reconcile(
+    con: duckdb.DuckDBPyConnection,
+    first_hour: int,
+    end_hour: int,
+    model: str | None = None,
+    tails: bool = True,
+) -> str:
     """Reconcile the ledger's hours ``first_hour``..``end_hour`` on ``con`` from its rollups.
 
     Leaves ``reconciliation_sql``'s rows in temp table ``_reconciliation`` and returns its name;
@@ -511,20 +527,26 @@ def claim_rows(hourly: pl.DataFrame, policy: Policy) -> pl.DataFrame:
     completion_tokens, then ``MONEY`` (floats): the claim, which ``billing.charges.charge``
     takes out of the instance's idle capacity in micro-cents, never beyond it.
     """
-    teams = {r: (owner if rule == "owner" and owner else policy.platform_account)
-             for r, (rule, owner) in policy.idle.items()}  # fmt: skip
+    teams = {
+        r: (owner if rule == "owner" and owner else policy.platform_account)
+        for r, (rule, owner) in policy.idle.items()
+    }
     keys = ["replica", "instance", "team", "model"]
     return (
         hourly.with_columns(
             pl.col(*MONEY).cast(pl.Float64),
             team=pl.col("replica").replace_strict(teams, default=policy.platform_account),
-            model=pl.col("replica").replace_strict(dict(policy.replica_model), default=pl.col("model"))
+            model=pl.col("replica").replace_strict(
+                dict(policy.replica_model), default=pl.col("model")
+            )
             + UNATTRIBUTED_SUFFIX,
         )
         .group_by(keys)
-        .agg(pl.col("prompt_tokens", "completion_tokens").sum().cast(pl.Int64), pl.col(*MONEY).sum())
+        .agg(
+            pl.col("prompt_tokens", "completion_tokens").sum().cast(pl.Int64), pl.col(*MONEY).sum()
+        )
         .sort(keys)
-    )  # fmt: skip
+    )
 
 
 def tail_lines(tails: pl.DataFrame) -> pl.DataFrame:

@@ -29,8 +29,16 @@ __all__ = ["reconfigure", "record_reload", "restart_needed"]
 
 # Billing's settings a running process cannot change.
 # The federation's settings too: a central's puller takes them when the service starts.
-_FIXED = ("listen", "database", "memory_limit", "threads", "writer_secret_env", "role", "clusters",
-          "federation")  # fmt: skip
+_FIXED = (
+    "listen",
+    "database",
+    "memory_limit",
+    "threads",
+    "writer_secret_env",
+    "role",
+    "clusters",
+    "federation",
+)
 
 
 def restart_needed(old: Config, new: Config) -> list[str]:
@@ -47,8 +55,9 @@ def reconfigure(app: FastAPI, config: Config) -> None:
     """Make ``config`` the one every route of ``app`` works by."""
     svc: Services = app.state.services
     teams = [t.name for t in config.teams]
-    svc.ledger.reconfigure(teams, {m.name: m.sla.ttft_p95_seconds for m in config.models},
-                           KnownFleet.of(config))  # fmt: skip
+    svc.ledger.reconfigure(
+        teams, {m.name: m.sla.ttft_p95_seconds for m in config.models}, KnownFleet.of(config)
+    )
     svc.chargeback.reconfigure(config)
     svc.statements.reconfigure(config)
     ring = keyring(config)
@@ -71,8 +80,14 @@ def _id_tokens(svc: Services, config: Config) -> IdTokens | None:
 def record_reload(app: FastAPI, action: str, trigger: str, why: str) -> None:
     """Billing's reload (or refusal) on the audit trail."""
     svc: Services = app.state.services
-    event = audit_event(action, f"operator ({trigger})", "operator", "billing",
-                        target="configuration", why=why,
-                        outcome="ok" if action == "config.reloaded" else "refused")  # fmt: skip
+    event = audit_event(
+        action,
+        f"operator ({trigger})",
+        "operator",
+        "billing",
+        target="configuration",
+        why=why,
+        outcome="ok" if action == "config.reloaded" else "refused",
+    )
     with svc.ledger.writing() as cur:
         audit.append(cur, [event], time.time())

@@ -31,8 +31,14 @@ class Rollups:
     cost tens of milliseconds; the first, over the whole ledger, runs when the app is made.
     """
 
-    def __init__(self, ledger: Ledger, interval_seconds: float = 60.0, settle_seconds: float = 120.0,
-                 reroll_minutes: int = 180, keep_5m_days: int = 3) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ledger: Ledger,
+        interval_seconds: float = 60.0,
+        settle_seconds: float = 120.0,
+        reroll_minutes: int = 180,
+        keep_5m_days: int = 3,
+    ) -> None:
         self._ledger = ledger
         self._interval = interval_seconds
         self._settle = settle_seconds
@@ -85,8 +91,15 @@ class Rollups:
                 self._ledger.retouch(touched)
             raise
 
-    def _refresh_one(self, cur: duckdb.DuckDBPyConnection, name: str, period: int,
-                     first: int, now: float, touched: tuple[float, float] | None = None) -> None:  # fmt: skip
+    def _refresh_one(
+        self,
+        cur: duckdb.DuckDBPyConnection,
+        name: str,
+        period: int,
+        first: int,
+        now: float,
+        touched: tuple[float, float] | None = None,
+    ) -> None:
         done = int((now - self._settle) // 60) // period * period
         old = self.coverage().get((name, period))
         start = first // period * period

@@ -667,12 +667,25 @@ ALTER TABLE federated_months ADD COLUMN IF NOT EXISTS prices VARCHAR;
 """
 
 MIGRATIONS: Final[tuple[str, ...]] = (
-    _V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10, _V11, _ARCHIVE, _USAGE_TAGS, _INVOICES,
+    _V1,
+    _V2,
+    _V3,
+    _V4,
+    _V5,
+    _V6,
+    _V7,
+    _V8,
+    _V9,
+    _V10,
+    _V11,
+    _ARCHIVE,
+    _USAGE_TAGS,
+    _INVOICES,
     _ALLOC_HOURS_CACHED,
     _STATEMENT_BASES,
     _FEDERATED_LINES,
     _FEDERATED_PRICES,
-)  # fmt: skip
+)
 LATEST_VERSION: Final = len(MIGRATIONS)
 # The migration that makes ``usage_tags`` (its backfill runs with it).
 USAGE_TAGS_VERSION: Final = MIGRATIONS.index(_USAGE_TAGS) + 1

@@ -50,8 +50,9 @@ def open_ledger(config: Config, database: str | None = None) -> Ledger:
     )
 
 
-def billing_server(config: Config, ledger: Ledger, host: str, port: int,
-                   app: FastAPI | None = None) -> uvicorn.Server:  # fmt: skip
+def billing_server(
+    config: Config, ledger: Ledger, host: str, port: int, app: FastAPI | None = None
+) -> uvicorn.Server:
     """The billing API (``app``, or one made over ``ledger``) on ``host:port``, with the
     connection cap and deadlines of its settings."""
     b = config.billing
@@ -75,8 +76,14 @@ def metrics_export(app: FastAPI, environ: Mapping[str, str]) -> MetricsExport | 
     from infermeter.otlp_export import make_metrics_export
 
     services = app.state.services
-    return make_metrics_export(otlp_settings(environ), "infermeter-billing", "infermeter.billing", {},
-                               [CostExport(services.statements).produce], services.registry)  # fmt: skip
+    return make_metrics_export(
+        otlp_settings(environ),
+        "infermeter-billing",
+        "infermeter.billing",
+        {},
+        [CostExport(services.statements).produce],
+        services.registry,
+    )
 
 
 def _reloading(app: FastAPI, config: Config, path: Path, listen: str) -> asyncio.Task[None]:
@@ -126,8 +133,11 @@ async def serve_billing(
             "on 127.0.0.1 only"
         )
     if not secret and not b.shared_ingest_token:
-        log.warning("billing: $%s is not set and billing.shared_ingest_token is false: no "
-                    "writer can send records (docs/security.md)", b.writer_secret_env)  # fmt: skip
+        log.warning(
+            "billing: $%s is not set and billing.shared_ingest_token is false: no "
+            "writer can send records (docs/security.md)",
+            b.writer_secret_env,
+        )
     ledger = open_ledger(config, database)
     try:
         log.info(

@@ -57,8 +57,11 @@ def merged(lines: pl.DataFrame) -> pl.DataFrame:
 def unreconciled_of(reconciliation: pl.DataFrame) -> pl.DataFrame:
     """The unreconciled requests and tokens of ``reconciliation``'s instance-hours, per replica
     group and model (``infermeter.statement.UNRECONCILED_SCHEMA``), those with any."""
-    columns = {"unreconciled_requests": "requests", "unreconciled_prompt_tokens": "prompt_tokens",
-               "unreconciled_completion_tokens": "completion_tokens"}  # fmt: skip
+    columns = {
+        "unreconciled_requests": "requests",
+        "unreconciled_prompt_tokens": "prompt_tokens",
+        "unreconciled_completion_tokens": "completion_tokens",
+    }
     if reconciliation.height == 0:
         return pl.DataFrame(schema=UNRECONCILED_SCHEMA)
     return (
@@ -90,8 +93,13 @@ def cents_lines(month: str, lines: pl.DataFrame) -> pl.DataFrame:
         if min(cells) < 0 and not models[i].startswith(ERROR_PREFIX)
     }
     for i in sorted(bad):
-        log.error("statement %s: line %s / %s has a negative amount %s; shown as an error line",
-                  month, lines["team"][i], models[i], rows[i])  # fmt: skip
+        log.error(
+            "statement %s: line %s / %s has a negative amount %s; shown as an error line",
+            month,
+            lines["team"][i],
+            models[i],
+            rows[i],
+        )
         models[i] = unroundable_model(models[i])
     priced = [i for i, m in enumerate(models) if not m.startswith(ERROR_PREFIX)]
     rounded = largest_remainder([c for i in priced for c in rows[i]])
@@ -102,12 +110,18 @@ def cents_lines(month: str, lines: pl.DataFrame) -> pl.DataFrame:
     return lines.select(
         pl.lit(month).alias("month"),
         pl.lit(month).alias("for_month"),
-        "team", pl.Series("model", models, dtype=pl.String), *COUNT_COLUMNS,
+        "team",
+        pl.Series("model", models, dtype=pl.String),
+        *COUNT_COLUMNS,
         pl.Series("compute_cents", compute, dtype=pl.Int64),
         pl.Series("energy_cents", energy, dtype=pl.Int64),
         pl.Series("idle_cents", idle, dtype=pl.Int64),
-        pl.Series("total_cents", [a + b + c for a, b, c in zip(compute, energy, idle, strict=True)], dtype=pl.Int64),
-    ).cast(LINE_SCHEMA)  # type: ignore[arg-type]  # fmt: skip
+        pl.Series(
+            "total_cents",
+            [a + b + c for a, b, c in zip(compute, energy, idle, strict=True)],
+            dtype=pl.Int64,
+        ),
+    ).cast(LINE_SCHEMA)  # type: ignore[arg-type]
 
 
 def unroundable_model(model: str) -> str:
@@ -138,9 +152,14 @@ def adjustment_lines(
     nonzero = pl.any_horizontal(
         pl.col(c) != 0 for c in (*CENT_COLUMNS, "requests", "prompt_tokens", "completion_tokens")
     )
-    return diff.filter(nonzero).select(
-        pl.lit(month).alias("month"), pl.lit(for_month).alias("for_month"), *keys, *value_cols
-    ).cast(LINE_SCHEMA).sort(keys)  # type: ignore[arg-type]  # fmt: skip
+    return (
+        diff.filter(nonzero)
+        .select(
+            pl.lit(month).alias("month"), pl.lit(for_month).alias("for_month"), *keys, *value_cols
+        )
+        .cast(LINE_SCHEMA)  # type: ignore[arg-type]
+        .sort(keys)
+    )
 
 
 def error_lines(lines: pl.DataFrame) -> pl.DataFrame:
@@ -175,11 +194,13 @@ def team_totals(lines: pl.DataFrame, teams: Sequence[str]) -> dict[str, int]:
 
 # What each cent column of a line is split by: the same money per instance.
 _SPLIT_BY: Final = {
-    "compute_cents": "compute_microcents", "energy_cents": "energy_microcents",
+    "compute_cents": "compute_microcents",
+    "energy_cents": "energy_microcents",
     "idle_cents": "idle_microcents",
-    "requests": "requests", "prompt_tokens": "prompt_tokens",
+    "requests": "requests",
+    "prompt_tokens": "prompt_tokens",
     "completion_tokens": "completion_tokens",
-}  # fmt: skip
+}
 
 
 # Where an instance's row was served: its group, itself, and its GPUs' node pool, pricing

@@ -54,8 +54,14 @@ class CachedChargeback(Chargeback):
     costs one computation (``computations`` counts them).
     """
 
-    def __init__(self, ledger: Ledger, config: Config, ttl_seconds: float,
-                 max_entries: int = 36, clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ledger: Ledger,
+        config: Config,
+        ttl_seconds: float,
+        max_entries: int = 36,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         super().__init__(ledger, config)
         self.ttl_seconds = ttl_seconds
         self._max_entries = max_entries

@@ -217,8 +217,12 @@ def _knowledge_checks(fleet: bool) -> Mapping[str, tuple[Check, ...]]:
             _group_known(),
             _group_serves(),
         ]
-    return {USAGE.key: tuple(usage), GPU.key: tuple(gpu), ENGINE.key: tuple(engine),
-            INSTANCES.key: tuple(instances)}  # fmt: skip
+    return {
+        USAGE.key: tuple(usage),
+        GPU.key: tuple(gpu),
+        ENGINE.key: tuple(engine),
+        INSTANCES.key: tuple(instances),
+    }
 
 
 def trusted_sql(kind: RecordKind, checked: str, fleet: bool) -> str:

@@ -35,11 +35,12 @@ def register(actions: Any) -> None:
     take = actions.add_parser("backup", help="snapshot the ledger into a new directory")
     add_config(take, nested=True)
     take.add_argument(
-        "dest", metavar="DEST",
+        "dest",
+        metavar="DEST",
         help="through the service: the new backup's name, a directory under billing.backup_dir; "
         "with --database: a new directory; strftime fields are filled in (UTC), as in "
         "ledger-%%Y%%m%%dT%%H%%M%%SZ",
-    )  # fmt: skip
+    )
     take.add_argument("--database", metavar="PATH", help="this file, the service stopped")
     take.set_defaults(handler=_backup)
     back = actions.add_parser("restore", help="replace the ledger file with a backup")

@@ -127,8 +127,9 @@ class WriterGate:
         return Opened(list(groups.values()), unopened)
 
 
-def merge(kind: str, parts: Sequence[tuple[IngestResult, Sequence[int]]],
-          unopened: Sequence[Rejection]) -> IngestResult:  # fmt: skip
+def merge(
+    kind: str, parts: Sequence[tuple[IngestResult, Sequence[int]]], unopened: Sequence[Rejection]
+) -> IngestResult:
     """One answer for a sealed batch from its writers' answers (each with the places of its
     records in the batch, so an id-less record's ``#<n>`` names its place in the whole batch)."""
     accepted = sum(r.accepted for r, _ in parts)

@@ -128,8 +128,14 @@ def listing(directory: Path, keep_nonces_seconds: float = 0.0) -> Listing:
             others += [f"{entry.name}/{p.name}" for p in entry.iterdir() if p.name != LOCK]
         elif entry.name not in (LOCK, ISSUED_KEYS):  # the issued keys are a cache of billing's
             others.append(entry.name)
-    return Listing(usage, segments[INSTANCES], journals, tuple(sorted(others)),
-                   segments[BUDGET_OVERRIDES], recent)  # fmt: skip
+    return Listing(
+        usage,
+        segments[INSTANCES],
+        journals,
+        tuple(sorted(others)),
+        segments[BUDGET_OVERRIDES],
+        recent,
+    )
 
 
 class Leftovers:
@@ -190,11 +196,20 @@ class AdoptionMetrics:
 class Adopter:
     """Each round: lock every unlocked spool directory under ``root``, ship it, remove it."""
 
-    def __init__(self, root: Path, ingest_url: str, token: str | None, client: httpx.AsyncClient,
-                 metrics: AdoptionMetrics, shipper_metrics: ShipperMetrics | None = None,
-                 interval_seconds: float = 10.0, max_wait_seconds: float = 5.0,
-                 exclude: Iterable[Path] = (), keep_nonces_seconds: float = 0.0,
-                 credential: Credential | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        root: Path,
+        ingest_url: str,
+        token: str | None,
+        client: httpx.AsyncClient,
+        metrics: AdoptionMetrics,
+        shipper_metrics: ShipperMetrics | None = None,
+        interval_seconds: float = 10.0,
+        max_wait_seconds: float = 5.0,
+        exclude: Iterable[Path] = (),
+        keep_nonces_seconds: float = 0.0,
+        credential: Credential | None = None,
+    ) -> None:
         """``keep_nonces_seconds``: how long after its last write a sidecar's gateway nonces
         keep its directory (twice the gateway's skew window: see the module docstring).
         ``credential``: the collector's own; the gone sidecar's lines keep the instance's seals,
@@ -288,8 +303,15 @@ class Adopter:
             path = directory / sub if sub else directory
             if not any(path.glob("seg-*.jsonl")):
                 continue
-            shipper = Shipper(Leftovers(path), self.ingest_url, self.token, kind, self.client,
-                              metrics=self.shipper_metrics, credential=self.credential)  # fmt: skip
+            shipper = Shipper(
+                Leftovers(path),
+                self.ingest_url,
+                self.token,
+                kind,
+                self.client,
+                metrics=self.shipper_metrics,
+                credential=self.credential,
+            )
             ok = await shipper.ship_round(self.max_wait_seconds)
             shipped += shipper.shipped
             self.metrics.records.labels(kind).inc(shipper.shipped)

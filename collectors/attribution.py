@@ -102,8 +102,12 @@ class Placements:
         return None
 
 
-def owner_of(reading: GpuReading, replicas: Sequence[Replica],
-             placements: Placements | None = None, name_rule: bool = False) -> Owner:  # fmt: skip
+def owner_of(
+    reading: GpuReading,
+    replicas: Sequence[Replica],
+    placements: Placements | None = None,
+    name_rule: bool = False,
+) -> Owner:
     """The replica group and instance that run on ``reading``'s GPU or MIG slice.
 
     ``placements``: the instances discovery found (None: no discovery, the pod-name rule).
@@ -132,8 +136,9 @@ def _by_name(reading: GpuReading, replicas: Sequence[Replica]) -> Owner:
     return Owner(by_pod, reading.pod if by_pod is not None else None)
 
 
-def attribute(reading: GpuReading, replicas: Sequence[Replica],
-              placements: Placements | None = None) -> Replica | None:  # fmt: skip
+def attribute(
+    reading: GpuReading, replicas: Sequence[Replica], placements: Placements | None = None
+) -> Replica | None:
     """The replica that runs on ``reading``'s GPU or MIG slice, or None."""
     return owner_of(reading, replicas, placements).replica
 

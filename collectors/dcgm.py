@@ -138,8 +138,12 @@ class DcgmSource:
         return readings
 
 
-async def fetch_text(client: httpx.AsyncClient, url: str, timeout_seconds: float,
-                     headers: dict[str, str] | None = None) -> str:  # fmt: skip
+async def fetch_text(
+    client: httpx.AsyncClient,
+    url: str,
+    timeout_seconds: float,
+    headers: dict[str, str] | None = None,
+) -> str:
     """GET ``url`` and return its body; ScrapeError on any HTTP failure or non-200 answer."""
     try:
         response = await client.get(url, timeout=timeout_seconds, headers=headers)

@@ -85,9 +85,16 @@ class RegistryPoller(_Watcher):
 
     source = "registry"
 
-    def __init__(self, billing_url: str, client: httpx.AsyncClient, replicas: Sequence[Replica],
-                 on_targets: OnTargets, token: str | None = None, refresh_seconds: float = 30.0,
-                 timeout_seconds: float = 5.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        billing_url: str,
+        client: httpx.AsyncClient,
+        replicas: Sequence[Replica],
+        on_targets: OnTargets,
+        token: str | None = None,
+        refresh_seconds: float = 30.0,
+        timeout_seconds: float = 5.0,
+    ) -> None:
         super().__init__(on_targets)
         self.url = billing_url.rstrip("/") + "/v1/instances"
         self.client = client
@@ -99,8 +106,12 @@ class RegistryPoller(_Watcher):
     async def poll_once(self) -> bool:
         """Ask the registry once; True when the set was read (and published)."""
         try:
-            response = await self.client.get(self.url, params={"state": "live"},
-                                              headers=self.headers, timeout=self.timeout_seconds)  # fmt: skip
+            response = await self.client.get(
+                self.url,
+                params={"state": "live"},
+                headers=self.headers,
+                timeout=self.timeout_seconds,
+            )
             if response.status_code != 200:
                 raise DiscoveryError(f"{self.url}: HTTP {response.status_code}")
             targets = registry_targets(orjson.loads(response.content), self.replicas)
@@ -123,11 +134,22 @@ class PodWatcher(_Watcher):
 
     source = "kubernetes"
 
-    def __init__(self, api_url: str, namespace: str, label_selector: str, client: httpx.AsyncClient,
-                 replicas: Sequence[Replica], on_targets: OnTargets, *, rules: PodRules | None = None,
-                 node_name: str | None = None, token: str | None = None,
-                 token_file: Path | None = None, watch_timeout_seconds: int = 300,
-                 retry_seconds: float = 5.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        api_url: str,
+        namespace: str,
+        label_selector: str,
+        client: httpx.AsyncClient,
+        replicas: Sequence[Replica],
+        on_targets: OnTargets,
+        *,
+        rules: PodRules | None = None,
+        node_name: str | None = None,
+        token: str | None = None,
+        token_file: Path | None = None,
+        watch_timeout_seconds: int = 300,
+        retry_seconds: float = 5.0,
+    ) -> None:
         super().__init__(on_targets)
         self.url = f"{api_url.rstrip('/')}/api/v1/namespaces/{namespace}/pods"
         self.params = {"labelSelector": label_selector}
@@ -152,14 +174,20 @@ class PodWatcher(_Watcher):
             except Gone:
                 log.info("kubernetes: pod watch expired (410 Gone); listing again")
                 continue
-            except (httpx.HTTPError, orjson.JSONDecodeError, DiscoveryError, KubernetesApiError) as exc:  # fmt: skip
+            except (
+                httpx.HTTPError,
+                orjson.JSONDecodeError,
+                DiscoveryError,
+                KubernetesApiError,
+            ) as exc:
                 self.failed(f"{type(exc).__name__}: {exc}")
             await asyncio.sleep(self.retry_seconds)
 
     async def list(self) -> str:
         """List the pods, publish their targets, and return the list's resourceVersion."""
-        response = await self.client.get(self.url, params=self.params, headers=self._auth(),
-                                         timeout=30.0)  # fmt: skip
+        response = await self.client.get(
+            self.url, params=self.params, headers=self._auth(), timeout=30.0
+        )
         _check(response)
         targets, version = listed_pods(orjson.loads(response.content), self.replicas, self.rules)
         self.lists += 1
@@ -169,11 +197,17 @@ class PodWatcher(_Watcher):
 
     async def watch(self, version: str) -> str:
         """Follow the watch from ``version`` until the server ends it; the last version seen."""
-        params = {**self.params, "watch": "1", "resourceVersion": version,
-                  "allowWatchBookmarks": "true", "timeoutSeconds": str(self.watch_timeout_seconds)}  # fmt: skip
+        params = {
+            **self.params,
+            "watch": "1",
+            "resourceVersion": version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(self.watch_timeout_seconds),
+        }
         timeout = httpx.Timeout(30.0, read=self.watch_timeout_seconds + 30.0)
-        request = self.client.build_request("GET", self.url, params=params, headers=self._auth(),
-                                            timeout=timeout)  # fmt: skip
+        request = self.client.build_request(
+            "GET", self.url, params=params, headers=self._auth(), timeout=timeout
+        )
         response = await self.client.send(request, stream=True)
         try:
             if response.status_code != 200:
@@ -210,4 +244,6 @@ def _check(response: httpx.Response) -> None:
     if response.status_code == 410:
         raise Gone(response.text[:200])
     if response.status_code != 200:
-        raise DiscoveryError(f"{response.request.url.path}: HTTP {response.status_code}: {response.text[:200]}")  # fmt: skip
+        raise DiscoveryError(
+            f"{response.request.url.path}: HTTP {response.status_code}: {response.text[:200]}"
+        )

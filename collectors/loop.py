@@ -97,9 +97,14 @@ Sink = Callable[[Batch], Awaitable[None]]
 class FleetCollector:
     """Scrapes GPU and engine sources and keeps the joined fleet view."""
 
-    def __init__(self, config: Config, gpu_sources: Sequence[GpuSource],
-                 engine_sources: Sequence[EngineSource],
-                 clock: Callable[[], float] = time.time, max_concurrent_scrapes: int = 32) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Config,
+        gpu_sources: Sequence[GpuSource],
+        engine_sources: Sequence[EngineSource],
+        clock: Callable[[], float] = time.time,
+        max_concurrent_scrapes: int = 32,
+    ) -> None:
         self.config = config
         self.settings = config.collector
         self.gpu_sources = list(gpu_sources)
@@ -168,8 +173,11 @@ class FleetCollector:
             await sink(batch)
         except (SpoolError, OSError, ValueError) as exc:
             self.sink_errors_total += 1
-            log.error("collector could not spool %d samples: %s",
-                      len(batch.gpus) + len(batch.engines), exc)  # fmt: skip
+            log.error(
+                "collector could not spool %d samples: %s",
+                len(batch.gpus) + len(batch.engines),
+                exc,
+            )
             return
         # Only once the samples are on disk: the next start measures from what was spooled.
         if self.baseline is not None and batch.gpus:
@@ -268,8 +276,11 @@ class FleetCollector:
         state.slow_failures = state.slow_failures + 1 if slow else 0
         state.errors_total += 1
         state.last_error = reason
-        wait = backoff_seconds(state.slow_failures, self.settings.scrape_interval_seconds,
-                               self.settings.max_backoff_seconds)  # fmt: skip
+        wait = backoff_seconds(
+            state.slow_failures,
+            self.settings.scrape_interval_seconds,
+            self.settings.max_backoff_seconds,
+        )
         # Due again one interval early, so the next round that falls after the wait picks it up.
         state.next_attempt = self.clock() + wait - self.settings.scrape_interval_seconds
 
@@ -294,8 +305,9 @@ class FleetCollector:
             energy = measured.get(r.key)
             if energy is None:
                 point = Point(t, r.power_watts, r.energy_mj)
-                energy = measured[r.key] = interval_energy(self._last.get(r.key), point,
-                                                           self.gap_seconds)  # fmt: skip
+                energy = measured[r.key] = interval_energy(
+                    self._last.get(r.key), point, self.gap_seconds
+                )
                 self._last[r.key] = point
                 if energy.gap:
                     self.gaps_total += 1

@@ -29,8 +29,12 @@ from infermeter.records import EngineSample, GpuSample
 
 __all__ = ["FleetMetrics", "create_app", "scrapers"]
 
-_NEEDS_TOKEN = error_body(401, "The metrics endpoint needs the metrics or admin token.",
-                          "invalid_request_error", "invalid_api_key")  # fmt: skip
+_NEEDS_TOKEN = error_body(
+    401,
+    "The metrics endpoint needs the metrics or admin token.",
+    "invalid_request_error",
+    "invalid_api_key",
+)
 _JSON = (b"content-type", b"application/json")
 
 MIB = 2**20
@@ -77,7 +81,9 @@ class FleetMetrics(Collector):
         free = GaugeMetricFamily(
             "infermeter_gpu_memory_free_bytes", "Framebuffer memory free.", labels=GPU_LABELS
         )
-        xid = GaugeMetricFamily("infermeter_gpu_xid_errors", "Code of the last XID error (0: none).", labels=GPU_LABELS)  # fmt: skip
+        xid = GaugeMetricFamily(
+            "infermeter_gpu_xid_errors", "Code of the last XID error (0: none).", labels=GPU_LABELS
+        )
         for s in samples:
             labels = [s.node, s.gpu, s.uuid, s.replica or "", s.model or ""]
             util.add_metric(labels, s.utilization)
@@ -113,7 +119,11 @@ class FleetMetrics(Collector):
             "Framebuffer memory in use on the replica's GPUs.",
             labels=REPLICA_LABELS,
         )
-        gpus = GaugeMetricFamily("infermeter_replica_gpus", "GPUs (or MIG slices) attributed to the replica.", labels=REPLICA_LABELS)  # fmt: skip
+        gpus = GaugeMetricFamily(
+            "infermeter_replica_gpus",
+            "GPUs (or MIG slices) attributed to the replica.",
+            labels=REPLICA_LABELS,
+        )
         for (replica, model), group in sorted(by_replica.items()):
             labels = [replica, model]
             util.add_metric(labels, sum(s.utilization for s in group) / len(group))
@@ -131,7 +141,11 @@ class FleetMetrics(Collector):
             "Requests in the engine's running batch.",
             labels=REPLICA_LABELS,
         )
-        kv = GaugeMetricFamily("infermeter_replica_kv_cache_usage_ratio", "KV-cache blocks in use, 0 to 1.", labels=REPLICA_LABELS)  # fmt: skip
+        kv = GaugeMetricFamily(
+            "infermeter_replica_kv_cache_usage_ratio",
+            "KV-cache blocks in use, 0 to 1.",
+            labels=REPLICA_LABELS,
+        )
         # A group of several instances is one series: queues and batches add up, KV use is the mean.
         by_group: dict[tuple[str, str], list[EngineSample]] = defaultdict(list)
         for e in self.collector.engines.values():
@@ -154,12 +168,28 @@ class FleetMetrics(Collector):
             "Requests in one engine instance's running batch.",
             labels=INSTANCE_LABELS,
         )
-        kv = GaugeMetricFamily("infermeter_instance_kv_cache_usage_ratio", "KV-cache blocks in use in one engine instance, 0 to 1.", labels=INSTANCE_LABELS)  # fmt: skip
+        kv = GaugeMetricFamily(
+            "infermeter_instance_kv_cache_usage_ratio",
+            "KV-cache blocks in use in one engine instance, 0 to 1.",
+            labels=INSTANCE_LABELS,
+        )
         # The engine's own counters, passed on per instance: a sum over a group would fall when
         # one instance restarts, and rate() would read that as a reset of the whole group.
-        preempted = CounterMetricFamily("infermeter_instance_preemptions", "Sequences the engine preempted (vllm:num_preemptions).", labels=INSTANCE_LABELS)  # fmt: skip
-        queries = CounterMetricFamily("infermeter_instance_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vllm:prefix_cache_queries).", labels=INSTANCE_LABELS)  # fmt: skip
-        hits = CounterMetricFamily("infermeter_instance_prefix_cache_hits", "Prompt tokens found in the prefix cache (vllm:prefix_cache_hits).", labels=INSTANCE_LABELS)  # fmt: skip
+        preempted = CounterMetricFamily(
+            "infermeter_instance_preemptions",
+            "Sequences the engine preempted (vllm:num_preemptions).",
+            labels=INSTANCE_LABELS,
+        )
+        queries = CounterMetricFamily(
+            "infermeter_instance_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (vllm:prefix_cache_queries).",
+            labels=INSTANCE_LABELS,
+        )
+        hits = CounterMetricFamily(
+            "infermeter_instance_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (vllm:prefix_cache_hits).",
+            labels=INSTANCE_LABELS,
+        )
         for e in sorted(
             self.collector.engines.values(), key=lambda e: (e.replica, e.instance or "")
         ):
@@ -184,7 +214,11 @@ class FleetMetrics(Collector):
             "How long the last scrape of the target took.",
             labels=TARGET_LABELS,
         )
-        errors = CounterMetricFamily("infermeter_collector_scrape_errors", "Failed scrapes of the target.", labels=TARGET_LABELS)  # fmt: skip
+        errors = CounterMetricFamily(
+            "infermeter_collector_scrape_errors",
+            "Failed scrapes of the target.",
+            labels=TARGET_LABELS,
+        )
         for state in c.states.values():
             labels = [state.target, state.kind]
             up.add_metric(labels, 1.0 if state.up else 0.0)
@@ -201,7 +235,11 @@ class FleetMetrics(Collector):
             "Scrape rounds that failed unexpectedly.",
             value=c.round_errors_total,
         )
-        yield CounterMetricFamily("infermeter_collector_spool_errors", "Batches of samples that could not be spooled.", value=c.sink_errors_total)  # fmt: skip
+        yield CounterMetricFamily(
+            "infermeter_collector_spool_errors",
+            "Batches of samples that could not be spooled.",
+            value=c.sink_errors_total,
+        )
 
 
 def scrapers(config: Config) -> KeyRing | None:
@@ -222,8 +260,11 @@ def _allowed(ring: KeyRing | None, scope: Scope) -> bool:
     return True
 
 
-def create_app(collector: FleetCollector, registry: CollectorRegistry | None = None,
-               scraper_keys: KeyRing | None = None) -> Callable[[Scope, Receive, Send], Awaitable[None]]:  # fmt: skip
+def create_app(
+    collector: FleetCollector,
+    registry: CollectorRegistry | None = None,
+    scraper_keys: KeyRing | None = None,
+) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The collector's ASGI app: ``/metrics`` (fleet view) and ``/healthz``.
 
     ``scraper_keys``: the tokens ``/metrics`` asks for (``scrapers``); None serves it to anyone.

@@ -40,8 +40,13 @@ MIB = 2**20
 
 def gpu_attributes(s: GpuSample) -> dict[str, str | int | float | bool]:
     """The conventions' attributes of one GPU, and ours for what it serves."""
-    attrs: dict[str, str | int | float | bool] = {"hw.id": s.uuid, "hw.type": "gpu", "hw.name": s.gpu,
-                                                  "hw.model": s.gpu_model, "infermeter.node": s.node}  # fmt: skip
+    attrs: dict[str, str | int | float | bool] = {
+        "hw.id": s.uuid,
+        "hw.type": "gpu",
+        "hw.name": s.gpu,
+        "hw.model": s.gpu_model,
+        "infermeter.node": s.node,
+    }
     if s.replica:
         attrs["infermeter.replica"] = s.replica
     if s.model:
@@ -64,12 +69,37 @@ class GpuExport:
         ]
         energy = [(a, c.gpu_energy_joules.get((s.node, s.gpu), 0.0)) for a, s in samples]
         return [
-            gauge("hw.gpu.utilization", "1", "Fraction of time spent in a specific task.", util, now_ns),
-            gauge("hw.power", "W", "Instantaneous power consumed by the component.",
-                  [(a, s.power_watts) for a, s in samples], now_ns),
-            monotonic_sum("hw.energy", "J", "Energy consumed by the component.", energy, start_ns, now_ns),
-            up_down_sum("hw.gpu.memory.usage", "By", "GPU memory used.",
-                        [(a, s.memory_used_mib * MIB) for a, s in samples], start_ns, now_ns),
-            up_down_sum("hw.gpu.memory.limit", "By", "Size of the GPU memory.",
-                        [(a, (s.memory_used_mib + s.memory_free_mib) * MIB) for a, s in samples], start_ns, now_ns),
-        ]  # fmt: skip
+            gauge(
+                "hw.gpu.utilization",
+                "1",
+                "Fraction of time spent in a specific task.",
+                util,
+                now_ns,
+            ),
+            gauge(
+                "hw.power",
+                "W",
+                "Instantaneous power consumed by the component.",
+                [(a, s.power_watts) for a, s in samples],
+                now_ns,
+            ),
+            monotonic_sum(
+                "hw.energy", "J", "Energy consumed by the component.", energy, start_ns, now_ns
+            ),
+            up_down_sum(
+                "hw.gpu.memory.usage",
+                "By",
+                "GPU memory used.",
+                [(a, s.memory_used_mib * MIB) for a, s in samples],
+                start_ns,
+                now_ns,
+            ),
+            up_down_sum(
+                "hw.gpu.memory.limit",
+                "By",
+                "Size of the GPU memory.",
+                [(a, (s.memory_used_mib + s.memory_free_mib) * MIB) for a, s in samples],
+                start_ns,
+                now_ns,
+            ),
+        ]

@@ -55,8 +55,9 @@ BASELINE_FILE = "gpu-baseline.json"
 ENGINE_KIND = "engine_samples"
 
 
-def build_collector(config: Config, client: httpx.AsyncClient,
-                    environ: Mapping[str, str] | None = None) -> FleetCollector:  # fmt: skip
+def build_collector(
+    config: Config, client: httpx.AsyncClient, environ: Mapping[str, str] | None = None
+) -> FleetCollector:
     """A collector over the configuration's sources: dcgm-exporter per node (or local NVML).
 
     Engines are the configured replicas under static discovery; otherwise none until the
@@ -71,8 +72,9 @@ def build_collector(config: Config, client: httpx.AsyncClient,
         gpu_sources = [NvmlSource(node)]
     elif settings.dcgm_exporter_url:
         node = env.get(settings.node_name_env) or socket.gethostname()
-        gpu_sources = [DcgmSource(node, settings.dcgm_exporter_url, client,
-                                  settings.scrape_timeout_seconds)]  # fmt: skip
+        gpu_sources = [
+            DcgmSource(node, settings.dcgm_exporter_url, client, settings.scrape_timeout_seconds)
+        ]
     else:
         gpu_sources = [
             DcgmSource(n.name, n.dcgm_exporter_url, client, settings.scrape_timeout_seconds)
@@ -83,29 +85,48 @@ def build_collector(config: Config, client: httpx.AsyncClient,
     return FleetCollector(config, gpu_sources, engine_sources(config, static, client, env))
 
 
-def engine_sources(config: Config, targets: Mapping[str, EngineTarget],
-                   client: httpx.AsyncClient, environ: Mapping[str, str]) -> list[EngineSource]:  # fmt: skip
+def engine_sources(
+    config: Config,
+    targets: Mapping[str, EngineTarget],
+    client: httpx.AsyncClient,
+    environ: Mapping[str, str],
+) -> list[EngineSource]:
     """One vLLM source per target; the metrics token only to the sidecar relays that need it."""
     settings = config.collector
     token = environ.get(settings.metrics_token_env) or None
     return [
-        VllmSource(t.replica, t.url, client, settings.scrape_timeout_seconds,
-                   token if t.token else None, t.instance, t.node)
+        VllmSource(
+            t.replica,
+            t.url,
+            client,
+            settings.scrape_timeout_seconds,
+            token if t.token else None,
+            t.instance,
+            t.node,
+        )
         for t in targets.values()
-    ]  # fmt: skip
+    ]
 
 
-def registry_poller(config: Config, client: httpx.AsyncClient, on_targets: OnTargets,
-                    environ: Mapping[str, str]) -> RegistryPoller:  # fmt: skip
+def registry_poller(
+    config: Config, client: httpx.AsyncClient, on_targets: OnTargets, environ: Mapping[str, str]
+) -> RegistryPoller:
     """Engine targets from billing's instance registry, asked with the metrics token."""
     r = config.collector.registry
-    return RegistryPoller(r.url or config.billing.url, client, config.replicas, on_targets,
-                          environ.get(config.collector.metrics_token_env) or None,
-                          r.refresh_seconds, r.timeout_seconds)  # fmt: skip
+    return RegistryPoller(
+        r.url or config.billing.url,
+        client,
+        config.replicas,
+        on_targets,
+        environ.get(config.collector.metrics_token_env) or None,
+        r.refresh_seconds,
+        r.timeout_seconds,
+    )
 
 
-def pod_watcher(config: Config, on_targets: OnTargets,
-                environ: Mapping[str, str]) -> tuple[PodWatcher, httpx.AsyncClient]:  # fmt: skip
+def pod_watcher(
+    config: Config, on_targets: OnTargets, environ: Mapping[str, str]
+) -> tuple[PodWatcher, httpx.AsyncClient]:
     """Engine targets from the vLLM pods (on this node when its name is known), and the API's client.
 
     With no ``api_url`` the pod's service account: the in-cluster address, CA and token file.
@@ -122,16 +143,26 @@ def pod_watcher(config: Config, on_targets: OnTargets,
         token = None
         client = httpx.AsyncClient(verify=context)
     rules = PodRules(k.replica_label, k.sidecar_port, k.engine_metrics_path)
-    watcher = PodWatcher(api_url, k.namespace, k.label_selector, client, config.replicas,
-                         on_targets, rules=rules, node_name=environ.get(settings.node_name_env),
-                         token=token, token_file=token_file,
-                         watch_timeout_seconds=k.watch_timeout_seconds,
-                         retry_seconds=k.retry_seconds)  # fmt: skip
+    watcher = PodWatcher(
+        api_url,
+        k.namespace,
+        k.label_selector,
+        client,
+        config.replicas,
+        on_targets,
+        rules=rules,
+        node_name=environ.get(settings.node_name_env),
+        token=token,
+        token_file=token_file,
+        watch_timeout_seconds=k.watch_timeout_seconds,
+        retry_seconds=k.retry_seconds,
+    )
     return watcher, client
 
 
-def metrics_export(collector: FleetCollector, registry: CollectorRegistry,
-                   environ: Mapping[str, str]) -> MetricsExport | None:  # fmt: skip
+def metrics_export(
+    collector: FleetCollector, registry: CollectorRegistry, environ: Mapping[str, str]
+) -> MetricsExport | None:
     """The GPU readings over OTLP when the OTEL_* variables ask for it (``collectors.otlp_metrics``).
 
     The SDK is imported only then (its exporter reads the rest of the variables from the
@@ -142,13 +173,20 @@ def metrics_export(collector: FleetCollector, registry: CollectorRegistry,
     from collectors.otlp_metrics import SCHEMA_URL, GpuExport
     from infermeter.otlp_export import make_metrics_export
 
-    return make_metrics_export(otlp_settings(environ), "infermeter-collector", "infermeter.collector",
-                               {"service.instance.id": socket.gethostname()}, [GpuExport(collector).produce],
-                               registry, SCHEMA_URL)  # fmt: skip
+    return make_metrics_export(
+        otlp_settings(environ),
+        "infermeter-collector",
+        "infermeter.collector",
+        {"service.instance.id": socket.gethostname()},
+        [GpuExport(collector).produce],
+        registry,
+        SCHEMA_URL,
+    )
 
 
-def collector_credential(config: Config, collector: FleetCollector,
-                         environ: Mapping[str, str]) -> Credential | None:  # fmt: skip
+def collector_credential(
+    config: Config, collector: FleetCollector, environ: Mapping[str, str]
+) -> Credential | None:
     """The collector's writer credential (``collector.credential_env``; None when unset).
 
     WriterError when the variable holds another writer's. A node this collector reads GPUs of
@@ -158,8 +196,12 @@ def collector_credential(config: Config, collector: FleetCollector,
     if credential is not None:
         outside = sorted({s.target for s in collector.gpu_sources} - set(credential.writer.nodes))
         if outside:
-            log.error("collector: its credential (%s) does not cover node(s) %s: billing will "
-                      "quarantine their samples", credential.writer.principal, ", ".join(outside))  # fmt: skip
+            log.error(
+                "collector: its credential (%s) does not cover node(s) %s: billing will "
+                "quarantine their samples",
+                credential.writer.principal,
+                ", ".join(outside),
+            )
     return credential
 
 
@@ -232,21 +274,44 @@ async def serve_collector(config: Config, listen: str | None) -> None:
             token = os.environ.get(settings.ingest_token_env)
             shipped = ShipperMetrics(registry)
             for spool, kind in ((sink.gpus, GPU_KIND), (sink.engines, ENGINE_KIND)):
-                shipper = Shipper(spool, settings.ingest_url, token, kind, client, metrics=shipped,
-                                  credential=credential)  # fmt: skip
+                shipper = Shipper(
+                    spool,
+                    settings.ingest_url,
+                    token,
+                    kind,
+                    client,
+                    metrics=shipped,
+                    credential=credential,
+                )
                 shippers.append(shipper)
                 tasks.append(asyncio.create_task(shipper.run(), name=f"ship-{kind}"))
             if settings.adopt_spools_dir:
-                adopter = Adopter(Path(settings.adopt_spools_dir), settings.ingest_url, token, client,
-                                  AdoptionMetrics(registry), shipped, settings.scrape_interval_seconds,
-                                  exclude=[Path(settings.spool_dir)], credential=credential,
-                                  keep_nonces_seconds=2 * config.sidecar.gateway.max_skew_seconds)  # fmt: skip
+                adopter = Adopter(
+                    Path(settings.adopt_spools_dir),
+                    settings.ingest_url,
+                    token,
+                    client,
+                    AdoptionMetrics(registry),
+                    shipped,
+                    settings.scrape_interval_seconds,
+                    exclude=[Path(settings.spool_dir)],
+                    credential=credential,
+                    keep_nonces_seconds=2 * config.sidecar.gateway.max_skew_seconds,
+                )
                 tasks.append(asyncio.create_task(adopter.run(), name="adopt-spools"))
         elif settings.adopt_spools_dir:
-            log.warning("collector.adopt_spools_dir is set but collector.ingest_url is not: "
-                        "the spools of sidecars that are gone are not shipped")  # fmt: skip
-        log.info("collector: %d GPU targets, engines from %s discovery, /metrics on "
-                 "http://%s:%d/metrics", len(collector.gpu_sources), settings.discovery, host, port)  # fmt: skip
+            log.warning(
+                "collector.adopt_spools_dir is set but collector.ingest_url is not: "
+                "the spools of sidecars that are gone are not shipped"
+            )
+        log.info(
+            "collector: %d GPU targets, engines from %s discovery, /metrics on "
+            "http://%s:%d/metrics",
+            len(collector.gpu_sources),
+            settings.discovery,
+            host,
+            port,
+        )
         try:
             await server(create_app(collector, registry, scrapers(config)), host, port).serve()
         finally:

@@ -92,10 +92,11 @@ class PodRules:
 def static_targets(replicas: Sequence[Replica]) -> dict[str, EngineTarget]:
     """One target per configured replica; the token only where a relay URL was configured."""
     return {
-        r.id: EngineTarget(r.id, r.engine_metrics, token=r.engine_metrics_url is not None,
-                           node=r.node)
+        r.id: EngineTarget(
+            r.id, r.engine_metrics, token=r.engine_metrics_url is not None, node=r.node
+        )
         for r in replicas
-    }  # fmt: skip
+    }
 
 
 def registry_targets(answer: Any, replicas: Sequence[Replica]) -> dict[str, EngineTarget]:
@@ -119,17 +120,22 @@ def registry_targets(answer: Any, replicas: Sequence[Replica]) -> dict[str, Engi
             item.get("engine_metrics_url"),
         )
         if not isinstance(instance, str) or not isinstance(replica, str):
-            raise DiscoveryError(f"an instance entry has no instance or replica id: {str(item)[:120]!r}")  # fmt: skip
+            raise DiscoveryError(
+                f"an instance entry has no instance or replica id: {str(item)[:120]!r}"
+            )
         if item.get("state", "live") != "live" or not isinstance(url, str) or not url:
             continue
         if replica not in groups or not _RELAY.fullmatch(url):
             continue
         node, namespace, gpus = item.get("node"), item.get("namespace"), item.get("gpus")
-        target = EngineTarget(replica, url, None if instance == replica else instance,
-                              node=node if isinstance(node, str) else None,
-                              namespace=namespace if isinstance(namespace, str) else None,
-                              gpus=tuple(g for g in gpus if isinstance(g, str))
-                              if isinstance(gpus, list) else ())  # fmt: skip
+        target = EngineTarget(
+            replica,
+            url,
+            None if instance == replica else instance,
+            node=node if isinstance(node, str) else None,
+            namespace=namespace if isinstance(namespace, str) else None,
+            gpus=tuple(g for g in gpus if isinstance(g, str)) if isinstance(gpus, list) else (),
+        )
         out[target.key] = target
     return out
 
@@ -150,12 +156,18 @@ def pod_target(pod: Any, replicas: Sequence[Replica], rules: PodRules) -> Engine
     host = f"[{ip}]" if ":" in ip else ip
     node = (pod.get("spec") or {}).get("nodeName")
     namespace = meta.get("namespace")
-    return EngineTarget(group, f"http://{host}:{rules.sidecar_port}{rules.engine_metrics_path}",
-                        name, node=node if isinstance(node, str) else None,
-                        namespace=namespace if isinstance(namespace, str) else None)  # fmt: skip
+    return EngineTarget(
+        group,
+        f"http://{host}:{rules.sidecar_port}{rules.engine_metrics_path}",
+        name,
+        node=node if isinstance(node, str) else None,
+        namespace=namespace if isinstance(namespace, str) else None,
+    )
 
 
-def _group(name: str, labels: Mapping[str, Any], replicas: Sequence[Replica], rules: PodRules) -> str | None:  # fmt: skip
+def _group(
+    name: str, labels: Mapping[str, Any], replicas: Sequence[Replica], rules: PodRules
+) -> str | None:
     labelled = labels.get(rules.replica_label)
     if isinstance(labelled, str):
         return labelled if any(r.id == labelled for r in replicas) else None
@@ -163,7 +175,9 @@ def _group(name: str, labels: Mapping[str, Any], replicas: Sequence[Replica], ru
     return owner.id if owner else None
 
 
-def listed_pods(answer: Any, replicas: Sequence[Replica], rules: PodRules) -> tuple[dict[str, EngineTarget], str]:  # fmt: skip
+def listed_pods(
+    answer: Any, replicas: Sequence[Replica], rules: PodRules
+) -> tuple[dict[str, EngineTarget], str]:
     """The targets of a PodList and its resourceVersion (where the watch starts)."""
     if not isinstance(answer, dict) or not isinstance(answer.get("items"), list):
         raise DiscoveryError("the pod list has no items")
@@ -178,8 +192,9 @@ def listed_pods(answer: Any, replicas: Sequence[Replica], rules: PodRules) -> tu
     return targets, version
 
 
-def apply_pod_event(targets: Targets, event: str, pod: Any, replicas: Sequence[Replica],
-                    rules: PodRules) -> dict[str, EngineTarget]:  # fmt: skip
+def apply_pod_event(
+    targets: Targets, event: str, pod: Any, replicas: Sequence[Replica], rules: PodRules
+) -> dict[str, EngineTarget]:
     """The target set after one watch event (ADDED, MODIFIED or DELETED) about ``pod``.
 
     A pod that can no longer be scraped (deleted, finished, lost its IP) leaves the set; one that

@@ -80,9 +80,16 @@ class VllmSource:
 
     kind = "vllm"
 
-    def __init__(self, replica: str, url: str, client: httpx.AsyncClient,
-                 timeout_seconds: float, token: str | None = None,
-                 instance: str | None = None, node: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        replica: str,
+        url: str,
+        client: httpx.AsyncClient,
+        timeout_seconds: float,
+        token: str | None = None,
+        instance: str | None = None,
+        node: str | None = None,
+    ) -> None:
         self.replica = replica
         self.instance = instance
         self.node = node

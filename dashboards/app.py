@@ -72,8 +72,14 @@ _HIDDEN: Final = {"display": "none"}
 def _shell(ctx: Context) -> html.Div:
     links = [dcc.Link(p.TITLE, href=p.PATH) for p in PAGES]
     options = [{"label": RANGE_LABELS[r], "value": r} for r in RANGES]
-    range_picker = dcc.Dropdown(id="range", options=options, value="fit", clearable=False,
-                                searchable=False, style={"width": "11em"})  # fmt: skip
+    range_picker = dcc.Dropdown(
+        id="range",
+        options=options,
+        value="fit",
+        clearable=False,
+        searchable=False,
+        style={"width": "11em"},
+    )
     return html.Div(
         [
             dcc.Location(id="url"),
@@ -138,9 +144,12 @@ def _refused(throttle: SignInThrottle, address: str, status: int) -> str:
     401: billing knows no such key. 403: the key is one of the services' (metrics, ingest),
     which billing knows but which may not read the ledger; it counts all the same, as a guess.
     """
-    why = ("this key is not known" if status == 401 else
-           "this key is known, but it is a service's (metrics or ingest), which may not sign in: "
-           "use the admin key or a team key")  # fmt: skip
+    why = (
+        "this key is not known"
+        if status == 401
+        else "this key is known, but it is a service's (metrics or ingest), which may not sign in: "
+        "use the admin key or a team key"
+    )
     attempts = throttle.failed(address)
     locked = attempts.retry_after(throttle.now())
     if locked > 0:
@@ -151,8 +160,7 @@ def _refused(throttle: SignInThrottle, address: str, status: int) -> str:
     return f"Not signed in: {why} ({tries} before a {wait} wait)."
 
 
-def _summary(ctx: Context, session: Session, choice: str | None,
-             tz: str | None) -> tuple[Any, Any]:  # fmt: skip
+def _summary(ctx: Context, session: Session, choice: str | None, tz: str | None) -> tuple[Any, Any]:
     """The summary row and the money snapshot it was computed from."""
     token, admin = session.token, session.is_admin
     shown = ctx.window(session, choice)
@@ -179,9 +187,14 @@ def _summary(ctx: Context, session: Session, choice: str | None,
     return summary_row(found, as_of(now, tz), month), money
 
 
-def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None = None,
-               sessions: Sessions | None = None, audit: Audit | None = None,
-               environ: Mapping[str, str] | None = None) -> Dash:  # fmt: skip
+def create_app(
+    config: Config,
+    billing_url: str,
+    throttle: SignInThrottle | None = None,
+    sessions: Sessions | None = None,
+    audit: Audit | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Dash:
     """The dashboard app reading from the billing service at ``billing_url``.
 
     ``throttle`` counts failed sign-ins per client address, ``sessions`` holds the signed-in
@@ -193,8 +206,14 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
     signins = SignInThrottle() if throttle is None else throttle
     gate = Gate(signins, Sessions() if sessions is None else sessions)
     ctx = Context(config, BillingClient(billing_url), gate)
-    app = Dash(__name__, title="infermeter", update_title="", assets_ignore=".*",
-               serve_locally=True, suppress_callback_exceptions=False)  # fmt: skip
+    app = Dash(
+        __name__,
+        title="infermeter",
+        update_title="",
+        assets_ignore=".*",
+        serve_locally=True,
+        suppress_callback_exceptions=False,
+    )
     app.index_string = app.index_string.replace("{%css%}", "{%css%}<style>" + STYLE + "</style>")
     app.layout = _shell(ctx)
     app.validation_layout = html.Div(  # type: ignore[assignment]
@@ -220,8 +239,9 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
         Input("url", "pathname"),
         Input("auth", "data"),
     )
-    def route(path: str | None, auth: Any) -> tuple[Any, dict[str, str], str, dict[str, str],
-                                                    dict[str, str]]:  # fmt: skip
+    def route(
+        path: str | None, auth: Any
+    ) -> tuple[Any, dict[str, str], str, dict[str, str], dict[str, str]]:
         session = ctx.session(auth)
         if session is None:
             return None, {}, "", _HIDDEN, _HIDDEN
@@ -260,8 +280,9 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
         State("auth", "data"),
         prevent_initial_call=True,
     )
-    def sign_in(_: Any, __: Any, ___: Any, typed: str | None,
-                auth: Any) -> tuple[Any, bool, str, Any]:  # fmt: skip
+    def sign_in(
+        _: Any, __: Any, ___: Any, typed: str | None, auth: Any
+    ) -> tuple[Any, bool, str, Any]:
         address = request.remote_addr or "unknown"
         if isinstance(auth, dict) and isinstance(auth.get("session"), str):
             ended = gate.sessions.get(auth["session"])
@@ -290,8 +311,13 @@ def create_app(config: Config, billing_url: str, throttle: SignInThrottle | None
             return None, True, _refused(signins, address, exc.status), no_update
         signins.succeeded(address)
         caller = who["caller"]
-        heard("signin.succeeded", caller.get("who") or caller["name"], caller.get("role", ""),
-              address=address, detail={"with": "key"})  # fmt: skip
+        heard(
+            "signin.succeeded",
+            caller.get("who") or caller["name"],
+            caller.get("role", ""),
+            address=address,
+            detail={"with": "key"},
+        )
         session = Session(key, caller["name"], caller["team"], bool(caller["is_admin"]))
         return {"session": gate.sessions.begin(session)}, False, "", ""
 

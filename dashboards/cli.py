@@ -124,7 +124,7 @@ def format_plan(shape: ModelShape, result: Plan) -> str:
                 f"{f.per_gpu_gb:.1f} GB" if f.per_gpu_gb is not None else MISSING,
                 f"{f.usd_per_hour:.2f}" if f.fits and f.usd_per_hour is not None else MISSING,
             )
-        )  # fmt: skip
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows

@@ -55,9 +55,14 @@ class BillingClient:
         """Close the connection pool."""
         self._http.close()
 
-    def _send(self, token: str, path: str, params: dict[str, Any] | None = None,
-              timeout_seconds: float | None = None,
-              body: dict[str, Any] | None = None) -> httpx.Response:  # fmt: skip
+    def _send(
+        self,
+        token: str,
+        path: str,
+        params: dict[str, Any] | None = None,
+        timeout_seconds: float | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> httpx.Response:
         """GET ``path`` (POST ``body`` when given) as ``token``; BillingError unless it succeeds."""
         timeout = self._http.timeout if timeout_seconds is None else httpx.Timeout(timeout_seconds)
         headers = {"authorization": f"Bearer {token}"}
@@ -76,8 +81,13 @@ class BillingClient:
             raise BillingError(response.status_code, message)
         return response
 
-    def _get(self, token: str, path: str, params: dict[str, Any] | None = None,
-             timeout_seconds: float | None = None) -> Any:  # fmt: skip
+    def _get(
+        self,
+        token: str,
+        path: str,
+        params: dict[str, Any] | None = None,
+        timeout_seconds: float | None = None,
+    ) -> Any:
         return self._send(token, path, params, timeout_seconds).json()
 
     def whoami(self, token: str) -> dict[str, Any]:
@@ -85,13 +95,27 @@ class BillingClient:
         body: dict[str, Any] = self._get(token, "/v1/query")
         return body
 
-    def query(self, token: str, name: str, start: float, end: float, step: int | None = None,
-              model: str | None = None) -> pl.DataFrame:  # fmt: skip
+    def query(
+        self,
+        token: str,
+        name: str,
+        start: float,
+        end: float,
+        step: int | None = None,
+        model: str | None = None,
+    ) -> pl.DataFrame:
         """A named query over ``start``..``end`` as a frame (its columns even when empty)."""
         return self.answer(token, name, start, end, step, model).frame
 
-    def answer(self, token: str, name: str, start: float, end: float, step: int | None = None,
-               model: str | None = None) -> Answer:  # fmt: skip
+    def answer(
+        self,
+        token: str,
+        name: str,
+        start: float,
+        end: float,
+        step: int | None = None,
+        model: str | None = None,
+    ) -> Answer:
         """A named query over ``start``..``end``, with the range and step billing served."""
         params: dict[str, Any] = {"from": start, "to": end}
         if step is not None:
@@ -205,15 +229,17 @@ class BillingClient:
         found: dict[str, Any] = self._send(token, "/v1/keys", body=request).json()
         return found
 
-    def change_key(self, token: str, key_id: str, action: Literal["revoke", "rotate"],
-                   reason: str) -> dict[str, Any]:  # fmt: skip
+    def change_key(
+        self, token: str, key_id: str, action: Literal["revoke", "rotate"], reason: str
+    ) -> dict[str, Any]:
         """Revoke or rotate key ``key_id``; a rotation's answer carries the new secret."""
         path = f"/v1/keys/{key_id}/{action}"
         found: dict[str, Any] = self._send(token, path, body={"reason": reason}).json()
         return found
 
-    def export(self, token: str, month: str, kind: Literal["csv", "focus"],
-               focus_version: str = "1.0") -> Download:  # fmt: skip
+    def export(
+        self, token: str, month: str, kind: Literal["csv", "focus"], focus_version: str = "1.0"
+    ) -> Download:
         """A month's chargeback CSV or FOCUS file, as billing writes it for this token.
 
         The admin gets every line, a team its own. Billing computes the statement afresh for a

@@ -48,8 +48,9 @@ def _td(value: Any, column: str, kind: Kind, numeric: bool) -> html.Td:
     )
 
 
-def _numeric(columns: Sequence[str], kinds: Mapping[str, Kind],
-             rows: Sequence[Mapping[str, Any]]) -> dict[str, bool]:  # fmt: skip
+def _numeric(
+    columns: Sequence[str], kinds: Mapping[str, Kind], rows: Sequence[Mapping[str, Any]]
+) -> dict[str, bool]:
     """Which columns are right-aligned: numeric kinds, and any column a number shows in."""
     found = {c: kinds[c] in _NUMERIC for c in columns}
     for c in columns:
@@ -103,23 +104,33 @@ def frame_table(
         cells = [_td(row[c], c, kind[c], numeric[c]) for c in columns]
         if row_id is None:
             return html.Tr(cells)
-        return html.Tr(cells, id={"type": row_id, "index": i}, n_clicks=0, className="clickable",
-                       title="Click to drill into this row")  # fmt: skip
+        return html.Tr(
+            cells,
+            id={"type": row_id, "index": i},
+            n_clicks=0,
+            className="clickable",
+            title="Click to drill into this row",
+        )
 
     parts: list[Any] = [_head(columns, numeric), html.Tbody([tr(i, r) for i, r in enumerate(rows)])]
     if (total or total_values) and frame.height > 1:  # one row is its own total
         sums = {c: frame[c].sum() for c in total} | dict(total_values or {})
         cells = [
-            _td(sums[c], c, kind[c], numeric[c]) if c in sums
+            _td(sums[c], c, kind[c], numeric[c])
+            if c in sums
             else html.Td("Total" if i == 0 else "", **_column(c))
             for i, c in enumerate(columns)
-        ]  # fmt: skip
+        ]
         parts.append(html.Tfoot(html.Tr(cells, className="total")))
     return html.Div(html.Table(parts, id=table_id, className="frame-table"), className="table-wrap")
 
 
-def csv_table(text: str, table_id: str, hidden: Sequence[str] = (),
-              empty: str = "No charges for this month yet.") -> html.Div:  # fmt: skip
+def csv_table(
+    text: str,
+    table_id: str,
+    hidden: Sequence[str] = (),
+    empty: str = "No charges for this month yet.",
+) -> html.Div:
     """Billing's CSV as a finance table: its rows as the file has them, formatted for reading.
 
     The file's own total row (``line_type`` = ``total``) becomes the table's footer. An empty

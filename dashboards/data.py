@@ -80,8 +80,9 @@ def _duration(seconds: float) -> str:
     return f"{minutes / 1440:.1f} days".replace(".0 days", " days")
 
 
-def window(choice: str | None, span: tuple[float, float] | None = None,
-           now: float | None = None) -> Window:  # fmt: skip
+def window(
+    choice: str | None, span: tuple[float, float] | None = None, now: float | None = None
+) -> Window:
     """The range for a picker choice: a preset, or ("fit", the default) the data's span.
 
     Fitted, the range starts at the data's first minute (drawn at least ``MIN_FIT_SECONDS``
@@ -101,8 +102,9 @@ def window(choice: str | None, span: tuple[float, float] | None = None,
     return Window(now - shown, now, f"the data so far ({_duration(age)})")
 
 
-def time_range(choice: str | None, now: float | None = None,
-               span: tuple[float, float] | None = None) -> tuple[float, float]:  # fmt: skip
+def time_range(
+    choice: str | None, now: float | None = None, span: tuple[float, float] | None = None
+) -> tuple[float, float]:
     """(from, to) in Unix seconds for a picker choice (``window``'s)."""
     found = window(choice, span, now)
     return found.start, found.end
@@ -167,16 +169,18 @@ def drawn(answer: Answer, end: float, rates: Sequence[str] = ()) -> Drawn:
     return Drawn(pl.concat([complete, partial], how="vertical_relaxed"), start)
 
 
-def fetch_answers(client: BillingClient, token: str, names: Sequence[str], start: float,
-                  end: float) -> dict[str, Answer]:  # fmt: skip
+def fetch_answers(
+    client: BillingClient, token: str, names: Sequence[str], start: float, end: float
+) -> dict[str, Answer]:
     """Several queries at once, each with the step billing served (see ``fetch_queries``)."""
     with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
         futures = {name: pool.submit(client.answer, token, name, start, end) for name in names}
         return {name: future.result() for name, future in futures.items()}
 
 
-def fetch_queries(client: BillingClient, token: str, names: Sequence[str], start: float,
-                  end: float) -> dict[str, pl.DataFrame]:  # fmt: skip
+def fetch_queries(
+    client: BillingClient, token: str, names: Sequence[str], start: float, end: float
+) -> dict[str, pl.DataFrame]:
     """Several queries at once (one thread each), so a page waits for the slowest, not the sum."""
     with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
         futures = {name: pool.submit(client.query, token, name, start, end) for name in names}

@@ -54,8 +54,14 @@ class Events:
     problem: str | None = None
 
 
-def gather(client: BillingClient, token: str, admin: bool, prometheus_url: str | None,
-           start: float, end: float) -> tuple[list[dict[str, Any]], str | None]:  # fmt: skip
+def gather(
+    client: BillingClient,
+    token: str,
+    admin: bool,
+    prometheus_url: str | None,
+    start: float,
+    end: float,
+) -> tuple[list[dict[str, Any]], str | None]:
     """The events of ``start``..``end`` from billing and, for the admin, Prometheus, at once."""
     with ThreadPoolExecutor(max_workers=2) as pool:
         asked = pool.submit(client.events, token, start, end)
@@ -87,8 +93,11 @@ def _hover(event: Mapping[str, Any]) -> str:
 
 def events_frame(events: Sequence[Mapping[str, Any]], tz: str | None) -> pl.DataFrame:
     """The events as rows to draw: time in the viewer's zone, kind, model and hover text."""
-    rows = [{"t": float(e["at"]), "kind": e["kind"], "model": e.get("model"), "hover": _hover(e)}
-            for e in events if e["kind"] in KINDS]  # fmt: skip
+    rows = [
+        {"t": float(e["at"]), "kind": e["kind"], "model": e.get("model"), "hover": _hover(e)}
+        for e in events
+        if e["kind"] in KINDS
+    ]
     return local_times(pl.DataFrame(rows, schema=_SCHEMA), tz)
 
 
@@ -108,15 +117,24 @@ def mark(fig: go.Figure, events: pl.DataFrame, colours: Mapping[str, str]) -> go
             continue
         fig.add_trace(
             go.Scatter(
-                x=part["t"].to_list(), y=[0.97] * part.height, yaxis="y2", mode="markers",
-                name=name, showlegend=False, text=part["hover"].to_list(),
+                x=part["t"].to_list(),
+                y=[0.97] * part.height,
+                yaxis="y2",
+                mode="markers",
+                name=name,
+                showlegend=False,
+                text=part["hover"].to_list(),
                 hovertemplate="%{text}<extra></extra>",
-                marker={"size": 10, "symbol": [KINDS[k][1] for k in part["kind"]],
-                        "color": [_colour(r, colours) for r in part.iter_rows(named=True)]},
+                marker={
+                    "size": 10,
+                    "symbol": [KINDS[k][1] for k in part["kind"]],
+                    "color": [_colour(r, colours) for r in part.iter_rows(named=True)],
+                },
             )
-        )  # fmt: skip
-    fig.update_layout(yaxis2={"overlaying": "y", "range": [0, 1], "visible": False,
-                              "fixedrange": True})  # fmt: skip
+        )
+    fig.update_layout(
+        yaxis2={"overlaying": "y", "range": [0, 1], "visible": False, "fixedrange": True}
+    )
     return fig
 
 

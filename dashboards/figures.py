@@ -29,7 +29,16 @@ __all__ = [
 ]
 
 # Okabe-Ito, readable by the colour-blind; models take them in the configuration's order.
-PALETTE: Final = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")  # fmt: skip
+PALETTE: Final = (
+    "#0072B2",
+    "#E69F00",
+    "#009E73",
+    "#CC79A7",
+    "#56B4E9",
+    "#D55E00",
+    "#F0E442",
+    "#000000",
+)
 YAxis = Literal["number", "share", "fraction"]
 _HEIGHT: Final = 300
 _MARGIN: Final = {"l": 60, "r": 16, "t": 56, "b": 72}
@@ -69,8 +78,15 @@ def empty_figure(title: str, message: str) -> go.Figure:
     fig.update_layout(**_layout(title))
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
-    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
-                       font={"size": 14, "color": "#475467"})  # fmt: skip
+    fig.add_annotation(
+        text=message,
+        showarrow=False,
+        x=0.5,
+        y=0.5,
+        xref="paper",
+        yref="paper",
+        font={"size": 14, "color": "#475467"},
+    )
     return fig
 
 
@@ -130,9 +146,16 @@ def line_figure(
     return fig
 
 
-def stacked_figure(series: pl.DataFrame, title: str, subtitle: str,
-                   x_range: tuple[dt.datetime, dt.datetime], *, order: Sequence[str],
-                   colours: Mapping[str, str], step: int) -> go.Figure:  # fmt: skip
+def stacked_figure(
+    series: pl.DataFrame,
+    title: str,
+    subtitle: str,
+    x_range: tuple[dt.datetime, dt.datetime],
+    *,
+    order: Sequence[str],
+    colours: Mapping[str, str],
+    step: int,
+) -> go.Figure:
     """Cost per step (``t``, Unix seconds UTC, ``step`` long), stacked by ``group``, the costliest
     group lowest.
 
@@ -147,18 +170,35 @@ def stacked_figure(series: pl.DataFrame, title: str, subtitle: str,
         times = [
             dt.datetime.fromtimestamp(t + step / 2, dt.UTC).replace(tzinfo=None) for t in part["t"]
         ]
-        fig.add_trace(go.Bar(x=times, y=part["cost_usd"].to_list(), name=str(group),
-                             marker_color=colours.get(group), width=step * 1000 * 0.9,
-                             hovertemplate=f"%{{y:$,.2f}}<extra>{group}</extra>"))  # fmt: skip
-    fig.update_layout(**_layout(title, subtitle), barmode="stack", bargap=0.1,
-                      legend=_LEGEND, hovermode="x unified")  # fmt: skip
+        fig.add_trace(
+            go.Bar(
+                x=times,
+                y=part["cost_usd"].to_list(),
+                name=str(group),
+                marker_color=colours.get(group),
+                width=step * 1000 * 0.9,
+                hovertemplate=f"%{{y:$,.2f}}<extra>{group}</extra>",
+            )
+        )
+    fig.update_layout(
+        **_layout(title, subtitle),
+        barmode="stack",
+        bargap=0.1,
+        legend=_LEGEND,
+        hovermode="x unified",
+    )
     fig.update_xaxes(range=list(x_range), title=None)
     fig.update_yaxes(title="USD", rangemode="tozero", tickprefix="$")
     return fig
 
 
-def budget_figure(teams: Sequence[str], spent_pct: Sequence[float], forecast_pct: Sequence[float],
-                  spent_usd: Sequence[float], forecast_usd: Sequence[float]) -> go.Figure:  # fmt: skip
+def budget_figure(
+    teams: Sequence[str],
+    spent_pct: Sequence[float],
+    forecast_pct: Sequence[float],
+    spent_usd: Sequence[float],
+    forecast_usd: Sequence[float],
+) -> go.Figure:
     """Spent and forecast per team as a share of its budget, as bars across, with 100 % marked.
 
     Drawn as shares, not dollars, so a large budget does not dwarf the spend it is compared
@@ -170,30 +210,55 @@ def budget_figure(teams: Sequence[str], spent_pct: Sequence[float], forecast_pct
     fig = go.Figure()
     peak = max([*spent_pct, *forecast_pct, 0.0]) / 100
     top = max(peak * 1.45, 1e-6) if peak < 1 else peak * 1.3
-    for name, pct, money, colour in (("Spent", spent_pct, spent_usd, "#0072B2"),
-                                     ("Forecast at month end", forecast_pct, forecast_usd, "#56B4E9")):  # fmt: skip
+    for name, pct, money, colour in (
+        ("Spent", spent_pct, spent_usd, "#0072B2"),
+        ("Forecast at month end", forecast_pct, forecast_usd, "#56B4E9"),
+    ):
         shares = [p / 100 for p in pct]
         fig.add_trace(
-            go.Bar(y=list(teams), x=[max(v, top * MIN_BAR) if v > 0 else 0.0 for v in shares],
-                   customdata=shares,
-                   orientation="h", name=name, marker_color=colour,
-                   text=[f"{_share(v)} \u00b7 ${m:,.2f}" for v, m in zip(shares, money, strict=True)],
-                   textposition="outside", cliponaxis=False, textfont={"size": 11},
-                   hovertemplate="%{customdata:.4%} of budget (%{text})<extra>" + name + "</extra>")
-        )  # fmt: skip
+            go.Bar(
+                y=list(teams),
+                x=[max(v, top * MIN_BAR) if v > 0 else 0.0 for v in shares],
+                customdata=shares,
+                orientation="h",
+                name=name,
+                marker_color=colour,
+                text=[f"{_share(v)} \u00b7 ${m:,.2f}" for v, m in zip(shares, money, strict=True)],
+                textposition="outside",
+                cliponaxis=False,
+                textfont={"size": 11},
+                hovertemplate="%{customdata:.4%} of budget (%{text})<extra>" + name + "</extra>",
+            )
+        )
     height = 90 + 46 * max(1, len(teams))
-    fig.update_layout(**_layout("Budget use by team", "month to date and forecast, share of monthly budget"),
-                      barmode="group", legend=_LEGEND)  # fmt: skip
+    fig.update_layout(
+        **_layout("Budget use by team", "month to date and forecast, share of monthly budget"),
+        barmode="group",
+        legend=_LEGEND,
+    )
     fig.update_layout(height=max(_HEIGHT, height), margin={**_MARGIN, "r": 150})
     fig.update_yaxes(autorange="reversed", title=None)
     fig.update_xaxes(title="share of budget", tickformat=_tick_format(top), range=[0, top])
     if top >= 1:
-        fig.add_vline(x=1, line_dash="dash", line_color="#b42318", annotation_text="budget",
-                      annotation_position="top")  # fmt: skip
+        fig.add_vline(
+            x=1,
+            line_dash="dash",
+            line_color="#b42318",
+            annotation_text="budget",
+            annotation_position="top",
+        )
     else:
-        fig.add_annotation(text=f"100 % of budget is off this scale (the largest share is {_share(peak)})",
-                           xref="paper", yref="paper", x=1, y=1.0, xanchor="right", yanchor="bottom",
-                           showarrow=False, font={"size": 11, "color": "#b42318"})  # fmt: skip
+        fig.add_annotation(
+            text=f"100 % of budget is off this scale (the largest share is {_share(peak)})",
+            xref="paper",
+            yref="paper",
+            x=1,
+            y=1.0,
+            xanchor="right",
+            yanchor="bottom",
+            showarrow=False,
+            font={"size": 11, "color": "#b42318"},
+        )
     return fig
 
 

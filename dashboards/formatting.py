@@ -30,7 +30,9 @@ __all__ = [
 # The one notation for a value there is none of: no price, no budget, nothing to divide by.
 MISSING: Final = "\u2014"
 
-Kind = Literal["text", "count", "usd", "percent", "share", "hours", "kwh", "seconds", "gb", "bool", "number"]  # fmt: skip
+Kind = Literal[
+    "text", "count", "usd", "percent", "share", "hours", "kwh", "seconds", "gb", "bool", "number"
+]
 
 # Headers that the plain rule (underscores to spaces, unit suffix to words) would get wrong.
 LABELS: Final[Mapping[str, str]] = {

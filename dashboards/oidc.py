@@ -66,9 +66,14 @@ def take_error() -> str | None:
     return found if isinstance(found, str) else None
 
 
-def install_oidc(server: flask.Flask, settings: OidcSettings, environ: Mapping[str, str],
-                 sessions: Sessions, heard: Callable[..., None],
-                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+def install_oidc(
+    server: flask.Flask,
+    settings: OidcSettings,
+    environ: Mapping[str, str],
+    sessions: Sessions,
+    heard: Callable[..., None],
+    clock: Callable[[], float] = time.time,
+) -> None:
     """Add the sign-in routes for ``settings``' IdP to ``server``.
 
     The client secret is ``environ[settings.client_secret_env]``; unset, the dashboard is a
@@ -95,8 +100,15 @@ def install_oidc(server: flask.Flask, settings: OidcSettings, environ: Mapping[s
 
     def refuse(why: str, message: str, actor: str = "unknown") -> ResponseReturnValue:
         address = flask.request.remote_addr or "unknown"
-        heard("signin.failed", actor, "", address=address, why=why, outcome="refused",
-              detail={"with": "sso"})  # fmt: skip
+        heard(
+            "signin.failed",
+            actor,
+            "",
+            address=address,
+            why=why,
+            outcome="refused",
+            detail={"with": "sso"},
+        )
         flask.session.pop(SESSION_KEY, None)
         flask.session[ERROR_KEY] = f"Not signed in: {message}."
         return flask.redirect("/")
@@ -122,20 +134,32 @@ def install_oidc(server: flask.Flask, settings: OidcSettings, environ: Mapping[s
         claims: dict[str, Any] = dict(token.get("userinfo") or {})
         person = person_of(claims)
         try:
-            caller = caller_for_groups(groups_of(claims, settings.groups_claim), settings.groups,
-                                       person)  # fmt: skip
+            caller = caller_for_groups(
+                groups_of(claims, settings.groups_claim), settings.groups, person
+            )
         except AuthError as exc:
             return refuse(str(exc), str(exc), person)
         now = clock()
         expires = min(now + settings.session_seconds, float(claims.get("exp") or now))
-        session = Session(str(token["id_token"]), caller.name, caller.team, caller.is_admin,
-                          person=person, expires_at=expires)  # fmt: skip
+        session = Session(
+            str(token["id_token"]),
+            caller.name,
+            caller.team,
+            caller.is_admin,
+            person=person,
+            expires_at=expires,
+        )
         old = flask.session.pop(SESSION_KEY, None)
         if isinstance(old, str):
             sessions.end(old)
         flask.session[SESSION_KEY] = sessions.begin(session)
-        heard("signin.succeeded", person, caller.role, address=flask.request.remote_addr or "unknown",
-              detail={"with": "sso"})  # fmt: skip
+        heard(
+            "signin.succeeded",
+            person,
+            caller.role,
+            address=flask.request.remote_addr or "unknown",
+            detail={"with": "sso"},
+        )
         return flask.redirect("/")
 
 

@@ -45,8 +45,12 @@ def _summary(template: str, labels: Mapping[str, str]) -> str:
     return re.sub(r"\s+", " ", _VALUE.sub("(value not kept)", filled)).strip()
 
 
-def alert_events(series: Sequence[Mapping[str, Any]], rules: Sequence[Mapping[str, Any]],
-                 active: Sequence[Mapping[str, Any]], step: int) -> list[dict[str, Any]]:  # fmt: skip
+def alert_events(
+    series: Sequence[Mapping[str, Any]],
+    rules: Sequence[Mapping[str, Any]],
+    active: Sequence[Mapping[str, Any]],
+    step: int,
+) -> list[dict[str, Any]]:
     """One event per firing run of each ``ALERTS`` series (a range query's ``result``).
 
     ``rules``: alerting rules (name, annotations), ``active``: the alerts active now (labels,
@@ -54,8 +58,9 @@ def alert_events(series: Sequence[Mapping[str, Any]], rules: Sequence[Mapping[st
     new run.
     """
     templates = {r["name"]: (r.get("annotations") or {}).get("summary", "") for r in rules}
-    expanded = {_identity(a["labels"]): (a.get("annotations") or {}).get("summary", "")
-                for a in active}  # fmt: skip
+    expanded = {
+        _identity(a["labels"]): (a.get("annotations") or {}).get("summary", "") for a in active
+    }
     events = []
     for item in series:
         labels: Mapping[str, str] = item["metric"]
@@ -66,9 +71,15 @@ def alert_events(series: Sequence[Mapping[str, Any]], rules: Sequence[Mapping[st
         for i, t in enumerate(times):
             if i and t - times[i - 1] <= 1.5 * step:
                 continue
-            events.append({"at": t, "kind": "alert", "model": labels.get("model"),
-                           "title": f"{name} fired" + (f" ({shown})" if shown else ""),
-                           "detail": why or "(the rule has no summary)"})  # fmt: skip
+            events.append(
+                {
+                    "at": t,
+                    "kind": "alert",
+                    "model": labels.get("model"),
+                    "title": f"{name} fired" + (f" ({shown})" if shown else ""),
+                    "detail": why or "(the rule has no summary)",
+                }
+            )
     return sorted(events, key=lambda e: (e["at"], e["title"]))
 
 
@@ -81,8 +92,9 @@ def _data(client: httpx.Client, path: str, params: Mapping[str, Any] | None = No
     return body["data"]
 
 
-def fired_alerts(url: str, start: float, end: float,
-                 timeout_seconds: float = 3.0) -> tuple[list[dict[str, Any]], str | None]:  # fmt: skip
+def fired_alerts(
+    url: str, start: float, end: float, timeout_seconds: float = 3.0
+) -> tuple[list[dict[str, Any]], str | None]:
     """The alerts that fired in ``start``..``end``, and a sentence when Prometheus failed us."""
     step = step_for(start, end)
     # Points are start, start + step, ...: counted back from ``end``, the last one is ``end``

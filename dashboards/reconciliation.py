@@ -26,11 +26,27 @@ from dashboards.context import Context
 __all__ = ["CAPTION", "COLUMNS", "register", "summary", "table"]
 
 TABLE_ID: Final = "fleet-reconciliation-table"
-COLUMNS: Final = ("replica", "model", "engine_tokens", "ledger_tokens", "hangup_tokens",
-                  "unattributed_tokens", "ledger_excess_tokens", "unattributed_share",
-                  "unreconciled_requests", "unreconciled_tokens")  # fmt: skip
-_SUMS: Final = ("engine_tokens", "ledger_tokens", "hangup_tokens", "unattributed_tokens",
-                "ledger_excess_tokens", "unreconciled_requests", "unreconciled_tokens")  # fmt: skip
+COLUMNS: Final = (
+    "replica",
+    "model",
+    "engine_tokens",
+    "ledger_tokens",
+    "hangup_tokens",
+    "unattributed_tokens",
+    "ledger_excess_tokens",
+    "unattributed_share",
+    "unreconciled_requests",
+    "unreconciled_tokens",
+)
+_SUMS: Final = (
+    "engine_tokens",
+    "ledger_tokens",
+    "hangup_tokens",
+    "unattributed_tokens",
+    "ledger_excess_tokens",
+    "unreconciled_requests",
+    "unreconciled_tokens",
+)
 CAPTION: Final = (
     "Engine - ledger = hang-up tails (tokens vLLM generated after a client hung up, on that "
     "team's line) + unattributed (no record carries them; charged out of idle capacity) - "
@@ -58,8 +74,9 @@ def summary(frame: pl.DataFrame) -> pl.DataFrame:
 
 def table(frame: pl.DataFrame) -> html.Div:
     """The summary as the page shows it, with a total row."""
-    return frame_table(summary(frame), TABLE_ID, total=_SUMS,
-                       empty="No engine counters in this range yet.")  # fmt: skip
+    return frame_table(
+        summary(frame), TABLE_ID, total=_SUMS, empty="No engine counters in this range yet."
+    )
 
 
 def register(app: Dash, ctx: Context) -> None:

@@ -31,16 +31,23 @@ def billing_url_of(config: Config, billing_url: str | None = None) -> str:
     return billing_url or config.dashboard.billing_url or config.billing.url
 
 
-def dashboard_server(config: Config, host: str, port: int, billing_url: str,
-                     audit: AuditThread | None = None) -> WsgiServer:  # fmt: skip
+def dashboard_server(
+    config: Config, host: str, port: int, billing_url: str, audit: AuditThread | None = None
+) -> WsgiServer:
     """The dashboard's server, listening, ready to ``serve()``; a taken port is a ``PortInUseError``.
 
     ``audit``: where sign-ins, sign-in failures and sign-outs go (the audit trail).
     """
     ensure_free(host, port, "dashboard listen address")
     app = create_app(config, billing_url, audit=audit.record if audit else None).server
-    return WsgiServer(app, host, port, DEFAULT_LIMITS, max_body_bytes=config.dashboard.max_body_bytes,
-                      error_headers=installed_headers(app))  # fmt: skip
+    return WsgiServer(
+        app,
+        host,
+        port,
+        DEFAULT_LIMITS,
+        max_body_bytes=config.dashboard.max_body_bytes,
+        error_headers=installed_headers(app),
+    )
 
 
 def serve_dashboard(config: Config, listen: str | None, billing_url: str | None) -> int:

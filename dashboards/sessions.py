@@ -61,9 +61,13 @@ class Session:
 class Sessions:
     """Every live session by its id, shared by the server's threads."""
 
-    def __init__(self, idle_seconds: float = IDLE_SECONDS, max_sessions: int = 10_000,
-                 clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:  # fmt: skip
+    def __init__(
+        self,
+        idle_seconds: float = IDLE_SECONDS,
+        max_sessions: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.idle_seconds = idle_seconds
         self.max_sessions = max_sessions
         self._clock = clock

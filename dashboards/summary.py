@@ -47,15 +47,25 @@ def _spend_tile(spend: Sequence[dict[str, Any]]) -> Tile:
     budget = sum(float(s["budget_usd"]) for s in spend)
     forecast = sum(float(s["forecast_usd"]) for s in spend)
     of_budget = f" of {usd(budget)} budget" if budget > 0 else " (no budget set)"
-    return Tile("spend", "Spend, month to date", usd(spent),
-                f"{of_budget.strip()}; forecast {usd(forecast)} at month end", spent)  # fmt: skip
+    return Tile(
+        "spend",
+        "Spend, month to date",
+        usd(spent),
+        f"{of_budget.strip()}; forecast {usd(forecast)} at month end",
+        spent,
+    )
 
 
 def _idle_tile(lines: pl.DataFrame) -> Tile:
     total, idle = _sum(lines, "total_cents"), _sum(lines, "idle_cents")
     share = 100 * idle / total if total > 0 else None
-    return Tile("idle", "Idle share", _or_na(share),
-                f"of spend is idle GPU capacity ({usd(idle / 100)}), month to date", share)  # fmt: skip
+    return Tile(
+        "idle",
+        "Idle share",
+        _or_na(share),
+        f"of spend is idle GPU capacity ({usd(idle / 100)}), month to date",
+        share,
+    )
 
 
 def _sla_tile(sla: pl.DataFrame, period: str) -> Tile:
@@ -75,22 +85,42 @@ def _gpu_tile(gpus: pl.DataFrame | None, period: str) -> Tile | None:
         else 0.0
     )
     share = 100 * busy / weight if weight > 0 else None
-    return Tile("gpu", "GPU utilization", _or_na(share), f"mean over the fleet's GPUs, {period}", share)  # fmt: skip
+    return Tile(
+        "gpu", "GPU utilization", _or_na(share), f"mean over the fleet's GPUs, {period}", share
+    )
 
 
-def tiles(spend: Sequence[dict[str, Any]], lines: pl.DataFrame, usage: pl.DataFrame,
-          sla: pl.DataFrame, gpus: pl.DataFrame | None, period: str) -> list[Tile]:  # fmt: skip
+def tiles(
+    spend: Sequence[dict[str, Any]],
+    lines: pl.DataFrame,
+    usage: pl.DataFrame,
+    sla: pl.DataFrame,
+    gpus: pl.DataFrame | None,
+    period: str,
+) -> list[Tile]:
     """The summary's figures; ``gpus`` is None for a caller that may not see fleet telemetry."""
     requests = _sum(usage, "requests")
     tokens = _sum(usage, "prompt_tokens") + _sum(usage, "completion_tokens")
     found = [
         _spend_tile(spend),
-        Tile("requests", "Requests", compact(requests), f"{requests:,.0f} requests, {period}", requests),
-        Tile("tokens", "Tokens", compact(tokens), f"{tokens:,.0f} prompt + completion tokens, {period}", tokens),
+        Tile(
+            "requests",
+            "Requests",
+            compact(requests),
+            f"{requests:,.0f} requests, {period}",
+            requests,
+        ),
+        Tile(
+            "tokens",
+            "Tokens",
+            compact(tokens),
+            f"{tokens:,.0f} prompt + completion tokens, {period}",
+            tokens,
+        ),
         _sla_tile(sla, period),
         _gpu_tile(gpus, period),
         _idle_tile(lines),
-    ]  # fmt: skip
+    ]
     return [t for t in found if t is not None]
 
 

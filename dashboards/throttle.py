@@ -66,8 +66,9 @@ def locked_message(retry_after_seconds: float) -> str:
 class SignInThrottle:
     """The attempts of every recent address, shared by the server's threads."""
 
-    def __init__(self, policy: ThrottlePolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self, policy: ThrottlePolicy | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.policy = policy or ThrottlePolicy()
         self._clock = clock
         self._lock = threading.Lock()

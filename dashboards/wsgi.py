@@ -64,8 +64,9 @@ class _GuardedChannel(HTTPChannel):  # type: ignore[misc]
         return result
 
 
-def _guarded_server(header_timeout_seconds: float,
-                    error_headers: Mapping[str, str]) -> type[TcpWSGIServer]:  # fmt: skip
+def _guarded_server(
+    header_timeout_seconds: float, error_headers: Mapping[str, str]
+) -> type[TcpWSGIServer]:
     class HeadedErrorTask(ErrorTask):  # type: ignore[misc]
         """waitress's own error answer (400, 413, 431), with the app's headers."""
 
@@ -94,10 +95,17 @@ def _guarded_server(header_timeout_seconds: float,
 class WsgiServer:
     """A WSGI app served by waitress on ``host:port`` until ``stop``; bound when constructed."""
 
-    def __init__(self, app: WSGIApplication, host: str, port: int,
-                 limits: ServerLimits = DEFAULT_LIMITS, threads: int = 16,
-                 graceful_seconds: float = 2.0, max_body_bytes: int = 1 << 20,
-                 error_headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        app: WSGIApplication,
+        host: str,
+        port: int,
+        limits: ServerLimits = DEFAULT_LIMITS,
+        threads: int = 16,
+        graceful_seconds: float = 2.0,
+        max_body_bytes: int = 1 << 20,
+        error_headers: Mapping[str, str] | None = None,
+    ) -> None:
         """``max_body_bytes``: the largest request body taken (larger: 413, unread);
         ``error_headers``: added to the answers waitress makes itself (see the module docstring).
         """

@@ -63,11 +63,27 @@ from infermeter.statement import CENT_COLUMNS, COUNT_COLUMNS, Statement, empty_p
 __all__ = ["CSV_COLUMNS", "TOTAL_LINE", "chargeback_frame", "defuse", "write_csv"]
 
 CSV_COLUMNS: Final = (
-    "month", "team", "model", "line_type", "for_month", "requests", "prompt_tokens",
-    "completion_tokens", "gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd",
-    "total_usd", "team_budget_usd", "team_budget_used_percent", "basis", "pricing_category", "pool",
+    "month",
+    "team",
+    "model",
+    "line_type",
+    "for_month",
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "gpu_hours",
+    "energy_kwh",
+    "compute_usd",
+    "energy_usd",
+    "idle_usd",
+    "total_usd",
+    "team_budget_usd",
+    "team_budget_used_percent",
+    "basis",
+    "pricing_category",
+    "pool",
     "project",
-)  # fmt: skip
+)
 # The columns a line may be split by beyond team, model and month, that the file keeps.
 _SPLITS: Final = ("pricing_category", "pool", "project")
 TOTAL_LINE: Final = "total"
@@ -140,22 +156,38 @@ def chargeback_frame(statement: Statement, budgets_usd: Mapping[str, float]) -> 
         .with_columns(team_cents=pl.col("total_cents").sum().over("team"))
     )
     body = lines.select(
-        "month", "team", "model", "line_type", "for_month", *_SUMMED,
-        *(pl.col(f"{c}_cents") for c in _CENTS), "team_budget_usd",
+        "month",
+        "team",
+        "model",
+        "line_type",
+        "for_month",
+        *_SUMMED,
+        *(pl.col(f"{c}_cents") for c in _CENTS),
+        "team_budget_usd",
         _percent(pl.col("team_cents"), pl.col("team_budget_usd")).alias("team_budget_used_percent"),
         *_SPLITS,
-    )  # fmt: skip
+    )
     total = _total_row(lines, statement.month).with_columns(
         _percent(pl.col("total_cents"), pl.col("team_budget_usd")).alias("team_budget_used_percent")
     )
     frame = pl.concat([body, total], how="diagonal_relaxed")
     return frame.select(
-        "month", "team", "model", "line_type", "for_month", "requests", "prompt_tokens",
-        "completion_tokens", pl.col("gpu_hours").round(6), pl.col("energy_kwh").round(6),
+        "month",
+        "team",
+        "model",
+        "line_type",
+        "for_month",
+        "requests",
+        "prompt_tokens",
+        "completion_tokens",
+        pl.col("gpu_hours").round(6),
+        pl.col("energy_kwh").round(6),
         *((pl.col(f"{c}_cents") / 100).round(2).alias(f"{c}_usd") for c in _CENTS),
-        "team_budget_usd", "team_budget_used_percent", pl.lit(statement.basis).alias("basis"),
+        "team_budget_usd",
+        "team_budget_used_percent",
+        pl.lit(statement.basis).alias("basis"),
         *(pl.col(c).cast(pl.String) for c in _SPLITS),
-    ).with_columns(defuse(c) for c in ("month", "team", "model", "for_month", *_SPLITS))  # fmt: skip
+    ).with_columns(defuse(c) for c in ("month", "team", "model", "for_month", *_SPLITS))
 
 
 def write_csv(frame: pl.DataFrame) -> str:

@@ -74,12 +74,28 @@ __all__ = [
 FOCUS_VERSIONS: Final = ("1.0", "1.2", "1.3")
 # The FOCUS 1.2 specification's mandatory columns.
 FOCUS_1_2_MANDATORY: Final = (
-    "BilledCost", "BillingAccountId", "BillingAccountName", "BillingCurrency", "BillingPeriodEnd",
-    "BillingPeriodStart", "ChargeCategory", "ChargeClass", "ChargeDescription", "ChargePeriodEnd",
-    "ChargePeriodStart", "ContractedCost", "EffectiveCost", "InvoiceIssuerName", "ListCost",
-    "PricingQuantity", "PricingUnit", "ProviderName", "PublisherName", "ServiceCategory",
+    "BilledCost",
+    "BillingAccountId",
+    "BillingAccountName",
+    "BillingCurrency",
+    "BillingPeriodEnd",
+    "BillingPeriodStart",
+    "ChargeCategory",
+    "ChargeClass",
+    "ChargeDescription",
+    "ChargePeriodEnd",
+    "ChargePeriodStart",
+    "ContractedCost",
+    "EffectiveCost",
+    "InvoiceIssuerName",
+    "ListCost",
+    "PricingQuantity",
+    "PricingUnit",
+    "ProviderName",
+    "PublisherName",
+    "ServiceCategory",
     "ServiceName",
-)  # fmt: skip
+)
 # FOCUS 1.3 keeps them (ProviderName and PublisherName deprecated, still mandatory) and adds the
 # two that replace them.
 FOCUS_1_3_MANDATORY: Final = (*FOCUS_1_2_MANDATORY, "HostProviderName", "ServiceProviderName")
@@ -92,8 +108,13 @@ GPU_HOURS: Final = "GPU-Hours"
 # The JSON columns, left as they are (a JSON text cell never starts with a formula character).
 _JSON_COLUMNS: Final = ("Tags", "AllocatedMethodDetails", "AllocatedTags")
 # FOCUS 1.3's split cost allocation columns, in its files only.
-ALLOCATION_COLUMNS: Final = ("AllocatedMethodId", "AllocatedMethodDetails", "AllocatedResourceId",
-                             "AllocatedResourceName", "AllocatedTags")  # fmt: skip
+ALLOCATION_COLUMNS: Final = (
+    "AllocatedMethodId",
+    "AllocatedMethodDetails",
+    "AllocatedResourceId",
+    "AllocatedResourceName",
+    "AllocatedTags",
+)
 
 
 def _utc(t: float) -> str:
@@ -166,11 +187,13 @@ def _commitment_columns(version: str) -> list[pl.Expr]:
     status = pl.when(pl.col("kind") == "unused").then(pl.lit("Unused")).otherwise(pl.lit("Used"))
     columns = [
         of_commitment(pl.lit("Usage")).alias("CommitmentDiscountCategory"),
-        of_commitment(pl.format("{}/pools/{}/commitment", pl.lit(PROVIDER), pool)).alias("CommitmentDiscountId"),
+        of_commitment(pl.format("{}/pools/{}/commitment", pl.lit(PROVIDER), pool)).alias(
+            "CommitmentDiscountId"
+        ),
         of_commitment(pl.format("{} committed GPUs", pool)).alias("CommitmentDiscountName"),
         of_commitment(status).alias("CommitmentDiscountStatus"),
         of_commitment(pl.lit("Committed GPUs")).alias("CommitmentDiscountType"),
-    ]  # fmt: skip
+    ]
     if version != "1.0":  # Quantity and unit came with FOCUS 1.1
         columns += [
             pl.when(committed)
@@ -211,8 +234,10 @@ def _allocation_columns(config: Config) -> list[pl.Expr]:
         when_allocated(details).alias("AllocatedMethodDetails"),
         when_allocated(target).alias("AllocatedResourceId"),
         when_allocated(pl.format("{} on {}", "team", "model")).alias("AllocatedResourceName"),
-        when_allocated(_tags(("team", "team"), ("project", "project"), ("user", "user"))).alias("AllocatedTags"),
-    ]  # fmt: skip
+        when_allocated(_tags(("team", "team"), ("project", "project"), ("user", "user"))).alias(
+            "AllocatedTags"
+        ),
+    ]
 
 
 def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> pl.DataFrame:
@@ -258,8 +283,12 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
         pl.when(correction).then(pl.lit("Correction")).otherwise(_null()).alias("ChargeClass"),
         description.alias("ChargeDescription"),
         pl.lit("Usage-Based").alias("ChargeFrequency"),
-        pl.col("for_month").replace_strict({m: p[1] for m, p in periods.items()}, return_dtype=pl.String).alias("ChargePeriodEnd"),
-        pl.col("for_month").replace_strict({m: p[0] for m, p in periods.items()}, return_dtype=pl.String).alias("ChargePeriodStart"),
+        pl.col("for_month")
+        .replace_strict({m: p[1] for m, p in periods.items()}, return_dtype=pl.String)
+        .alias("ChargePeriodEnd"),
+        pl.col("for_month")
+        .replace_strict({m: p[0] for m, p in periods.items()}, return_dtype=pl.String)
+        .alias("ChargePeriodStart"),
         listed.alias("ContractedCost"),
         billed.alias("EffectiveCost"),
         pl.lit(PROVIDER).alias("InvoiceIssuerName"),
@@ -270,9 +299,12 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
         pl.lit(PROVIDER).alias("PublisherName"),
         resource.alias("ResourceId"),
         resource.alias("ResourceName"),
-        pl.when(~usage).then(pl.lit("Node Pool Commitment"))
-        .when(by_instance).then(pl.lit("LLM Inference Instance"))
-        .otherwise(pl.lit("LLM Model")).alias("ResourceType"),
+        pl.when(~usage)
+        .then(pl.lit("Node Pool Commitment"))
+        .when(by_instance)
+        .then(pl.lit("LLM Inference Instance"))
+        .otherwise(pl.lit("LLM Model"))
+        .alias("ResourceType"),
         pl.lit(SERVICE_CATEGORY).alias("ServiceCategory"),
         pl.lit(SERVICE_NAME).alias("ServiceName"),
         pl.col("team").alias("SubAccountId"),
@@ -284,13 +316,20 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
         *_commitment_columns(version),
         unit_price.alias("ContractedUnitPrice"),
         unit_price.alias("ListUnitPrice"),
-        category.replace_strict(PRICING_CATEGORIES, default="Other", return_dtype=pl.String).alias("PricingCategory"),
+        category.replace_strict(PRICING_CATEGORIES, default="Other", return_dtype=pl.String).alias(
+            "PricingCategory"
+        ),
         _null().alias("RegionId"),
         _null().alias("RegionName"),
         sku.alias("SkuId"),
         sku_price.alias("SkuPriceId"),
-        _tags(("team", "team"), ("model", "model"), ("replica_group", "replica"),
-              ("project", "project"), ("user", "user")).alias("Tags"),
+        _tags(
+            ("team", "team"),
+            ("model", "model"),
+            ("replica_group", "replica"),
+            ("project", "project"),
+            ("user", "user"),
+        ).alias("Tags"),
         pl.col("team").alias("x_Team"),
         pl.col("model").alias("x_Model"),
         pl.col("replica").alias("x_ReplicaGroup"),
@@ -306,7 +345,7 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
         _usd("idle_cents").alias("x_IdleCost"),
         _usd("cache_savings_cents").alias("x_CacheSavingsCost"),
         *_allocation_columns(config),
-    )  # fmt: skip
+    )
     if version == "1.0":
         # focus-validator 1.0.0, the reference validator, still checks these pre-1.0 names.
         frame = frame.with_columns(

@@ -84,9 +84,12 @@ def with_optional(lines: pl.DataFrame) -> pl.DataFrame:
 
 
 def apportion(
-    rows: pl.DataFrame, totals: pl.DataFrame, keys: Sequence[str], values: Iterable[str],
+    rows: pl.DataFrame,
+    totals: pl.DataFrame,
+    keys: Sequence[str],
+    values: Iterable[str],
     weight: pl.Expr,
-) -> pl.DataFrame:  # fmt: skip
+) -> pl.DataFrame:
     """``rows`` with each ``values`` column of ``totals`` split among the rows of its key.
 
     Each key's total is split in whole units by largest remainder, in proportion to ``weight``
@@ -163,18 +166,33 @@ def with_commitments(
     pool = pl.coalesce("pool", pl.col("model").str.strip_prefix(UNUSED_COMMITMENT))
     return lines.with_columns(
         pl.when(unused).then(pool).otherwise(pl.col("pool")).alias("pool"),
-        pl.when(unused).then(pl.coalesce("pricing_category", pl.lit("committed")))
-        .otherwise(pl.col("pricing_category")).alias("pricing_category"),
+        pl.when(unused)
+        .then(pl.coalesce("pricing_category", pl.lit("committed")))
+        .otherwise(pl.col("pricing_category"))
+        .alias("pricing_category"),
         pl.when(unused).then(pl.lit("unused")).otherwise(pl.lit("usage")).alias("kind"),
     ).with_columns(
         pl.when(pl.col("kind") == "unused")
-        .then(pl.coalesce("sku", pl.col("pool").replace_strict(dict(skus or {}), default=None, return_dtype=pl.String)))
-        .otherwise(pl.col("sku")).alias("sku"),
+        .then(
+            pl.coalesce(
+                "sku",
+                pl.col("pool").replace_strict(
+                    dict(skus or {}), default=None, return_dtype=pl.String
+                ),
+            )
+        )
+        .otherwise(pl.col("sku"))
+        .alias("sku"),
         pl.when(pl.col("kind") == "unused")
-        .then(pl.coalesce(pl.col("pool").replace_strict(hours, default=None, return_dtype=pl.Float64),
-                          pl.col("gpu_hours")))
-        .otherwise(pl.col("gpu_hours")).alias("gpu_hours")
-    )  # fmt: skip
+        .then(
+            pl.coalesce(
+                pl.col("pool").replace_strict(hours, default=None, return_dtype=pl.Float64),
+                pl.col("gpu_hours"),
+            )
+        )
+        .otherwise(pl.col("gpu_hours"))
+        .alias("gpu_hours"),
+    )
 
 
 def unused_commitments(
@@ -238,6 +256,12 @@ def focus_lines(
     lines = with_cache(lines, statement.cache, statement.month)
     lines = with_commitments(lines, statement.pools, skus)
     unused = unused_commitments(statement, platform_account, skus)
-    columns = [*LINE_SCHEMA, *OPTIONAL_COLUMNS, "list_cents", "cached_prompt_tokens",
-               "cache_savings_cents", "kind"]  # fmt: skip
+    columns = [
+        *LINE_SCHEMA,
+        *OPTIONAL_COLUMNS,
+        "list_cents",
+        "cached_prompt_tokens",
+        "cache_savings_cents",
+        "kind",
+    ]
     return pl.concat([lines.select(columns), unused.select(columns)], how="vertical_relaxed")

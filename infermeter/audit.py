@@ -31,19 +31,37 @@ __all__ = [
 ]
 
 # Every action the product records. A writer may send no other: the trail's vocabulary is fixed.
-ACTIONS: Final = frozenset({
-    "key.created", "key.revoked", "key.rotated",
-    "budget.override",
-    "month.closed", "month.reopened",
-    "prices.imported", "invoice.imported",
-    "config.reloaded", "config.refused",
-    "signin.succeeded", "signin.failed", "signout",
-})  # fmt: skip
+ACTIONS: Final = frozenset(
+    {
+        "key.created",
+        "key.revoked",
+        "key.rotated",
+        "budget.override",
+        "month.closed",
+        "month.reopened",
+        "prices.imported",
+        "invoice.imported",
+        "config.reloaded",
+        "config.refused",
+        "signin.succeeded",
+        "signin.failed",
+        "signout",
+    }
+)
 # How long a text field may be, in characters: a sentence or a small JSON object.
 MAX_TEXT: Final = 2000
 _OUTCOMES: Final = frozenset({"ok", "refused", "failed"})
-_STRINGS: Final = ("event_id", "action", "actor", "actor_role", "source", "target", "detail",
-                   "why", "outcome")  # fmt: skip
+_STRINGS: Final = (
+    "event_id",
+    "action",
+    "actor",
+    "actor_role",
+    "source",
+    "target",
+    "detail",
+    "why",
+    "outcome",
+)
 
 
 class AuditEventError(ValueError):
@@ -78,10 +96,19 @@ class AuditEvent:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def audit_event(action: str, actor: str, actor_role: str, source: str, *,
-                target: str = "", detail: Mapping[str, Any] | None = None, why: str = "",
-                address: str | None = None, outcome: str = "ok",
-                at: float | None = None) -> AuditEvent:  # fmt: skip
+def audit_event(
+    action: str,
+    actor: str,
+    actor_role: str,
+    source: str,
+    *,
+    target: str = "",
+    detail: Mapping[str, Any] | None = None,
+    why: str = "",
+    address: str | None = None,
+    outcome: str = "ok",
+    at: float | None = None,
+) -> AuditEvent:
     """A new event with a fresh id; AuditEventError for an action not in ``ACTIONS``."""
     found = AuditEvent(
         event_id=f"ae-{secrets.token_hex(12)}",

@@ -70,13 +70,25 @@ class AuditLog:
         except SpoolError as exc:
             log.error("audit event %s by %s not spooled (%s): %s", action, actor, exc, what)
 
-    def shipper(self, ingest_url: str, token: str | None, client: httpx.AsyncClient,
-                metrics: ShipperMetrics | None = None) -> Shipper:  # fmt: skip
+    def shipper(
+        self,
+        ingest_url: str,
+        token: str | None,
+        client: httpx.AsyncClient,
+        metrics: ShipperMetrics | None = None,
+    ) -> Shipper:
         """The shipper of this spool to billing's ``<ingest_url>/audit``."""
         from infermeter.shipper import Shipper
 
-        return Shipper(self.spool, ingest_url, token, AUDIT_KIND, client, metrics=metrics,
-                       credential=self.credential)  # fmt: skip
+        return Shipper(
+            self.spool,
+            ingest_url,
+            token,
+            AUDIT_KIND,
+            client,
+            metrics=metrics,
+            credential=self.credential,
+        )
 
 
 class AuditThread:
@@ -107,8 +119,9 @@ class AuditThread:
             shipper = self.log.shipper(self.ingest_url, self.token, self._client)
             self._tasks.append(asyncio.get_running_loop().create_task(shipper.run()))
 
-    def record(self, action: str, actor: str, actor_role: str, timeout: float = 5.0,
-               **what: Any) -> None:  # fmt: skip
+    def record(
+        self, action: str, actor: str, actor_role: str, timeout: float = 5.0, **what: Any
+    ) -> None:
         """``AuditLog.note`` from any thread; waits at most ``timeout`` seconds for the disk."""
         future = asyncio.run_coroutine_threadsafe(
             self.log.note(action, actor, actor_role, **what), self._loop

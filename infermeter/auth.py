@@ -115,8 +115,9 @@ class KeyRing:
     """API key digests from the configuration, looked up in constant time, and the keys issued
     at run time beside them (``issued``: replaced whole when the set changes)."""
 
-    def __init__(self, teams: Iterable[tuple[str, Iterable[str]]],
-                 issued: Issued | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, teams: Iterable[tuple[str, Iterable[str]]], issued: Issued | None = None
+    ) -> None:
         self._entries = [(bytes.fromhex(d), team) for team, digests in teams for d in digests]
         self.issued = issued
 
@@ -206,8 +207,15 @@ def sign_request(
     body: bytes,
 ) -> str:
     """Hex HMAC-SHA256 of ``string_to_sign(...)`` under ``secret``: what a trusted gateway sends."""
-    message = string_to_sign(team=team, timestamp=timestamp, nonce=nonce, audience=audience,
-                             method=method, path=path, body=body)  # fmt: skip
+    message = string_to_sign(
+        team=team,
+        timestamp=timestamp,
+        nonce=nonce,
+        audience=audience,
+        method=method,
+        path=path,
+        body=body,
+    )
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
@@ -273,8 +281,16 @@ class GatewayVerifier:
         now = time.time() if now is None else now
         if abs(now - ts) > self.max_skew_seconds:
             raise AuthError("Stale gateway signature.", "invalid_team_signature")
-        expected = sign_request(self.secret, team=team, timestamp=ts, nonce=nonce, audience=self.audience,
-                                method=method, path=path, body=body).encode()  # fmt: skip
+        expected = sign_request(
+            self.secret,
+            team=team,
+            timestamp=ts,
+            nonce=nonce,
+            audience=self.audience,
+            method=method,
+            path=path,
+            body=body,
+        ).encode()
         if not hmac.compare_digest(expected, signature.lower().encode()):
             raise AuthError("Invalid gateway signature.", "invalid_team_signature")
         if team not in self.known_teams:

@@ -25,30 +25,73 @@ from typing import Final
 __all__ = ["BOARD_WATTS", "UNKNOWN_BOARD_WATTS", "board_key", "board_watts", "max_watts"]
 
 # Board power limits in watts, by the names boards go by.
-BOARD_WATTS: Final[Mapping[str, float]] = MappingProxyType({
-    # Blackwell
-    "GB200": 1200.0, "B200": 1000.0, "B100": 700.0, "RTX PRO 6000 Blackwell": 600.0,
-    # Hopper
-    "H200": 700.0, "H200 SXM": 700.0, "H200 NVL": 600.0, "H200 141GB HBM3e": 700.0,
-    "H100": 700.0, "H100 SXM": 700.0, "H100 80GB HBM3": 700.0, "H100 SXM5 80GB": 700.0,
-    "H100 PCIe": 350.0, "H100 80GB PCIe": 350.0, "H100 NVL": 400.0, "H800": 700.0,
-    "H20": 400.0, "GH200": 1000.0,
-    # Ampere
-    "A100": 400.0, "A100-80GB": 400.0, "A100-40GB": 400.0, "A100 SXM4 80GB": 400.0,
-    "A100-SXM4-80GB": 400.0, "A100-SXM4-40GB": 400.0, "A100 80GB PCIe": 300.0,
-    "A100-PCIE-40GB": 250.0, "A100 PCIe": 300.0, "A800": 400.0,
-    "A10G": 300.0, "A10": 150.0, "A30": 165.0, "A40": 300.0, "A16": 250.0, "A2": 60.0,
-    "RTX A6000": 300.0, "RTX A5000": 230.0, "RTX A4000": 140.0,
-    # Ada Lovelace
-    "L40S": 350.0, "L40": 300.0, "L20": 275.0, "L4": 72.0,
-    "RTX 6000 Ada": 300.0, "RTX 6000 Ada Generation": 300.0, "RTX 5000 Ada": 250.0,
-    "RTX 5000 Ada Generation": 250.0, "RTX 4000 Ada": 130.0, "RTX 4000 Ada Generation": 130.0,
-    "RTX 4000 SFF Ada": 70.0, "RTX 4000 SFF Ada Generation": 70.0,
-    # Turing and Volta
-    "T4": 70.0, "Tesla T4": 70.0, "V100": 300.0, "V100-SXM2-32GB": 300.0,
-    "V100-SXM2-16GB": 300.0, "V100-PCIE-32GB": 250.0, "V100-PCIE-16GB": 250.0,
-    "Tesla V100-SXM2-32GB": 300.0, "Tesla V100-PCIE-32GB": 250.0,
-})  # fmt: skip
+BOARD_WATTS: Final[Mapping[str, float]] = MappingProxyType(
+    {
+        # Blackwell
+        "GB200": 1200.0,
+        "B200": 1000.0,
+        "B100": 700.0,
+        "RTX PRO 6000 Blackwell": 600.0,
+        # Hopper
+        "H200": 700.0,
+        "H200 SXM": 700.0,
+        "H200 NVL": 600.0,
+        "H200 141GB HBM3e": 700.0,
+        "H100": 700.0,
+        "H100 SXM": 700.0,
+        "H100 80GB HBM3": 700.0,
+        "H100 SXM5 80GB": 700.0,
+        "H100 PCIe": 350.0,
+        "H100 80GB PCIe": 350.0,
+        "H100 NVL": 400.0,
+        "H800": 700.0,
+        "H20": 400.0,
+        "GH200": 1000.0,
+        # Ampere
+        "A100": 400.0,
+        "A100-80GB": 400.0,
+        "A100-40GB": 400.0,
+        "A100 SXM4 80GB": 400.0,
+        "A100-SXM4-80GB": 400.0,
+        "A100-SXM4-40GB": 400.0,
+        "A100 80GB PCIe": 300.0,
+        "A100-PCIE-40GB": 250.0,
+        "A100 PCIe": 300.0,
+        "A800": 400.0,
+        "A10G": 300.0,
+        "A10": 150.0,
+        "A30": 165.0,
+        "A40": 300.0,
+        "A16": 250.0,
+        "A2": 60.0,
+        "RTX A6000": 300.0,
+        "RTX A5000": 230.0,
+        "RTX A4000": 140.0,
+        # Ada Lovelace
+        "L40S": 350.0,
+        "L40": 300.0,
+        "L20": 275.0,
+        "L4": 72.0,
+        "RTX 6000 Ada": 300.0,
+        "RTX 6000 Ada Generation": 300.0,
+        "RTX 5000 Ada": 250.0,
+        "RTX 5000 Ada Generation": 250.0,
+        "RTX 4000 Ada": 130.0,
+        "RTX 4000 Ada Generation": 130.0,
+        "RTX 4000 SFF Ada": 70.0,
+        "RTX 4000 SFF Ada Generation": 70.0,
+        # Turing and Volta
+        "T4": 70.0,
+        "Tesla T4": 70.0,
+        "V100": 300.0,
+        "V100-SXM2-32GB": 300.0,
+        "V100-SXM2-16GB": 300.0,
+        "V100-PCIE-32GB": 250.0,
+        "V100-PCIE-16GB": 250.0,
+        "Tesla V100-SXM2-32GB": 300.0,
+        "Tesla V100-PCIE-32GB": 250.0,
+    }
+)
 
 # A board the table does not name: the largest the table knows.
 UNKNOWN_BOARD_WATTS: Final = max(BOARD_WATTS.values())

@@ -103,13 +103,18 @@ def _register_demo(subparsers: Subparsers) -> None:
         "--day-seconds", type=float, default=600.0, help="wall seconds per simulated day"
     )
     demo.add_argument(
-        "--front-door", default="127.0.0.1:18100", metavar="HOST:PORT",
+        "--front-door",
+        default="127.0.0.1:18100",
+        metavar="HOST:PORT",
         help="where vLLM's router serves every model (the one base URL; default %(default)s)",
-    )  # fmt: skip
+    )
     demo.add_argument(
-        "--front-door-metrics-port", type=int, default=18190, metavar="PORT",
+        "--front-door-metrics-port",
+        type=int,
+        default=18190,
+        metavar="PORT",
         help="where the router serves its own metrics (default %(default)s)",
-    )  # fmt: skip
+    )
     demo.set_defaults(handler=_demo)
 
 

@@ -1092,8 +1092,11 @@ def credential_hashes(config: Config) -> list[tuple[str, str, str]]:
     A principal is who the key makes the caller: a team (``team:<name>``), or ``admin``,
     ``metrics``, ``spend_reader``, ``federation`` or ``ingest``.
     """
-    out = [(f"team:{t.name}", f"teams[{i}].api_key_sha256[{j}]", d)
-           for i, t in enumerate(config.teams) for j, d in enumerate(t.api_key_sha256)]  # fmt: skip
+    out = [
+        (f"team:{t.name}", f"teams[{i}].api_key_sha256[{j}]", d)
+        for i, t in enumerate(config.teams)
+        for j, d in enumerate(t.api_key_sha256)
+    ]
     for principal, path, digests in (
         ("admin", "admin_token_sha256", config.admin_token_sha256),
         ("metrics", "metrics_token_sha256", config.metrics_token_sha256),

@@ -65,9 +65,15 @@ def register(subparsers: Subparsers) -> None:
     cmd.set_defaults(handler=_credential)
 
 
-def principal_for(config: Config, role: str, environ: Mapping[str, str], *,
-                  replica: str | None = None, port: int | None = None,
-                  name: str = "autoscaler") -> Writer:  # fmt: skip
+def principal_for(
+    config: Config,
+    role: str,
+    environ: Mapping[str, str],
+    *,
+    replica: str | None = None,
+    port: int | None = None,
+    name: str = "autoscaler",
+) -> Writer:
     """The writer a pod of ``role`` is, from its environment; CredentialError when it cannot say."""
     from infermeter.identity import IdentityError, identity_from_environment
     from infermeter.writers import Writer, WriterError
@@ -120,8 +126,9 @@ def _credential(args: argparse.Namespace, config: Config) -> int:
     if not secret:
         return fail(f"the writer secret is not in {variable}: mount it from the Secret")
     try:
-        writer = principal_for(config, args.role, os.environ, replica=args.replica,
-                               port=args.port, name=args.name)  # fmt: skip
+        writer = principal_for(
+            config, args.role, os.environ, replica=args.replica, port=args.port, name=args.name
+        )
     except CredentialError as exc:
         return fail(f"cannot tell which {args.role} this pod is: {exc}")
     write_credential(args.out, issue(secret.encode(), writer).token)

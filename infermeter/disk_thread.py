@@ -57,8 +57,9 @@ class DiskThread:
         with self._lock:
             if self._jobs is None:
                 self._jobs = queue.SimpleQueue()
-                threading.Thread(target=self._serve, args=(self._jobs,), name=self.name,
-                                 daemon=True).start()  # fmt: skip
+                threading.Thread(
+                    target=self._serve, args=(self._jobs,), name=self.name, daemon=True
+                ).start()
             self._jobs.put((call, future, loop))
         return await future
 

@@ -212,8 +212,10 @@ class Scheduler:
     @staticmethod
     def _steady(step: Step) -> bool:
         """True when every sequence of the step gets a token, as it will in the next step."""
-        return all(n == 1 and s.context_tokens - s.prefilled - s.cached_tokens == 1
-                   for s, n in step.prefill)  # fmt: skip
+        return all(
+            n == 1 and s.context_tokens - s.prefilled - s.cached_tokens == 1
+            for s, n in step.prefill
+        )
 
     def _repeats(self, step: Step, now: float, until: float) -> int:
         """How many times a steady step runs before the batch or its timing changes."""

@@ -65,8 +65,11 @@ def is_loopback(address: str) -> bool:
 
 def listen_addresses(config: Config, listen: str | None) -> list[tuple[str, str]]:
     """``(where, address)`` of every address a server of this configuration would listen on."""
-    out = [(f"replicas[{i}].sidecar_listen", r.sidecar_listen)
-           for i, r in enumerate(config.replicas) if r.sidecar_listen]  # fmt: skip
+    out = [
+        (f"replicas[{i}].sidecar_listen", r.sidecar_listen)
+        for i, r in enumerate(config.replicas)
+        if r.sidecar_listen
+    ]
     out += [
         ("billing.listen", config.billing.listen),
         ("collector.listen", config.collector.listen),

@@ -78,8 +78,17 @@ def front_door_child(config_path: str, listen: str, metrics_port: int) -> Child:
     """vLLM's router on ``listen``, routing each request by its model to the sidecars."""
     ensure_free(*host_port(listen), "front door (vllm-router)")
     ensure_free(host_port(listen)[0], metrics_port, "front door's metrics")
-    argv = [sys.executable, "-m", "infermeter.front_door", "--config", config_path,
-            "--listen", listen, "--metrics-port", str(metrics_port)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "infermeter.front_door",
+        "--config",
+        config_path,
+        "--listen",
+        listen,
+        "--metrics-port",
+        str(metrics_port),
+    ]
     return Child("front door", argv, f"http://{listen}/health")
 
 
@@ -131,10 +140,12 @@ DEMO_AUTOSCALE_SETTINGS = {
 def autoscaler_child(config: Config, config_path: str, day_seconds: float) -> Child:
     """The autoscaler with its local hook: it starts and stops instances as demand changes."""
     ensure_free(*host_port(config.autoscale.listen), "autoscale listen address")
-    argv = _infermeter("autoscale", "run", "--config", config_path,
-                       "--day-seconds", str(day_seconds))  # fmt: skip
-    return Child("autoscaler", argv, f"http://{config.autoscale.listen}/healthz",
-                 env=DEMO_AUTOSCALE_SETTINGS)  # fmt: skip
+    argv = _infermeter(
+        "autoscale", "run", "--config", config_path, "--day-seconds", str(day_seconds)
+    )
+    return Child(
+        "autoscaler", argv, f"http://{config.autoscale.listen}/healthz", env=DEMO_AUTOSCALE_SETTINGS
+    )
 
 
 def spare_gpu_overrides(config: Config) -> dict[str, str]:
@@ -154,8 +165,16 @@ def spare_gpu_overrides(config: Config) -> dict[str, str]:
 
 def traffic_child(config_path: str, args: argparse.Namespace) -> Child:
     """The traffic generator, as a child process."""
-    argv = _infermeter("simulate", "--config", config_path, "--traffic-only",
-                       "--peak-rps", str(args.peak_rps), "--day-seconds", str(args.day_seconds))  # fmt: skip
+    argv = _infermeter(
+        "simulate",
+        "--config",
+        config_path,
+        "--traffic-only",
+        "--peak-rps",
+        str(args.peak_rps),
+        "--day-seconds",
+        str(args.day_seconds),
+    )
     if getattr(args, "via_sidecars", False):
         argv.append("--via-sidecars")
     if getattr(args, "duration", None) is not None:
@@ -186,20 +205,26 @@ def writer_environments(config: Config, secret: bytes) -> dict[str, dict[str, st
     secret_env = config.billing.writer_secret_env
     envs = {
         "billing": {secret_env: secret.decode()},
-        "collector": {config.collector.credential_env:
-                      issue(secret, Writer.for_collector(config.node_names())).token},
-        "autoscaler": {config.autoscale.credential_env:
-                       issue(secret, Writer.for_autoscaler()).token, secret_env: secret.decode()},
+        "collector": {
+            config.collector.credential_env: issue(
+                secret, Writer.for_collector(config.node_names())
+            ).token
+        },
+        "autoscaler": {
+            config.autoscale.credential_env: issue(secret, Writer.for_autoscaler()).token,
+            secret_env: secret.decode(),
+        },
         "dashboard": {config.dashboard.credential_env: issue(secret, Writer.for_dashboard()).token},
-    }  # fmt: skip
+    }
     for r in config.replicas:
         writer = Writer.for_instance(r.id, r.id, r.sidecar_listen)
         envs[f"sidecar {r.id}"] = {config.sidecar.credential_env: issue(secret, writer).token}
     return envs
 
 
-def with_writer_credentials(children: Sequence[Child], config: Config,
-                            secret: bytes) -> list[Child]:  # fmt: skip
+def with_writer_credentials(
+    children: Sequence[Child], config: Config, secret: bytes
+) -> list[Child]:
     """``children``, each with what ``writer_environments`` gives it."""
     envs = writer_environments(config, secret)
     return [

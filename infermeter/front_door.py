@@ -61,10 +61,24 @@ def workers(config: Config, fleet: LocalFleet) -> dict[str, str]:
 def router_command(program: str, listen: str, metrics_port: int) -> list[str]:
     """vllm-router in its multi-model mode on ``listen``, health-checking the sidecars' /healthz."""
     host, port = host_port(listen)
-    return [program, "--host", host, "--port", str(port), "--enable-igw",
-            "--policy", "round_robin", "--health-check-endpoint", "/healthz",
-            "--prometheus-host", host, "--prometheus-port", str(metrics_port),
-            "--log-level", "warning"]  # fmt: skip
+    return [
+        program,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--enable-igw",
+        "--policy",
+        "round_robin",
+        "--health-check-endpoint",
+        "/healthz",
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(metrics_port),
+        "--log-level",
+        "warning",
+    ]
 
 
 def _program() -> str:
@@ -79,8 +93,9 @@ def _program() -> str:
 class FrontDoor:
     """The router process and the workers registered with it."""
 
-    def __init__(self, config: Config, listen: str, metrics_port: int,
-                 client: httpx.Client | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, config: Config, listen: str, metrics_port: int, client: httpx.Client | None = None
+    ) -> None:
         self.config = config
         self.listen = listen
         self.url = f"http://{listen}"

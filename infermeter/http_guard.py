@@ -27,8 +27,17 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["BODY_COMPLETE", "DEFAULT_LIMITS", "HEADERS_TOO_LARGE", "RAW_WRITER", "REQUEST_TIMEOUT",
-           "RawWriter", "ServerLimits", "WriterListener", "guarded_protocol"]  # fmt: skip
+__all__ = [
+    "BODY_COMPLETE",
+    "DEFAULT_LIMITS",
+    "HEADERS_TOO_LARGE",
+    "RAW_WRITER",
+    "REQUEST_TIMEOUT",
+    "RawWriter",
+    "ServerLimits",
+    "WriterListener",
+    "guarded_protocol",
+]
 
 RAW_WRITER = "infermeter.raw"
 BODY_COMPLETE = "infermeter.body_complete"

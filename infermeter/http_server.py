@@ -90,8 +90,11 @@ _BAD_REQUEST = (
     b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\n"
     b"content-length: 24\r\nconnection: close\r\n\r\nInvalid HTTP request.\r\n\r\n"
 )
-_SERVER_ERROR = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"),
-                 (b"connection", b"close")]  # fmt: skip
+_SERVER_ERROR = [
+    (b"content-type", b"text/plain; charset=utf-8"),
+    (b"content-length", b"21"),
+    (b"connection", b"close"),
+]
 _DISCONNECT: Message = {"type": "http.disconnect"}
 App = Callable[..., Any]
 
@@ -99,9 +102,23 @@ App = Callable[..., Any]
 class _Exchange:
     """One request and its response: the ASGI ``receive`` and ``send`` of one scope."""
 
-    __slots__ = ("body", "body_done", "chunked", "conn", "done", "expect_continue", "head_only",
-                 "keep_alive", "more_body", "remaining", "scope", "started", "unread",
-                 "until_close", "waiter")  # fmt: skip
+    __slots__ = (
+        "body",
+        "body_done",
+        "chunked",
+        "conn",
+        "done",
+        "expect_continue",
+        "head_only",
+        "keep_alive",
+        "more_body",
+        "remaining",
+        "scope",
+        "started",
+        "unread",
+        "until_close",
+        "waiter",
+    )
 
     def __init__(self, conn: _Connection, scope: Scope, keep_alive: bool, expect: bool) -> None:
         self.conn = conn
@@ -254,10 +271,33 @@ class _Exchange:
 class _Connection(asyncio.Protocol):
     """One client connection: parse requests, run each as an ASGI task, one answered at a time."""
 
-    __slots__ = ("_answering", "_deadline", "_drained", "_expect", "_head_read", "_header_bytes",
-                 "_headers", "_heading", "_idle", "_ignore", "_parsing", "_queued",
-                 "_reading_paused", "_url", "closing", "limits", "local", "loop", "lost", "parser",
-                 "peer", "raw", "server", "transport", "write_paused")  # fmt: skip
+    __slots__ = (
+        "_answering",
+        "_deadline",
+        "_drained",
+        "_expect",
+        "_head_read",
+        "_header_bytes",
+        "_headers",
+        "_heading",
+        "_idle",
+        "_ignore",
+        "_parsing",
+        "_queued",
+        "_reading_paused",
+        "_url",
+        "closing",
+        "limits",
+        "local",
+        "loop",
+        "lost",
+        "parser",
+        "peer",
+        "raw",
+        "server",
+        "transport",
+        "write_paused",
+    )
 
     def __init__(self, server: HttpServer) -> None:
         self.server = server
@@ -657,9 +697,17 @@ class HttpServer:
     by itself (the sidecar's drain sets ``should_exit``). Without it, signals are left alone.
     """
 
-    def __init__(self, app: App, host: str, port: int, *, limits: ServerLimits = DEFAULT_LIMITS,
-                 lifespan: bool = True, on_signal: Callable[[signal.Signals], None] | None = None,
-                 graceful_seconds: float = 2.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        app: App,
+        host: str,
+        port: int,
+        *,
+        limits: ServerLimits = DEFAULT_LIMITS,
+        lifespan: bool = True,
+        on_signal: Callable[[signal.Signals], None] | None = None,
+        graceful_seconds: float = 2.0,
+    ) -> None:
         self.app = app
         self.host = host
         self.port = port
@@ -689,9 +737,12 @@ class HttpServer:
         self._date()
         try:
             listener = await self.loop.create_server(
-                lambda: _Connection(self), self.host, self.port, backlog=_BACKLOG,
+                lambda: _Connection(self),
+                self.host,
+                self.port,
+                backlog=_BACKLOG,
                 reuse_address=True,
-            )  # fmt: skip
+            )
         except OSError as exc:
             log.error("%s", exc)
             if lifespan is not None:

@@ -273,11 +273,18 @@ def interrupted_record(pending: Pending, last_alive: float) -> UsageRecord:
     first = got.first_token_at if got.first_token_at is not None else mark.get("t")
     began = got.began or (not pending.progress and (bool(completion) or first is not None))
     return dataclasses.replace(
-        base, status=RequestStatus.INTERRUPTED.value, http_status=200 if began and base.stream else 502,
-        prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached,
-        first_token_at=first, finished_at=max(base.received_at, last_alive, mark.get("at", 0.0), first or 0.0),
-        finish_reason=None, usage_exact=False, response_id=got.response_id or base.response_id,
-    )  # fmt: skip
+        base,
+        status=RequestStatus.INTERRUPTED.value,
+        http_status=200 if began and base.stream else 502,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_prompt_tokens=cached,
+        first_token_at=first,
+        finished_at=max(base.received_at, last_alive, mark.get("at", 0.0), first or 0.0),
+        finish_reason=None,
+        usage_exact=False,
+        response_id=got.response_id or base.response_id,
+    )
 
 
 async def recover(paths: list[Path], spool: Spool) -> list[UsageRecord]:
@@ -309,8 +316,10 @@ async def recover(paths: list[Path], spool: Spool) -> list[UsageRecord]:
             # The files stay: the next start makes the same records (same ids) again.
             log.error("interrupted requests NOT recorded yet, journal kept: %s", exc)
             return []
-        log.warning("%d request(s) were running when the sidecar stopped; recorded as interrupted",
-                    len(records))  # fmt: skip
+        log.warning(
+            "%d request(s) were running when the sidecar stopped; recorded as interrupted",
+            len(records),
+        )
     else:
         records = []
     for path in paths:
@@ -339,4 +348,8 @@ def _read_progress(paths: list[Path]) -> tuple[float, dict[str, Progress]]:
 
 
 def _spooled_ids(directory: Path) -> set[str]:
-    return {r.get("request_id", "") for seg in directory.glob("seg-*.jsonl") for r in read_segment(seg)[0]}  # fmt: skip
+    return {
+        r.get("request_id", "")
+        for seg in directory.glob("seg-*.jsonl")
+        for r in read_segment(seg)[0]
+    }

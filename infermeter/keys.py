@@ -91,8 +91,10 @@ class IssuedKey:
     @property
     def limited(self) -> bool:
         """Whether the key has limits of its own, beside its team's."""
-        return any(v is not None for v in (self.requests_per_minute, self.tokens_per_minute,
-                                           self.max_concurrent))  # fmt: skip
+        return any(
+            v is not None
+            for v in (self.requests_per_minute, self.tokens_per_minute, self.max_concurrent)
+        )
 
     def to_json(self) -> dict[str, Any]:
         """Every field, for the API and the sidecars' copy (the digest, never a secret)."""
@@ -174,8 +176,9 @@ def new_secret() -> tuple[str, str]:
     return key_id, f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
 
 
-def new_key(request: Mapping[str, Any], teams: Iterable[str], creator: Caller,
-            now: float) -> tuple[IssuedKey, str]:  # fmt: skip
+def new_key(
+    request: Mapping[str, Any], teams: Iterable[str], creator: Caller, now: float
+) -> tuple[IssuedKey, str]:
     """The key ``request`` asks for, made by ``creator``, and its secret (shown once).
 
     ``request``: role (default member), team, member, project, expires_at (Unix seconds) or
@@ -224,15 +227,33 @@ def new_key(request: Mapping[str, Any], teams: Iterable[str], creator: Caller,
 def rotated(old: IssuedKey, creator: Caller, now: float) -> tuple[IssuedKey, str]:
     """A new key with ``old``'s team, role, labels, limits and expiry, and its secret."""
     key_id, secret = new_secret()
-    fresh = replace(old, key_id=key_id, digest=key_digest(secret), created_at=now,
-                    created_by=creator.who, revoked_at=None, replaced_by=None)  # fmt: skip
+    fresh = replace(
+        old,
+        key_id=key_id,
+        digest=key_digest(secret),
+        created_at=now,
+        created_by=creator.who,
+        revoked_at=None,
+        replaced_by=None,
+    )
     return fresh, secret
 
 
-_REQUEST_FIELDS: Final = frozenset({
-    "role", "team", "member", "project", "expires_at", "expires_in_seconds",
-    "requests_per_minute", "tokens_per_minute", "max_concurrent", "budget_usd_per_month", "reason",
-})  # fmt: skip
+_REQUEST_FIELDS: Final = frozenset(
+    {
+        "role",
+        "team",
+        "member",
+        "project",
+        "expires_at",
+        "expires_in_seconds",
+        "requests_per_minute",
+        "tokens_per_minute",
+        "max_concurrent",
+        "budget_usd_per_month",
+        "reason",
+    }
+)
 
 
 def _text(request: Mapping[str, Any], name: str) -> str | None:

@@ -51,12 +51,17 @@ def register(subparsers: Subparsers) -> None:
     create = actions.add_parser("create", help="issue a key; its secret is printed once")
     add_config(create, nested=True)
     create.add_argument("--team", help="the team the key is for (member and lead keys)")
-    create.add_argument("--role", default="member",
-                        choices=("member", "lead", "finance", "viewer", "spend_reader"))  # fmt: skip
+    create.add_argument(
+        "--role", default="member", choices=("member", "lead", "finance", "viewer", "spend_reader")
+    )
     create.add_argument("--member", help="who in the team holds it (a label)")
     create.add_argument("--project", help="what it is for (a label)")
-    create.add_argument("--expires-in", type=parse_duration, metavar="DURATION",
-                        help="it stops working after this (15m, 12h, 30d); default: never")  # fmt: skip
+    create.add_argument(
+        "--expires-in",
+        type=parse_duration,
+        metavar="DURATION",
+        help="it stops working after this (15m, 12h, 30d); default: never",
+    )
     create.add_argument("--requests-per-minute", type=int, metavar="N")
     create.add_argument("--tokens-per-minute", type=int, metavar="N")
     create.add_argument("--max-concurrent", type=int, metavar="N")
@@ -67,15 +72,22 @@ def register(subparsers: Subparsers) -> None:
     listing = actions.add_parser("list", help="the keys you manage (never a secret)")
     add_config(listing, nested=True)
     listing.add_argument("--revoked", action="store_true", help="revoked keys too")
-    for name, text in (("revoke", "revoke a key now"),
-                       ("rotate", "issue a key in place of another; the new secret is printed")):  # fmt: skip
+    for name, text in (
+        ("revoke", "revoke a key now"),
+        ("rotate", "issue a key in place of another; the new secret is printed"),
+    ):
         action = actions.add_parser(name, help=text)
         add_config(action, nested=True)
         action.add_argument("key_id", metavar="KEY_ID")
         action.add_argument("--reason", default="", help="why, for the audit trail")
         if name == "rotate":
-            action.add_argument("--grace", type=parse_duration, default=0.0, metavar="DURATION",
-                                help="how long the old key keeps working (at most 7d)")  # fmt: skip
+            action.add_argument(
+                "--grace",
+                type=parse_duration,
+                default=0.0,
+                metavar="DURATION",
+                help="how long the old key keeps working (at most 7d)",
+            )
     cmd.set_defaults(handler=_keys)
 
 
@@ -85,12 +97,22 @@ def _keys(args: argparse.Namespace, config: Config) -> int:
         raise CommandError(f"set ${TOKEN_ENVS[0]} to the admin token or a team lead's key")
     url = (args.billing_url or config.billing.url).rstrip("/")
     if args.action == "create":
-        body = {k: v for k, v in {
-            "team": args.team, "role": args.role, "member": args.member, "project": args.project,
-            "expires_in_seconds": args.expires_in, "requests_per_minute": args.requests_per_minute,
-            "tokens_per_minute": args.tokens_per_minute, "max_concurrent": args.max_concurrent,
-            "budget_usd_per_month": args.budget_usd, "reason": args.reason,
-        }.items() if v is not None}  # fmt: skip
+        body = {
+            k: v
+            for k, v in {
+                "team": args.team,
+                "role": args.role,
+                "member": args.member,
+                "project": args.project,
+                "expires_in_seconds": args.expires_in,
+                "requests_per_minute": args.requests_per_minute,
+                "tokens_per_minute": args.tokens_per_minute,
+                "max_concurrent": args.max_concurrent,
+                "budget_usd_per_month": args.budget_usd,
+                "reason": args.reason,
+            }.items()
+            if v is not None
+        }
         return _issued(_call(url, token, "POST", "/v1/keys", body))
     if args.action == "list":
         found = _call(url, token, "GET", "/v1/keys" + ("?revoked=true" if args.revoked else ""))
@@ -98,8 +120,10 @@ def _keys(args: argparse.Namespace, config: Config) -> int:
         return 0
     if args.action == "revoke":
         gone = _call(url, token, "POST", f"/v1/keys/{args.key_id}/revoke", {"reason": args.reason})
-        print(f"revoked {gone['key_id']} (team {gone['team'] or '-'}, role {gone['role']})",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"revoked {gone['key_id']} (team {gone['team'] or '-'}, role {gone['role']})",
+            file=sys.stderr,
+        )
         return 0
     body = {"reason": args.reason, "grace_seconds": args.grace}
     return _issued(_call(url, token, "POST", f"/v1/keys/{args.key_id}/rotate", body))
@@ -108,8 +132,10 @@ def _keys(args: argparse.Namespace, config: Config) -> int:
 def _issued(found: dict[str, Any]) -> int:
     print(found["key"])
     whose = f"team {found['team']}" if found["team"] else "no team"
-    print(f"key {found['key_id']}: {found['role']}, {whose}; the secret above is shown this once",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"key {found['key_id']}: {found['role']}, {whose}; the secret above is shown this once",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -117,8 +143,9 @@ def _call(url: str, token: str, method: str, path: str, body: dict[str, Any] | N
     import httpx
 
     try:
-        answer = httpx.request(method, url + path, json=body, timeout=30,
-                               headers={"authorization": f"Bearer {token}"})  # fmt: skip
+        answer = httpx.request(
+            method, url + path, json=body, timeout=30, headers={"authorization": f"Bearer {token}"}
+        )
     except httpx.HTTPError as exc:
         raise CommandError(f"billing at {url} did not answer: {exc}", code=1) from None
     if answer.status_code >= 400:
@@ -131,8 +158,19 @@ def _call(url: str, token: str, method: str, path: str, body: dict[str, Any] | N
 
 
 def _table(keys: list[dict[str, Any]]) -> None:
-    columns = ("key_id", "role", "team", "member", "project", "expires_at", "revoked_at",
-               "requests_per_minute", "tokens_per_minute", "max_concurrent", "budget_usd_per_month")  # fmt: skip
+    columns = (
+        "key_id",
+        "role",
+        "team",
+        "member",
+        "project",
+        "expires_at",
+        "revoked_at",
+        "requests_per_minute",
+        "tokens_per_minute",
+        "max_concurrent",
+        "budget_usd_per_month",
+    )
     rows = [[_shown(k.get(c)) for c in columns] for k in keys]
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
     for line in ([list(columns)], rows):

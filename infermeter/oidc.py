@@ -113,8 +113,12 @@ class IdTokens:
     ``fetch`` reads a URL as JSON (the discovery document, the keys); ``clock`` is Unix time.
     """
 
-    def __init__(self, settings: OidcSettings, fetch: Callable[[str], dict[str, Any]] = _get_json,
-                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: OidcSettings,
+        fetch: Callable[[str], dict[str, Any]] = _get_json,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.settings = settings
         self._fetch = fetch
         self._clock = clock

@@ -125,9 +125,15 @@ def make_exporter(protocol: str) -> MetricExporter:
 class MetricsExport:
     """Every ``interval_seconds``, the producers' points to the exporter, off the event loop."""
 
-    def __init__(self, exporter: MetricExporter, resource: Resource, scope: InstrumentationScope,
-                 producers: Sequence[Producer], interval_seconds: float,
-                 registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        exporter: MetricExporter,
+        resource: Resource,
+        scope: InstrumentationScope,
+        producers: Sequence[Producer],
+        interval_seconds: float,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.exporter = exporter
         self.resource = resource
         self.scope = scope
@@ -166,8 +172,15 @@ class MetricsExport:
             metrics = [
                 m for p in self.producers for m in await p(self.start_ns, now) if m.data.data_points
             ]
-            data = MetricsData([ResourceMetrics(self.resource, [ScopeMetrics(self.scope, metrics, self.scope.schema_url or "")],
-                                                self.resource.schema_url)])  # fmt: skip
+            data = MetricsData(
+                [
+                    ResourceMetrics(
+                        self.resource,
+                        [ScopeMetrics(self.scope, metrics, self.scope.schema_url or "")],
+                        self.resource.schema_url,
+                    )
+                ]
+            )
             self._sending = asyncio.ensure_future(asyncio.to_thread(self._send, data))
             ok = await asyncio.shield(self._sending)
             self._sending = None
@@ -187,16 +200,20 @@ class MetricsExport:
         self.exports += 1
         if ok:
             if self.failing_since is not None:
-                log.warning("OTLP metric export works again, after %d failed export(s)",
-                            self._failed_in_row)  # fmt: skip
+                log.warning(
+                    "OTLP metric export works again, after %d failed export(s)", self._failed_in_row
+                )
             self.failing_since, self._failed_in_row = None, 0
             return
         self.failures.inc()
         self._failed_in_row += 1
         if self.failing_since is None:
             self.failing_since = time.time()
-            log.warning("OTLP metric export failing (%s); figures are kept and go with the "
-                        "next export that succeeds", self._reason.message or "no reason given")  # fmt: skip
+            log.warning(
+                "OTLP metric export failing (%s); figures are kept and go with the "
+                "next export that succeeds",
+                self._reason.message or "no reason given",
+            )
 
     async def close(self, timeout_seconds: float = SHUTDOWN_SECONDS) -> None:
         """One last export, then the exporter closes; at most ``timeout_seconds`` in all."""
@@ -206,9 +223,15 @@ class MetricsExport:
         await asyncio.to_thread(self.exporter.shutdown)
 
 
-def make_metrics_export(settings: OtlpSettings, service_name: str, scope_name: str,
-                        resource_attributes: Mapping[str, str], producers: Sequence[Producer],
-                        registry: CollectorRegistry | None = None, schema_url: str = "") -> MetricsExport:  # fmt: skip
+def make_metrics_export(
+    settings: OtlpSettings,
+    service_name: str,
+    scope_name: str,
+    resource_attributes: Mapping[str, str],
+    producers: Sequence[Producer],
+    registry: CollectorRegistry | None = None,
+    schema_url: str = "",
+) -> MetricsExport:
     """An export of ``producers`` as ``service_name`` (``OTEL_RESOURCE_ATTRIBUTES`` joins in).
 
     ``scope_name`` is the instrumentation scope (one per kind of service, such as
@@ -216,46 +239,79 @@ def make_metrics_export(settings: OtlpSettings, service_name: str, scope_name: s
     """
     resource = Resource.create({**resource_attributes, "service.name": service_name})
     scope = InstrumentationScope(scope_name, schema_url=schema_url)
-    return MetricsExport(make_exporter(settings.protocol), resource, scope, producers,
-                         settings.interval_seconds, registry)  # fmt: skip
+    return MetricsExport(
+        make_exporter(settings.protocol),
+        resource,
+        scope,
+        producers,
+        settings.interval_seconds,
+        registry,
+    )
 
 
 # -- points from kept figures ------------------------------------------------------------------
 
 
-def histogram(name: str, unit: str, description: str, bounds: Sequence[float],
-              series: Iterable[tuple[Attributes, Sequence[float]]], start_ns: int, now_ns: int) -> Metric:  # fmt: skip
+def histogram(
+    name: str,
+    unit: str,
+    description: str,
+    bounds: Sequence[float],
+    series: Iterable[tuple[Attributes, Sequence[float]]],
+    start_ns: int,
+    now_ns: int,
+) -> Metric:
     """A cumulative histogram; each series is (bucket counts, overflow, sum, min, max)."""
     n = len(bounds) + 1
     points = [_histogram_point(attrs, s, n, bounds, start_ns, now_ns) for attrs, s in series]
     return Metric(name, description, unit, Histogram(points, CUMULATIVE))
 
 
-def _histogram_point(attrs: Attributes, s: Sequence[float], n: int, bounds: Sequence[float],
-                     start_ns: int, now_ns: int) -> HistogramDataPoint:  # fmt: skip
+def _histogram_point(
+    attrs: Attributes,
+    s: Sequence[float],
+    n: int,
+    bounds: Sequence[float],
+    start_ns: int,
+    now_ns: int,
+) -> HistogramDataPoint:
     counts = [int(c) for c in s[:n]]
-    return HistogramDataPoint(dict(attrs), start_ns, now_ns, sum(counts), s[n], counts,
-                              list(bounds), s[n + 1], s[n + 2])  # fmt: skip
+    return HistogramDataPoint(
+        dict(attrs), start_ns, now_ns, sum(counts), s[n], counts, list(bounds), s[n + 1], s[n + 2]
+    )
 
 
-def monotonic_sum(name: str, unit: str, description: str,
-                  values: Iterable[tuple[Attributes, float]], start_ns: int, now_ns: int) -> Metric:  # fmt: skip
+def monotonic_sum(
+    name: str,
+    unit: str,
+    description: str,
+    values: Iterable[tuple[Attributes, float]],
+    start_ns: int,
+    now_ns: int,
+) -> Metric:
     """A cumulative, monotonic sum (a counter since ``start_ns``)."""
     return Metric(
         name, description, unit, Sum(_numbers(values, start_ns, now_ns), CUMULATIVE, True)
     )
 
 
-def up_down_sum(name: str, unit: str, description: str,
-                values: Iterable[tuple[Attributes, float]], start_ns: int, now_ns: int) -> Metric:  # fmt: skip
+def up_down_sum(
+    name: str,
+    unit: str,
+    description: str,
+    values: Iterable[tuple[Attributes, float]],
+    start_ns: int,
+    now_ns: int,
+) -> Metric:
     """A cumulative sum that may also fall (an amount revised as late figures arrive)."""
     return Metric(
         name, description, unit, Sum(_numbers(values, start_ns, now_ns), CUMULATIVE, False)
     )
 
 
-def gauge(name: str, unit: str, description: str,
-          values: Iterable[tuple[Attributes, float]], now_ns: int) -> Metric:  # fmt: skip
+def gauge(
+    name: str, unit: str, description: str, values: Iterable[tuple[Attributes, float]], now_ns: int
+) -> Metric:
     """The last value of each series, read now."""
     return Metric(name, description, unit, Gauge(_numbers(values, now_ns, now_ns)))
 

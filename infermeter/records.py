@@ -354,10 +354,23 @@ class RecordKind:
 
 # Columns billing's ingest adds beside a record's fields while checking a batch (the writer's,
 # ``billing.trust_sql``), and the key a spool line's seal is written under (``infermeter.writers``).
-RESERVED: Final = frozenset({
-    "item", "pos", "dup", "reason", "type_reason", "quarantine", "seal",
-    "w_role", "w_principal", "w_group", "w_instance", "w_address", "w_nodes",
-})  # fmt: skip
+RESERVED: Final = frozenset(
+    {
+        "item",
+        "pos",
+        "dup",
+        "reason",
+        "type_reason",
+        "quarantine",
+        "seal",
+        "w_role",
+        "w_principal",
+        "w_group",
+        "w_instance",
+        "w_address",
+        "w_nodes",
+    }
+)
 
 
 def record_kind(

@@ -73,8 +73,9 @@ class Reloader:
         self._audits.add(task)
         task.add_done_callback(self._audits.discard)
 
-    def install(self, loop: asyncio.AbstractEventLoop,
-                interval_seconds: float = 2.0) -> asyncio.Task[None]:  # fmt: skip
+    def install(
+        self, loop: asyncio.AbstractEventLoop, interval_seconds: float = 2.0
+    ) -> asyncio.Task[None]:
         """Reload on SIGHUP and when the file changes; the watching task (cancel it to stop)."""
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         return loop.create_task(self.watch(interval_seconds))

@@ -117,11 +117,21 @@ class Shipper:
     ``credential``: the writer's own (sent instead of ``token``); see the module's docstring.
     """
 
-    def __init__(self, spool: Segments, url: str, token: str | None, kind: str, client: httpx.AsyncClient,
-                 batch_size: int = 50_000, interval_seconds: float = 1.0, arrow: bool = True,
-                 batch_bytes: int = 16 << 20, metrics: ShipperMetrics | None = None,
-                 max_backoff_seconds: float = 60.0,
-                 credential: Credential | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spool: Segments,
+        url: str,
+        token: str | None,
+        kind: str,
+        client: httpx.AsyncClient,
+        batch_size: int = 50_000,
+        interval_seconds: float = 1.0,
+        arrow: bool = True,
+        batch_bytes: int = 16 << 20,
+        metrics: ShipperMetrics | None = None,
+        max_backoff_seconds: float = 60.0,
+        credential: Credential | None = None,
+    ) -> None:
         self.spool = spool
         self.url = f"{url.rstrip('/')}/{kind}"
         self.kind = kind
@@ -212,16 +222,23 @@ class Shipper:
                 rejected = [{"id": rid, "reason": f"billing will not take the record: {exc}"}]
             else:
                 half = len(batch) // 2
-                log.warning("billing found a %s batch of %d records too large; splitting it",
-                            self.kind, len(batch))  # fmt: skip
+                log.warning(
+                    "billing found a %s batch of %d records too large; splitting it",
+                    self.kind,
+                    len(batch),
+                )
                 await self._deliver(directory, batch[:half], max_wait_seconds)
                 await self._deliver(directory, batch[half:], max_wait_seconds)
                 return
         if rejected:
             self._dead_letter(directory, batch, rejected)
         if quarantined:
-            log.error("billing quarantined %d %s record(s), first: %s", len(quarantined),
-                      self.kind, quarantined[0].get("reason"))  # fmt: skip
+            log.error(
+                "billing quarantined %d %s record(s), first: %s",
+                len(quarantined),
+                self.kind,
+                quarantined[0].get("reason"),
+            )
         kept = len(batch) - len(rejected) - len(quarantined)
         self.metrics.records.labels(self.kind, "kept").inc(max(kept, 0))
         self.metrics.records.labels(self.kind, "dead_lettered").inc(len(rejected))
@@ -246,8 +263,9 @@ class Shipper:
             encoded = encode_arrow(self.record_kind, body)
         return body, encoded, NDJSON
 
-    async def _attempt(self, ndjson: bytes, arrow: bytes | None,
-                       content_type: str = NDJSON) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
+    async def _attempt(
+        self, ndjson: bytes, arrow: bytes | None, content_type: str = NDJSON
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """One ``_post``; a failure worth retrying is counted and logged before it is retried."""
         try:
             answer = await self._post(ndjson, arrow, content_type)
@@ -272,15 +290,20 @@ class Shipper:
             self._down_since = None
         return answer
 
-    async def _post(self, ndjson: bytes, arrow: bytes | None,
-                    content_type: str = NDJSON) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
+    async def _post(
+        self, ndjson: bytes, arrow: bytes | None, content_type: str = NDJSON
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Send the batch (as Arrow if it converted); the records billing rejected and quarantined."""
         if arrow is not None:
             response = await self._send(arrow, ARROW_STREAM)
             if response.status_code not in (400, 415):
                 return self._answer(response)
-            log.warning("billing refused the %s batch as Arrow (HTTP %d: %s); sending NDJSON",
-                        self.kind, response.status_code, response.text[:200])  # fmt: skip
+            log.warning(
+                "billing refused the %s batch as Arrow (HTTP %d: %s); sending NDJSON",
+                self.kind,
+                response.status_code,
+                response.text[:200],
+            )
         return self._answer(await self._send(ndjson, content_type))
 
     async def _send(self, content: bytes, content_type: str) -> httpx.Response:

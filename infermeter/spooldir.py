@@ -35,9 +35,14 @@ from infermeter.journal import JOURNAL_DIR
 from infermeter.spool import RESHIP
 
 __all__ = [
-    "BUDGET_OVERRIDES", "GATEWAY_NONCES", "INSTANCES", "ISSUED_KEYS", "LOCK", "SpoolBusyError",
+    "BUDGET_OVERRIDES",
+    "GATEWAY_NONCES",
+    "INSTANCES",
+    "ISSUED_KEYS",
+    "LOCK",
+    "SpoolBusyError",
     "SpoolLock",
-]  # fmt: skip
+]
 
 INSTANCES: Final = "instances"
 BUDGET_OVERRIDES: Final = "budget-overrides"

@@ -37,17 +37,29 @@ __all__ = [
 COUNT_COLUMNS: Final = ("requests", "prompt_tokens", "completion_tokens", "gpu_hours", "energy_kwh")
 CENT_COLUMNS: Final = ("compute_cents", "energy_cents", "idle_cents", "total_cents")
 LINE_SCHEMA: Final = {
-    "month": pl.String, "for_month": pl.String, "team": pl.String, "model": pl.String,
-    "requests": pl.Int64, "prompt_tokens": pl.Int64, "completion_tokens": pl.Int64,
-    "gpu_hours": pl.Float64, "energy_kwh": pl.Float64, "compute_cents": pl.Int64,
-    "energy_cents": pl.Int64, "idle_cents": pl.Int64, "total_cents": pl.Int64,
-}  # fmt: skip
+    "month": pl.String,
+    "for_month": pl.String,
+    "team": pl.String,
+    "model": pl.String,
+    "requests": pl.Int64,
+    "prompt_tokens": pl.Int64,
+    "completion_tokens": pl.Int64,
+    "gpu_hours": pl.Float64,
+    "energy_kwh": pl.Float64,
+    "compute_cents": pl.Int64,
+    "energy_cents": pl.Int64,
+    "idle_cents": pl.Int64,
+    "total_cents": pl.Int64,
+}
 # Requests and tokens (prompt tokens once per choice, as vLLM counts them) per replica group and
 # model that no engine reading covers.
 UNRECONCILED_SCHEMA: Final = {
-    "replica": pl.String, "model": pl.String, "requests": pl.Int64, "prompt_tokens": pl.Int64,
+    "replica": pl.String,
+    "model": pl.String,
+    "requests": pl.Int64,
+    "prompt_tokens": pl.Int64,
     "completion_tokens": pl.Int64,
-}  # fmt: skip
+}
 
 
 # Records billing kept in quarantine and billed to no one, per kind and reason category.
@@ -56,18 +68,29 @@ QUARANTINED_SCHEMA: Final = {"kind": pl.String, "reason": pl.String, "records": 
 # prices (the usage basis), what its commitments paid for and left unused, and, when an invoice
 # was imported for it (``billing.invoices``), the invoiced amount the allocation basis scales to.
 POOL_SCHEMA: Final = {
-    "pool": pl.String, "category": pl.String, "gpu_hours": pl.Float64, "energy_kwh": pl.Float64,
-    "list_cents": pl.Int64, "committed_gpu_hours": pl.Float64, "committed_cents": pl.Int64,
-    "unused_commitment_cents": pl.Int64, "commitment_utilization": pl.Float64,
-    "invoice_cents": pl.Int64, "allocation_cents": pl.Int64, "difference_cents": pl.Int64,
+    "pool": pl.String,
+    "category": pl.String,
+    "gpu_hours": pl.Float64,
+    "energy_kwh": pl.Float64,
+    "list_cents": pl.Int64,
+    "committed_gpu_hours": pl.Float64,
+    "committed_cents": pl.Int64,
+    "unused_commitment_cents": pl.Int64,
+    "commitment_utilization": pl.Float64,
+    "invoice_cents": pl.Int64,
+    "allocation_cents": pl.Int64,
+    "difference_cents": pl.Int64,
     "explanation": pl.String,
-}  # fmt: skip
+}
 # Prompt caching per team and model: prompt tokens served from vLLM's prefix cache and what the
 # team paid less for them than for uncached prompt tokens (``billing.token_weights``).
 CACHE_SCHEMA: Final = {
-    "team": pl.String, "model": pl.String, "prompt_tokens": pl.Int64,
-    "cached_prompt_tokens": pl.Int64, "cache_savings_cents": pl.Int64,
-}  # fmt: skip
+    "team": pl.String,
+    "model": pl.String,
+    "prompt_tokens": pl.Int64,
+    "cached_prompt_tokens": pl.Int64,
+    "cache_savings_cents": pl.Int64,
+}
 # The bases a statement's lines can be on: the price book's list prices, or scaled per pool to
 # the imported invoices (teams + idle + unused commitment == invoice, to the cent).
 BASES: Final = ("list", "allocation")
@@ -158,8 +181,16 @@ def for_team(statement: Statement, team: str | None) -> Statement:
         else statement.usage_lines.filter(pl.col("team") == team)
     )
     cache = statement.cache.filter(pl.col("team") == team)
-    return Statement(statement.month, statement.closed, lines, total, 0, basis=statement.basis,
-                     usage_lines=usage, cache=cache)  # fmt: skip
+    return Statement(
+        statement.month,
+        statement.closed,
+        lines,
+        total,
+        0,
+        basis=statement.basis,
+        usage_lines=usage,
+        cache=cache,
+    )
 
 
 def with_budgets(lines: pl.DataFrame, budgets_usd: Mapping[str, float]) -> pl.DataFrame:
@@ -198,11 +229,14 @@ def statement_json(statement: Statement, team: str | None) -> dict[str, Any]:
     if mine.usage_lines is not None:
         body["usage_lines"] = mine.usage_lines.to_dicts()
     if team is None:
-        body |= {"fleet_cents": statement.fleet_cents, "adjustment_cents": statement.adjustment_cents,
-                 "reconciles": statement.reconciles,
-                 "unreconciled": statement.unreconciled.to_dicts(),
-                 "quarantined": statement.quarantined.to_dicts(),
-                 "pools": statement.pools.to_dicts()}  # fmt: skip
+        body |= {
+            "fleet_cents": statement.fleet_cents,
+            "adjustment_cents": statement.adjustment_cents,
+            "reconciles": statement.reconciles,
+            "unreconciled": statement.unreconciled.to_dicts(),
+            "quarantined": statement.quarantined.to_dicts(),
+            "pools": statement.pools.to_dicts(),
+        }
     return body
 
 

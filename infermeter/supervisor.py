@@ -218,9 +218,11 @@ class Supervisor:
         if delay is None:
             slot.given_up = True
             p = self.policy
-            self.say(f"{name} {how}; giving it up after "
-                     f"{len(slot.history.exits)} exits within {p.give_up_window_seconds:g} s; "
-                     "the other children keep running")  # fmt: skip
+            self.say(
+                f"{name} {how}; giving it up after "
+                f"{len(slot.history.exits)} exits within {p.give_up_window_seconds:g} s; "
+                "the other children keep running"
+            )
             return
         slot.restart_at = now + delay
         self.say(f"{name} {how}; restarting it in {delay:g} s")

@@ -38,8 +38,14 @@ __all__ = ["Accounting", "Call", "admitted_fields", "ending_fields", "engine_cho
 log = logging.getLogger("infermeter.sidecar")
 
 # Statuses whose record is exact although vLLM reported no usage: nothing was generated.
-_EXACT_WITHOUT_USAGE = frozenset({RequestStatus.REJECTED, RequestStatus.RATE_LIMITED,
-                                  RequestStatus.UNAUTHORIZED, RequestStatus.BAD_REQUEST})  # fmt: skip
+_EXACT_WITHOUT_USAGE = frozenset(
+    {
+        RequestStatus.REJECTED,
+        RequestStatus.RATE_LIMITED,
+        RequestStatus.UNAUTHORIZED,
+        RequestStatus.BAD_REQUEST,
+    }
+)
 _INEXACT = frozenset(
     {RequestStatus.CLIENT_ABORTED, RequestStatus.UPSTREAM_ERROR, RequestStatus.INTERRUPTED}
 )
@@ -103,14 +109,22 @@ def admitted_fields(call: Call, replica: str, instance: str | None) -> dict[str,
     """
     prefix = call.prefix
     return {
-        "request_id": call.request_id, "team": call.team, "model": capped(call.model),
-        "served_version": call.served_version, "replica": replica, "instance": instance,
-        "received_at": call.received_at, "stream": call.stream, "endpoint": call.endpoint,
+        "request_id": call.request_id,
+        "team": call.team,
+        "model": capped(call.model),
+        "served_version": call.served_version,
+        "replica": replica,
+        "instance": instance,
+        "received_at": call.received_at,
+        "stream": call.stream,
+        "endpoint": call.endpoint,
         "client_request_id": call.client_request_id,
         "prefix_digest": prefix.digest if prefix else None,
         "prefix_share": prefix.share if prefix else None,
-        "choices": engine_choices(call), "user": call.user, "project": call.project,
-    }  # fmt: skip
+        "choices": engine_choices(call),
+        "user": call.user,
+        "project": call.project,
+    }
 
 
 def engine_choices(call: Call) -> int:
@@ -122,8 +136,15 @@ def engine_choices(call: Call) -> int:
     return 1 if call.endpoint == "/v1/embeddings" else max(1, call.choices)
 
 
-def ending_fields(call: Call, status: RequestStatus, http_status: int, usage: UsageCounts | None,
-                  meter: StreamMeter | None, finish: str | None, now: float) -> dict[str, Any]:  # fmt: skip
+def ending_fields(
+    call: Call,
+    status: RequestStatus,
+    http_status: int,
+    usage: UsageCounts | None,
+    meter: StreamMeter | None,
+    finish: str | None,
+    now: float,
+) -> dict[str, Any]:
     """The fields of the request's record that say how it ended, if it ended at ``now``."""
     first = meter.first_token_at if meter else None
     return {
@@ -132,19 +153,26 @@ def ending_fields(call: Call, status: RequestStatus, http_status: int, usage: Us
         "prompt_tokens": usage.prompt if usage else 0,
         "cached_prompt_tokens": usage.cached if usage else 0,
         "completion_tokens": usage.completion if usage else 0,
-        "status": status.value, "http_status": http_status,
+        "status": status.value,
+        "http_status": http_status,
         "finish_reason": None if finish is None else capped(finish),
         "usage_exact": usage is not None or status in _EXACT_WITHOUT_USAGE,
         "response_id": None if call.response_id is None else capped(call.response_id),
-    }  # fmt: skip
+    }
 
 
 class Accounting:
     """Records into the spool and the journal, metrics and spans, for one replica's requests."""
 
-    def __init__(self, spool: Spool, journal: AdmissionJournal, metrics: SidecarMetrics,
-                 replica: str, instance: str | None,
-                 on_spool_failure: Literal["refuse", "serve_unmetered"]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spool: Spool,
+        journal: AdmissionJournal,
+        metrics: SidecarMetrics,
+        replica: str,
+        instance: str | None,
+        on_spool_failure: Literal["refuse", "serve_unmetered"],
+    ) -> None:
         self.spool, self.journal, self.metrics = spool, journal, metrics
         self.replica, self.instance = replica, instance
         self.on_spool_failure = on_spool_failure
@@ -164,17 +192,29 @@ class Accounting:
             call, RequestStatus.INTERRUPTED, 502, None, None, None, time.perf_counter()
         )
 
-    def record_of(self, call: Call, status: RequestStatus, http_status: int,
-                  usage: UsageCounts | None, meter: StreamMeter | None,
-                  finish: str | None) -> dict[str, Any]:  # fmt: skip
+    def record_of(
+        self,
+        call: Call,
+        status: RequestStatus,
+        http_status: int,
+        usage: UsageCounts | None,
+        meter: StreamMeter | None,
+        finish: str | None,
+    ) -> dict[str, Any]:
         """The record (``UsageRecord.to_json``'s form) of ``call`` ending now like this."""
         return admitted_fields(call, self.replica, self.instance) | ending_fields(
             call, status, http_status, usage, meter, finish, time.perf_counter()
         )
 
-    def record(self, call: Call, status: RequestStatus, http_status: int,
-               usage: UsageCounts | None, meter: StreamMeter | None,
-               finish: str | None) -> None:  # fmt: skip
+    def record(
+        self,
+        call: Call,
+        status: RequestStatus,
+        http_status: int,
+        usage: UsageCounts | None,
+        meter: StreamMeter | None,
+        finish: str | None,
+    ) -> None:
         """Write the usage record; on failure follow ``on_spool_failure``.
 
         The record is in the spool file when this returns (one ``write(2)``: a process killed
@@ -195,13 +235,20 @@ class Accounting:
             self.metrics.spool_errors.inc()
             if self.on_spool_failure == "refuse":
                 raise
-            log.error("serving UNMETERED: usage of request %s (team %s) is lost",
-                      request_id, call.team)  # fmt: skip
+            log.error(
+                "serving UNMETERED: usage of request %s (team %s) is lost", request_id, call.team
+            )
         self.journal.finish(request_id)
 
-    def observe(self, call: Call, status: RequestStatus, usage: UsageCounts | None,
-                meter: StreamMeter | None, finish: str | None,
-                model_names: frozenset[str]) -> None:  # fmt: skip
+    def observe(
+        self,
+        call: Call,
+        status: RequestStatus,
+        usage: UsageCounts | None,
+        meter: StreamMeter | None,
+        finish: str | None,
+        model_names: frozenset[str],
+    ) -> None:
         """Metrics and span for a finished request (off the client's critical path)."""
         m = self.metrics
         # Labels only ever take configured names, so no request can mint a series.
@@ -217,15 +264,25 @@ class Accounting:
         if self.genai is not None:
             response = label(call.served_version, model_names) if call.served_version else ""
             error = None if status is RequestStatus.OK else status.value
-            self.genai.observe((GENERATE.get(call.endpoint, call.endpoint), *labels, response),
-                               error, duration, ttft, tpot, usage)  # fmt: skip
+            self.genai.observe(
+                (GENERATE.get(call.endpoint, call.endpoint), *labels, response),
+                error,
+                duration,
+                ttft,
+                tpot,
+                usage,
+            )
         if call.span is not None:
             _end_span(call.span, call, status, usage, meter, finish)
 
 
-def count_recovered(metrics: SidecarMetrics, records: Iterable[UsageRecord],
-                    team_names: frozenset[str], model_names: frozenset[str],
-                    genai: GenAiMetrics | None = None) -> None:  # fmt: skip
+def count_recovered(
+    metrics: SidecarMetrics,
+    records: Iterable[UsageRecord],
+    team_names: frozenset[str],
+    model_names: frozenset[str],
+    genai: GenAiMetrics | None = None,
+) -> None:
     """Count the records a start made of requests its killed predecessor left running.
 
     They ended as interrupted, with the tokens of their journal slots (inexact): the SLA's
@@ -242,8 +299,13 @@ def count_recovered(metrics: SidecarMetrics, records: Iterable[UsageRecord],
         _count(metrics, labels, r.status, usage, not r.usage_exact)
 
 
-def _count(m: SidecarMetrics, labels: tuple[str, str], status: str, usage: UsageCounts | None,
-           inexact: bool) -> None:  # fmt: skip
+def _count(
+    m: SidecarMetrics,
+    labels: tuple[str, str],
+    status: str,
+    usage: UsageCounts | None,
+    inexact: bool,
+) -> None:
     """One ended request in the counters: its ending, its tokens, whether they are inexact."""
     m.child(m.requests, *labels, status).inc()
     if usage is not None:
@@ -255,8 +317,13 @@ def _count(m: SidecarMetrics, labels: tuple[str, str], status: str, usage: Usage
         m.child(m.inexact, *labels).inc()
 
 
-def _observe_stream(m: SidecarMetrics, labels: tuple[str, str], call: Call,
-                    usage: UsageCounts | None, meter: StreamMeter) -> tuple[float, float | None]:  # fmt: skip
+def _observe_stream(
+    m: SidecarMetrics,
+    labels: tuple[str, str],
+    call: Call,
+    usage: UsageCounts | None,
+    meter: StreamMeter,
+) -> tuple[float, float | None]:
     """The stream's histograms; returns its TTFT and its time per output token after the first
     (None when fewer than two tokens were timed apart), for the GenAI metrics."""
     first = meter.first_token_at
@@ -271,8 +338,14 @@ def _observe_stream(m: SidecarMetrics, labels: tuple[str, str], call: Call,
     return ttft, None
 
 
-def _end_span(span: trace.Span, call: Call, status: RequestStatus, usage: UsageCounts | None,
-              meter: StreamMeter | None, finish: str | None) -> None:  # fmt: skip
+def _end_span(
+    span: trace.Span,
+    call: Call,
+    status: RequestStatus,
+    usage: UsageCounts | None,
+    meter: StreamMeter | None,
+    finish: str | None,
+) -> None:
     span.set_attribute(tracing.RESPONSE_MODEL, call.served_version)
     if usage is not None:
         span.set_attribute(tracing.INPUT_TOKENS, usage.prompt)

@@ -50,8 +50,20 @@ GENERATE = {
 }
 # Headers never passed upstream: hop-by-hop ones, the caller's credentials, and what the client
 # library sets.
-_DROP = frozenset({b"authorization", b"host", b"content-length", b"connection", b"keep-alive",
-                   b"transfer-encoding", b"te", b"upgrade", b"proxy-authorization", b"accept-encoding"})  # fmt: skip
+_DROP = frozenset(
+    {
+        b"authorization",
+        b"host",
+        b"content-length",
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"upgrade",
+        b"proxy-authorization",
+        b"accept-encoding",
+    }
+)
 
 
 class Refusal(Exception):
@@ -61,9 +73,17 @@ class Refusal(Exception):
     upstream's head) can end the request the same way from any depth.
     """
 
-    def __init__(self, status: int, message: str, err_type: str, code: str | None,
-                 record_status: RequestStatus, headers: tuple[tuple[str, str], ...] = (),
-                 param: str | None = None, model: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        err_type: str,
+        code: str | None,
+        record_status: RequestStatus,
+        headers: tuple[tuple[str, str], ...] = (),
+        param: str | None = None,
+        model: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.err_type, self.code = status, message, err_type, code
         self.record_status, self.headers, self.param = record_status, headers, param
@@ -135,20 +155,37 @@ def parse_body(raw: bytes) -> dict[str, Any] | Refusal:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        return Refusal(400, f"We could not parse the JSON body of your request. ({exc})",
-                       "invalid_request_error", "invalid_json", RequestStatus.BAD_REQUEST)  # fmt: skip
+        return Refusal(
+            400,
+            f"We could not parse the JSON body of your request. ({exc})",
+            "invalid_request_error",
+            "invalid_json",
+            RequestStatus.BAD_REQUEST,
+        )
     if not isinstance(body, dict):
-        return Refusal(400, "The request body must be a JSON object.", "invalid_request_error",
-                       "invalid_json", RequestStatus.BAD_REQUEST)  # fmt: skip
+        return Refusal(
+            400,
+            "The request body must be a JSON object.",
+            "invalid_request_error",
+            "invalid_json",
+            RequestStatus.BAD_REQUEST,
+        )
     if not isinstance(body.get("stream_options", {}), dict | None):
         # It is read to rewrite the stream; vLLM refuses it anyway.
-        return Refusal(400, "'stream_options' must be an object or null.", "invalid_request_error",
-                       "invalid_type", RequestStatus.BAD_REQUEST, param="stream_options")  # fmt: skip
+        return Refusal(
+            400,
+            "'stream_options' must be an object or null.",
+            "invalid_request_error",
+            "invalid_type",
+            RequestStatus.BAD_REQUEST,
+            param="stream_options",
+        )
     return body
 
 
-def plan(view: View, endpoint: str, raw: bytes, *, default_reserve_tokens: int,
-         metering_down: bool) -> Plan | Refusal:  # fmt: skip
+def plan(
+    view: View, endpoint: str, raw: bytes, *, default_reserve_tokens: int, metering_down: bool
+) -> Plan | Refusal:
     """The plan for an identified team's request body ``raw`` on ``endpoint``, or its refusal.
 
     ``metering_down``: the spool failed and the sidecar refuses what it cannot meter.
@@ -160,15 +197,26 @@ def plan(view: View, endpoint: str, raw: bytes, *, default_reserve_tokens: int,
     try:
         route = view.route(requested if isinstance(requested, str) else None)
     except ModelNotFoundError as exc:
-        return Refusal(404, str(exc), "invalid_request_error", "model_not_found",
-                       RequestStatus.REJECTED, model=capped(str(requested)))  # fmt: skip
+        return Refusal(
+            404,
+            str(exc),
+            "invalid_request_error",
+            "model_not_found",
+            RequestStatus.REJECTED,
+            model=capped(str(requested)),
+        )
     try:
         user = user_of(body)  # from the one parse of the body, before anything is forwarded
     except TagRefusal as exc:
         return tag_refusal(exc)
     if metering_down:
-        return Refusal(503, "Usage metering is unavailable; the request was not served.",
-                       "server_error", "metering_unavailable", RequestStatus.REJECTED)  # fmt: skip
+        return Refusal(
+            503,
+            "Usage metering is unavailable; the request was not served.",
+            "server_error",
+            "metering_unavailable",
+            RequestStatus.REJECTED,
+        )
     stream = bool(body.get("stream")) and endpoint != "/v1/embeddings"
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     n_raw = body.get("n")
@@ -182,14 +230,31 @@ def plan(view: View, endpoint: str, raw: bytes, *, default_reserve_tokens: int,
     body["model"] = route.served_version
     if stream:
         body["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": True}
-    return Plan(route.model, route.served_version, str(requested or route.model), stream,
-                usage, continuous, reserve, body, prefix, _choices(endpoint, body, n), user)  # fmt: skip
+    return Plan(
+        route.model,
+        route.served_version,
+        str(requested or route.model),
+        stream,
+        usage,
+        continuous,
+        reserve,
+        body,
+        prefix,
+        _choices(endpoint, body, n),
+        user,
+    )
 
 
 def tag_refusal(exc: TagRefusal) -> Refusal:
     """The 400 a client gets for a project or user it may not send (``sidecar.tags``)."""
-    return Refusal(400, exc.message, "invalid_request_error", exc.code, RequestStatus.BAD_REQUEST,
-                   param=exc.param)  # fmt: skip
+    return Refusal(
+        400,
+        exc.message,
+        "invalid_request_error",
+        exc.code,
+        RequestStatus.BAD_REQUEST,
+        param=exc.param,
+    )
 
 
 def upstream_headers(view: View, headers: Headers, upstream_key: str | None) -> dict[str, str]:

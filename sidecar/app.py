@@ -92,17 +92,29 @@ __all__ = ["Sidecar"]
 
 log = logging.getLogger("infermeter.sidecar")
 
-_NEEDS_METRICS_TOKEN = error_body(401, "The metrics endpoint needs the metrics or admin token.",
-                                  "invalid_request_error", "invalid_api_key")  # fmt: skip
+_NEEDS_METRICS_TOKEN = error_body(
+    401,
+    "The metrics endpoint needs the metrics or admin token.",
+    "invalid_request_error",
+    "invalid_api_key",
+)
 
 
 class Sidecar:
     """One replica's sidecar: state, background tasks and the ASGI entry point."""
 
-    def __init__(self, config: Config, replica_id: str, *, spool_dir: Path | None = None,
-                 tracer_provider: TracerProvider | None = None, client: httpx.AsyncClient | None = None,
-                 identity: Identity | None = None, engine_metrics_url: str | None = None,
-                 otlp: OtlpSettings | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Config,
+        replica_id: str,
+        *,
+        spool_dir: Path | None = None,
+        tracer_provider: TracerProvider | None = None,
+        client: httpx.AsyncClient | None = None,
+        identity: Identity | None = None,
+        engine_metrics_url: str | None = None,
+        otlp: OtlpSettings | None = None,
+    ) -> None:
         """``identity``: the instance fronted (default: the fixed replica); ``spool_dir``: its spool;
         ``otlp``: how to export the GenAI metrics over OTLP (None: not exported, nothing kept)."""
         self.replica_id = replica_id
@@ -138,23 +150,41 @@ class Sidecar:
         # Usage records are written as requests end and fsync'ed once per journal tick: the
         # journal keeps every request whose record is not fsync'ed yet (``Accounting.record``).
         tick_seconds = settings.journal_mark_millis / 1000
-        self.spool = Spool(directory, max_bytes=settings.spool_max_bytes, sealer=sealer,
-                           sync_seconds=tick_seconds,
-                           keep_acked_seconds=settings.spool_keep_acked_seconds)  # fmt: skip
+        self.spool = Spool(
+            directory,
+            max_bytes=settings.spool_max_bytes,
+            sealer=sealer,
+            sync_seconds=tick_seconds,
+            keep_acked_seconds=settings.spool_keep_acked_seconds,
+        )
         # Outlives reloads: a new view must not forget which signed requests were served.
         self.nonces = nonce_store(config, directory, self.metrics.registry)
         # Overrides are few (an admin's hand): the lifetime events' bound is ample.
-        self.override_spool = Spool(directory / BUDGET_OVERRIDES, max_bytes=EVENTS_MAX_BYTES,
-                                    sealer=sealer)  # fmt: skip
-        self.budgets = budget_gate(settings.budgets, {t.name: t.budget_usd_per_month for t in config.teams},
-                                   self.metrics.registry, os.environ.get(settings.budgets.spend_token_env),
-                                   self.limiter.redis, settings.shared_limits.key_prefix,
-                                   self.override_spool, self.identity.instance,
-                                   project_budgets(config))  # fmt: skip
+        self.override_spool = Spool(
+            directory / BUDGET_OVERRIDES, max_bytes=EVENTS_MAX_BYTES, sealer=sealer
+        )
+        self.budgets = budget_gate(
+            settings.budgets,
+            {t.name: t.budget_usd_per_month for t in config.teams},
+            self.metrics.registry,
+            os.environ.get(settings.budgets.spend_token_env),
+            self.limiter.redis,
+            settings.shared_limits.key_prefix,
+            self.override_spool,
+            self.identity.instance,
+            project_budgets(config),
+        )
         # The keys issued at run time, from Redis or billing (the last set read is on disk too).
-        self.keysync = KeySync(self._take_keys, directory, lambda: self.client, config.billing.url,
-                               os.environ.get(settings.budgets.spend_token_env), self.limiter.redis,
-                               settings.shared_limits.key_prefix, settings.key_sync_seconds)  # fmt: skip
+        self.keysync = KeySync(
+            self._take_keys,
+            directory,
+            lambda: self.client,
+            config.billing.url,
+            os.environ.get(settings.budgets.spend_token_env),
+            self.limiter.redis,
+            settings.shared_limits.key_prefix,
+            settings.key_sync_seconds,
+        )
         self.keysync.load()
         # What this instance's admins and operators changed (overrides, reloads): spooled, shipped.
         source = (
@@ -163,24 +193,46 @@ class Sidecar:
             else f"sidecar:{self.identity.instance}"
         )
         self.audit = AuditLog(directory / AUDIT_DIR, source, self.credential)
-        self.lifetime = Lifetime(self.identity, directory, settings.heartbeat_seconds,
-                                 self.view.replica.gpu_count, engine_metrics_url, self.metrics.registry,
-                                 sealer=sealer)  # fmt: skip
+        self.lifetime = Lifetime(
+            self.identity,
+            directory,
+            settings.heartbeat_seconds,
+            self.view.replica.gpu_count,
+            engine_metrics_url,
+            self.metrics.registry,
+            sealer=sealer,
+        )
         self.journal = AdmissionJournal(self.spool.directory / JOURNAL_DIR, tick_seconds)
-        self.accounting = Accounting(self.spool, self.journal, self.metrics, replica_id,
-                                     self.instance, settings.on_spool_failure)  # fmt: skip
+        self.accounting = Accounting(
+            self.spool,
+            self.journal,
+            self.metrics,
+            replica_id,
+            self.instance,
+            settings.on_spool_failure,
+        )
         self.drain = Drain()
         self.tracer = tracing.tracer(tracer_provider)
         self.upstream_key = os.environ.get(settings.upstream_api_key_env) or None
         # For shipping only, made when the shippers start (``client``).
         self._client = client
         self.generation = Upstream(settings.connect_timeout_seconds, settings.read_timeout_seconds)
-        self.relay = Relay(self.view.replica.upstream_url.rstrip("/"), self.generation,
-                           self.accounting, self.journal, self.drain, settings.non_streamed_via_stream,
-                           settings.protocol_relay)  # fmt: skip
+        self.relay = Relay(
+            self.view.replica.upstream_url.rstrip("/"),
+            self.generation,
+            self.accounting,
+            self.journal,
+            self.drain,
+            settings.non_streamed_via_stream,
+            settings.protocol_relay,
+        )
         # Each answer's cost estimate, from billing's rates, read beside the spend.
-        self.rates = RatePoller(settings.budgets, os.environ.get(settings.budgets.spend_token_env),
-                                lambda: self.budgets.client, self.metrics.registry)  # fmt: skip
+        self.rates = RatePoller(
+            settings.budgets,
+            os.environ.get(settings.budgets.spend_token_env),
+            lambda: self.budgets.client,
+            self.metrics.registry,
+        )
         self.relay.rates = self.rates
         self.ingest_url = settings.ingest_url
         self.ingest_token = os.environ.get(settings.ingest_token_env) or None
@@ -195,9 +247,15 @@ class Sidecar:
 
         genai = GenAiMetrics(self.view.replica.upstream_url, settings.opt_in)
         self.accounting.genai = genai
-        return make_metrics_export(settings, f"infermeter-sidecar-{self.replica_id}", "infermeter.sidecar",
-                                   resource_attributes(self.identity), [genai.produce],
-                                   self.metrics.registry, genai.schema_url)  # fmt: skip
+        return make_metrics_export(
+            settings,
+            f"infermeter-sidecar-{self.replica_id}",
+            "infermeter.sidecar",
+            resource_attributes(self.identity),
+            [genai.produce],
+            self.metrics.registry,
+            genai.schema_url,
+        )
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -230,8 +288,9 @@ class Sidecar:
     def server_limits(self) -> ServerLimits:
         """What the HTTP server in front of this sidecar allows a client (``sidecar.*``)."""
         s = self.settings
-        return ServerLimits(header_timeout_seconds=s.header_timeout_seconds,
-                            max_connections=s.max_connections)  # fmt: skip
+        return ServerLimits(
+            header_timeout_seconds=s.header_timeout_seconds, max_connections=s.max_connections
+        )
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -249,15 +308,21 @@ class Sidecar:
         if (redis := self.limiter.redis) is not None and self.fair is not None:
             from sidecar.shared_fairness import FairShareSync  # with redis-py, only when shared
 
-            sync = FairShareSync(redis, self.fair, self.settings.shared_limits.key_prefix,
-                                 self.replica_id, self.identity.instance)  # fmt: skip
+            sync = FairShareSync(
+                redis,
+                self.fair,
+                self.settings.shared_limits.key_prefix,
+                self.replica_id,
+                self.identity.instance,
+            )
             self._tasks.append(asyncio.get_running_loop().create_task(sync.run()))
         self.spool.open()
         self.override_spool.open()
         self.audit.open()
         recovered = await recover(self.journal.open(), self.spool)
-        count_recovered(self.metrics, recovered, self.team_names, self.view.model_names,
-                        self.accounting.genai)  # fmt: skip
+        count_recovered(
+            self.metrics, recovered, self.team_names, self.view.model_names, self.accounting.genai
+        )
         if self.otlp is not None:
             self._tasks.append(asyncio.get_running_loop().create_task(self.otlp.run()))
         self.metrics.spool_backlog.set_function(lambda: self.spool.backlog)
@@ -265,10 +330,21 @@ class Sidecar:
             from infermeter.shipper import Shipper, ShipperMetrics
 
             shipped = ShipperMetrics(self.metrics.registry)
-            for spool, kind in ((self.spool, "usage"), (self.lifetime.spool, "instances"),
-                                (self.override_spool, "budget_overrides"), (self.audit.spool, AUDIT_KIND)):  # fmt: skip
-                shipper = Shipper(spool, self.ingest_url, self.ingest_token, kind, self.client,
-                                  metrics=shipped, credential=self.credential)  # fmt: skip
+            for spool, kind in (
+                (self.spool, "usage"),
+                (self.lifetime.spool, "instances"),
+                (self.override_spool, "budget_overrides"),
+                (self.audit.spool, AUDIT_KIND),
+            ):
+                shipper = Shipper(
+                    spool,
+                    self.ingest_url,
+                    self.ingest_token,
+                    kind,
+                    self.client,
+                    metrics=shipped,
+                    credential=self.credential,
+                )
                 self._shippers.append(shipper)
                 self._tasks.append(asyncio.get_running_loop().create_task(shipper.run()))
         await self.lifetime.start()
@@ -333,9 +409,15 @@ class Sidecar:
 
     async def _audit_override(self, override: Override, address: str | None) -> None:
         """The override granted, on the audit trail (after it is in the ledger's spool)."""
-        await self.audit.note("budget.override", ADMIN, "admin", target=f"team:{override.team}",
-                              detail={"until": override.until, "instance": self.identity.instance},
-                              why=override.reason, address=address)  # fmt: skip
+        await self.audit.note(
+            "budget.override",
+            ADMIN,
+            "admin",
+            target=f"team:{override.team}",
+            detail={"until": override.until, "instance": self.identity.instance},
+            why=override.reason,
+            address=address,
+        )
 
     def _take_keys(self, issued: IssuedKeys) -> None:
         """Swap in a newer set of keys issued at run time (``sidecar.keysync``)."""
@@ -368,8 +450,17 @@ class Sidecar:
         elif path == "/readyz":
             await self._ready(send)
         else:
-            await respond(send, 404, error_body(404, f"Unknown request URL: {method} {path}.",
-                                                 "invalid_request_error", "unknown_url"), [JSON])  # fmt: skip
+            await respond(
+                send,
+                404,
+                error_body(
+                    404,
+                    f"Unknown request URL: {method} {path}.",
+                    "invalid_request_error",
+                    "unknown_url",
+                ),
+                [JSON],
+            )
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -452,12 +543,19 @@ class Sidecar:
             return
         except Refusal as refused:
             body = error_body(refused.status, refused.message, refused.err_type, refused.code)
-            await respond(send, refused.status, body,
-                          [JSON, *((k.encode(), v.encode()) for k, v in refused.headers)])  # fmt: skip
+            await respond(
+                send,
+                refused.status,
+                body,
+                [JSON, *((k.encode(), v.encode()) for k, v in refused.headers)],
+            )
             return
         try:
-            r = await self._fetch("/v1/models", self._upstream_headers(scope["headers"], None),
-                                  self.settings.read_timeout_seconds)  # fmt: skip
+            r = await self._fetch(
+                "/v1/models",
+                self._upstream_headers(scope["headers"], None),
+                self.settings.read_timeout_seconds,
+            )
         except upstream_errors() as exc:
             status, body = upstream_failure(exc)
             await respond(send, status, body, [JSON])
@@ -523,15 +621,26 @@ class Sidecar:
     def _enter(self, call: Call) -> None:
         """The last step before forwarding: refuse while draining, else journal the admission."""
         if self.drain.draining:
-            raise Refusal(503, "The sidecar is shutting down; send the request again.", "server_error",
-                          "server_shutting_down", RequestStatus.REJECTED, (("retry-after", "1"),))  # fmt: skip
+            raise Refusal(
+                503,
+                "The sidecar is shutting down; send the request again.",
+                "server_error",
+                "server_shutting_down",
+                RequestStatus.REJECTED,
+                (("retry-after", "1"),),
+            )
         try:
             self.journal.admit(self.accounting.admission(call), call.started)
         except JournalError as exc:
             self.metrics.spool_errors.inc()
             if self.settings.on_spool_failure == "refuse":
-                raise Refusal(503, "Usage metering is unavailable; the request was not served.",
-                              "server_error", "metering_unavailable", RequestStatus.REJECTED) from None  # fmt: skip
+                raise Refusal(
+                    503,
+                    "Usage metering is unavailable; the request was not served.",
+                    "server_error",
+                    "metering_unavailable",
+                    RequestStatus.REJECTED,
+                ) from None
             log.error(
                 "%s; request %s would go unrecorded if the sidecar died", exc, call.request_id
             )
@@ -539,8 +648,14 @@ class Sidecar:
     def _rate_limited(self, call: Call, exc: LimitExceeded) -> Refusal:
         self.metrics.rate_limited.labels(call.team, exc.reason).inc()
         headers = (("retry-after", str(max(1, round(exc.retry_after_seconds)))), *exc.headers)
-        return Refusal(429, str(exc), "requests" if exc.reason == "requests" else "tokens",
-                       "rate_limit_exceeded", RequestStatus.RATE_LIMITED, headers)  # fmt: skip
+        return Refusal(
+            429,
+            str(exc),
+            "requests" if exc.reason == "requests" else "tokens",
+            "rate_limit_exceeded",
+            RequestStatus.RATE_LIMITED,
+            headers,
+        )
 
     async def _read(self, scope: Scope, receive: Receive) -> bytes:
         """The request body, or the 408 or 413 refusal of a body too slow or too large."""
@@ -549,11 +664,21 @@ class Sidecar:
         try:
             raw = await read_body(receive, limit, self.settings.body_timeout_seconds, complete)
         except TimeoutError:
-            raise Refusal(408, "The request body did not arrive in time.", "invalid_request_error",
-                          "request_timeout", RequestStatus.BAD_REQUEST) from None  # fmt: skip
+            raise Refusal(
+                408,
+                "The request body did not arrive in time.",
+                "invalid_request_error",
+                "request_timeout",
+                RequestStatus.BAD_REQUEST,
+            ) from None
         if raw is None:
-            raise Refusal(413, f"Request body exceeds {limit} bytes.", "invalid_request_error",
-                          "request_too_large", RequestStatus.BAD_REQUEST)  # fmt: skip
+            raise Refusal(
+                413,
+                f"Request body exceeds {limit} bytes.",
+                "invalid_request_error",
+                "request_too_large",
+                RequestStatus.BAD_REQUEST,
+            )
         return raw
 
     async def _admit(self, call: Call, scope: Scope, receive: Receive) -> dict[str, Any]:
@@ -581,8 +706,13 @@ class Sidecar:
 
         Returns the body to forward; raises Refusal with the answer otherwise.
         """
-        planned = plan(self.view, call.endpoint, raw, default_reserve_tokens=self.settings.default_reserve_tokens,
-                       metering_down=self.accounting.refusing)  # fmt: skip
+        planned = plan(
+            self.view,
+            call.endpoint,
+            raw,
+            default_reserve_tokens=self.settings.default_reserve_tokens,
+            metering_down=self.accounting.refusing,
+        )
         if isinstance(planned, Refusal):
             if planned.model is not None:
                 call.model = planned.model
@@ -609,8 +739,14 @@ class Sidecar:
         except LimitExceeded as exc:
             raise self._rate_limited(call, exc) from None
         except LimitsUnavailable as exc:
-            raise Refusal(503, str(exc), "server_error", "limits_unavailable", RequestStatus.REJECTED,
-                          (("retry-after", str(max(1, math.ceil(exc.retry_after_seconds)))),)) from None  # fmt: skip
+            raise Refusal(
+                503,
+                str(exc),
+                "server_error",
+                "limits_unavailable",
+                RequestStatus.REJECTED,
+                (("retry-after", str(max(1, math.ceil(exc.retry_after_seconds)))),),
+            ) from None
         call.admission.headers += verdict.headers
         # In flight from the moment it holds an admission, which is exactly when _release
         # decrements: nothing between the two can skip one of them.
@@ -645,12 +781,24 @@ class Sidecar:
         try:
             return await self.fair.acquire(team)
         except QueueFull:
-            raise Refusal(429, "Too many of your requests are waiting for this replica.", "requests",
-                          "rate_limit_exceeded", RequestStatus.RATE_LIMITED, (("retry-after", "1"),)) from None  # fmt: skip
+            raise Refusal(
+                429,
+                "Too many of your requests are waiting for this replica.",
+                "requests",
+                "rate_limit_exceeded",
+                RequestStatus.RATE_LIMITED,
+                (("retry-after", "1"),),
+            ) from None
         except WaitTimeout:
             wait = str(max(1, round(self.settings.fair_wait_timeout_seconds)))
-            raise Refusal(503, "The replica is busy; no batch slot came free in time.", "server_error",
-                          "replica_busy", RequestStatus.REJECTED, (("retry-after", wait),)) from None  # fmt: skip
+            raise Refusal(
+                503,
+                "The replica is busy; no batch slot came free in time.",
+                "server_error",
+                "replica_busy",
+                RequestStatus.REJECTED,
+                (("retry-after", wait),),
+            ) from None
 
     def _upstream_headers(self, headers: Headers, call: Call | None) -> dict[str, str]:
         out = upstream_headers(self.view, headers, self.upstream_key)

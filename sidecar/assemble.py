@@ -38,14 +38,39 @@ COMPLETIONS: Final = "/v1/completions"
 
 # Parameters that only choose which tokens are drawn and how many: the answer's shape is the
 # same whether it is streamed or not.
-_SAMPLING = frozenset({
-    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-    "seed", "stop", "stop_token_ids", "n", "frequency_penalty", "presence_penalty",
-    "repetition_penalty", "length_penalty", "ignore_eos", "min_tokens", "logit_bias",
-    "allowed_token_ids", "bad_words", "user", "priority", "include_stop_str_in_output",
-    "skip_special_tokens", "spaces_between_special_tokens", "response_format",
-    "structured_outputs", "add_special_tokens", "truncate_prompt_tokens",
-})  # fmt: skip
+_SAMPLING = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "n",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "length_penalty",
+        "ignore_eos",
+        "min_tokens",
+        "logit_bias",
+        "allowed_token_ids",
+        "bad_words",
+        "user",
+        "priority",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "response_format",
+        "structured_outputs",
+        "add_special_tokens",
+        "truncate_prompt_tokens",
+    }
+)
 _PLAIN: Final = {
     CHAT: _SAMPLING
     | {
@@ -59,21 +84,48 @@ _PLAIN: Final = {
     COMPLETIONS: _SAMPLING | {"prompt"},
 }
 # Parameters that change the answer's shape, allowed only when switched off.
-_WHEN_OFF = frozenset({"stream", "logprobs", "top_logprobs", "echo", "use_beam_search",
-                       "return_token_ids", "tools", "tool_choice", "stream_options",
-                       "best_of", "prompt_logprobs", "return_tokens_as_token_ids"})  # fmt: skip
-_FALSE_IS_OFF = frozenset({"stream", "logprobs", "echo", "use_beam_search", "return_token_ids",
-                           "return_tokens_as_token_ids"})  # fmt: skip
+_WHEN_OFF = frozenset(
+    {
+        "stream",
+        "logprobs",
+        "top_logprobs",
+        "echo",
+        "use_beam_search",
+        "return_token_ids",
+        "tools",
+        "tool_choice",
+        "stream_options",
+        "best_of",
+        "prompt_logprobs",
+        "return_tokens_as_token_ids",
+    }
+)
+_FALSE_IS_OFF = frozenset(
+    {
+        "stream",
+        "logprobs",
+        "echo",
+        "use_beam_search",
+        "return_token_ids",
+        "return_tokens_as_token_ids",
+    }
+)
 _PROMPT_DETAILS = ("cached_tokens", "created_cache_tokens", "multimodal_tokens")
 _DONE = b"data: [DONE]\n\n"
 # A token chunk is read without decoding it (``_events_of``): one choice whose delta is text
 # only, with no finish reason, as vLLM 0.32 writes it; anything else is parsed whole. What comes
 # after the choice's index, around its text (a JSON string's body, escapes kept).
 _TOKEN_SHAPES: Final = {
-    CHAT: (rb',"delta":\{"content":"', rb'"\},"logprobs":null,"finish_reason":null(?:,"token_ids":null)?\}\]'),
-    COMPLETIONS: (rb',"text":"', rb'","logprobs":null,"finish_reason":null,"stop_reason":null'
-                  rb'(?:,"prompt_token_ids":null)?(?:,"token_ids":null)?\}\]'),
-}  # fmt: skip
+    CHAT: (
+        rb',"delta":\{"content":"',
+        rb'"\},"logprobs":null,"finish_reason":null(?:,"token_ids":null)?\}\]',
+    ),
+    COMPLETIONS: (
+        rb',"text":"',
+        rb'","logprobs":null,"finish_reason":null,"stop_reason":null'
+        rb'(?:,"prompt_token_ids":null)?(?:,"token_ids":null)?\}\]',
+    ),
+}
 # The groups of a match: the index, the text, the usage (when the chunk has one) of a token
 # chunk; or the JSON of any other event.
 _TOKEN_USAGE: Final = 3
@@ -91,9 +143,17 @@ def _events_of(endpoint: str, kind: bytes, model: bytes) -> re.Pattern[bytes]:
     regular expression is made once, not per stream); literal, they make a match about a third
     cheaper than patterns for any name."""
     before, after = _TOKEN_SHAPES[endpoint]
-    token = (rb'data: \{"id":"[^"\\\n]*","object":' + re.escape(kind) + rb',"created":\d+,"model":'
-             + re.escape(model) + rb',"choices":\[\{"index":(\d+)' + before
-             + rb'((?:[^"\\\n]|\\.)*)' + after + rb'(,"usage":\{[^\n]*)?\}')  # fmt: skip
+    token = (
+        rb'data: \{"id":"[^"\\\n]*","object":'
+        + re.escape(kind)
+        + rb',"created":\d+,"model":'
+        + re.escape(model)
+        + rb',"choices":\[\{"index":(\d+)'
+        + before
+        + rb'((?:[^"\\\n]|\\.)*)'
+        + after
+        + rb'(,"usage":\{[^\n]*)?\}'
+    )
     return re.compile(rb"^(?:" + token + rb"|data: (\{[^\n]*))$", re.MULTILINE)
 
 
@@ -119,8 +179,11 @@ def assemblable(endpoint: str, body: dict[str, Any]) -> bool:
 
 def streamed_body(body: dict[str, Any]) -> dict[str, Any]:
     """The request sent upstream: ``body`` streamed, with usage on every chunk."""
-    return {**body, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    return {
+        **body,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
 
 
 @dataclass
@@ -221,8 +284,11 @@ class Assembler:
             block, at = u
             return parse_usage(block[at : at + 400])
         details = u.get("prompt_tokens_details") or {}
-        return UsageCounts(int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0),
-                           int(details.get("cached_tokens") or 0))  # fmt: skip
+        return UsageCounts(
+            int(u.get("prompt_tokens") or 0),
+            int(u.get("completion_tokens") or 0),
+            int(details.get("cached_tokens") or 0),
+        )
 
     def usage_so_far(self) -> UsageCounts | None:
         """The tokens spent on a stream that did not finish: every choice's latest counts.
@@ -296,8 +362,9 @@ class Assembler:
             return
         if not self._head:
             self._head = {k: chunk[k] for k in ("id", "created", "model")}
-            self._events = _events_of(self.endpoint, orjson.dumps(chunk.get("object")),
-                                      orjson.dumps(chunk["model"]))  # fmt: skip
+            self._events = _events_of(
+                self.endpoint, orjson.dumps(chunk.get("object")), orjson.dumps(chunk["model"])
+            )
         for c in choices or ():
             self._choice(c, chat)
         usage = chunk.get("usage")
@@ -305,7 +372,9 @@ class Assembler:
             self._usage = usage
             if choices and len(choices) == 1:
                 self._per_choice[int(choices[0]["index"])] = (
-                    int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))  # fmt: skip
+                    int(usage.get("prompt_tokens") or 0),
+                    int(usage.get("completion_tokens") or 0),
+                )
         if not choices:
             # The final usage chunk: vLLM's fingerprint and per-request metrics ride on it.
             self._final = chunk
@@ -346,8 +415,10 @@ class Assembler:
         """The non-streamed answer, as vLLM serialises it."""
         self._parse()
         chat = self.endpoint == CHAT
-        choices = [self._chat_choice(i, c) if chat else self._text_choice(i, c)
-                   for i, c in sorted(self._choices.items())]  # fmt: skip
+        choices = [
+            self._chat_choice(i, c) if chat else self._text_choice(i, c)
+            for i, c in sorted(self._choices.items())
+        ]
         out: dict[str, Any] = {
             "id": self._head.get("id"),
             "object": "chat.completion" if chat else "text_completion",
@@ -360,8 +431,11 @@ class Assembler:
         }
         if chat:
             out |= {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
-        out |= {"kv_transfer_params": None, "ec_transfer_params": None,
-                "metrics": self._final.get("metrics")}  # fmt: skip
+        out |= {
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": self._final.get("metrics"),
+        }
         return _dumps(out)
 
     def _full_usage(self) -> dict[str, Any]:
@@ -389,16 +463,29 @@ class Assembler:
             "function_call": None,
             "reasoning": None if c.reasoning is None else "".join(c.reasoning),
         }
-        return {"index": index, "message": message, "logprobs": None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "token_ids": None, "routed_experts": None}  # fmt: skip
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            "token_ids": None,
+            "routed_experts": None,
+        }
 
     @staticmethod
     def _text_choice(index: int, c: _Choice) -> dict[str, Any]:
-        return {"index": index, "text": c.text(), "logprobs": None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
-                "routed_experts": None}  # fmt: skip
+        return {
+            "index": index,
+            "text": c.text(),
+            "logprobs": None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            "token_ids": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "routed_experts": None,
+        }
 
 
 def _counts(found: tuple[int, int] | tuple[bytes, int]) -> tuple[int, int]:
@@ -412,8 +499,9 @@ def _counts(found: tuple[int, int] | tuple[bytes, int]) -> tuple[int, int]:
 
 def _dumps(value: Any) -> bytes:
     # Exactly what vLLM's JSONResponse (Starlette's) does, so the bytes are the same.
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None,
-                      separators=(",", ":")).encode("utf-8")  # fmt: skip
+    return json.dumps(
+        value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode("utf-8")
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,8 +103,15 @@ class Verdict:
     state: str = "ok"
 
 
-def judge(team: str, model: str, spent_usd: float, budget_usd: float, settings: BudgetSettings,
-          override: Override | None, now: float) -> Verdict:  # fmt: skip
+def judge(
+    team: str,
+    model: str,
+    spent_usd: float,
+    budget_usd: float,
+    settings: BudgetSettings,
+    override: Override | None,
+    now: float,
+) -> Verdict:
     """The budget's verdict on a request: BudgetExceeded, or the headers it carries."""
     if budget_usd <= 0:
         return Verdict()
@@ -162,16 +169,35 @@ class BudgetMetrics:
     """The metrics of budget enforcement."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.used = Gauge("infermeter_team_budget_used_ratio",
-                          "Month-to-date spend over the monthly budget, as this sidecar last read it.", ("team",), registry=registry)  # fmt: skip
-        self.remaining = Gauge("infermeter_team_budget_remaining_usd",
-                               "Monthly budget left, as this sidecar last read it.", ("team",), registry=registry)  # fmt: skip
-        self.decisions = Counter("infermeter_budget_decisions",
-                                 "Requests past a budget threshold, by what was done.", ("team", "state"), registry=registry)  # fmt: skip
-        self.age = Gauge("infermeter_budget_spend_age_seconds",
-                         "Seconds since the spend was last read from billing.", registry=registry)  # fmt: skip
-        self.overrides = Counter("infermeter_budget_overrides",
-                                 "Budget overrides granted by an admin through this sidecar.", ("team",), registry=registry)  # fmt: skip
+        self.used = Gauge(
+            "infermeter_team_budget_used_ratio",
+            "Month-to-date spend over the monthly budget, as this sidecar last read it.",
+            ("team",),
+            registry=registry,
+        )
+        self.remaining = Gauge(
+            "infermeter_team_budget_remaining_usd",
+            "Monthly budget left, as this sidecar last read it.",
+            ("team",),
+            registry=registry,
+        )
+        self.decisions = Counter(
+            "infermeter_budget_decisions",
+            "Requests past a budget threshold, by what was done.",
+            ("team", "state"),
+            registry=registry,
+        )
+        self.age = Gauge(
+            "infermeter_budget_spend_age_seconds",
+            "Seconds since the spend was last read from billing.",
+            registry=registry,
+        )
+        self.overrides = Counter(
+            "infermeter_budget_overrides",
+            "Budget overrides granted by an admin through this sidecar.",
+            ("team",),
+            registry=registry,
+        )
 
 
 @dataclass
@@ -214,8 +240,15 @@ class BudgetGate:
         if spent is None:
             return Verdict()
         try:
-            verdict = judge(team, model, spent, self.budgets.get(team, 0.0), self.settings,
-                            self.overrides.get(team), time.time())  # fmt: skip
+            verdict = judge(
+                team,
+                model,
+                spent,
+                self.budgets.get(team, 0.0),
+                self.settings,
+                self.overrides.get(team),
+                time.time(),
+            )
             if project is not None and verdict.state in ("ok", "soft"):
                 self._check_project(team, model, project)
         except BudgetExceeded as exc:
@@ -244,8 +277,12 @@ class BudgetGate:
         logged, counted, and shared through Redis when there is one."""
         if self.ledger is not None:
             await self.ledger.append(override_record(override, self.instance).to_json())
-        log.warning("budget override for team %s until %s: %s", override.team,
-                    time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(override.until)), override.reason)  # fmt: skip
+        log.warning(
+            "budget override for team %s until %s: %s",
+            override.team,
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(override.until)),
+            override.reason,
+        )
         self.metrics.overrides.labels(override.team).inc()
         self.overrides = {**self.overrides, override.team: override}
         if self.redis is not None:
@@ -263,8 +300,9 @@ class BudgetGate:
 
         headers = {"authorization": f"Bearer {self.spend_token}"} if self.spend_token else {}
         try:
-            r = await self.client.get(self.settings.spend_url.rstrip("/") + "/v1/spend",
-                                      headers=headers)  # fmt: skip
+            r = await self.client.get(
+                self.settings.spend_url.rstrip("/") + "/v1/spend", headers=headers
+            )
             r.raise_for_status()
             body = r.json()
             spent = parse_spend(body)
@@ -336,14 +374,30 @@ def override_record(override: Override, instance: str) -> BudgetOverride:
     )
 
 
-def budget_gate(settings: BudgetSettings, budgets: dict[str, float], registry: CollectorRegistry,
-                token: str | None, redis: aioredis.Redis | None, key_prefix: str,
-                ledger: Spool | None = None, instance: str = "",
-                project_budgets: dict[str, dict[str, float]] | None = None) -> BudgetGate:  # fmt: skip
+def budget_gate(
+    settings: BudgetSettings,
+    budgets: dict[str, float],
+    registry: CollectorRegistry,
+    token: str | None,
+    redis: aioredis.Redis | None,
+    key_prefix: str,
+    ledger: Spool | None = None,
+    instance: str = "",
+    project_budgets: dict[str, dict[str, float]] | None = None,
+) -> BudgetGate:
     """The sidecar's budget gate; overrides are shared through ``redis`` when there is one and
     written to ``ledger`` (a spool shipped as ``budget_overrides``) as ``instance`` issued them."""
-    return BudgetGate(settings, budgets, registry, token, redis, f"{key_prefix}:budget-overrides",
-                      ledger=ledger, instance=instance, project_budgets=project_budgets or {})  # fmt: skip
+    return BudgetGate(
+        settings,
+        budgets,
+        registry,
+        token,
+        redis,
+        f"{key_prefix}:budget-overrides",
+        ledger=ledger,
+        instance=instance,
+        project_budgets=project_budgets or {},
+    )
 
 
 def project_budgets(config: Config) -> dict[str, dict[str, float]]:
@@ -360,8 +414,14 @@ _JSON = (b"content-type", b"application/json")
 Audit = Callable[["Override", str | None], Awaitable[None]]
 
 
-async def serve_override(gate: BudgetGate, control: KeyRing, scope: Scope, receive: Receive,
-                         send: Send, audit: Audit | None = None) -> None:  # fmt: skip
+async def serve_override(
+    gate: BudgetGate,
+    control: KeyRing,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    audit: Audit | None = None,
+) -> None:
     """``POST /v1/admin/budget-overrides``: the admin grants a team an override (201), else 400/401.
 
     ``audit``: told of each override granted, with the client's address (the audit trail).
@@ -371,21 +431,44 @@ async def serve_override(gate: BudgetGate, control: KeyRing, scope: Scope, recei
     except AuthError:
         role = None
     if role != ADMIN:
-        await respond(send, 401, error_body(401, "A budget override needs the admin token.",
-                                             "invalid_request_error", "invalid_api_key"), [_JSON])  # fmt: skip
+        await respond(
+            send,
+            401,
+            error_body(
+                401,
+                "A budget override needs the admin token.",
+                "invalid_request_error",
+                "invalid_api_key",
+            ),
+            [_JSON],
+        )
         return
     raw = await read_body(receive, 64 * 1024, 30.0)
     try:
         override = parse_override(raw or b"", frozenset(gate.budgets), time.time())
     except ValueError as exc:
-        await respond(send, 400, error_body(400, str(exc), "invalid_request_error", "invalid_override"), [_JSON])  # fmt: skip
+        await respond(
+            send,
+            400,
+            error_body(400, str(exc), "invalid_request_error", "invalid_override"),
+            [_JSON],
+        )
         return
     try:
         await gate.grant(override)
     except SpoolError as exc:
         log.error("budget override for team %s not granted: not recorded: %s", override.team, exc)
-        await respond(send, 503, error_body(503, "The override could not be recorded; it was not granted.",
-                                            "server_error", "override_not_recorded"), [_JSON])  # fmt: skip
+        await respond(
+            send,
+            503,
+            error_body(
+                503,
+                "The override could not be recorded; it was not granted.",
+                "server_error",
+                "override_not_recorded",
+            ),
+            [_JSON],
+        )
         return
     if audit is not None:
         client = scope.get("client")

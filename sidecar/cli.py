@@ -41,15 +41,18 @@ def register(subparsers: Subparsers) -> None:
         "--upstream", metavar="URL", help="the vLLM server (default: the replica's upstream_url)"
     )
     side.add_argument(
-        "--spool-dir", type=Path, metavar="DIR",
+        "--spool-dir",
+        type=Path,
+        metavar="DIR",
         help="this instance's own spool directory (default: sidecar.spool_dir/<pod UID or instance "
         "id>); in a pod, the node directory mounted for this pod alone",
-    )  # fmt: skip
+    )
     side.add_argument(
-        "--engine-metrics-listen", metavar="HOST:PORT",
+        "--engine-metrics-listen",
+        metavar="HOST:PORT",
         help="also serve vLLM's /metrics here, and nothing else, without a token (for an "
         "endpoint picker; keep the port to it with a NetworkPolicy)",
-    )  # fmt: skip
+    )
     side.set_defaults(handler=_sidecar)
 
 

@@ -124,8 +124,9 @@ class WholeSink:
 
     __slots__ = ("assembler", "finished", "parts", "raw_headers", "slot", "status", "streamed")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, assembler: Assembler | None,
-                 slot: Slot | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, assembler: Assembler | None, slot: Slot | None = None
+    ) -> None:
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.parts: list[bytes] = []

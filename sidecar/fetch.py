@@ -31,8 +31,9 @@ class Fetched:
     body: bytes
 
 
-async def fetch(pools: Pools, base: str, path: str, headers: dict[str, str],
-                timeout_seconds: float) -> Fetched:  # fmt: skip
+async def fetch(
+    pools: Pools, base: str, path: str, headers: dict[str, str], timeout_seconds: float
+) -> Fetched:
     """GET ``base + path`` with ``headers``, read whole within ``timeout_seconds``."""
     found = pools.get(base)
     if found is None:
@@ -41,8 +42,9 @@ async def fetch(pools: Pools, base: str, path: str, headers: dict[str, str],
     sink = WholeSink(asyncio.get_running_loop(), None)
     async with asyncio.timeout(timeout_seconds):
         conn = await pool.connection()
-        conn.send(request_head(b"GET", prefix + path.encode(), host, headers, 0), sink,
-                  timeout_seconds)  # fmt: skip
+        conn.send(
+            request_head(b"GET", prefix + path.encode(), host, headers, 0), sink, timeout_seconds
+        )
         try:
             failed = await sink.finished
         except BaseException:

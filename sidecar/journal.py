@@ -170,7 +170,9 @@ class AdmissionJournal:
         except OSError as exc:
             if slot is not None:
                 self._slots.release(slot)
-            raise JournalError(f"cannot write the admission journal in {self.directory}: {exc.strerror or exc}") from None  # fmt: skip
+            raise JournalError(
+                f"cannot write the admission journal in {self.directory}: {exc.strerror or exc}"
+            ) from None
         self._running[request_id] = _Running(request_id, at, slot)
 
     def slot(self, request_id: str) -> Slot | None:
@@ -213,8 +215,11 @@ class AdmissionJournal:
         try:
             lines = self._admission_lines()
         except OSError as exc:
-            log.error("admission journal in %s: %s; its running requests are recorded at the next start",
-                      self.directory, exc)  # fmt: skip
+            log.error(
+                "admission journal in %s: %s; its running requests are recorded at the next start",
+                self.directory,
+                exc,
+            )
             return []
         for request_id, line in lines.items():
             running = self._running[request_id]
@@ -251,8 +256,11 @@ class AdmissionJournal:
                     end = data.find(b"\n", at)
                     line = data[at : end + 1]
                     if end < 0 or not line.startswith(b'%s%s"' % (_ADMISSION, request_id.encode())):
-                        log.error("admission journal %s: request %s is not where it was written",
-                                  self._path, request_id)  # fmt: skip
+                        log.error(
+                            "admission journal %s: request %s is not where it was written",
+                            self._path,
+                            request_id,
+                        )
                         continue
                     found[request_id] = line
         return found

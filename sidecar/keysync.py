@@ -50,10 +50,17 @@ def team_keys(issued: IssuedKeys) -> IssuedKeys:
 class KeySync:
     """Reads the issued keys from Redis or billing and hands each newer set to ``apply``."""
 
-    def __init__(self, apply: Callable[[IssuedKeys], None], directory: Path,
-                 client: Callable[[], httpx.AsyncClient], billing_url: str | None,
-                 token: str | None, redis: aioredis.Redis | None, prefix: str,
-                 interval_seconds: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        apply: Callable[[IssuedKeys], None],
+        directory: Path,
+        client: Callable[[], httpx.AsyncClient],
+        billing_url: str | None,
+        token: str | None,
+        redis: aioredis.Redis | None,
+        prefix: str,
+        interval_seconds: float = 1.0,
+    ) -> None:
         self._apply = apply
         self.path = directory / KEYS_FILE
         self._client = client
@@ -77,8 +84,11 @@ class KeySync:
         except FileNotFoundError:
             return None
         except (OSError, orjson.JSONDecodeError, KeyRequestError) as exc:
-            log.error("%s: the issued keys kept here cannot be read (%s); waiting for billing",
-                      self.path, exc)  # fmt: skip
+            log.error(
+                "%s: the issued keys kept here cannot be read (%s); waiting for billing",
+                self.path,
+                exc,
+            )
             return None
         self._take(found)
         return found
@@ -107,8 +117,10 @@ class KeySync:
                 reached = True
         if not reached:
             if not self._failing:
-                log.warning("issued keys: neither Redis nor billing answers; serving the %s",
-                            "last set read" if self.current else "configured keys only")  # fmt: skip
+                log.warning(
+                    "issued keys: neither Redis nor billing answers; serving the %s",
+                    "last set read" if self.current else "configured keys only",
+                )
             self._failing = True
             return False
         self._failing = False

@@ -78,8 +78,14 @@ def resource_attributes(identity: Identity) -> dict[str, str]:
     return attributes
 
 
-def instance_event(identity: Identity, event: InstanceEventType, timestamp: float,
-                   started_at: float, gpu_count: int, url: str | None) -> InstanceEvent:  # fmt: skip
+def instance_event(
+    identity: Identity,
+    event: InstanceEventType,
+    timestamp: float,
+    started_at: float,
+    gpu_count: int,
+    url: str | None,
+) -> InstanceEvent:
     """The ``event`` of ``identity`` at ``timestamp``; ids sort by time, unique per instance."""
     return InstanceEvent(
         event_id=sample_id(timestamp, identity.instance, event.value),
@@ -102,10 +108,17 @@ def instance_event(identity: Identity, event: InstanceEventType, timestamp: floa
 class Lifetime:
     """The spool directory's lock, and the start, heartbeat and stop events in their spool."""
 
-    def __init__(self, identity: Identity, directory: Path, heartbeat_seconds: float, gpu_count: int,
-                 engine_metrics_url: str | None = None, registry: CollectorRegistry | None = None,
-                 clock: Callable[[], float] = time.time,
-                 sealer: Callable[[bytes], bytes] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        identity: Identity,
+        directory: Path,
+        heartbeat_seconds: float,
+        gpu_count: int,
+        engine_metrics_url: str | None = None,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.time,
+        sealer: Callable[[bytes], bytes] | None = None,
+    ) -> None:
         """``sealer``: the instance's seal on each event (``infermeter.writers.Sealer``)."""
         self.identity = identity
         self.lock = SpoolLock(directory)
@@ -122,8 +135,13 @@ class Lifetime:
             ["instance", "replica", "node", "namespace", "pod_uid"],
             registry=registry,
         )
-        info.labels(identity.instance, identity.replica, identity.node, identity.namespace or "",
-                    identity.pod_uid or "").set(1)  # fmt: skip
+        info.labels(
+            identity.instance,
+            identity.replica,
+            identity.node,
+            identity.namespace or "",
+            identity.pod_uid or "",
+        ).set(1)
 
     async def claim(self, wait_seconds: float = LOCK_WAIT_SECONDS) -> None:
         """Take the spool directory's lock (SpoolBusyError if it stays held), open the spool."""
@@ -162,10 +180,17 @@ class Lifetime:
 
     async def _announce(self, event: InstanceEventType, timestamp: float) -> None:
         assert self.started_at is not None
-        record = instance_event(self.identity, event, timestamp, self.started_at, self.gpu_count,
-                                self.engine_metrics_url)  # fmt: skip
+        record = instance_event(
+            self.identity,
+            event,
+            timestamp,
+            self.started_at,
+            self.gpu_count,
+            self.engine_metrics_url,
+        )
         try:
             await self.spool.append(record.to_json())
         except SpoolError as exc:
-            log.error("instance %s: %s event not recorded: %s", self.identity.instance,
-                      event.value, exc)  # fmt: skip
+            log.error(
+                "instance %s: %s event not recorded: %s", self.identity.instance, event.value, exc
+            )

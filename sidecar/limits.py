@@ -66,8 +66,11 @@ class LimitExceeded(Exception):
     headers: tuple[tuple[str, str], ...] = ()
 
     def __str__(self) -> str:
-        what = {"requests": "requests per minute", "tokens": "tokens per minute",
-                "concurrency": "concurrent requests"}[self.reason]  # fmt: skip
+        what = {
+            "requests": "requests per minute",
+            "tokens": "tokens per minute",
+            "concurrency": "concurrent requests",
+        }[self.reason]
         return (
             f"Rate limit reached for {what}. Please try again in {self.retry_after_seconds:.1f}s."
         )

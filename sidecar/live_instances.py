@@ -41,9 +41,15 @@ def count_live(body: Any, replica: str | None) -> int | None:
 class LiveInstances:
     """The live instance count, refreshed every ``refresh_seconds`` while ``run`` runs."""
 
-    def __init__(self, url: str | None, token: str | None, replica: str | None,
-                 refresh_seconds: float, client: httpx.AsyncClient | None = None,
-                 max_count: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str | None,
+        token: str | None,
+        replica: str | None,
+        refresh_seconds: float,
+        client: httpx.AsyncClient | None = None,
+        max_count: int | None = None,
+    ) -> None:
         """``replica``: count only that replica group's instances (limits per model group).
         ``max_count``: the most the count may be (``instance_bound``); None for no bound.
         """
@@ -74,9 +80,13 @@ class LiveInstances:
     def clamped(self, n: int) -> int:
         """``n`` live instances as the count to use: at least 1, at most ``max_count``."""
         if self.max_count is not None and n > self.max_count:
-            log.warning("instance registry lists %d live instances, more than the %d the "
-                        "configuration allows (scaling.max_replicas per replica group); using %d",
-                        n, self.max_count, self.max_count)  # fmt: skip
+            log.warning(
+                "instance registry lists %d live instances, more than the %d the "
+                "configuration allows (scaling.max_replicas per replica group); using %d",
+                n,
+                self.max_count,
+                self.max_count,
+            )
             return self.max_count
         return max(1, n)
 

@@ -134,14 +134,30 @@ class SidecarMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         labels = ("team", "model")
-        self.ttft = FastHistogram("infermeter_time_to_first_token_seconds",
-                                  "Time from request received to the first chunk carrying generated content.", labels, TTFT_BUCKETS)  # fmt: skip
-        self.itl = FastHistogram("infermeter_inter_token_latency_seconds",
-                                 "Time between generated tokens as the sidecar relays them.", labels, ITL_BUCKETS)  # fmt: skip
-        self.duration = FastHistogram("infermeter_request_duration_seconds",
-                                      "Time from request received to the end of the response.", labels, DURATION_BUCKETS)  # fmt: skip
-        self.tps = FastHistogram("infermeter_output_tokens_per_second",
-                                 "Decode speed of a request: completion tokens after the first, over the time since the first.", labels, TPS_BUCKETS)  # fmt: skip
+        self.ttft = FastHistogram(
+            "infermeter_time_to_first_token_seconds",
+            "Time from request received to the first chunk carrying generated content.",
+            labels,
+            TTFT_BUCKETS,
+        )
+        self.itl = FastHistogram(
+            "infermeter_inter_token_latency_seconds",
+            "Time between generated tokens as the sidecar relays them.",
+            labels,
+            ITL_BUCKETS,
+        )
+        self.duration = FastHistogram(
+            "infermeter_request_duration_seconds",
+            "Time from request received to the end of the response.",
+            labels,
+            DURATION_BUCKETS,
+        )
+        self.tps = FastHistogram(
+            "infermeter_output_tokens_per_second",
+            "Decode speed of a request: completion tokens after the first, over the time since the first.",
+            labels,
+            TPS_BUCKETS,
+        )
         for h in (self.ttft, self.itl, self.duration, self.tps):
             self.registry.register(h)
         r = self.registry

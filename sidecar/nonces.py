@@ -87,9 +87,15 @@ class NonceStore(Protocol):
 
 
 def _unavailable(what: str) -> Refusal:
-    return Refusal(503, f"The memory of served gateway requests is unavailable ({what}); "
-                   "the request was not served.", "server_error", "replay_memory_unavailable",
-                   RequestStatus.REJECTED, (("retry-after", "1"),))  # fmt: skip
+    return Refusal(
+        503,
+        f"The memory of served gateway requests is unavailable ({what}); "
+        "the request was not served.",
+        "server_error",
+        "replay_memory_unavailable",
+        RequestStatus.REJECTED,
+        (("retry-after", "1"),),
+    )
 
 
 class NonceFile:
@@ -214,8 +220,15 @@ class NonceFile:
 class SharedNonces:
     """The fleet's nonces in Redis, over this sidecar's own file (module docstring)."""
 
-    def __init__(self, local: NonceFile, resp: RespClient, key_prefix: str, window_seconds: float,
-                 on_failure: Literal["fail_open", "fail_closed"], registry: CollectorRegistry) -> None:  # fmt: skip
+    def __init__(
+        self,
+        local: NonceFile,
+        resp: RespClient,
+        key_prefix: str,
+        window_seconds: float,
+        on_failure: Literal["fail_open", "fail_closed"],
+        registry: CollectorRegistry,
+    ) -> None:
         self.local = local
         self.resp = resp
         self.key_prefix = key_prefix
@@ -254,9 +267,14 @@ class SharedNonces:
         self.unshared.labels(self.on_failure).inc()
         if not self._down:
             self._down = True
-            log.error("gateway nonces: Redis did not answer (%s: %s); %s", type(exc).__name__, exc,
-                      "signed requests are checked by this sidecar's own memory alone"
-                      if self.on_failure == "fail_open" else "signed requests are refused")  # fmt: skip
+            log.error(
+                "gateway nonces: Redis did not answer (%s: %s); %s",
+                type(exc).__name__,
+                exc,
+                "signed requests are checked by this sidecar's own memory alone"
+                if self.on_failure == "fail_open"
+                else "signed requests are refused",
+            )
         if self.on_failure == "fail_closed":
             raise _unavailable("Redis did not answer")
         return None
@@ -278,19 +296,25 @@ def nonce_store(config: Config, spool_directory: Path, registry: CollectorRegist
     connected before the first signed request.
     """
     gateway, shared = config.sidecar.gateway, config.sidecar.shared_limits
-    local = NonceFile(spool_directory / GATEWAY_NONCES, gateway.max_skew_seconds,
-                      gateway.replay_cache_entries)  # fmt: skip
+    local = NonceFile(
+        spool_directory / GATEWAY_NONCES, gateway.max_skew_seconds, gateway.replay_cache_entries
+    )
     if shared.redis_url is None:
         return local
     password = os.environ.get(shared.password_env) or None
-    resp = RespClient(parse_url(shared.redis_url, password), shared.timeout_millis / 1000,
-                      max_backoff_seconds=shared.retry_seconds)  # fmt: skip
-    return SharedNonces(local, resp, shared.key_prefix, gateway.max_skew_seconds,
-                        shared.on_failure, registry)  # fmt: skip
+    resp = RespClient(
+        parse_url(shared.redis_url, password),
+        shared.timeout_millis / 1000,
+        max_backoff_seconds=shared.retry_seconds,
+    )
+    return SharedNonces(
+        local, resp, shared.key_prefix, gateway.max_skew_seconds, shared.on_failure, registry
+    )
 
 
-async def team_of(view: View, nonces: NonceStore, method: str, path: str, headers: Headers,
-                  body: bytes = b"") -> str:  # fmt: skip
+async def team_of(
+    view: View, nonces: NonceStore, method: str, path: str, headers: Headers, body: bytes = b""
+) -> str:
     """The calling team, by its key or, in gateway mode, by a signature not used before.
 
     AuthError when neither proves a team (a replayed signature included); Refusal (503) when the

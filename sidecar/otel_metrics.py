@@ -55,13 +55,57 @@ __all__ = [
 ]
 
 # The bucket boundaries the conventions recommend, metric by metric.
-DURATION_BOUNDS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
-                   40.96, 81.92)  # fmt: skip
-TTFT_BOUNDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0)  # fmt: skip
+DURATION_BOUNDS = (
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)
+TTFT_BOUNDS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)
 TPOT_BOUNDS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-TOKEN_BOUNDS = (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0,
-                1048576.0, 4194304.0, 16777216.0, 67108864.0)  # fmt: skip
+TOKEN_BOUNDS = (
+    1.0,
+    4.0,
+    16.0,
+    64.0,
+    256.0,
+    1024.0,
+    4096.0,
+    16384.0,
+    65536.0,
+    262144.0,
+    1048576.0,
+    4194304.0,
+    16777216.0,
+    67108864.0,
+)
 # The published version of the default conventions (the latest ones have none yet).
 SCHEMA_URL = "https://opentelemetry.io/schemas/1.41.0"
 PROVIDER = "vllm"
@@ -123,8 +167,15 @@ class GenAiMetrics:
         """The schema of the conventions emitted ("" for the unpublished latest ones)."""
         return "" if self.latest else SCHEMA_URL
 
-    def observe(self, key: Key, error: str | None, duration: float | None, ttft: float | None,
-                tpot: float | None, usage: UsageCounts | None) -> None:  # fmt: skip
+    def observe(
+        self,
+        key: Key,
+        error: str | None,
+        duration: float | None,
+        ttft: float | None,
+        tpot: float | None,
+        usage: UsageCounts | None,
+    ) -> None:
         """One ended request's figures (None: not measured for it, as on ``/metrics``)."""
         if duration is not None:
             self.duration.observe((*key, error or ""), duration)
@@ -145,28 +196,41 @@ class GenAiMetrics:
         for kind, n in (("input", prompt), ("output", completion), ("cache_read", cached)):
             totals[(key, kind)] = totals.get((key, kind), 0.0) + n
 
-    def recovered(self, records: Iterable[UsageRecord], team_names: frozenset[str],
-                  model_names: frozenset[str], operations: dict[str, str]) -> None:  # fmt: skip
+    def recovered(
+        self,
+        records: Iterable[UsageRecord],
+        team_names: frozenset[str],
+        model_names: frozenset[str],
+        operations: dict[str, str],
+    ) -> None:
         """The tokens of requests a killed predecessor left running (as ``count_recovered``)."""
         from sidecar.bounds import label
 
         for r in records:
-            key = (operations.get(r.endpoint, r.endpoint), label(r.team, team_names),
-                   label(r.model, model_names), label(r.served_version, model_names))  # fmt: skip
+            key = (
+                operations.get(r.endpoint, r.endpoint),
+                label(r.team, team_names),
+                label(r.model, model_names),
+                label(r.served_version, model_names),
+            )
             self.usage(key, r.prompt_tokens, r.completion_tokens, r.cached_prompt_tokens)
 
     def _attributes(self, key: Key) -> dict[str, str | int]:
         operation, team, model, response = key
-        attrs: dict[str, str | int] = {tracing.OPERATION: operation, tracing.PROVIDER: PROVIDER,
-                                       tracing.REQUEST_MODEL: model}  # fmt: skip
+        attrs: dict[str, str | int] = {
+            tracing.OPERATION: operation,
+            tracing.PROVIDER: PROVIDER,
+            tracing.REQUEST_MODEL: model,
+        }
         if response:
             attrs[tracing.RESPONSE_MODEL] = response
         attrs.update(self.server)
         attrs[tracing.TEAM] = team
         return attrs
 
-    def _series(self, bounds: Sequence[float], series: Snapshot,
-                extra: str | None) -> tuple[Sequence[float], list[tuple[Attributes, list[float]]]]:  # fmt: skip
+    def _series(
+        self, bounds: Sequence[float], series: Snapshot, extra: str | None
+    ) -> tuple[Sequence[float], list[tuple[Attributes, list[float]]]]:
         """Each series with its attributes; ``extra`` names the key's fifth element, if any."""
         out: list[tuple[Attributes, list[float]]] = []
         for key, s in series:
@@ -180,12 +244,21 @@ class GenAiMetrics:
         """The points of one export: the figures copied at once on the event loop that keeps
         them (tens of microseconds), the points built from the copy on a worker thread (a few
         milliseconds for a hundred series, which the loop's requests should not wait for)."""
-        copied = (self.duration.snapshot(), self.ttft.snapshot(), self.tpot.snapshot(),
-                  self.tokens.snapshot(), list(self.token_totals.items()))  # fmt: skip
+        copied = (
+            self.duration.snapshot(),
+            self.ttft.snapshot(),
+            self.tpot.snapshot(),
+            self.tokens.snapshot(),
+            list(self.token_totals.items()),
+        )
         return await asyncio.to_thread(self._build, copied, start_ns, now_ns)
 
-    def _build(self, copied: tuple[Snapshot, Snapshot, Snapshot, Snapshot, list[tuple[tuple[Key, str], float]]],
-               start_ns: int, now_ns: int) -> list[Metric]:  # fmt: skip
+    def _build(
+        self,
+        copied: tuple[Snapshot, Snapshot, Snapshot, Snapshot, list[tuple[tuple[Key, str], float]]],
+        start_ns: int,
+        now_ns: int,
+    ) -> list[Metric]:
         from infermeter.otlp_export import histogram, monotonic_sum
 
         duration, ttft, tpot, tokens, totals = copied
@@ -203,20 +276,60 @@ class GenAiMetrics:
             )
 
         metrics = [
-            hist("gen_ai.server.request.duration", "s", "Generative AI server request duration such as time-to-last byte or last output token.", self.duration, duration, ERROR_TYPE),
-            hist("gen_ai.server.time_to_first_token", "s", "Time to generate first token for successful responses.", self.ttft, ttft),
-            hist("gen_ai.server.time_per_output_token", "s", "Time per output token generated after the first token for successful responses.", self.tpot, tpot),
-        ]  # fmt: skip
+            hist(
+                "gen_ai.server.request.duration",
+                "s",
+                "Generative AI server request duration such as time-to-last byte or last output token.",
+                self.duration,
+                duration,
+                ERROR_TYPE,
+            ),
+            hist(
+                "gen_ai.server.time_to_first_token",
+                "s",
+                "Time to generate first token for successful responses.",
+                self.ttft,
+                ttft,
+            ),
+            hist(
+                "gen_ai.server.time_per_output_token",
+                "s",
+                "Time per output token generated after the first token for successful responses.",
+                self.tpot,
+                tpot,
+            ),
+        ]
         if not self.latest:
-            metrics.append(hist("gen_ai.client.token.usage", "{token}", "Number of input and output tokens used.", self.tokens, tokens, TOKEN_TYPE))  # fmt: skip
+            metrics.append(
+                hist(
+                    "gen_ai.client.token.usage",
+                    "{token}",
+                    "Number of input and output tokens used.",
+                    self.tokens,
+                    tokens,
+                    TOKEN_TYPE,
+                )
+            )
             return metrics
         texts = {
-            "input": ("gen_ai.client.inference.usage.input_tokens", "The number of input (prompt) tokens used, including cached tokens."),
-            "output": ("gen_ai.client.inference.usage.output_tokens", "The number of output (completion) tokens used, including reasoning tokens."),
-            "cache_read": ("gen_ai.client.inference.usage.cache_read.input_tokens", "The number of input tokens served from the provider's cache."),
-        }  # fmt: skip
+            "input": (
+                "gen_ai.client.inference.usage.input_tokens",
+                "The number of input (prompt) tokens used, including cached tokens.",
+            ),
+            "output": (
+                "gen_ai.client.inference.usage.output_tokens",
+                "The number of output (completion) tokens used, including reasoning tokens.",
+            ),
+            "cache_read": (
+                "gen_ai.client.inference.usage.cache_read.input_tokens",
+                "The number of input tokens served from the provider's cache.",
+            ),
+        }
         for kind, (name, text) in texts.items():
-            values = [({**self._attributes(key), TOKEN_MODALITY: "unknown"}, n)
-                      for (key, k), n in totals if k == kind]  # fmt: skip
+            values = [
+                ({**self._attributes(key), TOKEN_MODALITY: "unknown"}, n)
+                for (key, k), n in totals
+                if k == kind
+            ]
             metrics.append(monotonic_sum(name, "{token}", text, values, start_ns, now_ns))
         return metrics

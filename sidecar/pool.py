@@ -75,8 +75,9 @@ class Sink(Protocol):
         """The response is complete (``exc`` None), or failed with ``exc``."""
 
 
-def request_head(method: bytes, target: bytes, host: bytes, headers: dict[str, str],
-                 length: int) -> bytes:  # fmt: skip
+def request_head(
+    method: bytes, target: bytes, host: bytes, headers: dict[str, str], length: int
+) -> bytes:
     """An HTTP/1.1 request head with ``content-length``; ``headers`` are written as given."""
     lines = [
         b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n" % (method, target, host, length)
@@ -92,8 +93,17 @@ class Connection(asyncio.Protocol):
     """One keep-alive connection to the replica, serving one exchange at a time."""
 
     # Read on every block of every stream: slots keep them in the object, not in a dict of its own.
-    __slots__ = ("_headers", "_parser", "_pool", "_sink", "_timeout", "closed", "idle_since",
-                 "last_read", "transport")  # fmt: skip
+    __slots__ = (
+        "_headers",
+        "_parser",
+        "_pool",
+        "_sink",
+        "_timeout",
+        "closed",
+        "idle_since",
+        "last_read",
+        "transport",
+    )
 
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
@@ -245,8 +255,9 @@ def _wrap(exc: Exception) -> UpstreamError:
 class Pool:
     """Keep-alive connections to one replica; the most recently used idle one is reused first."""
 
-    def __init__(self, host: str, port: int, connect_timeout_seconds: float,
-                 read_timeout_seconds: float) -> None:  # fmt: skip
+    def __init__(
+        self, host: str, port: int, connect_timeout_seconds: float, read_timeout_seconds: float
+    ) -> None:
         self.host, self.port = host, port
         self.connect_timeout_seconds = connect_timeout_seconds
         self.read_timeout_seconds = read_timeout_seconds

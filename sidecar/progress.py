@@ -93,7 +93,10 @@ class Slot:
             return
         _put_int(self._mm, self._at + SlotLayout.CACHED, usage.cached)
         # In vLLM's own form, so that recovery reads both kinds alike.
-        written = b'"prompt_tokens":%d,"total_tokens":%d,' % (usage.prompt, usage.prompt + usage.completion)  # fmt: skip
+        written = b'"prompt_tokens":%d,"total_tokens":%d,' % (
+            usage.prompt,
+            usage.prompt + usage.completion,
+        )
         n = self._written = self._written + 1
         _put_area(self._mm, self._at + _AREA_AT[n & 1], written, n & 255)
         self.counted = True

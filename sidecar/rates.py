@@ -127,9 +127,13 @@ def parse_rates(body: Any) -> dict[str, Rate]:
 class RatePoller:
     """Billing's rates, read in the background; ``current`` is looked up per response."""
 
-    def __init__(self, settings: BudgetSettings, token: str | None,
-                 client: Callable[[], httpx.AsyncClient | None],
-                 registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: BudgetSettings,
+        token: str | None,
+        client: Callable[[], httpx.AsyncClient | None],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.settings = settings
         self.token = token
         # The budget gate's client (``BudgetGate.client``): one connection pool to billing.
@@ -137,9 +141,11 @@ class RatePoller:
         self.current: Mapping[str, Rate] = MappingProxyType({})
         self.read_at: float | None = None
         if registry is not None:
-            age = Gauge("infermeter_cost_rates_age_seconds",
-                        "Seconds since billing's cost rates were last read (-1: never).",
-                        registry=registry)  # fmt: skip
+            age = Gauge(
+                "infermeter_cost_rates_age_seconds",
+                "Seconds since billing's cost rates were last read (-1: never).",
+                registry=registry,
+            )
             age.set_function(
                 lambda: -1.0 if self.read_at is None else time.monotonic() - self.read_at
             )
@@ -157,8 +163,7 @@ class RatePoller:
 
         headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
         try:
-            r = await client.get(self.settings.spend_url.rstrip("/") + "/v1/rates",
-                                 headers=headers)  # fmt: skip
+            r = await client.get(self.settings.spend_url.rstrip("/") + "/v1/rates", headers=headers)
             r.raise_for_status()
             rates = parse_rates(r.json())
         except (httpx.HTTPError, ValueError) as exc:

@@ -53,8 +53,12 @@ _SSE = (b"content-type", b"text/event-stream; charset=utf-8")
 _DROP_DOWN = frozenset(
     {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"date", b"server"}
 )
-_WITHHELD = ("Usage metering is unavailable; the response was withheld.", "server_error",
-             "metering_unavailable", RequestStatus.REJECTED)  # fmt: skip
+_WITHHELD = (
+    "Usage metering is unavailable; the response was withheld.",
+    "server_error",
+    "metering_unavailable",
+    RequestStatus.REJECTED,
+)
 
 # How a whole (non-streamed) request ended: usage, status, HTTP status, finish reason.
 Whole = tuple[UsageCounts | None, RequestStatus, int, str | None]
@@ -65,9 +69,16 @@ DirectStream = tuple[Connection, StreamSink]
 class Relay:
     """Forwarding for one replica: its upstream pool, the drain, the journal and accounting."""
 
-    def __init__(self, upstream: str, generation: Upstream, accounting: Accounting,
-                 journal: AdmissionJournal, drain: Drain, assemble: bool,
-                 direct: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        upstream: str,
+        generation: Upstream,
+        accounting: Accounting,
+        journal: AdmissionJournal,
+        drain: Drain,
+        assemble: bool,
+        direct: bool = False,
+    ) -> None:
         self.upstream = upstream
         self.generation = generation
         self.accounting = accounting
@@ -85,8 +96,9 @@ class Relay:
         """The cost rate of ``call``'s model, when an estimate can go on its answer."""
         return None if self.rates is None else self.rates.rate(call.model)
 
-    def _costed(self, call: Call, status: int, usage: UsageCounts | None,
-                body: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:  # fmt: skip
+    def _costed(
+        self, call: Call, status: int, usage: UsageCounts | None, body: bytes
+    ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
         """A whole answer's body and extra headers with its cost estimate, when there is one."""
         rate = self._rate(call) if status == 200 else None
         text = None if rate is None else rate.text(usage)
@@ -99,8 +111,9 @@ class Relay:
         await self.generation.close()
         await self.pools.close()
 
-    async def _open(self, call: Call, body: dict[str, Any],
-                    headers: dict[str, str]) -> aiohttp.ClientResponse:  # fmt: skip
+    async def _open(
+        self, call: Call, body: dict[str, Any], headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
         try:
             return await self.generation.post(
                 self.upstream + call.endpoint, orjson.dumps(body), headers
@@ -110,20 +123,40 @@ class Relay:
 
     # -- streamed --------------------------------------------------------------------------------
 
-    async def stream(self, call: Call, receive: Receive, send: Send, body: dict[str, Any],
-                     headers: dict[str, str]) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+    async def stream(
+        self,
+        call: Call,
+        receive: Receive,
+        send: Send,
+        body: dict[str, Any],
+        headers: dict[str, str],
+    ) -> tuple[StreamMeter, RequestStatus, int]:
         """Relay a streamed request; the meter, the record's status and the HTTP status."""
         response = await self._open(call, body, headers)
         if response.status != 200:
             return await self._refused_stream(call, response, send)
-        meter = StreamMeter(call.client_usage, call.client_continuous, call.started,
-                            choices=call.choices, slot=self.journal.slot(call.request_id),
-                            rate=self._rate(call) if call.client_usage else None)  # fmt: skip
+        meter = StreamMeter(
+            call.client_usage,
+            call.client_continuous,
+            call.started,
+            choices=call.choices,
+            slot=self.journal.slot(call.request_id),
+            rate=self._rate(call) if call.client_usage else None,
+        )
         if meter.slot is not None:
             meter.slot.began()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()),
-                                *call.echo_headers(), *call.ratelimit_headers()]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    _SSE,
+                    (b"x-infermeter-request-id", call.request_id.encode()),
+                    *call.echo_headers(),
+                    *call.ratelimit_headers(),
+                ],
+            }
+        )
         watch = StallWatch(response, self.generation.read_timeout_seconds)
         loop = asyncio.get_running_loop()
         relay = loop.create_task(_pump(response, meter, send, watch))
@@ -155,8 +188,13 @@ class Relay:
                 response.close()
         return await self._end_stream(call, meter, status, send)
 
-    async def _send_direct(self, call: Call, body: dict[str, Any], headers: dict[str, str],
-                           sink: StreamSink | WholeSink) -> Connection | None:  # fmt: skip
+    async def _send_direct(
+        self,
+        call: Call,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        sink: StreamSink | WholeSink,
+    ) -> Connection | None:
         """Send the request on a pooled connection; None when the upstream is not plain HTTP."""
         found = self.pools.get(self.upstream)
         if found is None:
@@ -171,20 +209,27 @@ class Relay:
         conn.send(head + payload, sink, pool.read_timeout_seconds)
         return conn
 
-    async def open_direct(self, call: Call, body: dict[str, Any],
-                          headers: dict[str, str]) -> DirectStream | None:  # fmt: skip
+    async def open_direct(
+        self, call: Call, body: dict[str, Any], headers: dict[str, str]
+    ) -> DirectStream | None:
         """Send a streamed request on protocols (``sidecar.direct``); None when this upstream
         needs ``stream``. Once this returns, the caller may drop ``body`` and ``headers``: a
         stream holds neither while it runs (``relay_direct``)."""
-        meter = StreamMeter(call.client_usage, call.client_continuous, call.started,
-                            choices=call.choices, slot=self.journal.slot(call.request_id),
-                            rate=self._rate(call) if call.client_usage else None)  # fmt: skip
+        meter = StreamMeter(
+            call.client_usage,
+            call.client_continuous,
+            call.started,
+            choices=call.choices,
+            slot=self.journal.slot(call.request_id),
+            rate=self._rate(call) if call.client_usage else None,
+        )
         sink = StreamSink(meter, asyncio.get_running_loop())
         conn = await self._send_direct(call, body, headers, sink)
         return None if conn is None else (conn, sink)
 
-    async def relay_direct(self, call: Call, send: Send, opened: DirectStream,
-                           raw: RawWriter) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+    async def relay_direct(
+        self, call: Call, send: Send, opened: DirectStream, raw: RawWriter
+    ) -> tuple[StreamMeter, RequestStatus, int]:
         """``stream`` on protocols, for a request ``open_direct`` sent.
 
         One coroutine waits on one future for the whole stream (``StreamSink.finished``, which
@@ -201,9 +246,18 @@ class Relay:
                 return await self._refused_direct(call, conn, sink, send)
             if meter.slot is not None:
                 meter.slot.began()
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [_SSE, (b"x-infermeter-request-id", call.request_id.encode()),
-                                    *call.echo_headers(), *call.ratelimit_headers()]})  # fmt: skip
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        _SSE,
+                        (b"x-infermeter-request-id", call.request_id.encode()),
+                        *call.echo_headers(),
+                        *call.ratelimit_headers(),
+                    ],
+                }
+            )
             sink.go_direct(raw)
             sink.upstream = conn
             # The client's connection closing, not ASGI's disconnect message: no task to wait.
@@ -240,8 +294,9 @@ class Relay:
             log.warning("upstream failed mid-stream on %s: %s", self.accounting.replica, ended)
         return await self._end_stream(call, meter, status, send)
 
-    async def _refused_direct(self, call: Call, conn: Connection, sink: StreamSink,
-                              send: Send) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+    async def _refused_direct(
+        self, call: Call, conn: Connection, sink: StreamSink, send: Send
+    ) -> tuple[StreamMeter, RequestStatus, int]:
         # vLLM refuses bad streamed requests with a JSON error before any SSE: pass it on.
         if await sink.finished is not None:
             conn.close()
@@ -251,12 +306,14 @@ class Relay:
         at = content.find(b'"usage":{')
         meter.usage = parse_usage(content[at:]) if at >= 0 else None
         self.accounting.record(call, status, sink.status, meter.usage, None, None)
-        await respond(send, sink.status, content,
-                      [JSON, *call.echo_headers(), *call.ratelimit_headers()])  # fmt: skip
+        await respond(
+            send, sink.status, content, [JSON, *call.echo_headers(), *call.ratelimit_headers()]
+        )
         return meter, status, sink.status
 
-    async def _end_stream(self, call: Call, meter: StreamMeter, status: RequestStatus,
-                          send: Send) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+    async def _end_stream(
+        self, call: Call, meter: StreamMeter, status: RequestStatus, send: Send
+    ) -> tuple[StreamMeter, RequestStatus, int]:
         """Record the stream, then give the client its last event (the record is durable first)."""
         tail = meter.close()
         call.response_id = meter.response_id
@@ -280,8 +337,9 @@ class Relay:
             )
         return meter, status, 200
 
-    async def _refused_stream(self, call: Call, response: aiohttp.ClientResponse,
-                              send: Send) -> tuple[StreamMeter, RequestStatus, int]:  # fmt: skip
+    async def _refused_stream(
+        self, call: Call, response: aiohttp.ClientResponse, send: Send
+    ) -> tuple[StreamMeter, RequestStatus, int]:
         # vLLM refuses bad streamed requests with a JSON error before any SSE: pass it on.
         try:
             content = await response.read()
@@ -294,14 +352,22 @@ class Relay:
         at = content.find(b'"usage":{')
         meter.usage = parse_usage(content[at:]) if at >= 0 else None
         self.accounting.record(call, status, response.status, meter.usage, None, None)
-        await respond(send, response.status, content,
-                      [JSON, *call.echo_headers(), *call.ratelimit_headers()])  # fmt: skip
+        await respond(
+            send, response.status, content, [JSON, *call.echo_headers(), *call.ratelimit_headers()]
+        )
         return meter, status, response.status
 
     # -- whole -----------------------------------------------------------------------------------
 
-    async def whole(self, call: Call, receive: Receive, send: Send, body: dict[str, Any],
-                    headers: dict[str, str], raw: RawWriter | None = None) -> Whole:  # fmt: skip
+    async def whole(
+        self,
+        call: Call,
+        receive: Receive,
+        send: Send,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        raw: RawWriter | None = None,
+    ) -> Whole:
         """Relay a non-streamed request.
 
         ``raw``: the client's writer, whose connection closing tells that the client left;
@@ -340,8 +406,13 @@ class Relay:
             assert content is not None  # (read whole: there is no assembler)
         except upstream_errors() as exc:
             code, message = upstream_failure(exc)
-            raise Refusal(code, orjson.loads(message)["error"]["message"], "upstream_error",
-                          "upstream_error", RequestStatus.UPSTREAM_ERROR) from None  # fmt: skip
+            raise Refusal(
+                code,
+                orjson.loads(message)["error"]["message"],
+                "upstream_error",
+                "upstream_error",
+                RequestStatus.UPSTREAM_ERROR,
+            ) from None
         usage, status, finish = whole_outcome(response.status, content)
         call.response_id = response_id(content)
         try:
@@ -349,12 +420,14 @@ class Relay:
         except SpoolError:
             raise Refusal(503, *_WITHHELD) from None
         content, cost = self._costed(call, response.status, usage, content)
-        await respond(send, response.status, content,
-                      [*whole_headers(call, response.raw_headers), *cost])  # fmt: skip
+        await respond(
+            send, response.status, content, [*whole_headers(call, response.raw_headers), *cost]
+        )
         return usage, status, response.status, finish
 
-    async def _race(self, exchange: Coroutine[Any, Any, _T], receive: Receive,
-                    lost: asyncio.Future[None] | None) -> tuple[asyncio.Task[_T], _Ended]:  # fmt: skip
+    async def _race(
+        self, exchange: Coroutine[Any, Any, _T], receive: Receive, lost: asyncio.Future[None] | None
+    ) -> tuple[asyncio.Task[_T], _Ended]:
         """Run a non-streamed ``exchange`` against the client leaving and the drain's cut.
 
         vLLM sends nothing, not even headers, until a non-streamed completion is done, so the
@@ -377,8 +450,9 @@ class Relay:
             await work
         return work, "left"
 
-    async def _cut(self, call: Call, work: asyncio.Future[Any], send: Send,
-                   assembler: Assembler | None = None) -> Whole:  # fmt: skip
+    async def _cut(
+        self, call: Call, work: asyncio.Future[Any], send: Send, assembler: Assembler | None = None
+    ) -> Whole:
         """End a non-streamed request still running past the drain: 503 and its record.
 
         With ``assembler`` (the request was read as a stream), the record has the tokens vLLM
@@ -393,13 +467,28 @@ class Relay:
             usage = assembler.usage_so_far()
         with contextlib.suppress(SpoolError):
             self.accounting.record(call, RequestStatus.INTERRUPTED, 503, usage, None, None)
-        await respond(send, 503, error_body(503, "The sidecar shut down before the response was complete.",
-                                            "server_error", "server_shutting_down"),
-                      [JSON, (b"retry-after", b"1"), (b"x-infermeter-request-id", call.request_id.encode())])  # fmt: skip
+        await respond(
+            send,
+            503,
+            error_body(
+                503,
+                "The sidecar shut down before the response was complete.",
+                "server_error",
+                "server_shutting_down",
+            ),
+            [JSON, (b"retry-after", b"1"), (b"x-infermeter-request-id", call.request_id.encode())],
+        )
         return usage, RequestStatus.INTERRUPTED, 503, None
 
-    async def _assembled(self, call: Call, receive: Receive, send: Send, body: dict[str, Any],
-                         headers: dict[str, str], raw: RawWriter | None) -> Whole:  # fmt: skip
+    async def _assembled(
+        self,
+        call: Call,
+        receive: Receive,
+        send: Send,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        raw: RawWriter | None,
+    ) -> Whole:
         """A non-streamed request served from vLLM's stream (``sidecar.assemble``)."""
         n = body.get("n")
         assembler = Assembler(call.endpoint, n if isinstance(n, int) and n > 0 else 1)
@@ -465,14 +554,23 @@ class Relay:
         # The stream's own content type gives way to the one vLLM gives a whole answer.
         head = response.raw_headers
         if whole is None:
-            head = ((b"content-type", b"application/json"), *((k, v) for k, v in head if k.lower() != b"content-type"))  # fmt: skip
+            head = (
+                (b"content-type", b"application/json"),
+                *((k, v) for k, v in head if k.lower() != b"content-type"),
+            )
         content, cost = self._costed(call, out.http_status, out.usage, out.body)
         await respond(send, out.http_status, content, [*whole_headers(call, head), *cost])
         return out.usage, out.status, out.http_status, finish
 
-    async def _whole_direct(self, call: Call, body: dict[str, Any], headers: dict[str, str],
-                            assembler: Assembler | None, raw: RawWriter,
-                            slot: Slot | None = None) -> tuple[asyncio.Future[_Exchanged], _Ended]:  # fmt: skip
+    async def _whole_direct(
+        self,
+        call: Call,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        assembler: Assembler | None,
+        raw: RawWriter,
+        slot: Slot | None = None,
+    ) -> tuple[asyncio.Future[_Exchanged], _Ended]:
         """A whole exchange on the protocol pool, waited for as a stream is (``relay_direct``).
 
         The response's end, the client's connection closing (the sink is the client writer's
@@ -515,8 +613,14 @@ class Relay:
             work.set_exception(_whole_failure(sink, ended))
         return work, "done"
 
-    async def _exchange_direct(self, call: Call, body: dict[str, Any], headers: dict[str, str],
-                               assembler: Assembler | None, slot: Slot | None = None) -> WholeSink:  # fmt: skip
+    async def _exchange_direct(
+        self,
+        call: Call,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        assembler: Assembler | None,
+        slot: Slot | None = None,
+    ) -> WholeSink:
         """A whole exchange on the protocol pool; the same errors as ``_open`` and aiohttp's read."""
         sink = WholeSink(asyncio.get_running_loop(), assembler, slot)
         conn = await self._send_direct(call, body, headers, sink)
@@ -531,8 +635,9 @@ class Relay:
             return sink
         raise _whole_failure(sink, exc)
 
-    async def _collect(self, response: aiohttp.ClientResponse, assembler: Assembler,
-                       slot: Slot | None) -> None:  # fmt: skip
+    async def _collect(
+        self, response: aiohttp.ClientResponse, assembler: Assembler, slot: Slot | None
+    ) -> None:
         """Read a stream to its end into ``assembler``; the read timeout is per read, as streamed.
 
         ``slot`` gets the prompt tokens and response id of the first events (``Slot.opening``).
@@ -558,8 +663,9 @@ class Relay:
             watch.cancel()
 
 
-async def _pump(response: aiohttp.ClientResponse, meter: StreamMeter, send: Send,
-                watch: StallWatch) -> None:  # fmt: skip
+async def _pump(
+    response: aiohttp.ClientResponse, meter: StreamMeter, send: Send, watch: StallWatch
+) -> None:
     """The per-chunk loop: read what has arrived, meter it, send what the client should see.
 
     It reads past ``data: [DONE]`` to the end of the response (the chunked terminator), so
@@ -581,8 +687,11 @@ async def _pump(response: aiohttp.ClientResponse, meter: StreamMeter, send: Send
             await send({"type": "http.response.body", "body": out, "more_body": True})
 
 
-_UNMETERED = sse_error_event("Usage metering is unavailable; the response is incomplete.",
-                             "server_error", "metering_unavailable")  # fmt: skip
+_UNMETERED = sse_error_event(
+    "Usage metering is unavailable; the response is incomplete.",
+    "server_error",
+    "metering_unavailable",
+)
 _STREAM_ENDS = {
     RequestStatus.OK: b"data: [DONE]\n\n",
     RequestStatus.UPSTREAM_ERROR: sse_error_event(
@@ -599,8 +708,13 @@ _STREAM_ENDS = {
 def _refusal(exc: BaseException) -> Refusal:
     """The 502 or 504 of an upstream that failed before its response head."""
     status, message = upstream_failure(exc)
-    return Refusal(status, orjson.loads(message)["error"]["message"], "upstream_error",
-                   "upstream_unreachable" if status == 502 else "upstream_timeout", RequestStatus.UPSTREAM_ERROR)  # fmt: skip
+    return Refusal(
+        status,
+        orjson.loads(message)["error"]["message"],
+        "upstream_error",
+        "upstream_unreachable" if status == 502 else "upstream_timeout",
+        RequestStatus.UPSTREAM_ERROR,
+    )
 
 
 def _whole_failure(sink: WholeSink, exc: BaseException) -> BaseException:
@@ -638,8 +752,12 @@ def whole_headers(call: Call, raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[
     # vLLM may echo x-request-id itself; the caller's is sent once.
     drop = _DROP_DOWN | {b"x-request-id"} if echo else _DROP_DOWN
     headers = [(k.lower(), v) for k, v in raw if k.lower() not in drop]
-    return [*headers, (b"x-infermeter-request-id", call.request_id.encode()), *echo,
-            *call.ratelimit_headers()]  # fmt: skip
+    return [
+        *headers,
+        (b"x-infermeter-request-id", call.request_id.encode()),
+        *echo,
+        *call.ratelimit_headers(),
+    ]
 
 
 async def wait_disconnect(receive: Receive) -> None:

@@ -121,9 +121,14 @@ def parse_url(url: str, password: str | None = None) -> Endpoint:
     path = parts.path.strip("/")
     if path and not path.isdigit():
         raise ValueError(f"Redis URL: the path must be a database number, not {path!r}")
-    return Endpoint(host=parts.hostname or "127.0.0.1", port=parts.port or 6379,
-                    db=int(path) if path else 0, username=user, password=password,
-                    tls=parts.scheme == "rediss")  # fmt: skip
+    return Endpoint(
+        host=parts.hostname or "127.0.0.1",
+        port=parts.port or 6379,
+        db=int(path) if path else 0,
+        username=user,
+        password=password,
+        tls=parts.scheme == "rediss",
+    )
 
 
 def _pack(parts: Sequence[Arg]) -> bytes:
@@ -233,8 +238,13 @@ class _Connection(asyncio.Protocol):
 class RespClient:
     """Pipelined Redis commands on one connection, opened on first use and reopened after loss."""
 
-    def __init__(self, endpoint: Endpoint, timeout_seconds: float,
-                 min_backoff_seconds: float = 0.05, max_backoff_seconds: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        timeout_seconds: float,
+        min_backoff_seconds: float = 0.05,
+        max_backoff_seconds: float = 1.0,
+    ) -> None:
         """``timeout_seconds`` bounds every call, connecting included; failed connection
         attempts are spaced from ``min_backoff_seconds``, doubling up to ``max_backoff_seconds``.
         """
@@ -334,8 +344,9 @@ class RespClient:
         except (OSError, TimeoutError, ReplyError) as exc:
             if conn is not None:
                 conn.abort(ConnectionError, "login to Redis failed")
-            self._backoff = min(self.max_backoff_seconds,
-                                max(self.min_backoff_seconds, self._backoff * 2))  # fmt: skip
+            self._backoff = min(
+                self.max_backoff_seconds, max(self.min_backoff_seconds, self._backoff * 2)
+            )
             self._next_attempt = time.monotonic() + self._backoff
             raise NotSent(
                 f"cannot connect to Redis at {ep.where}: {type(exc).__name__}: {exc}"

@@ -30,9 +30,14 @@ log = logging.getLogger("infermeter.sidecar")
 
 
 async def serve_sidecar(
-    config_path: Path, replica_id: str, listen: str | None, upstream: str | None, *,
-    spool_dir: Path | None = None, engine_metrics_listen: str | None = None,
-) -> None:  # fmt: skip
+    config_path: Path,
+    replica_id: str,
+    listen: str | None,
+    upstream: str | None,
+    *,
+    spool_dir: Path | None = None,
+    engine_metrics_listen: str | None = None,
+) -> None:
     """Serve the sidecar of ``replica_id`` until told to stop.
 
     ``spool_dir``: this instance's own spool directory (default: under ``sidecar.spool_dir``).
@@ -64,8 +69,15 @@ async def serve_sidecar(
     )
     otlp = otlp_settings() if metrics_export_configured() else None
     metrics_url = engine_metrics_url(host, port, os.environ, socket.gethostname())
-    app = Sidecar(config, replica_id, tracer_provider=tracer_provider, identity=identity,
-                  engine_metrics_url=metrics_url, otlp=otlp, spool_dir=spool_dir)  # fmt: skip
+    app = Sidecar(
+        config,
+        replica_id,
+        tracer_provider=tracer_provider,
+        identity=identity,
+        engine_metrics_url=metrics_url,
+        otlp=otlp,
+        spool_dir=spool_dir,
+    )
     loop = asyncio.get_running_loop()
     draining: list[asyncio.Task[None]] = []
 
@@ -90,20 +102,31 @@ async def serve_sidecar(
     srv = HttpServer(app, host, port, limits=app.server_limits, on_signal=on_signal)
     gauges = None
     if extra is not None:
-        gauges = HttpServer(EngineMetricsOnly.of(app), *extra, limits=app.server_limits,
-                            lifespan=False)  # fmt: skip
+        gauges = HttpServer(
+            EngineMetricsOnly.of(app), *extra, limits=app.server_limits, lifespan=False
+        )
 
     def apply(fresh: Config) -> None:
         app.reload(_with_upstream(fresh, replica_id, upstream) if upstream else fresh)
 
     async def audit(action: str, trigger: str, why: str) -> None:
         # Who reloads is the operator behind the signal or the file change.
-        await app.audit.note(action, f"operator ({trigger})", "operator",
-                             target=f"file:{config_path}", why=why,
-                             outcome="ok" if action == "config.reloaded" else "refused")  # fmt: skip
+        await app.audit.note(
+            action,
+            f"operator ({trigger})",
+            "operator",
+            target=f"file:{config_path}",
+            why=why,
+            outcome="ok" if action == "config.reloaded" else "refused",
+        )
 
-    reloader = Reloader(config_path, f"sidecar {replica_id}", apply, audit,
-                        lambda fresh: public_key_problems(fresh, address))  # fmt: skip
+    reloader = Reloader(
+        config_path,
+        f"sidecar {replica_id}",
+        apply,
+        audit,
+        lambda fresh: public_key_problems(fresh, address),
+    )
     watcher = reloader.install(loop)
     announce = loop.create_task(_announce_ready(srv, ready_line(app, host, port)))
     serving_gauges = loop.create_task(gauges.serve()) if gauges is not None else None

@@ -39,8 +39,15 @@ def sum_remote(hashes: list[dict[bytes, bytes]]) -> dict[str, int]:
 class FairShareSync:
     """Publishes this instance's in-flight counts and reads the rest of its replica group's."""
 
-    def __init__(self, redis: aioredis.Redis, fair: FairShare, key_prefix: str, replica: str,
-                 instance: str, interval_seconds: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        fair: FairShare,
+        key_prefix: str,
+        replica: str,
+        instance: str,
+        interval_seconds: float = 1.0,
+    ) -> None:
         self.redis, self.fair, self.instance = redis, fair, instance
         self.base = f"{key_prefix}:{{fair:{replica}}}"
         self.interval_seconds = interval_seconds

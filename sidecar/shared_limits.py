@@ -165,8 +165,10 @@ def fallback_limits(limits: dict[str, TeamLimits], live: int) -> dict[str, TeamL
 def shared_headers(lim: TeamLimits, requests: float, tokens: float) -> tuple[tuple[str, str], ...]:
     """``x-ratelimit-*`` headers from the fleet-wide bucket levels."""
     out: list[tuple[str, str]] = []
-    for name, cap, level in (("requests", lim.requests_per_minute, requests),
-                             ("tokens", lim.tokens_per_minute, tokens)):  # fmt: skip
+    for name, cap, level in (
+        ("requests", lim.requests_per_minute, requests),
+        ("tokens", lim.tokens_per_minute, tokens),
+    ):
         if cap is not None:
             out += bucket_headers(name, cap, level, max(0.0, (cap - level) * 60.0 / cap))
     return tuple(out)
@@ -176,23 +178,44 @@ class SharedLimitsMetrics:
     """The metrics of the shared limiter: store health, fallbacks and what teams have left."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.up = Gauge("infermeter_shared_limits_up",
-                        "1 while team limits are decided in the shared store, 0 while it is down.", registry=registry)  # fmt: skip
-        self.fallback = Counter("infermeter_shared_limits_fallback",
-                                "Admissions decided without the shared store, by the policy applied.", ("policy",), registry=registry)  # fmt: skip
-        self.errors = Counter("infermeter_shared_limits_errors",
-                              "Calls to the shared limit store that failed or timed out.", ("call",), registry=registry)  # fmt: skip
-        self.remaining = Gauge("infermeter_team_limit_remaining",
-                               "What a team has left of a fleet-wide limit, as last seen by this sidecar.", ("team", "limit"), registry=registry)  # fmt: skip
+        self.up = Gauge(
+            "infermeter_shared_limits_up",
+            "1 while team limits are decided in the shared store, 0 while it is down.",
+            registry=registry,
+        )
+        self.fallback = Counter(
+            "infermeter_shared_limits_fallback",
+            "Admissions decided without the shared store, by the policy applied.",
+            ("policy",),
+            registry=registry,
+        )
+        self.errors = Counter(
+            "infermeter_shared_limits_errors",
+            "Calls to the shared limit store that failed or timed out.",
+            ("call",),
+            registry=registry,
+        )
+        self.remaining = Gauge(
+            "infermeter_team_limit_remaining",
+            "What a team has left of a fleet-wide limit, as last seen by this sidecar.",
+            ("team", "limit"),
+            registry=registry,
+        )
         self.up.set(1)
 
 
 class SharedTeamLimiter:
     """The fleet-wide limiter: Redis when it answers, ``on_failure`` when it does not."""
 
-    def __init__(self, settings: SharedLimitsSettings, limits: dict[str, TeamLimits],
-                 replica_id: str, registry: CollectorRegistry,
-                 client: aioredis.Redis | None = None, max_live: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: SharedLimitsSettings,
+        limits: dict[str, TeamLimits],
+        replica_id: str,
+        registry: CollectorRegistry,
+        client: aioredis.Redis | None = None,
+        max_live: int | None = None,
+    ) -> None:
         """``max_live``: the most live instances the configuration allows to share a limit
         (``live_instances.instance_bound``); the registry's count is clamped to it."""
         self.settings = settings
@@ -201,18 +224,31 @@ class SharedTeamLimiter:
         assert settings.redis_url is not None
         password = os.environ.get(settings.password_env) or None
         # Connection attempts back off up to retry_seconds, so Redis is still tried that often.
-        self.resp = RespClient(parse_url(settings.redis_url, password), timeout,
-                               max_backoff_seconds=settings.retry_seconds)  # fmt: skip
+        self.resp = RespClient(
+            parse_url(settings.redis_url, password),
+            timeout,
+            max_backoff_seconds=settings.retry_seconds,
+        )
         # redis-py for the state shared off the hot path; it connects on its first command.
         self.redis = client or aioredis.Redis.from_url(
-            settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout,
-            retry_on_timeout=False, health_check_interval=0, password=password)  # fmt: skip
+            settings.redis_url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry_on_timeout=False,
+            health_check_interval=0,
+            password=password,
+        )
         self.registry = registry
         self.metrics = SharedLimitsMetrics(registry)
         self._gauges: dict[tuple[str, str], Gauge] = {}
         group = replica_id if settings.scope == "team_replica" else None
-        self.live = LiveInstances(settings.registry_url, os.environ.get(settings.registry_token_env),
-                                  group, settings.instances_refresh_seconds, max_count=max_live)  # fmt: skip
+        self.live = LiveInstances(
+            settings.registry_url,
+            os.environ.get(settings.registry_token_env),
+            group,
+            settings.instances_refresh_seconds,
+            max_count=max_live,
+        )
         self._live_applied = 1
         self.limits = limits
         self.fallback = RateLimiter(fallback_limits(limits, 1), time.monotonic())
@@ -264,8 +300,16 @@ class SharedTeamLimiter:
         member = f"{self._id}:{next(self._seq)}"
         owed_requests, owed_tokens = self._take_owed(scope)
         rpm, tpm = lim.requests_per_minute or 0, lim.tokens_per_minute or 0
-        args: list[int | str] = [rpm, tpm, lim.max_concurrent or 0, reserve_tokens, member,
-                                 self._lease_ms, owed_requests, owed_tokens]  # fmt: skip
+        args: list[int | str] = [
+            rpm,
+            tpm,
+            lim.max_concurrent or 0,
+            reserve_tokens,
+            member,
+            self._lease_ms,
+            owed_requests,
+            owed_tokens,
+        ]
         try:
             result = await self.resp.evalsha(_ADMIT, self._keys(scope), args)
         except NotSent as exc:
@@ -274,8 +318,17 @@ class SharedTeamLimiter:
             return None
         except (*_STORE_ERRORS, asyncio.CancelledError) as exc:
             # Written, so Redis may have run it, or run it yet (a pause): withdraw it.
-            self._queue(_UNDO, scope, rpm, tpm, reserve_tokens, member, self._lease_ms,
-                        owed_requests, owed_tokens)  # fmt: skip
+            self._queue(
+                _UNDO,
+                scope,
+                rpm,
+                tpm,
+                reserve_tokens,
+                member,
+                self._lease_ms,
+                owed_requests,
+                owed_tokens,
+            )
             if isinstance(exc, asyncio.CancelledError):
                 raise
             self._went_down(exc, "admit")
@@ -304,8 +357,14 @@ class SharedTeamLimiter:
         admission.settled = True
         self._held[admission.scope].discard(admission.member)
         delta = admission.reserved_tokens - used_tokens if lim.tokens_per_minute else 0
-        self._queue(_SETTLE, admission.scope, lim.requests_per_minute or 0,
-                    lim.tokens_per_minute or 0, delta, admission.member)  # fmt: skip
+        self._queue(
+            _SETTLE,
+            admission.scope,
+            lim.requests_per_minute or 0,
+            lim.tokens_per_minute or 0,
+            delta,
+            admission.member,
+        )
 
     def refund(self, admission: Admission) -> None:
         """Give back the request, the reservation and the slot of an admission never served."""
@@ -321,8 +380,17 @@ class SharedTeamLimiter:
             return
         admission.settled = True
         self._held[admission.scope].discard(admission.member)
-        self._queue(_UNDO, admission.scope, lim.requests_per_minute or 0, lim.tokens_per_minute or 0,
-                    admission.reserved_tokens, admission.member, self._lease_ms, 0, 0)  # fmt: skip
+        self._queue(
+            _UNDO,
+            admission.scope,
+            lim.requests_per_minute or 0,
+            lim.tokens_per_minute or 0,
+            admission.reserved_tokens,
+            admission.member,
+            self._lease_ms,
+            0,
+            0,
+        )
 
     def configure(self, limits: dict[str, TeamLimits]) -> None:
         """Apply new limits; the shared buckets adopt them at their next admission."""
@@ -332,8 +400,11 @@ class SharedTeamLimiter:
     async def start(self) -> None:
         """Start settlement, lease renewal and the live-instance count."""
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._settler()), loop.create_task(self._renewer()),
-                       loop.create_task(self.live.run())]  # fmt: skip
+        self._tasks = [
+            loop.create_task(self._settler()),
+            loop.create_task(self._renewer()),
+            loop.create_task(self.live.run()),
+        ]
 
     async def close(self) -> None:
         """Send what is queued (for at most 5 s), stop the tasks, close the connections."""
@@ -387,21 +458,30 @@ class SharedTeamLimiter:
         if self._down_since is None:
             self._down_since = now
             self.metrics.up.set(0)
-            log.error("shared team limits unavailable (%s: %s); now %s with %d live instances",
-                      type(exc).__name__, exc, self.settings.on_failure, self.live.count)  # fmt: skip
+            log.error(
+                "shared team limits unavailable (%s: %s); now %s with %d live instances",
+                type(exc).__name__,
+                exc,
+                self.settings.on_failure,
+                self.live.count,
+            )
 
     def _came_back(self) -> None:
         if self._down_since is None:
             return
-        log.warning("shared team limits back after %.1fs; what was admitted locally meanwhile "
-                    "is taken from the shared buckets", time.monotonic() - self._down_since)  # fmt: skip
+        log.warning(
+            "shared team limits back after %.1fs; what was admitted locally meanwhile "
+            "is taken from the shared buckets",
+            time.monotonic() - self._down_since,
+        )
         self._down_since = None
         self.metrics.up.set(1)
         if self._queued:
             self._wake.set()
 
-    def _observe(self, team: str, lim: TeamLimits, requests: float, tokens: float,
-                 in_flight: int) -> None:  # fmt: skip
+    def _observe(
+        self, team: str, lim: TeamLimits, requests: float, tokens: float, in_flight: int
+    ) -> None:
         if lim.requests_per_minute is not None:
             self._remaining(team, "requests").set(max(0.0, math.floor(requests)))
         if lim.tokens_per_minute is not None:
@@ -424,8 +504,11 @@ class SharedTeamLimiter:
         """Queue a settlement or a withdrawal for the settler."""
         if len(self._queued) >= _MAX_QUEUED:
             del self._queued[0]
-            log.error("more than %d settlements wait for Redis; the oldest is dropped (its slot "
-                      "comes free at the end of its lease)", _MAX_QUEUED)  # fmt: skip
+            log.error(
+                "more than %d settlements wait for Redis; the oldest is dropped (its slot "
+                "comes free at the end of its lease)",
+                _MAX_QUEUED,
+            )
         self._queued.append(_Queued(script, scope, args))
         self._wake.set()
 

@@ -129,9 +129,16 @@ def build_view(config: Config, replica_id: str, issued: IssuedKeys | None = None
         secret = os.environ.get(g.secret_env, "")
         if not secret:
             raise ValueError(f"sidecar.gateway is enabled but ${g.secret_env} is empty")
-        gateway = GatewayVerifier(secret.encode(), g.team_header, g.timestamp_header, g.signature_header,
-                                  g.max_skew_seconds, frozenset(t.name for t in config.teams),
-                                  model.name, g.nonce_header)  # fmt: skip
+        gateway = GatewayVerifier(
+            secret.encode(),
+            g.team_header,
+            g.timestamp_header,
+            g.signature_header,
+            g.max_skew_seconds,
+            frozenset(t.name for t in config.teams),
+            model.name,
+            g.nonce_header,
+        )
     control_digests = [*config.admin_token_sha256, *config.metrics_token_sha256]
     return View(
         replica=replica,

@@ -201,8 +201,11 @@ class StreamMeter:
         if data.find(b"\n") != size - 2 or data[-1] != 10 or size == _DONE_SIZE:
             return None
         last = data.rfind(_USAGE_KEY)
-        if (last < 0 or data.startswith(_NO_CHOICES, last - _NO_CHOICES_SIZE)
-                or data.rfind(_FINISH) >= 0):  # fmt: skip
+        if (
+            last < 0
+            or data.startswith(_NO_CHOICES, last - _NO_CHOICES_SIZE)
+            or data.rfind(_FINISH) >= 0
+        ):
             return None
         self._usage_block, self._usage_at = data, last
         if self.slot is not None:

@@ -113,5 +113,6 @@ def team_limiter(config: Config, replica_id: str, registry: CollectorRegistry) -
     from sidecar.shared_limits import SharedTeamLimiter
 
     group = replica_id if settings.scope == "team_replica" else None
-    return SharedTeamLimiter(settings, team_limits(config), replica_id, registry,
-                             max_live=instance_bound(config, group))  # fmt: skip
+    return SharedTeamLimiter(
+        settings, team_limits(config), replica_id, registry, max_live=instance_bound(config, group)
+    )

@@ -48,8 +48,11 @@ class Upstream:
         # A session belongs to the event loop it was made on, so it is made inside the server.
         import aiohttp
 
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_seconds,
-                                        sock_read=self.read_timeout_seconds)  # fmt: skip
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=self.connect_timeout_seconds,
+            sock_read=self.read_timeout_seconds,
+        )
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=0, keepalive_timeout=_KEEPALIVE_SECONDS
         )
@@ -130,5 +133,9 @@ def upstream_failure(exc: BaseException) -> tuple[int, bytes]:
         return 504, error_body(
             504, "The upstream model server timed out.", "upstream_error", "upstream_timeout"
         )
-    return 502, error_body(502, f"The upstream model server is unreachable ({type(exc).__name__}).",
-                           "upstream_error", "upstream_unreachable")  # fmt: skip
+    return 502, error_body(
+        502,
+        f"The upstream model server is unreachable ({type(exc).__name__}).",
+        "upstream_error",
+        "upstream_unreachable",
+    )

@@ -34,7 +34,12 @@ FIELDS: tuple[tuple[str, str, str, int], ...] = (
     ("DCGM_FI_DEV_MEMORY_TEMP", "Memory temperature (in C).", "gauge", 0),
     ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", "gauge", 0),
     ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", "gauge", 6),
-    ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "Total energy consumption since boot (in mJ).", "counter", 0),
+    (
+        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+        "Total energy consumption since boot (in mJ).",
+        "counter",
+        0,
+    ),
     ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "Total number of PCIe retries.", "counter", 0),
     ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", "gauge", 0),
     ("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %).", "gauge", 0),
@@ -44,17 +49,52 @@ FIELDS: tuple[tuple[str, str, str, int], ...] = (
     ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", "gauge", 0),
     ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", "gauge", 0),
     ("DCGM_FI_DEV_FB_RESERVED", "Framebuffer memory reserved (in MiB).", "gauge", 0),
-    ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "Number of remapped rows for uncorrectable errors", "counter", 0),
-    ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "Number of remapped rows for correctable errors", "counter", 0),
+    (
+        "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+        "Number of remapped rows for uncorrectable errors",
+        "counter",
+        0,
+    ),
+    (
+        "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+        "Number of remapped rows for correctable errors",
+        "counter",
+        0,
+    ),
     ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "Whether remapping of rows has failed", "gauge", 0),
-    ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "Total number of NVLink bandwidth counters for all lanes.", "counter", 0),
+    (
+        "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
+        "Total number of NVLink bandwidth counters for all lanes.",
+        "counter",
+        0,
+    ),
     ("DCGM_FI_DEV_VGPU_LICENSE_STATUS", "vGPU License status", "gauge", 0),
     ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "Ratio of time the graphics engine is active.", "gauge", 6),
-    ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "Ratio of cycles the tensor (HMMA) pipe is active.", "gauge", 6),
-    ("DCGM_FI_PROF_DRAM_ACTIVE", "Ratio of cycles the device memory interface is active sending or receiving data.", "gauge", 6),
-    ("DCGM_FI_PROF_PCIE_TX_BYTES", "The rate of data transmitted over the PCIe bus - including both protocol headers and data payloads - in bytes per second.", "gauge", 0),
-    ("DCGM_FI_PROF_PCIE_RX_BYTES", "The rate of data received over the PCIe bus - including both protocol headers and data payloads - in bytes per second.", "gauge", 0),
-)  # fmt: skip
+    (
+        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
+        "Ratio of cycles the tensor (HMMA) pipe is active.",
+        "gauge",
+        6,
+    ),
+    (
+        "DCGM_FI_PROF_DRAM_ACTIVE",
+        "Ratio of cycles the device memory interface is active sending or receiving data.",
+        "gauge",
+        6,
+    ),
+    (
+        "DCGM_FI_PROF_PCIE_TX_BYTES",
+        "The rate of data transmitted over the PCIe bus - including both protocol headers and data payloads - in bytes per second.",
+        "gauge",
+        0,
+    ),
+    (
+        "DCGM_FI_PROF_PCIE_RX_BYTES",
+        "The rate of data received over the PCIe bus - including both protocol headers and data payloads - in bytes per second.",
+        "gauge",
+        0,
+    ),
+)
 
 
 def gpu_uuid(seed: int, node: str, index: int) -> str:

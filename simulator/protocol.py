@@ -224,9 +224,18 @@ def parse_chat(data: Any, served: str, max_model_len: int) -> Generation:
     _check_n(req.n)
     stream, include, continuous = _stream_flags(req)
     return Generation(
-        "chat", (tokens,), limit, req.n, stream, include, continuous,
-        req.ignore_eos, req.seed, text, req.priority,
-    )  # fmt: skip
+        "chat",
+        (tokens,),
+        limit,
+        req.n,
+        stream,
+        include,
+        continuous,
+        req.ignore_eos,
+        req.seed,
+        text,
+        req.priority,
+    )
 
 
 def parse_completion(data: Any, served: str, max_model_len: int) -> Generation:
@@ -262,9 +271,18 @@ def parse_completion(data: Any, served: str, max_model_len: int) -> Generation:
     stream, include, continuous = _stream_flags(req)
     text = raw if isinstance(raw, str) else orjson.dumps(raw).decode()
     return Generation(
-        "completion", tuple(prompts), limit, req.n, stream, include, continuous,
-        req.ignore_eos, req.seed, text, req.priority,
-    )  # fmt: skip
+        "completion",
+        tuple(prompts),
+        limit,
+        req.n,
+        stream,
+        include,
+        continuous,
+        req.ignore_eos,
+        req.seed,
+        text,
+        req.priority,
+    )
 
 
 def _check_n(n: int) -> None:
@@ -332,9 +350,13 @@ class ChatFormatter(_Formatter):
         )
 
     def token_chunk(
-        self, index: int, text: str, finish: str | None, usage: tuple[int, int] | None,
+        self,
+        index: int,
+        text: str,
+        finish: str | None,
+        usage: tuple[int, int] | None,
         last: bool = False,
-    ) -> bytes:  # fmt: skip
+    ) -> bytes:
         """One generated token; the last one of a choice carries its finish reason.
 
         ``last`` marks the stream's final JSON chunk when no usage chunk follows: vLLM puts
@@ -413,9 +435,13 @@ class CompletionFormatter(_Formatter):
     object_name = "text_completion"
 
     def token_chunk(
-        self, index: int, text: str, finish: str | None, usage: tuple[int, int] | None,
+        self,
+        index: int,
+        text: str,
+        finish: str | None,
+        usage: tuple[int, int] | None,
         last: bool = False,
-    ) -> bytes:  # fmt: skip
+    ) -> bytes:
         """One generated token of a text completion (``last``: see ``ChatFormatter``)."""
         finish_json = "null" if finish is None else f'"{finish}"'
         extra = b"," + _usage(*usage, details=False) if usage else b""

@@ -186,17 +186,29 @@ class ReplicaSim:
         seqs = req.seqs
         firsts = [s.first_token_at for s in seqs if s.first_token_at is not None]
         ends = [s.finished_at for s in seqs if s.finished_at is not None]
-        self.truth.write("request", {
-            "instance": self.spec.instance, "replica": self.spec.replica_id,
-            "request_id": given_id, "response_id": request_id, "endpoint": path,
-            "stream": req.gen.stream, "n": req.gen.n, "arrived": req.arrived_at + wall,
-            "first_token": min(firsts) + wall if firsts else None,
-            "ended": (max(ends) if ends else self.clock()) + wall,
-            "prompt_tokens": [s.prompt_tokens if s.admitted_at is not None else 0 for s in seqs],
-            "cached_tokens": [s.cached_tokens if s.admitted_at is not None else 0 for s in seqs],
-            "completion_tokens": [s.generated for s in seqs],
-            "aborted": any(s.finish_reason == "abort" for s in seqs),
-        })  # fmt: skip
+        self.truth.write(
+            "request",
+            {
+                "instance": self.spec.instance,
+                "replica": self.spec.replica_id,
+                "request_id": given_id,
+                "response_id": request_id,
+                "endpoint": path,
+                "stream": req.gen.stream,
+                "n": req.gen.n,
+                "arrived": req.arrived_at + wall,
+                "first_token": min(firsts) + wall if firsts else None,
+                "ended": (max(ends) if ends else self.clock()) + wall,
+                "prompt_tokens": [
+                    s.prompt_tokens if s.admitted_at is not None else 0 for s in seqs
+                ],
+                "cached_tokens": [
+                    s.cached_tokens if s.admitted_at is not None else 0 for s in seqs
+                ],
+                "completion_tokens": [s.generated for s in seqs],
+                "aborted": any(s.finish_reason == "abort" for s in seqs),
+            },
+        )
 
     async def _run(self) -> None:
         while True:
@@ -299,11 +311,18 @@ class ReplicaSim:
             ("prompt", c.prompt_tokens, ("prompt_tokens",)),
             ("gen", c.generation_tokens, ("generation_tokens",)),
             ("queries", c.prefix_cache_queries, ("prefix_cache_queries",)),
-            ("hits", c.prefix_cache_hits, ("prefix_cache_hits", "prompt_tokens_cached",
-                                           "prompt_tokens_by_source:local_cache_hit",
-                                           "prompt_tokens_cached_by_source:device")),
+            (
+                "hits",
+                c.prefix_cache_hits,
+                (
+                    "prefix_cache_hits",
+                    "prompt_tokens_cached",
+                    "prompt_tokens_by_source:local_cache_hit",
+                    "prompt_tokens_cached_by_source:device",
+                ),
+            ),
             ("preempt", c.preemptions, ("num_preemptions",)),
-        ):  # fmt: skip
+        ):
             if total > seen[key]:
                 for name in names:
                     m[name].inc(total - seen[key])
@@ -489,8 +508,10 @@ class ReplicaSim:
             parts: list[bytes] = []
             if chat and not started and any(s.generated for s in req.seqs):
                 started = True
-                parts.extend(fmt.role_chunk(i, (choice_prompt[i], 0) if gen.continuous_usage else None)  # type: ignore[union-attr]
-                             for i in range(len(req.seqs)))  # fmt: skip
+                parts.extend(
+                    fmt.role_chunk(i, (choice_prompt[i], 0) if gen.continuous_usage else None)  # type: ignore[union-attr]
+                    for i in range(len(req.seqs))
+                )
             last_args: tuple[int, str, str | None, tuple[int, int] | None] | None = None
             for i, seq in enumerate(req.seqs):
                 rng = req.rngs[i]

@@ -223,9 +223,14 @@ class TrafficGenerator:
         return "/v1/chat/completions", body, hang_up_after
 
     async def _send(
-        self, client: httpx.AsyncClient, team: TeamTraffic, target: Target, path: str,
-        body: dict[str, object], hang_up_after: int | None,
-    ) -> None:  # fmt: skip
+        self,
+        client: httpx.AsyncClient,
+        team: TeamTraffic,
+        target: Target,
+        path: str,
+        body: dict[str, object],
+        hang_up_after: int | None,
+    ) -> None:
         headers = {"Authorization": f"Bearer {team.api_key}"}
         url = target.base_url + path
         try:

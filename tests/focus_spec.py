@@ -18,35 +18,104 @@ from decimal import Decimal, InvalidOperation
 from typing import Final
 
 # FOCUS 1.2's columns (57), and its mandatory ones (feature level Mandatory).
-FOCUS_1_2_COLUMNS: Final = frozenset({
-    "AvailabilityZone", "BilledCost", "BillingAccountId", "BillingAccountName",
-    "BillingAccountType", "BillingCurrency", "BillingPeriodEnd", "BillingPeriodStart",
-    "CapacityReservationId", "CapacityReservationStatus", "ChargeCategory", "ChargeClass",
-    "ChargeDescription", "ChargeFrequency", "ChargePeriodEnd", "ChargePeriodStart",
-    "CommitmentDiscountCategory", "CommitmentDiscountId", "CommitmentDiscountName",
-    "CommitmentDiscountQuantity", "CommitmentDiscountStatus", "CommitmentDiscountType",
-    "CommitmentDiscountUnit", "ConsumedQuantity", "ConsumedUnit", "ContractedCost",
-    "ContractedUnitPrice", "EffectiveCost", "InvoiceId", "InvoiceIssuerName", "ListCost",
-    "ListUnitPrice", "PricingCategory", "PricingCurrency", "PricingCurrencyContractedUnitPrice",
-    "PricingCurrencyEffectiveCost", "PricingCurrencyListUnitPrice", "PricingQuantity",
-    "PricingUnit", "ProviderName", "PublisherName", "RegionId", "RegionName", "ResourceId",
-    "ResourceName", "ResourceType", "ServiceCategory", "ServiceName", "ServiceSubcategory",
-    "SkuId", "SkuMeter", "SkuPriceDetails", "SkuPriceId", "SubAccountId", "SubAccountName",
-    "SubAccountType", "Tags",
-})  # fmt: skip
-FOCUS_1_2_MANDATORY: Final = frozenset({
-    "BilledCost", "BillingAccountId", "BillingAccountName", "BillingCurrency", "BillingPeriodEnd",
-    "BillingPeriodStart", "ChargeCategory", "ChargeClass", "ChargeDescription", "ChargePeriodEnd",
-    "ChargePeriodStart", "ContractedCost", "EffectiveCost", "InvoiceIssuerName", "ListCost",
-    "PricingQuantity", "PricingUnit", "ProviderName", "PublisherName", "ServiceCategory",
-    "ServiceName",
-})  # fmt: skip
+FOCUS_1_2_COLUMNS: Final = frozenset(
+    {
+        "AvailabilityZone",
+        "BilledCost",
+        "BillingAccountId",
+        "BillingAccountName",
+        "BillingAccountType",
+        "BillingCurrency",
+        "BillingPeriodEnd",
+        "BillingPeriodStart",
+        "CapacityReservationId",
+        "CapacityReservationStatus",
+        "ChargeCategory",
+        "ChargeClass",
+        "ChargeDescription",
+        "ChargeFrequency",
+        "ChargePeriodEnd",
+        "ChargePeriodStart",
+        "CommitmentDiscountCategory",
+        "CommitmentDiscountId",
+        "CommitmentDiscountName",
+        "CommitmentDiscountQuantity",
+        "CommitmentDiscountStatus",
+        "CommitmentDiscountType",
+        "CommitmentDiscountUnit",
+        "ConsumedQuantity",
+        "ConsumedUnit",
+        "ContractedCost",
+        "ContractedUnitPrice",
+        "EffectiveCost",
+        "InvoiceId",
+        "InvoiceIssuerName",
+        "ListCost",
+        "ListUnitPrice",
+        "PricingCategory",
+        "PricingCurrency",
+        "PricingCurrencyContractedUnitPrice",
+        "PricingCurrencyEffectiveCost",
+        "PricingCurrencyListUnitPrice",
+        "PricingQuantity",
+        "PricingUnit",
+        "ProviderName",
+        "PublisherName",
+        "RegionId",
+        "RegionName",
+        "ResourceId",
+        "ResourceName",
+        "ResourceType",
+        "ServiceCategory",
+        "ServiceName",
+        "ServiceSubcategory",
+        "SkuId",
+        "SkuMeter",
+        "SkuPriceDetails",
+        "SkuPriceId",
+        "SubAccountId",
+        "SubAccountName",
+        "SubAccountType",
+        "Tags",
+    }
+)
+FOCUS_1_2_MANDATORY: Final = frozenset(
+    {
+        "BilledCost",
+        "BillingAccountId",
+        "BillingAccountName",
+        "BillingCurrency",
+        "BillingPeriodEnd",
+        "BillingPeriodStart",
+        "ChargeCategory",
+        "ChargeClass",
+        "ChargeDescription",
+        "ChargePeriodEnd",
+        "ChargePeriodStart",
+        "ContractedCost",
+        "EffectiveCost",
+        "InvoiceIssuerName",
+        "ListCost",
+        "PricingQuantity",
+        "PricingUnit",
+        "ProviderName",
+        "PublisherName",
+        "ServiceCategory",
+        "ServiceName",
+    }
+)
 # FOCUS 1.3 adds eight columns (ProviderName and PublisherName stay, deprecated); the two that
 # name the providers are mandatory.
 FOCUS_1_3_COLUMNS: Final = FOCUS_1_2_COLUMNS | {
-    "AllocatedMethodDetails", "AllocatedMethodId", "AllocatedResourceId", "AllocatedResourceName",
-    "AllocatedTags", "ContractApplied", "HostProviderName", "ServiceProviderName",
-}  # fmt: skip
+    "AllocatedMethodDetails",
+    "AllocatedMethodId",
+    "AllocatedResourceId",
+    "AllocatedResourceName",
+    "AllocatedTags",
+    "ContractApplied",
+    "HostProviderName",
+    "ServiceProviderName",
+}
 FOCUS_1_3_MANDATORY: Final = FOCUS_1_2_MANDATORY | {"HostProviderName", "ServiceProviderName"}
 COLUMNS: Final = {"1.2": FOCUS_1_2_COLUMNS, "1.3": FOCUS_1_3_COLUMNS}
 MANDATORY: Final = {"1.2": FOCUS_1_2_MANDATORY, "1.3": FOCUS_1_3_MANDATORY}
@@ -61,11 +130,23 @@ _ALLOWED: Final = {
 }
 _DATES: Final = ("BillingPeriodStart", "BillingPeriodEnd", "ChargePeriodStart", "ChargePeriodEnd")
 _UTC_Z: Final = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")
-_DECIMALS: Final = ("BilledCost", "EffectiveCost", "ListCost", "ContractedCost", "PricingQuantity",
-                    "ConsumedQuantity", "ListUnitPrice", "ContractedUnitPrice",
-                    "CommitmentDiscountQuantity")  # fmt: skip
-_COMMITMENT: Final = ("CommitmentDiscountCategory", "CommitmentDiscountName",
-                      "CommitmentDiscountStatus", "CommitmentDiscountType")  # fmt: skip
+_DECIMALS: Final = (
+    "BilledCost",
+    "EffectiveCost",
+    "ListCost",
+    "ContractedCost",
+    "PricingQuantity",
+    "ConsumedQuantity",
+    "ListUnitPrice",
+    "ContractedUnitPrice",
+    "CommitmentDiscountQuantity",
+)
+_COMMITMENT: Final = (
+    "CommitmentDiscountCategory",
+    "CommitmentDiscountName",
+    "CommitmentDiscountStatus",
+    "CommitmentDiscountType",
+)
 
 
 def _decimal(text: str) -> Decimal | None:
@@ -115,15 +196,21 @@ def _row_failures(row: Mapping[str, str], version: str) -> list[str]:
         if value != "" and ("." not in value or _decimal(value) is None):
             out.append(f"{c} {value!r} is not a decimal")
     committed = row.get("CommitmentDiscountId", "") != ""
-    out += [f"{c} is set without a CommitmentDiscountId" for c in _COMMITMENT
-            if not committed and row.get(c, "") != ""]  # fmt: skip
+    out += [
+        f"{c} is set without a CommitmentDiscountId"
+        for c in _COMMITMENT
+        if not committed and row.get(c, "") != ""
+    ]
     if committed and row["ChargeCategory"] == "Usage" and row["CommitmentDiscountStatus"] == "":
         out.append("a usage row of a commitment has no CommitmentDiscountStatus")
     if row.get("PricingCategory") == "Committed" and not committed:
         out.append("PricingCategory Committed without a CommitmentDiscountId")
     if version != "1.0" and committed:
-        out += [f"{c} is null on a row of a commitment" for c in
-                ("CommitmentDiscountQuantity", "CommitmentDiscountUnit") if row.get(c, "") == ""]  # fmt: skip
+        out += [
+            f"{c} is null on a row of a commitment"
+            for c in ("CommitmentDiscountQuantity", "CommitmentDiscountUnit")
+            if row.get(c, "") == ""
+        ]
     unused = row.get("CommitmentDiscountStatus") == "Unused"
     if unused and (row["ConsumedQuantity"] != "" or row["ConsumedUnit"] != ""):
         out.append("an Unused commitment row has a consumed quantity or unit")

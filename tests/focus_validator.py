@@ -23,9 +23,15 @@ def _focus_validator() -> tuple[Path, Path]:
     if not exe.exists():
         pytest.fail(f"{exe} is missing: run `make focus-venv` (part of `make test`)")
     site = subprocess.run(
-        [FOCUS_VENV / "bin" / "python", "-c", "import focus_validator, os; print(os.path.dirname(os.path.dirname(focus_validator.__file__)))"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
+        [
+            FOCUS_VENV / "bin" / "python",
+            "-c",
+            "import focus_validator, os; print(os.path.dirname(os.path.dirname(focus_validator.__file__)))",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     return exe, Path(site)
 
 
@@ -34,8 +40,23 @@ def focus_1_0_failures(path: Path, report: Path) -> tuple[int, list[str]]:
     exe, site = _focus_validator()
     # The validator reads its data files relative to its package folder and exits 0 even when
     # checks fail, so it runs from there and its junit report is what decides.
-    subprocess.run([exe, "--data-file", path, "--validate-version", "1.0", "--output-type", "unittest",
-                    "--output-destination", report], cwd=site, check=True, capture_output=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        [
+            exe,
+            "--data-file",
+            path,
+            "--validate-version",
+            "1.0",
+            "--output-type",
+            "unittest",
+            "--output-destination",
+            report,
+        ],
+        cwd=site,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     cases = ET.parse(report).getroot().findall(".//testcase")
     failures = [
         str(c.get("name"))

@@ -103,8 +103,12 @@ class _Requests:
     def scopes(self) -> list[tuple[str, str]]:
         """(name, schema URL) of every scope received."""
         with self.lock:
-            return [(sm.scope.name, sm.schema_url) for r in self.metrics
-                    for rm in r.resource_metrics for sm in rm.scope_metrics]  # fmt: skip
+            return [
+                (sm.scope.name, sm.schema_url)
+                for r in self.metrics
+                for rm in r.resource_metrics
+                for sm in rm.scope_metrics
+            ]
 
     def latest(self) -> list[Point]:
         """The points of the last request that held each metric (exports are cumulative)."""

@@ -38,8 +38,21 @@ class RedisServer:
     def start(self) -> None:
         """Start the server and wait until it answers PING."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.directory), "--protected-mode", "no"]  # fmt: skip
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.directory),
+            "--protected-mode",
+            "no",
+        ]
         if self.unix_socket is not None:
             args += ["--unixsocket", str(self.unix_socket)]
         log = (self.directory / "redis.log").open("ab")

@@ -59,12 +59,23 @@ async def running(server: uvicorn.Server | HttpServer) -> AsyncIterator[str]:
         await task
 
 
-def sidecar_process(config_path: str, url: str, replica: str = "small-0",
-                    seconds: float = 30.0) -> subprocess.Popen[bytes]:  # fmt: skip
+def sidecar_process(
+    config_path: str, url: str, replica: str = "small-0", seconds: float = 30.0
+) -> subprocess.Popen[bytes]:
     """``infermeter sidecar`` for ``replica`` as a process, once it answers ``url``/healthz;
     killed, and an AssertionError, when it does not within ``seconds``."""
-    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "sidecar", "--config",
-                             config_path, "--replica", replica])  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "infermeter",
+            "sidecar",
+            "--config",
+            config_path,
+            "--replica",
+            replica,
+        ]
+    )
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
@@ -75,8 +86,9 @@ def sidecar_process(config_path: str, url: str, replica: str = "small-0",
     raise AssertionError(f"the sidecar did not come up in {seconds:g} s")
 
 
-def wait_healthy(process: subprocess.Popen[Any], url: str, seconds: float = 30.0,
-                 what: str = "the service") -> None:  # fmt: skip
+def wait_healthy(
+    process: subprocess.Popen[Any], url: str, seconds: float = 30.0, what: str = "the service"
+) -> None:
     """Return once ``url``/healthz answers 200; an AssertionError when ``process`` exits first
     or ``seconds`` pass."""
     deadline = time.monotonic() + seconds

@@ -45,12 +45,14 @@ def test_a_contact_from_outside_this_session_is_not_blamed_on_a_test():
     """A process outside this session's tree (another session's fleet) is set apart, not blamed."""
     port = free_port()
     # Forks and lets its parent exit, so the process that connects descends from nobody here.
-    code = ("import os, sys, time, urllib.request\n"
-            "if os.fork():\n    sys.exit(0)\n"
-            "time.sleep(0.5)\n"
-            "try:\n"
-            f"    urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=5)\n"
-            "except Exception:\n    pass\n")  # fmt: skip
+    code = (
+        "import os, sys, time, urllib.request\n"
+        "if os.fork():\n    sys.exit(0)\n"
+        "time.sleep(0.5)\n"
+        "try:\n"
+        f"    urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=5)\n"
+        "except Exception:\n    pass\n"
+    )
     with hold([("127.0.0.1", port)]) as contacts:
         subprocess.run([sys.executable, "-c", code], check=True)
         deadline = time.monotonic() + 30

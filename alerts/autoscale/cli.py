@@ -68,16 +68,36 @@ def register(subparsers: Subparsers) -> None:
     )
     add_config(replay)
     replay.add_argument("--input", type=Path, metavar="FILE", help="recorded demand (CSV/JSONL)")
-    replay.add_argument("--days", type=int, default=2,
-                        help="simulated days; all but the last fill the demand history (default 2)")  # fmt: skip
-    replay.add_argument("--day-seconds", type=float, default=86400.0,
-                        help="length of one simulated day in seconds (default 86400)")  # fmt: skip
-    replay.add_argument("--tick-seconds", type=float, default=60.0,
-                        help="time between policy evaluations (default 60)")  # fmt: skip
-    replay.add_argument("--peak-replicas", type=float, default=8.0,
-                        help="simulated demand: replicas the peak needs at the target utilization")  # fmt: skip
-    replay.add_argument("--noise", type=float, default=0.1,
-                        help="simulated demand: log-normal sigma per tick (default 0.1)")  # fmt: skip
+    replay.add_argument(
+        "--days",
+        type=int,
+        default=2,
+        help="simulated days; all but the last fill the demand history (default 2)",
+    )
+    replay.add_argument(
+        "--day-seconds",
+        type=float,
+        default=86400.0,
+        help="length of one simulated day in seconds (default 86400)",
+    )
+    replay.add_argument(
+        "--tick-seconds",
+        type=float,
+        default=60.0,
+        help="time between policy evaluations (default 60)",
+    )
+    replay.add_argument(
+        "--peak-replicas",
+        type=float,
+        default=8.0,
+        help="simulated demand: replicas the peak needs at the target utilization",
+    )
+    replay.add_argument(
+        "--noise",
+        type=float,
+        default=0.1,
+        help="simulated demand: log-normal sigma per tick (default 0.1)",
+    )
     replay.add_argument("--model", action="append", help="only this model (repeatable)")
     replay.add_argument("--no-events", action="store_true", help="omit the scale event list")
     replay.set_defaults(handler=_replay)
@@ -132,8 +152,14 @@ def _replay(args: argparse.Namespace, config: Config) -> int:
             measure_from = max(0.0, last + args.tick_seconds - args.day_seconds)
         else:
             peak = args.peak_replicas * engine.tokens_per_second * params.target_gpu_utilization
-            demand = simulated_demand(peak, args.days, args.day_seconds, args.tick_seconds,
-                                      args.noise, config.simulator.seed)  # fmt: skip
+            demand = simulated_demand(
+                peak,
+                args.days,
+                args.day_seconds,
+                args.tick_seconds,
+                args.noise,
+                config.simulator.seed,
+            )
             measure_from = (args.days - 1) * args.day_seconds
         limits = model_limits(config, model)
         reports.append(

@@ -79,14 +79,27 @@ def decision_record(decision: Decision, previous: int) -> ScalingDecision:
 class DecisionShipping:
     """The decisions' spool and the shipper that empties it into billing's ingest."""
 
-    def __init__(self, directory: Path, ingest_url: str, token: str | None,
-                 client: httpx.AsyncClient, registry: CollectorRegistry | None = None,
-                 credential: Credential | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        directory: Path,
+        ingest_url: str,
+        token: str | None,
+        client: httpx.AsyncClient,
+        registry: CollectorRegistry | None = None,
+        credential: Credential | None = None,
+    ) -> None:
         """``credential``: the autoscaler's writer credential (it seals and ships the decisions)."""
         sealer = Sealer(credential) if credential is not None else None
         self.spool = Spool(directory, max_bytes=DECISIONS_MAX_BYTES, sealer=sealer)
-        self.shipper = Shipper(self.spool, ingest_url, token, SCALING_DECISIONS.key, client,
-                               metrics=ShipperMetrics(registry), credential=credential)  # fmt: skip
+        self.shipper = Shipper(
+            self.spool,
+            ingest_url,
+            token,
+            SCALING_DECISIONS.key,
+            client,
+            metrics=ShipperMetrics(registry),
+            credential=credential,
+        )
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -103,5 +116,8 @@ class DecisionShipping:
         await self.spool.close()
         await last_shipment([self.shipper], last_shipment_seconds)
         if self.spool.backlog:
-            log.warning("autoscale: %d decision(s) not shipped yet; kept in %s for the next start",
-                        self.spool.backlog, self.spool.directory)  # fmt: skip
+            log.warning(
+                "autoscale: %d decision(s) not shipped yet; kept in %s for the next start",
+                self.spool.backlog,
+                self.spool.directory,
+            )

@@ -140,8 +140,11 @@ class LocalScaleHook:
         secret = environ.get(config.billing.writer_secret_env, "")
         self._secret = secret.encode() or None
         # What the processes it starts inherit: never the secret nor the autoscaler's credential.
-        for name in (config.billing.writer_secret_env, config.autoscale.credential_env,
-                     config.sidecar.credential_env):  # fmt: skip
+        for name in (
+            config.billing.writer_secret_env,
+            config.autoscale.credential_env,
+            config.sidecar.credential_env,
+        ):
             environ.pop(name, None)
         self.environ = environ
         self.running: dict[str, list[_Running]] = {}
@@ -155,12 +158,18 @@ class LocalScaleHook:
             self._serial[inst.replica] = max(self._serial.get(inst.replica, 0), _serial(inst))
         self._write()
         registry = registry or CollectorRegistry()
-        self.live = Gauge("infermeter_autoscale_local_instances",
-                          "Simulated instances the local scale hook runs, by replica group.",
-                          ["replica"], registry=registry)  # fmt: skip
-        self.unplaced = Gauge("infermeter_autoscale_local_unplaced",
-                              "Instances wanted that no spare GPU could take, by replica group.",
-                              ["replica"], registry=registry)  # fmt: skip
+        self.live = Gauge(
+            "infermeter_autoscale_local_instances",
+            "Simulated instances the local scale hook runs, by replica group.",
+            ["replica"],
+            registry=registry,
+        )
+        self.unplaced = Gauge(
+            "infermeter_autoscale_local_unplaced",
+            "Instances wanted that no spare GPU could take, by replica group.",
+            ["replica"],
+            registry=registry,
+        )
 
     async def publish(self, decision: Decision) -> None:
         """Start or stop instances of the model's group until it has the number wanted."""
@@ -177,8 +186,12 @@ class LocalScaleHook:
             spot = place(self.config, group, self._lent())
             if spot is None:
                 unplaced = wanted - len(running)
-                log.warning("autoscale: local: no spare %s GPUs for %d more instance(s) of %s",
-                            group.gpu_model, unplaced, group.id)  # fmt: skip
+                log.warning(
+                    "autoscale: local: no spare %s GPUs for %d more instance(s) of %s",
+                    group.gpu_model,
+                    unplaced,
+                    group.id,
+                )
                 break
             running.append(await self._start(group, *spot))
             self._write()
@@ -228,10 +241,14 @@ class LocalScaleHook:
             ["simulate", "--replica", group.id, "--listen", upstream[7:], "--instance", instance],
             self.environ,
         )
-        env = {**self.environ, "INFERMETER_INSTANCE": instance, "NODE_NAME": node,
-               "NVIDIA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
-               # The sidecar spools under <sidecar.spool_dir>/<instance>: a spool of its own.
-               "POD_NAMESPACE": self.settings.namespace}  # fmt: skip
+        env = {
+            **self.environ,
+            "INFERMETER_INSTANCE": instance,
+            "NODE_NAME": node,
+            "NVIDIA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
+            # The sidecar spools under <sidecar.spool_dir>/<instance>: a spool of its own.
+            "POD_NAMESPACE": self.settings.namespace,
+        }
         if self._secret is not None:
             writer = Writer.for_instance(group.id, instance, listen)
             env[self.config.sidecar.credential_env] = issue(self._secret, writer).token
@@ -251,12 +268,24 @@ class LocalScaleHook:
                     proc.wait()
             raise
         assert sidecar is not None
-        record = LocalInstance(instance=instance, replica=group.id, model=group.model, node=node,
-                               gpus=gpus, namespace=self.settings.namespace,
-                               upstream_url=upstream, sidecar_url=f"http://{listen}",
-                               started_at=time.time())  # fmt: skip
-        log.info("autoscale: local: started %s on %s GPUs %s (sidecar http://%s)",
-                 instance, node, list(gpus), listen)  # fmt: skip
+        record = LocalInstance(
+            instance=instance,
+            replica=group.id,
+            model=group.model,
+            node=node,
+            gpus=gpus,
+            namespace=self.settings.namespace,
+            upstream_url=upstream,
+            sidecar_url=f"http://{listen}",
+            started_at=time.time(),
+        )
+        log.info(
+            "autoscale: local: started %s on %s GPUs %s (sidecar http://%s)",
+            instance,
+            node,
+            list(gpus),
+            listen,
+        )
         return _Running(record, replica, sidecar)
 
     async def _stop(self, running: _Running) -> None:

@@ -148,8 +148,11 @@ class HistoryFile:
             log.info("autoscale: no demand history at %s yet; starting empty", self.path)
             return {}
         except (OSError, HistoryFileError) as exc:
-            log.warning("autoscale: ignoring the demand history in %s, starting with none: %s",
-                        self.path, exc)  # fmt: skip
+            log.warning(
+                "autoscale: ignoring the demand history in %s, starting with none: %s",
+                self.path,
+                exc,
+            )
             return {}
         log.info("autoscale: demand history of %s loaded from %s", sorted(histories), self.path)
         self._last_bytes = raw
@@ -173,8 +176,12 @@ class HistoryFile:
         except OSError as exc:
             # Said once per outage, not every few seconds (a read-only file system stays so).
             if not self._failing:
-                log.error("autoscale: cannot save the demand history to %s (a restart will "
-                          "forget it): %s", self.path, exc)  # fmt: skip
+                log.error(
+                    "autoscale: cannot save the demand history to %s (a restart will "
+                    "forget it): %s",
+                    self.path,
+                    exc,
+                )
             self._failing = True
             return
         if self._failing:

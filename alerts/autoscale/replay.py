@@ -290,7 +290,9 @@ def format_report(
         for r in reports:
             lines.append(f"\nscale events, {r.model}:")
             for e in r.events:
-                lines.append(f"  {_clock(e.time, day_seconds)}  {e.current:>2} -> {e.desired:<2}  {'; '.join(e.reasons)}")  # fmt: skip
+                lines.append(
+                    f"  {_clock(e.time, day_seconds)}  {e.current:>2} -> {e.desired:<2}  {'; '.join(e.reasons)}"
+                )
     return "\n".join(lines)
 
 

@@ -39,7 +39,7 @@ from alerts.autoscale.decisions import (
     changed_from,
     decision_record,
 )
-from alerts.autoscale.hooks import (  # fmt: skip
+from alerts.autoscale.hooks import (
     Hook,
     HookError,
     KubernetesScaleHook,
@@ -47,7 +47,7 @@ from alerts.autoscale.hooks import (  # fmt: skip
     WebhookHook,
     in_cluster_api,
 )
-from alerts.autoscale.inputs import (  # fmt: skip
+from alerts.autoscale.inputs import (
     PrometheusSource,
     Scrape,
     observations,
@@ -220,8 +220,12 @@ class Autoscaler:
         try:
             await self.spool.append(decision_record(decision, previous).to_json())
         except SpoolError as exc:
-            log.error("autoscale: %s: the change to %d is not kept for billing: %s",
-                      decision.model, decision.desired, exc)  # fmt: skip
+            log.error(
+                "autoscale: %s: the change to %d is not kept for billing: %s",
+                decision.model,
+                decision.desired,
+                exc,
+            )
 
     async def _deliver(self, decision: Decision) -> None:
         for hook in self.hooks:
@@ -237,8 +241,12 @@ class Autoscaler:
             self.gauges.hook_errors.labels(hook=hook.name).set(0)
             self.delivered[key] = decision.desired
             # The change itself was logged when it was decided (``_log_change``).
-            log.debug("autoscale: %s hook: %s -> %d delivered", hook.name, decision.model,
-                      decision.desired)  # fmt: skip
+            log.debug(
+                "autoscale: %s hook: %s -> %d delivered",
+                hook.name,
+                decision.model,
+                decision.desired,
+            )
 
     async def run(self, interval_seconds: float) -> None:
         """Tick every ``interval_seconds`` until cancelled."""
@@ -255,8 +263,13 @@ class Autoscaler:
 
 def _log_change(decision: Decision, previous: int) -> None:
     """One INFO line when a model's desired count changes: from, to, and why."""
-    log.info("autoscale: %s: %d -> %d replicas: %s", decision.model, previous,
-             decision.desired, "; ".join(decision.reasons))  # fmt: skip
+    log.info(
+        "autoscale: %s: %d -> %d replicas: %s",
+        decision.model,
+        previous,
+        decision.desired,
+        "; ".join(decision.reasons),
+    )
 
 
 def log_to_stderr() -> None:
@@ -287,20 +300,34 @@ def build_hooks(
         secret = env.get(a.webhook_secret_env)
         if not secret:
             raise HookError(f"autoscale.webhook_url is set but ${a.webhook_secret_env} is empty")
-        hooks.append(WebhookHook(a.webhook_url, secret.encode(), client,
-                                 timeout_seconds=a.webhook_timeout_seconds))  # fmt: skip
+        hooks.append(
+            WebhookHook(
+                a.webhook_url, secret.encode(), client, timeout_seconds=a.webhook_timeout_seconds
+            )
+        )
     k = a.kubernetes
     if k.enabled:
         if k.api_url:
             verify: Any = k.ca_file or True
             kube = httpx.AsyncClient(verify=verify, timeout=10.0)
-            hooks.append(KubernetesScaleHook(k.api_url, k.namespace, k.deployments, kube,
-                                             token=env.get(k.token_env), dry_run=k.dry_run))  # fmt: skip
+            hooks.append(
+                KubernetesScaleHook(
+                    k.api_url,
+                    k.namespace,
+                    k.deployments,
+                    kube,
+                    token=env.get(k.token_env),
+                    dry_run=k.dry_run,
+                )
+            )
         else:
             url, token_file, context = in_cluster_api(env)
             kube = httpx.AsyncClient(verify=context, timeout=10.0)
-            hooks.append(KubernetesScaleHook(url, k.namespace, k.deployments, kube,
-                                             token_file=token_file, dry_run=k.dry_run))  # fmt: skip
+            hooks.append(
+                KubernetesScaleHook(
+                    url, k.namespace, k.deployments, kube, token_file=token_file, dry_run=k.dry_run
+                )
+            )
     return hooks
 
 
@@ -431,13 +458,25 @@ async def serve_autoscaler(
             audit_shipper = audit.shipper(a.ingest_url, token, client)
             background.append(asyncio.create_task(audit_shipper.run(), name="ship-audit"))
         if config_path is not None:
-            reloader = _reloader(config, config_path, scaler, audit, listen=listen,
-                                 prometheus_url=prometheus_url, day_seconds=day_seconds)  # fmt: skip
+            reloader = _reloader(
+                config,
+                config_path,
+                scaler,
+                audit,
+                listen=listen,
+                prometheus_url=prometheus_url,
+                day_seconds=day_seconds,
+            )
             background.append(reloader.install(asyncio.get_running_loop()))
         task = asyncio.create_task(scaler.run(a.interval_seconds), name="autoscale")
-        log.info("autoscale: every %g s, hooks: %s, decisions to %s, /metrics on "
-                 "http://%s:%d/metrics", a.interval_seconds, [h.name for h in hooks] or "none",
-                 a.ingest_url or "the log only", host, port)  # fmt: skip
+        log.info(
+            "autoscale: every %g s, hooks: %s, decisions to %s, /metrics on http://%s:%d/metrics",
+            a.interval_seconds,
+            [h.name for h in hooks] or "none",
+            a.ingest_url or "the log only",
+            host,
+            port,
+        )
         try:
             await server(create_app(gauges), host, port).serve()
         finally:
@@ -460,9 +499,15 @@ async def serve_autoscaler(
 
 
 def _reloader(
-    config: Config, path: Path, scaler: Autoscaler, audit: AuditLog | None, *,
-    listen: str | None, prometheus_url: str | None, day_seconds: float,
-) -> Reloader:  # fmt: skip
+    config: Config,
+    path: Path,
+    scaler: Autoscaler,
+    audit: AuditLog | None,
+    *,
+    listen: str | None,
+    prometheus_url: str | None,
+    day_seconds: float,
+) -> Reloader:
     """The reloader of ``path``: a new policy for ``scaler``, checked against the one in force."""
     in_force = [config]
 
@@ -484,7 +529,13 @@ def _reloader(
         if audit is None:
             return
         # Who reloads is the operator behind the signal or the file change.
-        await audit.note(action, f"operator ({trigger})", "operator", target=f"file:{path}",
-                         why=why, outcome="ok" if action == "config.reloaded" else "refused")  # fmt: skip
+        await audit.note(
+            action,
+            f"operator ({trigger})",
+            "operator",
+            target=f"file:{path}",
+            why=why,
+            outcome="ok" if action == "config.reloaded" else "refused",
+        )
 
     return Reloader(path, "autoscaler", apply, note, check)

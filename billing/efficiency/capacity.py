@@ -68,8 +68,9 @@ def engines_by_hour(runs: Sequence[Run]) -> list[int]:
     return most
 
 
-def needed_by_hour(r: ModelReplay, capacity: float, headroom: float, floor: int,
-                   ran: Sequence[int]) -> list[int | None]:  # fmt: skip
+def needed_by_hour(
+    r: ModelReplay, capacity: float, headroom: float, floor: int, ran: Sequence[int]
+) -> list[int | None]:
     """Engines each hour of the day needs: its busiest day's peak in the engines, with headroom,
     over what one engine holds; at least ``floor`` (and one) in an hour that ran, idle or not.
     None: no engine ran in that hour."""

@@ -91,16 +91,28 @@ def sizing_notes(world: World, facts: Facts) -> list[Note]:
         if max((g.gpus for g in setup.groups), default=1) < 2:
             continue
         if model not in facts.architectures:
-            notes.append(Note(model, None, "cannot_size",
-                              f"{model}: no quantization advice: its architecture is not configured "
-                              "(models[].architecture: parameters, layers, KV heads, head size, "
-                              "precision), and the advisor does not guess a model's size from its "
-                              "name"))  # fmt: skip
+            notes.append(
+                Note(
+                    model,
+                    None,
+                    "cannot_size",
+                    f"{model}: no quantization advice: its architecture is not configured "
+                    "(models[].architecture: parameters, layers, KV heads, head size, "
+                    "precision), and the advisor does not guess a model's size from its "
+                    "name",
+                )
+            )
         elif any(g.gpu_model not in GPUS_GB for g in setup.groups):
-            notes.append(Note(model, None, "cannot_size",
-                              f"{model}: no quantization advice: the memory of "
-                              f"{', '.join(sorted({g.gpu_model for g in setup.groups}))} is not known "
-                              "to the capacity planner"))  # fmt: skip
+            notes.append(
+                Note(
+                    model,
+                    None,
+                    "cannot_size",
+                    f"{model}: no quantization advice: the memory of "
+                    f"{', '.join(sorted({g.gpu_model for g in setup.groups}))} is not known "
+                    "to the capacity planner",
+                )
+            )
     return notes
 
 
@@ -136,24 +148,34 @@ def prefix_candidates(world: World, facts: Facts) -> list[Candidate]:
             on = _regroup(w.setups[model], lambda x: replace(x, prefix_caching=True))
             return with_setup(w, on)
 
-        found.append(Candidate(
-            kind="prefix_cache", model=model, team=None, models=(model,),
-            title=f"{model}: turn on prefix caching",
-            change={"enable_prefix_caching": True},
-            evidence={"requests": len(arrivals), "shared_requests": requests,
-                      "shared_share": requests / len(arrivals), "shared_prefixes": len(shared),
-                      "mean_head_tokens": sum(head_tokens) / len(head_tokens),
-                      "prefix_cache_hit_rate": hits / queries if queries else None},
-            assumptions=(
-                f"a prompt head is shared when {policy.min_shared_requests} or more requests "
-                "begin with it (the sidecar's keyed digest of the first message)",
-                "a head's tokens are its share of the prompt's characters times vLLM's prompt "
-                "tokens; the cache keeps whole blocks of them",
-                "the engines measured no prefix-cache hits, so their cache was off"),
-            apply=apply,
-            caveat="start vLLM with --enable-prefix-caching (the default in vLLM's V1 engine).",
-            exclusive=f"prefix:{model}",
-        ))  # fmt: skip
+        found.append(
+            Candidate(
+                kind="prefix_cache",
+                model=model,
+                team=None,
+                models=(model,),
+                title=f"{model}: turn on prefix caching",
+                change={"enable_prefix_caching": True},
+                evidence={
+                    "requests": len(arrivals),
+                    "shared_requests": requests,
+                    "shared_share": requests / len(arrivals),
+                    "shared_prefixes": len(shared),
+                    "mean_head_tokens": sum(head_tokens) / len(head_tokens),
+                    "prefix_cache_hit_rate": hits / queries if queries else None,
+                },
+                assumptions=(
+                    f"a prompt head is shared when {policy.min_shared_requests} or more requests "
+                    "begin with it (the sidecar's keyed digest of the first message)",
+                    "a head's tokens are its share of the prompt's characters times vLLM's prompt "
+                    "tokens; the cache keeps whole blocks of them",
+                    "the engines measured no prefix-cache hits, so their cache was off",
+                ),
+                apply=apply,
+                caveat="start vLLM with --enable-prefix-caching (the default in vLLM's V1 engine).",
+                exclusive=f"prefix:{model}",
+            )
+        )
     return found
 
 
@@ -167,8 +189,10 @@ def _batch_bound(setup: ModelSetup, r: ModelReplay | None, headroom: float) -> b
         return False
     ran = engines_by_hour(setup.runs)
     seqs = min(g.profile.max_num_seqs for g in setup.groups)
-    return any(ran[h % 24] and peak / ran[h % 24] * (1 + headroom) > seqs
-               for h, peak in r.peak_in_engines.items())  # fmt: skip
+    return any(
+        ran[h % 24] and peak / ran[h % 24] * (1 + headroom) > seqs
+        for h, peak in r.peak_in_engines.items()
+    )
 
 
 def batch_candidates(
@@ -203,29 +227,44 @@ def batch_candidates(
 
         engines = {r: facts.engines.get(r) for r in raised}
         text = ", ".join(f"{r} {a} -> {b}" for r, (a, b) in sorted(raised.items()))
-        found.append(Candidate(
-            kind="batch", model=model, team=None, models=(model,),
-            title=f"{model}: raise max_num_seqs ({text})",
-            change={"max_num_seqs": {r: b for r, (_, b) in raised.items()}},
-            evidence={
-                "max_num_seqs": {r: a for r, (a, _) in raised.items()},
-                "kv_cache_tokens": {g.replica: g.profile.kv_cache_tokens for g in setup.groups
-                                    if g.replica in raised},
-                "p95_context_tokens": p95,
-                "batch_occupancy": {r: e.batch_occupancy if e else None for r, e in engines.items()},
-                "kv_cache_usage_max": {r: e.kv_cache_usage_max if e else None for r, e in engines.items()},
-                "requests_waiting_max": {r: e.requests_waiting_max if e else None for r, e in engines.items()},
-            },
-            assumptions=(
-                "the engine's KV cache is its real capacity: vLLM's vllm:cache_config_info where "
-                "the engine reported it, else the engine profile's",
-                f"a larger batch holds the requests' 95th-percentile context, "
-                f"{p95:,.0f} tokens, each; step times grow with the batch as the engine profile says"),
-            apply=apply,
-            caveat="a larger batch slows each sequence: the replay holds the inter-token SLA, "
-            "check it on the engines after the change.",
-            exclusive=f"batch:{model}",
-        ))  # fmt: skip
+        found.append(
+            Candidate(
+                kind="batch",
+                model=model,
+                team=None,
+                models=(model,),
+                title=f"{model}: raise max_num_seqs ({text})",
+                change={"max_num_seqs": {r: b for r, (_, b) in raised.items()}},
+                evidence={
+                    "max_num_seqs": {r: a for r, (a, _) in raised.items()},
+                    "kv_cache_tokens": {
+                        g.replica: g.profile.kv_cache_tokens
+                        for g in setup.groups
+                        if g.replica in raised
+                    },
+                    "p95_context_tokens": p95,
+                    "batch_occupancy": {
+                        r: e.batch_occupancy if e else None for r, e in engines.items()
+                    },
+                    "kv_cache_usage_max": {
+                        r: e.kv_cache_usage_max if e else None for r, e in engines.items()
+                    },
+                    "requests_waiting_max": {
+                        r: e.requests_waiting_max if e else None for r, e in engines.items()
+                    },
+                },
+                assumptions=(
+                    "the engine's KV cache is its real capacity: vLLM's vllm:cache_config_info where "
+                    "the engine reported it, else the engine profile's",
+                    f"a larger batch holds the requests' 95th-percentile context, "
+                    f"{p95:,.0f} tokens, each; step times grow with the batch as the engine profile says",
+                ),
+                apply=apply,
+                caveat="a larger batch slows each sequence: the replay holds the inter-token SLA, "
+                "check it on the engines after the change.",
+                exclusive=f"batch:{model}",
+            )
+        )
     return found
 
 
@@ -245,8 +284,10 @@ def quantize_candidates(world: World, facts: Facts) -> list[Candidate]:
         memory = GPUS_GB.get(gpu)
         if memory is None:
             continue
-        lower = sorted((p for p in ("fp8", "int4") if BYTES_PER_PARAM[p] < BYTES_PER_PARAM[arch.precision]),
-                       key=lambda p: -BYTES_PER_PARAM[p])  # fmt: skip
+        lower = sorted(
+            (p for p in ("fp8", "int4") if BYTES_PER_PARAM[p] < BYTES_PER_PARAM[arch.precision]),
+            key=lambda p: -BYTES_PER_PARAM[p],
+        )
         for precision in lower:
             tp = 1
             while tp < now:
@@ -255,15 +296,27 @@ def quantize_candidates(world: World, facts: Facts) -> list[Candidate]:
     return found
 
 
-def _quantize(world: World, facts: Facts, setup: ModelSetup, arch: ModelArchitecture,
-              precision: str, tp: int, now: int, gpu: str, memory: float) -> list[Candidate]:  # fmt: skip
+def _quantize(
+    world: World,
+    facts: Facts,
+    setup: ModelSetup,
+    arch: ModelArchitecture,
+    precision: str,
+    tp: int,
+    now: int,
+    gpu: str,
+    memory: float,
+) -> list[Candidate]:
     model = setup.model
     if arch.kv_heads % tp:
         return []
     predicted_now = kv_capacity_tokens(arch, arch.precision, now, memory)
     after = kv_capacity_tokens(arch, precision, tp, memory)
-    measured = [facts.engines[g.replica].kv_cache_tokens for g in setup.groups
-                if g.replica in facts.engines and facts.engines[g.replica].kv_cache_tokens]  # fmt: skip
+    measured = [
+        facts.engines[g.replica].kv_cache_tokens
+        for g in setup.groups
+        if g.replica in facts.engines and facts.engines[g.replica].kv_cache_tokens
+    ]
     if measured and predicted_now > 0:
         after *= min(m for m in measured if m is not None) / predicted_now
     if after < facts.max_model_len.get(model, 8192):
@@ -279,23 +332,37 @@ def _quantize(world: World, facts: Facts, setup: ModelSetup, arch: ModelArchitec
         return with_setup(w, _regroup(w.setups[model], smaller))
 
     served = facts.served_versions.get(model, model)
-    return [Candidate(
-        kind="quantize", model=model, team=None, models=(model,),
-        title=f"{model}: serve a {precision} build on {tp} {gpu} per replica instead of {now}",
-        change={"precision": precision, "gpus_per_replica": tp},
-        policy_change={"approve_version": f"a {precision} build of {served}",
-                       "where": f"models[{model}].approved_versions"},
-        evidence={"precision_now": arch.precision, "gpus_per_replica": now,
-                  "kv_cache_tokens_now": min((m for m in measured if m), default=predicted_now),
-                  "kv_cache_tokens_after": tokens, "params_billions": arch.params_billions,
-                  "max_model_len": facts.max_model_len.get(model, 8192)},
-        assumptions=(
-            "the KV cache after is the engine's reported capacity scaled by the memory the new "
-            "precision leaves (the capacity planner's model: 16-bit KV cache, 10% overhead)",
-            "step times hold on fewer GPUs at the lower precision (it reads fewer bytes per token)",
-            "the build is not approved yet: the change needs it approved first"),
-        apply=apply, caveat=QUALITY_CAVEAT[precision], exclusive=f"quantize:{model}",
-    )]  # fmt: skip
+    return [
+        Candidate(
+            kind="quantize",
+            model=model,
+            team=None,
+            models=(model,),
+            title=f"{model}: serve a {precision} build on {tp} {gpu} per replica instead of {now}",
+            change={"precision": precision, "gpus_per_replica": tp},
+            policy_change={
+                "approve_version": f"a {precision} build of {served}",
+                "where": f"models[{model}].approved_versions",
+            },
+            evidence={
+                "precision_now": arch.precision,
+                "gpus_per_replica": now,
+                "kv_cache_tokens_now": min((m for m in measured if m), default=predicted_now),
+                "kv_cache_tokens_after": tokens,
+                "params_billions": arch.params_billions,
+                "max_model_len": facts.max_model_len.get(model, 8192),
+            },
+            assumptions=(
+                "the KV cache after is the engine's reported capacity scaled by the memory the new "
+                "precision leaves (the capacity planner's model: 16-bit KV cache, 10% overhead)",
+                "step times hold on fewer GPUs at the lower precision (it reads fewer bytes per token)",
+                "the build is not approved yet: the change needs it approved first",
+            ),
+            apply=apply,
+            caveat=QUALITY_CAVEAT[precision],
+            exclusive=f"quantize:{model}",
+        )
+    ]
 
 
 # -- GPU type ---------------------------------------------------------------------------------
@@ -332,35 +399,50 @@ def _no_slower(mine: GroupMeasured, theirs: GroupMeasured) -> bool:
     return theirs.itl_p95 <= mine.itl_p95 * 1.1
 
 
-def _move(model: str, g: GroupSetup, o: GroupSetup, mine: GroupMeasured,
-          theirs: GroupMeasured) -> Candidate:  # fmt: skip
+def _move(
+    model: str, g: GroupSetup, o: GroupSetup, mine: GroupMeasured, theirs: GroupMeasured
+) -> Candidate:
     def apply(w: World) -> World:
         def moved(x: GroupSetup) -> GroupSetup:
             if x.replica != g.replica:
                 return x
             profile = x.profile.model_copy(update={"kv_cache_tokens": o.profile.kv_cache_tokens})
-            return replace(x, gpu_model=o.gpu_model, usd_per_gpu_hour=o.usd_per_gpu_hour,
-                           gpus=o.gpus, profile=profile)  # fmt: skip
+            return replace(
+                x,
+                gpu_model=o.gpu_model,
+                usd_per_gpu_hour=o.usd_per_gpu_hour,
+                gpus=o.gpus,
+                profile=profile,
+            )
 
         return with_setup(w, _regroup(w.setups[model], moved))
 
     return Candidate(
-        kind="gpu_type", model=model, team=None, models=(model,),
+        kind="gpu_type",
+        model=model,
+        team=None,
+        models=(model,),
         title=f"{model}: serve {g.replica} on {o.gpu_model} instead of {g.gpu_model}",
         change={"replica": g.replica, "gpu_model": o.gpu_model, "gpu_count": o.gpus},
-        evidence={"gpu_model_now": g.gpu_model, "gpu_model_after": o.gpu_model,
-                  "usd_per_engine_hour_now": g.usd_per_gpu_hour * g.gpus,
-                  "usd_per_engine_hour_after": o.usd_per_gpu_hour * o.gpus,
-                  "ttft_p95_now_s": mine.ttft_p95, "ttft_p95_there_s": theirs.ttft_p95,
-                  "itl_p95_now_s": mine.itl_p95, "itl_p95_there_s": theirs.itl_p95},
+        evidence={
+            "gpu_model_now": g.gpu_model,
+            "gpu_model_after": o.gpu_model,
+            "usd_per_engine_hour_now": g.usd_per_gpu_hour * g.gpus,
+            "usd_per_engine_hour_after": o.usd_per_gpu_hour * o.gpus,
+            "ttft_p95_now_s": mine.ttft_p95,
+            "ttft_p95_there_s": theirs.ttft_p95,
+            "itl_p95_now_s": mine.itl_p95,
+            "itl_p95_there_s": theirs.itl_p95,
+        },
         assumptions=(
             f"{o.gpu_model} serves the model as fast as {g.gpu_model}: {o.replica} was measured "
             "no slower, and the replay uses one engine profile for both",
-            f"the KV cache of {o.replica}'s engines"),
+            f"the KV cache of {o.replica}'s engines",
+        ),
         apply=apply,
         caveat=f"{o.gpu_model} must be available: check the cloud's or the cluster's capacity.",
         exclusive=f"gpu_type:{g.replica}",
-    )  # fmt: skip
+    )
 
 
 # -- routing ----------------------------------------------------------------------------------
@@ -405,16 +487,21 @@ def route_candidates(world: World, facts: Facts) -> list[Candidate]:
             continue
         for team in sorted({a.team for a in arrivals}):
             mine = [a for a in arrivals if a.team == team]
-            short = [a for a in mine if a.prompt_tokens <= policy.short_prompt_tokens
-                     and a.completion_tokens <= policy.short_completion_tokens]  # fmt: skip
+            short = [
+                a
+                for a in mine
+                if a.prompt_tokens <= policy.short_prompt_tokens
+                and a.completion_tokens <= policy.short_completion_tokens
+            ]
             if len(short) / len(mine) < policy.min_short_share:
                 continue
             found.append(_route(model, target, team, len(mine), short, policy))
     return found
 
 
-def _route(model: str, target: str, team: str, requests: int, short: Sequence[Arrival],
-           policy: Policy) -> Candidate:  # fmt: skip
+def _route(
+    model: str, target: str, team: str, requests: int, short: Sequence[Arrival], policy: Policy
+) -> Candidate:
     p_max, c_max = policy.short_prompt_tokens, policy.short_completion_tokens
 
     def apply(w: World) -> World:
@@ -427,22 +514,36 @@ def _route(model: str, target: str, team: str, requests: int, short: Sequence[Ar
         return World(w.setups, {**w.arrivals, model: stay, target: into})
 
     return Candidate(
-        kind="route", model=model, team=team, models=(model, target),
+        kind="route",
+        model=model,
+        team=team,
+        models=(model, target),
         title=f"{team}: send short requests for {model} to {target}",
-        change={"route": {"team": team, "from": model, "to": target,
-                          "max_prompt_tokens": p_max, "max_completion_tokens": c_max}},
-        evidence={"requests": requests, "short_requests": len(short),
-                  "short_share": len(short) / requests,
-                  "short_prompt_tokens": sum(a.prompt_tokens for a in short),
-                  "short_completion_tokens": sum(a.completion_tokens for a in short)},
+        change={
+            "route": {
+                "team": team,
+                "from": model,
+                "to": target,
+                "max_prompt_tokens": p_max,
+                "max_completion_tokens": c_max,
+            }
+        },
+        evidence={
+            "requests": requests,
+            "short_requests": len(short),
+            "short_share": len(short) / requests,
+            "short_prompt_tokens": sum(a.prompt_tokens for a in short),
+            "short_completion_tokens": sum(a.completion_tokens for a in short),
+        },
         assumptions=(
             f"short: at most {p_max} prompt and {c_max} output tokens",
             f"{target} answers them with as many tokens as {model} did",
-            f"the team's requests moved are held to its SLA on {target}"),
+            f"the team's requests moved are held to its SLA on {target}",
+        ),
         apply=apply,
         caveat=f"check that {target} answers this team's short requests well enough.",
         exclusive=f"route:{team}:{model}",
-    )  # fmt: skip
+    )
 
 
 # -- off-peak ---------------------------------------------------------------------------------
@@ -466,8 +567,10 @@ def off_peak_candidates(
             continue
         peak = sorted(h for h, lv in enumerate(levels) if lv == max(known))
         busy = {h % 24: v for h, v in r.peak_in_engines.items()}
-        quiet = sorted((h for h, lv in enumerate(levels) if lv is not None and h not in peak),
-                       key=lambda h: (busy.get(h, 0.0), h))[: len(peak)]  # fmt: skip
+        quiet = sorted(
+            (h for h, lv in enumerate(levels) if lv is not None and h not in peak),
+            key=lambda h: (busy.get(h, 0.0), h),
+        )[: len(peak)]
         if len(quiet) < len(peak):
             continue
         into = dict(zip(peak, quiet, strict=True))
@@ -485,8 +588,9 @@ def off_peak_candidates(
     return found
 
 
-def _off_peak(model: str, team: str, into: Mapping[int, int], declared: str, unstreamed: float,
-              until: float) -> Candidate:  # fmt: skip
+def _off_peak(
+    model: str, team: str, into: Mapping[int, int], declared: str, unstreamed: float, until: float
+) -> Candidate:
     def shifted(a: Arrival) -> Arrival:
         hod = int(a.t // _HOUR) % 24
         if a.team != team or hod not in into:
@@ -501,22 +605,33 @@ def _off_peak(model: str, team: str, into: Mapping[int, int], declared: str, uns
     def hhmm(h: int) -> str:
         return f"{h:02d}:00-{(h + 1) % 24:02d}:00"
 
-    why = ("the configuration declares it batch work (teams[].workload)" if declared == "batch"
-           else f"{unstreamed:.0%} of its requests were not streamed: nobody watched them being written")  # fmt: skip
+    why = (
+        "the configuration declares it batch work (teams[].workload)"
+        if declared == "batch"
+        else f"{unstreamed:.0%} of its requests were not streamed: nobody watched them being written"
+    )
     return Candidate(
-        kind="off_peak", model=model, team=team, models=(model,),
+        kind="off_peak",
+        model=model,
+        team=team,
+        models=(model,),
         title=f"{team}: run its {model} batch work at {', '.join(hhmm(q) for q in into.values())} "
         f"instead of {', '.join(hhmm(p) for p in into)} (UTC)",
         change={"team": team, "move": [{"from": hhmm(p), "to": hhmm(q)} for p, q in into.items()]},
-        evidence={"peak_hours": [hhmm(p) for p in into], "unstreamed_share": unstreamed,
-                  "workload": declared},
-        assumptions=(f"the work can wait: {why}",
-                     "each request keeps its size and its minute within the hour it moves to"),
+        evidence={
+            "peak_hours": [hhmm(p) for p in into],
+            "unstreamed_share": unstreamed,
+            "workload": declared,
+        },
+        assumptions=(
+            f"the work can wait: {why}",
+            "each request keeps its size and its minute within the hour it moves to",
+        ),
         apply=apply,
         caveat="its results arrive later: agree the hours with the team, and hold the work "
         "with a job scheduler (or a queue that releases it off-peak).",
         exclusive=f"off_peak:{team}:{model}",
-    )  # fmt: skip
+    )
 
 
 def propose(facts: Facts) -> Callable[[World, Mapping[str, ModelReplay]], list[Candidate]]:

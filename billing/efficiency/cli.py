@@ -84,8 +84,11 @@ def _from_service(config: Config, url: str | None, month: str) -> dict[str, Any]
     if not token:
         return fail(f"set ${ADMIN_TOKEN_ENV} to the admin token (or use --database)")
     try:
-        response = httpx.get(f"{(url or config.billing.url).rstrip('/')}/v1/efficiency/{month}",
-                             headers={"authorization": f"Bearer {token}"}, timeout=600)  # fmt: skip
+        response = httpx.get(
+            f"{(url or config.billing.url).rstrip('/')}/v1/efficiency/{month}",
+            headers={"authorization": f"Bearer {token}"},
+            timeout=600,
+        )
     except httpx.HTTPError as exc:
         return fail(f"billing is unreachable: {exc}", code=1)
     if response.status_code != 200:
@@ -126,14 +129,18 @@ def _details(r: dict[str, Any]) -> list[str]:
     out = [f"{pad}change: " + ", ".join(f"{k}={_short(v)}" for k, v in r["change"].items())]
     out.append(f"{pad}evidence: " + ", ".join(f"{k}={_short(v)}" for k, v in r["evidence"].items()))
     for model, rep in r.get("replay", {}).items():
-        out.append(f"{pad}replay {model}: GPU-hours {rep['gpu_hours_before']:,.1f} -> "
-                   f"{rep['gpu_hours_after']:,.1f}, cost {rep['cost_usd_before']:,.2f} -> "
-                   f"{rep['cost_usd_after']:,.2f} USD")  # fmt: skip
+        out.append(
+            f"{pad}replay {model}: GPU-hours {rep['gpu_hours_before']:,.1f} -> "
+            f"{rep['gpu_hours_after']:,.1f}, cost {rep['cost_usd_before']:,.2f} -> "
+            f"{rep['cost_usd_after']:,.2f} USD"
+        )
         for before, after in zip(rep["sla_before"], rep["sla_after"], strict=False):
-            out.append(f"{pad}  {after['team']} TTFT p95 {_s(before['ttft_p95_s'])} -> "
-                       f"{_s(after['ttft_p95_s'])} s (target {_s(after['ttft_target_s'])}), "
-                       f"inter-token p95 {_s(before['itl_p95_s'])} -> {_s(after['itl_p95_s'])} s "
-                       f"(target {_s(after['itl_target_s'])})")  # fmt: skip
+            out.append(
+                f"{pad}  {after['team']} TTFT p95 {_s(before['ttft_p95_s'])} -> "
+                f"{_s(after['ttft_p95_s'])} s (target {_s(after['ttft_target_s'])}), "
+                f"inter-token p95 {_s(before['itl_p95_s'])} -> {_s(after['itl_p95_s'])} s "
+                f"(target {_s(after['itl_target_s'])})"
+            )
     out += [f"{pad}assumes: {a}" for a in r["assumptions"]]
     if r.get("policy_change"):
         out.append(

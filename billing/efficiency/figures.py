@@ -128,8 +128,11 @@ def _cost_ctes(fleet: Fleet) -> Sql:
     ``measured``: the same minutes with the seconds the instance was busy in each (at most 60,
     and only in minutes it was measured, so busy time never exceeds measured time).
     """
-    seqs, params = _values("seqs", [("replica", "VARCHAR"), ("max_num_seqs", "BIGINT")],
-                           sorted(fleet.max_num_seqs.items()))  # fmt: skip
+    seqs, params = _values(
+        "seqs",
+        [("replica", "VARCHAR"), ("max_num_seqs", "BIGINT")],
+        sorted(fleet.max_num_seqs.items()),
+    )
     book = fleet.book or PriceBook(dict(fleet.usd_per_gpu_hour), fleet.usd_per_kwh * fleet.pue)
     # The statement's prices (``billing.pricebook``): a GPU nothing prices costs nothing here.
     gpus = "(SELECT * FROM gpu_slots WHERE replica <> '' AND slot >= $lo AND slot < $hi)"
@@ -154,8 +157,10 @@ def _engine_cte() -> str:
 
     def increase(column: str) -> str:
         prev = f"lag({column}) OVER w"
-        return (f"CASE WHEN {prev} IS NULL THEN 0 WHEN {column} >= {prev} THEN {column} - {prev} "
-                f"ELSE {column} END AS {column.removesuffix('_total')}")  # fmt: skip
+        return (
+            f"CASE WHEN {prev} IS NULL THEN 0 WHEN {column} >= {prev} THEN {column} - {prev} "
+            f"ELSE {column} END AS {column.removesuffix('_total')}"
+        )
 
     counters = ", ".join(
         increase(c)
@@ -211,8 +216,11 @@ def _hourly_head(fleet: Fleet) -> Sql:
     and ``inst_gpu`` (per instance and hour: GPU time, cost, measured and busy minutes): what
     the hourly queries start from."""
     ctes, params = _cost_ctes(fleet)
-    models, p2 = _values("models", [("replica", "VARCHAR"), ("model", "VARCHAR")],
-                         sorted(fleet.replica_models.items()))  # fmt: skip
+    models, p2 = _values(
+        "models",
+        [("replica", "VARCHAR"), ("model", "VARCHAR")],
+        sorted(fleet.replica_models.items()),
+    )
     inst_gpu = f"""inst_gpu AS (
     SELECT replica, instance, slot // {_MINUTES_PER_HOUR} AS hour, sum(gpu_seconds) AS gpu_seconds,
         sum(energy_joules) AS energy_joules, sum(gpu_usd) AS gpu_usd,

@@ -163,8 +163,16 @@ def judge(r: ModelReplay, target: Callable[[str], Target], margin: float) -> lis
         holds = ttft is not None and ttft <= t.ttft_s * (1 - margin)
         if t.itl_s is not None and itl is not None:
             holds = holds and itl <= t.itl_s * (1 - margin)
-        rows.append({"team": team, "ttft_p95_s": ttft, "ttft_target_s": t.ttft_s,
-                     "itl_p95_s": itl, "itl_target_s": t.itl_s, "holds": holds})  # fmt: skip
+        rows.append(
+            {
+                "team": team,
+                "ttft_p95_s": ttft,
+                "ttft_target_s": t.ttft_s,
+                "itl_p95_s": itl,
+                "itl_target_s": t.itl_s,
+                "holds": holds,
+            }
+        )
     return rows
 
 
@@ -184,13 +192,20 @@ def vouch(r: ModelReplay, measured: Sequence[GroupMeasured], policy: Policy) -> 
         if m.ttft_p95 is not None and ttft is not None:
             slack = max(policy.vouch_ttft * m.ttft_p95, policy.vouch_ttft_slack_seconds)
             if abs(ttft - m.ttft_p95) > slack:
-                problems.append(f"its replay's TTFT p95 is {ttft:.3g} s, {m.ttft_p95:.3g} s was "
-                                "measured")  # fmt: skip
+                problems.append(
+                    f"its replay's TTFT p95 is {ttft:.3g} s, {m.ttft_p95:.3g} s was measured"
+                )
         if problems:
-            notes.append(Note(m.model, m.replica, "cannot_vouch",
-                              f"{m.replica}: the advisor cannot vouch for this group, so offers "
-                              f"nothing on {m.model}: {'; '.join(problems)} (the engine profile "
-                              "or the lifetimes do not describe it)"))  # fmt: skip
+            notes.append(
+                Note(
+                    m.model,
+                    m.replica,
+                    "cannot_vouch",
+                    f"{m.replica}: the advisor cannot vouch for this group, so offers "
+                    f"nothing on {m.model}: {'; '.join(problems)} (the engine profile "
+                    "or the lifetimes do not describe it)",
+                )
+            )
     return notes
 
 
@@ -205,8 +220,12 @@ class _Model:
     caps: Caps | None = None
 
 
-def _refit(inputs: Inputs, setup: ModelSetup, arrivals: Sequence[Arrival], first: ModelReplay,
-           ) -> tuple[ModelReplay, Caps | None] | None:  # fmt: skip
+def _refit(
+    inputs: Inputs,
+    setup: ModelSetup,
+    arrivals: Sequence[Arrival],
+    first: ModelReplay,
+) -> tuple[ModelReplay, Caps | None] | None:
     """The fewest engines by the hour whose replay holds every SLA: (its replay, the caps).
 
     None when even the engines as they ran miss an SLA; caps None when none can go.
@@ -247,15 +266,19 @@ def _refit(inputs: Inputs, setup: ModelSetup, arrivals: Sequence[Arrival], first
         missing: set[int] = set()
         for team in first.teams:
             t = target(team)
-            missing |= r.hours_missing(team, t.ttft_s * (1 - policy.sla_margin),
-                                       None if t.itl_s is None else t.itl_s * (1 - policy.sla_margin))  # fmt: skip
+            missing |= r.hours_missing(
+                team,
+                t.ttft_s * (1 - policy.sla_margin),
+                None if t.itl_s is None else t.itl_s * (1 - policy.sla_margin),
+            )
         hours = missing or {h for h in range(24) if caps[h] is not None}
         caps = [c + 1 if c is not None and h in hours else c for h, c in enumerate(caps)]
     return (best[0], best[1]) if best is not None else (first, None)
 
 
-def _capacity_rec(inputs: Inputs, m: _Model, r: ModelReplay, caps: Caps, saving: float,
-                  before: ModelReplay) -> Recommendation:  # fmt: skip
+def _capacity_rec(
+    inputs: Inputs, m: _Model, r: ModelReplay, caps: Caps, saving: float, before: ModelReplay
+) -> Recommendation:
     policy = inputs.policy
     ran = engines_by_hour(m.setup.runs)
     segs = hour_segments(caps)
@@ -264,32 +287,59 @@ def _capacity_rec(inputs: Inputs, m: _Model, r: ModelReplay, caps: Caps, saving:
     most = max(ran)
     if len({c for _, _, c in segs}) == 1:
         n = segs[0][2]
-        kind, title = "right_size", (
-            f"{m.setup.model}: cap the autoscaled groups at {n} {noun}{'s' * (n != 1)} (they ran up to {most})"
-            if dynamic else f"{m.setup.model}: run {n} {noun}{'s' * (n != 1)} instead of {most}")  # fmt: skip
+        kind, title = (
+            "right_size",
+            (
+                f"{m.setup.model}: cap the autoscaled groups at {n} {noun}{'s' * (n != 1)} (they ran up to {most})"
+                if dynamic
+                else f"{m.setup.model}: run {n} {noun}{'s' * (n != 1)} instead of {most}"
+            ),
+        )
     else:
         plan = ", ".join(f"{c} {a:02d}-{b:02d}h" for a, b, c in segs)
-        kind, title = "schedule", (
-            f"{m.setup.model}: cap the autoscaled groups by the hour (UTC): {plan}" if dynamic
-            else f"{m.setup.model}: scale by the hour (UTC): {plan}")  # fmt: skip
-    return _rec(inputs, kind, m.setup.model, None, title, saving,
-                change={"engines_by_hour": list(caps),
-                        "schedule": [{"from": f"{a:02d}:00", "to": f"{b:02d}:00", "engines": c}
-                                     for a, b, c in segs]},
-                evidence={"engines_ran_by_hour": ran,
-                          "peak_sequences_by_hour": _peaks_by_hour(before),
-                          "sequences_per_engine": min(engine_capacity(g, m.arrivals) for g in m.setup.groups),
-                          "min_replicas": inputs.min_replicas},
-                assumptions=(
-                    f"each hour of the day gets the engines its busiest day needs in the replay, "
-                    f"never below min_replicas {inputs.min_replicas}",
-                    f"an engine stopped and needed again starts {policy.startup_seconds:g} s "
-                    "early, and that time is paid for",
-                    "requests go to the serving engines in turn, as a Service spreads them",
-                    "energy follows the tokens, which stay: only GPU-hours are saved"),
-                caveat=("the autoscaler keeps its own decisions under the cap: set its "
-                        "max_replicas by the hour (or a scheduled scaler)") if dynamic else None,
-                replays={m.setup.model: (before, r)})  # fmt: skip
+        kind, title = (
+            "schedule",
+            (
+                f"{m.setup.model}: cap the autoscaled groups by the hour (UTC): {plan}"
+                if dynamic
+                else f"{m.setup.model}: scale by the hour (UTC): {plan}"
+            ),
+        )
+    return _rec(
+        inputs,
+        kind,
+        m.setup.model,
+        None,
+        title,
+        saving,
+        change={
+            "engines_by_hour": list(caps),
+            "schedule": [
+                {"from": f"{a:02d}:00", "to": f"{b:02d}:00", "engines": c} for a, b, c in segs
+            ],
+        },
+        evidence={
+            "engines_ran_by_hour": ran,
+            "peak_sequences_by_hour": _peaks_by_hour(before),
+            "sequences_per_engine": min(engine_capacity(g, m.arrivals) for g in m.setup.groups),
+            "min_replicas": inputs.min_replicas,
+        },
+        assumptions=(
+            f"each hour of the day gets the engines its busiest day needs in the replay, "
+            f"never below min_replicas {inputs.min_replicas}",
+            f"an engine stopped and needed again starts {policy.startup_seconds:g} s "
+            "early, and that time is paid for",
+            "requests go to the serving engines in turn, as a Service spreads them",
+            "energy follows the tokens, which stay: only GPU-hours are saved",
+        ),
+        caveat=(
+            "the autoscaler keeps its own decisions under the cap: set its "
+            "max_replicas by the hour (or a scheduled scaler)"
+        )
+        if dynamic
+        else None,
+        replays={m.setup.model: (before, r)},
+    )
 
 
 def _peaks_by_hour(r: ModelReplay) -> list[float | None]:
@@ -304,10 +354,21 @@ def _sla_json(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [dict(row) for row in rows]
 
 
-def _rec(inputs: Inputs, kind: str, model: str, team: str | None, title: str, saving: float, *,
-         change: Mapping[str, Any], evidence: Mapping[str, Any], assumptions: tuple[str, ...],
-         caveat: str | None, replays: Mapping[str, tuple[ModelReplay, ModelReplay]],
-         policy_change: Mapping[str, Any] | None = None) -> Recommendation:  # fmt: skip
+def _rec(
+    inputs: Inputs,
+    kind: str,
+    model: str,
+    team: str | None,
+    title: str,
+    saving: float,
+    *,
+    change: Mapping[str, Any],
+    evidence: Mapping[str, Any],
+    assumptions: tuple[str, ...],
+    caveat: str | None,
+    replays: Mapping[str, tuple[ModelReplay, ModelReplay]],
+    policy_change: Mapping[str, Any] | None = None,
+) -> Recommendation:
     """A recommendation with its replay evidence: per model touched, before and after."""
     evidence_out = dict(evidence) | {"hours_measured": inputs.hours}
     replay_out = {}
@@ -317,21 +378,30 @@ def _rec(inputs: Inputs, kind: str, model: str, team: str | None, title: str, sa
             return _target(inputs, name_, team_)
 
         replay_out[name] = {
-            "gpu_hours_before": before.gpu_hours, "gpu_hours_after": after.gpu_hours,
-            "cost_usd_before": before.cost_usd, "cost_usd_after": after.cost_usd,
+            "gpu_hours_before": before.gpu_hours,
+            "gpu_hours_after": after.gpu_hours,
+            "cost_usd_before": before.cost_usd,
+            "cost_usd_after": after.cost_usd,
             "sla_before": _sla_json(judge(before, target, inputs.policy.sla_margin)),
             "sla_after": _sla_json(judge(after, target, inputs.policy.sla_margin)),
-            "preemptions_before": before.preemptions, "preemptions_after": after.preemptions,
-        }  # fmt: skip
+            "preemptions_before": before.preemptions,
+            "preemptions_after": after.preemptions,
+        }
     hours = inputs.hours
     return Recommendation(
-        kind=kind, model=model, team=team, title=title,
+        kind=kind,
+        model=model,
+        team=team,
+        title=title,
         saving_usd_per_month=saving * HOURS_PER_MONTH / hours if hours else 0.0,
-        evidence=evidence_out, assumptions=(*assumptions, f"the {hours} hours measured are "
-                                            "representative of a month"),
-        caveat=caveat, change=dict(change), replay=replay_out,
-        policy_change=dict(policy_change or {}), saving_usd=saving,
-    )  # fmt: skip
+        evidence=evidence_out,
+        assumptions=(*assumptions, f"the {hours} hours measured are representative of a month"),
+        caveat=caveat,
+        change=dict(change),
+        replay=replay_out,
+        policy_change=dict(policy_change or {}),
+        saving_usd=saving,
+    )
 
 
 def _baseline(inputs: Inputs) -> tuple[dict[str, _Model], list[Note]]:
@@ -363,16 +433,24 @@ def build_plan(
     for name, m in sorted(models.items()):
         fit = _refit(inputs, m.setup, m.arrivals, m.replay)
         if fit is None:
-            notes.append(Note(name, None, "sla_missed", f"{name}: replayed as it ran, a team "
-                              "misses its SLA: no engine of it is taken away unless another "
-                              "change makes up for it"))  # fmt: skip
+            notes.append(
+                Note(
+                    name,
+                    None,
+                    "sla_missed",
+                    f"{name}: replayed as it ran, a team "
+                    "misses its SLA: no engine of it is taken away unless another "
+                    "change makes up for it",
+                )
+            )
             continue
         r, caps = fit
         if caps is not None and m.cost - r.cost_usd >= floor:
             recs.append(_capacity_rec(inputs, m, r, caps, m.cost - r.cost_usd, m.replay))
             m.replay, m.cost, m.caps = r, r.cost_usd, caps
-    world = World({n: m.setup for n, m in models.items()},
-                  {n: m.arrivals for n, m in models.items()})  # fmt: skip
+    world = World(
+        {n: m.setup for n, m in models.items()}, {n: m.arrivals for n, m in models.items()}
+    )
     taken: set[str] = set()
     for cand in candidates(world, {n: m.replay for n, m in models.items()}):
         if cand.exclusive and cand.exclusive in taken:
@@ -396,8 +474,11 @@ def build_plan(
     return Plan(tuple(recs), tuple(notes), inputs.hours, measured_usd, total)
 
 
-def _try(inputs: Inputs, cand: Candidate, world: World,
-         ) -> tuple[World, dict[str, tuple[ModelReplay, Caps | None]]] | None:  # fmt: skip
+def _try(
+    inputs: Inputs,
+    cand: Candidate,
+    world: World,
+) -> tuple[World, dict[str, tuple[ModelReplay, Caps | None]]] | None:
     """The candidate applied and its models sized again; None when an SLA would be missed."""
     trial = cand.apply(world)
     fits: dict[str, tuple[ModelReplay, Caps | None]] = {}
@@ -411,9 +492,13 @@ def _try(inputs: Inputs, cand: Candidate, world: World,
     return trial, fits
 
 
-def _change_rec(inputs: Inputs, cand: Candidate, models: Mapping[str, _Model],
-                fits: Mapping[str, tuple[ModelReplay, Caps | None]],
-                saving: float) -> Recommendation:  # fmt: skip
+def _change_rec(
+    inputs: Inputs,
+    cand: Candidate,
+    models: Mapping[str, _Model],
+    fits: Mapping[str, tuple[ModelReplay, Caps | None]],
+    saving: float,
+) -> Recommendation:
     """The candidate as a recommendation: its change, with the engines it lets go."""
     change = dict(cand.change)
     title = cand.title
@@ -429,10 +514,20 @@ def _change_rec(inputs: Inputs, cand: Candidate, models: Mapping[str, _Model],
                 else ", ".join(f"{c} {a:02d}-{b:02d}h" for a, b, c in segs)
             )
             title += f"; then {n} runs {text}"
-    return _rec(inputs, cand.kind, cand.model, cand.team, title, saving, change=change,
-                evidence=cand.evidence, assumptions=cand.assumptions, caveat=cand.caveat,
-                replays={n: (models[n].replay, fits[n][0]) for n in cand.models},
-                policy_change=cand.policy_change)  # fmt: skip
+    return _rec(
+        inputs,
+        cand.kind,
+        cand.model,
+        cand.team,
+        title,
+        saving,
+        change=change,
+        evidence=cand.evidence,
+        assumptions=cand.assumptions,
+        caveat=cand.caveat,
+        replays={n: (models[n].replay, fits[n][0]) for n in cand.models},
+        policy_change=cand.policy_change,
+    )
 
 
 def with_setup(world: World, setup: ModelSetup) -> World:

@@ -150,8 +150,9 @@ class ModelReplay:
         """The 95th percentile of the requests' mean inter-token gaps (those of 2+ tokens)."""
         return percentile([v for v in self._pick(self.itl, team, group) if v == v], 0.95)
 
-    def hours_missing(self, team: str, ttft_s: float, itl_s: float | None,
-                      share: float = 0.05) -> set[int]:  # fmt: skip
+    def hours_missing(
+        self, team: str, ttft_s: float, itl_s: float | None, share: float = 0.05
+    ) -> set[int]:
         """Hours of the day (UTC) in which more than ``share`` of a team's requests missed."""
         asked: dict[int, int] = defaultdict(int)
         missed: dict[int, int] = defaultdict(int)
@@ -243,8 +244,13 @@ def _blocks(
     return found
 
 
-def _drive(run: Run, group: GroupSetup, arrivals: Sequence[Arrival], mine: Sequence[int],
-           peak: dict[int, float]) -> tuple[dict[int, tuple[float, float]], int]:  # fmt: skip
+def _drive(
+    run: Run,
+    group: GroupSetup,
+    arrivals: Sequence[Arrival],
+    mine: Sequence[int],
+    peak: dict[int, float],
+) -> tuple[dict[int, tuple[float, float]], int]:
     """One instance through its arrivals: per arrival index, (TTFT, mean gap); preemptions.
 
     ``peak`` gains, per hour, the most sequences this engine held at once (running and waiting).
@@ -270,8 +276,10 @@ def _drive(run: Run, group: GroupSetup, arrivals: Sequence[Arrival], mine: Seque
             a = arrivals[k]
             blocks = _blocks(a, size, known) if caching else ()
             per = max(1, math.ceil(a.completion_tokens / max(1, a.choices)))
-            seqs = [Seq(f"{k}-{c}", max(1, a.prompt_tokens), per, per, blocks, arrived_at=a.t)
-                    for c in range(max(1, a.choices))]  # fmt: skip
+            seqs = [
+                Seq(f"{k}-{c}", max(1, a.prompt_tokens), per, per, blocks, arrived_at=a.t)
+                for c in range(max(1, a.choices))
+            ]
             for s in seqs:
                 sched.add(s)
                 owners[id(s)] = (k, seqs)

@@ -90,8 +90,11 @@ ORDER BY replica"""
 def group_engine_sql(lo_slot: int, hi_slot: int, fleet: Fleet) -> Sql:
     """Per replica group: occupancy, deepest queue, fullest KV cache, preemptions, prefix-cache
     lookups and hits, and the smallest KV cache any of its engines reported."""
-    seqs, params = _values("seqs", [("replica", "VARCHAR"), ("max_num_seqs", "BIGINT")],
-                           sorted(fleet.max_num_seqs.items()))  # fmt: skip
+    seqs, params = _values(
+        "seqs",
+        [("replica", "VARCHAR"), ("max_num_seqs", "BIGINT")],
+        sorted(fleet.max_num_seqs.items()),
+    )
     sql = f"""
 WITH {seqs}, {_engine_cte()}
 SELECT e.replica, any_value(e.model) AS model,

@@ -136,18 +136,23 @@ def _targets(config: Config) -> dict[tuple[str, str], Target]:
     def itl(tps: float) -> float | None:
         return 1.0 / tps if tps > 0 else None
 
-    out = {(m.name, ""): Target(m.sla.ttft_p95_seconds, itl(m.sla.min_output_tokens_per_second))
-           for m in config.models}  # fmt: skip
+    out = {
+        (m.name, ""): Target(m.sla.ttft_p95_seconds, itl(m.sla.min_output_tokens_per_second))
+        for m in config.models
+    }
     for o in config.alerts.slas:
         base = config.model(o.model).sla
         tps = o.min_output_tokens_per_second
-        out[(o.model, o.team)] = Target(o.ttft_p95_seconds or base.ttft_p95_seconds,
-                                        itl(base.min_output_tokens_per_second if tps is None else tps))  # fmt: skip
+        out[(o.model, o.team)] = Target(
+            o.ttft_p95_seconds or base.ttft_p95_seconds,
+            itl(base.min_output_tokens_per_second if tps is None else tps),
+        )
     return out
 
 
-def _groups(config: Config, runs: list[dict[str, Any]], engines: Mapping[str, GroupEngine]
-            ) -> dict[str, list[GroupSetup]]:  # fmt: skip
+def _groups(
+    config: Config, runs: list[dict[str, Any]], engines: Mapping[str, GroupEngine]
+) -> dict[str, list[GroupSetup]]:
     """Each model's replica groups that ran, set up as configured and as their engines reported."""
     out: dict[str, list[GroupSetup]] = defaultdict(list)
     ran = {r["replica"] for r in runs}
@@ -157,18 +162,37 @@ def _groups(config: Config, runs: list[dict[str, Any]], engines: Mapping[str, Gr
         base = config.simulator.engine_for(r.model)
         measured = engines.get(r.id)
         kv = measured.kv_cache_tokens if measured and measured.kv_cache_tokens else None
-        profile = base.model_copy(update={"max_num_seqs": r.max_num_seqs or base.max_num_seqs,
-                                          "kv_cache_tokens": int(kv) if kv else base.kv_cache_tokens})  # fmt: skip
+        profile = base.model_copy(
+            update={
+                "max_num_seqs": r.max_num_seqs or base.max_num_seqs,
+                "kv_cache_tokens": int(kv) if kv else base.kv_cache_tokens,
+            }
+        )
         hits = measured is not None and measured.prefix_cache_hits > 0
         dynamic = any(x["replica"] == r.id and x["instance"] != r.id for x in runs)
-        out[r.model].append(GroupSetup(r.id, r.model, r.gpu_model, r.gpu_count,
-                                       config.prices.usd_per_gpu_hour.get(r.gpu_model, 0.0),
-                                       profile, hits, dynamic))  # fmt: skip
+        out[r.model].append(
+            GroupSetup(
+                r.id,
+                r.model,
+                r.gpu_model,
+                r.gpu_count,
+                config.prices.usd_per_gpu_hour.get(r.gpu_model, 0.0),
+                profile,
+                hits,
+                dynamic,
+            )
+        )
     return out
 
 
-def read_plan(cursor: duckdb.DuckDBPyConnection, config: Config, lo: int, hi: int,
-              policy: Policy, fleet: Fleet | None = None) -> Plan:  # fmt: skip
+def read_plan(
+    cursor: duckdb.DuckDBPyConnection,
+    config: Config,
+    lo: int,
+    hi: int,
+    policy: Policy,
+    fleet: Fleet | None = None,
+) -> Plan:
     """The plan for slots ``[lo, hi)``: replayed from the ledger's requests and instances."""
     fleet = fleet_of(config) if fleet is None else fleet
     models = {m.name for m in config.models}
@@ -176,8 +200,11 @@ def read_plan(cursor: duckdb.DuckDBPyConnection, config: Config, lo: int, hi: in
     for row in _frame(cursor, arrivals_sql(lo, hi)).iter_rows():
         t, team, model, prompt, completion, choices, stream, head, head_tokens, timed = row
         if model in models:
-            arrivals[model].append(Arrival(t, team, model, prompt, completion, choices, head,
-                                           head_tokens, stream, timed))  # fmt: skip
+            arrivals[model].append(
+                Arrival(
+                    t, team, model, prompt, completion, choices, head, head_tokens, stream, timed
+                )
+            )
     runs = _rows(cursor, runs_sql(lo, hi, heartbeat_seconds(config)))
     engines = {
         row["replica"]: GroupEngine(**row) for row in _rows(cursor, group_engine_sql(lo, hi, fleet))
@@ -190,11 +217,17 @@ def read_plan(cursor: duckdb.DuckDBPyConnection, config: Config, lo: int, hi: in
         if row["replica"] in replica_model and row["gpu_seconds"] > 0
     }
     setups = {
-        model: ModelSetup(model, tuple(gs), tuple(
-            Run(r["replica"], r["instance"], r["start"], r["end"], r["start"])
-            for r in runs if r["replica"] in {g.replica for g in gs}))
+        model: ModelSetup(
+            model,
+            tuple(gs),
+            tuple(
+                Run(r["replica"], r["instance"], r["start"], r["end"], r["start"])
+                for r in runs
+                if r["replica"] in {g.replica for g in gs}
+            ),
+        )
         for model, gs in groups.items()
-    }  # fmt: skip
+    }
     world = World(setups, {m: arrivals.get(m, []) for m in setups})
     [hours] = _frame(cursor, hours_sql(lo, hi))["hours"].to_list()
     facts = Facts(
@@ -203,17 +236,34 @@ def read_plan(cursor: duckdb.DuckDBPyConnection, config: Config, lo: int, hi: in
         served_versions={m.name: m.current_version for m in config.models},
         max_model_len={m.name: m.max_model_len for m in config.models},
         workloads={t.name: t.workload for t in config.teams},
-        engines=engines, measured=measured, policy=policy,
-        min_replicas=config.scaling.min_replicas, period_end=hi * SLOT_SECONDS,
-    )  # fmt: skip
-    inputs = Inputs(lo * SLOT_SECONDS, hi * SLOT_SECONDS, int(hours), world, measured,
-                    _targets(config), config.scaling.min_replicas, policy,
-                    tuple(sizing_notes(world, facts)))  # fmt: skip
+        engines=engines,
+        measured=measured,
+        policy=policy,
+        min_replicas=config.scaling.min_replicas,
+        period_end=hi * SLOT_SECONDS,
+    )
+    inputs = Inputs(
+        lo * SLOT_SECONDS,
+        hi * SLOT_SECONDS,
+        int(hours),
+        world,
+        measured,
+        _targets(config),
+        config.scaling.min_replicas,
+        policy,
+        tuple(sizing_notes(world, facts)),
+    )
     return build_plan(inputs, propose(facts))
 
 
-def read_report(cursor: duckdb.DuckDBPyConnection, config: Config, month: str, now: float,
-                team: str | None = None, policy: Policy | None = None) -> Report:  # fmt: skip
+def read_report(
+    cursor: duckdb.DuckDBPyConnection,
+    config: Config,
+    month: str,
+    now: float,
+    team: str | None = None,
+    policy: Policy | None = None,
+) -> Report:
     """``month``'s figures and plan; with ``team``, only what that team may see.
 
     A team sees its own hourly figures and the recommendations about its own requests (routing,
@@ -233,6 +283,17 @@ def read_report(cursor: duckdb.DuckDBPyConnection, config: Config, month: str, n
         groups = instances = pl.DataFrame()
         recs = [r for r in recs if r.team == team]
         notes = ()
-    return Report(month, lo * SLOT_SECONDS, hi * SLOT_SECONDS, team, groups, instances, teams,
-                  tuple(recs), tuple(notes), plan.hours, plan.measured_usd,
-                  month_end_share(month, min(now, hi * SLOT_SECONDS)))  # fmt: skip
+    return Report(
+        month,
+        lo * SLOT_SECONDS,
+        hi * SLOT_SECONDS,
+        team,
+        groups,
+        instances,
+        teams,
+        tuple(recs),
+        tuple(notes),
+        plan.hours,
+        plan.measured_usd,
+        month_end_share(month, min(now, hi * SLOT_SECONDS)),
+    )

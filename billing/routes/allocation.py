@@ -41,8 +41,9 @@ From = Annotated[float | None, Query(alias="from", ge=FIRST_SECOND, le=LAST_SECO
 To = Annotated[float | None, Query(alias="to", ge=FIRST_SECOND, le=LAST_SECOND)]
 
 
-def _query(who: Caller, request: Request, start: float | None, end: float | None,
-           by: str) -> ExplorerQuery:  # fmt: skip
+def _query(
+    who: Caller, request: Request, start: float | None, end: float | None, by: str
+) -> ExplorerQuery:
     """The checked query: the caller's scope, the window, the grouping and the filters."""
     now = time.time()
     end = now if end is None else end
@@ -53,8 +54,9 @@ def _query(who: Caller, request: Request, start: float | None, end: float | None
         if team is not None and asked != team:
             who.require_team(asked)
     try:
-        return ExplorerQuery.checked(start, end, [b.strip() for b in by.split(",") if b.strip()],
-                                     filters, team)  # fmt: skip
+        return ExplorerQuery.checked(
+            start, end, [b.strip() for b in by.split(",") if b.strip()], filters, team
+        )
     except ValueError as exc:
         raise BadRequest(str(exc), code="invalid_value") from None
 
@@ -66,8 +68,12 @@ async def _view(svc: Any, query: ExplorerQuery) -> tuple[View, list[Month]]:
 
 def _month(month: Month, team: str | None) -> dict[str, Any]:
     adjust = month.adjustments if team is None else {team: month.adjustments.get(team, 0)}
-    return {"month": month.month, "as_of": month.as_of, "closed": month.closed,
-            "adjustment_cents": sum(adjust.values())}  # fmt: skip
+    return {
+        "month": month.month,
+        "as_of": month.as_of,
+        "closed": month.closed,
+        "adjustment_cents": sum(adjust.values()),
+    }
 
 
 @router.get(

@@ -35,12 +35,19 @@ __all__ = ["router"]
 
 router = APIRouter()
 
-_BODY = {"requestBody": {"required": True, "content": {
-    NDJSON: {"schema": {"type": "string", "description": "One audit event per line."}}}}}  # fmt: skip
+_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            NDJSON: {"schema": {"type": "string", "description": "One audit event per line."}}
+        },
+    }
+}
 
 
-@router.post("/v1/ingest/audit", responses=errors(400, 401, 403, 408, 413, 503),
-             openapi_extra=_BODY)  # fmt: skip
+@router.post(
+    "/v1/ingest/audit", responses=errors(400, 401, 403, 408, 413, 503), openapi_extra=_BODY
+)
 async def ingest(request: Request, who: Sending, svc: ServicesDep) -> Response:
     """Keep a batch of a service's audit events; answer only after it is committed."""
     b = svc.config.billing
@@ -49,8 +56,11 @@ async def ingest(request: Request, who: Sending, svc: ServicesDep) -> Response:
     sender = who.writer.principal if who.writer is not None else "@ingest"
     if media == SEALED_NDJSON:
         opened = svc.writers.open(body)
-        lines = [(pos, line, g.writer.principal) for g in opened.groups
-                 for pos, line in zip(g.places, g.records, strict=True)]  # fmt: skip
+        lines = [
+            (pos, line, g.writer.principal)
+            for g in opened.groups
+            for pos, line in zip(g.places, g.records, strict=True)
+        ]
         refused = [{"id": f"#{u.pos}", "reason": u.reason} for u in opened.unopened]
     else:
         parts = body.split(b"\n")
@@ -76,8 +86,9 @@ def _range(start: float | None, end: float | None) -> tuple[float, float]:
     end = time.time() if end is None else end
     start = end - 30 * 86_400.0 if start is None else start
     if end <= start:
-        raise BadRequest(f"the range must have to > from (from={start}, to={end})",
-                         code="invalid_value")  # fmt: skip
+        raise BadRequest(
+            f"the range must have to > from (from={start}, to={end})", code="invalid_value"
+        )
     return start, end
 
 
@@ -98,8 +109,9 @@ Actions = Annotated[
 
 
 @router.get("/v1/audit", responses=errors(400, *READ))
-async def read(_: Auditor, svc: ServicesDep, start: From = None, end: To = None,
-               action: Actions = None) -> dict[str, Any]:  # fmt: skip
+async def read(
+    _: Auditor, svc: ServicesDep, start: From = None, end: To = None, action: Actions = None
+) -> dict[str, Any]:
     """The events of ``from``..``to`` (Unix seconds; default: the last 30 days), oldest first."""
     start, end = _range(start, end)
     found = await run_in_threadpool(_read, svc, start, end, action or [])
@@ -107,8 +119,9 @@ async def read(_: Auditor, svc: ServicesDep, start: From = None, end: To = None,
 
 
 @router.get("/v1/audit.csv", responses=text(CSV, "The audit trail as CSV.") | errors(400, *READ))
-async def export(_: Auditor, svc: ServicesDep, start: From = None, end: To = None,
-                 action: Actions = None) -> Response:  # fmt: skip
+async def export(
+    _: Auditor, svc: ServicesDep, start: From = None, end: To = None, action: Actions = None
+) -> Response:
     """The same events as a CSV file, for an auditor's spreadsheet (cells that a spreadsheet
     would run as a formula are prefixed with ``'``)."""
     start, end = _range(start, end)

@@ -33,9 +33,12 @@ MAX_ROWS = 50_000
 
 @router.get("/v1/chargeback/{month}/breakdown", responses=errors(400, *READ))
 async def chargeback_breakdown(
-    who: Reader, month: Month, svc: ServicesDep, request: Request,
+    who: Reader,
+    month: Month,
+    svc: ServicesDep,
+    request: Request,
     limit: Annotated[int, Query(ge=1, le=MAX_ROWS)] = 10_000,
-) -> Response:  # fmt: skip
+) -> Response:
     """The month's lines by team, model, project and user: every team's for a reader of every
     team, its own for a team."""
     entry = await compute(svc, svc.statements.cached, month)
@@ -51,8 +54,9 @@ async def chargeback_breakdown(
     return json_response(body)
 
 
-async def with_projects(request: Request, svc: Services, entry: Cached,
-                        rows: list[dict[str, Any]]) -> list[dict[str, Any]]:  # fmt: skip
+async def with_projects(
+    request: Request, svc: Services, entry: Cached, rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """``/v1/spend``'s rows, each team that budgets its projects with ``projects`` (project ->
     USD spent this month). A key the rows had before is never changed, so a sidecar of the
     previous version reads the answer as it did."""
@@ -60,8 +64,10 @@ async def with_projects(request: Request, svc: Services, entry: Cached,
         return rows
     memo = _memo(request, "project_spends", ProjectSpends)
     projects = await compute(svc, memo.of, svc.ledger, entry.statement, svc.config)
-    return [row | {"projects": projects[row["team"]]} if row["team"] in projects else row
-            for row in rows]  # fmt: skip
+    return [
+        row | {"projects": projects[row["team"]]} if row["team"] in projects else row
+        for row in rows
+    ]
 
 
 def _memo(request: Request, name: str, kind: type[T]) -> T:

@@ -108,8 +108,9 @@ def services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(services)]
 
 
-def caller(request: Request, svc: ServicesDep,
-           authorization: Annotated[str | None, Header()] = None) -> Caller:  # fmt: skip
+def caller(
+    request: Request, svc: ServicesDep, authorization: Annotated[str | None, Header()] = None
+) -> Caller:
     """The identified caller; Unauthenticated (401) when the credential is missing or unknown.
 
     With single sign-on configured, a bearer shaped like a JWT is a person's ID token

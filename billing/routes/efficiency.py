@@ -43,8 +43,9 @@ def _report(svc: Services, month: str, team: str | None) -> bytes:
 
 
 @router.get("/v1/efficiency/{month}", responses=errors(400, *READ))
-async def efficiency(who: Reader, month: Month, svc: ServicesDep,
-                     team: Annotated[str | None, Query()] = None) -> Response:  # fmt: skip
+async def efficiency(
+    who: Reader, month: Month, svc: ServicesDep, team: Annotated[str | None, Query()] = None
+) -> Response:
     """A month's efficiency figures per replica group, instance, team and hour, and the plan that
     would save money: each change proven by replay, with its saving within the plan, the replay
     (GPU-hours, cost, each team's SLA before and after), evidence and assumptions."""

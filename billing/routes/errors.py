@@ -29,11 +29,15 @@ __all__ = ["error_response", "install"]
 log = logging.getLogger("infermeter.billing")
 
 
-def error_response(status: int, message: str, err_type: str, code: str | None = None,
-                   param: str | None = None) -> Response:  # fmt: skip
+def error_response(
+    status: int, message: str, err_type: str, code: str | None = None, param: str | None = None
+) -> Response:
     """An ``error_body`` answer with ``status``."""
-    return Response(error_body(status, message, err_type, code, param), status_code=status,
-                    media_type="application/json")  # fmt: skip
+    return Response(
+        error_body(status, message, err_type, code, param),
+        status_code=status,
+        media_type="application/json",
+    )
 
 
 async def _bad_request(_: Request, exc: Exception) -> Response:
@@ -50,8 +54,12 @@ async def _rate_limited(_: Request, exc: Exception) -> Response:
 
 async def _unavailable(_: Request, exc: Exception) -> Response:
     log.error("ledger write failed: %s", exc)
-    return error_response(503, "the ledger cannot be written (disk full or unavailable); retry later",
-                          "server_error", "ledger_unavailable")  # fmt: skip
+    return error_response(
+        503,
+        "the ledger cannot be written (disk full or unavailable); retry later",
+        "server_error",
+        "ledger_unavailable",
+    )
 
 
 async def _invalid(_: Request, exc: Exception) -> Response:

@@ -44,8 +44,9 @@ async def events(
     end = time.time() if end is None else end
     start = end - 86_400.0 if start is None else start
     if end <= start:
-        raise BadRequest(f"the range must have to > from (from={start}, to={end})",
-                         code="invalid_value")  # fmt: skip
+        raise BadRequest(
+            f"the range must have to > from (from={start}, to={end})", code="invalid_value"
+        )
     found = await run_in_threadpool(_read, svc.ledger, start, end, who.reads_all)
     return {"from": start, "to": end, "events": found, "price_changes": NO_PRICE_CHANGES}
 
@@ -56,19 +57,28 @@ def _read(ledger: Ledger, start: float, end: float, admin: bool) -> list[dict[st
         if admin:
             sql, params = recent_decisions_sql(start, end, MAX_DECISIONS)
             for model, at, previous, _, desired, reasons in cur.execute(sql, params).fetchall():
-                found.append({
-                    "at": at, "kind": "scale_up" if desired > previous else "scale_down",
-                    "model": model, "title": f"{model}: {previous} -> {desired} replicas",
-                    "detail": reasons,
-                })  # fmt: skip
+                found.append(
+                    {
+                        "at": at,
+                        "kind": "scale_up" if desired > previous else "scale_down",
+                        "model": model,
+                        "title": f"{model}: {previous} -> {desired} replicas",
+                        "detail": reasons,
+                    }
+                )
         closes = cur.execute(
             "SELECT month, closed_at FROM months WHERE closed_at >= ? AND closed_at < ? "
             "ORDER BY closed_at",
             [start, end],
         ).fetchall()
     for month, at in closes:
-        found.append({
-            "at": at, "kind": "month_close", "model": None, "title": f"{month} closed",
-            "detail": f"the statement of {month} is frozen; later records for it are adjustments",
-        })  # fmt: skip
+        found.append(
+            {
+                "at": at,
+                "kind": "month_close",
+                "model": None,
+                "title": f"{month} closed",
+                "detail": f"the statement of {month} is frozen; later records for it are adjustments",
+            }
+        )
     return sorted(found, key=lambda e: (e["at"], e["kind"]))

@@ -81,10 +81,13 @@ async def _held(request: Request, svc: ServicesDep, month: str) -> tuple[Any, An
 
 
 # Declared before ``{month}``, which would otherwise take "2026-10.focus.csv" as the month.
-@router.get("/v1/federation/statement/{month}.focus.csv",
-            responses=text(CSV, "The FOCUS 1.2 file across clusters.") | errors(400, *READ, 404))  # fmt: skip
-async def statement_focus(who: AllReader, month: Month, svc: ServicesDep,
-                          request: Request) -> Response:  # fmt: skip
+@router.get(
+    "/v1/federation/statement/{month}.focus.csv",
+    responses=text(CSV, "The FOCUS 1.2 file across clusters.") | errors(400, *READ, 404),
+)
+async def statement_focus(
+    who: AllReader, month: Month, svc: ServicesDep, request: Request
+) -> Response:
     """The clusters' closed month as one FOCUS 1.2 file, SubAccountId ``<cluster>/<team>``."""
     lines, states = await _held(request, svc, month)
     frame = await compute(svc, central_focus, month, lines, states, svc.config)

@@ -55,15 +55,18 @@ async def fleet(
     end = now if end is None else end
     start = end - DEFAULT_WINDOW_SECONDS if start is None else start
     if end <= start:
-        raise BadRequest(f"the range must have to > from (from={start}, to={end})",
-                         code="invalid_value")  # fmt: skip
+        raise BadRequest(
+            f"the range must have to > from (from={start}, to={end})", code="invalid_value"
+        )
     return await run_in_threadpool(_read, svc.ledger, svc.config, now, start, end, limit)
 
 
-def _read(ledger: Ledger, config: Config, now: float, start: float, end: float,
-          limit: int) -> FleetView:  # fmt: skip
-    live = ledger.lifetimes(now, heartbeat_seconds(config), "live", limit=MAX_INSTANCES,
-                            bound=live_bound(config))  # fmt: skip
+def _read(
+    ledger: Ledger, config: Config, now: float, start: float, end: float, limit: int
+) -> FleetView:
+    live = ledger.lifetimes(
+        now, heartbeat_seconds(config), "live", limit=MAX_INSTANCES, bound=live_bound(config)
+    )
     sql, params = recent_decisions_sql(start, end, limit + 1)
     with ledger.reader() as cur:
         latest = _rows(cur.execute(latest_decisions_sql()).fetchall())

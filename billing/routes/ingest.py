@@ -56,11 +56,19 @@ async def _keep(keep: Callable[..., IngestResult], *args: Any) -> IngestResult:
 def _acknowledge(svc: Services, result: IngestResult, wire_format: str) -> Response:
     svc.ingest_counters.count(result, wire_format)
     if result.rejected:
-        log.warning("ingest: %d %s record(s) rejected, first: %s", len(result.rejected),
-                    result.kind, result.rejected[0].reason)  # fmt: skip
+        log.warning(
+            "ingest: %d %s record(s) rejected, first: %s",
+            len(result.rejected),
+            result.kind,
+            result.rejected[0].reason,
+        )
     if result.quarantined:
-        log.warning("ingest: %d %s record(s) quarantined, first: %s", len(result.quarantined),
-                    result.kind, result.quarantined[0].reason)  # fmt: skip
+        log.warning(
+            "ingest: %d %s record(s) quarantined, first: %s",
+            len(result.quarantined),
+            result.kind,
+            result.quarantined[0].reason,
+        )
     return json_response(result.to_json())
 
 
@@ -69,10 +77,19 @@ def _sealed(svc: Services, kind: str, body: bytes, who: Sender) -> IngestResult:
     b, ledger = svc.config.billing, svc.ledger
     opened = svc.writers.open(body)
     parts = [
-        (ledger.ingest_lines(kind, group.body, None, b.max_clock_skew_seconds,
-                             b.max_batch_records, writer=group.writer), group.places)
+        (
+            ledger.ingest_lines(
+                kind,
+                group.body,
+                None,
+                b.max_clock_skew_seconds,
+                b.max_batch_records,
+                writer=group.writer,
+            ),
+            group.places,
+        )
         for group in opened.groups
-    ]  # fmt: skip
+    ]
     unopened = ledger.quarantine_lines(kind, opened.unopened, who.writer)
     return merge(kind, parts, unopened)
 
@@ -90,8 +107,11 @@ async def ingest(request: Request, who: Sending, svc: ServicesDep) -> Response:
     return _acknowledge(svc, result, "json")
 
 
-@router.post("/v1/ingest/{kind}", responses=errors(400, 401, 403, 408, 413, 422, 503),
-             openapi_extra=KIND_BODY)  # fmt: skip
+@router.post(
+    "/v1/ingest/{kind}",
+    responses=errors(400, 401, 403, 408, 413, 422, 503),
+    openapi_extra=KIND_BODY,
+)
 async def ingest_batch(kind: Kind, request: Request, who: Sending, svc: ServicesDep) -> Response:
     """Keep a batch of ``kind`` records as shippers send it: an Arrow IPC stream, NDJSON, or
     sealed NDJSON (a spool's lines as they are on disk).
@@ -106,8 +126,10 @@ async def ingest_batch(kind: Kind, request: Request, who: Sending, svc: Services
     b = svc.config.billing
     if media == SEALED_NDJSON:
         if kind not in ledger.kinds:  # a 400 before the body is read, as for the other formats
-            raise BadRequest(f"unknown record kind {kind!r}; one of: {', '.join(ledger.kinds)}",
-                             code="invalid_value")  # fmt: skip
+            raise BadRequest(
+                f"unknown record kind {kind!r}; one of: {', '.join(ledger.kinds)}",
+                code="invalid_value",
+            )
         body = await read_body(request, b.max_body_bytes, b.body_read_timeout_seconds)
         result = await _keep(_sealed, svc, kind, body, who)
         return _acknowledge(svc, result, "sealed")
@@ -117,10 +139,26 @@ async def ingest_batch(kind: Kind, request: Request, who: Sending, svc: Services
     with ledger.announce() as ticket:
         body = await read_body(request, b.max_body_bytes, b.body_read_timeout_seconds)
         if arrow:
-            result = await _keep(ledger.ingest_arrow, kind, body, None, b.max_clock_skew_seconds,
-                                 b.max_batch_records, ticket, b.max_body_bytes, who.writer)  # fmt: skip
+            result = await _keep(
+                ledger.ingest_arrow,
+                kind,
+                body,
+                None,
+                b.max_clock_skew_seconds,
+                b.max_batch_records,
+                ticket,
+                b.max_body_bytes,
+                who.writer,
+            )
         else:
-            result = await _keep(ledger.ingest_lines, kind, body, None,
-                                 b.max_clock_skew_seconds, b.max_batch_records, ticket,
-                                 who.writer)  # fmt: skip
+            result = await _keep(
+                ledger.ingest_lines,
+                kind,
+                body,
+                None,
+                b.max_clock_skew_seconds,
+                b.max_batch_records,
+                ticket,
+                who.writer,
+            )
     return _acknowledge(svc, result, "arrow" if arrow else "ndjson")

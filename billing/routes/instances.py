@@ -72,6 +72,13 @@ async def instances(
 ) -> Instances:
     """Live instances (``state=all``: every lifetime kept), optionally of one replica group."""
     config = svc.config
-    rows = await run_in_threadpool(svc.ledger.lifetimes, time.time(), heartbeat_seconds(config),
-                                   state, replica, limit, live_bound(config))  # fmt: skip
+    rows = await run_in_threadpool(
+        svc.ledger.lifetimes,
+        time.time(),
+        heartbeat_seconds(config),
+        state,
+        replica,
+        limit,
+        live_bound(config),
+    )
     return Instances(instances=[_entry(r) for r in rows])

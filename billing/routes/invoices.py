@@ -33,10 +33,17 @@ _TYPES: Final[dict[str, Format]] = {
     "application/x-parquet": "parquet",
     "application/parquet": "parquet",
 }
-_EXTRA = {"requestBody": {"required": True, "content": {
-    "text/csv": {"schema": {"type": "string", "minLength": 1}},
-    "application/vnd.apache.parquet": {"schema": {"type": "string", "format": "binary", "minLength": 1}},
-}}}  # fmt: skip
+_EXTRA = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "text/csv": {"schema": {"type": "string", "minLength": 1}},
+            "application/vnd.apache.parquet": {
+                "schema": {"type": "string", "format": "binary", "minLength": 1}
+            },
+        },
+    }
+}
 
 
 def _format(request: Request, explicit: str | None, source: str) -> Format:
@@ -49,9 +56,11 @@ def _format(request: Request, explicit: str | None, source: str) -> Format:
         return found
     if source.lower().endswith((".csv", ".parquet", ".pq")):
         return format_for(source)
-    raise BadRequest(f"content type {media or '(none)'!r}: send text/csv or "
-                     "application/vnd.apache.parquet, or say format=csv|parquet",
-                     code="invalid_invoice")  # fmt: skip
+    raise BadRequest(
+        f"content type {media or '(none)'!r}: send text/csv or "
+        "application/vnd.apache.parquet, or say format=csv|parquet",
+        code="invalid_invoice",
+    )
 
 
 @router.post("/v1/invoices", responses=errors(400, *READ, 408, 413), openapi_extra=_EXTRA)
@@ -75,12 +84,20 @@ async def import_invoice(
     )
     months = sorted({t.month for t in invoice.totals})
     event = audit_event(
-        "invoice.imported", who.who, who.role, "billing", target=f"invoice:{invoice.sha256}",
-        detail={"source": source, "rows": invoice.rows, "months": months[:24],
-                "billed_cents": sum(t.billed_cents for t in invoice.totals),
-                "unmatched_cents": invoice.unmatched.billed_cents},
+        "invoice.imported",
+        who.who,
+        who.role,
+        "billing",
+        target=f"invoice:{invoice.sha256}",
+        detail={
+            "source": source,
+            "rows": invoice.rows,
+            "months": months[:24],
+            "billed_cents": sum(t.billed_cents for t in invoice.totals),
+            "unmatched_cents": invoice.unmatched.billed_cents,
+        },
         address=request.client.host if request.client else None,
-    )  # fmt: skip
+    )
     stored = await run_in_threadpool(svc.ledger.import_invoice, invoice, time.time(), [event])
     svc.statements.forget()  # the next statement is on the invoice's basis, not a kept one
     return invoice.to_json() | stored.to_json()

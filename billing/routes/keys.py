@@ -61,10 +61,18 @@ class Change(BaseModel):
     grace_seconds: float = 0.0
 
 
-_EXTRA_KEY = {"requestBody": {"required": True, "content": {"application/json": {
-    "schema": KeyRequest.model_json_schema()}}}}  # fmt: skip
-_EXTRA_CHANGE = {"requestBody": {"required": False, "content": {"application/json": {
-    "schema": Change.model_json_schema()}}}}  # fmt: skip
+_EXTRA_KEY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": KeyRequest.model_json_schema()}},
+    }
+}
+_EXTRA_CHANGE = {
+    "requestBody": {
+        "required": False,
+        "content": {"application/json": {"schema": Change.model_json_schema()}},
+    }
+}
 
 
 async def _json(request: Request, required: bool) -> dict[str, Any]:
@@ -90,8 +98,9 @@ def _address(request: Request) -> str | None:
     return request.client.host if request.client else None
 
 
-@router.post("/v1/keys", status_code=201, responses=errors(400, *READ, 503),
-             openapi_extra=_EXTRA_KEY)  # fmt: skip
+@router.post(
+    "/v1/keys", status_code=201, responses=errors(400, *READ, 503), openapi_extra=_EXTRA_KEY
+)
 async def create(who: Asker, request: Request, svc: ServicesDep) -> Response:
     """Issue a key: the answer's ``key`` is the secret, shown this once."""
     body = await _json(request, required=True)
@@ -106,8 +115,9 @@ async def listing(who: Asker, svc: ServicesDep, revoked: bool = False) -> dict[s
     return {"keys": [_shown(k) for k in keys]}
 
 
-@router.post("/v1/keys/{key_id}/revoke", responses=errors(400, *READ, 404, 503),
-             openapi_extra=_EXTRA_CHANGE)  # fmt: skip
+@router.post(
+    "/v1/keys/{key_id}/revoke", responses=errors(400, *READ, 404, 503), openapi_extra=_EXTRA_CHANGE
+)
 async def revoke(key_id: KeyId, who: Asker, request: Request, svc: ServicesDep) -> dict[str, Any]:
     """Revoke a key now: every sidecar refuses it within the propagation bound."""
     body = await _json(request, required=False)
@@ -121,15 +131,20 @@ async def revoke(key_id: KeyId, who: Asker, request: Request, svc: ServicesDep) 
     return _shown(gone)
 
 
-@router.post("/v1/keys/{key_id}/rotate", status_code=201,
-             responses=errors(400, *READ, 404, 503), openapi_extra=_EXTRA_CHANGE)  # fmt: skip
+@router.post(
+    "/v1/keys/{key_id}/rotate",
+    status_code=201,
+    responses=errors(400, *READ, 404, 503),
+    openapi_extra=_EXTRA_CHANGE,
+)
 async def rotate(key_id: KeyId, who: Asker, request: Request, svc: ServicesDep) -> Response:
     """A new key in place of ``key_id`` (its secret shown once); the old one is revoked, or
     works on for ``grace_seconds``."""
     change = _change(await _json(request, required=False))
     try:
-        fresh, secret = await run_in_threadpool(svc.keys.rotate, key_id, who, _address(request),
-                                                change.reason, change.grace_seconds)  # fmt: skip
+        fresh, secret = await run_in_threadpool(
+            svc.keys.rotate, key_id, who, _address(request), change.reason, change.grace_seconds
+        )
     except KeyNotFoundError as exc:
         raise _not_found(exc) from None
     return _created(_shown(fresh) | {"key": secret})
@@ -141,9 +156,12 @@ _NOT_MODIFIED: dict[int | str, dict[str, Any]] = {
 
 
 @router.get("/v1/keys/active", responses=_NOT_MODIFIED | errors(401, 403))
-async def active(_: KeyReader, svc: ServicesDep,
-                 if_none_match: Annotated[str | None, Header()] = None,
-                 since: Annotated[int | None, Query(ge=0)] = None) -> Response:  # fmt: skip
+async def active(
+    _: KeyReader,
+    svc: ServicesDep,
+    if_none_match: Annotated[str | None, Header()] = None,
+    since: Annotated[int | None, Query(ge=0)] = None,
+) -> Response:
     """The keys in force, with their digests and limits, for the sidecars; ETag: the version."""
     issued = svc.keys.issued
     tag = f'"{issued.version}"'
@@ -154,8 +172,12 @@ async def active(_: KeyReader, svc: ServicesDep,
 
 def _created(body: dict[str, Any]) -> Response:
     # The secret is in this answer only: no cache may keep it.
-    return Response(orjson.dumps(body), status_code=201, media_type="application/json",
-                    headers={"cache-control": "no-store"})  # fmt: skip
+    return Response(
+        orjson.dumps(body),
+        status_code=201,
+        media_type="application/json",
+        headers={"cache-control": "no-store"},
+    )
 
 
 def _change(body: dict[str, Any]) -> Change:

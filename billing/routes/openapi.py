@@ -54,8 +54,12 @@ _WHY = {
     429: "The caller is over its read rate; Retry-After says when to ask again.",
     503: "The ledger cannot be written (disk full or unavailable); retry later.",
 }
-_RETRY_AFTER = {"Retry-After": {"description": "Seconds until the next read is admitted.",
-                                "schema": {"type": "integer", "minimum": 1}}}  # fmt: skip
+_RETRY_AFTER = {
+    "Retry-After": {
+        "description": "Seconds until the next read is admitted.",
+        "schema": {"type": "integer", "minimum": 1},
+    }
+}
 
 # What every read route (statements, files, queries, months) may answer besides its 200.
 READ = (401, 403, 422, 429)
@@ -73,8 +77,9 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 def text(media_type: str, description: str) -> dict[int | str, dict[str, Any]]:
     """A 200 whose body is text of ``media_type``."""
-    return {200: {"description": description,
-                  "content": {media_type: {"schema": {"type": "string"}}}}}  # fmt: skip
+    return {
+        200: {"description": description, "content": {media_type: {"schema": {"type": "string"}}}}
+    }
 
 
 CSV = "text/csv"
@@ -118,8 +123,12 @@ KIND_BODY: dict[str, Any] = {
     }
 }
 
-_JSON_TYPES = {FieldType.STRING: "string", FieldType.INT: "integer", FieldType.NUMBER: "number",
-               FieldType.BOOL: "boolean"}  # fmt: skip
+_JSON_TYPES = {
+    FieldType.STRING: "string",
+    FieldType.INT: "integer",
+    FieldType.NUMBER: "number",
+    FieldType.BOOL: "boolean",
+}
 
 
 def usage_records() -> dict[int | str, dict[str, Any]]:
@@ -133,7 +142,14 @@ def usage_records() -> dict[int | str, dict[str, Any]]:
         "properties": properties,
         "required": [f.name for f in USAGE.fields],
     }
-    schema = {"type": "object", "properties": {"records": {"type": "array", "items": record}},
-              "required": ["records"]}  # fmt: skip
-    return {200: {"description": "The matching usage records, newest first.",
-                  "content": {"application/json": {"schema": schema}}}}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"records": {"type": "array", "items": record}},
+        "required": ["records"],
+    }
+    return {
+        200: {
+            "description": "The matching usage records, newest first.",
+            "content": {"application/json": {"schema": schema}},
+        }
+    }

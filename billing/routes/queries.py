@@ -78,8 +78,14 @@ async def spend(who: Reader, svc: ServicesDep) -> Response:
 async def index(who: Reader, svc: ServicesDep) -> dict[str, Any]:
     """The queries there are, and who the caller is (the dashboard's sign-in check)."""
     visible = [t.name for t in svc.config.teams] if who.reads_all else [who.team]
-    caller = {"name": who.name, "team": who.team, "is_admin": who.is_admin,
-              "reads_all": who.reads_all, "role": who.role, "who": who.who}  # fmt: skip
+    caller = {
+        "name": who.name,
+        "team": who.team,
+        "is_admin": who.is_admin,
+        "reads_all": who.reads_all,
+        "role": who.role,
+        "who": who.who,
+    }
     return {
         "caller": caller,
         "teams": visible,
@@ -104,8 +110,13 @@ async def query(
     spec = queries.QUERIES.get(name)
     if spec is None:
         known = ", ".join(queries.QUERIES)
-        return error_response(404, f"no query {name!r}; known: {known}", "invalid_request_error",
-                              "unknown_query", "name")  # fmt: skip
+        return error_response(
+            404,
+            f"no query {name!r}; known: {known}",
+            "invalid_request_error",
+            "unknown_query",
+            "name",
+        )
     now = time.time()
     end = now if end is None else end
     start = end - 3600 if start is None else start
@@ -129,8 +140,9 @@ async def query(
     )
 
 
-def _run(ledger: Ledger, rollups: Rollups, name: str, params: queries.QueryParams,
-         now: float) -> Any:  # fmt: skip
+def _run(
+    ledger: Ledger, rollups: Rollups, name: str, params: queries.QueryParams, now: float
+) -> Any:
     rollups.refresh_if_due(now)
     # Raw rows that left for the archive too, from the files of the range's months only (a day
     # earlier: reconciliation reads two hours back, and a request lasts up to a day).

@@ -15,8 +15,11 @@ __all__ = ["download", "fields_of", "json_response", "lifetime_headers", "spend_
 
 def json_response(body: Any, headers: dict[str, str] | None = None) -> Response:
     """``body`` as JSON; NaN (an empty mean) becomes null, which JSON clients can read."""
-    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
-                    media_type="application/json", headers=headers)  # fmt: skip
+    return Response(
+        orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 def lifetime_headers(entry: Cached, now: float) -> dict[str, str]:
@@ -26,8 +29,11 @@ def lifetime_headers(entry: Cached, now: float) -> dict[str, str]:
 
 def download(text: str, filename: str) -> Response:
     """A CSV file the browser saves as ``filename``."""
-    return Response(text, media_type="text/csv; charset=utf-8",
-                    headers={"content-disposition": f'attachment; filename="{filename}"'})  # fmt: skip
+    return Response(
+        text,
+        media_type="text/csv; charset=utf-8",
+        headers={"content-disposition": f'attachment; filename="{filename}"'},
+    )
 
 
 def fields_of(obj: Any) -> dict[str, Any]:

@@ -65,8 +65,15 @@ async def close(who: Closer, month: Month, svc: ServicesDep, request: Request) -
     statement = await compute(svc, svc.chargeback.close, month)
     await compute(svc, svc.statements.recompute, month)
     address = request.client.host if request.client else None
-    event = audit_event("month.closed", who.who, who.role, "billing", target=f"month:{month}",
-                        detail={"total_cents": statement.total_cents}, address=address)  # fmt: skip
+    event = audit_event(
+        "month.closed",
+        who.who,
+        who.role,
+        "billing",
+        target=f"month:{month}",
+        detail={"total_cents": statement.total_cents},
+        address=address,
+    )
     await run_in_threadpool(_audited, svc, event)
     return statement_json(statement, None)
 
@@ -78,10 +85,15 @@ def _audited(svc: Services, event: AuditEvent) -> None:
 
 # Declared before ``{month}.csv``, which would otherwise take "2026-12.focus.csv" with the
 # month "2026-12.focus" (routes match in order and a path parameter takes any text).
-@router.get("/v1/chargeback/{month}.focus.csv",
-            responses=text(CSV, "The FOCUS file.") | errors(400, *READ))  # fmt: skip
-async def chargeback_focus(who: Reader, month: Month, svc: ServicesDep,
-                           version: Annotated[str, Query(pattern=r"^1\.[023]$")] = "1.0") -> Response:  # fmt: skip
+@router.get(
+    "/v1/chargeback/{month}.focus.csv", responses=text(CSV, "The FOCUS file.") | errors(400, *READ)
+)
+async def chargeback_focus(
+    who: Reader,
+    month: Month,
+    svc: ServicesDep,
+    version: Annotated[str, Query(pattern=r"^1\.[023]$")] = "1.0",
+) -> Response:
     """The FinOps FOCUS file, a row per line and instance: every line for the admin, a team's own for a team."""
     statement = await _statement(svc, month, who)
     statement = await compute(svc, svc.chargeback.by_instance, statement)
@@ -90,8 +102,9 @@ async def chargeback_focus(who: Reader, month: Month, svc: ServicesDep,
     return download(text, f"focus-{version}-{month}.csv")
 
 
-@router.get("/v1/chargeback/{month}.csv",
-            responses=text(CSV, "The chargeback CSV.") | errors(400, *READ))  # fmt: skip
+@router.get(
+    "/v1/chargeback/{month}.csv", responses=text(CSV, "The chargeback CSV.") | errors(400, *READ)
+)
 async def chargeback_csv(who: Reader, month: Month, svc: ServicesDep) -> Response:
     """The chargeback CSV: every line for the admin, a team's own lines for a team."""
     statement = await _statement(svc, month, who)

@@ -35,34 +35,65 @@ __all__ = ["KEYS", "WINDOWS", "drill", "window_of"]
 PATH = "/allocation"
 TITLE = "Allocation"
 KEYS: Final = ("team", "model", "replica", "instance", "node", "gpu_model")
-WINDOWS: Final = {"month": "This month", "last-month": "Last month", "7d": "Last 7 days",
-                  "24h": "Last 24 hours", "custom": "Whole days (UTC)"}  # fmt: skip
+WINDOWS: Final = {
+    "month": "This month",
+    "last-month": "Last month",
+    "7d": "Last 7 days",
+    "24h": "Last 24 hours",
+    "custom": "Whole days (UTC)",
+}
 _OTHER_COLOUR: Final = "#98a2b3"
 _HIDDEN: Final = {"display": "none"}
 
 
 def _field(name: str, control: Any, width: str) -> html.Div:
-    return html.Div([html.Label(name, htmlFor=control.id), control], className="field",
-                    style={"minWidth": width})  # fmt: skip
+    return html.Div(
+        [html.Label(name, htmlFor=control.id), control],
+        className="field",
+        style={"minWidth": width},
+    )
 
 
 def _toolbar() -> html.Div:
     keys = [{"label": label(k), "value": k} for k in KEYS]
     windows = [{"label": v, "value": k} for k, v in WINDOWS.items()]
     controls = [
-        _field("Window", dcc.Dropdown(id="alloc-window", value="month", clearable=False,
-                                      searchable=False, options=windows), "10em"),
-        html.Div(dcc.DatePickerRange(id="alloc-dates", display_format="YYYY-MM-DD", minimum_nights=0),
-                 id="alloc-dates-field", style=_HIDDEN),
-        _field("Group by", dcc.Dropdown(id="alloc-by", options=keys, value="team", clearable=False,
-                                        searchable=False), "9em"),
-        _field("Then by", dcc.Dropdown(id="alloc-then", options=keys, value=None,
-                                       placeholder="(none)", searchable=False), "9em"),
-        _field("Filter", dcc.Dropdown(id="alloc-filter", multi=True, value=[],
-                                      placeholder="every team, model, ..."), "16em"),
+        _field(
+            "Window",
+            dcc.Dropdown(
+                id="alloc-window", value="month", clearable=False, searchable=False, options=windows
+            ),
+            "10em",
+        ),
+        html.Div(
+            dcc.DatePickerRange(id="alloc-dates", display_format="YYYY-MM-DD", minimum_nights=0),
+            id="alloc-dates-field",
+            style=_HIDDEN,
+        ),
+        _field(
+            "Group by",
+            dcc.Dropdown(
+                id="alloc-by", options=keys, value="team", clearable=False, searchable=False
+            ),
+            "9em",
+        ),
+        _field(
+            "Then by",
+            dcc.Dropdown(
+                id="alloc-then", options=keys, value=None, placeholder="(none)", searchable=False
+            ),
+            "9em",
+        ),
+        _field(
+            "Filter",
+            dcc.Dropdown(
+                id="alloc-filter", multi=True, value=[], placeholder="every team, model, ..."
+            ),
+            "16em",
+        ),
         html.Button("Clear filters", id="alloc-clear"),
         html.Button("Download CSV", id="alloc-csv-button"),
-    ]  # fmt: skip
+    ]
     return html.Div(controls, className="toolbar")
 
 
@@ -81,8 +112,9 @@ def layout(ctx: Context) -> html.Div:
     )
 
 
-def window_of(choice: str | None, dates: tuple[str | None, str | None],
-              now: float) -> tuple[float, float]:  # fmt: skip
+def window_of(
+    choice: str | None, dates: tuple[str | None, str | None], now: float
+) -> tuple[float, float]:
     """(from, to) Unix seconds for a window choice; whole UTC days for "custom" (``dates`` are
     its first and last day, YYYY-MM-DD), never past ``now``."""
     month = month_of(now)
@@ -120,8 +152,9 @@ def _params(start: float, end: float, by: Sequence[str], filters: Sequence[str])
     return params
 
 
-def _options(values: Mapping[str, Sequence[str]], team: str | None,
-             chosen: Sequence[str]) -> list[dict[str, str]]:  # fmt: skip
+def _options(
+    values: Mapping[str, Sequence[str]], team: str | None, chosen: Sequence[str]
+) -> list[dict[str, str]]:
     """The filter's choices: every value of every key in the window (a team: not the team)."""
     found = [f"{k}={v}" for k in KEYS if not (k == "team" and team) for v in values.get(k, [])]
     for item in chosen:  # a chosen filter stays choosable even when nothing matches it now
@@ -140,15 +173,22 @@ def _figure(answer: Mapping[str, Any], by: Sequence[str]) -> go.Figure:
     if series.height == 0 or not any(series["cost_usd"]):
         return empty_figure(title, "No cost in this window.")
     step = "hour" if answer["step"] == 3600 else "day"
-    order = [str(r[0]) if len(by) == 1 else " / ".join(str(v) for v in r[: len(by)])
-             for r in answer["rows"]]  # fmt: skip
+    order = [
+        str(r[0]) if len(by) == 1 else " / ".join(str(v) for v in r[: len(by)])
+        for r in answer["rows"]
+    ]
     colours = colours_for([g for g in order if g != "other"])
     start = dt.datetime.fromtimestamp(answer["from"], dt.UTC).replace(tzinfo=None)
     end = dt.datetime.fromtimestamp(answer["to"], dt.UTC).replace(tzinfo=None)
     return stacked_figure(
-        series, title, f"USD per {step} (UTC), stacked by {' and '.join(label(k).lower() for k in by)}",
-        (start, end), order=order, colours={**colours, "other": _OTHER_COLOUR}, step=answer["step"],
-    )  # fmt: skip
+        series,
+        title,
+        f"USD per {step} (UTC), stacked by {' and '.join(label(k).lower() for k in by)}",
+        (start, end),
+        order=order,
+        colours={**colours, "other": _OTHER_COLOUR},
+        step=answer["step"],
+    )
 
 
 def _status(answer: Mapping[str, Any], tz: str | None) -> html.Div:
@@ -156,34 +196,52 @@ def _status(answer: Mapping[str, Any], tz: str | None) -> html.Div:
     last = dt.datetime.fromtimestamp(answer["to"], dt.UTC)
     months = answer["months"]
     closed = [m["month"] for m in months if m["closed"]]
-    whole = ("For whole months these rows are the statement's lines, to the cent"
-             + (f"; {', '.join(closed)} closed." if closed else "."))  # fmt: skip
-    return html.Div([
-        html.P(f"{first:%Y-%m-%d %H:%M} to {last:%Y-%m-%d %H:%M} UTC, as of "
-               f"{as_of(answer['as_of'], tz)} (your time). {whole}", id="alloc-window-text"),
-    ])  # fmt: skip
+    whole = "For whole months these rows are the statement's lines, to the cent" + (
+        f"; {', '.join(closed)} closed." if closed else "."
+    )
+    return html.Div(
+        [
+            html.P(
+                f"{first:%Y-%m-%d %H:%M} to {last:%Y-%m-%d %H:%M} UTC, as of "
+                f"{as_of(answer['as_of'], tz)} (your time). {whole}",
+                id="alloc-window-text",
+            ),
+        ]
+    )
 
 
 def _notes(answer: Mapping[str, Any]) -> list[Any]:
     out: list[Any] = []
     for m in answer["months"]:
         if m["adjustment_cents"]:
-            out.append(note(
-                f"The statement of {m['month']} also carries {usd(m['adjustment_cents'] / 100)} of "
-                "adjustments for earlier, closed months: late records of their use, in no row here.",
-                note_id=f"alloc-adjustments-{m['month']}"))  # fmt: skip
-    out.append(note("Efficiency: the share of a group's cost that paid for its own use (GPU time "
-                    "and energy while its requests ran); the rest is idle capacity charged to it. "
-                    "Spare GPUs are replica group and instance (none), model (unallocated)."))  # fmt: skip
+            out.append(
+                note(
+                    f"The statement of {m['month']} also carries {usd(m['adjustment_cents'] / 100)} of "
+                    "adjustments for earlier, closed months: late records of their use, in no row here.",
+                    note_id=f"alloc-adjustments-{m['month']}",
+                )
+            )
+    out.append(
+        note(
+            "Efficiency: the share of a group's cost that paid for its own use (GPU time "
+            "and energy while its requests ran); the rest is idle capacity charged to it. "
+            "Spare GPUs are replica group and instance (none), model (unallocated)."
+        )
+    )
     return out
 
 
 def _table(answer: Mapping[str, Any], by: Sequence[str]) -> html.Div:
     rows = pl.DataFrame(answer["rows"], schema=answer["columns"], orient="row")
     totals = {k: v for k, v in answer["total"].items() if k in answer["columns"]}
-    return frame_table(rows, "alloc-rows", total_values=totals, row_id="alloc-row",
-                       kinds=dict.fromkeys(by, "text"),
-                       empty="No cost and no usage in this window.")  # fmt: skip
+    return frame_table(
+        rows,
+        "alloc-rows",
+        total_values=totals,
+        row_id="alloc-row",
+        kinds=dict.fromkeys(by, "text"),
+        empty="No cost and no usage in this window.",
+    )
 
 
 def register(app: Dash, ctx: Context) -> None:
@@ -211,9 +269,17 @@ def register(app: Dash, ctx: Context) -> None:
         Input("tick", "n_intervals"),
         State("tz", "data"),
     )
-    def refresh(choice: str | None, first: str | None, last: str | None, by: str | None,
-                then: str | None, filters: list[str] | None, auth: Any, _: Any,
-                tz: str | None) -> list[Any]:  # fmt: skip
+    def refresh(
+        choice: str | None,
+        first: str | None,
+        last: str | None,
+        by: str | None,
+        then: str | None,
+        filters: list[str] | None,
+        auth: Any,
+        _: Any,
+        tz: str | None,
+    ) -> list[Any]:
         session = ctx.session(auth)
         blank = empty_figure("", "")
         if session is None:
@@ -225,20 +291,43 @@ def register(app: Dash, ctx: Context) -> None:
         try:
             answer = ctx.client.allocation(session.token, _params(start, end, keys, chosen))
         except BillingError as exc:
-            return [note(f"Allocation unavailable: {exc}.", "error"), blank, None, None, None,
-                    no_update, None]  # fmt: skip
-        found, problem = events.gather(ctx.client, session.token, session.is_admin,
-                                       ctx.config.dashboard.prometheus_url, answer["from"], answer["to"])  # fmt: skip
+            return [
+                note(f"Allocation unavailable: {exc}.", "error"),
+                blank,
+                None,
+                None,
+                None,
+                no_update,
+                None,
+            ]
+        found, problem = events.gather(
+            ctx.client,
+            session.token,
+            session.is_admin,
+            ctx.config.dashboard.prometheus_url,
+            answer["from"],
+            answer["to"],
+        )
         colours = colours_for([m.name for m in ctx.config.models])
         figure = events.mark(_figure(answer, keys), events.events_frame(found, "UTC"), colours)
         legend = [note(events.LEGEND), *([note(problem, "error")] if problem else [])]
         team = None if session.is_admin else session.team
-        shown = {"csv": answer["csv"], "by": keys,
-                 "keys": [[str(v) for v in r[: len(keys)]] for r in answer["rows"]],
-                 "filename": f"allocation-{'-'.join(keys)}-{dt.datetime.fromtimestamp(answer['from'], dt.UTC):%Y%m%dT%H}-"
-                             f"{dt.datetime.fromtimestamp(answer['to'], dt.UTC):%Y%m%dT%H}.csv"}  # fmt: skip
-        return [_status(answer, tz), figure, html.Div(legend), _table(answer, keys), _notes(answer),
-                _options(answer["values"], team, chosen), shown]  # fmt: skip
+        shown = {
+            "csv": answer["csv"],
+            "by": keys,
+            "keys": [[str(v) for v in r[: len(keys)]] for r in answer["rows"]],
+            "filename": f"allocation-{'-'.join(keys)}-{dt.datetime.fromtimestamp(answer['from'], dt.UTC):%Y%m%dT%H}-"
+            f"{dt.datetime.fromtimestamp(answer['to'], dt.UTC):%Y%m%dT%H}.csv",
+        }
+        return [
+            _status(answer, tz),
+            figure,
+            html.Div(legend),
+            _table(answer, keys),
+            _notes(answer),
+            _options(answer["values"], team, chosen),
+            shown,
+        ]
 
     @app.callback(
         Output("alloc-by", "value"),
@@ -250,8 +339,9 @@ def register(app: Dash, ctx: Context) -> None:
         State("alloc-filter", "value"),
         prevent_initial_call=True,
     )
-    def drill_down(clicks: list[int | None], _: Any, shown: Any,
-                   filters: list[str] | None) -> tuple[Any, Any, Any]:  # fmt: skip
+    def drill_down(
+        clicks: list[int | None], _: Any, shown: Any, filters: list[str] | None
+    ) -> tuple[Any, Any, Any]:
         trigger = callback_context.triggered_id
         if trigger == "alloc-clear":
             return no_update, no_update, []
@@ -275,5 +365,9 @@ def register(app: Dash, ctx: Context) -> None:
     def download(_: Any, shown: Any) -> Any:
         if not shown:
             return no_update
-        return {"content": shown["csv"], "filename": shown["filename"], "type": "text/csv",
-                "base64": False}  # fmt: skip
+        return {
+            "content": shown["csv"],
+            "filename": shown["filename"],
+            "type": "text/csv",
+            "base64": False,
+        }

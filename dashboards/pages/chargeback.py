@@ -69,14 +69,25 @@ def _reconciliation(body: dict[str, Any], total_cents: int, platform: str) -> ht
     platform_cents = sum(int(x["total_cents"]) for x in lines if x["team"] == platform)
     fleet, adjust = int(body["fleet_cents"]), int(body["adjustment_cents"])
     ok = total_cents == fleet + adjust
-    return html.Div([
-        html.P(f"Team lines {usd((total_cents - platform_cents) / 100)} + platform "
-               f"{usd(platform_cents / 100)} = {usd(total_cents / 100)}", id="chargeback-total"),
-        html.P(f"Fleet cost {usd(fleet / 100)} + adjustments for closed months {usd(adjust / 100)} "
-               f"= {usd((fleet + adjust) / 100)}", id="chargeback-fleet"),
-        html.P("Reconciles to the cent" if ok else "Does NOT reconcile", id="chargeback-reconciles",
-               className="ok" if ok else "note-error"),
-    ])  # fmt: skip
+    return html.Div(
+        [
+            html.P(
+                f"Team lines {usd((total_cents - platform_cents) / 100)} + platform "
+                f"{usd(platform_cents / 100)} = {usd(total_cents / 100)}",
+                id="chargeback-total",
+            ),
+            html.P(
+                f"Fleet cost {usd(fleet / 100)} + adjustments for closed months {usd(adjust / 100)} "
+                f"= {usd((fleet + adjust) / 100)}",
+                id="chargeback-fleet",
+            ),
+            html.P(
+                "Reconciles to the cent" if ok else "Does NOT reconcile",
+                id="chargeback-reconciles",
+                className="ok" if ok else "note-error",
+            ),
+        ]
+    )
 
 
 # The pools table's money columns: cents in the statement, USD on the page.
@@ -86,19 +97,25 @@ _POOL_MONEY = ("list", "committed", "unused_commitment", "invoice", "allocation"
 def pools_csv(pools: pl.DataFrame) -> str:
     """A statement's node pools (``POOL_SCHEMA``) as a CSV the finance table shows: cents as USD."""
     frame = pools.select(
-        "pool", "category", "gpu_hours",
+        "pool",
+        "category",
+        "gpu_hours",
         *((pl.col(f"{c}_cents").cast(pl.Float64) / 100).alias(f"{c}_usd") for c in _POOL_MONEY),
-        "commitment_utilization", "explanation",
-    )  # fmt: skip
+        "commitment_utilization",
+        "explanation",
+    )
     return frame.write_csv()
 
 
 def cache_csv(cache: pl.DataFrame) -> str:
     """A statement's prompt-cache rows (``CACHE_SCHEMA``) as a CSV: savings in USD."""
     return cache.select(
-        "team", "model", "prompt_tokens", "cached_prompt_tokens",
+        "team",
+        "model",
+        "prompt_tokens",
+        "cached_prompt_tokens",
         (pl.col("cache_savings_cents").cast(pl.Float64) / 100).alias("cache_savings_usd"),
-    ).write_csv()  # fmt: skip
+    ).write_csv()
 
 
 def _bases(body: dict[str, Any], statement: Statement) -> html.Div:
@@ -107,17 +124,23 @@ def _bases(body: dict[str, Any], statement: Statement) -> html.Div:
         listed = (
             int(statement.usage_lines["total_cents"].sum()) if statement.usage_lines.height else 0
         )
-        said = (f"Allocation basis: node pools with an imported invoice are scaled to it, so their "
-                f"lines add up to the invoice. At list prices (the usage basis) the same lines come "
-                f"to {usd(listed / 100)}.")  # fmt: skip
+        said = (
+            f"Allocation basis: node pools with an imported invoice are scaled to it, so their "
+            f"lines add up to the invoice. At list prices (the usage basis) the same lines come "
+            f"to {usd(listed / 100)}."
+        )
     else:
         said = "List prices: no invoice has been imported for this month."
     parts: list[Any] = [html.P(said, id="chargeback-basis")]
     if "pools" in body:
-        parts += [html.H3("Node pools"),
-                  csv_table(pools_csv(statement.pools), "chargeback-pools", empty="No GPU time priced.")]  # fmt: skip
-    parts += [html.H3("Prompt caching"),
-              csv_table(cache_csv(statement.cache), "chargeback-cache", empty="No prompt-cache hits.")]  # fmt: skip
+        parts += [
+            html.H3("Node pools"),
+            csv_table(pools_csv(statement.pools), "chargeback-pools", empty="No GPU time priced."),
+        ]
+    parts += [
+        html.H3("Prompt caching"),
+        csv_table(cache_csv(statement.cache), "chargeback-cache", empty="No prompt-cache hits."),
+    ]
     return html.Div(parts)
 
 
@@ -139,8 +162,13 @@ def _empty_month(ctx: Context, session: Session, month: str, lines: int) -> list
         except BillingError:
             months = []
         known = f" Months with data: {', '.join(months)}." if months else " The ledger is empty."
-    return [note(f"No data for {month}: {whose} no usage or GPU time in it, so every figure is "
-                 f"zero. Is it the month you meant?{known}", note_id="chargeback-empty")]  # fmt: skip
+    return [
+        note(
+            f"No data for {month}: {whose} no usage or GPU time in it, so every figure is "
+            f"zero. Is it the month you meant?{known}",
+            note_id="chargeback-empty",
+        )
+    ]
 
 
 def clusters_csv(body: dict[str, Any]) -> str:
@@ -159,9 +187,15 @@ def clusters_csv(body: dict[str, Any]) -> str:
         }
         for c in body["clusters"]
     ]
-    schema = {"cluster": pl.String, "month_closed": pl.String, "total_usd": pl.Float64,
-              "stale": pl.String, "stale_since": pl.String, "last_pulled": pl.String,
-              "error": pl.String}  # fmt: skip
+    schema = {
+        "cluster": pl.String,
+        "month_closed": pl.String,
+        "total_usd": pl.Float64,
+        "stale": pl.String,
+        "stale_since": pl.String,
+        "last_pulled": pl.String,
+        "error": pl.String,
+    }
     return pl.DataFrame(rows, schema=schema).write_csv()
 
 
@@ -183,9 +217,15 @@ def _clusters(ctx: Context, session: Session, month: str) -> Any:
     said = f"Across clusters: {usd(int(body['total_cents']) / 100)}, the sum of the clusters' own totals: {ok}."
     if stale:
         said += f" Stale (their last pulled months shown): {', '.join(stale)}."
-    return html.Div([html.H3("Clusters"), html.P(said, id="chargeback-clusters-total"),
-                     csv_table(clusters_csv(body), "chargeback-clusters-table",
-                               empty="No cluster configured.")])  # fmt: skip
+    return html.Div(
+        [
+            html.H3("Clusters"),
+            html.P(said, id="chargeback-clusters-total"),
+            csv_table(
+                clusters_csv(body), "chargeback-clusters-table", empty="No cluster configured."
+            ),
+        ]
+    )
 
 
 def _file(file: Download) -> dict[str, Any]:

@@ -33,12 +33,17 @@ TITLE = "Efficiency"
 # (graph id, column, title, axis) for the replica groups (admin) and for a team's own rows.
 GROUP_CHARTS: Final = (
     ("efficiency-tokens", "tokens_per_gpu_second", "Tokens per GPU-second", "tokens/s"),
-    ("efficiency-occupancy", "batch_occupancy", "Batch occupancy (fuller of slots and KV cache)", "share"),
+    (
+        "efficiency-occupancy",
+        "batch_occupancy",
+        "Batch occupancy (fuller of slots and KV cache)",
+        "share",
+    ),
     ("efficiency-kv", "kv_cache_usage", "KV-cache use", "share"),
     ("efficiency-prefix", "prefix_cache_hit_rate", "Prefix-cache hit rate", "share"),
     ("efficiency-idle", "idle_share", "Idle share of GPU time", "share"),
     ("efficiency-cost", "usd_per_1m_output_tokens", "Cost per 1M output tokens", "USD"),
-)  # fmt: skip
+)
 TEAM_CHARTS: Final = (
     ("efficiency-tokens", "tokens_per_gpu_second", "Tokens per GPU-second held", "tokens/s"),
     ("efficiency-cost", "usd_per_1m_output_tokens", "Cost per 1M output tokens", "USD"),
@@ -46,14 +51,32 @@ TEAM_CHARTS: Final = (
     ("efficiency-kv", "joules_per_token", "Energy per token", "J/token"),
     ("efficiency-prefix", "cached_prompt_share", "Prompt tokens served from cache", "share"),
     ("efficiency-idle", "requests", "Requests per hour", "requests"),
-)  # fmt: skip
+)
 # Shares are shown in percent, as the charts draw them (``idle_share`` is one by its name).
 SUMMARY_KINDS: Final[dict[str, Kind]] = {"batch_occupancy": "share", "engines": "number"}
-_PLAN_COLUMNS: Final = ("saving_usd_per_month", "share_of_cost_pct", "kind", "team", "title",
-                        "replay", "sla", "evidence", "assumptions", "caveat")  # fmt: skip
-_PLAN_KINDS: Final[dict[str, Kind]] = {"saving_usd_per_month": "usd", "kind": "text", "team": "text", "title": "text",
-                                       "replay": "text", "sla": "text", "evidence": "text",
-                                       "assumptions": "text", "caveat": "text"}  # fmt: skip
+_PLAN_COLUMNS: Final = (
+    "saving_usd_per_month",
+    "share_of_cost_pct",
+    "kind",
+    "team",
+    "title",
+    "replay",
+    "sla",
+    "evidence",
+    "assumptions",
+    "caveat",
+)
+_PLAN_KINDS: Final[dict[str, Kind]] = {
+    "saving_usd_per_month": "usd",
+    "kind": "text",
+    "team": "text",
+    "title": "text",
+    "replay": "text",
+    "sla": "text",
+    "evidence": "text",
+    "assumptions": "text",
+    "caveat": "text",
+}
 
 
 def layout(ctx: Context) -> html.Div:
@@ -119,11 +142,15 @@ def _sla(replay: dict[str, Any]) -> str:
     parts = []
     for model, r in replay.items():
         for before, after in zip(r["sla_before"], r["sla_after"], strict=False):
-            text = (f"{model}/{after['team']}: TTFT {_seconds(before['ttft_p95_s'])} -> "
-                    f"{_seconds(after['ttft_p95_s'])} (target {_seconds(after['ttft_target_s'])})")  # fmt: skip
+            text = (
+                f"{model}/{after['team']}: TTFT {_seconds(before['ttft_p95_s'])} -> "
+                f"{_seconds(after['ttft_p95_s'])} (target {_seconds(after['ttft_target_s'])})"
+            )
             if after["itl_target_s"] is not None:
-                text += (f", inter-token {_seconds(before['itl_p95_s'])} -> "
-                         f"{_seconds(after['itl_p95_s'])} (target {_seconds(after['itl_target_s'])})")  # fmt: skip
+                text += (
+                    f", inter-token {_seconds(before['itl_p95_s'])} -> "
+                    f"{_seconds(after['itl_p95_s'])} (target {_seconds(after['itl_target_s'])})"
+                )
             parts.append(text)
     return "; ".join(parts)
 
@@ -135,19 +162,27 @@ def plan_frame(recommendations: list[dict[str, Any]]) -> pl.DataFrame:
     for r in recommendations:
         replay = r.get("replay", {})
         before = sum(x["cost_usd_before"] for x in replay.values())
-        rows.append({
-            "saving_usd_per_month": float(r["saving_usd_per_month"]),
-            "share_of_cost_pct": 100 * r["saving_usd"] / before if before else None,
-            "kind": r["kind"], "team": r["team"] or "", "title": r["title"],
-            "replay": "; ".join(f"{m}: GPU-hours {x['gpu_hours_before']:,.1f} -> "
-                                f"{x['gpu_hours_after']:,.1f}" for m, x in replay.items()),
-            "sla": _sla(replay),
-            "evidence": "; ".join(_figure(k, v) for k, v in r["evidence"].items()),
-            "assumptions": "; ".join(r["assumptions"]),
-            "caveat": " ".join(x for x in (r["caveat"], _policy(r.get("policy_change"))) if x),
-        })  # fmt: skip
+        rows.append(
+            {
+                "saving_usd_per_month": float(r["saving_usd_per_month"]),
+                "share_of_cost_pct": 100 * r["saving_usd"] / before if before else None,
+                "kind": r["kind"],
+                "team": r["team"] or "",
+                "title": r["title"],
+                "replay": "; ".join(
+                    f"{m}: GPU-hours {x['gpu_hours_before']:,.1f} -> {x['gpu_hours_after']:,.1f}"
+                    for m, x in replay.items()
+                ),
+                "sla": _sla(replay),
+                "evidence": "; ".join(_figure(k, v) for k, v in r["evidence"].items()),
+                "assumptions": "; ".join(r["assumptions"]),
+                "caveat": " ".join(x for x in (r["caveat"], _policy(r.get("policy_change"))) if x),
+            }
+        )
     schema = dict.fromkeys(_PLAN_COLUMNS, pl.String) | {
-        "saving_usd_per_month": pl.Float64, "share_of_cost_pct": pl.Float64}  # fmt: skip
+        "saving_usd_per_month": pl.Float64,
+        "share_of_cost_pct": pl.Float64,
+    }
     return pl.DataFrame(rows, schema=schema)
 
 
@@ -163,9 +198,14 @@ def plan_table(body: dict[str, Any]) -> Any:
     plan = body.get("plan", {})
     measured = plan.get("measured_usd") or 0.0
     share = 100 * plan.get("saving_usd", 0.0) / measured if measured else None
-    return frame_table(plan_frame(recs), "efficiency-advice-table", _PLAN_COLUMNS,
-                       kinds=_PLAN_KINDS, total=("saving_usd_per_month",),
-                       total_values={"share_of_cost_pct": share})  # fmt: skip
+    return frame_table(
+        plan_frame(recs),
+        "efficiency-advice-table",
+        _PLAN_COLUMNS,
+        kinds=_PLAN_KINDS,
+        total=("saving_usd_per_month",),
+        total_values={"share_of_cost_pct": share},
+    )
 
 
 def plan_status(month: str, body: dict[str, Any], forecast_usd: float | None) -> str:
@@ -176,10 +216,12 @@ def plan_status(month: str, body: dict[str, Any], forecast_usd: float | None) ->
         return (
             f"{month}: no change to offer from the {plan.get('hours_measured', 0)} hours measured"
         )
-    text = (f"{month}: one plan of {len(recs)} change{'s' * (len(recs) != 1)}, "
-            f"{usd(body['saving_usd_per_month'])} a month at the run rate of the "
-            f"{plan.get('hours_measured', 0)} hours measured; this month on the spend forecast's "
-            f"basis {usd(plan.get('saving_usd_month_end', 0.0))}")  # fmt: skip
+    text = (
+        f"{month}: one plan of {len(recs)} change{'s' * (len(recs) != 1)}, "
+        f"{usd(body['saving_usd_per_month'])} a month at the run rate of the "
+        f"{plan.get('hours_measured', 0)} hours measured; this month on the spend forecast's "
+        f"basis {usd(plan.get('saving_usd_month_end', 0.0))}"
+    )
     if forecast_usd is not None:
         text += f", of a forecast spend of {usd(forecast_usd)}"
     return text
@@ -207,11 +249,13 @@ def group_summary(groups: pl.DataFrame) -> pl.DataFrame:
             pl.col("cost_usd").sum(),
             pl.col("requests").sum(),
             (tokens.sum() / (pl.col("gpu_hours").sum() * 3600)).alias("tokens_per_gpu_second"),
-            ((pl.col("batch_occupancy") * instance_hours).sum() / occupied.sum()).alias("batch_occupancy"),
+            ((pl.col("batch_occupancy") * instance_hours).sum() / occupied.sum()).alias(
+                "batch_occupancy"
+            ),
             (1 - pl.col("busy_hours").sum() / instance_hours.sum()).alias("idle_share"),
         )
         .sort("replica")
-    )  # fmt: skip
+    )
 
 
 def register(app: Dash, ctx: Context) -> None:
@@ -256,26 +300,37 @@ def register(app: Dash, ctx: Context) -> None:
         except BillingError as exc:
             return [note(str(exc), "error"), None, None, *empty]
         recs = body["recommendations"]
-        status = html.P(plan_status(month, body, _forecast(ctx, session.token, month)),
-                        id="efficiency-total")  # fmt: skip
-        advice: Any = (plan_table(body) if recs
-                       else note("Nothing to save from the use measured this month."))  # fmt: skip
+        status = html.P(
+            plan_status(month, body, _forecast(ctx, session.token, month)), id="efficiency-total"
+        )
+        advice: Any = (
+            plan_table(body) if recs else note("Nothing to save from the use measured this month.")
+        )
         if body.get("notes"):
-            advice = html.Div([advice, html.H4("Not advised"),
-                               html.Ul([html.Li(n["text"]) for n in body["notes"]],
-                                       id="efficiency-notes")])  # fmt: skip
+            advice = html.Div(
+                [
+                    advice,
+                    html.H4("Not advised"),
+                    html.Ul([html.Li(n["text"]) for n in body["notes"]], id="efficiency-notes"),
+                ]
+            )
         if session.is_admin:
             rows, series, charts = frame_of(body["figures"]["groups"]), "replica", GROUP_CHARTS
-            summary: Any = frame_table(group_summary(rows), "efficiency-summary-table",
-                                       kinds=SUMMARY_KINDS) \
-                if rows.height else note("No GPU time measured this month.")  # fmt: skip
+            summary: Any = (
+                frame_table(group_summary(rows), "efficiency-summary-table", kinds=SUMMARY_KINDS)
+                if rows.height
+                else note("No GPU time measured this month.")
+            )
         else:
             rows, series, charts = frame_of(body["figures"]["teams"]), "model", TEAM_CHARTS
             summary = note("Replica groups span every team: the admin credential sees them.")
         rows = local_times(rows, tz)
-        figures = [_chart(rows, column, series, title, axis, span) if column in rows.columns
-                   else _chart(pl.DataFrame(), "", "", title, axis, span)
-                   for _, column, title, axis in charts]  # fmt: skip
+        figures = [
+            _chart(rows, column, series, title, axis, span)
+            if column in rows.columns
+            else _chart(pl.DataFrame(), "", "", title, axis, span)
+            for _, column, title, axis in charts
+        ]
         for figure in figures:  # hourly points: a month's first hour is one point, drawn as a dot
             figure.update_traces(mode="lines+markers")
         return [status, advice, summary, *figures]
@@ -294,5 +349,6 @@ def _forecast(ctx: Context, token: str, month: str) -> float | None:
 def _chart(rows: pl.DataFrame, column: str, series: str, title: str, axis: str, span: Any) -> Any:
     """One hourly chart over the month; shares are drawn in percent like every other page's."""
     kind: Literal["number", "share"] = "share" if axis == "share" else "number"
-    return line_figure(rows, column, series, title, axis, span, kind=kind,
-                       empty="Nothing measured this month.")  # fmt: skip
+    return line_figure(
+        rows, column, series, title, axis, span, kind=kind, empty="Nothing measured this month."
+    )

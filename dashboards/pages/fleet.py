@@ -91,15 +91,32 @@ def _mark_partial(fig: go.Figure, series: Drawn, end: float, tz: str | None) -> 
     for trace in list(fig.data):
         xs, ys = list(trace.x or ()), list(trace.y or ())
         if xs and xs[-1] == x0:
-            fig.add_trace(go.Scatter(
-                x=[x0], y=[ys[-1]], mode="markers", showlegend=False,
-                marker={"symbol": "circle-open", "size": 11, "line": {"width": 2},
-                        "color": trace.line.color or _PARTIAL_SHADE},
-                hovertemplate=f"%{{y:,.3~f}} so far<extra>{trace.name} (partial)</extra>",
-            ))  # fmt: skip
-    fig.add_annotation(x=x1, y=1.0, xref="x", yref="paper", xanchor="right", yanchor="bottom",
-                       text=_PARTIAL_NOTE, showarrow=False,
-                       font={"size": 10, "color": "#475467"})  # fmt: skip
+            fig.add_trace(
+                go.Scatter(
+                    x=[x0],
+                    y=[ys[-1]],
+                    mode="markers",
+                    showlegend=False,
+                    marker={
+                        "symbol": "circle-open",
+                        "size": 11,
+                        "line": {"width": 2},
+                        "color": trace.line.color or _PARTIAL_SHADE,
+                    },
+                    hovertemplate=f"%{{y:,.3~f}} so far<extra>{trace.name} (partial)</extra>",
+                )
+            )
+    fig.add_annotation(
+        x=x1,
+        y=1.0,
+        xref="x",
+        yref="paper",
+        xanchor="right",
+        yanchor="bottom",
+        text=_PARTIAL_NOTE,
+        showarrow=False,
+        font={"size": 10, "color": "#475467"},
+    )
     return fig
 
 
@@ -116,14 +133,29 @@ def _ttft_figure(
     series = long["series"].unique().to_list()
     owner = {s: s.rsplit(" ", 1)[0] for s in series}
     dashes = {s: "dot" for s in series if s.endswith(" p50")}
-    fig = line_figure(long, "value", "series", title, "seconds", x_range, colours=colours,
-                      colour_of=owner, dash_by=dashes, subtitle=subtitle)  # fmt: skip
+    fig = line_figure(
+        long,
+        "value",
+        "series",
+        title,
+        "seconds",
+        x_range,
+        colours=colours,
+        colour_of=owner,
+        dash_by=dashes,
+        subtitle=subtitle,
+    )
     shown = set(frame["model"].to_list())
     for m in ctx.config.models:
         if m.name in shown:
-            fig.add_hline(y=m.sla.ttft_p95_seconds, line_dash="dash", line_width=1,
-                          line_color=colours.get(m.name), annotation_text=f"{m.name} target",
-                          annotation_position="top left")  # fmt: skip
+            fig.add_hline(
+                y=m.sla.ttft_p95_seconds,
+                line_dash="dash",
+                line_width=1,
+                line_color=colours.get(m.name),
+                annotation_text=f"{m.name} target",
+                annotation_position="top left",
+            )
     return fig
 
 
@@ -134,8 +166,9 @@ def _desired(model: dict[str, Any] | None, name: str, scraped: dict[str, float])
     return scraped.get(name)
 
 
-def _replicas(ctx: Context, fleet: dict[str, Any] | None, scraped: dict[str, float],
-              tz: str | None) -> html.Div:  # fmt: skip
+def _replicas(
+    ctx: Context, fleet: dict[str, Any] | None, scraped: dict[str, float], tz: str | None
+) -> html.Div:
     """Per model: groups, configured, live and desired replicas, and the last change with its why.
 
     ``fleet`` is billing's ``/v1/fleet`` (None for a team, which may not read it).
@@ -147,15 +180,25 @@ def _replicas(ctx: Context, fleet: dict[str, Any] | None, scraped: dict[str, flo
     for name in names:
         model = by_model.get(name)
         configured = sum(r.model == name for r in ctx.config.replicas)
-        row: dict[str, Any] = {"model": name, "configured": configured,
-                               "live": "admin only", "desired": _desired(model, name, scraped)}  # fmt: skip
+        row: dict[str, Any] = {
+            "model": name,
+            "configured": configured,
+            "live": "admin only",
+            "desired": _desired(model, name, scraped),
+        }
         if fleet is not None:
             last = model.get("last_decision") if model else None
-            row |= {"groups": ", ".join(model["groups"]) if model else "",
-                    "live": int(model["live"]) if model else 0,
-                    "last_change": (f"{_when(last['decided_at'], fleet['as_of'], tz)}: "
-                                    f"{last['previous']} -> {last['desired']}") if last else "none yet",
-                    "why": last["reasons"] if last else ""}  # fmt: skip
+            row |= {
+                "groups": ", ".join(model["groups"]) if model else "",
+                "live": int(model["live"]) if model else 0,
+                "last_change": (
+                    f"{_when(last['decided_at'], fleet['as_of'], tz)}: "
+                    f"{last['previous']} -> {last['desired']}"
+                )
+                if last
+                else "none yet",
+                "why": last["reasons"] if last else "",
+            }
         rows.append(row)
     columns = ["model", "configured", "live", "desired"]
     if fleet is not None:
@@ -175,19 +218,34 @@ def _when(t: float, now: float, tz: str | None) -> str:
 def _instances(fleet: dict[str, Any] | None, tz: str | None) -> html.Div | html.P:
     """Every live instance, group by group, oldest first: where it runs and since when."""
     if fleet is None:
-        return note("Instances span every team, so they are shown to the admin only.",
-                    note_id="fleet-instances-sentence")  # fmt: skip
+        return note(
+            "Instances span every team, so they are shown to the admin only.",
+            note_id="fleet-instances-sentence",
+        )
     rows = [
-        {"replica_group": g["replica"], "instance": i["instance"], "node": i["node"],
-         "gpu_ids": ", ".join(i["gpus"]) or f"{i['gpu_count']} ({i['gpu_model']})",
-         "started": i["started_at"]}
-        for g in fleet["groups"] for i in g["instances"]
-    ]  # fmt: skip
-    schema = {"replica_group": pl.String, "instance": pl.String, "node": pl.String,
-              "gpu_ids": pl.String, "started": pl.Float64}  # fmt: skip
+        {
+            "replica_group": g["replica"],
+            "instance": i["instance"],
+            "node": i["node"],
+            "gpu_ids": ", ".join(i["gpus"]) or f"{i['gpu_count']} ({i['gpu_model']})",
+            "started": i["started_at"],
+        }
+        for g in fleet["groups"]
+        for i in g["instances"]
+    ]
+    schema = {
+        "replica_group": pl.String,
+        "instance": pl.String,
+        "node": pl.String,
+        "gpu_ids": pl.String,
+        "started": pl.Float64,
+    }
     frame = local_times(pl.DataFrame(rows, schema=schema), tz, "started")
-    return frame_table(frame, "fleet-instances-table", empty="No instance is live: billing has "
-                       "heard from none in the last three heartbeats.")  # fmt: skip
+    return frame_table(
+        frame,
+        "fleet-instances-table",
+        empty="No instance is live: billing has heard from none in the last three heartbeats.",
+    )
 
 
 UNASSIGNED = "unassigned"
@@ -203,9 +261,10 @@ def gpu_series(gpus: pl.DataFrame) -> pl.DataFrame:
     instance = pl.col("instance").cast(pl.String).fill_null("")
     named = pl.when((instance == "") | (instance == replica)).then(replica).otherwise(instance)
     series = (
-        pl.when(replica == "").then(pl.lit(UNASSIGNED))
+        pl.when(replica == "")
+        .then(pl.lit(UNASSIGNED))
         .otherwise(named + " " + pl.col("node").cast(pl.String))
-    )  # fmt: skip
+    )
     weight = pl.col("gpus").cast(pl.Float64)
     return (
         gpus.with_columns(series=series, w=weight)
@@ -224,26 +283,63 @@ def _admin_figures(engine: pl.DataFrame, gpus: pl.DataFrame, x_range: Any) -> li
     no_engine = "No engine samples in this range."
     no_gpu = "No GPU samples in this range."
     return [
-        line_figure(engine, "requests_waiting", "replica", "Queue depth", "waiting requests",
-                    x_range, subtitle="mean requests waiting, per replica", empty=no_engine),
-        line_figure(engine, "kv_cache_usage", "replica", "KV-cache use", "of the cache", x_range,
-                    kind="share", subtitle="mean, per replica", empty=no_engine),
-        line_figure(gpus, "utilization", "series", "GPU utilization", "busy", x_range,
-                    kind="share", subtitle="mean, per instance and node; spare GPUs together",
-                    empty=no_gpu),
-        line_figure(gpus, "power_watts", "series", "GPU power", "watts per GPU", x_range,
-                    subtitle="mean per GPU, per instance and node; spare GPUs together",
-                    empty=no_gpu),
-    ]  # fmt: skip
+        line_figure(
+            engine,
+            "requests_waiting",
+            "replica",
+            "Queue depth",
+            "waiting requests",
+            x_range,
+            subtitle="mean requests waiting, per replica",
+            empty=no_engine,
+        ),
+        line_figure(
+            engine,
+            "kv_cache_usage",
+            "replica",
+            "KV-cache use",
+            "of the cache",
+            x_range,
+            kind="share",
+            subtitle="mean, per replica",
+            empty=no_engine,
+        ),
+        line_figure(
+            gpus,
+            "utilization",
+            "series",
+            "GPU utilization",
+            "busy",
+            x_range,
+            kind="share",
+            subtitle="mean, per instance and node; spare GPUs together",
+            empty=no_gpu,
+        ),
+        line_figure(
+            gpus,
+            "power_watts",
+            "series",
+            "GPU power",
+            "watts per GPU",
+            x_range,
+            subtitle="mean per GPU, per instance and node; spare GPUs together",
+            empty=no_gpu,
+        ),
+    ]
 
 
 def register(app: Dash, ctx: Context) -> None:
     """The fleet page's callbacks: every figure, refreshed on the interval; the reconciliation."""
     reconciliation.register(app, ctx)
     colours = colours_for([m.name for m in ctx.config.models])
-    outputs = [Output("fleet-status", "children"), Output("fleet-replicas", "children"),
-               Output("fleet-instances", "children"), Output("fleet-admin-note", "children"),
-               Output("fleet-admin-figures", "style"), Output("fleet-events-note", "children")]  # fmt: skip
+    outputs = [
+        Output("fleet-status", "children"),
+        Output("fleet-replicas", "children"),
+        Output("fleet-instances", "children"),
+        Output("fleet-admin-note", "children"),
+        Output("fleet-admin-figures", "style"),
+        Output("fleet-events-note", "children"),
+    ]
     outputs += [Output(f, "figure") for f in (*_FIGURES, *_ADMIN_FIGURES)]
     inputs = [
         Input("tick", "n_intervals"),
@@ -267,8 +363,15 @@ def register(app: Dash, ctx: Context) -> None:
         with ThreadPoolExecutor(max_workers=3) as pool:
             scrape = pool.submit(desired_replicas, ctx.config.dashboard.metrics_urls)
             asked = pool.submit(ctx.client.fleet, token, start, end) if admin else None
-            happened = pool.submit(events.gather, ctx.client, token, admin,
-                                   ctx.config.dashboard.prometheus_url, start, end)  # fmt: skip
+            happened = pool.submit(
+                events.gather,
+                ctx.client,
+                token,
+                admin,
+                ctx.config.dashboard.prometheus_url,
+                start,
+                end,
+            )
             try:
                 answers = fetch_answers(ctx.client, token, names, start, end)
                 fleet = asked.result() if asked is not None else None
@@ -277,8 +380,12 @@ def register(app: Dash, ctx: Context) -> None:
             scraped = scrape.result()
             found, problem = happened.result()
         marks = events.events_frame(found, tz)
-        legend = html.Div([note(events.LEGEND, note_id="fleet-events-legend"),
-                           *([note(problem, "error")] if problem else [])])  # fmt: skip
+        legend = html.Div(
+            [
+                note(events.LEGEND, note_id="fleet-events-legend"),
+                *([note(problem, "error")] if problem else []),
+            ]
+        )
         x_range = local_range(start, end, tz)
         ttft = _series(answers["ttft"], end, tz)
         thr = _series(answers["throughput"], end, tz, _RATES)
@@ -288,14 +395,48 @@ def register(app: Dash, ctx: Context) -> None:
         idle = "No requests in this range."
         figures = [
             (_ttft_figure(ctx, ttft.frame, x_range, colours), ttft),
-            (line_figure(thr.frame, "output_tokens_per_second", "model", "Output tokens per second",
-                         "tokens/s", x_range, colours=colours, empty=idle), thr),
-            (line_figure(thr.frame, "requests_per_second", "model", "Requests per second",
-                         "requests/s", x_range, colours=colours, empty=idle), thr),
-            (line_figure(thr.frame, "error_ratio", "model", "Error rate", "of requests", x_range,
-                         kind="fraction", colours=colours, empty=idle,
-                         subtitle="requests that failed upstream"), thr),
-        ]  # fmt: skip
+            (
+                line_figure(
+                    thr.frame,
+                    "output_tokens_per_second",
+                    "model",
+                    "Output tokens per second",
+                    "tokens/s",
+                    x_range,
+                    colours=colours,
+                    empty=idle,
+                ),
+                thr,
+            ),
+            (
+                line_figure(
+                    thr.frame,
+                    "requests_per_second",
+                    "model",
+                    "Requests per second",
+                    "requests/s",
+                    x_range,
+                    colours=colours,
+                    empty=idle,
+                ),
+                thr,
+            ),
+            (
+                line_figure(
+                    thr.frame,
+                    "error_ratio",
+                    "model",
+                    "Error rate",
+                    "of requests",
+                    x_range,
+                    kind="fraction",
+                    colours=colours,
+                    empty=idle,
+                    subtitle="requests that failed upstream",
+                ),
+                thr,
+            ),
+        ]
         replicas, instances = _replicas(ctx, fleet, scraped, tz), _instances(fleet, tz)
         if not admin:
             admin_note = note(
@@ -306,8 +447,16 @@ def register(app: Dash, ctx: Context) -> None:
                 events.mark(_mark_partial(f, series, end, tz), marks, colours)
                 for f, series in figures
             ]
-            return [status, replicas, instances, admin_note, _HIDDEN, legend, *shown,
-                    *blank[: len(_ADMIN_FIGURES)]]  # fmt: skip
+            return [
+                status,
+                replicas,
+                instances,
+                admin_note,
+                _HIDDEN,
+                legend,
+                *shown,
+                *blank[: len(_ADMIN_FIGURES)],
+            ]
         engine, gpus = _series(answers["engine"], end, tz), _series(answers["gpus"], end, tz)
         admin_figures = _admin_figures(engine.frame, gpus.frame, x_range)
         figures += zip(admin_figures, (engine, engine, gpus, gpus), strict=True)

@@ -29,14 +29,26 @@ TITLE = "Keys"
 ROLES: Final = ("member", "lead", "finance", "viewer", "spend_reader")
 _TEAM_ROLES: Final = frozenset({"member", "lead"})
 _KEY_ID = re.compile(r"[a-z0-9]{12}")
-_COLUMNS: Final = ("key_id", "team", "role", "member", "project", "created", "created_by",
-                   "expires", "state")  # fmt: skip
+_COLUMNS: Final = (
+    "key_id",
+    "team",
+    "role",
+    "member",
+    "project",
+    "created",
+    "created_by",
+    "expires",
+    "state",
+)
 _DAY_SECONDS: Final = 86_400.0
 
 
 def _field(name: str, control: Any, width: str) -> html.Div:
-    return html.Div([html.Label(name, htmlFor=control.id), control], className="field",
-                    style={"minWidth": width, "maxWidth": width})  # fmt: skip
+    return html.Div(
+        [html.Label(name, htmlFor=control.id), control],
+        className="field",
+        style={"minWidth": width, "maxWidth": width},
+    )
 
 
 def layout(ctx: Context) -> html.Div:
@@ -44,16 +56,26 @@ def layout(ctx: Context) -> html.Div:
     teams = [{"label": t.name, "value": t.name} for t in ctx.config.teams]
     roles = [{"label": r, "value": r} for r in ROLES]
     issue = [
-        _field("Team", dcc.Dropdown(id="keys-team", options=teams, placeholder="(your team)"), "10em"),
-        _field("Role", dcc.Dropdown(id="keys-role", options=roles, value="member",
-                                    clearable=False, searchable=False), "9em"),
+        _field(
+            "Team", dcc.Dropdown(id="keys-team", options=teams, placeholder="(your team)"), "10em"
+        ),
+        _field(
+            "Role",
+            dcc.Dropdown(
+                id="keys-role", options=roles, value="member", clearable=False, searchable=False
+            ),
+            "9em",
+        ),
         _field("Member", dcc.Input(id="keys-member", placeholder="optional"), "10em"),
         _field("Project", dcc.Input(id="keys-project", placeholder="optional"), "10em"),
-        _field("Expires in days", dcc.Input(id="keys-days", type="number", min=1,
-                                            placeholder="never"), "9em"),
+        _field(
+            "Expires in days",
+            dcc.Input(id="keys-days", type="number", min=1, placeholder="never"),
+            "9em",
+        ),
         _field("Why", dcc.Input(id="keys-reason", placeholder="for the audit trail"), "16em"),
         html.Button("Issue key", id="keys-issue"),
-    ]  # fmt: skip
+    ]
     change = [
         _field("Key id", dcc.Input(id="keys-id", placeholder="12 characters"), "10em"),
         _field(
@@ -85,8 +107,15 @@ def when(t: float, tz: str | None) -> str:
     return dt.datetime.fromtimestamp(t, zone).strftime("%Y-%m-%d %H:%M")
 
 
-def key_request(session: Session, team: str | None, role: str | None, member: str | None,
-                project: str | None, days: float | None, reason: str | None) -> dict[str, Any]:  # fmt: skip
+def key_request(
+    session: Session,
+    team: str | None,
+    role: str | None,
+    member: str | None,
+    project: str | None,
+    days: float | None,
+    reason: str | None,
+) -> dict[str, Any]:
     """The body of ``POST /v1/keys`` from the form: a team's role takes the team (the signed-in
     team's when none is picked), the others none; empty fields are left out."""
     role = role or "member"
@@ -165,8 +194,12 @@ def register(app: Dash, ctx: Context) -> None:
             if exc.status == 403:
                 return note("Only the admin and team leads manage keys.", "info"), None
             return note(f"Keys unavailable: {exc}.", "error"), None
-        table = frame_table(keys_frame(keys, time.time(), tz), "keys-list", _COLUMNS,
-                            empty="No key has been issued yet.")  # fmt: skip
+        table = frame_table(
+            keys_frame(keys, time.time(), tz),
+            "keys-list",
+            _COLUMNS,
+            empty="No key has been issued yet.",
+        )
         return None, table
 
     @app.callback(
@@ -187,9 +220,21 @@ def register(app: Dash, ctx: Context) -> None:
         State("auth", "data"),
         prevent_initial_call=True,
     )
-    def act(_: Any, __: Any, ___: Any, team: str | None, role: str | None, member: str | None,
-            project: str | None, days: float | None, reason: str | None, key_id: str | None,
-            change_reason: str | None, changed: int | None, auth: Any) -> tuple[Any, Any]:  # fmt: skip
+    def act(
+        _: Any,
+        __: Any,
+        ___: Any,
+        team: str | None,
+        role: str | None,
+        member: str | None,
+        project: str | None,
+        days: float | None,
+        reason: str | None,
+        key_id: str | None,
+        change_reason: str | None,
+        changed: int | None,
+        auth: Any,
+    ) -> tuple[Any, Any]:
         session = ctx.session(auth)
         if session is None:
             return note("Sign in to manage keys.", "error"), no_update
@@ -208,8 +253,11 @@ def register(app: Dash, ctx: Context) -> None:
                     "revoke" if action == "keys-revoke" else "rotate"
                 )
                 answer = ctx.client.change_key(session.token, wanted, verb, change_reason or "")
-                shown = (note(f"Revoked key {wanted}.") if verb == "revoke"
-                         else _secret(answer, f"Rotated key {wanted}; the new key is"))  # fmt: skip
+                shown = (
+                    note(f"Revoked key {wanted}.")
+                    if verb == "revoke"
+                    else _secret(answer, f"Rotated key {wanted}; the new key is")
+                )
         except BillingError as exc:
             return note(f"Refused: {exc}", "error"), no_update
         return shown, (changed or 0) + 1

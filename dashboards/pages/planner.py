@@ -26,9 +26,15 @@ _FIELDS = ("params", "context", "concurrency", "layers", "kv-heads", "head-dim")
 
 
 def _number(field: str, label: str, value: float, step: float = 1) -> html.Div:
-    return html.Div([html.Label(label, htmlFor=f"plan-{field}"),
-                     dcc.Input(id=f"plan-{field}", type="number", value=value, min=0, step=step, debounce=True)],
-                    className="field")  # fmt: skip
+    return html.Div(
+        [
+            html.Label(label, htmlFor=f"plan-{field}"),
+            dcc.Input(
+                id=f"plan-{field}", type="number", value=value, min=0, step=step, debounce=True
+            ),
+        ],
+        className="field",
+    )
 
 
 def layout(ctx: Context) -> html.Div:
@@ -121,8 +127,16 @@ def register(app: Dash, ctx: Context) -> None:
             return note("Fill in every field."), None
         params, context, concurrency, layers, kv_heads, head_dim = values
         try:
-            shape = ModelShape(float(params), precision, int(context), int(concurrency), int(layers),
-                               int(kv_heads), int(head_dim), kv_precision)  # fmt: skip
+            shape = ModelShape(
+                float(params),
+                precision,
+                int(context),
+                int(concurrency),
+                int(layers),
+                int(kv_heads),
+                int(head_dim),
+                kv_precision,
+            )
         except ValueError as exc:
             return note(str(exc), "error"), None
         result = plan(shape, prices)
@@ -131,12 +145,16 @@ def register(app: Dash, ctx: Context) -> None:
             f"{result.overhead_gb:.1f} GB = {result.total_gb:.1f} GB per replica",
             id="plan-total",
         )
-        rows = [{
-            "gpu": f.gpu, "memory_gb": f.memory_gb,
-            "gpus": str(f.tensor_parallel) if f.fits else "does not fit",
-            "per_gpu_gb": round(f.per_gpu_gb, 1) if f.per_gpu_gb is not None else None,
-            "usd_per_hour": f.usd_per_hour if f.fits else None,
-        } for f in result.fits]  # fmt: skip
+        rows = [
+            {
+                "gpu": f.gpu,
+                "memory_gb": f.memory_gb,
+                "gpus": str(f.tensor_parallel) if f.fits else "does not fit",
+                "per_gpu_gb": round(f.per_gpu_gb, 1) if f.per_gpu_gb is not None else None,
+                "usd_per_hour": f.usd_per_hour if f.fits else None,
+            }
+            for f in result.fits
+        ]
         kinds = {"gpus": "count", "usd_per_hour": "usd"}
         unpriced = [f.gpu for f in result.fits if f.fits and f.usd_per_hour is None]
         why = (

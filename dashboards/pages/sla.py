@@ -44,8 +44,14 @@ def compliance_frames(ctx: Context, rows: pl.DataFrame) -> tuple[pl.DataFrame, p
     )
     share = (100 * pl.col("within_sla") / pl.col("ttft_requests")).round(2)
     if rows.height == 0:
-        rows = pl.DataFrame(schema={"model": pl.String, "team": pl.String, "ttft_requests": pl.Int64,
-                                    "within_sla": pl.Int64})  # fmt: skip
+        rows = pl.DataFrame(
+            schema={
+                "model": pl.String,
+                "team": pl.String,
+                "ttft_requests": pl.Int64,
+                "within_sla": pl.Int64,
+            }
+        )
     by_team = rows.join(targets, on="model", how="left").with_columns(compliance_pct=share)
     by_model = (
         by_team.group_by("model", "use_case", "ttft_p95_target_seconds")
@@ -109,11 +115,23 @@ def register(app: Dash, ctx: Context) -> None:
             )
         totals = {"compliance_pct": _share(by_model)}
         return [
-            html.P("Within target: the share of requests whose time to first token was within "
-                   "the model's p95 target, over the range picked above."),
-            frame_table(by_model, "sla-models-table", total=("ttft_requests", "within_sla"),
-                        total_values=totals, empty="No requests in range."),
-            frame_table(by_team, "sla-teams-table", total=("ttft_requests", "within_sla"),
-                        total_values=totals, empty="No requests in range."),
+            html.P(
+                "Within target: the share of requests whose time to first token was within "
+                "the model's p95 target, over the range picked above."
+            ),
+            frame_table(
+                by_model,
+                "sla-models-table",
+                total=("ttft_requests", "within_sla"),
+                total_values=totals,
+                empty="No requests in range.",
+            ),
+            frame_table(
+                by_team,
+                "sla-teams-table",
+                total=("ttft_requests", "within_sla"),
+                total_values=totals,
+                empty="No requests in range.",
+            ),
             frame_table(worst, "sla-worst-table", empty="No requests in range."),
-        ]  # fmt: skip
+        ]

@@ -27,8 +27,18 @@ from dashboards.formatting import as_of
 
 PATH = "/teams"
 TITLE = "Teams"
-_SPEND_COLUMNS = ("team", "spent_usd", "forecast_usd", "budget_usd", "budget_used_pct", "requests",
-                  "prompt_tokens", "completion_tokens", "unattributed_tokens", "energy_kwh")  # fmt: skip
+_SPEND_COLUMNS = (
+    "team",
+    "spent_usd",
+    "forecast_usd",
+    "budget_usd",
+    "budget_used_pct",
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "unattributed_tokens",
+    "energy_kwh",
+)
 _UNATTRIBUTED = " (unattributed)"  # the model of an unattributed line ends so (billing's rule)
 
 
@@ -63,10 +73,13 @@ def spend_frame(spend: list[dict[str, Any]], lines: pl.DataFrame, platform: str)
         pl.col("requests").sum(),
         own.otherwise(pl.col("prompt_tokens")).sum().alias("prompt_tokens"),
         own.otherwise(pl.col("completion_tokens")).sum().alias("completion_tokens"),
-        pl.when(unattributed).then(pl.col("prompt_tokens") + pl.col("completion_tokens"))
-        .otherwise(0).sum().alias("unattributed_tokens"),
+        pl.when(unattributed)
+        .then(pl.col("prompt_tokens") + pl.col("completion_tokens"))
+        .otherwise(0)
+        .sum()
+        .alias("unattributed_tokens"),
         pl.col("energy_kwh").sum().round(4),
-    )  # fmt: skip
+    )
     frame = pl.DataFrame(
         spend,
         schema={
@@ -91,9 +104,11 @@ def spend_frame(spend: list[dict[str, Any]], lines: pl.DataFrame, platform: str)
         .with_columns(pl.when(is_platform).then(None).otherwise(pl.col(c)).alias(c) for c in mine)
         .sort(is_platform, "team")
         .with_columns(
-            team=pl.when(is_platform).then(pl.lit(platform_label(platform))).otherwise(pl.col("team"))
+            team=pl.when(is_platform)
+            .then(pl.lit(platform_label(platform)))
+            .otherwise(pl.col("team"))
         )
-    )  # fmt: skip
+    )
 
 
 def unit_cost_frame(lines: pl.DataFrame) -> pl.DataFrame:
@@ -115,15 +130,29 @@ def unit_cost_frame(lines: pl.DataFrame) -> pl.DataFrame:
 
 # A request that named no project or no user (billing's null), as the table shows it.
 NO_PROJECT, NO_USER = "(no project)", "(no user)"
-_TAG_COLUMNS = ("team", "project", "user", "cost_usd", "requests", "prompt_tokens",
-                "completion_tokens")  # fmt: skip
+_TAG_COLUMNS = (
+    "team",
+    "project",
+    "user",
+    "cost_usd",
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+)
 
 
 def tags_frame(rows: list[dict[str, Any]], platform: str) -> pl.DataFrame:
     """Spend per team, project and end user over the month's breakdown rows (every model and
     line summed), the largest first within a team; the platform account, no team, left out."""
-    schema = {"team": pl.String, "project": pl.String, "user": pl.String, "total_cents": pl.Int64,
-              "requests": pl.Int64, "prompt_tokens": pl.Int64, "completion_tokens": pl.Int64}  # fmt: skip
+    schema = {
+        "team": pl.String,
+        "project": pl.String,
+        "user": pl.String,
+        "total_cents": pl.Int64,
+        "requests": pl.Int64,
+        "prompt_tokens": pl.Int64,
+        "completion_tokens": pl.Int64,
+    }
     frame = pl.DataFrame([{k: r.get(k) for k in schema} for r in rows], schema=schema)
     return (
         frame.filter(pl.col("team") != platform)
@@ -137,24 +166,34 @@ def tags_frame(rows: list[dict[str, Any]], platform: str) -> pl.DataFrame:
 
 
 def _tags_table(frame: pl.DataFrame) -> html.Div:
-    return frame_table(frame, "teams-tags-table", total=_TAG_COLUMNS[3:],
-                       empty="No requests this month yet.")  # fmt: skip
+    return frame_table(
+        frame, "teams-tags-table", total=_TAG_COLUMNS[3:], empty="No requests this month yet."
+    )
 
 
 def _spend_table(frame: pl.DataFrame) -> html.Div:
     budget = float(frame["budget_usd"].sum()) if frame.height else 0.0
     used = 100 * float(frame["spent_usd"].sum()) / budget if budget > 0 else None
-    return frame_table(frame, "teams-table", _SPEND_COLUMNS, total=_SPEND_COLUMNS[1:4] + _SPEND_COLUMNS[5:],
-                       total_values={"budget_used_pct": used})  # fmt: skip
+    return frame_table(
+        frame,
+        "teams-table",
+        _SPEND_COLUMNS,
+        total=_SPEND_COLUMNS[1:4] + _SPEND_COLUMNS[5:],
+        total_values={"budget_used_pct": used},
+    )
 
 
 def _models_table(lines: pl.DataFrame) -> html.Div:
     frame = unit_cost_frame(lines)
     cost, tokens = float(frame["cost_usd"].sum()), float(frame["tokens"].sum())
     per_million = cost * 1e6 / tokens if tokens > 0 else None
-    return frame_table(frame, "teams-models-table", total=("cost_usd", "tokens"),
-                       total_values={"usd_per_million_tokens": per_million},
-                       empty="No usage this month yet.")  # fmt: skip
+    return frame_table(
+        frame,
+        "teams-models-table",
+        total=("cost_usd", "tokens"),
+        total_values={"usd_per_million_tokens": per_million},
+        empty="No usage this month yet.",
+    )
 
 
 def _figure(frame: pl.DataFrame) -> go.Figure:

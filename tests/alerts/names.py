@@ -17,9 +17,13 @@ from sidecar.shared_limits import SharedLimitsMetrics
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 # Announced by billing for the spend, reconciliation and quarantine alerts and dashboards.
-BILLING = {"infermeter_team_spend_usd", "infermeter_team_budget_usd", "infermeter_team_spend_forecast_usd",
-           "infermeter_reconciliation_unattributed_share",
-           "infermeter_billing_quarantined_records_total"}  # fmt: skip
+BILLING = {
+    "infermeter_team_spend_usd",
+    "infermeter_team_budget_usd",
+    "infermeter_team_spend_forecast_usd",
+    "infermeter_reconciliation_unattributed_share",
+    "infermeter_billing_quarantined_records_total",
+}
 
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
 _MATCHERS = re.compile(r"\{[^}]*\}")

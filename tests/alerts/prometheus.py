@@ -38,8 +38,9 @@ def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
 
 
 @contextlib.contextmanager
-def running_prometheus(tmp_path: Path, scrape_configs: list[dict[str, Any]],
-                       rule_files: list[str]) -> Iterator[str]:  # fmt: skip
+def running_prometheus(
+    tmp_path: Path, scrape_configs: list[dict[str, Any]], rule_files: list[str]
+) -> Iterator[str]:
     """A Prometheus server on a free loopback port, scraping and evaluating every second.
 
     Yields its base URL; the process is killed when the block ends, whatever happened.
@@ -54,11 +55,16 @@ def running_prometheus(tmp_path: Path, scrape_configs: list[dict[str, Any]],
     port = free_port()
     log = (tmp_path / "prometheus.log").open("w")
     proc = subprocess.Popen(
-        [require(PROMETHEUS), f"--config.file={config_file}",
-         f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}",
-         "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            require(PROMETHEUS),
+            f"--config.file={config_file}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, proc, tmp_path / "prometheus.log")

@@ -33,8 +33,15 @@ def test_dashboard_is_valid_json_with_the_promised_panels():
     """It parses, and has the SLA, speed, errors, queue, GPU and spend panels."""
     dashboard = _load()
     titles = {p["title"] for p in dashboard["panels"]}
-    assert {"TTFT p95 vs SLA", "Output tokens/s", "Error ratio vs SLA", "Queue depth",
-            "GPU utilization", "GPU power", "Spend vs budget"} <= titles  # fmt: skip
+    assert {
+        "TTFT p95 vs SLA",
+        "Output tokens/s",
+        "Error ratio vs SLA",
+        "Queue depth",
+        "GPU utilization",
+        "GPU power",
+        "Spend vs budget",
+    } <= titles
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     assert dashboard["uid"] == "infermeter-overview"
@@ -43,8 +50,13 @@ def test_dashboard_is_valid_json_with_the_promised_panels():
 def test_dashboard_has_the_engine_efficiency_panels():
     """Batch occupancy, KV-cache use, preemptions, prefix-cache hits and cost per 1M tokens are drawn."""
     titles = {p["title"] for p in _load()["panels"]}
-    assert {"Batch occupancy", "KV-cache use", "Preemptions", "Prefix-cache hit rate",
-            "GPU cost per 1M tokens"} <= titles  # fmt: skip
+    assert {
+        "Batch occupancy",
+        "KV-cache use",
+        "Preemptions",
+        "Prefix-cache hit rate",
+        "GPU cost per 1M tokens",
+    } <= titles
 
 
 def test_every_query_uses_the_datasource_variable():
@@ -90,6 +102,8 @@ def test_rules_read_only_metrics_that_infermeter_exposes(config):
 
 def test_metric_names_finds_selectors_not_labels_or_functions():
     """The name extractor skips functions, grouping labels, matchers, ranges, offsets and keywords."""
-    expr = ('sum by (model, le) (rate(a_bucket{status=~"x|y"}[5m])) / on (model) '
-            'group_left b:c:d > bool 0 or vector(1) or e offset 10m')  # fmt: skip
+    expr = (
+        'sum by (model, le) (rate(a_bucket{status=~"x|y"}[5m])) / on (model) '
+        "group_left b:c:d > bool 0 or vector(1) or e offset 10m"
+    )
     assert metric_names(expr) == {"a_bucket", "b:c:d", "e"}

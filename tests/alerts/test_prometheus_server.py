@@ -53,8 +53,11 @@ def _fast_config(tmp_path: Path) -> Config:
         m["sla"]["ttft_p95_seconds"] = 0.25
     data["scaling"].update(scale_up_queue_depth=2, scale_up_after_seconds=2)
     data["collector"].update(scrape_interval_seconds=1, spool_dir=str(tmp_path / "cspool"))
-    data["alerts"] = {"evaluation_interval_seconds": 1, "rate_window_seconds": 8,
-                      "sla_for_seconds": 2}  # fmt: skip
+    data["alerts"] = {
+        "evaluation_interval_seconds": 1,
+        "rate_window_seconds": 8,
+        "sla_for_seconds": 2,
+    }
     return Config.model_validate(data)
 
 
@@ -95,8 +98,11 @@ async def _fleet(config: Config, tmp_path: Path) -> AsyncIterator[Fleet]:
 
 def _scrape_configs(fleet: Fleet) -> list[dict[str, Any]]:
     def job(name: str, url: str, **extra: Any) -> dict[str, Any]:
-        return {"job_name": name, "static_configs": [{"targets": [url.removeprefix("http://")]}],
-                **extra}  # fmt: skip
+        return {
+            "job_name": name,
+            "static_configs": [{"targets": [url.removeprefix("http://")]}],
+            **extra,
+        }
 
     return [
         job("vllm", fleet.replica),
@@ -116,8 +122,9 @@ async def _active(client: httpx.AsyncClient, prometheus: str) -> dict[str, str]:
     return states
 
 
-async def _until(client: httpx.AsyncClient, prometheus: str, want: dict[str, str],
-                 seconds: float) -> dict[str, str]:  # fmt: skip
+async def _until(
+    client: httpx.AsyncClient, prometheus: str, want: dict[str, str], seconds: float
+) -> dict[str, str]:
     """Poll the alerts until they are exactly ``want`` (or time runs out); the last reading."""
     deadline = time.monotonic() + seconds
     states = await _active(client, prometheus)
@@ -141,8 +148,12 @@ async def _targets_up(client: httpx.AsyncClient, prometheus: str, seconds: float
 async def _load(sidecar: str, stop: asyncio.Event, clients: int) -> int:
     """Streamed chat requests from ``clients`` loops until ``stop``; how many completed."""
     done = 0
-    body = {"model": "chat-small", "stream": True, "max_tokens": 16,
-            "messages": [{"role": "user", "content": "tell me about queues"}]}  # fmt: skip
+    body = {
+        "model": "chat-small",
+        "stream": True,
+        "max_tokens": 16,
+        "messages": [{"role": "user", "content": "tell me about queues"}],
+    }
 
     async def one_client(http: httpx.AsyncClient) -> None:
         nonlocal done

@@ -28,8 +28,12 @@ def _alert_names(rule_files: list[Path]) -> set[str]:
 
 
 def _cases(test_files: list[Path]) -> list[dict[str, Any]]:
-    return [case for path in test_files for test in yaml.safe_load(path.read_text())["tests"]
-            for case in test.get("alert_rule_test", [])]  # fmt: skip
+    return [
+        case
+        for path in test_files
+        for test in yaml.safe_load(path.read_text())["tests"]
+        for case in test.get("alert_rule_test", [])
+    ]
 
 
 def _example_rules(tmp_path: Path) -> Path:

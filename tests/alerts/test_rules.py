@@ -52,9 +52,17 @@ def _alerts(config: Config, name: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize(
     ("seconds", "text"),
-    [(300, "5m"), (30, "30s"), (3600, "1h"), (90, "1m30s"), (0.5, "500ms"), (1.25, "1s250ms"),
-     (0, "0s"), (5400, "1h30m")],
-)  # fmt: skip
+    [
+        (300, "5m"),
+        (30, "30s"),
+        (3600, "1h"),
+        (90, "1m30s"),
+        (0.5, "500ms"),
+        (1.25, "1s250ms"),
+        (0, "0s"),
+        (5400, "1h30m"),
+    ],
+)
 def test_duration_is_written_the_prometheus_way(seconds, text):
     """Seconds become the shortest Prometheus duration that states them exactly."""
     assert duration(seconds) == text
@@ -112,11 +120,13 @@ def test_recording_rules_cover_the_sidecar_collector_and_billing_metrics(config)
         assert f"{level}:infermeter_output_tokens_per_second:p50_rate5m" in recorded
         assert f"{level}:infermeter_completion_tokens:rate5m" in recorded
         assert f"{level}:infermeter_request_errors_per_request:ratio_rate5m" in recorded
-    assert {"replica:infermeter_replica_queue_depth:max",
-            "instance_model_name:vllm_num_requests_waiting:sum",
-            "replica:infermeter_replica_gpu_utilization_ratio:avg",
-            "replica:infermeter_replica_gpu_power_watts:sum",
-            "team:infermeter_team_spend_forecast_per_budget:ratio"} <= recorded  # fmt: skip
+    assert {
+        "replica:infermeter_replica_queue_depth:max",
+        "instance_model_name:vllm_num_requests_waiting:sum",
+        "replica:infermeter_replica_gpu_utilization_ratio:avg",
+        "replica:infermeter_replica_gpu_power_watts:sum",
+        "team:infermeter_team_spend_forecast_per_budget:ratio",
+    } <= recorded
 
 
 def test_every_alert_has_severity_summary_and_runbook(config):
@@ -135,7 +145,7 @@ def test_sla_alerts_take_each_models_targets(config):
     assert ttft == {
         "chat-large": 'model:infermeter_time_to_first_token_seconds:p95_rate5m{model="chat-large"} > 1.5',
         "chat-small": 'model:infermeter_time_to_first_token_seconds:p95_rate5m{model="chat-small"} > 0.5',
-    }  # fmt: skip
+    }
     speed = {
         a["labels"]["model"]: a["expr"] for a in _alerts(config, "InfermeterOutputSpeedBelowSLA")
     }
@@ -159,9 +169,14 @@ def test_a_model_without_a_speed_target_has_no_speed_alert():
 
 def test_capacity_alerts_follow_the_scaling_policy():
     """Queue backlog and GPU idle use scaling's thresholds and durations."""
-    config = _config(**{"scaling.scale_up_queue_depth": 4, "scaling.scale_up_after_seconds": 45,
-                        "scaling.scale_down_gpu_utilization": 0.2,
-                        "scaling.scale_down_after_seconds": 600})  # fmt: skip
+    config = _config(
+        **{
+            "scaling.scale_up_queue_depth": 4,
+            "scaling.scale_up_after_seconds": 45,
+            "scaling.scale_down_gpu_utilization": 0.2,
+            "scaling.scale_down_after_seconds": 600,
+        }
+    )
     [queue] = _alerts(config, "InfermeterQueueBacklog")
     assert (queue["expr"], queue["for"]) == (
         "replica:infermeter_replica_queue_depth:max > 4",
@@ -184,9 +199,15 @@ def test_default_capacity_alerts_are_the_seed_policy(config):
 
 def test_efficiency_alerts_take_the_alerts_sections_thresholds():
     """KV-cache, preemption and batch-occupancy alerts use the configured thresholds and waits."""
-    config = _config(**{"alerts.kv_cache_usage_ratio": 0.8, "alerts.preemptions_per_second": 1.5,
-                        "alerts.kv_cache_for_seconds": 120, "alerts.low_batch_occupancy_ratio": 0.1,
-                        "alerts.low_batch_occupancy_for_seconds": 7200})  # fmt: skip
+    config = _config(
+        **{
+            "alerts.kv_cache_usage_ratio": 0.8,
+            "alerts.preemptions_per_second": 1.5,
+            "alerts.kv_cache_for_seconds": 120,
+            "alerts.low_batch_occupancy_ratio": 0.1,
+            "alerts.low_batch_occupancy_for_seconds": 7200,
+        }
+    )
     [kv] = _alerts(config, "InfermeterKVCachePressure")
     [storm] = _alerts(config, "InfermeterPreemptionStorm")
     [low] = _alerts(config, "InfermeterBatchOccupancyLow")
@@ -197,8 +218,11 @@ def test_efficiency_alerts_take_the_alerts_sections_thresholds():
 
 def test_batch_occupancy_divides_by_each_replicas_max_num_seqs(config):
     """Each replica's running sequences are divided by its own max_num_seqs."""
-    [rule] = [r for r in _rules(render(config))
-              if r.get("record") == "instance:infermeter_instance_batch_occupancy:ratio"]  # fmt: skip
+    [rule] = [
+        r
+        for r in _rules(render(config))
+        if r.get("record") == "instance:infermeter_instance_batch_occupancy:ratio"
+    ]
     assert '{replica="large-0"}) / 64' in rule["expr"]
     assert '{replica="small-0"}) / 128' in rule["expr"]
 
@@ -212,16 +236,24 @@ def test_no_max_num_seqs_means_no_batch_occupancy_alert():
 
 def test_gpu_cost_per_hour_is_each_replicas_gpus_at_its_price(config):
     """The cost rule multiplies each replica's GPU count by its GPU model's hourly price."""
-    [rule] = [r for r in _rules(render(config))
-              if r.get("record") == "replica:infermeter_gpu_cost_usd_per_hour:sum"]  # fmt: skip
+    [rule] = [
+        r
+        for r in _rules(render(config))
+        if r.get("record") == "replica:infermeter_gpu_cost_usd_per_hour:sum"
+    ]
     assert '{replica="large-0"}) * 3.9' in rule["expr"]
     assert '{replica="small-1"}) * 1.6' in rule["expr"]
 
 
 def test_windows_and_durations_come_from_the_alerts_section():
     """rate_window_seconds renames and resizes every window; sla_for_seconds sets the wait."""
-    config = _config(**{"alerts.rate_window_seconds": 60, "alerts.sla_for_seconds": 0,
-                        "alerts.evaluation_interval_seconds": 10})  # fmt: skip
+    config = _config(
+        **{
+            "alerts.rate_window_seconds": 60,
+            "alerts.sla_for_seconds": 0,
+            "alerts.evaluation_interval_seconds": 10,
+        }
+    )
     groups = render(config)
     rules = _rules(groups)
     assert all("5m" not in r["expr"] for r in rules)
@@ -238,8 +270,10 @@ def test_team_override_inherits_the_keys_it_leaves_out():
         **{"alerts.slas": [{"team": "search", "model": "chat-small", "ttft_p95_seconds": 0.3}]}
     )
     [ttft] = _alerts(config, "InfermeterTeamTTFTAboveSLA")
-    assert ttft["expr"] == ('team_model:infermeter_time_to_first_token_seconds:p95_rate5m'
-                            '{team="search",model="chat-small"} > 0.3')  # fmt: skip
+    assert ttft["expr"] == (
+        "team_model:infermeter_time_to_first_token_seconds:p95_rate5m"
+        '{team="search",model="chat-small"} > 0.3'
+    )
     assert ttft["labels"] == {"severity": "warning", "team": "search", "model": "chat-small"}
     [errors] = _alerts(config, "InfermeterTeamErrorRatioHigh")
     assert errors["expr"].endswith("} > 0.01")
@@ -271,8 +305,15 @@ def _write(tmp_path: Path, **changes: Any) -> Path:
 
 def test_an_sla_override_naming_an_unknown_model_is_an_error(tmp_path):
     """alerts.slas naming a model (or team) the registry lacks fails when the file loads."""
-    path = _write(tmp_path, **{"alerts.slas": [{"team": "search", "model": "chat-huge"},
-                                               {"team": "nobody", "model": "chat-small"}]})  # fmt: skip
+    path = _write(
+        tmp_path,
+        **{
+            "alerts.slas": [
+                {"team": "search", "model": "chat-huge"},
+                {"team": "nobody", "model": "chat-small"},
+            ]
+        },
+    )
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
     message = str(err.value)
@@ -284,14 +325,38 @@ def test_an_sla_override_naming_an_unknown_model_is_an_error(tmp_path):
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [
-        ("scaling.scale_up_queue_depth", -1, "scaling.scale_up_queue_depth = -1: Input should be greater than or equal to 0"),
-        ("scaling.scale_down_gpu_utilization", -0.1, "scaling.scale_down_gpu_utilization = -0.1: Input should be greater than or equal to 0"),
-        ("models.0.sla.ttft_p95_seconds", -0.5, "models[0].sla.ttft_p95_seconds = -0.5: Input should be greater than 0"),
-        ("models.0.sla.max_error_ratio", -0.01, "models[0].sla.max_error_ratio = -0.01: Input should be greater than or equal to 0"),
-        ("scaling.monthly_budget_cap_usd", -5, "scaling.monthly_budget_cap_usd = -5: Input should be greater than or equal to 0"),
-        ("alerts.spool_backlog_records", -5, "alerts.spool_backlog_records = -5: Input should be greater than or equal to 0"),
+        (
+            "scaling.scale_up_queue_depth",
+            -1,
+            "scaling.scale_up_queue_depth = -1: Input should be greater than or equal to 0",
+        ),
+        (
+            "scaling.scale_down_gpu_utilization",
+            -0.1,
+            "scaling.scale_down_gpu_utilization = -0.1: Input should be greater than or equal to 0",
+        ),
+        (
+            "models.0.sla.ttft_p95_seconds",
+            -0.5,
+            "models[0].sla.ttft_p95_seconds = -0.5: Input should be greater than 0",
+        ),
+        (
+            "models.0.sla.max_error_ratio",
+            -0.01,
+            "models[0].sla.max_error_ratio = -0.01: Input should be greater than or equal to 0",
+        ),
+        (
+            "scaling.monthly_budget_cap_usd",
+            -5,
+            "scaling.monthly_budget_cap_usd = -5: Input should be greater than or equal to 0",
+        ),
+        (
+            "alerts.spool_backlog_records",
+            -5,
+            "alerts.spool_backlog_records = -5: Input should be greater than or equal to 0",
+        ),
     ],
-)  # fmt: skip
+)
 def test_negative_thresholds_are_refused_by_the_schema(tmp_path, path, value, message):
     """A negative threshold is an error naming the file, the key and the value."""
     config_file = _write(tmp_path, **{path: value})
@@ -305,8 +370,11 @@ def test_sla_targets_are_recorded_as_series():
     config = _config(
         **{"alerts.slas": [{"team": "search", "model": "chat-small", "max_error_ratio": 0.002}]}
     )
-    targets = {(r["record"], tuple(sorted(r["labels"].items()))): r["expr"]
-               for r in _rules(render(config)) if ":sla_" in r.get("record", "")}  # fmt: skip
+    targets = {
+        (r["record"], tuple(sorted(r["labels"].items()))): r["expr"]
+        for r in _rules(render(config))
+        if ":sla_" in r.get("record", "")
+    }
     small = (("model", "chat-small"), ("use_case", "interactive"))
     team = (("model", "chat-small"), ("team", "search"))
     assert targets[("model:infermeter_time_to_first_token_seconds:sla_p95", small)] == "vector(0.5)"

@@ -86,11 +86,13 @@ async def test_each_change_reaches_billing_once_and_a_hold_writes_nothing(
     async with serving(fleet.app()) as url, httpx.AsyncClient() as client:
         shipping = DecisionShipping(tmp_path / "spool", billing, INGEST_TOKEN, client)
         await shipping.start()
-        reader = PageReader(f"{url}/metrics", [], ["chat-small", "chat-large"], client,
-                            clock=lambda: now[0])  # fmt: skip
+        reader = PageReader(
+            f"{url}/metrics", [], ["chat-small", "chat-large"], client, clock=lambda: now[0]
+        )
         limits = {m.name: model_limits(config, m.name) for m in config.models}
-        scaler = Autoscaler(params_from_config(config), limits, reader, ScalingGauges(),
-                            spool=shipping.spool)  # fmt: skip
+        scaler = Autoscaler(
+            params_from_config(config), limits, reader, ScalingGauges(), spool=shipping.spool
+        )
         await scaler.tick()
         for seconds in (15, 20, 5):  # queue 12 > 10 for 35 s, then asked for 3 already
             now[0] += seconds
@@ -135,8 +137,9 @@ async def test_a_spool_that_cannot_take_a_decision_costs_the_record_not_the_tick
         spool.open()
         reader = PageReader(f"{url}/metrics", [], ["chat-large"], client)
         limits = {"chat-large": model_limits(config, "chat-large")}
-        scaler = Autoscaler(params_from_config(config), limits, reader, ScalingGauges(),
-                            spool=spool)  # fmt: skip
+        scaler = Autoscaler(
+            params_from_config(config), limits, reader, ScalingGauges(), spool=spool
+        )
         with caplog.at_level(logging.INFO, logger="infermeter.autoscale"):
             decisions = await scaler.tick()
         await spool.close()

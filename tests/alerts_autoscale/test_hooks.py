@@ -158,8 +158,9 @@ async def test_kubernetes_hook_applies_for_real_when_dry_run_is_off(tmp_path: Pa
     token_file = tmp_path / "token"
     token_file.write_text("first\n")
     async with serving(app) as url, httpx.AsyncClient() as client:
-        hook = KubernetesScaleHook(url, "ns", {"chat-large": "d"}, client,
-                                   token_file=token_file, dry_run=False)  # fmt: skip
+        hook = KubernetesScaleHook(
+            url, "ns", {"chat-large": "d"}, client, token_file=token_file, dry_run=False
+        )
         await hook.publish(DECISION)
         token_file.write_text("rotated\n")
         await hook.publish(DECISION)

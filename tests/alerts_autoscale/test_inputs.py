@@ -145,7 +145,9 @@ async def test_prometheus_source_runs_every_query_and_reads_vectors():
         seen.append(promql)
         value = answers[by_query[promql]]
         result = [{"metric": {"model": "chat-large"}, "value": [1.7e9, str(value)]}]
-        return JSONResponse({"status": "success", "data": {"resultType": "vector", "result": result}})  # fmt: skip
+        return JSONResponse(
+            {"status": "success", "data": {"resultType": "vector", "result": result}}
+        )
 
     app = Starlette(routes=[Route("/api/v1/query", query)])
     async with serving(app) as url, httpx.AsyncClient() as client:

@@ -33,9 +33,13 @@ def write_config(tmp_path: Path, gpus: int = 5) -> tuple[Path, Config]:
     raw["simulator"]["instances_file"] = str(tmp_path / "instances.json")
     raw["autoscale"] = {
         "history_file": "",
-        "local": {"enabled": True, "count_fixed_replicas": False, "groups": {"chat-small": GROUP},
-                  "stop_timeout_seconds": 5},
-    }  # fmt: skip
+        "local": {
+            "enabled": True,
+            "count_fixed_replicas": False,
+            "groups": {"chat-small": GROUP},
+            "stop_timeout_seconds": 5,
+        },
+    }
     path = tmp_path / "infermeter.yaml"
     path.write_text(yaml.safe_dump(off_demo_ports(raw)))
     return path, load_config(path, environ={})
@@ -47,8 +51,12 @@ def decision(desired: int) -> Decision:
 
 async def chat(client: httpx.AsyncClient, sidecar_url: str) -> None:
     """One streamed chat through an instance's sidecar, read to the end."""
-    body = {"model": "chat-small", "stream": True, "max_tokens": 24,
-            "messages": [{"role": "user", "content": "count the GPUs"}]}  # fmt: skip
+    body = {
+        "model": "chat-small",
+        "stream": True,
+        "max_tokens": 24,
+        "messages": [{"role": "user", "content": "count the GPUs"}],
+    }
     headers = {"authorization": "Bearer im-demo-search"}
     url = f"{sidecar_url}/v1/chat/completions"
     async with client.stream("POST", url, json=body, headers=headers) as response:
@@ -97,8 +105,10 @@ async def test_one_to_three_to_one_instances_under_traffic(tmp_path: Path) -> No
             await hook.publish(decision(3))
             live = hook.instances()
             assert [(i.instance, i.gpus) for i in live] == [
-                (f"vllm-{GROUP}-1", (2,)), (f"vllm-{GROUP}-2", (3,)), (f"vllm-{GROUP}-3", (4,))
-            ]  # fmt: skip
+                (f"vllm-{GROUP}-1", (2,)),
+                (f"vllm-{GROUP}-2", (3,)),
+                (f"vllm-{GROUP}-3", (4,)),
+            ]
             assert read_fleet(config_instances(config)).instances == tuple(live)
             for _ in range(3):
                 await asyncio.gather(*(chat(client, str(i.sidecar_url)) for i in live))
@@ -140,8 +150,17 @@ async def test_no_spare_gpu_is_said_and_never_oversubscribed(tmp_path: Path) -> 
     """Asking for more instances than spare boards starts what fits and counts the rest."""
     path, config = write_config(tmp_path, gpus=3)
     registry = CollectorRegistry()
-    earlier = LocalInstance(f"vllm-{GROUP}-7", GROUP, "chat-small", "node-b", (2,), "local",
-                            "http://127.0.0.1:1", None, 0.0)  # fmt: skip
+    earlier = LocalInstance(
+        f"vllm-{GROUP}-7",
+        GROUP,
+        "chat-small",
+        "node-b",
+        (2,),
+        "local",
+        "http://127.0.0.1:1",
+        None,
+        0.0,
+    )
     write_fleet(config_instances(config), [earlier], [])  # left by an autoscaler that died
     async with httpx.AsyncClient(timeout=30.0) as client:
         hook = LocalScaleHook(config, path, client, registry)

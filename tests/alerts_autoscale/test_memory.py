@@ -72,15 +72,21 @@ async def test_restart_keeps_the_predictive_term(config: Config, tmp_path: Path)
 @pytest.mark.parametrize(
     ("content", "reason"),
     [
-        (b"{\"format\": \"infermeter.autoscale.history/1\", \"slot", "not JSON"),
+        (b'{"format": "infermeter.autoscale.history/1", "slot', "not JSON"),
         (b'{"alerts": []}', "not an autoscaler history"),
-        (b'{"format": "%s", "slot_seconds": 60, "day_seconds": 86400.0, "models": {}}'
-         % FORMAT.encode(), "recorded with slot_seconds=60"),
-        (b'{"format": "%s", "slot_seconds": 900, "day_seconds": 86400.0, '
-         b'"models": {"chat-small": [[3, [1.0]]]}}' % FORMAT.encode(), "does not have 96 slots"),
+        (
+            b'{"format": "%s", "slot_seconds": 60, "day_seconds": 86400.0, "models": {}}'
+            % FORMAT.encode(),
+            "recorded with slot_seconds=60",
+        ),
+        (
+            b'{"format": "%s", "slot_seconds": 900, "day_seconds": 86400.0, '
+            b'"models": {"chat-small": [[3, [1.0]]]}}' % FORMAT.encode(),
+            "does not have 96 slots",
+        ),
         (b"\x00\xff" * 40, "not JSON"),
     ],
-)  # fmt: skip
+)
 def test_unusable_file_warns_and_starts_empty(
     config: Config, tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes, reason: str
 ) -> None:

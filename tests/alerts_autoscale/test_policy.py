@@ -25,8 +25,9 @@ PARAMS = PolicyParams(scaling=SCALING, predictive=False)
 LIMITS = ModelLimits("chat", sla_ttft_p95_seconds=1.0, min_replicas=2, max_replicas=None)
 
 
-def obs(t: float, current: int = 3, queue: float = 0, ttft: float | None = 0.2,
-        util: float | None = 0.6) -> Observation:  # fmt: skip
+def obs(
+    t: float, current: int = 3, queue: float = 0, ttft: float | None = 0.2, util: float | None = 0.6
+) -> Observation:
     return Observation(t, current, queue, ttft, util, 900.0)
 
 
@@ -119,11 +120,16 @@ def test_a_scale_up_right_after_a_scale_down_is_allowed():
     [
         (2, {"util": 0.05}, LIMITS, 2, None),
         (1, {}, LIMITS, 2, "raised to min_replicas 2"),
-        (6, {"ttft": 3.0}, replace(LIMITS, max_replicas=6, max_reason="max_replicas 6"), 6,
-         "capped at 6: max_replicas 6"),
+        (
+            6,
+            {"ttft": 3.0},
+            replace(LIMITS, max_replicas=6, max_reason="max_replicas 6"),
+            6,
+            "capped at 6: max_replicas 6",
+        ),
         (2, {}, replace(LIMITS, max_replicas=1, max_reason="budget"), 1, "capped at 1: budget"),
     ],
-)  # fmt: skip
+)
 def test_min_max_and_budget_clamp(current, signal, limits, expected, reason):
     """The result stays within min_replicas and the max (budget) bound; the budget wins."""
     observations = [obs(t, current=current, **signal) for t in range(0, 601, 60)]
@@ -148,9 +154,16 @@ def test_model_limits_read_the_config(config: Config) -> None:
 def _mixed_fleet(config: Config, cap: float) -> Config:
     """The demo fleet with a third chat-small replica on 2 H100s, and a monthly budget cap."""
     data = config.model_dump(mode="json")
-    data["replicas"].append({"id": "small-h100", "model": "chat-small", "node": "node-a",
-                             "upstream_url": "http://127.0.0.1:18004", "gpu_model": "H100",
-                             "gpu_count": 2})  # fmt: skip
+    data["replicas"].append(
+        {
+            "id": "small-h100",
+            "model": "chat-small",
+            "node": "node-a",
+            "upstream_url": "http://127.0.0.1:18004",
+            "gpu_model": "H100",
+            "gpu_count": 2,
+        }
+    )
     data["scaling"]["monthly_budget_cap_usd"] = cap
     return Config.model_validate(data)
 

@@ -90,8 +90,13 @@ def healthy(url: str) -> bool:
 
 
 def start(argv: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "infermeter", *argv], cwd=cwd, env=env,
-                            stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "infermeter", *argv],
+        cwd=cwd,
+        env=env,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
 
 
 def stop(process: subprocess.Popen[str]) -> None:
@@ -113,8 +118,9 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     billing_port, port = free_port(), free_port()
     billing = f"http://127.0.0.1:{billing_port}"
     data = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    data["billing"].update(listen=f"127.0.0.1:{billing_port}", url=billing,
-                           database=str(tmp / "ledger.duckdb"))  # fmt: skip
+    data["billing"].update(
+        listen=f"127.0.0.1:{billing_port}", url=billing, database=str(tmp / "ledger.duckdb")
+    )
     data["autoscale"] = {
         "listen": f"127.0.0.1:{port}",
         "interval_seconds": 0.3,
@@ -132,15 +138,20 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     write(tmp / "billing.yaml", data)
     path = tmp / "infermeter.yaml"
     write(path, data)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "INFERMETER_WRITER_SECRET": SECRET,
-           "INFERMETER_WRITER_CREDENTIAL": issue(SECRET.encode(), Writer.for_autoscaler()).token}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "INFERMETER_WRITER_SECRET": SECRET,
+        "INFERMETER_WRITER_CREDENTIAL": issue(SECRET.encode(), Writer.for_autoscaler()).token,
+    }
     bill = start(["billing", "--config", str(tmp / "billing.yaml")], tmp, env)
     scaler = start(["autoscale", "run", "--config", str(path)], tmp, env)
     try:
         wait_for("billing did not start", lambda: healthy(billing), 60)
         wait_for("the autoscaler did not start", lambda: healthy(f"http://127.0.0.1:{port}"), 60)
-        yield Running(scaler, f"http://127.0.0.1:{port}/metrics", billing, path, data,
-                      tmp / "autoscale-spool")  # fmt: skip
+        yield Running(
+            scaler, f"http://127.0.0.1:{port}/metrics", billing, path, data, tmp / "autoscale-spool"
+        )
     finally:
         stop(scaler)
         stop(bill)
@@ -236,14 +247,19 @@ def _changed(config: Config, sla: float | None = None, **sections: dict[str, Any
 
 def test_the_policy_reloads_and_what_the_process_was_built_from_does_not(config: Config) -> None:
     """Scaling, SLAs and the predictive knobs reload; hooks, inputs and the interval are named."""
-    policy = _changed(config, 0.1, scaling={"min_replicas": 5, "cooldown_seconds": 1},
-                      autoscale={"predictive": False, "target_gpu_utilization": 0.5})  # fmt: skip
+    policy = _changed(
+        config,
+        0.1,
+        scaling={"min_replicas": 5, "cooldown_seconds": 1},
+        autoscale={"predictive": False, "target_gpu_utilization": 0.5},
+    )
     assert policy.models[0].sla != config.models[0].sla
     assert restart_needed(config, policy) == []
     built = _changed(config, autoscale={"interval_seconds": 1, "webhook_url": "http://h/x"})
     assert [p.split(":")[0] for p in restart_needed(config, built)] == [
-        "autoscale.interval_seconds", "autoscale.webhook_url"
-    ]  # fmt: skip
+        "autoscale.interval_seconds",
+        "autoscale.webhook_url",
+    ]
 
 
 def test_a_command_line_flag_makes_the_files_value_irrelevant(config: Config) -> None:

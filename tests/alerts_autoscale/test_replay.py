@@ -75,8 +75,10 @@ def test_recordings_in_csv_and_jsonl_read_alike(tmp_path: Path) -> None:
     csv_file = tmp_path / "day.csv"
     csv_file.write_text("time,model,tokens_per_second\n1000,chat-large,500\n1060,chat-large,700\n")
     jsonl = tmp_path / "day.jsonl"
-    rows = [{"minute": 0, "model": "chat-large", "tokens_per_second_per_gpu": 125, "gpus": 4},
-            {"minute": 1, "model": "chat-large", "tokens_per_second": 700}]  # fmt: skip
+    rows = [
+        {"minute": 0, "model": "chat-large", "tokens_per_second_per_gpu": 125, "gpus": 4},
+        {"minute": 1, "model": "chat-large", "tokens_per_second": 700},
+    ]
     jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     expected = {"chat-large": [DemandPoint(0.0, 500.0), DemandPoint(60.0, 700.0)]}
     assert read_recording(csv_file) == expected

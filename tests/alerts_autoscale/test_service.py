@@ -47,10 +47,13 @@ class Fleet:
             routes=[
                 Route("/metrics", self.metrics),
                 Route("/hook", self.hook, methods=["POST"]),
-                Route("/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale", self.scale,
-                      methods=["PATCH"]),
+                Route(
+                    "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale",
+                    self.scale,
+                    methods=["PATCH"],
+                ),
             ]
-        )  # fmt: skip
+        )
 
 
 async def test_ticks_set_gauges_and_deliver_each_change_once(config: Config) -> None:
@@ -59,8 +62,9 @@ async def test_ticks_set_gauges_and_deliver_each_change_once(config: Config) -> 
     now = [1000.0]
     gauges = ScalingGauges()
     async with serving(fleet.app()) as url, httpx.AsyncClient() as client:
-        reader = PageReader(f"{url}/metrics", [], ["chat-small", "chat-large"], client,
-                            clock=lambda: now[0])  # fmt: skip
+        reader = PageReader(
+            f"{url}/metrics", [], ["chat-small", "chat-large"], client, clock=lambda: now[0]
+        )
         hooks: list[Hook] = [
             WebhookHook(f"{url}/hook", b"s", client, 5),
             KubernetesScaleHook(url, "infermeter", {"chat-small": "vllm-chat-small"}, client),
@@ -82,8 +86,10 @@ async def test_ticks_set_gauges_and_deliver_each_change_once(config: Config) -> 
         ("chat-large", 2),
         ("chat-small", 3),
     ]
-    assert [p["body"] for p in fleet.patches] == [{"spec": {"replicas": 2}},
-                                                   {"spec": {"replicas": 3}}]  # fmt: skip
+    assert [p["body"] for p in fleet.patches] == [
+        {"spec": {"replicas": 2}},
+        {"spec": {"replicas": 3}},
+    ]
 
 
 async def test_each_change_of_desired_replicas_is_logged_in_one_line(
@@ -93,8 +99,9 @@ async def test_each_change_of_desired_replicas_is_logged_in_one_line(
     fleet = Fleet()
     now = [1000.0]
     async with serving(fleet.app()) as url, httpx.AsyncClient() as client:
-        reader = PageReader(f"{url}/metrics", [], ["chat-small", "chat-large"], client,
-                            clock=lambda: now[0])  # fmt: skip
+        reader = PageReader(
+            f"{url}/metrics", [], ["chat-small", "chat-large"], client, clock=lambda: now[0]
+        )
         limits = {m.name: model_limits(config, m.name) for m in config.models}
         scaler = Autoscaler(params_from_config(config), limits, reader, ScalingGauges())
 
@@ -109,8 +116,9 @@ async def test_each_change_of_desired_replicas_is_logged_in_one_line(
         _, holding = await tick(15)
         decided, raised = await tick(20)  # queue 12 > 10 for 35 s
         _, still = await tick(5)
-    assert first == [(logging.INFO, "autoscale: chat-large: 1 -> 2 replicas: "
-                      "raised to min_replicas 2")]  # fmt: skip
+    assert first == [
+        (logging.INFO, "autoscale: chat-large: 1 -> 2 replicas: raised to min_replicas 2")
+    ]
     assert holding == []
     reasons = "; ".join(decided["chat-small"].reasons)
     assert "queue" in reasons
@@ -127,7 +135,10 @@ async def test_an_unreachable_collector_skips_the_tick(config: Config) -> None:
         limits = {"chat-small": model_limits(config, "chat-small")}
         scaler = Autoscaler(params_from_config(config), limits, reader, gauges)
         assert await scaler.tick() == {}
-    assert gauges.registry.get_sample_value("infermeter_desired_replicas", {"model": "chat-small"}) == 5  # fmt: skip
+    assert (
+        gauges.registry.get_sample_value("infermeter_desired_replicas", {"model": "chat-small"})
+        == 5
+    )
 
 
 async def test_metrics_endpoint_serves_the_gauges():
@@ -160,8 +171,13 @@ def test_reader_defaults_to_the_collector_and_every_sidecar(config: Config) -> N
 def test_instance_sidecars_keep_their_page_positions(config: Config) -> None:
     """Sidecars that come and go are read after the fixed ones, each always at the same position."""
     live = ["http://i1/metrics", "http://i2/metrics"]
-    reader = PageReader("http://c/metrics", ["http://s/metrics"], ["chat-small"],
-                        httpx.AsyncClient(), instance_sidecars=lambda: live)  # fmt: skip
+    reader = PageReader(
+        "http://c/metrics",
+        ["http://s/metrics"],
+        ["chat-small"],
+        httpx.AsyncClient(),
+        instance_sidecars=lambda: live,
+    )
     assert reader.page_urls() == ["http://s/metrics", "http://i1/metrics", "http://i2/metrics"]
     live = ["http://i2/metrics", "http://i3/metrics"]
     assert reader.page_urls() == [

@@ -28,28 +28,58 @@ def usage(
     sidecar's own ``UsageRecord.to_json``.
     """
     record = UsageRecord(
-        request_id=f"req-{next(_ids)}", team=team, model="chat-small",
-        served_version="llama-3.1-8b-instruct", replica="small-0", received_at=start,
-        first_token_at=start + 0.1, finished_at=start + seconds, prompt_tokens=100,
-        cached_prompt_tokens=0, completion_tokens=50, status=RequestStatus.OK.value, http_status=200,
-        stream=True, finish_reason="stop",
-    ).to_json()  # fmt: skip
+        request_id=f"req-{next(_ids)}",
+        team=team,
+        model="chat-small",
+        served_version="llama-3.1-8b-instruct",
+        replica="small-0",
+        received_at=start,
+        first_token_at=start + 0.1,
+        finished_at=start + seconds,
+        prompt_tokens=100,
+        cached_prompt_tokens=0,
+        completion_tokens=50,
+        status=RequestStatus.OK.value,
+        http_status=200,
+        stream=True,
+        finish_reason="stop",
+    ).to_json()
     record.update(kw)
     return record
 
 
-def gpu_samples(replica: str = "small-0", start: float = OCT, seconds: float = 3600.0, every: float = 10.0,
-                gpu_model: str = "L40S", watts: float = 200.0, node: str = "node-b", gpu: str = "0") -> list[dict[str, Any]]:  # fmt: skip
+def gpu_samples(
+    replica: str = "small-0",
+    start: float = OCT,
+    seconds: float = 3600.0,
+    every: float = 10.0,
+    gpu_model: str = "L40S",
+    watts: float = 200.0,
+    node: str = "node-b",
+    gpu: str = "0",
+) -> list[dict[str, Any]]:
     """A GPU of ``replica`` seen every ``every`` seconds from ``start`` for ``seconds``."""
     out = []
     t = start + every
     while t <= start + seconds + 1e-9:
-        out.append({
-            "sample_id": f"gpu-{next(_ids)}", "node": node, "gpu": gpu, "uuid": f"GPU-{node}-{gpu}",
-            "gpu_model": gpu_model, "replica": replica or None, "model": "chat-small", "timestamp": t,
-            "interval_seconds": every, "utilization": 0.5, "power_watts": watts,
-            "energy_joules": watts * every, "memory_used_mib": 1000.0, "memory_free_mib": 1000.0,
-        })  # fmt: skip
+        out.append(
+            {
+                "sample_id": f"gpu-{next(_ids)}",
+                "node": node,
+                "gpu": gpu,
+                "uuid": f"GPU-{node}-{gpu}",
+                "gpu_model": gpu_model,
+                "replica": replica or None,
+                "model": "chat-small",
+                "timestamp": t,
+                "interval_seconds": every,
+                "utilization": 0.5,
+                "power_watts": watts,
+                "energy_joules": watts * every,
+                "memory_used_mib": 1000.0,
+                "memory_free_mib": 1000.0,
+            }
+        )
         t += every
     return out
 

@@ -116,8 +116,10 @@ class Month:
 
     def with_group(self, replica: str, **changes: Any) -> Month:
         """The month with one group changed."""
-        return replace(self, groups=tuple(replace(g, **changes) if g.replica == replica else g
-                                          for g in self.groups))  # fmt: skip
+        return replace(
+            self,
+            groups=tuple(replace(g, **changes) if g.replica == replica else g for g in self.groups),
+        )
 
 
 @dataclass
@@ -192,13 +194,28 @@ def _arrivals(month: Month) -> list[_Request]:
                     prefix = None
                     if head:  # the sidecar digests the first message: the shared system prompt
                         rest = " ".join("u" * (s.prompt_tokens - len(head)))
-                        prefix = DIGESTER.of({"messages": [
-                            {"role": "system", "content": " ".join(head)},
-                            {"role": "user", "content": rest}]})  # fmt: skip
-                    out.append(_Request(s.team, s.model, t, s.prompt_tokens, s.completion_tokens,
-                                        s.stream, tuple(head + own),
-                                        prefix.digest if prefix else None,
-                                        prefix.share if prefix else None, len(head)))  # fmt: skip
+                        prefix = DIGESTER.of(
+                            {
+                                "messages": [
+                                    {"role": "system", "content": " ".join(head)},
+                                    {"role": "user", "content": rest},
+                                ]
+                            }
+                        )
+                    out.append(
+                        _Request(
+                            s.team,
+                            s.model,
+                            t,
+                            s.prompt_tokens,
+                            s.completion_tokens,
+                            s.stream,
+                            tuple(head + own),
+                            prefix.digest if prefix else None,
+                            prefix.share if prefix else None,
+                            len(head),
+                        )
+                    )
     return _moved(month, sorted(out, key=lambda r: r.t))
 
 
@@ -219,12 +236,15 @@ def _instances(config: Config, month: Month) -> list[_Instance]:
     for g in month.groups:
         r = config.replica(g.replica)
         base = config.simulator.engine_for(r.model)
-        profile = base.model_copy(update={
-            "max_num_seqs": g.max_num_seqs or r.max_num_seqs or base.max_num_seqs,
-            "kv_cache_tokens": g.kv_cache_tokens or base.kv_cache_tokens,
-            "step_base_ms": base.step_base_ms * g.slower,
-            "step_per_seq_ms": base.step_per_seq_ms * g.slower,
-            "prefill_tokens_per_second": base.prefill_tokens_per_second / g.slower})  # fmt: skip
+        profile = base.model_copy(
+            update={
+                "max_num_seqs": g.max_num_seqs or r.max_num_seqs or base.max_num_seqs,
+                "kv_cache_tokens": g.kv_cache_tokens or base.kv_cache_tokens,
+                "step_base_ms": base.step_base_ms * g.slower,
+                "step_per_seq_ms": base.step_per_seq_ms * g.slower,
+                "prefill_tokens_per_second": base.prefill_tokens_per_second / g.slower,
+            }
+        )
         for k in range(max(g.counts) if g.dynamic else 1):
             live = [g.counts[h % 24] > k for h in range(month.days * 24)]
             h = 0
@@ -237,10 +257,20 @@ def _instances(config: Config, month: Month) -> list[_Instance]:
                     h += 1
                 start = OCT + first * HOUR
                 name = f"{g.replica}-{k}" if g.dynamic else None
-                out.append(_Instance(g.replica, name if name is None else f"{name}-{first}", r.model,
-                                     start - startup if first > 0 else start, start,
-                                     min(end, OCT + h * HOUR), g.gpus or r.gpu_count,
-                                     g.gpu_model or r.gpu_model, profile, g.prefix_caching))  # fmt: skip
+                out.append(
+                    _Instance(
+                        g.replica,
+                        name if name is None else f"{name}-{first}",
+                        r.model,
+                        start - startup if first > 0 else start,
+                        start,
+                        min(end, OCT + h * HOUR),
+                        g.gpus or r.gpu_count,
+                        g.gpu_model or r.gpu_model,
+                        profile,
+                        g.prefix_caching,
+                    )
+                )
     return out
 
 
@@ -259,15 +289,24 @@ def _route(requests: list[_Request], instances: list[_Instance]) -> None:
 
 def _sample(i: _Instance, sched: Scheduler, at: float) -> None:
     c = sched.counters
-    i.samples.append({
-        "sample_id": f"e-{i.name or i.replica}-{at}", "replica": i.replica, "model": i.model,
-        "timestamp": at, "requests_running": float(len(sched.running)),
-        "requests_waiting": float(len(sched.waiting)), "kv_cache_usage": sched.kv_usage(),
-        "prompt_tokens_total": float(c.prompt_tokens), "generation_tokens_total": float(c.generation_tokens),
-        "prefix_cache_queries_total": float(c.prefix_cache_queries),
-        "prefix_cache_hits_total": float(c.prefix_cache_hits), "preemptions_total": float(c.preemptions),
-        "kv_cache_tokens": float(i.profile.kv_cache_tokens), "instance": i.name,
-    })  # fmt: skip
+    i.samples.append(
+        {
+            "sample_id": f"e-{i.name or i.replica}-{at}",
+            "replica": i.replica,
+            "model": i.model,
+            "timestamp": at,
+            "requests_running": float(len(sched.running)),
+            "requests_waiting": float(len(sched.waiting)),
+            "kv_cache_usage": sched.kv_usage(),
+            "prompt_tokens_total": float(c.prompt_tokens),
+            "generation_tokens_total": float(c.generation_tokens),
+            "prefix_cache_queries_total": float(c.prefix_cache_queries),
+            "prefix_cache_hits_total": float(c.prefix_cache_hits),
+            "preemptions_total": float(c.preemptions),
+            "kv_cache_tokens": float(i.profile.kv_cache_tokens),
+            "instance": i.name,
+        }
+    )
 
 
 _HEADS: dict[tuple[tuple[str, ...], int], tuple[int, ...]] = {}
@@ -323,19 +362,36 @@ def _records(config: Config, instances: list[_Instance]) -> dict[str, list[dict[
             s = r.seq
             assert s is not None
             assert s.finished_at is not None
-            record = usage(r.team, r.t, s.finished_at - r.t, replica=i.replica, model=r.model,
-                           served_version=served, first_token_at=s.first_token_at,
-                           prompt_tokens=r.prompt, cached_prompt_tokens=s.cached_tokens,
-                           completion_tokens=s.generated, stream=r.stream,
-                           prefix_digest=r.digest, prefix_share=r.share)  # fmt: skip
+            record = usage(
+                r.team,
+                r.t,
+                s.finished_at - r.t,
+                replica=i.replica,
+                model=r.model,
+                served_version=served,
+                first_token_at=s.first_token_at,
+                prompt_tokens=r.prompt,
+                cached_prompt_tokens=s.cached_tokens,
+                completion_tokens=s.generated,
+                stream=r.stream,
+                prefix_digest=r.digest,
+                prefix_share=r.share,
+            )
             out["usage"].append(record | ({"instance": i.name} if i.name else {}))
         out["engine_samples"] += i.samples
         for _ in range(i.gpus):
             n = gpu_index[node]
             gpu_index[node] += 1
-            rows = gpu_samples(i.replica, start=i.paid_from, seconds=i.end - i.paid_from,
-                               every=GPU_EVERY, gpu_model=i.gpu_model, watts=0.0, node=node,
-                               gpu=str(n))  # fmt: skip
+            rows = gpu_samples(
+                i.replica,
+                start=i.paid_from,
+                seconds=i.end - i.paid_from,
+                every=GPU_EVERY,
+                gpu_model=i.gpu_model,
+                watts=0.0,
+                node=node,
+                gpu=str(n),
+            )
             mine = {"model": i.model} | ({"instance": i.name} if i.name else {})
             out["gpu_samples"] += [s | mine for s in rows]
         if i.name:
@@ -344,11 +400,21 @@ def _records(config: Config, instances: list[_Instance]) -> dict[str, list[dict[
 
 
 def _lifetime(i: _Instance, node: str) -> list[dict[str, Any]]:
-    common = {"instance": i.name, "replica": i.replica, "model": i.model, "started_at": i.start,
-              "node": node, "gpu_model": i.gpu_model, "gpu_count": i.gpus,
-              "gpus": ",".join(f"GPU-{i.name}-{g}" for g in range(i.gpus))}  # fmt: skip
-    return [common | {"event_id": f"{round(t * 1000):013d}/{i.name}/{kind}", "event": kind,
-                      "timestamp": t} for kind, t in (("start", i.start), ("stop", i.end))]  # fmt: skip
+    common = {
+        "instance": i.name,
+        "replica": i.replica,
+        "model": i.model,
+        "started_at": i.start,
+        "node": node,
+        "gpu_model": i.gpu_model,
+        "gpu_count": i.gpus,
+        "gpus": ",".join(f"GPU-{i.name}-{g}" for g in range(i.gpus)),
+    }
+    return [
+        common
+        | {"event_id": f"{round(t * 1000):013d}/{i.name}/{kind}", "event": kind, "timestamp": t}
+        for kind, t in (("start", i.start), ("stop", i.end))
+    ]
 
 
 def run(config: Config, month: Month, ledger: Ledger | None = None) -> Outcome:
@@ -358,8 +424,10 @@ def run(config: Config, month: Month, ledger: Ledger | None = None) -> Outcome:
     _route(requests, instances)
     for i in instances:
         _drive(i)
-    cost = sum((i.end - i.paid_from) / HOUR * i.gpus * config.prices.usd_per_gpu_hour[i.gpu_model]
-               for i in instances)  # fmt: skip
+    cost = sum(
+        (i.end - i.paid_from) / HOUR * i.gpus * config.prices.usd_per_gpu_hour[i.gpu_model]
+        for i in instances
+    )
     ttft: dict[str, list[float]] = defaultdict(list)
     itl: dict[str, list[float]] = defaultdict(list)
     used = {(r.team, r.model) for r in requests}

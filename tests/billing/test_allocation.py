@@ -18,16 +18,28 @@ CASH = ("compute_microcents", "energy_microcents", "idle_microcents")
 # Each minute costs $0.10 of GPU time and 0.01 kWh x 0.20 x 1.5 = $0.003 of energy.
 PRICES = {"H100": 6.0}
 EXAMPLE_GPUS = pl.DataFrame(
-    {"replica": ["r1"] * 3, "gpu_model": ["H100"] * 3, "slot": [0, 1, 2],
-     "gpu_seconds": [60.0] * 3, "energy_joules": [36_000.0] * 3}
-)  # fmt: skip
+    {
+        "replica": ["r1"] * 3,
+        "gpu_model": ["H100"] * 3,
+        "slot": [0, 1, 2],
+        "gpu_seconds": [60.0] * 3,
+        "energy_joules": [36_000.0] * 3,
+    }
+)
 # Minute 0: search and assistant each have a request in flight all minute.
 # Minute 1: search has one request in flight for 30 s. Minute 2: nothing in flight.
 EXAMPLE_USAGE = pl.DataFrame(
-    {"replica": ["r1", "r1", "r1"], "team": ["search", "assistant", "search"],
-     "model": ["m", "m", "m"], "slot": [0, 0, 1], "inflight_seconds": [60.0, 60.0, 30.0],
-     "requests": [0, 1, 2], "prompt_tokens": [0, 100, 300], "completion_tokens": [0, 10, 30]}
-)  # fmt: skip
+    {
+        "replica": ["r1", "r1", "r1"],
+        "team": ["search", "assistant", "search"],
+        "model": ["m", "m", "m"],
+        "slot": [0, 0, 1],
+        "inflight_seconds": [60.0, 60.0, 30.0],
+        "requests": [0, 1, 2],
+        "prompt_tokens": [0, 100, 300],
+        "completion_tokens": [0, 10, 30],
+    }
+)
 
 
 def policy(**kw: Any) -> Policy:
@@ -101,9 +113,18 @@ def test_idle_capacity_charged_to_the_owner_of_a_dedicated_replica():
 
 def test_ten_requests_sharing_a_batch_each_pay_a_tenth():
     """Ten teams' requests in flight together for the whole minute pay 1/10 of it each."""
-    usage = pl.DataFrame({"replica": ["r1"] * 10, "team": [f"t{i}" for i in range(10)], "model": ["m"] * 10,
-                          "slot": [0] * 10, "inflight_seconds": [60.0] * 10, "requests": [1] * 10,
-                          "prompt_tokens": [1] * 10, "completion_tokens": [1] * 10})  # fmt: skip
+    usage = pl.DataFrame(
+        {
+            "replica": ["r1"] * 10,
+            "team": [f"t{i}" for i in range(10)],
+            "model": ["m"] * 10,
+            "slot": [0] * 10,
+            "inflight_seconds": [60.0] * 10,
+            "requests": [1] * 10,
+            "prompt_tokens": [1] * 10,
+            "completion_tokens": [1] * 10,
+        }
+    )
     lines, _ = allocate(usage, EXAMPLE_GPUS.head(1), policy())
     assert lines["compute_microcents"].to_list() == [1_000_000] * 10
     assert lines["idle_microcents"].sum() == 0
@@ -157,34 +178,58 @@ TEAMS = ["a", "b", "c", "d"]
 def fleets(draw):
     """Random GPU and usage slots over a few replicas, teams and minutes."""
     n_gpu = draw(st.integers(1, 30))
-    gpus = pl.DataFrame({
-        "replica": draw(st.lists(st.sampled_from([*REPLICAS, ""]), min_size=n_gpu, max_size=n_gpu)),
-        "gpu_model": draw(st.lists(st.sampled_from(["H100", "L40S"]), min_size=n_gpu, max_size=n_gpu)),
-        "slot": draw(st.lists(st.integers(0, 20), min_size=n_gpu, max_size=n_gpu)),
-        "gpu_seconds": draw(st.lists(st.floats(0, 120), min_size=n_gpu, max_size=n_gpu)),
-        "energy_joules": draw(st.lists(st.floats(0, 100_000), min_size=n_gpu, max_size=n_gpu)),
-    })  # fmt: skip
+    gpus = pl.DataFrame(
+        {
+            "replica": draw(
+                st.lists(st.sampled_from([*REPLICAS, ""]), min_size=n_gpu, max_size=n_gpu)
+            ),
+            "gpu_model": draw(
+                st.lists(st.sampled_from(["H100", "L40S"]), min_size=n_gpu, max_size=n_gpu)
+            ),
+            "slot": draw(st.lists(st.integers(0, 20), min_size=n_gpu, max_size=n_gpu)),
+            "gpu_seconds": draw(st.lists(st.floats(0, 120), min_size=n_gpu, max_size=n_gpu)),
+            "energy_joules": draw(st.lists(st.floats(0, 100_000), min_size=n_gpu, max_size=n_gpu)),
+        }
+    )
     n_use = draw(st.integers(0, 40))
-    usage = pl.DataFrame({
-        "replica": draw(st.lists(st.sampled_from(REPLICAS), min_size=n_use, max_size=n_use)),
-        "team": draw(st.lists(st.sampled_from(TEAMS), min_size=n_use, max_size=n_use)),
-        "model": draw(st.lists(st.sampled_from(["m1", "m2"]), min_size=n_use, max_size=n_use)),
-        "slot": draw(st.lists(st.integers(0, 20), min_size=n_use, max_size=n_use)),
-        "inflight_seconds": draw(st.lists(st.floats(0, 600), min_size=n_use, max_size=n_use)),
-        "requests": draw(st.lists(st.integers(0, 50), min_size=n_use, max_size=n_use)),
-        "prompt_tokens": draw(st.lists(st.integers(0, 10**6), min_size=n_use, max_size=n_use)),
-        "completion_tokens": draw(st.lists(st.integers(0, 10**6), min_size=n_use, max_size=n_use)),
-    }, schema_overrides={"replica": pl.String, "team": pl.String, "model": pl.String, "slot": pl.Int64,
-                         "inflight_seconds": pl.Float64, "requests": pl.Int64, "prompt_tokens": pl.Int64,
-                         "completion_tokens": pl.Int64})  # fmt: skip
+    usage = pl.DataFrame(
+        {
+            "replica": draw(st.lists(st.sampled_from(REPLICAS), min_size=n_use, max_size=n_use)),
+            "team": draw(st.lists(st.sampled_from(TEAMS), min_size=n_use, max_size=n_use)),
+            "model": draw(st.lists(st.sampled_from(["m1", "m2"]), min_size=n_use, max_size=n_use)),
+            "slot": draw(st.lists(st.integers(0, 20), min_size=n_use, max_size=n_use)),
+            "inflight_seconds": draw(st.lists(st.floats(0, 600), min_size=n_use, max_size=n_use)),
+            "requests": draw(st.lists(st.integers(0, 50), min_size=n_use, max_size=n_use)),
+            "prompt_tokens": draw(st.lists(st.integers(0, 10**6), min_size=n_use, max_size=n_use)),
+            "completion_tokens": draw(
+                st.lists(st.integers(0, 10**6), min_size=n_use, max_size=n_use)
+            ),
+        },
+        schema_overrides={
+            "replica": pl.String,
+            "team": pl.String,
+            "model": pl.String,
+            "slot": pl.Int64,
+            "inflight_seconds": pl.Float64,
+            "requests": pl.Int64,
+            "prompt_tokens": pl.Int64,
+            "completion_tokens": pl.Int64,
+        },
+    )
     mode = draw(st.sampled_from(["in_flight", "tokens", "requests"]))
     idle = {
         r: draw(st.sampled_from([("spread", None), ("platform", None), ("owner", "d")]))
         for r in REPLICAS
     }
-    p = Policy(usd_per_gpu_hour={"H100": draw(st.floats(0, 50)), "L40S": 1.6}, usd_per_kwh=draw(st.floats(0, 1)),
-               pue=draw(st.floats(1, 3)), allocation=mode, completion_weight=3.0, idle=idle,
-               replica_model={"r1": "m1", "r2": "m2", "r3": "m1"})  # fmt: skip
+    p = Policy(
+        usd_per_gpu_hour={"H100": draw(st.floats(0, 50)), "L40S": 1.6},
+        usd_per_kwh=draw(st.floats(0, 1)),
+        pue=draw(st.floats(1, 3)),
+        allocation=mode,
+        completion_weight=3.0,
+        idle=idle,
+        replica_model={"r1": "m1", "r2": "m2", "r3": "m1"},
+    )
     return usage, gpus, p
 
 

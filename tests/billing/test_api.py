@@ -39,8 +39,11 @@ async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
 
 async def _seed(url: str) -> None:
     """November usage for search and assistant on small-0, and the GPU under it."""
-    records = [usage("search", NOV + 3600, 120), usage("assistant", NOV + 3650, 200),
-               usage("search", NOV + 7200, 30, model="=HYPERLINK(\"http://x\")")]  # fmt: skip
+    records = [
+        usage("search", NOV + 3600, 120),
+        usage("assistant", NOV + 3650, 200),
+        usage("search", NOV + 7200, 30, model='=HYPERLINK("http://x")'),
+    ]
     async with httpx.AsyncClient(base_url=url, headers=bearer(INGEST)) as client:
         for body in (
             batch("usage", records),
@@ -96,8 +99,12 @@ async def test_a_fault_of_the_server_is_a_500_not_a_400(config, ledger):
         response = await client.get("/v1/faulty")
         malformed = await client.post("/v1/ingest", content=b"{oops", headers=bearer(INGEST))
     assert response.status_code == 500
-    assert response.json()["error"] == {"message": "internal server error", "type": "server_error",
-                                        "param": None, "code": "internal_error"}  # fmt: skip
+    assert response.json()["error"] == {
+        "message": "internal server error",
+        "type": "server_error",
+        "param": None,
+        "code": "internal_error",
+    }
     assert "cannot round" not in response.text
     assert malformed.status_code == 400
 
@@ -148,13 +155,16 @@ async def test_arrow_ingest_route_keeps_typed_batches_and_refuses_other_schemas(
     encoded = encode_arrow(USAGE, lines)
     assert encoded is not None
     async with httpx.AsyncClient(base_url=billing, headers=bearer(INGEST)) as client:
-        kept = await client.post("/v1/ingest/usage", content=encoded,
-                                 headers={"content-type": ARROW_STREAM})  # fmt: skip
-        garbage = await client.post("/v1/ingest/usage", content=lines,
-                                    headers={"content-type": ARROW_STREAM})  # fmt: skip
+        kept = await client.post(
+            "/v1/ingest/usage", content=encoded, headers={"content-type": ARROW_STREAM}
+        )
+        garbage = await client.post(
+            "/v1/ingest/usage", content=lines, headers={"content-type": ARROW_STREAM}
+        )
     assert (kept.json()["accepted"], [r["reason"] for r in kept.json()["rejected"]]) == (
-        1, ["token counts must not be negative"],
-    )  # fmt: skip
+        1,
+        ["token counts must not be negative"],
+    )
     assert garbage.status_code == 400
     assert "not an Arrow IPC stream" in garbage.json()["error"]["message"]
     assert ledger._group._coming == 0  # the refused stream withdrew its announcement
@@ -173,8 +183,13 @@ class _Recorder:
         ctype = dict(scope["headers"]).get(b"content-type", b"").decode()
         self.types.append(ctype)
         status = 415 if self.refuse_arrow and ctype == ARROW_STREAM else 200
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
         await send({"type": "http.response.body", "body": b'{"rejected": []}'})
 
 
@@ -284,8 +299,10 @@ async def test_a_teams_files_hold_only_its_own_lines(billing):
                 rows = csv.DictReader(io.StringIO(response.text))
                 # The CSV's last row is the file's own total, which differs by design.
                 files[key, path] = [r for r in rows if r.get("line_type") != "total"]
-    for path, team_column in (("/v1/chargeback/2026-11.csv", "team"),
-                              ("/v1/chargeback/2026-11.focus.csv", "x_Team")):  # fmt: skip
+    for path, team_column in (
+        ("/v1/chargeback/2026-11.csv", "team"),
+        ("/v1/chargeback/2026-11.focus.csv", "x_Team"),
+    ):
         mine, everything = files[SEARCH, path], files[ADMIN, path]
         assert {row[team_column] for row in mine} == {"search"}
         assert mine == [row for row in everything if row[team_column] == "search"]
@@ -310,11 +327,27 @@ async def test_the_csv_is_the_statement_and_is_safe_in_a_spreadsheet(billing):
         statement = (await client.get("/v1/chargeback/2026-11")).json()
     rows = list(csv.DictReader(io.StringIO(text)))
     assert list(rows[0]) == [
-        "month", "team", "model", "line_type", "for_month", "requests", "prompt_tokens",
-        "completion_tokens", "gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd",
-        "total_usd", "team_budget_usd", "team_budget_used_percent", "basis", "pricing_category",
-        "pool", "project",
-    ]  # fmt: skip
+        "month",
+        "team",
+        "model",
+        "line_type",
+        "for_month",
+        "requests",
+        "prompt_tokens",
+        "completion_tokens",
+        "gpu_hours",
+        "energy_kwh",
+        "compute_usd",
+        "energy_usd",
+        "idle_usd",
+        "total_usd",
+        "team_budget_usd",
+        "team_budget_used_percent",
+        "basis",
+        "pricing_category",
+        "pool",
+        "project",
+    ]
     # No invoice and no node pools in the demo's price book: list prices, no pool named.
     assert {(r["basis"], r["pool"]) for r in rows} == {("list", "")}
     *lines, total = rows

@@ -33,8 +33,10 @@ ADMIN = {"authorization": "Bearer im-demo-admin"}
 def _fill(ledger: Ledger) -> None:
     """Requests every 6 hours of October and November, and an hour of GPU samples on days 1
     and 31 of October and on 2 November."""
-    records = [usage("search" if i % 2 else "assistant", OCT + i * 6 * HOUR_SECONDS, request_id=f"r-{i}")
-               for i in range(4 * 61)]  # fmt: skip
+    records = [
+        usage("search" if i % 2 else "assistant", OCT + i * 6 * HOUR_SECONDS, request_id=f"r-{i}")
+        for i in range(4 * 61)
+    ]
     result = ledger.ingest(batch("usage", records), now=NOW)
     assert result.accepted == len(records), result.rejected
     for day in (0, 30, 32):
@@ -47,19 +49,29 @@ def _fill(ledger: Ledger) -> None:
 def _engine_samples(start: float) -> list[dict[str, Any]]:
     """small-0's engine read every 15 s for 10 minutes from ``start``, its counters rising."""
     return [
-        {"sample_id": f"eng-{start:.0f}-{k}", "replica": "small-0", "model": "chat-small",
-         "timestamp": start + 15 * k, "requests_running": 1.0, "requests_waiting": 2.0,
-         "kv_cache_usage": 0.5, "prompt_tokens_total": 100.0 * k,
-         "generation_tokens_total": 50.0 * k}
+        {
+            "sample_id": f"eng-{start:.0f}-{k}",
+            "replica": "small-0",
+            "model": "chat-small",
+            "timestamp": start + 15 * k,
+            "requests_running": 1.0,
+            "requests_waiting": 2.0,
+            "kv_cache_usage": 0.5,
+            "prompt_tokens_total": 100.0 * k,
+            "generation_tokens_total": 50.0 * k,
+        }
         for k in range(40)
-    ]  # fmt: skip
+    ]
 
 
 @pytest.fixture
 def filled(config: Config, tmp_path: Path) -> Iterator[Ledger]:
     """A ledger file with October (closed) and November (open)."""
-    ledger = Ledger.open(tmp_path / "ledger.duckdb", [t.name for t in config.teams],
-                         {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    ledger = Ledger.open(
+        tmp_path / "ledger.duckdb",
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
     _fill(ledger)
     Chargeback(ledger, config).close("2026-10", now=NOV + DAY)
     yield ledger
@@ -111,7 +123,12 @@ def test_other_engines_read_the_archive_as_hive_partitioned_parquet(
 ) -> None:
     """pyarrow.dataset and DuckDB alone find each kind and month, with every moved row once."""
     with filled.reader() as cur:
-        ids = {r[0] for r in cur.execute(f"SELECT request_id FROM usage WHERE received_at < {HORIZON}").fetchall()}  # fmt: skip
+        ids = {
+            r[0]
+            for r in cur.execute(
+                f"SELECT request_id FROM usage WHERE received_at < {HORIZON}"
+            ).fetchall()
+        }
     archive.retain(filled, tmp_path / "archive", 35, now=NOW)
     root = str(tmp_path / "archive")
     # One dataset per kind: each kind is a table of its own, with its own columns.

@@ -51,10 +51,14 @@ def _config(root: Path, port: int, **sidecar: Any) -> Path:
     ingest token, without the retention timer; ``sidecar``: settings of the sidecars."""
     data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
     data["sidecar"].update(sidecar)
-    data["billing"].update(listen=f"127.0.0.1:{port}", url=f"http://127.0.0.1:{port}",
-                           database=str(root / "ledger.duckdb"), shared_ingest_token=True,
-                           backup_dir=str(root / "backups"),
-                           retention={"interval_seconds": 0, "archive": str(root / "archive")})  # fmt: skip
+    data["billing"].update(
+        listen=f"127.0.0.1:{port}",
+        url=f"http://127.0.0.1:{port}",
+        database=str(root / "ledger.duckdb"),
+        shared_ingest_token=True,
+        backup_dir=str(root / "backups"),
+        retention={"interval_seconds": 0, "archive": str(root / "archive")},
+    )
     config = root / "infermeter.yaml"
     config.write_text(yaml.safe_dump(data))
     return config
@@ -101,8 +105,9 @@ def _ingest_until(url: str, stop: threading.Event, shipped: list[Shipped], tag: 
     with httpx.Client(base_url=url, headers=INGEST, timeout=30) as client:
         n = 0
         while not stop.is_set():
-            records = [usage("search", time.time() - 60, request_id=f"{tag}-{n}-{i}")
-                       for i in range(BATCH)]  # fmt: skip
+            records = [
+                usage("search", time.time() - 60, request_id=f"{tag}-{n}-{i}") for i in range(BATCH)
+            ]
             sent = time.monotonic()
             response = client.post("/v1/ingest", content=batch("usage", records))
             assert response.status_code == 200, response.text
@@ -129,8 +134,9 @@ def test_a_backup_under_ingest_holds_exactly_the_batches_committed_before_it(
         began = time.monotonic()
         name = f"snapshot-{tmp_path.name}"
         dest = billing.root / "backups" / name
-        response = httpx.post(f"{billing.url}/v1/admin/backup", params={"name": name},
-                              headers=ADMIN, timeout=120)  # fmt: skip
+        response = httpx.post(
+            f"{billing.url}/v1/admin/backup", params={"name": name}, headers=ADMIN, timeout=120
+        )
         ended = time.monotonic()
         time.sleep(0.5)
     finally:
@@ -156,8 +162,9 @@ def test_restore_refuses_a_live_ledger_an_existing_one_and_an_altered_backup(
     """The service's open file is never replaced; another needs --force; a changed file stops it."""
     name = f"snapshot-{tmp_path.name}"
     dest = billing.root / "backups" / name
-    response = httpx.post(f"{billing.url}/v1/admin/backup", params={"name": name},
-                          headers=ADMIN, timeout=120)  # fmt: skip
+    response = httpx.post(
+        f"{billing.url}/v1/admin/backup", params={"name": name}, headers=ADMIN, timeout=120
+    )
     assert response.status_code == 200, response.text
     with pytest.raises(backup.BackupError, match="in use"):
         backup.restore(dest, billing.database, force=True)
@@ -166,11 +173,13 @@ def test_restore_refuses_a_live_ledger_an_existing_one_and_an_altered_backup(
     with pytest.raises(backup.BackupError, match="pass --force"):
         backup.restore(dest, other)
     assert sum(backup.restore(dest, other, force=True).values()) > 0
-    path = httpx.post(f"{billing.url}/v1/admin/backup", params={"name": "../elsewhere"},
-                      headers=ADMIN, timeout=30)  # fmt: skip
+    path = httpx.post(
+        f"{billing.url}/v1/admin/backup", params={"name": "../elsewhere"}, headers=ADMIN, timeout=30
+    )
     assert path.status_code == 422  # a name, never a path
-    again = httpx.post(f"{billing.url}/v1/admin/backup", params={"name": name},
-                       headers=ADMIN, timeout=30)  # fmt: skip
+    again = httpx.post(
+        f"{billing.url}/v1/admin/backup", params={"name": name}, headers=ADMIN, timeout=30
+    )
     assert again.status_code == 409
     assert "exists" in again.json()["error"]["message"]
     altered = tmp_path / "altered"
@@ -185,15 +194,23 @@ def test_the_commands_take_a_backup_and_restore_it(billing: Billing, tmp_path: P
     """``infermeter billing backup`` goes through the service; ``restore`` writes the file."""
     env = {"INFERMETER_ADMIN_TOKEN": "im-demo-admin", "PATH": "/usr/bin:/bin"}
     cli = [sys.executable, "-m", "infermeter", "billing"]
-    taken = subprocess.run([*cli, "backup", "--config", str(billing.config), "by-command-%Y%m%d"],
-                           env=env, capture_output=True, timeout=120)  # fmt: skip
+    taken = subprocess.run(
+        [*cli, "backup", "--config", str(billing.config), "by-command-%Y%m%d"],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
     assert taken.returncode == 0, taken.stderr
     manifest = orjson.loads(taken.stdout)
     restored = tmp_path / "restored.duckdb"
     dest = Path(manifest["directory"])
     assert dest == billing.root / "backups" / time.strftime("by-command-%Y%m%d", time.gmtime())
-    back = subprocess.run([*cli, "restore", "--config", str(billing.config), str(dest),
-                           "--database", str(restored)], env=env, capture_output=True, timeout=120)  # fmt: skip
+    back = subprocess.run(
+        [*cli, "restore", "--config", str(billing.config), str(dest), "--database", str(restored)],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
     assert back.returncode == 0, back.stderr
     assert len(_ids(restored)) == manifest["rows"]["usage"]
 
@@ -234,8 +251,9 @@ async def test_after_a_restore_the_spool_ships_again_what_billing_had_acknowledg
                 spool.write(record)
             await spool.seal()
             assert await shipper.ship_once() == 50
-            taken = await client.post(f"{service.url}/v1/admin/backup", headers=ADMIN,
-                                      params={"name": "snapshot"})  # fmt: skip
+            taken = await client.post(
+                f"{service.url}/v1/admin/backup", headers=ADMIN, params={"name": "snapshot"}
+            )
             assert taken.status_code == 200, taken.text
             for record in after:
                 spool.write(record)
@@ -264,8 +282,13 @@ async def test_a_sidecar_ships_again_what_a_restore_took_back(
     the second wave back once the spools are asked to reship, and no request twice."""
     monkeypatch.setenv("INFERMETER_INGEST_TOKEN", "im-demo-ingest")
     up_port, port = free_port(), free_port()
-    path = _config(tmp_path, port, spool_dir=str(tmp_path / "spool"), spool_keep_acked_seconds=3600,
-                   ingest_url=f"http://127.0.0.1:{port}/v1/ingest")  # fmt: skip
+    path = _config(
+        tmp_path,
+        port,
+        spool_dir=str(tmp_path / "spool"),
+        spool_keep_acked_seconds=3600,
+        ingest_url=f"http://127.0.0.1:{port}/v1/ingest",
+    )
     data = yaml.safe_load(path.read_text())
     data["replicas"][1]["upstream_url"] = f"http://127.0.0.1:{up_port}"
     path.write_text(yaml.safe_dump(data))
@@ -279,7 +302,7 @@ async def test_a_sidecar_ships_again_what_a_restore_took_back(
         serving(sidecar) as url,
         httpx.AsyncClient(
             base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=60
-        ) as client,  # fmt: skip
+        ) as client,
     ):
 
         async def wave() -> None:
@@ -293,8 +316,9 @@ async def test_a_sidecar_ships_again_what_a_restore_took_back(
 
         with _running(tmp_path, port) as service:
             await wave()
-            taken = await client.post(f"{service.url}/v1/admin/backup", headers=ADMIN,
-                                      params={"name": "snapshot"})  # fmt: skip
+            taken = await client.post(
+                f"{service.url}/v1/admin/backup", headers=ADMIN, params={"name": "snapshot"}
+            )
             assert taken.status_code == 200, taken.text
             await wave()
         backup.restore(tmp_path / "backups" / "snapshot", tmp_path / "ledger.duckdb", force=True)
@@ -305,8 +329,9 @@ async def test_a_sidecar_ships_again_what_a_restore_took_back(
         with _running(tmp_path, port) as service:
 
             async def found() -> bool:
-                answer = await client.get(f"{service.url}/v1/usage/records", headers=ADMIN,
-                                          params={"id": waves[1][-1]})  # fmt: skip
+                answer = await client.get(
+                    f"{service.url}/v1/usage/records", headers=ADMIN, params={"id": waves[1][-1]}
+                )
                 return bool(answer.json()["records"])
 
             await _until(found, "the second wave did not come back")

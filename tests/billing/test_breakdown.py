@@ -30,29 +30,74 @@ from tests.billing.conftest import NOV, batch, gpu_samples, ndjson, usage
 from tests.dashboards.stack import billing_thread
 
 WEIGHTS = {"prompt": 1.0, "completion": 3.0}
-INTEGERS = ("requests", "prompt_tokens", "completion_tokens", "compute_cents", "energy_cents",
-            "idle_cents", "total_cents")  # fmt: skip
+INTEGERS = (
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "compute_cents",
+    "energy_cents",
+    "idle_cents",
+    "total_cents",
+)
 ADMIN, INGEST, SPEND = "im-demo-admin", "im-demo-ingest", "im-demo-spend"
 SEARCH, ASSISTANT = "im-demo-search", "im-demo-assistant"
 
 
-def line(team: str, model: str, compute: int, energy: int, idle: int, requests: int = 0,
-         prompt: int = 0, completion: int = 0, gpu_hours: float = 0.0,
-         month: str = "2026-11", for_month: str = "2026-11") -> dict[str, Any]:  # fmt: skip
+def line(
+    team: str,
+    model: str,
+    compute: int,
+    energy: int,
+    idle: int,
+    requests: int = 0,
+    prompt: int = 0,
+    completion: int = 0,
+    gpu_hours: float = 0.0,
+    month: str = "2026-11",
+    for_month: str = "2026-11",
+) -> dict[str, Any]:
     """One statement line."""
-    return {"month": month, "for_month": for_month, "team": team, "model": model,
-            "requests": requests, "prompt_tokens": prompt, "completion_tokens": completion,
-            "gpu_hours": gpu_hours, "energy_kwh": 0.0, "compute_cents": compute,
-            "energy_cents": energy, "idle_cents": idle, "total_cents": compute + energy + idle}  # fmt: skip
+    return {
+        "month": month,
+        "for_month": for_month,
+        "team": team,
+        "model": model,
+        "requests": requests,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "gpu_hours": gpu_hours,
+        "energy_kwh": 0.0,
+        "compute_cents": compute,
+        "energy_cents": energy,
+        "idle_cents": idle,
+        "total_cents": compute + energy + idle,
+    }
 
 
-def tag(team: str, model: str, project: str | None, user: str | None, requests: int, prompt: int,
-        completion: int, inflight: float, for_month: str = "2026-11") -> dict[str, Any]:  # fmt: skip
+def tag(
+    team: str,
+    model: str,
+    project: str | None,
+    user: str | None,
+    requests: int,
+    prompt: int,
+    completion: int,
+    inflight: float,
+    for_month: str = "2026-11",
+) -> dict[str, Any]:
     """One team, model, project and user's use in a month."""
-    return {"for_month": for_month, "team": team, "model": model, "project": project,
-            "user": user, "requests": requests, "prompt_tokens": prompt,
-            "cached_prompt_tokens": 0, "completion_tokens": completion,
-            "inflight_seconds": inflight}  # fmt: skip
+    return {
+        "for_month": for_month,
+        "team": team,
+        "model": model,
+        "project": project,
+        "user": user,
+        "requests": requests,
+        "prompt_tokens": prompt,
+        "cached_prompt_tokens": 0,
+        "completion_tokens": completion,
+        "inflight_seconds": inflight,
+    }
 
 
 def frames(
@@ -76,14 +121,26 @@ TWO_PROJECTS = [
 def test_two_projects_under_one_team_split_the_line_by_in_flight_share_to_the_cent() -> None:
     """The worked example: each cent column by largest remainder, the rows add up to the line."""
     lines, tags = frames(
-        [line("search", "chat-small", 1000, 101, 7, 6, 600, 300, 1.2),
-         line("assistant", "chat-small", 50, 5, 0, 1, 10, 10)],
+        [
+            line("search", "chat-small", 1000, 101, 7, 6, 600, 300, 1.2),
+            line("assistant", "chat-small", 50, 5, 0, 1, 10, 10),
+        ],
         TWO_PROJECTS,
-    )  # fmt: skip
+    )
     rows = tag_split(lines, tags, "in_flight", WEIGHTS)
     assert rows.schema == pl.Schema(BREAKDOWN_SCHEMA)
-    got = rows.select("team", "project", "user", "compute_cents", "energy_cents", "idle_cents",
-                      "total_cents", "requests", "prompt_tokens", "completion_tokens").rows()  # fmt: skip
+    got = rows.select(
+        "team",
+        "project",
+        "user",
+        "compute_cents",
+        "energy_cents",
+        "idle_cents",
+        "total_cents",
+        "requests",
+        "prompt_tokens",
+        "completion_tokens",
+    ).rows()
     # compute 1000 x 3/6, 1/6, 2/6 = 500, 166.67, 333.33: floors 500 + 166 + 333 = 999, the
     #   missing cent to the largest remainder (ben's 0.67) -> 500, 167, 333.
     # energy 101 -> 50.5, 16.83, 33.67: floors 99, two cents to ben (.83) and beta (.67)
@@ -126,18 +183,22 @@ def test_users_past_the_teams_bound_are_folded_into_other_users_by_spend() -> No
     lines, tags = frames([line("search", "chat-small", 1000, 101, 7, 6, 600, 300)], TWO_PROJECTS)
     rows = tag_split(lines, tags, "in_flight", WEIGHTS, {"search": 1})
     assert rows.select("project", "user", "total_cents").rows() == [
-        ("alpha", OTHER_USERS, 185), ("alpha", "ana", 554), ("beta", None, 369),
-    ]  # fmt: skip
+        ("alpha", OTHER_USERS, 185),
+        ("alpha", "ana", 554),
+        ("beta", None, 369),
+    ]
 
 
 def test_an_adjustment_line_is_split_by_the_use_of_the_month_it_is_for() -> None:
     """A negative late-record adjustment for October is split by October's tags, signs kept."""
     lines, tags = frames(
         [line("search", "chat-small", -9, 0, 0, month="2026-11", for_month="2026-10")],
-        [tag("search", "chat-small", "alpha", None, 1, 1, 1, 2.0, for_month="2026-10"),
-         tag("search", "chat-small", "beta", None, 1, 1, 1, 1.0, for_month="2026-10"),
-         tag("search", "chat-small", "gamma", None, 1, 1, 1, 5.0)],
-    )  # fmt: skip
+        [
+            tag("search", "chat-small", "alpha", None, 1, 1, 1, 2.0, for_month="2026-10"),
+            tag("search", "chat-small", "beta", None, 1, 1, 1, 1.0, for_month="2026-10"),
+            tag("search", "chat-small", "gamma", None, 1, 1, 1, 5.0),
+        ],
+    )
     rows = tag_split(lines, tags, "in_flight", WEIGHTS)
     assert rows.select("project", "total_cents").rows() == [("alpha", -6), ("beta", -3)]
 
@@ -149,15 +210,40 @@ _counts = st.integers(0, 10_000)
 @st.composite
 def statements(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Lines of a few teams and models and random tagged use behind some of them."""
-    pairs = draw(st.lists(st.tuples(st.sampled_from("abc"), st.sampled_from("xy")), min_size=1,
-                          max_size=4, unique=True))  # fmt: skip
-    lines = [line(t, m, draw(_cents), draw(_cents), draw(_cents), draw(_counts), draw(_counts),
-                  draw(_counts)) for t, m in pairs]  # fmt: skip
+    pairs = draw(
+        st.lists(
+            st.tuples(st.sampled_from("abc"), st.sampled_from("xy")),
+            min_size=1,
+            max_size=4,
+            unique=True,
+        )
+    )
+    lines = [
+        line(
+            t,
+            m,
+            draw(_cents),
+            draw(_cents),
+            draw(_cents),
+            draw(_counts),
+            draw(_counts),
+            draw(_counts),
+        )
+        for t, m in pairs
+    ]
     tags = [
-        tag(t, m, draw(st.sampled_from([None, "p", "q"])), draw(st.sampled_from([None, "u", "v", "w"])),
-            draw(_counts), draw(_counts), draw(_counts), draw(st.floats(0, 1e6)))
+        tag(
+            t,
+            m,
+            draw(st.sampled_from([None, "p", "q"])),
+            draw(st.sampled_from([None, "u", "v", "w"])),
+            draw(_counts),
+            draw(_counts),
+            draw(_counts),
+            draw(st.floats(0, 1e6)),
+        )
         for t, m in draw(st.lists(st.sampled_from(pairs), max_size=12))
-    ]  # fmt: skip
+    ]
     return lines, tags
 
 
@@ -185,18 +271,24 @@ def test_records_carry_user_and_project_into_the_ledger_and_its_hourly_tags(
     """Ingested records keep user and project; usage_tags sums them by hour, '' for none, and
     its migration fills it from the raw rows alike."""
     ledger = Ledger.open(tmp_path / "ledger.duckdb", [t.name for t in config.teams], {})
-    records = [usage("search", NOV + 3600, 120, user="ana", project="alpha"),
-               usage("search", NOV + 3700, 60, user="ana", project="alpha"),
-               usage("search", NOV + 7000, 400, project="beta"),  # ends in the next hour
-               usage("assistant", NOV + 3600, 10)]  # fmt: skip
+    records = [
+        usage("search", NOV + 3600, 120, user="ana", project="alpha"),
+        usage("search", NOV + 3700, 60, user="ana", project="alpha"),
+        usage("search", NOV + 7000, 400, project="beta"),  # ends in the next hour
+        usage("assistant", NOV + 3600, 10),
+    ]
     assert ledger.ingest_lines("usage", ndjson(records), now=NOV + 9000).accepted == 4
     with ledger.reader() as cur:
         kept = cur.execute(
             'SELECT team, "user", project FROM usage ORDER BY received_at, team'
         ).fetchall()
         hourly = cur.execute("SELECT * FROM usage_tags ORDER BY ALL").fetchall()
-    assert kept == [("assistant", None, None), ("search", "ana", "alpha"),
-                    ("search", "ana", "alpha"), ("search", None, "beta")]  # fmt: skip
+    assert kept == [
+        ("assistant", None, None),
+        ("search", "ana", "alpha"),
+        ("search", "ana", "alpha"),
+        ("search", None, "beta"),
+    ]
     hour = int(NOV // 3600)
     assert hourly == [
         (hour + 1, "assistant", "chat-small", "", "", 1, 100, 0, 50, 10.0),
@@ -215,8 +307,9 @@ def test_records_carry_user_and_project_into_the_ledger_and_its_hourly_tags(
     finally:
         ledger.close()
     assert tags.sort("project").select("project", "user", "requests").rows() == [
-        ("alpha", "ana", 2), ("beta", None, 1),
-    ]  # fmt: skip
+        ("alpha", "ana", 2),
+        ("beta", None, 1),
+    ]
 
 
 # -- the routes ------------------------------------------------------------------------------
@@ -229,11 +322,14 @@ def _bearer(key: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def projects_config() -> Config:
     """The demo configuration, search with projects alpha and beta and a $0.01 budget on beta."""
-    return load_config(DEFAULT_CONFIG, environ={
-        "INFERMETER__BILLING__SHARED_INGEST_TOKEN": "true",
-        "INFERMETER__TEAMS__SEARCH__PROJECTS": "[alpha, beta]",
-        "INFERMETER__TEAMS__SEARCH__PROJECT_BUDGETS_USD_PER_MONTH": "{beta: 0.01}",
-    })  # fmt: skip
+    return load_config(
+        DEFAULT_CONFIG,
+        environ={
+            "INFERMETER__BILLING__SHARED_INGEST_TOKEN": "true",
+            "INFERMETER__TEAMS__SEARCH__PROJECTS": "[alpha, beta]",
+            "INFERMETER__TEAMS__SEARCH__PROJECT_BUDGETS_USD_PER_MONTH": "{beta: 0.01}",
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -241,16 +337,23 @@ def billing(projects_config: Config) -> Iterator[str]:
     """Billing over an in-memory ledger with this month's use of search (two projects, two
     users) and assistant on small-0, and the GPU under it; in a thread on a loopback port."""
     config = projects_config
-    led = Ledger.open(":memory:", [t.name for t in config.teams],
-                      {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    led = Ledger.open(
+        ":memory:",
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
     now = time.time()
     start = max(now - 1800, month_bounds(month_of(now))[0])
-    records = [usage("search", start + 10, 300, user="ana", project="alpha"),
-               usage("search", start + 20, 100, user="ben", project="alpha"),
-               usage("search", start + 30, 200, project="beta"),
-               usage("assistant", start + 40, 100, user="zed")]  # fmt: skip
-    for kind, rows in (("usage", records),
-                       ("gpu_samples", gpu_samples(start=start, seconds=max(60.0, now - start - 1)))):  # fmt: skip
+    records = [
+        usage("search", start + 10, 300, user="ana", project="alpha"),
+        usage("search", start + 20, 100, user="ben", project="alpha"),
+        usage("search", start + 30, 200, project="beta"),
+        usage("assistant", start + 40, 100, user="zed"),
+    ]
+    for kind, rows in (
+        ("usage", records),
+        ("gpu_samples", gpu_samples(start=start, seconds=max(60.0, now - start - 1))),
+    ):
         assert led.ingest(batch(kind, rows), now=now).accepted == len(rows)
     try:
         with billing_thread(config, led) as url:
@@ -263,8 +366,10 @@ def _get(url: str, key: str, path: str) -> httpx.Response:
     return httpx.get(url + path, headers=_bearer(key), timeout=30)
 
 
-@pytest.mark.parametrize(("key", "teams"), [(ADMIN, {"search", "assistant"}), (SEARCH, {"search"}),
-                                            (ASSISTANT, {"assistant"})])  # fmt: skip
+@pytest.mark.parametrize(
+    ("key", "teams"),
+    [(ADMIN, {"search", "assistant"}), (SEARCH, {"search"}), (ASSISTANT, {"assistant"})],
+)
 def test_the_breakdown_route_gives_a_reader_every_team_and_a_team_its_own(
     billing: str, key: str, teams: set[str]
 ) -> None:
@@ -348,7 +453,13 @@ def test_the_csv_and_focus_files_break_search_down_by_project_and_user(billing: 
     assert sorted(r["project"] for r in rows) == ["alpha", "beta"]
     assert round(sum(float(r["total_usd"]) for r in rows) * 100) == search_cents
     focus = _get(billing, ADMIN, f"/v1/chargeback/{month}.focus.csv?version=1.3").text
-    tags = [orjson.loads(r["Tags"]) for r in csv.DictReader(io.StringIO(focus))
-            if r["SubAccountName"] == "search"]  # fmt: skip
+    tags = [
+        orjson.loads(r["Tags"])
+        for r in csv.DictReader(io.StringIO(focus))
+        if r["SubAccountName"] == "search"
+    ]
     assert {(t.get("project"), t.get("user")) for t in tags} == {
-        ("alpha", "ana"), ("alpha", "ben"), ("beta", None)}  # fmt: skip
+        ("alpha", "ana"),
+        ("alpha", "ben"),
+        ("beta", None),
+    }

@@ -33,18 +33,30 @@ from infermeter.statement import CACHE_SCHEMA
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
 
 MONTH = "2026-10"
-WORKED = Policy(usd_per_gpu_hour={"L40S": 1.0}, allocation="tokens", prompt_weight=1.0,
-                cached_prompt_weight=0.25, completion_weight=3.0)  # fmt: skip
+WORKED = Policy(
+    usd_per_gpu_hour={"L40S": 1.0},
+    allocation="tokens",
+    prompt_weight=1.0,
+    cached_prompt_weight=0.25,
+    completion_weight=3.0,
+)
 
 
 def _records() -> list[dict[str, object]]:
     """The two teams' requests, each holding the instance the whole hour."""
     return [
-        usage("search", OCT, 3599.0, prompt_tokens=1000, cached_prompt_tokens=0,
-              completion_tokens=100),
-        usage("assistant", OCT, 3599.0, prompt_tokens=1000, cached_prompt_tokens=400,
-              completion_tokens=100),
-    ]  # fmt: skip
+        usage(
+            "search", OCT, 3599.0, prompt_tokens=1000, cached_prompt_tokens=0, completion_tokens=100
+        ),
+        usage(
+            "assistant",
+            OCT,
+            3599.0,
+            prompt_tokens=1000,
+            cached_prompt_tokens=400,
+            completion_tokens=100,
+        ),
+    ]
 
 
 def _fill(ledger: Ledger) -> None:
@@ -81,8 +93,9 @@ def test_without_a_cached_weight_the_tokens_rule_splits_as_before(worked: Ledger
 
 def test_in_flight_is_not_discounted_again_for_cache_hits(worked: Ledger) -> None:
     """Under ``in_flight`` the measured time decides: equal time, equal cents, whatever was cached."""
-    in_flight = Policy(usd_per_gpu_hour={"L40S": 1.0}, allocation="in_flight",
-                       cached_prompt_weight=0.0)  # fmt: skip
+    in_flight = Policy(
+        usd_per_gpu_hour={"L40S": 1.0}, allocation="in_flight", cached_prompt_weight=0.0
+    )
     assert _cents(worked, in_flight) == {"search": 50, "assistant": 50}
 
 
@@ -119,9 +132,17 @@ def test_savings_are_cached_tokens_times_the_weight_saved_at_the_line_s_price(
     cached: int, total_cents: int, expected: int
 ) -> None:
     """The estimate is cached x (prompt - cached weight) x the line's cents per weighted token."""
-    lines = pl.DataFrame({"month": [MONTH], "for_month": [MONTH], "team": ["t"], "model": ["m"],
-                          "prompt_tokens": [1000], "completion_tokens": [250],
-                          "total_cents": [total_cents]})  # fmt: skip
+    lines = pl.DataFrame(
+        {
+            "month": [MONTH],
+            "for_month": [MONTH],
+            "team": ["t"],
+            "model": ["m"],
+            "prompt_tokens": [1000],
+            "completion_tokens": [250],
+            "total_cents": [total_cents],
+        }
+    )
     cached_by_line = pl.DataFrame({"team": ["t"], "model": ["m"], "cached_prompt_tokens": [cached]})
     rows = cache_rows(lines, cached_by_line, WORKED)
     assert rows["cache_savings_cents"].to_list() == [expected]
@@ -129,9 +150,17 @@ def test_savings_are_cached_tokens_times_the_weight_saved_at_the_line_s_price(
 
 def test_adjustments_of_earlier_months_are_not_counted() -> None:
     """Only the month's own lines carry its cache hits: an adjustment line adds nothing."""
-    lines = pl.DataFrame({"month": [MONTH, MONTH], "for_month": [MONTH, "2026-09"],
-                          "team": ["t", "t"], "model": ["m", "m"], "prompt_tokens": [1000, 5000],
-                          "completion_tokens": [250, 0], "total_cents": [400, 900]})  # fmt: skip
+    lines = pl.DataFrame(
+        {
+            "month": [MONTH, MONTH],
+            "for_month": [MONTH, "2026-09"],
+            "team": ["t", "t"],
+            "model": ["m", "m"],
+            "prompt_tokens": [1000, 5000],
+            "completion_tokens": [250, 0],
+            "total_cents": [400, 900],
+        }
+    )
     cached_by_line = pl.DataFrame({"team": ["t"], "model": ["m"], "cached_prompt_tokens": [1000]})
     assert cache_rows(lines, cached_by_line, WORKED).rows() == [("t", "m", 1000, 1000, 300)]
 
@@ -151,8 +180,13 @@ def test_the_migration_backfills_cached_tokens_from_usage_slots(tmp_path: Path) 
         assert rows == [("assistant", 400), ("search", 0)]
         assert _cents(ledger, WORKED) == {"search": 57, "assistant": 43}
         # Records arriving after the migration add to the backfilled column.
-        ledger.ingest(batch("usage", [usage("search", OCT + 600, 10.0, prompt_tokens=100,
-                                            cached_prompt_tokens=30)]), now=OCT + 86400)  # fmt: skip
+        ledger.ingest(
+            batch(
+                "usage",
+                [usage("search", OCT + 600, 10.0, prompt_tokens=100, cached_prompt_tokens=30)],
+            ),
+            now=OCT + 86400,
+        )
         assert month_cached_tokens(ledger, MONTH)["cached_prompt_tokens"].to_list() == [400, 30]
     finally:
         ledger.close()

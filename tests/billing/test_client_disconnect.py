@@ -14,8 +14,10 @@ from billing.ledger import Ledger
 from infermeter.config import Config
 from tests.servers import serving
 
-HEAD = (b"POST /v1/ingest HTTP/1.1\r\nhost: billing\r\nauthorization: Bearer im-demo-ingest\r\n"
-        b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n")  # fmt: skip
+HEAD = (
+    b"POST /v1/ingest HTTP/1.1\r\nhost: billing\r\nauthorization: Bearer im-demo-ingest\r\n"
+    b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+)
 
 
 class _Kept(logging.Handler):

@@ -28,35 +28,77 @@ HOUR = OCT + 3600  # 01:00 on the first: every ledger's one measured hour starts
 _ids = itertools.count()
 
 
-def engine(replica: str, running: float, waiting: float = 0.0, model: str = "chat-small",
-           start: float = HOUR, every: float = 60.0, kv: float = 0.1,
-           **counters: Any) -> list[dict[str, Any]]:  # fmt: skip
+def engine(
+    replica: str,
+    running: float,
+    waiting: float = 0.0,
+    model: str = "chat-small",
+    start: float = HOUR,
+    every: float = 60.0,
+    kv: float = 0.1,
+    **counters: Any,
+) -> list[dict[str, Any]]:
     """One engine sample a minute through the hour, ``running``, ``waiting`` and the KV cache's
     use ``kv`` throughout."""
-    return [{"sample_id": f"e-{next(_ids)}", "replica": replica, "model": model,
-             "timestamp": start + 30 + i * every, "requests_running": running,
-             "requests_waiting": waiting, "kv_cache_usage": kv, "prompt_tokens_total": 0.0,
-             "generation_tokens_total": 0.0, **{k: v(i) for k, v in counters.items()}}
-            for i in range(int(3600 // every))]  # fmt: skip
+    return [
+        {
+            "sample_id": f"e-{next(_ids)}",
+            "replica": replica,
+            "model": model,
+            "timestamp": start + 30 + i * every,
+            "requests_running": running,
+            "requests_waiting": waiting,
+            "kv_cache_usage": kv,
+            "prompt_tokens_total": 0.0,
+            "generation_tokens_total": 0.0,
+            **{k: v(i) for k, v in counters.items()},
+        }
+        for i in range(int(3600 // every))
+    ]
 
 
-def gpus(replica: str, count: int = 1, gpu_model: str = "L40S", node: str = "node-b",
-         first: int = 0) -> list[dict[str, Any]]:  # fmt: skip
+def gpus(
+    replica: str, count: int = 1, gpu_model: str = "L40S", node: str = "node-b", first: int = 0
+) -> list[dict[str, Any]]:
     """``count`` GPUs of ``replica`` busy through the hour at 0 W."""
     out = []
     for i in range(count):
-        out += gpu_samples(replica, start=HOUR, seconds=3600, every=60, gpu_model=gpu_model,
-                           watts=0.0, node=node, gpu=str(first + i))  # fmt: skip
+        out += gpu_samples(
+            replica,
+            start=HOUR,
+            seconds=3600,
+            every=60,
+            gpu_model=gpu_model,
+            watts=0.0,
+            node=node,
+            gpu=str(first + i),
+        )
     return out
 
 
-def requests(n: int, team: str = "search", replica: str = "small-0", model: str = "chat-small",
-             prompt: int = 100, completion: int = 50) -> list[dict[str, Any]]:  # fmt: skip
+def requests(
+    n: int,
+    team: str = "search",
+    replica: str = "small-0",
+    model: str = "chat-small",
+    prompt: int = 100,
+    completion: int = 50,
+) -> list[dict[str, Any]]:
     """``n`` requests of ``team`` finishing inside the hour, one every 30 s."""
     served = "llama-3.1-70b-instruct-fp8" if model == "chat-large" else "llama-3.1-8b-instruct"
-    return [usage(team, HOUR + 60 + 30 * i, 10.0, replica=replica, model=model,
-                  served_version=served, prompt_tokens=prompt, completion_tokens=completion)
-            for i in range(n)]  # fmt: skip
+    return [
+        usage(
+            team,
+            HOUR + 60 + 30 * i,
+            10.0,
+            replica=replica,
+            model=model,
+            served_version=served,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+        )
+        for i in range(n)
+    ]
 
 
 def fill(ledger: Ledger, **kinds: list[dict[str, Any]]) -> None:
@@ -84,13 +126,14 @@ def test_group_figures_are_measured_per_hour(ledger, config):
         usage=requests(100),  # 100 x (100 in, 50 out), 10 s each: 1000 in-flight s in 60 minutes
         gpu_samples=gpus("small-0"),
         engine_samples=engine(
-            "small-0", 32,
+            "small-0",
+            32,
             prefix_cache_queries_total=lambda i: 100.0 * i,
             prefix_cache_hits_total=lambda i: 25.0 * i,
             # 2 a minute, then a restart from zero at minute 30: 29 x 2 + 0 + 29 x 2 = 116
             preemptions_total=lambda i: 2.0 * (i if i < 30 else i - 30),
         ),
-    )  # fmt: skip
+    )
     row = report(ledger, config).groups.row(0, named=True)
     assert (row["t"], row["replica"], row["requests"]) == (HOUR, "small-0", 100)
     assert row["cost_usd"] == pytest.approx(1.60)
@@ -107,8 +150,11 @@ def test_group_figures_are_measured_per_hour(ledger, config):
 
 def _small_month(days: int = 2) -> Month:
     """Two L40S replicas of chat-small whose load one holds, for ``days`` days."""
-    return Month((Group("small-0"), Group("small-1")),
-                 (Stream("search", "chat-small", hourly(8, 8), 300, 150),), days=days)  # fmt: skip
+    return Month(
+        (Group("small-0"), Group("small-1")),
+        (Stream("search", "chat-small", hourly(8, 8), 300, 150),),
+        days=days,
+    )
 
 
 def test_min_replicas_is_never_broken(ledger, config):
@@ -158,8 +204,12 @@ def test_a_team_sees_only_its_own_advice(ledger):
 
 def test_occupancy_is_against_the_fuller_of_slots_and_kv_cache(ledger, config):
     """32 of 128 slots running with the KV cache 80 % full: the engine is 80 % occupied."""
-    fill(ledger, usage=requests(10), gpu_samples=gpus("small-0"),
-         engine_samples=engine("small-0", 32, kv=0.8))  # fmt: skip
+    fill(
+        ledger,
+        usage=requests(10),
+        gpu_samples=gpus("small-0"),
+        engine_samples=engine("small-0", 32, kv=0.8),
+    )
     row = report(ledger, config).groups.row(0, named=True)
     assert row["batch_occupancy"] == pytest.approx(0.8)
     assert row["kv_cache_usage"] == pytest.approx(0.8)
@@ -178,8 +228,11 @@ def test_instances_of_one_group_are_figured_apart(ledger, config):
     """Two engine instances of small-0 keep their own occupancy and preemption counts."""
     first = engine("small-0", 64, preemptions_total=lambda i: float(i))
     second = engine("small-0", 32, preemptions_total=lambda i: 100.0)
-    fill(ledger, engine_samples=[s | {"instance": "small-0-a"} for s in first]
-         + [s | {"instance": "small-0-b"} for s in second])  # fmt: skip
+    fill(
+        ledger,
+        engine_samples=[s | {"instance": "small-0-a"} for s in first]
+        + [s | {"instance": "small-0-b"} for s in second],
+    )
     rows = {r["instance"]: r for r in report(ledger, config).instances.iter_rows(named=True)}
     assert rows["small-0-a"]["batch_occupancy"] == pytest.approx(0.5)
     assert rows["small-0-a"]["preemptions"] == pytest.approx(59)

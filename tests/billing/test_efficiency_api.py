@@ -28,15 +28,20 @@ def route_config() -> Config:
 async def billing() -> AsyncIterator[str]:
     """Two days in which search's short chat-large requests need a second pod at the peak."""
     config = route_config()
-    ledger = Ledger.open(":memory:", [t.name for t in config.teams],
-                         {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    ledger = Ledger.open(
+        ":memory:",
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
     month = Month(
         (Group("large-0", tuple(2 if p else 1 for p in PEAK), dynamic=True), Group("small-0")),
-        (Stream("search", "chat-large", tuple(50.0 * p for p in PEAK), 200, 250),
-         Stream("search", "chat-large", (2.0,) * 24, 2000, 1000),
-         Stream("assistant", "chat-small", (10.0,) * 24, 300, 150)),
+        (
+            Stream("search", "chat-large", tuple(50.0 * p for p in PEAK), 200, 250),
+            Stream("search", "chat-large", (2.0,) * 24, 2000, 1000),
+            Stream("assistant", "chat-small", (10.0,) * 24, 300, 150),
+        ),
         days=2,
-    )  # fmt: skip
+    )
     run(config, month, ledger)
     async with serving(create_app(config, ledger), lifespan="off") as url:
         yield url
@@ -44,8 +49,9 @@ async def billing() -> AsyncIterator[str]:
 
 
 async def _get(url: str, key: str, path: str = "/v1/efficiency/2026-10") -> httpx.Response:
-    async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {key}"},
-                                 timeout=60) as c:  # fmt: skip
+    async with httpx.AsyncClient(
+        base_url=url, headers={"authorization": f"Bearer {key}"}, timeout=60
+    ) as c:
         return await c.get(path)
 
 

@@ -45,8 +45,11 @@ def _hours(setup: ModelSetup) -> float:
 
 def test_what_ran_is_the_most_engines_live_in_each_hour():
     """Two pods all day and a third from 12:30 to 14:00: 3 in hours 12 and 13."""
-    runs = [Run("g", "a", 0, 24 * H, 0), Run("g", "b", 0, 24 * H, 0),
-            Run("g", "c", 12.5 * H, 14 * H, 12.5 * H)]  # fmt: skip
+    runs = [
+        Run("g", "a", 0, 24 * H, 0),
+        Run("g", "b", 0, 24 * H, 0),
+        Run("g", "c", 12.5 * H, 14 * H, 12.5 * H),
+    ]
     assert engines_by_hour(runs) == [2] * 12 + [3, 3] + [2] * 10
 
 
@@ -78,8 +81,11 @@ def test_an_engine_needed_again_later_pays_its_start_up():
 
 def test_a_gap_shorter_than_a_start_up_keeps_the_engine_running():
     """Capped for only 2 minutes, an engine that would take 3 to start again is kept."""
-    setup = ModelSetup("m", (_group(),), (Run("g", "a", 0, 2 * H, 0), Run("g", "b", 0, 2 * H, 0),
-                                          Run("g", "c", H, H + 120, H)))  # fmt: skip
+    setup = ModelSetup(
+        "m",
+        (_group(),),
+        (Run("g", "a", 0, 2 * H, 0), Run("g", "b", 0, 2 * H, 0), Run("g", "c", H, H + 120, H)),
+    )
     after = capped(setup, (2, 2) + (5,) * 22, startup_seconds=180)
     assert _hours(after) == pytest.approx(_hours(setup) - 120 / H)
 

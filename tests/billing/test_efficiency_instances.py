@@ -49,9 +49,16 @@ def _pod_gpus(pod: str, first_minute: int, node: int) -> list[dict[str, Any]]:
     """Two H100s of ``pod`` from ``first_minute`` to the end of the hour, sampled every minute."""
     out = []
     for gpu in ("0", "1"):
-        out += gpu_samples("large-0", start=HOUR + 60 * first_minute,
-                           seconds=3600 - 60 * first_minute, every=60, gpu_model="H100",
-                           watts=0.0, node=f"node-{node}", gpu=gpu)  # fmt: skip
+        out += gpu_samples(
+            "large-0",
+            start=HOUR + 60 * first_minute,
+            seconds=3600 - 60 * first_minute,
+            every=60,
+            gpu_model="H100",
+            watts=0.0,
+            node=f"node-{node}",
+            gpu=gpu,
+        )
     return [s | {"instance": pod, "model": "chat-large"} for s in out]
 
 
@@ -60,14 +67,24 @@ def _group(ledger: Ledger) -> None:
     gpus, samples = [], []
     for node, (pod, (first, running, waiting)) in enumerate(PODS.items()):
         gpus += _pod_gpus(pod, first, node)
-        samples += [s | {"instance": pod} for s in
-                    engine("large-0", running, waiting, model="chat-large")[first:]]  # fmt: skip
+        samples += [
+            s | {"instance": pod}
+            for s in engine("large-0", running, waiting, model="chat-large")[first:]
+        ]
     records = [
-        usage(team, HOUR + 60 * lo, 60.0 * (hi - lo), replica="large-0", instance=pod,
-              model="chat-large", served_version=SERVED, prompt_tokens=prompt,
-              completion_tokens=completion)
+        usage(
+            team,
+            HOUR + 60 * lo,
+            60.0 * (hi - lo),
+            replica="large-0",
+            instance=pod,
+            model="chat-large",
+            served_version=SERVED,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+        )
         for team, pod, lo, hi, prompt, completion in REQUESTS
-    ]  # fmt: skip
+    ]
     fill(ledger, usage=records, gpu_samples=gpus, engine_samples=samples)
 
 
@@ -75,9 +92,9 @@ def test_a_teams_requests_tokens_and_cost_are_counted_once(ledger, config):
     """Each team's requests and tokens once, and its in-flight share of its own instances' minutes."""
     _group(ledger)
     rows = {r["team"]: r for r in report(ledger, config).teams.iter_rows(named=True)}
-    assert {t: (r["requests"], r["prompt_tokens"], r["completion_tokens"])
-            for t, r in rows.items()} == {"search": (4, 400, 200),
-                                          "assistant": (2, 2000, 200)}  # fmt: skip
+    assert {
+        t: (r["requests"], r["prompt_tokens"], r["completion_tokens"]) for t, r in rows.items()
+    } == {"search": (4, 400, 200), "assistant": (2, 2000, 200)}
     # search: a 10 minutes whole; b 20 whole and 10 shared half with assistant; c 30 whole.
     assert rows["search"]["cost_usd"] == pytest.approx((10 + 20 + 5 + 30) * MINUTE_USD)
     assert rows["search"]["gpu_hours"] == pytest.approx(65 * 2 / 60)
@@ -136,8 +153,15 @@ def test_the_groups_engines_are_summed_each_minute(ledger, config):
 def test_busy_time_outside_measured_minutes_keeps_idle_share_in_range(ledger, config):
     """Requests on a pod whose GPUs were never seen add no busy time: idle share stays in [0, 1]."""
     _group(ledger)
-    late = usage("search", HOUR + 600, 2400.0, replica="large-0", instance="large-0-d",
-                 model="chat-large", served_version=SERVED)  # fmt: skip
+    late = usage(
+        "search",
+        HOUR + 600,
+        2400.0,
+        replica="large-0",
+        instance="large-0-d",
+        model="chat-large",
+        served_version=SERVED,
+    )
     fill(ledger, usage=[late])
     found = report(ledger, config)
     [row] = found.groups.iter_rows(named=True)
@@ -159,7 +183,10 @@ def test_the_replay_runs_each_pod_over_its_own_minutes(ledger, config):
         sql, params = group_measured_sql(lo, hi, fleet_of(config))
         measured = cursor.sql(sql, params=params).pl()
     assert [(pod, start - HOUR, end - HOUR, gpus) for _, pod, start, end, gpus, _ in runs] == [
-        ("large-0-a", 0, 3600, 2.0), ("large-0-b", 0, 3600, 2.0), ("large-0-c", 1200, 3600, 2.0)]  # fmt: skip
+        ("large-0-a", 0, 3600, 2.0),
+        ("large-0-b", 0, 3600, 2.0),
+        ("large-0-c", 1200, 3600, 2.0),
+    ]
     [row] = measured.iter_rows(named=True)
     assert (row["replica"], row["gpu_seconds"]) == ("large-0", pytest.approx(19_200))
     assert row["gpu_usd"] == pytest.approx(160 * MINUTE_USD)
@@ -169,8 +196,12 @@ def test_the_page_summarises_the_group_from_instance_seconds(ledger, config):
     """The Efficiency page's month of the group: idle share from busy over measured instance-hours."""
     _group(ledger)
     # A second hour with only pod a, idle throughout: 60 more measured minutes, none busy.
-    fill(ledger, gpu_samples=[s | {"timestamp": s["timestamp"] + 3600}
-                              for s in _pod_gpus("large-0-a", 0, 0)])  # fmt: skip
+    fill(
+        ledger,
+        gpu_samples=[
+            s | {"timestamp": s["timestamp"] + 3600} for s in _pod_gpus("large-0-a", 0, 0)
+        ],
+    )
     groups = frame_of(report(ledger, config).to_json()["figures"]["groups"])  # as billing sends it
     [row] = group_summary(groups).iter_rows(named=True)
     assert row["idle_share"] == pytest.approx(1 - 4800 / (9600 + 3600))

@@ -17,10 +17,16 @@ from tests.billing.fleet_month import Group, Month, Stream, hourly, month_config
 def body() -> dict[str, Any]:
     """Billing's answer (as JSON) for two days of two L40S replicas whose load one holds."""
     config = month_config()
-    ledger = Ledger.open(":memory:", [t.name for t in config.teams],
-                         {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
-    month = Month((Group("small-0"), Group("small-1")),
-                  (Stream("search", "chat-small", hourly(8, 8), 300, 150),), days=2)  # fmt: skip
+    ledger = Ledger.open(
+        ":memory:",
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
+    month = Month(
+        (Group("small-0"), Group("small-1")),
+        (Stream("search", "chat-small", hourly(8, 8), 300, 150),),
+        days=2,
+    )
     report = run(config, month, ledger).report
     ledger.close()
     assert report is not None
@@ -65,8 +71,11 @@ def test_the_plan_reads_as_a_table_with_its_replay(body):
 
 def test_the_plan_table_has_a_total_row_in_the_same_units(body):
     """With more than one change the last row is the plan: its saving, its share in percent."""
-    two = {**body, "recommendations": body["recommendations"] * 2,
-           "plan": {**body["plan"], "saving_usd": 2 * body["plan"]["saving_usd"]}}  # fmt: skip
+    two = {
+        **body,
+        "recommendations": body["recommendations"] * 2,
+        "plan": {**body["plan"], "saving_usd": 2 * body["plan"]["saving_usd"]},
+    }
     cells = list(_cells(plan_table(two)))
     totals = {column: text for section, column, text in cells if section == "Tfoot"}
     assert totals["saving_usd_per_month"] == "$2,336.00"

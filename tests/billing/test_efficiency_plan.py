@@ -19,26 +19,42 @@ from billing.efficiency.replay import Arrival, GroupSetup, ModelReplay, ModelSet
 from infermeter.config import EngineProfile, ModelArchitecture
 
 H, DAY = 3600.0, 86400.0
-PROFILE = EngineProfile(max_num_seqs=16, kv_cache_tokens=100_000, step_base_ms=10,
-                        step_per_seq_ms=1, prefill_tokens_per_second=10_000)  # fmt: skip
+PROFILE = EngineProfile(
+    max_num_seqs=16,
+    kv_cache_tokens=100_000,
+    step_base_ms=10,
+    step_per_seq_ms=1,
+    prefill_tokens_per_second=10_000,
+)
 LLAMA_70B = ModelArchitecture(
     params_billions=70, layers=80, kv_heads=8, head_dim=128, precision="fp8"
 )
 
 
-def _model(name: str, engines: int, per_hour: float = 60, usd: float = 1.60, gpus: int = 1,
-           team: str = "search") -> tuple[ModelSetup, list[Arrival]]:  # fmt: skip
+def _model(
+    name: str,
+    engines: int,
+    per_hour: float = 60,
+    usd: float = 1.60,
+    gpus: int = 1,
+    team: str = "search",
+) -> tuple[ModelSetup, list[Arrival]]:
     """``engines`` replicas of one GPU all day, and a request every minute of 100 in, 20 out."""
-    groups = tuple(GroupSetup(f"{name}-{k}", name, "L40S", gpus, usd, PROFILE, False)
-                   for k in range(engines))  # fmt: skip
+    groups = tuple(
+        GroupSetup(f"{name}-{k}", name, "L40S", gpus, usd, PROFILE, False) for k in range(engines)
+    )
     runs = tuple(Run(g.replica, g.replica, 0, DAY, 0) for g in groups)
     every = H / per_hour
     arrivals = [Arrival(k * every + 1, team, name, 100, 20) for k in range(int(DAY / every))]
     return ModelSetup(name, groups, runs), arrivals
 
 
-def _inputs(*models: tuple[ModelSetup, list[Arrival]], min_replicas: int = 1,
-            gpu_scale: float = 1.0, ttft: float | None = None) -> Inputs:  # fmt: skip
+def _inputs(
+    *models: tuple[ModelSetup, list[Arrival]],
+    min_replicas: int = 1,
+    gpu_scale: float = 1.0,
+    ttft: float | None = None,
+) -> Inputs:
     """What the plan reads, measured as the replay as it ran finds it (GPU time x ``gpu_scale``)."""
     world = World({m.model: m for m, _ in models}, {m.model: a for m, a in models})
     measured = {}
@@ -46,17 +62,30 @@ def _inputs(*models: tuple[ModelSetup, list[Arrival]], min_replicas: int = 1,
         r = replay(setup, arrivals, 0, DAY)
         for g in setup.groups:
             seconds = r.gpu_seconds[g.replica] * gpu_scale
-            measured[g.replica] = GroupMeasured(g.replica, setup.model, seconds, seconds / H * g.usd_per_gpu_hour,
-                                                ttft if ttft is not None else r.ttft_p95(group=g.replica),
-                                                r.itl_p95(group=g.replica), 0)  # fmt: skip
+            measured[g.replica] = GroupMeasured(
+                g.replica,
+                setup.model,
+                seconds,
+                seconds / H * g.usd_per_gpu_hour,
+                ttft if ttft is not None else r.ttft_p95(group=g.replica),
+                r.itl_p95(group=g.replica),
+                0,
+            )
     targets = {(m.model, ""): Target(0.5, 1 / 30) for m, _ in models}
     return Inputs(0, DAY, 24, world, measured, targets, min_replicas, Policy())
 
 
 def _facts(inputs: Inputs, **kw: object) -> Facts:
-    base: dict[str, object] = {"architectures": {}, "use_cases": {}, "served_versions": {},
-                               "max_model_len": {}, "workloads": {}, "engines": {},
-                               "measured": inputs.measured, "policy": inputs.policy}  # fmt: skip
+    base: dict[str, object] = {
+        "architectures": {},
+        "use_cases": {},
+        "served_versions": {},
+        "max_model_len": {},
+        "workloads": {},
+        "engines": {},
+        "measured": inputs.measured,
+        "policy": inputs.policy,
+    }
     return Facts(**(base | kw))  # type: ignore[arg-type]
 
 
@@ -111,7 +140,9 @@ def test_the_changes_savings_add_up_to_the_plans():
     """Two over-provisioned models: each change priced on its own model, the plan their sum."""
     plan = _plan(_inputs(_model("a", 2), _model("b", 4)))
     assert sorted((r.model, r.saving_usd) for r in plan.recommendations) == [
-        ("a", pytest.approx(24 * 1.60)), ("b", pytest.approx(3 * 24 * 1.60))]  # fmt: skip
+        ("a", pytest.approx(24 * 1.60)),
+        ("b", pytest.approx(3 * 24 * 1.60)),
+    ]
     assert plan.saving_usd == pytest.approx(4 * 24 * 1.60)
     assert plan.saving_usd <= plan.measured_usd
 
@@ -154,8 +185,11 @@ def test_short_requests_go_to_a_smaller_model_of_the_same_use_case():
     """Routing picks the smaller model by architecture, never one of another use case."""
     inputs = _inputs(_model("large", 1), _model("small", 1), _model("embed", 1))
     arch = {"large": LLAMA_70B, "small": LLAMA_70B.model_copy(update={"params_billions": 8})}
-    facts = _facts(inputs, architectures=arch,
-                   use_cases={"large": "chat", "small": "chat", "embed": "embeddings"})  # fmt: skip
+    facts = _facts(
+        inputs,
+        architectures=arch,
+        use_cases={"large": "chat", "small": "chat", "embed": "embeddings"},
+    )
     [cand] = route_candidates(inputs.world, facts)
     assert (cand.model, cand.change["route"]["to"], cand.models) == (
         "large",

@@ -12,8 +12,14 @@ from infermeter.config import EngineProfile
 
 # One step is 10 ms + 1 ms a sequence + 0.1 ms a token computed (a decoded token's KV entries
 # included); a prompt of 100 tokens prefills in 10 ms.
-PROFILE = EngineProfile(max_num_seqs=8, kv_cache_tokens=100_000, block_size=16, step_base_ms=10,
-                        step_per_seq_ms=1, prefill_tokens_per_second=10_000)  # fmt: skip
+PROFILE = EngineProfile(
+    max_num_seqs=8,
+    kv_cache_tokens=100_000,
+    block_size=16,
+    step_base_ms=10,
+    step_per_seq_ms=1,
+    prefill_tokens_per_second=10_000,
+)
 
 
 def _setup(*runs: Run, caching: bool = False, gpus: int = 2, usd: float = 3.90) -> ModelSetup:

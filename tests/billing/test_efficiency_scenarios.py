@@ -31,8 +31,13 @@ def ledger_for() -> Iterator[Callable[[Config], Ledger]]:
     opened: list[Ledger] = []
 
     def make(config: Config) -> Ledger:
-        opened.append(Ledger.open(":memory:", [t.name for t in config.teams],
-                                  {m.name: m.sla.ttft_p95_seconds for m in config.models}))  # fmt: skip
+        opened.append(
+            Ledger.open(
+                ":memory:",
+                [t.name for t in config.teams],
+                {m.name: m.sla.ttft_p95_seconds for m in config.models},
+            )
+        )
         return opened[-1]
 
     yield make
@@ -61,8 +66,10 @@ def held_to_truth(rec: Recommendation, before: Outcome, after: Outcome, config: 
 def test_an_over_provisioned_group_is_right_sized(ledger_for):
     """Two L40S replicas whose load one holds: run one, and save what the second cost."""
     config = month_config()
-    month = Month((Group("small-0"), Group("small-1")),
-                  (Stream("search", "chat-small", hourly(8, 8), 300, 150),))  # fmt: skip
+    month = Month(
+        (Group("small-0"), Group("small-1")),
+        (Stream("search", "chat-small", hourly(8, 8), 300, 150),),
+    )
     before, [rec] = advised(config, month, ledger_for(config))
     assert (rec.kind, rec.change["engines_by_hour"]) == ("right_size", [1] * 24)
     assert rec.title == "chat-small: run 1 replica instead of 2"
@@ -76,28 +83,35 @@ def test_an_autoscaled_group_already_right_sized_gets_no_advice(ledger_for):
     load needs them all, so nothing is offered."""
     config = month_config(slower=40, **{"small-0": {"max_num_seqs": 4}})
     counts = tuple(3 if 8 <= h < 20 else 1 for h in range(24))
-    month = Month((Group("small-0", counts, dynamic=True, kv_cache_tokens=9000),),
-                  (Stream("search", "chat-small", hourly(5, 40), 500, 1500),))  # fmt: skip
+    month = Month(
+        (Group("small-0", counts, dynamic=True, kv_cache_tokens=9000),),
+        (Stream("search", "chat-small", hourly(5, 40), 500, 1500),),
+    )
     before, recs = advised(config, month, ledger_for(config))
     assert recs == []
     assert before.report is not None
     assert before.report.notes == ()
-    fewer = Month((Group("small-0", tuple(min(c, 2) for c in counts), dynamic=True,
-                         kv_cache_tokens=9000),), month.streams)  # fmt: skip
+    fewer = Month(
+        (Group("small-0", tuple(min(c, 2) for c in counts), dynamic=True, kv_cache_tokens=9000),),
+        month.streams,
+    )
     assert run(config, fewer).ttft_p95("search") > 0.5 * 40  # one pod fewer by day misses the SLA
 
 
 def test_an_under_batched_engine_gets_a_larger_batch(ledger_for):
     """Four pods of 2 sequences whose KV caches hold 120 each: one pod with a larger batch holds."""
     config = month_config(slower=40, **{"small-0": {"max_num_seqs": 2}})
-    month = Month((Group("small-0", (4,) * 24, dynamic=True),),
-                  (Stream("search", "chat-small", hourly(20, 20), 500, 1500),))  # fmt: skip
+    month = Month(
+        (Group("small-0", (4,) * 24, dynamic=True),),
+        (Stream("search", "chat-small", hourly(20, 20), 500, 1500),),
+    )
     before, [rec] = advised(config, month, ledger_for(config))
     assert rec.kind == "batch"
     assert rec.change["max_num_seqs"] == {"small-0": 120}
     assert rec.change["chat-small.engines_by_hour"] == [1] * 24
-    after = run(config, Month((Group("small-0", (1,) * 24, dynamic=True, max_num_seqs=120),),
-                              month.streams))  # fmt: skip
+    after = run(
+        config, Month((Group("small-0", (1,) * 24, dynamic=True, max_num_seqs=120),), month.streams)
+    )
     held_to_truth(rec, before, after, config)
 
 
@@ -105,11 +119,15 @@ def test_a_model_that_fits_on_fewer_gpus_at_lower_precision_is_quantized(ledger_
     """The 70B FP8 model on two H100s, configured by its architecture: int4 on one holds its load."""
     config = month_config()
     data = config.model_dump()
-    data["models"][0]["architecture"] = {"params_billions": 70, "layers": 80, "kv_heads": 8,
-                                         "head_dim": 128, "precision": "fp8"}  # fmt: skip
+    data["models"][0]["architecture"] = {
+        "params_billions": 70,
+        "layers": 80,
+        "kv_heads": 8,
+        "head_dim": 128,
+        "precision": "fp8",
+    }
     config = Config.model_validate(data)
-    month = Month((Group("large-0"),),
-                  (Stream("search", "chat-large", hourly(3, 3), 1000, 300),))  # fmt: skip
+    month = Month((Group("large-0"),), (Stream("search", "chat-large", hourly(3, 3), 1000, 300),))
     before, [rec] = advised(config, month, ledger_for(config))
     assert (rec.kind, rec.change) == ("quantize", {"precision": "int4", "gpus_per_replica": 1})
     assert rec.policy_change["where"] == "models[chat-large].approved_versions"
@@ -128,17 +146,24 @@ def test_short_requests_are_routed_to_the_smaller_model(ledger_for):
     config = Config.model_validate(data)
     month = Month(
         (Group("large-0", tuple(2 if p else 1 for p in PEAK), dynamic=True), Group("small-0")),
-        (Stream("search", "chat-large", tuple(50.0 * p for p in PEAK), 200, 250),
-         Stream("search", "chat-large", (2.0,) * 24, 2000, 1000),
-         Stream("assistant", "chat-small", (10.0,) * 24, 300, 150)),
-    )  # fmt: skip
+        (
+            Stream("search", "chat-large", tuple(50.0 * p for p in PEAK), 200, 250),
+            Stream("search", "chat-large", (2.0,) * 24, 2000, 1000),
+            Stream("assistant", "chat-small", (10.0,) * 24, 300, 150),
+        ),
+    )
     before, [rec] = advised(config, month, ledger_for(config))
     assert (rec.kind, rec.team) == ("route", "search")
     assert rec.change["route"]["to"] == "chat-small"
     assert rec.change["chat-large.engines_by_hour"] == [1] * 24
-    after = run(config, Month(
-        (Group("large-0", (1,) * 24, dynamic=True), Group("small-0")), month.streams,
-        routes={("search", "chat-large"): ("chat-small", 512, 256)}))  # fmt: skip
+    after = run(
+        config,
+        Month(
+            (Group("large-0", (1,) * 24, dynamic=True), Group("small-0")),
+            month.streams,
+            routes={("search", "chat-large"): ("chat-small", 512, 256)},
+        ),
+    )
     held_to_truth(rec, before, after, config)
 
 
@@ -151,23 +176,36 @@ def test_a_prefix_heavy_team_gets_prefix_caching(ledger_for):
     config = Config.model_validate(data)
     month = Month(
         (Group("large-0", tuple(3 if p else 1 for p in PEAK), dynamic=True),),
-        (Stream("assistant", "chat-large", tuple(60.0 if p else 7.5 for p in PEAK), 1040, 40,
-                head="policy", head_tokens=1000),),
-    )  # fmt: skip
+        (
+            Stream(
+                "assistant",
+                "chat-large",
+                tuple(60.0 if p else 7.5 for p in PEAK),
+                1040,
+                40,
+                head="policy",
+                head_tokens=1000,
+            ),
+        ),
+    )
     before, [rec] = advised(config, month, ledger_for(config))
     assert rec.kind == "prefix_cache"
     assert rec.change["enable_prefix_caching"] is True
     assert rec.change["chat-large.engines_by_hour"] == [1] * 24
-    after = run(config, Month((Group("large-0", (1,) * 24, dynamic=True, prefix_caching=True),),
-                              month.streams))  # fmt: skip
+    after = run(
+        config,
+        Month((Group("large-0", (1,) * 24, dynamic=True, prefix_caching=True),), month.streams),
+    )
     held_to_truth(rec, before, after, config)
 
 
 def test_a_group_the_replay_does_not_match_gets_no_advice(ledger_for):
     """Engines three times slower than their profile says: the advisor cannot vouch, and says so."""
     config = month_config(slower=20)
-    month = Month((Group("small-0", slower=3), Group("small-1", slower=3)),
-                  (Stream("search", "chat-small", hourly(8, 8), 300, 150),))  # fmt: skip
+    month = Month(
+        (Group("small-0", slower=3), Group("small-1", slower=3)),
+        (Stream("search", "chat-small", hourly(8, 8), 300, 150),),
+    )
     before, recs = advised(config, month, ledger_for(config))
     assert recs == []
     assert before.report is not None

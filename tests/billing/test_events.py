@@ -23,9 +23,15 @@ NOW = NOV + 3 * 86400
 
 
 def decision(at: float, previous: int, desired: int, reasons: str) -> dict[str, Any]:
-    return ScalingDecision(decision_id=sample_id(at, "scale", "chat-small"), model="chat-small",
-                           decided_at=at, previous=previous, current=previous, desired=desired,
-                           reasons=reasons).to_json()  # fmt: skip
+    return ScalingDecision(
+        decision_id=sample_id(at, "scale", "chat-small"),
+        model="chat-small",
+        decided_at=at,
+        previous=previous,
+        current=previous,
+        desired=desired,
+        reasons=reasons,
+    ).to_json()
 
 
 @pytest.fixture
@@ -35,9 +41,14 @@ async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
     for kind, records in (
         ("usage", [usage("search", OCT + 7200)]),
         ("gpu_samples", gpu_samples(start=OCT + 3600, seconds=7200)),
-        ("scaling_decisions", [decision(NOV + 3600, 1, 2, "queue 12 > 10 for 35 s: scale up"),
-                               decision(NOV + 7200, 2, 1, "GPUs 10 % busy for 5 m: scale down")]),
-    ):  # fmt: skip
+        (
+            "scaling_decisions",
+            [
+                decision(NOV + 3600, 1, 2, "queue 12 > 10 for 35 s: scale up"),
+                decision(NOV + 7200, 2, 1, "GPUs 10 % busy for 5 m: scale down"),
+            ],
+        ),
+    ):
         assert ledger.ingest(batch(kind, records), now=NOW).rejected == []
     Chargeback(ledger, config).close("2026-10", now=NOV + 86400)
     async with serving(create_app(config, ledger), lifespan="off") as url:
@@ -56,9 +67,11 @@ async def test_the_admin_sees_scale_events_and_closes_oldest_first(billing):
     """Each decision is a scale event with its reasons; the close of October follows them."""
     body = await get(billing, ADMIN, "/v1/events", **{"from": NOV, "to": NOW})
     kinds = [(e["kind"], e["title"]) for e in body["events"]]
-    assert kinds == [("scale_up", "chat-small: 1 -> 2 replicas"),
-                     ("scale_down", "chat-small: 2 -> 1 replicas"),
-                     ("month_close", "2026-10 closed")]  # fmt: skip
+    assert kinds == [
+        ("scale_up", "chat-small: 1 -> 2 replicas"),
+        ("scale_down", "chat-small: 2 -> 1 replicas"),
+        ("month_close", "2026-10 closed"),
+    ]
     assert body["events"][0]["detail"] == "queue 12 > 10 for 35 s: scale up"
     assert body["price_changes"] == NO_PRICE_CHANGES
 

@@ -38,10 +38,18 @@ _ids = itertools.count()
 def event(instance: str, kind: str, t: float, started_at: float, gpu: str) -> dict[str, Any]:
     """An instance event of small-0 (node-b, one L40S), as its sidecar writes it."""
     return InstanceEvent(
-        event_id=f"{round(t * 1000):013d}/{instance}/{kind}/{next(_ids)}", instance=instance,
-        replica="small-0", model="chat-small", event=kind, timestamp=t, started_at=started_at,
-        node="node-b", gpu_model="L40S", gpu_count=1, gpus=gpu,
-    ).to_json()  # fmt: skip
+        event_id=f"{round(t * 1000):013d}/{instance}/{kind}/{next(_ids)}",
+        instance=instance,
+        replica="small-0",
+        model="chat-small",
+        event=kind,
+        timestamp=t,
+        started_at=started_at,
+        node="node-b",
+        gpu_model="L40S",
+        gpu_count=1,
+        gpus=gpu,
+    ).to_json()
 
 
 def fleet_pieces(seed: int) -> list[tuple[str, list[dict[str, Any]]]]:
@@ -58,7 +66,10 @@ def fleet_pieces(seed: int) -> list[tuple[str, list[dict[str, Any]]]]:
     def batches(kind: str, records: list[dict[str, Any]], size: int) -> None:
         pieces.extend((kind, records[i : i + size]) for i in range(0, len(records), size))
 
-    for name, gpu, start, stop in (("small-0-a", "0", T0, T0 + 240), ("small-0-b", "1", T0 + 60, None)):  # fmt: skip
+    for name, gpu, start, stop in (
+        ("small-0-a", "0", T0, T0 + 240),
+        ("small-0-b", "1", T0 + 60, None),
+    ):
         end = stop or T0 + 360
         events = [event(name, "start", start + 1, start, gpu)]
         events += [
@@ -110,8 +121,11 @@ def open_ledger(config: Config) -> Iterator[tuple[Ledger, Chargeback]]:
 @settings(
     max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(seed=st.integers(0, 3), order=st.randoms(use_true_random=False),
-       cuts=st.lists(st.floats(0, 1), min_size=1, max_size=3))  # fmt: skip
+@given(
+    seed=st.integers(0, 3),
+    order=st.randoms(use_true_random=False),
+    cuts=st.lists(st.floats(0, 1), min_size=1, max_size=3),
+)
 def test_any_prefix_of_an_ingest_sequence_reconciles_to_the_cent(
     config: Config, seed: int, order: random.Random, cuts: list[float]
 ) -> None:
@@ -147,7 +161,17 @@ def test_a_statement_read_while_batches_commit_adds_up(
         rnd, t = random.Random(7), T0
         while not stop.is_set():
             keep(ledger, "gpu_samples", gpu_samples("small-0", t, 10.0, 10.0))
-            keep(ledger, "usage", [usage(rnd.choice(["search", "assistant"]), t - rnd.uniform(0, 50), rnd.uniform(1, 50))])  # fmt: skip
+            keep(
+                ledger,
+                "usage",
+                [
+                    usage(
+                        rnd.choice(["search", "assistant"]),
+                        t - rnd.uniform(0, 50),
+                        rnd.uniform(1, 50),
+                    )
+                ],
+            )
             t += 10
             written[0] += 1
 
@@ -162,27 +186,53 @@ def test_a_statement_read_while_batches_commit_adds_up(
     assert written[0] > 25  # the statements were read while the ledger moved
 
 
-POLICY = Policy(usd_per_gpu_hour={"L40S": 1.6}, idle={"g": ("spread", None)},
-                replica_model={"g": "chat-small"})  # fmt: skip
+POLICY = Policy(
+    usd_per_gpu_hour={"L40S": 1.6}, idle={"g": ("spread", None)}, replica_model={"g": "chat-small"}
+)
 
 
 def instances(*rows: tuple[str, float, float]) -> pl.DataFrame:
     return pl.DataFrame(
-        [{"replica": "g", "instance": i, "compute_usd": c, "energy_usd": e, "gpu_hours": 1.0,
-          "energy_kwh": 0.5, "peak_slot": 29_846_940} for i, c, e in rows]
-    )  # fmt: skip
+        [
+            {
+                "replica": "g",
+                "instance": i,
+                "compute_usd": c,
+                "energy_usd": e,
+                "gpu_hours": 1.0,
+                "energy_kwh": 0.5,
+                "peak_slot": 29_846_940,
+            }
+            for i, c, e in rows
+        ]
+    )
 
 
 def shares(*rows: tuple[str, str, float, float]) -> pl.DataFrame:
     return pl.DataFrame(
-        [{"replica": "g", "instance": i, "team": t, "model": "chat-small", "gpu_hours": 0.1,
-          "energy_kwh": 0.0, "compute_usd": c, "energy_usd": e} for i, t, c, e in rows]
-    )  # fmt: skip
+        [
+            {
+                "replica": "g",
+                "instance": i,
+                "team": t,
+                "model": "chat-small",
+                "gpu_hours": 0.1,
+                "energy_kwh": 0.0,
+                "compute_usd": c,
+                "energy_usd": e,
+            }
+            for i, t, c, e in rows
+        ]
+    )
 
 
 def test_shares_beyond_the_instance_cost_are_scaled_into_it() -> None:
     """Shares that add up to more than the instance cost (read from two states) create no money."""
-    charged = charge(instances(("g-a", 1.0, 0.0)), shares(("g-a", "search", 0.9, 0.0), ("g-a", "assistant", 0.6, 0.0)), POLICY)  # fmt: skip
+    charged = charge(
+        instances(("g-a", 1.0, 0.0)),
+        shares(("g-a", "search", 0.9, 0.0), ("g-a", "assistant", 0.6, 0.0)),
+        POLICY,
+    )
     by_team = dict(charged.rows.select("team", "compute_microcents").iter_rows())
     assert by_team == {"search": 60_000_000, "assistant": 40_000_000}  # $1.00 split 0.9 : 0.6
     assert charged.fleet_microcents == 100_000_000
@@ -192,8 +242,10 @@ def test_shares_beyond_the_instance_cost_are_scaled_into_it() -> None:
 def test_claims_never_take_more_than_the_idle_left() -> None:
     """Unattributed claims beyond what the teams left are capped at it; idle is never negative."""
     claims = shares(("g-a", "platform", 0.5, 0.0)).with_columns(
-        model=pl.lit("chat-small (unattributed)"), prompt_tokens=pl.lit(10), completion_tokens=pl.lit(5)
-    )  # fmt: skip
+        model=pl.lit("chat-small (unattributed)"),
+        prompt_tokens=pl.lit(10),
+        completion_tokens=pl.lit(5),
+    )
     charged = charge(
         instances(("g-a", 1.0, 0.0)), shares(("g-a", "search", 0.7, 0.0)), POLICY, claims
     )
@@ -207,8 +259,11 @@ def test_claims_never_take_more_than_the_idle_left() -> None:
 @pytest.mark.parametrize("absurd", [5.2e14, float("inf"), float("nan")])
 def test_an_instance_whose_cost_is_out_of_range_is_an_error_line_naming_it(absurd: float) -> None:
     """One instance's absurd cost leaves the fleet; its line says which instance and when."""
-    charged = charge(instances(("g-a", 1.0, 0.0), ("g-b", 0.5, absurd)),
-                     shares(("g-a", "search", 0.5, 0.0), ("g-b", "search", 0.1, absurd)), POLICY)  # fmt: skip
+    charged = charge(
+        instances(("g-a", 1.0, 0.0), ("g-b", 0.5, absurd)),
+        shares(("g-a", "search", 0.5, 0.0), ("g-b", "search", 0.1, absurd)),
+        POLICY,
+    )
     assert charged.fleet_microcents == 100_000_000  # g-a alone
     assert int(money(charged.rows).sum()) == 100_000_000
     (error,) = charged.errors
@@ -221,10 +276,22 @@ def test_an_instance_whose_cost_is_out_of_range_is_an_error_line_naming_it(absur
 def test_a_line_that_cannot_be_rounded_is_an_error_line_and_the_rest_still_rounds() -> None:
     """A negative amount names its line as an error; the other lines keep their exact cents."""
     lines = pl.DataFrame(
-        [{"team": t, "model": "chat-small", "requests": 1, "prompt_tokens": 1, "completion_tokens": 1,
-          "gpu_hours": 0.1, "energy_kwh": 0.0, "compute_microcents": c, "energy_microcents": 0,
-          "idle_microcents": 0} for t, c in (("analytics", -5), ("search", 1_500_000), ("assistant", 2_500_000))]
-    )  # fmt: skip
+        [
+            {
+                "team": t,
+                "model": "chat-small",
+                "requests": 1,
+                "prompt_tokens": 1,
+                "completion_tokens": 1,
+                "gpu_hours": 0.1,
+                "energy_kwh": 0.0,
+                "compute_microcents": c,
+                "energy_microcents": 0,
+                "idle_microcents": 0,
+            }
+            for t, c in (("analytics", -5), ("search", 1_500_000), ("assistant", 2_500_000))
+        ]
+    )
     rounded = cents_lines(MONTH, lines)
     totals = dict(rounded.select("team", "total_cents").iter_rows())
     assert totals == {"analytics": 0, "search": 2, "assistant": 2}  # 4 cents: 1.5 + 2.5

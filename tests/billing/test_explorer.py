@@ -46,12 +46,15 @@ def month(ledger: Ledger) -> Ledger:
     hour1, hour2 = requests(20, 1), requests(10, 2)
     withheld = {1, 5, 6, 17}  # their tokens are the engine's only: unattributed
     kept = [r for i, r in enumerate(hour1) if i not in withheld] + hour2
-    kept += [usage("assistant", OCT + 3 * HOUR + 60 * i, 30.0, replica="large-0", model="chat-large")
-             for i in range(40)]  # fmt: skip
+    kept += [
+        usage("assistant", OCT + 3 * HOUR + 60 * i, 30.0, replica="large-0", model="chat-large")
+        for i in range(40)
+    ]
     for i in range(30):
         instance = ("small-1-a", "small-1-b")[i % 2]
-        kept.append(usage("analytics", OCT + 4 * HOUR + 90 * i, 20.0, replica="small-1",
-                          instance=instance))  # fmt: skip
+        kept.append(
+            usage("analytics", OCT + 4 * HOUR + 90 * i, 20.0, replica="small-1", instance=instance)
+        )
     _keep(ledger, "usage", kept)
     _keep(ledger, "engine_samples", engine_samples(hour1 + hour2, OCT, OCT + 3 * HOUR))
     gpus = gpu_samples(seconds=6 * HOUR)
@@ -74,8 +77,9 @@ async def billing(config: Config, month: Ledger) -> AsyncIterator[str]:
 
 async def ask(url: str, key: str, **params: Any) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        response = await client.get("/v1/allocation", params=params,
-                                    headers={"authorization": f"Bearer {key}"})  # fmt: skip
+        response = await client.get(
+            "/v1/allocation", params=params, headers={"authorization": f"Bearer {key}"}
+        )
     assert response.status_code == 200, response.text
     body: dict[str, Any] = response.json()
     return body
@@ -98,8 +102,11 @@ async def test_a_whole_month_by_team_and_model_is_the_statement_to_the_cent(bill
     body = await ask(billing, ADMIN, by="team,model", **WHOLE)
     rows = shown(body)
     lines = statement.lines.filter(pl.col("total_cents") != 0)
-    assert {(r["team"], r["model"]): cents(r["total_usd"]) for r in rows.iter_rows(named=True)
-            if r["total_usd"]} == {(t, m): c for t, m, c in lines.select("team", "model", "total_cents").iter_rows()}  # fmt: skip
+    assert {
+        (r["team"], r["model"]): cents(r["total_usd"])
+        for r in rows.iter_rows(named=True)
+        if r["total_usd"]
+    } == {(t, m): c for t, m, c in lines.select("team", "model", "total_cents").iter_rows()}
     for column in ("compute", "energy", "idle"):
         assert (
             sum(cents(v) for v in rows[f"{column}_usd"]) == statement.lines[f"{column}_cents"].sum()
@@ -109,14 +116,22 @@ async def test_a_whole_month_by_team_and_model_is_the_statement_to_the_cent(bill
     models = set(rows["model"])
     assert {"(unallocated)", "chat-small (unattributed)"} <= models
     assert any(m.startswith("(error)") for m in models)
-    requests = dict(zip(statement.lines["model"] + "|" + statement.lines["team"], statement.lines["requests"], strict=True))  # fmt: skip
+    requests = dict(
+        zip(
+            statement.lines["model"] + "|" + statement.lines["team"],
+            statement.lines["requests"],
+            strict=True,
+        )
+    )
     assert {
         f"{r['model']}|{r['team']}": r["requests"] for r in rows.iter_rows(named=True)
     } == requests
 
 
-@pytest.mark.parametrize("by", ["team", "model", "replica", "instance", "node", "gpu_model",
-                                "team,instance", "node,model"])  # fmt: skip
+@pytest.mark.parametrize(
+    "by",
+    ["team", "model", "replica", "instance", "node", "gpu_model", "team,instance", "node,model"],
+)
 async def test_every_grouping_of_a_whole_month_adds_up_to_the_statement(billing, month, config, by):
     """Whatever the grouping, the rows' cents add up to the statement's total, and per team
     (when grouped by team) to the statement's team totals."""
@@ -182,8 +197,11 @@ async def test_a_team_sees_its_own_rows_with_the_admins_cents(billing):
     admin = await ask(billing, ADMIN, by="instance", team="analytics", **WHOLE)
     assert mine["rows"] == admin["rows"]
     async with httpx.AsyncClient(base_url=billing) as client:
-        refused = await client.get("/v1/allocation", params={"team": "search"},
-                                   headers={"authorization": f"Bearer {ANALYTICS}"})  # fmt: skip
+        refused = await client.get(
+            "/v1/allocation",
+            params={"team": "search"},
+            headers={"authorization": f"Bearer {ANALYTICS}"},
+        )
     assert refused.status_code == 403
 
 
@@ -191,8 +209,11 @@ async def test_the_csv_is_the_rows_shown_and_safe_in_a_spreadsheet(billing):
     """The CSV has the rows and the total of the answer, with formula-like text defused."""
     body = await ask(billing, ADMIN, by="team,model", **WHOLE)
     async with httpx.AsyncClient(base_url=billing, timeout=60) as client:
-        response = await client.get("/v1/allocation.csv", params={"by": "team,model", **WHOLE},
-                                    headers={"authorization": f"Bearer {ADMIN}"})  # fmt: skip
+        response = await client.get(
+            "/v1/allocation.csv",
+            params={"by": "team,model", **WHOLE},
+            headers={"authorization": f"Bearer {ADMIN}"},
+        )
     assert response.text == body["csv"]
     records = list(csv.DictReader(io.StringIO(response.text)))
     assert len(records) == len(body["rows"]) + 1
@@ -208,17 +229,22 @@ async def test_bad_windows_and_keys_are_refused_with_a_reason(billing):
     outside the calendar served is a 422 naming it."""
     async with httpx.AsyncClient(base_url=billing) as client:
         t = 1_760_000_000
-        for params, says in (({"from": t + 10, "to": t + 5}, "to > from"), ({"by": "colour"}, "colour"),
-                             ({"by": "team,model,node"}, "one or two"),
-                             ({"from": t, "to": t + 200 * 86400}, "at most 93")):  # fmt: skip
-            response = await client.get("/v1/allocation", params=params,
-                                        headers={"authorization": f"Bearer {ADMIN}"})  # fmt: skip
+        for params, says in (
+            ({"from": t + 10, "to": t + 5}, "to > from"),
+            ({"by": "colour"}, "colour"),
+            ({"by": "team,model,node"}, "one or two"),
+            ({"from": t, "to": t + 200 * 86400}, "at most 93"),
+        ):
+            response = await client.get(
+                "/v1/allocation", params=params, headers={"authorization": f"Bearer {ADMIN}"}
+            )
             assert response.status_code == 400, params
             assert says in response.json()["error"]["message"]
         # Ends no calendar month holds (before 2000, after 2999) are refused by name, not a 500.
         for bad in ({"from": -4e16, "to": t}, {"to": 1.9e176}, {"to": 2.2e-309}):
-            response = await client.get("/v1/allocation.csv", params=bad,
-                                        headers={"authorization": f"Bearer {ADMIN}"})  # fmt: skip
+            response = await client.get(
+                "/v1/allocation.csv", params=bad, headers={"authorization": f"Bearer {ADMIN}"}
+            )
             assert response.status_code == 422, bad
             assert next(iter(bad)) in response.text
 

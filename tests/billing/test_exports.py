@@ -27,8 +27,12 @@ def _statement(ledger: Ledger, config: Config) -> Statement:
             batch("gpu_samples", gpu_samples(start=start + 3600, seconds=3600)),
             now=NOV + 20 * 86400,
         )
-        ledger.ingest(batch("usage", [usage("search", start + 3700, 300), usage("assistant", start + 3800, 600)]),
-                      now=NOV + 20 * 86400)  # fmt: skip
+        ledger.ingest(
+            batch(
+                "usage", [usage("search", start + 3700, 300), usage("assistant", start + 3800, 600)]
+            ),
+            now=NOV + 20 * 86400,
+        )
     cb = Chargeback(ledger, config)
     cb.close("2026-10", now=NOV + 86400)
     ledger.ingest(batch("usage", [usage("research", OCT + 4000, 900)]), now=NOV + 2 * 86400)
@@ -119,11 +123,22 @@ def test_chargeback_csv_counts_each_budget_once_and_ends_with_the_total(ledger, 
 def test_budget_used_is_a_percentage():
     """46 cents of a 10-dollar budget is written 4.6 (percent), on the team's first line."""
     lines = pl.DataFrame(
-        {"month": ["2026-11"] * 2, "for_month": ["2026-11"] * 2, "team": ["search"] * 2,
-         "model": ["a", "b"], "requests": [1, 1], "prompt_tokens": [1, 1], "completion_tokens": [1, 1],
-         "gpu_hours": [0.1, 0.1], "energy_kwh": [0.0, 0.0], "compute_cents": [20, 20],
-         "energy_cents": [0, 0], "idle_cents": [3, 3], "total_cents": [23, 23]}
-    )  # fmt: skip
+        {
+            "month": ["2026-11"] * 2,
+            "for_month": ["2026-11"] * 2,
+            "team": ["search"] * 2,
+            "model": ["a", "b"],
+            "requests": [1, 1],
+            "prompt_tokens": [1, 1],
+            "completion_tokens": [1, 1],
+            "gpu_hours": [0.1, 0.1],
+            "energy_kwh": [0.0, 0.0],
+            "compute_cents": [20, 20],
+            "energy_cents": [0, 0],
+            "idle_cents": [3, 3],
+            "total_cents": [23, 23],
+        }
+    )
     frame = chargeback_frame(Statement("2026-11", False, lines, 46, 0), {"search": 10.0})
     assert frame["team_budget_used_percent"].to_list() == [4.6, None, 4.6]
 
@@ -145,8 +160,21 @@ def test_the_chargeback_command_writes_from_a_ledger_file(
     _statement(ledger, config)
     ledger.close()
     out = tmp_path / f"out.{fmt}.csv"
-    code = main(["chargeback", "--month", "2026-11", "--format", fmt, "--focus-version", version,
-                 "--database", str(path), "--out", str(out)])  # fmt: skip
+    code = main(
+        [
+            "chargeback",
+            "--month",
+            "2026-11",
+            "--format",
+            fmt,
+            "--focus-version",
+            version,
+            "--database",
+            str(path),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     assert out.read_text().startswith(header)
 
@@ -163,12 +191,25 @@ def test_the_chargeback_command_names_a_bad_month(tmp_path, capsys):
 def test_focus_unit_prices_come_from_unrounded_costs(config):
     """A line of a few GPU-seconds is priced at the book's rate, not at its cents over its hours."""
     lines = pl.DataFrame(
-        {"month": ["2026-11"] * 2, "for_month": ["2026-11"] * 2, "team": ["search"] * 2,
-         "model": ["chat-large", "(error) no price for GPU model B200 in prices.usd_per_gpu_hour"],
-         "requests": [1, 1], "prompt_tokens": [10, 10], "completion_tokens": [1, 1],
-         "gpu_hours": [0.001, 0.5], "energy_kwh": [0.0005, 0.1], "compute_cents": [0, 0],
-         "energy_cents": [0, 0], "idle_cents": [0, 0], "total_cents": [0, 0]}
-    )  # fmt: skip
+        {
+            "month": ["2026-11"] * 2,
+            "for_month": ["2026-11"] * 2,
+            "team": ["search"] * 2,
+            "model": [
+                "chat-large",
+                "(error) no price for GPU model B200 in prices.usd_per_gpu_hour",
+            ],
+            "requests": [1, 1],
+            "prompt_tokens": [10, 10],
+            "completion_tokens": [1, 1],
+            "gpu_hours": [0.001, 0.5],
+            "energy_kwh": [0.0005, 0.1],
+            "compute_cents": [0, 0],
+            "energy_cents": [0, 0],
+            "idle_cents": [0, 0],
+            "total_cents": [0, 0],
+        }
+    )
     frame = focus_frame(Statement("2026-11", False, lines, 0, 0), config, "1.2")
     rate = 3.90 + 0.0005 / 0.001 * 0.14 * 1.35  # H100 price + the line's energy per GPU-hour
     assert float(frame["ListUnitPrice"][0]) == pytest.approx(rate, abs=1e-6)
@@ -194,10 +235,17 @@ def _pods(ledger: Ledger, config: Config) -> Chargeback:
             {**s, "instance": pod} for s in gpu_samples(start=NOV + 3600, seconds=3600, gpu=gpu)
         ]
         ledger.ingest(batch("gpu_samples", samples), now=NOV + 20 * 86400)
-    ledger.ingest(batch("usage", [usage("search", NOV + 3700, 300, instance="small-0-a"),
-                                  usage("assistant", NOV + 3800, 600, instance="small-0-a"),
-                                  usage("assistant", NOV + 3800, 900, instance="small-0-b")]),
-                  now=NOV + 20 * 86400)  # fmt: skip
+    ledger.ingest(
+        batch(
+            "usage",
+            [
+                usage("search", NOV + 3700, 300, instance="small-0-a"),
+                usage("assistant", NOV + 3800, 600, instance="small-0-a"),
+                usage("assistant", NOV + 3800, 900, instance="small-0-b"),
+            ],
+        ),
+        now=NOV + 20 * 86400,
+    )
     return Chargeback(ledger, config)
 
 
@@ -207,8 +255,11 @@ def test_focus_rows_are_instances_grouped_by_replica_group(ledger, config, tmp_p
     statement = cb.by_instance(cb.statement("2026-11"))
     frame = focus_frame(statement, config, "1.2")
     rows = {(r["x_Team"], r["ResourceId"]): r for r in frame.iter_rows(named=True)}
-    assert set(rows) == {("search", "small-0-a"), ("assistant", "small-0-a"),
-                         ("assistant", "small-0-b")}  # fmt: skip
+    assert set(rows) == {
+        ("search", "small-0-a"),
+        ("assistant", "small-0-a"),
+        ("assistant", "small-0-b"),
+    }
     assert {r["x_ReplicaGroup"] for r in rows.values()} == {"small-0"}
     assert rows[("assistant", "small-0-b")]["ResourceType"] == "LLM Inference Instance"
     assert '"replica_group":"small-0"' in rows[("search", "small-0-a")]["Tags"]
@@ -227,8 +278,15 @@ def test_lines_split_by_instance_add_up_to_each_line(ledger, config):
     statement = _statement(ledger, config)
     split = Chargeback(ledger, config).by_instance(statement)
     keys = ["for_month", "team", "model"]
-    columns = ["requests", "prompt_tokens", "completion_tokens", "compute_cents", "energy_cents",
-               "idle_cents", "total_cents"]  # fmt: skip
+    columns = [
+        "requests",
+        "prompt_tokens",
+        "completion_tokens",
+        "compute_cents",
+        "energy_cents",
+        "idle_cents",
+        "total_cents",
+    ]
     summed = split.lines.group_by(keys).agg(pl.col(columns).sum()).sort(keys)
     assert summed.equals(statement.lines.select(*keys, *columns).sort(keys))
     adjustments = split.lines.filter(pl.col("for_month") == "2026-10")

@@ -66,10 +66,14 @@ class Billing:
 def _config(root: Path, port: int, **billing: Any) -> Path:
     """A configuration for billing on ``port`` with its ledger in ``root``."""
     data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    data["billing"].update(listen=f"127.0.0.1:{port}", url=f"http://127.0.0.1:{port}",
-                           database=str(root / "ledger.duckdb"), shared_ingest_token=True,
-                           retention={"interval_seconds": 0, "archive": str(root / "archive")},
-                           **billing)  # fmt: skip
+    data["billing"].update(
+        listen=f"127.0.0.1:{port}",
+        url=f"http://127.0.0.1:{port}",
+        database=str(root / "ledger.duckdb"),
+        shared_ingest_token=True,
+        retention={"interval_seconds": 0, "archive": str(root / "archive")},
+        **billing,
+    )
     if billing.get("cluster_name") == "west":  # a price book of its own: dearer GPUs
         data["prices"]["usd_per_gpu_hour"]["L40S"] = 2.10
     config = root / "infermeter.yaml"
@@ -141,18 +145,30 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]
     listed = [
         {"name": n, "url": c.url, "token_env": f"FED_{n.upper()}"} for n, c in clusters.items()
     ]
-    central_config = _config(tmp_path_factory.mktemp("central"), port, role="central",
-                             cluster_name="central", clusters=listed,
-                             federation={"interval_seconds": 3600, "attempts": 2,
-                                         "backoff_seconds": 0.1, "timeout_seconds": 5})  # fmt: skip
+    central_config = _config(
+        tmp_path_factory.mktemp("central"),
+        port,
+        role="central",
+        cluster_name="central",
+        clusters=listed,
+        federation={
+            "interval_seconds": 3600,
+            "attempts": 2,
+            "backoff_seconds": 0.1,
+            "timeout_seconds": 5,
+        },
+    )
     central_env = env | {f"FED_{n.upper()}": t for n, t in TOKENS.items()}
     central = Billing(f"http://127.0.0.1:{port}", central_config, central_env)
     east, west = clusters["east"], clusters["west"]
     with _running(east, west):
         for service, teams in ((east, ("search", "assistant")), (west, ("search", "research"))):
             _ingest(service, "gpu_samples", gpu_samples(start=OCT + 3600, seconds=3600))
-            _ingest(service, "usage", [usage(t, OCT + 3700 + 100 * i, 300 + 200 * i)
-                                       for i, t in enumerate(teams)])  # fmt: skip
+            _ingest(
+                service,
+                "usage",
+                [usage(t, OCT + 3700 + 100 * i, 300 + 200 * i) for i, t in enumerate(teams)],
+            )
             _close(service, "2026-10")
         _ingest(east, "usage", [usage("analytics", OCT + 4000, 900)])  # late: November's adjustment
         _ingest(east, "gpu_samples", gpu_samples(start=NOV + 3600, seconds=1800))
@@ -193,8 +209,16 @@ def _until_pulled(central: Billing) -> dict[str, Any]:
 
 
 def _cents(lines: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
-    keys = ("for_month", "team", "model", "requests", "compute_cents", "energy_cents",
-            "idle_cents", "total_cents")  # fmt: skip
+    keys = (
+        "for_month",
+        "team",
+        "model",
+        "requests",
+        "compute_cents",
+        "energy_cents",
+        "idle_cents",
+        "total_cents",
+    )
     return sorted(tuple(line[k] for k in keys) for line in lines)
 
 
@@ -389,12 +413,25 @@ def test_a_stopped_cluster_is_served_stale_and_caught_up_once_back(
 
 def _payload() -> dict[str, Any]:
     lines = pl.DataFrame(
-        [{"month": "2026-10", "for_month": "2026-10", "team": "search", "model": "chat-small",
-          "requests": 2, "prompt_tokens": 200, "completion_tokens": 100, "gpu_hours": 0.5,
-          "energy_kwh": 0.1, "compute_cents": 80, "energy_cents": 2, "idle_cents": 0,
-          "total_cents": 82}],
+        [
+            {
+                "month": "2026-10",
+                "for_month": "2026-10",
+                "team": "search",
+                "model": "chat-small",
+                "requests": 2,
+                "prompt_tokens": 200,
+                "completion_tokens": 100,
+                "gpu_hours": 0.5,
+                "energy_kwh": 0.1,
+                "compute_cents": 80,
+                "energy_cents": 2,
+                "idle_cents": 0,
+                "total_cents": 82,
+            }
+        ],
         schema=LINE_SCHEMA,
-    )  # fmt: skip
+    )
     return month_payload("east", "2026-10", "list", empty_pools(), lines).to_json()
 
 
@@ -481,11 +518,13 @@ async def test_a_busy_cluster_is_asked_again_with_backoff(tmp_path: Path) -> Non
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         for attempts, stale in ((2, False), (1, True)):
-            settings = BillingSettings.model_validate({
-                "role": "central",
-                "clusters": [{"name": "flaky", "url": url, "token_env": "FLAKY"}],
-                "federation": {"attempts": attempts, "backoff_seconds": 0.05},
-            })  # fmt: skip
+            settings = BillingSettings.model_validate(
+                {
+                    "role": "central",
+                    "clusters": [{"name": "flaky", "url": url, "token_env": "FLAKY"}],
+                    "federation": {"attempts": attempts, "backoff_seconds": 0.05},
+                }
+            )
             puller = Puller(ledger, settings, environ={"FLAKY": "flaky-token"})
             _FlakyCluster.calls.clear()
             [report] = await puller.pull()
@@ -508,12 +547,19 @@ async def test_the_timer_outlives_a_round_the_ledger_fails(tmp_path: Path) -> No
     ledger = Ledger.open(str(tmp_path / "central.duckdb"), ["search"], {})
     ledger.close()
     try:
-        settings = BillingSettings.model_validate({
-            "role": "central",
-            "clusters": [{"name": "flaky", "url": f"http://127.0.0.1:{server.server_address[1]}",
-                          "token_env": "FLAKY"}],
-            "federation": {"attempts": 2, "backoff_seconds": 0.01, "interval_seconds": 0.05},
-        })  # fmt: skip
+        settings = BillingSettings.model_validate(
+            {
+                "role": "central",
+                "clusters": [
+                    {
+                        "name": "flaky",
+                        "url": f"http://127.0.0.1:{server.server_address[1]}",
+                        "token_env": "FLAKY",
+                    }
+                ],
+                "federation": {"attempts": 2, "backoff_seconds": 0.01, "interval_seconds": 0.05},
+            }
+        )
         _FlakyCluster.calls.clear()
         task = asyncio.create_task(Puller(ledger, settings, {"FLAKY": "flaky-token"}).run())
         await asyncio.sleep(0.6)

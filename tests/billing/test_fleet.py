@@ -38,23 +38,49 @@ def _now() -> None:
     NOW = time.time()
 
 
-def decision(model: str = "chat-small", at: float = NOW - 60, previous: int = 2,
-             desired: int = 3, **changes: Any) -> dict[str, Any]:  # fmt: skip
+def decision(
+    model: str = "chat-small",
+    at: float = NOW - 60,
+    previous: int = 2,
+    desired: int = 3,
+    **changes: Any,
+) -> dict[str, Any]:
     """One decision as the autoscaler spools it (its own ``to_json``), with ``changes``."""
     record = ScalingDecision(
-        decision_id=sample_id(at, "scale", model), model=model, decided_at=at, previous=previous,
-        current=previous, desired=desired, reasons="queue 12 > 10 for 35 s (>= 30 s): scale up",
-    ).to_json()  # fmt: skip
+        decision_id=sample_id(at, "scale", model),
+        model=model,
+        decided_at=at,
+        previous=previous,
+        current=previous,
+        desired=desired,
+        reasons="queue 12 > 10 for 35 s (>= 30 s): scale up",
+    ).to_json()
     return {**record, **changes}
 
 
-def event(instance: str, kind: str, t: float, started_at: float, replica: str = "small-0",
-          model: str = "chat-small", gpus: str = "0") -> dict[str, Any]:  # fmt: skip
+def event(
+    instance: str,
+    kind: str,
+    t: float,
+    started_at: float,
+    replica: str = "small-0",
+    model: str = "chat-small",
+    gpus: str = "0",
+) -> dict[str, Any]:
     """An instance event as its sidecar writes it."""
     return InstanceEvent(
-        event_id=f"ev-{next(_ids)}", instance=instance, replica=replica, model=model, event=kind,
-        timestamp=t, started_at=started_at, node="node-b", gpu_model="L40S", gpu_count=1, gpus=gpus,
-    ).to_json()  # fmt: skip
+        event_id=f"ev-{next(_ids)}",
+        instance=instance,
+        replica=replica,
+        model=model,
+        event=kind,
+        timestamp=t,
+        started_at=started_at,
+        node="node-b",
+        gpu_model="L40S",
+        gpu_count=1,
+        gpus=gpus,
+    ).to_json()
 
 
 @pytest.fixture
@@ -111,9 +137,19 @@ def test_a_resent_decision_is_kept_once(ledger):
 
 def test_a_group_live_but_not_configured_is_listed_after_the_configured_ones(config):
     """An instance of a group the configuration no longer lists is shown, with 0 configured."""
-    live = [{"instance": "vllm-old-1", "replica": "old", "model": "chat-small", "node": "n",
-             "gpu_model": "L40S", "gpu_count": 1, "gpus": "", "started_at": NOW - 9,
-             "last_seen": NOW}]  # fmt: skip
+    live = [
+        {
+            "instance": "vllm-old-1",
+            "replica": "old",
+            "model": "chat-small",
+            "node": "n",
+            "gpu_model": "L40S",
+            "gpu_count": 1,
+            "gpus": "",
+            "started_at": NOW - 9,
+            "last_seen": NOW,
+        }
+    ]
     view = fleet_view(config, live, [], [], (NOW - 60, NOW, False), NOW)
     assert [(g.replica, g.configured, g.live) for g in view.groups] == [
         ("large-0", 1, 0),
@@ -147,16 +183,25 @@ async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
     events = [event("small-0", "heartbeat", NOW - 5, NOW - 3000)]
     for n, started in ((1, NOW - 900), (2, NOW - 600), (3, NOW - 300)):
         name = f"vllm-small-0-{n}"
-        events += [event(name, "start", started, started, gpus=f"{n + 1}"),
-                   event(name, "heartbeat", NOW - 10, started, gpus=f"{n + 1}")]  # fmt: skip
-    events += [event("vllm-small-0-0", "start", NOW - 2000, NOW - 2000),
-               event("vllm-small-0-0", "stop", NOW - 1000, NOW - 2000)]  # fmt: skip
+        events += [
+            event(name, "start", started, started, gpus=f"{n + 1}"),
+            event(name, "heartbeat", NOW - 10, started, gpus=f"{n + 1}"),
+        ]
+    events += [
+        event("vllm-small-0-0", "start", NOW - 2000, NOW - 2000),
+        event("vllm-small-0-0", "stop", NOW - 1000, NOW - 2000),
+    ]
     decisions = [
-        decision(at=NOW - 86_400 - 60, model="chat-large", previous=1, desired=2,
-                 reasons="raised to min_replicas 2"),
+        decision(
+            at=NOW - 86_400 - 60,
+            model="chat-large",
+            previous=1,
+            desired=2,
+            reasons="raised to min_replicas 2",
+        ),
         decision(at=NOW - 1000, previous=2, desired=3),
         decision(at=NOW - 950, previous=3, desired=5, reasons="previous days needed 5 replica(s)"),
-    ]  # fmt: skip
+    ]
     for kind, records in (("instances", events), ("scaling_decisions", decisions)):
         result = ledger.ingest(batch(kind, records))
         assert (result.accepted, result.rejected) == (len(records), [])
@@ -186,8 +231,11 @@ async def test_the_fleet_answers_each_groups_live_instances_and_each_models_last
     assert (large["live"], large["desired"]) == (0, 2)  # decided yesterday: still its latest word
     groups = {g["replica"]: g for g in body["groups"]}
     assert [i["instance"] for i in groups["small-0"]["instances"]] == [
-        "small-0", "vllm-small-0-1", "vllm-small-0-2", "vllm-small-0-3",
-    ]  # fmt: skip
+        "small-0",
+        "vllm-small-0-1",
+        "vllm-small-0-2",
+        "vllm-small-0-3",
+    ]
     assert groups["small-0"]["live"] == 4
     assert groups["small-0"]["instances"][1]["gpus"] == ["2"]
     assert (groups["small-1"]["configured"], groups["small-1"]["live"]) == (1, 0)
@@ -210,8 +258,9 @@ async def test_recent_decisions_are_those_of_the_range_newest_first_and_bounded(
     assert "to > from" in backwards.json()["error"]["message"]
 
 
-@pytest.mark.parametrize(("key", "status"), [(None, 401), (SEARCH, 403), (INGEST, 403),
-                                             (METRICS, 200), (ADMIN, 200)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("key", "status"), [(None, 401), (SEARCH, 403), (INGEST, 403), (METRICS, 200), (ADMIN, 200)]
+)
 async def test_only_the_admin_and_metrics_tokens_read_the_fleet(billing, key, status):
     """The fleet spans every team: a team key and the ingest token may not read it."""
     async with httpx.AsyncClient(base_url=billing, headers=bearer(key) if key else {}) as client:
@@ -222,8 +271,11 @@ async def test_decisions_shipped_over_http_reach_the_fleet(billing):
     """A decision POSTed to the ingest route as shippers send it is the model's latest at once."""
     record = decision(at=time.time() - 1, model="chat-large", previous=2, desired=3)
     async with httpx.AsyncClient(base_url=billing) as client:
-        sent = await client.post("/v1/ingest/scaling_decisions", content=ndjson([record]),
-                                 headers={**bearer(INGEST), "content-type": "application/x-ndjson"})  # fmt: skip
+        sent = await client.post(
+            "/v1/ingest/scaling_decisions",
+            content=ndjson([record]),
+            headers={**bearer(INGEST), "content-type": "application/x-ndjson"},
+        )
         body = (await client.get("/v1/fleet", headers=bearer(ADMIN))).json()
     assert sent.json()["accepted"] == 1
     large = next(m for m in body["models"] if m["model"] == "chat-large")

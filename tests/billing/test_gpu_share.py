@@ -17,9 +17,11 @@ def test_a_samples_share_of_the_board_is_the_gpu_time_it_counts(ledger: Ledger) 
     result = ledger.ingest(batch("gpu_samples", mig + pod_a + pod_b), now=NOW)
     assert result.accepted == 3 * 360
     with ledger.reader() as cur:
-        rows = dict(cur.execute(
-            "SELECT replica || ':' || (slot >= 0), sum(gpu_seconds) FROM gpu_slots GROUP BY ALL"
-        ).fetchall())  # fmt: skip
+        rows = dict(
+            cur.execute(
+                "SELECT replica || ':' || (slot >= 0), sum(gpu_seconds) FROM gpu_slots GROUP BY ALL"
+            ).fetchall()
+        )
         sums = cur.execute(
             "SELECT sum(gpu_seconds), sum(utilization_seconds) / sum(gpu_seconds) FROM gpu_slots"
         ).fetchone()

@@ -24,8 +24,9 @@ class Recorder:
         return [ValueError(f"{i} refused") if i == "bad" else f"{i} kept" for i in items]
 
 
-def _submit_while_locked(group: GroupCommit[str, str], lock: threading.Lock,
-                         items: list[tuple[str, int]]) -> dict[str, str | BaseException]:  # fmt: skip
+def _submit_while_locked(
+    group: GroupCommit[str, str], lock: threading.Lock, items: list[tuple[str, int]]
+) -> dict[str, str | BaseException]:
     """Submit ``items`` from threads while ``lock`` is held, release it, and collect answers."""
     answers: dict[str, str | BaseException] = {}
 

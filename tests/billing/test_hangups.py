@@ -24,12 +24,18 @@ TAIL = (HUNG_UP_AT + 0.5, 0, 8)  # vLLM's 8 tokens before its abort took effect
 
 def hangup(**kw: Any) -> dict[str, Any]:
     """Assistant's request that its client left after 20 completion tokens."""
-    fields = {"status": "client_aborted", "completion_tokens": 20, "finish_reason": None,
-              "usage_exact": False} | kw  # fmt: skip
+    fields = {
+        "status": "client_aborted",
+        "completion_tokens": 20,
+        "finish_reason": None,
+        "usage_exact": False,
+    } | kw
     return usage("assistant", HUNG_UP_AT - 10.0, 10.0, **fields)
 
 
-def hour_one(ledger: Ledger, kept: list[dict[str, Any]], engine: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+def hour_one(
+    ledger: Ledger, kept: list[dict[str, Any]], engine: list[dict[str, Any]]
+) -> dict[str, Any]:
     """The ledger filled with ``kept`` and ``engine``; hour 1's reconciliation row."""
     fill(ledger, kept, engine)
     return row(ledger.reconciliation(OCT, OCT + 3 * HOUR), 1)
@@ -81,7 +87,9 @@ def test_the_tail_adds_tokens_not_money(ledger: Ledger, config: Config) -> None:
     assert line(without, "assistant")["completion_tokens"] == 20
 
 
-def test_another_record_in_the_interval_leaves_the_tail_unattributed(ledger: Ledger, config: Config) -> None:  # fmt: skip
+def test_another_record_in_the_interval_leaves_the_tail_unattributed(
+    ledger: Ledger, config: Config
+) -> None:
     """Search's request overlapping the interval could have made the tokens: none is assistant's."""
     overlapping = usage("search", OCT + HOUR + 230.0, 20.0)  # 01:03:50-01:04:10
     kept = [*requests(10, 1), hangup(), overlapping]
@@ -95,8 +103,13 @@ def test_another_record_in_the_interval_leaves_the_tail_unattributed(ledger: Led
 def test_an_engine_busy_with_another_request_leaves_the_tail_unattributed(ledger: Ledger) -> None:
     """The engine ran a request at the reading before the hang-up that left no record: not provable."""
     kept = [*requests(10, 1), hangup()]
-    busy = engine_samples(kept, OCT, OCT + 3 * HOUR, extra=[TAIL],
-                          running=lambda t: 1.0 if t == HUNG_UP_AT - 20.0 else 0.0)  # fmt: skip
+    busy = engine_samples(
+        kept,
+        OCT,
+        OCT + 3 * HOUR,
+        extra=[TAIL],
+        running=lambda t: 1.0 if t == HUNG_UP_AT - 20.0 else 0.0,
+    )
     one = hour_one(ledger, kept, busy)
     assert (one["hangup_tokens"], one["unattributed_tokens"]) == (0, 8)
 
@@ -105,8 +118,13 @@ def test_a_hang_up_of_two_choices_is_alone_with_itself(ledger: Ledger, config: C
     """n=2, running at the reading before: the engine's two running requests are its own choices."""
     two = hangup(received_at=HUNG_UP_AT - 30.0, first_token_at=HUNG_UP_AT - 29.9, choices=2)
     kept = [*requests(10, 1), two]
-    engine = engine_samples(kept, OCT, OCT + 3 * HOUR, extra=[TAIL],
-                            running=lambda t: 2.0 if t == HUNG_UP_AT - 20.0 else 0.0)  # fmt: skip
+    engine = engine_samples(
+        kept,
+        OCT,
+        OCT + 3 * HOUR,
+        extra=[TAIL],
+        running=lambda t: 2.0 if t == HUNG_UP_AT - 20.0 else 0.0,
+    )
     one = hour_one(ledger, kept, engine)
     assert (one["hangup_completion_tokens"], one["unattributed_tokens"]) == (8, 0)
     assert (
@@ -132,9 +150,15 @@ def test_tails_never_exceed_the_hours_positive_difference(ledger: Ledger) -> Non
 
 def test_the_query_and_the_statement_find_the_same_tails(ledger: Ledger) -> None:
     """The raw query (``GET /v1/query/reconciliation``) and the rollups give the same rows."""
-    kept = [*requests(10, 1), hangup(), hangup(received_at=OCT + HOUR + 1500.0,
-                                                first_token_at=OCT + HOUR + 1500.1,
-                                                finished_at=OCT + HOUR + 1510.0)]  # fmt: skip
+    kept = [
+        *requests(10, 1),
+        hangup(),
+        hangup(
+            received_at=OCT + HOUR + 1500.0,
+            first_token_at=OCT + HOUR + 1500.1,
+            finished_at=OCT + HOUR + 1510.0,
+        ),
+    ]
     tails = [TAIL, (OCT + HOUR + 1510.4, 0, 5)]
     fill(ledger, kept, engine_samples(kept, OCT, OCT + 3 * HOUR, extra=tails))
     first = int(OCT // HOUR)
@@ -148,9 +172,14 @@ def test_the_query_and_the_statement_find_the_same_tails(ledger: Ledger) -> None
 
 def test_only_hang_ups_are_examined(ledger: Ledger) -> None:
     """Thirty requests and one hang-up: one interval is examined; without hang-ups, none."""
-    kept = [*requests(30, 1), hangup(received_at=OCT + HOUR + 3700.0,
-                                     first_token_at=OCT + HOUR + 3700.1,
-                                     finished_at=OCT + HOUR + 3710.0)]  # fmt: skip
+    kept = [
+        *requests(30, 1),
+        hangup(
+            received_at=OCT + HOUR + 3700.0,
+            first_token_at=OCT + HOUR + 3700.1,
+            finished_at=OCT + HOUR + 3710.0,
+        ),
+    ]
     fill(ledger, kept, engine_samples(kept, OCT, OCT + 3 * HOUR))
     first = int(OCT // HOUR)
     with ledger.reader() as cur:

@@ -78,10 +78,14 @@ BAD: list[tuple[str, Any, str]] = [
     ("unknown key", dict(usage(), colour="red"), "unknown key(s): colour"),
     ("not an object", 42, "not a JSON object"),
     ("null where not allowed", dict(usage(), team=None), "team: must be a string"),
-    ("milliseconds", usage(start=OCT * 1000, finished_at=OCT * 1000 + 1), "timestamp in the future: finished_at"),
+    (
+        "milliseconds",
+        usage(start=OCT * 1000, finished_at=OCT * 1000 + 1),
+        "timestamp in the future: finished_at",
+    ),
     ("finish before start", usage(finished_at=OCT), "finished_at is before received_at"),
     ("unknown status", usage(status="great"), 'status: unknown value "great"'),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("case", "record", "reason"), BAD, ids=[b[0] for b in BAD])
@@ -198,9 +202,17 @@ def test_gpu_samples_without_energy_count_as_unmeasured(ledger):
 
 def test_engine_samples_are_kept(ledger):
     """Engine samples from the collector land in engine_samples."""
-    sample = {"sample_id": "e1", "replica": "small-0", "model": "chat-small", "timestamp": OCT + 5,
-              "requests_running": 3.0, "requests_waiting": 1.0, "kv_cache_usage": 0.2,
-              "prompt_tokens_total": 10.0, "generation_tokens_total": 20.0}  # fmt: skip
+    sample = {
+        "sample_id": "e1",
+        "replica": "small-0",
+        "model": "chat-small",
+        "timestamp": OCT + 5,
+        "requests_running": 3.0,
+        "requests_waiting": 1.0,
+        "kv_cache_usage": 0.2,
+        "prompt_tokens_total": 10.0,
+        "generation_tokens_total": 20.0,
+    }
     assert ledger.ingest(orjson.dumps({"engine_samples": [sample]}), now=NOW).accepted == 1
     assert _count(ledger, "engine_samples") == 1
 
@@ -329,9 +341,13 @@ def test_batches_waiting_for_the_writer_share_one_transaction(ledger):
     results: dict[int, Any] = {}
     with ledger._write_lock:
         threads = [
-            threading.Thread(target=lambda i=i: results.__setitem__(i, ledger.ingest_lines("usage", bodies[i], now=NOW)))
+            threading.Thread(
+                target=lambda i=i: results.__setitem__(
+                    i, ledger.ingest_lines("usage", bodies[i], now=NOW)
+                )
+            )
             for i in range(3)
-        ]  # fmt: skip
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 10

@@ -41,10 +41,18 @@ _ids = itertools.count()
 def event(instance: str, kind: str, t: float, started_at: float, **kw: Any) -> dict[str, Any]:
     """An instance event of group g, as the sidecar writes it."""
     record = InstanceEvent(
-        event_id=f"ev-{next(_ids)}", instance=instance, replica=kw.pop("replica", "g"),
-        model="chat-small", event=kind, timestamp=t, started_at=started_at, node="node-a",
-        gpu_model="L40S", gpu_count=1, gpus=f"GPU-{instance}",
-    ).to_json()  # fmt: skip
+        event_id=f"ev-{next(_ids)}",
+        instance=instance,
+        replica=kw.pop("replica", "g"),
+        model="chat-small",
+        event=kind,
+        timestamp=t,
+        started_at=started_at,
+        node="node-a",
+        gpu_model="L40S",
+        gpu_count=1,
+        gpus=f"GPU-{instance}",
+    ).to_json()
     record.update(kw)
     return record
 
@@ -80,16 +88,29 @@ def keep(ledger: Ledger, kind: str, records: list[dict[str, Any]]) -> None:
 @pytest.fixture
 def fleet(ledger: Ledger) -> Ledger:
     """Group g's three instances, their GPUs and their usage, in a real ledger."""
-    keep(ledger, "instances", [*lifetime("g-a", T0, T0 + 170, stop=True),
-                               *lifetime("g-b", T0 + 60, T0 + 230, stop=True),
-                               *lifetime("g-c", T0 + 60, T0 + 151, stop=False)])  # fmt: skip
-    keep(ledger, "gpu_samples", [*gpu("g-a", T0, 180), *gpu("g-b", T0 + 60, 180),
-                                 *gpu("g-c", T0 + 60, 180)])  # fmt: skip
-    keep(ledger, "usage", [
-        usage("search", T0, 60, replica="g", instance="g-a"),  # all of g-a's minute 0
-        usage("assistant", T0 + 60, 30, replica="g", instance="g-b"),  # half of g-b's minute 1
-        usage("search", T0 + 120, 60, replica="g", instance="g-c"),  # all of g-c's minute 2
-    ])  # fmt: skip
+    keep(
+        ledger,
+        "instances",
+        [
+            *lifetime("g-a", T0, T0 + 170, stop=True),
+            *lifetime("g-b", T0 + 60, T0 + 230, stop=True),
+            *lifetime("g-c", T0 + 60, T0 + 151, stop=False),
+        ],
+    )
+    keep(
+        ledger,
+        "gpu_samples",
+        [*gpu("g-a", T0, 180), *gpu("g-b", T0 + 60, 180), *gpu("g-c", T0 + 60, 180)],
+    )
+    keep(
+        ledger,
+        "usage",
+        [
+            usage("search", T0, 60, replica="g", instance="g-a"),  # all of g-a's minute 0
+            usage("assistant", T0 + 60, 30, replica="g", instance="g-b"),  # half of g-b's minute 1
+            usage("search", T0 + 120, 60, replica="g", instance="g-c"),  # all of g-c's minute 2
+        ],
+    )
     return ledger
 
 
@@ -130,8 +151,11 @@ def test_teams_and_idle_add_up_to_the_fleet_cost_to_the_cent(fleet, rule):
     """Every line of the month, in cents, adds up to the fleet's cost in cents."""
     p = policy(rule)
     if rule == "owner":
-        p = Policy(usd_per_gpu_hour=p.usd_per_gpu_hour, idle={"g": ("owner", "research")},
-                   replica_model=p.replica_model)  # fmt: skip
+        p = Policy(
+            usd_per_gpu_hour=p.usd_per_gpu_hour,
+            idle={"g": ("owner", "research")},
+            replica_model=p.replica_model,
+        )
     lines, fleet_microcents = fleet.allocate(p, MONTH)
     rounded = cents_lines(MONTH, lines)
     assert int(rounded["total_cents"].sum()) == cents(fleet_microcents) == 90
@@ -163,11 +187,13 @@ def test_time_before_an_instances_first_announcement_stays_its_own(ledger):
 def test_lifetimes_from_start_heartbeat_and_stop_and_from_heartbeats_alone(fleet):
     """A stopped instance ends at its stop; one that went silent is closed at its last heartbeat."""
     rows = {r["instance"]: r for r in fleet.lifetimes(now=T0 + 1000)}
-    assert {k: (r["started_at"], r["last_seen"], r["stopped_at"], r["state"]) for k, r in rows.items()} == {
+    assert {
+        k: (r["started_at"], r["last_seen"], r["stopped_at"], r["state"]) for k, r in rows.items()
+    } == {
         "g-a": (T0, T0 + 170, T0 + 170, "stopped"),
         "g-b": (T0 + 60, T0 + 230, T0 + 230, "stopped"),
         "g-c": (T0 + 60, T0 + 150, None, "lost"),
-    }  # fmt: skip
+    }
     assert (rows["g-c"]["node"], rows["g-c"]["gpus"], rows["g-c"]["replica"]) == (
         "node-a",
         "GPU-g-c",
@@ -188,8 +214,14 @@ def test_an_instance_is_live_until_it_misses_three_heartbeats(fleet):
 
 def test_a_pod_name_that_comes_back_is_a_new_lifetime(ledger):
     """A StatefulSet pod restarted under the same name: two lifetimes, each with its own start."""
-    keep(ledger, "instances", [*lifetime("g-0", T0, T0 + 100, stop=True),
-                               *lifetime("g-0", T0 + 200, T0 + 300, stop=True)])  # fmt: skip
+    keep(
+        ledger,
+        "instances",
+        [
+            *lifetime("g-0", T0, T0 + 100, stop=True),
+            *lifetime("g-0", T0 + 200, T0 + 300, stop=True),
+        ],
+    )
     rows = ledger.lifetimes(now=T0 + 1000)
     assert [(r["started_at"], r["stopped_at"]) for r in rows] == [
         (T0, T0 + 100),
@@ -211,9 +243,17 @@ def test_an_old_ledger_upgrades_and_keeps_its_statement(tmp_path):
     for r in usage_rows.iter_rows(named=True):
         con.execute(
             "INSERT INTO usage_slots VALUES (?, ?, ?, ?, ?, ?, 0, ?, 0, ?, 0, 0, 0, 0)",
-            [r["replica"], r["team"], r["model"], r["slot"], r["inflight_seconds"],
-             r["requests"], r["prompt_tokens"], r["completion_tokens"]],
-        )  # fmt: skip
+            [
+                r["replica"],
+                r["team"],
+                r["model"],
+                r["slot"],
+                r["inflight_seconds"],
+                r["requests"],
+                r["prompt_tokens"],
+                r["completion_tokens"],
+            ],
+        )
     con.execute(
         "INSERT INTO replica_slots SELECT replica, slot, sum(inflight_seconds) FROM usage_slots GROUP BY ALL"
     )
@@ -223,8 +263,9 @@ def test_an_old_ledger_upgrades_and_keeps_its_statement(tmp_path):
             [r["gpu_model"], r["replica"], r["slot"], r["gpu_seconds"], r["energy_joules"]],
         )
     con.close()
-    example = Policy(usd_per_gpu_hour={"H100": 6.0}, usd_per_kwh=0.20, pue=1.5,
-                     replica_model={"r1": "m"})  # fmt: skip
+    example = Policy(
+        usd_per_gpu_hour={"H100": 6.0}, usd_per_kwh=0.20, pue=1.5, replica_model={"r1": "m"}
+    )
     ledger = Ledger.open(path, ["search", "assistant"], {})
     try:
         lines, fleet_microcents = ledger.allocate(example, MONTH)
@@ -252,16 +293,37 @@ async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
     """The billing API over a ledger holding a live, a stopped and a lost instance (of now)."""
     now = time.time()
     url = "http://10.0.0.7:19400/engine/metrics"
-    ledger.ingest(batch("instances", [
-        event("g-live", "start", now - 100, now - 100, gpus="GPU-1,GPU-2", engine_metrics_url=url,
-              namespace="llm", pod_uid="uid-1"),
-        event("g-live", "heartbeat", now - 10, now - 100, gpus="GPU-1,GPU-2",
-              engine_metrics_url=url, namespace="llm", pod_uid="uid-1"),
-        event("g-stopped", "start", now - 900, now - 900),
-        event("g-stopped", "stop", now - 600, now - 900),
-        event("g-lost", "heartbeat", now - 500, now - 800),
-        event("h-live", "heartbeat", now - 5, now - 50, replica="h"),
-    ]))  # fmt: skip
+    ledger.ingest(
+        batch(
+            "instances",
+            [
+                event(
+                    "g-live",
+                    "start",
+                    now - 100,
+                    now - 100,
+                    gpus="GPU-1,GPU-2",
+                    engine_metrics_url=url,
+                    namespace="llm",
+                    pod_uid="uid-1",
+                ),
+                event(
+                    "g-live",
+                    "heartbeat",
+                    now - 10,
+                    now - 100,
+                    gpus="GPU-1,GPU-2",
+                    engine_metrics_url=url,
+                    namespace="llm",
+                    pod_uid="uid-1",
+                ),
+                event("g-stopped", "start", now - 900, now - 900),
+                event("g-stopped", "stop", now - 600, now - 900),
+                event("g-lost", "heartbeat", now - 500, now - 800),
+                event("h-live", "heartbeat", now - 5, now - 50, replica="h"),
+            ],
+        )
+    )
     async with serving(create_app(config, ledger), lifespan="off") as base:
         yield base
 
@@ -277,9 +339,21 @@ async def test_the_registry_lists_live_instances_by_default(billing):
     ]
     live = body["instances"][0]
     assert set(live) == {
-        "instance", "replica", "model", "node", "gpu_model", "gpu_count", "gpus", "namespace",
-        "pod_uid", "engine_metrics_url", "started_at", "last_seen", "stopped_at", "state",
-    }  # fmt: skip
+        "instance",
+        "replica",
+        "model",
+        "node",
+        "gpu_model",
+        "gpu_count",
+        "gpus",
+        "namespace",
+        "pod_uid",
+        "engine_metrics_url",
+        "started_at",
+        "last_seen",
+        "stopped_at",
+        "state",
+    }
     assert (live["gpus"], live["stopped_at"], live["namespace"], live["pod_uid"]) == (
         ["GPU-1", "GPU-2"],
         None,
@@ -302,8 +376,10 @@ async def test_the_registry_lists_every_lifetime_with_state_all(billing):
     assert bad.status_code == 422
 
 
-@pytest.mark.parametrize(("key", "status"), [(None, 401), ("wrong", 401), (SEARCH, 403),
-                                             (INGEST, 403), (METRICS, 200), (ADMIN, 200)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("key", "status"),
+    [(None, 401), ("wrong", 401), (SEARCH, 403), (INGEST, 403), (METRICS, 200), (ADMIN, 200)],
+)
 async def test_only_the_admin_and_metrics_tokens_read_the_registry(billing, key, status):
     """The registry spans the fleet: teams and the ingest token may not read it."""
     async with httpx.AsyncClient(base_url=billing, headers=bearer(key) if key else {}) as client:
@@ -321,12 +397,29 @@ async def test_metrics_count_live_instances_per_replica_group(billing):
 
 def test_pods_sharing_a_replica_id_each_have_their_own_minutes():
     """Three pods of one group, one busy all minute: one busy GPU-minute and two idle, not three busy."""
-    gpus = pl.DataFrame({"replica": ["g"] * 3, "instance": ["g-a", "g-b", "g-c"],
-                         "gpu_model": ["L40S"] * 3, "slot": [0] * 3, "gpu_seconds": [60.0] * 3,
-                         "energy_joules": [0.0] * 3})  # fmt: skip
-    busy = pl.DataFrame({"replica": ["g"], "instance": ["g-a"], "team": ["search"],
-                         "model": ["chat-small"], "slot": [0], "inflight_seconds": [60.0],
-                         "requests": [1], "prompt_tokens": [1], "completion_tokens": [1]})  # fmt: skip
+    gpus = pl.DataFrame(
+        {
+            "replica": ["g"] * 3,
+            "instance": ["g-a", "g-b", "g-c"],
+            "gpu_model": ["L40S"] * 3,
+            "slot": [0] * 3,
+            "gpu_seconds": [60.0] * 3,
+            "energy_joules": [0.0] * 3,
+        }
+    )
+    busy = pl.DataFrame(
+        {
+            "replica": ["g"],
+            "instance": ["g-a"],
+            "team": ["search"],
+            "model": ["chat-small"],
+            "slot": [0],
+            "inflight_seconds": [60.0],
+            "requests": [1],
+            "prompt_tokens": [1],
+            "completion_tokens": [1],
+        }
+    )
     lines, _ = allocate(busy, gpus, policy("platform"))
     assert by_team(lines) == {
         ("search", "chat-small"): (0.10, 0.0),
@@ -340,30 +433,59 @@ def test_a_line_split_by_instance_keeps_its_sign_and_an_error_line_stays_whole()
     from infermeter.statement import LINE_SCHEMA
 
     def line(for_month: str, model: str, compute: int, requests: int) -> dict[str, Any]:
-        return {"month": "2026-11", "for_month": for_month, "team": "search", "model": model,
-                "requests": requests, "prompt_tokens": 0, "completion_tokens": 0, "gpu_hours": 0.3,
-                "energy_kwh": 0.0, "compute_cents": compute, "energy_cents": 0, "idle_cents": 0,
-                "total_cents": compute}  # fmt: skip
+        return {
+            "month": "2026-11",
+            "for_month": for_month,
+            "team": "search",
+            "model": model,
+            "requests": requests,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "gpu_hours": 0.3,
+            "energy_kwh": 0.0,
+            "compute_cents": compute,
+            "energy_cents": 0,
+            "idle_cents": 0,
+            "total_cents": compute,
+        }
 
-    lines = pl.DataFrame([line("2026-11", "m", 10, 3), line("2026-10", "m", -7, -1),
-                          line("2026-11", "(error) no price", 0, 0)], schema=LINE_SCHEMA)  # fmt: skip
-    parts = pl.DataFrame({
-        "for_month": ["2026-11", "2026-11", "2026-10", "2026-10"], "team": ["search"] * 4,
-        "model": ["m"] * 4, "replica": ["g"] * 4, "instance": ["g-a", "g-b", "g-a", "g-b"],
-        "gpu_hours": [0.2, 0.1, 0.2, 0.1], "energy_kwh": [0.0] * 4,
-        "compute_microcents": [6_666_667, 3_333_333, 20_000_000, 10_000_000],
-        "energy_microcents": [0] * 4, "idle_microcents": [0] * 4,
-        "requests": [2, 1, 2, 1], "prompt_tokens": [0] * 4, "completion_tokens": [0] * 4,
-    })  # fmt: skip
+    lines = pl.DataFrame(
+        [
+            line("2026-11", "m", 10, 3),
+            line("2026-10", "m", -7, -1),
+            line("2026-11", "(error) no price", 0, 0),
+        ],
+        schema=LINE_SCHEMA,
+    )
+    parts = pl.DataFrame(
+        {
+            "for_month": ["2026-11", "2026-11", "2026-10", "2026-10"],
+            "team": ["search"] * 4,
+            "model": ["m"] * 4,
+            "replica": ["g"] * 4,
+            "instance": ["g-a", "g-b", "g-a", "g-b"],
+            "gpu_hours": [0.2, 0.1, 0.2, 0.1],
+            "energy_kwh": [0.0] * 4,
+            "compute_microcents": [6_666_667, 3_333_333, 20_000_000, 10_000_000],
+            "energy_microcents": [0] * 4,
+            "idle_microcents": [0] * 4,
+            "requests": [2, 1, 2, 1],
+            "prompt_tokens": [0] * 4,
+            "completion_tokens": [0] * 4,
+        }
+    )
     split = instance_lines(lines, parts)
-    rows = [(r["for_month"], r["instance"], r["compute_cents"], r["requests"])
-            for r in split.iter_rows(named=True)]  # fmt: skip
+    rows = [
+        (r["for_month"], r["instance"], r["compute_cents"], r["requests"])
+        for r in split.iter_rows(named=True)
+    ]
     assert rows == [
-        ("2026-11", "g-a", 7, 2), ("2026-11", "g-b", 3, 1),
+        ("2026-11", "g-a", 7, 2),
+        ("2026-11", "g-b", 3, 1),
         ("2026-10", "g-a", -5, -1),  # -4.67 and -2.33 cents; -0.67 and -0.33 requests
         ("2026-10", "g-b", -2, 0),
         ("2026-11", None, 0, 0),
-    ]  # fmt: skip
+    ]
     assert split["gpu_hours"].to_list()[:2] == pytest.approx([0.2, 0.1])
 
 
@@ -378,7 +500,7 @@ def test_a_billing_restart_does_not_read_the_fleet_as_lost(tmp_path, config):
         event("g-a", "start", now - 100, now - 100),
         event("g-a", "heartbeat", now - 70, now - 100),
     ]
-    assert first.ingest(batch("instances", events), now=now).accepted == 2  # fmt: skip
+    assert first.ingest(batch("instances", events), now=now).accepted == 2
     first.close()
     # Billing was down from now-70 to now: the heartbeat it last heard is 70 s old.
     second = Ledger.open(path, teams, {})

@@ -93,8 +93,16 @@ def _csv(rows: list[dict[str, Any]]) -> bytes:
 
 def focus_1_2_csv() -> bytes:
     """The same items with FOCUS 1.2's columns added (InvoiceId, BillingAccountType, ...)."""
-    rows = [r | {"InvoiceId": "inv-2026-10", "BillingAccountType": "Billing Account",
-                 "PricingCurrency": "USD", "SkuMeter": "GPU Hours"} for r in _rows()]  # fmt: skip
+    rows = [
+        r
+        | {
+            "InvoiceId": "inv-2026-10",
+            "BillingAccountType": "Billing Account",
+            "PricingCurrency": "USD",
+            "SkuMeter": "GPU Hours",
+        }
+        for r in _rows()
+    ]
     return _csv(rows)
 
 
@@ -115,21 +123,25 @@ def focus_1_3_parquet() -> bytes:
     provider in ServiceProviderName/HostProviderName (ProviderName deprecated, left out)."""
     rows = _rows()
     tags = [list(_tags(r["Tags"]).items()) for r in rows]
-    table = pa.table({
-        "BillingCurrency": pa.array([r["BillingCurrency"] for r in rows]),
-        "BilledCost": pa.array([Decimal(r["BilledCost"]) for r in rows], pa.decimal128(18, 6)),
-        "ChargePeriodStart": pa.array([_time(r["ChargePeriodStart"]) for r in rows],
-                                      pa.timestamp("us", "UTC")),
-        "ChargePeriodEnd": pa.array([_time(r["ChargePeriodEnd"]) for r in rows],
-                                    pa.timestamp("us", "UTC")),
-        "ChargeCategory": pa.array([r["ChargeCategory"] for r in rows]),
-        "ResourceId": pa.array([r["ResourceId"] for r in rows]),
-        "ServiceCategory": pa.array([r["ServiceCategory"] for r in rows]),
-        "ServiceProviderName": pa.array(["Cloud"] * len(rows)),
-        "HostProviderName": pa.array(["Cloud"] * len(rows)),
-        "AllocatedResourceId": pa.array([None] * len(rows), pa.string()),
-        "Tags": pa.array(tags, pa.map_(pa.string(), pa.string())),
-    })  # fmt: skip
+    table = pa.table(
+        {
+            "BillingCurrency": pa.array([r["BillingCurrency"] for r in rows]),
+            "BilledCost": pa.array([Decimal(r["BilledCost"]) for r in rows], pa.decimal128(18, 6)),
+            "ChargePeriodStart": pa.array(
+                [_time(r["ChargePeriodStart"]) for r in rows], pa.timestamp("us", "UTC")
+            ),
+            "ChargePeriodEnd": pa.array(
+                [_time(r["ChargePeriodEnd"]) for r in rows], pa.timestamp("us", "UTC")
+            ),
+            "ChargeCategory": pa.array([r["ChargeCategory"] for r in rows]),
+            "ResourceId": pa.array([r["ResourceId"] for r in rows]),
+            "ServiceCategory": pa.array([r["ServiceCategory"] for r in rows]),
+            "ServiceProviderName": pa.array(["Cloud"] * len(rows)),
+            "HostProviderName": pa.array(["Cloud"] * len(rows)),
+            "AllocatedResourceId": pa.array([None] * len(rows), pa.string()),
+            "Tags": pa.array(tags, pa.map_(pa.string(), pa.string())),
+        }
+    )
     return _parquet(table)
 
 
@@ -137,16 +149,20 @@ def focus_1_0_parquet_struct() -> bytes:
     """FOCUS 1.0 in Parquet the other way: float cost, ISO text times, Tags a struct."""
     rows = _rows()
     keys = ("infermeter-pool", "env", "team", "owner")
-    table = pa.table({
-        "BillingCurrency": [r["BillingCurrency"] for r in rows],
-        "BilledCost": pa.array([float(r["BilledCost"]) for r in rows], pa.float64()),
-        "ChargePeriodStart": [r["ChargePeriodStart"] for r in rows],
-        "ChargePeriodEnd": [r["ChargePeriodEnd"] for r in rows],
-        "ChargeCategory": [r["ChargeCategory"] for r in rows],
-        "ResourceId": [r["ResourceId"] for r in rows],
-        "Tags": pa.array([{k: _tags(r["Tags"]).get(k) for k in keys} for r in rows],
-                         pa.struct([(k, pa.string()) for k in keys])),
-    })  # fmt: skip
+    table = pa.table(
+        {
+            "BillingCurrency": [r["BillingCurrency"] for r in rows],
+            "BilledCost": pa.array([float(r["BilledCost"]) for r in rows], pa.float64()),
+            "ChargePeriodStart": [r["ChargePeriodStart"] for r in rows],
+            "ChargePeriodEnd": [r["ChargePeriodEnd"] for r in rows],
+            "ChargeCategory": [r["ChargeCategory"] for r in rows],
+            "ResourceId": [r["ResourceId"] for r in rows],
+            "Tags": pa.array(
+                [{k: _tags(r["Tags"]).get(k) for k in keys} for r in rows],
+                pa.struct([(k, pa.string()) for k in keys]),
+            ),
+        }
+    )
     return _parquet(table)
 
 
@@ -234,18 +250,43 @@ def test_a_resource_id_claims_an_item_whatever_its_tags(pools: list[NodePool]) -
     ("cost", "start", "end", "parts"),
     [
         # 36 hours, 24 in October: 10 cents x 2/3 = 6.67, x 1/3 = 3.33: 7 and 3.
-        ("0.10", "2026-10-31T00:00:00Z", "2026-11-01T12:00:00Z", [("2026-10", "0.07"), ("2026-11", "0.03")]),
+        (
+            "0.10",
+            "2026-10-31T00:00:00Z",
+            "2026-11-01T12:00:00Z",
+            [("2026-10", "0.07"), ("2026-11", "0.03")],
+        ),
         # A credit splits the same way, negative.
-        ("-0.10", "2026-10-31T00:00:00Z", "2026-11-01T12:00:00Z", [("2026-10", "-0.07"), ("2026-11", "-0.03")]),
+        (
+            "-0.10",
+            "2026-10-31T00:00:00Z",
+            "2026-11-01T12:00:00Z",
+            [("2026-10", "-0.07"), ("2026-11", "-0.03")],
+        ),
         # Sub-cent amounts split in their own last place: 0.0001 units, 1000 x 1/2 each.
-        ("0.1000", "2026-10-31T12:00:00Z", "2026-11-01T12:00:00Z", [("2026-10", "0.0500"), ("2026-11", "0.0500")]),
+        (
+            "0.1000",
+            "2026-10-31T12:00:00Z",
+            "2026-11-01T12:00:00Z",
+            [("2026-10", "0.0500"), ("2026-11", "0.0500")],
+        ),
         # Three months: Nov 30 d, plus a day each side (32 days): 100 cents x 1/32, 30/32, 1/32
         # = 3.125, 93.75, 3.125: floors 3 + 93 + 3 = 99, the cent to December's .75.
-        ("1.00", "2026-10-31T00:00:00Z", "2026-12-02T00:00:00Z", [("2026-10", "0.03"), ("2026-11", "0.94"), ("2026-12", "0.03")]),
+        (
+            "1.00",
+            "2026-10-31T00:00:00Z",
+            "2026-12-02T00:00:00Z",
+            [("2026-10", "0.03"), ("2026-11", "0.94"), ("2026-12", "0.03")],
+        ),
         # Equal remainders: the earlier month takes the cent (3 cents, 12 h each side).
-        ("0.03", "2026-10-31T12:00:00Z", "2026-11-01T12:00:00Z", [("2026-10", "0.02"), ("2026-11", "0.01")]),
+        (
+            "0.03",
+            "2026-10-31T12:00:00Z",
+            "2026-11-01T12:00:00Z",
+            [("2026-10", "0.02"), ("2026-11", "0.01")],
+        ),
     ],
-)  # fmt: skip
+)
 def test_an_item_spanning_months_is_split_by_its_seconds_exactly(
     cost: str, start: str, end: str, parts: list[tuple[str, str]]
 ) -> None:
@@ -265,20 +306,38 @@ def _bad(text: bytes, pools: list[NodePool], fmt: str = "csv", **kw: Any) -> str
 @pytest.mark.parametrize(
     ("old", "new", "message"),
     [
-        (b"2026-10-03T00:00:00Z,Usage,,H100 hours", b"yesterday,Usage,,H100 hours",
-         "invoice.csv: row 2, column ChargePeriodEnd: 'yesterday' is not an ISO 8601 date-time"),
-        (b",Purchase,,H100 commitment,1000.00,", b",Purchase,,H100 commitment,1,000.00,",
-         "invoice.csv: row 3: 20 fields, the header 19"),
-        (b",Credit,,SLA credit,-50.005,", b",Credit,,SLA credit,abc,",
-         "invoice.csv: row 4, column BilledCost: 'abc' is not a decimal number"),
-        (b",Credit,,SLA credit,", b",Refund,,SLA credit,",
-         "invoice.csv: row 4, column ChargeCategory: 'Refund' is not a FOCUS charge category"),
-        (b'"{""team"": ""ml""}"', b'"[1, 2]"',
-         "invoice.csv: row 2, column Tags: '[1, 2]' is not a JSON object"),
-        (b"2026-10-31T00:00:00Z,2026-11-01T12:00:00Z", b"2026-10-31T00:00:00Z,2026-10-30T12:00:00Z",
-         "invoice.csv: row 6, column ChargePeriodEnd: '2026-10-30T12:00:00Z' is before ChargePeriodStart"),
+        (
+            b"2026-10-03T00:00:00Z,Usage,,H100 hours",
+            b"yesterday,Usage,,H100 hours",
+            "invoice.csv: row 2, column ChargePeriodEnd: 'yesterday' is not an ISO 8601 date-time",
+        ),
+        (
+            b",Purchase,,H100 commitment,1000.00,",
+            b",Purchase,,H100 commitment,1,000.00,",
+            "invoice.csv: row 3: 20 fields, the header 19",
+        ),
+        (
+            b",Credit,,SLA credit,-50.005,",
+            b",Credit,,SLA credit,abc,",
+            "invoice.csv: row 4, column BilledCost: 'abc' is not a decimal number",
+        ),
+        (
+            b",Credit,,SLA credit,",
+            b",Refund,,SLA credit,",
+            "invoice.csv: row 4, column ChargeCategory: 'Refund' is not a FOCUS charge category",
+        ),
+        (
+            b'"{""team"": ""ml""}"',
+            b'"[1, 2]"',
+            "invoice.csv: row 2, column Tags: '[1, 2]' is not a JSON object",
+        ),
+        (
+            b"2026-10-31T00:00:00Z,2026-11-01T12:00:00Z",
+            b"2026-10-31T00:00:00Z,2026-10-30T12:00:00Z",
+            "invoice.csv: row 6, column ChargePeriodEnd: '2026-10-30T12:00:00Z' is before ChargePeriodStart",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_malformed_file_is_refused_naming_row_and_column(
     old: bytes, new: bytes, message: str, pools: list[NodePool]
 ) -> None:
@@ -358,8 +417,10 @@ def test_a_reissued_invoice_replaces_its_pools_and_marks_a_closed_month_dirty(
     # Re-issued: the egress row billed to h100 (its ResourceId), l40s items left out.
     reissued = b"\n".join(
         line for line in FOCUS_1_0_CSV.splitlines() if b"i-0l40s" not in line
-    ).replace(b"2026-10-02T00:00:00Z,Usage,,Egress,0.66,0.66,Cloud,Cloud,Cloud,,",
-              b"2026-10-02T00:00:00Z,Usage,,Egress,0.66,0.66,Cloud,Cloud,Cloud,i-0h100a,")  # fmt: skip
+    ).replace(
+        b"2026-10-02T00:00:00Z,Usage,,Egress,0.66,0.66,Cloud,Cloud,Cloud,,",
+        b"2026-10-02T00:00:00Z,Usage,,Egress,0.66,0.66,Cloud,Cloud,Cloud,i-0h100a,",
+    )
     stored = ledger.import_invoice(_invoice(pools, reissued, "oct-v2.csv"), now=300.0)
     # 1149.995 + 0.66 = 1150.655 USD: 115065.5 cents, half to even 115066.
     assert ledger.invoices("2026-10") == {"h100-reserved": 115066, "l40s-any": 400, "l40s-spot": 7}
@@ -367,7 +428,9 @@ def test_a_reissued_invoice_replaces_its_pools_and_marks_a_closed_month_dirty(
     assert stored.dirty_months == ("2026-10",)
     assert ledger.month_state("2026-10") == (True, True)
     assert [(i["source"], i["months"]) for i in ledger.invoice_imports()] == [
-        ("oct-v2.csv", ["2026-10"]), ("oct.csv", ["2026-10", "2026-11"])]  # fmt: skip
+        ("oct-v2.csv", ["2026-10"]),
+        ("oct.csv", ["2026-10", "2026-11"]),
+    ]
 
 
 def test_a_closed_month_the_same_file_leaves_alone_stays_clean(
@@ -407,8 +470,12 @@ def test_finance_imports_over_http_and_readers_list_it(service: Service) -> None
     the audit trail, and GET /v1/invoices?month= lists the month's rows."""
     url, tokens, _ = service
     with httpx.Client(base_url=url) as client:
-        answer = client.post("/v1/invoices", content=FOCUS_1_0_CSV, params={"source": "oct.csv"},
-                             headers=_bearer(tokens["finance"]) | {"content-type": "text/csv"})  # fmt: skip
+        answer = client.post(
+            "/v1/invoices",
+            content=FOCUS_1_0_CSV,
+            params={"source": "oct.csv"},
+            headers=_bearer(tokens["finance"]) | {"content-type": "text/csv"},
+        )
         listed = client.get(
             "/v1/invoices", params={"month": "2026-11"}, headers=_bearer(tokens["viewer"])
         )
@@ -418,12 +485,14 @@ def test_finance_imports_over_http_and_readers_list_it(service: Service) -> None
     assert answer.status_code == 200, answer.text
     body = answer.json()
     assert [(t["month"], t["pool"], t["billed_cents"]) for t in body["totals"]] == [
-        (t.month, t.pool, t.billed_cents) for t in EXPECTED]  # fmt: skip
+        (t.month, t.pool, t.billed_cents) for t in EXPECTED
+    ]
     assert body["unmatched"]["line_items"] == 2
     assert body["unmatched"]["billed_cents"] == 1300
     assert listed.status_code == 200
     assert [(r["pool"], r["billed_cents"], r["source"]) for r in listed.json()["invoices"]] == [
-        ("l40s-spot", 253, "oct.csv")]  # fmt: skip
+        ("l40s-spot", 253, "oct.csv")
+    ]
     events = [e for e in trail.json()["events"] if e["action"] == "invoice.imported"]
     assert events[-1]["actor_role"] == "finance"
     assert events[-1]["target"] == f"invoice:{body['sha256']}"
@@ -444,9 +513,13 @@ def test_only_the_admin_and_finance_import(
     """A viewer lists but may not import; a team may do neither; the admin may import (Parquet)."""
     url, tokens, _ = service
     with httpx.Client(base_url=url) as client:
-        answer = client.request(method, "/v1/invoices", content=focus_1_3_parquet() if method == "POST" else None,
-                                params={"format": "parquet"} if method == "POST" else None,
-                                headers=_bearer(tokens[caller]))  # fmt: skip
+        answer = client.request(
+            method,
+            "/v1/invoices",
+            content=focus_1_3_parquet() if method == "POST" else None,
+            params={"format": "parquet"} if method == "POST" else None,
+            headers=_bearer(tokens[caller]),
+        )
     assert answer.status_code == status, answer.text
 
 
@@ -455,8 +528,12 @@ def test_a_malformed_upload_is_a_400_naming_the_row_and_keeps_nothing(service: S
     url, _, ledger = service
     bad = FOCUS_1_0_CSV.replace(b"-50.005", b"lots")
     with httpx.Client(base_url=url) as client:
-        answer = client.post("/v1/invoices", content=bad, params={"source": "bad.csv"},
-                             headers=_bearer(ADMIN) | {"content-type": "text/csv"})  # fmt: skip
+        answer = client.post(
+            "/v1/invoices",
+            content=bad,
+            params={"source": "bad.csv"},
+            headers=_bearer(ADMIN) | {"content-type": "text/csv"},
+        )
     assert answer.status_code == 400
     assert answer.json()["error"]["message"] == (
         "bad.csv: row 4, column BilledCost: 'lots' is not a decimal number"
@@ -473,13 +550,34 @@ def test_the_command_imports_through_the_service_and_into_a_file(
     invoice = tmp_path / "nov.csv"
     invoice.write_bytes(FOCUS_1_0_CSV)
     env = os.environ | {"INFERMETER_ADMIN_TOKEN": ADMIN}
-    command = [sys.executable, "-m", "infermeter", "invoices", "import", str(invoice),
-               "--config", str(config_file)]  # fmt: skip
-    online = subprocess.run([*command, "--billing-url", url], capture_output=True, text=True,
-                            env=env, cwd=REPO, timeout=60, check=False)  # fmt: skip
-    offline = subprocess.run([*command, "--database", str(tmp_path / "ledger.duckdb")],
-                             capture_output=True, text=True, env=env, cwd=REPO, timeout=60,
-                             check=False)  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "infermeter",
+        "invoices",
+        "import",
+        str(invoice),
+        "--config",
+        str(config_file),
+    ]
+    online = subprocess.run(
+        [*command, "--billing-url", url],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+        check=False,
+    )
+    offline = subprocess.run(
+        [*command, "--database", str(tmp_path / "ledger.duckdb")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+        check=False,
+    )
     for done in (online, offline):
         assert done.returncode == 0, done.stderr
         assert "2026-10  h100-reserved                  1,150.00        4\n" in done.stdout

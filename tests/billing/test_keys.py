@@ -26,8 +26,11 @@ def bearer(key: str) -> dict[str, str]:
 async def billing(config: Config, tmp_path: Path) -> AsyncIterator[tuple[str, Ledger]]:
     """Billing on a ledger file, on a loopback port; the ledger beside its URL."""
     path = tmp_path / "ledger.duckdb"
-    ledger = Ledger.open(path, [t.name for t in config.teams],
-                         {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    ledger = Ledger.open(
+        path,
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
     try:
         async with serving(create_app(config, ledger), lifespan="off") as url:
             yield url, ledger
@@ -54,8 +57,9 @@ async def test_an_issued_key_is_shown_once_and_only_its_digest_is_kept(billing):
     """The secret is in the creating answer; the ledger file holds its SHA-256 and not the secret."""
     url, ledger = billing
     async with httpx.AsyncClient(base_url=url) as client:
-        made = await issue(client, ADMIN, team="search", member="ana", project="rag",
-                           reason="new service")  # fmt: skip
+        made = await issue(
+            client, ADMIN, team="search", member="ana", project="rag", reason="new service"
+        )
         assert made.status_code == 201, made.text
         body = made.json()
         secret = body["key"]
@@ -88,8 +92,9 @@ async def test_a_revoked_key_is_refused_at_once_and_the_change_is_audited(billin
     async with httpx.AsyncClient(base_url=url) as client:
         body = (await issue(client, ADMIN, team="search")).json()
         assert (await client.get("/v1/spend", headers=bearer(body["key"]))).status_code == 200
-        gone = await client.post(f"/v1/keys/{body['key_id']}/revoke", json={"reason": "leaked"},
-                                 headers=bearer(ADMIN))  # fmt: skip
+        gone = await client.post(
+            f"/v1/keys/{body['key_id']}/revoke", json={"reason": "leaked"}, headers=bearer(ADMIN)
+        )
         assert gone.status_code == 200
         assert gone.json()["revoked_at"] is not None
         refused = await client.get("/v1/spend", headers=bearer(body["key"]))
@@ -116,8 +121,13 @@ async def test_rotation_replaces_a_key_and_a_grace_period_keeps_the_old_one_brie
         assert (await client.get("/v1/spend", headers=bearer(fresh["key"]))).status_code == 200
         assert (await client.get("/v1/spend", headers=bearer(old["key"]))).status_code == 401
         graced = (await issue(client, ADMIN, team="research")).json()
-        later = (await client.post(f"/v1/keys/{graced['key_id']}/rotate",
-                                   json={"grace_seconds": 1.5}, headers=bearer(ADMIN))).json()  # fmt: skip
+        later = (
+            await client.post(
+                f"/v1/keys/{graced['key_id']}/rotate",
+                json={"grace_seconds": 1.5},
+                headers=bearer(ADMIN),
+            )
+        ).json()
         assert (await client.get("/v1/spend", headers=bearer(graced["key"]))).status_code == 200
         time.sleep(1.6)
         assert (await client.get("/v1/spend", headers=bearer(graced["key"]))).status_code == 401

@@ -28,10 +28,18 @@ _ids = itertools.count()
 def event(instance: str, kind: str, t: float, started_at: float, **kw: Any) -> dict[str, Any]:
     """An instance event of group g, as the sidecar writes it (ids sort by time, as its do)."""
     record = InstanceEvent(
-        event_id=f"{round(t * 1000):013d}/{instance}/{kind}/{next(_ids)}", instance=instance,
-        replica="g", model="chat-small", event=kind, timestamp=t, started_at=started_at,
-        node="node-a", gpu_model="L40S", gpu_count=1, gpus=f"GPU-{instance}",
-    ).to_json()  # fmt: skip
+        event_id=f"{round(t * 1000):013d}/{instance}/{kind}/{next(_ids)}",
+        instance=instance,
+        replica="g",
+        model="chat-small",
+        event=kind,
+        timestamp=t,
+        started_at=started_at,
+        node="node-a",
+        gpu_model="L40S",
+        gpu_count=1,
+        gpus=f"GPU-{instance}",
+    ).to_json()
     record.update(kw)
     return record
 
@@ -51,12 +59,20 @@ def gpu(instance: str, start: float, seconds: float, every: float = 10.0) -> lis
 def engine(instance: str, t: float) -> dict[str, Any]:
     """One reading of ``instance``'s engine at ``t``."""
     return EngineSample(
-        sample_id=f"{round(t * 1000):013d}/eng/{instance}/{next(_ids)}", replica="g",
-        model="chat-small", timestamp=t, requests_running=0.0, requests_waiting=0.0,
-        kv_cache_usage=0.0, prompt_tokens_total=0.0, generation_tokens_total=0.0,
-        prefix_cache_queries_total=0.0, prefix_cache_hits_total=0.0, preemptions_total=0.0,
+        sample_id=f"{round(t * 1000):013d}/eng/{instance}/{next(_ids)}",
+        replica="g",
+        model="chat-small",
+        timestamp=t,
+        requests_running=0.0,
+        requests_waiting=0.0,
+        kv_cache_usage=0.0,
+        prompt_tokens_total=0.0,
+        generation_tokens_total=0.0,
+        prefix_cache_queries_total=0.0,
+        prefix_cache_hits_total=0.0,
+        preemptions_total=0.0,
         instance=instance,
-    ).to_json()  # fmt: skip
+    ).to_json()
 
 
 def keep(ledger: Ledger, kind: str, records: list[dict[str, Any]], now: float = T0 + DAY) -> int:
@@ -86,8 +102,11 @@ def table(ledger: Ledger) -> list[tuple[Any, ...]]:
 
 def ends(ledger: Ledger) -> dict[str, float]:
     """Each lifetime's end (instance, or instance@start when a name has several), by the rule."""
-    found = rows(ledger, f"SELECT instance, started_at, {ended_sql(ledger.heartbeat_seconds)} "
-                         "FROM lifetimes ORDER BY ALL")  # fmt: skip
+    found = rows(
+        ledger,
+        f"SELECT instance, started_at, {ended_sql(ledger.heartbeat_seconds)} "
+        "FROM lifetimes ORDER BY ALL",
+    )
     names = [i for i, _, _ in found]
     return {(i if names.count(i) == 1 else f"{i}@{s - T0:g}"): e - T0 for i, s, e in found}
 
@@ -97,8 +116,11 @@ def ends(ledger: Ledger) -> dict[str, float]:
 
 def test_a_day_of_heartbeats_is_one_row_per_lifetime_and_a_week_later_only_start_and_stop(ledger):
     """2,881 events of one pod make one lifetime row; heartbeats leave the raw table after a week."""
-    sent = [event("g-a", "start", T0, T0), *beats("g-a", T0, T0 + DAY - 1),
-            event("g-a", "stop", T0 + DAY, T0)]  # fmt: skip
+    sent = [
+        event("g-a", "start", T0, T0),
+        *beats("g-a", T0, T0 + DAY - 1),
+        event("g-a", "stop", T0 + DAY, T0),
+    ]
     for chunk in range(0, len(sent), 500):  # as a shipper sends them: batch after batch
         keep(ledger, "instances", sent[chunk : chunk + 500], now=T0 + DAY)
     assert len(sent) == 2_881
@@ -110,13 +132,20 @@ def test_a_day_of_heartbeats_is_one_row_per_lifetime_and_a_week_later_only_start
     # A week on, another pod's heartbeat arrives: the old heartbeats are pruned at once.
     later = T0 + DAY + HEARTBEAT_RETENTION_SECONDS + 3600
     keep(ledger, "instances", [event("g-b", "heartbeat", later, later - 30)], now=later)
-    assert rows(ledger, "SELECT event, count(*) FROM instance_events GROUP BY ALL ORDER BY ALL") == [
-        ("heartbeat", 1), ("start", 1), ("stop", 1),
-    ]  # fmt: skip
-    assert [(r["instance"], r["started_at"], r["last_seen"], r["stopped_at"], r["state"])
-            for r in ledger.lifetimes(now=later)] == [
-        ("g-a", T0, T0 + DAY, T0 + DAY, "stopped"), ("g-b", later - 30, later, None, "live"),
-    ]  # fmt: skip
+    assert rows(
+        ledger, "SELECT event, count(*) FROM instance_events GROUP BY ALL ORDER BY ALL"
+    ) == [
+        ("heartbeat", 1),
+        ("start", 1),
+        ("stop", 1),
+    ]
+    assert [
+        (r["instance"], r["started_at"], r["last_seen"], r["stopped_at"], r["state"])
+        for r in ledger.lifetimes(now=later)
+    ] == [
+        ("g-a", T0, T0 + DAY, T0 + DAY, "stopped"),
+        ("g-b", later - 30, later, None, "live"),
+    ]
     assert rows(ledger, "SELECT heartbeats FROM lifetimes WHERE instance = 'g-a'") == [(2_879,)]
 
 
@@ -135,8 +164,12 @@ def test_a_heartbeat_already_past_its_retention_is_folded_but_not_kept_raw(ledge
 
 def test_a_resent_batch_changes_nothing(ledger):
     """The same events again, before and after their heartbeats are pruned: the same table."""
-    sent = [event("g-a", "start", T0, T0), *beats("g-a", T0, T0 + 600),
-            event("g-b", "start", T0 + 60, T0 + 60), *beats("g-b", T0 + 60, T0 + 300)]  # fmt: skip
+    sent = [
+        event("g-a", "start", T0, T0),
+        *beats("g-a", T0, T0 + 600),
+        event("g-b", "start", T0 + 60, T0 + 60),
+        *beats("g-b", T0 + 60, T0 + 300),
+    ]
     keep(ledger, "instances", sent)
     kept = table(ledger)
     again = ledger.ingest(batch("instances", sent), now=T0 + DAY)
@@ -187,11 +220,19 @@ def test_events_and_samples_in_any_order_and_batches_give_the_same_lifetimes(tmp
         finally:
             led.close()
 
-    in_order = ingest(tmp_path / "in-order.duckdb", [("instances", events), ("gpu_samples", samples),
-                                                     ("engine_samples", engines)])  # fmt: skip
-    mixed = [(k, part) for k, records in (("instances", events), ("gpu_samples", samples),
-                                          ("engine_samples", engines))
-             for part in shuffled_in_batches(records, seed)]  # fmt: skip
+    in_order = ingest(
+        tmp_path / "in-order.duckdb",
+        [("instances", events), ("gpu_samples", samples), ("engine_samples", engines)],
+    )
+    mixed = [
+        (k, part)
+        for k, records in (
+            ("instances", events),
+            ("gpu_samples", samples),
+            ("engine_samples", engines),
+        )
+        for part in shuffled_in_batches(records, seed)
+    ]
     random.Random(seed).shuffle(mixed)  # samples before the events they belong to, too
     assert ingest(tmp_path / "mixed.duckdb", mixed) == in_order
     first = next(r for r in in_order if r[0] == "g-a")
@@ -217,8 +258,10 @@ def test_the_registry_answers_what_the_raw_events_said(ledger, seed):
         for _ in range(rng.randint(1, 3)):  # lifetimes of one pod name, one after the other
             last = start + rng.uniform(30, 900)
             url = f"http://10.0.0.{pod}:{rng.randint(1000, 9999)}/engine/metrics"
-            beats_ = [{**b, "timestamp": b["timestamp"] + rng.uniform(0, 1)}
-                      for b in beats(f"g-{pod}", start, last)]  # fmt: skip
+            beats_ = [
+                {**b, "timestamp": b["timestamp"] + rng.uniform(0, 1)}
+                for b in beats(f"g-{pod}", start, last)
+            ]
             if beats_ and rng.random() < 0.5:
                 beats_[-1]["engine_metrics_url"] = url  # learned late
             events += [event(f"g-{pod}", "start", start, start), *beats_]
@@ -228,8 +271,18 @@ def test_the_registry_answers_what_the_raw_events_said(ledger, seed):
     for part in shuffled_in_batches(events, seed):
         ledger.ingest(batch("instances", part), now=T0 + DAY)
     now = T0 + rng.uniform(300, 3000)
-    answer = [(r["instance"], r["started_at"], r["replica"], r["node"], r["engine_metrics_url"],
-               r["last_seen"], r["stopped_at"]) for r in ledger.lifetimes(now=now)]  # fmt: skip
+    answer = [
+        (
+            r["instance"],
+            r["started_at"],
+            r["replica"],
+            r["node"],
+            r["engine_metrics_url"],
+            r["last_seen"],
+            r["stopped_at"],
+        )
+        for r in ledger.lifetimes(now=now)
+    ]
     assert sorted(answer) == rows(ledger, _BEFORE)
     live = {(r["instance"], r["started_at"]) for r in ledger.lifetimes(now=now, state="live")}
     assert live == {
@@ -266,8 +319,15 @@ def test_a_stop_is_the_end_whatever_the_samples_say(ledger):
     """A stopped lifetime ends at its stop, samples after it (a stale label) or not."""
     keep(ledger, "gpu_samples", gpu("g-a", T0, 600))
     keep(ledger, "engine_samples", [engine("g-a", T0 + 300)])
-    keep(ledger, "instances", [event("g-a", "start", T0, T0), *beats("g-a", T0, T0 + 90),
-                               event("g-a", "stop", T0 + 100, T0)])  # fmt: skip
+    keep(
+        ledger,
+        "instances",
+        [
+            event("g-a", "start", T0, T0),
+            *beats("g-a", T0, T0 + 90),
+            event("g-a", "stop", T0 + 100, T0),
+        ],
+    )
     assert ends(ledger) == {"g-a": 100}
 
 
@@ -293,12 +353,18 @@ def test_a_pod_name_that_comes_back_does_not_lengthen_its_earlier_lifetime(ledge
 
 def test_allocation_gives_a_killed_pod_the_minute_it_still_held_its_gpu(ledger):
     """Last heartbeat at 1:50, GPU read to 2:10: minute 2 is the pod's idle, not unallocated."""
-    keep(ledger, "instances", [event("g-k", "start", T0 + 20, T0 + 20),
-                               *beats("g-k", T0 + 20, T0 + 110)])  # fmt: skip
+    keep(
+        ledger,
+        "instances",
+        [event("g-k", "start", T0 + 20, T0 + 20), *beats("g-k", T0 + 20, T0 + 110)],
+    )
     # Its board is read every 10 s until 2:10, then reported under its name until 7:00.
     keep(ledger, "gpu_samples", gpu("g-k", T0, 420))
-    policy = Policy(usd_per_gpu_hour={"L40S": 6.0}, idle={"g": ("platform", None)},
-                    replica_model={"g": "chat-small"})  # fmt: skip
+    policy = Policy(
+        usd_per_gpu_hour={"L40S": 6.0},
+        idle={"g": ("platform", None)},
+        replica_model={"g": "chat-small"},
+    )
     lines, _ = ledger.allocate(policy, "2026-10")
     idle = {m: uc / 10**8 for m, uc in lines.select("model", "idle_microcents").iter_rows()}
     # $0.10 a GPU-minute. The pod ended at 2:10 (the cap, 1:50 + 30 s, is not reached): minutes
@@ -317,9 +383,12 @@ def old_ledger(path: Path) -> None:
         con.execute(migration)
         con.execute("INSERT INTO schema_version VALUES (?, 0)", [version])
     for kind in KINDS.values():  # the fields version 6 had by the time it was opened
-        columns = [r[0] for r in con.execute(
-            "SELECT column_name FROM duckdb_columns() WHERE table_name = ?", [kind.table]
-        ).fetchall()]  # fmt: skip
+        columns = [
+            r[0]
+            for r in con.execute(
+                "SELECT column_name FROM duckdb_columns() WHERE table_name = ?", [kind.table]
+            ).fetchall()
+        ]
         for statement in new_field_sql(kind, columns):
             con.execute(statement)
     events = [
@@ -330,8 +399,11 @@ def old_ledger(path: Path) -> None:
         event("g-k", "heartbeat", T0 + 330, T0 + 60, engine_metrics_url="http://k/engine/metrics"),
     ]
     samples = [{**s, "gap": False, "xid_errors": 0} for s in gpu("g-k", T0 + 60, 290)]
-    for table_name, records in (("instance_events", events), ("gpu_samples", samples),
-                                ("engine_samples", [engine("g-k", T0 + 400)])):  # fmt: skip
+    for table_name, records in (
+        ("instance_events", events),
+        ("gpu_samples", samples),
+        ("engine_samples", [engine("g-k", T0 + 400)]),
+    ):
         frame = pl.DataFrame(records).with_columns(ingested_at=pl.lit(T0 + DAY))
         con.register("_rows", frame)
         con.execute(f"INSERT INTO {table_name} BY NAME SELECT * FROM _rows")
@@ -346,14 +418,24 @@ def test_an_old_ledgers_raw_heartbeats_become_lifetimes(tmp_path):
     ledger = Ledger.open(path, TEAMS, {})
     try:
         lives = ledger.lifetimes(now=T0 + DAY)
-        assert [(r["instance"], r["started_at"], r["last_seen"], r["stopped_at"], r["state"],
-                 r["engine_metrics_url"]) for r in lives] == [
+        assert [
+            (
+                r["instance"],
+                r["started_at"],
+                r["last_seen"],
+                r["stopped_at"],
+                r["state"],
+                r["engine_metrics_url"],
+            )
+            for r in lives
+        ] == [
             ("g-a", T0, T0 + 610, T0 + 610, "stopped", None),
             ("g-k", T0 + 60, T0 + 330, None, "lost", "http://k/engine/metrics"),
-        ]  # fmt: skip
+        ]
         assert rows(ledger, "SELECT instance, events, heartbeats FROM lifetimes ORDER BY 1") == [
-            ("g-a", 22, 20), ("g-k", 9, 9),
-        ]  # fmt: skip
+            ("g-a", 22, 20),
+            ("g-k", 9, 9),
+        ]
         assert ends(ledger) == {"g-a": 610, "g-k": 400}  # its engine answered at 6:40
     finally:
         ledger.close()

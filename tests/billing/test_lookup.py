@@ -26,10 +26,28 @@ def bearer(key: str) -> dict[str, str]:
 async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
     """The billing API with three records: two of search (one id shared), one of assistant."""
     records = [
-        usage("search", NOV + 60, request_id="req-a", response_id="chatcmpl-a", client_request_id="trace-1"),
-        usage("search", NOV + 120, request_id="req-b", response_id="cmpl-b", client_request_id="trace-1"),
-        usage("assistant", NOV + 180, request_id="req-c", response_id="chatcmpl-c", client_request_id="trace-2"),
-    ]  # fmt: skip
+        usage(
+            "search",
+            NOV + 60,
+            request_id="req-a",
+            response_id="chatcmpl-a",
+            client_request_id="trace-1",
+        ),
+        usage(
+            "search",
+            NOV + 120,
+            request_id="req-b",
+            response_id="cmpl-b",
+            client_request_id="trace-1",
+        ),
+        usage(
+            "assistant",
+            NOV + 180,
+            request_id="req-c",
+            response_id="chatcmpl-c",
+            client_request_id="trace-2",
+        ),
+    ]
     async with serving(create_app(config, ledger), lifespan="off") as url:
         async with httpx.AsyncClient(base_url=url, headers=bearer(INGEST)) as c:
             r = await c.post("/v1/ingest", content=batch("usage", records))
@@ -44,9 +62,13 @@ async def _find(url: str, key: str, **params: str | int) -> httpx.Response:
 
 @pytest.mark.parametrize(
     ("id_", "expected"),
-    [("req-a", ["req-a"]), ("chatcmpl-c", ["req-c"]), ("trace-1", ["req-b", "req-a"]),
-     ("nothing", [])],
-)  # fmt: skip
+    [
+        ("req-a", ["req-a"]),
+        ("chatcmpl-c", ["req-c"]),
+        ("trace-1", ["req-b", "req-a"]),
+        ("nothing", []),
+    ],
+)
 async def test_the_admin_finds_a_record_by_each_of_its_ids(billing, id_, expected):
     """The sidecar's id, vLLM's response id and the caller's id each find the record, newest first."""
     r = await _find(billing, ADMIN, id=id_)
@@ -58,7 +80,10 @@ async def test_a_record_comes_back_whole(billing):
     """The answer holds every field of the record as the ledger keeps it."""
     (record,) = (await _find(billing, ADMIN, id="cmpl-b")).json()["records"]
     assert (record["team"], record["response_id"], record["client_request_id"]) == (
-        "search", "cmpl-b", "trace-1")  # fmt: skip
+        "search",
+        "cmpl-b",
+        "trace-1",
+    )
     assert record["prompt_tokens"] == 100
 
 

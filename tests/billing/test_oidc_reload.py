@@ -77,8 +77,17 @@ def test_a_reload_maps_groups_anew(tmp_path: Path) -> None:
             app = create_app(config, ledger)
             port = free_port()
             with server_thread(serve(app, "127.0.0.1", port, lifespan="off"), "billing"):
-                token = jwt.encode({"alg": "RS256", "kid": "k1"}, {"iss": url, "aud": "dash",
-                                   "sub": "ana", "groups": ["ops"], "exp": 4_000_000_000}, KEY)  # fmt: skip
+                token = jwt.encode(
+                    {"alg": "RS256", "kid": "k1"},
+                    {
+                        "iss": url,
+                        "aud": "dash",
+                        "sub": "ana",
+                        "groups": ["ops"],
+                        "exp": 4_000_000_000,
+                    },
+                    KEY,
+                )
                 headers = {"authorization": f"Bearer {token}"}
                 audit = f"http://127.0.0.1:{port}/v1/audit"
                 assert httpx.get(audit, headers=headers).status_code == 403

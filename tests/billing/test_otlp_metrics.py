@@ -37,8 +37,13 @@ async def test_cost_per_team_and_model_month_to_date(ledger, config, monkeypatch
         monkeypatch.delenv(key)
     with OtlpHttpReceiver() as receiver:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
-        export = make_metrics_export(OtlpSettings("http/protobuf", 60.0), "infermeter-billing", "infermeter.billing",
-                                     {}, [CostExport(cache, clock=lambda: NOW).produce])  # fmt: skip
+        export = make_metrics_export(
+            OtlpSettings("http/protobuf", 60.0),
+            "infermeter-billing",
+            "infermeter.billing",
+            {},
+            [CostExport(cache, clock=lambda: NOW).produce],
+        )
         assert await export.export_once()
         points = receiver.latest()
         raw = receiver.metrics[-1].resource_metrics[0].scope_metrics[0].metrics[0]

@@ -37,31 +37,58 @@ def _book(**prices: Any) -> Prices:
 
 
 def _policy(prices: Prices, **kw: Any) -> Policy:
-    base: dict[str, Any] = {"usd_per_gpu_hour": dict(prices.usd_per_gpu_hour),
-                            "usd_per_kwh": prices.usd_per_kwh, "pue": prices.pue,
-                            "replica_model": {"r1": "m", "r2": "m"}, "book": price_book(prices)}  # fmt: skip
+    base: dict[str, Any] = {
+        "usd_per_gpu_hour": dict(prices.usd_per_gpu_hour),
+        "usd_per_kwh": prices.usd_per_kwh,
+        "pue": prices.pue,
+        "replica_model": {"r1": "m", "r2": "m"},
+        "book": price_book(prices),
+    }
     return Policy(**(base | kw))
 
 
-def _gpu(node: str, start_slot: int, minutes: int, replica: str = "r1", watts: float = 0.0,
-         gpu_model: str = "H100") -> list[dict[str, Any]]:  # fmt: skip
+def _gpu(
+    node: str,
+    start_slot: int,
+    minutes: int,
+    replica: str = "r1",
+    watts: float = 0.0,
+    gpu_model: str = "H100",
+) -> list[dict[str, Any]]:
     """One GPU of ``replica`` on ``node`` seen for ``minutes`` whole minutes from ``start_slot``."""
     return [
-        {"replica": replica, "instance": replica, "node": node, "gpu_model": gpu_model,
-         "slot": start_slot + i, "gpu_seconds": 60.0, "energy_joules": watts * 60.0}
+        {
+            "replica": replica,
+            "instance": replica,
+            "node": node,
+            "gpu_model": gpu_model,
+            "slot": start_slot + i,
+            "gpu_seconds": 60.0,
+            "energy_joules": watts * 60.0,
+        }
         for i in range(minutes)
-    ]  # fmt: skip
+    ]
 
 
-def _busy(team: str, start_slot: int, minutes: int, replica: str = "r1",
-          seconds: float = 60.0) -> list[dict[str, Any]]:  # fmt: skip
+def _busy(
+    team: str, start_slot: int, minutes: int, replica: str = "r1", seconds: float = 60.0
+) -> list[dict[str, Any]]:
     """``team`` with a request in flight on ``replica`` for ``seconds`` of each of ``minutes``."""
     return [
-        {"replica": replica, "instance": replica, "team": team, "model": "m",
-         "slot": start_slot + i, "inflight_seconds": seconds, "requests": 1 if i == 0 else 0,
-         "prompt_tokens": 0, "cached_prompt_tokens": 0, "completion_tokens": 0}
+        {
+            "replica": replica,
+            "instance": replica,
+            "team": team,
+            "model": "m",
+            "slot": start_slot + i,
+            "inflight_seconds": seconds,
+            "requests": 1 if i == 0 else 0,
+            "prompt_tokens": 0,
+            "cached_prompt_tokens": 0,
+            "completion_tokens": 0,
+        }
         for i in range(minutes)
-    ]  # fmt: skip
+    ]
 
 
 def _run(usage: list[dict[str, Any]], gpus: list[dict[str, Any]], policy: Policy) -> Allocation:
@@ -70,11 +97,21 @@ def _run(usage: list[dict[str, Any]], gpus: list[dict[str, Any]], policy: Policy
 
     con = duckdb.connect()
     try:
-        usage_frame = pl.DataFrame(usage, schema={
-            "replica": pl.String, "instance": pl.String, "team": pl.String, "model": pl.String,
-            "slot": pl.Int64, "inflight_seconds": pl.Float64, "requests": pl.Int64,
-            "prompt_tokens": pl.Int64, "cached_prompt_tokens": pl.Int64,
-            "completion_tokens": pl.Int64})  # fmt: skip
+        usage_frame = pl.DataFrame(
+            usage,
+            schema={
+                "replica": pl.String,
+                "instance": pl.String,
+                "team": pl.String,
+                "model": pl.String,
+                "slot": pl.Int64,
+                "inflight_seconds": pl.Float64,
+                "requests": pl.Int64,
+                "prompt_tokens": pl.Int64,
+                "cached_prompt_tokens": pl.Int64,
+                "completion_tokens": pl.Int64,
+            },
+        )
         con.register("usage_in", usage_frame)
         con.register("gpus_in", pl.DataFrame(gpus))
         queries = allocation_sql(policy, "usage_in", "gpus_in", period=(NOV, NOV_END))
@@ -102,9 +139,22 @@ def test_a_price_change_mid_month_splits_the_month_at_its_minute() -> None:
     search holds the GPU for an hour on 10 Nov (1 GPU-hour x $2.00 = 200 cents) and an hour on
     20 Nov (1 x $3.00 = 300 cents): 500 cents, no idle, no energy.
     """
-    prices = _book(pools=[{"name": "a100", "nodes": ["n1"], "prices": [
-        {"from": "2026-11-01", "category": "on_demand", "usd_per_gpu_hour": 2.0},
-        {"from": "2026-11-16T00:00:00Z", "category": "on_demand", "usd_per_gpu_hour": 3.0}]}])  # fmt: skip
+    prices = _book(
+        pools=[
+            {
+                "name": "a100",
+                "nodes": ["n1"],
+                "prices": [
+                    {"from": "2026-11-01", "category": "on_demand", "usd_per_gpu_hour": 2.0},
+                    {
+                        "from": "2026-11-16T00:00:00Z",
+                        "category": "on_demand",
+                        "usd_per_gpu_hour": 3.0,
+                    },
+                ],
+            }
+        ]
+    )
     gpus = _gpu("n1", _slot(10), 60) + _gpu("n1", _slot(20), 60)
     usage = _busy("search", _slot(10), 60) + _busy("search", _slot(20), 60)
     result = _run(usage, gpus, _policy(prices))
@@ -119,8 +169,15 @@ def test_a_price_change_mid_month_splits_the_month_at_its_minute() -> None:
 
 def test_a_node_in_no_pool_keeps_its_gpu_models_list_price() -> None:
     """Node n9 is in no pool: its H100 hour is at the list price, $4.00, in pool (default) H100."""
-    prices = _book(pools=[{"name": "a100", "nodes": ["n1"], "prices": [
-        {"from": "2026-11-01", "usd_per_gpu_hour": 2.0}]}])  # fmt: skip
+    prices = _book(
+        pools=[
+            {
+                "name": "a100",
+                "nodes": ["n1"],
+                "prices": [{"from": "2026-11-01", "usd_per_gpu_hour": 2.0}],
+            }
+        ]
+    )
     result = _run(_busy("search", _slot(3), 60), _gpu("n9", _slot(3), 60), _policy(prices))
     assert _cents_by_team(result) == {"search": 400}
     assert result.pools["pool"].to_list() == [default_pool("H100")]
@@ -128,11 +185,20 @@ def test_a_node_in_no_pool_keeps_its_gpu_models_list_price() -> None:
 
 def test_pools_match_by_name_pattern_first_listed_wins() -> None:
     """gke-spot-7 matches both the glob of pool spot and that of pool any: spot is listed first."""
-    prices = _book(pools=[
-        {"name": "spot", "node_pattern": "gke-spot-*", "prices": [
-            {"from": "2026-11-01", "category": "spot", "usd_per_gpu_hour": 0.9}]},
-        {"name": "any", "node_pattern": "gke-*", "prices": [
-            {"from": "2026-11-01", "usd_per_gpu_hour": 5.0}]}])  # fmt: skip
+    prices = _book(
+        pools=[
+            {
+                "name": "spot",
+                "node_pattern": "gke-spot-*",
+                "prices": [{"from": "2026-11-01", "category": "spot", "usd_per_gpu_hour": 0.9}],
+            },
+            {
+                "name": "any",
+                "node_pattern": "gke-*",
+                "prices": [{"from": "2026-11-01", "usd_per_gpu_hour": 5.0}],
+            },
+        ]
+    )
     book = price_book(prices)
     assert book.pool_of("gke-spot-7") == "spot"
     assert book.pool_of("gke-ondemand-1") == "any"
@@ -141,8 +207,15 @@ def test_pools_match_by_name_pattern_first_listed_wins() -> None:
 
 def test_a_spot_pool_two_gpu_hours_at_ninety_cents() -> None:
     """Two GPUs of the spot pool, each an hour busy: 2 x $0.90 = 180 cents, category spot."""
-    prices = _book(pools=[{"name": "spot", "node_pattern": "spot-*", "prices": [
-        {"from": "2026-11-01", "category": "spot", "usd_per_gpu_hour": 0.9}]}])  # fmt: skip
+    prices = _book(
+        pools=[
+            {
+                "name": "spot",
+                "node_pattern": "spot-*",
+                "prices": [{"from": "2026-11-01", "category": "spot", "usd_per_gpu_hour": 0.9}],
+            }
+        ]
+    )
     gpus = _gpu("spot-1", _slot(5), 60) + _gpu("spot-2", _slot(5), 60, replica="r2")
     usage = _busy("search", _slot(5), 60) + _busy("search", _slot(5), 60, replica="r2")
     policy = _policy(prices)
@@ -159,14 +232,25 @@ def test_owned_hardware_amortised_over_36_months() -> None:
     730 hours, $1.232876... a GPU-hour. One hour busy: 123.29 cents of GPU time; its 1 kWh
     costs $0.10 x 1.2 = 12 cents. The team pays 123.29 + 12 = 135.29, 135 cents.
     """
-    entry = PoolPrice.model_validate({"from": "2026-11-01", "category": "owned",
-        "purchase_usd_per_gpu": 30000, "depreciation_months": 36, "salvage_usd_per_gpu": 3000,
-        "hosting_usd_per_gpu_month": 150})  # fmt: skip
+    entry = PoolPrice.model_validate(
+        {
+            "from": "2026-11-01",
+            "category": "owned",
+            "purchase_usd_per_gpu": 30000,
+            "depreciation_months": 36,
+            "salvage_usd_per_gpu": 3000,
+            "hosting_usd_per_gpu_month": 150,
+        }
+    )
     assert owned_rate(entry) == pytest.approx(900 / 730)
-    prices = _book(usd_per_kwh=0.10, pue=1.2, pools=[{"name": "rack", "nodes": ["r-1"],
-                   "prices": [entry.model_dump(by_alias=True)]}])  # fmt: skip
-    result = _run(_busy("search", _slot(7), 60), _gpu("r-1", _slot(7), 60, watts=1000.0),
-                  _policy(prices))  # fmt: skip
+    prices = _book(
+        usd_per_kwh=0.10,
+        pue=1.2,
+        pools=[{"name": "rack", "nodes": ["r-1"], "prices": [entry.model_dump(by_alias=True)]}],
+    )
+    result = _run(
+        _busy("search", _slot(7), 60), _gpu("r-1", _slot(7), 60, watts=1000.0), _policy(prices)
+    )
     assert _cents_by_team(result) == {"search": 135}
     lines = result.lines.filter(pl.col("team") == "search")
     assert int(lines["compute_microcents"].sum()) == round(900 / 730 * 10**8)
@@ -175,10 +259,19 @@ def test_owned_hardware_amortised_over_36_months() -> None:
 
 def test_a_pool_energy_price_replaces_the_books() -> None:
     """A cloud pool whose rate includes power: usd_per_kwh 0 there, while the book says $0.20."""
-    prices = _book(usd_per_kwh=0.20, pools=[{"name": "cloud", "nodes": ["c1"], "prices": [
-        {"from": "2026-11-01", "usd_per_gpu_hour": 3.0, "usd_per_kwh": 0.0}]}])  # fmt: skip
-    result = _run(_busy("search", _slot(2), 60), _gpu("c1", _slot(2), 60, watts=700.0),
-                  _policy(prices))  # fmt: skip
+    prices = _book(
+        usd_per_kwh=0.20,
+        pools=[
+            {
+                "name": "cloud",
+                "nodes": ["c1"],
+                "prices": [{"from": "2026-11-01", "usd_per_gpu_hour": 3.0, "usd_per_kwh": 0.0}],
+            }
+        ],
+    )
+    result = _run(
+        _busy("search", _slot(2), 60), _gpu("c1", _slot(2), 60, watts=700.0), _policy(prices)
+    )
     assert _cents_by_team(result) == {"search": 300}
 
 
@@ -189,9 +282,22 @@ def test_a_committed_pool_half_used_pays_the_unused_half_as_its_own_line() -> No
     line. The other 2 committed GPU-hours ran nowhere: 300 cents of unused commitment, the
     platform's, as its own line. Utilisation 50 %; the month's committed amount is paid whole.
     """
-    prices = _book(pools=[{"name": "cud", "node_pattern": "cud-*", "prices": [
-        {"from": "2026-11-30T22:00:00Z", "category": "committed", "usd_per_gpu_hour": 1.5,
-         "committed_gpus": 2}]}])  # fmt: skip
+    prices = _book(
+        pools=[
+            {
+                "name": "cud",
+                "node_pattern": "cud-*",
+                "prices": [
+                    {
+                        "from": "2026-11-30T22:00:00Z",
+                        "category": "committed",
+                        "usd_per_gpu_hour": 1.5,
+                        "committed_gpus": 2,
+                    }
+                ],
+            }
+        ]
+    )
     policy = _policy(prices)
     result = _run(_busy("search", _slot(30, 22), 120), _gpu("cud-1", _slot(30, 22), 120), policy)
     assert _cents_by_team(result) == {"search": 300, "platform": 300}
@@ -212,8 +318,15 @@ def test_an_invoice_seven_percent_above_list_scales_the_pool_to_the_cent() -> No
     0.75, assistant 0.25. Allocation basis: search 21.40 x 0.75 = 16.05 (1605 cents),
     assistant 21.40 x 0.25 = 5.35 (535 cents): 2140 cents, the invoice.
     """
-    prices = _book(pools=[{"name": "a100", "nodes": ["n1"], "prices": [
-        {"from": "2026-11-01", "usd_per_gpu_hour": 2.0}]}])  # fmt: skip
+    prices = _book(
+        pools=[
+            {
+                "name": "a100",
+                "nodes": ["n1"],
+                "prices": [{"from": "2026-11-01", "usd_per_gpu_hour": 2.0}],
+            }
+        ]
+    )
     policy = _policy(prices)
     usage = _busy("search", _slot(4), 360) + _busy("assistant", _slot(4) + 360, 120)
     gpus = _gpu("n1", _slot(4), 600)
@@ -235,16 +348,30 @@ def test_an_invoice_seven_percent_above_list_scales_the_pool_to_the_cent() -> No
 
 def test_an_invoice_for_a_pool_that_measured_nothing_is_the_platforms_line() -> None:
     """The invoice bills pool idle-pool ($50.00) where no GPU was seen: a platform line of 5000."""
-    prices = _book(pools=[{"name": "a100", "nodes": ["n1"], "prices": [
-        {"from": "2026-11-01", "usd_per_gpu_hour": 2.0}]},
-        {"name": "idle-pool", "nodes": ["n2"], "prices": [
-        {"from": "2026-11-01", "usd_per_gpu_hour": 2.0}]}])  # fmt: skip
+    prices = _book(
+        pools=[
+            {
+                "name": "a100",
+                "nodes": ["n1"],
+                "prices": [{"from": "2026-11-01", "usd_per_gpu_hour": 2.0}],
+            },
+            {
+                "name": "idle-pool",
+                "nodes": ["n2"],
+                "prices": [{"from": "2026-11-01", "usd_per_gpu_hour": 2.0}],
+            },
+        ]
+    )
     policy = _policy(prices)
     usage, gpus = _busy("search", _slot(4), 60), _gpu("n1", _slot(4), 60)
     listed = _run(usage, gpus, policy)
     invoices = {"idle-pool": 5000}
-    scaled = with_unmeasured(_run(usage, gpus, scaled_policy(policy, listed.pools,
-                             listed.commitments, invoices)), listed, invoices, "platform")  # fmt: skip
+    scaled = with_unmeasured(
+        _run(usage, gpus, scaled_policy(policy, listed.pools, listed.commitments, invoices)),
+        listed,
+        invoices,
+        "platform",
+    )
     assert _cents_by_team(scaled) == {"search": 200, "platform": 5000}
     line = scaled.lines.filter(pl.col("team") == "platform").row(0, named=True)
     assert line["model"] == f"{INVOICED_UNMEASURED} idle-pool"
@@ -252,9 +379,22 @@ def test_an_invoice_for_a_pool_that_measured_nothing_is_the_platforms_line() -> 
 
 def test_the_commitment_is_scaled_with_its_pool_on_the_allocation_basis() -> None:
     """The committed example ($6.00 at list) invoiced at $5.40: search and the unused half 270 each."""
-    prices = _book(pools=[{"name": "cud", "node_pattern": "cud-*", "prices": [
-        {"from": "2026-11-30T22:00:00Z", "category": "committed", "usd_per_gpu_hour": 1.5,
-         "committed_gpus": 2}]}])  # fmt: skip
+    prices = _book(
+        pools=[
+            {
+                "name": "cud",
+                "node_pattern": "cud-*",
+                "prices": [
+                    {
+                        "from": "2026-11-30T22:00:00Z",
+                        "category": "committed",
+                        "usd_per_gpu_hour": 1.5,
+                        "committed_gpus": 2,
+                    }
+                ],
+            }
+        ]
+    )
     policy = _policy(prices)
     usage, gpus = _busy("search", _slot(30, 22), 120), _gpu("cud-1", _slot(30, 22), 120)
     listed = _run(usage, gpus, policy)
@@ -266,26 +406,68 @@ def test_the_commitment_is_scaled_with_its_pool_on_the_allocation_basis() -> Non
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    busy=st.lists(st.tuples(st.sampled_from(["search", "assistant", "research"]),
-                            st.integers(0, 3), st.integers(1, 90), st.floats(1.0, 60.0)),
-                  min_size=1, max_size=6),
+    busy=st.lists(
+        st.tuples(
+            st.sampled_from(["search", "assistant", "research"]),
+            st.integers(0, 3),
+            st.integers(1, 90),
+            st.floats(1.0, 60.0),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
     rates=st.lists(st.floats(0.01, 9.0), min_size=3, max_size=3),
     committed=st.integers(1, 4),
-    invoice=st.dictionaries(st.sampled_from(["a", "b", "cud", "ghost"]), st.integers(0, 500_000),
-                            max_size=4),
-)  # fmt: skip
-def test_every_basis_adds_up_to_the_cent(busy: list[tuple[str, int, int, float]],
-                                         rates: list[float], committed: int,
-                                         invoice: dict[str, int]) -> None:  # fmt: skip
+    invoice=st.dictionaries(
+        st.sampled_from(["a", "b", "cud", "ghost"]), st.integers(0, 500_000), max_size=4
+    ),
+)
+def test_every_basis_adds_up_to_the_cent(
+    busy: list[tuple[str, int, int, float]],
+    rates: list[float],
+    committed: int,
+    invoice: dict[str, int],
+) -> None:
     """Any usage, prices and invoices: each basis's lines add up to its fleet cost, and on the
     allocation basis each invoiced pool that measured a cost comes to its invoice, to the cent."""
-    prices = _book(usd_per_kwh=0.13, pue=1.4, pools=[
-        {"name": "a", "nodes": ["n0"], "prices": [{"from": "2026-11-01", "usd_per_gpu_hour": rates[0]},
-                                                  {"from": "2026-11-30T23:00:00Z", "usd_per_gpu_hour": rates[1]}]},
-        {"name": "b", "nodes": ["n1"], "prices": [{"from": "2026-11-01", "category": "spot", "usd_per_gpu_hour": rates[2]}]},
-        {"name": "cud", "nodes": ["n2"], "prices": [{"from": "2026-11-30T22:00:00Z", "category": "committed",
-                                                     "usd_per_gpu_hour": rates[0], "committed_gpus": committed}]},
-        {"name": "ghost", "nodes": ["n9"], "prices": [{"from": "2026-11-01", "usd_per_gpu_hour": 1.0}]}])  # fmt: skip
+    prices = _book(
+        usd_per_kwh=0.13,
+        pue=1.4,
+        pools=[
+            {
+                "name": "a",
+                "nodes": ["n0"],
+                "prices": [
+                    {"from": "2026-11-01", "usd_per_gpu_hour": rates[0]},
+                    {"from": "2026-11-30T23:00:00Z", "usd_per_gpu_hour": rates[1]},
+                ],
+            },
+            {
+                "name": "b",
+                "nodes": ["n1"],
+                "prices": [
+                    {"from": "2026-11-01", "category": "spot", "usd_per_gpu_hour": rates[2]}
+                ],
+            },
+            {
+                "name": "cud",
+                "nodes": ["n2"],
+                "prices": [
+                    {
+                        "from": "2026-11-30T22:00:00Z",
+                        "category": "committed",
+                        "usd_per_gpu_hour": rates[0],
+                        "committed_gpus": committed,
+                    }
+                ],
+            },
+            {
+                "name": "ghost",
+                "nodes": ["n9"],
+                "prices": [{"from": "2026-11-01", "usd_per_gpu_hour": 1.0}],
+            },
+        ],
+    )
     policy = _policy(prices)
     start = _slot(30, 22)
     replicas = {0: "r1", 1: "r2", 2: "r3", 3: "r4"}
@@ -295,12 +477,19 @@ def test_every_basis_adds_up_to_the_cent(busy: list[tuple[str, int, int, float]]
         for i in range(4)
         for row in _gpu(nodes[i], start, 120, replica=replicas[i], watts=300.0)
     ]
-    usage = [row for team, i, minutes, secs in busy
-             for row in _busy(team, start, minutes, replica=replicas[i], seconds=secs)]  # fmt: skip
+    usage = [
+        row
+        for team, i, minutes, secs in busy
+        for row in _busy(team, start, minutes, replica=replicas[i], seconds=secs)
+    ]
     policy = replace(policy, replica_model=dict.fromkeys(replicas.values(), "m"))
     listed = _run(usage, gpus, policy)
-    scaled = with_unmeasured(_run(usage, gpus, scaled_policy(policy, listed.pools,
-                             listed.commitments, invoice)), listed, invoice, "platform")  # fmt: skip
+    scaled = with_unmeasured(
+        _run(usage, gpus, scaled_policy(policy, listed.pools, listed.commitments, invoice)),
+        listed,
+        invoice,
+        "platform",
+    )
     for result in (listed, scaled):
         lines = cents_lines("2026-11", merged(result.lines))
         assert int(lines["total_cents"].sum()) == cents(result.fleet_microcents)
@@ -327,17 +516,35 @@ _INVOICE_HEADER = (
 
 def _invoice(month_start: str, month_end: str, usd: str) -> bytes:
     """A FOCUS 1.0 file billing ``usd`` for instance i-lab over the month."""
-    return (_INVOICE_HEADER + f"acct,USD,{month_start},{month_end},{month_start},{month_end},Usage,,"
-            f"L40S hours,{usd},{usd},Cloud,Cloud,Cloud,i-lab,Compute,VMs,sku-l40s,\n").encode()  # fmt: skip
+    return (
+        _INVOICE_HEADER + f"acct,USD,{month_start},{month_end},{month_start},{month_end},Usage,,"
+        f"L40S hours,{usd},{usd},Cloud,Cloud,Cloud,i-lab,Compute,VMs,sku-l40s,\n"
+    ).encode()
 
 
 @pytest.fixture
 def lab_config(config: Any) -> Any:
     """The demo configuration with node-b in pool lab: $2.00 a GPU-hour, power included."""
-    prices = Prices.model_validate(config.prices.model_dump() | {"pools": [
-        {"name": "lab", "nodes": ["node-b"], "resource_ids": ["i-lab"], "prices": [
-            {"from": "2026-01-01", "category": "on_demand", "usd_per_gpu_hour": 2.0,
-             "usd_per_kwh": 0.0}]}]})  # fmt: skip
+    prices = Prices.model_validate(
+        config.prices.model_dump()
+        | {
+            "pools": [
+                {
+                    "name": "lab",
+                    "nodes": ["node-b"],
+                    "resource_ids": ["i-lab"],
+                    "prices": [
+                        {
+                            "from": "2026-01-01",
+                            "category": "on_demand",
+                            "usd_per_gpu_hour": 2.0,
+                            "usd_per_kwh": 0.0,
+                        }
+                    ],
+                }
+            ]
+        }
+    )
     return config.model_copy(update={"prices": prices})
 
 

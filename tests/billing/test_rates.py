@@ -11,15 +11,33 @@ from tests.billing.conftest import OCT, batch, gpu_samples, usage
 
 MODELS = ["chat-large", "chat-small"]
 # One L40S at $1.00 an hour, no energy price; chat-small is replica group small-0.
-POLICY = Policy(usd_per_gpu_hour={"L40S": 1.0}, prompt_weight=1.0, cached_prompt_weight=0.5,
-                completion_weight=2.0, replica_model={"small-0": "chat-small"})  # fmt: skip
+POLICY = Policy(
+    usd_per_gpu_hour={"L40S": 1.0},
+    prompt_weight=1.0,
+    cached_prompt_weight=0.5,
+    completion_weight=2.0,
+    replica_model={"small-0": "chat-small"},
+)
 
 
 def _hour(ledger: Ledger, start: float, prompt: int, cached: int, completion: int) -> None:
     """small-0's GPU for the hour from ``start`` and one record in it."""
-    ledger.ingest(batch("usage", [usage("search", start + 60, 10.0, prompt_tokens=prompt,
-                                        cached_prompt_tokens=cached,
-                                        completion_tokens=completion)]), now=start + 86400)  # fmt: skip
+    ledger.ingest(
+        batch(
+            "usage",
+            [
+                usage(
+                    "search",
+                    start + 60,
+                    10.0,
+                    prompt_tokens=prompt,
+                    cached_prompt_tokens=cached,
+                    completion_tokens=completion,
+                )
+            ],
+        ),
+        now=start + 86400,
+    )
     ledger.ingest(batch("gpu_samples", gpu_samples("small-0", start, 3600.0)), now=start + 86400)
 
 
@@ -31,8 +49,12 @@ def test_the_last_complete_hour_gives_the_rate(ledger: Ledger) -> None:
     small = body["models"]["chat-small"]
     assert small["usd_per_weighted_token"] == pytest.approx(0.001)
     assert (small["basis"], small["from"], small["until"]) == ("hour", OCT + 3600, OCT + 7200)
-    assert body["models"]["chat-large"] == {"usd_per_weighted_token": None, "basis": None,
-                                            "from": None, "until": None}  # fmt: skip
+    assert body["models"]["chat-large"] == {
+        "usd_per_weighted_token": None,
+        "basis": None,
+        "from": None,
+        "until": None,
+    }
 
 
 def test_an_hour_without_work_falls_back_to_the_month_so_far(ledger: Ledger) -> None:
@@ -67,9 +89,23 @@ def test_the_answer_is_kept_for_a_minute(ledger: Ledger) -> None:
 def test_gpu_time_naming_only_its_instance_counts_for_the_group_it_served(ledger: Ledger) -> None:
     """A pod's GPU samples without a group are the group's its records name: same $0.001."""
     start = OCT + 3600
-    ledger.ingest(batch("usage", [usage("search", start + 60, 10.0, prompt_tokens=800,
-                                        cached_prompt_tokens=200, completion_tokens=150,
-                                        instance="small-0-a")]), now=start + 86400)  # fmt: skip
+    ledger.ingest(
+        batch(
+            "usage",
+            [
+                usage(
+                    "search",
+                    start + 60,
+                    10.0,
+                    prompt_tokens=800,
+                    cached_prompt_tokens=200,
+                    completion_tokens=150,
+                    instance="small-0-a",
+                )
+            ],
+        ),
+        now=start + 86400,
+    )
     samples = [{**s, "instance": "small-0-a"} for s in gpu_samples("", start, 3600.0)]
     ledger.ingest(batch("gpu_samples", samples), now=start + 86400)
     small = rates(ledger, POLICY, MODELS, OCT + 2 * 3600)["models"]["chat-small"]
@@ -83,9 +119,18 @@ def test_the_rate_uses_the_node_pools_price(ledger: Ledger) -> None:
     from billing.pricebook import price_book
     from infermeter.config import Prices
 
-    prices = Prices.model_validate({"usd_per_gpu_hour": {"L40S": 1.0}, "pools": [
-        {"name": "spot", "nodes": ["node-b"], "prices": [
-            {"from": "2026-01-01", "category": "spot", "usd_per_gpu_hour": 0.4}]}]})  # fmt: skip
+    prices = Prices.model_validate(
+        {
+            "usd_per_gpu_hour": {"L40S": 1.0},
+            "pools": [
+                {
+                    "name": "spot",
+                    "nodes": ["node-b"],
+                    "prices": [{"from": "2026-01-01", "category": "spot", "usd_per_gpu_hour": 0.4}],
+                }
+            ],
+        }
+    )
     _hour(ledger, OCT + 3600, 800, 200, 150)
     pooled = replace(POLICY, book=price_book(prices))
     small = rates(ledger, pooled, MODELS, OCT + 2 * 3600 + 30)["models"]["chat-small"]

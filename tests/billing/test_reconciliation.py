@@ -37,10 +37,16 @@ _ids = itertools.count()
 
 
 def engine_samples(
-    requests: list[dict[str, Any]], start: float, end: float, every: float = 60.0,
-    replica: str = "small-0", instance: str | None = None, restart_at: float | None = None,
-    extra: Sequence[tuple[float, int, int]] = (), running: Callable[[float], float] | None = None,
-) -> list[dict[str, Any]]:  # fmt: skip
+    requests: list[dict[str, Any]],
+    start: float,
+    end: float,
+    every: float = 60.0,
+    replica: str = "small-0",
+    instance: str | None = None,
+    restart_at: float | None = None,
+    extra: Sequence[tuple[float, int, int]] = (),
+    running: Callable[[float], float] | None = None,
+) -> list[dict[str, Any]]:
     """vLLM's counters read every ``every`` seconds: the tokens of ``requests`` processed so far.
 
     Prompt tokens count at the first token, once per choice, completion tokens evenly up to the
@@ -70,12 +76,20 @@ def engine_samples(
                 prompt - counted(restart_at)[0],
                 completion - counted(restart_at)[1],
             )
-        out.append({
-            "sample_id": f"eng-{next(_ids)}", "replica": replica, "model": "chat-small", "timestamp": t,
-            "requests_running": running(t) if running else 0.0, "requests_waiting": 0.0, "kv_cache_usage": 0.0,
-            "prompt_tokens_total": float(prompt), "generation_tokens_total": float(completion),
-            "instance": instance,
-        })  # fmt: skip
+        out.append(
+            {
+                "sample_id": f"eng-{next(_ids)}",
+                "replica": replica,
+                "model": "chat-small",
+                "timestamp": t,
+                "requests_running": running(t) if running else 0.0,
+                "requests_waiting": 0.0,
+                "kv_cache_usage": 0.0,
+                "prompt_tokens_total": float(prompt),
+                "generation_tokens_total": float(completion),
+                "instance": instance,
+            }
+        )
         t += every
     return out
 
@@ -85,12 +99,16 @@ def requests(count: int, hour: int, **kw: Any) -> list[dict[str, Any]]:
     return [usage("search", OCT + hour * HOUR + 120 * i + 5, 10.0, **kw) for i in range(count)]
 
 
-def fill(ledger: Ledger, kept: list[dict[str, Any]], engine: list[dict[str, Any]],
-         hours: int = 3) -> None:  # fmt: skip
+def fill(
+    ledger: Ledger, kept: list[dict[str, Any]], engine: list[dict[str, Any]], hours: int = 3
+) -> None:
     """``kept`` usage records, the engine's samples and small-0's GPU for ``hours`` hours."""
     now = OCT + 40 * 86400
-    for kind, records in (("usage", kept), ("engine_samples", engine),
-                          ("gpu_samples", gpu_samples(seconds=hours * HOUR))):  # fmt: skip
+    for kind, records in (
+        ("usage", kept),
+        ("engine_samples", engine),
+        ("gpu_samples", gpu_samples(seconds=hours * HOUR)),
+    ):
         if records:
             result = ledger.ingest(batch(kind, records), now=now)
             assert result.rejected == [], result.rejected
@@ -141,8 +159,11 @@ def test_the_unattributed_line_costs_the_induced_difference(lossy: Ledger, confi
     assert len(line) == 1
     got = line[0]
     assert (got["team"], got["requests"], got["prompt_tokens"], got["completion_tokens"]) == (
-        "platform", 0, 400, 200,
-    )  # fmt: skip
+        "platform",
+        0,
+        400,
+        200,
+    )
     # Weighted 1:3, the engine processed 2000 + 3 x 1000 and the lost requests 400 + 3 x 200:
     # a fifth of hour 1's GPU hour (L40S at $1.60) and of its 0.2 kWh (x $0.14 x PUE 1.35).
     assert usd(got["compute_microcents"]) == pytest.approx(0.2 * 1.60)
@@ -297,8 +318,13 @@ def test_choices_out_of_range_are_refused(ledger: Ledger, choices: int) -> None:
 
 @pytest.mark.parametrize(
     ("key", "status"),
-    [("im-demo-admin", 200), ("im-demo-metrics", 200), ("im-demo-search", 403), ("im-demo-ingest", 403)],
-)  # fmt: skip
+    [
+        ("im-demo-admin", 200),
+        ("im-demo-metrics", 200),
+        ("im-demo-search", 403),
+        ("im-demo-ingest", 403),
+    ],
+)
 def test_the_query_is_for_the_admin_and_monitoring_not_teams(
     lossy: Ledger, config: Config, key: str, status: int
 ) -> None:
@@ -357,11 +383,23 @@ def lossy_fleets(draw):
     for replica in draw(st.lists(st.sampled_from(REPLICAS), unique=True)):
         engine = draw(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)))
         lost = (draw(st.integers(0, engine[0])), draw(st.integers(0, engine[1])))
-        rows.append({"t": 0, "replica": replica, "model": "m1", "engine_prompt_tokens": engine[0],
-                     "engine_completion_tokens": engine[1], "unattributed_prompt_tokens": lost[0],
-                     "unattributed_completion_tokens": lost[1]})  # fmt: skip
-    counts = ("engine_prompt_tokens", "engine_completion_tokens", "unattributed_prompt_tokens",
-              "unattributed_completion_tokens")  # fmt: skip
+        rows.append(
+            {
+                "t": 0,
+                "replica": replica,
+                "model": "m1",
+                "engine_prompt_tokens": engine[0],
+                "engine_completion_tokens": engine[1],
+                "unattributed_prompt_tokens": lost[0],
+                "unattributed_completion_tokens": lost[1],
+            }
+        )
+    counts = (
+        "engine_prompt_tokens",
+        "engine_completion_tokens",
+        "unattributed_prompt_tokens",
+        "unattributed_completion_tokens",
+    )
     schema = {"t": pl.Int64, "replica": pl.String, "model": pl.String} | dict.fromkeys(
         counts, pl.Int64
     )

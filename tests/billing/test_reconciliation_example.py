@@ -21,8 +21,15 @@ def example() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The records and the engine's readings of the example."""
     early = [usage("search", ONE + s, 10.0) for s in (10.0, 40.0, 70.0)]  # before 01:02:00
     two = usage("search", ONE + 600.0, 10.0, completion_tokens=100, choices=2)  # 01:10:00, n=2
-    hung = usage("assistant", ONE + 1205.0, 10.0, completion_tokens=20,  # 01:20:05-01:20:15
-                 status="client_aborted", finish_reason=None, usage_exact=False)  # fmt: skip
+    hung = usage(
+        "assistant",
+        ONE + 1205.0,
+        10.0,
+        completion_tokens=20,  # 01:20:05-01:20:15
+        status="client_aborted",
+        finish_reason=None,
+        usage_exact=False,
+    )
     records = [*early, two, hung]
     extra = [
         (ONE + 1215.5, 0, 8),  # vLLM's 8 tokens after the hang-up
@@ -44,21 +51,39 @@ def worked(ledger: Ledger) -> Ledger:
 def test_the_hours_row(worked: Ledger) -> None:
     """Engine 578 against ledger 420: 8 hang-up tokens, 150 unattributed, 3 requests unreconciled."""
     one = row(worked.reconciliation(OCT, OCT + 3 * HOUR), 1)
-    got = {k: one[k] for k in (
-        "engine_prompt_tokens", "engine_completion_tokens", "ledger_prompt_tokens",
-        "ledger_completion_tokens", "difference_tokens", "hangup_prompt_tokens",
-        "hangup_completion_tokens", "unattributed_prompt_tokens", "unattributed_completion_tokens",
-        "ledger_excess_tokens", "unreconciled_requests", "unreconciled_prompt_tokens",
-        "unreconciled_completion_tokens",
-    )}  # fmt: skip
+    got = {
+        k: one[k]
+        for k in (
+            "engine_prompt_tokens",
+            "engine_completion_tokens",
+            "ledger_prompt_tokens",
+            "ledger_completion_tokens",
+            "difference_tokens",
+            "hangup_prompt_tokens",
+            "hangup_completion_tokens",
+            "unattributed_prompt_tokens",
+            "unattributed_completion_tokens",
+            "ledger_excess_tokens",
+            "unreconciled_requests",
+            "unreconciled_prompt_tokens",
+            "unreconciled_completion_tokens",
+        )
+    }
     assert got == {
-        "engine_prompt_tokens": 400, "engine_completion_tokens": 178,
-        "ledger_prompt_tokens": 300, "ledger_completion_tokens": 120, "difference_tokens": 158,
-        "hangup_prompt_tokens": 0, "hangup_completion_tokens": 8,
-        "unattributed_prompt_tokens": 100, "unattributed_completion_tokens": 50,
-        "ledger_excess_tokens": 0, "unreconciled_requests": 3,
-        "unreconciled_prompt_tokens": 300, "unreconciled_completion_tokens": 150,
-    }  # fmt: skip
+        "engine_prompt_tokens": 400,
+        "engine_completion_tokens": 178,
+        "ledger_prompt_tokens": 300,
+        "ledger_completion_tokens": 120,
+        "difference_tokens": 158,
+        "hangup_prompt_tokens": 0,
+        "hangup_completion_tokens": 8,
+        "unattributed_prompt_tokens": 100,
+        "unattributed_completion_tokens": 50,
+        "ledger_excess_tokens": 0,
+        "unreconciled_requests": 3,
+        "unreconciled_prompt_tokens": 300,
+        "unreconciled_completion_tokens": 150,
+    }
     assert one["unattributed_share"] == pytest.approx(150 / 578)
 
 
@@ -69,8 +94,10 @@ def test_the_statement(worked: Ledger, config: Config) -> None:
     tokens = statement.lines.select(
         "team", "model", "requests", "prompt_tokens", "completion_tokens"
     )
-    mine = tokens.filter(pl.col("model").str.starts_with("chat-small") & (pl.col("requests") > 0)
-                         | (pl.col("model") == unattributed_model("chat-small")))  # fmt: skip
+    mine = tokens.filter(
+        pl.col("model").str.starts_with("chat-small") & (pl.col("requests") > 0)
+        | (pl.col("model") == unattributed_model("chat-small"))
+    )
     assert sorted(mine.rows()) == [
         ("assistant", "chat-small", 1, 100, 28),
         ("platform", "chat-small (unattributed)", 0, 100, 50),

@@ -79,13 +79,17 @@ def test_a_new_field_without_a_default_is_refused_for_an_existing_ledger(tmp_pat
     hints = typing.get_type_hints(UsageRecord)
     declared = dataclasses.fields(UsageRecord)
     required = [(f.name, hints[f.name]) for f in declared if f.default is dataclasses.MISSING]
-    optional = [(f.name, hints[f.name], dataclasses.field(default=f.default))
-                for f in declared if f.default is not dataclasses.MISSING]  # fmt: skip
+    optional = [
+        (f.name, hints[f.name], dataclasses.field(default=f.default))
+        for f in declared
+        if f.default is not dataclasses.MISSING
+    ]
     with_region = dataclasses.make_dataclass(
         "UsageWithRegion", [*required, ("region", str), *optional], frozen=True
     )
-    kind = record_kind(with_region, key="usage", table="usage", id_field="request_id",
-                       time_field="received_at")  # fmt: skip
+    kind = record_kind(
+        with_region, key="usage", table="usage", id_field="request_id", time_field="received_at"
+    )
     assert kind.field("region").required
     _open(tmp_path / "l.duckdb", KINDS).close()
     with pytest.raises(ValueError, match="region: a field added to a record kind needs a default"):

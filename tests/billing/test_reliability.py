@@ -31,12 +31,17 @@ def _config(tmp_path: Path, upstream: str, billing_port: int) -> tuple[Path, Con
     data["replicas"][1]["upstream_url"] = upstream
     data["simulator"]["engines"]["chat-small"].update(step_base_ms=3, step_per_seq_ms=0.02)
     data["teams"][0]["limits"] = {}
-    data["billing"].update(listen=f"127.0.0.1:{billing_port}", url=f"http://127.0.0.1:{billing_port}",
-                           database=str(tmp_path / "ledger.duckdb"),
-                           # durability is under test here, not writer credentials: the shared token
-                           shared_ingest_token=True)  # fmt: skip
-    data["sidecar"] = {"spool_dir": str(tmp_path / "spool"),
-                       "ingest_url": f"http://127.0.0.1:{billing_port}/v1/ingest"}  # fmt: skip
+    data["billing"].update(
+        listen=f"127.0.0.1:{billing_port}",
+        url=f"http://127.0.0.1:{billing_port}",
+        database=str(tmp_path / "ledger.duckdb"),
+        # durability is under test here, not writer credentials: the shared token
+        shared_ingest_token=True,
+    )
+    data["sidecar"] = {
+        "spool_dir": str(tmp_path / "spool"),
+        "ingest_url": f"http://127.0.0.1:{billing_port}/v1/ingest",
+    }
     path = tmp_path / "infermeter.yaml"
     path.write_text(yaml.safe_dump(data))
     return path, Config.model_validate(data)
@@ -120,11 +125,22 @@ def test_sigterm_checkpoints_the_ledger(tmp_path):
     port = free_port()
     path, _ = _config(tmp_path, "http://127.0.0.1:1", port)
     billing = _start_billing(path, port)
-    record = {"sample_id": "e1", "replica": "small-0", "model": "chat-small", "timestamp": 1790812805.0,
-              "requests_running": 3.0, "requests_waiting": 1.0, "kv_cache_usage": 0.2,
-              "prompt_tokens_total": 10.0, "generation_tokens_total": 20.0}  # fmt: skip
-    response = httpx.post(f"http://127.0.0.1:{port}/v1/ingest", json={"engine_samples": [record]},
-                          headers={"authorization": f"Bearer {INGEST_TOKEN}"})  # fmt: skip
+    record = {
+        "sample_id": "e1",
+        "replica": "small-0",
+        "model": "chat-small",
+        "timestamp": 1790812805.0,
+        "requests_running": 3.0,
+        "requests_waiting": 1.0,
+        "kv_cache_usage": 0.2,
+        "prompt_tokens_total": 10.0,
+        "generation_tokens_total": 20.0,
+    }
+    response = httpx.post(
+        f"http://127.0.0.1:{port}/v1/ingest",
+        json={"engine_samples": [record]},
+        headers={"authorization": f"Bearer {INGEST_TOKEN}"},
+    )
     assert response.json()["accepted"] == 1
     billing.send_signal(signal.SIGTERM)
     billing.wait(20)

@@ -38,13 +38,22 @@ def billing(tmp_path: Path) -> Iterator[tuple[str, Path, dict[str, Any], subproc
     """``infermeter billing`` on a config file of its own; its URL, the file, its data, the process."""
     port = free_port()
     data = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    data["billing"].update(listen=f"127.0.0.1:{port}", url=f"http://127.0.0.1:{port}",
-                           database=str(tmp_path / "ledger.duckdb"), shared_ingest_token=True)  # fmt: skip
+    data["billing"].update(
+        listen=f"127.0.0.1:{port}",
+        url=f"http://127.0.0.1:{port}",
+        database=str(tmp_path / "ledger.duckdb"),
+        shared_ingest_token=True,
+    )
     path = tmp_path / "infermeter.yaml"
     write(path, data)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-m", "infermeter", "billing", "--config", str(path)],
-                               cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "infermeter", "billing", "--config", str(path)],
+        cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -84,8 +93,12 @@ def test_sighup_reloads_teams_budgets_and_prices_and_refuses_an_invalid_file(bil
     records = batch("usage", [usage("search", now - 600, 60)])
     samples = batch("gpu_samples", gpu_samples(start=now - 900, seconds=600))
     for body in (records, samples):
-        answer = httpx.post(f"{url}/v1/ingest", content=body, timeout=30,
-                            headers={"authorization": f"Bearer {INGEST}"})  # fmt: skip
+        answer = httpx.post(
+            f"{url}/v1/ingest",
+            content=body,
+            timeout=30,
+            headers={"authorization": f"Bearer {INGEST}"},
+        )
         assert answer.status_code == 200, answer.text
     month = time.strftime("%Y-%m", time.gmtime(now))
     before = get(url, f"/v1/chargeback/{month}").json()["fleet_cents"]

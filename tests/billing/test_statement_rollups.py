@@ -60,8 +60,18 @@ def random_records(rng: random.Random, hours: int) -> list[dict[str, Any]]:
         tokens["cached_prompt_tokens"] = rng.randint(0, tokens["prompt_tokens"])
         team = rng.choice(["search", "assistant"])
         choices = rng.choice([1, 1, 1, 2, 3])
-        out.append(usage(team, start, seconds, first_token_at=first, status=status, choices=choices,
-                         **tokens, **placement))  # fmt: skip
+        out.append(
+            usage(
+                team,
+                start,
+                seconds,
+                first_token_at=first,
+                status=status,
+                choices=choices,
+                **tokens,
+                **placement,
+            )
+        )
     return out
 
 
@@ -71,12 +81,20 @@ def random_samples(rng: random.Random, hours: int, instance: str | None) -> list
     every = rng.choice([15.0, 30.0, 60.0, 100.0, 600.0, 1700.0])
     while t < OCT + hours * HOUR:
         prompt, completion = prompt + rng.randint(0, 5000), completion + rng.randint(0, 5000)
-        out.append({
-            "sample_id": f"eng-{next(_ids)}", "replica": "small-0", "model": "chat-small", "timestamp": t,
-            "requests_running": float(rng.choice([0, 0, 1, 2])), "requests_waiting": 0.0,
-            "kv_cache_usage": 0.0, "prompt_tokens_total": prompt,
-            "generation_tokens_total": completion, "instance": instance,
-        })  # fmt: skip
+        out.append(
+            {
+                "sample_id": f"eng-{next(_ids)}",
+                "replica": "small-0",
+                "model": "chat-small",
+                "timestamp": t,
+                "requests_running": float(rng.choice([0, 0, 1, 2])),
+                "requests_waiting": 0.0,
+                "kv_cache_usage": 0.0,
+                "prompt_tokens_total": prompt,
+                "generation_tokens_total": completion,
+                "instance": instance,
+            }
+        )
         t += rng.uniform(0.5, 1.5) * every if rng.random() < 0.995 else rng.uniform(0, 3 * HOUR)
     return out
 
@@ -118,11 +136,19 @@ def test_reconciliation_reads_raw_records_only_of_hours_read_early(ledger: Ledge
     rng = random.Random(7)
     keep(ledger, "usage", random_records(rng, 4), rng)
     steady = [
-        {"sample_id": f"eng-{next(_ids)}", "replica": "small-0", "model": "chat-small",
-         "timestamp": OCT + 15.0 * k, "requests_running": 0.0, "requests_waiting": 0.0,
-         "kv_cache_usage": 0.0, "prompt_tokens_total": 10.0 * k, "generation_tokens_total": 5.0 * k}
+        {
+            "sample_id": f"eng-{next(_ids)}",
+            "replica": "small-0",
+            "model": "chat-small",
+            "timestamp": OCT + 15.0 * k,
+            "requests_running": 0.0,
+            "requests_waiting": 0.0,
+            "kv_cache_usage": 0.0,
+            "prompt_tokens_total": 10.0 * k,
+            "generation_tokens_total": 5.0 * k,
+        }
         for k in range(4 * 240)
-    ]  # fmt: skip
+    ]
     ledger.ingest(batch("engine_samples", steady), now=OCT + 60 * 86400)
     first = int(OCT // HOUR)
     with ledger.reader() as cur:
@@ -167,7 +193,7 @@ def rebuilt(ledger: Ledger) -> dict[str, list[tuple[Any, ...]]]:
                 SELECT replica, instance, team, model, slot // 60, sum(requests), sum(prompt_tokens),
                     sum(completion_tokens), sum(cached_prompt_tokens)
                 FROM usage_slots GROUP BY ALL ORDER BY ALL""").fetchall(),
-        }  # fmt: skip
+        }
 
 
 def kept(ledger: Ledger) -> dict[str, list[tuple[Any, ...]]]:
@@ -187,7 +213,7 @@ def kept(ledger: Ledger) -> dict[str, list[tuple[Any, ...]]]:
                 SELECT k.replica, k.instance, k.team, k.model, h.hour, h.requests, h.prompt_tokens,
                     h.completion_tokens, h.cached_prompt_tokens
                 FROM alloc_hours h JOIN alloc_keys k USING ("key") ORDER BY ALL""").fetchall(),
-        }  # fmt: skip
+        }
 
 
 def test_repeats_and_late_records_keep_the_rollups_exact(ledger: Ledger, config: Config) -> None:
@@ -232,8 +258,9 @@ def test_an_older_ledger_is_backfilled_once(tmp_path: Path, config: Config) -> N
             assert cur.execute("SELECT * FROM engine_hours ORDER BY ALL").fetchall() == engine
         assert Chargeback(ledger, config).statement("2026-10").lines.equals(before)
         with ledger.reader() as cur:
-            versions = cur.execute("SELECT count(*) FROM schema_version WHERE version = ?",
-                                   [LATEST_VERSION]).fetchone()  # fmt: skip
+            versions = cur.execute(
+                "SELECT count(*) FROM schema_version WHERE version = ?", [LATEST_VERSION]
+            ).fetchone()
         assert versions == (1,)
     finally:
         ledger.close()

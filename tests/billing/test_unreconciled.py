@@ -29,8 +29,9 @@ def early_and_late() -> list[dict[str, Any]]:
     return early + late
 
 
-def read_from(records: list[dict[str, Any]], start: float, end: float = OCT + 3 * HOUR,
-              **kw: Any) -> list[dict[str, Any]]:  # fmt: skip
+def read_from(
+    records: list[dict[str, Any]], start: float, end: float = OCT + 3 * HOUR, **kw: Any
+) -> list[dict[str, Any]]:
     """The engine's counters for ``records``, read every 60 s from ``start`` on."""
     return engine_samples(records, start - 60.0, end, **kw)
 
@@ -68,11 +69,18 @@ def test_an_instance_never_read_is_unreconciled_whole(ledger: Ledger) -> None:
     ]
     fill(ledger, read + unread, engine_samples(read, OCT, OCT + 3 * HOUR, instance="small-0-a"))
     frame = ledger.reconciliation(OCT + HOUR, OCT + 2 * HOUR)
-    assert frame.select("instance", "replica", "model", "engine_tokens", "ledger_tokens",
-                        "unreconciled_requests", "unreconciled_tokens").rows() == [
+    assert frame.select(
+        "instance",
+        "replica",
+        "model",
+        "engine_tokens",
+        "ledger_tokens",
+        "unreconciled_requests",
+        "unreconciled_tokens",
+    ).rows() == [
         ("small-0-a", "small-0", "chat-small", 750, 750, 0, 0),
         ("small-0-b", "small-0", "chat-small", 0, 0, 3, 450),
-    ]  # fmt: skip
+    ]
 
 
 def test_records_after_an_instance_stopped_being_read_are_unreconciled(ledger: Ledger) -> None:
@@ -117,8 +125,15 @@ def test_the_statement_the_api_and_metrics_report_them(ledger: Ledger, config: C
     records = early_and_late()
     fill(ledger, records, read_from(records, FIRST_READ))
     statement = Chargeback(ledger, config).statement("2026-10")
-    expected = [{"replica": "small-0", "model": "chat-small", "requests": 80,
-                 "prompt_tokens": 8000, "completion_tokens": 4000}]  # fmt: skip
+    expected = [
+        {
+            "replica": "small-0",
+            "model": "chat-small",
+            "requests": 80,
+            "prompt_tokens": 8000,
+            "completion_tokens": 4000,
+        }
+    ]
     assert statement.unreconciled.to_dicts() == expected
     assert statement.reconciles
     # Billed all the same: the team's line has all 90 requests.

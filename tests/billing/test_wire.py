@@ -24,8 +24,10 @@ def test_lines_round_trip_through_arrow_unchanged():
 
 def test_samples_have_an_arrow_form_too():
     """GPU samples convert as well (the collector ships them the same way)."""
-    samples = [dict(s, xid_errors=0, mig_profile=None, gap=False, share=1.0)
-               for s in gpu_samples(seconds=30)]  # fmt: skip
+    samples = [
+        dict(s, xid_errors=0, mig_profile=None, gap=False, share=1.0)
+        for s in gpu_samples(seconds=30)
+    ]
     encoded = encode_arrow(GPU, ndjson(samples))
     assert encoded is not None
     assert decode_arrow(KINDS["gpu_samples"], encoded).num_rows == 3
@@ -59,9 +61,10 @@ def test_a_stream_of_another_schema_is_refused_naming_it():
     assert encoded is not None
     table = decode_arrow(USAGE, encoded)
     narrowed = table.set_column(
-        table.schema.get_field_index("prompt_tokens"), "prompt_tokens",
+        table.schema.get_field_index("prompt_tokens"),
+        "prompt_tokens",
         table.column("prompt_tokens").cast(pa.int32()),
-    )  # fmt: skip
+    )
     with pytest.raises(ValueError, match=r"prompt_tokens: int32.*expected.*prompt_tokens: int64"):
         decode_arrow(USAGE, _stream(narrowed))
 

@@ -15,9 +15,17 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 def reading(**kw: Any) -> GpuReading:
     """A GPU reading with plausible defaults; keywords override any field."""
-    base: dict[str, Any] = {"node": "node-a", "gpu": "0", "uuid": "GPU-0000", "model_name": "NVIDIA H100",
-                            "utilization": 0.5, "power_watts": 300.0, "energy_mj": 1_000_000.0,
-                            "memory_used_mib": 1000.0, "memory_free_mib": 2000.0}  # fmt: skip
+    base: dict[str, Any] = {
+        "node": "node-a",
+        "gpu": "0",
+        "uuid": "GPU-0000",
+        "model_name": "NVIDIA H100",
+        "utilization": 0.5,
+        "power_watts": 300.0,
+        "energy_mj": 1_000_000.0,
+        "memory_used_mib": 1000.0,
+        "memory_free_mib": 2000.0,
+    }
     base.update(kw)
     return GpuReading(**base)
 
@@ -25,8 +33,9 @@ def reading(**kw: Any) -> GpuReading:
 class FakeGpuSource:
     """A node whose readings come from a script: one list per read, or a ScrapeError."""
 
-    def __init__(self, target: str, script: list[list[GpuReading] | ScrapeError],
-                 kind: str = "fake") -> None:  # fmt: skip
+    def __init__(
+        self, target: str, script: list[list[GpuReading] | ScrapeError], kind: str = "fake"
+    ) -> None:
         self.target = target
         self.kind = kind
         self.script = script
@@ -53,8 +62,13 @@ def text_app(body: bytes, status: int = 200) -> Callable[[Scope, Receive, Send],
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"text/plain")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"text/plain")],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     return app
@@ -69,10 +83,16 @@ class FakeEngine:
 
     async def read(self) -> EngineReading:
         """A busy engine."""
-        return EngineReading(requests_running=12, requests_waiting=5, kv_cache_usage=0.4,
-                             prompt_tokens_total=100, generation_tokens_total=50,
-                             prefix_cache_queries_total=10, prefix_cache_hits_total=5,
-                             preemptions_total=0)  # fmt: skip
+        return EngineReading(
+            requests_running=12,
+            requests_waiting=5,
+            kv_cache_usage=0.4,
+            prompt_tokens_total=100,
+            generation_tokens_total=50,
+            prefix_cache_queries_total=10,
+            prefix_cache_hits_total=5,
+            preemptions_total=0,
+        )
 
 
 class FakeInstance(FakeEngine):

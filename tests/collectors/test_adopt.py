@@ -30,8 +30,12 @@ from tests.sidecar.conftest import KEYS, make_config
 
 INGEST = "im-demo-ingest"
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-POD = {"POD_NAME": "vllm-small-7d9f8-abcde", "POD_UID": "0b6c1f2e-1111-2222-3333-444455556666",
-       "POD_NAMESPACE": "inference", "POD_IP": "127.0.0.1"}  # fmt: skip
+POD = {
+    "POD_NAME": "vllm-small-7d9f8-abcde",
+    "POD_UID": "0b6c1f2e-1111-2222-3333-444455556666",
+    "POD_NAMESPACE": "inference",
+    "POD_IP": "127.0.0.1",
+}
 
 
 @pytest.mark.parametrize(
@@ -45,9 +49,16 @@ POD = {"POD_NAME": "vllm-small-7d9f8-abcde", "POD_UID": "0b6c1f2e-1111-2222-3333
         (Listing(other_files=("rejected.jsonl",)), Action.KEEP),
         (Listing(recent_nonces=True), Action.KEEP),
     ],
-    ids=["usage", "events", "overrides", "usage-and-dead-letters", "empty", "only-dead-letters",
-         "recent-nonces"],
-)  # fmt: skip
+    ids=[
+        "usage",
+        "events",
+        "overrides",
+        "usage-and-dead-letters",
+        "empty",
+        "only-dead-letters",
+        "recent-nonces",
+    ],
+)
 def test_plan_ships_what_there_is_and_removes_only_an_empty_directory(found, action):
     """Segments are shipped; an empty directory is removed; dead letters keep it for an operator,
     and gateway nonces a restarted sidecar would still need keep it for that sidecar."""
@@ -62,8 +73,11 @@ def test_hidden_entries_of_the_spool_root_are_not_candidates():
 @pytest.fixture
 def ledger(config: Config) -> Iterator[Ledger]:
     """An empty in-memory ledger for the demo teams."""
-    led = Ledger.open(":memory:", [t.name for t in config.teams],
-                      {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    led = Ledger.open(
+        ":memory:",
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
     yield led
     led.close()
 
@@ -72,8 +86,14 @@ def _adopter(
     root: Path, billing_port: int, client: httpx.AsyncClient
 ) -> tuple[Adopter, CollectorRegistry]:
     registry = CollectorRegistry()
-    adopter = Adopter(root, f"http://127.0.0.1:{billing_port}/v1/ingest", INGEST, client,
-                      AdoptionMetrics(registry), max_wait_seconds=0.5)  # fmt: skip
+    adopter = Adopter(
+        root,
+        f"http://127.0.0.1:{billing_port}/v1/ingest",
+        INGEST,
+        client,
+        AdoptionMetrics(registry),
+        max_wait_seconds=0.5,
+    )
     return adopter, registry
 
 
@@ -93,8 +113,10 @@ async def test_a_stopped_sidecars_spool_is_shipped_and_removed(tmp_path, ledger,
         serving(Sidecar(cfg, "small-0")) as url,
         httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as c,
     ):
-        ids = [(await c.post("/v1/chat/completions", json=CHAT)).headers["x-infermeter-request-id"]
-               for _ in range(3)]  # fmt: skip
+        ids = [
+            (await c.post("/v1/chat/completions", json=CHAT)).headers["x-infermeter-request-id"]
+            for _ in range(3)
+        ]
     billing_port = free_port()
     async with (
         serving(create_app(config, ledger), billing_port, lifespan="off"),
@@ -183,8 +205,14 @@ async def test_gateway_nonces_keep_the_directory_only_while_they_matter(tmp_path
     written = nonces / "nonces-000000000000.log"
     written.write_text(f"{int(time.time())} n-0123456789abcdef\n")
     async with httpx.AsyncClient() as client:
-        adopter = Adopter(tmp_path, f"http://127.0.0.1:{free_port()}/v1/ingest", INGEST, client,
-                          AdoptionMetrics(CollectorRegistry()), keep_nonces_seconds=600)  # fmt: skip
+        adopter = Adopter(
+            tmp_path,
+            f"http://127.0.0.1:{free_port()}/v1/ingest",
+            INGEST,
+            client,
+            AdoptionMetrics(CollectorRegistry()),
+            keep_nonces_seconds=600,
+        )
         await adopter.adopt_once()
         assert written.exists()
         os.utime(written, (time.time() - 601, time.time() - 601))
@@ -197,8 +225,11 @@ def _sidecar_config(tmp_path: Path, upstream: str, listen: str, billing_port: in
     data["replicas"][1].update(upstream_url=upstream, sidecar_listen=listen)
     data["simulator"]["engines"]["chat-small"].update(step_base_ms=3, step_per_seq_ms=0.02)
     data["teams"][0]["limits"] = {}
-    data["sidecar"] = {"spool_dir": str(tmp_path / "spool"), "heartbeat_seconds": 0.2,
-                       "ingest_url": f"http://127.0.0.1:{billing_port}/v1/ingest"}  # fmt: skip
+    data["sidecar"] = {
+        "spool_dir": str(tmp_path / "spool"),
+        "heartbeat_seconds": 0.2,
+        "ingest_url": f"http://127.0.0.1:{billing_port}/v1/ingest",
+    }
     path = tmp_path / "sidecar.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -285,8 +316,12 @@ async def test_a_pod_killed_while_billing_is_down_is_billed_once_when_billing_re
     assert sorted(ids) == sorted(completed)
     assert len(ids) == len(set(ids)) == 80
     with ledger.reader() as con:
-        events = dict(con.execute("SELECT event, count(*) FROM instance_events WHERE instance = ? "
-                                  "GROUP BY event", [POD["POD_NAME"]]).fetchall())  # fmt: skip
+        events = dict(
+            con.execute(
+                "SELECT event, count(*) FROM instance_events WHERE instance = ? GROUP BY event",
+                [POD["POD_NAME"]],
+            ).fetchall()
+        )
     assert events.get("start") == 1
     assert events.get("heartbeat", 0) >= 5
     assert "stop" not in events, "a killed sidecar never says it stopped"

@@ -25,7 +25,7 @@ DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaaa",device="nvidia0",modelName
 # TYPE DCGM_FI_DEV_FB_USED gauge
 DCGM_FI_DEV_FB_USED{gpu="0",UUID="GPU-aaaa",device="nvidia0",modelName="NVIDIA A100-SXM4-80GB",GPU_I_PROFILE="1g.10gb",GPU_I_ID="1",hostname="node-m"} 9000
 DCGM_FI_DEV_FB_USED{gpu="0",UUID="GPU-aaaa",device="nvidia0",modelName="NVIDIA A100-SXM4-80GB",GPU_I_PROFILE="3g.40gb",GPU_I_ID="2",hostname="node-m"} 100
-"""  # fmt: skip
+"""
 
 
 def test_real_capture_parses_into_one_gpu_with_its_pod(fixture_text):
@@ -43,10 +43,21 @@ def test_real_capture_parses_into_one_gpu_with_its_pod(fixture_text):
 
 def test_simulator_page_gives_every_board():
     """The simulator's renderer: 8 boards, percent utilization turned into a ratio."""
-    gpus = [DcgmGpu(index=i, uuid=f"GPU-{i}", model_name="NVIDIA H100", hostname="n",
-                    utilization_pct=50.0, power_watts=300.25, energy_mj=1000 * i,
-                    memory_used_mib=10, memory_free_mib=20, xid=43 if i == 3 else 0)
-            for i in range(8)]  # fmt: skip
+    gpus = [
+        DcgmGpu(
+            index=i,
+            uuid=f"GPU-{i}",
+            model_name="NVIDIA H100",
+            hostname="n",
+            utilization_pct=50.0,
+            power_watts=300.25,
+            energy_mj=1000 * i,
+            memory_used_mib=10,
+            memory_free_mib=20,
+            xid=43 if i == 3 else 0,
+        )
+        for i in range(8)
+    ]
     readings = dcgm_readings(render(gpus), "n")
     assert [r.gpu for r in readings] == [str(i) for i in range(8)]
     assert {r.utilization for r in readings} == {0.5}

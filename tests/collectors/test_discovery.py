@@ -36,16 +36,28 @@ vllm:num_requests_running{engine="0",model_name="m"} 3
 vllm:num_requests_waiting{engine="0",model_name="m"} 2
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
 """
-GONE = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Expired", "code": 410,
-        "message": "too old resource version: 100 (250)"}  # fmt: skip
+GONE = {
+    "kind": "Status",
+    "apiVersion": "v1",
+    "status": "Failure",
+    "reason": "Expired",
+    "code": 410,
+    "message": "too old resource version: 100 (250)",
+}
 
 
 def pod(name: str, ip: str = "127.0.0.1", phase: str = "Running") -> dict[str, Any]:
     """A vLLM pod as the API server describes it."""
-    return {"kind": "Pod", "apiVersion": "v1",
-            "metadata": {"name": name, "namespace": "inference",
-                         "labels": {"app.kubernetes.io/component": "vllm"}},
-            "status": {"phase": phase, "podIP": ip}}  # fmt: skip
+    return {
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": {
+            "name": name,
+            "namespace": "inference",
+            "labels": {"app.kubernetes.io/component": "vllm"},
+        },
+        "status": {"phase": phase, "podIP": ip},
+    }
 
 
 class FakeKubernetes:
@@ -69,11 +81,21 @@ class FakeKubernetes:
     async def handle(self, request: Request) -> Response:
         """List or watch, recording what was asked."""
         query = dict(request.query_params)
-        self.requests.append({"namespace": request.path_params["ns"], "query": query,
-                              "authorization": request.headers.get("authorization")})  # fmt: skip
+        self.requests.append(
+            {
+                "namespace": request.path_params["ns"],
+                "query": query,
+                "authorization": request.headers.get("authorization"),
+            }
+        )
         if query.get("watch") != "1":
-            return JSONResponse({"kind": "PodList", "metadata": {"resourceVersion": str(self.version)},
-                                 "items": list(self.pods.values())})  # fmt: skip
+            return JSONResponse(
+                {
+                    "kind": "PodList",
+                    "metadata": {"resourceVersion": str(self.version)},
+                    "items": list(self.pods.values()),
+                }
+            )
         answer = await self._next(request)
         if answer is None:
             return Response(status_code=499)
@@ -125,8 +147,9 @@ async def running_task(coro: Awaitable[None]) -> AsyncIterator[asyncio.Task[None
 def _k8s_config(config: Config, api_url: str, sidecar_port: int) -> Config:
     data = off_demo_ports(config.model_dump())  # the configured fleet: nothing listens there
     data["collector"].update(discovery="kubernetes", scrape_timeout_seconds=2.0)
-    data["collector"]["kubernetes"].update(api_url=api_url, namespace="inference",
-                                           sidecar_port=sidecar_port, retry_seconds=0.05)  # fmt: skip
+    data["collector"]["kubernetes"].update(
+        api_url=api_url, namespace="inference", sidecar_port=sidecar_port, retry_seconds=0.05
+    )
     return Config.model_validate(data)
 
 
@@ -135,18 +158,28 @@ async def test_pod_watch_drives_the_target_set_and_relists_on_410(config):
     fake = FakeKubernetes([pod("vllm-small-0-a")])
     sets: list[list[str]] = []
     async with serving(fake.app()) as api, httpx.AsyncClient() as client:
-        watcher = PodWatcher(api, "inference", "app.kubernetes.io/component=vllm", client,
-                             config.replicas, lambda t: sets.append(sorted(t)),
-                             node_name="node-b", token="sa-token", retry_seconds=0.05)  # fmt: skip
+        watcher = PodWatcher(
+            api,
+            "inference",
+            "app.kubernetes.io/component=vllm",
+            client,
+            config.replicas,
+            lambda t: sets.append(sorted(t)),
+            node_name="node-b",
+            token="sa-token",
+            retry_seconds=0.05,
+        )
         async with running_task(watcher.run()):
             await until(lambda: sets == [["vllm-small-0-a"]])
             await fake.script.put([("ADDED", pod("vllm-small-1-b", ip="127.0.0.2"))])
             await until(lambda: "vllm-small-1-b" in watcher.targets)
-            await fake.script.put([
-                ("MODIFIED", pod("vllm-small-0-a")),  # unchanged target: no new set
-                ("BOOKMARK", {"kind": "Pod", "metadata": {}}),
-                ("DELETED", pod("vllm-small-0-a")),
-            ])  # fmt: skip
+            await fake.script.put(
+                [
+                    ("MODIFIED", pod("vllm-small-0-a")),  # unchanged target: no new set
+                    ("BOOKMARK", {"kind": "Pod", "metadata": {}}),
+                    ("DELETED", pod("vllm-small-0-a")),
+                ]
+            )
             await until(lambda: sorted(watcher.targets) == ["vllm-small-1-b"])
             # While the watch is down, b goes and c comes: only a fresh list can tell.
             fake.pods = {"vllm-small-0-c": pod("vllm-small-0-c", ip="127.0.0.3")}
@@ -154,8 +187,12 @@ async def test_pod_watch_drives_the_target_set_and_relists_on_410(config):
             await until(lambda: sorted(watcher.targets) == ["vllm-small-0-c"])
             await fake.script.put(410)
             await until(lambda: watcher.lists == 3)
-    assert sets == [["vllm-small-0-a"], ["vllm-small-0-a", "vllm-small-1-b"], ["vllm-small-1-b"],
-                    ["vllm-small-0-c"]]  # fmt: skip
+    assert sets == [
+        ["vllm-small-0-a"],
+        ["vllm-small-0-a", "vllm-small-1-b"],
+        ["vllm-small-1-b"],
+        ["vllm-small-0-c"],
+    ]
     assert watcher.targets["vllm-small-0-c"] == EngineTarget(
         "small-0", "http://127.0.0.3:9000/engine/metrics", "vllm-small-0-c", namespace="inference"
     )
@@ -163,12 +200,16 @@ async def test_pod_watch_drives_the_target_set_and_relists_on_410(config):
     watches = [r["query"] for r in fake.requests if "watch" in r["query"]]
     assert {r["namespace"] for r in fake.requests} == {"inference"}
     assert {r["authorization"] for r in fake.requests} == {"Bearer sa-token"}
-    assert lists[0]["query"] == {"labelSelector": "app.kubernetes.io/component=vllm",
-                                 "fieldSelector": "spec.nodeName=node-b"}  # fmt: skip
+    assert lists[0]["query"] == {
+        "labelSelector": "app.kubernetes.io/component=vllm",
+        "fieldSelector": "spec.nodeName=node-b",
+    }
     # Each watch resumes at the last version seen: the list's, ADDED's, the stream's last event's.
     assert [w["resourceVersion"] for w in watches[:3]] == ["100", "110", "140"]
-    assert all(w["allowWatchBookmarks"] == "true" and w["fieldSelector"] == "spec.nodeName=node-b"
-               for w in watches)  # fmt: skip
+    assert all(
+        w["allowWatchBookmarks"] == "true" and w["fieldSelector"] == "spec.nodeName=node-b"
+        for w in watches
+    )
 
 
 async def test_watched_pods_are_scraped_as_instances_and_vanished_ones_forgotten(config):
@@ -204,7 +245,11 @@ async def test_an_instance_that_went_down_keeps_its_backoff_until_it_vanishes(co
     """A target that stays keeps its failure count across a new set; one that goes takes it along."""
     collector = FleetCollector(config, [], [])
     async with httpx.AsyncClient() as client:
-        dead = {"vllm-small-0-x": EngineTarget("small-0", "http://127.0.0.1:9/metrics", "vllm-small-0-x")}  # fmt: skip
+        dead = {
+            "vllm-small-0-x": EngineTarget(
+                "small-0", "http://127.0.0.1:9/metrics", "vllm-small-0-x"
+            )
+        }
         collector.replace_engine_sources(engine_sources(config, dead, client, {}))
         await collector.scrape_once()
         collector.replace_engine_sources(engine_sources(config, dead, client, {}))
@@ -258,7 +303,9 @@ class FakeRegistry:
     async def handle(self, request: Request) -> Response:
         """Live instances (or all), optionally of one replica group; 401 without a token."""
         query = dict(request.query_params)
-        self.requests.append({"query": query, "authorization": request.headers.get("authorization")})  # fmt: skip
+        self.requests.append(
+            {"query": query, "authorization": request.headers.get("authorization")}
+        )
         if request.headers.get("authorization") != "Bearer mt":
             return JSONResponse({"error": "unauthorized"}, status_code=401)
         if self.status != 200:
@@ -272,19 +319,35 @@ class FakeRegistry:
 
 def instance(name: str, replica: str, url: str, state: str = "live") -> dict[str, Any]:
     """One entry of the registry's answer, every field of the contract present."""
-    return {"instance": name, "replica": replica, "model": "chat-small", "node": "node-b",
-            "gpu_model": "L40S", "gpu_count": 1, "gpus": ["GPU-1"], "namespace": "inference",
-            "pod_uid": f"uid-{name}", "engine_metrics_url": url, "started_at": 1.0,
-            "last_seen": 2.0, "stopped_at": None if state == "live" else 2.0, "state": state}  # fmt: skip
+    return {
+        "instance": name,
+        "replica": replica,
+        "model": "chat-small",
+        "node": "node-b",
+        "gpu_model": "L40S",
+        "gpu_count": 1,
+        "gpus": ["GPU-1"],
+        "namespace": "inference",
+        "pod_uid": f"uid-{name}",
+        "engine_metrics_url": url,
+        "started_at": 1.0,
+        "last_seen": 2.0,
+        "stopped_at": None if state == "live" else 2.0,
+        "state": state,
+    }
 
 
 async def test_registry_drives_the_engines_and_an_outage_keeps_the_last_set(config):
     """Live instances are scraped as themselves; while billing fails, the last set stays."""
     async with serving(text_app(VLLM_PAGE)) as engine_url:
         page = f"{engine_url}/engine/metrics"
-        registry = FakeRegistry([instance("vllm-small-0-a", "small-0", page),
-                                 instance("vllm-small-0-b", "small-0", page),
-                                 instance("vllm-small-0-old", "small-0", page, state="stopped")])  # fmt: skip
+        registry = FakeRegistry(
+            [
+                instance("vllm-small-0-a", "small-0", page),
+                instance("vllm-small-0-b", "small-0", page),
+                instance("vllm-small-0-old", "small-0", page, state="stopped"),
+            ]
+        )
         async with serving(registry.app()) as billing_url, httpx.AsyncClient() as client:
             data = off_demo_ports(config.model_dump())  # nothing listens at the configured fleet
             data["collector"].update(discovery="registry", registry={"url": billing_url})
@@ -307,7 +370,9 @@ async def test_registry_drives_the_engines_and_an_outage_keeps_the_last_set(conf
     assert [e.instance for e in second.engines] == ["vllm-small-0-b"]
     assert sorted(poller.targets) == ["vllm-small-0-b"]
     assert [s.target for s in collector.engine_sources] == ["vllm-small-0-b"]
-    assert {(r["query"]["state"], r["authorization"]) for r in registry.requests} == {("live", "Bearer mt")}  # fmt: skip
+    assert {(r["query"]["state"], r["authorization"]) for r in registry.requests} == {
+        ("live", "Bearer mt")
+    }
 
 
 async def test_registry_that_refuses_the_token_changes_nothing(config):
@@ -343,12 +408,32 @@ def test_the_in_cluster_service_account_is_used_without_an_api_url(tmp_path: Pat
 async def test_gpu_samples_name_the_pod_on_them_as_their_instance(config):
     """On a node-local dcgm-exporter page, a GPU held by a vLLM pod carries that pod as instance."""
     gpus = [
-        DcgmGpu(0, "GPU-b0", "NVIDIA L40S", "node-b", 40.0, 200.0, 1_000_000, 1000.0, 40000.0,
-                pod=("vllm", "inference", "vllm-small-0-7d9f8-abcde")),
-        DcgmGpu(5, "GPU-b5", "NVIDIA L40S", "node-b", 0.0, 30.0, 2_000_000, 0.0, 46000.0,
-                pod=("vllm", "inference", "vllm-small-1-5c6d7-fghij")),
+        DcgmGpu(
+            0,
+            "GPU-b0",
+            "NVIDIA L40S",
+            "node-b",
+            40.0,
+            200.0,
+            1_000_000,
+            1000.0,
+            40000.0,
+            pod=("vllm", "inference", "vllm-small-0-7d9f8-abcde"),
+        ),
+        DcgmGpu(
+            5,
+            "GPU-b5",
+            "NVIDIA L40S",
+            "node-b",
+            0.0,
+            30.0,
+            2_000_000,
+            0.0,
+            46000.0,
+            pod=("vllm", "inference", "vllm-small-1-5c6d7-fghij"),
+        ),
         DcgmGpu(6, "GPU-b6", "NVIDIA L40S", "node-b", 0.0, 30.0, 2_000_000, 0.0, 46000.0),
-    ]  # fmt: skip
+    ]
     data = off_demo_ports(config.model_dump())  # nothing listens at the configured fleet
     data["collector"]["dcgm_exporter_url"] = "http://127.0.0.1:1/metrics"
     async with serving(text_app(render(gpus).encode())) as url, httpx.AsyncClient() as client:

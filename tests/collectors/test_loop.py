@@ -41,8 +41,13 @@ async def test_simulated_fleet_is_scraped_and_joined_by_config(fleet_config, run
     assert [e.replica for e in batch.engines] == ["small-0"]
     assert batch.engines[0].model == "chat-small"
     up = {k: s.up for k, s in collector.states.items()}
-    assert up == {("node-a", "dcgm"): False, ("node-b", "dcgm"): True, ("large-0", "vllm"): False,
-                  ("small-0", "vllm"): True, ("small-1", "vllm"): False}  # fmt: skip
+    assert up == {
+        ("node-a", "dcgm"): False,
+        ("node-b", "dcgm"): True,
+        ("large-0", "vllm"): False,
+        ("small-0", "vllm"): True,
+        ("small-1", "vllm"): False,
+    }
 
 
 async def test_gpus_join_by_pod_label_when_config_lists_none(fleet_config, running_fleet):
@@ -74,8 +79,10 @@ async def test_energy_equals_what_the_simulator_drew(fleet_config, running_fleet
             return float(rows[0]["energy_joules"])
 
         body = {"prompt": "p " * 50, "max_tokens": 150, "ignore_eos": True}
-        load = [asyncio.create_task(fleet.client.post(f"{fleet.replica_url}/v1/completions",
-                                                      json=body)) for _ in range(16)]  # fmt: skip
+        load = [
+            asyncio.create_task(fleet.client.post(f"{fleet.replica_url}/v1/completions", json=body))
+            for _ in range(16)
+        ]
         start_before = await truth()
         await collector.scrape_once()
         start_after = await truth()
@@ -92,8 +99,9 @@ async def test_energy_equals_what_the_simulator_drew(fleet_config, running_fleet
 
 async def test_hung_target_is_marked_down_and_the_loop_goes_on(fleet_config, running_fleet):
     """A node that never answers times out each due round; the others are scraped every round."""
-    cfg = fleet_config(scrape_interval_seconds=0.2, scrape_timeout_seconds=0.3,
-                       max_backoff_seconds=0.4)  # fmt: skip
+    cfg = fleet_config(
+        scrape_interval_seconds=0.2, scrape_timeout_seconds=0.3, max_backoff_seconds=0.4
+    )
     async with running_fleet(cfg) as fleet, serving(hanging_app) as hung_url:
         hung = DcgmSource("node-a", f"{hung_url}/metrics", fleet.client, 0.3)
         good = DcgmSource("node-b", fleet.dcgm_url, fleet.client, 0.3)
@@ -198,8 +206,14 @@ async def test_counter_reset_and_gap_through_the_loop(config):
         t[0] += step
         batch = await collector.scrape_once()
         energies.append([(s.energy_joules, s.gap) for s in batch.gpus])
-    assert energies == [[(0.0, False)], [(500.0, False)], [(200.0, False)], [],
-                        [(None, True)], [(100.0, False)]]  # fmt: skip
+    assert energies == [
+        [(0.0, False)],
+        [(500.0, False)],
+        [(200.0, False)],
+        [],
+        [(None, True)],
+        [(100.0, False)],
+    ]
     assert collector.gaps_total == 1
     assert collector.replica_energy_joules == {"large-0": 800.0}
 
@@ -225,8 +239,9 @@ async def test_a_spool_that_cannot_be_written_does_not_stop_the_loop(fleet_confi
     sink.open()
     (tmp_path / "gpu_samples").rmdir()  # a new segment file cannot be created any more
     (tmp_path / "gpu_samples").write_text("not a directory")
-    collector = FleetCollector(fleet_config(scrape_interval_seconds=0.05),
-                               [FakeGpuSource("node-a", [[reading()]])], [])  # fmt: skip
+    collector = FleetCollector(
+        fleet_config(scrape_interval_seconds=0.05), [FakeGpuSource("node-a", [[reading()]])], []
+    )
     await asyncio.wait_for(collector.run(sink, rounds=3), 10)
     await sink.close()
     assert collector.rounds == 3
@@ -249,12 +264,24 @@ def test_a_samples_json_is_its_fields(config):
 async def test_a_time_sliced_board_counts_once_split_among_its_pods(config):
     """Two pods sharing one board: one sample each, half the board's time and energy each."""
     t = [1000.0]
-    placed = placements({
-        "a": EngineTarget("small-0", "http://10.0.0.1:9000/engine/metrics", "pod-a", node="node-a",
-                          namespace="ns"),
-        "b": EngineTarget("small-1", "http://10.0.0.2:9000/engine/metrics", "pod-b", node="node-a",
-                          namespace="ns"),
-    })  # fmt: skip
+    placed = placements(
+        {
+            "a": EngineTarget(
+                "small-0",
+                "http://10.0.0.1:9000/engine/metrics",
+                "pod-a",
+                node="node-a",
+                namespace="ns",
+            ),
+            "b": EngineTarget(
+                "small-1",
+                "http://10.0.0.2:9000/engine/metrics",
+                "pod-b",
+                node="node-a",
+                namespace="ns",
+            ),
+        }
+    )
     shared: list[list[GpuReading] | ScrapeError] = [
         [
             reading(gpu="3", uuid="GPU-3333", pod=pod, namespace="ns", energy_mj=e)
@@ -267,8 +294,9 @@ async def test_a_time_sliced_board_counts_once_split_among_its_pods(config):
     await collector.scrape_once()
     t[0] += 10
     batch = await collector.scrape_once()
-    assert sorted((s.instance, s.replica, s.share, s.energy_joules, s.power_watts) for s in batch.gpus) == [
-        ("pod-a", "small-0", 0.5, 300.0, 150.0), ("pod-b", "small-1", 0.5, 300.0, 150.0)]  # fmt: skip
+    assert sorted(
+        (s.instance, s.replica, s.share, s.energy_joules, s.power_watts) for s in batch.gpus
+    ) == [("pod-a", "small-0", 0.5, 300.0, 150.0), ("pod-b", "small-1", 0.5, 300.0, 150.0)]
     assert len({s.sample_id for s in batch.gpus}) == 2
     assert collector.gpu_energy_joules[("node-a", "3")] == 600.0
 
@@ -281,8 +309,19 @@ async def test_a_gpu_seen_before_its_pod_was_discovered_is_joined_once_it_is(con
     collector = FleetCollector(config, [FakeGpuSource("node-a", script)], [])
     collector.place(placements({}))
     first = await collector.scrape_once()
-    collector.place(placements({"x": EngineTarget("small-0", "http://10.0.0.1:9000/engine/metrics",
-                                                  "chat-0", node="node-a", namespace="ns")}))  # fmt: skip
+    collector.place(
+        placements(
+            {
+                "x": EngineTarget(
+                    "small-0",
+                    "http://10.0.0.1:9000/engine/metrics",
+                    "chat-0",
+                    node="node-a",
+                    namespace="ns",
+                )
+            }
+        )
+    )
     second = await collector.scrape_once()
     assert [(s.replica, s.instance) for s in first.gpus] == [(None, None)]
     assert [(s.replica, s.instance) for s in second.gpus] == [("small-0", "chat-0")]

@@ -17,10 +17,13 @@ from tests.collectors.fakes import FakeEngine, FakeGpuSource, FakeInstance, read
 
 
 async def _collector(config: Config) -> FleetCollector:
-    gpus = [reading(node="node-a", gpu="0", uuid="GPU-a0", utilization=0.2, power_watts=100.0),
-            reading(node="node-a", gpu="1", uuid="GPU-a1", utilization=0.6, power_watts=300.0,
-                    xid_errors=79),
-            reading(node="node-a", gpu="2", uuid="GPU-a2", utilization=0.0, power_watts=60.0)]  # fmt: skip
+    gpus = [
+        reading(node="node-a", gpu="0", uuid="GPU-a0", utilization=0.2, power_watts=100.0),
+        reading(
+            node="node-a", gpu="1", uuid="GPU-a1", utilization=0.6, power_watts=300.0, xid_errors=79
+        ),
+        reading(node="node-a", gpu="2", uuid="GPU-a2", utilization=0.0, power_watts=60.0),
+    ]
     collector = FleetCollector(config, [FakeGpuSource("node-a", [gpus])], [FakeEngine()])
     await collector.scrape_once()
     return collector
@@ -55,7 +58,9 @@ async def test_fleet_view_per_gpu_and_per_replica(config):
 
 async def test_instances_of_a_group_add_up_and_each_has_its_own_series(config):
     """Two pods of small-0: one replica series (queues summed), one instance series per pod."""
-    collector = FleetCollector(config, [], [FakeInstance("vllm-small-0-a"), FakeInstance("vllm-small-0-b")])  # fmt: skip
+    collector = FleetCollector(
+        config, [], [FakeInstance("vllm-small-0-a"), FakeInstance("vllm-small-0-b")]
+    )
     await collector.scrape_once()
     registry = CollectorRegistry()
     registry.register(FleetMetrics(collector))
@@ -74,8 +79,9 @@ def test_exposition_passes_promtool(config):
     registry.register(FleetMetrics(asyncio.run(_collector(config))))
     text = generate_latest(registry)
     assert b"infermeter_replica_gpu_energy_joules_total" in text
-    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
-                            check=False)  # fmt: skip
+    result = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, check=False
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -23,11 +23,19 @@ async def _scraped(config: Config) -> FleetCollector:
     t = [1000.0]
 
     def board(gpu: str, energy_mj: float, utilization: float) -> object:
-        return reading(node="node-a", gpu=gpu, uuid=f"GPU-a{gpu}", utilization=utilization,
-                       power_watts=100.0 + 100 * int(gpu), energy_mj=energy_mj)  # fmt: skip
+        return reading(
+            node="node-a",
+            gpu=gpu,
+            uuid=f"GPU-a{gpu}",
+            utilization=utilization,
+            power_watts=100.0 + 100 * int(gpu),
+            energy_mj=energy_mj,
+        )
 
-    rounds = [[board("0", 1e6, 0.2), board("1", 2e6, 0.6), board("2", 3e6, 0.0)],
-              [board("0", 2e6, 0.3), board("1", 5e6, 0.7), board("2", 3.5e6, 0.0)]]  # fmt: skip
+    rounds = [
+        [board("0", 1e6, 0.2), board("1", 2e6, 0.6), board("2", 3e6, 0.0)],
+        [board("0", 2e6, 0.3), board("1", 5e6, 0.7), board("2", 3.5e6, 0.0)],
+    ]
     collector = FleetCollector(config, [FakeGpuSource("node-a", rounds)], [], clock=lambda: t[0])  # type: ignore[arg-type]
     await collector.scrape_once()
     t[0] += 10
@@ -57,8 +65,12 @@ async def test_gpu_utilization_power_and_energy_in_the_hardware_conventions(conf
         "hw.gpu.memory.limit": ("By", "sum", False),
     }
     get = prometheus.get_sample_value
-    twins = {"hw.gpu.utilization": "infermeter_gpu_utilization_ratio", "hw.power": "infermeter_gpu_power_watts",
-             "hw.energy": "infermeter_gpu_energy_joules_total", "hw.gpu.memory.usage": "infermeter_gpu_memory_used_bytes"}  # fmt: skip
+    twins = {
+        "hw.gpu.utilization": "infermeter_gpu_utilization_ratio",
+        "hw.power": "infermeter_gpu_power_watts",
+        "hw.energy": "infermeter_gpu_energy_joules_total",
+        "hw.gpu.memory.usage": "infermeter_gpu_memory_used_bytes",
+    }
     seen = set()
     for p in points:
         a = p.attributes
@@ -67,8 +79,13 @@ async def test_gpu_utilization_power_and_energy_in_the_hardware_conventions(conf
             "node-a",
             "H100",  # the price book's name for the board
         )
-        labels = {"node": "node-a", "gpu": a["hw.name"], "uuid": a["hw.id"],
-                  "replica": a.get("infermeter.replica", ""), "model": a.get("infermeter.model", "")}  # fmt: skip
+        labels = {
+            "node": "node-a",
+            "gpu": a["hw.name"],
+            "uuid": a["hw.id"],
+            "replica": a.get("infermeter.replica", ""),
+            "model": a.get("infermeter.model", ""),
+        }
         if p.name in twins:
             assert p.value == pytest.approx(get(twins[p.name], labels)), (p.name, labels)
         seen.add((p.name, a["hw.id"]))

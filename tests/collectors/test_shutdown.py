@@ -30,8 +30,12 @@ async def test_the_last_samples_reach_billing_before_the_collector_exits(
     billing_config = fleet_config()
     ledger = Ledger.open(":memory:", [t.name for t in billing_config.teams], {})
     async with serving(create_app(billing_config, ledger), lifespan="off") as billing:
-        cfg = fleet_config(scrape_interval_seconds=0.2, spool_dir=str(tmp_path / "spool"),
-                           ingest_url=f"{billing}/v1/ingest", drain_ship_seconds=5.0)  # fmt: skip
+        cfg = fleet_config(
+            scrape_interval_seconds=0.2,
+            spool_dir=str(tmp_path / "spool"),
+            ingest_url=f"{billing}/v1/ingest",
+            drain_ship_seconds=5.0,
+        )
         async with running_fleet(cfg):
             listen = f"127.0.0.1:{free_port()}"
             task = asyncio.create_task(serve_collector(cfg, listen))

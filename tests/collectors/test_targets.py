@@ -23,7 +23,9 @@ from tests.collectors.fakes import reading
 RULES = PodRules()
 
 
-def pod(name: str, ip: str | None = "10.0.0.7", phase: str = "Running", **labels: str) -> dict[str, Any]:  # fmt: skip
+def pod(
+    name: str, ip: str | None = "10.0.0.7", phase: str = "Running", **labels: str
+) -> dict[str, Any]:
     """A pod object as the API server returns it, with only the fields discovery reads."""
     status: dict[str, Any] = {"phase": phase}
     if ip is not None:
@@ -44,17 +46,38 @@ def test_registry_answer_becomes_live_instances_of_known_groups(config):
     """Live instances with an engine URL are targets; a fixed replica keeps instance None."""
     answer = {
         "instances": [
-            {"instance": "vllm-small-0-a", "replica": "small-0", "state": "live",
-             "engine_metrics_url": "http://10.0.0.1:9000/engine/metrics"},
-            {"instance": "large-0", "replica": "large-0", "state": "live",
-             "engine_metrics_url": "http://10.0.0.2:9000/engine/metrics"},
-            {"instance": "gone-1", "replica": "small-0", "state": "stopped",
-             "engine_metrics_url": "http://10.0.0.3:9000/engine/metrics"},
-            {"instance": "no-url", "replica": "small-0", "state": "live", "engine_metrics_url": None},
-            {"instance": "stranger", "replica": "not-configured", "state": "live",
-             "engine_metrics_url": "http://10.0.0.4:9000/engine/metrics"},
+            {
+                "instance": "vllm-small-0-a",
+                "replica": "small-0",
+                "state": "live",
+                "engine_metrics_url": "http://10.0.0.1:9000/engine/metrics",
+            },
+            {
+                "instance": "large-0",
+                "replica": "large-0",
+                "state": "live",
+                "engine_metrics_url": "http://10.0.0.2:9000/engine/metrics",
+            },
+            {
+                "instance": "gone-1",
+                "replica": "small-0",
+                "state": "stopped",
+                "engine_metrics_url": "http://10.0.0.3:9000/engine/metrics",
+            },
+            {
+                "instance": "no-url",
+                "replica": "small-0",
+                "state": "live",
+                "engine_metrics_url": None,
+            },
+            {
+                "instance": "stranger",
+                "replica": "not-configured",
+                "state": "live",
+                "engine_metrics_url": "http://10.0.0.4:9000/engine/metrics",
+            },
         ]
-    }  # fmt: skip
+    }
     assert registry_targets(answer, config.replicas) == {
         "vllm-small-0-a": EngineTarget(
             "small-0", "http://10.0.0.1:9000/engine/metrics", "vllm-small-0-a"
@@ -76,7 +99,10 @@ def test_registry_answer_that_breaks_the_contract_is_refused(config, answer):
     ("obj", "expected"),
     [
         (pod("vllm-small-0-7d9f8-abcde"), ("small-0", "http://10.0.0.7:9000/engine/metrics")),
-        (pod("chat-0", **{"infermeter.io/replica": "small-1"}), ("small-1", "http://10.0.0.7:9000/engine/metrics")),
+        (
+            pod("chat-0", **{"infermeter.io/replica": "small-1"}),
+            ("small-1", "http://10.0.0.7:9000/engine/metrics"),
+        ),
         (pod("vllm-small-0-x", ip="fd00::7"), ("small-0", "http://[fd00::7]:9000/engine/metrics")),
         (pod("vllm-small-0-x", ip=None, phase="Pending"), None),
         (pod("vllm-small-0-x", phase="Succeeded"), None),
@@ -84,7 +110,7 @@ def test_registry_answer_that_breaks_the_contract_is_refused(config, answer):
         (pod("vllm-small-0-x", **{"infermeter.io/replica": "unknown"}), None),
     ],
     ids=["name-rule", "label", "ipv6", "no-ip-yet", "finished", "unknown-name", "unknown-label"],
-)  # fmt: skip
+)
 def test_pod_target(config, obj, expected):
     """A running pod with an IP and a known group is read at its own IP and sidecar port."""
     target = pod_target(obj, config.replicas, RULES)
@@ -103,9 +129,13 @@ def test_watch_events_add_modify_and_delete(config):
         RULES,
     )
     assert (sorted(targets), version) == (["vllm-small-0-a"], "100")
-    targets = apply_pod_event(targets, "ADDED", pod("vllm-small-1-b", ip="10.0.0.8"), config.replicas, RULES)  # fmt: skip
+    targets = apply_pod_event(
+        targets, "ADDED", pod("vllm-small-1-b", ip="10.0.0.8"), config.replicas, RULES
+    )
     assert targets["vllm-small-1-b"].url == "http://10.0.0.8:9000/engine/metrics"
-    targets = apply_pod_event(targets, "MODIFIED", pod("vllm-small-0-a", phase="Failed"), config.replicas, RULES)  # fmt: skip
+    targets = apply_pod_event(
+        targets, "MODIFIED", pod("vllm-small-0-a", phase="Failed"), config.replicas, RULES
+    )
     assert sorted(targets) == ["vllm-small-1-b"]
     targets = apply_pod_event(targets, "DELETED", pod("vllm-small-1-b"), config.replicas, RULES)
     assert targets == {}

@@ -99,8 +99,14 @@ async def test_streams_have_the_same_framing_and_shapes(both, path, body):
     assert _stream_layout(b.content) == _stream_layout(a.content)
 
 
-@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
-                                            ("/v1/chat/completions", {**CHAT, "n": 2})])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", CHAT),
+        ("/v1/completions", COMPLETION),
+        ("/v1/chat/completions", {**CHAT, "n": 2}),
+    ],
+)
 async def test_non_streamed_responses_have_the_same_shape(both, path, body):
     """Non-streamed chat and text completions: same keys in the same order, same usage."""
     real, sim = both
@@ -151,8 +157,15 @@ async def test_invalid_json_error_is_identical(both):
     assert (b.status_code, b.json()) == (a.status_code, a.json())
 
 
-@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/chat/completions"), ("GET", "/v1/nope"),
-                                              ("POST", "/v1/embeddings"), ("GET", "/version")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v1/chat/completions"),
+        ("GET", "/v1/nope"),
+        ("POST", "/v1/embeddings"),
+        ("GET", "/version"),
+    ],
+)
 async def test_routing_answers_are_identical(both, method, path):
     """Wrong method, unknown path, embeddings on a generative model, /version."""
     real, sim = both

@@ -39,8 +39,12 @@ async def sidecar_url(real_vllm: str, tmp_path: Path) -> AsyncIterator[tuple[str
 async def _counters(url: str) -> tuple[float, float]:
     async with httpx.AsyncClient() as c:
         text = (await c.get(f"{url}/metrics")).text
-    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-              if s.name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")}  # fmt: skip
+    values = {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+    }
     return values["vllm:prompt_tokens_total"], values["vllm:generation_tokens_total"]
 
 
@@ -88,12 +92,24 @@ async def test_records_of_several_choices_count_prompts_as_real_vllm_does(real_v
         base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=120
     ) as c:
         sent = [
-            ("/v1/chat/completions", {"model": "chat-small", "messages": MSG, "max_tokens": 4, "n": 2}),
-            ("/v1/chat/completions",
-             {"model": "chat-small", "messages": MSG, "max_tokens": 4, "n": 3, "stream": True}),
-            ("/v1/completions",
-             {"model": "chat-small", "prompt": ["Hello world", "One two three four"], "max_tokens": 3, "n": 2}),
-        ]  # fmt: skip
+            (
+                "/v1/chat/completions",
+                {"model": "chat-small", "messages": MSG, "max_tokens": 4, "n": 2},
+            ),
+            (
+                "/v1/chat/completions",
+                {"model": "chat-small", "messages": MSG, "max_tokens": 4, "n": 3, "stream": True},
+            ),
+            (
+                "/v1/completions",
+                {
+                    "model": "chat-small",
+                    "prompt": ["Hello world", "One two three four"],
+                    "max_tokens": 3,
+                    "n": 2,
+                },
+            ),
+        ]
         for path, body in sent:
             response = await c.post(path, json=body)
             assert response.status_code == 200, response.text

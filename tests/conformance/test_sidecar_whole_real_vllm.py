@@ -41,9 +41,10 @@ def _records(spool: Path) -> list[dict[str, Any]]:
 def _cut(records: list[dict[str, Any]], max_tokens: int) -> list[dict[str, Any]]:
     """Records of hang-ups that stopped vLLM before the whole answer."""
     return [
-        r for r in records
+        r
+        for r in records
         if r["status"] == "client_aborted" and r["completion_tokens"] < max_tokens
-    ]  # fmt: skip
+    ]
 
 
 async def _engine(client: httpx.AsyncClient, url: str) -> dict[str, float]:
@@ -53,8 +54,12 @@ async def _engine(client: httpx.AsyncClient, url: str) -> dict[str, float]:
         "vllm:generation_tokens_total",
         "vllm:num_requests_running",
     )
-    return {n: sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == n) for n in names}  # fmt: skip
+    return {
+        n: sum(
+            s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == n
+        )
+        for n in names
+    }
 
 
 @pytest.mark.parametrize(
@@ -82,7 +87,9 @@ async def test_the_assembled_body_is_vllms_own_non_streamed_body(real_vllm, side
     (record,) = _records(spool)
     assert record["response_id"] == via.json()["id"]
     assert (record["prompt_tokens"], record["completion_tokens"]) == (
-        direct.json()["usage"]["prompt_tokens"], direct.json()["usage"]["completion_tokens"])  # fmt: skip
+        direct.json()["usage"]["prompt_tokens"],
+        direct.json()["usage"]["completion_tokens"],
+    )
 
 
 async def test_a_refusal_is_vllms_own(real_vllm, sidecar):
@@ -90,8 +97,9 @@ async def test_a_refusal_is_vllms_own(real_vllm, sidecar):
     url, _ = sidecar
     body = {"messages": MSG, "max_tokens": 5000}
     async with httpx.AsyncClient(timeout=120) as c:
-        via = await c.post(f"{url}/v1/chat/completions", json={**body, "model": "chat-small"},
-                           headers=KEY)  # fmt: skip
+        via = await c.post(
+            f"{url}/v1/chat/completions", json={**body, "model": "chat-small"}, headers=KEY
+        )
         direct = await c.post(f"{real_vllm}/v1/chat/completions", json={**body, "model": "tiny"})
     assert via.status_code == direct.status_code == 400
     assert via.json() == direct.json()
@@ -160,9 +168,11 @@ async def test_abandoned_requests_are_aborted_and_carry_vllms_counts(real_vllm, 
     prompt = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     recorded = sum(r["completion_tokens"] for r in records)
-    print(f"\n{len(aborted)} of {tries} tries aborted; vLLM stopped {max(stopped_after):.2f} s at "
-          f"most after a hang-up and generated {generated - recorded:.0f} token(s) past the "
-          "last chunk read")  # fmt: skip
+    print(
+        f"\n{len(aborted)} of {tries} tries aborted; vLLM stopped {max(stopped_after):.2f} s at "
+        f"most after a hang-up and generated {generated - recorded:.0f} token(s) past the "
+        "last chunk read"
+    )
     assert sum(r["prompt_tokens"] for r in records) == prompt
     # What vLLM generated between the last chunk the sidecar read and noticing the closed
     # connection: a few tokens per hang-up, and its rate over the time it took to stop.

@@ -53,15 +53,24 @@ def build(start: int) -> Fleet:
                 received = start + minute * 60 + 5.0 + ti
                 ttft = ttft_of(minute, ti)
                 failed = (minute + ti) % 13 == 0
-                usage.append({
-                    "request_id": f"r-{minute}-{team}-{replica}", "team": team, "model": model,
-                    "served_version": model, "replica": replica, "received_at": received,
-                    "first_token_at": received + ttft, "finished_at": received + ttft + 4.0,
-                    "prompt_tokens": 100 + 10 * ti, "cached_prompt_tokens": 0,
-                    "completion_tokens": 0 if failed else 50 + ti,
-                    "status": "upstream_error" if failed else "ok",
-                    "http_status": 500 if failed else 200, "stream": True,
-                })  # fmt: skip
+                usage.append(
+                    {
+                        "request_id": f"r-{minute}-{team}-{replica}",
+                        "team": team,
+                        "model": model,
+                        "served_version": model,
+                        "replica": replica,
+                        "received_at": received,
+                        "first_token_at": received + ttft,
+                        "finished_at": received + ttft + 4.0,
+                        "prompt_tokens": 100 + 10 * ti,
+                        "cached_prompt_tokens": 0,
+                        "completion_tokens": 0 if failed else 50 + ti,
+                        "status": "upstream_error" if failed else "ok",
+                        "http_status": 500 if failed else 200,
+                        "stream": True,
+                    }
+                )
     gpu, engine = [], []
     for k in range(MINUTES * 6):
         ts = start + (k + 1) * 10.0
@@ -69,18 +78,37 @@ def build(start: int) -> Fleet:
             for g in gpus:
                 util = 0.5 + 0.1 * g
                 power = 300.0 + 50 * g
-                gpu.append({
-                    "sample_id": f"g-{k}-{node}-{g}", "node": node, "gpu": str(g),
-                    "uuid": f"GPU-{node}-{g}", "gpu_model": "H100" if node == "node-a" else "L40S",
-                    "replica": replica, "model": model, "timestamp": ts, "interval_seconds": 10.0,
-                    "utilization": util, "power_watts": power, "energy_joules": power * 10.0,
-                    "memory_used_mib": 1000.0, "memory_free_mib": 1000.0,
-                })  # fmt: skip
-            engine.append({
-                "sample_id": f"e-{k}-{replica}", "replica": replica, "model": model,
-                "timestamp": ts, "requests_running": 4.0, "requests_waiting": float(k % 3),
-                "kv_cache_usage": 0.25, "prompt_tokens_total": 0.0, "generation_tokens_total": 0.0,
-            })  # fmt: skip
+                gpu.append(
+                    {
+                        "sample_id": f"g-{k}-{node}-{g}",
+                        "node": node,
+                        "gpu": str(g),
+                        "uuid": f"GPU-{node}-{g}",
+                        "gpu_model": "H100" if node == "node-a" else "L40S",
+                        "replica": replica,
+                        "model": model,
+                        "timestamp": ts,
+                        "interval_seconds": 10.0,
+                        "utilization": util,
+                        "power_watts": power,
+                        "energy_joules": power * 10.0,
+                        "memory_used_mib": 1000.0,
+                        "memory_free_mib": 1000.0,
+                    }
+                )
+            engine.append(
+                {
+                    "sample_id": f"e-{k}-{replica}",
+                    "replica": replica,
+                    "model": model,
+                    "timestamp": ts,
+                    "requests_running": 4.0,
+                    "requests_waiting": float(k % 3),
+                    "kv_cache_usage": 0.25,
+                    "prompt_tokens_total": 0.0,
+                    "generation_tokens_total": 0.0,
+                }
+            )
     return Fleet(start, usage, gpu, engine)
 
 
@@ -94,8 +122,11 @@ def open_ledger(config: Config, path: str | Path, fleet: Fleet) -> Ledger:
     """A ledger at ``path`` holding ``fleet``, ingested the way the service ingests."""
     sla = {m.name: m.sla.ttft_p95_seconds for m in config.models}
     ledger = Ledger.open(path, [t.name for t in config.teams], sla)
-    for key, records in (("usage", fleet.usage), ("gpu_samples", fleet.gpu),
-                         ("engine_samples", fleet.engine)):  # fmt: skip
+    for key, records in (
+        ("usage", fleet.usage),
+        ("gpu_samples", fleet.gpu),
+        ("engine_samples", fleet.engine),
+    ):
         result = ledger.ingest(orjson.dumps({key: records}))
         assert not result.rejected, result.rejected[:3]
     return ledger

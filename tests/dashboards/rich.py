@@ -48,29 +48,63 @@ def _counting_engine(fleet: records.Fleet, replica: str) -> list[dict[str, Any]]
         prompt = sum(r["prompt_tokens"] for r in mine if r["first_token_at"] <= t)
         done = sum(r["completion_tokens"] for r in mine if r["finished_at"] <= t)
         extra = UNATTRIBUTED_TOKENS if t >= fleet.start + 1800 else 0
-        out.append({"sample_id": f"rich-e-{next(_ids)}", "replica": replica,
-                    "model": records.REPLICAS[replica][0], "timestamp": t, "requests_running": 4.0,
-                    "requests_waiting": 1.0, "kv_cache_usage": 0.25,
-                    "prompt_tokens_total": float(prompt), "generation_tokens_total": float(done + extra)})  # fmt: skip
+        out.append(
+            {
+                "sample_id": f"rich-e-{next(_ids)}",
+                "replica": replica,
+                "model": records.REPLICAS[replica][0],
+                "timestamp": t,
+                "requests_running": 4.0,
+                "requests_waiting": 1.0,
+                "kv_cache_usage": 0.25,
+                "prompt_tokens_total": float(prompt),
+                "generation_tokens_total": float(done + extra),
+            }
+        )
     return out
 
 
 def _spare_gpu(fleet: records.Fleet) -> list[dict[str, Any]]:
     """GPU 2 of node-b, which no replica runs on, seen every 10 s of the hour."""
-    return [{"sample_id": f"rich-g-{k}", "node": "node-b", "gpu": "2", "uuid": "GPU-node-b-2",
-             "gpu_model": "L40S", "replica": None, "model": None, "timestamp": fleet.start + (k + 1) * 10.0,
-             "interval_seconds": 10.0, "utilization": 0.0, "power_watts": 60.0, "energy_joules": 600.0,
-             "memory_used_mib": 0.0, "memory_free_mib": 48000.0} for k in range(records.MINUTES * 6)]  # fmt: skip
+    return [
+        {
+            "sample_id": f"rich-g-{k}",
+            "node": "node-b",
+            "gpu": "2",
+            "uuid": "GPU-node-b-2",
+            "gpu_model": "L40S",
+            "replica": None,
+            "model": None,
+            "timestamp": fleet.start + (k + 1) * 10.0,
+            "interval_seconds": 10.0,
+            "utilization": 0.0,
+            "power_watts": 60.0,
+            "energy_joules": 600.0,
+            "memory_used_mib": 0.0,
+            "memory_free_mib": 48000.0,
+        }
+        for k in range(records.MINUTES * 6)
+    ]
 
 
 def _decisions(fleet: records.Fleet) -> list[dict[str, Any]]:
     out = []
-    for minutes, previous, desired, why in ((10, 2, 3, "queue 12 > 10 for 35 s (>= 30 s): scale up"),
-                                            (40, 3, 2, "GPUs 12 % busy for 5 m: scale down")):  # fmt: skip
+    for minutes, previous, desired, why in (
+        (10, 2, 3, "queue 12 > 10 for 35 s (>= 30 s): scale up"),
+        (40, 3, 2, "GPUs 12 % busy for 5 m: scale down"),
+    ):
         at = fleet.start + minutes * 60
-        out.append(ScalingDecision(decision_id=sample_id(at, "scale", "chat-small"), model="chat-small",
-                                   decided_at=at, previous=previous, current=previous, desired=desired,
-                                   reasons=why).to_json())  # fmt: skip
+        out.append(
+            ScalingDecision(
+                decision_id=sample_id(at, "scale", "chat-small"),
+                model="chat-small",
+                decided_at=at,
+                previous=previous,
+                current=previous,
+                desired=desired,
+                reasons=why,
+            ).to_json()
+        )
     return out
 
 
@@ -94,8 +128,19 @@ def open_ledger(
     last_month = month_of(month_bounds(month_of(now))[0] - 1)
     before = records.build(int(month_bounds(last_month)[0]) + 86400)
     for kind, rows in (("usage", before.usage), ("gpu_samples", before.gpu)):
-        _keep(ledger, kind, [r | {"request_id" if kind == "usage" else "sample_id":
-                                  f"old-{r.get('request_id') or r['sample_id']}"} for r in rows])  # fmt: skip
+        _keep(
+            ledger,
+            kind,
+            [
+                r
+                | {
+                    "request_id"
+                    if kind == "usage"
+                    else "sample_id": f"old-{r.get('request_id') or r['sample_id']}"
+                }
+                for r in rows
+            ],
+        )
     Chargeback(ledger, config).close(last_month, now=now - 1800)
     return ledger, fleet
 

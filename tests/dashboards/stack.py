@@ -126,8 +126,10 @@ def chromium(downloads: Path, tz: str = "UTC") -> Iterator[webdriver.Chrome]:
     ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    options.add_experimental_option("prefs", {"download.default_directory": str(downloads),
-                                              "download.prompt_for_download": False})  # fmt: skip
+    options.add_experimental_option(
+        "prefs",
+        {"download.default_directory": str(downloads), "download.prompt_for_download": False},
+    )
     service = Service(str(CHROMEDRIVER), env={**os.environ, "TZ": tz})
     driver = webdriver.Chrome(options=options, service=service)
     try:

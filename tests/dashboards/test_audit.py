@@ -31,10 +31,16 @@ def test_sign_ins_their_failures_and_sign_outs_are_on_the_audit_trail(
     config: Config, tmp_path: Path
 ) -> None:
     """A wrong key, the admin's key and the sign-out are three events, from the browser's address."""
-    config = config.model_copy(update={"dashboard": config.dashboard.model_copy(
-        update={"spool_dir": str(tmp_path / "spool")})})  # fmt: skip
-    ledger = Ledger.open(tmp_path / "ledger.duckdb", [t.name for t in config.teams],
-                         {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    config = config.model_copy(
+        update={
+            "dashboard": config.dashboard.model_copy(update={"spool_dir": str(tmp_path / "spool")})
+        }
+    )
+    ledger = Ledger.open(
+        tmp_path / "ledger.duckdb",
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
     try:
         with billing_thread(config, ledger) as billing:
             audit = audit_thread(config, billing, {"INFERMETER_INGEST_TOKEN": "im-demo-ingest"})
@@ -48,12 +54,19 @@ def test_sign_ins_their_failures_and_sign_outs_are_on_the_audit_trail(
             try:
                 assert sign_in(url, "im-wrong-key")["auth"]["data"] is None
                 session = sign_in(url, ADMIN)["auth"]["data"]
-                callback(url, SIGN_IN, [
-                    {"id": "logout", "property": "n_clicks", "value": 1},
-                    {"id": "login-button", "property": "n_clicks", "value": 1},
-                    {"id": "login-key", "property": "n_submit", "value": None},
-                ], [{"id": "login-key", "property": "value", "value": ""},
-                    {"id": "auth", "property": "data", "value": session}])  # fmt: skip
+                callback(
+                    url,
+                    SIGN_IN,
+                    [
+                        {"id": "logout", "property": "n_clicks", "value": 1},
+                        {"id": "login-button", "property": "n_clicks", "value": 1},
+                        {"id": "login-key", "property": "n_submit", "value": None},
+                    ],
+                    [
+                        {"id": "login-key", "property": "value", "value": ""},
+                        {"id": "auth", "property": "data", "value": session},
+                    ],
+                )
                 deadline = time.monotonic() + 30
                 while len(events := trail(billing)) < 3:
                     assert time.monotonic() < deadline, events

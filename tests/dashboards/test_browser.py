@@ -168,8 +168,11 @@ def test_chargeback_table_is_the_export_and_reconciles(stack):
     assert {line[header.index("for_month")] for line in lines} == {month}
     # The basis is said above the table, and a split no line has (no pools, no projects here)
     # is not a column of blanks.
-    blank = {c for c in ("pricing_category", "pool", "project")
-             if not any(line[header.index(c)] for line in lines)}  # fmt: skip
+    blank = {
+        c
+        for c in ("pricing_category", "pool", "project")
+        if not any(line[header.index(c)] for line in lines)
+    }
     hidden = {"month", "line_type", "for_month", "basis", *blank}
     visible = [c for c in header if c not in hidden]
     for cells, line in zip(shown, lines, strict=True):
@@ -206,8 +209,13 @@ def test_fleet_page_shows_the_ledgers_requests_and_desired_replicas(stack):
     """The fleet page counts every request of the range and shows the scaling signal."""
     sign_in(stack, ADMIN_KEY, "/?range=24h")
     wait(stack, "#fleet-requests-total", f"{len(stack.fleet.usage)} requests in range")
-    desired = dict(zip(column(stack, "fleet-replicas-table", "model"),
-                       column(stack, "fleet-replicas-table", "desired"), strict=True))  # fmt: skip
+    desired = dict(
+        zip(
+            column(stack, "fleet-replicas-table", "model"),
+            column(stack, "fleet-replicas-table", "desired"),
+            strict=True,
+        )
+    )
     assert desired == {"chat-large": MISSING, "chat-small": "3"}
     wait(stack, "#fleet-reconciliation-table")
     assert column(stack, "fleet-reconciliation-table", "replica") == sorted(REPLICAS)
@@ -248,8 +256,13 @@ def test_sla_compliance_equals_the_ledgers_share(stack):
     """Compliance per model is the ledger's share within target; hours are in the viewer's zone."""
     sign_in(stack, ADMIN_KEY, "/sla?range=24h")
     wait(stack, "#sla-models-table")
-    shown = dict(zip(column(stack, "sla-models-table", "model"),
-                     column(stack, "sla-models-table", "compliance_pct"), strict=True))  # fmt: skip
+    shown = dict(
+        zip(
+            column(stack, "sla-models-table", "model"),
+            column(stack, "sla-models-table", "compliance_pct"),
+            strict=True,
+        )
+    )
     for model, pct in shown.items():
         target = stack.config.model(model).sla.ttft_p95_seconds
         reqs = [r for r in stack.fleet.usage if r["model"] == model]

@@ -83,11 +83,21 @@ def instances(ledger: Ledger, group: str, model: str, count: int) -> list[str]:
         name, started = f"vllm-{group}-{n}", now - 300 * (count + 1 - n)
         names.append(name)
         for kind, at in (("start", started), ("heartbeat", now - 1)):
-            events.append(InstanceEvent(
-                event_id=f"ev-{next(_ids)}", instance=name, replica=group, model=model, event=kind,
-                timestamp=at, started_at=started, node="node-b", gpu_model="L40S", gpu_count=1,
-                gpus=str(n + 1),
-            ).to_json())  # fmt: skip
+            events.append(
+                InstanceEvent(
+                    event_id=f"ev-{next(_ids)}",
+                    instance=name,
+                    replica=group,
+                    model=model,
+                    event=kind,
+                    timestamp=at,
+                    started_at=started,
+                    node="node-b",
+                    gpu_model="L40S",
+                    gpu_count=1,
+                    gpus=str(n + 1),
+                ).to_json()
+            )
     keep(ledger, "instances", events)
     return names
 
@@ -96,19 +106,41 @@ def decision(model: str, ago: float, previous: int, desired: int, reasons: str) 
     """A change the autoscaler made ``ago`` seconds before now, as it spools it."""
     at = time.time() - ago
     return ScalingDecision(
-        decision_id=sample_id(at, "scale", model), model=model, decided_at=at, previous=previous,
-        current=previous, desired=desired, reasons=reasons,
-    ).to_json()  # fmt: skip
+        decision_id=sample_id(at, "scale", model),
+        model=model,
+        decided_at=at,
+        previous=previous,
+        current=previous,
+        desired=desired,
+        reasons=reasons,
+    ).to_json()
 
 
 def requests(ledger: Ledger, count: int, at: float) -> None:
     """``count`` finished requests of team search on small-0, all received at ``at``."""
-    keep(ledger, "usage", [UsageRecord(
-        request_id=f"req-{next(_ids)}", team="search", model="chat-small",
-        served_version="llama-3.1-8b-instruct", replica="small-0", received_at=at,
-        first_token_at=at + 0.05, finished_at=at + 0.2, prompt_tokens=100, cached_prompt_tokens=0,
-        completion_tokens=20, status="ok", http_status=200, stream=True,
-    ).to_json() for _ in range(count)])  # fmt: skip
+    keep(
+        ledger,
+        "usage",
+        [
+            UsageRecord(
+                request_id=f"req-{next(_ids)}",
+                team="search",
+                model="chat-small",
+                served_version="llama-3.1-8b-instruct",
+                replica="small-0",
+                received_at=at,
+                first_token_at=at + 0.05,
+                finished_at=at + 0.2,
+                prompt_tokens=100,
+                cached_prompt_tokens=0,
+                completion_tokens=20,
+                status="ok",
+                http_status=200,
+                stream=True,
+            ).to_json()
+            for _ in range(count)
+        ],
+    )
 
 
 def wait(p: Page, css: str, text: str | None = None, timeout: float = 30) -> str:
@@ -186,10 +218,14 @@ def test_a_three_instance_group_shows_three_live_the_desired_count_and_why(
     instances are listed; the charts mark the decisions with their reasons."""
     with page(config, browser, tmp_path) as p:
         names = instances(p.ledger, "small-0", "chat-small", 3)
-        keep(p.ledger, "scaling_decisions", [
-            decision("chat-small", 900, 2, 3, "queue 12 > 10 for 35 s (>= 30 s): scale up"),
-            decision("chat-large", 600, 1, 2, "raised to min_replicas 2"),
-        ])  # fmt: skip
+        keep(
+            p.ledger,
+            "scaling_decisions",
+            [
+                decision("chat-small", 900, 2, 3, "queue 12 > 10 for 35 s (>= 30 s): scale up"),
+                decision("chat-large", 600, 1, 2, "raised to min_replicas 2"),
+            ],
+        )
         # Requests from before the decisions: the default range fits the data, so it holds both.
         requests(p.ledger, 5, time.time() - 1_000)
         requests(p.ledger, 5, time.time() - 120)
@@ -213,8 +249,10 @@ def test_a_three_instance_group_shows_three_live_the_desired_count_and_why(
         requests_chart = figure(p, "fleet-requests", "Requests per second")
         events = next(t for t in requests_chart["traces"] if t["name"] == "scale events")
         assert len(events["text"]) == 2
-        assert any("chat-small: 2 -&gt; 3 replicas" in t or "chat-small: 2 -> 3 replicas" in t
-                   for t in events["text"])  # fmt: skip
+        assert any(
+            "chat-small: 2 -&gt; 3 replicas" in t or "chat-small: 2 -> 3 replicas" in t
+            for t in events["text"]
+        )
         assert requests_chart["shapes"].count("line") == 2
         finish(p, "fleet-instances-admin")
 
@@ -245,8 +283,12 @@ def test_a_fresh_ledger_in_its_first_minute_shows_the_same_requests_everywhere(
         p.driver.get(p.url + "/")
         wait(p, "#summary-requests-value", "7")
         wait(p, "#fleet-requests-total", "7 requests in range")
-        titles = ("Time to first token", "Output tokens per second", "Requests per second",
-                  "Error rate")  # fmt: skip
+        titles = (
+            "Time to first token",
+            "Output tokens per second",
+            "Requests per second",
+            "Error rate",
+        )
         shown = {g: figure(p, g, t) for g, t in zip(REQUEST_CHARTS, titles, strict=True)}
         assert time.time() < minute_ends, "the minute closed before the page was read"
         finish(p, "fleet-first-minute")

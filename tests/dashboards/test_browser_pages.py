@@ -34,8 +34,15 @@ from tests.dashboards.records import ADMIN_KEY, TEAM_KEYS
 from tests.dashboards.stack import billing_thread, chromium, dashboard_thread, metrics_thread
 from tests.dashboards.test_browser import DESIRED, VIEWER_TZ, Stack, column, sign_in, wait
 
-PAGES = {"fleet": "/", "teams": "/teams", "allocation": "/allocation", "chargeback": "/chargeback",
-         "sla": "/sla", "planner": "/planner", "efficiency": "/efficiency"}  # fmt: skip
+PAGES = {
+    "fleet": "/",
+    "teams": "/teams",
+    "allocation": "/allocation",
+    "chargeback": "/chargeback",
+    "sla": "/sla",
+    "planner": "/planner",
+    "efficiency": "/efficiency",
+}
 KEYS = {"admin": ADMIN_KEY, "search": TEAM_KEYS["search"]}
 WIDTHS = (1280, 1920)
 # Words a numeric cell may hold besides a number and the missing-value dash.
@@ -114,8 +121,12 @@ def _wait_for_the_alert(prometheus: str) -> None:
 
 def api(site: Stack, key: str, path: str, **params: Any) -> Any:
     """What billing answers ``key`` at ``path``."""
-    response = httpx.get(f"{site.billing}{path}", params=params,  # type: ignore[attr-defined]
-                         headers={"authorization": f"Bearer {key}"}, timeout=60)  # fmt: skip
+    response = httpx.get(
+        f"{site.billing}{path}",  # type: ignore[attr-defined]
+        params=params,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=60,
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -252,8 +263,11 @@ def _teams(site: Stack, who: str) -> None:
             c: column(site, "teams-table", c)[-1]
             for c in ("team", "requests", "unattributed_tokens")
         }
-        assert row == {"team": "platform (idle capacity, unattributed tokens)", "requests": MISSING,
-                       "unattributed_tokens": str(rich.UNATTRIBUTED_TOKENS)}  # fmt: skip
+        assert row == {
+            "team": "platform (idle capacity, unattributed tokens)",
+            "requests": MISSING,
+            "unattributed_tokens": str(rich.UNATTRIBUTED_TOKENS),
+        }
     _bars_are_seen_with_their_labels(site)
 
 
@@ -289,8 +303,15 @@ def _allocation(site: Stack, who: str) -> None:
         if who == "admin"
         else statement.lines.filter(statement.lines["team"] == who)
     )
-    total = parse_number(site.driver.find_element(By.CSS_SELECTOR, "#alloc-rows tfoot td[data-column='total_usd']").text) \
-        if len(teams) > 1 else shown[0]  # fmt: skip
+    total = (
+        parse_number(
+            site.driver.find_element(
+                By.CSS_SELECTOR, "#alloc-rows tfoot td[data-column='total_usd']"
+            ).text
+        )
+        if len(teams) > 1
+        else shown[0]
+    )
     assert round((total or 0) * 100) == int(lines["total_cents"].sum())
 
 
@@ -314,8 +335,13 @@ def _sla(site: Stack, who: str) -> None:
         part = by_model.setdefault(row[cols.index("model")], [0, 0])
         part[0] += row[cols.index("within_sla")]
         part[1] += row[cols.index("ttft_requests")]
-    shown = dict(zip(column(site, "sla-models-table", "model"),
-                     column(site, "sla-models-table", "compliance_pct"), strict=True))  # fmt: skip
+    shown = dict(
+        zip(
+            column(site, "sla-models-table", "model"),
+            column(site, "sla-models-table", "compliance_pct"),
+            strict=True,
+        )
+    )
     for model, (within, asked) in by_model.items():
         assert parse_number(shown[model]) == pytest.approx(
             round(100 * within / asked, 2), abs=0.051
@@ -338,8 +364,15 @@ def _efficiency(site: Stack, who: str) -> None:
     wait(site, "#efficiency-total")
 
 
-COMPARE = {"fleet": _fleet, "teams": _teams, "allocation": _allocation, "chargeback": _chargeback,
-           "sla": _sla, "planner": _planner, "efficiency": _efficiency}  # fmt: skip
+COMPARE = {
+    "fleet": _fleet,
+    "teams": _teams,
+    "allocation": _allocation,
+    "chargeback": _chargeback,
+    "sla": _sla,
+    "planner": _planner,
+    "efficiency": _efficiency,
+}
 
 
 def test_allocation_drills_into_a_clicked_row_and_downloads_what_it_shows(site):
@@ -370,9 +403,18 @@ def test_allocation_drills_into_a_clicked_row_and_downloads_what_it_shows(site):
     )
     text = next(site.downloads.glob("allocation-model-*.csv")).read_text()
     records = list(csv.DictReader(io.StringIO(text)))
-    assert list(records[0])[2:] == ["model", "requests", "tokens", "gpu_hours", "compute_usd",
-                                    "energy_usd", "idle_usd", "total_usd", "efficiency_pct",
-                                    "usd_per_million_tokens"]  # fmt: skip
+    assert list(records[0])[2:] == [
+        "model",
+        "requests",
+        "tokens",
+        "gpu_hours",
+        "compute_usd",
+        "energy_usd",
+        "idle_usd",
+        "total_usd",
+        "efficiency_pct",
+        "usd_per_million_tokens",
+    ]
     assert {r["model"]: float(r["total_usd"]) for r in records[:-1]} == shown
     assert records[-1]["model"] == "total"
     site.driver.save_screenshot(str(site.artifacts / "rich-allocation-drilled.png"))

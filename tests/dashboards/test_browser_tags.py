@@ -27,10 +27,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     config = config.model_copy(update={"dashboard": DashboardSettings(refresh_seconds=3600)})
     now = time.time()
     start = max(now - 1800, month_bounds(month_of(now))[0])
-    records = [usage("search", start + 10, 300, user="ana", project="alpha"),
-               usage("search", start + 20, 100, user="ben", project="alpha"),
-               usage("search", start + 30, 200, project="beta"),
-               usage("assistant", start + 40, 100, user="zed")]  # fmt: skip
+    records = [
+        usage("search", start + 10, 300, user="ana", project="alpha"),
+        usage("search", start + 20, 100, user="ben", project="alpha"),
+        usage("search", start + 30, 200, project="beta"),
+        usage("assistant", start + 40, 100, user="zed"),
+    ]
     samples = gpu_samples(start=start, seconds=max(60.0, now - start - 1))
     with contextlib.ExitStack() as stack:
         ledger = Ledger.open(tmp / "ledger.duckdb", [t.name for t in config.teams], {})
@@ -50,9 +52,12 @@ def test_a_team_sees_its_own_projects_and_users_and_no_other_teams(stack: Stack)
     wait(stack, "#teams-tags-table tbody td")
     teams = column(stack, "teams-tags-table", "team")
     pairs = list(
-        zip(column(stack, "teams-tags-table", "project"), column(stack, "teams-tags-table", "user"),
-            strict=True)
-    )  # fmt: skip
+        zip(
+            column(stack, "teams-tags-table", "project"),
+            column(stack, "teams-tags-table", "user"),
+            strict=True,
+        )
+    )
     shown = [parse_number(c) for c in column(stack, "teams-tags-table", "cost_usd")]
     costs = [c for c in shown if c is not None]
     assert len(costs) == len(shown) == 3

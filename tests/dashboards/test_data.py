@@ -22,8 +22,9 @@ JAN_15_NOON_UTC = 1768478400
 
 
 @pytest.mark.parametrize(
-    ("tz", "hour"), [("UTC", 12), ("Europe/Berlin", 13), ("America/New_York", 7), ("Not/AZone", 12), (None, 12)]
-)  # fmt: skip
+    ("tz", "hour"),
+    [("UTC", 12), ("Europe/Berlin", 13), ("America/New_York", 7), ("Not/AZone", 12), (None, 12)],
+)
 def test_times_are_shown_in_the_viewers_zone(tz, hour):
     """UTC seconds become the viewer's wall-clock time; an unknown zone falls back to UTC."""
     frame = local_times(pl.DataFrame({"t": [JAN_15_NOON_UTC]}), tz)
@@ -43,10 +44,21 @@ def test_desired_replicas_from_prometheus_text():
 
 def test_statement_from_json_keeps_lines_and_totals():
     """A statement rebuilt from billing's JSON has the same lines, fleet and adjustment cents."""
-    line = dict.fromkeys(empty_lines().columns, 0) | {"month": "2026-01", "for_month": "2026-01",
-                                                    "team": "search", "model": "m", "total_cents": 250}  # fmt: skip
-    body = {"month": "2026-01", "closed": False, "lines": [line], "total_cents": 250,
-            "fleet_cents": 250, "adjustment_cents": 0}  # fmt: skip
+    line = dict.fromkeys(empty_lines().columns, 0) | {
+        "month": "2026-01",
+        "for_month": "2026-01",
+        "team": "search",
+        "model": "m",
+        "total_cents": 250,
+    }
+    body = {
+        "month": "2026-01",
+        "closed": False,
+        "lines": [line],
+        "total_cents": 250,
+        "fleet_cents": 250,
+        "adjustment_cents": 0,
+    }
     statement = statement_from_json(body)
     assert statement.total_cents == 250
     assert statement.reconciles

@@ -14,8 +14,13 @@ ADMIN = Session("token", "@admin", None, True)
 def test_a_team_key_takes_the_signed_in_team_when_none_is_picked() -> None:
     """A lead's member key is for their own team; empty fields are left out, days become seconds."""
     body = key_request(LEAD, None, "member", " rag ", "", 2, " why ")
-    assert body == {"role": "member", "team": "search", "member": "rag", "reason": "why",
-                    "expires_in_seconds": 172_800.0}  # fmt: skip
+    assert body == {
+        "role": "member",
+        "team": "search",
+        "member": "rag",
+        "reason": "why",
+        "expires_in_seconds": 172_800.0,
+    }
 
 
 def test_a_role_key_names_no_team() -> None:
@@ -30,13 +35,31 @@ def test_keys_are_listed_newest_first_with_their_state() -> None:
     """Active, expired and revoked keys say so; the newest is first; times are the viewer's."""
     now = 1_800_000_000.0
     keys: list[dict[str, Any]] = [
-        {"key_id": "a" * 12, "role": "member", "team": "search", "created_at": now - 300,
-         "created_by": "lia@example.com", "expires_at": now - 1},
-        {"key_id": "b" * 12, "role": "finance", "team": None, "created_at": now - 100,
-         "created_by": "@admin", "revoked_at": now - 50},
-        {"key_id": "c" * 12, "role": "lead", "team": "search", "created_at": now - 200,
-         "created_by": "@admin", "member": "ana"},
-    ]  # fmt: skip
+        {
+            "key_id": "a" * 12,
+            "role": "member",
+            "team": "search",
+            "created_at": now - 300,
+            "created_by": "lia@example.com",
+            "expires_at": now - 1,
+        },
+        {
+            "key_id": "b" * 12,
+            "role": "finance",
+            "team": None,
+            "created_at": now - 100,
+            "created_by": "@admin",
+            "revoked_at": now - 50,
+        },
+        {
+            "key_id": "c" * 12,
+            "role": "lead",
+            "team": "search",
+            "created_at": now - 200,
+            "created_by": "@admin",
+            "member": "ana",
+        },
+    ]
     frame = keys_frame(keys, now, "Asia/Kolkata")
     assert frame["key_id"].to_list() == ["b" * 12, "c" * 12, "a" * 12]
     assert frame["state"].to_list() == ["revoked", "active", "expired"]

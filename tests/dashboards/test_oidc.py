@@ -102,15 +102,17 @@ def provider() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def dashboard(config: Config, billing: str, sessions: Sessions,
-              heard: list[tuple[str, str, dict[str, Any]]]) -> Iterator[str]:  # fmt: skip
+def dashboard(
+    config: Config, billing: str, sessions: Sessions, heard: list[tuple[str, str, dict[str, Any]]]
+) -> Iterator[str]:
     """The dashboard served as ``infermeter dashboard`` serves it, its sign-ins told to ``heard``."""
 
     def record(action: str, actor: str, _role: str, **fields: Any) -> None:
         heard.append((action, actor, fields))
 
-    app = create_app(config, billing, sessions=sessions, audit=record,
-                     environ={SECRET_ENV: "s3cret"}).server  # fmt: skip
+    app = create_app(
+        config, billing, sessions=sessions, audit=record, environ={SECRET_ENV: "s3cret"}
+    ).server
     port = free_port()
     server = WsgiServer(
         app, "127.0.0.1", port, DEFAULT_LIMITS, error_headers=installed_headers(app)
@@ -121,9 +123,14 @@ def dashboard(config: Config, billing: str, sessions: Sessions,
 
 def sso_config(issuer: str, session_seconds: float = 3600) -> Config:
     """The demo configuration with single sign-on through ``issuer``."""
-    oidc = OidcSettings(issuer=issuer, client_id=CLIENT_ID, client_secret_env=SECRET_ENV,
-                        display_name="Example IdP", groups=GROUPS,
-                        session_seconds=session_seconds)  # fmt: skip
+    oidc = OidcSettings(
+        issuer=issuer,
+        client_id=CLIENT_ID,
+        client_secret_env=SECRET_ENV,
+        display_name="Example IdP",
+        groups=GROUPS,
+        session_seconds=session_seconds,
+    )
     config = load_config(None, environ={})
     return config.model_copy(
         update={"dashboard": DashboardSettings(refresh_seconds=3600, oidc=oidc)}
@@ -185,15 +192,29 @@ def id_token(issuer: str, sub: str) -> str:
     digest = hashlib.sha256(verifier.encode()).digest()
     challenge = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
     redirect = "http://127.0.0.1/callback"
-    params = {"client_id": CLIENT_ID, "response_type": "code", "redirect_uri": redirect,
-              "scope": "openid email profile", "state": "s", "nonce": secrets.token_hex(8),
-              "code_challenge": challenge, "code_challenge_method": "S256"}  # fmt: skip
+    params = {
+        "client_id": CLIENT_ID,
+        "response_type": "code",
+        "redirect_uri": redirect,
+        "scope": "openid email profile",
+        "state": "s",
+        "nonce": secrets.token_hex(8),
+        "code_challenge": challenge,
+        "code_challenge_method": "S256",
+    }
     answer = httpx.post(f"{issuer}/oauth2/authorize", params=params, data={"sub": sub})
     code = parse_qs(urlparse(answer.headers["location"]).query)["code"][0]
-    token = httpx.post(f"{issuer}/oauth2/token", data={
-        "grant_type": "authorization_code", "code": code, "redirect_uri": redirect,
-        "client_id": CLIENT_ID, "client_secret": "s3cret", "code_verifier": verifier,
-    })  # fmt: skip
+    token = httpx.post(
+        f"{issuer}/oauth2/token",
+        data={
+            "grant_type": "authorization_code",
+            "code": code,
+            "redirect_uri": redirect,
+            "client_id": CLIENT_ID,
+            "client_secret": "s3cret",
+            "code_verifier": verifier,
+        },
+    )
     token.raise_for_status()
     found: str = token.json()["id_token"]
     return found
@@ -332,8 +353,9 @@ def test_tampered_id_token_is_refused(stack: Stack) -> None:
 def test_id_token_closes_no_month_and_unmapped_is_forbidden(stack: Stack) -> None:
     """Even the admin's ID token may not close a month (403); a stranger's token reads nothing."""
     admin = id_token(stack.issuer, ADMIN)
-    closed = httpx.post(stack.billing + "/v1/months/2020-01/close",
-                        headers={"authorization": f"Bearer {admin}"})  # fmt: skip
+    closed = httpx.post(
+        stack.billing + "/v1/months/2020-01/close", headers={"authorization": f"Bearer {admin}"}
+    )
     assert closed.status_code == 403
     assert "other changes take an API key" in closed.text
     stranger = id_token(stack.issuer, STRANGER)

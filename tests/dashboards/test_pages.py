@@ -29,8 +29,14 @@ from tests.dashboards.records import ADMIN_KEY, TEAM_KEYS
 from tests.dashboards.stack import billing_thread, chromium, dashboard_thread, metrics_thread
 from tests.dashboards.test_browser import DESIRED, VIEWER_TZ, Stack, sign_in, wait
 
-PAGES = {"/?range=24h": "fleet", "/teams": "teams", "/allocation": "allocation",
-         "/chargeback": "chargeback", "/sla?range=24h": "sla", "/planner": "planner"}  # fmt: skip
+PAGES = {
+    "/?range=24h": "fleet",
+    "/teams": "teams",
+    "/allocation": "allocation",
+    "/chargeback": "chargeback",
+    "/sla?range=24h": "sla",
+    "/planner": "planner",
+}
 KEYS = {"admin": ADMIN_KEY, "search": TEAM_KEYS["search"]}
 WIDTH = 1280
 
@@ -157,8 +163,9 @@ def test_summary_agrees_with_the_api_and_the_command_line(stack, capsys, monkeyp
     """Spend on the dashboard, on /v1/spend and in the CLI's chargeback file is the same figure."""
     sign_in(stack, ADMIN_KEY, "/teams")
     shown = parse_number(summary_value(stack, "spend"))
-    answer = httpx.get(f"{stack.billing}/v1/spend",
-                       headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()  # fmt: skip
+    answer = httpx.get(
+        f"{stack.billing}/v1/spend", headers={"authorization": f"Bearer {ADMIN_KEY}"}
+    ).json()
     api = round(sum(row["spent_usd"] for row in answer), 2)
     month = answer[0]["month"]
     monkeypatch.setenv("INFERMETER_ADMIN_TOKEN", ADMIN_KEY)

@@ -15,15 +15,21 @@ from infermeter.planner import (
 PRICES = {"H100": 3.90, "H200": 5.0, "L40S": 1.60}
 
 
-def shape(params: float = 70, precision: str = "fp16", context: int = 8192, concurrency: int = 16,
-          preset: str = "Llama-3.1-70B") -> ModelShape:  # fmt: skip
+def shape(
+    params: float = 70,
+    precision: str = "fp16",
+    context: int = 8192,
+    concurrency: int = 16,
+    preset: str = "Llama-3.1-70B",
+) -> ModelShape:
     p = PRESETS[preset]
     return ModelShape(params, precision, context, concurrency, p.layers, p.kv_heads, p.head_dim)
 
 
 @pytest.mark.parametrize(
-    ("precision", "expected_gb"), [("fp16", 140.0), ("bf16", 140.0), ("fp8", 70.0), ("int8", 70.0), ("int4", 35.0)]
-)  # fmt: skip
+    ("precision", "expected_gb"),
+    [("fp16", 140.0), ("bf16", 140.0), ("fp8", 70.0), ("int8", 70.0), ("int4", 35.0)],
+)
 def test_weights_of_a_70b_model_by_precision(precision, expected_gb):
     """70B parameters take 140 GB at 16 bits, 70 GB at 8 bits and 35 GB at 4 bits."""
     assert weights_gb(70, precision) == pytest.approx(expected_gb)

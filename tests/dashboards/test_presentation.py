@@ -40,9 +40,14 @@ def test_cells_are_formatted_by_their_column(column, value, shown):
 
 @pytest.mark.parametrize(
     ("column", "header"),
-    [("total_usd", "Total"), ("prompt_tokens", "Prompt tokens"), ("gpu_hours", "GPU-hours"),
-     ("usd_per_million_tokens", "Cost per 1M tokens"), ("some_new_column", "Some new column")],
-)  # fmt: skip
+    [
+        ("total_usd", "Total"),
+        ("prompt_tokens", "Prompt tokens"),
+        ("gpu_hours", "GPU-hours"),
+        ("usd_per_million_tokens", "Cost per 1M tokens"),
+        ("some_new_column", "Some new column"),
+    ],
+)
 def test_headers_are_words(column, header):
     """Column names become headers in words, new columns included."""
     assert label(column) == header
@@ -135,8 +140,10 @@ def test_a_model_has_one_colour_everywhere():
 
 def test_summary_tiles_add_up_what_billing_answered():
     """Spend, requests, tokens, SLA share, GPU use and idle share from billing's rows."""
-    spend = [{"team": "a", "spent_usd": 2.0, "budget_usd": 10.0, "forecast_usd": 5.0},
-             {"team": "b", "spent_usd": 1.0, "budget_usd": 0.0, "forecast_usd": 2.5}]  # fmt: skip
+    spend = [
+        {"team": "a", "spent_usd": 2.0, "budget_usd": 10.0, "forecast_usd": 5.0},
+        {"team": "b", "spent_usd": 1.0, "budget_usd": 0.0, "forecast_usd": 2.5},
+    ]
     lines = pl.DataFrame({"total_cents": [200, 100], "idle_cents": [50, 25]})
     usage = pl.DataFrame(
         {"requests": [3, 4], "prompt_tokens": [100, 200], "completion_tokens": [10, 20]}
@@ -145,7 +152,9 @@ def test_summary_tiles_add_up_what_billing_answered():
     gpus = pl.DataFrame({"utilization": [0.5, 1.0], "gpus": [3.0, 1.0]})
     found = {t.key: t for t in tiles(spend, lines, usage, sla, gpus, "the last hour")}
     assert (found["spend"].value, found["spend"].detail) == (
-        "$3.00", "of $10.00 budget; forecast $7.50 at month end")  # fmt: skip
+        "$3.00",
+        "of $10.00 budget; forecast $7.50 at month end",
+    )
     assert found["requests"].raw == 7
     assert found["tokens"].raw == 330
     assert found["sla"].value == "75.0 %"

@@ -53,8 +53,12 @@ def test_auto_step_keeps_series_short(span, step):
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [((10, 5), "to > from"), ((0, 100 * 86400), "at most 93"), ((0, 3600, 90), "whole number of minutes")],
-)  # fmt: skip
+    [
+        ((10, 5), "to > from"),
+        ((0, 100 * 86400), "at most 93"),
+        ((0, 3600, 90), "whole number of minutes"),
+    ],
+)
 def test_bad_ranges_are_refused(args, message):
     """A reversed or too long range, or a step that is not whole minutes, is a ValueError."""
     with pytest.raises(ValueError, match=message):
@@ -81,8 +85,11 @@ def test_ttft_quantiles_match_the_bucket_quantile(ledger, fleet):
     """SQL p50/p95 per model and step equal billing.buckets.quantile over the same buckets."""
     frame = run(ledger, "ttft", fleet, step=900)
     for t, model, _, p50, p95 in frame.rows():
-        ttfts = [r["first_token_at"] - r["received_at"] for r in fleet.usage
-                 if r["model"] == model and t <= r["finished_at"] // 60 * 60 < t + 900]  # fmt: skip
+        ttfts = [
+            r["first_token_at"] - r["received_at"]
+            for r in fleet.usage
+            if r["model"] == model and t <= r["finished_at"] // 60 * 60 < t + 900
+        ]
         counts = Counter(bucket_of(x) for x in ttfts)
         assert p50 == pytest.approx(quantile(0.5, counts.items()))
         assert p95 == pytest.approx(quantile(0.95, counts.items()))
@@ -119,8 +126,11 @@ def test_engine_queue_and_kv_per_replica(ledger, fleet):
     """Queue depth and KV-cache use are the engine samples' means per replica."""
     frame = run(ledger, "engine", fleet, step=3600)
     assert sorted(frame["replica"]) == sorted(REPLICAS)
-    waiting = [e["requests_waiting"] for e in fleet.engine
-               if e["replica"] == "small-0" and e["timestamp"] < fleet.start + 3600]  # fmt: skip
+    waiting = [
+        e["requests_waiting"]
+        for e in fleet.engine
+        if e["replica"] == "small-0" and e["timestamp"] < fleet.start + 3600
+    ]
     assert frame["requests_waiting"].to_list() == [pytest.approx(sum(waiting) / len(waiting))] * 3
     assert frame["kv_cache_usage"].to_list() == [pytest.approx(0.25)] * 3
 
@@ -182,8 +192,14 @@ def test_index_names_the_caller(client):
     body = client.get(
         "/v1/query", headers={"authorization": f"Bearer {TEAM_KEYS['search']}"}
     ).json()
-    assert body["caller"] == {"name": "search", "team": "search", "is_admin": False,
-                              "reads_all": False, "role": "member", "who": "search"}  # fmt: skip
+    assert body["caller"] == {
+        "name": "search",
+        "team": "search",
+        "is_admin": False,
+        "reads_all": False,
+        "role": "member",
+        "who": "search",
+    }
     assert body["teams"] == ["search"]
     assert "gpus" not in body["queries"]
 
@@ -207,8 +223,9 @@ def test_answers_are_json_with_nulls_for_empty_means(client, fleet):
     "name", ["throughput", "ttft", "worst_hours", "sla", "team_usage", "gpus", "engine"]
 )
 @pytest.mark.parametrize(
-    ("offset", "span", "step"), [(0, 3600, 3600), (0, 3600, 300), (-1800, 7200, 3600), (420, 2700, 300), (0, 3600, 60)]
-)  # fmt: skip
+    ("offset", "span", "step"),
+    [(0, 3600, 3600), (0, 3600, 300), (-1800, 7200, 3600), (420, 2700, 300), (0, 3600, 60)],
+)
 def test_coarse_rollups_answer_as_the_minutes_do(ledger, fleet, name, offset, span, step, team):
     """Reading whole periods from the 5-minute and hourly copies changes no answer."""
     rollups = Rollups(ledger, settle_seconds=0)

@@ -25,10 +25,20 @@ def test_the_table_sums_each_group_over_the_range(config: Config) -> None:
         ledger.close()
     assert frame.height == 2  # small-0 in hours 1 and 2
     rows = summary(frame).to_dicts()
-    assert rows == [{"replica": "small-0", "model": "chat-small", "engine_tokens": 3000,
-                     "ledger_tokens": 2700, "hangup_tokens": 0, "unattributed_tokens": 300,
-                     "ledger_excess_tokens": 0, "unattributed_share": 0.1,
-                     "unreconciled_requests": 0, "unreconciled_tokens": 0}]  # fmt: skip
+    assert rows == [
+        {
+            "replica": "small-0",
+            "model": "chat-small",
+            "engine_tokens": 3000,
+            "ledger_tokens": 2700,
+            "hangup_tokens": 0,
+            "unattributed_tokens": 300,
+            "ledger_excess_tokens": 0,
+            "unattributed_share": 0.1,
+            "unreconciled_requests": 0,
+            "unreconciled_tokens": 0,
+        }
+    ]
     shown = table(frame).children  # the table, in its scrolling wrapper
     assert getattr(shown, "id", None) == "fleet-reconciliation-table"
 
@@ -44,10 +54,18 @@ def test_the_columns_say_where_the_difference_went(config: Config) -> None:
     finally:
         ledger.close()
     [got] = summary(frame).to_dicts()
-    assert got == {"replica": "small-0", "model": "chat-small", "engine_tokens": 578,
-                   "ledger_tokens": 420, "hangup_tokens": 8, "unattributed_tokens": 150,
-                   "ledger_excess_tokens": 0, "unattributed_share": 0.2595,
-                   "unreconciled_requests": 3, "unreconciled_tokens": 450}  # fmt: skip
+    assert got == {
+        "replica": "small-0",
+        "model": "chat-small",
+        "engine_tokens": 578,
+        "ledger_tokens": 420,
+        "hangup_tokens": 8,
+        "unattributed_tokens": 150,
+        "ledger_excess_tokens": 0,
+        "unattributed_share": 0.2595,
+        "unreconciled_requests": 3,
+        "unreconciled_tokens": 450,
+    }
     engine_over_ledger = got["engine_tokens"] - got["ledger_tokens"]
     assert (
         engine_over_ledger

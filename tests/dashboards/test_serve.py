@@ -24,9 +24,22 @@ CONFIG = ["--config", str(DEFAULT_CONFIG)]
 def test_dashboard_serves_until_signalled(sig, code):
     """The dashboard prints its URL, serves Dash's page and layout, and stops at once on a signal."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "dashboard", *CONFIG,
-                             "--listen", f"127.0.0.1:{port}", "--billing-url", NO_BILLING],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "infermeter",
+            "dashboard",
+            *CONFIG,
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--billing-url",
+            NO_BILLING,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()

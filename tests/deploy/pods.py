@@ -95,9 +95,14 @@ def downward(pod: Pod, field_path: str) -> str:
     label = re.fullmatch(r"metadata\.labels\['([^']+)'\]", field_path)
     if label:
         return pod.labels[label[1]]
-    return {"metadata.name": pod.name, "metadata.uid": pod.uid, "metadata.namespace": pod.namespace,
-            "spec.nodeName": pod.node, "status.podIP": pod.ip,
-            "status.hostIP": "127.0.0.1"}[field_path]  # fmt: skip
+    return {
+        "metadata.name": pod.name,
+        "metadata.uid": pod.uid,
+        "metadata.namespace": pod.namespace,
+        "spec.nodeName": pod.node,
+        "status.podIP": pod.ip,
+        "status.hostIP": "127.0.0.1",
+    }[field_path]
 
 
 def environment(pod: Pod, container: Doc, cluster: Cluster) -> dict[str, str]:
@@ -124,8 +129,10 @@ def mounts(pod: Pod, container: Doc, cluster: Cluster, env: Mapping[str, str]) -
     volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
     for claim in pod.spec.get("volumeClaimTemplates", []):
         volumes.setdefault(claim["metadata"]["name"], {"name": claim["metadata"]["name"]})
-    return {m["mountPath"]: cluster.volume_dir(pod, volumes[m["name"]], m, env)
-            for m in container.get("volumeMounts", [])}  # fmt: skip
+    return {
+        m["mountPath"]: cluster.volume_dir(pod, volumes[m["name"]], m, env)
+        for m in container.get("volumeMounts", [])
+    }
 
 
 def localize(value: str, pod: Pod, where: Mapping[str, Path], cluster: Cluster) -> str:
@@ -158,8 +165,11 @@ def _path(value: str, pod: Pod, where: Mapping[str, Path], cluster: Cluster) -> 
 def _uids(pod: Pod) -> set[int]:
     """The non-root UIDs the pod's containers run as (``securityContext.runAsUser``)."""
     containers = pod.spec["containers"] + pod.spec.get("initContainers", [])
-    return {int(c["securityContext"]["runAsUser"]) for c in containers
-            if c.get("securityContext", {}).get("runAsUser")}  # fmt: skip
+    return {
+        int(c["securityContext"]["runAsUser"])
+        for c in containers
+        if c.get("securityContext", {}).get("runAsUser")
+    }
 
 
 def localize_script(script: str, where: Mapping[str, Path], uids: set[int]) -> str:
@@ -190,8 +200,9 @@ def localize_tree(node: Any, pod: Pod, where: Mapping[str, Path], cluster: Clust
     return node
 
 
-def command(container: Doc, pod: Pod, where: Mapping[str, Path], cluster: Cluster,
-            env: Mapping[str, str]) -> list[str]:  # fmt: skip
+def command(
+    container: Doc, pod: Pod, where: Mapping[str, Path], cluster: Cluster, env: Mapping[str, str]
+) -> list[str]:
     """The container's command and arguments as a local command line."""
     cmd = [expand(c, env) for c in container.get("command", [])]
     args = [localize(expand(a, env), pod, where, cluster) for a in container.get("args", [])]
@@ -207,13 +218,15 @@ def command(container: Doc, pod: Pod, where: Mapping[str, Path], cluster: Cluste
     return [*cmd, *args]
 
 
-def start(pod: Pod, argv: list[str], env: Mapping[str, str], log: Path,
-          cwd: Path | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
+def start(
+    pod: Pod, argv: list[str], env: Mapping[str, str], log: Path, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
     """Start one container's process with exactly its environment (plus PATH, as in an image)."""
     full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONUNBUFFERED": "1", **env}
     with log.open("ab") as out:
-        proc = subprocess.Popen(argv, env=full, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv, env=full, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
+        )
     pod.processes.append(proc)
     return proc
 
@@ -271,8 +284,14 @@ class PodApi:
                 if query.get("watch") != "1":
                     with api.lock:
                         items = [p for p in api.pods.values() if api.selected(p, query)]
-                        body = json.dumps({"kind": "PodList", "apiVersion": "v1", "items": items,
-                                           "metadata": {"resourceVersion": str(api.version)}})  # fmt: skip
+                        body = json.dumps(
+                            {
+                                "kind": "PodList",
+                                "apiVersion": "v1",
+                                "items": items,
+                                "metadata": {"resourceVersion": str(api.version)},
+                            }
+                        )
                     self.send_response(200)
                     self.send_header("content-type", "application/json")
                     self.send_header("content-length", str(len(body)))
@@ -314,12 +333,23 @@ class PodApi:
 
     def add(self, pod: Pod) -> None:
         """A running, ready pod, as the kubelet reports it."""
-        doc: Doc = {"kind": "Pod", "apiVersion": "v1",
-               "metadata": {"name": pod.name, "namespace": pod.namespace, "uid": pod.uid,
-                            "labels": pod.labels},
-               "spec": {"nodeName": pod.node},
-               "status": {"phase": "Running", "podIP": pod.ip, "hostIP": "127.0.0.1",
-                          "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+        doc: Doc = {
+            "kind": "Pod",
+            "apiVersion": "v1",
+            "metadata": {
+                "name": pod.name,
+                "namespace": pod.namespace,
+                "uid": pod.uid,
+                "labels": pod.labels,
+            },
+            "spec": {"nodeName": pod.node},
+            "status": {
+                "phase": "Running",
+                "podIP": pod.ip,
+                "hostIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }
         with self.lock:
             self.version += 1
             doc["metadata"]["resourceVersion"] = str(self.version)

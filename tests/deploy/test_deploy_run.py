@@ -95,8 +95,13 @@ def scenario(config: Doc, capped_key: str) -> Doc:
     for team in config["teams"]:
         if team["name"] == TEAM_LIMITED:
             team["limits"]["requests_per_minute"] = RPM
-    config["teams"].append({"name": TEAM_CAPPED, "api_key_sha256": [hash_key(capped_key)],
-                            "budget_usd_per_month": 0.01})  # fmt: skip
+    config["teams"].append(
+        {
+            "name": TEAM_CAPPED,
+            "api_key_sha256": [hash_key(capped_key)],
+            "budget_usd_per_month": 0.01,
+        }
+    )
     return config
 
 
@@ -140,10 +145,19 @@ class Deployment:
         return self.keys[f"the {team} team's key"]
 
 
-def _pod(spec: Doc, labels: dict[str, str], name: str, node: str, ip: str,
-         ports: dict[int, int]) -> Pod:  # fmt: skip
-    return Pod(name=name, uid=str(uuid.uuid4()), namespace=NAMESPACE, node=node, ip=ip,
-               labels=labels, spec=spec, ports=ports)  # fmt: skip
+def _pod(
+    spec: Doc, labels: dict[str, str], name: str, node: str, ip: str, ports: dict[int, int]
+) -> Pod:
+    return Pod(
+        name=name,
+        uid=str(uuid.uuid4()),
+        namespace=NAMESPACE,
+        node=node,
+        ip=ip,
+        labels=labels,
+        spec=spec,
+        ports=ports,
+    )
 
 
 def _template(workload: Doc) -> tuple[Doc, dict[str, str]]:
@@ -230,20 +244,29 @@ def _scrape_configs(docs: list[Doc], pods: list[Pod], token: str) -> list[dict[s
                 for pod in pods:
                     if any(pod.labels.get(k) != v for k, v in selector.items()):
                         continue
-                    named = {p["name"]: p["containerPort"] for c in pod.spec["containers"]
-                             for p in c.get("ports", [])}  # fmt: skip
+                    named = {
+                        p["name"]: p["containerPort"]
+                        for c in pod.spec["containers"]
+                        for p in c.get("ports", [])
+                    }
                     target = port["targetPort"]
                     container_port = named[target] if isinstance(target, str) else target
                     job: dict[str, Any] = {
                         "job_name": f"{monitor['metadata']['name']}/{pod.name}",
                         "scrape_interval": endpoint.get("interval", "30s"),
                         "metrics_path": endpoint.get("path", "/metrics"),
-                        "static_configs": [{
-                            "targets": [f"{pod.ip}:{pod.ports[container_port]}"],
-                            "labels": {"namespace": NAMESPACE, "pod": pod.name,
-                                       "service": service["metadata"]["name"],
-                                       "job": service["metadata"]["name"]}}],
-                    }  # fmt: skip
+                        "static_configs": [
+                            {
+                                "targets": [f"{pod.ip}:{pod.ports[container_port]}"],
+                                "labels": {
+                                    "namespace": NAMESPACE,
+                                    "pod": pod.name,
+                                    "service": service["metadata"]["name"],
+                                    "job": service["metadata"]["name"],
+                                },
+                            }
+                        ],
+                    }
                     if "authorization" in endpoint:
                         assert endpoint["authorization"]["credentials"]["key"] == "metrics-token"
                         job["authorization"] = {"type": "Bearer", "credentials": token}
@@ -261,44 +284,101 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     text = PLACEHOLDER.sub(lambda m: hash_key(keys[m[1]]), configmap)
     keys["the capped team's key"] = secrets.token_urlsafe(24)
     config = scenario(yaml.safe_load(text), keys["the capped team's key"])
-    secret = {"writer-secret": secrets.token_urlsafe(32), "redis-password": secrets.token_urlsafe(16),
-              "metrics-token": keys["metrics-token in infermeter-secrets"],
-              "spend-token": keys["spend-token in infermeter-secrets"],
-              "upstream-api-key": secrets.token_urlsafe(16)}  # fmt: skip
+    secret = {
+        "writer-secret": secrets.token_urlsafe(32),
+        "redis-password": secrets.token_urlsafe(16),
+        "metrics-token": keys["metrics-token in infermeter-secrets"],
+        "spend-token": keys["spend-token in infermeter-secrets"],
+        "upstream-api-key": secrets.token_urlsafe(16),
+    }
     ips = ["127.0.0.2", "127.0.0.3"]
-    ports = {"billing": free_port(), "redis": free_port(), "collector": free_port(),
-             "dcgm": free_port(), "api": free_port()}  # fmt: skip
+    ports = {
+        "billing": free_port(),
+        "redis": free_port(),
+        "collector": free_port(),
+        "dcgm": free_port(),
+        "api": free_port(),
+    }
     sidecar_port, engine_port = _free_on(ips), _free_on(ips)
-    cluster = Cluster(root=root, secrets=secret, sidecar_port=sidecar_port,
-                      services={"infermeter-billing:8500": f"127.0.0.1:{ports['billing']}",
-                                "infermeter-redis:6379": f"127.0.0.1:{ports['redis']}"},
-                      host_ports={9400: ports["dcgm"]})  # fmt: skip
+    cluster = Cluster(
+        root=root,
+        secrets=secret,
+        sidecar_port=sidecar_port,
+        services={
+            "infermeter-billing:8500": f"127.0.0.1:{ports['billing']}",
+            "infermeter-redis:6379": f"127.0.0.1:{ports['redis']}",
+        },
+        host_ports={9400: ports["dcgm"]},
+    )
     config["collector"]["kubernetes"]["api_url"] = f"http://127.0.0.1:{ports['api']}"
 
     redis_spec, redis_labels = _template(_one(docs, "StatefulSet", "infermeter-redis"))
     billing_spec, billing_labels = _template(_one(docs, "StatefulSet", "infermeter-billing"))
     vllm_spec, vllm_labels = _template(_one(docs, "Deployment", f"vllm-{GROUP}"))
     collector_spec, collector_labels = _template(_one(docs, "DaemonSet", "infermeter-collector"))
-    redis = _pod(redis_spec, redis_labels, "infermeter-redis-0", "cpu-node-1", "127.0.0.1",
-                 {6379: ports["redis"]})  # fmt: skip
-    billing = _pod(billing_spec, billing_labels, "infermeter-billing-0", "cpu-node-1", "127.0.0.1",
-                   {8500: ports["billing"]})  # fmt: skip
+    redis = _pod(
+        redis_spec,
+        redis_labels,
+        "infermeter-redis-0",
+        "cpu-node-1",
+        "127.0.0.1",
+        {6379: ports["redis"]},
+    )
+    billing = _pod(
+        billing_spec,
+        billing_labels,
+        "infermeter-billing-0",
+        "cpu-node-1",
+        "127.0.0.1",
+        {8500: ports["billing"]},
+    )
     suffix = secrets.token_hex(5)
-    vllm = [_pod(vllm_spec, vllm_labels, f"vllm-{GROUP}-{suffix}-{secrets.token_hex(3)[:5]}", NODE, ip,
-                 {9000: sidecar_port, 9002: engine_port}) for ip in ips]  # fmt: skip
-    collector = _pod(collector_spec, collector_labels, f"infermeter-collector-{secrets.token_hex(3)[:5]}",
-                     NODE, "127.0.0.1", {9500: ports["collector"]})  # fmt: skip
+    vllm = [
+        _pod(
+            vllm_spec,
+            vllm_labels,
+            f"vllm-{GROUP}-{suffix}-{secrets.token_hex(3)[:5]}",
+            NODE,
+            ip,
+            {9000: sidecar_port, 9002: engine_port},
+        )
+        for ip in ips
+    ]
+    collector = _pod(
+        collector_spec,
+        collector_labels,
+        f"infermeter-collector-{secrets.token_hex(3)[:5]}",
+        NODE,
+        "127.0.0.1",
+        {9500: ports["collector"]},
+    )
     for pod in vllm:
         pod.loopback = {8000: free_port()}
 
     # The hardware's stand-ins: the simulator's configuration is the ConfigMap's, with the node's
     # dcgm-exporter address and the GPUs each pod holds (the device plugin's assignment).
     fleet = root / "gpus.json"
-    fleet.write_text(json.dumps({"instances": [
-        {"instance": p.name, "replica": GROUP, "model": GROUP, "node": NODE, "gpus": [i],
-         "namespace": NAMESPACE, "upstream_url": f"http://127.0.0.1:{p.loopback[8000]}",
-         "sidecar_url": f"http://{p.ip}:{sidecar_port}", "started_at": time.time()}
-        for i, p in enumerate(vllm)], "stopped": []}))  # fmt: skip
+    fleet.write_text(
+        json.dumps(
+            {
+                "instances": [
+                    {
+                        "instance": p.name,
+                        "replica": GROUP,
+                        "model": GROUP,
+                        "node": NODE,
+                        "gpus": [i],
+                        "namespace": NAMESPACE,
+                        "upstream_url": f"http://127.0.0.1:{p.loopback[8000]}",
+                        "sidecar_url": f"http://{p.ip}:{sidecar_port}",
+                        "started_at": time.time(),
+                    }
+                    for i, p in enumerate(vllm)
+                ],
+                "stopped": [],
+            }
+        )
+    )
     sim = json.loads(json.dumps(config))
     for node in sim["nodes"]:
         if node["name"] == NODE:
@@ -308,8 +388,15 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     sim_config.write_text(yaml.safe_dump(sim))
 
     api = PodApi(ports["api"])
-    deployment = Deployment(root, {p.name: p for p in [redis, billing, *vllm, collector]}, keys,
-                            cluster, api, f"http://127.0.0.1:{ports['billing']}", sidecar_pods=vllm)  # fmt: skip
+    deployment = Deployment(
+        root,
+        {p.name: p for p in [redis, billing, *vllm, collector]},
+        keys,
+        cluster,
+        api,
+        f"http://127.0.0.1:{ports['billing']}",
+        sidecar_pods=vllm,
+    )
     hardware: list[subprocess.Popen[bytes]] = []
     with api:
         try:
@@ -322,21 +409,37 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                 root / "logs" / f"{billing.name}.billing.log",
             )
             for pod in vllm:
-                engine = [INFERMETER, "simulate", f"--config={sim_config}", f"--replica={GROUP}",
-                          f"--listen=127.0.0.1:{pod.loopback[8000]}", f"--instance={pod.name}"]  # fmt: skip
+                engine = [
+                    INFERMETER,
+                    "simulate",
+                    f"--config={sim_config}",
+                    f"--replica={GROUP}",
+                    f"--listen=127.0.0.1:{pod.loopback[8000]}",
+                    f"--instance={pod.name}",
+                ]
                 _run_pod(pod, cluster, config, replace={"vllm": engine})
                 api.add(pod)
             for pod in vllm:
-                _wait(f"http://{pod.ip}:{sidecar_port}/readyz", pod.processes[1],
-                      root / "logs" / f"{pod.name}.sidecar.log")  # fmt: skip
+                _wait(
+                    f"http://{pod.ip}:{sidecar_port}/readyz",
+                    pod.processes[1],
+                    root / "logs" / f"{pod.name}.sidecar.log",
+                )
             with (root / "logs" / "dcgm.log").open("ab") as log:
-                dcgm = subprocess.Popen([INFERMETER, "simulate", f"--config={sim_config}", "--dcgm"],
-                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                dcgm = subprocess.Popen(
+                    [INFERMETER, "simulate", f"--config={sim_config}", "--dcgm"],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             hardware.append(dcgm)
             _wait(f"http://127.0.0.1:{ports['dcgm']}/metrics", dcgm, root / "logs" / "dcgm.log")
             _run_pod(collector, cluster, config)
-            _wait(f"http://127.0.0.1:{ports['collector']}/healthz", collector.processes[0],
-                  root / "logs" / f"{collector.name}.collector.log")  # fmt: skip
+            _wait(
+                f"http://127.0.0.1:{ports['collector']}/healthz",
+                collector.processes[0],
+                root / "logs" / f"{collector.name}.collector.log",
+            )
             prom_dir = root / "prometheus"
             prom_dir.mkdir()
             rules = next(d for d in docs if d["kind"] == "PrometheusRule")
@@ -360,15 +463,27 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 def _chat(pod: Pod, port: int, key: str, request_id: str | None = None) -> httpx.Response:
     """One streamed chat completion at a pod's sidecar (read whole), as the gateway forwards it."""
     headers = {"authorization": f"Bearer {key}", "x-request-id": request_id or str(uuid.uuid4())}
-    return httpx.post(f"http://{pod.ip}:{port}/v1/chat/completions", timeout=30, headers=headers,
-                      json={"model": GROUP, "max_tokens": 8, "stream": True,
-                            "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    return httpx.post(
+        f"http://{pod.ip}:{port}/v1/chat/completions",
+        timeout=30,
+        headers=headers,
+        json={
+            "model": GROUP,
+            "max_tokens": 8,
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+    )
 
 
 def _record(deployment: Deployment, request_id: str) -> dict[str, Any] | None:
     """Billing's usage record of the request the client named ``request_id``, if it has it."""
-    answer = httpx.get(f"{deployment.billing}/v1/usage/records", headers=deployment.admin, timeout=30,
-                       params={"id": request_id, "by": "client_request_id"}).json()  # fmt: skip
+    answer = httpx.get(
+        f"{deployment.billing}/v1/usage/records",
+        headers=deployment.admin,
+        timeout=30,
+        params={"id": request_id, "by": "client_request_id"},
+    ).json()
     records: list[dict[str, Any]] = answer["records"]
     return records[0] if records else None
 
@@ -393,7 +508,11 @@ def _metered_to(
 
     for record in _until(records, seconds, f"the records of {pod.name} in billing"):
         assert (record["instance"], record["replica"], record["team"], record["model"]) == (
-            pod.name, GROUP, team, GROUP)  # fmt: skip
+            pod.name,
+            GROUP,
+            team,
+            GROUP,
+        )
         assert record["status"] == "ok", record
 
 
@@ -421,12 +540,16 @@ def test_gpu_samples_are_attributed_to_the_pod_holding_the_gpu(deployment: Deplo
     samples after the pod dcgm-exporter says holds it: billing has GPU time per pod and group."""
 
     def per_pod() -> dict[str, tuple[str, str, str]]:
-        answer = httpx.get(f"{deployment.billing}/v1/query/gpus", headers=deployment.admin,
-                           timeout=30).json()  # fmt: skip
+        answer = httpx.get(
+            f"{deployment.billing}/v1/query/gpus", headers=deployment.admin, timeout=30
+        ).json()
         cols = answer["columns"]
         rows = [dict(zip(cols, row, strict=True)) for row in answer["rows"]]
-        return {r["instance"]: (r["node"], r["replica"], r["gpu_model"]) for r in rows
-                if r["instance"] and r["gpus"] > 0}  # fmt: skip
+        return {
+            r["instance"]: (r["node"], r["replica"], r["gpu_model"])
+            for r in rows
+            if r["instance"] and r["gpus"] > 0
+        }
 
     names = {p.name for p in deployment.sidecar_pods}
     found = _until(lambda: (f := per_pod()) and names <= set(f) and f, 60, "GPU samples per pod")
@@ -442,8 +565,9 @@ def test_a_team_limit_holds_fleet_wide_through_the_deployed_redis(deployment: De
     port = deployment.cluster.sidecar_port
     began = time.monotonic()
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda pod: _chat(pod, port, key).status_code,
-                                deployment.sidecar_pods * 8))  # fmt: skip
+        answers = list(
+            pool.map(lambda pod: _chat(pod, port, key).status_code, deployment.sidecar_pods * 8)
+        )
     refilled = int((time.monotonic() - began) * RPM / 60)  # what the bucket regained meanwhile
     assert RPM <= answers.count(200) <= RPM + refilled, answers
     assert answers.count(429) == len(answers) - answers.count(200)
@@ -517,8 +641,11 @@ def test_the_rendered_rules_evaluate_over_the_scraped_processes(deployment: Depl
         lambda: series("replica:infermeter_replica_gpu_power_watts:sum"), 60, "GPU power per group"
     )
     assert {s["metric"].get("replica") for s in power} == {GROUP}
-    assert _until(lambda: series("team_model:infermeter_time_to_first_token_seconds_bucket:rate5m"), 60,
-                  "TTFT per team and model")  # fmt: skip
+    assert _until(
+        lambda: series("team_model:infermeter_time_to_first_token_seconds_bucket:rate5m"),
+        60,
+        "TTFT per team and model",
+    )
 
     def capped_share() -> list[dict[str, Any]]:
         found = series(f'team:infermeter_team_spend_per_budget:ratio{{team="{TEAM_CAPPED}"}}')

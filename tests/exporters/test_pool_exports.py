@@ -31,9 +31,22 @@ from tests.focus_validator import focus_1_0_failures
 @pytest.fixture
 def reserved(config: Config) -> Config:
     """The demo configuration with node-b in the committed pool ``reserved``."""
-    pool = NodePool.model_validate({"name": "reserved", "nodes": ["node-b"], "prices": [
-        {"from": "2026-11-01", "category": "committed", "usd_per_gpu_hour": 2.0,
-         "committed_gpus": 1, "usd_per_kwh": 0.0, "sku": "l40s-1y-commit"}]})  # fmt: skip
+    pool = NodePool.model_validate(
+        {
+            "name": "reserved",
+            "nodes": ["node-b"],
+            "prices": [
+                {
+                    "from": "2026-11-01",
+                    "category": "committed",
+                    "usd_per_gpu_hour": 2.0,
+                    "committed_gpus": 1,
+                    "usd_per_kwh": 0.0,
+                    "sku": "l40s-1y-commit",
+                }
+            ],
+        }
+    )
     return config.model_copy(update={"prices": config.prices.model_copy(update={"pools": [pool]})})
 
 
@@ -100,8 +113,24 @@ def test_the_chargeback_command_names_the_pool_in_the_csv(reserved: Config, tmp_
     _fill(ledger)
     ledger.close()
     out = tmp_path / "chargeback.csv"
-    assert main(["chargeback", "--config", str(config_file), "--month", "2026-11", "--format",
-                 "csv", "--database", str(path), "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "chargeback",
+                "--config",
+                str(config_file),
+                "--month",
+                "2026-11",
+                "--format",
+                "csv",
+                "--database",
+                str(path),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = list(csv.DictReader(io.StringIO(out.read_text())))
     named = {
         (r["team"], r["pool"], r["pricing_category"]) for r in rows if r["line_type"] == "usage"

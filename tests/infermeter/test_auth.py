@@ -74,8 +74,16 @@ def signed(
 ) -> dict[str, str]:
     """The headers a gateway holding ``secret`` sends for ``team``'s POST of BODY to PATH of
     ``audience``'s sidecars."""
-    signature = sign_request(secret, team=team, timestamp=timestamp, nonce=nonce, audience=audience,
-                             method="POST", path=PATH, body=BODY)  # fmt: skip
+    signature = sign_request(
+        secret,
+        team=team,
+        timestamp=timestamp,
+        nonce=nonce,
+        audience=audience,
+        method="POST",
+        path=PATH,
+        body=BODY,
+    )
     return {
         "x-infermeter-team": team,
         "x-infermeter-timestamp": str(timestamp),
@@ -100,9 +108,13 @@ def test_unknown_key_is_refused(ring, key):
 
 @pytest.mark.parametrize(
     ("header", "key"),
-    [("Bearer sk-a", "sk-a"), ("bearer sk-a", "sk-a"), ("BEARER sk-a", "sk-a"),
-     ("Bearer  sk-a ", "sk-a")],
-)  # fmt: skip
+    [
+        ("Bearer sk-a", "sk-a"),
+        ("bearer sk-a", "sk-a"),
+        ("BEARER sk-a", "sk-a"),
+        ("Bearer  sk-a ", "sk-a"),
+    ],
+)
 def test_bearer_key_is_read_from_the_header(header, key):
     """The key is what follows the Bearer scheme, case-insensitively, without surrounding spaces."""
     assert bearer_key(header) == key
@@ -111,15 +123,31 @@ def test_bearer_key_is_read_from_the_header(header, key):
 @pytest.mark.parametrize(
     ("header", "code", "message"),
     [
-        (None, "missing_api_key", "You didn't provide an API key. Use 'Authorization: Bearer <key>'."),
-        ("", "missing_api_key", "You didn't provide an API key. Use 'Authorization: Bearer <key>'."),
+        (
+            None,
+            "missing_api_key",
+            "You didn't provide an API key. Use 'Authorization: Bearer <key>'.",
+        ),
+        (
+            "",
+            "missing_api_key",
+            "You didn't provide an API key. Use 'Authorization: Bearer <key>'.",
+        ),
         ("Bearer", "invalid_api_key", "Malformed Authorization header; expected 'Bearer <key>'."),
-        ("Bearer   ", "invalid_api_key", "Malformed Authorization header; expected 'Bearer <key>'."),
-        ("Basic c2stYQ==", "invalid_api_key", "Malformed Authorization header; expected 'Bearer <key>'."),
+        (
+            "Bearer   ",
+            "invalid_api_key",
+            "Malformed Authorization header; expected 'Bearer <key>'.",
+        ),
+        (
+            "Basic c2stYQ==",
+            "invalid_api_key",
+            "Malformed Authorization header; expected 'Bearer <key>'.",
+        ),
         ("sk-a", "invalid_api_key", "Malformed Authorization header; expected 'Bearer <key>'."),
     ],
     ids=["absent", "empty", "no-key", "blank-key", "basic", "no-scheme"],
-)  # fmt: skip
+)
 def test_missing_or_malformed_authorization_is_refused(header, code, message):
     """An absent header is a missing key; any other shape than ``Bearer <key>`` is malformed."""
     with pytest.raises(AuthError) as caught:
@@ -167,24 +195,62 @@ def _with(name: str, value: str) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("headers", "code", "message"),
     [
-        (_without("team"), "missing_team_signature", "Missing signed team header from the trusted gateway."),
-        (_without("timestamp"), "missing_team_signature", "Missing signed team header from the trusted gateway."),
-        (_without("signature"), "missing_team_signature", "Missing signed team header from the trusted gateway."),
-        (_without("nonce"), "missing_team_signature", "Missing signed team header from the trusted gateway."),
+        (
+            _without("team"),
+            "missing_team_signature",
+            "Missing signed team header from the trusted gateway.",
+        ),
+        (
+            _without("timestamp"),
+            "missing_team_signature",
+            "Missing signed team header from the trusted gateway.",
+        ),
+        (
+            _without("signature"),
+            "missing_team_signature",
+            "Missing signed team header from the trusted gateway.",
+        ),
+        (
+            _without("nonce"),
+            "missing_team_signature",
+            "Missing signed team header from the trusted gateway.",
+        ),
         (_with("timestamp", "9" * 400), "invalid_team_signature", "Malformed gateway timestamp."),
         (_with("nonce", "short"), "invalid_team_signature", "Malformed gateway nonce."),
         (_with("timestamp", "soon"), "invalid_team_signature", "Malformed gateway timestamp."),
         (signed("search", NOW - SKEW - 1), "invalid_team_signature", "Stale gateway signature."),
         (signed("search", NOW + SKEW + 1), "invalid_team_signature", "Stale gateway signature."),
-        (signed("search", secret=b"not-the-secret"), "invalid_team_signature", "Invalid gateway signature."),
+        (
+            signed("search", secret=b"not-the-secret"),
+            "invalid_team_signature",
+            "Invalid gateway signature.",
+        ),
         (_tampered_team(), "invalid_team_signature", "Invalid gateway signature."),
-        (signed("search", audience="chat-large"), "invalid_team_signature", "Invalid gateway signature."),
+        (
+            signed("search", audience="chat-large"),
+            "invalid_team_signature",
+            "Invalid gateway signature.",
+        ),
         (_with("signature", "é" * 64), "invalid_team_signature", "Invalid gateway signature."),
         (signed("marketing"), "invalid_team_signature", "Unknown team."),
     ],
-    ids=["no-team", "no-timestamp", "unsigned", "no-nonce", "400-digit-timestamp", "short-nonce", "bad-timestamp", "stale-past", "stale-future",
-         "forged", "tampered-team", "other-model", "non-ascii-signature", "unknown-team"],
-)  # fmt: skip
+    ids=[
+        "no-team",
+        "no-timestamp",
+        "unsigned",
+        "no-nonce",
+        "400-digit-timestamp",
+        "short-nonce",
+        "bad-timestamp",
+        "stale-past",
+        "stale-future",
+        "forged",
+        "tampered-team",
+        "other-model",
+        "non-ascii-signature",
+        "unknown-team",
+    ],
+)
 def test_gateway_header_is_refused(gateway, headers, code, message):
     """Unsigned, stale, forged, tampered, other-model or unknown-team headers are refused with a
     specific error."""
@@ -249,11 +315,17 @@ def test_replay_cache_forgets_nonces_past_the_window():
 @pytest.mark.parametrize(
     ("name", "allowed", "may"),
     [
-        (ADMIN, MANAGERS, True), (METRICS, MANAGERS, False), ("search", MANAGERS, False),
-        (ADMIN, SCRAPERS, True), (METRICS, SCRAPERS, True), (INGEST, SCRAPERS, False),
-        ("search", SCRAPERS, False), (INGEST, INGESTERS, True), (ADMIN, INGESTERS, False),
+        (ADMIN, MANAGERS, True),
+        (METRICS, MANAGERS, False),
+        ("search", MANAGERS, False),
+        (ADMIN, SCRAPERS, True),
+        (METRICS, SCRAPERS, True),
+        (INGEST, SCRAPERS, False),
+        ("search", SCRAPERS, False),
+        (INGEST, INGESTERS, True),
+        (ADMIN, INGESTERS, False),
     ],
-)  # fmt: skip
+)
 def test_each_role_may_do_only_its_own_work(name, allowed, may):
     """The admin manages and scrapes, metrics scrapes, ingest ingests; a team does none of it."""
     if may:
@@ -263,7 +335,9 @@ def test_each_role_may_do_only_its_own_work(name, allowed, may):
             Caller(name).require(allowed)
 
 
-@pytest.mark.parametrize(("name", "reads"), [(ADMIN, True), ("search", True), (METRICS, False), (INGEST, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "reads"), [(ADMIN, True), ("search", True), (METRICS, False), (INGEST, False)]
+)
 def test_the_admin_and_teams_read_the_ledger_and_the_other_roles_do_not(name, reads):
     """require_reader lets the admin and any team through, and refuses metrics and ingest."""
     if reads:

@@ -88,8 +88,23 @@ def test_simulate_starts_the_fleet_and_ctrl_c_stops_it(tmp_path):
     """Every replica and dcgm-exporter answers; SIGINT stops them all and exits 0."""
     path = _fleet_config(tmp_path)
     config = yaml.safe_load(path.read_text())
-    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "simulate", "--config", str(path), "--traffic",
-                             "--peak-rps", "30", "--day-seconds", "20"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "infermeter",
+            "simulate",
+            "--config",
+            str(path),
+            "--traffic",
+            "--peak-rps",
+            "30",
+            "--day-seconds",
+            "20",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         urls = [r["upstream_url"] + "/health" for r in config["replicas"]]
         urls += [n["dcgm_exporter_url"] for n in config["nodes"]]
@@ -165,10 +180,25 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
     path = _fleet_config(tmp)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     front_door = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "demo", "--config", str(path),
-                             "--front-door", front_door, "--front-door-metrics-port", str(free_port())],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=tmp)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "infermeter",
+            "demo",
+            "--config",
+            str(path),
+            "--front-door",
+            front_door,
+            "--front-door-metrics-port",
+            str(free_port()),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp,
+    )
     lines: list[str] = []
     out = proc.stdout
     assert out is not None
@@ -205,8 +235,12 @@ def test_demo_serves_every_model_at_one_base_url(demo: Demo) -> None:
         body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
         deadline = time.monotonic() + 30
         while True:
-            answer = httpx.post(f"{base}/chat/completions", json=body, timeout=30,
-                                headers={"authorization": "Bearer im-demo-search"})  # fmt: skip
+            answer = httpx.post(
+                f"{base}/chat/completions",
+                json=body,
+                timeout=30,
+                headers={"authorization": "Bearer im-demo-search"},
+            )
             if answer.status_code == 200 or time.monotonic() > deadline:
                 break
             time.sleep(0.5)  # the router registers the sidecars once they answer
@@ -257,19 +291,40 @@ def test_demo_ships_the_spool_of_an_instance_that_stopped(demo: Demo) -> None:
     # An instance of small-0 whose sidecar cannot ship (no ingest URL): its record stays behind,
     # sealed with the credential the demo's secret issues it (as the local scale hook would).
     writer = Writer.for_instance("small-0", "vllm-small-0-99", listen)
-    env = {**os.environ, "INFERMETER_INSTANCE": "vllm-small-0-99",
-           "INFERMETER_WRITER_CREDENTIAL": issue(DEMO_WRITER_SECRET.encode(), writer).token}  # fmt: skip
+    env = {
+        **os.environ,
+        "INFERMETER_INSTANCE": "vllm-small-0-99",
+        "INFERMETER_WRITER_CREDENTIAL": issue(DEMO_WRITER_SECRET.encode(), writer).token,
+    }
     env.pop("INFERMETER__SIDECAR__INGEST_URL", None)
-    sidecar = subprocess.Popen([sys.executable, "-m", "infermeter", "sidecar", "--config",
-                                str(demo.path), "--replica", "small-0", "--listen", listen],
-                               env=env, cwd=demo.tmp, stderr=subprocess.DEVNULL)  # fmt: skip
+    sidecar = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "infermeter",
+            "sidecar",
+            "--config",
+            str(demo.path),
+            "--replica",
+            "small-0",
+            "--listen",
+            listen,
+        ],
+        env=env,
+        cwd=demo.tmp,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait(f"http://{listen}/healthz")
-        body = {"model": "chat-small", "max_tokens": 8,
-                "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+        body = {
+            "model": "chat-small",
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
         headers = {"authorization": "Bearer im-demo-search", "x-request-id": "left-behind-1"}
-        answer = httpx.post(f"http://{listen}/v1/chat/completions", json=body, headers=headers,
-                            timeout=30)  # fmt: skip
+        answer = httpx.post(
+            f"http://{listen}/v1/chat/completions", json=body, headers=headers, timeout=30
+        )
         assert answer.status_code == 200, answer.text
     finally:
         sidecar.send_signal(signal.SIGTERM)
@@ -280,9 +335,12 @@ def test_demo_ships_the_spool_of_an_instance_that_stopped(demo: Demo) -> None:
     while left.exists() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left.exists(), "the collector adopted the spool and removed it"
-    found = httpx.get(f"{demo.config['billing']['url']}/v1/usage/records",
-                      params={"id": "left-behind-1", "by": "client_request_id"},
-                      headers={"authorization": "Bearer im-demo-admin"}, timeout=10).json()  # fmt: skip
+    found = httpx.get(
+        f"{demo.config['billing']['url']}/v1/usage/records",
+        params={"id": "left-behind-1", "by": "client_request_id"},
+        headers={"authorization": "Bearer im-demo-admin"},
+        timeout=10,
+    ).json()
     assert [r["instance"] for r in found["records"]] == ["vllm-small-0-99"]
 
 

@@ -18,11 +18,21 @@ from infermeter.config import DEFAULT_CONFIG
 from infermeter.serving import free_port
 
 # A value for every required option of every subcommand, so the command gets past argparse.
-REQUIRED = {"--month": "2026-11", "--out": "out", "--params": "8", "--replica": "large-0",
-            "--role": "collector"}  # fmt: skip
+REQUIRED = {
+    "--month": "2026-11",
+    "--out": "out",
+    "--params": "8",
+    "--replica": "large-0",
+    "--role": "collector",
+}
 # A value for every required positional argument, by its name.
-POSITIONAL = {"key_id": "k-0123456789", "dest": "nightly", "src": "backups/nightly",
-              "file": "invoice.csv", "root": "var/spool"}  # fmt: skip
+POSITIONAL = {
+    "key_id": "k-0123456789",
+    "dest": "nightly",
+    "src": "backups/nightly",
+    "file": "invoice.csv",
+    "root": "var/spool",
+}
 
 
 def leaf_commands() -> list[list[str]]:
@@ -96,12 +106,18 @@ def test_missing_config_file_is_one_line(path, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["chargeback", "--month", "2026-13"], "argument --month: month '2026-13' is not of the form YYYY-MM"),
-        (["billing", "close", "--month", "26-11"], "argument --month: month '26-11' is not of the form YYYY-MM"),
+        (
+            ["chargeback", "--month", "2026-13"],
+            "argument --month: month '2026-13' is not of the form YYYY-MM",
+        ),
+        (
+            ["billing", "close", "--month", "26-11"],
+            "argument --month: month '26-11' is not of the form YYYY-MM",
+        ),
         (["plan", "--params", "13"], "no model shape for 13B parameters: give --preset"),
         (["billing", "export", "--out", "x"], "export reads the ledger file"),
     ],
-)  # fmt: skip
+)
 def test_bad_values_are_one_line(argv, message, capsys):
     """A bad value names itself in the command's one error line."""
     code, lines = run(argv, capsys)

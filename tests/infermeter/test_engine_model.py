@@ -11,9 +11,13 @@ from infermeter.config import EngineProfile
 from infermeter.engine_model import Scheduler, Sequence
 
 PROFILE = EngineProfile(
-    max_num_seqs=8, kv_cache_tokens=4096, block_size=16, step_base_ms=10, step_per_seq_ms=1,
+    max_num_seqs=8,
+    kv_cache_tokens=4096,
+    block_size=16,
+    step_base_ms=10,
+    step_per_seq_ms=1,
     prefill_tokens_per_second=10_000,
-)  # fmt: skip
+)
 
 
 def _arrivals(n: int, seed: int, prompt: int = 200, out: int = 120) -> list[Sequence]:
@@ -49,17 +53,29 @@ def _drive(sched: Scheduler, seqs: list[Sequence], fast: bool) -> None:
 
 
 def _timeline(seqs: list[Sequence]) -> list[tuple[float | None, ...]]:
-    return [(s.admitted_at, s.first_token_at, s.finished_at, s.generated, s.preemptions, s.cached_tokens)
-            for s in seqs]  # fmt: skip
+    return [
+        (
+            s.admitted_at,
+            s.first_token_at,
+            s.finished_at,
+            s.generated,
+            s.preemptions,
+            s.cached_tokens,
+        )
+        for s in seqs
+    ]
 
 
 @pytest.mark.parametrize(
     ("profile", "seed"),
-    [(PROFILE, 1), (PROFILE, 2),
-     # A cache of 40 blocks: decode fills it, so sequences are preempted and recomputed.
-     (PROFILE.model_copy(update={"kv_cache_tokens": 640}), 3),
-     (PROFILE.model_copy(update={"max_num_seqs": 2}), 4)],
-)  # fmt: skip
+    [
+        (PROFILE, 1),
+        (PROFILE, 2),
+        # A cache of 40 blocks: decode fills it, so sequences are preempted and recomputed.
+        (PROFILE.model_copy(update={"kv_cache_tokens": 640}), 3),
+        (PROFILE.model_copy(update={"max_num_seqs": 2}), 4),
+    ],
+)
 def test_advancing_gives_the_timeline_of_stepping(profile, seed):
     """Admission, first token, finish, preemptions and counters agree with one step at a time."""
     stepped, fast = _arrivals(300, seed), _arrivals(300, seed)

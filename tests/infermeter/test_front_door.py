@@ -34,10 +34,29 @@ def _config() -> Config:
 def test_the_workers_are_the_sidecars_and_the_live_local_instances():
     """Fixed sidecars by their listen address; the hook's live instances by theirs; stopped ones not."""
     config = _config()
-    live = LocalInstance("vllm-small-0-1", "small-0", "chat-small", "node-b", (2,), "local",
-                         "http://127.0.0.1:1", "http://127.0.0.1:2/", 1.0)  # fmt: skip
-    gone = LocalInstance("vllm-small-0-0", "small-0", "chat-small", "node-b", (3,), "local",
-                         "http://127.0.0.1:3", "http://127.0.0.1:4", 1.0, stopped_at=2.0)  # fmt: skip
+    live = LocalInstance(
+        "vllm-small-0-1",
+        "small-0",
+        "chat-small",
+        "node-b",
+        (2,),
+        "local",
+        "http://127.0.0.1:1",
+        "http://127.0.0.1:2/",
+        1.0,
+    )
+    gone = LocalInstance(
+        "vllm-small-0-0",
+        "small-0",
+        "chat-small",
+        "node-b",
+        (3,),
+        "local",
+        "http://127.0.0.1:3",
+        "http://127.0.0.1:4",
+        1.0,
+        stopped_at=2.0,
+    )
     assert workers(config, LocalFleet((live, gone))) == {
         f"http://{config.replica('large-0').sidecar_listen}": "chat-large",
         f"http://{config.replica('small-0').sidecar_listen}": "chat-small",
@@ -67,9 +86,13 @@ async def _fleet(config: Config, tmp_path: Path) -> AsyncIterator[dict[str, str]
 async def _requests_of(sidecar: str, model: str) -> float:
     async with httpx.AsyncClient() as client:
         page = (await client.get(f"{sidecar}/metrics", headers=METRICS)).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
-               if line.startswith("infermeter_requests_total{") and f'model="{model}"' in line
-               and 'status="ok"' in line)  # fmt: skip
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in page.splitlines()
+        if line.startswith("infermeter_requests_total{")
+        and f'model="{model}"' in line
+        and 'status="ok"' in line
+    )
 
 
 async def test_one_base_url_serves_every_model_through_its_own_sidecar(tmp_path: Path) -> None:
@@ -89,16 +112,21 @@ async def test_one_base_url_serves_every_model_through_its_own_sidecar(tmp_path:
                 )
                 assert whole.choices[0].message.content
                 stream = await client.chat.completions.create(
-                    model=model, max_tokens=8, stream=True, stream_options={"include_usage": True},
+                    model=model,
+                    max_tokens=8,
+                    stream=True,
+                    stream_options={"include_usage": True},
                     messages=[{"role": "user", "content": "hi"}],
-                )  # fmt: skip
+                )
                 chunks = [c async for c in stream]
                 assert chunks[-1].usage is not None
                 assert chunks[-1].usage.completion_tokens == 8
             async with httpx.AsyncClient() as http:
                 refused = await http.post(
-                    f"{door.url}/v1/chat/completions", json={"model": "chat-small", "messages": []},
-                    headers={"authorization": "Bearer not-a-key"})  # fmt: skip
+                    f"{door.url}/v1/chat/completions",
+                    json={"model": "chat-small", "messages": []},
+                    headers={"authorization": "Bearer not-a-key"},
+                )
             assert refused.status_code == 401, "the router passes the caller's key to the sidecar"
             await client.close()
         finally:

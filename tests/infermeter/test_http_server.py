@@ -63,8 +63,13 @@ class _App:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         body = await read_body(receive, 1 << 22)
-        answer = b"%s %s ?%s %d:%s" % (scope["method"].encode(), scope["raw_path"],
-                                       scope["query_string"], len(body or b""), (body or b"")[:16])  # fmt: skip
+        answer = b"%s %s ?%s %d:%s" % (
+            scope["method"].encode(),
+            scope["raw_path"],
+            scope["query_string"],
+            len(body or b""),
+            (body or b"")[:16],
+        )
         if path == "/chunked":
             await send({"type": "http.response.start", "status": 200, "headers": TEXT})
             await send({"type": "http.response.body", "body": answer, "more_body": True})
@@ -166,8 +171,10 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
 async def test_a_chunked_request_body_and_a_chunked_response() -> None:
     async with _serving(_App()) as srv:
         reader, writer = await _connect(srv)
-        writer.write(b"POST /chunked HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
-                     b"3\r\nabc\r\n4\r\ndefg\r\n0\r\n\r\n")  # fmt: skip
+        writer.write(
+            b"POST /chunked HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"3\r\nabc\r\n4\r\ndefg\r\n0\r\n\r\n"
+        )
         _status, headers, body = await _read_response(reader)
         assert headers[b"transfer-encoding"] == b"chunked"
         assert body == b"POST /chunked ? 7:abcdefg"
@@ -360,7 +367,11 @@ async def test_the_scope_carries_what_the_apps_read() -> None:
     assert "transfer-encoding" not in r.headers
     scope = seen[0]
     assert (scope["method"], scope["path"], scope["raw_path"], scope["query_string"]) == (
-        "GET", "/v1/a b", b"/v1/a%20b", b"x=1")  # fmt: skip
+        "GET",
+        "/v1/a b",
+        b"/v1/a%20b",
+        b"x=1",
+    )
     assert (b"x-team", b"search") in scope["headers"]
     assert scope["client"][0] == "127.0.0.1"
     assert scope["server"] == ("127.0.0.1", srv.port)
@@ -371,8 +382,10 @@ async def test_a_request_refused_for_its_header_size_never_reaches_the_app() -> 
     app = _App()
     async with _serving(app, ServerLimits(max_header_bytes=1024)) as srv:
         reader, writer = await _connect(srv)
-        writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\nx-filler: " + b"f" * 2048 + b"\r\n"
-                     b"content-length: 2\r\n\r\nhi")  # fmt: skip
+        writer.write(
+            b"POST /echo HTTP/1.1\r\nhost: x\r\nx-filler: " + b"f" * 2048 + b"\r\n"
+            b"content-length: 2\r\n\r\nhi"
+        )
         answer = await asyncio.wait_for(reader.read(), 5)
         writer.close()
     assert answer.startswith(b"HTTP/1.1 431 ")
@@ -426,8 +439,10 @@ async def test_an_upgrade_request_cannot_carry_a_second_request() -> None:
     async with _serving(app) as srv:
         reader, writer = await _connect(srv)
         smuggled = b"GET /smuggled HTTP/1.1\r\nhost: x\r\n\r\n"
-        writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: h2c\r\n"
-                     b"content-length: %d\r\n\r\n" % len(smuggled))  # fmt: skip
+        writer.write(
+            b"POST /echo HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: h2c\r\n"
+            b"content-length: %d\r\n\r\n" % len(smuggled)
+        )
         await writer.drain()
         await asyncio.sleep(0.1)
         writer.write(smuggled)

@@ -21,9 +21,13 @@ def test_without_environment_the_instance_is_the_configured_replica():
 
 def test_a_pod_is_an_instance_of_its_group_named_by_the_downward_api():
     """Pod name, UID, namespace, node and the device plugin's GPUs make the identity."""
-    env = {"POD_NAME": "vllm-small-7d9f8-abcde", "POD_UID": "0b6c1f2e-1111-2222-3333-444455556666",
-           "POD_NAMESPACE": "inference", "NODE_NAME": "gpu-node-7",
-           "NVIDIA_VISIBLE_DEVICES": "GPU-aaaa-bbbb,GPU-cccc-dddd"}  # fmt: skip
+    env = {
+        "POD_NAME": "vllm-small-7d9f8-abcde",
+        "POD_UID": "0b6c1f2e-1111-2222-3333-444455556666",
+        "POD_NAMESPACE": "inference",
+        "NODE_NAME": "gpu-node-7",
+        "NVIDIA_VISIBLE_DEVICES": "GPU-aaaa-bbbb,GPU-cccc-dddd",
+    }
     me = identity_from_environment(SMALL, env)
     assert me.instance == "vllm-small-7d9f8-abcde"
     assert (me.replica, me.model, me.gpu_model) == ("small-1", "chat-small", "L40S")
@@ -56,9 +60,13 @@ def test_in_a_pod_an_instance_name_other_than_the_pod_name_is_refused():
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("POD_NAME", "../../etc"), ("POD_UID", "x" * 300), ("NODE_NAME", "a b"),
-     ("NVIDIA_VISIBLE_DEVICES", "GPU-1,$(rm -rf)")],
-)  # fmt: skip
+    [
+        ("POD_NAME", "../../etc"),
+        ("POD_UID", "x" * 300),
+        ("NODE_NAME", "a b"),
+        ("NVIDIA_VISIBLE_DEVICES", "GPU-1,$(rm -rf)"),
+    ],
+)
 def test_a_value_that_is_not_an_id_is_refused_naming_the_variable(name, value):
     """An id becomes a directory name and a label: a path or a space in it is an error, not a risk."""
     with pytest.raises(IdentityError, match=name):

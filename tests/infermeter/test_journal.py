@@ -24,11 +24,22 @@ T0 = 1_790_812_800.0
 def admitted(request_id: str = "r1", stream: bool = True) -> UsageRecord:
     """The record a request is journaled with when it is admitted."""
     return UsageRecord(
-        request_id=request_id, team="search", model="chat-small", served_version="v1", replica="small-0",
-        received_at=T0, first_token_at=None, finished_at=T0, prompt_tokens=0, cached_prompt_tokens=0,
-        completion_tokens=0, status=RequestStatus.INTERRUPTED.value, http_status=502, stream=stream,
+        request_id=request_id,
+        team="search",
+        model="chat-small",
+        served_version="v1",
+        replica="small-0",
+        received_at=T0,
+        first_token_at=None,
+        finished_at=T0,
+        prompt_tokens=0,
+        cached_prompt_tokens=0,
+        completion_tokens=0,
+        status=RequestStatus.INTERRUPTED.value,
+        http_status=502,
+        stream=stream,
         usage_exact=False,
-    )  # fmt: skip
+    )
 
 
 def line(entry: dict[str, object]) -> bytes:
@@ -71,8 +82,13 @@ def test_interrupted_record_takes_the_last_mark(mark, stream, expected):
     assert record.status == "interrupted"
     assert record.usage_exact is False
     assert record.request_id == "r1"
-    got = (record.prompt_tokens, record.completion_tokens, record.first_token_at,
-           record.http_status, record.finished_at)  # fmt: skip
+    got = (
+        record.prompt_tokens,
+        record.completion_tokens,
+        record.first_token_at,
+        record.http_status,
+        record.finished_at,
+    )
     assert got == expected
 
 
@@ -99,18 +115,27 @@ async def test_recover_keeps_the_journal_when_the_spool_refuses(tmp_path):
         # A non-streamed request: 502 whatever its tokens; the response id all the same.
         (Progress(7, 5, 0, None, False, "chatcmpl-b"), None, False, (7, 5, 0, 502, "chatcmpl-b")),
         # A slot and a mark (files of two versions): the larger of each count.
-        (Progress(7, 4, 0, None, True, None), {"p": 7, "c": 9, "k": 1, "t": None, "at": T0}, True,
-         (7, 9, 1, 200, None)),
+        (
+            Progress(7, 4, 0, None, True, None),
+            {"p": 7, "c": 9, "k": 1, "t": None, "at": T0},
+            True,
+            (7, 9, 1, 200, None),
+        ),
         # vLLM had reported nothing yet.
         (Progress(None, None), None, True, (0, 0, 0, 502, None)),
     ],
-)  # fmt: skip
+)
 def test_interrupted_record_takes_the_slots_progress(progress, mark, stream, expected):
     """Counts, the HTTP status the client saw and vLLM's response id come from the slot."""
     pending = Pending(admitted(stream=stream).to_json(), mark, progress)
     record = interrupted_record(pending, T0 + 2.0)
-    got = (record.prompt_tokens, record.completion_tokens, record.cached_prompt_tokens,
-           record.http_status, record.response_id)  # fmt: skip
+    got = (
+        record.prompt_tokens,
+        record.completion_tokens,
+        record.cached_prompt_tokens,
+        record.http_status,
+        record.response_id,
+    )
     assert got == expected
     assert (record.status, record.usage_exact) == ("interrupted", False)
     assert record.first_token_at == progress.first_token_at

@@ -21,8 +21,11 @@ from tests.servers import serving
 @pytest.fixture
 async def billing(config: Config, tmp_path: Path) -> AsyncIterator[str]:
     """Billing over a ledger file, on a loopback port."""
-    ledger = Ledger.open(tmp_path / "ledger.duckdb", [t.name for t in config.teams],
-                         {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    ledger = Ledger.open(
+        tmp_path / "ledger.duckdb",
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
     try:
         async with serving(create_app(config, ledger), lifespan="off") as url:
             yield url
@@ -39,8 +42,19 @@ async def keys(capsys: pytest.CaptureFixture[str], url: str, *argv: str) -> tupl
 async def test_the_command_issues_lists_rotates_and_revokes(billing, capsys, monkeypatch):
     """A created key is printed alone on stdout and works; a rotated one replaces it; revoked, it stops."""
     monkeypatch.setenv("INFERMETER_ADMIN_TOKEN", "im-demo-admin")
-    code, out, err = await keys(capsys, billing, "create", "--team", "search", "--member", "ana",
-                                "--expires-in", "30d", "--requests-per-minute", "60")  # fmt: skip
+    code, out, err = await keys(
+        capsys,
+        billing,
+        "create",
+        "--team",
+        "search",
+        "--member",
+        "ana",
+        "--expires-in",
+        "30d",
+        "--requests-per-minute",
+        "60",
+    )
     assert code == 0
     secret = out.strip()
     assert secret.startswith("imk_")

@@ -142,8 +142,15 @@ def _tokens() -> IdTokens:
 
 
 def _signed(key: RSAKey = KEY, alg: str = "RS256", **changes: Any) -> str:
-    claims = {"iss": ISSUER, "aud": "dash", "sub": "s1", "email": "ana@example.com",
-              "groups": ["ops"], "iat": NOW, "exp": NOW + 300} | changes  # fmt: skip
+    claims = {
+        "iss": ISSUER,
+        "aud": "dash",
+        "sub": "s1",
+        "email": "ana@example.com",
+        "groups": ["ops"],
+        "iat": NOW,
+        "exp": NOW + 300,
+    } | changes
     return jwt.encode({"alg": alg, "kid": "k1"}, claims, key)
 
 
@@ -173,8 +180,11 @@ def test_an_id_token_not_of_the_issuer_for_this_client_in_date_is_refused(
 
 def test_an_hmac_token_keyed_with_public_material_is_refused() -> None:
     """An HS256 token is refused whatever its key: only the issuer's asymmetric keys sign."""
-    forged = jwt.encode({"alg": "HS256", "kid": "k1"}, {"iss": ISSUER, "aud": "dash", "sub": "x",
-                        "exp": NOW + 60, "groups": ["ops"]}, OctKey.generate_key(256))  # fmt: skip
+    forged = jwt.encode(
+        {"alg": "HS256", "kid": "k1"},
+        {"iss": ISSUER, "aud": "dash", "sub": "x", "exp": NOW + 60, "groups": ["ops"]},
+        OctKey.generate_key(256),
+    )
     with pytest.raises(AuthError, match="ID token refused"):
         _tokens().caller(forged)
 

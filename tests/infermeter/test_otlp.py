@@ -39,13 +39,20 @@ def test_export_is_on_when_the_variables_ask_for_it(environ, configured):
     [
         ({}, OtlpSettings("http/protobuf", 60.0)),
         ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, OtlpSettings("grpc", 60.0)),
-        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf"},
-         OtlpSettings("http/protobuf", 60.0)),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf",
+            },
+            OtlpSettings("http/protobuf", 60.0),
+        ),
         ({"OTEL_METRIC_EXPORT_INTERVAL": "5000"}, OtlpSettings("http/protobuf", 5.0)),
-        ({"OTEL_SEMCONV_STABILITY_OPT_IN": f"http, {GEN_AI_LATEST}"},
-         OtlpSettings("http/protobuf", 60.0, frozenset({"http", GEN_AI_LATEST}))),
+        (
+            {"OTEL_SEMCONV_STABILITY_OPT_IN": f"http, {GEN_AI_LATEST}"},
+            OtlpSettings("http/protobuf", 60.0, frozenset({"http", GEN_AI_LATEST})),
+        ),
     ],
-)  # fmt: skip
+)
 def test_settings_follow_the_metrics_variable_first(environ, settings):
     """The metrics-specific protocol wins over the general one; the interval is milliseconds."""
     assert otlp_settings(environ) == settings
@@ -54,16 +61,24 @@ def test_settings_follow_the_metrics_variable_first(environ, settings):
 @pytest.mark.parametrize(
     ("environ", "message"),
     [
-        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
-         "OTEL_EXPORTER_OTLP_PROTOCOL='http/json': metrics can be exported over http/protobuf or grpc"),
-        ({"OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "thrift"},
-         "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL='thrift': metrics can be exported over http/protobuf or grpc"),
-        ({"OTEL_METRIC_EXPORT_INTERVAL": "soon"},
-         "OTEL_METRIC_EXPORT_INTERVAL='soon': not a positive number of milliseconds"),
-        ({"OTEL_METRIC_EXPORT_INTERVAL": "0"},
-         "OTEL_METRIC_EXPORT_INTERVAL='0': not a positive number of milliseconds"),
+        (
+            {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+            "OTEL_EXPORTER_OTLP_PROTOCOL='http/json': metrics can be exported over http/protobuf or grpc",
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "thrift"},
+            "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL='thrift': metrics can be exported over http/protobuf or grpc",
+        ),
+        (
+            {"OTEL_METRIC_EXPORT_INTERVAL": "soon"},
+            "OTEL_METRIC_EXPORT_INTERVAL='soon': not a positive number of milliseconds",
+        ),
+        (
+            {"OTEL_METRIC_EXPORT_INTERVAL": "0"},
+            "OTEL_METRIC_EXPORT_INTERVAL='0': not a positive number of milliseconds",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_value_export_cannot_honour_is_refused_by_name(environ, message):
     """The error names the variable and its value."""
     with pytest.raises(OtlpConfigError) as caught:

@@ -16,14 +16,26 @@ from infermeter.pricing import (
 )
 
 PRICES = Prices(
-    usd_per_gpu_hour={"H100": 3.90, "L40S": 1.60, "A100-80GB": 2.40, "T4": 0.50, "A10G": 1.00,
-                      "free": 0.0}
-)  # fmt: skip
+    usd_per_gpu_hour={
+        "H100": 3.90,
+        "L40S": 1.60,
+        "A100-80GB": 2.40,
+        "T4": 0.50,
+        "A10G": 1.00,
+        "free": 0.0,
+    }
+)
 
 
 def _replica(rid: str, model: str, gpu_model: str, gpu_count: int) -> dict[str, Any]:
-    return {"id": rid, "model": model, "upstream_url": "http://127.0.0.1:9", "node": "n",
-            "gpu_model": gpu_model, "gpu_count": gpu_count}  # fmt: skip
+    return {
+        "id": rid,
+        "model": model,
+        "upstream_url": "http://127.0.0.1:9",
+        "node": "n",
+        "gpu_model": gpu_model,
+        "gpu_count": gpu_count,
+    }
 
 
 def _fleet(config: Config, *replicas: tuple[str, int]) -> Config:

@@ -49,11 +49,17 @@ def test_children_stop_one_at_a_time_in_reverse_start_order(tmp_path: Path) -> N
 
 def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path: Path) -> None:
     """A child that does not stop on SIGTERM is killed, and the next one is still stopped."""
-    stubborn = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                 "open(sys.argv[1], 'w').close(); time.sleep(60)")  # fmt: skip
+    stubborn = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "open(sys.argv[1], 'w').close(); time.sleep(60)"
+    )
     mark, up = tmp_path / "billing", tmp_path / "stubborn.up"
-    supervisor = Supervisor([Child("billing", [sys.executable, "-c", _CHILD, str(mark)]),
-                             Child("stubborn", [sys.executable, "-c", stubborn, str(up)])])  # fmt: skip
+    supervisor = Supervisor(
+        [
+            Child("billing", [sys.executable, "-c", _CHILD, str(mark)]),
+            Child("stubborn", [sys.executable, "-c", stubborn, str(up)]),
+        ]
+    )
     supervisor.start()
     deadline = time.monotonic() + 30
     while not (mark.with_suffix(".up").exists() and up.exists()):
@@ -80,8 +86,13 @@ if code == "up":
 sys.exit(int(code))
 """
 
-FAST = RestartPolicy(first_delay_seconds=0.1, max_delay_seconds=0.4, stable_after_seconds=30,
-                     give_up_exits=5, give_up_window_seconds=60)  # fmt: skip
+FAST = RestartPolicy(
+    first_delay_seconds=0.1,
+    max_delay_seconds=0.4,
+    stable_after_seconds=30,
+    give_up_exits=5,
+    give_up_window_seconds=60,
+)
 
 
 def scripted(name: str, log: Path, *codes: str) -> Child:
@@ -142,8 +153,9 @@ def test_after_exit_doubles_caps_resets_and_gives_up(history, started_at, now, d
 def test_a_child_that_dies_is_restarted_after_a_delay_and_the_others_keep_running(tmp_path):
     """One line names the child, its exit code and the delay; the next start waits that long."""
     flaky, steady = tmp_path / "flaky", tmp_path / "steady"
-    supervisor = Supervisor([scripted("steady", steady, "up"), scripted("flaky", flaky, "3", "up")],
-                            policy=FAST)  # fmt: skip
+    supervisor = Supervisor(
+        [scripted("steady", steady, "up"), scripted("flaky", flaky, "3", "up")], policy=FAST
+    )
     supervisor.start()
     lines: list[str] = []
     try:
@@ -162,8 +174,9 @@ def test_a_child_that_dies_is_restarted_after_a_delay_and_the_others_keep_runnin
 def test_a_child_that_keeps_crashing_is_given_up_and_the_others_keep_running(tmp_path):
     """Delays double to the cap; after 5 exits within the window it is given up, and said so."""
     crash, steady = tmp_path / "crash", tmp_path / "steady"
-    supervisor = Supervisor([scripted("steady", steady, "up"), scripted("crash", crash, "1")],
-                            policy=FAST)  # fmt: skip
+    supervisor = Supervisor(
+        [scripted("steady", steady, "up"), scripted("crash", crash, "1")], policy=FAST
+    )
     supervisor.start()
     lines: list[str] = []
     try:
@@ -186,8 +199,9 @@ def test_a_child_that_keeps_crashing_is_given_up_and_the_others_keep_running(tmp
 def test_a_child_that_finishes_is_not_restarted(tmp_path):
     """Exit code 0 is work done (traffic after --duration): said once, never started again."""
     done, steady = tmp_path / "done", tmp_path / "steady"
-    supervisor = Supervisor([scripted("steady", steady, "up"), scripted("traffic", done, "0")],
-                            policy=FAST)  # fmt: skip
+    supervisor = Supervisor(
+        [scripted("steady", steady, "up"), scripted("traffic", done, "0")], policy=FAST
+    )
     supervisor.start()
     lines: list[str] = []
     try:
@@ -202,11 +216,15 @@ def test_a_child_that_finishes_is_not_restarted(tmp_path):
 def test_what_a_dead_child_started_is_stopped_with_it(tmp_path):
     """A child's own children (the autoscaler's instances) get SIGTERM when it dies."""
     grandchild = tmp_path / "grandchild.pid"
-    script = ("import subprocess, sys, time; "
-              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
-              "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(0.3); sys.exit(1)")  # fmt: skip
-    supervisor = Supervisor([Child("parent", [sys.executable, "-c", script, str(grandchild)])],
-                            policy=RestartPolicy(first_delay_seconds=60))  # fmt: skip
+    script = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(0.3); sys.exit(1)"
+    )
+    supervisor = Supervisor(
+        [Child("parent", [sys.executable, "-c", script, str(grandchild)])],
+        policy=RestartPolicy(first_delay_seconds=60),
+    )
     supervisor.start()
     lines: list[str] = []
     try:
@@ -235,17 +253,23 @@ def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
 
 def test_each_child_is_stopped_with_its_own_signal(tmp_path):
     """A child that asks for SIGINT (an asyncio.run program) gets SIGINT; the others SIGTERM."""
-    script = ("import signal, sys, time\n"
-              "def note(signum, _):\n"
-              "    open(sys.argv[1], 'w').write(signal.Signals(signum).name); sys.exit(0)\n"
-              "signal.signal(signal.SIGINT, note); signal.signal(signal.SIGTERM, note)\n"
-              "open(sys.argv[1] + '.up', 'w').close()\n"
-              "time.sleep(600)\n")  # fmt: skip
+    script = (
+        "import signal, sys, time\n"
+        "def note(signum, _):\n"
+        "    open(sys.argv[1], 'w').write(signal.Signals(signum).name); sys.exit(0)\n"
+        "signal.signal(signal.SIGINT, note); signal.signal(signal.SIGTERM, note)\n"
+        "open(sys.argv[1] + '.up', 'w').close()\n"
+        "time.sleep(600)\n"
+    )
     server, traffic = tmp_path / "server", tmp_path / "traffic"
-    supervisor = Supervisor([
-        Child("server", [sys.executable, "-c", script, str(server)]),
-        Child("traffic", [sys.executable, "-c", script, str(traffic)], stop_signal=signal.SIGINT),
-    ])  # fmt: skip
+    supervisor = Supervisor(
+        [
+            Child("server", [sys.executable, "-c", script, str(server)]),
+            Child(
+                "traffic", [sys.executable, "-c", script, str(traffic)], stop_signal=signal.SIGINT
+            ),
+        ]
+    )
     supervisor.start()
     wait_for(lambda: server.with_suffix(".up").exists() and traffic.with_suffix(".up").exists())
     supervisor.stop()

@@ -37,8 +37,11 @@ def test_an_instance_takes_only_its_own_credential(config: Config) -> None:
     own = issue(SECRET, Writer.for_instance("small-0", "vllm-small-0-3", "10.0.0.7:9000"))
     assert instance_credential(identity, {"V": own.token}, "V") == own
     assert instance_credential(identity, {}, "V") is None
-    for other in (Writer.for_instance("small-0", "vllm-small-0-4"),
-                  Writer.for_instance("small-1", "vllm-small-0-3"), Writer.for_collector(["node-b"])):  # fmt: skip
+    for other in (
+        Writer.for_instance("small-0", "vllm-small-0-4"),
+        Writer.for_instance("small-1", "vllm-small-0-3"),
+        Writer.for_collector(["node-b"]),
+    ):
         with pytest.raises(IdentityError, match="environment variable V: the credential of"):
             instance_credential(identity, {"V": issue(SECRET, other).token}, "V")
     with pytest.raises(IdentityError, match="environment variable V: a writer credential"):
@@ -95,14 +98,34 @@ def test_a_line_without_a_seal_opens_as_unsealed():
 def test_a_sidecar_with_another_instances_credential_does_not_start(tmp_path):
     """One line naming the variable and whose credential it holds; exit code 2; nothing served."""
     other = issue(SECRET, Writer.for_instance("small-0", "vllm-small-0-9"))
-    env = {**os.environ, **POD, "INFERMETER_WRITER_CREDENTIAL": other.token,
-           "INFERMETER__SIDECAR__SPOOL_DIR": str(tmp_path)}  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "infermeter", "sidecar", "--replica", "small-0",
-                           "--listen", f"127.0.0.1:{free_port()}"],
-                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    env = {
+        **os.environ,
+        **POD,
+        "INFERMETER_WRITER_CREDENTIAL": other.token,
+        "INFERMETER__SIDECAR__SPOOL_DIR": str(tmp_path),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "infermeter",
+            "sidecar",
+            "--replica",
+            "small-0",
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2, done.stderr
-    errors = [line for line in done.stderr.splitlines()
-              if line.startswith("infermeter:") and "WARNING" not in line]  # fmt: skip
+    errors = [
+        line
+        for line in done.stderr.splitlines()
+        if line.startswith("infermeter:") and "WARNING" not in line
+    ]
     assert len(errors) == 1, done.stderr
     assert "INFERMETER_WRITER_CREDENTIAL" in errors[0]
     assert "instance:small-0/vllm-small-0-9" in errors[0]
@@ -121,8 +144,10 @@ def test_a_credential_handed_over_as_a_file_is_read_from_variable_file(
     collector = issue(SECRET, Writer.for_collector(["node-a"]))
     path.write_text(collector.token)
     assert credential_from({"V_FILE": str(path)}, "V", Role.COLLECTOR) == collector
-    assert credential_from({"V": collector.token, "V_FILE": "/nonexistent"}, "V",
-                           Role.COLLECTOR) == collector  # fmt: skip
+    assert (
+        credential_from({"V": collector.token, "V_FILE": "/nonexistent"}, "V", Role.COLLECTOR)
+        == collector
+    )
 
 
 def test_a_credential_file_that_cannot_be_read_is_one_error_naming_it(

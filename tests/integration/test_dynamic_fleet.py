@@ -55,8 +55,11 @@ from tests.servers import serving
 
 GROUP = "small-0"
 OWNER = "research"  # the group's idle goes to its owner, a team that sends no traffic
-KEYS = {"search": "im-demo-search", "assistant": "im-demo-assistant",
-        "analytics": "im-demo-analytics"}  # fmt: skip
+KEYS = {
+    "search": "im-demo-search",
+    "assistant": "im-demo-assistant",
+    "analytics": "im-demo-analytics",
+}
 ADMIN = {"authorization": "Bearer im-demo-admin"}
 TOKENS = {
     "INFERMETER_METRICS_TOKEN": "im-demo-metrics",
@@ -83,32 +86,56 @@ def write_config(tmp_path: Path) -> tuple[Path, Config]:
     """The demo configuration cut to node-b and group small-0 (idle to its owner), fast timings."""
     raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
     billing = f"127.0.0.1:{free_port()}"
-    raw["replicas"] = [{**r, "idle_policy": "owner", "owner_team": OWNER}
-                       for r in raw["replicas"] if r["id"] == GROUP]  # fmt: skip
-    raw["nodes"] = [{"name": "node-b", "gpu_model": "L40S", "gpu_count": 4,
-                     "dcgm_exporter_url": f"http://127.0.0.1:{free_port()}/metrics"}]  # fmt: skip
+    raw["replicas"] = [
+        {**r, "idle_policy": "owner", "owner_team": OWNER}
+        for r in raw["replicas"]
+        if r["id"] == GROUP
+    ]
+    raw["nodes"] = [
+        {
+            "name": "node-b",
+            "gpu_model": "L40S",
+            "gpu_count": 4,
+            "dcgm_exporter_url": f"http://127.0.0.1:{free_port()}/metrics",
+        }
+    ]
     raw["scaling"]["min_replicas"] = 1
     # The test starts three instances itself (no scaling decision asks for them): the ceiling the
     # configuration allows, past which billing's registry lists none (infermeter.fleet_bound).
     raw["scaling"]["max_replicas"] = len(NAMES)
     # A price that makes the few minutes of the test worth many cents, so rounding is exercised.
     raw["prices"]["usd_per_gpu_hour"]["L40S"] = 1600.0
-    raw["sidecar"].update(spool_dir=str(tmp_path / "spool"), ingest_url=f"http://{billing}/v1/ingest",
-                          heartbeat_seconds=1.0, drain_seconds=5, drain_ship_seconds=5)  # fmt: skip
-    raw["billing"].update(listen=billing, url=f"http://{billing}",
-                          database=str(tmp_path / "ledger.duckdb"))  # fmt: skip
+    raw["sidecar"].update(
+        spool_dir=str(tmp_path / "spool"),
+        ingest_url=f"http://{billing}/v1/ingest",
+        heartbeat_seconds=1.0,
+        drain_seconds=5,
+        drain_ship_seconds=5,
+    )
+    raw["billing"].update(
+        listen=billing, url=f"http://{billing}", database=str(tmp_path / "ledger.duckdb")
+    )
     raw["collector"] = {
-        "listen": f"127.0.0.1:{free_port()}", "scrape_interval_seconds": SCRAPE_SECONDS,
-        "gap_after_intervals": 20, "spool_dir": str(tmp_path / "collector-spool"),
-        "ingest_url": f"http://{billing}/v1/ingest", "discovery": "registry",
-        "registry": {"refresh_seconds": 1.0}, "adopt_spools_dir": str(tmp_path / "spool"),
-    }  # fmt: skip
+        "listen": f"127.0.0.1:{free_port()}",
+        "scrape_interval_seconds": SCRAPE_SECONDS,
+        "gap_after_intervals": 20,
+        "spool_dir": str(tmp_path / "collector-spool"),
+        "ingest_url": f"http://{billing}/v1/ingest",
+        "discovery": "registry",
+        "registry": {"refresh_seconds": 1.0},
+        "adopt_spools_dir": str(tmp_path / "spool"),
+    }
     raw["simulator"]["instances_file"] = str(tmp_path / "instances.json")
     raw["autoscale"] = {
         "history_file": "",
-        "local": {"enabled": True, "count_fixed_replicas": False, "groups": {"chat-small": GROUP},
-                  "ready_timeout_seconds": 60, "stop_timeout_seconds": 30},
-    }  # fmt: skip
+        "local": {
+            "enabled": True,
+            "count_fixed_replicas": False,
+            "groups": {"chat-small": GROUP},
+            "ready_timeout_seconds": 60,
+            "stop_timeout_seconds": 30,
+        },
+    }
     path = tmp_path / "infermeter.yaml"
     # What it left at the demo's addresses (small-0's own, the dashboard's) moves to free ports.
     path.write_text(yaml.safe_dump(off_demo_ports(raw)))
@@ -123,8 +150,9 @@ def environ(config: Config | None = None, name: str = "") -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def process(args: list[str], path: Path, config: Config | None = None,
-            name: str = "") -> Iterator[subprocess.Popen[bytes]]:  # fmt: skip
+def process(
+    args: list[str], path: Path, config: Config | None = None, name: str = ""
+) -> Iterator[subprocess.Popen[bytes]]:
     """``infermeter <args> --config <path>`` for the block, as demo child ``name`` would run;
     SIGTERM (then SIGKILL) after it."""
     argv = [sys.executable, "-m", "infermeter", *args, "--config", str(path)]
@@ -163,8 +191,12 @@ async def answers(client: httpx.AsyncClient, url: str) -> bool:
 
 async def chat(client: httpx.AsyncClient, sidecar_url: str, key: str, stream: bool) -> Counter[str]:
     """One chat through a sidecar: the prompt and completion tokens its answer reports."""
-    body: dict[str, Any] = {"model": "chat-small", "max_tokens": 12, "stream": stream,
-                            "messages": [{"role": "user", "content": "count the GPUs"}]}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": "chat-small",
+        "max_tokens": 12,
+        "stream": stream,
+        "messages": [{"role": "user", "content": "count the GPUs"}],
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     headers = {"authorization": f"Bearer {key}"}
@@ -314,8 +346,9 @@ async def scale_under_traffic(tmp_path: Path) -> Run:
         stopped_at = time.time()
 
         async def registry() -> dict[str, dict[str, Any]]:
-            response = await client.get(f"{billing_url}/v1/instances", params={"state": "all"},
-                                        headers=ADMIN)  # fmt: skip
+            response = await client.get(
+                f"{billing_url}/v1/instances", params={"state": "all"}, headers=ADMIN
+            )
             return {i["instance"]: i for i in response.json()["instances"] if i["replica"] == GROUP}
 
         async def all_stopped() -> bool:
@@ -411,6 +444,7 @@ def test_tokens_per_team_are_the_engines_counters(run: Run, statements: list[Sta
     engines: Counter[str] = Counter()
     for inst in read_fleet(Path(run.config.simulator.instances_file)).stopped:
         assert inst.usage is not None, inst
-        engines += Counter(prompt=int(inst.usage["prompt_tokens"]),
-                           completion=int(inst.usage["generation_tokens"]))  # fmt: skip
+        engines += Counter(
+            prompt=int(inst.usage["prompt_tokens"]), completion=int(inst.usage["generation_tokens"])
+        )
     assert sum(run.tally.values(), Counter()) == engines

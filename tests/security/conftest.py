@@ -13,7 +13,10 @@ from infermeter.config import Config
 @pytest.fixture
 def ledger(config: Config) -> Iterator[Ledger]:
     """An empty in-memory ledger for the demo teams, with the models' TTFT targets."""
-    led = Ledger.open(":memory:", [t.name for t in config.teams],
-                      {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    led = Ledger.open(
+        ":memory:",
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
     yield led
     led.close()

@@ -54,8 +54,9 @@ def peak_rss() -> int:
     raise AssertionError("no VmHWM in /proc/self/status")
 
 
-async def exchange(url: str, head: bytes, chunks: AsyncIterator[bytes] | None = None,
-                   timeout: float = 10.0) -> bytes:  # fmt: skip
+async def exchange(
+    url: str, head: bytes, chunks: AsyncIterator[bytes] | None = None, timeout: float = 10.0
+) -> bytes:
     """Send ``head`` and then ``chunks`` on a raw connection; the answer, or what came before EOF.
 
     The answer is read while the body is still being sent, as a server may answer early.
@@ -117,9 +118,11 @@ async def test_a_body_over_the_cap_is_413_and_never_buffered(config, ledger):
             yield b"%x\r\n%s\r\n" % (len(chunk), chunk)
         yield b"0\r\n\r\n"
 
-    head = (b"POST /v1/ingest/usage HTTP/1.1\r\nhost: billing\r\n"
-            b"authorization: Bearer " + INGEST.encode() + b"\r\n"
-            b"content-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n")  # fmt: skip
+    head = (
+        b"POST /v1/ingest/usage HTTP/1.1\r\nhost: billing\r\n"
+        b"authorization: Bearer " + INGEST.encode() + b"\r\n"
+        b"content-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
     async with billing(config, ledger) as url:
         peak_rss_reset()
         before = peak_rss()
@@ -133,9 +136,11 @@ async def test_a_body_over_the_cap_is_413_and_never_buffered(config, ledger):
 async def test_a_declared_length_over_the_cap_is_413_before_the_body(config, ledger):
     """A Content-Length over ``billing.max_body_bytes`` is answered 413 with no body sent at all."""
     config = with_billing(config, max_body_bytes=MIB)
-    head = (b"POST /v1/ingest HTTP/1.1\r\nhost: billing\r\n"
-            b"authorization: Bearer " + INGEST.encode() + b"\r\n"
-            b"content-length: %d\r\n\r\n" % (1 << 30))  # fmt: skip
+    head = (
+        b"POST /v1/ingest HTTP/1.1\r\nhost: billing\r\n"
+        b"authorization: Bearer " + INGEST.encode() + b"\r\n"
+        b"content-length: %d\r\n\r\n" % (1 << 30)
+    )
     async with billing(config, ledger) as url:
         response = await exchange(url, head, timeout=5.0)
     assert status_of(response) == 413
@@ -173,8 +178,14 @@ async def test_a_zstd_bomb_is_refused_before_it_is_decoded(config, ledger, rows,
     async with billing(config, ledger) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
         peak_rss_reset()
         before = peak_rss()
-        r = await c.post("/v1/ingest/usage", content=body, headers={
-            "authorization": f"Bearer {INGEST}", "content-type": "application/vnd.apache.arrow.stream"})  # fmt: skip
+        r = await c.post(
+            "/v1/ingest/usage",
+            content=body,
+            headers={
+                "authorization": f"Bearer {INGEST}",
+                "content-type": "application/vnd.apache.arrow.stream",
+            },
+        )
         grown = peak_rss() - before
     assert r.status_code == 413, r.text
     assert r.json()["error"]["code"] == "batch_too_large"
@@ -189,8 +200,10 @@ async def test_many_months_do_not_grow_the_statement_cache_past_its_bound(config
     app = create_app(config, ledger)
     async with serving(app, lifespan="off") as url, httpx.AsyncClient(base_url=url) as c:
         for month in range(1, 13):
-            r = await c.get(f"/v1/query/statement/2025-{month:02d}",
-                            headers={"authorization": f"Bearer {SEARCH}"})  # fmt: skip
+            r = await c.get(
+                f"/v1/query/statement/2025-{month:02d}",
+                headers={"authorization": f"Bearer {SEARCH}"},
+            )
             assert r.status_code == 200
     assert len(app.state.services.statements) == 3
 
@@ -228,14 +241,26 @@ async def test_concurrent_identical_requests_compute_the_statement_once(config, 
 async def test_a_team_hammering_gets_429_while_the_admin_ingest_and_scrapes_do_not(config, ledger):
     """Past its burst a team key is 429 with Retry-After; the admin, ingest and /metrics are unaffected."""
     config = with_billing(config, read_burst=5, read_rate_per_second=0.5)
-    async with serving(create_app(config, ledger), lifespan="off") as url, httpx.AsyncClient(base_url=url) as c:  # fmt: skip
-        team = [await c.get("/v1/query", headers={"authorization": f"Bearer {SEARCH}"})
-                for _ in range(10)]  # fmt: skip
+    async with (
+        serving(create_app(config, ledger), lifespan="off") as url,
+        httpx.AsyncClient(base_url=url) as c,
+    ):
+        team = [
+            await c.get("/v1/query", headers={"authorization": f"Bearer {SEARCH}"})
+            for _ in range(10)
+        ]
         admin = await c.get("/v1/query", headers={"authorization": f"Bearer {ADMIN}"})
-        ingest = [await c.post("/v1/ingest", content=batch("usage", [usage("search", NOV + 3600)]),
-                               headers={"authorization": f"Bearer {INGEST}"}) for _ in range(10)]  # fmt: skip
-        scrapes = [await c.get("/metrics", headers={"authorization": f"Bearer {ADMIN}"})
-                   for _ in range(10)]  # fmt: skip
+        ingest = [
+            await c.post(
+                "/v1/ingest",
+                content=batch("usage", [usage("search", NOV + 3600)]),
+                headers={"authorization": f"Bearer {INGEST}"},
+            )
+            for _ in range(10)
+        ]
+        scrapes = [
+            await c.get("/metrics", headers={"authorization": f"Bearer {ADMIN}"}) for _ in range(10)
+        ]
     assert [r.status_code for r in team] == [200] * 5 + [429] * 5
     assert team[-1].json()["error"]["code"] == "rate_limited"
     assert 1 <= int(team[-1].headers["retry-after"]) <= 3
@@ -290,9 +315,11 @@ async def test_a_client_trickling_its_body_is_cut_off(config, ledger):
             yield b"{"
             await asyncio.sleep(0.2)
 
-    head = (b"POST /v1/ingest/usage HTTP/1.1\r\nhost: billing\r\n"
-            b"authorization: Bearer " + INGEST.encode() + b"\r\n"
-            b"content-type: application/x-ndjson\r\ncontent-length: 1000\r\n\r\n")  # fmt: skip
+    head = (
+        b"POST /v1/ingest/usage HTTP/1.1\r\nhost: billing\r\n"
+        b"authorization: Bearer " + INGEST.encode() + b"\r\n"
+        b"content-type: application/x-ndjson\r\ncontent-length: 1000\r\n\r\n"
+    )
     async with billing(config, ledger) as url:
         started = time.monotonic()
         response = await exchange(url, head, trickle())

@@ -41,19 +41,31 @@ def _config(tmp_path: Path) -> Config:
     config = load_config(
         DEFAULT_CONFIG, environ={"INFERMETER__BILLING__SHARED_INGEST_TOKEN": "true"}
     )
-    return config.model_copy(update={"billing": config.billing.model_copy(
-        update={"read_burst": 1_000_000, "export_dir": str(tmp_path),
-                "backup_dir": str(tmp_path / "backups"),
-                "retention": config.billing.retention.model_copy(
-                    update={"archive": str(tmp_path / "archive")})})})  # fmt: skip
+    return config.model_copy(
+        update={
+            "billing": config.billing.model_copy(
+                update={
+                    "read_burst": 1_000_000,
+                    "export_dir": str(tmp_path),
+                    "backup_dir": str(tmp_path / "backups"),
+                    "retention": config.billing.retention.model_copy(
+                        update={"archive": str(tmp_path / "archive")}
+                    ),
+                }
+            )
+        }
+    )
 
 
 @pytest.fixture
 def api(tmp_path: Path) -> Iterator[Any]:
     """Billing's OpenAPI over its ASGI app, on an empty in-memory ledger, with no read limit."""
     config = _config(tmp_path)
-    ledger = Ledger.open(":memory:", [t.name for t in config.teams],
-                         {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    ledger = Ledger.open(
+        ":memory:",
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
     try:
         yield schemathesis.openapi.from_asgi("/openapi.json", create_app(config, ledger))
     finally:
@@ -65,13 +77,17 @@ def absurd_api(tmp_path: Path) -> Iterator[Any]:
     """The same over a ledger holding, this month, one GPU sample of 1e22 J (kept as a ledger from
     before the sample bounds would hold it) beside ordinary samples and usage."""
     config = _config(tmp_path)
-    ledger = Ledger.open(":memory:", [t.name for t in config.teams], {},
-                         bounds=SampleBounds({"L40S": 1e30}))  # fmt: skip
+    ledger = Ledger.open(
+        ":memory:", [t.name for t in config.teams], {}, bounds=SampleBounds({"L40S": 1e30})
+    )
     now = time.time()
     start = max(month_bounds(month_of(now))[0], now - 900)
     absurd = gpu_samples("small-1", start + 300, 10.0, gpu="1")[0] | {"energy_joules": 1e22}
-    for kind, records in (("gpu_samples", gpu_samples("small-0", start, 600.0)),
-                          ("gpu_samples", [absurd]), ("usage", [usage("search", start + 60, 30.0)])):  # fmt: skip
+    for kind, records in (
+        ("gpu_samples", gpu_samples("small-0", start, 600.0)),
+        ("gpu_samples", [absurd]),
+        ("usage", [usage("search", start + 60, 30.0)]),
+    ):
         assert ledger.ingest(batch(kind, records), now=now).rejected == []
     try:
         yield schemathesis.openapi.from_asgi("/openapi.json", create_app(config, ledger))
@@ -79,8 +95,13 @@ def absurd_api(tmp_path: Path) -> Iterator[Any]:
         ledger.close()
 
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
-          response_schema_conformance, positive_data_acceptance]  # fmt: skip
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    positive_data_acceptance,
+]
 
 
 def checks_for(case: Any) -> list[Any]:
@@ -97,9 +118,14 @@ def checks_for(case: Any) -> list[Any]:
     # most strings are not a FOCUS export (400 naming the row and column).
     arrow = case.media_type == ARROW_STREAM or case.path == "/v1/invoices"
     ranged = case.path in (
-        "/v1/query/{name}", "/v1/fleet", "/v1/audit", "/v1/audit.csv", "/v1/events",
-        "/v1/allocation", "/v1/allocation.csv",
-    ) and bool(case.query)  # fmt: skip
+        "/v1/query/{name}",
+        "/v1/fleet",
+        "/v1/audit",
+        "/v1/audit.csv",
+        "/v1/events",
+        "/v1/allocation",
+        "/v1/allocation.csv",
+    ) and bool(case.query)
     # A key is issued for a team the configuration names, with one expiry form, a rotation's
     # grace at most a week: rules between a body and the configuration.
     ranged = ranged or case.path in ("/v1/keys", "/v1/keys/{key_id}/rotate")
@@ -113,8 +139,9 @@ def exercise(operation: Any, token: str, examples: int = 30, acceptance: bool = 
     """
 
     @given(case=operation.as_strategy())
-    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck),
-              database=None)  # fmt: skip
+    @settings(
+        max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None
+    )
     def check(case: Any) -> None:
         checks = [c for c in checks_for(case) if acceptance or c is not positive_data_acceptance]
         case.call_and_validate(headers={"authorization": f"Bearer {token}"}, checks=checks)

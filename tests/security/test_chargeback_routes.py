@@ -28,8 +28,10 @@ async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
         async with httpx.AsyncClient(
             base_url=url, headers={"authorization": f"Bearer {INGEST}"}
         ) as c:
-            for body in (batch("usage", [usage("search", NOV + 3600, 120)]),
-                         batch("gpu_samples", gpu_samples(start=NOV + 3600, seconds=600))):  # fmt: skip
+            for body in (
+                batch("usage", [usage("search", NOV + 3600, 120)]),
+                batch("gpu_samples", gpu_samples(start=NOV + 3600, seconds=600)),
+            ):
                 assert (await c.post("/v1/ingest", content=body)).status_code == 200
         yield url
 
@@ -41,8 +43,19 @@ async def test_chargeback_focus_through_the_service_writes_the_focus_file(
     """`infermeter chargeback --format focus` against the service writes FOCUS, not a 400."""
     monkeypatch.setenv("INFERMETER_ADMIN_TOKEN", ADMIN)
     out = tmp_path / "focus.csv"
-    args = ["chargeback", "--month", "2026-11", "--format", "focus", "--focus-version", version,
-            "--billing-url", billing, "--out", str(out)]  # fmt: skip
+    args = [
+        "chargeback",
+        "--month",
+        "2026-11",
+        "--format",
+        "focus",
+        "--focus-version",
+        version,
+        "--billing-url",
+        billing,
+        "--out",
+        str(out),
+    ]
     # The command is synchronous; the service runs in this test's event loop.
     assert await asyncio.to_thread(main, args) == 0
     rows = list(csv.DictReader(io.StringIO(out.read_text())))

@@ -55,9 +55,15 @@ async def collector(config: Config, tmp_path: Path) -> AsyncIterator[str]:
 
 @pytest.mark.parametrize(
     ("key", "status"),
-    [(None, 401), ("im-not-a-key", 401), ("im-demo-search", 401), ("im-demo-ingest", 401),
-     ("im-demo-metrics", 200), ("im-demo-admin", 200)],
-)  # fmt: skip
+    [
+        (None, 401),
+        ("im-not-a-key", 401),
+        ("im-demo-search", 401),
+        ("im-demo-ingest", 401),
+        ("im-demo-metrics", 200),
+        ("im-demo-admin", 200),
+    ],
+)
 async def test_only_the_metrics_and_admin_tokens_read_the_collectors_metrics(
     collector, key, status
 ):

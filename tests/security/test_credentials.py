@@ -67,18 +67,38 @@ def _set(data: dict[str, Any], path: str, digest: str) -> None:
 @pytest.mark.parametrize(
     ("first", "second", "first_path", "second_path"),
     [
-        ("teams.1.api_key_sha256", "billing.ingest_token_sha256",
-         "teams[1].api_key_sha256[0]", "billing.ingest_token_sha256[0]"),
-        ("teams.0.api_key_sha256", "teams.2.api_key_sha256",
-         "teams[0].api_key_sha256[0]", "teams[2].api_key_sha256[0]"),
-        ("teams.3.api_key_sha256", "admin_token_sha256",
-         "teams[3].api_key_sha256[0]", "admin_token_sha256[0]"),
-        ("admin_token_sha256", "metrics_token_sha256",
-         "admin_token_sha256[0]", "metrics_token_sha256[0]"),
-        ("metrics_token_sha256", "billing.ingest_token_sha256",
-         "metrics_token_sha256[0]", "billing.ingest_token_sha256[0]"),
+        (
+            "teams.1.api_key_sha256",
+            "billing.ingest_token_sha256",
+            "teams[1].api_key_sha256[0]",
+            "billing.ingest_token_sha256[0]",
+        ),
+        (
+            "teams.0.api_key_sha256",
+            "teams.2.api_key_sha256",
+            "teams[0].api_key_sha256[0]",
+            "teams[2].api_key_sha256[0]",
+        ),
+        (
+            "teams.3.api_key_sha256",
+            "admin_token_sha256",
+            "teams[3].api_key_sha256[0]",
+            "admin_token_sha256[0]",
+        ),
+        (
+            "admin_token_sha256",
+            "metrics_token_sha256",
+            "admin_token_sha256[0]",
+            "metrics_token_sha256[0]",
+        ),
+        (
+            "metrics_token_sha256",
+            "billing.ingest_token_sha256",
+            "metrics_token_sha256[0]",
+            "billing.ingest_token_sha256[0]",
+        ),
     ],
-)  # fmt: skip
+)
 def test_one_hash_held_by_two_principals_is_refused(
     tmp_path, first, second, first_path, second_path
 ):
@@ -186,9 +206,14 @@ def test_no_warning_for_the_demo_commands_or_a_chosen_file(monkeypatch, capsys, 
 
 @pytest.mark.parametrize(
     "key",
-    ["billing.listen", "collector.listen", "dashboard.listen", "autoscale.listen",
-     "replicas.0.sidecar_listen"],
-)  # fmt: skip
+    [
+        "billing.listen",
+        "collector.listen",
+        "dashboard.listen",
+        "autoscale.listen",
+        "replicas.0.sidecar_listen",
+    ],
+)
 def test_demo_hashes_with_a_reachable_listen_address_refuse_to_start(tmp_path, capsys, key):
     """Demo key hashes and any non-loopback listen address in the file: exit 2, naming both."""
     data = _demo()
@@ -215,10 +240,15 @@ def test_own_hashes_may_listen_anywhere(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "argv",
-    [["sidecar", "--replica", "small-0"], ["billing"], ["collect"], ["dashboard"],
-     ["autoscale", "run"]],
+    [
+        ["sidecar", "--replica", "small-0"],
+        ["billing"],
+        ["collect"],
+        ["dashboard"],
+        ["autoscale", "run"],
+    ],
     ids=["sidecar", "billing", "collector", "dashboard", "autoscaler"],
-)  # fmt: skip
+)
 def test_servers_on_the_demo_config_refuse_a_reachable_listen_flag(tmp_path, argv):
     """Every server started on the demo configuration with --listen 0.0.0.0 exits 2 before listening."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -226,8 +256,13 @@ def test_servers_on_the_demo_config_refuse_a_reachable_listen_flag(tmp_path, arg
     listen = f"0.0.0.0:{free_port()}"
     done = subprocess.run(
         [sys.executable, "-m", "infermeter", *argv, "--listen", listen],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 2, done.stderr
     assert f"--listen = '{listen}'" in done.stderr
     assert "is the hash of a public demo key" in done.stderr

@@ -67,8 +67,13 @@ def dashboard(
     limit and headers as ``infermeter dashboard`` sets them; yields its URL."""
     port = free_port()
     app = create_app(config, billing, throttle=throttle).server
-    server = WsgiServer(app, "127.0.0.1", port, max_body_bytes=config.dashboard.max_body_bytes,
-                        error_headers=installed_headers(app))  # fmt: skip
+    server = WsgiServer(
+        app,
+        "127.0.0.1",
+        port,
+        max_body_bytes=config.dashboard.max_body_bytes,
+        error_headers=installed_headers(app),
+    )
     with wsgi_thread(server, port) as url:
         yield url
 
@@ -303,13 +308,21 @@ SUMMARY = "..summary.children...money.data.."
 SIGN_IN = "..auth.data...auth.clear_data...login-error.children...login-key.value.."
 
 
-def callback(url: str, output: str, inputs: list[dict[str, Any]],
-             state: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+def callback(
+    url: str, output: str, inputs: list[dict[str, Any]], state: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """Post one Dash callback the way the browser does (or an attacker's script would)."""
-    outputs = [dict(zip(("id", "property"), o.split("."), strict=True))
-               for o in output.strip(".").split("...")]  # fmt: skip
-    body = {"output": output, "outputs": outputs, "inputs": inputs, "state": state or [],
-            "changedPropIds": [f"{inputs[0]['id']}.{inputs[0]['property']}"]}  # fmt: skip
+    outputs = [
+        dict(zip(("id", "property"), o.split("."), strict=True))
+        for o in output.strip(".").split("...")
+    ]
+    body = {
+        "output": output,
+        "outputs": outputs,
+        "inputs": inputs,
+        "state": state or [],
+        "changedPropIds": [f"{inputs[0]['id']}.{inputs[0]['property']}"],
+    }
     r = httpx.post(f"{url}/_dash-update-component", json=body, timeout=30)
     assert r.status_code == 200, r.text
     answer: dict[str, Any] = r.json()["response"]
@@ -318,22 +331,33 @@ def callback(url: str, output: str, inputs: list[dict[str, Any]],
 
 def summary(url: str, auth: Any) -> dict[str, Any]:
     """The summary row's callback (it reads spend and the statement from billing) for ``auth``."""
-    return callback(url, SUMMARY, [
-        {"id": "tick", "property": "n_intervals", "value": 1},
-        {"id": "range", "property": "value", "value": "24h"},
-        {"id": "auth", "property": "data", "value": auth},
-        {"id": "tz", "property": "data", "value": "UTC"},
-    ])  # fmt: skip
+    return callback(
+        url,
+        SUMMARY,
+        [
+            {"id": "tick", "property": "n_intervals", "value": 1},
+            {"id": "range", "property": "value", "value": "24h"},
+            {"id": "auth", "property": "data", "value": auth},
+            {"id": "tz", "property": "data", "value": "UTC"},
+        ],
+    )
 
 
 def sign_in(url: str, key: str) -> dict[str, Any]:
     """The sign-in form's callback, as pressing its button with ``key`` typed sends it."""
-    return callback(url, SIGN_IN, [
-        {"id": "login-button", "property": "n_clicks", "value": 1},
-        {"id": "login-key", "property": "n_submit", "value": None},
-        {"id": "logout", "property": "n_clicks", "value": None},
-    ], [{"id": "login-key", "property": "value", "value": key},
-        {"id": "auth", "property": "data", "value": None}])  # fmt: skip
+    return callback(
+        url,
+        SIGN_IN,
+        [
+            {"id": "login-button", "property": "n_clicks", "value": 1},
+            {"id": "login-key", "property": "n_submit", "value": None},
+            {"id": "logout", "property": "n_clicks", "value": None},
+        ],
+        [
+            {"id": "login-key", "property": "value", "value": key},
+            {"id": "auth", "property": "data", "value": None},
+        ],
+    )
 
 
 SIGNED_OUT = {"summary": {"children": None}, "money": {"data": None}}
@@ -417,8 +441,10 @@ def _raw(url: str, head: bytes, body: bytes = b"", timeout: float = 10) -> bytes
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(config, url):
     """Content-Length 400 MiB: 413, with the security headers, before a byte of the body is sent."""
-    head = (b"POST /_dash-update-component HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nContent-Length: 419430400\r\n\r\n")  # fmt: skip
+    head = (
+        b"POST /_dash-update-component HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 419430400\r\n\r\n"
+    )
     answer = _raw(url, head).decode("latin-1")
     assert answer.startswith("HTTP/1.1 413 "), answer[:200]
     headers = answer.partition("\r\n\r\n")[0].lower()
@@ -432,8 +458,10 @@ def test_a_chunked_body_is_cut_off_at_the_limit(config, url):
     limit = config.dashboard.max_body_bytes
     chunk = b"x" * 65536
     body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(limit // len(chunk) + 2))
-    head = (b"POST /_dash-update-component HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    head = (
+        b"POST /_dash-update-component HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     assert _raw(url, head, body).startswith(b"HTTP/1.1 413 ")
 
 
@@ -454,9 +482,20 @@ def test_a_400_mib_post_leaves_the_process_where_it_was(tmp_path):
     """``infermeter dashboard`` sent 400 MiB to /_dash-update-component: its peak memory grows
     by less than 20 MiB (it once reached 941 MiB), and it still answers."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "dashboard", "--listen",
-                             f"127.0.0.1:{port}", "--billing-url", "http://127.0.0.1:9"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "infermeter",
+            "dashboard",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--billing-url",
+            "http://127.0.0.1:9",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -467,8 +506,10 @@ def test_a_400_mib_post_leaves_the_process_where_it_was(tmp_path):
             assert time.monotonic() < deadline, "the dashboard did not start"
             time.sleep(0.2)
         before = _peak_rss_mib(proc.pid)
-        head = (b"POST /_dash-update-component HTTP/1.1\r\nHost: x\r\n"
-                b"Content-Type: application/json\r\nContent-Length: 419430400\r\n\r\n")  # fmt: skip
+        head = (
+            b"POST /_dash-update-component HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 419430400\r\n\r\n"
+        )
         host_port = ("127.0.0.1", port)
         with socket.create_connection(host_port, timeout=10) as sock:
             sock.sendall(head)

@@ -62,8 +62,12 @@ def _arg(container: Doc, flag: str) -> str | None:
 
 def _vllm_pods() -> list[tuple[Doc, Doc]]:
     """(workload, vLLM container) of every workload that runs vLLM."""
-    pods = [(w, c) for w in _workloads() for c in _pod(w)["containers"]
-            if c["image"].startswith(VLLM_IMAGE)]  # fmt: skip
+    pods = [
+        (w, c)
+        for w in _workloads()
+        for c in _pod(w)["containers"]
+        if c["image"].startswith(VLLM_IMAGE)
+    ]
     assert pods, "no vLLM workload found"
     return pods
 
@@ -104,8 +108,12 @@ def test_no_service_targets_the_vllm_port() -> None:
     for workload, vllm in _vllm_pods():
         port = int(_arg(vllm, "--port") or 8000)
         names = {p["name"] for p in vllm.get("ports", []) if "name" in p}
-        sidecar_ports = {p["name"] for c in _pod(workload)["containers"] if c is not vllm
-                         for p in c.get("ports", [])}  # fmt: skip
+        sidecar_ports = {
+            p["name"]
+            for c in _pod(workload)["containers"]
+            if c is not vllm
+            for p in c.get("ports", [])
+        }
         services = [s for s in _of("Service") if _selects(s["spec"]["selector"], _labels(workload))]
         assert services, workload["metadata"]["name"]
         for svc in services:
@@ -119,11 +127,18 @@ def test_a_network_policy_selects_every_vllm_pod() -> None:
     """Each vLLM pod is under an ingress NetworkPolicy that opens the sidecar's port only."""
     policies = [p for p in _of("NetworkPolicy") if "Ingress" in p["spec"].get("policyTypes", [])]
     for workload, vllm in _vllm_pods():
-        mine = [p for p in policies
-                if _selects(p["spec"]["podSelector"].get("matchLabels", {}), _labels(workload))]  # fmt: skip
+        mine = [
+            p
+            for p in policies
+            if _selects(p["spec"]["podSelector"].get("matchLabels", {}), _labels(workload))
+        ]
         assert mine, workload["metadata"]["name"]
-        sidecar_ports = {p["name"] for c in _pod(workload)["containers"] if c is not vllm
-                         for p in c.get("ports", [])}  # fmt: skip
+        sidecar_ports = {
+            p["name"]
+            for c in _pod(workload)["containers"]
+            if c is not vllm
+            for p in c.get("ports", [])
+        }
         for policy in mine:
             for rule in policy["spec"].get("ingress", []):
                 ports = {p["port"] for p in rule.get("ports", [])}
@@ -133,14 +148,21 @@ def test_a_network_policy_selects_every_vllm_pod() -> None:
 
 def test_only_labelled_clients_and_metrics_readers_reach_the_sidecar() -> None:
     """The sidecar's port admits a labelled client namespace, the collector and Prometheus; no one else."""
-    (policy,) = [p for p in _of("NetworkPolicy")
-                 if _selects(p["spec"]["podSelector"]["matchLabels"], _labels(_vllm_pods()[0][0]))]  # fmt: skip
+    (policy,) = [
+        p
+        for p in _of("NetworkPolicy")
+        if _selects(p["spec"]["podSelector"]["matchLabels"], _labels(_vllm_pods()[0][0]))
+    ]
     for rule in policy["spec"]["ingress"]:
         for peer in rule["from"]:
             assert any(sel.get("matchLabels") for sel in peer.values()), peer
     # The API port; the endpoint pickers' port (vLLM's gauges alone) is held in tests/deploy.
-    peers = [peer for rule in policy["spec"]["ingress"]
-             if {p["port"] for p in rule["ports"]} == {"sidecar"} for peer in rule["from"]]  # fmt: skip
+    peers = [
+        peer
+        for rule in policy["spec"]["ingress"]
+        if {p["port"] for p in rule["ports"]} == {"sidecar"}
+        for peer in rule["from"]
+    ]
     for peer in peers:
         # An empty selector would admit every namespace or every pod: never on its own.
         assert any(sel.get("matchLabels") for sel in peer.values()), peer
@@ -157,10 +179,17 @@ def test_only_labelled_clients_and_metrics_readers_reach_the_sidecar() -> None:
 @pytest.mark.parametrize("component", ["billing", "dashboard"])
 def test_billing_and_the_dashboard_admit_named_peers_on_their_port_only(component: str) -> None:
     """Billing's and the dashboard's pods are under an ingress policy: their port, labelled peers."""
-    (workload,) = [w for w in DOCS if w["kind"] in WORKLOADS
-                   and _labels(w).get("app.kubernetes.io/component") == component]  # fmt: skip
-    policies = [p for p in _of("NetworkPolicy") if "Ingress" in p["spec"].get("policyTypes", [])
-                and _selects(p["spec"]["podSelector"].get("matchLabels", {}), _labels(workload))]  # fmt: skip
+    (workload,) = [
+        w
+        for w in DOCS
+        if w["kind"] in WORKLOADS and _labels(w).get("app.kubernetes.io/component") == component
+    ]
+    policies = [
+        p
+        for p in _of("NetworkPolicy")
+        if "Ingress" in p["spec"].get("policyTypes", [])
+        and _selects(p["spec"]["podSelector"].get("matchLabels", {}), _labels(workload))
+    ]
     assert policies, component
     ports = {p["name"] for c in _pod(workload)["containers"] for p in c.get("ports", [])}
     for policy in policies:
@@ -173,10 +202,16 @@ def test_billing_and_the_dashboard_admit_named_peers_on_their_port_only(componen
 
 def test_vllm_metrics_are_read_through_the_sidecar_with_the_token(tmp_path: Path) -> None:
     """Prometheus and the collector read vLLM's metrics at each pod's sidecar /engine/metrics, with the metrics token."""
-    vllm_services = {s["metadata"]["name"] for s in _of("Service")
-                     if s["metadata"]["labels"].get("app.kubernetes.io/component") == "vllm"}  # fmt: skip
-    monitors = [sm for sm in _of("ServiceMonitor")
-                if any(e.get("path") == "/engine/metrics" for e in sm["spec"]["endpoints"])]  # fmt: skip
+    vllm_services = {
+        s["metadata"]["name"]
+        for s in _of("Service")
+        if s["metadata"]["labels"].get("app.kubernetes.io/component") == "vllm"
+    }
+    monitors = [
+        sm
+        for sm in _of("ServiceMonitor")
+        if any(e.get("path") == "/engine/metrics" for e in sm["spec"]["endpoints"])
+    ]
     assert monitors
     for sm in monitors:
         for endpoint in sm["spec"]["endpoints"]:
@@ -194,8 +229,12 @@ def test_vllm_metrics_are_read_through_the_sidecar_with_the_token(tmp_path: Path
     assert k8s.engine_metrics_path == "/engine/metrics"
     for workload, vllm in _vllm_pods():
         assert _selects_terms(_label_selector(k8s.label_selector), _labels(workload))
-        sidecar_ports = {p["containerPort"] for c in _pod(workload)["containers"] if c is not vllm
-                         for p in c.get("ports", [])}  # fmt: skip
+        sidecar_ports = {
+            p["containerPort"]
+            for c in _pod(workload)["containers"]
+            if c is not vllm
+            for p in c.get("ports", [])
+        }
         assert k8s.sidecar_port in sidecar_ports
     assert vllm_services
     (collector,) = [w for w in _workloads() if w["metadata"]["name"] == "infermeter-collector"]
@@ -246,7 +285,11 @@ def test_the_spool_init_container_may_only_chown_the_spool() -> None:
     for workload in _spool_owners():
         (init,) = [c for c in _pod(workload)["initContainers"] if c["name"] == SPOOL_INIT]
         sc = init["securityContext"]
-        assert (sc["runAsUser"], sc["allowPrivilegeEscalation"], sc["readOnlyRootFilesystem"]) == (0, False, True)  # fmt: skip
+        assert (sc["runAsUser"], sc["allowPrivilegeEscalation"], sc["readOnlyRootFilesystem"]) == (
+            0,
+            False,
+            True,
+        )
         assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
         assert not sc.get("privileged")
         roots = {_volume(workload, m["name"])["hostPath"]["path"] for m in init["volumeMounts"]}
@@ -273,7 +316,9 @@ def test_only_the_autoscaler_and_the_collector_mount_a_service_account_token(wor
 def test_the_collector_may_only_read_pods() -> None:
     """The collector's Role reads pods (get, list, watch) and nothing else: no secrets, no writes."""
     (role,) = [r for r in _of("Role") if r["metadata"]["name"] == "infermeter-collector"]
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]  # fmt: skip
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
 
 
 def test_the_namespace_warns_and_audits_restricted_and_enforces_only_what_the_spool_needs() -> None:
@@ -334,14 +379,18 @@ def test_exports_are_not_on_the_ledger_volume(tmp_path: Path) -> None:
     mounts: dict[str, str] = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
 
     def volume_of(target: str) -> str:
-        best = max((p for p in mounts if target == p or target.startswith(p.rstrip("/") + "/")),
-                   key=len)  # fmt: skip
+        best = max(
+            (p for p in mounts if target == p or target.startswith(p.rstrip("/") + "/")), key=len
+        )
         return mounts[best]
 
     ledger = volume_of(config.billing.database)
     assert ledger in claims
-    for elsewhere in (config.billing.export_dir, config.billing.backup_dir,
-                      config.billing.retention.archive):  # fmt: skip
+    for elsewhere in (
+        config.billing.export_dir,
+        config.billing.backup_dir,
+        config.billing.retention.archive,
+    ):
         assert volume_of(elsewhere) != ledger, elsewhere
 
 

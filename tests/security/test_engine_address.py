@@ -38,8 +38,13 @@ class Counting:
         headers = dict(scope.get("headers", []))
         token = headers.get(b"authorization")
         self.tokens.append(token.decode() if token else None)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/plain")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/plain")],
+            }
+        )
         await send({"type": "http.response.body", "body": PAGE})
 
 
@@ -55,12 +60,19 @@ async def test_a_forged_start_event_gets_no_metrics_token_sent_to_its_address(st
     relay_port, trap_port = free_port(), free_port()
     pod = issue(SECRET, Writer.for_instance("small-0", "vllm-small-0-1", f"127.0.0.1:{relay_port}"))
     forged = [
-        event(instance="vllm-small-0-1", engine_metrics_url=f"http://127.0.0.1:{trap_port}/engine/metrics"),
+        event(
+            instance="vllm-small-0-1",
+            engine_metrics_url=f"http://127.0.0.1:{trap_port}/engine/metrics",
+        ),
         event(instance="vllm-small-0-1", engine_metrics_url=f"http://127.0.0.1:{trap_port}/"),
-        event(instance="ghost-1", engine_metrics_url=f"http://127.0.0.1:{trap_port}/engine/metrics"),
-    ]  # fmt: skip
-    own = event(instance="vllm-small-0-1",
-                engine_metrics_url=f"http://127.0.0.1:{relay_port}/engine/metrics")  # fmt: skip
+        event(
+            instance="ghost-1", engine_metrics_url=f"http://127.0.0.1:{trap_port}/engine/metrics"
+        ),
+    ]
+    own = event(
+        instance="vllm-small-0-1",
+        engine_metrics_url=f"http://127.0.0.1:{relay_port}/engine/metrics",
+    )
     seen: list[dict[str, EngineTarget]] = []
     async with (
         billing(strict, ledger) as url,
@@ -70,8 +82,9 @@ async def test_a_forged_start_event_gets_no_metrics_token_sent_to_its_address(st
     ):
         steered = (await post(client, url, "instances", forged, pod)).json()
         kept = (await post(client, url, "instances", [own], pod)).json()
-        poller = RegistryPoller(url, client, strict.replicas, lambda t: seen.append(dict(t)),
-                                METRICS_TOKEN)  # fmt: skip
+        poller = RegistryPoller(
+            url, client, strict.replicas, lambda t: seen.append(dict(t)), METRICS_TOKEN
+        )
         for _ in range(3):
             assert await poller.poll_once()
             env = {strict.collector.metrics_token_env: METRICS_TOKEN}
@@ -96,6 +109,15 @@ async def test_a_forged_start_event_gets_no_metrics_token_sent_to_its_address(st
 def test_the_registry_lists_no_target_but_a_sidecar_relay(strict, url):
     """Whatever billing's registry held, a URL that is not ``http://host:port/engine/metrics``
     is never a target, so the metrics token is never sent to it."""
-    answer = {"instances": [{"instance": "vllm-small-0-1", "replica": "small-0", "state": "live",
-                             "node": "node-b", "engine_metrics_url": url}]}  # fmt: skip
+    answer = {
+        "instances": [
+            {
+                "instance": "vllm-small-0-1",
+                "replica": "small-0",
+                "state": "live",
+                "node": "node-b",
+                "engine_metrics_url": url,
+            }
+        ]
+    }
     assert registry_targets(answer, strict.replicas) == {}

@@ -98,12 +98,14 @@ async def test_collector_scrapes_the_engine_through_the_sidecar_with_its_token(
         )
         monkeypatch.setenv(config.collector.metrics_token_env, METRICS_TOKEN)
         async with httpx.AsyncClient() as client:
-            (source,) = [s for s in build_collector(config, client).engine_sources
-                         if s.target == "small-0"]  # fmt: skip
+            (source,) = [
+                s for s in build_collector(config, client).engine_sources if s.target == "small-0"
+            ]
             reading = await source.read()
             monkeypatch.delenv(config.collector.metrics_token_env)
-            (tokenless,) = [s for s in build_collector(config, client).engine_sources
-                            if s.target == "small-0"]  # fmt: skip
+            (tokenless,) = [
+                s for s in build_collector(config, client).engine_sources if s.target == "small-0"
+            ]
             with pytest.raises(ScrapeError, match="HTTP 401"):
                 await tokenless.read()
     assert reading.requests_waiting == 0.0
@@ -121,7 +123,8 @@ async def test_the_metrics_token_is_never_sent_to_a_plain_vllm(tmp_path, monkeyp
     monkeypatch.setenv("INFERMETER_METRICS_TOKEN", METRICS_TOKEN)
     async with serving(upstream, lifespan="off") as url, httpx.AsyncClient() as client:
         config = make_config(url)
-        (source,) = [s for s in build_collector(config, client).engine_sources
-                     if s.target == "small-0"]  # fmt: skip
+        (source,) = [
+            s for s in build_collector(config, client).engine_sources if s.target == "small-0"
+        ]
         await source.read()
     assert seen == [None]

@@ -20,9 +20,15 @@ from tests.focus_validator import focus_1_0_failures
 
 # The FOCUS columns whose type is Decimal, in every version the product writes.
 DECIMAL_COLUMNS = (
-    "BilledCost", "ContractedCost", "EffectiveCost", "ListCost", "PricingQuantity",
-    "ConsumedQuantity", "ContractedUnitPrice", "ListUnitPrice",
-)  # fmt: skip
+    "BilledCost",
+    "ContractedCost",
+    "EffectiveCost",
+    "ListCost",
+    "PricingQuantity",
+    "ConsumedQuantity",
+    "ContractedUnitPrice",
+    "ListUnitPrice",
+)
 
 
 def _month(ledger: Ledger, config: Config, kind: str) -> Statement:
@@ -69,11 +75,22 @@ def test_decimal_columns_are_written_as_decimals(ledger, config, kind, version):
 def test_focus_tags_are_json_whatever_the_model_is_called(config, model):
     """Tags is a JSON object naming the line's team and model, for any model name."""
     lines = pl.DataFrame(
-        {"month": ["2026-10"], "for_month": ["2026-10"], "team": ["search"], "model": [model],
-         "requests": [1], "prompt_tokens": [1], "completion_tokens": [1], "gpu_hours": [0.5],
-         "energy_kwh": [0.1], "compute_cents": [80], "energy_cents": [2], "idle_cents": [0],
-         "total_cents": [82]}
-    )  # fmt: skip
+        {
+            "month": ["2026-10"],
+            "for_month": ["2026-10"],
+            "team": ["search"],
+            "model": [model],
+            "requests": [1],
+            "prompt_tokens": [1],
+            "completion_tokens": [1],
+            "gpu_hours": [0.5],
+            "energy_kwh": [0.1],
+            "compute_cents": [80],
+            "energy_cents": [2],
+            "idle_cents": [0],
+            "total_cents": [82],
+        }
+    )
     statement = Statement("2026-10", False, lines, 82, 0)
     for version in ("1.0", "1.2", "1.3"):
         frame = focus_frame(statement, config, version)
@@ -121,11 +138,22 @@ def test_formula_looking_cells_are_defused(cell, defused):
 def test_negative_numbers_stay_numbers_in_the_chargeback_csv():
     """A negative adjustment is written as a plain negative number, without an apostrophe."""
     lines = pl.DataFrame(
-        {"month": ["2026-11"], "for_month": ["2026-10"], "team": ["-search"], "model": ["m"],
-         "requests": [-2], "prompt_tokens": [-300], "completion_tokens": [-30], "gpu_hours": [-0.25],
-         "energy_kwh": [-0.05], "compute_cents": [-40], "energy_cents": [-1], "idle_cents": [-5],
-         "total_cents": [-46]}
-    )  # fmt: skip
+        {
+            "month": ["2026-11"],
+            "for_month": ["2026-10"],
+            "team": ["-search"],
+            "model": ["m"],
+            "requests": [-2],
+            "prompt_tokens": [-300],
+            "completion_tokens": [-30],
+            "gpu_hours": [-0.25],
+            "energy_kwh": [-0.05],
+            "compute_cents": [-40],
+            "energy_cents": [-1],
+            "idle_cents": [-5],
+            "total_cents": [-46],
+        }
+    )
     statement = Statement("2026-11", False, lines, 0, -46)
     rows = list(
         csv.DictReader(io.StringIO(write_csv(chargeback_frame(statement, {"-search": 10.0}))))

@@ -87,8 +87,16 @@ def _signed(
     audience: str = "chat-small",
 ) -> dict[str, str]:
     ts = int(time.time()) if ts is None else ts
-    signature = sign_request(SECRET, team=team, timestamp=ts, nonce=nonce, audience=audience,
-                             method=method, path=path, body=body)  # fmt: skip
+    signature = sign_request(
+        SECRET,
+        team=team,
+        timestamp=ts,
+        nonce=nonce,
+        audience=audience,
+        method=method,
+        path=path,
+        body=body,
+    )
     return {
         "content-type": "application/json",
         "x-infermeter-team": team,
@@ -173,8 +181,9 @@ async def test_a_signature_for_another_model_is_refused(tmp_path, monkeypatch):
     """A request signed for chat-large's sidecars is refused by chat-small's (the audience)."""
     body = orjson.dumps(CHAT)
     async with _pod(tmp_path, monkeypatch) as pod, httpx.AsyncClient(base_url=pod.url) as c:
-        r = await c.post("/v1/chat/completions", content=body,
-                         headers=_signed(body, audience="chat-large"))  # fmt: skip
+        r = await c.post(
+            "/v1/chat/completions", content=body, headers=_signed(body, audience="chat-large")
+        )
         ok = await c.post("/v1/chat/completions", content=body, headers=_signed(body))
     assert (r.status_code, r.json()["error"]["code"]) == (401, "invalid_team_signature")
     assert ok.status_code == 200
@@ -183,9 +192,14 @@ async def test_a_signature_for_another_model_is_refused(tmp_path, monkeypatch):
 def _shared(redis: RedisServer, upstream: str, **shared: Any) -> Config:
     """The demo config with small-0 and small-1 at ``upstream``, gateway mode on, sharing Redis."""
     settings = {"redis_url": redis.url, "timeout_millis": 2000, "retry_seconds": 60, **shared}
-    return make_config(upstream, **{"sidecar.gateway": {"enabled": True},
-                                    "sidecar.shared_limits": settings,
-                                    "replicas.2.upstream_url": upstream})  # fmt: skip
+    return make_config(
+        upstream,
+        **{
+            "sidecar.gateway": {"enabled": True},
+            "sidecar.shared_limits": settings,
+            "replicas.2.upstream_url": upstream,
+        },
+    )
 
 
 @contextlib.asynccontextmanager
@@ -213,10 +227,12 @@ async def test_a_captured_request_is_refused_by_every_other_sidecar_sharing_redi
         httpx.AsyncClient(timeout=30) as c,
     ):
         first = await c.post(f"{small_0}/v1/chat/completions", content=body, headers=captured)
-        replayed = await c.post(f"{small_1}/v1/chat/completions", content=body,
-                                headers=captured)  # fmt: skip
-        fresh = await c.post(f"{small_1}/v1/chat/completions", content=body,
-                             headers=_signed(body, nonce="fresh-0123456789ab"))  # fmt: skip
+        replayed = await c.post(f"{small_1}/v1/chat/completions", content=body, headers=captured)
+        fresh = await c.post(
+            f"{small_1}/v1/chat/completions",
+            content=body,
+            headers=_signed(body, nonce="fresh-0123456789ab"),
+        )
     assert first.status_code == 200
     assert replayed.status_code == 401, replayed.text
     assert replayed.json()["error"]["message"] == "Replayed gateway signature."
@@ -226,8 +242,9 @@ async def test_a_captured_request_is_refused_by_every_other_sidecar_sharing_redi
 def _unshared(text: str, policy: str) -> float:
     families = {f.name: f for f in text_string_to_metric_families(text)}
     samples = families["infermeter_gateway_nonces_unshared"].samples
-    return sum(s.value for s in samples if s.labels.get("policy") == policy
-               and s.name.endswith("_total"))  # fmt: skip
+    return sum(
+        s.value for s in samples if s.labels.get("policy") == policy and s.name.endswith("_total")
+    )
 
 
 async def test_without_redis_fail_open_serves_once_per_sidecar_and_counts_it(
@@ -246,8 +263,9 @@ async def test_without_redis_fail_open_serves_once_per_sidecar_and_counts_it(
     ):
         first = await c.post(f"{small_0}/v1/chat/completions", content=body, headers=captured)
         again = await c.post(f"{small_0}/v1/chat/completions", content=body, headers=captured)
-        metrics = await c.get(f"{small_0}/metrics",
-                              headers={"authorization": f"Bearer {METRICS_TOKEN}"})  # fmt: skip
+        metrics = await c.get(
+            f"{small_0}/metrics", headers={"authorization": f"Bearer {METRICS_TOKEN}"}
+        )
     assert (first.status_code, again.status_code) == (200, 401)
     assert _unshared(metrics.text, "fail_open") == 1
 
@@ -258,8 +276,9 @@ async def test_without_redis_fail_closed_refuses_signed_requests(
     """Redis gone, fail_closed: a signed request is refused with 503 rather than risk a replay."""
     monkeypatch.setenv("INFERMETER_GATEWAY_SECRET", SECRET.decode())
     port = free_port()
-    config = _shared(redis_server, f"http://127.0.0.1:{port}", timeout_millis=200,
-                     on_failure="fail_closed")  # fmt: skip
+    config = _shared(
+        redis_server, f"http://127.0.0.1:{port}", timeout_millis=200, on_failure="fail_closed"
+    )
     body = orjson.dumps(CHAT)
     redis_server.kill()
     async with (
@@ -279,8 +298,9 @@ class _Process:
         self.up_port, port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{port}"
         data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
-        data["replicas"][1].update(upstream_url=f"http://127.0.0.1:{self.up_port}",
-                                   sidecar_listen=f"127.0.0.1:{port}")  # fmt: skip
+        data["replicas"][1].update(
+            upstream_url=f"http://127.0.0.1:{self.up_port}", sidecar_listen=f"127.0.0.1:{port}"
+        )
         data["sidecar"] = {"spool_dir": str(tmp_path / "spool"), "gateway": {"enabled": True}}
         self.config = Config.model_validate(data)
         self.path = tmp_path / "infermeter.yaml"
@@ -310,8 +330,11 @@ async def test_a_captured_request_is_refused_after_a_kill_9_and_restart(tmp_path
             proc = await asyncio.to_thread(pod.start)
             async with httpx.AsyncClient(base_url=pod.url, timeout=30) as c:
                 replayed = await c.post("/v1/chat/completions", content=body, headers=captured)
-                fresh = await c.post("/v1/chat/completions", content=body,
-                                     headers=_signed(body, nonce="after-the-kill-01234"))  # fmt: skip
+                fresh = await c.post(
+                    "/v1/chat/completions",
+                    content=body,
+                    headers=_signed(body, nonce="after-the-kill-01234"),
+                )
         finally:
             proc.kill()
             await asyncio.to_thread(proc.wait)

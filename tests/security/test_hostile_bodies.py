@@ -43,8 +43,11 @@ def _survives(script: str) -> str:
     """Run ``script`` after HEADER in a child; its stdout, once it has exited normally."""
     done = subprocess.run(
         [sys.executable, "-c", HEADER + textwrap.dedent(script)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
     return done.stdout
 
@@ -127,8 +130,11 @@ async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
 
 async def _post(url: str, path: str, body: bytes, content_type: str) -> httpx.Response:
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        return await client.post(path, content=body, headers={
-            "authorization": f"Bearer {INGEST}", "content-type": content_type})  # fmt: skip
+        return await client.post(
+            path,
+            content=body,
+            headers={"authorization": f"Bearer {INGEST}", "content-type": content_type},
+        )
 
 
 @pytest.mark.parametrize("depth", [100, 990, 1_000, 1_030, 100_000])
@@ -140,7 +146,7 @@ async def _post(url: str, path: str, body: bytes, content_type: str) -> httpx.Re
         lambda deep: b'{"usage": [{"request_id": ' + deep + b"}]}",
     ],
     ids=["the-body", "the-batch", "a-field"],
-)  # fmt: skip
+)
 async def test_json_nested_deep_is_a_400_or_a_rejected_record_never_a_500(billing, shape, depth):
     """Nesting of any depth, where the body, the batch or a field should be flat: a 4xx or a
     refused record, each with a reason (it was a RecursionError and a 500)."""
@@ -184,7 +190,7 @@ async def test_a_huge_array_in_a_field_is_refused_and_not_answered_back(billing)
 @pytest.mark.parametrize(
     "value",
     [b"1e400", b"-1e400", b"123456789012345678901234567890", b"1e-400", b"1" * 5000],
-)  # fmt: skip
+)
 @pytest.mark.parametrize(
     "field", ["energy_joules", "power_watts", "interval_seconds", "xid_errors"]
 )

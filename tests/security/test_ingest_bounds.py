@@ -28,8 +28,11 @@ def _count(ledger: Ledger, table: str) -> int:
 def test_an_id_resent_with_a_shifted_time_is_kept_once(ledger):
     """Dedup is by id for ever, not only within the batch's time range."""
     first = usage(request_id=request_id(OCT + 3600), start=OCT + 3600)
-    shifted = first | {"received_at": OCT + 20 * 86_400, "first_token_at": OCT + 20 * 86_400 + 0.1,
-                       "finished_at": OCT + 20 * 86_400 + 10}  # fmt: skip
+    shifted = first | {
+        "received_at": OCT + 20 * 86_400,
+        "first_token_at": OCT + 20 * 86_400 + 0.1,
+        "finished_at": OCT + 20 * 86_400 + 10,
+    }
     assert ledger.ingest_lines("usage", ndjson([first]), now=NOW).accepted == 1
     again = ledger.ingest_lines("usage", ndjson([shifted]), now=NOW)
     assert (again.accepted, again.duplicates) == (0, 1)
@@ -49,12 +52,14 @@ def test_ids_sort_by_time():
 @pytest.mark.parametrize(
     ("odd", "reason"),
     [
-        ({"received_at": NOV - MAX_REQUEST_SECONDS - 60.0, "first_token_at": None},
-         f"finished_at is more than {MAX_REQUEST_SECONDS} s after received_at"),
+        (
+            {"received_at": NOV - MAX_REQUEST_SECONDS - 60.0, "first_token_at": None},
+            f"finished_at is more than {MAX_REQUEST_SECONDS} s after received_at",
+        ),
         ({"prompt_tokens": MAX_TOKENS + 1}, f"token counts above {MAX_TOKENS:,}"),
         ({"completion_tokens": 10**15}, f"token counts above {MAX_TOKENS:,}"),
     ],
-)  # fmt: skip
+)
 def test_a_record_out_of_bounds_is_rejected(ledger, odd, reason):
     """A record spanning days, or with absurd token counts, is refused with its reason."""
     record = usage(start=NOV, seconds=10) | odd

@@ -47,8 +47,9 @@ def _named() -> list[Requirement]:
 
 def _make_dry_run(target: str) -> str:
     """The commands ``make`` would run for ``target``, rebuilding it whatever its state."""
-    done = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True,
-                          text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        ["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     return done.stdout
 
 
@@ -93,8 +94,12 @@ def test_make_lock_regenerates_the_lock_with_hashes():
     """``make lock`` resolves pyproject.toml and its dev extra into the lock, with hashes."""
     command = " ".join(_make_dry_run("lock").replace("\\\n", " ").split())
     assert "pip-compile" in command
-    for option in ("--generate-hashes", "--allow-unsafe", "--extra dev",
-                   "--output-file requirements.lock pyproject.toml"):  # fmt: skip
+    for option in (
+        "--generate-hashes",
+        "--allow-unsafe",
+        "--extra dev",
+        "--output-file requirements.lock pyproject.toml",
+    ):
         assert option in command
 
 

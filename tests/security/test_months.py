@@ -93,8 +93,16 @@ def test_a_gateway_timestamp_must_be_plain_ascii_digits(stamp):
     """Anything but a short run of ASCII digits is a malformed timestamp, never a crash."""
     verifier = GatewayVerifier(b"s", "t", "ts", "sig", 300.0, frozenset({"search"}), "chat-small")
     nonce = "n" * 16
-    signature = sign_request(b"s", team="search", timestamp=NOW, nonce=nonce, audience="chat-small",
-                             method="POST", path="/v1/chat/completions", body=b"")  # fmt: skip
+    signature = sign_request(
+        b"s",
+        team="search",
+        timestamp=NOW,
+        nonce=nonce,
+        audience="chat-small",
+        method="POST",
+        path="/v1/chat/completions",
+        body=b"",
+    )
     headers = {"t": "search", "ts": stamp, "sig": signature, "x-infermeter-nonce": nonce}
     with pytest.raises(AuthError, match="Malformed gateway timestamp") as err:
         verifier.verify(headers, "POST", "/v1/chat/completions", b"", now=NOW)

@@ -48,19 +48,32 @@ def _now() -> None:
 def _start(instance: str, started_at: float, replica: str = "small-0") -> dict[str, Any]:
     """A start event, and so a live instance, of ``replica`` (one of chat-small's groups)."""
     return InstanceEvent(
-        event_id=f"ev-{replica}-{instance}", instance=instance, replica=replica, model="chat-small",
-        event="start", timestamp=NOW - 5, started_at=started_at, node="node-b", gpu_model="L40S",
-        gpu_count=1, gpus="1", engine_metrics_url=f"http://10.9.9.9:9/{instance}",
-    ).to_json()  # fmt: skip
+        event_id=f"ev-{replica}-{instance}",
+        instance=instance,
+        replica=replica,
+        model="chat-small",
+        event="start",
+        timestamp=NOW - 5,
+        started_at=started_at,
+        node="node-b",
+        gpu_model="L40S",
+        gpu_count=1,
+        gpus="1",
+        engine_metrics_url=f"http://10.9.9.9:9/{instance}",
+    ).to_json()
 
 
 def _asked(desired: int, previous: int = 2) -> dict[str, Any]:
     """The autoscaler's decision to run ``desired`` replicas of chat-small, from ``previous``."""
     return ScalingDecision(
-        decision_id=sample_id(NOW - 30, "scale", "chat-small"), model="chat-small",
-        decided_at=NOW - 30, previous=previous, current=previous, desired=desired,
+        decision_id=sample_id(NOW - 30, "scale", "chat-small"),
+        model="chat-small",
+        decided_at=NOW - 30,
+        previous=previous,
+        current=previous,
+        desired=desired,
         reasons="scale",
-    ).to_json()  # fmt: skip
+    ).to_json()
 
 
 @pytest.fixture
@@ -104,8 +117,9 @@ async def test_the_live_metric_and_the_fleet_view_are_bounded_too(billing):
         text = (await client.get("/metrics")).text
         fleet = (await client.get("/v1/fleet")).json()
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    counts = {s.labels["replica"]: s.value
-              for s in families["infermeter_billing_live_instances"].samples}  # fmt: skip
+    counts = {
+        s.labels["replica"]: s.value for s in families["infermeter_billing_live_instances"].samples
+    }
     assert counts == {"small-0": 3}
     small = next(g for g in fleet["groups"] if g["replica"] == "small-0")
     assert (small["live"], len(small["instances"])) == (3, 3)
@@ -147,13 +161,18 @@ async def test_a_sidecar_reading_the_registry_splits_its_limit_by_the_bound(
     """Redis down (fail_open), a sidecar reads billing's live count: 3, not 252, so a team of
     600 requests a minute still gets 30 requests through this sidecar."""
     monkeypatch.setenv("INFERMETER_REGISTRY_TOKEN", "im-demo-metrics")
-    settings = SharedLimitsSettings(redis_url=redis_server.url, timeout_millis=2000,
-                                    retry_seconds=60, registry_url=billing)  # fmt: skip
-    teams = [t.model_copy(update={"limits": TeamLimits(requests_per_minute=600)})
-             for t in config.teams]  # fmt: skip
+    settings = SharedLimitsSettings(
+        redis_url=redis_server.url, timeout_millis=2000, retry_seconds=60, registry_url=billing
+    )
+    teams = [
+        t.model_copy(update={"limits": TeamLimits(requests_per_minute=600)}) for t in config.teams
+    ]
     sidecar = config.sidecar.model_copy(update={"shared_limits": settings})
-    limiter = team_limiter(config.model_copy(update={"teams": teams, "sidecar": sidecar}),
-                           "small-0", CollectorRegistry())  # fmt: skip
+    limiter = team_limiter(
+        config.model_copy(update={"teams": teams, "sidecar": sidecar}),
+        "small-0",
+        CollectorRegistry(),
+    )
     assert isinstance(limiter, SharedTeamLimiter)
     await limiter.start()
     try:

@@ -34,9 +34,30 @@ MAY = {
     ("GET", "/v1/spend"): {"admin", "finance", "viewer", "spend_reader", "lead", "member", "other"},
     ("GET", "/v1/rates"): {"admin", "finance", "viewer", "spend_reader", "lead", "member", "other"},
     ("GET", f"/v1/chargeback/{MONTH}"): {"admin", "finance", "viewer", "lead", "member", "other"},
-    ("GET", f"/v1/chargeback/{MONTH}.csv"): {"admin", "finance", "viewer", "lead", "member", "other"},
-    ("GET", f"/v1/chargeback/{MONTH}.focus.csv"): {"admin", "finance", "viewer", "lead", "member", "other"},
-    ("GET", f"/v1/chargeback/{MONTH}/breakdown"): {"admin", "finance", "viewer", "lead", "member", "other"},
+    ("GET", f"/v1/chargeback/{MONTH}.csv"): {
+        "admin",
+        "finance",
+        "viewer",
+        "lead",
+        "member",
+        "other",
+    },
+    ("GET", f"/v1/chargeback/{MONTH}.focus.csv"): {
+        "admin",
+        "finance",
+        "viewer",
+        "lead",
+        "member",
+        "other",
+    },
+    ("GET", f"/v1/chargeback/{MONTH}/breakdown"): {
+        "admin",
+        "finance",
+        "viewer",
+        "lead",
+        "member",
+        "other",
+    },
     ("GET", "/v1/query/team_usage?team=research"): {"admin", "finance", "viewer", "other"},
     ("GET", "/v1/query/gpus"): {"admin", "finance", "viewer"},
     ("GET", "/v1/months"): {"admin", "finance", "viewer"},
@@ -52,23 +73,34 @@ MAY = {
     ("GET", "/v1/audit"): {"admin"},
     ("GET", "/v1/audit.csv"): {"admin"},
     ("GET", "/metrics"): {"admin", "metrics"},
-}  # fmt: skip
+}
 
 
 @pytest.fixture
 async def callers(config: Config, tmp_path: Path) -> AsyncIterator[tuple[str, dict[str, str]]]:
     """Billing on a ledger file and the token of each caller (run-time ones issued by the admin)."""
-    config = config.model_copy(update={"billing": config.billing.model_copy(
-        update={"read_burst": 100_000, "export_dir": str(tmp_path / "exports")})})  # fmt: skip
-    ledger = Ledger.open(tmp_path / "ledger.duckdb", [t.name for t in config.teams],
-                         {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    config = config.model_copy(
+        update={
+            "billing": config.billing.model_copy(
+                update={"read_burst": 100_000, "export_dir": str(tmp_path / "exports")}
+            )
+        }
+    )
+    ledger = Ledger.open(
+        tmp_path / "ledger.duckdb",
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
     try:
         async with serving(create_app(config, ledger), lifespan="off") as url:
             tokens = {"admin": ADMIN, "spend_reader": SPEND, "metrics": METRICS, "member": SEARCH}
             async with httpx.AsyncClient(base_url=url) as client:
-                for name, request in (("finance", {"role": "finance"}), ("viewer", {"role": "viewer"}),
-                                      ("lead", {"role": "lead", "team": "search"}),
-                                      ("other", {"team": "research"})):  # fmt: skip
+                for name, request in (
+                    ("finance", {"role": "finance"}),
+                    ("viewer", {"role": "viewer"}),
+                    ("lead", {"role": "lead", "team": "search"}),
+                    ("other", {"team": "research"}),
+                ):
                     made = await client.post("/v1/keys", json=request, headers=_bearer(ADMIN))
                     assert made.status_code == 201, made.text
                     tokens[name] = made.json()["key"]
@@ -115,23 +147,28 @@ async def test_a_lead_sees_and_manages_only_its_own_teams_keys(callers):
         assert mine
         assert {k["team"] for k in mine} == {"search"}
         research = next(k for k in everything if k["team"] == "research")
-        refused = await client.post(f"/v1/keys/{research['key_id']}/revoke",
-                                    headers=_bearer(tokens["lead"]))  # fmt: skip
+        refused = await client.post(
+            f"/v1/keys/{research['key_id']}/revoke", headers=_bearer(tokens["lead"])
+        )
         assert refused.status_code == 403
         own_lead = next(k for k in mine if k["role"] == "lead")
-        refused = await client.post(f"/v1/keys/{own_lead['key_id']}/rotate",
-                                    headers=_bearer(tokens["lead"]))  # fmt: skip
+        refused = await client.post(
+            f"/v1/keys/{own_lead['key_id']}/rotate", headers=_bearer(tokens["lead"])
+        )
         assert refused.status_code == 403
-        made = await client.post("/v1/keys", json={"team": "search", "member": "bo"},
-                                 headers=_bearer(tokens["lead"]))  # fmt: skip
-        gone = await client.post(f"/v1/keys/{made.json()['key_id']}/revoke",
-                                 headers=_bearer(tokens["lead"]))  # fmt: skip
+        made = await client.post(
+            "/v1/keys", json={"team": "search", "member": "bo"}, headers=_bearer(tokens["lead"])
+        )
+        gone = await client.post(
+            f"/v1/keys/{made.json()['key_id']}/revoke", headers=_bearer(tokens["lead"])
+        )
         assert gone.status_code == 200
         trail = (await client.get("/v1/audit", headers=_bearer(ADMIN))).json()["events"]
     lead_id = own_lead["key_id"]
     assert [(e["action"], e["actor"]) for e in trail[-2:]] == [
-        ("key.created", f"key:{lead_id}"), ("key.revoked", f"key:{lead_id}")
-    ]  # fmt: skip
+        ("key.created", f"key:{lead_id}"),
+        ("key.revoked", f"key:{lead_id}"),
+    ]
 
 
 async def test_a_team_sees_only_its_own_lines_and_finance_sees_every_teams(callers):

@@ -44,11 +44,16 @@ def sample(**fields: Any) -> dict[str, Any]:
 def engine(**fields: Any) -> dict[str, Any]:
     """One reading of small-0's engine, with ``fields`` changed."""
     return {
-        "sample_id": f"eng-{next(_ids)}", "replica": "small-0",
-        "model": "chat-small", "timestamp": OCT + 3600, "requests_running": 2.0,
-        "requests_waiting": 0.0, "kv_cache_usage": 0.3, "prompt_tokens_total": 1000.0,
+        "sample_id": f"eng-{next(_ids)}",
+        "replica": "small-0",
+        "model": "chat-small",
+        "timestamp": OCT + 3600,
+        "requests_running": 2.0,
+        "requests_waiting": 0.0,
+        "kv_cache_usage": 0.3,
+        "prompt_tokens_total": 1000.0,
         "generation_tokens_total": 500.0,
-    } | fields  # fmt: skip
+    } | fields
 
 
 def refused(ledger: Ledger, kind: str, record: dict[str, Any]) -> list[str]:
@@ -62,18 +67,30 @@ def refused(ledger: Ledger, kind: str, record: dict[str, Any]) -> list[str]:
     [
         ({"energy_joules": 1e15}, "energy_joules: 1e+15 J is more than the board can draw in 10 s"),
         ({"energy_joules": 1e22}, "energy_joules: 1e+22 J is more than the board can draw in 10 s"),
-        ({"power_watts": 5000.0}, "power_watts: 5000 W is more than the board can draw (350 W for L40S, +25%)"),
+        (
+            {"power_watts": 5000.0},
+            "power_watts: 5000 W is more than the board can draw (350 W for L40S, +25%)",
+        ),
         ({"power_watts": -1.0}, "power_watts: negative"),
         ({"energy_joules": -1.0}, "energy_joules: negative"),
         ({"interval_seconds": -10.0}, "interval_seconds: negative"),
-        ({"interval_seconds": 900.0}, "interval_seconds: a measured interval of 900 s, longer than 600 s (a longer one is a gap)"),
-        ({"interval_seconds": 200_000.0, "gap": True, "energy_joules": None}, "interval_seconds: longer than 86400 s"),
+        (
+            {"interval_seconds": 900.0},
+            "interval_seconds: a measured interval of 900 s, longer than 600 s (a longer one is a gap)",
+        ),
+        (
+            {"interval_seconds": 200_000.0, "gap": True, "energy_joules": None},
+            "interval_seconds: longer than 86400 s",
+        ),
         ({"utilization": 1.5}, "utilization: not between 0 and 1"),
-        ({"utilization": 55.0}, "utilization: not between 0 and 1"),  # percent where a fraction goes
+        (
+            {"utilization": 55.0},
+            "utilization: not between 0 and 1",
+        ),  # percent where a fraction goes
         ({"memory_used_mib": 1e12}, "memory: more than 1048576 MiB on one board"),
         ({"xid_errors": -3}, "xid_errors: negative"),
     ],
-)  # fmt: skip
+)
 def test_a_gpu_sample_no_board_can_report_is_refused_with_its_reason(ledger, fields, reason):
     """Each bound refuses the sample and says which field, by how much and against what."""
     reasons = refused(ledger, "gpu_samples", sample(**fields))
@@ -91,7 +108,7 @@ def test_a_gpu_sample_no_board_can_report_is_refused_with_its_reason(ledger, fie
         ({"requests_waiting": 1e9}, "request counts above 1,000,000"),
         ({"kv_cache_tokens": 1e20}, "kv_cache_tokens: not between 0 and 1e+15"),
     ],
-)  # fmt: skip
+)
 def test_an_engine_sample_no_engine_can_report_is_refused_with_its_reason(ledger, fields, reason):
     """Counters are non-negative and bounded, gauges within what they measure."""
     assert refused(ledger, "engine_samples", engine(**fields)) == [reason]
@@ -110,7 +127,7 @@ def test_an_engine_sample_no_engine_can_report_is_refused_with_its_reason(ledger
         {"gpu_model": "A100-SXM4-80GB", "power_watts": 395.0},
         {"interval_seconds": 540.0, "energy_joules": L40S * 540.0},  # a restarted collector's
     ],
-)  # fmt: skip
+)
 def test_a_sample_a_board_can_report_is_kept(ledger, fields):
     """Readings at the edges of what real boards and the collector do are not refused."""
     assert refused(ledger, "gpu_samples", sample(**fields)) == []
@@ -194,8 +211,11 @@ async def test_absurd_samples_over_http_are_refused_and_counted_by_reason(billin
     """1e15 and 1e22 J are refused in the answer, and /metrics counts them under their field."""
     samples = [sample(sample_id=f"absurd-{e}", energy_joules=e) for e in (1e15, 1e22)]
     async with httpx.AsyncClient(base_url=billing) as client:
-        answer = await client.post("/v1/ingest", content=batch("gpu_samples", samples),
-                                   headers={"authorization": f"Bearer {INGEST}"})  # fmt: skip
+        answer = await client.post(
+            "/v1/ingest",
+            content=batch("gpu_samples", samples),
+            headers={"authorization": f"Bearer {INGEST}"},
+        )
         assert answer.status_code == 200
         body = answer.json()
         text = (await client.get("/metrics", headers={"authorization": f"Bearer {METRICS}"})).text
@@ -210,8 +230,9 @@ async def test_absurd_samples_over_http_are_refused_and_counted_by_reason(billin
 def absurd_ledger(config: Config) -> Iterator[Ledger]:
     """A ledger that took one absurd sample before ingest checked bounds: a sample of this month
     of 1e22 J on small-0's board, beside ten minutes of ordinary ones and some usage."""
-    ledger = Ledger.open(":memory:", [t.name for t in config.teams], {},
-                         bounds=SampleBounds({"L40S": 1e30}))  # fmt: skip
+    ledger = Ledger.open(
+        ":memory:", [t.name for t in config.teams], {}, bounds=SampleBounds({"L40S": 1e30})
+    )
     now = time.time()
     start = max(month_bounds(month_of(now))[0], now - 900)
     normal = gpu_samples("small-0", start, 600.0)
@@ -228,9 +249,14 @@ async def test_a_month_holding_an_absurd_row_never_answers_500(
     """Statement, CSV, FOCUS, spend and /metrics all answer, for admin and team keys alike; the
     statement names the instance whose cost is out of range, and the rest of the month stands."""
     month = month_of(time.time())
-    routes = [f"/v1/chargeback/{month}", f"/v1/chargeback/{month}.csv",
-              f"/v1/chargeback/{month}.focus.csv", f"/v1/chargeback/{month}.focus.csv?version=1.2",
-              "/v1/spend", "/v1/query/spend"]  # fmt: skip
+    routes = [
+        f"/v1/chargeback/{month}",
+        f"/v1/chargeback/{month}.csv",
+        f"/v1/chargeback/{month}.focus.csv",
+        f"/v1/chargeback/{month}.focus.csv?version=1.2",
+        "/v1/spend",
+        "/v1/query/spend",
+    ]
     async with (
         serving(create_app(config, absurd_ledger), lifespan="off") as url,
         httpx.AsyncClient(base_url=url) as client,
@@ -241,8 +267,11 @@ async def test_a_month_holding_an_absurd_row_never_answers_500(
                 assert answer.status_code == 200, (key, route, answer.text[:300])
         metrics = await client.get("/metrics", headers={"authorization": f"Bearer {METRICS}"})
         assert metrics.status_code == 200
-        statement = (await client.get(f"/v1/chargeback/{month}",
-                                      headers={"authorization": f"Bearer {ADMIN}"})).json()  # fmt: skip
+        statement = (
+            await client.get(
+                f"/v1/chargeback/{month}", headers={"authorization": f"Bearer {ADMIN}"}
+            )
+        ).json()
     assert statement["reconciles"] is True
     errors = [
         line for line in statement["lines"] if line["model"].startswith("(error) cost out of range")

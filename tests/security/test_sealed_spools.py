@@ -54,8 +54,15 @@ async def _ship(directory: Path, url: str, registry: CollectorRegistry) -> Spool
     spool = Spool(directory, roll_seconds=0.0, sealer=Sealer(SMALL_0))
     spool.open()
     async with httpx.AsyncClient() as client:
-        shipper = Shipper(spool, f"{url}/v1/ingest", None, "usage", client,
-                          metrics=ShipperMetrics(registry), credential=SMALL_0)  # fmt: skip
+        shipper = Shipper(
+            spool,
+            f"{url}/v1/ingest",
+            None,
+            "usage",
+            client,
+            metrics=ShipperMetrics(registry),
+            credential=SMALL_0,
+        )
         await shipper.ship_once(max_wait_seconds=10)
     await spool.close()
     return spool
@@ -137,8 +144,14 @@ async def test_a_gone_instances_spool_is_billed_under_its_seals_when_the_collect
     lines[1] = lines[1].replace(b'"team":"search"', b'"team":"research"')
     segment.write_bytes(b"".join(lines))
     async with httpx.AsyncClient() as client:
-        adopter = Adopter(root, f"{url}/v1/ingest", None, client, AdoptionMetrics(CollectorRegistry()),
-                          credential=COLLECTOR_B)  # fmt: skip
+        adopter = Adopter(
+            root,
+            f"{url}/v1/ingest",
+            None,
+            client,
+            AdoptionMetrics(CollectorRegistry()),
+            credential=COLLECTOR_B,
+        )
         shipped = await adopter.adopt_once()
     assert shipped == 2
     assert _ids(ledger, "SELECT request_id FROM usage") == [kept["request_id"]]

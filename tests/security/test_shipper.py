@@ -33,8 +33,13 @@ class _Flaky:
             pass
         self.posts += 1
         body = self.body if self.posts <= self.bad else b'{"rejected": []}'
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/html")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/html")],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -53,8 +58,16 @@ async def test_a_200_that_is_not_an_ingest_answer_is_counted_and_retried(tmp_pat
     registry = CollectorRegistry()
     app = _Flaky(bad=2, body=body)
     async with serving(app, lifespan="off") as url, httpx.AsyncClient() as client:
-        shipper = Shipper(spool, f"{url}/v1/ingest", INGEST, "usage", client, arrow=False,
-                          interval_seconds=0.01, metrics=ShipperMetrics(registry))  # fmt: skip
+        shipper = Shipper(
+            spool,
+            f"{url}/v1/ingest",
+            INGEST,
+            "usage",
+            client,
+            arrow=False,
+            interval_seconds=0.01,
+            metrics=ShipperMetrics(registry),
+        )
         task = asyncio.create_task(shipper.run())
         try:
             async with asyncio.timeout(30):
@@ -77,8 +90,13 @@ async def test_a_200_that_is_not_an_ingest_answer_is_counted_and_retried(tmp_pat
 def small_batches() -> Config:
     """The demo configuration with billing taking at most 2 records a batch (and the shared
     ingest token, which the shipper sends)."""
-    return load_config(None, environ={"INFERMETER__BILLING__MAX_BATCH_RECORDS": "2",
-                                      "INFERMETER__BILLING__SHARED_INGEST_TOKEN": "true"})  # fmt: skip
+    return load_config(
+        None,
+        environ={
+            "INFERMETER__BILLING__MAX_BATCH_RECORDS": "2",
+            "INFERMETER__BILLING__SHARED_INGEST_TOKEN": "true",
+        },
+    )
 
 
 async def test_a_batch_over_billings_limit_is_split_until_it_fits(tmp_path, small_batches):

@@ -82,10 +82,22 @@ async def test_a_malformed_gateway_timestamp_is_an_openai_401(stack_factory, mon
     stack = await stack_factory(**{"sidecar.gateway": {"enabled": True}})
     now = int(time.time())
     nonce = "n" * 16
-    signature = sign_request(b"s3cret", team="research", timestamp=now, nonce=nonce, audience="chat-small",
-                             method="POST", path="/v1/chat/completions", body=orjson.dumps(CHAT))  # fmt: skip
-    headers = {"x-infermeter-team": "research", "x-infermeter-timestamp": stamp,
-               "x-infermeter-signature": signature, "x-infermeter-nonce": nonce}  # fmt: skip
+    signature = sign_request(
+        b"s3cret",
+        team="research",
+        timestamp=now,
+        nonce=nonce,
+        audience="chat-small",
+        method="POST",
+        path="/v1/chat/completions",
+        body=orjson.dumps(CHAT),
+    )
+    headers = {
+        "x-infermeter-team": "research",
+        "x-infermeter-timestamp": stamp,
+        "x-infermeter-signature": signature,
+        "x-infermeter-nonce": nonce,
+    }
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as c:
         r = await c.post("/v1/chat/completions", json=CHAT, headers=headers)
         models = await c.get("/v1/models", headers=headers)

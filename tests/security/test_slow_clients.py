@@ -73,9 +73,11 @@ async def test_a_stalled_body_is_refused(stack_factory):
     """A body that stops arriving is answered 408 at the body deadline."""
     stack = await stack_factory(**DEADLINES)
     with _connect(stack.url) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                     b"authorization: Bearer im-demo-search\r\ncontent-type: application/json\r\n"
-                     b"content-length: 1000\r\n\r\n{\"model\"")  # fmt: skip
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+            b"authorization: Bearer im-demo-search\r\ncontent-type: application/json\r\n"
+            b'content-length: 1000\r\n\r\n{"model"'
+        )
         sock.settimeout(6.0)
         start = time.monotonic()
         answer = await asyncio.get_running_loop().run_in_executor(None, sock.recv, 65536)
@@ -136,10 +138,21 @@ async def _slow_upstream(scope, receive, send):
     while (await receive()).get("more_body"):
         pass
     await asyncio.sleep(2.0)
-    body = orjson.dumps({"id": "x", "object": "chat.completion", "choices": [],
-                         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})  # fmt: skip
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+    body = orjson.dumps(
+        {
+            "id": "x",
+            "object": "chat.completion",
+            "choices": [],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    )
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -147,9 +160,12 @@ async def test_the_fair_queue_is_bounded_and_waits_time_out(stack_factory):
     """Past the queue bound a request is 429 at once; a queued one is 503 after the wait timeout; both carry Retry-After."""
     stack = await stack_factory(
         _slow_upstream,
-        **{"replicas.1.max_num_seqs": 1, "sidecar.fair_queue_max_per_team": 1,
-           "sidecar.fair_wait_timeout_seconds": 0.5},
-    )  # fmt: skip
+        **{
+            "replicas.1.max_num_seqs": 1,
+            "sidecar.fair_queue_max_per_team": 1,
+            "sidecar.fair_wait_timeout_seconds": 0.5,
+        },
+    )
     async with stack.client() as c:
         holding = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))
         await asyncio.sleep(0.3)

@@ -99,5 +99,7 @@ async def test_billing_metrics_count_the_error_lines_of_the_month(billing):
     families = {f.name: f for f in text_string_to_metric_families(text)}
     samples_out = families["infermeter_billing_statement_error_lines"].samples
     assert {s.labels["reason"]: s.value for s in samples_out} == {
-        "unpriced_gpu_model": 2.0, "cost_out_of_range": 0.0, "unroundable": 0.0,
-    }  # fmt: skip
+        "unpriced_gpu_model": 2.0,
+        "cost_out_of_range": 0.0,
+        "unroundable": 0.0,
+    }

@@ -185,8 +185,9 @@ async def test_a_collector_writes_only_for_its_nodes(ledger, url):
     async with httpx.AsyncClient() as client:
         ours = (await post(client, url, "gpu_samples", [gpu("node-b")], COLLECTOR_B)).json()
         theirs = (await post(client, url, "gpu_samples", [gpu("node-b")], COLLECTOR_A)).json()
-        engines = (await post(client, url, "engine_samples", [engine("node-b"), engine(None)],
-                              COLLECTOR_A)).json()  # fmt: skip
+        engines = (
+            await post(client, url, "engine_samples", [engine("node-b"), engine(None)], COLLECTOR_A)
+        ).json()
         own_engine = (
             await post(client, url, "engine_samples", [engine("node-b")], COLLECTOR_B)
         ).json()
@@ -199,10 +200,22 @@ async def test_a_collector_writes_only_for_its_nodes(ledger, url):
 async def test_a_collector_does_not_write_an_engine_on_another_node_than_its_lifetime(ledger, url):
     """An engine whose lifetime says node-b cannot be written as node-a's by node-a's collector."""
     async with httpx.AsyncClient() as client:
-        await post(client, url, "instances", [event(instance="vllm-small-0-1")],
-                   issue(SECRET, Writer.for_instance("small-0", "vllm-small-0-1")))  # fmt: skip
-        moved = (await post(client, url, "engine_samples",
-                            [engine("node-a", instance="vllm-small-0-1")], COLLECTOR_A)).json()  # fmt: skip
+        await post(
+            client,
+            url,
+            "instances",
+            [event(instance="vllm-small-0-1")],
+            issue(SECRET, Writer.for_instance("small-0", "vllm-small-0-1")),
+        )
+        moved = (
+            await post(
+                client,
+                url,
+                "engine_samples",
+                [engine("node-a", instance="vllm-small-0-1")],
+                COLLECTOR_A,
+            )
+        ).json()
     assert moved["accepted"] == 0
     assert "does not run on node" in moved["quarantined"][0]["reason"]
 

@@ -41,42 +41,85 @@ def usage(**kw: Any) -> dict[str, Any]:
     """A request of team search on small-0 that ended a minute ago."""
     t = time.time() - 60
     record = UsageRecord(
-        request_id=f"req-{time.time_ns()}-{next(_ids)}", team="search", model="chat-small",
-        served_version="llama-3.1-8b-instruct", replica="small-0", received_at=t - 2,
-        first_token_at=t - 1.9, finished_at=t, prompt_tokens=100, cached_prompt_tokens=0,
-        completion_tokens=50, status="ok", http_status=200, stream=True,
-    ).to_json()  # fmt: skip
+        request_id=f"req-{time.time_ns()}-{next(_ids)}",
+        team="search",
+        model="chat-small",
+        served_version="llama-3.1-8b-instruct",
+        replica="small-0",
+        received_at=t - 2,
+        first_token_at=t - 1.9,
+        finished_at=t,
+        prompt_tokens=100,
+        cached_prompt_tokens=0,
+        completion_tokens=50,
+        status="ok",
+        http_status=200,
+        stream=True,
+    ).to_json()
     return record | kw
 
 
 def gpu(node: str = "node-b", **kw: Any) -> dict[str, Any]:
     """A GPU of ``node`` read 10 s ago, held by small-0."""
     t = time.time() - 10
-    return GpuSample(
-        sample_id=f"gpu-{time.time_ns()}-{next(_ids)}", node=node, gpu="0", uuid=f"GPU-{node}-0",
-        gpu_model="L40S", replica="small-0", model="chat-small", timestamp=t, interval_seconds=10.0,
-        utilization=0.5, power_watts=200.0, energy_joules=2000.0, memory_used_mib=1.0,
-        memory_free_mib=1.0,
-    ).to_json() | kw  # fmt: skip
+    return (
+        GpuSample(
+            sample_id=f"gpu-{time.time_ns()}-{next(_ids)}",
+            node=node,
+            gpu="0",
+            uuid=f"GPU-{node}-0",
+            gpu_model="L40S",
+            replica="small-0",
+            model="chat-small",
+            timestamp=t,
+            interval_seconds=10.0,
+            utilization=0.5,
+            power_watts=200.0,
+            energy_joules=2000.0,
+            memory_used_mib=1.0,
+            memory_free_mib=1.0,
+        ).to_json()
+        | kw
+    )
 
 
 def engine(node: str | None = "node-b", **kw: Any) -> dict[str, Any]:
     """small-0's engine read 10 s ago on ``node``."""
-    return EngineSample(
-        sample_id=f"eng-{time.time_ns()}-{next(_ids)}", replica="small-0", model="chat-small",
-        timestamp=time.time() - 10, requests_running=1, requests_waiting=0, kv_cache_usage=0.1,
-        prompt_tokens_total=100, generation_tokens_total=50, node=node,
-    ).to_json() | kw  # fmt: skip
+    return (
+        EngineSample(
+            sample_id=f"eng-{time.time_ns()}-{next(_ids)}",
+            replica="small-0",
+            model="chat-small",
+            timestamp=time.time() - 10,
+            requests_running=1,
+            requests_waiting=0,
+            kv_cache_usage=0.1,
+            prompt_tokens_total=100,
+            generation_tokens_total=50,
+            node=node,
+        ).to_json()
+        | kw
+    )
 
 
 def event(instance: str = "small-0", replica: str = "small-0", **kw: Any) -> dict[str, Any]:
     """A start event of ``instance`` of ``replica`` on node-b, with no engine address."""
     t = time.time() - 5
-    return InstanceEvent(
-        event_id=f"ev-{time.time_ns()}-{next(_ids)}", instance=instance, replica=replica,
-        model="chat-small", event="start", timestamp=t, started_at=t, node="node-b",
-        gpu_model="L40S", gpu_count=1,
-    ).to_json() | kw  # fmt: skip
+    return (
+        InstanceEvent(
+            event_id=f"ev-{time.time_ns()}-{next(_ids)}",
+            instance=instance,
+            replica=replica,
+            model="chat-small",
+            event="start",
+            timestamp=t,
+            started_at=t,
+            node="node-b",
+            gpu_model="L40S",
+            gpu_count=1,
+        ).to_json()
+        | kw
+    )
 
 
 def lines(records: list[dict[str, Any]]) -> bytes:
@@ -86,9 +129,12 @@ def lines(records: list[dict[str, Any]]) -> bytes:
 
 def fleet_ledger(config: Config) -> Ledger:
     """An in-memory ledger that knows the fleet of ``config``, as the billing service opens it."""
-    return Ledger.open(":memory:", [t.name for t in config.teams],
-                       {m.name: m.sla.ttft_p95_seconds for m in config.models},
-                       fleet=KnownFleet.of(config))  # fmt: skip
+    return Ledger.open(
+        ":memory:",
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+        fleet=KnownFleet.of(config),
+    )
 
 
 @contextlib.asynccontextmanager
@@ -100,8 +146,13 @@ async def billing(
         yield url
 
 
-async def post(client: httpx.AsyncClient, url: str, kind: str, records: list[dict[str, Any]],
-               credential: Credential | str) -> httpx.Response:  # fmt: skip
+async def post(
+    client: httpx.AsyncClient,
+    url: str,
+    kind: str,
+    records: list[dict[str, Any]],
+    credential: Credential | str,
+) -> httpx.Response:
     """POST ``records`` as NDJSON to ``/v1/ingest/<kind>`` with ``credential``."""
     headers = bearer(credential) | {"content-type": "application/x-ndjson"}
     return await client.post(f"{url}/v1/ingest/{kind}", content=lines(records), headers=headers)

@@ -19,8 +19,12 @@ from sidecar.app import Sidecar
 from simulator.replica import ReplicaSim, replica_spec
 from tests.servers import serving
 
-KEYS = {"search": "im-demo-search", "assistant": "im-demo-assistant", "analytics": "im-demo-analytics",
-        "research": "im-demo-research"}  # fmt: skip
+KEYS = {
+    "search": "im-demo-search",
+    "assistant": "im-demo-assistant",
+    "analytics": "im-demo-analytics",
+    "research": "im-demo-research",
+}
 METRICS_TOKEN = "im-demo-metrics"
 
 

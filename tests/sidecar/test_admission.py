@@ -15,8 +15,13 @@ VIEW = build_view(make_config("http://127.0.0.1:9"), "small-0")
 
 
 def _plan(body: object, endpoint: str = "/v1/chat/completions", **kw: bool) -> Plan | Refusal:
-    return plan(VIEW, endpoint, orjson.dumps(body), default_reserve_tokens=256,
-                metering_down=kw.get("metering_down", False))  # fmt: skip
+    return plan(
+        VIEW,
+        endpoint,
+        orjson.dumps(body),
+        default_reserve_tokens=256,
+        metering_down=kw.get("metering_down", False),
+    )
 
 
 def test_a_team_is_known_by_its_key():
@@ -51,8 +56,14 @@ def test_an_unknown_model_is_404_naming_it():
 
 def test_a_stream_asks_vllm_for_usage_and_remembers_what_the_client_asked():
     """The upstream body always carries continuous usage; the plan keeps the client's choice."""
-    planned = _plan({"model": "chat-small", "stream": True, "max_tokens": 10,
-                     "stream_options": {"include_usage": True}})  # fmt: skip
+    planned = _plan(
+        {
+            "model": "chat-small",
+            "stream": True,
+            "max_tokens": 10,
+            "stream_options": {"include_usage": True},
+        }
+    )
     assert isinstance(planned, Plan)
     assert planned.body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert (planned.client_usage, planned.client_continuous) == (True, False)
@@ -84,8 +95,11 @@ def test_a_failing_spool_refuses_with_503():
 
 def test_credentials_and_own_headers_never_go_upstream():
     """The caller's key and x-infermeter-* headers stay; the upstream key replaces the key."""
-    headers = [(b"authorization", b"Bearer im-demo-search"), (b"x-infermeter-client-usage", b"1"),
-               (b"x-custom", b"kept")]  # fmt: skip
+    headers = [
+        (b"authorization", b"Bearer im-demo-search"),
+        (b"x-infermeter-client-usage", b"1"),
+        (b"x-custom", b"kept"),
+    ]
     assert upstream_headers(VIEW, headers, "up") == {
         "x-custom": "kept",
         "authorization": "Bearer up",

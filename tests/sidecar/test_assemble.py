@@ -93,8 +93,13 @@ def test_a_captured_chat_stream_becomes_vllms_non_streamed_body(block_size):
         if line.startswith("data: {") and '"choices":[{' in line
     ]
     assert built["choices"][0]["message"]["content"] == "".join(deltas)
-    assert built["usage"] == {"prompt_tokens": 10, "total_tokens": 15, "completion_tokens": 5,
-                              "prompt_tokens_details": None, "completion_tokens_details": None}  # fmt: skip
+    assert built["usage"] == {
+        "prompt_tokens": 10,
+        "total_tokens": 15,
+        "completion_tokens": 5,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
     assert built["id"] == assembler.response_id == "chatcmpl-938c5aa6fcfb9c62"
     assert assembler.usage == UsageCounts(10, 5)
 
@@ -176,13 +181,33 @@ def test_the_response_id_is_the_first_objects_id(content, expected):
 
 def _chunk(index: int, content: str, prompt: int, completion: int) -> bytes:
     """A chat chunk of choice ``index`` with vLLM's continuous usage for that choice."""
-    return b"data: " + orjson.dumps({
-        "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
-        "choices": [{"index": index, "delta": {"content": content}, "logprobs": None,
-                     "finish_reason": None, "token_ids": None}],
-        "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                  "completion_tokens": completion, "completion_tokens_details": None},
-    }) + b"\n\n"  # fmt: skip
+    return (
+        b"data: "
+        + orjson.dumps(
+            {
+                "id": "chatcmpl-1",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "m",
+                "choices": [
+                    {
+                        "index": index,
+                        "delta": {"content": content},
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "token_ids": None,
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": prompt,
+                    "total_tokens": prompt + completion,
+                    "completion_tokens": completion,
+                    "completion_tokens_details": None,
+                },
+            }
+        )
+        + b"\n\n"
+    )
 
 
 def test_a_cut_short_stream_of_several_choices_sums_their_counts():
@@ -207,7 +232,11 @@ def test_the_answer_to_a_refusal_is_vllms_own():
     refusal = b'{"error":{"message":"too long","type":"BadRequestError","param":null,"code":400}}'
     out = answer(400, refusal, Assembler("/v1/chat/completions"))
     assert (out.status, out.http_status, out.body, out.usage) == (
-        RequestStatus.BAD_REQUEST, 400, refusal, None)  # fmt: skip
+        RequestStatus.BAD_REQUEST,
+        400,
+        refusal,
+        None,
+    )
 
 
 def test_the_answer_to_a_stream_cut_short_is_a_502_with_the_usage_so_far():
@@ -216,7 +245,10 @@ def test_the_answer_to_a_stream_cut_short_is_a_502_with_the_usage_so_far():
     assembler.feed(_chunk(0, "a", 7, 1) + _chunk(0, "b", 7, 2))
     out = answer(200, None, assembler)
     assert (out.status, out.http_status, out.usage) == (
-        RequestStatus.UPSTREAM_ERROR, 502, UsageCounts(7, 2))  # fmt: skip
+        RequestStatus.UPSTREAM_ERROR,
+        502,
+        UsageCounts(7, 2),
+    )
     assert orjson.loads(out.body)["error"]["code"] == "upstream_unreachable"
 
 
@@ -233,13 +265,29 @@ def test_an_upstream_that_does_not_stream_is_answered_as_it_is():
     body = b'{"id":"x","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}'
     out = answer(200, body, Assembler("/v1/chat/completions"))
     assert (out.status, out.http_status, out.body, out.usage) == (
-        RequestStatus.OK, 200, body, UsageCounts(1, 2))  # fmt: skip
+        RequestStatus.OK,
+        200,
+        body,
+        UsageCounts(1, 2),
+    )
 
 
 # Texts a token may carry, each escaped by vLLM's JSON: quotes, backslashes (alone, doubled,
 # before a quote), what follows a token's text in its chunk, newlines, non-ASCII, nothing.
-_TRICKY = [' "quoted"', "\\", "\\\\", '\\"', '"},"logprobs":null,"finish_reason":null}]',
-           "line\nbreak\t", "é中🙂", "", " plain", "\u2028", "}]", ',"usage":{"prompt_tokens":1}']  # fmt: skip
+_TRICKY = [
+    ' "quoted"',
+    "\\",
+    "\\\\",
+    '\\"',
+    '"},"logprobs":null,"finish_reason":null}]',
+    "line\nbreak\t",
+    "é中🙂",
+    "",
+    " plain",
+    "\u2028",
+    "}]",
+    ',"usage":{"prompt_tokens":1}',
+]
 
 
 def _chat_stream(texts: list[str], choices: int = 1) -> bytes:

@@ -49,7 +49,10 @@ async def test_a_budget_override_granted_while_billing_is_down_reaches_the_audit
         assert len(await trail(url)) == 1
     [event] = events
     assert (event["action"], event["actor"], event["target"], event["why"]) == (
-        "budget.override", "@admin", "team:search", "launch day"
-    )  # fmt: skip
+        "budget.override",
+        "@admin",
+        "team:search",
+        "launch day",
+    )
     assert event["address"] == "127.0.0.1"
     assert event["source"] == "@ingest"  # the sender billing authenticated, not what the line says

@@ -28,9 +28,13 @@ def test_shown_values_are_shorter_still():
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("chat-small", "chat-small"), ("llama-3.1-8b-instruct", "llama-3.1-8b-instruct"),
-     ("made-up", "unknown"), ("", "unknown")],
-)  # fmt: skip
+    [
+        ("chat-small", "chat-small"),
+        ("llama-3.1-8b-instruct", "llama-3.1-8b-instruct"),
+        ("made-up", "unknown"),
+        ("", "unknown"),
+    ],
+)
 def test_labels_are_registry_names_or_unknown(value, expected):
     """A metric label is the configured name itself, anything else is "unknown"."""
     assert label(value, frozenset({"chat-small", "llama-3.1-8b-instruct"})) == expected

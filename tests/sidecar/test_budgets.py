@@ -32,8 +32,16 @@ class FakeSpend:
         """The ASGI app serving /v1/spend."""
 
         async def handle(request: Request) -> JSONResponse:
-            rows = [{"team": t, "month": "2026-12", "spent_usd": s, "budget_usd": 0.0,
-                     "forecast_usd": s} for t, s in self.spent.items()]  # fmt: skip
+            rows = [
+                {
+                    "team": t,
+                    "month": "2026-12",
+                    "spent_usd": s,
+                    "budget_usd": 0.0,
+                    "forecast_usd": s,
+                }
+                for t, s in self.spent.items()
+            ]
             return JSONResponse(rows)
 
         return Starlette(routes=[Route("/v1/spend", handle)])
@@ -112,11 +120,13 @@ async def test_a_team_past_its_hard_budget_is_refused_within_one_refresh_until_o
     """Spend past the budget: 429 at the next refresh; an override lets it in and is in the ledger."""
     spend = FakeSpend()
     async with serving(spend.app(), lifespan="off") as billing:
-        stack = await stack_factory(**{
-            "sidecar.budgets": {"spend_url": billing, "refresh_seconds": 0.1},
-            "sidecar.shared_limits": {"redis_url": redis_server.url, "timeout_millis": 2000},
-            "teams.0.budget_usd_per_month": 100.0,
-        })  # fmt: skip
+        stack = await stack_factory(
+            **{
+                "sidecar.budgets": {"spend_url": billing, "refresh_seconds": 0.1},
+                "sidecar.shared_limits": {"redis_url": redis_server.url, "timeout_millis": 2000},
+                "teams.0.budget_usd_per_month": 100.0,
+            }
+        )
         async with stack.client() as c:
             spend.spent["search"] = 85.0
 
@@ -133,10 +143,15 @@ async def test_a_team_past_its_hard_budget_is_refused_within_one_refresh_until_o
 
             await wait_for(refused, 0.5)
             assert stack.records()[-1]["status"] == "rate_limited"
-            bad = await c.post("/v1/admin/budget-overrides", json={"team": "search", "minutes": 5,
-                                                                   "reason": "launch"})  # fmt: skip
-            granted = await c.post("/v1/admin/budget-overrides", headers=ADMIN,
-                                   json={"team": "search", "minutes": 5, "reason": "launch"})  # fmt: skip
+            bad = await c.post(
+                "/v1/admin/budget-overrides",
+                json={"team": "search", "minutes": 5, "reason": "launch"},
+            )
+            granted = await c.post(
+                "/v1/admin/budget-overrides",
+                headers=ADMIN,
+                json={"team": "search", "minutes": 5, "reason": "launch"},
+            )
             through = await c.post("/v1/chat/completions", json=CHAT)
             metrics = await c.get("/metrics", headers=ADMIN)
     assert bad.status_code == 401

@@ -20,8 +20,11 @@ from infermeter.records import EngineSample
 from sidecar.accounting import Call, engine_choices
 from tests.billing.conftest import batch
 
-CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "count please"}],
-        "max_tokens": 6}  # fmt: skip
+CHAT = {
+    "model": "chat-small",
+    "messages": [{"role": "user", "content": "count please"}],
+    "max_tokens": 6,
+}
 TEXT = {"model": "chat-small", "max_tokens": 5}
 
 
@@ -30,11 +33,16 @@ async def _reading(url: str, t: float) -> dict[str, Any]:
     async with httpx.AsyncClient() as c:
         r = engine_reading((await c.get(f"{url}/metrics")).text)
     return EngineSample(
-        sample_id=f"eng-{t}", replica="small-0", model="chat-small", timestamp=t,
-        requests_running=r.requests_running, requests_waiting=r.requests_waiting,
-        kv_cache_usage=r.kv_cache_usage, prompt_tokens_total=r.prompt_tokens_total,
+        sample_id=f"eng-{t}",
+        replica="small-0",
+        model="chat-small",
+        timestamp=t,
+        requests_running=r.requests_running,
+        requests_waiting=r.requests_waiting,
+        kv_cache_usage=r.kv_cache_usage,
+        prompt_tokens_total=r.prompt_tokens_total,
         generation_tokens_total=r.generation_tokens_total,
-    ).to_json()  # fmt: skip
+    ).to_json()
 
 
 async def test_records_of_several_choices_reconcile_with_the_engine(stack):
@@ -77,9 +85,13 @@ async def test_records_of_several_choices_reconcile_with_the_engine(stack):
 
 @pytest.mark.parametrize(
     ("endpoint", "planned", "choices"),
-    [("/v1/chat/completions", 0, 1), ("/v1/chat/completions", 4, 4),
-     ("/v1/completions", 1, 1), ("/v1/embeddings", 2, 1)],
-)  # fmt: skip
+    [
+        ("/v1/chat/completions", 0, 1),
+        ("/v1/chat/completions", 4, 4),
+        ("/v1/completions", 1, 1),
+        ("/v1/embeddings", 2, 1),
+    ],
+)
 def test_each_prompt_counts_once_per_choice_but_embeddings_once(endpoint, planned, choices):
     """The record's choices is the plan's n (1 for a single choice); an embedding has no choices."""
     call = Call("req-1", endpoint, 0.0, 0.0, choices=planned)

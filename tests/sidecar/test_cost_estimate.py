@@ -57,8 +57,17 @@ class Fleet:
 def _fill(ledger: Ledger, now: float) -> None:
     """chat-small's GPU and three records in the last complete hour."""
     hour = (int(now) // HOUR - 1) * HOUR
-    records = [usage("search", hour + 600 + 60 * i, 30.0, prompt_tokens=1000,
-                     cached_prompt_tokens=200, completion_tokens=100) for i in range(3)]  # fmt: skip
+    records = [
+        usage(
+            "search",
+            hour + 600 + 60 * i,
+            30.0,
+            prompt_tokens=1000,
+            cached_prompt_tokens=200,
+            completion_tokens=100,
+        )
+        for i in range(3)
+    ]
     ledger.ingest(batch("usage", records), now=now)
     ledger.ingest(batch("gpu_samples", gpu_samples("small-0", hour, 3600.0)), now=now)
 
@@ -73,18 +82,25 @@ async def _start(stack: contextlib.AsyncExitStack, directory: Path) -> Fleet:
         "sidecar.budgets": {"spend_url": billing, "refresh_seconds": 0.2},
     }
     config = make_config(f"http://127.0.0.1:{small_port}", **changes)
-    relaying = make_config(f"http://127.0.0.1:{small_port}", **changes,
-                           **{"sidecar.non_streamed_via_stream": False})  # fmt: skip
-    ledger = Ledger.open(directory / "ledger.duckdb", [t.name for t in config.teams],
-                         {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    relaying = make_config(
+        f"http://127.0.0.1:{small_port}", **changes, **{"sidecar.non_streamed_via_stream": False}
+    )
+    ledger = Ledger.open(
+        directory / "ledger.duckdb",
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
     stack.callback(ledger.close)
     _fill(ledger, time.time())
     await stack.enter_async_context(
         serving(create_app(config, ledger), billing_port, lifespan="off")
     )
     urls = []
-    for replica, port, own in (("small-0", small_port, config), ("large-0", large_port, config),
-                               ("small-1", relayed_port, relaying)):  # fmt: skip
+    for replica, port, own in (
+        ("small-0", small_port, config),
+        ("large-0", large_port, config),
+        ("small-1", relayed_port, relaying),
+    ):
         await stack.enter_async_context(serving(ReplicaSim(replica_spec(own, replica)), port))
         sidecar = Sidecar(own, replica, spool_dir=directory / replica)
         urls.append(await stack.enter_async_context(serving(sidecar, limits=sidecar.server_limits)))
@@ -134,16 +150,27 @@ def _expected(rates: dict[str, Any], usage_object: dict[str, Any]) -> float:
     """The answer's tokens, weighted as billing says, times chat-small's rate."""
     w = rates["weights"]
     cached = (usage_object.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    weighted = ((usage_object["prompt_tokens"] - cached) * w["prompt"]
-                + cached * w["cached_prompt"] + usage_object["completion_tokens"] * w["completion"])  # fmt: skip
+    weighted = (
+        (usage_object["prompt_tokens"] - cached) * w["prompt"]
+        + cached * w["cached_prompt"]
+        + usage_object["completion_tokens"] * w["completion"]
+    )
     return float(weighted * rates["models"]["chat-small"]["usd_per_weighted_token"])
 
 
 def _chat(url: str, **extra: Any) -> httpx.Response:
-    body = {"model": extra.pop("model", "chat-small"), "max_tokens": 8,
-            "messages": [{"role": "user", "content": "how much did this cost?"}], **extra}  # fmt: skip
-    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60,
-                      headers={"authorization": f"Bearer {KEYS['search']}"})  # fmt: skip
+    body = {
+        "model": extra.pop("model", "chat-small"),
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "how much did this cost?"}],
+        **extra,
+    }
+    return httpx.post(
+        f"{url}/v1/chat/completions",
+        json=body,
+        timeout=60,
+        headers={"authorization": f"Bearer {KEYS['search']}"},
+    )
 
 
 def test_billing_gives_the_last_hour_s_cost_per_weighted_token_and_null_when_unknown(
@@ -175,11 +202,19 @@ def test_a_whole_answer_carries_tokens_times_the_rate_in_its_header_and_usage(
 
 def test_a_stream_s_final_usage_chunk_carries_the_cost_and_no_header(fleet: Fleet) -> None:
     """A stream with include_usage: the final usage chunk has ``cost``; headers left before it."""
-    with httpx.stream("POST", f"{fleet.small}/v1/chat/completions", timeout=60,
-                      headers={"authorization": f"Bearer {KEYS['search']}"},
-                      json={"model": "chat-small", "max_tokens": 8, "stream": True,
-                            "stream_options": {"include_usage": True},
-                            "messages": [{"role": "user", "content": "and this one?"}]}) as r:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        f"{fleet.small}/v1/chat/completions",
+        timeout=60,
+        headers={"authorization": f"Bearer {KEYS['search']}"},
+        json={
+            "model": "chat-small",
+            "max_tokens": 8,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "and this one?"}],
+        },
+    ) as r:
         assert r.status_code == 200
         assert "x-infermeter-cost-estimate-usd" not in r.headers
         chunks = [orjson.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
@@ -206,9 +241,10 @@ def test_the_cost_is_added_last_to_the_usage_object_in_plain_decimals() -> None:
         b'{"id":"x","usage":{"prompt_tokens":3,"prompt_tokens_details":{"cached_tokens":1}},"z":1}'
     )
     assert orjson.loads(with_cost(body, b"0.00012"))["usage"] == {
-        "prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 1},
+        "prompt_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 1},
         "cost": {"usd": 0.00012, "estimate": True},
-    }  # fmt: skip
+    }
     assert orjson.loads(with_cost(b'{"usage":{}}', b"1.5")) == {
         "usage": {"cost": {"usd": 1.5, "estimate": True}}
     }
@@ -223,7 +259,10 @@ def test_a_sidecar_shows_how_old_its_rates_are(fleet: Fleet) -> None:
     text = httpx.get(
         f"{fleet.small}/metrics", headers={"authorization": f"Bearer {METRICS_TOKEN}"}
     ).text
-    ages = [float(line.split()[-1]) for line in text.splitlines()
-            if line.startswith("infermeter_cost_rates_age_seconds ")]  # fmt: skip
+    ages = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("infermeter_cost_rates_age_seconds ")
+    ]
     assert len(ages) == 1
     assert 0.0 <= ages[0] < 5.0

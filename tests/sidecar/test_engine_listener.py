@@ -33,9 +33,15 @@ async def test_get_metrics_is_the_engines_page_without_a_token():
 
 @pytest.mark.parametrize(
     ("method", "path", "status"),
-    [("POST", "/v1/chat/completions", 404), ("GET", "/v1/models", 404), ("GET", "/invocations", 404),
-     ("GET", "/engine/metrics", 404), ("GET", "/metrics/../v1/models", 404), ("POST", "/metrics", 405)],
-)  # fmt: skip
+    [
+        ("POST", "/v1/chat/completions", 404),
+        ("GET", "/v1/models", 404),
+        ("GET", "/invocations", 404),
+        ("GET", "/engine/metrics", 404),
+        ("GET", "/metrics/../v1/models", 404),
+        ("POST", "/metrics", 405),
+    ],
+)
 async def test_nothing_of_the_engines_api_is_reachable(method, path, status):
     """Every other path is 404 and another method 405: the port opens the gauges only."""
     async with _client(EngineMetricsOnly(_page)) as client:

@@ -82,8 +82,13 @@ async def test_a_body_and_status_are_passed_on_whole() -> None:
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         status = 200 if scope["path"] == "/big" else 418
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"text/plain")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"text/plain")],
+            }
+        )
         for i in range(0, len(page), 65_536):
             await send(
                 {"type": "http.response.body", "body": page[i : i + 65_536], "more_body": True}

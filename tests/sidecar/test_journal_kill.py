@@ -31,8 +31,12 @@ from simulator.replica import ReplicaSim, replica_spec
 from tests.servers import serving, sidecar_process
 from tests.sidecar.conftest import KEYS
 
-CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "how far did it get?"}],
-        "ignore_eos": True, "max_tokens": 3000}  # fmt: skip
+CHAT = {
+    "model": "chat-small",
+    "messages": [{"role": "user", "content": "how far did it get?"}],
+    "ignore_eos": True,
+    "max_tokens": 3000,
+}
 CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
 # (x-request-id, streamed, n, the client asks for vLLM's running usage)
 REQUESTS = [
@@ -111,8 +115,9 @@ class Fleet:
         self.url = f"http://127.0.0.1:{side_port}"
         self.spool = tmp_path / "spool" / "small-0"
         data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
-        data["replicas"][1].update(upstream_url=f"http://127.0.0.1:{self.up_port}",
-                                   sidecar_listen=f"127.0.0.1:{side_port}")  # fmt: skip
+        data["replicas"][1].update(
+            upstream_url=f"http://127.0.0.1:{self.up_port}", sidecar_listen=f"127.0.0.1:{side_port}"
+        )
         # 20 ms a step: every request is still running, a few tokens in, when the kill comes.
         data["simulator"]["engines"]["chat-small"].update(step_base_ms=20, step_per_seq_ms=0)
         data["teams"][0]["limits"] = {}

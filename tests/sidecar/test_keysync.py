@@ -40,8 +40,11 @@ async def billing_at(
 ) -> AsyncIterator[str]:
     """Billing on ``port`` over the ledger file ``path``, for the block."""
     config = make_config("http://127.0.0.1:1")
-    ledger = Ledger.open(path, [t.name for t in config.teams],
-                         {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    ledger = Ledger.open(
+        path,
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
     try:
         async with serving(
             create_app(config, ledger, key_publisher=publisher), port, lifespan="off"
@@ -71,8 +74,9 @@ async def revoke(billing: str, key_id: str) -> None:
 
 async def status(url: str, key: str) -> int:
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        answer = await client.post("/v1/chat/completions", json=CHAT,
-                                   headers={"authorization": f"Bearer {key}"})  # fmt: skip
+        answer = await client.post(
+            "/v1/chat/completions", json=CHAT, headers={"authorization": f"Bearer {key}"}
+        )
     return answer.status_code
 
 
@@ -134,8 +138,9 @@ async def test_through_redis_a_sidecar_takes_keys_without_asking_billing(
         kept = await issue(billing, team="assistant")
         gone = await issue(billing, team="assistant")
         await revoke(billing, gone["key_id"])
-    stack = await stack_factory(**{"billing.url": billing,
-                                   "sidecar.shared_limits.redis_url": redis_server.url})  # fmt: skip
+    stack = await stack_factory(
+        **{"billing.url": billing, "sidecar.shared_limits.redis_url": redis_server.url}
+    )
     await until(lambda: status(stack.url, kept["key"]), 200, BOUND_SECONDS)
     assert await status(stack.url, gone["key"]) == 401
 
@@ -154,8 +159,9 @@ async def test_after_the_bound_no_request_with_a_revoked_key_is_admitted_under_l
         stop = time.monotonic() + 3 + BOUND_SECONDS + 2
 
         async def hammer(url: str) -> None:
-            async with httpx.AsyncClient(base_url=url, timeout=30,
-                                         headers={"authorization": f"Bearer {key['key']}"}) as client:  # fmt: skip
+            async with httpx.AsyncClient(
+                base_url=url, timeout=30, headers={"authorization": f"Bearer {key['key']}"}
+            ) as client:
                 while time.monotonic() < stop:
                     at = time.monotonic()
                     answer = await client.post("/v1/chat/completions", json=CHAT)
@@ -173,5 +179,7 @@ async def test_after_the_bound_no_request_with_a_revoked_key_is_admitted_under_l
     assert set(before) == {200}
     assert after_bound
     assert set(after_bound) == {401}
-    print(f"{len(sent)} requests; the last admitted was sent {max(admitted_late, default=0):.2f} s "
-          "after the revocation")  # fmt: skip
+    print(
+        f"{len(sent)} requests; the last admitted was sent {max(admitted_late, default=0):.2f} s "
+        "after the revocation"
+    )

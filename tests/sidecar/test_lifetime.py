@@ -25,8 +25,13 @@ from tests.servers import serving
 from tests.sidecar.conftest import KEYS, make_config
 
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
-POD = {"POD_NAME": "vllm-small-7d9f8-abcde", "POD_UID": "0b6c1f2e-1111-2222-3333-444455556666",
-       "POD_NAMESPACE": "inference", "NODE_NAME": "gpu-node-7", "NVIDIA_VISIBLE_DEVICES": "GPU-aaaa"}  # fmt: skip
+POD = {
+    "POD_NAME": "vllm-small-7d9f8-abcde",
+    "POD_UID": "0b6c1f2e-1111-2222-3333-444455556666",
+    "POD_NAMESPACE": "inference",
+    "NODE_NAME": "gpu-node-7",
+    "NVIDIA_VISIBLE_DEVICES": "GPU-aaaa",
+}
 
 
 def _spooled(directory: Path) -> list[dict[str, Any]]:
@@ -83,8 +88,10 @@ async def test_a_pods_identity_reaches_its_usage_records_and_names_its_spool(tmp
     )
     events = _spooled(spool / INSTANCES)
     assert [e["event"] for e in events] == ["start", "stop"]
-    assert {(e["instance"], e["pod_uid"], e["namespace"], e["node"], e["gpus"], e["gpu_count"])
-            for e in events} == {(POD["POD_NAME"], POD["POD_UID"], "inference", "gpu-node-7", "GPU-aaaa", 1)}  # fmt: skip
+    assert {
+        (e["instance"], e["pod_uid"], e["namespace"], e["node"], e["gpus"], e["gpu_count"])
+        for e in events
+    } == {(POD["POD_NAME"], POD["POD_UID"], "inference", "gpu-node-7", "GPU-aaaa", 1)}
     assert events[0]["engine_metrics_url"] == "http://10.1.2.3:8102/engine/metrics"
 
 
@@ -104,8 +111,11 @@ async def test_a_fixed_replica_names_no_instance_on_usage_and_announces_itself(t
 @pytest.fixture
 def ledger(config: Config) -> Iterator[Ledger]:
     """An empty in-memory ledger for the demo teams."""
-    led = Ledger.open(":memory:", [t.name for t in config.teams],
-                      {m.name: m.sla.ttft_p95_seconds for m in config.models})  # fmt: skip
+    led = Ledger.open(
+        ":memory:",
+        [t.name for t in config.teams],
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    )
     yield led
     led.close()
 
@@ -116,9 +126,14 @@ async def test_start_heartbeats_and_stop_reach_billings_instance_events(
     """A served and stopped sidecar leaves start, heartbeats and stop, in order, in billing's ledger."""
     monkeypatch.setenv("INFERMETER_INGEST_TOKEN", "im-demo-ingest")
     billing_port = free_port()
-    config = make_config(f"http://127.0.0.1:{free_port()}", **{
-        "sidecar.spool_dir": str(tmp_path), "sidecar.heartbeat_seconds": 0.1,
-        "sidecar.ingest_url": f"http://127.0.0.1:{billing_port}/v1/ingest"})  # fmt: skip
+    config = make_config(
+        f"http://127.0.0.1:{free_port()}",
+        **{
+            "sidecar.spool_dir": str(tmp_path),
+            "sidecar.heartbeat_seconds": 0.1,
+            "sidecar.ingest_url": f"http://127.0.0.1:{billing_port}/v1/ingest",
+        },
+    )
     identity = identity_from_environment(config.replica("small-0"), POD)
     sidecar = Sidecar(config, "small-0", identity=identity)
     async with serving(create_app(config, ledger), billing_port, lifespan="off"):

@@ -176,21 +176,38 @@ def test_unlimited_team_is_always_admitted():
 @pytest.mark.parametrize(
     ("limits", "headers"),
     [
-        ({"requests_per_minute": 60, "tokens_per_minute": 1000},
-         {"x-ratelimit-limit-requests": "60", "x-ratelimit-remaining-requests": "59",
-          "x-ratelimit-reset-requests": "1.000s", "x-ratelimit-limit-tokens": "1000",
-          "x-ratelimit-remaining-tokens": "900", "x-ratelimit-reset-tokens": "6.000s"}),
-        ({"requests_per_minute": 60},
-         {"x-ratelimit-limit-requests": "60", "x-ratelimit-remaining-requests": "59",
-          "x-ratelimit-reset-requests": "1.000s"}),
-        ({"tokens_per_minute": 1000, "max_concurrent": 4},
-         {"x-ratelimit-limit-tokens": "1000", "x-ratelimit-remaining-tokens": "900",
-          "x-ratelimit-reset-tokens": "6.000s"}),
+        (
+            {"requests_per_minute": 60, "tokens_per_minute": 1000},
+            {
+                "x-ratelimit-limit-requests": "60",
+                "x-ratelimit-remaining-requests": "59",
+                "x-ratelimit-reset-requests": "1.000s",
+                "x-ratelimit-limit-tokens": "1000",
+                "x-ratelimit-remaining-tokens": "900",
+                "x-ratelimit-reset-tokens": "6.000s",
+            },
+        ),
+        (
+            {"requests_per_minute": 60},
+            {
+                "x-ratelimit-limit-requests": "60",
+                "x-ratelimit-remaining-requests": "59",
+                "x-ratelimit-reset-requests": "1.000s",
+            },
+        ),
+        (
+            {"tokens_per_minute": 1000, "max_concurrent": 4},
+            {
+                "x-ratelimit-limit-tokens": "1000",
+                "x-ratelimit-remaining-tokens": "900",
+                "x-ratelimit-reset-tokens": "6.000s",
+            },
+        ),
         ({"max_concurrent": 4}, {}),
         ({}, {}),
     ],
     ids=["requests-and-tokens", "requests", "tokens", "concurrency-only", "unlimited"],
-)  # fmt: skip
+)
 def test_ratelimit_headers_describe_the_limits_the_team_has(limits, headers):
     """An admission carries limit, remaining and reset for each bucket of the team, and no others."""
     assert dict(limiter(**limits).admit(TEAM, 100, 0.0).headers) == headers

@@ -36,8 +36,11 @@ def test_a_series_appears_only_once_something_is_counted_in_it() -> None:
     get = m.registry.get_sample_value
     named = {"team": "search", "model": "chat-small"}
     assert get("infermeter_requests_in_flight", named) == 1
-    for name in ("infermeter_prompt_tokens_total", "infermeter_cached_prompt_tokens_total",
-                 "infermeter_usage_inexact_total"):  # fmt: skip
+    for name in (
+        "infermeter_prompt_tokens_total",
+        "infermeter_cached_prompt_tokens_total",
+        "infermeter_usage_inexact_total",
+    ):
         assert get(name, named) is None
     # Same labels on another metric: another child.
     m.child(m.cached_prompt_tokens, *labels).inc(4)

@@ -52,8 +52,10 @@ async def test_the_404_stays_short_whatever_the_name_asked_for(stack):
 
 async def test_a_rolled_back_replica_lists_nothing_to_ask_for(stack):
     """With its version no longer approved, the 404 says the replica serves no approved version."""
-    rolled_back = {"models.1.approved_versions": ["llama-3.1-8b-instruct-2024-07"],
-                   "models.1.serve_version": "llama-3.1-8b-instruct-2024-07"}  # fmt: skip
+    rolled_back = {
+        "models.1.approved_versions": ["llama-3.1-8b-instruct-2024-07"],
+        "models.1.serve_version": "llama-3.1-8b-instruct-2024-07",
+    }
     stack.sidecar.reload(make_config(stack.upstream, **rolled_back))
     async with stack.client() as c:
         r = await c.post("/v1/chat/completions", json={**CHAT, "model": "chat-small"})

@@ -35,8 +35,14 @@ CHAT = {
     "messages": [{"role": "user", "content": "count please"}],
     "max_tokens": 8,
 }
-SERVER = ("gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model",
-          "server.address", "server.port", "infermeter.team")  # fmt: skip
+SERVER = (
+    "gen_ai.operation.name",
+    "gen_ai.provider.name",
+    "gen_ai.request.model",
+    "server.address",
+    "server.port",
+    "infermeter.team",
+)
 EXPECTED = {  # name: (unit, kind, bounds)
     "gen_ai.server.request.duration": ("s", "histogram", DURATION_BOUNDS),
     "gen_ai.server.time_to_first_token": ("s", "histogram", TTFT_BOUNDS),
@@ -74,8 +80,14 @@ def prom(page: dict[tuple[str, str, str], float], name: str) -> dict[tuple[str, 
 async def traffic(url: str) -> None:
     """Six requests of two teams: streamed and whole chats, a text completion, an unknown model."""
     async with contextlib.AsyncExitStack() as stack:
-        search, assistant = [await stack.enter_async_context(httpx.AsyncClient(
-            base_url=url, timeout=60, headers={"authorization": f"Bearer {KEYS[t]}"})) for t in ("search", "assistant")]  # fmt: skip
+        search, assistant = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(
+                    base_url=url, timeout=60, headers={"authorization": f"Bearer {KEYS[t]}"}
+                )
+            )
+            for t in ("search", "assistant")
+        ]
         for body in ({**CHAT, "stream": True}, CHAT):
             assert (await search.post("/v1/chat/completions", json=body)).status_code == 200
             assert (await assistant.post("/v1/chat/completions", json=body)).status_code == 200
@@ -116,14 +128,26 @@ def sidecar_process(tmp_path: Path, upstream_port: int, env: dict[str, str]) -> 
     """``infermeter sidecar`` in front of the replica at ``upstream_port``; yields its URL."""
     port = free_port()
     data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    data["replicas"][1].update(upstream_url=f"http://127.0.0.1:{upstream_port}",
-                               sidecar_listen=f"127.0.0.1:{port}")  # fmt: skip
+    data["replicas"][1].update(
+        upstream_url=f"http://127.0.0.1:{upstream_port}", sidecar_listen=f"127.0.0.1:{port}"
+    )
     data["sidecar"] = {"spool_dir": str(tmp_path / "spool")}
     config = tmp_path / "infermeter.yaml"
     config.write_text(yaml.safe_dump(data))
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "INFERMETER"))}
-    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "sidecar", "--config", str(config),
-                             "--replica", "small-0"], env={**clean, **env})  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "infermeter",
+            "sidecar",
+            "--config",
+            str(config),
+            "--replica",
+            "small-0",
+        ],
+        env={**clean, **env},
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -194,8 +218,9 @@ async def test_a_sidecar_started_with_the_otel_variables_pushes_the_genai_metric
 
 
 @contextlib.asynccontextmanager
-async def in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, receiver_url: str,
-                     **settings: Any) -> AsyncIterator[tuple[Sidecar, str]]:  # fmt: skip
+async def in_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, receiver_url: str, **settings: Any
+) -> AsyncIterator[tuple[Sidecar, str]]:
     """A replica and an in-process sidecar exporting to ``receiver_url`` every 0.1 s."""
     for key in [k for k in os.environ if k.startswith("OTEL_")]:
         monkeypatch.delenv(key)
@@ -241,8 +266,10 @@ async def test_gen_ai_latest_experimental_counts_tokens_with_the_latest_conventi
     assert {"gen_ai.server.request.duration", "gen_ai.server.time_to_first_token"} <= names
     assert_agree(points, page)
     tokens = prometheus(page)
-    for name, family in (("input_tokens", "infermeter_prompt_tokens_total"),
-                         ("output_tokens", "infermeter_completion_tokens_total")):  # fmt: skip
+    for name, family in (
+        ("input_tokens", "infermeter_prompt_tokens_total"),
+        ("output_tokens", "infermeter_completion_tokens_total"),
+    ):
         counter = [p for p in points if p.name == f"gen_ai.client.inference.usage.{name}"]
         assert counter
         assert all(p.kind == "sum" and p.monotonic and p.unit == "{token}" for p in counter)
@@ -287,8 +314,9 @@ async def test_a_failing_receiver_neither_slows_nor_fails_requests(
         async with in_process(tmp_path, monkeypatch, receiver.url) as (sidecar, url):
             export = sidecar.otlp
             assert export is not None
-            async with httpx.AsyncClient(base_url=url, timeout=60,
-                                         headers={"authorization": f"Bearer {KEYS['search']}"}) as c:  # fmt: skip
+            async with httpx.AsyncClient(
+                base_url=url, timeout=60, headers={"authorization": f"Bearer {KEYS['search']}"}
+            ) as c:
                 took = []
                 for _ in range(12):
                     start = time.perf_counter()
@@ -357,11 +385,29 @@ def test_with_export_off_no_sdk_is_loaded_and_nothing_kept():
     )
     clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     root = Path(__file__).parents[2]
-    off = subprocess.run([sys.executable, "-c", probe], env=clean, capture_output=True, text=True,
-                         timeout=60, check=True, cwd=root)  # fmt: skip
+    off = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=root,
+    )
     assert off.stdout.split() == ["True", "True"]
-    on = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
-                        check=True, cwd=root,
-                        env={**clean, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"})  # fmt: skip
-    assert on.stdout.split() == ["False", "False", "opentelemetry.sdk", "infermeter.otlp_export",
-                                 "sidecar.otel_metrics"]  # fmt: skip
+    on = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=root,
+        env={**clean, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"},
+    )
+    assert on.stdout.split() == [
+        "False",
+        "False",
+        "opentelemetry.sdk",
+        "infermeter.otlp_export",
+        "sidecar.otel_metrics",
+    ]

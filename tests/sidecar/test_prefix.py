@@ -52,13 +52,29 @@ def test_the_share_is_the_digested_characters_of_the_whole_prompt():
 
 @pytest.mark.parametrize(
     ("body", "expected"),
-    [({"prompt": "Translate: hello"}, "prompt"),
-     ({"prompt": ["Translate: hello", "Translate: bye"]}, "prompt"),
-     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "look"},
-                                                 {"type": "image_url", "image_url": {"url": "x"}}]}]}, "parts"),
-     ({"prompt": [101, 2023]}, None), ({"input": "embed me"}, None), ({"messages": []}, None),
-     ({"messages": [{"role": "user", "content": ""}]}, None)],
-)  # fmt: skip
+    [
+        ({"prompt": "Translate: hello"}, "prompt"),
+        ({"prompt": ["Translate: hello", "Translate: bye"]}, "prompt"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "look"},
+                            {"type": "image_url", "image_url": {"url": "x"}},
+                        ],
+                    }
+                ]
+            },
+            "parts",
+        ),
+        ({"prompt": [101, 2023]}, None),
+        ({"input": "embed me"}, None),
+        ({"messages": []}, None),
+        ({"messages": [{"role": "user", "content": ""}]}, None),
+    ],
+)
 def test_what_counts_as_a_prompt_head(body, expected):
     """Completion prompts and text parts are digested; token ids, embeddings and empty prompts are not."""
     found = DIGESTER.of(body)
@@ -75,12 +91,15 @@ def test_no_key_no_digest():
 async def test_the_usage_record_carries_the_digest_not_the_prompt(stack_factory, monkeypatch):
     """With a key set, the record of a chat request holds the digest and share, and no prompt text."""
     monkeypatch.setenv("TEST_PREFIX_KEY", "k-1")
-    stack = await stack_factory(**{"sidecar.prefix_key_env": "TEST_PREFIX_KEY",
-                                   "sidecar.prefix_digest_chars": 64})  # fmt: skip
+    stack = await stack_factory(
+        **{"sidecar.prefix_key_env": "TEST_PREFIX_KEY", "sidecar.prefix_digest_chars": 64}
+    )
     async with stack.client() as c:
         for question in ("what is a GPU?", "what is a KV cache?"):
-            r = await c.post("/v1/chat/completions", json={
-                "model": "chat-small", "max_tokens": 8, **_chat(SYSTEM, question)})  # fmt: skip
+            r = await c.post(
+                "/v1/chat/completions",
+                json={"model": "chat-small", "max_tokens": 8, **_chat(SYSTEM, question)},
+            )
             assert r.status_code == 200
     first, second = stack.records()
     expected = PrefixDigester(b"k-1", 64).of(_chat(SYSTEM, "what is a GPU?"))
@@ -93,8 +112,10 @@ async def test_the_usage_record_carries_the_digest_not_the_prompt(stack_factory,
 async def test_without_a_key_records_have_no_digest(stack):
     """The default deployment sets no key: the record's digest fields are null."""
     async with stack.client() as c:
-        r = await c.post("/v1/chat/completions", json={"model": "chat-small", "max_tokens": 4,
-                                                        **_chat(SYSTEM, "q")})  # fmt: skip
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"model": "chat-small", "max_tokens": 4, **_chat(SYSTEM, "q")},
+        )
     assert r.status_code == 200
     (record,) = stack.records()
     assert (record["prefix_digest"], record["prefix_share"]) == (None, None)

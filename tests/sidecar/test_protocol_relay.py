@@ -23,8 +23,13 @@ def _capture_upstream(body: bytes) -> Any:
     async def app(scope, receive, send):
         while (await receive()).get("more_body"):
             pass
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
         half = len(body) // 2
         await send({"type": "http.response.body", "body": body[:half], "more_body": True})
         await send({"type": "http.response.body", "body": body[half:]})
@@ -90,8 +95,13 @@ async def test_a_client_that_stops_reading_pauses_the_upstream(stack_factory):
         nonlocal sent
         while (await receive()).get("more_body"):
             pass
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
         block = event * 64
         while sent < total:
             await send({"type": "http.response.body", "body": block, "more_body": True})
@@ -102,9 +112,11 @@ async def test_a_client_that_stops_reading_pauses_the_upstream(stack_factory):
     host, port = stack.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     payload = b'{"model":"chat-small","stream":true,"messages":[{"role":"user","content":"hi"}]}'
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"authorization: Bearer " + KEYS["search"].encode() + b"\r\n"
-                 b"content-length: %d\r\n\r\n%b" % (len(payload), payload))  # fmt: skip
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"authorization: Bearer " + KEYS["search"].encode() + b"\r\n"
+        b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
+    )
     await writer.drain()
     await reader.readuntil(b"\r\n\r\n")
     deadline = time.monotonic() + 1.5

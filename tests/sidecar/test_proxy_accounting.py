@@ -32,8 +32,12 @@ CHAT = {
 
 
 def _value(text: str, name: str, **labels: str) -> float:
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 async def _vllm_counters(url: str) -> tuple[float, float]:
@@ -135,8 +139,16 @@ def _breaks_mid_stream(fixture_text: Any, then: Any) -> Any:
     partial = "".join(f"data: {e}\n\n" for e in events).encode()
 
     async def app(scope, receive, send):
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"), (b"content-length", b"100000")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream"),
+                    (b"content-length", b"100000"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": partial, "more_body": True})
         await then()
 
@@ -219,12 +231,17 @@ async def test_metrics_have_the_fixed_names_and_pass_promtool(stack):
         ).text
     families = {f.name: f.type for f in text_string_to_metric_families(text)}
     expected = {
-        "infermeter_time_to_first_token_seconds": "histogram", "infermeter_inter_token_latency_seconds": "histogram",
-        "infermeter_request_duration_seconds": "histogram", "infermeter_output_tokens_per_second": "histogram",
-        "infermeter_prompt_tokens": "counter", "infermeter_completion_tokens": "counter",
-        "infermeter_requests": "counter", "infermeter_rate_limited": "counter",
-        "infermeter_requests_in_flight": "gauge", "infermeter_usage_spool_backlog": "gauge",
-    }  # fmt: skip
+        "infermeter_time_to_first_token_seconds": "histogram",
+        "infermeter_inter_token_latency_seconds": "histogram",
+        "infermeter_request_duration_seconds": "histogram",
+        "infermeter_output_tokens_per_second": "histogram",
+        "infermeter_prompt_tokens": "counter",
+        "infermeter_completion_tokens": "counter",
+        "infermeter_requests": "counter",
+        "infermeter_rate_limited": "counter",
+        "infermeter_requests_in_flight": "gauge",
+        "infermeter_usage_spool_backlog": "gauge",
+    }
     assert {k: families.get(k) for k in expected} == expected
     assert (
         _value(text, "infermeter_requests_total", team="search", model="chat-small", status="ok")
@@ -282,9 +299,11 @@ def test_a_configured_export_makes_a_provider_naming_the_instance():
     from sidecar.tracing import make_tracer_provider, tracer
 
     assert make_tracer_provider("infermeter-sidecar-small-0", {}) is None
-    provider = make_tracer_provider("infermeter-sidecar-small-0",
-                                    {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"},
-                                    {"service.instance.id": "vllm-small-0-a"})  # fmt: skip
+    provider = make_tracer_provider(
+        "infermeter-sidecar-small-0",
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"},
+        {"service.instance.id": "vllm-small-0-a"},
+    )
     assert provider is not None
     try:
         attributes = provider.resource.attributes

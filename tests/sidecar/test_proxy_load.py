@@ -42,8 +42,14 @@ async def test_a_thousand_concurrent_streams_without_error(tmp_path):
     """1000 concurrent streamed requests through one sidecar process all complete and are recorded."""
     up_port, side_port = free_port(), free_port()
     upstream, url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{side_port}"
-    path = _sidecar_config(tmp_path, upstream, f"127.0.0.1:{side_port}", None,
-                           replica={"max_num_seqs": 1024}, engine={"step_base_ms": 5, "step_per_seq_ms": 0.01})  # fmt: skip
+    path = _sidecar_config(
+        tmp_path,
+        upstream,
+        f"127.0.0.1:{side_port}",
+        None,
+        replica={"max_num_seqs": 1024},
+        engine={"step_base_ms": 5, "step_per_seq_ms": 0.01},
+    )
     sim = subprocess.Popen(
         [
             sys.executable,
@@ -61,8 +67,12 @@ async def test_a_thousand_concurrent_streams_without_error(tmp_path):
         await asyncio.to_thread(_wait_up, f"{upstream}/health")
         proc = await asyncio.to_thread(_start_sidecar, path, url)
         limits = httpx.Limits(max_connections=1100, max_keepalive_connections=1100)
-        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {KEYS['search']}"},
-                                     timeout=120, limits=limits) as c:  # fmt: skip
+        async with httpx.AsyncClient(
+            base_url=url,
+            headers={"authorization": f"Bearer {KEYS['search']}"},
+            timeout=120,
+            limits=limits,
+        ) as c:
 
             async def one() -> bool:
                 async with c.stream(
@@ -102,8 +112,9 @@ def _wait_up(url: str) -> None:
 async def _ttft(client: httpx.AsyncClient, team_key: str) -> float:
     start = time.perf_counter()
     body = {**CHAT, "stream": True, "max_tokens": 8}
-    async with client.stream("POST", "/v1/chat/completions", json=body,
-                             headers={"authorization": f"Bearer {team_key}"}) as r:  # fmt: skip
+    async with client.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {team_key}"}
+    ) as r:
         async for line in r.aiter_lines():
             if '"content":"' in line and '"role"' not in line:
                 return time.perf_counter() - start
@@ -115,8 +126,9 @@ async def _p95_under_flood(
 ) -> float:
     """p95 TTFT of two well-behaved teams while analytics keeps ``flood`` long requests going."""
     stop = asyncio.Event()
-    async with httpx.AsyncClient(base_url=stack.url, timeout=120,
-                                 limits=httpx.Limits(max_connections=flood + 20)) as c:  # fmt: skip
+    async with httpx.AsyncClient(
+        base_url=stack.url, timeout=120, limits=httpx.Limits(max_connections=flood + 20)
+    ) as c:
 
         async def flooder() -> None:
             body = {**CHAT, "max_tokens": flood_tokens}
@@ -144,8 +156,14 @@ async def _p95_under_flood(
 FLOOD_TEAMS: dict[str, Any] = {"teams.2.limits": {}, "teams.0.limits": {}, "teams.1.limits": {}}
 # The demo fleet's own chat-small timing (9 ms a step + 0.12 ms per running sequence), with KV
 # room for the whole flood, so a slow batch comes from batching, not from preemption.
-SLOW_ENGINE = {"simulator.engines.chat-small": {"step_base_ms": 9, "step_per_seq_ms": 0.12,
-                                                "prefill_tokens_per_second": 30000, "kv_cache_tokens": 400000}}  # fmt: skip
+SLOW_ENGINE = {
+    "simulator.engines.chat-small": {
+        "step_base_ms": 9,
+        "step_per_seq_ms": 0.12,
+        "prefill_tokens_per_second": 30000,
+        "kv_cache_tokens": 400000,
+    }
+}
 
 
 async def test_a_flooding_team_does_not_starve_the_others(stack_factory):
@@ -176,8 +194,14 @@ async def test_a_flooding_team_does_not_starve_the_others(stack_factory):
     assert any(loaded <= 2 * unloaded + busy_step for unloaded, loaded in attempts), attempts
 
 
-def _sidecar_config(tmp_path: Path, upstream: str, listen: str, ingest: str | None,
-                    replica: dict[str, Any] | None = None, engine: dict[str, Any] | None = None) -> Path:  # fmt: skip
+def _sidecar_config(
+    tmp_path: Path,
+    upstream: str,
+    listen: str,
+    ingest: str | None,
+    replica: dict[str, Any] | None = None,
+    engine: dict[str, Any] | None = None,
+) -> Path:
     data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
     data["replicas"][1].update(upstream_url=upstream, sidecar_listen=listen, **(replica or {}))
     data["simulator"]["engines"]["chat-small"].update(engine or {})
@@ -249,8 +273,12 @@ async def test_kill_9_loses_no_completed_response_and_duplicates_none(tmp_path):
         path = _sidecar_config(tmp_path, upstream, f"127.0.0.1:{side_port}", None)
         proc = await asyncio.to_thread(_start_sidecar, path, url)
         completed: list[str] = []
-        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {KEYS['search']}"},
-                                     timeout=30, limits=httpx.Limits(max_connections=300)) as c:  # fmt: skip
+        async with httpx.AsyncClient(
+            base_url=url,
+            headers={"authorization": f"Bearer {KEYS['search']}"},
+            timeout=30,
+            limits=httpx.Limits(max_connections=300),
+        ) as c:
 
             async def one(i: int) -> None:
                 body = {**CHAT, "max_tokens": 10 + i % 50, "stream": i % 2 == 0}
@@ -271,8 +299,11 @@ async def test_kill_9_loses_no_completed_response_and_duplicates_none(tmp_path):
 
             await asyncio.gather(killer(), *(one(i) for i in range(400)))
         proc.wait(10)
-        spooled = [r["request_id"] for seg in sorted((tmp_path / "spool" / "small-0").glob("seg-*.jsonl"))
-                   for r in read_segment(seg)[0]]  # fmt: skip
+        spooled = [
+            r["request_id"]
+            for seg in sorted((tmp_path / "spool" / "small-0").glob("seg-*.jsonl"))
+            for r in read_segment(seg)[0]
+        ]
         assert len(completed) >= 100
         assert set(completed) <= set(spooled)
         assert len(spooled) == len(set(spooled))

@@ -151,8 +151,15 @@ async def test_rolling_back_a_version_takes_effect_without_restart(stack):
     """Removing the replica's version from approved_versions stops serving it on reload."""
     async with stack.client() as c:
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
-        stack.sidecar.reload(make_config(stack.upstream, **{"models.1.approved_versions": ["llama-3.1-8b-instruct-2024-07"],
-                                                             "models.1.serve_version": "llama-3.1-8b-instruct-2024-07"}))  # fmt: skip
+        stack.sidecar.reload(
+            make_config(
+                stack.upstream,
+                **{
+                    "models.1.approved_versions": ["llama-3.1-8b-instruct-2024-07"],
+                    "models.1.serve_version": "llama-3.1-8b-instruct-2024-07",
+                },
+            )
+        )
         refused = await c.post("/v1/chat/completions", json=CHAT)
     assert refused.status_code == 404
     assert refused.json()["error"]["code"] == "model_not_found"
@@ -240,11 +247,22 @@ async def test_gateway_mode_accepts_only_fresh_signed_team_headers(stack_factory
 
     def signed(ts: int) -> dict[str, str]:
         nonce = f"nonce-{ts}-0123456789"
-        signature = sign_request(b"s3cret", team="research", timestamp=ts, nonce=nonce,
-                                 audience="chat-small", method="POST", path="/v1/chat/completions",
-                                 body=body)  # fmt: skip
-        return {"x-infermeter-team": "research", "x-infermeter-timestamp": str(ts),
-                "x-infermeter-nonce": nonce, "x-infermeter-signature": signature}  # fmt: skip
+        signature = sign_request(
+            b"s3cret",
+            team="research",
+            timestamp=ts,
+            nonce=nonce,
+            audience="chat-small",
+            method="POST",
+            path="/v1/chat/completions",
+            body=body,
+        )
+        return {
+            "x-infermeter-team": "research",
+            "x-infermeter-timestamp": str(ts),
+            "x-infermeter-nonce": nonce,
+            "x-infermeter-signature": signature,
+        }
 
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as c:
         good = await c.post("/v1/chat/completions", content=body, headers=signed(now))

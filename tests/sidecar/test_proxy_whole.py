@@ -15,8 +15,11 @@ from tests.sidecar.test_proxy_accounting import _breaks_mid_stream, _engine_dies
 # The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
 pytestmark = pytest.mark.both_loops
 
-CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "count please"}],
-        "max_tokens": 12}  # fmt: skip
+CHAT = {
+    "model": "chat-small",
+    "messages": [{"role": "user", "content": "count please"}],
+    "max_tokens": 12,
+}
 TEXT = {"model": "chat-small", "prompt": "a b c", "max_tokens": 9}
 _VOLATILE = re.compile(rb'"id":"[^"]*"|"created":\d+')
 
@@ -29,8 +32,12 @@ async def _engine(url: str) -> dict[str, float]:
         "vllm:generation_tokens_total",
         "vllm:num_requests_running",
     )
-    return {n: sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == n) for n in names}  # fmt: skip
+    return {
+        n: sum(
+            s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == n
+        )
+        for n in names
+    }
 
 
 @pytest.mark.parametrize(
@@ -104,8 +111,11 @@ async def test_abandoned_non_streamed_requests_carry_the_tokens_spent(stack):
 async def test_the_callers_request_id_is_echoed_and_kept(stack, stream):
     """A valid x-request-id comes back in the response header and is on the record."""
     async with stack.client() as c:
-        r = await c.post("/v1/chat/completions", json={**CHAT, "stream": stream},
-                         headers={"x-request-id": "trace-7f3a"})  # fmt: skip
+        r = await c.post(
+            "/v1/chat/completions",
+            json={**CHAT, "stream": stream},
+            headers={"x-request-id": "trace-7f3a"},
+        )
     assert r.status_code == 200
     assert r.headers.get_list("x-request-id") == ["trace-7f3a"]
     (record,) = stack.records()
@@ -128,8 +138,11 @@ async def test_an_invalid_request_id_is_ignored(stack, value):
 async def test_a_refusal_echoes_the_request_id_too(stack):
     """An answer the sidecar gives itself (unknown model) still carries the caller's id."""
     async with stack.client() as c:
-        r = await c.post("/v1/chat/completions", json={**CHAT, "model": "nope"},
-                         headers={"x-request-id": "abc-1"})  # fmt: skip
+        r = await c.post(
+            "/v1/chat/completions",
+            json={**CHAT, "model": "nope"},
+            headers={"x-request-id": "abc-1"},
+        )
     assert r.status_code == 404
     assert r.headers["x-request-id"] == "abc-1"
     assert stack.records()[-1]["client_request_id"] == "abc-1"
@@ -171,4 +184,7 @@ async def test_with_the_switch_off_a_hang_up_is_aborted_but_not_counted(stack_fa
     assert (await _engine(stack.upstream))["vllm:num_requests_running"] == 0
     (record,) = stack.records()
     assert (record["status"], record["usage_exact"], record["completion_tokens"]) == (
-        "client_aborted", False, 0)  # fmt: skip
+        "client_aborted",
+        False,
+        0,
+    )

@@ -20,8 +20,10 @@ from infermeter.serving import free_port
 def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], int]:
     port = free_port()
     data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    data["replicas"][1].update(upstream_url=f"http://svc:hunter2@127.0.0.1:{free_port()}/?key=s3cret",
-                               sidecar_listen=f"127.0.0.1:{port}")  # fmt: skip
+    data["replicas"][1].update(
+        upstream_url=f"http://svc:hunter2@127.0.0.1:{free_port()}/?key=s3cret",
+        sidecar_listen=f"127.0.0.1:{port}",
+    )
     data["sidecar"] = {"spool_dir": str(tmp_path / "spool")}
     path = tmp_path / "infermeter.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -12,9 +12,18 @@ from sidecar.stream import StreamMeter, UsageCounts
 
 
 def served_call() -> Call:
-    call = Call("req-1", "/v1/chat/completions", 1_700_000_000.0, 50.0, team="search",
-                model="chat-small", served_version="chat-small-v2", stream=True,
-                client_request_id="client-7", prefix=Prefix("ab12", 0.5))  # fmt: skip
+    call = Call(
+        "req-1",
+        "/v1/chat/completions",
+        1_700_000_000.0,
+        50.0,
+        team="search",
+        model="chat-small",
+        served_version="chat-small-v2",
+        stream=True,
+        client_request_id="client-7",
+        prefix=Prefix("ab12", 0.5),
+    )
     call.response_id = "chatcmpl-9"
     return call
 

@@ -134,8 +134,9 @@ asyncio.run(main())
 async def test_slots_of_a_sidecar_killed_with_sigkill_come_back_within_the_lease(redis_server):
     """A process holding three slots keeps them while alive and loses them one lease after -9."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, redis_server.url],
-                              stdout=subprocess.PIPE, env=env)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, redis_server.url], stdout=subprocess.PIPE, env=env
+    )
     try:
         assert holder.stdout is not None
         assert holder.stdout.readline().strip() == b"held"
@@ -176,8 +177,12 @@ async def test_fail_open_serves_the_limit_over_live_instances_then_shares_again(
     """With Redis gone each sidecar takes limit / live instances; on return it owes those."""
     live = [{"instance": f"small-0-{i}", "replica": "small-0", "state": "live"} for i in range(3)]
     async with serving(await registry_app(live), lifespan="off") as registry:
-        lim = make(redis_server, TeamLimits(requests_per_minute=600), registry_url=registry,
-                   retry_seconds=0.2)  # fmt: skip
+        lim = make(
+            redis_server,
+            TeamLimits(requests_per_minute=600),
+            registry_url=registry,
+            retry_seconds=0.2,
+        )
         await lim.start()
         await asyncio.sleep(0.2)
         assert lim.live.count == 3
@@ -219,13 +224,19 @@ async def test_a_forged_live_count_is_clamped_to_the_configurations_bound(redis_
     """250 forged live instances split a team's limit by the fleet's bound (9), not by 250."""
     forged = [{"instance": f"x-{i}", "replica": "small-0", "state": "live"} for i in range(250)]
     async with serving(await registry_app(forged), lifespan="off") as registry:
-        settings = SharedLimitsSettings(redis_url=redis_server.url, timeout_millis=2000,
-                                        retry_seconds=60, registry_url=registry)  # fmt: skip
-        teams = [t.model_copy(update={"limits": TeamLimits(requests_per_minute=600)})
-                 for t in config.teams]  # fmt: skip
+        settings = SharedLimitsSettings(
+            redis_url=redis_server.url, timeout_millis=2000, retry_seconds=60, registry_url=registry
+        )
+        teams = [
+            t.model_copy(update={"limits": TeamLimits(requests_per_minute=600)})
+            for t in config.teams
+        ]
         sidecar = config.sidecar.model_copy(update={"shared_limits": settings})
-        lim = team_limiter(config.model_copy(update={"teams": teams, "sidecar": sidecar}),
-                           "small-0", CollectorRegistry())  # fmt: skip
+        lim = team_limiter(
+            config.model_copy(update={"teams": teams, "sidecar": sidecar}),
+            "small-0",
+            CollectorRegistry(),
+        )
         assert isinstance(lim, SharedTeamLimiter)
         await lim.start()
         deadline = time.monotonic() + 5
@@ -245,8 +256,12 @@ async def test_a_forged_live_count_is_clamped_to_the_configurations_bound(redis_
 
 async def test_fail_closed_refuses_while_redis_is_down_and_recovers(redis_server):
     """fail_closed raises LimitsUnavailable (the sidecar's 503) until Redis answers again."""
-    lim = make(redis_server, TeamLimits(requests_per_minute=600), on_failure="fail_closed",
-               retry_seconds=0.2)  # fmt: skip
+    lim = make(
+        redis_server,
+        TeamLimits(requests_per_minute=600),
+        on_failure="fail_closed",
+        retry_seconds=0.2,
+    )
     await lim.admit("t", 1)
     redis_server.kill()
     with pytest.raises(LimitsUnavailable) as down:
@@ -296,8 +311,13 @@ async def test_a_server_slower_than_the_timeout_applies_the_policy_then_shares_a
     redis_server, policy
 ):
     """A paused Redis times admission out at timeout_millis and the policy decides, until it answers."""
-    lim = make(redis_server, TeamLimits(requests_per_minute=6000), on_failure=policy,
-               timeout_millis=200, retry_seconds=0.2)  # fmt: skip
+    lim = make(
+        redis_server,
+        TeamLimits(requests_per_minute=6000),
+        on_failure=policy,
+        timeout_millis=200,
+        retry_seconds=0.2,
+    )
     assert isinstance(await lim.admit("t", 1), SharedAdmission)
     redis_server.pause()
     try:

@@ -27,18 +27,26 @@ AUTH = {"authorization": f"Bearer {KEYS['search']}"}
 def shared(redis_url: str, limits: dict[str, int], lease_seconds: float = 30.0) -> dict[str, Any]:
     """Config changes: team search limited by ``limits``, shared in ``redis_url``."""
     return {
-        "sidecar.shared_limits": {"redis_url": redis_url, "timeout_millis": 2000,
-                                  "retry_seconds": 0.2, "lease_seconds": lease_seconds},
+        "sidecar.shared_limits": {
+            "redis_url": redis_url,
+            "timeout_millis": 2000,
+            "retry_seconds": 0.2,
+            "lease_seconds": lease_seconds,
+        },
         "teams.0.limits": limits,
         "sidecar.drain_seconds": 0,
         "sidecar.drain_ship_seconds": 0,
-    }  # fmt: skip
+    }
 
 
 def fallbacks(stacks: list[Stack]) -> list[float | None]:
     """Admissions each sidecar decided without Redis (a slow answer counts as Redis down)."""
-    return [s.sidecar.metrics.registry.get_sample_value("infermeter_shared_limits_fallback_total",
-                                                        {"policy": "fail_open"}) for s in stacks]  # fmt: skip
+    return [
+        s.sidecar.metrics.registry.get_sample_value(
+            "infermeter_shared_limits_fallback_total", {"policy": "fail_open"}
+        )
+        for s in stacks
+    ]
 
 
 async def stall(scope: Any, receive: Any, send: Any) -> None:
@@ -56,8 +64,10 @@ async def test_three_sidecars_at_rpm_600_admit_the_bucket_and_its_refill_within_
     checks both terms of the per-minute bound; a full minute would only add more seconds of the
     same refill term, at a minute of the test machine's cores.
     """
-    stacks = [await stack_factory(**shared(redis_server.url, {"requests_per_minute": 600}))
-              for _ in range(3)]  # fmt: skip
+    stacks = [
+        await stack_factory(**shared(redis_server.url, {"requests_per_minute": 600}))
+        for _ in range(3)
+    ]
     counts = [0, 0, 0]
     refused: list[float] = []
     codes: list[str] = []
@@ -140,8 +150,11 @@ async def test_slots_of_a_sidecar_process_killed_with_sigkill_come_back_within_t
 ) -> None:
     """Concurrency 8 over three sidecars; kill -9 the process holding four: they return in a lease."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-c", _SIDECAR, redis_server.url, str(tmp_path / "p")],
-                               stdout=subprocess.PIPE, env=env)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SIDECAR, redis_server.url, str(tmp_path / "p")],
+        stdout=subprocess.PIPE,
+        env=env,
+    )
     tasks: list[asyncio.Task[Any]] = []
     try:
         assert process.stdout is not None

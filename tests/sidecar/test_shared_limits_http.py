@@ -18,8 +18,15 @@ CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], 
 
 def shared(redis_url: str, **changes: Any) -> dict[str, Any]:
     """Config changes for a sidecar sharing limits in ``redis_url``."""
-    return {"sidecar.shared_limits": {"redis_url": redis_url, "timeout_millis": 2000,
-                                      "retry_seconds": 0.2, **changes.pop("shared", {})}, **changes}  # fmt: skip
+    return {
+        "sidecar.shared_limits": {
+            "redis_url": redis_url,
+            "timeout_millis": 2000,
+            "retry_seconds": 0.2,
+            **changes.pop("shared", {}),
+        },
+        **changes,
+    }
 
 
 async def fleet(factory: StackFactory, n: int, **changes: Any) -> list[Stack]:
@@ -84,8 +91,13 @@ async def test_streamed_requests_settle_tokens_by_their_real_usage(stack_factory
 
 async def test_fail_closed_answers_503_with_retry_after_then_recovers(stack_factory, redis_server):
     """With Redis killed, fail_closed is a 503 limits_unavailable; limits return with Redis."""
-    stack = await stack_factory(**shared(redis_server.url, shared={"on_failure": "fail_closed"},
-                                         **{"teams.0.limits": {"requests_per_minute": 600}}))  # fmt: skip
+    stack = await stack_factory(
+        **shared(
+            redis_server.url,
+            shared={"on_failure": "fail_closed"},
+            **{"teams.0.limits": {"requests_per_minute": 600}},
+        )
+    )
     async with stack.client() as c:
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
         redis_server.kill()
@@ -131,8 +143,9 @@ def stored(store: redis.Redis) -> dict[bytes, Any]:
 
 async def test_refused_requests_leave_every_key_in_redis_as_it_was(stack_factory, redis_server):
     """A 413, a 400, a 404 and a 401 through a real sidecar write nothing to the shared limits."""
-    stack = await stack_factory(**shared(redis_server.url, **{"teams.0.limits": LIMITS,
-                                                              "sidecar.max_body_bytes": 65_536}))  # fmt: skip
+    stack = await stack_factory(
+        **shared(redis_server.url, **{"teams.0.limits": LIMITS, "sidecar.max_body_bytes": 65_536})
+    )
     store = redis.Redis.from_url(redis_server.url)
     async with stack.client() as c:
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
@@ -164,9 +177,19 @@ async def test_a_request_refused_after_admission_gives_its_admission_back(
     stack_factory, redis_server
 ):
     """A fair-share 503 after admission leaves the fleet's buckets and slots as they were."""
-    stack = await stack_factory(upstream_app=stall, **shared(redis_server.url, **{
-        "teams.0.limits": LIMITS, "replicas.1.max_num_seqs": 1, "sidecar.fair_headroom": 0,
-        "sidecar.fair_wait_timeout_seconds": 0.3, "sidecar.drain_seconds": 0}))  # fmt: skip
+    stack = await stack_factory(
+        upstream_app=stall,
+        **shared(
+            redis_server.url,
+            **{
+                "teams.0.limits": LIMITS,
+                "replicas.1.max_num_seqs": 1,
+                "sidecar.fair_headroom": 0,
+                "sidecar.fair_wait_timeout_seconds": 0.3,
+                "sidecar.drain_seconds": 0,
+            },
+        ),
+    )
     store = redis.Redis.from_url(redis_server.url)
     async with stack.client() as c:
         holding = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))

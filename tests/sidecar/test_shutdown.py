@@ -47,14 +47,19 @@ class Fleet:
         self.spool = tmp_path / "spool" / "small-0"
         self.ledger_path = tmp_path / "ledger.duckdb"
         data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
-        data["replicas"][1].update(upstream_url=f"http://127.0.0.1:{self.up_port}",
-                                   sidecar_listen=f"127.0.0.1:{self.side_port}")  # fmt: skip
+        data["replicas"][1].update(
+            upstream_url=f"http://127.0.0.1:{self.up_port}",
+            sidecar_listen=f"127.0.0.1:{self.side_port}",
+        )
         data["simulator"]["engines"]["chat-small"].update(step_base_ms=5, step_per_seq_ms=0)
         data["teams"][0]["limits"] = {}
         # Billing takes the shared ingest token the sidecar ships with here.
         data["billing"].update(database=str(self.ledger_path), shared_ingest_token=True)
-        data["sidecar"] = {"spool_dir": str(tmp_path / "spool"),
-                           "ingest_url": f"http://127.0.0.1:{self.billing_port}/v1/ingest", **sidecar}  # fmt: skip
+        data["sidecar"] = {
+            "spool_dir": str(tmp_path / "spool"),
+            "ingest_url": f"http://127.0.0.1:{self.billing_port}/v1/ingest",
+            **sidecar,
+        }
         self.config_path = tmp_path / "infermeter.yaml"
         self.config_path.write_text(yaml.safe_dump(data))
         self.config = Config.model_validate(data)
@@ -79,8 +84,19 @@ class Fleet:
     def start_sidecar(self) -> subprocess.Popen[bytes]:
         """A sidecar process, once it answers /healthz."""
         env = {**os.environ, "INFERMETER_INGEST_TOKEN": INGEST_TOKEN}
-        proc = subprocess.Popen([sys.executable, "-m", "infermeter", "sidecar", "--config",
-                                 str(self.config_path), "--replica", "small-0"], env=env)  # fmt: skip
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "infermeter",
+                "sidecar",
+                "--config",
+                str(self.config_path),
+                "--replica",
+                "small-0",
+            ],
+            env=env,
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
@@ -92,8 +108,12 @@ class Fleet:
 
     def client(self) -> httpx.AsyncClient:
         """A client of team search, with room for every test's streams."""
-        return httpx.AsyncClient(base_url=self.url, timeout=60, limits=httpx.Limits(max_connections=400),
-                                 headers={"authorization": f"Bearer {KEYS['search']}"})  # fmt: skip
+        return httpx.AsyncClient(
+            base_url=self.url,
+            timeout=60,
+            limits=httpx.Limits(max_connections=400),
+            headers={"authorization": f"Bearer {KEYS['search']}"},
+        )
 
     def ledger(self) -> list[dict[str, Any]]:
         """Every usage row in the ledger (billing must be stopped)."""
@@ -306,7 +326,9 @@ async def test_drain_ends_a_non_streamed_request_with_503_and_a_record(stack_fac
 
 async def test_drain_answers_requests_waiting_for_a_batch_slot(stack_factory):
     """Requests queued for a fair batch slot when the drain starts get 503, not a dropped connection."""
-    stack = await stack_factory(**{"replicas.1.max_num_seqs": 4, "simulator.engines.chat-small.step_base_ms": 5})  # fmt: skip
+    stack = await stack_factory(
+        **{"replicas.1.max_num_seqs": 4, "simulator.engines.chat-small.step_base_ms": 5}
+    )
     assert stack.sidecar.fair is not None
 
     async def one(c: httpx.AsyncClient) -> tuple[int, bytes]:

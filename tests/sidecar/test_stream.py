@@ -399,8 +399,10 @@ def test_a_stream_of_two_choices_cut_short_counts_both_choices() -> None:
 def test_the_final_usage_of_several_choices_is_vllms_total() -> None:
     meter = StreamMeter(False, False, 0.0, choices=2)
     meter.feed(_choice_chunk(0, 7, 3) + _choice_chunk(1, 7, 2), 0.01)
-    final = (b'data: {"id":"c","object":"chat.completion.chunk","choices":[],"usage":'
-             b'{"prompt_tokens":7,"total_tokens":17,"completion_tokens":10}}\n\n')  # fmt: skip
+    final = (
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[],"usage":'
+        b'{"prompt_tokens":7,"total_tokens":17,"completion_tokens":10}}\n\n'
+    )
     meter.feed(final + b"data: [DONE]\n\n", 0.02)
     assert meter.usage == UsageCounts(7, 10)
 
@@ -426,8 +428,13 @@ class _LongPathOnly(StreamMeter):
 
 
 def _state(meter: StreamMeter) -> tuple[Any, ...]:
-    return (*_counts(meter), meter.first_token_at, meter.last_token_at, meter.response_id,
-            list(meter.itl))  # fmt: skip
+    return (
+        *_counts(meter),
+        meter.first_token_at,
+        meter.last_token_at,
+        meter.response_id,
+        list(meter.itl),
+    )
 
 
 @pytest.mark.parametrize("stream", sorted(UPSTREAM))

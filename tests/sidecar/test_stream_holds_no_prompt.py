@@ -21,9 +21,11 @@ import httpx
 from infermeter.asgi import Receive, Scope, Send, read_body
 from tests.sidecar.conftest import StackFactory
 
-_CHUNK = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
-          b'"choices":[{"index":0,"delta":{"content":"%s"},"logprobs":null,"finish_reason":%s}],'
-          b'"usage":{"prompt_tokens":9,"total_tokens":%d,"completion_tokens":%d}}\n\n')  # fmt: skip
+_CHUNK = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":"%s"},"logprobs":null,"finish_reason":%s}],'
+    b'"usage":{"prompt_tokens":9,"total_tokens":%d,"completion_tokens":%d}}\n\n'
+)
 
 
 class _HeldStream:
@@ -35,14 +37,29 @@ class _HeldStream:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive, 1 << 26)  # read and dropped
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
-        await send({"type": "http.response.body", "body": _CHUNK % (b"a", b"null", 10, 1),
-                    "more_body": True})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        await send(
+            {
+                "type": "http.response.body",
+                "body": _CHUNK % (b"a", b"null", 10, 1),
+                "more_body": True,
+            }
+        )
         self.first_sent.set()
         await self.release.wait()
-        await send({"type": "http.response.body", "more_body": False,
-                    "body": _CHUNK % (b"b", b'"stop"', 11, 2) + b"data: [DONE]\n\n"})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.body",
+                "more_body": False,
+                "body": _CHUNK % (b"b", b'"stop"', 11, 2) + b"data: [DONE]\n\n",
+            }
+        )
 
 
 def _held_by(snapshot: tracemalloc.Snapshot, pattern: str) -> int:
@@ -79,8 +96,11 @@ async def _held_while_open(
 
 async def test_an_open_stream_does_not_keep_a_large_prompt(stack_factory: StackFactory) -> None:
     prompt = "word " * 800_000  # 4 MB
-    body: dict[str, Any] = {"model": "chat-small", "stream": True,
-                            "messages": [{"role": "user", "content": prompt}]}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": "chat-small",
+        "stream": True,
+        "messages": [{"role": "user", "content": prompt}],
+    }
     held, _ = await _held_while_open(stack_factory, body, "*/sidecar/admission.py")
     assert held < 100_000, f"{held} bytes parsed from the request still held by the open stream"
 

@@ -68,9 +68,10 @@ async def test_the_user_and_an_allowed_project_are_on_the_usage_record_and_in_th
     stack = await stack_factory(**PROJECTS)
     async with stack.client() as c:
         listed = await c.post(
-            "/v1/chat/completions", json=CHAT | {"user": "ana@example.com"},
+            "/v1/chat/completions",
+            json=CHAT | {"user": "ana@example.com"},
             headers={PROJECT_HEADER: "alpha"},
-        )  # fmt: skip
+        )
         matched = await c.post(
             "/v1/chat/completions", json=CHAT | {"stream": True}, headers={PROJECT_HEADER: "exp-7"}
         )
@@ -100,24 +101,37 @@ async def test_a_project_past_its_budget_is_refused_while_the_team_and_its_other
     projects: dict[str, float] = {}
 
     async def handle(scope: Any, receive: Any, send: Any) -> None:
-        rows = [{"team": t, "month": "2026-12", "spent_usd": s, "budget_usd": 100.0,
-                 "forecast_usd": s, "projects": projects} for t, s in spend.spent.items()]  # fmt: skip
+        rows = [
+            {
+                "team": t,
+                "month": "2026-12",
+                "spent_usd": s,
+                "budget_usd": 100.0,
+                "forecast_usd": s,
+                "projects": projects,
+            }
+            for t, s in spend.spent.items()
+        ]
         from starlette.responses import JSONResponse
 
         await JSONResponse(rows)(scope, receive, send)
 
     async with serving(handle, lifespan="off") as billing:
-        stack = await stack_factory(**PROJECTS, **{
-            "sidecar.budgets": {"spend_url": billing, "refresh_seconds": 0.1},
-            "teams.0.budget_usd_per_month": 100.0,
-        })  # fmt: skip
+        stack = await stack_factory(
+            **PROJECTS,
+            **{
+                "sidecar.budgets": {"spend_url": billing, "refresh_seconds": 0.1},
+                "teams.0.budget_usd_per_month": 100.0,
+            },
+        )
         async with stack.client() as c:
             spend.spent["search"] = 10.0
             projects["beta"] = 5.0
 
             async def refused() -> bool:
-                r = await c.post("/v1/chat/completions", json=CHAT,
-                                 headers={PROJECT_HEADER: "beta"})  # fmt: skip
+                r = await c.post(
+                    "/v1/chat/completions", json=CHAT, headers={PROJECT_HEADER: "beta"}
+                )
                 return bool(r.status_code == 429)
 
             await wait_for(refused)
@@ -164,8 +178,11 @@ async def test_the_span_carries_the_end_user_and_the_project(
     traced = Sidecar(config, "small-0", spool_dir=tmp_path / "traced", tracer_provider=provider)
     async with serving(traced) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
         auth = {"authorization": "Bearer im-demo-search"}
-        await c.post("/v1/chat/completions", json=CHAT | {"user": "ana"},
-                     headers=auth | {PROJECT_HEADER: "beta"})  # fmt: skip
+        await c.post(
+            "/v1/chat/completions",
+            json=CHAT | {"user": "ana"},
+            headers=auth | {PROJECT_HEADER: "beta"},
+        )
         await c.post("/v1/chat/completions", json=CHAT, headers=auth)
     tagged, plain = (dict(s.attributes or {}) for s in exporter.get_finished_spans())
     assert (tagged["enduser.id"], tagged["infermeter.project"]) == ("ana", "beta")

@@ -63,10 +63,12 @@ def _first_of_each(payloads: list[str]) -> dict[str, object]:
     [
         ("vllm-0.32-chat-stream.sse", None),
         ("vllm-0.32-chat-stream-usage.sse", {"include_usage": True}),
-        ("vllm-0.32-chat-stream-continuous-usage.sse",
-         {"include_usage": True, "continuous_usage_stats": True}),
+        (
+            "vllm-0.32-chat-stream-continuous-usage.sse",
+            {"include_usage": True, "continuous_usage_stats": True},
+        ),
     ],
-)  # fmt: skip
+)
 async def test_a_chat_stream_has_the_captured_chunks(fixture_text, fixture, options):
     """Role, tokens, finish, usage (when asked) and [DONE]: the capture's kinds, order and fields,
     one token per chunk up to ``max_tokens``."""
@@ -83,15 +85,27 @@ async def test_a_chat_stream_has_the_captured_chunks(fixture_text, fixture, opti
 
 async def test_n2_interleaves_choices_as_captured(fixture_text):
     """With ``n = 2``: a role chunk per choice, then each step's token of every choice in turn."""
-    body = {**CHAT, "n": 2, "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        **CHAT,
+        "n": 2,
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with upstream() as (url, _), httpx.AsyncClient() as client:
         response = await client.post(f"{url}/v1/chat/completions", json=body)
 
     def layout(payloads: list[str]) -> list[tuple[str, int | None]]:
         kinds = [classify(p) for p in payloads]
-        return [(k, orjson.loads(p)["choices"][0]["index"] if k in ("role", "token", "finish") else None)
-                for k, p in zip(kinds, payloads, strict=True)]  # fmt: skip
+        return [
+            (
+                k,
+                orjson.loads(p)["choices"][0]["index"]
+                if k in ("role", "token", "finish")
+                else None,
+            )
+            for k, p in zip(kinds, payloads, strict=True)
+        ]
 
     real = fixture_text("vllm-0.32-chat-stream-n2-usage.sse")
     assert layout(sse_events(response.content)) == layout(sse_events(real))

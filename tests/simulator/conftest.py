@@ -10,8 +10,14 @@ from infermeter.config import EngineProfile, GpuProfile
 from simulator.replica import ReplicaSim, ReplicaSpec
 from tests.servers import serving
 
-FAST = EngineProfile(max_num_seqs=32, kv_cache_tokens=65536, step_base_ms=2, step_per_seq_ms=0.05,
-                     prefill_tokens_per_second=200_000, mean_output_tokens=40)  # fmt: skip
+FAST = EngineProfile(
+    max_num_seqs=32,
+    kv_cache_tokens=65536,
+    step_base_ms=2,
+    step_per_seq_ms=0.05,
+    prefill_tokens_per_second=200_000,
+    mean_output_tokens=40,
+)
 GPU = GpuProfile(idle_watts=50, max_watts=300, memory_mib=24576, product_name="NVIDIA L4")
 
 

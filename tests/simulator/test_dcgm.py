@@ -41,9 +41,19 @@ def _shape(text: str) -> list[tuple[str, ...]]:
 
 
 def _fixture_like(**kw: object) -> DcgmGpu:
-    base = {"index": 0, "uuid": "GPU-a8394b51-c086-568a-9f1a-c1e1c934c44c", "model_name": "NVIDIA RTX 4000 Ada Generation",
-                "hostname": "lke529760-766837-0a634ab30000", "utilization_pct": 0.0, "power_watts": 40.979,
-                "energy_mj": 455497156, "memory_used_mib": 1, "memory_free_mib": 20015, "pod": ("cuda", "default", "cuda-75454ffb9f-8ljq7"), "pci_bus_id": "00000000:00:02.0"}  # fmt: skip
+    base = {
+        "index": 0,
+        "uuid": "GPU-a8394b51-c086-568a-9f1a-c1e1c934c44c",
+        "model_name": "NVIDIA RTX 4000 Ada Generation",
+        "hostname": "lke529760-766837-0a634ab30000",
+        "utilization_pct": 0.0,
+        "power_watts": 40.979,
+        "energy_mj": 455497156,
+        "memory_used_mib": 1,
+        "memory_free_mib": 20015,
+        "pod": ("cuda", "default", "cuda-75454ffb9f-8ljq7"),
+        "pci_bus_id": "00000000:00:02.0",
+    }
     base.update(kw)
     return DcgmGpu(**base)  # type: ignore[arg-type]
 
@@ -59,8 +69,14 @@ def test_key_lines_equal_the_capture_byte_for_byte(fixture_text):
     """With the capture's readings, power, energy and memory lines are identical."""
     ours = render([_fixture_like()]).splitlines()
     real = fixture_text("dcgm-exporter-rtx4000ada-k8s.prom").splitlines()
-    for name in ("DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "DCGM_FI_DEV_FB_FREE",
-                 "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_XID_ERRORS"):  # fmt: skip
+    for name in (
+        "DCGM_FI_DEV_POWER_USAGE",
+        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+        "DCGM_FI_DEV_FB_FREE",
+        "DCGM_FI_DEV_FB_USED",
+        "DCGM_FI_DEV_GPU_UTIL",
+        "DCGM_FI_DEV_XID_ERRORS",
+    ):
         assert [x for x in ours if x.startswith(name + "{")] == [
             x for x in real if x.startswith(name + "{")
         ]
@@ -149,8 +165,9 @@ async def test_a_board_lent_to_an_instance_follows_its_load_and_reads_idle_after
     async with serving(sim) as url, httpx.AsyncClient(timeout=60) as client:
         node = node_exporters(cfg, client, instances)["node-b"]
         before = _board(render(await node.gpus()), "2")
-        lent = LocalInstance("small-0-1", "small-0", "chat-small", "node-b", (2,), "local", url,
-                             None, 0.0)  # fmt: skip
+        lent = LocalInstance(
+            "small-0-1", "small-0", "chat-small", "node-b", (2,), "local", url, None, 0.0
+        )
         write_fleet(instances, [lent], [])
         body = {"prompt": "p " * 50, "max_tokens": 400, "ignore_eos": True}
         load = [

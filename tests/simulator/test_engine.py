@@ -10,9 +10,13 @@ from infermeter.config import EngineProfile
 from simulator.engine import Scheduler, Sequence
 
 PROFILE = EngineProfile(
-    max_num_seqs=8, kv_cache_tokens=4096, block_size=16, step_base_ms=10, step_per_seq_ms=1,
+    max_num_seqs=8,
+    kv_cache_tokens=4096,
+    block_size=16,
+    step_base_ms=10,
+    step_per_seq_ms=1,
     prefill_tokens_per_second=10_000,
-)  # fmt: skip
+)
 
 
 def _seq(i: int, prompt: int = 32, out: int = 32, at: float = 0.0) -> Sequence:
@@ -112,8 +116,16 @@ def test_kv_cache_budget_limits_admission():
 
 def test_decode_growth_preempts_newest_sequence_when_cache_is_full():
     """When running sequences outgrow the cache, the newest is preempted and recomputed later."""
-    sched = Scheduler(EngineProfile(max_num_seqs=4, kv_cache_tokens=256, block_size=16,
-                                    step_base_ms=1, step_per_seq_ms=0, prefill_tokens_per_second=1e6))  # fmt: skip
+    sched = Scheduler(
+        EngineProfile(
+            max_num_seqs=4,
+            kv_cache_tokens=256,
+            block_size=16,
+            step_base_ms=1,
+            step_per_seq_ms=0,
+            prefill_tokens_per_second=1e6,
+        )
+    )
     seqs = [_seq(i, prompt=60, out=60) for i in range(3)]
     drive(sched, seqs)
     assert sched.counters.preemptions > 0

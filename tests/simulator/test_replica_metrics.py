@@ -102,8 +102,15 @@ async def test_ttft_rises_with_load():
 
     async with serving(sim) as url, httpx.AsyncClient(timeout=60) as client:
         idle = await first_token(client, url)
-        load = [asyncio.create_task(client.post(f"{url}/v1/completions",
-                json={"prompt": "z", "max_tokens": 200, "ignore_eos": True})) for _ in range(24)]  # fmt: skip
+        load = [
+            asyncio.create_task(
+                client.post(
+                    f"{url}/v1/completions",
+                    json={"prompt": "z", "max_tokens": 200, "ignore_eos": True},
+                )
+            )
+            for _ in range(24)
+        ]
         await asyncio.sleep(0.1)
         busy = await first_token(client, url)
         await asyncio.gather(*load)
@@ -136,8 +143,15 @@ async def test_gpu_energy_is_the_integral_of_reported_power():
     """The energy a replica's GPU meter reports equals idle plus busy power over time."""
     sim = ReplicaSim(tiny_spec(gpus=2))
     async with serving(sim) as url, httpx.AsyncClient(timeout=30) as client:
-        await asyncio.gather(*(client.post(f"{url}/v1/completions",
-                               json={"prompt": "p", "max_tokens": 50, "ignore_eos": True}) for _ in range(8)))  # fmt: skip
+        await asyncio.gather(
+            *(
+                client.post(
+                    f"{url}/v1/completions",
+                    json={"prompt": "p", "max_tokens": 50, "ignore_eos": True},
+                )
+                for _ in range(8)
+            )
+        )
         rows = (await client.get(f"{url}/_sim/gpus")).json()
     assert len(rows) == 2
     for row in rows:

@@ -48,8 +48,9 @@ async def test_chat_stream_matches_capture_chunk_by_chunk(replica, fixture_text,
     """Role chunk first, one token per chunk, finish chunk, usage chunk, [DONE]: same shapes."""
     _, url = replica
     async with httpx.AsyncClient() as client:
-        response = await client.post(f"{url}/v1/chat/completions",
-                                     json={**CHAT, "stream": True, "stream_options": options})  # fmt: skip
+        response = await client.post(
+            f"{url}/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": options}
+        )
     assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
     ours, real = sse_events(response.content), sse_events(fixture_text(fixture))
     assert _order(ours) == _order(real) == ["role", "token", "finish", "usage", "done"]
@@ -74,8 +75,13 @@ async def test_chat_stream_without_usage_option_has_no_usage_chunk(replica):
 async def test_completion_stream_matches_capture(replica, fixture_text):
     """A streamed /v1/completions has the captured chunk and usage shapes."""
     _, url = replica
-    body = {"model": "tiny", "prompt": "one two three", "max_tokens": 5, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": "one two three",
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with httpx.AsyncClient() as client:
         response = await client.post(f"{url}/v1/completions", json=body)
     ours, real = (
@@ -216,8 +222,13 @@ async def test_chat_stream_without_usage_matches_capture(replica, fixture_text):
 async def test_completion_stream_with_usage_matches_capture(replica, fixture_text):
     """With usage, the usage chunk (not the finish chunk) carries system_fingerprint."""
     _, url = replica
-    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 5, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": "Hello world",
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with httpx.AsyncClient() as client:
         response = await client.post(f"{url}/v1/completions", json=body)
     ours, real = (

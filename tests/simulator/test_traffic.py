@@ -44,8 +44,11 @@ async def test_generator_sends_every_kind_of_request():
     sim = ReplicaSim(tiny_spec(max_model_len=8192))
     teams = [TeamTraffic("chat", "k1", 1.0, 0.0), TeamTraffic("batch", "k2", 1.0, 1.0)]
     async with serving(sim) as url:
-        gen = TrafficGenerator([Target(url, "tiny")], teams,
-                               TrafficProfile(peak_requests_per_second=200, day_seconds=1, disconnect_share=0.3))  # fmt: skip
+        gen = TrafficGenerator(
+            [Target(url, "tiny")],
+            teams,
+            TrafficProfile(peak_requests_per_second=200, day_seconds=1, disconnect_share=0.3),
+        )
         await gen.run(max_requests=60)
         async with httpx.AsyncClient() as client:
             metrics = (await client.get(f"{url}/metrics")).text
@@ -64,8 +67,17 @@ def test_instance_targets_follow_the_instances_file(config, tmp_path):
     via = InstanceTargets(config, path, via_sidecars=True, clock=lambda: now[0])
     direct = InstanceTargets(config, path, via_sidecars=False, clock=lambda: now[0])
     assert via() == ()
-    inst = LocalInstance("small-0-1", "small-0", "chat-small", "node-b", (2,), "local",
-                         "http://127.0.0.1:1", "http://127.0.0.1:2", 0.0)  # fmt: skip
+    inst = LocalInstance(
+        "small-0-1",
+        "small-0",
+        "chat-small",
+        "node-b",
+        (2,),
+        "local",
+        "http://127.0.0.1:1",
+        "http://127.0.0.1:2",
+        0.0,
+    )
     write_fleet(path, [inst], [])
     assert via() == ()  # read less than every_seconds ago
     now[0] = 2.0
