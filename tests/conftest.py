@@ -1,13 +1,15 @@
-"""Shared fixtures: the embedded configuration and paths to captured real-system output."""
+"""Shared fixtures: the embedded configuration, a ledger for it, and captured real-system output."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from infermeter.config import Config, load_config
+from billing.ledger import Ledger
+from infermeter.config import DEFAULT_CONFIG, Config, load_config
 from tests.redis_server import RedisServer
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -18,7 +20,24 @@ def config() -> Config:
     """The embedded demo configuration, with no environment overrides but one: billing still
     takes the shared ingest token (``billing.shared_ingest_token``), which the tests of other
     things ship records with; tests/security holds the writers to their own credentials."""
-    return load_config(None, environ={"INFERMETER__BILLING__SHARED_INGEST_TOKEN": "true"})
+    return load_config(DEFAULT_CONFIG, environ={"INFERMETER__BILLING__SHARED_INGEST_TOKEN": "true"})
+
+
+def config_ledger(config: Config, path: str | Path = ":memory:", **options: Any) -> Ledger:
+    """A ledger at ``path`` that knows the teams of ``config`` and its models' TTFT targets.
+
+    ``options`` go to ``Ledger.open`` as they are (a known fleet, sample bounds).
+    """
+    slas = {m.name: m.sla.ttft_p95_seconds for m in config.models}
+    return Ledger.open(path, [t.name for t in config.teams], slas, **options)
+
+
+@pytest.fixture
+def ledger(config: Config) -> Iterator[Ledger]:
+    """An empty in-memory ledger for the teams and models of ``config``."""
+    led = config_ledger(config)
+    yield led
+    led.close()
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from infermeter.records import MAX_DECISION_REASONS
 from infermeter.serving import free_port
 from infermeter.spool import Spool
 from tests.alerts_autoscale.test_service import Fleet
+from tests.conftest import config_ledger
 from tests.servers import serving
 
 INGEST_TOKEN = "im-demo-ingest"
@@ -56,8 +57,7 @@ def test_the_record_keeps_the_change_and_cuts_long_reasons():
 @pytest.fixture
 def ledger(tmp_path: Path, config: Config) -> Iterator[Ledger]:
     """A ledger file for the demo's teams and models."""
-    sla = {m.name: m.sla.ttft_p95_seconds for m in config.models}
-    led = Ledger.open(tmp_path / "ledger.duckdb", [t.name for t in config.teams], sla)
+    led = config_ledger(config, tmp_path / "ledger.duckdb")
     yield led
     led.close()
 

@@ -1,16 +1,13 @@
-"""Records and ledgers with known contents, for the billing tests."""
+"""Records with known contents, for the billing tests (the configuration and an empty ledger
+for it are the shared ones of tests/conftest.py)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
-import pytest
 
-from billing.ledger import Ledger
-from infermeter.config import DEFAULT_CONFIG, Config, load_config
 from infermeter.records import RequestStatus, UsageRecord
 
 # 2026-10-01 00:00:00 UTC: a month that has ended, so it can be closed.
@@ -92,22 +89,3 @@ def batch(kind: str, records: list[Any]) -> bytes:
 def ndjson(records: list[Any]) -> bytes:
     """Records one per line, as in a spool segment."""
     return b"".join(orjson.dumps(r) + b"\n" for r in records)
-
-
-@pytest.fixture
-def config() -> Config:
-    """The embedded demo configuration, where billing still takes the shared ingest token the
-    tests ship records with (tests/security holds the writers to their own credentials)."""
-    return load_config(DEFAULT_CONFIG, environ={"INFERMETER__BILLING__SHARED_INGEST_TOKEN": "true"})
-
-
-@pytest.fixture
-def ledger(config: Config) -> Iterator[Ledger]:
-    """An empty in-memory ledger for the demo teams."""
-    led = Ledger.open(
-        ":memory:",
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
-    yield led
-    led.close()

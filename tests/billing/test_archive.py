@@ -20,6 +20,7 @@ from billing.ledger import Ledger
 from billing.schema import HOUR_SECONDS
 from infermeter.config import Config, RetentionSettings
 from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
+from tests.conftest import config_ledger
 from tests.servers import serving
 
 DAY = 86_400
@@ -67,11 +68,7 @@ def _engine_samples(start: float) -> list[dict[str, Any]]:
 @pytest.fixture
 def filled(config: Config, tmp_path: Path) -> Iterator[Ledger]:
     """A ledger file with October (closed) and November (open)."""
-    ledger = Ledger.open(
-        tmp_path / "ledger.duckdb",
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
+    ledger = config_ledger(config, tmp_path / "ledger.duckdb")
     _fill(ledger)
     Chargeback(ledger, config).close("2026-10", now=NOV + DAY)
     yield ledger

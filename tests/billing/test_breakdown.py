@@ -27,6 +27,7 @@ from infermeter.config import DEFAULT_CONFIG, Config, load_config
 from infermeter.months import month_bounds, month_of
 from infermeter.statement import LINE_SCHEMA
 from tests.billing.conftest import NOV, batch, gpu_samples, ndjson, usage
+from tests.conftest import config_ledger
 from tests.dashboards.stack import billing_thread
 
 WEIGHTS = {"prompt": 1.0, "completion": 3.0}
@@ -337,11 +338,7 @@ def billing(projects_config: Config) -> Iterator[str]:
     """Billing over an in-memory ledger with this month's use of search (two projects, two
     users) and assistant on small-0, and the GPU under it; in a thread on a loopback port."""
     config = projects_config
-    led = Ledger.open(
-        ":memory:",
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
+    led = config_ledger(config)
     now = time.time()
     start = max(now - 1800, month_bounds(month_of(now))[0])
     records = [

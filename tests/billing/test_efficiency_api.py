@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from billing.api import create_app
-from billing.ledger import Ledger
 from infermeter.config import Config
 from tests.billing.fleet_month import Group, Month, Stream, month_config, run
+from tests.conftest import config_ledger
 from tests.servers import serving
 
 ADMIN, SEARCH, ASSISTANT = "im-demo-admin", "im-demo-search", "im-demo-assistant"
@@ -28,11 +28,7 @@ def route_config() -> Config:
 async def billing() -> AsyncIterator[str]:
     """Two days in which search's short chat-large requests need a second pod at the peak."""
     config = route_config()
-    ledger = Ledger.open(
-        ":memory:",
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
+    ledger = config_ledger(config)
     month = Month(
         (Group("large-0", tuple(2 if p else 1 for p in PEAK), dynamic=True), Group("small-0")),
         (

@@ -8,20 +8,16 @@ from typing import Any
 import orjson
 import pytest
 
-from billing.ledger import Ledger
 from dashboards.pages.efficiency import plan_frame, plan_status, plan_table
 from tests.billing.fleet_month import Group, Month, Stream, hourly, month_config, run
+from tests.conftest import config_ledger
 
 
 @pytest.fixture(scope="module")
 def body() -> dict[str, Any]:
     """Billing's answer (as JSON) for two days of two L40S replicas whose load one holds."""
     config = month_config()
-    ledger = Ledger.open(
-        ":memory:",
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
+    ledger = config_ledger(config)
     month = Month(
         (Group("small-0"), Group("small-1")),
         (Stream("search", "chat-small", hourly(8, 8), 300, 150),),

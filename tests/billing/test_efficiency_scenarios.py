@@ -21,6 +21,7 @@ from billing.efficiency.advice import Recommendation
 from billing.ledger import Ledger
 from infermeter.config import Config
 from tests.billing.fleet_month import Group, Month, Outcome, Stream, hourly, month_config, run
+from tests.conftest import config_ledger
 
 PEAK = tuple(int(10 <= h < 14) for h in range(24))  # 10:00-14:00 UTC
 
@@ -31,13 +32,7 @@ def ledger_for() -> Iterator[Callable[[Config], Ledger]]:
     opened: list[Ledger] = []
 
     def make(config: Config) -> Ledger:
-        opened.append(
-            Ledger.open(
-                ":memory:",
-                [t.name for t in config.teams],
-                {m.name: m.sla.ttft_p95_seconds for m in config.models},
-            )
-        )
+        opened.append(config_ledger(config))
         return opened[-1]
 
     yield make

@@ -18,6 +18,7 @@ from infermeter.config import Config
 from infermeter.ids import sample_id
 from infermeter.records import MAX_DECISION_REASONS, InstanceEvent, ScalingDecision
 from tests.billing.conftest import batch, ndjson
+from tests.conftest import config_ledger
 from tests.servers import serving
 
 ADMIN, INGEST, METRICS, SEARCH = (
@@ -86,8 +87,7 @@ def event(
 @pytest.fixture
 def ledger(tmp_path: Path, config: Config) -> Iterator[Ledger]:
     """A ledger file for the demo's teams and models."""
-    sla = {m.name: m.sla.ttft_p95_seconds for m in config.models}
-    led = Ledger.open(tmp_path / "ledger.duckdb", [t.name for t in config.teams], sla)
+    led = config_ledger(config, tmp_path / "ledger.duckdb")
     yield led
     led.close()
 

@@ -13,6 +13,7 @@ import pytest
 from billing.api import create_app
 from billing.ledger import Ledger
 from infermeter.config import Config
+from tests.conftest import config_ledger
 from tests.servers import serving
 
 ADMIN, SEARCH, SPEND = "im-demo-admin", "im-demo-search", "im-demo-spend"
@@ -26,11 +27,7 @@ def bearer(key: str) -> dict[str, str]:
 async def billing(config: Config, tmp_path: Path) -> AsyncIterator[tuple[str, Ledger]]:
     """Billing on a ledger file, on a loopback port; the ledger beside its URL."""
     path = tmp_path / "ledger.duckdb"
-    ledger = Ledger.open(
-        path,
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
+    ledger = config_ledger(config, path)
     try:
         async with serving(create_app(config, ledger), lifespan="off") as url:
             yield url, ledger

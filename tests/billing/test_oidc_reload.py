@@ -19,10 +19,10 @@ from joserfc import jwt
 from joserfc.jwk import KeySet, RSAKey
 
 from billing.api import create_app
-from billing.ledger import Ledger
 from billing.reload import reconfigure
 from infermeter.config import Config, DashboardSettings, OidcSettings, load_config
 from infermeter.serving import free_port, server as serve
+from tests.conftest import config_ledger
 from tests.dashboards.stack import server_thread
 
 KEY = RSAKey.generate_key(2048, parameters={"kid": "k1"}, private=True)
@@ -71,8 +71,7 @@ def test_a_reload_maps_groups_anew(tmp_path: Path) -> None:
     base = load_config(None, environ={})
     with issuer() as url:
         config = with_groups(base, url, {"ops": "viewer"})
-        sla = {m.name: m.sla.ttft_p95_seconds for m in config.models}
-        ledger = Ledger.open(tmp_path / "ledger.duckdb", [t.name for t in config.teams], sla)
+        ledger = config_ledger(config, tmp_path / "ledger.duckdb")
         try:
             app = create_app(config, ledger)
             port = free_port()

@@ -18,6 +18,7 @@ from billing.reconciliation import hour_runs, reconcile, reconciliation_sql
 from billing.schema import LATEST_VERSION, MIGRATIONS
 from infermeter.config import Config
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
+from tests.conftest import config_ledger
 
 HOUR = 3600.0
 _ids = itertools.count()
@@ -232,10 +233,8 @@ def test_repeats_and_late_records_keep_the_rollups_exact(ledger: Ledger, config:
 
 def test_an_older_ledger_is_backfilled_once(tmp_path: Path, config: Config) -> None:
     """A ledger from before the statement rollups gets them from its raw rows, and the same statement."""
-    teams = [t.name for t in config.teams]
-    sla = {m.name: m.sla.ttft_p95_seconds for m in config.models}
     path = tmp_path / "ledger.duckdb"
-    ledger = Ledger.open(path, teams, sla)
+    ledger = config_ledger(config, path)
     rng = random.Random(11)
     keep(ledger, "usage", random_records(rng, 3), rng)
     keep(ledger, "engine_samples", random_samples(rng, 3, None), rng)
@@ -251,7 +250,7 @@ def test_an_older_ledger_is_backfilled_once(tmp_path: Path, config: Config) -> N
             cur.execute(f"DROP TABLE {table}")
         cur.execute("DELETE FROM schema_version WHERE version >= 6")
     ledger.close()
-    ledger = Ledger.open(path, teams, sla)
+    ledger = config_ledger(config, path)
     try:
         assert kept(ledger) == expected
         with ledger.reader() as cur:
@@ -264,7 +263,7 @@ def test_an_older_ledger_is_backfilled_once(tmp_path: Path, config: Config) -> N
         assert versions == (1,)
     finally:
         ledger.close()
-    ledger = Ledger.open(path, teams, sla)  # opened again: nothing is added twice
+    ledger = config_ledger(config, path)  # opened again: nothing is added twice
     try:
         assert kept(ledger) == expected
     finally:

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from billing.api import create_app
 from billing.ledger import Ledger
 from collectors.adopt import Action, Adopter, AdoptionMetrics, Listing, candidates, plan
-from infermeter.config import DEFAULT_CONFIG, Config
+from infermeter.config import DEFAULT_CONFIG
 from infermeter.serving import free_port
 from infermeter.spooldir import SpoolLock
 from sidecar.app import Sidecar
@@ -68,18 +67,6 @@ def test_plan_ships_what_there_is_and_removes_only_an_empty_directory(found, act
 def test_hidden_entries_of_the_spool_root_are_not_candidates():
     """Names starting with a dot (the root's own files) are never adopted."""
     assert candidates(["pod-b", ".tmp", "pod-a"]) == ["pod-a", "pod-b"]
-
-
-@pytest.fixture
-def ledger(config: Config) -> Iterator[Ledger]:
-    """An empty in-memory ledger for the demo teams."""
-    led = Ledger.open(
-        ":memory:",
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
-    yield led
-    led.close()
 
 
 def _adopter(

@@ -15,6 +15,7 @@ import orjson
 
 from billing.ledger import Ledger
 from infermeter.config import Config
+from tests.conftest import config_ledger
 
 TEAMS = ("search", "assistant", "analytics")
 # replica -> (model, node, GPU indexes)
@@ -120,8 +121,7 @@ def recent_start(now: float | None = None) -> int:
 
 def open_ledger(config: Config, path: str | Path, fleet: Fleet) -> Ledger:
     """A ledger at ``path`` holding ``fleet``, ingested the way the service ingests."""
-    sla = {m.name: m.sla.ttft_p95_seconds for m in config.models}
-    ledger = Ledger.open(path, [t.name for t in config.teams], sla)
+    ledger = config_ledger(config, path)
     for key, records in (
         ("usage", fleet.usage),
         ("gpu_samples", fleet.gpu),

@@ -11,10 +11,10 @@ from typing import Any
 
 import httpx
 
-from billing.ledger import Ledger
 from dashboards.serve import audit_thread, dashboard_server
 from infermeter.config import Config
 from infermeter.serving import free_port
+from tests.conftest import config_ledger
 from tests.dashboards.stack import billing_thread
 from tests.security.test_dashboard_security import SIGN_IN, callback, sign_in
 
@@ -36,11 +36,7 @@ def test_sign_ins_their_failures_and_sign_outs_are_on_the_audit_trail(
             "dashboard": config.dashboard.model_copy(update={"spool_dir": str(tmp_path / "spool")})
         }
     )
-    ledger = Ledger.open(
-        tmp_path / "ledger.duckdb",
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
+    ledger = config_ledger(config, tmp_path / "ledger.duckdb")
     try:
         with billing_thread(config, ledger) as billing:
             audit = audit_thread(config, billing, {"INFERMETER_INGEST_TOKEN": "im-demo-ingest"})

@@ -11,21 +11,17 @@ import httpx
 import pytest
 
 from billing.api import create_app
-from billing.ledger import Ledger
 from infermeter.cli import main
 from infermeter.config import Config
 from infermeter.keys_cli import parse_duration
+from tests.conftest import config_ledger
 from tests.servers import serving
 
 
 @pytest.fixture
 async def billing(config: Config, tmp_path: Path) -> AsyncIterator[str]:
     """Billing over a ledger file, on a loopback port."""
-    ledger = Ledger.open(
-        tmp_path / "ledger.duckdb",
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
+    ledger = config_ledger(config, tmp_path / "ledger.duckdb")
     try:
         async with serving(create_app(config, ledger), lifespan="off") as url:
             yield url

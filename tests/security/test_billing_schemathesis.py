@@ -28,6 +28,7 @@ from infermeter.config import DEFAULT_CONFIG, Config, load_config
 from infermeter.months import month_bounds, month_of
 from infermeter.wire import ARROW_STREAM, NDJSON
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
+from tests.conftest import config_ledger
 
 ADMIN, INGEST = "im-demo-admin", "im-demo-ingest"
 
@@ -61,11 +62,7 @@ def _config(tmp_path: Path) -> Config:
 def api(tmp_path: Path) -> Iterator[Any]:
     """Billing's OpenAPI over its ASGI app, on an empty in-memory ledger, with no read limit."""
     config = _config(tmp_path)
-    ledger = Ledger.open(
-        ":memory:",
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
+    ledger = config_ledger(config)
     try:
         yield schemathesis.openapi.from_asgi("/openapi.json", create_app(config, ledger))
     finally:

@@ -31,6 +31,7 @@ from sidecar.limits import LimitExceeded
 from sidecar.shared_limits import SharedTeamLimiter
 from sidecar.team_limits import team_limiter
 from tests.billing.conftest import batch
+from tests.conftest import config_ledger
 from tests.servers import serving
 
 METRICS = {"authorization": "Bearer im-demo-metrics"}
@@ -79,8 +80,7 @@ def _asked(desired: int, previous: int = 2) -> dict[str, Any]:
 @pytest.fixture
 def ledger(tmp_path: Path, config: Config) -> Iterator[Ledger]:
     """A ledger file where small-0 has two real instances and 250 forged ones started later."""
-    sla = {m.name: m.sla.ttft_p95_seconds for m in config.models}
-    led = Ledger.open(tmp_path / "ledger.duckdb", [t.name for t in config.teams], sla)
+    led = config_ledger(config, tmp_path / "ledger.duckdb")
     real = [_start("small-0-a", NOW - 3600), _start("small-0-b", NOW - 1800)]
     forged = [_start(f"ghost-{i}", NOW - 60) for i in range(250)]
     assert led.ingest(batch("instances", real + forged), now=NOW).accepted == 252

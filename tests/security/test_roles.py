@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from billing.api import create_app
-from billing.ledger import Ledger
 from infermeter.config import Config
+from tests.conftest import config_ledger
 from tests.servers import serving
 
 ADMIN, METRICS, SPEND, SEARCH = (
@@ -86,11 +86,7 @@ async def callers(config: Config, tmp_path: Path) -> AsyncIterator[tuple[str, di
             )
         }
     )
-    ledger = Ledger.open(
-        tmp_path / "ledger.duckdb",
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
+    ledger = config_ledger(config, tmp_path / "ledger.duckdb")
     try:
         async with serving(create_app(config, ledger), lifespan="off") as url:
             tokens = {"admin": ADMIN, "spend_reader": SPEND, "metrics": METRICS, "member": SEARCH}

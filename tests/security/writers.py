@@ -19,6 +19,7 @@ from billing.quarantine import KnownFleet
 from infermeter.config import Config, load_config
 from infermeter.records import EngineSample, GpuSample, InstanceEvent, UsageRecord
 from infermeter.writers import Credential, Writer, issue
+from tests.conftest import config_ledger
 from tests.servers import serving
 
 SECRET = b"a writer secret for the tests"
@@ -129,10 +130,8 @@ def lines(records: list[dict[str, Any]]) -> bytes:
 
 def fleet_ledger(config: Config) -> Ledger:
     """An in-memory ledger that knows the fleet of ``config``, as the billing service opens it."""
-    return Ledger.open(
-        ":memory:",
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+    return config_ledger(
+        config,
         fleet=KnownFleet.of(config),
     )
 

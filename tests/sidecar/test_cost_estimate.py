@@ -35,6 +35,7 @@ from sidecar.app import Sidecar
 from sidecar.rates import usd_text, with_cost
 from simulator.replica import ReplicaSim, replica_spec
 from tests.billing.conftest import batch, gpu_samples, usage
+from tests.conftest import config_ledger
 from tests.servers import serving
 from tests.sidecar.conftest import KEYS, METRICS_TOKEN, make_config
 
@@ -85,11 +86,7 @@ async def _start(stack: contextlib.AsyncExitStack, directory: Path) -> Fleet:
     relaying = make_config(
         f"http://127.0.0.1:{small_port}", **changes, **{"sidecar.non_streamed_via_stream": False}
     )
-    ledger = Ledger.open(
-        directory / "ledger.duckdb",
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
+    ledger = config_ledger(config, directory / "ledger.duckdb")
     stack.callback(ledger.close)
     _fill(ledger, time.time())
     await stack.enter_async_context(

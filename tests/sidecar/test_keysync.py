@@ -17,8 +17,8 @@ import pytest
 
 from billing.api import create_app
 from billing.key_publish import RedisPublisher
-from billing.ledger import Ledger
 from infermeter.serving import free_port
+from tests.conftest import config_ledger
 from tests.servers import serving
 from tests.sidecar.conftest import make_config
 
@@ -40,11 +40,7 @@ async def billing_at(
 ) -> AsyncIterator[str]:
     """Billing on ``port`` over the ledger file ``path``, for the block."""
     config = make_config("http://127.0.0.1:1")
-    ledger = Ledger.open(
-        path,
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
+    ledger = config_ledger(config, path)
     try:
         async with serving(
             create_app(config, ledger, key_publisher=publisher), port, lifespan="off"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,6 @@ import httpx
 import pytest
 
 from billing.api import create_app
-from billing.ledger import Ledger
 from infermeter.cli import main
 from infermeter.config import Config
 from infermeter.identity import identity_from_environment
@@ -106,18 +104,6 @@ async def test_a_fixed_replica_names_no_instance_on_usage_and_announces_itself(t
         ("start", "small-0", None),
         ("stop", "small-0", None),
     ]
-
-
-@pytest.fixture
-def ledger(config: Config) -> Iterator[Ledger]:
-    """An empty in-memory ledger for the demo teams."""
-    led = Ledger.open(
-        ":memory:",
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
-    yield led
-    led.close()
 
 
 async def test_start_heartbeats_and_stop_reach_billings_instance_events(
