@@ -42,7 +42,7 @@ import httpx
 import orjson
 import yaml
 
-from billing import ingest_sql
+from billing import hourly, ingest_sql
 from billing.chargeback import Chargeback
 from billing.fastpath import arrow_frame, ndjson_frame
 from billing.ledger import Ledger
@@ -123,6 +123,7 @@ def generate(ledger: Ledger, records: int) -> None:
         "CREATE OR REPLACE TEMP VIEW fresh AS SELECT * EXCLUDE (ingested_at) FROM gpu_samples"
     )
     con.execute(ingest_sql.gpu_rollup_sql())
+    con.execute(hourly.dirty_samples_sql())  # as ingest marks them; refresh_hours builds them
     con.execute("DROP VIEW fresh")
     con.execute("INSERT INTO months VALUES (?, NULL, false) ON CONFLICT DO NOTHING", [MONTH])
     con.execute("CHECKPOINT")
@@ -388,6 +389,11 @@ def main() -> int:
             t = time.perf_counter()
             generate(ledger, args.records)
             print(f"generate   {args.records:,} records + rollups: {time.perf_counter() - t:.1f} s")
+        t = time.perf_counter()
+        rebuilt = ledger.refresh_hours()
+        print(
+            f"hourly cost rows: {rebuilt:,} stale hours rebuilt in {time.perf_counter() - t:.1f} s"
+        )
         chargeback = Chargeback(ledger, config)
         cb_med, cb_min, statement = timed(lambda: chargeback.statement(MONTH), args.repeat)
 

@@ -64,10 +64,11 @@ from typing import Final
 import duckdb
 import polars as pl
 
+from billing import hourly
 from billing.charges import CASH, ERROR_PREFIX, UNALLOCATED, Charges, Policy, charge
-from billing.pricebook import Commitment, commitments, pool_name_sql, priced_sql
+from billing.hourly import HOUR_SLOTS, HourRows
+from billing.pricebook import Commitment, PriceBook, commitments, pool_name_sql, priced_sql
 from billing.rounding import microcents
-from billing.schema import HOUR_SECONDS, SLOT_SECONDS
 
 __all__ = [
     "ERROR_PREFIX",
@@ -84,8 +85,10 @@ __all__ = [
     "allocate",
     "allocation_sql",
     "by_instance",
+    "hours_sql",
     "lines_from",
     "pool_use",
+    "priced_sql_of",
     "run",
     "run_all",
     "unpriced_model",
@@ -113,20 +116,23 @@ MONEY: Final = ("gpu_hours", "energy_kwh", "compute_usd", "energy_usd")
 class AllocationSql:
     """The queries of one allocation, each over the relations named when it was built.
 
-    ``unpriced``: GPU models seen without a price, with their GPU-hours and kWh. ``prepare``:
-    creates temp table ``_slots`` (cost and occupancy per replica group, instance and slot),
-    which the next two read, so the big join is done once. ``instances``: per instance (and its
-    group), its cost (compute, energy), GPU-hours, kWh and the slot of its highest cost.
-    ``shares``: per instance, team and model, what it used of the instance's cost and its
-    GPU-hours and kWh (with the in-flight split, also the counts). ``counts``: requests and
-    tokens per team and model, or "" when ``shares`` carries them. ``instance_counts``: the
-    same per instance too, or "". ``pools``: per node pool and the first minute of its rate in
-    effect (``billing.pricebook``), the GPU-hours, kWh and cost measured. ``period``: [start,
-    end) of the allocation in epoch seconds, when known (commitments are paid for over it).
-    The fleet's cost is the instances' costs summed (``billing.charges``) plus unused
+    ``hours``: statements building the hourly cost rows into temp tables (``billing.hourly``)
+    when they are not the ledger's own, else "". ``unpriced``: GPU models seen without a price,
+    with their GPU-hours and kWh. ``prepare``: creates temp tables ``_rates`` (each node's
+    price in each hour, ``billing.pricebook``) and ``_slots`` (per replica group, instance and
+    hour: cost, quantities and their busy parts, idle cost, pool), which the next two read.
+    ``instances``: per instance (and its group), its cost (compute, energy), GPU-hours, kWh and
+    the minute of its highest cost. ``shares``: per instance, team and model, what it used of
+    the instance's cost and its GPU-hours and kWh (with the in-flight split, also the counts).
+    ``counts``: requests and tokens per team and model, or "" when ``shares`` carries them.
+    ``instance_counts``: the same per instance too, or "". ``pools``: per node pool and the
+    first minute of its rate in effect, the GPU-hours, kWh and cost measured. ``period``:
+    [start, end) of the allocation in epoch seconds, when known (commitments are paid for over
+    it). The fleet's cost is the instances' costs summed (``billing.charges``) plus unused
     commitments, read in the same pass as everything it is split into.
     """
 
+    hours: str
     unpriced: str
     prepare: str
     instances: str
@@ -153,8 +159,10 @@ class Keyed:
 
 
 # What ``allocation_sql`` reads when it is given no keyed rollups: the same relations, numbered
-# from the usage rows themselves by ``prepare``.
+# from the usage rows themselves by ``hours``.
 _KEYED_FROM_USAGE: Final = Keyed("_alloc_slots", "_alloc_keys", "_alloc_hours")
+# Where ``allocation_sql`` leaves the hourly rows it builds.
+_HOURS_FROM_USAGE: Final = HourRows("_cost_hours", "_share_hours", "_alloc_keys", "_alloc_hours")
 
 
 def _keyed_from(usage: str) -> str:
@@ -169,7 +177,7 @@ CREATE OR REPLACE TEMP TABLE _alloc_slots AS
 SELECT k."key", k.unit, u.slot, u.inflight_seconds
 FROM {usage} u JOIN _alloc_keys k USING ({", ".join(k)});
 CREATE OR REPLACE TEMP TABLE _alloc_hours AS
-SELECT k."key", u.slot // {HOUR_SECONDS // SLOT_SECONDS} AS hour, {_COUNT_SUMS},
+SELECT k."key", u.slot // {HOUR_SLOTS} AS hour, {_COUNT_SUMS},
     sum(u.cached_prompt_tokens)::BIGINT AS cached_prompt_tokens
 FROM {usage} u JOIN _alloc_keys k USING ({", ".join(k)}) GROUP BY ALL;
 """
@@ -189,39 +197,135 @@ def _token_weight(policy: Policy) -> str:
     )
 
 
-def _dense(unit: str, slot: str, slot_range: tuple[int, int] | None) -> str:
-    """SQL numbering (``unit``, ``slot``) densely from 0 over ``slot_range``; NULL without one."""
-    if slot_range is None:
-        return "NULL::BIGINT"
-    first, after = slot_range
-    return f"({unit} - 1)::BIGINT * {after - first} + ({slot} - {first})"
-
-
 _COUNT_SUMS: Final = (
     "sum(requests)::BIGINT AS requests, sum(prompt_tokens)::BIGINT AS prompt_tokens, "
     "sum(completion_tokens)::BIGINT AS completion_tokens"
 )
 
 
-def _alive(gpus: str, lifetimes: str | None) -> str:
-    """``gpus`` with the time outside a known lifetime moved to replica and instance ''.
+def hours_sql(
+    usage: str,
+    gpus: str,
+    occupancy: str | None = None,
+    lifetimes: str | None = None,
+    keyed: Keyed | None = None,
+    slot_range: tuple[int, int] | None = None,
+    into: HourRows = _HOURS_FROM_USAGE,
+) -> str:
+    """SQL building the hourly cost rows of ``usage`` and ``gpus`` into ``into``'s temp tables.
 
-    ``lifetimes``: (instance, replica, first_slot, last_slot) rows. Time before an instance's
-    first lifetime is not judged: a fixed replica whose sidecar starts announcing itself has
-    months of GPU time from before, which stay its own. A GPU row that names no replica group
-    takes its instance's group from its lifetime.
+    ``usage``, ``gpus`` and ``occupancy`` (replica_slots rows) are relation names or
+    parenthesised subqueries with the rollup tables' columns; without ``occupancy`` it is
+    summed from ``usage``. ``lifetimes`` (instance, replica, first_slot, last_slot): the known
+    lifetimes of instances, in whole slots. ``keyed``: ``usage`` as the ledger keeps it (integer
+    keys); without it, ``usage`` is numbered here into ``_alloc_*`` temp tables.
     """
-    if lifetimes is None:
-        return gpus
-    inside = f"""EXISTS (SELECT 1 FROM {lifetimes} w
-        WHERE w.instance = g.instance AND g.slot BETWEEN w.first_slot AND w.last_slot)"""
-    alive = f"(k.instance IS NULL OR g.slot < k.first_slot OR {inside})"
-    return f"""(SELECT g.* REPLACE (
-        CASE WHEN {alive} THEN coalesce(nullif(g.replica, ''), k.replica, '') ELSE '' END AS replica,
-        CASE WHEN {alive} THEN g.instance ELSE '' END AS instance)
-    FROM {gpus} g LEFT JOIN (SELECT instance, min(replica) AS replica, min(first_slot) AS first_slot
-        FROM {lifetimes} GROUP BY instance) k
-        ON g.instance = k.instance)"""
+    numbering = _keyed_from(usage) if keyed is None else ""
+    keyed = _KEYED_FROM_USAGE if keyed is None else keyed
+    occupied = (
+        f"(SELECT replica, instance, slot, inflight_seconds AS occupied FROM {occupancy})"
+        if occupancy
+        else f"(SELECT replica, instance, slot, sum(inflight_seconds) AS occupied FROM {usage} GROUP BY ALL)"
+    )
+    units = f"(SELECT DISTINCT unit, replica, instance FROM {keyed.keys})"
+    return f"""{numbering}
+{hourly.minutes_sql(gpus, occupied, units, lifetimes, slot_range)};
+CREATE OR REPLACE TEMP TABLE {into.costs} AS {hourly.cost_rows_sql()};
+CREATE OR REPLACE TEMP TABLE {into.shares} AS {hourly.share_rows_sql(keyed.slots, slot_range)};
+"""
+
+
+def _rates_sql(book: PriceBook, costs: str) -> str:
+    """Each (node, GPU model, hour) of ``costs`` priced by ``book`` (``billing.pricebook``).
+
+    Priced at the hour's first minute: rates change on whole hours, so that is every minute's.
+    """
+    distinct = f"(SELECT DISTINCT node, gpu_model, hour * {HOUR_SLOTS} AS slot FROM {costs})"
+    return f"(SELECT p.* EXCLUDE (slot), p.slot // {HOUR_SLOTS} AS hour FROM {priced_sql(book, distinct)} p)"
+
+
+def _priced_sums(alias: str, prefix: str = "") -> str:
+    """``MONEY`` sums of ``alias``'s GPU-seconds and joules (named ``prefix``-ed) at ``r``'s rates."""
+    gs, ej = f"{alias}.{prefix}gpu_seconds", f"{alias}.{prefix}energy_joules"
+    return (
+        f"sum({gs}) / 3600.0 AS {prefix}gpu_hours, sum({ej}) / 3.6e6 AS {prefix}energy_kwh, "
+        f"sum({gs} / 3600.0 * r.usd) AS {prefix}compute_usd, "
+        f"sum({ej} / 3.6e6 * r.kwh_usd) AS {prefix}energy_usd"
+    )
+
+
+def priced_sql_of(
+    policy: Policy, rows: HourRows, hours: str = "", period: tuple[float, float] | None = None
+) -> AllocationSql:
+    """The queries pricing and splitting ``rows`` (hourly cost rows) by ``policy``.
+
+    ``hours``: statements that build ``rows`` first, or "" when they exist. ``period``: the
+    [start, end) the allocation covers, for commitments. Pure: nothing is run here.
+    """
+    book = policy.prices
+    rates = _rates_sql(book, rows.costs)
+    prepare = f"""
+CREATE OR REPLACE TEMP TABLE _rates AS SELECT * FROM {rates};
+CREATE OR REPLACE TEMP TABLE _slots AS
+SELECT c.replica, c.instance, c.hour, {_priced_sums("c")}, {_priced_sums("c", "busy_")},
+    arg_max(c.peak_slot, c.gpu_seconds / 3600.0 * r.usd + c.energy_joules / 3.6e6 * r.kwh_usd) AS peak_slot,
+    -- An instance's GPUs are on one node, so one pool and rate in an hour: any row's.
+    any_value(r.pool) AS pool, any_value(r.category) AS category, any_value(r.sku) AS sku,
+    any_value(c.gpu_model) AS gpu_model
+FROM {rows.costs} c JOIN _rates r USING (hour, node, gpu_model) WHERE r.usd IS NOT NULL
+GROUP BY c.replica, c.instance, c.hour"""
+    busy_money = ", ".join(f"sum(busy_{c}) AS {c}" for c in MONEY)
+    # Per key, its requests and tokens: every key with usage in the range has an hour row.
+    key_counts = f'(SELECT "key", {_COUNT_SUMS} FROM {rows.counts} GROUP BY "key")'
+    if policy.allocation == "in_flight":
+        shares = f"""
+SELECT k.replica, k.instance, k.team, k.model,
+    {", ".join(f"coalesce(x.{c}, 0.0) AS {c}" for c in MONEY)},
+    {", ".join(f"n.{c}::BIGINT AS {c}" for c in COUNTS)}
+FROM {key_counts} n JOIN {rows.keys} k USING ("key")
+LEFT JOIN (SELECT s."key", {_priced_sums("s")}
+      FROM {rows.shares} s JOIN _rates r USING (hour, node, gpu_model)
+      WHERE r.usd IS NOT NULL GROUP BY s."key") x USING ("key")"""
+    else:
+        weight = _token_weight(policy) if policy.allocation == "tokens" else "sum(requests)::DOUBLE"
+        share_cols = ", ".join(
+            f"t.{c} * w.w / sum(w.w) OVER (PARTITION BY w.replica, w.instance) AS {c}"
+            for c in MONEY
+        )
+        shares = f"""
+WITH weights AS (SELECT replica, instance, team, model, {weight} AS w
+    FROM {rows.counts} JOIN {rows.keys} USING ("key")
+    GROUP BY replica, instance, team, model HAVING {weight} > 0),
+totals AS (SELECT replica, instance, {busy_money} FROM _slots GROUP BY replica, instance)
+SELECT w.replica, w.instance, w.team, w.model, {share_cols}
+FROM weights w JOIN totals t USING (replica, instance)"""
+    instances = f"""
+SELECT replica, instance, sum(compute_usd) AS compute_usd, sum(energy_usd) AS energy_usd,
+    sum(gpu_hours) AS gpu_hours, sum(energy_kwh) AS energy_kwh,
+    arg_max(peak_slot, compute_usd + energy_usd) AS peak_slot,
+    {pool_name_sql("arg_max(pool, gpu_hours)", "arg_max(gpu_model, gpu_hours)")} AS pool,
+    arg_max(category, gpu_hours) AS pricing_category,
+    arg_max(sku, gpu_hours) AS sku
+FROM _slots GROUP BY replica, instance"""
+    priced = f"{rows.costs} c JOIN {rates} r USING (hour, node, gpu_model)"
+    counts_by = f'FROM {rows.counts} JOIN {rows.keys} USING ("key")'
+    return AllocationSql(
+        hours=hours,
+        unpriced=f"""SELECT c.gpu_model, sum(c.gpu_seconds) / 3600.0 AS gpu_hours, sum(c.energy_joules) / 3.6e6 AS energy_kwh
+FROM {priced} WHERE r.usd IS NULL GROUP BY c.gpu_model ORDER BY c.gpu_model""",
+        pools=f"""SELECT {pool_name_sql("r.pool", "c.gpu_model")} AS pool, r.rate_slot, {_priced_sums("c")}
+FROM {priced} WHERE r.usd IS NOT NULL GROUP BY ALL ORDER BY pool, rate_slot""",
+        period=period,
+        prepare=prepare,
+        instances=instances,
+        shares=shares,
+        counts=""
+        if policy.allocation == "in_flight"
+        else f"SELECT team, model, {_COUNT_SUMS} {counts_by} GROUP BY team, model",
+        instance_counts=""
+        if policy.allocation == "in_flight"
+        else f"SELECT replica, instance, team, model, {_COUNT_SUMS} {counts_by} GROUP BY ALL",
+    )
 
 
 def allocation_sql(
@@ -236,117 +340,16 @@ def allocation_sql(
 ) -> AllocationSql:
     """The queries allocating ``gpus`` (gpu_slots rows) to ``usage`` (usage_slots rows).
 
-    ``usage``, ``gpus`` and ``occupancy`` (replica_slots rows) are relation names or
-    parenthesised subqueries with the rollup tables' columns; without ``occupancy`` it is
-    summed from ``usage``. ``lifetimes`` (instance, replica, first_slot, last_slot): the known
-    lifetimes of instances, in whole slots; without it every instance is allocated wherever it
-    was seen. ``keyed``: ``usage`` as the ledger keeps it for statements (integer keys, counts
-    per hour); without it, ``prepare`` numbers ``usage`` itself. Either way the usage is read
-    through the keyed relations, so both give the same lines. ``slot_range``: [first, after-last)
-    slot of every row, when known; the big join then matches one integer, the instance's slot
-    numbered densely, which DuckDB joins several times faster than (instance, slot).
-    ``period``: the [start, end) the allocation covers, for commitments. Every GPU row is priced
-    by ``policy``'s price book at its node and minute (``billing.pricebook.priced_sql``). Pure:
-    nothing is run here.
+    Builds the hourly cost rows of the relations given (``hours_sql``, same arguments) and
+    prices them (``priced_sql_of``): the path of frames and tests, the same arithmetic the
+    ledger keeps per hour. ``period``: the [start, end) the allocation covers, for commitments.
+    Pure: nothing is run here.
     """
-    numbering = _keyed_from(usage) if keyed is None else ""
-    keyed = _KEYED_FROM_USAGE if keyed is None else keyed
-    units = f"(SELECT DISTINCT unit, replica, instance FROM {keyed.keys})"
-    occupied = (
-        f"SELECT replica, instance, slot, inflight_seconds AS occupied FROM {occupancy}"
-        if occupancy
-        else f"SELECT replica, instance, slot, sum(inflight_seconds) AS occupied FROM {usage} GROUP BY replica, instance, slot"
-    )
-    book = policy.prices
-    prepare = f"""{numbering}
-CREATE OR REPLACE TEMP TABLE _slots AS
-WITH costs AS (
-    SELECT g.replica, g.instance, g.slot,
-        sum(g.gpu_seconds) / 3600.0 AS gpu_hours,
-        sum(g.energy_joules) / 3.6e6 AS energy_kwh,
-        sum(g.gpu_seconds / 3600.0 * g.usd) AS compute_usd,
-        sum(g.energy_joules / 3.6e6 * g.kwh_usd) AS energy_usd,
-        -- An instance's GPUs are on one node, so one pool and rate in a minute: any row's.
-        any_value(g.pool) AS pool, any_value(g.category) AS category, any_value(g.sku) AS sku,
-        any_value(g.gpu_model) AS gpu_model
-    FROM {priced_sql(book, _alive(gpus, lifetimes), gpus)} g WHERE g.usd IS NOT NULL
-    GROUP BY g.replica, g.instance, g.slot
-),
-occupancy AS ({occupied}),
-slots AS (
-    SELECT c.*, n.unit, coalesce(o.occupied, 0.0) AS occupied,
-        least(1.0, coalesce(o.occupied, 0.0) / {SLOT_SECONDS}.0) AS busy
-    FROM costs c LEFT JOIN occupancy o USING (replica, instance, slot)
-    LEFT JOIN {units} n USING (replica, instance)
-)
--- per_* : what one in-flight second of the slot pays, so the big join only multiplies.
-SELECT *, {", ".join(f"CASE WHEN occupied > 0 THEN {c} * busy / occupied ELSE 0.0 END AS per_{c}" for c in MONEY)},
-    {_dense("unit", "slot", slot_range)} AS i
-FROM slots"""
-    busy_money = ", ".join(f"sum({c} * busy) AS {c}" for c in MONEY)
-    # Per key, its requests and tokens: every key with usage in the range has an hour row.
-    key_counts = f'(SELECT "key", {_COUNT_SUMS} FROM {keyed.hours} GROUP BY "key")'
-    if policy.allocation == "in_flight":
-        share_cols = ", ".join(
-            f"coalesce(sum(u.inflight_seconds * s.per_{c}), 0.0) AS {c}" for c in MONEY
-        )
-        # The one pass over the biggest table joins and groups on integers; names come after.
-        # An inner join (several times faster than an outer one here): the keys come from the
-        # counts, which have a row for every key with usage in the range.
-        match = (
-            f"s.i = {_dense('u.unit', 'u.slot', slot_range)}"
-            if slot_range
-            else "s.unit = u.unit AND s.slot = u.slot"
-        )
-        shares = f"""
-SELECT k.replica, k.instance, k.team, k.model,
-    {", ".join(f"coalesce(x.{c}, 0.0) AS {c}" for c in MONEY)},
-    {", ".join(f"n.{c}::BIGINT AS {c}" for c in ("requests", "prompt_tokens", "completion_tokens"))}
-FROM {key_counts} n JOIN {keyed.keys} k USING ("key")
-LEFT JOIN (SELECT u."key", {share_cols}
-      FROM {keyed.slots} u JOIN _slots s ON {match}
-      GROUP BY u."key") x USING ("key")"""
-    else:
-        weight = _token_weight(policy) if policy.allocation == "tokens" else "sum(requests)::DOUBLE"
-        share_cols = ", ".join(
-            f"t.{c} * w.w / sum(w.w) OVER (PARTITION BY w.replica, w.instance) AS {c}"
-            for c in MONEY
-        )
-        shares = f"""
-WITH weights AS (SELECT replica, instance, team, model, {weight} AS w
-    FROM {keyed.hours} JOIN {keyed.keys} USING ("key")
-    GROUP BY replica, instance, team, model HAVING {weight} > 0),
-totals AS (SELECT replica, instance, {busy_money} FROM _slots GROUP BY replica, instance)
-SELECT w.replica, w.instance, w.team, w.model, {share_cols}
-FROM weights w JOIN totals t USING (replica, instance)"""
-    instances = f"""
-SELECT replica, instance, sum(compute_usd) AS compute_usd, sum(energy_usd) AS energy_usd,
-    sum(gpu_hours) AS gpu_hours, sum(energy_kwh) AS energy_kwh,
-    arg_max(slot, compute_usd + energy_usd) AS peak_slot,
-    {pool_name_sql("arg_max(pool, gpu_hours)", "arg_max(gpu_model, gpu_hours)")} AS pool,
-    arg_max(category, gpu_hours) AS pricing_category,
-    arg_max(sku, gpu_hours) AS sku
-FROM _slots GROUP BY replica, instance"""
-    priced = priced_sql(book, gpus)
-    return AllocationSql(
-        unpriced=f"""SELECT gpu_model, sum(gpu_seconds) / 3600.0 AS gpu_hours, sum(energy_joules) / 3.6e6 AS energy_kwh
-FROM {priced} WHERE usd IS NULL GROUP BY gpu_model ORDER BY gpu_model""",
-        pools=f"""SELECT {pool_name_sql("pool", "gpu_model")} AS pool, rate_slot,
-    sum(gpu_seconds) / 3600.0 AS gpu_hours,
-    sum(energy_joules) / 3.6e6 AS energy_kwh, sum(gpu_seconds / 3600.0 * usd) AS compute_usd,
-    sum(energy_joules / 3.6e6 * kwh_usd) AS energy_usd
-FROM {priced} WHERE usd IS NOT NULL GROUP BY ALL ORDER BY pool, rate_slot""",
-        period=period,
-        prepare=prepare,
-        instances=instances,
-        shares=shares,
-        counts=""
-        if policy.allocation == "in_flight"
-        else f'SELECT team, model, {_COUNT_SUMS} FROM {keyed.hours} JOIN {keyed.keys} USING ("key") GROUP BY team, model',
-        instance_counts=""
-        if policy.allocation == "in_flight"
-        else f'SELECT replica, instance, team, model, {_COUNT_SUMS} FROM {keyed.hours} JOIN {keyed.keys} USING ("key") GROUP BY ALL',
-    )
+    hours = hours_sql(usage, gpus, occupancy, lifetimes, keyed, slot_range)
+    rows = _HOURS_FROM_USAGE
+    if keyed is not None:
+        rows = HourRows(rows.costs, rows.shares, keyed.keys, keyed.hours)
+    return priced_sql_of(policy, rows, hours, period)
 
 
 def lines_from(charges: Charges, counts: pl.DataFrame) -> pl.DataFrame:
@@ -430,12 +433,15 @@ class Allocation:
     ``lines``: ``LINE_COLUMNS`` rows, money in micro-cents, adding up to ``fleet_microcents``
     exactly. ``pools``: the ``pools`` query's rows (per pool and rate: GPU-hours, kWh, compute
     and energy USD). ``commitments``: the committed rates in the period, with what ran.
+    ``reconciled``: the reconciliation its claims were priced from, when it had any
+    (``billing.reconciliation.Claims``).
     """
 
     lines: pl.DataFrame
     fleet_microcents: int
     pools: pl.DataFrame
     commitments: list[Commitment]
+    reconciled: pl.DataFrame | None = None
 
 
 def unused_commitment_model(pool: str) -> str:
@@ -465,12 +471,19 @@ def _commitment_lines(held: Sequence[Commitment], policy: Policy) -> tuple[pl.Da
     return merged.select(LINE_COLUMNS), int(merged["idle_microcents"].sum()) if merged.height else 0
 
 
+def _built(con: duckdb.DuckDBPyConnection, queries: AllocationSql) -> None:
+    """Build ``queries``' hourly rows on ``con`` when they are its own (not the ledger's)."""
+    if queries.hours:
+        con.execute(queries.hours)
+
+
 def pool_use(
     con: duckdb.DuckDBPyConnection, queries: AllocationSql, policy: Policy
 ) -> tuple[pl.DataFrame, list[Commitment]]:
     """The ``pools`` query's rows and the period's commitments with the GPU-hours run under them."""
     if not queries.pools:
         return pl.DataFrame(), []
+    _built(con, queries)
     use: pl.DataFrame = con.sql(queries.pools).pl()
     if queries.period is None:
         return use, []
@@ -497,6 +510,7 @@ def run_all(
     is: on a ledger that is being written, run it in one transaction
     (``billing.ledger.Ledger.snapshot``) so that all of them read the same state.
     """
+    _built(con, queries)
     unpriced = con.sql(queries.unpriced).pl()
     use, held = pool_use(con, queries, policy)
     instances, shares, counts = _measured(con, queries, instance_counts=False)
@@ -539,6 +553,7 @@ def by_instance(
     of one (team, model) add up to its line (but for error lines, which have none). The
     exports split lines by these (``billing.statement.instance_lines``).
     """
+    _built(con, queries)
     instances, shares, counts = _measured(con, queries, instance_counts=True)
     charges = charge(instances, shares, policy)
     keys = ["team", "model", "replica", "instance"]
@@ -550,6 +565,8 @@ def by_instance(
 def _with_instance(frame: pl.DataFrame) -> pl.DataFrame:
     if "instance" not in frame.columns:
         frame = frame.with_columns(instance=pl.col("replica"))
+    if "gpu_model" in frame.columns and "node" not in frame.columns:
+        frame = frame.with_columns(node=pl.lit(""))  # GPUs priced by model alone
     if "cached_prompt_tokens" in frame.columns or "prompt_tokens" not in frame.columns:
         return frame
     return frame.with_columns(cached_prompt_tokens=pl.lit(0, pl.Int64))  # no prefix cache hits

@@ -56,6 +56,7 @@ class _Month:
     basis: str
     usage_lines: pl.DataFrame | None
     pools: pl.DataFrame
+    unreconciled: pl.DataFrame | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +95,7 @@ class Chargeback:
             "list" if scaled is None else "allocation",
             usage,
             pools,
+            None if listed.reconciled is None else unreconciled_of(listed.reconciled),
         )
 
     def unreconciled(self, month: str) -> pl.DataFrame:
@@ -155,7 +157,7 @@ class Chargeback:
             all_lines,
             now.fleet_cents,
             adjust_cents,
-            self.unreconciled(month),
+            self.unreconciled(month) if now.unreconciled is None else now.unreconciled,
             self.quarantined(month),
             basis=now.basis,
             usage_lines=now.usage_lines,

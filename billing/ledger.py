@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -26,6 +26,7 @@ from billing import (
     allocation,
     audit,
     bases,
+    hourly,
     ingest_sql,
     invoice_store,
     lifetimes,
@@ -605,12 +606,14 @@ class Ledger:
         now: float,
     ) -> None:
         if kind.key == "instances":
-            self._fold_lifetimes(con, now)
+            self._refolding(con, True, lambda: self._fold_lifetimes(con, now))
             return
         if kind.key in ("gpu_samples", "engine_samples"):
-            con.execute(lifetimes.sample_fold_sql(kind.table))
+            fold = lifetimes.sample_fold_sql(kind.table)
+            self._refolding(con, False, lambda: con.execute(fold))
         if kind.key == "usage":
             con.execute(ingest_sql.usage_rollup_sql())
+            con.execute(hourly.dirty_usage_sql())
             con.execute(ingest_sql.occupancy_rollup_sql())
             con.execute(ingest_sql.statement_rollup_sql())
             con.execute(ingest_sql.token_rollup_sql())
@@ -618,6 +621,7 @@ class Ledger:
             con.execute(ingest_sql.tag_rollup_sql())
         elif kind.key == "gpu_samples":
             con.execute(ingest_sql.gpu_rollup_sql())
+            con.execute(hourly.dirty_samples_sql())
         elif kind.key == "engine_samples":
             con.execute(ingest_sql.engine_rollup_sql(), {"lo": span[0], "hi": span[1]})
             return
@@ -635,6 +639,18 @@ class Ledger:
             f"UPDATE months SET dirty = true WHERE closed_at IS NOT NULL AND month IN ({months})",
             params,
         )
+
+    def _refolding(
+        self, con: duckdb.DuckDBPyConnection, fresh_instances: bool, fold: Callable[[], object]
+    ) -> None:
+        """Run ``fold`` (a change to ``lifetimes``) and mark dirty the hours whose GPU time it
+        moved into or out of a lifetime (``billing.hourly.dirty_lifetimes_sql``)."""
+        before = hourly.windows_sql(self.heartbeat_seconds, fresh_instances)
+        con.execute(f"CREATE OR REPLACE TEMP TABLE _lives_before AS {before}")
+        fold()
+        after = hourly.windows_sql(self.heartbeat_seconds, fresh_instances, "_lives_before")
+        con.execute(f"CREATE OR REPLACE TEMP TABLE _lives_after AS {after}")
+        con.execute(hourly.dirty_lifetimes_sql("_lives_before", "_lives_after"))
 
     def _fold_lifetimes(self, con: duckdb.DuckDBPyConnection, now: float) -> None:
         """Fold the ``fresh`` instance events into ``lifetimes``; prune old heartbeats hourly."""
@@ -796,6 +812,7 @@ class Ledger:
         claims = reconciliation.claims(policy, *month_bounds(month))
         with self.snapshot() as cur:
             listed = allocation.run_all(cur, self._month_sql(cur, policy, month), policy, claims)
+            listed = replace(listed, reconciled=claims.reconciled)
             if not invoices:
                 return listed, None
             scaled_policy = bases.scaled_policy(policy, listed.pools, listed.commitments, invoices)
@@ -820,33 +837,86 @@ class Ledger:
     def _month_sql(
         self, cur: duckdb.DuckDBPyConnection, policy: Policy, month: str
     ) -> allocation.AllocationSql:
-        """``month``'s allocation queries, its lifetimes put in temp table ``_lifetimes`` on ``cur``."""
+        """``month``'s allocation queries over its hourly cost rows (``billing.hourly``).
+
+        The clean hours' rows are the ledger's; the hours still marked dirty in this snapshot
+        (a batch committed since the last rebuild) are built here, into temp tables, from the
+        same rollups, so a statement never reads a stale hour.
+        """
         lo, hi = _slot_range(month)
-        usage = f"(SELECT * FROM usage_slots WHERE slot >= {lo} AND slot < {hi})"
-        gpus = f"(SELECT * FROM gpu_slots WHERE slot >= {lo} AND slot < {hi})"
-        occupancy = f"(SELECT * FROM replica_slots WHERE slot >= {lo} AND slot < {hi})"
-        # Materialised once: the allocation reads the windows for every GPU row.
+        h0, h1 = lo // hourly.HOUR_SLOTS, hi // hourly.HOUR_SLOTS
+        in_month = f"hour >= {h0} AND hour < {h1}"
+        dirty = [
+            int(h)
+            for (h,) in cur.execute(f"SELECT hour FROM hours_dirty WHERE {in_month}").fetchall()
+        ]
+        fresh = "hour IN (SELECT hour FROM hours_dirty)"
+        cur.execute("CREATE OR REPLACE TEMP TABLE _fresh_costs AS SELECT * FROM cost_hours LIMIT 0")
+        cur.execute(
+            "CREATE OR REPLACE TEMP TABLE _fresh_shares AS SELECT * FROM share_hours LIMIT 0"
+        )
+        for first, after in hourly.runs(dirty):
+            self._build_hours(cur, first, after, "_fresh_costs", "_fresh_shares")
+        rows = hourly.HourRows(
+            f"(SELECT * FROM cost_hours WHERE {in_month} AND NOT {fresh} UNION ALL BY NAME SELECT * FROM _fresh_costs)",
+            f"(SELECT * FROM share_hours WHERE {in_month} AND NOT {fresh} UNION ALL BY NAME SELECT * FROM _fresh_shares)",
+            "alloc_keys",
+            f"(SELECT * FROM alloc_hours WHERE {in_month})",
+        )
+        return allocation.priced_sql_of(policy, rows, period=month_bounds(month))
+
+    def _build_hours(
+        self, cur: duckdb.DuckDBPyConnection, first: int, after: int, costs: str, shares: str
+    ) -> None:
+        """Append the hourly cost rows of hours ``first``..``after`` to ``costs`` and ``shares``."""
+        lo, hi = first * hourly.HOUR_SLOTS, after * hourly.HOUR_SLOTS
+        within = f"slot >= {lo} AND slot < {hi}"
+        # Materialised once: the rebuild reads the windows for every GPU row.
         windows = slot_windows_sql(lo, hi, self.heartbeat_seconds)
         cur.execute(f"CREATE OR REPLACE TEMP TABLE _lifetimes AS SELECT * FROM {windows}")
-        per_hour = HOUR_SECONDS // SLOT_SECONDS
-        keyed = allocation.Keyed(
-            f"(SELECT * FROM alloc_slots WHERE slot >= {lo} AND slot < {hi})",
-            "alloc_keys",
-            f"(SELECT * FROM alloc_hours WHERE hour >= {lo // per_hour} AND hour < {hi // per_hour})",
-        )
-        # No lifetime in the month (a fleet of fixed replicas): nothing to bound, and the check
+        # No lifetime in the range (a fleet of fixed replicas): nothing to bound, and the check
         # of every GPU minute against them is skipped.
         known = bool(cur.execute("SELECT 1 FROM _lifetimes LIMIT 1").fetchall())
-        return allocation.allocation_sql(
-            policy,
-            usage,
-            gpus,
-            occupancy,
-            "_lifetimes" if known else None,
-            keyed,
-            (lo, hi),
-            month_bounds(month),
+        cur.execute(
+            hourly.minutes_sql(
+                f"(SELECT * FROM gpu_slots WHERE {within})",
+                f"(SELECT replica, instance, slot, inflight_seconds AS occupied FROM replica_slots WHERE {within})",
+                "alloc_units",
+                "_lifetimes" if known else None,
+                (lo, hi),
+            )
         )
+        cur.execute(f"INSERT INTO {costs} BY NAME {hourly.cost_rows_sql()}")
+        slots = f"(SELECT * FROM alloc_slots WHERE {within})"
+        cur.execute(f"INSERT INTO {shares} BY NAME {hourly.share_rows_sql(slots, (lo, hi))}")
+
+    def mark_all_hours_dirty(self) -> None:
+        """Mark every hour with GPU time for a rebuild (after a change the marks cannot see)."""
+        with self.writing() as cur:
+            cur.execute(hourly.DIRTY_ALL)
+
+    def refresh_hours(self) -> int:
+        """Rebuild the hourly cost rows of the hours marked dirty; how many hours were rebuilt.
+
+        A run of hours at a time, each in a transaction of its own (``writing``): ingest waits
+        for one run, never for a whole backlog. A change of ``heartbeat_seconds`` moves every
+        lifetime's end, so it marks every hour dirty first.
+        """
+        with self.writing() as cur:
+            built = cur.execute("SELECT heartbeat_seconds FROM hours_built").fetchall()
+            if not built or float(built[0][0]) != self.heartbeat_seconds:
+                cur.execute(hourly.DIRTY_ALL)
+                cur.execute("DELETE FROM hours_built")
+                cur.execute("INSERT INTO hours_built VALUES (?)", [self.heartbeat_seconds])
+            dirty = [int(h) for (h,) in cur.execute("SELECT hour FROM hours_dirty").fetchall()]
+        for first, after in hourly.runs(dirty):
+            with self.writing() as cur:
+                span = f"hour >= {first} AND hour < {after}"
+                cur.execute(f"DELETE FROM cost_hours WHERE {span}")
+                cur.execute(f"DELETE FROM share_hours WHERE {span}")
+                self._build_hours(cur, first, after, "cost_hours", "share_hours")
+                cur.execute(f"DELETE FROM hours_dirty WHERE {span}")
+        return len(dirty)
 
     def live_instances(
         self,

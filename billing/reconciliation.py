@@ -68,7 +68,7 @@ import duckdb
 import polars as pl
 
 from billing import hangups, unreconciled
-from billing.allocation import LINE_COLUMNS, MONEY, IdleClaims, Policy
+from billing.allocation import LINE_COLUMNS, MONEY, Policy
 from billing.charges import CASH
 from billing.ingest_sql import (
     BILLABLE,
@@ -86,8 +86,10 @@ __all__ = [
     "LOOKBACK_SECONDS",
     "PENDING_SECONDS",
     "UNATTRIBUTED_SUFFIX",
+    "Claims",
     "claim_rows",
     "claims",
+    "first_windows_sql",
     "hour_runs",
     "hours",
     "is_unattributed",
@@ -179,7 +181,7 @@ _PLACED = """
 -- The window each record's first token fell in; records after the last sample have none yet.
 placed AS (
     SELECT r.*, w.hour, w.lo, w.hi, r.tp > w.lo AND r.tf <= w.hi AS inside
-    FROM records r ASOF JOIN windows w ON r.instance = w.instance AND r.tp <= w.hi
+    FROM records r {placing}
 ),
 ledger AS (
     SELECT instance, hour, sum(p)::DOUBLE AS prompt, sum(CASE WHEN inside THEN c ELSE 0 END)::DOUBLE AS completion
@@ -191,6 +193,17 @@ ledger AS (
     FROM {across} w ON w.instance = x.instance AND w.hi > x.tp AND w.lo < x.tf{meets}
     GROUP BY x.instance, w.hour{more}
 )"""
+
+# Each record's window: the first whose end is at or after its first token.
+_ASOF_PLACING = "ASOF JOIN windows w ON r.instance = w.instance AND r.tp <= w.hi"
+# The same window by two hash joins on ``_first_windows`` (``first_windows_sql``): the first
+# window at or after the first token's hour, or the one after it when the token came after that
+# window's last sample. An ASOF join of half a million records took 0.23 s; this, a tenth.
+_HASH_PLACING = f"""JOIN _window_spans s ON s.instance = r.instance
+    JOIN _first_windows f ON f.instance = r.instance
+        AND f.hour = greatest(CAST(floor(r.tp / {HOUR_SECONDS}) AS BIGINT), s.first_hour)
+    JOIN windows w ON w.instance = r.instance
+        AND w.hour = CASE WHEN r.tp <= f.hi THEN f.first_hour ELSE f.next_hour END"""
 
 # The requests across windows and every window of their instance: simple, and quadratic.
 _EVERY_WINDOW = "(SELECT * FROM placed WHERE NOT inside AND tf > tp) x JOIN windows"
@@ -316,7 +329,7 @@ records AS (
         {ENGINE_PROMPT_SQL} AS p, completion_tokens AS c, 1 AS n
     FROM {usage}
     WHERE status IN {BILLABLE} AND {_RECORDS_IN_RANGE}
-),{_PLACED.format(across=_EVERY_WINDOW, meets="", more="")},
+),{_PLACED.format(placing=_ASOF_PLACING, across=_EVERY_WINDOW, meets="", more="")},
 {unreconciled.cover_ctes(ahead)},
 unreconciled AS ({unreconciled.records_sql("records")}),
 bounded AS ({bounded}),
@@ -344,6 +357,24 @@ SELECT *, lag(hour) OVER (PARTITION BY instance ORDER BY hour) AS prev_hour,
 FROM windows""",
         values,
     )
+
+
+def first_windows_sql() -> str:
+    """SQL creating temp tables ``_window_spans`` and ``_first_windows`` over ``_windows``.
+
+    ``_window_spans``: per instance, the hour of its first window. ``_first_windows``: per
+    instance and hour from its first window's to its last's, the first window at or after that
+    hour (its hour, end ``hi`` and the hour of the window after it). A record whose first token
+    came in hour h belongs to that window if the token is not after its end, else to the next:
+    two hash joins where an ASOF join over every record was the reconciliation's slowest step.
+    """
+    return """
+CREATE OR REPLACE TEMP TABLE _window_spans AS
+SELECT instance, min(hour) AS first_hour, max(hour) AS last_hour FROM _windows GROUP BY instance;
+CREATE OR REPLACE TEMP TABLE _first_windows AS
+SELECT h.instance, h.hour, w.hour AS first_hour, w.hi, w.next_hour
+FROM (SELECT instance, unnest(range(first_hour, last_hour + 1)) AS hour FROM _window_spans) h
+ASOF JOIN _windows w ON h.instance = w.instance AND h.hour <= w.hour;"""
 
 
 def unsummed_sql() -> str:
@@ -423,7 +454,7 @@ records AS (
     SELECT instance, replica, model, first_token_at AS tp, finished_at AS tf, prompt_tokens AS p,
         completion_tokens AS c, 1 AS n
     FROM {edges} WHERE {edge_range}{" UNION ALL " + raw if raw else ""}
-),{_PLACED.format(across=_ITS_WINDOWS, meets=" AND w.hour = x.meets", more=summed)},
+),{_PLACED.format(placing=_HASH_PLACING, across=_ITS_WINDOWS, meets=" AND w.hour = x.meets", more=summed)},
 {unreconciled.cover_ctes(ahead)},
 unreconciled AS ({unreconciled.records_sql("records")}
     UNION ALL {unreconciled.summed_sql(hours_table)}),
@@ -465,6 +496,7 @@ def reconcile(
     """
     sql, values = windows_sql(first_hour, end_hour)
     con.execute(sql, values)
+    con.execute(first_windows_sql())
     con.execute(f"CREATE OR REPLACE TEMP TABLE _unsummed AS {unsummed_sql()}", {"lo": first_hour})
     unsummed = [int(r[0]) for r in con.execute("SELECT DISTINCT hour FROM _unsummed").fetchall()]
     if tails:
@@ -482,7 +514,7 @@ def unattributed_sql(policy: Policy, reconciliation: str, slots: str = "_slots")
     """Per instance and hour: the unattributed tokens and what they cost, taken from its idle.
 
     ``reconciliation`` holds ``reconciliation_sql``'s rows; ``slots`` is allocation's per-instance,
-    per-minute cost and occupancy (``AllocationSql.prepare``). ``claimed`` is the part of the
+    per-hour cost and its busy part (``AllocationSql.prepare``). ``claimed`` is the part of the
     instance-hour's cost the unattributed tokens stand for: their share of the engine's weighted
     tokens, at most the hour's idle share of that instance. Pure: nothing is run here.
     """
@@ -499,9 +531,9 @@ WITH tokens AS (
     HAVING sum(unattributed_prompt_tokens) + sum(unattributed_completion_tokens) > 0
 ),
 costs AS (
-    SELECT instance, CAST(slot // 60 AS BIGINT) AS hour,
+    SELECT instance, hour,
         {", ".join(f"sum({c}) AS {c}" for c in MONEY)},
-        sum((compute_usd + energy_usd) * (1.0 - busy)) AS idle_usd
+        sum(compute_usd + energy_usd - busy_compute_usd - busy_energy_usd) AS idle_usd
     FROM {slots} GROUP BY ALL
 ),
 claimed AS (
@@ -572,21 +604,35 @@ def tail_lines(tails: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def claims(policy: Policy, start: float, end: float) -> IdleClaims:
+class Claims:
     """The claims of the hours in ``start``..``end``, for ``allocation.run`` on a ledger.
 
-    Reconciles the range from the ledger's rollups (``reconcile``) on the connection
-    ``allocation.run`` gives, then prices it against that allocation's ``_slots``; the hang-up
-    tails come along as lines of tokens.
+    Called with the connection ``allocation.run`` gives: reconciles the range from the ledger's
+    rollups (``reconcile``) once, then prices it against that allocation's ``_slots``; the
+    hang-up tails come along as lines of tokens. Called again on the same connection (the
+    second allocation of a month with an invoice), it prices the same reconciliation against the
+    new ``_slots``. ``reconciled``: the reconciliation's rows, once it ran, so a statement's
+    unreconciled requests come from the same pass (``billing.unreconciled``), not a second one.
     """
 
-    def run(con: duckdb.DuckDBPyConnection) -> tuple[pl.DataFrame, pl.DataFrame]:
-        table = reconcile(con, *hours(start, end))
-        hourly = con.sql(unattributed_sql(policy, table)).pl()
+    def __init__(self, policy: Policy, start: float, end: float) -> None:
+        self.policy, self.start, self.end = policy, start, end
+        self.reconciled: pl.DataFrame | None = None
+        self._on: duckdb.DuckDBPyConnection | None = None
+
+    def __call__(self, con: duckdb.DuckDBPyConnection) -> tuple[pl.DataFrame, pl.DataFrame]:
+        if self._on is not con:
+            reconcile(con, *hours(self.start, self.end))
+            self.reconciled = con.sql("SELECT * FROM _reconciliation").pl()
+            self._on = con
+        hourly = con.sql(unattributed_sql(self.policy, "_reconciliation")).pl()
         tails = con.sql(
             "SELECT team, model, sum(prompt_tokens) AS prompt_tokens, "
             "sum(completion_tokens) AS completion_tokens FROM _hangups GROUP BY ALL"
         ).pl()
-        return claim_rows(hourly, policy), tail_lines(tails)
+        return claim_rows(hourly, self.policy), tail_lines(tails)
 
-    return run
+
+def claims(policy: Policy, start: float, end: float) -> Claims:
+    """``Claims`` of the hours in ``start``..``end`` under ``policy``."""
+    return Claims(policy, start, end)

@@ -666,6 +666,36 @@ _FEDERATED_PRICES = """
 ALTER TABLE federated_months ADD COLUMN IF NOT EXISTS prices VARCHAR;
 """
 
+# Hourly cost rows (``billing.hourly``): allocation's per-minute split kept per hour, as
+# quantities, so a statement prices rows in proportion to hours x instances x teams. Every hour
+# with GPU time is marked dirty here, so the rows of a ledger kept before them are built on the
+# next rebuild (``Ledger.refresh_hours``); until then a statement builds them itself.
+_HOURLY_COSTS = """
+CREATE TABLE IF NOT EXISTS cost_hours (
+    hour BIGINT NOT NULL,
+    replica VARCHAR NOT NULL,
+    instance VARCHAR NOT NULL,
+    node VARCHAR NOT NULL,
+    gpu_model VARCHAR NOT NULL,
+    gpu_seconds DOUBLE NOT NULL,
+    energy_joules DOUBLE NOT NULL,
+    busy_gpu_seconds DOUBLE NOT NULL,
+    busy_energy_joules DOUBLE NOT NULL,
+    peak_slot BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS share_hours (
+    hour BIGINT NOT NULL,
+    "key" INTEGER NOT NULL,
+    node VARCHAR NOT NULL,
+    gpu_model VARCHAR NOT NULL,
+    gpu_seconds DOUBLE NOT NULL,
+    energy_joules DOUBLE NOT NULL
+);
+CREATE TABLE IF NOT EXISTS hours_dirty (hour BIGINT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS hours_built (heartbeat_seconds DOUBLE NOT NULL);
+INSERT INTO hours_dirty SELECT DISTINCT slot // 60 FROM gpu_slots ON CONFLICT DO NOTHING;
+"""
+
 MIGRATIONS: Final[tuple[str, ...]] = (
     _V1,
     _V2,
@@ -685,6 +715,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     _STATEMENT_BASES,
     _FEDERATED_LINES,
     _FEDERATED_PRICES,
+    _HOURLY_COSTS,
 )
 LATEST_VERSION: Final = len(MIGRATIONS)
 # The migration that makes ``usage_tags`` (its backfill runs with it).

@@ -8,8 +8,9 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
+import duckdb
 import uvicorn
 from fastapi import FastAPI
 
@@ -111,6 +112,26 @@ def key_publisher(config: Config) -> RedisPublisher | None:
     return RedisPublisher(config.sidecar.shared_limits)
 
 
+# How often the hours that batches made stale get their cost rows rebuilt (``billing.hourly``):
+# a statement builds what is still stale itself, so this only bounds how much it has to.
+HOUR_REBUILD_SECONDS: Final = 30.0
+
+
+async def rebuild_hours(ledger: Ledger, interval: float = HOUR_REBUILD_SECONDS) -> None:
+    """Rebuild the stale hourly cost rows every ``interval`` seconds until cancelled.
+
+    A failed rebuild is logged and tried again: the hours stay marked until one succeeds.
+    """
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await asyncio.to_thread(ledger.refresh_hours)
+        except duckdb.Error as exc:
+            log.warning(
+                "billing: rebuilding hourly cost rows failed, retried in %.0f s: %s", interval, exc
+            )
+
+
 async def serve_billing(
     config: Config,
     listen: str | None = None,
@@ -157,22 +178,16 @@ async def serve_billing(
         retention = asyncio.create_task(retaining(ledger, r)) if r.interval_seconds > 0 else None
         puller = app.state.federation
         pulling = asyncio.create_task(puller.run()) if puller is not None else None
+        rebuilding = asyncio.create_task(rebuild_hours(ledger))
         try:
             await billing_server(config, ledger, host, port, app).serve()
         finally:
-            if retention is not None:
-                retention.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await retention
-            for task in (keeping, watching, pulling):
-                if task is not None:
-                    task.cancel()
+            for running in (retention, keeping, watching, pulling, rebuilding, task):
+                if running is not None:
+                    running.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
-                        await task
-            if task is not None and export is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                        await running
+            if export is not None:
                 await export.close()
     finally:
         # On SIGTERM this runs because the command turns the signal into SystemExit.

@@ -288,11 +288,12 @@ class Node(_Strict):
 PricingCategory = Literal["on_demand", "committed", "spot", "owned"]
 
 
-def _utc_minute(value: object) -> object:
-    """An ISO date or UTC date-time, as epoch seconds on a whole minute.
+def _utc_hour(value: object) -> object:
+    """An ISO date or UTC date-time, as epoch seconds on a whole hour.
 
-    Prices change at a minute (the ledger's slot); a time zone other than UTC, or seconds
-    within the minute, would make the split ambiguous, so both are refused.
+    Prices change on a whole hour, as cloud providers bill: the ledger keeps its cost rows per
+    hour (``billing.hourly``) and prices each at the rate in effect in it. A time zone other
+    than UTC, or minutes within the hour, would make the split ambiguous, so both are refused.
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         t = float(value)
@@ -308,15 +309,15 @@ def _utc_minute(value: object) -> object:
             raise ValueError(f"{value!r}: give the time in UTC (Z or +00:00)")
         t = parsed.timestamp()
     elif isinstance(value, date):  # YAML reads an unquoted 2026-11-15 as a date
-        return _utc_minute(value.isoformat())
+        return _utc_hour(value.isoformat())
     else:
         raise ValueError(f"{value!r} is not an ISO date or date-time")
-    if t % 60:
-        raise ValueError(f"{value!r}: prices change on a whole minute")
+    if t % 3600:
+        raise ValueError(f"{value!r}: prices change on a whole hour (UTC), like a cloud bill")
     return t
 
 
-UtcMinute = Annotated[float, BeforeValidator(_utc_minute)]
+UtcHour = Annotated[float, BeforeValidator(_utc_hour)]
 
 
 class PoolPrice(_Strict):
@@ -329,7 +330,7 @@ class PoolPrice(_Strict):
     price for this pool: 0 for a cloud pool, whose GPU rate includes power.
     """
 
-    from_: Annotated[UtcMinute, Field(alias="from")]
+    from_: Annotated[UtcHour, Field(alias="from")]
     category: PricingCategory = "on_demand"
     usd_per_gpu_hour: NonNegative | None = None
     committed_gpus: Annotated[int, Field(gt=0, le=100_000)] | None = None

@@ -406,6 +406,7 @@ def lossy_fleets(draw):
     # A fleet of fixed replicas: each replica is its one instance.
     recon = pl.DataFrame(rows, schema=schema).with_columns(instance=pl.col("replica"))
     usage_slots, gpus = (f.with_columns(instance=pl.col("replica")) for f in (usage_slots, gpus))
+    gpus = gpus.with_columns(node=pl.lit("n1"))
     # The rollup keeps prompt-cache hits beside prompt tokens: none in these fleets.
     usage_slots = usage_slots.with_columns(cached_prompt_tokens=pl.lit(0, pl.Int64))
     return usage_slots, gpus, policy, recon
