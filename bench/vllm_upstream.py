@@ -13,7 +13,9 @@ only writes it out, one engine step at a time. What it honours, as vLLM does:
   a chunk's running usage counting its own choice;
 - ``max_tokens`` (every choice runs to it: ``finish_reason`` ``length``); a non-streamed request
   gets vLLM's whole body once its last step has run;
-- a client that closes its connection aborts its request at once.
+- a client that closes its connection aborts its request at once;
+- ``connection: close`` on a request (uvicorn's keep-alive rule): the connection is closed once
+  its answer is written, which is how a client reading an answer in batches sees its end.
 
 Every running request advances one token each ``--step-ms`` (one timer for all, as one engine
 step gives every sequence of its batch a token); ``--step-ms 0`` writes each answer at once.
@@ -146,6 +148,8 @@ class _Connection(asyncio.Protocol):
         self.url = b""
         self.body: list[bytes] = []
         self.running: _Running | None = None
+        # False when the request being answered asked for ``connection: close``.
+        self.keep_alive = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -174,11 +178,16 @@ class _Connection(asyncio.Protocol):
         path = httptools.parse_url(self.url).path.decode()
         body = b"".join(self.body)
         self.url, self.body = b"", []
+        self.keep_alive = self.parser.should_keep_alive()
         self.upstream.answer(self, method, path, body)
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes, last: bool = True) -> None:
+        """Write ``data``; after the ``last`` bytes of an answer, close as uvicorn does when the
+        request asked for it."""
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
+            if last and not self.keep_alive:
+                self.transport.close()
 
 
 @dataclass
@@ -229,7 +238,7 @@ class Upstream:
             conn.write(_whole(answer.status, answer.steps[0], b"application/json"))
             return
         if answer.stream:
-            conn.write(_SSE_HEAD + _date() + b"\r\n")
+            conn.write(_SSE_HEAD + _date() + b"\r\n", last=False)
         running = _Running(conn, answer)
         conn.running = running
         if self.step_seconds <= 0:
@@ -258,7 +267,8 @@ class Upstream:
             conn.write(
                 b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data)
                 if done
-                else b"%x\r\n%b\r\n" % (len(data), data)
+                else b"%x\r\n%b\r\n" % (len(data), data),
+                last=done,
             )
         elif done:
             conn.write(_whole(200, data, b"application/json"))

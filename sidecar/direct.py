@@ -24,7 +24,7 @@ from infermeter.http_guard import RawWriter
 from sidecar.assemble import Assembler
 from sidecar.pool import Connection, Pool, UpstreamClosed
 from sidecar.progress import Slot
-from sidecar.stream import StreamMeter
+from sidecar.stream import StreamMeter, UsageCounts
 
 __all__ = ["LEFT", "Left", "Pools", "StreamSink", "WholeSink"]
 
@@ -120,9 +120,24 @@ class StreamSink:
 
 
 class WholeSink:
-    """A whole response read to its end, or a stream read into an ``Assembler``."""
+    """A whole response read to its end, or a stream read into an ``Assembler``.
 
-    __slots__ = ("assembler", "finished", "parts", "raw_headers", "slot", "status", "streamed")
+    A stream read into an assembler on a connection of its own (``upstream``, closed by the
+    replica after the answer) is batched (``Connection.batch``) once the slot has what the
+    stream's first events give: from then on the kernel gathers vLLM's chunks and the loop reads
+    them at the end, or when the tokens so far are asked for (``usage_so_far``).
+    """
+
+    __slots__ = (
+        "assembler",
+        "finished",
+        "parts",
+        "raw_headers",
+        "slot",
+        "status",
+        "streamed",
+        "upstream",
+    )
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, assembler: Assembler | None, slot: Slot | None = None
@@ -136,6 +151,8 @@ class WholeSink:
         self.slot = slot
         self.streamed = False
         self.finished: asyncio.Future[BaseException | None] = loop.create_future()
+        # The connection to batch once the slot is served (None: read every block as it comes).
+        self.upstream: Connection | None = None
 
     def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Keep the status and headers; a refusal before any SSE is read whole."""
@@ -151,8 +168,18 @@ class WholeSink:
             self.assembler.feed(data)
             if self.slot is not None and self.slot.opening(data):
                 self.slot = None
+                if self.upstream is not None:
+                    self.upstream.batch()
         else:
             self.parts.append(data)
+
+    def usage_so_far(self) -> UsageCounts | None:
+        """The tokens vLLM has reported so far, the kernel's unread chunks included (the
+        journal's ``Counting``)."""
+        assert self.assembler is not None
+        if self.upstream is not None:
+            self.upstream.pull()
+        return self.assembler.usage_so_far()
 
     def end(self, exc: BaseException | None) -> None:
         """Wake the waiting coroutine."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from collections import deque
 from typing import Protocol, cast
@@ -44,6 +45,9 @@ __all__ = [
 _KEEPALIVE_SECONDS = 4.0
 # The longest interval between two sweeps of the read timeouts.
 _SWEEP_SECONDS = 1.0
+# What a batched connection (``Connection.batch``) lets the kernel gather before the loop reads:
+# a 64-token answer with usage on every chunk is about 20 KiB, read once, at its end.
+BATCH_BYTES = 64 << 10
 
 
 class UpstreamError(Exception):
@@ -95,6 +99,7 @@ class Connection(asyncio.Protocol):
     # Read on every block of every stream: slots keep them in the object, not in a dict of its own.
     __slots__ = (
         "_headers",
+        "_lowat",
         "_parser",
         "_pool",
         "_sink",
@@ -118,6 +123,8 @@ class Connection(asyncio.Protocol):
         # The exchange's read timeout, in seconds.
         self._timeout = 0.0
         self.closed = False
+        # The socket's receive low-water mark: above 1 once ``batch`` was called.
+        self._lowat = 1
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -162,7 +169,8 @@ class Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         """The exchange is over: back to the pool when the replica keeps the connection."""
         sink, self._sink = self._sink, None
-        if self._parser.should_keep_alive() and self.transport is not None:
+        # (A batched connection asked the replica to close it: it never serves a stream.)
+        if self._lowat == 1 and self._parser.should_keep_alive() and self.transport is not None:
             self._pool.release(self)
         else:
             self.close()
@@ -192,6 +200,31 @@ class Connection(asyncio.Protocol):
         """Read again."""
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
+
+    def batch(self, nbytes: int = BATCH_BYTES) -> None:
+        """Have the loop read only once ``nbytes`` have arrived, or the replica closed.
+
+        For a non-streamed answer read from vLLM's stream on a connection the replica closes
+        after it (``connection: close``): its client gets nothing before the end, so reading
+        every token's chunk as it comes (a wake-up, a read and a parse each) buys nothing; the
+        kernel keeps them, and the close says the answer is whole. Whoever needs the tokens so
+        far before that reads them with ``pull`` (the journal's tick, a hang-up, the drain, the
+        read-timeout sweep).
+        """
+        transport = self.transport
+        sock = None if transport is None or self.closed else transport.get_extra_info("socket")
+        if sock is None:
+            return
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+        except OSError:  # (not a TCP socket: it is read as it comes, as before)
+            return
+        self._lowat = nbytes
+
+    def pull(self) -> None:
+        """Parse what a batched connection's kernel holds below its low-water mark."""
+        if self._lowat > 1:
+            self.read_received()
 
     def read_received(self, limit: int = 1 << 20) -> None:
         """Parse what the kernel has received on the connection and the loop has not read yet.
@@ -229,6 +262,11 @@ class Connection(asyncio.Protocol):
         """True while an exchange waits on the replica; fails it once its read timeout passed."""
         if self._sink is None:
             return False
+        if self._lowat > 1:
+            # Bytes waiting below the low-water mark are not silence: read them first.
+            self.read_received()
+            if self._sink is None:
+                return False
         if self.transport is not None and not self.transport.is_reading():
             # Paused by a slow client: the replica is not the one keeping the exchange waiting,
             # so its timeout counts from when reading resumes (at most a sweep later).
@@ -266,13 +304,13 @@ class Pool:
         self._sweeper: asyncio.TimerHandle | None = None
         self._sweep_seconds = _SWEEP_SECONDS
 
-    async def connection(self) -> Connection:
-        """An idle connection that is still fresh, else a new one.
+    async def connection(self, new: bool = False) -> Connection:
+        """An idle connection that is still fresh, else (or with ``new``) a new one.
 
         ConnectTimeout or UpstreamClosed when the replica cannot be reached.
         """
         now = time.monotonic()
-        while self._idle:
+        while self._idle and not new:
             conn = self._idle.pop()
             if not conn.closed and now - conn.idle_since < _KEEPALIVE_SECONDS:
                 return conn

@@ -194,16 +194,23 @@ class Relay:
         body: dict[str, Any],
         headers: dict[str, str],
         sink: StreamSink | WholeSink,
+        batched: bool = False,
     ) -> Connection | None:
-        """Send the request on a pooled connection; None when the upstream is not plain HTTP."""
+        """Send the request on a pooled connection; None when the upstream is not plain HTTP.
+
+        ``batched``: on a new connection the replica closes after its answer, which is how the
+        end of an answer read in batches is seen (``Connection.batch``).
+        """
         found = self.pools.get(self.upstream)
         if found is None:
             return None
         pool, host, prefix = found
         try:
-            conn = await pool.connection()
+            conn = await pool.connection(new=batched)
         except upstream_errors() as exc:
             raise _refusal(exc) from None
+        if batched:
+            headers = {**headers, "connection": "close"}
         payload = orjson.dumps(body)
         head = request_head(b"POST", prefix + call.endpoint.encode(), host, headers, len(payload))
         conn.send(head + payload, sink, pool.read_timeout_seconds)
@@ -583,11 +590,12 @@ class Relay:
         work: asyncio.Future[_Exchanged] = loop.create_future()
         sink = WholeSink(loop, assembler, slot)
         try:
-            conn = await self._send_direct(call, body, headers, sink)
+            conn = await self._send_direct(call, body, headers, sink, assembler is not None)
         except Exception as exc:
             work.set_exception(exc)
             return work, "done"
         assert conn is not None
+        self._batched(call, sink, conn)
         finished = sink.finished
         raw.listener = sink
         if raw.lost.done():
@@ -613,6 +621,17 @@ class Relay:
             work.set_exception(_whole_failure(sink, ended))
         return work, "done"
 
+    def _batched(self, call: Call, sink: WholeSink, conn: Connection) -> None:
+        """Read an assembled answer in batches: once its slot has the stream's first events
+        (at once without a slot), the kernel gathers the chunks until the end or a ``pull``,
+        which the journal's tick makes through the sink."""
+        if sink.assembler is None:
+            return
+        sink.upstream = conn
+        if sink.slot is None:
+            conn.batch()
+        self.journal.track(call.request_id, sink)
+
     async def _exchange_direct(
         self,
         call: Call,
@@ -623,8 +642,9 @@ class Relay:
     ) -> WholeSink:
         """A whole exchange on the protocol pool; the same errors as ``_open`` and aiohttp's read."""
         sink = WholeSink(asyncio.get_running_loop(), assembler, slot)
-        conn = await self._send_direct(call, body, headers, sink)
+        conn = await self._send_direct(call, body, headers, sink, assembler is not None)
         assert conn is not None
+        self._batched(call, sink, conn)
         try:
             exc = await sink.finished
         except BaseException:

@@ -151,3 +151,117 @@ async def test_read_received_takes_what_the_kernel_holds_before_a_close():
         await pool.close()
     assert before == b""
     assert after == b"piece0;piece1;piece2;piece3;piece4;"
+
+
+class _Counting(WholeSink):
+    """A sink that tells the socket's reads apart: the pieces of one read share its time."""
+
+    __slots__ = ("times",)
+
+    def __init__(self) -> None:
+        super().__init__(asyncio.get_running_loop(), None)
+        self.times: set[float] = set()
+
+    @property
+    def reads(self) -> int:
+        return len(self.times)
+
+    def body(self, data: bytes, now: float) -> None:
+        self.times.add(now)
+        super().body(data, now)
+
+
+async def _tokens(scope, receive, send):
+    """40 pieces 10 ms apart, as a stream's chunks come, the connection closed after (uvicorn
+    closes it when the request asked ``connection: close``)."""
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    for i in range(40):
+        await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b"t%02d;" % i, "more_body": True})
+    await send({"type": "http.response.body", "body": b"end"})
+
+
+async def _batched(pool: Pool, sink: WholeSink) -> None:
+    conn = await pool.connection(new=True)
+    head = request_head(b"POST", b"/", b"h", {"connection": "close"}, 0)
+    conn.send(head, sink, pool.read_timeout_seconds)
+    conn.batch()
+
+
+async def test_a_batched_answer_is_read_at_its_end_in_one_piece():
+    """A batched connection leaves the pieces to the kernel and reads them when the replica
+    closes: the whole answer, in a read or two instead of one per piece."""
+    expected = b"".join(b"t%02d;" % i for i in range(40)) + b"end"
+    async with serving(_tokens, lifespan="off") as url:
+        pool = Pool(*host_port(url), 1.0, 10.0)
+        plain = _Counting()
+        conn = await pool.connection(new=True)
+        conn.send(request_head(b"POST", b"/", b"h", {}, 0), plain, 10.0)
+        batched = _Counting()
+        await _batched(pool, batched)
+        for sink in (plain, batched):
+            assert await asyncio.wait_for(asyncio.shield(sink.finished), 5) is None
+        await pool.close()
+    assert b"".join(plain.parts) == b"".join(batched.parts) == expected
+    assert plain.reads >= 20
+    assert batched.reads <= 2
+
+
+async def test_pull_reads_what_a_batched_connection_holds():
+    """``pull`` parses the pieces waiting below the mark (the tokens so far, for a tick)."""
+    async with serving(_tokens, lifespan="off") as url:
+        pool = Pool(*host_port(url), 1.0, 10.0)
+        sink = _Counting()
+        await _batched(pool, sink)
+        await asyncio.sleep(0.2)
+        before = b"".join(sink.parts)
+        sink.upstream = None  # (not a sink's pull: the connection's own)
+        (conn,) = pool._all
+        conn.pull()
+        after = b"".join(sink.parts)
+        await asyncio.wait_for(asyncio.shield(sink.finished), 5)
+        await pool.close()
+    assert before == b""
+    assert after.startswith(b"t00;t01;t02;")
+    assert len(after) >= 10 * 4
+
+
+async def test_a_batched_exchange_is_not_silent_while_bytes_wait_below_the_mark():
+    """Pieces that wait in the kernel count as arrivals: a slow answer with no gap as long as
+    the read timeout is read to its end, though nothing is read until the close."""
+    async with serving(_trickle, lifespan="off") as url:
+        pool = Pool(*host_port(url), 1.0, 0.4)
+        sink = WholeSink(asyncio.get_running_loop(), None)
+        await _batched(pool, sink)
+        assert await asyncio.wait_for(asyncio.shield(sink.finished), 5) is None
+        assert b"".join(sink.parts) == b"x" * 10 + b"end"
+        await pool.close()
+
+
+async def test_a_silent_batched_replica_still_times_out():
+    """Batching does not hide a replica that sends nothing: ReadTimeout as before."""
+    async with serving(_ok, lifespan="off") as url:
+        pool = Pool(*host_port(url), 1.0, 0.2)
+        sink = WholeSink(asyncio.get_running_loop(), None)
+        conn = await pool.connection(new=True)
+        head = request_head(b"POST", b"/slow", b"h", {"connection": "close"}, 0)
+        conn.send(head, sink, pool.read_timeout_seconds)
+        conn.batch()
+        assert isinstance(await asyncio.wait_for(asyncio.shield(sink.finished), 5), ReadTimeout)
+        await pool.close()
+
+
+async def test_a_batched_connection_never_goes_back_to_the_pool():
+    """Its low-water mark would batch the next stream: it is closed after its answer."""
+    async with serving(_ok, lifespan="off") as url:
+        pool = Pool(*host_port(url), 1.0, 2.0)
+        sink = WholeSink(asyncio.get_running_loop(), None)
+        conn = await pool.connection(new=True)
+        conn.send(request_head(b"POST", b"/", b"h", {}, 0), sink, 2.0)  # (keep-alive asked)
+        conn.batch()
+        assert await asyncio.wait_for(asyncio.shield(sink.finished), 5) is None
+        assert conn.closed
+        assert await pool.connection() is not conn
+        await pool.close()

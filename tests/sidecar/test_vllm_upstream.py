@@ -170,3 +170,34 @@ async def test_a_client_that_leaves_aborts_its_request():
                 break
         await asyncio.sleep(0.1)
         assert server.running == set()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_connection_close_closes_after_the_answer_as_uvicorn_does(stream):
+    """A request with ``connection: close`` gets its whole answer, then the connection closes
+    (uvicorn's rule, which lets a client see an answer's end by the close)."""
+    body = orjson.dumps({**CHAT, "max_tokens": 4, "stream": stream})
+    async with upstream(0.005) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        data = await asyncio.wait_for(reader.read(), 5)  # (to EOF: the upstream closed)
+        writer.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    if stream:
+        assert rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    else:
+        assert orjson.loads(rest)["usage"]["completion_tokens"] == 4
+
+
+async def test_keep_alive_is_the_default():
+    """Without ``connection: close`` the connection stays open for the next request."""
+    async with upstream() as (url, _), httpx.AsyncClient() as client:
+        first = await client.post(f"{url}/v1/chat/completions", json=CHAT)
+        second = await client.post(f"{url}/v1/chat/completions", json=CHAT)
+    assert first.status_code == second.status_code == 200
+    assert first.extensions["network_stream"] is second.extensions["network_stream"]
