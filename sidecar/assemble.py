@@ -133,6 +133,9 @@ _OTHER: Final = 4
 
 
 _NOTHING = re.compile(rb"(?!)")
+# The body of a JSON string, escapes kept: runs of plain characters around each escape (a loop
+# unrolled, about three times faster in ``re`` than an alternation per character).
+_TEXT: Final = rb'([^"\\\n]*(?:\\.[^"\\\n]*)*)'
 
 
 @functools.lru_cache(maxsize=64)
@@ -150,11 +153,32 @@ def _events_of(endpoint: str, kind: bytes, model: bytes) -> re.Pattern[bytes]:
         + re.escape(model)
         + rb',"choices":\[\{"index":(\d+)'
         + before
-        + rb'((?:[^"\\\n]|\\.)*)'
+        + _TEXT
         + after
         + rb'(,"usage":\{[^\n]*)?\}'
     )
     return re.compile(rb"^(?:" + token + rb"|data: (\{[^\n]*))$", re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=64)
+def _tokens_of(endpoint: str, kind: bytes, model: bytes) -> re.Pattern[bytes]:
+    """The token chunks of the first choice, for ``split``: the text is the one group, and a
+    chunk's usage and the blank line after it are inside the match, so the pieces between two
+    token chunks in a row are empty. ``split`` then cuts a stream into its texts and the other
+    events in one pass of C, with no object per token but its text."""
+    before, after = _TOKEN_SHAPES[endpoint]
+    return re.compile(
+        rb'^data: \{"id":"[^"\\\n]*","object":'
+        + re.escape(kind)
+        + rb',"created":\d+,"model":'
+        + re.escape(model)
+        + rb',"choices":\[\{"index":0'
+        + before
+        + _TEXT
+        + after
+        + rb'(?:,"usage":\{[^\n]*)?\}\n\n',
+        re.MULTILINE,
+    )
 
 
 def assemblable(endpoint: str, body: dict[str, Any]) -> bool:
@@ -250,6 +274,8 @@ class Assembler:
     _per_choice: dict[int, tuple[int, int] | tuple[bytes, int]] = field(default_factory=dict)
     # How this stream's events read (``_events_of``), from its first chunk.
     _events: re.Pattern[bytes] = field(default_factory=lambda: _NOTHING)
+    # How its first choice's token chunks read, for ``split`` (``_tokens_of``).
+    _tokens: re.Pattern[bytes] = field(default_factory=lambda: _NOTHING)
 
     def feed(self, block: bytes) -> None:
         """Take a block of the stream as it arrived (events may be split across blocks)."""
@@ -340,6 +366,26 @@ class Assembler:
                 self._take(orjson.loads(line[6:]), chat)
         if not self._head:
             return
+        if self.n == 1:
+            rest = data[pos:] if pos else data
+            # [events before, text, (empty), text, ..., text, events after]
+            parts = self._tokens.split(rest)
+            if len(parts) > 1 and not any(parts[2:-1:2]):
+                self._scan(parts[0], 0, chat)
+                choice = self._choices.get(0)
+                if choice is None:
+                    choice = self._choices[0] = _Choice()
+                choice.raw += parts[1::2]
+                # The latest usage is the last token chunk's (none: the events' before).
+                at = rest.rfind(b',"usage":{', len(parts[0]), len(rest) - len(parts[-1]))
+                if at >= 0:
+                    self._usage = self._per_choice[0] = (rest, at + 1)
+                self._scan(parts[-1], 0, chat)
+                return
+        self._scan(data, pos, chat)
+
+    def _scan(self, data: bytes, pos: int, chat: bool) -> None:
+        """Read the events of ``data`` from ``pos``, one match each (``_events_of``)."""
         choices = self._choices
         for event in self._events.finditer(data, pos):
             if event.lastindex == _OTHER:
@@ -362,9 +408,9 @@ class Assembler:
             return
         if not self._head:
             self._head = {k: chunk[k] for k in ("id", "created", "model")}
-            self._events = _events_of(
-                self.endpoint, orjson.dumps(chunk.get("object")), orjson.dumps(chunk["model"])
-            )
+            kind, model = orjson.dumps(chunk.get("object")), orjson.dumps(chunk["model"])
+            self._events = _events_of(self.endpoint, kind, model)
+            self._tokens = _tokens_of(self.endpoint, kind, model)
         for c in choices or ():
             self._choice(c, chat)
         usage = chunk.get("usage")
