@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal
 
 import httpx
@@ -60,10 +60,15 @@ async def running(server: uvicorn.Server | HttpServer) -> AsyncIterator[str]:
 
 
 def sidecar_process(
-    config_path: str, url: str, replica: str = "small-0", seconds: float = 30.0
+    config_path: str,
+    url: str,
+    replica: str = "small-0",
+    seconds: float = 30.0,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """``infermeter sidecar`` for ``replica`` as a process, once it answers ``url``/healthz;
-    killed, and an AssertionError, when it does not within ``seconds``."""
+    """``infermeter sidecar`` for ``replica`` as a process (with ``env`` for its environment, when
+    given), once it answers ``url``/healthz; killed, and an AssertionError, when it exits first or
+    does not answer within ``seconds``."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -74,16 +79,16 @@ def sidecar_process(
             config_path,
             "--replica",
             replica,
-        ]
+        ],
+        env=env,
     )
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/healthz", timeout=0.5).status_code == 200:
-                return proc
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError(f"the sidecar did not come up in {seconds:g} s")
+    try:
+        wait_healthy(proc, url, seconds, what="the sidecar")
+    except AssertionError:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
 
 
 def wait_healthy(

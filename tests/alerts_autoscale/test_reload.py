@@ -31,6 +31,7 @@ from infermeter.config import DEFAULT_CONFIG, Config
 from infermeter.serving import free_port
 from infermeter.writers import Writer, issue
 from tests.alerts_autoscale.test_inputs import COLLECTOR_PAGE
+from tests.servers import stop_process
 
 ROOT = Path(__file__).parents[2]
 ADMIN = {"authorization": "Bearer im-demo-admin"}
@@ -99,15 +100,6 @@ def start(argv: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[s
     )
 
 
-def stop(process: subprocess.Popen[str]) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 @pytest.fixture(scope="module")
 def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     """Billing and the autoscaler, each on a file of its own, sharing a writer secret only: the
@@ -153,8 +145,8 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
             scaler, f"http://127.0.0.1:{port}/metrics", billing, path, data, tmp / "autoscale-spool"
         )
     finally:
-        stop(scaler)
-        stop(bill)
+        stop_process(scaler, grace=15)
+        stop_process(bill, grace=15)
         page.shutdown()
         page.server_close()
 

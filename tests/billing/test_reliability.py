@@ -20,7 +20,7 @@ from infermeter.config import DEFAULT_CONFIG, Config
 from infermeter.serving import free_port
 from sidecar.app import Sidecar
 from simulator.replica import ReplicaSim, replica_spec
-from tests.servers import serving
+from tests.servers import serving, stop_process, wait_healthy
 
 INGEST_TOKEN = "im-demo-ingest"
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hello there"}]}
@@ -49,18 +49,13 @@ def _config(tmp_path: Path, upstream: str, billing_port: int) -> tuple[Path, Con
 
 def _start_billing(path: Path, port: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen([sys.executable, "-m", "infermeter", "billing", "--config", str(path)])
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise AssertionError(f"billing exited with {proc.returncode}")
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("billing did not come up in 30 s")
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", what="billing")
+    except AssertionError:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
 
 
 @pytest.mark.timeout(240)
@@ -105,12 +100,7 @@ async def test_kill_9_of_billing_loses_nothing_and_counts_nothing_twice(tmp_path
                 await asyncio.sleep(0.5)
             assert sidecar.spool.backlog == 0, "the spool did not drain into billing"
     finally:
-        billing.send_signal(signal.SIGTERM)
-        try:
-            billing.wait(20)
-        except subprocess.TimeoutExpired:
-            billing.kill()
-            billing.wait()
+        stop_process(billing, grace=20)
     con = duckdb.connect(str(tmp_path / "ledger.duckdb"), read_only=True)
     ids = [r[0] for r in con.execute("SELECT request_id FROM usage").fetchall()]
     requests = con.execute("SELECT sum(requests) FROM usage_slots").fetchone()

@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from infermeter.serving import free_port
 from infermeter.spooldir import SpoolLock
 from sidecar.app import Sidecar
 from simulator.replica import ReplicaSim, replica_spec
-from tests.servers import serving
+from tests.servers import serving, sidecar_process
 from tests.sidecar.conftest import KEYS, make_config
 
 INGEST = "im-demo-ingest"
@@ -224,30 +223,7 @@ def _sidecar_config(tmp_path: Path, upstream: str, listen: str, billing_port: in
 
 def _start_sidecar(config: Path, url: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, **POD, "INFERMETER_INGEST_TOKEN": INGEST}
-    command = [
-        sys.executable,
-        "-m",
-        "infermeter",
-        "sidecar",
-        "--config",
-        str(config),
-        "--replica",
-        "small-0",
-    ]
-    proc = subprocess.Popen(command, env=env)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise AssertionError(f"the sidecar exited with {proc.returncode}")
-        time.sleep(0.1)
-    proc.kill()
-    proc.wait()
-    raise AssertionError("the sidecar did not come up in 30 s")
+    return sidecar_process(str(config), url, env=env)
 
 
 @pytest.mark.timeout(180)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -51,7 +50,7 @@ from infermeter.spool import read_segment
 from infermeter.statement import Statement
 from simulator.dcgm import node_exporters
 from tests.ports import off_demo_ports
-from tests.servers import serving
+from tests.servers import serving, stop_process
 
 GROUP = "small-0"
 OWNER = "research"  # the group's idle goes to its owner, a team that sends no traffic
@@ -160,18 +159,7 @@ def process(
     try:
         yield proc
     finally:
-        stop(proc)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM and wait; SIGKILL if it does not end in time."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        stop_process(proc, grace=30)
 
 
 async def until(what: str, check: Callable[[], Awaitable[bool]]) -> None:
@@ -368,8 +356,8 @@ async def scale_under_traffic(tmp_path: Path) -> Run:
         await until("every lifetime closed in the registry", all_stopped)
         await until("every record shipped", shipped)
         lifetimes = await registry()
-        stop(collector)
-        stop(billing)
+        stop_process(collector, grace=30)
+        stop_process(billing, grace=30)
     months = sorted({first_month, time.strftime("%Y-%m", time.gmtime(stopped_at))})
     return Run(config, seen, tally, lifetimes, months)
 

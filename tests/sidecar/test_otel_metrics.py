@@ -27,7 +27,7 @@ from sidecar.app import Sidecar
 from sidecar.otel_metrics import DURATION_BOUNDS, TOKEN_BOUNDS, TPOT_BOUNDS, TTFT_BOUNDS
 from simulator.replica import ReplicaSim, replica_spec
 from tests.otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver, Point
-from tests.servers import serving
+from tests.servers import serving, sidecar_process, stop_process
 from tests.sidecar.conftest import KEYS, METRICS_TOKEN, make_config
 
 CHAT = {
@@ -124,7 +124,7 @@ def assert_agree(points: list[Point], page_text: str) -> None:
 
 
 @contextlib.contextmanager
-def sidecar_process(tmp_path: Path, upstream_port: int, env: dict[str, str]) -> Iterator[str]:
+def otel_sidecar(tmp_path: Path, upstream_port: int, env: dict[str, str]) -> Iterator[str]:
     """``infermeter sidecar`` in front of the replica at ``upstream_port``; yields its URL."""
     port = free_port()
     data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
@@ -135,33 +135,12 @@ def sidecar_process(tmp_path: Path, upstream_port: int, env: dict[str, str]) -> 
     config = tmp_path / "infermeter.yaml"
     config.write_text(yaml.safe_dump(data))
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "INFERMETER"))}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "infermeter",
-            "sidecar",
-            "--config",
-            str(config),
-            "--replica",
-            "small-0",
-        ],
-        env={**clean, **env},
-    )
+    url = f"http://127.0.0.1:{port}"
+    proc = sidecar_process(str(config), url, env={**clean, **env})
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=0.5).status_code == 200:
-                    break
-            assert proc.poll() is None, "the sidecar exited"
-            assert time.monotonic() < deadline, "the sidecar did not start in 30 s"
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-        proc.wait(30)
+        stop_process(proc, grace=30)
 
 
 def replica(upstream_port: int) -> ReplicaSim:
@@ -177,7 +156,7 @@ async def test_a_sidecar_started_with_the_otel_variables_pushes_the_genai_metric
     with OtlpHttpReceiver() as receiver:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.url
         async with serving(replica(up), up):
-            with sidecar_process(tmp_path, up, env) as url:
+            with otel_sidecar(tmp_path, up, env) as url:
                 await traffic(url)
                 page = await metrics_page(url)
                 assert not receiver.metrics, "nothing is sent before the interval, but at exit"

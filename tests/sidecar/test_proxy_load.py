@@ -24,7 +24,7 @@ from infermeter.serving import free_port
 from infermeter.spool import read_segment
 from infermeter.wire import ARROW_STREAM, decode_arrow
 from simulator.replica import ReplicaSim, replica_spec
-from tests.servers import serving
+from tests.servers import serving, sidecar_process, stop_process
 from tests.sidecar.conftest import KEYS, METRICS_TOKEN, make_config
 
 # The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
@@ -65,7 +65,7 @@ async def test_a_thousand_concurrent_streams_without_error(tmp_path):
     proc = None
     try:
         await asyncio.to_thread(_wait_up, f"{upstream}/health")
-        proc = await asyncio.to_thread(_start_sidecar, path, url)
+        proc = await asyncio.to_thread(sidecar_process, str(path), url)
         limits = httpx.Limits(max_connections=1100, max_keepalive_connections=1100)
         async with httpx.AsyncClient(
             base_url=url,
@@ -84,9 +84,7 @@ async def test_a_thousand_concurrent_streams_without_error(tmp_path):
             results = await asyncio.gather(*(one() for _ in range(1000)))
     finally:
         for p in (proc, sim):
-            if p is not None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(20)
+            stop_process(p)
     assert sum(results) == 1000
     records = [
         r
@@ -212,27 +210,6 @@ def _sidecar_config(
     return path
 
 
-def _start_sidecar(config: Path, url: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "infermeter",
-            "sidecar",
-            "--config",
-            str(config),
-            "--replica",
-            "small-0",
-        ]
-    )
-    try:
-        _wait_up(f"{url}/healthz")
-    except AssertionError:
-        proc.kill()
-        raise
-    return proc
-
-
 async def test_kill_9_loses_no_completed_response_and_duplicates_none(tmp_path):
     """Records of every response a client saw complete survive kill -9, once each, and ship after restart."""
     up_port, side_port = free_port(), free_port()
@@ -271,7 +248,7 @@ async def test_kill_9_loses_no_completed_response_and_duplicates_none(tmp_path):
     sim = ReplicaSim(replica_spec(config, "small-0"))
     async with serving(sim, up_port), serving(ingest, lifespan="off") as ingest_url:
         path = _sidecar_config(tmp_path, upstream, f"127.0.0.1:{side_port}", None)
-        proc = await asyncio.to_thread(_start_sidecar, path, url)
+        proc = await asyncio.to_thread(sidecar_process, str(path), url)
         completed: list[str] = []
         async with httpx.AsyncClient(
             base_url=url,
@@ -309,7 +286,7 @@ async def test_kill_9_loses_no_completed_response_and_duplicates_none(tmp_path):
         assert len(spooled) == len(set(spooled))
         # Restart with billing configured: everything spooled is shipped, each id once.
         path = _sidecar_config(tmp_path, upstream, f"127.0.0.1:{side_port}", ingest_url)
-        proc = await asyncio.to_thread(_start_sidecar, path, url)
+        proc = await asyncio.to_thread(sidecar_process, str(path), url)
         try:
             deadline = time.monotonic() + 20
             segments = (tmp_path / "spool" / "small-0").glob
@@ -328,12 +305,7 @@ async def test_kill_9_loses_no_completed_response_and_duplicates_none(tmp_path):
                 and sample.labels.get("status") == "interrupted"
             )
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, grace=10)
     # Besides what was spooled, only the requests running at the kill, made from the journal.
     assert set(spooled) <= set(received)
     assert {statuses[r] for r in set(received) - set(spooled)} <= {"interrupted"}

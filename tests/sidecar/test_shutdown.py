@@ -11,7 +11,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,7 +26,7 @@ from infermeter.config import DEFAULT_CONFIG, Config
 from infermeter.serving import free_port
 from sidecar.drain import drain
 from simulator.replica import ReplicaSim, replica_spec
-from tests.servers import running, serving
+from tests.servers import running, serving, sidecar_process, stop_process
 from tests.sidecar.conftest import KEYS
 
 # The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
@@ -84,27 +83,7 @@ class Fleet:
     def start_sidecar(self) -> subprocess.Popen[bytes]:
         """A sidecar process, once it answers /healthz."""
         env = {**os.environ, "INFERMETER_INGEST_TOKEN": INGEST_TOKEN}
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "infermeter",
-                "sidecar",
-                "--config",
-                str(self.config_path),
-                "--replica",
-                "small-0",
-            ],
-            env=env,
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/healthz", timeout=0.5).status_code == 200:
-                    return proc
-            time.sleep(0.1)
-        proc.kill()
-        raise AssertionError("the sidecar did not come up in 30 s")
+        return sidecar_process(str(self.config_path), self.url, env=env)
 
     def client(self) -> httpx.AsyncClient:
         """A client of team search, with room for every test's streams."""
@@ -151,18 +130,6 @@ class _Counting:
         await self.app(scope, receive, send)
 
 
-def stop(proc: subprocess.Popen[bytes]) -> int:
-    """SIGTERM, and SIGKILL if it is not gone in 30 s; its exit status."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
-
-
 def content_events(body: bytes) -> int:
     """Generated-token events in an SSE body (not vLLM's empty role chunk)."""
     return sum(1 for e in body.split(b"\n\n") if b'"content":"' in e and b'"role"' not in e)
@@ -207,7 +174,7 @@ async def test_kill_9_under_load_leaves_a_record_of_every_admitted_request(tmp_p
                 await asyncio.sleep(0.2)
         finally:
             # In a thread: billing runs on this event loop and must take the sidecar's last shipment.
-            await asyncio.to_thread(stop, proc)
+            await asyncio.to_thread(stop_process, proc, 30)
     rows = fleet.ledger()
     billable = [r for r in rows if r["status"] in BILLABLE]
     interrupted = [r for r in billable if r["status"] == "interrupted"]
@@ -267,7 +234,7 @@ async def test_sigterm_drains_streams_records_all_and_ships_the_spool(tmp_path):
             exit_status = await asyncio.to_thread(proc.wait, 30)
             exited_after = time.monotonic() - stopped_at
         finally:
-            await asyncio.to_thread(stop, proc)
+            await asyncio.to_thread(stop_process, proc, 30)
     assert ready.status_code == 503
     assert refused.status_code == 503
     assert refused.headers["retry-after"] == "1"
