@@ -846,11 +846,14 @@ class Ledger:
         lo, hi = _slot_range(month)
         h0, h1 = lo // hourly.HOUR_SLOTS, hi // hourly.HOUR_SLOTS
         in_month = f"hour >= {h0} AND hour < {h1}"
-        dirty = [
-            int(h)
-            for (h,) in cur.execute(f"SELECT hour FROM hours_dirty WHERE {in_month}").fetchall()
-        ]
-        fresh = "hour IN (SELECT hour FROM hours_dirty)"
+        built = cur.execute("SELECT heartbeat_seconds FROM hours_built").fetchall()
+        if built and float(built[0][0]) == self.heartbeat_seconds:
+            stale = f"SELECT hour FROM hours_dirty WHERE {in_month}"
+            fresh = "hour IN (SELECT hour FROM hours_dirty)"
+        else:  # rows built under another heartbeat, or none built yet: every hour is stale
+            stale = f"SELECT DISTINCT slot // {hourly.HOUR_SLOTS} FROM gpu_slots WHERE slot >= {lo} AND slot < {hi}"
+            fresh = "true"
+        dirty = [int(h) for (h,) in cur.execute(stale).fetchall()]
         cur.execute("CREATE OR REPLACE TEMP TABLE _fresh_costs AS SELECT * FROM cost_hours LIMIT 0")
         cur.execute(
             "CREATE OR REPLACE TEMP TABLE _fresh_shares AS SELECT * FROM share_hours LIMIT 0"

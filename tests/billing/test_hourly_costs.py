@@ -28,20 +28,12 @@ from tests.billing.conftest import OCT, batch, gpu_samples, usage
 from tests.billing.fleet_month import Group, Month, Stream, month_config, run
 from tests.billing.minute_allocation import minute_claims, minute_month_sql
 from tests.billing.test_statement_rollups import random_records, random_samples
+from tests.conftest import config_ledger
 
 MONTH = "2026-10"
 PEAK_HOURS = range(8, 20)
 HOUR = 3600.0
 NOW = OCT + 40 * 86400
-
-
-def config_ledger(config: Config) -> Ledger:
-    """An in-memory ledger for ``config``'s teams and models."""
-    return Ledger.open(
-        ":memory:",
-        [t.name for t in config.teams],
-        {m.name: m.sla.ttft_p95_seconds for m in config.models},
-    )
 
 
 def _with_pools(config: Config) -> Config:
@@ -160,6 +152,47 @@ def test_an_invoice_basis_from_hourly_rows_is_the_minute_one(fleet: tuple[Config
     _same_cents(_hourly(ledger, policy, pools), _oracle(ledger, policy, pools))
 
 
+def test_rows_of_another_heartbeat_are_never_read(config: Config) -> None:
+    """A pod whose sidecar went silent at 02:00 while its GPU stayed busy until 04:00 ends a
+    heartbeat after its last one: opened with another heartbeat, the ledger's statement is the
+    per-minute one under it before any rebuild, and after it."""
+    ledger = config_ledger(config, heartbeat_seconds=600.0)
+    policy = policy_from_config(config)
+    pod: dict[str, Any] = {
+        "instance": "small-0-q",
+        "replica": "small-0",
+        "model": "chat-small",
+        "node": "node-b",
+        "gpu_model": "L40S",
+        "gpu_count": 1,
+        "gpus": "0",
+        "started_at": OCT + HOUR,
+    }
+    events = [
+        {**pod, "event_id": "q-start", "event": "start", "timestamp": OCT + HOUR},
+        {**pod, "event_id": "q-beat", "event": "heartbeat", "timestamp": OCT + 2 * HOUR},
+    ]
+    ledger.ingest(batch("instances", events), now=NOW)
+    samples = gpu_samples("small-0", OCT + HOUR, 3 * HOUR, every=60.0)
+    for sample in samples:
+        sample["instance"] = "small-0-q"
+    ledger.ingest(batch("gpu_samples", samples), now=NOW)
+    work = [usage("search", OCT + HOUR + 60 * m, 50.0, instance="small-0-q") for m in range(58)]
+    ledger.ingest(batch("usage", work), now=NOW)
+    ledger.refresh_hours()
+    ten_minutes = _hourly(ledger, policy)
+    ledger.heartbeat_seconds = 60.0
+    want = _oracle(ledger, policy)
+    assert cents(want.fleet_microcents) == cents(ten_minutes.fleet_microcents)
+    assert not cents_lines(MONTH, merged(want.lines)).equals(
+        cents_lines(MONTH, merged(ten_minutes.lines))
+    )  # nine minutes moved from the pod to unallocated
+    _same_cents(_hourly(ledger, policy), want)
+    ledger.refresh_hours()
+    _same_cents(_hourly(ledger, policy), want)
+    ledger.close()
+
+
 def _pool_costs(allocation: Allocation) -> dict[str, float]:
     use = allocation.pools.group_by("pool").agg(pl.col("compute_usd").sum())
     return dict(zip(use["pool"].to_list(), use["compute_usd"].to_list(), strict=True))
@@ -251,10 +284,13 @@ def test_a_lifetime_that_moves_its_end_dirties_the_hours_between(config: Config)
 def test_a_new_heartbeat_setting_rebuilds_every_hour(config: Config, random_ledger: Ledger) -> None:
     """Lifetimes end by the heartbeat, so a ledger opened with another one rebuilds all hours."""
     ledger = random_ledger
+    policy = policy_from_config(config)
     ledger.refresh_hours()
     assert ledger.refresh_hours() == 0
     ledger.heartbeat_seconds = ledger.heartbeat_seconds * 2
+    before = _hourly(ledger, policy)  # the rows of the old heartbeat are not read
     assert ledger.refresh_hours() >= 8
+    _same_cents(before, _hourly(ledger, policy))
 
 
 def test_rows_follow_hours_and_keys_not_requests(config: Config) -> None:
