@@ -30,6 +30,7 @@ functions; the ledger runs it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -40,6 +41,7 @@ __all__ = [
     "COST_COLUMNS",
     "DIRTY_ALL",
     "HOUR_SLOTS",
+    "REBUILD_HOURS",
     "SHARE_COLUMNS",
     "HourRows",
     "alive_sql",
@@ -51,6 +53,8 @@ __all__ = [
 ]
 
 HOUR_SLOTS: Final = HOUR_SECONDS // SLOT_SECONDS
+# The longest run of hours one rebuild transaction works on: a month.
+REBUILD_HOURS: Final = 31 * 24
 COST_COLUMNS: Final = (
     "hour",
     "replica",
@@ -175,15 +179,17 @@ WHERE m.occupied > 0
 GROUP BY ALL"""
 
 
-def runs(hours: list[int], longest: int = 31 * 24) -> list[tuple[int, int]]:
-    """``hours`` as [first, after-last) runs of consecutive hours, none longer than ``longest``.
+def runs(hours: Iterable[int], longest: int | None = None) -> list[tuple[int, int]]:
+    """``hours`` as [first, after-last) runs of consecutive hours, in order, none longer than
+    ``longest`` when given.
 
-    A rebuild works a run at a time, so a backlog of dirty hours (a ledger upgraded, a late
-    batch for a week ago) is rebuilt in pieces of at most a month's minutes.
+    A rebuild works a run at a time (``REBUILD_HOURS`` at most), so a backlog of dirty hours (a
+    ledger upgraded, a late batch for a week ago) is rebuilt in pieces of at most a month's
+    minutes.
     """
     out: list[tuple[int, int]] = []
     for h in sorted(set(hours)):
-        if out and out[-1][1] == h and h - out[-1][0] < longest:
+        if out and out[-1][1] == h and (longest is None or h - out[-1][0] < longest):
             out[-1] = (out[-1][0], h + 1)
         else:
             out.append((h, h + 1))

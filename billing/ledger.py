@@ -858,7 +858,7 @@ class Ledger:
         cur.execute(
             "CREATE OR REPLACE TEMP TABLE _fresh_shares AS SELECT * FROM share_hours LIMIT 0"
         )
-        for first, after in hourly.runs(dirty):
+        for first, after in hourly.runs(dirty, hourly.REBUILD_HOURS):
             self._build_hours(cur, first, after, "_fresh_costs", "_fresh_shares")
         rows = hourly.HourRows(
             f"(SELECT * FROM cost_hours WHERE {in_month} AND NOT {fresh} UNION ALL BY NAME SELECT * FROM _fresh_costs)",
@@ -912,7 +912,7 @@ class Ledger:
                 cur.execute("DELETE FROM hours_built")
                 cur.execute("INSERT INTO hours_built VALUES (?)", [self.heartbeat_seconds])
             dirty = [int(h) for (h,) in cur.execute("SELECT hour FROM hours_dirty").fetchall()]
-        for first, after in hourly.runs(dirty):
+        for first, after in hourly.runs(dirty, hourly.REBUILD_HOURS):
             with self.writing() as cur:
                 span = f"hour >= {first} AND hour < {after}"
                 cur.execute(f"DELETE FROM cost_hours WHERE {span}")

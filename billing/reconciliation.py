@@ -70,6 +70,7 @@ import polars as pl
 from billing import hangups, unreconciled
 from billing.allocation import LINE_COLUMNS, MONEY, Policy
 from billing.charges import CASH
+from billing.hourly import runs
 from billing.ingest_sql import (
     BILLABLE,
     ENGINE_PROMPT_SQL,
@@ -396,13 +397,7 @@ ORDER BY hour, instance"""
 
 def hour_runs(hours: Sequence[int]) -> list[tuple[int, int]]:
     """Consecutive ``hours`` as [first, after-last) runs, in order."""
-    runs: list[tuple[int, int]] = []
-    for h in sorted(set(hours)):
-        if runs and runs[-1][1] == h:
-            runs[-1] = (runs[-1][0], h + 1)
-        else:
-            runs.append((h, h + 1))
-    return runs
+    return runs(hours)
 
 
 def rollup_reconciliation_sql(
