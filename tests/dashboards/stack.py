@@ -11,7 +11,7 @@ import http.server
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +23,20 @@ from billing.api import create_app as billing_app
 from billing.ledger import Ledger
 from dashboards.serve import dashboard_server
 from dashboards.wsgi import WsgiServer
-from infermeter.config import Config
+from infermeter.config import DEFAULT_CONFIG, Config, DashboardSettings, load_config
 from infermeter.serving import free_port, server as serve
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
+
+
+def dashboard_config(environ: Mapping[str, str] | None = None, **dashboard: Any) -> Config:
+    """The demo configuration (``environ`` its only environment overrides) with a dashboard of
+    ``dashboard`` settings that refreshes only when asked, so a page changes only when a test
+    makes it."""
+    config = load_config(DEFAULT_CONFIG, environ=environ or {})
+    settings = DashboardSettings(refresh_seconds=3600, **dashboard)
+    return config.model_copy(update={"dashboard": settings})
 
 
 @contextlib.contextmanager

@@ -25,11 +25,17 @@ from billing.ledger import Ledger
 from dashboards.formatting import MISSING, parse_number
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
-from infermeter.config import Config, DashboardSettings, load_config
+from infermeter.config import Config
 from infermeter.months import month_of
 from tests.dashboards import records
 from tests.dashboards.records import ADMIN_KEY, REPLICAS, TEAM_KEYS
-from tests.dashboards.stack import billing_thread, chromium, dashboard_thread, metrics_thread
+from tests.dashboards.stack import (
+    billing_thread,
+    chromium,
+    dashboard_config,
+    dashboard_thread,
+    metrics_thread,
+)
 
 # Half-hour offset and no daylight saving: a time shown in UTC or off by whole hours is caught.
 VIEWER_TZ = "Asia/Kolkata"
@@ -57,10 +63,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     fleet = records.build(records.recent_start())
     with contextlib.ExitStack() as stack:
         metrics = stack.enter_context(metrics_thread(DESIRED))
-        config = load_config(None, environ={})
-        config = config.model_copy(
-            update={"dashboard": DashboardSettings(metrics_urls=[metrics], refresh_seconds=3600)}
-        )
+        config = dashboard_config(metrics_urls=[metrics])
         ledger = records.open_ledger(config, tmp / "ledger.duckdb", fleet)
         stack.callback(ledger.close)
         billing = stack.enter_context(billing_thread(config, ledger))

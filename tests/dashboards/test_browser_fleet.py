@@ -22,11 +22,12 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from billing.ledger import Ledger
-from infermeter.config import Config, DashboardSettings, load_config
+from infermeter.config import Config
 from infermeter.ids import sample_id
 from infermeter.records import InstanceEvent, ScalingDecision, UsageRecord
+from tests.conftest import config_ledger
 from tests.dashboards.records import ADMIN_KEY, TEAM_KEYS
-from tests.dashboards.stack import billing_thread, chromium, dashboard_thread
+from tests.dashboards.stack import billing_thread, chromium, dashboard_config, dashboard_thread
 
 _ids = itertools.count()
 # The charts of requests by model: each must agree with the range's totals.
@@ -53,15 +54,13 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[webdriver.Chro
 @pytest.fixture
 def config() -> Config:
     """The demo configuration; the dashboard refreshes only when asked, and scrapes no gauge."""
-    config = load_config(None, environ={})
-    return config.model_copy(update={"dashboard": DashboardSettings(refresh_seconds=3600)})
+    return dashboard_config()
 
 
 @contextlib.contextmanager
 def page(config: Config, browser: webdriver.Chrome, tmp: Path) -> Iterator[Page]:
     """A fresh ledger file, billing over it and the dashboard over billing."""
-    sla = {m.name: m.sla.ttft_p95_seconds for m in config.models}
-    ledger = Ledger.open(tmp / "ledger.duckdb", [t.name for t in config.teams], sla)
+    ledger = config_ledger(config, tmp / "ledger.duckdb")
     try:
         with billing_thread(config, ledger) as billing, dashboard_thread(config, billing) as url:
             yield Page(ledger, url, browser, tmp)

@@ -27,11 +27,16 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from billing.chargeback import Chargeback
 from dashboards.formatting import MISSING, parse_number
-from infermeter.config import DashboardSettings, load_config
 from infermeter.months import month_bounds, month_of
 from tests.dashboards import rich
 from tests.dashboards.records import ADMIN_KEY, TEAM_KEYS
-from tests.dashboards.stack import billing_thread, chromium, dashboard_thread, metrics_thread
+from tests.dashboards.stack import (
+    billing_thread,
+    chromium,
+    dashboard_config,
+    dashboard_thread,
+    metrics_thread,
+)
 from tests.dashboards.test_browser import DESIRED, VIEWER_TZ, Stack, column, sign_in, wait
 
 PAGES = {
@@ -93,10 +98,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with contextlib.ExitStack() as stack:
         prometheus = stack.enter_context(rich.alerting_prometheus(tmp))
         metrics = stack.enter_context(metrics_thread(DESIRED))
-        settings = DashboardSettings(
-            metrics_urls=[metrics], prometheus_url=prometheus, refresh_seconds=3600
-        )
-        config = load_config(None, environ={}).model_copy(update={"dashboard": settings})
+        config = dashboard_config(metrics_urls=[metrics], prometheus_url=prometheus)
         ledger, fleet = rich.open_ledger(config, tmp / "ledger.duckdb")
         stack.callback(ledger.close)
         billing = stack.enter_context(billing_thread(config, ledger))

@@ -10,11 +10,10 @@ import pytest
 
 from billing.ledger import Ledger
 from dashboards.formatting import parse_number
-from infermeter.config import DashboardSettings, load_config
 from infermeter.months import month_bounds, month_of
 from tests.billing.conftest import batch, gpu_samples, usage
 from tests.dashboards.records import TEAM_KEYS
-from tests.dashboards.stack import billing_thread, chromium, dashboard_thread
+from tests.dashboards.stack import billing_thread, chromium, dashboard_config, dashboard_thread
 from tests.dashboards.test_browser import VIEWER_TZ, Stack, column, sign_in, wait
 
 
@@ -23,8 +22,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Billing and the dashboard over this month's use of search (two projects, two users) and
     assistant, and a headless Chromium."""
     tmp = tmp_path_factory.mktemp("tags")
-    config = load_config(None, environ={"INFERMETER__TEAMS__SEARCH__PROJECTS": "[alpha, beta]"})
-    config = config.model_copy(update={"dashboard": DashboardSettings(refresh_seconds=3600)})
+    config = dashboard_config({"INFERMETER__TEAMS__SEARCH__PROJECTS": "[alpha, beta]"})
     now = time.time()
     start = max(now - 1800, month_bounds(month_of(now))[0])
     records = [

@@ -35,11 +35,11 @@ from dashboards.app import create_app
 from dashboards.headers import installed_headers
 from dashboards.sessions import Sessions
 from dashboards.wsgi import WsgiServer
-from infermeter.config import Config, DashboardSettings, OidcSettings, load_config
+from infermeter.config import Config, OidcSettings
 from infermeter.http_guard import DEFAULT_LIMITS
 from infermeter.serving import free_port
 from tests.dashboards import records
-from tests.dashboards.stack import billing_thread, chromium, wsgi_thread
+from tests.dashboards.stack import billing_thread, chromium, dashboard_config, wsgi_thread
 
 CLIENT_ID = "infermeter-dashboard"
 SECRET_ENV = "TEST_OIDC_CLIENT_SECRET"
@@ -131,10 +131,7 @@ def sso_config(issuer: str, session_seconds: float = 3600) -> Config:
         groups=GROUPS,
         session_seconds=session_seconds,
     )
-    config = load_config(None, environ={})
-    return config.model_copy(
-        update={"dashboard": DashboardSettings(refresh_seconds=3600, oidc=oidc)}
-    )
+    return dashboard_config(oidc=oidc)
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,15 @@ from selenium.webdriver.support.ui import WebDriverWait
 from billing.chargeback import Chargeback
 from dashboards.formatting import MISSING, parse_number, usd
 from infermeter.cli import main
-from infermeter.config import DashboardSettings, load_config
 from tests.dashboards import records
 from tests.dashboards.records import ADMIN_KEY, TEAM_KEYS
-from tests.dashboards.stack import billing_thread, chromium, dashboard_thread, metrics_thread
+from tests.dashboards.stack import (
+    billing_thread,
+    chromium,
+    dashboard_config,
+    dashboard_thread,
+    metrics_thread,
+)
 from tests.dashboards.test_browser import DESIRED, VIEWER_TZ, Stack, sign_in, wait
 
 PAGES = {
@@ -71,9 +76,7 @@ def stack(
         fleet = records.Fleet(fleet.start, [], [], [])
     with contextlib.ExitStack() as stack:
         metrics = stack.enter_context(metrics_thread(DESIRED))
-        config = load_config(None, environ={}).model_copy(
-            update={"dashboard": DashboardSettings(metrics_urls=[metrics], refresh_seconds=3600)}
-        )
+        config = dashboard_config(metrics_urls=[metrics])
         ledger = records.open_ledger(config, tmp / "ledger.duckdb", fleet)
         stack.callback(ledger.close)
         billing = stack.enter_context(billing_thread(config, ledger))

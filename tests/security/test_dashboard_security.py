@@ -38,11 +38,11 @@ from dashboards.throttle import (
     locked_message,
 )
 from dashboards.wsgi import WsgiServer
-from infermeter.config import Config, DashboardSettings, load_config
+from infermeter.config import Config
 from infermeter.serving import free_port
 from tests.dashboards import records
 from tests.dashboards.records import ADMIN_KEY
-from tests.dashboards.stack import billing_thread, chromium, wsgi_thread
+from tests.dashboards.stack import billing_thread, chromium, dashboard_config, wsgi_thread
 
 HEADERS = {
     "x-frame-options": "DENY",
@@ -80,8 +80,7 @@ def dashboard(
 
 @pytest.fixture(scope="module")
 def config() -> Config:
-    config = load_config(None, environ={})
-    return config.model_copy(update={"dashboard": DashboardSettings(refresh_seconds=3600)})
+    return dashboard_config()
 
 
 @pytest.fixture(scope="module")
