@@ -8,7 +8,8 @@ from typing import Any
 
 import orjson
 
-from infermeter.records import RequestStatus, UsageRecord
+from infermeter.ids import sample_id
+from infermeter.records import InstanceEvent, RequestStatus, ScalingDecision, UsageRecord
 
 # 2026-10-01 00:00:00 UTC: a month that has ended, so it can be closed.
 OCT = 1790812800.0
@@ -79,6 +80,60 @@ def gpu_samples(
         )
         t += every
     return out
+
+
+def instance_event(
+    instance: str,
+    kind: str,
+    t: float,
+    started_at: float,
+    *,
+    event_id: str | None = None,
+    replica: str = "small-0",
+    model: str = "chat-small",
+    node: str = "node-b",
+    **fields: Any,
+) -> dict[str, Any]:
+    """An event ``kind`` at ``t`` of ``instance`` (one L40S, started at ``started_at``), as its
+    sidecar writes it: the sidecar's own ``InstanceEvent.to_json``.
+
+    ``fields`` are the event's optional fields (``gpus``, ``engine_metrics_url``, ...); the id
+    is ``ev-N`` unless ``event_id`` says otherwise.
+    """
+    return InstanceEvent(
+        event_id=event_id or f"ev-{next(_ids)}",
+        instance=instance,
+        replica=replica,
+        model=model,
+        event=kind,
+        timestamp=t,
+        started_at=started_at,
+        node=node,
+        gpu_model="L40S",
+        gpu_count=1,
+        **fields,
+    ).to_json()
+
+
+def scaling_decision(
+    at: float, previous: int, desired: int, reasons: str, model: str = "chat-small"
+) -> dict[str, Any]:
+    """The autoscaler's change of ``model`` from ``previous`` replicas to ``desired`` at ``at``,
+    as it spools it: its own ``ScalingDecision.to_json``."""
+    return ScalingDecision(
+        decision_id=sample_id(at, "scale", model),
+        model=model,
+        decided_at=at,
+        previous=previous,
+        current=previous,
+        desired=desired,
+        reasons=reasons,
+    ).to_json()
+
+
+def bearer(key: str) -> dict[str, str]:
+    """The header that presents ``key`` (an API key or token) to a service."""
+    return {"authorization": f"Bearer {key}"}
 
 
 def batch(kind: str, records: list[Any]) -> bytes:

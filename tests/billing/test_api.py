@@ -19,15 +19,11 @@ from infermeter.records import USAGE
 from infermeter.shipper import Shipper
 from infermeter.spool import Spool
 from infermeter.wire import ARROW_STREAM, NDJSON, encode_arrow
-from tests.billing.conftest import NOV, batch, gpu_samples, ndjson, usage
+from tests.billing.conftest import NOV, batch, bearer, gpu_samples, ndjson, usage
 from tests.servers import serving
 
 ADMIN, INGEST, METRICS = "im-demo-admin", "im-demo-ingest", "im-demo-metrics"
 SEARCH, ASSISTANT = "im-demo-search", "im-demo-assistant"
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from billing.schema import USAGE_TAGS_VERSION
 from infermeter.config import DEFAULT_CONFIG, Config, load_config
 from infermeter.months import month_bounds, month_of
 from infermeter.statement import LINE_SCHEMA
-from tests.billing.conftest import NOV, batch, gpu_samples, ndjson, usage
+from tests.billing.conftest import NOV, batch, bearer, gpu_samples, ndjson, usage
 from tests.conftest import config_ledger
 from tests.dashboards.stack import billing_thread
 
@@ -316,10 +316,6 @@ def test_records_carry_user_and_project_into_the_ledger_and_its_hourly_tags(
 # -- the routes ------------------------------------------------------------------------------
 
 
-def _bearer(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
-
-
 @pytest.fixture(scope="module")
 def projects_config() -> Config:
     """The demo configuration, search with projects alpha and beta and a $0.01 budget on beta."""
@@ -360,7 +356,7 @@ def billing(projects_config: Config) -> Iterator[str]:
 
 
 def _get(url: str, key: str, path: str) -> httpx.Response:
-    return httpx.get(url + path, headers=_bearer(key), timeout=30)
+    return httpx.get(url + path, headers=bearer(key), timeout=30)
 
 
 @pytest.mark.parametrize(

@@ -13,25 +13,11 @@ from billing.chargeback import Chargeback
 from billing.ledger import Ledger
 from billing.routes.events import NO_PRICE_CHANGES
 from infermeter.config import Config
-from infermeter.ids import sample_id
-from infermeter.records import ScalingDecision
-from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
+from tests.billing.conftest import NOV, OCT, batch, gpu_samples, scaling_decision, usage
 from tests.servers import serving
 
 ADMIN, SEARCH = "im-demo-admin", "im-demo-search"
 NOW = NOV + 3 * 86400
-
-
-def decision(at: float, previous: int, desired: int, reasons: str) -> dict[str, Any]:
-    return ScalingDecision(
-        decision_id=sample_id(at, "scale", "chat-small"),
-        model="chat-small",
-        decided_at=at,
-        previous=previous,
-        current=previous,
-        desired=desired,
-        reasons=reasons,
-    ).to_json()
 
 
 @pytest.fixture
@@ -44,8 +30,8 @@ async def billing(config: Config, ledger: Ledger) -> AsyncIterator[str]:
         (
             "scaling_decisions",
             [
-                decision(NOV + 3600, 1, 2, "queue 12 > 10 for 35 s: scale up"),
-                decision(NOV + 7200, 2, 1, "GPUs 10 % busy for 5 m: scale down"),
+                scaling_decision(NOV + 3600, 1, 2, "queue 12 > 10 for 35 s: scale up"),
+                scaling_decision(NOV + 7200, 2, 1, "GPUs 10 % busy for 5 m: scale down"),
             ],
         ),
     ):

@@ -24,8 +24,7 @@ from billing.charges import ERROR_PREFIX, charge, out_of_range_model
 from billing.ledger import Ledger
 from billing.statement import cents_lines
 from infermeter.config import Config
-from infermeter.records import InstanceEvent
-from tests.billing.conftest import OCT, batch, gpu_samples, usage
+from tests.billing.conftest import OCT, batch, gpu_samples, instance_event, usage
 from tests.billing.test_allocation import CASH, money
 from tests.billing.test_reconciliation import engine_samples
 
@@ -37,19 +36,8 @@ _ids = itertools.count()
 
 def event(instance: str, kind: str, t: float, started_at: float, gpu: str) -> dict[str, Any]:
     """An instance event of small-0 (node-b, one L40S), as its sidecar writes it."""
-    return InstanceEvent(
-        event_id=f"{round(t * 1000):013d}/{instance}/{kind}/{next(_ids)}",
-        instance=instance,
-        replica="small-0",
-        model="chat-small",
-        event=kind,
-        timestamp=t,
-        started_at=started_at,
-        node="node-b",
-        gpu_model="L40S",
-        gpu_count=1,
-        gpus=gpu,
-    ).to_json()
+    event_id = f"{round(t * 1000):013d}/{instance}/{kind}/{next(_ids)}"
+    return instance_event(instance, kind, t, started_at, event_id=event_id, gpus=gpu)
 
 
 def fleet_pieces(seed: int) -> list[tuple[str, list[dict[str, Any]]]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,9 +14,8 @@ from billing.api import create_app
 from billing.fleet import fleet_view
 from billing.ledger import Ledger
 from infermeter.config import Config
-from infermeter.ids import sample_id
-from infermeter.records import MAX_DECISION_REASONS, InstanceEvent, ScalingDecision
-from tests.billing.conftest import batch, ndjson
+from infermeter.records import MAX_DECISION_REASONS
+from tests.billing.conftest import batch, bearer, instance_event, ndjson, scaling_decision
 from tests.conftest import config_ledger
 from tests.servers import serving
 
@@ -28,7 +26,6 @@ ADMIN, INGEST, METRICS, SEARCH = (
     "im-demo-search",
 )
 NOW = time.time()
-_ids = itertools.count()
 
 
 @pytest.fixture(autouse=True)
@@ -47,16 +44,8 @@ def decision(
     **changes: Any,
 ) -> dict[str, Any]:
     """One decision as the autoscaler spools it (its own ``to_json``), with ``changes``."""
-    record = ScalingDecision(
-        decision_id=sample_id(at, "scale", model),
-        model=model,
-        decided_at=at,
-        previous=previous,
-        current=previous,
-        desired=desired,
-        reasons="queue 12 > 10 for 35 s (>= 30 s): scale up",
-    ).to_json()
-    return {**record, **changes}
+    reasons = "queue 12 > 10 for 35 s (>= 30 s): scale up"
+    return {**scaling_decision(at, previous, desired, reasons, model), **changes}
 
 
 def event(
@@ -69,19 +58,7 @@ def event(
     gpus: str = "0",
 ) -> dict[str, Any]:
     """An instance event as its sidecar writes it."""
-    return InstanceEvent(
-        event_id=f"ev-{next(_ids)}",
-        instance=instance,
-        replica=replica,
-        model=model,
-        event=kind,
-        timestamp=t,
-        started_at=started_at,
-        node="node-b",
-        gpu_model="L40S",
-        gpu_count=1,
-        gpus=gpus,
-    ).to_json()
+    return instance_event(instance, kind, t, started_at, replica=replica, model=model, gpus=gpus)
 
 
 @pytest.fixture
@@ -167,10 +144,6 @@ def test_a_group_live_but_not_configured_is_listed_after_the_configured_ones(con
 
 
 # -- GET /v1/fleet ----------------------------------------------------------------------------
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,8 +19,7 @@ from billing.rounding import cents
 from billing.schema import MIGRATIONS
 from billing.statement import cents_lines
 from infermeter.config import Config
-from infermeter.records import InstanceEvent
-from tests.billing.conftest import OCT, batch, gpu_samples, usage
+from tests.billing.conftest import OCT, batch, bearer, gpu_samples, instance_event, usage
 from tests.billing.test_allocation import EXAMPLE_GPUS, EXAMPLE_USAGE
 from tests.servers import serving
 
@@ -35,24 +33,19 @@ SEARCH = "im-demo-search"
 #                                                  that never came); its GPU is seen in minute 3 too
 T0 = OCT + 3600
 MONTH = "2026-10"
-_ids = itertools.count()
 
 
 def event(instance: str, kind: str, t: float, started_at: float, **kw: Any) -> dict[str, Any]:
     """An instance event of group g, as the sidecar writes it."""
-    record = InstanceEvent(
-        event_id=f"ev-{next(_ids)}",
-        instance=instance,
+    record = instance_event(
+        instance,
+        kind,
+        t,
+        started_at,
         replica=kw.pop("replica", "g"),
-        model="chat-small",
-        event=kind,
-        timestamp=t,
-        started_at=started_at,
         node="node-a",
-        gpu_model="L40S",
-        gpu_count=1,
         gpus=f"GPU-{instance}",
-    ).to_json()
+    )
     record.update(kw)
     return record
 
@@ -282,10 +275,6 @@ def test_an_old_ledger_upgrades_and_keeps_its_statement(tmp_path):
         "search": 21,
         "assistant": 10,
     }
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
 
 
 @pytest.fixture

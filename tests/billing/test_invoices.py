@@ -25,6 +25,7 @@ import pytest
 from billing.invoices import Invoice, InvoiceError, PoolMonth, parse_invoice, split_by_month
 from billing.ledger import Ledger
 from infermeter.config import DEFAULT_CONFIG, Config, NodePool, load_config
+from tests.billing.conftest import bearer
 from tests.dashboards.stack import billing_thread
 
 ADMIN, SEARCH = "im-demo-admin", "im-demo-search"
@@ -454,15 +455,11 @@ def service(pool_config: Config) -> Iterator[Service]:
         tokens = {"admin": ADMIN, "member": SEARCH}
         with httpx.Client(base_url=url) as client:
             for role in ("finance", "viewer"):
-                made = client.post("/v1/keys", json={"role": role}, headers=_bearer(ADMIN))
+                made = client.post("/v1/keys", json={"role": role}, headers=bearer(ADMIN))
                 assert made.status_code == 201, made.text
                 tokens[role] = made.json()["key"]
         yield url, tokens, ledger
     ledger.close()
-
-
-def _bearer(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
 
 
 def test_finance_imports_over_http_and_readers_list_it(service: Service) -> None:
@@ -474,13 +471,13 @@ def test_finance_imports_over_http_and_readers_list_it(service: Service) -> None
             "/v1/invoices",
             content=FOCUS_1_0_CSV,
             params={"source": "oct.csv"},
-            headers=_bearer(tokens["finance"]) | {"content-type": "text/csv"},
+            headers=bearer(tokens["finance"]) | {"content-type": "text/csv"},
         )
         listed = client.get(
-            "/v1/invoices", params={"month": "2026-11"}, headers=_bearer(tokens["viewer"])
+            "/v1/invoices", params={"month": "2026-11"}, headers=bearer(tokens["viewer"])
         )
         trail = client.get(
-            "/v1/audit", params={"action": "invoice.imported"}, headers=_bearer(ADMIN)
+            "/v1/audit", params={"action": "invoice.imported"}, headers=bearer(ADMIN)
         )
     assert answer.status_code == 200, answer.text
     body = answer.json()
@@ -518,7 +515,7 @@ def test_only_the_admin_and_finance_import(
             "/v1/invoices",
             content=focus_1_3_parquet() if method == "POST" else None,
             params={"format": "parquet"} if method == "POST" else None,
-            headers=_bearer(tokens[caller]),
+            headers=bearer(tokens[caller]),
         )
     assert answer.status_code == status, answer.text
 
@@ -532,7 +529,7 @@ def test_a_malformed_upload_is_a_400_naming_the_row_and_keeps_nothing(service: S
             "/v1/invoices",
             content=bad,
             params={"source": "bad.csv"},
-            headers=_bearer(ADMIN) | {"content-type": "text/csv"},
+            headers=bearer(ADMIN) | {"content-type": "text/csv"},
         )
     assert answer.status_code == 400
     assert answer.json()["error"]["message"] == (

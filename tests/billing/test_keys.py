@@ -13,14 +13,11 @@ import pytest
 from billing.api import create_app
 from billing.ledger import Ledger
 from infermeter.config import Config
+from tests.billing.conftest import bearer
 from tests.conftest import config_ledger
 from tests.servers import serving
 
 ADMIN, SEARCH, SPEND = "im-demo-admin", "im-demo-search", "im-demo-spend"
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ from billing.allocation import UNALLOCATED, Policy
 from billing.ledger import Ledger
 from billing.lifetimes import HEARTBEAT_RETENTION_SECONDS, ended_sql
 from billing.schema import MIGRATIONS, new_field_sql
-from infermeter.records import KINDS, EngineSample, InstanceEvent
-from tests.billing.conftest import OCT, batch, gpu_samples
+from infermeter.records import KINDS, EngineSample
+from tests.billing.conftest import OCT, batch, gpu_samples, instance_event
 
 T0 = OCT + 3600  # on a minute boundary
 DAY = 86_400.0
@@ -27,19 +27,16 @@ _ids = itertools.count()
 
 def event(instance: str, kind: str, t: float, started_at: float, **kw: Any) -> dict[str, Any]:
     """An instance event of group g, as the sidecar writes it (ids sort by time, as its do)."""
-    record = InstanceEvent(
+    record = instance_event(
+        instance,
+        kind,
+        t,
+        started_at,
         event_id=f"{round(t * 1000):013d}/{instance}/{kind}/{next(_ids)}",
-        instance=instance,
         replica="g",
-        model="chat-small",
-        event=kind,
-        timestamp=t,
-        started_at=started_at,
         node="node-a",
-        gpu_model="L40S",
-        gpu_count=1,
         gpus=f"GPU-{instance}",
-    ).to_json()
+    )
     record.update(kw)
     return record
 

@@ -11,15 +11,11 @@ from billing.api import create_app
 from billing.ledger import Ledger
 from billing.lookup import Lookup, lookup_sql
 from infermeter.config import Config
-from tests.billing.conftest import NOV, batch, usage
+from tests.billing.conftest import NOV, batch, bearer, usage
 from tests.servers import serving
 
 ADMIN, INGEST, METRICS = "im-demo-admin", "im-demo-ingest", "im-demo-metrics"
 SEARCH, ASSISTANT = "im-demo-search", "im-demo-assistant"
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
 
 
 @pytest.fixture

@@ -21,10 +21,9 @@ import orjson
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
 from infermeter.config import Config
-from infermeter.ids import sample_id
 from infermeter.months import month_bounds, month_of
-from infermeter.records import ScalingDecision
 from tests.alerts.prometheus import running_prometheus
+from tests.billing.conftest import scaling_decision
 from tests.dashboards import records
 
 # Tokens small-0's engine counted that no usage record carries: its unattributed tokens.
@@ -93,18 +92,7 @@ def _decisions(fleet: records.Fleet) -> list[dict[str, Any]]:
         (10, 2, 3, "queue 12 > 10 for 35 s (>= 30 s): scale up"),
         (40, 3, 2, "GPUs 12 % busy for 5 m: scale down"),
     ):
-        at = fleet.start + minutes * 60
-        out.append(
-            ScalingDecision(
-                decision_id=sample_id(at, "scale", "chat-small"),
-                model="chat-small",
-                decided_at=at,
-                previous=previous,
-                current=previous,
-                desired=desired,
-                reasons=why,
-            ).to_json()
-        )
+        out.append(scaling_decision(fleet.start + minutes * 60, previous, desired, why))
     return out
 
 

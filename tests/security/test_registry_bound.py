@@ -25,12 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from billing.api import create_app
 from billing.ledger import Ledger
 from infermeter.config import Config, SharedLimitsSettings, TeamLimits
-from infermeter.ids import sample_id
-from infermeter.records import InstanceEvent, ScalingDecision
 from sidecar.limits import LimitExceeded
 from sidecar.shared_limits import SharedTeamLimiter
 from sidecar.team_limits import team_limiter
-from tests.billing.conftest import batch
+from tests.billing.conftest import batch, instance_event, scaling_decision
 from tests.conftest import config_ledger
 from tests.servers import serving
 
@@ -48,33 +46,21 @@ def _now() -> None:
 
 def _start(instance: str, started_at: float, replica: str = "small-0") -> dict[str, Any]:
     """A start event, and so a live instance, of ``replica`` (one of chat-small's groups)."""
-    return InstanceEvent(
+    return instance_event(
+        instance,
+        "start",
+        NOW - 5,
+        started_at,
         event_id=f"ev-{replica}-{instance}",
-        instance=instance,
         replica=replica,
-        model="chat-small",
-        event="start",
-        timestamp=NOW - 5,
-        started_at=started_at,
-        node="node-b",
-        gpu_model="L40S",
-        gpu_count=1,
         gpus="1",
         engine_metrics_url=f"http://10.9.9.9:9/{instance}",
-    ).to_json()
+    )
 
 
 def _asked(desired: int, previous: int = 2) -> dict[str, Any]:
     """The autoscaler's decision to run ``desired`` replicas of chat-small, from ``previous``."""
-    return ScalingDecision(
-        decision_id=sample_id(NOW - 30, "scale", "chat-small"),
-        model="chat-small",
-        decided_at=NOW - 30,
-        previous=previous,
-        current=previous,
-        desired=desired,
-        reasons="scale",
-    ).to_json()
+    return scaling_decision(NOW - 30, previous, desired, "scale")
 
 
 @pytest.fixture

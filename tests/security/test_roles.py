@@ -16,6 +16,7 @@ import pytest
 
 from billing.api import create_app
 from infermeter.config import Config
+from tests.billing.conftest import bearer
 from tests.conftest import config_ledger
 from tests.servers import serving
 
@@ -97,7 +98,7 @@ async def callers(config: Config, tmp_path: Path) -> AsyncIterator[tuple[str, di
                     ("lead", {"role": "lead", "team": "search"}),
                     ("other", {"team": "research"}),
                 ):
-                    made = await client.post("/v1/keys", json=request, headers=_bearer(ADMIN))
+                    made = await client.post("/v1/keys", json=request, headers=bearer(ADMIN))
                     assert made.status_code == 201, made.text
                     tokens[name] = made.json()["key"]
             yield url, tokens
@@ -105,16 +106,12 @@ async def callers(config: Config, tmp_path: Path) -> AsyncIterator[tuple[str, di
         ledger.close()
 
 
-def _bearer(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
-
-
 async def _ask(client: httpx.AsyncClient, method: str, route: str, token: str) -> httpx.Response:
     path, _, team = route.partition(" ")
     if method == "POST" and path == "/v1/keys":
         body = {"role": "finance"} if team == "finance" else {"team": team}
-        return await client.post(path, json=body, headers=_bearer(token))
-    return await client.request(method, path, headers=_bearer(token))
+        return await client.post(path, json=body, headers=bearer(token))
+    return await client.request(method, path, headers=bearer(token))
 
 
 async def test_each_role_may_do_exactly_what_the_role_model_says_on_every_route(callers):
@@ -137,29 +134,29 @@ async def test_a_lead_sees_and_manages_only_its_own_teams_keys(callers):
     """A lead lists its team's keys only, and may not revoke another team's nor a lead's key."""
     url, tokens = callers
     async with httpx.AsyncClient(base_url=url) as client:
-        everything = (await client.get("/v1/keys", headers=_bearer(ADMIN))).json()["keys"]
-        mine = (await client.get("/v1/keys", headers=_bearer(tokens["lead"]))).json()["keys"]
+        everything = (await client.get("/v1/keys", headers=bearer(ADMIN))).json()["keys"]
+        mine = (await client.get("/v1/keys", headers=bearer(tokens["lead"]))).json()["keys"]
         assert {k["team"] for k in everything} == {None, "search", "research"}
         assert mine
         assert {k["team"] for k in mine} == {"search"}
         research = next(k for k in everything if k["team"] == "research")
         refused = await client.post(
-            f"/v1/keys/{research['key_id']}/revoke", headers=_bearer(tokens["lead"])
+            f"/v1/keys/{research['key_id']}/revoke", headers=bearer(tokens["lead"])
         )
         assert refused.status_code == 403
         own_lead = next(k for k in mine if k["role"] == "lead")
         refused = await client.post(
-            f"/v1/keys/{own_lead['key_id']}/rotate", headers=_bearer(tokens["lead"])
+            f"/v1/keys/{own_lead['key_id']}/rotate", headers=bearer(tokens["lead"])
         )
         assert refused.status_code == 403
         made = await client.post(
-            "/v1/keys", json={"team": "search", "member": "bo"}, headers=_bearer(tokens["lead"])
+            "/v1/keys", json={"team": "search", "member": "bo"}, headers=bearer(tokens["lead"])
         )
         gone = await client.post(
-            f"/v1/keys/{made.json()['key_id']}/revoke", headers=_bearer(tokens["lead"])
+            f"/v1/keys/{made.json()['key_id']}/revoke", headers=bearer(tokens["lead"])
         )
         assert gone.status_code == 200
-        trail = (await client.get("/v1/audit", headers=_bearer(ADMIN))).json()["events"]
+        trail = (await client.get("/v1/audit", headers=bearer(ADMIN))).json()["events"]
     lead_id = own_lead["key_id"]
     assert [(e["action"], e["actor"]) for e in trail[-2:]] == [
         ("key.created", f"key:{lead_id}"),
@@ -171,9 +168,9 @@ async def test_a_team_sees_only_its_own_lines_and_finance_sees_every_teams(calle
     """The statement is cut to the caller's team for a lead; finance gets every team's lines."""
     url, tokens = callers
     async with httpx.AsyncClient(base_url=url) as client:
-        lead = (await client.get("/v1/spend", headers=_bearer(tokens["lead"]))).json()
-        finance = (await client.get("/v1/spend", headers=_bearer(tokens["finance"]))).json()
-        spend = (await client.get("/v1/spend", headers=_bearer(SPEND))).json()
+        lead = (await client.get("/v1/spend", headers=bearer(tokens["lead"]))).json()
+        finance = (await client.get("/v1/spend", headers=bearer(tokens["finance"]))).json()
+        spend = (await client.get("/v1/spend", headers=bearer(SPEND))).json()
     assert {r["team"] for r in lead} == {"search"}
     assert {r["team"] for r in finance} == {r["team"] for r in spend}
     assert len(finance) > 1

@@ -17,8 +17,9 @@ from billing.api import create_app
 from billing.ledger import Ledger
 from billing.quarantine import KnownFleet
 from infermeter.config import Config, load_config
-from infermeter.records import EngineSample, GpuSample, InstanceEvent, UsageRecord
+from infermeter.records import EngineSample, GpuSample, UsageRecord
 from infermeter.writers import Credential, Writer, issue
+from tests.billing.conftest import instance_event
 from tests.conftest import config_ledger
 from tests.servers import serving
 
@@ -106,21 +107,8 @@ def engine(node: str | None = "node-b", **kw: Any) -> dict[str, Any]:
 def event(instance: str = "small-0", replica: str = "small-0", **kw: Any) -> dict[str, Any]:
     """A start event of ``instance`` of ``replica`` on node-b, with no engine address."""
     t = time.time() - 5
-    return (
-        InstanceEvent(
-            event_id=f"ev-{time.time_ns()}-{next(_ids)}",
-            instance=instance,
-            replica=replica,
-            model="chat-small",
-            event="start",
-            timestamp=t,
-            started_at=t,
-            node="node-b",
-            gpu_model="L40S",
-            gpu_count=1,
-        ).to_json()
-        | kw
-    )
+    event_id = f"ev-{time.time_ns()}-{next(_ids)}"
+    return instance_event(instance, "start", t, t, event_id=event_id, replica=replica) | kw
 
 
 def lines(records: list[dict[str, Any]]) -> bytes:
