@@ -17,6 +17,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 COPY requirements-image.lock /src/
 RUN pip install --require-hashes -r /src/requirements-image.lock
 COPY pyproject.toml README.md /src/
+COPY launcher /src/launcher
 COPY infermeter /src/infermeter
 COPY simulator /src/simulator
 COPY sidecar /src/sidecar

@@ -44,9 +44,12 @@ FIGURES = (
 )
 PHASES = "c64_1tok,c16_json,c64_64tok,paced_500,rss_1000"
 
-_LAUNCHER = """import sys
+_LAUNCHER = """import os, sys
 sys.path.insert(0, {root!r})
-from infermeter.cli import main
+if os.path.isdir(os.path.join({root!r}, "launcher")):
+    from launcher.cli import main
+else:  # a revision from before the launcher package
+    from infermeter.cli import main
 import sidecar
 assert sidecar.__file__.startswith({root!r}), sidecar.__file__
 raise SystemExit(main(sys.argv[1:]))

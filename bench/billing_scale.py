@@ -188,7 +188,7 @@ def ingest_rate(
     tokens = [_credential(b) for b in range(batches)]
     env = {**os.environ, "INFERMETER_WRITER_SECRET": WRITER_SECRET.decode()}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "infermeter", "billing", "--config", str(path)], env=env
+        [sys.executable, "-m", "launcher", "billing", "--config", str(path)], env=env
     )
     try:
         url = f"http://127.0.0.1:{port}"

@@ -106,7 +106,7 @@ def proxies(
 ) -> Iterator[Proxies]:
     """Start the upstream and the proxies; stop them all on the way out, whatever happens.
 
-    ``launcher``: a script run instead of ``-m infermeter`` for the sidecar (as
+    ``launcher``: a script run instead of ``-m launcher`` for the sidecar (as
     ``bench.sidecar_overhead --sidecar-launcher``: ``bench/sidecar_variant.py`` and the like)."""
     base = tmp / tag
     base.mkdir()
@@ -165,7 +165,7 @@ def proxies(
                 "daemon off;",
             ],
         )
-        how = [launcher] if launcher else ["-m", "infermeter"]
+        how = [launcher] if launcher else ["-m", "launcher"]
         sidecar = start(
             "sidecar",
             [sys.executable, *how, *sidecar_args, "--listen", f"{HOST}:{ports['sidecar']}"],
@@ -380,7 +380,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="shorter windows")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument(
-        "--sidecar-launcher", help="a script run instead of -m infermeter for the sidecar"
+        "--sidecar-launcher", help="a script run instead of -m launcher for the sidecar"
     )
     parser.add_argument("--phases", help="comma-separated phases to run (default: all)")
     args = parser.parse_args()

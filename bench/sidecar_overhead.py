@@ -593,7 +593,7 @@ def stack(
 ) -> Iterator[Stack]:
     """Start replica, nginx and sidecar; stop all three on the way out, whatever happens.
 
-    ``launcher``: a Python script run instead of ``-m infermeter`` for the sidecar only, with
+    ``launcher``: a Python script run instead of ``-m launcher`` for the sidecar only, with
     the same arguments (to measure a patched sidecar, or one on another event loop);
     ``sidecar_env``: variables for the sidecar only (the OTEL_* ones of ``--otlp-metrics``)."""
     base = tmp / tag
@@ -606,7 +606,7 @@ def stack(
         NGINX_CONF.format(tmp=base, host=HOST, upstream=ports["direct"], port=ports["nginx"])
     )
     env = _env()
-    py = [sys.executable, "-m", "infermeter"]
+    py = [sys.executable, "-m", "launcher"]
     started: list[Service] = []
     try:
         replica = Service(
@@ -1405,7 +1405,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sidecar-launcher",
         metavar="SCRIPT",
         type=Path,
-        help="run `python SCRIPT sidecar ARGS` instead of `python -m infermeter sidecar ARGS` "
+        help="run `python SCRIPT sidecar ARGS` instead of `python -m launcher sidecar ARGS` "
         "(to measure a patched sidecar, or the same one on another event loop)",
     )
     parser.add_argument(

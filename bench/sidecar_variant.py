@@ -350,7 +350,7 @@ def main() -> int:
         _stamps()
     elif variant not in ("", "arena1", "malloc"):
         raise SystemExit(f"SIDECAR_VARIANT: unknown variant {variant!r}")
-    from infermeter.cli import main as run_infermeter
+    from launcher.cli import main as run_infermeter
 
     return run_infermeter(sys.argv[1:])
 

@@ -447,7 +447,7 @@ def run_benchmark(args: argparse.Namespace) -> list[Result]:
             if args.server_loop == "uvloop":
                 cmd = [sys.executable, "-c", _UVLOOP_SERVER, str(cfg), args.replica]
             else:
-                cmd = [sys.executable, "-m", "infermeter", "simulate"]
+                cmd = [sys.executable, "-m", "launcher", "simulate"]
                 cmd += ["--config", str(cfg), "--replica", args.replica]
             proc = subprocess.Popen(
                 cmd,

@@ -116,7 +116,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
     replica = subprocess.Popen(
-        [sys.executable, "-m", "infermeter", "simulate", "--replica", "small-0"],
+        [sys.executable, "-m", "launcher", "simulate", "--replica", "small-0"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

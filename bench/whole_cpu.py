@@ -50,7 +50,7 @@ def _stack(tmp: Path, via_stream: bool) -> Iterator[tuple[Service, int]]:
     replica_port, sidecar_port = free_port(HOST), free_port(HOST)
     write_config(cfg, base, replica_port, FAST)
     env = _env() | {"INFERMETER__SIDECAR__NON_STREAMED_VIA_STREAM": str(via_stream).lower()}
-    py = [sys.executable, "-m", "infermeter"]
+    py = [sys.executable, "-m", "launcher"]
     replica = Service(
         "replica",
         [*py, "simulate", "--config", str(cfg), "--replica", REPLICA],

@@ -2,7 +2,7 @@
 
 Each part of the platform adds its own subcommands in its ``cli`` module with
 ``register(subparsers)``, and needs only this module from the command line's side. The
-``infermeter`` command (``infermeter.cli``) imports every part's ``cli`` module; no part imports it
+``infermeter`` command (``launcher.cli``) imports every part's ``cli`` module; no part imports it
 back, so the packages form no cycle.
 
 Building the parser must stay cheap (``infermeter --help`` imports every ``cli`` module), so this

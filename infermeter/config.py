@@ -1133,10 +1133,20 @@ def default_config_path() -> Path:
     return Path(env) if env else DEFAULT_CONFIG
 
 
-def load_config(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
-    """Read, override from the environment, and validate one configuration file."""
+def load_config(
+    path: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, str] | None = None,
+) -> Config:
+    """Read, override from the environment, and validate one configuration file.
+
+    ``overrides``: ``INFERMETER__*`` settings a command's own arguments give (such as
+    ``simulate --seed``); they win over the environment's, as an argument wins over a variable.
+    """
     path = path or default_config_path()
     environ = os.environ if environ is None else environ
+    if overrides:
+        environ = {**environ, **overrides}
     source = str(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -1304,3 +1314,10 @@ def _describe(err: Any, raw: Any) -> str:
     if isinstance(value, dict | list):
         return f"{path or '(top level)'}: {reason}"
     return f"{path} = {value!r}: {reason}"
+
+
+def env_value(name: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The value of the environment variable ``name`` (a setting's ``*_env``); None when unset or empty."""
+    if not name:
+        return None
+    return (os.environ if environ is None else environ).get(name) or None

@@ -1,11 +1,15 @@
 """``infermeter simulate``: the simulated fleet, one of its processes, or its traffic.
 
 Imported to build the parser; the servers and the traffic generator are imported by the handler.
+The whole fleet is started as processes by the launcher, which hands its runner to ``register``
+(``run_fleet``): the simulator serves one process's part and does not know the launcher.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,11 +18,15 @@ from infermeter.commands import Subparsers, add_config, config_path, fail
 if TYPE_CHECKING:
     from infermeter.config import Config
 
-__all__ = ["register"]
+__all__ = ["FleetRunner", "register"]
 
 
-def register(subparsers: Subparsers) -> None:
-    """Add the ``simulate`` subcommand."""
+#: What runs the whole simulated fleet: the arguments, the configuration and its file's path.
+FleetRunner = Callable[[argparse.Namespace, "Config", str], int]
+
+
+def register(subparsers: Subparsers, run_fleet: FleetRunner) -> None:
+    """Add the ``simulate`` subcommand; ``run_fleet`` starts the fleet when no one part is asked."""
     sim = subparsers.add_parser(
         "simulate",
         help="run a simulated vLLM fleet and dcgm-exporter stand-ins (no GPU needed)",
@@ -61,10 +69,10 @@ def register(subparsers: Subparsers) -> None:
         "--duration", type=float, default=None, help="traffic: stop after this many seconds"
     )
     sim.add_argument("--seed", type=int, default=None, help="override simulator.seed")
-    sim.set_defaults(handler=_simulate)
+    sim.set_defaults(handler=partial(_simulate, run_fleet))
 
 
-def _simulate(args: argparse.Namespace, config: Config) -> int:
+def _simulate(run_fleet: FleetRunner, args: argparse.Namespace, config: Config) -> int:
     import asyncio
     import contextlib
 
@@ -97,9 +105,4 @@ def _simulate(args: argparse.Namespace, config: Config) -> int:
             asyncio.run(gen.run(args.duration))
         print("traffic summary:\n" + gen.summary())
         return 0
-    from infermeter import fleet
-
-    children = fleet.simulator_children(config, config_path(args))
-    if args.traffic:
-        children.append(fleet.traffic_child(config_path(args), args))
-    return fleet.run(children, fleet.simulator_urls(config))
+    return run_fleet(args, config, config_path(args))

@@ -73,7 +73,7 @@ def sidecar_process(
         [
             sys.executable,
             "-m",
-            "infermeter",
+            "launcher",
             "sidecar",
             "--config",
             config_path,

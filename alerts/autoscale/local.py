@@ -298,7 +298,7 @@ class LocalScaleHook:
         log.info("autoscale: local: stopped %s", record.instance)
 
     def _spawn(self, args: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "infermeter", *args, "--config", str(self.config_path)]
+        argv = [sys.executable, "-m", "launcher", *args, "--config", str(self.config_path)]
         # In this process's group: whoever kills the autoscaler's group takes its instances too.
         return subprocess.Popen(argv, env=dict(env))
 

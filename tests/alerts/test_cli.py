@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from alerts.rules import ALERTING_FILE, RECORDING_FILE, prometheus_rule, render, to_yaml
-from infermeter.cli import build_parser, main
 from infermeter.config import DEFAULT_CONFIG, load_config
+from launcher.cli import build_parser, main
 
 
 def test_alerts_render_has_help(capsys):

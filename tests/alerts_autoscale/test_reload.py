@@ -92,7 +92,7 @@ def healthy(url: str) -> bool:
 
 def start(argv: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "infermeter", *argv],
+        [sys.executable, "-m", "launcher", *argv],
         cwd=cwd,
         env=env,
         stderr=subprocess.DEVNULL,

@@ -17,8 +17,8 @@ from alerts.autoscale.replay import (
     replay_model,
     simulated_demand,
 )
-from infermeter.cli import main
 from infermeter.config import Config
+from launcher.cli import main
 
 DAY = 86400.0
 

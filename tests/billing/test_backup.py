@@ -74,7 +74,7 @@ def _running(root: Path, port: int | None = None) -> Iterator[Billing]:
     else:
         port = port or free_port()
         config = _config(root, port)
-    command = [sys.executable, "-m", "infermeter", "billing", "--config", str(config)]
+    command = [sys.executable, "-m", "launcher", "billing", "--config", str(config)]
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -193,7 +193,7 @@ def test_restore_refuses_a_live_ledger_an_existing_one_and_an_altered_backup(
 def test_the_commands_take_a_backup_and_restore_it(billing: Billing, tmp_path: Path) -> None:
     """``infermeter billing backup`` goes through the service; ``restore`` writes the file."""
     env = {"INFERMETER_ADMIN_TOKEN": "im-demo-admin", "PATH": "/usr/bin:/bin"}
-    cli = [sys.executable, "-m", "infermeter", "billing"]
+    cli = [sys.executable, "-m", "launcher", "billing"]
     taken = subprocess.run(
         [*cli, "backup", "--config", str(billing.config), "by-command-%Y%m%d"],
         env=env,
@@ -221,7 +221,7 @@ def test_the_retain_command_runs_retention_in_the_service(billing: Billing) -> N
     command = [
         sys.executable,
         "-m",
-        "infermeter",
+        "launcher",
         "billing",
         "retain",
         "--config",
@@ -262,7 +262,7 @@ async def test_after_a_restore_the_spool_ships_again_what_billing_had_acknowledg
     assert spool.backlog == 0
     backup.restore(tmp_path / "backups" / "snapshot", tmp_path / "ledger.duckdb", force=True)
     assert len(_ids(tmp_path / "ledger.duckdb")) == 50  # the day after the backup is gone
-    command = [sys.executable, "-m", "infermeter", "spool", "reship", str(tmp_path / "spool")]
+    command = [sys.executable, "-m", "launcher", "spool", "reship", str(tmp_path / "spool")]
     marked = subprocess.run(command, capture_output=True, timeout=60)
     assert marked.returncode == 0, marked.stderr
     with _running(tmp_path) as service:
@@ -323,7 +323,7 @@ async def test_a_sidecar_ships_again_what_a_restore_took_back(
             await wave()
         backup.restore(tmp_path / "backups" / "snapshot", tmp_path / "ledger.duckdb", force=True)
         assert sorted(_ids(tmp_path / "ledger.duckdb")) == sorted(waves[0])
-        command = [sys.executable, "-m", "infermeter", "spool", "reship", str(tmp_path / "spool")]
+        command = [sys.executable, "-m", "launcher", "spool", "reship", str(tmp_path / "spool")]
         marked = subprocess.run(command, capture_output=True, timeout=60)
         assert marked.returncode == 0, marked.stderr
         with _running(tmp_path, port) as service:

@@ -18,8 +18,8 @@ from billing.efficiency.advice import Policy
 from billing.efficiency.store import read_report
 from billing.ledger import Ledger
 from billing.serve import open_ledger
-from infermeter.cli import main
 from infermeter.config import Config
+from launcher.cli import main
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
 from tests.billing.fleet_month import Group, Month, Stream, hourly, month_config, run
 

@@ -12,9 +12,9 @@ from billing.chargeback import Chargeback
 from billing.ledger import Ledger
 from exporters.chargeback_csv import chargeback_frame, defuse, write_csv
 from exporters.focus import focus_frame
-from infermeter.cli import main
 from infermeter.config import Config
 from infermeter.statement import Statement
+from launcher.cli import main
 from tests import focus_spec
 from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
 from tests.focus_validator import focus_1_0_failures

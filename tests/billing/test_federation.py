@@ -83,7 +83,7 @@ def _config(root: Path, port: int, **billing: Any) -> Path:
 
 def _start(service: Billing) -> None:
     """Start ``service``'s process and wait until it answers."""
-    command = [sys.executable, "-m", "infermeter", "billing", "--config", str(service.config)]
+    command = [sys.executable, "-m", "launcher", "billing", "--config", str(service.config)]
     service.process = subprocess.Popen(command, env=service.env)
     wait_healthy(service.process, service.url, what="billing")
 

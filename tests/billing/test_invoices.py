@@ -550,7 +550,7 @@ def test_the_command_imports_through_the_service_and_into_a_file(
     command = [
         sys.executable,
         "-m",
-        "infermeter",
+        "launcher",
         "invoices",
         "import",
         str(invoice),

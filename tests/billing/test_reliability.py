@@ -48,7 +48,7 @@ def _config(tmp_path: Path, upstream: str, billing_port: int) -> tuple[Path, Con
 
 
 def _start_billing(path: Path, port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", "infermeter", "billing", "--config", str(path)])
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "billing", "--config", str(path)])
     try:
         wait_healthy(proc, f"http://127.0.0.1:{port}", what="billing")
     except AssertionError:

@@ -48,7 +48,7 @@ def billing(tmp_path: Path) -> Iterator[tuple[str, Path, dict[str, Any], subproc
     write(path, data)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "infermeter", "billing", "--config", str(path)],
+        [sys.executable, "-m", "launcher", "billing", "--config", str(path)],
         cwd=tmp_path,
         env=env,
         stderr=subprocess.PIPE,

@@ -454,8 +454,8 @@ async def test_gpu_samples_name_the_pod_on_them_as_their_instance(config):
 
 def test_collect_outside_a_cluster_is_a_one_line_error(tmp_path, capsys, monkeypatch):
     """``infermeter collect`` with Kubernetes discovery, no api_url and no cluster exits 2 with one line, spooling nothing."""
-    from infermeter.cli import main
     from infermeter.serving import free_port
+    from launcher.cli import main
 
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("INFERMETER__COLLECTOR__DISCOVERY", "kubernetes")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infermeter.cli import build_parser, main
+from launcher.cli import build_parser, main
 
 
 def test_plan_prints_the_table(capsys):

@@ -22,7 +22,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from billing.chargeback import Chargeback
 from dashboards.formatting import MISSING, parse_number, usd
-from infermeter.cli import main
+from launcher.cli import main
 from tests.dashboards import records
 from tests.dashboards.records import ADMIN_KEY, TEAM_KEYS
 from tests.dashboards.stack import (

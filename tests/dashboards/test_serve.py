@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from infermeter.cli import main
 from infermeter.config import DEFAULT_CONFIG
 from infermeter.serving import ensure_free, free_port
+from launcher.cli import main
 
 NO_BILLING = "http://127.0.0.1:1"  # the sign-in page needs no billing service
 # Named explicitly: falling back to the embedded demo configuration prints a warning.
@@ -28,7 +28,7 @@ def test_dashboard_serves_until_signalled(sig, code):
         [
             sys.executable,
             "-m",
-            "infermeter",
+            "launcher",
             "dashboard",
             *CONFIG,
             "--listen",

@@ -339,7 +339,7 @@ def test_alerts_render_writes_them_from_the_configmap(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "infermeter",
+            "launcher",
             "alerts",
             "render",
             "--configmap",

@@ -20,9 +20,9 @@ from billing.chargeback import Chargeback
 from billing.ledger import Ledger
 from exporters.chargeback_csv import write_csv
 from exporters.focus import focus_frame
-from infermeter.cli import main
 from infermeter.config import Config, NodePool
 from infermeter.statement import Statement
+from launcher.cli import main
 from tests import focus_spec
 from tests.billing.conftest import NOV, batch, gpu_samples, usage
 from tests.focus_validator import focus_1_0_failures

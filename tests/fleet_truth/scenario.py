@@ -32,10 +32,10 @@ import httpx
 import yaml
 
 from infermeter.config import DEFAULT_CONFIG, Config, load_config
-from infermeter.fleet import writer_environments
 from infermeter.local_fleet import read_fleet
 from infermeter.serving import free_port
 from infermeter.spool import read_segment
+from launcher.fleet import writer_environments
 from simulator.truth import TruthWriter
 from tests.fleet_truth.client import Ask, Client
 from tests.redis_server import RedisServer
@@ -190,7 +190,7 @@ class Processes:
 
     def start(self, name: str, args: list[str]) -> None:
         """Start ``infermeter <args> --config <path>`` as ``name``."""
-        argv = [sys.executable, "-m", "infermeter", *args, "--config", str(self.config_path)]
+        argv = [sys.executable, "-m", "launcher", *args, "--config", str(self.config_path)]
         log = (self.log_dir / f"{name}.log").open("ab")
         self.procs[name] = subprocess.Popen(
             argv,

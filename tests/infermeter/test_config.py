@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from infermeter.cli import main
 from infermeter.config import DEFAULT_CONFIG, ConfigError, hash_key, load_config
+from launcher.cli import main
 from tests.placeholders import filled_copy
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "infermeter.yaml"

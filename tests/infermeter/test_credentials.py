@@ -67,7 +67,7 @@ def test_the_command_writes_a_credential_billing_takes_and_the_sidecar_reads(
         [
             sys.executable,
             "-m",
-            "infermeter",
+            "launcher",
             "credential",
             "--role",
             "instance",
@@ -95,7 +95,7 @@ def test_the_command_writes_a_credential_billing_takes_and_the_sidecar_reads(
         [
             sys.executable,
             "-m",
-            "infermeter",
+            "launcher",
             "credential",
             "--role",
             "collector",
@@ -121,7 +121,7 @@ def test_without_the_secret_the_command_says_where_it_looked(tmp_path: Path) -> 
         [
             sys.executable,
             "-m",
-            "infermeter",
+            "launcher",
             "credential",
             "--role",
             "autoscaler",

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from billing.api import create_app
-from infermeter.cli import main
 from infermeter.config import Config
 from infermeter.keys_cli import parse_duration
+from launcher.cli import main
 from tests.conftest import config_ledger
 from tests.servers import serving
 

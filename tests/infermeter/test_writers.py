@@ -108,7 +108,7 @@ def test_a_sidecar_with_another_instances_credential_does_not_start(tmp_path):
         [
             sys.executable,
             "-m",
-            "infermeter",
+            "launcher",
             "sidecar",
             "--replica",
             "small-0",

@@ -43,11 +43,11 @@ from alerts.autoscale.policy import Decision
 from billing.chargeback import Chargeback, policy_from_config
 from billing.serve import open_ledger
 from infermeter.config import DEFAULT_CONFIG, Config, load_config
-from infermeter.fleet import writer_environments
 from infermeter.local_fleet import LocalInstance, read_fleet
 from infermeter.serving import free_port
 from infermeter.spool import read_segment
 from infermeter.statement import Statement
+from launcher.fleet import writer_environments
 from simulator.dcgm import node_exporters
 from tests.ports import off_demo_ports
 from tests.servers import serving, stop_process
@@ -154,7 +154,7 @@ def process(
 ) -> Iterator[subprocess.Popen[bytes]]:
     """``infermeter <args> --config <path>`` for the block, as demo child ``name`` would run;
     SIGTERM (then SIGKILL) after it."""
-    argv = [sys.executable, "-m", "infermeter", *args, "--config", str(path)]
+    argv = [sys.executable, "-m", "launcher", *args, "--config", str(path)]
     proc = subprocess.Popen(argv, env=environ(config, name))
     try:
         yield proc

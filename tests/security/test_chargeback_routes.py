@@ -13,8 +13,8 @@ import pytest
 from billing.api import create_app
 from billing.ledger import Ledger
 from exporters.focus import FOCUS_1_2_MANDATORY
-from infermeter.cli import main
 from infermeter.config import Config
+from launcher.cli import main
 from tests.billing.conftest import NOV, batch, gpu_samples, usage
 from tests.servers import serving
 

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
-from infermeter.cli import main
 from infermeter.config import DEFAULT_CONFIG, HASH_HINT, ConfigError, hash_key, load_config
 from infermeter.serving import free_port
+from launcher.cli import main
 
 ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "infermeter.yaml"
@@ -255,7 +255,7 @@ def test_servers_on_the_demo_config_refuse_a_reachable_listen_flag(tmp_path, arg
     env.pop("INFERMETER_CONFIG", None)
     listen = f"0.0.0.0:{free_port()}"
     done = subprocess.run(
-        [sys.executable, "-m", "infermeter", *argv, "--listen", listen],
+        [sys.executable, "-m", "launcher", *argv, "--listen", listen],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -485,7 +485,7 @@ def test_a_400_mib_post_leaves_the_process_where_it_was(tmp_path):
         [
             sys.executable,
             "-m",
-            "infermeter",
+            "launcher",
             "dashboard",
             "--listen",
             f"127.0.0.1:{port}",

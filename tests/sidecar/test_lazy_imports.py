@@ -19,7 +19,7 @@ _PROBE = textwrap.dedent(
     """
     import sys, tempfile
     from pathlib import Path
-    import infermeter.cli
+    import launcher.cli
     from infermeter.config import DEFAULT_CONFIG, load_config
     from sidecar.app import Sidecar
 

@@ -10,12 +10,12 @@ import httpx
 import pytest
 
 from billing.api import create_app
-from infermeter.cli import main
 from infermeter.config import Config
 from infermeter.identity import identity_from_environment
 from infermeter.serving import free_port
 from infermeter.spool import read_segment
 from infermeter.spooldir import INSTANCES, SpoolBusyError
+from launcher.cli import main
 from sidecar.app import Sidecar
 from sidecar.lifetime import engine_metrics_url
 from simulator.replica import ReplicaSim, replica_spec

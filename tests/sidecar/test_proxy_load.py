@@ -54,7 +54,7 @@ async def test_a_thousand_concurrent_streams_without_error(tmp_path):
         [
             sys.executable,
             "-m",
-            "infermeter",
+            "launcher",
             "simulate",
             "--config",
             str(path),

@@ -30,7 +30,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], int]:
     cmd = [
         sys.executable,
         "-m",
-        "infermeter",
+        "launcher",
         "sidecar",
         "--config",
         str(path),

@@ -13,7 +13,7 @@ configuration, and the instances the autoscaler's local hook starts and stops
 (``DELETE /workers/<url>``) as they come and go. ``workers`` is the pure part: who should be
 registered now.
 
-Run as ``python -m infermeter.front_door --config FILE --listen HOST:PORT``; ``infermeter demo``
+Run as ``python -m launcher.front_door --config FILE --listen HOST:PORT``; ``infermeter demo``
 starts it as one of its processes. SIGTERM stops the router and then the process.
 """
 
@@ -40,7 +40,7 @@ from infermeter.serving import host_port
 
 __all__ = ["FrontDoor", "RouterMissingError", "router_command", "workers"]
 
-log = logging.getLogger("infermeter.front_door")
+log = logging.getLogger("launcher.front_door")
 
 ROUTER = "vllm-router"
 
@@ -153,7 +153,7 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the front door until SIGTERM or Ctrl-C."""
-    parser = argparse.ArgumentParser(prog="python -m infermeter.front_door")
+    parser = argparse.ArgumentParser(prog="python -m launcher.front_door")
     parser.add_argument("--config", type=Path, default=None)
     parser.add_argument("--listen", required=True, metavar="HOST:PORT")
     parser.add_argument("--metrics-port", type=int, required=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from infermeter.supervisor import Child, ExitHistory, RestartPolicy, Supervisor, after_exit
+from launcher.supervisor import Child, ExitHistory, RestartPolicy, Supervisor, after_exit
 
 # A child that, on SIGTERM, takes a moment to stop (as a sidecar shipping its last records
 # does), then writes when it stopped.

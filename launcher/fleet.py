@@ -6,12 +6,12 @@ import argparse
 import dataclasses
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from infermeter.config import Config
 from infermeter.serving import ensure_free, host_port
-from infermeter.supervisor import Child, ChildFailedError, Supervisor
 from infermeter.writers import Writer, issue
+from launcher.supervisor import Child, ChildFailedError, Supervisor
 
 __all__ = [
     "DEMO_AUTOSCALE_SETTINGS",
@@ -21,44 +21,43 @@ __all__ = [
     "dashboard_child",
     "front_door_child",
     "run",
+    "run_simulated",
     "sidecar_children",
     "sidecar_urls",
     "simulator_children",
     "simulator_urls",
     "spare_gpu_overrides",
     "traffic_child",
+    "with_environment",
     "with_writer_credentials",
     "writer_environments",
 ]
 
 
 def _infermeter(*args: str) -> list[str]:
-    return [sys.executable, "-m", "infermeter", *args]
+    return [sys.executable, "-m", "launcher", *args]
 
 
-def simulator_children(config: Config, config_path: str) -> list[Child]:
-    """One process per replica and one for all dcgm-exporter stand-ins."""
+def _seed(seed: int | None) -> list[str]:
+    """The ``--seed`` a simulator child is given, so it runs on the seed its parent was given."""
+    return [] if seed is None else ["--seed", str(seed)]
+
+
+def simulator_children(config: Config, config_path: str, seed: int | None = None) -> list[Child]:
+    """One process per replica and one for all dcgm-exporter stand-ins (``seed``: ``--seed``)."""
     children = []
     for r in config.replicas:
         ensure_free(*host_port(r.upstream_url), f"replica {r.id} upstream_url")
-        children.append(
-            Child(
-                f"replica {r.id}",
-                _infermeter("simulate", "--config", config_path, "--replica", r.id),
-                f"{r.upstream_url.rstrip('/')}/health",
-            )
-        )
+        argv = _infermeter("simulate", "--config", config_path, "--replica", r.id, *_seed(seed))
+        children.append(Child(f"replica {r.id}", argv, f"{r.upstream_url.rstrip('/')}/health"))
     dcgm = [n for n in config.nodes if n.dcgm_exporter_url]
     for n in dcgm:
         assert n.dcgm_exporter_url is not None
         ensure_free(*host_port(n.dcgm_exporter_url), f"dcgm-exporter of node {n.name}")
     if dcgm:
         first = dcgm[0].dcgm_exporter_url
-        children.append(
-            Child(
-                "dcgm-exporters", _infermeter("simulate", "--config", config_path, "--dcgm"), first
-            )
-        )
+        argv = _infermeter("simulate", "--config", config_path, "--dcgm", *_seed(seed))
+        children.append(Child("dcgm-exporters", argv, first))
     return children
 
 
@@ -81,7 +80,7 @@ def front_door_child(config_path: str, listen: str, metrics_port: int) -> Child:
     argv = [
         sys.executable,
         "-m",
-        "infermeter.front_door",
+        "launcher.front_door",
         "--config",
         config_path,
         "--listen",
@@ -179,6 +178,7 @@ def traffic_child(config_path: str, args: argparse.Namespace) -> Child:
         argv.append("--via-sidecars")
     if getattr(args, "duration", None) is not None:
         argv += ["--duration", str(args.duration)]
+    argv += _seed(getattr(args, "seed", None))
     # SIGINT: the generator is a plain asyncio.run program, which SIGINT cancels cleanly.
     return Child("traffic", argv, stop_signal=signal.SIGINT)
 
@@ -231,6 +231,20 @@ def with_writer_credentials(
         dataclasses.replace(child, env={**child.env, **envs.get(child.name, {})})
         for child in children
     ]
+
+
+def run_simulated(args: argparse.Namespace, config: Config, config_path: str) -> int:
+    """``infermeter simulate`` with no single process named: every replica, the dcgm-exporter
+    stand-ins and, with ``--traffic``, the traffic generator, until Ctrl-C."""
+    children = simulator_children(config, config_path, args.seed)
+    if args.traffic:
+        children.append(traffic_child(config_path, args))
+    return run(children, simulator_urls(config))
+
+
+def with_environment(children: Sequence[Child], env: Mapping[str, str]) -> list[Child]:
+    """``children``, each with ``env`` added below its own variables (its own win)."""
+    return [dataclasses.replace(child, env={**env, **child.env}) for child in children]
 
 
 def run(children: list[Child], urls: list[tuple[str, str]]) -> int:

@@ -20,10 +20,11 @@ import httpx
 import pytest
 import yaml
 
-from infermeter.cli import DEMO_WRITER_SECRET, build_parser, main
 from infermeter.config import DEFAULT_CONFIG
 from infermeter.serving import free_port
 from infermeter.writers import Writer, issue
+from launcher.cli import build_parser, main
+from launcher.demo import DEMO_WRITER_SECRET
 from tests.ports import off_demo_ports
 
 
@@ -44,7 +45,7 @@ def test_help_imports_no_heavy_library():
     """Building the parser, as `infermeter --help` does, imports no server, web or validation library."""
     heavy = ("asyncio", "pydantic", "yaml", "httpx", "uvicorn", "dash", "duckdb", "polars", "tqdm")
     code = (
-        "import sys; from infermeter.cli import build_parser; build_parser(); "
+        "import sys; from launcher.cli import build_parser; build_parser(); "
         f"print(' '.join(m for m in {heavy!r} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -92,7 +93,7 @@ def test_simulate_starts_the_fleet_and_ctrl_c_stops_it(tmp_path):
         [
             sys.executable,
             "-m",
-            "infermeter",
+            "launcher",
             "simulate",
             "--config",
             str(path),
@@ -184,7 +185,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
         [
             sys.executable,
             "-m",
-            "infermeter",
+            "launcher",
             "demo",
             "--config",
             str(path),
@@ -301,7 +302,7 @@ def test_demo_ships_the_spool_of_an_instance_that_stopped(demo: Demo) -> None:
         [
             sys.executable,
             "-m",
-            "infermeter",
+            "launcher",
             "sidecar",
             "--config",
             str(demo.path),
@@ -377,33 +378,30 @@ def _child_pid(parent: int, *words: str) -> int:
 
 def test_demo_lists_every_team_key(config):
     """The demo names the public key of every team the embedded configuration has."""
-    from infermeter.cli import demo_team_keys
+    from launcher.demo import demo_team_keys
 
     assert demo_team_keys(config) == [f"im-demo-{t.name}" for t in config.teams]
 
 
 def test_parts_name_exactly_the_commands_each_module_registers():
-    """``PARTS`` (which module a command needs) matches what each part's ``register`` adds."""
+    """``PARTS`` (which part a command needs) matches what each part's registrar adds."""
     import argparse
-    import importlib
 
-    from infermeter.cli import PARTS
+    from launcher.cli import PARTS
 
-    for module, names in PARTS:
-        if module is None:
-            continue
+    for register, names in PARTS:
         sub = argparse.ArgumentParser().add_subparsers()
-        importlib.import_module(module).register(sub)
-        assert tuple(sub.choices) == names, module
+        register(sub)
+        assert tuple(sub.choices) == names, register.__name__
 
 
 def test_a_command_loads_only_its_own_part():
     """`infermeter sidecar ...` parses without importing any other part's command-line module."""
     code = (
-        "import sys; from infermeter.cli import build_parser, _command; "
+        "import sys; from launcher.cli import build_parser, _command; "
         "argv = ['sidecar', '--replica', 'small-0']; "
         "args = build_parser(_command(argv)).parse_args(argv); "
         "print(args.command, ' '.join(sorted(m for m in sys.modules if m.endswith('.cli'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["sidecar", "infermeter.cli", "sidecar.cli"]
+    assert out.stdout.split() == ["sidecar", "launcher.cli", "sidecar.cli"]

@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from billing.cli import ledger_problem
-from infermeter.cli import build_parser, main
 from infermeter.config import DEFAULT_CONFIG
 from infermeter.serving import free_port
+from launcher.cli import build_parser, main
 
 # A value for every required option of every subcommand, so the command gets past argparse.
 REQUIRED = {

@@ -12,9 +12,9 @@ import yaml
 from openai import AsyncOpenAI
 
 from infermeter.config import DEFAULT_CONFIG, Config
-from infermeter.front_door import FrontDoor, workers
 from infermeter.local_fleet import LocalFleet, LocalInstance
 from infermeter.serving import free_port
+from launcher.front_door import FrontDoor, workers
 from sidecar.app import Sidecar
 from simulator.replica import ReplicaSim, replica_spec
 from tests.ports import off_demo_ports

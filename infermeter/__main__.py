@@ -1,5 +1,0 @@
-"""``python -m infermeter`` is the ``infermeter`` command."""
-
-from infermeter.cli import main
-
-raise SystemExit(main())

@@ -1,0 +1,5 @@
+"""``python -m launcher`` is the ``infermeter`` command."""
+
+from launcher.cli import main
+
+raise SystemExit(main())
