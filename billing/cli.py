@@ -8,29 +8,20 @@ themselves instead, for when the service is stopped (a backup, an offline statem
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from billing import upkeep_cli
+from billing.cli_common import ADMIN_TOKEN_ENV, admin_client, call, ledger_file, ledger_problem
 from billing.efficiency import cli as efficiency_cli
 from infermeter.commands import CommandError, Subparsers, add_config, billing_refused, fail
 from infermeter.months import check_month
 
 if TYPE_CHECKING:
-    import httpx
-
-    from billing.ledger import Ledger
     from infermeter.config import Config
 
 __all__ = ["register"]
-
-ADMIN_TOKEN_ENV = "INFERMETER_ADMIN_TOKEN"
-_LOCK_HOLDER = re.compile(r"\(PID (\d+)\)")
 
 
 def month_arg(text: str) -> str:
@@ -39,37 +30,6 @@ def month_arg(text: str) -> str:
         return check_month(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def ledger_problem(path: str, reason: str) -> str:
-    """What to tell the user when the ledger file at ``path`` cannot be opened for ``reason``.
-
-    DuckDB lets one process hold a file; the usual holder is the billing service itself.
-    """
-    if "lock" not in reason.lower():
-        return reason
-    holder = _LOCK_HOLDER.search(reason)
-    pid = f" (PID {holder.group(1)})" if holder else ""
-    return (
-        f"the ledger {path} is in use by another process{pid}, most likely the billing service: "
-        "leave out --database to go through the service, or stop it first"
-    )
-
-
-@contextmanager
-def _ledger(config: Config, database: str) -> Iterator[Ledger]:
-    """The ledger file, open for the block; a file that cannot be opened is a one-line error."""
-    from billing.ledger import LedgerError
-    from billing.serve import open_ledger
-
-    try:
-        ledger = open_ledger(config, database)
-    except LedgerError as exc:
-        raise CommandError(ledger_problem(database, str(exc)), code=1) from None
-    try:
-        yield ledger
-    finally:
-        ledger.close()
 
 
 def register(sub: Subparsers) -> None:
@@ -157,46 +117,21 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def _admin_client(config: Config, url: str | None) -> httpx.Client:
-    import httpx
-
-    token = os.environ.get(ADMIN_TOKEN_ENV)
-    if not token:
-        raise CommandError(f"set ${ADMIN_TOKEN_ENV} to the admin token (or use --database)")
-    return httpx.Client(
-        base_url=url or config.billing.url,
-        timeout=600,
-        headers={"authorization": f"Bearer {token}"},
-    )
-
-
-def _call(
-    client: httpx.Client, method: str, path: str, params: dict[str, str] | None = None
-) -> httpx.Response:
-    """One request to billing; an unreachable service is a one-line error."""
-    import httpx
-
-    try:
-        return client.request(method, path, params=params)
-    except httpx.HTTPError as exc:
-        raise CommandError(f"billing at {client.base_url} did not answer: {exc}", code=1) from None
-
-
 def _close(args: argparse.Namespace, config: Config) -> int:
     month = args.month
     if args.database:
         from billing.chargeback import Chargeback
         from billing.ledger import LedgerError
 
-        with _ledger(config, args.database) as ledger:
+        with ledger_file(config, args.database) as ledger:
             try:
                 statement = Chargeback(ledger, config).close(month)
             except LedgerError as exc:
                 return fail(str(exc), code=1)
         print(f"closed {month}: {statement.total_cents / 100:.2f} {config.prices.currency}")
         return 0
-    with _admin_client(config, None) as client:
-        response = _call(client, "POST", f"/v1/months/{month}/close")
+    with admin_client(config, None) as client:
+        response = call(client, "POST", f"/v1/months/{month}/close")
     if response.status_code != 200:
         return billing_refused(response)
     print(f"closed {month}: {response.json()['total_cents'] / 100:.2f} {config.prices.currency}")
@@ -211,7 +146,7 @@ def _export(args: argparse.Namespace, config: Config) -> int:
             "export reads the ledger file; stop the service and pass --database, "
             "or POST /v1/admin/export to the running service"
         )
-    with _ledger(config, args.database) as ledger:
+    with ledger_file(config, args.database) as ledger:
         tables = ledger.table_names()
         for table in tqdm(tables, desc="export", unit="table", disable=None):
             ledger.export_table(table, args.out, args.partitioned)
@@ -225,18 +160,18 @@ def _chargeback(args: argparse.Namespace, config: Config) -> int:
     if args.database:
         text = _statement_text(config, args.database, month, args.format, args.focus_version)
         if not _has_lines(text):
-            with _ledger(config, args.database) as ledger:
+            with ledger_file(config, args.database) as ledger:
                 known = [m["month"] for m in ledger.months()]
             _warn_empty(month, known)
     else:
-        with _admin_client(config, args.billing_url) as client:
+        with admin_client(config, args.billing_url) as client:
             params = {"version": args.focus_version} if args.format == "focus" else {}
-            response = _call(client, "GET", f"/v1/chargeback/{month}.{suffix}", params)
+            response = call(client, "GET", f"/v1/chargeback/{month}.{suffix}", params)
             if response.status_code != 200:
                 return billing_refused(response)
             text = response.text
             if not _has_lines(text):
-                months = _call(client, "GET", "/v1/months")
+                months = call(client, "GET", "/v1/months")
                 known = [m["month"] for m in months.json()] if months.status_code == 200 else []
                 _warn_empty(month, known)
     if args.out:
@@ -279,7 +214,7 @@ def _statement_text(config: Config, database: str, month: str, fmt: str, version
     from exporters.focus import focus_frame
 
     with tqdm(total=3, desc=f"chargeback {month}", unit="step", disable=None) as bar:
-        with _ledger(config, database) as ledger:
+        with ledger_file(config, database) as ledger:
             bar.update()
             chargeback = Chargeback(ledger, config)
             statement = chargeback.statement(month)

@@ -9,11 +9,11 @@ no pool claimed.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from billing.cli_common import ADMIN_TOKEN_ENV, admin_token
 from infermeter.commands import CommandError, Subparsers, add_config, billing_refused, fail
 
 if TYPE_CHECKING:
@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 __all__ = ["register", "report"]
 
-ADMIN_TOKEN_ENV = "INFERMETER_ADMIN_TOKEN"
 _MEDIA = {"csv": "text/csv", "parquet": "application/vnd.apache.parquet"}
 
 
@@ -68,7 +67,7 @@ def _import(args: argparse.Namespace, config: Config) -> int:
 
 
 def _offline(args: argparse.Namespace, config: Config, fmt: str) -> dict[str, Any]:
-    from billing.cli import ledger_problem
+    from billing.cli_common import ledger_problem
     from billing.invoices import read_invoice
     from billing.ledger import LedgerError
     from billing.serve import open_ledger
@@ -90,7 +89,7 @@ def _online(args: argparse.Namespace, config: Config, fmt: str) -> dict[str, Any
 
     from billing.invoices import InvoiceError
 
-    token = os.environ.get(ADMIN_TOKEN_ENV)
+    token = admin_token()
     if not token:
         raise CommandError(
             f"set ${ADMIN_TOKEN_ENV} to an admin or finance token (or use --database)"

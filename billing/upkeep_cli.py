@@ -57,18 +57,18 @@ def _print(doc: Any) -> None:
 
 def _retain(args: argparse.Namespace, config: Config) -> int:
     from billing import archive
-    from billing.cli import _admin_client, _call, _ledger
+    from billing.cli_common import admin_client, call, ledger_file
 
     r = config.billing.retention
     if args.database:
-        with _ledger(config, args.database) as ledger:
+        with ledger_file(config, args.database) as ledger:
             try:
                 _print(archive.retain(ledger, r.archive, r.raw_days).to_json())
             except archive.ArchiveError as exc:
                 return fail(str(exc), code=1)
         return 0
-    with _admin_client(config, None) as client:
-        response = _call(client, "POST", "/v1/admin/retain")
+    with admin_client(config, None) as client:
+        response = call(client, "POST", "/v1/admin/retain")
     if response.status_code != 200:
         return billing_refused(response)
     _print(response.json())
@@ -77,19 +77,19 @@ def _retain(args: argparse.Namespace, config: Config) -> int:
 
 def _backup(args: argparse.Namespace, config: Config) -> int:
     from billing import backup
-    from billing.cli import _admin_client, _call, _ledger
+    from billing.cli_common import admin_client, call, ledger_file
 
     args.dest = time.strftime(args.dest, time.gmtime())  # a schedule's each backup a new name
     if args.database:
-        with _ledger(config, args.database) as ledger:
+        with ledger_file(config, args.database) as ledger:
             try:
                 manifest = backup.backup(ledger, args.dest)
             except backup.BackupError as exc:
                 return fail(str(exc), code=1)
         _print({"directory": str(Path(args.dest).resolve()), **manifest})
         return 0
-    with _admin_client(config, None) as client:
-        response = _call(client, "POST", "/v1/admin/backup", params={"name": args.dest})
+    with admin_client(config, None) as client:
+        response = call(client, "POST", "/v1/admin/backup", params={"name": args.dest})
     if response.status_code != 200:
         return billing_refused(response)
     _print(response.json())

@@ -30,12 +30,9 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from sidecar.app import Sidecar
-
-__all__ = ["CUT", "Cut", "Drain", "drain"]
+__all__ = ["CUT", "Cut", "Drain", "Draining", "drain"]
 
 
 class Cut(Exception):
@@ -125,7 +122,37 @@ def _wake(waiter: asyncio.Future[None], _: object = None) -> None:
         waiter.set_result(None)
 
 
-async def drain(sidecar: Sidecar, drain_seconds: float) -> None:
+class _Requests(Protocol):
+    """The admission journal, as the drain reads it: how many requests run."""
+
+    @property
+    def running(self) -> int: ...
+
+
+class _Queue(Protocol):
+    """The fair-share queue, as the drain reads it: how many requests wait for a slot."""
+
+    def waiting(self) -> int: ...
+
+
+class Draining(Protocol):
+    """What ``drain`` reads of the sidecar (``sidecar.app.Sidecar``).
+
+    A protocol, not the class: the application imports this module, and this module importing
+    the application back would make the two one knot.
+    """
+
+    @property
+    def drain(self) -> Drain: ...
+
+    @property
+    def journal(self) -> _Requests: ...
+
+    @property
+    def fair(self) -> _Queue | None: ...
+
+
+async def drain(sidecar: Draining, drain_seconds: float) -> None:
     """Steps 1 to 3 of the module docstring; then the server may stop and the sidecar shut down."""
     state, journal, fair = sidecar.drain, sidecar.journal, sidecar.fair
 

@@ -23,16 +23,37 @@ import re
 from array import array
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from sidecar.metrics import ITL_BUCKETS
 from sidecar.request_ids import response_id
 
-if TYPE_CHECKING:
-    from sidecar.progress import Slot
-    from sidecar.rates import Rate
+__all__ = ["CostRate", "ProgressSlot", "StreamMeter", "UsageCounts", "parse_usage"]
 
-__all__ = ["StreamMeter", "UsageCounts", "parse_usage"]
+
+# What the meter writes to and reads from, as protocols: the modules that implement them
+# (``sidecar.progress``, ``sidecar.rates``) import this one for ``UsageCounts``.
+class ProgressSlot(Protocol):
+    """A request's slot in the admission journal (``sidecar.progress.Slot``)."""
+
+    counted: bool
+
+    def counts(self, usage: UsageCounts | None) -> None: ...
+
+    def usage(self, data: bytes, usage_at: int) -> None: ...
+
+    def first_token(self, now: float) -> None: ...
+
+    def response_id(self, value: str | None) -> None: ...
+
+    def began(self) -> None: ...
+
+
+class CostRate(Protocol):
+    """A model's cost rate (``sidecar.rates.Rate``): puts the estimate on the final usage chunk."""
+
+    def final_chunk(self, block: bytes) -> bytes: ...
+
 
 _DONE = b"data: [DONE]\n\n"
 _END = b"\n\n"
@@ -138,10 +159,10 @@ class StreamMeter:
     # The admission journal's slot of this request (``sidecar.progress``), written as each
     # block is metered, before the client gets its bytes: what a killed sidecar's request is
     # billed. None when not journaled.
-    slot: Slot | None = None
+    slot: ProgressSlot | None = None
     # The model's cost rate (``sidecar.rates``), for a client that asked for usage: the final
     # usage chunk it gets carries the cost estimate. None: no estimate.
-    rate: Rate | None = None
+    rate: CostRate | None = None
 
     @property
     def usage(self) -> UsageCounts | None:

@@ -7,21 +7,19 @@ ledger file itself with ``--database`` (the service stopped).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from billing.cli_common import ADMIN_TOKEN_ENV, admin_token
 from infermeter.commands import Subparsers, add_config, billing_refused, fail
 
 if TYPE_CHECKING:
     from infermeter.config import Config
 
 __all__ = ["register", "table"]
-
-ADMIN_TOKEN_ENV = "INFERMETER_ADMIN_TOKEN"
 
 
 def register(sub: Subparsers) -> None:
@@ -80,7 +78,7 @@ def _from_file(config: Config, database: str, month: str) -> dict[str, Any]:
 def _from_service(config: Config, url: str | None, month: str) -> dict[str, Any] | int:
     import httpx
 
-    token = os.environ.get(ADMIN_TOKEN_ENV)
+    token = admin_token()
     if not token:
         return fail(f"set ${ADMIN_TOKEN_ENV} to the admin token (or use --database)")
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from billing.cli import ledger_problem
+from billing.cli_common import ledger_problem
 from infermeter.config import DEFAULT_CONFIG
 from infermeter.serving import free_port
 from launcher.cli import build_parser, main
