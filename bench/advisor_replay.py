@@ -2,7 +2,7 @@
 
 The fleet: 12 replicas of chat-small (one L40S each) and 8 of chat-large (two H100s each), with
 the demo's engine profiles, running the whole month. The arrivals: ``--requests`` over
-``--days`` days, each day shaped as the simulator's traffic is (``infermeter.traffic``: a night
+``--days`` days, each day shaped as the simulator's traffic is (``infermeter.day_curve``: a night
 floor, a 10:00 peak and a smaller 15:00 one), 60 % to chat-small; prompts and outputs
 log-normal (median 400 and 150 tokens), a third opening with one of 40 shared system prompts; 20
 teams. Measured: ``billing.efficiency.replay.replay`` of each model as it ran, then of each model
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from billing.efficiency.capacity import capped, engine_capacity, engines_by_hour, needed_by_hour
 from billing.efficiency.replay import Arrival, GroupSetup, ModelReplay, ModelSetup, Run, replay
 from infermeter.config import DEFAULT_CONFIG, load_config
-from infermeter.traffic import share_of_peak
+from infermeter.day_curve import share_of_peak
 
 DAY = 86400.0
 # model -> (replicas, GPUs each, GPU model, USD per GPU-hour, share of the requests)

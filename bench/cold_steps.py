@@ -34,7 +34,7 @@ def admission_steps() -> Callable[[], None]:
     import orjson
 
     from infermeter.config import load_config
-    from infermeter.journal import admission_line
+    from infermeter.journal_files import admission_line
     from infermeter.records import RequestStatus
     from sidecar.accounting import Call, admitted_fields, ending_fields
     from sidecar.admission import identify, plan, upstream_headers

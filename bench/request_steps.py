@@ -1,7 +1,7 @@
 """CPU of two per-request steps of the sidecar, in-process: the usage record and the end wait.
 
 - ``record``: what one request's accounting serialises: its admission line for the journal
-  (``Accounting.admission`` and ``infermeter.journal.admission_line``) and its usage record
+  (``Accounting.admission`` and ``infermeter.journal_files.admission_line``) and its usage record
   for the spool (``Accounting.record_of`` and the spool's ``orjson.dumps``). Revisions before
   the record was built once as JSON fields made a ``UsageRecord`` twice and converted each.
 - ``wait``: a request waiting for the first of its end, its client leaving and the drain's cut,
@@ -29,7 +29,7 @@ from bench.chunks import import_root, revision_parser, rounds_us
 
 def record_us(rounds: int, n: int) -> list[float]:
     """µs per request for the journal's admission line and the spool's record line."""
-    from infermeter.journal import admission_line
+    from infermeter.journal_files import admission_line
     from infermeter.records import RequestStatus
     from sidecar.accounting import Accounting, Call
     from sidecar.stream import StreamMeter, UsageCounts

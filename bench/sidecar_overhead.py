@@ -1314,15 +1314,15 @@ def render_summary(summary: dict[str, Any]) -> str:
 
 _LAYERS = (
     ("sidecar/", "sidecar code (sidecar/)"),
-    ("infermeter/http_server.py", "client-facing server: infermeter.http_server, httptools"),
+    ("sidecar/http_server.py", "client-facing server: sidecar.http_server, httptools"),
     ("infermeter/", "infermeter package (spool, records)"),
     ("httpx/", "upstream client: httpx, httpcore, h11, anyio, sniffio"),
     ("httpcore/", "upstream client: httpx, httpcore, h11, anyio, sniffio"),
     ("h11/", "upstream client: httpx, httpcore, h11, anyio, sniffio"),
     ("anyio/", "upstream client: httpx, httpcore, h11, anyio, sniffio"),
     ("sniffio/", "upstream client: httpx, httpcore, h11, anyio, sniffio"),
-    ("uvicorn/", "client-facing server: uvicorn, httptools (before infermeter.http_server)"),
-    ("httptools/", "client-facing server: infermeter.http_server, httptools"),
+    ("uvicorn/", "client-facing server: uvicorn, httptools (before sidecar.http_server)"),
+    ("httptools/", "client-facing server: sidecar.http_server, httptools"),
     ("concurrent/", "thread pool (spool write + fsync)"),
     ("threading.py", "thread pool (spool write + fsync)"),
 )

@@ -229,8 +229,8 @@ def _stamps() -> None:
     import statistics
     from typing import Any
 
-    from infermeter import http_guard, http_server
-    from sidecar import pool
+    from infermeter import http_guard
+    from sidecar import http_server, pool
     from sidecar.app import Sidecar
     from sidecar.relay import Relay
 

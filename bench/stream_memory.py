@@ -23,9 +23,9 @@ from pathlib import Path
 import uvloop
 
 from infermeter.config import DEFAULT_CONFIG, load_config
-from infermeter.http_server import HttpServer
 from infermeter.serving import free_port
 from sidecar.app import Sidecar
+from sidecar.http_server import HttpServer
 
 _BODY = (
     b'{"model":"chat-small","messages":[{"role":"user","content":"Count to a large number."}],'

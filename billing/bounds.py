@@ -3,7 +3,7 @@
 A GPU sample is money: its interval is GPU time at the price book's rate, its energy is kWh at
 the energy price. Types and signs are not enough (one finite ``energy_joules`` of 1e15 on an
 L40S billed $52.5M), so every sample is held to what the board it names can physically do
-(``infermeter.boards``), and engine samples to what a counter or a gauge can hold. The checks
+(``billing.boards``), and engine samples to what a counter or a gauge can hold. The checks
 themselves are SQL in ``billing.ingest_sql``; this module says what the limits are and puts
 them where that SQL reads them (macros ``_board_watts`` and ``_max_measured_seconds``, made per connection).
 
@@ -29,7 +29,7 @@ from typing import Final
 
 import duckdb
 
-from infermeter.boards import UNKNOWN_BOARD_WATTS, max_watts
+from billing.boards import UNKNOWN_BOARD_WATTS, max_watts
 from infermeter.config import Config
 
 __all__ = [
@@ -68,7 +68,7 @@ MAX_BOARD_MIB: Final = float(1 << 20)
 class SampleBounds:
     """The limits ingest holds samples to; the defaults need no configuration.
 
-    ``board_watts``: overrides of ``infermeter.boards``' table (name -> W). ``max_measured_seconds``:
+    ``board_watts``: overrides of ``billing.boards``' table (name -> W). ``max_measured_seconds``:
     the longest measured interval taken.
     """
 
@@ -94,7 +94,7 @@ class SampleBounds:
 
 
 def board_key_sql(column: str) -> str:
-    """SQL for ``infermeter.boards.board_key`` of ``column``."""
+    """SQL for ``billing.boards.board_key`` of ``column``."""
     spaced = f"replace(replace(replace({column}, ' ', ''), '-', ''), '_', '')"
     return f"regexp_replace(upper({spaced}), '^NVIDIA', '')"
 

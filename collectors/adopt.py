@@ -33,7 +33,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from infermeter.audit_spool import AUDIT_DIR
-from infermeter.journal import JOURNAL_DIR, journal_files, recover
+from infermeter.journal_files import JOURNAL_DIR, journal_files, recover
 from infermeter.shipper import Shipper, ShipperMetrics
 from infermeter.spool import RESHIP, Segment, Spool
 from infermeter.spooldir import (

@@ -85,7 +85,7 @@ class RawWriter:
     callable per event: three bound methods would be about 200 bytes of every open stream.)
 
     ``head``: the response's head when the server holds it back to send it with the first piece
-    of the body in one write (``infermeter.http_server``; uvicorn writes it at once).
+    of the body in one write (``sidecar.http_server``; uvicorn writes it at once).
     """
 
     __slots__ = ("chunked", "head", "listener", "lost", "paused", "transport")
@@ -141,7 +141,7 @@ def guarded_protocol(limits: ServerLimits) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with ``limits`` applied, as a class uvicorn can instantiate.
 
     uvicorn is imported here, not with the module: the sidecar, which serves on its own protocol
-    (``infermeter.http_server``), uses this module's writer and limits without loading uvicorn.
+    (``sidecar.http_server``), uses this module's writer and limits without loading uvicorn.
     """
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 

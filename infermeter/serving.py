@@ -3,7 +3,7 @@
 Every infermeter ASGI server but the sidecar (collector, billing, autoscaler, the simulator and
 the tests' own servers) is started through ``server`` so they all get the same parser, logging
 and shutdown behaviour. The sidecar, whose every request is on the metered path, serves on its
-own protocol (``infermeter.http_server``) with the same client limits, and uvicorn is imported
+own protocol (``sidecar.http_server``) with the same client limits, and uvicorn is imported
 only by ``server``, so a sidecar never loads it. The dashboard, a WSGI app, runs under waitress (``dashboards.wsgi``) with the
 same client limits; ``wsgi_server`` (uvicorn through a2wsgi) remains for the benchmark that
 compares them. Every server fails with the same one-line message when its port is taken.

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Final
 
 from infermeter.audit_spool import AUDIT_DIR
-from infermeter.journal import JOURNAL_DIR
+from infermeter.journal_files import JOURNAL_DIR
 from infermeter.spool import RESHIP
 
 __all__ = [

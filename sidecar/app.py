@@ -42,7 +42,7 @@ from infermeter.errors import error_body
 from infermeter.http_guard import BODY_COMPLETE, RAW_WRITER, RawWriter, ServerLimits
 from infermeter.identity import Identity, identity_from_environment, instance_credential
 from infermeter.ids import request_id
-from infermeter.journal import JOURNAL_DIR, recover
+from infermeter.journal_files import JOURNAL_DIR, recover
 from infermeter.keys import IssuedKeys
 from infermeter.records import RequestStatus
 from infermeter.spool import Spool, SpoolError

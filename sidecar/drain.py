@@ -4,7 +4,7 @@ Kubernetes sends SIGTERM on every scale-down and rollout, then SIGKILL after the
 ``terminationGracePeriodSeconds``. A server's usual answer to SIGTERM is to stop listening and
 cancel whatever still runs after a short grace: streams cut with no SSE error and no usage
 record. The sidecar's server hands the signal to ``drain`` instead
-(``infermeter.http_server.HttpServer``'s ``on_signal``), which runs the sequence:
+(``sidecar.http_server.HttpServer``'s ``on_signal``), which runs the sequence:
 
 1. ``Drain.begin``: new requests get ``503 server_shutting_down`` with ``Retry-After`` and
    ``/readyz`` answers 503, while the server keeps listening (endpoints are removed from the

@@ -21,10 +21,10 @@ The journal closes that gap:
 - ``finish``: once the request's own record is in the spool, one line says so and its slot is
   given back. The line is not written at once but with the next admission or tick (one
   ``write(2)`` per request, not two): a line lost with the process only makes recovery look for
-  the record in the spool, where it is (``infermeter.journal.recover`` skips spooled ids;
+  the record in the spool, where it is (``infermeter.journal_files.recover`` skips spooled ids;
   billing keeps one record per id).
 
-At start, ``infermeter.journal.recover`` turns what the previous process left into records (the
+At start, ``infermeter.journal_files.recover`` turns what the previous process left into records (the
 files' formats, and the rules of those records, are told there).
 
 When a file passes ``rotate_bytes`` the requests still running are copied to a fresh one and the
@@ -57,7 +57,13 @@ from typing import Any, Protocol
 
 import orjson
 
-from infermeter.journal import Pending, admission_line, files_in, finish_line, interrupted_record
+from infermeter.journal_files import (
+    Pending,
+    admission_line,
+    files_in,
+    finish_line,
+    interrupted_record,
+)
 from infermeter.records import UsageRecord
 from sidecar.progress import Slot, SlotTable
 from sidecar.stream import UsageCounts
@@ -119,7 +125,7 @@ class AdmissionJournal:
 
     def open(self) -> list[Path]:
         """Start a fresh journal and slot file and the ticks; return the files an earlier
-        process left (``infermeter.journal.journal_files``: its logs, then its slot files)."""
+        process left (``infermeter.journal_files.journal_files``: its logs, then its slot files)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         left = files_in(self.directory)
         self._start_file()

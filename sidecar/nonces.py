@@ -4,7 +4,7 @@ A gateway's signature (``infermeter.auth.GatewayVerifier``) holds for ``max_skew
 side of its timestamp and for one request to one model; its nonce is remembered so that it is
 served once. Two memories keep it:
 
-- ``NonceFile``, this sidecar's own, always: ``infermeter.replay.ReplayCache`` in memory (at most
+- ``NonceFile``, this sidecar's own, always: ``sidecar.seen_nonces.ReplayCache`` in memory (at most
   ``replay_cache_entries``), and every nonce appended to ``<spool dir>/gateway-nonces/`` before
   its request is forwarded, so a restarted sidecar (the same instance: the same spool directory)
   refuses what it served before. The file is bounded: once it holds twice
@@ -41,10 +41,10 @@ from infermeter.auth import AuthError
 from infermeter.config import Config
 from infermeter.disk_thread import DiskThread
 from infermeter.records import RequestStatus
-from infermeter.replay import ReplayCache
 from infermeter.spooldir import GATEWAY_NONCES
 from sidecar.admission import Headers, Refusal, identify
 from sidecar.resp import ReplyError, RespClient, parse_url
+from sidecar.seen_nonces import ReplayCache
 from sidecar.state import View
 
 __all__ = [

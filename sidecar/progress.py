@@ -4,7 +4,7 @@ The admission journal (``sidecar.journal``) knows that a request runs; this modu
 it has got, so that a sidecar killed mid-request (``kill -9``, the OOM killer) is followed by a
 record billing at least what the client received. Each running request holds one fixed-size
 slot of a file mapped ``MAP_SHARED`` (``journal-<ns>.slots``; the layout is
-``infermeter.journal``'s). The relay writes it with plain memory stores, no system call:
+``infermeter.journal_files``'s). The relay writes it with plain memory stores, no system call:
 
 - per block of chunks, before its bytes go to the client's transport: the start of vLLM's
   running usage object in its last chunk (``Slot.usage``, called by
@@ -19,7 +19,7 @@ slot of a file mapped ``MAP_SHARED`` (``journal-<ns>.slots``; the layout is
   by the journal's tick (``Slot.counts``), since the client receives nothing before the end.
 
 The pages are the kernel's page cache: a process killed at any instruction leaves its last
-stores in them, and the next start reads exact counts (``infermeter.journal.recover``). The
+stores in them, and the next start reads exact counts (``infermeter.journal_files.recover``). The
 journal's tick fsyncs the file with its own, so a crash of the whole machine loses at most one
 tick of progress. A request's slot is taken at its admission and given back at its end; a
 ``Slot`` given back writes into scratch memory from then on, so a late write can never land in
@@ -44,7 +44,7 @@ import struct
 from pathlib import Path
 from typing import Final
 
-from infermeter.journal import SLOT_BYTES, SLOTS_MAGIC, Progress, SlotLayout, slot_progress
+from infermeter.journal_files import SLOT_BYTES, SLOTS_MAGIC, Progress, SlotLayout, slot_progress
 from sidecar.request_ids import response_id
 from sidecar.stream import UsageCounts, parse_usage
 

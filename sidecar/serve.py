@@ -1,4 +1,4 @@
-"""Run one sidecar as a server (``infermeter.http_server``): reload on SIGHUP or a file change, drain on SIGTERM."""
+"""Run one sidecar as a server (``sidecar.http_server``): reload on SIGHUP or a file change, drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 from infermeter.config import Config, ConfigError, load_config
 from infermeter.exposure import public_key_problems
-from infermeter.http_server import HttpServer
 from infermeter.identity import identity_from_environment
 from infermeter.otlp import metrics_export_configured, otlp_settings
 from infermeter.reload import Reloader
@@ -21,6 +20,7 @@ from infermeter.serving import ensure_free, host_port
 from sidecar.app import Sidecar
 from sidecar.drain import drain
 from sidecar.engine_listener import EngineMetricsOnly
+from sidecar.http_server import HttpServer
 from sidecar.lifetime import engine_metrics_url, resource_attributes
 from sidecar.tracing import make_tracer_provider
 

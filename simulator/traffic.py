@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 
 from infermeter.config import Config
+from infermeter.day_curve import hour_of_day, share_of_peak
 from infermeter.local_fleet import LocalInstance, read_fleet
-from infermeter.traffic import hour_of_day, share_of_peak
 
 __all__ = [
     "InstanceTargets",

@@ -1,6 +1,6 @@
 """Real servers on loopback for tests: free ports, each app on the server it runs on in production.
 
-A sidecar is served by its own server (``infermeter.http_server``), every other app by uvicorn
+A sidecar is served by its own server (``sidecar.http_server``), every other app by uvicorn
 (``infermeter.serving.server``), inside the test's event loop.
 """
 
@@ -18,9 +18,9 @@ from typing import Any, Literal
 import httpx
 import uvicorn
 
-from infermeter.http_server import HttpServer
 from infermeter.serving import DEFAULT_LIMITS, ServerLimits, free_port, server as serve
 from sidecar.app import Sidecar
+from sidecar.http_server import HttpServer
 
 
 @contextlib.asynccontextmanager

@@ -1,8 +1,16 @@
-"""What docs/architecture.md says of the code's shape holds: no import circle anywhere."""
+"""What docs/architecture.md says of the code's shape holds: every module in its tables, no
+import circle anywhere."""
 
 from __future__ import annotations
 
+import ast
+import re
+from pathlib import Path
+
 import grimp
+
+ROOT = Path(__file__).parents[1]
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 PRODUCT = (
     "launcher",
@@ -27,3 +35,50 @@ def test_no_module_imports_itself_back() -> None:
             if chain is not None:
                 circles.add(" -> ".join((module, *chain)))
     assert sorted(circles) == []
+
+
+def _holds_code(path: Path) -> bool:
+    """A module other than a package's ``__init__.py``, or an ``__init__.py`` with more than a
+    docstring (a version, re-exports): what a reader would look for in the tables."""
+    if path.name != "__init__.py":
+        return True
+    body = ast.parse(path.read_text()).body
+    return any(
+        not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+        and not (isinstance(node, ast.ImportFrom) and node.module == "__future__")
+        for node in body
+    )
+
+
+def _modules() -> set[str]:
+    return {
+        path.relative_to(ROOT).as_posix()
+        for package in PRODUCT
+        for path in (ROOT / package).rglob("*.py")
+        if _holds_code(path)
+    }
+
+
+def _tabled() -> set[str]:
+    """``package/module.py`` for every row of the Modules section's tables."""
+    section = ARCHITECTURE.read_text().split("\n## Modules\n", 1)[1].split("\n## ", 1)[0]
+    names: set[str] = set()
+    package = None
+    for line in section.splitlines():
+        heading = re.fullmatch(r"### `([\w/]+)/`", line)
+        if heading:
+            package = heading.group(1)
+        elif package and line.startswith("| `"):
+            first_cell = line.split(" | ")[0]
+            names.update(f"{package}/{name}" for name in re.findall(r"`([\w.]+\.py)`", first_cell))
+    return names
+
+
+def test_the_module_tables_list_every_module() -> None:
+    """Every product module has its row in docs/architecture.md's Modules section."""
+    assert sorted(_modules() - _tabled()) == []
+
+
+def test_the_module_tables_name_no_module_that_is_gone() -> None:
+    """Every row of the Modules section names a module that exists."""
+    assert sorted(_tabled() - _modules()) == []

@@ -3,7 +3,7 @@
 What is modelled, per model, one tick (default one minute) at a time:
 
 - **Demand** is output tokens per second: from a recording, or from the daily shape the
-  simulator's traffic follows (``infermeter.traffic.share_of_peak``: a night floor, a 10:00 peak
+  simulator's traffic follows (``infermeter.day_curve.share_of_peak``: a night floor, a 10:00 peak
   and a smaller 15:00 one), scaled so the peak needs ``peak_replicas`` replicas at the target
   utilization.
 - **Capacity** of a replica is its engine's decode throughput with a full batch, from the
@@ -45,7 +45,7 @@ from alerts.autoscale.policy import (
     decide,
 )
 from infermeter.config import Config, EngineProfile
-from infermeter.traffic import hour_of_day, share_of_peak
+from infermeter.day_curve import hour_of_day, share_of_peak
 
 __all__ = [
     "DemandPoint",
@@ -112,7 +112,7 @@ def simulated_demand(
     noise: float = 0.1,
     seed: int = 7,
 ) -> list[DemandPoint]:
-    """The daily traffic shape from midnight (``infermeter.traffic``), in tokens/s, up to the peak.
+    """The daily traffic shape from midnight (``infermeter.day_curve``), in tokens/s, up to the peak.
 
     Each tick is multiplied by a log-normal factor (sigma ``noise``), so no two days are the
     same and the predictive term cannot simply copy yesterday.

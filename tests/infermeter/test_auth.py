@@ -25,7 +25,7 @@ from infermeter.auth import (
     sign_request,
     string_to_sign,
 )
-from infermeter.replay import ReplayCache
+from sidecar.seen_nonces import ReplayCache
 
 KEYS = {"sk-search-1": "search", "sk-search-2": "search", "sk-research": "research"}
 SECRET = b"gateway-secret"

@@ -16,8 +16,8 @@ import pytest
 
 from infermeter.asgi import Receive, Scope, Send, read_body, respond
 from infermeter.http_guard import BODY_COMPLETE, ServerLimits
-from infermeter.http_server import HttpServer
 from infermeter.serving import free_port, server
+from sidecar.http_server import HttpServer
 
 
 class _Recorder:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infermeter.journal import (
+from infermeter.journal_files import (
     SLOT_BYTES,
     Progress,
     SlotLayout,
@@ -23,7 +23,7 @@ from sidecar.assemble import Assembler
 from sidecar.journal import AdmissionJournal, JournalError
 from sidecar.progress import SlotTable
 from sidecar.stream import StreamMeter, UsageCounts
-from tests.infermeter.test_journal import T0, admitted
+from tests.infermeter.test_journal_files import T0, admitted
 
 
 def chunk(completion: int) -> bytes:

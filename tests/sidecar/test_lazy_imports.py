@@ -4,7 +4,7 @@ never uvicorn.
 Each costs an idle sidecar memory (docs/benchmarks.md): the protocol relay (the default) never
 needs aiohttp, redis-py is for shared limits only, httpx for shipping, a budget's spend or an
 https upstream, and the SDK for exporting spans (the API alone passes a trace on). The sidecar
-serves on its own server (``infermeter.http_server``), so uvicorn is never needed.
+serves on its own server (``sidecar.http_server``), so uvicorn is never needed.
 Checked in a fresh interpreter, since this test process has long imported them all.
 """
 

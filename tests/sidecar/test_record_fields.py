@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from infermeter.journal import admission_line
+from infermeter.journal_files import admission_line
 from infermeter.records import RequestStatus, UsageRecord
 from sidecar.accounting import Call, admitted_fields, ending_fields
 from sidecar.prefix import Prefix

@@ -1,6 +1,6 @@
 """The sidecar's HTTP/1.1 server speaks HTTP as a client expects, over real loopback sockets.
 
-Each test talks raw HTTP/1.1 to ``infermeter.http_server.HttpServer`` (keep-alive, pipelining,
+Each test talks raw HTTP/1.1 to ``sidecar.http_server.HttpServer`` (keep-alive, pipelining,
 100-continue, HEAD, chunked bodies, bad requests, failing apps, graceful stop, lifespan), so
 what is asserted is what is on the wire, not what a client library makes of it.
 """
@@ -17,8 +17,8 @@ import pytest
 
 from infermeter.asgi import Message, Receive, Scope, Send, read_body, respond
 from infermeter.http_guard import RAW_WRITER, ServerLimits
-from infermeter.http_server import STARTUP_FAILURE, HttpServer
 from infermeter.serving import free_port
+from sidecar.http_server import STARTUP_FAILURE, HttpServer
 
 TEXT = [(b"content-type", b"text/plain")]
 

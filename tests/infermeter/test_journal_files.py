@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from infermeter.journal import (
+from infermeter.journal_files import (
     SLOT_BYTES,
     Pending,
     Progress,

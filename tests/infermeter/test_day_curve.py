@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infermeter.traffic import hour_of_day, share_of_peak
+from infermeter.day_curve import hour_of_day, share_of_peak
 
 
 def test_share_peaks_at_ten_and_has_a_night_floor():

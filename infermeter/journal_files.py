@@ -94,7 +94,7 @@ __all__ = [
     "usage_counts",
 ]
 
-log = logging.getLogger("infermeter.journal")
+log = logging.getLogger("infermeter.journal_files")
 
 # The journal's folder inside a spool directory.
 JOURNAL_DIR = "journal"
