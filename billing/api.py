@@ -7,7 +7,6 @@ OpenAI-style JSON, like the sidecar's, so the same clients can read both.
 
 from __future__ import annotations
 
-import os
 import time
 
 from anyio import CapacityLimiter
@@ -56,7 +55,7 @@ from billing.routes import (
 from billing.routes.dependencies import Services
 from billing.statement_cache import CachedChargeback
 from billing.writers import WriterGate
-from infermeter.config import Config
+from infermeter.config import Config, env_value
 from infermeter.oidc import IdTokens
 from infermeter.writers import WriterKeys
 
@@ -97,7 +96,7 @@ def create_app(
     registry.register(ReconciliationCollector(ledger))
     registry.register(QuarantineCollector(ledger))
     if writer_secret is None:
-        writer_secret = os.environ.get(b.writer_secret_env, "").encode() or None
+        writer_secret = (env_value(b.writer_secret_env) or "").encode() or None
     ring = keyring(config)
     app.state.services = Services(
         config=config,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from billing import federation_store as store
 from billing.federation import FederationError, parse_payload
 from billing.ledger import Ledger
-from infermeter.config import BillingSettings, FederatedCluster
+from infermeter.config import BillingSettings, FederatedCluster, process_environment
 from infermeter.months import check_month
 
 __all__ = ["ClusterReport", "Puller"]
@@ -77,7 +76,7 @@ class Puller:
     ) -> None:
         self.ledger = ledger
         self.settings = settings
-        env = os.environ if environ is None else environ
+        env = process_environment() if environ is None else environ
         self._tokens = {c.name: env.get(c.token_env, "") for c in settings.clusters}
         self._transport = transport
         self._round = asyncio.Lock()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable
 from typing import Final
 
@@ -18,7 +17,7 @@ import orjson
 import redis
 from redis.exceptions import RedisError
 
-from infermeter.config import SharedLimitsSettings
+from infermeter.config import SharedLimitsSettings, env_value
 from infermeter.keys import IssuedKeys, redis_keys
 
 __all__ = ["CHECK_SECONDS", "RedisPublisher"]
@@ -33,7 +32,7 @@ class RedisPublisher:
 
     def __init__(self, settings: SharedLimitsSettings, client: redis.Redis | None = None) -> None:
         assert settings.redis_url is not None
-        password = os.environ.get(settings.password_env) or None
+        password = env_value(settings.password_env) or None
         timeout = max(settings.timeout_millis / 1000, 0.5)
         self.client = client or redis.Redis.from_url(
             settings.redis_url,

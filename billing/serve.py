@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -20,7 +19,7 @@ from billing.bounds import SampleBounds
 from billing.ledger import Ledger
 from billing.lifetimes import heartbeat_seconds
 from billing.quarantine import KnownFleet
-from infermeter.config import Config
+from infermeter.config import Config, env_value, process_environment
 from infermeter.exposure import is_loopback
 from infermeter.otlp import metrics_export_configured, otlp_settings
 from infermeter.serving import ServerLimits, ensure_free, host_port, server
@@ -146,7 +145,7 @@ async def serve_billing(
     b = config.billing
     host, port = host_port(listen or b.listen)
     ensure_free(host, port, "billing listen address")
-    secret = os.environ.get(b.writer_secret_env, "")
+    secret = env_value(b.writer_secret_env) or ""
     if secret.encode() == DEMO_SECRET and not is_loopback(f"{host}:{port}"):
         raise WriterError(
             f"${b.writer_secret_env} is the public demo writer secret and billing listens on "
@@ -169,7 +168,7 @@ async def serve_billing(
         )
         publisher = key_publisher(config)
         app = create_app(config, ledger, key_publisher=publisher)
-        export = metrics_export(app, os.environ)
+        export = metrics_export(app, process_environment())
         task = asyncio.create_task(export.run()) if export is not None else None
         keys = app.state.services.keys
         keeping = asyncio.create_task(publisher.keep(lambda: keys.issued)) if publisher else None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -25,7 +24,7 @@ from collectors.nvml import NvmlSource
 from collectors.sources import EngineSource, GpuSource
 from collectors.targets import EngineTarget, PodRules, placements, static_targets
 from collectors.vllm import VllmSource
-from infermeter.config import Config
+from infermeter.config import Config, env_value, process_environment
 from infermeter.kubernetes import in_cluster_api
 from infermeter.otlp import metrics_export_configured, otlp_settings
 from infermeter.serving import ensure_free, host_port, server
@@ -64,7 +63,7 @@ def build_collector(
     registry or the Kubernetes API names them.
     """
     settings = config.collector
-    env = os.environ if environ is None else environ
+    env = process_environment() if environ is None else environ
     gpu_sources: list[GpuSource]
     if settings.source == "nvml":
         host = env.get(settings.node_name_env) or socket.gethostname()
@@ -241,7 +240,7 @@ async def serve_collector(config: Config, listen: str | None) -> None:
     # Scrapes come every 10 s, after httpx's 5 s keep-alive expiry: connections are not reused.
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
     async with httpx.AsyncClient(limits=limits) as client, contextlib.AsyncExitStack() as stack:
-        env = os.environ
+        env = process_environment()
         collector = build_collector(config, client, env)
 
         def on_targets(targets: Mapping[str, EngineTarget]) -> None:
@@ -271,7 +270,7 @@ async def serve_collector(config: Config, listen: str | None) -> None:
             tasks.append(asyncio.create_task(export.run(), name="otlp-metrics"))
         shippers: list[Shipper] = []
         if settings.ingest_url:
-            token = os.environ.get(settings.ingest_token_env)
+            token = env_value(settings.ingest_token_env)
             shipped = ShipperMetrics(registry)
             for spool, kind in ((sink.gpus, GPU_KIND), (sink.engines, ENGINE_KIND)):
                 shipper = Shipper(

@@ -18,7 +18,6 @@ time billing read the ledger for it (at most one refresh interval ago).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +40,7 @@ from dashboards.sessions import Gate, Session, Sessions, clean_key
 from dashboards.style import SORT_JS, STYLE, TZ_JS
 from dashboards.summary import summary_row, tiles
 from dashboards.throttle import SignInThrottle, locked_message
-from infermeter.config import Config
+from infermeter.config import Config, process_environment
 from infermeter.months import month_of
 from infermeter.statement import statement_from_json
 
@@ -222,7 +221,7 @@ def create_app(
     by_path = {p.PATH: p for p in PAGES}
     oidc = config.dashboard.oidc
     if oidc is not None:
-        env = os.environ if environ is None else environ
+        env = process_environment() if environ is None else environ
         install_oidc(app.server, oidc, env, gate.sessions, heard)
 
         @app.callback(Output("sso-error", "children"), Input("url", "pathname"))

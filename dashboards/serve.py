@@ -8,7 +8,6 @@ starts, as for every other service.
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,7 +17,7 @@ from dashboards.app import create_app
 from dashboards.headers import installed_headers
 from dashboards.wsgi import WsgiServer
 from infermeter.audit_spool import AUDIT_DIR, AuditLog, AuditThread
-from infermeter.config import Config
+from infermeter.config import Config, process_environment
 from infermeter.http_guard import DEFAULT_LIMITS
 from infermeter.serving import ensure_free, host_port
 from infermeter.writers import Role, credential_from
@@ -54,7 +53,7 @@ def serve_dashboard(config: Config, listen: str | None, billing_url: str | None)
     """Serve until SIGINT or SIGTERM; the exit status (0, or 143 after SIGTERM)."""
     host, port = host_port(listen or config.dashboard.listen)
     url = billing_url_of(config, billing_url)
-    audit = audit_thread(config, url, os.environ)
+    audit = audit_thread(config, url, process_environment())
     server = dashboard_server(config, host, port, url, audit)
     received: list[int] = []
 

@@ -1316,8 +1316,17 @@ def _describe(err: Any, raw: Any) -> str:
     return f"{path} = {value!r}: {reason}"
 
 
-def env_value(name: str | None, environ: Mapping[str, str] | None = None) -> str | None:
-    """The value of the environment variable ``name`` (a setting's ``*_env``); None when unset or empty."""
-    if not name:
-        return None
-    return (os.environ if environ is None else environ).get(name) or None
+def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The environment variable ``name`` (a secret a ``*_env`` setting names); None when unset."""
+    return (os.environ if environ is None else environ).get(name)
+
+
+def process_environment() -> Mapping[str, str]:
+    """The process's environment, for the functions that take one (``environ``) to read a
+    variable a setting names or the pod's own facts (the downward API).
+
+    This module is where the product reads the environment: the settings' overrides, and through
+    ``env_value`` and this function the secrets and facts named by ``*_env`` settings. Tests pass
+    a mapping of their own instead.
+    """
+    return os.environ

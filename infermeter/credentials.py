@@ -119,15 +119,21 @@ def write_credential(path: Path, token: str) -> None:
 
 
 def _credential(args: argparse.Namespace, config: Config) -> int:
+    from infermeter.config import env_value, process_environment
     from infermeter.writers import issue
 
     variable = config.billing.writer_secret_env
-    secret = os.environ.get(variable, "")
+    secret = env_value(variable) or ""
     if not secret:
         return fail(f"the writer secret is not in {variable}: mount it from the Secret")
     try:
         writer = principal_for(
-            config, args.role, os.environ, replica=args.replica, port=args.port, name=args.name
+            config,
+            args.role,
+            process_environment(),
+            replica=args.replica,
+            port=args.port,
+            name=args.name,
         )
     except CredentialError as exc:
         return fail(f"cannot tell which {args.role} this pod is: {exc}")

@@ -9,7 +9,6 @@ new key's secret is printed once, alone on stdout, so a script can take it
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from typing import TYPE_CHECKING, Any, Final
@@ -92,7 +91,10 @@ def register(subparsers: Subparsers) -> None:
 
 
 def _keys(args: argparse.Namespace, config: Config) -> int:
-    token = next((os.environ[v] for v in TOKEN_ENVS if os.environ.get(v)), None)
+    # Imported with the handler: building the parser (`infermeter --help`) loads no pydantic.
+    from infermeter.config import env_value
+
+    token = next((t for v in TOKEN_ENVS if (t := env_value(v))), None)
     if token is None:
         raise CommandError(f"set ${TOKEN_ENVS[0]} to the admin token or a team lead's key")
     url = (args.billing_url or config.billing.url).rstrip("/")

@@ -8,10 +8,11 @@ The kubelet mounts the pod's service-account token and the cluster's CA under
 
 from __future__ import annotations
 
-import os
 import ssl
 from collections.abc import Mapping
 from pathlib import Path
+
+from infermeter.config import process_environment
 
 __all__ = ["SERVICE_ACCOUNT_DIR", "KubernetesApiError", "bearer", "in_cluster_api"]
 
@@ -26,7 +27,7 @@ def in_cluster_api(
     environ: Mapping[str, str] | None = None, account_dir: Path = SERVICE_ACCOUNT_DIR
 ) -> tuple[str, Path, ssl.SSLContext]:
     """The API server URL, token file and TLS context the pod's service account provides."""
-    env = os.environ if environ is None else environ
+    env = process_environment() if environ is None else environ
     host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
     if not host:
         raise KubernetesApiError("not in a cluster (no KUBERNETES_SERVICE_HOST): set an api_url")

@@ -16,9 +16,10 @@ at start with ``OtlpConfigError``, which names the variable and the value.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from infermeter.config import process_environment
 
 __all__ = [
     "GEN_AI_LATEST",
@@ -51,7 +52,7 @@ class OtlpSettings:
 
 
 def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
-    return os.environ if environ is None else environ
+    return process_environment() if environ is None else environ
 
 
 def metrics_export_configured(environ: Mapping[str, str] | None = None) -> bool:

@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from infermeter.config import process_environment
+
 __all__ = ["Child", "ChildFailedError", "ExitHistory", "RestartPolicy", "Supervisor", "after_exit"]
 
 
@@ -176,7 +178,7 @@ class Supervisor:
 
     def _spawn(self, slot: _Slot) -> None:
         child = slot.child
-        env = {**child.env, **os.environ} if child.env else None
+        env = {**child.env, **process_environment()} if child.env else None
         slot.proc = subprocess.Popen(list(child.argv), start_new_session=True, env=env)
         slot.started_at = self.clock()
         slot.restart_at = None

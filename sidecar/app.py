@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +36,7 @@ from prometheus_client import generate_latest
 from infermeter.asgi import Receive, Scope, Send, read_body, respond
 from infermeter.audit_spool import AUDIT_DIR, AUDIT_KIND, AuditLog
 from infermeter.auth import ADMIN, AuthError, bearer_key
-from infermeter.config import Config
+from infermeter.config import Config, env_value, process_environment
 from infermeter.errors import error_body
 from infermeter.http_guard import BODY_COMPLETE, RAW_WRITER, RawWriter, ServerLimits
 from infermeter.identity import Identity, identity_from_environment, instance_credential
@@ -143,7 +142,9 @@ class Sidecar:
         directory = spool_dir or Path(settings.spool_dir) / self.identity.spool_key
         # The instance's writer credential: it seals every spool line and ships them; its address
         # is the only engine metrics URL billing takes from this instance.
-        self.credential = instance_credential(self.identity, os.environ, settings.credential_env)
+        self.credential = instance_credential(
+            self.identity, process_environment(), settings.credential_env
+        )
         sealer = Sealer(self.credential) if self.credential is not None else None
         if self.credential is not None:
             engine_metrics_url = self.credential.writer.engine_metrics_url
@@ -167,7 +168,7 @@ class Sidecar:
             settings.budgets,
             {t.name: t.budget_usd_per_month for t in config.teams},
             self.metrics.registry,
-            os.environ.get(settings.budgets.spend_token_env),
+            env_value(settings.budgets.spend_token_env),
             self.limiter.redis,
             settings.shared_limits.key_prefix,
             self.override_spool,
@@ -180,7 +181,7 @@ class Sidecar:
             directory,
             lambda: self.client,
             config.billing.url,
-            os.environ.get(settings.budgets.spend_token_env),
+            env_value(settings.budgets.spend_token_env),
             self.limiter.redis,
             settings.shared_limits.key_prefix,
             settings.key_sync_seconds,
@@ -213,7 +214,7 @@ class Sidecar:
         )
         self.drain = Drain()
         self.tracer = tracing.tracer(tracer_provider)
-        self.upstream_key = os.environ.get(settings.upstream_api_key_env) or None
+        self.upstream_key = env_value(settings.upstream_api_key_env) or None
         # For shipping only, made when the shippers start (``client``).
         self._client = client
         self.generation = Upstream(settings.connect_timeout_seconds, settings.read_timeout_seconds)
@@ -229,13 +230,13 @@ class Sidecar:
         # Each answer's cost estimate, from billing's rates, read beside the spend.
         self.rates = RatePoller(
             settings.budgets,
-            os.environ.get(settings.budgets.spend_token_env),
+            env_value(settings.budgets.spend_token_env),
             lambda: self.budgets.client,
             self.metrics.registry,
         )
         self.relay.rates = self.rates
         self.ingest_url = settings.ingest_url
-        self.ingest_token = os.environ.get(settings.ingest_token_env) or None
+        self.ingest_token = env_value(settings.ingest_token_env) or None
         self._tasks: list[asyncio.Task[None]] = []
         self._shippers: list[Shipper] = []
         self.otlp = self._metrics_export(otlp) if otlp is not None else None

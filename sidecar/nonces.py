@@ -38,7 +38,7 @@ from typing import Literal, Protocol
 from prometheus_client import CollectorRegistry, Counter
 
 from infermeter.auth import AuthError
-from infermeter.config import Config
+from infermeter.config import Config, env_value
 from infermeter.disk_thread import DiskThread
 from infermeter.records import RequestStatus
 from infermeter.spooldir import GATEWAY_NONCES
@@ -301,7 +301,7 @@ def nonce_store(config: Config, spool_directory: Path, registry: CollectorRegist
     )
     if shared.redis_url is None:
         return local
-    password = os.environ.get(shared.password_env) or None
+    password = env_value(shared.password_env) or None
     resp = RespClient(
         parse_url(shared.redis_url, password),
         shared.timeout_millis / 1000,

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from infermeter.config import Config, ConfigError, load_config
+from infermeter.config import Config, ConfigError, load_config, process_environment
 from infermeter.exposure import public_key_problems
 from infermeter.identity import identity_from_environment
 from infermeter.otlp import metrics_export_configured, otlp_settings
@@ -52,7 +51,7 @@ async def serve_sidecar(
     if upstream:
         config = _with_upstream(config, replica_id, upstream)
     replica = config.replica(replica_id)
-    identity = identity_from_environment(replica, os.environ)
+    identity = identity_from_environment(replica, process_environment())
     address = listen or replica.sidecar_listen
     if not address:
         raise ConfigError(
@@ -68,7 +67,7 @@ async def serve_sidecar(
         f"infermeter-sidecar-{replica_id}", attributes=resource_attributes(identity)
     )
     otlp = otlp_settings() if metrics_export_configured() else None
-    metrics_url = engine_metrics_url(host, port, os.environ, socket.gethostname())
+    metrics_url = engine_metrics_url(host, port, process_environment(), socket.gethostname())
     app = Sidecar(
         config,
         replica_id,

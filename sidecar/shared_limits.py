@@ -52,7 +52,6 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import time
 import uuid
 from collections import defaultdict
@@ -62,7 +61,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.exceptions import RedisError
 
-from infermeter.config import SharedLimitsSettings, TeamLimits
+from infermeter.config import SharedLimitsSettings, TeamLimits, env_value
 from sidecar.limits import (
     Admission,
     LimitExceeded,
@@ -222,7 +221,7 @@ class SharedTeamLimiter:
         self.replica_id = replica_id
         timeout = settings.timeout_millis / 1000
         assert settings.redis_url is not None
-        password = os.environ.get(settings.password_env) or None
+        password = env_value(settings.password_env) or None
         # Connection attempts back off up to retry_seconds, so Redis is still tried that often.
         self.resp = RespClient(
             parse_url(settings.redis_url, password),
@@ -244,7 +243,7 @@ class SharedTeamLimiter:
         group = replica_id if settings.scope == "team_replica" else None
         self.live = LiveInstances(
             settings.registry_url,
-            os.environ.get(settings.registry_token_env),
+            env_value(settings.registry_token_env),
             group,
             settings.instances_refresh_seconds,
             max_count=max_live,

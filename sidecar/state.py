@@ -8,14 +8,13 @@ a request in flight keeps the view it started with. A newer set of keys issued a
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Final
 
 from infermeter.auth import ADMIN, METRICS, GatewayVerifier, KeyRing
-from infermeter.config import Config, Replica
+from infermeter.config import Config, Replica, env_value
 from infermeter.keys import IssuedKeys
 from sidecar.bounds import shown
 from sidecar.prefix import PrefixDigester, prefix_digester
@@ -126,7 +125,7 @@ def build_view(config: Config, replica_id: str, issued: IssuedKeys | None = None
     gateway = None
     g = config.sidecar.gateway
     if g.enabled:
-        secret = os.environ.get(g.secret_env, "")
+        secret = env_value(g.secret_env) or ""
         if not secret:
             raise ValueError(f"sidecar.gateway is enabled but ${g.secret_env} is empty")
         gateway = GatewayVerifier(
@@ -153,7 +152,7 @@ def build_view(config: Config, replica_id: str, issued: IssuedKeys | None = None
         control_open=not control_digests,
         gateway=gateway,
         prefix=prefix_digester(
-            os.environ.get(config.sidecar.prefix_key_env), config.sidecar.prefix_digest_chars
+            env_value(config.sidecar.prefix_key_env), config.sidecar.prefix_digest_chars
         ),
         projects=project_rules(config),
     )

@@ -11,13 +11,14 @@ only the API.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from infermeter.config import process_environment
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -48,7 +49,7 @@ PROJECT = "infermeter.project"
 
 def export_configured(environ: Mapping[str, str] | None = None) -> bool:
     """True when the standard OTEL_* variables ask for trace export over OTLP."""
-    env = os.environ if environ is None else environ
+    env = process_environment() if environ is None else environ
     if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return False
     exporter = env.get("OTEL_TRACES_EXPORTER", "").lower()

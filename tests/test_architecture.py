@@ -82,3 +82,39 @@ def test_the_module_tables_list_every_module() -> None:
 def test_the_module_tables_name_no_module_that_is_gone() -> None:
     """Every row of the Modules section names a module that exists."""
     assert sorted(_tabled() - _modules()) == []
+
+
+# Where the product may read the process's environment: the configuration, which every other
+# module asks (``env_value``, ``process_environment``), and the pod's identity (downward API).
+ENVIRONMENT_READERS = {"infermeter/config.py", "infermeter/identity.py"}
+
+
+def _reads_environment(path: Path) -> bool:
+    """``os.environ``, ``os.getenv`` or either imported from ``os`` anywhere in the module."""
+    names = ("environ", "environb", "getenv", "getenvb")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in names
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "os"
+        ):
+            return True
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module == "os"
+            and any(alias.name in names for alias in node.names)
+        ):
+            return True
+    return False
+
+
+def test_only_the_configuration_reads_the_environment() -> None:
+    """No product module but the configuration and the identity module reads os.environ."""
+    readers = {
+        path.relative_to(ROOT).as_posix()
+        for package in PRODUCT
+        for path in (ROOT / package).rglob("*.py")
+        if _reads_environment(path)
+    }
+    assert sorted(readers - ENVIRONMENT_READERS) == []

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -49,7 +48,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from alerts.autoscale.hooks import HookError
 from alerts.autoscale.policy import Decision
 from collectors.attribution import POD_PREFIX
-from infermeter.config import Config, Replica
+from infermeter.config import Config, Replica, process_environment
 from infermeter.local_fleet import LocalInstance, read_fleet, write_fleet
 from infermeter.serving import free_port
 from infermeter.writers import Writer, issue
@@ -136,7 +135,7 @@ class LocalScaleHook:
         self.config_path = config_path
         self.client = client
         self.path = Path(config.simulator.instances_file)
-        environ = dict(os.environ if environ is None else environ)
+        environ = dict(process_environment() if environ is None else environ)
         secret = environ.get(config.billing.writer_secret_env, "")
         self._secret = secret.encode() or None
         # What the processes it starts inherit: never the secret nor the autoscaler's credential.

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -67,7 +66,7 @@ from alerts.autoscale.policy import (
 from alerts.autoscale.reload import policy_of, restart_needed
 from infermeter.asgi import Receive, Scope, Send, idle_lifespan, respond
 from infermeter.audit_spool import AUDIT_DIR, AuditLog
-from infermeter.config import Config
+from infermeter.config import Config, env_value, process_environment
 from infermeter.exposure import public_key_problems
 from infermeter.reload import Reloader
 from infermeter.serving import ensure_free, host_port, server
@@ -289,7 +288,7 @@ def build_hooks(
 
     The local hook starts its instances with the same configuration file, so it needs its path.
     """
-    env = os.environ if environ is None else environ
+    env = process_environment() if environ is None else environ
     a = config.autoscale
     hooks: list[Hook] = []
     if a.local.enabled:
@@ -352,7 +351,7 @@ def build_reader(
     sidecars = list(a.sidecar_urls) or [
         f"http://{r.sidecar_listen}/metrics" for r in config.replicas if r.sidecar_listen
     ]
-    reader = PageReader(collector, sidecars, models, client, os.environ.get(a.metrics_token_env))
+    reader = PageReader(collector, sidecars, models, client, env_value(a.metrics_token_env))
     local = next((h for h in hooks if isinstance(h, LocalScaleHook)), None)
     if local is not None:
         reader.instance_sidecars = lambda: [
@@ -397,8 +396,8 @@ def decision_shipping(
     a = config.autoscale
     if not a.ingest_url:
         return None
-    token = os.environ.get(a.ingest_token_env)
-    credential = credential_from(os.environ, a.credential_env, Role.AUTOSCALER)
+    token = env_value(a.ingest_token_env)
+    credential = credential_from(process_environment(), a.credential_env, Role.AUTOSCALER)
     return DecisionShipping(Path(a.spool_dir), a.ingest_url, token, client, registry, credential)
 
 
@@ -412,7 +411,7 @@ def audit_log(config: Config) -> AuditLog | None:
     a = config.autoscale
     if not a.ingest_url:
         return None
-    credential = credential_from(os.environ, a.credential_env, Role.AUTOSCALER)
+    credential = credential_from(process_environment(), a.credential_env, Role.AUTOSCALER)
     source = credential.writer.principal if credential is not None else "autoscaler"
     return AuditLog(Path(a.spool_dir) / AUDIT_DIR, source, credential)
 
@@ -454,7 +453,7 @@ async def serve_autoscaler(
         audit_shipper = None
         if audit is not None and a.ingest_url:
             audit.open()
-            token = os.environ.get(a.ingest_token_env)
+            token = env_value(a.ingest_token_env)
             audit_shipper = audit.shipper(a.ingest_url, token, client)
             background.append(asyncio.create_task(audit_shipper.run(), name="ship-audit"))
         if config_path is not None:
