@@ -23,8 +23,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from billing.ledger import Ledger
 from infermeter.config import Config
-from infermeter.ids import sample_id
-from infermeter.records import InstanceEvent, ScalingDecision, UsageRecord
+from infermeter.records import UsageRecord
+from tests.billing.conftest import instance_event, scaling_decision
 from tests.conftest import config_ledger
 from tests.dashboards.records import ADMIN_KEY, TEAM_KEYS
 from tests.dashboards.stack import billing_thread, chromium, dashboard_config, dashboard_thread
@@ -83,19 +83,7 @@ def instances(ledger: Ledger, group: str, model: str, count: int) -> list[str]:
         names.append(name)
         for kind, at in (("start", started), ("heartbeat", now - 1)):
             events.append(
-                InstanceEvent(
-                    event_id=f"ev-{next(_ids)}",
-                    instance=name,
-                    replica=group,
-                    model=model,
-                    event=kind,
-                    timestamp=at,
-                    started_at=started,
-                    node="node-b",
-                    gpu_model="L40S",
-                    gpu_count=1,
-                    gpus=str(n + 1),
-                ).to_json()
+                instance_event(name, kind, at, started, replica=group, model=model, gpus=str(n + 1))
             )
     keep(ledger, "instances", events)
     return names
@@ -103,16 +91,7 @@ def instances(ledger: Ledger, group: str, model: str, count: int) -> list[str]:
 
 def decision(model: str, ago: float, previous: int, desired: int, reasons: str) -> dict[str, Any]:
     """A change the autoscaler made ``ago`` seconds before now, as it spools it."""
-    at = time.time() - ago
-    return ScalingDecision(
-        decision_id=sample_id(at, "scale", model),
-        model=model,
-        decided_at=at,
-        previous=previous,
-        current=previous,
-        desired=desired,
-        reasons=reasons,
-    ).to_json()
+    return scaling_decision(time.time() - ago, previous, desired, reasons, model)
 
 
 def requests(ledger: Ledger, count: int, at: float) -> None:
