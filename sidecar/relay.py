@@ -648,7 +648,10 @@ class Relay:
         try:
             exc = await sink.finished
         except BaseException:
-            # Cancelled (the client left, or the drain): closing makes vLLM abort the request.
+            # Cancelled (the client left, or the drain): what vLLM sent until now was spent on
+            # it, and a batched connection leaves it in the kernel: read it, then close, which
+            # makes vLLM abort the request.
+            conn.read_received()
             conn.close()
             raise
         if exc is None:

@@ -188,3 +188,32 @@ async def test_with_the_switch_off_a_hang_up_is_aborted_but_not_counted(stack_fa
         False,
         0,
     )
+
+
+async def test_a_hang_up_without_the_raw_writer_is_billed_what_vllm_sent(stack):
+    """Behind a server that gives no raw writer (plain uvicorn: the ASGI disconnect is awaited
+    instead), a non-streamed request whose client leaves is still billed what vLLM had sent:
+    read from the kernel before the close, where the batched reading leaves it."""
+    import uvicorn
+
+    from infermeter.serving import free_port
+    from tests.servers import running
+
+    before = await _engine(stack.upstream)
+    body = {**CHAT, "max_tokens": 3000, "ignore_eos": True}
+    config = uvicorn.Config(
+        stack.sidecar, "127.0.0.1", free_port(), lifespan="off", log_level="warning"
+    )
+    async with running(uvicorn.Server(config)) as url:
+        key = {"authorization": "Bearer im-demo-search"}
+        async with httpx.AsyncClient(base_url=url, headers=key, timeout=0.6) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post("/v1/chat/completions", json=body)
+        await asyncio.sleep(0.3)
+    after = await _engine(stack.upstream)
+    (record,) = stack.records()
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert (record["status"], record["usage_exact"]) == ("client_aborted", True)
+    assert after["vllm:num_requests_running"] == 0
+    assert generated > 20
+    assert 0 <= generated - record["completion_tokens"] <= 3
