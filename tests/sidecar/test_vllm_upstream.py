@@ -19,7 +19,7 @@ import pytest
 
 from bench.vllm_upstream import Upstream, serve
 from infermeter.serving import free_port
-from tests.simulator.shapes import classify, skeleton, sse_events
+from tests.simulator.shapes import classify, kinds_in_order, skeleton, sse_events
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "count to ten"}], "max_tokens": 6}
 PROMPT = {"model": "tiny", "prompt": "one two three", "max_tokens": 5}
@@ -40,15 +40,6 @@ async def upstream(step_seconds: float = 0.0) -> AsyncIterator[tuple[str, Upstre
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-def _order(payloads: list[str]) -> list[str]:
-    """Kinds in order, runs of token chunks collapsed (streams of other lengths compare)."""
-    out: list[str] = []
-    for kind in map(classify, payloads):
-        if not (out and out[-1] == kind == "token"):
-            out.append(kind)
-    return out
 
 
 def _first_of_each(payloads: list[str]) -> dict[str, object]:
@@ -77,7 +68,7 @@ async def test_a_chat_stream_has_the_captured_chunks(fixture_text, fixture, opti
         response = await client.post(f"{url}/v1/chat/completions", json=body)
     ours, real = sse_events(response.content), sse_events(fixture_text(fixture))
     assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
-    assert _order(ours) == _order(real)
+    assert kinds_in_order(ours) == kinds_in_order(real)
     assert _first_of_each(ours) == _first_of_each(real)
     assert sum(classify(p) in ("token", "finish") for p in ours) == 6
     assert ('"usage"' in ours[1]) == ('"usage"' in real[1])
@@ -119,7 +110,7 @@ async def test_a_text_completion_stream_has_the_captured_chunks(fixture_text):
         response = await client.post(f"{url}/v1/completions", json=body)
     ours = sse_events(response.content)
     real = sse_events(fixture_text("vllm-0.32-completions-stream-usage.sse"))
-    assert _order(ours) == _order(real)
+    assert kinds_in_order(ours) == kinds_in_order(real)
     assert _first_of_each(ours) == _first_of_each(real)
 
 

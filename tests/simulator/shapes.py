@@ -39,3 +39,13 @@ def classify(payload: str) -> str:
     if "role" in delta:
         return "role"
     return "finish" if choice["finish_reason"] else "token"
+
+
+def kinds_in_order(payloads: list[str]) -> list[str]:
+    """The payloads' kinds in order, runs of token chunks collapsed, so that two streams of
+    different lengths compare."""
+    out: list[str] = []
+    for kind in map(classify, payloads):
+        if not (out and out[-1] == kind == "token"):
+            out.append(kind)
+    return out

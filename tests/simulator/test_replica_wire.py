@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.simulator.shapes import classify, skeleton, sse_events
+from tests.simulator.shapes import classify, kinds_in_order, skeleton, sse_events
 
 CHAT = {
     "model": "tiny",
@@ -23,15 +23,6 @@ def _by_kind(payloads: list[str]) -> dict[str, list[str]]:
     for p in payloads:
         kinds.setdefault(classify(p), []).append(p)
     return kinds
-
-
-def _order(payloads: list[str]) -> list[str]:
-    """Collapse runs of token chunks so two streams of different lengths compare."""
-    out: list[str] = []
-    for kind in map(classify, payloads):
-        if not (out and out[-1] == kind == "token"):
-            out.append(kind)
-    return out
 
 
 @pytest.mark.parametrize(
@@ -53,7 +44,9 @@ async def test_chat_stream_matches_capture_chunk_by_chunk(replica, fixture_text,
         )
     assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
     ours, real = sse_events(response.content), sse_events(fixture_text(fixture))
-    assert _order(ours) == _order(real) == ["role", "token", "finish", "usage", "done"]
+    assert (
+        kinds_in_order(ours) == kinds_in_order(real) == ["role", "token", "finish", "usage", "done"]
+    )
     mine, theirs = _by_kind(ours), _by_kind(real)
     for kind in ("role", "token", "finish", "usage"):
         assert skeleton(orjson.loads(mine[kind][0])) == skeleton(orjson.loads(theirs[kind][0])), (
@@ -68,7 +61,7 @@ async def test_chat_stream_without_usage_option_has_no_usage_chunk(replica):
     async with httpx.AsyncClient() as client:
         response = await client.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True})
     payloads = sse_events(response.content)
-    assert _order(payloads) == ["role", "token", "finish", "done"]
+    assert kinds_in_order(payloads) == ["role", "token", "finish", "done"]
     assert all(b'"usage"' not in p.encode() for p in payloads)
 
 
@@ -88,7 +81,7 @@ async def test_completion_stream_matches_capture(replica, fixture_text):
         sse_events(response.content),
         sse_events(fixture_text("vllm-0.32-completions-stream.sse")),
     )
-    assert _order(ours) == _order(real)
+    assert kinds_in_order(ours) == kinds_in_order(real)
     for a, b in zip(ours, real, strict=True):
         if b != "[DONE]":
             assert skeleton(orjson.loads(a)) == skeleton(orjson.loads(b))
