@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from infermeter.config import Config
+from infermeter.serving import free_port
 from simulator.dcgm import NodeExporter, node_exporters
 from simulator.replica import ReplicaSim, replica_spec
 from tests.ports import off_demo_ports
@@ -29,6 +31,18 @@ def fleet_config(config: Config) -> Callable[..., Config]:
         return Config.model_validate(data)
 
     return make
+
+
+def targets_down(config: Config, spool_dir: Path) -> Config:
+    """``config`` with every dcgm-exporter and replica on a free loopback port where nothing
+    listens, the collector spooling to ``spool_dir`` and giving up on a scrape after 0.5 s."""
+    data = config.model_dump()
+    data["collector"].update(spool_dir=str(spool_dir), scrape_timeout_seconds=0.5)
+    for n in data["nodes"]:
+        n["dcgm_exporter_url"] = f"http://127.0.0.1:{free_port()}/metrics"
+    for r in data["replicas"]:
+        r["upstream_url"] = f"http://127.0.0.1:{free_port()}"
+    return Config.model_validate(data)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from collectors.metrics import FleetMetrics, create_app
 from collectors.serve import serve_collector
 from infermeter.config import Config
 from infermeter.serving import free_port
+from tests.collectors.conftest import targets_down
 from tests.collectors.fakes import FakeEngine, FakeGpuSource, FakeInstance, reading
 
 
@@ -103,13 +104,7 @@ SCRAPER = {"authorization": "Bearer im-demo-metrics"}
 
 async def test_serve_collector_runs_with_every_target_down(config, tmp_path):
     """``infermeter collect`` with nothing to scrape still serves /metrics, all targets down."""
-    data = config.model_dump()
-    data["collector"].update(spool_dir=str(tmp_path), scrape_timeout_seconds=0.5)
-    for n in data["nodes"]:
-        n["dcgm_exporter_url"] = f"http://127.0.0.1:{free_port()}/metrics"
-    for r in data["replicas"]:
-        r["upstream_url"] = f"http://127.0.0.1:{free_port()}"
-    cfg = type(config).model_validate(data)
+    cfg = targets_down(config, tmp_path)
     listen = f"127.0.0.1:{free_port()}"
     task = asyncio.create_task(serve_collector(cfg, listen))
     try:

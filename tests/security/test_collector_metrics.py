@@ -18,19 +18,14 @@ import yaml
 from collectors.serve import serve_collector
 from infermeter.config import Config
 from infermeter.serving import free_port
+from tests.collectors.conftest import targets_down
 
 ROOT = Path(__file__).parents[2]
 
 
 async def _serving(config: Config, tmp_path: Path) -> AsyncIterator[str]:
-    data = config.model_dump()
-    data["collector"].update(spool_dir=str(tmp_path), scrape_timeout_seconds=0.5)
-    for n in data["nodes"]:
-        n["dcgm_exporter_url"] = f"http://127.0.0.1:{free_port()}/metrics"
-    for r in data["replicas"]:
-        r["upstream_url"] = f"http://127.0.0.1:{free_port()}"
     listen = f"127.0.0.1:{free_port()}"
-    task = asyncio.create_task(serve_collector(type(config).model_validate(data), listen))
+    task = asyncio.create_task(serve_collector(targets_down(config, tmp_path), listen))
     url = f"http://{listen}"
     try:
         async with httpx.AsyncClient() as client:
