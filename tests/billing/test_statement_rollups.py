@@ -11,7 +11,7 @@ import duckdb
 import polars as pl
 import pytest
 
-from billing import ingest_sql
+from billing import ingest_sql, queries
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
 from billing.reconciliation import hour_runs, reconcile, reconciliation_sql
@@ -130,6 +130,29 @@ def test_rollups_reconcile_exactly_as_the_raw_records(ledger: Ledger, seed: int)
     for lo, hi in ((first, first + hours), (first + 2, first + 4), (first + 5, first + 6)):
         got = ledger.reconciliation(lo * HOUR, hi * HOUR)
         assert got.equals(raw_reconciliation(ledger, lo, hi)), (lo, hi)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_query_apis_reconciliation_is_the_raw_records_one(ledger: Ledger, seed: int) -> None:
+    """The reconciliation query the dashboards ask for reads the rollups, and gives the raw
+    records' rows, for a range and for one model."""
+    rng = random.Random(100 + seed)
+    keep(ledger, "usage", random_records(rng, 5), rng)
+    for instance in (None, "small-0-a"):
+        keep(ledger, "engine_samples", random_samples(rng, 5, instance), rng)
+    first = int(OCT // HOUR)
+    with ledger.reader() as cur:
+        got = queries.run(cur, "reconciliation", queries.params_from(OCT + HOUR, OCT + 4 * HOUR))
+        one = queries.run(
+            cur,
+            "reconciliation",
+            queries.params_from(OCT, OCT + 5 * HOUR, model="chat-small"),
+        )
+    assert got.height > 0
+    assert got.equals(raw_reconciliation(ledger, first + 1, first + 4))
+    sql, values = reconciliation_sql(first, first + 5, model="chat-small")
+    with ledger.reader() as cur:
+        assert one.equals(cur.sql(sql, params=values).pl())
 
 
 def test_reconciliation_reads_raw_records_only_of_hours_read_early(ledger: Ledger) -> None:
