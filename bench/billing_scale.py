@@ -124,9 +124,18 @@ def generate(ledger: Ledger, records: int) -> None:
     )
     con.execute(ingest_sql.gpu_rollup_sql())
     con.execute(hourly.dirty_samples_sql())  # as ingest marks them; refresh_hours builds them
+    engine_hours(con)
     con.execute("DROP VIEW fresh")
     con.execute("INSERT INTO months VALUES (?, NULL, false) ON CONFLICT DO NOTHING", [MONTH])
     con.execute("CHECKPOINT")
+
+
+def engine_hours(con: Any) -> None:
+    """``engine_hours`` from the engine samples, as ingest keeps it: the reconciliation's windows."""
+    con.execute(
+        "CREATE OR REPLACE TEMP VIEW fresh AS SELECT * EXCLUDE (ingested_at) FROM engine_samples"
+    )
+    con.execute(ingest_sql.engine_rollup_sql(bounded=False))
 
 
 def engine_samples(con: Any) -> None:

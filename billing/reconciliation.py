@@ -180,10 +180,7 @@ windows AS (
 # p, c, n) in, CTEs ``placed`` and ``ledger`` (instance, hour, prompt, completion) out.
 _PLACED = """
 -- The window each record's first token fell in; records after the last sample have none yet.
-placed AS (
-    SELECT r.*, w.hour, w.lo, w.hi, r.tp > w.lo AND r.tf <= w.hi AS inside
-    FROM records r {placing}
-),
+placed AS ({placed}),
 ledger AS (
     SELECT instance, hour, sum(p)::DOUBLE AS prompt, sum(CASE WHEN inside THEN c ELSE 0 END)::DOUBLE AS completion
     FROM placed WHERE tp > lo GROUP BY instance, hour
@@ -196,15 +193,26 @@ ledger AS (
 )"""
 
 # Each record's window: the first whose end is at or after its first token.
-_ASOF_PLACING = "ASOF JOIN windows w ON r.instance = w.instance AND r.tp <= w.hi"
-# The same window by two hash joins on ``_first_windows`` (``first_windows_sql``): the first
-# window at or after the first token's hour, or the one after it when the token came after that
-# window's last sample. An ASOF join of half a million records took 0.23 s; this, a tenth.
-_HASH_PLACING = f"""JOIN _window_spans s ON s.instance = r.instance
-    JOIN _first_windows f ON f.instance = r.instance
-        AND f.hour = greatest(CAST(floor(r.tp / {HOUR_SECONDS}) AS BIGINT), s.first_hour)
-    JOIN windows w ON w.instance = r.instance
-        AND w.hour = CASE WHEN r.tp <= f.hi THEN f.first_hour ELSE f.next_hour END"""
+_PLACED_ASOF = """
+    SELECT r.*, w.hour, w.lo, w.hi, r.tp > w.lo AND r.tf <= w.hi AS inside
+    FROM records r ASOF JOIN windows w ON r.instance = w.instance AND r.tp <= w.hi"""
+
+# The same window by equality joins on ``_first_windows`` (``first_windows_sql``): the first
+# window at or after the hour of the first token (or the instance's first window), or the one
+# after it when the token came after that window's end. Twice as fast as the ASOF join on a
+# 20M-record month (0.14 s against 0.25-0.28 s), the same rows.
+_PLACED_BY_HOUR = f"""
+    SELECT r.* EXCLUDE (wh), w.hour, w.lo, w.hi, r.tp > w.lo AND r.tf <= w.hi AS inside
+    FROM (
+        SELECT r.* EXCLUDE (fh), CASE WHEN r.tp <= f.hi THEN f.first_hour ELSE f.next_hour END AS wh
+        FROM (
+            SELECT r.*, greatest(CAST(floor(r.tp / {HOUR_SECONDS}) AS BIGINT), s.span_first) AS fh
+            FROM records r JOIN (SELECT DISTINCT instance, span_first FROM _first_windows) s
+                USING (instance)
+        ) r
+        JOIN _first_windows f ON f.instance = r.instance AND f.hour = r.fh
+    ) r
+    JOIN windows w ON w.instance = r.instance AND w.hour = r.wh"""
 
 # The requests across windows and every window of their instance: simple, and quadratic.
 _EVERY_WINDOW = "(SELECT * FROM placed WHERE NOT inside AND tf > tp) x JOIN windows"
@@ -330,7 +338,7 @@ records AS (
         {ENGINE_PROMPT_SQL} AS p, completion_tokens AS c, 1 AS n
     FROM {usage}
     WHERE status IN {BILLABLE} AND {_RECORDS_IN_RANGE}
-),{_PLACED.format(placing=_ASOF_PLACING, across=_EVERY_WINDOW, meets="", more="")},
+),{_PLACED.format(placed=_PLACED_ASOF, across=_EVERY_WINDOW, meets="", more="")},
 {unreconciled.cover_ctes(ahead)},
 unreconciled AS ({unreconciled.records_sql("records")}),
 bounded AS ({bounded}),
@@ -360,22 +368,28 @@ FROM windows""",
     )
 
 
-def first_windows_sql() -> str:
-    """SQL creating temp tables ``_window_spans`` and ``_first_windows`` over ``_windows``.
+def first_windows_sql() -> list[str]:
+    """SQL creating temp table ``_first_windows`` over ``_windows`` (``windows_sql``).
 
-    ``_window_spans``: per instance, the hour of its first window. ``_first_windows``: per
-    instance and hour from its first window's to its last's, the first window at or after that
-    hour (its hour, end ``hi`` and the hour of the window after it). A record whose first token
-    came in hour h belongs to that window if the token is not after its end, else to the next:
-    two hash joins where an ASOF join over every record was the reconciliation's slowest step.
+    Per instance and hour from its first window's to its last's: the first window at or after
+    that hour (``first_hour``, its end ``hi`` and the hour of the window after it) and the
+    instance's first window's hour (``span_first``), for placing records by equality joins.
     """
-    return """
-CREATE OR REPLACE TEMP TABLE _window_spans AS
-SELECT instance, min(hour) AS first_hour, max(hour) AS last_hour FROM _windows GROUP BY instance;
+    return [
+        """
 CREATE OR REPLACE TEMP TABLE _first_windows AS
-SELECT h.instance, h.hour, w.hour AS first_hour, w.hi, w.next_hour
-FROM (SELECT instance, unnest(range(first_hour, last_hour + 1)) AS hour FROM _window_spans) h
-ASOF JOIN _windows w ON h.instance = w.instance AND h.hour <= w.hour;"""
+WITH spans AS (SELECT instance, min(hour) AS span_first, max(hour) AS span_last
+               FROM _windows GROUP BY instance),
+grid AS (SELECT instance, span_first, unnest(range(span_first, span_last + 1)) AS hour FROM spans)
+SELECT g.instance, g.hour, g.span_first,
+    min(w.hour) OVER (PARTITION BY g.instance ORDER BY g.hour DESC
+                      ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS first_hour
+FROM grid g LEFT JOIN _windows w USING (instance, hour)""",
+        """
+CREATE OR REPLACE TEMP TABLE _first_windows AS
+SELECT f.instance, f.hour, f.span_first, w.hour AS first_hour, w.hi, w.next_hour
+FROM _first_windows f JOIN _windows w ON w.instance = f.instance AND w.hour = f.first_hour""",
+    ]
 
 
 def unsummed_sql() -> str:
@@ -449,7 +463,7 @@ records AS (
     SELECT instance, replica, model, first_token_at AS tp, finished_at AS tf, prompt_tokens AS p,
         completion_tokens AS c, 1 AS n
     FROM {edges} WHERE {edge_range}{" UNION ALL " + raw if raw else ""}
-),{_PLACED.format(placing=_HASH_PLACING, across=_ITS_WINDOWS, meets=" AND w.hour = x.meets", more=summed)},
+),{_PLACED.format(placed=_PLACED_BY_HOUR, across=_ITS_WINDOWS, meets=" AND w.hour = x.meets", more=summed)},
 {unreconciled.cover_ctes(ahead)},
 unreconciled AS ({unreconciled.records_sql("records")}
     UNION ALL {unreconciled.summed_sql(hours_table)}),
@@ -491,7 +505,8 @@ def reconcile(
     """
     sql, values = windows_sql(first_hour, end_hour)
     con.execute(sql, values)
-    con.execute(first_windows_sql())
+    for statement in first_windows_sql():
+        con.execute(statement)
     con.execute(f"CREATE OR REPLACE TEMP TABLE _unsummed AS {unsummed_sql()}", {"lo": first_hour})
     unsummed = [int(r[0]) for r in con.execute("SELECT DISTINCT hour FROM _unsummed").fetchall()]
     if tails:
