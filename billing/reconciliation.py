@@ -219,11 +219,17 @@ _EVERY_WINDOW = "(SELECT * FROM placed WHERE NOT inside AND tf > tp) x JOIN wind
 
 # The same pairs, found without trying every window: a request meets the windows from the one
 # its first token fell in to the first that ends at or after its end (or the last there is), so
-# those hours are listed and joined on (instance, hour).
-_ITS_WINDOWS = """(
-    SELECT r.*, unnest(range(r.hour, coalesce(e.hour, $hi) + 1)) AS meets
-    FROM (SELECT * FROM placed WHERE NOT inside AND tf > tp) r
-    ASOF LEFT JOIN windows e ON r.instance = e.instance AND r.tf <= e.hi
+# those hours are listed and joined on (instance, hour). The window of its end is looked up in
+# ``_first_windows`` as its first token's is (``_PLACED_BY_HOUR``).
+_ITS_WINDOWS = f"""(
+    SELECT r.* EXCLUDE (fh), unnest(range(r.hour, coalesce(
+        CASE WHEN r.tf <= f.hi THEN f.first_hour ELSE f.next_hour END, $hi) + 1)) AS meets
+    FROM (
+        SELECT r.*, greatest(CAST(floor(r.tf / {HOUR_SECONDS}) AS BIGINT), s.span_first) AS fh
+        FROM (SELECT * FROM placed WHERE NOT inside AND tf > tp) r
+        JOIN (SELECT DISTINCT instance, span_first FROM _first_windows) s USING (instance)
+    ) r
+    LEFT JOIN _first_windows f ON f.instance = r.instance AND f.hour = r.fh
 ) x JOIN windows"""
 
 
