@@ -48,7 +48,7 @@ from billing.fastpath import arrow_frame, ndjson_frame
 from billing.ledger import Ledger
 from infermeter import wire, writers
 from infermeter.config import DEFAULT_CONFIG, Config
-from infermeter.records import USAGE
+from infermeter.records import USAGE, UsageRecord
 
 MONTH = "2026-10"
 START = 1790812800  # 2026-10-01T00:00:00Z
@@ -241,25 +241,35 @@ def _usage_batch(b: int, n: int, bad_record: bool = False, ndjson: bool = False)
     t0 = START + 40 * 86400 + b * 60.0
     r = b % len(REPLICAS)
     model = ("chat-large", "chat-small")[r % 2]
+    # Every field, defaults included, as the sidecar writes a record (``UsageRecord.to_json``):
+    # a shipper converts a segment to Arrow only when every record has every field.
+    template = UsageRecord(
+        request_id="",
+        team=TEAMS[0],
+        model=model,
+        served_version="v1",
+        replica=REPLICAS[r],
+        received_at=t0,
+        first_token_at=t0 + 0.1,
+        finished_at=t0 + 4.0,
+        prompt_tokens=300,
+        cached_prompt_tokens=0,
+        completion_tokens=120,
+        status="ok",
+        http_status=200,
+        stream=True,
+        endpoint="/v1/chat/completions",
+        finish_reason="stop",
+        usage_exact=True,
+    ).to_json()
     records = [
         {
+            **template,
             "request_id": f"live-{b}-{i}",
             "team": TEAMS[i % 20],
-            "model": model,
-            "served_version": "v1",
-            "replica": REPLICAS[r],
             "received_at": t0 + i * 0.001,
             "first_token_at": t0 + i * 0.001 + 0.1,
             "finished_at": t0 + i * 0.001 + 4.0,
-            "prompt_tokens": 300,
-            "cached_prompt_tokens": 0,
-            "completion_tokens": 120,
-            "status": "ok",
-            "http_status": 200,
-            "stream": True,
-            "endpoint": "/v1/chat/completions",
-            "finish_reason": "stop",
-            "usage_exact": True,
         }
         for i in range(n)
     ]
