@@ -8,6 +8,8 @@ replica, engine counters) and random requests of every length on a fixed replica
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 from collections.abc import Iterator
 from dataclasses import replace
@@ -22,6 +24,7 @@ from billing.allocation import Allocation, Policy, run_all
 from billing.chargeback import policy_from_config
 from billing.ledger import Ledger
 from billing.rounding import cents
+from billing.serve import rebuild_hours
 from billing.statement import cents_lines, merged
 from infermeter.config import Config
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
@@ -331,3 +334,24 @@ def test_a_price_from_within_an_hour_is_refused_naming_it() -> None:
     ]
     with pytest.raises(ValueError, match=r"2026-10-02T12:30:00Z.*whole hour"):
         Config.model_validate(data)
+
+
+async def test_billing_rebuilds_the_marked_hours_in_the_background(random_ledger: Ledger) -> None:
+    """The service's task rebuilds what ingest marked without any statement asking."""
+    ledger = random_ledger
+    assert len(_dirty(ledger)) >= 8
+    task = asyncio.create_task(rebuild_hours(ledger, interval=0.05))
+    try:
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if not _dirty(ledger):
+                break
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert _dirty(ledger) == []
+    with ledger.reader() as cur:
+        rows = cur.execute("SELECT count(*) FROM cost_hours").fetchone()
+    assert rows is not None
+    assert rows[0] > 0
