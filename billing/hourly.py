@@ -222,19 +222,24 @@ SELECT DISTINCT unnest(range({first}, greatest({first}, {last}) + 1)) FROM fresh
 ON CONFLICT DO NOTHING"""
 
 
-def windows_sql(heartbeat_seconds: float, fresh_instances: bool, also: str | None = None) -> str:
+def windows_sql(heartbeat_seconds: float, events: bool, also: str | None = None) -> str:
     """The lifetimes a fold can change, as whole slots (``billing.lifetimes.slot_windows_sql``).
 
-    A fold changes the open lifetimes and, for instance events, any lifetime of the instances
-    in ``fresh``; closed lifetimes of other instances stay as they are. ``also``: a relation
-    of (instance, started_at) to include whatever their state now (those read before the
-    fold, so a lifetime the fold closed is compared with itself).
+    Only the instances in ``fresh``: instance events (``events``) fold into any lifetime of
+    their instance; samples move only the end of their instance's open lifetime. Reading those
+    alone keeps the comparison to the batch's size, not the fleet's open lifetimes. ``also``:
+    a relation of (instance, started_at) to include whatever their state now (those read
+    before the fold, so a lifetime the fold closed is compared with itself).
     """
     first = f"CAST(floor(started_at / {SLOT_SECONDS}) AS BIGINT)"
     last = f"CAST(ceil({ended_sql(heartbeat_seconds)} / {SLOT_SECONDS}) AS BIGINT) - 1"
-    which = "stopped_at IS NULL"
-    if fresh_instances:
-        which += " OR instance IN (SELECT DISTINCT instance FROM fresh)"
+    if events:
+        which = "instance IN (SELECT DISTINCT instance FROM fresh)"
+    else:
+        which = (
+            "stopped_at IS NULL AND instance IN "
+            "(SELECT DISTINCT coalesce(instance, replica) FROM fresh)"
+        )
     if also:
         which += f" OR (instance, started_at) IN (SELECT (instance, started_at) FROM {also})"
     return f"""SELECT instance, started_at, {first} AS first_slot, greatest({first}, {last}) AS last_slot

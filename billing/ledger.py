@@ -641,14 +641,14 @@ class Ledger:
         )
 
     def _refolding(
-        self, con: duckdb.DuckDBPyConnection, fresh_instances: bool, fold: Callable[[], object]
+        self, con: duckdb.DuckDBPyConnection, events: bool, fold: Callable[[], object]
     ) -> None:
         """Run ``fold`` (a change to ``lifetimes``) and mark dirty the hours whose GPU time it
         moved into or out of a lifetime (``billing.hourly.dirty_lifetimes_sql``)."""
-        before = hourly.windows_sql(self.heartbeat_seconds, fresh_instances)
+        before = hourly.windows_sql(self.heartbeat_seconds, events)
         con.execute(f"CREATE OR REPLACE TEMP TABLE _lives_before AS {before}")
         fold()
-        after = hourly.windows_sql(self.heartbeat_seconds, fresh_instances, "_lives_before")
+        after = hourly.windows_sql(self.heartbeat_seconds, events, "_lives_before")
         con.execute(f"CREATE OR REPLACE TEMP TABLE _lives_after AS {after}")
         con.execute(hourly.dirty_lifetimes_sql("_lives_before", "_lives_after"))
 
