@@ -49,8 +49,8 @@ holds a DuckDB connection. What comes back is a few rows per instance and team, 
 floats; ``billing.charges`` turns each instance's cost into integer micro-cents once and splits
 it exactly among the teams, the unattributed tokens and the idle capacity, so the lines add up
 to the fleet's cost by construction (``lines_from`` sums them per team and model).
-``allocate`` runs the whole thing over two frames in an in-memory DuckDB, for tests and small
-jobs.
+``billing.frames.allocate`` runs the whole thing over two frames in a scratch DuckDB, for tests
+and small jobs.
 ``docs/billing.md`` works one example by hand; ``tests/billing`` checks it, and with hypothesis
 that every split adds up to the fleet cost.
 """
@@ -82,7 +82,6 @@ __all__ = [
     "IdleClaims",
     "Keyed",
     "Policy",
-    "allocate",
     "allocation_sql",
     "by_instance",
     "hours_sql",
@@ -560,38 +559,3 @@ def by_instance(
     rows = _summed(charges.rows, counts, keys).select(*keys, *LINE_COLUMNS[2:])
     where = instances.select("replica", "instance", "pool", "pricing_category", "sku")
     return rows.join(where, on=["replica", "instance"], how="left")
-
-
-def _with_instance(frame: pl.DataFrame) -> pl.DataFrame:
-    if "instance" not in frame.columns:
-        frame = frame.with_columns(instance=pl.col("replica"))
-    if "gpu_model" in frame.columns and "node" not in frame.columns:
-        frame = frame.with_columns(node=pl.lit(""))  # GPUs priced by model alone
-    if "cached_prompt_tokens" in frame.columns or "prompt_tokens" not in frame.columns:
-        return frame
-    return frame.with_columns(cached_prompt_tokens=pl.lit(0, pl.Int64))  # no prefix cache hits
-
-
-def allocate(
-    usage: pl.DataFrame,
-    gpus: pl.DataFrame,
-    policy: Policy,
-    lifetimes: pl.DataFrame | None = None,
-) -> tuple[pl.DataFrame, int]:
-    """Lines and fleet cost (micro-cents) for two frames with the rollup tables' columns.
-
-    Runs in an in-memory DuckDB. Frames without an ``instance`` column are a fixed fleet's:
-    each replica is its one instance. ``lifetimes`` (instance, replica, first_slot,
-    last_slot), when given, bounds the instances it names.
-    """
-    con = duckdb.connect()
-    try:
-        con.register("usage_in", _with_instance(usage))
-        con.register("gpus_in", _with_instance(gpus))
-        lives = None
-        if lifetimes is not None:
-            con.register("lifetimes_in", lifetimes)
-            lives = "lifetimes_in"
-        return run(con, allocation_sql(policy, "usage_in", "gpus_in", None, lives), policy)
-    finally:
-        con.close()

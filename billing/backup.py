@@ -33,6 +33,7 @@ import duckdb
 import orjson
 
 from billing.archive import fsync_path, sha256_of
+from billing.ledger import connect
 
 if TYPE_CHECKING:
     from billing.ledger import Ledger
@@ -105,7 +106,7 @@ def restore(src: str | Path, database: str | Path, force: bool = False) -> dict[
             )
     work = target.with_name(f".{target.name}.restore-{secrets.token_hex(4)}")
     try:
-        with duckdb.connect(str(work)) as con:
+        with connect(work) as con:
             con.execute((source / "schema.sql").read_text())
             load = (source / "load.sql").read_text().replace(manifest["exported_as"], str(source))
             con.execute(load)
@@ -145,7 +146,7 @@ def _checked(source: Path) -> dict[str, Any]:
 def _refuse_if_open(target: Path) -> None:
     """A ledger another process holds (the billing service) is never replaced under it."""
     try:
-        duckdb.connect(str(target)).close()
+        connect(target).close()
     except duckdb.Error as exc:
         raise BackupError(
             f"{target} is in use ({exc}); stop the billing service before restoring"

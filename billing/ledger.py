@@ -1,7 +1,10 @@
-"""The DuckDB ledger: the one module that holds the database connection.
+"""The DuckDB ledger: the one module that opens database connections.
 
 One process owns the file (DuckDB allows a single writer), and every read and write goes
-through a ``Ledger``. Writes are serialised by a lock, each ingest batch is one transaction,
+through a ``Ledger``. The few connections that are not the service's ledger (a backup being
+restored, a scratch database for allocation over frames) are opened here too (``connect``), so
+a reader looking for what can hold a ledger file open reads one module;
+``tests/test_architecture.py`` fails on a ``duckdb.connect`` anywhere else. Writes are serialised by a lock, each ingest batch is one transaction,
 and a batch is acknowledged only after its transaction commits, so a batch that was
 acknowledged survives a crash and a batch that was not is simply resent by its shipper.
 Reads use their own cursors and run beside the writer.
@@ -70,7 +73,29 @@ from infermeter.statement import POOL_SCHEMA, empty_pools
 from infermeter.wire import arrow_extent, line_count
 from infermeter.writers import Writer
 
-__all__ = ["BatchTooLargeError", "IngestResult", "Ledger", "LedgerError", "Rejection"]
+__all__ = [
+    "BatchTooLargeError",
+    "IngestResult",
+    "Ledger",
+    "LedgerError",
+    "Rejection",
+    "connect",
+]
+
+
+def connect(
+    path: str | Path | None = None,
+    *,
+    read_only: bool = False,
+    config: Mapping[str, Any] | None = None,
+) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection to the file at ``path``, or to a scratch in-memory database (None).
+
+    Raises ``duckdb.Error`` as DuckDB does (a file another process holds, a file that is not a
+    database): the callers say what that means for them.
+    """
+    target = ":memory:" if path is None else str(path)
+    return duckdb.connect(target, read_only=read_only, config=dict(config or {}))
 
 
 class LedgerError(Exception):
@@ -211,7 +236,7 @@ class Ledger:
         if threads:
             config["threads"] = threads
         try:
-            con = duckdb.connect(str(path), config=config)
+            con = connect(path, config=config)
         except duckdb.Error as exc:
             raise LedgerError(f"{path}: cannot open the ledger: {exc}") from None
         migrate(con, str(path), kinds.values())

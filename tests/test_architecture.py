@@ -118,3 +118,39 @@ def test_only_the_configuration_reads_the_environment() -> None:
         if _reads_environment(path)
     }
     assert sorted(readers - ENVIRONMENT_READERS) == []
+
+
+# The one module that opens DuckDB connections: the service's ledger and every other one (a
+# restore's file, a scratch database) come from it, so what can hold a ledger file is in one place.
+CONNECTION_OPENERS = {"billing/ledger.py"}
+
+
+def _opens_duckdb(path: Path) -> bool:
+    """``duckdb.connect(...)`` called, or ``connect`` imported from ``duckdb``, in the module."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "connect"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "duckdb"
+        ):
+            return True
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module == "duckdb"
+            and any(alias.name == "connect" for alias in node.names)
+        ):
+            return True
+    return False
+
+
+def test_only_the_ledger_module_opens_duckdb_connections() -> None:
+    """No product module but billing/ledger.py calls duckdb.connect."""
+    openers = {
+        path.relative_to(ROOT).as_posix()
+        for package in PRODUCT
+        for path in (ROOT / package).rglob("*.py")
+        if _opens_duckdb(path)
+    }
+    assert sorted(openers - CONNECTION_OPENERS) == []
+    assert openers == CONNECTION_OPENERS

@@ -8,7 +8,8 @@ import polars as pl
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from billing.allocation import UNALLOCATED, Policy, allocate
+from billing.allocation import UNALLOCATED, Policy
+from billing.frames import allocate
 from billing.rounding import MICROCENTS_PER_USD, cents
 from billing.statement import cents_lines
 

@@ -12,8 +12,9 @@ import polars as pl
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from billing.allocation import UNALLOCATED, Policy, allocate
+from billing.allocation import UNALLOCATED, Policy
 from billing.api import create_app
+from billing.frames import allocate
 from billing.ledger import Ledger
 from billing.rounding import cents
 from billing.schema import MIGRATIONS
