@@ -408,21 +408,31 @@ IdleClaims = Callable[[duckdb.DuckDBPyConnection], tuple[pl.DataFrame, pl.DataFr
 
 
 def _measured(
-    con: duckdb.DuckDBPyConnection, queries: AllocationSql, instance_counts: bool
-) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
-    """Run ``prepare`` and read the instances, the shares and the counts (per instance with
-    ``instance_counts``, else per team and model)."""
+    con: duckdb.DuckDBPyConnection, queries: AllocationSql
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Run ``prepare`` and read the instances and the shares (with the in-flight split, the
+    shares carry the counts too: ``_counted`` takes them off)."""
     con.execute(queries.prepare)
     shares: pl.DataFrame = con.sql(queries.shares).pl()
     shares = shares.with_columns(pl.col(c).cast(pl.Float64) for c in MONEY)
+    return con.sql(queries.instances).pl(), shares
+
+
+def _counted(
+    con: duckdb.DuckDBPyConnection,
+    queries: AllocationSql,
+    shares: pl.DataFrame,
+    instance_counts: bool,
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``shares`` without counts, and the counts: per instance with ``instance_counts``, else
+    per team and model. Read after ``_measured``, from the tables its ``prepare`` made."""
     keys = ["team", "model", "replica", "instance"] if instance_counts else ["team", "model"]
     query = queries.instance_counts if instance_counts else queries.counts
     if query:
         counts: pl.DataFrame = con.sql(query).pl()
-    else:  # the in-flight split's shares carry them
-        counts = shares.select(*keys, *COUNTS)
-        shares = shares.drop(COUNTS)
-    return con.sql(queries.instances).pl(), shares, counts
+        return shares, counts
+    # The in-flight split's shares carry them.
+    return shares.drop(COUNTS, strict=False), shares.select(*keys, *COUNTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,7 +443,9 @@ class Allocation:
     exactly. ``pools``: the ``pools`` query's rows (per pool and rate: GPU-hours, kWh, compute
     and energy USD). ``commitments``: the committed rates in the period, with what ran.
     ``reconciled``: the reconciliation its claims were priced from, when it had any
-    (``billing.reconciliation.Claims``).
+    (``billing.reconciliation.Claims``). ``instances``: the lines per instance
+    (``by_instance``'s rows), when asked for with the lines: read from the same run, so the
+    exports split the lines by the very allocation that made them.
     """
 
     lines: pl.DataFrame
@@ -441,6 +453,7 @@ class Allocation:
     pools: pl.DataFrame
     commitments: list[Commitment]
     reconciled: pl.DataFrame | None = None
+    instances: pl.DataFrame | None = None
 
 
 def unused_commitment_model(pool: str) -> str:
@@ -499,20 +512,27 @@ def run_all(
     queries: AllocationSql,
     policy: Policy,
     claims: IdleClaims | None = None,
+    split_by_instance: bool = False,
 ) -> Allocation:
     """Run ``queries`` on ``con``: the lines, the fleet cost in micro-cents, and the pools.
 
     The lines' money adds up to the fleet cost exactly (``billing.charges``); error lines
     (unpriced GPU models, instances whose cost is out of range) carry none. ``claims``, when
     given, takes its lines out of the idle capacity before idle is charged. Commitments paid for
-    and not used are the platform's lines, in the fleet's cost. Every query reads ``con`` as it
-    is: on a ledger that is being written, run it in one transaction
-    (``billing.ledger.Ledger.snapshot``) so that all of them read the same state.
+    and not used are the platform's lines, in the fleet's cost. With ``split_by_instance``, the
+    result carries ``by_instance``'s rows too, from the same run (the exports need both, and a
+    second run would cost the month's queries again). Every query reads ``con`` as it is: on a
+    ledger that is being written, run it in one transaction (``billing.ledger.Ledger.snapshot``)
+    so that all of them read the same state.
     """
     _built(con, queries)
     unpriced = con.sql(queries.unpriced).pl()
     use, held = pool_use(con, queries, policy)
-    instances, shares, counts = _measured(con, queries, instance_counts=False)
+    instances, measured = _measured(con, queries)
+    shares, counts = _counted(con, queries, measured, instance_counts=False)
+    split = None
+    if split_by_instance:
+        split = _split(instances, *_counted(con, queries, measured, instance_counts=True), policy)
     claimed = tails = None
     if claims is not None:
         claimed, tails = claims(con)
@@ -528,7 +548,8 @@ def run_all(
     if unused.height:
         parts.append(unused)
     lines = pl.concat([p.cast(LINE_TYPES) for p in parts]).sort("team", "model")  # type: ignore[arg-type]
-    return Allocation(lines, charges.fleet_microcents + unused_microcents, use, held)
+    fleet = charges.fleet_microcents + unused_microcents
+    return Allocation(lines, fleet, use, held, instances=split)
 
 
 def run(
@@ -553,7 +574,18 @@ def by_instance(
     exports split lines by these (``billing.statement.instance_lines``).
     """
     _built(con, queries)
-    instances, shares, counts = _measured(con, queries, instance_counts=True)
+    instances, measured = _measured(con, queries)
+    return _split(instances, *_counted(con, queries, measured, instance_counts=True), policy)
+
+
+def _split(
+    instances: pl.DataFrame, shares: pl.DataFrame, counts: pl.DataFrame, policy: Policy
+) -> pl.DataFrame:
+    """``by_instance``'s rows from what one run measured (counts per instance).
+
+    Charged without the idle claims of reconciliation: the rows are the weights the exports
+    split each team's line by, as the instances' own use made it.
+    """
     charges = charge(instances, shares, policy)
     keys = ["team", "model", "replica", "instance"]
     rows = _summed(charges.rows, counts, keys).select(*keys, *LINE_COLUMNS[2:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import polars as pl
@@ -57,6 +58,8 @@ class _Month:
     usage_lines: pl.DataFrame | None
     pools: pl.DataFrame
     unreconciled: pl.DataFrame | None = None
+    # The lines per instance, from the same allocation (``allocation.Allocation.instances``).
+    parts: pl.DataFrame | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +88,11 @@ class Chargeback:
     def _cents(self, month: str) -> _Month:
         """``month`` computed now: its lines in cents on the basis its invoices allow, both bases."""
         invoices = self.ledger.invoices(month)
-        listed, scaled = self.ledger.allocate_bases(self.policy, month, invoices)
+        listed, scaled = self.ledger.allocate_bases(self.policy, month, invoices, True)
         chosen = listed if scaled is None else scaled
         usage = None if scaled is None else cents_lines(month, merged(listed.lines))
         pools = pool_frame(self.policy.prices, month_bounds(month), listed, scaled, invoices)
+        parts = chosen.instances
         return _Month(
             cents_lines(month, merged(chosen.lines)),
             cents(chosen.fleet_microcents),
@@ -96,6 +100,7 @@ class Chargeback:
             usage,
             pools,
             None if listed.reconciled is None else unreconciled_of(listed.reconciled),
+            None if parts is None else parts.with_columns(for_month=pl.lit(month)),
         )
 
     def unreconciled(self, month: str) -> pl.DataFrame:
@@ -141,15 +146,15 @@ class Chargeback:
         now = self._cents(month)
         adjustments = []
         adjust_cents = 0
+        parts = [now.parts]
         for earlier in self.ledger.dirty_closed_months(before=month):
+            again = self._cents(earlier)
             diff = adjustment_lines(
-                month,
-                earlier,
-                self._cents(earlier).lines,
-                self.ledger.issued_lines(for_month=earlier),
+                month, earlier, again.lines, self.ledger.issued_lines(for_month=earlier)
             )
             adjustments.append(diff)
             adjust_cents += int(diff["total_cents"].sum())
+            parts.append(again.parts)
         all_lines = pl.concat([now.lines, *adjustments]) if adjustments else now.lines
         return Statement(
             month,
@@ -163,6 +168,7 @@ class Chargeback:
             usage_lines=now.usage_lines,
             pools=now.pools,
             cache=self._cache(month, now.lines),
+            instance_parts=_concat(parts),
         )
 
     def _cache(self, month: str, lines: pl.DataFrame) -> pl.DataFrame:
@@ -170,18 +176,27 @@ class Chargeback:
         return cache_rows(lines, month_cached_tokens(self.ledger, month), self.policy)
 
     def by_instance(self, statement: Statement) -> Statement:
-        """``statement`` with its lines split by the instances that made them (for the exports)."""
-        months = sorted(set(statement.lines["for_month"].to_list()))
-        parts = [
-            self.ledger.by_instance(self.policy, m, self.ledger.invoices(m)).with_columns(
-                for_month=pl.lit(m)
+        """``statement`` with its lines split by the instances that made them (for the exports).
+
+        An open month's statement carries the split from the allocation that made its lines
+        (``Statement.instance_parts``), which is used as it is: the files of a statement cost no
+        second allocation and read the same state of the ledger as its lines. A closed month's
+        frozen lines are split as the ledger makes each month up now.
+        """
+        parts = statement.instance_parts
+        if parts is None:
+            months = sorted(set(statement.lines["for_month"].to_list()))
+            parts = _concat(
+                [
+                    self.ledger.by_instance(self.policy, m, self.ledger.invoices(m)).with_columns(
+                        for_month=pl.lit(m)
+                    )
+                    for m in months
+                ]
             )
-            for m in months
-        ]
-        if not parts:
+        if parts is None or not statement.lines.height:
             return statement
-        lines = instance_lines(statement.lines, pl.concat(parts, how="diagonal_relaxed"))
-        return replace(statement, lines=lines)
+        return replace(statement, lines=instance_lines(statement.lines, parts))
 
     def close(self, month: str, now: float | None = None) -> Statement:
         """Freeze ``month``'s statement; later records for it become adjustments."""
@@ -206,6 +221,14 @@ class Chargeback:
         """Month-to-date spend, budget and forecast per team, for the current month."""
         now = time.time() if now is None else now
         return spend_of(self.statement(month_of(now)), now, self.config)
+
+
+def _concat(parts: Sequence[pl.DataFrame | None]) -> pl.DataFrame | None:
+    """The months' lines per instance as one frame; None when any month's are missing or
+    there are none."""
+    if not parts or any(p is None for p in parts):
+        return None
+    return pl.concat([p for p in parts if p is not None], how="diagonal_relaxed")
 
 
 def spend_of(statement: Statement, now: float, config: Config) -> list[Spend]:

@@ -829,20 +829,36 @@ class Ledger:
             return allocation.run(cur, self._month_sql(cur, policy, month), policy, claims)
 
     def allocate_bases(
-        self, policy: Policy, month: str, invoices: Mapping[str, int]
+        self,
+        policy: Policy,
+        month: str,
+        invoices: Mapping[str, int],
+        split_by_instance: bool = False,
     ) -> tuple[Allocation, Allocation | None]:
         """``month``'s allocation at list prices and, when ``invoices`` (pool -> cents) covers a
         pool, at the allocation basis (``billing.bases``): both read in one snapshot, so the
-        scale is worked out from exactly the GPU time it then divides."""
+        scale is worked out from exactly the GPU time it then divides. With
+        ``split_by_instance``, the basis the lines are on carries its lines per instance
+        (``Allocation.instances``), from the same run."""
         claims = reconciliation.claims(policy, *month_bounds(month))
         with self.snapshot() as cur:
-            listed = allocation.run_all(cur, self._month_sql(cur, policy, month), policy, claims)
+            listed = allocation.run_all(
+                cur,
+                self._month_sql(cur, policy, month),
+                policy,
+                claims,
+                split_by_instance and not invoices,
+            )
             listed = replace(listed, reconciled=claims.reconciled)
             if not invoices:
                 return listed, None
             scaled_policy = bases.scaled_policy(policy, listed.pools, listed.commitments, invoices)
             scaled = allocation.run_all(
-                cur, self._month_sql(cur, scaled_policy, month), scaled_policy, claims
+                cur,
+                self._month_sql(cur, scaled_policy, month),
+                scaled_policy,
+                claims,
+                split_by_instance,
             )
             return listed, bases.with_unmeasured(scaled, listed, invoices, policy.platform_account)
 

@@ -134,6 +134,12 @@ class Statement:
     lines at list prices (the usage basis), when the basis is ``allocation``; None otherwise.
     ``pools`` (``POOL_SCHEMA``): each node pool's cost on both bases, its commitment and its
     invoice. ``cache`` (``CACHE_SCHEMA``): each team's prompt-cache hits and savings.
+
+    ``instance_parts``: what each instance contributed to each (for_month, team, model) line,
+    from the allocation that made the lines (money in micro-cents), when it was computed with
+    them; billing splits the lines by instance for the exports from these, so a statement and
+    its files come from one allocation. None for a closed month (its lines were frozen; the
+    split is worked out when asked) and for a statement read back from JSON.
     """
 
     month: str
@@ -147,6 +153,7 @@ class Statement:
     usage_lines: pl.DataFrame | None = None
     pools: pl.DataFrame = field(default_factory=empty_pools)
     cache: pl.DataFrame = field(default_factory=empty_cache)
+    instance_parts: pl.DataFrame | None = None
 
     @property
     def total_cents(self) -> int:
@@ -181,6 +188,7 @@ def for_team(statement: Statement, team: str | None) -> Statement:
         else statement.usage_lines.filter(pl.col("team") == team)
     )
     cache = statement.cache.filter(pl.col("team") == team)
+    parts = statement.instance_parts
     return Statement(
         statement.month,
         statement.closed,
@@ -190,6 +198,7 @@ def for_team(statement: Statement, team: str | None) -> Statement:
         basis=statement.basis,
         usage_lines=usage,
         cache=cache,
+        instance_parts=None if parts is None else parts.filter(pl.col("team") == team),
     )
 
 

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import csv
 import io
+from dataclasses import replace
+from typing import Any
 
 import polars as pl
 import pytest
 
+from billing import allocation
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
 from exporters.chargeback_csv import chargeback_frame, defuse, write_csv
 from exporters.focus import focus_frame
 from infermeter.config import Config
+from infermeter.months import month_of
 from infermeter.statement import Statement
 from launcher.cli import main
 from tests import focus_spec
@@ -292,3 +296,46 @@ def test_lines_split_by_instance_add_up_to_each_line(ledger, config):
     adjustments = split.lines.filter(pl.col("for_month") == "2026-10")
     assert adjustments["total_cents"].to_list() != [0] * adjustments.height
     assert set(split.lines["instance"]) == {"small-0"}
+
+
+def _counting_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every build of an allocation's priced queries (one per allocation run), by month."""
+    builds: list[str] = []
+    build = allocation.priced_sql_of
+
+    def counted(*args: Any, **kwargs: Any) -> allocation.AllocationSql:
+        builds.append(month_of(kwargs["period"][0]))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(allocation, "priced_sql_of", counted)
+    return builds
+
+
+def test_a_statement_and_its_focus_file_run_the_allocation_once(ledger, config, monkeypatch):
+    """An open month's statement and its FOCUS file split by instance cost one allocation run."""
+    cb = _pods(ledger, config)
+    builds = _counting_builds(monkeypatch)
+    statement = cb.statement("2026-11")
+    frame = focus_frame(cb.by_instance(statement), config, "1.2")
+    assert builds == ["2026-11"]
+    assert round(frame["BilledCost"].sum() * 100) == statement.total_cents
+
+
+def test_a_statement_with_adjustments_runs_each_month_charged_once(ledger, config, monkeypatch):
+    """With a late record of a closed month, the statement and its file run each month once."""
+    statement = _statement(ledger, config)
+    builds = _counting_builds(monkeypatch)
+    cb = Chargeback(ledger, config)
+    focus_frame(cb.by_instance(cb.statement("2026-11")), config, "1.2")
+    assert sorted(builds) == ["2026-10", "2026-11"]
+    assert statement.instance_parts is not None
+
+
+def test_the_split_carried_by_a_statement_is_the_one_made_afresh(ledger, config):
+    """A statement's own instance split gives the lines a fresh by-instance allocation gives."""
+    statement = _statement(ledger, config)
+    cb = Chargeback(ledger, config)
+    carried = cb.by_instance(statement)
+    afresh = cb.by_instance(replace(statement, instance_parts=None))
+    assert carried.lines.equals(afresh.lines)
+    assert carried.lines.height > statement.lines.height - 1
