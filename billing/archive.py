@@ -25,8 +25,9 @@ skipped by Hive readers.
 
 Crash safety, step by step (``retain``):
 
-1. Each file is written to a ``.tmp`` name, flushed and renamed: a file under its final name is
-   whole. 2. The manifest likewise, after every file. 3. One ledger transaction deletes the rows
+1. Each file is published whole under its final name (``billing.archive_store``: a flushed
+   rename in a directory, a single upload to an object store). 2. The manifest likewise, after
+   every file. 3. One ledger transaction deletes the rows
    whose ids the files hold (not "every row before the horizon": a record that arrived during the
    run stays for the next one) and records the run and its files. A crash before 2 leaves files
    no manifest names: the next run deletes them. A crash between 2 and 3 leaves a manifest the
@@ -35,17 +36,15 @@ Crash safety, step by step (``retain``):
    ledger or in exactly one listed file, never both for a reader of the ledger
    (``Ledger.archive_reader``), which reads only the files the ledger lists.
 
-The archive is a local directory (a mounted volume); one retention runs at a time per ledger
-(the service's timer, or the command with the service stopped).
+The archive is a local directory (a mounted volume) or any fsspec URL (an object store:
+``billing.archive_store`` says how each publishes a file whole without a rename); one retention
+runs at a time per archive (the service's timer, or the command with the service stopped).
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import hashlib
 import logging
-import os
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -57,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Final
 import duckdb
 import orjson
 
+from billing.archive_store import Store, fsync_path, open_store, readable, sha256_of, temp_name
 from infermeter.months import month_bounds, month_of
 from infermeter.records import ENGINE, GPU, USAGE, RecordKind
 
@@ -74,10 +74,12 @@ __all__ = [
     "Report",
     "fsync_path",
     "horizon",
+    "open_store",
     "part_path",
     "reader",
     "retain",
     "retaining",
+    "sha256_of",
     "view_sql",
 ]
 
@@ -88,7 +90,6 @@ RAW_KINDS: Final[tuple[RecordKind, ...]] = (USAGE, GPU, ENGINE)
 MARGIN_SECONDS: Final = 2 * 86_400
 DAY_SECONDS: Final = 86_400
 MANIFESTS: Final = "_manifests"
-LOCK: Final = "_lock"
 
 
 class ArchiveError(Exception):
@@ -221,51 +222,20 @@ def _select_sql(kind: RecordKind, lo: float, hi: float) -> str:
 # -- files ---------------------------------------------------------------------------------
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def _manifests(store: Store) -> list[Manifest]:
+    return [
+        Manifest.from_bytes(store.read_bytes(rel))
+        for rel in store.files(MANIFESTS)
+        if rel.endswith(".json")
+    ]
 
 
-def fsync_path(path: Path) -> None:
-    """Flush ``path`` (a file or a directory, for a rename in it) to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Make ``tmp`` durable under ``final``: flushed, renamed, the directory flushed."""
-    fsync_path(tmp)
-    os.replace(tmp, final)  # atomic on one filesystem: a reader sees the old name or the whole file
-    fsync_path(final.parent)
-
-
-def _write_bytes(root: Path, rel: str, data: bytes) -> None:
-    final = root / rel
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp")
-    tmp.write_bytes(data)
-    _publish(tmp, final)
-
-
-def _manifests(root: Path) -> list[Manifest]:
-    folder = root / MANIFESTS
-    if not folder.is_dir():
-        return []
-    return [Manifest.from_bytes(p.read_bytes()) for p in sorted(folder.glob("*.json"))]
-
-
-def _check(root: Path, manifest: Manifest) -> None:
+def _check(store: Store, manifest: Manifest) -> None:
     for f in manifest.files:
-        path = root / f["path"]
-        if not path.is_file() or sha256_of(path) != f["sha256"]:
+        if store.sha256(f["path"]) != f["sha256"]:
             raise ArchiveError(
-                f"{path}: missing or not what manifest {manifest.run_id}-{manifest.kind} says "
+                f"{store.root}/{f['path']}: missing or not what manifest "
+                f"{manifest.run_id}-{manifest.kind} says "
                 "(its rows are still in the ledger; restore the file or remove the manifest)"
             )
 
@@ -274,36 +244,35 @@ def _check(root: Path, manifest: Manifest) -> None:
 
 
 def retain(ledger: Ledger, root: str | Path, raw_days: int, now: float | None = None) -> Report:
-    """Move raw rows before the horizon to the archive at ``root`` (module docstring).
+    """Move raw rows before the horizon to the archive at ``root`` (module docstring): a
+    directory or any fsspec URL (``billing.archive_store``).
 
-    Runs one at a time per archive, across processes (a lock file in ``root``): the service's
-    timer and the command wait for each other rather than remove each other's files.
+    Runs one at a time per archive (``Store.lock``): the service's timer and the command wait
+    for each other rather than remove each other's files.
     """
-    base = Path(root).resolve()
-    base.mkdir(parents=True, exist_ok=True)
-    with (base / LOCK).open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
-        return _retain(ledger, base, raw_days, time.time() if now is None else now)
+    store = open_store(root)
+    with store.lock():
+        return _retain(ledger, store, raw_days, time.time() if now is None else now)
 
 
-def _retain(ledger: Ledger, base: Path, raw_days: int, now: float) -> Report:
-    completed = _complete(ledger, base)
-    removed = _remove_orphans(base)
+def _retain(ledger: Ledger, store: Store, raw_days: int, now: float) -> Report:
+    completed = _complete(ledger, store)
+    removed = _remove_orphans(store)
     computed = [m["month"] for m in ledger.months() if not m["closed"] or m["late_records"]]
     edge = horizon(now, raw_days, computed)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(4)
     moved: dict[str, int] = {}
     for kind in RAW_KINDS:
-        manifest = _export(ledger, base, kind, run_id, edge)
+        manifest = _export(ledger, store, kind, run_id, edge)
         if manifest is not None:
-            _write_bytes(base, manifest_path(run_id, kind.table), manifest.to_bytes())
-            _commit(ledger, base, manifest)
+            store.write_bytes(manifest_path(run_id, kind.table), manifest.to_bytes())
+            _commit(ledger, store, manifest)
         moved[kind.table] = manifest.rows if manifest else 0
     return Report(edge, moved, completed, removed)
 
 
 def _export(
-    ledger: Ledger, root: Path, kind: RecordKind, run_id: str, edge: float
+    ledger: Ledger, store: Store, kind: RecordKind, run_id: str, edge: float
 ) -> Manifest | None:
     """Write ``kind``'s rows before ``edge`` still in the ledger, one file per month."""
     t = f'"{kind.time_field}"'
@@ -318,20 +287,18 @@ def _export(
         for month in months_between(lo, hi):
             a, b = month_bounds(month)
             rel = part_path(kind.table, month, run_id)
-            final = root / rel
-            final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = final.with_name(f".{final.name}.tmp")
+            staged = store.staging(rel)
             sql = _select_sql(kind, max(a, lo), min(b, edge))
             n = cur.execute(
-                f"COPY ({sql}) TO {_quoted(str(tmp))} (FORMAT parquet, COMPRESSION zstd)"
+                f"COPY ({sql}) TO {_quoted(str(staged))} (FORMAT parquet, COMPRESSION zstd)"
             ).fetchone()
             rows = int(n[0]) if n else 0
             if not rows:
-                tmp.unlink()
+                staged.unlink()
                 continue
-            digest = sha256_of(tmp)
-            size = tmp.stat().st_size
-            _publish(tmp, final)
+            digest = sha256_of(staged)
+            size = staged.stat().st_size
+            store.publish(staged, rel)
             files.append(
                 {"path": rel, "month": month, "rows": rows, "sha256": digest, "bytes": size}
             )
@@ -346,13 +313,14 @@ def _export(
     )
 
 
-def _commit(ledger: Ledger, root: Path, manifest: Manifest) -> None:
+def _commit(ledger: Ledger, store: Store, manifest: Manifest) -> None:
     """Delete from the ledger the rows ``manifest``'s files hold, and list the files, at once."""
     kind = next(k for k in RAW_KINDS if k.table == manifest.kind)
-    paths = [str(root / f["path"]) for f in manifest.files]
+    paths = [f"{store.root}/{f['path']}" for f in manifest.files]
     idf, t = f'"{kind.id_field}"', f'"{kind.time_field}"'
     with ledger.writing() as cur:
         if paths:
+            store.register(cur)
             cur.execute(
                 f"DELETE FROM {kind.table} WHERE {t} < ? AND {idf} IN "
                 f"(SELECT {idf} FROM read_parquet({files_sql(paths)}))",
@@ -365,7 +333,7 @@ def _commit(ledger: Ledger, root: Path, manifest: Manifest) -> None:
                 kind.table,
                 manifest.horizon,
                 manifest.refuse_before,
-                str(root),
+                store.root,
                 manifest_path(manifest.run_id, kind.table),
                 manifest.rows,
                 time.time(),
@@ -381,31 +349,27 @@ def _commit(ledger: Ledger, root: Path, manifest: Manifest) -> None:
             )
 
 
-def _complete(ledger: Ledger, root: Path) -> list[str]:
+def _complete(ledger: Ledger, store: Store) -> list[str]:
     """Finish the runs whose manifest is written but which the ledger does not list."""
     known = ledger.archive_runs()
     done = []
-    for manifest in _manifests(root):
+    for manifest in _manifests(store):
         if (manifest.run_id, manifest.kind) in known:
             continue
-        _check(root, manifest)
-        _commit(ledger, root, manifest)
+        _check(store, manifest)
+        _commit(ledger, store, manifest)
         done.append(f"{manifest.run_id}-{manifest.kind}")
     return done
 
 
-def _remove_orphans(root: Path) -> list[str]:
+def _remove_orphans(store: Store) -> list[str]:
     """Delete files no manifest names (a run that stopped before its manifest) and temp files."""
-    named = {f["path"] for m in _manifests(root) for f in m.files}
+    named = {f["path"] for m in _manifests(store) for f in m.files}
     removed = []
     for kind in RAW_KINDS:
-        folder = root / f"kind={kind.table}"
-        if not folder.is_dir():
-            continue
-        for path in sorted(folder.rglob("*")):
-            rel = path.relative_to(root).as_posix()
-            if path.is_file() and (path.name.endswith(".tmp") or rel not in named):
-                path.unlink()
+        for rel in store.files(f"kind={kind.table}"):
+            if temp_name(rel) or rel not in named:
+                store.remove(rel)
                 removed.append(rel)
     return removed
 
@@ -426,6 +390,7 @@ def reader(
         files = {t: paths for t, paths in files.items() if paths}
     with ledger.reader() as cursor:
         if files:
+            readable(cursor, [p for paths in files.values() for p in paths])
             row = cursor.execute("SELECT current_database()").fetchone()
             assert row is not None
             for table, paths in files.items():

@@ -690,9 +690,11 @@ class TokenWeights(_Strict):
 class RetentionSettings(_Strict):
     """How long raw records stay in the ledger file before they move to the Parquet archive.
 
-    ``archive`` is a directory on a filesystem with an atomic rename (a mounted volume: not a
-    URL, and not an object store mount without rename); ``interval_seconds`` is how often the
-    billing service runs retention (0: never, leaving it to ``infermeter billing retain``).
+    ``archive`` is a directory on a filesystem with an atomic rename (a mounted volume, not an
+    object store mounted without rename) or an fsspec URL (``s3://bucket/prefix``, ``gs://``...,
+    with the filesystem's package installed: ``billing.archive_store``); ``interval_seconds`` is
+    how often the billing service runs retention (0: never, leaving it to
+    ``infermeter billing retain``).
     """
 
     raw_days: Annotated[int, Field(ge=1, le=36_500)] = 35
@@ -701,9 +703,19 @@ class RetentionSettings(_Strict):
 
     @field_validator("archive")
     @classmethod
-    def _a_directory(cls, value: str) -> str:
-        if "://" in value:
-            raise ValueError("must be a directory, not a URL (mount the storage, name the mount)")
+    def _a_directory_or_a_url(cls, value: str) -> str:
+        if "://" not in value or value.startswith("file://"):
+            return value
+        protocol = value.split("://", 1)[0]
+        import fsspec  # only an archive at a URL needs it, and only to check the protocol
+
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ValueError, ImportError) as exc:
+            raise ValueError(
+                f"{protocol}:// is not a filesystem this installation can open ({exc}); "
+                "name a directory, or install the filesystem's package (s3fs, gcsfs, adlfs)"
+            ) from None
         return value
 
 

@@ -1,4 +1,10 @@
-"""Retention: raw rows of closed months leave the ledger for a Hive-partitioned Parquet archive."""
+"""Retention: raw rows of closed months leave the ledger for a Hive-partitioned Parquet archive.
+
+Every test that writes the archive runs twice: at a directory, and at an fsspec URL of an
+object store that cannot rename (``norename://``: fsspec's in-memory filesystem with every move
+refused), so both ways of publishing a file whole (``billing.archive_store``) are held to the
+same promises.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import fsspec
 import httpx
 import pyarrow.dataset as ds
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
-from billing import archive
+from billing import archive, archive_store
 from billing.api import create_app
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
@@ -65,6 +73,33 @@ def _engine_samples(start: float) -> list[dict[str, Any]]:
     ]
 
 
+class NoRenameFileSystem(MemoryFileSystem):  # type: ignore[misc]
+    """An object store as retention must assume one: objects written whole, never moved."""
+
+    protocol = ("norename",)
+
+    def mv(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("an object store has no rename")
+
+    rename = move = mv_file = mv
+
+
+fsspec.register_implementation("norename", NoRenameFileSystem, clobber=True)
+
+
+@pytest.fixture(params=["directory", "url"])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """Where the archive goes: a directory, or a URL of an object store without rename."""
+    if request.param == "directory":
+        yield str((tmp_path / "archive").resolve())
+        return
+    url = f"norename://infermeter-tests/{tmp_path.name}/archive"
+    yield url
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
 @pytest.fixture
 def filled(config: Config, tmp_path: Path) -> Iterator[Ledger]:
     """A ledger file with October (closed) and November (open)."""
@@ -75,9 +110,10 @@ def filled(config: Config, tmp_path: Path) -> Iterator[Ledger]:
     ledger.close()
 
 
-def _duckdb(sql: str) -> list[tuple[Any, ...]]:
-    """``sql``'s rows from DuckDB alone, not the ledger."""
+def _duckdb(sql: str, root: str = "") -> list[tuple[Any, ...]]:
+    """``sql``'s rows from DuckDB alone, not the ledger (with ``root``'s filesystem, if a URL)."""
     with duckdb.connect() as con:
+        archive_store.readable(con, [root])
         return con.execute(sql).fetchall()
 
 
@@ -96,14 +132,14 @@ def test_the_horizon_is_raw_days_back_or_two_days_before_the_first_month_compute
 
 
 def test_rows_before_the_horizon_move_and_the_statements_stay(
-    filled: Ledger, config: Config, tmp_path: Path
+    filled: Ledger, config: Config, root: str
 ) -> None:
     """October's rows before the horizon leave the ledger; both months' statements are unchanged."""
     charge = Chargeback(filled, config)
     before = {m: charge.statement(m).lines.to_dicts() for m in ("2026-10", "2026-11")}
     total = _count(filled, "SELECT count(*) FROM usage")
     moved = _count(filled, f"SELECT count(*) FROM usage WHERE received_at < {HORIZON}")
-    report = archive.retain(filled, tmp_path / "archive", 35, now=NOW)
+    report = archive.retain(filled, root, 35, now=NOW)
     assert report.horizon == HORIZON
     assert report.moved == {"usage": moved, "gpu_samples": 360, "engine_samples": 40}
     assert _count(filled, "SELECT count(*) FROM usage") == total - moved
@@ -111,12 +147,12 @@ def test_rows_before_the_horizon_move_and_the_statements_stay(
     after = {m: Chargeback(filled, config).statement(m).lines.to_dicts() for m in before}
     assert after == before
     assert _count(filled, "SELECT count(*) FROM engine_samples") == 80
-    again = archive.retain(filled, tmp_path / "archive", 35, now=NOW)
+    again = archive.retain(filled, root, 35, now=NOW)
     assert again.moved == {"usage": 0, "gpu_samples": 0, "engine_samples": 0}
 
 
 def test_other_engines_read_the_archive_as_hive_partitioned_parquet(
-    filled: Ledger, tmp_path: Path
+    filled: Ledger, root: str
 ) -> None:
     """pyarrow.dataset and DuckDB alone find each kind and month, with every moved row once."""
     with filled.reader() as cur:
@@ -126,18 +162,19 @@ def test_other_engines_read_the_archive_as_hive_partitioned_parquet(
                 f"SELECT request_id FROM usage WHERE received_at < {HORIZON}"
             ).fetchall()
         }
-    archive.retain(filled, tmp_path / "archive", 35, now=NOW)
-    root = str(tmp_path / "archive")
+    archive.retain(filled, root, 35, now=NOW)
+    fs, path = fsspec.core.url_to_fs(root)
     # One dataset per kind: each kind is a table of its own, with its own columns.
-    table = ds.dataset(f"{root}/kind=usage", format="parquet", partitioning="hive").to_table(
-        columns=["request_id", "month"]
-    )
+    table = ds.dataset(
+        f"{path}/kind=usage", filesystem=fs, format="parquet", partitioning="hive"
+    ).to_table(columns=["request_id", "month"])
     assert sorted(table.column("request_id").to_pylist()) == sorted(ids)
     assert set(table.column("month").to_pylist()) == {"2026-10"}
     rows = _duckdb(
         f"SELECT kind, month, count(*), count(DISTINCT coalesce(request_id, sample_id)) "
         f"FROM read_parquet('{root}/**/*.parquet', hive_partitioning = true, union_by_name = true) "
-        "GROUP BY ALL ORDER BY ALL"
+        "GROUP BY ALL ORDER BY ALL",
+        root,
     )
     assert rows == [
         ("engine_samples", "2026-10", 40, 40),
@@ -146,9 +183,9 @@ def test_other_engines_read_the_archive_as_hive_partitioned_parquet(
     ]
 
 
-def test_a_record_before_the_archived_month_is_refused(filled: Ledger, tmp_path: Path) -> None:
+def test_a_record_before_the_archived_month_is_refused(filled: Ledger, root: str) -> None:
     """After a run, ingest refuses a record of the archived month, even one never seen, by name."""
-    archive.retain(filled, tmp_path / "archive", 35, now=NOW)
+    archive.retain(filled, root, 35, now=NOW)
     late = usage("search", OCT + 30 * DAY + 7200)  # 2026-10-31: after the horizon, same month
     result = filled.ingest(batch("usage", [late]), now=NOW)
     assert result.accepted == 0
@@ -159,58 +196,70 @@ def test_a_record_before_the_archived_month_is_refused(filled: Ledger, tmp_path:
     assert filled.ingest(batch("usage", [fresh]), now=NOW).accepted == 1
 
 
-def test_a_run_that_stopped_after_its_manifest_is_completed(filled: Ledger, tmp_path: Path) -> None:
+def test_a_run_that_stopped_after_its_manifest_is_completed(filled: Ledger, root: str) -> None:
     """Files and manifest written, ledger untouched: the next run deletes those rows, once."""
-    root = (tmp_path / "archive").resolve()
     total = _count(filled, "SELECT count(*) FROM usage")
-    manifest = archive._export(filled, root, archive.RAW_KINDS[0], "crashed", HORIZON)
+    manifest = archive._export(
+        filled, archive.open_store(root), archive.RAW_KINDS[0], "crashed", HORIZON
+    )
     assert manifest is not None
-    archive._write_bytes(root, archive.manifest_path("crashed", "usage"), manifest.to_bytes())
+    archive.open_store(root).write_bytes(
+        archive.manifest_path("crashed", "usage"), manifest.to_bytes()
+    )
     report = archive.retain(filled, root, 35, now=NOW)
     assert report.completed == ["crashed-usage"]
     assert report.moved["usage"] == 0  # the crashed run's files hold them all
     kept = _count(filled, "SELECT count(*) FROM usage")
-    on_file = _duckdb(f"SELECT count(*) FROM '{root}/kind=usage/**/*.parquet'")[0][0]
+    on_file = _duckdb(f"SELECT count(*) FROM '{root}/kind=usage/**/*.parquet'", root)[0][0]
     assert (kept + on_file, kept) == (total, total - manifest.rows)
 
 
 def test_a_run_that_stopped_before_its_manifest_leaves_nothing_behind(
-    filled: Ledger, tmp_path: Path
+    filled: Ledger, root: str
 ) -> None:
     """Files without a manifest are removed and written again; no row is in two files."""
-    root = (tmp_path / "archive").resolve()
+    store = archive.open_store(root)
     total = _count(filled, "SELECT count(*) FROM usage")
-    assert archive._export(filled, root, archive.RAW_KINDS[0], "crashed", HORIZON) is not None
-    (root / "kind=usage/month=2026-10/.part-x.parquet.tmp").write_bytes(b"half")
+    assert archive._export(filled, store, archive.RAW_KINDS[0], "crashed", HORIZON) is not None
+    left = ["kind=usage/month=2026-10/part-crashed.parquet"]
+    if isinstance(store, archive_store.DirectoryStore):  # only a directory has temp names
+        store.write_bytes("kind=usage/month=2026-10/.part-x.parquet.tmp", b"half")
+        left.insert(0, "kind=usage/month=2026-10/.part-x.parquet.tmp")
     report = archive.retain(filled, root, 35, now=NOW)
-    assert report.removed == [
-        "kind=usage/month=2026-10/.part-x.parquet.tmp",
-        "kind=usage/month=2026-10/part-crashed.parquet",
-    ]
+    assert report.removed == left
     on_file = _duckdb(
-        f"SELECT count(*), count(DISTINCT request_id) FROM '{root}/kind=usage/**/*.parquet'"
+        f"SELECT count(*), count(DISTINCT request_id) FROM '{root}/kind=usage/**/*.parquet'", root
     )[0]
     assert on_file == (report.moved["usage"],) * 2
     assert _count(filled, "SELECT count(*) FROM usage") + on_file[0] == total
 
 
-def test_an_altered_file_stops_the_run_and_deletes_nothing(filled: Ledger, tmp_path: Path) -> None:
+def test_an_altered_file_stops_the_run_and_deletes_nothing(filled: Ledger, root: str) -> None:
     """A manifest's file whose checksum differs is an error, and the ledger keeps its rows."""
-    root = (tmp_path / "archive").resolve()
+    store = archive.open_store(root)
     total = _count(filled, "SELECT count(*) FROM usage")
-    manifest = archive._export(filled, root, archive.RAW_KINDS[0], "crashed", HORIZON)
+    manifest = archive._export(filled, store, archive.RAW_KINDS[0], "crashed", HORIZON)
     assert manifest is not None
-    archive._write_bytes(root, archive.manifest_path("crashed", "usage"), manifest.to_bytes())
-    (root / manifest.files[0]["path"]).write_bytes(b"not parquet")
+    store.write_bytes(archive.manifest_path("crashed", "usage"), manifest.to_bytes())
+    store.remove(manifest.files[0]["path"])
+    store.write_bytes(manifest.files[0]["path"], b"not parquet")
     with pytest.raises(archive.ArchiveError, match="missing or not what manifest crashed-usage"):
         archive.retain(filled, root, 35, now=NOW)
     assert _count(filled, "SELECT count(*) FROM usage") == total
 
 
+def test_an_unknown_url_scheme_is_a_configuration_error() -> None:
+    """An archive URL whose filesystem cannot be opened here is refused when the file is read,
+    naming the scheme, not when the first retention runs a month later."""
+    with pytest.raises(ValueError, match="nope:// is not a filesystem this installation can open"):
+        RetentionSettings(archive="nope://bucket/archive")
+    assert RetentionSettings(archive="memory://bucket/archive").archive == "memory://bucket/archive"
+
+
 @pytest.fixture
-async def served(filled: Ledger, config: Config, tmp_path: Path) -> AsyncIterator[str]:
+async def served(filled: Ledger, config: Config, root: str) -> AsyncIterator[str]:
     """The billing API over the ledger after a retention run."""
-    archive.retain(filled, tmp_path / "archive", 35, now=NOW)
+    archive.retain(filled, root, 35, now=NOW)
     async with serving(create_app(config, filled), lifespan="off") as url:
         yield url
 
@@ -235,9 +284,9 @@ async def test_the_query_api_reads_archived_samples(served: str, filled: Ledger)
     assert [(r["replica"], r["requests_waiting"]) for r in rows] == [("small-0", 2.0)]
 
 
-async def test_the_timer_runs_retention(filled: Ledger, tmp_path: Path) -> None:
+async def test_the_timer_runs_retention(filled: Ledger, root: str) -> None:
     """``retaining`` runs a retention every interval in the service, until cancelled."""
-    settings = RetentionSettings(archive=str(tmp_path / "archive"), interval_seconds=0.05)
+    settings = RetentionSettings(archive=root, interval_seconds=0.05)
     task = asyncio.create_task(archive.retaining(filled, settings))
     try:
         for _ in range(200):
