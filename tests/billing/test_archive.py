@@ -1,8 +1,10 @@
 """Retention: raw rows of closed months leave the ledger for a Hive-partitioned Parquet archive.
 
-Every test that writes the archive runs twice: at a directory, and at an fsspec URL of an
+Every test that writes the archive runs three times: at a directory; at an fsspec URL of an
 object store that cannot rename (``norename://``: fsspec's in-memory filesystem with every move
-refused), so both ways of publishing a file whole (``billing.archive_store``) are held to the
+refused); and at ``s3://`` on an S3 API served over loopback (moto's server, through s3fs,
+configured as a user points at MinIO or Ceph: ``AWS_ENDPOINT_URL`` and keys in the
+environment). Both ways of publishing a file whole (``billing.archive_store``) are held to the
 same promises.
 """
 
@@ -10,6 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +33,7 @@ from billing.chargeback import Chargeback
 from billing.ledger import Ledger
 from billing.schema import HOUR_SECONDS
 from infermeter.config import Config, RetentionSettings
+from infermeter.serving import free_port
 from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
 from tests.conftest import config_ledger
 from tests.servers import serving
@@ -87,11 +94,53 @@ class NoRenameFileSystem(MemoryFileSystem):  # type: ignore[misc]
 fsspec.register_implementation("norename", NoRenameFileSystem, clobber=True)
 
 
-@pytest.fixture(params=["directory", "url"])
+@pytest.fixture(scope="module")
+def s3() -> Iterator[str]:
+    """An S3 API on loopback (moto's server, a process of its own) and its bucket; the
+    environment points S3 clients at it, as it would at MinIO."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "archive-test",
+        "AWS_SECRET_ACCESS_KEY": "archive-test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        for _ in range(200):
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(endpoint, timeout=1.0)
+                break
+            time.sleep(0.05)
+        fs, _ = fsspec.core.url_to_fs("s3://archive-tests", skip_instance_cache=True)
+        fs.mkdir("archive-tests")
+        yield "s3://archive-tests"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(params=["directory", "url", "s3"])
 def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """Where the archive goes: a directory, or a URL of an object store without rename."""
+    """Where the archive goes: a directory, a URL of an object store without rename, or S3."""
     if request.param == "directory":
         yield str((tmp_path / "archive").resolve())
+        return
+    if request.param == "s3":
+        bucket = request.getfixturevalue("s3")
+        yield f"{bucket}/{tmp_path.name}/archive"
         return
     url = f"norename://infermeter-tests/{tmp_path.name}/archive"
     yield url
