@@ -18,8 +18,10 @@ keys and audit stay. Ingest refuses a record before the end of the horizon's mon
 ``_archived_before`` in ``billing.schema``): it could be in the archive already (its id could
 not be found to drop it as a repeat), and its month's statement is frozen.
 
-The archive is plain Hive-partitioned Parquet, ``<root>/kind=<table>/month=YYYY-MM/part-<run>.parquet``,
-readable by any engine; a run's manifest, ``<root>/_manifests/<run>-<table>.json`` (files,
+The archive is plain Hive-partitioned Parquet,
+``<root>/kind=<table>/cluster=<billing.cluster_name>/month=YYYY-MM/part-<run>.parquet``, readable
+by any engine (one dataset per table, its clusters and months as columns, so several clusters
+may share one bucket); a run's manifest, ``<root>/_manifests/<run>-<table>.json`` (files,
 rows, SHA-256 of each file, time range, horizon), is written last. ``_``-prefixed paths are
 skipped by Hive readers.
 
@@ -173,9 +175,10 @@ def refuse_before(edge: float) -> float:
     return float(month_bounds(month_of(edge))[1]) if edge > 0 else 0.0
 
 
-def part_path(table: str, month: str, run_id: str) -> str:
-    """A run's file of ``table``'s rows of ``month``, relative to the archive's root (Hive style)."""
-    return f"kind={table}/month={month}/part-{run_id}.parquet"
+def part_path(table: str, month: str, run_id: str, cluster: str = "default") -> str:
+    """A run's file of ``cluster``'s ``table`` rows of ``month``, relative to the archive's root
+    (Hive style)."""
+    return f"kind={table}/cluster={cluster}/month={month}/part-{run_id}.parquet"
 
 
 def manifest_path(run_id: str, table: str) -> str:
@@ -243,19 +246,26 @@ def _check(store: Store, manifest: Manifest) -> None:
 # -- the run -------------------------------------------------------------------------------
 
 
-def retain(ledger: Ledger, root: str | Path, raw_days: int, now: float | None = None) -> Report:
+def retain(
+    ledger: Ledger,
+    root: str | Path,
+    raw_days: int,
+    now: float | None = None,
+    cluster: str = "default",
+) -> Report:
     """Move raw rows before the horizon to the archive at ``root`` (module docstring): a
     directory or any fsspec URL (``billing.archive_store``).
 
     Runs one at a time per archive (``Store.lock``): the service's timer and the command wait
-    for each other rather than remove each other's files.
+    for each other rather than remove each other's files. ``cluster``: this ledger's
+    ``billing.cluster_name``, a partition of every file it writes.
     """
     store = open_store(root)
     with store.lock():
-        return _retain(ledger, store, raw_days, time.time() if now is None else now)
+        return _retain(ledger, store, raw_days, time.time() if now is None else now, cluster)
 
 
-def _retain(ledger: Ledger, store: Store, raw_days: int, now: float) -> Report:
+def _retain(ledger: Ledger, store: Store, raw_days: int, now: float, cluster: str) -> Report:
     completed = _complete(ledger, store)
     removed = _remove_orphans(store)
     computed = [m["month"] for m in ledger.months() if not m["closed"] or m["late_records"]]
@@ -263,7 +273,7 @@ def _retain(ledger: Ledger, store: Store, raw_days: int, now: float) -> Report:
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(4)
     moved: dict[str, int] = {}
     for kind in RAW_KINDS:
-        manifest = _export(ledger, store, kind, run_id, edge)
+        manifest = _export(ledger, store, kind, run_id, edge, cluster)
         if manifest is not None:
             store.write_bytes(manifest_path(run_id, kind.table), manifest.to_bytes())
             _commit(ledger, store, manifest)
@@ -272,7 +282,7 @@ def _retain(ledger: Ledger, store: Store, raw_days: int, now: float) -> Report:
 
 
 def _export(
-    ledger: Ledger, store: Store, kind: RecordKind, run_id: str, edge: float
+    ledger: Ledger, store: Store, kind: RecordKind, run_id: str, edge: float, cluster: str
 ) -> Manifest | None:
     """Write ``kind``'s rows before ``edge`` still in the ledger, one file per month."""
     t = f'"{kind.time_field}"'
@@ -286,7 +296,7 @@ def _export(
         files = []
         for month in months_between(lo, hi):
             a, b = month_bounds(month)
-            rel = part_path(kind.table, month, run_id)
+            rel = part_path(kind.table, month, run_id, cluster)
             staged = store.staging(rel)
             sql = _select_sql(kind, max(a, lo), min(b, edge))
             n = cur.execute(
@@ -398,7 +408,7 @@ def reader(
         yield cursor
 
 
-async def retaining(ledger: Ledger, settings: RetentionSettings) -> None:
+async def retaining(ledger: Ledger, settings: RetentionSettings, cluster: str = "default") -> None:
     """Run retention every ``settings.interval_seconds`` until cancelled (the billing service).
 
     A failed run is logged and tried again at the next interval: what it had not committed is
@@ -407,7 +417,9 @@ async def retaining(ledger: Ledger, settings: RetentionSettings) -> None:
     while True:
         await asyncio.sleep(settings.interval_seconds)
         try:
-            report = await asyncio.to_thread(retain, ledger, settings.archive, settings.raw_days)
+            report = await asyncio.to_thread(
+                retain, ledger, settings.archive, settings.raw_days, None, cluster
+            )
         except (ArchiveError, OSError, duckdb.Error) as exc:
             log.warning(
                 "billing: retention failed, retried in %.0f s: %s", settings.interval_seconds, exc

@@ -174,7 +174,11 @@ async def serve_billing(
         keeping = asyncio.create_task(publisher.keep(lambda: keys.issued)) if publisher else None
         watching = _reloading(app, config, config_path, f"{host}:{port}") if config_path else None
         r = b.retention
-        retention = asyncio.create_task(retaining(ledger, r)) if r.interval_seconds > 0 else None
+        retention = (
+            asyncio.create_task(retaining(ledger, r, b.cluster_name))
+            if r.interval_seconds > 0
+            else None
+        )
         puller = app.state.federation
         pulling = asyncio.create_task(puller.run()) if puller is not None else None
         rebuilding = asyncio.create_task(rebuild_hours(ledger))

@@ -63,7 +63,10 @@ def _retain(args: argparse.Namespace, config: Config) -> int:
     if args.database:
         with ledger_file(config, args.database) as ledger:
             try:
-                _print(archive.retain(ledger, r.archive, r.raw_days).to_json())
+                report = archive.retain(
+                    ledger, r.archive, r.raw_days, cluster=config.billing.cluster_name
+                )
+                _print(report.to_json())
             except archive.ArchiveError as exc:
                 return fail(str(exc), code=1)
         return 0

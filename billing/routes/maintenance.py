@@ -32,7 +32,12 @@ async def retain(_: Manager, svc: ServicesDep) -> dict[str, Any] | Response:
     settings = svc.config.billing.retention
     try:
         report = await run_in_threadpool(
-            archive.retain, svc.ledger, settings.archive, settings.raw_days
+            archive.retain,
+            svc.ledger,
+            settings.archive,
+            settings.raw_days,
+            None,
+            svc.config.billing.cluster_name,
         )
     except archive.ArchiveError as exc:
         return error_response(409, str(exc), "invalid_request_error", "conflict")

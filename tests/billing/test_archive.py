@@ -203,7 +203,8 @@ def test_rows_before_the_horizon_move_and_the_statements_stay(
 def test_other_engines_read_the_archive_as_hive_partitioned_parquet(
     filled: Ledger, root: str
 ) -> None:
-    """pyarrow.dataset and DuckDB alone find each kind and month, with every moved row once."""
+    """pyarrow.dataset and DuckDB alone find each kind, cluster and month, with every moved row
+    once."""
     with filled.reader() as cur:
         ids = {
             r[0]
@@ -211,24 +212,25 @@ def test_other_engines_read_the_archive_as_hive_partitioned_parquet(
                 f"SELECT request_id FROM usage WHERE received_at < {HORIZON}"
             ).fetchall()
         }
-    archive.retain(filled, root, 35, now=NOW)
+    archive.retain(filled, root, 35, now=NOW, cluster="eu-west")
     fs, path = fsspec.core.url_to_fs(root)
     # One dataset per kind: each kind is a table of its own, with its own columns.
     table = ds.dataset(
         f"{path}/kind=usage", filesystem=fs, format="parquet", partitioning="hive"
-    ).to_table(columns=["request_id", "month"])
+    ).to_table(columns=["request_id", "cluster", "month"])
     assert sorted(table.column("request_id").to_pylist()) == sorted(ids)
     assert set(table.column("month").to_pylist()) == {"2026-10"}
+    assert set(table.column("cluster").to_pylist()) == {"eu-west"}
     rows = _duckdb(
-        f"SELECT kind, month, count(*), count(DISTINCT coalesce(request_id, sample_id)) "
+        f"SELECT kind, cluster, month, count(*), count(DISTINCT coalesce(request_id, sample_id)) "
         f"FROM read_parquet('{root}/**/*.parquet', hive_partitioning = true, union_by_name = true) "
         "GROUP BY ALL ORDER BY ALL",
         root,
     )
     assert rows == [
-        ("engine_samples", "2026-10", 40, 40),
-        ("gpu_samples", "2026-10", 360, 360),
-        ("usage", "2026-10", len(ids), len(ids)),
+        ("engine_samples", "eu-west", "2026-10", 40, 40),
+        ("gpu_samples", "eu-west", "2026-10", 360, 360),
+        ("usage", "eu-west", "2026-10", len(ids), len(ids)),
     ]
 
 
@@ -249,7 +251,7 @@ def test_a_run_that_stopped_after_its_manifest_is_completed(filled: Ledger, root
     """Files and manifest written, ledger untouched: the next run deletes those rows, once."""
     total = _count(filled, "SELECT count(*) FROM usage")
     manifest = archive._export(
-        filled, archive.open_store(root), archive.RAW_KINDS[0], "crashed", HORIZON
+        filled, archive.open_store(root), archive.RAW_KINDS[0], "crashed", HORIZON, "default"
     )
     assert manifest is not None
     archive.open_store(root).write_bytes(
@@ -269,11 +271,14 @@ def test_a_run_that_stopped_before_its_manifest_leaves_nothing_behind(
     """Files without a manifest are removed and written again; no row is in two files."""
     store = archive.open_store(root)
     total = _count(filled, "SELECT count(*) FROM usage")
-    assert archive._export(filled, store, archive.RAW_KINDS[0], "crashed", HORIZON) is not None
-    left = ["kind=usage/month=2026-10/part-crashed.parquet"]
+    assert (
+        archive._export(filled, store, archive.RAW_KINDS[0], "crashed", HORIZON, "default")
+        is not None
+    )
+    left = ["kind=usage/cluster=default/month=2026-10/part-crashed.parquet"]
     if isinstance(store, archive_store.DirectoryStore):  # only a directory has temp names
-        store.write_bytes("kind=usage/month=2026-10/.part-x.parquet.tmp", b"half")
-        left.insert(0, "kind=usage/month=2026-10/.part-x.parquet.tmp")
+        store.write_bytes("kind=usage/cluster=default/month=2026-10/.part-x.parquet.tmp", b"half")
+        left.insert(0, "kind=usage/cluster=default/month=2026-10/.part-x.parquet.tmp")
     report = archive.retain(filled, root, 35, now=NOW)
     assert report.removed == left
     on_file = _duckdb(
@@ -287,7 +292,7 @@ def test_an_altered_file_stops_the_run_and_deletes_nothing(filled: Ledger, root:
     """A manifest's file whose checksum differs is an error, and the ledger keeps its rows."""
     store = archive.open_store(root)
     total = _count(filled, "SELECT count(*) FROM usage")
-    manifest = archive._export(filled, store, archive.RAW_KINDS[0], "crashed", HORIZON)
+    manifest = archive._export(filled, store, archive.RAW_KINDS[0], "crashed", HORIZON, "default")
     assert manifest is not None
     store.write_bytes(archive.manifest_path("crashed", "usage"), manifest.to_bytes())
     store.remove(manifest.files[0]["path"])
@@ -334,9 +339,10 @@ async def test_the_query_api_reads_archived_samples(served: str, filled: Ledger)
 
 
 async def test_the_timer_runs_retention(filled: Ledger, root: str) -> None:
-    """``retaining`` runs a retention every interval in the service, until cancelled."""
+    """``retaining`` runs a retention every interval in the service, until cancelled, writing
+    under the cluster it is given."""
     settings = RetentionSettings(archive=root, interval_seconds=0.05)
-    task = asyncio.create_task(archive.retaining(filled, settings))
+    task = asyncio.create_task(archive.retaining(filled, settings, "eu-west"))
     try:
         for _ in range(200):
             if len(filled.archive_runs()) == len(archive.RAW_KINDS):  # one run, every table
@@ -349,3 +355,6 @@ async def test_the_timer_runs_retention(filled: Ledger, root: str) -> None:
     # Today, November is still open: the horizon is two days before it, as at NOW.
     assert {kind for _, kind in filled.archive_runs()} == {"usage", "gpu_samples", "engine_samples"}
     assert _count(filled, f"SELECT count(*) FROM usage WHERE received_at < {HORIZON}") == 0
+    written = archive.open_store(root).files("kind=usage")
+    assert written
+    assert all(path.startswith("kind=usage/cluster=eu-west/month=") for path in written)
