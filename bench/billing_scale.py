@@ -42,7 +42,7 @@ import httpx
 import orjson
 import yaml
 
-from billing import hourly, ingest_sql
+from billing import allocation_runs, hourly, ingest_sql
 from billing.chargeback import Chargeback
 from billing.fastpath import arrow_frame, ndjson_frame
 from billing.ledger import Ledger
@@ -409,7 +409,7 @@ def main() -> int:
             generate(ledger, args.records)
             print(f"generate   {args.records:,} records + rollups: {time.perf_counter() - t:.1f} s")
         t = time.perf_counter()
-        rebuilt = ledger.refresh_hours()
+        rebuilt = allocation_runs.refresh_hours(ledger)
         print(
             f"hourly cost rows: {rebuilt:,} stale hours rebuilt in {time.perf_counter() - t:.1f} s"
         )

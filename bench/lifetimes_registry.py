@@ -40,7 +40,7 @@ import duckdb
 import orjson
 import polars as pl
 
-from billing import ingest_sql, lifetimes
+from billing import ingest_sql, lifetimes, registry
 from billing.ledger import Ledger
 from billing.schema import MIGRATIONS, new_field_sql
 from infermeter.records import KINDS
@@ -278,11 +278,11 @@ def run(work: Path, pods: int, days: int, repeat: int) -> dict[str, Any]:
         out["next round ingest ms"] = (time.perf_counter() - t0) * 1000
         later = now + HEARTBEAT + 1
         for name, fn in {
-            "registry live": lambda: ledger.lifetimes(later, HEARTBEAT, "live"),
-            "registry all (limit 1000)": lambda: ledger.lifetimes(
-                later, HEARTBEAT, "all", None, 1000
+            "registry live": lambda: registry.lifetimes(ledger, later, HEARTBEAT, "live"),
+            "registry all (limit 1000)": lambda: registry.lifetimes(
+                ledger, later, HEARTBEAT, "all", None, 1000
             ),
-            "live counts (metric)": lambda: ledger.live_instances(later, HEARTBEAT),
+            "live counts (metric)": lambda: registry.live_instances(ledger, later, HEARTBEAT),
         }.items():
             out[f"after: {name}"] = timed(fn, repeat)
     finally:

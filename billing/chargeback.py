@@ -1,4 +1,10 @@
-"""Statements from the ledger: the glue between the DuckDB edge and the pure allocation."""
+"""Statements from the ledger: the glue between the DuckDB edge and the pure allocation.
+
+Every read goes through a module that builds its SQL and runs it in the ledger's transactions:
+the month's allocation (``billing.allocation_runs``), the closed months and their frozen lines
+(``billing.closing``), the invoices (``billing.invoice_store``), the reconciliation
+(``billing.reconciled``) and the quarantine (``billing.quarantine``).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +14,12 @@ from dataclasses import dataclass, replace
 
 import polars as pl
 
+from billing import allocation_runs, closing, invoice_store, quarantine, reconciled
 from billing.allocation import Policy
 from billing.bases import pool_frame
 from billing.cache import cache_rows, month_cached_tokens
 from billing.ledger import Ledger, LedgerError
 from billing.pricebook import price_book
-from billing.reconciliation import hours, reconcile
 from billing.rounding import cents
 from billing.statement import (
     adjustment_lines,
@@ -87,8 +93,10 @@ class Chargeback:
 
     def _cents(self, month: str) -> _Month:
         """``month`` computed now: its lines in cents on the basis its invoices allow, both bases."""
-        invoices = self.ledger.invoices(month)
-        listed, scaled = self.ledger.allocate_bases(self.policy, month, invoices, True)
+        invoices = invoice_store.invoices(self.ledger, month)
+        listed, scaled = allocation_runs.allocate_bases(
+            self.ledger, self.policy, month, invoices, True
+        )
         chosen = listed if scaled is None else scaled
         usage = None if scaled is None else cents_lines(month, merged(listed.lines))
         pools = pool_frame(self.policy.prices, month_bounds(month), listed, scaled, invoices)
@@ -110,27 +118,24 @@ class Chargeback:
         reconciles them. The hang-ups are not examined again here: allocation has just done it,
         and they do not change which requests no reading covers.
         """
-        with self.ledger.reader() as cur:
-            table = reconcile(cur, *hours(*month_bounds(month)), tails=False)
-            rows: pl.DataFrame = cur.sql(f"SELECT * FROM {table}").pl()
-        return unreconciled_of(rows)
+        return unreconciled_of(reconciled.unreconciled_rows(self.ledger, *month_bounds(month)))
 
     def quarantined(self, month: str) -> pl.DataFrame:
         """``month``'s records kept in quarantine and billed to no one, per kind and reason.
 
         Read each time, closed month or not: what arrives late for a month shows on it.
         """
-        return self.ledger.quarantined(*month_bounds(month))
+        return quarantine.quarantined(self.ledger, *month_bounds(month))
 
     def statement(self, month: str) -> Statement:
         """``month``'s statement: frozen if closed, computed from the ledger now if open."""
         check_month(month)
-        closed, _ = self.ledger.month_state(month)
+        closed, _ = closing.month_state(self.ledger, month)
         if closed:
-            lines = self.ledger.issued_lines(month=month)
+            lines = closing.issued_lines(self.ledger, month=month)
             own = lines.filter(pl.col("for_month") == month)
             adjust = int(lines.filter(pl.col("for_month") != month)["total_cents"].sum())
-            basis, pools = self.ledger.issued_basis(month)
+            basis, pools = closing.issued_basis(self.ledger, month)
             return Statement(
                 month,
                 True,
@@ -147,10 +152,10 @@ class Chargeback:
         adjustments = []
         adjust_cents = 0
         parts = [now.parts]
-        for earlier in self.ledger.dirty_closed_months(before=month):
+        for earlier in closing.dirty_closed_months(self.ledger, before=month):
             again = self._cents(earlier)
             diff = adjustment_lines(
-                month, earlier, again.lines, self.ledger.issued_lines(for_month=earlier)
+                month, earlier, again.lines, closing.issued_lines(self.ledger, for_month=earlier)
             )
             adjustments.append(diff)
             adjust_cents += int(diff["total_cents"].sum())
@@ -188,9 +193,9 @@ class Chargeback:
             months = sorted(set(statement.lines["for_month"].to_list()))
             parts = _concat(
                 [
-                    self.ledger.by_instance(self.policy, m, self.ledger.invoices(m)).with_columns(
-                        for_month=pl.lit(m)
-                    )
+                    allocation_runs.by_instance(
+                        self.ledger, self.policy, m, invoice_store.invoices(self.ledger, m)
+                    ).with_columns(for_month=pl.lit(m))
                     for m in months
                 ]
             )
@@ -206,7 +211,9 @@ class Chargeback:
                 f"month {month} has not ended yet; it can be closed from {month_of(month_bounds(month)[1])}-01"
             )
         open_before = [
-            m["month"] for m in self.ledger.months() if not m["closed"] and m["month"] < month
+            m["month"]
+            for m in closing.months(self.ledger)
+            if not m["closed"] and m["month"] < month
         ]
         if open_before:
             raise LedgerError(f"close {', '.join(open_before)} first: months close in order")
@@ -214,7 +221,9 @@ class Chargeback:
         if not statement.reconciles:
             raise LedgerError(f"month {month} does not reconcile; refusing to close it")
         adjusted = sorted(set(statement.lines["for_month"].to_list()) - {month})
-        self.ledger.freeze(month, statement.lines, adjusted, now, statement.basis, statement.pools)
+        closing.freeze(
+            self.ledger, month, statement.lines, adjusted, now, statement.basis, statement.pools
+        )
         return self.statement(month)
 
     def spend(self, now: float | None = None) -> list[Spend]:

@@ -141,15 +141,17 @@ def _close(args: argparse.Namespace, config: Config) -> int:
 def _export(args: argparse.Namespace, config: Config) -> int:
     from tqdm import tqdm
 
+    from billing import parquet_export
+
     if not args.database:
         return fail(
             "export reads the ledger file; stop the service and pass --database, "
             "or POST /v1/admin/export to the running service"
         )
     with ledger_file(config, args.database) as ledger:
-        tables = ledger.table_names()
+        tables = parquet_export.table_names(ledger)
         for table in tqdm(tables, desc="export", unit="table", disable=None):
-            ledger.export_table(table, args.out, args.partitioned)
+            parquet_export.export_table(ledger, table, args.out, args.partitioned)
     print(f"wrote {len(tables)} tables to {args.out}")
     return 0
 
@@ -160,8 +162,10 @@ def _chargeback(args: argparse.Namespace, config: Config) -> int:
     if args.database:
         text = _statement_text(config, args.database, month, args.format, args.focus_version)
         if not _has_lines(text):
+            from billing import closing
+
             with ledger_file(config, args.database) as ledger:
-                known = [m["month"] for m in ledger.months()]
+                known = [m["month"] for m in closing.months(ledger)]
             _warn_empty(month, known)
     else:
         with admin_client(config, args.billing_url) as client:

@@ -9,14 +9,30 @@ so the next statement carries its adjustment.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 import duckdb
 
+from billing import audit
 from billing.invoices import Invoice
+from billing.keeper import Keeper
+from infermeter.audit import AuditEvent
 
-__all__ = ["COLUMNS", "Stored", "by_pool", "imports", "listing", "store"]
+__all__ = [
+    "COLUMNS",
+    "Stored",
+    "by_pool",
+    "import_invoice",
+    "imports",
+    "invoice_imports",
+    "invoice_rows",
+    "invoices",
+    "listing",
+    "store",
+]
 
 COLUMNS: Final = ("month", "pool", "billed_cents", "line_items", "source", "sha256", "imported_at")
 
@@ -97,3 +113,37 @@ def imports(cur: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     ).fetchall()
     names = ("sha256", "source", "imported_at", "months", "pools", "billed_cents", "line_items")
     return [dict(zip(names, row, strict=True)) for row in found]
+
+
+# -- run through the ledger -----------------------------------------------------------------
+
+
+def import_invoice(
+    ledger: Keeper, invoice: Invoice, now: float | None = None, events: Sequence[AuditEvent] = ()
+) -> Stored:
+    """Keep ``invoice``'s totals per (month, pool), and ``events`` on the audit trail, in one
+    transaction (``store``: the same file again changes nothing; a closed month whose rows
+    change is marked dirty)."""
+    now = time.time() if now is None else now
+    with ledger.writing() as cur:
+        stored = store(cur, invoice, now)
+        audit.append(cur, events, now)
+    return stored
+
+
+def invoices(ledger: Keeper, month: str) -> dict[str, int]:
+    """``month``'s invoiced cost per node pool, in whole cents (pools with no invoice absent)."""
+    with ledger.reader() as cur:
+        return by_pool(cur, month)
+
+
+def invoice_rows(ledger: Keeper, month: str | None = None) -> list[dict[str, Any]]:
+    """The invoice rows in force, of ``month`` or all (``COLUMNS``)."""
+    with ledger.reader() as cur:
+        return listing(cur, month)
+
+
+def invoice_imports(ledger: Keeper) -> list[dict[str, Any]]:
+    """Each imported file with rows in force: months, pools, cents, items; newest first."""
+    with ledger.reader() as cur:
+        return imports(cur)

@@ -67,6 +67,7 @@ def _import(args: argparse.Namespace, config: Config) -> int:
 
 
 def _offline(args: argparse.Namespace, config: Config, fmt: str) -> dict[str, Any]:
+    from billing import invoice_store
     from billing.cli_common import ledger_problem
     from billing.invoices import read_invoice
     from billing.ledger import LedgerError
@@ -78,7 +79,7 @@ def _offline(args: argparse.Namespace, config: Config, fmt: str) -> dict[str, An
     except LedgerError as exc:
         raise CommandError(ledger_problem(args.database, str(exc)), code=1) from None
     try:
-        stored = ledger.import_invoice(invoice)
+        stored = invoice_store.import_invoice(ledger, invoice)
     finally:
         ledger.close()
     return invoice.to_json() | stored.to_json()

@@ -1,13 +1,28 @@
-"""The DuckDB ledger: the one module that opens database connections.
+"""The DuckDB ledger: the one module that opens database connections, and the one that keeps.
 
 One process owns the file (DuckDB allows a single writer), and every read and write goes
-through a ``Ledger``. The few connections that are not the service's ledger (a backup being
-restored, a scratch database for allocation over frames) are opened here too (``connect``), so
-a reader looking for what can hold a ledger file open reads one module;
-``tests/test_architecture.py`` fails on a ``duckdb.connect`` anywhere else. Writes are serialised by a lock, each ingest batch is one transaction,
-and a batch is acknowledged only after its transaction commits, so a batch that was
-acknowledged survives a crash and a batch that was not is simply resent by its shipper.
-Reads use their own cursors and run beside the writer.
+through a ``Ledger``: its cursors (``reader``), its read transactions (``snapshot``: many
+queries, one committed state) and its writing transactions (``writing``, under the writer's
+lock). Writes are serialised by that lock, each ingest batch is one transaction (batches that
+arrive together share one), and a batch is acknowledged only after its transaction commits, so
+a batch that was acknowledged survives a crash and a batch that was not is simply resent by its
+shipper. Reads use their own cursors and run beside the writer.
+
+What the ledger does itself is keep: open and migrate the file, take batches in (checks,
+quarantine, the raw rows) and, in the same transaction, what ingest derives from them (the
+minute rollups, the lifetimes fold, the hours and months marked dirty). Everything that reads
+or computes from what it keeps builds its SQL as pure functions and runs it through those
+transactions, in modules of its own: the month's allocation (``billing.allocation_runs``), the
+months and their frozen statements (``billing.closing``), the registry (``billing.registry``),
+reconciliation (``billing.reconciled``), invoices (``billing.invoice_store``), the Parquet
+export (``billing.parquet_export``). They ask for the ledger by its shape
+(``billing.keeper.Keeper``); the few month reads that the archive and federation call on the
+ledger itself are one-line forwards to ``billing.closing``.
+
+The few connections that are not the service's ledger (a backup being restored, a scratch
+database for allocation over frames) are opened here too (``connect``), so a reader looking for
+what can hold a ledger file open reads one module; ``tests/test_architecture.py`` fails on a
+``duckdb.connect`` anywhere else.
 """
 
 from __future__ import annotations
@@ -17,59 +32,43 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import duckdb
 import orjson
 import polars as pl
 
 from billing import (
-    allocation,
-    audit,
-    bases,
+    closing,
     hourly,
     ingest_sql,
-    invoice_store,
     lifetimes,
     quarantine,
-    reconciliation,
     trust_sql,
 )
-from billing.allocation import Allocation, Policy
 from billing.bounds import SampleBounds, bounds_tables
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
-from billing.fleet import asked_sql
 from billing.group_commit import GroupCommit, Ticket
-from billing.invoice_store import Stored
-from billing.invoices import Invoice
 from billing.jsonkeys import NestedTooDeeplyError, duplicate_key
+from billing.keeper import LedgerError
 from billing.lifetimes import (
-    COLUMNS as LIFETIME_COLUMNS,
     DEFAULT_HEARTBEAT_SECONDS,
     HEARTBEAT_RETENTION_SECONDS,
-    GroupCaps,
-    LiveBound,
     Restart,
-    lifetimes_sql,
-    live_counts_sql,
-    slot_windows_sql,
 )
 from billing.quarantine import KnownFleet, Unopened
 from billing.schema import (
     HOUR_SECONDS,
     LATEST_VERSION,
     MIGRATIONS,
-    SLOT_SECONDS,
     USAGE_TAGS_VERSION,
     new_field_sql,
 )
-from infermeter.audit import AuditEvent
 from infermeter.errors import BadRequest
-from infermeter.months import month_bounds, month_of
+from infermeter.months import month_of
 from infermeter.records import KINDS, RecordKind
-from infermeter.statement import POOL_SCHEMA, empty_pools
 from infermeter.wire import arrow_extent, line_count
 from infermeter.writers import Writer
 
@@ -96,10 +95,6 @@ def connect(
     """
     target = ":memory:" if path is None else str(path)
     return duckdb.connect(target, read_only=read_only, config=dict(config or {}))
-
-
-class LedgerError(Exception):
-    """The ledger file cannot be used (newer schema, unreadable, or a refused operation)."""
 
 
 class BatchTooLargeError(BadRequest):
@@ -522,16 +517,6 @@ class Ledger:
                 raise
         return [Rejection(rid, reason) for rid, reason in kept]
 
-    def quarantined(self, start: float, end: float) -> pl.DataFrame:
-        """Records quarantined for ``start``..``end``, per kind and reason (``QUARANTINED_SCHEMA``)."""
-        with self.reader() as cur:
-            return quarantine.summary(cur, start, end)
-
-    def quarantine_counts(self) -> list[tuple[str, str, int]]:
-        """Every record ever quarantined, per (kind, reason category), for /metrics."""
-        with self.reader() as cur:
-            return quarantine.counts(cur)
-
     def _kind(self, key: str) -> RecordKind:
         kind = self.kinds.get(key)
         if kind is None:
@@ -688,365 +673,23 @@ class Ledger:
             con.execute(lifetimes.prune_sql(), {"before": before})
             self._pruned_before = before
 
-    # -- months ---------------------------------------------------------------------------
+    # -- months (``billing.closing``), read here by the archive and federation -----------
 
     def months(self) -> list[dict[str, Any]]:
-        """Every month the ledger has data for, with whether it is closed."""
-        with self.reader() as cur:
-            rows = cur.execute(
-                "SELECT month, closed_at, dirty FROM months ORDER BY month"
-            ).fetchall()
-        return [
-            {"month": m, "closed": c is not None, "closed_at": c, "late_records": d}
-            for m, c, d in rows
-        ]
+        """Every month the ledger has data for, with whether it is closed (``closing.months``)."""
+        return closing.months(self)
 
     def month_state(self, month: str) -> tuple[bool, bool]:
-        """(closed, has late records) for ``month``; an unknown month is open and clean."""
-        with self.reader() as cur:
-            row = cur.execute(
-                "SELECT closed_at, dirty FROM months WHERE month = ?", [month]
-            ).fetchone()
-        return (False, False) if row is None else (row[0] is not None, bool(row[1]))
-
-    def dirty_closed_months(self, before: str) -> list[str]:
-        """Closed months before ``before`` that received records after they were closed."""
-        with self.reader() as cur:
-            rows = cur.execute(
-                "SELECT month FROM months WHERE closed_at IS NOT NULL AND dirty AND month < ? ORDER BY month",
-                [before],
-            ).fetchall()
-        return [r[0] for r in rows]
-
-    # -- invoices -------------------------------------------------------------------------
-
-    def import_invoice(
-        self, invoice: Invoice, now: float | None = None, events: Sequence[AuditEvent] = ()
-    ) -> Stored:
-        """Keep ``invoice``'s totals per (month, pool), and ``events`` on the audit trail, in one
-        transaction (``billing.invoice_store``: the same file again changes nothing; a closed
-        month whose rows change is marked dirty)."""
-        now = time.time() if now is None else now
-        with self.writing() as cur:
-            stored = invoice_store.store(cur, invoice, now)
-            audit.append(cur, events, now)
-        return stored
-
-    def invoices(self, month: str) -> dict[str, int]:
-        """``month``'s invoiced cost per node pool, in whole cents (pools with no invoice absent)."""
-        with self.reader() as cur:
-            return invoice_store.by_pool(cur, month)
-
-    def invoice_rows(self, month: str | None = None) -> list[dict[str, Any]]:
-        """The invoice rows in force, of ``month`` or all (``invoice_store.COLUMNS``)."""
-        with self.reader() as cur:
-            return invoice_store.listing(cur, month)
-
-    def invoice_imports(self) -> list[dict[str, Any]]:
-        """Each imported file with rows in force: months, pools, cents, items; newest first."""
-        with self.reader() as cur:
-            return invoice_store.imports(cur)
+        """(closed, has late records) for ``month`` (``closing.month_state``)."""
+        return closing.month_state(self, month)
 
     def issued_lines(self, month: str | None = None, for_month: str | None = None) -> pl.DataFrame:
-        """Frozen statement lines, by the statement they are on and/or the month they charge."""
-        where, params = [], []
-        if month is not None:
-            where.append("month = ?")
-            params.append(month)
-        if for_month is not None:
-            where.append("for_month = ?")
-            params.append(for_month)
-        sql = "SELECT * FROM statement_lines" + (" WHERE " + " AND ".join(where) if where else "")
-        with self.reader() as cur:
-            return _frame(cur, sql + " ORDER BY month, for_month, team, model", params)
+        """Frozen statement lines (``closing.issued_lines``)."""
+        return closing.issued_lines(self, month, for_month)
 
     def issued_basis(self, month: str) -> tuple[str, pl.DataFrame]:
-        """A closed month's basis and node pools, as frozen with it (``list`` and none if it was
-        closed before bases were kept)."""
-        with self.reader() as cur:
-            row = cur.execute(
-                "SELECT basis, pools FROM statement_bases WHERE month = ?", [month]
-            ).fetchone()
-        if row is None:
-            return "list", empty_pools()
-        rows = orjson.loads(row[1])
-        return str(row[0]), pl.DataFrame(rows, schema=POOL_SCHEMA) if rows else empty_pools()
-
-    def freeze(
-        self,
-        month: str,
-        lines: pl.DataFrame,
-        adjusted: Sequence[str],
-        now: float,
-        basis: str = "list",
-        pools: pl.DataFrame | None = None,
-    ) -> None:
-        """Close ``month``: store its statement lines, basis and node pools, and clear the late
-        flag of ``adjusted``."""
-        with self._write_lock:
-            con = self._con
-            con.execute("BEGIN TRANSACTION")
-            try:
-                row = con.execute(
-                    "SELECT closed_at FROM months WHERE month = ?", [month]
-                ).fetchone()
-                if row is not None and row[0] is not None:
-                    raise LedgerError(f"month {month} is already closed")
-                con.execute("INSERT INTO months (month) VALUES (?) ON CONFLICT DO NOTHING", [month])
-                con.register("_lines", lines)
-                con.execute(
-                    "INSERT INTO statement_lines SELECT month, for_month, team, model, requests, "
-                    "prompt_tokens, completion_tokens, gpu_hours, energy_kwh, compute_cents, "
-                    "energy_cents, idle_cents, total_cents FROM _lines"
-                )
-                con.unregister("_lines")
-                frozen = orjson.dumps([] if pools is None else pools.to_dicts()).decode()
-                con.execute("INSERT INTO statement_bases VALUES (?, ?, ?)", [month, basis, frozen])
-                con.execute(
-                    "UPDATE months SET closed_at = ?, dirty = false WHERE month = ?", [now, month]
-                )
-                if adjusted:
-                    con.execute(
-                        "UPDATE months SET dirty = false WHERE list_contains(?, month)",
-                        [list(adjusted)],
-                    )
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
-
-    # -- reads for allocation -----------------------------------------------------------
-
-    def allocate(self, policy: Policy, month: str) -> tuple[pl.DataFrame, int]:
-        """``month``'s allocation lines (money in micro-cents) and fleet cost, from the rollups.
-
-        Tokens the engines counted and no record carries are lines of their own, costed out of
-        the idle capacity (``billing.reconciliation``). Read in one snapshot: the lines add up
-        to the fleet cost while batches keep arriving.
-        """
-        claims = reconciliation.claims(policy, *month_bounds(month))
-        with self.snapshot() as cur:
-            return allocation.run(cur, self._month_sql(cur, policy, month), policy, claims)
-
-    def allocate_bases(
-        self,
-        policy: Policy,
-        month: str,
-        invoices: Mapping[str, int],
-        split_by_instance: bool = False,
-    ) -> tuple[Allocation, Allocation | None]:
-        """``month``'s allocation at list prices and, when ``invoices`` (pool -> cents) covers a
-        pool, at the allocation basis (``billing.bases``): both read in one snapshot, so the
-        scale is worked out from exactly the GPU time it then divides. With
-        ``split_by_instance``, the basis the lines are on carries its lines per instance
-        (``Allocation.instances``), from the same run."""
-        claims = reconciliation.claims(policy, *month_bounds(month))
-        with self.snapshot() as cur:
-            listed = allocation.run_all(
-                cur,
-                self._month_sql(cur, policy, month),
-                policy,
-                claims,
-                split_by_instance and not invoices,
-            )
-            listed = replace(listed, reconciled=claims.reconciled)
-            if not invoices:
-                return listed, None
-            scaled_policy = bases.scaled_policy(policy, listed.pools, listed.commitments, invoices)
-            scaled = allocation.run_all(
-                cur,
-                self._month_sql(cur, scaled_policy, month),
-                scaled_policy,
-                claims,
-                split_by_instance,
-            )
-            return listed, bases.with_unmeasured(scaled, listed, invoices, policy.platform_account)
-
-    def by_instance(
-        self, policy: Policy, month: str, invoices: Mapping[str, int] | None = None
-    ) -> pl.DataFrame:
-        """``month``'s lines per instance, in micro-cents (``billing.allocation.by_instance``),
-        at the allocation basis when ``invoices`` covers a pool."""
-        with self.snapshot() as cur:
-            queries = self._month_sql(cur, policy, month)
-            if invoices:
-                use, held = allocation.pool_use(cur, queries, policy)
-                policy = bases.scaled_policy(policy, use, held, invoices)
-                queries = self._month_sql(cur, policy, month)
-            return allocation.by_instance(cur, queries, policy)
-
-    def _month_sql(
-        self, cur: duckdb.DuckDBPyConnection, policy: Policy, month: str
-    ) -> allocation.AllocationSql:
-        """``month``'s allocation queries over its hourly cost rows (``billing.hourly``).
-
-        The clean hours' rows are the ledger's; the hours still marked dirty in this snapshot
-        (a batch committed since the last rebuild) are built here, into temp tables, from the
-        same rollups, so a statement never reads a stale hour.
-        """
-        lo, hi = _slot_range(month)
-        h0, h1 = lo // hourly.HOUR_SLOTS, hi // hourly.HOUR_SLOTS
-        in_month = f"hour >= {h0} AND hour < {h1}"
-        built = cur.execute("SELECT heartbeat_seconds FROM hours_built").fetchall()
-        if built and float(built[0][0]) == self.heartbeat_seconds:
-            stale = f"SELECT hour FROM hours_dirty WHERE {in_month}"
-            fresh = "hour IN (SELECT hour FROM hours_dirty)"
-        else:  # rows built under another heartbeat, or none built yet: every hour is stale
-            stale = f"SELECT DISTINCT slot // {hourly.HOUR_SLOTS} FROM gpu_slots WHERE slot >= {lo} AND slot < {hi}"
-            fresh = "true"
-        dirty = [int(h) for (h,) in cur.execute(stale).fetchall()]
-        cur.execute("CREATE OR REPLACE TEMP TABLE _fresh_costs AS SELECT * FROM cost_hours LIMIT 0")
-        cur.execute(
-            "CREATE OR REPLACE TEMP TABLE _fresh_shares AS SELECT * FROM share_hours LIMIT 0"
-        )
-        for first, after in hourly.runs(dirty, hourly.REBUILD_HOURS):
-            self._build_hours(cur, first, after, "_fresh_costs", "_fresh_shares")
-        rows = hourly.HourRows(
-            f"(SELECT * FROM cost_hours WHERE {in_month} AND NOT {fresh} UNION ALL BY NAME SELECT * FROM _fresh_costs)",
-            f"(SELECT * FROM share_hours WHERE {in_month} AND NOT {fresh} UNION ALL BY NAME SELECT * FROM _fresh_shares)",
-            "alloc_keys",
-            f"(SELECT * FROM alloc_hours WHERE {in_month})",
-        )
-        return allocation.priced_sql_of(policy, rows, period=month_bounds(month))
-
-    def _build_hours(
-        self, cur: duckdb.DuckDBPyConnection, first: int, after: int, costs: str, shares: str
-    ) -> None:
-        """Append the hourly cost rows of hours ``first``..``after`` to ``costs`` and ``shares``."""
-        lo, hi = first * hourly.HOUR_SLOTS, after * hourly.HOUR_SLOTS
-        within = f"slot >= {lo} AND slot < {hi}"
-        # Materialised once: the rebuild reads the windows for every GPU row.
-        windows = slot_windows_sql(lo, hi, self.heartbeat_seconds)
-        cur.execute(f"CREATE OR REPLACE TEMP TABLE _lifetimes AS SELECT * FROM {windows}")
-        # No lifetime in the range (a fleet of fixed replicas): nothing to bound, and the check
-        # of every GPU minute against them is skipped.
-        known = bool(cur.execute("SELECT 1 FROM _lifetimes LIMIT 1").fetchall())
-        cur.execute(
-            hourly.minutes_sql(
-                f"(SELECT * FROM gpu_slots WHERE {within})",
-                f"(SELECT replica, instance, slot, inflight_seconds AS occupied FROM replica_slots WHERE {within})",
-                "alloc_units",
-                "_lifetimes" if known else None,
-                (lo, hi),
-            )
-        )
-        cur.execute(f"INSERT INTO {costs} BY NAME {hourly.cost_rows_sql()}")
-        slots = f"(SELECT * FROM alloc_slots WHERE {within})"
-        cur.execute(f"INSERT INTO {shares} BY NAME {hourly.share_rows_sql(slots, (lo, hi))}")
-
-    def mark_all_hours_dirty(self) -> None:
-        """Mark every hour with GPU time for a rebuild (after a change the marks cannot see)."""
-        with self.writing() as cur:
-            cur.execute(hourly.DIRTY_ALL)
-
-    def refresh_hours(self) -> int:
-        """Rebuild the hourly cost rows of the hours marked dirty; how many hours were rebuilt.
-
-        A run of hours at a time, each in a transaction of its own (``writing``): ingest waits
-        for one run, never for a whole backlog. A change of ``heartbeat_seconds`` moves every
-        lifetime's end, so it marks every hour dirty first.
-        """
-        with self.writing() as cur:
-            built = cur.execute("SELECT heartbeat_seconds FROM hours_built").fetchall()
-            if not built or float(built[0][0]) != self.heartbeat_seconds:
-                cur.execute(hourly.DIRTY_ALL)
-                cur.execute("DELETE FROM hours_built")
-                cur.execute("INSERT INTO hours_built VALUES (?)", [self.heartbeat_seconds])
-            dirty = [int(h) for (h,) in cur.execute("SELECT hour FROM hours_dirty").fetchall()]
-        for first, after in hourly.runs(dirty, hourly.REBUILD_HOURS):
-            with self.writing() as cur:
-                span = f"hour >= {first} AND hour < {after}"
-                cur.execute(f"DELETE FROM cost_hours WHERE {span}")
-                cur.execute(f"DELETE FROM share_hours WHERE {span}")
-                self._build_hours(cur, first, after, "cost_hours", "share_hours")
-                cur.execute(f"DELETE FROM hours_dirty WHERE {span}")
-        return len(dirty)
-
-    def live_instances(
-        self,
-        now: float,
-        heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
-        bound: LiveBound | None = None,
-    ) -> list[tuple[str, str, int]]:
-        """(replica group, model, live instances), for /metrics; within ``bound`` when given."""
-        with self.reader() as cur:
-            caps = _caps(cur, bound, now)
-            sql, params = live_counts_sql(now, heartbeat_seconds, self.restart, caps)
-            return [(str(r), str(m), int(n)) for r, m, n in cur.execute(sql, params).fetchall()]
-
-    def lifetimes(
-        self,
-        now: float,
-        heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
-        state: Literal["live", "all"] = "all",
-        replica: str | None = None,
-        limit: int | None = None,
-        bound: LiveBound | None = None,
-    ) -> list[dict[str, Any]]:
-        """Instance lifetimes as ``billing.lifetimes`` defines them, one dict per lifetime.
-
-        ``bound``: the live ones are at most what the configuration allows (``LiveBound``).
-        """
-        with self.reader() as cur:
-            caps = _caps(cur, bound, now) if state == "live" else None
-            sql, params = lifetimes_sql(
-                now, heartbeat_seconds, state, replica, limit, self.restart, caps
-            )
-            rows = cur.execute(sql, params).fetchall()
-        return [dict(zip(LIFETIME_COLUMNS, row, strict=True)) for row in rows]
-
-    def reconciliation(self, start: float, end: float) -> pl.DataFrame:
-        """Engine counters against the ledger per instance, for the hours ``start``..``end`` touches.
-
-        One row per instance and hour, as ``billing.reconciliation.reconciliation_sql`` says.
-        """
-        with self.reader() as cur:
-            table = reconciliation.reconcile(cur, *reconciliation.hours(start, end))
-            return _frame(cur, f"SELECT * FROM {table}", [])
-
-    def latest_month(self) -> str:
-        """The newest month with data, or the current month."""
-        with self.reader() as cur:
-            row = cur.execute("SELECT max(month) FROM months").fetchone()
-        return row[0] if row and row[0] else month_of(time.time())
-
-    def table_names(self) -> list[str]:
-        """The ledger's own tables (not temporary ones)."""
-        with self.reader() as cur:
-            rows = cur.execute(
-                "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND NOT temporary "
-                "ORDER BY table_name"
-            ).fetchall()
-        return [r[0] for r in rows]
-
-    def export_table(self, table: str, directory: str | Path, partitioned: bool = False) -> Path:
-        """Write ``table`` to Parquet under ``directory``; returns the path written.
-
-        With ``partitioned``, raw tables are written Hive-style by month
-        (``usage/month=2026-11/...``), so an engine reading object storage opens only the
-        months it needs.
-        """
-        if table not in self.table_names():
-            raise LedgerError(f"no table {table!r} in the ledger")
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        time_col = _TIME_COLUMNS.get(table)
-        with self.reader() as cur:
-            if partitioned and time_col:
-                target = out / table
-                month = f"strftime(make_timestamp(CAST({time_col} * 1000000 AS BIGINT)), '%Y-%m')"
-                cur.execute(
-                    f"COPY (SELECT *, {month} AS month FROM {table}) TO '{_sql_path(target)}' "
-                    "(FORMAT parquet, PARTITION_BY (month), OVERWRITE_OR_IGNORE)"
-                )
-            else:
-                target = out / f"{table}.parquet"
-                cur.execute(f"COPY {table} TO '{_sql_path(target)}' (FORMAT parquet)")
-        return target
-
-    def export_parquet(self, directory: str | Path, partitioned: bool = False) -> list[Path]:
-        """Write every table to Parquet under ``directory``; returns the paths written."""
-        return [self.export_table(t, directory, partitioned) for t in self.table_names()]
+        """A closed month's basis and node pools (``closing.issued_basis``)."""
+        return closing.issued_basis(self, month)
 
     # -- the Parquet archive (``billing.archive``) ----------------------------------------
 
@@ -1086,8 +729,6 @@ _SPANS = {
     "budget_overrides": "SELECT issued_at AS t FROM fresh",
     "scaling_decisions": "SELECT decided_at AS t FROM fresh",
 }
-# A raw table's time column, for partitioning its Parquet export by month.
-_TIME_COLUMNS = {k.table: f'"{k.time_field}"' for k in KINDS.values()}
 
 
 def _check_size(records: int, max_records: int | None) -> None:
@@ -1137,31 +778,6 @@ def _ndjson_records(body: bytes) -> tuple[list[bytes], list[Any], frozenset[int]
 def _json_batch(kind: RecordKind, texts: Sequence[bytes]) -> bytes:
     """``{"<kind>": [records]}`` from each record's own JSON text, for the per-record path."""
     return b'{"' + kind.key.encode() + b'": [' + b",".join(texts) + b"]}"
-
-
-def _frame(
-    cur: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any] | Mapping[str, Any]
-) -> pl.DataFrame:
-    """A query's result as a Polars frame (through Arrow, without copying row by row)."""
-    frame: pl.DataFrame = cur.sql(sql, params=params).pl()
-    return frame
-
-
-def _sql_path(path: Path) -> str:
-    return str(path).replace("'", "''")
-
-
-def _caps(cur: duckdb.DuckDBPyConnection, bound: LiveBound | None, now: float) -> GroupCaps | None:
-    """``bound``'s caps, given what the autoscaler asked for lately; None without a bound."""
-    if bound is None:
-        return None
-    sql, params = asked_sql(now - bound.asked_seconds)
-    return bound.caps({str(m): int(n) for m, n in cur.execute(sql, params).fetchall()})
-
-
-def _slot_range(month: str) -> tuple[int, int]:
-    start, end = month_bounds(month)
-    return int(start // SLOT_SECONDS), int(end // SLOT_SECONDS)
 
 
 def _not_a_batch(message: str) -> BadRequest:

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from billing import quarantine, reconciled, registry
 from billing.chargeback import Chargeback
 from billing.ledger import IngestResult, Ledger
 from billing.lifetimes import LiveBound
@@ -112,7 +113,7 @@ class ReconciliationCollector(Collector):
         last = self._last
         if last is not None and last[1] == end and now - last[0] < self.max_age_seconds:
             return end, last[2]
-        frame = self.ledger.reconciliation(end - HOUR_SECONDS, end)
+        frame = reconciled.reconciled(self.ledger, end - HOUR_SECONDS, end)
         self._last = (now, end, frame)
         return end, frame
 
@@ -222,7 +223,7 @@ class QuarantineCollector(Collector):
             "model, replica group or node, or a spool line whose seal does not verify.",
             labels=["kind", "reason"],
         )
-        for kind, reason, count in self.ledger.quarantine_counts():
+        for kind, reason, count in quarantine.quarantine_counts(self.ledger):
             family.add_metric([kind, reason], count)
         yield family
 
@@ -249,8 +250,8 @@ class InstanceCollector(Collector):
             "Instances of the replica group that announced themselves within three heartbeats.",
             labels=["replica", "model"],
         )
-        for replica, model, count in self.ledger.live_instances(
-            time.time(), self.heartbeat_seconds, self.bound
+        for replica, model, count in registry.live_instances(
+            self.ledger, time.time(), self.heartbeat_seconds, self.bound
         ):
             family.add_metric([replica, model], count)
         yield family

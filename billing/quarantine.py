@@ -19,6 +19,7 @@ import duckdb
 import orjson
 import polars as pl
 
+from billing.keeper import Keeper
 from billing.trust_sql import WRITER_COLUMNS
 from infermeter.config import Config
 from infermeter.records import RecordKind
@@ -31,6 +32,8 @@ __all__ = [
     "counts",
     "keep_unopened",
     "known_tables",
+    "quarantine_counts",
+    "quarantined",
     "summary",
     "writers_table",
 ]
@@ -158,3 +161,15 @@ def counts(cur: duckdb.DuckDBPyConnection) -> list[tuple[str, str, int]]:
     """Every record ever quarantined, per (kind, reason category)."""
     rows = cur.execute("SELECT kind, label, count(*) FROM quarantine GROUP BY ALL").fetchall()
     return [(str(k), str(label), int(n)) for k, label, n in rows]
+
+
+def quarantined(ledger: Keeper, start: float, end: float) -> pl.DataFrame:
+    """Records quarantined for ``start``..``end``, per kind and reason (``QUARANTINED_SCHEMA``)."""
+    with ledger.reader() as cur:
+        return summary(cur, start, end)
+
+
+def quarantine_counts(ledger: Keeper) -> list[tuple[str, str, int]]:
+    """Every record ever quarantined, per (kind, reason category), for /metrics."""
+    with ledger.reader() as cur:
+        return counts(cur)

@@ -13,6 +13,7 @@ import duckdb
 import uvicorn
 from fastapi import FastAPI
 
+from billing import allocation_runs
 from billing.api import create_app
 from billing.archive import retaining
 from billing.bounds import SampleBounds
@@ -124,7 +125,7 @@ async def rebuild_hours(ledger: Ledger, interval: float = HOUR_REBUILD_SECONDS) 
     while True:
         await asyncio.sleep(interval)
         try:
-            await asyncio.to_thread(ledger.refresh_hours)
+            await asyncio.to_thread(allocation_runs.refresh_hours, ledger)
         except duckdb.Error as exc:
             log.warning(
                 "billing: rebuilding hourly cost rows failed, retried in %.0f s: %s", interval, exc

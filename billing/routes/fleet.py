@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from starlette.concurrency import run_in_threadpool
 
+from billing import registry
 from billing.fleet import (
     DECISION_COLUMNS,
     MAX_DECISIONS,
@@ -64,8 +65,13 @@ async def fleet(
 def _read(
     ledger: Ledger, config: Config, now: float, start: float, end: float, limit: int
 ) -> FleetView:
-    live = ledger.lifetimes(
-        now, heartbeat_seconds(config), "live", limit=MAX_INSTANCES, bound=live_bound(config)
+    live = registry.lifetimes(
+        ledger,
+        now,
+        heartbeat_seconds(config),
+        "live",
+        limit=MAX_INSTANCES,
+        bound=live_bound(config),
     )
     sql, params = recent_decisions_sql(start, end, limit + 1)
     with ledger.reader() as cur:

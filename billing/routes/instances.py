@@ -19,6 +19,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from billing import registry
 from billing.lifetimes import State, heartbeat_seconds, live_bound
 from billing.routes.dependencies import Scraper, ServicesDep
 from billing.routes.openapi import errors
@@ -73,7 +74,8 @@ async def instances(
     """Live instances (``state=all``: every lifetime kept), optionally of one replica group."""
     config = svc.config
     rows = await run_in_threadpool(
-        svc.ledger.lifetimes,
+        registry.lifetimes,
+        svc.ledger,
         time.time(),
         heartbeat_seconds(config),
         state,

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Final, Literal
 from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
 
+from billing import invoice_store
 from billing.invoices import Format, format_for, parse_invoice
 from billing.routes.body import read_body
 from billing.routes.dependencies import AllReader, Closer, ServicesDep
@@ -98,7 +99,9 @@ async def import_invoice(
         },
         address=request.client.host if request.client else None,
     )
-    stored = await run_in_threadpool(svc.ledger.import_invoice, invoice, time.time(), [event])
+    stored = await run_in_threadpool(
+        invoice_store.import_invoice, svc.ledger, invoice, time.time(), [event]
+    )
     svc.statements.forget()  # the next statement is on the invoice's basis, not a kept one
     return invoice.to_json() | stored.to_json()
 
@@ -111,6 +114,6 @@ async def invoices(
 ) -> dict[str, Any]:
     """The invoice rows in force per month and pool (of ``month``, or all), and the files they
     came from (readers of every team)."""
-    rows = await run_in_threadpool(svc.ledger.invoice_rows, month)
-    imports = await run_in_threadpool(svc.ledger.invoice_imports)
+    rows = await run_in_threadpool(invoice_store.invoice_rows, svc.ledger, month)
+    imports = await run_in_threadpool(invoice_store.invoice_imports, svc.ledger)
     return {"invoices": rows, "imports": imports}

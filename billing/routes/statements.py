@@ -17,7 +17,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from billing import audit
+from billing import audit, parquet_export
 from billing.breakdown import with_tags
 from billing.routes.breakdown import with_projects
 from billing.routes.dependencies import (
@@ -141,5 +141,5 @@ async def export(_: Manager, svc: ServicesDep, partitioned: bool = False) -> dic
     """Write the whole ledger to Parquet under ``billing.export_dir`` (admin)."""
     stamp = time.strftime("ledger-%Y%m%dT%H%M%SZ", time.gmtime())
     target = Path(svc.config.billing.export_dir) / stamp
-    paths = await run_in_threadpool(svc.ledger.export_parquet, target, partitioned)
+    paths = await run_in_threadpool(parquet_export.export_parquet, svc.ledger, target, partitioned)
     return {"directory": str(target), "tables": [p.name for p in paths]}

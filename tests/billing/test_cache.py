@@ -23,6 +23,7 @@ import polars as pl
 import pytest
 from pydantic import ValidationError
 
+from billing import allocation_runs
 from billing.cache import cache_rows, month_cached_tokens
 from billing.charges import Policy
 from billing.ledger import Ledger
@@ -75,7 +76,7 @@ def worked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ledger]:
 
 
 def _cents(ledger: Ledger, policy: Policy) -> dict[str, int]:
-    lines, _ = ledger.allocate(policy, MONTH)
+    lines, _ = allocation_runs.allocate(ledger, policy, MONTH)
     table = cents_lines(MONTH, merged(lines))
     return {str(r["team"]): int(r["total_cents"]) for r in table.iter_rows(named=True)}
 
@@ -108,7 +109,7 @@ def test_the_month_s_cached_tokens_are_read_per_team_and_model(worked: Ledger) -
 
 def test_the_savings_of_the_worked_example(worked: Ledger) -> None:
     """assistant saved 400 x 0.75 x 43 / 1000 = 12.9 -> 13 cents; search saved nothing."""
-    lines, _ = worked.allocate(WORKED, MONTH)
+    lines, _ = allocation_runs.allocate(worked, WORKED, MONTH)
     table = cents_lines(MONTH, merged(lines))
     rows = cache_rows(table, month_cached_tokens(worked, MONTH), WORKED)
     assert rows.schema == pl.Schema(CACHE_SCHEMA)

@@ -7,6 +7,7 @@ from typing import Any
 import polars as pl
 import pytest
 
+from billing import reconciled
 from billing.chargeback import Chargeback
 from billing.hangups import others_sql, readings_sql, spans
 from billing.ledger import Ledger
@@ -38,7 +39,7 @@ def hour_one(
 ) -> dict[str, Any]:
     """The ledger filled with ``kept`` and ``engine``; hour 1's reconciliation row."""
     fill(ledger, kept, engine)
-    return row(ledger.reconciliation(OCT, OCT + 3 * HOUR), 1)
+    return row(reconciled.reconciled(ledger, OCT, OCT + 3 * HOUR), 1)
 
 
 def line(lines: pl.DataFrame, team: str, model: str = "chat-small") -> dict[str, Any]:
@@ -165,7 +166,7 @@ def test_the_query_and_the_statement_find_the_same_tails(ledger: Ledger) -> None
     sql, values = reconciliation_sql(first, first + 3)
     with ledger.reader() as cur:
         raw: pl.DataFrame = cur.sql(sql, params=values).pl()
-    rolled = ledger.reconciliation(OCT, OCT + 3 * HOUR)
+    rolled = reconciled.reconciled(ledger, OCT, OCT + 3 * HOUR)
     assert rolled.equals(raw)
     assert row(rolled, 1)["hangup_completion_tokens"] == 13
 

@@ -19,7 +19,7 @@ import polars as pl
 import pytest
 import yaml
 
-from billing import bases
+from billing import allocation_runs, bases
 from billing.allocation import Allocation, Policy, run_all
 from billing.chargeback import policy_from_config
 from billing.ledger import Ledger
@@ -108,7 +108,7 @@ def _oracle(ledger: Ledger, policy: Policy, invoices: dict[str, int] | None = No
 
 
 def _hourly(ledger: Ledger, policy: Policy, invoices: dict[str, int] | None = None) -> Allocation:
-    listed, scaled = ledger.allocate_bases(policy, MONTH, invoices or {})
+    listed, scaled = allocation_runs.allocate_bases(ledger, policy, MONTH, invoices or {})
     return listed if scaled is None else scaled
 
 
@@ -139,9 +139,9 @@ def test_the_statement_from_hourly_rows_is_the_minute_statement_cent_for_cent(
     config, ledger = fleet
     policy = _policies(config)[rule]
     want = _oracle(ledger, policy)
-    ledger.mark_all_hours_dirty()
+    allocation_runs.mark_all_hours_dirty(ledger)
     _same_cents(_hourly(ledger, policy), want)  # every hour built on the fly
-    assert ledger.refresh_hours() > 24
+    assert allocation_runs.refresh_hours(ledger) > 24
     _same_cents(_hourly(ledger, policy), want)  # every hour read from cost_hours
 
 
@@ -151,7 +151,7 @@ def test_an_invoice_basis_from_hourly_rows_is_the_minute_one(fleet: tuple[Config
     policy = policy_from_config(config)
     listed = _hourly(ledger, policy)
     pools = {str(p): round(c * 1.07 * 100) for p, c in _pool_costs(listed).items()}
-    ledger.refresh_hours()
+    allocation_runs.refresh_hours(ledger)
     _same_cents(_hourly(ledger, policy, pools), _oracle(ledger, policy, pools))
 
 
@@ -182,7 +182,7 @@ def test_rows_of_another_heartbeat_are_never_read(config: Config) -> None:
     ledger.ingest(batch("gpu_samples", samples), now=NOW)
     work = [usage("search", OCT + HOUR + 60 * m, 50.0, instance="small-0-q") for m in range(58)]
     ledger.ingest(batch("usage", work), now=NOW)
-    ledger.refresh_hours()
+    allocation_runs.refresh_hours(ledger)
     ten_minutes = _hourly(ledger, policy)
     ledger.heartbeat_seconds = 60.0
     want = _oracle(ledger, policy)
@@ -191,7 +191,7 @@ def test_rows_of_another_heartbeat_are_never_read(config: Config) -> None:
         cents_lines(MONTH, merged(ten_minutes.lines))
     )  # nine minutes moved from the pod to unallocated
     _same_cents(_hourly(ledger, policy), want)
-    ledger.refresh_hours()
+    allocation_runs.refresh_hours(ledger)
     _same_cents(_hourly(ledger, policy), want)
     ledger.close()
 
@@ -232,16 +232,16 @@ def test_a_late_record_reopens_only_its_hour(config: Config, random_ledger: Ledg
     the statement that building every hour again gives."""
     ledger = random_ledger
     policy = policy_from_config(config)
-    ledger.refresh_hours()
+    allocation_runs.refresh_hours(ledger)
     assert _dirty(ledger) == []
     late = usage("search", OCT + 3 * HOUR + 600, 20.0, replica="small-0", instance="small-0-a")
     ledger.ingest(batch("usage", [late]), now=NOW)
     assert _dirty(ledger) == [int(OCT // HOUR) + 3]
     stale = _hourly(ledger, policy)  # the dirty hour built in the snapshot
-    assert ledger.refresh_hours() == 1
+    assert allocation_runs.refresh_hours(ledger) == 1
     incremental = _hourly(ledger, policy)
-    ledger.mark_all_hours_dirty()
-    ledger.refresh_hours()
+    allocation_runs.mark_all_hours_dirty(ledger)
+    allocation_runs.refresh_hours(ledger)
     _same_cents(incremental, _hourly(ledger, policy))
     _same_cents(stale, incremental)
     _same_cents(incremental, _oracle(ledger, policy))
@@ -250,7 +250,7 @@ def test_a_late_record_reopens_only_its_hour(config: Config, random_ledger: Ledg
 def test_gpu_samples_mark_the_hours_their_intervals_cover(random_ledger: Ledger) -> None:
     """A sample at 05:00:05 covering the 10 s before it marks hours 4 and 5."""
     ledger = random_ledger
-    ledger.refresh_hours()
+    allocation_runs.refresh_hours(ledger)
     sample = gpu_samples("small-0", OCT + 5 * HOUR - 5, 10.0, every=10.0)
     ledger.ingest(batch("gpu_samples", sample), now=NOW)
     first = int(OCT // HOUR)
@@ -276,7 +276,7 @@ def test_a_lifetime_that_moves_its_end_dirties_the_hours_between(config: Config)
         {**pod, "event_id": "z-beat", "event": "heartbeat", "timestamp": OCT + 2 * HOUR + 600},
     ]
     ledger.ingest(batch("instances", events), now=NOW)
-    ledger.refresh_hours()
+    allocation_runs.refresh_hours(ledger)
     stop = {**pod, "event_id": "z-stop", "event": "stop", "timestamp": OCT + 4 * HOUR + 1200}
     ledger.ingest(batch("instances", [stop]), now=NOW)
     first = int(OCT // HOUR)
@@ -288,11 +288,11 @@ def test_a_new_heartbeat_setting_rebuilds_every_hour(config: Config, random_ledg
     """Lifetimes end by the heartbeat, so a ledger opened with another one rebuilds all hours."""
     ledger = random_ledger
     policy = policy_from_config(config)
-    ledger.refresh_hours()
-    assert ledger.refresh_hours() == 0
+    allocation_runs.refresh_hours(ledger)
+    assert allocation_runs.refresh_hours(ledger) == 0
     ledger.heartbeat_seconds = ledger.heartbeat_seconds * 2
     before = _hourly(ledger, policy)  # the rows of the old heartbeat are not read
-    assert ledger.refresh_hours() >= 8
+    assert allocation_runs.refresh_hours(ledger) >= 8
     _same_cents(before, _hourly(ledger, policy))
 
 
@@ -309,7 +309,7 @@ def test_rows_follow_hours_and_keys_not_requests(config: Config) -> None:
         ]
         ledger.ingest(batch("usage", records), now=NOW)
         ledger.ingest(batch("gpu_samples", gpu_samples("small-0", OCT, 3 * HOUR)), now=NOW)
-        ledger.refresh_hours()
+        allocation_runs.refresh_hours(ledger)
         with ledger.reader() as cur:
             counts.append(
                 tuple(

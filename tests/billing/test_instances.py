@@ -12,6 +12,7 @@ import polars as pl
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from billing import allocation_runs, registry
 from billing.allocation import UNALLOCATED, Policy
 from billing.api import create_app
 from billing.frames import allocate
@@ -116,7 +117,7 @@ def by_team(lines: pl.DataFrame) -> dict[tuple[str, str], tuple[float, float]]:
 
 def test_each_instance_pays_and_idles_on_its_own(fleet):
     """Sixty in-flight seconds on one pod make that pod's minute busy, not its siblings'."""
-    lines, fleet_microcents = fleet.allocate(policy("platform"), MONTH)
+    lines, fleet_microcents = allocation_runs.allocate(fleet, policy("platform"), MONTH)
     # Keyed by replica, minute 2 (three GPUs, 60 in-flight seconds) would be all busy and
     # search would pay $0.30 for it; per instance it pays g-c's $0.10 and g-a and g-b idle.
     assert by_team(lines) == {
@@ -132,7 +133,7 @@ def test_each_instance_pays_and_idles_on_its_own(fleet):
 
 def test_spread_idle_follows_the_teams_that_used_that_instance(fleet):
     """With spread, g-b's idle goes to assistant (its only user), g-a's and g-c's to search."""
-    lines, _ = fleet.allocate(policy("spread"), MONTH)
+    lines, _ = allocation_runs.allocate(fleet, policy("spread"), MONTH)
     assert by_team(lines) == {
         ("search", "chat-small"): (0.20, 0.30),
         ("assistant", "chat-small"): (0.05, 0.25),
@@ -150,7 +151,7 @@ def test_teams_and_idle_add_up_to_the_fleet_cost_to_the_cent(fleet, rule):
             idle={"g": ("owner", "research")},
             replica_model=p.replica_model,
         )
-    lines, fleet_microcents = fleet.allocate(p, MONTH)
+    lines, fleet_microcents = allocation_runs.allocate(fleet, p, MONTH)
     rounded = cents_lines(MONTH, lines)
     assert int(rounded["total_cents"].sum()) == cents(fleet_microcents) == 90
 
@@ -159,7 +160,7 @@ def test_an_instance_with_no_lifetime_is_allocated_wherever_it_was_seen(ledger):
     """Without events (a fixed replica, or a pod that never announced itself) nothing is cut."""
     keep(ledger, "gpu_samples", gpu("g-x", T0, 120))
     keep(ledger, "usage", [usage("search", T0, 60, replica="g", instance="g-x")])
-    lines, _ = ledger.allocate(policy("platform"), MONTH)
+    lines, _ = allocation_runs.allocate(ledger, policy("platform"), MONTH)
     assert by_team(lines) == {
         ("search", "chat-small"): (0.10, 0.0),
         ("platform", "chat-small"): (0.0, 0.10),
@@ -171,7 +172,7 @@ def test_time_before_an_instances_first_announcement_stays_its_own(ledger):
     keep(ledger, "gpu_samples", gpu("g-x", T0, 180))
     keep(ledger, "usage", [usage("search", T0, 60, replica="g", instance="g-x")])
     keep(ledger, "instances", lifetime("g-x", T0 + 120, T0 + 170, stop=True))
-    lines, _ = ledger.allocate(policy("platform"), MONTH)
+    lines, _ = allocation_runs.allocate(ledger, policy("platform"), MONTH)
     assert by_team(lines) == {
         ("search", "chat-small"): (0.10, 0.0),
         ("platform", "chat-small"): (0.0, 0.20),
@@ -180,7 +181,7 @@ def test_time_before_an_instances_first_announcement_stays_its_own(ledger):
 
 def test_lifetimes_from_start_heartbeat_and_stop_and_from_heartbeats_alone(fleet):
     """A stopped instance ends at its stop; one that went silent is closed at its last heartbeat."""
-    rows = {r["instance"]: r for r in fleet.lifetimes(now=T0 + 1000)}
+    rows = {r["instance"]: r for r in registry.lifetimes(fleet, now=T0 + 1000)}
     assert {
         k: (r["started_at"], r["last_seen"], r["stopped_at"], r["state"]) for k, r in rows.items()
     } == {
@@ -198,12 +199,12 @@ def test_lifetimes_from_start_heartbeat_and_stop_and_from_heartbeats_alone(fleet
 def test_an_instance_is_live_until_it_misses_three_heartbeats(fleet):
     """g-c, last heard at T0+150: live until three 30 s heartbeats and the 10 s a heartbeat may
     take to reach billing have passed (T0+250), lost after."""
-    live = [r["instance"] for r in fleet.lifetimes(now=T0 + 245, state="live")]
-    lost = [r["instance"] for r in fleet.lifetimes(now=T0 + 255, state="live")]
+    live = [r["instance"] for r in registry.lifetimes(fleet, now=T0 + 245, state="live")]
+    lost = [r["instance"] for r in registry.lifetimes(fleet, now=T0 + 255, state="live")]
     assert (live, lost) == (["g-c"], [])
-    assert [r["state"] for r in fleet.lifetimes(now=T0 + 255, replica="g")] == ["stopped"] * 2 + [
-        "lost"
-    ]
+    assert [r["state"] for r in registry.lifetimes(fleet, now=T0 + 255, replica="g")] == [
+        "stopped"
+    ] * 2 + ["lost"]
 
 
 def test_a_pod_name_that_comes_back_is_a_new_lifetime(ledger):
@@ -216,7 +217,7 @@ def test_a_pod_name_that_comes_back_is_a_new_lifetime(ledger):
             *lifetime("g-0", T0 + 200, T0 + 300, stop=True),
         ],
     )
-    rows = ledger.lifetimes(now=T0 + 1000)
+    rows = registry.lifetimes(ledger, now=T0 + 1000)
     assert [(r["started_at"], r["stopped_at"]) for r in rows] == [
         (T0, T0 + 100),
         (T0 + 200, T0 + 300),
@@ -262,7 +263,7 @@ def test_an_old_ledger_upgrades_and_keeps_its_statement(tmp_path):
     )
     ledger = Ledger.open(path, ["search", "assistant"], {})
     try:
-        lines, fleet_microcents = ledger.allocate(example, MONTH)
+        lines, fleet_microcents = allocation_runs.allocate(ledger, example, MONTH)
         with ledger.reader() as cur:
             instances = cur.execute("SELECT DISTINCT replica, instance FROM gpu_slots").fetchall()
     finally:
@@ -495,10 +496,10 @@ def test_a_billing_restart_does_not_read_the_fleet_as_lost(tmp_path, config):
     # Billing was down from now-70 to now: the heartbeat it last heard is 70 s old.
     second = Ledger.open(path, teams, {})
     try:
-        assert [r["instance"] for r in second.lifetimes(now, state="live")] == ["g-a"]
-        assert second.live_instances(now) == [("g", "chat-small", 1)]
+        assert [r["instance"] for r in registry.lifetimes(second, now, state="live")] == ["g-a"]
+        assert registry.live_instances(second, now) == [("g", "chat-small", 1)]
         # Once billing has been up a whole window (3 x 30 s + 10 s), g-a's silence counts.
         window = 3 * 30 + 10
-        assert second.lifetimes(second.restart.at + window + 1, state="live") == []
+        assert registry.lifetimes(second, second.restart.at + window + 1, state="live") == []
     finally:
         second.close()

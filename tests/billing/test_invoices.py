@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from billing import closing, invoice_store
 from billing.invoices import Invoice, InvoiceError, PoolMonth, parse_invoice, split_by_month
 from billing.ledger import Ledger
 from infermeter.config import DEFAULT_CONFIG, Config, NodePool, load_config
@@ -397,14 +398,18 @@ def test_importing_the_same_file_again_changes_nothing(
     ledger: Ledger, pools: list[NodePool]
 ) -> None:
     """The second import writes no row and keeps the first import's time."""
-    first = ledger.import_invoice(_invoice(pools), now=100.0)
-    again = ledger.import_invoice(_invoice(pools), now=200.0)
+    first = invoice_store.import_invoice(ledger, _invoice(pools), now=100.0)
+    again = invoice_store.import_invoice(ledger, _invoice(pools), now=200.0)
     assert len(first.changed) == 4
     assert (again.changed, again.dirty_months) == ((), ())
-    assert ledger.invoices("2026-10") == {"h100-reserved": 115000, "l40s-any": 400, "l40s-spot": 7}
-    assert ledger.invoices("2026-11") == {"l40s-spot": 253}
-    assert ledger.invoices("2026-12") == {}
-    assert {r["imported_at"] for r in ledger.invoice_rows()} == {100.0}
+    assert invoice_store.invoices(ledger, "2026-10") == {
+        "h100-reserved": 115000,
+        "l40s-any": 400,
+        "l40s-spot": 7,
+    }
+    assert invoice_store.invoices(ledger, "2026-11") == {"l40s-spot": 253}
+    assert invoice_store.invoices(ledger, "2026-12") == {}
+    assert {r["imported_at"] for r in invoice_store.invoice_rows(ledger)} == {100.0}
 
 
 def test_a_reissued_invoice_replaces_its_pools_and_marks_a_closed_month_dirty(
@@ -412,8 +417,8 @@ def test_a_reissued_invoice_replaces_its_pools_and_marks_a_closed_month_dirty(
 ) -> None:
     """A newer file for October replaces the pools it covers, keeps the others, and October,
     already closed, has late changes; November, open, is not marked."""
-    ledger.import_invoice(_invoice(pools), now=100.0)
-    ledger.freeze("2026-10", ledger.issued_lines(), [], now=150.0)
+    invoice_store.import_invoice(ledger, _invoice(pools), now=100.0)
+    closing.freeze(ledger, "2026-10", ledger.issued_lines(), [], now=150.0)
     assert ledger.month_state("2026-10") == (True, False)
     # Re-issued: the egress row billed to h100 (its ResourceId), l40s items left out.
     reissued = b"\n".join(
@@ -422,13 +427,19 @@ def test_a_reissued_invoice_replaces_its_pools_and_marks_a_closed_month_dirty(
         b"2026-10-02T00:00:00Z,Usage,,Egress,0.66,0.66,Cloud,Cloud,Cloud,,",
         b"2026-10-02T00:00:00Z,Usage,,Egress,0.66,0.66,Cloud,Cloud,Cloud,i-0h100a,",
     )
-    stored = ledger.import_invoice(_invoice(pools, reissued, "oct-v2.csv"), now=300.0)
+    stored = invoice_store.import_invoice(
+        ledger, _invoice(pools, reissued, "oct-v2.csv"), now=300.0
+    )
     # 1149.995 + 0.66 = 1150.655 USD: 115065.5 cents, half to even 115066.
-    assert ledger.invoices("2026-10") == {"h100-reserved": 115066, "l40s-any": 400, "l40s-spot": 7}
+    assert invoice_store.invoices(ledger, "2026-10") == {
+        "h100-reserved": 115066,
+        "l40s-any": 400,
+        "l40s-spot": 7,
+    }
     assert stored.changed == (("2026-10", "h100-reserved"),)
     assert stored.dirty_months == ("2026-10",)
     assert ledger.month_state("2026-10") == (True, True)
-    assert [(i["source"], i["months"]) for i in ledger.invoice_imports()] == [
+    assert [(i["source"], i["months"]) for i in invoice_store.invoice_imports(ledger)] == [
         ("oct-v2.csv", ["2026-10"]),
         ("oct.csv", ["2026-10", "2026-11"]),
     ]
@@ -438,9 +449,9 @@ def test_a_closed_month_the_same_file_leaves_alone_stays_clean(
     ledger: Ledger, pools: list[NodePool]
 ) -> None:
     """Importing a file already kept after closing its month does not mark the month."""
-    ledger.import_invoice(_invoice(pools), now=100.0)
-    ledger.freeze("2026-10", ledger.issued_lines(), [], now=150.0)
-    ledger.import_invoice(_invoice(pools), now=200.0)
+    invoice_store.import_invoice(ledger, _invoice(pools), now=100.0)
+    closing.freeze(ledger, "2026-10", ledger.issued_lines(), [], now=150.0)
+    invoice_store.import_invoice(ledger, _invoice(pools), now=200.0)
     assert ledger.month_state("2026-10") == (True, False)
 
 
@@ -535,7 +546,7 @@ def test_a_malformed_upload_is_a_400_naming_the_row_and_keeps_nothing(service: S
     assert answer.json()["error"]["message"] == (
         "bad.csv: row 4, column BilledCost: 'lots' is not a decimal number"
     )
-    assert all(r["source"] != "bad.csv" for r in ledger.invoice_rows())
+    assert all(r["source"] != "bad.csv" for r in invoice_store.invoice_rows(ledger))
 
 
 def test_the_command_imports_through_the_service_and_into_a_file(

@@ -12,6 +12,7 @@ import duckdb
 import polars as pl
 import pytest
 
+from billing import allocation_runs, registry
 from billing.allocation import UNALLOCATED, Policy
 from billing.ledger import Ledger
 from billing.lifetimes import HEARTBEAT_RETENTION_SECONDS, ended_sql
@@ -138,7 +139,7 @@ def test_a_day_of_heartbeats_is_one_row_per_lifetime_and_a_week_later_only_start
     ]
     assert [
         (r["instance"], r["started_at"], r["last_seen"], r["stopped_at"], r["state"])
-        for r in ledger.lifetimes(now=later)
+        for r in registry.lifetimes(ledger, now=later)
     ] == [
         ("g-a", T0, T0 + DAY, T0 + DAY, "stopped"),
         ("g-b", later - 30, later, None, "live"),
@@ -278,10 +279,12 @@ def test_the_registry_answers_what_the_raw_events_said(ledger, seed):
             r["last_seen"],
             r["stopped_at"],
         )
-        for r in ledger.lifetimes(now=now)
+        for r in registry.lifetimes(ledger, now=now)
     ]
     assert sorted(answer) == rows(ledger, _BEFORE)
-    live = {(r["instance"], r["started_at"]) for r in ledger.lifetimes(now=now, state="live")}
+    live = {
+        (r["instance"], r["started_at"]) for r in registry.lifetimes(ledger, now=now, state="live")
+    }
     assert live == {
         (i, s) for i, s, *_, last, stop in rows(ledger, _BEFORE) if stop is None and last > now - 90
     }
@@ -362,7 +365,7 @@ def test_allocation_gives_a_killed_pod_the_minute_it_still_held_its_gpu(ledger):
         idle={"g": ("platform", None)},
         replica_model={"g": "chat-small"},
     )
-    lines, _ = ledger.allocate(policy, "2026-10")
+    lines, _ = allocation_runs.allocate(ledger, policy, "2026-10")
     idle = {m: uc / 10**8 for m, uc in lines.select("model", "idle_microcents").iter_rows()}
     # $0.10 a GPU-minute. The pod ended at 2:10 (the cap, 1:50 + 30 s, is not reached): minutes
     # 0, 1 and 2 are its idle; before, it ended at 1:50 and minute 2 was unallocated.
@@ -414,7 +417,7 @@ def test_an_old_ledgers_raw_heartbeats_become_lifetimes(tmp_path):
     old_ledger(path)
     ledger = Ledger.open(path, TEAMS, {})
     try:
-        lives = ledger.lifetimes(now=T0 + DAY)
+        lives = registry.lifetimes(ledger, now=T0 + DAY)
         assert [
             (
                 r["instance"],

@@ -13,6 +13,7 @@ import polars as pl
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from billing import invoice_store
 from billing.allocation import (
     Allocation,
     Policy,
@@ -551,7 +552,9 @@ def lab_config(config: Any) -> Any:
 def _import(ledger: Any, cfg: Any, data: bytes, now: float) -> None:
     from billing.invoices import parse_invoice
 
-    ledger.import_invoice(parse_invoice(data, "invoice.csv", cfg.prices.pools, "csv"), now=now)
+    invoice_store.import_invoice(
+        ledger, parse_invoice(data, "invoice.csv", cfg.prices.pools, "csv"), now=now
+    )
 
 
 def test_the_statement_reconciles_to_the_invoice_and_keeps_the_usage_basis(

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
+from billing import allocation_runs, reconciled
 from billing.allocation import allocation_sql, run
 from billing.api import create_app
 from billing.chargeback import Chargeback
@@ -133,7 +134,7 @@ def lossy(ledger: Ledger) -> Ledger:
 
 def test_withheld_records_show_exactly_as_the_difference(lossy: Ledger) -> None:
     """Four records withheld while the counters moved: hour 1 differs by exactly their tokens."""
-    frame = lossy.reconciliation(OCT, OCT + 3 * HOUR)
+    frame = reconciled.reconciled(lossy, OCT, OCT + 3 * HOUR)
     one = row(frame, 1)
     assert (one["instance"], one["replica"], one["model"]) == ("small-0", "small-0", "chat-small")
     assert (one["engine_prompt_tokens"], one["engine_completion_tokens"]) == (2000, 1000)
@@ -154,7 +155,7 @@ def test_withheld_records_show_exactly_as_the_difference(lossy: Ledger) -> None:
 def test_the_unattributed_line_costs_the_induced_difference(lossy: Ledger, config: Config) -> None:
     """The platform's unattributed line carries the 600 tokens at hour 1's cost per weighted token."""
     chargeback = Chargeback(lossy, config)
-    lines, fleet = lossy.allocate(chargeback.policy, "2026-10")
+    lines, fleet = allocation_runs.allocate(lossy, chargeback.policy, "2026-10")
     line = lines.filter(pl.col("model") == unattributed_model("chat-small")).to_dicts()
     assert len(line) == 1
     got = line[0]
@@ -200,11 +201,11 @@ def test_teams_pay_their_measured_share_and_idle_pays_for_the_loss(
     kept = hour1[4:]
     fill(ledger, kept, [])
     policy = Chargeback(ledger, config).policy
-    before, fleet_before = ledger.allocate(policy, "2026-10")
+    before, fleet_before = allocation_runs.allocate(ledger, policy, "2026-10")
     ledger.ingest(
         batch("engine_samples", engine_samples(hour1, OCT, OCT + 3 * HOUR)), now=OCT + 40 * 86400
     )
-    after, fleet_after = ledger.allocate(policy, "2026-10")
+    after, fleet_after = allocation_runs.allocate(ledger, policy, "2026-10")
     search_before = before.filter(pl.col("team") == "search").to_dicts()[0]
     search_after = after.filter(pl.col("team") == "search").to_dicts()[0]
     assert fleet_after == fleet_before
@@ -237,7 +238,7 @@ def test_more_in_the_ledger_than_the_engine_is_reported_not_billed(
     """A negative difference shows in the reconciliation and puts no line on the statement."""
     hour1 = requests(6, 1)
     fill(ledger, hour1, engine_samples(hour1[:4], OCT, OCT + 3 * HOUR))
-    one = row(ledger.reconciliation(OCT, OCT + 3 * HOUR), 1)
+    one = row(reconciled.reconciled(ledger, OCT, OCT + 3 * HOUR), 1)
     assert (one["difference_tokens"], one["unattributed_tokens"]) == (-300, 0)
     assert one["share"] == pytest.approx(-0.5)
     models = Chargeback(ledger, config).statement("2026-10").lines["model"].to_list()
@@ -251,7 +252,7 @@ def test_a_counter_reset_counts_from_the_new_value(ledger: Ledger) -> None:
     engine = engine_samples(hour1, OCT, OCT + 3 * HOUR, restart_at=restart)
     assert engine[80]["prompt_tokens_total"] < engine[78]["prompt_tokens_total"]
     fill(ledger, hour1, engine)
-    one = row(ledger.reconciliation(OCT, OCT + 3 * HOUR), 1)
+    one = row(reconciled.reconciled(ledger, OCT, OCT + 3 * HOUR), 1)
     assert (one["engine_tokens"], one["ledger_tokens"]) == (3000, 3000)
 
 
@@ -260,7 +261,7 @@ def test_a_request_across_the_hour_counts_on_both_sides(ledger: Ledger) -> None:
     # Hour 0's window ends at its last sample (00:59:00); this request runs from 00:58:50 to 00:59:10.
     across = [usage("search", OCT + 3530 - 0.1, 20.1, completion_tokens=100)]
     fill(ledger, across, engine_samples(across, OCT, OCT + 3 * HOUR))
-    frame = ledger.reconciliation(OCT, OCT + 3 * HOUR)
+    frame = reconciled.reconciled(ledger, OCT, OCT + 3 * HOUR)
     zero, one = row(frame, 0), row(frame, 1)
     assert (zero["ledger_prompt_tokens"], zero["ledger_completion_tokens"]) == (100, 50)
     assert (one["ledger_prompt_tokens"], one["ledger_completion_tokens"]) == (0, 50)
@@ -273,7 +274,7 @@ def test_instances_of_a_group_reconcile_each_on_its_own(ledger: Ledger) -> None:
     engine = engine_samples(a, OCT, OCT + 2 * HOUR, instance="small-0-a")
     engine += engine_samples(b, OCT, OCT + 2 * HOUR, instance="small-0-b")
     fill(ledger, a + b[1:], engine, hours=2)
-    frame = ledger.reconciliation(OCT + HOUR, OCT + 2 * HOUR)
+    frame = reconciled.reconciled(ledger, OCT + HOUR, OCT + 2 * HOUR)
     assert frame.select("instance", "replica", "difference_tokens").rows() == [
         ("small-0-a", "small-0", 0),
         ("small-0-b", "small-0", 150),
@@ -285,7 +286,7 @@ def test_a_prompt_of_several_choices_counts_once_per_choice(ledger: Ledger, conf
     and the team's line keeps the prompt tokens its usage objects said."""
     hour1 = requests(10, 1, choices=2)
     fill(ledger, hour1, engine_samples(hour1, OCT, OCT + 3 * HOUR))
-    one = row(ledger.reconciliation(OCT, OCT + 3 * HOUR), 1)
+    one = row(reconciled.reconciled(ledger, OCT, OCT + 3 * HOUR), 1)
     assert (one["engine_prompt_tokens"], one["ledger_prompt_tokens"]) == (2000, 2000)
     assert (one["difference_tokens"], one["unattributed_tokens"]) == (0, 0)
     lines = Chargeback(ledger, config).statement("2026-10").lines
@@ -301,7 +302,7 @@ def test_a_record_from_an_older_sidecar_counts_its_prompt_once(ledger: Ledger) -
     for r in hour1:
         del r["choices"]
     fill(ledger, hour1, engine_samples(hour1, OCT, OCT + 3 * HOUR))
-    one = row(ledger.reconciliation(OCT, OCT + 3 * HOUR), 1)
+    one = row(reconciled.reconciled(ledger, OCT, OCT + 3 * HOUR), 1)
     assert (one["engine_prompt_tokens"], one["ledger_prompt_tokens"]) == (400, 400)
 
 

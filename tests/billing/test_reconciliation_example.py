@@ -7,6 +7,7 @@ from typing import Any
 import polars as pl
 import pytest
 
+from billing import reconciled
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
 from billing.reconciliation import unattributed_model
@@ -50,7 +51,7 @@ def worked(ledger: Ledger) -> Ledger:
 
 def test_the_hours_row(worked: Ledger) -> None:
     """Engine 578 against ledger 420: 8 hang-up tokens, 150 unattributed, 3 requests unreconciled."""
-    one = row(worked.reconciliation(OCT, OCT + 3 * HOUR), 1)
+    one = row(reconciled.reconciled(worked, OCT, OCT + 3 * HOUR), 1)
     got = {
         k: one[k]
         for k in (

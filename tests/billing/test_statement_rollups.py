@@ -11,7 +11,7 @@ import duckdb
 import polars as pl
 import pytest
 
-from billing import ingest_sql, queries
+from billing import ingest_sql, queries, reconciled
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
 from billing.reconciliation import hour_runs, reconcile, reconciliation_sql
@@ -128,7 +128,7 @@ def test_rollups_reconcile_exactly_as_the_raw_records(ledger: Ledger, seed: int)
         keep(ledger, "engine_samples", random_samples(rng, hours, instance), rng)
     first = int(OCT // HOUR)
     for lo, hi in ((first, first + hours), (first + 2, first + 4), (first + 5, first + 6)):
-        got = ledger.reconciliation(lo * HOUR, hi * HOUR)
+        got = reconciled.reconciled(ledger, lo * HOUR, hi * HOUR)
         assert got.equals(raw_reconciliation(ledger, lo, hi)), (lo, hi)
 
 
@@ -179,7 +179,7 @@ def test_reconciliation_reads_raw_records_only_of_hours_read_early(ledger: Ledge
         reconcile(cur, first, first + 4)
         unsummed = cur.execute("SELECT instance, hour FROM _unsummed").fetchall()
     assert unsummed == [("small-0", first)]
-    assert ledger.reconciliation(OCT, OCT + 4 * HOUR).equals(
+    assert reconciled.reconciled(ledger, OCT, OCT + 4 * HOUR).equals(
         raw_reconciliation(ledger, first, first + 4)
     )
 

@@ -8,6 +8,7 @@ import polars as pl
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
+from billing import reconciled
 from billing.api import create_app
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
@@ -40,7 +41,7 @@ def test_requests_before_the_first_reading_are_unreconciled(ledger: Ledger) -> N
     """The 80 requests served before the collector first read the engine: their count and tokens."""
     records = early_and_late()
     fill(ledger, records, read_from(records, FIRST_READ))
-    one = row(ledger.reconciliation(OCT, OCT + 3 * HOUR), 1)
+    one = row(reconciled.reconciled(ledger, OCT, OCT + 3 * HOUR), 1)
     assert one["unreconciled_requests"] == 80
     assert (one["unreconciled_prompt_tokens"], one["unreconciled_completion_tokens"]) == (
         8000,
@@ -55,7 +56,7 @@ def test_a_request_across_the_first_reading_is_unreconciled_up_to_it(ledger: Led
     """A stream across the first reading: its prompt and its completion before it are unreconciled."""
     across = usage("search", FIRST_READ - 6.0, 11.0, first_token_at=FIRST_READ - 5.0)  # 5 s of 10
     fill(ledger, [across], read_from([across], FIRST_READ))
-    one = row(ledger.reconciliation(OCT, OCT + 3 * HOUR), 1)
+    one = row(reconciled.reconciled(ledger, OCT, OCT + 3 * HOUR), 1)
     assert (one["unreconciled_requests"], one["unreconciled_prompt_tokens"]) == (1, 100)
     assert one["unreconciled_completion_tokens"] == 25
     assert (one["ledger_completion_tokens"], one["difference_tokens"]) == (25, 0)
@@ -68,7 +69,7 @@ def test_an_instance_never_read_is_unreconciled_whole(ledger: Ledger) -> None:
         usage("search", OCT + HOUR + 60.0 * i + 5, 10.0, instance="small-0-b") for i in range(3)
     ]
     fill(ledger, read + unread, engine_samples(read, OCT, OCT + 3 * HOUR, instance="small-0-a"))
-    frame = ledger.reconciliation(OCT + HOUR, OCT + 2 * HOUR)
+    frame = reconciled.reconciled(ledger, OCT + HOUR, OCT + 2 * HOUR)
     assert frame.select(
         "instance",
         "replica",
@@ -91,7 +92,7 @@ def test_records_after_an_instance_stopped_being_read_are_unreconciled(ledger: L
     engine = engine_samples(a, OCT, OCT + 3 * HOUR, instance="small-0-a")
     engine += engine_samples(b, OCT, stop, instance="small-0-b")
     fill(ledger, a + b, engine)
-    frame = ledger.reconciliation(OCT + HOUR, OCT + 2 * HOUR).filter(
+    frame = reconciled.reconciled(ledger, OCT + HOUR, OCT + 2 * HOUR).filter(
         pl.col("instance") == "small-0-b"
     )
     after = [r for r in b if r["first_token_at"] > stop]
@@ -105,7 +106,7 @@ def test_records_after_the_last_reading_wait_while_the_fleet_is_not_read(ledger:
     records = [usage("search", OCT + HOUR + 60.0 * i + 5, 10.0) for i in range(30)]
     last = OCT + HOUR + 1500.0
     fill(ledger, records, engine_samples(records, OCT, last))
-    one = row(ledger.reconciliation(OCT, OCT + 3 * HOUR), 1)
+    one = row(reconciled.reconciled(ledger, OCT, OCT + 3 * HOUR), 1)
     waiting = [r for r in records if r["first_token_at"] > last]
     assert waiting
     assert (one["unreconciled_requests"], one["ledger_tokens"]) == (0, 150 * (30 - len(waiting)))
@@ -116,7 +117,7 @@ def test_records_after_the_hour_read_in_the_next_are_not_unreconciled(ledger: Le
     """Hour 1 asked alone: requests after its last reading are reconciled in hour 2, not missed."""
     records = [usage("search", OCT + HOUR + 60.0 * i + 30, 10.0) for i in range(60)]
     fill(ledger, records, engine_samples(records, OCT, OCT + 3 * HOUR))
-    one = row(ledger.reconciliation(OCT + HOUR, OCT + 2 * HOUR), 1)
+    one = row(reconciled.reconciled(ledger, OCT + HOUR, OCT + 2 * HOUR), 1)
     assert one["unreconciled_requests"] == 0
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import polars as pl
 import pytest
 
+from billing import reconciled
 from billing.chargeback import Chargeback
 from billing.efficiency.figures import fleet_of, instance_hourly_sql
 from billing.serve import open_ledger
@@ -270,7 +271,7 @@ def test_every_engine_token_is_on_a_team_line_or_an_unattributed_line(
     usage = ledger_rows["usage"].filter(pl.col("status").is_in(billable))
     ledger = open_ledger(run.config)
     try:
-        report = ledger.reconciliation(run.started - 3600, run.ended + 3600)
+        report = reconciled.reconciled(ledger, run.started - 3600, run.ended + 3600)
     finally:
         ledger.close()
     for model in ("chat-large", "chat-small"):

@@ -40,6 +40,7 @@ import yaml
 
 from alerts.autoscale.local import LocalScaleHook
 from alerts.autoscale.policy import Decision
+from billing import allocation_runs
 from billing.chargeback import Chargeback, policy_from_config
 from billing.serve import open_ledger
 from infermeter.config import DEFAULT_CONFIG, Config, load_config
@@ -400,7 +401,7 @@ def test_idle_is_charged_per_instance_by_the_group_policy(run: Run) -> None:
     ledger = open_ledger(run.config)
     try:
         policy = policy_from_config(run.config)
-        parts = pl.concat([ledger.by_instance(policy, m) for m in run.months])
+        parts = pl.concat([allocation_runs.by_instance(ledger, policy, m) for m in run.months])
     finally:
         ledger.close()
     idle = parts.filter(pl.col("idle_microcents") > 0)

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from billing import reconciled
 from billing.ledger import Ledger
 from collectors.vllm import engine_reading
 from infermeter.config import DEFAULT_CONFIG, load_config
@@ -74,7 +75,7 @@ async def test_records_of_several_choices_reconcile_with_the_engine(stack):
         for kind, rows in (("usage", records), ("engine_samples", [before, after])):
             result = ledger.ingest(batch(kind, rows), now=t1 + 1)
             assert result.rejected == [], result.rejected
-        frame = ledger.reconciliation(t0, t1)
+        frame = reconciled.reconciled(ledger, t0, t1)
     finally:
         ledger.close()
     assert frame["engine_prompt_tokens"].sum() == engine_prompt
