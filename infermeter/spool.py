@@ -5,13 +5,15 @@ Two ways in, one file:
 - ``append``: the record is durable when it returns: written and fsync'ed. Appends that arrive
   while an fsync is in progress share the next one (group commit), so a thousand concurrent
   requests cost a few fsyncs, not a thousand.
+- ``append_many``: ``append`` for a batch: their lines go to the file with one ``write(2)``,
+  and the batch waits for one fsync, shared like an ``append``'s. The sidecar writes the records
+  of the requests that ended in one tick this way (``sidecar.accounting``).
 - ``write``: the record is written when it returns, into the kernel's page cache, where a
   process killed at any instruction after it leaves it (``kill -9``, the OOM killer); it is
   fsync'ed with the others written in the same ``sync_seconds`` (one fsync per tick, however many
   records), and then its ``durable`` callback runs. A crash of the whole machine may lose the
-  records of the last tick. The sidecar writes a request's usage record this way before the
-  client sees the end of its response: nothing waits on the disk per request, and the admission
-  journal keeps each request that has no durable record yet (``sidecar.journal``).
+  records of the last tick. The sidecar writes the record of a request the admission journal
+  does not keep this way (``sidecar.accounting``).
 
 The ``write(2)`` of a record runs on the caller's thread, the event loop: a write into the page
 cache takes microseconds, where handing it to a thread and back cost tens of microseconds and two
@@ -26,8 +28,8 @@ append is never held back, and no ``append`` returns before its fsync.
 Layout: ``<dir>/seg-<n>.jsonl`` segment files, one JSON record per line. The newest segment is
 open for writes; older ones are closed and handed to the shipper, which deletes a segment only
 once billing has acknowledged every record in it. A process that dies mid-write can leave a torn
-last line: it is reported by ``read_segment`` and skipped (its request never saw its end, since
-the record is written before the response ends).
+last line: it is reported by ``read_segment`` and skipped (its request is still in the admission
+journal, which is finished only once the record is fsync'ed).
 
 Seals: with a ``sealer`` (``infermeter.writers.Sealer``), each line carries the writer's seal as its
 last key, one HMAC per record computed as it is written, so a line changed or written on disk by
@@ -54,7 +56,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -190,6 +192,9 @@ class Spool:
         self._task: asyncio.Task[None] | None = None
         self._disk = DiskThread(f"spool {directory.name}")
         self.backlog = 0
+        # ``write(2)`` batches begun and fsync rounds begun since the spool was made (tests, benches).
+        self.write_calls = 0
+        self.sync_calls = 0
 
     def open(self) -> None:
         """Create the directory, adopt segments left by an earlier run, start the syncer."""
@@ -234,10 +239,30 @@ class Spool:
         _wake(self._ticking)
         await future
 
+    async def append_many(self, records: Sequence[dict[str, Any]]) -> None:
+        """Return once all of ``records`` are on disk: written with one ``write(2)``, then one
+        fsync (shared with whatever else waits for it). SpoolError if they cannot be; then some
+        of them may be in the file already (billing keeps one record per id)."""
+        if not records:
+            return
+        self._put_lines([self._line(r) for r in records])
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(future)
+        self._urgent = True
+        _wake(self._idle)
+        _wake(self._ticking)
+        await future
+
     def write(self, record: dict[str, Any], durable: Callable[[], None] | None = None) -> None:
         """Write ``record`` now: a process killed after this call keeps it. ``durable()`` runs
         once it is fsync'ed too, within ``sync_seconds``. SpoolError if it cannot be written."""
-        self._put(record)
+        self.write_many([record], durable)
+
+    def write_many(
+        self, records: Sequence[dict[str, Any]], durable: Callable[[], None] | None = None
+    ) -> None:
+        """``write`` for a batch, with one ``write(2)``."""
+        self._put_lines([self._line(r) for r in records])
         if durable is not None:
             self._callbacks.append(durable)
         _wake(self._idle)
@@ -248,12 +273,20 @@ class Spool:
 
     def _put(self, record: dict[str, Any]) -> None:
         """Write one record's line to the open segment (one ``write(2)``, on this thread)."""
-        assert self._task is not None, "Spool.open() first"
+        self._put_lines([self._line(record)])
+
+    def _line(self, record: dict[str, Any]) -> bytes:
         line = orjson.dumps(record)
         if self.sealer is not None:
             line = self.sealer(line)
-        line += b"\n"
-        if self.max_bytes is not None and self.size_bytes + len(line) > self.max_bytes:
+        return line + b"\n"
+
+    def _put_lines(self, lines: list[bytes]) -> None:
+        """Write ``lines`` to the open segment at once (one ``write(2)``, on this thread); a
+        batch is not split between segments."""
+        assert self._task is not None, "Spool.open() first"
+        data = lines[0] if len(lines) == 1 else b"".join(lines)
+        if self.max_bytes is not None and self.size_bytes + len(data) > self.max_bytes:
             raise SpoolError(
                 f"usage spool in {self.directory} is full ({self.size_bytes} of {self.max_bytes} bytes)"
             )
@@ -261,7 +294,8 @@ class Spool:
             if self._fh is None:
                 self._start_segment()
             assert self._fh is not None
-            _write_all(self._fh, line)
+            self.write_calls += 1
+            _write_all(self._fh, data)
         except OSError as exc:
             error = SpoolError(
                 f"cannot write usage spool in {self.directory}: {exc.strerror or exc}"
@@ -270,10 +304,10 @@ class Spool:
             self._abandon_current()
             raise error from None
         self._dirty = True
-        self.size_bytes += len(line)
-        self._current_records += 1
-        self._current_bytes += len(line)
-        self.backlog += 1
+        self.size_bytes += len(data)
+        self._current_records += len(lines)
+        self._current_bytes += len(data)
+        self.backlog += len(lines)
         if self._current_records >= self.roll_records:
             self._roll()
 
@@ -319,6 +353,7 @@ class Spool:
             files = retired if self._fh is None else [*retired, self._fh]
             try:
                 if files:
+                    self.sync_calls += 1
                     await self._disk.run(functools.partial(self._sync_files, files))
             except OSError as exc:
                 error = SpoolError(
