@@ -16,9 +16,10 @@ Two kinds of file in ``<spool dir>/journal/``, both named ``journal-<ns>``:
 
 A torn last line (the process died mid-write) is skipped.
 
-``journal-<ns>.slots``, one per process: what each running request has relayed so far, in
-fixed-size slots of ``SLOT_BYTES`` (native byte order and sizes: the file never leaves its node).
-Slot 0 is the header; a request holds one of the others from its admission to its end:
+``journal-<ns>.slots``, one per process: what each running request has relayed so far, and how
+it ended once it has, in fixed-size slots of ``SLOT_BYTES`` (native byte order and sizes: the file
+never leaves its node). Slot 0 is the header; a request holds one of the others from its admission
+until its own record is durable in the spool:
 
 =======  =====  ===============================================================================
 offset   type   field
@@ -36,10 +37,20 @@ offset   type   field
 160      48 B   usage area 0: 47 bytes of a vLLM usage object from its first key on, as vLLM
                 wrote them (zeros after a short one), then the area's sequence number (u8)
 208      48 B   usage area 1, alike
+256      u8     length of the ending's status (0: the request has not ended)
+257      u8     1 when the ending's counts are exact (``usage_exact``)
+258      u16    the ending's HTTP status
+260      u8     length of the ending's finish reason (0: none)
+264      f64    the end, on the writer's ``perf_counter``
+272      16 B   the ending's status (``RequestStatus``, ASCII)
+288      224 B  the ending's finish reason (ASCII, cut to 224 bytes)
 =======  =====  ===============================================================================
 
 The header: ``SLOTS_MAGIC`` at 0, then at 8 an f64, the epoch time of the writer's last
 tick (it was alive then).
+
+Files whose magic is ``SLOTS_MAGIC_V1`` (written before endings were kept) have 256-byte slots
+and no ending; they are still read.
 
 A usage area holds the start of vLLM's ``"usage":{...}`` object, copied, never parsed by the
 writer: with vLLM's key order (``prompt_tokens``, ``total_tokens``, ``completion_tokens``) it
@@ -50,7 +61,12 @@ number one above the other's (modulo 256), the number last; the latest usage is 
 whose number is one above the other's. A process killed mid-write leaves that area's old number,
 so the other, whole, usage is the one read, never a torn one.
 
-Each request admitted without an end becomes its ``interrupted`` record: the counts of its slot
+A request whose slot holds an ending had ended, its client had its whole answer, and its record
+was waiting for the tick that writes the records of the requests that ended in it
+(``sidecar.accounting``): it becomes that record again (``ended_record``: the ending, the final
+counts and the response id of the slot, the rest from its admission line), the record the
+sidecar would have written. Every other request admitted without an end becomes its
+``interrupted`` record: the counts of its slot
 (or of its last mark, in an earlier version's file), ending when the journal was last written or
 ticked (the process was alive then). A request whose real record is still in the spool keeps
 that record instead; billing keeps the first record of a request id, and the real one is always
@@ -79,15 +95,18 @@ __all__ = [
     "JOURNAL_DIR",
     "SLOTS_MAGIC",
     "SLOT_BYTES",
+    "Ending",
     "Pending",
     "Progress",
     "SlotLayout",
     "admission_line",
+    "ended_record",
     "files_in",
     "finish_line",
     "interrupted_record",
     "journal_files",
     "read_slots",
+    "record_of_pending",
     "recover",
     "slot_progress",
     "unfinished",
@@ -99,9 +118,13 @@ log = logging.getLogger("infermeter.journal_files")
 # The journal's folder inside a spool directory.
 JOURNAL_DIR = "journal"
 _USAGE_FIELDS = frozenset(f.name for f in dataclasses.fields(UsageRecord))
+_STATUSES = frozenset(s.value for s in RequestStatus)
 
-SLOT_BYTES: Final = 256
-SLOTS_MAGIC: Final = b"IMSLOTS1"
+SLOT_BYTES: Final = 512
+SLOTS_MAGIC: Final = b"IMSLOTS2"
+# The files of earlier versions: 256-byte slots without an ending.
+SLOTS_MAGIC_V1: Final = b"IMSLOTS1"
+_SLOT_BYTES_V1: Final = 256
 
 
 class SlotLayout:
@@ -123,13 +146,33 @@ class SlotLayout:
     AREA_BYTES: Final = 47
     # The header's tick time.
     ALIVE_AT: Final = 8
+    # The ending: its status's length (0 while running) first, then the rest (``_ENDING``).
+    ENDING: Final = 256
+    STATUS_BYTES: Final = 16
+    FINISH_BYTES: Final = 224
 
 
 _TIMES = struct.Struct("@dqd")  # first-token time, cached, clock
+# The ending: its status's length, exact, HTTP status, finish reason's length, end, status, reason.
+ENDING_FORMAT: Final = f"@BBHBxxxd{SlotLayout.STATUS_BYTES}s{SlotLayout.FINISH_BYTES}s"
+_ENDING = struct.Struct(ENDING_FORMAT)
+assert SlotLayout.ENDING + _ENDING.size == SLOT_BYTES
 _ALIVE = struct.Struct("@d")
 _PROMPT = re.compile(rb'"prompt_tokens":(\d+)[,}]')
 _TOTAL = re.compile(rb'"total_tokens":(\d+)[,}]')
 _COMPLETION = re.compile(rb'"completion_tokens":(\d+)[,}]')
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How a request ended, as its slot keeps it until its record is durable."""
+
+    status: str
+    http_status: int
+    usage_exact: bool
+    # Epoch seconds.
+    finished_at: float
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +186,8 @@ class Progress:
     # The client was sent a 200 head (the stream had begun).
     began: bool = False
     response_id: str | None = None
+    # How it ended, once it had (the client had its whole answer).
+    ending: Ending | None = None
 
     @property
     def counted(self) -> bool:
@@ -154,20 +199,28 @@ def read_slots(data: bytes) -> tuple[float | None, dict[str, Progress]]:
     """The header's tick time and the progress of each slot in use, by request id, of a
     ``.slots`` file's bytes. A slot that does not read as one (a file not written by this
     format) is left out."""
-    if not data.startswith(SLOTS_MAGIC) or len(data) < SLOT_BYTES:
+    if data.startswith(SLOTS_MAGIC):
+        size, endings = SLOT_BYTES, True
+    elif data.startswith(SLOTS_MAGIC_V1):
+        size, endings = _SLOT_BYTES_V1, False
+    else:
+        return None, {}
+    if len(data) < size:
         return None, {}
     (alive,) = _ALIVE.unpack_from(data, SlotLayout.ALIVE_AT)
     found: dict[str, Progress] = {}
-    for at in range(SLOT_BYTES, len(data) - SLOT_BYTES + 1, SLOT_BYTES):
-        progress = slot_progress(data, at)
+    for at in range(size, len(data) - size + 1, size):
+        progress = slot_progress(data, at, endings)
         if progress is not None:
             found[progress[0]] = progress[1]
     return (alive or None), found
 
 
-def slot_progress(data: bytes | mmap.mmap, at: int) -> tuple[str, Progress] | None:
+def slot_progress(
+    data: bytes | mmap.mmap, at: int, endings: bool = True
+) -> tuple[str, Progress] | None:
     """The request id and progress of the slot at ``data[at]``; None when it is free or does not
-    read as a slot."""
+    read as a slot. ``endings``: the slot has an ending's fields (``SLOTS_MAGIC``'s layout)."""
     lay = SlotLayout
     state, _, began, id_size, response_size = data[at : at + 5]
     if state != 1 or not 0 < id_size <= lay.ID_BYTES or response_size > lay.RESPONSE_BYTES:
@@ -182,6 +235,7 @@ def slot_progress(data: bytes | mmap.mmap, at: int) -> tuple[str, Progress] | No
     try:
         request_id = data[at + lay.ID : at + lay.ID + id_size].decode("ascii")
         response = data[at + lay.RESPONSE : at + lay.RESPONSE + response_size].decode("ascii")
+        ending = _ending(data, at, clock) if endings else None
     except UnicodeDecodeError:
         return None
     return request_id, Progress(
@@ -191,6 +245,29 @@ def slot_progress(data: bytes | mmap.mmap, at: int) -> tuple[str, Progress] | No
         first_token_at=clock + first if first else None,
         began=began == 1,
         response_id=response or None,
+        ending=ending,
+    )
+
+
+def _ending(data: bytes | mmap.mmap, at: int, clock: float) -> Ending | None:
+    """The slot's ending, when its status's length (written last) says it has one.
+
+    UnicodeDecodeError when the bytes are not ASCII (not a slot of this format).
+    """
+    status_size, exact, http_status, finish_size, finished, status, finish = _ENDING.unpack_from(
+        data, at + SlotLayout.ENDING
+    )
+    if not 0 < status_size <= SlotLayout.STATUS_BYTES:
+        return None
+    name = status[:status_size].decode("ascii")
+    if finish_size > SlotLayout.FINISH_BYTES or name not in _STATUSES:
+        return None
+    return Ending(
+        status=name,
+        http_status=http_status,
+        usage_exact=exact == 1,
+        finished_at=clock + finished,
+        finish_reason=finish[:finish_size].decode("ascii") if finish_size else None,
     )
 
 
@@ -287,8 +364,42 @@ def interrupted_record(pending: Pending, last_alive: float) -> UsageRecord:
     )
 
 
+def ended_record(pending: Pending, ending: Ending) -> UsageRecord:
+    """The record of a request that had ended (its client had its whole answer) and whose record
+    was waiting for its tick: the one the sidecar would have written.
+
+    Its ending and response id are its slot's, its counts the slot's last (the final ones, written
+    with the ending), and the rest its admission's.
+    """
+    base = UsageRecord.from_json({k: v for k, v in pending.record.items() if k in _USAGE_FIELDS})
+    got = pending.progress or Progress(None, None)
+    return dataclasses.replace(
+        base,
+        status=ending.status,
+        http_status=ending.http_status,
+        prompt_tokens=got.prompt or 0,
+        completion_tokens=got.completion or 0,
+        cached_prompt_tokens=got.cached,
+        first_token_at=got.first_token_at,
+        finished_at=ending.finished_at,
+        finish_reason=ending.finish_reason,
+        usage_exact=ending.usage_exact,
+        response_id=got.response_id or base.response_id,
+    )
+
+
+def record_of_pending(pending: Pending, last_alive: float) -> UsageRecord:
+    """The record of a request a dead process left in its journal: the record it was waiting
+    to write when the request had ended, else its interrupted record."""
+    ending = None if pending.progress is None else pending.progress.ending
+    if ending is not None:
+        return ended_record(pending, ending)
+    return interrupted_record(pending, last_alive)
+
+
 async def recover(paths: list[Path], spool: Spool) -> list[UsageRecord]:
-    """Spool the interrupted records of journal files left by a dead process, then delete them.
+    """Spool the records of journal files left by a dead process (``record_of_pending``), then
+    delete the files.
 
     ``paths``: its ``.log`` and ``.slots`` files (``journal_files``). Returns the records made
     (for the caller's metrics). Idempotent: killed half-way, it makes the same records (same
@@ -306,7 +417,7 @@ async def recover(paths: list[Path], spool: Spool) -> list[UsageRecord]:
         last_alive = max([alive, *(p.stat().st_mtime for p in logs)])
         spooled = await asyncio.to_thread(_spooled_ids, spool.directory)
         records = [
-            interrupted_record(dataclasses.replace(p, progress=progress.get(rid)), last_alive)
+            record_of_pending(dataclasses.replace(p, progress=progress.get(rid)), last_alive)
             for rid, p in pending.items()
             if rid not in spooled
         ]
@@ -316,9 +427,12 @@ async def recover(paths: list[Path], spool: Spool) -> list[UsageRecord]:
             # The files stay: the next start makes the same records (same ids) again.
             log.error("interrupted requests NOT recorded yet, journal kept: %s", exc)
             return []
+        ended = sum(r.status != RequestStatus.INTERRUPTED.value for r in records)
         log.warning(
-            "%d request(s) were running when the sidecar stopped; recorded as interrupted",
-            len(records),
+            "%d request(s) were running when the sidecar stopped, recorded as interrupted; "
+            "%d had ended, recorded as they ended",
+            len(records) - ended,
+            ended,
         )
     else:
         records = []

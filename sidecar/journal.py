@@ -18,8 +18,13 @@ The journal closes that gap:
   the slot file's header, and the end lines waiting. Then one fsync of each file, in a thread,
   covers everything since the last tick (group commit), so a crash of the whole machine loses at
   most the last interval. Nothing is written or checked per chunk here.
-- ``finish``: once the request's own record is in the spool, one line says so and its slot is
-  given back. The line is not written at once but with the next admission or tick (one
+- ``end``: the request ended; its relay writes how into its slot (``Slot.end``) before the
+  client sees the end of its answer. Its record waits for the next tick of the accounting
+  (``sidecar.accounting``), which writes the records of every request that ended in it at once;
+  until then the slot stands for the record, and a process killed meanwhile leaves it to the next
+  start, which makes that record from it.
+- ``finish``: once the request's own record is durable in the spool, one line says so and its
+  slot is given back. The line is not written at once but with the next admission or tick (one
   ``write(2)`` per request, not two): a line lost with the process only makes recovery look for
   the record in the spool, where it is (``infermeter.journal_files.recover`` skips spooled ids;
   billing keeps one record per id).
@@ -62,7 +67,7 @@ from infermeter.journal_files import (
     admission_line,
     files_in,
     finish_line,
-    interrupted_record,
+    record_of_pending,
 )
 from infermeter.records import UsageRecord
 from sidecar.progress import Slot, SlotTable
@@ -107,6 +112,8 @@ class AdmissionJournal:
         self.mark_seconds = mark_seconds
         self.rotate_bytes = rotate_bytes
         self._running: dict[str, _Running] = {}
+        # Ended, their records not yet durable: their lines and slots are kept until ``finish``.
+        self._ended: dict[str, _Running] = {}
         self._fd = -1
         self._path: Path | None = None
         self._size = 0
@@ -120,7 +127,7 @@ class AdmissionJournal:
 
     @property
     def running(self) -> int:
-        """Requests admitted and not yet finished."""
+        """Requests admitted and not yet ended."""
         return len(self._running)
 
     def open(self) -> list[Path]:
@@ -147,10 +154,10 @@ class AdmissionJournal:
                     os.fsync(self._slots.fd)
             os.close(self._fd)
             self._fd = -1
-            if not self._running and self._path is not None:
+            if not self._running and not self._ended and self._path is not None:
                 self._path.unlink(missing_ok=True)
         if self._slots is not None:
-            self._slots.close(delete=not self._running)
+            self._slots.close(delete=not self._running and not self._ended)
             self._slots = None
 
     def admit(self, record: Mapping[str, Any], started: float) -> None:
@@ -192,13 +199,23 @@ class AdmissionJournal:
         if running is not None:
             running.counting = counting
 
+    def end(self, request_id: str) -> Slot | None:
+        """``request_id`` ended: no longer running, and no longer tracked. Returns its slot, for
+        its ending (``Slot.end``), which it keeps until ``finish``; None when it has none."""
+        running = self._running.pop(request_id, None)
+        if running is None:
+            return None
+        running.counting = None
+        self._ended[request_id] = running
+        return running.slot
+
     def finish(self, request_id: str) -> None:
         """The request's own record is durable: it needs the journal no more.
 
         The line goes out with the next admission or tick. Without it (lost with the process,
         or not writable) recovery finds the record in the spool, or billing keeps the first of two.
         """
-        running = self._running.pop(request_id, None)
+        running = self._running.pop(request_id, None) or self._ended.pop(request_id, None)
         if running is not None:
             self._finished.append(finish_line(request_id))
             if running.slot is not None and self._slots is not None:
@@ -211,7 +228,8 @@ class AdmissionJournal:
             self._finished.clear()
 
     def interrupted_now(self) -> list[UsageRecord]:
-        """Records of the requests still running, with their counts as of now (at shutdown).
+        """Records of the requests still running, with their counts as of now (at shutdown), and
+        of those ended whose records were not written (``record_of_pending``).
 
         A request whose admission line cannot be read back is left to ``recover`` at the next
         start, which reads the same files.
@@ -228,15 +246,18 @@ class AdmissionJournal:
             )
             return []
         for request_id, line in lines.items():
-            running = self._running[request_id]
+            running = self._running.get(request_id) or self._ended[request_id]
             progress = None
             if running.slot is not None and self._slots is not None:
                 if running.counting is not None:
                     running.slot.counts(running.counting.usage_so_far())
                 progress = self._slots.progress(running.slot)
-            record = interrupted_record(Pending(orjson.loads(line)["a"], progress=progress), now)
-            exact = progress is not None and progress.counted
-            out.append(dataclasses.replace(record, usage_exact=exact))
+            record = record_of_pending(Pending(orjson.loads(line)["a"], progress=progress), now)
+            if progress is None or progress.ending is None:
+                record = dataclasses.replace(
+                    record, usage_exact=progress is not None and progress.counted
+                )
+            out.append(record)
         return out
 
     def _admission_lines(self) -> dict[str, bytes]:
@@ -248,7 +269,7 @@ class AdmissionJournal:
         """
         assert self._path is not None
         found: dict[str, bytes] = {}
-        if not self._running:
+        if not self._running and not self._ended:
             return found
         with self._path.open("rb") as fh:
             empty = os.fstat(fh.fileno()).st_size == 0  # (mmap refuses an empty file)
@@ -257,7 +278,7 @@ class AdmissionJournal:
                 if empty
                 else mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data
             ):
-                for request_id, running in self._running.items():
+                for request_id, running in (*self._running.items(), *self._ended.items()):
                     at = running.at
                     end = data.find(b"\n", at)
                     line = data[at : end + 1]
@@ -326,7 +347,7 @@ class AdmissionJournal:
         offsets: list[tuple[_Running, int]] = []
         at = 0
         for request_id, line in lines.items():
-            offsets.append((self._running[request_id], at))
+            offsets.append((self._running.get(request_id) or self._ended[request_id], at))
             at += len(line)
         self._write(b"".join(lines.values()))
         for running, at in offsets:

@@ -16,7 +16,13 @@ slot of a file mapped ``MAP_SHARED`` (``journal-<ns>.slots``; the layout is
   id, and that the client was sent a stream's 200 head;
 - a non-streamed request read from vLLM's stream (``sidecar.assemble``) gets its prompt tokens
   and response id from its first block (``Slot.opening``); its completion tokens are written
-  by the journal's tick (``Slot.counts``), since the client receives nothing before the end.
+  by the journal's tick (``Slot.counts``), since the client receives nothing before the end;
+- once, when the request ends and before the client sees the end of its answer: how it ended
+  (``Slot.end``: status, HTTP status, finish reason, the time, the final counts), its status's
+  length last, so that a process killed mid-way leaves a request still running, never half an
+  ending. From then on the slot stands for the request's record until the tick writes it
+  (``sidecar.accounting``): a process killed meanwhile leaves the ending, and the next start
+  makes the record the sidecar would have written (``infermeter.journal_files.ended_record``).
 
 The pages are the kernel's page cache: a process killed at any instruction leaves its last
 stores in them, and the next start reads exact counts (``infermeter.journal_files.recover``). The
@@ -44,7 +50,14 @@ import struct
 from pathlib import Path
 from typing import Final
 
-from infermeter.journal_files import SLOT_BYTES, SLOTS_MAGIC, Progress, SlotLayout, slot_progress
+from infermeter.journal_files import (
+    ENDING_FORMAT,
+    SLOT_BYTES,
+    SLOTS_MAGIC,
+    Progress,
+    SlotLayout,
+    slot_progress,
+)
 from sidecar.request_ids import response_id
 from sidecar.stream import UsageCounts, parse_usage
 
@@ -62,6 +75,8 @@ _put_float = struct.Struct("@d").pack_into
 _put_head = struct.Struct(f"@BxBBBxxxdqd{SlotLayout.ID_BYTES}s").pack_into
 assert struct.calcsize(f"@BxBBBxxxdqd{SlotLayout.ID_BYTES}s") == SlotLayout.RESPONSE
 _put_response = struct.Struct(f"{SlotLayout.RESPONSE_BYTES}s").pack_into
+_put_ending = struct.Struct(ENDING_FORMAT).pack_into
+_NOTHING = UsageCounts(0, 0)
 
 
 class Slot:
@@ -114,6 +129,33 @@ class Slot:
             _put_response(self._mm, self._at + SlotLayout.RESPONSE, raw)
             # The length last: a process killed before it leaves no id, not half of one.
             self._mm[self._at + SlotLayout.RESPONSE_SIZE] = len(raw)
+
+    def end(
+        self,
+        status: str,
+        http_status: int,
+        usage: UsageCounts | None,
+        exact: bool,
+        first_token: float | None,
+        finished: float,
+        finish_reason: str | None,
+        response: str | None,
+    ) -> None:
+        """The request ended at ``finished`` (``perf_counter``) like this: everything its record
+        says of its end, the final counts (none: zeros) and first-token time included.
+
+        The status's length is stored last: until then the slot reads as a running request.
+        """
+        self.counts(usage or _NOTHING)
+        self.first_token(first_token or 0.0)
+        self.response_id(response)
+        raw_status = status.encode("ascii")
+        raw_finish = (finish_reason or "").encode("ascii", "replace")[: SlotLayout.FINISH_BYTES]
+        at = self._at + SlotLayout.ENDING
+        _put_ending(
+            self._mm, at, 0, exact, http_status, len(raw_finish), finished, raw_status, raw_finish
+        )
+        self._mm[at] = len(raw_status)
 
     def began(self) -> None:
         """The client is sent a stream's 200 head (next)."""
@@ -182,6 +224,7 @@ class SlotTable:
         _put_head(mm, at, 0, 0, len(raw), 0, 0.0, 0, clock, raw)
         for area in _AREA_AT:  # equal sequence numbers: no usage yet, whatever the areas hold
             mm[at + area + _AREA_BYTES] = 0
+        mm[at + SlotLayout.ENDING] = 0  # not ended
         mm[at + SlotLayout.STATE] = 1
         return Slot(mm, at)
 

@@ -182,3 +182,21 @@ async def test_recover_deletes_the_slot_files_with_the_logs(tmp_path):
 def test_a_usage_area_reads_only_whole_numbers(area, expected):
     """A number the area's end cut is never read as a smaller one."""
     assert usage_counts(area) == expected
+
+
+def test_a_slot_file_of_the_earlier_layout_is_still_read():
+    """A ``IMSLOTS1`` file (256-byte slots, no ending) left by an earlier version gives its
+    requests' progress, with no ending."""
+    from infermeter.journal_files import SLOTS_MAGIC_V1, SlotLayout
+
+    data = bytearray(3 * 256)
+    data[: len(SLOTS_MAGIC_V1)] = SLOTS_MAGIC_V1
+    at = 2 * 256
+    data[at] = 1  # taken
+    data[at + SlotLayout.ID_SIZE] = 2
+    data[at + SlotLayout.ID : at + SlotLayout.ID + 2] = b"r9"
+    area = b'"prompt_tokens":5,"total_tokens":8,'
+    data[at + 160 : at + 160 + len(area)] = area
+    data[at + 160 + SlotLayout.AREA_BYTES] = 1
+    _, found = read_slots(bytes(data))
+    assert (found["r9"].prompt, found["r9"].completion, found["r9"].ending) == (5, 3, None)

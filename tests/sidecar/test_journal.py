@@ -388,3 +388,114 @@ async def test_an_admission_that_cannot_be_written_takes_no_slot(tmp_path):
     os.close(journal._fd)
     journal._fd = fd
     await journal.close()
+
+
+def die(journal: AdmissionJournal) -> None:
+    """The process dies: nothing is flushed, closed or deleted by it."""
+    os.close(journal._fd)
+    assert journal._task is not None
+    assert journal._slots is not None
+    journal._task.cancel()
+    journal._slots.close(delete=False)
+
+
+async def test_an_ended_request_is_recovered_as_it_ended_not_as_interrupted(tmp_path):
+    """A request whose ending is in its slot, its record not yet written, becomes after a kill
+    the complete record of how it ended: its status, HTTP status, final counts, finish reason,
+    end time, first token and response id; not an interrupted one."""
+    spool = Spool(tmp_path / "spool")
+    spool.open()
+    dead = AdmissionJournal(tmp_path / "spool" / "journal", 60)
+    dead.open()
+    dead.admit(admitted("r1").to_json(), 100.0)
+    meter = StreamMeter(True, True, 100.0, slot=dead.slot("r1"))
+    meter.feed(chunk(1) + chunk(2), 100.25)
+    slot = dead.end("r1")
+    assert slot is not None
+    assert dead.running == 0
+    slot.end("ok", 200, UsageCounts(7, 3, 4), True, 100.25, 101.5, "length", "chatcmpl-r1")
+    die(dead)
+
+    restarted = AdmissionJournal(tmp_path / "spool" / "journal", 60)
+    (record,) = await recover(restarted.open(), spool)
+    await restarted.close()
+    await spool.close()
+    assert (record.status, record.http_status, record.usage_exact) == ("ok", 200, True)
+    assert (record.prompt_tokens, record.completion_tokens, record.cached_prompt_tokens) == (
+        7,
+        3,
+        4,
+    )
+    assert (record.finish_reason, record.response_id) == ("length", "chatcmpl-r1")
+    assert record.first_token_at == pytest.approx(T0 + 0.25)
+    assert record.finished_at == pytest.approx(T0 + 1.5)
+    assert (record.team, record.model, record.stream) == ("search", "chat-small", True)
+
+
+async def test_an_ending_without_usage_is_recovered_with_no_tokens(tmp_path):
+    """A request that ended with no usage (a client that left before any) keeps its status and
+    is billed nothing, inexact, although its slot had counted chunks before."""
+    dead = AdmissionJournal(tmp_path / "journal", 60)
+    dead.open()
+    dead.admit(admitted("r1").to_json(), 100.0)
+    StreamMeter(True, True, 100.0, slot=dead.slot("r1")).feed(chunk(1), 100.1)
+    slot = dead.end("r1")
+    assert slot is not None
+    slot.end("client_aborted", 499, None, False, None, 100.5, None, None)
+    progress = slots_on_disk(tmp_path / "journal")["r1"]
+    assert progress.ending is not None
+    assert (progress.prompt, progress.completion, progress.first_token_at) == (0, 0, None)
+    assert (progress.ending.status, progress.ending.http_status) == ("client_aborted", 499)
+    assert (progress.ending.usage_exact, progress.ending.finish_reason) == (False, None)
+    await dead.close()
+
+
+async def test_an_ended_request_already_in_the_spool_is_not_recorded_twice(tmp_path):
+    """Killed after its record was written, before the journal was told: the record in the
+    spool is the only one."""
+    spool = Spool(tmp_path / "spool")
+    spool.open()
+    dead = AdmissionJournal(tmp_path / "spool" / "journal", 60)
+    dead.open()
+    dead.admit(admitted("r1").to_json(), 100.0)
+    slot = dead.end("r1")
+    assert slot is not None
+    slot.end("ok", 200, UsageCounts(7, 3), True, None, 101.0, "stop", None)
+    await spool.append_many([admitted("r1").to_json() | {"status": "ok", "completion_tokens": 3}])
+    die(dead)
+
+    restarted = AdmissionJournal(tmp_path / "spool" / "journal", 60)
+    assert await recover(restarted.open(), spool) == []
+    await restarted.close()
+    await spool.close()
+    records = [r for seg in spool.directory.glob("seg-*.jsonl") for r in read_segment(seg)[0]]
+    assert [(r["request_id"], r["status"]) for r in records] == [("r1", "ok")]
+
+
+async def test_a_slot_taken_again_holds_no_ending_of_its_last_request(tmp_path):
+    """A slot freed after its request ended and taken by the next request reads as running."""
+    journal = AdmissionJournal(tmp_path / "journal", 60)
+    journal.open()
+    journal.admit(admitted("r1").to_json(), 100.0)
+    slot = journal.end("r1")
+    assert slot is not None
+    slot.end("ok", 200, UsageCounts(7, 3), True, None, 101.0, "stop", None)
+    journal.finish("r1")
+    journal.admit(admitted("r2").to_json(), 100.0)
+    assert slots_on_disk(tmp_path / "journal")["r2"].ending is None
+    await journal.close()
+
+
+async def test_shutdown_records_an_ended_request_as_it_ended(tmp_path):
+    """``interrupted_now`` gives an ended request whose record was not written its real ending."""
+    journal = AdmissionJournal(tmp_path / "journal", 60)
+    journal.open()
+    journal.admit(admitted("r1").to_json(), 100.0)
+    journal.admit(admitted("r2").to_json(), 100.0)
+    slot = journal.end("r1")
+    assert slot is not None
+    slot.end("ok", 200, UsageCounts(7, 3), True, None, 101.0, "stop", None)
+    got = {r.request_id: r for r in journal.interrupted_now()}
+    assert (got["r1"].status, got["r1"].completion_tokens, got["r1"].usage_exact) == ("ok", 3, True)
+    assert got["r2"].status == "interrupted"
+    await journal.close()
