@@ -1,14 +1,25 @@
 """Accounting: what a finished request leaves behind, its usage record, metrics and span.
 
-The record is written whatever the path that served the request (the ASGI relay, the protocol
-relay, a refusal); it is in the spool file before the client sees the end of its response, and
-fsync'ed with the others of the spool's tick (``infermeter.spool``, ``Spool.write``).
+A record is made whatever the path that served the request (the ASGI relay, the protocol relay,
+a refusal). On the request's path only what makes a crash recoverable is done: before the client
+sees the end of its response, how the request ended goes into its admission-journal slot
+(``Slot.end``: memory stores into a shared mapping, which a process killed at any instruction
+after them leaves in the kernel's page cache). Its record then waits for the tick: every
+``tick_seconds`` (the journal's) one task writes the records of all the requests that ended in
+it to the spool with one ``write(2)`` and one fsync (``Spool.append_many``), and only then are
+they finished in the journal. A sidecar killed in between leaves the endings in the slots, and
+the next start makes each request's record from its slot (``infermeter.journal_files``),
+skipping those already in the spool. A request without a slot (not journaled) has its record
+written at once, as before (``Spool.write``). At shutdown what waits is written (``close``).
+
 Metrics and the span follow off the client's critical path, once per request: the inter-token
 gaps the meter collected are observed here, in one batch, never per chunk.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -33,7 +44,14 @@ from sidecar.stream import StreamMeter, UsageCounts
 if TYPE_CHECKING:
     from sidecar.otel_metrics import GenAiMetrics
 
-__all__ = ["Accounting", "Call", "admitted_fields", "ending_fields", "engine_choices"]
+__all__ = [
+    "Accounting",
+    "Call",
+    "admitted_fields",
+    "ending_fields",
+    "engine_choices",
+    "usage_exact",
+]
 
 log = logging.getLogger("infermeter.sidecar")
 
@@ -136,6 +154,11 @@ def engine_choices(call: Call) -> int:
     return 1 if call.endpoint == "/v1/embeddings" else max(1, call.choices)
 
 
+def usage_exact(status: RequestStatus, usage: UsageCounts | None) -> bool:
+    """The record's counts are vLLM's own, or there were none to count."""
+    return usage is not None or status in _EXACT_WITHOUT_USAGE
+
+
 def ending_fields(
     call: Call,
     status: RequestStatus,
@@ -156,7 +179,7 @@ def ending_fields(
         "status": status.value,
         "http_status": http_status,
         "finish_reason": None if finish is None else capped(finish),
-        "usage_exact": usage is not None or status in _EXACT_WITHOUT_USAGE,
+        "usage_exact": usage_exact(status, usage),
         "response_id": None if call.response_id is None else capped(call.response_id),
     }
 
@@ -172,14 +195,21 @@ class Accounting:
         replica: str,
         instance: str | None,
         on_spool_failure: Literal["refuse", "serve_unmetered"],
+        tick_seconds: float = 0.5,
     ) -> None:
         self.spool, self.journal, self.metrics = spool, journal, metrics
         self.replica, self.instance = replica, instance
         self.on_spool_failure = on_spool_failure
+        self.tick_seconds = tick_seconds
         # The last append failed: with ``refuse``, new requests are refused until one succeeds.
         self.spool_broken = False
         # The GenAI metrics kept for OTLP export, when export is on (``sidecar.otel_metrics``).
         self.genai: GenAiMetrics | None = None
+        # Requests ended since the last tick, their endings in their slots: what their records
+        # are made of, and the ``perf_counter`` of their end.
+        self._ended: list[_Ended] = []
+        self._flushing = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def refusing(self) -> bool:
@@ -200,10 +230,18 @@ class Accounting:
         usage: UsageCounts | None,
         meter: StreamMeter | None,
         finish: str | None,
+        now: float | None = None,
     ) -> dict[str, Any]:
-        """The record (``UsageRecord.to_json``'s form) of ``call`` ending now like this."""
+        """The record (``UsageRecord.to_json``'s form) of ``call`` ending like this at ``now``
+        (``perf_counter``; default: now)."""
         return admitted_fields(call, self.replica, self.instance) | ending_fields(
-            call, status, http_status, usage, meter, finish, time.perf_counter()
+            call,
+            status,
+            http_status,
+            usage,
+            meter,
+            finish,
+            time.perf_counter() if now is None else now,
         )
 
     def record(
@@ -215,22 +253,39 @@ class Accounting:
         meter: StreamMeter | None,
         finish: str | None,
     ) -> None:
-        """Write the usage record; on failure follow ``on_spool_failure``.
+        """The request ended: keep how in its journal slot, and its record for the next tick.
 
-        The record is in the spool file when this returns (one ``write(2)``: a process killed
-        after it keeps it), and fsync'ed with every other record of the spool's tick; the
-        journal keeps the request until then, so a crash of the whole machine before that
-        fsync still leaves it to recovery (``sidecar.journal``). Nothing here waits.
+        When this returns a process killed at any instruction leaves the request's ending in
+        its slot, from which the next start makes its record (the module docstring): the
+        client may see the end of its response. Nothing here writes or waits.
+
+        A request without a slot (a refusal before forwarding), or any while the spool is
+        failing, has its record written at once instead, after the records waiting (one
+        ``write(2)`` for all, fsync'ed with the spool's tick, ``Spool.write_many``): the spool
+        keeps the records in the order their requests ended.
 
         SpoolError (after counting it) only when the sidecar refuses to serve unmetered.
         """
-        record = self.record_of(call, status, http_status, usage, meter, finish)
+        now = time.perf_counter()
         request_id = call.request_id
+        slot = self.journal.end(request_id)
+        if slot is not None and not self.spool_broken:
+            first = meter.first_token_at if meter else None
+            exact = usage_exact(status, usage)
+            slot.end(status.value, http_status, usage, exact, first, now, finish, call.response_id)
+            self._ended.append((call, status, http_status, usage, meter, finish, now))
+            return
+        ended, self._ended = self._ended, []
+        records = [self.record_of(*e) for e in ended]
+        records.append(self.record_of(call, status, http_status, usage, meter, finish, now))
+        ids = [e[0].request_id for e in ended]
+        ids.append(request_id)
         try:
-            self.spool.write(record, functools.partial(self.journal.finish, request_id))
+            self.spool.write_many(records, functools.partial(self._finish, ids))
             self.spool_broken = False
             return
         except SpoolError:
+            self._ended[:0] = ended  # (the tick tries them again)
             self.spool_broken = True
             self.metrics.spool_errors.inc()
             if self.on_spool_failure == "refuse":
@@ -239,6 +294,61 @@ class Accounting:
                 "serving UNMETERED: usage of request %s (team %s) is lost", request_id, call.team
             )
         self.journal.finish(request_id)
+
+    def _finish(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.journal.finish(request_id)
+
+    @property
+    def waiting(self) -> int:
+        """Requests ended whose records wait for the tick."""
+        return len(self._ended)
+
+    def start(self) -> None:
+        """Start the ticks that write the records of the requests ended."""
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        """Stop the ticks and write what waits (at shutdown)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.flush()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_seconds)
+            # Shielded: a batch cancelled half-way would be written, yet not finished.
+            await asyncio.shield(self.flush())
+
+    async def flush(self) -> None:
+        """Write the records of the requests ended since the last flush: one ``write(2)`` and
+        one fsync for all of them; then they are finished in the journal (their slots freed).
+
+        When the spool fails they stay in their slots: with ``refuse`` they are tried again at
+        the next tick (new requests are refused meanwhile); with ``serve_unmetered`` they are
+        lost, as an unwritable record always was, and said so.
+        """
+        async with self._flushing:
+            ended, self._ended = self._ended, []
+            if not ended:
+                return
+            records = [self.record_of(*e) for e in ended]
+            try:
+                await self.spool.append_many(records)
+            except SpoolError as exc:
+                self.spool_broken = True
+                self.metrics.spool_errors.inc()
+                if self.on_spool_failure == "refuse":
+                    self._ended[:0] = ended
+                    log.error("%d record(s) wait in the admission journal: %s", len(ended), exc)
+                    return
+                log.error("serving UNMETERED: usage of %d request(s) is lost", len(ended))
+            else:
+                self.spool_broken = False
+            self._finish([e[0].request_id for e in ended])
 
     def observe(
         self,
@@ -274,6 +384,10 @@ class Accounting:
             )
         if call.span is not None:
             _end_span(call.span, call, status, usage, meter, finish)
+
+
+# A request ended, its record to be written at the tick: ``Accounting.record_of``'s arguments.
+_Ended = tuple[Call, RequestStatus, int, UsageCounts | None, StreamMeter | None, str | None, float]
 
 
 def count_recovered(

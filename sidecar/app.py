@@ -6,17 +6,20 @@ when ``sidecar.protocol_relay`` is off. The path of one request:
 
     identify team -> read and check body -> route model (``sidecar.admission``) -> budget
     -> team limits -> fair batch slot -> forward, streamed -> meter and rewrite chunks
-    -> usage record durable in the spool (``sidecar.accounting``)
+    -> how it ended kept in its journal slot (``sidecar.accounting``)
     -> final ``data: [DONE]`` (or the whole body) -> settle limits, metrics, span
+    ... and at the journal's next tick, the records of all the requests that ended in it go to
+    the spool with one write and one fsync.
 
 A request refused for any reason takes nothing from the team's limits: every refusal that can
 come before the limits does (401, 400, 404, 408, 413, budget), and one after them (fair share,
 draining, the journal) refunds its admission whole instead of settling it. Only a request that
 was forwarded is settled, by what vLLM reported it used.
 
-A record is in the spool file before the client sees the end of its response, so a response a
-client saw complete is never lost, even if the sidecar is killed right after; it is fsync'ed with
-the others of the journal's tick, and until then the admission journal keeps the request.
+How a request ended is in its journal slot (the kernel's pages) before the client sees the end
+of its response, so a response a client saw complete is never lost, even if the sidecar is
+killed right after: until its record is written and fsync'ed at the tick, the admission journal
+keeps the request, and a restart makes its record from the slot.
 """
 
 from __future__ import annotations
@@ -148,8 +151,9 @@ class Sidecar:
         sealer = Sealer(self.credential) if self.credential is not None else None
         if self.credential is not None:
             engine_metrics_url = self.credential.writer.engine_metrics_url
-        # Usage records are written as requests end and fsync'ed once per journal tick: the
-        # journal keeps every request whose record is not fsync'ed yet (``Accounting.record``).
+        # Usage records are written and fsync'ed once per journal tick, all those of the requests
+        # that ended in it: the journal keeps every request whose record is not durable yet
+        # (``Accounting.record``).
         tick_seconds = settings.journal_mark_millis / 1000
         self.spool = Spool(
             directory,
@@ -211,6 +215,7 @@ class Sidecar:
             replica_id,
             self.instance,
             settings.on_spool_failure,
+            tick_seconds,
         )
         self.drain = Drain()
         self.tracer = tracing.tracer(tracer_provider)
@@ -324,9 +329,13 @@ class Sidecar:
         count_recovered(
             self.metrics, recovered, self.team_names, self.view.model_names, self.accounting.genai
         )
+        self.accounting.start()
         if self.otlp is not None:
             self._tasks.append(asyncio.get_running_loop().create_task(self.otlp.run()))
-        self.metrics.spool_backlog.set_function(lambda: self.spool.backlog)
+        # (Records waiting for the tick are not acknowledged either.)
+        self.metrics.spool_backlog.set_function(
+            lambda: self.spool.backlog + self.accounting.waiting
+        )
         if self.ingest_url:
             from infermeter.shipper import Shipper, ShipperMetrics
 
@@ -353,7 +362,9 @@ class Sidecar:
     async def shutdown(self) -> None:
         """Record requests left running, announce the stop, ship the spools, let them go."""
         await self._stop_tasks()
-        # The records written and not fsync'ed yet leave the journal first: they are not running.
+        # The records of the requests that ended, and those written and not fsync'ed yet, leave
+        # the journal first: they are not running.
+        await self.accounting.close()
         with contextlib.suppress(SpoolError):
             await self.spool.sync()
         for record in self.journal.interrupted_now():

@@ -5,8 +5,8 @@ inside ``data_received``, meters each block (``StreamMeter.feed``) and writes wh
 should see to the client's transport (``infermeter.http_guard.RawWriter``). Per block that is
 one parse, one meter pass and one write: no task switch, no ASGI message, no timer. The coroutine
 serving the request only starts the response, waits for the end, the client leaving or the
-drain, and then makes the record durable before the final ``data: [DONE]``, as the ASGI relay
-does (``sidecar.relay``). All three end the wait through the one future ``finished``: the
+drain, and then keeps the request's ending (``Accounting.record``) before the final
+``data: [DONE]``, as the ASGI relay does (``sidecar.relay``). All three end the wait through the one future ``finished``: the
 upstream's end gives it None or the error, the client's connection closing ``LEFT``
 (``writer_lost``: the sink is the client writer's listener), the drain's cut
 ``sidecar.drain.CUT``.

@@ -2,7 +2,7 @@
 
 Three shapes: a stream (every block metered and rewritten on its way, ``sidecar.stream``), a
 whole answer relayed as vLLM gives it, and a whole answer assembled from vLLM's stream
-(``sidecar.assemble``). Each ends with the usage record durable (``Accounting.record``) before
+(``sidecar.assemble``). Each ends with the request's ending kept (``Accounting.record``) before
 the client sees the end of its response, and returns what the request's accounting needs.
 """
 
@@ -321,7 +321,7 @@ class Relay:
     async def _end_stream(
         self, call: Call, meter: StreamMeter, status: RequestStatus, send: Send
     ) -> tuple[StreamMeter, RequestStatus, int]:
-        """Record the stream, then give the client its last event (the record is durable first)."""
+        """Record the stream, then give the client its last event (its ending is kept first)."""
         tail = meter.close()
         call.response_id = meter.response_id
         if status is RequestStatus.OK and not meter.done:

@@ -50,7 +50,7 @@ async def test_huge_unknown_model_names_stay_bounded(stack_factory):
     assert len(after) < len(before) + 20_000
     assert _series(after) - _series(before) < 60
     assert _spool_bytes(stack) < 20 * 2048
-    records = stack.records()
+    records = await stack.records()
     assert len(records) == 20
     assert all(len(r["model"]) <= 256 for r in records)
 
@@ -82,13 +82,18 @@ async def test_metric_labels_name_only_registry_models(stack):
     assert 'model="unknown"' in page
 
 
+async def _served_then_tick(stack: Stack, c: httpx.AsyncClient) -> int:
+    """One request's status, then the tick that writes its record (which may find the spool full)."""
+    status = (await c.post("/v1/chat/completions", json=CHAT)).status_code
+    await stack.sidecar.accounting.flush()
+    return status
+
+
 async def test_full_spool_refuses_with_503(stack_factory):
     """When the spool reaches sidecar.spool_max_bytes, on_spool_failure: refuse answers 503."""
     stack = await stack_factory(**{"sidecar.spool_max_bytes": 4096})
     async with stack.client() as c:
-        statuses = [
-            (await c.post("/v1/chat/completions", json=CHAT)).status_code for _ in range(20)
-        ]
+        statuses = [await _served_then_tick(stack, c) for _ in range(20)]
     assert statuses[0] == 200
     assert statuses[-1] == 503
     assert _spool_bytes(stack) <= 4096
@@ -101,9 +106,7 @@ async def test_full_spool_serves_unmetered_when_told_to(stack_factory, caplog):
     )
     with caplog.at_level(logging.ERROR, logger="infermeter.sidecar"):
         async with stack.client() as c:
-            statuses = [
-                (await c.post("/v1/chat/completions", json=CHAT)).status_code for _ in range(20)
-            ]
+            statuses = [await _served_then_tick(stack, c) for _ in range(20)]
     assert statuses == [200] * 20
     assert _spool_bytes(stack) <= 4096
     assert any("UNMETERED" in r.getMessage() for r in caplog.records)

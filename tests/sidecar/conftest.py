@@ -66,9 +66,12 @@ class Stack:
             base_url=self.url, headers={"authorization": f"Bearer {KEYS[team]}"}, **kw
         )
 
-    def records(self) -> list[dict[str, Any]]:
-        """Every usage record in the spool so far."""
+    async def records(self) -> list[dict[str, Any]]:
+        """Every usage record in the spool, those of the requests ended so far written first
+        (as the next tick would)."""
         from infermeter.spool import read_segment
+
+        await self.sidecar.accounting.flush()
 
         out: list[dict[str, Any]] = []
         for path in sorted(self.spool.glob("seg-*.jsonl")):

@@ -142,7 +142,7 @@ async def test_a_team_past_its_hard_budget_is_refused_within_one_refresh_until_o
                 return r.status_code == 429 and bool(r.json()["error"]["code"] == "budget_exceeded")
 
             await wait_for(refused, 0.5)
-            assert stack.records()[-1]["status"] == "rate_limited"
+            assert (await stack.records())[-1]["status"] == "rate_limited"
             bad = await c.post(
                 "/v1/admin/budget-overrides",
                 json={"team": "search", "minutes": 5, "reason": "launch"},

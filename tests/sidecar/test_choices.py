@@ -63,7 +63,7 @@ async def test_records_of_several_choices_reconcile_with_the_engine(stack):
             assert (await c.post(path, json=body)).status_code == 200
     t1 = time.time() + 1.0
     after = await _reading(stack.upstream, t1)
-    records = stack.records()
+    records = await stack.records()
     assert [r["choices"] for r in records] == [2, 3, 1, 2, 1, 2]
     engine_prompt = after["prompt_tokens_total"] - before["prompt_tokens_total"]
     assert sum(r["prompt_tokens"] * r["choices"] for r in records) == engine_prompt

@@ -98,7 +98,7 @@ async def test_a_new_key_is_served_and_a_revoked_one_refused_within_the_bound(
         await revoke(billing, key["key_id"])
         gone = await until(lambda: status(stack.url, key["key"]), 401, BOUND_SECONDS)
     print(f"new key served after {took:.2f} s, revoked key refused after {gone:.2f} s")
-    [record] = [r for r in stack.records() if r["status"] == "ok"][-1:]
+    [record] = [r for r in (await stack.records()) if r["status"] == "ok"][-1:]
     assert record["team"] == "search"
 
 

@@ -28,7 +28,7 @@ async def test_an_approved_version_not_served_here_is_served_by_the_running_one(
         )
     assert r.status_code == 200
     assert r.json()["model"] == "llama-3.1-8b-instruct"
-    assert stack.records()[-1]["model"] == "chat-small"
+    assert (await stack.records())[-1]["model"] == "chat-small"
 
 
 async def test_an_unknown_model_is_a_404_naming_the_models_there_are(stack):

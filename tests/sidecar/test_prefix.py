@@ -101,7 +101,7 @@ async def test_the_usage_record_carries_the_digest_not_the_prompt(stack_factory,
                 json={"model": "chat-small", "max_tokens": 8, **_chat(SYSTEM, question)},
             )
             assert r.status_code == 200
-    first, second = stack.records()
+    first, second = await stack.records()
     expected = PrefixDigester(b"k-1", 64).of(_chat(SYSTEM, "what is a GPU?"))
     assert expected is not None
     assert first["prefix_digest"] == second["prefix_digest"] == expected.digest
@@ -117,5 +117,5 @@ async def test_without_a_key_records_have_no_digest(stack):
             json={"model": "chat-small", "max_tokens": 4, **_chat(SYSTEM, "q")},
         )
     assert r.status_code == 200
-    (record,) = stack.records()
+    (record,) = await stack.records()
     assert (record["prefix_digest"], record["prefix_share"]) == (None, None)

@@ -56,7 +56,7 @@ async def test_a_stream_is_the_same_byte_for_byte_on_either_relay(
             r = await c.post("/v1/chat/completions", json=body)
         assert r.status_code == 200
         seen.append(r.content)
-        assert stack.records()[-1]["status"] == "ok"
+        assert (await stack.records())[-1]["status"] == "ok"
     assert seen[0] == seen[1]
     assert seen[1].endswith(b"data: [DONE]\n\n")
 
@@ -70,7 +70,7 @@ async def test_whole_answers_and_refusals_are_the_same_on_either_relay(stack_fac
             whole = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
             missing = await c.post("/v1/chat/completions", json={**CHAT, "model": "nope"})
         results.append((whole.status_code, missing.status_code, sorted(whole.json())))
-        assert stack.records()[-2]["completion_tokens"] == 4
+        assert (await stack.records())[-2]["completion_tokens"] == 4
     assert results[0] == results[1] == (200, 404, results[0][2])
 
 
@@ -82,7 +82,7 @@ async def test_an_unreachable_upstream_is_502_on_the_protocol_relay(stack_factor
         r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_unreachable"
-    assert stack.records()[-1]["status"] == "upstream_error"
+    assert (await stack.records())[-1]["status"] == "upstream_error"
 
 
 async def test_a_client_that_stops_reading_pauses_the_upstream(stack_factory):

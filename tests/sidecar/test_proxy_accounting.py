@@ -75,7 +75,7 @@ async def test_token_totals_equal_vllm_counters(stack):
             "/v1/completions", json={"model": "chat-small", "prompt": "a b c", "max_tokens": 7}
         )
     after = await _vllm_counters(stack.upstream)
-    records = stack.records()
+    records = await stack.records()
     assert len(records) == 16
     completion = sum(r["completion_tokens"] for r in records)
     assert completion == after[1] - before[1]
@@ -94,7 +94,7 @@ async def test_aborted_streams_are_recorded_with_tokens_seen(stack):
     )
     await asyncio.sleep(0.5)
     after = await _vllm_counters(stack.upstream)
-    records = stack.records()
+    records = await stack.records()
     assert [r["status"] for r in records] == ["client_aborted"] * aborts
     recorded = sum(r["completion_tokens"] for r in records)
     generated = after[1] - before[1]
@@ -117,7 +117,7 @@ async def test_upstream_unreachable_is_502_and_recorded(stack_factory):
         r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_unreachable"
-    assert stack.records()[-1]["status"] == "upstream_error"
+    assert (await stack.records())[-1]["status"] == "upstream_error"
 
 
 async def test_upstream_timeout_is_504(stack_factory):
@@ -181,7 +181,7 @@ async def test_upstream_breaking_mid_stream_gives_an_error_event_and_partial_usa
     tail = sse_events(r.content)[-1]
     assert '"error"' in tail
     assert "[DONE]" not in r.text
-    record = stack.records()[-1]
+    record = (await stack.records())[-1]
     assert record["status"] == "upstream_error"
     assert (record["prompt_tokens"], record["completion_tokens"]) == (10, 3)
 
@@ -200,7 +200,11 @@ def _fill_disk(spool: Any) -> None:
 
 
 async def test_full_disk_refuses_requests_with_503(stack, tmp_path):
-    """When the spool cannot be written, requests are refused rather than served unmetered."""
+    """When the spool cannot be written, requests are refused rather than served unmetered.
+
+    The request served before the tick found the spool full is not unmetered: its ending stays
+    in its journal slot, and its record is written once the spool takes it.
+    """
     await stack.sidecar.spool.close()
     for seg in stack.spool.glob("seg-*.jsonl"):
         seg.unlink()
@@ -209,9 +213,13 @@ async def test_full_disk_refuses_requests_with_503(stack, tmp_path):
     stack.sidecar.spool.open()
     _fill_disk(stack.sidecar.spool)
     async with stack.client() as c:
+        served = await c.post("/v1/chat/completions", json=CHAT)
+        await stack.sidecar.accounting.flush()  # the tick: the spool is full
         first = await c.post("/v1/chat/completions", json=CHAT)
         second = await c.post("/v1/chat/completions", json=CHAT)
         ready = await c.get("/readyz")
+    assert served.status_code == 200
+    assert stack.sidecar.accounting.waiting == 1
     assert first.status_code == 503
     assert first.json()["error"]["code"] == "metering_unavailable"
     assert second.status_code == 503
@@ -321,7 +329,9 @@ async def test_serve_unmetered_mode_serves_when_the_spool_fails(stack_factory):
     async with stack.client() as c:
         r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200
+    await stack.sidecar.accounting.flush()  # the tick that writes its record
     assert stack.sidecar.metrics.spool_errors._value.get() >= 1
+    assert stack.sidecar.accounting.waiting == 0
 
 
 async def test_aborted_streams_of_two_choices_are_recorded_with_both_choices_tokens(stack):
@@ -332,7 +342,7 @@ async def test_aborted_streams_of_two_choices_are_recorded_with_both_choices_tok
     await _hang_up(stack, body, aborts, 20)
     await asyncio.sleep(0.5)
     after = await _vllm_counters(stack.upstream)
-    records = stack.records()
+    records = await stack.records()
     assert [r["status"] for r in records] == ["client_aborted"] * aborts
     recorded = sum(r["completion_tokens"] for r in records)
     gap = after[1] - before[1] - recorded
@@ -353,4 +363,4 @@ async def test_non_streamed_client_disconnect_aborts_upstream(stack):
     _, generated = await _vllm_counters(stack.upstream)
     await asyncio.sleep(0.3)
     assert (await _vllm_counters(stack.upstream))[1] == generated < 3000
-    assert stack.records()[-1]["status"] == "client_aborted"
+    assert (await stack.records())[-1]["status"] == "client_aborted"

@@ -103,7 +103,7 @@ async def test_missing_or_unknown_key_is_401_in_openai_json(stack, headers, code
     assert r.status_code == 401
     assert r.json()["error"]["code"] == code
     assert "nope" not in r.text
-    assert stack.records() == []
+    assert (await stack.records()) == []
 
 
 async def test_team_key_is_never_forwarded_upstream(stack_factory, monkeypatch):
@@ -144,7 +144,7 @@ async def test_model_alias_maps_to_served_version_and_others_are_404(stack):
     assert alias.json()["model"] == version.json()["model"] == "llama-3.1-8b-instruct"
     assert other.status_code == 404
     assert other.json()["error"]["code"] == "model_not_found"
-    assert [r["status"] for r in stack.records()] == ["ok", "ok", "rejected"]
+    assert [r["status"] for r in (await stack.records())] == ["ok", "ok", "rejected"]
 
 
 async def test_rolling_back_a_version_takes_effect_without_restart(stack):
@@ -177,7 +177,7 @@ async def test_requests_per_minute_limit_gives_429_with_headers(stack_factory):
     assert limited.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(limited.headers["retry-after"]) >= 1
     assert "x-ratelimit-reset-requests" in limited.headers
-    assert stack.records()[-1]["status"] == "rate_limited"
+    assert (await stack.records())[-1]["status"] == "rate_limited"
 
 
 async def test_tokens_per_minute_limit_reserves_max_tokens(stack_factory):
@@ -234,7 +234,7 @@ async def test_vllm_errors_pass_through_and_are_recorded(stack):
         )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "max_tokens"
-    assert stack.records()[-1]["status"] == "bad_request"
+    assert (await stack.records())[-1]["status"] == "bad_request"
 
 
 async def test_gateway_mode_accepts_only_fresh_signed_team_headers(stack_factory, monkeypatch):
@@ -271,7 +271,7 @@ async def test_gateway_mode_accepts_only_fresh_signed_team_headers(stack_factory
             "/v1/chat/completions", content=body, headers={"x-infermeter-team": "research"}
         )
     assert good.status_code == 200
-    assert stack.records()[0]["team"] == "research"
+    assert (await stack.records())[0]["team"] == "research"
     assert (stale.status_code, unsigned.status_code) == (401, 401)
 
 

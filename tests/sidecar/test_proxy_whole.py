@@ -60,7 +60,7 @@ async def test_the_body_is_the_one_vllm_sends_for_the_non_streamed_request(stack
     assert via.status_code == direct.status_code == 200
     assert via.headers["content-type"] == direct.headers["content-type"]
     assert _VOLATILE.sub(b"", via.content) == _VOLATILE.sub(b"", direct.content)
-    (record,) = stack.records()
+    (record,) = await stack.records()
     assert record["response_id"] == via.json()["id"]
     assert record["completion_tokens"] == via.json()["usage"]["completion_tokens"]
 
@@ -75,7 +75,7 @@ async def test_a_refused_non_streamed_request_gets_vllms_own_error(stack):
         direct = await c.post("/v1/chat/completions", json={**body, "model": served})
     assert via.status_code == direct.status_code == 400
     assert via.content == direct.content
-    (record,) = stack.records()
+    (record,) = await stack.records()
     assert (record["status"], record["response_id"]) == ("bad_request", None)
 
 
@@ -91,7 +91,7 @@ async def test_abandoned_non_streamed_requests_carry_the_tokens_spent(stack):
     await asyncio.sleep(0.3)
     after = await _engine(stack.upstream)
     assert after["vllm:num_requests_running"] == 0
-    records = stack.records()
+    records = await stack.records()
     assert [(r["status"], r["http_status"], r["usage_exact"]) for r in records] == [
         ("client_aborted", 499, True)
     ] * aborts
@@ -118,7 +118,7 @@ async def test_the_callers_request_id_is_echoed_and_kept(stack, stream):
         )
     assert r.status_code == 200
     assert r.headers.get_list("x-request-id") == ["trace-7f3a"]
-    (record,) = stack.records()
+    (record,) = await stack.records()
     assert record["client_request_id"] == "trace-7f3a"
     assert record["request_id"] == r.headers["x-infermeter-request-id"]
     assert record["response_id"].startswith("chatcmpl-")
@@ -131,7 +131,7 @@ async def test_an_invalid_request_id_is_ignored(stack, value):
         r = await c.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": value})
     assert r.status_code == 200
     assert "x-request-id" not in r.headers
-    (record,) = stack.records()
+    (record,) = await stack.records()
     assert record["client_request_id"] is None
 
 
@@ -145,7 +145,7 @@ async def test_a_refusal_echoes_the_request_id_too(stack):
         )
     assert r.status_code == 404
     assert r.headers["x-request-id"] == "abc-1"
-    assert stack.records()[-1]["client_request_id"] == "abc-1"
+    assert (await stack.records())[-1]["client_request_id"] == "abc-1"
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,7 @@ async def test_upstream_breaking_mid_answer_is_an_error_with_the_usage_so_far(
     assert time.perf_counter() - started < 5
     assert r.status_code == status
     assert r.json()["error"]["type"] == "upstream_error"
-    record = stack.records()[-1]
+    record = (await stack.records())[-1]
     assert (record["status"], record["response_id"]) == (
         "upstream_error",
         "chatcmpl-938c5aa6fcfb9c62",
@@ -182,7 +182,7 @@ async def test_with_the_switch_off_a_hang_up_is_aborted_but_not_counted(stack_fa
             )
     await asyncio.sleep(0.3)
     assert (await _engine(stack.upstream))["vllm:num_requests_running"] == 0
-    (record,) = stack.records()
+    (record,) = await stack.records()
     assert (record["status"], record["usage_exact"], record["completion_tokens"]) == (
         "client_aborted",
         False,
@@ -211,7 +211,7 @@ async def test_a_hang_up_without_the_raw_writer_is_billed_what_vllm_sent(stack):
                 await c.post("/v1/chat/completions", json=body)
         await asyncio.sleep(0.3)
     after = await _engine(stack.upstream)
-    (record,) = stack.records()
+    (record,) = await stack.records()
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert (record["status"], record["usage_exact"]) == ("client_aborted", True)
     assert after["vllm:num_requests_running"] == 0

@@ -78,7 +78,7 @@ async def test_streamed_requests_settle_tokens_by_their_real_usage(stack_factory
     async with a.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
         text = b"".join([chunk async for chunk in r.aiter_bytes()])
     assert b"[DONE]" in text
-    used = a.records()[-1]["prompt_tokens"] + a.records()[-1]["completion_tokens"]
+    used = (await a.records())[-1]["prompt_tokens"] + (await a.records())[-1]["completion_tokens"]
     await asyncio.sleep(0.2)  # settlement is sent after the response
     started = time.monotonic()
     async with b.client() as c:

@@ -279,7 +279,7 @@ async def test_drain_ends_a_non_streamed_request_with_503_and_a_record(stack_fac
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"
     assert response.json()["error"]["code"] == "server_shutting_down"
-    (record,) = stack.records()
+    (record,) = await stack.records()
     assert record["request_id"] == response.headers["x-infermeter-request-id"]
     assert (record["status"], record["http_status"], record["usage_exact"]) == (
         "interrupted",
@@ -311,4 +311,7 @@ async def test_drain_answers_requests_waiting_for_a_batch_slot(stack_factory):
         answers = await asyncio.gather(*calls)
     assert sorted(status for status, _ in answers) == [200, 200, 200, 503, 503]
     assert all(b"server_shutting_down" in body for _, body in answers)
-    assert sorted(r["status"] for r in stack.records()) == ["interrupted"] * 3 + ["rejected"] * 2
+    assert (
+        sorted(r["status"] for r in (await stack.records()))
+        == ["interrupted"] * 3 + ["rejected"] * 2
+    )

@@ -57,7 +57,7 @@ async def test_a_project_the_team_does_not_allow_or_a_bad_user_is_an_openai_400_
     error = _error(r)
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
     assert stack.sim.finished_requests == 0
-    assert stack.records()[-1]["status"] == "bad_request"
+    assert (await stack.records())[-1]["status"] == "bad_request"
 
 
 async def test_the_user_and_an_allowed_project_are_on_the_usage_record_and_in_the_ledger(
@@ -77,7 +77,7 @@ async def test_the_user_and_an_allowed_project_are_on_the_usage_record_and_in_th
         )
         plain = await c.post("/v1/chat/completions", json=CHAT)
     assert [r.status_code for r in (listed, matched, plain)] == [200, 200, 200]
-    tags = [(r["user"], r["project"], r["status"]) for r in stack.records()]
+    tags = [(r["user"], r["project"], r["status"]) for r in (await stack.records())]
     assert tags == [("ana@example.com", "alpha", "ok"), (None, "exp-7", "ok"), (None, None, "ok")]
     body = b"".join(p.read_bytes() for p in sorted(stack.spool.glob("seg-*.jsonl")))
     ledger = Ledger.open(tmp_path / "ledger.duckdb", ["search", "assistant"], {})
@@ -144,8 +144,8 @@ async def test_a_project_past_its_budget_is_refused_while_the_team_and_its_other
     assert _error(beta)["code"] == "budget_exceeded"
     assert "Project beta of team search" in _error(beta)["message"]
     assert [alpha.status_code, untagged.status_code] == [200, 200]
-    assert stack.records()[-3]["project"] == "beta"
-    assert stack.records()[-3]["status"] == "rate_limited"
+    assert (await stack.records())[-3]["project"] == "beta"
+    assert (await stack.records())[-3]["status"] == "rate_limited"
 
 
 def test_spend_from_a_billing_without_projects_refuses_no_project() -> None:
