@@ -12,7 +12,7 @@ StatefulSet's would be), in time order as ingest appends them, and times:
 - the migration to the current schema (filling ``lifetimes`` from the events and samples);
 - the first ingest of a round of heartbeats (one per pod), which prunes the heartbeats older
   than the retention, then a steady round;
-- *after*: the same answers through ``Ledger.lifetimes`` and ``Ledger.live_instances``, on the
+- *after*: the same answers through ``billing.registry.lifetimes`` and ``billing.registry.live_instances``, on the
   ``lifetimes`` table;
 - the fold that keeps each lifetime's latest sample (``billing.lifetimes.sample_fold_sql``) on a
   collector's batch (one scrape of 8 GPUs a pod), next to that batch's ``gpu_slots`` rollup:

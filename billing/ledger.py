@@ -265,7 +265,13 @@ class Ledger:
 
     @contextmanager
     def reader(self) -> Iterator[duckdb.DuckDBPyConnection]:
-        """A cursor for reading, usable from any thread while the writer works."""
+        """A cursor for reading, usable from any thread while the writer works.
+
+        Nothing of the ledger's file is written through it. The one writer it serves is the
+        dashboards' coarse copies (``billing.rollups``), which live in an in-memory database
+        attached beside the file: no ingest transaction touches them, so their transactions
+        need not, and must not, wait for the writer's lock.
+        """
         cursor = self._con.cursor()
         try:
             yield cursor

@@ -3,6 +3,11 @@
 The dashboards ask for hours and days of series every few seconds; reading minutes for that is
 slow on a large ledger, so 5-minute and hourly copies are kept and read when they cover the
 range (``billing.queries`` chooses).
+
+The copies are not the ledger's: they live in an in-memory database attached to the ledger's
+connection (``billing.queries.rollup_setup_sql``), rebuilt from the minute rollups after a
+restart. Their transactions therefore run on a reader's cursor (``Ledger.reader``), outside the
+writer's lock: they write nothing ingest writes, and a refresh never makes a batch wait.
 """
 
 from __future__ import annotations

@@ -669,7 +669,7 @@ ALTER TABLE federated_months ADD COLUMN IF NOT EXISTS prices VARCHAR;
 # Hourly cost rows (``billing.hourly``): allocation's per-minute split kept per hour, as
 # quantities, so a statement prices rows in proportion to hours x instances x teams. Every hour
 # with GPU time is marked dirty here, so the rows of a ledger kept before them are built on the
-# next rebuild (``Ledger.refresh_hours``); until then a statement builds them itself.
+# next rebuild (``billing.allocation_runs.refresh_hours``); until then a statement builds them itself.
 _HOURLY_COSTS = """
 CREATE TABLE IF NOT EXISTS cost_hours (
     hour BIGINT NOT NULL,
