@@ -66,30 +66,28 @@ Sql = tuple[str, dict[str, Any]]
 
 @dataclass(frozen=True, slots=True)
 class Fleet:
-    """What the figures need from the configuration: prices, engine limits, token weights."""
+    """What the figures need from the configuration: prices, engine limits, token weights.
 
-    usd_per_gpu_hour: Mapping[str, float]
-    usd_per_kwh: float
-    pue: float
+    ``prices`` is the statement's own price object (``billing.pricebook.PriceBook``, what
+    ``billing.charges.Policy.prices`` gives allocation): node pools, dated prices and energy, so
+    the figures and the statements cost a GPU-minute from one object.
+    """
+
+    prices: PriceBook
     max_num_seqs: Mapping[str, int]  # replica group -> the engine's max_num_seqs
     replica_models: Mapping[str, str] = field(default_factory=dict)  # replica group -> model
     prompt_weight: float = 1.0
     completion_weight: float = 3.0
-    # Node pools and dated prices, as statements price them; None: list prices by GPU model.
-    book: PriceBook | None = None
 
 
 def fleet_of(config: Config) -> Fleet:
     """The ``Fleet`` a configuration describes (replicas without ``max_num_seqs`` are left out)."""
     return Fleet(
-        usd_per_gpu_hour=dict(config.prices.usd_per_gpu_hour),
-        usd_per_kwh=config.prices.usd_per_kwh,
-        pue=config.prices.pue,
+        prices=price_book(config.prices),
         max_num_seqs={r.id: r.max_num_seqs for r in config.replicas if r.max_num_seqs},
         replica_models={r.id: r.model for r in config.replicas},
         prompt_weight=config.billing.token_weights.prompt,
         completion_weight=config.billing.token_weights.completion,
-        book=price_book(config.prices),
     )
 
 
@@ -133,7 +131,7 @@ def _cost_ctes(fleet: Fleet) -> Sql:
         [("replica", "VARCHAR"), ("max_num_seqs", "BIGINT")],
         sorted(fleet.max_num_seqs.items()),
     )
-    book = fleet.book or PriceBook(dict(fleet.usd_per_gpu_hour), fleet.usd_per_kwh * fleet.pue)
+    book = fleet.prices
     # The statement's prices (``billing.pricebook``): a GPU nothing prices costs nothing here.
     gpus = "(SELECT * FROM gpu_slots WHERE replica <> '' AND slot >= $lo AND slot < $hi)"
     cost = f"""cost AS (
