@@ -67,7 +67,15 @@ import polars as pl
 from billing import hourly
 from billing.charges import CASH, ERROR_PREFIX, UNALLOCATED, Charges, Policy, charge
 from billing.hourly import HOUR_SLOTS, HourRows
-from billing.pricebook import Commitment, PriceBook, commitments, pool_name_sql, priced_sql
+from billing.pricebook import (
+    Commitment,
+    PriceBook,
+    commitments,
+    compute_usd_sql,
+    energy_usd_sql,
+    pool_name_sql,
+    priced_sql,
+)
 from billing.rounding import microcents
 
 __all__ = [
@@ -248,8 +256,8 @@ def _priced_sums(alias: str, prefix: str = "") -> str:
     gs, ej = f"{alias}.{prefix}gpu_seconds", f"{alias}.{prefix}energy_joules"
     return (
         f"sum({gs}) / 3600.0 AS {prefix}gpu_hours, sum({ej}) / 3.6e6 AS {prefix}energy_kwh, "
-        f"sum({gs} / 3600.0 * r.usd) AS {prefix}compute_usd, "
-        f"sum({ej} / 3.6e6 * r.kwh_usd) AS {prefix}energy_usd"
+        f"sum({compute_usd_sql(gs, 'r.usd')}) AS {prefix}compute_usd, "
+        f"sum({energy_usd_sql(ej, 'r.kwh_usd')}) AS {prefix}energy_usd"
     )
 
 
@@ -263,11 +271,15 @@ def priced_sql_of(
     """
     book = policy.prices
     rates = _rates_sql(book, rows.costs)
+    minute_usd = (
+        f"{compute_usd_sql('c.gpu_seconds', 'r.usd')} + "
+        f"{energy_usd_sql('c.energy_joules', 'r.kwh_usd')}"
+    )
     prepare = f"""
 CREATE OR REPLACE TEMP TABLE _rates AS SELECT * FROM {rates};
 CREATE OR REPLACE TEMP TABLE _slots AS
 SELECT c.replica, c.instance, c.hour, {_priced_sums("c")}, {_priced_sums("c", "busy_")},
-    arg_max(c.peak_slot, c.gpu_seconds / 3600.0 * r.usd + c.energy_joules / 3.6e6 * r.kwh_usd) AS peak_slot,
+    arg_max(c.peak_slot, {minute_usd}) AS peak_slot,
     -- An instance's GPUs are on one node, so one pool and rate in an hour: any row's.
     any_value(r.pool) AS pool, any_value(r.category) AS category, any_value(r.sku) AS sku,
     any_value(c.gpu_model) AS gpu_model

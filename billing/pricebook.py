@@ -50,7 +50,9 @@ __all__ = [
     "Rate",
     "categories",
     "commitments",
+    "compute_usd_sql",
     "default_pool",
+    "energy_usd_sql",
     "entry_rate",
     "owned_rate",
     "pool_name_sql",
@@ -61,6 +63,23 @@ __all__ = [
 # A node in no configured pool is priced by its GPU model, in the pool named so.
 DEFAULT_POOL_PREFIX: Final = "(default) "
 _SLOT: Final = 60
+
+
+def compute_usd_sql(gpu_seconds: str, usd_per_gpu_hour: str) -> str:
+    """GPU time's cost in USD, as an SQL expression: GPU-seconds at a price per GPU-hour.
+
+    With ``energy_usd_sql``, the one GPU-minute cost formula: the statements' allocation, the
+    efficiency figures and the sidecars' rates cost every GPU row with these two and the prices
+    ``priced_sql`` gives it, so they agree on what a minute cost. What an unpriced GPU (``usd``
+    NULL) costs is the caller's to say, by the price expression it passes: allocation leaves
+    its time out as an error line, the estimates count it as free.
+    """
+    return f"{gpu_seconds} / 3600.0 * {usd_per_gpu_hour}"
+
+
+def energy_usd_sql(energy_joules: str, usd_per_kwh: str) -> str:
+    """Energy's cost in USD, as an SQL expression: joules at a price per kWh (PUE included)."""
+    return f"{energy_joules} / 3.6e6 * {usd_per_kwh}"
 
 
 def default_pool(gpu_model: str) -> str:

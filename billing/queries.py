@@ -23,6 +23,7 @@ import polars as pl
 
 from billing import reconciliation
 from billing.buckets import FIRST, RATIO
+from billing.pricebook import compute_usd_sql, energy_usd_sql
 from billing.schema import SLOT_SECONDS
 
 __all__ = [
@@ -518,11 +519,12 @@ def explorer_gpu_sql(
     if not rows:
         return "SELECT NULL::VARCHAR AS replica WHERE false", {}
     where, values = _where(p, team=False, model=False)
+    compute = compute_usd_sql("sum(gpu_seconds)", "any_value(p.usd)")
+    energy = energy_usd_sql("sum(energy_joules)", repr(float(usd_per_kwh)))
     return (
         f"""
 SELECT replica, instance, CAST(slot // 60 AS BIGINT) AS hour, node, gpu_model,
-    sum(gpu_seconds) / 3600.0 * any_value(p.usd) + sum(energy_joules) / 3.6e6 * {float(usd_per_kwh)!r}
-        AS cost_usd,
+    {compute} + {energy} AS cost_usd,
     sum(gpu_seconds) / 3600.0 AS gpu_hours, sum(energy_joules) / 3.6e6 AS energy_kwh
 FROM {_source("gpu_slots", p)} JOIN (VALUES {rows}) AS p(gpu_model, usd) USING (gpu_model)
 WHERE {where} GROUP BY ALL""",

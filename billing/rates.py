@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from billing.charges import Policy
 from billing.ledger import Ledger
-from billing.pricebook import priced_sql
+from billing.pricebook import compute_usd_sql, energy_usd_sql, priced_sql
 from billing.schema import HOUR_SECONDS, SLOT_SECONDS
 from infermeter.months import month_bounds, month_of
 
@@ -70,8 +70,8 @@ def rates_sql(policy: Policy) -> str:
     gpus = priced_sql(policy.prices, "(SELECT * FROM gpu_slots WHERE slot >= $1 AND slot < $2)")
     return f"""
 WITH cost AS (
-    SELECT g.model, sum(s.gpu_seconds / 3600.0 * coalesce(s.usd, 0.0))
-            + sum(s.energy_joules / 3.6e6 * s.kwh_usd) AS usd,
+    SELECT g.model, sum({compute_usd_sql("s.gpu_seconds", "coalesce(s.usd, 0.0)")})
+            + sum({energy_usd_sql("s.energy_joules", "s.kwh_usd")}) AS usd,
         bool_and(s.usd IS NOT NULL) AS priced
     FROM {gpus} s
     -- A sample that names its instance but not its group: the group the instance served in.

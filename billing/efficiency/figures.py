@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from billing.pricebook import PriceBook, price_book, priced_sql
+from billing.pricebook import PriceBook, compute_usd_sql, energy_usd_sql, price_book, priced_sql
 from billing.schema import SLOT_SECONDS
 from infermeter.config import Config
 
@@ -138,8 +138,8 @@ def _cost_ctes(fleet: Fleet) -> Sql:
     SELECT g.replica, g.instance, g.slot, min(g.gpu_model) AS gpu_model,
         sum(g.gpu_seconds) AS gpu_seconds, sum(g.energy_joules) AS energy_joules,
         sum(g.utilization_seconds) AS utilization_seconds,
-        sum(g.gpu_seconds * coalesce(g.usd, 0)) / 3600 AS gpu_usd,
-        sum(g.energy_joules / 3.6e6 * g.kwh_usd) AS energy_usd
+        sum({compute_usd_sql("g.gpu_seconds", "coalesce(g.usd, 0)")}) AS gpu_usd,
+        sum({energy_usd_sql("g.energy_joules", "g.kwh_usd")}) AS energy_usd
     FROM {priced_sql(book, gpus)} g
     GROUP BY g.replica, g.instance, g.slot HAVING sum(g.gpu_seconds) > 0),
 measured AS (

@@ -6,7 +6,9 @@ comments. Prices here are chosen so that money is whole cents where it can be.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -651,3 +653,15 @@ def test_an_imported_invoice_is_not_hidden_by_a_kept_statement(
         "allocation",
         214,
     )
+
+
+def test_the_gpu_minute_cost_formula_is_written_once() -> None:
+    """No billing module but billing/pricebook.py prices GPU-seconds or joules in SQL itself."""
+    root = Path(__file__).parents[2] / "billing"
+    formula = re.compile(r"/ 3600(\.0)? \*|/ 3\.6e6 \*")
+    writers = {
+        path.relative_to(root).as_posix()
+        for path in root.rglob("*.py")
+        if formula.search(path.read_text())
+    }
+    assert writers == {"pricebook.py"}
