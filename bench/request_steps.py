@@ -1,9 +1,14 @@
-"""CPU of two per-request steps of the sidecar, in-process: the usage record and the end wait.
+"""CPU of per-request steps of the sidecar, in-process: the usage record, the end, the end wait.
 
 - ``record``: what one request's accounting serialises: its admission line for the journal
   (``Accounting.admission`` and ``infermeter.journal_files.admission_line``) and its usage record
   for the spool (``Accounting.record_of`` and the spool's ``orjson.dumps``). Revisions before
   the record was built once as JSON fields made a ``UsageRecord`` twice and converted each.
+- ``end``: a request's end on its path (``Accounting.record``, for requests admitted to a real
+  journal, with a real spool in a temporary directory), and its share of the tick that writes
+  the records and fsyncs them (``Accounting.flush``; a revision without it wrote each record on
+  the path: its spool's ``sync``). CPU of the event loop's thread (``time.thread_time``): the
+  fsync waits in the spool's own thread.
 - ``wait``: a request waiting for the first of its end, its client leaving and the drain's cut,
   the end coming first: ``asyncio.wait(..., FIRST_COMPLETED)`` and ``Drain.until_first`` (when
   the revision has it), on uvloop.
@@ -63,6 +68,63 @@ def record_us(rounds: int, n: int) -> list[float]:
     return rounds_us(one, rounds, n)
 
 
+def end_us(rounds: int, n: int) -> dict[str, list[float]]:
+    """µs of the event loop's CPU per request: its end on its path, and its share of the tick."""
+    import tempfile
+    from pathlib import Path
+
+    import uvloop
+
+    from infermeter.records import RequestStatus
+    from infermeter.spool import Spool
+    from sidecar.accounting import Accounting, Call
+    from sidecar.journal import AdmissionJournal
+    from sidecar.metrics import SidecarMetrics
+    from sidecar.stream import StreamMeter, UsageCounts
+
+    meter = StreamMeter(False, False, 0.0)
+    meter.first_token_at = 0.2
+    usage = UsageCounts(12, 64, 0)
+    results: dict[str, list[float]] = {"end on the path": [], "end at the tick": []}
+
+    async def main(directory: Path) -> None:
+        spool = Spool(directory, roll_records=10**9, sync_seconds=3600)
+        spool.open()
+        journal = AdmissionJournal(directory / "journal", 3600)
+        journal.open()
+        accounting = Accounting(spool, journal, SidecarMetrics(), "small-0", None, "refuse")
+        tick = getattr(accounting, "flush", spool.sync)
+        for r in range(rounds):
+            calls = [
+                Call(
+                    f"req-{r:04d}-{i:015d}",
+                    "/v1/chat/completions",
+                    1.7e9,
+                    time.perf_counter(),
+                    team="search",
+                    model="chat-small",
+                    served_version="chat-small",
+                    stream=True,
+                )
+                for i in range(n)
+            ]
+            for call in calls:
+                journal.admit(accounting.admission(call), call.started)
+            start = time.thread_time()
+            for call in calls:
+                accounting.record(call, RequestStatus.OK, 200, usage, meter, "stop")
+            results["end on the path"].append((time.thread_time() - start) / n * 1e6)
+            start = time.thread_time()
+            await tick()
+            results["end at the tick"].append((time.thread_time() - start) / n * 1e6)
+        await journal.close()
+        await spool.close()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        uvloop.run(main(Path(tmp)))
+    return results
+
+
 def wait_us(rounds: int, n: int) -> dict[str, list[float]]:
     """µs per wait for the first of three futures, the first one set soon after it starts."""
     import uvloop
@@ -105,6 +167,8 @@ def main() -> int:
         f"sidecar from {where}; best and median of {args.rounds} rounds of {args.n}, µs per request"
     )
     rows = {"record (journal + spool lines)": record_us(args.rounds, args.n)}
+    # (A tick's worth of requests at a time, as many as end in 500 ms at 2,000 a second.)
+    rows |= end_us(args.rounds, min(args.n, 1_000))
     rows |= {f"end wait ({name})": v for name, v in wait_us(args.rounds, args.n).items()}
     for name, values in rows.items():
         print(f"  {name:34} best {min(values):6.2f}  median {statistics.median(values):6.2f}")
