@@ -6,7 +6,7 @@ should see to the client's transport (``infermeter.http_guard.RawWriter``). Per 
 one parse, one meter pass and one write: no task switch, no ASGI message, no timer. The coroutine
 serving the request only starts the response, waits for the end, the client leaving or the
 drain, and then keeps the request's ending (``Accounting.record``) before the final
-``data: [DONE]``, as the ASGI relay does (``sidecar.relay``). All three end the wait through the one future ``finished``: the
+``data: [DONE]``. All three end the wait through the one future ``finished``: the
 upstream's end gives it None or the error, the client's connection closing ``LEFT``
 (``writer_lost``: the sink is the client writer's listener), the drain's cut
 ``sidecar.drain.CUT``.
@@ -18,15 +18,17 @@ upstream connection stops reading, so vLLM's bytes wait in the kernel, not in th
 from __future__ import annotations
 
 import asyncio
-from urllib.parse import urlsplit
+import base64
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
 
 from infermeter.http_guard import RawWriter
 from sidecar.assemble import Assembler
-from sidecar.pool import Connection, Pool, UpstreamClosed
+from sidecar.pool import Connection, Pool, UpstreamClosed, request_head
 from sidecar.progress import Slot
 from sidecar.stream import StreamMeter, UsageCounts
 
-__all__ = ["LEFT", "Left", "Pools", "StreamSink", "WholeSink"]
+__all__ = ["LEFT", "Left", "Pools", "StreamSink", "Target", "WholeSink"]
 
 
 class Left(Exception):
@@ -200,30 +202,60 @@ class WholeSink:
             self.finished.set_result(LEFT)
 
 
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a base URL's requests go: its pool, ``host`` header, path prefix and credentials.
+
+    ``authorization``: a ``Basic`` header for the user and password written in the URL, sent
+    unless the request has an authorization header of its own (the upstream's API key).
+    """
+
+    pool: Pool
+    host: bytes
+    prefix: bytes
+    authorization: str | None = None
+
+    def head(self, method: bytes, path: bytes, headers: dict[str, str], length: int) -> bytes:
+        """The request head for ``path`` (below the prefix) with ``headers``."""
+        if self.authorization is not None and "authorization" not in headers:
+            headers = {**headers, "authorization": self.authorization}
+        return request_head(method, self.prefix + path, self.host, headers, length)
+
+
 class Pools:
-    """One connection pool per upstream base URL (plain HTTP only), made on first use."""
+    """One connection pool per upstream base URL (http or https), made on first use."""
 
     def __init__(self, connect_timeout_seconds: float, read_timeout_seconds: float) -> None:
         self.connect_timeout_seconds = connect_timeout_seconds
         self.read_timeout_seconds = read_timeout_seconds
-        self._pools: dict[str, tuple[Pool, bytes, bytes]] = {}
+        self._pools: dict[str, Target] = {}
 
-    def get(self, base_url: str) -> tuple[Pool, bytes, bytes] | None:
-        """The pool, ``host`` header and path prefix for ``base_url``; None for what it cannot serve."""
+    def get(self, base_url: str) -> Target:
+        """The pool and request target of ``base_url`` (``http://`` or ``https://``, as the
+        config's ``Url`` checks); everything after the host is the prefix of every path."""
         found = self._pools.get(base_url)
         if found is not None:
             return found
         parts = urlsplit(base_url)
-        if parts.scheme != "http" or parts.hostname is None or parts.username or parts.query:
-            return None
-        port = parts.port or 80
-        pool = Pool(parts.hostname, port, self.connect_timeout_seconds, self.read_timeout_seconds)
-        found = (pool, parts.netloc.encode("latin-1"), parts.path.rstrip("/").encode("latin-1"))
+        tls = parts.scheme == "https"
+        if parts.scheme not in ("http", "https") or parts.hostname is None:
+            raise ValueError(f"not an http(s) URL: {base_url!r}")
+        port = parts.port or (443 if tls else 80)
+        pool = Pool(
+            parts.hostname, port, self.connect_timeout_seconds, self.read_timeout_seconds, tls
+        )
+        host = parts.netloc.rpartition("@")[2]
+        rest = base_url[base_url.index(parts.netloc) + len(parts.netloc) :]
+        auth = None
+        if parts.username is not None:
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            auth = "Basic " + base64.b64encode(pair.encode("latin-1")).decode("ascii")
+        found = Target(pool, host.encode("latin-1"), rest.rstrip("/").encode("latin-1"), auth)
         self._pools[base_url] = found
         return found
 
     async def close(self) -> None:
         """Close every connection of every pool."""
-        for pool, _, _ in self._pools.values():
-            await pool.close()
+        for target in self._pools.values():
+            await target.pool.close()
         self._pools.clear()

@@ -16,6 +16,11 @@ arguments) and every request an arm and a cancel. Reads are paused and resumed b
 (``pause_reading``), which is how a slow client slows its upstream instead of being buffered for
 without bound; a paused exchange is not timed out, since the replica is not the one keeping it
 waiting.
+
+An https replica is spoken to over TLS (``ssl.create_default_context``: the system's CAs, the
+host name checked), made once per pool. Its connections are read as they come: the kernel's bytes
+are ciphertext, so neither batching (``Connection.batch``) nor reading what the kernel holds
+before a close (``Connection.read_received``) applies to them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import time
 from collections import deque
 from typing import Protocol, cast
@@ -213,7 +219,7 @@ class Connection(asyncio.Protocol):
         """
         transport = self.transport
         sock = None if transport is None or self.closed else transport.get_extra_info("socket")
-        if sock is None:
+        if sock is None or self._pool.tls:
             return
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
@@ -236,7 +242,7 @@ class Connection(asyncio.Protocol):
         """
         transport = self.transport
         sock = None if transport is None else transport.get_extra_info("socket")
-        if sock is None:
+        if sock is None or self._pool.tls:
             return
         fd = sock.fileno()
         while limit > 0 and self._sink is not None and not self.closed:
@@ -291,12 +297,21 @@ def _wrap(exc: Exception) -> UpstreamError:
 
 
 class Pool:
-    """Keep-alive connections to one replica; the most recently used idle one is reused first."""
+    """Keep-alive connections to one replica; the most recently used idle one is reused first.
+
+    ``tls``: the replica speaks https (its certificate checked against the system's CAs).
+    """
 
     def __init__(
-        self, host: str, port: int, connect_timeout_seconds: float, read_timeout_seconds: float
+        self,
+        host: str,
+        port: int,
+        connect_timeout_seconds: float,
+        read_timeout_seconds: float,
+        tls: bool = False,
     ) -> None:
-        self.host, self.port = host, port
+        self.host, self.port, self.tls = host, port, tls
+        self._ssl: ssl.SSLContext | None = None
         self.connect_timeout_seconds = connect_timeout_seconds
         self.read_timeout_seconds = read_timeout_seconds
         self._idle: deque[Connection] = deque()
@@ -316,10 +331,16 @@ class Pool:
                 return conn
             conn.close()
         loop = asyncio.get_running_loop()
+        if self.tls and self._ssl is None:
+            self._ssl = ssl.create_default_context()
         try:
             async with asyncio.timeout(self.connect_timeout_seconds):
                 _, conn = await loop.create_connection(
-                    lambda: Connection(self), self.host, self.port
+                    lambda: Connection(self),
+                    self.host,
+                    self.port,
+                    ssl=self._ssl,
+                    server_hostname=self.host if self.tls else None,
                 )
         except TimeoutError:
             raise ConnectTimeout("connect timeout") from None

@@ -28,7 +28,7 @@ from sidecar.assemble import Assembler, answer, assemblable, streamed_body
 from sidecar.direct import LEFT, Pools, StreamSink, WholeSink
 from sidecar.drain import CUT, Drain
 from sidecar.journal import AdmissionJournal
-from sidecar.pool import Connection, request_head
+from sidecar.pool import Connection
 from sidecar.progress import Slot
 from sidecar.rates import COST_HEADER, Rate, RatePoller, with_cost
 from sidecar.request_ids import response_id
@@ -196,15 +196,13 @@ class Relay:
         sink: StreamSink | WholeSink,
         batched: bool = False,
     ) -> Connection | None:
-        """Send the request on a pooled connection; None when the upstream is not plain HTTP.
+        """Send the request on a pooled connection (plain HTTP or TLS).
 
         ``batched``: on a new connection the replica closes after its answer, which is how the
         end of an answer read in batches is seen (``Connection.batch``).
         """
-        found = self.pools.get(self.upstream)
-        if found is None:
-            return None
-        pool, host, prefix = found
+        target = self.pools.get(self.upstream)
+        pool = target.pool
         try:
             conn = await pool.connection(new=batched)
         except upstream_errors() as exc:
@@ -212,15 +210,14 @@ class Relay:
         if batched:
             headers = {**headers, "connection": "close"}
         payload = orjson.dumps(body)
-        head = request_head(b"POST", prefix + call.endpoint.encode(), host, headers, len(payload))
+        head = target.head(b"POST", call.endpoint.encode(), headers, len(payload))
         conn.send(head + payload, sink, pool.read_timeout_seconds)
         return conn
 
     async def open_direct(
         self, call: Call, body: dict[str, Any], headers: dict[str, str]
     ) -> DirectStream | None:
-        """Send a streamed request on protocols (``sidecar.direct``); None when this upstream
-        needs ``stream``. Once this returns, the caller may drop ``body`` and ``headers``: a
+        """Send a streamed request on protocols (``sidecar.direct``). Once this returns, the caller may drop ``body`` and ``headers``: a
         stream holds neither while it runs (``relay_direct``)."""
         meter = StreamMeter(
             call.client_usage,
@@ -383,7 +380,7 @@ class Relay:
         if self.assemble and assemblable(call.endpoint, body):
             return await self._assembled(call, receive, send, body, headers, raw)
 
-        direct = self.direct and self.pools.get(self.upstream) is not None
+        direct = self.direct
 
         async def exchange() -> _Exchanged:
             if direct:
@@ -504,7 +501,7 @@ class Relay:
         self.journal.track(call.request_id, assembler)
         slot = self.journal.slot(call.request_id)
 
-        direct = self.direct and self.pools.get(self.upstream) is not None
+        direct = self.direct
 
         async def exchange() -> tuple[aiohttp.ClientResponse | WholeSink, bytes | None]:
             if direct:

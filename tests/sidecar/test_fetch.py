@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import ssl
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from infermeter.serving import free_port
@@ -37,9 +42,8 @@ async def test_readiness_models_and_engine_metrics_come_through_the_pool(
     assert engine.status_code == 200
     assert engine.headers["content-type"].startswith("text/plain")
     assert "vllm:num_requests_running" in engine.text
-    pool = stack.sidecar.relay.pools.get(stack.upstream)
-    assert pool is not None
-    assert len(pool[0]._all) == 1, "the GETs share one kept-alive connection"
+    pool = stack.sidecar.relay.pools.get(stack.upstream).pool
+    assert len(pool._all) == 1, "the GETs share one kept-alive connection"
 
 
 async def test_an_unreachable_replica_is_not_ready_and_its_model_list_is_502(
@@ -105,11 +109,71 @@ async def test_a_body_and_status_are_passed_on_whole() -> None:
     assert teapot.status == 418
 
 
-async def test_an_https_replica_is_fetched_with_httpx_and_fails_as_an_upstream_error() -> None:
-    """The pool speaks plain HTTP only: an https base takes httpx, whose error comes back as the
-    pool's own, with httpx's as its cause."""
-    with pytest.raises(UpstreamError) as caught:
-        await fetch(Pools(1.0, 5.0), f"https://127.0.0.1:{free_port()}", "/health", {}, 2.0)
+def _certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key (openssl's command-line tool)."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=replica",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+@contextlib.asynccontextmanager
+async def _https_replica(cert: Path, key: Path, seen: list[bytes]) -> AsyncIterator[str]:
+    """A replica on TLS that answers every request ``ok``, keeping each request's head."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                seen.append(head)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
+                             b"content-length: 2\r\n\r\nok")  # fmt: skip
+                await writer.drain()
+        writer.close()
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    server = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=context)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"https://user:p%40ss@127.0.0.1:{port}/base"
+
+
+async def test_an_https_replica_is_spoken_to_over_tls_with_its_url_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An https upstream takes the same pool over TLS, its certificate checked against the
+    trusted CAs; the URL's path prefixes every request and its user and password go as Basic
+    credentials unless the request carries its own."""
+    cert, key = _certificate(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # read when the pool makes its SSL context
+    seen: list[bytes] = []
+    pools = Pools(1.0, 5.0)
+    async with _https_replica(cert, key, seen) as base:
+        first = await fetch(pools, base, "/health", {}, 5.0)
+        second = await fetch(pools, base, "/v1/models", {"authorization": "Bearer k"}, 5.0)
+        assert len(pools.get(base).pool._all) == 1, "one kept-alive TLS connection"
+    await pools.close()
+    assert (first.status, first.body, second.status) == (200, b"ok", 200)
+    assert seen[0].startswith(b"GET /base/health HTTP/1.1\r\nhost: 127.0.0.1:")
+    assert b"authorization: Basic " + base64.b64encode(b"user:p@ss") in seen[0]
+    assert seen[1].startswith(b"GET /base/v1/models ")
+    assert b"authorization: Bearer k\r\n" in seen[1]
+    assert b"Basic" not in seen[1]
+
+
+async def test_an_https_replica_with_an_untrusted_certificate_is_an_upstream_error(
+    tmp_path: Path,
+) -> None:
+    """A certificate no trusted CA signed fails the connection: a 502, as a refused one."""
+    cert, key = _certificate(tmp_path)
+    async with _https_replica(cert, key, []) as base:
+        with pytest.raises(UpstreamError) as caught:
+            await fetch(Pools(1.0, 5.0), base, "/health", {}, 2.0)
     assert isinstance(caught.value, upstream_errors())
-    assert isinstance(caught.value.__cause__, httpx.ConnectError)
+    assert isinstance(caught.value.__cause__, ssl.SSLCertVerificationError)
     assert upstream_failure(caught.value)[0] == 502
