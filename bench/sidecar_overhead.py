@@ -35,7 +35,6 @@ TTFT is the time from sending the request to receiving the first SSE event that 
 
     .venv/bin/python -m bench.sidecar_overhead            # about 3 minutes
     .venv/bin/python -m bench.sidecar_overhead --quick    # about 1.5 minutes, shorter windows
-    .venv/bin/python -m bench.sidecar_overhead --relay asgi   # the aiohttp + ASGI relay instead
     .venv/bin/python -m bench.sidecar_overhead --json > overhead.json
 
 Every process it starts (replica, nginx, sidecar, client) is stopped when it ends, also on
@@ -1409,12 +1408,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(to measure a patched sidecar, or the same one on another event loop)",
     )
     parser.add_argument(
-        "--relay",
-        choices=("protocol", "asgi"),
-        help="the sidecar's relay: sidecar.protocol_relay true (protocol, the default) or false "
-        "(asgi: aiohttp and ASGI messages), to compare both in one sitting",
-    )
-    parser.add_argument(
         "--phases",
         metavar="NAMES",
         help=f"only these phases, comma-separated (of {', '.join(PHASES)}); the targets of the "
@@ -1472,7 +1465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     started = time.monotonic()
     try:
-        settings = None if args.relay is None else {"protocol_relay": args.relay == "protocol"}
+        settings: dict[str, Any] | None = None
         phases = None if args.phases is None else frozenset(args.phases.split(","))
         with contextlib.ExitStack() as exits:
             sidecar_env: dict[str, str] | None = None

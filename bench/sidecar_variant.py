@@ -298,7 +298,7 @@ def _stamps() -> None:
     wrap_async(Sidecar, "_generate", "app", None)
     wrap_async(Sidecar, "admit_planned", "planned", "admitted")
     wrap(Sidecar, "_enter", None, "journaled")
-    wrap_async(Relay, "open_direct", "opening", None)
+    wrap_async(Relay, "open_stream", "opening", None)
     wrap_async(pool.Pool, "connection", None, "pooled")
     wrap(pool.Connection, "send", "sending", "sent")
     wrap(pool.Connection, "on_headers_complete", "upstream head", None)

@@ -553,7 +553,8 @@ class SidecarSettings(_Strict):
     # Non-streamed completions are asked of vLLM as streams with continuous usage and answered
     # whole (``sidecar.assemble``), so a client that leaves is metered; false relays them as sent.
     non_streamed_via_stream: bool = True
-    # Relay on asyncio protocols (sidecar.pool, sidecar.direct); false: aiohttp and ASGI messages.
+    # No effect: the relay has one upstream transport (sidecar.pool). Kept so configs that set it
+    # still load; false logs a warning at start (docs/sidecar.md).
     protocol_relay: bool = True
     # The event loop the sidecar process runs on: uvloop (libuv; the relay's system calls and
     # callbacks cost less) or Python's own. "auto": uvloop when it is installed.

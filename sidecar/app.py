@@ -1,8 +1,8 @@
 """The sidecar: a metering, team-aware streaming proxy in front of one vLLM replica.
 
-Plain ASGI for the request itself; every token of every user then passes through the relay on
-asyncio protocols (``sidecar.direct``, ``sidecar.pool``), or the ASGI relay (``sidecar.relay``)
-when ``sidecar.protocol_relay`` is off. The path of one request:
+Plain ASGI for the request itself; every token of every user then passes through the relay
+(``sidecar.relay``) on asyncio protocols (``sidecar.direct``, ``sidecar.pool``). The path of
+one request:
 
     identify team -> read and check body -> route model (``sidecar.admission``) -> budget
     -> team limits -> fair batch slot -> forward, streamed -> meter and rewrite chunks
@@ -63,6 +63,7 @@ from sidecar.admission import (
     upstream_headers,
 )
 from sidecar.budgets import BudgetExceeded, Override, budget_gate, project_budgets, serve_override
+from sidecar.direct import Pools
 from sidecar.drain import Drain
 from sidecar.fairness import FairShare, QueueFull, Slot, WaitTimeout
 from sidecar.fetch import Fetched, fetch
@@ -80,7 +81,7 @@ from sidecar.state import View, build_view
 from sidecar.stream import StreamMeter, UsageCounts
 from sidecar.tags import TagRefusal, project_of
 from sidecar.team_limits import LimitsUnavailable, team_limiter, team_limits
-from sidecar.upstream import Upstream, upstream_errors, upstream_failure
+from sidecar.upstream import upstream_errors, upstream_failure
 
 if TYPE_CHECKING:
     import httpx
@@ -222,16 +223,18 @@ class Sidecar:
         self.upstream_key = env_value(settings.upstream_api_key_env) or None
         # For shipping only, made when the shippers start (``client``).
         self._client = client
-        self.generation = Upstream(settings.connect_timeout_seconds, settings.read_timeout_seconds)
         self.relay = Relay(
             self.view.replica.upstream_url.rstrip("/"),
-            self.generation,
+            Pools(settings.connect_timeout_seconds, settings.read_timeout_seconds),
             self.accounting,
             self.journal,
             self.drain,
             settings.non_streamed_via_stream,
-            settings.protocol_relay,
         )
+        if not settings.protocol_relay:
+            log.warning(
+                "sidecar.protocol_relay: false has no effect: one relay serves every request"
+            )
         # Each answer's cost estimate, from billing's rates, read beside the spend.
         self.rates = RatePoller(
             settings.budgets,
@@ -598,15 +601,11 @@ class Sidecar:
             upstream = self._upstream_headers(headers, call)
             raw = _raw_writer(scope)
             if call.stream:
-                direct = raw is not None and self.settings.protocol_relay
-                opened = await self.relay.open_direct(call, body, upstream) if direct else None
-                if opened is not None and raw is not None:
-                    # A stream may run for minutes: its parsed body (the prompt) and headers,
-                    # sent now, are not kept for its length (memory per open stream).
-                    del body, upstream
-                    meter, status, _ = await self.relay.relay_direct(call, send, opened, raw)
-                else:
-                    meter, status, _ = await self.relay.stream(call, receive, send, body, upstream)
+                opened = await self.relay.open_stream(call, body, upstream)
+                # A stream may run for minutes: its parsed body (the prompt) and headers, sent
+                # now, are not kept for its length (memory per open stream).
+                del body, upstream
+                meter, status, _ = await self.relay.relay_stream(call, receive, send, opened, raw)
                 usage, finish = meter.usage, meter.finish_reason
             else:
                 usage, status, _, finish = await self.relay.whole(

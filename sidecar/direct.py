@@ -2,7 +2,8 @@
 
 ``StreamSink`` receives the response on the upstream connection (``sidecar.pool``) and, from
 inside ``data_received``, meters each block (``StreamMeter.feed``) and writes what the client
-should see to the client's transport (``infermeter.http_guard.RawWriter``). Per block that is
+should see to the client's transport (``infermeter.http_guard.RawWriter``; behind a server that
+gives none, ``sidecar.send_writer.SendWriter`` sends it as ASGI messages). Per block that is
 one parse, one meter pass and one write: no task switch, no ASGI message, no timer. The coroutine
 serving the request only starts the response, waits for the end, the client leaving or the
 drain, and then keeps the request's ending (``Accounting.record``) before the final
@@ -26,6 +27,7 @@ from infermeter.http_guard import RawWriter
 from sidecar.assemble import Assembler
 from sidecar.pool import Connection, Pool, UpstreamClosed, request_head
 from sidecar.progress import Slot
+from sidecar.send_writer import SendWriter
 from sidecar.stream import StreamMeter, UsageCounts
 
 __all__ = ["LEFT", "Left", "Pools", "StreamSink", "Target", "WholeSink"]
@@ -52,7 +54,7 @@ class StreamSink:
         # None once the response ended cleanly, else the exception that ended it, ``LEFT`` or
         # the drain's ``CUT`` (whichever came first).
         self.finished: asyncio.Future[BaseException | None] = loop.create_future()
-        self.writer: RawWriter | None = None
+        self.writer: RawWriter | SendWriter | None = None
         # The connection the response comes on, paused and resumed with the client's writer.
         self.upstream: Connection | None = None
         # What the client should see, metered before its response had started (made when needed:
@@ -112,7 +114,7 @@ class StreamSink:
         if not self.finished.done():
             self.finished.set_result(LEFT)
 
-    def go_direct(self, writer: RawWriter) -> None:
+    def go_direct(self, writer: RawWriter | SendWriter) -> None:
         """The client's response has started: write what is held (one write), then every block
         at once."""
         if self.pending:

@@ -1,9 +1,18 @@
-"""The relay over ASGI: forward an admitted request to vLLM and give the client its answer.
+"""The relay: forward an admitted request to vLLM and give the client its answer.
 
 Three shapes: a stream (every block metered and rewritten on its way, ``sidecar.stream``), a
 whole answer relayed as vLLM gives it, and a whole answer assembled from vLLM's stream
 (``sidecar.assemble``). Each ends with the request's ending kept (``Accounting.record``) before
 the client sees the end of its response, and returns what the request's accounting needs.
+
+One upstream transport serves all three: the pool on asyncio protocols (``sidecar.pool``,
+``sidecar.direct``), over plain HTTP or TLS. The client side comes in two kinds: the sidecar's
+own server gives the client connection's raw writer, which a stream's blocks are written to and
+whose closing says the client left; any other ASGI server gives only ``send`` and ``receive``,
+which ``sidecar.send_writer`` turns into the same for a stream, and a whole answer is raced
+against ASGI's disconnect message (``_race``). (An aiohttp relay served the second kind, and
+every request when ``sidecar.protocol_relay`` was false, until measured to earn nothing:
+``docs/benchmarks.md``.)
 """
 
 from __future__ import annotations
@@ -11,9 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Coroutine, Iterable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import orjson
 
@@ -32,11 +40,9 @@ from sidecar.pool import Connection
 from sidecar.progress import Slot
 from sidecar.rates import COST_HEADER, Rate, RatePoller, with_cost
 from sidecar.request_ids import response_id
+from sidecar.send_writer import SendWriter
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
-from sidecar.upstream import StallWatch, Upstream, upstream_errors, upstream_failure
-
-if TYPE_CHECKING:
-    import aiohttp
+from sidecar.upstream import upstream_errors, upstream_failure
 
 __all__ = ["JSON", "DirectStream", "Relay", "Whole"]
 
@@ -46,7 +52,7 @@ _T = TypeVar("_T")
 # How a non-streamed exchange raced against the client and the drain ended (``Relay._race``).
 _Ended = Literal["done", "left", "cut"]
 # A non-streamed exchange's outcome: the response and its body (None: read into an assembler).
-_Exchanged = tuple["aiohttp.ClientResponse | WholeSink", bytes | None]
+_Exchanged = tuple[WholeSink, bytes | None]
 
 JSON = (b"content-type", b"application/json")
 _SSE = (b"content-type", b"text/event-stream; charset=utf-8")
@@ -72,23 +78,19 @@ class Relay:
     def __init__(
         self,
         upstream: str,
-        generation: Upstream,
+        pools: Pools,
         accounting: Accounting,
         journal: AdmissionJournal,
         drain: Drain,
         assemble: bool,
-        direct: bool = False,
     ) -> None:
         self.upstream = upstream
-        self.generation = generation
         self.accounting = accounting
         self.journal = journal
         self.drain = drain
         # ``sidecar.non_streamed_via_stream``: read whole answers as streams when possible.
         self.assemble = assemble
-        self.pools = Pools(generation.connect_timeout_seconds, generation.read_timeout_seconds)
-        # ``sidecar.protocol_relay``: whole answers on the protocol pool too (``sidecar.direct``).
-        self.direct = direct
+        self.pools = pools
         # Billing's cost rates (``sidecar.rates``), for the estimate on each answer; None: none.
         self.rates: RatePoller | None = None
 
@@ -108,95 +110,19 @@ class Relay:
 
     async def close(self) -> None:
         """Close every upstream connection."""
-        await self.generation.close()
         await self.pools.close()
-
-    async def _open(
-        self, call: Call, body: dict[str, Any], headers: dict[str, str]
-    ) -> aiohttp.ClientResponse:
-        try:
-            return await self.generation.post(
-                self.upstream + call.endpoint, orjson.dumps(body), headers
-            )
-        except upstream_errors() as exc:
-            raise _refusal(exc) from None
 
     # -- streamed --------------------------------------------------------------------------------
 
-    async def stream(
-        self,
-        call: Call,
-        receive: Receive,
-        send: Send,
-        body: dict[str, Any],
-        headers: dict[str, str],
-    ) -> tuple[StreamMeter, RequestStatus, int]:
-        """Relay a streamed request; the meter, the record's status and the HTTP status."""
-        response = await self._open(call, body, headers)
-        if response.status != 200:
-            return await self._refused_stream(call, response, send)
-        meter = StreamMeter(
-            call.client_usage,
-            call.client_continuous,
-            call.started,
-            choices=call.choices,
-            slot=self.journal.slot(call.request_id),
-            rate=self._rate(call) if call.client_usage else None,
-        )
-        if meter.slot is not None:
-            meter.slot.began()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    _SSE,
-                    (b"x-infermeter-request-id", call.request_id.encode()),
-                    *call.echo_headers(),
-                    *call.ratelimit_headers(),
-                ],
-            }
-        )
-        watch = StallWatch(response, self.generation.read_timeout_seconds)
-        loop = asyncio.get_running_loop()
-        relay = loop.create_task(_pump(response, meter, send, watch))
-        watcher = loop.create_task(wait_disconnect(receive))
-        status = RequestStatus.OK
-        read_to_end = False
-        try:
-            await self.drain.until_first(relay, watcher)
-            if not relay.done():
-                relay.cancel()
-                status = (
-                    RequestStatus.CLIENT_ABORTED if watcher.done() else RequestStatus.INTERRUPTED
-                )
-                with contextlib.suppress(asyncio.CancelledError):
-                    await relay
-            elif (exc := relay.exception()) is None:
-                read_to_end = True
-            elif not meter.done:
-                # (A failure after [DONE], while reading the terminator, loses nothing.)
-                status = RequestStatus.UPSTREAM_ERROR
-                log.warning("upstream failed mid-stream on %s: %s", self.accounting.replica, exc)
-        finally:
-            watcher.cancel()
-            watch.cancel()
-            if read_to_end:
-                response.release()
-            else:
-                # Closing the connection is what makes vLLM abort the request.
-                response.close()
-        return await self._end_stream(call, meter, status, send)
-
-    async def _send_direct(
+    async def _send(
         self,
         call: Call,
         body: dict[str, Any],
         headers: dict[str, str],
         sink: StreamSink | WholeSink,
         batched: bool = False,
-    ) -> Connection | None:
-        """Send the request on a pooled connection (plain HTTP or TLS).
+    ) -> Connection:
+        """Send the request on a pooled connection.
 
         ``batched``: on a new connection the replica closes after its answer, which is how the
         end of an answer read in batches is seen (``Connection.batch``).
@@ -214,11 +140,11 @@ class Relay:
         conn.send(head + payload, sink, pool.read_timeout_seconds)
         return conn
 
-    async def open_direct(
+    async def open_stream(
         self, call: Call, body: dict[str, Any], headers: dict[str, str]
-    ) -> DirectStream | None:
-        """Send a streamed request on protocols (``sidecar.direct``). Once this returns, the caller may drop ``body`` and ``headers``: a
-        stream holds neither while it runs (``relay_direct``)."""
+    ) -> DirectStream:
+        """Send a streamed request (``sidecar.direct``). Once this returns, the caller may drop
+        ``body`` and ``headers``: a stream holds neither while it runs (``relay_stream``)."""
         meter = StreamMeter(
             call.client_usage,
             call.client_continuous,
@@ -228,16 +154,23 @@ class Relay:
             rate=self._rate(call) if call.client_usage else None,
         )
         sink = StreamSink(meter, asyncio.get_running_loop())
-        conn = await self._send_direct(call, body, headers, sink)
-        return None if conn is None else (conn, sink)
+        conn = await self._send(call, body, headers, sink)
+        return conn, sink
 
-    async def relay_direct(
-        self, call: Call, send: Send, opened: DirectStream, raw: RawWriter
+    async def relay_stream(
+        self,
+        call: Call,
+        receive: Receive,
+        send: Send,
+        opened: DirectStream,
+        raw: RawWriter | None = None,
     ) -> tuple[StreamMeter, RequestStatus, int]:
-        """``stream`` on protocols, for a request ``open_direct`` sent.
+        """Relay a stream ``open_stream`` sent; the meter, the record's status and the HTTP status.
 
         One coroutine waits on one future for the whole stream (``StreamSink.finished``, which
         the end, the client leaving and the drain's cut all resolve): what an open stream holds.
+        ``raw``: the client's writer, when the server gives one; else blocks go out as ASGI
+        messages (``SendWriter``, whose tasks cost an open stream about 2 KB more).
         """
         conn, sink = opened
         meter = sink.meter
@@ -247,7 +180,7 @@ class Relay:
             if isinstance(got, BaseException):
                 raise _refusal(got)
             if got != 200:
-                return await self._refused_direct(call, conn, sink, send)
+                return await self._refused_stream(call, conn, sink, send)
             if meter.slot is not None:
                 meter.slot.began()
             await send(
@@ -262,13 +195,15 @@ class Relay:
                     ],
                 }
             )
-            sink.go_direct(raw)
+            writer = raw if raw is not None else SendWriter(send, receive)
+            sink.go_direct(writer)
             sink.upstream = conn
-            # The client's connection closing, not ASGI's disconnect message: no task to wait.
-            raw.listener = sink
-            if raw.lost.done():
+            # The client's connection closing (or ASGI's disconnect) tells the sink: no wait of
+            # its own.
+            writer.listener = sink
+            if writer.lost.done():
                 sink.writer_lost()
-            if raw.paused:
+            if writer.paused:
                 conn.pause_reading()
             # (The wait is written out here, not in a coroutine of its own: a frame less per
             # open stream.)
@@ -277,7 +212,10 @@ class Relay:
                     await finished
             finally:
                 self.drain.unwatch(finished)
-                raw.listener = sink.writer = sink.upstream = None
+                writer.listener = sink.writer = sink.upstream = None
+                if isinstance(writer, SendWriter):
+                    # What it keeps goes out before the last event.
+                    await writer.close()
         finally:
             if not finished.done() or finished.cancelled():
                 # Cancelled: closing the connection makes vLLM abort the request.
@@ -285,20 +223,22 @@ class Relay:
         ended = finished.result() if finished.done() else CUT
         status = RequestStatus.OK
         if ended is LEFT or ended is CUT:
-            if raw.lost.done():
+            if writer.lost.done():
                 # What vLLM sent until the client left was spent on it: metered, then dropped.
                 # (A drain's cut bills only what the client was given.)
                 conn.read_received()
             # Closing the connection is what makes vLLM abort the request.
             conn.close()
-            status = RequestStatus.CLIENT_ABORTED if raw.lost.done() else RequestStatus.INTERRUPTED
+            status = (
+                RequestStatus.CLIENT_ABORTED if writer.lost.done() else RequestStatus.INTERRUPTED
+            )
         elif ended is not None and not meter.done:
             # (A failure after [DONE], while reading the terminator, loses nothing.)
             status = RequestStatus.UPSTREAM_ERROR
             log.warning("upstream failed mid-stream on %s: %s", self.accounting.replica, ended)
         return await self._end_stream(call, meter, status, send)
 
-    async def _refused_direct(
+    async def _refused_stream(
         self, call: Call, conn: Connection, sink: StreamSink, send: Send
     ) -> tuple[StreamMeter, RequestStatus, int]:
         # vLLM refuses bad streamed requests with a JSON error before any SSE: pass it on.
@@ -341,26 +281,6 @@ class Relay:
             )
         return meter, status, 200
 
-    async def _refused_stream(
-        self, call: Call, response: aiohttp.ClientResponse, send: Send
-    ) -> tuple[StreamMeter, RequestStatus, int]:
-        # vLLM refuses bad streamed requests with a JSON error before any SSE: pass it on.
-        try:
-            content = await response.read()
-        finally:
-            response.release()
-        status = (
-            RequestStatus.BAD_REQUEST if response.status < 500 else RequestStatus.UPSTREAM_ERROR
-        )
-        meter = StreamMeter(False, False, call.started)
-        at = content.find(b'"usage":{')
-        meter.usage = parse_usage(content[at:]) if at >= 0 else None
-        self.accounting.record(call, status, response.status, meter.usage, None, None)
-        await respond(
-            send, response.status, content, [JSON, *call.echo_headers(), *call.ratelimit_headers()]
-        )
-        return meter, status, response.status
-
     # -- whole -----------------------------------------------------------------------------------
 
     async def whole(
@@ -380,25 +300,14 @@ class Relay:
         if self.assemble and assemblable(call.endpoint, body):
             return await self._assembled(call, receive, send, body, headers, raw)
 
-        direct = self.direct
-
         async def exchange() -> _Exchanged:
-            if direct:
-                sink = await self._exchange_direct(call, body, headers, None)
-                return sink, b"".join(sink.parts)
-            response = await self._open(call, body, headers)
-            try:
-                content = await response.read()
-            except BaseException:
-                response.close()
-                raise
-            response.release()
-            return response, content
+            sink = await self._exchange(call, body, headers, None)
+            return sink, b"".join(sink.parts)
 
-        if direct and raw is not None:
-            work, ended = await self._whole_direct(call, body, headers, None, raw)
+        if raw is not None:
+            work, ended = await self._whole_raw(call, body, headers, None, raw)
         else:
-            work, ended = await self._race(exchange(), receive, None if raw is None else raw.lost)
+            work, ended = await self._race(exchange(), receive)
         if ended == "cut":
             return await self._cut(call, work, send)
         if ended == "left":
@@ -430,9 +339,10 @@ class Relay:
         return usage, status, response.status, finish
 
     async def _race(
-        self, exchange: Coroutine[Any, Any, _T], receive: Receive, lost: asyncio.Future[None] | None
+        self, exchange: Coroutine[Any, Any, _T], receive: Receive
     ) -> tuple[asyncio.Task[_T], _Ended]:
-        """Run a non-streamed ``exchange`` against the client leaving and the drain's cut.
+        """Run a non-streamed ``exchange`` against ASGI's disconnect and the drain's cut (for a
+        server that gives no raw writer; ``_whole_raw`` otherwise).
 
         vLLM sends nothing, not even headers, until a non-streamed completion is done, so the
         whole exchange is raced. ``left``: the client hung up, and the exchange was cancelled,
@@ -441,10 +351,9 @@ class Relay:
         """
         loop = asyncio.get_running_loop()
         work = loop.create_task(exchange)
-        watcher = loop.create_task(wait_disconnect(receive)) if lost is None else lost
+        watcher = loop.create_task(wait_disconnect(receive))
         await self.drain.until_first(work, watcher)
-        if lost is None:
-            watcher.cancel()
+        watcher.cancel()
         if work.done():
             return work, "done"
         if not watcher.done():
@@ -501,33 +410,17 @@ class Relay:
         self.journal.track(call.request_id, assembler)
         slot = self.journal.slot(call.request_id)
 
-        direct = self.direct
+        async def exchange() -> _Exchanged:
+            sink = await self._exchange(call, streamed_body(body), headers, assembler, slot)
+            # A refusal before any SSE is read whole: the same JSON error as for the whole request.
+            return sink, None if sink.streamed else b"".join(sink.parts)
 
-        async def exchange() -> tuple[aiohttp.ClientResponse | WholeSink, bytes | None]:
-            if direct:
-                sink = await self._exchange_direct(
-                    call, streamed_body(body), headers, assembler, slot
-                )
-                return sink, None if sink.streamed else b"".join(sink.parts)
-            response = await self._open(call, streamed_body(body), headers)
-            try:
-                # A refusal before any SSE is the same JSON error as for the whole request.
-                streamed = response.status == 200 and response.content_type == "text/event-stream"
-                whole = None if streamed else await response.read()
-                if streamed:
-                    await self._collect(response, assembler, slot)
-            except BaseException:
-                response.close()
-                raise
-            response.release()
-            return response, whole
-
-        if direct and raw is not None:
-            work, ended = await self._whole_direct(
+        if raw is not None:
+            work, ended = await self._whole_raw(
                 call, streamed_body(body), headers, assembler, raw, slot
             )
         else:
-            work, ended = await self._race(exchange(), receive, None if raw is None else raw.lost)
+            work, ended = await self._race(exchange(), receive)
         if ended == "cut":
             return await self._cut(call, work, send, assembler)
         if ended == "left":
@@ -558,15 +451,15 @@ class Relay:
         # The stream's own content type gives way to the one vLLM gives a whole answer.
         head = response.raw_headers
         if whole is None:
-            head = (
+            head = [
                 (b"content-type", b"application/json"),
                 *((k, v) for k, v in head if k.lower() != b"content-type"),
-            )
+            ]
         content, cost = self._costed(call, out.http_status, out.usage, out.body)
         await respond(send, out.http_status, content, [*whole_headers(call, head), *cost])
         return out.usage, out.status, out.http_status, finish
 
-    async def _whole_direct(
+    async def _whole_raw(
         self,
         call: Call,
         body: dict[str, Any],
@@ -575,7 +468,7 @@ class Relay:
         raw: RawWriter,
         slot: Slot | None = None,
     ) -> tuple[asyncio.Future[_Exchanged], _Ended]:
-        """A whole exchange on the protocol pool, waited for as a stream is (``relay_direct``).
+        """A whole exchange on the protocol pool, waited for as a stream is (``relay_stream``).
 
         The response's end, the client's connection closing (the sink is the client writer's
         listener) and the drain's cut all resolve the sink's one future ``finished``: no task
@@ -587,11 +480,10 @@ class Relay:
         work: asyncio.Future[_Exchanged] = loop.create_future()
         sink = WholeSink(loop, assembler, slot)
         try:
-            conn = await self._send_direct(call, body, headers, sink, assembler is not None)
+            conn = await self._send(call, body, headers, sink, assembler is not None)
         except Exception as exc:
             work.set_exception(exc)
             return work, "done"
-        assert conn is not None
         self._batched(call, sink, conn)
         finished = sink.finished
         raw.listener = sink
@@ -629,7 +521,7 @@ class Relay:
             conn.batch()
         self.journal.track(call.request_id, sink)
 
-    async def _exchange_direct(
+    async def _exchange(
         self,
         call: Call,
         body: dict[str, Any],
@@ -637,10 +529,9 @@ class Relay:
         assembler: Assembler | None,
         slot: Slot | None = None,
     ) -> WholeSink:
-        """A whole exchange on the protocol pool; the same errors as ``_open`` and aiohttp's read."""
+        """A whole exchange on the protocol pool, awaited (``_race`` runs it as a task)."""
         sink = WholeSink(asyncio.get_running_loop(), assembler, slot)
-        conn = await self._send_direct(call, body, headers, sink, assembler is not None)
-        assert conn is not None
+        conn = await self._send(call, body, headers, sink, assembler is not None)
         self._batched(call, sink, conn)
         try:
             exc = await sink.finished
@@ -654,57 +545,6 @@ class Relay:
         if exc is None:
             return sink
         raise _whole_failure(sink, exc)
-
-    async def _collect(
-        self, response: aiohttp.ClientResponse, assembler: Assembler, slot: Slot | None
-    ) -> None:
-        """Read a stream to its end into ``assembler``; the read timeout is per read, as streamed.
-
-        ``slot`` gets the prompt tokens and response id of the first events (``Slot.opening``).
-        """
-        watch = StallWatch(response, self.generation.read_timeout_seconds)
-        clock = time.perf_counter
-        read = response.content.readany
-        try:
-            while not assembler.done:
-                watch.waiting_since = clock()
-                block = await read()
-                watch.waiting_since = None
-                if not block:
-                    break
-                assembler.feed(block)
-                if slot is not None and slot.opening(block):
-                    slot = None
-            if assembler.done:
-                # Read past [DONE] to the chunked terminator, so the connection can be reused.
-                while await read():
-                    pass
-        finally:
-            watch.cancel()
-
-
-async def _pump(
-    response: aiohttp.ClientResponse, meter: StreamMeter, send: Send, watch: StallWatch
-) -> None:
-    """The per-chunk loop: read what has arrived, meter it, send what the client should see.
-
-    It reads past ``data: [DONE]`` to the end of the response (the chunked terminator), so
-    the connection goes back to the pool instead of being closed.
-    """
-    clock = time.perf_counter
-    read = response.content.readany
-    while True:
-        watch.waiting_since = clock()
-        block = await read()
-        watch.waiting_since = None
-        if not block:
-            return
-        if meter.done:
-            # Bytes after [DONE] are not vLLM's stream: stop, and the connection is closed.
-            return
-        out = meter.feed(block, clock())
-        if out:
-            await send({"type": "http.response.body", "body": out, "more_body": True})
 
 
 _UNMETERED = sse_error_event(

@@ -175,21 +175,19 @@ async def client(fleet: Fleet, rid: str, stream: bool, n: int, usage: bool, got:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("relay", "mark_millis"),
+    "mark_millis",
     [
-        # The protocol relay, and no tick before the kill: the slots alone hold the progress.
-        ("protocol", 60_000),
-        # The ASGI relay (aiohttp), ticks every 100 ms: non-streamed requests get their tokens.
-        ("asgi", 100),
+        # No tick before the kill: the slots alone hold the progress.
+        60_000,
+        # Ticks every 100 ms: non-streamed requests get their tokens from the tick too.
+        100,
     ],
 )
-async def test_kill_9_bills_each_request_at_least_what_its_client_received(
-    tmp_path, relay, mark_millis
-):
+async def test_kill_9_bills_each_request_at_least_what_its_client_received(tmp_path, mark_millis):
     """Killed with streamed and non-streamed requests of one and two choices in flight, then
     restarted: each is recorded once, interrupted, with vLLM's prompt tokens, at least the tokens
     its client received and at most those vLLM sent, and the response id vLLM gave it."""
-    fleet = Fleet(tmp_path, journal_mark_millis=mark_millis, protocol_relay=relay == "protocol")
+    fleet = Fleet(tmp_path, journal_mark_millis=mark_millis)
     got = {rid: Got() for rid, *_ in REQUESTS}
     async with fleet.simulator():
         proc = await asyncio.to_thread(fleet.start_sidecar)

@@ -1,10 +1,11 @@
-"""A sidecar loads aiohttp, redis-py, httpx and OpenTelemetry's SDK only when it uses them, and
-never uvicorn.
+"""A sidecar loads redis-py, httpx and OpenTelemetry's SDK only when it uses them, and never
+aiohttp or uvicorn.
 
-Each costs an idle sidecar memory (docs/benchmarks.md): the protocol relay (the default) never
-needs aiohttp, redis-py is for shared limits only, httpx for shipping, a budget's spend or an
-https upstream, and the SDK for exporting spans (the API alone passes a trace on). The sidecar
-serves on its own server (``sidecar.http_server``), so uvicorn is never needed.
+Each costs an idle sidecar memory (docs/benchmarks.md): the relay's one transport is the pool on
+asyncio protocols (``sidecar.pool``), https included, so aiohttp is never needed; redis-py is for
+shared limits only, httpx for shipping or a budget's spend, and the SDK for exporting spans (the
+API alone passes a trace on). The sidecar serves on its own server (``sidecar.http_server``), so
+uvicorn is never needed.
 Checked in a fresh interpreter, since this test process has long imported them all.
 """
 
@@ -58,3 +59,11 @@ def test_shared_limits_load_redis_and_still_not_aiohttp() -> None:
 
 def test_a_budget_spend_loads_httpx() -> None:
     assert _loaded("sidecar.budgets.spend_url=http://127.0.0.1:1") == {"httpx"}
+
+
+def test_an_https_upstream_and_the_old_relay_switch_load_none_of_them() -> None:
+    """``sidecar.protocol_relay: false`` once brought aiohttp in, and an https upstream httpx."""
+    assert (
+        _loaded("sidecar.protocol_relay=false", "replicas.small_0.upstream_url=https://h:1")
+        == set()
+    )

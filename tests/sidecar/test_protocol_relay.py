@@ -1,15 +1,23 @@
-"""The relay on asyncio protocols (``sidecar.protocol_relay``) gives what the ASGI relay gives."""
+"""The relay gives the same behind any ASGI server: with the client's raw writer (the sidecar's own
+server) or with ``send`` and ``receive`` only (plain uvicorn, ``sidecar.send_writer``)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
+import orjson
 import pytest
+import uvicorn
 
 from infermeter.serving import free_port
-from tests.sidecar.conftest import KEYS
+from tests.servers import running
+from tests.sidecar.conftest import KEYS, Stack
+from tests.sidecar.test_proxy_whole import _engine
 
 # The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
 pytestmark = pytest.mark.both_loops
@@ -37,46 +45,103 @@ def _capture_upstream(body: bytes) -> Any:
     return app
 
 
+@contextlib.asynccontextmanager
+async def _clients(stack: Stack) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
+    """A client of the stack's sidecar on its own server, and one of the same sidecar on plain
+    uvicorn, which gives no raw writer."""
+    config = uvicorn.Config(
+        stack.sidecar, "127.0.0.1", free_port(), lifespan="off", log_level="warning"
+    )
+    async with (
+        running(uvicorn.Server(config)) as url,
+        stack.client() as own,
+        httpx.AsyncClient(base_url=url, headers=own.headers, timeout=60) as plain,
+    ):
+        yield own, plain
+
+
 @pytest.mark.parametrize(
     "options",
     [None, {"include_usage": True}, {"include_usage": True, "continuous_usage_stats": True}],
 )
-async def test_a_stream_is_the_same_byte_for_byte_on_either_relay(
+async def test_a_stream_is_the_same_byte_for_byte_behind_either_server(
     stack_factory, fixture_text, options
 ):
-    """A real vLLM capture reaches the client identically through both relays."""
+    """A real vLLM capture reaches the client identically with and without the raw writer."""
     capture = fixture_text("vllm-0.32-chat-stream-continuous-usage.sse").encode()
     body = {**CHAT, "stream": True, **({"stream_options": options} if options else {})}
+    stack = await stack_factory(upstream_app=_capture_upstream(capture))
     seen = []
-    for on in (False, True):
-        stack = await stack_factory(
-            upstream_app=_capture_upstream(capture), **{"sidecar.protocol_relay": on}
-        )
-        async with stack.client() as c:
+    async with _clients(stack) as clients:
+        for c in clients:
             r = await c.post("/v1/chat/completions", json=body)
-        assert r.status_code == 200
-        seen.append(r.content)
-        assert (await stack.records())[-1]["status"] == "ok"
+            assert r.status_code == 200
+            seen.append(r.content)
+            assert (await stack.records())[-1]["status"] == "ok"
     assert seen[0] == seen[1]
     assert seen[1].endswith(b"data: [DONE]\n\n")
 
 
-async def test_whole_answers_and_refusals_are_the_same_on_either_relay(stack_factory):
-    """A non-streamed completion and a 404 for an unknown model answer alike on both relays."""
+@pytest.mark.parametrize("assembled", [True, False])
+async def test_whole_answers_and_refusals_are_the_same_behind_either_server(
+    stack_factory, assembled
+):
+    """A non-streamed completion (assembled from vLLM's stream, or relayed whole) and a 404 for
+    an unknown model answer alike with and without the raw writer."""
+    stack = await stack_factory(**{"sidecar.non_streamed_via_stream": assembled})
     results = []
-    for on in (False, True):
-        stack = await stack_factory(**{"sidecar.protocol_relay": on})
-        async with stack.client() as c:
+    async with _clients(stack) as clients:
+        for c in clients:
             whole = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
             missing = await c.post("/v1/chat/completions", json={**CHAT, "model": "nope"})
-        results.append((whole.status_code, missing.status_code, sorted(whole.json())))
-        assert (await stack.records())[-2]["completion_tokens"] == 4
+            results.append((whole.status_code, missing.status_code, sorted(whole.json())))
+            assert (await stack.records())[-2]["completion_tokens"] == 4
     assert results[0] == results[1] == (200, 404, results[0][2])
 
 
-async def test_an_unreachable_upstream_is_502_on_the_protocol_relay(stack_factory):
+async def test_a_stream_whose_client_leaves_behind_plain_uvicorn_is_aborted_and_billed(
+    stack_factory,
+):
+    """Without the raw writer, ASGI's disconnect ends the stream: vLLM's request is aborted (the
+    upstream connection closed) and the record is client_aborted with what vLLM had sent."""
+    stack = await stack_factory()
+    config = uvicorn.Config(
+        stack.sidecar, "127.0.0.1", free_port(), lifespan="off", log_level="warning"
+    )
+    async with running(uvicorn.Server(config)) as url:
+        reader, writer = await _ask(
+            url, {**CHAT, "stream": True, "max_tokens": 3000, "ignore_eos": True}
+        )
+        got = b""
+        while got.count(b"data: ") < 3:
+            got += await asyncio.wait_for(reader.read(65536), 10)
+        writer.close()
+        for _ in range(100):
+            if await stack.records():
+                break
+            await asyncio.sleep(0.05)
+    (record,) = await stack.records()
+    assert record["status"] == "client_aborted"
+    assert record["completion_tokens"] > 0
+    await asyncio.sleep(0.3)
+    assert (await _engine(stack.upstream))["vllm:num_requests_running"] == 0
+
+
+async def test_a_client_of_plain_uvicorn_that_stops_reading_pauses_the_upstream(stack_factory):
+    """Without the raw writer, ASGI's send waiting on a full socket buffer holds the upstream
+    back too (``sidecar.send_writer``), instead of the sidecar buffering the whole answer."""
+    sent, flood = _flood()
+    stack = await stack_factory(upstream_app=flood)
+    config = uvicorn.Config(
+        stack.sidecar, "127.0.0.1", free_port(), lifespan="off", log_level="warning"
+    )
+    async with running(uvicorn.Server(config)) as url:
+        await _read_nothing(url, sent)
+
+
+async def test_an_unreachable_upstream_is_502(stack_factory):
     """No vLLM listening: a stream is refused with 502 before any SSE, and recorded."""
-    stack = await stack_factory(**{"sidecar.protocol_relay": True})
+    stack = await stack_factory()
     stack.sidecar.upstream = f"http://127.0.0.1:{free_port()}"
     async with stack.client() as c:
         r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
@@ -85,14 +150,12 @@ async def test_an_unreachable_upstream_is_502_on_the_protocol_relay(stack_factor
     assert (await stack.records())[-1]["status"] == "upstream_error"
 
 
-async def test_a_client_that_stops_reading_pauses_the_upstream(stack_factory):
-    """A client that reads nothing holds the upstream back instead of the sidecar buffering it all."""
+def _flood() -> tuple[list[int], Any]:
+    """An upstream that streams 64 MB as fast as it is taken, and how many bytes it has sent."""
     event = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 900 + b'"}}]}\n\n'
-    total = 64 << 20
-    sent = 0
+    sent = [0]
 
     async def flood(scope, receive, send):
-        nonlocal sent
         while (await receive()).get("more_body"):
             pass
         await send(
@@ -103,15 +166,22 @@ async def test_a_client_that_stops_reading_pauses_the_upstream(stack_factory):
             }
         )
         block = event * 64
-        while sent < total:
+        while sent[0] < _FLOOD_BYTES:
             await send({"type": "http.response.body", "body": block, "more_body": True})
-            sent += len(block)
+            sent[0] += len(block)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
-    stack = await stack_factory(upstream_app=flood, **{"sidecar.protocol_relay": True})
-    host, port = stack.url.removeprefix("http://").split(":")
+    return sent, flood
+
+
+_FLOOD_BYTES = 64 << 20
+
+
+async def _ask(url: str, body: dict[str, Any]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Send ``body`` to ``url`` on a connection of its own and read the response's head."""
+    host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
-    payload = b'{"model":"chat-small","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+    payload = orjson.dumps(body)
     writer.write(
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
         b"authorization: Bearer " + KEYS["search"].encode() + b"\r\n"
@@ -119,10 +189,27 @@ async def test_a_client_that_stops_reading_pauses_the_upstream(stack_factory):
     )
     await writer.drain()
     await reader.readuntil(b"\r\n\r\n")
-    deadline = time.monotonic() + 1.5
-    previous = -1
-    while time.monotonic() < deadline and sent != previous:
-        previous = sent
-        await asyncio.sleep(0.5)
-    assert sent < total // 2, f"the upstream wrote {sent} bytes to a client that read none"
-    writer.close()
+    return reader, writer
+
+
+async def _read_nothing(url: str, sent: list[int]) -> None:
+    """Ask ``url`` for a stream, read its head and nothing more: the upstream must stall."""
+    _, writer = await _ask(url, {**CHAT, "stream": True})
+    try:
+        deadline = time.monotonic() + 1.5
+        previous = -1
+        while time.monotonic() < deadline and sent[0] != previous:
+            previous = sent[0]
+            await asyncio.sleep(0.5)
+    finally:
+        writer.close()
+    assert sent[0] < _FLOOD_BYTES // 2, (
+        f"the upstream wrote {sent[0]} bytes to a client that read none"
+    )
+
+
+async def test_a_client_that_stops_reading_pauses_the_upstream(stack_factory):
+    """A client that reads nothing holds the upstream back instead of the sidecar buffering it all."""
+    sent, flood = _flood()
+    stack = await stack_factory(upstream_app=flood)
+    await _read_nothing(stack.url, sent)

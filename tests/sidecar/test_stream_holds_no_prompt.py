@@ -2,7 +2,7 @@
 
 A sidecar holds as many streams as vLLM runs, each for as long as it generates; a prompt of a
 few megabytes kept for each of them would be the largest thing in the process. Once the request
-is sent upstream, its parsed body is dropped (``Relay.open_direct``). Measured with tracemalloc
+is sent upstream, its parsed body is dropped (``Relay.open_stream``). Measured with tracemalloc
 on the allocations made where the body is parsed (``sidecar/admission.py``), while the stream is
 open: the upstream here reads the request and throws it away, so nothing else holds the prompt.
 Likewise for the ``x-ratelimit-*`` headers of a team with limits (about 1 kB a request, made in
