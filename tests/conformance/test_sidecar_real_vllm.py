@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,10 +31,19 @@ def _config(upstream: str) -> Config:
 
 
 @pytest.fixture
-async def sidecar_url(real_vllm: str, tmp_path: Path) -> AsyncIterator[tuple[str, Path]]:
-    """A sidecar in front of real vLLM; its URL and spool directory."""
-    async with serving(Sidecar(_config(real_vllm), "small-0", spool_dir=tmp_path)) as url:
-        yield url, tmp_path
+async def sidecar_url(real_vllm: str, tmp_path: Path) -> AsyncIterator[tuple[str, Sidecar]]:
+    """A sidecar in front of real vLLM; its URL and itself."""
+    app = Sidecar(_config(real_vllm), "small-0", spool_dir=tmp_path)
+    async with serving(app) as url:
+        yield url, app
+
+
+async def _records(app: Sidecar) -> list[dict[str, Any]]:
+    """The sidecar's records, those of the requests ended so far written first (the tick)."""
+    await app.accounting.flush()
+    return [
+        r for seg in sorted(app.spool.directory.glob("seg-*.jsonl")) for r in read_segment(seg)[0]
+    ]
 
 
 async def _counters(url: str) -> tuple[float, float]:
@@ -50,7 +60,7 @@ async def _counters(url: str) -> tuple[float, float]:
 
 async def test_records_equal_real_vllm_counters(real_vllm, sidecar_url):
     """Streamed, non-streamed and refused requests: record totals equal vLLM's counter deltas."""
-    url, spool = sidecar_url
+    url, app = sidecar_url
     before = await _counters(real_vllm)
     async with httpx.AsyncClient(
         base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=120
@@ -74,7 +84,7 @@ async def test_records_equal_real_vllm_counters(real_vllm, sidecar_url):
         )
     assert [r.status_code for r in responses] + [text.status_code] == [200, 200, 200, 400, 200]
     after = await _counters(real_vllm)
-    records = [r for seg in spool.glob("seg-*.jsonl") for r in read_segment(seg)[0]]
+    records = await _records(app)
     assert len(records) == 5
     assert sum(r["prompt_tokens"] for r in records) == after[0] - before[0]
     assert sum(r["completion_tokens"] for r in records) == after[1] - before[1]
@@ -86,7 +96,7 @@ async def test_records_of_several_choices_count_prompts_as_real_vllm_does(real_v
     The usage object counts a prompt once whatever n; prompt_tokens x choices is what vLLM's
     counter moved by, so reconciliation finds nothing unattributed.
     """
-    url, spool = sidecar_url
+    url, app = sidecar_url
     before = await _counters(real_vllm)
     async with httpx.AsyncClient(
         base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=120
@@ -114,7 +124,7 @@ async def test_records_of_several_choices_count_prompts_as_real_vllm_does(real_v
             response = await c.post(path, json=body)
             assert response.status_code == 200, response.text
     after = await _counters(real_vllm)
-    records = [r for seg in spool.glob("seg-*.jsonl") for r in read_segment(seg)[0]]
+    records = await _records(app)
     assert [r["choices"] for r in records] == [2, 3, 2]
     assert sum(r["prompt_tokens"] * r["choices"] for r in records) == after[0] - before[0]
     assert sum(r["completion_tokens"] for r in records) == after[1] - before[1]
@@ -126,7 +136,7 @@ async def test_aborted_stream_difference_is_small_and_reported(real_vllm, sideca
     On a busy CPU, real vLLM sometimes hands over its whole output at once, so the stream can be
     over before the hang-up arrives; such a try is not an abort and is repeated.
     """
-    url, spool = sidecar_url
+    url, app = sidecar_url
     body = {
         "model": "chat-small",
         "messages": MSG,
@@ -135,9 +145,7 @@ async def test_aborted_stream_difference_is_small_and_reported(real_vllm, sideca
         "stream": True,
     }
     for _attempt in range(5):
-        seen_before = {
-            r["request_id"] for seg in spool.glob("seg-*.jsonl") for r in read_segment(seg)[0]
-        }
+        seen_before = {r["request_id"] for r in await _records(app)}
         before = await _counters(real_vllm)
         async with (
             httpx.AsyncClient(
@@ -150,12 +158,7 @@ async def test_aborted_stream_difference_is_small_and_reported(real_vllm, sideca
                     break
         await asyncio.sleep(2.0)
         after = await _counters(real_vllm)
-        (record,) = [
-            r
-            for seg in spool.glob("seg-*.jsonl")
-            for r in read_segment(seg)[0]
-            if r["request_id"] not in seen_before
-        ]
+        (record,) = [r for r in await _records(app) if r["request_id"] not in seen_before]
         if record["status"] == "client_aborted":
             break
     assert record["status"] == "client_aborted"

@@ -28,14 +28,19 @@ _VOLATILE = re.compile(rb'"id":"[^"]*"|"created":\d+')
 
 
 @pytest.fixture
-async def sidecar(real_vllm: str, tmp_path: Path) -> AsyncIterator[tuple[str, Path]]:
-    """A sidecar in front of real vLLM; its URL and spool directory."""
-    async with serving(Sidecar(_config(real_vllm), "small-0", spool_dir=tmp_path)) as url:
-        yield url, tmp_path
+async def sidecar(real_vllm: str, tmp_path: Path) -> AsyncIterator[tuple[str, Sidecar]]:
+    """A sidecar in front of real vLLM; its URL and itself."""
+    app = Sidecar(_config(real_vllm), "small-0", spool_dir=tmp_path)
+    async with serving(app) as url:
+        yield url, app
 
 
-def _records(spool: Path) -> list[dict[str, Any]]:
-    return [r for seg in sorted(spool.glob("seg-*.jsonl")) for r in read_segment(seg)[0]]
+async def _records(app: Sidecar) -> list[dict[str, Any]]:
+    """The sidecar's records, those of the requests ended so far written first (the tick)."""
+    await app.accounting.flush()
+    return [
+        r for seg in sorted(app.spool.directory.glob("seg-*.jsonl")) for r in read_segment(seg)[0]
+    ]
 
 
 def _cut(records: list[dict[str, Any]], max_tokens: int) -> list[dict[str, Any]]:
@@ -77,14 +82,14 @@ async def _engine(client: httpx.AsyncClient, url: str) -> dict[str, float]:
 )
 async def test_the_assembled_body_is_vllms_own_non_streamed_body(real_vllm, sidecar, path, body):
     """Field by field, order and types included, the client gets what vLLM sends unstreamed."""
-    url, spool = sidecar
+    url, app = sidecar
     async with httpx.AsyncClient(timeout=120) as c:
         via = await c.post(f"{url}{path}", json={**body, "model": "chat-small"}, headers=KEY)
         direct = await c.post(f"{real_vllm}{path}", json={**body, "model": "tiny"})
     assert via.status_code == direct.status_code == 200
     assert via.headers["content-type"] == direct.headers["content-type"]
     assert _VOLATILE.sub(b"", via.content) == _VOLATILE.sub(b"", direct.content)
-    (record,) = _records(spool)
+    (record,) = await _records(app)
     assert record["response_id"] == via.json()["id"]
     assert (record["prompt_tokens"], record["completion_tokens"]) == (
         direct.json()["usage"]["prompt_tokens"],
@@ -125,7 +130,7 @@ async def test_abandoned_requests_are_aborted_and_carry_vllms_counts(real_vllm, 
     ``client_aborted`` with the whole answer's tokens, which is true, and does not count as a
     hang-up that stopped vLLM.
     """
-    url, spool = sidecar
+    url, app = sidecar
     wanted, max_tokens = 5, 480
     body = {"model": "chat-small", "messages": MSG, "max_tokens": max_tokens, "ignore_eos": True}
     async with (
@@ -144,7 +149,7 @@ async def test_abandoned_requests_are_aborted_and_carry_vllms_counts(real_vllm, 
         before = await _engine(engine, real_vllm)
         stopped_after: list[float] = []
         tries = 0
-        while len(_cut(_records(spool), max_tokens)) < wanted:
+        while len(_cut(await _records(app), max_tokens)) < wanted:
             assert tries < 40, f"fewer than {wanted} of 40 hang-ups arrived before vLLM finished"
             # The client hangs up when no answer came after a share of the whole answer's time.
             hang_up = httpx.Timeout(120, read=full * (0.2 + 0.05 * (tries % 5)))
@@ -158,7 +163,7 @@ async def test_abandoned_requests_are_aborted_and_carry_vllms_counts(real_vllm, 
             stopped_after.append(time.perf_counter() - hung_up)
         await asyncio.sleep(0.5)
         after = await _engine(engine, real_vllm)
-    records = _records(spool)
+    records = await _records(app)
     aborted = [r for r in records if r["status"] == "client_aborted"]
     assert len(records) == tries
     assert all(r["usage_exact"] and r["response_id"].startswith("chatcmpl-") for r in records)
