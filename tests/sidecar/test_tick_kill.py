@@ -62,12 +62,11 @@ async def answer(fleet: Fleet, rid: str, stream: bool, n: int) -> dict[str, Any]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("relay", ["protocol", "asgi"])
-async def test_kill_9_after_complete_answers_loses_no_record_and_doubles_none(tmp_path, relay):
+async def test_kill_9_after_complete_answers_loses_no_record_and_doubles_none(tmp_path):
     """Killed after its clients had complete answers (streamed and not, one and two choices) and
     before the tick wrote their records, then restarted: each request has exactly one record, ok,
     with the tokens its client was told, its finish reason and its response id."""
-    fleet = Fleet(tmp_path, journal_mark_millis=60_000, protocol_relay=relay == "protocol")
+    fleet = Fleet(tmp_path, journal_mark_millis=60_000)
     async with fleet.simulator():
         proc = await asyncio.to_thread(fleet.start_sidecar)
         try:
