@@ -243,9 +243,13 @@ class Spool:
         """Return once all of ``records`` are on disk: written with one ``write(2)``, then one
         fsync (shared with whatever else waits for it). SpoolError if they cannot be; then some
         of them may be in the file already (billing keeps one record per id)."""
-        if not records:
+        await self.append_lines([self.line(r) for r in records])
+
+    async def append_lines(self, lines: list[bytes]) -> None:
+        """``append_many`` for lines already made (``line``)."""
+        if not lines:
             return
-        self._put_lines([self._line(r) for r in records])
+        self._put_lines(lines)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(future)
         self._urgent = True
@@ -262,7 +266,7 @@ class Spool:
         self, records: Sequence[dict[str, Any]], durable: Callable[[], None] | None = None
     ) -> None:
         """``write`` for a batch, with one ``write(2)``."""
-        self._put_lines([self._line(r) for r in records])
+        self._put_lines([self.line(r) for r in records])
         if durable is not None:
             self._callbacks.append(durable)
         _wake(self._idle)
@@ -273,9 +277,10 @@ class Spool:
 
     def _put(self, record: dict[str, Any]) -> None:
         """Write one record's line to the open segment (one ``write(2)``, on this thread)."""
-        self._put_lines([self._line(record)])
+        self._put_lines([self.line(record)])
 
-    def _line(self, record: dict[str, Any]) -> bytes:
+    def line(self, record: dict[str, Any]) -> bytes:
+        """``record``'s line as this spool writes it: JSON, sealed when it seals, a newline."""
         line = orjson.dumps(record)
         if self.sealer is not None:
             line = self.sealer(line)
