@@ -71,7 +71,7 @@ def scaled_policy(
 ) -> Policy:
     """``policy`` with each invoiced pool's prices scaled to its invoice (``invoice_factors``)."""
     factors = invoice_factors(pool_costs(pools, held), invoices)
-    return replace(policy, book=policy.prices.scaled(factors))
+    return replace(policy, prices=policy.prices.scaled(factors))
 
 
 def with_unmeasured(

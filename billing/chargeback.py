@@ -40,9 +40,7 @@ def policy_from_config(config: Config) -> Policy:
     """The allocation policy the configuration describes."""
     b = config.billing
     return Policy(
-        usd_per_gpu_hour=dict(config.prices.usd_per_gpu_hour),
-        usd_per_kwh=config.prices.usd_per_kwh,
-        pue=config.prices.pue,
+        prices=price_book(config.prices),
         allocation=b.allocation,
         prompt_weight=b.token_weights.prompt,
         completion_weight=b.token_weights.completion,
@@ -50,7 +48,6 @@ def policy_from_config(config: Config) -> Policy:
         platform_account=b.platform_account,
         idle={r.id: (r.idle_policy, r.owner_team) for r in config.replicas},
         replica_model={r.id: r.model for r in config.replicas},
-        book=price_book(config.prices),
     )
 
 

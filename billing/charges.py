@@ -68,11 +68,14 @@ Line = tuple[str, str]  # (team, model)
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """Everything allocation needs besides the measurements: prices and rules."""
+    """Everything allocation needs besides the measurements: prices and rules.
 
-    usd_per_gpu_hour: Mapping[str, float]
-    usd_per_kwh: float = 0.0
-    pue: float = 1.0
+    ``prices`` is the one price object of billing (``billing.pricebook.PriceBook``: node pools,
+    dated rates, energy with its PUE), the same the efficiency figures and the rates are priced
+    by; ``listed`` makes one of list prices by GPU model, as tests and worked examples state them.
+    """
+
+    prices: PriceBook
     allocation: Literal["in_flight", "tokens", "requests"] = "in_flight"
     prompt_weight: float = 1.0
     completion_weight: float = 1.0
@@ -84,16 +87,19 @@ class Policy:
     idle: Mapping[str, tuple[IdlePolicy, str | None]] = field(default_factory=dict)
     # replica group -> model, for idle lines of instances that served nothing in the month.
     replica_model: Mapping[str, str] = field(default_factory=dict)
-    # Node pools and dated prices (``billing.pricebook``); None: ``usd_per_gpu_hour`` by GPU
-    # model and ``usd_per_kwh`` x ``pue`` for every node.
-    book: PriceBook | None = None
 
-    @property
-    def prices(self) -> PriceBook:
-        """The price book allocation prices by: ``book``, or one made of the list prices."""
-        if self.book is not None:
-            return self.book
-        return PriceBook(dict(self.usd_per_gpu_hour), float(self.usd_per_kwh) * float(self.pue))
+    @classmethod
+    def listed(
+        cls,
+        usd_per_gpu_hour: Mapping[str, float],
+        usd_per_kwh: float = 0.0,
+        pue: float = 1.0,
+        **rules: Any,
+    ) -> Policy:
+        """A policy at list prices: ``usd_per_gpu_hour`` by GPU model on every node, energy at
+        ``usd_per_kwh`` x ``pue``; ``rules``: the other fields."""
+        book = PriceBook(dict(usd_per_gpu_hour), float(usd_per_kwh) * float(pue))
+        return cls(book, **rules)
 
 
 CHARGE_SCHEMA: Final = {

@@ -50,7 +50,7 @@ def policy(**kw: Any) -> Policy:
         "pue": 1.5,
         "replica_model": {"r1": "m"},
     }
-    return Policy(**(base | kw))
+    return Policy.listed(**(base | kw))
 
 
 def line(frame: pl.DataFrame, team: str) -> dict[str, Any]:
@@ -222,7 +222,7 @@ def fleets(draw):
         r: draw(st.sampled_from([("spread", None), ("platform", None), ("owner", "d")]))
         for r in REPLICAS
     }
-    p = Policy(
+    p = Policy.listed(
         usd_per_gpu_hour={"H100": draw(st.floats(0, 50)), "L40S": 1.6},
         usd_per_kwh=draw(st.floats(0, 1)),
         pue=draw(st.floats(1, 3)),

@@ -34,7 +34,7 @@ from infermeter.statement import CACHE_SCHEMA
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
 
 MONTH = "2026-10"
-WORKED = Policy(
+WORKED = Policy.listed(
     usd_per_gpu_hour={"L40S": 1.0},
     allocation="tokens",
     prompt_weight=1.0,
@@ -88,13 +88,15 @@ def test_a_team_with_40_percent_cache_hits_pays_less_under_the_tokens_rule(worke
 
 def test_without_a_cached_weight_the_tokens_rule_splits_as_before(worked: Ledger) -> None:
     """A policy that names no cached weight prices a cached prompt token as an uncached one."""
-    plain = Policy(usd_per_gpu_hour={"L40S": 1.0}, allocation="tokens", completion_weight=3.0)
+    plain = Policy.listed(
+        usd_per_gpu_hour={"L40S": 1.0}, allocation="tokens", completion_weight=3.0
+    )
     assert _cents(worked, plain) == {"search": 50, "assistant": 50}
 
 
 def test_in_flight_is_not_discounted_again_for_cache_hits(worked: Ledger) -> None:
     """Under ``in_flight`` the measured time decides: equal time, equal cents, whatever was cached."""
-    in_flight = Policy(
+    in_flight = Policy.listed(
         usd_per_gpu_hour={"L40S": 1.0}, allocation="in_flight", cached_prompt_weight=0.0
     )
     assert _cents(worked, in_flight) == {"search": 50, "assistant": 50}

@@ -175,7 +175,7 @@ def test_a_statement_read_while_batches_commit_adds_up(
     assert written[0] > 25  # the statements were read while the ledger moved
 
 
-POLICY = Policy(
+POLICY = Policy.listed(
     usd_per_gpu_hour={"L40S": 1.6}, idle={"g": ("spread", None)}, replica_model={"g": "chat-small"}
 )
 

@@ -67,9 +67,9 @@ def gpu(instance: str, start: float, seconds: float) -> list[dict[str, Any]]:
 
 
 def policy(rule: str = "platform") -> Policy:
-    return Policy(
+    return Policy.listed(
         usd_per_gpu_hour={"L40S": 6.0},
-        idle={"g": (rule, None)},  # type: ignore[dict-item]
+        idle={"g": (rule, None)},
         replica_model={"g": "chat-small"},
     )
 
@@ -147,7 +147,7 @@ def test_teams_and_idle_add_up_to_the_fleet_cost_to_the_cent(fleet, rule):
     p = policy(rule)
     if rule == "owner":
         p = Policy(
-            usd_per_gpu_hour=p.usd_per_gpu_hour,
+            prices=p.prices,
             idle={"g": ("owner", "research")},
             replica_model=p.replica_model,
         )
@@ -258,7 +258,7 @@ def test_an_old_ledger_upgrades_and_keeps_its_statement(tmp_path):
             [r["gpu_model"], r["replica"], r["slot"], r["gpu_seconds"], r["energy_joules"]],
         )
     con.close()
-    example = Policy(
+    example = Policy.listed(
         usd_per_gpu_hour={"H100": 6.0}, usd_per_kwh=0.20, pue=1.5, replica_model={"r1": "m"}
     )
     ledger = Ledger.open(path, ["search", "assistant"], {})

@@ -360,7 +360,7 @@ def test_allocation_gives_a_killed_pod_the_minute_it_still_held_its_gpu(ledger):
     )
     # Its board is read every 10 s until 2:10, then reported under its name until 7:00.
     keep(ledger, "gpu_samples", gpu("g-k", T0, 420))
-    policy = Policy(
+    policy = Policy.listed(
         usd_per_gpu_hour={"L40S": 6.0},
         idle={"g": ("platform", None)},
         replica_model={"g": "chat-small"},

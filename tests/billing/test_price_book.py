@@ -41,11 +41,8 @@ def _book(**prices: Any) -> Prices:
 
 def _policy(prices: Prices, **kw: Any) -> Policy:
     base: dict[str, Any] = {
-        "usd_per_gpu_hour": dict(prices.usd_per_gpu_hour),
-        "usd_per_kwh": prices.usd_per_kwh,
-        "pue": prices.pue,
+        "prices": price_book(prices),
         "replica_model": {"r1": "m", "r2": "m"},
-        "book": price_book(prices),
     }
     return Policy(**(base | kw))
 

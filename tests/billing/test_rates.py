@@ -11,7 +11,7 @@ from tests.billing.conftest import OCT, batch, gpu_samples, usage
 
 MODELS = ["chat-large", "chat-small"]
 # One L40S at $1.00 an hour, no energy price; chat-small is replica group small-0.
-POLICY = Policy(
+POLICY = Policy.listed(
     usd_per_gpu_hour={"L40S": 1.0},
     prompt_weight=1.0,
     cached_prompt_weight=0.5,
@@ -70,7 +70,9 @@ def test_an_hour_without_work_falls_back_to_the_month_so_far(ledger: Ledger) -> 
 def test_a_gpu_without_a_price_makes_the_rate_unknown(ledger: Ledger) -> None:
     """Unpriced GPU time is not free: the rate is null, not low."""
     _hour(ledger, OCT + 3600, 800, 200, 150)
-    unpriced = Policy(usd_per_gpu_hour={"H100": 4.0}, replica_model={"small-0": "chat-small"})
+    unpriced = Policy.listed(
+        usd_per_gpu_hour={"H100": 4.0}, replica_model={"small-0": "chat-small"}
+    )
     body = rates(ledger, unpriced, MODELS, OCT + 2 * 3600)
     assert body["models"]["chat-small"]["usd_per_weighted_token"] is None
 
@@ -132,6 +134,6 @@ def test_the_rate_uses_the_node_pools_price(ledger: Ledger) -> None:
         }
     )
     _hour(ledger, OCT + 3600, 800, 200, 150)
-    pooled = replace(POLICY, book=price_book(prices))
+    pooled = replace(POLICY, prices=price_book(prices))
     small = rates(ledger, pooled, MODELS, OCT + 2 * 3600 + 30)["models"]["chat-small"]
     assert small["usd_per_weighted_token"] == pytest.approx(0.0004)
