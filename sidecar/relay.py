@@ -214,8 +214,15 @@ class Relay:
                 self.drain.unwatch(finished)
                 writer.listener = sink.writer = sink.upstream = None
                 if isinstance(writer, SendWriter):
-                    # What it keeps goes out before the last event.
-                    await writer.close()
+                    if finished.done() and not finished.cancelled():
+                        # What it keeps goes out before the last event.
+                        try:
+                            await writer.close()
+                        except BaseException:
+                            writer.abort()
+                            raise
+                    else:
+                        writer.abort()
         finally:
             if not finished.done() or finished.cancelled():
                 # Cancelled: closing the connection makes vLLM abort the request.

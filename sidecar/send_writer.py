@@ -14,13 +14,13 @@ This writer offers the same to the relay over those, so one upstream transport s
 - ``lost`` resolves, and the listener is told, when ``receive`` gives ``http.disconnect`` or a
   send fails with ``OSError`` (what ASGI says a server raises on a closed connection).
 
-``close`` sends what is still kept and stops both tasks, before the relay sends the last event.
+``close`` sends what is still kept and stops both tasks, before the relay sends the last event;
+``abort`` stops them at once, for a relay that was cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from infermeter.asgi import Receive, Send
 from infermeter.http_guard import WriterListener
@@ -73,15 +73,19 @@ class SendWriter:
             if self.listener is not None:
                 self.listener.writer_paused()
 
+    def abort(self) -> None:
+        """Stop at once, sending nothing more (the relay was cancelled: a send in progress could
+        keep it waiting on a client that reads nothing)."""
+        self._pump.cancel()
+        self._watch.cancel()
+
     async def close(self) -> None:
         """Send what is kept (unless the client has gone), then stop."""
         self._stopping = True
         self._wake.set()
         self._watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._pump
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._watch
+        # (``wait``: the caller's own cancellation still reaches it; an aborted pump's does not.)
+        await asyncio.wait([self._pump])
 
     async def _run(self) -> None:
         while not self.lost.done():
