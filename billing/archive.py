@@ -36,7 +36,7 @@ Crash safety, step by step (``retain``):
    ledger does not know: the next run checks its files' checksums and completes it. Nothing is
    deleted from the ledger before its rows are durable in the archive, and a row is in the
    ledger or in exactly one listed file, never both for a reader of the ledger
-   (``Ledger.archive_reader``), which reads only the files the ledger lists.
+   (``reader``), which reads only the files the ledger lists.
 
 The archive is a local directory (a mounted volume) or any fsspec URL (an object store:
 ``billing.archive_store`` says how each publishes a file whole without a rename); one retention
@@ -58,12 +58,13 @@ from typing import TYPE_CHECKING, Any, Final
 import duckdb
 import orjson
 
+from billing import closing
 from billing.archive_store import Store, fsync_path, open_store, readable, sha256_of, temp_name
 from infermeter.months import month_bounds, month_of
 from infermeter.records import ENGINE, GPU, USAGE, RecordKind
 
 if TYPE_CHECKING:
-    from billing.ledger import Ledger
+    from billing.keeper import Keeper
     from infermeter.config import RetentionSettings
 
 log = logging.getLogger("infermeter.billing")
@@ -74,13 +75,16 @@ __all__ = [
     "ArchiveError",
     "Manifest",
     "Report",
+    "archived_files",
     "fsync_path",
     "horizon",
+    "horizons",
     "open_store",
     "part_path",
     "reader",
     "retain",
     "retaining",
+    "runs",
     "sha256_of",
     "view_sql",
 ]
@@ -243,11 +247,41 @@ def _check(store: Store, manifest: Manifest) -> None:
             )
 
 
+# -- what the ledger lists of the archive ---------------------------------------------
+
+
+def runs(ledger: Keeper) -> set[tuple[str, str]]:
+    """(run, table) of every retention run the ledger has completed."""
+    with ledger.reader() as cur:
+        rows = cur.execute("SELECT run_id, kind FROM archive_runs").fetchall()
+    return {(str(r), str(k)) for r, k in rows}
+
+
+def horizons(ledger: Keeper) -> dict[str, float]:
+    """Per raw table, the time before which its rows are in the archive."""
+    with ledger.reader() as cur:
+        rows = cur.execute("SELECT kind, max(horizon) FROM archive_runs GROUP BY kind").fetchall()
+    return {str(k): float(h) for k, h in rows}
+
+
+def archived_files(ledger: Keeper) -> dict[str, list[str]]:
+    """Per raw table, the archive's files (their locations) that hold rows that left the ledger."""
+    with ledger.reader() as cur:
+        rows = cur.execute(
+            "SELECT f.kind, r.root || '/' || f.path FROM archive_files f "
+            "JOIN archive_runs r USING (run_id, kind) ORDER BY f.path"
+        ).fetchall()
+    files: dict[str, list[str]] = {}
+    for kind, path in rows:
+        files.setdefault(str(kind), []).append(str(path))
+    return files
+
+
 # -- the run -------------------------------------------------------------------------------
 
 
 def retain(
-    ledger: Ledger,
+    ledger: Keeper,
     root: str | Path,
     raw_days: int,
     now: float | None = None,
@@ -265,10 +299,10 @@ def retain(
         return _retain(ledger, store, raw_days, time.time() if now is None else now, cluster)
 
 
-def _retain(ledger: Ledger, store: Store, raw_days: int, now: float, cluster: str) -> Report:
+def _retain(ledger: Keeper, store: Store, raw_days: int, now: float, cluster: str) -> Report:
     completed = _complete(ledger, store)
     removed = _remove_orphans(store)
-    computed = [m["month"] for m in ledger.months() if not m["closed"] or m["late_records"]]
+    computed = [m["month"] for m in closing.months(ledger) if not m["closed"] or m["late_records"]]
     edge = horizon(now, raw_days, computed)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(4)
     moved: dict[str, int] = {}
@@ -282,7 +316,7 @@ def _retain(ledger: Ledger, store: Store, raw_days: int, now: float, cluster: st
 
 
 def _export(
-    ledger: Ledger, store: Store, kind: RecordKind, run_id: str, edge: float, cluster: str
+    ledger: Keeper, store: Store, kind: RecordKind, run_id: str, edge: float, cluster: str
 ) -> Manifest | None:
     """Write ``kind``'s rows before ``edge`` still in the ledger, one file per month."""
     t = f'"{kind.time_field}"'
@@ -312,7 +346,7 @@ def _export(
             files.append(
                 {"path": rel, "month": month, "rows": rows, "sha256": digest, "bytes": size}
             )
-    current = ledger.archive_horizons().get(kind.table, 0.0)
+    current = horizons(ledger).get(kind.table, 0.0)
     return Manifest(
         run_id,
         kind.table,
@@ -323,7 +357,7 @@ def _export(
     )
 
 
-def _commit(ledger: Ledger, store: Store, manifest: Manifest) -> None:
+def _commit(ledger: Keeper, store: Store, manifest: Manifest) -> None:
     """Delete from the ledger the rows ``manifest``'s files hold, and list the files, at once."""
     kind = next(k for k in RAW_KINDS if k.table == manifest.kind)
     paths = [f"{store.root}/{f['path']}" for f in manifest.files]
@@ -359,9 +393,9 @@ def _commit(ledger: Ledger, store: Store, manifest: Manifest) -> None:
             )
 
 
-def _complete(ledger: Ledger, store: Store) -> list[str]:
+def _complete(ledger: Keeper, store: Store) -> list[str]:
     """Finish the runs whose manifest is written but which the ledger does not list."""
-    known = ledger.archive_runs()
+    known = runs(ledger)
     done = []
     for manifest in _manifests(store):
         if (manifest.run_id, manifest.kind) in known:
@@ -386,14 +420,14 @@ def _remove_orphans(store: Store) -> list[str]:
 
 @contextmanager
 def reader(
-    ledger: Ledger, span: tuple[float, float] | None = None
+    ledger: Keeper, span: tuple[float, float] | None = None
 ) -> Iterator[duckdb.DuckDBPyConnection]:
     """A cursor on ``ledger`` whose raw tables also hold their archived rows (temp views).
 
     ``span``: only the files of the months it touches (a query's range), so a query of this
     week opens none.
     """
-    files = ledger.archived_files()
+    files = archived_files(ledger)
     if span is not None:
         months = {f"/month={m}/" for m in months_between(*span)}
         files = {t: [p for p in paths if any(m in p for m in months)] for t, paths in files.items()}
@@ -408,7 +442,7 @@ def reader(
         yield cursor
 
 
-async def retaining(ledger: Ledger, settings: RetentionSettings, cluster: str = "default") -> None:
+async def retaining(ledger: Keeper, settings: RetentionSettings, cluster: str = "default") -> None:
     """Run retention every ``settings.interval_seconds`` until cancelled (the billing service).
 
     A failed run is logged and tried again at the next interval: what it had not committed is

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 import polars as pl
 
+from billing import closing
 from billing.federation import FEDERATED_SCHEMA, ClusterState, MonthPayload, month_payload
 from billing.ledger import Ledger
 from infermeter.statement import LINE_SCHEMA
@@ -33,7 +34,7 @@ _LINE_COLUMNS = ", ".join(LINE_SCHEMA)
 def closed_months(ledger: Ledger, cluster: str) -> list[dict[str, object]]:
     """Every closed month of this cluster's ledger with its digest and total, oldest first."""
     out: list[dict[str, object]] = []
-    for m in ledger.months():
+    for m in closing.months(ledger):
         if m["closed"]:
             p = payload_of(ledger, cluster, str(m["month"]))
             out.append(
@@ -52,8 +53,9 @@ def payload_of(
 ) -> MonthPayload:
     """A closed month of this cluster's ledger as the federation route serves it, with the
     cluster's price book ``prices``."""
-    basis, pools = ledger.issued_basis(month)
-    return month_payload(cluster, month, basis, pools, ledger.issued_lines(month=month), prices)
+    basis, pools = closing.issued_basis(ledger, month)
+    lines = closing.issued_lines(ledger, month=month)
+    return month_payload(cluster, month, basis, pools, lines, prices)
 
 
 def held_digests(ledger: Ledger, cluster: str) -> dict[str, str]:

@@ -23,7 +23,7 @@ requests.
 
 An hour's rows are a function of the rollups and lifetimes within it, so ingest marks the hours
 a batch touched (``hours_dirty``) in the batch's transaction and the rows are rebuilt later for
-exactly those hours (``Ledger.refresh_hours``); a statement reads the clean hours' rows and
+exactly those hours (``billing.allocation_runs.refresh_hours``); a statement reads the clean hours' rows and
 rebuilds the dirty ones on the fly in its own snapshot, so it is never stale. SQL built by pure
 functions; the ledger runs it.
 """

@@ -41,7 +41,6 @@ import orjson
 import polars as pl
 
 from billing import (
-    closing,
     hourly,
     ingest_sql,
     lifetimes,
@@ -678,52 +677,6 @@ class Ledger:
         if before > self._pruned_before:
             con.execute(lifetimes.prune_sql(), {"before": before})
             self._pruned_before = before
-
-    # -- months (``billing.closing``), read here by the archive and federation -----------
-
-    def months(self) -> list[dict[str, Any]]:
-        """Every month the ledger has data for, with whether it is closed (``closing.months``)."""
-        return closing.months(self)
-
-    def month_state(self, month: str) -> tuple[bool, bool]:
-        """(closed, has late records) for ``month`` (``closing.month_state``)."""
-        return closing.month_state(self, month)
-
-    def issued_lines(self, month: str | None = None, for_month: str | None = None) -> pl.DataFrame:
-        """Frozen statement lines (``closing.issued_lines``)."""
-        return closing.issued_lines(self, month, for_month)
-
-    def issued_basis(self, month: str) -> tuple[str, pl.DataFrame]:
-        """A closed month's basis and node pools (``closing.issued_basis``)."""
-        return closing.issued_basis(self, month)
-
-    # -- the Parquet archive (``billing.archive``) ----------------------------------------
-
-    def archive_runs(self) -> set[tuple[str, str]]:
-        """(run, table) of every retention run the ledger has completed."""
-        with self.reader() as cur:
-            rows = cur.execute("SELECT run_id, kind FROM archive_runs").fetchall()
-        return {(str(r), str(k)) for r, k in rows}
-
-    def archive_horizons(self) -> dict[str, float]:
-        """Per raw table, the time before which its rows are in the archive."""
-        with self.reader() as cur:
-            rows = cur.execute(
-                "SELECT kind, max(horizon) FROM archive_runs GROUP BY kind"
-            ).fetchall()
-        return {str(k): float(h) for k, h in rows}
-
-    def archived_files(self) -> dict[str, list[str]]:
-        """Per raw table, the archive's files that hold its rows that left the ledger."""
-        with self.reader() as cur:
-            rows = cur.execute(
-                "SELECT f.kind, r.root || '/' || f.path FROM archive_files f "
-                "JOIN archive_runs r USING (run_id, kind) ORDER BY f.path"
-            ).fetchall()
-        files: dict[str, list[str]] = {}
-        for kind, path in rows:
-            files.setdefault(str(kind), []).append(str(path))
-        return files
 
 
 # The times a kind's fresh records cover: a request from arrival to end, a sample its interval.

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import Response
 
-from billing import federation_store as store
+from billing import closing, federation_store as store
 from billing.federation import central_focus, central_statement
 from billing.federation_pull import Puller
 from billing.ledger import LedgerError
@@ -66,7 +66,7 @@ async def months(who: Federator, svc: ServicesDep) -> dict[str, Any]:
 async def month(who: Federator, month: Month, svc: ServicesDep) -> Response:
     """A closed month's frozen lines, basis and node pools, with its digest, and this cluster's
     price book; 409 while open."""
-    if not svc.ledger.month_state(month)[0]:
+    if not closing.month_state(svc.ledger, month)[0]:
         raise LedgerError(f"month {month} is not closed: only closed months are federated")
     name = svc.config.billing.cluster_name
     prices = svc.config.prices.model_dump(mode="json")

@@ -7,6 +7,7 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from billing import closing
 from billing.routes.dependencies import Scraper, ServicesDep
 from billing.routes.openapi import errors, text
 
@@ -24,7 +25,7 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz")
 async def readyz(svc: ServicesDep) -> dict[str, str]:
     """The ledger answers a read."""
-    await run_in_threadpool(svc.ledger.months)
+    await run_in_threadpool(closing.months, svc.ledger)
     return {"status": "ready"}
 
 

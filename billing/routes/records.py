@@ -51,7 +51,7 @@ def _run(ledger: Ledger, lookup: Lookup) -> list[dict[str, Any]]:
     names = [f.name for f in USAGE.fields]
     with ledger.reader() as cursor:
         rows = cursor.execute(sql, params).fetchall()
-    if len(rows) < lookup.limit and ledger.archived_files():
+    if len(rows) < lookup.limit and archive.archived_files(ledger):
         with archive.reader(ledger) as cursor:  # records that left for the archive too
             rows = cursor.execute(sql, params).fetchall()
     return [dict(zip(names, row, strict=True)) for row in rows]

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from billing import audit, parquet_export
+from billing import audit, closing, parquet_export
 from billing.breakdown import with_tags
 from billing.routes.breakdown import with_projects
 from billing.routes.dependencies import (
@@ -56,7 +56,7 @@ async def _statement(svc: Services, month: str, who: Caller) -> Statement:
 @router.get("/v1/months", responses=errors(*READ))
 async def months(_: AllReader, svc: ServicesDep) -> list[dict[str, Any]]:
     """Months the ledger has data for, and whether each is closed (readers of every team)."""
-    return await run_in_threadpool(svc.ledger.months)
+    return await run_in_threadpool(closing.months, svc.ledger)
 
 
 @router.post("/v1/months/{month}/close", responses=errors(400, *READ, 409))

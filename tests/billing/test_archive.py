@@ -345,7 +345,7 @@ async def test_the_timer_runs_retention(filled: Ledger, root: str) -> None:
     task = asyncio.create_task(archive.retaining(filled, settings, "eu-west"))
     try:
         for _ in range(200):
-            if len(filled.archive_runs()) == len(archive.RAW_KINDS):  # one run, every table
+            if len(archive.runs(filled)) == len(archive.RAW_KINDS):  # one run, every table
                 break
             await asyncio.sleep(0.05)
     finally:
@@ -353,7 +353,7 @@ async def test_the_timer_runs_retention(filled: Ledger, root: str) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     # Today, November is still open: the horizon is two days before it, as at NOW.
-    assert {kind for _, kind in filled.archive_runs()} == {"usage", "gpu_samples", "engine_samples"}
+    assert {kind for _, kind in archive.runs(filled)} == {"usage", "gpu_samples", "engine_samples"}
     assert _count(filled, f"SELECT count(*) FROM usage WHERE received_at < {HORIZON}") == 0
     written = archive.open_store(root).files("kind=usage")
     assert written

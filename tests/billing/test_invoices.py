@@ -418,8 +418,8 @@ def test_a_reissued_invoice_replaces_its_pools_and_marks_a_closed_month_dirty(
     """A newer file for October replaces the pools it covers, keeps the others, and October,
     already closed, has late changes; November, open, is not marked."""
     invoice_store.import_invoice(ledger, _invoice(pools), now=100.0)
-    closing.freeze(ledger, "2026-10", ledger.issued_lines(), [], now=150.0)
-    assert ledger.month_state("2026-10") == (True, False)
+    closing.freeze(ledger, "2026-10", closing.issued_lines(ledger), [], now=150.0)
+    assert closing.month_state(ledger, "2026-10") == (True, False)
     # Re-issued: the egress row billed to h100 (its ResourceId), l40s items left out.
     reissued = b"\n".join(
         line for line in FOCUS_1_0_CSV.splitlines() if b"i-0l40s" not in line
@@ -438,7 +438,7 @@ def test_a_reissued_invoice_replaces_its_pools_and_marks_a_closed_month_dirty(
     }
     assert stored.changed == (("2026-10", "h100-reserved"),)
     assert stored.dirty_months == ("2026-10",)
-    assert ledger.month_state("2026-10") == (True, True)
+    assert closing.month_state(ledger, "2026-10") == (True, True)
     assert [(i["source"], i["months"]) for i in invoice_store.invoice_imports(ledger)] == [
         ("oct-v2.csv", ["2026-10"]),
         ("oct.csv", ["2026-10", "2026-11"]),
@@ -450,9 +450,9 @@ def test_a_closed_month_the_same_file_leaves_alone_stays_clean(
 ) -> None:
     """Importing a file already kept after closing its month does not mark the month."""
     invoice_store.import_invoice(ledger, _invoice(pools), now=100.0)
-    closing.freeze(ledger, "2026-10", ledger.issued_lines(), [], now=150.0)
+    closing.freeze(ledger, "2026-10", closing.issued_lines(ledger), [], now=150.0)
     invoice_store.import_invoice(ledger, _invoice(pools), now=200.0)
-    assert ledger.month_state("2026-10") == (True, False)
+    assert closing.month_state(ledger, "2026-10") == (True, False)
 
 
 # -- the route and the command, over real HTTP -----------------------------------------------
