@@ -232,12 +232,7 @@ class Spool:
     async def append(self, record: dict[str, Any]) -> None:
         """Return once ``record`` is on disk (written and fsync'ed); SpoolError if it cannot be."""
         self._put(record)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(future)
-        self._urgent = True
-        _wake(self._idle)
-        _wake(self._ticking)
-        await future
+        await self._synced()
 
     async def append_many(self, records: Sequence[dict[str, Any]]) -> None:
         """Return once all of ``records`` are on disk: written with one ``write(2)``, then one
@@ -250,6 +245,10 @@ class Spool:
         if not lines:
             return
         self._put_lines(lines)
+        await self._synced()
+
+    async def _synced(self) -> None:
+        """Return once what is written so far is fsync'ed: the syncer is woken at once."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(future)
         self._urgent = True

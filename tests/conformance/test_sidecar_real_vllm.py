@@ -3,47 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from infermeter.config import DEFAULT_CONFIG, Config
-from infermeter.spool import read_segment
-from sidecar.app import Sidecar
-from tests.servers import serving
+from tests.conformance.sidecar_front import spooled_records
 
 pytestmark = pytest.mark.real_vllm
 
 MSG = [{"role": "user", "content": "Hello world 123"}]
-
-
-def _config(upstream: str) -> Config:
-    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    data["models"][1].update(approved_versions=["tiny"], serve_version="tiny", max_model_len=512)
-    data["replicas"][1].update(upstream_url=upstream, served_version="tiny", max_num_seqs=8)
-    data["teams"][0]["limits"] = {}
-    return Config.model_validate(data)
-
-
-@pytest.fixture
-async def sidecar_url(real_vllm: str, tmp_path: Path) -> AsyncIterator[tuple[str, Sidecar]]:
-    """A sidecar in front of real vLLM; its URL and itself."""
-    app = Sidecar(_config(real_vllm), "small-0", spool_dir=tmp_path)
-    async with serving(app) as url:
-        yield url, app
-
-
-async def _records(app: Sidecar) -> list[dict[str, Any]]:
-    """The sidecar's records, those of the requests ended so far written first (the tick)."""
-    await app.accounting.flush()
-    return [
-        r for seg in sorted(app.spool.directory.glob("seg-*.jsonl")) for r in read_segment(seg)[0]
-    ]
 
 
 async def _counters(url: str) -> tuple[float, float]:
@@ -58,9 +27,9 @@ async def _counters(url: str) -> tuple[float, float]:
     return values["vllm:prompt_tokens_total"], values["vllm:generation_tokens_total"]
 
 
-async def test_records_equal_real_vllm_counters(real_vllm, sidecar_url):
+async def test_records_equal_real_vllm_counters(real_vllm, sidecar):
     """Streamed, non-streamed and refused requests: record totals equal vLLM's counter deltas."""
-    url, app = sidecar_url
+    url, app = sidecar
     before = await _counters(real_vllm)
     async with httpx.AsyncClient(
         base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=120
@@ -84,19 +53,19 @@ async def test_records_equal_real_vllm_counters(real_vllm, sidecar_url):
         )
     assert [r.status_code for r in responses] + [text.status_code] == [200, 200, 200, 400, 200]
     after = await _counters(real_vllm)
-    records = await _records(app)
+    records = await spooled_records(app)
     assert len(records) == 5
     assert sum(r["prompt_tokens"] for r in records) == after[0] - before[0]
     assert sum(r["completion_tokens"] for r in records) == after[1] - before[1]
 
 
-async def test_records_of_several_choices_count_prompts_as_real_vllm_does(real_vllm, sidecar_url):
+async def test_records_of_several_choices_count_prompts_as_real_vllm_does(real_vllm, sidecar):
     """n > 1 and a batch of prompts: vLLM counts each prompt once per choice, the record says n.
 
     The usage object counts a prompt once whatever n; prompt_tokens x choices is what vLLM's
     counter moved by, so reconciliation finds nothing unattributed.
     """
-    url, app = sidecar_url
+    url, app = sidecar
     before = await _counters(real_vllm)
     async with httpx.AsyncClient(
         base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=120
@@ -124,19 +93,19 @@ async def test_records_of_several_choices_count_prompts_as_real_vllm_does(real_v
             response = await c.post(path, json=body)
             assert response.status_code == 200, response.text
     after = await _counters(real_vllm)
-    records = await _records(app)
+    records = await spooled_records(app)
     assert [r["choices"] for r in records] == [2, 3, 2]
     assert sum(r["prompt_tokens"] * r["choices"] for r in records) == after[0] - before[0]
     assert sum(r["completion_tokens"] for r in records) == after[1] - before[1]
 
 
-async def test_aborted_stream_difference_is_small_and_reported(real_vllm, sidecar_url):
+async def test_aborted_stream_difference_is_small_and_reported(real_vllm, sidecar):
     """A client hanging up: vLLM aborts; what it generated past the last relayed chunk is a few tokens.
 
     On a busy CPU, real vLLM sometimes hands over its whole output at once, so the stream can be
     over before the hang-up arrives; such a try is not an abort and is repeated.
     """
-    url, app = sidecar_url
+    url, app = sidecar
     body = {
         "model": "chat-small",
         "messages": MSG,
@@ -145,7 +114,7 @@ async def test_aborted_stream_difference_is_small_and_reported(real_vllm, sideca
         "stream": True,
     }
     for _attempt in range(5):
-        seen_before = {r["request_id"] for r in await _records(app)}
+        seen_before = {r["request_id"] for r in await spooled_records(app)}
         before = await _counters(real_vllm)
         async with (
             httpx.AsyncClient(
@@ -158,7 +127,7 @@ async def test_aborted_stream_difference_is_small_and_reported(real_vllm, sideca
                     break
         await asyncio.sleep(2.0)
         after = await _counters(real_vllm)
-        (record,) = [r for r in await _records(app) if r["request_id"] not in seen_before]
+        (record,) = [r for r in await spooled_records(app) if r["request_id"] not in seen_before]
         if record["status"] == "client_aborted":
             break
     assert record["status"] == "client_aborted"

@@ -6,18 +6,13 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from infermeter.spool import read_segment
-from sidecar.app import Sidecar
-from tests.conformance.test_sidecar_real_vllm import _config
-from tests.servers import serving
+from tests.conformance.sidecar_front import spooled_records
 
 pytestmark = pytest.mark.real_vllm
 
@@ -25,22 +20,6 @@ MSG = [{"role": "user", "content": "Hello world 123"}]
 KEY = {"authorization": "Bearer im-demo-search"}
 # What differs between two answers to the same request: vLLM's id and its creation second.
 _VOLATILE = re.compile(rb'"id":"[^"]*"|"created":\d+')
-
-
-@pytest.fixture
-async def sidecar(real_vllm: str, tmp_path: Path) -> AsyncIterator[tuple[str, Sidecar]]:
-    """A sidecar in front of real vLLM; its URL and itself."""
-    app = Sidecar(_config(real_vllm), "small-0", spool_dir=tmp_path)
-    async with serving(app) as url:
-        yield url, app
-
-
-async def _records(app: Sidecar) -> list[dict[str, Any]]:
-    """The sidecar's records, those of the requests ended so far written first (the tick)."""
-    await app.accounting.flush()
-    return [
-        r for seg in sorted(app.spool.directory.glob("seg-*.jsonl")) for r in read_segment(seg)[0]
-    ]
 
 
 def _cut(records: list[dict[str, Any]], max_tokens: int) -> list[dict[str, Any]]:
@@ -89,7 +68,7 @@ async def test_the_assembled_body_is_vllms_own_non_streamed_body(real_vllm, side
     assert via.status_code == direct.status_code == 200
     assert via.headers["content-type"] == direct.headers["content-type"]
     assert _VOLATILE.sub(b"", via.content) == _VOLATILE.sub(b"", direct.content)
-    (record,) = await _records(app)
+    (record,) = await spooled_records(app)
     assert record["response_id"] == via.json()["id"]
     assert (record["prompt_tokens"], record["completion_tokens"]) == (
         direct.json()["usage"]["prompt_tokens"],
@@ -149,7 +128,7 @@ async def test_abandoned_requests_are_aborted_and_carry_vllms_counts(real_vllm, 
         before = await _engine(engine, real_vllm)
         stopped_after: list[float] = []
         tries = 0
-        while len(_cut(await _records(app), max_tokens)) < wanted:
+        while len(_cut(await spooled_records(app), max_tokens)) < wanted:
             assert tries < 40, f"fewer than {wanted} of 40 hang-ups arrived before vLLM finished"
             # The client hangs up when no answer came after a share of the whole answer's time.
             hang_up = httpx.Timeout(120, read=full * (0.2 + 0.05 * (tries % 5)))
@@ -163,7 +142,7 @@ async def test_abandoned_requests_are_aborted_and_carry_vllms_counts(real_vllm, 
             stopped_after.append(time.perf_counter() - hung_up)
         await asyncio.sleep(0.5)
         after = await _engine(engine, real_vllm)
-    records = await _records(app)
+    records = await spooled_records(app)
     aborted = [r for r in records if r["status"] == "client_aborted"]
     assert len(records) == tries
     assert all(r["usage_exact"] and r["response_id"].startswith("chatcmpl-") for r in records)
