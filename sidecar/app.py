@@ -81,7 +81,7 @@ from sidecar.state import View, build_view
 from sidecar.stream import StreamMeter, UsageCounts
 from sidecar.tags import TagRefusal, project_of
 from sidecar.team_limits import LimitsUnavailable, team_limiter, team_limits
-from sidecar.upstream import upstream_errors, upstream_failure
+from sidecar.upstream import UPSTREAM_ERRORS, upstream_failure
 
 if TYPE_CHECKING:
     import httpx
@@ -524,7 +524,7 @@ class Sidecar:
             return
         try:
             r = await self._fetch("/metrics", {}, 10.0)
-        except upstream_errors() as exc:
+        except UPSTREAM_ERRORS as exc:
             status, body = upstream_failure(exc)
             await respond(send, status, body, [JSON])
             return
@@ -537,7 +537,7 @@ class Sidecar:
             r = await self._fetch("/health", {}, 2.0)
             if r.status != 200:
                 problems.append(f"upstream /health answered {r.status}")
-        except upstream_errors() as exc:
+        except UPSTREAM_ERRORS as exc:
             problems.append(f"upstream unreachable: {type(exc).__name__}")
         if self.accounting.refusing:
             problems.append("usage spool is not writable")
@@ -571,7 +571,7 @@ class Sidecar:
                 self._upstream_headers(scope["headers"], None),
                 self.settings.read_timeout_seconds,
             )
-        except upstream_errors() as exc:
+        except UPSTREAM_ERRORS as exc:
             status, body = upstream_failure(exc)
             await respond(send, status, body, [JSON])
             return

@@ -19,7 +19,7 @@ from typing import Any
 
 from infermeter.asgi import Receive, Scope, Send
 from sidecar.fetch import fetch
-from sidecar.upstream import upstream_errors
+from sidecar.upstream import UPSTREAM_ERRORS
 
 __all__ = ["EngineMetricsOnly"]
 
@@ -53,7 +53,7 @@ class EngineMetricsOnly:
         else:
             try:
                 status, kind, body = await self.page()
-            except upstream_errors() as exc:
+            except UPSTREAM_ERRORS as exc:
                 await _respond(
                     send, 503, f"engine unreachable: {type(exc).__name__}\n".encode(), _TEXT
                 )

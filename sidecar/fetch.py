@@ -4,7 +4,7 @@ The generation requests' connection pool (``sidecar.pool``) serves these too, ov
 beside a vLLM pod or TLS to an https upstream: no second HTTP client (httpx, loaded for three
 small GETs, was several MB of every sidecar's memory, ``docs/benchmarks.md``).
 
-Failures raise what ``sidecar.upstream.upstream_errors`` lists: ``UpstreamError`` from the pool,
+Failures raise what ``sidecar.upstream.UPSTREAM_ERRORS`` lists: ``UpstreamError`` from the pool,
 ``TimeoutError`` past ``timeout_seconds``.
 """
 

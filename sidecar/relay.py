@@ -42,7 +42,7 @@ from sidecar.rates import COST_HEADER, Rate, RatePoller, with_cost
 from sidecar.request_ids import response_id
 from sidecar.send_writer import SendWriter
 from sidecar.stream import StreamMeter, UsageCounts, parse_usage
-from sidecar.upstream import upstream_errors, upstream_failure
+from sidecar.upstream import UPSTREAM_ERRORS, upstream_failure
 
 __all__ = ["JSON", "DirectStream", "Relay", "Whole"]
 
@@ -131,7 +131,7 @@ class Relay:
         pool = target.pool
         try:
             conn = await pool.connection(new=batched)
-        except upstream_errors() as exc:
+        except UPSTREAM_ERRORS as exc:
             raise _refusal(exc) from None
         if batched:
             headers = {**headers, "connection": "close"}
@@ -324,7 +324,7 @@ class Relay:
         try:
             response, content = work.result()
             assert content is not None  # (read whole: there is no assembler)
-        except upstream_errors() as exc:
+        except UPSTREAM_ERRORS as exc:
             code, message = upstream_failure(exc)
             raise Refusal(
                 code,
@@ -366,7 +366,7 @@ class Relay:
         if not watcher.done():
             return work, "cut"
         work.cancel()
-        with contextlib.suppress(asyncio.CancelledError, *upstream_errors(), Refusal):
+        with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, Refusal):
             await work
         return work, "left"
 
@@ -379,7 +379,7 @@ class Relay:
         had spent when it was cut.
         """
         work.cancel()
-        with contextlib.suppress(asyncio.CancelledError, *upstream_errors(), Refusal):
+        with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, Refusal):
             await work
         usage = None
         if assembler is not None:
@@ -440,7 +440,7 @@ class Relay:
         call.response_id = assembler.response_id
         try:
             response, whole = work.result()
-        except upstream_errors() as exc:
+        except UPSTREAM_ERRORS as exc:
             code, message = upstream_failure(exc)
             usage = assembler.usage_so_far()
             with contextlib.suppress(SpoolError):

@@ -14,15 +14,10 @@ import asyncio
 from infermeter.errors import error_body
 from sidecar.pool import UpstreamError
 
-__all__ = ["upstream_errors", "upstream_failure"]
+__all__ = ["UPSTREAM_ERRORS", "upstream_failure"]
 
-# What a failed exchange with the replica raises.
-_ERRORS: tuple[type[BaseException], ...] = (asyncio.TimeoutError, UpstreamError)
-
-
-def upstream_errors() -> tuple[type[BaseException], ...]:
-    """What a failed exchange with the replica raises (for ``except``)."""
-    return _ERRORS
+# What a failed exchange with the replica raises (for ``except``).
+UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (asyncio.TimeoutError, UpstreamError)
 
 
 def upstream_failure(exc: BaseException) -> tuple[int, bytes]:

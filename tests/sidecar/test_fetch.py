@@ -17,7 +17,7 @@ from infermeter.serving import free_port
 from sidecar.direct import Pools
 from sidecar.fetch import fetch
 from sidecar.pool import UpstreamError
-from sidecar.upstream import upstream_errors, upstream_failure
+from sidecar.upstream import UPSTREAM_ERRORS, upstream_failure
 from tests.servers import serving
 from tests.sidecar.conftest import METRICS_TOKEN, StackFactory
 
@@ -174,6 +174,6 @@ async def test_an_https_replica_with_an_untrusted_certificate_is_an_upstream_err
     async with _https_replica(cert, key, []) as base:
         with pytest.raises(UpstreamError) as caught:
             await fetch(Pools(1.0, 5.0), base, "/health", {}, 2.0)
-    assert isinstance(caught.value, upstream_errors())
+    assert isinstance(caught.value, UPSTREAM_ERRORS)
     assert isinstance(caught.value.__cause__, ssl.SSLCertVerificationError)
     assert upstream_failure(caught.value)[0] == 502
