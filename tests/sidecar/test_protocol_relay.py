@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,8 +16,12 @@ import pytest
 import uvicorn
 
 from infermeter.serving import free_port
-from tests.servers import running
-from tests.sidecar.conftest import KEYS, Stack
+from infermeter.spool import read_segment
+from sidecar.app import Sidecar
+from simulator.replica import ReplicaSim, replica_spec
+from tests.servers import running, serving
+from tests.sidecar.conftest import KEYS, Stack, make_config
+from tests.sidecar.test_fetch import _certificate
 from tests.sidecar.test_proxy_whole import _engine
 
 # The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
@@ -148,6 +153,46 @@ async def test_an_unreachable_upstream_is_502(stack_factory):
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_unreachable"
     assert (await stack.records())[-1]["status"] == "upstream_error"
+
+
+@pytest.mark.parametrize("assembled", [True, False])
+async def test_an_https_upstream_serves_streams_and_whole_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, assembled: bool
+) -> None:
+    """A replica behind TLS takes the same pool: a stream and a whole answer (assembled from
+    vLLM's stream, or relayed whole) come through and are metered."""
+    cert, key = _certificate(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # read when the pool makes its SSL context
+    port = free_port()
+    config = make_config(
+        f"https://127.0.0.1:{port}", **{"sidecar.non_streamed_via_stream": assembled}
+    )
+    replica = uvicorn.Config(
+        ReplicaSim(replica_spec(config, "small-0")),
+        "127.0.0.1",
+        port,
+        ssl_certfile=str(cert),
+        ssl_keyfile=str(key),
+        log_level="warning",
+    )
+    sidecar = Sidecar(config, "small-0", spool_dir=tmp_path / "spool")
+    async with (
+        running(uvicorn.Server(replica)),
+        serving(sidecar, limits=sidecar.server_limits) as url,
+        httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {KEYS['search']}"}) as c,
+    ):
+        streamed = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        whole = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+        await sidecar.accounting.flush()
+    assert streamed.status_code == whole.status_code == 200
+    assert streamed.content.endswith(b"data: [DONE]\n\n")
+    assert whole.json()["usage"]["completion_tokens"] == 4
+    records = [
+        r
+        for seg in sorted(sidecar.spool.directory.glob("seg-*.jsonl"))
+        for r in read_segment(seg)[0]
+    ]
+    assert [(r["status"], r["completion_tokens"]) for r in records] == [("ok", 16), ("ok", 4)]
 
 
 def _flood() -> tuple[list[int], Any]:
