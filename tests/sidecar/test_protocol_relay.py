@@ -258,3 +258,17 @@ async def test_a_client_that_stops_reading_pauses_the_upstream(stack_factory):
     sent, flood = _flood()
     stack = await stack_factory(upstream_app=flood)
     await _read_nothing(stack.url, sent)
+
+
+def test_the_old_relay_switch_still_loads_and_says_it_has_no_effect(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``sidecar.protocol_relay: false`` (which once chose aiohttp) keeps a config loading, and
+    the sidecar says at start that it changes nothing; true, the default, says nothing."""
+    for value in (True, False):
+        config = make_config("http://127.0.0.1:1", **{"sidecar.protocol_relay": value})
+        caplog.clear()
+        Sidecar(config, "small-0", spool_dir=tmp_path / str(value))
+        warned = [r.getMessage() for r in caplog.records if "protocol_relay" in r.getMessage()]
+        said = "sidecar.protocol_relay: false has no effect: one relay serves every request"
+        assert warned == ([] if value else [said])
