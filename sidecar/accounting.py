@@ -1,7 +1,7 @@
 """Accounting: what a finished request leaves behind, its usage record, metrics and span.
 
-A record is made whatever the path that served the request (the ASGI relay, the protocol relay,
-a refusal). On the request's path only what makes a crash recoverable is done: before the client
+A record is made whatever the path that served the request (a stream, a whole answer, a
+refusal). On the request's path only what makes a crash recoverable is done: before the client
 sees the end of its response, how the request ended goes into its admission-journal slot
 (``Slot.end``: memory stores into a shared mapping, which a process killed at any instruction
 after them leaves in the kernel's page cache). Its record then waits for the tick: every
