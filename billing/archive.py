@@ -22,7 +22,9 @@ The archive is plain Hive-partitioned Parquet,
 ``<root>/kind=<table>/cluster=<billing.cluster_name>/month=YYYY-MM/part-<run>.parquet``, readable
 by any engine (one dataset per table, its clusters and months as columns, so several clusters
 may share one bucket); a run's manifest, ``<root>/_manifests/<run>-<table>.json`` (files,
-rows, SHA-256 of each file, time range, horizon), is written last. ``_``-prefixed paths are
+rows, SHA-256 of each file, time range, horizon), is written last. Clusters that share a root
+see only their own partition and manifests (``_owned``): one cluster's retention never completes
+or removes another's files. ``_``-prefixed paths are
 skipped by Hive readers.
 
 Crash safety, step by step (``retain``):
@@ -185,8 +187,22 @@ def part_path(table: str, month: str, run_id: str, cluster: str = "default") -> 
     return f"kind={table}/cluster={cluster}/month={month}/part-{run_id}.parquet"
 
 
-def manifest_path(run_id: str, table: str) -> str:
-    return f"{MANIFESTS}/{run_id}-{table}.json"
+def manifest_path(run_id: str, table: str, cluster: str = "default") -> str:
+    """Where ``cluster``'s run ``run_id`` of ``table`` lists its files (its commit point)."""
+    return f"{MANIFESTS}/cluster={cluster}/{run_id}-{table}.json"
+
+
+def _owned(rel: str, cluster: str) -> bool:
+    """Whether the archive's file ``rel`` is this cluster's to complete or remove.
+
+    Several clusters may share one archive root: each sees only its own partition
+    (``cluster=<name>``), and the files of the layout before it (``kind=<t>/month=...``,
+    ``_manifests/<run>.json``), which a single ledger wrote.
+    """
+    parts = rel.split("/")
+    if parts[0] == MANIFESTS:
+        return len(parts) == 2 or parts[1] == f"cluster={cluster}"
+    return len(parts) > 1 and (parts[1] == f"cluster={cluster}" or parts[1].startswith("month="))
 
 
 def months_between(lo: float, hi: float) -> list[str]:
@@ -229,11 +245,12 @@ def _select_sql(kind: RecordKind, lo: float, hi: float) -> str:
 # -- files ---------------------------------------------------------------------------------
 
 
-def _manifests(store: Store) -> list[Manifest]:
+def _manifests(store: Store, cluster: str) -> list[tuple[str, Manifest]]:
+    """``cluster``'s manifests in the archive, each with where it is."""
     return [
-        Manifest.from_bytes(store.read_bytes(rel))
+        (rel, Manifest.from_bytes(store.read_bytes(rel)))
         for rel in store.files(MANIFESTS)
-        if rel.endswith(".json")
+        if rel.endswith(".json") and _owned(rel, cluster)
     ]
 
 
@@ -300,8 +317,8 @@ def retain(
 
 
 def _retain(ledger: Keeper, store: Store, raw_days: int, now: float, cluster: str) -> Report:
-    completed = _complete(ledger, store)
-    removed = _remove_orphans(store)
+    completed = _complete(ledger, store, cluster)
+    removed = _remove_orphans(store, cluster)
     computed = [m["month"] for m in closing.months(ledger) if not m["closed"] or m["late_records"]]
     edge = horizon(now, raw_days, computed)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(4)
@@ -309,8 +326,9 @@ def _retain(ledger: Keeper, store: Store, raw_days: int, now: float, cluster: st
     for kind in RAW_KINDS:
         manifest = _export(ledger, store, kind, run_id, edge, cluster)
         if manifest is not None:
-            store.write_bytes(manifest_path(run_id, kind.table), manifest.to_bytes())
-            _commit(ledger, store, manifest)
+            rel = manifest_path(run_id, kind.table, cluster)
+            store.write_bytes(rel, manifest.to_bytes())
+            _commit(ledger, store, manifest, rel)
         moved[kind.table] = manifest.rows if manifest else 0
     return Report(edge, moved, completed, removed)
 
@@ -357,8 +375,8 @@ def _export(
     )
 
 
-def _commit(ledger: Keeper, store: Store, manifest: Manifest) -> None:
-    """Delete from the ledger the rows ``manifest``'s files hold, and list the files, at once."""
+def _commit(ledger: Keeper, store: Store, manifest: Manifest, rel: str) -> None:
+    """Delete from the ledger the rows ``manifest`` (at ``rel``) lists, and list its files, at once."""
     kind = next(k for k in RAW_KINDS if k.table == manifest.kind)
     paths = [f"{store.root}/{f['path']}" for f in manifest.files]
     idf, t = f'"{kind.id_field}"', f'"{kind.time_field}"'
@@ -378,7 +396,7 @@ def _commit(ledger: Keeper, store: Store, manifest: Manifest) -> None:
                 manifest.horizon,
                 manifest.refuse_before,
                 store.root,
-                manifest_path(manifest.run_id, kind.table),
+                rel,
                 manifest.rows,
                 time.time(),
             ],
@@ -393,25 +411,28 @@ def _commit(ledger: Keeper, store: Store, manifest: Manifest) -> None:
             )
 
 
-def _complete(ledger: Keeper, store: Store) -> list[str]:
-    """Finish the runs whose manifest is written but which the ledger does not list."""
+def _complete(ledger: Keeper, store: Store, cluster: str) -> list[str]:
+    """Finish this cluster's runs whose manifest is written but which the ledger does not list."""
     known = runs(ledger)
     done = []
-    for manifest in _manifests(store):
+    for rel, manifest in _manifests(store, cluster):
         if (manifest.run_id, manifest.kind) in known:
             continue
         _check(store, manifest)
-        _commit(ledger, store, manifest)
+        _commit(ledger, store, manifest, rel)
         done.append(f"{manifest.run_id}-{manifest.kind}")
     return done
 
 
-def _remove_orphans(store: Store) -> list[str]:
-    """Delete files no manifest names (a run that stopped before its manifest) and temp files."""
-    named = {f["path"] for m in _manifests(store) for f in m.files}
+def _remove_orphans(store: Store, cluster: str) -> list[str]:
+    """Delete this cluster's files no manifest names (a run that stopped before its manifest)
+    and temp files; another cluster's, sharing the root, are not this ledger's to judge."""
+    named = {f["path"] for _, m in _manifests(store, cluster) for f in m.files}
     removed = []
     for kind in RAW_KINDS:
         for rel in store.files(f"kind={kind.table}"):
+            if not _owned(rel, cluster):
+                continue
             if temp_name(rel) or rel not in named:
                 store.remove(rel)
                 removed.append(rel)

@@ -227,9 +227,9 @@ class UrlStore:
         return digest.hexdigest()
 
     def files(self, prefix: str) -> list[str]:
-        base = self.fs._strip_protocol(self.path).rstrip("/")
         found = self.fs.find(f"{self.path}/{prefix}")
-        return sorted(str(p)[len(base) + 1 :] for p in found if str(p).startswith(base + "/"))
+        base = self.path + "/"
+        return sorted(str(p)[len(base) :] for p in found if str(p).startswith(base))
 
     def remove(self, rel: str) -> None:
         self.fs.rm_file(f"{self.path}/{rel}")

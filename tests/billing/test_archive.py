@@ -255,7 +255,7 @@ def test_a_run_that_stopped_after_its_manifest_is_completed(filled: Ledger, root
     )
     assert manifest is not None
     archive.open_store(root).write_bytes(
-        archive.manifest_path("crashed", "usage"), manifest.to_bytes()
+        archive.manifest_path("crashed", "usage", "default"), manifest.to_bytes()
     )
     report = archive.retain(filled, root, 35, now=NOW)
     assert report.completed == ["crashed-usage"]
@@ -294,12 +294,48 @@ def test_an_altered_file_stops_the_run_and_deletes_nothing(filled: Ledger, root:
     total = _count(filled, "SELECT count(*) FROM usage")
     manifest = archive._export(filled, store, archive.RAW_KINDS[0], "crashed", HORIZON, "default")
     assert manifest is not None
-    store.write_bytes(archive.manifest_path("crashed", "usage"), manifest.to_bytes())
+    store.write_bytes(archive.manifest_path("crashed", "usage", "default"), manifest.to_bytes())
     store.remove(manifest.files[0]["path"])
     store.write_bytes(manifest.files[0]["path"], b"not parquet")
     with pytest.raises(archive.ArchiveError, match="missing or not what manifest crashed-usage"):
         archive.retain(filled, root, 35, now=NOW)
     assert _count(filled, "SELECT count(*) FROM usage") == total
+
+
+def test_clusters_sharing_a_root_leave_each_other_alone(
+    filled: Ledger, root: str, config: Config, tmp_path: Path
+) -> None:
+    """Another cluster's run, stopped before or after its manifest, is neither removed nor
+    completed by this cluster's retention: only its own ledger may do either."""
+    store = archive.open_store(root)
+    other = config_ledger(config, tmp_path / "other.duckdb")
+    try:
+        _fill(other)
+        Chargeback(other, config).close("2026-10", now=NOV + DAY)
+        kind = archive.RAW_KINDS[0]
+        half = archive._export(other, store, kind, "other-half", HORIZON, "us-east")
+        whole = archive._export(other, store, kind, "other-whole", HORIZON, "us-east")
+        assert half is not None
+        assert whole is not None
+        store.write_bytes(
+            archive.manifest_path("other-whole", "usage", "us-east"), whole.to_bytes()
+        )
+        report = archive.retain(filled, root, 35, now=NOW, cluster="eu-west")
+        assert report.removed == []
+        assert report.completed == []
+        assert {k for _, k in archive.runs(filled)} == {"usage", "gpu_samples", "engine_samples"}
+        assert not any("other" in run for run, _ in archive.runs(filled))
+        theirs = store.files("kind=usage/cluster=us-east")
+        assert [p.rsplit("/", 1)[1] for p in theirs] == [
+            "part-other-half.parquet",
+            "part-other-whole.parquet",
+        ]
+        # The other ledger's own next run completes its manifest and removes its orphan.
+        again = archive.retain(other, root, 35, now=NOW, cluster="us-east")
+        assert again.completed == ["other-whole-usage"]
+        assert again.removed == [theirs[0]]
+    finally:
+        other.close()
 
 
 def test_an_unknown_url_scheme_is_a_configuration_error() -> None:
