@@ -11,10 +11,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 import polars as pl
 
-from billing import allocation_runs, closing, invoice_store, quarantine, reconciled
+from billing import allocation_runs, closed_hours, closing, invoice_store, quarantine, reconciled
 from billing.allocation import Policy
 from billing.bases import pool_frame
 from billing.cache import cache_rows, month_cached_tokens
@@ -214,12 +215,23 @@ class Chargeback:
         ]
         if open_before:
             raise LedgerError(f"close {', '.join(open_before)} first: months close in order")
+        # The hourly rows frozen with the month read the ledger's cost rows: rebuilt first.
+        allocation_runs.refresh_hours(self.ledger)
         statement = self.statement(month)
         if not statement.reconciles:
             raise LedgerError(f"month {month} does not reconcile; refusing to close it")
         adjusted = sorted(set(statement.lines["for_month"].to_list()) - {month})
         closing.freeze(
-            self.ledger, month, statement.lines, adjusted, now, statement.basis, statement.pools
+            self.ledger,
+            month,
+            statement.lines,
+            adjusted,
+            now,
+            statement.basis,
+            statement.pools,
+            partial(
+                closed_hours.freeze_hours, policy=self.policy, month=month, lines=statement.lines
+            ),
         )
         return self.statement(month)
 

@@ -9,9 +9,10 @@ here and run through the ledger's transactions (``billing.keeper.Keeper``).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+import duckdb
 import orjson
 import polars as pl
 
@@ -23,6 +24,7 @@ __all__ = [
     "dirty_closed_months",
     "freeze",
     "issued_basis",
+    "issued_hours",
     "issued_lines",
     "issued_lines_sql",
     "latest_month",
@@ -114,9 +116,14 @@ def freeze(
     now: float,
     basis: str = "list",
     pools: pl.DataFrame | None = None,
+    hours: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
 ) -> None:
     """Close ``month``: store its statement lines, basis and node pools, and clear the late
-    flag of ``adjusted``, in one transaction (``LedgerError`` when it is closed already)."""
+    flag of ``adjusted``, in one transaction (``LedgerError`` when it is closed already).
+
+    ``hours`` writes the month's hourly rows on the same cursor (``billing.closed_hours``), so
+    a month is never closed without them nor they kept for a month left open.
+    """
     frozen = orjson.dumps([] if pools is None else pools.to_dicts()).decode()
     with ledger.writing() as cur:
         row = cur.execute("SELECT closed_at FROM months WHERE month = ?", [month]).fetchone()
@@ -129,8 +136,22 @@ def freeze(
         finally:
             cur.unregister("_lines")
         cur.execute("INSERT INTO statement_bases VALUES (?, ?, ?)", [month, basis, frozen])
+        if hours is not None:
+            hours(cur)
         cur.execute("UPDATE months SET closed_at = ?, dirty = false WHERE month = ?", [now, month])
         if adjusted:
             cur.execute(
                 "UPDATE months SET dirty = false WHERE list_contains(?, month)", [list(adjusted)]
             )
+
+
+def issued_hours(ledger: Keeper, month: str, tables: Sequence[str]) -> list[pl.DataFrame] | None:
+    """A closed month's hourly rows in each of ``tables`` (``billing.closed_hours.KINDS``), in
+    a stable order; None for a month closed without them (before they were kept)."""
+    with ledger.reader() as cur:
+        if not cur.execute("SELECT 1 FROM closed_hour_months WHERE month = ?", [month]).fetchall():
+            return None
+        return [
+            cur.sql(f"SELECT * FROM {t} WHERE month = ? ORDER BY ALL", params=[month]).pl()
+            for t in tables
+        ]

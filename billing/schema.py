@@ -696,6 +696,57 @@ CREATE TABLE IF NOT EXISTS hours_built (heartbeat_seconds DOUBLE NOT NULL);
 INSERT INTO hours_dirty SELECT DISTINCT slot // 60 FROM gpu_slots ON CONFLICT DO NOTHING;
 """
 
+# A closed month's hours (``billing.closed_hours``), frozen with its statement: cost per hour,
+# replica group and GPU model, usage per hour, team and model, reconciliation per hour, group
+# and model; ``closed_hour_months`` names the months closed with them (a month closed before
+# has none, and is federated without). The central keeps each cluster's copy beside its lines
+# (``federated_*_hours``), replaced with them; ``federated_months.hourly`` says whether the
+# cluster sent any (a cluster of an earlier version sends none).
+_CLOSED_HOURS = """
+CREATE TABLE IF NOT EXISTS closed_hour_months (month VARCHAR PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS closed_cost_hours (
+    month VARCHAR NOT NULL,
+    hour BIGINT NOT NULL,
+    replica VARCHAR NOT NULL,
+    gpu_model VARCHAR NOT NULL,
+    gpu_hours DOUBLE NOT NULL,
+    energy_kwh DOUBLE NOT NULL,
+    total_cents BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS closed_usage_hours (
+    month VARCHAR NOT NULL,
+    hour BIGINT NOT NULL,
+    team VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    requests BIGINT NOT NULL,
+    prompt_tokens BIGINT NOT NULL,
+    completion_tokens BIGINT NOT NULL,
+    gpu_hours DOUBLE NOT NULL,
+    total_cents BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS closed_reconciled_hours (
+    month VARCHAR NOT NULL,
+    hour BIGINT NOT NULL,
+    replica VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    engine_tokens BIGINT NOT NULL,
+    ledger_tokens BIGINT NOT NULL,
+    difference_tokens BIGINT NOT NULL,
+    hangup_tokens BIGINT NOT NULL,
+    unattributed_tokens BIGINT NOT NULL,
+    ledger_excess_tokens BIGINT NOT NULL,
+    unreconciled_requests BIGINT NOT NULL,
+    unreconciled_tokens BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS federated_cost_hours AS
+    SELECT ''::VARCHAR AS cluster, * FROM closed_cost_hours LIMIT 0;
+CREATE TABLE IF NOT EXISTS federated_usage_hours AS
+    SELECT ''::VARCHAR AS cluster, * FROM closed_usage_hours LIMIT 0;
+CREATE TABLE IF NOT EXISTS federated_reconciled_hours AS
+    SELECT ''::VARCHAR AS cluster, * FROM closed_reconciled_hours LIMIT 0;
+ALTER TABLE federated_months ADD COLUMN IF NOT EXISTS hourly BOOLEAN DEFAULT false;
+"""
+
 MIGRATIONS: Final[tuple[str, ...]] = (
     _V1,
     _V2,
@@ -716,6 +767,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     _FEDERATED_LINES,
     _FEDERATED_PRICES,
     _HOURLY_COSTS,
+    _CLOSED_HOURS,
 )
 LATEST_VERSION: Final = len(MIGRATIONS)
 # The migration that makes ``usage_tags`` (its backfill runs with it).
