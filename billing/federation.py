@@ -6,6 +6,11 @@ pulling ``billing.federation_pull``. A closed month never changes, so its conten
 digest (SHA-256 of its canonical JSON): the central pulls a (cluster, month) again only when the
 cluster lists another digest for it (a month reopened and closed again), and checks each payload
 against the digest it came with.
+
+A month closed with its hours (``billing.closed_hours``: cost, usage and reconciliation per
+hour) carries them in ``hours``, inside its digest. A month closed without them, or served by a
+cluster of an earlier version, has none and the same digest as before, so a fleet upgrades one
+cluster at a time (the central first: an earlier central cannot check a digest over hours).
 """
 
 from __future__ import annotations
@@ -18,24 +23,33 @@ from typing import Any, Final
 import orjson
 import polars as pl
 
+from billing.closed_hours import KINDS, month_hours
 from exporters.focus import focus_frame
 from infermeter.config import Config, Prices
 from infermeter.statement import LINE_SCHEMA, POOL_SCHEMA, Statement, empty_pools
 
 __all__ = [
     "FEDERATED_SCHEMA",
+    "MAX_HOUR_ROWS",
     "ClusterState",
     "FederationError",
     "MonthPayload",
     "central_focus",
+    "central_hours",
     "central_statement",
     "digest",
     "month_payload",
+    "parse_hours",
     "parse_payload",
 ]
 
 # A federated line: the cluster's frozen statement line and which cluster it came from.
 FEDERATED_SCHEMA: Final = {"cluster": pl.String, **LINE_SCHEMA}
+# The most rows of one kind of hour a payload may carry: a month of 744 hours with over 300
+# (team, model) pairs; a payload beyond it is refused rather than stored half.
+MAX_HOUR_ROWS: Final = 250_000
+
+Hours = dict[str, list[dict[str, Any]]]
 
 
 class FederationError(ValueError):
@@ -43,11 +57,26 @@ class FederationError(ValueError):
 
 
 def digest(
-    month: str, basis: str, pools: Sequence[Mapping[str, Any]], lines: Sequence[Mapping[str, Any]]
+    month: str,
+    basis: str,
+    pools: Sequence[Mapping[str, Any]],
+    lines: Sequence[Mapping[str, Any]],
+    hours: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> str:
     """The SHA-256 of a closed month's content, in a canonical JSON form (sorted keys, lines in
-    the ledger's order), so the same frozen month gives the same digest on every read."""
-    body = {"month": month, "basis": basis, "pools": list(pools), "lines": list(lines)}
+    the ledger's order), so the same frozen month gives the same digest on every read.
+
+    ``hours`` are in it when the month has them; without, the digest is the one a month had
+    before hours were kept, so a month pulled then is not pulled again for nothing.
+    """
+    body: dict[str, Any] = {
+        "month": month,
+        "basis": basis,
+        "pools": list(pools),
+        "lines": list(lines),
+    }
+    if hours is not None:
+        body["hours"] = {k: list(v) for k, v in hours.items()}
     return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
@@ -65,10 +94,13 @@ class MonthPayload:
     # The cluster's price book when it served the month (``Prices`` as JSON): not part of the
     # digest, as it is not frozen with the month; None from a cluster that sent none.
     prices: dict[str, Any] | None = None
+    # The month's hours (``billing.closed_hours.KINDS`` -> rows); None for a month closed
+    # without them or a cluster of an earlier version.
+    hours: Hours | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The route's answer."""
-        return {
+        """The route's answer (``hours`` only when the month has them, as before they were)."""
+        out = {
             "cluster": self.cluster,
             "month": self.month,
             "basis": self.basis,
@@ -78,6 +110,9 @@ class MonthPayload:
             "digest": self.digest,
             "prices": self.prices,
         }
+        if self.hours is not None:
+            out["hours"] = self.hours
+        return out
 
 
 def month_payload(
@@ -87,12 +122,18 @@ def month_payload(
     pools: pl.DataFrame,
     lines: pl.DataFrame,
     prices: dict[str, Any] | None = None,
+    hours: Mapping[str, pl.DataFrame] | None = None,
 ) -> MonthPayload:
     """A closed month's frozen lines (``LINE_SCHEMA``), basis and node pools, with its digest,
-    and the cluster's price book (``prices``)."""
+    the cluster's price book (``prices``) and the month's hours (``billing.closed_hours``)."""
     line_rows = lines.select(list(LINE_SCHEMA)).to_dicts()
     pool_rows = pools.select(list(POOL_SCHEMA)).to_dicts() if pools.height else []
     total = int(lines["total_cents"].sum()) if lines.height else 0
+    hour_rows = (
+        None
+        if hours is None
+        else {k: hours[k].select(list(schema)).to_dicts() for k, (schema, _) in KINDS.items()}
+    )
     return MonthPayload(
         cluster,
         month,
@@ -100,9 +141,46 @@ def month_payload(
         pool_rows,
         line_rows,
         total,
-        digest(month, basis, pool_rows, line_rows),
+        digest(month, basis, pool_rows, line_rows, hour_rows),
         prices,
+        hour_rows,
     )
+
+
+def parse_hours(sent: Any, month: str) -> dict[str, pl.DataFrame] | None:
+    """A payload's ``hours`` as frames, each in its kind's schema; None when it sent none.
+
+    FederationError unless every kind is there, within ``MAX_HOUR_ROWS``, and each row is of an
+    hour of ``month``.
+    """
+    if sent is None:
+        return None
+    if not isinstance(sent, Mapping) or set(sent) != set(KINDS):
+        raise FederationError(f"month {month}: its hours are not {sorted(KINDS)}")
+    first, after = month_hours(month)
+    frames = {}
+    for kind, (schema, _) in KINDS.items():
+        rows = sent[kind]
+        if not isinstance(rows, list):
+            raise FederationError(f"month {month}: its {kind} hours are not a list")
+        if len(rows) > MAX_HOUR_ROWS:
+            raise FederationError(
+                f"month {month}: {len(rows)} {kind} hours, more than {MAX_HOUR_ROWS}"
+            )
+        try:
+            frame = pl.DataFrame(rows, schema=dict(schema), strict=True) if rows else None
+        except (TypeError, ValueError, pl.exceptions.PolarsError) as exc:
+            raise FederationError(f"month {month}: its {kind} hours ({exc})") from None
+        frame = frame if frame is not None else pl.DataFrame(schema=dict(schema))
+        if frame.null_count().sum_horizontal().item():
+            raise FederationError(f"month {month}: a {kind} hour with a missing value")
+        outside = frame.filter(
+            (pl.col("month") != month) | (pl.col("hour") < first) | (pl.col("hour") >= after)
+        )
+        if outside.height:
+            raise FederationError(f"month {month}: a {kind} hour of another month")
+        frames[kind] = frame
+    return frames
 
 
 def parse_payload(body: Mapping[str, Any], cluster: str, month: str) -> MonthPayload:
@@ -120,9 +198,16 @@ def parse_payload(body: Mapping[str, Any], cluster: str, month: str) -> MonthPay
         prices = None if sent is None else Prices.model_validate(sent).model_dump(mode="json")
     except (KeyError, TypeError, ValueError, pl.exceptions.PolarsError) as exc:
         raise FederationError(f"month {month}: not a closed month's payload ({exc})") from None
+    hours = parse_hours(body.get("hours"), month)
     line_frame = lines if lines is not None else pl.DataFrame(schema=LINE_SCHEMA)
     payload = month_payload(
-        cluster, month, basis, pools if pools is not None else empty_pools(), line_frame, prices
+        cluster,
+        month,
+        basis,
+        pools if pools is not None else empty_pools(),
+        line_frame,
+        prices,
+        hours,
     )
     if payload.digest != stated:
         raise FederationError(f"month {month}: the content does not match its digest")
@@ -133,6 +218,13 @@ def parse_payload(body: Mapping[str, Any], cluster: str, month: str) -> MonthPay
         )
     if line_frame.filter(pl.col("month") != month).height:
         raise FederationError(f"month {month}: a line of another statement")
+    if hours is not None:
+        own = int(line_frame.filter(pl.col("for_month") == month)["total_cents"].sum())
+        hourly = int(hours["cost"]["total_cents"].sum())
+        if hourly != own:
+            raise FederationError(
+                f"month {month}: its hours add up to {hourly} cents, its own lines to {own}"
+            )
     return payload
 
 
@@ -153,6 +245,8 @@ class ClusterState:
     basis: str | None = None
     pools: list[dict[str, Any]] | None = None
     prices: dict[str, Any] | None = None
+    # Whether the month held of it came with its hours (``billing.closed_hours``).
+    hourly: bool = False
 
     @property
     def stale(self) -> bool:
@@ -191,6 +285,69 @@ def central_statement(
         "total_cents": total,
         "stated_total_cents": stated,
         "reconciles": total == stated,
+        "stale_clusters": [c.cluster for c in clusters if c.stale],
+    }
+
+
+# The reconciliation's counts summed across hours, groups and clusters.
+_TOKENS: Final = [
+    c for c in KINDS["reconciliation"][0] if c not in ("month", "hour", "replica", "model")
+]
+
+
+def _reconciliation_summary(rows: pl.DataFrame) -> dict[str, Any]:
+    """The reconciliation's counts summed over ``rows``, and the difference's share of what the
+    engines counted (None when they counted nothing)."""
+    sums = {c: int(rows[c].sum()) if rows.height else 0 for c in _TOKENS}
+    engine = sums["engine_tokens"]
+    return sums | {"difference_share": sums["difference_tokens"] / engine if engine else None}
+
+
+def central_hours(
+    month: str,
+    hours: Mapping[str, pl.DataFrame],
+    lines: pl.DataFrame,
+    clusters: Sequence[ClusterState],
+) -> dict[str, Any]:
+    """The clusters' hours of ``month`` (``hours``: each kind's rows with their cluster), per
+    cluster whether its hourly cost adds up to its own lines for the month (``lines``, the
+    federated lines) and its reconciliation summed, and the reconciliation across clusters.
+
+    A cluster whose month came without hours (an earlier version, or a month closed before
+    hours were kept) is listed with ``hourly`` false: its lines are in the statement, not here.
+    """
+    own = lines.filter(pl.col("for_month") == month)
+    states = []
+    for c in clusters:
+        cost = hours["cost"].filter(pl.col("cluster") == c.cluster)
+        stated = int(own.filter(pl.col("cluster") == c.cluster)["total_cents"].sum())
+        hourly = int(cost["total_cents"].sum()) if cost.height else 0
+        states.append(
+            {
+                "cluster": c.cluster,
+                "closed": c.total_cents is not None,
+                "hourly": c.hourly,
+                "hourly_cents": hourly,
+                "own_month_cents": stated,
+                "adds_up": (not c.hourly) or hourly == stated,
+                "stale": c.stale,
+                "stale_since": c.stale_since,
+                "reconciliation": _reconciliation_summary(
+                    hours["reconciliation"].filter(pl.col("cluster") == c.cluster)
+                ),
+            }
+        )
+    order = {
+        "cost": ("cluster", "hour", "replica", "gpu_model"),
+        "usage": ("cluster", "hour", "team", "model"),
+        "reconciliation": ("cluster", "hour", "replica", "model"),
+    }
+    return {
+        "month": month,
+        "hours": {k: hours[k].sort(*order[k]).to_dicts() for k in KINDS},
+        "clusters": states,
+        "reconciliation": _reconciliation_summary(hours["reconciliation"]),
+        "adds_up": all(s["adds_up"] for s in states),
         "stale_clusters": [c.cluster for c in clusters if c.stale],
     }
 

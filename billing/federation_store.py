@@ -1,8 +1,11 @@
 """The ledger's side of federation: a cluster's closed months read out, and the central's copy
-of every cluster's (``federated_lines``, ``federated_months``, ``federated_clusters``).
+of every cluster's (``federated_lines``, ``federated_months``, ``federated_clusters``, and the
+months' hours in ``federated_cost_hours``, ``federated_usage_hours``,
+``federated_reconciled_hours``).
 
-A (cluster, month) is replaced in one transaction, lines and month together, so a reader sees
-either the old copy or the new one, never a mix; a failed pull writes only the cluster's state.
+A (cluster, month) is replaced in one transaction, lines, hours and month together, so a reader
+sees either the old copy or the new one, never a mix; a failed pull writes only the cluster's
+state.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import orjson
 import polars as pl
 
 from billing import closing
+from billing.closed_hours import KINDS
 from billing.federation import FEDERATED_SCHEMA, ClusterState, MonthPayload, month_payload
 from billing.ledger import Ledger
 from infermeter.statement import LINE_SCHEMA
 
 __all__ = [
     "closed_months",
+    "federated_hours",
     "federated_month",
     "held_digests",
     "mark_failed",
@@ -29,6 +34,8 @@ __all__ = [
 ]
 
 _LINE_COLUMNS = ", ".join(LINE_SCHEMA)
+# The central's table of each kind of hour: the cluster's own, with ``federated`` for ``closed``.
+_FEDERATED_HOURS = {k: t.replace("closed_", "federated_") for k, (_, t) in KINDS.items()}
 
 
 def closed_months(ledger: Ledger, cluster: str) -> list[dict[str, object]]:
@@ -55,7 +62,9 @@ def payload_of(
     cluster's price book ``prices``."""
     basis, pools = closing.issued_basis(ledger, month)
     lines = closing.issued_lines(ledger, month=month)
-    return month_payload(cluster, month, basis, pools, lines, prices)
+    frames = closing.issued_hours(ledger, month, [t for _, t in KINDS.values()])
+    hours = None if frames is None else dict(zip(KINDS, frames, strict=True))
+    return month_payload(cluster, month, basis, pools, lines, prices, hours)
 
 
 def held_digests(ledger: Ledger, cluster: str) -> dict[str, str]:
@@ -82,9 +91,20 @@ def replace_month(ledger: Ledger, payload: MonthPayload, now: float) -> None:
             f"SELECT cluster, {_LINE_COLUMNS}, digest FROM _federated"
         )
         cur.unregister("_federated")
+        for kind, table in _FEDERATED_HOURS.items():
+            cur.execute(f"DELETE FROM {table} WHERE cluster = ? AND month = ?", key)
+            rows = (payload.hours or {}).get(kind)
+            if rows:
+                schema = dict(KINDS[kind][0])
+                frame = pl.DataFrame(rows, schema=schema).with_columns(
+                    pl.lit(payload.cluster).alias("cluster")
+                )
+                cur.register("_federated_hours", frame.to_arrow())
+                cur.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _federated_hours")
+                cur.unregister("_federated_hours")
         cur.execute(
             "INSERT INTO federated_months (cluster, month, digest, basis, pools, total_cents, "
-            "pulled_at, prices) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "pulled_at, prices, hourly) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 *key,
                 payload.digest,
@@ -93,6 +113,7 @@ def replace_month(ledger: Ledger, payload: MonthPayload, now: float) -> None:
                 payload.total_cents,
                 now,
                 None if payload.prices is None else orjson.dumps(payload.prices).decode(),
+                payload.hours is not None,
             ],
         )
 
@@ -134,7 +155,8 @@ def federated_month(
         held = {
             r[0]: r[1:]
             for r in cur.execute(
-                "SELECT cluster, total_cents, basis, pools, prices FROM federated_months WHERE month = ?",
+                "SELECT cluster, total_cents, basis, pools, prices, hourly FROM federated_months "
+                "WHERE month = ?",
                 [month],
             ).fetchall()
         }
@@ -147,7 +169,7 @@ def federated_month(
     states = []
     for name in clusters:
         pulled_at, failing_since, error = status.get(name, (None, started_at, None))
-        total, basis, pools, prices = held.get(name, (None, None, None, None))
+        total, basis, pools, prices, hourly = held.get(name, (None, None, None, None, False))
         states.append(
             ClusterState(
                 name,
@@ -158,6 +180,25 @@ def federated_month(
                 basis,
                 orjson.loads(pools) if pools else None,
                 orjson.loads(prices) if prices else None,
+                bool(hourly),
             )
         )
     return lines.filter(pl.col("cluster").is_in(list(clusters))), states
+
+
+def federated_hours(ledger: Ledger, month: str, clusters: Sequence[str]) -> dict[str, pl.DataFrame]:
+    """Each kind of hour of ``month`` held of ``clusters``, with its cluster."""
+    out = {}
+    with ledger.reader() as cur:
+        for kind, table in _FEDERATED_HOURS.items():
+            columns = ", ".join(f'"{c}"' for c in KINDS[kind][0])
+            out[kind] = pl.DataFrame(
+                cur.execute(
+                    f"SELECT cluster, {columns} FROM {table} "
+                    "WHERE month = ? AND list_contains(?, cluster)",
+                    [month, list(clusters)],
+                ).fetchall(),
+                schema={"cluster": pl.String, **KINDS[kind][0]},
+                orient="row",
+            )
+    return out

@@ -3,8 +3,9 @@ across clusters (``billing.federation``).
 
 A cluster serves ``/v1/federation/months`` to the federation role (a central's credential,
 which reads nothing else) and the admin. A central (``billing.role: central``) serves one
-statement and one FOCUS file across its clusters to the readers of every team, and runs a
-round of pulls at once for the admin (``POST /v1/federation/pull``); on a cluster these are 404.
+statement, one FOCUS file and the closed months' hours (cost, usage and reconciliation per
+hour) across its clusters to the readers of every team, and runs a round of pulls at once for
+the admin (``POST /v1/federation/pull``); on a cluster these are 404.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import Response
 
 from billing import closing, federation_store as store
-from billing.federation import central_focus, central_statement
+from billing.federation import central_focus, central_hours, central_statement
 from billing.federation_pull import Puller
 from billing.ledger import LedgerError
 from billing.routes.dependencies import (
@@ -100,6 +101,26 @@ async def statement(who: AllReader, month: Month, svc: ServicesDep, request: Req
     whether they reconcile, and which clusters are stale and since when."""
     lines, states = await _held(request, svc, month)
     return json_response(central_statement(month, lines, states))
+
+
+@router.get("/v1/federation/hours/{month}", responses=errors(400, *READ, 404))
+async def hours(
+    who: AllReader, month: Month, svc: ServicesDep, request: Request, cluster: str | None = None
+) -> Response:
+    """The clusters' closed month hour by hour: cost per replica group and GPU model, usage per
+    team and model, and the engines' tokens against the ledger's, with the reconciliation
+    summed per cluster and across them; ``cluster``: one of them only (404 if not configured)."""
+    puller = _puller(request)
+    names = [c.name for c in svc.config.billing.clusters]
+    if cluster is not None:
+        if cluster not in names:
+            raise HTTPException(404, f"no cluster {cluster!r} in billing.clusters")
+        names = [cluster]
+    lines, states = await compute(
+        svc, store.federated_month, svc.ledger, month, names, puller.started_at
+    )
+    held = await compute(svc, store.federated_hours, svc.ledger, month, names)
+    return json_response(central_hours(month, held, lines, states))
 
 
 @router.post("/v1/federation/pull", responses=errors(*READ, 404))

@@ -35,9 +35,10 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from billing.federation import FederationError, month_payload, parse_payload
+from billing.closed_hours import month_hours
+from billing.federation import FederationError, central_hours, month_payload, parse_payload
 from billing.federation_pull import Puller
-from billing.federation_store import federated_month
+from billing.federation_store import federated_hours, federated_month, replace_month
 from billing.ledger import Ledger
 from infermeter.config import DEFAULT_CONFIG, BillingSettings, load_config
 from infermeter.serving import free_port
@@ -370,6 +371,70 @@ def test_the_chargeback_page_of_a_central_lists_its_clusters(
             assert row[3] == "no"  # stale
 
 
+def _hours(service: Billing, month: str, **params: str) -> dict[str, Any]:
+    response = httpx.get(
+        f"{service.url}/v1/federation/hours/{month}", headers=ADMIN, params=params, timeout=30
+    )
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def _summed(rows: list[dict[str, Any]], key: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for row in rows:
+        out[row[key]] = out.get(row[key], 0) + row["total_cents"]
+    return out
+
+
+def test_the_central_holds_each_clusters_hours_adding_up_to_its_statement(
+    federation: Federation,
+) -> None:
+    """Each cluster's closed October arrives with its hours: the hourly cost adds up to the
+    cluster's own statement to the cent, the usage to each team's lines, and the engines' tokens
+    are reconciled per hour; one cluster's hours can be asked for alone."""
+    _until_pulled(federation.central)
+    body = _hours(federation.central, "2026-10")
+    assert body["adds_up"]
+    assert body["stale_clusters"] == []
+    first, after = month_hours("2026-10")
+    for name in TOKENS:
+        own = _own(getattr(federation, name), "2026-10")
+        cost = [r for r in body["hours"]["cost"] if r["cluster"] == name]
+        assert cost
+        assert all(first <= r["hour"] < after and r["month"] == "2026-10" for r in cost)
+        assert sum(r["total_cents"] for r in cost) == own["total_cents"] > 0
+        used = [r for r in body["hours"]["usage"] if r["cluster"] == name]
+        assert _summed(used, "team") == {
+            t: c for t, c in _summed(own["lines"], "team").items() if t in _summed(used, "team")
+        }
+        assert {line["team"] for line in own["lines"] if line["requests"]} <= {
+            r["team"] for r in used
+        }
+        state = next(c for c in body["clusters"] if c["cluster"] == name)
+        assert state["hourly"]
+        assert state["hourly_cents"] == state["own_month_cents"] == own["total_cents"]
+        reconciled = [r for r in body["hours"]["reconciliation"] if r["cluster"] == name]
+        assert reconciled
+        assert state["reconciliation"]["ledger_tokens"] == sum(
+            r["ledger_tokens"] for r in reconciled
+        )
+    assert body["reconciliation"]["ledger_tokens"] == sum(
+        c["reconciliation"]["ledger_tokens"] for c in body["clusters"]
+    )
+    alone = _hours(federation.central, "2026-10", cluster="east")
+    assert {r["cluster"] for k in alone["hours"] for r in alone["hours"][k]} == {"east"}
+    assert [c["cluster"] for c in alone["clusters"]] == ["east"]
+    unknown = httpx.get(
+        f"{federation.central.url}/v1/federation/hours/2026-10",
+        headers=ADMIN,
+        params={"cluster": "north"},
+    )
+    assert unknown.status_code == 404
+    on_cluster = f"{federation.east.url}/v1/federation/hours/2026-10"
+    assert httpx.get(on_cluster, headers=ADMIN).status_code == 404
+
+
 def test_a_stopped_cluster_is_served_stale_and_caught_up_once_back(
     federation: Federation,
 ) -> None:
@@ -405,10 +470,13 @@ def test_a_stopped_cluster_is_served_stale_and_caught_up_once_back(
     assert reports["west"]["error"] is None
     body = _statement(central, "2026-11")
     assert body["stale_clusters"] == []
-    assert _cents([x for x in body["lines"] if x["cluster"] == "west"]) == _cents(
-        _own(west, "2026-11")["lines"]
-    )
+    own = _own(west, "2026-11")
+    assert _cents([x for x in body["lines"] if x["cluster"] == "west"]) == _cents(own["lines"])
     assert body["reconciles"]
+    hours = _hours(central, "2026-11")
+    caught = [r for r in hours["hours"]["cost"] if r["cluster"] == "west"]
+    assert sum(r["total_cents"] for r in caught) == own["total_cents"] > 0
+    assert hours["adds_up"]
 
 
 def _payload() -> dict[str, Any]:
@@ -463,6 +531,152 @@ def test_a_payload_round_trips_with_its_digest() -> None:
     tampered = body["lines"][0] | {"total_cents": 81}
     with pytest.raises(FederationError):
         parse_payload(body | {"lines": [tampered], "total_cents": 81}, "east", "2026-10")
+
+
+def _hourly_payload(cost_cents: int = 82) -> dict[str, Any]:
+    """``_payload``'s month with one hour of each kind, its cost ``cost_cents`` (the month's
+    lines: 82 cents)."""
+    hour = month_hours("2026-10")[0] + 5
+    key = {"month": "2026-10", "hour": hour}
+    hours = {
+        "cost": pl.DataFrame(
+            [
+                key
+                | {
+                    "replica": "small-0",
+                    "gpu_model": "L40S",
+                    "gpu_hours": 0.5,
+                    "energy_kwh": 0.1,
+                    "total_cents": cost_cents,
+                }
+            ]
+        ),
+        "usage": pl.DataFrame(
+            [
+                key
+                | {
+                    "team": "search",
+                    "model": "chat-small",
+                    "requests": 2,
+                    "prompt_tokens": 200,
+                    "completion_tokens": 100,
+                    "gpu_hours": 0.5,
+                    "total_cents": 82,
+                }
+            ]
+        ),
+        "reconciliation": pl.DataFrame(
+            [
+                key
+                | {
+                    "replica": "small-0",
+                    "model": "chat-small",
+                    "engine_tokens": 310,
+                    "ledger_tokens": 300,
+                    "difference_tokens": 10,
+                    "hangup_tokens": 0,
+                    "unattributed_tokens": 10,
+                    "ledger_excess_tokens": 0,
+                    "unreconciled_requests": 0,
+                    "unreconciled_tokens": 0,
+                }
+            ]
+        ),
+    }
+    body = _payload()
+    lines = pl.DataFrame(body["lines"], schema=LINE_SCHEMA)
+    return month_payload("east", "2026-10", "list", empty_pools(), lines, None, hours).to_json()
+
+
+def test_a_payload_without_hours_keeps_the_digest_it_had_before_hours() -> None:
+    """A cluster of an earlier version (no hours) is understood: its digest is the SHA-256 of
+    the month's lines, basis and pools alone, as it always was, and it parses without hours."""
+    body = _payload()
+    assert "hours" not in body
+    before = {"month": "2026-10", "basis": "list", "pools": [], "lines": body["lines"]}
+    assert (
+        body["digest"]
+        == hashlib.sha256(orjson.dumps(before, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    )
+    assert parse_payload(body, "east", "2026-10").hours is None
+
+
+def test_a_payload_with_hours_round_trips_and_its_digest_covers_them() -> None:
+    """Hours parse back to the same content and digest; an hour changed after the digest was
+    taken is refused."""
+    body = orjson.loads(orjson.dumps(_hourly_payload()))
+    assert body["digest"] != _payload()["digest"]
+    assert parse_payload(body, "east", "2026-10").to_json() == body
+    changed = body["hours"]["usage"][0] | {"requests": 3}
+    tampered = body | {"hours": body["hours"] | {"usage": [changed]}}
+    with pytest.raises(FederationError, match="does not match its digest"):
+        parse_payload(tampered, "east", "2026-10")
+
+
+def _hours_changed(kind: str, **change: Any) -> dict[str, Any]:
+    body = _hourly_payload()
+    row = body["hours"][kind][0] | change
+    return body | {"hours": body["hours"] | {kind: [row]}}
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (_hours_changed("cost", month="2026-11"), "a cost hour of another month"),
+        (_hours_changed("usage", hour=month_hours("2026-11")[0]), "a usage hour of another month"),
+        (
+            _hourly_payload(cost_cents=81),
+            "its hours add up to 81 cents, its own lines to 82",
+        ),
+        (_hours_changed("reconciliation", engine_tokens="many"), "its reconciliation hours"),
+        (_hours_changed("usage", team=None), "a usage hour with a missing value"),
+        (_payload() | {"hours": {"cost": []}}, "its hours are not"),
+        (_payload() | {"hours": {"cost": {}, "usage": [], "reconciliation": []}}, "not a list"),
+    ],
+)
+def test_hours_that_are_not_the_months_are_refused(body: dict[str, Any], why: str) -> None:
+    """An hour of another month, a cost that does not add up to the month's own lines, a row
+    out of its schema or a kind missing is never stored."""
+    with pytest.raises(FederationError, match=why):
+        parse_payload(body, "east", "2026-10")
+
+
+def test_more_hours_than_the_cap_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A payload with more rows of a kind than ``MAX_HOUR_ROWS`` is refused before it is read."""
+    monkeypatch.setattr("billing.federation.MAX_HOUR_ROWS", 0)
+    with pytest.raises(FederationError, match="more than 0"):
+        parse_payload(_hourly_payload(), "east", "2026-10")
+
+
+def test_the_central_keeps_hours_with_their_month_and_a_cluster_without_them(
+    tmp_path: Path,
+) -> None:
+    """A month pulled with hours replaces the old copy's hours whole (pulling it again adds
+    nothing); a cluster of an earlier version is held without hours and still adds up."""
+    ledger = Ledger.open(str(tmp_path / "central.duckdb"), ["search"], {})
+    try:
+        hourly = parse_payload(_hourly_payload(), "east", "2026-10")
+        for _ in range(2):
+            replace_month(ledger, hourly, time.time())
+        old = parse_payload(_payload() | {"cluster": "west"}, "west", "2026-10")
+        replace_month(ledger, old, time.time())
+        held = federated_hours(ledger, "2026-10", ["east", "west"])
+        assert {k: v.height for k, v in held.items()} == {
+            "cost": 1,
+            "usage": 1,
+            "reconciliation": 1,
+        }
+        lines, states = federated_month(ledger, "2026-10", ["east", "west"], 0.0)
+        body = central_hours("2026-10", held, lines, states)
+        by = {c["cluster"]: c for c in body["clusters"]}
+        assert by["east"]["hourly"]
+        assert by["east"]["hourly_cents"] == 82
+        assert not by["west"]["hourly"]
+        assert body["adds_up"]
+        assert body["reconciliation"]["difference_tokens"] == 10
+        assert body["reconciliation"]["difference_share"] == pytest.approx(10 / 310)
+    finally:
+        ledger.close()
 
 
 @pytest.mark.parametrize(
