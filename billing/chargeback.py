@@ -221,6 +221,11 @@ class Chargeback:
         if not statement.reconciles:
             raise LedgerError(f"month {month} does not reconcile; refusing to close it")
         adjusted = sorted(set(statement.lines["for_month"].to_list()) - {month})
+        # Read beside the writer, kept in the closing transaction: ingest does not wait for it.
+        with self.ledger.snapshot() as cur:
+            hours = closed_hours.hour_frames(
+                cur, self.policy, month, statement.lines, self.ledger.heartbeat_seconds
+            )
         closing.freeze(
             self.ledger,
             month,
@@ -229,9 +234,7 @@ class Chargeback:
             now,
             statement.basis,
             statement.pools,
-            partial(
-                closed_hours.freeze_hours, policy=self.policy, month=month, lines=statement.lines
-            ),
+            partial(closed_hours.write_hours, month=month, frames=hours),
         )
         return self.statement(month)
 

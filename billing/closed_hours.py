@@ -3,7 +3,7 @@
 A statement line says what a team owes for a month; a central billing across clusters
 (``billing.federation``) also wants to see *when* the money was spent and whether the engines
 agree with the ledger, without reading any cluster's raw rows. So closing a month
-(``billing.closing.freeze``) also freezes, in the same transaction, three small tables whose
+(``billing.closing.freeze``) also freezes, in the same transaction, four small tables whose
 rows are in proportion to hours x groups x teams, not to requests:
 
 ``closed_cost_hours``
@@ -23,11 +23,16 @@ rows are in proportion to hours x groups x teams, not to requests:
     signed difference and how it was explained (``billing.reconciliation``'s instance-hours
     summed per group).
 
-The instance lifetimes (``billing.lifetimes``) are not frozen: the cost rows already carry
-their effect (GPU time outside a lifetime is the '' group's), and a lifetime has no team.
+``closed_lifetime_hours``
+    per (hour, replica group, model, GPU model): the instance lifetimes (``billing.lifetimes``)
+    alive in it, started, stopped, and ended without a stop (``kill -9``, a lost node: at the
+    last evidence of the pod, ``billing.lifetimes.ended_sql``), and their instance-hours and
+    GPU-hours within it. A lifetime has no team, so these are per group: how a dynamic fleet
+    was shaped hour by hour, beside what it cost. (A lifetime's effect on the money, GPU time
+    outside it being the '' group's, is in the cost rows already.)
 
-SQL and the cents split are built here by pure functions; ``freeze_hours`` runs them on the
-closing transaction's cursor.
+SQL and the cents split are built here by pure functions; ``hour_frames`` runs them on a
+cursor and ``write_hours`` keeps the result on the closing transaction's.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import polars as pl
 from billing import reconciliation
 from billing.allocation import Policy, priced_sql_of
 from billing.hourly import HourRows
+from billing.lifetimes import ended_sql
 from billing.pricebook import compute_usd_sql, energy_usd_sql
 from billing.rounding import microcents, split
 from billing.schema import HOUR_SECONDS
@@ -49,12 +55,15 @@ from infermeter.months import month_bounds
 __all__ = [
     "COST_HOUR_SCHEMA",
     "KINDS",
+    "LIFETIME_HOUR_SCHEMA",
     "RECONCILED_HOUR_SCHEMA",
     "USAGE_HOUR_SCHEMA",
     "cost_cents",
-    "freeze_hours",
+    "hour_frames",
+    "lifetimes_sql",
     "month_hours",
     "usage_cents",
+    "write_hours",
 ]
 
 COST_HOUR_SCHEMA: Final = {
@@ -91,11 +100,25 @@ RECONCILED_HOUR_SCHEMA: Final = {
     "unreconciled_requests": pl.Int64,
     "unreconciled_tokens": pl.Int64,
 }
+LIFETIME_HOUR_SCHEMA: Final = {
+    "month": pl.String,
+    "hour": pl.Int64,
+    "replica": pl.String,
+    "model": pl.String,
+    "gpu_model": pl.String,
+    "instances": pl.Int64,
+    "started": pl.Int64,
+    "stopped": pl.Int64,
+    "ended_without_stop": pl.Int64,
+    "instance_hours": pl.Float64,
+    "gpu_hours": pl.Float64,
+}
 # Each kind of hourly row: its name on the wire, its schema, the cluster's table of it.
 KINDS: Final[Mapping[str, tuple[Mapping[str, type[pl.DataType]], str]]] = {
     "cost": (COST_HOUR_SCHEMA, "closed_cost_hours"),
     "usage": (USAGE_HOUR_SCHEMA, "closed_usage_hours"),
     "reconciliation": (RECONCILED_HOUR_SCHEMA, "closed_reconciled_hours"),
+    "lifetimes": (LIFETIME_HOUR_SCHEMA, "closed_lifetime_hours"),
 }
 # Floats are frozen rounded, so the digest of a month does not depend on a sum's order.
 _DIGITS: Final = 10
@@ -153,6 +176,32 @@ SELECT CAST(t // {HOUR_SECONDS} AS BIGINT) AS hour, coalesce(replica, '') AS rep
     coalesce(model, '') AS model,
     {", ".join(f"sum({c})::BIGINT AS {c}" for c in list(RECONCILED_HOUR_SCHEMA)[4:])}
 FROM _reconciliation GROUP BY ALL ORDER BY hour, replica, model"""
+
+
+def lifetimes_sql(first: int, after: int, heartbeat_seconds: float) -> str:
+    """The lifetimes alive in hours ``first``..``after``, summed per hour, group, model and GPU
+    model (``LIFETIME_HOUR_SCHEMA`` but the month), each ending where ``ended_sql`` says."""
+    lo, hi, h = first * HOUR_SECONDS, after * HOUR_SECONDS, HOUR_SECONDS
+    ended = ended_sql(heartbeat_seconds)
+    within = f"least(ended_at, (hour + 1) * {h}) - greatest(started_at, hour * {h})"
+    start_hour = f"CAST(floor(greatest(started_at, {lo}) / {h}) AS BIGINT)"
+    return f"""
+WITH alive AS (
+    SELECT replica, model, gpu_model, gpu_count, started_at, stopped_at, {ended} AS ended_at
+    FROM lifetimes WHERE started_at < {hi} AND {ended} >= {lo}
+), hours AS (
+    SELECT *, unnest(range({start_hour},
+        greatest({start_hour} + 1, CAST(ceil(least(ended_at, {hi}) / {h}) AS BIGINT)))) AS hour
+    FROM alive
+)
+SELECT hour, replica, model, gpu_model, count(*) AS instances,
+    count(*) FILTER (WHERE started_at >= hour * {h} AND started_at < (hour + 1) * {h}) AS started,
+    count(*) FILTER (WHERE stopped_at >= hour * {h} AND stopped_at < (hour + 1) * {h}) AS stopped,
+    count(*) FILTER (WHERE stopped_at IS NULL AND ended_at >= hour * {h}
+                     AND ended_at < (hour + 1) * {h}) AS ended_without_stop,
+    sum(greatest(0, {within})) / 3600.0 AS instance_hours,
+    sum(gpu_count * greatest(0, {within})) / 3600.0 AS gpu_hours
+FROM hours GROUP BY ALL ORDER BY hour, replica, model, gpu_model"""
 
 
 def _weights(usd: pl.Series) -> list[int]:
@@ -218,13 +267,18 @@ def _framed(
     return out.with_columns(pl.col(pl.Float64).round(_DIGITS))
 
 
-def freeze_hours(
-    cur: duckdb.DuckDBPyConnection, policy: Policy, month: str, lines: pl.DataFrame
-) -> None:
-    """Write ``month``'s hourly rows (the three ``KINDS``) on ``cur``, the closing transaction.
+def hour_frames(
+    cur: duckdb.DuckDBPyConnection,
+    policy: Policy,
+    month: str,
+    lines: pl.DataFrame,
+    heartbeat_seconds: float,
+) -> dict[str, pl.DataFrame]:
+    """``month``'s hourly rows (each of ``KINDS``, in its schema), read on ``cur``.
 
     ``lines``: the statement being frozen; its lines for ``month`` itself give the cents. The
     hourly cost rows are read as the ledger keeps them (a close rebuilds the dirty hours first).
+    ``heartbeat_seconds``: the sidecars' heartbeat, where a lifetime without a stop ends.
     """
     first, after = month_hours(month)
     span = f"hour >= {first} AND hour < {after}"
@@ -241,9 +295,21 @@ def freeze_hours(
     usage = usage_cents(cur.sql(_usage_sql(first, after)).pl(), own)
     reconciliation.reconcile(cur, first, after)
     reconciled = cur.sql(_RECONCILED_SQL).pl()
-    for frame, (schema, table) in zip((cost, usage, reconciled), KINDS.values(), strict=True):
-        framed = _framed(frame, month, schema)
-        cur.register("_hour_rows", framed.to_arrow())
+    lived = cur.sql(lifetimes_sql(first, after, heartbeat_seconds)).pl()
+    frames = (cost, usage, reconciled, lived)
+    return {
+        kind: _framed(frame, month, schema)
+        for frame, (kind, (schema, _)) in zip(frames, KINDS.items(), strict=True)
+    }
+
+
+def write_hours(
+    cur: duckdb.DuckDBPyConnection, month: str, frames: Mapping[str, pl.DataFrame]
+) -> None:
+    """Keep ``frames`` (``hour_frames``) as ``month``'s hours, on ``cur``: the closing
+    transaction, so a month is never closed without them."""
+    for kind, (_, table) in KINDS.items():
+        cur.register("_hour_rows", frames[kind].to_arrow())
         try:
             cur.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _hour_rows")
         finally:

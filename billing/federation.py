@@ -7,8 +7,8 @@ digest (SHA-256 of its canonical JSON): the central pulls a (cluster, month) aga
 cluster lists another digest for it (a month reopened and closed again), and checks each payload
 against the digest it came with.
 
-A month closed with its hours (``billing.closed_hours``: cost, usage and reconciliation per
-hour) carries them in ``hours``, inside its digest. A month closed without them, or served by a
+A month closed with its hours (``billing.closed_hours``: cost, usage, reconciliation and
+lifetimes per hour) carries them in ``hours``, inside its digest. A month closed without them, or served by a
 cluster of an earlier version, has none and the same digest as before, so a fleet upgrades one
 cluster at a time (the central first: an earlier central cannot check a digest over hours).
 """
@@ -311,7 +311,8 @@ def central_hours(
 ) -> dict[str, Any]:
     """The clusters' hours of ``month`` (``hours``: each kind's rows with their cluster), per
     cluster whether its hourly cost adds up to its own lines for the month (``lines``, the
-    federated lines) and its reconciliation summed, and the reconciliation across clusters.
+    federated lines), its reconciliation summed and its instances' hours alive, and the
+    reconciliation across clusters.
 
     A cluster whose month came without hours (an earlier version, or a month closed before
     hours were kept) is listed with ``hourly`` false: its lines are in the statement, not here.
@@ -335,12 +336,18 @@ def central_hours(
                 "reconciliation": _reconciliation_summary(
                     hours["reconciliation"].filter(pl.col("cluster") == c.cluster)
                 ),
+                "instance_hours": float(
+                    hours["lifetimes"]
+                    .filter(pl.col("cluster") == c.cluster)["instance_hours"]
+                    .sum()
+                ),
             }
         )
     order = {
         "cost": ("cluster", "hour", "replica", "gpu_model"),
         "usage": ("cluster", "hour", "team", "model"),
         "reconciliation": ("cluster", "hour", "replica", "model"),
+        "lifetimes": ("cluster", "hour", "replica", "model", "gpu_model"),
     }
     return {
         "month": month,

@@ -747,6 +747,26 @@ CREATE TABLE IF NOT EXISTS federated_reconciled_hours AS
 ALTER TABLE federated_months ADD COLUMN IF NOT EXISTS hourly BOOLEAN DEFAULT false;
 """
 
+# The lifetimes of a closed month per hour (``billing.closed_hours``), frozen with its other
+# hours, and the central's copy of each cluster's.
+_LIFETIME_HOURS = """
+CREATE TABLE IF NOT EXISTS closed_lifetime_hours (
+    month VARCHAR NOT NULL,
+    hour BIGINT NOT NULL,
+    replica VARCHAR NOT NULL,
+    model VARCHAR NOT NULL,
+    gpu_model VARCHAR NOT NULL,
+    instances BIGINT NOT NULL,
+    started BIGINT NOT NULL,
+    stopped BIGINT NOT NULL,
+    ended_without_stop BIGINT NOT NULL,
+    instance_hours DOUBLE NOT NULL,
+    gpu_hours DOUBLE NOT NULL
+);
+CREATE TABLE IF NOT EXISTS federated_lifetime_hours AS
+    SELECT ''::VARCHAR AS cluster, * FROM closed_lifetime_hours LIMIT 0;
+"""
+
 MIGRATIONS: Final[tuple[str, ...]] = (
     _V1,
     _V2,
@@ -768,6 +788,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     _FEDERATED_PRICES,
     _HOURLY_COSTS,
     _CLOSED_HOURS,
+    _LIFETIME_HOURS,
 )
 LATEST_VERSION: Final = len(MIGRATIONS)
 # The migration that makes ``usage_tags`` (its backfill runs with it).

@@ -8,7 +8,7 @@ import pytest
 from billing import closed_hours, closing
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
-from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
+from tests.billing.conftest import NOV, OCT, batch, gpu_samples, instance_event, usage
 
 AFTER_OCT = NOV + 86400
 DEC = NOV + 30 * 86400
@@ -43,7 +43,7 @@ def test_closing_freezes_hourly_rows_that_add_up_to_the_statement(ledger, config
     closed = Chargeback(ledger, config).close("2026-10", now=AFTER_OCT)
     hours = closing.issued_hours(ledger, "2026-10", TABLES)
     assert hours is not None
-    cost, used, reconciled = hours
+    cost, used, reconciled, _ = hours
     assert closed.total_cents > 0
     assert int(cost["total_cents"].sum()) == closed.total_cents
     first, after = closed_hours.month_hours("2026-10")
@@ -77,6 +77,33 @@ def test_the_hours_of_a_month_with_adjustments_carry_its_own_lines_only(ledger, 
     own = nov.lines.filter(pl.col("for_month") == "2026-11")["total_cents"].sum()
     assert int(hours[0]["total_cents"].sum()) == own
     assert "analytics" not in set(hours[1]["team"])
+
+
+def test_lifetimes_are_frozen_per_hour_and_group(ledger, config):
+    """Two pods of small-0: one from 01:30 stopping at 02:15, one from 02:00 that never says
+    stop and was last heard at 03:30; per hour, how many were alive, started, stopped or ended
+    without a stop, and their instance-hours within it."""
+    h = OCT + 3600  # 01:00
+    events = [
+        instance_event("pod-a", "start", h + 1800, h + 1800),
+        instance_event("pod-a", "stop", h + 4500, h + 1800),
+        instance_event("pod-b", "start", h + 3600, h + 3600),
+        instance_event("pod-b", "heartbeat", h + 9000, h + 3600),
+    ]
+    ledger.ingest(batch("instances", events), now=DEC)
+    _fill(ledger, OCT)
+    Chargeback(ledger, config).close("2026-10", now=AFTER_OCT)
+    hours = closing.issued_hours(ledger, "2026-10", TABLES)
+    assert hours is not None
+    lived = hours[3].filter(pl.col("replica") == "small-0").sort("hour")
+    first = int(h // 3600)
+    got = [
+        (r["hour"] - first, r["instances"], r["started"], r["stopped"], r["ended_without_stop"])
+        for r in lived.iter_rows(named=True)
+    ]
+    assert got == [(0, 1, 1, 0, 0), (1, 2, 1, 1, 0), (2, 1, 0, 0, 1)]
+    assert lived["instance_hours"].to_list() == pytest.approx([0.5, 1.25, 0.5])
+    assert lived["gpu_hours"].to_list() == pytest.approx([0.5, 1.25, 0.5])
 
 
 def test_a_month_closed_without_hours_has_none(ledger, config):

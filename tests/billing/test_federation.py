@@ -583,6 +583,22 @@ def _hourly_payload(cost_cents: int = 82) -> dict[str, Any]:
             ]
         ),
     }
+    hours["lifetimes"] = pl.DataFrame(
+        [
+            key
+            | {
+                "replica": "small-0",
+                "model": "chat-small",
+                "gpu_model": "L40S",
+                "instances": 2,
+                "started": 1,
+                "stopped": 0,
+                "ended_without_stop": 1,
+                "instance_hours": 1.25,
+                "gpu_hours": 1.25,
+            }
+        ]
+    )
     body = _payload()
     lines = pl.DataFrame(body["lines"], schema=LINE_SCHEMA)
     return month_payload("east", "2026-10", "list", empty_pools(), lines, None, hours).to_json()
@@ -631,7 +647,11 @@ def _hours_changed(kind: str, **change: Any) -> dict[str, Any]:
         (_hours_changed("reconciliation", engine_tokens="many"), "its reconciliation hours"),
         (_hours_changed("usage", team=None), "a usage hour with a missing value"),
         (_payload() | {"hours": {"cost": []}}, "its hours are not"),
-        (_payload() | {"hours": {"cost": {}, "usage": [], "reconciliation": []}}, "not a list"),
+        (
+            _payload()
+            | {"hours": {"cost": {}, "usage": [], "reconciliation": [], "lifetimes": []}},
+            "not a list",
+        ),
     ],
 )
 def test_hours_that_are_not_the_months_are_refused(body: dict[str, Any], why: str) -> None:
@@ -665,12 +685,14 @@ def test_the_central_keeps_hours_with_their_month_and_a_cluster_without_them(
             "cost": 1,
             "usage": 1,
             "reconciliation": 1,
+            "lifetimes": 1,
         }
         lines, states = federated_month(ledger, "2026-10", ["east", "west"], 0.0)
         body = central_hours("2026-10", held, lines, states)
         by = {c["cluster"]: c for c in body["clusters"]}
         assert by["east"]["hourly"]
         assert by["east"]["hourly_cents"] == 82
+        assert by["east"]["instance_hours"] == 1.25
         assert not by["west"]["hourly"]
         assert body["adds_up"]
         assert body["reconciliation"]["difference_tokens"] == 10
