@@ -308,6 +308,7 @@ def central_hours(
     hours: Mapping[str, pl.DataFrame],
     lines: pl.DataFrame,
     clusters: Sequence[ClusterState],
+    with_rows: bool = True,
 ) -> dict[str, Any]:
     """The clusters' hours of ``month`` (``hours``: each kind's rows with their cluster), per
     cluster whether its hourly cost adds up to its own lines for the month (``lines``, the
@@ -316,6 +317,7 @@ def central_hours(
 
     A cluster whose month came without hours (an earlier version, or a month closed before
     hours were kept) is listed with ``hourly`` false: its lines are in the statement, not here.
+    Without ``with_rows``, the figures only (a dashboard's summary): no hour's row.
     """
     own = lines.filter(pl.col("for_month") == month)
     states = []
@@ -351,7 +353,7 @@ def central_hours(
     }
     return {
         "month": month,
-        "hours": {k: hours[k].sort(*order[k]).to_dicts() for k in KINDS},
+        "hours": {k: hours[k].sort(*order[k]).to_dicts() for k in KINDS} if with_rows else None,
         "clusters": states,
         "reconciliation": _reconciliation_summary(hours["reconciliation"]),
         "adds_up": all(s["adds_up"] for s in states),

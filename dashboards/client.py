@@ -153,6 +153,17 @@ class BillingClient:
         )
         return body
 
+    def federation_hours(self, token: str, month: str) -> dict[str, Any]:
+        """A central billing's figures of ``month``'s hours across its clusters, without the
+        rows: per cluster whether its hourly cost adds up to its lines, its reconciliation and
+        instance-hours (``/v1/federation/hours/{month}?rows=false``; readers of every team)."""
+        body: dict[str, Any] = self._get(
+            token,
+            f"/v1/federation/hours/{month}?rows=false",
+            timeout_seconds=STATEMENT_TIMEOUT_SECONDS,
+        )
+        return body
+
     def breakdown(self, token: str, month: str) -> dict[str, Any]:
         """A month's statement lines split by project and end user (a team key: its own rows).
 

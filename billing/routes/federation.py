@@ -105,11 +105,17 @@ async def statement(who: AllReader, month: Month, svc: ServicesDep, request: Req
 
 @router.get("/v1/federation/hours/{month}", responses=errors(400, *READ, 404))
 async def hours(
-    who: AllReader, month: Month, svc: ServicesDep, request: Request, cluster: str | None = None
+    who: AllReader,
+    month: Month,
+    svc: ServicesDep,
+    request: Request,
+    cluster: str | None = None,
+    rows: bool = True,
 ) -> Response:
     """The clusters' closed month hour by hour: cost per replica group and GPU model, usage per
     team and model, and the engines' tokens against the ledger's, with the reconciliation
-    summed per cluster and across them; ``cluster``: one of them only (404 if not configured)."""
+    summed per cluster and across them; ``cluster``: one of them only (404 if not configured);
+    ``rows=false``: the figures without the hours' rows (``hours`` null)."""
     puller = _puller(request)
     names = [c.name for c in svc.config.billing.clusters]
     if cluster is not None:
@@ -120,7 +126,7 @@ async def hours(
         svc, store.federated_month, svc.ledger, month, names, puller.started_at
     )
     held = await compute(svc, store.federated_hours, svc.ledger, month, names)
-    return json_response(central_hours(month, held, lines, states))
+    return json_response(central_hours(month, held, lines, states, with_rows=rows))
 
 
 @router.post("/v1/federation/pull", responses=errors(*READ, 404))

@@ -4,7 +4,9 @@ Below the lines: whether they are on list prices or scaled to imported invoices 
 allocation basis), each node pool's cost on both bases with the difference explained (the
 admin's and finance's view), and each team's prompt-cache savings. On a central billing
 (``billing.role: central``), the admin also sees its clusters: each one's total for the month,
-whether what the central holds of it is stale, and since when.
+whether what the central holds of it is stale, and since when; and their closed month's hours:
+whether each cluster's hourly cost adds up to its lines, the engines' tokens against the
+ledger's, and its instances' hours.
 
 The table and the downloads are billing's own files (its export routes, with the signed-in
 user's token): the page shows and saves what finance would get, formatted for reading, and
@@ -199,6 +201,66 @@ def clusters_csv(body: dict[str, Any]) -> str:
     return pl.DataFrame(rows, schema=schema).write_csv()
 
 
+def cluster_hours_csv(body: dict[str, Any]) -> str:
+    """A central's hours across clusters (``/v1/federation/hours``) as a CSV of one row per
+    cluster: whether its month came with hours, their cost in USD and whether it adds up to the
+    cluster's own lines for the month, the tokens the engines and the ledger counted, their
+    difference and its share, and the instance-hours of its lifetimes."""
+    rows = []
+    for c in body["clusters"]:
+        r = c["reconciliation"]
+        share = r["difference_share"]
+        rows.append(
+            {
+                "cluster": c["cluster"],
+                "hours_kept": "yes" if c["hourly"] else "no",
+                "hourly_usd": int(c["hourly_cents"]) / 100,
+                "adds_up": ("yes" if c["adds_up"] else "NO") if c["hourly"] else "",
+                "engine_tokens": int(r["engine_tokens"]),
+                "ledger_tokens": int(r["ledger_tokens"]),
+                "difference_tokens": int(r["difference_tokens"]),
+                "difference_pct": None if share is None else round(100 * float(share), 2),
+                "instance_hours": round(float(c["instance_hours"]), 2),
+            }
+        )
+    schema = {
+        "cluster": pl.String,
+        "hours_kept": pl.String,
+        "hourly_usd": pl.Float64,
+        "adds_up": pl.String,
+        "engine_tokens": pl.Int64,
+        "ledger_tokens": pl.Int64,
+        "difference_tokens": pl.Int64,
+        "difference_pct": pl.Float64,
+        "instance_hours": pl.Float64,
+    }
+    return pl.DataFrame(rows, schema=schema).write_csv()
+
+
+def _cluster_hours(ctx: Context, session: Session, month: str) -> Any:
+    """The hours part of the clusters table: a sentence and a row per cluster."""
+    try:
+        body = ctx.client.federation_hours(session.token, month)
+    except BillingError as exc:
+        return note(str(exc), "error")
+    r = body["reconciliation"]
+    ok = "adds up to its own lines to the cent" if body["adds_up"] else "does NOT add up"
+    said = (
+        f"Hours: each cluster's hourly cost {ok}; the engines counted {r['engine_tokens']:,} "
+        f"tokens, the ledger {r['ledger_tokens']:,} (difference {r['difference_tokens']:,})."
+    )
+    return html.Div(
+        [
+            html.P(said, id="chargeback-cluster-hours-total"),
+            csv_table(
+                cluster_hours_csv(body),
+                "chargeback-cluster-hours-table",
+                empty="No cluster configured.",
+            ),
+        ]
+    )
+
+
 def utc(t: float) -> str:
     """A Unix time as ``2026-12-05 22:49 UTC``."""
     return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -224,6 +286,7 @@ def _clusters(ctx: Context, session: Session, month: str) -> Any:
             csv_table(
                 clusters_csv(body), "chargeback-clusters-table", empty="No cluster configured."
             ),
+            _cluster_hours(ctx, session, month),
         ]
     )
 

@@ -369,6 +369,17 @@ def test_the_chargeback_page_of_a_central_lists_its_clusters(
             row = by_cluster[state["cluster"]]
             assert f"${state['total_cents'] / 100:,.2f}" in row
             assert row[3] == "no"  # stale
+        said = _shown(driver, "#chargeback-cluster-hours-total", "Hours:")
+        assert "adds up to its own lines to the cent" in said
+        rows = driver.find_elements(By.CSS_SELECTOR, "#chargeback-cluster-hours-table tbody tr")
+        cells = [[td.text for td in row.find_elements(By.TAG_NAME, "td")] for row in rows]
+        hours = {c[0]: c for c in cells}
+        assert set(hours) == {"east", "west"}
+        for state in body["clusters"]:
+            row = hours[state["cluster"]]
+            assert row[1:2] == ["yes"]  # hours kept
+            assert f"${state['total_cents'] / 100:,.2f}" in row
+            assert row[3] == "yes"  # adds up
 
 
 def _hours(service: Billing, month: str, **params: str) -> dict[str, Any]:
@@ -422,6 +433,9 @@ def test_the_central_holds_each_clusters_hours_adding_up_to_its_statement(
     assert body["reconciliation"]["ledger_tokens"] == sum(
         c["reconciliation"]["ledger_tokens"] for c in body["clusters"]
     )
+    figures = _hours(federation.central, "2026-10", rows="false")
+    assert figures["hours"] is None
+    assert figures["clusters"] == body["clusters"]
     alone = _hours(federation.central, "2026-10", cluster="east")
     assert {r["cluster"] for k in alone["hours"] for r in alone["hours"][k]} == {"east"}
     assert [c["cluster"] for c in alone["clusters"]] == ["east"]
