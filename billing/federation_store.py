@@ -10,17 +10,20 @@ state.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import orjson
 import polars as pl
 
-from billing import closing
+from billing import closing, federation
 from billing.closed_hours import KINDS
 from billing.federation import FEDERATED_SCHEMA, ClusterState, MonthPayload, month_payload
 from billing.ledger import Ledger
 from infermeter.statement import LINE_SCHEMA
+
+log = logging.getLogger("infermeter.billing")
 
 __all__ = [
     "closed_months",
@@ -59,11 +62,26 @@ def payload_of(
     ledger: Ledger, cluster: str, month: str, prices: dict[str, Any] | None = None
 ) -> MonthPayload:
     """A closed month of this cluster's ledger as the federation route serves it, with the
-    cluster's price book ``prices``."""
+    cluster's price book ``prices``.
+
+    A month with more hours of a kind than a central takes (``federation.MAX_HOUR_ROWS``) is
+    served without its hours, as a cluster of an earlier version would serve it: its lines
+    still reach the central, rather than the whole month being refused at every pull.
+    """
     basis, pools = closing.issued_basis(ledger, month)
     lines = closing.issued_lines(ledger, month=month)
     frames = closing.issued_hours(ledger, month, [t for _, t in KINDS.values()])
     hours = None if frames is None else dict(zip(KINDS, frames, strict=True))
+    if hours is not None and any(f.height > federation.MAX_HOUR_ROWS for f in hours.values()):
+        sizes = ", ".join(f"{k} {f.height}" for k, f in hours.items())
+        log.warning(
+            "billing: federation: month %s is served without its hours (%s rows; a central "
+            "takes at most %d of a kind)",
+            month,
+            sizes,
+            federation.MAX_HOUR_ROWS,
+        )
+        hours = None
     return month_payload(cluster, month, basis, pools, lines, prices, hours)
 
 

@@ -35,12 +35,24 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
+from billing.chargeback import Chargeback
 from billing.closed_hours import month_hours
-from billing.federation import FederationError, central_hours, month_payload, parse_payload
+from billing.federation import (
+    FederationError,
+    central_hours,
+    digest,
+    month_payload,
+    parse_payload,
+)
 from billing.federation_pull import Puller
-from billing.federation_store import federated_hours, federated_month, replace_month
+from billing.federation_store import (
+    federated_hours,
+    federated_month,
+    payload_of,
+    replace_month,
+)
 from billing.ledger import Ledger
-from infermeter.config import DEFAULT_CONFIG, BillingSettings, load_config
+from infermeter.config import DEFAULT_CONFIG, BillingSettings, Config, load_config
 from infermeter.serving import free_port
 from infermeter.statement import LINE_SCHEMA, empty_pools
 from tests.billing.conftest import NOV, OCT, batch, gpu_samples, usage
@@ -713,6 +725,25 @@ def test_the_central_keeps_hours_with_their_month_and_a_cluster_without_them(
         assert body["reconciliation"]["difference_share"] == pytest.approx(10 / 310)
     finally:
         ledger.close()
+
+
+def test_a_month_with_more_hours_than_a_central_takes_is_served_without_them(
+    ledger: Ledger, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster serves a closed month's hours, but not past ``MAX_HOUR_ROWS`` of a kind: then
+    the month goes without them (its lines still federate), with the digest it would have had
+    before hours were kept."""
+    ledger.ingest(batch("gpu_samples", gpu_samples(start=OCT + 3600, seconds=3600)), now=NOV)
+    ledger.ingest(batch("usage", [usage("search", OCT + 3700, 300)]), now=NOV)
+    Chargeback(ledger, config).close("2026-10", now=NOV + 86400)
+    served = payload_of(ledger, "east", "2026-10")
+    assert served.hours is not None
+    assert served.hours["cost"]
+    monkeypatch.setattr("billing.federation.MAX_HOUR_ROWS", 0)
+    bare = payload_of(ledger, "east", "2026-10")
+    assert bare.hours is None
+    assert bare.lines == served.lines
+    assert bare.digest == digest("2026-10", bare.basis, bare.pools, bare.lines)
 
 
 @pytest.mark.parametrize(
