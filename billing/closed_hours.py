@@ -22,7 +22,6 @@ rows are in proportion to hours x groups x teams, not to requests:
     per (hour, replica group, model): the engines' counted tokens against the ledger's, the
     signed difference and how it was explained (``billing.reconciliation``'s instance-hours
     summed per group).
-
 ``closed_lifetime_hours``
     per (hour, replica group, model, GPU model): the instance lifetimes (``billing.lifetimes``)
     alive in it, started, stopped, and ended without a stop (``kill -9``, a lost node: at the
@@ -208,27 +207,20 @@ def _weights(usd: pl.Series) -> list[int]:
     return [microcents(float(u)) if u and u > 0 else 0 for u in usd.to_list()]
 
 
-def cost_cents(rows: pl.DataFrame, total_cents: int) -> pl.DataFrame:
+def cost_cents(rows: pl.DataFrame, total_cents: int, first_hour: int) -> pl.DataFrame:
     """``rows`` (hour, replica, gpu_model, gpu_hours, energy_kwh, usd) with ``total_cents`` split
     over them in proportion to ``usd``: they add up to it exactly.
 
     A total with nothing priced to carry it (a month of unused commitments only) is one row of
-    its own: its first hour, group and GPU model ''.
+    its own: the month's ``first_hour``, group and GPU model ''.
     """
     weights = _weights(rows["usd"]) if rows.height else []
     priced = total_cents > 0 and any(weights)
     parts = split(total_cents, weights) if priced else [0] * rows.height
     out = rows.drop("usd").with_columns(pl.Series("total_cents", parts, pl.Int64))
     if sum(parts) != total_cents:
-        first = int(rows["hour"].min()) if rows.height else 0  # type: ignore[arg-type]
-        out = pl.concat(
-            [
-                out,
-                pl.DataFrame(
-                    [(first, "", "", 0.0, 0.0, total_cents)], schema=out.schema, orient="row"
-                ),
-            ]
-        )
+        row = [(first_hour, "", "", 0.0, 0.0, total_cents)]
+        out = pl.concat([out, pl.DataFrame(row, schema=out.schema, orient="row")])
     return out
 
 
@@ -291,7 +283,7 @@ def hour_frames(
     cur.execute(priced_sql_of(policy, rows, period=month_bounds(month)).prepare)
     own = lines.filter(pl.col("for_month") == month)
     total = int(own["total_cents"].sum()) if own.height else 0
-    cost = cost_cents(cur.sql(_cost_sql(rows.costs)).pl(), total)
+    cost = cost_cents(cur.sql(_cost_sql(rows.costs)).pl(), total, first)
     usage = usage_cents(cur.sql(_usage_sql(first, after)).pl(), own)
     reconciliation.reconcile(cur, first, after)
     reconciled = cur.sql(_RECONCILED_SQL).pl()

@@ -123,7 +123,15 @@ def _cost_rows(usd: list[float]) -> pl.DataFrame:
             "gpu_hours": [1.0] * len(usd),
             "energy_kwh": [0.1] * len(usd),
             "usd": usd,
-        }
+        },
+        schema={
+            "hour": pl.Int64,
+            "replica": pl.String,
+            "gpu_model": pl.String,
+            "gpu_hours": pl.Float64,
+            "energy_kwh": pl.Float64,
+            "usd": pl.Float64,
+        },
     )
 
 
@@ -139,15 +147,25 @@ def test_the_month_total_is_split_over_hours_by_their_cost(
     usd: list[float], total: int, cents: list[int]
 ) -> None:
     """Each hour's cents are its share of the measured cost, and they add up to the total."""
-    out = closed_hours.cost_cents(_cost_rows(usd), total)
+    out = closed_hours.cost_cents(_cost_rows(usd), total, 0)
     assert out["total_cents"].to_list() == cents
 
 
-def test_a_total_no_hour_was_priced_for_is_a_row_of_its_own() -> None:
-    """Money with no priced hour (unused commitments) is kept, as group and GPU model ''."""
-    out = closed_hours.cost_cents(_cost_rows([0.0, 0.0]), 42)
+@pytest.mark.parametrize("usd", [[0.0, 0.0], []])
+def test_a_total_no_hour_was_priced_for_is_a_row_of_its_own(usd: list[float]) -> None:
+    """Money with no priced hour (unused commitments) is kept in the month's first hour, as
+    group and GPU model ''."""
+    first = closed_hours.month_hours("2026-10")[0]
+    out = closed_hours.cost_cents(_cost_rows(usd), 42, first)
     assert out["total_cents"].sum() == 42
-    assert out.row(-1, named=True)["replica"] == ""
+    assert out.row(-1, named=True) == {
+        "hour": first,
+        "replica": "",
+        "gpu_model": "",
+        "gpu_hours": 0.0,
+        "energy_kwh": 0.0,
+        "total_cents": 42,
+    }
 
 
 def test_a_team_line_is_split_over_its_hours() -> None:
