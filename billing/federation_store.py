@@ -11,6 +11,7 @@ state.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from infermeter.statement import LINE_SCHEMA
 log = logging.getLogger("infermeter.billing")
 
 __all__ = [
+    "MonthDigests",
     "closed_months",
     "federated_hours",
     "federated_month",
@@ -41,20 +43,50 @@ _LINE_COLUMNS = ", ".join(LINE_SCHEMA)
 _FEDERATED_HOURS = {k: t.replace("closed_", "federated_") for k, (_, t) in KINDS.items()}
 
 
-def closed_months(ledger: Ledger, cluster: str) -> list[dict[str, object]]:
-    """Every closed month of this cluster's ledger with its digest and total, oldest first."""
+class MonthDigests:
+    """The digest and total of each closed month listed, kept while it stays closed as it was.
+
+    A month's digest covers its hours (``billing.closed_hours``), some megabytes to read and
+    hash, and a central lists every closed month each round: a month closed at the same time
+    (``closed_at``) is the same frozen content, so it is hashed once per process. Shared by the
+    route's threads, hence the lock.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[float, str, int]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, month: str, closed_at: float) -> tuple[str, int] | None:
+        """The digest and total kept of ``month`` closed at ``closed_at``, if any."""
+        with self._lock:
+            held = self._held.get(month)
+        return None if held is None or held[0] != closed_at else (held[1], held[2])
+
+    def keep(self, month: str, closed_at: float, digest: str, total_cents: int) -> None:
+        """Keep ``month``'s digest and total, as closed at ``closed_at``."""
+        with self._lock:
+            self._held[month] = (closed_at, digest, total_cents)
+
+
+def closed_months(
+    ledger: Ledger, cluster: str, digests: MonthDigests | None = None
+) -> list[dict[str, object]]:
+    """Every closed month of this cluster's ledger with its digest and total, oldest first;
+    ``digests`` keeps them between listings."""
+    digests = MonthDigests() if digests is None else digests
     out: list[dict[str, object]] = []
     for m in closing.months(ledger):
-        if m["closed"]:
-            p = payload_of(ledger, cluster, str(m["month"]))
-            out.append(
-                {
-                    "month": p.month,
-                    "digest": p.digest,
-                    "total_cents": p.total_cents,
-                    "closed_at": m["closed_at"],
-                }
-            )
+        if not m["closed"]:
+            continue
+        month, closed_at = str(m["month"]), float(m["closed_at"])
+        held = digests.get(month, closed_at)
+        if held is None:
+            p = payload_of(ledger, cluster, month)
+            held = (p.digest, p.total_cents)
+            digests.keep(month, closed_at, *held)
+        out.append(
+            {"month": month, "digest": held[0], "total_cents": held[1], "closed_at": closed_at}
+        )
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 from anyio import CapacityLimiter, to_thread
@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from billing.chargeback import Chargeback
 from billing.explorer_cache import Months
+from billing.federation_store import MonthDigests
 from billing.keys import KeyBook
 from billing.ledger import Ledger
 from billing.metrics import IngestCounters
@@ -92,6 +93,8 @@ class Services:
     writers: WriterGate
     # People signed in with single sign-on (``dashboard.oidc``): None when it is off.
     id_tokens: IdTokens | None = None
+    # The digests of the closed months a central lists (``billing.federation_store``).
+    digests: MonthDigests = field(default_factory=MonthDigests)
 
 
 async def compute(svc: Services, fn: Callable[..., T], *args: Any) -> T:

@@ -60,7 +60,8 @@ def _puller(request: Request) -> Puller:
 async def months(who: Federator, svc: ServicesDep) -> dict[str, Any]:
     """This cluster's closed months, each with the digest of its frozen content."""
     name = svc.config.billing.cluster_name
-    return {"cluster": name, "months": await compute(svc, store.closed_months, svc.ledger, name)}
+    listed = await compute(svc, store.closed_months, svc.ledger, name, svc.digests)
+    return {"cluster": name, "months": listed}
 
 
 @router.get("/v1/federation/months/{month}", responses=errors(400, *READ, 409))

@@ -46,6 +46,8 @@ from billing.federation import (
 )
 from billing.federation_pull import Puller
 from billing.federation_store import (
+    MonthDigests,
+    closed_months,
     federated_hours,
     federated_month,
     payload_of,
@@ -744,6 +746,29 @@ def test_a_month_with_more_hours_than_a_central_takes_is_served_without_them(
     assert bare.hours is None
     assert bare.lines == served.lines
     assert bare.digest == digest("2026-10", bare.basis, bare.pools, bare.lines)
+
+
+def test_a_closed_month_is_hashed_once_while_it_stays_closed(
+    ledger: Ledger, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Listing the closed months again reads no month's content: its digest is kept while the
+    month keeps its close time; a month closed at another time is not the one kept."""
+    ledger.ingest(batch("gpu_samples", gpu_samples(start=OCT + 3600, seconds=3600)), now=NOV)
+    ledger.ingest(batch("usage", [usage("search", OCT + 3700, 300)]), now=NOV)
+    Chargeback(ledger, config).close("2026-10", now=NOV + 86400)
+    digests = MonthDigests()
+    first = closed_months(ledger, "east", digests)
+    assert [m["digest"] for m in first] == [payload_of(ledger, "east", "2026-10").digest]
+
+    def read_again(*args: Any) -> None:
+        raise AssertionError("a month's content read again")
+
+    monkeypatch.setattr("billing.federation_store.payload_of", read_again)
+    assert closed_months(ledger, "east", digests) == first
+    with pytest.raises(AssertionError, match="read again"):
+        closed_months(ledger, "east", MonthDigests())
+    closed_at = float(first[0]["closed_at"])  # type: ignore[arg-type]
+    assert digests.get("2026-10", closed_at + 1) is None
 
 
 @pytest.mark.parametrize(
