@@ -455,7 +455,7 @@ class Allocation:
     exactly. ``pools``: the ``pools`` query's rows (per pool and rate: GPU-hours, kWh, compute
     and energy USD). ``commitments``: the committed rates in the period, with what ran.
     ``reconciled``: the reconciliation its claims were priced from, when it had any
-    (``billing.reconciliation.Claims``). ``instances``: the lines per instance
+    (``billing.reconciliation_hours.Claims``). ``instances``: the lines per instance
     (``by_instance``'s rows), when asked for with the lines: read from the same run, so the
     exports split the lines by the very allocation that made them.
     """

@@ -16,7 +16,7 @@ from dataclasses import replace
 import duckdb
 import polars as pl
 
-from billing import allocation, bases, hourly, reconciliation
+from billing import allocation, bases, hourly, reconciliation_hours
 from billing.allocation import Allocation, Policy
 from billing.keeper import Keeper
 from billing.lifetimes import slot_windows_sql
@@ -41,7 +41,7 @@ def allocate(ledger: Keeper, policy: Policy, month: str) -> tuple[pl.DataFrame, 
     the idle capacity (``billing.reconciliation``). Read in one snapshot: the lines add up
     to the fleet cost while batches keep arriving.
     """
-    claims = reconciliation.claims(policy, *month_bounds(month))
+    claims = reconciliation_hours.claims(policy, *month_bounds(month))
     with ledger.snapshot() as cur:
         queries = _month_sql(cur, ledger.heartbeat_seconds, policy, month)
         return allocation.run(cur, queries, policy, claims)
@@ -59,7 +59,7 @@ def allocate_bases(
     scale is worked out from exactly the GPU time it then divides. With
     ``split_by_instance``, the basis the lines are on carries its lines per instance
     (``Allocation.instances``), from the same run."""
-    claims = reconciliation.claims(policy, *month_bounds(month))
+    claims = reconciliation_hours.claims(policy, *month_bounds(month))
     heartbeat = ledger.heartbeat_seconds
     with ledger.snapshot() as cur:
         listed = allocation.run_all(

@@ -45,6 +45,7 @@ from billing import (
     ingest_sql,
     lifetimes,
     quarantine,
+    reconciliation_hours,
     trust_sql,
 )
 from billing.bounds import SampleBounds, bounds_tables
@@ -632,12 +633,14 @@ class Ledger:
             con.execute(ingest_sql.occupancy_rollup_sql())
             con.execute(ingest_sql.statement_rollup_sql())
             con.execute(ingest_sql.token_rollup_sql())
+            con.execute(reconciliation_hours.mark_usage_sql())
             con.execute(ingest_sql.ttft_rollup_sql())
             con.execute(ingest_sql.tag_rollup_sql())
         elif kind.key == "gpu_samples":
             con.execute(ingest_sql.gpu_rollup_sql())
             con.execute(hourly.dirty_samples_sql())
         elif kind.key == "engine_samples":
+            con.execute(reconciliation_hours.mark_samples_sql())
             con.execute(ingest_sql.engine_rollup_sql(), {"lo": span[0], "hi": span[1]})
             return
         else:

@@ -87,9 +87,7 @@ __all__ = [
     "LOOKBACK_SECONDS",
     "PENDING_SECONDS",
     "UNATTRIBUTED_SUFFIX",
-    "Claims",
     "claim_rows",
-    "claims",
     "first_windows_sql",
     "hour_runs",
     "hours",
@@ -619,37 +617,3 @@ def tail_lines(tails: pl.DataFrame) -> pl.DataFrame:
         .select(LINE_COLUMNS)
         .sort("team", "model")
     )
-
-
-class Claims:
-    """The claims of the hours in ``start``..``end``, for ``allocation.run`` on a ledger.
-
-    Called with the connection ``allocation.run`` gives: reconciles the range from the ledger's
-    rollups (``reconcile``) once, then prices it against that allocation's ``_slots``; the
-    hang-up tails come along as lines of tokens. Called again on the same connection (the
-    second allocation of a month with an invoice), it prices the same reconciliation against the
-    new ``_slots``. ``reconciled``: the reconciliation's rows, once it ran, so a statement's
-    unreconciled requests come from the same pass (``billing.unreconciled``), not a second one.
-    """
-
-    def __init__(self, policy: Policy, start: float, end: float) -> None:
-        self.policy, self.start, self.end = policy, start, end
-        self.reconciled: pl.DataFrame | None = None
-        self._on: duckdb.DuckDBPyConnection | None = None
-
-    def __call__(self, con: duckdb.DuckDBPyConnection) -> tuple[pl.DataFrame, pl.DataFrame]:
-        if self._on is not con:
-            reconcile(con, *hours(self.start, self.end))
-            self.reconciled = con.sql("SELECT * FROM _reconciliation").pl()
-            self._on = con
-        hourly = con.sql(unattributed_sql(self.policy, "_reconciliation")).pl()
-        tails = con.sql(
-            "SELECT team, model, sum(prompt_tokens) AS prompt_tokens, "
-            "sum(completion_tokens) AS completion_tokens FROM _hangups GROUP BY ALL"
-        ).pl()
-        return claim_rows(hourly, self.policy), tail_lines(tails)
-
-
-def claims(policy: Policy, start: float, end: float) -> Claims:
-    """``Claims`` of the hours in ``start``..``end`` under ``policy``."""
-    return Claims(policy, start, end)

@@ -767,6 +767,54 @@ CREATE TABLE IF NOT EXISTS federated_lifetime_hours AS
     SELECT ''::VARCHAR AS cluster, * FROM closed_lifetime_hours LIMIT 0;
 """
 
+# The month's reconciliation kept per hour (``billing.reconciliation_hours``): ``reconcile``'s
+# rows and the hang-up tails per team, for the months of ``reconciliation_built``, whose rows hold
+# before ``clean_before``. A ledger kept before them has none: its statements reconcile whole
+# months until the upkeep loop has kept them.
+_RECONCILIATION_HOURS = """
+CREATE TABLE IF NOT EXISTS reconciliation_hours (
+    t BIGINT NOT NULL,
+    instance VARCHAR NOT NULL,
+    replica VARCHAR,
+    model VARCHAR,
+    engine_prompt_tokens BIGINT,
+    engine_completion_tokens BIGINT,
+    ledger_prompt_tokens BIGINT,
+    ledger_completion_tokens BIGINT,
+    engine_tokens BIGINT,
+    ledger_tokens BIGINT,
+    difference_tokens BIGINT,
+    share DOUBLE,
+    hangup_prompt_tokens BIGINT,
+    hangup_completion_tokens BIGINT,
+    hangup_tokens BIGINT,
+    unattributed_prompt_tokens BIGINT,
+    unattributed_completion_tokens BIGINT,
+    unattributed_tokens BIGINT,
+    unattributed_share DOUBLE,
+    ledger_excess_tokens BIGINT,
+    unreconciled_requests BIGINT,
+    unreconciled_prompt_tokens BIGINT,
+    unreconciled_completion_tokens BIGINT,
+    unreconciled_tokens BIGINT
+);
+CREATE TABLE IF NOT EXISTS reconciliation_tails (
+    instance VARCHAR NOT NULL,
+    hour BIGINT NOT NULL,
+    team VARCHAR,
+    model VARCHAR,
+    replica VARCHAR,
+    prompt_tokens BIGINT,
+    completion_tokens BIGINT
+);
+CREATE TABLE IF NOT EXISTS reconciliation_built (
+    first_hour BIGINT NOT NULL,
+    end_hour BIGINT NOT NULL,
+    clean_before BIGINT NOT NULL,
+    PRIMARY KEY (first_hour, end_hour)
+);
+"""
+
 MIGRATIONS: Final[tuple[str, ...]] = (
     _V1,
     _V2,
@@ -789,6 +837,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     _HOURLY_COSTS,
     _CLOSED_HOURS,
     _LIFETIME_HOURS,
+    _RECONCILIATION_HOURS,
 )
 LATEST_VERSION: Final = len(MIGRATIONS)
 # The migration that makes ``usage_tags`` (its backfill runs with it).

@@ -13,7 +13,7 @@ import duckdb
 import uvicorn
 from fastapi import FastAPI
 
-from billing import allocation_runs
+from billing import allocation_runs, reconciliation_hours
 from billing.api import create_app
 from billing.archive import retaining
 from billing.bounds import SampleBounds
@@ -112,7 +112,8 @@ def key_publisher(config: Config) -> RedisPublisher | None:
     return RedisPublisher(config.sidecar.shared_limits)
 
 
-# How often the hours that batches made stale get their cost rows rebuilt (``billing.hourly``):
+# How often the hours that batches made stale get their cost rows rebuilt (``billing.hourly``)
+# and their reconciliation kept (``billing.reconciliation_hours``):
 # a statement builds what is still stale itself, so this only bounds how much it has to.
 HOUR_REBUILD_SECONDS: Final = 30.0
 
@@ -126,6 +127,7 @@ async def rebuild_hours(ledger: Ledger, interval: float = HOUR_REBUILD_SECONDS) 
         await asyncio.sleep(interval)
         try:
             await asyncio.to_thread(allocation_runs.refresh_hours, ledger)
+            await asyncio.to_thread(reconciliation_hours.refresh, ledger)
         except duckdb.Error as exc:
             log.warning(
                 "billing: rebuilding hourly cost rows failed, retried in %.0f s: %s", interval, exc

@@ -19,7 +19,7 @@ import polars as pl
 import pytest
 import yaml
 
-from billing import allocation_runs, bases
+from billing import allocation_runs, bases, reconciliation_hours
 from billing.allocation import Allocation, Policy, run_all
 from billing.chargeback import policy_from_config
 from billing.ledger import Ledger
@@ -143,6 +143,8 @@ def test_the_statement_from_hourly_rows_is_the_minute_statement_cent_for_cent(
     _same_cents(_hourly(ledger, policy), want)  # every hour built on the fly
     assert allocation_runs.refresh_hours(ledger) > 24
     _same_cents(_hourly(ledger, policy), want)  # every hour read from cost_hours
+    reconciliation_hours.refresh(ledger)
+    _same_cents(_hourly(ledger, policy), want)  # and the reconciliation from its kept hours
 
 
 def test_an_invoice_basis_from_hourly_rows_is_the_minute_one(fleet: tuple[Config, Ledger]) -> None:
