@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httptools
 import httpx
 import pytest
 
@@ -509,3 +511,38 @@ async def test_an_app_failing_after_its_answer_does_not_cut_the_next_request() -
         assert (await _read_response(reader))[2] == b"ok"
         assert (await _read_response(reader))[2] == b"GET /after ? 0:"
         writer.close()
+
+
+def _request_parsers() -> int:
+    return sum(isinstance(o, httptools.HttpRequestParser) for o in gc.get_objects())
+
+
+async def test_a_connection_holds_no_request_parser_while_its_request_is_answered() -> None:
+    """A stream can run for minutes: its connection keeps no parser (memory per open stream),
+    and the next request on it is parsed as the first was."""
+    app = _App()
+    async with _serving(app) as srv:
+        reader, writer = await _connect(srv)
+        writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        gc.collect()
+        assert _request_parsers() == 0
+        app.release.set()
+        assert (await _read_response_body_after_head(reader)).endswith(b"slow done")
+        writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nhel")
+        await asyncio.sleep(0.05)
+        writer.write(b"lo")
+        status, _, body = await _read_response(reader)
+        assert (status, body) == (b"HTTP/1.1 200 OK", b"POST /echo ? 5:hello")
+        writer.close()
+
+
+async def _read_response_body_after_head(reader: asyncio.StreamReader) -> bytes:
+    """The chunked body of a response whose head was read already."""
+    body = b""
+    while True:
+        size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), 5)).strip(), 16)
+        data = await reader.readexactly(size + 2)
+        if size == 0:
+            return body
+        body += data[:-2]
