@@ -11,7 +11,8 @@ served once. Two memories keep it:
   ``replay_cache_entries`` lines it is rewritten, in the disk thread, with only what the memory
   holds (its floor and its nonces), and so is it at each start. Appends are fsynced every second:
   a crash of the process loses none, a crash of the machine up to a second's.
-- ``SharedNonces``, the fleet's, when shared limits are configured (``shared_limits.redis_url``):
+- ``SharedNonces``, the fleet's, when shared limits are configured (``shared_limits.redis_url``;
+  the Redis client, ``sidecar.resp``, is loaded only then):
   ``SET <prefix>:nonce:<nonce> NX PX <ms>`` in the same Redis, kept until the timestamp leaves
   the skew window (plus a second for the sidecars' clocks), so a request served by one sidecar is
   refused by every other. This sidecar's file is asked first and kept as well. When Redis does
@@ -33,7 +34,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -43,9 +44,11 @@ from infermeter.disk_thread import DiskThread
 from infermeter.records import RequestStatus
 from infermeter.spooldir import GATEWAY_NONCES
 from sidecar.admission import Headers, Refusal, identify
-from sidecar.resp import ReplyError, RespClient, parse_url
 from sidecar.seen_nonces import ReplayCache
 from sidecar.state import View
+
+if TYPE_CHECKING:
+    from sidecar.resp import RespClient
 
 __all__ = [
     "NonceFile",
@@ -242,6 +245,9 @@ class SharedNonces:
             registry=registry,
         )
         self._down = False
+        from sidecar.resp import ReplyError  # loaded with the client (``nonce_store``)
+
+        self._failures = (ReplyError, OSError, TimeoutError)
 
     async def admit(self, nonce: str, timestamp: int, now: float) -> Reason | None:
         """This sidecar's memory first, then ``SET NX`` in Redis."""
@@ -254,7 +260,7 @@ class SharedNonces:
             reply = await self.resp.call(
                 "SET", key, timestamp, "NX", "PX", max(1, math.ceil(ttl * 1000))
             )
-        except (ReplyError, OSError, TimeoutError) as exc:
+        except self._failures as exc:
             return self._without_redis(exc)
         if self._down:
             self._down = False
@@ -301,6 +307,10 @@ def nonce_store(config: Config, spool_directory: Path, registry: CollectorRegist
     )
     if shared.redis_url is None:
         return local
+    # Only here: the Redis client and hiredis are memory that a sidecar without Redis would hold
+    # for nothing (docs/benchmarks.md).
+    from sidecar.resp import RespClient, parse_url
+
     password = env_value(shared.password_env) or None
     resp = RespClient(
         parse_url(shared.redis_url, password),

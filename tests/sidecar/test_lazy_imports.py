@@ -1,10 +1,11 @@
-"""A sidecar loads redis-py, httpx and OpenTelemetry's SDK only when it uses them, and never
-aiohttp or uvicorn.
+"""A sidecar loads redis-py, its own Redis client's hiredis, httpx and OpenTelemetry's SDK only
+when it uses them, and never aiohttp or uvicorn.
 
 Each costs an idle sidecar memory (docs/benchmarks.md): the relay's one transport is the pool on
-asyncio protocols (``sidecar.pool``), https included, so aiohttp is never needed; redis-py is for
-shared limits only, httpx for shipping or a budget's spend, and the SDK for exporting spans (the
-API alone passes a trace on). The sidecar serves on its own server (``sidecar.http_server``), so
+asyncio protocols (``sidecar.pool``), https included, so aiohttp is never needed; redis-py and
+hiredis (``sidecar.resp``, also the fleet's gateway nonces) are for shared limits only, httpx
+for shipping or a budget's spend, and the SDK for exporting spans (the API alone passes a trace
+on). The sidecar serves on its own server (``sidecar.http_server``), so
 uvicorn is never needed.
 Checked in a fresh interpreter, since this test process has long imported them all.
 """
@@ -30,7 +31,8 @@ _PROBE = textwrap.dedent(
     })
     Sidecar(config, "small-0", spool_dir=Path(tempfile.mkdtemp()))
     import sidecar.serve
-    print(" ".join(m for m in ("aiohttp", "redis", "httpx", "opentelemetry.sdk", "uvicorn")
+    print(" ".join(m for m in ("aiohttp", "redis", "hiredis", "httpx", "opentelemetry.sdk",
+                                "uvicorn")
                    if m in sys.modules))
     """
 )
@@ -54,7 +56,11 @@ def test_a_default_sidecar_loads_none_of_them() -> None:
 
 def test_shared_limits_load_redis_and_still_not_aiohttp() -> None:
     # (and the fleet's live-instance list reads billing with httpx)
-    assert _loaded("sidecar.shared_limits.redis_url=redis://127.0.0.1:1/0") == {"redis", "httpx"}
+    assert _loaded("sidecar.shared_limits.redis_url=redis://127.0.0.1:1/0") == {
+        "redis",
+        "hiredis",
+        "httpx",
+    }
 
 
 def test_a_budget_spend_loads_httpx() -> None:
