@@ -86,22 +86,25 @@ def test_kept_hours_are_the_month_reconciled_afresh(ledger: Ledger, seed: int) -
     assert _clean_before(ledger) == MONTH[1]
 
 
+def _reading(t: float, k: int, instance: str | None = None, running: float = 1.0) -> dict[str, Any]:
+    """The engine of replica small-0 (or its pod ``instance``) read at ``t``, its ``k``-th reading."""
+    return {
+        "sample_id": f"{instance or 'small-0'}-{k}",
+        "replica": "small-0",
+        "instance": instance,
+        "model": "chat-small",
+        "timestamp": t,
+        "requests_running": running,
+        "requests_waiting": 0.0,
+        "kv_cache_usage": 0.0,
+        "prompt_tokens_total": 100.0 * k,
+        "generation_tokens_total": 50.0 * k,
+    }
+
+
 def _steady_ledger(ledger: Ledger) -> None:
     """Six hours of requests on replica small-0, its engine read every 30 s, all kept."""
-    samples = [
-        {
-            "sample_id": f"steady-{k}",
-            "replica": "small-0",
-            "model": "chat-small",
-            "timestamp": OCT + 30.0 * k,
-            "requests_running": 1.0,
-            "requests_waiting": 0.0,
-            "kv_cache_usage": 0.0,
-            "prompt_tokens_total": 100.0 * k,
-            "generation_tokens_total": 50.0 * k,
-        }
-        for k in range(6 * 120)
-    ]
+    samples = [_reading(OCT + 30.0 * k, k) for k in range(6 * 120)]
     ledger.ingest(batch("engine_samples", samples), now=NOW)
     records = [usage("search", OCT + 60.0 * m, 20.0) for m in range(6 * 60 - 1)]
     ledger.ingest(batch("usage", records), now=NOW)
@@ -124,17 +127,7 @@ def test_a_reading_reopens_the_month_from_the_one_before_it(ledger: Ledger) -> N
     """The engine's next reading at 06:00:30 reopens from the hour before its previous reading
     (05:59:30) less the wait for a stale instance: the hours from 04:00, and no earlier one."""
     _steady_ledger(ledger)
-    reading = {
-        "sample_id": "steady-next",
-        "replica": "small-0",
-        "model": "chat-small",
-        "timestamp": OCT + 6 * HOUR + 30,
-        "requests_running": 1.0,
-        "requests_waiting": 0.0,
-        "kv_cache_usage": 0.0,
-        "prompt_tokens_total": 100.0 * 721,
-        "generation_tokens_total": 50.0 * 721,
-    }
+    reading = _reading(OCT + 6 * HOUR + 30, 721)
     ledger.ingest(batch("engine_samples", [reading]), now=NOW)
     assert _clean_before(ledger) == FIRST + 4
     _same(ledger, "after the reading")
@@ -148,35 +141,10 @@ def test_a_stream_across_the_last_reading_reopens_from_its_first_token(ledger: L
     long = usage("search", OCT + 3 * HOUR + 100, 3 * HOUR, completion_tokens=9000)
     ledger.ingest(batch("usage", [long]), now=NOW)
     reconciliation_hours.refresh(ledger)
-    later = {
-        "sample_id": "steady-late",
-        "replica": "small-0",
-        "model": "chat-small",
-        "timestamp": OCT + 6 * HOUR + 1800,
-        "requests_running": 0.0,
-        "requests_waiting": 0.0,
-        "kv_cache_usage": 0.0,
-        "prompt_tokens_total": 100.0 * 800,
-        "generation_tokens_total": 50.0 * 800,
-    }
+    later = _reading(OCT + 6 * HOUR + 1800, 800, running=0.0)
     ledger.ingest(batch("engine_samples", [later]), now=NOW)
     assert _clean_before(ledger) == FIRST + 2
     _same(ledger, "after the reading")
-
-
-def _reading(instance: str, t: float, k: int) -> dict[str, Any]:
-    return {
-        "sample_id": f"{instance}-{k}",
-        "replica": "small-0",
-        "instance": instance,
-        "model": "chat-small",
-        "timestamp": t,
-        "requests_running": 0.0,
-        "requests_waiting": 0.0,
-        "kv_cache_usage": 0.0,
-        "prompt_tokens_total": 100.0 * k,
-        "generation_tokens_total": 50.0 * k,
-    }
 
 
 def test_a_reading_after_a_silence_makes_a_gone_instances_records_unreconciled(
@@ -186,14 +154,14 @@ def test_a_reading_after_a_silence_makes_a_gone_instances_records_unreconciled(
     first reading at 06:00. Pod a's last records waited for its next reading; now the fleet has
     been read long after it, they are unreconciled, in hour 3: the reading reopens the month from
     there, though neither pod was read in hours 4 and 5."""
-    readings = [_reading("small-0-a", OCT + 60.0 * m, m) for m in range(3 * 60 + 56)]
+    readings = [_reading(OCT + 60.0 * m, m, "small-0-a", 0.0) for m in range(3 * 60 + 56)]
     ledger.ingest(batch("engine_samples", readings), now=NOW)
     served = [usage("search", OCT + 60.0 * m, 20.0, instance="small-0-a") for m in range(240)]
     ledger.ingest(batch("usage", served), now=NOW)
     reconciliation_hours.refresh(ledger)
     before, _ = _frames(ledger, kept=True)
     assert before["unreconciled_requests"].sum() == 0  # waiting for pod a's next reading
-    ledger.ingest(batch("engine_samples", [_reading("small-0-c", OCT + 6 * HOUR, 1)]), now=NOW)
+    ledger.ingest(batch("engine_samples", [_reading(OCT + 6 * HOUR, 1, "small-0-c", 0.0)]), now=NOW)
     assert _clean_before(ledger) == FIRST + 2
     _same(ledger, "after the new pod's reading")
     after, _ = _frames(ledger, kept=True)
