@@ -345,6 +345,13 @@ def test_the_focus_file_names_each_cluster_in_the_sub_account(federation: Federa
     assert problems == [], problems
 
 
+def _rows_by_first_cell(driver: webdriver.Chrome, table: str) -> dict[str, list[str]]:
+    """The cells of each body row of the table ``table`` (a CSS selector), by the first cell."""
+    rows = driver.find_elements(By.CSS_SELECTOR, f"{table} tbody tr")
+    cells = [[td.text for td in row.find_elements(By.TAG_NAME, "td")] for row in rows]
+    return {c[0]: c for c in cells}
+
+
 def _shown(driver: webdriver.Chrome, css: str, text: str) -> str:
     """The text of the first element matching ``css`` once it contains ``text``."""
 
@@ -375,9 +382,7 @@ def test_the_chargeback_page_of_a_central_lists_its_clusters(
         assert f"${body['total_cents'] / 100:,.2f}" in total
         assert "reconciles to the cent" in total
         assert "Stale" not in total
-        rows = driver.find_elements(By.CSS_SELECTOR, "#chargeback-clusters-table tbody tr")
-        cells = [[td.text for td in row.find_elements(By.TAG_NAME, "td")] for row in rows]
-        by_cluster = {c[0]: c for c in cells}
+        by_cluster = _rows_by_first_cell(driver, "#chargeback-clusters-table")
         assert set(by_cluster) == {"east", "west"}
         for state in body["clusters"]:
             row = by_cluster[state["cluster"]]
@@ -385,9 +390,7 @@ def test_the_chargeback_page_of_a_central_lists_its_clusters(
             assert row[3] == "no"  # stale
         said = _shown(driver, "#chargeback-cluster-hours-total", "Hours:")
         assert "adds up to its own lines to the cent" in said
-        rows = driver.find_elements(By.CSS_SELECTOR, "#chargeback-cluster-hours-table tbody tr")
-        cells = [[td.text for td in row.find_elements(By.TAG_NAME, "td")] for row in rows]
-        hours = {c[0]: c for c in cells}
+        hours = _rows_by_first_cell(driver, "#chargeback-cluster-hours-table")
         assert set(hours) == {"east", "west"}
         for state in body["clusters"]:
             row = hours[state["cluster"]]
