@@ -348,7 +348,7 @@ class _Connection(asyncio.Protocol):
         if len(connections) > self.limits.max_connections:
             transport.close()
             return
-        self.local = _address(transport.get_extra_info("sockname"))
+        self.local = self.server.local_address(transport.get_extra_info("sockname"))
         self.peer = _address(transport.get_extra_info("peername"))
         self._arm()
 
@@ -440,7 +440,8 @@ class _Connection(asyncio.Protocol):
         self._header_bytes += len(name) + len(value) + 4
         if self._header_bytes > self.limits.max_header_bytes:
             self._refuse(HEADERS_TOO_LARGE)
-        name = name.lower()
+        lower = _NAMES.get(name)
+        name = name.lower() if lower is None else lower
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect = True
         self._headers.append((name, value))
@@ -644,6 +645,38 @@ class _Connection(asyncio.Protocol):
 
 
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
+# The header names clients send most, lower-cased once: a request keeps these, not a bytes object
+# of its own per header for as long as it is answered (a stream's memory); any other name is
+# lower-cased as it comes. Spelled as sent: lower case, or capitalised as most clients write them.
+_NAMES = {
+    spelling: name
+    for name in (
+        b"accept",
+        b"accept-encoding",
+        b"authorization",
+        b"connection",
+        b"content-length",
+        b"content-type",
+        b"expect",
+        b"host",
+        b"traceparent",
+        b"tracestate",
+        b"transfer-encoding",
+        b"user-agent",
+        b"x-request-id",
+        # The OpenAI SDK's own (sent lower-cased by httpx).
+        b"x-stainless-arch",
+        b"x-stainless-async",
+        b"x-stainless-lang",
+        b"x-stainless-os",
+        b"x-stainless-package-version",
+        b"x-stainless-read-timeout",
+        b"x-stainless-retry-count",
+        b"x-stainless-runtime",
+        b"x-stainless-runtime-version",
+    )
+    for spelling in (name, name.title())
+}
 
 
 # httptools < 0.6.3 has no leniencies.
@@ -747,6 +780,15 @@ class HttpServer:
         self.tasks: set[asyncio.Task[None]] = set()
         self.date_line = b""
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in serve
+        self._local: tuple[str, int] | None = None
+
+    def local_address(self, sockname: Any) -> tuple[str, int] | None:
+        """The scope's ``server`` of a connection with this ``sockname``: one tuple shared by the
+        connections on one address, not one more held by each (an open stream's memory)."""
+        address = _address(sockname)
+        if address != self._local:
+            self._local = address
+        return self._local
 
     @property
     def url(self) -> str:

@@ -546,3 +546,34 @@ async def _read_response_body_after_head(reader: asyncio.StreamReader) -> bytes:
         if size == 0:
             return body
         body += data[:-2]
+
+
+async def test_requests_share_their_common_header_names_and_server_address() -> None:
+    """What every open stream would otherwise hold a copy of: the names of the headers clients
+    send most, in any usual spelling, and the address they came to; other names are still
+    lower-cased."""
+    seen: list[Scope] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            seen.append(scope)
+            await respond(send, 204, b"", [])
+
+    srv = HttpServer(app, "127.0.0.1", free_port(), lifespan=False)
+    task = asyncio.get_running_loop().create_task(srv.serve())
+    while not srv.started:
+        await asyncio.sleep(0.01)
+    for spelling in (b"Content-Type", b"content-type"):
+        reader, writer = await _connect(srv)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n%s: a\r\nX-Team: b\r\n\r\n" % spelling)
+        assert (await _read_response(reader))[0] == b"HTTP/1.1 204 No Content"
+        writer.close()
+    srv.should_exit = True
+    await task
+    first, second = (dict(scope["headers"]) for scope in seen)
+    assert first == second == {b"host": b"x", b"content-type": b"a", b"x-team": b"b"}
+    names = [{name: name for name in scope_headers} for scope_headers in (first, second)]
+    assert names[0][b"content-type"] is names[1][b"content-type"]
+    assert names[0][b"host"] is names[1][b"host"]
+    assert seen[0]["server"] == ("127.0.0.1", srv.port)
+    assert seen[0]["server"] is seen[1]["server"]
