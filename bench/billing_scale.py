@@ -203,6 +203,24 @@ def print_split(chargeback: Chargeback, statement: Statement, repeat: int) -> No
     )
 
 
+def print_marks(ledger: Ledger, repeat: int) -> None:
+    """What marking the kept reconciliation stale costs an engine batch: the mark's query over
+    the newest reading of each instance as the batch (``reconciliation_hours.mark_samples_sql``),
+    in a snapshot, whose end rolls the marks back."""
+    sql = reconciliation_hours.mark_samples_sql()
+    with ledger.snapshot() as cur:
+        cur.execute(
+            "CREATE OR REPLACE TEMP TABLE fresh AS SELECT * FROM engine_samples QUALIFY row_number() "
+            'OVER (PARTITION BY coalesce(instance, replica) ORDER BY "timestamp" DESC) = 1'
+        )
+        readings = cur.execute("SELECT count(*) FROM fresh").fetchone()
+        med, _, _ = timed(lambda: cur.execute(sql), repeat)  # (the snapshot rolls it back)
+    print(
+        f"marking an engine batch of {readings[0] if readings else 0} readings stale for the "
+        f"kept reconciliation: median {med * 1000:.1f} ms"
+    )
+
+
 def ingest_rate(
     path: Path, port: int, batch: int, clients: int, batches: int, fmt: str = "arrow"
 ) -> dict[str, float]:
@@ -470,6 +488,7 @@ def main() -> int:
                 f"{st_med:.2f} s (min {st_min:.2f}); ratio {st_med / gb_med:.2f}x"
             )
         reconciliation_hours.refresh(ledger)
+        print_marks(ledger, args.repeat)
         ledger.close()
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"peak RSS of this process: {rss:.0f} MB (DuckDB memory_limit {args.memory_limit})")
