@@ -42,7 +42,7 @@ from typing import Final
 import duckdb
 import polars as pl
 
-from billing import reconciliation
+from billing import reconciliation_hours
 from billing.allocation import Policy, priced_sql_of
 from billing.hourly import HourRows
 from billing.lifetimes import ended_sql
@@ -285,7 +285,8 @@ def hour_frames(
     total = int(own["total_cents"].sum()) if own.height else 0
     cost = cost_cents(cur.sql(_cost_sql(rows.costs)).pl(), total, first)
     usage = usage_cents(cur.sql(_usage_sql(first, after)).pl(), own)
-    reconciliation.reconcile(cur, first, after)
+    # The month's reconciliation as its statement read it: the kept hours and any stale ones.
+    reconciliation_hours.month_reconciliation(cur, first, after)
     reconciled = cur.sql(_RECONCILED_SQL).pl()
     lived = cur.sql(lifetimes_sql(first, after, heartbeat_seconds)).pl()
     frames = (cost, usage, reconciled, lived)

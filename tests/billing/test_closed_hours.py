@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import random
+
 import polars as pl
 import pytest
 
-from billing import closed_hours, closing
+from billing import closed_hours, closing, reconciliation_hours
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
+from billing.reconciliation import reconciliation_sql
 from tests.billing.conftest import NOV, OCT, batch, gpu_samples, instance_event, usage
+from tests.billing.test_statement_rollups import keep, random_records, random_samples
 
 AFTER_OCT = NOV + 86400
 DEC = NOV + 30 * 86400
@@ -185,3 +189,42 @@ def test_a_team_line_is_split_over_its_hours() -> None:
     lines = pl.DataFrame({"team": ["a", "b"], "model": ["m", "m"], "total_cents": [8, 12]})
     out = closed_hours.usage_cents(rows, lines)
     assert out["total_cents"].to_list() == [2, 3, 6, 9]
+
+
+@pytest.mark.parametrize("upkeep", [False, True])
+def test_the_frozen_reconciliation_is_the_raw_records_one(ledger, config, upkeep):
+    """Random requests on a fixed replica and two pods (several choices, hang-ups, late and
+    repeated batches) and uneven engine reads: the reconciliation frozen per hour, group and
+    model is the one read from every raw record and reading, summed the same way, whether the
+    month's reconciliation was kept by the upkeep or is all stale at the close."""
+    rng = random.Random(5)
+    keep(ledger, "usage", random_records(rng, 6), rng)
+    for instance in (None, "small-0-a", "small-0-b"):
+        keep(ledger, "engine_samples", random_samples(rng, 6, instance), rng)
+    ledger.ingest(batch("gpu_samples", gpu_samples(start=OCT, seconds=6 * 3600)), now=DEC)
+    if upkeep:
+        assert reconciliation_hours.refresh(ledger) >= 1
+        keep(ledger, "usage", random_records(rng, 6), rng)  # and a stale suffix again
+    Chargeback(ledger, config).close("2026-10", now=AFTER_OCT)
+    hours = closing.issued_hours(ledger, "2026-10", TABLES)
+    assert hours is not None
+    frozen = hours[2]
+    first, after = closed_hours.month_hours("2026-10")
+    sql, values = reconciliation_sql(first, after)
+    with ledger.reader() as cur:
+        raw = cur.sql(sql, params=values).pl()
+    keys = ["hour", "replica", "model"]
+    counted = [c for c in frozen.columns if c not in ("month", *keys)]
+    want = (
+        raw.with_columns(
+            (pl.col("t") // 3600).alias("hour"),
+            pl.col("replica", "model").fill_null(""),
+        )
+        .group_by(keys)
+        .agg(pl.col(counted).sum())
+        .sort(keys)
+    )
+    assert want.height > 0
+    assert want["engine_tokens"].sum() > 0
+    got = frozen.sort(keys).select(keys + counted)
+    assert got.equals(want.select(keys + counted).cast(dict(got.schema))), (got, want)
