@@ -147,6 +147,24 @@ def month_payload(
     )
 
 
+# Columns of an hour that may be below zero: the engines' tokens less the ledger's, and money
+# (a line's cents carry credits).
+_SIGNED: Final = frozenset({"hour", "difference_tokens", "total_cents"})
+
+
+def _impossible(schema: Mapping[str, type[pl.DataType]]) -> pl.Expr:
+    """The rows no cluster can have measured: a count or quantity below zero or not finite, or
+    (lifetimes) more instance-hours in an hour than instances alive in it."""
+    amounts = [c for c, t in schema.items() if t in (pl.Int64, pl.Float64) and c not in _SIGNED]
+    floats = [c for c, t in schema.items() if t == pl.Float64]
+    bad = pl.any_horizontal(*(pl.col(c) < 0 for c in amounts))
+    if floats:
+        bad = bad | pl.any_horizontal(*(~pl.col(c).is_finite() for c in floats))
+    if "instance_hours" in schema:
+        bad = bad | (pl.col("instance_hours") > pl.col("instances") + 1e-9)
+    return bad
+
+
 def parse_hours(sent: Any, month: str) -> dict[str, pl.DataFrame] | None:
     """A payload's ``hours`` as frames, each in its kind's schema; None when it sent none.
 
@@ -179,6 +197,11 @@ def parse_hours(sent: Any, month: str) -> dict[str, pl.DataFrame] | None:
         )
         if outside.height:
             raise FederationError(f"month {month}: a {kind} hour of another month")
+        if frame.filter(_impossible(schema)).height:
+            raise FederationError(
+                f"month {month}: a {kind} hour with a negative or infinite quantity, or more "
+                "instance-hours than instances"
+            )
         frames[kind] = frame
     return frames
 

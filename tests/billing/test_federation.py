@@ -677,6 +677,9 @@ def _hours_changed(kind: str, **change: Any) -> dict[str, Any]:
         ),
         (_hours_changed("reconciliation", engine_tokens="many"), "its reconciliation hours"),
         (_hours_changed("usage", team=None), "a usage hour with a missing value"),
+        (_hours_changed("usage", prompt_tokens=-5), "a usage hour with a negative"),
+        (_hours_changed("cost", gpu_hours=-0.5), "a cost hour with a negative"),
+        (_hours_changed("lifetimes", instances=1, instance_hours=1.5), "more instance-hours"),
         (_payload() | {"hours": {"cost": []}}, "its hours are not"),
         (
             _payload()
@@ -687,7 +690,8 @@ def _hours_changed(kind: str, **change: Any) -> dict[str, Any]:
 )
 def test_hours_that_are_not_the_months_are_refused(body: dict[str, Any], why: str) -> None:
     """An hour of another month, a cost that does not add up to the month's own lines, a row
-    out of its schema or a kind missing is never stored."""
+    out of its schema, a quantity no cluster can have measured or a kind missing is never
+    stored."""
     with pytest.raises(FederationError, match=why):
         parse_payload(body, "east", "2026-10")
 
