@@ -12,8 +12,14 @@ the next start makes each request's record from its slot (``infermeter.journal_f
 skipping those already in the spool. A request without a slot (not journaled) has its record
 written at once, as before (``Spool.write``). At shutdown what waits is written (``close``).
 
-Metrics and the span follow off the client's critical path, once per request: the inter-token
-gaps the meter collected are observed here, in one batch, never per chunk.
+Metrics and the span are not made on the request's path either: its end keeps what they need
+(``observe``: the request, how it ended, the time), and the tick puts every request that ended
+in it into the counters and histograms and ends their spans, one after the other (``settle``).
+Done per request, that was some twenty calls into code and data the request touched nowhere
+else, run cold at low load (the client and the replica had the core between two requests); in
+a batch they run warm. The inter-token gaps the meter collected go in whole, never per chunk.
+What reads the metrics settles first (``/metrics``, the OTLP export, shutdown), so a scrape
+sees every request ended before it; a span keeps its request's end time.
 """
 
 from __future__ import annotations
@@ -208,6 +214,8 @@ class Accounting:
         # Requests ended since the last tick, their endings in their slots: what their records
         # are made of, and the ``perf_counter`` of their end.
         self._ended: list[_Ended] = []
+        # Requests ended whose metrics and span wait for the tick (``settle``).
+        self._observing: list[_Observed] = []
         self._flushing = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
@@ -316,12 +324,14 @@ class Accounting:
                 await self._task
             self._task = None
         await self.flush()
+        self.settle()
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.tick_seconds)
             # Shielded: a batch cancelled half-way would be written, yet not finished.
             await asyncio.shield(self.flush())
+            self.settle()
 
     async def flush(self) -> None:
         """Write the records of the requests ended since the last flush: one ``write(2)`` and
@@ -366,7 +376,44 @@ class Accounting:
         finish: str | None,
         model_names: frozenset[str],
     ) -> None:
-        """Metrics and span for a finished request (off the client's critical path)."""
+        """Keep a finished request for the next ``settle``: its metrics and span, with its end
+        time (``perf_counter``, and the clock for the span)."""
+        end_ns = time.time_ns() if call.span is not None else 0
+        self._observing.append(
+            (call, status, usage, meter, finish, model_names, time.perf_counter(), end_ns)
+        )
+        if len(self._observing) >= _OBSERVE_BATCH:
+            self.settle()
+
+    @property
+    def unsettled(self) -> int:
+        """Requests ended whose metrics and span wait for ``settle``."""
+        return len(self._observing)
+
+    def settle(self) -> None:
+        """Put the requests kept by ``observe`` into the metrics and end their spans.
+
+        One request's failure (a third-party span processor raising) is logged and does not
+        keep the others out, nor stop the tick that calls this.
+        """
+        observing, self._observing = self._observing, []
+        for observed in observing:
+            try:
+                self._observe(*observed)
+            except Exception:
+                log.exception("metrics of request %s not kept", observed[0].request_id)
+
+    def _observe(
+        self,
+        call: Call,
+        status: RequestStatus,
+        usage: UsageCounts | None,
+        meter: StreamMeter | None,
+        finish: str | None,
+        model_names: frozenset[str],
+        ended: float,
+        end_ns: int,
+    ) -> None:
         m = self.metrics
         # Labels only ever take configured names, so no request can mint a series.
         labels = (call.team or "unknown", label(call.model, model_names))
@@ -374,7 +421,7 @@ class Accounting:
         _count(m, labels, status.value, usage, inexact)
         duration = ttft = tpot = None
         if status is not RequestStatus.UNAUTHORIZED:
-            duration = time.perf_counter() - call.started
+            duration = ended - call.started
             m.duration.observe(labels, duration)
         if meter is not None and meter.first_token_at is not None:
             ttft, tpot = _observe_stream(m, labels, call, usage, meter)
@@ -390,12 +437,29 @@ class Accounting:
                 usage,
             )
         if call.span is not None:
-            _end_span(call.span, call, status, usage, meter, finish)
+            _end_span(call.span, call, status, usage, meter, finish, end_ns)
 
 
 # Records made per slice at the tick: at about 3.5 µs each (``bench.request_steps``), about a
 # millisecond of the event loop at a time.
 _SLICE = 256
+
+# Requests kept for ``settle`` before it runs on the path of the one that reaches this many
+# (between two ticks only under thousands of requests a second): a bound on what they hold.
+_OBSERVE_BATCH = 4096
+
+# A request ended, its metrics and span to be made at the tick: ``Accounting._observe``'s
+# arguments (its end as ``perf_counter`` and, for its span, ``time_ns``).
+_Observed = tuple[
+    Call,
+    RequestStatus,
+    UsageCounts | None,
+    StreamMeter | None,
+    str | None,
+    frozenset[str],
+    float,
+    int,
+]
 
 # A request ended, its record to be written at the tick: ``Accounting.record_of``'s arguments.
 _Ended = tuple[Call, RequestStatus, int, UsageCounts | None, StreamMeter | None, str | None, float]
@@ -470,6 +534,7 @@ def _end_span(
     usage: UsageCounts | None,
     meter: StreamMeter | None,
     finish: str | None,
+    end_ns: int,
 ) -> None:
     span.set_attribute(tracing.RESPONSE_MODEL, call.served_version)
     if usage is not None:
@@ -481,4 +546,4 @@ def _end_span(
         span.set_attribute(tracing.TIME_TO_FIRST_CHUNK, meter.first_token_at - call.started)
     if status is not RequestStatus.OK:
         span.set_status(trace.Status(trace.StatusCode.ERROR, status.value))
-    span.end()
+    span.end(end_time=end_ns)

@@ -84,7 +84,10 @@ from sidecar.team_limits import LimitsUnavailable, team_limiter, team_limits
 from sidecar.upstream import UPSTREAM_ERRORS, upstream_failure
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import httpx
+    from opentelemetry.sdk.metrics.export import Metric
     from opentelemetry.sdk.trace import TracerProvider
 
     from infermeter.otlp import OtlpSettings
@@ -256,12 +259,19 @@ class Sidecar:
 
         genai = GenAiMetrics(self.view.replica.upstream_url, settings.opt_in)
         self.accounting.genai = genai
+        accounting = self.accounting
+
+        async def produce(start_ns: int, now_ns: int) -> Sequence[Metric]:
+            # The requests ended since the last tick go into this export, as into a scrape.
+            accounting.settle()
+            return await genai.produce(start_ns, now_ns)
+
         return make_metrics_export(
             settings,
             f"infermeter-sidecar-{self.replica_id}",
             "infermeter.sidecar",
             resource_attributes(self.identity),
-            [genai.produce],
+            [produce],
             self.metrics.registry,
             genai.schema_url,
         )
@@ -511,6 +521,8 @@ class Sidecar:
         if self.fair is not None:
             for team in self.fair.in_flight:
                 self.metrics.fair_waiting.labels(team).set(self.fair.waiting(team))
+        # The requests ended since the last tick, so that the page has every one of them.
+        self.accounting.settle()
         body = generate_latest(self.metrics.registry)
         await respond(
             send, 200, body, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]

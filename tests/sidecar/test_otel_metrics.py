@@ -198,15 +198,20 @@ async def test_a_sidecar_started_with_the_otel_variables_pushes_the_genai_metric
 
 @contextlib.asynccontextmanager
 async def in_process(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, receiver_url: str, **settings: Any
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    receiver_url: str,
+    config_changes: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> AsyncIterator[tuple[Sidecar, str]]:
-    """A replica and an in-process sidecar exporting to ``receiver_url`` every 0.1 s."""
+    """A replica and an in-process sidecar exporting to ``receiver_url`` every 0.1 s
+    (``config_changes``: as ``make_config`` takes them)."""
     for key in [k for k in os.environ if k.startswith("OTEL_")]:
         monkeypatch.delenv(key)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver_url)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "0.3")
     up = free_port()
-    config = make_config(f"http://127.0.0.1:{up}")
+    config = make_config(f"http://127.0.0.1:{up}", **(config_changes or {}))
     otlp_settings = OtlpSettings(
         **{"protocol": "http/protobuf", "interval_seconds": 0.1, **settings}
     )
@@ -255,6 +260,22 @@ async def test_gen_ai_latest_experimental_counts_tokens_with_the_latest_conventi
         assert all(p.attributes["gen_ai.token.modality"] == "unknown" for p in counter)
         assert otlp(counter, counter[0].name, "value") == prom(tokens, family)
     assert receiver.scopes()[-1] == ("infermeter.sidecar", "")
+
+
+async def test_an_export_has_the_requests_ended_before_it_without_a_tick(tmp_path, monkeypatch):
+    """Requests' metrics wait for the tick (here, a minute away): the export settles them first,
+    so the requests ended before an export are in it, as in a scrape."""
+    with OtlpHttpReceiver() as receiver:
+        no_tick = {"sidecar.journal_mark_millis": 60_000}
+        async with in_process(tmp_path, monkeypatch, receiver.url, no_tick) as (sidecar, url):
+            await traffic(url)
+            await until(
+                lambda: (
+                    sum(otlp(receiver.latest(), "gen_ai.server.request.duration", "count").values())
+                    == 6
+                )
+            )
+            assert sidecar.accounting.unsettled == 0
 
 
 async def test_grpc_carries_the_same_metrics(tmp_path, monkeypatch):
