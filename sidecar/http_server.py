@@ -592,8 +592,9 @@ class _Connection(asyncio.Protocol):
             )
             await exchange.send({"type": "http.response.body", "body": b"Internal Server Error"})
         finally:
-            # (Here, not a done callback: that would cost a bound method and a context copy.)
-            self.server.tasks.discard(asyncio.current_task())
+            # (Here, not a done callback: that would cost a bound method and a context copy. The
+            # loop is given: without it, Python 3.11 asks the kernel for the process id.)
+            self.server.tasks.discard(asyncio.current_task(self.loop))
 
     def _arm(self) -> None:
         self._deadline = self.loop.call_later(

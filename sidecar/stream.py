@@ -249,7 +249,21 @@ class StreamMeter:
         return data if stop < 0 else data[: last - 1] + data[stop:]
 
     def _block(self, data: bytes, now: float) -> bytes:
-        """``feed`` for any block."""
+        """``feed`` for any block.
+
+        The block that ends the stream (vLLM's ``[DONE]``) gives nothing: what the client
+        should see of it is held for ``close``, so that it goes out with the stream's last event
+        once the request's ending is kept, in one write (the finish and usage chunks, ``[DONE]``
+        and the chunked body's end), never before the ending.
+        """
+        out = self._events(data, now)
+        if self.done and out:
+            self._held = out
+            return b""
+        return out
+
+    def _events(self, data: bytes, now: float) -> bytes:
+        """What the client should see of a block, metered."""
         self._steady = False
         if self._tail:
             data = self._tail + data
@@ -410,5 +424,6 @@ class StreamMeter:
         return held
 
     def close(self) -> bytes:
-        """Bytes still held when the stream ends (a finish chunk waiting for its fingerprint)."""
+        """Bytes still held when the stream ends: the block that ended it, or a finish chunk
+        waiting for its fingerprint."""
         return self._flush_held()

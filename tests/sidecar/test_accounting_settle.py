@@ -42,10 +42,7 @@ async def test_a_scrape_has_every_request_ended_before_it(stack_factory: StackFa
     stack = await stack_factory(**NO_TICK)
     async with stack.client() as c:
         answers = await asyncio.gather(
-            *(
-                c.post("/v1/chat/completions", json={**CHAT, "stream": i % 2 == 0})
-                for i in range(6)
-            )
+            *(c.post("/v1/chat/completions", json={**CHAT, "stream": i % 2 == 0}) for i in range(6))
         )
     assert [a.status_code for a in answers] == [200] * 6
     accounting = stack.sidecar.accounting
@@ -92,7 +89,8 @@ async def test_a_span_ends_when_its_request_did_not_when_the_tick_came(
         settled_ns = time.time_ns()
         spans: tuple[ReadableSpan, ...] = exporter.get_finished_spans()
     (span,) = spans
-    assert span.end_time is not None and span.start_time is not None
+    assert span.end_time is not None
+    assert span.start_time is not None
     assert span.start_time < span.end_time <= answered_ns < settled_ns - 200_000_000
     assert dict(span.attributes or {})["gen_ai.usage.output_tokens"] == 4
 

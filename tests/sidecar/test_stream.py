@@ -330,12 +330,32 @@ def test_close_returns_a_finish_chunk_still_held():
     assert meter.close() == b""
 
 
-def test_done_releases_a_finish_chunk_still_held():
-    """``[DONE]`` straight after a finish chunk releases it, since no usage chunk can follow."""
+def test_done_releases_a_finish_chunk_still_held_with_the_streams_end():
+    """``[DONE]`` straight after a finish chunk releases it, since no usage chunk can follow:
+    it goes out with the stream's end (``close``), as the block that ends a stream does."""
     evs = events(capture(CONTINUOUS_CHAT))
     meter = new_meter(NOTHING)
     meter.feed(b"".join(evs[:6]), 1.0)
-    assert [classify(p) for p in sse_events(meter.feed(DONE, 2.0))] == ["finish"]
+    assert meter.feed(DONE, 2.0) == b""
+    assert [classify(p) for p in sse_events(meter.close())] == ["finish"]
+
+
+def test_the_block_that_ends_the_stream_waits_for_its_end():
+    """The last block (finish, usage, ``[DONE]``) gives the client nothing when fed: all of it
+    goes out at ``close``, after the request's ending is kept, whatever the client asked for."""
+    evs = events(capture(CONTINUOUS_CHAT))
+    for asked in (NOTHING, USAGE_ONLY, CONTINUOUS):
+        meter = new_meter(asked)
+        sent = meter.feed(b"".join(evs[:4]), 1.0)
+        assert sent
+        assert not meter.done
+        assert evs[-1] == DONE
+        assert meter.feed(b"".join(evs[4:]), 2.0) == b""
+        assert meter.done
+        tail = meter.close()
+        assert "finish" in [classify(p) for p in sse_events(tail)]
+        assert b"[DONE]" not in tail
+        assert meter.close() == b""
 
 
 def _counts(meter: StreamMeter) -> tuple[Any, ...]:
