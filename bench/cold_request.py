@@ -105,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             a = statistics.median(found[(path, low)])
             b = statistics.median(found[(path, high)])
             slope = (b - a) / (high - low)
-            print(f"{path}: {slope:.1f} µs per chunk, {a - slope * low:.0f} µs per request besides")
+            name = who if path == "sidecar" else path
+            print(f"{name}: {slope:.1f} µs per chunk, {a - slope * low:.0f} µs per request besides")
     return 0
 
 
