@@ -12,6 +12,7 @@ import httpx
 import pytest
 import uvloop
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from infermeter.config import DEFAULT_CONFIG, Config
 from infermeter.serving import free_port
@@ -26,6 +27,16 @@ KEYS = {
     "research": "im-demo-research",
 }
 METRICS_TOKEN = "im-demo-metrics"
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples ``name`` with ``labels`` in a Prometheus page."""
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def make_config(upstream: str, **changes: Any) -> Config:

@@ -12,7 +12,6 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client.parser import text_string_to_metric_families
 
 from infermeter.records import RequestStatus
 from sidecar.accounting import Accounting, Call
@@ -20,20 +19,11 @@ from sidecar.app import Sidecar
 from sidecar.metrics import SidecarMetrics
 from sidecar.stream import UsageCounts
 from tests.servers import serving
-from tests.sidecar.conftest import METRICS_TOKEN, StackFactory, make_config
+from tests.sidecar.conftest import METRICS_TOKEN, StackFactory, make_config, metric_value
 
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 # A tick that never comes during a test: only what reads the metrics settles them.
 NO_TICK = {"sidecar.journal_mark_millis": 60_000}
-
-
-def _value(text: str, name: str, **labels: str) -> float:
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 async def test_a_scrape_has_every_request_ended_before_it(stack_factory: StackFactory) -> None:
@@ -56,9 +46,9 @@ async def test_a_scrape_has_every_request_ended_before_it(stack_factory: StackFa
             f"{stack.url}/metrics", headers={"authorization": f"Bearer {METRICS_TOKEN}"}
         )
     text = page.text
-    assert _value(text, "infermeter_requests_total", team="search", status="ok") == 6
-    assert _value(text, "infermeter_completion_tokens_total", team="search") == 24
-    assert _value(text, "infermeter_time_to_first_token_seconds_count", team="search") == 3
+    assert metric_value(text, "infermeter_requests_total", team="search", status="ok") == 6
+    assert metric_value(text, "infermeter_completion_tokens_total", team="search") == 24
+    assert metric_value(text, "infermeter_time_to_first_token_seconds_count", team="search") == 3
     assert accounting.unsettled == 0
 
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from infermeter.serving import free_port
 from sidecar.app import Sidecar
 from tests.servers import serving
-from tests.sidecar.conftest import METRICS_TOKEN, make_config
+from tests.sidecar.conftest import METRICS_TOKEN, make_config, metric_value
 from tests.simulator.shapes import sse_events
 
 # The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
@@ -31,19 +31,12 @@ CHAT = {
 }
 
 
-def _value(text: str, name: str, **labels: str) -> float:
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
-
-
 async def _vllm_counters(url: str) -> tuple[float, float]:
     async with httpx.AsyncClient() as c:
         text = (await c.get(f"{url}/metrics")).text
-    return _value(text, "vllm:prompt_tokens_total"), _value(text, "vllm:generation_tokens_total")
+    return metric_value(text, "vllm:prompt_tokens_total"), metric_value(
+        text, "vllm:generation_tokens_total"
+    )
 
 
 async def _hang_up(stack: Any, body: dict[str, Any], times: int, events: int) -> None:
@@ -252,11 +245,13 @@ async def test_metrics_have_the_fixed_names_and_pass_promtool(stack):
     }
     assert {k: families.get(k) for k in expected} == expected
     assert (
-        _value(text, "infermeter_requests_total", team="search", model="chat-small", status="ok")
+        metric_value(
+            text, "infermeter_requests_total", team="search", model="chat-small", status="ok"
+        )
         == 2
     )
-    assert _value(text, "infermeter_completion_tokens_total", team="search") == 24
-    assert _value(text, "infermeter_usage_spool_backlog") == 2
+    assert metric_value(text, "infermeter_completion_tokens_total", team="search") == 24
+    assert metric_value(text, "infermeter_usage_spool_backlog") == 2
     promtool = shutil.which("promtool")
     assert promtool, "promtool (Debian package prometheus) is required: make test installs it"
     check = subprocess.run(
