@@ -12,6 +12,7 @@ compares them. Every server fails with the same one-line message when its port i
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import socket
 from collections.abc import Callable
@@ -64,12 +65,24 @@ def ensure_free(host: str, port: int, what: str) -> None:
             ) from None
 
 
+# The ports ``free_port`` handed out last in this process: the OS may pick a port again as soon
+# as the probe closes, before whoever asked for it binds it. (Bounded: a port handed out long
+# ago is bound by now, or free again.)
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=4096)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listened on a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A TCP port on ``host`` that nothing listened on a moment ago (the OS picks it), and that
+    this process was not handed lately: several asked for at once (a configuration's servers,
+    bound later) are distinct."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port: int = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.append(port)
+            return port
+    raise PortInUseError(f"no port on {host} that was not handed out lately")
 
 
 def loop_factory(

@@ -253,7 +253,8 @@ class Sidecar:
         self.otlp = self._metrics_export(otlp) if otlp is not None else None
 
     def _metrics_export(self, settings: OtlpSettings) -> MetricsExport:
-        """The GenAI metrics, kept at each request's end and exported over OTLP (the SDK loads here)."""
+        """The GenAI metrics, kept at each tick for the requests ended in it and exported over OTLP
+        (the SDK loads here)."""
         from infermeter.otlp_export import make_metrics_export
         from sidecar.otel_metrics import GenAiMetrics
 

@@ -12,6 +12,12 @@ from typing import Any
 import orjson
 import pytest
 import schemathesis
+
+# Loaded with this module, not by the first test's ``from_asgi``: pytest rewrites a plugin's
+# modules as they are imported (schemathesis is one), and CPython 3.11's compiler fails with a
+# SystemError ("AST constructor recursion depth mismatch") when a finalizer of another test's
+# leftovers runs in the middle of it.
+import schemathesis.specs.openapi.schemas
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
