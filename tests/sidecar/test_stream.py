@@ -340,22 +340,28 @@ def test_done_releases_a_finish_chunk_still_held_with_the_streams_end():
     assert [classify(p) for p in sse_events(meter.close())] == ["finish"]
 
 
-def test_the_block_that_ends_the_stream_waits_for_its_end():
-    """The last block (finish, usage, ``[DONE]``) gives the client nothing when fed: all of it
-    goes out at ``close``, after the request's ending is kept, whatever the client asked for."""
-    evs = events(capture(CONTINUOUS_CHAT))
-    for asked in (NOTHING, USAGE_ONLY, CONTINUOUS):
-        meter = new_meter(asked)
-        sent = meter.feed(b"".join(evs[:4]), 1.0)
-        assert sent
-        assert not meter.done
-        assert evs[-1] == DONE
-        assert meter.feed(b"".join(evs[4:]), 2.0) == b""
-        assert meter.done
-        tail = meter.close()
-        assert "finish" in [classify(p) for p in sse_events(tail)]
-        assert b"[DONE]" not in tail
-        assert meter.close() == b""
+@pytest.mark.parametrize("stream", sorted(UPSTREAM))
+@EVERY_CLIENT
+def test_the_block_that_ends_the_stream_waits_for_its_end(stream, client):
+    """The last block (every choice's finish chunk, the usage chunk, ``[DONE]``) gives the
+    client nothing when fed: all of it goes out at ``close``, after the request's ending is
+    kept, whatever the client asked for and however many choices the stream has."""
+    raw, counts = UPSTREAM[stream]
+    evs = events(raw)
+    assert evs[-1] == DONE
+    kinds = [classify(e[6:-2].decode()) for e in evs]
+    first_finish = kinds.index("finish")
+    meter = new_meter(client)
+    assert meter.feed(b"".join(evs[:first_finish]), 1.0)
+    assert not meter.done
+    assert meter.feed(b"".join(evs[first_finish:]), 2.0) == b""
+    assert meter.done
+    tail = meter.close()
+    finishes = [p for p in sse_events(tail) if classify(p) == "finish"]
+    assert len(finishes) == kinds.count("finish")
+    assert b"[DONE]" not in tail
+    assert meter.close() == b""
+    assert meter.usage == counts
 
 
 def _counts(meter: StreamMeter) -> tuple[Any, ...]:
