@@ -263,10 +263,10 @@ def _stamps() -> None:
     def wrap(cls: Any, name: str, before: str | None, after: str | None) -> None:
         original = getattr(cls, name)
 
-        def stamped(*args: Any) -> Any:
+        def stamped(*args: Any, **kwargs: Any) -> Any:
             if before is not None and before not in now:
                 now[before] = clock()
-            result = original(*args)
+            result = original(*args, **kwargs)
             if after is not None and after not in now:
                 now[after] = clock()
             return result
@@ -276,10 +276,10 @@ def _stamps() -> None:
     def wrap_async(cls: Any, name: str, before: str | None, after: str | None) -> None:
         original = getattr(cls, name)
 
-        async def stamped(*args: Any) -> Any:
+        async def stamped(*args: Any, **kwargs: Any) -> Any:
             if before is not None:
                 now[before] = clock()
-            result = await original(*args)
+            result = await original(*args, **kwargs)
             if after is not None:
                 now[after] = clock()
             return result
