@@ -25,6 +25,13 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
   of different requests interleave);
 - ``nofsync``: the spool's records written but not fsync'ed (``Spool._sync_files`` does
   nothing): what the tick's fsync costs, the disk thread's hand-off kept;
+- ``nojournal``: no admission journal on the request's path (``Sidecar._enter`` admits without
+  its line, its slot or its ``write(2)``, so the relay has no slot to write either): what the
+  journal costs a request, at the cost of what it guarantees;
+- ``nojournalwrite``: the journal's line built but not written (``AdmissionJournal._write``
+  counts the bytes only), the slot kept;
+- ``noslot``: the journal's line written, but the relay given no slot to write its progress to;
+- ``nogc``: Python's cyclic garbage collector off (``gc.disable()`` before start-up);
 - ``norecord``: no usage record spooled (``Spool.write`` returns at once, its request finished
   in the journal; the record's fields are still built and the admission journal still
   written): the most the spool's part of a record, its JSON line, seal, write and the tick's
@@ -125,6 +132,32 @@ def _norecord() -> None:
             durable()
 
     Spool.write = write  # type: ignore[method-assign]
+
+
+def _nojournal() -> None:
+    from sidecar.accounting import Call
+    from sidecar.app import Sidecar
+
+    def enter(self: Sidecar, call: Call) -> None:
+        pass  # (no drain either: the benchmark never drains)
+
+    Sidecar._enter = enter  # type: ignore[method-assign]
+
+
+def _nojournalwrite() -> None:
+    from sidecar.journal import AdmissionJournal
+
+    def write(self: AdmissionJournal, data: bytes) -> None:
+        self._size += len(data)
+        self._unsynced = True
+
+    AdmissionJournal._write = write  # type: ignore[method-assign]
+
+
+def _noslot() -> None:
+    from sidecar.journal import AdmissionJournal
+
+    AdmissionJournal.slot = lambda self, request_id: None  # type: ignore[method-assign]
 
 
 def _rss_mb() -> float:
@@ -344,6 +377,16 @@ def main() -> int:
         _nofsync()
     elif variant == "norecord":
         _norecord()
+    elif variant == "nojournal":
+        _nojournal()
+    elif variant == "nojournalwrite":
+        _nojournalwrite()
+    elif variant == "noslot":
+        _noslot()
+    elif variant == "nogc":
+        import gc
+
+        gc.disable()
     elif variant == "memory":
         _memory()
     elif variant == "stamps":
