@@ -98,8 +98,10 @@ class InstanceTargets:
     """The live simulated instances' targets, re-read from the instances file every few seconds.
 
     The autoscaler's local hook replaces that file whole at every change, so a read is either
-    the previous fleet or the new one; an instance that was stopped a moment ago costs a few
-    refused connections, counted as such.
+    the previous fleet or the new one. It takes an instance out of the file
+    ``autoscale.local.delist_seconds`` (more than ``every_seconds``) before stopping it, so a
+    stopping instance is sent nothing new; one that died on its own costs a few refused
+    connections, counted as such.
     """
 
     config: Config

@@ -201,10 +201,11 @@ class LocalScaleHook:
         self.live.labels(replica=group.id).set(len(running))
 
     async def close(self) -> None:
-        """Stop every instance, newest first."""
+        """Stop every instance, newest first (at once: the autoscaler is going, and so is what
+        sent them traffic)."""
         for running in self.running.values():
             while running:
-                await self._stop(running.pop())
+                await self._stop(running.pop(), delist_seconds=0.0)
                 self._write()
 
     def instances(self) -> list[LocalInstance]:
@@ -287,9 +288,18 @@ class LocalScaleHook:
         )
         return _Running(record, replica, sidecar)
 
-    async def _stop(self, running: _Running) -> None:
-        """Stop the sidecar (its requests end, its records are written), then the replica."""
+    async def _stop(self, running: _Running, delist_seconds: float | None = None) -> None:
+        """Stop an instance (already out of ``running``) as a cluster stops a pod.
+
+        Out of the instances file first, so that its readers send it nothing new; the sidecar
+        ``delist_seconds`` later (default: the settings'), by when they have read the file
+        again (its requests end, its records are written); then the replica.
+        """
         record = running.record
+        self._write()
+        wait = self.settings.delist_seconds if delist_seconds is None else delist_seconds
+        if wait > 0:
+            await asyncio.sleep(wait)
         await self._terminate(running.sidecar)
         usage = await self._usage(record.upstream_url)
         await self._terminate(running.replica)

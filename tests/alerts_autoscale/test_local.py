@@ -22,7 +22,7 @@ from tests.ports import off_demo_ports
 GROUP = "small-0"
 
 
-def write_config(tmp_path: Path, gpus: int = 5) -> tuple[Path, Config]:
+def write_config(tmp_path: Path, gpus: int = 5, delist_seconds: float = 0.0) -> tuple[Path, Config]:
     """The demo fleet with node-b holding ``gpus`` L40S (two fixed), its chat-small group scaled."""
     raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
     for node in raw["nodes"]:
@@ -38,6 +38,7 @@ def write_config(tmp_path: Path, gpus: int = 5) -> tuple[Path, Config]:
             "count_fixed_replicas": False,
             "groups": {"chat-small": GROUP},
             "stop_timeout_seconds": 5,
+            "delist_seconds": delist_seconds,
         },
     }
     path = tmp_path / "infermeter.yaml"
@@ -144,6 +145,56 @@ async def test_one_to_three_to_one_instances_under_traffic(tmp_path: Path) -> No
             await hook.close()
     assert all(gone(pid) for pair in processes for pid in pair)
     assert read_fleet(config_instances(config)).instances == ()
+
+
+async def test_a_stopping_instance_leaves_the_file_before_its_sidecar_is_stopped(
+    tmp_path: Path,
+) -> None:
+    """The traffic and the front door read the file: a scale-down takes the instance out of it
+    ``delist_seconds`` before its sidecar gets SIGTERM, and the sidecar serves until then."""
+    path, config = write_config(tmp_path, delist_seconds=0.6)
+    instances = config_instances(config)
+    clock = asyncio.get_running_loop().time
+    # When each instance left the file, and what the file listed at its sidecar's SIGTERM.
+    delisted: dict[str, float] = {}
+    at_sigterm: list[tuple[str, float, set[str]]] = []
+    sidecars: dict[int, LocalInstance] = {}
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        hook = LocalScaleHook(config, path, client, CollectorRegistry())
+        write, terminate = hook._write, hook._terminate
+
+        def recording_write() -> None:
+            before = {i.instance for i in read_fleet(instances).instances}
+            write()
+            after = {i.instance for i in read_fleet(instances).instances}
+            for left in before - after:
+                delisted[left] = clock()
+
+        async def recording_terminate(proc: Any) -> None:
+            record = sidecars.pop(id(proc), None)
+            if record is not None:
+                listed = {i.instance for i in read_fleet(instances).instances}
+                at_sigterm.append((record.instance, clock(), listed))
+                # Out of the file, not stopped: it still serves whoever has not read it yet.
+                await chat(client, str(record.sidecar_url))
+            await terminate(proc)
+
+        hook._write = recording_write  # type: ignore[method-assign]
+        hook._terminate = recording_terminate  # type: ignore[method-assign]
+        try:
+            await hook.publish(decision(2))
+            sidecars.update({id(r.sidecar): r.record for r in hook.running[GROUP]})
+            oldest, newest = (i.instance for i in hook.instances())
+            await hook.publish(decision(1))
+        finally:
+            sidecars.clear()
+            await hook.close()
+    assert len(at_sigterm) == 1
+    stopped, when, listed = at_sigterm[0]
+    assert stopped == newest
+    assert newest not in listed
+    assert listed == {oldest}
+    assert when - delisted[newest] >= 0.6
 
 
 async def test_no_spare_gpu_is_said_and_never_oversubscribed(tmp_path: Path) -> None:
