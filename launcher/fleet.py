@@ -179,8 +179,9 @@ def traffic_child(config_path: str, args: argparse.Namespace) -> Child:
     if getattr(args, "duration", None) is not None:
         argv += ["--duration", str(args.duration)]
     argv += _seed(getattr(args, "seed", None))
-    # SIGINT: the generator is a plain asyncio.run program, which SIGINT cancels cleanly.
-    return Child("traffic", argv, stop_signal=signal.SIGINT)
+    # SIGINT: the generator is a plain asyncio.run program, which SIGINT cancels cleanly. It
+    # starts once the rest of the fleet answers: its first requests would find no sidecar yet.
+    return Child("traffic", argv, stop_signal=signal.SIGINT, after_ready=True)
 
 
 def simulator_urls(config: Config) -> list[tuple[str, str]]:

@@ -40,6 +40,9 @@ class Child:
     ``stop_signal``: what asks it to stop. SIGTERM for the servers (uvicorn and the sidecar
     drain on it); SIGINT for a plain ``asyncio.run`` program, which turns it into a cancellation
     of its main task, where SIGTERM would raise ``SystemExit`` inside whichever task was running.
+    ``after_ready``: started only once every child before it answers on its ready URL (a
+    client of the others, such as the traffic generator, whose first requests would otherwise
+    find nothing listening yet).
     """
 
     name: str
@@ -47,6 +50,7 @@ class Child:
     ready_url: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     stop_signal: signal.Signals = signal.SIGTERM
+    after_ready: bool = False
 
 
 class ChildFailedError(Exception):
@@ -158,12 +162,21 @@ class Supervisor:
         self._previous = {
             s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)
         }
+        deadline = self.clock() + self.ready_timeout_seconds
+        ready = 0  # the slots before this one found ready
         for child in self.children:
+            if child.after_ready:
+                self._wait_ready(self._slots[ready:], deadline)
+                ready = len(self._slots)
             slot = _Slot(child)
             self._spawn(slot)
             self._slots.append(slot)
-        deadline = self.clock() + self.ready_timeout_seconds
-        for slot in self._slots:
+        self._wait_ready(self._slots[ready:], deadline)
+
+    def _wait_ready(self, slots: Sequence[_Slot], deadline: float) -> None:
+        """Return once each of ``slots`` answers on its ready URL; ChildFailedError if one
+        exits first or the deadline passes."""
+        for slot in slots:
             child, proc = slot.child, slot.proc
             if child.ready_url is None or proc is None:
                 continue

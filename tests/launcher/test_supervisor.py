@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from infermeter.serving import free_port
 from launcher.supervisor import Child, ExitHistory, RestartPolicy, Supervisor, after_exit
 
 # A child that, on SIGTERM, takes a moment to stop (as a sidecar shipping its last records
@@ -45,6 +46,47 @@ def test_children_stop_one_at_a_time_in_reverse_start_order(tmp_path: Path) -> N
     # traffic stopped first, then the sidecar, billing last: each 0.3 s after the one before.
     assert stopped[2] + 0.25 < stopped[1]
     assert stopped[1] + 0.25 < stopped[0]
+
+
+# A server that starts answering a while after its start (as a sidecar loading its state does),
+# and writes when it began to listen.
+_SLOW_SERVER = """
+import http.server, sys, time
+time.sleep(1.0)
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), http.server.SimpleHTTPRequestHandler)
+open(sys.argv[2], "w").write(repr(time.time()))
+server.serve_forever()
+"""
+# A client of it: writes when it started.
+_STARTED = "import sys, time; open(sys.argv[1], 'w').write(repr(time.time())); time.sleep(60)"
+
+
+@pytest.mark.parametrize("after_ready", [True, False])
+def test_a_child_started_after_ready_waits_for_the_children_before_it(
+    tmp_path: Path, after_ready: bool
+) -> None:
+    """The traffic generator's first request must find the sidecars listening."""
+    port = free_port()
+    listening, started = tmp_path / "listening", tmp_path / "started"
+    server = Child(
+        "sidecar",
+        [sys.executable, "-c", _SLOW_SERVER, str(port), str(listening)],
+        ready_url=f"http://127.0.0.1:{port}/",
+    )
+    client = Child(
+        "traffic", [sys.executable, "-c", _STARTED, str(started)], after_ready=after_ready
+    )
+    supervisor = Supervisor([server, client])
+    try:
+        supervisor.start()
+        deadline = time.monotonic() + 30
+        while not started.exists() or not started.read_text():
+            assert time.monotonic() < deadline, "the client did not start"
+            time.sleep(0.05)
+    finally:
+        supervisor.stop()
+    waited = float(started.read_text()) > float(listening.read_text())
+    assert waited is after_ready
 
 
 def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path: Path) -> None:
