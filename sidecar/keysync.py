@@ -102,20 +102,20 @@ class KeySync:
     async def poll(self) -> bool:
         """One round: True when a newer set was taken. Never raises for an unreachable source."""
         found = None
-        reached = False
+        reached: str | None = None  # the source that answered
         if self.redis is not None:
             from redis.exceptions import RedisError  # loaded with the Redis client already
 
             with contextlib.suppress(RedisError, OSError, ValueError):  # down: billing instead
                 found = await self._from_redis()
-                reached = True
-        if not reached and self.url is not None:
+                reached = "Redis"
+        if reached is None and self.url is not None:
             import httpx  # only a sidecar that syncs loads it, as for shipping
 
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 found = await self._from_billing()
-                reached = True
-        if not reached:
+                reached = "billing"
+        if reached is None:
             if not self._failing:
                 log.warning(
                     "issued keys: neither Redis nor billing answers; serving the %s",
@@ -123,6 +123,8 @@ class KeySync:
                 )
             self._failing = True
             return False
+        if self._failing:
+            log.warning("issued keys: %s answers again", reached)
         self._failing = False
         if found is None or (self.current is not None and found.version <= self.current.version):
             return False

@@ -179,3 +179,31 @@ async def test_after_the_bound_no_request_with_a_revoked_key_is_admitted_under_l
         f"{len(sent)} requests; the last admitted was sent {max(admitted_late, default=0):.2f} s "
         "after the revocation"
     )
+
+
+async def test_billing_out_of_reach_is_said_once_and_its_return_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sidecar that starts before billing (as the demo's do) warns once, not every round, and
+    says when billing answers again, so the warning is not left standing."""
+    from sidecar.keysync import KeySync
+
+    port = free_port()
+    taken: list[Any] = []
+    async with httpx.AsyncClient() as client:
+        sync = KeySync(
+            taken.append, tmp_path, lambda: client, f"http://127.0.0.1:{port}", SPEND, None, "im"
+        )
+        caplog.set_level("WARNING", logger="infermeter.sidecar")
+        for _ in range(3):
+            assert await sync.poll() is False
+        async with billing_at(port, tmp_path / "ledger.duckdb") as billing:
+            await issue(billing, team="search")
+            assert await sync.poll() is True
+            assert await sync.poll() is False  # nothing newer
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("issued keys")]
+    assert lines == [
+        "issued keys: neither Redis nor billing answers; serving the configured keys only",
+        "issued keys: billing answers again",
+    ]
+    assert len(taken) == 1
