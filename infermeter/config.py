@@ -947,9 +947,9 @@ class LocalHookSettings(_Strict):
     namespace: Name = "local"
     ready_timeout_seconds: Positive = 30.0
     stop_timeout_seconds: Positive = 10.0
-    # From taking a stopping instance out of the instances file to its sidecar's SIGTERM: its
-    # readers (the traffic, the front door) read the file every 2 s, and send it nothing new
-    # once they have, as a cluster takes a pod out of its endpoints before stopping it.
+    # From marking a stopping instance draining in the instances file to its sidecar's SIGTERM:
+    # its readers (the traffic, the front door) read the file every 2 s, and send it nothing
+    # new once they have, as a cluster takes a pod out of its endpoints before stopping it.
     delist_seconds: NonNegative = 2.5
 
 

@@ -10,8 +10,14 @@ Shape::
     {"instances": [{"instance": "vllm-small-0-1", "replica": "small-0", "model": "chat-small",
                     "node": "node-b", "gpus": [2], "namespace": "local",
                     "upstream_url": "http://127.0.0.1:40123", "sidecar_url": "http://127.0.0.1:40124",
-                    "started_at": 1764578700.2, "stopped_at": null, "usage": null}],
+                    "started_at": 1764578700.2, "stopped_at": null, "usage": null,
+                    "draining": false}],
      "stopped": [... the same, with stopped_at and the simulator's last figures in usage ...]}
+
+An instance being stopped stays in ``instances`` with ``draining`` true until its processes have
+ended, as a terminating pod leaves its Service's endpoints but keeps its GPUs: readers that send
+it requests (the traffic, the front door) skip it, readers of its GPUs (the dcgm-exporter
+stand-in) still see it.
 
 A missing or unreadable file reads as no instances: the fixed fleet keeps working without it.
 """
@@ -50,10 +56,12 @@ class LocalInstance:
     started_at: float
     stopped_at: float | None = None
     usage: dict[str, float] | None = None
+    # Being stopped: sent no new requests, its GPUs still its own (the module docstring).
+    draining: bool = False
 
     def stopped(self, at: float, usage: dict[str, float] | None) -> LocalInstance:
         """This instance, stopped at ``at`` with the simulator's last figures."""
-        return replace(self, stopped_at=at, usage=usage)
+        return replace(self, stopped_at=at, usage=usage, draining=False)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def workers(config: Config, fleet: LocalFleet) -> dict[str, str]:
     """Sidecar URL -> the model it serves: the fixed sidecars and the live local instances."""
     out = {f"http://{r.sidecar_listen}": r.model for r in config.replicas if r.sidecar_listen}
     for instance in fleet.instances:
-        if instance.sidecar_url and instance.stopped_at is None:
+        if instance.sidecar_url and instance.stopped_at is None and not instance.draining:
             out[instance.sidecar_url.rstrip("/")] = instance.model
     return out
 

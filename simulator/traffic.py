@@ -98,9 +98,9 @@ class InstanceTargets:
     """The live simulated instances' targets, re-read from the instances file every few seconds.
 
     The autoscaler's local hook replaces that file whole at every change, so a read is either
-    the previous fleet or the new one. It takes an instance out of the file
-    ``autoscale.local.delist_seconds`` (more than ``every_seconds``) before stopping it, so a
-    stopping instance is sent nothing new; one that died on its own costs a few refused
+    the previous fleet or the new one. It marks an instance draining
+    ``autoscale.local.delist_seconds`` (more than ``every_seconds``) before stopping it, and a
+    draining instance is sent nothing new; one that died on its own costs a few refused
     connections, counted as such.
     """
 
@@ -121,7 +121,7 @@ class InstanceTargets:
             self._targets = tuple(
                 instance_target(self.config, i, self.via_sidecars)
                 for i in read_fleet(self.path).instances
-                if i.replica in known
+                if i.replica in known and not i.draining
             )
         return self._targets
 

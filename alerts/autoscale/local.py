@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -147,6 +147,8 @@ class LocalScaleHook:
             environ.pop(name, None)
         self.environ = environ
         self.running: dict[str, list[_Running]] = {}
+        # Instances being stopped: out of the traffic, their GPUs still theirs (``_stop``).
+        self._draining: list[LocalInstance] = []
         previous = read_fleet(self.path)
         # Instances an earlier run left live died with it (they run in its process group).
         now = time.time()
@@ -214,7 +216,7 @@ class LocalScaleHook:
 
     def _lent(self) -> dict[str, set[int]]:
         lent: dict[str, set[int]] = {}
-        for inst in self.instances():
+        for inst in [*self.instances(), *self._draining]:
             lent.setdefault(inst.node, set()).update(inst.gpus)
         return lent
 
@@ -291,18 +293,24 @@ class LocalScaleHook:
     async def _stop(self, running: _Running, delist_seconds: float | None = None) -> None:
         """Stop an instance (already out of ``running``) as a cluster stops a pod.
 
-        Out of the instances file first, so that its readers send it nothing new; the sidecar
-        ``delist_seconds`` later (default: the settings'), by when they have read the file
-        again (its requests end, its records are written); then the replica.
+        Marked draining in the instances file first, so that its readers send it nothing new
+        (its GPUs stay its own); the sidecar ``delist_seconds`` later (default: the settings'),
+        by when they have read the file again (its requests end, its records are written);
+        then the replica.
         """
         record = running.record
+        draining = replace(record, draining=True)
+        self._draining.append(draining)
         self._write()
-        wait = self.settings.delist_seconds if delist_seconds is None else delist_seconds
-        if wait > 0:
-            await asyncio.sleep(wait)
-        await self._terminate(running.sidecar)
-        usage = await self._usage(record.upstream_url)
-        await self._terminate(running.replica)
+        try:
+            wait = self.settings.delist_seconds if delist_seconds is None else delist_seconds
+            if wait > 0:
+                await asyncio.sleep(wait)
+            await self._terminate(running.sidecar)
+            usage = await self._usage(record.upstream_url)
+            await self._terminate(running.replica)
+        finally:
+            self._draining.remove(draining)
         self.stopped.append(record.stopped(time.time(), usage))
         log.info("autoscale: local: stopped %s", record.instance)
 
@@ -345,7 +353,7 @@ class LocalScaleHook:
         return {k: float(v) for k, v in data.items() if isinstance(v, int | float)}
 
     def _write(self) -> None:
-        write_fleet(self.path, self.instances(), self.stopped)
+        write_fleet(self.path, [*self.instances(), *self._draining], self.stopped)
 
 
 def _serial(inst: LocalInstance) -> int:

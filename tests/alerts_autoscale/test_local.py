@@ -16,7 +16,9 @@ from alerts.autoscale.local import LocalScaleHook, instances_wanted, place
 from alerts.autoscale.policy import Decision
 from infermeter.config import DEFAULT_CONFIG, Config, load_config
 from infermeter.local_fleet import LocalInstance, read_fleet, write_fleet
+from launcher.front_door import workers
 from simulator.dcgm import node_exporters, render
+from simulator.traffic import InstanceTargets
 from tests.ports import off_demo_ports
 
 GROUP = "small-0"
@@ -147,36 +149,45 @@ async def test_one_to_three_to_one_instances_under_traffic(tmp_path: Path) -> No
     assert read_fleet(config_instances(config)).instances == ()
 
 
-async def test_a_stopping_instance_leaves_the_file_before_its_sidecar_is_stopped(
+async def test_a_stopping_instance_is_drained_before_its_sidecar_is_stopped(
     tmp_path: Path,
 ) -> None:
-    """The traffic and the front door read the file: a scale-down takes the instance out of it
-    ``delist_seconds`` before its sidecar gets SIGTERM, and the sidecar serves until then."""
+    """A scale-down marks the instance draining in the file ``delist_seconds`` before its
+    sidecar gets SIGTERM: the traffic and the front door send it nothing new from then on, the
+    dcgm-exporter stand-in still shows its GPU as its own, and its sidecar still serves."""
     path, config = write_config(tmp_path, delist_seconds=0.6)
     instances = config_instances(config)
     clock = asyncio.get_running_loop().time
-    # When each instance left the file, and what the file listed at its sidecar's SIGTERM.
-    delisted: dict[str, float] = {}
-    at_sigterm: list[tuple[str, float, set[str]]] = []
+    # When each instance was first marked draining, and what the readers saw at its SIGTERM.
+    drained: dict[str, float] = {}
+    at_sigterm: list[dict[str, Any]] = []
     sidecars: dict[int, LocalInstance] = {}
     async with httpx.AsyncClient(timeout=30.0) as client:
         hook = LocalScaleHook(config, path, client, CollectorRegistry())
         write, terminate = hook._write, hook._terminate
 
         def recording_write() -> None:
-            before = {i.instance for i in read_fleet(instances).instances}
             write()
-            after = {i.instance for i in read_fleet(instances).instances}
-            for left in before - after:
-                delisted[left] = clock()
+            for i in read_fleet(instances).instances:
+                if i.draining:
+                    drained.setdefault(i.instance, clock())
 
         async def recording_terminate(proc: Any) -> None:
             record = sidecars.pop(id(proc), None)
             if record is not None:
-                listed = {i.instance for i in read_fleet(instances).instances}
-                at_sigterm.append((record.instance, clock(), listed))
-                # Out of the file, not stopped: it still serves whoever has not read it yet.
-                await chat(client, str(record.sidecar_url))
+                fleet = read_fleet(instances)
+                exporter = node_exporters(config, client, instances)[record.node]
+                at_sigterm.append(
+                    {
+                        "instance": record.instance,
+                        "when": clock(),
+                        "draining": {i.instance: i.draining for i in fleet.instances},
+                        "traffic": {t.base_url for t in InstanceTargets(config, instances, True)()},
+                        "front door": set(workers(config, fleet)),
+                        "gpus": gpu_pods(render(await exporter.gpus())),
+                    }
+                )
+                await chat(client, str(record.sidecar_url))  # it still serves
             await terminate(proc)
 
         hook._write = recording_write  # type: ignore[method-assign]
@@ -184,17 +195,21 @@ async def test_a_stopping_instance_leaves_the_file_before_its_sidecar_is_stopped
         try:
             await hook.publish(decision(2))
             sidecars.update({id(r.sidecar): r.record for r in hook.running[GROUP]})
-            oldest, newest = (i.instance for i in hook.instances())
+            oldest, newest = hook.instances()
             await hook.publish(decision(1))
         finally:
             sidecars.clear()
             await hook.close()
     assert len(at_sigterm) == 1
-    stopped, when, listed = at_sigterm[0]
-    assert stopped == newest
-    assert newest not in listed
-    assert listed == {oldest}
-    assert when - delisted[newest] >= 0.6
+    seen = at_sigterm[0]
+    assert seen["instance"] == newest.instance
+    assert seen["draining"] == {oldest.instance: False, newest.instance: True}
+    assert seen["traffic"] == {str(oldest.sidecar_url)}
+    assert str(newest.sidecar_url) not in seen["front door"]
+    assert str(oldest.sidecar_url) in seen["front door"]
+    assert seen["gpus"][str(newest.gpus[0])] == ("local", newest.instance)
+    assert seen["when"] - drained[newest.instance] >= 0.6
+    assert read_fleet(instances).instances == ()
 
 
 async def test_no_spare_gpu_is_said_and_never_oversubscribed(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -32,7 +33,8 @@ def _config() -> Config:
 
 
 def test_the_workers_are_the_sidecars_and_the_live_local_instances():
-    """Fixed sidecars by their listen address; the hook's live instances by theirs; stopped ones not."""
+    """Fixed sidecars by their listen address; the hook's live instances by theirs; stopped and
+    draining ones not."""
     config = _config()
     live = LocalInstance(
         "vllm-small-0-1",
@@ -57,7 +59,10 @@ def test_the_workers_are_the_sidecars_and_the_live_local_instances():
         1.0,
         stopped_at=2.0,
     )
-    assert workers(config, LocalFleet((live, gone))) == {
+    draining = dataclasses.replace(
+        live, instance="vllm-small-0-2", sidecar_url="http://127.0.0.1:6", draining=True
+    )
+    assert workers(config, LocalFleet((live, gone, draining))) == {
         f"http://{config.replica('large-0').sidecar_listen}": "chat-large",
         f"http://{config.replica('small-0').sidecar_listen}": "chat-small",
         "http://127.0.0.1:2": "chat-small",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
 import httpx
+import orjson
 
-from infermeter.local_fleet import LocalInstance, write_fleet
+from infermeter.local_fleet import LocalInstance, read_fleet, write_fleet
 from simulator.replica import ReplicaSim
 from simulator.traffic import (
     InstanceTargets,
@@ -83,9 +85,37 @@ def test_instance_targets_follow_the_instances_file(config, tmp_path):
     now[0] = 2.0
     assert via() == (Target("http://127.0.0.1:2", "chat-small"),)
     assert direct() == (Target("http://127.0.0.1:1", "llama-3.1-8b-instruct"),)
-    write_fleet(path, [], [inst.stopped(3.0, None)])
+    # Being stopped: sent nothing new, though still in the file (its GPUs are still its own).
+    write_fleet(path, [dataclasses.replace(inst, draining=True)], [])
     now[0] = 4.0
     assert via() == ()
+    assert read_fleet(path).instances[0].draining
+    write_fleet(path, [], [inst.stopped(5.0, None)])
+    now[0] = 6.0
+    assert via() == ()
+    assert not read_fleet(path).stopped[0].draining
+
+
+def test_an_instances_file_of_an_earlier_version_reads_as_not_draining(tmp_path):
+    """Files written before ``draining`` existed still read: their instances take traffic."""
+    path = tmp_path / "instances.json"
+    row = {
+        "instance": "small-0-1",
+        "replica": "small-0",
+        "model": "chat-small",
+        "node": "node-b",
+        "gpus": [2],
+        "namespace": "local",
+        "upstream_url": "http://127.0.0.1:1",
+        "sidecar_url": "http://127.0.0.1:2",
+        "started_at": 0.0,
+        "stopped_at": None,
+        "usage": None,
+    }
+    path.write_bytes(orjson.dumps({"instances": [row], "stopped": []}))
+    [inst] = read_fleet(path).instances
+    assert inst.instance == "small-0-1"
+    assert inst.draining is False
 
 
 def test_instances_share_their_models_traffic_and_draw_no_more():
