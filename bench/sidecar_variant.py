@@ -36,6 +36,11 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
   in the journal; the record's fields are still built and the admission journal still
   written): the most the spool's part of a record, its JSON line, seal, write and the tick's
   fsync, can cost together;
+- ``calls``: the unchanged sidecar, writing to ``SIDECAR_CALLS`` (default
+  ``sidecar-calls.txt``) every call one generation request makes (its ``SIDECAR_CALLS_NTH``-th,
+  default 30) from the read that brought it to its upstream write (``sys.setprofile``), one a
+  line, Python functions as ``file:line:name`` and built-ins as ``C:name``: what runs before
+  vLLM sees a request;
 - ``cprofile``: the unchanged sidecar under cProfile from its ``SIDECAR_PROFILE_FROM``-th
   generation request (default 40) until the ``SIDECAR_PROFILE_TO``-th (default 200) ends; the
   stats go to ``SIDECAR_PROFILE`` (``pstats`` format). cProfile's cost per call inflates
@@ -158,6 +163,48 @@ def _noslot() -> None:
     from sidecar.journal import AdmissionJournal
 
     AdmissionJournal.slot = lambda self, request_id: None  # type: ignore[method-assign]
+
+
+def _calls() -> None:
+    from types import FrameType
+    from typing import Any
+
+    from sidecar import http_server, pool
+
+    out = os.environ.get("SIDECAR_CALLS", "sidecar-calls.txt")
+    nth = int(os.environ.get("SIDECAR_CALLS_NTH", "30"))
+    seen: list[str] = []
+    state = {"requests": 0, "tracing": False}
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            seen.append(f"{code.co_filename}:{code.co_firstlineno}:{code.co_name}")
+        elif event == "c_call":
+            seen.append(f"C:{getattr(arg, '__qualname__', arg)}")
+
+    read = http_server._Connection.data_received
+
+    def data_received(self: Any, data: bytes) -> None:
+        if b"/v1/" in data[:64]:
+            state["requests"] += 1
+            if state["requests"] == nth:
+                state["tracing"] = True
+                sys.setprofile(profile)
+        read(self, data)
+
+    send = pool.Connection.send
+
+    def sent(self: Any, *args: Any, **kwargs: Any) -> None:
+        send(self, *args, **kwargs)
+        if state["tracing"]:
+            sys.setprofile(None)
+            state["tracing"] = False
+            with open(out, "w") as f:
+                f.write("\n".join(seen) + "\n")
+
+    http_server._Connection.data_received = data_received  # type: ignore[method-assign]
+    pool.Connection.send = sent  # type: ignore[method-assign]
 
 
 def _rss_mb() -> float:
@@ -377,6 +424,8 @@ def main() -> int:
         _nofsync()
     elif variant == "norecord":
         _norecord()
+    elif variant == "calls":
+        _calls()
     elif variant == "nojournal":
         _nojournal()
     elif variant == "nojournalwrite":
