@@ -168,6 +168,8 @@ class Supervisor:
             if child.after_ready:
                 self._wait_ready(self._slots[ready:], deadline)
                 ready = len(self._slots)
+                if self._stop:
+                    return  # asked to stop while the others started: start nothing more
             slot = _Slot(child)
             self._spawn(slot)
             self._slots.append(slot)

@@ -89,6 +89,28 @@ def test_a_child_started_after_ready_waits_for_the_children_before_it(
     assert waited is after_ready
 
 
+def test_a_stop_asked_while_the_others_start_starts_no_child_after_them(tmp_path: Path) -> None:
+    """Ctrl-C during start-up: the traffic generator is not started only to be stopped."""
+    port = free_port()
+    listening, started = tmp_path / "listening", tmp_path / "started"
+    server = Child(
+        "sidecar",
+        [sys.executable, "-c", _SLOW_SERVER, str(port), str(listening)],
+        ready_url=f"http://127.0.0.1:{port}/",
+    )
+    client = Child("traffic", [sys.executable, "-c", _STARTED, str(started)], after_ready=True)
+    supervisor = Supervisor([server, client])
+    # Ctrl-C while the server is still starting (it listens after 1 s).
+    threading.Timer(0.3, supervisor._on_signal, (signal.SIGINT, None)).start()
+    try:
+        supervisor.start()
+        assert [child.name for child, _ in supervisor.processes] == ["sidecar"]
+    finally:
+        supervisor.stop()
+    time.sleep(0.5)  # a client started anyway would have written by now
+    assert not started.exists()
+
+
 def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path: Path) -> None:
     """A child that does not stop on SIGTERM is killed, and the next one is still stopped."""
     stubborn = (
