@@ -63,6 +63,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -125,7 +126,6 @@ def _nofsync() -> None:
 
 
 def _norecord() -> None:
-    from collections.abc import Callable
     from typing import Any
 
     from infermeter.spool import Spool
@@ -403,6 +403,36 @@ def _stamps() -> None:
     http_guard.RawWriter.write = client_write  # type: ignore[method-assign]
 
 
+def _asyncio() -> None:
+    from infermeter import serving
+
+    serving.loop_factory = lambda choice: None
+
+
+def _nogc() -> None:
+    import gc
+
+    gc.disable()
+
+
+# The variants that patch this process before the sidecar starts (arena1 and malloc re-execute
+# it with another allocator instead).
+_PATCHES: dict[str, Callable[[], None]] = {
+    "unmetered": _unmetered,
+    "asyncio": _asyncio,
+    "cprofile": _cprofile,
+    "nofsync": _nofsync,
+    "norecord": _norecord,
+    "calls": _calls,
+    "nojournal": _nojournal,
+    "nojournalwrite": _nojournalwrite,
+    "noslot": _noslot,
+    "nogc": _nogc,
+    "memory": _memory,
+    "stamps": _stamps,
+}
+
+
 def main() -> int:
     """Apply ``SIDECAR_VARIANT`` and run ``infermeter`` with this process's arguments."""
     variant = os.environ.get("SIDECAR_VARIANT", "")
@@ -412,34 +442,9 @@ def main() -> int:
     if variant == "malloc" and os.environ.get("PYTHONMALLOC") != "malloc":
         env = dict(os.environ, PYTHONMALLOC="malloc")
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    if variant == "unmetered":
-        _unmetered()
-    elif variant == "asyncio":
-        from infermeter import serving
-
-        serving.loop_factory = lambda choice: None
-    elif variant == "cprofile":
-        _cprofile()
-    elif variant == "nofsync":
-        _nofsync()
-    elif variant == "norecord":
-        _norecord()
-    elif variant == "calls":
-        _calls()
-    elif variant == "nojournal":
-        _nojournal()
-    elif variant == "nojournalwrite":
-        _nojournalwrite()
-    elif variant == "noslot":
-        _noslot()
-    elif variant == "nogc":
-        import gc
-
-        gc.disable()
-    elif variant == "memory":
-        _memory()
-    elif variant == "stamps":
-        _stamps()
+    patch = _PATCHES.get(variant)
+    if patch is not None:
+        patch()
     elif variant not in ("", "arena1", "malloc"):
         raise SystemExit(f"SIDECAR_VARIANT: unknown variant {variant!r}")
     from launcher.cli import main as run_infermeter

@@ -61,13 +61,10 @@ server.serve_forever()
 _STARTED = "import sys, time; open(sys.argv[1], 'w').write(repr(time.time())); time.sleep(60)"
 
 
-@pytest.mark.parametrize("after_ready", [True, False])
-def test_a_child_started_after_ready_waits_for_the_children_before_it(
-    tmp_path: Path, after_ready: bool
-) -> None:
-    """The traffic generator's first request must find the sidecars listening."""
+def _server_and_client(listening: Path, started: Path, after_ready: bool) -> list[Child]:
+    """A server ready after 1 s (writes to ``listening`` when), then a client of it (writes to
+    ``started`` when)."""
     port = free_port()
-    listening, started = tmp_path / "listening", tmp_path / "started"
     server = Child(
         "sidecar",
         [sys.executable, "-c", _SLOW_SERVER, str(port), str(listening)],
@@ -76,7 +73,16 @@ def test_a_child_started_after_ready_waits_for_the_children_before_it(
     client = Child(
         "traffic", [sys.executable, "-c", _STARTED, str(started)], after_ready=after_ready
     )
-    supervisor = Supervisor([server, client])
+    return [server, client]
+
+
+@pytest.mark.parametrize("after_ready", [True, False])
+def test_a_child_started_after_ready_waits_for_the_children_before_it(
+    tmp_path: Path, after_ready: bool
+) -> None:
+    """The traffic generator's first request must find the sidecars listening."""
+    listening, started = tmp_path / "listening", tmp_path / "started"
+    supervisor = Supervisor(_server_and_client(listening, started, after_ready))
     try:
         supervisor.start()
         deadline = time.monotonic() + 30
@@ -91,15 +97,8 @@ def test_a_child_started_after_ready_waits_for_the_children_before_it(
 
 def test_a_stop_asked_while_the_others_start_starts_no_child_after_them(tmp_path: Path) -> None:
     """Ctrl-C during start-up: the traffic generator is not started only to be stopped."""
-    port = free_port()
-    listening, started = tmp_path / "listening", tmp_path / "started"
-    server = Child(
-        "sidecar",
-        [sys.executable, "-c", _SLOW_SERVER, str(port), str(listening)],
-        ready_url=f"http://127.0.0.1:{port}/",
-    )
-    client = Child("traffic", [sys.executable, "-c", _STARTED, str(started)], after_ready=True)
-    supervisor = Supervisor([server, client])
+    started = tmp_path / "started"
+    supervisor = Supervisor(_server_and_client(tmp_path / "listening", started, after_ready=True))
     # Ctrl-C while the server is still starting (it listens after 1 s).
     threading.Timer(0.3, supervisor._on_signal, (signal.SIGINT, None)).start()
     try:
