@@ -19,7 +19,8 @@ sidecar cannot skip for a request (``Work``): a request id, the team key's SHA-2
 constant time with every team's, the body parsed, its model swapped and ``include_usage`` set,
 then serialized again, a token bucket taken, the admission's journal line written to a file
 before forwarding (for kill -9), every upstream read scanned for content and usage before it
-is written, and the request's record written at its end. A non-streamed request is asked of the
+is written, the per-chunk usage the client did not ask for cut out of each block (one regular
+expression, then the block framed again), and the request's record written at its end. A non-streamed request is asked of the
 replica as a stream with usage on every chunk, read whole and answered as one JSON body, as the
 sidecar does to bill a client that hangs up. Not done: fsync (the sidecar makes each record
 durable, its disk thread sharing one fsync among records), so this is a floor below the job.
@@ -35,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import sys
 import tempfile
 import time
@@ -51,9 +53,19 @@ from infermeter.serving import host_port
 
 __all__ = ["main", "run_on_loop"]
 
-# The body to forward, whether the client asked for a whole answer, and the journaled record.
-Admitted = tuple[bytes, bool, dict[str, Any]]
+# The body to forward, whether the client asked for a whole answer, the journaled record, and
+# what the client asked for of vLLM's usage: on every chunk, and at the end (``stream_options``;
+# the floor cuts out what it did not ask for, as the sidecar does).
+Admitted = tuple[bytes, bool, dict[str, Any], tuple[bool, bool]]
 _HOP = frozenset({b"host", b"content-length", b"connection", b"transfer-encoding"})
+# The usage vLLM puts on a chunk (after its choices), and its final usage chunk (no choices):
+# what a client that did not ask for them must not see.
+_FINAL_USAGE = re.compile(rb'data: \{[^\n]*"choices":\[\],"usage"[^\n]*\n\n')
+_CHUNK_USAGE = re.compile(rb'(\}\]),"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
+_SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
 _HEALTHY = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
 
@@ -95,6 +107,8 @@ class Work:
         model = aliases.get(requested, requested)
         document["model"] = model
         whole = not document.get("stream")
+        asked = document.get("stream_options") or {}
+        usage = (bool(asked.get("continuous_usage_stats")), bool(asked.get("include_usage")))
         document["stream"] = True
         document["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         now = time.monotonic()
@@ -116,7 +130,7 @@ class Work:
             "client_request_id": None,
         }
         os.write(self.journal, orjson.dumps({"a": record}) + b"\n")
-        return orjson.dumps(document), whole, record
+        return orjson.dumps(document), whole, record, usage
 
     def end(self, record: dict[str, Any], usage: bytes) -> None:
         """The request's record, with the last usage seen, written where the journal is."""
@@ -162,21 +176,26 @@ class Upstream(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.client: asyncio.Transport | None = None
-        # With ``work``: the exchange's record, the stream of a whole answer, the last usage.
+        # With ``work``: the exchange's record, the stream of a whole answer, the last usage,
+        # and what the client asked for of the usage (on every chunk, at the end).
         self.record: dict[str, Any] | None = None
         self.whole: list[bytes] | None = None
         self.usage = b""
+        self.asked = (False, False)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not subclasses of asyncio.Transport, only alike.
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        if self.client is not None and self.whole is None:
-            if self.work is not None:
-                self.scan(data)
+        if self.client is not None and self.work is None:
             self.client.write(data)
         self.parser.feed_data(data)
+
+    def on_headers_complete(self) -> None:
+        # With ``work`` the stream is framed again block by block (``on_body``): a new head.
+        if self.client is not None and self.work is not None and self.whole is None:
+            self.client.write(_SSE_HEAD)
 
     def scan(self, data: bytes) -> None:
         """What metering reads of an upstream block: its first content and its latest usage."""
@@ -189,12 +208,24 @@ class Upstream(asyncio.Protocol):
         if self.whole is not None:
             self.whole.append(body)
             self.scan(body)
+        elif self.client is not None and self.work is not None:
+            self.scan(body)
+            continuous, final = self.asked
+            if not continuous:
+                body = _CHUNK_USAGE.sub(rb"\1", body)
+            if not final and b'"choices":[],' in body:
+                body = _FINAL_USAGE.sub(b"", body)
+            if body:  # (an empty chunk would end the response)
+                self.client.write(b"%x\r\n%b\r\n" % (len(body), body))
 
     def on_message_complete(self) -> None:
         if self.work is not None and self.record is not None:
             self.work.end(self.record, self.usage)
-            if self.whole is not None and self.client is not None:
-                self.client.write(self.work.answer(b"".join(self.whole)))
+            if self.client is not None:
+                if self.whole is not None:
+                    self.client.write(self.work.answer(b"".join(self.whole)))
+                else:
+                    self.client.write(b"0\r\n\r\n")
         self.client, self.record, self.whole, self.usage = None, None, None, b""
         self.idle.append(self)
 
@@ -295,6 +326,7 @@ class Front(asyncio.Protocol):
         if admitted is not None:
             conn.record = admitted[2]
             conn.whole = [] if admitted[1] else None
+            conn.asked = admitted[3]
         conn.transport.write(request)
 
 
