@@ -361,6 +361,8 @@ class _Connection(asyncio.Protocol):
             self._idle = None
         if self._answering is not None:
             self._answering.wake()
+        # (Nothing is parsed after the loss; the exchange being parsed would keep a cycle.)
+        self._parsing = None
         self._queued.clear()
         if self.raw is not None:
             self.raw.connection_lost()
@@ -595,6 +597,10 @@ class _Connection(asyncio.Protocol):
             # (Here, not a done callback: that would cost a bound method and a context copy. The
             # loop is given: without it, Python 3.11 asks the kernel for the process id.)
             self.server.tasks.discard(asyncio.current_task(self.loop))
+            if self.lost and self._answering is exchange:
+                # The exchange and its connection refer to each other: unlinked, both are freed
+                # now by their counts of references, not at the next full collection.
+                self._answering = None
 
     def _arm(self) -> None:
         self._deadline = self.loop.call_later(

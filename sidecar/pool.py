@@ -119,7 +119,9 @@ class Connection(asyncio.Protocol):
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
         self.transport: asyncio.Transport | None = None
-        self._parser = httptools.HttpResponseParser(self)
+        # Dropped once the connection is lost: the parser holds the protocol's bound callbacks,
+        # a reference cycle that only the cyclic collector would free otherwise.
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._sink: Sink | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self.idle_since = 0.0
@@ -141,8 +143,11 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         """Parse; the parser's callbacks feed the sink."""
         self.last_read = time.perf_counter()
+        parser = self._parser
+        if parser is None:
+            return
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamClosed(f"invalid HTTP from the replica: {exc}"))
             self.close()
@@ -154,6 +159,10 @@ class Connection(asyncio.Protocol):
         self._fail(
             UpstreamClosed("the replica closed the connection") if exc is None else _wrap(exc)
         )
+        # Freed now by its count of references, with its transport, not at the next full
+        # collection: after a burst of streams, a thousand closed connections held until then
+        # are 4 MB more at the next burst's peak (docs/benchmarks.md).
+        self._parser = None
 
     # -- httptools callbacks ---------------------------------------------------------------------
 
@@ -164,7 +173,7 @@ class Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         """Hand the head to the sink."""
         headers, self._headers = self._headers, []
-        if self._sink is not None:
+        if self._sink is not None and self._parser is not None:
             self._sink.head(self._parser.get_status_code(), headers)
 
     def on_body(self, body: bytes) -> None:
@@ -176,7 +185,13 @@ class Connection(asyncio.Protocol):
         """The exchange is over: back to the pool when the replica keeps the connection."""
         sink, self._sink = self._sink, None
         # (A batched connection asked the replica to close it: it never serves a stream.)
-        if self._lowat == 1 and self._parser.should_keep_alive() and self.transport is not None:
+        parser = self._parser
+        if (
+            self._lowat == 1
+            and parser is not None
+            and parser.should_keep_alive()
+            and self.transport is not None
+        ):
             self._pool.release(self)
         else:
             self.close()

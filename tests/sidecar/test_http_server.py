@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httptools
@@ -577,3 +577,48 @@ async def test_requests_share_their_common_header_names_and_server_address() -> 
     assert names[0][b"host"] is names[1][b"host"]
     assert seen[0]["server"] == ("127.0.0.1", srv.port)
     assert seen[0]["server"] is seen[1]["server"]
+
+
+@contextlib.contextmanager
+def _no_cyclic_collector() -> Iterator[None]:
+    """Only counts of references free objects inside: what a cycle holds stays."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+async def test_a_connection_lost_mid_response_is_freed_without_the_cyclic_collector() -> None:
+    """A client that hangs up mid-stream leaves nothing for the cyclic collector: its connection
+    and exchange go when the response's task ends, not at the next full collection (after a
+    burst of streams, a thousand such connections were 4 MB more at the next burst's peak)."""
+    app = _App()
+    async with _serving(app) as srv:
+        with _no_cyclic_collector():
+            reader, writer = await _connect(srv)
+            writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert _alive("_Connection", "_Exchange") == {"_Connection": 1, "_Exchange": 1}
+            writer.close()
+            while srv.connections:
+                await asyncio.sleep(0.01)
+            app.release.set()  # the response's task sees the loss and ends
+            while srv.tasks:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)
+            # (Objects in a cycle stay tracked, and listed, until the collector frees them.)
+            assert _alive("_Connection", "_Exchange") == {}
+
+
+def _alive(*names: str) -> dict[str, int]:
+    """How many objects of the server's classes called ``names`` exist."""
+    found: dict[str, int] = {}
+    for o in gc.get_objects():
+        name = type(o).__name__
+        if name in names and type(o).__module__ == "sidecar.http_server":
+            found[name] = found.get(name, 0) + 1
+    return found
