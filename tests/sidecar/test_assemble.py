@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import orjson
@@ -359,3 +360,38 @@ def test_several_choices_read_without_decoding_keep_their_own_text_and_counts():
     cut = Assembler("/v1/chat/completions", n=2)
     cut.feed(b"\n\n".join(raw.split(b"\n\n")[:6]) + b"\n\n")  # roles, then 2 tokens of each
     assert cut.usage_so_far() == UsageCounts(10, 4)
+
+
+def _as_vllm_writes(body: bytes) -> bytes:
+    """``body`` as vLLM's JSONResponse (Starlette's ``json.dumps``) writes the same value."""
+    value = json.loads(body)
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize(
+    "texts",
+    [
+        [" 1", " 2"],
+        ["é", "\n", "\x01\t", "\u2028", "🙂", '"\\', "\x7f"],
+    ],
+)
+def test_an_answer_is_written_byte_for_byte_as_vllm_writes_it(texts):
+    """Written by orjson when it holds no float: the same bytes as ``json.dumps`` (escapes,
+    non-ASCII and all)."""
+    assembler = Assembler("/v1/chat/completions")
+    assembler.feed(_chat_stream(texts))
+    body = assembler.body()
+    assert json.loads(body)["choices"][0]["message"]["content"] == "".join(texts)
+    assert body == _as_vllm_writes(body)
+
+
+def test_an_answer_carrying_vllms_floats_writes_them_as_python_does():
+    """orjson writes a float's shortest form otherwise (1e-7): an answer whose metrics or token
+    details hold a float is written by ``json.dumps``, as vLLM writes it."""
+    stream = _chat_stream([" 1"])
+    usage_end = stream.rindex(b"}\n\ndata: [DONE]")
+    assembler = Assembler("/v1/chat/completions")
+    assembler.feed(stream[:usage_end] + b',"metrics":{"queued":1e-07}' + stream[usage_end:])
+    body = assembler.body()
+    assert b'"metrics":{"queued":1e-07}' in body
+    assert body == _as_vllm_writes(body)
