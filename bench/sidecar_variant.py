@@ -32,6 +32,11 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
   counts the bytes only), the slot kept;
 - ``noslot``: the journal's line written, but the relay given no slot to write its progress to;
 - ``nogc``: Python's cyclic garbage collector off (``gc.disable()`` before start-up);
+- ``cycles``: the unchanged sidecar, with a thread that every 2 s runs the cyclic collector
+  keeping what it finds (``gc.DEBUG_SAVEALL``) and writes how many objects, of which types,
+  were garbage held only by reference cycles to ``SIDECAR_CYCLES.<pid>`` (default
+  ``sidecar-cycles.txt.<pid>``): what the request path leaves for the collector instead of
+  freeing it when its last reference goes;
 - ``norecord``: no usage record spooled (``Spool.write`` returns at once, its request finished
   in the journal; the record's fields are still built and the admission journal still
   written): the most the spool's part of a record, its JSON line, seal, write and the tick's
@@ -415,6 +420,32 @@ def _nogc() -> None:
     gc.disable()
 
 
+def _cycles() -> None:
+    import collections
+    import gc
+    import threading
+
+    out = os.environ.get("SIDECAR_CYCLES", "sidecar-cycles.txt")
+
+    def watch() -> None:
+        time.sleep(3.0)  # (what start-up leaves is not the request path's)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        with open(f"{out}.{os.getpid()}", "w") as log:
+            while True:
+                time.sleep(2.0)
+                gc.collect()
+                kinds = collections.Counter(type(o).__name__ for o in gc.garbage)
+                log.write(
+                    f"{time.time():.0f} {len(gc.garbage)} objects in cycles: "
+                    + " ".join(f"{k}:{n}" for k, n in kinds.most_common(20))
+                    + "\n"
+                )
+                log.flush()
+                gc.garbage.clear()
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 # The variants that patch this process before the sidecar starts (arena1 and malloc re-execute
 # it with another allocator instead).
 _PATCHES: dict[str, Callable[[], None]] = {
@@ -428,6 +459,7 @@ _PATCHES: dict[str, Callable[[], None]] = {
     "nojournalwrite": _nojournalwrite,
     "noslot": _noslot,
     "nogc": _nogc,
+    "cycles": _cycles,
     "memory": _memory,
     "stamps": _stamps,
 }
