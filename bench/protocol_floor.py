@@ -173,7 +173,9 @@ class Upstream(asyncio.Protocol):
     def __init__(self, idle: list[Upstream], work: Work | None) -> None:
         self.idle = idle
         self.work = work
-        self.parser = httptools.HttpResponseParser(self)
+        # Dropped at the loss, as the sidecar's pool does: it holds this protocol's callbacks,
+        # a cycle that would keep closed connections until a full collection.
+        self.parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.client: asyncio.Transport | None = None
         # With ``work``: the exchange's record, the stream of a whole answer, the last usage,
@@ -190,7 +192,8 @@ class Upstream(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.client is not None and self.work is None:
             self.client.write(data)
-        self.parser.feed_data(data)
+        if self.parser is not None:
+            self.parser.feed_data(data)
 
     def on_headers_complete(self) -> None:
         # With ``work`` the stream is framed again block by block (``on_body``): a new head.
@@ -234,6 +237,7 @@ class Upstream(asyncio.Protocol):
             self.idle.remove(self)
         if self.client is not None:
             self.client.close()
+        self.parser = None
 
 
 class Front(asyncio.Protocol):
@@ -249,7 +253,7 @@ class Front(asyncio.Protocol):
         self.upstream, self.aliases, self.idle, self.work = upstream, aliases, idle, work
         self.names = {a.strip(b'"').decode(): s.strip(b'"').decode() for a, s in aliases.items()}
         self.key = b""
-        self.parser = httptools.HttpRequestParser(self)
+        self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.url = b""
         self.headers: list[bytes] = []
@@ -260,11 +264,16 @@ class Front(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if self.parser is None:
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
             assert self.transport is not None
             self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.parser = None  # (its callbacks hold this protocol: a cycle otherwise)
 
     def on_message_begin(self) -> None:
         self.url, self.headers, self.body, self.key = b"", [], [], b""
@@ -298,6 +307,7 @@ class Front(asyncio.Protocol):
         else:
             for alias, served in self.aliases.items():
                 body = body.replace(alias, served)
+        assert self.parser is not None  # (called back by it)
         method = self.parser.get_method()
         head = b"%b %b HTTP/1.1\r\nhost: %b:%d\r\ncontent-length: %d\r\n%b\r\n" % (
             method,
