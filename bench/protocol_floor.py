@@ -20,10 +20,11 @@ constant time with every team's, the body parsed, its model swapped and ``includ
 then serialized again, a token bucket taken, the admission's journal line written to a file
 before forwarding (for kill -9), every upstream read scanned for content and usage before it
 is written, the per-chunk usage the client did not ask for cut out of each block (one regular
-expression, then the block framed again), and the request's record written at its end. A non-streamed request is asked of the
-replica as a stream with usage on every chunk, read whole and answered as one JSON body, as the
-sidecar does to bill a client that hangs up. Not done: fsync (the sidecar makes each record
-durable, its disk thread sharing one fsync among records), so this is a floor below the job.
+expression, then the block framed again), and the request's record written at its end. A
+non-streamed request is asked of the replica as a stream with usage on every chunk, read whole
+and answered as one JSON body, as the sidecar does to bill a client that hangs up. Not done:
+fsync (the sidecar makes each record durable, its disk thread sharing one fsync among records),
+so this is a floor below the job.
 What the sidecar adds above it is the cost of its structure, not of its job:
 
     BENCH_FLOOR_WORK=1 BENCH_EVENT_LOOP=uvloop .venv/bin/python -m bench.sidecar_overhead \\
@@ -42,7 +43,7 @@ import tempfile
 import time
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import httptools
 import orjson
@@ -53,10 +54,19 @@ from infermeter.serving import host_port
 
 __all__ = ["main", "run_on_loop"]
 
-# The body to forward, whether the client asked for a whole answer, the journaled record, and
-# what the client asked for of vLLM's usage: on every chunk, and at the end (``stream_options``;
-# the floor cuts out what it did not ask for, as the sidecar does).
-Admitted = tuple[bytes, bool, dict[str, Any], tuple[bool, bool]]
+
+class Admitted(NamedTuple):
+    """A request let through, as the upstream connection needs it."""
+
+    body: bytes  # to forward
+    whole: bool  # the client asked for a non-streamed answer
+    record: dict[str, Any]  # as journaled
+    # What the client asked for of vLLM's usage (``stream_options``): the floor cuts out what
+    # it did not ask for, as the sidecar does.
+    continuous_usage: bool
+    final_usage: bool
+
+
 _HOP = frozenset({b"host", b"content-length", b"connection", b"transfer-encoding"})
 # The usage vLLM puts on a chunk (after its choices), and its final usage chunk (no choices):
 # what a client that did not ask for them must not see.
@@ -108,7 +118,10 @@ class Work:
         document["model"] = model
         whole = not document.get("stream")
         asked = document.get("stream_options") or {}
-        usage = (bool(asked.get("continuous_usage_stats")), bool(asked.get("include_usage")))
+        continuous, final = (
+            bool(asked.get("continuous_usage_stats")),
+            bool(asked.get("include_usage")),
+        )
         document["stream"] = True
         document["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         now = time.monotonic()
@@ -130,7 +143,7 @@ class Work:
             "client_request_id": None,
         }
         os.write(self.journal, orjson.dumps({"a": record}) + b"\n")
-        return orjson.dumps(document), whole, record, usage
+        return Admitted(orjson.dumps(document), whole, record, continuous, final)
 
     def end(self, record: dict[str, Any], usage: bytes) -> None:
         """The request's record, with the last usage seen, written where the journal is."""
@@ -183,7 +196,7 @@ class Upstream(asyncio.Protocol):
         self.record: dict[str, Any] | None = None
         self.whole: list[bytes] | None = None
         self.usage = b""
-        self.asked = (False, False)
+        self.continuous_usage = self.final_usage = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not subclasses of asyncio.Transport, only alike.
@@ -213,10 +226,9 @@ class Upstream(asyncio.Protocol):
             self.scan(body)
         elif self.client is not None and self.work is not None:
             self.scan(body)
-            continuous, final = self.asked
-            if not continuous:
+            if not self.continuous_usage:
                 body = _CHUNK_USAGE.sub(rb"\1", body)
-            if not final and b'"choices":[],' in body:
+            if not self.final_usage and b'"choices":[],' in body:
                 body = _FINAL_USAGE.sub(b"", body)
             if body:  # (an empty chunk would end the response)
                 self.client.write(b"%x\r\n%b\r\n" % (len(body), body))
@@ -303,7 +315,7 @@ class Front(asyncio.Protocol):
             if admitted is None:
                 self.transport.close()
                 return
-            body = admitted[0]
+            body = admitted.body
         else:
             for alias, served in self.aliases.items():
                 body = body.replace(alias, served)
@@ -334,9 +346,12 @@ class Front(asyncio.Protocol):
         assert conn.transport is not None
         conn.client = self.transport
         if admitted is not None:
-            conn.record = admitted[2]
-            conn.whole = [] if admitted[1] else None
-            conn.asked = admitted[3]
+            conn.record = admitted.record
+            conn.whole = [] if admitted.whole else None
+            conn.continuous_usage, conn.final_usage = (
+                admitted.continuous_usage,
+                admitted.final_usage,
+            )
         conn.transport.write(request)
 
 
