@@ -6,8 +6,8 @@ request the sidecar asks vLLM for the stream instead, with ``include_usage`` and
 ``continuous_usage_stats`` (every chunk then carries the running token counts), reads it to the
 end and answers the client with the body vLLM would have sent for the non-streamed request:
 the same fields in the same order, the same types, the same usage, serialised as vLLM's
-``JSONResponse`` serialises it (``json.dumps``, compact, UTF-8; orjson writes the same bytes, in
-a fifteenth of the time, for an answer without floats). Closing the stream is also how
+``JSONResponse`` serialises it (``json.dumps``, compact, UTF-8; for an answer without floats,
+orjson, which writes the same bytes for less: ``_dumps``). Closing the stream is also how
 vLLM learns of an abandoned request, at once.
 
 Only requests whose answer can be rebuilt from the stream exactly are assembled
@@ -549,7 +549,8 @@ def _dumps(value: Any, fast: bool = False) -> bytes:
 
     ``fast``: ``value`` holds no float, so orjson writes the same bytes (its strings, integers
     and nulls are written as ``json.dumps`` writes them; a float's shortest form is not: 1e-7,
-    where Python writes 1e-07) for 0.4 µs against 6.8 (a 64-token answer, in process).
+    where Python writes 1e-07), about 8 µs less a 64-token answer (``bench.assemble_cost
+    --tokens 64``, docs/benchmarks.md).
     """
     if fast:
         try:
