@@ -368,6 +368,7 @@ def _as_vllm_writes(body: bytes) -> bytes:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
+@pytest.mark.parametrize("choices", [1, 3])
 @pytest.mark.parametrize(
     "texts",
     [
@@ -375,13 +376,14 @@ def _as_vllm_writes(body: bytes) -> bytes:
         ["é", "\n", "\x01\t", "\u2028", "🙂", '"\\', "\x7f"],
     ],
 )
-def test_an_answer_is_written_byte_for_byte_as_vllm_writes_it(texts):
+def test_an_answer_is_written_byte_for_byte_as_vllm_writes_it(texts, choices):
     """Written by orjson when it holds no float: the same bytes as ``json.dumps`` (escapes,
-    non-ASCII and all)."""
+    non-ASCII and all), for one choice or several."""
     assembler = Assembler("/v1/chat/completions")
-    assembler.feed(_chat_stream(texts))
+    assembler.feed(_chat_stream(texts, choices))
     body = assembler.body()
-    assert json.loads(body)["choices"][0]["message"]["content"] == "".join(texts)
+    answers = json.loads(body)["choices"]
+    assert [a["message"]["content"] for a in answers] == ["".join(texts)] * choices
     assert body == _as_vllm_writes(body)
 
 
