@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -130,7 +131,15 @@ def wait(p: Page, css: str, text: str | None = None, timeout: float = 30) -> str
             return False
         return found[0].text or True
 
-    result = WebDriverWait(p.driver, timeout, poll_frequency=0.1).until(ready)
+    try:
+        result = WebDriverWait(p.driver, timeout, poll_frequency=0.1).until(ready)
+    except TimeoutException:
+        found = p.driver.find_elements(By.CSS_SELECTOR, css)
+        shown = repr(found[0].text) if found else "no such element"
+        page_text = p.driver.find_element(By.TAG_NAME, "body").text[:2000]
+        raise AssertionError(
+            f"{css} never showed {text!r} in {timeout:g} s: it shows {shown}; the page:\n{page_text}"
+        ) from None
     return result if isinstance(result, str) else ""
 
 
@@ -242,10 +251,11 @@ def test_a_three_instance_group_shows_three_live_the_desired_count_and_why(
 
 
 def _wait_for_a_young_minute(latest_second: float = 15.0) -> float:
-    """Sleep until a minute is at most ``latest_second`` old, so the test ends within it."""
+    """Sleep until a minute is 1 to ``latest_second`` seconds old, so the test ends within it
+    and a record stamped a moment before now falls in it too."""
     into = time.time() % 60
-    if into > latest_second:
-        time.sleep(60 - into + 0.5)
+    if not 1.0 <= into <= latest_second:
+        time.sleep((1.5 - into) % 60)
     return time.time()
 
 
