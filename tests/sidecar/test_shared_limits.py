@@ -197,11 +197,14 @@ async def test_fail_open_serves_the_limit_over_live_instances_then_shares_again(
         )
         assert (fallbacks or 0) >= 200
         redis_server.start()
+        restarted = time.monotonic()
         await asyncio.sleep(0.3)
         back = await hammer(lim, 1.0)
+        refill = 600 / 60 * (time.monotonic() - restarted)
         # The restarted Redis lost its keys (a full bucket of 600), and the first admission took
-        # what was admitted locally meanwhile: the minute's total stays at 600 plus the refill.
-        assert 600 - admitted <= back <= 600 - admitted + 12
+        # what was admitted locally meanwhile: the minute's total stays at 600 plus the refill
+        # since the bucket was made again (the hammer may overrun its second on a busy machine).
+        assert 600 - admitted <= back <= 600 - admitted + refill + 1
         assert reg.get_sample_value("infermeter_shared_limits_up") == 1
         await lim.close()
 
