@@ -55,6 +55,15 @@ WORDS = {"admin only", "does not fit"}
 # What the first pass showed for a missing value, in three notations.
 OTHER_MISSING = {"-", "n/a", "N/A", "no price", "None", "nan", "NaN", ""}
 
+# Where every graph's legend and time-axis labels are: unchanged between two reads once drawn.
+_GEOMETRY_JS = """
+return Array.from(document.querySelectorAll('#content .js-plotly-plot')).map(gd =>
+  Array.from(gd.querySelectorAll('.legend, .xtick text')).map(e => {
+    const r = e.getBoundingClientRect();
+    return [Math.round(r.left), Math.round(r.top), Math.round(r.width), Math.round(r.height)];
+  }));
+"""
+
 _LAYOUT_JS = """
 const overlaps = (a, b) => a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1;
 const header = document.querySelector('header');
@@ -71,7 +80,9 @@ for (const gd of document.querySelectorAll('#content .js-plotly-plot')) {
   const box = legend ? legend.getBoundingClientRect() : null;
   const ticks = Array.from(gd.querySelectorAll('.xtick text')).map(t => t.getBoundingClientRect());
   plots.push({id: gd.parentElement ? gd.parentElement.id : '', names: (gd.data || []).map(t => t.name || ''),
-              legendOverTicks: !!box && box.width > 0 && ticks.some(t => t.width > 0 && overlaps(box, t))});
+              legendOverTicks: !!box && box.width > 0 && ticks.some(t => t.width > 0 && overlaps(box, t)),
+              legendBox: box && [box.left, box.top, box.right, box.bottom],
+              ticksUnder: ticks.filter(t => box && t.width > 0 && overlaps(box, t)).map(t => [t.left, t.top, t.right, t.bottom])});
 }
 return {
   scrollWidth: document.documentElement.scrollWidth,
@@ -145,7 +156,16 @@ def settled(site: Stack) -> None:
         return not busy and not loading
 
     WebDriverWait(site.driver, 60, poll_frequency=0.2).until(ready)
-    time.sleep(0.5)  # Plotly finishes drawing after its data is set
+    # Plotly finishes drawing after its data is set, and lays a graph out again once it knows
+    # its container's size: read the page once no legend or axis label has moved for 0.5 s.
+    last: list[Any] = [None]
+
+    def still(driver: Any) -> bool:
+        now = driver.execute_script(_GEOMETRY_JS)
+        moved, last[0] = now != last[0], now
+        return not moved
+
+    WebDriverWait(site.driver, 30, poll_frequency=0.5).until(still)
 
 
 def check_layout(site: Stack, page: str, width: int) -> dict[str, Any]:
@@ -173,7 +193,8 @@ def check_layout(site: Stack, page: str, width: int) -> dict[str, Any]:
             )
     for plot in found["plots"]:
         assert not plot["legendOverTicks"], (
-            f"{page}: the legend covers the time axis of {plot['id']}"
+            f"{page}: the legend covers the time axis of {plot['id']}: legend "
+            f"{plot['legendBox']}, labels under it {plot['ticksUnder']} (left, top, right, bottom)"
         )
         assert not any("(no replica)" in n for n in plot["names"]), plot
     logs = site.driver.get_log("browser")  # type: ignore[no-untyped-call]
