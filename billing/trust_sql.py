@@ -33,7 +33,6 @@ from infermeter.records import (
     SCALING_DECISIONS,
     USAGE,
     RecordKind,
-    RequestStatus,
 )
 from infermeter.writers import KINDS_BY_ROLE
 
@@ -127,16 +126,14 @@ def _group_serves(guard: str = "true") -> Check:
 
 def _identity_checks() -> Mapping[str, tuple[Check, ...]]:
     """Who may write each kind's records, whatever the configuration knows."""
-    interrupted = f"'{RequestStatus.INTERRUPTED}'"
+    # A collector writes the usage a gone sidecar's admission journal holds, on the nodes it
+    # reads: each request's ending as the sidecar kept it (a sidecar killed after a request
+    # ended and before its record was written leaves that ending), else interrupted. So any
+    # status, as the sidecar itself would have written it; the node is what bounds it.
     return {
         USAGE.key: (
             _roles(USAGE.key),
             _not_its_instance(_ENGINE_OF, "t.replica"),
-            (
-                f"w_role = 'collector' AND t.status <> {interrupted}",
-                "foreign_writer",
-                f"'a collector writes only the interrupted requests of gone sidecars' || {_BY}",
-            ),
             (
                 f"w_role = 'collector' AND NOT {_ON_COLLECTOR_NODES}",
                 "foreign_writer",

@@ -183,7 +183,8 @@ class AdoptionMetrics:
         )
         self.interrupted = Counter(
             "infermeter_collector_adopted_interrupted_total",
-            "Requests a sidecar that is gone had in flight, recorded as interrupted from its journal.",
+            "Requests a sidecar that is gone left in its journal, recorded from it (with the "
+            "ending kept in their slot, else as interrupted).",
             registry=registry,
         )
         self.orphans = Gauge(
@@ -279,7 +280,8 @@ class Adopter:
         return shipped, int(action is Action.SHIP)
 
     async def _recover(self, directory: Path) -> None:
-        """Record what the dead sidecar had in flight (its journal) as interrupted, in its spool.
+        """Record what the dead sidecar left in its journal, in its spool: each request's ending
+        as its slot kept it (it ended, its record was not yet written), else interrupted.
 
         The sidecar would have done it at its next start; a sidecar that does not come back
         leaves it to the adopter, which holds the directory's lock and so is its one writer.

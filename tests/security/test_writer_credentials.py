@@ -225,9 +225,8 @@ async def test_a_collector_does_not_write_an_engine_on_another_node_than_its_lif
     [
         (issue(SECRET, Writer.for_autoscaler()), "usage", usage()),
         (SMALL_0, "gpu_samples", gpu()),
-        (COLLECTOR_B, "usage", usage()),
     ],
-    ids=["autoscaler usage", "instance gpu samples", "collector usage that was not interrupted"],
+    ids=["autoscaler usage", "instance gpu samples"],
 )
 async def test_a_writer_writes_only_its_own_kinds(ledger, url, credential, kind, record):
     """Each role has its kinds: anything else it sends is quarantined as a foreign writer's."""
@@ -235,6 +234,19 @@ async def test_a_writer_writes_only_its_own_kinds(ledger, url, credential, kind,
         answer = (await post(client, url, kind, [record], credential)).json()
     assert answer["accepted"] == 0
     assert len(answer["quarantined"]) == 1
+
+
+@pytest.mark.parametrize("status", ["ok", "client_aborted", "upstream_error", "interrupted"])
+async def test_a_collector_writes_the_ending_a_gone_sidecars_journal_kept(ledger, url, status):
+    """A sidecar killed after a request ended and before its record was written leaves the
+    ending in its journal; the collector of its node that adopts the spool writes that record as
+    it is, and billing takes it. The collector of another node may not."""
+    async with httpx.AsyncClient() as client:
+        own = (await post(client, url, "usage", [usage(status=status)], COLLECTOR_B)).json()
+        other = (await post(client, url, "usage", [usage(status=status)], COLLECTOR_A)).json()
+    assert (own["accepted"], own["quarantined"]) == (1, [])
+    assert (other["accepted"], len(other["quarantined"])) == (0, 1)
+    assert "is not on the collector's nodes" in other["quarantined"][0]["reason"]
 
 
 async def test_a_quarantined_batch_sent_again_is_kept_and_counted_once(ledger, url):
