@@ -22,6 +22,8 @@ from infermeter.months import month_of
 from infermeter.shipper import Shipper, ShipperMetrics
 from infermeter.spool import Spool
 from infermeter.writers import Sealer, Writer, issue, open_line
+from sidecar.journal import AdmissionJournal
+from sidecar.stream import UsageCounts
 from tests.security import writers as writer_fixtures
 from tests.security.writers import (
     ADMIN,
@@ -31,6 +33,7 @@ from tests.security.writers import (
     quarantined_total,
     usage,
 )
+from tests.sidecar.test_journal import die
 
 POD = issue(SECRET, Writer.for_instance("small-0", "vllm-small-0-1", "127.0.0.1:40124"))
 
@@ -157,6 +160,49 @@ async def test_a_gone_instances_spool_is_billed_under_its_seals_when_the_collect
     assert _ids(ledger, "SELECT request_id FROM usage") == [kept["request_id"]]
     assert _ids(ledger, "SELECT record_id FROM quarantine") == [changed["request_id"]]
     assert not (root / "pod-uid-1").exists()
+
+
+async def test_a_gone_sidecars_ended_request_is_billed_as_it_ended_when_the_collector_adopts_it(
+    ledger, url, tmp_path
+):
+    """A sidecar killed after a request ended and before its record was written: the collector of
+    its node recovers the ending its journal slot kept, seals it as its own, and billing bills
+    the request as it ended, neither quarantined nor interrupted."""
+    directory = tmp_path / "spool-root" / "pod-uid-2"
+    dead = AdmissionJournal(directory / "journal", 60)
+    dead.open()
+    admission = usage(
+        status="interrupted",
+        http_status=502,
+        prompt_tokens=0,
+        completion_tokens=0,
+        first_token_at=None,
+        usage_exact=False,
+    )
+    dead.admit(admission, 100.0)
+    slot = dead.end(admission["request_id"])
+    assert slot is not None
+    slot.end("ok", 200, UsageCounts(100, 50, 0), True, 100.1, 101.9, "stop", "chatcmpl-x")
+    die(dead)
+    async with httpx.AsyncClient() as client:
+        adopter = Adopter(
+            directory.parent,
+            f"{url}/v1/ingest",
+            None,
+            client,
+            AdoptionMetrics(CollectorRegistry()),
+            credential=COLLECTOR_B,
+        )
+        shipped = await adopter.adopt_once()
+    with ledger.reader() as cur:
+        rows = cur.execute(
+            "SELECT status, prompt_tokens, completion_tokens, response_id FROM usage "
+            "WHERE request_id = ?",
+            [admission["request_id"]],
+        ).fetchall()
+    assert shipped == 1
+    assert rows == [("ok", 100, 50, "chatcmpl-x")]
+    assert _ids(ledger, "SELECT record_id FROM quarantine") == []
 
 
 def test_a_seal_covers_every_byte_of_its_record():
