@@ -71,6 +71,21 @@ async def _ship(directory: Path, url: str, registry: CollectorRegistry) -> Spool
     return spool
 
 
+async def _adopt(root: Path, url: str) -> int:
+    """One round of node-b's collector adopting the gone pods' spools under ``root``; how many
+    records billing acknowledged."""
+    async with httpx.AsyncClient() as client:
+        adopter = Adopter(
+            root,
+            f"{url}/v1/ingest",
+            None,
+            client,
+            AdoptionMetrics(CollectorRegistry()),
+            credential=COLLECTOR_B,
+        )
+        return await adopter.adopt_once()
+
+
 def _ids(ledger: Ledger, sql: str) -> list[str]:
     with ledger.reader() as cur:
         return sorted(str(r[0]) for r in cur.execute(sql).fetchall())
@@ -146,16 +161,7 @@ async def test_a_gone_instances_spool_is_billed_under_its_seals_when_the_collect
     lines = segment.read_bytes().splitlines(keepends=True)
     lines[1] = lines[1].replace(b'"team":"search"', b'"team":"research"')
     segment.write_bytes(b"".join(lines))
-    async with httpx.AsyncClient() as client:
-        adopter = Adopter(
-            root,
-            f"{url}/v1/ingest",
-            None,
-            client,
-            AdoptionMetrics(CollectorRegistry()),
-            credential=COLLECTOR_B,
-        )
-        shipped = await adopter.adopt_once()
+    shipped = await _adopt(root, url)
     assert shipped == 2
     assert _ids(ledger, "SELECT request_id FROM usage") == [kept["request_id"]]
     assert _ids(ledger, "SELECT record_id FROM quarantine") == [changed["request_id"]]
@@ -184,16 +190,7 @@ async def test_a_gone_sidecars_ended_request_is_billed_as_it_ended_when_the_coll
     assert slot is not None
     slot.end("ok", 200, UsageCounts(100, 50, 0), True, 100.1, 101.9, "stop", "chatcmpl-x")
     die(dead)
-    async with httpx.AsyncClient() as client:
-        adopter = Adopter(
-            directory.parent,
-            f"{url}/v1/ingest",
-            None,
-            client,
-            AdoptionMetrics(CollectorRegistry()),
-            credential=COLLECTOR_B,
-        )
-        shipped = await adopter.adopt_once()
+    shipped = await _adopt(directory.parent, url)
     with ledger.reader() as cur:
         rows = cur.execute(
             "SELECT status, prompt_tokens, completion_tokens, response_id FROM usage "
