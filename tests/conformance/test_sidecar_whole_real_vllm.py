@@ -97,7 +97,8 @@ async def test_abandoned_requests_are_aborted_and_carry_vllms_counts(real_vllm, 
     is what vLLM generated after the last chunk the sidecar read: a few tokens per hang-up, plus
     what vLLM makes while it notices the closed connection, which took up to 0.8 s when its own
     threads held both cores (the sidecar had mostly closed within milliseconds of the hang-up),
-    so it is bounded by vLLM's rate over the time it took to stop.
+    so it is bounded by vLLM's rate over the time it took to stop. (Pinned to a core, vLLM kept
+    the test's process off the CPU for longer than whole answers: ``real_vllm`` unpins it.)
 
     The test's HTTP clients are made once, before vLLM is busy: the sidecar runs on the test's
     event loop, and building a client (it loads the CA bundle, synchronously) took 1-2 s of that
