@@ -1,20 +1,28 @@
-"""The sidecar's admission steps timed warm and cold: why a few hundred µs at c=1, a few µs at c=16.
+"""The sidecar's steps for one request timed warm and cold: why a few hundred µs at c=1, a few at c=16.
 
 At c=1 each request finds the sidecar's core after other processes (the client, the replica)
 ran on it: the caches and TLB hold their memory, not the sidecar's. The same Python then takes
-several times as long as when requests follow each other on a busy sidecar. This times the pure
-steps of admitting one streamed request with the sidecar's own functions (the key check, the
-plan of its body, the journal's admission line, the upstream request head) in one process
-pinned to one core, after each of:
+several times as long as when requests follow each other on a busy sidecar. This times one
+request's steps with the sidecar's own code, in one process pinned to one core (``--steps``):
+
+- ``admission``: the pure steps of admitting one streamed request (the key check, the plan of
+  its body, the journal's admission line, the upstream request head);
+- ``server``: the sidecar's HTTP server reading one request (``sidecar.http_server``: its parse,
+  the ASGI scope and exchange, and the task that will run the app, made but not run);
+- ``server-notask``: the same, with the task not made: what making it costs is the difference.
+
+Each after each of these gaps:
 
 - ``warm``: a 2 ms spin (the core stays on this process);
 - ``idle``: a 2 ms sleep (the core idles, nothing else runs);
 - ``other``: another process's 2 ms turn on the same core, reading 16 MB (as the client and the
-  replica run between two of the sidecar's requests at c=1).
+  replica run between two of the sidecar's requests at c=1);
+- ``evicted``: this process copies 64 MB, which leaves none of its own memory in any cache level.
 
     .venv/bin/python -m bench.cold_steps
+    .venv/bin/python -m bench.cold_steps --steps server server-notask
 
-Read the ratio of ``other`` to ``warm``; the µs themselves move with the machine.
+Read the ratios to ``warm``; the µs themselves move with the machine.
 """
 
 from __future__ import annotations
@@ -27,9 +35,22 @@ from collections.abc import Callable
 
 _GAP_SECONDS = 0.002
 _TOUCH_BYTES = 16 << 20
+_EVICT_BYTES = 64 << 20
+# A request as the benchmarks' clients send it.
+_BODY = (
+    b'{"model":"chat-small","messages":[{"role":"user","content":"Say hello."}],'
+    b'"max_tokens":16,"stream":true}'
+)
+_REQUEST = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:9000\r\n"
+    b"authorization: Bearer im-demo-search\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\naccept: */*\r\nuser-agent: bench\r\n\r\n%b" % (len(_BODY), _BODY)
+)
+# A step, and what to do after it, untimed.
+Steps = tuple[Callable[[], None], Callable[[], None]]
 
 
-def admission_steps() -> Callable[[], None]:
+def admission_steps() -> Steps:
     """One streamed request's pure admission steps, on the embedded demo configuration."""
     import orjson
 
@@ -48,10 +69,7 @@ def admission_steps() -> Callable[[], None]:
         (b"content-type", b"application/json"),
         (b"content-length", b"120"),
     ]
-    body = (
-        b'{"model":"chat-small","messages":[{"role":"user","content":"Say hello."}],'
-        b'"max_tokens":16,"stream":true}'
-    )
+    body = _BODY
 
     def one() -> None:
         call = Call(os.urandom(16).hex(), "/v1/chat/completions", time.time(), time.perf_counter())
@@ -73,7 +91,77 @@ def admission_steps() -> Callable[[], None]:
         sent = orjson.dumps(planned.body)
         request_head(b"POST", call.endpoint.encode(), b"127.0.0.1:8000", out, len(sent))
 
-    return one
+    return one, lambda: None
+
+
+class _Transport:
+    """What the server's connection asks of its transport, doing nothing."""
+
+    def get_extra_info(self, name: str) -> object:
+        return ("127.0.0.1", 9000)
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def server_steps(task: bool) -> Steps:
+    """The sidecar's HTTP server reading one request on a kept-alive connection (on uvloop, as
+    the sidecar runs); the app's task is made (``task``) and cancelled after, untimed."""
+    import asyncio
+
+    import uvloop
+
+    from sidecar import http_server
+
+    loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+
+    async def app(scope: object, receive: object, send: object) -> None:
+        """Never run: each task is cancelled before its first step."""
+
+    class NoTask(http_server._Connection):
+        __slots__ = ()
+
+        def _start(self, exchange: http_server._Exchange) -> None:
+            self._answering = exchange
+
+    server = http_server.HttpServer(app, "127.0.0.1", 9000)
+    server.loop = loop
+    conn = (http_server._Connection if task else NoTask)(server)
+    conn.connection_made(_Transport())  # type: ignore[arg-type]
+    conn._disarm()
+
+    def one() -> None:
+        conn.data_received(_REQUEST)
+        assert conn._answering is not None, "the request was not read whole"
+
+    def after() -> None:
+        # The next request finds the connection as a kept-alive one between requests does.
+        conn._answering = None
+        for made in list(server.tasks):
+            made.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+
+    return one, after
+
+
+_STEPS: dict[str, Callable[[], Steps]] = {
+    "admission": admission_steps,
+    "server": lambda: server_steps(task=True),
+    "server-notask": lambda: server_steps(task=False),
+}
 
 
 def _spin(seconds: float) -> None:
@@ -93,11 +181,20 @@ def _other(turn: int, done: int) -> None:
         os.write(done, b"x")
 
 
-def measure(samples: int, rounds: int) -> dict[str, float]:
+_EVICT_FROM = bytearray(_EVICT_BYTES)
+
+
+def _evict() -> None:
+    """Read 64 MB and write as much: no level of cache keeps any of this process's own memory."""
+    bytes(_EVICT_FROM)
+
+
+def measure(samples: int, rounds: int, which: str = "admission") -> dict[str, float]:
     """Median µs of the steps after each kind of gap, over ``rounds`` interleaved rounds."""
-    steps = admission_steps()
+    steps, after = _STEPS[which]()
     for _ in range(200):
         steps()
+        after()
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     turn_r, turn_w = os.pipe()
     done_r, done_w = os.pipe()
@@ -118,6 +215,7 @@ def measure(samples: int, rounds: int) -> dict[str, float]:
         "warm": lambda: _spin(_GAP_SECONDS),
         "idle": lambda: time.sleep(_GAP_SECONDS),
         "other": other,
+        "evicted": _evict,
     }
     times: dict[str, list[float]] = {name: [] for name in gaps}
     try:
@@ -128,6 +226,7 @@ def measure(samples: int, rounds: int) -> dict[str, float]:
                     start = time.perf_counter()
                     steps()
                     times[name].append(time.perf_counter() - start)
+                    after()
     finally:
         os.close(turn_w)
         os.waitpid(child, 0)
@@ -139,12 +238,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--samples", type=int, default=200, help="requests per gap per round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds, the gaps interleaved")
+    parser.add_argument(
+        "--steps", nargs="+", choices=sorted(_STEPS), default=["admission"], help="what to time"
+    )
     args = parser.parse_args()
-    result = measure(args.samples, args.rounds)
-    warm = result["warm"]
-    print("admission steps of one streamed request, one core, median µs after each gap")
-    for name, us in result.items():
-        print(f"  {name:>6} {us:8.1f}   x{us / warm:.1f}")
+    for which in args.steps:
+        result = measure(args.samples, args.rounds, which)
+        warm = result["warm"]
+        print(f"{which} steps of one streamed request, one core, median µs after each gap")
+        for name, us in result.items():
+            print(f"  {name:>7} {us:8.1f}   x{us / warm:.1f}")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,16 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
   most since start-up (tracing makes every allocation dearer, so read the RSS of that run as
   inflated);
 - ``stamps``: the unchanged sidecar, with the time of each step of a generation request taken
-  from the read that brought it (the app's start, the plan and admission, the journal, the
-  relay opening, the pooled connection in hand, the upstream write's call and its return, the
-  upstream head and first content, the first write to the client), the
+  from the read that brought it (in the HTTP server: the request's first callback, its URL, a
+  header, the head parsed, the body, the read's end and the app's task begun; then the app's
+  start, the plan and admission, the journal, the relay opening, the pooled connection in
+  hand, the upstream write's call and its return, the upstream head and first content, the
+  first write to the client), the
   medians written to ``SIDECAR_STAMPS`` (default ``sidecar-stamps.txt``) every 20 requests:
   where the added TTFT of ``ttft_c1`` goes (run that phase alone: at any concurrency the steps
-  of different requests interleave);
+  of different requests interleave). With ``SIDECAR_STAMPS_SPIN_US=N`` each read first spins
+  N µs before its steps (a core kept busy, not woken, when the request comes: if the steps
+  then run faster, their cost was the wake-up, not the caches);
 - ``nofsync``: the spool's records written but not fsync'ed (``Spool._sync_files`` does
   nothing): what the tick's fsync costs, the disk thread's hand-off kept;
 - ``nojournal``: no admission journal on the request's path (``Sidecar._enter`` admits without
@@ -324,6 +328,13 @@ def _stamps() -> None:
     now: dict[str, float] = {}
     rows: list[dict[str, float]] = []
     steps = (
+        "begun",
+        "url",
+        "header",
+        "head parsed",
+        "body parsed",
+        "read returned",
+        "task",
         "app",
         "planned",
         "admitted",
@@ -372,14 +383,26 @@ def _stamps() -> None:
         setattr(cls, name, stamped)
 
     read = http_server._Connection.data_received
+    spin = float(os.environ.get("SIDECAR_STAMPS_SPIN_US", "0")) / 1e6
 
     def data_received(self: Any, data: bytes) -> None:
         if b"/v1/" in data[:64]:
+            if spin:
+                until = clock() + spin
+                while clock() < until:
+                    pass
             now.clear()
             now["read"] = clock()
         read(self, data)
 
     http_server._Connection.data_received = data_received  # type: ignore[method-assign]
+    wrap(http_server._Connection, "data_received", None, "read returned")
+    wrap(http_server._Connection, "on_message_begin", None, "begun")
+    wrap(http_server._Connection, "on_url", None, "url")
+    wrap(http_server._Connection, "on_header", None, "header")
+    wrap(http_server._Connection, "on_headers_complete", None, "head parsed")
+    wrap(http_server._Connection, "on_message_complete", None, "body parsed")
+    wrap_async(http_server._Connection, "_run", "task", None)
     wrap_async(Sidecar, "_generate", "app", None)
     wrap_async(Sidecar, "admit_planned", "planned", "admitted")
     wrap(Sidecar, "_enter", None, "journaled")
