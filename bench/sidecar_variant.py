@@ -36,6 +36,12 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
   counts the bytes only), the slot kept;
 - ``noslot``: the journal's line written, but the relay given no slot to write its progress to;
 - ``nogc``: Python's cyclic garbage collector off (``gc.disable()`` before start-up);
+- ``eager``: the app's coroutine for a request run at once when its body is in, inside the
+  server's read, until it first waits (for a streamed request, on vLLM's answer after the
+  upstream write), and only then given to a task, as Python 3.12's eager tasks do: what the
+  task made before the upstream write costs the added TTFT (a new upstream connection is made
+  in a task of its own, as ``asyncio.timeout`` needs one; a body over 64 KiB would stall, the
+  app not reading it before its end: for the benchmarks' small requests only);
 - ``cycles``: the unchanged sidecar, with a thread that every 2 s runs the cyclic collector
   keeping what it finds (``gc.DEBUG_SAVEALL``) and writes how many objects, of which types,
   were garbage held only by reference cycles to ``SIDECAR_CYCLES.<pid>`` (default
@@ -437,6 +443,74 @@ def _asyncio() -> None:
     serving.loop_factory = lambda choice: None
 
 
+def _eager() -> None:
+    import asyncio
+    from collections.abc import Coroutine, Generator
+    from typing import Any
+
+    from sidecar import http_server, pool
+
+    class Pending:
+        """Awaited by the task: the coroutine's first wait, then the coroutine driven on."""
+
+        def __init__(self, coro: Coroutine[Any, Any, None], first: Any) -> None:
+            self.coro, self.first = coro, first
+
+        def __await__(self) -> Generator[Any, Any, None]:
+            coro, value = self.coro, self.first
+            while True:
+                try:
+                    sent = yield value
+                except BaseException as exc:
+                    try:
+                        value = coro.throw(exc)
+                    except StopIteration:
+                        return
+                else:
+                    try:
+                        value = coro.send(sent)
+                    except StopIteration:
+                        return
+
+    async def drive(pending: Pending) -> None:
+        await pending
+
+    conn_cls = http_server._Connection
+
+    def run_now(self: http_server._Connection, exchange: http_server._Exchange) -> None:
+        coro = self._run(exchange)
+        try:
+            first = coro.send(None)
+        except StopIteration:
+            return
+        self.server.tasks.add(self.loop.create_task(drive(Pending(coro, first))))
+
+    def start(self: http_server._Connection, exchange: http_server._Exchange) -> None:
+        self._answering = exchange
+        if not exchange.more_body:
+            run_now(self, exchange)
+        # (else at the body's end: ``on_message_complete``)
+
+    complete = conn_cls.on_message_complete
+
+    def on_message_complete(self: http_server._Connection) -> None:
+        exchange = self._parsing
+        complete(self)
+        if exchange is not None and exchange is self._answering:
+            run_now(self, exchange)
+
+    connection = pool.Pool.connection
+
+    async def in_a_task(self: pool.Pool, new: bool = False) -> pool.Connection:
+        if asyncio.current_task() is None and (new or not self._idle):
+            return await asyncio.get_running_loop().create_task(connection(self, new))
+        return await connection(self, new)
+
+    conn_cls._start = start  # type: ignore[method-assign]
+    conn_cls.on_message_complete = on_message_complete  # type: ignore[method-assign]
+    pool.Pool.connection = in_a_task  # type: ignore[method-assign]
+
+
 def _nogc() -> None:
     import gc
 
@@ -482,6 +556,7 @@ _PATCHES: dict[str, Callable[[], None]] = {
     "nojournalwrite": _nojournalwrite,
     "noslot": _noslot,
     "nogc": _nogc,
+    "eager": _eager,
     "cycles": _cycles,
     "memory": _memory,
     "stamps": _stamps,
