@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -238,3 +239,132 @@ async def test_a_freed_slot_goes_to_the_team_with_fewer_in_flight_across_the_gro
     await idle()
     assert granted(b_more) == 1
     assert granted(a) == 0
+
+
+async def test_between_equal_teams_the_one_waiting_longest_goes_first(spawn):
+    """Equal priority and in-flight counts: the freed slot goes to the team that began waiting
+    first in this wait, not to one that happened to wait first long before."""
+    fair = FairShare(2, headroom_share=0.0)
+    c1, c2 = await requests(spawn, fair, "c", 2)
+    (b_early,) = await requests(spawn, fair, "b", 1)  # b waits first of all...
+    c1.result().release()
+    await idle()
+    b_early.result().release()  # ...is served, and leaves
+    await idle()
+    await requests(spawn, fair, "c", 1)
+    (a,) = await requests(spawn, fair, "a", 1)  # now a waits first
+    (b,) = await requests(spawn, fair, "b", 1)
+    c2.result().release()
+    await idle()
+    assert (a.done(), b.done()) == (True, False)
+
+
+class Reference:
+    """The rules of ``FairShare`` written as plainly as they read, with no bookkeeping: each
+    decision counts the teams sharing the replica and looks at every waiting team afresh."""
+
+    def __init__(self, fair: FairShare) -> None:
+        self.fair = fair  # (capacity, headroom, bounds, priorities and remote counts read live)
+        self.in_flight: dict[str, int] = {}
+        # Waiting request ids per team, in the order the teams began to wait; none empty.
+        self.queues: dict[str, list[int]] = {}
+        self.granted: set[int] = set()
+
+    @property
+    def total(self) -> int:
+        return sum(self.in_flight.values())
+
+    def may_start(self, team: str) -> bool:
+        capacity = self.fair.capacity
+        if self.total >= capacity:
+            return False
+        active = {t for t, n in self.in_flight.items() if n > 0} | set(self.queues) | {team}
+        if len(active) > 1 and self.in_flight.get(team, 0) < capacity / len(active):
+            return True
+        return self.total < capacity - self.fair.headroom
+
+    def rank(self, team: str) -> tuple[int, int]:
+        group = self.in_flight.get(team, 0) + self.fair.remote_in_flight.get(team, 0)
+        return self.fair.priorities.get(team, 0), group
+
+    def acquire(self, team: str, rid: int) -> bool:
+        """False: refused (the team's queue is full)."""
+        if team not in self.queues and self.may_start(team):
+            self.in_flight[team] = self.in_flight.get(team, 0) + 1
+            self.granted.add(rid)
+            return True
+        bound = self.fair.max_waiting_per_team
+        if bound is not None and len(self.queues.get(team, ())) >= bound:
+            return False
+        self.queues.setdefault(team, []).append(rid)
+        return True
+
+    def release(self, team: str) -> None:
+        self.in_flight[team] -= 1
+        while True:
+            candidates = [t for t in self.queues if self.may_start(t)]
+            if not candidates:
+                return
+            best = min(candidates, key=self.rank)  # (the first of equals: waiting longest)
+            rid = self.queues[best].pop(0)
+            if not self.queues[best]:
+                del self.queues[best]
+            self.in_flight[best] = self.in_flight.get(best, 0) + 1
+            self.granted.add(rid)
+
+    def cancel(self, team: str, rid: int) -> None:
+        self.queues[team].remove(rid)
+        if not self.queues[team]:
+            del self.queues[team]
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_every_decision_matches_the_rules_written_plainly(spawn, seed):
+    """Random arrivals, releases, cancellations and changes of the group's counts: the same
+    requests hold slots, and the same wait, as under the plain rules (``Reference``) after
+    every step, with several teams queued at once."""
+    rng = random.Random(seed)
+    teams = [f"t{i}" for i in range(rng.randint(3, 9))]
+    fair = FairShare(
+        rng.randint(2, 10),
+        headroom_share=rng.choice([0.0, 0.125, 0.3]),
+        max_waiting_per_team=rng.choice([None, 2, 4]),
+        priorities={t: rng.randint(0, 1) for t in teams},
+    )
+    ref = Reference(fair)
+    tasks: dict[int, tuple[str, asyncio.Task[Slot]]] = {}
+    released: set[int] = set()
+    for rid in range(400):
+        roll = rng.random()
+        holding = [r for r in ref.granted if r not in released]
+        waiting = [r for q in ref.queues.values() for r in q]
+        if roll < 0.5 or not (holding or waiting):
+            team = rng.choice(teams)
+            task = spawn(fair, team)
+            await idle()
+            if ref.acquire(team, rid):
+                tasks[rid] = (team, task)
+            else:
+                with pytest.raises(QueueFull):
+                    task.result()
+        elif roll < 0.85 and holding:
+            r = rng.choice(holding)
+            team, task = tasks[r]
+            released.add(r)
+            task.result().release()
+            ref.release(team)
+            await idle()
+        elif roll < 0.95 and waiting:
+            r = rng.choice(waiting)
+            team, task = tasks[r]
+            task.cancel()
+            ref.cancel(team, r)
+            await idle()
+        else:
+            fair.remote_in_flight = {t: rng.randint(0, 3) for t in teams}
+        held = {r for r, (_, t) in tasks.items() if t.done() and not t.cancelled()}
+        assert held == ref.granted, f"step {rid}"
+        assert {t: n for t, n in fair.in_flight.items() if n} == {
+            t: n for t, n in ref.in_flight.items() if n
+        }
+        assert {t: fair.waiting(t) for t in teams} == {t: len(ref.queues.get(t, ())) for t in teams}
