@@ -23,7 +23,7 @@ Every admission and every freed slot runs on the event loop that relays every st
 cost must not grow with the number of teams: the teams sharing the replica are counted as they
 come and go (not found by a pass over every team ever seen), and a freed slot looks once at
 each team with a request waiting. With two requests of each of 500 teams waiting, a freed slot
-costs about 70 µs, where a pass over every team for each waiting team took about 10 ms of the
+costs about 150 µs, where a pass over every team for each waiting team took about 11 ms of the
 loop (``python -m bench.fair_share``, docs/benchmarks.md).
 """
 
@@ -158,13 +158,10 @@ class FairShare:
     def _dispatch(self) -> None:
         """Give freed slots to waiting requests: one pass over the teams waiting per slot."""
         while self._waiting and self._total < self.capacity:
-            # Every waiting team shares the replica, so each one's fair share is the same.
-            share = self.capacity / len(self._active)
-            open_to_all = self._total < self.capacity - self.headroom
             best: str | None = None
             best_rank = (0, 0)
             for team in self._waiting:
-                if open_to_all or (len(self._active) > 1 and self.in_flight.get(team, 0) < share):
+                if self._may_start(team):
                     rank = self._rank(team)
                     if best is None or rank < best_rank:
                         best, best_rank = team, rank
