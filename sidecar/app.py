@@ -334,6 +334,7 @@ class Sidecar:
                 self.settings.shared_limits.key_prefix,
                 self.replica_id,
                 self.identity.instance,
+                teams=lambda: self.team_names,
             )
             self._tasks.append(asyncio.get_running_loop().create_task(sync.run()))
         self.spool.open()

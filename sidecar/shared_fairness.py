@@ -8,6 +8,14 @@ elsewhere. So every ``interval_seconds`` each sidecar publishes its per-team in-
 live instances' counts into ``FairShare.remote_in_flight``, which the ordering adds. This is off
 the request path (one pipeline, then one more, per interval); when Redis fails the remote counts
 are dropped and each replica orders by its own counts, as without Redis.
+
+What another pod wrote is not trusted: any holder of the Redis password can write these keys.
+A count is taken only when it is a whole number an instance of this group can have in flight
+(1 to its ``max_num_seqs``, the same for every instance of the group) for a team of the
+configuration; anything else is left out, with one warning until the counts are clean again,
+and at most ``_MAX_INSTANCES`` other instances are read. So a malformed or impossible value
+neither stops the sharing nor moves a team to the front or the back of the queue by more than
+real instances could.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Collection
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -26,14 +35,30 @@ __all__ = ["FairShareSync", "sum_remote"]
 
 log = logging.getLogger("infermeter.sidecar")
 
+# Other instances of one replica group read per interval, at most (a group is a few to a few
+# hundred pods; members past this are a flood, not a fleet).
+_MAX_INSTANCES = 1024
 
-def sum_remote(hashes: list[dict[bytes, bytes]]) -> dict[str, int]:
-    """Per-team totals over the other instances' published counts."""
+
+def sum_remote(
+    hashes: list[dict[bytes, bytes]], teams: Collection[str], capacity: int
+) -> tuple[dict[str, int], int]:
+    """Per-team totals over the other instances' published counts, and how many counts were
+    left out: not a whole number from 1 to ``capacity``, or not of one of ``teams``."""
     out: dict[str, int] = {}
+    dropped = 0
     for counts in hashes:
-        for team, n in counts.items():
-            out[team.decode()] = out.get(team.decode(), 0) + int(n)
-    return out
+        for raw_team, raw_n in counts.items():
+            try:
+                team, n = raw_team.decode(), int(raw_n)
+            except (UnicodeDecodeError, ValueError):
+                dropped += 1
+                continue
+            if team not in teams or not 0 < n <= capacity:
+                dropped += 1
+                continue
+            out[team] = out.get(team, 0) + n
+    return out, dropped
 
 
 class FairShareSync:
@@ -47,8 +72,13 @@ class FairShareSync:
         replica: str,
         instance: str,
         interval_seconds: float = 1.0,
+        *,
+        teams: Callable[[], Collection[str]],
     ) -> None:
+        """``teams``: the configuration's team names now (reloads change them)."""
         self.redis, self.fair, self.instance = redis, fair, instance
+        self.teams = teams
+        self._dropping = False
         self.base = f"{key_prefix}:{{fair:{replica}}}"
         self.interval_seconds = interval_seconds
         self._failing = False
@@ -69,12 +99,21 @@ class FairShareSync:
             pipe.pexpire(f"{self.base}:members", ttl_ms)
             pipe.zrange(f"{self.base}:members", 0, -1)
             results: list[Any] = await pipe.execute()
-        others = [m.decode() for m in results[-1] if m.decode() != self.instance]
+        others = [m for m in results[-1] if m != self.instance.encode()][:_MAX_INSTANCES]
         async with self.redis.pipeline(transaction=False) as pipe:
             for other in others:
-                pipe.hgetall(f"{self.base}:{other}")
+                pipe.hgetall(f"{self.base}:".encode() + other)
             hashes = cast("list[dict[bytes, bytes]]", await pipe.execute()) if others else []
-        self.fair.remote_in_flight = sum_remote(hashes)
+        totals, dropped = sum_remote(hashes, self.teams(), self.fair.capacity)
+        if dropped and not self._dropping:
+            log.warning(
+                "fair-share counts of other instances left out: %d not a count from 1 to %d "
+                "of a configured team",
+                dropped,
+                self.fair.capacity,
+            )
+        self._dropping = bool(dropped)
+        self.fair.remote_in_flight = totals
 
     async def run(self) -> None:
         """Sync every interval until cancelled; on failure order by local counts only."""
