@@ -1,8 +1,11 @@
 """Who is calling, and what it may do: a team API key, a role's credential, or a signed team header.
 
-Keys are only ever held as SHA-256 digests. A presented key is hashed and compared against every
-known digest with ``hmac.compare_digest`` (constant time per comparison, and every digest is
-compared), so neither the key nor which team it nearly matched leaks through timing.
+Keys are only ever held as SHA-256 digests. A configured key's digest is looked up by value: the
+lookup hashes the digest again (with the process's secret hash key) and compares only the entry
+that hash selects, so its timing depends on a digest no caller can choose or see, never on how
+near the key came to a team's, and it is the same for 4 configured keys or 1,000. Wherever a
+presented secret is checked against one expected value (an issued key's digest, a signature) the
+comparison is ``hmac.compare_digest``.
 
 One role model for every service (the sidecar's admin routes, billing's API, the dashboard). A
 caller is a team (a member of it, or its lead) or one of the roles, named with a leading ``@``,
@@ -118,13 +121,16 @@ class KeyRing:
     def __init__(
         self, teams: Iterable[tuple[str, Iterable[str]]], issued: Issued | None = None
     ) -> None:
-        self._entries = [(bytes.fromhex(d), team) for team, digests in teams for d in digests]
+        # By digest, not a list walked with a comparison each: every request signs in, and the
+        # walk cost 42-48 µs a request at 1,000 configured keys (docs/benchmarks.md). A digest
+        # held by two principals is refused at start-up (``config.shared_credentials``).
+        self._by_digest = {bytes.fromhex(d): team for team, digests in teams for d in digests}
         self.issued = issued
 
     def with_issued(self, issued: Issued | None) -> KeyRing:
         """The same configured digests with ``issued`` as the run-time keys."""
         ring = KeyRing(())
-        ring._entries = self._entries
+        ring._by_digest = self._by_digest
         ring.issued = issued
         return ring
 
@@ -142,10 +148,7 @@ class KeyRing:
 
     def _configured(self, key: str) -> str:
         digest = hashlib.sha256(key.encode()).digest()
-        found: str | None = None
-        for known, team in self._entries:
-            if hmac.compare_digest(known, digest):
-                found = team
+        found = self._by_digest.get(digest)
         if found is None:
             raise AuthError("Incorrect API key provided.")
         return found

@@ -106,6 +106,23 @@ def test_unknown_key_is_refused(ring, key):
     assert caught.value.code == "invalid_api_key"
 
 
+def test_every_key_of_a_thousand_configured_finds_its_own_team():
+    """A large configuration is looked up by digest: each of 1,000 keys (upper- or lower-case
+    hex in the file) names its own team, a near miss of one names none, and a ring given issued
+    keys keeps every configured one."""
+    keys = {f"sk-team-{i:04d}": f"team-{i:04d}" for i in range(1000)}
+    teams = [
+        (team, [digest(key).upper() if i % 2 else digest(key)])
+        for i, (key, team) in enumerate(keys.items())
+    ]
+    big = KeyRing(teams)
+    for ring_ in (big, big.with_issued(None)):
+        assert all(ring_.team_for(key) == team for key, team in keys.items())
+        for near in ("sk-team-0999x", "sk-team-1000", "sk-team-0500 ", "sk-team-05"):
+            with pytest.raises(AuthError, match=r"^Incorrect API key provided\.$"):
+                ring_.team_for(near)
+
+
 @pytest.mark.parametrize(
     ("header", "key"),
     [
