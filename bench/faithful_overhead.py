@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -55,6 +56,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from bench.sidecar_overhead import (
     API_KEY,
@@ -111,11 +114,14 @@ def proxies(
     router: str | None,
     floor: bool,
     launcher: str | None = None,
+    teams: int = 0,
 ) -> Iterator[Proxies]:
     """Start the upstream and the proxies; stop them all on the way out, whatever happens.
 
     ``launcher``: a script run instead of ``-m launcher`` for the sidecar (as
-    ``bench.sidecar_overhead --sidecar-launcher``: ``bench/sidecar_variant.py`` and the like)."""
+    ``bench.sidecar_overhead --sidecar-launcher``: ``bench/sidecar_variant.py`` and the like).
+    ``teams``: configure that many teams, each with its key, limits and budget (``with_teams``);
+    0 keeps the embedded defaults' four, without limits."""
     base = tmp / tag
     base.mkdir()
     names = [
@@ -130,6 +136,8 @@ def proxies(
     model = write_config(
         cfg, base, ports["direct"], Engine(step_base_ms=step_ms, step_per_seq_ms=0)
     )
+    if teams:
+        with_teams(cfg, teams)
     conf = base / "nginx.conf"
     conf.write_text(
         NGINX_CONF.format(tmp=base, host=HOST, upstream=ports["direct"], port=ports["nginx"])
@@ -221,6 +229,33 @@ def _request(st: Proxies, path: str, tokens: int, stream: bool) -> bytes:
     return request_bytes(port, st.served_model, tokens, None, stream)
 
 
+def with_teams(path: Path, total: int) -> None:
+    """Rewrite the config at ``path`` to hold ``total`` teams, every one with a key, a budget and
+    limits (the benchmark's own team among them, under its key): what each request costs should
+    not grow with the size of the fleet's configuration. The limits are set far above what the
+    benchmark sends, so that they are checked on every request and never refuse one."""
+    raw: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8"))
+    limits = {
+        "requests_per_minute": 10_000_000,
+        "tokens_per_minute": 10_000_000_000,
+        "max_concurrent": 100_000,
+    }
+    known = raw["teams"]
+    for team in known:
+        team["limits"] = dict(limits)
+    for i in range(len(known), total):
+        key = hashlib.sha256(f"bench-team-{i}".encode()).hexdigest()
+        known.append(
+            {
+                "name": f"bench-{i:05d}",
+                "api_key_sha256": [key],
+                "budget_usd_per_month": 1000 + i,
+                "limits": dict(limits),
+            }
+        )
+    path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+
+
 def run(
     nginx_bin: str,
     router: str | None,
@@ -230,6 +265,7 @@ def run(
     launcher: str | None = None,
     phases: frozenset[str] | None = None,
     rounds: int = 1,
+    teams: int = 0,
 ) -> dict[str, Any]:
     """Every phase (or those in ``phases``) on every path, ``rounds`` times with the paths taking
     turns in each; the windows (in the order measured), the paired TTFT of each round and the
@@ -254,7 +290,9 @@ def run(
     try:
         with tempfile.TemporaryDirectory(prefix="faithful-overhead-") as name:
             tmp = Path(name)
-            with proxies(tmp, "fast", FAST_STEP_MS, nginx_bin, router, floor, launcher) as st:
+            with proxies(
+                tmp, "fast", FAST_STEP_MS, nginx_bin, router, floor, launcher, teams
+            ) as st:
                 idle = {p: round(rss_kib(st.proxy(p).pids()) / 1024, 1) for p in st.paths}
                 requests = {
                     p: (st.ports[p], _request(st, p, 16, True)) for p in ["direct", *st.paths]
@@ -293,7 +331,7 @@ def run(
             if phases is not None and phases.isdisjoint({"paced_500", "rss_1000"}):
                 return {"windows": windows, "paired_ttft_s": paired, "idle_rss_mb": idle}
             with proxies(
-                tmp, "paced", PACED.step_base_ms, nginx_bin, router, floor, launcher
+                tmp, "paced", PACED.step_base_ms, nginx_bin, router, floor, launcher, teams
             ) as st:
                 phase(
                     st,
@@ -455,6 +493,13 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=1, help="measure every phase this many times, in turns"
     )
+    parser.add_argument(
+        "--teams",
+        type=int,
+        default=0,
+        help="configure this many teams, each with a key, limits and a budget (default: the "
+        "embedded four, without limits)",
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be 1 or more")
@@ -472,6 +517,7 @@ def main() -> None:
         args.sidecar_launcher,
         phases,
         args.rounds,
+        args.teams,
     )
     report = summary(result)
     if args.json:

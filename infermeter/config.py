@@ -81,6 +81,12 @@ __all__ = [
 
 ENV_PREFIX = "INFERMETER__"
 DEFAULT_CONFIG = Path(__file__).with_name("defaults.yaml")
+# libyaml's parser under PyYAML's safe constructor (the same types, tags refused alike), when the
+# installed PyYAML was built with it: a fleet's file with 1,000 teams is read in 47 ms instead of
+# 341 and with 6 MB of the process's memory at its peak instead of 10 (docs/benchmarks.md).
+_YAML_LOADER: type[yaml.SafeLoader] | type[yaml.CSafeLoader] = getattr(
+    yaml, "CSafeLoader", yaml.SafeLoader
+)
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")]
 HASH_HINT = (
@@ -1170,7 +1176,7 @@ def load_config(
     except OSError as exc:
         raise ConfigError(source, [f"cannot read file: {exc.strerror or exc}"]) from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_YAML_LOADER)  # a safe loader (_YAML_LOADER)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

@@ -84,6 +84,7 @@ def _sidecar(args: argparse.Namespace, config: Config) -> int:
                     args.upstream,
                     spool_dir=args.spool_dir,
                     engine_metrics_listen=args.engine_metrics_listen,
+                    config=config,
                 )
             )
     except IdentityError as exc:
