@@ -96,6 +96,26 @@ def test_malformed_yaml_names_file_line_and_column(tmp_path):
     assert "malformed YAML" in message
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "teams: !!python/object/apply:os.system ['echo pwned']\n",
+        "teams: !!python/name:os.system\n",
+        "teams: !custom {a: 1}\n",
+    ],
+)
+def test_a_yaml_tag_that_would_build_an_object_is_refused(tmp_path, text):
+    """The file is read by a safe loader: a tag naming a Python object (or any unknown tag) is
+    a config error with its position, and nothing is built or run."""
+    path = tmp_path / "infermeter.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    message = str(info.value)
+    assert message.startswith(f"{path}: line 1, column 8: malformed YAML: ")
+    assert "could not determine a constructor" in message
+
+
 def test_unknown_key_is_rejected(tmp_path):
     """A misspelt key fails instead of being ignored."""
     data = _base()
