@@ -101,7 +101,13 @@ def create_app(
     app.state.services = Services(
         config=config,
         ledger=ledger,
-        keys=KeyBook(ledger, ring, [t.name for t in config.teams], key_publisher),
+        keys=KeyBook(
+            ledger,
+            ring,
+            [t.name for t in config.teams],
+            key_publisher,
+            config.billing.max_keys_per_team,
+        ),
         chargeback=Chargeback(ledger, config),
         statements=cache,
         rollups=rollups,

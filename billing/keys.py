@@ -56,20 +56,29 @@ class KeyBook:
         configured: KeyRing,
         teams: Iterable[str],
         publisher: Publisher | None = None,
+        max_per_team: int = 100,
     ) -> None:
         self._ledger = ledger
         self._lock = threading.Lock()
         self._configured = configured
         self.teams = frozenset(teams)
         self.publisher = publisher
+        # ``billing.max_keys_per_team``: keys in force at once per team (the roles' keys count
+        # as one team of their own).
+        self.max_per_team = max_per_team
         self.issued = self._load()
         self.ring = configured.with_issued(self.issued)
 
-    def reconfigure(self, configured: KeyRing, teams: Iterable[str]) -> None:
-        """Adopt the configured keys and teams of a reloaded configuration."""
+    def reconfigure(
+        self, configured: KeyRing, teams: Iterable[str], max_per_team: int | None = None
+    ) -> None:
+        """Adopt the configured keys, teams and bound of a reloaded configuration (keys beyond a
+        lowered bound stay in force; no new one is issued until the team is below it)."""
         with self._lock:
             self._configured = configured
             self.teams = frozenset(teams)
+            if max_per_team is not None:
+                self.max_per_team = max_per_team
             self.ring = configured.with_issued(self.issued)
 
     # -- changes ---------------------------------------------------------------------------
@@ -88,7 +97,7 @@ class KeyBook:
         except KeyRequestError as exc:
             raise BadRequest(str(exc), code="invalid_value") from None
         event = _event("key.created", creator, issued, why, address, now)
-        self._write([issued], [event])
+        self._write([issued], [event], grows=issued)
         return issued, secret
 
     def revoke(self, key_id: str, caller: Caller, address: str | None, why: str) -> IssuedKey:
@@ -130,7 +139,8 @@ class KeyBook:
             now,
             {"new_key_id": fresh.key_id, "grace_seconds": grace_seconds},
         )
-        self._write([done, fresh], [event])
+        # Without a grace period the old key is revoked in the same change: the count stays.
+        self._write([done, fresh], [event], grows=fresh if grace_seconds else None)
         return fresh, secret
 
     def _managed(self, key_id: str, caller: Caller) -> IssuedKey:
@@ -146,9 +156,18 @@ class KeyBook:
             raise Forbidden(f"this credential may not manage key {key_id}")
         return key
 
-    def _write(self, keys: list[IssuedKey], events: list[Any]) -> None:
-        """Keep ``keys`` (new or changed) and ``events`` in one transaction, then swap the ring."""
+    def _write(
+        self, keys: list[IssuedKey], events: list[Any], grows: IssuedKey | None = None
+    ) -> None:
+        """Keep ``keys`` (new or changed) and ``events`` in one transaction, then swap the ring.
+
+        ``grows``: the change adds this key to its team's keys in force; BadRequest (nothing
+        written) when the team already holds ``max_per_team``. Counted under the lock that
+        serialises every change, so two requests at once cannot both take the last place.
+        """
         with self._lock:
+            if grows is not None:
+                self._check_room(grows.team, time.time())
             with self._ledger.writing() as cur:
                 seq = _next_seq(cur)
                 for key in keys:
@@ -162,6 +181,17 @@ class KeyBook:
             self.ring = self._configured.with_issued(self.issued)
         if self.publisher is not None:
             self.publisher.publish(self.issued)
+
+    def _check_room(self, team: str | None, now: float) -> None:
+        held = sum(1 for k in self.issued.by_id.values() if k.team == team and k.active(now))
+        if held >= self.max_per_team:
+            whose = f"team {team!r}" if team is not None else "the roles"
+            raise BadRequest(
+                f"{whose} already has {held} keys in force, the most billing.max_keys_per_team "
+                f"({self.max_per_team}) allows: revoke one, or rotate one without a grace "
+                "period, first",
+                code="too_many_keys",
+            )
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -178,10 +208,17 @@ class KeyBook:
         return [k for k in keys if caller.is_admin or k.team == caller.team]
 
     def _load(self) -> IssuedKeys:
-        """The keys not revoked, at the version of the last change."""
+        """The keys in force (not revoked, not expired), at the version of the last change.
+
+        An expired key leaves the set at the next change (until then it is refused for its
+        expiry), so the set every sidecar holds is bounded by ``max_per_team`` per team, not
+        by every key a team ever issued.
+        """
         with self._ledger.reader() as cur:
             rows = cur.execute(
-                f"SELECT {_NAMES} FROM api_keys WHERE revoked_at IS NULL ORDER BY key_id"
+                f"SELECT {_NAMES} FROM api_keys WHERE revoked_at IS NULL "
+                "AND (expires_at IS NULL OR expires_at > ?) ORDER BY key_id",
+                [time.time()],
             ).fetchall()
             version = _version(cur)
         return IssuedKeys.of(

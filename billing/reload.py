@@ -61,7 +61,7 @@ def reconfigure(app: FastAPI, config: Config) -> None:
     svc.chargeback.reconfigure(config)
     svc.statements.reconfigure(config)
     ring = keyring(config)
-    svc.keys.reconfigure(ring, teams)
+    svc.keys.reconfigure(ring, teams, config.billing.max_keys_per_team)
     svc.writers.ring = ring
     svc.writers.shared_token = config.billing.shared_ingest_token
     app.state.services = dataclasses.replace(svc, config=config, id_tokens=_id_tokens(svc, config))

@@ -794,6 +794,11 @@ class BillingSettings(_Strict):
     allocation: Literal["in_flight", "tokens", "requests"] = "in_flight"
     token_weights: TokenWeights = TokenWeights()
     platform_account: Name = "platform"
+    # Keys issued at run time in force at once per team (and for the roles' keys, together):
+    # every sidecar holds the whole set, and billing publishes it whole after each change, so a
+    # team lead must not be able to grow it without end. Rotating with a grace period counts the
+    # successor; rotating without one, or revoking, makes room.
+    max_keys_per_team: Annotated[int, Field(gt=0, le=100_000)] = 100
     export_dir: str = "var/exports"
     # Where ``POST /v1/admin/backup`` (``infermeter billing backup``) writes each backup, in a
     # new directory of the name the caller gives (billing.backup).

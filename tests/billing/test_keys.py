@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator
@@ -136,6 +137,89 @@ async def test_an_expired_key_is_refused(billing):
         assert (await client.get("/v1/spend", headers=bearer(body["key"]))).status_code == 200
         time.sleep(1.1)
         assert (await client.get("/v1/spend", headers=bearer(body["key"]))).status_code == 401
+
+
+@pytest.fixture
+async def bounded(config: Config, tmp_path: Path) -> AsyncIterator[tuple[str, Ledger]]:
+    """Billing as ``billing`` serves it, with ``billing.max_keys_per_team`` at 3."""
+    limited = config.model_copy(
+        update={"billing": config.billing.model_copy(update={"max_keys_per_team": 3})}
+    )
+    ledger = config_ledger(limited, tmp_path / "ledger.duckdb")
+    try:
+        async with serving(create_app(limited, ledger), lifespan="off") as url:
+            yield url, ledger
+    finally:
+        ledger.close()
+
+
+async def active_ids(client: httpx.AsyncClient) -> set[str]:
+    """The ids of the set the sidecars read."""
+    keys = (await client.get("/v1/keys/active", headers=bearer(SPEND))).json()["keys"]
+    return {k["key_id"] for k in keys}
+
+
+async def test_a_team_lead_cannot_grow_its_keys_past_the_bound(bounded):
+    """A lead holds at most max_keys_per_team keys in force for its team (its own included):
+    one more is a 400 naming the bound, with nothing written; another team is not held back;
+    a rotation with a grace period needs a free place, one without keeps the count, and a
+    revocation makes room."""
+    url, _ = bounded
+    async with httpx.AsyncClient(base_url=url) as client:
+        lead = (await issue(client, ADMIN, team="search", role="lead")).json()
+        made = [(await issue(client, lead["key"], team="search", member=f"m{i}")) for i in range(2)]
+        assert [r.status_code for r in made] == [201, 201]
+        before = await active_ids(client)
+        refused = await issue(client, lead["key"], team="search", member="m2")
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["code"] == "too_many_keys"
+        assert "team 'search' already has 3 keys in force" in error["message"]
+        assert "billing.max_keys_per_team (3)" in error["message"]
+        assert await active_ids(client) == before
+        assert (await issue(client, ADMIN, team="research")).status_code == 201
+        first = made[0].json()["key_id"]
+        graced = await client.post(
+            f"/v1/keys/{first}/rotate", json={"grace_seconds": 60}, headers=bearer(lead["key"])
+        )
+        assert graced.status_code == 400
+        assert graced.json()["error"]["code"] == "too_many_keys"
+        rotated = await client.post(
+            f"/v1/keys/{first}/rotate", json={}, headers=bearer(lead["key"])
+        )
+        assert rotated.status_code == 201
+        assert (await issue(client, lead["key"], team="search")).status_code == 400
+        revoked = await client.post(
+            f"/v1/keys/{rotated.json()['key_id']}/revoke", headers=bearer(lead["key"])
+        )
+        assert revoked.status_code == 200
+        assert (await issue(client, lead["key"], team="search", member="m3")).status_code == 201
+
+
+async def test_keys_asked_for_at_once_never_pass_the_bound(bounded):
+    """Twelve requests for a key of one team at once: exactly the bound's three are issued."""
+    url, _ = bounded
+    async with httpx.AsyncClient(base_url=url) as client:
+        answers = await asyncio.gather(
+            *(issue(client, ADMIN, team="search", member=f"m{i}") for i in range(12))
+        )
+        assert sorted(r.status_code for r in answers) == [201] * 3 + [400] * 9
+        assert len(await active_ids(client)) == 3
+
+
+async def test_an_expired_key_leaves_the_set_and_makes_room(bounded):
+    """Keys that expired neither count against the bound nor stay in the sidecars' set."""
+    url, _ = bounded
+    async with httpx.AsyncClient(base_url=url) as client:
+        short = [
+            (await issue(client, ADMIN, team="search", expires_in_seconds=1)).json()["key_id"]
+            for _ in range(3)
+        ]
+        assert await active_ids(client) == set(short)
+        time.sleep(1.1)
+        fresh = await issue(client, ADMIN, team="search")
+        assert fresh.status_code == 201
+        assert await active_ids(client) == {fresh.json()["key_id"]}
 
 
 @pytest.mark.parametrize(
