@@ -1,9 +1,11 @@
 """Billing's copy of the issued keys in Redis, where the sidecars read it (``sidecar.keysync``).
 
-After each change billing writes the set, then its version (so a sidecar that sees the version
-finds the set at least that new), in one MULTI. Redis may be down at that moment, or restarted
-empty later: ``keep`` checks every ``CHECK_SECONDS`` that Redis holds billing's version and writes
-the set again when it does not. Meanwhile the sidecars read billing's route instead.
+After each change billing writes the set, signed (``infermeter.key_set_seal``: any pod holding
+the Redis password can write there too), then its version (so a sidecar that sees the version
+finds the set at least that new), in one MULTI. Redis may be down at that moment, restarted
+empty later, or written over by someone else: ``keep`` checks every ``CHECK_SECONDS`` that Redis
+holds billing's version and writes the set again when it does not. Meanwhile the sidecars read
+billing's route instead.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import logging
 from collections.abc import Callable
 from typing import Final
 
-import orjson
 import redis
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from redis.exceptions import RedisError
 
 from infermeter.config import SharedLimitsSettings, env_value
+from infermeter.key_set_seal import public_hex, seal
 from infermeter.keys import IssuedKeys, redis_keys
 
 __all__ = ["CHECK_SECONDS", "RedisPublisher"]
@@ -28,10 +31,19 @@ CHECK_SECONDS: Final = 2.0
 
 
 class RedisPublisher:
-    """Writes the issued keys under the sidecars' key prefix."""
+    """Writes the issued keys under the sidecars' key prefix, signed with ``signer``
+    (``key_set_seal.signing_key`` of billing's writer secret)."""
 
-    def __init__(self, settings: SharedLimitsSettings, client: redis.Redis | None = None) -> None:
+    def __init__(
+        self,
+        settings: SharedLimitsSettings,
+        signer: Ed25519PrivateKey,
+        client: redis.Redis | None = None,
+    ) -> None:
         assert settings.redis_url is not None
+        self._signer = signer
+        # What billing's ``GET /v1/keys/active`` tells the sidecars to check the set with.
+        self.signer_hex = public_hex(signer)
         password = env_value(settings.password_env) or None
         timeout = max(settings.timeout_millis / 1000, 0.5)
         self.client = client or redis.Redis.from_url(
@@ -47,7 +59,7 @@ class RedisPublisher:
         """Write ``keys`` and its version; a failure is logged (``keep`` writes it again)."""
         try:
             with self.client.pipeline(transaction=True) as pipe:
-                pipe.set(self.set_key, orjson.dumps(keys.to_json()))
+                pipe.set(self.set_key, seal(keys, self._signer))
                 pipe.set(self.version_key, keys.version)
                 pipe.execute()
         except (RedisError, OSError) as exc:
@@ -65,7 +77,9 @@ class RedisPublisher:
             held = self.client.get(self.version_key)
         except (RedisError, OSError):
             held = None
-        if not isinstance(held, bytes | str) or int(held) != keys.version:
+        # Anything but billing's own version is written over, a value that is no number included:
+        # it may be another writer's.
+        if held != str(keys.version).encode():
             self.publish(keys)
 
     async def keep(self, current: Callable[[], IssuedKeys]) -> None:

@@ -42,6 +42,10 @@ class KeyNotFoundError(LookupError):
 class Publisher(Protocol):
     """Where the sidecars read the set from, besides billing itself."""
 
+    # The public key (hex) the set written there verifies with: billing's route tells the
+    # sidecars (``infermeter.key_set_seal``).
+    signer_hex: str
+
     def publish(self, keys: IssuedKeys) -> None:
         """Make ``keys`` the set the sidecars read; never raises (a failure is retried later)."""
         ...

@@ -104,12 +104,23 @@ def _reloading(app: FastAPI, config: Config, path: Path, listen: str) -> asyncio
 
 
 def key_publisher(config: Config) -> RedisPublisher | None:
-    """Where the sidecars read the issued keys besides billing: the Redis of their shared limits."""
+    """Where the sidecars read the issued keys besides billing: the Redis of their shared limits,
+    the set signed with a key derived from the writer secret (without one, billing does not
+    write it there, and the sidecars read billing's route)."""
     if config.sidecar.shared_limits.redis_url is None:
         return None
+    secret = env_value(config.billing.writer_secret_env)
+    if not secret:
+        log.warning(
+            "billing: $%s is not set: the issued keys are not written to Redis (nothing to sign "
+            "them with); the sidecars read them from billing",
+            config.billing.writer_secret_env,
+        )
+        return None
     from billing.key_publish import RedisPublisher  # redis-py, only when configured
+    from infermeter.key_set_seal import signing_key
 
-    return RedisPublisher(config.sidecar.shared_limits)
+    return RedisPublisher(config.sidecar.shared_limits, signing_key(secret.encode()))
 
 
 # How often the hours that batches made stale get their cost rows rebuilt (``billing.hourly``)

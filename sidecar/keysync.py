@@ -4,7 +4,11 @@ Billing is the keys' one writer (``billing.keys``). Every ``sidecar.key_sync_sec
 sidecar asks for the set's version, and reads the set only when the version moved:
 
 - with shared limits configured, from Redis (``<prefix>:keys:version``, ``<prefix>:keys``),
-  where billing writes the set after each change, so a fleet of sidecars costs billing nothing;
+  where billing writes the set after each change, so a fleet of sidecars costs billing nothing.
+  Any pod holding the Redis password can write there too, so a set is taken from Redis only
+  when it verifies against billing's signing key (``infermeter.key_set_seal``), which the
+  sidecar learns from billing's own answer and keeps; until it knows it, or when a set does not
+  verify, it asks billing instead;
 - otherwise, or while Redis does not answer, from billing's ``GET /v1/keys/active`` with the
   version as ``If-None-Match`` (a 304 while it has not moved), with the spend_reader token.
 
@@ -28,12 +32,14 @@ from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
+from infermeter.key_set_seal import SIGNER_HEADER, signer_of, unseal
 from infermeter.keys import IssuedKeys, KeyRequestError, redis_keys
 from infermeter.spooldir import ISSUED_KEYS
 
 if TYPE_CHECKING:
     import httpx
     import redis.asyncio as aioredis
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 __all__ = ["KEYS_FILE", "KeySync", "team_keys"]
 
@@ -71,6 +77,11 @@ class KeySync:
         self.interval_seconds = interval_seconds
         self.current: IssuedKeys | None = None
         self._failing = False
+        # Billing's key-set signing key, as billing's answer names it (kept with the set on disk).
+        self.signer: Ed25519PublicKey | None = None
+        self._signer_hex = ""
+        # The Redis version whose set did not verify, said once.
+        self._refused: bytes | None = None
 
     @property
     def enabled(self) -> bool:
@@ -80,7 +91,8 @@ class KeySync:
     def load(self) -> IssuedKeys | None:
         """The set kept on disk by an earlier run (None: none, or not readable), applied."""
         try:
-            found = IssuedKeys.from_json(orjson.loads(self.path.read_bytes()))
+            data = orjson.loads(self.path.read_bytes())
+            found = IssuedKeys.from_json(data)
         except FileNotFoundError:
             return None
         except (OSError, orjson.JSONDecodeError, KeyRequestError) as exc:
@@ -90,6 +102,7 @@ class KeySync:
                 exc,
             )
             return None
+        self._learn(str(data.get("signer") or ""))
         self._take(found)
         return found
 
@@ -137,12 +150,29 @@ class KeySync:
         self._apply(self.current)
 
     async def _from_redis(self) -> IssuedKeys | None:
+        """The set in Redis when it is newer than ours; ValueError (ask billing instead) when
+        it is newer but cannot be taken: no signing key known yet, or one it does not verify
+        with."""
         assert self.redis is not None
         version = await self.redis.get(self.version_key)
         if version is None or (self.current is not None and int(version) <= self.current.version):
             return None
+        if self.signer is None:
+            raise ValueError("billing's signing key is not known yet")
         raw = await self.redis.get(self.set_key)
-        return None if raw is None else IssuedKeys.from_json(orjson.loads(raw))
+        if raw is None:
+            return None
+        try:
+            return unseal(raw, self.signer)
+        except KeyRequestError as exc:
+            if version != self._refused:
+                log.error(
+                    "issued keys: the set in Redis (version %s) is not taken: %s; asking billing",
+                    version.decode("ascii", "replace")[:20],
+                    exc,
+                )
+                self._refused = version
+            raise
 
     async def _from_billing(self) -> IssuedKeys | None:
         assert self.url is not None
@@ -150,17 +180,27 @@ class KeySync:
         if self.current is not None:
             headers["if-none-match"] = f'"{self.current.version}"'
         response = await self._client().get(self.url, headers=headers, timeout=5.0)
+        if response.is_success or response.status_code == 304:
+            self._learn(response.headers.get(SIGNER_HEADER, ""))
         if response.status_code == 304:
             return None
         response.raise_for_status()
         data: Any = orjson.loads(response.content)
         return IssuedKeys.from_json(data)
 
+    def _learn(self, signer_hex: str) -> None:
+        """Take the signing key billing named (an empty or malformed one changes nothing)."""
+        if signer_hex and signer_hex != self._signer_hex:
+            signer = signer_of(signer_hex)
+            if signer is not None:
+                self.signer, self._signer_hex = signer, signer_hex
+
     def _keep(self, found: IssuedKeys) -> None:
-        """Keep ``found`` on disk for a start while billing is down (atomic replace)."""
+        """Keep ``found`` on disk for a start while billing is down (atomic replace), with the
+        signing key, so that a sidecar started then can check what Redis holds."""
         tmp = self.path.with_name(self.path.name + ".tmp")
         try:
-            tmp.write_bytes(orjson.dumps(found.to_json()))
+            tmp.write_bytes(orjson.dumps(found.to_json() | {"signer": self._signer_hex}))
             os.replace(tmp, self.path)
         except OSError as exc:
             log.error("%s: the issued keys cannot be kept on disk: %s", self.path, exc)

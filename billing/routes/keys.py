@@ -24,6 +24,7 @@ from billing.routes.dependencies import Asker, KeyReader, ServicesDep
 from billing.routes.openapi import READ, errors
 from billing.routes.responses import json_response
 from infermeter.errors import BadRequest
+from infermeter.key_set_seal import SIGNER_HEADER
 from infermeter.keys import IssuedKey
 
 __all__ = ["router"]
@@ -162,12 +163,20 @@ async def active(
     if_none_match: Annotated[str | None, Header()] = None,
     since: Annotated[int | None, Query(ge=0)] = None,
 ) -> Response:
-    """The keys in force, with their digests and limits, for the sidecars; ETag: the version."""
+    """The keys in force, with their digests and limits, for the sidecars; ETag: the version.
+
+    With the set also in Redis, ``x-infermeter-key-signer`` names the public key it is signed
+    with: the sidecars learn it here, from billing, and take from Redis only what verifies.
+    """
     issued = svc.keys.issued
     tag = f'"{issued.version}"'
+    headers = {"etag": tag}
+    publisher = svc.keys.publisher
+    if publisher is not None:
+        headers[SIGNER_HEADER] = publisher.signer_hex
     if if_none_match == tag or since == issued.version:
-        return Response(status_code=304, headers={"etag": tag})
-    return json_response(issued.to_json(), headers={"etag": tag})
+        return Response(status_code=304, headers=headers)
+    return json_response(issued.to_json(), headers=headers)
 
 
 def _created(body: dict[str, Any]) -> Response:

@@ -7,16 +7,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from billing.api import create_app
 from billing.key_publish import RedisPublisher
+from infermeter.key_set_seal import seal, signing_key
+from infermeter.keys import IssuedKey, IssuedKeys, redis_keys
 from infermeter.serving import free_port
 from tests.conftest import config_ledger
 from tests.servers import serving
@@ -121,24 +125,119 @@ async def test_a_sidecar_keeps_the_keys_it_knew_while_billing_is_down(stack_fact
     assert again.view.keys.team_for(key["key"]) == "research"
 
 
-async def test_through_redis_a_sidecar_takes_keys_without_asking_billing(
-    stack_factory, tmp_path, redis_server
-):
-    """With shared limits in Redis, billing writes the set there and a sidecar started after
-    billing stopped still takes every key issued before."""
+def forged_key(team: str) -> tuple[str, IssuedKey]:
+    """A key of the attacker's making for ``team``: the secret, and the entry naming its digest."""
+    secret = "imk_forged000001_" + "x" * 43
+    entry = IssuedKey(
+        key_id="forged000001",
+        role="member",
+        team=team,
+        digest=hashlib.sha256(secret.encode()).hexdigest(),
+        created_at=time.time(),
+        created_by="@admin",
+    )
+    return secret, entry
+
+
+async def test_through_redis_a_sidecar_takes_only_the_sets_billing_signed(
+    tmp_path: Path, redis_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sidecar learns billing's signing key from billing, then takes sets from Redis with
+    billing down; a set written there by anyone else (unsigned, or signed with another key,
+    with a key of the writer's making for any team) is never taken, and is said once."""
+    import redis
+    import redis.asyncio as aioredis
+
+    from sidecar.keysync import KeySync
+
     config = make_config(
         "http://127.0.0.1:1", **{"sidecar.shared_limits.redis_url": redis_server.url}
     )
-    publisher = RedisPublisher(config.sidecar.shared_limits)
+    publisher = RedisPublisher(config.sidecar.shared_limits, signing_key(b"billing's secret"))
+    taken: list[IssuedKeys] = []
+    port = free_port()
+    client_redis = aioredis.Redis.from_url(redis_server.url)
+    set_key, version_key = redis_keys(config.sidecar.shared_limits.key_prefix)
+    caplog.set_level("ERROR", logger="infermeter.sidecar")
+    try:
+        async with httpx.AsyncClient() as client:
+            sync = KeySync(
+                taken.append,
+                tmp_path,
+                lambda: client,
+                f"http://127.0.0.1:{port}",
+                SPEND,
+                client_redis,
+                config.sidecar.shared_limits.key_prefix,
+            )
+            async with billing_at(port, tmp_path / "ledger.duckdb", publisher) as billing:
+                first = await issue(billing, team="assistant")
+                assert await sync.poll() is True  # from billing: no signing key known yet
+            assert sync.signer is not None
+            genuine = taken[-1]
+            assert set(genuine.by_id) == {first["key_id"]}
+
+            _, forged = forged_key("search")
+            with_forged = IssuedKeys.of(genuine.version + 100, [*genuine.by_id.values(), forged])
+            writer = redis.Redis.from_url(redis_server.url)
+            attempts = (
+                orjson.dumps(with_forged.to_json()),  # as billing wrote it before it signed
+                seal(with_forged, signing_key(b"another secret")),
+                seal(with_forged, publisher._signer).replace(b'"search"', b'"assistant"'),
+            )
+            for i, value in enumerate(attempts):
+                writer.set(set_key, value)
+                writer.set(version_key, with_forged.version + i)
+                for _ in range(2):
+                    assert await sync.poll() is False
+                assert sync.current is genuine  # (the forged key's entry never taken)
+            refusals = [r for r in caplog.records if "is not taken" in r.getMessage()]
+            assert len(refusals) == len(attempts)  # once per attempt, not once per poll
+
+            # Billing (its HTTP down) writes a newer set: taken from Redis, checked.
+            newer = IssuedKeys.of(with_forged.version + 5, [*genuine.by_id.values()])
+            publisher.publish(newer)
+            assert await sync.poll() is True
+            assert taken[-1].version == newer.version
+            writer.close()
+    finally:
+        await client_redis.aclose()
+
+
+async def test_a_key_written_into_redis_by_a_pod_is_refused_by_the_sidecar(
+    stack_factory, tmp_path, redis_server
+):
+    """End to end: keys billing issues are served through Redis; a key for team search that a
+    pod holding the Redis password writes there, with a higher version, is refused (401)."""
+    import redis
+
+    config = make_config(
+        "http://127.0.0.1:1", **{"sidecar.shared_limits.redis_url": redis_server.url}
+    )
+    publisher = RedisPublisher(config.sidecar.shared_limits, signing_key(b"billing's secret"))
     async with billing_at(free_port(), tmp_path / "ledger.duckdb", publisher) as billing:
+        stack = await stack_factory(
+            **{"billing.url": billing, "sidecar.shared_limits.redis_url": redis_server.url}
+        )
         kept = await issue(billing, team="assistant")
         gone = await issue(billing, team="assistant")
+        await until(lambda: status(stack.url, kept["key"]), 200, BOUND_SECONDS)
         await revoke(billing, gone["key_id"])
-    stack = await stack_factory(
-        **{"billing.url": billing, "sidecar.shared_limits.redis_url": redis_server.url}
-    )
-    await until(lambda: status(stack.url, kept["key"]), 200, BOUND_SECONDS)
-    assert await status(stack.url, gone["key"]) == 401
+        await until(lambda: status(stack.url, gone["key"]), 401, BOUND_SECONDS)
+        secret, forged = forged_key("search")
+        current = stack.sidecar.keysync.current
+        assert current is not None
+        planted = IssuedKeys.of(current.version + 100, [*current.by_id.values(), forged])
+        set_key, version_key = redis_keys(config.sidecar.shared_limits.key_prefix)
+        writer = redis.Redis.from_url(redis_server.url)
+        writer.set(set_key, orjson.dumps(planted.to_json()))
+        writer.set(version_key, planted.version)
+        writer.close()
+        deadline = time.monotonic() + 3 * config.sidecar.key_sync_seconds + 1
+        while time.monotonic() < deadline:
+            assert await status(stack.url, secret) == 401
+            await asyncio.sleep(0.2)
+        assert await status(stack.url, kept["key"]) == 200
 
 
 async def test_after_the_bound_no_request_with_a_revoked_key_is_admitted_under_load(
