@@ -54,12 +54,14 @@ class RedisPublisher:
         )
         self.set_key, self.version_key = redis_keys(settings.key_prefix)
         self._failing = False
+        # The last set sealed, and its bytes.
+        self._last: tuple[IssuedKeys, bytes] | None = None
 
     def publish(self, keys: IssuedKeys) -> None:
         """Write ``keys`` and its version; a failure is logged (``keep`` writes it again)."""
         try:
             with self.client.pipeline(transaction=True) as pipe:
-                pipe.set(self.set_key, seal(keys, self._signer))
+                pipe.set(self.set_key, self._sealed(keys))
                 pipe.set(self.version_key, keys.version)
                 pipe.execute()
         except (RedisError, OSError) as exc:
@@ -72,15 +74,24 @@ class RedisPublisher:
         self._failing = False
 
     def check(self, keys: IssuedKeys) -> None:
-        """Write ``keys`` unless Redis holds its version already."""
+        """Write ``keys`` unless Redis holds exactly what billing wrote: its version and its
+        signed set. Anything else is written over (a value that is no number included): it may
+        be another writer's, and the sidecars would ask billing while it stood."""
         try:
-            held = self.client.get(self.version_key)
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.get(self.version_key)
+                pipe.get(self.set_key)
+                version, held = pipe.execute()
         except (RedisError, OSError):
-            held = None
-        # Anything but billing's own version is written over, a value that is no number included:
-        # it may be another writer's.
-        if held != str(keys.version).encode():
+            version = held = None
+        if version != str(keys.version).encode() or held != self._sealed(keys):
             self.publish(keys)
+
+    def _sealed(self, keys: IssuedKeys) -> bytes:
+        """``keys`` signed, once per set (Ed25519 signs alike every time: the check compares)."""
+        if self._last is None or self._last[0] is not keys:
+            self._last = (keys, seal(keys, self._signer))
+        return self._last[1]
 
     async def keep(self, current: Callable[[], IssuedKeys]) -> None:
         """Check every ``CHECK_SECONDS`` that Redis holds the set ``current`` gives."""
