@@ -222,6 +222,8 @@ class BudgetGate:
 
     def __post_init__(self) -> None:
         self.metrics = BudgetMetrics(self.registry)
+        # Entries of Redis's overrides were left out at the last read (said once until clean).
+        self._dropping = False
         self.metrics.age.set_function(
             lambda: -1.0 if self.read_at is None else time.monotonic() - self.read_at
         )
@@ -328,9 +330,16 @@ class BudgetGate:
         except (RedisError, OSError) as exc:
             log.warning("budget overrides unreadable in Redis, keeping the last ones: %s", exc)
             return
-        now = time.time()
-        found = {k.decode(): Override(**orjson.loads(v)) for k, v in stored.items()}
-        self.overrides = {t: o for t, o in found.items() if o.until > now}
+        found, dropped = stored_overrides(stored, frozenset(self.budgets), time.time())
+        if dropped and not self._dropping:
+            log.warning(
+                "budget overrides: %d entries in Redis are not overrides a sidecar could have "
+                "granted (a team without a budget, a malformed value, an end past a month); "
+                "left out",
+                dropped,
+            )
+        self._dropping = bool(dropped)
+        self.overrides = found
 
     async def run(self) -> None:
         """Refresh until cancelled."""
@@ -344,6 +353,48 @@ class BudgetGate:
             await self.client.aclose()
 
 
+# The longest override an admin may grant (``parse_override``): one month.
+MAX_OVERRIDE_SECONDS = 44640 * 60
+
+
+def stored_overrides(
+    stored: dict[bytes, bytes], teams: frozenset[str], now: float
+) -> tuple[dict[str, Override], int]:
+    """The overrides in force among those read from Redis, and how many entries were left out.
+
+    Redis takes writes from every pod holding its password, so an entry counts only if a sidecar
+    could have written it: a field naming a team of ``teams`` (one with a budget), a JSON object
+    of that team with a number ``until`` in the future and at most a month away, a reason of at
+    most ``MAX_OVERRIDE_REASON`` characters, a number ``granted_at``. A malformed entry is left
+    out, never raised: the refresh that reads them also reads billing's spend.
+    """
+    found: dict[str, Override] = {}
+    dropped = 0
+    for name, value in stored.items():
+        try:
+            team = name.decode()
+            data = orjson.loads(value)
+        except (UnicodeDecodeError, orjson.JSONDecodeError):
+            dropped += 1
+            continue
+        if not (
+            team in teams
+            and isinstance(data, dict)
+            and data.keys() == {"team", "until", "reason", "granted_at"}
+            and data["team"] == team
+            and isinstance(data["until"], int | float)
+            and isinstance(data["granted_at"], int | float)
+            and isinstance(data["reason"], str)
+            and len(data["reason"]) <= MAX_OVERRIDE_REASON
+            and data["until"] <= now + MAX_OVERRIDE_SECONDS
+        ):
+            dropped += 1
+            continue
+        if data["until"] > now:
+            found[team] = Override(team, float(data["until"]), data["reason"], data["granted_at"])
+    return found, dropped
+
+
 def parse_override(raw: bytes, teams: frozenset[str], now: float) -> Override:
     """An override from an admin's request body; ValueError naming what is wrong."""
     try:
@@ -355,7 +406,7 @@ def parse_override(raw: bytes, teams: frozenset[str], now: float) -> Override:
     team, minutes, reason = body.get("team"), body.get("minutes"), body.get("reason")
     if team not in teams:
         raise ValueError(f"team: {team!r} is not a configured team")
-    if not isinstance(minutes, int | float) or not 0 < minutes <= 44640:
+    if not isinstance(minutes, int | float) or not 0 < minutes * 60 <= MAX_OVERRIDE_SECONDS:
         raise ValueError(f"minutes: {minutes!r} must be a number in (0, 44640] (one month)")
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError("reason: an override needs a reason, for the record")

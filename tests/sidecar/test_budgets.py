@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import orjson
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -15,7 +16,14 @@ from billing import queries
 from billing.ledger import Ledger
 from infermeter.config import BudgetSettings
 from infermeter.spooldir import BUDGET_OVERRIDES
-from sidecar.budgets import BudgetExceeded, Override, judge, parse_override, parse_spend
+from sidecar.budgets import (
+    BudgetExceeded,
+    Override,
+    judge,
+    parse_override,
+    parse_spend,
+    stored_overrides,
+)
 from tests.servers import serving
 
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -181,3 +189,88 @@ async def test_a_team_past_its_hard_budget_is_refused_within_one_refresh_until_o
         ("search", "launch", stack.sidecar.identity.instance)
     ]
     assert rows["until"][0] == pytest.approx(issued + 300)
+
+
+NOW = 1_800_000_000.0
+
+
+def _override(team: str = "search", **changes: Any) -> bytes:
+    value: dict[str, Any] = {
+        "team": team,
+        "until": NOW + 600,
+        "reason": "launch",
+        "granted_at": NOW,
+    }
+    return orjson.dumps(value | changes)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        (b"search", b"not json"),
+        (b"search", b"[1, 2]"),
+        (b"search", _override(until=NOW + 40 * 86400)),  # past a month: no admin granted that
+        (b"search", _override(until="soon")),
+        (b"search", _override(team="assistant")),  # filed under another team
+        (b"search", _override(reason="x" * 10_000)),
+        (b"search", _override(extra=1)),
+        (b"nobody", _override(team="nobody")),  # no such team (or none with a budget)
+        (b"\xff\xfe", _override()),
+    ],
+)
+def test_an_override_no_sidecar_could_have_granted_is_left_out(field, value):
+    """What a pod holding the Redis password writes beside the overrides is counted and left
+    out; the genuine override beside it stays in force."""
+    stored = {field: value, b"assistant": _override("assistant")}
+    found, dropped = stored_overrides(stored, frozenset({"search", "assistant"}), NOW)
+    assert dropped == 1
+    assert set(found) == {"assistant"}
+    assert found["assistant"].until == NOW + 600
+
+
+def test_an_ended_override_is_not_in_force_and_not_counted_as_malformed():
+    """An override whose end has passed is simply over."""
+    found, dropped = stored_overrides(
+        {b"search": _override(until=NOW - 1)}, frozenset({"search"}), NOW
+    )
+    assert (found, dropped) == ({}, 0)
+
+
+async def test_garbage_among_the_overrides_in_redis_does_not_stop_the_budgets(
+    stack_factory, redis_server
+):
+    """A value that is no override, written into the shared hash, neither stops the refresh
+    (billing's spend is still read) nor lifts a team's budget."""
+    spend = FakeSpend()
+    async with serving(spend.app(), lifespan="off") as billing:
+        stack = await stack_factory(
+            **{
+                "sidecar.budgets": {"spend_url": billing, "refresh_seconds": 0.1},
+                "sidecar.shared_limits": {"redis_url": redis_server.url, "timeout_millis": 2000},
+                "teams.0.budget_usd_per_month": 100.0,
+            }
+        )
+        redis = stack.sidecar.budgets.redis
+        assert redis is not None
+        await redis.hset("infermeter:budget-overrides", b"search", b"{not json")
+        await redis.hset(
+            "infermeter:budget-overrides",
+            b"assistant",
+            orjson.dumps({"team": "assistant", "until": 4e9, "reason": "forged", "granted_at": 0}),
+        )
+        async with stack.client() as c:
+            spend.spent["search"] = 100.5
+
+            async def refused() -> bool:
+                r = await c.post("/v1/chat/completions", json=CHAT)
+                return bool(r.status_code == 429)
+
+            await wait_for(refused, 1.0)
+            spend.spent["search"] = 10.0
+
+            async def served() -> bool:
+                r = await c.post("/v1/chat/completions", json=CHAT)
+                return bool(r.status_code == 200)
+
+            await wait_for(served, 1.0)  # the spend is still read after the garbage
+    assert stack.sidecar.budgets.overrides == {}
