@@ -122,19 +122,25 @@ async def wait_for(predicate: Any, seconds: float = 3.0) -> None:
     raise AssertionError("condition never held")
 
 
+async def budget_stack(stack_factory: Any, billing: str, redis_url: str) -> Any:
+    """A sidecar reading ``billing``'s spend every 0.1 s, overrides shared in Redis, and team
+    search's budget at $100."""
+    return await stack_factory(
+        **{
+            "sidecar.budgets": {"spend_url": billing, "refresh_seconds": 0.1},
+            "sidecar.shared_limits": {"redis_url": redis_url, "timeout_millis": 2000},
+            "teams.0.budget_usd_per_month": 100.0,
+        }
+    )
+
+
 async def test_a_team_past_its_hard_budget_is_refused_within_one_refresh_until_overridden(
     stack_factory, redis_server, tmp_path
 ):
     """Spend past the budget: 429 at the next refresh; an override lets it in and is in the ledger."""
     spend = FakeSpend()
     async with serving(spend.app(), lifespan="off") as billing:
-        stack = await stack_factory(
-            **{
-                "sidecar.budgets": {"spend_url": billing, "refresh_seconds": 0.1},
-                "sidecar.shared_limits": {"redis_url": redis_server.url, "timeout_millis": 2000},
-                "teams.0.budget_usd_per_month": 100.0,
-            }
-        )
+        stack = await budget_stack(stack_factory, billing, redis_server.url)
         async with stack.client() as c:
             spend.spent["search"] = 85.0
 
@@ -243,13 +249,7 @@ async def test_garbage_among_the_overrides_in_redis_does_not_stop_the_budgets(
     (billing's spend is still read) nor lifts a team's budget."""
     spend = FakeSpend()
     async with serving(spend.app(), lifespan="off") as billing:
-        stack = await stack_factory(
-            **{
-                "sidecar.budgets": {"spend_url": billing, "refresh_seconds": 0.1},
-                "sidecar.shared_limits": {"redis_url": redis_server.url, "timeout_millis": 2000},
-                "teams.0.budget_usd_per_month": 100.0,
-            }
-        )
+        stack = await budget_stack(stack_factory, billing, redis_server.url)
         redis = stack.sidecar.budgets.redis
         assert redis is not None
         await redis.hset("infermeter:budget-overrides", b"search", b"{not json")
