@@ -82,6 +82,12 @@ class KeySync:
         self._signer_hex = ""
         # The Redis version whose set did not verify, said once.
         self._refused: bytes | None = None
+        if redis is not None and not (self.url and token):
+            log.warning(
+                "issued keys: Redis is configured but billing cannot be asked (no billing URL "
+                "or spend_reader token), so billing's signing key is learnt only from a copy "
+                "kept on disk; without one, no set in Redis is taken"
+            )
 
     @property
     def enabled(self) -> bool:

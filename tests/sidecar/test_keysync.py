@@ -306,3 +306,28 @@ async def test_billing_out_of_reach_is_said_once_and_its_return_once(
         "issued keys: billing answers again",
     ]
     assert len(taken) == 1
+
+
+async def test_redis_without_a_way_to_ask_billing_is_said_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With Redis but no spend_reader token, no set in Redis can be checked: said once, at
+    start, so an operator does not wait for keys that never come."""
+    import redis.asyncio as aioredis
+
+    from sidecar.keysync import KeySync
+
+    client = aioredis.Redis.from_url("redis://127.0.0.1:1")
+    caplog.set_level("WARNING", logger="infermeter.sidecar")
+    try:
+        async with httpx.AsyncClient() as http:
+            KeySync(
+                lambda _: None, tmp_path, lambda: http, "http://127.0.0.1:1", None, client, "im"
+            )
+            KeySync(
+                lambda _: None, tmp_path, lambda: http, "http://127.0.0.1:1", SPEND, client, "im"
+            )
+    finally:
+        await client.aclose()
+    said = [r.getMessage() for r in caplog.records if "cannot be asked" in r.getMessage()]
+    assert len(said) == 1
