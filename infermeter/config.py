@@ -515,6 +515,11 @@ class SharedLimitsSettings(_Strict):
     registry_url: str | None = None
     registry_token_env: str = "INFERMETER_REGISTRY_TOKEN"
     instances_refresh_seconds: Positive = 30.0
+    # Billing's public key for the issued keys' set it writes here (``infermeter keys signer``
+    # prints it). Unset, each sidecar learns it from billing's own answer, so a sidecar started
+    # for the first time while billing is down takes no set from Redis until billing answers;
+    # set, it checks the set against this key from its start, and no other.
+    key_signer: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
 
 
 class BudgetSettings(_Strict):

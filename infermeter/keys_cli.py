@@ -1,4 +1,4 @@
-"""``infermeter keys create|list|revoke|rotate``: keys issued at run time, through billing's API.
+"""``infermeter keys create|list|revoke|rotate|signer``: keys issued at run time, through billing's API.
 
 The command is a client of ``/v1/keys`` (billing keeps the keys, ``billing.keys``), run with the
 admin token or a team lead's key in ``$INFERMETER_TOKEN`` (else ``$INFERMETER_ADMIN_TOKEN``). A
@@ -68,6 +68,12 @@ def register(subparsers: Subparsers) -> None:
         "--budget-usd", type=float, metavar="USD", help="a monthly budget of its own"
     )
     create.add_argument("--reason", default="", help="why, for the audit trail")
+    signer = actions.add_parser(
+        "signer",
+        help="print billing's public key for the issued keys' set in Redis, from the writer "
+        "secret (for sidecar.shared_limits.key_signer)",
+    )
+    add_config(signer, nested=True)
     listing = actions.add_parser("list", help="the keys you manage (never a secret)")
     add_config(listing, nested=True)
     listing.add_argument("--revoked", action="store_true", help="revoked keys too")
@@ -94,6 +100,10 @@ def _keys(args: argparse.Namespace, config: Config) -> int:
     # Imported with the handler: building the parser (`infermeter --help`) loads no pydantic.
     from infermeter.config import env_value
 
+    if args.action == "signer":
+        return _signer(
+            env_value(config.billing.writer_secret_env), config.billing.writer_secret_env
+        )
     token = next((t for v in TOKEN_ENVS if (t := env_value(v))), None)
     if token is None:
         raise CommandError(f"set ${TOKEN_ENVS[0]} to the admin token or a team lead's key")
@@ -129,6 +139,16 @@ def _keys(args: argparse.Namespace, config: Config) -> int:
         return 0
     body = {"reason": args.reason, "grace_seconds": args.grace}
     return _issued(_call(url, token, "POST", f"/v1/keys/{args.key_id}/rotate", body))
+
+
+def _signer(secret: str | None, variable: str) -> int:
+    """Print the public key billing signs the issued keys' set with (``key_set_seal``)."""
+    if not secret:
+        raise CommandError(f"set ${variable} to billing's writer secret")
+    from infermeter.key_set_seal import public_hex, signing_key
+
+    print(public_hex(signing_key(secret.encode())))
+    return 0
 
 
 def _issued(found: dict[str, Any]) -> int:

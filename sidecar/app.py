@@ -193,6 +193,7 @@ class Sidecar:
             self.limiter.redis,
             settings.shared_limits.key_prefix,
             settings.key_sync_seconds,
+            settings.shared_limits.key_signer,
         )
         self.keysync.load()
         # What this instance's admins and operators changed (overrides, reloads): spooled, shipped.

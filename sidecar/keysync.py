@@ -66,6 +66,7 @@ class KeySync:
         redis: aioredis.Redis | None,
         prefix: str,
         interval_seconds: float = 1.0,
+        pinned_signer: str | None = None,
     ) -> None:
         self._apply = apply
         self.path = directory / KEYS_FILE
@@ -82,7 +83,14 @@ class KeySync:
         self._signer_hex = ""
         # The Redis version whose set did not verify, said once.
         self._refused: bytes | None = None
-        if redis is not None and not (self.url and token):
+        # ``sidecar.shared_limits.key_signer``: the one key sets are checked with, whatever
+        # billing or a kept copy names.
+        self._pinned = False
+        self._said_mismatch = False
+        if pinned_signer:
+            self._learn(pinned_signer)
+            self._pinned = self.signer is not None
+        if redis is not None and not (self.url and token) and not self._pinned:
             log.warning(
                 "issued keys: Redis is configured but billing cannot be asked (no billing URL "
                 "or spend_reader token), so billing's signing key is learnt only from a copy "
@@ -195,8 +203,20 @@ class KeySync:
         return IssuedKeys.from_json(data)
 
     def _learn(self, signer_hex: str) -> None:
-        """Take the signing key billing named (an empty or malformed one changes nothing)."""
+        """Take the signing key billing named (an empty or malformed one changes nothing, and
+        neither does any other once the configuration pins one)."""
         if signer_hex and signer_hex != self._signer_hex:
+            if self._pinned:
+                if not self._said_mismatch:
+                    log.error(
+                        "issued keys: billing names the signing key %s, the configuration "
+                        "(sidecar.shared_limits.key_signer) %s; only sets signed with the "
+                        "configured one are taken from Redis",
+                        signer_hex[:16],
+                        self._signer_hex[:16],
+                    )
+                    self._said_mismatch = True
+                return
             signer = signer_of(signer_hex)
             if signer is not None:
                 self.signer, self._signer_hex = signer, signer_hex

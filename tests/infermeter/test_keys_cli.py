@@ -103,3 +103,25 @@ def test_a_duration_that_is_not_one_is_refused():
     """Anything else is an argparse error naming the text."""
     with pytest.raises(argparse.ArgumentTypeError, match="'soon'"):
         parse_duration("soon")
+
+
+def test_signer_prints_the_key_billing_signs_the_set_with(capsys, monkeypatch):
+    """``keys signer`` prints, from the writer secret alone, the public key billing's publisher
+    names: what sidecar.shared_limits.key_signer takes. Without the secret it says which
+    variable to set."""
+    from billing.key_publish import RedisPublisher
+    from infermeter.config import SharedLimitsSettings
+    from infermeter.key_set_seal import signing_key
+
+    monkeypatch.delenv("INFERMETER_TOKEN", raising=False)
+    monkeypatch.delenv("INFERMETER_ADMIN_TOKEN", raising=False)
+    monkeypatch.setenv("INFERMETER_WRITER_SECRET", "a writer secret")
+    assert main(["keys", "signer"]) == 0
+    printed = capsys.readouterr().out.strip()
+    publisher = RedisPublisher(
+        SharedLimitsSettings(redis_url="redis://127.0.0.1:1"), signing_key(b"a writer secret")
+    )
+    assert printed == publisher.signer_hex
+    monkeypatch.delenv("INFERMETER_WRITER_SECRET")
+    assert main(["keys", "signer"]) != 0
+    assert "INFERMETER_WRITER_SECRET" in capsys.readouterr().err

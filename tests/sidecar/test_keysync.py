@@ -331,3 +331,43 @@ async def test_redis_without_a_way_to_ask_billing_is_said_at_start(
         await client.aclose()
     said = [r.getMessage() for r in caplog.records if "cannot be asked" in r.getMessage()]
     assert len(said) == 1
+
+
+async def test_a_pinned_signing_key_lets_a_new_sidecar_take_the_set_while_billing_is_down(
+    tmp_path: Path, redis_server: Any
+) -> None:
+    """With sidecar.shared_limits.key_signer, a sidecar started afresh while billing is down
+    takes billing's signed set from Redis at once, and still nothing signed otherwise."""
+    import redis.asyncio as aioredis
+
+    from infermeter.key_set_seal import public_hex
+    from sidecar.keysync import KeySync
+
+    config = make_config(
+        "http://127.0.0.1:1", **{"sidecar.shared_limits.redis_url": redis_server.url}
+    )
+    settings = config.sidecar.shared_limits
+    key = signing_key(b"billing's secret")
+    publisher = RedisPublisher(settings, key)
+    entry = IssuedKey("aaaaaaaaaaaa", "member", "search", "0" * 64, 1.0, "@admin")
+    client_redis = aioredis.Redis.from_url(redis_server.url)
+    taken: list[IssuedKeys] = []
+    try:
+        async with httpx.AsyncClient() as client:
+            sync = KeySync(
+                taken.append,
+                tmp_path,
+                lambda: client,
+                f"http://127.0.0.1:{free_port()}",  # billing: down
+                SPEND,
+                client_redis,
+                settings.key_prefix,
+                pinned_signer=public_hex(key),
+            )
+            RedisPublisher(settings, signing_key(b"another")).publish(IssuedKeys.of(3, [entry]))
+            assert await sync.poll() is False
+            publisher.publish(IssuedKeys.of(4, [entry]))
+            assert await sync.poll() is True
+            assert taken[-1].version == 4
+    finally:
+        await client_redis.aclose()
