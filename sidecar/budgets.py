@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
 __all__ = [
+    "MAX_OVERRIDE_SECONDS",
     "BudgetExceeded",
     "BudgetGate",
     "Override",
@@ -50,6 +51,7 @@ __all__ = [
     "parse_project_spend",
     "parse_spend",
     "project_budgets",
+    "stored_overrides",
 ]
 
 log = logging.getLogger("infermeter.sidecar")
@@ -354,7 +356,7 @@ class BudgetGate:
 
 
 # The longest override an admin may grant (``parse_override``): one month.
-MAX_OVERRIDE_SECONDS = 44640 * 60
+MAX_OVERRIDE_SECONDS: Final = 44640 * 60
 
 
 def stored_overrides(
