@@ -19,6 +19,7 @@ import pytest
 
 from billing.api import create_app
 from billing.key_publish import RedisPublisher
+from infermeter.config import SharedLimitsSettings
 from infermeter.key_set_seal import seal, signing_key
 from infermeter.keys import IssuedKey, IssuedKeys, redis_keys
 from infermeter.serving import free_port
@@ -125,6 +126,13 @@ async def test_a_sidecar_keeps_the_keys_it_knew_while_billing_is_down(stack_fact
     assert again.view.keys.team_for(key["key"]) == "research"
 
 
+def shared_settings(redis_url: str) -> SharedLimitsSettings:
+    """The sidecars' shared limits in the Redis at ``redis_url``, as the config gives them."""
+    return make_config(
+        "http://127.0.0.1:1", **{"sidecar.shared_limits.redis_url": redis_url}
+    ).sidecar.shared_limits
+
+
 def forged_key(team: str) -> tuple[str, IssuedKey]:
     """A key of the attacker's making for ``team``: the secret, and the entry naming its digest."""
     secret = "imk_forged000001_" + "x" * 43
@@ -150,14 +158,12 @@ async def test_through_redis_a_sidecar_takes_only_the_sets_billing_signed(
 
     from sidecar.keysync import KeySync
 
-    config = make_config(
-        "http://127.0.0.1:1", **{"sidecar.shared_limits.redis_url": redis_server.url}
-    )
-    publisher = RedisPublisher(config.sidecar.shared_limits, signing_key(b"billing's secret"))
+    settings = shared_settings(redis_server.url)
+    publisher = RedisPublisher(settings, signing_key(b"billing's secret"))
     taken: list[IssuedKeys] = []
     port = free_port()
     client_redis = aioredis.Redis.from_url(redis_server.url)
-    set_key, version_key = redis_keys(config.sidecar.shared_limits.key_prefix)
+    set_key, version_key = redis_keys(settings.key_prefix)
     caplog.set_level("ERROR", logger="infermeter.sidecar")
     try:
         async with httpx.AsyncClient() as client:
@@ -168,7 +174,7 @@ async def test_through_redis_a_sidecar_takes_only_the_sets_billing_signed(
                 f"http://127.0.0.1:{port}",
                 SPEND,
                 client_redis,
-                config.sidecar.shared_limits.key_prefix,
+                settings.key_prefix,
             )
             async with billing_at(port, tmp_path / "ledger.duckdb", publisher) as billing:
                 first = await issue(billing, team="assistant")
@@ -214,7 +220,8 @@ async def test_a_key_written_into_redis_by_a_pod_is_refused_by_the_sidecar(
     config = make_config(
         "http://127.0.0.1:1", **{"sidecar.shared_limits.redis_url": redis_server.url}
     )
-    publisher = RedisPublisher(config.sidecar.shared_limits, signing_key(b"billing's secret"))
+    settings = config.sidecar.shared_limits
+    publisher = RedisPublisher(settings, signing_key(b"billing's secret"))
     async with billing_at(free_port(), tmp_path / "ledger.duckdb", publisher) as billing:
         stack = await stack_factory(
             **{"billing.url": billing, "sidecar.shared_limits.redis_url": redis_server.url}
@@ -228,7 +235,7 @@ async def test_a_key_written_into_redis_by_a_pod_is_refused_by_the_sidecar(
         current = stack.sidecar.keysync.current
         assert current is not None
         planted = IssuedKeys.of(current.version + 100, [*current.by_id.values(), forged])
-        set_key, version_key = redis_keys(config.sidecar.shared_limits.key_prefix)
+        set_key, version_key = redis_keys(settings.key_prefix)
         writer = redis.Redis.from_url(redis_server.url)
         writer.set(set_key, orjson.dumps(planted.to_json()))
         writer.set(version_key, planted.version)
@@ -343,10 +350,7 @@ async def test_a_pinned_signing_key_lets_a_new_sidecar_take_the_set_while_billin
     from infermeter.key_set_seal import public_hex
     from sidecar.keysync import KeySync
 
-    config = make_config(
-        "http://127.0.0.1:1", **{"sidecar.shared_limits.redis_url": redis_server.url}
-    )
-    settings = config.sidecar.shared_limits
+    settings = shared_settings(redis_server.url)
     key = signing_key(b"billing's secret")
     publisher = RedisPublisher(settings, key)
     entry = IssuedKey("aaaaaaaaaaaa", "member", "search", "0" * 64, 1.0, "@admin")
