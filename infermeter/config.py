@@ -82,8 +82,8 @@ __all__ = [
 ENV_PREFIX = "INFERMETER__"
 DEFAULT_CONFIG = Path(__file__).with_name("defaults.yaml")
 # libyaml's parser under PyYAML's safe constructor (the same types, tags refused alike), when the
-# installed PyYAML was built with it: a fleet's file with 1,000 teams is read in 47 ms instead of
-# 341, and leaves the process 5.8 MB larger instead of 9.6 (docs/benchmarks.md).
+# installed PyYAML was built with it: a fleet's file with 1,000 teams is read in 73 ms instead of
+# 370 (``bench.config_load``, docs/benchmarks.md).
 _YAML_LOADER: type[yaml.SafeLoader] | type[yaml.CSafeLoader] = getattr(
     yaml, "CSafeLoader", yaml.SafeLoader
 )
