@@ -375,3 +375,43 @@ async def test_a_pinned_signing_key_lets_a_new_sidecar_take_the_set_while_billin
             assert taken[-1].version == 4
     finally:
         await client_redis.aclose()
+
+
+async def test_a_pinned_signing_key_is_kept_when_billing_names_another(
+    tmp_path: Path, redis_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A billing whose writer secret does not match the pinned key is said once, as an error,
+    and the sidecar goes on checking Redis's sets against the configured key only."""
+    import redis.asyncio as aioredis
+
+    from infermeter.key_set_seal import public_hex
+    from sidecar.keysync import KeySync
+
+    settings = shared_settings(redis_server.url)
+    pinned = public_hex(signing_key(b"the configured secret"))
+    publisher = RedisPublisher(settings, signing_key(b"billing's other secret"))
+    client_redis = aioredis.Redis.from_url(redis_server.url)
+    caplog.set_level("ERROR", logger="infermeter.sidecar")
+    port = free_port()
+    try:
+        async with httpx.AsyncClient() as client:
+            sync = KeySync(
+                lambda _: None,
+                tmp_path,
+                lambda: client,
+                f"http://127.0.0.1:{port}",
+                SPEND,
+                client_redis,
+                settings.key_prefix,
+                pinned_signer=pinned,
+            )
+            async with billing_at(port, tmp_path / "ledger.duckdb", publisher) as billing:
+                await issue(billing, team="search")
+                for _ in range(3):
+                    await sync.poll()
+    finally:
+        await client_redis.aclose()
+    assert sync._signer_hex == pinned
+    said = [r for r in caplog.records if "the configuration" in r.getMessage()]
+    assert len(said) == 1
+    assert publisher.signer_hex[:16] in said[0].getMessage()
