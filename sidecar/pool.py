@@ -30,7 +30,6 @@ import os
 import socket
 import ssl
 import time
-from collections import deque
 from typing import Protocol, cast
 
 import httptools
@@ -329,7 +328,10 @@ class Pool:
         self._ssl: ssl.SSLContext | None = None
         self.connect_timeout_seconds = connect_timeout_seconds
         self.read_timeout_seconds = read_timeout_seconds
-        self._idle: deque[Connection] = deque()
+        # Idle connections, most recently released last; a dict, not a deque, so that dropping
+        # one (``forget``) is O(1): after a burst of thousands of streams went idle, the next
+        # request dropping them all as stale was a scan of the rest for each (116 ms at 5,000).
+        self._idle: dict[Connection, None] = {}
         self._all: set[Connection] = set()
         self._sweeper: asyncio.TimerHandle | None = None
         self._sweep_seconds = _SWEEP_SECONDS
@@ -341,7 +343,7 @@ class Pool:
         """
         now = time.monotonic()
         while self._idle and not new:
-            conn = self._idle.pop()
+            conn, _ = self._idle.popitem()
             if not conn.closed and now - conn.idle_since < _KEEPALIVE_SECONDS:
                 return conn
             conn.close()
@@ -367,13 +369,12 @@ class Pool:
     def release(self, conn: Connection) -> None:
         """Take back a connection whose exchange ended cleanly."""
         conn.idle_since = time.monotonic()
-        self._idle.append(conn)
+        self._idle[conn] = None
 
     def forget(self, conn: Connection) -> None:
         """Drop a closed connection."""
         self._all.discard(conn)
-        if conn in self._idle:
-            self._idle.remove(conn)
+        self._idle.pop(conn, None)
 
     def watch(self, read_timeout_seconds: float) -> None:
         """An exchange began: sweep the read timeouts often enough for ``read_timeout_seconds``."""

@@ -49,6 +49,28 @@ async def test_a_connection_is_reused_even_when_left_paused():
         await pool.close()
 
 
+async def test_the_idle_set_reuses_the_newest_and_drops_the_stale_and_the_lost():
+    """The newest idle connection is reused first; a stale one is closed, never handed out; one
+    the replica closed while idle leaves the pool; a connection released twice is pooled once."""
+    async with serving(_ok, lifespan="off") as url:
+        pool = Pool(*host_port(url), 1.0, 2.0)
+        a, b, c, d = [await pool.connection(new=True) for _ in range(4)]
+        for conn in (a, b, c, c, d):
+            pool.release(conn)
+        a.idle_since -= 60.0  # stale: older than the replica's keep-alive
+        assert d.transport is not None
+        d.transport.close()  # the replica (here: the transport) closes d while it is idle
+        while not d.closed:
+            await asyncio.sleep(0.01)
+        assert await pool.connection() is c
+        assert await pool.connection() is b
+        fresh = await pool.connection()
+        assert fresh not in (a, b, c, d)
+        assert a.closed
+        assert (await _get(pool)).finished.result() is None
+        await pool.close()
+
+
 async def test_a_silent_replica_times_out():
     """No response within the read timeout ends the exchange with ReadTimeout."""
     async with serving(_ok, lifespan="off") as url:
