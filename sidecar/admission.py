@@ -49,9 +49,12 @@ GENERATE = {
     "/v1/embeddings": "embeddings",
 }
 # Headers never passed upstream: hop-by-hop ones, the caller's credentials, and what the client
-# library sets.
+# library sets. ``expect``: the sidecar has the whole body before it forwards, so there is
+# nothing for vLLM to let through, and its interim ``100 Continue`` would only come first.
 _DROP = frozenset(
     {
+        b"expect",
+        b"proxy-connection",
         b"authorization",
         b"host",
         b"content-length",

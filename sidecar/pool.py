@@ -104,6 +104,7 @@ class Connection(asyncio.Protocol):
     # Read on every block of every stream: slots keep them in the object, not in a dict of its own.
     __slots__ = (
         "_headers",
+        "_interim",
         "_lowat",
         "_parser",
         "_pool",
@@ -132,6 +133,8 @@ class Connection(asyncio.Protocol):
         self.closed = False
         # The socket's receive low-water mark: above 1 once ``batch`` was called.
         self._lowat = 1
+        # True from an interim (1xx) head to its end: the exchange's response is still to come.
+        self._interim = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -170,10 +173,22 @@ class Connection(asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        """Hand the head to the sink."""
+        """Hand the head to the sink, unless it is an interim one (1xx).
+
+        An interim response (``100 Continue``, ``103 Early Hints``) is not the answer: the
+        final one follows on the same connection. Taken as the answer, it would end the
+        exchange with nothing metered and put the connection back in the pool while the real
+        answer was still coming on it, for the next request to read as its own.
+        """
         headers, self._headers = self._headers, []
-        if self._sink is not None and self._parser is not None:
-            self._sink.head(self._parser.get_status_code(), headers)
+        if self._parser is None:
+            return
+        status = self._parser.get_status_code()
+        if status < 200:
+            self._interim = True
+            return
+        if self._sink is not None:
+            self._sink.head(status, headers)
 
     def on_body(self, body: bytes) -> None:
         """Hand a piece of the body to the sink."""
@@ -182,6 +197,10 @@ class Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         """The exchange is over: back to the pool when the replica keeps the connection."""
+        if self._interim:
+            # The end of an interim response: the parser reads the final one next.
+            self._interim = False
+            return
         sink, self._sink = self._sink, None
         # (A batched connection asked the replica to close it: it never serves a stream.)
         parser = self._parser

@@ -71,6 +71,37 @@ async def test_the_idle_set_reuses_the_newest_and_drops_the_stale_and_the_lost()
         await pool.close()
 
 
+async def test_an_interim_response_is_not_taken_for_the_answer():
+    """A ``100 Continue`` (or any 1xx) before the answer is skipped: the sink gets the final
+    response, and the connection goes back to the pool only once that has ended, in step."""
+    answers = iter([b"first", b"second"])
+
+    async def replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.readuntil(b"\r\n\r\n"):
+            body = next(answers)
+            writer.write(
+                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: x\r\n\r\n"
+            )
+            await writer.drain()
+            await asyncio.sleep(0.05)  # the answer comes later than its interim heads
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    server = await asyncio.start_server(replica, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = Pool("127.0.0.1", port, 1.0, 2.0)
+    first = await _get(pool)
+    second = await _get(pool)
+    assert (first.status, first.finished.result(), b"".join(first.parts)) == (200, None, b"first")
+    assert (second.status, second.finished.result(), b"".join(second.parts)) == (
+        200,
+        None,
+        b"second",
+    )
+    await pool.close()
+    server.close()
+
+
 async def test_a_silent_replica_times_out():
     """No response within the read timeout ends the exchange with ReadTimeout."""
     async with serving(_ok, lifespan="off") as url:

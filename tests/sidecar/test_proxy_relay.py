@@ -133,6 +133,34 @@ async def test_team_key_is_never_forwarded_upstream(stack_factory, monkeypatch):
     assert seen[0]["traceparent"].startswith("00-0af7651916cd43dd8448eb211c80319c")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_clients_expect_100_continue_leaves_vllm_and_the_pool_in_step(stack, stream):
+    """``Expect: 100-continue`` is the sidecar's to answer, not vLLM's: the request is billed
+    its tokens, and the next request, another team's on the same upstream connection, gets its
+    own answer (vLLM's interim 100 used to end the exchange unbilled and leave the real answer
+    on the pooled connection for the next request to read)."""
+    body = orjson.dumps({**CHAT, "max_tokens": 12, "ignore_eos": True, "stream": stream})
+    host, port = stack.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+        b"authorization: Bearer %s\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nexpect: 100-continue\r\n\r\n%s"
+        % (KEYS["research"].encode(), len(body), body)
+    )
+    answer = await asyncio.wait_for(reader.read(-1), 30)
+    writer.close()
+    final = answer.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")
+    assert final.startswith(b"HTTP/1.1 200 "), answer[:300]
+    async with stack.client("assistant") as c:
+        after = await c.post("/v1/chat/completions", json={**CHAT, "ignore_eos": True})
+    assert after.status_code == 200
+    assert after.json()["usage"]["completion_tokens"] == 8
+    records = {r["team"]: r for r in await stack.records()}
+    assert (records["research"]["status"], records["research"]["completion_tokens"]) == ("ok", 12)
+    assert (records["assistant"]["status"], records["assistant"]["completion_tokens"]) == ("ok", 8)
+
+
 async def test_model_alias_maps_to_served_version_and_others_are_404(stack):
     """The alias and approved versions are served; anything else is model_not_found."""
     async with stack.client() as c:
