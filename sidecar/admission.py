@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from pydantic import TypeAdapter, ValidationError
 
 from infermeter.auth import Signed, bearer_key
 from infermeter.records import RequestStatus
@@ -67,6 +68,33 @@ _DROP = frozenset(
         b"accept-encoding",
     }
 )
+
+
+# The integer fields the sidecar reads to meter and reserve. vLLM validates its requests with
+# pydantic in lax mode, which takes ``"2"``, ``2.0`` or ``true`` for an integer; read only as
+# ``int`` here, such a value made the sidecar meter one choice of a stream vLLM ran as several,
+# and reserve for one. They are read as vLLM reads them (``_whole``) and sent to it as integers.
+_INTEGERS = ("n", "max_tokens", "max_completion_tokens")
+_LAX_INT: TypeAdapter[int] = TypeAdapter(int)
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as vLLM's validation reads an integer field, or None where it refuses it."""
+    try:
+        return _LAX_INT.validate_python(value)
+    except ValidationError:
+        return None
+
+
+def _integers(body: dict[str, Any]) -> None:
+    """Write the integer fields that are not JSON integers as the integers vLLM reads them as;
+    a value vLLM refuses is left for it to refuse (nothing is generated for it)."""
+    for key in _INTEGERS:
+        value = body.get(key)
+        if value is not None and type(value) is not int:
+            whole = _whole(value)
+            if whole is not None:
+                body[key] = whole
 
 
 class Refusal(Exception):
@@ -220,6 +248,7 @@ def plan(
             "metering_unavailable",
             RequestStatus.REJECTED,
         )
+    _integers(body)
     stream = bool(body.get("stream")) and endpoint != "/v1/embeddings"
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     n_raw = body.get("n")

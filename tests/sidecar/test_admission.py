@@ -8,6 +8,7 @@ import pytest
 from infermeter.auth import AuthError
 from infermeter.records import RequestStatus
 from sidecar.admission import Plan, Refusal, identify, parse_body, plan, upstream_headers
+from sidecar.limits import estimate_prompt_tokens
 from sidecar.state import build_view
 from tests.sidecar.conftest import KEYS, make_config
 
@@ -123,3 +124,21 @@ def test_the_plan_says_when_a_stream_carries_several_choices(
     planned = _plan({"model": "chat-small", "stream": True, **extra}, endpoint)
     assert isinstance(planned, Plan)
     assert planned.choices == choices
+
+
+@pytest.mark.parametrize(
+    ("given", "read"),
+    [("2", 2), (2.0, 2), (" 2 ", 2), (True, 1), (2, 2), ("two", "two"), (2.5, 2.5)],
+)
+def test_integer_fields_are_read_as_vllm_reads_them(given: object, read: object) -> None:
+    """``n`` and ``max_tokens`` that vLLM's validation takes as integers are metered, reserved
+    and forwarded as those integers; what vLLM refuses is forwarded as sent, for it to refuse."""
+    chat = {"model": "chat-small", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    body = {**chat, "n": given, "max_tokens": given}
+    taken = _plan(body)
+    assert isinstance(taken, Plan)
+    assert (taken.body["n"], taken.body["max_tokens"]) == (read, read)
+    if isinstance(read, int) and read > 1:
+        assert taken.choices == read
+        # The prompt's estimate from the body's size, and ``max_tokens`` for each of ``n``.
+        assert taken.reserve_tokens == estimate_prompt_tokens(len(orjson.dumps(body))) + read * read

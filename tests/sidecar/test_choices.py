@@ -58,13 +58,18 @@ async def test_records_of_several_choices_reconcile_with_the_engine(stack):
             ("/v1/completions", {**TEXT, "prompt": ["a b c", "d e f g h"], "n": 2}),
             ("/v1/completions", {**TEXT, "prompt": ["a b c", "d e"]}),
             ("/v1/completions", {**TEXT, "prompt": "a b c d", "n": 2, "stream": True}),
+            # Integers as vLLM's validation takes them: a string, a float, a string with blanks.
+            ("/v1/chat/completions", {**CHAT, "n": "2", "stream": True}),
+            ("/v1/chat/completions", {**CHAT, "n": 2.0}),
+            ("/v1/completions", {**TEXT, "prompt": "a b", "n": " 3 ", "max_tokens": "4"}),
         ]
         for path, body in sent:
             assert (await c.post(path, json=body)).status_code == 200
     t1 = time.time() + 1.0
     after = await _reading(stack.upstream, t1)
     records = await stack.records()
-    assert [r["choices"] for r in records] == [2, 3, 1, 2, 1, 2]
+    assert [r["choices"] for r in records] == [2, 3, 1, 2, 1, 2, 2, 2, 3]
+    assert records[-1]["completion_tokens"] == 3 * 4
     engine_prompt = after["prompt_tokens_total"] - before["prompt_tokens_total"]
     assert sum(r["prompt_tokens"] * r["choices"] for r in records) == engine_prompt
     assert sum(r["prompt_tokens"] for r in records) < engine_prompt
