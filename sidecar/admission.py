@@ -297,11 +297,12 @@ def upstream_headers(view: View, headers: Headers, upstream_key: str | None) -> 
     """
     gateway = view.gateway
     signed = frozenset(h.lower().encode() for h in gateway.headers) if gateway else frozenset()
-    out = {
-        k.decode("latin-1"): v.decode("latin-1")
-        for k, v in headers
-        if k not in _DROP and k not in signed and not k.startswith(b"x-infermeter-")
-    }
+    out: dict[str, str] = {}
+    for k, v in headers:
+        if k not in _DROP and k not in signed and not k.startswith(b"x-infermeter-"):
+            # A header sent twice goes upstream with its first value, the one the sidecar reads
+            # and checks (``first_header``): the last would reach vLLM unchecked.
+            out.setdefault(k.decode("latin-1"), v.decode("latin-1"))
     if "x-request-id" in out and client_request_id(first_header(headers, b"x-request-id")) is None:
         del out["x-request-id"]
     if upstream_key:

@@ -107,6 +107,15 @@ def test_credentials_and_own_headers_never_go_upstream():
     }
 
 
+def test_a_header_sent_twice_goes_upstream_as_the_value_the_sidecar_checked():
+    """vLLM gets the first ``x-request-id``, the one checked, and none when that one is bad:
+    a second one, unchecked, used to replace it (and name vLLM's response id)."""
+    good = [(b"x-request-id", b"my-id-1"), (b"x-request-id", b"<script>" + b"A" * 3000)]
+    bad = [(b"x-request-id", b"<script>"), (b"x-request-id", b"chosen-by-caller")]
+    assert upstream_headers(VIEW, good, None) == {"x-request-id": "my-id-1"}
+    assert upstream_headers(VIEW, bad, None) == {}
+
+
 @pytest.mark.parametrize(
     ("endpoint", "extra", "choices"),
     [
