@@ -7,7 +7,16 @@ import pytest
 
 from infermeter.auth import AuthError
 from infermeter.records import RequestStatus
-from sidecar.admission import Plan, Refusal, identify, parse_body, plan, upstream_headers
+from sidecar.admission import (
+    MAX_JSON_CONTAINERS,
+    MAX_JSON_VALUES,
+    Plan,
+    Refusal,
+    identify,
+    parse_body,
+    plan,
+    upstream_headers,
+)
 from sidecar.limits import estimate_prompt_tokens
 from sidecar.state import build_view
 from tests.sidecar.conftest import KEYS, make_config
@@ -151,3 +160,30 @@ def test_integer_fields_are_read_as_vllm_reads_them(given: object, read: object)
         assert taken.choices == read
         # The prompt's estimate from the body's size, and ``max_tokens`` for each of ``n``.
         assert taken.reserve_tokens == estimate_prompt_tokens(len(orjson.dumps(body))) + read * read
+
+
+@pytest.mark.parametrize(
+    ("raw", "refused"),
+    [
+        (b'{"model":"chat-small","messages":[' + b"[]," * MAX_JSON_CONTAINERS + b"[]]}", True),
+        (b'{"model":"chat-small","prompt":[' + b"1," * MAX_JSON_VALUES + b"1]}", True),
+        # Inside the bounds, however large: a long text, a long prompt of token ids, many messages.
+        (b'{"model":"chat-small","prompt":"' + b"f(a, b) " * 900_000 + b'"}', False),
+        (b'{"model":"chat-small","prompt":[' + b"1," * (MAX_JSON_VALUES - 10) + b"1]}", False),
+        (
+            b'{"model":"chat-small","messages":['
+            + b'{"role":"user","content":"x"},' * (MAX_JSON_CONTAINERS - 10)
+            + b"{}]}",
+            False,
+        ),
+    ],
+)
+def test_a_body_holding_more_than_the_bounds_is_refused_before_it_is_parsed(raw, refused):
+    """More containers or values than the sidecar parses on its loop is a 413 in OpenAI's form;
+    a large body within the bounds is parsed."""
+    out = parse_body(raw)
+    if refused:
+        assert isinstance(out, Refusal)
+        assert (out.status, out.code) == (413, "request_too_large")
+    else:
+        assert isinstance(out, dict)
