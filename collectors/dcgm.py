@@ -14,6 +14,7 @@ so the slices' energy adds up to the board's once, not once per slice.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections import defaultdict
@@ -66,7 +67,7 @@ def _reading(node: str, lab: dict[str, str], row: dict[str, float]) -> GpuReadin
         energy_mj=row.get(ENERGY),
         memory_used_mib=row.get(FB_USED, 0.0),
         memory_free_mib=row.get(FB_FREE, 0.0),
-        xid_errors=int(row.get(XID, 0)),
+        xid_errors=_xid(row.get(XID, 0.0), lab),
         gr_engine_active=row.get(GR_ACTIVE),
         mig_profile=lab.get("GPU_I_PROFILE") or None,
         mig_instance=lab.get("GPU_I_ID") or None,
@@ -75,6 +76,14 @@ def _reading(node: str, lab: dict[str, str], row: dict[str, float]) -> GpuReadin
         namespace=lab.get("namespace") or None,
         container=lab.get("container") or None,
     )
+
+
+def _xid(value: float, lab: dict[str, str]) -> int:
+    """The last XID code as an int; ExpositionError unless it is a whole number (``int`` raises
+    on NaN and infinities, and a page is whatever the exporter, or whatever answers, says)."""
+    if not (math.isfinite(value) and 0 <= value < 2**31 and value == int(value)):
+        raise ExpositionError(f"GPU {lab.get('UUID', '?')}: XID {value!r} is not an XID code")
+    return int(value)
 
 
 def _split_mig_board_values(readings: list[GpuReading]) -> list[GpuReading]:

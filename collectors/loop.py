@@ -1,15 +1,15 @@
 """The scrape loop: read every target, join GPUs to replicas, account energy, hand on samples.
 
 ``FleetCollector.scrape_once`` is one round: every target that is due is read concurrently,
-each under the scrape timeout. A target that fails (down, slow, garbage, no NVML) is marked
-down with its one-line reason; the other targets and the loop go on. How soon it is tried again
-depends on what the failure cost: one that came back at once (a refused connection, an HTTP
-error, a page that is not the exporter's) is tried again next round, because it cost the round
-nothing and an engine that is starting answers so until its server listens, and the first
-reading of a new engine is the baseline reconciliation counts from; one that held a scrape slot
-for half the timeout or more backs off, doubling, up to ``max_backoff_seconds``. The latest
-joined view (GPU and engine samples, target states, running energy totals) stays on the object
-for /metrics to read.
+each under the scrape timeout. A target that fails (down, slow, garbage, no NVML, or a page
+its source raised an unforeseen error on) is marked down with its one-line reason; the other
+targets and the loop go on. How soon it is tried again depends on what the failure cost: one
+that came back at once (a refused connection, an HTTP error, a page that is not the exporter's)
+is tried again next round, because it cost the round nothing and an engine that is starting
+answers so until its server listens, and the first reading of a new engine is the baseline
+reconciliation counts from; one that held a scrape slot for half the timeout or more backs off,
+doubling, up to ``max_backoff_seconds``. The latest joined view (GPU and engine samples, target
+states, running energy totals) stays on the object for /metrics to read.
 
 Engine targets come and go while the loop runs (``replace_engine_sources``, fed by discovery): a
 target that vanished takes its state (up/down, back-off, latest sample) with it, and so does a
@@ -259,6 +259,15 @@ class FleetCollector:
             slow = time.perf_counter() - started >= SLOW_FAILURE_SHARE * timeout
             self._mark_down(state, reason, slow)
             return None
+        except Exception as exc:
+            # A source that fails in a way it did not foresee (a page its parser chokes on) is
+            # that target's failure, not the round's: raised out of the gather, it would cost
+            # every node's and engine's samples for as long as the page is served. The
+            # traceback is logged once per new reason, as the reason itself is.
+            reason = f"unreadable: {type(exc).__name__}: {exc}"[:300]
+            slow = time.perf_counter() - started >= SLOW_FAILURE_SHARE * timeout
+            self._mark_down(state, reason, slow, exc)
+            return None
         finally:
             state.scrape_seconds = time.perf_counter() - started
         if not state.up:
@@ -267,10 +276,22 @@ class FleetCollector:
         state.last_error, state.next_attempt = None, 0.0
         return self.clock(), reading
 
-    def _mark_down(self, state: TargetState, reason: str, slow: bool) -> None:
-        """Down with ``reason``; a ``slow`` failure backs off, a quick one is due next round."""
+    def _mark_down(
+        self, state: TargetState, reason: str, slow: bool, unexpected: BaseException | None = None
+    ) -> None:
+        """Down with ``reason``; a ``slow`` failure backs off, a quick one is due next round.
+
+        ``unexpected`` is an error the source did not turn into a ScrapeError: its traceback
+        goes with the log line, which says where the source must learn to refuse such a page.
+        """
         if state.up or state.failures == 0 or reason != state.last_error:
-            log.warning("%s target %s is down: %s", state.kind, state.target, reason)
+            log.warning(
+                "%s target %s is down: %s",
+                state.kind,
+                state.target,
+                reason,
+                exc_info=unexpected,
+            )
         state.up = False
         state.failures += 1
         state.slow_failures = state.slow_failures + 1 if slow else 0

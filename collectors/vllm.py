@@ -59,11 +59,28 @@ def kv_cache_tokens(info: list[Sample]) -> float | None:
     """
     total, known = 0.0, False
     for labels, _ in info:
-        blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
-        if blocks.isdigit() and size.isdigit() and int(blocks) > 0 and int(size) > 0:
-            total += int(blocks) * int(size)
+        blocks = _whole_number(labels.get("num_gpu_blocks", ""))
+        size = _whole_number(labels.get("block_size", ""))
+        if blocks and size:
+            total += blocks * size
             known = True
     return total if known else None
+
+
+# Far above any real KV cache (10**18 blocks), and short enough that int() never refuses it:
+# Python will not convert a string of more than 4,300 digits.
+_MAX_DIGITS = 18
+
+
+def _whole_number(text: str) -> int | None:
+    """``text`` as a whole number, or None unless it is 1 to 18 ASCII digits.
+
+    ``str.isdigit`` alone is not enough: it is true for "²" and other Unicode digits that
+    ``int`` refuses, and a label is whatever the page says.
+    """
+    if not (0 < len(text) <= _MAX_DIGITS and text.isascii() and text.isdigit()):
+        return None
+    return int(text)
 
 
 def _sum(samples: list[Sample]) -> float:

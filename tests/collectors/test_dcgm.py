@@ -81,3 +81,11 @@ def test_page_without_dcgm_fields_is_refused():
     """A valid exposition with no DCGM fields is not a dcgm-exporter page."""
     with pytest.raises(ExpositionError, match="no DCGM_FI_"):
         dcgm_readings("up 1\n", "n")
+
+
+@pytest.mark.parametrize("xid", ["NaN", "+Inf", "-Inf", "-1", "43.5"])
+def test_an_xid_that_is_not_a_code_is_refused_as_a_bad_page(xid):
+    """An XID of NaN, infinity, a negative or a fraction makes the page the exporter's error."""
+    page = 'DCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-a"} ' + xid + "\n"
+    with pytest.raises(ExpositionError, match="XID"):
+        dcgm_readings(page, "n")

@@ -325,3 +325,61 @@ async def test_a_gpu_seen_before_its_pod_was_discovered_is_joined_once_it_is(con
     second = await collector.scrape_once()
     assert [(s.replica, s.instance) for s in first.gpus] == [(None, None)]
     assert [(s.replica, s.instance) for s in second.gpus] == [("small-0", "chat-0")]
+
+
+class _Broken:
+    """A node whose source fails in a way it did not foresee."""
+
+    target, kind = "node-b", "fake"
+
+    async def read(self) -> list[GpuReading]:
+        """Raise what a parser bug would."""
+        raise ValueError("invalid literal for int() with base 10: '\u00b2'")
+
+
+async def test_a_source_that_raises_unexpectedly_fails_alone(config):
+    """One target's unforeseen error marks it down; the other nodes' samples are still taken."""
+    collector = FleetCollector(config, [FakeGpuSource("node-a", [[reading()]]), _Broken()], [])
+    batch = await collector.scrape_once()
+    assert [s.node for s in batch.gpus] == ["node-a"]
+    state = collector.states[("node-b", "fake")]
+    assert (state.up, state.errors_total) == (False, 1)
+    assert (
+        state.last_error
+        == "unreadable: ValueError: invalid literal for int() with base 10: '\u00b2'"
+    )
+    assert collector.states[("node-a", "fake")].up
+
+
+async def test_a_hostile_engine_page_costs_no_other_target_its_samples(config):
+    """Over loopback: a vLLM page with a '\u00b2' block count, beside a node and a good engine, all read."""
+    good = b"vllm:num_requests_running 1\nvllm:num_requests_waiting 2\n"
+    evil = good + 'vllm:cache_config_info{num_gpu_blocks="\u00b2",block_size="16"} 1\n'.encode()
+    dcgm = b'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-a"} 50\nDCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-a"} NaN\n'
+    async with (
+        serving(text_app(good)) as good_url,
+        serving(text_app(evil)) as evil_url,
+        serving(text_app(dcgm)) as dcgm_url,
+        serving(text_app(dcgm.replace(b"NaN", b"0"))) as dcgm_ok_url,
+        httpx.AsyncClient() as client,
+    ):
+        collector = FleetCollector(
+            config,
+            [
+                DcgmSource("node-a", f"{dcgm_url}/metrics", client, 2.0),
+                DcgmSource("node-b", f"{dcgm_ok_url}/metrics", client, 2.0),
+            ],
+            [
+                VllmSource("small-0", f"{good_url}/metrics", client, 2.0),
+                VllmSource("small-1", f"{evil_url}/metrics", client, 2.0),
+            ],
+        )
+        batch = await collector.scrape_once()
+    assert [s.node for s in batch.gpus] == ["node-b"]
+    assert sorted(e.replica for e in batch.engines) == ["small-0", "small-1"]
+    assert [e.kv_cache_tokens for e in batch.engines] == [None, None]
+    node_a = collector.states[("node-a", "dcgm")]
+    assert not node_a.up
+    assert "not a dcgm-exporter page: GPU GPU-a: XID nan is not an XID code" in (
+        node_a.last_error or ""
+    )

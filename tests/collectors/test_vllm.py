@@ -66,3 +66,13 @@ def test_the_simulated_engine_publishes_its_profile_capacity():
     metrics["num_requests_running"].set(3)
     reading = engine_reading(generate_latest(metrics.registry).decode())
     assert (reading.requests_running, reading.kv_cache_tokens) == (3.0, 120_000)
+
+
+@pytest.mark.parametrize("blocks", ["\u00b2", "9" * 5000, "\uff11\uff12", ""])
+def test_a_block_count_that_is_not_plain_digits_leaves_the_capacity_unknown(blocks):
+    """A superscript or full-width digit, or a number of 5,000 digits, is no capacity, not a crash."""
+    text = (
+        "vllm:num_requests_running 1\n"
+        f'vllm:cache_config_info{{num_gpu_blocks="{blocks}",block_size="16"}} 1\n'
+    )
+    assert engine_reading(text).kv_cache_tokens is None
