@@ -35,6 +35,7 @@ from collectors.sources import (
     GpuReading,
     GpuSource,
     ScrapeError,
+    screen_gpu_readings,
 )
 from infermeter.config import Config
 from infermeter.ids import sample_id
@@ -81,6 +82,10 @@ class TargetState:
     last_error: str | None = None
     scrape_seconds: float = 0.0
     errors_total: int = 0
+    # Values a page gave that could not be true (``screen_gpu_readings``), and the first of the
+    # last round's, so a target that starts or stops sending them is logged once, not per round.
+    refused_values_total: int = 0
+    refusing: str | None = None
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,9 @@ class FleetCollector:
         for source, result in zip(gpu_due, results[: len(gpu_due)], strict=True):
             if result is not None:
                 assert isinstance(result[1], list)
-                batch.gpus.extend(self._gpu_samples(source.target, result[0], result[1]))
+                readings, refused = screen_gpu_readings(result[1])
+                self._note_refused(source, refused)
+                batch.gpus.extend(self._gpu_samples(source.target, result[0], readings))
             else:
                 self.gpus.pop(source.target, None)
         for esource, result in zip(engine_due, results[len(gpu_due) :], strict=True):
@@ -304,6 +311,25 @@ class FleetCollector:
         )
         # Due again one interval early, so the next round that falls after the wait picks it up.
         state.next_attempt = self.clock() + wait - self.settings.scrape_interval_seconds
+
+    def _note_refused(self, source: GpuSource, refused: list[str]) -> None:
+        """Count the values refused in a target's page; log when it starts or stops sending them."""
+        state = self.states.get((source.target, source.kind))
+        if state is None:
+            return
+        state.refused_values_total += len(refused)
+        first = refused[0] if refused else None
+        if first is not None and state.refusing is None:
+            log.warning(
+                "%s target %s sends values that cannot be true, refused: %s%s",
+                state.kind,
+                state.target,
+                ", ".join(refused[:4]),
+                f" and {len(refused) - 4} more" if len(refused) > 4 else "",
+            )
+        elif first is None and state.refusing is not None:
+            log.info("%s target %s sends believable values again", state.kind, state.target)
+        state.refusing = first
 
     def _gpu_samples(self, target: str, t: float, readings: list[GpuReading]) -> list[GpuSample]:
         """One sample per reading, joined to its owner.

@@ -219,12 +219,18 @@ class FleetMetrics(Collector):
             "Failed scrapes of the target.",
             labels=TARGET_LABELS,
         )
+        refused = CounterMetricFamily(
+            "infermeter_collector_refused_values",
+            "Values the target sent that cannot be true (NaN, infinite, negative), not used.",
+            labels=TARGET_LABELS,
+        )
         for state in c.states.values():
             labels = [state.target, state.kind]
             up.add_metric(labels, 1.0 if state.up else 0.0)
             took.add_metric(labels, state.scrape_seconds)
             errors.add_metric(labels, state.errors_total)
-        yield from (up, took, errors)
+            refused.add_metric(labels, state.refused_values_total)
+        yield from (up, took, errors, refused)
         yield CounterMetricFamily(
             "infermeter_collector_gaps",
             "GPU intervals recorded as gaps (no energy).",

@@ -8,10 +8,18 @@ the loop marks the target down and backs off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-__all__ = ["EngineReading", "EngineSource", "GpuReading", "GpuSource", "ScrapeError"]
+__all__ = [
+    "EngineReading",
+    "EngineSource",
+    "GpuReading",
+    "GpuSource",
+    "ScrapeError",
+    "screen_gpu_readings",
+]
 
 
 class ScrapeError(Exception):
@@ -71,6 +79,44 @@ class EngineReading:
     prefix_cache_hits_total: float
     preemptions_total: float
     kv_cache_tokens: float | None = None  # the engine's KV-cache capacity, when it says
+
+
+# The measures of a reading that must be finite and not negative to be believed.
+_GPU_MEASURES = ("utilization", "power_watts", "memory_used_mib", "memory_free_mib")
+
+
+def _believable(value: float) -> bool:
+    return math.isfinite(value) and value >= 0.0
+
+
+def screen_gpu_readings(readings: list[GpuReading]) -> tuple[list[GpuReading], list[str]]:
+    """The readings fit to sample, and one line per value refused (``<node>/<gpu> field=value``).
+
+    Every value a GPU reports is a gauge or counter that cannot be negative, and NaN or an
+    infinity is no measurement at all. Taken as-is, one NaN power made the board's energy, and
+    every running total it was added to, NaN for the rest of the process, and spooled as JSON
+    null (energy "unknown" on a sample that says it is no gap); a negative energy counter read
+    as a reset and gave negative energy. What is done instead is what tells the least untruth:
+
+    - an energy counter refused is treated as missing: the board is measured from its power, as
+      a board without a counter is, so its time and energy are still billed;
+    - any other measure refused (power, utilization, memory) leaves the GPU out of this round.
+      There is no "unknown" to put in its place, and a zero would be invented (a counter-less
+      board's energy is integrated from its power). Its previous reading stays the baseline, so
+      the next good reading measures the whole interval from the counter, or past the gap limit
+      is a gap, as after any missed reading.
+    """
+    fit: list[GpuReading] = []
+    refused: list[str] = []
+    for r in readings:
+        bad = [f"{f}={getattr(r, f)!r}" for f in _GPU_MEASURES if not _believable(getattr(r, f))]
+        counter_bad = r.energy_mj is not None and not _believable(r.energy_mj)
+        refused.extend(f"{r.node}/{r.slot} {b}" for b in bad)
+        if counter_bad:
+            refused.append(f"{r.node}/{r.slot} energy_mj={r.energy_mj!r}")
+        if not bad:
+            fit.append(replace(r, energy_mj=None) if counter_bad else r)
+    return fit, refused
 
 
 class GpuSource(Protocol):

@@ -11,6 +11,8 @@ sizes batches against). A replica with several engines (data parallel) reports o
 
 from __future__ import annotations
 
+import math
+
 import httpx
 
 from collectors.dcgm import fetch_text
@@ -37,6 +39,7 @@ def engine_reading(text: str) -> EngineReading:
     s = parse_samples(text, VLLM_FIELDS)
     if not s["vllm:num_requests_running"]:
         raise ExpositionError("no vllm:num_requests_running in the page")
+    _refuse_impossible(s)
     kv = [v for _, v in s["vllm:kv_cache_usage_perc"]]
     return EngineReading(
         requests_running=_sum(s["vllm:num_requests_running"]),
@@ -81,6 +84,27 @@ def _whole_number(text: str) -> int | None:
     if not (0 < len(text) <= _MAX_DIGITS and text.isascii() and text.isdigit()):
         return None
     return int(text)
+
+
+# Past 2**53 a float no longer holds every whole number: no count an engine keeps gets there.
+_MAX_COUNT = float(2**53)
+
+
+def _refuse_impossible(s: dict[str, list[Sample]]) -> None:
+    """ExpositionError when a count, counter or ratio read is NaN, infinite, negative or > 2**53.
+
+    The whole page is refused, and the engine marked down with the series named, rather than
+    the one value dropped: an engine reading has no "unknown" to put in its place, and a zero
+    would be a lie someone acts on (a queue of 0 hides load from the autoscaler, a counter of 0
+    reads as an engine restart). NaN also reached the spool as JSON null. The info gauge's value
+    means nothing (its labels are read) and is not checked.
+    """
+    for name, found in s.items():
+        if name == "vllm:cache_config_info":
+            continue
+        for _, value in found:
+            if not (math.isfinite(value) and 0.0 <= value <= _MAX_COUNT):
+                raise ExpositionError(f"{name} is {value!r}: a count cannot be")
 
 
 def _sum(samples: list[Sample]) -> float:

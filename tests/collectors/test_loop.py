@@ -383,3 +383,61 @@ async def test_a_hostile_engine_page_costs_no_other_target_its_samples(config):
     assert "not a dcgm-exporter page: GPU GPU-a: XID nan is not an XID code" in (
         node_a.last_error or ""
     )
+
+
+async def test_a_nan_power_is_refused_and_the_next_reading_measures_the_whole_interval(config):
+    """A NaN power leaves the GPU out of that round; energy and the totals stay true and finite."""
+    t = [1000.0]
+    script: list[list[GpuReading] | ScrapeError] = [
+        [reading(energy_mj=None, power_watts=w)] for w in (300.0, float("nan"), 300.0, 300.0)
+    ]
+    collector = FleetCollector(config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0])
+    rounds = []
+    for step in (0, 5, 5, 5):
+        t[0] += step
+        batch = await collector.scrape_once()
+        rounds.append([(s.interval_seconds, s.energy_joules, s.power_watts) for s in batch.gpus])
+    assert rounds == [[(0.0, 0.0, 300.0)], [], [(10.0, 3000.0, 300.0)], [(5.0, 1500.0, 300.0)]]
+    assert collector.gpu_energy_joules == {("node-a", "0"): 4500.0}
+    assert collector.replica_energy_joules == {"large-0": 4500.0}
+    state = collector.states[("node-a", "fake")]
+    assert (state.refused_values_total, state.refusing, state.up) == (1, None, True)
+
+
+async def test_an_impossible_energy_counter_is_refused_and_power_measures_instead(config):
+    """A negative or NaN counter is no reset: the interval's energy comes from power, never < 0."""
+    t = [1000.0]
+    script: list[list[GpuReading] | ScrapeError] = [
+        [reading(energy_mj=e, power_watts=300.0)] for e in (1_000_000.0, -5_000_000.0, float("nan"))
+    ]
+    collector = FleetCollector(config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0])
+    energies: list[tuple[float | None, bool]] = []
+    for step in (0, 5, 5):
+        t[0] += step
+        batch = await collector.scrape_once()
+        energies.extend((s.energy_joules, s.gap) for s in batch.gpus)
+    assert energies == [(0.0, False), (1500.0, False), (1500.0, False)]
+    assert collector.states[("node-a", "fake")].refused_values_total == 2
+
+
+async def test_an_engine_page_with_a_nan_queue_is_down_and_spools_nothing(config):
+    """Over loopback: a NaN queue marks that engine down with the series named; no sample of it."""
+    good = b"vllm:num_requests_running 1\nvllm:num_requests_waiting 2\n"
+    async with (
+        serving(text_app(good)) as good_url,
+        serving(text_app(good.replace(b"waiting 2", b"waiting NaN"))) as nan_url,
+        httpx.AsyncClient() as client,
+    ):
+        collector = FleetCollector(
+            config,
+            [],
+            [
+                VllmSource("small-0", f"{good_url}/metrics", client, 2.0),
+                VllmSource("small-1", f"{nan_url}/metrics", client, 2.0),
+            ],
+        )
+        batch = await collector.scrape_once()
+    assert [(e.replica, e.requests_waiting) for e in batch.engines] == [("small-0", 2.0)]
+    state = collector.states[("small-1", "vllm")]
+    assert not state.up
+    assert "vllm:num_requests_waiting is nan" in (state.last_error or "")

@@ -125,3 +125,18 @@ async def test_serve_collector_runs_with_every_target_down(config, tmp_path):
         await asyncio.gather(task, return_exceptions=True)
     assert 'infermeter_collector_target_up{kind="dcgm",target="node-a"} 0.0' in text
     assert (tmp_path / "gpu_samples").is_dir()
+
+
+async def test_refused_values_are_counted_per_target(config):
+    """A NaN utilization and a negative counter from one node: two refused values on its series."""
+    gpus = [
+        reading(gpu="0", uuid="GPU-a0", utilization=float("nan")),
+        reading(gpu="1", uuid="GPU-a1", energy_mj=-1.0),
+    ]
+    collector = FleetCollector(config, [FakeGpuSource("node-a", [gpus])], [])
+    batch = await collector.scrape_once()
+    registry = CollectorRegistry()
+    registry.register(FleetMetrics(collector))
+    target = {"target": "node-a", "kind": "fake"}
+    assert registry.get_sample_value("infermeter_collector_refused_values_total", target) == 2
+    assert [(s.gpu, s.energy_joules) for s in batch.gpus] == [("1", 0.0)]

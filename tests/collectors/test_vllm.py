@@ -76,3 +76,11 @@ def test_a_block_count_that_is_not_plain_digits_leaves_the_capacity_unknown(bloc
         f'vllm:cache_config_info{{num_gpu_blocks="{blocks}",block_size="16"}} 1\n'
     )
     assert engine_reading(text).kv_cache_tokens is None
+
+
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf", "-1e9", "1e300"])
+def test_an_impossible_count_refuses_the_page_naming_the_series(value):
+    """A queue of NaN, infinity or a negative is no queue: the page is refused, not read as 0."""
+    text = f"vllm:num_requests_running 1\nvllm:num_requests_waiting {value}\n"
+    with pytest.raises(ExpositionError, match="vllm:num_requests_waiting is"):
+        engine_reading(text)
