@@ -19,13 +19,14 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import replace
+from typing import Final
 
 import httpx
 
 from collectors.exposition import ExpositionError, parse_samples
 from collectors.sources import GpuReading, ScrapeError
 
-__all__ = ["DCGM_FIELDS", "DcgmSource", "dcgm_readings"]
+__all__ = ["DCGM_FIELDS", "MAX_PAGE_BYTES", "DcgmSource", "dcgm_readings", "fetch_text"]
 
 UTIL = "DCGM_FI_DEV_GPU_UTIL"
 GR_ACTIVE = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
@@ -147,21 +148,49 @@ class DcgmSource:
         return readings
 
 
+# The largest page read. A real dcgm-exporter page is about 9 KB per GPU (the 1-GPU capture in
+# tests/fixtures is 11 KB with its comments), so 8 boards are some 75 KB, and 8 boards of 7 MIG
+# slices each some 0.5 MB; vLLM's page is 52 KB. 8 MiB is 16 times the largest of these. Read
+# whole, a 15 MiB page cost some 400 MiB of memory and half a second of the event loop, and up
+# to 32 scrapes run at once.
+MAX_PAGE_BYTES: Final = 8 * 2**20
+
+
 async def fetch_text(
     client: httpx.AsyncClient,
     url: str,
     timeout_seconds: float,
     headers: dict[str, str] | None = None,
+    max_bytes: int = MAX_PAGE_BYTES,
 ) -> str:
-    """GET ``url`` and return its body; ScrapeError on any HTTP failure or non-200 answer."""
+    """GET ``url`` and return its body; ScrapeError on any HTTP failure or non-200 answer.
+
+    The body is streamed and the read given up past ``max_bytes`` (at once when Content-Length
+    says so), so a page too big to be an exporter's costs at most that much memory.
+    """
     try:
-        response = await client.get(url, timeout=timeout_seconds, headers=headers)
+        async with client.stream("GET", url, timeout=timeout_seconds, headers=headers) as response:
+            if response.status_code != 200:
+                raise ScrapeError(f"{url}: HTTP {response.status_code}")
+            body = await _read_capped(url, response, max_bytes)
     except httpx.TimeoutException:
         raise ScrapeError(f"{url}: no answer within {timeout_seconds:g} s") from None
     except httpx.HTTPError as exc:
         raise ScrapeError(
             f"{url}: {type(exc).__name__}: {str(exc) or 'connection failed'}"
         ) from None
-    if response.status_code != 200:
-        raise ScrapeError(f"{url}: HTTP {response.status_code}")
-    return response.text
+    return body.decode(response.encoding or "utf-8", errors="replace")
+
+
+async def _read_capped(url: str, response: httpx.Response, max_bytes: int) -> bytes:
+    too_big = f"{url}: page over the {max_bytes:,} bytes a metrics page may have"
+    declared = response.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
+        raise ScrapeError(f"{too_big} (Content-Length: {declared})")
+    chunks, size = [], 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ScrapeError(too_big)
+        chunks.append(chunk)
+    return b"".join(chunks)

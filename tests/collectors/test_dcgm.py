@@ -1,12 +1,20 @@
-"""dcgm-exporter pages become GPU readings: the real capture, the simulator's, and MIG slices."""
+"""dcgm-exporter pages become GPU readings: the real capture, the simulator's, MIG slices, and
+pages too big to be an exporter's."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
+import httpx
 import pytest
 
-from collectors.dcgm import dcgm_readings
-from collectors.exposition import ExpositionError
+from collectors.dcgm import DCGM_FIELDS, MAX_PAGE_BYTES, DcgmSource, dcgm_readings
+from collectors.exposition import MAX_LINES, ExpositionError, parse_samples
+from collectors.sources import ScrapeError
+from collectors.vllm import VllmSource
 from simulator.dcgm import DcgmGpu, render
+from tests.collectors.fakes import Receive, Scope, Send
+from tests.servers import serving
 
 MIG_PAGE = """\
 # HELP DCGM_FI_DEV_POWER_USAGE Power draw (in W).
@@ -89,3 +97,56 @@ def test_an_xid_that_is_not_a_code_is_refused_as_a_bad_page(xid):
     page = 'DCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-a"} ' + xid + "\n"
     with pytest.raises(ExpositionError, match="XID"):
         dcgm_readings(page, "n")
+
+
+def _page_app(
+    body: bytes, declare_length: bool
+) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """A server answering with ``body`` in 64 KiB pieces, with or without a Content-Length."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        headers = [(b"content-type", b"text/plain")]
+        if declare_length:
+            headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for at in range(0, len(body), 2**16):
+            chunk = body[at : at + 2**16]
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+# A valid vLLM page made 12 MiB by comment lines, as the audit's 15 MiB one was.
+_HUGE = b"##\n" * (12 * 2**20 // 3) + b"vllm:num_requests_running 1\n"
+
+
+@pytest.mark.parametrize("declare_length", [True, False], ids=["content-length", "chunked"])
+async def test_a_page_over_the_size_cap_is_a_scrape_error_naming_it(declare_length):
+    """12 MiB where a metrics page should be: refused with the 8 MiB cap named, not parsed."""
+    async with (
+        serving(_page_app(_HUGE, declare_length)) as url,
+        httpx.AsyncClient() as client,
+    ):
+        source = VllmSource("small-0", f"{url}/metrics", client, 5.0)
+        with pytest.raises(ScrapeError) as caught:
+            await source.read()
+    message = str(caught.value)
+    assert f"page over the {MAX_PAGE_BYTES:,} bytes a metrics page may have" in message
+    assert ("Content-Length: " in message) is declare_length
+
+
+async def test_a_page_under_the_size_cap_is_read_whole(fixture_text):
+    """A real capture streamed in pieces, without a length, reads back as the same GPU."""
+    page = fixture_text("dcgm-exporter-rtx4000ada-k8s.prom").encode()
+    async with serving(_page_app(page, False)) as url, httpx.AsyncClient() as client:
+        [r] = await DcgmSource("node-x", f"{url}/metrics", client, 5.0).read()
+    assert r.energy_mj == 455497156.0
+
+
+def test_a_page_of_too_many_lines_is_refused():
+    """More lines than any metrics page has: refused before they are split into strings."""
+    with pytest.raises(ExpositionError, match="more than the 100,000 lines"):
+        parse_samples("#\n" * (MAX_LINES + 1), DCGM_FIELDS)
