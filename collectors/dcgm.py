@@ -39,20 +39,39 @@ DCGM_FIELDS = (UTIL, GR_ACTIVE, POWER, ENERGY, FB_USED, FB_FREE, XID)
 
 _COMPUTE_SLICES = re.compile(r"^(\d+)g\.")
 
+_Board = tuple[str, str]  # UUID, GPU_I_ID ('' for a whole GPU)
+_Pod = tuple[str, str]  # namespace, pod
+
 
 def dcgm_readings(text: str, node: str) -> list[GpuReading]:
-    """Every GPU and MIG slice in one dcgm-exporter page; ExpositionError if it is not one."""
+    """Every GPU and MIG slice in one dcgm-exporter page; ExpositionError if it is not one.
+
+    A board that several pods share by time-slicing is repeated by dcgm-exporter once per pod,
+    with that pod's labels: it gives one reading per pod (the same board values, each pod's
+    labels), so the loop can split the board among them. Keyed by board alone, the first pod's
+    labels won and that pod paid for the whole board. A series without pod labels holds for
+    every pod of its board.
+    """
     samples = parse_samples(text, DCGM_FIELDS)
-    rows: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
-    labels: dict[tuple[str, str], dict[str, str]] = {}
+    board_rows: dict[_Board, dict[str, float]] = defaultdict(dict)
+    pod_rows: dict[_Board, dict[_Pod, dict[str, float]]] = defaultdict(dict)
+    labels: dict[tuple[_Board, _Pod | None], dict[str, str]] = {}
     for name, found in samples.items():
         for lab, value in found:
-            key = (lab.get("UUID", ""), lab.get("GPU_I_ID", ""))
-            rows[key][name] = value
-            labels.setdefault(key, lab)
-    if not rows:
+            board = (lab.get("UUID", ""), lab.get("GPU_I_ID", ""))
+            pod = (lab.get("namespace", ""), lab["pod"]) if lab.get("pod") else None
+            if pod is None:
+                board_rows[board][name] = value
+            else:
+                pod_rows[board].setdefault(pod, {})[name] = value
+            labels.setdefault((board, pod), lab)
+    if not labels:
         raise ExpositionError("no DCGM_FI_ GPU metrics in the page")
-    readings = [_reading(node, labels[key], row) for key, row in rows.items()]
+    readings = []
+    for board in dict.fromkeys(board for board, _ in labels):  # in the page's order
+        shared = board_rows.get(board, {})
+        for pod, own in pod_rows.get(board, {None: {}}).items():
+            readings.append(_reading(node, labels[(board, pod)], {**shared, **own}))
     return _split_mig_board_values(readings)
 
 
@@ -96,9 +115,10 @@ def _split_mig_board_values(readings: list[GpuReading]) -> list[GpuReading]:
         return readings
     share: dict[tuple[str, str, str], float] = {}
     for board in slices.values():
-        weights = [_compute_slices(r.mig_profile) for r in board]
-        for r, w in zip(board, weights, strict=True):
-            share[r.key] = w / sum(weights)
+        # One weight per slice, however many pods time-slice it (each has its own reading).
+        weights = {r.key: _compute_slices(r.mig_profile) for r in board}
+        for key, w in weights.items():
+            share[key] = w / sum(weights.values())
     out = []
     for r in readings:
         f = share.get(r.key)

@@ -100,3 +100,20 @@ class FakeInstance(FakeEngine):
 
     def __init__(self, pod: str) -> None:
         self.target = self.instance = pod
+
+
+def shared_board_page(energy_mj: int, mig: bool = False) -> str:
+    """One board time-sliced by pods a and b, as dcgm-exporter with pod mapping writes it."""
+    extra = ',GPU_I_PROFILE="1g.10gb",GPU_I_ID="1"' if mig else ""
+    lines = []
+    for pod in ("pod-a", "pod-b"):
+        lab = f'gpu="3",UUID="GPU-3333",modelName="NVIDIA L40S"{extra},namespace="ns",pod="{pod}",container="vllm"'
+        lines += [
+            f"DCGM_FI_DEV_GPU_UTIL{{{lab}}} 80",
+            f"DCGM_FI_DEV_POWER_USAGE{{{lab}}} 300",
+            f"DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{{{lab}}} {energy_mj}",
+        ]
+    if mig:
+        lab = 'gpu="3",UUID="GPU-3333",modelName="NVIDIA L40S",GPU_I_PROFILE="3g.40gb",GPU_I_ID="2"'
+        lines += [f"DCGM_FI_DEV_POWER_USAGE{{{lab}}} 300"]
+    return "\n".join(lines) + "\n"

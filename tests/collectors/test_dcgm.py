@@ -13,7 +13,7 @@ from collectors.exposition import MAX_LINES, ExpositionError, parse_samples
 from collectors.sources import ScrapeError
 from collectors.vllm import VllmSource
 from simulator.dcgm import DcgmGpu, render
-from tests.collectors.fakes import Receive, Scope, Send
+from tests.collectors.fakes import Receive, Scope, Send, shared_board_page
 from tests.servers import serving
 
 MIG_PAGE = """\
@@ -150,3 +150,22 @@ def test_a_page_of_too_many_lines_is_refused():
     """More lines than any metrics page has: refused before they are split into strings."""
     with pytest.raises(ExpositionError, match="more than the 100,000 lines"):
         parse_samples("#\n" * (MAX_LINES + 1), DCGM_FIELDS)
+
+
+def test_a_time_sliced_board_gives_one_reading_per_pod():
+    """Each pod sharing a board has its own reading, with the board's values and its own labels."""
+    readings = dcgm_readings(shared_board_page(1_000_000), "node-a")
+    assert [(r.key, r.pod, r.power_watts, r.energy_mj) for r in readings] == [
+        (("node-a", "GPU-3333", ""), "pod-a", 300.0, 1_000_000.0),
+        (("node-a", "GPU-3333", ""), "pod-b", 300.0, 1_000_000.0),
+    ]
+
+
+def test_a_time_sliced_mig_slice_keeps_its_compute_share():
+    """Two pods on a 1g slice beside a 3g one: the slice is still a quarter of the board."""
+    readings = dcgm_readings(shared_board_page(1_000_000, mig=True), "node-a")
+    assert [(r.slot, r.pod, r.share, r.power_watts) for r in readings] == [
+        ("3/1", "pod-a", 0.25, 75.0),
+        ("3/1", "pod-b", 0.25, 75.0),
+        ("3/2", None, 0.75, 225.0),
+    ]

@@ -17,7 +17,16 @@ from collectors.targets import EngineTarget, placements
 from collectors.vllm import VllmSource
 from infermeter.spool import read_segment
 from simulator.replica import ReplicaSim, replica_spec
-from tests.collectors.fakes import FakeGpuSource, hanging_app, reading, text_app
+from tests.collectors.fakes import (
+    FakeGpuSource,
+    Receive,
+    Scope,
+    Send,
+    hanging_app,
+    reading,
+    shared_board_page,
+    text_app,
+)
 from tests.servers import serving
 
 
@@ -441,3 +450,37 @@ async def test_an_engine_page_with_a_nan_queue_is_down_and_spools_nothing(config
     state = collector.states[("small-1", "vllm")]
     assert not state.up
     assert "vllm:num_requests_waiting is nan" in (state.last_error or "")
+
+
+async def test_a_time_sliced_board_from_a_real_page_is_split_among_its_pods(config):
+    """Over loopback, dcgm-exporter's page of a board shared by two pods: half the board each."""
+    pages = [shared_board_page(1_000_000).encode(), shared_board_page(1_600_000).encode()]
+
+    async def exporter(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await text_app(pages.pop(0) if len(pages) > 1 else pages[0])(scope, receive, send)
+
+    placed = placements(
+        {
+            pod: EngineTarget(
+                replica,
+                f"http://10.0.0.{i}:9000/engine/metrics",
+                pod,
+                node="node-a",
+                namespace="ns",
+            )
+            for i, (pod, replica) in enumerate((("pod-a", "small-0"), ("pod-b", "small-1")))
+        }
+    )
+    t = [1000.0]
+    async with serving(exporter) as url, httpx.AsyncClient() as client:
+        source = DcgmSource("node-a", f"{url}/metrics", client, 2.0)
+        collector = FleetCollector(config, [source], [], clock=lambda: t[0])
+        collector.place(placed)
+        await collector.scrape_once()
+        t[0] += 10
+        batch = await collector.scrape_once()
+    assert sorted(
+        (s.instance, s.replica, s.share, s.energy_joules, s.power_watts) for s in batch.gpus
+    ) == [("pod-a", "small-0", 0.5, 300.0, 150.0), ("pod-b", "small-1", 0.5, 300.0, 150.0)]
+    assert collector.replica_energy_joules == {"small-0": 300.0, "small-1": 300.0}
