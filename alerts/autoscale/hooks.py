@@ -18,7 +18,7 @@ from typing import ClassVar, Protocol
 
 import httpx
 import orjson
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from tenacity import (
     AsyncRetrying,
     retry_if_exception_type,
@@ -66,7 +66,8 @@ class Hook(Protocol):
 
 
 class ScalingGauges:
-    """``infermeter_desired_replicas{model}`` and ``infermeter_current_replicas{model}``."""
+    """``infermeter_desired_replicas{model}`` and ``infermeter_current_replicas{model}``, and
+    the autoscaler's own health: unread pages, failed ticks, the last tick's time, hook failures."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -80,6 +81,21 @@ class ScalingGauges:
             "infermeter_current_replicas",
             "Replicas of the model serving now, as the autoscaler observed them.",
             ["model"],
+            registry=self.registry,
+        )
+        self.unread_pages = Gauge(
+            "infermeter_autoscale_unread_pages",
+            "Pages (collector and sidecars) the last tick could not fetch or read.",
+            registry=self.registry,
+        )
+        self.tick_failures = Counter(
+            "infermeter_autoscale_tick_failures",
+            "Ticks that failed with an error nobody foresaw; the next tick tries again.",
+            registry=self.registry,
+        )
+        self.last_tick = Gauge(
+            "infermeter_autoscale_last_tick_timestamp_seconds",
+            "When the policy last decided: the desired counts served are from then.",
             registry=self.registry,
         )
         self.hook_errors = Gauge(

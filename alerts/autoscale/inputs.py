@@ -1,7 +1,8 @@
 """The policy's inputs, from /metrics pages (collector and sidecars) or from Prometheus.
 
-Parsing and arithmetic are pure: ``parse_pages`` turns exposition text into a ``Scrape`` (gauges
-plus cumulative counters), and ``observations`` turns two consecutive scrapes into one
+Parsing and arithmetic are pure: ``read_page`` turns one page's exposition text into samples
+(``PageError`` when it is not that format), ``scrape_of`` turns the pages' samples into a
+``Scrape`` (gauges plus cumulative counters), and ``observations`` turns two consecutive scrapes into one
 ``Observation`` per model: rates and the TTFT p95 come from the counters' increase between the
 two, so they describe the last interval, not the process lifetime. ``PrometheusSource`` asks a
 Prometheus server the same questions in PromQL instead. Fetching lives in ``service``.
@@ -21,12 +22,16 @@ from alerts.autoscale.policy import Observation
 
 __all__ = [
     "PROMQL",
+    "PageError",
     "PrometheusSource",
+    "Sample",
     "Scrape",
     "histogram_quantile",
     "observations",
     "observations_from_vectors",
     "parse_pages",
+    "read_page",
+    "scrape_of",
 ]
 
 TTFT_BUCKET = "infermeter_time_to_first_token_seconds_bucket"
@@ -64,19 +69,68 @@ class Scrape:
     ttft_buckets: Mapping[Key, Mapping[float, float]] = field(default_factory=dict)
 
 
-def _samples(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            yield sample.name, sample.labels, float(sample.value)
+Sample = tuple[str, dict[str, str], float]
+
+
+class PageError(ValueError):
+    """A page that is not the Prometheus text format the autoscaler reads; the message says why."""
+
+
+def read_page(text: str) -> list[Sample]:
+    """Every sample of one page, or ``PageError`` for the whole page.
+
+    A page is read whole or not at all: an HTML error page answered with 200 by a proxy, or a
+    TTFT bucket whose bound is not a number, says nothing trustworthy about the rest of it.
+    """
+    try:
+        samples = [
+            (sample.name, sample.labels, float(sample.value))
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        ]
+    except ValueError as exc:  # the parser's one error, for any line it cannot read
+        raise PageError(f"not the Prometheus text format: {str(exc)[:120]}") from None
+    for name, labels, _ in samples:
+        if name == TTFT_BUCKET:
+            _bound(labels)
+    return samples
+
+
+def _bound(labels: Mapping[str, str]) -> float:
+    """A histogram bucket's ``le``; ``PageError`` when it is absent or not a number."""
+    try:
+        return float(labels["le"])
+    except (KeyError, ValueError):
+        raise PageError(f"a {TTFT_BUCKET} sample with le={labels.get('le')!r}") from None
 
 
 def parse_pages(time: float, collector_page: str, sidecar_pages: Sequence[str | None]) -> Scrape:
-    """Read the collector's fleet view and each sidecar's counters (``None``: page missing)."""
+    """Read the collector's fleet view and each sidecar's counters (``None``: page missing).
+
+    A sidecar page that cannot be read counts as missing; a collector page that cannot be read
+    raises ``PageError``, since without it there is nothing to decide on.
+    """
+    return scrape_of(time, read_page(collector_page), [_readable(p) for p in sidecar_pages])
+
+
+def _readable(page: str | None) -> list[Sample] | None:
+    if page is None:
+        return None
+    try:
+        return read_page(page)
+    except PageError:
+        return None
+
+
+def scrape_of(
+    time: float, collector: Iterable[Sample], sidecars: Sequence[Iterable[Sample] | None]
+) -> Scrape:
+    """The collector's fleet view and each sidecar's counters, from pages already read."""
     replicas: dict[str, set[str]] = defaultdict(set)
     queue: dict[str, float] = defaultdict(float)
     utils: dict[str, list[float]] = defaultdict(list)
     gpus: dict[str, float] = defaultdict(float)
-    for name, labels, value in _samples(collector_page):
+    for name, labels, value in collector:
         model = labels.get("model", "")
         if not model:
             continue
@@ -90,13 +144,13 @@ def parse_pages(time: float, collector_page: str, sidecar_pages: Sequence[str | 
             gpus[model] += value
     tokens: dict[Key, float] = defaultdict(float)
     buckets: dict[Key, dict[float, float]] = defaultdict(lambda: defaultdict(float))
-    for index, page in enumerate(sidecar_pages):
-        for name, labels, value in _samples(page or ""):
+    for index, page in enumerate(sidecars):
+        for name, labels, value in page or ():
             key = (index, labels.get("model", ""))
             if name == COMPLETION_TOKENS:
                 tokens[key] += value
             elif name == TTFT_BUCKET:
-                buckets[key][float(labels["le"])] += value
+                buckets[key][_bound(labels)] += value
     return Scrape(
         time=time,
         replicas={m: len(r) for m, r in replicas.items()},

@@ -47,11 +47,14 @@ from alerts.autoscale.hooks import (
     in_cluster_api,
 )
 from alerts.autoscale.inputs import (
+    PageError,
     PrometheusSource,
+    Sample,
     Scrape,
     observations,
     observations_from_vectors,
-    parse_pages,
+    read_page,
+    scrape_of,
 )
 from alerts.autoscale.local import LocalScaleHook
 from alerts.autoscale.memory import HistoryFile
@@ -100,7 +103,13 @@ class Reader(Protocol):
 
 @dataclass
 class PageReader:
-    """Scrapes the collector's and the sidecars' /metrics; keeps the last scrape for rates."""
+    """Scrapes the collector's and the sidecars' /metrics; keeps the last scrape for rates.
+
+    A page that cannot be fetched or read (an HTML error page answered with 200) is that page
+    missing for the tick; without the collector's there is no tick. Each page's trouble is logged
+    when it starts and when it ends, not at every tick, and the pages unread at the last tick
+    are counted in ``infermeter_autoscale_unread_pages`` (with ``gauges``).
+    """
 
     collector_url: str
     sidecar_urls: Sequence[str]
@@ -111,7 +120,10 @@ class PageReader:
     previous: Scrape | None = None
     # Pages of sidecars that come and go (the local hook's instances), read beside the fixed ones.
     instance_sidecars: Callable[[], Sequence[str]] | None = None
+    gauges: ScalingGauges | None = None
     _seen: list[str] = field(default_factory=list)
+    # What is wrong with each page that could not be read, while it cannot.
+    _trouble: dict[str, str] = field(default_factory=dict)
 
     def page_urls(self) -> list[str | None]:
         """The sidecar pages to read, each at the same position every tick.
@@ -125,31 +137,54 @@ class PageReader:
         return [*self.sidecar_urls, *(url if url in live else None for url in self._seen)]
 
     async def read(self) -> dict[str, Observation] | None:
-        """Observations from one round of scrapes; None if the collector is unreachable."""
-        collector = await self._get(self.collector_url)
+        """Observations from one round of scrapes; None if the collector's page cannot be read."""
+        collector = await self._page(self.collector_url)
         if collector is None:
+            self._count_unread([self.collector_url])
             return None
-        sidecars = await asyncio.gather(*(self._get(url) for url in self.page_urls()))
-        scrape = parse_pages(self.clock(), collector, sidecars)
+        urls = self.page_urls()
+        sidecars = await asyncio.gather(*(self._page(url) for url in urls))
+        self._count_unread([self.collector_url, *(url for url in urls if url is not None)])
+        scrape = scrape_of(self.clock(), collector, sidecars)
         result = observations(self.previous, scrape, self.models)
         self.previous = scrape
         return result
 
-    async def _get(self, url: str | None) -> str | None:
+    async def _page(self, url: str | None) -> list[Sample] | None:
+        """The samples of ``url``'s page; None when it is gone, unreachable or unreadable."""
         if url is None:
             return None
+        try:
+            samples = read_page(await self._get(url))
+        except (httpx.HTTPError, PageError) as exc:
+            self._note(url, str(exc) or type(exc).__name__)
+            return None
+        self._note(url, None)
+        return samples
+
+    async def _get(self, url: str) -> str:
         headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
         try:
-            try:
-                response = await self.client.get(url, headers=headers)
-            except httpx.RemoteProtocolError:
-                # A kept-alive connection the server closed as we reused it: one fresh try.
-                response = await self.client.get(url, headers=headers)
-            response.raise_for_status()
-        except httpx.HTTPError as exc:
-            log.warning("autoscale: cannot read %s: %s", url, exc)
-            return None
+            response = await self.client.get(url, headers=headers)
+        except httpx.RemoteProtocolError:
+            # A kept-alive connection the server closed as we reused it: one fresh try.
+            response = await self.client.get(url, headers=headers)
+        response.raise_for_status()
         return response.text
+
+    def _count_unread(self, tried: Sequence[str]) -> None:
+        if self.gauges is not None:
+            self.gauges.unread_pages.set(sum(url in self._trouble for url in tried))
+
+    def _note(self, url: str, trouble: str | None) -> None:
+        """Log a page's trouble when it starts and when it ends: a flapping page is one line a
+        change, and a page down for a day is not 5,760 lines."""
+        if trouble is None:
+            if self._trouble.pop(url, None) is not None:
+                log.info("autoscale: %s is read again", url)
+        elif url not in self._trouble:
+            self._trouble[url] = trouble
+            log.warning("autoscale: cannot read %s (missing until it is): %s", url, trouble)
 
 
 @dataclass
@@ -200,6 +235,7 @@ class Autoscaler:
             return {}
         before = self.states
         decisions, self.states = evaluate(self.params, self.limits, before, obs)
+        self.gauges.last_tick.set(time.time())
         for decision in decisions.values():
             previous = changed_from(decision, before.get(decision.model))
             if previous is not None:
@@ -248,10 +284,21 @@ class Autoscaler:
             )
 
     async def run(self, interval_seconds: float) -> None:
-        """Tick every ``interval_seconds`` until cancelled."""
+        """Tick every ``interval_seconds`` until cancelled; a tick that fails does not end it.
+
+        This loop is the autoscaler: if it ended, /metrics would go on serving the last desired
+        count as if it were still decided. So whatever a tick raises is logged with its
+        traceback and counted in ``infermeter_autoscale_tick_failures_total``, and the next tick
+        tries again (``infermeter_autoscale_last_tick_timestamp_seconds`` says how old the
+        decision served is).
+        """
         while True:
             started = time.monotonic()
-            await self.tick()
+            try:
+                await self.tick()
+            except Exception:  # the loop's supervisor: any failure is one tick's, not the loop's
+                self.gauges.tick_failures.inc()
+                log.exception("autoscale: the tick failed; the next one tries again")
             await asyncio.sleep(max(0.0, interval_seconds - (time.monotonic() - started)))
 
     def save_history(self) -> None:
@@ -335,10 +382,12 @@ def build_reader(
     client: httpx.AsyncClient,
     prometheus_url: str | None,
     hooks: Sequence[Hook] = (),
+    gauges: ScalingGauges | None = None,
 ) -> Reader:
     """Prometheus when a URL is given (flag, then config), else the /metrics pages.
 
-    The pages include the sidecars of the local hook's instances while they live.
+    The pages include the sidecars of the local hook's instances while they live; with
+    ``gauges``, the pages unread at each tick are counted there.
     """
     models = [m.name for m in config.models]
     a = config.autoscale
@@ -351,7 +400,9 @@ def build_reader(
     sidecars = list(a.sidecar_urls) or [
         f"http://{r.sidecar_listen}/metrics" for r in config.replicas if r.sidecar_listen
     ]
-    reader = PageReader(collector, sidecars, models, client, env_value(a.metrics_token_env))
+    reader = PageReader(
+        collector, sidecars, models, client, env_value(a.metrics_token_env), gauges=gauges
+    )
     local = next((h for h in hooks if isinstance(h, LocalScaleHook)), None)
     if local is not None:
         reader.instance_sidecars = lambda: [
@@ -441,7 +492,7 @@ async def serve_autoscaler(
         scaler = Autoscaler(
             params,
             limits,
-            build_reader(config, client, prometheus_url, hooks),
+            build_reader(config, client, prometheus_url, hooks, gauges),
             gauges,
             hooks,
             memory=history_file(config, params),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -14,7 +15,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from alerts.autoscale.hooks import Hook, HookError, KubernetesScaleHook, ScalingGauges, WebhookHook
-from alerts.autoscale.policy import Decision, model_limits, params_from_config
+from alerts.autoscale.policy import Decision, Observation, model_limits, params_from_config
 from alerts.autoscale.service import Autoscaler, PageReader, build_hooks, build_reader, create_app
 from infermeter.config import Config
 from infermeter.serving import free_port
@@ -139,6 +140,105 @@ async def test_an_unreachable_collector_skips_the_tick(config: Config) -> None:
         gauges.registry.get_sample_value("infermeter_desired_replicas", {"model": "chat-small"})
         == 5
     )
+
+
+def _pages(sidecar: str, collector: str = COLLECTOR_PAGE) -> Starlette:
+    """The collector's page at /metrics and one sidecar's at /sidecar."""
+
+    async def page(request: Request) -> Response:
+        return PlainTextResponse(collector if request.url.path == "/metrics" else sidecar)
+
+    return Starlette(routes=[Route("/metrics", page), Route("/sidecar", page)])
+
+
+NOT_THE_FORMAT = {
+    "an HTML error page": "<html><body>502 Bad Gateway</body></html>\n",
+    "a TTFT bucket without le": 'infermeter_time_to_first_token_seconds_bucket{model="chat-small"} 3\n',
+    "a TTFT bucket whose le is no number": (
+        'infermeter_time_to_first_token_seconds_bucket{model="chat-small",le="abc"} 3\n'
+    ),
+}
+
+
+@pytest.mark.parametrize("page", NOT_THE_FORMAT.values(), ids=list(NOT_THE_FORMAT))
+async def test_a_sidecar_page_that_cannot_be_read_is_that_page_missing(
+    config: Config, caplog: pytest.LogCaptureFixture, page: str
+) -> None:
+    """The tick decides on the other pages, counts the page unread, and says so once."""
+    gauges = ScalingGauges()
+    async with serving(_pages(page)) as url, httpx.AsyncClient() as client:
+        reader = PageReader(
+            f"{url}/metrics", [f"{url}/sidecar"], ["chat-small"], client, gauges=gauges
+        )
+        limits = {"chat-small": model_limits(config, "chat-small")}
+        scaler = Autoscaler(params_from_config(config), limits, reader, gauges)
+        with caplog.at_level(logging.WARNING, logger="infermeter.autoscale"):
+            first = await scaler.tick()
+            second = await scaler.tick()
+    assert first["chat-small"].current == second["chat-small"].current == 2
+    assert gauges.registry.get_sample_value("infermeter_autoscale_unread_pages") == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert warnings[0].startswith(f"autoscale: cannot read {url}/sidecar")
+
+
+async def test_a_collector_page_that_cannot_be_read_skips_the_tick(config: Config) -> None:
+    """An HTML page where the collector's should be: no decisions, the gauges keep their values."""
+    gauges = ScalingGauges()
+    gauges.desired.labels(model="chat-small").set(5)
+    html = NOT_THE_FORMAT["an HTML error page"]
+    async with serving(_pages("", collector=html)) as url, httpx.AsyncClient() as client:
+        reader = PageReader(f"{url}/metrics", [], ["chat-small"], client, gauges=gauges)
+        limits = {"chat-small": model_limits(config, "chat-small")}
+        scaler = Autoscaler(params_from_config(config), limits, reader, gauges)
+        assert await scaler.tick() == {}
+    get = gauges.registry.get_sample_value
+    assert get("infermeter_desired_replicas", {"model": "chat-small"}) == 5
+    assert get("infermeter_autoscale_unread_pages") == 1
+
+
+class _FailsOnce:
+    """A reader whose first read raises what nobody foresaw; later reads see two replicas."""
+
+    def __init__(self, reads_wanted: int) -> None:
+        self.reads = 0
+        self.reads_wanted = reads_wanted
+        self.done = asyncio.Event()
+
+    async def read(self) -> dict[str, Observation]:
+        self.reads += 1
+        if self.reads == self.reads_wanted:
+            self.done.set()
+        if self.reads == 1:
+            raise RuntimeError("a bug nobody foresaw")
+        return {
+            "chat-small": Observation(time=1000.0 + self.reads, current_replicas=2, queue_depth=0)
+        }
+
+
+async def test_a_tick_that_fails_does_not_end_the_loop(
+    config: Config, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The failure is logged with its traceback and counted; the next ticks decide as usual."""
+    gauges = ScalingGauges()
+    reader = _FailsOnce(reads_wanted=3)  # the third read starts once the second tick is over
+    limits = {"chat-small": model_limits(config, "chat-small")}
+    scaler = Autoscaler(params_from_config(config), limits, reader, gauges)
+    with caplog.at_level(logging.ERROR, logger="infermeter.autoscale"):
+        loop = asyncio.create_task(scaler.run(0.01))
+        waiting = asyncio.create_task(reader.done.wait())
+        await asyncio.wait({loop, waiting}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        assert not loop.done(), "the loop ended"
+        loop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await loop
+    get = gauges.registry.get_sample_value
+    assert get("infermeter_autoscale_tick_failures_total") == 1
+    assert get("infermeter_desired_replicas", {"model": "chat-small"}) == 2
+    assert (get("infermeter_autoscale_last_tick_timestamp_seconds") or 0) > 0
+    failed = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(failed) == 1
+    assert failed[0].exc_info is not None
 
 
 async def test_metrics_endpoint_serves_the_gauges():
