@@ -23,6 +23,11 @@ Rules, in the order they are applied (defaults from ``scaling`` in the configura
 6. **Clamp**: at least ``min_replicas``, at most ``max_replicas`` and the budget cap; the budget
    wins over the minimum, since it is the one limit that costs money to break.
 
+A rule steps from the count last asked for, not from the replicas seen serving (a scale-up from
+those seen, and never below the count asked for): an engine whose page could not be read this
+tick is not evidence that it is gone, so, as with an HPA, a missing metric never scales down and
+a slow start-up is never cancelled. Only the idle rule removes a replica.
+
 Demand is measured as busy replica-equivalents: ``current_replicas x gpu_utilization``. The
 replicas it needs are ``ceil(demand / target_gpu_utilization)``.
 """
@@ -201,11 +206,12 @@ def decide(
     state = _track_timers(s, state, obs)
     up = _scale_up_reasons(s, limits, state, obs, reasons)
     down = not up and state.queue_high_since is None and _idle_for_long(s, state, obs, reasons)
-    desired = current + 1 if up else current - 1 if down else current
+    base = _in_force(state, current)
+    desired = _step_up(current, base, reasons) if up else base - 1 if down else base
 
     history, predicted = _predict(params, state.history, obs)
     if predicted is not None:
-        desired = _apply_prediction(params, predicted, current, desired, reasons)
+        desired = _apply_prediction(params, predicted, base, desired, reasons)
     desired = _keep_pending(s, state, now, current, desired, reasons)
     desired = _cool_down(s, state, now, current, desired, reasons)
     desired = _clamp(limits, desired, reasons)
@@ -221,8 +227,31 @@ def decide(
         )
     state = replace(state, last_desired=desired)
     if not reasons:
-        reasons.append(f"holding {desired}: every signal within its bounds")
+        reasons.append(_holding(limits, current, desired))
     return Decision(limits.model, now, current, desired, tuple(reasons)), state
+
+
+def _in_force(state: ModelState, current: int) -> int:
+    """The count a rule steps from: the one last asked for, else (first tick) the one seen.
+
+    Not the replicas seen serving: an engine whose page could not be read this tick is not
+    evidence that it is gone, nor is one stopping that it is still wanted. As with an HPA, whose
+    step is from the scale target's ``spec.replicas``, a missing metric never scales anything
+    down; only the idle rule does.
+    """
+    return state.last_desired if state.last_desired is not None else current
+
+
+def _step_up(current: int, base: int, reasons: list[str]) -> int:
+    """One more than the replicas seen serving, never less than the count in force.
+
+    Counted from those seen, like an HPA's scale-up (a replica with no metrics counts as idle
+    there): replicas asked for and not serving yet are already the answer to the signal.
+    """
+    if current + 1 <= base:
+        reasons.append(f"holding {base}: {base - current} asked for and not seen serving yet")
+        return base
+    return current + 1
 
 
 def _track_timers(s: ScalingPolicy, state: ModelState, obs: Observation) -> ModelState:
@@ -301,20 +330,20 @@ def _predict(
 
 
 def _apply_prediction(
-    params: PolicyParams, predicted: int, current: int, desired: int, reasons: list[str]
+    params: PolicyParams, predicted: int, base: int, desired: int, reasons: list[str]
 ) -> int:
     ahead = params.scaling.startup_seconds
-    if predicted > desired and predicted > current:
+    if predicted > desired and predicted > base:
         reasons.append(
             f"previous days needed {predicted} replica(s) {ahead:g} s from now (start-up time): "
             "scale up ahead"
         )
         return predicted
-    if desired < current <= predicted:
+    if desired < base <= predicted:
         reasons.append(
             f"not scaling down: previous days needed {predicted} replica(s) {ahead:g} s from now"
         )
-        return current
+        return base
     return desired
 
 
@@ -365,6 +394,22 @@ def _clamp(limits: ModelLimits, desired: int, reasons: list[str]) -> int:
         reasons.append(f"capped at {limits.max_replicas}: {limits.max_reason}")
         desired = limits.max_replicas
     return desired
+
+
+def _holding(limits: ModelLimits, current: int, desired: int) -> str:
+    """Why a tick with no rule to apply asks for ``desired`` when ``current`` are seen serving."""
+    if limits.max_replicas is not None and current > limits.max_replicas == desired:
+        return f"capped at {limits.max_replicas}: {limits.max_reason}"
+    if current < limits.min_replicas == desired:
+        return f"raised to min_replicas {limits.min_replicas}"
+    if current < desired:
+        return (
+            f"holding {desired}: {current} seen serving (a replica whose page was not read "
+            "this tick is not taken as gone)"
+        )
+    if current > desired:
+        return f"holding {desired}: {current} seen serving (those asked away may be stopping)"
+    return f"holding {desired}: every signal within its bounds"
 
 
 def evaluate(

@@ -115,6 +115,40 @@ def test_a_scale_up_right_after_a_scale_down_is_allowed():
     assert decisions[0].desired == 4
 
 
+ASKED_FOR_4_LONG_AGO = ModelState(last_change_time=0.0, last_change_direction=1, last_desired=4)
+
+
+@pytest.mark.parametrize("seen", [3, 0])
+def test_a_replica_whose_page_was_not_read_is_not_scaled_away(seen):
+    """Fewer replicas seen than asked for, every signal in bounds: the count asked for holds."""
+    decisions, _ = run([obs(10_000, current=seen)], state=ASKED_FOR_4_LONG_AGO)
+    assert decisions[0].desired == 4
+    assert decisions[0].reasons == (
+        f"holding 4: {seen} seen serving (a replica whose page was not read this tick is not "
+        "taken as gone)",
+    )
+
+
+def test_idle_scales_down_one_from_the_count_asked_for_not_from_the_count_seen():
+    """One of four unread while the fleet is idle: 4 -> 3, not 4 -> 2."""
+    state = replace(ASKED_FOR_4_LONG_AGO, idle_since=9_000.0)
+    decisions, _ = run([obs(10_000, current=3, util=0.1)], state=state)
+    assert decisions[0].desired == 3
+
+
+def test_a_scale_up_not_serving_yet_is_not_cancelled_when_its_start_up_is_over():
+    """A replica slower to start than ``startup_seconds`` is still asked for, not cancelled."""
+    decisions, _ = run([obs(0, ttft=2.0), obs(200, current=3), obs(400, current=3)])
+    assert [d.desired for d in decisions] == [4, 4, 4]
+
+
+def test_a_scale_up_counts_from_the_replicas_seen_serving():
+    """A breach while the replicas asked for are not all serving asks for none beyond them."""
+    decisions, _ = run([obs(10_000, current=2, ttft=2.0)], state=ASKED_FOR_4_LONG_AGO)
+    assert decisions[0].desired == 4
+    assert "holding 4: 2 asked for and not seen serving yet" in decisions[0].reasons
+
+
 @pytest.mark.parametrize(
     ("current", "signal", "limits", "expected", "reason"),
     [

@@ -42,7 +42,9 @@ def test_simulated_day_uses_fewer_gpu_hours_than_a_peak_sized_fleet(
     assert report.gpu_hours < 0.8 * report.fixed_gpu_hours
     assert report.minutes_over_sla >= 0
     assert report.events
-    assert report.peak_replicas <= report.fixed_replicas
+    # The predictive term asks for the previous day's peak in a 15-minute slot, which the noise
+    # can put one replica above the fleet sized for the measured day's peak.
+    assert report.peak_replicas <= report.fixed_replicas + 1
 
 
 def test_minutes_over_sla_are_counted_when_the_policy_reacts_late(config: Config) -> None:
