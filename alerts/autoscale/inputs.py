@@ -27,6 +27,7 @@ __all__ = [
     "Sample",
     "Scrape",
     "histogram_quantile",
+    "measured",
     "observations",
     "observations_from_vectors",
     "parse_pages",
@@ -130,27 +131,31 @@ def scrape_of(
     queue: dict[str, float] = defaultdict(float)
     utils: dict[str, list[float]] = defaultdict(list)
     gpus: dict[str, float] = defaultdict(float)
-    for name, labels, value in collector:
+    for name, labels, reading in collector:
         model = labels.get("model", "")
+        value = measured(reading)
         if not model:
             continue
         if name == "infermeter_instance_queue_depth":
             # Engines are counted one by one: a replica group of N pods is N replicas serving.
             replicas[model].add(labels.get("instance_id", ""))
-            queue[model] += value
-        elif name == "infermeter_replica_gpu_utilization_ratio":
-            utils[model].append(value)
-        elif name == "infermeter_replica_gpus":
+            if value is not None:
+                queue[model] += value
+        elif name == "infermeter_replica_gpu_utilization_ratio" and value is not None:
+            utils[model].append(min(value, 1.0))
+        elif name == "infermeter_replica_gpus" and value is not None:
             gpus[model] += value
     tokens: dict[Key, float] = defaultdict(float)
     buckets: dict[Key, dict[float, float]] = defaultdict(lambda: defaultdict(float))
     for index, page in enumerate(sidecars):
-        for name, labels, value in page or ():
-            key = (index, labels.get("model", ""))
+        for name, labels, reading in page or ():
+            key, value = (index, labels.get("model", "")), measured(reading)
+            if value is None:
+                continue
             if name == COMPLETION_TOKENS:
                 tokens[key] += value
-            elif name == TTFT_BUCKET:
-                buckets[key][_bound(labels)] += value
+            elif name == TTFT_BUCKET and not math.isnan(bound := _bound(labels)):
+                buckets[key][bound] += value
     return Scrape(
         time=time,
         replicas={m: len(r) for m, r in replicas.items()},
@@ -160,6 +165,16 @@ def scrape_of(
         completion_tokens=dict(tokens),
         ttft_buckets={k: dict(v) for k, v in buckets.items()},
     )
+
+
+def measured(value: float) -> float | None:
+    """``value`` as a count or a ratio, or None (not measured) when it cannot be one.
+
+    A queue, a GPU count, a utilization or a counter is never negative, NaN or infinite: one
+    engine reporting NaN or -1e9 waiting requests would hide its group's queue, and +Inf would
+    force a scale-up, so such a reading counts as that instance's signal missing.
+    """
+    return value if math.isfinite(value) and value >= 0 else None
 
 
 def _increase(before: float | None, after: float) -> float:
@@ -234,11 +249,13 @@ def _bucket_increase(previous: Scrape, current: Scrape, model: str) -> dict[floa
 def observations_from_vectors(
     time: float, vectors: Mapping[str, Mapping[str, float]], models: Iterable[str]
 ) -> dict[str, Observation]:
-    """Observations from PromQL answers keyed like ``PROMQL``; NaN or absent means unknown."""
+    """Observations from PromQL answers keyed like ``PROMQL``; absent, NaN, infinite or
+    negative means unknown, and a utilization above 1 counts as 1."""
 
     def value(query: str, model: str) -> float | None:
         v = vectors.get(query, {}).get(model)
-        return None if v is None or math.isnan(v) else v
+        v = None if v is None else measured(v)
+        return min(v, 1.0) if v is not None and query == "utilization" else v
 
     return {
         model: Observation(

@@ -79,6 +79,57 @@ async def test_every_instance_of_a_group_counts_as_a_replica_serving(config: Con
     assert (small.current_replicas, small.queue_depth) == (3, 15.0)
 
 
+def _two_instances(queue: str, util: str) -> str:
+    """A group of two engines: one waiting 50, the other reporting ``queue`` and ``util``."""
+    return (
+        'infermeter_instance_queue_depth{instance_id="a",model="chat-small",replica="small-0"} 50\n'
+        f'infermeter_instance_queue_depth{{instance_id="b",model="chat-small",replica="small-1"}} {queue}\n'
+        'infermeter_replica_gpu_utilization_ratio{model="chat-small",replica="small-0"} 0.4\n'
+        f'infermeter_replica_gpu_utilization_ratio{{model="chat-small",replica="small-1"}} {util}\n'
+    )
+
+
+@pytest.mark.parametrize("bad", ["NaN", "-1e9", "+Inf", "-Inf", "-1"])
+def test_a_reading_no_count_can_be_is_that_instances_signal_missing(bad):
+    """NaN, infinite or negative queue and utilization are not measured; the instance counts."""
+    small = observations(None, parse_pages(100.0, _two_instances(bad, bad), []), MODELS)
+    assert (small["chat-small"].current_replicas, small["chat-small"].queue_depth) == (2, 50.0)
+    assert small["chat-small"].gpu_utilization == pytest.approx(0.4)
+
+
+def test_a_utilization_above_one_counts_as_one():
+    """A ratio is at most 1: a 700% engine raises the mean as a full one would, no more."""
+    small = observations(None, parse_pages(100.0, _two_instances("0", "7"), []), MODELS)
+    assert small["chat-small"].gpu_utilization == pytest.approx((0.4 + 1.0) / 2)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -3.0])
+def test_prometheus_answers_no_count_can_be_are_unknown(bad):
+    """From Prometheus too: such an answer is not measured, and a utilization above 1 is 1."""
+    vectors = {key: {"chat-large": bad} for key in PROMQL}
+    obs = observations_from_vectors(50.0, vectors, ["chat-large"])["chat-large"]
+    assert (obs.current_replicas, obs.queue_depth, obs.gpu_utilization) == (0, 0.0, None)
+    assert (obs.ttft_p95_seconds, obs.tokens_per_second_per_gpu) == (None, None)
+    over = observations_from_vectors(50.0, {"utilization": {"chat-large": 3.0}}, ["chat-large"])
+    assert over["chat-large"].gpu_utilization == 1.0
+
+
+def test_a_sidecar_counter_no_count_can_be_is_not_counted():
+    """A NaN or negative token counter or TTFT bucket adds nothing to the interval's rates."""
+    metrics = SidecarMetrics()
+    labels = ("search", "chat-small")
+    before = parse_pages(100.0, COLLECTOR_PAGE, [_page(metrics)])
+    metrics.completion_tokens.labels(*labels).inc(1000)
+    metrics.ttft.observe(labels, 0.3, count=10)
+    bad = _page(metrics).replace(" 1000.0", " NaN") + (
+        'infermeter_completion_tokens_total{model="chat-small",team="x"} -1e12\n'
+    )
+    after = parse_pages(110.0, COLLECTOR_PAGE, [bad])
+    small = observations(before, after, MODELS)["chat-small"]
+    assert small.tokens_per_second_per_gpu is None
+    assert small.ttft_p95_seconds is not None
+
+
 def test_rates_and_ttft_p95_come_from_the_last_interval():
     """Tokens/s per GPU and TTFT p95 use the sidecars' counter increase since the last scrape."""
     a, b = SidecarMetrics(), SidecarMetrics()
