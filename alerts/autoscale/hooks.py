@@ -3,11 +3,13 @@
 Each output is small and separate. ``ScalingGauges`` is read by KEDA's Prometheus scaler or an
 HPA external metric; ``WebhookHook`` and ``KubernetesScaleHook`` push a decision somewhere. The
 pushing hooks retry transient failures (connection errors, 5xx, 429) with exponential back-off
-and jitter, and give up after ``max_wait_seconds`` so one stuck receiver cannot stall the loop.
+and jitter, and give up after ``max_wait_seconds`` (a hard deadline on the whole delivery, since
+httpx's timeout bounds each read, not the answer), so one stuck receiver cannot stall the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ssl
@@ -133,6 +135,27 @@ def webhook_body(decision: Decision) -> bytes:
 async def _send_with_retries(
     client: httpx.AsyncClient, request: httpx.Request, max_wait_seconds: float
 ) -> httpx.Response:
+    """Send ``request``, retrying transient failures, for at most ``max_wait_seconds`` in all.
+
+    The retry budget alone is checked only between attempts, and httpx's timeout bounds each
+    read, not the answer: a receiver dripping its body a byte a second would hold one attempt
+    for as long as it liked. So the whole delivery has a hard deadline.
+    """
+    failures: list[str] = []
+    try:
+        async with asyncio.timeout(max_wait_seconds):
+            return await _attempts(client, request, max_wait_seconds, failures)
+    except TimeoutError:
+        last = f" (last attempt: {failures[-1]})" if failures else ""
+        raise _TransientError(f"no answer within {max_wait_seconds:g} s{last}") from None
+
+
+async def _attempts(
+    client: httpx.AsyncClient,
+    request: httpx.Request,
+    max_wait_seconds: float,
+    failures: list[str],
+) -> httpx.Response:
     async for attempt in AsyncRetrying(
         retry=retry_if_exception_type(_TransientError),
         wait=wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.2),
@@ -143,9 +166,11 @@ async def _send_with_retries(
             try:
                 response = await client.send(request)
             except httpx.HTTPError as exc:
-                raise _TransientError(f"{type(exc).__name__}: {exc}") from exc
+                failures.append(f"{type(exc).__name__}: {exc}")
+                raise _TransientError(failures[-1]) from exc
             if response.status_code >= 500 or response.status_code == 429:
-                raise _TransientError(f"HTTP {response.status_code}")
+                failures.append(f"HTTP {response.status_code}")
+                raise _TransientError(failures[-1])
     if response.status_code >= 400:
         raise HookError(
             f"{request.url} answered HTTP {response.status_code}: {response.text[:200]}"

@@ -1,9 +1,9 @@
 """``infermeter autoscale run``: read inputs, run the policy, publish, serve /metrics.
 
 One ``Autoscaler.tick`` is the whole cycle: read one observation per model (from /metrics pages
-or Prometheus), evaluate the pure policy, set the gauges, and call the hooks for every model
-whose desired count differs from the last one delivered. A hook that fails is logged and tried
-again at the next tick; a failed read skips the tick and leaves the gauges at their last value,
+or Prometheus), evaluate the pure policy, set the gauges, and hand the hooks every model whose
+desired count differs from the last one delivered; each hook publishes in a task of its own beside
+the ticks. A hook that fails is logged and tried again at the next tick; a failed read skips the tick and leaves the gauges at their last value,
 so KEDA keeps the last decision instead of seeing the replicas drop to zero.
 
 Each change of a model's desired count is logged in one line and, with ``autoscale.ingest_url``
@@ -219,6 +219,8 @@ class Autoscaler:
     memory: HistoryFile | None = None
     # Where each change is kept for billing (opened by the caller); None: the log line only.
     spool: Spool | None = None
+    # Each hook's deliveries in flight: one task per hook, beside the ticks.
+    _sending: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.memory is not None and not self.states:
@@ -244,9 +246,43 @@ class Autoscaler:
         self.gauges.update(decisions)
         if self.memory is not None:
             await self.memory.maybe_save(self.states)
-        for decision in decisions.values():
-            await self._deliver(decision)
+        self._hand_over(decisions)
         return decisions
+
+    def _hand_over(self, decisions: dict[str, Decision]) -> None:
+        """Start delivering this tick's changes to each hook that is not still busy.
+
+        Deliveries run beside the ticks, so a receiver slow to answer (each hook waits up to its
+        ``max_wait_seconds``) delays neither the next reading nor the other hooks. A hook still
+        busy hears nothing new now; the first tick after it is done hands it the decisions then
+        current, so it only ever hears the latest count per model.
+        """
+        for hook in self.hooks:
+            busy = self._sending.get(hook.name)
+            if busy is not None and not busy.done():
+                continue
+            if busy is not None and not busy.cancelled() and busy.exception() is not None:
+                # What a hook raises beyond HookError would otherwise die with its task, unseen.
+                self.gauges.hook_errors.labels(hook=hook.name).inc()
+                log.error("autoscale: %s hook failed", hook.name, exc_info=busy.exception())
+            changed = [
+                d
+                for d in decisions.values()
+                if self.delivered.get((hook.name, d.model)) != d.desired
+            ]
+            if changed:
+                task = asyncio.create_task(self._deliver(hook, changed), name=f"hook-{hook.name}")
+                self._sending[hook.name] = task
+
+    async def settle(self) -> None:
+        """Wait for the deliveries in flight (each ends within its hook's deadline)."""
+        await asyncio.gather(*self._sending.values())
+
+    async def stop_delivering(self) -> None:
+        """Cancel the deliveries in flight (on the way out); the next start delivers again."""
+        for task in self._sending.values():
+            task.cancel()
+        await asyncio.gather(*self._sending.values(), return_exceptions=True)
 
     async def _record(self, decision: Decision, previous: int) -> None:
         """Spool the change for billing; a spool that fails loses the record, never the tick."""
@@ -262,11 +298,10 @@ class Autoscaler:
                 exc,
             )
 
-    async def _deliver(self, decision: Decision) -> None:
-        for hook in self.hooks:
+    async def _deliver(self, hook: Hook, decisions: Sequence[Decision]) -> None:
+        """Publish ``decisions`` to ``hook`` one after the other (a hook takes one at a time)."""
+        for decision in decisions:
             key = (hook.name, decision.model)
-            if self.delivered.get(key) == decision.desired:
-                continue
             try:
                 await hook.publish(decision)
             except HookError as exc:
@@ -534,6 +569,7 @@ async def serve_autoscaler(
                 running.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await running
+            await scaler.stop_delivering()
             scaler.save_history()
             if shipping is not None:
                 await shipping.stop()

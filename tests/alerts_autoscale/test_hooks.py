@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from alerts.autoscale.hooks import (
@@ -92,6 +94,24 @@ async def test_webhook_gives_up_when_the_receiver_is_down():
     async with httpx.AsyncClient() as client:
         hook = WebhookHook(f"http://127.0.0.1:{free_port()}/hook", SECRET, client, 0.5)
         with pytest.raises(HookError, match="ConnectError"):
+            await hook.publish(DECISION)
+
+
+async def test_a_receiver_that_drips_its_answer_is_given_up_at_the_deadline():
+    """A byte every 0.2 s keeps each read under its timeout; the delivery's deadline still holds."""
+
+    async def drip() -> AsyncIterator[bytes]:
+        for _ in range(25):  # 5 s of answer, ten times the deadline
+            yield b" "
+            await asyncio.sleep(0.2)
+
+    async def handle(request: Request) -> Response:
+        return StreamingResponse(drip())
+
+    app = Starlette(routes=[Route("/hook", handle, methods=["POST"])])
+    async with serving(app) as url, httpx.AsyncClient() as client:
+        hook = WebhookHook(f"{url}/hook", SECRET, client, max_wait_seconds=0.5, timeout_seconds=1)
+        with pytest.raises(HookError, match=r"no answer within 0\.5 s"):
             await hook.publish(DECISION)
 
 

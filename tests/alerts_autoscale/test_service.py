@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -73,11 +73,14 @@ async def test_ticks_set_gauges_and_deliver_each_change_once(config: Config) -> 
         limits = {m.name: model_limits(config, m.name) for m in config.models}
         scaler = Autoscaler(params_from_config(config), limits, reader, gauges, hooks)
         first = await scaler.tick()
+        await scaler.settle()
         assert first["chat-small"].desired == 2
         now[0] += 15
         await scaler.tick()
+        await scaler.settle()
         now[0] += 20  # queue 12 > 10 for 35 s
         third = await scaler.tick()
+        await scaler.settle()
         assert third["chat-small"].desired == 3
     get = gauges.registry.get_sample_value
     assert get("infermeter_desired_replicas", {"model": "chat-small"}) == 3
@@ -239,6 +242,53 @@ async def test_a_tick_that_fails_does_not_end_the_loop(
     failed = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(failed) == 1
     assert failed[0].exc_info is not None
+
+
+class _StuckHook:
+    """A receiver that takes a decision and answers only when told to."""
+
+    name: ClassVar[str] = "stuck"
+
+    def __init__(self) -> None:
+        self.answer = asyncio.Event()
+        self.heard: list[int] = []
+
+    async def publish(self, decision: Decision) -> None:
+        await self.answer.wait()
+        self.heard.append(decision.desired)
+
+
+class _Recorder:
+    """A receiver that answers at once."""
+
+    name: ClassVar[str] = "recorder"
+
+    def __init__(self) -> None:
+        self.heard: list[int] = []
+
+    async def publish(self, decision: Decision) -> None:
+        self.heard.append(decision.desired)
+
+
+async def test_a_hook_slow_to_answer_holds_up_neither_the_tick_nor_the_other_hooks(
+    config: Config,
+) -> None:
+    """The tick returns and the other hook hears the change while one receiver has not answered."""
+    fleet = Fleet()
+    stuck, recorder = _StuckHook(), _Recorder()
+    async with serving(fleet.app()) as url, httpx.AsyncClient() as client:
+        reader = PageReader(f"{url}/metrics", [], ["chat-large"], client)
+        limits = {"chat-large": model_limits(config, "chat-large")}
+        hooks: list[Hook] = [stuck, recorder]
+        scaler = Autoscaler(params_from_config(config), limits, reader, ScalingGauges(), hooks)
+        decisions = await asyncio.wait_for(scaler.tick(), timeout=30)
+        while not recorder.heard:
+            await asyncio.sleep(0.01)
+        assert stuck.heard == []
+        stuck.answer.set()
+        await scaler.settle()
+    assert decisions["chat-large"].desired == 2
+    assert (stuck.heard, recorder.heard) == ([2], [2])
 
 
 async def test_metrics_endpoint_serves_the_gauges():
