@@ -54,7 +54,7 @@ PROMQL = {
     ),
 }
 
-Key = tuple[int, str]  # (sidecar page index, model): counters are per process
+Key = tuple[str, str]  # (sidecar page, model): counters are per process
 
 
 @dataclass(frozen=True)
@@ -124,9 +124,16 @@ def _readable(page: str | None) -> list[Sample] | None:
 
 
 def scrape_of(
-    time: float, collector: Iterable[Sample], sidecars: Sequence[Iterable[Sample] | None]
+    time: float,
+    collector: Iterable[Sample],
+    sidecars: Sequence[Iterable[Sample] | None],
+    pages: Sequence[str] | None = None,
 ) -> Scrape:
-    """The collector's fleet view and each sidecar's counters, from pages already read."""
+    """The collector's fleet view and each sidecar's counters, from pages already read.
+
+    ``pages`` names each sidecar page (its URL), so a counter is compared with the same
+    sidecar's at the next scrape however the list changes; without it, the page's position.
+    """
     replicas: dict[str, set[str]] = defaultdict(set)
     queue: dict[str, float] = defaultdict(float)
     utils: dict[str, list[float]] = defaultdict(list)
@@ -149,7 +156,8 @@ def scrape_of(
     buckets: dict[Key, dict[float, float]] = defaultdict(lambda: defaultdict(float))
     for index, page in enumerate(sidecars):
         for name, labels, reading in page or ():
-            key, value = (index, labels.get("model", "")), measured(reading)
+            page_name = pages[index] if pages is not None else str(index)
+            key, value = (page_name, labels.get("model", "")), measured(reading)
             if value is None:
                 continue
             if name == COMPLETION_TOKENS:

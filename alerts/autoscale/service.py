@@ -121,20 +121,20 @@ class PageReader:
     # Pages of sidecars that come and go (the local hook's instances), read beside the fixed ones.
     instance_sidecars: Callable[[], Sequence[str]] | None = None
     gauges: ScalingGauges | None = None
-    _seen: list[str] = field(default_factory=list)
     # What is wrong with each page that could not be read, while it cannot.
     _trouble: dict[str, str] = field(default_factory=dict)
 
-    def page_urls(self) -> list[str | None]:
-        """The sidecar pages to read, each at the same position every tick.
+    def page_urls(self) -> list[str]:
+        """The sidecar pages to read: the fixed ones, then the instances' that live now.
 
-        Counters are kept by page position, so a sidecar that is gone keeps its place, unread.
+        Counters are kept by page URL, not position, so an instance that is gone is simply not
+        read, and forgotten: its place need not be kept for the others' counters.
         """
         if self.instance_sidecars is None:
             return list(self.sidecar_urls)
-        live = list(self.instance_sidecars())
-        self._seen += [url for url in live if url not in self._seen]
-        return [*self.sidecar_urls, *(url if url in live else None for url in self._seen)]
+        fixed = set(self.sidecar_urls)
+        live = dict.fromkeys(url for url in self.instance_sidecars() if url not in fixed)
+        return [*self.sidecar_urls, *live]
 
     async def read(self) -> dict[str, Observation] | None:
         """Observations from one round of scrapes; None if the collector's page cannot be read."""
@@ -144,16 +144,15 @@ class PageReader:
             return None
         urls = self.page_urls()
         sidecars = await asyncio.gather(*(self._page(url) for url in urls))
-        self._count_unread([self.collector_url, *(url for url in urls if url is not None)])
-        scrape = scrape_of(self.clock(), collector, sidecars)
+        self._count_unread([self.collector_url, *urls])
+        self._forget_trouble({self.collector_url, *urls})
+        scrape = scrape_of(self.clock(), collector, sidecars, urls)
         result = observations(self.previous, scrape, self.models)
         self.previous = scrape
         return result
 
-    async def _page(self, url: str | None) -> list[Sample] | None:
-        """The samples of ``url``'s page; None when it is gone, unreachable or unreadable."""
-        if url is None:
-            return None
+    async def _page(self, url: str) -> list[Sample] | None:
+        """The samples of ``url``'s page; None when it is unreachable or unreadable."""
         try:
             samples = read_page(await self._get(url))
         except (httpx.HTTPError, PageError) as exc:
@@ -171,6 +170,11 @@ class PageReader:
             response = await self.client.get(url, headers=headers)
         response.raise_for_status()
         return response.text
+
+    def _forget_trouble(self, pages: set[str]) -> None:
+        """Drop the trouble of pages no longer read (an instance gone): they will not recover."""
+        for url in [url for url in self._trouble if url not in pages]:
+            del self._trouble[url]
 
     def _count_unread(self, tried: Sequence[str]) -> None:
         if self.gauges is not None:

@@ -19,6 +19,8 @@ from alerts.autoscale.inputs import (
     observations,
     observations_from_vectors,
     parse_pages,
+    read_page,
+    scrape_of,
 )
 from collectors.loop import FleetCollector
 from collectors.metrics import FleetMetrics
@@ -145,6 +147,21 @@ def test_rates_and_ttft_p95_come_from_the_last_interval():
     assert small.tokens_per_second_per_gpu == pytest.approx(4000 / 10 / 2)
     # 95th of 100 in the interval: the 5th of the 10 in the (0.75, 1.0] bucket.
     assert small.ttft_p95_seconds == pytest.approx(0.75 + 0.25 * 5 / 10)
+
+
+def test_counters_are_compared_with_the_same_sidecars_when_the_list_changes():
+    """A sidecar gone from the front of the list does not lend its counters to the next one."""
+    gone, stays = SidecarMetrics(), SidecarMetrics()
+    labels = ("search", "chat-small")
+    gone.completion_tokens.labels(*labels).inc(90_000)
+    stays.completion_tokens.labels(*labels).inc(1_000)
+    pages = ["http://gone/metrics", "http://stays/metrics"]
+    collector = read_page(COLLECTOR_PAGE)
+    before = scrape_of(0.0, collector, [read_page(_page(gone)), read_page(_page(stays))], pages)
+    stays.completion_tokens.labels(*labels).inc(200)
+    after = scrape_of(10.0, collector, [read_page(_page(stays))], pages[1:])
+    small = observations(before, after, MODELS)["chat-small"]
+    assert small.tokens_per_second_per_gpu == pytest.approx(200 / 10 / 2)
 
 
 def test_a_restarted_sidecar_counts_from_zero():

@@ -318,8 +318,8 @@ def test_reader_defaults_to_the_collector_and_every_sidecar(config: Config) -> N
     assert len(reader.sidecar_urls) == len(config.replicas)
 
 
-def test_instance_sidecars_keep_their_page_positions(config: Config) -> None:
-    """Sidecars that come and go are read after the fixed ones, each always at the same position."""
+def test_instance_sidecars_are_read_while_they_live_and_then_forgotten(config: Config) -> None:
+    """Sidecars that come and go are read after the fixed ones; one gone is no longer listed."""
     live = ["http://i1/metrics", "http://i2/metrics"]
     reader = PageReader(
         "http://c/metrics",
@@ -330,9 +330,8 @@ def test_instance_sidecars_keep_their_page_positions(config: Config) -> None:
     )
     assert reader.page_urls() == ["http://s/metrics", "http://i1/metrics", "http://i2/metrics"]
     live = ["http://i2/metrics", "http://i3/metrics"]
-    assert reader.page_urls() == [
-        "http://s/metrics",
-        None,
-        "http://i2/metrics",
-        "http://i3/metrics",
-    ]
+    assert reader.page_urls() == ["http://s/metrics", "http://i2/metrics", "http://i3/metrics"]
+    for port in range(1000):  # a thousand instances started and stopped, one at a time
+        live = [f"http://127.0.0.1:{30000 + port}/metrics"]
+        reader.page_urls()
+    assert reader.page_urls() == ["http://s/metrics", "http://127.0.0.1:30999/metrics"]
