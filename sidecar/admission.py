@@ -169,6 +169,8 @@ class Plan:
     choices: int = 0
     # The end user the body names (OpenAI's ``user``, forwarded as sent), checked.
     user: str | None = None
+    # The sequences it puts in vLLM's batch (prompts x choices): its weight in the fair share.
+    sequences: int = 1
 
 
 def _choices(endpoint: str, body: dict[str, Any], n: int) -> int:
@@ -177,6 +179,13 @@ def _choices(endpoint: str, body: dict[str, Any], n: int) -> int:
     # A list of strings or of token lists is a batch; a list of ints is one tokenised prompt.
     batch = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
     return max(1, n) if n > 1 or batch else 0
+
+
+def _sequences(endpoint: str, body: dict[str, Any], n: int) -> int:
+    """The sequences vLLM runs for the request: ``n`` for each prompt of a batch."""
+    prompt = body.get("prompt") if endpoint == "/v1/completions" else None
+    batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    return (len(prompt) if batch and isinstance(prompt, list) else 1) * max(1, n)
 
 
 def first_header(headers: Headers, name: bytes) -> str | None:
@@ -310,6 +319,7 @@ def plan(
         prefix,
         _choices(endpoint, body, n),
         user,
+        1 if endpoint == "/v1/embeddings" else _sequences(endpoint, body, n),
     )
 
 

@@ -778,7 +778,7 @@ class Sidecar:
         # decrements: nothing between the two can skip one of them.
         self.metrics.child(self.metrics.in_flight, call.team, call.model).inc()
         if self.fair is not None:
-            call.slot = await self._fair_slot(call.team)
+            call.slot = await self._fair_slot(call.team, planned.sequences)
         if self.tracer is not None:
             call.span = self._start_span(call, headers, planned.requested)
         return planned.body
@@ -802,10 +802,10 @@ class Sidecar:
             },
         )
 
-    async def _fair_slot(self, team: str) -> Slot:
+    async def _fair_slot(self, team: str, sequences: int) -> Slot:
         assert self.fair is not None
         try:
-            return await self.fair.acquire(team)
+            return await self.fair.acquire(team, sequences)
         except QueueFull:
             raise Refusal(
                 429,

@@ -8,6 +8,12 @@ goes straight into the running batch. When nothing is free, requests wait here, 
 the team with the fewest requests in flight goes next. Work-conserving: a lone team can use
 every slot but the headroom, which stays free for the first request of anyone else.
 
+A slot is one sequence, as ``max_num_seqs`` counts them, not one request: a request of ``n``
+choices, or a batch of prompts, is as many sequences in vLLM's batch, and takes as many slots
+here (``acquire``'s ``weight``). Counted as one, two requests of ``n=64`` filled a replica of
+128 and the next team's first request waited behind them in vLLM's queue. A request of more
+sequences than a lone team may hold counts as that many, so it can still run.
+
 The wait is bounded twice: a team may have at most ``max_waiting_per_team`` requests queued
 (one more is refused at once with ``QueueFull``, so a flood costs its sender, not the others),
 and no request waits longer than ``wait_timeout_seconds`` (``WaitTimeout``).
@@ -51,12 +57,14 @@ class Slot:
 
     team: str
     owner: FairShare | None = None
+    # The sequences it holds.
+    weight: int = 1
 
     def release(self) -> None:
         """Give the slot back and let the next waiting request in."""
         if self.owner is not None:
             owner, self.owner = self.owner, None
-            owner._release(self.team)
+            owner._release(self.team, self.weight)
 
 
 @dataclass
@@ -71,9 +79,10 @@ class FairShare:
     priorities: dict[str, int] = field(default_factory=dict)
     # In flight per team on the other replicas of the group (``sidecar.shared_fairness``).
     remote_in_flight: dict[str, int] = field(default_factory=dict)
-    # The queues of the teams with a request waiting, none empty, in the order they began to
-    # wait (a queue that empties leaves, and joins at the end when it fills again).
-    _waiting: dict[str, deque[asyncio.Future[None]]] = field(default_factory=dict)
+    # The queues of the teams with a request waiting (its grant and its weight), none empty, in
+    # the order they began to wait (a queue that empties leaves, and joins at the end when it
+    # fills again).
+    _waiting: dict[str, deque[tuple[asyncio.Future[None], int]]] = field(default_factory=dict)
     # The teams with a request in flight here or waiting: those sharing the replica now.
     _active: set[str] = field(default_factory=set)
     _total: int = 0
@@ -83,21 +92,23 @@ class FairShare:
         """Slots that only teams below their fair share may take."""
         return min(self.capacity - 1, math.ceil(self.capacity * self.headroom_share))
 
-    def _may_start(self, team: str) -> bool:
-        if self._total >= self.capacity:
+    def _may_start(self, team: str, weight: int) -> bool:
+        if self._total + weight > self.capacity:
             return False
         # A team alone always has capacity / 1 as its share, so it may take the headroom only
         # when another team shares the replica; the newcomer itself counts as active.
         active = len(self._active) + (team not in self._active)
         if active > 1 and self.in_flight.get(team, 0) < self.capacity / active:
             return True
-        return self._total < self.capacity - self.headroom
+        return self._total + weight <= self.capacity - self.headroom
 
-    async def acquire(self, team: str) -> Slot:
-        """Wait for a slot for ``team``; FIFO within a team, then by priority and fewest in flight."""
-        if team not in self._waiting and self._may_start(team):
-            self._start(team)
-            return Slot(team, self)
+    async def acquire(self, team: str, weight: int = 1) -> Slot:
+        """Wait for ``weight`` slots (the request's sequences) for ``team``; FIFO within a team,
+        then by priority and fewest in flight."""
+        weight = max(1, min(weight, self.capacity - self.headroom))
+        if team not in self._waiting and self._may_start(team, weight):
+            self._start(team, weight)
+            return Slot(team, self, weight)
         queue = self._waiting.get(team)
         waiting = 0 if queue is None else len(queue)
         if self.max_waiting_per_team is not None and waiting >= self.max_waiting_per_team:
@@ -106,30 +117,31 @@ class FairShare:
             queue = self._waiting[team] = deque()
             self._active.add(team)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        queue.append(future)
+        entry = (future, weight)
+        queue.append(entry)
         try:
             async with asyncio.timeout(self.wait_timeout_seconds):
                 await future
         except TimeoutError:
             if future.done() and not future.cancelled():
-                self._release(team)  # granted in the same instant the wait ran out
+                self._release(team, weight)  # granted in the same instant the wait ran out
             else:
-                self._unqueue(team, future)
+                self._unqueue(team, entry)
             raise WaitTimeout(team) from None
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
-                self._release(team)  # granted just as the caller gave up
+                self._release(team, weight)  # granted just as the caller gave up
             else:
-                self._unqueue(team, future)
+                self._unqueue(team, entry)
             raise
-        return Slot(team, self)
+        return Slot(team, self, weight)
 
-    def _unqueue(self, team: str, future: asyncio.Future[None]) -> None:
+    def _unqueue(self, team: str, entry: tuple[asyncio.Future[None], int]) -> None:
         """Take a wait given up out of its team's queue (``_dispatch`` may have popped it)."""
         queue = self._waiting.get(team)
-        if queue is None or future not in queue:
+        if queue is None or entry not in queue:
             return
-        queue.remove(future)
+        queue.remove(entry)
         if not queue:
             del self._waiting[team]
             self._left(team)
@@ -144,14 +156,14 @@ class FairShare:
         group = self.in_flight.get(team, 0) + self.remote_in_flight.get(team, 0)
         return self.priorities.get(team, 0), group
 
-    def _start(self, team: str) -> None:
-        self.in_flight[team] = self.in_flight.get(team, 0) + 1
-        self._total += 1
+    def _start(self, team: str, weight: int) -> None:
+        self.in_flight[team] = self.in_flight.get(team, 0) + weight
+        self._total += weight
         self._active.add(team)
 
-    def _release(self, team: str) -> None:
-        self.in_flight[team] -= 1
-        self._total -= 1
+    def _release(self, team: str, weight: int) -> None:
+        self.in_flight[team] -= weight
+        self._total -= weight
         self._left(team)
         self._dispatch()
 
@@ -160,21 +172,21 @@ class FairShare:
         while self._waiting and self._total < self.capacity:
             best: str | None = None
             best_rank = (0, 0)
-            for team in self._waiting:
-                if self._may_start(team):
+            for team, queue in self._waiting.items():
+                if self._may_start(team, queue[0][1]):
                     rank = self._rank(team)
                     if best is None or rank < best_rank:
                         best, best_rank = team, rank
             if best is None:
                 return
             queue = self._waiting[best]
-            future = queue.popleft()
+            future, weight = queue.popleft()
             if not queue:
                 del self._waiting[best]
             if future.done():
                 self._left(best)
                 continue
-            self._start(best)
+            self._start(best, weight)
             future.set_result(None)
 
     def waiting(self, team: str | None = None) -> int:

@@ -187,3 +187,21 @@ def test_a_body_holding_more_than_the_bounds_is_refused_before_it_is_parsed(raw,
         assert (out.status, out.code) == (413, "request_too_large")
     else:
         assert isinstance(out, dict)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "extra", "sequences"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 1),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 4}, 4),
+        ("/v1/completions", {"prompt": ["a", "b"], "n": 3}, 6),
+        ("/v1/completions", {"prompt": [[1, 2], [3], [4]]}, 3),
+        ("/v1/completions", {"prompt": [1, 2, 3]}, 1),
+        ("/v1/embeddings", {"input": ["a", "b"]}, 1),
+    ],
+)
+def test_the_plan_counts_the_sequences_vllm_runs(endpoint, extra, sequences):
+    """Prompts times choices: the request's weight in the fair share."""
+    planned = _plan({"model": "chat-small", **extra}, endpoint)
+    assert isinstance(planned, Plan)
+    assert planned.sequences == sequences

@@ -368,3 +368,26 @@ async def test_every_decision_matches_the_rules_written_plainly(spawn, seed):
             t: n for t, n in ref.in_flight.items() if n
         }
         assert {t: fair.waiting(t) for t in teams} == {t: len(ref.queues.get(t, ())) for t in teams}
+
+
+async def test_a_request_of_several_sequences_takes_as_many_slots():
+    """``weight`` slots per request (its sequences): on 16 slots (2 of headroom), a lone team's
+    second request of 8 waits, another team's request of 1 starts, and one of more than a lone
+    team may hold counts as that many, so it can still run alone."""
+    fair = FairShare(16)
+    first = await fair.acquire("a", 8)
+    second = asyncio.ensure_future(fair.acquire("a", 8))
+    await idle()
+    assert (fair.in_flight["a"], fair.waiting("a"), second.done()) == (8, 1, False)
+    other = await fair.acquire("b", 1)
+    assert fair.in_flight == {"a": 8, "b": 1}
+    first.release()
+    await idle()
+    assert second.done()
+    assert fair.in_flight["a"] == 8
+    second.result().release()
+    other.release()
+    huge = await asyncio.wait_for(fair.acquire("c", 1000), 1)
+    assert (huge.weight, fair.in_flight["c"]) == (14, 14)
+    huge.release()
+    assert sum(fair.in_flight.values()) == 0

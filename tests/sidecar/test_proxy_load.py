@@ -192,6 +192,35 @@ async def test_a_flooding_team_does_not_starve_the_others(stack_factory):
     assert any(loaded <= 2 * unloaded + busy_step for unloaded, loaded in attempts), attempts
 
 
+async def test_a_request_of_several_choices_takes_a_slot_for_each(stack_factory):
+    """The fair share counts sequences, as vLLM's ``max_num_seqs`` does: a team's two requests
+    of n=8 on a replica of 16 hold 8 sequences, not 2 requests, so the second waits in the
+    sidecar, vLLM's batch keeps room, and another team's first request goes straight in. (Counted
+    as requests, both ran, vLLM's 16 slots were full, and the other team queued behind them.)"""
+    stack = await stack_factory(**{"replicas.1.max_num_seqs": 16, **FLOOD_TEAMS, **SLOW_ENGINE})
+    fair = stack.sidecar.fair
+    assert fair is not None
+    body = {**CHAT, "max_tokens": 300, "ignore_eos": True, "n": 8}
+    async with stack.client("analytics") as c:
+        flood = [asyncio.create_task(c.post("/v1/chat/completions", json=body)) for _ in range(2)]
+        for _ in range(500):  # both admitted or waiting, at most 5 s
+            if fair.waiting("analytics") + min(1, fair.in_flight.get("analytics", 0)) >= 2 or (
+                fair.in_flight.get("analytics", 0) >= 2 and fair.waiting("analytics") == 0
+            ):
+                break
+            await asyncio.sleep(0.01)
+        assert (fair.in_flight["analytics"], fair.waiting("analytics")) == (8, 1)
+        async with stack.client("search") as s:
+            first = await s.post("/v1/chat/completions", json=CHAT)
+        assert first.status_code == 200
+        # The other team's request ran beside the first of n=8, the second still waiting.
+        assert not all(t.done() for t in flood)
+        assert fair.waiting("analytics") == 1
+        for answer in await asyncio.gather(*flood):
+            assert answer.status_code == 200
+            assert len(answer.json()["choices"]) == 8
+
+
 def _sidecar_config(
     tmp_path: Path,
     upstream: str,
