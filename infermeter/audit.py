@@ -5,7 +5,9 @@ itself (keys, months) in the same transaction as the change, and every other ser
 sidecars, the dashboard, the collector, the autoscaler) spools its own events, sealed like any
 record, and ships them to billing's ``POST /v1/ingest/audit`` (``AuditSpool``), so an event
 made while billing is down is kept until billing has it. Billing keeps each event once (by
-``event_id``) and names the writer that sent it as its ``source``, whatever the line says.
+``event_id``) and names the writer that sent it as its ``source``, whatever the line says; a
+writer may send only the actions its role records (``ACTIONS_BY_ROLE``), at most
+``MAX_BATCH_EVENTS`` to a batch.
 
 No route of the product edits or deletes an event: the admin reads them (``GET /v1/audit``)
 and exports them (``GET /v1/audit.csv``).
@@ -21,12 +23,17 @@ from typing import Any, Final
 
 import orjson
 
+from infermeter.writers import Role, Writer
+
 __all__ = [
     "ACTIONS",
+    "ACTIONS_BY_ROLE",
+    "MAX_BATCH_EVENTS",
     "MAX_TEXT",
     "AuditEvent",
     "AuditEventError",
     "audit_event",
+    "may_record",
     "parse_event",
 ]
 
@@ -48,8 +55,23 @@ ACTIONS: Final = frozenset(
         "signout",
     }
 )
+# The actions each writer role records itself (``infermeter.audit_spool``); every other action
+# (keys, months, prices, invoices) is billing's own, written in the transaction of its change, so a
+# pod that sends one is claiming a change billing never made.
+ACTIONS_BY_ROLE: Final[Mapping[Role, frozenset[str]]] = {
+    Role.INSTANCE: frozenset({"budget.override", "config.reloaded", "config.refused"}),
+    Role.COLLECTOR: frozenset(),
+    Role.AUTOSCALER: frozenset({"config.reloaded", "config.refused"}),
+    Role.DASHBOARD: frozenset({"signin.succeeded", "signin.failed", "signout"}),
+}
 # How long a text field may be, in characters: a sentence or a small JSON object.
 MAX_TEXT: Final = 2000
+# The most events one shipped batch may hold. Events are made by hand (a sign-in, an override) or
+# by a reload: a service's spool rolls every 2 s, and a thousand in one segment would be a sign-in
+# every 2 ms, far past the dashboard's throttle. A backlog after billing was down arrives in
+# batches of this size (the audit shipper sends no more), each kept in one INSERT of milliseconds;
+# a bound is what keeps any one pod from holding the ledger's writer lock for long.
+MAX_BATCH_EVENTS: Final = 1_000
 _OUTCOMES: Final = frozenset({"ok", "refused", "failed"})
 _STRINGS: Final = (
     "event_id",
@@ -124,6 +146,14 @@ def audit_event(
         outcome=outcome,
     )
     return parse_event(found.to_json(), source)
+
+
+def may_record(writer: Writer | None, action: str) -> bool:
+    """Whether ``writer`` may send an event of ``action``; None, the shared ingest token of
+    earlier releases, may send what any writer may (it stands for every writer)."""
+    if writer is None:
+        return any(action in actions for actions in ACTIONS_BY_ROLE.values())
+    return action in ACTIONS_BY_ROLE[writer.role]
 
 
 def parse_event(

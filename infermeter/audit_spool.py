@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from infermeter.audit import AuditEvent, audit_event
+from infermeter.audit import MAX_BATCH_EVENTS, AuditEvent, audit_event
 from infermeter.spool import Spool, SpoolError
 
 if TYPE_CHECKING:
@@ -77,7 +77,8 @@ class AuditLog:
         client: httpx.AsyncClient,
         metrics: ShipperMetrics | None = None,
     ) -> Shipper:
-        """The shipper of this spool to billing's ``<ingest_url>/audit``."""
+        """The shipper of this spool to billing's ``<ingest_url>/audit``, in batches billing takes
+        (``MAX_BATCH_EVENTS``)."""
         from infermeter.shipper import Shipper
 
         return Shipper(
@@ -86,6 +87,7 @@ class AuditLog:
             token,
             AUDIT_KIND,
             client,
+            batch_size=MAX_BATCH_EVENTS,
             metrics=metrics,
             credential=self.credential,
         )

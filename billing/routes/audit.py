@@ -2,9 +2,11 @@
 
 A service ships its spooled events as any writer ships records: NDJSON with its own credential,
 or the lines as on disk (sealed) for billing to open one by one. Each event is kept once (by
-``event_id``) with the writer that sent it as its ``source``; a line that does not open, or is
-not an event, is answered as rejected with its reason (the shipper keeps it in
-``rejected.jsonl``). Reading is the admin's: ``GET /v1/audit`` and ``GET /v1/audit.csv``. No
+``event_id``) with the writer that sent it as its ``source``; a line that does not open, is
+not an event, or is an action its writer's role does not record (``infermeter.audit.may_record``:
+no pod records a key revoked or a month closed) is answered as rejected with its reason (the
+shipper keeps it in ``rejected.jsonl``). A batch of more than ``MAX_BATCH_EVENTS`` lines is a
+413 before any line is read. Reading is the admin's: ``GET /v1/audit`` and ``GET /v1/audit.csv``. No
 route updates or deletes an event.
 """
 
@@ -21,15 +23,23 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from billing import audit
+from billing.ledger import BatchTooLargeError
 from billing.routes.body import read_body
 from billing.routes.dependencies import Auditor, Services, ServicesDep
 from billing.routes.ingest import Sending
 from billing.routes.openapi import CSV, READ, errors, text
 from billing.routes.responses import download, json_response
-from infermeter.audit import ACTIONS, AuditEvent, AuditEventError, parse_event
+from infermeter.audit import (
+    ACTIONS,
+    MAX_BATCH_EVENTS,
+    AuditEvent,
+    AuditEventError,
+    may_record,
+    parse_event,
+)
 from infermeter.errors import BadRequest
-from infermeter.wire import NDJSON
-from infermeter.writers import SEALED_NDJSON
+from infermeter.wire import NDJSON, line_count
+from infermeter.writers import SEALED_NDJSON, Writer
 
 __all__ = ["router"]
 
@@ -52,29 +62,49 @@ async def ingest(request: Request, who: Sending, svc: ServicesDep) -> Response:
     """Keep a batch of a service's audit events; answer only after it is committed."""
     b = svc.config.billing
     body = await read_body(request, b.max_body_bytes, b.body_read_timeout_seconds)
+    _check_count(line_count(body), b.max_batch_records)
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    sender = who.writer.principal if who.writer is not None else "@ingest"
+    lines: list[tuple[int, bytes, Writer | None]]
     if media == SEALED_NDJSON:
         opened = svc.writers.open(body)
         lines = [
-            (pos, line, g.writer.principal)
+            (pos, line, g.writer)
             for g in opened.groups
             for pos, line in zip(g.places, g.records, strict=True)
         ]
         refused = [{"id": f"#{u.pos}", "reason": u.reason} for u in opened.unopened]
     else:
         parts = body.split(b"\n")
-        lines = [(pos, line, sender) for pos, line in enumerate(parts, start=1) if line.strip()]
+        lines = [(pos, line, who.writer) for pos, line in enumerate(parts, start=1) if line.strip()]
         refused = []
     events: list[AuditEvent] = []
     now = time.time()
-    for pos, line, source in lines:
+    for pos, line, writer in lines:
+        source = writer.principal if writer is not None else "@ingest"
         try:
-            events.append(parse_event(orjson.loads(line), source, now, b.max_clock_skew_seconds))
+            event = parse_event(orjson.loads(line), source, now, b.max_clock_skew_seconds)
         except (orjson.JSONDecodeError, AuditEventError) as exc:
             refused.append({"id": f"#{pos}", "reason": f"not an audit event: {exc}"})
+            continue
+        if not may_record(writer, event.action):
+            role = f"the {writer.role} role" if writer is not None else "no writer"
+            reason = f"{role} records no {event.action} event (written by {source})"
+            refused.append({"id": f"#{pos}", "reason": reason})
+            continue
+        events.append(event)
     kept = await run_in_threadpool(_append, svc, events, now)
     return json_response({"kind": "audit", "kept": kept, "rejected": refused, "quarantined": []})
+
+
+def _check_count(lines: int, max_batch_records: int) -> None:
+    """413 for a batch of more lines than an audit batch may hold, before any line is read."""
+    if lines > min(MAX_BATCH_EVENTS, max_batch_records):
+        limit, why = (
+            (max_batch_records, "billing.max_batch_records")
+            if max_batch_records < MAX_BATCH_EVENTS
+            else (MAX_BATCH_EVENTS, "audit events per batch")
+        )
+        raise BatchTooLargeError(f"{lines} lines in one audit batch; at most {limit} ({why})")
 
 
 def _append(svc: Services, events: list[AuditEvent], now: float) -> int:

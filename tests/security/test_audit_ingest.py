@@ -1,0 +1,88 @@
+"""The audit trail against a pod's credential: a bounded batch, and only its own role's actions.
+
+Real billing on loopback, holding the writer secret, over a ledger that knows the demo fleet.
+``POST /v1/ingest/audit`` keeps its events under the ledger's writer lock, so the batch is
+bounded; and the trail says what billing itself did (keys, months), so no pod may write that.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import orjson
+
+from infermeter.audit import MAX_BATCH_EVENTS
+from infermeter.writers import Credential, Writer, issue
+from tests.security import writers as writer_fixtures
+from tests.security.writers import ADMIN, SECRET, SMALL_0, bearer
+
+strict, ledger, url = writer_fixtures.strict, writer_fixtures.ledger, writer_fixtures.url
+DASHBOARD = issue(SECRET, Writer.for_dashboard())
+
+
+def event(action: str = "config.reloaded", **kw: Any) -> dict[str, Any]:
+    """An audit event as a service spools it, made a few seconds ago."""
+    return {
+        "event_id": f"ae-{time.time_ns()}-{kw.pop('n', 0)}",
+        "occurred_at": time.time() - 5,
+        "action": action,
+        "actor": "operator (SIGHUP)",
+        "actor_role": "",
+    } | kw
+
+
+async def send(url: str, events: list[dict[str, Any]], credential: Credential) -> httpx.Response:
+    body = b"".join(orjson.dumps(e) + b"\n" for e in events)
+    headers = bearer(credential) | {"content-type": "application/x-ndjson"}
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await client.post(f"{url}/v1/ingest/audit", content=body, headers=headers)
+
+
+async def trail(url: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient() as client:
+        answer = await client.get(f"{url}/v1/audit", headers=ADMIN)
+    events: list[dict[str, Any]] = answer.json()["events"]
+    return events
+
+
+async def test_an_audit_batch_over_the_bound_is_413_naming_it_and_keeps_nothing(ledger, url):
+    """One event more than ``MAX_BATCH_EVENTS`` is refused whole, in the API's error JSON."""
+    answer = await send(url, [event(n=i) for i in range(MAX_BATCH_EVENTS + 1)], SMALL_0)
+    assert answer.status_code == 413
+    error = answer.json()["error"]
+    assert error["code"] == "batch_too_large"
+    assert f"at most {MAX_BATCH_EVENTS}" in error["message"]
+    assert await trail(url) == []
+
+
+async def test_an_audit_batch_at_the_bound_is_kept_whole_and_once(ledger, url):
+    """A full batch is kept, every event once, under the writer that sent it; sent again, nothing."""
+    events = [event(n=i) for i in range(MAX_BATCH_EVENTS)]
+    first = (await send(url, events, SMALL_0)).json()
+    again = (await send(url, events, SMALL_0)).json()
+    assert (first["kept"], first["rejected"]) == (MAX_BATCH_EVENTS, [])
+    assert (again["kept"], again["rejected"]) == (0, [])
+    kept = await trail(url)
+    assert len(kept) == MAX_BATCH_EVENTS
+    assert {e["source"] for e in kept} == {SMALL_0.writer.principal}
+
+
+async def test_a_pod_records_only_the_actions_of_its_role(ledger, url):
+    """A sidecar may record an override and a reload, never a key revoked or a month closed;
+    the dashboard its sign-ins, not an override."""
+    sidecar = [
+        event("budget.override", n=1),
+        event("key.revoked", n=2),
+        event("month.closed", n=3),
+    ]
+    dashboard = [event("signin.failed", n=4), event("budget.override", n=5)]
+    from_sidecar = (await send(url, sidecar, SMALL_0)).json()
+    from_dashboard = (await send(url, dashboard, DASHBOARD)).json()
+    assert from_sidecar["kept"] == 1
+    assert [r["id"] for r in from_sidecar["rejected"]] == ["#2", "#3"]
+    assert "the instance role records no key.revoked event" in from_sidecar["rejected"][0]["reason"]
+    assert from_dashboard["kept"] == 1
+    assert [r["id"] for r in from_dashboard["rejected"]] == ["#2"]
+    assert sorted(e["action"] for e in await trail(url)) == ["budget.override", "signin.failed"]
