@@ -91,6 +91,42 @@ def _not_its_instance(instance: str, group: str) -> Check:
     )
 
 
+def _own_id(kind: RecordKind, rest: str, prefix: bool = False) -> Check:
+    """A record whose id is not the one its own fields give (``infermeter.ids.sample_id``).
+
+    Ids are kept once, across every writer and forever, and the ids a writer mints are
+    predictable (the time and what was read): unchecked, node-a's collector could send samples of
+    its own node under node-b's coming ids, and node-b's real ones would then be answered as
+    repeats and never billed. Bound to the record's own fields (its node, instance, team or
+    model, which the checks before this one hold to the credential), an id can only be taken by
+    the writer that may write it. The id's time is the record's in milliseconds, either way of
+    a half (Python's ``round`` and SQL's differ there). ``rest``: what follows the time, all of it
+    or (``prefix``) its start, as for a GPU of a MIG slice or a shared board, whose last parts
+    are not fields. Writers with a credential only: the shared ingest token writes as anyone.
+    """
+    rid = f"t.{_q(kind.id_field)}"
+    x = f"(t.{_q(kind.time_field)} * 1000)"
+    ms = f"split_part({rid}, '/', 1)"
+    near = (
+        f"(({ms} = printf('%013d', TRY_CAST(floor({x}) AS BIGINT)) AND {x} - floor({x}) <= 0.5)"
+        f" OR ({ms} = printf('%013d', TRY_CAST(ceil({x}) AS BIGINT)) AND ceil({x}) - {x} <= 0.5))"
+    )
+    after = f"substr({rid}, length({ms}) + 2)"
+    own = f"starts_with({after}, {rest} || '/')" if prefix else f"{after} = {rest}"
+    expected = f"printf('%013d', TRY_CAST(round({x}) AS BIGINT)) || '/' || {rest}"
+    more = "/..." if prefix else ""
+    return (
+        f"w_role IS NOT NULL AND NOT coalesce({near} AND {own}, false)",
+        "foreign_writer",
+        f"'{kind.id_field}: not the id its own fields give (' || coalesce({expected}, 'none')"
+        f" || '{more})' || {_BY}",
+    )
+
+
+def _q(name: str) -> str:
+    return f'"{name}"'
+
+
 # The instance ``t`` names runs on one of the collector's nodes: its lifetime says so, or it is
 # a fixed replica of a group configured there.
 _ON_COLLECTOR_NODES = f"""(EXISTS (SELECT 1 FROM lifetimes l WHERE l.instance = {_ENGINE_OF}
@@ -147,6 +183,7 @@ def _identity_checks() -> Mapping[str, tuple[Check, ...]]:
                 "foreign_writer",
                 f"'node ' || to_json(t.node) || ' is not the collector''s' || {_BY}",
             ),
+            _own_id(GPU, "t.node || '/' || t.uuid", prefix=True),
         ),
         ENGINE.key: (
             _roles(ENGINE.key),
@@ -165,6 +202,7 @@ def _identity_checks() -> Mapping[str, tuple[Check, ...]]:
                 "foreign_writer",
                 f"'engine ' || to_json({_ENGINE_OF}) || ' does not run on node ' || to_json(t.node) || {_BY}",
             ),
+            _own_id(ENGINE, _ENGINE_OF),
         ),
         INSTANCES.key: (
             _roles(INSTANCES.key),
@@ -176,12 +214,17 @@ def _identity_checks() -> Mapping[str, tuple[Check, ...]]:
                 "'engine_metrics_url ' || to_json(t.engine_metrics_url) || ' is not the instance''s "
                 f"own address (' || coalesce(w_address, 'none in its credential') || ')' || {_BY}",
             ),
+            _own_id(INSTANCES, "t.instance || '/' || t.event"),
         ),
         BUDGET_OVERRIDES.key: (
             _roles(BUDGET_OVERRIDES.key),
             _not_its_instance("t.issued_by", "w_group"),
+            _own_id(BUDGET_OVERRIDES, "t.issued_by || '/' || t.team"),
         ),
-        SCALING_DECISIONS.key: (_roles(SCALING_DECISIONS.key),),
+        SCALING_DECISIONS.key: (
+            _roles(SCALING_DECISIONS.key),
+            _own_id(SCALING_DECISIONS, "'scale/' || t.model"),
+        ),
     }
 
 

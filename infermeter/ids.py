@@ -5,6 +5,10 @@ idempotent by id). To find a resend whatever time it claims, without an index of
 memory, it looks ids up between the batch's least and greatest id: exact for any ids, and cheap
 when ids sort by time, because the ledger is appended in time order and DuckDB skips every row
 group whose min/max id lies outside the range. Both formats here sort by time as plain strings.
+
+Because the first record of an id is kept from whichever writer sends it, billing holds a
+credential's record to the ``sample_id`` its own fields give (``billing.trust_sql``): a
+predictable id is then one only its own writer can send. ``request_id`` is not predictable.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import pytest
 from billing.ledger import Ledger
 from billing.serve import serve_billing
 from infermeter.config import load_config
+from infermeter.ids import sample_id
 from infermeter.months import month_of
 from infermeter.serving import free_port
 from infermeter.writers import DEMO_SECRET, Credential, Writer, WriterError, issue
@@ -259,6 +260,58 @@ async def test_a_quarantined_batch_sent_again_is_kept_and_counted_once(ledger, u
         counted = await quarantined_total(client, url)
     assert counted == {("usage", "foreign_writer"): 3.0}
     assert _count(ledger, "quarantine") == 3
+
+
+async def test_a_collector_cannot_take_the_sample_ids_of_another_node(ledger, url):
+    """node-a's collector sends free samples of its own node under node-b's coming ids: they are
+    quarantined, and node-b's real samples under those ids are kept and billed."""
+    t = round(time.time() - 60, 3)
+    theirs = [sample_id(t + 10 * k, "node-b", "GPU-node-b-0", "-") for k in range(3)]
+    squat = [
+        gpu("node-a", sample_id=i, uuid="GPU-node-a-0", timestamp=t + 10 * k, interval_seconds=0.0)
+        for k, i in enumerate(theirs)
+    ]
+    real = [gpu("node-b", sample_id=i, timestamp=t + 10 * k) for k, i in enumerate(theirs)]
+    async with httpx.AsyncClient() as client:
+        forged = (await post(client, url, "gpu_samples", squat, COLLECTOR_A)).json()
+        kept = (await post(client, url, "gpu_samples", real, COLLECTOR_B)).json()
+    assert (forged["accepted"], len(forged["quarantined"])) == (0, 3)
+    assert "sample_id: not the id its own fields give" in forged["quarantined"][0]["reason"]
+    assert (kept["accepted"], kept["duplicates"]) == (3, 0)
+    assert _count(ledger, "gpu_samples") == 3
+
+
+@pytest.mark.parametrize(
+    ("credential", "kind", "record"),
+    [
+        (COLLECTOR_B, "engine_samples", engine(sample_id="0000000000001/small-0")),
+        (SMALL_0, "instances", event(event_id=sample_id(time.time() - 5, "small-1", "start"))),
+        (COLLECTOR_B, "gpu_samples", gpu(sample_id="gpu-1")),
+    ],
+    ids=["engine at another time", "instance event of another instance", "gpu made-up"],
+)
+async def test_a_record_whose_id_is_not_its_own_is_quarantined(
+    ledger, url, credential, kind, record
+):
+    """Each kind's id is its time and what was read; any other id is quarantined, not kept."""
+    async with httpx.AsyncClient() as client:
+        answer = (await post(client, url, kind, [record], credential)).json()
+    assert answer["accepted"] == 0
+    assert "not the id its own fields give" in answer["quarantined"][0]["reason"]
+
+
+async def test_an_id_minted_at_half_a_millisecond_is_the_records_own(ledger, url):
+    """Python rounds a half millisecond to even where SQL rounds it up: either is the record's."""
+    base = int((time.time() - 10) * 1000)
+    t = next(
+        t
+        for t in ((base - k + 0.5) / 1000 for k in range(1000))
+        if (t * 1000) % 1 == 0.5 and round(t * 1000) % 2 == 0
+    )
+    record = gpu("node-b", timestamp=t) | {"sample_id": sample_id(t, "node-b", "GPU-node-b-0", "-")}
+    async with httpx.AsyncClient() as client:
+        answer = (await post(client, url, "gpu_samples", [record], COLLECTOR_B)).json()
+    assert (answer["accepted"], answer["quarantined"]) == (1, [])
 
 
 def test_a_credential_names_its_writer_and_nothing_else():

@@ -1,5 +1,6 @@
 """What the writer-credential tests share: a billing service that holds the writer secret, and
-records of the demo fleet as its writers would send them, timed now."""
+records of the demo fleet as its writers would send them, timed now, with the ids their writers
+mint (``infermeter.ids``; billing quarantines a credential's record whose id is not its own)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from billing.api import create_app
 from billing.ledger import Ledger
 from billing.quarantine import KnownFleet
 from infermeter.config import Config, load_config
+from infermeter.ids import sample_id
 from infermeter.records import EngineSample, GpuSample, UsageRecord
 from infermeter.writers import Credential, Writer, issue
 from tests.billing.conftest import instance_event
@@ -31,6 +33,12 @@ SMALL_0 = issue(SECRET, Writer.for_instance("small-0", "small-0", "127.0.0.1:181
 COLLECTOR_A = issue(SECRET, Writer.for_collector(["node-a"]))
 COLLECTOR_B = issue(SECRET, Writer.for_collector(["node-b"]))
 _ids = itertools.count()
+
+
+def _ago(seconds: float) -> float:
+    """Now less ``seconds``, a millisecond apart from every other call's (the ids of two records
+    of one source made in a row are their times, so they must differ)."""
+    return time.time() - seconds - next(_ids) % 1000 / 1000
 
 
 def bearer(credential: Credential | str) -> dict[str, str]:
@@ -62,11 +70,11 @@ def usage(**kw: Any) -> dict[str, Any]:
 
 
 def gpu(node: str = "node-b", **kw: Any) -> dict[str, Any]:
-    """A GPU of ``node`` read 10 s ago, held by small-0."""
-    t = time.time() - 10
-    return (
+    """A GPU of ``node`` read 10 s ago, held by small-0; its id as the collector mints it."""
+    t = _ago(10)
+    record = (
         GpuSample(
-            sample_id=f"gpu-{time.time_ns()}-{next(_ids)}",
+            sample_id="",
             node=node,
             gpu="0",
             uuid=f"GPU-{node}-0",
@@ -83,16 +91,18 @@ def gpu(node: str = "node-b", **kw: Any) -> dict[str, Any]:
         ).to_json()
         | kw
     )
+    own = sample_id(record["timestamp"], record["node"], record["uuid"], "-", str(next(_ids)))
+    return record if "sample_id" in kw else record | {"sample_id": own}
 
 
 def engine(node: str | None = "node-b", **kw: Any) -> dict[str, Any]:
-    """small-0's engine read 10 s ago on ``node``."""
-    return (
+    """small-0's engine read 10 s ago on ``node``; its id as the collector mints it."""
+    record = (
         EngineSample(
-            sample_id=f"eng-{time.time_ns()}-{next(_ids)}",
+            sample_id="",
             replica="small-0",
             model="chat-small",
-            timestamp=time.time() - 10,
+            timestamp=_ago(10),
             requests_running=1,
             requests_waiting=0,
             kv_cache_usage=0.1,
@@ -102,13 +112,17 @@ def engine(node: str | None = "node-b", **kw: Any) -> dict[str, Any]:
         ).to_json()
         | kw
     )
+    own = sample_id(record["timestamp"], record["instance"] or record["replica"])
+    return record if "sample_id" in kw else record | {"sample_id": own}
 
 
 def event(instance: str = "small-0", replica: str = "small-0", **kw: Any) -> dict[str, Any]:
-    """A start event of ``instance`` of ``replica`` on node-b, with no engine address."""
-    t = time.time() - 5
-    event_id = f"ev-{time.time_ns()}-{next(_ids)}"
-    return instance_event(instance, "start", t, t, event_id=event_id, replica=replica) | kw
+    """A start event of ``instance`` of ``replica`` on node-b, with no engine address; its id as
+    the sidecar mints it."""
+    t = _ago(5)
+    record = instance_event(instance, "start", t, t, replica=replica) | kw
+    own = sample_id(record["timestamp"], record["instance"], record["event"])
+    return record if "event_id" in kw else record | {"event_id": own}
 
 
 def lines(records: list[dict[str, Any]]) -> bytes:
