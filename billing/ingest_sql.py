@@ -287,7 +287,8 @@ def stage_sql(kind: RecordKind, fleet: bool = False) -> str:
     Parameters: ``$body`` (the batch's JSON text), ``$now`` and ``$skew`` (seconds). ``reason``
     is NULL for a good record; ``quarantine`` is set for a good one billing does not trust
     (``billing.trust_sql``, which ``fleet`` is passed to); ``dup`` is true for a repeat of an
-    earlier id in the same batch. The batch's writer is item 0 of ``_writers``.
+    earlier id in the same batch, whatever became of the earlier one (``good_sql`` decides
+    repeats among the records kept). The batch's writer is item 0 of ``_writers``.
     """
     allowed = "[" + ", ".join(f"'{f.name}'" for f in kind.fields) + "]"
     type_checks = [_type_check(f) for f in kind.fields]
@@ -376,17 +377,24 @@ SELECT item, pos, CASE WHEN {quarantined} OR ({answered}) THEN {rid} END AS id,
 FROM {checked} WHERE reason IS NOT NULL OR {quarantined}"""
 
 
-def good_sql(kind: RecordKind, source: str) -> str:
+def good_sql(kind: RecordKind, source: str, refused: bool = True) -> str:
     """SQL defining view ``_good``: the records of ``source`` that are neither bad nor repeats.
 
     ``source`` is the batch (typed columns, or the per-record path's ``staged``); the bad ones
-    are those in ``_rejected`` (from ``rejected_sql``).
+    are those in ``_rejected`` (from ``rejected_sql``). A repeat is a later copy of an id among
+    the records kept, never among all: a refused or quarantined first copy (another writer's
+    forgery sharing the transaction) must not make the good copy after it a "duplicate" that is
+    dropped. ``refused``: whether ``_rejected`` holds any record; without one, the batch's own
+    ``dup`` (computed where its columns were built) says the same, and no window is needed.
     """
     cols = ", ".join(_q(f.name) for f in kind.fields)
-    return (
-        f"CREATE OR REPLACE TEMP VIEW _good AS SELECT s.item, {cols} FROM {source} s "
-        "ANTI JOIN _rejected r USING (item, pos) WHERE NOT s.dup"
-    )
+    kept = f"SELECT s.* FROM {source} s ANTI JOIN _rejected r USING (item, pos)"
+    if not refused:
+        return (
+            f"CREATE OR REPLACE TEMP VIEW _good AS SELECT item, {cols} FROM ({kept}) WHERE NOT dup"
+        )
+    first = f"row_number() OVER (PARTITION BY {_q(kind.id_field)} ORDER BY item, pos) = 1"
+    return f"CREATE OR REPLACE TEMP VIEW _good AS SELECT item, {cols} FROM ({kept}) QUALIFY {first}"
 
 
 def known_sql(kind: RecordKind) -> str:

@@ -588,7 +588,8 @@ class Ledger:
         fresh = [0] * batches
         span = None
         if sum(good):
-            con.execute(ingest_sql.good_sql(kind, source))
+            refused = any(rejected) or any(quarantined)
+            con.execute(ingest_sql.good_sql(kind, source, refused))
             idf = f'"{kind.id_field}"'
             lo, hi = con.execute(f"SELECT min({idf}), max({idf}) FROM _good").fetchone() or ("", "")
             con.execute(ingest_sql.known_sql(kind), {"lo": lo, "hi": hi})

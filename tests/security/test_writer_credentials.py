@@ -8,6 +8,7 @@ counted on /metrics, shown on the statement, billed to no one.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -33,6 +34,7 @@ from tests.security.writers import (
     engine,
     event,
     gpu,
+    lines,
     post,
     quarantined_total,
     usage,
@@ -312,6 +314,53 @@ async def test_an_id_minted_at_half_a_millisecond_is_the_records_own(ledger, url
     async with httpx.AsyncClient() as client:
         answer = (await post(client, url, "gpu_samples", [record], COLLECTOR_B)).json()
     assert (answer["accepted"], answer["quarantined"]) == (1, [])
+
+
+async def test_a_refused_or_quarantined_first_copy_does_not_shadow_a_good_one(ledger, url):
+    """In one batch, a bad copy of an id and then a good one: the good one is kept, not taken
+    for a repeat of a record that was never kept."""
+    good, trusted = usage(), usage()
+    bad = good | {"prompt_tokens": -1}
+    forged = trusted | {"instance": "ghost-9"}
+    async with httpx.AsyncClient() as client:
+        refused = (await post(client, url, "usage", [bad, good], SMALL_0)).json()
+        shadowed = (await post(client, url, "usage", [forged, trusted], SMALL_0)).json()
+    assert (refused["accepted"], refused["duplicates"], len(refused["rejected"])) == (1, 0, 1)
+    assert (shadowed["accepted"], shadowed["duplicates"], len(shadowed["quarantined"])) == (1, 0, 1)
+    assert _count(ledger, "usage") == 2
+
+
+def test_another_writers_quarantined_copy_in_the_same_transaction_does_not_shadow_a_good_one(
+    ledger,
+):
+    """node-a's collector forges node-b's sample, and both batches commit in one transaction
+    (group commit): node-b's real sample is kept, the forgery quarantined."""
+    real = gpu("node-b")
+    forged = real | {"power_watts": 201.0}
+    answers = {}
+
+    def send(name: str, credential: Credential, record: dict[str, object]) -> None:
+        answers[name] = ledger.ingest_lines(
+            "gpu_samples", lines([record]), writer=credential.writer
+        )
+
+    senders = [
+        threading.Thread(target=send, args=("forged", COLLECTOR_A, forged)),
+        threading.Thread(target=send, args=("real", COLLECTOR_B, real)),
+    ]
+    with ledger.writing():  # both batches queue behind the lock, then commit as one group
+        for thread in senders:
+            thread.start()
+            deadline = time.monotonic() + 30
+            while ledger.waiting_batches < senders.index(thread) + 1:
+                assert time.monotonic() < deadline, "the batch never queued"
+                time.sleep(0.01)
+    for thread in senders:
+        thread.join(30)
+    assert ledger.ingest_transactions == 1
+    assert (answers["forged"].accepted, len(answers["forged"].quarantined)) == (0, 1)
+    assert (answers["real"].accepted, answers["real"].duplicates) == (1, 0)
+    assert _count(ledger, "gpu_samples") == 1
 
 
 def test_a_credential_names_its_writer_and_nothing_else():
