@@ -272,12 +272,28 @@ def _type_check(f: Field) -> tuple[str, str]:
     return f"NOT coalesce({ok}, false)", reason
 
 
+def _range_check(f: Field) -> tuple[str, str]:
+    """A number of the right JSON type that its column cannot hold: an integer in 2^63..2^64-1
+    is JSON's UBIGINT, which DuckDB reads as an integer and cannot cast to BIGINT. Refused by
+    name, rather than kept as NULL (a NOT NULL column would fail the whole batch, on every
+    resend) or as the field's default."""
+    sql_type = COLUMN_TYPES[f.type].sql
+    path = f"'$.{f.name}'"
+    return (
+        f"json_type(r, {path}) <> 'NULL' AND TRY_CAST(json_extract(r, {path}) AS {sql_type}) IS NULL",
+        f"'{f.name}: out of range (a 64-bit integer is at most 9223372036854775807)'"
+        if f.type is FieldType.INT
+        else f"'{f.name}: out of range'",
+    )
+
+
 def _value(f: Field) -> str:
     sql_type = COLUMN_TYPES[f.type].sql
-    extracted = f"r->>'$.{f.name}'" if f.type == "string" else f"json_extract(r, '$.{f.name}')"
+    path = f"'$.{f.name}'"
+    extracted = f"r->>{path}" if f.type == "string" else f"json_extract(r, {path})"
     value = f"TRY_CAST({extracted} AS {sql_type})"
-    if f.has_default:
-        value = f"coalesce({value}, {sql_default(f)})"
+    if f.has_default:  # only where the field is absent: a value that did not cast is refused
+        value = f"CASE WHEN json_type(r, {path}) IS NULL THEN {sql_default(f)} ELSE {value} END"
     return f"{value} AS {_q(f.name)}"
 
 
@@ -292,6 +308,9 @@ def stage_sql(kind: RecordKind, fleet: bool = False) -> str:
     """
     allowed = "[" + ", ".join(f"'{f.name}'" for f in kind.fields) + "]"
     type_checks = [_type_check(f) for f in kind.fields]
+    type_checks += [
+        _range_check(f) for f in kind.fields if f.type in (FieldType.INT, FieldType.NUMBER)
+    ]
     cases = "\n".join(f"        WHEN {cond} THEN {reason}" for cond, reason in type_checks)
     values = ",\n    ".join(_value(f) for f in kind.fields)
     return f"""

@@ -207,3 +207,38 @@ async def test_absurd_magnitudes_are_a_4xx_or_a_rejected_record(billing, field, 
         assert answer.status_code < 500, (path, answer.text[:300])
         if answer.status_code == 200 and value != b"1e-400":
             assert answer.json()["accepted"] == 0, answer.text[:300]
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64 - 1])
+@pytest.mark.parametrize(
+    ("kind", "field"),
+    [("usage", "prompt_tokens"), ("usage", "choices"), ("gpu_samples", "xid_errors")],
+    ids=["not null", "defaulted", "defaulted sample"],
+)
+async def test_an_integer_past_64_bits_is_one_rejected_record_and_the_rest_kept(
+    billing, ledger, kind, field, value
+):
+    """2^63..2^64-1 is an integer to JSON that no BIGINT holds: its record is refused as out of
+    range (not a 500 that refuses the batch on every resend, not kept as the field's default),
+    and the batch's other records are kept, once."""
+    records = (
+        [usage(start=OCT + 3600 + i) for i in range(4)]
+        if kind == "usage"
+        else gpu_samples(start=OCT + 3600, seconds=40)
+    )
+    *good, bad = records
+    id_field, table = ("request_id", "usage") if kind == "usage" else ("sample_id", "gpu_samples")
+    line = orjson.dumps(bad | {field: 0}).replace(
+        f'"{field}":0'.encode(), f'"{field}":{value}'.encode()
+    )
+    body = b"".join(orjson.dumps(r) + b"\n" for r in good) + line + b"\n"
+    for sent in (1, 2):
+        answer = await _post(billing, f"/v1/ingest/{kind}", body, "application/x-ndjson")
+        assert answer.status_code == 200, answer.text[:300]
+        result = answer.json()
+        assert (result["accepted"], result["duplicates"]) == ((3, 0) if sent == 1 else (0, 3))
+        assert [r["id"] for r in result["rejected"]] == [bad[id_field]]
+        assert result["rejected"][0]["reason"].startswith(f"{field}: out of range")
+    with ledger.reader() as cur:
+        kept = cur.execute(f"SELECT count(*) FROM {table}").fetchall()
+    assert kept == [(3,)]
