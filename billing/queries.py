@@ -28,6 +28,8 @@ from billing.schema import SLOT_SECONDS
 
 __all__ = [
     "COPIES",
+    "FIRST_SECOND",
+    "LAST_SECOND",
     "MAX_POINTS",
     "MAX_RANGE_SECONDS",
     "PERIODS",
@@ -50,6 +52,10 @@ __all__ = [
 STEPS: Final = (60, 300, 900, 3600, 6 * 3600, 86400)
 MAX_POINTS: Final = 200
 MAX_RANGE_SECONDS: Final = 93 * 86400
+# The times a range may name: from 2000 (as ingest dates records) to the end of 2999 (the last
+# month served, its last hour). Past them a time is no date a calendar holds (month_of raises).
+FIRST_SECOND: Final = 946_684_800.0
+LAST_SECOND: Final = 32_503_676_400.0  # 2999-12-31T23:00Z
 # Replicas that sent an engine sample this recently (before the range's end) count as running.
 LIVE_SECONDS: Final = 120
 
@@ -95,6 +101,11 @@ def params_from(
     """Checked parameters: the range widened to whole slots; ValueError naming a bad value."""
     if not (math.isfinite(start) and math.isfinite(end)) or end <= start:
         raise ValueError(f"the range must have to > from (from={start}, to={end})")
+    if start < FIRST_SECOND or end > LAST_SECOND:
+        raise ValueError(
+            f"the range must lie within {FIRST_SECOND:.0f}..{LAST_SECOND:.0f} "
+            f"(2000-01-01 to 2999-12-31T23:00Z; from={start}, to={end})"
+        )
     if end - start > MAX_RANGE_SECONDS:
         raise ValueError(f"the range is {(end - start) / 86400:.0f} days; at most 93 are served")
     if step is None:

@@ -14,7 +14,7 @@ default team), and any key again as a filter, repeatable (``?model=chat-small&no
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Final
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
@@ -22,6 +22,7 @@ from fastapi.responses import Response
 from billing.explorer import KEYS
 from billing.explorer_cache import Month
 from billing.explorer_view import ExplorerQuery, View, csv_text, months_of, view
+from billing.queries import FIRST_SECOND, LAST_SECOND
 from billing.routes.dependencies import Reader, ServicesDep, compute
 from billing.routes.openapi import CSV, READ, errors, text
 from billing.routes.responses import download, json_response
@@ -33,10 +34,8 @@ __all__ = ["router"]
 
 router = APIRouter()
 
-# The window's ends: from 2000 (as ingest dates records) to the end of 2999 (the last month
-# served, its last hour); anything else is a 422 naming the parameter, not a date no calendar holds.
-FIRST_SECOND: Final = 946_684_800.0
-LAST_SECOND: Final = 32_503_676_400.0  # 2999-12-31T23:00Z
+# The window's ends (``billing.queries.FIRST_SECOND``..``LAST_SECOND``); anything else is a 422
+# naming the parameter, not a date no calendar holds.
 From = Annotated[float | None, Query(alias="from", ge=FIRST_SECOND, le=LAST_SECOND)]
 To = Annotated[float | None, Query(alias="to", ge=FIRST_SECOND, le=LAST_SECOND)]
 

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from billing.api import create_app
 from billing.ledger import Ledger
+from billing.queries import QUERIES
 from infermeter.config import Config
 from infermeter.records import USAGE
 from infermeter.shipper import Shipper
@@ -123,6 +124,24 @@ async def test_every_error_has_the_openai_shape(billing, method, path, status):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"]
+
+
+@pytest.mark.parametrize("name", sorted(QUERIES))
+@pytest.mark.parametrize(
+    ("start", "end"),
+    [("1e19", "1.0000000000000002e19"), ("1e12", "1.0000000000036e12"), ("-1e12", "-999999996400")],
+    ids=["past int64", "past 9999", "before 1970"],
+)
+async def test_a_query_range_outside_the_calendar_is_a_400_naming_the_bounds(
+    billing, name, start, end
+):
+    """A finite range no calendar holds is the caller's error (400), never a 500, for any query."""
+    async with httpx.AsyncClient(base_url=billing, headers=bearer(ADMIN)) as client:
+        response = await client.get(f"/v1/query/{name}", params={"from": start, "to": end})
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["code"] == "invalid_value"
+    assert "946684800..32503676400" in error["message"]
 
 
 async def test_ndjson_ingest_route_answers_like_the_json_one(billing, ledger):
