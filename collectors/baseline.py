@@ -13,6 +13,12 @@ The file is written after each round's samples are in the spool, whole or not at
 (``infermeter.atomic``). A crash between the two writes, milliseconds apart, makes the next
 start measure that one interval again. A reading older than ``max_age_seconds`` is not
 restored: over so long a time the boards may have changed hands, and nothing is invented.
+
+The file says its ``version``. Version 1 (a bare list, written before MIG slices kept their
+board's counter whole) held, for a MIG slice, the board's counter times the slice's share then:
+set against the board's counter it would count the rest of the board's since-boot energy, so
+such a slice's counter is not restored and its first interval is measured from power. A
+collector older than version 2 refuses a version 2 file as not a baseline and starts afresh.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import orjson
 from collectors.energy import Point
 from infermeter.atomic import write_atomically
 
-__all__ = ["MAX_AGE_SECONDS", "BaselineFile", "dump", "load"]
+__all__ = ["MAX_AGE_SECONDS", "VERSION", "BaselineFile", "dump", "load"]
 
 log = logging.getLogger("infermeter.collector")
 
@@ -37,14 +43,16 @@ Key = tuple[str, str, str]
 MAX_AGE_SECONDS: Final = 600.0
 
 
+# 2: a MIG slice's counter is its board's, whole (1: times the slice's share, see above).
+VERSION: Final = 2
+
+
 def dump(points: Mapping[Key, Point]) -> bytes:
-    """The readings as JSON: one entry per GPU key."""
-    return orjson.dumps(
-        [
-            {"key": list(k), "t": p.t, "w": p.power_watts, "mj": p.energy_mj}
-            for k, p in points.items()
-        ]
-    )
+    """The readings as JSON: the format's version, and one entry per GPU key."""
+    rows = [
+        {"key": list(k), "t": p.t, "w": p.power_watts, "mj": p.energy_mj} for k, p in points.items()
+    ]
+    return orjson.dumps({"version": VERSION, "readings": rows})
 
 
 def load(data: bytes, now: float, max_age_seconds: float = MAX_AGE_SECONDS) -> dict[Key, Point]:
@@ -53,13 +61,16 @@ def load(data: bytes, now: float, max_age_seconds: float = MAX_AGE_SECONDS) -> d
     ValueError when ``data`` is not what ``dump`` writes.
     """
     try:
-        rows: Any = orjson.loads(data)
+        doc: Any = orjson.loads(data)
+        # A bare list is version 1: its MIG slices' counters were scaled by their share then.
+        rows, scaled = (doc, True) if isinstance(doc, list) else (doc["readings"], False)
+        if not scaled and doc["version"] != VERSION:
+            raise ValueError(f"version {doc['version']!r}, this collector reads {VERSION}")
         out = {}
         for row in rows:
             node, uuid, mig = (str(v) for v in row["key"])
-            point = Point(
-                float(row["t"]), float(row["w"]), None if row["mj"] is None else float(row["mj"])
-            )
+            kept = row["mj"] is not None and not (scaled and mig)
+            point = Point(float(row["t"]), float(row["w"]), float(row["mj"]) if kept else None)
             if now - max_age_seconds <= point.t <= now:
                 out[(node, uuid, mig)] = point
         return out

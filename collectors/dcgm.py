@@ -7,9 +7,11 @@ DCGM_FI_DEV_FB_USED / _FREE (MiB), DCGM_FI_DEV_XID_ERRORS (last XID). Labels: gp
 modelName, Hostname (or the newer ``hostname``), GPU_I_PROFILE / GPU_I_ID on MIG slices, and
 pod / namespace / container when Kubernetes pod mapping is on.
 
-dcgm-exporter repeats a board's power and energy on each of its MIG slices; they are split
-among the board's slices in proportion to each slice's compute share (the ``N`` of ``Ng.XXgb``),
-so the slices' energy adds up to the board's once, not once per slice.
+dcgm-exporter repeats a board's power and energy on each of its MIG slices. Each slice's
+reading gets its compute share of the board (the ``N`` of ``Ng.XXgb`` over the board's slices)
+and that share of the board's power; its energy counter stays the board's, which the loop
+differences and then splits by the share (``collectors.energy``), so the slices' energy adds up
+to the board's once, not once per slice, whatever GPU instances come and go.
 """
 
 from __future__ import annotations
@@ -107,6 +109,13 @@ def _xid(value: float, lab: dict[str, str]) -> int:
 
 
 def _split_mig_board_values(readings: list[GpuReading]) -> list[GpuReading]:
+    """Give each MIG slice its compute share of the board, and that share of the board's power.
+
+    The energy counter is left whole: it is the board's since boot, and a share changes when an
+    operator creates or destroys a GPU instance (no reboot needed). A slice "counter" made of
+    board counter x share jumped with it: a fall read as a reset counted the whole since-boot
+    energy, a rise counted the change of share times it (437 MJ for one 1.5 kJ interval).
+    """
     slices: dict[str, list[GpuReading]] = defaultdict(list)
     for r in readings:
         if r.mig_instance:
@@ -125,8 +134,7 @@ def _split_mig_board_values(readings: list[GpuReading]) -> list[GpuReading]:
         if f is None:
             out.append(r)
             continue
-        energy = None if r.energy_mj is None else r.energy_mj * f
-        out.append(replace(r, power_watts=r.power_watts * f, energy_mj=energy, share=f))
+        out.append(replace(r, power_watts=r.power_watts * f, share=f))
     return out
 
 

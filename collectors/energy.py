@@ -2,7 +2,11 @@
 
 From the board's millijoule counter when both readings have it: the difference, where a
 decrease means the counter was reset (a reboot or driver reload) and counts from 0 again, so
-the increase is the new value. Without a counter, power is integrated over the interval
+the increase is the new value. A reading that stands for part of its board (a MIG slice) has
+the board's counter and gets its share of the board's increase: the counter is differenced
+before it is split, so a share that changes between readings (a GPU instance created or
+destroyed) splits one interval's increase differently, and never turns since-boot energy into
+an interval's. Without a counter, power is integrated over the interval
 (trapezoid rule). An interval longer than the gap limit (``gap_after_intervals`` scrape
 intervals) is a gap: nobody knows what was drawn, so energy is ``None``, never guessed.
 """
@@ -16,7 +20,7 @@ __all__ = ["Energy", "Point", "counter_increase", "interval_energy"]
 
 @dataclass(frozen=True, slots=True)
 class Point:
-    """One reading's time (s), power (W) and energy counter (mJ, or None)."""
+    """One reading's time (s), power (W) and its board's energy counter (mJ, or None)."""
 
     t: float
     power_watts: float
@@ -37,8 +41,14 @@ def counter_increase(previous: float, current: float) -> float:
     return current - previous if current >= previous else current
 
 
-def interval_energy(previous: Point | None, current: Point, gap_seconds: float) -> Energy:
-    """Joules drawn from ``previous`` to ``current``; the first reading starts at 0 s, 0 J."""
+def interval_energy(
+    previous: Point | None, current: Point, gap_seconds: float, share: float = 1.0
+) -> Energy:
+    """Joules drawn from ``previous`` to ``current``; the first reading starts at 0 s, 0 J.
+
+    ``share`` is the part of the board the readings stand for. Their counter is the board's, so
+    its increase is multiplied by it; their power is their own already, so it is not.
+    """
     if previous is None:
         return Energy(0.0, 0.0)
     dt = current.t - previous.t
@@ -47,5 +57,6 @@ def interval_energy(previous: Point | None, current: Point, gap_seconds: float) 
     if dt > gap_seconds:
         return Energy(None, dt, gap=True)
     if previous.energy_mj is not None and current.energy_mj is not None:
-        return Energy(counter_increase(previous.energy_mj, current.energy_mj) / 1000.0, dt)
+        increase = counter_increase(previous.energy_mj, current.energy_mj)
+        return Energy(increase * share / 1000.0, dt)
     return Energy((previous.power_watts + current.power_watts) / 2.0 * dt, dt)

@@ -344,6 +344,7 @@ class FleetCollector:
         seen: dict[tuple[tuple[str, str, str], str | None], Owner] = {}
         holders = Counter(r.key for r in readings)
         measured: dict[tuple[str, str, str], Energy] = {}
+        boards = _board_readings(self._last, [r for r in readings if r.key not in self._last])
         for r in readings:
             owner = seen[(r.key, r.pod)] = owners.get((r.key, r.pod)) or owner_of(
                 r, self.config.replicas, self.placements, self._name_rule
@@ -352,8 +353,9 @@ class FleetCollector:
             energy = measured.get(r.key)
             if energy is None:
                 point = Point(t, r.power_watts, r.energy_mj)
+                previous = self._last.get(r.key) or _slice_start(boards.get(r.key[:2]), point)
                 energy = measured[r.key] = interval_energy(
-                    self._last.get(r.key), point, self.gap_seconds
+                    previous, point, self.gap_seconds, r.share
                 )
                 self._last[r.key] = point
                 if energy.gap:
@@ -427,3 +429,29 @@ class FleetCollector:
         if any(s.target == source.target for s in self.engine_sources):
             self.engines[source.target] = sample
         return sample
+
+
+def _board_readings(
+    last: dict[tuple[str, str, str], Point], new: list[GpuReading]
+) -> dict[tuple[str, str], Point]:
+    """The latest reading kept of each board (node, UUID) one of the ``new`` MIG slices is on."""
+    wanted = {r.key[:2] for r in new if r.mig_instance}
+    out: dict[tuple[str, str], Point] = {}
+    for key, point in last.items() if wanted else ():
+        board = key[:2]
+        if board in wanted and (board not in out or point.t > out[board].t):
+            out[board] = point
+    return out
+
+
+def _slice_start(board: Point | None, current: Point) -> Point | None:
+    """Where the first interval of a MIG slice new on a board that was read before starts.
+
+    A GPU instance created since the board's last reading has a part of the board's increase
+    since then (its share, as the others have theirs), so its interval starts at that reading,
+    from the board's counter. Started at 0 s, 0 J, that part was nobody's. Without counters there
+    is no power of the slice to integrate from, and it starts at 0 s, 0 J as any new GPU does.
+    """
+    if board is None or board.energy_mj is None or current.energy_mj is None:
+        return None
+    return Point(board.t, current.power_watts, board.energy_mj)

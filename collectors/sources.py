@@ -31,7 +31,8 @@ class GpuReading:
     """One GPU (or MIG slice) as a source saw it, before attribution and energy accounting.
 
     ``utilization`` is a ratio (0..1). ``energy_mj`` is the board's millijoule counter since boot,
-    ``None`` when the source has no counter (then energy is integrated from power).
+    ``None`` when the source has no counter (then energy is integrated from power); a MIG slice
+    has its board's, whole, and its ``share`` of the board's increase is its energy.
     """
 
     node: str

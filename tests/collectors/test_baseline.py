@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 
 from collectors.baseline import MAX_AGE_SECONDS, BaselineFile, dump, load
@@ -24,6 +25,25 @@ def test_readings_round_trip_and_old_or_future_ones_are_dropped() -> None:
     }
     got = load(dump(points), now=1000.0)
     assert got == {("node-a", "GPU-0", ""): Point(1000.0, 300.0, 9_000_000.0)}
+
+
+def test_a_version_1_file_keeps_whole_gpus_and_drops_mig_slice_counters() -> None:
+    """Before version 2 a MIG slice's counter was the board's times its share: set against the
+    board's own it would count the rest of the since-boot energy, so it is not restored."""
+    rows = [
+        {"key": ["node-a", "GPU-0", ""], "t": 1000.0, "w": 300.0, "mj": 9_000_000.0},
+        {"key": ["node-a", "GPU-1", "2"], "t": 1000.0, "w": 75.0, "mj": 2_250_000.0},
+    ]
+    assert load(orjson.dumps(rows), now=1000.0) == {
+        ("node-a", "GPU-0", ""): Point(1000.0, 300.0, 9_000_000.0),
+        ("node-a", "GPU-1", "2"): Point(1000.0, 75.0, None),
+    }
+
+
+def test_a_file_of_an_unknown_version_is_refused() -> None:
+    """A version this collector does not know is no baseline of its."""
+    with pytest.raises(ValueError, match="version 3"):
+        load(orjson.dumps({"version": 3, "readings": []}), now=0.0)
 
 
 def test_a_file_that_is_not_a_baseline_is_refused_by_name() -> None:

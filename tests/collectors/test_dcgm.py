@@ -74,12 +74,13 @@ def test_simulator_page_gives_every_board():
 
 
 def test_mig_slices_are_separate_readings_sharing_board_power_and_energy():
-    """Each slice is its own reading; board power, energy and GPU time split 1:3 by compute slices."""
+    """Each slice is its own reading; board power and GPU time split 1:3 by compute slices, and
+    each keeps the board's energy counter whole (the loop splits its increase by the share)."""
     a, b = dcgm_readings(MIG_PAGE, "node-m")
     assert (a.slot, a.mig_profile, b.slot, b.mig_profile) == ("0/1", "1g.10gb", "0/2", "3g.40gb")
     assert (a.utilization, b.utilization) == (0.25, 0.75)
     assert (a.power_watts, b.power_watts) == (70.0, 210.0)
-    assert (a.energy_mj, b.energy_mj) == (1_000_000.0, 3_000_000.0)
+    assert (a.energy_mj, b.energy_mj) == (4_000_000.0, 4_000_000.0)
     assert (a.share, b.share) == (0.25, 0.75)
     assert a.hostname == "node-m"
     assert a.pod == "vllm-tiny-0-0"

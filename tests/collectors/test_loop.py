@@ -8,8 +8,9 @@ import time
 
 import httpx
 import orjson
+import pytest
 
-from collectors.dcgm import DcgmSource
+from collectors.dcgm import DcgmSource, dcgm_readings
 from collectors.loop import Batch, FleetCollector
 from collectors.serve import SpoolSink, build_collector
 from collectors.sources import GpuReading, ScrapeError
@@ -484,3 +485,54 @@ async def test_a_time_sliced_board_from_a_real_page_is_split_among_its_pods(conf
         (s.instance, s.replica, s.share, s.energy_joules, s.power_watts) for s in batch.gpus
     ) == [("pod-a", "small-0", 0.5, 300.0, 150.0), ("pod-b", "small-1", 0.5, 300.0, 150.0)]
     assert collector.replica_energy_joules == {"small-0": 300.0, "small-1": 300.0}
+
+
+def _mig_page(slices: list[tuple[str, str]], board_mj: int) -> str:
+    """One A100 in the given (GPU_I_ID, profile) slices, its counter at ``board_mj``."""
+    lines = []
+    for gi, profile in slices:
+        lab = f'gpu="0",UUID="GPU-mig",modelName="NVIDIA A100",GPU_I_PROFILE="{profile}",GPU_I_ID="{gi}"'
+        lines += [
+            f"DCGM_FI_PROF_GR_ENGINE_ACTIVE{{{lab}}} 0.5",
+            f"DCGM_FI_DEV_POWER_USAGE{{{lab}}} 300",
+            f"DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{{{lab}}} {board_mj}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+TWO_SLICES = [("1", "3g.40gb"), ("2", "4g.40gb")]
+THREE_SLICES = [*TWO_SLICES, ("3", "1g.10gb")]
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [(TWO_SLICES, THREE_SLICES), (THREE_SLICES, TWO_SLICES)],
+    ids=["created", "destroyed"],
+)
+async def test_a_gpu_instance_created_or_destroyed_leaves_the_board_energy_true(
+    config, before, after
+):
+    """A board whose MIG layout changes (no reboot) is billed what its counter drew in each
+    interval, split by the current shares: never its since-boot energy, never a slice's time lost."""
+    boot_mj, step_mj = 500_000_000_000, 1_500_000  # ~8 days at 700 W; 1500 J per 5 s interval
+    layouts = [before, before, after, after]
+    script: list[list[GpuReading] | ScrapeError] = [
+        dcgm_readings(_mig_page(slices, boot_mj + i * step_mj), "node-a")
+        for i, slices in enumerate(layouts)
+    ]
+    t = [1000.0]
+    collector = FleetCollector(config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0])
+    rounds = []
+    for step in (0, 5, 5, 5):
+        t[0] += step
+        rounds.append((await collector.scrape_once()).gpus)
+    assert [sum(s.energy_joules or 0.0 for s in gpus) for gpus in rounds] == pytest.approx(
+        [0.0, 1500.0, 1500.0, 1500.0]
+    )
+    # The interval the layout changed in: each slice its current share of the board's 1500 J
+    # and 5 s, so the board's GPU time is 5 s too.
+    changed = rounds[2]
+    assert [(s.gpu, s.interval_seconds) for s in changed] == [(f"0/{gi}", 5.0) for gi, _ in after]
+    assert [s.energy_joules for s in changed] == pytest.approx([1500.0 * s.share for s in changed])
+    assert sum(s.interval_seconds * s.share for s in changed) == pytest.approx(5.0)
+    assert not any(s.gap for gpus in rounds for s in gpus)
