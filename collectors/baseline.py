@@ -11,8 +11,10 @@ unknown).
 
 The file is written after each round's samples are in the spool, whole or not at all
 (``infermeter.atomic``). A crash between the two writes, milliseconds apart, makes the next
-start measure that one interval again. A reading older than ``max_age_seconds`` is not
-restored: over so long a time the boards may have changed hands, and nothing is invented.
+start measure that one interval again. Times in the file are wall time: the loop measures on
+the monotonic clock, but that one starts afresh with each process (``shifted`` moves the
+readings between the two). A reading older than ``max_age_seconds`` is not restored: over so
+long a time the boards may have changed hands, and nothing is invented.
 
 The file says its ``version``. Version 1 (a bare list, written before MIG slices kept their
 board's counter whole) held, for a MIG slice, the board's counter times the slice's share then:
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -34,7 +37,7 @@ import orjson
 from collectors.energy import Point
 from infermeter.atomic import write_atomically
 
-__all__ = ["MAX_AGE_SECONDS", "VERSION", "BaselineFile", "dump", "load"]
+__all__ = ["MAX_AGE_SECONDS", "VERSION", "BaselineFile", "dump", "load", "shifted"]
 
 log = logging.getLogger("infermeter.collector")
 
@@ -76,6 +79,15 @@ def load(data: bytes, now: float, max_age_seconds: float = MAX_AGE_SECONDS) -> d
         return out
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a baseline file: {exc}") from None
+
+
+def shifted(points: Mapping[Key, Point], seconds: float) -> dict[Key, Point]:
+    """The readings with their times moved by ``seconds``: from one clock onto another.
+
+    The file keeps wall time, which outlives the process; the loop measures on the monotonic
+    clock, whose zero is the process's (or the boot's) own.
+    """
+    return {k: replace(p, t=p.t + seconds) for k, p in points.items()}
 
 
 class BaselineFile:

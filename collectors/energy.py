@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Energy", "Point", "counter_increase", "interval_energy"]
+__all__ = ["Energy", "Point", "counter_increase", "interval_energy", "next_baseline"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +39,15 @@ class Energy:
 def counter_increase(previous: float, current: float) -> float:
     """Increase of a monotonic counter; a decrease means it was reset and counts from 0."""
     return current - previous if current >= previous else current
+
+
+def next_baseline(previous: Point | None, current: Point) -> Point:
+    """The reading the next interval starts from: ``current``, unless it is not after ``previous``.
+
+    An interval of no time measures nothing (0 s, 0 J). Moving the baseline to such a reading
+    anyway lost what the counter drew since ``previous``: the next interval started later.
+    """
+    return current if previous is None or current.t > previous.t else previous
 
 
 def interval_energy(

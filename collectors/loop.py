@@ -11,6 +11,12 @@ reconciliation counts from; one that held a scrape slot for half the timeout or 
 doubling, up to ``max_backoff_seconds``. The latest joined view (GPU and engine samples, target
 states, running energy totals) stays on the object for /metrics to read.
 
+Two clocks: intervals (a GPU's time between readings, when a target is due) are measured on the
+monotonic clock, the wall clock only stamps samples and the restart baseline, which outlives the
+process. Measured on the wall clock, an NTP step back lost an interval's energy and GPU time (the
+baseline moved to a reading "before" it), and a step forward past the gap limit made a measured
+interval a gap billed for seconds that never were.
+
 Engine targets come and go while the loop runs (``replace_engine_sources``, fed by discovery): a
 target that vanished takes its state (up/down, back-off, latest sample) with it, and so does a
 pod that left a GPU, so memory stays bounded however many instances have come and gone.
@@ -27,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from collectors.attribution import Owner, Placements, owner_of
-from collectors.baseline import BaselineFile
-from collectors.energy import Energy, Point, interval_energy
+from collectors.baseline import BaselineFile, shifted
+from collectors.energy import Energy, Point, interval_energy, next_baseline
 from collectors.sources import (
     EngineReading,
     EngineSource,
@@ -70,7 +76,8 @@ class TargetState:
     """How one target fared: up or down, why, and when it is next due.
 
     ``failures`` counts the failures in a row; ``slow_failures`` those of them that held a
-    scrape slot (the back-off grows with these only).
+    scrape slot (the back-off grows with these only). ``next_attempt`` is on the collector's
+    monotonic clock, so a wall-clock step neither lengthens nor cuts a back-off.
     """
 
     target: str
@@ -86,6 +93,14 @@ class TargetState:
     # last round's, so a target that starts or stops sending them is logged once, not per round.
     refused_values_total: int = 0
     refusing: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stamp:
+    """When a target was read: wall time for the samples, monotonic time for intervals."""
+
+    wall: float
+    monotonic: float
 
 
 @dataclass(frozen=True)
@@ -109,12 +124,15 @@ class FleetCollector:
         engine_sources: Sequence[EngineSource],
         clock: Callable[[], float] = time.time,
         max_concurrent_scrapes: int = 32,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock`` stamps samples (wall time); ``monotonic`` measures intervals and back-off."""
         self.config = config
         self.settings = config.collector
         self.gpu_sources = list(gpu_sources)
         self.engine_sources = list(engine_sources)
         self.clock = clock
+        self.monotonic = monotonic
         sources: list[GpuSource | EngineSource] = [*self.gpu_sources, *self.engine_sources]
         self.states = {(s.target, s.kind): TargetState(s.target, s.kind) for s in sources}
         self.gpus: dict[str, list[GpuSample]] = {}
@@ -126,6 +144,7 @@ class FleetCollector:
         self.round_errors_total = 0
         self.sink_errors_total = 0
         self.rounds = 0
+        # Each GPU's last reading, its time on the ``monotonic`` clock.
         self._last: dict[tuple[str, str, str], Point] = {}
         # Where each GPU's last reading is kept across restarts (``collectors.baseline``).
         self.baseline: BaselineFile | None = None
@@ -168,9 +187,13 @@ class FleetCollector:
             await asyncio.sleep(max(0.0, next_round - loop.time()))
 
     def restore(self, baseline: BaselineFile, now: float) -> None:
-        """Take each GPU's last reading from ``baseline``, and keep it there from now on."""
+        """Take each GPU's last reading from ``baseline``, and keep it there from now on.
+
+        ``now`` is wall time: the file's readings are (no monotonic clock outlives a process),
+        moved onto this process's monotonic clock as they are taken.
+        """
         self.baseline = baseline
-        for key, point in baseline.read(now).items():
+        for key, point in shifted(baseline.read(now), self.monotonic() - now).items():
             self._last.setdefault(key, point)
 
     async def _deliver(self, sink: Sink, batch: Batch) -> None:
@@ -186,11 +209,11 @@ class FleetCollector:
             return
         # Only once the samples are on disk: the next start measures from what was spooled.
         if self.baseline is not None and batch.gpus:
-            await self.baseline.save(self._last)
+            await self.baseline.save(shifted(self._last, self.clock() - self.monotonic()))
 
     async def scrape_once(self) -> Batch:
         """One round over every due target; returns the new samples."""
-        now = self.clock()
+        now = self.monotonic()
         gpu_due = [s for s in self.gpu_sources if self._due(s.target, s.kind, now)]
         engine_due = [s for s in self.engine_sources if self._due(s.target, s.kind, now)]
         results = await asyncio.gather(
@@ -247,7 +270,7 @@ class FleetCollector:
 
     async def _read(
         self, source: GpuSource | EngineSource
-    ) -> tuple[float, list[GpuReading] | EngineReading] | None:
+    ) -> tuple[Stamp, list[GpuReading] | EngineReading] | None:
         # A source replaced while its read was queued still reports to a state of its own,
         # one nobody keeps once the round is over.
         state = self.states.get((source.target, source.kind)) or TargetState(
@@ -281,7 +304,7 @@ class FleetCollector:
             log.info("%s target %s is up", state.kind, state.target)
         state.up, state.failures, state.slow_failures = True, 0, 0
         state.last_error, state.next_attempt = None, 0.0
-        return self.clock(), reading
+        return Stamp(self.clock(), self.monotonic()), reading
 
     def _mark_down(
         self, state: TargetState, reason: str, slow: bool, unexpected: BaseException | None = None
@@ -310,7 +333,7 @@ class FleetCollector:
             self.settings.max_backoff_seconds,
         )
         # Due again one interval early, so the next round that falls after the wait picks it up.
-        state.next_attempt = self.clock() + wait - self.settings.scrape_interval_seconds
+        state.next_attempt = self.monotonic() + wait - self.settings.scrape_interval_seconds
 
     def _note_refused(self, source: GpuSource, refused: list[str]) -> None:
         """Count the values refused in a target's page; log when it starts or stops sending them."""
@@ -331,7 +354,9 @@ class FleetCollector:
             log.info("%s target %s sends believable values again", state.kind, state.target)
         state.refusing = first
 
-    def _gpu_samples(self, target: str, t: float, readings: list[GpuReading]) -> list[GpuSample]:
+    def _gpu_samples(
+        self, target: str, stamp: Stamp, readings: list[GpuReading]
+    ) -> list[GpuSample]:
         """One sample per reading, joined to its owner.
 
         A board several pods share by time-slicing is read once per pod (dcgm-exporter repeats it
@@ -339,6 +364,7 @@ class FleetCollector:
         an equal part of it (``share``, power and energy), so the board counts once.
         """
         node = next((n for n in self.config.nodes if n.name == target), None)
+        t = stamp.wall
         out = []
         owners = self._owners.get(target, {})
         seen: dict[tuple[tuple[str, str, str], str | None], Owner] = {}
@@ -352,12 +378,12 @@ class FleetCollector:
             replica = owner.replica
             energy = measured.get(r.key)
             if energy is None:
-                point = Point(t, r.power_watts, r.energy_mj)
+                point = Point(stamp.monotonic, r.power_watts, r.energy_mj)
                 previous = self._last.get(r.key) or _slice_start(boards.get(r.key[:2]), point)
                 energy = measured[r.key] = interval_energy(
                     previous, point, self.gap_seconds, r.share
                 )
-                self._last[r.key] = point
+                self._last[r.key] = next_baseline(self._last.get(r.key), point)
                 if energy.gap:
                     self.gaps_total += 1
             part = 1.0 / holders[r.key]
@@ -402,8 +428,9 @@ class FleetCollector:
         return out
 
     def _engine_sample(
-        self, source: EngineSource, t: float, r: EngineReading
+        self, source: EngineSource, stamp: Stamp, r: EngineReading
     ) -> EngineSample | None:
+        t = stamp.wall
         try:
             replica = self.config.replica(source.replica)
         except KeyError:

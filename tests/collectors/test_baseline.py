@@ -82,6 +82,7 @@ async def test_a_restart_bills_the_time_and_energy_it_was_away(
         ],
         [],
         clock=lambda: t[0],
+        monotonic=lambda: t[0],
     )
     first.restore(baseline, t[0])
     for step in (0.0, 10.0):
@@ -101,6 +102,7 @@ async def test_a_restart_bills_the_time_and_energy_it_was_away(
         ],
         [],
         clock=lambda: t[0],
+        monotonic=lambda: t[0],
     )
     second.restore(baseline, t[0])
     await second._deliver(sink, await second.scrape_once())
@@ -121,10 +123,15 @@ async def test_a_restart_bills_the_time_and_energy_it_was_away(
 async def test_away_longer_than_the_gap_limit_counts_the_time_not_the_energy(
     config: Config, tmp_path: Path
 ) -> None:
-    """Past the gap limit the interval is a gap, as for a collector that never stopped."""
+    """Past the gap limit the interval is a gap, as for a collector that never stopped (each
+    process with a monotonic clock of its own: the file's wall time carries the interval)."""
     baseline = BaselineFile(tmp_path / "gpu-baseline.json")
     first = FleetCollector(
-        config, [FakeGpuSource("node-a", [[reading(energy_mj=1.0)]])], [], clock=lambda: 1000.0
+        config,
+        [FakeGpuSource("node-a", [[reading(energy_mj=1.0)]])],
+        [],
+        clock=lambda: 1000.0,
+        monotonic=lambda: 50.0,
     )
     first.restore(baseline, 1000.0)
     sink = SpoolSink(tmp_path / "spool")
@@ -132,7 +139,11 @@ async def test_away_longer_than_the_gap_limit_counts_the_time_not_the_energy(
     await first._deliver(sink, await first.scrape_once())
     later = 1000.0 + first.gap_seconds + 5.0
     second = FleetCollector(
-        config, [FakeGpuSource("node-a", [[reading(energy_mj=9.0)]])], [], clock=lambda: later
+        config,
+        [FakeGpuSource("node-a", [[reading(energy_mj=9.0)]])],
+        [],
+        clock=lambda: later,
+        monotonic=lambda: 7.0,
     )
     second.restore(baseline, later)
     [sample] = (await second.scrape_once()).gpus

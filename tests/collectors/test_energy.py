@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from collectors.energy import Energy, Point, counter_increase, interval_energy
+from collectors.energy import Energy, Point, counter_increase, interval_energy, next_baseline
 from collectors.loop import backoff_seconds
 
 GAP = 30.0  # 3 intervals of 10 s
@@ -48,6 +48,21 @@ def test_counter_increase(previous, current, increase):
 def test_interval_energy(previous, current, expected):
     """Counter difference, else power integrated; longer than the gap limit is a gap."""
     assert interval_energy(previous, current, GAP) == expected
+
+
+@pytest.mark.parametrize(
+    ("previous", "current", "kept"),
+    [
+        (None, Point(100, 300, 5e6), "current"),
+        (Point(100, 300, 5e6), Point(110, 300, 8e6), "current"),
+        (Point(100, 300, 5e6), Point(100, 300, 6e6), "previous"),
+        (Point(100, 300, 5e6), Point(98, 300, 6e6), "previous"),
+    ],
+    ids=["first-reading", "later", "same-instant", "earlier"],
+)
+def test_the_baseline_moves_only_to_a_later_reading(previous, current, kept):
+    """A reading at no later instant measured nothing, so the next interval starts before it."""
+    assert next_baseline(previous, current) == {"previous": previous, "current": current}[kept]
 
 
 @pytest.mark.parametrize(

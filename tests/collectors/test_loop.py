@@ -210,7 +210,7 @@ async def test_counter_reset_and_gap_through_the_loop(config):
         [reading(node="node-a", gpu="0", energy_mj=1_000_000.0)],
     ]
     source = FakeGpuSource("node-a", script)
-    collector = FleetCollector(config, [source], [], clock=lambda: t[0])
+    collector = FleetCollector(config, [source], [], clock=lambda: t[0], monotonic=lambda: t[0])
     energies = []
     for step in (0, 10, 10, 10, 40, 10):
         t[0] += step
@@ -299,7 +299,9 @@ async def test_a_time_sliced_board_counts_once_split_among_its_pods(config):
         ]
         for e in (1_000_000.0, 1_600_000.0)
     ]
-    collector = FleetCollector(config, [FakeGpuSource("node-a", shared)], [], clock=lambda: t[0])
+    collector = FleetCollector(
+        config, [FakeGpuSource("node-a", shared)], [], clock=lambda: t[0], monotonic=lambda: t[0]
+    )
     collector.place(placed)
     await collector.scrape_once()
     t[0] += 10
@@ -401,7 +403,9 @@ async def test_a_nan_power_is_refused_and_the_next_reading_measures_the_whole_in
     script: list[list[GpuReading] | ScrapeError] = [
         [reading(energy_mj=None, power_watts=w)] for w in (300.0, float("nan"), 300.0, 300.0)
     ]
-    collector = FleetCollector(config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0])
+    collector = FleetCollector(
+        config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0], monotonic=lambda: t[0]
+    )
     rounds = []
     for step in (0, 5, 5, 5):
         t[0] += step
@@ -420,7 +424,9 @@ async def test_an_impossible_energy_counter_is_refused_and_power_measures_instea
     script: list[list[GpuReading] | ScrapeError] = [
         [reading(energy_mj=e, power_watts=300.0)] for e in (1_000_000.0, -5_000_000.0, float("nan"))
     ]
-    collector = FleetCollector(config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0])
+    collector = FleetCollector(
+        config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0], monotonic=lambda: t[0]
+    )
     energies: list[tuple[float | None, bool]] = []
     for step in (0, 5, 5):
         t[0] += step
@@ -476,7 +482,7 @@ async def test_a_time_sliced_board_from_a_real_page_is_split_among_its_pods(conf
     t = [1000.0]
     async with serving(exporter) as url, httpx.AsyncClient() as client:
         source = DcgmSource("node-a", f"{url}/metrics", client, 2.0)
-        collector = FleetCollector(config, [source], [], clock=lambda: t[0])
+        collector = FleetCollector(config, [source], [], clock=lambda: t[0], monotonic=lambda: t[0])
         collector.place(placed)
         await collector.scrape_once()
         t[0] += 10
@@ -521,7 +527,9 @@ async def test_a_gpu_instance_created_or_destroyed_leaves_the_board_energy_true(
         for i, slices in enumerate(layouts)
     ]
     t = [1000.0]
-    collector = FleetCollector(config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0])
+    collector = FleetCollector(
+        config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0], monotonic=lambda: t[0]
+    )
     rounds = []
     for step in (0, 5, 5, 5):
         t[0] += step
@@ -536,3 +544,47 @@ async def test_a_gpu_instance_created_or_destroyed_leaves_the_board_energy_true(
     assert [s.energy_joules for s in changed] == pytest.approx([1500.0 * s.share for s in changed])
     assert sum(s.interval_seconds * s.share for s in changed) == pytest.approx(5.0)
     assert not any(s.gap for gpus in rounds for s in gpus)
+
+
+async def test_a_wall_clock_step_loses_no_energy_and_invents_no_gap(config):
+    """The wall clock stepped back 2 s, then forward 90 s (NTP, a VM resumed): every interval
+    is still measured, its energy what the counter drew, none a gap; samples keep wall time."""
+    walls = iter([1000.0, 1010.0, 1008.0, 1100.0, 1110.0])
+    script: list[list[GpuReading] | ScrapeError] = [
+        [reading(energy_mj=1_000_000.0 + i * 500_000.0)] for i in range(5)
+    ]
+    wall = [0.0]
+    collector = FleetCollector(config, [FakeGpuSource("node-a", script)], [], clock=lambda: wall[0])
+    samples = []
+    for w in walls:
+        wall[0] = w
+        samples += (await collector.scrape_once()).gpus
+    assert [s.energy_joules for s in samples] == [0.0, 500.0, 500.0, 500.0, 500.0]
+    assert not any(s.gap for s in samples)
+    assert all(0.0 < s.interval_seconds < collector.gap_seconds for s in samples[1:])
+    assert [s.timestamp for s in samples] == [1000.0, 1010.0, 1008.0, 1100.0, 1110.0]
+    assert collector.gaps_total == 0
+
+
+async def test_a_reading_at_no_later_instant_keeps_the_baseline(config):
+    """An interval of no time measures 0 s, 0 J and the next one starts where it would have:
+    what the counter drew meanwhile is billed with the next interval, not lost."""
+    mono = iter([0.0, 10.0, 10.0, 20.0])
+    now = [0.0]
+    script: list[list[GpuReading] | ScrapeError] = [
+        [reading(energy_mj=1_000_000.0 + i * 500_000.0)] for i in range(4)
+    ]
+    collector = FleetCollector(
+        config,
+        [FakeGpuSource("node-a", script)],
+        [],
+        clock=lambda: 1000.0 + now[0],
+        monotonic=lambda: now[0],
+    )
+    rounds = []
+    for m in mono:
+        now[0] = m
+        rounds += [
+            (s.interval_seconds, s.energy_joules) for s in (await collector.scrape_once()).gpus
+        ]
+    assert rounds == [(0.0, 0.0), (10.0, 500.0), (0.0, 0.0), (10.0, 1000.0)]

@@ -36,7 +36,13 @@ async def _scraped(config: Config) -> FleetCollector:
         [board("0", 1e6, 0.2), board("1", 2e6, 0.6), board("2", 3e6, 0.0)],
         [board("0", 2e6, 0.3), board("1", 5e6, 0.7), board("2", 3.5e6, 0.0)],
     ]
-    collector = FleetCollector(config, [FakeGpuSource("node-a", rounds)], [], clock=lambda: t[0])  # type: ignore[arg-type]
+    collector = FleetCollector(
+        config,
+        [FakeGpuSource("node-a", rounds)],  # type: ignore[arg-type]
+        [],
+        clock=lambda: t[0],
+        monotonic=lambda: t[0],
+    )
     await collector.scrape_once()
     t[0] += 10
     await collector.scrape_once()
