@@ -51,6 +51,8 @@ infermeter_collector_scrape_duration_seconds      duration of the target's last 
 infermeter_collector_scrape_errors_total{...}     failed scrapes of the target
 infermeter_collector_refused_values_total{...}    values sent that cannot be true (NaN, inf,
                                                   negative), not used
+infermeter_collector_duplicate_gpus_total{...}    boards the target reported that another
+                                                  target reports too, sampled there only
 infermeter_collector_gaps_total                   GPU intervals recorded as gaps
 infermeter_collector_round_errors_total           rounds that failed unexpectedly (a bug)
 infermeter_collector_spool_errors_total           batches that could not be spooled

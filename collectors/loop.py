@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -55,6 +55,7 @@ __all__ = [
     "Sink",
     "TargetState",
     "backoff_seconds",
+    "board_homes",
 ]
 
 log = logging.getLogger("infermeter.collectors")
@@ -93,6 +94,10 @@ class TargetState:
     # last round's, so a target that starts or stops sending them is logged once, not per round.
     refused_values_total: int = 0
     refusing: str | None = None
+    # Boards (UUIDs) the target reported that were sampled under another target, and last
+    # round's, with the node each went to, so a change is logged once (``board_homes``).
+    duplicate_gpus_total: int = 0
+    duplicates: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,10 +226,19 @@ class FleetCollector:
         )
         self.rounds += 1
         batch = Batch()
+        read = {
+            s.target: result[1]
+            for s, result in zip(gpu_due, results[: len(gpu_due)], strict=True)
+            if result is not None and isinstance(result[1], list)
+        }
+        homes = board_homes(read, self._board_holders())
+        self._follow(homes)
         for source, result in zip(gpu_due, results[: len(gpu_due)], strict=True):
             if result is not None:
                 assert isinstance(result[1], list)
-                readings, refused = screen_gpu_readings(result[1])
+                kept = [r for r in result[1] if homes.get(r.uuid, source.target) == source.target]
+                self._note_duplicates(source, result[1], homes)
+                readings, refused = screen_gpu_readings(kept)
                 self._note_refused(source, refused)
                 batch.gpus.extend(self._gpu_samples(source.target, result[0], readings))
             else:
@@ -334,6 +348,45 @@ class FleetCollector:
         )
         # Due again one interval early, so the next round that falls after the wait picks it up.
         state.next_attempt = self.monotonic() + wait - self.settings.scrape_interval_seconds
+
+    def _board_holders(self) -> dict[str, str]:
+        """The node each board UUID's last reading is kept under."""
+        return {uuid: node for node, uuid, _ in self._last if uuid}
+
+    def _follow(self, homes: Mapping[str, str]) -> None:
+        """Move each board's last readings to the node it is sampled under this round.
+
+        Its counter is one, whichever URL it was read through, so the interval goes on from the
+        reading before; left under the other node, that reading would one day start an interval
+        overlapping what this node billed.
+        """
+        for key in [k for k in self._last if k[1] in homes and homes[k[1]] != k[0]]:
+            point = self._last.pop(key)
+            self._last.setdefault((homes[key[1]], key[1], key[2]), point)
+
+    def _note_duplicates(
+        self, source: GpuSource, readings: list[GpuReading], homes: Mapping[str, str]
+    ) -> None:
+        """Count the boards a target reported that are sampled under another; log on a change."""
+        state = self.states.get((source.target, source.kind))
+        if state is None:
+            return
+        elsewhere = {
+            r.uuid: homes[r.uuid]
+            for r in readings
+            if homes.get(r.uuid, source.target) != source.target
+        }
+        state.duplicate_gpus_total += len(elsewhere)
+        if elsewhere and elsewhere != state.duplicates:
+            log.warning(
+                "%s target %s reports GPUs another target reports too, sampled there only: %s",
+                state.kind,
+                state.target,
+                ", ".join(f"{uuid} (under {node})" for uuid, node in sorted(elsewhere.items())),
+            )
+        elif not elsewhere and state.duplicates:
+            log.info("%s target %s reports no other target's GPUs again", state.kind, state.target)
+        state.duplicates = elsewhere
 
     def _note_refused(self, source: GpuSource, refused: list[str]) -> None:
         """Count the values refused in a target's page; log when it starts or stops sending them."""
@@ -456,6 +509,31 @@ class FleetCollector:
         if any(s.target == source.target for s in self.engine_sources):
             self.engines[source.target] = sample
         return sample
+
+
+def board_homes(
+    reports: Mapping[str, list[GpuReading]], holders: Mapping[str, str]
+) -> dict[str, str]:
+    """The one node each board is sampled under this round, by UUID: ``reports`` by node, in
+    the configuration's order of the nodes; ``holders``, the node each board was last sampled
+    under.
+
+    A UUID names one physical board, but two node targets can reach the same exporter (two
+    ``nodes[]`` URLs behind one Service, a recycled IP), and the board was billed under each,
+    with sample ids that differ by node, so billing could not tell. The node it was last sampled
+    under keeps it while it reports it, so its interval goes on from its own last reading and a
+    target that misses a round does not hand the board back and forth; otherwise the first node
+    in the configuration's order takes it, an order that holds from round to round. A reading
+    without a UUID cannot be matched and stays with its node.
+    """
+    reporters: dict[str, list[str]] = {}
+    for node, readings in reports.items():
+        for uuid in dict.fromkeys(r.uuid for r in readings if r.uuid):
+            reporters.setdefault(uuid, []).append(node)
+    return {
+        uuid: holders[uuid] if holders.get(uuid) in nodes else nodes[0]
+        for uuid, nodes in reporters.items()
+    }
 
 
 def _board_readings(

@@ -224,13 +224,19 @@ class FleetMetrics(Collector):
             "Values the target sent that cannot be true (NaN, infinite, negative), not used.",
             labels=TARGET_LABELS,
         )
+        duplicates = CounterMetricFamily(
+            "infermeter_collector_duplicate_gpus",
+            "GPU boards the target reported that another target reports too, sampled there only.",
+            labels=TARGET_LABELS,
+        )
         for state in c.states.values():
             labels = [state.target, state.kind]
             up.add_metric(labels, 1.0 if state.up else 0.0)
             took.add_metric(labels, state.scrape_seconds)
             errors.add_metric(labels, state.errors_total)
             refused.add_metric(labels, state.refused_values_total)
-        yield from (up, took, errors, refused)
+            duplicates.add_metric(labels, state.duplicate_gpus_total)
+        yield from (up, took, errors, refused, duplicates)
         yield CounterMetricFamily(
             "infermeter_collector_gaps",
             "GPU intervals recorded as gaps (no energy).",

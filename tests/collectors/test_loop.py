@@ -9,9 +9,11 @@ import time
 import httpx
 import orjson
 import pytest
+from prometheus_client import CollectorRegistry
 
 from collectors.dcgm import DcgmSource, dcgm_readings
-from collectors.loop import Batch, FleetCollector
+from collectors.loop import Batch, FleetCollector, board_homes
+from collectors.metrics import FleetMetrics
 from collectors.serve import SpoolSink, build_collector
 from collectors.sources import GpuReading, ScrapeError
 from collectors.targets import EngineTarget, placements
@@ -588,3 +590,84 @@ async def test_a_reading_at_no_later_instant_keeps_the_baseline(config):
             (s.interval_seconds, s.energy_joules) for s in (await collector.scrape_once()).gpus
         ]
     assert rounds == [(0.0, 0.0), (10.0, 500.0), (0.0, 0.0), (10.0, 1000.0)]
+
+
+def _one_gpu_page(energy_mj: int) -> bytes:
+    lab = 'gpu="0",UUID="GPU-a",modelName="NVIDIA H100",Hostname="node-a"'
+    return (
+        f"DCGM_FI_DEV_GPU_UTIL{{{lab}}} 50\n"
+        f"DCGM_FI_DEV_POWER_USAGE{{{lab}}} 300\n"
+        f"DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{{{lab}}} {energy_mj}\n"
+    ).encode()
+
+
+async def test_one_board_read_under_two_nodes_is_sampled_once(config):
+    """Over loopback, two nodes[] URLs reaching one exporter: the board is billed once, under
+    the first node, and the other target's duplicate is counted on its series."""
+    pages = [_one_gpu_page(1_000_000)] * 2 + [_one_gpu_page(2_500_000)] * 2
+
+    async def exporter(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await text_app(pages.pop(0))(scope, receive, send)
+
+    t = [1000.0]
+    async with serving(exporter) as url, httpx.AsyncClient() as client:
+        sources = [DcgmSource(node, f"{url}/metrics", client, 2.0) for node in ("node-a", "node-b")]
+        collector = FleetCollector(config, sources, [], clock=lambda: t[0], monotonic=lambda: t[0])
+        await collector.scrape_once()
+        t[0] += 5
+        batch = await collector.scrape_once()
+    assert [(s.node, s.uuid, s.interval_seconds, s.energy_joules) for s in batch.gpus] == [
+        ("node-a", "GPU-a", 5.0, 1500.0)
+    ]
+    assert collector.gpus["node-b"] == []
+    registry = CollectorRegistry()
+    registry.register(FleetMetrics(collector))
+    count = registry.get_sample_value
+    dup = "infermeter_collector_duplicate_gpus_total"
+    assert count(dup, {"target": "node-b", "kind": "dcgm"}) == 2
+    assert count(dup, {"target": "node-a", "kind": "dcgm"}) == 0
+
+
+async def test_a_board_stays_with_the_node_that_took_it_and_no_interval_counts_twice(config):
+    """node-a misses a round: node-b takes the board on from node-a's last reading and keeps it
+    when node-a is back, so every second and joule of the board is billed exactly once."""
+
+    def rounds(node: str, down: int | None) -> list[list[GpuReading] | ScrapeError]:
+        return [
+            ScrapeError("down") if i == down else [reading(node=node, energy_mj=1e6 + i * 5e5)]
+            for i in range(4)
+        ]
+
+    t = [1000.0]
+    collector = FleetCollector(
+        config,
+        [
+            FakeGpuSource("node-a", rounds("node-a", 1)),
+            FakeGpuSource("node-b", rounds("node-b", None)),
+        ],
+        [],
+        clock=lambda: t[0],
+        monotonic=lambda: t[0],
+    )
+    samples = []
+    for step in (0, 10, 10, 10):
+        t[0] += step
+        samples += (await collector.scrape_once()).gpus
+    assert [(s.node, s.interval_seconds, s.energy_joules) for s in samples] == [
+        ("node-a", 0.0, 0.0),
+        ("node-b", 10.0, 500.0),
+        ("node-b", 10.0, 500.0),
+        ("node-b", 10.0, 500.0),
+    ]
+
+
+def test_each_board_has_one_home_the_holder_first_then_the_configuration_order():
+    """The node a board was last sampled under keeps it while it reports it; else the first in
+    order; a reading without a UUID cannot be matched and stays with its node."""
+    a, b = (reading(node=n, uuid="GPU-1") for n in ("node-a", "node-b"))
+    anonymous = reading(node="node-b", uuid="")
+    reports = {"node-a": [a], "node-b": [b, anonymous]}
+    assert board_homes(reports, {}) == {"GPU-1": "node-a"}
+    assert board_homes(reports, {"GPU-1": "node-b"}) == {"GPU-1": "node-b"}
+    assert board_homes(reports, {"GPU-1": "node-c"}) == {"GPU-1": "node-a"}
