@@ -154,6 +154,8 @@ class Months:
         config = self._statements.config
         prices = config.prices
         self._rollups.refresh_if_due(self._clock())
+        # (The calendar served ends an hour before the month 2999-12 does: ``queries.LAST_SECOND``.)
+        end = min(end, queries.LAST_SECOND)
         params = queries.params_from(start, end, 3600, coverage=self._rollups.coverage())
         gpu_sql = queries.explorer_gpu_sql(
             params, prices.usd_per_gpu_hour, prices.usd_per_kwh * prices.pue

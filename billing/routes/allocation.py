@@ -46,7 +46,9 @@ def _query(
     """The checked query: the caller's scope, the window, the grouping and the filters."""
     now = time.time()
     end = now if end is None else end
-    start = month_bounds(month_of(end - 1e-6))[0] if start is None else start
+    if start is None:
+        # The month ``to`` falls in, from no earlier than the calendar served.
+        start = max(FIRST_SECOND, month_bounds(month_of(end - 1e-6))[0])
     filters = {k: request.query_params.getlist(k) for k in KEYS if k in request.query_params}
     team = who.scope
     for asked in filters.get("team", []):

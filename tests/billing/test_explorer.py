@@ -24,6 +24,7 @@ from billing.chargeback import Chargeback
 from billing.explorer import NONE
 from billing.explorer_view import ExplorerQuery, _rounded
 from billing.ledger import Ledger
+from billing.queries import FIRST_SECOND, LAST_SECOND
 from infermeter.config import Config
 from infermeter.months import month_bounds
 from tests.billing.conftest import OCT, batch, gpu_samples, usage
@@ -247,6 +248,23 @@ async def test_bad_windows_and_keys_are_refused_with_a_reason(billing):
             )
             assert response.status_code == 422, bad
             assert next(iter(bad)) in response.text
+
+
+async def test_windows_at_the_calendars_ends_are_answered(billing):
+    """``to`` alone at the first second served: the default window (the month ``to`` falls in)
+    begins no earlier than the calendar, so it is empty (a 400 saying so), never an error about
+    a month before the calendar that no one named (it escaped as a 500)."""
+    async with httpx.AsyncClient(base_url=billing) as client:
+        response = await client.get(
+            "/v1/allocation.csv",
+            params={"to": FIRST_SECOND},
+            headers={"authorization": f"Bearer {ADMIN}"},
+        )
+    assert response.status_code == 400
+    assert "to > from" in response.json()["error"]["message"]
+    # And the calendar's last month, whose end is an hour past the last second served.
+    body = await ask(billing, ADMIN, **{"from": LAST_SECOND - 86400, "to": LAST_SECOND})
+    assert body["rows"] == []
 
 
 def test_rounding_keeps_whole_numbers_and_the_total():
