@@ -13,20 +13,26 @@ channel it already uses (``GET /v1/keys/active`` with the spend_reader token, he
 
 The value in Redis: the signature (128 hex digits), a newline, the set's JSON. The signature
 covers a context string and the JSON's exact bytes, so it holds for this use only.
+
+``cryptography`` is imported by the functions that sign or verify, not with the module: it adds
+about 8 MB to a process, and a sidecar without Redis never checks a set (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import orjson
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from infermeter.keys import IssuedKeys, KeyRequestError
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+        Ed25519PrivateKey,
+        Ed25519PublicKey,
+    )
 
 __all__ = [
     "MAX_SET_BYTES",
@@ -50,17 +56,23 @@ _SIGNATURE_HEX: Final = 128
 
 def signing_key(writer_secret: bytes) -> Ed25519PrivateKey:
     """Billing's signing key: the same for every billing holding ``writer_secret``."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     seed = hmac.new(writer_secret, _DERIVE, hashlib.sha256).digest()
     return Ed25519PrivateKey.from_private_bytes(seed)
 
 
 def public_hex(key: Ed25519PrivateKey) -> str:
     """The public half of ``key``, as ``SIGNER_HEADER`` carries it."""
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
     return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
 
 
 def signer_of(value: str) -> Ed25519PublicKey | None:
     """The public key ``SIGNER_HEADER`` names (None: not one)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     try:
         raw = bytes.fromhex(value)
         return Ed25519PublicKey.from_public_bytes(raw) if len(raw) == 32 else None
@@ -81,6 +93,8 @@ def unseal(raw: bytes, signer: Ed25519PublicKey) -> IssuedKeys:
     signature, newline, body = raw.partition(b"\n")
     if not newline or len(signature) != _SIGNATURE_HEX:
         raise KeyRequestError("not a signed key set")
+    from cryptography.exceptions import InvalidSignature
+
     try:
         signer.verify(bytes.fromhex(signature.decode("ascii")), _CONTEXT + body)
     except (InvalidSignature, ValueError):

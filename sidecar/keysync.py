@@ -78,9 +78,10 @@ class KeySync:
         self.interval_seconds = interval_seconds
         self.current: IssuedKeys | None = None
         self._failing = False
-        # Billing's key-set signing key, as billing's answer names it (kept with the set on disk).
-        self.signer: Ed25519PublicKey | None = None
+        # Billing's key-set signing key, as billing's answer names it (kept with the set on disk),
+        # in hex; made a key (``signer``) only when a set from Redis is checked with it.
         self._signer_hex = ""
+        self._signer: Ed25519PublicKey | None = None
         # The Redis version whose set did not verify, said once.
         self._refused: bytes | None = None
         # ``sidecar.shared_limits.key_signer``: the one key sets are checked with, whatever
@@ -89,13 +90,24 @@ class KeySync:
         self._said_mismatch = False
         if pinned_signer:
             self._learn(pinned_signer)
-            self._pinned = self.signer is not None
+            self._pinned = bool(self._signer_hex)
         if redis is not None and not (self.url and token) and not self._pinned:
             log.warning(
                 "issued keys: Redis is configured but billing cannot be asked (no billing URL "
                 "or spend_reader token), so billing's signing key is learnt only from a copy "
                 "kept on disk; without one, no set in Redis is taken"
             )
+
+    @property
+    def signer(self) -> Ed25519PublicKey | None:
+        """Billing's signing key, None until one is known.
+
+        Made from its hex on first use: ``cryptography`` costs a process about 8 MB, and only a
+        sidecar reading sets from Redis checks one (``infermeter.key_set_seal``).
+        """
+        if self._signer is None and self._signer_hex:
+            self._signer = signer_of(self._signer_hex)
+        return self._signer
 
     @property
     def enabled(self) -> bool:
@@ -217,9 +229,8 @@ class KeySync:
                     )
                     self._said_mismatch = True
                 return
-            signer = signer_of(signer_hex)
-            if signer is not None:
-                self.signer, self._signer_hex = signer, signer_hex
+            if _is_signer(signer_hex):
+                self._signer, self._signer_hex = None, signer_hex
 
     def _keep(self, found: IssuedKeys) -> None:
         """Keep ``found`` on disk for a start while billing is down (atomic replace), with the
@@ -230,3 +241,12 @@ class KeySync:
             os.replace(tmp, self.path)
         except OSError as exc:
             log.error("%s: the issued keys cannot be kept on disk: %s", self.path, exc)
+
+
+def _is_signer(value: str) -> bool:
+    """Whether ``value`` names an Ed25519 public key: 32 bytes in hex, every one of which
+    ``signer_of`` takes (the check without loading ``cryptography``)."""
+    try:
+        return len(bytes.fromhex(value)) == 32
+    except ValueError:
+        return False

@@ -1,11 +1,13 @@
-"""A sidecar loads redis-py, its own Redis client's hiredis, httpx and OpenTelemetry's SDK only
-when it uses them, and never aiohttp or uvicorn.
+"""A sidecar loads redis-py, its own Redis client's hiredis, httpx, OpenTelemetry's SDK and
+``cryptography`` only when it uses them, and never aiohttp or uvicorn.
 
 Each costs an idle sidecar memory (docs/benchmarks.md): the relay's one transport is the pool on
 asyncio protocols (``sidecar.pool``), https included, so aiohttp is never needed; redis-py and
 hiredis (``sidecar.resp``, also the fleet's gateway nonces) are for shared limits only, httpx
-for shipping or a budget's spend, and the SDK for exporting spans (the API alone passes a trace
-on). The sidecar serves on its own server (``sidecar.http_server``), so
+for shipping or a budget's spend, the SDK for exporting spans (the API alone passes a trace
+on), and ``cryptography``'s primitives (8 MB) for checking the signature of a key set read from
+Redis, not before a set is read, even with Redis configured (redis-py imports the package's
+top, a few kB, to see whether it is installed). The sidecar serves on its own server (``sidecar.http_server``), so
 uvicorn is never needed.
 Checked in a fresh interpreter, since this test process has long imported them all.
 """
@@ -32,7 +34,7 @@ _PROBE = textwrap.dedent(
     Sidecar(config, "small-0", spool_dir=Path(tempfile.mkdtemp()))
     import sidecar.serve
     print(" ".join(m for m in ("aiohttp", "redis", "hiredis", "httpx", "opentelemetry.sdk",
-                                "uvicorn")
+                                "uvicorn", "cryptography.hazmat")
                    if m in sys.modules))
     """
 )
