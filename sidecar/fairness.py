@@ -12,7 +12,12 @@ A slot is one sequence, as ``max_num_seqs`` counts them, not one request: a requ
 choices, or a batch of prompts, is as many sequences in vLLM's batch, and takes as many slots
 here (``acquire``'s ``weight``). Counted as one, two requests of ``n=64`` filled a replica of
 128 and the next team's first request waited behind them in vLLM's queue. A request of more
-sequences than a lone team may hold counts as that many, so it can still run.
+sequences than a lone team may hold counts as that many, so it can still run. A request of
+several sequences is not passed over for smaller ones: when the waiting team that goes next
+needs more slots than are free, the slots freed next are kept for it (only a team below its fair
+share may still start meanwhile, as the headroom promises), where before a stream of single
+requests of a team above its share took each freed slot and the large request waited out its
+timeout.
 
 The wait is bounded twice: a team may have at most ``max_waiting_per_team`` requests queued
 (one more is refused at once with ``QueueFull``, so a flood costs its sender, not the others),
@@ -86,6 +91,9 @@ class FairShare:
     # The teams with a request in flight here or waiting: those sharing the replica now.
     _active: set[str] = field(default_factory=set)
     _total: int = 0
+    # The waiting request that goes next needs more slots than are free: freed slots are kept
+    # for it, and only a team below its fair share starts before it.
+    _held: bool = False
 
     @property
     def headroom(self) -> int:
@@ -95,18 +103,25 @@ class FairShare:
     def _may_start(self, team: str, weight: int) -> bool:
         if self._total + weight > self.capacity:
             return False
+        if self._below_share(team):
+            return True
+        return self._total + weight <= self.capacity - self.headroom
+
+    def _below_share(self, team: str) -> bool:
         # A team alone always has capacity / 1 as its share, so it may take the headroom only
         # when another team shares the replica; the newcomer itself counts as active.
         active = len(self._active) + (team not in self._active)
-        if active > 1 and self.in_flight.get(team, 0) < self.capacity / active:
-            return True
-        return self._total + weight <= self.capacity - self.headroom
+        return active > 1 and self.in_flight.get(team, 0) < self.capacity / active
 
     async def acquire(self, team: str, weight: int = 1) -> Slot:
         """Wait for ``weight`` slots (the request's sequences) for ``team``; FIFO within a team,
         then by priority and fewest in flight."""
         weight = max(1, min(weight, self.capacity - self.headroom))
-        if team not in self._waiting and self._may_start(team, weight):
+        if (
+            team not in self._waiting
+            and self._may_start(team, weight)
+            and (not self._held or self._below_share(team))
+        ):
             self._start(team, weight)
             return Slot(team, self, weight)
         queue = self._waiting.get(team)
@@ -145,6 +160,9 @@ class FairShare:
         if not queue:
             del self._waiting[team]
             self._left(team)
+        if self._held:
+            # (It may have been the request the free slots were kept for.)
+            self._dispatch()
 
     def _left(self, team: str) -> None:
         """``team`` has one request fewer here: no longer sharing once it has none."""
@@ -168,19 +186,28 @@ class FairShare:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Give freed slots to waiting requests: one pass over the teams waiting per slot."""
+        """Give freed slots to waiting requests: one pass over the teams waiting per slot.
+
+        The team that goes next is the best ranked of those the share rules let take a slot;
+        when its request needs more slots than are free, none is given: they are kept for it.
+        """
+        self._held = False
         while self._waiting and self._total < self.capacity:
             best: str | None = None
             best_rank = (0, 0)
-            for team, queue in self._waiting.items():
-                if self._may_start(team, queue[0][1]):
+            for team in self._waiting:
+                if self._may_start(team, 1):
                     rank = self._rank(team)
                     if best is None or rank < best_rank:
                         best, best_rank = team, rank
             if best is None:
                 return
             queue = self._waiting[best]
-            future, weight = queue.popleft()
+            future, weight = queue[0]
+            if not future.done() and not self._may_start(best, weight):
+                self._held = True
+                return
+            queue.popleft()
             if not queue:
                 del self._waiting[best]
             if future.done():

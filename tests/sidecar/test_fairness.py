@@ -391,3 +391,51 @@ async def test_a_request_of_several_sequences_takes_as_many_slots():
     assert (huge.weight, fair.in_flight["c"]) == (14, 14)
     huge.release()
     assert sum(fair.in_flight.values()) == 0
+
+
+async def test_a_request_of_several_sequences_is_not_passed_over_by_single_ones():
+    """On 16 slots (2 of headroom) a team holds 14 single requests and sends a new one as each
+    ends; another team's request of 8 waits for 8 free slots. The slots freed are kept for it,
+    so it starts once 8 are free, where a team above its share taking each freed slot at once
+    would keep it waiting until its timeout. Meanwhile the first team's new requests wait."""
+    fair = FairShare(16)
+    held = [await fair.acquire("b") for _ in range(14)]
+    large = asyncio.ensure_future(fair.acquire("a", 8))
+    await idle()
+    assert not large.done()
+    refills: list[asyncio.Future[Slot]] = []
+    for _ in range(10):
+        held.pop(0).release()
+        refills.append(asyncio.ensure_future(fair.acquire("b")))
+        await idle()
+        if large.done():
+            break
+    assert large.done(), "the request of 8 was passed over by every freed slot"
+    assert fair.in_flight == {"a": 8, "b": 8}
+    assert not any(r.done() for r in refills)
+    large.result().release()
+    await idle()
+    assert sum(r.done() for r in refills) == len(refills)
+    for slot in [*held, *(r.result() for r in refills)]:
+        slot.release()
+    assert sum(fair.in_flight.values()) == 0
+
+
+async def test_a_team_below_its_share_still_starts_while_slots_are_kept_for_a_large_request():
+    """The headroom's promise holds while freed slots are kept for a request of several
+    sequences: a third team's first request goes straight in."""
+    fair = FairShare(16)
+    held = [await fair.acquire("b") for _ in range(14)]
+    large = asyncio.ensure_future(fair.acquire("a", 8))
+    await idle()
+    held.pop().release()
+    await idle()
+    assert not large.done()
+    newcomer = await asyncio.wait_for(fair.acquire("c"), 1)
+    assert fair.in_flight == {"b": 13, "c": 1}
+    newcomer.release()
+    large.cancel()
+    await asyncio.gather(large, return_exceptions=True)
+    for slot in held:
+        slot.release()
+    assert sum(fair.in_flight.values()) == 0
