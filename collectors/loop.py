@@ -19,7 +19,9 @@ interval a gap billed for seconds that never were.
 
 Engine targets come and go while the loop runs (``replace_engine_sources``, fed by discovery): a
 target that vanished takes its state (up/down, back-off, latest sample) with it, and so does a
-pod that left a GPU, so memory stays bounded however many instances have come and gone.
+pod that left a GPU, so memory stays bounded however many instances have come and gone. A GPU
+or MIG slice its node's page left out for longer than the gap limit is forgotten the same way,
+and measured afresh if it comes back (``collectors.presence``): its absence is no gap.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Final
 from collectors.attribution import Owner, Placements, owner_of
 from collectors.baseline import BaselineFile, shifted
 from collectors.energy import Energy, Point, interval_energy, next_baseline
+from collectors.presence import Key, absences, listed_keys
 from collectors.sources import (
     EngineReading,
     EngineSource,
@@ -149,8 +152,11 @@ class FleetCollector:
         self.round_errors_total = 0
         self.sink_errors_total = 0
         self.rounds = 0
-        # Each GPU's last reading, its time on the ``monotonic`` clock.
-        self._last: dict[tuple[str, str, str], Point] = {}
+        # Each GPU's last reading, its time on the ``monotonic`` clock; those whose GPU a page
+        # read since left out are ``_missing``, and forgotten past the gap limit
+        # (``collectors.presence``).
+        self._last: dict[Key, Point] = {}
+        self._missing: set[Key] = set()
         # Where each GPU's last reading is kept across restarts (``collectors.baseline``).
         self.baseline: BaselineFile | None = None
         # Owner of each (GPU, pod) seen in the last round of each GPU target: rebuilt every round,
@@ -213,8 +219,11 @@ class FleetCollector:
             )
             return
         # Only once the samples are on disk: the next start measures from what was spooled.
+        # A GPU the last page left out is not kept: the next process could not tell its
+        # absence from its own restart, and would bill it as a gap.
         if self.baseline is not None and batch.gpus:
-            await self.baseline.save(shifted(self._last, self.clock() - self.monotonic()))
+            kept = {k: p for k, p in self._last.items() if k not in self._missing}
+            await self.baseline.save(shifted(kept, self.clock() - self.monotonic()))
 
     async def scrape_once(self) -> Batch:
         """One round over every due target; returns the new samples."""
@@ -233,6 +242,12 @@ class FleetCollector:
         }
         homes = board_homes(read, self._board_holders())
         self._follow(homes)
+        stamps = {
+            s.target: result[0].monotonic
+            for s, result in zip(gpu_due, results[: len(gpu_due)], strict=True)
+            if result is not None
+        }
+        self._forget_absent(stamps, listed_keys((r for rs in read.values() for r in rs), homes))
         for source, result in zip(gpu_due, results[: len(gpu_due)], strict=True):
             if result is not None:
                 assert isinstance(result[1], list)
@@ -363,6 +378,24 @@ class FleetCollector:
         for key in [k for k in self._last if k[1] in homes and homes[k[1]] != k[0]]:
             point = self._last.pop(key)
             self._last.setdefault((homes[key[1]], key[1], key[2]), point)
+
+    def _forget_absent(self, stamps: Mapping[str, float], listed: set[Key]) -> None:
+        """Forget the readings of GPUs left out of a page read past the gap limit; note the rest.
+
+        ``stamps``: when each node whose page was read this round was read (monotonic);
+        ``listed``: what those pages listed. The other nodes' readings are left as they are.
+        """
+        held: dict[str, dict[Key, Point]] = {}
+        for key, point in self._last.items():
+            if key[0] in stamps:
+                held.setdefault(key[0], {})[key] = point
+        missing = {k for k in self._missing if k[0] not in stamps and k in self._last}
+        for node, points in held.items():
+            forget, gone = absences(points, listed, self._missing, stamps[node], self.gap_seconds)
+            for key in forget:
+                del self._last[key]
+            missing |= gone
+        self._missing = missing
 
     def _note_duplicates(
         self, source: GpuSource, readings: list[GpuReading], homes: Mapping[str, str]

@@ -153,3 +153,43 @@ async def test_away_longer_than_the_gap_limit_counts_the_time_not_the_energy(
         None,
         True,
     )
+
+
+async def test_a_board_the_last_page_left_out_is_not_kept_across_a_restart(
+    config: Config, tmp_path: Path
+) -> None:
+    """A board missing from the page when the collector stopped is not restored: back after a
+    restart, past the gap limit, it is a first reading, as for a collector that never stopped,
+    not a gap billing its absence; the board that stayed is measured across the restart."""
+    t = [1000.0]
+    baseline = BaselineFile(tmp_path / "gpu-baseline.json")
+    sink = SpoolSink(tmp_path / "spool")
+    sink.open()
+    both = [reading(gpu="0", uuid="GPU-0"), reading(gpu="1", uuid="GPU-1")]
+    first = FleetCollector(
+        config,
+        [FakeGpuSource("node-a", [both, both[:1], both[:1]])],
+        [],
+        clock=lambda: t[0],
+        monotonic=lambda: t[0],
+    )
+    first.restore(baseline, t[0])
+    for step in (0.0, 5.0, 5.0):
+        t[0] += step
+        await first._deliver(sink, await first.scrape_once())
+    await sink.close()
+    t[0] += 8.0
+    second = FleetCollector(
+        config,
+        [FakeGpuSource("node-a", [[reading(gpu="0", uuid="GPU-0", energy_mj=2e6), both[1]]])],
+        [],
+        clock=lambda: t[0],
+        monotonic=lambda: 3.0,
+    )
+    second.restore(baseline, t[0])
+    batch = await second.scrape_once()
+    assert second.gap_seconds < 18.0  # board 1 was last read 18 s before
+    assert [(s.gpu, s.interval_seconds, s.energy_joules, s.gap) for s in batch.gpus] == [
+        ("0", 8.0, 1000.0, False),
+        ("1", 0.0, 0.0, False),
+    ]

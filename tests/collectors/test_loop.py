@@ -592,6 +592,110 @@ async def test_a_reading_at_no_later_instant_keeps_the_baseline(config):
     assert rounds == [(0.0, 0.0), (10.0, 500.0), (0.0, 0.0), (10.0, 1000.0)]
 
 
+def _boards_page(capture: str, boards: dict[str, int]) -> str:
+    """The real capture's board repeated as GPU index ``i`` (UUID ``...-i``) for each of
+    ``boards``, its energy counter at the millijoules given; a board not named is off the page."""
+    samples = [line for line in capture.splitlines() if line and not line.startswith("#")]
+    out = []
+    for index, energy_mj in boards.items():
+        for line in samples:
+            line = line.replace('gpu="0"', f'gpu="{index}"').replace('c44c"', f'c44c-{index}"')
+            if line.startswith("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"):
+                line = f"{line.rsplit(' ', 1)[0]} {energy_mj}"
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+async def test_a_board_that_left_the_page_comes_back_as_a_first_reading_not_a_gap(
+    config, fixture_text
+):
+    """A board that node-a's page (a real capture) left out for longer than the gap limit, while
+    the page was read, is measured afresh when it is back: its absence is no gap billed as GPU
+    time, and its last reading is forgotten meanwhile (memory stays bounded)."""
+    capture = fixture_text("dcgm-exporter-rtx4000ada-k8s.prom")
+    both = (0, 1, 7)
+    script: list[list[GpuReading] | ScrapeError] = [
+        dcgm_readings(
+            _boards_page(
+                capture,
+                {"0": 1_000_000 + i * 500_000, "1": 2_000_000 + i * 500_000}
+                if i in both
+                else {"0": 1_000_000 + i * 500_000},
+            ),
+            "node-a",
+        )
+        for i in range(8)
+    ]
+    t = [1000.0]
+    collector = FleetCollector(
+        config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0], monotonic=lambda: t[0]
+    )
+    assert collector.gap_seconds == 15.0
+    rounds = []
+    kept = []
+    for step in (0, 5, 5, 5, 5, 5, 5, 5):
+        t[0] += step
+        batch = await collector.scrape_once()
+        rounds.append([(s.gpu, s.interval_seconds, s.energy_joules, s.gap) for s in batch.gpus])
+        kept.append(len(collector._last))
+    assert rounds[1] == [("0", 5.0, 500.0, False), ("1", 5.0, 500.0, False)]
+    # Away 30 s, twice the gap limit: back as a first reading, 0 s and 0 J.
+    assert rounds[7] == [("0", 5.0, 500.0, False), ("1", 0.0, 0.0, False)]
+    assert collector.gaps_total == 0
+    # Board 1's reading is kept while its absence is no longer than the gap limit, then not.
+    assert kept == [2, 2, 2, 2, 2, 1, 1, 2]
+
+
+async def test_a_board_left_out_of_a_page_within_the_gap_limit_is_measured_across_it(config):
+    """A board missing from one page only (a line the exporter skipped) is measured from its
+    counter across the missed round when it is back: nothing it drew meanwhile is lost."""
+    present = [reading(gpu="0", uuid="GPU-0"), reading(gpu="1", uuid="GPU-1", energy_mj=2e6)]
+    script: list[list[GpuReading] | ScrapeError] = [
+        present,
+        present[:1],
+        [present[0], reading(gpu="1", uuid="GPU-1", energy_mj=3e6)],
+    ]
+    t = [1000.0]
+    collector = FleetCollector(
+        config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0], monotonic=lambda: t[0]
+    )
+    for step in (0, 5, 5):
+        t[0] += step
+        batch = await collector.scrape_once()
+    assert [(s.gpu, s.interval_seconds, s.energy_joules, s.gap) for s in batch.gpus] == [
+        ("0", 5.0, 0.0, False),
+        ("1", 10.0, 1000.0, False),
+    ]
+
+
+async def test_a_gpu_instance_id_given_again_after_a_repartition_spans_no_absence(config):
+    """A MIG slice destroyed and its GPU_I_ID given to a new slice a minute later: the new one
+    starts from the board's last reading (its share of the board's increase since), no gap,
+    and the board's energy and GPU time stay exactly the counter's and the clock's."""
+    boot_mj, step_mj = 500_000_000_000, 1_500_000
+    layouts = [TWO_SLICES] * 2 + [[("1", "3g.40gb")]] * 6 + [[("1", "3g.40gb"), ("2", "2g.20gb")]]
+    script: list[list[GpuReading] | ScrapeError] = [
+        dcgm_readings(_mig_page(slices, boot_mj + i * step_mj), "node-a")
+        for i, slices in enumerate(layouts)
+    ]
+    t = [1000.0]
+    collector = FleetCollector(
+        config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0], monotonic=lambda: t[0]
+    )
+    rounds = []
+    for step in [0] + [10] * (len(layouts) - 1):
+        t[0] += step
+        rounds.append((await collector.scrape_once()).gpus)
+    back = rounds[-1]
+    assert [(s.gpu, s.interval_seconds, s.gap) for s in back] == [
+        ("0/1", 10.0, False),
+        ("0/2", 10.0, False),
+    ]
+    assert sum(s.energy_joules or 0.0 for s in back) == pytest.approx(1500.0)
+    assert sum(s.interval_seconds * s.share for s in back) == pytest.approx(10.0)
+    assert collector.gaps_total == 0
+
+
 def _one_gpu_page(energy_mj: int) -> bytes:
     lab = 'gpu="0",UUID="GPU-a",modelName="NVIDIA H100",Hostname="node-a"'
     return (
