@@ -989,7 +989,8 @@ class AutoscaleSettings(_Strict):
     target_gpu_utilization: Annotated[float, Field(gt=0, le=1)] = 0.7
     history_slot_seconds: Annotated[int, Field(ge=60, le=86400)] = 900
     history_days: Annotated[int, Field(gt=0)] = 7
-    # Where the demand history survives a restart ("" keeps it in memory only).
+    # Where the demand history and the last desired counts survive a restart ("" keeps them in
+    # memory only).
     history_file: str = "var/autoscale-history.json"
     history_save_seconds: Positive = 5.0
     local: LocalHookSettings = LocalHookSettings()

@@ -1,9 +1,20 @@
-"""The autoscaler's demand history on disk, so a restart keeps the predictive term.
+"""The autoscaler's demand history and last desired counts on disk, so a restart keeps both.
 
 The predictive term reads the peak demand of each time-of-day slot on previous days; in memory
 only, a restarted autoscaler would know nothing for a day. ``HistoryFile`` writes every model's
 ``DemandHistory`` to one JSON file at most every ``autoscale.history_save_seconds`` and once more
 on the way out, and reads it back at start.
+
+The same file keeps each model's last desired count (``desired``), saved at the tick it changes.
+The policy steps from the count last asked for, as an HPA steps from ``spec.replicas``; without
+it, a restarted autoscaler's first tick stepped from the replicas it saw serving, and so asked
+away the replicas of a scale-up still starting (or one whose page was not read). It is kept here,
+not read back from where it was published: only the Kubernetes hook's target could say it (a
+webhook receiver cannot be asked, KEDA reads the autoscaler's own gauge, the local hook's
+instances are the autoscaler's own children), and this file is already the autoscaler's state.
+A count is a whole number from 0 to ``MAX_DESIRED`` (the most replicas a decision billing keeps
+may ask for); the first tick clamps it to the limits in force as any decision is. A file written
+before it kept counts has none: the first tick steps from the replicas seen, as it did.
 
 Durability: a save writes a temporary file in the same directory, fsyncs it, renames it over the
 file and fsyncs the directory, so the file on disk is always one whole save, the previous or the
@@ -12,9 +23,10 @@ of ``day_seconds / history_slot_seconds`` slots per configured model, so the fil
 the configuration (about 10 KB per model with the defaults); a file larger than
 ``MAX_FILE_BYTES`` is refused unread.
 
-A file that cannot be used (torn by hand, another program's JSON, slots of another length) is
-reported in one warning and the autoscaler starts with an empty history: a missing predictive
-term costs a day of reactive scaling, a crash would cost the scaling itself.
+A file that cannot be used (torn by hand, another program's JSON, slots of another length, a
+count that is not one) is reported in one warning and the autoscaler starts with an empty
+history and steps from the replicas it sees: a missing predictive term costs a day of reactive
+scaling, a crash would cost the scaling itself.
 """
 
 from __future__ import annotations
@@ -32,13 +44,17 @@ import orjson
 
 from alerts.autoscale.policy import DemandHistory, ModelState, PolicyParams
 from infermeter.atomic import write_atomically
+from infermeter.records import MAX_SCALED_REPLICAS
 
 __all__ = [
     "FORMAT",
+    "MAX_DESIRED",
     "MAX_FILE_BYTES",
     "HistoryFile",
     "HistoryFileError",
     "decode",
+    "decode_states",
+    "desired_counts",
     "encode",
 ]
 
@@ -46,6 +62,9 @@ log = logging.getLogger("infermeter.autoscale")
 
 FORMAT: Final = "infermeter.autoscale.history/1"
 MAX_FILE_BYTES: Final = 16 << 20
+# A larger saved count is not one the policy decided (billing refuses a decision asking for
+# more), and published as it is would ask a cluster for that many replicas.
+MAX_DESIRED: Final = MAX_SCALED_REPLICAS
 
 
 class HistoryFileError(ValueError):
@@ -56,8 +75,13 @@ def _slots(params: PolicyParams) -> int:
     return max(1, round(params.day_seconds / params.slot_seconds))
 
 
-def encode(histories: Mapping[str, DemandHistory], params: PolicyParams) -> bytes:
-    """The file's bytes: the slot layout the rows were recorded with, and each model's rows."""
+def encode(
+    histories: Mapping[str, DemandHistory],
+    params: PolicyParams,
+    desired: Mapping[str, int] | None = None,
+) -> bytes:
+    """The file's bytes: the slot layout the rows were recorded with, each model's rows, and
+    each model's last desired count."""
     return orjson.dumps(
         {
             "format": FORMAT,
@@ -68,6 +92,7 @@ def encode(histories: Mapping[str, DemandHistory], params: PolicyParams) -> byte
                 for model, history in sorted(histories.items())
                 if history.days
             },
+            "desired": dict(sorted((desired or {}).items())),
         }
     )
 
@@ -78,6 +103,43 @@ def decode(raw: bytes, params: PolicyParams, models: Sequence[str]) -> dict[str,
     Rows recorded with another slot layout would put yesterday's 10:00 at another time of day,
     so they are refused rather than read; models no longer configured are dropped.
     """
+    return _histories(_document(raw, params), params, models)
+
+
+def decode_states(raw: bytes, params: PolicyParams, models: Sequence[str]) -> dict[str, ModelState]:
+    """Each of ``models``' state in ``raw``: its history and last desired count, as ``decode``."""
+    data = _document(raw, params)
+    histories = _histories(data, params, models)
+    desired = _desired(data.get("desired", {}), models)
+    return {
+        model: ModelState(
+            history=histories.get(model, DemandHistory()), last_desired=desired.get(model)
+        )
+        for model in models
+        if model in histories or model in desired
+    }
+
+
+def _desired(stored: Any, models: Sequence[str]) -> dict[str, int]:
+    """The saved counts of ``models``: whole numbers within 0..MAX_DESIRED, or the file is refused."""
+    if not isinstance(stored, dict):
+        raise HistoryFileError("'desired' is not a mapping")
+    out = {}
+    for model in models:
+        if model not in stored:
+            continue
+        count = stored[model]
+        # bool is an int to Python, and a float such as 3.0 was never written by ``encode``.
+        if type(count) is not int or not 0 <= count <= MAX_DESIRED:
+            raise HistoryFileError(
+                f"desired.{model} is {count!r}, not a replica count within 0..{MAX_DESIRED}"
+            )
+        out[model] = count
+    return out
+
+
+def _document(raw: bytes, params: PolicyParams) -> dict[str, Any]:
+    """The file's JSON object, once its format and slot layout are this autoscaler's."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -90,6 +152,12 @@ def decode(raw: bytes, params: PolicyParams, models: Sequence[str]) -> dict[str,
             f"recorded with slot_seconds={layout[0]!r}, day_seconds={layout[1]!r}; "
             f"this autoscaler uses {params.slot_seconds}, {params.day_seconds:g}"
         )
+    return data
+
+
+def _histories(
+    data: dict[str, Any], params: PolicyParams, models: Sequence[str]
+) -> dict[str, DemandHistory]:
     stored = data.get("models")
     if not isinstance(stored, dict):
         raise HistoryFileError("'models' is not a mapping")
@@ -124,9 +192,15 @@ def _demand(value: Any) -> bool:
     return type(value) in (int, float) and math.isfinite(value) and value >= 0
 
 
+def desired_counts(states: Mapping[str, ModelState]) -> dict[str, int]:
+    """Each model's last desired count, for the models that have one."""
+    return {m: s.last_desired for m, s in states.items() if s.last_desired is not None}
+
+
 @dataclass
 class HistoryFile:
-    """Loads the history at start and saves it at most every ``save_seconds``."""
+    """Loads the history and desired counts at start; saves the history at most every
+    ``save_seconds``, and a changed desired count at once."""
 
     path: Path
     params: PolicyParams
@@ -136,39 +210,59 @@ class HistoryFile:
     _last_save: float | None = field(default=None, init=False)
     _last_bytes: bytes | None = field(default=None, init=False)
     _failing: bool = field(default=False, init=False)
+    _saved_desired: dict[str, int] = field(default_factory=dict, init=False)
 
     def load(self) -> dict[str, ModelState]:
-        """Each model's state with its saved history; empty (and one warning) when unusable."""
+        """Each model's state with its saved history and last desired count; empty (and one
+        warning) when the file is unusable."""
         try:
             if self.path.stat().st_size > MAX_FILE_BYTES:
                 raise HistoryFileError(f"larger than {MAX_FILE_BYTES} bytes")
             raw = self.path.read_bytes()
-            histories = decode(raw, self.params, self.models)
+            states = decode_states(raw, self.params, self.models)
         except FileNotFoundError:
             log.info("autoscale: no demand history at %s yet; starting empty", self.path)
             return {}
         except (OSError, HistoryFileError) as exc:
             log.warning(
-                "autoscale: ignoring the demand history in %s, starting with none: %s",
+                "autoscale: ignoring the demand history in %s, starting with none and stepping "
+                "from the replicas seen: %s",
                 self.path,
                 exc,
             )
             return {}
-        log.info("autoscale: demand history of %s loaded from %s", sorted(histories), self.path)
-        self._last_bytes = raw
-        return {model: ModelState(history=h) for model, h in histories.items()}
+        desired = desired_counts(states)
+        log.info(
+            "autoscale: demand history of %s and desired counts %s loaded from %s",
+            sorted(m for m, s in states.items() if s.history.days),
+            desired,
+            self.path,
+        )
+        self._last_bytes, self._saved_desired = raw, desired
+        return states
 
     async def maybe_save(self, states: Mapping[str, ModelState]) -> None:
-        """Save if ``save_seconds`` have passed since the last save."""
+        """Save if ``save_seconds`` have passed since the last save, or a desired count changed.
+
+        A change is what a restart must not lose: saved only with the history, a change followed
+        by a crash within ``save_seconds`` was forgotten.
+        """
         now = self.clock()
-        if self._last_save is not None and now - self._last_save < self.save_seconds:
+        changed = desired_counts(states) != self._saved_desired
+        if (
+            not changed
+            and self._last_save is not None
+            and now - self._last_save < self.save_seconds
+        ):
             return
         self._last_save = now
         await asyncio.to_thread(self.save, states)
 
     def save(self, states: Mapping[str, ModelState]) -> None:
-        """Write the histories now (skipped when nothing changed); a failure is logged."""
-        data = encode({m: s.history for m, s in states.items()}, self.params)
+        """Write the histories and desired counts now (skipped when nothing changed); a failure
+        is logged."""
+        desired = desired_counts(states)
+        data = encode({m: s.history for m, s in states.items()}, self.params, desired)
         if data == self._last_bytes:
             return
         try:
@@ -187,4 +281,4 @@ class HistoryFile:
         if self._failing:
             log.warning("autoscale: the demand history is saved to %s again", self.path)
         self._failing = False
-        self._last_bytes = data
+        self._last_bytes, self._saved_desired = data, desired

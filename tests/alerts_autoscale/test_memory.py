@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from alerts.autoscale.hooks import ScalingGauges
-from alerts.autoscale.memory import FORMAT, HistoryFile, decode, encode
+from alerts.autoscale.memory import FORMAT, MAX_DESIRED, HistoryFile, decode, decode_states, encode
 from alerts.autoscale.policy import (
     DemandHistory,
     ModelState,
@@ -33,10 +33,10 @@ class Script:
         return dict(self.next)
 
 
-def scaler(config: Config, path: Path, reader: Script) -> Autoscaler:
+def scaler(config: Config, path: Path, reader: Script, save_seconds: float = 0.0) -> Autoscaler:
     params = params_from_config(config)
     limits = {m.name: model_limits(config, m.name) for m in config.models}
-    memory = HistoryFile(path, params, [m.name for m in config.models], save_seconds=0.0)
+    memory = HistoryFile(path, params, [m.name for m in config.models], save_seconds=save_seconds)
     return Autoscaler(params, limits, reader, ScalingGauges(), memory=memory)
 
 
@@ -69,6 +69,49 @@ async def test_restart_keeps_the_predictive_term(config: Config, tmp_path: Path)
     assert none.desired == 2
 
 
+async def test_a_restarted_autoscaler_steps_from_the_count_it_last_asked_for(
+    config: Config, tmp_path: Path
+) -> None:
+    """A scale-up from 4 to 5 is saved at the tick it is decided (the process then dies, with
+    no save on the way out): the restarted autoscaler holds 5 while the fifth replica starts,
+    where one without the file steps from the 4 it sees and asks the fifth away."""
+    path = tmp_path / "history.json"
+    reader = Script()
+    first = scaler(config, path, reader, save_seconds=3600.0)
+    desired = []
+    for t in (0.0, 15.0, 30.0, 45.0):
+        reader.next = {"chat-small": Observation(t, 4, 50.0)}
+        desired.append((await first.tick())["chat-small"].desired)
+    assert desired[-1] == 5
+    calm = {"chat-small": Observation(60.0, 4, 0.0)}
+    restarted, forgetful = scaler(config, path, Script()), scaler(config, tmp_path / "x", Script())
+    decisions = []
+    for autoscaler in (restarted, forgetful):
+        assert isinstance(autoscaler.reader, Script)
+        autoscaler.reader.next = calm
+        decisions.append((await autoscaler.tick())["chat-small"])
+    after, none = decisions
+    assert after.desired == 5
+    assert after.reasons == (
+        "holding 5: 4 seen serving (a replica whose page was not read "
+        "this tick is not taken as gone)",
+    )
+    assert none.desired == 4
+
+
+def test_a_file_without_desired_counts_steps_from_the_replicas_seen(config: Config) -> None:
+    """A file written before the counts were kept is still read: histories, and no count."""
+    params = params_from_config(config)
+    rows = ((3, (0.5,) + (None,) * 95),)
+    raw = b'{"format": "%s", "slot_seconds": 900, "day_seconds": 86400.0, "models": %s}' % (
+        FORMAT.encode(),
+        b'{"chat-small": [[3, [0.5' + b", null" * 95 + b"]]]}",
+    )
+    assert decode_states(raw, params, ["chat-small"]) == {
+        "chat-small": ModelState(history=DemandHistory(rows))
+    }
+
+
 @pytest.mark.parametrize(
     ("content", "reason"),
     [
@@ -85,12 +128,33 @@ async def test_restart_keeps_the_predictive_term(config: Config, tmp_path: Path)
             "does not have 96 slots",
         ),
         (b"\x00\xff" * 40, "not JSON"),
+        *(
+            (
+                b'{"format": "%s", "slot_seconds": 900, "day_seconds": 86400.0, "models": {}, '
+                b'"desired": {"chat-small": %s}}' % (FORMAT.encode(), count),
+                f"desired.chat-small is {shown}, not a replica count within 0..{MAX_DESIRED}",
+            )
+            for count, shown in [
+                (b"-1", "-1"),
+                (b"1000000000", "1000000000"),
+                (b"true", "True"),
+                (b"3.0", "3.0"),
+                (b'"3"', "'3'"),
+            ]
+        ),
+        (
+            b'{"format": "%s", "slot_seconds": 900, "day_seconds": 86400.0, "models": {}, '
+            b'"desired": [3]}' % FORMAT.encode(),
+            "'desired' is not a mapping",
+        ),
     ],
 )
 def test_unusable_file_warns_and_starts_empty(
     config: Config, tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes, reason: str
 ) -> None:
-    """A torn, foreign or mismatched file is one warning naming the reason and an empty history."""
+    """A torn, foreign or mismatched file, or one holding a count no autoscaler asked for, is one
+    warning naming the reason, an empty history and no count: the first tick steps from the
+    replicas seen."""
     path = tmp_path / "history.json"
     path.write_bytes(content)
     memory = HistoryFile(path, params_from_config(config), ["chat-small"])
