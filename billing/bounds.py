@@ -31,6 +31,7 @@ import duckdb
 
 from billing.boards import UNKNOWN_BOARD_WATTS, max_watts
 from infermeter.config import Config
+from infermeter.records import MAX_ENGINE_REQUESTS
 
 __all__ = [
     "COUNTER_SLACK_SECONDS",
@@ -58,8 +59,8 @@ MAX_MEASURED_SECONDS: Final = 600.0
 MAX_GAP_SECONDS: Final = 86_400.0
 # Engine counters: a trillion tokens a day for thirty years; exact in a double.
 MAX_COUNTER: Final = 1e15
-# Requests running or waiting on one engine.
-MAX_REQUESTS: Final = 1_000_000
+# Requests running or waiting on one engine (the autoscaler holds its readings to it too).
+MAX_REQUESTS: Final = MAX_ENGINE_REQUESTS
 # Memory of one board (or slice), used plus free: 1 TiB.
 MAX_BOARD_MIB: Final = float(1 << 20)
 

@@ -29,6 +29,7 @@ __all__ = [
     "INSTANCES",
     "KINDS",
     "MAX_DECISION_REASONS",
+    "MAX_ENGINE_REQUESTS",
     "MAX_OVERRIDE_REASON",
     "MAX_SCALED_REPLICAS",
     "RESERVED",
@@ -205,6 +206,11 @@ class EngineSample(_Record):
     # The node the engine runs on, as the collector found it: billing takes the sample only from
     # a collector whose credential covers that node. None: from a collector that did not say.
     node: str | None = None
+
+
+# Requests running or waiting on one engine: no vLLM engine holds more, so a page saying more is
+# broken or hostile (billing's ingest refuses such a sample, the autoscaler such a reading).
+MAX_ENGINE_REQUESTS: Final = 1_000_000
 
 
 class InstanceEventType(StrEnum):

@@ -19,6 +19,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from alerts.autoscale.policy import Observation
+from infermeter.records import MAX_ENGINE_REQUESTS, MAX_SCALED_REPLICAS
 
 __all__ = [
     "PROMQL",
@@ -31,6 +32,7 @@ __all__ = [
     "observations",
     "observations_from_vectors",
     "parse_pages",
+    "queue_depth",
     "read_page",
     "scrape_of",
 ]
@@ -146,8 +148,9 @@ def scrape_of(
         if name == "infermeter_instance_queue_depth":
             # Engines are counted one by one: a replica group of N pods is N replicas serving.
             replicas[model].add(labels.get("instance_id", ""))
-            if value is not None:
-                queue[model] += value
+            waiting = queue_depth(reading)
+            if waiting is not None:
+                queue[model] += waiting
         elif name == "infermeter_replica_gpu_utilization_ratio" and value is not None:
             utils[model].append(min(value, 1.0))
         elif name == "infermeter_replica_gpus" and value is not None:
@@ -183,6 +186,21 @@ def measured(value: float) -> float | None:
     force a scale-up, so such a reading counts as that instance's signal missing.
     """
     return value if math.isfinite(value) and value >= 0 else None
+
+
+def queue_depth(value: float, engines: int = 1) -> float | None:
+    """``value`` as the requests waiting on ``engines`` engines, or None (not measured) when it
+    cannot be a count or is more than they could hold.
+
+    A finite queue no engine holds (1e300 from a broken or hostile page) passed ``measured``:
+    it held the sustained-queue rule on, which added a replica at each cool-down's end up to the
+    cap. Past ``MAX_ENGINE_REQUESTS`` per engine (the bound billing's ingest holds an engine
+    sample's gauges to) it is that instance's signal missing, as NaN is.
+    """
+    waiting = measured(value)
+    if waiting is None or waiting > MAX_ENGINE_REQUESTS * max(1, engines):
+        return None
+    return waiting
 
 
 def _increase(before: float | None, after: float) -> float:
@@ -258,24 +276,29 @@ def observations_from_vectors(
     time: float, vectors: Mapping[str, Mapping[str, float]], models: Iterable[str]
 ) -> dict[str, Observation]:
     """Observations from PromQL answers keyed like ``PROMQL``; absent, NaN, infinite or
-    negative means unknown, and a utilization above 1 counts as 1."""
+    negative means unknown, and a utilization above 1 counts as 1. So does a count of engines
+    past ``MAX_SCALED_REPLICAS``, or a queue past what they could hold (``queue_depth``): the
+    queue is a sum over the group, so its bound is the engines' together."""
 
     def value(query: str, model: str) -> float | None:
         v = vectors.get(query, {}).get(model)
         v = None if v is None else measured(v)
         return min(v, 1.0) if v is not None and query == "utilization" else v
 
-    return {
-        model: Observation(
+    def observation(model: str) -> Observation:
+        engines = value("current", model)
+        current = int(engines) if engines is not None and engines <= MAX_SCALED_REPLICAS else 0
+        queue = vectors.get("queue", {}).get(model)
+        return Observation(
             time=time,
-            current_replicas=int(value("current", model) or 0),
-            queue_depth=value("queue", model) or 0.0,
+            current_replicas=current,
+            queue_depth=(None if queue is None else queue_depth(queue, current)) or 0.0,
             ttft_p95_seconds=value("ttft_p95", model),
             gpu_utilization=value("utilization", model),
             tokens_per_second_per_gpu=value("tokens_per_gpu", model),
         )
-        for model in models
-    }
+
+    return {model: observation(model) for model in models}
 
 
 @dataclass

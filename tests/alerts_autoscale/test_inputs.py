@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -22,8 +23,10 @@ from alerts.autoscale.inputs import (
     read_page,
     scrape_of,
 )
+from alerts.autoscale.policy import ModelState, evaluate, model_limits, params_from_config
 from collectors.loop import FleetCollector
 from collectors.metrics import FleetMetrics
+from collectors.sources import EngineReading
 from infermeter.config import Config
 from sidecar.metrics import SidecarMetrics
 from tests.collectors.fakes import FakeInstance
@@ -99,6 +102,43 @@ def test_a_reading_no_count_can_be_is_that_instances_signal_missing(bad):
     assert small["chat-small"].gpu_utilization == pytest.approx(0.4)
 
 
+@pytest.mark.parametrize("absurd", ["1e300", "1.7976931348623157e308", "1e15", "1000001"])
+def test_a_queue_no_engine_could_hold_is_that_instances_signal_missing(absurd):
+    """A finite queue past what one engine holds (1e300 from a broken or hostile page) is not
+    measured, as NaN is: it cannot hold the sustained-queue rule on; the instance counts."""
+    small = observations(None, parse_pages(100.0, _two_instances(absurd, "0.4"), []), MODELS)
+    assert (small["chat-small"].current_replicas, small["chat-small"].queue_depth) == (2, 50.0)
+    most = observations(None, parse_pages(100.0, _two_instances("1000000", "0.4"), []), MODELS)
+    assert most["chat-small"].queue_depth == 1_000_050.0
+
+
+async def test_a_queue_no_engine_could_hold_does_not_scale_the_group(config: Config) -> None:
+    """Through the collector's own page and ten minutes of ticks: one of three engines saying
+    1e15 requests wait (its page passes the collector: under 2**53) asks for no replica."""
+    pods = [FakeInstance(f"vllm-small-0-{n}") for n in "abc"]
+    hostile = pods[2]
+
+    async def absurd() -> EngineReading:
+        return replace(await FakeInstance.read(hostile), requests_waiting=1e15)
+
+    hostile.read = absurd  # type: ignore[method-assign]
+    collector = FleetCollector(config, [], pods)
+    registry = CollectorRegistry()
+    registry.register(FleetMetrics(collector))
+    params = params_from_config(config)
+    limits = {"chat-small": model_limits(config, "chat-small")}
+    states: dict[str, ModelState] = {}
+    desired = set()
+    for tick in range(41):
+        await collector.scrape_once()
+        page = generate_latest(registry).decode()
+        obs = observations(None, parse_pages(tick * 15.0, page, []), ["chat-small"])
+        decisions, states = evaluate(params, limits, states, obs)
+        desired.add(decisions["chat-small"].desired)
+    assert obs["chat-small"].queue_depth == 10.0  # the other two engines' 5 each
+    assert desired == {3}
+
+
 def test_a_utilization_above_one_counts_as_one():
     """A ratio is at most 1: a 700% engine raises the mean as a full one would, no more."""
     small = observations(None, parse_pages(100.0, _two_instances("0", "7"), []), MODELS)
@@ -114,6 +154,21 @@ def test_prometheus_answers_no_count_can_be_are_unknown(bad):
     assert (obs.ttft_p95_seconds, obs.tokens_per_second_per_gpu) == (None, None)
     over = observations_from_vectors(50.0, {"utilization": {"chat-large": 3.0}}, ["chat-large"])
     assert over["chat-large"].gpu_utilization == 1.0
+
+
+def test_prometheus_queues_and_counts_no_group_could_have_are_unknown():
+    """A summed queue past what the group's engines together hold is unknown, and so is a
+    count of engines past any fleet; a queue within the group's bound is taken."""
+    obs = observations_from_vectors(
+        50.0,
+        {"current": {"a": 2.0, "b": 2.0, "c": 1e300}, "queue": {"a": 1e300, "b": 1.5e6, "c": 5}},
+        ["a", "b", "c"],
+    )
+    assert [(o.current_replicas, o.queue_depth) for o in obs.values()] == [
+        (2, 0.0),
+        (2, 1.5e6),
+        (0, 5.0),
+    ]
 
 
 def test_a_sidecar_counter_no_count_can_be_is_not_counted():
