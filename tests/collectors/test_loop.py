@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Sequence
 
 import httpx
 import orjson
@@ -18,6 +19,8 @@ from collectors.serve import SpoolSink, build_collector
 from collectors.sources import GpuReading, ScrapeError
 from collectors.targets import EngineTarget, placements
 from collectors.vllm import VllmSource
+from infermeter.config import Config
+from infermeter.records import GpuSample
 from infermeter.spool import read_segment
 from simulator.replica import ReplicaSim, replica_spec
 from tests.collectors.fakes import (
@@ -263,8 +266,6 @@ async def test_a_spool_that_cannot_be_written_does_not_stop_the_loop(fleet_confi
 def test_a_samples_json_is_its_fields(config):
     """``to_json`` (what the sink spools) is the sample's fields, as ``dataclasses.asdict`` has them."""
     import dataclasses
-
-    from infermeter.records import GpuSample
 
     collector = FleetCollector(
         config, [FakeGpuSource("node-a", [[reading(mig_profile="1g.10gb")]])], []
@@ -512,6 +513,27 @@ TWO_SLICES = [("1", "3g.40gb"), ("2", "4g.40gb")]
 THREE_SLICES = [*TWO_SLICES, ("3", "1g.10gb")]
 
 
+async def _mig_rounds(
+    config: Config, layouts: list[list[tuple[str, str]]], steps: Sequence[float]
+) -> tuple[list[list[GpuSample]], FleetCollector]:
+    """The GPU samples of one round per layout of an A100 on node-a, its counter rising 1500 J
+    a round from about 8 days at 700 W, ``steps`` seconds before each round; and the collector."""
+    boot_mj, step_mj = 500_000_000_000, 1_500_000
+    script: list[list[GpuReading] | ScrapeError] = [
+        dcgm_readings(_mig_page(slices, boot_mj + i * step_mj), "node-a")
+        for i, slices in enumerate(layouts)
+    ]
+    t = [1000.0]
+    collector = FleetCollector(
+        config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0], monotonic=lambda: t[0]
+    )
+    rounds = []
+    for step in steps:
+        t[0] += step
+        rounds.append((await collector.scrape_once()).gpus)
+    return rounds, collector
+
+
 @pytest.mark.parametrize(
     ("before", "after"),
     [(TWO_SLICES, THREE_SLICES), (THREE_SLICES, TWO_SLICES)],
@@ -522,20 +544,7 @@ async def test_a_gpu_instance_created_or_destroyed_leaves_the_board_energy_true(
 ):
     """A board whose MIG layout changes (no reboot) is billed what its counter drew in each
     interval, split by the current shares: never its since-boot energy, never a slice's time lost."""
-    boot_mj, step_mj = 500_000_000_000, 1_500_000  # ~8 days at 700 W; 1500 J per 5 s interval
-    layouts = [before, before, after, after]
-    script: list[list[GpuReading] | ScrapeError] = [
-        dcgm_readings(_mig_page(slices, boot_mj + i * step_mj), "node-a")
-        for i, slices in enumerate(layouts)
-    ]
-    t = [1000.0]
-    collector = FleetCollector(
-        config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0], monotonic=lambda: t[0]
-    )
-    rounds = []
-    for step in (0, 5, 5, 5):
-        t[0] += step
-        rounds.append((await collector.scrape_once()).gpus)
+    rounds, _ = await _mig_rounds(config, [before, before, after, after], [0, 5, 5, 5])
     assert [sum(s.energy_joules or 0.0 for s in gpus) for gpus in rounds] == pytest.approx(
         [0.0, 1500.0, 1500.0, 1500.0]
     )
@@ -672,20 +681,8 @@ async def test_a_gpu_instance_id_given_again_after_a_repartition_spans_no_absenc
     """A MIG slice destroyed and its GPU_I_ID given to a new slice a minute later: the new one
     starts from the board's last reading (its share of the board's increase since), no gap,
     and the board's energy and GPU time stay exactly the counter's and the clock's."""
-    boot_mj, step_mj = 500_000_000_000, 1_500_000
     layouts = [TWO_SLICES] * 2 + [[("1", "3g.40gb")]] * 6 + [[("1", "3g.40gb"), ("2", "2g.20gb")]]
-    script: list[list[GpuReading] | ScrapeError] = [
-        dcgm_readings(_mig_page(slices, boot_mj + i * step_mj), "node-a")
-        for i, slices in enumerate(layouts)
-    ]
-    t = [1000.0]
-    collector = FleetCollector(
-        config, [FakeGpuSource("node-a", script)], [], clock=lambda: t[0], monotonic=lambda: t[0]
-    )
-    rounds = []
-    for step in [0] + [10] * (len(layouts) - 1):
-        t[0] += step
-        rounds.append((await collector.scrape_once()).gpus)
+    rounds, collector = await _mig_rounds(config, layouts, [0] + [10] * (len(layouts) - 1))
     back = rounds[-1]
     assert [(s.gpu, s.interval_seconds, s.gap) for s in back] == [
         ("0/1", 10.0, False),
