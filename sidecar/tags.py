@@ -6,17 +6,23 @@ team's line down by project and user (``billing.breakdown``); neither is ever a 
 since a team may have many. Both are checked before anything is forwarded: a project the
 calling team does not allow, or a user that is not a short printable string, is an OpenAI-style
 400 naming the header or the field. Pure functions over the head, the parsed body and the
-configured rules; the body is the one the admission already parsed.
+configured rules (``infermeter.tags``, which billing applies to the records too); the body is
+the one the admission already parsed.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
-from infermeter.config import Config, Team
+from infermeter.tags import (
+    MAX_PROJECT_CHARS,
+    MAX_USER_CHARS,
+    ProjectRule,
+    project_allowed,
+    project_rules,
+    user_allowed,
+)
 from sidecar.bounds import shown
 
 __all__ = [
@@ -34,11 +40,6 @@ __all__ = [
 # sidecar's own ``x-infermeter-*`` headers never reach vLLM (``sidecar.admission``).
 PROJECT_HEADER: Final = "X-Infermeter-Project"
 _HEADER_KEY: Final = PROJECT_HEADER.lower().encode()
-# OpenAI documents no limit; 128 characters holds a UUID, an e-mail address or a hashed id,
-# and bounds what a record (and a statement row) carries.
-MAX_USER_CHARS: Final = 128
-# A configured name's bound (``infermeter.config.Name``), held by tags a pattern allows too.
-MAX_PROJECT_CHARS: Final = 128
 
 
 class TagRefusal(Exception):
@@ -47,30 +48,6 @@ class TagRefusal(Exception):
     def __init__(self, message: str, param: str, code: str) -> None:
         super().__init__(message)
         self.message, self.param, self.code = message, param, code
-
-
-@dataclass(frozen=True, slots=True)
-class ProjectRule:
-    """The project tags one team allows: a list, and a pattern a tag must match whole."""
-
-    allowed: frozenset[str]
-    pattern: re.Pattern[str] | None
-
-    def allows(self, project: str) -> bool:
-        """Whether ``project`` is listed or matches the pattern whole."""
-        if project in self.allowed:
-            return True
-        return self.pattern is not None and self.pattern.fullmatch(project) is not None
-
-
-def _rule(team: Team) -> ProjectRule:
-    pattern = re.compile(team.project_pattern) if team.project_pattern is not None else None
-    return ProjectRule(frozenset(team.projects), pattern)
-
-
-def project_rules(config: Config) -> dict[str, ProjectRule]:
-    """Each team's project rule, compiled once per view (a reload builds new ones)."""
-    return {t.name: _rule(t) for t in config.teams}
 
 
 def project_of(
@@ -85,8 +62,7 @@ def project_of(
             break
     if value is None:
         return None
-    rule = rules.get(team)
-    if len(value) > MAX_PROJECT_CHARS or rule is None or not rule.allows(value):
+    if not project_allowed(rules, team, value):
         raise TagRefusal(
             f"Project `{shown(value)}` is not a project of team {team}: "
             f"send one its configuration allows, or no {PROJECT_HEADER} header.",
@@ -102,7 +78,7 @@ def user_of(body: Mapping[str, Any]) -> str | None:
     user = body.get("user")
     if user is None:
         return None
-    if not isinstance(user, str) or not 0 < len(user) <= MAX_USER_CHARS or not user.isprintable():
+    if not isinstance(user, str) or not user_allowed(user):
         raise TagRefusal(
             f"'user' must be a string of 1 to {MAX_USER_CHARS} printable characters.",
             "user",
