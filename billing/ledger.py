@@ -68,7 +68,8 @@ from billing.schema import (
 )
 from infermeter.errors import BadRequest
 from infermeter.months import month_of
-from infermeter.records import KINDS, RecordKind
+from infermeter.records import KINDS, USAGE, RecordKind
+from infermeter.tags import ProjectRule
 from infermeter.wire import arrow_extent, line_count
 from infermeter.writers import Writer
 
@@ -170,6 +171,7 @@ class Ledger:
         heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
         fleet: KnownFleet | None = None,
         bounds: SampleBounds | None = None,
+        projects: Mapping[str, ProjectRule] | None = None,
     ) -> None:
         self._con = con
         # What a sample may physically claim (``billing.bounds``); the defaults without one.
@@ -177,6 +179,9 @@ class Ledger:
         # The configuration's models, groups and nodes, for the trust checks (``billing.trust_sql``);
         # None (a ledger opened by a tool): only teams are checked.
         self.fleet = fleet
+        # Each team's project tags (``infermeter.tags``), which a usage record's project must be
+        # one of; None (a ledger opened by a tool): projects are not checked, users still are.
+        self.projects = projects
         self.kinds = kinds
         # The sidecars' heartbeat (``sidecar.heartbeat_seconds``): where allocation ends a
         # lifetime that never stopped (``billing.lifetimes``).
@@ -223,6 +228,7 @@ class Ledger:
         heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
         fleet: KnownFleet | None = None,
         bounds: SampleBounds | None = None,
+        projects: Mapping[str, ProjectRule] | None = None,
     ) -> Ledger:
         """Open (or create) the ledger at ``path`` (":memory:" for a throw-away one) and migrate it."""
         if str(path) != ":memory:":
@@ -235,7 +241,7 @@ class Ledger:
         except duckdb.Error as exc:
             raise LedgerError(f"{path}: cannot open the ledger: {exc}") from None
         migrate(con, str(path), kinds.values())
-        return cls(con, teams, ttft_sla_seconds, kinds, heartbeat_seconds, fleet, bounds)
+        return cls(con, teams, ttft_sla_seconds, kinds, heartbeat_seconds, fleet, bounds, projects)
 
     def close(self) -> None:
         """Checkpoint and close the file."""
@@ -255,10 +261,13 @@ class Ledger:
         teams: Sequence[str],
         ttft_sla_seconds: dict[str, float],
         fleet: KnownFleet | None = None,
+        projects: Mapping[str, ProjectRule] | None = None,
     ) -> None:
-        """Adopt a new team list, SLA targets and fleet (after a config reload)."""
+        """Adopt a new team list, SLA targets, fleet and project rules (after a config reload);
+        the next ingest transaction checks by them."""
         with self._write_lock:
             self.fleet = fleet if fleet is not None else self.fleet
+            self.projects = projects if projects is not None else self.projects
             self.teams = list(teams)
             self.ttft_sla = dict(ttft_sla_seconds)
             self._set_teams(self.teams)
@@ -561,6 +570,8 @@ class Ledger:
         params = {"now": now, "skew": skew}
         totals = [0] * batches
         fleet = self.fleet is not None
+        if kind.key == USAGE.key:
+            self._refused_tags(con, frame, raw)
         if frame is not None:
             con.register("_batch", frame)
             source, checked = "_batch", ingest_sql.checked_sql(kind, "_batch", fleet)
@@ -614,6 +625,17 @@ class Ledger:
             for f, g, r, q in zip(fresh, good, rejected, quarantined, strict=True)
         ]
         return results, span
+
+    def _refused_tags(
+        self, con: duckdb.DuckDBPyConnection, frame: pl.DataFrame | None, raw: bytes | None
+    ) -> None:
+        """Judge the distinct tags of a transaction's usage records, for the trust checks."""
+        if frame is not None:
+            projects, users = quarantine.frame_tags(frame)
+        else:
+            assert raw is not None
+            projects, users = quarantine.staged_tags(con, raw.decode())
+        quarantine.tag_tables(con, *quarantine.refused_tags(self.projects, projects, users))
 
     def _roll_up(
         self,

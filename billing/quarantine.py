@@ -3,15 +3,16 @@
 The ledger (``billing.ledger``) runs these on its own connection, inside its ingest transaction:
 ``known_tables`` puts the configuration's teams, models, replica groups and nodes where the trust
 checks read them (``billing.trust_sql``), ``writers_table`` the writer of each batch of a
-transaction, and ``keep_unopened`` the lines billing could not open (a seal missing or not
-verifying) in ``quarantine``, beside the well-formed records the checks quarantine. ``summary``
-and ``counts`` read the table back, for the statement and for /metrics.
+transaction, ``tag_tables`` the projects and users of a transaction's usage records that the
+sidecar would have refused, and ``keep_unopened`` the lines billing could not open (a seal
+missing or not verifying) in ``quarantine``, beside the well-formed records the checks
+quarantine. ``summary`` and ``counts`` read the table back, for the statement and for /metrics.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,21 +21,26 @@ import orjson
 import polars as pl
 
 from billing.keeper import Keeper
-from billing.trust_sql import WRITER_COLUMNS
+from billing.trust_sql import WRITER_COLUMNS, tags_sql
 from infermeter.config import Config
 from infermeter.records import RecordKind
 from infermeter.statement import QUARANTINED_SCHEMA
+from infermeter.tags import ProjectRule, project_allowed, user_allowed
 from infermeter.writers import Writer
 
 __all__ = [
     "KnownFleet",
     "Unopened",
     "counts",
+    "frame_tags",
     "keep_unopened",
     "known_tables",
     "quarantine_counts",
     "quarantined",
+    "refused_tags",
+    "staged_tags",
     "summary",
+    "tag_tables",
     "writers_table",
 ]
 
@@ -92,6 +98,55 @@ def _writer_row(item: int, w: Writer | None) -> tuple[Any, ...]:
     if w is None:
         return (item, None, None, None, None, None, None)
     return (item, str(w.role), w.principal, w.group, w.instance, w.address, list(w.nodes))
+
+
+def refused_tags(
+    rules: Mapping[str, ProjectRule] | None,
+    projects: Iterable[tuple[str, str]],
+    users: Iterable[str],
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """Of the (team, project) pairs and the users of some usage records, those the sidecar would
+    have refused (``infermeter.tags``). Without ``rules`` (a ledger opened by a tool, which was
+    not told the teams' projects) no project is refused; users are, whatever the configuration.
+    """
+    refused = [] if rules is None else [p for p in projects if not project_allowed(rules, *p)]
+    return refused, [u for u in users if not user_allowed(u)]
+
+
+def tag_tables(
+    con: duckdb.DuckDBPyConnection,
+    projects: Sequence[tuple[str, str]],
+    users: Sequence[str],
+) -> None:
+    """Temp tables ``_refused_projects(team, project)`` and ``_refused_users(name)``: the tags
+    the trust checks quarantine a usage record for (``refused_tags``). Made per transaction from
+    its records' distinct tags, a handful, so the team's Python pattern is what judges them."""
+    con.execute("CREATE OR REPLACE TEMP TABLE _refused_projects (team VARCHAR, project VARCHAR)")
+    con.execute("CREATE OR REPLACE TEMP TABLE _refused_users (name VARCHAR)")
+    # One statement each, however many: a forged batch may hold a fresh tag in every record.
+    if projects:
+        teams, names = [t for t, _ in projects], [p for _, p in projects]
+        con.execute(
+            "INSERT INTO _refused_projects SELECT unnest(?::VARCHAR[]), unnest(?::VARCHAR[])",
+            [teams, names],
+        )
+    if users:
+        con.execute("INSERT INTO _refused_users SELECT unnest(?::VARCHAR[])", [list(users)])
+
+
+def frame_tags(frame: pl.DataFrame) -> tuple[list[tuple[str, str]], list[str]]:
+    """The distinct (team, project) pairs and users of a frame of usage records."""
+    projects = frame.select("team", "project").drop_nulls().unique().rows()
+    return projects, frame.get_column("user").drop_nulls().unique().to_list()
+
+
+def staged_tags(
+    con: duckdb.DuckDBPyConnection, body: str
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """``frame_tags`` of a batch's JSON text (the per-record path), read as ``stage_sql`` reads it."""
+    rows = con.execute(tags_sql(), {"body": body}).fetchall()
+    projects = [(str(a), str(b)) for what, a, b in rows if what == "project"]
+    return projects, [str(a) for what, a, _ in rows if what == "user"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,11 @@
 """Billing's part of a configuration reload: teams, prices, SLAs, keys, without a restart.
 
 ``reconfigure`` sets every object that holds the configuration to the new one: the ledger's
-known teams, models, groups and nodes and its SLA targets (what ingest checks records against),
-the statement computations (prices, split policy, budgets: the cached statements are dropped,
-since they were priced before), the configured keys, single sign-on's issuer, client and group
-mapping (``dashboard.oidc``), and the services' ``config`` that the routes read.
+known teams, models, groups and nodes, its teams' project tags and its SLA targets (what ingest
+checks records against), the statement computations (prices, split policy, budgets: the cached
+statements are dropped, since they were priced before), the configured keys, single sign-on's
+issuer, client and group mapping (``dashboard.oidc``), and the services' ``config`` that the
+routes read.
 ``restart_needed`` names what a running billing cannot take (where it listens, its ledger file,
 its thread and memory limits): such a file is refused, so nothing changes half-way.
 Billing's own reloads go on the audit trail in the ledger (``audit_sql``).
@@ -24,6 +25,7 @@ from billing.routes.dependencies import Services
 from infermeter.audit import audit_event
 from infermeter.config import Config
 from infermeter.oidc import IdTokens
+from infermeter.tags import project_rules
 
 __all__ = ["reconfigure", "record_reload", "restart_needed"]
 
@@ -56,7 +58,10 @@ def reconfigure(app: FastAPI, config: Config) -> None:
     svc: Services = app.state.services
     teams = [t.name for t in config.teams]
     svc.ledger.reconfigure(
-        teams, {m.name: m.sla.ttft_p95_seconds for m in config.models}, KnownFleet.of(config)
+        teams,
+        {m.name: m.sla.ttft_p95_seconds for m in config.models},
+        KnownFleet.of(config),
+        project_rules(config),
     )
     svc.chargeback.reconfigure(config)
     svc.statements.reconfigure(config)

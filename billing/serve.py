@@ -24,6 +24,7 @@ from infermeter.config import Config, env_value, process_environment
 from infermeter.exposure import is_loopback
 from infermeter.otlp import metrics_export_configured, otlp_settings
 from infermeter.serving import ServerLimits, ensure_free, host_port, server
+from infermeter.tags import project_rules
 from infermeter.writers import DEMO_SECRET, WriterError
 
 if TYPE_CHECKING:
@@ -37,7 +38,8 @@ log = logging.getLogger("infermeter.billing")
 
 def open_ledger(config: Config, database: str | None = None) -> Ledger:
     """The configured ledger file (or ``database``), migrated and ready, knowing the fleet's
-    models, replica groups and nodes (what the trust checks take records for)."""
+    models, replica groups and nodes and the teams' project tags (what the trust checks take
+    records for)."""
     b = config.billing
     return Ledger.open(
         database or b.database,
@@ -48,6 +50,7 @@ def open_ledger(config: Config, database: str | None = None) -> Ledger:
         heartbeat_seconds=heartbeat_seconds(config),
         fleet=KnownFleet.of(config),
         bounds=SampleBounds.of(config),
+        projects=project_rules(config),
     )
 
 

@@ -13,7 +13,10 @@ Each batch's writer is a row of temp table ``_writers`` (``item``, and ``w_role`
 against the configuration only). What the configuration knows is in ``_known_teams(name)``,
 ``_known_models(name)``, ``_known_groups(replica, model, node)`` and ``_known_nodes(name)``;
 the model, group and node checks are left out when the ledger was not told the fleet
-(``fleet=False``), as for a ledger opened by a tool.
+(``fleet=False``), as for a ledger opened by a tool. The usage records' tags the sidecar would
+have refused are in ``_refused_projects(team, project)`` and ``_refused_users(name)``, judged in
+Python for each transaction (``billing.quarantine.tag_tables``): a team's ``project_pattern``
+is a Python regular expression, which DuckDB's RE2 functions may read otherwise.
 
 The builders are pure; the checks are (condition, label, reason) over the checked batch ``t``,
 the label being the bounded category /metrics counts by.
@@ -34,12 +37,14 @@ from infermeter.records import (
     USAGE,
     RecordKind,
 )
+from infermeter.tags import MAX_PROJECT_CHARS, MAX_USER_CHARS
 from infermeter.writers import KINDS_BY_ROLE
 
 __all__ = [
     "LABELS",
     "WRITER_COLUMNS",
     "quarantine_sql",
+    "tags_sql",
     "trusted_sql",
 ]
 
@@ -53,6 +58,8 @@ LABELS: Final = (
     "unknown_model",
     "unknown_replica",
     "unknown_node",
+    "project_not_allowed",
+    "bad_user",
 )
 # The columns of ``_writers``, with their types.
 WRITER_COLUMNS: Final = (
@@ -160,6 +167,25 @@ def _group_serves(guard: str = "true") -> Check:
     )
 
 
+# What a usage record is tagged with must be what the sidecar lets a request carry
+# (``infermeter.tags``), whatever its status: the sidecar never writes a tag it refused, and a
+# record's project and user become rows of the statement's breakdown and of the exports.
+_TAG_CHECKS: Final[tuple[Check, ...]] = (
+    (
+        "t.project IS NOT NULL AND EXISTS (SELECT 1 FROM _refused_projects p "
+        "WHERE p.team = t.team AND p.project = t.project)",
+        "project_not_allowed",
+        f"'project ' || to_json(left(t.project, {MAX_PROJECT_CHARS})) || ' is not one team ' "
+        "|| to_json(t.team) || ' allows'",
+    ),
+    (
+        't."user" IS NOT NULL AND t."user" IN (SELECT name FROM _refused_users)',
+        "bad_user",
+        f"'user: not a string of 1 to {MAX_USER_CHARS} printable characters'",
+    ),
+)
+
+
 def _identity_checks() -> Mapping[str, tuple[Check, ...]]:
     """Who may write each kind's records, whatever the configuration knows."""
     # A collector writes the usage a gone sidecar's admission journal holds, on the nodes it
@@ -229,7 +255,8 @@ def _identity_checks() -> Mapping[str, tuple[Check, ...]]:
 
 
 def _knowledge_checks(fleet: bool) -> Mapping[str, tuple[Check, ...]]:
-    """What each kind must name that the configuration knows; with ``fleet``, beyond teams."""
+    """What each kind must name that the configuration knows (with ``fleet``, beyond teams), and
+    the usage records' tags it allows."""
     billable = f"t.status IN {_BILLABLE}"
     usage = [_known("t.team", "_known_teams", "unknown_team", "team", billable)]
     gpu: list[Check] = []
@@ -258,11 +285,25 @@ def _knowledge_checks(fleet: bool) -> Mapping[str, tuple[Check, ...]]:
             _group_serves(),
         ]
     return {
-        USAGE.key: tuple(usage),
+        USAGE.key: (*usage, *_TAG_CHECKS),
         GPU.key: tuple(gpu),
         ENGINE.key: tuple(engine),
         INSTANCES.key: tuple(instances),
     }
+
+
+def tags_sql() -> str:
+    """SQL reading a usage batch's JSON text (``$body``) for its distinct tags: rows
+    ('project', team, project) and ('user', user, null), each field read as ``stage_sql`` reads
+    it. A record that is not well formed may add a row; it is rejected before any tag counts."""
+    return f"""
+WITH src AS (SELECT CAST(json_extract(CAST($body AS JSON), '$.{USAGE.key}') AS JSON[]) AS l),
+raw AS (SELECT unnest(l) AS r FROM src)
+SELECT DISTINCT 'project', r->>'$.team', r->>'$.project' FROM raw
+    WHERE r->>'$.team' IS NOT NULL AND r->>'$.project' IS NOT NULL
+UNION ALL
+SELECT DISTINCT 'user', r->>'$.user', NULL FROM raw WHERE r->>'$.user' IS NOT NULL
+"""
 
 
 def trusted_sql(kind: RecordKind, checked: str, fleet: bool) -> str:

@@ -158,3 +158,37 @@ def test_a_setting_billing_cannot_change_running_is_refused_whole(billing):
     assert get(url, "/v1/spend", NEW_KEY).status_code == 401
     [event] = [e for e in get(url, "/v1/audit").json()["events"] if e["action"] == "config.refused"]
     assert "billing.database" in event["why"]
+
+
+def test_sighup_changes_which_projects_a_usage_record_may_carry(billing):
+    """The service started without projects quarantines a record of project beta; after a
+    reload that gives search beta, the same project's next record is kept."""
+    url, path, data, process = billing
+    now = time.time()
+
+    def send() -> dict[str, Any]:
+        body = batch("usage", [usage("search", now - 600, 60, project="beta")])
+        answer = httpx.post(
+            f"{url}/v1/ingest",
+            content=body,
+            timeout=30,
+            headers={"authorization": f"Bearer {INGEST}"},
+        )
+        assert answer.status_code == 200, answer.text
+        return dict(answer.json())
+
+    before = send()
+    data["teams"][0]["projects"] = ["alpha", "beta"]
+    write(path, data)
+    process.send_signal(signal.SIGHUP)
+    until(
+        lambda: any(
+            e["action"] == "config.reloaded" for e in get(url, "/v1/audit").json()["events"]
+        )
+    )
+    after = send()
+    assert (before["accepted"], [q["reason"] for q in before["quarantined"]]) == (
+        0,
+        ['project "beta" is not one team "search" allows'],
+    )
+    assert (after["accepted"], after["quarantined"]) == (1, [])

@@ -20,6 +20,7 @@ from billing.quarantine import KnownFleet
 from infermeter.config import Config, load_config
 from infermeter.ids import sample_id
 from infermeter.records import EngineSample, GpuSample, UsageRecord
+from infermeter.tags import project_rules
 from infermeter.writers import Credential, Writer, issue
 from tests.billing.conftest import instance_event
 from tests.conftest import config_ledger
@@ -132,10 +133,7 @@ def lines(records: list[dict[str, Any]]) -> bytes:
 
 def fleet_ledger(config: Config) -> Ledger:
     """An in-memory ledger that knows the fleet of ``config``, as the billing service opens it."""
-    return config_ledger(
-        config,
-        fleet=KnownFleet.of(config),
-    )
+    return config_ledger(config, fleet=KnownFleet.of(config), projects=project_rules(config))
 
 
 @contextlib.asynccontextmanager
