@@ -300,10 +300,10 @@ def _values(first_hour: int, end_hour: int, model: str | None) -> tuple[dict[str
     return values, ("WHERE model = $model" if model is not None else "")
 
 
-# Which records a window reads: billable, and able to meet the hours asked for.
-_RECORDS_IN_RANGE = (
-    f"finished_at > $lo * {HOUR_SECONDS} - $back AND {FIRST_TOKEN_SQL} <= $hi * {HOUR_SECONDS}"
-)
+# Which records a window reads: billable, and able to meet the hours asked for. DuckDB binds a
+# Python int that fits as a 32-bit INTEGER, and an hour's number times 3600 is past 2^31 from
+# 2038-01-19 on: the hours are widened first, so a month of 2038 or later is no overflow (a 500).
+_RECORDS_IN_RANGE = f"finished_at > CAST($lo AS BIGINT) * {HOUR_SECONDS} - $back AND {FIRST_TOKEN_SQL} <= CAST($hi AS BIGINT) * {HOUR_SECONDS}"
 
 
 def reconciliation_sql(

@@ -171,7 +171,7 @@ def _engine_cte() -> str:
             CAST(floor("timestamp" / {SLOT_SECONDS}) AS BIGINT) AS slot,
             requests_running, requests_waiting, kv_cache_usage, kv_cache_tokens, {counters}
         FROM engine_samples
-        WHERE "timestamp" >= ($lo - 1) * {SLOT_SECONDS} AND "timestamp" < $hi * {SLOT_SECONDS}
+        WHERE "timestamp" >= (CAST($lo AS BIGINT) - 1) * {SLOT_SECONDS} AND "timestamp" < CAST($hi AS BIGINT) * {SLOT_SECONDS}
         WINDOW w AS (PARTITION BY coalesce(instance, replica) ORDER BY "timestamp"))
     WHERE slot >= $lo AND slot < $hi)"""
 

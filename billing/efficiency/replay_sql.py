@@ -26,7 +26,8 @@ from infermeter.records import BILLABLE_STATUSES
 __all__ = ["arrivals_sql", "group_engine_sql", "group_measured_sql", "hours_sql", "runs_sql"]
 
 _BILLABLE = ", ".join(f"'{s.value}'" for s in BILLABLE_STATUSES)
-_RECEIVED = f"received_at >= $lo * {SLOT_SECONDS} AND received_at < $hi * {SLOT_SECONDS}"
+# Slots are widened before they become seconds: a bound 32-bit slot times 60 overflows past 2038.
+_RECEIVED = f"received_at >= CAST($lo AS BIGINT) * {SLOT_SECONDS} AND received_at < CAST($hi AS BIGINT) * {SLOT_SECONDS}"
 
 
 def arrivals_sql(lo_slot: int, hi_slot: int) -> Sql:
@@ -50,7 +51,7 @@ WITH life AS (
     SELECT replica, instance, started_at AS start, {ended} AS "end", gpu_count AS gpus
     FROM lifetimes),
 life_in AS (
-    SELECT * FROM life WHERE start < $hi * {SLOT_SECONDS} AND "end" > $lo * {SLOT_SECONDS}),
+    SELECT * FROM life WHERE start < CAST($hi AS BIGINT) * {SLOT_SECONDS} AND "end" > CAST($lo AS BIGINT) * {SLOT_SECONDS}),
 minutes AS (
     SELECT replica, instance, slot, sum(gpu_seconds) AS gpu_seconds
     FROM gpu_slots WHERE replica <> '' AND slot >= $lo AND slot < $hi

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -114,3 +115,49 @@ def test_the_ledger_memory_limit_is_checked_whole(memory_limit):
     """billing.memory_limit is ASCII digits, optional spaces and a unit, and nothing else."""
     with pytest.raises(ValidationError):
         BillingSettings(memory_limit=memory_limit)
+
+
+# Months whose hours and minutes, as Unix seconds, are past 2^31 (2038-01-19T03:14:07Z): the
+# statement's SQL multiplied 32-bit hour and minute numbers by 3600 and 60, and overflowed.
+_LATE_MONTHS = ("2038-02", "2062-11", "2999-12")
+_LATE_ROUTES = (
+    "/v1/chargeback/{month}",
+    "/v1/chargeback/{month}.csv",
+    "/v1/chargeback/{month}.focus.csv?version=1.3",
+    "/v1/chargeback/{month}/breakdown",
+    "/v1/query/statement/{month}",
+    "/v1/efficiency/{month}",
+)
+
+
+@pytest.fixture
+async def busy_billing(config: Config, tmp_path: Path) -> AsyncIterator[str]:
+    """The billing API over a ledger holding an hour of the demo fleet: usage, GPUs, engines."""
+    from tests.dashboards import records
+
+    fleet = records.build(records.recent_start())
+    ledger = records.open_ledger(config, tmp_path / "ledger.duckdb", fleet)
+    try:
+        async with serving(create_app(config, ledger), lifespan="off") as url:
+            yield url
+    finally:
+        ledger.close()
+
+
+async def test_a_month_past_2038_is_an_empty_statement_never_a_500(busy_billing):
+    """2062-11 (a year typo), 2038-02 and 2999-12 are months: every statement route answers
+    them, with no line, for the admin and a team, as the chargeback CLI and the dashboard's
+    "No data for" note expect; so does the allocation explorer at the calendar's last hour."""
+    async with httpx.AsyncClient(base_url=busy_billing, timeout=120) as client:
+        for key in (ADMIN, "im-demo-search"):
+            headers = {"authorization": f"Bearer {key}"}
+            for month in _LATE_MONTHS:
+                for route in _LATE_ROUTES:
+                    r = await client.get(route.format(month=month), headers=headers)
+                    assert r.status_code == 200, (key, month, route, r.text[:200])
+                body = (await client.get(f"/v1/chargeback/{month}", headers=headers)).json()
+                assert body["lines"] == [], (key, month)
+            last_hour = {"from": 32_503_672_800, "to": 32_503_676_400}
+            for route in ("/v1/allocation", "/v1/allocation.csv"):
+                r = await client.get(route, params=last_hour, headers=headers)
+                assert r.status_code == 200, (key, route, r.text[:200])
