@@ -11,8 +11,10 @@ nothing from it is looked up at all: no key, no session.
 
 An unknown id is not counted as a failed sign-in: it cannot be guessed, and every tab open
 across a restart of the dashboard (sessions live in memory) would otherwise lock its own
-address out. Bounded: at most ``max_sessions`` (the least recently used goes first), and one
-unused for ``idle_seconds`` is gone.
+address out. Bounded: at most ``max_sessions``, and one unused for ``idle_seconds`` is gone.
+Past the bound, the least recently used session of the caller (a team, or a role) holding the
+most goes first: one key signing in again and again ends its own sessions, never everyone
+else's.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import re
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -84,8 +86,19 @@ class Sessions:
         with self._lock:
             self._by_id[sid] = (session, self._clock())
             while len(self._by_id) > self.max_sessions:
-                self._by_id.popitem(last=False)
+                self._evict()
         return sid
+
+    def _evict(self) -> None:
+        """Forget the least recently used session of the caller holding the most (lock held).
+
+        Not simply the least recently used: whoever holds a key could then sign in
+        ``max_sessions`` times and sign every other user, the admin included, out.
+        """
+        held = Counter(session.name for session, _ in self._by_id.values())
+        most = max(held.values())
+        oldest = next(sid for sid, (s, _) in self._by_id.items() if held[s.name] == most)
+        del self._by_id[oldest]
 
     def get(self, sid: str) -> Session | None:
         """The session named ``sid``, if it lives; using it keeps it alive."""

@@ -61,12 +61,15 @@ PAGES = [
 
 @contextlib.contextmanager
 def dashboard(
-    config: Config, billing: str, throttle: SignInThrottle | None = None
+    config: Config,
+    billing: str,
+    throttle: SignInThrottle | None = None,
+    sessions: Sessions | None = None,
 ) -> Iterator[str]:
     """The dashboard app under its production server (waitress) on a loopback port, with its body
     limit and headers as ``infermeter dashboard`` sets them; yields its URL."""
     port = free_port()
-    app = create_app(config, billing, throttle=throttle).server
+    app = create_app(config, billing, throttle=throttle, sessions=sessions).server
     server = WsgiServer(
         app,
         "127.0.0.1",
@@ -419,6 +422,34 @@ def test_sessions_are_bounded_and_end_when_idle():
     assert sessions.get(ids[3]) is None
     sessions.end(ids[2])
     assert sessions.get(ids[2]) is None
+
+
+def test_one_key_signing_in_again_and_again_signs_no_one_else_out(config, billing):
+    """A team key signed in past the bound ends its own oldest sessions: the admin's, and
+    another team's, still read (before, the least recently used of all went: one key signed
+    everyone out by signing in max_sessions times)."""
+    with dashboard(config, billing, sessions=Sessions(max_sessions=4)) as url:
+        admin = sign_in(url, ADMIN_KEY)["auth"]["data"]
+        other = sign_in(url, "im-demo-assistant")["auth"]["data"]
+        flood = [sign_in(url, "im-demo-search")["auth"]["data"] for _ in range(6)]
+        assert summary(url, admin)["money"]["data"] is not None
+        assert summary(url, other)["money"]["data"] is not None
+        assert summary(url, flood[-1])["money"]["data"] is not None
+        assert summary(url, flood[0]) == SIGNED_OUT
+
+
+def test_past_the_bound_the_caller_holding_the_most_sessions_loses_its_oldest():
+    """Eviction takes the least recently used session of the caller holding the most."""
+    sessions = Sessions(max_sessions=3, clock=Clock())
+    admin = sessions.begin(Session("a", "@admin", None, True))
+    first = sessions.begin(Session("k", "search", "search", False))
+    second = sessions.begin(Session("k", "search", "search", False))
+    third = sessions.begin(Session("k", "search", "search", False))
+    assert len(sessions) == 3
+    assert sessions.get(admin) is not None
+    assert sessions.get(first) is None
+    assert sessions.get(second) is not None
+    assert sessions.get(third) is not None
 
 
 # -- request bodies ---------------------------------------------------------------------------
