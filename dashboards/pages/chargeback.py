@@ -55,6 +55,7 @@ def layout(ctx: Context) -> html.Div:
         ),
         dcc.Download(id="chargeback-csv"),
         dcc.Download(id="chargeback-focus"),
+        html.Div([html.Div(id="chargeback-csv-error"), html.Div(id="chargeback-focus-error")]),
         html.Div(id="chargeback-reconciliation"),
         html.Div(id="chargeback-table"),
         html.Div(id="chargeback-bases"),
@@ -372,28 +373,36 @@ def register(app: Dash, ctx: Context) -> None:
             _clusters(ctx, session, month),
         )
 
-    def download(auth: Any, month: str | None, kind: Literal["csv", "focus"]) -> Any:
+    def download(auth: Any, month: str | None, kind: Literal["csv", "focus"]) -> tuple[Any, Any]:
+        """The file billing exports, or why not: a refusal or an outage is said beside the
+        buttons (a callback that raised was a 500, and the click did nothing the user could see)."""
         session = ctx.session(auth)
         if session is None or not month:
-            return no_update
-        return _file(ctx.client.export(session.token, month, kind))
+            return no_update, no_update
+        try:
+            return _file(ctx.client.export(session.token, month, kind)), None
+        except BillingError as exc:
+            name = "CSV" if kind == "csv" else "FOCUS file"
+            return no_update, note(f"The {name} of {month} was not downloaded: {exc}.", "error")
 
     @app.callback(
         Output("chargeback-csv", "data"),
+        Output("chargeback-csv-error", "children"),
         Input("chargeback-csv-button", "n_clicks"),
         State("auth", "data"),
         State("chargeback-month", "value"),
         prevent_initial_call=True,
     )
-    def csv(_: int, auth: Any, month: str | None) -> Any:
+    def csv(_: int, auth: Any, month: str | None) -> tuple[Any, Any]:
         return download(auth, month, "csv")
 
     @app.callback(
         Output("chargeback-focus", "data"),
+        Output("chargeback-focus-error", "children"),
         Input("chargeback-focus-button", "n_clicks"),
         State("auth", "data"),
         State("chargeback-month", "value"),
         prevent_initial_call=True,
     )
-    def focus(_: int, auth: Any, month: str | None) -> Any:
+    def focus(_: int, auth: Any, month: str | None) -> tuple[Any, Any]:
         return download(auth, month, "focus")

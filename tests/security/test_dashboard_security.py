@@ -452,6 +452,49 @@ def test_past_the_bound_the_caller_holding_the_most_sessions_loses_its_oldest():
     assert sessions.get(third) is not None
 
 
+CSV_DOWNLOAD = "..chargeback-csv.data...chargeback-csv-error.children.."
+
+
+def download_csv(url: str, auth: Any, month: str) -> dict[str, Any]:
+    """The chargeback page's CSV button, pressed with ``month`` picked."""
+    return callback(
+        url,
+        CSV_DOWNLOAD,
+        [{"id": "chargeback-csv-button", "property": "n_clicks", "value": 1}],
+        [
+            {"id": "auth", "property": "data", "value": auth},
+            {"id": "chargeback-month", "property": "value", "value": month},
+        ],
+    )
+
+
+def test_a_download_billing_refuses_is_said_on_the_page_not_a_500(config):
+    """When billing refuses a file (its read limit spent: 429; a month it does not take: 400)
+    the button's callback answers with the reason beside the buttons and no file, where it
+    raised and the dashboard answered 500 with nothing shown."""
+    limited = config.model_copy(
+        update={
+            "billing": config.billing.model_copy(
+                update={"read_burst": 3, "read_rate_per_second": 0.001}
+            )
+        }
+    )
+    ledger = records.open_ledger(limited, ":memory:", records.build(records.recent_start()))
+    try:
+        with billing_thread(limited, ledger) as billing, dashboard(limited, billing) as url:
+            admin = sign_in(url, ADMIN_KEY)["auth"]["data"]
+            bad = download_csv(url, admin, "2026-13")
+            assert "was not downloaded" in str(bad["chargeback-csv-error"]["children"])
+            assert "2026-13" in str(bad["chargeback-csv-error"]["children"])
+            assert "chargeback-csv" not in bad
+            assert download_csv(url, admin, "2026-10")["chargeback-csv"]["data"]["content"]
+            refused = download_csv(url, admin, "2026-10")
+            assert "chargeback-csv" not in refused
+            assert "was not downloaded" in str(refused["chargeback-csv-error"]["children"])
+    finally:
+        ledger.close()
+
+
 # -- request bodies ---------------------------------------------------------------------------
 
 
