@@ -190,10 +190,14 @@ def _sidecar_rules(config: Config) -> list[Rule]:
 
 
 def _fleet_rules() -> list[Rule]:
+    # A collector reports the part of a group it sees: with one per node (the Kubernetes
+    # DaemonSet), a group spread over nodes is several series, one per node's collector. So a
+    # group's figure adds them up (its utilization weighted by each part's GPUs), never takes
+    # one of them: the largest part's queue never reached a backlog the group as a whole had.
     return [
         _record(
-            "replica:infermeter_replica_queue_depth:max",
-            "max by (replica, model) (infermeter_replica_queue_depth)",
+            "replica:infermeter_replica_queue_depth:sum",
+            "sum by (replica, model) (infermeter_replica_queue_depth)",
         ),
         _record(
             "model:infermeter_replica_queue_depth:sum",
@@ -206,7 +210,8 @@ def _fleet_rules() -> list[Rule]:
         ),
         _record(
             "replica:infermeter_replica_gpu_utilization_ratio:avg",
-            "avg by (replica, model) (infermeter_replica_gpu_utilization_ratio)",
+            "sum by (replica, model) (infermeter_replica_gpu_utilization_ratio * infermeter_replica_gpus)"
+            " / sum by (replica, model) (infermeter_replica_gpus)",
         ),
         _record(
             "replica:infermeter_replica_gpu_power_watts:sum",
@@ -296,7 +301,7 @@ def _cost_rules(config: Config) -> list[Rule]:
     if not priced:
         return []
     cost = " or ".join(
-        f"max by (replica, model) (infermeter_replica_gpus{{replica={_quote(r.id)}}}) * {_number(prices[r.gpu_model])}"
+        f"sum by (replica, model) (infermeter_replica_gpus{{replica={_quote(r.id)}}}) * {_number(prices[r.gpu_model])}"
         for r in priced
     )
     wp, wc = config.billing.token_weights.prompt, config.billing.token_weights.completion
@@ -535,10 +540,10 @@ def _capacity_alerts(config: Config) -> list[Rule]:
     return [
         _alert(
             "InfermeterQueueBacklog",
-            f"replica:infermeter_replica_queue_depth:max > {_number(s.scale_up_queue_depth)}",
+            f"replica:infermeter_replica_queue_depth:sum > {_number(s.scale_up_queue_depth)}",
             s.scale_up_after_seconds,
             "warning",
-            f"{{{{ $value | humanize }}}} requests wait in the queue of replica {{{{ $labels.replica }}}} ({{{{ $labels.model }}}}), over {s.scale_up_queue_depth} for {duration(s.scale_up_after_seconds)}",
+            f"{{{{ $value | humanize }}}} requests wait in the engines of replica group {{{{ $labels.replica }}}} ({{{{ $labels.model }}}}), over {s.scale_up_queue_depth} for {duration(s.scale_up_after_seconds)}",
             "The model needs more replicas: check that the autoscaler is scaling it out (max_replicas, budget cap, "
             "free GPUs); meanwhile TTFT rises for every team on it.",
         ),

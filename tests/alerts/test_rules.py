@@ -121,7 +121,7 @@ def test_recording_rules_cover_the_sidecar_collector_and_billing_metrics(config)
         assert f"{level}:infermeter_completion_tokens:rate5m" in recorded
         assert f"{level}:infermeter_request_errors_per_request:ratio_rate5m" in recorded
     assert {
-        "replica:infermeter_replica_queue_depth:max",
+        "replica:infermeter_replica_queue_depth:sum",
         "instance_model_name:vllm_num_requests_waiting:sum",
         "replica:infermeter_replica_gpu_utilization_ratio:avg",
         "replica:infermeter_replica_gpu_power_watts:sum",
@@ -179,7 +179,7 @@ def test_capacity_alerts_follow_the_scaling_policy():
     )
     [queue] = _alerts(config, "InfermeterQueueBacklog")
     assert (queue["expr"], queue["for"]) == (
-        "replica:infermeter_replica_queue_depth:max > 4",
+        "replica:infermeter_replica_queue_depth:sum > 4",
         "45s",
     )
     [idle] = _alerts(config, "InfermeterGPUIdle")
