@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from infermeter.config import load_config
+from billing.cli_common import ADMIN_TOKEN_ENV
+from infermeter.config import Config, load_config
 from tests.placeholders import filled
 
 KUSTOMIZE = Path(__file__).parents[2] / "deploy" / "kubernetes"
@@ -408,3 +409,88 @@ def test_the_writer_secret_is_in_no_serving_container() -> None:
     for workload in _workloads():
         for volume in _pod(workload).get("volumes", []):
             assert "secret" not in volume, (workload["metadata"]["name"], volume["name"])
+
+
+def _secret_variables_read(container: Doc, config: Config) -> set[str]:
+    """The variables holding a secret that ``container``'s process reads, under ``config``."""
+    args = container.get("args", [])
+    if container["image"].startswith(VLLM_IMAGE):
+        return {"VLLM_API_KEY", "HF_TOKEN"}  # vLLM's own: its API key, gated weights
+    if container.get("command") == ["redis-server"]:
+        return {a[2:-1] for a in args if a.startswith("$(")}  # --requirepass $(REDIS_PASSWORD)
+    s, a = config.sidecar, config.autoscale
+    limits = s.shared_limits
+    if args[:1] == ["sidecar"]:
+        wanted = {
+            s.upstream_api_key_env: True,
+            limits.password_env: limits.redis_url is not None,
+            limits.registry_token_env: limits.registry_url is not None,
+            s.budgets.spend_token_env: s.budgets.spend_url is not None,
+            s.gateway.secret_env: s.gateway.enabled,
+        }
+    elif args[:1] == ["collect"]:
+        wanted = {config.collector.metrics_token_env: True}
+    elif args[:2] == ["autoscale", "run"]:
+        # With Prometheus as its source it reads no /metrics page, so it sends no metrics token.
+        wanted = {
+            a.metrics_token_env: a.prometheus_url is None,
+            a.webhook_secret_env: a.webhook_url is not None,
+        }
+    elif args[:2] == ["billing", "backup"]:
+        wanted = {ADMIN_TOKEN_ENV: True}
+    elif args[:1] == ["billing"]:
+        wanted = {
+            config.billing.writer_secret_env: True,
+            limits.password_env: limits.redis_url is not None,  # it publishes the issued keys
+        }
+    elif args[:1] == ["credential"]:
+        wanted = {config.billing.writer_secret_env: True}
+    else:
+        wanted = {}
+    return {name for name, read in wanted.items() if read}
+
+
+def _pod_specs() -> list[tuple[str, Doc]]:
+    specs = [(w["metadata"]["name"], _pod(w)) for w in _workloads()]
+    for job in _of("CronJob"):
+        specs.append(
+            (job["metadata"]["name"], job["spec"]["jobTemplate"]["spec"]["template"]["spec"])
+        )
+    return specs
+
+
+def test_every_secret_a_container_is_given_is_one_its_process_reads(tmp_path: Path) -> None:
+    """One credential per role: no container holds a key of the Secret that its process, as the
+    ConfigMap configures it, never reads (a key held for nothing is one more place to steal it)."""
+    path = tmp_path / "infermeter.yaml"
+    path.write_text(filled(_of("ConfigMap")[0]["data"]["infermeter.yaml"]))
+    config = load_config(path, environ={})
+    unread = []
+    for name, spec in _pod_specs():
+        for container in spec["containers"] + spec.get("initContainers", []):
+            given = {
+                e["name"]: e["valueFrom"]["secretKeyRef"]["key"]
+                for e in container.get("env", [])
+                if "secretKeyRef" in e.get("valueFrom", {})
+            }
+            read = _secret_variables_read(container, config)
+            unread += [
+                f"{name}/{container['name']}: {v} ({k})" for v, k in given.items() if v not in read
+            ]
+    assert unread == []
+
+
+def test_the_collectors_metrics_admit_prometheus_alone(tmp_path: Path) -> None:
+    """The collector's per-GPU telemetry is read by Prometheus only: the autoscaler reads it
+    from Prometheus (``autoscale.prometheus_url``), so no pod of the namespace is admitted."""
+    path = tmp_path / "infermeter.yaml"
+    path.write_text(filled(_of("ConfigMap")[0]["data"]["infermeter.yaml"]))
+    assert load_config(path, environ={}).autoscale.prometheus_url is not None
+    (policy,) = [p for p in _of("NetworkPolicy") if p["metadata"]["name"] == "infermeter-collector"]
+    peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+    assert peers == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        }
+    ]
