@@ -648,6 +648,19 @@ def _platform_alerts(config: Config) -> list[Rule]:
             "bad_seal or unsealed is a credential used beyond its writer or a spool changed on disk: find the writer "
             "named and replace its credential (docs/security.md).",
         ),
+        # A line at zero cost stays on the month's statement until its cause is fixed, so the
+        # alert holds as long as the money is missing from the lines.
+        _alert(
+            "InfermeterStatementErrorLines",
+            "max by (reason) (infermeter_billing_statement_error_lines) > 0",
+            0,
+            "warning",
+            "{{ $value | humanize }} line(s) of this month's statement could not be priced ({{ $labels.reason }}): on the platform account at zero cost",
+            "Read the statement's error lines (GET /v1/chargeback/{month}, platform account; each line's model says "
+            "why). unpriced_gpu_model: add the GPU model's price to prices.usd_per_gpu_hour or its node pool, and "
+            "the line turns into costs (adjustments if the month is closed); cost_out_of_range: an instance measured "
+            "beyond any bill, check the samples of its node's collector; unroundable: report it, it is a bug.",
+        ),
         _alert(
             "InfermeterGPUXidError",
             "infermeter_gpu_xid_errors != 0",

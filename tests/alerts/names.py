@@ -23,6 +23,7 @@ BILLING = {
     "infermeter_team_spend_forecast_usd",
     "infermeter_reconciliation_unattributed_share",
     "infermeter_billing_quarantined_records_total",
+    "infermeter_billing_statement_error_lines",
 }
 
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')

@@ -18,6 +18,7 @@ from alerts.rules import (
     to_yaml,
 )
 from infermeter.config import DEFAULT_CONFIG, Config, ConfigError, load_config
+from tests.alerts.names import metric_names
 
 ROOT = Path(__file__).parents[2]
 RULES = ROOT / "alerts" / "rules"
@@ -132,7 +133,7 @@ def test_recording_rules_cover_the_sidecar_collector_and_billing_metrics(config)
 def test_every_alert_has_severity_summary_and_runbook(config):
     """Each alert carries a severity label and summary and runbook annotations."""
     alerts = [r for r in _rules(render(config)) if "alert" in r]
-    assert len({a["alert"] for a in alerts}) == 15
+    assert len({a["alert"] for a in alerts}) == 16
     for a in alerts:
         assert a["labels"]["severity"] in {"critical", "warning", "info"}, a["alert"]
         assert a["annotations"]["summary"].strip(), a["alert"]
@@ -418,3 +419,24 @@ def test_the_unattributed_share_alert_takes_the_configured_share(config):
         _config(**{"billing.reconciliation_alert_share": 0.005}), "InfermeterTokensUnattributed"
     )
     assert strict["expr"].endswith(" > 0.005")
+
+
+# What each part exports for an operator to act on, and the alert that acts on it: a signal with
+# no alert is one nobody sees until the month is closed on it.
+ALERTED_SIGNALS = {
+    "infermeter_usage_spool_backlog": "InfermeterUsageSpoolBacklog",
+    "infermeter_shared_limits_up": "InfermeterSharedLimitsDown",
+    "infermeter_collector_target_up": "InfermeterCollectorTargetDown",
+    "infermeter_gpu_xid_errors": "InfermeterGPUXidError",
+    "infermeter_reconciliation_unattributed_share": "InfermeterTokensUnattributed",
+    "infermeter_billing_quarantined_records_total": "InfermeterRecordsQuarantined",
+    # docs/billing.md: lines that could not be priced, "alert when it is above zero"
+    "infermeter_billing_statement_error_lines": "InfermeterStatementErrorLines",
+}
+
+
+@pytest.mark.parametrize(("signal", "alert"), sorted(ALERTED_SIGNALS.items()))
+def test_every_signal_for_an_operator_has_an_alert_reading_it(config, signal, alert):
+    """Each health and correctness signal the parts export is read by its alert."""
+    [rule] = _alerts(config, alert)
+    assert signal in metric_names(rule["expr"])
