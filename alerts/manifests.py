@@ -6,7 +6,8 @@ not here would scale nothing and route nowhere.
 
 - ``scaled_objects``: one KEDA ScaledObject per Deployment the autoscaler scales
   (``autoscale.kubernetes.deployments``, model -> Deployment), whose prometheus trigger reads
-  ``infermeter_desired_replicas{model}``; with an ``AverageValue`` target of 1 the HPA's
+  ``infermeter_desired_replicas{model}``, or the count it last published while the autoscaler
+  is away (``desired_replicas_query``); with an ``AverageValue`` target of 1 the HPA's
   arithmetic (``ceil(value / target)``) gives back exactly that count. min and max are the
   policy's (``scaling``), a safety net around its own bounds.
 - ``inference_routing``: the Gateway API Inference Extension's objects for the replica groups. A
@@ -33,9 +34,11 @@ import yaml
 from infermeter.config import Config
 
 __all__ = [
+    "DESIRED_HOLD",
     "HEADER",
     "MODEL_HEADER",
     "Routing",
+    "desired_replicas_query",
     "inference_routing",
     "pool_name",
     "scaled_objects",
@@ -70,6 +73,22 @@ class Routing:
 def pool_name(group: str) -> str:
     """The InferencePool (and the pod-template name prefix) of replica group ``group``."""
     return f"vllm-{group}"
+
+
+# How long KEDA keeps to the count last published while the autoscaler is away.
+DESIRED_HOLD = "1h"
+
+
+def desired_replicas_query(model: str) -> str:
+    """KEDA's query of ``model``'s desired count: the autoscaler's gauge, or while it is away (a
+    rollout, a restart, its node lost) the count it last published, for ``DESIRED_HOLD``.
+
+    Prometheus answers nothing for a target it can no longer scrape, and KEDA reads nothing as 0,
+    which the HPA takes for min_replicas: every model would drop to its minimum on each restart
+    of the autoscaler, with no stabilization window to slow it.
+    """
+    gauge = f'infermeter_desired_replicas{{model="{model}"}}'
+    return f"max({gauge}) or max(last_over_time({gauge}[{DESIRED_HOLD}]))"
 
 
 def scaled_objects(config: Config, prometheus_url: str | None = None) -> list[Doc]:
@@ -112,8 +131,11 @@ def scaled_objects(config: Config, prometheus_url: str | None = None) -> list[Do
                             "metricType": "AverageValue",
                             "metadata": {
                                 "serverAddress": server,
-                                "query": f'max(infermeter_desired_replicas{{model="{model}"}})',
+                                "query": desired_replicas_query(model),
                                 "threshold": "1",
+                                # No answer is an error, not 0 (KEDA's default): 0 would be
+                                # min_replicas at once, an error the fallback after 4 polls.
+                                "ignoreNullValues": "false",
                             },
                         }
                     ],

@@ -21,7 +21,12 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from alerts.manifests import inference_routing, scaled_objects, to_yaml as manifests_yaml
+from alerts.manifests import (
+    desired_replicas_query,
+    inference_routing,
+    scaled_objects,
+    to_yaml as manifests_yaml,
+)
 from alerts.rules import prometheus_rule, render, to_yaml as rules_yaml
 from infermeter.config import Config, load_config
 from tests.placeholders import filled
@@ -464,9 +469,8 @@ def test_keda_scales_each_deployment_on_its_desired_replicas(tmp_path: Path) -> 
         (trigger,) = so["spec"]["triggers"]
         assert trigger["type"] == "prometheus"
         model = by_deployment[target]
-        assert (
-            trigger["metadata"]["query"] == f'max(infermeter_desired_replicas{{model="{model}"}})'
-        )
+        assert trigger["metadata"]["query"] == desired_replicas_query(model)
+        assert trigger["metadata"]["ignoreNullValues"] == "false"
         assert so["spec"]["minReplicaCount"] == config.scaling.min_replicas
         assert so["spec"]["maxReplicaCount"] == config.scaling.max_replicas
         # The Deployment it scales runs the group of that model.
