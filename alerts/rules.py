@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from alerts.manifests import DESIRED_HOLD
 from infermeter.config import Config, ConfigError, Model, Sla, SlaOverride
 from infermeter.pricing import budget_replica_cost
 
@@ -555,6 +556,34 @@ def _capacity_alerts(config: Config) -> list[Rule]:
             f"GPUs of replica {{{{ $labels.replica }}}} ({{{{ $labels.model }}}}) are {{{{ $value | humanizePercentage }}}} busy, under {s.scale_down_gpu_utilization:.0%} for {duration(s.scale_down_after_seconds)}",
             "Idle capacity is paid for by the teams or the platform: scale the model in (down to min_replicas) "
             "or move a smaller model onto these GPUs.",
+        ),
+        *_autoscaler_alerts(config),
+    ]
+
+
+# How long the autoscaler may go without deciding (or unscraped) before its alert fires.
+AUTOSCALER_STALLED_FOR_SECONDS = 300
+
+
+def _autoscaler_alerts(config: Config) -> list[Rule]:
+    """With Deployments scaled on the autoscaler's count (KEDA's triggers), an alert when it stops
+    deciding or is not scraped: KEDA then holds each model at the count last published."""
+    if not config.autoscale.kubernetes.deployments:
+        return []
+    stale = max(60.0, 4 * config.autoscale.interval_seconds)
+    tick = "infermeter_autoscale_last_tick_timestamp_seconds"
+    return [
+        _alert(
+            "InfermeterAutoscalerStalled",
+            f"time() - max({tick}) > {_number(stale)} or absent({tick})",
+            AUTOSCALER_STALLED_FOR_SECONDS,
+            "critical",
+            f"the autoscaler has not decided for over {duration(stale)}, or is not scraped, for "
+            f"{duration(AUTOSCALER_STALLED_FOR_SECONDS)}: no model scales; KEDA holds each at the count "
+            f"last published for {DESIRED_HOLD}, then at min_replicas",
+            "Read the autoscaler's log (kubectl -n infermeter logs deploy/infermeter-autoscaler) and its "
+            "/metrics: failed ticks (infermeter_autoscale_tick_failures_total), Prometheus unreachable at "
+            "autoscale.prometheus_url, a pod not scheduled or its volume not attached.",
         ),
     ]
 

@@ -24,7 +24,22 @@ import yaml
 from infermeter.serving import free_port
 from tests.alerts.prometheus import running_prometheus
 
-SCALED_OBJECTS = Path(__file__).parents[2] / "deploy" / "kubernetes" / "scaledobjects.yaml"
+KUSTOMIZE = Path(__file__).parents[2] / "deploy" / "kubernetes"
+SCALED_OBJECTS = KUSTOMIZE / "scaledobjects.yaml"
+
+
+def _stalled_alert() -> dict[str, Any]:
+    """The deployed PrometheusRule's alert on an autoscaler that no longer decides."""
+    doc: dict[str, Any] = yaml.safe_load((KUSTOMIZE / "prometheusrule.yaml").read_text())
+    found: list[dict[str, Any]] = [
+        r
+        for g in doc["spec"]["groups"]
+        for r in g["rules"]
+        if "infermeter_autoscale_last_tick_timestamp_seconds" in r["expr"] and "alert" in r
+    ]
+    assert found, "no deployed alert on the autoscaler KEDA follows"
+    (alert,) = found
+    return alert
 
 
 def _triggers() -> dict[str, dict[str, Any]]:
@@ -42,17 +57,18 @@ def _triggers() -> dict[str, dict[str, Any]]:
 
 @pytest.fixture
 def autoscaler_page() -> Iterator[tuple[int, ThreadingHTTPServer]]:
-    """A stand-in of the autoscaler's /metrics: a desired count per model, 3, 4, ..."""
-    page = "".join(
+    """A stand-in of the autoscaler's /metrics: a desired count per model, 3, 4, ..., decided now."""
+    desired = "".join(
         f'infermeter_desired_replicas{{model="{m}"}} {3 + i}\n' for i, m in enumerate(_triggers())
-    ).encode()
+    )
 
     class Page(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            page = f"{desired}infermeter_autoscale_last_tick_timestamp_seconds {time.time()}\n"
             self.send_response(200)
             self.send_header("content-type", "text/plain; version=0.0.4")
             self.end_headers()
-            self.wfile.write(page)
+            self.wfile.write(page.encode())
 
         def log_message(self, format: str, *args: Any) -> None:
             pass
@@ -94,6 +110,7 @@ def test_every_trigger_keeps_the_last_desired_count_while_the_autoscaler_is_away
         expected = {m: float(3 + i) for i, m in enumerate(triggers)}
         for model, meta in triggers.items():
             assert _until(lambda q=meta["query"]: _answer(url, q), 30) == [expected[model]]
+        assert _answer(url, _stalled_alert()["expr"]) == []
         server.shutdown()
         # The next scrape fails: Prometheus marks the page's series stale at once.
         _until(lambda: not _answer(url, "infermeter_desired_replicas"), 30)
@@ -101,3 +118,19 @@ def test_every_trigger_keeps_the_last_desired_count_while_the_autoscaler_is_away
             assert _answer(url, meta["query"]) == [expected[model]], model
             # And nothing left to hold is an error for KEDA (its fallback), not a 0.
             assert meta["ignoreNullValues"] == "false"
+
+
+def test_an_autoscaler_that_stops_deciding_is_alerted_on(
+    tmp_path: Path, autoscaler_page: tuple[int, ThreadingHTTPServer]
+) -> None:
+    """The hold above hides an autoscaler that is gone, so the deployed rules alert on it: its
+    expression is false while the page is scraped and decides, true once it is not scraped."""
+    port, server = autoscaler_page
+    alert = _stalled_alert()
+    assert alert["labels"]["severity"] == "critical"
+    scrape = [{"job_name": "autoscaler", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}]
+    with running_prometheus(tmp_path, scrape, []) as url:
+        _until(lambda: _answer(url, "infermeter_autoscale_last_tick_timestamp_seconds"), 30)
+        assert _answer(url, alert["expr"]) == []
+        server.shutdown()
+        assert _until(lambda: _answer(url, alert["expr"]), 30) == [1.0]
