@@ -675,7 +675,9 @@ def _platform_alerts(config: Config) -> list[Rule]:
             "Read the statement's quarantined rows and the ledger's quarantine table (writer, reason, record). An "
             "unknown team, model, replica group or node is configuration to fix; foreign_writer, foreign_address, "
             "bad_seal or unsealed is a credential used beyond its writer or a spool changed on disk: find the writer "
-            "named and replace its credential (docs/security.md).",
+            "named and replace its credential (docs/security.md). project_not_allowed or bad_user is a usage record "
+            "tagged as no sidecar lets a request be: a sidecar and billing on different configurations (a reload "
+            "not yet everywhere), or a writer credential used beyond its sidecar.",
         ),
         # A line at zero cost stays on the month's statement until its cause is fixed, so the
         # alert holds as long as the money is missing from the lines.
