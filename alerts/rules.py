@@ -565,11 +565,42 @@ def _capacity_alerts(config: Config) -> list[Rule]:
 AUTOSCALER_STALLED_FOR_SECONDS = 300
 
 
+# Consecutive failed deliveries of a decision before a hook's alert, and how long pages may go
+# unread; both for 5m, so a restart of the receiver or a pod coming up is no alert.
+HOOK_FAILURES_ALERTED = 3
+AUTOSCALER_BLIND_FOR_SECONDS = 300
+
+
 def _autoscaler_alerts(config: Config) -> list[Rule]:
-    """With Deployments scaled on the autoscaler's count (KEDA's triggers), an alert when it stops
-    deciding or is not scraped: KEDA then holds each model at the count last published."""
+    """Alerts on the autoscaler's own signals: a hook that keeps failing (the decisions reach no
+    one), pages it cannot read (it decides without those instances' load) and, with Deployments
+    scaled on its count (KEDA's triggers), a stop: KEDA then holds each model at the count last
+    published. Without an autoscaler the first two read no series and never fire."""
+    rules = [
+        _alert(
+            "InfermeterAutoscaleHookFailing",
+            f"max by (hook) (infermeter_autoscale_hook_failures) >= {HOOK_FAILURES_ALERTED}",
+            AUTOSCALER_BLIND_FOR_SECONDS,
+            "warning",
+            "the autoscaler's {{ $labels.hook }} hook has failed {{ $value | humanize }} deliveries "
+            f"in a row for {duration(AUTOSCALER_BLIND_FOR_SECONDS)}: its decisions reach no one",
+            "Read the autoscaler's log for the hook's error: for the kubernetes hook, its Role (patch "
+            "deployments/scale) and the Deployments named in autoscale.kubernetes.deployments; for "
+            "the webhook, the receiver at autoscale.webhook_url and its secret.",
+        ),
+        _alert(
+            "InfermeterAutoscalePagesUnread",
+            "max(infermeter_autoscale_unread_pages) > 0",
+            AUTOSCALER_BLIND_FOR_SECONDS,
+            "warning",
+            "the autoscaler could not read {{ $value | humanize }} page(s) at each tick for "
+            f"{duration(AUTOSCALER_BLIND_FOR_SECONDS)}: it decides without those instances' load",
+            "Read the autoscaler's log for the pages it names: the collector or a sidecar down, its "
+            "metrics token refused, or a page that is not Prometheus text.",
+        ),
+    ]
     if not config.autoscale.kubernetes.deployments:
-        return []
+        return rules
     stale = max(60.0, 4 * config.autoscale.interval_seconds)
     tick = "infermeter_autoscale_last_tick_timestamp_seconds"
     return [
@@ -585,6 +616,7 @@ def _autoscaler_alerts(config: Config) -> list[Rule]:
             "/metrics: failed ticks (infermeter_autoscale_tick_failures_total), Prometheus unreachable at "
             "autoscale.prometheus_url, a pod not scheduled or its volume not attached.",
         ),
+        *rules,
     ]
 
 

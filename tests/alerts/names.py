@@ -8,6 +8,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from alerts.autoscale.hooks import ScalingGauges
 from collectors.loop import FleetCollector
 from collectors.metrics import FleetMetrics
 from infermeter.config import Config
@@ -57,7 +58,8 @@ def _sample_names(collector: Collector) -> set[str]:
 
 
 def exposed_names(config: Config) -> set[str]:
-    """Series names the sidecar, the collector, vLLM (captured) and billing expose."""
+    """Series names the sidecar, the collector, the autoscaler, vLLM (captured) and billing
+    expose."""
     registry = SidecarMetrics().registry
     SharedLimitsMetrics(registry)
     BudgetMetrics(registry)
@@ -65,4 +67,5 @@ def exposed_names(config: Config) -> set[str]:
     collector = _sample_names(FleetMetrics(FleetCollector(config, [], [])))
     text = (FIXTURES / "vllm-0.32-metrics.prom").read_text()
     vllm = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
-    return sidecar | collector | vllm | BILLING
+    autoscaler = _sample_names(ScalingGauges().registry)
+    return sidecar | collector | autoscaler | vllm | BILLING

@@ -133,7 +133,7 @@ def test_recording_rules_cover_the_sidecar_collector_and_billing_metrics(config)
 def test_every_alert_has_severity_summary_and_runbook(config):
     """Each alert carries a severity label and summary and runbook annotations."""
     alerts = [r for r in _rules(render(config)) if "alert" in r]
-    assert len({a["alert"] for a in alerts}) == 16
+    assert len({a["alert"] for a in alerts}) == 18
     for a in alerts:
         assert a["labels"]["severity"] in {"critical", "warning", "info"}, a["alert"]
         assert a["annotations"]["summary"].strip(), a["alert"]
@@ -432,6 +432,9 @@ ALERTED_SIGNALS = {
     "infermeter_billing_quarantined_records_total": "InfermeterRecordsQuarantined",
     # docs/billing.md: lines that could not be priced, "alert when it is above zero"
     "infermeter_billing_statement_error_lines": "InfermeterStatementErrorLines",
+    # the autoscaler's decisions reaching no one, and the pages it decides without
+    "infermeter_autoscale_hook_failures": "InfermeterAutoscaleHookFailing",
+    "infermeter_autoscale_unread_pages": "InfermeterAutoscalePagesUnread",
 }
 
 
