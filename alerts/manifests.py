@@ -116,7 +116,14 @@ def scaled_objects(config: Config, prometheus_url: str | None = None) -> list[Do
                     **({"maxReplicaCount": high} if high is not None else {}),
                     "pollingInterval": 15,
                     "cooldownPeriod": 300,
-                    "fallback": {"failureThreshold": 4, "replicas": low},
+                    # While no trigger answers (Prometheus down) KEDA keeps the replicas
+                    # running, or min_replicas if fewer: never scales a fleet down because it
+                    # cannot see (the static default dropped every model to min_replicas).
+                    "fallback": {
+                        "failureThreshold": 4,
+                        "replicas": low,
+                        "behavior": "currentReplicasIfHigher",
+                    },
                     "advanced": {
                         "horizontalPodAutoscalerConfig": {
                             "behavior": {

@@ -611,7 +611,7 @@ def _autoscaler_alerts(config: Config) -> list[Rule]:
             "critical",
             f"the autoscaler has not decided for over {duration(stale)}, or is not scraped, for "
             f"{duration(AUTOSCALER_STALLED_FOR_SECONDS)}: no model scales; KEDA holds each at the count "
-            f"last published for {DESIRED_HOLD}, then at min_replicas",
+            f"last published for {DESIRED_HOLD}, then at the replicas running",
             "Read the autoscaler's log (kubectl -n infermeter logs deploy/infermeter-autoscaler) and its "
             "/metrics: failed ticks (infermeter_autoscale_tick_failures_total), Prometheus unreachable at "
             "autoscale.prometheus_url, a pod not scheduled or its volume not attached.",

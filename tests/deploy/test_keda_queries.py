@@ -134,3 +134,18 @@ def test_an_autoscaler_that_stops_deciding_is_alerted_on(
         assert _answer(url, alert["expr"]) == []
         server.shutdown()
         assert _until(lambda: _answer(url, alert["expr"]), 30) == [1.0]
+
+
+def test_while_prometheus_cannot_be_read_keda_keeps_the_replicas_running() -> None:
+    """With Prometheus itself down every trigger errs, and after ``failureThreshold`` polls KEDA
+    applies the fallback: its static default is ``replicas`` (min_replicas here), which would
+    scale every model down at once because nothing can be seen. ``currentReplicasIfHigher``
+    (KEDA 2.17) keeps what runs, and min_replicas when fewer run."""
+    docs = [d for d in yaml.safe_load_all(SCALED_OBJECTS.read_text()) if d]
+    assert docs
+    for so in docs:
+        spec = so["spec"]
+        assert spec["fallback"].get("behavior") == "currentReplicasIfHigher", so["metadata"]["name"]
+        assert spec["fallback"]["replicas"] == spec["minReplicaCount"]
+        # KEDA takes a fallback only with an AverageValue trigger.
+        assert any(t["metricType"] == "AverageValue" for t in spec["triggers"])
