@@ -286,7 +286,19 @@ def register(app: Dash, ctx: Context) -> None:
             return [note("Sign in to see the allocation."), blank, None, None, None, [], None]
         keys = [k for k in (by or "team", then) if k]
         keys = list(dict.fromkeys(keys))
-        start, end = window_of(choice, (first, last), time.time())
+        try:
+            start, end = window_of(choice, (first, last), time.time())
+        except ValueError:
+            # (The date picker sends YYYY-MM-DD; anything else is a hand-made callback.)
+            return [
+                note("Pick the first and last day as YYYY-MM-DD.", "error"),
+                blank,
+                None,
+                None,
+                None,
+                no_update,
+                None,
+            ]
         chosen = list(filters or [])
         try:
             answer = ctx.client.allocation(session.token, _params(start, end, keys, chosen))

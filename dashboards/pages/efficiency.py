@@ -288,6 +288,11 @@ def register(app: Dash, ctx: Context) -> None:
         Input("tz", "data"),
     )
     def show(month: str | None, auth: Any, tz: str | None) -> list[Any]:
+        try:
+            month = check_month(month) if month else None
+        except ValueError:
+            # (The month list sends YYYY-MM; anything else is a hand-made callback.)
+            month = None
         span = local_range(*month_bounds(month), tz) if month else local_range(0.0, 3600.0, tz)
         empty = [
             _chart(pl.DataFrame(), "", "", title, axis, span) for _, _, title, axis in GROUP_CHARTS

@@ -597,3 +597,40 @@ def test_a_400_mib_post_leaves_the_process_where_it_was(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_hand_made_callbacks_with_a_bad_month_or_day_are_answered_not_a_500(url):
+    """The month list and the date picker send YYYY-MM and YYYY-MM-DD; a script posting the
+    efficiency page's callback with month 2026-13, or the allocation explorer's with a day that
+    is not one, gets the page's own answer (a note), where the dashboard raised a 500."""
+    from dashboards.pages.efficiency import GROUP_CHARTS
+
+    session = sign_in(url, ADMIN_KEY)["auth"]["data"]
+    charts = "...".join(f"{g}.figure" for g, *_ in GROUP_CHARTS)
+    efficiency = callback(
+        url,
+        f"..efficiency-status.children...efficiency-advice.children...efficiency-summary.children...{charts}..",
+        [
+            {"id": "efficiency-month", "property": "value", "value": "2026-13"},
+            {"id": "auth", "property": "data", "value": session},
+            {"id": "tz", "property": "data", "value": "UTC"},
+        ],
+    )
+    assert "pick a month" in str(efficiency["efficiency-status"]["children"])
+    allocation = callback(
+        url,
+        "..alloc-status.children...alloc-chart.figure...alloc-events.children...alloc-table.children"
+        "...alloc-notes.children...alloc-filter.options...alloc-shown.data..",
+        [
+            {"id": "alloc-window", "property": "value", "value": "custom"},
+            {"id": "alloc-dates", "property": "start_date", "value": "not-a-day"},
+            {"id": "alloc-dates", "property": "end_date", "value": None},
+            {"id": "alloc-by", "property": "value", "value": "team"},
+            {"id": "alloc-then", "property": "value", "value": None},
+            {"id": "alloc-filter", "property": "value", "value": []},
+            {"id": "auth", "property": "data", "value": session},
+            {"id": "tick", "property": "n_intervals", "value": 1},
+        ],
+        [{"id": "tz", "property": "data", "value": "UTC"}],
+    )
+    assert "YYYY-MM-DD" in str(allocation["alloc-status"]["children"])
