@@ -545,5 +545,7 @@ def _end_span(
     if meter is not None and meter.first_token_at is not None:
         span.set_attribute(tracing.TIME_TO_FIRST_CHUNK, meter.first_token_at - call.started)
     if status is not RequestStatus.OK:
+        # The status alone has no attribute a backend groups failures by: error.type names it.
+        span.set_attribute(tracing.ERROR_TYPE, status.value)
         span.set_status(trace.Status(trace.StatusCode.ERROR, status.value))
     span.end(end_time=end_ns)

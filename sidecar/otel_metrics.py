@@ -109,7 +109,7 @@ TOKEN_BOUNDS = (
 # The published version of the default conventions (the latest ones have none yet).
 SCHEMA_URL = "https://opentelemetry.io/schemas/1.41.0"
 PROVIDER = "vllm"
-ERROR_TYPE = "error.type"
+ERROR_TYPE = tracing.ERROR_TYPE
 TOKEN_TYPE = "gen_ai.token.type"
 TOKEN_MODALITY = "gen_ai.token.modality"
 

@@ -39,6 +39,9 @@ FINISH_REASONS = "gen_ai.response.finish_reasons"
 REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
 REQUEST_STREAM = "gen_ai.request.stream"
 TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
+# How a request that did not end well ended (general conventions; conditionally required on a
+# GenAI span that ended in an error): the usage record's status, a handful of values.
+ERROR_TYPE = "error.type"
 TEAM = "infermeter.team"
 REPLICA = "infermeter.replica"
 # Who the request is for (general semantic conventions) and its project tag: span attributes

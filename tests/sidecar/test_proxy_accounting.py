@@ -284,6 +284,37 @@ async def test_span_per_request_with_genai_attributes(stack_factory, tmp_path):
     assert format(span.context.trace_id, "032x") == "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
+async def test_a_failed_request_s_span_names_its_error_type(stack_factory, tmp_path):
+    """A request vLLM refuses and one whose client hangs up end their spans in error, with
+    error.type the record's status, as the GenAI conventions require; a good one has none."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    stack = await stack_factory()
+    config = make_config(stack.upstream)
+    spool = tmp_path / "traced"
+    traced = Sidecar(config, "small-0", spool_dir=spool, tracer_provider=provider)
+    headers = {"authorization": "Bearer im-demo-research"}
+    async with serving(traced) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+        await c.post("/v1/chat/completions", json=CHAT, headers=headers)
+        await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 100_000}, headers=headers)
+        body = {**CHAT, "stream": True, "max_tokens": 200}
+        async with c.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break
+        await asyncio.sleep(0.2)  # (the hang-up reaches the sidecar)
+    ended = [
+        (s.status.status_code.name, (s.attributes or {}).get("error.type"))
+        for s in exporter.get_finished_spans()
+    ]
+    assert ended == [
+        ("UNSET", None),
+        ("ERROR", "bad_request"),
+        ("ERROR", "client_aborted"),
+    ]
+
+
 def test_otlp_export_follows_the_standard_variables():
     """Export is on only when OTEL_* variables ask for it."""
     from sidecar.tracing import export_configured
