@@ -10,8 +10,9 @@ is imported by a service only once this says yes.
 
 The SDK's exporter reads everything else itself: endpoint, headers, timeout, compression and
 certificates (``OTEL_EXPORTER_OTLP_[METRICS_]*``). Values that would make export silently do
-something else (an unknown protocol, an interval that is not a positive number) are refused
-at start with ``OtlpConfigError``, which names the variable and the value.
+something else (an unknown protocol, an interval that is not a positive number, a timeout that
+is not a positive number of seconds or is longer than the interval) are refused at start with
+``OtlpConfigError``, which names the variable and the value.
 """
 
 from __future__ import annotations
@@ -92,7 +93,39 @@ def otlp_settings(environ: Mapping[str, str] | None = None) -> OtlpSettings:
         raise OtlpConfigError(
             f"OTEL_METRIC_EXPORT_INTERVAL={raw!r}: not a positive number of milliseconds"
         )
+    _check_timeout(env, millis / 1000)
     return OtlpSettings(protocol, millis / 1000, semconv_opt_in(env))
+
+
+def _check_timeout(env: Mapping[str, str], interval_seconds: float) -> None:
+    """OtlpConfigError for an export timeout the SDK's exporter would read as hours.
+
+    The exporter reads OTEL_EXPORTER_OTLP_[METRICS_]TIMEOUT in seconds where the specification
+    says milliseconds: the specification's 10000 would let one send (sends go one at a time)
+    and the way out wait 10,000 s on a receiver that does not answer. A timeout longer than
+    the interval between exports is refused, the unit named.
+    """
+    name = "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT"
+    if not env.get(name):
+        name = "OTEL_EXPORTER_OTLP_TIMEOUT"
+    raw = env.get(name, "").strip()
+    if not raw:
+        return
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise OtlpConfigError(
+            f"{name}={raw!r}: not a positive number of seconds (the exporter's unit, not the "
+            "specification's milliseconds)"
+        )
+    if seconds > interval_seconds:
+        raise OtlpConfigError(
+            f"{name}={raw!r}: {seconds:g} s, longer than the export interval "
+            f"({interval_seconds:g} s); the exporter reads seconds, not the specification's "
+            "milliseconds"
+        )
 
 
 def semconv_opt_in(environ: Mapping[str, str] | None = None) -> frozenset[str]:

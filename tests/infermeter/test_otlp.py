@@ -47,6 +47,7 @@ def test_export_is_on_when_the_variables_ask_for_it(environ, configured):
             OtlpSettings("http/protobuf", 60.0),
         ),
         ({"OTEL_METRIC_EXPORT_INTERVAL": "5000"}, OtlpSettings("http/protobuf", 5.0)),
+        ({"OTEL_EXPORTER_OTLP_TIMEOUT": "10"}, OtlpSettings("http/protobuf", 60.0)),
         (
             {"OTEL_SEMCONV_STABILITY_OPT_IN": f"http, {GEN_AI_LATEST}"},
             OtlpSettings("http/protobuf", 60.0, frozenset({"http", GEN_AI_LATEST})),
@@ -76,6 +77,21 @@ def test_settings_follow_the_metrics_variable_first(environ, settings):
         (
             {"OTEL_METRIC_EXPORT_INTERVAL": "0"},
             "OTEL_METRIC_EXPORT_INTERVAL='0': not a positive number of milliseconds",
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_TIMEOUT": "10000"},
+            "OTEL_EXPORTER_OTLP_TIMEOUT='10000': 10000 s, longer than the export interval (60 s); "
+            "the exporter reads seconds, not the specification's milliseconds",
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_TIMEOUT": "5", "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT": "30000"},
+            "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT='30000': 30000 s, longer than the export "
+            "interval (60 s); the exporter reads seconds, not the specification's milliseconds",
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_TIMEOUT": "never"},
+            "OTEL_EXPORTER_OTLP_TIMEOUT='never': not a positive number of seconds (the "
+            "exporter's unit, not the specification's milliseconds)",
         ),
     ],
 )
