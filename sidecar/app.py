@@ -790,6 +790,10 @@ class Sidecar:
             f"{operation} {call.model}",
             context=tracing.extract({k.decode("latin-1"): v.decode("latin-1") for k, v in headers}),
             kind=trace.SpanKind.SERVER,
+            # The span is made once the request is admitted, but it is the request's: it starts
+            # when the request came in, so the wait for a batch slot (and the body, the checks)
+            # are in it, as in the duration and time to first chunk it carries.
+            start_time=int(call.received_at * 1_000_000_000),
             attributes={
                 tracing.OPERATION: operation,
                 tracing.PROVIDER: "vllm",

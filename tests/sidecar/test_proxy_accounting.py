@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from infermeter.serving import free_port
+from infermeter.spool import read_segment
 from sidecar.app import Sidecar
 from tests.servers import serving
 from tests.sidecar.conftest import METRICS_TOKEN, make_config, metric_value
@@ -313,6 +314,44 @@ async def test_a_failed_request_s_span_names_its_error_type(stack_factory, tmp_p
         ("ERROR", "bad_request"),
         ("ERROR", "client_aborted"),
     ]
+
+
+async def test_a_span_starts_when_its_request_came_in_not_when_it_got_a_batch_slot(
+    stack_factory, tmp_path
+):
+    """With one batch slot, requests sent together wait for it in turn: each span still covers
+    its whole request, the wait included, so its time to first chunk falls inside it and its
+    length is the record's."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    stack = await stack_factory()
+    config = make_config(stack.upstream, **{"replicas.1.max_num_seqs": 1})
+    spool = tmp_path / "traced"
+    traced = Sidecar(config, "small-0", spool_dir=spool, tracer_provider=provider)
+    headers = {"authorization": "Bearer im-demo-research"}
+    body = {**CHAT, "stream": True, "max_tokens": 30}
+    async with serving(traced) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+        await asyncio.gather(
+            *(c.post("/v1/chat/completions", json=body, headers=headers) for _ in range(3))
+        )
+    await traced.accounting.flush()
+    records = sorted(
+        r["finished_at"] - r["received_at"]
+        for path in spool.glob("seg-*.jsonl")
+        for r in read_segment(path)[0]
+    )
+    spans = exporter.get_finished_spans()
+    lengths = sorted((s.end_time or 0) - (s.start_time or 0) for s in spans)
+    assert len(lengths) == len(records) == 3
+    # (the last one waited for two others to end: a wait no span showed)
+    assert records[-1] > 2 * records[0]
+    for length, record in zip(lengths, records, strict=True):
+        assert abs(length / 1e9 - record) < 0.03
+    for span in spans:
+        first = dict(span.attributes or {})["gen_ai.response.time_to_first_chunk"]
+        assert isinstance(first, float)
+        assert first * 1e9 < (span.end_time or 0) - (span.start_time or 0)
 
 
 def test_otlp_export_follows_the_standard_variables():
