@@ -537,6 +537,8 @@ def _end_span(
     end_ns: int,
 ) -> None:
     span.set_attribute(tracing.RESPONSE_MODEL, call.served_version)
+    if call.response_id is not None:
+        span.set_attribute(tracing.RESPONSE_ID, capped(call.response_id))
     if usage is not None:
         span.set_attribute(tracing.INPUT_TOKENS, usage.prompt)
         span.set_attribute(tracing.OUTPUT_TOKENS, usage.completion)

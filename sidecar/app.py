@@ -55,6 +55,7 @@ from sidecar.accounting import Accounting, Call, count_recovered
 from sidecar.admission import (
     GENERATE,
     Headers,
+    Plan,
     Refusal,
     first_header,
     gateway_signed,
@@ -780,12 +781,14 @@ class Sidecar:
         if self.fair is not None:
             call.slot = await self._fair_slot(call.team, planned.sequences)
         if self.tracer is not None:
-            call.span = self._start_span(call, headers, planned.requested)
+            call.span = self._start_span(call, headers, planned)
         return planned.body
 
-    def _start_span(self, call: Call, headers: Headers, requested: str) -> trace.Span:
+    def _start_span(self, call: Call, headers: Headers, planned: Plan) -> trace.Span:
         assert self.tracer is not None
         operation = GENERATE[call.endpoint]
+        body = planned.body
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
         return self.tracer.start_span(
             f"{operation} {call.model}",
             context=tracing.extract({k.decode("latin-1"): v.decode("latin-1") for k, v in headers}),
@@ -797,10 +800,12 @@ class Sidecar:
             attributes={
                 tracing.OPERATION: operation,
                 tracing.PROVIDER: "vllm",
-                tracing.REQUEST_MODEL: requested,
+                tracing.REQUEST_MODEL: planned.requested,
                 tracing.TEAM: call.team,
                 tracing.REPLICA: self.replica_id,
                 tracing.REQUEST_STREAM: call.stream,
+                **tracing.server_attributes(self.view.replica.upstream_url),
+                **({tracing.REQUEST_MAX_TOKENS: limit} if type(limit) is int else {}),
                 **({tracing.END_USER: call.user} if call.user is not None else {}),
                 **({tracing.PROJECT: call.project} if call.project is not None else {}),
             },

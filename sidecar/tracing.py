@@ -11,8 +11,10 @@ only the API.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -23,7 +25,7 @@ from infermeter.config import process_environment
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-__all__ = ["PROPAGATOR", "export_configured", "make_tracer_provider"]
+__all__ = ["PROPAGATOR", "export_configured", "make_tracer_provider", "server_attributes"]
 
 PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -37,6 +39,8 @@ INPUT_TOKENS = "gen_ai.usage.input_tokens"
 OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 FINISH_REASONS = "gen_ai.response.finish_reasons"
 REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
 REQUEST_STREAM = "gen_ai.request.stream"
 TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
 # How a request that did not end well ended (general conventions; conditionally required on a
@@ -94,3 +98,13 @@ def extract(headers: Mapping[str, str]) -> Context:
 def tracer(provider: TracerProvider | None) -> trace.Tracer | None:
     """The sidecar's tracer, or None when spans are not recorded."""
     return provider.get_tracer("infermeter.sidecar") if provider is not None else None
+
+
+@functools.lru_cache(maxsize=8)
+def server_attributes(upstream_url: str) -> dict[str, str | int]:
+    """``server.address`` and ``server.port`` of the replica a span's request went to (the
+    GenAI conventions recommend them on a client's span; here the sidecar is vLLM's client), made
+    once per URL: a reload that moves the replica gives the next span the new one."""
+    parts = urlsplit(upstream_url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return {SERVER_ADDRESS: parts.hostname or "", SERVER_PORT: port}

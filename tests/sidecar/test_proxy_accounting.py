@@ -281,6 +281,16 @@ async def test_span_per_request_with_genai_attributes(stack_factory, tmp_path):
     assert (attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"]) > (0, 11)
     assert attrs["gen_ai.response.finish_reasons"] == ("length",)
     assert attrs["infermeter.team"] == "research"
+    # The recommended ones: the replica the request went to, the limit asked, vLLM's id.
+    upstream = httpx.URL(stack.upstream)
+    assert (attrs["server.address"], attrs["server.port"]) == (upstream.host, upstream.port)
+    assert attrs["gen_ai.request.max_tokens"] == CHAT["max_tokens"]
+    await traced.accounting.flush()
+    [record] = [
+        r for path in (tmp_path / "traced").glob("seg-*.jsonl") for r in read_segment(path)[0]
+    ]
+    assert attrs["gen_ai.response.id"] == record["response_id"]
+    assert str(attrs["gen_ai.response.id"]).startswith("chatcmpl-")
     assert span.context is not None
     assert format(span.context.trace_id, "032x") == "4bf92f3577b34da6a3ce929d0e0e4736"
 
