@@ -14,7 +14,7 @@ from typing import Protocol
 
 import duckdb
 
-__all__ = ["Keeper", "LedgerError"]
+__all__ = ["Keeper", "LedgerError", "LedgerUnavailableError"]
 
 
 class LedgerError(Exception):
@@ -23,6 +23,11 @@ class LedgerError(Exception):
     Declared with the ledger's shape so that the query side can refuse an operation (closing
     a closed month) without importing the ledger; ``billing.ledger`` exports it too.
     """
+
+
+class LedgerUnavailableError(Exception):
+    """A transaction could not be committed (the disk is full, the file unwritable): nothing of
+    it is kept, and the same batch sent again later is taken (503 ``ledger_unavailable``)."""
 
 
 class Keeper(Protocol):

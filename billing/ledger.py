@@ -52,7 +52,7 @@ from billing.bounds import SampleBounds, bounds_tables
 from billing.fastpath import arrow_frame, ndjson_frame, typed_frame
 from billing.group_commit import GroupCommit, Ticket
 from billing.jsonkeys import NestedTooDeeplyError, duplicate_key
-from billing.keeper import LedgerError
+from billing.keeper import LedgerError, LedgerUnavailableError
 from billing.lifetimes import (
     DEFAULT_HEARTBEAT_SECONDS,
     HEARTBEAT_RETENTION_SECONDS,
@@ -78,6 +78,7 @@ __all__ = [
     "IngestResult",
     "Ledger",
     "LedgerError",
+    "LedgerUnavailableError",
     "Rejection",
     "connect",
 ]
@@ -298,7 +299,7 @@ class Ledger:
             except BaseException:
                 cursor.execute("ROLLBACK")
                 raise
-            cursor.execute("COMMIT")
+            commit(cursor)
 
     @contextmanager
     def snapshot(self) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -468,17 +469,18 @@ class Ledger:
             frame = pl.concat(frames) if len(frames) > 1 else frames[0]
             if len(frames) > 1:  # an id repeated across the batches is a repeat too
                 frame = frame.with_columns(dup=~pl.col(first.kind.id_field).is_first_distinct())
-        con = self._con
+        con, n = self._con, len(batches)
         con.execute("BEGIN TRANSACTION")
         try:
-            quarantine.writers_table(con, [b.writer for b in batches])
-            results, span = self._ingest(
-                con, first.kind, first.raw, frame, now, first.skew, first.malformed, len(batches)
-            )
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
+            try:
+                quarantine.writers_table(con, [b.writer for b in batches])
+                results, span = self._ingest(
+                    con, first.kind, first.raw, frame, now, first.skew, first.malformed, n
+                )
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            commit(con)
         finally:
             if frame is not None:
                 con.unregister("_batch")
@@ -526,10 +528,10 @@ class Ledger:
             con.execute("BEGIN TRANSACTION")
             try:
                 kept = quarantine.keep_unopened(con, kind, lines, principal, now)
-                con.execute("COMMIT")
             except BaseException:
                 con.execute("ROLLBACK")
                 raise
+            commit(con)
         return [Rejection(rid, reason) for rid, reason in kept]
 
     def _kind(self, key: str) -> RecordKind:
@@ -768,6 +770,19 @@ def _json_batch(kind: RecordKind, texts: Sequence[bytes]) -> bytes:
 def _not_a_batch(message: str) -> BadRequest:
     """The body is not a batch of the kind: the caller's to fix (HTTP 400)."""
     return BadRequest(message, code="invalid_value")
+
+
+def commit(con: duckdb.DuckDBPyConnection) -> None:
+    """COMMIT the transaction open on ``con``; LedgerUnavailableError when it cannot be written.
+
+    DuckDB rolls back a COMMIT it could not write (a full disk: the WAL's write fails), so no
+    ROLLBACK may follow: it would fail with "no transaction is active", and that error, a 500,
+    would stand for the full disk, where the caller is owed a 503 to retry and the reason.
+    """
+    try:
+        con.execute("COMMIT")
+    except duckdb.Error as exc:
+        raise LedgerUnavailableError(f"the ledger could not commit: {exc}") from exc
 
 
 def migrate(

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from billing.ledger import BatchTooLargeError, LedgerError
+from billing.ledger import BatchTooLargeError, LedgerError, LedgerUnavailableError
 from billing.ratelimit import RateLimitedError
 from billing.routes.body import BodyIncompleteError, BodyTimeoutError, BodyTooLargeError
 from infermeter.auth import Forbidden, Unauthenticated
@@ -117,6 +117,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(BadRequest, _bad_request)
     app.add_exception_handler(RateLimitedError, _rate_limited)
     app.add_exception_handler(duckdb.IOException, _unavailable)
+    app.add_exception_handler(LedgerUnavailableError, _unavailable)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(HTTPException, _http)
     app.add_exception_handler(Exception, _fault)

@@ -1,13 +1,16 @@
-"""kill -9 of billing during a sidecar load test loses nothing and double-counts nothing."""
+"""kill -9 of billing during a sidecar load test, or its disk full, loses nothing and double-counts
+nothing."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from infermeter.config import DEFAULT_CONFIG, Config
 from infermeter.serving import free_port
 from sidecar.app import Sidecar
 from simulator.replica import ReplicaSim, replica_spec
+from tests.billing.conftest import ndjson, usage
 from tests.servers import serving, stop_process, wait_healthy
 
 INGEST_TOKEN = "im-demo-ingest"
@@ -140,3 +144,67 @@ def test_sigterm_checkpoints_the_ledger(tmp_path):
         assert con.execute("SELECT sample_id FROM engine_samples").fetchall() == [("e1",)]
     finally:
         con.close()
+
+
+@contextlib.contextmanager
+def _small_disk(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``where``: a disk that really fills (needs root, as CI is)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def _fill(disk: Path) -> Path:
+    """Take every free byte of ``disk`` with one file, and return it."""
+    filler = disk / "filler"
+    with filler.open("wb") as fh, contextlib.suppress(OSError):
+        while True:
+            fh.write(b"\0" * (64 << 10))
+            fh.flush()
+    return filler
+
+
+@pytest.mark.timeout(120)
+def test_a_full_disk_refuses_ingest_with_503_and_the_batch_is_kept_when_sent_again(
+    tmp_path, monkeypatch
+):
+    """A batch billing cannot commit on a full disk is refused with 503 ledger_unavailable (the
+    shipper retries it), and is kept whole, once, when it is sent again after space is freed."""
+    monkeypatch.setenv("INFERMETER_INGEST_TOKEN", INGEST_TOKEN)
+    port = free_port()
+    path, _ = _config(tmp_path, "http://127.0.0.1:1", port)
+    with _small_disk(tmp_path / "disk", "16M") as disk:
+        data = yaml.safe_load(path.read_text())
+        data["billing"]["database"] = str(disk / "ledger.duckdb")
+        path.write_text(yaml.safe_dump(data))
+        billing = _start_billing(path, port)
+        try:
+            body = ndjson([usage() for _ in range(200)])
+            headers = {
+                "authorization": f"Bearer {INGEST_TOKEN}",
+                "content-type": "application/x-ndjson",
+            }
+            url = f"http://127.0.0.1:{port}/v1/ingest/usage"
+            filler = _fill(disk)
+            refused = httpx.post(url, content=body, headers=headers)
+            filler.unlink()
+            taken = httpx.post(url, content=body, headers=headers)
+            again = httpx.post(url, content=body, headers=headers)
+        finally:
+            stop_process(billing, grace=20)
+        con = duckdb.connect(str(disk / "ledger.duckdb"), read_only=True)
+        try:
+            kept = con.execute("SELECT count(*) FROM usage").fetchone()
+        finally:
+            con.close()
+    assert refused.status_code == 503, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "ledger_unavailable"
+    assert (taken.status_code, taken.json()["accepted"]) == (200, 200)
+    assert (again.json()["accepted"], again.json()["duplicates"]) == (0, 200)
+    assert kept == (200,)
