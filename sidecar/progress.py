@@ -181,19 +181,31 @@ class Slot:
         return at
 
 
+# Disk space for the slot file is allocated this much at a time: 128 slots, one system call.
+_ALLOCATE_BYTES: Final = 64 << 10
+
+
 class SlotTable:
     """The slot file of one process: a ``MAP_SHARED`` mapping of ``SLOT_BYTES`` slots.
 
     It starts with ``slots`` slots (the file is sparse: only slots used take memory and disk)
     and doubles when all are taken. Slots are reused lowest first, so the pages touched stay
     as few as the requests running at once need.
+
+    A slot's disk space is allocated (``posix_fallocate``) before the slot is handed out, the
+    first time the slots reach it: a store into a hole of a shared mapping that the file system
+    has no room for is a SIGBUS, which kills the process (every stream it relays), where a full
+    disk must be an OSError that refuses the one request (``AdmissionJournal.admit``).
     """
 
     def __init__(self, path: Path, slots: int = 1024) -> None:
         self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        # Bytes from the start of the file that are allocated on disk (``_allocate``).
+        self._allocated = 0
         try:
             os.ftruncate(self._fd, slots * SLOT_BYTES)
+            self._allocate(SLOT_BYTES)  # (the magic's slot)
             self._mm = mmap.mmap(self._fd, slots * SLOT_BYTES)
         except OSError:
             os.close(self._fd)
@@ -218,7 +230,10 @@ class SlotTable:
             return None
         if not self._free:
             self._grow()
-        at = self._free.pop() * SLOT_BYTES
+        at = self._free[-1] * SLOT_BYTES
+        if at + SLOT_BYTES > self._allocated:
+            self._allocate(at + SLOT_BYTES)  # (OSError: the slot stays free)
+        self._free.pop()
         mm = self._mm
         # (State 0, as a free slot is: not a request's until the last store.)
         _put_head(mm, at, 0, 0, len(raw), 0, 0.0, 0, clock, raw)
@@ -253,6 +268,13 @@ class SlotTable:
         os.close(self._fd)
         if delete:
             self.path.unlink(missing_ok=True)
+
+    def _allocate(self, end: int) -> None:
+        """Allocate the file's disk space up to ``end``, a chunk of slots at a time; OSError
+        (ENOSPC) when the file system has no room for it."""
+        end = min(-(-end // _ALLOCATE_BYTES) * _ALLOCATE_BYTES, os.fstat(self._fd).st_size)
+        os.posix_fallocate(self._fd, self._allocated, end - self._allocated)
+        self._allocated = end
 
     def _grow(self) -> None:
         size = len(self._mm)

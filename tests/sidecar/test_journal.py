@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -499,3 +501,55 @@ async def test_shutdown_records_an_ended_request_as_it_ended(tmp_path):
     assert (got["r1"].status, got["r1"].completion_tokens, got["r1"].usage_exact) == ("ok", 3, True)
     assert got["r2"].status == "interrupted"
     await journal.close()
+
+
+# Admits a request into a journal in argv[1], fills the disk, then admits 40 more one after
+# another and says how each went; run in a process of its own, since a SIGBUS would kill the test's.
+_ADMIT_ON_A_FULL_DISK = """
+import asyncio, contextlib, sys
+from pathlib import Path
+from sidecar.journal import AdmissionJournal, JournalError
+from tests.infermeter.test_journal_files import admitted
+
+async def main():
+    disk = Path(sys.argv[1])
+    journal = AdmissionJournal(disk / "journal", 60)
+    journal.open()
+    journal.admit(admitted("before").to_json(), 0.0)  # (the log's page has room for more)
+    with (disk / "filler").open("wb", buffering=0) as fh, contextlib.suppress(OSError):
+        while True:
+            fh.write(bytes(4096))
+    for i in range(40):
+        try:
+            journal.admit(admitted(f"r{i}").to_json(), 0.0)
+            print("admitted", flush=True)
+        except JournalError:
+            print("refused", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_a_full_disk_refuses_admissions_and_does_not_kill_the_sidecar(tmp_path):
+    """On a really full disk (a small tmpfs) a new slot is refused with JournalError, as the
+    journal's line is: storing into a slot the file system had no page for was a SIGBUS that
+    killed the sidecar, and every stream it relayed with it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(disk)], check=True)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _ADMIT_ON_A_FULL_DISK, str(disk)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=Path(__file__).parents[2],
+        )
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+    assert done.returncode == 0, done.stderr or f"killed by signal {-done.returncode}"
+    said = done.stdout.split()
+    assert len(said) == 40
+    assert "refused" in said
