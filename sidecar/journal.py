@@ -300,13 +300,24 @@ class AdmissionJournal:
         self._size = 0
 
     def _write(self, data: bytes) -> None:
+        """Append ``data`` whole, or leave the file as it was (OSError).
+
+        A write that fails half-way (a full disk takes what fits in the file's last page) is
+        cut off again: a torn line left in the file would join the next admission's line, and
+        recovery, which skips a line it cannot read, would lose that request.
+        """
         view = memoryview(data)
-        while view:
-            written = os.write(self._fd, view)
-            # Counted as it is written, so that the offsets of later lines stay right after a
-            # write that failed half-way.
-            self._size += written
-            view = view[written:]
+        began = self._size
+        try:
+            while view:
+                written = os.write(self._fd, view)
+                self._size += written
+                view = view[written:]
+        except OSError:
+            if self._size != began:
+                os.ftruncate(self._fd, began)  # (frees space: it does not fail for want of it)
+                self._size = began
+            raise
         self._unsynced = True
 
     async def _run(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -553,3 +554,36 @@ def test_a_full_disk_refuses_admissions_and_does_not_kill_the_sidecar(tmp_path):
     said = done.stdout.split()
     assert len(said) == 40
     assert "refused" in said
+
+
+async def test_an_admission_cut_short_by_a_full_disk_leaves_no_torn_line(tmp_path):
+    """A line the full disk took in part is cut off again, so the next admission, once there is
+    room, is a line of its own that recovery reads (it joined the torn one and was lost)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(disk)], check=True)
+    try:
+        journal = AdmissionJournal(disk / "journal", 60)
+        journal.open()
+        journal.admit(admitted("before").to_json(), 0.0)
+        with (disk / "filler").open("wb", buffering=0) as fh, contextlib.suppress(OSError):
+            while True:
+                fh.write(bytes(4096))
+        refused = 0
+        for i in range(10):  # the log's last page fills, and a line is taken in part
+            try:
+                journal.admit(admitted(f"r{i}").to_json(), 0.0)
+            except JournalError:
+                refused += 1
+        (disk / "filler").unlink()
+        journal.admit(admitted("after").to_json(), 0.0)
+        (log,) = (disk / "journal").glob("journal-*.log")
+        pending = unfinished(log.read_bytes().splitlines(keepends=True))
+        die(journal)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+    assert refused
+    assert "after" in pending
+    assert len(pending) == 1 + 10 - refused + 1
