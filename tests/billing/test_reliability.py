@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from infermeter.serving import free_port
 from sidecar.app import Sidecar
 from simulator.replica import ReplicaSim, replica_spec
 from tests.billing.conftest import ndjson, usage
+from tests.disks import small_disk
 from tests.servers import serving, stop_process, wait_healthy
 
 INGEST_TOKEN = "im-demo-ingest"
@@ -146,19 +146,6 @@ def test_sigterm_checkpoints_the_ledger(tmp_path):
         con.close()
 
 
-@contextlib.contextmanager
-def _small_disk(where: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` mounted at ``where``: a disk that really fills (needs root, as CI is)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=True)
-
-
 def _fill(disk: Path) -> Path:
     """Take every free byte of ``disk`` with one file, and return it."""
     filler = disk / "filler"
@@ -178,7 +165,7 @@ def test_a_full_disk_refuses_ingest_with_503_and_the_batch_is_kept_when_sent_aga
     monkeypatch.setenv("INFERMETER_INGEST_TOKEN", INGEST_TOKEN)
     port = free_port()
     path, _ = _config(tmp_path, "http://127.0.0.1:1", port)
-    with _small_disk(tmp_path / "disk", "16M") as disk:
+    with small_disk(tmp_path / "disk", "16M") as disk:
         data = yaml.safe_load(path.read_text())
         data["billing"]["database"] = str(disk / "ledger.duckdb")
         path.write_text(yaml.safe_dump(data))

@@ -26,6 +26,7 @@ from sidecar.assemble import Assembler
 from sidecar.journal import AdmissionJournal, JournalError
 from sidecar.progress import SlotTable
 from sidecar.stream import StreamMeter, UsageCounts
+from tests.disks import small_disk
 from tests.infermeter.test_journal_files import T0, admitted
 
 
@@ -535,12 +536,7 @@ def test_a_full_disk_refuses_admissions_and_does_not_kill_the_sidecar(tmp_path):
     """On a really full disk (a small tmpfs) a new slot is refused with JournalError, as the
     journal's line is: storing into a slot the file system had no page for was a SIGBUS that
     killed the sidecar, and every stream it relayed with it."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(disk)], check=True)
-    try:
+    with small_disk(tmp_path / "disk", "1M") as disk:
         done = subprocess.run(
             [sys.executable, "-c", _ADMIT_ON_A_FULL_DISK, str(disk)],
             capture_output=True,
@@ -548,8 +544,6 @@ def test_a_full_disk_refuses_admissions_and_does_not_kill_the_sidecar(tmp_path):
             timeout=60,
             cwd=Path(__file__).parents[2],
         )
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)
     assert done.returncode == 0, done.stderr or f"killed by signal {-done.returncode}"
     said = done.stdout.split()
     assert len(said) == 40
@@ -559,12 +553,7 @@ def test_a_full_disk_refuses_admissions_and_does_not_kill_the_sidecar(tmp_path):
 async def test_an_admission_cut_short_by_a_full_disk_leaves_no_torn_line(tmp_path):
     """A line the full disk took in part is cut off again, so the next admission, once there is
     room, is a line of its own that recovery reads (it joined the torn one and was lost)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(disk)], check=True)
-    try:
+    with small_disk(tmp_path / "disk", "1M") as disk:
         journal = AdmissionJournal(disk / "journal", 60)
         journal.open()
         journal.admit(admitted("before").to_json(), 0.0)
@@ -582,8 +571,6 @@ async def test_an_admission_cut_short_by_a_full_disk_leaves_no_torn_line(tmp_pat
         (log,) = (disk / "journal").glob("journal-*.log")
         pending = unfinished(log.read_bytes().splitlines(keepends=True))
         die(journal)
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)
     assert refused
     assert "after" in pending
     assert len(pending) == 1 + 10 - refused + 1
