@@ -12,6 +12,11 @@ sidecar asks for the set's version, and reads the set only when the version move
 - otherwise, or while Redis does not answer, from billing's ``GET /v1/keys/active`` with the
   version as ``If-None-Match`` (a 304 while it has not moved), with the spend_reader token.
 
+Even while Redis answers, billing is asked every ``CONFIRM_SECONDS``: a pod holding the Redis
+password cannot forge a set, but it can write the version a sidecar already holds (or delete
+it, or put back an older set billing signed) as often as it likes, and a sidecar reading Redis
+alone would then never see a revocation.
+
 A new or revoked key is thus taken (or refused) by every sidecar within a few seconds: the sync
 interval plus one read (docs/identity.md measures it). When neither answers, the sidecar keeps
 the set it has: the last one it read, which it also keeps in its spool directory
@@ -26,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -41,11 +47,15 @@ if TYPE_CHECKING:
     import redis.asyncio as aioredis
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-__all__ = ["KEYS_FILE", "KeySync", "team_keys"]
+__all__ = ["CONFIRM_SECONDS", "KEYS_FILE", "KeySync", "team_keys"]
 
 log = logging.getLogger("infermeter.sidecar")
 
 KEYS_FILE: Final = ISSUED_KEYS
+# However Redis answers, billing is asked at least this often (a 304 while nothing moved): what
+# Redis says of the version is anyone's word who holds its password, so it alone cannot hold a
+# revocation back for longer than this and one sync interval.
+CONFIRM_SECONDS: Final = 2.0
 
 
 def team_keys(issued: IssuedKeys) -> IssuedKeys:
@@ -88,6 +98,8 @@ class KeySync:
         # billing or a kept copy names.
         self._pinned = False
         self._said_mismatch = False
+        # When billing last answered (monotonic; -inf: never): ``CONFIRM_SECONDS``.
+        self._confirmed_at = float("-inf")
         if pinned_signer:
             self._learn(pinned_signer)
             self._pinned = bool(self._signer_hex)
@@ -148,12 +160,15 @@ class KeySync:
             with contextlib.suppress(RedisError, OSError, ValueError):  # down: billing instead
                 found = await self._from_redis()
                 reached = "Redis"
-        if reached is None and self.url is not None:
+        if self.url is not None and (reached is None or self._confirm_due()):
             import httpx  # only a sidecar that syncs loads it, as for shipping
 
             with contextlib.suppress(httpx.HTTPError, ValueError):
-                found = await self._from_billing()
-                reached = "billing"
+                answer = await self._from_billing()
+                self._confirmed_at = time.monotonic()
+                reached = reached or "billing"
+                if answer is not None and (found is None or answer.version > found.version):
+                    found = answer
         if reached is None:
             if not self._failing:
                 log.warning(
@@ -170,6 +185,12 @@ class KeySync:
         self._take(found)
         await asyncio.to_thread(self._keep, found)
         return True
+
+    def _confirm_due(self) -> bool:
+        """Whether billing is to be asked although Redis answered: Redis may say "nothing newer"
+        (or hold an older set billing signed) for as long as any pod holding its password
+        writes it so, and a revocation would then never reach this sidecar."""
+        return time.monotonic() - self._confirmed_at >= CONFIRM_SECONDS
 
     def _take(self, found: IssuedKeys) -> None:
         self.current = team_keys(found)

@@ -415,3 +415,67 @@ async def test_a_pinned_signing_key_is_kept_when_billing_names_another(
     said = [r for r in caplog.records if "the configuration" in r.getMessage()]
     assert len(said) == 1
     assert publisher.signer_hex[:16] in said[0].getMessage()
+
+
+@contextlib.asynccontextmanager
+async def billing_keeping_redis(path: Path, redis_url: str) -> AsyncIterator[str]:
+    """Billing over the ledger file ``path``, publishing its keys into Redis and checking them
+    there every two seconds, as ``infermeter billing serve`` does."""
+    config = make_config("http://127.0.0.1:1", **{"sidecar.shared_limits.redis_url": redis_url})
+    publisher = RedisPublisher(config.sidecar.shared_limits, signing_key(b"billing's secret"))
+    ledger = config_ledger(config, path)
+    app = create_app(config, ledger, key_publisher=publisher)
+    keys = app.state.services.keys
+    keeping = asyncio.create_task(publisher.keep(lambda: keys.issued))
+    try:
+        async with serving(app, free_port(), lifespan="off") as url:
+            yield url
+    finally:
+        keeping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keeping
+        publisher.client.close()
+        ledger.close()
+
+
+@pytest.mark.parametrize("hold", ["version", "nothing"])
+async def test_a_pod_holding_redis_cannot_keep_a_revoked_key_working(
+    stack_factory: Any, tmp_path: Path, redis_server: Any, hold: str
+) -> None:
+    """A pod with the Redis password that keeps writing the version the sidecars already hold
+    (or deletes it) over billing's own every few milliseconds: the revoked key is still refused
+    by the sidecar within the bound, and the key kept is still served."""
+    import redis
+
+    async with billing_keeping_redis(tmp_path / "ledger.duckdb", redis_server.url) as billing:
+        stack = await stack_factory(
+            **{"billing.url": billing, "sidecar.shared_limits.redis_url": redis_server.url}
+        )
+        kept = await issue(billing, team="assistant")
+        gone = await issue(billing, team="assistant")
+        await until(lambda: status(stack.url, gone["key"]), 200, BOUND_SECONDS)
+        current = stack.sidecar.keysync.current
+        assert current is not None
+        version_key = stack.sidecar.keysync.version_key
+        stop = asyncio.Event()
+
+        def overwrite() -> None:
+            writer = redis.Redis.from_url(redis_server.url)
+            while not stop.is_set():
+                if hold == "version":
+                    writer.set(version_key, current.version)
+                else:
+                    writer.delete(version_key)
+                time.sleep(0.002)
+            writer.close()
+
+        pod = asyncio.create_task(asyncio.to_thread(overwrite))
+        try:
+            await asyncio.sleep(0.5)
+            await revoke(billing, gone["key_id"])
+            took = await until(lambda: status(stack.url, gone["key"]), 401, BOUND_SECONDS)
+            assert await status(stack.url, kept["key"]) == 200
+        finally:
+            stop.set()
+            await pod
+    print(f"revoked key refused after {took:.2f} s with a pod holding the {hold} in Redis")
