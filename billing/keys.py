@@ -63,7 +63,8 @@ class KeyBook:
         max_per_team: int = 100,
     ) -> None:
         self._ledger = ledger
-        self._lock = threading.Lock()
+        # Reentrant: a revocation finds the keys that go with it under the lock it writes under.
+        self._lock = threading.RLock()
         self._configured = configured
         self.teams = frozenset(teams)
         self.publisher = publisher
@@ -100,8 +101,17 @@ class KeyBook:
             issued, secret = new_key(request, self.teams, creator, now)
         except KeyRequestError as exc:
             raise BadRequest(str(exc), code="invalid_value") from None
+        bound = self._issuer_expiry(creator)
+        if bound is not None:
+            if issued.expires_at is not None and issued.expires_at > bound:
+                raise BadRequest(
+                    f"expiry: a key a lead issues ends no later than the lead's own key "
+                    f"(key {creator.key_id}, at {bound:.0f})",
+                    code="invalid_value",
+                )
+            issued = replace(issued, expires_at=min(issued.expires_at or bound, bound))
         event = _event("key.created", creator, issued, why, address, now)
-        self._write([issued], [event], grows=issued)
+        self._write([issued], [event], grows=issued, issuer=creator)
         return issued, secret
 
     def revoke(self, key_id: str, caller: Caller, address: str | None, why: str) -> IssuedKey:
@@ -110,8 +120,18 @@ class KeyBook:
         if old.revoked_at is not None:
             return old
         now = time.time()
+        why = _why(why)
         gone = replace(old, revoked_at=now)
-        self._write([gone], [_event("key.revoked", caller, gone, _why(why), address, now)])
+        events = [_event("key.revoked", caller, gone, why, address, now)]
+        # The keys it issued (or rotated) go with it: a lead's acts end with the lead's key.
+        because = f"its issuer key:{old.key_id} was revoked" + (f": {why}" if why else "")
+        extra = {"issuer": f"key:{old.key_id}"}
+        with self._lock:  # so that no key this one issues meanwhile is left out
+            issued = [replace(k, revoked_at=now) for k in self._issued_by(old, now)]
+            events += [
+                _event("key.revoked", caller, k, because, address, now, extra) for k in issued
+            ]
+            self._write([gone, *issued], events)
         return gone
 
     def rotate(
@@ -128,6 +148,9 @@ class KeyBook:
         if not 0 <= grace_seconds <= MAX_GRACE_SECONDS:
             raise BadRequest("grace_seconds: from 0 to 604800 (a week)", code="invalid_value")
         fresh, secret = rotated(old, caller, now)
+        bound = self._issuer_expiry(caller)
+        if bound is not None:
+            fresh = replace(fresh, expires_at=min(fresh.expires_at or bound, bound))
         if grace_seconds:
             until = now + grace_seconds
             ending = min(old.expires_at or until, until)
@@ -144,8 +167,36 @@ class KeyBook:
             {"new_key_id": fresh.key_id, "grace_seconds": grace_seconds},
         )
         # Without a grace period the old key is revoked in the same change: the count stays.
-        self._write([done, fresh], [event], grows=fresh if grace_seconds else None)
+        self._write([done, fresh], [event], grows=fresh if grace_seconds else None, issuer=caller)
         return fresh, secret
+
+    def _issuer_expiry(self, creator: Caller) -> float | None:
+        """When the issued key ``creator`` presents expires (None: never, or not an issued
+        key's holder): the keys a lead issues or rotates end no later than the lead's own."""
+        if creator.is_admin or creator.key_id is None:
+            return None
+        own = self.issued.by_id.get(creator.key_id)
+        if own is None:
+            raise Forbidden("this credential was revoked or has expired")
+        return own.expires_at
+
+    def _issued_by(self, key: IssuedKey, now: float) -> list[IssuedKey]:
+        """The keys in force that ``key``, or a key it replaced, issued or rotated."""
+        with self._ledger.reader() as cur:
+            rows = cur.execute(
+                f"SELECT {_NAMES} FROM api_keys WHERE team IS NOT DISTINCT FROM ?", [key.team]
+            ).fetchall()
+        keys = [IssuedKey(**dict(zip(_COLUMNS, r, strict=True))) for r in rows]
+        lineage = {key.key_id}
+        while True:
+            more = {k.key_id for k in keys if k.replaced_by in lineage} - lineage
+            if not more:
+                break
+            lineage |= more
+        makers = {f"key:{i}" for i in lineage}
+        return [
+            k for k in keys if k.created_by in makers and k.key_id not in lineage and k.active(now)
+        ]
 
     def _managed(self, key_id: str, caller: Caller) -> IssuedKey:
         """The key ``key_id`` if ``caller`` manages it; KeyNotFoundError, else Forbidden."""
@@ -161,15 +212,23 @@ class KeyBook:
         return key
 
     def _write(
-        self, keys: list[IssuedKey], events: list[Any], grows: IssuedKey | None = None
+        self,
+        keys: list[IssuedKey],
+        events: list[Any],
+        grows: IssuedKey | None = None,
+        issuer: Caller | None = None,
     ) -> None:
         """Keep ``keys`` (new or changed) and ``events`` in one transaction, then swap the ring.
 
         ``grows``: the change adds this key to its team's keys in force; BadRequest (nothing
-        written) when the team already holds ``max_per_team``. Counted under the lock that
+        written) when the team already holds ``max_per_team``. ``issuer``: who issues a key in
+        it, Forbidden (nothing written) when its own issued key is no longer in force. Counted under the lock that
         serialises every change, so two requests at once cannot both take the last place.
         """
         with self._lock:
+            if issuer is not None:
+                # Again under the lock: a lead revoked since it asked issues nothing.
+                self._issuer_expiry(issuer)
             if grows is not None:
                 self._check_room(grows.team, time.time())
             with self._ledger.writing() as cur:

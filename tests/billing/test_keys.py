@@ -286,3 +286,46 @@ async def test_issued_keys_survive_a_restart_of_billing(config, tmp_path):
             assert (await client.get("/v1/spend", headers=bearer(secret))).status_code == 200
     finally:
         ledger.close()
+
+
+async def test_no_key_a_lead_issues_outlives_the_leads_own_key(billing):
+    """A lead's key bounds the keys it issues: none may expire after it (asked for none, one
+    ends with it), and revoking the lead revokes every key it issued or rotated, on the trail;
+    keys issued by the admin or another lead stay."""
+    url, _ = billing
+    async with httpx.AsyncClient(base_url=url) as client:
+        lead = (
+            await issue(client, ADMIN, team="search", role="lead", expires_in_seconds=600)
+        ).json()
+        other = (await issue(client, ADMIN, team="search", role="lead")).json()
+        longer = await issue(
+            client, lead["key"], team="search", expires_in_seconds=10 * 365 * 86400
+        )
+        assert longer.status_code == 400
+        assert "the lead's own key" in longer.json()["error"]["message"]
+        made = await issue(client, lead["key"], team="search", member="ana")
+        assert made.status_code == 201
+        assert made.json()["expires_at"] == lead["expires_at"]
+        admins = (await issue(client, ADMIN, team="search", member="bo")).json()
+        rotated = await client.post(
+            f"/v1/keys/{admins['key_id']}/rotate", headers=bearer(lead["key"])
+        )
+        assert rotated.status_code == 201
+        assert rotated.json()["expires_at"] == lead["expires_at"]
+        kept = (await issue(client, other["key"], team="search", member="cy")).json()
+        gone = await client.post(
+            f"/v1/keys/{lead['key_id']}/revoke", json={"reason": "left"}, headers=bearer(ADMIN)
+        )
+        assert gone.status_code == 200
+        for key in (lead["key"], made.json()["key"], rotated.json()["key"]):
+            assert (await client.get("/v1/spend", headers=bearer(key))).status_code == 401
+        assert (await client.get("/v1/spend", headers=bearer(kept["key"]))).status_code == 200
+        trail = (await client.get("/v1/audit", headers=bearer(ADMIN))).json()["events"]
+    revoked = {e["target"]: e for e in trail if e["action"] == "key.revoked"}
+    assert set(revoked) == {
+        f"key:{lead['key_id']}",
+        f"key:{made.json()['key_id']}",
+        f"key:{rotated.json()['key_id']}",
+    }
+    assert revoked[f"key:{made.json()['key_id']}"]["actor"] == "@admin"
+    assert f"key:{lead['key_id']}" in revoked[f"key:{made.json()['key_id']}"]["why"]
