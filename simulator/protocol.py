@@ -70,6 +70,11 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None
     seed: int | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -171,19 +176,20 @@ def _check_model(requested: str | None, served: str) -> None:
         )
 
 
-def _check_lengths(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-    """vLLM's length rules: max_tokens over the context is an error, a long prompt is an error,
-    and a max_tokens that only overflows together with the prompt is silently capped."""
+def _check_max_tokens(max_tokens: int | None, max_model_len: int, name: str = "max_tokens") -> None:
+    """vLLM refuses a max_tokens (or max_completion_tokens, named as sent) over the context."""
     if max_tokens is not None and max_tokens > max_model_len:
-        raise ApiError(
-            400,
-            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
-            f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})",
-            "BadRequestError",
-            "max_tokens",
+        raise _invalid(
+            f"{name}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            f"Please request fewer output tokens.",
+            name,
+            max_tokens,
         )
-    if max_tokens is not None and max_tokens < 1:
-        raise _bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+
+
+def _check_lengths(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """vLLM's length rules: a prompt that fills the context is an error, and a max_tokens that
+    only overflows together with the prompt is silently capped."""
     if prompt_tokens >= max_model_len:
         # vLLM tokenizes with truncation at max_model_len + 1, so it reports "at least" that.
         value = min(prompt_tokens, max_model_len + 1)
@@ -200,11 +206,77 @@ def _check_lengths(prompt_tokens: int, max_tokens: int | None, max_model_len: in
     return room if max_tokens is None else min(max_tokens, room)
 
 
+def _invalid(message: str, param: str | None = None, value: object = None) -> ApiError:
+    """vLLM's ``VLLMValidationError`` answer: the parameter and its value end the message when
+    the check names them, and then ``param`` is set too."""
+    if param is not None:
+        shown = f"{param}" if value is None else f"{param}, value={value}"
+        message = f"{message} (parameter={shown})"
+    return ApiError(400, message, "BadRequestError", param)
+
+
+# vLLM's VLLM_MAX_N_SEQUENCES default.
+MAX_N_SEQUENCES = 16384
+
+
+def _check_sampling(req: _Common, max_tokens: int) -> None:
+    """``SamplingParams._verify_args`` of vLLM 0.32, in its order and words."""
+    n = req.n
+    if n < 1:
+        raise _invalid(f"n must be at least 1, got {n}.")
+    if n > MAX_N_SEQUENCES:
+        raise _invalid(
+            f"n must be at most {MAX_N_SEQUENCES}, got {n}. To increase this limit, set the "
+            "VLLM_MAX_N_SEQUENCES environment variable."
+        )
+    presence = req.presence_penalty if req.presence_penalty is not None else 0.0
+    if not -2.0 <= presence <= 2.0:
+        raise _invalid(f"presence_penalty must be in [-2, 2], got {presence}.")
+    frequency = req.frequency_penalty if req.frequency_penalty is not None else 0.0
+    if not -2.0 <= frequency <= 2.0:
+        raise _invalid(f"frequency_penalty must be in [-2, 2], got {frequency}.")
+    repetition = req.repetition_penalty if req.repetition_penalty is not None else 1.0
+    if repetition <= 0.0:
+        raise _invalid(f"repetition_penalty must be greater than zero, got {repetition}.")
+    temperature = req.temperature if req.temperature is not None else 1.0
+    if temperature < 0.0:
+        raise _invalid(
+            f"temperature must be non-negative, got {temperature}.", "temperature", temperature
+        )
+    if temperature > 2.0:
+        raise _invalid(
+            f"temperature must be in [0, 2], got {temperature}.", "temperature", temperature
+        )
+    top_p = req.top_p if req.top_p is not None else 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise _invalid(f"top_p must be in (0, 1], got {top_p}.", "top_p", top_p)
+    top_k = req.top_k if req.top_k is not None else 0
+    if top_k < -1:
+        raise _invalid(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    min_p = req.min_p if req.min_p is not None else 0.0
+    if not 0.0 <= min_p <= 1.0:
+        raise _invalid(f"min_p must be in [0, 1], got {min_p}.")
+    if max_tokens < 1:
+        raise _invalid(
+            f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens
+        )
+    if req.min_tokens < 0:
+        raise _invalid(f"min_tokens must be greater than or equal to 0, got {req.min_tokens}.")
+    if req.min_tokens > max_tokens:
+        raise _invalid(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+            f"got {req.min_tokens}."
+        )
+    # vLLM raises a temperature under 0.01 to 0.01: only an exact 0 samples greedily.
+    if temperature == 0.0 and n > 1:
+        raise _invalid(f"n must be 1 when using greedy sampling, got {n}.")
+
+
 def _stream_flags(req: _Common) -> tuple[bool, bool, bool]:
     stream = bool(req.stream)
     opts = req.stream_options
     if opts is not None and not stream:
-        raise _bad_request("Stream options can only be defined when `stream=True`.", None)
+        raise _invalid("Stream options can only be defined when `stream=True`.", "stream_options")
     include = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
     return stream, include, continuous
@@ -216,13 +288,20 @@ def parse_chat(data: Any, served: str, max_model_len: int) -> Generation:
         req = ChatRequest.model_validate(data)
     except ValidationError as exc:
         raise _bad_request(*_validation_message(exc)) from None
+    # vLLM's order: request validators, model, max_tokens, chat template, prompt, sampling.
+    stream, include, continuous = _stream_flags(req)
     _check_model(req.model, served)
+    asked = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+    max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+    _check_max_tokens(max_tokens, max_model_len, asked)
+    if not req.messages:
+        raise _invalid(
+            "Cannot apply chat template to an empty conversation. Provide at least one message."
+        )
     text = chat_prompt_text(req.messages)
     tokens = tuple(tokenize(text))
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens else req.max_tokens
     limit = _check_lengths(len(tokens), max_tokens, max_model_len)
-    _check_n(req.n)
-    stream, include, continuous = _stream_flags(req)
+    _check_sampling(req, limit)
     return Generation(
         "chat",
         (tokens,),
@@ -244,8 +323,12 @@ def parse_completion(data: Any, served: str, max_model_len: int) -> Generation:
         req = CompletionRequest.model_validate(data)
     except ValidationError as exc:
         raise _bad_request(*_validation_message(exc)) from None
+    stream, include, continuous = _stream_flags(req)
     _check_model(req.model, served)
+    _check_max_tokens(req.max_tokens, max_model_len)
     raw = req.prompt
+    if isinstance(raw, list) and not raw:
+        raise _invalid("You must pass at least one prompt")
     if not raw:
         raise ApiError(
             400,
@@ -267,8 +350,7 @@ def parse_completion(data: Any, served: str, max_model_len: int) -> Generation:
     limit = 0
     for p in prompts:
         limit = _check_lengths(len(p), req.max_tokens, max_model_len)
-    _check_n(req.n)
-    stream, include, continuous = _stream_flags(req)
+    _check_sampling(req, limit)
     text = raw if isinstance(raw, str) else orjson.dumps(raw).decode()
     return Generation(
         "completion",
@@ -283,11 +365,6 @@ def parse_completion(data: Any, served: str, max_model_len: int) -> Generation:
         text,
         req.priority,
     )
-
-
-def _check_n(n: int) -> None:
-    if n < 1:
-        raise _bad_request("n must be at least 1.", "n")
 
 
 def _usage(prompt: int, completion: int, details: bool) -> bytes:

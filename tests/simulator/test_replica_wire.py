@@ -302,6 +302,53 @@ async def test_more_error_bodies_equal_capture(replica, fixture_text, index, met
     assert (response.status_code, response.json()) == (status, expected)
 
 
+_COMPLETION = {"model": "tiny", "prompt": "Hello"}
+# The requests of vllm-0.32-errors-sampling.txt, in its order.
+_SAMPLING_ERRORS = [
+    ("/v1/chat/completions", {**CHAT, "n": 0}),
+    ("/v1/completions", {**_COMPLETION, "n": -1}),
+    ("/v1/completions", {**_COMPLETION, "n": 16385}),
+    ("/v1/chat/completions", {**CHAT, "n": 2, "temperature": 0}),
+    ("/v1/chat/completions", {**CHAT, "temperature": -1}),
+    ("/v1/completions", {**_COMPLETION, "temperature": 2.5}),
+    ("/v1/completions", {**_COMPLETION, "top_p": 1.5}),
+    ("/v1/completions", {**_COMPLETION, "presence_penalty": 3}),
+    ("/v1/completions", {**_COMPLETION, "frequency_penalty": -3}),
+    ("/v1/completions", {**_COMPLETION, "repetition_penalty": 0}),
+    ("/v1/completions", {**_COMPLETION, "top_k": -5}),
+    ("/v1/completions", {**_COMPLETION, "min_p": 2}),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 5, "max_completion_tokens": 0}),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 5, "max_completion_tokens": 600}),
+    ("/v1/completions", {**_COMPLETION, "min_tokens": -1}),
+    ("/v1/completions", {**_COMPLETION, "max_tokens": 2, "min_tokens": 5}),
+    ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}),
+    (
+        "/v1/completions",
+        {**_COMPLETION, "model": "nope", "stream_options": {"include_usage": True}},
+    ),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}),
+    ("/v1/completions", {"model": "tiny", "prompt": []}),
+    ("/v1/completions", {**_COMPLETION, "n": 0, "temperature": -0.5}),
+    ("/v1/completions", {"model": "tiny", "prompt": "word " * 600, "max_tokens": 0}),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [], "max_tokens": 600}),
+]
+
+
+@pytest.mark.parametrize(
+    ("index", "path", "body"), [(i, *case) for i, case in enumerate(_SAMPLING_ERRORS)]
+)
+async def test_sampling_parameter_errors_equal_capture(replica, fixture_text, index, path, body):
+    """Sampling parameters vLLM refuses (bad n, greedy n > 1, out-of-range temperature, top_p,
+    penalties, max_tokens, min_tokens), an empty conversation or prompt list: its exact bodies,
+    in its order of checks, and never a completion."""
+    _, url = replica
+    expected, status = _captured_errors(fixture_text("vllm-0.32-errors-sampling.txt"))[index]
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(url + path, json=body)
+    assert (response.status_code, response.json()) == (status, expected)
+
+
 async def test_prompt_plus_max_tokens_over_context_is_capped_not_refused(replica):
     """vLLM serves max_tokens that only overflow with the prompt, stopping at the context end."""
     _, url = replica
