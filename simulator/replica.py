@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import orjson
 from prometheus_client import generate_latest
 
-from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
+from infermeter.asgi import Receive, Scope, Send, header, read_body, respond as _send_whole
 from infermeter.config import Config, EngineProfile, GpuProfile
 from simulator.engine import Scheduler, Sequence
 from simulator.gpu import GpuMeter
@@ -46,6 +46,19 @@ _JSON = [(b"content-type", b"application/json"), _VARY]
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), _VARY]
 _METRICS = [(b"content-type", b"text/plain; version=1.0.0; charset=utf-8"), _VARY]
 EMPTY_TEXT_SHARE = 0.02
+
+
+async def respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    """Send a whole response with its ``content-length``, as vLLM's (uvicorn's) do.
+
+    Without it uvicorn sends the body chunked, and a client's or the sidecar's handling of a
+    sized body (a length checked before reading, a connection reused after it) would only ever
+    meet real vLLM.
+    """
+    # Where Starlette's responses put it: after ``allow``, before the type and ``vary``.
+    at = next((i for i, (name, _) in enumerate(headers) if name != b"allow"), len(headers))
+    sized = [*headers[:at], (b"content-length", b"%d" % len(body)), *headers[at:]]
+    await _send_whole(send, status, body, sized)
 
 
 def next_text(rng: random.Random) -> str:

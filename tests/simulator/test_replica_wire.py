@@ -366,3 +366,39 @@ async def test_x_request_id_becomes_the_completion_id(replica):
             f"{url}/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "abc-123"}
         )
     assert response.json()["id"] == "chatcmpl-abc-123"
+
+
+def _captured_heads(text: str) -> list[tuple[int, list[str]]]:
+    """Status and header names, in order, of each response head in the capture."""
+    heads = []
+    for block in text.split("# ")[1:]:
+        lines = [line for line in block.splitlines()[1:] if line]
+        names = [line.split(":", 1)[0] for line in lines[1:]]
+        heads.append((int(lines[0].split()[1]), [n for n in names if n not in ("date", "server")]))
+    return heads
+
+
+# The requests of vllm-0.32-response-heads.txt, in its order.
+_HEAD_REQUESTS: list[tuple[str, str, dict[str, Any] | None]] = [
+    ("POST", "/v1/chat/completions", {**CHAT, "max_tokens": 3, "ignore_eos": True}),
+    ("POST", "/v1/chat/completions", {"model": "nope", "messages": []}),
+    ("GET", "/health", None),
+    ("GET", "/v1/models", None),
+    ("GET", "/metrics", None),
+    ("POST", "/v1/chat/completions", {**CHAT, "max_tokens": 3, "stream": True}),
+]
+
+
+@pytest.mark.parametrize("index", range(len(_HEAD_REQUESTS)))
+async def test_response_heads_equal_capture(replica, fixture_text, index):
+    """Whole responses carry content-length as vLLM's do (not chunked), streams are chunked, and
+    the headers come in vLLM's order."""
+    _, url = replica
+    status, names = _captured_heads(fixture_text("vllm-0.32-response-heads.txt"))[index]
+    method, path, body = _HEAD_REQUESTS[index]
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.request(method, url + path, json=body)
+    ours = [name for name in response.headers if name not in ("date", "server")]
+    assert (response.status_code, ours) == (status, names)
+    if "content-length" in ours:
+        assert int(response.headers["content-length"]) == len(response.content)
