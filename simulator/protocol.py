@@ -22,6 +22,8 @@ __all__ = [
     "ChatFormatter",
     "CompletionFormatter",
     "Generation",
+    "StopHit",
+    "find_stop",
     "parse_chat",
     "parse_completion",
 ]
@@ -80,6 +82,8 @@ class _Common(BaseModel):
     min_tokens: int = 0
     user: str | None = None
     priority: int = 0
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
 
 
 class ChatRequest(_Common):
@@ -113,11 +117,61 @@ class Generation:
     prompt_text: str
     priority: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    stop: tuple[str, ...] = ()
+    include_stop: bool = False
+    min_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
         """Prompt tokens summed over every prompt, as ``usage.prompt_tokens`` reports them."""
         return sum(len(p) for p in self.prompts)
+
+    @property
+    def held_back(self) -> int:
+        """Characters vLLM keeps back from each streamed delta while a stop string could still
+        begin in them (none when the stop string is sent too)."""
+        if not self.stop or self.include_stop:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+
+@dataclass(frozen=True)
+class StopHit:
+    """Where a stop string ended a sequence: its token, the string, and the text kept."""
+
+    token: int  # 1-based: the token whose text completed the stop string
+    stop: str
+    text: str
+
+
+def find_stop(
+    texts: list[str], stops: tuple[str, ...], include: bool, min_tokens: int = 0
+) -> StopHit | None:
+    """The first token after which one of ``stops`` appears in the text, as vLLM checks it.
+
+    vLLM (``check_stop_strings``) looks in the newly added text and the stop string's length
+    before it, only past the first ``min_tokens`` tokens, takes the stop string that ends first
+    (ties in the order given), and cuts the text before it (after it with
+    ``include_stop_str_in_output``).
+    """
+    text = ""
+    floor = 0  # where the text of the tokens after min_tokens begins
+    for k, piece in enumerate(texts, start=1):
+        text += piece
+        if k <= min_tokens:
+            floor = len(text)
+            continue
+        if not piece:
+            continue
+        found: tuple[int, int, str] | None = None
+        for stop in stops:
+            at = text.find(stop, max(floor, len(text) - len(piece) - len(stop) + 1))
+            if at != -1 and (found is None or at + len(stop) < found[0]):
+                found = (at + len(stop), at, stop)
+        if found is not None:
+            end, at, stop = found
+            return StopHit(k, stop, text[:end] if include else text[:at])
+    return None
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str]:
@@ -267,9 +321,18 @@ def _check_sampling(req: _Common, max_tokens: int) -> None:
             f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
             f"got {req.min_tokens}."
         )
+    _stops(req)
     # vLLM raises a temperature under 0.01 to 0.01: only an exact 0 samples greedily.
     if temperature == 0.0 and n > 1:
         raise _invalid(f"n must be 1 when using greedy sampling, got {n}.")
+
+
+def _stops(req: _Common) -> tuple[str, ...]:
+    """The request's stop strings; vLLM refuses an empty one."""
+    stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if any(not s for s in stops):
+        raise _invalid("stop cannot contain an empty string.")
+    return stops
 
 
 def _stream_flags(req: _Common) -> tuple[bool, bool, bool]:
@@ -314,6 +377,9 @@ def parse_chat(data: Any, served: str, max_model_len: int) -> Generation:
         req.seed,
         text,
         req.priority,
+        stop=_stops(req),
+        include_stop=req.include_stop_str_in_output,
+        min_tokens=req.min_tokens,
     )
 
 
@@ -364,6 +430,9 @@ def parse_completion(data: Any, served: str, max_model_len: int) -> Generation:
         req.seed,
         text,
         req.priority,
+        stop=_stops(req),
+        include_stop=req.include_stop_str_in_output,
+        min_tokens=req.min_tokens,
     )
 
 
@@ -433,8 +502,9 @@ class ChatFormatter(_Formatter):
         finish: str | None,
         usage: tuple[int, int] | None,
         last: bool = False,
+        stop_reason: str | None = None,
     ) -> bytes:
-        """One generated token; the last one of a choice carries its finish reason.
+        """One generated token; the last one of a choice carries its finish and stop reasons.
 
         ``last`` marks the stream's final JSON chunk when no usage chunk follows: vLLM puts
         ``system_fingerprint`` there and nowhere else.
@@ -443,10 +513,13 @@ class ChatFormatter(_Formatter):
         if finish is None:
             tail = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]'
         else:
-            tail = (
-                f'}},"logprobs":null,"finish_reason":"{finish}",'
-                '"stop_reason":null,"token_ids":null}]'
-            ).encode()
+            tail = b"".join(
+                (
+                    f'}},"logprobs":null,"finish_reason":"{finish}","stop_reason":'.encode(),
+                    orjson.dumps(stop_reason),
+                    b',"token_ids":null}]',
+                )
+            )
         extra = b"," + _usage(*usage, details=True) if usage else b""
         return b"".join(
             (
@@ -459,7 +532,14 @@ class ChatFormatter(_Formatter):
             )
         )
 
-    def full(self, texts: list[str], finishes: list[str], prompt: int, completion: int) -> bytes:
+    def full(
+        self,
+        texts: list[str],
+        finishes: list[str],
+        prompt: int,
+        completion: int,
+        stop_reasons: list[str | None] | None = None,
+    ) -> bytes:
         """A whole non-streamed chat completion."""
         choices = [
             {
@@ -475,11 +555,13 @@ class ChatFormatter(_Formatter):
                 },
                 "logprobs": None,
                 "finish_reason": finish,
-                "stop_reason": None,
+                "stop_reason": reason,
                 "token_ids": None,
                 "routed_experts": None,
             }
-            for i, (text, finish) in enumerate(zip(texts, finishes, strict=True))
+            for i, (text, finish, reason) in enumerate(
+                zip(texts, finishes, stop_reasons or [None] * len(texts), strict=True)
+            )
         ]
         body = {
             "id": self.request_id,
@@ -518,6 +600,7 @@ class CompletionFormatter(_Formatter):
         finish: str | None,
         usage: tuple[int, int] | None,
         last: bool = False,
+        stop_reason: str | None = None,
     ) -> bytes:
         """One generated token of a text completion (``last``: see ``ChatFormatter``)."""
         finish_json = "null" if finish is None else f'"{finish}"'
@@ -527,14 +610,22 @@ class CompletionFormatter(_Formatter):
                 self._prefix,
                 f'{{"index":{index},"text":'.encode(),
                 orjson.dumps(text),
-                f',"logprobs":null,"finish_reason":{finish_json},"stop_reason":null,'
-                '"prompt_token_ids":null,"token_ids":null}]'.encode(),
+                f',"logprobs":null,"finish_reason":{finish_json},"stop_reason":'.encode(),
+                orjson.dumps(stop_reason),
+                b',"prompt_token_ids":null,"token_ids":null}]',
                 extra,
                 self._fingerprint_tail if last else b"}\n\n",
             )
         )
 
-    def full(self, texts: list[str], finishes: list[str], prompt: int, completion: int) -> bytes:
+    def full(
+        self,
+        texts: list[str],
+        finishes: list[str],
+        prompt: int,
+        completion: int,
+        stop_reasons: list[str | None] | None = None,
+    ) -> bytes:
         """A whole non-streamed text completion."""
         choices = [
             {
@@ -542,13 +633,15 @@ class CompletionFormatter(_Formatter):
                 "text": text,
                 "logprobs": None,
                 "finish_reason": finish,
-                "stop_reason": None,
+                "stop_reason": reason,
                 "token_ids": None,
                 "prompt_logprobs": None,
                 "prompt_token_ids": None,
                 "routed_experts": None,
             }
-            for i, (text, finish) in enumerate(zip(texts, finishes, strict=True))
+            for i, (text, finish, reason) in enumerate(
+                zip(texts, finishes, stop_reasons or [None] * len(texts), strict=True)
+            )
         ]
         body = {
             "id": self.request_id,

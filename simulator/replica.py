@@ -28,6 +28,8 @@ from simulator.protocol import (
     ChatFormatter,
     CompletionFormatter,
     Generation,
+    StopHit,
+    find_stop,
     parse_chat,
     parse_completion,
     parse_json,
@@ -121,11 +123,38 @@ def _engine(config: Config, model: str, max_num_seqs: int | None) -> EngineProfi
 
 
 @dataclass(eq=False)
+class _Planned:
+    """A sequence of a request with stop strings: its token texts are drawn when it arrives, so
+    the engine can end it at the token that completes a stop string."""
+
+    texts: list[str]
+    hit: StopHit | None
+    text: str = ""  # the text of the tokens emitted so far
+    sent: int = 0  # how much of it has been streamed
+
+    @property
+    def final_text(self) -> str:
+        """The choice's whole text: cut at the stop string when one was met."""
+        return self.hit.text if self.hit is not None else "".join(self.texts)
+
+    def delta(self, token: int, last: bool, held_back: int) -> str:
+        """The text streamed with the ``token``-th token: as vLLM, the last ``held_back``
+        characters wait until no stop string can begin in them, and the end is cut at it."""
+        if token <= len(self.texts):
+            self.text += self.texts[token - 1]
+        shown = self.final_text if last else self.text[: max(0, len(self.text) - held_back)]
+        delta = shown[self.sent :]
+        self.sent = max(self.sent, len(shown))
+        return delta
+
+
+@dataclass(eq=False)
 class _Request:
     gen: Generation
     seqs: list[Sequence]
     rngs: list[random.Random]
     arrived_at: float
+    plans: list[_Planned | None] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     disconnected: bool = False
 
@@ -252,6 +281,7 @@ class ReplicaSim:
         now = self.clock()
         seqs: list[Sequence] = []
         rngs: list[random.Random] = []
+        plans: list[_Planned | None] = []
         mean = self.spec.engine.mean_output_tokens
         for p_index, prompt in enumerate(gen.prompts):
             blocks = prefix_block_hashes(prompt, self.spec.engine.block_size)
@@ -260,6 +290,17 @@ class ReplicaSim:
                 stop_after = (
                     gen.max_tokens if gen.ignore_eos else int(rng.expovariate(1 / mean)) + 1
                 )
+                plan = None
+                if gen.stop:
+                    # Every token has a text but the end of sequence that stops short.
+                    count = gen.max_tokens if stop_after >= gen.max_tokens else stop_after - 1
+                    texts = [next_text(rng) for _ in range(count)]
+                    hit = find_stop(texts, gen.stop, gen.include_stop, gen.min_tokens)
+                    if hit is not None:
+                        stop_after = hit.token
+                        texts = texts[: hit.token]
+                    plan = _Planned(texts, hit)
+                plans.append(plan)
                 seq = Sequence(
                     seq_id=f"{p_index}-{choice}",
                     prompt_tokens=len(prompt),
@@ -270,7 +311,7 @@ class ReplicaSim:
                 )
                 seqs.append(seq)
                 rngs.append(rng)
-        req = _Request(gen, seqs, rngs, now)
+        req = _Request(gen, seqs, rngs, now, plans)
         for seq in seqs:
             self._owners[seq] = req
             self.scheduler.add(seq)
@@ -526,22 +567,29 @@ class ReplicaSim:
                     for i in range(len(req.seqs))
                 )
             last_args: tuple[int, str, str | None, tuple[int, int] | None] | None = None
+            last_reason: str | None = None
             for i, seq in enumerate(req.seqs):
-                rng = req.rngs[i]
+                rng, plan = req.rngs[i], req.plans[i]
                 while emitted[i] < seq.generated:
                     emitted[i] += 1
                     last = seq.done and emitted[i] == seq.generated
                     finish = seq.finish_reason if last else None
-                    text = "" if finish == "stop" else next_text(rng)
+                    reason = None
+                    if plan is None:
+                        text = "" if finish == "stop" else next_text(rng)
+                    else:
+                        text = plan.delta(emitted[i], last, gen.held_back)
+                        if last and plan.hit is not None:
+                            finish, reason = "stop", plan.hit.stop
                     # As vLLM: a chunk's running usage is its own choice's completion tokens
                     # and its own prompt's tokens (serving_chat/serving_completion).
                     usage = (choice_prompt[i], emitted[i]) if gen.continuous_usage else None
-                    last_args = (i, text, finish, usage)
-                    parts.append(fmt.token_chunk(*last_args))
+                    last_args, last_reason = (i, text, finish, usage), reason
+                    parts.append(fmt.token_chunk(*last_args, stop_reason=reason))
             done = all(s.done for s in req.seqs)
             if done:
                 if not gen.include_usage and last_args is not None:
-                    parts[-1] = fmt.token_chunk(*last_args, last=True)
+                    parts[-1] = fmt.token_chunk(*last_args, last=True, stop_reason=last_reason)
                 if gen.include_usage:
                     parts.append(fmt.usage_chunk(prompt, sum(s.generated for s in req.seqs)))
                 parts.append(fmt.done())
@@ -560,11 +608,18 @@ class ReplicaSim:
             req.ready.clear()
             if req.disconnected:
                 return
-        texts = []
-        for seq, rng in zip(req.seqs, req.rngs, strict=True):
-            drawn = seq.generated - (seq.finish_reason == "stop")
-            texts.append("".join(next_text(rng) for _ in range(drawn)))
-        finishes = [s.finish_reason or "length" for s in req.seqs]
+        texts, finishes, reasons = [], [], []
+        for seq, rng, plan in zip(req.seqs, req.rngs, req.plans, strict=True):
+            finish, reason = seq.finish_reason or "length", None
+            if plan is None:
+                drawn = seq.generated - (seq.finish_reason == "stop")
+                texts.append("".join(next_text(rng) for _ in range(drawn)))
+            else:
+                texts.append(plan.final_text)
+                if plan.hit is not None:
+                    finish, reason = "stop", plan.hit.stop
+            finishes.append(finish)
+            reasons.append(reason)
         completion = sum(s.generated for s in req.seqs)
-        body = fmt.full(texts, finishes, req.gen.prompt_tokens, completion)
+        body = fmt.full(texts, finishes, req.gen.prompt_tokens, completion, reasons)
         await respond(send, 200, body, _JSON)

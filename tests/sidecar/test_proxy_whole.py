@@ -47,6 +47,9 @@ async def _engine(url: str) -> dict[str, float]:
         ("/v1/chat/completions", {**CHAT, "n": 2, "stream": False}),
         ("/v1/completions", TEXT),
         ("/v1/completions", {**TEXT, "prompt": ["a b", "c d e"]}),
+        # Cut at a stop string: finish_reason stop, the string as stop_reason, the text before it.
+        ("/v1/chat/completions", {**CHAT, "n": 2, "stop": ["1", "7"], "ignore_eos": True}),
+        ("/v1/completions", {**TEXT, "stop": "3", "ignore_eos": True}),
     ],
 )
 async def test_the_body_is_the_one_vllm_sends_for_the_non_streamed_request(stack, path, body):
@@ -60,6 +63,8 @@ async def test_the_body_is_the_one_vllm_sends_for_the_non_streamed_request(stack
     assert via.status_code == direct.status_code == 200
     assert via.headers["content-type"] == direct.headers["content-type"]
     assert _VOLATILE.sub(b"", via.content) == _VOLATILE.sub(b"", direct.content)
+    if "stop" in body:  # the case is only worth its name when the stop string was met
+        assert all(c["stop_reason"] for c in direct.json()["choices"])
     (record,) = await stack.records()
     assert record["response_id"] == via.json()["id"]
     assert record["completion_tokens"] == via.json()["usage"]["completion_tokens"]

@@ -402,3 +402,70 @@ async def test_response_heads_equal_capture(replica, fixture_text, index):
     assert (response.status_code, ours) == (status, names)
     if "content-length" in ours:
         assert int(response.headers["content-length"]) == len(response.content)
+
+
+def _piece(payload: dict[str, Any]) -> str:
+    choice = payload["choices"][0]
+    return str(choice["delta"]["content"] if "delta" in choice else choice["text"])
+
+
+@pytest.mark.parametrize(
+    ("fixture", "path", "body"),
+    [
+        ("vllm-0.32-chat-stream-stop.sse", "/v1/chat/completions", {**CHAT}),
+        ("vllm-0.32-completions-stream-stop.sse", "/v1/completions", _COMPLETION),
+    ],
+)
+async def test_stop_string_ends_the_stream_as_in_capture(
+    replica, fixture_text, fixture, path, body
+):
+    """A stop string ends its choice at the token that completes it, with finish_reason stop and
+    the string as stop_reason; the text is cut before it and, while streaming, its length less
+    one is held back: the capture stopped at its fifth token on "Must"."""
+    _, url = replica
+    real = sse_events(fixture_text(fixture))
+    asked = {**body, "max_tokens": 12, "seed": 7, "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(timeout=30) as client:
+        probe = await client.post(url + path, json=asked)
+        texts = [_piece(orjson.loads(p)) for p in sse_events(probe.content)[:-1]]
+        texts = texts[1:] if path == "/v1/chat/completions" else texts  # the role chunk
+        stop = texts[4].strip()
+        assert stop
+        assert stop not in "".join(texts[:4])
+        stopped = {**asked, "stop": [stop], "stream_options": {"include_usage": True}}
+        response = await client.post(url + path, json=stopped)
+    ours = sse_events(response.content)
+    assert kinds_in_order(ours) == kinds_in_order(real)
+    real_kinds = _by_kind(real)
+    for kind, payloads in _by_kind(ours).items():
+        assert {orjson.dumps(skeleton(orjson.loads(p))) for p in payloads if p != "[DONE]"} == {
+            orjson.dumps(skeleton(orjson.loads(p))) for p in real_kinds[kind] if p != "[DONE]"
+        }, kind
+    chunks = [orjson.loads(p) for p in ours[:-1]]
+    finish = next(c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
+    assert (finish["choices"][0]["finish_reason"], finish["choices"][0]["stop_reason"]) == (
+        "stop",
+        stop,
+    )
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    pieces = [
+        _piece(c) for c in chunks if c["choices"] and "role" not in c["choices"][0].get("delta", {})
+    ]
+    whole = "".join(texts[:5])
+    assert "".join(pieces) == whole[: whole.index(stop, len("".join(texts[:4])) - len(stop) + 1)]
+    assert pieces[0] == texts[0][: max(0, len(texts[0]) - (len(stop) - 1))]
+
+
+async def test_stop_string_ends_a_whole_completion(replica):
+    """Not streamed, the choice's text ends before the stop string, with stop_reason set."""
+    _, url = replica
+    asked = {**CHAT, "max_tokens": 12, "seed": 7, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=30) as client:
+        full = (await client.post(f"{url}/v1/chat/completions", json=asked)).json()
+        text = full["choices"][0]["message"]["content"]
+        stop = text.split()[3]
+        cut = (await client.post(f"{url}/v1/chat/completions", json={**asked, "stop": stop})).json()
+    choice = cut["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    assert choice["message"]["content"] == text[: text.index(stop)]
+    assert cut["usage"]["completion_tokens"] < full["usage"]["completion_tokens"]
