@@ -56,10 +56,10 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
-    """``stream_options`` as vLLM accepts it."""
+    """``stream_options`` as vLLM accepts it: usage only when asked for, other keys ignored."""
 
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool | None = True
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 

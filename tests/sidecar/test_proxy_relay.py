@@ -63,6 +63,8 @@ async def _sdk_calls(client: openai.AsyncOpenAI) -> None:
     ("options", "fixture_order"),
     [
         (None, ["role", "token", "finish", "done"]),
+        # Continuous stats without include_usage: vLLM sends no usage at all.
+        ({"continuous_usage_stats": True}, ["role", "token", "finish", "done"]),
         ({"include_usage": True}, ["role", "token", "finish", "usage", "done"]),
         (
             {"include_usage": True, "continuous_usage_stats": True},

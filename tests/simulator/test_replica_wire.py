@@ -469,3 +469,22 @@ async def test_stop_string_ends_a_whole_completion(replica):
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
     assert choice["message"]["content"] == text[: text.index(stop)]
     assert cut["usage"]["completion_tokens"] < full["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"continuous_usage_stats": True, "include_obfuscation": False}]
+)
+async def test_stream_options_without_include_usage_send_no_usage(replica, fixture_text, options):
+    """Usage comes only when include_usage is true: stream_options without it (continuous stats
+    or keys vLLM does not know, which it ignores) stream as if there were none."""
+    _, url = replica
+    real = sse_events(fixture_text("vllm-0.32-chat-stream-options-no-usage.sse"))
+    body = {**CHAT, "max_tokens": 3, "ignore_eos": True, "stream": True, "stream_options": options}
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(f"{url}/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    ours = sse_events(response.content)
+    assert kinds_in_order(ours) == kinds_in_order(real)
+    assert [skeleton(orjson.loads(p)) for p in ours[:-1]] == [
+        skeleton(orjson.loads(p)) for p in real[:-1]
+    ]
