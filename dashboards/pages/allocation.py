@@ -112,6 +112,11 @@ def layout(ctx: Context) -> html.Div:
     )
 
 
+def _failed(message: str) -> list[Any]:
+    """The explorer's outputs when there is nothing to show: ``message``, the filters kept."""
+    return [note(message, "error"), empty_figure("", ""), None, None, None, no_update, None]
+
+
 def window_of(
     choice: str | None, dates: tuple[str | None, str | None], now: float
 ) -> tuple[float, float]:
@@ -290,28 +295,12 @@ def register(app: Dash, ctx: Context) -> None:
             start, end = window_of(choice, (first, last), time.time())
         except ValueError:
             # (The date picker sends YYYY-MM-DD; anything else is a hand-made callback.)
-            return [
-                note("Pick the first and last day as YYYY-MM-DD.", "error"),
-                blank,
-                None,
-                None,
-                None,
-                no_update,
-                None,
-            ]
+            return _failed("Pick the first and last day as YYYY-MM-DD.")
         chosen = list(filters or [])
         try:
             answer = ctx.client.allocation(session.token, _params(start, end, keys, chosen))
         except BillingError as exc:
-            return [
-                note(f"Allocation unavailable: {exc}.", "error"),
-                blank,
-                None,
-                None,
-                None,
-                no_update,
-                None,
-            ]
+            return _failed(f"Allocation unavailable: {exc}.")
         found, problem = events.gather(
             ctx.client,
             session.token,

@@ -26,6 +26,18 @@ ADMIN, INGEST = "im-demo-admin", "im-demo-ingest"
 NEW_KEY = "a key of the new team ml"
 
 
+def ingest(url: str, body: bytes) -> dict[str, Any]:
+    """POST one batch to billing's ingest with the writer's token; its 200 answer."""
+    answer = httpx.post(
+        f"{url}/v1/ingest",
+        content=body,
+        timeout=30,
+        headers={"authorization": f"Bearer {INGEST}"},
+    )
+    assert answer.status_code == 200, answer.text
+    return dict(answer.json())
+
+
 def write(path: Path, data: dict[str, Any]) -> None:
     """Replace the file whole, as a ConfigMap update does (a new file renamed into place)."""
     tmp = path.with_name(path.name + ".new")
@@ -93,13 +105,7 @@ def test_sighup_reloads_teams_budgets_and_prices_and_refuses_an_invalid_file(bil
     records = batch("usage", [usage("search", now - 600, 60)])
     samples = batch("gpu_samples", gpu_samples(start=now - 900, seconds=600))
     for body in (records, samples):
-        answer = httpx.post(
-            f"{url}/v1/ingest",
-            content=body,
-            timeout=30,
-            headers={"authorization": f"Bearer {INGEST}"},
-        )
-        assert answer.status_code == 200, answer.text
+        ingest(url, body)
     month = time.strftime("%Y-%m", time.gmtime(now))
     before = get(url, f"/v1/chargeback/{month}").json()["fleet_cents"]
     assert get(url, "/v1/spend", NEW_KEY).status_code == 401
@@ -167,15 +173,7 @@ def test_sighup_changes_which_projects_a_usage_record_may_carry(billing):
     now = time.time()
 
     def send() -> dict[str, Any]:
-        body = batch("usage", [usage("search", now - 600, 60, project="beta")])
-        answer = httpx.post(
-            f"{url}/v1/ingest",
-            content=body,
-            timeout=30,
-            headers={"authorization": f"Bearer {INGEST}"},
-        )
-        assert answer.status_code == 200, answer.text
-        return dict(answer.json())
+        return ingest(url, batch("usage", [usage("search", now - 600, 60, project="beta")]))
 
     before = send()
     data["teams"][0]["projects"] = ["alpha", "beta"]
