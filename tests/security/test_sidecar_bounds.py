@@ -143,7 +143,16 @@ async def test_refusals_take_nothing_from_the_token_limit(stack_factory, redis_s
     changes = {"teams.0.limits.tokens_per_minute": 50, "sidecar.max_body_bytes": 65_536}
 
     async def served(refused_first: bool) -> list[int]:
-        extra = {"sidecar.shared_limits.redis_url": redis_server.url} if shared else {}
+        # (Redis given 2 s, not 100 ms: one slow answer on a loaded machine turns the sidecar to
+        # its local fail-open share, and the two runs no longer count against the same bucket.)
+        extra = (
+            {
+                "sidecar.shared_limits.redis_url": redis_server.url,
+                "sidecar.shared_limits.timeout_millis": 2000,
+            }
+            if shared
+            else {}
+        )
         if shared:
             redis_server.flush()
         stack = await stack_factory(**changes, **extra)
