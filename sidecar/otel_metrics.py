@@ -33,7 +33,6 @@ import asyncio
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 from infermeter.otlp import GEN_AI_LATEST
 from sidecar import tracing
@@ -150,10 +149,7 @@ class GenAiMetrics:
     """The GenAI metrics of one sidecar: observed at each request's end, built at export."""
 
     def __init__(self, upstream_url: str, opt_in: frozenset[str] = frozenset()) -> None:
-        parts = urlsplit(upstream_url)
-        self.server: dict[str, str | int] = {"server.address": parts.hostname or ""}
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.server["server.port"] = port
+        self.server = tracing.server_attributes(upstream_url)
         self.latest = GEN_AI_LATEST in opt_in
         self.duration = _Histogram(DURATION_BOUNDS)
         self.ttft = _Histogram(TTFT_BOUNDS)

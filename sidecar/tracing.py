@@ -101,10 +101,10 @@ def tracer(provider: TracerProvider | None) -> trace.Tracer | None:
 
 
 @functools.lru_cache(maxsize=8)
-def server_attributes(upstream_url: str) -> dict[str, str | int]:
-    """``server.address`` and ``server.port`` of the replica a span's request went to (the
-    GenAI conventions recommend them on a client's span; here the sidecar is vLLM's client), made
-    once per URL: a reload that moves the replica gives the next span the new one."""
+def server_attributes(upstream_url: str) -> Mapping[str, str | int]:
+    """``server.address`` and ``server.port`` of the replica a request went to, for its span and
+    the GenAI metrics (the conventions recommend them), made once per URL and shared, so read
+    only: a reload that moves the replica gives the next span the new one."""
     parts = urlsplit(upstream_url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     return {SERVER_ADDRESS: parts.hostname or "", SERVER_PORT: port}
