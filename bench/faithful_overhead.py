@@ -370,9 +370,15 @@ def _row(w: Window) -> str:
     )
     per_chunk = f"{w.us_per_chunk:6.1f}" if w.us_per_chunk is not None else "     -"
     rss = f"{w.proxy_rss_mb:6.1f}" if w.proxy_rss_mb is not None else "     -"
+    calls = "            -"
+    if w.proxy_reads is not None and w.proxy_writes is not None and w.requests > 50:
+        calls = f"{w.proxy_reads / w.requests:5.1f}r {w.proxy_writes / w.requests:5.1f}w"
+        if w.proxy_faults is not None:
+            calls += f" {w.proxy_faults / w.requests:5.2f}pf"
     return (
         f"{w.phase:11} {w.path:8} req {w.requests:6} chunks {w.chunks:8} us/req {per_req} "
-        f"us/chunk {per_chunk} RSS {rss} MB err {w.errors} load {w.loadavg_1m:.2f}"
+        f"us/chunk {per_chunk} RSS {rss} MB calls/req {calls} err {w.errors} "
+        f"load {w.loadavg_1m:.2f}"
     )
 
 

@@ -426,6 +426,29 @@ def user_sys_ticks(pids: Sequence[int]) -> tuple[int, int]:
     return user, system
 
 
+def io_calls(pids: Sequence[int]) -> tuple[int, int]:
+    """Read and write system calls so far (``syscr``, ``syscw`` of ``/proc/PID/io``) over ``pids``."""
+    reads = writes = 0
+    for pid in pids:
+        for line in (_read(f"/proc/{pid}/io") or "").splitlines():
+            name, _, value = line.partition(": ")
+            if name == "syscr":
+                reads += int(value)
+            elif name == "syscw":
+                writes += int(value)
+    return reads, writes
+
+
+def minor_faults(pids: Sequence[int]) -> int:
+    """Minor page faults so far (``minflt`` of ``/proc/PID/stat``) over ``pids``."""
+    total = 0
+    for pid in pids:
+        stat = _read(f"/proc/{pid}/stat")
+        if stat:
+            total += int(stat[stat.rindex(")") + 2 :].split()[7])
+    return total
+
+
 def rss_kib(pids: Sequence[int], key: str = "VmRSS") -> int:
     """Sum of ``key`` (VmRSS, VmHWM) in KiB over ``pids``."""
     total = 0
@@ -693,6 +716,12 @@ class Window:
     # The kernel's share of the proxy's CPU in the window (utime/stime ticks): system calls
     # and wake-ups, against the proxy's own code.
     proxy_sys_share: float | None = None
+    # The proxy's read and write system calls in the window (``/proc/PID/io``: syscr, syscw;
+    # every call that reads or writes, sockets and files alike).
+    proxy_reads: int | None = None
+    proxy_writes: int | None = None
+    # The proxy's minor page faults in the window (memory the kernel had to map on first touch).
+    proxy_faults: int | None = None
 
     @property
     def chunks_per_s(self) -> float:
@@ -839,7 +868,7 @@ def measure(
     client.receive(limit)  # "start"
     pids = proxy.pids() if path != "direct" else []
     cpu0, rep0 = cpu_seconds(pids), cpu_seconds([st.replica.pid])
-    ticks0 = user_sys_ticks(pids)
+    ticks0, io0, faults0 = user_sys_ticks(pids), io_calls(pids), minor_faults(pids)
     if profiler is not None and path == "sidecar":
         profiler.start(phase, st.sidecar.pid, spec.duration_s)
     peak = 0
@@ -850,7 +879,7 @@ def measure(
 
     msg = client.receive(spec.duration_s + 30.0, sample)  # "end"
     cpu1, rep1 = cpu_seconds(pids), cpu_seconds([st.replica.pid])
-    ticks1 = user_sys_ticks(pids)
+    ticks1, io1, faults1 = user_sys_ticks(pids), io_calls(pids), minor_faults(pids)
     sample()
     hwm = rss_kib(pids, "VmHWM")
     client.conn.send(("close",))
@@ -879,6 +908,9 @@ def measure(
         ttft_samples=len(ttft),
         loadavg_1m=round(os.getloadavg()[0], 2),
         proxy_sys_share=_share(ticks1[1] - ticks0[1], ticks1[0] - ticks0[0]) if pids else None,
+        proxy_reads=io1[0] - io0[0] if pids else None,
+        proxy_writes=io1[1] - io0[1] if pids else None,
+        proxy_faults=faults1 - faults0 if pids else None,
     )
 
 
