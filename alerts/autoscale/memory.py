@@ -1,4 +1,5 @@
-"""The autoscaler's demand history and last desired counts on disk, so a restart keeps both.
+"""The autoscaler's demand history, last desired counts and last changes on disk, so a restart
+keeps them.
 
 The predictive term reads the peak demand of each time-of-day slot on previous days; in memory
 only, a restarted autoscaler would know nothing for a day. ``HistoryFile`` writes every model's
@@ -15,6 +16,16 @@ instances are the autoscaler's own children), and this file is already the autos
 A count is a whole number from 0 to ``MAX_DESIRED`` (the most replicas a decision billing keeps
 may ask for); the first tick clamps it to the limits in force as any decision is. A file written
 before it kept counts has none: the first tick steps from the replicas seen, as it did.
+
+With each count the file keeps when it last changed and which way (``changes``: the policy's
+wall-clock time and +1 or -1), so the cool-down and the hold on replicas still starting are in
+force after a restart as before it. Without them, an autoscaler restarted just after a scale-up
+(a rollout, an eviction) had no cool-down: with the queue still high while the new replica
+started, it added another 30 s later where the one before would have waited out the cool-down.
+A time more than ``MAX_FUTURE_SECONDS`` ahead of the clock is refused with the file (it would
+hold every model's cool-down that much longer). The rules' timers (queue high since, idle since)
+are not kept: they are observations, and a restart's gap in them is no evidence; they start
+afresh, which can only delay a step.
 
 Durability: a save writes a temporary file in the same directory, fsyncs it, renames it over the
 file and fsyncs the directory, so the file on disk is always one whole save, the previous or the
@@ -50,6 +61,7 @@ __all__ = [
     "FORMAT",
     "MAX_DESIRED",
     "MAX_FILE_BYTES",
+    "MAX_FUTURE_SECONDS",
     "HistoryFile",
     "HistoryFileError",
     "decode",
@@ -65,6 +77,8 @@ MAX_FILE_BYTES: Final = 16 << 20
 # A larger saved count is not one the policy decided (billing refuses a decision asking for
 # more), and published as it is would ask a cluster for that many replicas.
 MAX_DESIRED: Final = MAX_SCALED_REPLICAS
+# How far ahead of this autoscaler's clock a saved change may be (another clock's skew).
+MAX_FUTURE_SECONDS: Final = 300.0
 
 
 class HistoryFileError(ValueError):
@@ -79,9 +93,10 @@ def encode(
     histories: Mapping[str, DemandHistory],
     params: PolicyParams,
     desired: Mapping[str, int] | None = None,
+    changes: Mapping[str, tuple[float, int]] | None = None,
 ) -> bytes:
     """The file's bytes: the slot layout the rows were recorded with, each model's rows, and
-    each model's last desired count."""
+    each model's last desired count and last change (time, direction)."""
     return orjson.dumps(
         {
             "format": FORMAT,
@@ -93,6 +108,7 @@ def encode(
                 if history.days
             },
             "desired": dict(sorted((desired or {}).items())),
+            "changes": {m: [t, d] for m, (t, d) in sorted((changes or {}).items())},
         }
     )
 
@@ -106,18 +122,52 @@ def decode(raw: bytes, params: PolicyParams, models: Sequence[str]) -> dict[str,
     return _histories(_document(raw, params), params, models)
 
 
-def decode_states(raw: bytes, params: PolicyParams, models: Sequence[str]) -> dict[str, ModelState]:
-    """Each of ``models``' state in ``raw``: its history and last desired count, as ``decode``."""
+def decode_states(
+    raw: bytes, params: PolicyParams, models: Sequence[str], now: float | None = None
+) -> dict[str, ModelState]:
+    """Each of ``models``' state in ``raw``: its history, last desired count and last change,
+    as ``decode``; ``now`` (the policy's wall clock) bounds how late a change may be."""
     data = _document(raw, params)
     histories = _histories(data, params, models)
     desired = _desired(data.get("desired", {}), models)
+    changes = _changes(data.get("changes", {}), models, time.time() if now is None else now)
     return {
         model: ModelState(
-            history=histories.get(model, DemandHistory()), last_desired=desired.get(model)
+            history=histories.get(model, DemandHistory()),
+            last_desired=desired.get(model),
+            last_change_time=changes[model][0] if model in changes else None,
+            last_change_direction=changes[model][1] if model in changes else 0,
         )
         for model in models
         if model in histories or model in desired
     }
+
+
+def _changes(stored: Any, models: Sequence[str], now: float) -> dict[str, tuple[float, int]]:
+    """The saved last changes of ``models``: [time, +1 or -1], no later than ``now`` allows."""
+    if not isinstance(stored, dict):
+        raise HistoryFileError("'changes' is not a mapping")
+    out = {}
+    for model in models:
+        if model not in stored:
+            continue
+        change = stored[model]
+        if not (
+            isinstance(change, list)
+            and len(change) == 2
+            and type(change[0]) in (int, float)
+            and math.isfinite(change[0])
+            and change[0] >= 0
+            and type(change[1]) is int
+            and change[1] in (-1, 1)
+        ):
+            raise HistoryFileError(f"changes.{model} is {change!r}, not [time, 1 or -1]")
+        if change[0] > now + MAX_FUTURE_SECONDS:
+            raise HistoryFileError(
+                f"changes.{model} is at {change[0]!r}, {change[0] - now:.0f} s ahead of the clock"
+            )
+        out[model] = (float(change[0]), change[1])
+    return out
 
 
 def _desired(stored: Any, models: Sequence[str]) -> dict[str, int]:
@@ -197,6 +247,15 @@ def desired_counts(states: Mapping[str, ModelState]) -> dict[str, int]:
     return {m: s.last_desired for m, s in states.items() if s.last_desired is not None}
 
 
+def last_changes(states: Mapping[str, ModelState]) -> dict[str, tuple[float, int]]:
+    """Each model's last change (time, direction), for the models that have one."""
+    return {
+        m: (s.last_change_time, s.last_change_direction)
+        for m, s in states.items()
+        if s.last_change_time is not None and s.last_change_direction in (-1, 1)
+    }
+
+
 @dataclass
 class HistoryFile:
     """Loads the history and desired counts at start; saves the history at most every
@@ -207,6 +266,9 @@ class HistoryFile:
     models: Sequence[str]
     save_seconds: float = 5.0
     clock: Callable[[], float] = time.monotonic
+    # The policy's clock (observations are stamped with wall-clock time): how late a saved
+    # change may be.
+    wall_clock: Callable[[], float] = time.time
     _last_save: float | None = field(default=None, init=False)
     _last_bytes: bytes | None = field(default=None, init=False)
     _failing: bool = field(default=False, init=False)
@@ -219,7 +281,7 @@ class HistoryFile:
             if self.path.stat().st_size > MAX_FILE_BYTES:
                 raise HistoryFileError(f"larger than {MAX_FILE_BYTES} bytes")
             raw = self.path.read_bytes()
-            states = decode_states(raw, self.params, self.models)
+            states = decode_states(raw, self.params, self.models, self.wall_clock())
         except FileNotFoundError:
             log.info("autoscale: no demand history at %s yet; starting empty", self.path)
             return {}
@@ -262,7 +324,9 @@ class HistoryFile:
         """Write the histories and desired counts now (skipped when nothing changed); a failure
         is logged."""
         desired = desired_counts(states)
-        data = encode({m: s.history for m, s in states.items()}, self.params, desired)
+        data = encode(
+            {m: s.history for m, s in states.items()}, self.params, desired, last_changes(states)
+        )
         if data == self._last_bytes:
             return
         try:

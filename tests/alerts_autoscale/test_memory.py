@@ -99,6 +99,35 @@ async def test_a_restarted_autoscaler_steps_from_the_count_it_last_asked_for(
     assert none.desired == 4
 
 
+async def test_a_restart_after_a_scale_up_keeps_its_cool_down(
+    config: Config, tmp_path: Path
+) -> None:
+    """Scaled up from 4 to 5 at 30 s, with the queue still high while the fifth replica starts:
+    the process that kept running holds 5 through the cool-down (180 s), and so does one
+    restarted from the file after 45 s, tick for tick; one that knows the count but not when it
+    changed adds a sixth replica 90 s before the cool-down's end."""
+    path = tmp_path / "history.json"
+    reader = Script()
+    first = scaler(config, path, reader, save_seconds=3600.0)
+    for t in (0.0, 15.0, 30.0, 45.0):
+        reader.next = {"chat-small": Observation(t, 4, 50.0)}
+        decision = (await first.tick())["chat-small"]
+    assert decision.desired == 5
+    restarted, forgetful = scaler(config, path, Script()), scaler(config, tmp_path / "x", Script())
+    forgetful.states["chat-small"] = ModelState(last_desired=5)  # (only the change is missing)
+    runs: list[list[int]] = [[], [], []]
+    for t in range(60, 300, 15):
+        busy = {"chat-small": Observation(float(t), 4 if t < 120 else 5, 50.0)}
+        for run, autoscaler in zip(runs, (first, restarted, forgetful), strict=True):
+            autoscaler.reader = Script()
+            autoscaler.reader.next = busy
+            run.append((await autoscaler.tick())["chat-small"].desired)
+    kept, after, none = runs
+    assert kept == [5] * 10 + [6] * 6  # decided at 30 s: the cool-down ends at 210 s
+    assert after == kept
+    assert none == [5] * 4 + [6] * 12  # a sixth replica at 120 s, 90 s before the cool-down's end
+
+
 def test_a_file_without_desired_counts_steps_from_the_replicas_seen(config: Config) -> None:
     """A file written before the counts were kept is still read: histories, and no count."""
     params = params_from_config(config)
@@ -146,6 +175,34 @@ def test_a_file_without_desired_counts_steps_from_the_replicas_seen(config: Conf
             b'{"format": "%s", "slot_seconds": 900, "day_seconds": 86400.0, "models": {}, '
             b'"desired": [3]}' % FORMAT.encode(),
             "'desired' is not a mapping",
+        ),
+        (
+            b'{"format": "%s", "slot_seconds": 900, "day_seconds": 86400.0, "models": {}, '
+            b'"desired": {}, "changes": [3]}' % FORMAT.encode(),
+            "'changes' is not a mapping",
+        ),
+        *(
+            (
+                b'{"format": "%s", "slot_seconds": 900, "day_seconds": 86400.0, "models": {}, '
+                b'"desired": {"chat-small": 3}, "changes": {"chat-small": %s}}'
+                % (FORMAT.encode(), change),
+                f"changes.chat-small is {shown}, not [time, 1 or -1]",
+            )
+            for change, shown in [
+                (b"[30.0, 0]", "[30.0, 0]"),
+                (b"[30.0, 2]", "[30.0, 2]"),
+                (b"[-1.0, 1]", "[-1.0, 1]"),
+                (b'["30", 1]', "['30', 1]"),
+                (b"[30.0, true]", "[30.0, True]"),
+                (b"[30.0]", "[30.0]"),
+                (b"30.0", "30.0"),
+            ]
+        ),
+        (
+            b'{"format": "%s", "slot_seconds": 900, "day_seconds": 86400.0, "models": {}, '
+            b'"desired": {"chat-small": 3}, "changes": {"chat-small": [1e12, 1]}}'
+            % FORMAT.encode(),
+            "changes.chat-small is at 1000000000000.0",
         ),
     ],
 )
