@@ -76,8 +76,11 @@ async def spend(who: Reader, svc: ServicesDep) -> Response:
 
 @router.get("/v1/query", responses=errors(*READ))
 async def index(who: Reader, svc: ServicesDep) -> dict[str, Any]:
-    """The queries there are, and who the caller is (the dashboard's sign-in check)."""
+    """The queries there are, and who the caller is (the dashboard's sign-in check), with when
+    its key expires (``expires_at``, Unix seconds; None: a key that does not, or an ID token),
+    so the dashboard's session ends then."""
     visible = [t.name for t in svc.config.teams] if who.reads_all else [who.team]
+    issued = svc.keys.issued.by_id.get(who.key_id) if who.key_id is not None else None
     caller = {
         "name": who.name,
         "team": who.team,
@@ -85,6 +88,7 @@ async def index(who: Reader, svc: ServicesDep) -> dict[str, Any]:
         "reads_all": who.reads_all,
         "role": who.role,
         "who": who.who,
+        "expires_at": issued.expires_at if issued is not None else None,
     }
     return {
         "caller": caller,

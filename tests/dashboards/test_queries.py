@@ -194,7 +194,8 @@ def test_unknown_key_and_unknown_query(client, fleet):
 
 
 def test_index_names_the_caller(client):
-    """GET /v1/query says who the key belongs to and which teams it may see."""
+    """GET /v1/query says who the key belongs to, which teams it may see and when the key
+    expires (a configured key: never)."""
     body = client.get(
         "/v1/query", headers={"authorization": f"Bearer {TEAM_KEYS['search']}"}
     ).json()
@@ -205,6 +206,7 @@ def test_index_names_the_caller(client):
         "reads_all": False,
         "role": "member",
         "who": "search",
+        "expires_at": None,
     }
     assert body["teams"] == ["search"]
     assert "gpus" not in body["queries"]
