@@ -12,13 +12,15 @@ nothing from it is looked up at all: no key, no session.
 An unknown id is not counted as a failed sign-in: it cannot be guessed, and every tab open
 across a restart of the dashboard (sessions live in memory) would otherwise lock its own
 address out. Bounded: at most ``max_sessions``, and one unused for ``idle_seconds`` is gone.
-Past the bound, the least recently used session of the caller (a team, or a role) holding the
-most goes first: one key signing in again and again ends its own sessions, never everyone
-else's.
+Past the bound, the least recently used session of the holder with the most goes first. The
+holder is the credential, not the team: a key (by its SHA-256), or the person signed in with
+single sign-on. One key signing in again and again ends its own sessions, never everyone else's,
+and not its teammates' either: members of a team hold keys of their own.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 import threading
@@ -59,6 +61,17 @@ class Session:
     person: str | None = None
     expires_at: float | None = None
 
+    @property
+    def holder(self) -> str:
+        """Whose session this is, for the bound: the person signed in, else the key's SHA-256.
+
+        Not the team: its members hold keys of their own (issued by its lead), and one of them
+        signing in again and again must end that member's sessions, not a teammate's.
+        """
+        if self.person is not None:
+            return f"person:{self.person}"
+        return "key:" + hashlib.sha256(self.token.encode()).hexdigest()
+
 
 class Sessions:
     """Every live session by its id, shared by the server's threads."""
@@ -75,7 +88,8 @@ class Sessions:
         self._clock = clock
         self._wall = wall
         self._lock = threading.Lock()
-        self._by_id: OrderedDict[str, tuple[Session, float]] = OrderedDict()
+        # By id: the session, when it was last used, and its holder (computed once).
+        self._by_id: OrderedDict[str, tuple[Session, float, str]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -84,20 +98,21 @@ class Sessions:
         """Keep ``session``; the id the browser will name it by."""
         sid = secrets.token_urlsafe(32)
         with self._lock:
-            self._by_id[sid] = (session, self._clock())
+            self._by_id[sid] = (session, self._clock(), session.holder)
             while len(self._by_id) > self.max_sessions:
                 self._evict()
         return sid
 
     def _evict(self) -> None:
-        """Forget the least recently used session of the caller holding the most (lock held).
+        """Forget the least recently used session of the holder with the most (lock held).
 
         Not simply the least recently used: whoever holds a key could then sign in
-        ``max_sessions`` times and sign every other user, the admin included, out.
+        ``max_sessions`` times and sign every other user, the admin included, out. Not per team
+        either: one member's sign-ins would then end the sessions of every member of the team.
         """
-        held = Counter(session.name for session, _ in self._by_id.values())
+        held = Counter(holder for _, _, holder in self._by_id.values())
         most = max(held.values())
-        oldest = next(sid for sid, (s, _) in self._by_id.items() if held[s.name] == most)
+        oldest = next(sid for sid, (_, _, holder) in self._by_id.items() if held[holder] == most)
         del self._by_id[oldest]
 
     def get(self, sid: str) -> Session | None:
@@ -110,7 +125,7 @@ class Sessions:
             expires = found[0].expires_at
             if expires is not None and self._wall() >= expires:
                 return None  # over for good: popped above, so it is forgotten too
-            self._by_id[sid] = (found[0], now)
+            self._by_id[sid] = (found[0], now, found[2])
             return found[0]
 
     def end(self, sid: str) -> None:

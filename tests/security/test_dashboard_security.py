@@ -452,6 +452,32 @@ def test_past_the_bound_the_caller_holding_the_most_sessions_loses_its_oldest():
     assert sessions.get(third) is not None
 
 
+def test_a_member_signing_in_again_and_again_signs_no_teammate_out(config, billing):
+    """Past the bound, a member key of a team ends its own oldest sessions, not a teammate's
+    signed in with a key of their own (before, the caller was the team: the teammate's
+    session, the team's least recently used, went first)."""
+    ana, ben = issue(billing, "ana")[1], issue(billing, "ben")[1]
+    with dashboard(config, billing, sessions=Sessions(max_sessions=4)) as url:
+        admin = sign_in(url, ADMIN_KEY)["auth"]["data"]
+        teammate = sign_in(url, ben)["auth"]["data"]
+        flood = [sign_in(url, ana)["auth"]["data"] for _ in range(6)]
+        assert summary(url, admin)["money"]["data"] is not None
+        assert summary(url, teammate)["money"]["data"] is not None
+        assert summary(url, flood[-1])["money"]["data"] is not None
+        assert summary(url, flood[0]) == SIGNED_OUT
+
+
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def issue(billing: str, member: str, **extra: Any) -> tuple[str, str]:
+    """A member key of team search, issued by the admin through billing: its id and secret."""
+    body = {"team": "search", "member": member, "reason": "test", **extra}
+    made = httpx.post(f"{billing}/v1/keys", json=body, headers=ADMIN)
+    assert made.status_code == 201, made.text
+    return made.json()["key_id"], made.json()["key"]
+
+
 CSV_DOWNLOAD = "..chargeback-csv.data...chargeback-csv-error.children.."
 
 
