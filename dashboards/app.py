@@ -7,7 +7,9 @@ it in a session and the browser's session storage holds the session's opaque id,
 data callback names (``dashboards.sessions``), so no callback can be used to test keys. Failed
 sign-ins are throttled per client address (``dashboards.throttle``), and while an address is
 locked out no callback from it looks anything up. Sign-out and sign-in empty the key box, and
-sign-out ends the session. Every response carries the security headers of
+sign-out ends the session. A session ends with its key: when billing answers one of its reads
+with 401 (the key was revoked, or has expired), or at the key's expiry, and the next refresh
+sends the tab to the sign-in form saying why. Every response carries the security headers of
 ``dashboards.headers``.
 
 Signed out, a visitor sees the sign-in form and nothing else: no navigation, no range picker, no
@@ -36,7 +38,7 @@ from dashboards.formatting import as_of
 from dashboards.headers import content_security_policy, install_security_headers
 from dashboards.oidc import LOGIN_PATH, end_sso, install_oidc, take_error
 from dashboards.pages import allocation, chargeback, efficiency, fleet, keys, planner, sla, teams
-from dashboards.sessions import Gate, Session, Sessions, clean_key
+from dashboards.sessions import EXPIRED, REFUSED, Gate, Session, Sessions, clean_key
 from dashboards.style import SORT_JS, STYLE, TZ_JS
 from dashboards.summary import summary_row, tiles
 from dashboards.throttle import SignInThrottle, locked_message
@@ -66,6 +68,12 @@ PAGES: Final[tuple[ModuleType, ...]] = (
 )
 
 _HIDDEN: Final = {"display": "none"}
+# What the sign-in form says to a tab whose session ended with its key (``Sessions.ended``).
+_ENDED: Final = {
+    REFUSED: "Signed out: billing no longer accepts the key you signed in with (it was revoked "
+    "or has expired). Sign in with a key in force.",
+    EXPIRED: "Signed out: the key you signed in with has expired. Sign in with a key in force.",
+}
 
 
 def _shell(ctx: Context) -> html.Div:
@@ -159,6 +167,21 @@ def _refused(throttle: SignInThrottle, address: str, status: int) -> str:
     return f"Not signed in: {why} ({tries} before a {wait} wait)."
 
 
+def _ended(gate: Gate, auth: Any, address: str) -> tuple[Any, Any, Any, Any]:
+    """At each refresh: a tab whose session ended with its key is signed out and told why.
+
+    Nothing changes for a live session, one ended otherwise, or while ``address`` is locked out
+    of sign-in (nothing from it is looked up).
+    """
+    sid = auth.get("session") if isinstance(auth, dict) else None
+    why = None
+    if isinstance(sid, str) and gate.throttle.retry_after(address) <= 0:
+        why = gate.sessions.ended(sid)
+    if why is None:
+        return no_update, no_update, no_update, no_update
+    return None, True, _ENDED[why], no_update
+
+
 def _summary(ctx: Context, session: Session, choice: str | None, tz: str | None) -> tuple[Any, Any]:
     """The summary row and the money snapshot it was computed from."""
     token, admin = session.token, session.is_admin
@@ -204,7 +227,8 @@ def create_app(
     heard = audit or _unheard
     signins = SignInThrottle() if throttle is None else throttle
     gate = Gate(signins, Sessions() if sessions is None else sessions)
-    ctx = Context(config, BillingClient(billing_url), gate)
+    # A 401 from billing ends every session signed in with that key.
+    ctx = Context(config, BillingClient(billing_url, refused=gate.sessions.refused), gate)
     app = Dash(
         __name__,
         title="infermeter",
@@ -275,14 +299,17 @@ def create_app(
         Input("login-button", "n_clicks"),
         Input("login-key", "n_submit"),
         Input("logout", "n_clicks"),
+        Input("tick", "n_intervals"),
         State("login-key", "value"),
         State("auth", "data"),
         prevent_initial_call=True,
     )
     def sign_in(
-        _: Any, __: Any, ___: Any, typed: str | None, auth: Any
-    ) -> tuple[Any, bool, str, Any]:
+        _: Any, __: Any, ___: Any, ____: Any, typed: str | None, auth: Any
+    ) -> tuple[Any, Any, Any, Any]:
         address = request.remote_addr or "unknown"
+        if callback_context.triggered_id == "tick":
+            return _ended(gate, auth, address)
         if isinstance(auth, dict) and isinstance(auth.get("session"), str):
             ended = gate.sessions.get(auth["session"])
             gate.sessions.end(auth["session"])  # signing out, or in again: the old one is over
@@ -317,7 +344,14 @@ def create_app(
             address=address,
             detail={"with": "key"},
         )
-        session = Session(key, caller["name"], caller["team"], bool(caller["is_admin"]))
+        expires = caller.get("expires_at")
+        session = Session(
+            key,
+            caller["name"],
+            caller["team"],
+            bool(caller["is_admin"]),
+            expires_at=float(expires) if expires is not None else None,
+        )
         return {"session": gate.sessions.begin(session)}, False, "", ""
 
     @app.callback(Output("range", "value"), Input("url", "search"))

@@ -1,12 +1,15 @@
 """The dashboards' only way to the ledger: the billing service's HTTP API, with the user's key.
 
 Every call forwards the signed-in user's bearer token, so billing decides what the user may
-see; the dashboard server holds no credential of its own and filters nothing itself.
+see; the dashboard server holds no credential of its own and filters nothing itself. A 401
+means billing no longer takes the token (a key revoked or expired): the client tells its
+``refused`` hook, which ends the sessions signed in with it (``dashboards.sessions``).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -48,8 +51,14 @@ class Answer:
 class BillingClient:
     """Synchronous calls to one billing service (Dash callbacks run in worker threads)."""
 
-    def __init__(self, base_url: str, timeout_seconds: float = 10.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout_seconds: float = 10.0,
+        refused: Callable[[str], None] | None = None,
+    ) -> None:
         self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_seconds)
+        self._refused = refused
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -78,6 +87,8 @@ class BillingClient:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = response.text[:200]
+            if response.status_code == 401 and self._refused is not None:
+                self._refused(token)
             raise BillingError(response.status_code, message)
         return response
 

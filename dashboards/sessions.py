@@ -16,6 +16,12 @@ Past the bound, the least recently used session of the holder with the most goes
 holder is the credential, not the team: a key (by its SHA-256), or the person signed in with
 single sign-on. One key signing in again and again ends its own sessions, never everyone else's,
 and not its teammates' either: members of a team hold keys of their own.
+
+A session ends with its key. Billing answering one of its reads with 401 (the key was revoked,
+or has expired) ends it at once (``refused``), and a session that knows when its key expires
+(``Session.expires_at``, from billing's answer at sign-in) ends then. The browser is told why,
+once (``ended``), at its next refresh, and is sent to the sign-in form rather than shown
+billing's refusals until the session goes idle.
 """
 
 from __future__ import annotations
@@ -32,10 +38,14 @@ from typing import Any, Final
 
 from dashboards.throttle import SignInThrottle
 
-__all__ = ["IDLE_SECONDS", "Gate", "Session", "Sessions", "clean_key"]
+__all__ = ["EXPIRED", "IDLE_SECONDS", "REFUSED", "Gate", "Session", "Sessions", "clean_key"]
 
 # A session unused this long is over: a working day and then some.
 IDLE_SECONDS: Final = 12 * 3600.0
+# Why a session was ended for its user (``Sessions.ended``): billing refused its key (401), or
+# the key's expiry (or the single sign-on session's end) came.
+REFUSED: Final = "refused"
+EXPIRED: Final = "expired"
 # What a pasted key may carry around it: whitespace, and the invisible characters editors and
 # chat tools add (zero-width spaces and joiners, the byte-order mark).
 _AROUND = re.compile(r"^[\s\u200b\u200c\u200d\u2060\ufeff]+|[\s\u200b\u200c\u200d\u2060\ufeff]+$")
@@ -50,8 +60,10 @@ def clean_key(typed: str | None) -> str:
 class Session:
     """A signed-in caller: the key billing accepted and who billing said it is.
 
-    Signed in with single sign-on (``dashboards.oidc``), ``token`` is the person's ID token,
-    ``person`` who they are, and ``expires_at`` (Unix time) when the session ends, however busy.
+    ``expires_at`` (Unix time): when the session ends, however busy: the key's expiry, as
+    billing told it at sign-in (None: the key does not expire). Signed in with single sign-on
+    (``dashboards.oidc``), ``token`` is the person's ID token, ``person`` who they are, and
+    ``expires_at`` the session's end.
     """
 
     token: str
@@ -90,6 +102,9 @@ class Sessions:
         self._lock = threading.Lock()
         # By id: the session, when it was last used, and its holder (computed once).
         self._by_id: OrderedDict[str, tuple[Session, float, str]] = OrderedDict()
+        # Why each session that ``refused`` or its expiry ended was ended, kept until the
+        # browser is told (at most ``max_sessions``, the oldest forgotten first).
+        self._why: OrderedDict[str, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -122,16 +137,49 @@ class Sessions:
             found = self._by_id.pop(sid, None)
             if found is None or now - found[1] > self.idle_seconds:
                 return None
-            expires = found[0].expires_at
-            if expires is not None and self._wall() >= expires:
-                return None  # over for good: popped above, so it is forgotten too
+            if self._expired(found[0]):
+                self._ended(sid, EXPIRED)  # over for good: popped above, so it is forgotten too
+                return None
             self._by_id[sid] = (found[0], now, found[2])
             return found[0]
+
+    def refused(self, token: str) -> None:
+        """Billing answered a read with ``token`` with 401: end every session signed in with it.
+
+        A key's sessions only: an ID token's session ends at the token's expiry, and billing
+        also answers 401 while it cannot read the identity provider's keys, which passes.
+        """
+        holder = Session(token, "", None, False).holder
+        with self._lock:
+            gone = [sid for sid, (_, _, held) in self._by_id.items() if held == holder]
+            for sid in gone:
+                del self._by_id[sid]
+                self._ended(sid, REFUSED)
+
+    def ended(self, sid: str) -> str | None:
+        """Why the session ``sid`` was ended (``REFUSED``, ``EXPIRED``), said once; None while
+        it lives, or when it ended otherwise (sign-out, idle, the bound) or was never begun."""
+        with self._lock:
+            found = self._by_id.get(sid)
+            if found is not None and self._expired(found[0]):
+                del self._by_id[sid]
+                self._ended(sid, EXPIRED)
+            return self._why.pop(sid, None)
+
+    def _expired(self, session: Session) -> bool:
+        return session.expires_at is not None and self._wall() >= session.expires_at
+
+    def _ended(self, sid: str, why: str) -> None:
+        """Keep why ``sid`` ended until the browser asks (lock held)."""
+        self._why[sid] = why
+        while len(self._why) > self.max_sessions:
+            self._why.popitem(last=False)
 
     def end(self, sid: str) -> None:
         """Forget ``sid`` (sign-out)."""
         with self._lock:
             self._by_id.pop(sid, None)
+            self._why.pop(sid, None)
 
 
 @dataclass(frozen=True, slots=True)

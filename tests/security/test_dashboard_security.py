@@ -311,9 +311,14 @@ SIGN_IN = "..auth.data...auth.clear_data...login-error.children...login-key.valu
 
 
 def callback(
-    url: str, output: str, inputs: list[dict[str, Any]], state: list[dict[str, Any]] | None = None
+    url: str,
+    output: str,
+    inputs: list[dict[str, Any]],
+    state: list[dict[str, Any]] | None = None,
+    changed: str | None = None,
 ) -> dict[str, Any]:
-    """Post one Dash callback the way the browser does (or an attacker's script would)."""
+    """Post one Dash callback the way the browser does (or an attacker's script would);
+    ``changed`` is the input that fired it (default the first)."""
     outputs = [
         dict(zip(("id", "property"), o.split("."), strict=True))
         for o in output.strip(".").split("...")
@@ -323,7 +328,7 @@ def callback(
         "outputs": outputs,
         "inputs": inputs,
         "state": state or [],
-        "changedPropIds": [f"{inputs[0]['id']}.{inputs[0]['property']}"],
+        "changedPropIds": [changed or f"{inputs[0]['id']}.{inputs[0]['property']}"],
     }
     r = httpx.post(f"{url}/_dash-update-component", json=body, timeout=30)
     assert r.status_code == 200, r.text
@@ -354,11 +359,31 @@ def sign_in(url: str, key: str) -> dict[str, Any]:
             {"id": "login-button", "property": "n_clicks", "value": 1},
             {"id": "login-key", "property": "n_submit", "value": None},
             {"id": "logout", "property": "n_clicks", "value": None},
+            {"id": "tick", "property": "n_intervals", "value": None},
         ],
         [
             {"id": "login-key", "property": "value", "value": key},
             {"id": "auth", "property": "data", "value": None},
         ],
+    )
+
+
+def tick(url: str, auth: Any) -> dict[str, Any]:
+    """The sign-in callback as the refresh interval fires it in a tab holding ``auth``."""
+    return callback(
+        url,
+        SIGN_IN,
+        [
+            {"id": "login-button", "property": "n_clicks", "value": None},
+            {"id": "login-key", "property": "n_submit", "value": None},
+            {"id": "logout", "property": "n_clicks", "value": None},
+            {"id": "tick", "property": "n_intervals", "value": 1},
+        ],
+        [
+            {"id": "login-key", "property": "value", "value": None},
+            {"id": "auth", "property": "data", "value": auth},
+        ],
+        changed="tick.n_intervals",
     )
 
 
@@ -465,6 +490,74 @@ def test_a_member_signing_in_again_and_again_signs_no_teammate_out(config, billi
         assert summary(url, teammate)["money"]["data"] is not None
         assert summary(url, flood[-1])["money"]["data"] is not None
         assert summary(url, flood[0]) == SIGNED_OUT
+
+
+def test_a_session_whose_key_billing_revokes_is_signed_out_and_told_why(config, billing):
+    """Billing's first 401 to a session's read ends the session; the next refresh sends the tab
+    to the sign-in form saying why, and no later callback reads with it (before, the session
+    lived on and every refresh showed billing's refusal). A teammate's key is untouched."""
+    key_id, key = issue(billing, "cy")
+    teammate = issue(billing, "di")[1]
+    with dashboard(config, billing) as url:
+        auth = sign_in(url, key)["auth"]["data"]
+        other = sign_in(url, teammate)["auth"]["data"]
+        assert summary(url, auth)["money"]["data"] is not None
+        revoked = httpx.post(
+            f"{billing}/v1/keys/{key_id}/revoke", json={"reason": "left"}, headers=ADMIN
+        )
+        assert revoked.status_code == 200, revoked.text
+        refused = summary(url, auth)
+        assert refused["money"]["data"] is None
+        assert "Figures unavailable" in str(refused["summary"]["children"])
+        assert summary(url, auth) == SIGNED_OUT
+        told = tick(url, auth)
+        assert told["auth"] == {"data": None, "clear_data": True}
+        assert told["login-error"]["children"] == (
+            "Signed out: billing no longer accepts the key you signed in with (it was revoked "
+            "or has expired). Sign in with a key in force."
+        )
+        assert tick(url, auth) == {}  # said once
+        assert summary(url, other)["money"]["data"] is not None
+        assert tick(url, other) == {}  # a live session: the refresh changes nothing
+
+
+def test_in_the_browser_a_revoked_keys_tab_is_sent_to_sign_in(driver, config, billing):
+    """In Chromium, refreshing every second: once billing revokes the key, the tab shows the
+    sign-in form with the reason, and no page or navigation (before, it stayed on the page,
+    every figure replaced by billing's refusal)."""
+    key_id, key = issue(billing, "fay")
+    dashboard_settings = config.dashboard.model_copy(update={"refresh_seconds": 1.0})
+    fast = config.model_copy(update={"dashboard": dashboard_settings})
+    with dashboard(fast, billing) as url:
+        open_fresh(driver, url)
+        try_key(driver, key)
+        wait_text(driver, "#who", "team search")
+        revoked = httpx.post(
+            f"{billing}/v1/keys/{key_id}/revoke", json={"reason": "left"}, headers=ADMIN
+        )
+        assert revoked.status_code == 200, revoked.text
+        wait_text(driver, "#login-error", "Signed out: billing no longer accepts the key")
+        assert driver.find_element(By.ID, "login-key").is_displayed()
+        assert not driver.find_element(By.ID, "nav").is_displayed()
+        assert driver.find_elements(By.CSS_SELECTOR, "#content .page") == []
+        assert "session" not in stored(driver, "sessionStorage")
+
+
+def test_a_session_ends_at_its_keys_expiry_without_asking_billing(config, billing):
+    """A key issued for 3 s: its session knows the expiry from sign-in and ends then, without a
+    read billing refuses, and the next refresh signs the tab out as expired (before, the session
+    outlived its key, each read answered by billing's 401)."""
+    key = issue(billing, "ed", expires_in_seconds=3)[1]
+    with dashboard(config, billing) as url:
+        auth = sign_in(url, key)["auth"]["data"]
+        assert summary(url, auth)["money"]["data"] is not None
+        time.sleep(3.2)
+        assert summary(url, auth) == SIGNED_OUT  # no read: billing would have said 401
+        told = tick(url, auth)
+        assert told["auth"] == {"data": None, "clear_data": True}
+        assert told["login-error"]["children"] == (
+            "Signed out: the key you signed in with has expired. Sign in with a key in force."
+        )
 
 
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
