@@ -12,7 +12,9 @@ The SDK's exporter reads everything else itself: endpoint, headers, timeout, com
 certificates (``OTEL_EXPORTER_OTLP_[METRICS_]*``). Values that would make export silently do
 something else (an unknown protocol, an interval that is not a positive number, a timeout that
 is not a positive number of seconds or is longer than the interval) are refused at start with
-``OtlpConfigError``, which names the variable and the value.
+``OtlpConfigError``, which names the variable and the value. The sidecar's span exporter reads
+its timeout the same way (``OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT``, seconds):
+``check_span_export_timeout`` refuses one longer than ``OTEL_BSP_EXPORT_TIMEOUT``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "GEN_AI_LATEST",
     "OtlpConfigError",
     "OtlpSettings",
+    "check_span_export_timeout",
     "metrics_export_configured",
     "otlp_settings",
     "semconv_opt_in",
@@ -34,6 +37,8 @@ __all__ = [
 # The protocols OpenTelemetry's Python SDK has metric exporters for (no http/json).
 PROTOCOLS = ("http/protobuf", "grpc")
 DEFAULT_INTERVAL_MILLIS = 60_000.0
+# OTEL_BSP_EXPORT_TIMEOUT's default: the specification's bound on one span export.
+DEFAULT_SPAN_EXPORT_TIMEOUT_MILLIS = 30_000.0
 # OTEL_SEMCONV_STABILITY_OPT_IN's value for the latest experimental GenAI conventions.
 GEN_AI_LATEST = "gen_ai_latest_experimental"
 
@@ -93,19 +98,42 @@ def otlp_settings(environ: Mapping[str, str] | None = None) -> OtlpSettings:
         raise OtlpConfigError(
             f"OTEL_METRIC_EXPORT_INTERVAL={raw!r}: not a positive number of milliseconds"
         )
-    _check_timeout(env, millis / 1000)
+    _check_timeout(env, "METRICS", millis / 1000, "the export interval")
     return OtlpSettings(protocol, millis / 1000, semconv_opt_in(env))
 
 
-def _check_timeout(env: Mapping[str, str], interval_seconds: float) -> None:
+def check_span_export_timeout(environ: Mapping[str, str] | None = None) -> None:
+    """OtlpConfigError for a span export timeout the SDK's exporter would read as hours.
+
+    The span exporter reads OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT in seconds, as the metric
+    exporter does: the specification's 10000 would hold every later span behind one send to a
+    receiver that does not answer, and the way out for the 30 s the SDK's batch processor waits
+    for it. A timeout longer than OTEL_BSP_EXPORT_TIMEOUT (the specification's bound on one
+    export, milliseconds, default 30000, which Python's SDK reads but does not apply) is
+    refused, the unit named.
+    """
+    env = _env(environ)
+    raw = env.get("OTEL_BSP_EXPORT_TIMEOUT", "").strip()
+    try:
+        millis = float(raw) if raw else DEFAULT_SPAN_EXPORT_TIMEOUT_MILLIS
+    except ValueError:
+        millis = -1.0
+    if not 0 < millis < float("inf"):
+        raise OtlpConfigError(
+            f"OTEL_BSP_EXPORT_TIMEOUT={raw!r}: not a positive number of milliseconds"
+        )
+    _check_timeout(env, "TRACES", millis / 1000, "OTEL_BSP_EXPORT_TIMEOUT")
+
+
+def _check_timeout(env: Mapping[str, str], signal: str, bound_seconds: float, bound: str) -> None:
     """OtlpConfigError for an export timeout the SDK's exporter would read as hours.
 
-    The exporter reads OTEL_EXPORTER_OTLP_[METRICS_]TIMEOUT in seconds where the specification
+    The exporters read OTEL_EXPORTER_OTLP_[<signal>_]TIMEOUT in seconds where the specification
     says milliseconds: the specification's 10000 would let one send (sends go one at a time)
     and the way out wait 10,000 s on a receiver that does not answer. A timeout longer than
-    the interval between exports is refused, the unit named.
+    ``bound_seconds`` (``bound``: what it is, for the message) is refused, the unit named.
     """
-    name = "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT"
+    name = f"OTEL_EXPORTER_OTLP_{signal}_TIMEOUT"
     if not env.get(name):
         name = "OTEL_EXPORTER_OTLP_TIMEOUT"
     raw = env.get(name, "").strip()
@@ -120,11 +148,10 @@ def _check_timeout(env: Mapping[str, str], interval_seconds: float) -> None:
             f"{name}={raw!r}: not a positive number of seconds (the exporter's unit, not the "
             "specification's milliseconds)"
         )
-    if seconds > interval_seconds:
+    if seconds > bound_seconds:
         raise OtlpConfigError(
-            f"{name}={raw!r}: {seconds:g} s, longer than the export interval "
-            f"({interval_seconds:g} s); the exporter reads seconds, not the specification's "
-            "milliseconds"
+            f"{name}={raw!r}: {seconds:g} s, longer than {bound} ({bound_seconds:g} s); "
+            "the exporter reads seconds, not the specification's milliseconds"
         )
 
 

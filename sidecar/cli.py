@@ -90,5 +90,5 @@ def _sidecar(args: argparse.Namespace, config: Config) -> int:
     except IdentityError as exc:
         return fail(f"cannot tell which instance this is: {exc}")
     except OtlpConfigError as exc:
-        return fail(f"cannot export metrics over OTLP: {exc}")
+        return fail(f"cannot export over OTLP: {exc}")
     return 0

@@ -49,7 +49,7 @@ async def serve_sidecar(
     token (``sidecar.engine_listener``), stopped with the sidecar.
 
     IdentityError when the environment names the instance wrongly, OtlpConfigError when the
-    OTEL_* variables ask for a metric export that cannot be made. A start-up that fails (the
+    OTEL_* variables ask for a metric or span export that cannot be made. A start-up that fails (the
     spool directory stays locked) is logged, and the process exits with status 3.
     """
     if config is None:

@@ -2,7 +2,8 @@
 
 Export is configured by the standard variables: a span exporter is installed only when
 ``OTEL_TRACES_EXPORTER`` is ``otlp`` or an ``OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT`` is set, and
-then ``OTLPSpanExporter`` reads the rest (endpoint, headers, timeout) itself. Without one, spans
+then ``OTLPSpanExporter`` reads the rest (endpoint, headers, timeout) itself; a timeout it would
+read as hours (``infermeter.otlp.check_span_export_timeout``) is refused first. Without one, spans
 are not recorded at all, but a caller's W3C ``traceparent`` is still passed on to vLLM, so a
 trace that starts upstream of the sidecar continues into the engine. The SDK (and the
 exporter) are imported only when export is configured: a sidecar that records no spans needs
@@ -21,6 +22,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from infermeter.config import process_environment
+from infermeter.otlp import check_span_export_timeout
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -76,9 +78,13 @@ def make_tracer_provider(
 
     ``attributes`` join ``service.name`` on the resource: the instance (``service.instance.id``)
     is named there, once per process, rather than on every span.
+
+    OtlpConfigError for an export timeout the exporter would read as hours (it reads
+    OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT in seconds, not the specification's milliseconds).
     """
     if not export_configured(environ):
         return None
+    check_span_export_timeout(process_environment() if environ is None else environ)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider

@@ -8,6 +8,7 @@ from infermeter.otlp import (
     GEN_AI_LATEST,
     OtlpConfigError,
     OtlpSettings,
+    check_span_export_timeout,
     metrics_export_configured,
     otlp_settings,
 )
@@ -99,4 +100,59 @@ def test_a_value_export_cannot_honour_is_refused_by_name(environ, message):
     """The error names the variable and its value."""
     with pytest.raises(OtlpConfigError) as caught:
         otlp_settings(environ)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {},
+        {"OTEL_EXPORTER_OTLP_TIMEOUT": "10"},
+        {"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "30"},
+        {"OTEL_EXPORTER_OTLP_TIMEOUT": "10000", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "5"},
+        {"OTEL_EXPORTER_OTLP_METRICS_TIMEOUT": "10000"},
+        {"OTEL_BSP_EXPORT_TIMEOUT": "120000", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "100"},
+    ],
+)
+def test_a_span_export_timeout_in_seconds_is_taken(environ):
+    """Seconds up to OTEL_BSP_EXPORT_TIMEOUT (30 s by default) start; the metrics' own variable
+    is not the span exporter's."""
+    check_span_export_timeout(environ)
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        (
+            {"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "10000"},
+            "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT='10000': 10000 s, longer than "
+            "OTEL_BSP_EXPORT_TIMEOUT (30 s); the exporter reads seconds, not the "
+            "specification's milliseconds",
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_TIMEOUT": "10000", "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT": "5"},
+            "OTEL_EXPORTER_OTLP_TIMEOUT='10000': 10000 s, longer than OTEL_BSP_EXPORT_TIMEOUT "
+            "(30 s); the exporter reads seconds, not the specification's milliseconds",
+        ),
+        (
+            {"OTEL_BSP_EXPORT_TIMEOUT": "5000", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "10"},
+            "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT='10': 10 s, longer than OTEL_BSP_EXPORT_TIMEOUT "
+            "(5 s); the exporter reads seconds, not the specification's milliseconds",
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "0"},
+            "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT='0': not a positive number of seconds (the "
+            "exporter's unit, not the specification's milliseconds)",
+        ),
+        (
+            {"OTEL_BSP_EXPORT_TIMEOUT": "30s"},
+            "OTEL_BSP_EXPORT_TIMEOUT='30s': not a positive number of milliseconds",
+        ),
+    ],
+)
+def test_a_span_export_timeout_read_as_hours_is_refused_by_name(environ, message):
+    """The span exporter reads OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT in seconds too: the
+    specification's 10000 is refused, the variable that carried it named."""
+    with pytest.raises(OtlpConfigError) as caught:
+        check_span_export_timeout(environ)
     assert str(caught.value) == message

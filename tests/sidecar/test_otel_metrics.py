@@ -411,3 +411,37 @@ def test_with_export_off_no_sdk_is_loaded_and_nothing_kept():
         "infermeter.otlp_export",
         "sidecar.otel_metrics",
     ]
+
+
+@pytest.mark.timeout(120)
+def test_a_span_export_timeout_read_as_hours_stops_the_start(tmp_path):
+    """Spans only, with the specification's 10000 for their timeout: the span exporter would read
+    10,000 s, hold every later span behind one send to a silent receiver and the way out for
+    the SDK's 30 s; the sidecar does not start, and its one line names the variable."""
+    data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["replicas"][1].update(sidecar_listen=f"127.0.0.1:{free_port()}")
+    data["sidecar"] = {"spool_dir": str(tmp_path / "spool")}
+    config = tmp_path / "infermeter.yaml"
+    config.write_text(yaml.safe_dump(data))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "INFERMETER"))}
+    env = {
+        **clean,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "10000",
+    }
+    command = [sys.executable, "-m", "launcher", "sidecar", "--config", str(config)]
+    proc = subprocess.Popen(
+        [*command, "--replica", "small-0"], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        stop_process(proc, grace=10)
+        raise AssertionError("the sidecar started with a span export timeout of 10,000 s") from None
+    assert proc.returncode == 2, err
+    assert err.strip().splitlines()[-1] == (
+        "infermeter: cannot export over OTLP: OTEL_EXPORTER_OTLP_TRACES_TIMEOUT='10000': "
+        "10000 s, longer than OTEL_BSP_EXPORT_TIMEOUT (30 s); the exporter reads seconds, not "
+        "the specification's milliseconds"
+    )
