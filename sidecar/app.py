@@ -631,6 +631,15 @@ class Sidecar:
             status = await self._refuse(call, refused, send)
             self.accounting.observe(call, status, None, None, None, self.view.model_names)
             return
+        except asyncio.CancelledError:
+            # The server's grace ran out on a request the drain did not end: its record is the
+            # journal's, interrupted, at shutdown; its span and metrics say the same (one whose
+            # ending was already kept has its own record, and no span or metric is made twice).
+            if forwarded and self.journal.is_running(call.request_id):
+                self.accounting.observe(
+                    call, RequestStatus.INTERRUPTED, None, None, None, self.view.model_names
+                )
+            raise
         finally:
             self._release(call, usage, forwarded)
         self.accounting.observe(call, status, usage, meter, finish, self.view.model_names)

@@ -193,6 +193,10 @@ class AdmissionJournal:
         running = self._running.get(request_id)
         return None if running is None else running.slot
 
+    def is_running(self, request_id: str) -> bool:
+        """True while ``request_id`` is admitted and its ending not yet kept (``end``)."""
+        return request_id in self._running
+
     def track(self, request_id: str, counting: Counting) -> None:
         """Write ``counting``'s tokens so far to ``request_id``'s slot at every tick."""
         running = self._running.get(request_id)

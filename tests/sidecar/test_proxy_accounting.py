@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from infermeter.serving import free_port
 from infermeter.spool import read_segment
 from sidecar.app import Sidecar
-from tests.servers import serving
+from sidecar.http_server import HttpServer
+from tests.servers import running, serving
 from tests.sidecar.conftest import METRICS_TOKEN, make_config, metric_value
 from tests.simulator.shapes import sse_events
 
@@ -439,3 +440,45 @@ async def test_non_streamed_client_disconnect_aborts_upstream(stack):
     await asyncio.sleep(0.3)
     assert (await _vllm_counters(stack.upstream))[1] == generated < 3000
     assert (await stack.records())[-1]["status"] == "client_aborted"
+
+
+async def _stall(scope: Any, receive: Any, send: Any) -> None:
+    """An upstream that never answers."""
+    await asyncio.sleep(3600)
+
+
+async def test_a_request_the_server_cancels_past_its_grace_ends_its_span_and_is_counted(tmp_path):
+    """The server told to stop without a drain (or a request the drain's cut did not end):
+    what still runs after its grace is cancelled, and its span ends all the same, in error,
+    with error.type interrupted, as its record (from the journal) does; /metrics counts it."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    up = free_port()
+    config = make_config(f"http://127.0.0.1:{up}", **{"sidecar.read_timeout_seconds": 600})
+    spool = tmp_path / "spool"
+    traced = Sidecar(config, "small-0", spool_dir=spool, tracer_provider=provider)
+    server = HttpServer(traced, "127.0.0.1", free_port(), graceful_seconds=0.3)
+    headers = {"authorization": "Bearer im-demo-research"}
+    async with serving(_stall, up, lifespan="off"), httpx.AsyncClient(timeout=30) as c:
+        async with running(server) as url:
+            asking = asyncio.create_task(
+                c.post(f"{url}/v1/chat/completions", json=CHAT, headers=headers)
+            )
+            deadline = time.monotonic() + 10
+            while traced.journal.running == 0:
+                assert time.monotonic() < deadline, "never forwarded"
+                await asyncio.sleep(0.02)
+        with pytest.raises(httpx.HTTPError):
+            await asking
+    (span,) = exporter.get_finished_spans()
+    attrs = dict(span.attributes or {})
+    assert attrs["error.type"] == "interrupted"
+    assert span.status.status_code.name == "ERROR"
+    requests = traced.metrics.registry.get_sample_value(
+        "infermeter_requests_total",
+        {"team": "research", "model": "chat-small", "status": "interrupted"},
+    )
+    assert requests == 1
+    [record] = [r for path in spool.glob("seg-*.jsonl") for r in read_segment(path)[0]]
+    assert record["status"] == "interrupted"
