@@ -61,8 +61,12 @@ SPAN_GAP_SECONDS: Final = 60.0
 MAX_SPANS: Final = 256
 
 _ABORTED: Final = str(RequestStatus.CLIENT_ABORTED)
-# Hang-ups whose tail can fall in the hours asked for (``$lo``..``$hi``, Unix hours).
-_IN_RANGE: Final = f"finished_at > $lo * {H} - $back AND finished_at < $hi * {H}"
+# Hang-ups whose tail can fall in the hours asked for (``$lo``..``$hi``, Unix hours). The hours
+# are bound as 32-bit integers: they are widened before they become seconds (past 2^31 from
+# 2038-01-19 on), here and in every bound below.
+_IN_RANGE: Final = (
+    f"finished_at > CAST($lo AS BIGINT) * {H} - $back AND finished_at < CAST($hi AS BIGINT) * {H}"
+)
 
 
 def raw_hangups_sql(usage: str) -> str:
@@ -107,7 +111,7 @@ def readings_sql(runs: Sequence[tuple[int, int]], engine: str = "engine_samples"
 
 def raw_readings_sql(engine: str) -> str:
     """Every engine reading that a tail of the hours asked for can need, as a relation."""
-    return f"""({_readings(engine, f'"timestamp" >= $lo * {H} - $back AND "timestamp" < ($hi + 1) * {H}')})"""
+    return f"""({_readings(engine, f'"timestamp" >= CAST($lo AS BIGINT) * {H} - $back AND "timestamp" < (CAST($hi AS BIGINT) + 1) * {H}')})"""
 
 
 def bounded_sql(hangups: str, readings: str) -> str:
@@ -126,7 +130,7 @@ FROM (
     FROM ({hangups}) h ASOF JOIN {readings} a ON h.instance = a.instance AND h.tf > a.ts
 ) x ASOF JOIN {readings} b ON x.instance = b.instance AND x.tf <= b.ts
 WHERE x.a_ts >= (floor(x.tf / {H}) - 1) * {H} AND b.ts < (floor(x.tf / {H}) + 2) * {H}
-    AND b.ts >= $lo * {H} AND b.ts < $hi * {H} AND x.others_busy < 0.5"""
+    AND b.ts >= CAST($lo AS BIGINT) * {H} AND b.ts < CAST($hi AS BIGINT) * {H} AND x.others_busy < 0.5"""
 
 
 def spans(
@@ -157,7 +161,7 @@ def others_sql(within: Sequence[tuple[float, float]] | None, usage: str = "usage
     columns = "request_id, coalesce(instance, replica) AS instance, received_at, finished_at"
     if within is None:
         return f"""(SELECT {columns} FROM {usage} WHERE status IN {BILLABLE}
-        AND finished_at > $lo * {H} - $back AND received_at < ($hi + 1) * {H})"""
+        AND finished_at > CAST($lo AS BIGINT) * {H} - $back AND received_at < (CAST($hi AS BIGINT) + 1) * {H})"""
     if not within:
         return _none("request_id VARCHAR, instance VARCHAR, received_at DOUBLE, finished_at DOUBLE")
     parts = [

@@ -184,11 +184,13 @@ _USAGE_SUMS = _sums(
     "ttft_within_sla",
     "decode_seconds_sum",
 )
+# The minutes are written in as literals DuckDB reads as 32-bit INTEGERs: widened before they
+# become seconds, which are past 2^31 from 2038-01-19 on.
 _ENGINE_RAW = (
     'SELECT replica, coalesce(instance, replica) AS instance, model, CAST(floor("timestamp" / 60) AS BIGINT) AS slot, '
     "requests_running AS running_sum, requests_waiting AS waiting_sum, "
     "requests_waiting AS waiting_max, kv_cache_usage AS kv_sum, 1 AS n FROM engine_samples "
-    'WHERE "timestamp" >= {lo} * 60 AND "timestamp" < {hi} * 60'
+    'WHERE "timestamp" >= CAST({lo} AS BIGINT) * 60 AND "timestamp" < CAST({hi} AS BIGINT) * 60'
 )
 # "_all" copies sum every team into team '*': what the admin's fleet-wide charts read.
 COPIES: Final[Mapping[str, Copy]] = {

@@ -157,7 +157,7 @@ def _windows_ctes(engine: str) -> str:
         {_delta("prompt_tokens_total", "lag(prompt_tokens_total) OVER w")} AS prompt,
         {_delta("generation_tokens_total", "lag(generation_tokens_total) OVER w")} AS completion
     FROM {engine}
-    WHERE "timestamp" >= $lo * {H} - $back AND "timestamp" < $hi * {H}
+    WHERE "timestamp" >= CAST($lo AS BIGINT) * {H} - $back AND "timestamp" < CAST($hi AS BIGINT) * {H}
     WINDOW w AS (PARTITION BY coalesce(instance, replica) ORDER BY "timestamp", sample_id)
 ),
 hourly AS (
@@ -331,7 +331,7 @@ def reconciliation_sql(
     """
     values, filter_model = _values(first_hour, end_hour, model)
     ahead = f"""SELECT coalesce(instance, replica) AS instance, max("timestamp") AS ts FROM {engine}
-    WHERE "timestamp" >= $hi * {H} AND "timestamp" < $hi * {H} + $back GROUP BY ALL"""
+    WHERE "timestamp" >= CAST($hi AS BIGINT) * {H} AND "timestamp" < CAST($hi AS BIGINT) * {H} + $back GROUP BY ALL"""
     bounded = hangups.bounded_sql(hangups.raw_hangups_sql(usage), hangups.raw_readings_sql(engine))
     return (
         f"""

@@ -71,7 +71,7 @@ SELECT r.instance, {token_hour_sql("r.tp")} AS hour, r.replica, r.model,
             / (r.tf - r.tp)
         WHEN {whole} THEN 1.0 ELSE 0.0 END AS c
 FROM {records} r LEFT JOIN cover k USING (instance)
-WHERE r.tp >= $lo * {H} AND r.tp < $hi * {H}
+WHERE r.tp >= CAST($lo AS BIGINT) * {H} AND r.tp < CAST($hi AS BIGINT) * {H}
     AND (k.instance IS NULL OR r.tp <= k.first_reading OR (k.stale AND r.tf > k.last_reading))"""
 
 
