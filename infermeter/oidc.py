@@ -11,11 +11,16 @@ nothing.
 against the issuer's published keys (JWKS, read once and again when a token names a key not
 seen yet, at most every ``JWKS_REFRESH_SECONDS``), its issuer, its audience (the client id) and
 its expiry. The JOSE work is joserfc's, the library authlib itself uses; nothing here parses a
-JWT by hand.
+JWT by hand. A token is refused (``AuthError``) only on its own account; when the keys it must be
+checked against cannot be read (the provider unreachable, slow, answering an error, or publishing
+something that is no key set), nothing is known of the token, and ``KeysUnavailable`` says so
+instead: billing answers 503, not 401, and the caller asks again rather than taking the token
+for revoked.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -33,12 +38,15 @@ __all__ = [
     "ALGORITHMS",
     "JWKS_REFRESH_SECONDS",
     "IdTokens",
+    "KeysUnavailable",
     "Unmapped",
     "caller_for_groups",
     "groups_of",
     "looks_like_jwt",
     "person_of",
 ]
+
+log = logging.getLogger("infermeter.oidc")
 
 # Asymmetric signatures only: an HMAC "signature" keyed with something public proves nothing.
 ALGORITHMS: Final = ("RS256", "RS384", "RS512", "PS256", "ES256", "ES384", "EdDSA")
@@ -48,6 +56,11 @@ JWKS_REFRESH_SECONDS: Final = 30.0
 LEEWAY_SECONDS: Final = 60
 _RANK: Final = {"admin": 0, "finance": 1, "viewer": 2, "lead": 3, "member": 4}
 _ROLE_NAMES: Final = {"admin": ADMIN, "finance": FINANCE, "viewer": VIEWER}
+
+
+class KeysUnavailable(Exception):
+    """The issuer's keys cannot be read, so no ID token can be checked now (not an ``AuthError``:
+    the token may be good, and asking again once the provider answers may succeed)."""
 
 
 class Unmapped(AuthError):
@@ -125,16 +138,20 @@ class IdTokens:
         self._lock = threading.Lock()
         self._keys: KeySet | None = None
         self._fetched_at = float("-inf")
+        # Whether the last read of the keys failed (said in the log once, not per token).
+        self._failing = False
 
     def caller(self, token: str) -> Caller:
         """The caller ``token`` makes; AuthError when it is forged, stale, for another client or
-        issuer, or its groups give no role here (Unmapped)."""
+        issuer, or its groups give no role here (Unmapped); KeysUnavailable when the issuer's
+        keys, needed to tell, cannot be read."""
         claims = self.claims(token)
         s = self.settings
         return caller_for_groups(groups_of(claims, s.groups_claim), s.groups, person_of(claims))
 
     def claims(self, token: str) -> dict[str, Any]:
-        """The token's claims once its signature, issuer, audience and expiry are checked."""
+        """The token's claims once its signature, issuer, audience and expiry are checked
+        (KeysUnavailable, not AuthError, when the keys to check it against cannot be read)."""
         try:
             try:
                 decoded = jwt.decode(token, self._key_set(force=False), algorithms=ALGORITHMS)
@@ -154,7 +171,8 @@ class IdTokens:
         return dict(decoded.claims)
 
     def _key_set(self, force: bool) -> KeySet:
-        """The issuer's keys, read when first needed or (``force``) when a token names a new one."""
+        """The issuer's keys, read when first needed or (``force``) when a token names a new one;
+        KeysUnavailable when they cannot be read then (the keys held before stay held)."""
         with self._lock:
             now = self._clock()
             stale = force and now - self._fetched_at >= JWKS_REFRESH_SECONDS
@@ -164,9 +182,16 @@ class IdTokens:
                     meta = self._fetch(f"{base}/.well-known/openid-configuration")
                     jwks = self._fetch(str(meta["jwks_uri"]))
                     self._keys = KeySet.import_key_set(cast(KeySetSerialization, jwks))
-                except (httpx.HTTPError, KeyError, ValueError) as exc:
-                    raise AuthError(
-                        f"the identity provider's keys are unavailable: {exc}"
+                except (httpx.HTTPError, JoseError, KeyError, TypeError, ValueError) as exc:
+                    if not self._failing:
+                        log.error("the identity provider's keys cannot be read: %s", exc)
+                    self._failing = True
+                    raise KeysUnavailable(
+                        f"the identity provider's keys cannot be read ({type(exc).__name__}); "
+                        "ID tokens cannot be checked until it answers"
                     ) from None
+                if self._failing:
+                    log.warning("the identity provider's keys are read again")
+                self._failing = False
                 self._fetched_at = now
             return self._keys

@@ -120,7 +120,8 @@ def caller(
     (``infermeter.oidc``): it reads (GET and HEAD) and manages keys as the person's role allows
     (a person's own act, audited under their name: the dashboard's keys page), and changes
     nothing else, so such a token can never close a month, export the ledger or write records;
-    a person whose groups give no role is 403.
+    a person whose groups give no role is 403. While the identity provider's keys cannot be read,
+    an ID token is neither taken nor refused: ``KeysUnavailable`` goes on to its 503.
     """
     tokens = svc.id_tokens
     scheme, _, credential = (authorization or "").partition(" ")

@@ -2,7 +2,9 @@
 
 Unauthenticated 401, Forbidden 403, BadRequest 400 (only input the caller can fix), a body or
 batch over the limits 413, a body too slow to arrive 408, a caller over its read rate 429 (with
-Retry-After), a refused ledger operation 409, a ledger that cannot be written 503. A
+Retry-After), a refused ledger operation 409, a ledger that cannot be written 503, an ID token
+that cannot be checked because the identity provider's keys cannot be read 503 (with
+Retry-After: the token is not refused, and may be good once the provider answers). A
 ``ValueError`` is not mapped: raised anywhere but a caller-input check it is a fault of the
 server, and comes out as a 500 like any other.
 """
@@ -23,10 +25,15 @@ from billing.ratelimit import RateLimitedError
 from billing.routes.body import BodyIncompleteError, BodyTimeoutError, BodyTooLargeError
 from infermeter.auth import Forbidden, Unauthenticated
 from infermeter.errors import BadRequest, error_body
+from infermeter.oidc import KeysUnavailable
 
-__all__ = ["error_response", "install"]
+__all__ = ["IDP_RETRY_SECONDS", "error_response", "install"]
 
 log = logging.getLogger("infermeter.billing")
+
+# The Retry-After of a 503 for an ID token whose issuer's keys cannot be read: soon, as each
+# request tries the provider again.
+IDP_RETRY_SECONDS = 5
 
 
 def error_response(
@@ -60,6 +67,13 @@ async def _unavailable(_: Request, exc: Exception) -> Response:
         "server_error",
         "ledger_unavailable",
     )
+
+
+async def _idp_unavailable(_: Request, exc: Exception) -> Response:
+    # Logged by ``IdTokens`` once per outage, not here per request.
+    response = error_response(503, str(exc), "server_error", "idp_unavailable")
+    response.headers["retry-after"] = str(IDP_RETRY_SECONDS)
+    return response
 
 
 async def _invalid(_: Request, exc: Exception) -> Response:
@@ -118,6 +132,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RateLimitedError, _rate_limited)
     app.add_exception_handler(duckdb.IOException, _unavailable)
     app.add_exception_handler(LedgerUnavailableError, _unavailable)
+    app.add_exception_handler(KeysUnavailable, _idp_unavailable)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(HTTPException, _http)
     app.add_exception_handler(Exception, _fault)

@@ -52,7 +52,9 @@ _WHY = {
     413: "The body is over billing.max_body_bytes, or the batch over billing.max_batch_records.",
     422: "A parameter of the wrong form.",
     429: "The caller is over its read rate; Retry-After says when to ask again.",
-    503: "The ledger cannot be written (disk full or unavailable); retry later.",
+    503: "The ledger cannot be written (disk full or unavailable), or an ID token cannot be "
+    "checked because the identity provider's keys cannot be read (Retry-After says when to ask "
+    "again); retry later.",
 }
 _RETRY_AFTER = {
     "Retry-After": {
@@ -61,8 +63,9 @@ _RETRY_AFTER = {
     }
 }
 
-# What every read route (statements, files, queries, months) may answer besides its 200.
-READ = (401, 403, 422, 429)
+# What every read route (statements, files, queries, months) may answer besides its 200: 503
+# when single sign-on is on and the bearer is an ID token its issuer's keys cannot check now.
+READ = (401, 403, 422, 429, 503)
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from joserfc import jwt
@@ -16,6 +17,7 @@ from infermeter.config import DEFAULT_CONFIG, ConfigError, OidcSettings, load_co
 from infermeter.oidc import (
     JWKS_REFRESH_SECONDS,
     IdTokens,
+    KeysUnavailable,
     Unmapped,
     caller_for_groups,
     groups_of,
@@ -214,3 +216,34 @@ def test_a_token_signed_by_a_new_key_reads_the_keys_again() -> None:
     now[0] += JWKS_REFRESH_SECONDS
     assert tokens.caller(fresh).name == ADMIN
     assert sum(url.endswith("/jwks") for url in asked) == 2
+
+
+def test_keys_that_cannot_be_read_leave_a_token_unjudged() -> None:
+    """A provider that times out is KeysUnavailable, not the AuthError of a refused token (which
+    billing answers 401, and its clients take for a revoked credential); the next token reads
+    the keys again. Once held, the keys stay held when a token naming a new key cannot have the
+    keys read again: that token is unjudged, and one the held keys check still passes."""
+    rotated = RSAKey.generate_key(2048, parameters={"kid": "k2"}, private=True)
+    down = [True]
+    now = [float(NOW)]
+
+    def fetch(url: str) -> dict[str, Any]:
+        if down[0]:
+            raise httpx.ReadTimeout("timed out")
+        return _published(url)
+
+    settings = OidcSettings(issuer=ISSUER, client_id="dash", groups={"ops": "admin"})
+    tokens = IdTokens(settings, fetch=fetch, clock=lambda: now[0])
+    with pytest.raises(KeysUnavailable, match="keys cannot be read"):
+        tokens.caller(_signed())
+    down[0] = False
+    assert tokens.caller(_signed()).name == ADMIN
+    down[0] = True
+    now[0] += JWKS_REFRESH_SECONDS
+    claims = {"iss": ISSUER, "aud": "dash", "sub": "s1", "groups": ["ops"], "exp": NOW + 600}
+    fresh = jwt.encode({"alg": "RS256", "kid": "k2"}, claims, rotated)
+    with pytest.raises(KeysUnavailable):
+        tokens.caller(fresh)
+    assert tokens.caller(_signed()).name == ADMIN
+    with pytest.raises(AuthError, match="bad_signature"):
+        tokens.caller(_signed(key=OTHER))

@@ -1,0 +1,176 @@
+"""An ID token billing cannot check because the identity provider's keys cannot be read is a 503.
+
+An identity provider's discovery document and keys are served over loopback (a key made in the
+test signs the ID tokens), and made to fail the ways a provider does: an error status, an
+answer that is no key set, a keys address nothing listens on. Billing runs under uvicorn. While
+the keys cannot be read, nothing is known of a token, so billing answers 503 (retry later), not
+401 (the token refused), which its clients take for a revoked credential; a token that is
+really wrong stays 401 once the keys are in hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from joserfc import jwt
+from joserfc.jwk import KeySet, RSAKey
+
+from billing.api import create_app
+from billing.routes.errors import IDP_RETRY_SECONDS
+from infermeter.config import DashboardSettings, OidcSettings, load_config
+from infermeter.serving import free_port, server as serve
+from tests.conftest import config_ledger
+from tests.dashboards.stack import server_thread
+
+KEY = RSAKey.generate_key(2048, parameters={"kid": "k1"}, private=True)
+# Another key under the same id: its signature does not verify with the published one.
+IMPOSTOR = RSAKey.generate_key(2048, parameters={"kid": "k1"}, private=True)
+UNPUBLISHED = RSAKey.generate_key(2048, parameters={"kid": "k9"}, private=True)
+DISCOVERY = "/.well-known/openid-configuration"
+
+
+class Provider:
+    """What the loopback IdP answers for each path: a status and a body."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, tuple[int, bytes]] = {}
+        self.url = ""
+
+    def publish(self, jwks_uri: str | None = None) -> None:
+        """Answer as a working provider does (keys at ``jwks_uri``, default its own)."""
+        meta = {"issuer": self.url, "jwks_uri": jwks_uri or f"{self.url}/jwks"}
+        self.answers[DISCOVERY] = (200, json.dumps(meta).encode())
+        self.answers["/jwks"] = (200, json.dumps(KeySet([KEY]).as_dict(private=False)).encode())
+
+
+@contextlib.contextmanager
+def provider() -> Iterator[Provider]:
+    """The IdP on a loopback port, publishing its keys until told otherwise."""
+    idp = Provider()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, body = idp.answers.get(self.path, (404, b""))
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    idp.url = f"http://127.0.0.1:{server.server_address[1]}"
+    idp.publish()
+    thread = threading.Thread(target=server.serve_forever, name="idp", daemon=True)
+    thread.start()
+    try:
+        yield idp
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@contextlib.contextmanager
+def billing(tmp_path: Path, idp: Provider) -> Iterator[str]:
+    """Billing with single sign-on through ``idp`` (group ``ops`` the admin); yields its URL."""
+    base = load_config(None, environ={})
+    oidc = OidcSettings(issuer=idp.url, client_id="dash", groups={"ops": "admin"})
+    config = base.model_copy(update={"dashboard": DashboardSettings(oidc=oidc)})
+    ledger = config_ledger(config, tmp_path / "ledger.duckdb")
+    try:
+        port = free_port()
+        app = create_app(config, ledger)
+        with server_thread(serve(app, "127.0.0.1", port, lifespan="off"), "billing"):
+            yield f"http://127.0.0.1:{port}"
+    finally:
+        ledger.close()
+
+
+def token(idp: Provider, key: RSAKey = KEY, **changes: Any) -> str:
+    """An ID token of ``idp`` for the dashboard's client, signed with ``key``."""
+    claims = {
+        "iss": idp.url,
+        "aud": "dash",
+        "sub": "ana",
+        "email": "ana@example.com",
+        "groups": ["ops"],
+        "exp": int(time.time()) + 600,
+    } | changes
+    return jwt.encode({"alg": "RS256", "kid": key.kid}, claims, key)
+
+
+def read(url: str, bearer: str) -> httpx.Response:
+    return httpx.get(f"{url}/v1/query", headers={"authorization": f"Bearer {bearer}"}, timeout=30)
+
+
+def assert_unavailable(answer: httpx.Response) -> None:
+    """A 503 in the OpenAI error shape, with Retry-After: ask again, the token is not refused."""
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["retry-after"] == str(IDP_RETRY_SECONDS)
+    error = answer.json()["error"]
+    assert error["type"] == "server_error"
+    assert error["code"] == "idp_unavailable"
+    assert "identity provider's keys cannot be read" in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+FAILURES = {
+    "keys answer 500": lambda idp: idp.answers.update({"/jwks": (500, b"oops")}),
+    "keys answer 503": lambda idp: idp.answers.update({"/jwks": (503, b"")}),
+    "keys are not JSON": lambda idp: idp.answers.update({"/jwks": (200, b"<html>down</html>")}),
+    "keys are no key set": lambda idp: idp.answers.update({"/jwks": (200, b'{"keys": "x"}')}),
+    "keys are a list": lambda idp: idp.answers.update({"/jwks": (200, b"[]")}),
+    "discovery answers 502": lambda idp: idp.answers.update({DISCOVERY: (502, b"")}),
+    "discovery names no keys": lambda idp: idp.answers.update({DISCOVERY: (200, b"{}")}),
+    "keys unreachable": lambda idp: idp.publish(f"http://127.0.0.1:{free_port()}/jwks"),
+}
+
+
+@pytest.mark.parametrize("fail", FAILURES.values(), ids=FAILURES.keys())
+def test_a_token_is_503_while_the_providers_keys_cannot_be_read(tmp_path: Path, fail: Any) -> None:
+    """Each way the keys cannot be read is a 503 with Retry-After for a good token, not the 401
+    of a refused one (before, a 401: the dashboard could not tell an outage from a token
+    refused); once the provider answers, the same token reads."""
+    with provider() as idp, billing(tmp_path, idp) as url:
+        good = token(idp)
+        fail(idp)
+        assert_unavailable(read(url, good))
+        assert_unavailable(read(url, good))  # each request tries the provider again
+        idp.publish()
+        answer = read(url, good)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["caller"]["is_admin"] is True
+
+
+def test_a_wrong_token_stays_401_with_the_keys_in_hand(tmp_path: Path) -> None:
+    """With the keys read, a token signed by another key, expired, for another client or
+    issuer, or naming a key the provider does not publish (after reading the keys again) is
+    refused with 401, even once the provider has gone down: the keys held are enough to tell."""
+    with provider() as idp, billing(tmp_path, idp) as url:
+        assert read(url, token(idp)).status_code == 200
+        wrong = {
+            "another key": token(idp, IMPOSTOR),
+            "expired": token(idp, exp=int(time.time()) - 3600),
+            "another client": token(idp, aud="other"),
+            "another issuer": token(idp, iss="http://127.0.0.1:1"),
+            "a key not published": token(idp, UNPUBLISHED),
+        }
+        for why, bearer in wrong.items():
+            answer = read(url, bearer)
+            assert answer.status_code == 401, (why, answer.text)
+            assert answer.json()["error"]["code"] == "invalid_api_key", why
+        idp.answers.update({"/jwks": (500, b""), DISCOVERY: (500, b"")})
+        assert read(url, token(idp)).status_code == 200  # the keys held still check
+        assert read(url, wrong["another key"]).status_code == 401
