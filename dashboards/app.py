@@ -8,8 +8,9 @@ data callback names (``dashboards.sessions``), so no callback can be used to tes
 sign-ins are throttled per client address (``dashboards.throttle``), and while an address is
 locked out no callback from it looks anything up. Sign-out and sign-in empty the key box, and
 sign-out ends the session. A session ends with its key: when billing answers one of its reads
-with 401 (the key was revoked, or has expired), or at the key's expiry, and the next refresh
-sends the tab to the sign-in form saying why. Every response carries the security headers of
+with 401 (the key was revoked, or has expired; for single sign-on, the ID token was refused),
+or at the key's expiry, and the next refresh sends the tab to the sign-in form saying why.
+Billing's 503 ends nothing. Every response carries the security headers of
 ``dashboards.headers``.
 
 Signed out, a visitor sees the sign-in form and nothing else: no navigation, no range picker, no
@@ -36,7 +37,7 @@ from dashboards.context import Context
 from dashboards.data import RANGE_LABELS, RANGES, fetch_queries
 from dashboards.formatting import as_of
 from dashboards.headers import content_security_policy, install_security_headers
-from dashboards.oidc import LOGIN_PATH, end_sso, install_oidc, take_error
+from dashboards.oidc import LOGIN_PATH, end_sso, install_oidc, sso_session_id, take_error
 from dashboards.pages import allocation, chargeback, efficiency, fleet, keys, planner, sla, teams
 from dashboards.sessions import EXPIRED, REFUSED, Gate, Session, Sessions, clean_key
 from dashboards.style import SORT_JS, STYLE, TZ_JS
@@ -68,11 +69,17 @@ PAGES: Final[tuple[ModuleType, ...]] = (
 )
 
 _HIDDEN: Final = {"display": "none"}
-# What the sign-in form says to a tab whose session ended with its key (``Sessions.ended``).
+# What the sign-in form says to a tab whose session ended with its key (``Sessions.ended``),
+# signed in with a key, or with single sign-on.
 _ENDED: Final = {
     REFUSED: "Signed out: billing no longer accepts the key you signed in with (it was revoked "
     "or has expired). Sign in with a key in force.",
     EXPIRED: "Signed out: the key you signed in with has expired. Sign in with a key in force.",
+}
+_ENDED_SSO: Final = {
+    REFUSED: "Signed out: billing no longer accepts your single sign-on (it refused the identity "
+    "provider's token). Sign in again.",
+    EXPIRED: "Signed out: your single sign-on session has ended. Sign in again.",
 }
 
 
@@ -170,16 +177,20 @@ def _refused(throttle: SignInThrottle, address: str, status: int) -> str:
 def _ended(gate: Gate, auth: Any, address: str) -> tuple[Any, Any, Any, Any]:
     """At each refresh: a tab whose session ended with its key is signed out and told why.
 
-    Nothing changes for a live session, one ended otherwise, or while ``address`` is locked out
-    of sign-in (nothing from it is looked up).
+    The session is the one the tab's store names, else its single sign-on cookie's. Nothing
+    changes for a live session, one ended otherwise, or while ``address`` is locked out of
+    sign-in (nothing from it is looked up).
     """
     sid = auth.get("session") if isinstance(auth, dict) else None
-    why = None
-    if isinstance(sid, str) and gate.throttle.retry_after(address) <= 0:
-        why = gate.sessions.ended(sid)
-    if why is None:
+    if not isinstance(sid, str):
+        sid = sso_session_id()
+    found = None
+    if sid is not None and gate.throttle.retry_after(address) <= 0:
+        found = gate.sessions.ending(sid)
+    if found is None:
         return no_update, no_update, no_update, no_update
-    return None, True, _ENDED[why], no_update
+    why, session = found
+    return None, True, (_ENDED if session.person is None else _ENDED_SSO)[why], no_update
 
 
 def _summary(ctx: Context, session: Session, choice: str | None, tz: str | None) -> tuple[Any, Any]:
@@ -227,7 +238,7 @@ def create_app(
     heard = audit or _unheard
     signins = SignInThrottle() if throttle is None else throttle
     gate = Gate(signins, Sessions() if sessions is None else sessions)
-    # A 401 from billing ends every session signed in with that key.
+    # A 401 from billing ends every session signed in with that key or ID token.
     ctx = Context(config, BillingClient(billing_url, refused=gate.sessions.refused), gate)
     app = Dash(
         __name__,

@@ -18,10 +18,12 @@ single sign-on. One key signing in again and again ends its own sessions, never 
 and not its teammates' either: members of a team hold keys of their own.
 
 A session ends with its key. Billing answering one of its reads with 401 (the key was revoked,
-or has expired) ends it at once (``refused``), and a session that knows when its key expires
-(``Session.expires_at``, from billing's answer at sign-in) ends then. The browser is told why,
-once (``ended``), at its next refresh, and is sent to the sign-in form rather than shown
-billing's refusals until the session goes idle.
+or has expired; for single sign-on, billing refused the ID token) ends it at once
+(``refused``), and a session that knows when its key expires (``Session.expires_at``, from
+billing's answer at sign-in, or the single sign-on session's end) ends then. Billing's 503 (it
+cannot check an ID token while the identity provider's keys cannot be read) ends nothing. The
+browser is told why, once (``ended``), at its next refresh, and is sent to the sign-in form
+rather than shown billing's refusals until the session goes idle.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ __all__ = ["EXPIRED", "IDLE_SECONDS", "REFUSED", "Gate", "Session", "Sessions", 
 
 # A session unused this long is over: a working day and then some.
 IDLE_SECONDS: Final = 12 * 3600.0
-# Why a session was ended for its user (``Sessions.ended``): billing refused its key (401), or
-# the key's expiry (or the single sign-on session's end) came.
+# Why a session was ended for its user (``Sessions.ended``): billing refused its key or ID token
+# (401), or the key's expiry (or the single sign-on session's end) came.
 REFUSED: Final = "refused"
 EXPIRED: Final = "expired"
 # What a pasted key may carry around it: whitespace, and the invisible characters editors and
@@ -102,9 +104,9 @@ class Sessions:
         self._lock = threading.Lock()
         # By id: the session, when it was last used, and its holder (computed once).
         self._by_id: OrderedDict[str, tuple[Session, float, str]] = OrderedDict()
-        # Why each session that ``refused`` or its expiry ended was ended, kept until the
-        # browser is told (at most ``max_sessions``, the oldest forgotten first).
-        self._why: OrderedDict[str, str] = OrderedDict()
+        # Why each session that ``refused`` or its expiry ended was ended, and the session, kept
+        # until the browser is told (at most ``max_sessions``, the oldest forgotten first).
+        self._why: OrderedDict[str, tuple[str, Session]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -138,7 +140,9 @@ class Sessions:
             if found is None or now - found[1] > self.idle_seconds:
                 return None
             if self._expired(found[0]):
-                self._ended(sid, EXPIRED)  # over for good: popped above, so it is forgotten too
+                self._ended(
+                    sid, found[0], EXPIRED
+                )  # over for good: popped above, so it is forgotten too
                 return None
             self._by_id[sid] = (found[0], now, found[2])
             return found[0]
@@ -146,32 +150,37 @@ class Sessions:
     def refused(self, token: str) -> None:
         """Billing answered a read with ``token`` with 401: end every session signed in with it.
 
-        A key's sessions only: an ID token's session ends at the token's expiry, and billing
-        also answers 401 while it cannot read the identity provider's keys, which passes.
+        A key's sessions, or a person's signed in with that ID token (billing answers 401 for
+        an ID token only when it refuses the token; while it cannot read the identity
+        provider's keys it answers 503, which ends nothing).
         """
-        holder = Session(token, "", None, False).holder
         with self._lock:
-            gone = [sid for sid, (_, _, held) in self._by_id.items() if held == holder]
-            for sid in gone:
+            found = [(sid, s) for sid, (s, _, _) in self._by_id.items() if s.token == token]
+            for sid, session in found:
                 del self._by_id[sid]
-                self._ended(sid, REFUSED)
+                self._ended(sid, session, REFUSED)
 
     def ended(self, sid: str) -> str | None:
         """Why the session ``sid`` was ended (``REFUSED``, ``EXPIRED``), said once; None while
         it lives, or when it ended otherwise (sign-out, idle, the bound) or was never begun."""
+        found = self.ending(sid)
+        return None if found is None else found[0]
+
+    def ending(self, sid: str) -> tuple[str, Session] | None:
+        """``ended``, with the session that was ended."""
         with self._lock:
             found = self._by_id.get(sid)
             if found is not None and self._expired(found[0]):
                 del self._by_id[sid]
-                self._ended(sid, EXPIRED)
+                self._ended(sid, found[0], EXPIRED)
             return self._why.pop(sid, None)
 
     def _expired(self, session: Session) -> bool:
         return session.expires_at is not None and self._wall() >= session.expires_at
 
-    def _ended(self, sid: str, why: str) -> None:
+    def _ended(self, sid: str, session: Session, why: str) -> None:
         """Keep why ``sid`` ended until the browser asks (lock held)."""
-        self._why[sid] = why
+        self._why[sid] = (why, session)
         while len(self._why) > self.max_sessions:
             self._why.popitem(last=False)
 

@@ -322,6 +322,24 @@ def test_session_expires(stack: Stack) -> None:
         assert len(sessions) == 0
 
 
+def test_an_open_tab_is_sent_to_sign_in_when_its_session_ends(stack: Stack) -> None:
+    """Refreshing every second, a tab whose 3 s session ends shows the sign-in form saying so,
+    without a page load (before, it stayed on the page: the session named by its cookie, not
+    its store, was never told)."""
+    sessions = Sessions()
+    heard: list[tuple[str, str, dict[str, Any]]] = []
+    short = sso_config(stack.issuer, 3)
+    fast = short.model_copy(
+        update={"dashboard": short.dashboard.model_copy(update={"refresh_seconds": 1.0})}
+    )
+    with dashboard(fast, stack.billing, sessions, heard) as url:
+        sign_in_as(stack.driver, url, MEMBER)
+        wait(stack.driver, "#who", MEMBER)
+        wait(stack.driver, "#login-error", "your single sign-on session has ended")
+        wait(stack.driver, "#sso-login")
+        assert not stack.driver.find_element(By.ID, "nav").is_displayed()
+
+
 def test_billing_reads_with_an_id_token_scoped_by_group(stack: Stack) -> None:
     """Billing's read routes take an ID token as the bearer, scoped by the person's group."""
     member = id_token(stack.issuer, MEMBER)
