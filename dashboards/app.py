@@ -9,9 +9,9 @@ sign-ins are throttled per client address (``dashboards.throttle``), and while a
 locked out no callback from it looks anything up. Sign-out and sign-in empty the key box, and
 sign-out ends the session. A session ends with its key: when billing answers one of its reads
 with 401 (the key was revoked, or has expired; for single sign-on, the ID token was refused),
-or at the key's expiry, and the next refresh sends the tab to the sign-in form saying why.
-Billing's 503 ends nothing. Every response carries the security headers of
-``dashboards.headers``.
+or at the key's expiry, and the next refresh sends the tab to the sign-in form saying why; the
+audit trail has it as a sign-out, with why ("revoked", "expired"). Billing's 503 ends nothing.
+Every response carries the security headers of ``dashboards.headers``.
 
 Signed out, a visitor sees the sign-in form and nothing else: no navigation, no range picker, no
 sign-out button, no figures. Signed in, every page opens with the summary row
@@ -81,6 +81,9 @@ _ENDED_SSO: Final = {
     "provider's token). Sign in again.",
     EXPIRED: "Signed out: your single sign-on session has ended. Sign in again.",
 }
+# The audit trail's reason for a sign-out no one asked for: billing refused the key (401), or
+# the key (or the single sign-on session) expired.
+_AUDITED: Final = {REFUSED: "revoked", EXPIRED: "expired"}
 
 
 def _shell(ctx: Context) -> html.Div:
@@ -193,6 +196,23 @@ def _ended(gate: Gate, auth: Any, address: str) -> tuple[Any, Any, Any, Any]:
     return None, True, (_ENDED if session.person is None else _ENDED_SSO)[why], no_update
 
 
+def _audited(heard: Audit) -> Callable[[Session, str], None]:
+    """What ``Sessions.on_end`` tells: a session its key's refusal or expiry ended goes on the
+    audit trail as a sign-out, with why ("revoked", "expired")."""
+
+    def tell(session: Session, why: str) -> None:
+        sso = session.person is not None
+        heard(
+            "signout",
+            session.person or session.name,
+            "",
+            why=_AUDITED[why],
+            detail={"with": "sso" if sso else "key"},
+        )
+
+    return tell
+
+
 def _summary(ctx: Context, session: Session, choice: str | None, tz: str | None) -> tuple[Any, Any]:
     """The summary row and the money snapshot it was computed from."""
     token, admin = session.token, session.is_admin
@@ -231,13 +251,16 @@ def create_app(
     """The dashboard app reading from the billing service at ``billing_url``.
 
     ``throttle`` counts failed sign-ins per client address, ``sessions`` holds the signed-in
-    callers; each app has its own of both by default. ``audit`` hears every sign-in, sign-in
-    failure and sign-out (the audit trail; ``infermeter.audit_spool.AuditThread.record``).
+    callers; each app has its own of both by default (the app sets ``sessions.on_end``).
+    ``audit`` hears every sign-in, sign-in failure and sign-out, a session its key's refusal or
+    expiry ended included (the audit trail; ``infermeter.audit_spool.AuditThread.record``).
     ``environ`` holds the single sign-on client secret (``dashboard.oidc``; default the process's).
     """
     heard = audit or _unheard
     signins = SignInThrottle() if throttle is None else throttle
     gate = Gate(signins, Sessions() if sessions is None else sessions)
+    # Each session its key's refusal or expiry ends is a sign-out on the audit trail.
+    gate.sessions.on_end = _audited(heard)
     # A 401 from billing ends every session signed in with that key or ID token.
     ctx = Context(config, BillingClient(billing_url, refused=gate.sessions.refused), gate)
     app = Dash(

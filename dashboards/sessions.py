@@ -23,7 +23,8 @@ or has expired; for single sign-on, billing refused the ID token) ends it at onc
 billing's answer at sign-in, or the single sign-on session's end) ends then. Billing's 503 (it
 cannot check an ID token while the identity provider's keys cannot be read) ends nothing. The
 browser is told why, once (``ended``), at its next refresh, and is sent to the sign-in form
-rather than shown billing's refusals until the session goes idle.
+rather than shown billing's refusals until the session goes idle; ``on_end`` hears of each such
+end once, for the audit trail.
 """
 
 from __future__ import annotations
@@ -96,7 +97,11 @@ class Sessions:
         max_sessions: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        on_end: Callable[[Session, str], None] | None = None,
     ) -> None:
+        # Told of each session its key's refusal or expiry ended, and why (``REFUSED``,
+        # ``EXPIRED``), once per session and outside the lock: the app's audit trail.
+        self.on_end = on_end
         self.idle_seconds = idle_seconds
         self.max_sessions = max_sessions
         self._clock = clock
@@ -135,17 +140,17 @@ class Sessions:
     def get(self, sid: str) -> Session | None:
         """The session named ``sid``, if it lives; using it keeps it alive."""
         now = self._clock()
+        gone: list[tuple[str, Session]] = []
         with self._lock:
             found = self._by_id.pop(sid, None)
             if found is None or now - found[1] > self.idle_seconds:
                 return None
-            if self._expired(found[0]):
-                self._ended(
-                    sid, found[0], EXPIRED
-                )  # over for good: popped above, so it is forgotten too
-                return None
-            self._by_id[sid] = (found[0], now, found[2])
-            return found[0]
+            if not self._expired(found[0]):
+                self._by_id[sid] = (found[0], now, found[2])
+                return found[0]
+            gone.append(self._ended(sid, found[0], EXPIRED))  # popped above: forgotten too
+        self._tell(gone)
+        return None
 
     def refused(self, token: str) -> None:
         """Billing answered a read with ``token`` with 401: end every session signed in with it.
@@ -156,9 +161,11 @@ class Sessions:
         """
         with self._lock:
             found = [(sid, s) for sid, (s, _, _) in self._by_id.items() if s.token == token]
+            gone = []
             for sid, session in found:
                 del self._by_id[sid]
-                self._ended(sid, session, REFUSED)
+                gone.append(self._ended(sid, session, REFUSED))
+        self._tell(gone)
 
     def ended(self, sid: str) -> str | None:
         """Why the session ``sid`` was ended (``REFUSED``, ``EXPIRED``), said once; None while
@@ -168,21 +175,31 @@ class Sessions:
 
     def ending(self, sid: str) -> tuple[str, Session] | None:
         """``ended``, with the session that was ended."""
+        gone: list[tuple[str, Session]] = []
         with self._lock:
             found = self._by_id.get(sid)
             if found is not None and self._expired(found[0]):
                 del self._by_id[sid]
-                self._ended(sid, found[0], EXPIRED)
-            return self._why.pop(sid, None)
+                gone.append(self._ended(sid, found[0], EXPIRED))
+            why = self._why.pop(sid, None)
+        self._tell(gone)
+        return why
 
     def _expired(self, session: Session) -> bool:
         return session.expires_at is not None and self._wall() >= session.expires_at
 
-    def _ended(self, sid: str, session: Session, why: str) -> None:
-        """Keep why ``sid`` ended until the browser asks (lock held)."""
+    def _ended(self, sid: str, session: Session, why: str) -> tuple[str, Session]:
+        """Keep why ``sid`` ended until the browser asks (lock held); what ``on_end`` hears."""
         self._why[sid] = (why, session)
         while len(self._why) > self.max_sessions:
             self._why.popitem(last=False)
+        return why, session
+
+    def _tell(self, gone: list[tuple[str, Session]]) -> None:
+        """Tell ``on_end`` of each session just ended (the lock released: it may write)."""
+        if self.on_end is not None:
+            for why, session in gone:
+                self.on_end(session, why)
 
     def end(self, sid: str) -> None:
         """Forget ``sid`` (sign-out)."""

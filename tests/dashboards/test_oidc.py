@@ -325,7 +325,7 @@ def test_session_expires(stack: Stack) -> None:
 def test_an_open_tab_is_sent_to_sign_in_when_its_session_ends(stack: Stack) -> None:
     """Refreshing every second, a tab whose 3 s session ends shows the sign-in form saying so,
     without a page load (before, it stayed on the page: the session named by its cookie, not
-    its store, was never told)."""
+    its store, was never told), and the audit trail has the sign-out, why "expired"."""
     sessions = Sessions()
     heard: list[tuple[str, str, dict[str, Any]]] = []
     short = sso_config(stack.issuer, 3)
@@ -338,6 +338,9 @@ def test_an_open_tab_is_sent_to_sign_in_when_its_session_ends(stack: Stack) -> N
         wait(stack.driver, "#login-error", "your single sign-on session has ended")
         wait(stack.driver, "#sso-login")
         assert not stack.driver.find_element(By.ID, "nav").is_displayed()
+    assert [h for h in heard if h[0] == "signout"] == [
+        ("signout", MEMBER, {"why": "expired", "detail": {"with": "sso"}})
+    ]
 
 
 def test_billing_reads_with_an_id_token_scoped_by_group(stack: Stack) -> None:

@@ -1,4 +1,4 @@
-"""A dashboard session ends with its key or ID token.
+"""A dashboard session ends with its key or ID token, and the audit trail says so, once.
 
 Billing runs with single sign-on through an identity provider served over loopback (a key made
 in the test signs the ID tokens); the dashboard runs under its production server and its
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from dashboards.app import create_app
@@ -30,7 +31,10 @@ from tests.billing.test_oidc_unavailable import IMPOSTOR, Provider, provider, to
 from tests.dashboards import records
 from tests.dashboards.stack import billing_thread, dashboard_config, wsgi_thread
 from tests.security.test_dashboard_security import (
+    ADMIN,
     SIGNED_OUT,
+    issue,
+    sign_in,
     summary,
     tick,
 )
@@ -46,6 +50,9 @@ class Stack:
     url: str
     sessions: Sessions
     heard: Heard
+
+    def signouts(self) -> list[tuple[str, str, dict[str, Any]]]:
+        return [h for h in self.heard if h[0] == "signout"]
 
     def sso(self, bearer: str, expires_in: float = 600.0) -> dict[str, str]:
         """A single sign-on session holding ``bearer``, as the sign-in route begins one; the
@@ -99,12 +106,13 @@ def test_a_single_sign_on_session_billing_refuses_ends_and_is_told_why(stack: St
     )
     assert tick(stack.url, refused) == {}
     assert summary(stack.url, other)["money"]["data"] is not None
+    assert stack.signouts() == [("signout", PERSON, {"why": "revoked", "detail": {"with": "sso"}})]
 
 
 def test_a_503_while_the_providers_keys_cannot_be_read_ends_nothing(stack: Stack) -> None:
     """While billing cannot read the provider's keys it answers 503: the session stays (the
-    refresh says the figures are unavailable, the tab is not signed out), and reads again once
-    the provider answers."""
+    refresh says the figures are unavailable, the tab is not signed out, no sign-out is
+    audited), and reads again once the provider answers."""
     auth = stack.sso(token(stack.idp))
     stack.idp.answers["/jwks"] = (500, b"")
     for _ in range(2):
@@ -114,3 +122,50 @@ def test_a_503_while_the_providers_keys_cannot_be_read_ends_nothing(stack: Stack
         assert tick(stack.url, auth) == {}
     stack.idp.publish()
     assert summary(stack.url, auth)["money"]["data"] is not None
+    assert stack.signouts() == []
+
+
+def test_a_revoked_keys_session_is_audited_as_a_sign_out_once(stack: Stack) -> None:
+    """A key billing revokes: its two sessions end on the first 401, and the audit trail has one
+    sign-out for each, why "revoked", however many reads billing refused (before, none)."""
+    key_id, key = issue(stack.billing, "cy")
+    first = sign_in(stack.url, key)["auth"]["data"]
+    second = sign_in(stack.url, key)["auth"]["data"]
+    revoked = httpx.post(
+        f"{stack.billing}/v1/keys/{key_id}/revoke", json={"reason": "left"}, headers=ADMIN
+    )
+    assert revoked.status_code == 200, revoked.text
+    assert summary(stack.url, first)["money"]["data"] is None
+    for auth in (first, second, first):
+        assert summary(stack.url, auth) == SIGNED_OUT
+        tick(stack.url, auth)
+    signouts = stack.signouts()
+    assert len(signouts) == 2
+    assert {s[0] for s in signouts} == {"signout"}
+    assert {s[2]["why"] for s in signouts} == {"revoked"}
+    assert {s[2]["detail"]["with"] for s in signouts} == {"key"}
+
+
+def test_expired_sessions_are_audited_as_sign_outs_once(stack: Stack) -> None:
+    """A key issued for 3 s and a single sign-on session of 2 s: each session ends at its
+    expiry, and the audit trail has one sign-out for each, why "expired" (before, none); the
+    single sign-on tab is told in its own words."""
+    key = issue(stack.billing, "ed", expires_in_seconds=3)[1]
+    keyed = sign_in(stack.url, key)["auth"]["data"]
+    person = stack.sso(token(stack.idp), expires_in=2.0)
+    time.sleep(3.2)
+    assert summary(stack.url, keyed) == SIGNED_OUT
+    assert summary(stack.url, person) == SIGNED_OUT
+    assert tick(stack.url, keyed)["login-error"]["children"] == (
+        "Signed out: the key you signed in with has expired. Sign in with a key in force."
+    )
+    assert tick(stack.url, person)["login-error"]["children"] == (
+        "Signed out: your single sign-on session has ended. Sign in again."
+    )
+    for auth in (keyed, person):
+        assert tick(stack.url, auth) == {}
+        assert summary(stack.url, auth) == SIGNED_OUT
+    assert sorted((s[1] != PERSON, s[2]["why"], s[2]["detail"]) for s in stack.signouts()) == [
+        (False, "expired", {"with": "sso"}),
+        (True, "expired", {"with": "key"}),
+    ]
