@@ -36,6 +36,10 @@ same benchmark as nginx and the unchanged sidecar. ``SIDECAR_VARIANT`` names it:
   counts the bytes only), the slot kept;
 - ``noslot``: the journal's line written, but the relay given no slot to write its progress to;
 - ``nogc``: Python's cyclic garbage collector off (``gc.disable()`` before start-up);
+- ``gcstats``: the unchanged sidecar, writing to ``SIDECAR_GCSTATS.<pid>`` (default
+  ``sidecar-gcstats.txt.<pid>``) every 2 s how many collections of each generation the cyclic
+  collector has made and the CPU time they took (``gc.callbacks``): what the collector costs the
+  request path;
 - ``eager``: the app's coroutine for a request run at once when its body is in, inside the
   server's read, until it first waits (for a streamed request, on vLLM's answer after the
   upstream write), and only then given to a task, as Python 3.12's eager tasks do: what the
@@ -517,6 +521,37 @@ def _nogc() -> None:
     gc.disable()
 
 
+def _gcstats() -> None:
+    import gc
+    import threading
+
+    out = os.environ.get("SIDECAR_GCSTATS", "sidecar-gcstats.txt")
+    # Per generation: collections and the thread CPU seconds they took.
+    seen = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
+    began = [0.0]
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.thread_time()
+        else:
+            entry = seen[info["generation"]]
+            entry[0] += 1
+            entry[1] += time.thread_time() - began[0]
+
+    gc.callbacks.append(timed)
+
+    def write() -> None:
+        while True:
+            time.sleep(2.0)
+            with open(f"{out}.{os.getpid()}", "w") as log:
+                log.write(
+                    " ".join(f"gen{g}: {n} in {1000 * s:.1f} ms" for g, (n, s) in seen.items())
+                    + "\n"
+                )
+
+    threading.Thread(target=write, daemon=True).start()
+
+
 def _cycles() -> None:
     import collections
     import gc
@@ -556,6 +591,7 @@ _PATCHES: dict[str, Callable[[], None]] = {
     "nojournalwrite": _nojournalwrite,
     "noslot": _noslot,
     "nogc": _nogc,
+    "gcstats": _gcstats,
     "eager": _eager,
     "cycles": _cycles,
     "memory": _memory,
