@@ -89,15 +89,7 @@ def otlp_settings(environ: Mapping[str, str] | None = None) -> OtlpSettings:
         raise OtlpConfigError(
             f"{name}={env.get(name)!r}: metrics can be exported over {' or '.join(PROTOCOLS)}"
         )
-    raw = env.get("OTEL_METRIC_EXPORT_INTERVAL", "").strip()
-    try:
-        millis = float(raw) if raw else DEFAULT_INTERVAL_MILLIS
-    except ValueError:
-        millis = -1.0
-    if not 0 < millis < float("inf"):
-        raise OtlpConfigError(
-            f"OTEL_METRIC_EXPORT_INTERVAL={raw!r}: not a positive number of milliseconds"
-        )
+    millis = _millis(env, "OTEL_METRIC_EXPORT_INTERVAL", DEFAULT_INTERVAL_MILLIS)
     _check_timeout(env, "METRICS", millis / 1000, "the export interval")
     return OtlpSettings(protocol, millis / 1000, semconv_opt_in(env))
 
@@ -113,16 +105,21 @@ def check_span_export_timeout(environ: Mapping[str, str] | None = None) -> None:
     refused, the unit named.
     """
     env = _env(environ)
-    raw = env.get("OTEL_BSP_EXPORT_TIMEOUT", "").strip()
+    millis = _millis(env, "OTEL_BSP_EXPORT_TIMEOUT", DEFAULT_SPAN_EXPORT_TIMEOUT_MILLIS)
+    _check_timeout(env, "TRACES", millis / 1000, "OTEL_BSP_EXPORT_TIMEOUT")
+
+
+def _millis(env: Mapping[str, str], name: str, default: float) -> float:
+    """The positive number of milliseconds ``name`` holds (``default`` when unset), else
+    OtlpConfigError naming it."""
+    raw = env.get(name, "").strip()
     try:
-        millis = float(raw) if raw else DEFAULT_SPAN_EXPORT_TIMEOUT_MILLIS
+        millis = float(raw) if raw else default
     except ValueError:
         millis = -1.0
     if not 0 < millis < float("inf"):
-        raise OtlpConfigError(
-            f"OTEL_BSP_EXPORT_TIMEOUT={raw!r}: not a positive number of milliseconds"
-        )
-    _check_timeout(env, "TRACES", millis / 1000, "OTEL_BSP_EXPORT_TIMEOUT")
+        raise OtlpConfigError(f"{name}={raw!r}: not a positive number of milliseconds")
+    return millis
 
 
 def _check_timeout(env: Mapping[str, str], signal: str, bound_seconds: float, bound: str) -> None:
