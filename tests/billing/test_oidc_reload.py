@@ -7,12 +7,9 @@ test signs the ID tokens); billing runs under uvicorn and is reconfigured as a r
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 from joserfc import jwt
@@ -24,6 +21,7 @@ from infermeter.config import Config, DashboardSettings, OidcSettings, load_conf
 from infermeter.serving import free_port, server as serve
 from tests.conftest import config_ledger
 from tests.dashboards.stack import server_thread
+from tests.http_stub import Answer, serving
 
 KEY = RSAKey.generate_key(2048, parameters={"kid": "k1"}, private=True)
 
@@ -33,32 +31,16 @@ def issuer() -> Iterator[str]:
     """An IdP's discovery document and public keys on a loopback port; yields its issuer URL."""
     documents: dict[str, bytes] = {}
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = documents.get(self.path)
-            self.send_response(200 if body else 404)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body or b"")))
-            self.end_headers()
-            self.wfile.write(body or b"")
+    def answer(path: str) -> Answer:
+        body = documents.get(path)
+        return 200 if body else 404, body or b"", "application/json"
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    documents["/.well-known/openid-configuration"] = json.dumps(
-        {"issuer": url, "jwks_uri": f"{url}/jwks"}
-    ).encode()
-    documents["/jwks"] = json.dumps(KeySet([KEY]).as_dict(private=False)).encode()
-    thread = threading.Thread(target=server.serve_forever, name="idp", daemon=True)
-    thread.start()
-    try:
+    with serving(answer, "idp") as url:
+        documents["/.well-known/openid-configuration"] = json.dumps(
+            {"issuer": url, "jwks_uri": f"{url}/jwks"}
+        ).encode()
+        documents["/jwks"] = json.dumps(KeySet([KEY]).as_dict(private=False)).encode()
         yield url
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 def with_groups(config: Config, url: str, groups: dict[str, str]) -> Config:

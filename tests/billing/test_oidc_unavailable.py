@@ -11,9 +11,7 @@ really wrong stays 401 once the keys are in hand.
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +28,7 @@ from infermeter.config import DashboardSettings, OidcSettings, load_config
 from infermeter.serving import free_port, server as serve
 from tests.conftest import config_ledger
 from tests.dashboards.stack import server_thread
+from tests.http_stub import Answer, serving
 
 KEY = RSAKey.generate_key(2048, parameters={"kid": "k1"}, private=True)
 # Another key under the same id: its signature does not verify with the published one.
@@ -57,29 +56,14 @@ def provider() -> Iterator[Provider]:
     """The IdP on a loopback port, publishing its keys until told otherwise."""
     idp = Provider()
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            status, body = idp.answers.get(self.path, (404, b""))
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(path: str) -> Answer:
+        status, body = idp.answers.get(path, (404, b""))
+        return status, body, "application/json"
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    idp.url = f"http://127.0.0.1:{server.server_address[1]}"
-    idp.publish()
-    thread = threading.Thread(target=server.serve_forever, name="idp", daemon=True)
-    thread.start()
-    try:
+    with serving(answer, "idp") as url:
+        idp.url = url
+        idp.publish()
         yield idp
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 @contextlib.contextmanager

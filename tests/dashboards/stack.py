@@ -7,7 +7,6 @@ loop and with the settings ``infermeter`` serves with, rather than in the test's
 from __future__ import annotations
 
 import contextlib
-import http.server
 import os
 import threading
 import time
@@ -25,6 +24,7 @@ from dashboards.serve import dashboard_server
 from dashboards.wsgi import WsgiServer
 from infermeter.config import DEFAULT_CONFIG, Config, DashboardSettings, load_config
 from infermeter.serving import free_port, server as serve
+from tests.http_stub import serving
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -68,28 +68,9 @@ def billing_thread(config: Config, ledger: Ledger) -> Iterator[str]:
 @contextlib.contextmanager
 def metrics_thread(text: str) -> Iterator[str]:
     """A Prometheus-format endpoint serving ``text``, like the autoscaler's /metrics."""
-    body = text.encode()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("content-type", "text/plain; version=0.0.4")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    page = (200, text.encode(), "text/plain; version=0.0.4")
+    with serving(lambda _: page, "metrics") as url:
+        yield f"{url}/metrics"
 
 
 @contextlib.contextmanager
