@@ -268,7 +268,12 @@ class Relay:
         """Record the stream, then give the client its last event (its ending is kept first)."""
         tail = meter.close()
         call.response_id = meter.response_id
+        ending = stream_end(status)
         if status is RequestStatus.OK and not meter.done:
+            status, ending = RequestStatus.UPSTREAM_ERROR, stream_end(RequestStatus.UPSTREAM_ERROR)
+        elif status is RequestStatus.OK and meter.failed:
+            # vLLM's own error event, then its [DONE]: the client gets both as vLLM sent them,
+            # and the record says the request failed, as it does for the same request unstreamed.
             status = RequestStatus.UPSTREAM_ERROR
         try:
             self.accounting.record(call, status, 200, meter.usage, meter, meter.finish_reason)
@@ -282,7 +287,7 @@ class Relay:
             await send(
                 {
                     "type": "http.response.body",
-                    "body": tail + stream_end(status),
+                    "body": tail + ending,
                     "more_body": False,
                 }
             )

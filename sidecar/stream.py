@@ -56,6 +56,9 @@ class CostRate(Protocol):
 
 
 _DONE = b"data: [DONE]\n\n"
+# vLLM's error event: what a stream that failed after its head ends with, before its [DONE].
+# (Generated text never holds an unescaped quote, so only a real event matches.)
+_ERROR = b'data: {"error":'
 _END = b"\n\n"
 _ROLE = b'"delta":{"role"'
 _USAGE_ONLY = b'"choices":[],"usage"'
@@ -132,6 +135,9 @@ class StreamMeter:
     token_events: int = 0
     final_usage: bool = False
     done: bool = False
+    # vLLM ended the stream with an error event (``data: {"error": ...}``, then ``[DONE]``): the
+    # engine failed the request after its head was sent, and the stream is not a whole answer.
+    failed: bool = False
     finish_reason: str | None = None
     # vLLM's id for the response (``chatcmpl-...``), read from the first chunk.
     response_id: str | None = None
@@ -284,6 +290,8 @@ class StreamMeter:
             data = data[: -len(_DONE)]
             if not data:
                 return self._flush_held()
+        if not self.failed and data.find(_ERROR) >= 0:
+            self.failed = True
         was_final = self.final_usage
         out = self._scan(data, now)
         self._steady = (

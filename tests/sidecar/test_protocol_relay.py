@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -272,3 +273,31 @@ def test_the_old_relay_switch_still_loads_and_says_it_has_no_effect(
         warned = [r.getMessage() for r in caplog.records if "protocol_relay" in r.getMessage()]
         said = "sidecar.protocol_relay: false has no effect: one relay serves every request"
         assert warned == ([] if value else [said])
+
+
+async def test_vllms_own_error_event_mid_stream_is_an_upstream_error(stack_factory, fixture_text):
+    """vLLM failed a stream after its head (its own error event, then ``[DONE]``; here a
+    completion with n=2, echo and logprobs, which vLLM 0.32 fails at times with ``KeyError: 0``):
+    behind either server the client gets vLLM's stream as it would without usage, its error event
+    and ``[DONE]`` included, and the record says ``upstream_error`` with the counts of the last
+    chunk, as the same failure of a non-streamed request does. It said ``ok``."""
+    capture = fixture_text("vllm-0.32-completions-stream-n2-echo-error.sse").encode()
+    stack = await stack_factory(upstream_app=_capture_upstream(capture))
+    body = {
+        "model": "chat-small",
+        "prompt": 'Say "hi"',
+        "max_tokens": 6,
+        "n": 2,
+        "logprobs": 2,
+        "echo": True,
+        "stream": True,
+    }
+    without_usage = re.sub(rb',"usage":\{[^{}]*\}', b"", capture)
+    async with _clients(stack) as clients:
+        for c in clients:
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200
+            assert r.content == without_usage
+            record = (await stack.records())[-1]
+            assert record["status"] == "upstream_error"
+            assert (record["prompt_tokens"], record["completion_tokens"]) == (21, 2)
