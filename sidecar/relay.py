@@ -93,6 +93,9 @@ class Relay:
         self.pools = pools
         # Billing's cost rates (``sidecar.rates``), for the estimate on each answer; None: none.
         self.rates: RatePoller | None = None
+        # The replica's system_fingerprint member, from the last stream's final usage chunk
+        # (``StreamMeter.fingerprint``): a stream of several choices needs it before its end.
+        self.fingerprint: bytes | None = None
 
     def _rate(self, call: Call) -> Rate | None:
         """The cost rate of ``call``'s model, when an estimate can go on its answer."""
@@ -152,6 +155,7 @@ class Relay:
             choices=call.choices,
             slot=self.journal.slot(call.request_id),
             rate=self._rate(call) if call.client_usage else None,
+            fingerprint=self.fingerprint,
         )
         sink = StreamSink(meter, asyncio.get_running_loop())
         conn = await self._send(call, body, headers, sink)
@@ -268,6 +272,8 @@ class Relay:
         """Record the stream, then give the client its last event (its ending is kept first)."""
         tail = meter.close()
         call.response_id = meter.response_id
+        if meter.fingerprint is not None:
+            self.fingerprint = meter.fingerprint
         ending = stream_end(status)
         if status is RequestStatus.OK and not meter.done:
             status, ending = RequestStatus.UPSTREAM_ERROR, stream_end(RequestStatus.UPSTREAM_ERROR)

@@ -4,7 +4,8 @@ The sidecar always asks vLLM for ``include_usage`` and ``continuous_usage_stats`
 carries exact running token counts and an aborted stream still has them. The client gets the
 stream it would have had from vLLM directly: per-chunk usage is cut out unless it asked for
 continuous stats, the final usage chunk is dropped unless it asked for usage, and then its
-``system_fingerprint`` moves back to the last finish chunk, where vLLM puts it in that case.
+``system_fingerprint`` moves back to the finish chunks, where vLLM puts it in that case (each
+choice's: ``StreamMeter.fingerprint``).
 
 Nothing here decodes JSON, and nothing runs a regular expression per block. Upstream reads arrive
 as blocks of one or more complete SSE events (plus possibly a partial one, kept for the next
@@ -169,6 +170,11 @@ class StreamMeter:
     # The model's cost rate (``sidecar.rates``), for a client that asked for usage: the final
     # usage chunk it gets carries the cost estimate. None: no estimate.
     rate: CostRate | None = None
+    # The replica's ``,"system_fingerprint":"..."`` member as its final usage chunk carries it:
+    # given from an earlier stream of the replica, and taken from this one's. Without usage, vLLM
+    # puts it on every choice's finish chunk; with several choices all but the last are sent
+    # before the usage chunk, so they get the one known from before (none before the first).
+    fingerprint: bytes | None = None
 
     @property
     def usage(self) -> UsageCounts | None:
@@ -339,6 +345,9 @@ class StreamMeter:
             if finals:
                 tokens -= finals
                 self.final_usage = True
+                fp = data.find(_FINGERPRINT, last)
+                if fp >= 0:
+                    self.fingerprint = data[fp : data.find(b'"', fp + len(_FINGERPRINT)) + 1]
             slot = self.slot
             if slot is not None:
                 if self.choices or not slot.counted:
@@ -401,6 +410,8 @@ class StreamMeter:
 
     def _rewrite(self, data: bytes, has_finish: bool) -> bytes:
         """Drop the final usage chunk for a client that did not ask for usage."""
+        if has_finish and self.choices and self.fingerprint is not None:
+            data = self._stamped(data)
         out = self._held + data if self._held else data
         self._held = b""
         at = out.find(_USAGE_ONLY) if self.final_usage else -1
@@ -411,7 +422,12 @@ class StreamMeter:
             usage_event = out[start:stop]
             out = out[:start] + out[stop:]
             fp = usage_event.find(_FINGERPRINT)
-            if fp >= 0 and start > 0:
+            # (The last finish chunk holds one already when it was stamped: ``_stamped``.)
+            if (
+                fp >= 0
+                and start > 0
+                and out.find(_FINGERPRINT, out.rfind(_END, 0, start - 2) + 2, start) < 0
+            ):
                 fp_end = usage_event.find(b'"', fp + len(_FINGERPRINT)) + 1
                 # start - 3 is the closing brace of the previous event (the last finish chunk).
                 out = out[: start - 3] + usage_event[fp:fp_end] + out[start - 3 :]
@@ -426,6 +442,24 @@ class StreamMeter:
             self._held = out[last:]
             return out[:last]
         return out
+
+    def _stamped(self, data: bytes) -> bytes:
+        """``data`` with the known fingerprint on each of its finish chunks, as vLLM puts it."""
+        fingerprint = self.fingerprint
+        assert fingerprint is not None
+        pieces: list[bytes] = []
+        pos = 0
+        at = data.find(_FINISH)
+        while at >= 0:
+            end = data.find(_END, at)
+            if end < 0:
+                break
+            # The event's closing brace is the byte before its end.
+            pieces += (data[pos : end - 1], fingerprint)
+            pos = end - 1
+            at = data.find(_FINISH, end)
+        pieces.append(data[pos:])
+        return b"".join(pieces)
 
     def _flush_held(self) -> bytes:
         held, self._held = self._held, b""

@@ -506,8 +506,8 @@ class ChatFormatter(_Formatter):
     ) -> bytes:
         """One generated token; the last one of a choice carries its finish and stop reasons.
 
-        ``last`` marks the stream's final JSON chunk when no usage chunk follows: vLLM puts
-        ``system_fingerprint`` there and nowhere else.
+        ``last`` marks a finish chunk of a stream that no usage chunk ends: vLLM puts
+        ``system_fingerprint`` on each of those (one per choice) and nowhere else.
         """
         content = orjson.dumps(text)
         if finish is None:

@@ -566,8 +566,6 @@ class ReplicaSim:
                     fmt.role_chunk(i, (choice_prompt[i], 0) if gen.continuous_usage else None)  # type: ignore[union-attr]
                     for i in range(len(req.seqs))
                 )
-            last_args: tuple[int, str, str | None, tuple[int, int] | None] | None = None
-            last_reason: str | None = None
             for i, seq in enumerate(req.seqs):
                 rng, plan = req.rngs[i], req.plans[i]
                 while emitted[i] < seq.generated:
@@ -584,12 +582,12 @@ class ReplicaSim:
                     # As vLLM: a chunk's running usage is its own choice's completion tokens
                     # and its own prompt's tokens (serving_chat/serving_completion).
                     usage = (choice_prompt[i], emitted[i]) if gen.continuous_usage else None
-                    last_args, last_reason = (i, text, finish, usage), reason
-                    parts.append(fmt.token_chunk(*last_args, stop_reason=reason))
+                    # Without a usage chunk to end the stream, vLLM stamps its fingerprint on
+                    # every finish chunk, each choice's.
+                    stamp = finish is not None and not gen.include_usage
+                    parts.append(fmt.token_chunk(i, text, finish, usage, stamp, reason))
             done = all(s.done for s in req.seqs)
             if done:
-                if not gen.include_usage and last_args is not None:
-                    parts[-1] = fmt.token_chunk(*last_args, last=True, stop_reason=last_reason)
                 if gen.include_usage:
                     parts.append(fmt.usage_chunk(prompt, sum(s.generated for s in req.seqs)))
                 parts.append(fmt.done())

@@ -24,6 +24,7 @@ from tests.servers import running, serving
 from tests.sidecar.conftest import KEYS, Stack, make_config
 from tests.sidecar.test_fetch import _certificate
 from tests.sidecar.test_proxy_whole import _engine
+from tests.sidecar.test_stream import n2_upstream
 
 # The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
 pytestmark = pytest.mark.both_loops
@@ -301,3 +302,17 @@ async def test_vllms_own_error_event_mid_stream_is_an_upstream_error(stack_facto
             record = (await stack.records())[-1]
             assert record["status"] == "upstream_error"
             assert (record["prompt_tokens"], record["completion_tokens"]) == (21, 2)
+
+
+async def test_a_plain_n2_stream_has_vllms_fingerprint_on_both_finish_chunks(stack_factory):
+    """A stream of two choices for a client that did not ask for usage: from the replica's second
+    stream on, behind either server, the client gets vLLM's own bytes, the fingerprint on both
+    finish chunks (the sidecar knows it from the replica's earlier final usage chunk)."""
+    plain, upstream = n2_upstream()
+    stack = await stack_factory(upstream_app=_capture_upstream(upstream))
+    body = {**CHAT, "max_tokens": 3, "n": 2, "stream": True}
+    async with _clients(stack) as clients:
+        assert (await clients[0].post("/v1/chat/completions", json=body)).status_code == 200
+        for c in clients:
+            r = await c.post("/v1/chat/completions", json=body)
+            assert r.content == plain

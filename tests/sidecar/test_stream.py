@@ -8,6 +8,7 @@ vLLM 0.32 sends for its own options (see tests/fixtures), whatever the upstream 
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -510,3 +511,44 @@ def test_the_short_path_takes_the_usual_token_chunks() -> None:
     # Role and first token go the long way, then the finish chunk, the usage chunk and [DONE].
     assert len(taken) == meter.token_events - 2
     assert all(b'"finish_reason":null' in b for b in taken)
+
+
+def n2_upstream() -> tuple[bytes, bytes]:
+    """vLLM's n=2 stream without usage (a capture), and the stream the sidecar gets for it:
+    running usage on every chunk, no fingerprint on the finish chunks, the final usage chunk
+    carrying it."""
+    plain = capture("vllm-0.32-chat-stream-n2.sse")
+    fingerprint = re.search(rb',"system_fingerprint":"[^"]*"', plain)
+    assert fingerprint is not None
+    body = with_continuous_usage(plain.replace(fingerprint[0], b"")[: -len(DONE)], 10)
+    head = body[: body.index(b'"choices":[')]
+    final = head + b'"choices":[],"usage":{"prompt_tokens":10,"total_tokens":16,'
+    final += b'"completion_tokens":6}' + fingerprint[0] + b"}\n\n"
+    return plain, body + final + DONE
+
+
+def test_plain_client_of_n2_stream_gets_the_fingerprint_on_every_finish_chunk():
+    """Without usage vLLM stamps each choice's finish chunk; the first is sent before the usage
+    chunk that carries the fingerprint upstream, so it takes the one an earlier stream of the
+    replica gave (``StreamMeter.fingerprint``): then the client gets vLLM's bytes, whatever
+    the block boundaries. It got the fingerprint on the last finish chunk only."""
+    plain, upstream = n2_upstream()
+    learner = new_meter(NOTHING)
+    for i, block in enumerate(events(upstream)):
+        learner.feed(block, float(i))
+    assert learner.fingerprint is not None
+    cuts: list[set[int]] = [set(), {100, 900, 1500}, set(range(50, len(upstream), 97))]
+    for cut in cuts:
+        meter = StreamMeter(False, False, 0.0, choices=2, fingerprint=learner.fingerprint)
+        blocks = split(upstream, cut) if cut else events(upstream)
+        out = b"".join(meter.feed(b, float(i)) for i, b in enumerate(blocks, start=1))
+        assert out + meter.close() + DONE == plain  # ([DONE] is the relay's, once recorded)
+
+
+def test_the_first_n2_stream_of_a_replica_has_the_fingerprint_on_its_last_finish_chunk():
+    """Before any stream gave it, only the finish chunk before the usage chunk gets it."""
+    _, upstream = n2_upstream()
+    meter = StreamMeter(False, False, 0.0, choices=2)
+    out = b"".join(meter.feed(b, float(i)) for i, b in enumerate(events(upstream), start=1))
+    payloads = sse_events(out + meter.close())
+    assert ["system_fingerprint" in p for p in payloads] == [False] * 7 + [True]

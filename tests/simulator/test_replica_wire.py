@@ -212,6 +212,33 @@ async def test_chat_stream_without_usage_matches_capture(replica, fixture_text):
     assert [("system_fingerprint" in p) for p in ours[:-1]] == [False] * (len(ours) - 2) + [True]
 
 
+async def test_n2_stream_without_usage_has_the_fingerprint_on_each_finish_chunk(
+    replica, fixture_text
+):
+    """Without usage vLLM stamps system_fingerprint on every choice's finish chunk, not only the
+    stream's last (the simulator stamped the last only)."""
+    _, url = replica
+    body = {**CHAT, "max_tokens": 3, "n": 2, "seed": 7, "stream": True}
+    async with httpx.AsyncClient() as client:
+        response = await client.post(f"{url}/v1/chat/completions", json=body)
+
+    def stamps(payloads: list[str]) -> list[tuple[str, bool]]:
+        return [(classify(p), "system_fingerprint" in p) for p in payloads if p != "[DONE]"]
+
+    ours = stamps(sse_events(response.content))
+    real = stamps(sse_events(fixture_text("vllm-0.32-chat-stream-n2.sse")))
+    assert (
+        sorted(set(ours))
+        == sorted(set(real))
+        == [
+            ("finish", True),
+            ("role", False),
+            ("token", False),
+        ]
+    )
+    assert ours.count(("finish", True)) == real.count(("finish", True)) == 2
+
+
 async def test_completion_stream_with_usage_matches_capture(replica, fixture_text):
     """With usage, the usage chunk (not the finish chunk) carries system_fingerprint."""
     _, url = replica
