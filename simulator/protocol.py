@@ -8,6 +8,7 @@ bytes and the simulator must not be easier to parse than the real thing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,9 +24,14 @@ __all__ = [
     "CompletionFormatter",
     "Generation",
     "StopHit",
+    "TokenLogprob",
+    "chat_logprobs",
+    "completion_logprobs",
     "find_stop",
     "parse_chat",
     "parse_completion",
+    "prompt_logprobs",
+    "token_id",
 ]
 
 Endpoint = Literal["chat", "completion"]
@@ -91,6 +97,8 @@ class ChatRequest(_Common):
 
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
 
 
 class CompletionRequest(_Common):
@@ -99,6 +107,7 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]] | None = None
     max_tokens: int | None = 16
     echo: bool | None = False
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,11 @@ class Generation:
     stop: tuple[str, ...] = ()
     include_stop: bool = False
     min_tokens: int = 0
+    # Log-probabilities asked for: the alternatives per token (chat's ``top_logprobs``, the
+    # completions' ``logprobs``), None when not asked.
+    logprobs: int | None = None
+    # /v1/completions' ``echo``: each choice's text begins with its prompt.
+    echo: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -380,6 +394,7 @@ def parse_chat(data: Any, served: str, max_model_len: int) -> Generation:
         stop=_stops(req),
         include_stop=req.include_stop_str_in_output,
         min_tokens=req.min_tokens,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
 
 
@@ -433,7 +448,83 @@ def parse_completion(data: Any, served: str, max_model_len: int) -> Generation:
         stop=_stops(req),
         include_stop=req.include_stop_str_in_output,
         min_tokens=req.min_tokens,
+        logprobs=req.logprobs,
+        echo=bool(req.echo),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's log-probability as vLLM reports it, with the alternatives asked for.
+
+    ``top`` lists the token itself first, then the likeliest others, as vLLM's sampler returns
+    them; ``logprob`` is None for a prompt's first token, which nothing predicts.
+    """
+
+    token: str
+    logprob: float | None
+    top: tuple[tuple[str, float], ...] = ()
+
+
+def token_id(piece: str) -> int:
+    """A stable id for a token (the simulator has no vocabulary file): its own number when it is
+    one (a prompt sent as ids), else a hash of its text."""
+    if piece.isdigit():
+        return int(piece)
+    return int.from_bytes(hashlib.blake2b(piece.encode(), digest_size=4).digest(), "big") % 32000
+
+
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def chat_logprobs(entries: list[TokenLogprob], top: int) -> dict[str, Any]:
+    """A chat choice's ``logprobs`` object: each token with its bytes and ``top`` alternatives."""
+    return {
+        "content": [
+            {
+                **_chat_entry(e.token, e.logprob or 0.0),
+                "top_logprobs": [_chat_entry(t, lp) for t, lp in e.top[:top]],
+            }
+            for e in entries
+        ]
+    }
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """A text choice's ``logprobs`` object; ``offset``: where its first token starts in the
+    choice's text (an echoed prompt included)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [e.logprob for e in entries],
+        "tokens": [e.token for e in entries],
+        "top_logprobs": [dict(e.top) if e.logprob is not None else None for e in entries],
+    }
+
+
+def prompt_logprobs(entries: list[TokenLogprob]) -> list[Any]:
+    """A whole echoed completion's ``prompt_logprobs``: per prompt token after the first, its
+    id's logprob, rank and text, then the alternatives' (rank 1 up)."""
+    out: list[Any] = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        ranked = {
+            str(token_id(e.token)): {
+                "logprob": e.logprob,
+                "rank": 1 + len(e.top),
+                "decoded_token": e.token,
+            }
+        }
+        for rank, (t, lp) in enumerate(e.top[1:], start=1):
+            ranked.setdefault(str(token_id(t)), {"logprob": lp, "rank": rank, "decoded_token": t})
+        out.append(ranked)
+    return out
 
 
 def _usage(prompt: int, completion: int, details: bool) -> bytes:
@@ -503,6 +594,7 @@ class ChatFormatter(_Formatter):
         usage: tuple[int, int] | None,
         last: bool = False,
         stop_reason: str | None = None,
+        logprobs: bytes = b"null",
     ) -> bytes:
         """One generated token; the last one of a choice carries its finish and stop reasons.
 
@@ -511,11 +603,13 @@ class ChatFormatter(_Formatter):
         """
         content = orjson.dumps(text)
         if finish is None:
-            tail = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]'
+            tail = b'},"logprobs":%s,"finish_reason":null,"token_ids":null}]' % logprobs
         else:
             tail = b"".join(
                 (
-                    f'}},"logprobs":null,"finish_reason":"{finish}","stop_reason":'.encode(),
+                    b'},"logprobs":',
+                    logprobs,
+                    f',"finish_reason":"{finish}","stop_reason":'.encode(),
                     orjson.dumps(stop_reason),
                     b',"token_ids":null}]',
                 )
@@ -539,8 +633,9 @@ class ChatFormatter(_Formatter):
         prompt: int,
         completion: int,
         stop_reasons: list[str | None] | None = None,
+        logprobs: list[Any] | None = None,
     ) -> bytes:
-        """A whole non-streamed chat completion."""
+        """A whole non-streamed chat completion (``logprobs``: each choice's object)."""
         choices = [
             {
                 "index": i,
@@ -553,14 +648,20 @@ class ChatFormatter(_Formatter):
                     "function_call": None,
                     "reasoning": None,
                 },
-                "logprobs": None,
+                "logprobs": lp,
                 "finish_reason": finish,
                 "stop_reason": reason,
                 "token_ids": None,
                 "routed_experts": None,
             }
-            for i, (text, finish, reason) in enumerate(
-                zip(texts, finishes, stop_reasons or [None] * len(texts), strict=True)
+            for i, (text, finish, reason, lp) in enumerate(
+                zip(
+                    texts,
+                    finishes,
+                    stop_reasons or [None] * len(texts),
+                    logprobs or [None] * len(texts),
+                    strict=True,
+                )
             )
         ]
         body = {
@@ -601,8 +702,11 @@ class CompletionFormatter(_Formatter):
         usage: tuple[int, int] | None,
         last: bool = False,
         stop_reason: str | None = None,
+        logprobs: bytes = b"null",
+        prompt_ids: bytes = b"null",
     ) -> bytes:
-        """One generated token of a text completion (``last``: see ``ChatFormatter``)."""
+        """One generated token of a text completion (``last``: see ``ChatFormatter``);
+        ``prompt_ids``: the prompt's token ids, which vLLM sends with an echo's first chunk."""
         finish_json = "null" if finish is None else f'"{finish}"'
         extra = b"," + _usage(*usage, details=False) if usage else b""
         return b"".join(
@@ -610,9 +714,13 @@ class CompletionFormatter(_Formatter):
                 self._prefix,
                 f'{{"index":{index},"text":'.encode(),
                 orjson.dumps(text),
-                f',"logprobs":null,"finish_reason":{finish_json},"stop_reason":'.encode(),
+                b',"logprobs":',
+                logprobs,
+                f',"finish_reason":{finish_json},"stop_reason":'.encode(),
                 orjson.dumps(stop_reason),
-                b',"prompt_token_ids":null,"token_ids":null}]',
+                b',"prompt_token_ids":',
+                prompt_ids,
+                b',"token_ids":null}]',
                 extra,
                 self._fingerprint_tail if last else b"}\n\n",
             )
@@ -625,22 +733,33 @@ class CompletionFormatter(_Formatter):
         prompt: int,
         completion: int,
         stop_reasons: list[str | None] | None = None,
+        logprobs: list[Any] | None = None,
+        prompt_logprobs: list[Any] | None = None,
     ) -> bytes:
-        """A whole non-streamed text completion."""
+        """A whole non-streamed text completion (``logprobs``: each choice's object;
+        ``prompt_logprobs``: each choice's, for an echo with log-probabilities)."""
+        count = len(texts)
         choices = [
             {
                 "index": i,
                 "text": text,
-                "logprobs": None,
+                "logprobs": lp,
                 "finish_reason": finish,
                 "stop_reason": reason,
                 "token_ids": None,
-                "prompt_logprobs": None,
+                "prompt_logprobs": plp,
                 "prompt_token_ids": None,
                 "routed_experts": None,
             }
-            for i, (text, finish, reason) in enumerate(
-                zip(texts, finishes, stop_reasons or [None] * len(texts), strict=True)
+            for i, (text, finish, reason, lp, plp) in enumerate(
+                zip(
+                    texts,
+                    finishes,
+                    stop_reasons or [None] * count,
+                    logprobs or [None] * count,
+                    prompt_logprobs or [None] * count,
+                    strict=True,
+                )
             )
         ]
         body = {

@@ -12,9 +12,11 @@ import asyncio
 import contextlib
 import os
 import random
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 from prometheus_client import generate_latest
@@ -29,10 +31,15 @@ from simulator.protocol import (
     CompletionFormatter,
     Generation,
     StopHit,
+    TokenLogprob,
+    chat_logprobs,
+    completion_logprobs,
     find_stop,
     parse_chat,
     parse_completion,
     parse_json,
+    prompt_logprobs,
+    token_id,
 )
 from simulator.text import VOCAB, prefix_block_hashes, request_rng
 from simulator.truth import TruthWriter
@@ -122,6 +129,35 @@ def _engine(config: Config, model: str, max_num_seqs: int | None) -> EngineProfi
     return profile
 
 
+def _f32(value: float) -> float:
+    """``value`` as the engine computes it, in float32: vLLM's log-probabilities reach JSON as
+    float32 widened to double (-7.666160583496094, not -7.666)."""
+    widened: float = struct.unpack("f", struct.pack("f", value))[0]
+    return widened
+
+
+def draw_logprob(rng: random.Random, token: str, others: int) -> TokenLogprob:
+    """A token's log-probability and ``others`` alternatives (distinct tokens of the vocabulary,
+    likeliest first), drawn from ``rng``, a generator of the log-probabilities alone: asking for
+    them changes no text."""
+    logprob = _f32(-0.002 - rng.expovariate(0.5))
+    alternatives: list[str] = []
+    while len(alternatives) < others:
+        candidate = VOCAB[rng.randrange(len(VOCAB))]
+        if candidate != token and candidate not in alternatives:
+            alternatives.append(candidate)
+    values = sorted((_f32(-0.002 - rng.expovariate(0.8)) for _ in alternatives), reverse=True)
+    return TokenLogprob(token, logprob, ((token, logprob), *zip(alternatives, values, strict=True)))
+
+
+def _alternatives(gen: Generation, chat: bool) -> int:
+    """Alternatives to draw per token: chat's ``top_logprobs`` lists the token itself first and
+    counts it, the completions' ``logprobs`` does not."""
+    if gen.logprobs is None:
+        return 0
+    return max(gen.logprobs - 1, 0) if chat else gen.logprobs
+
+
 @dataclass(eq=False)
 class _Planned:
     """A sequence of a request with stop strings: its token texts are drawn when it arrives, so
@@ -131,6 +167,10 @@ class _Planned:
     hit: StopHit | None
     text: str = ""  # the text of the tokens emitted so far
     sent: int = 0  # how much of it has been streamed
+
+    def token(self, token: int) -> str:
+        """The ``token``-th token's own text ("" for the end of sequence after the last)."""
+        return self.texts[token - 1] if token <= len(self.texts) else ""
 
     @property
     def final_text(self) -> str:
@@ -155,6 +195,8 @@ class _Request:
     rngs: list[random.Random]
     arrived_at: float
     plans: list[_Planned | None] = field(default_factory=list)
+    # Per sequence, the generator of its log-probabilities, when they were asked for.
+    logprob_rngs: list[random.Random] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     disconnected: bool = False
 
@@ -312,6 +354,11 @@ class ReplicaSim:
                 seqs.append(seq)
                 rngs.append(rng)
         req = _Request(gen, seqs, rngs, now, plans)
+        if gen.logprobs is not None:
+            req.logprob_rngs = [
+                request_rng(self.spec.seed, "logprobs", gen.prompt_text, gen.seed, i // gen.n, i)
+                for i in range(len(seqs))
+            ]
         for seq in seqs:
             self._owners[seq] = req
             self.scheduler.add(seq)
@@ -553,6 +600,10 @@ class ReplicaSim:
         prompt = gen.prompt_tokens
         choice_prompt = [len(gen.prompts[i // gen.n]) for i in range(len(req.seqs))]
         emitted = [0] * len(req.seqs)
+        asked, others = gen.logprobs, _alternatives(gen, chat)
+        echoed = [self._echo(req, i, others) for i in range(len(req.seqs))]
+        # Where each choice's next token starts in its text (the completions' text_offset).
+        offsets = [0] * len(req.seqs)
         started = False
         while True:
             await req.ready.wait()
@@ -574,18 +625,39 @@ class ReplicaSim:
                     finish = seq.finish_reason if last else None
                     reason = None
                     if plan is None:
-                        text = "" if finish == "stop" else next_text(rng)
+                        token = text = "" if finish == "stop" else next_text(rng)
                     else:
+                        token = plan.token(emitted[i])
                         text = plan.delta(emitted[i], last, gen.held_back)
                         if last and plan.hit is not None:
                             finish, reason = "stop", plan.hit.stop
+                    logprobs, prompt_ids = b"null", b"null"
+                    entries: list[TokenLogprob] = []
+                    if emitted[i] == 1 and gen.echo:
+                        # vLLM sends the prompt, its ids and its tokens with the first token.
+                        text = "".join(gen.prompts[i // gen.n]) + text
+                        prompt_ids = orjson.dumps([token_id(t) for t in gen.prompts[i // gen.n]])
+                        entries = echoed[i]
+                    if asked is not None:
+                        entries = [*entries, draw_logprob(req.logprob_rngs[i], token, others)]
+                        if chat:
+                            logprobs = orjson.dumps(chat_logprobs(entries, asked))
+                        else:
+                            logprobs = orjson.dumps(completion_logprobs(entries, offsets[i]))
+                            offsets[i] += sum(len(e.token) for e in entries)
                     # As vLLM: a chunk's running usage is its own choice's completion tokens
                     # and its own prompt's tokens (serving_chat/serving_completion).
                     usage = (choice_prompt[i], emitted[i]) if gen.continuous_usage else None
                     # Without a usage chunk to end the stream, vLLM stamps its fingerprint on
                     # every finish chunk, each choice's.
                     stamp = finish is not None and not gen.include_usage
-                    parts.append(fmt.token_chunk(i, text, finish, usage, stamp, reason))
+                    if isinstance(fmt, ChatFormatter):
+                        chunk = fmt.token_chunk(i, text, finish, usage, stamp, reason, logprobs)
+                    else:
+                        chunk = fmt.token_chunk(
+                            i, text, finish, usage, stamp, reason, logprobs, prompt_ids
+                        )
+                    parts.append(chunk)
             done = all(s.done for s in req.seqs)
             if done:
                 if gen.include_usage:
@@ -606,18 +678,60 @@ class ReplicaSim:
             req.ready.clear()
             if req.disconnected:
                 return
+        gen = req.gen
+        chat = isinstance(fmt, ChatFormatter)
+        asked, others = gen.logprobs, _alternatives(gen, chat)
         texts, finishes, reasons = [], [], []
-        for seq, rng, plan in zip(req.seqs, req.rngs, req.plans, strict=True):
+        logprobs: list[Any] = []
+        prompts: list[Any] = []
+        for i, (seq, rng, plan) in enumerate(zip(req.seqs, req.rngs, req.plans, strict=True)):
             finish, reason = seq.finish_reason or "length", None
             if plan is None:
                 drawn = seq.generated - (seq.finish_reason == "stop")
-                texts.append("".join(next_text(rng) for _ in range(drawn)))
+                tokens = [next_text(rng) for _ in range(drawn)]
+                text = "".join(tokens)
             else:
-                texts.append(plan.final_text)
+                tokens = [plan.token(t) for t in range(1, seq.generated + 1)]
+                text = plan.final_text
                 if plan.hit is not None:
                     finish, reason = "stop", plan.hit.stop
+            # (The end of sequence has no text, but a log-probability.)
+            tokens += [""] * (seq.generated - len(tokens))
+            echoed = self._echo(req, i, others)
+            texts.append("".join(gen.prompts[i // gen.n]) + text if gen.echo else text)
             finishes.append(finish)
             reasons.append(reason)
+            if asked is not None:
+                entries = echoed + [draw_logprob(req.logprob_rngs[i], t, others) for t in tokens]
+                if chat:
+                    logprobs.append(chat_logprobs(entries, asked))
+                else:
+                    logprobs.append(completion_logprobs(entries, 0))
+                    prompts.append(prompt_logprobs(echoed) if gen.echo else None)
         completion = sum(s.generated for s in req.seqs)
-        body = fmt.full(texts, finishes, req.gen.prompt_tokens, completion, reasons)
+        if isinstance(fmt, ChatFormatter):
+            body = fmt.full(
+                texts, finishes, gen.prompt_tokens, completion, reasons, logprobs or None
+            )
+        else:
+            body = fmt.full(
+                texts,
+                finishes,
+                gen.prompt_tokens,
+                completion,
+                reasons,
+                logprobs or None,
+                prompts if any(p is not None for p in prompts) else None,
+            )
         await respond(send, 200, body, _JSON)
+
+    @staticmethod
+    def _echo(req: _Request, index: int, others: int) -> list[TokenLogprob]:
+        """The log-probabilities of the prompt a choice echoes, drawn before its tokens' (none
+        without echo or log-probabilities): nothing predicts the first prompt token."""
+        gen = req.gen
+        if not gen.echo or gen.logprobs is None:
+            return []
+        rng = req.logprob_rngs[index]
+        first, *rest = gen.prompts[index // gen.n]
+        return [TokenLogprob(first, None), *(draw_logprob(rng, t, others) for t in rest)]

@@ -7,6 +7,7 @@ import re
 import time
 
 import httpx
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -68,6 +69,57 @@ async def test_the_body_is_the_one_vllm_sends_for_the_non_streamed_request(stack
     (record,) = await stack.records()
     assert record["response_id"] == via.json()["id"]
     assert record["completion_tokens"] == via.json()["usage"]["completion_tokens"]
+
+
+# Token strings ride in these answers: a prompt holding quotes, a backslash, "usage":{ and an SSE
+# field comes back in the echo and in the prompt's log-probabilities.
+TRICKY = 'a "b" \\ "usage":{"prompt_tokens":1} data: [DONE]\n\n'
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 3, "seed": 5}),
+        ("/v1/chat/completions", {**CHAT, "n": 2, "logprobs": True, "seed": 5}),
+        ("/v1/completions", {**TEXT, "prompt": TRICKY, "logprobs": 2, "seed": 5}),
+        ("/v1/completions", {**TEXT, "prompt": TRICKY, "logprobs": 2, "echo": True, "seed": 5}),
+        ("/v1/completions", {**TEXT, "prompt": ["a b", TRICKY], "logprobs": 1, "echo": True}),
+    ],
+)
+async def test_logprobs_and_echo_reach_the_client_as_the_replica_sends_them(
+    stack, path, body, stream
+):
+    """Log-probabilities and echo are relayed as they are (the assembler takes neither), streamed
+    or not: the replica's own bytes but for the id and creation time, and its usage recorded."""
+    body = {**body, "stream": stream}
+    served = stack.sidecar.view.route("chat-small").served_version
+    async with stack.client() as c:
+        # A stream of several choices takes the fingerprint of the replica's previous stream
+        # for the finish chunks it sends before its own usage chunk.
+        warm = {**CHAT, "max_tokens": 1, "stream": True}
+        assert (await c.post("/v1/chat/completions", json=warm)).status_code == 200
+        via = await c.post(path, json=body)
+    async with httpx.AsyncClient(base_url=stack.upstream, timeout=60) as c:
+        direct = await c.post(path, json={**body, "model": served})
+        counted = await c.post(
+            path,
+            json={**body, "model": served}
+            | ({"stream_options": {"include_usage": True}} if stream else {}),
+        )
+    assert via.status_code == direct.status_code == 200
+    assert b'"logprobs":{' in direct.content
+    assert _VOLATILE.sub(b"", via.content) == _VOLATILE.sub(b"", direct.content)
+    if stream:
+        usage = orjson.loads(counted.content.split(b"\n\n")[-3][6:])["usage"]
+    else:
+        usage = counted.json()["usage"]
+    record = (await stack.records())[-1]
+    assert record["status"] == "ok"
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
 
 
 async def test_a_refused_non_streamed_request_gets_vllms_own_error(stack):
