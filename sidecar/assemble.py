@@ -11,9 +11,12 @@ orjson, which writes the same bytes for less: ``_dumps``). Closing the stream is
 vLLM learns of an abandoned request, at once.
 
 Only requests whose answer can be rebuilt from the stream exactly are assembled
-(``assemblable``): plain sampling parameters, no log-probabilities, tools, echo, beam search
-or token ids, whose non-streamed answers carry what a stream spreads out differently or not at
-all. The others are relayed as they are, and a client leaving them is metered as before.
+(``assemblable``): plain sampling parameters, log-probabilities (each chunk carries its tokens',
+and the whole answer lists them all in the same form, text offsets included) and a completion's
+echo (the first chunk's text begins with the prompt); not tools, beam search, token ids, prompt
+log-probabilities or an echo with log-probabilities, whose non-streamed answers carry what a
+stream spreads out differently or not at all (an echo's ``prompt_logprobs``). The others are
+relayed as they are, and a client leaving them is metered as before.
 """
 
 from __future__ import annotations
@@ -81,8 +84,10 @@ _PLAIN: Final = {
         "chat_template",
         "chat_template_kwargs",
         "parallel_tool_calls",
+        "logprobs",
+        "top_logprobs",
     },
-    COMPLETIONS: _SAMPLING | {"prompt"},
+    COMPLETIONS: _SAMPLING | {"prompt", "logprobs", "echo"},
 }
 # Parameters that change the answer's shape, allowed only when switched off.
 _WHEN_OFF = frozenset(
@@ -191,6 +196,9 @@ def assemblable(endpoint: str, body: dict[str, Any]) -> bool:
     plain = _PLAIN.get(endpoint)
     if plain is None:
         return False
+    if endpoint == COMPLETIONS and body.get("echo") and body.get("logprobs") is not None:
+        # The whole answer adds the prompt's log-probabilities by token id, which no chunk has.
+        return False
     for key, value in body.items():
         if key in plain:
             continue
@@ -221,6 +229,9 @@ class _Choice:
     reasoning: list[str] | None = None
     finish_reason: str | None = None
     stop_reason: Any = None
+    # The log-probabilities of the chunks, their lists joined in order (chat: ``content``; a
+    # completion: ``text_offset``, ``token_logprobs``, ``tokens``, ``top_logprobs``); None: none.
+    logprobs: dict[str, Any] | None = None
 
     def add(self, part: str) -> None:
         """A decoded part of the text, after what ``raw`` holds."""
@@ -446,6 +457,13 @@ class Assembler:
             text = c.get("text")
             if text is not None:
                 choice.add(text)
+        logprobs = c.get("logprobs")
+        if logprobs:
+            if choice.logprobs is None:
+                choice.logprobs = {k: [] if isinstance(v, list) else v for k, v in logprobs.items()}
+            for key, value in logprobs.items():
+                if isinstance(value, list):
+                    choice.logprobs[key] += value
         finish = c.get("finish_reason")
         if finish is not None:
             choice.finish_reason, choice.stop_reason = finish, c.get("stop_reason")
@@ -480,10 +498,12 @@ class Assembler:
             out |= {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
         metrics = self._final.get("metrics")
         out |= {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": metrics}
-        # Floats come only in what vLLM's chunks carried through (its metrics, token details).
+        # Floats come only in what vLLM's chunks carried through (its metrics, token details,
+        # log-probabilities: json.dumps writes 1e-07 where orjson writes 1e-7).
         usage = out["usage"]
         carried = (metrics, usage["prompt_tokens_details"], usage["completion_tokens_details"])
-        return _dumps(out, fast=all(map(_floatless, carried)))
+        plain = all(c.logprobs is None for c in self._choices.values())
+        return _dumps(out, fast=plain and all(map(_floatless, carried)))
 
     def _full_usage(self) -> dict[str, Any]:
         # The stream's usage chunk leaves out what is null (exclude_none); the whole body does not.
@@ -513,7 +533,7 @@ class Assembler:
         return {
             "index": index,
             "message": message,
-            "logprobs": None,
+            "logprobs": c.logprobs,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
             "token_ids": None,
@@ -525,7 +545,7 @@ class Assembler:
         return {
             "index": index,
             "text": c.text(),
-            "logprobs": None,
+            "logprobs": c.logprobs,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
             "token_ids": None,

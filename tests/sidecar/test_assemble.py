@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import orjson
@@ -36,7 +37,14 @@ MSG = [{"role": "user", "content": "hi"}]
         ),
         ("/v1/chat/completions", {"model": "m", "messages": MSG, "logprobs": False}, True),
         ("/v1/chat/completions", {"model": "m", "messages": MSG, "tools": None}, True),
-        ("/v1/chat/completions", {"model": "m", "messages": MSG, "logprobs": True}, False),
+        ("/v1/chat/completions", {"model": "m", "messages": MSG, "logprobs": True}, True),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": MSG, "logprobs": True, "top_logprobs": 5},
+            True,
+        ),
+        ("/v1/chat/completions", {"model": "m", "messages": MSG, "echo": True}, False),
+        ("/v1/chat/completions", {"model": "m", "messages": MSG, "prompt_logprobs": 1}, False),
         (
             "/v1/chat/completions",
             {"model": "m", "messages": MSG, "tools": [{"type": "function"}]},
@@ -46,8 +54,12 @@ MSG = [{"role": "user", "content": "hi"}]
         ("/v1/chat/completions", {"model": "m", "messages": MSG, "return_token_ids": True}, False),
         ("/v1/chat/completions", {"model": "m", "messages": MSG, "something_new": 1}, False),
         ("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": 3}, True),
-        ("/v1/completions", {"model": "m", "prompt": "a", "echo": True}, False),
-        ("/v1/completions", {"model": "m", "prompt": "a", "logprobs": 0}, False),
+        ("/v1/completions", {"model": "m", "prompt": "a", "echo": True}, True),
+        ("/v1/completions", {"model": "m", "prompt": "a", "logprobs": 0}, True),
+        ("/v1/completions", {"model": "m", "prompt": "a", "echo": True, "logprobs": None}, True),
+        # The whole answer holds the echoed prompt's log-probabilities by id, which no chunk has.
+        ("/v1/completions", {"model": "m", "prompt": "a", "echo": True, "logprobs": 0}, False),
+        ("/v1/completions", {"model": "m", "prompt": "a", "prompt_logprobs": 1}, False),
         ("/v1/embeddings", {"model": "m", "input": "a"}, False),
     ],
 )
@@ -110,6 +122,29 @@ def test_a_captured_text_stream_becomes_vllms_non_streamed_body():
     assembler = _assembled("vllm-0.32-completions-stream-usage.sse", "/v1/completions", 64)
     expected = orjson.loads((FIXTURES / "vllm-0.32-completions-nonstream.json").read_bytes())
     assert _layout(orjson.loads(assembler.body())) == _layout(expected)
+
+
+@pytest.mark.parametrize("block_size", [7, 100, 1_000_000])
+def test_a_captured_logprobs_stream_becomes_vllms_non_streamed_body_byte_for_byte(block_size):
+    """Chat with logprobs and top_logprobs (the same seeded request, streamed and not): the
+    tokens' log-probabilities joined from the chunks are vLLM's whole answer's, written as it
+    writes them, but for the id and the creation second. Such requests were relayed whole, so a
+    client hanging up on one left no trace of the tokens spent."""
+    assembler = _assembled("vllm-0.32-chat-stream-logprobs.sse", "/v1/chat/completions", block_size)
+    real = (FIXTURES / "vllm-0.32-chat-nonstream-logprobs.json").read_bytes()
+    volatile = re.compile(rb'"id":"[^"]*"|"created":\d+')
+    assert volatile.sub(b"", assembler.body()) == volatile.sub(b"", real)
+
+
+def test_logprobs_floats_are_written_as_python_writes_them():
+    """A log-probability near 0 reaches the stream as serde writes it (-1.2e-7) and the whole
+    answer as json.dumps does (-1.2e-07)."""
+    raw = (FIXTURES / "vllm-0.32-chat-stream-logprobs.sse").read_bytes()
+    raw = raw.replace(b"-7.574202537536621", b"-1.1920928955078125e-7", 1)
+    assert b"e-7" in raw
+    assembler = Assembler("/v1/chat/completions")
+    assembler.feed(raw)
+    assert b'"logprob":-1.1920928955078125e-07' in assembler.body()
 
 
 def test_a_stream_cut_short_has_the_counts_of_its_last_chunk():

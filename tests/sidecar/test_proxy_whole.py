@@ -136,15 +136,28 @@ async def test_a_refused_non_streamed_request_gets_vllms_own_error(stack):
     assert (record["status"], record["response_id"]) == ("bad_request", None)
 
 
-async def test_abandoned_non_streamed_requests_carry_the_tokens_spent(stack):
+@pytest.mark.parametrize(
+    ("path", "asked"),
+    [
+        ("/v1/chat/completions", {}),
+        # Relayed whole, a hang-up on these was recorded with no tokens at all.
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}),
+        ("/v1/completions", {"prompt": "a b c", "logprobs": 1}),
+        ("/v1/completions", {"prompt": "a b c", "echo": True}),
+    ],
+    ids=["plain", "chat-logprobs", "completions-logprobs", "echo"],
+)
+async def test_abandoned_non_streamed_requests_carry_the_tokens_spent(stack, path, asked):
     """Clients leaving mid-generation: upstream aborted at once, records hold vLLM's counts."""
     before = await _engine(stack.upstream)
     aborts = 5
-    body = {**CHAT, "max_tokens": 3000, "ignore_eos": True}
+    body = {**CHAT, "max_tokens": 3000, "ignore_eos": True, **asked}
+    if "prompt" in asked:
+        del body["messages"]
     async with stack.client(timeout=0.4) as c:
         for _ in range(aborts):
             with pytest.raises(httpx.ReadTimeout):
-                await c.post("/v1/chat/completions", json=body)
+                await c.post(path, json=body)
     await asyncio.sleep(0.3)
     after = await _engine(stack.upstream)
     assert after["vllm:num_requests_running"] == 0
@@ -152,7 +165,8 @@ async def test_abandoned_non_streamed_requests_carry_the_tokens_spent(stack):
     assert [(r["status"], r["http_status"], r["usage_exact"]) for r in records] == [
         ("client_aborted", 499, True)
     ] * aborts
-    assert all(r["response_id"].startswith("chatcmpl-") for r in records)
+    prefix = "chatcmpl-" if path == "/v1/chat/completions" else "cmpl-"
+    assert all(r["response_id"].startswith(prefix) for r in records)
     assert (
         sum(r["prompt_tokens"] for r in records)
         == after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
