@@ -20,6 +20,7 @@ from simulator.replica import ReplicaSim
 from tests.servers import serving
 from tests.simulator.conftest import tiny_spec
 from tests.simulator.shapes import classify, skeleton, sse_events
+from tests.simulator.test_replica_logprobs import shape, stream_shapes
 
 pytestmark = pytest.mark.real_vllm
 
@@ -81,6 +82,8 @@ STREAMS = [
         "/v1/chat/completions",
         {**CHAT, "n": 2, "stream": True, "stream_options": {"include_usage": True}},
     ),
+    # Without usage, vLLM stamps system_fingerprint on each choice's finish chunk.
+    ("/v1/chat/completions", {**CHAT, "n": 2, "stream": True}),
     ("/v1/completions", {**COMPLETION, "stream": True}),
     ("/v1/completions", {**COMPLETION, "stream": True, "stream_options": {"include_usage": True}}),
 ]
@@ -114,6 +117,39 @@ async def test_non_streamed_responses_have_the_same_shape(both, path, body):
     assert skeleton(b.json()) == skeleton(a.json())
     assert a.headers["content-type"] == b.headers["content-type"]
     assert b.json()["usage"]["completion_tokens"] == a.json()["usage"]["completion_tokens"]
+
+
+LOGPROBS = [
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 3}),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True}),
+    ("/v1/completions", {**COMPLETION, "logprobs": 2}),
+    ("/v1/completions", {**COMPLETION, "logprobs": 2, "echo": True}),
+    ("/v1/completions", {**COMPLETION, "echo": True}),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(("path", "body"), LOGPROBS)
+async def test_logprobs_and_echo_have_the_same_shapes(both, path, body, stream):
+    """Log-probabilities and echo, streamed and whole: the same shapes (the token strings that
+    key the completions' maps aside) and as many entries per token and per choice."""
+    real, sim = both
+    if stream:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    a, b = await _post(real, path, body), await _post(sim, path, body)
+    assert (a.status_code, b.status_code) == (200, 200)
+    if stream:
+        assert stream_shapes(b.content) == stream_shapes(a.content)
+        return
+    assert shape(b.json()) == shape(a.json())
+    for ours, theirs in zip(b.json()["choices"], a.json()["choices"], strict=True):
+        if ours["logprobs"] is None:
+            assert theirs["logprobs"] is None
+            continue
+        for key, value in ours["logprobs"].items():
+            # A completion's echo lists each prompt token: the prompts' tokens differ in number.
+            if not body.get("echo"):
+                assert len(value) == len(theirs["logprobs"][key]), key
 
 
 ERRORS = [
