@@ -37,6 +37,7 @@ from infermeter.config import OidcSettings
 __all__ = [
     "ALGORITHMS",
     "JWKS_REFRESH_SECONDS",
+    "RETRY_SECONDS",
     "IdTokens",
     "KeysUnavailable",
     "Unmapped",
@@ -50,6 +51,11 @@ log = logging.getLogger("infermeter.oidc")
 
 # Asymmetric signatures only: an HMAC "signature" keyed with something public proves nothing.
 ALGORITHMS: Final = ("RS256", "RS384", "RS512", "PS256", "ES256", "ES384", "EdDSA")
+# After the keys could not be read, they are not tried again for this long: the tokens that
+# come meanwhile are answered at once (KeysUnavailable), where each waited its own turn at the
+# lock and then its own attempt on a provider that does not answer (up to two 5 s reads each),
+# so a burst of tokens, anyone's, held billing's threads for as long as the outage lasted.
+RETRY_SECONDS: Final = 2.0
 # A token naming an unknown key refetches the keys, but not more often than this.
 JWKS_REFRESH_SECONDS: Final = 30.0
 # Clock skew allowed between the IdP and this host.
@@ -138,8 +144,10 @@ class IdTokens:
         self._lock = threading.Lock()
         self._keys: KeySet | None = None
         self._fetched_at = float("-inf")
-        # Whether the last read of the keys failed (said in the log once, not per token).
+        # Whether the last read of the keys failed (said in the log once, not per token), and
+        # when (none is tried again for ``RETRY_SECONDS``).
         self._failing = False
+        self._failed_at = float("-inf")
 
     def caller(self, token: str) -> Caller:
         """The caller ``token`` makes; AuthError when it is forged, stale, for another client or
@@ -172,11 +180,18 @@ class IdTokens:
 
     def _key_set(self, force: bool) -> KeySet:
         """The issuer's keys, read when first needed or (``force``) when a token names a new one;
-        KeysUnavailable when they cannot be read then (the keys held before stay held)."""
+        KeysUnavailable when they cannot be read then, or could not be less than
+        ``RETRY_SECONDS`` ago (the keys held before stay held)."""
         with self._lock:
             now = self._clock()
             stale = force and now - self._fetched_at >= JWKS_REFRESH_SECONDS
             if self._keys is None or stale:
+                if now - self._failed_at < RETRY_SECONDS:
+                    raise KeysUnavailable(
+                        "the identity provider's keys cannot be read (tried "
+                        f"{now - self._failed_at:.1f} s ago); ID tokens cannot be checked until "
+                        "it answers"
+                    )
                 try:
                     base = self.settings.issuer.rstrip("/")
                     meta = self._fetch(f"{base}/.well-known/openid-configuration")
@@ -185,7 +200,7 @@ class IdTokens:
                 except (httpx.HTTPError, JoseError, KeyError, TypeError, ValueError) as exc:
                     if not self._failing:
                         log.error("the identity provider's keys cannot be read: %s", exc)
-                    self._failing = True
+                    self._failing, self._failed_at = True, now
                     raise KeysUnavailable(
                         f"the identity provider's keys cannot be read ({type(exc).__name__}); "
                         "ID tokens cannot be checked until it answers"

@@ -25,6 +25,7 @@ from joserfc.jwk import KeySet, RSAKey
 from billing.api import create_app
 from billing.routes.errors import IDP_RETRY_SECONDS
 from infermeter.config import DashboardSettings, OidcSettings, load_config
+from infermeter.oidc import RETRY_SECONDS
 from infermeter.serving import free_port, server as serve
 from tests.conftest import config_ledger
 from tests.dashboards.stack import server_thread
@@ -43,6 +44,8 @@ class Provider:
     def __init__(self) -> None:
         self.answers: dict[str, tuple[int, bytes]] = {}
         self.url = ""
+        # The paths asked for, in order.
+        self.asked: list[str] = []
 
     def publish(self, jwks_uri: str | None = None) -> None:
         """Answer as a working provider does (keys at ``jwks_uri``, default its own)."""
@@ -57,6 +60,7 @@ def provider() -> Iterator[Provider]:
     idp = Provider()
 
     def answer(path: str) -> Answer:
+        idp.asked.append(path)
         status, body = idp.answers.get(path, (404, b""))
         return status, body, "application/json"
 
@@ -131,8 +135,11 @@ def test_a_token_is_503_while_the_providers_keys_cannot_be_read(tmp_path: Path, 
         good = token(idp)
         fail(idp)
         assert_unavailable(read(url, good))
-        assert_unavailable(read(url, good))  # each request tries the provider again
+        asked = len(idp.asked)
+        assert_unavailable(read(url, good))  # at once: the provider is not asked again so soon
+        assert len(idp.asked) == asked
         idp.publish()
+        time.sleep(RETRY_SECONDS)
         answer = read(url, good)
         assert answer.status_code == 200, answer.text
         assert answer.json()["caller"]["is_admin"] is True

@@ -26,6 +26,7 @@ from dashboards.sessions import Session, Sessions
 from dashboards.wsgi import WsgiServer
 from infermeter.auth import ADMIN as ADMIN_NAME
 from infermeter.config import OidcSettings
+from infermeter.oidc import RETRY_SECONDS
 from infermeter.serving import free_port
 from tests.billing.test_oidc_unavailable import IMPOSTOR, Provider, provider, token
 from tests.dashboards import records
@@ -121,6 +122,7 @@ def test_a_503_while_the_providers_keys_cannot_be_read_ends_nothing(stack: Stack
         assert "identity provider" in str(down["summary"]["children"])
         assert tick(stack.url, auth) == {}
     stack.idp.publish()
+    time.sleep(RETRY_SECONDS)  # (billing does not ask the provider again sooner)
     assert summary(stack.url, auth)["money"]["data"] is not None
     assert stack.signouts() == []
 

@@ -16,6 +16,7 @@ from infermeter.auth import ADMIN, FINANCE, VIEWER, AuthError, Caller
 from infermeter.config import DEFAULT_CONFIG, ConfigError, OidcSettings, load_config
 from infermeter.oidc import (
     JWKS_REFRESH_SECONDS,
+    RETRY_SECONDS,
     IdTokens,
     KeysUnavailable,
     Unmapped,
@@ -218,6 +219,29 @@ def test_a_token_signed_by_a_new_key_reads_the_keys_again() -> None:
     assert sum(url.endswith("/jwks") for url in asked) == 2
 
 
+def test_after_a_failed_read_the_keys_are_not_tried_again_for_a_while() -> None:
+    """A provider that does not answer is asked once per ``RETRY_SECONDS``, not once per token:
+    the tokens that come meanwhile are KeysUnavailable at once, so a burst of them (anyone can
+    send one) does not queue each behind its own read of an unanswering provider."""
+    reads: list[str] = []
+    now = [float(NOW)]
+
+    def fetch(url: str) -> dict[str, Any]:
+        reads.append(url)
+        raise httpx.ReadTimeout("timed out")
+
+    settings = OidcSettings(issuer=ISSUER, client_id="dash", groups={"ops": "admin"})
+    tokens = IdTokens(settings, fetch=fetch, clock=lambda: now[0])
+    for _ in range(50):
+        with pytest.raises(KeysUnavailable, match="keys cannot be read"):
+            tokens.caller(_signed())
+    assert len(reads) == 1
+    now[0] += RETRY_SECONDS
+    with pytest.raises(KeysUnavailable):
+        tokens.caller(_signed())
+    assert len(reads) == 2
+
+
 def test_keys_that_cannot_be_read_leave_a_token_unjudged() -> None:
     """A provider that times out is KeysUnavailable, not the AuthError of a refused token (which
     billing answers 401, and its clients take for a revoked credential); the next token reads
@@ -237,6 +261,7 @@ def test_keys_that_cannot_be_read_leave_a_token_unjudged() -> None:
     with pytest.raises(KeysUnavailable, match="keys cannot be read"):
         tokens.caller(_signed())
     down[0] = False
+    now[0] += RETRY_SECONDS
     assert tokens.caller(_signed()).name == ADMIN
     down[0] = True
     now[0] += JWKS_REFRESH_SECONDS
