@@ -38,6 +38,7 @@ __all__ = [
     "ALGORITHMS",
     "JWKS_REFRESH_SECONDS",
     "RETRY_SECONDS",
+    "WAIT_SECONDS",
     "IdTokens",
     "KeysUnavailable",
     "Unmapped",
@@ -56,6 +57,8 @@ ALGORITHMS: Final = ("RS256", "RS384", "RS512", "PS256", "ES256", "ES384", "EdDS
 # lock and then its own attempt on a provider that does not answer (up to two 5 s reads each),
 # so a burst of tokens, anyone's, held billing's threads for as long as the outage lasted.
 RETRY_SECONDS: Final = 2.0
+# How long a token that needs the keys read waits for another token's read of them under way.
+WAIT_SECONDS: Final = 1.0
 # A token naming an unknown key refetches the keys, but not more often than this.
 JWKS_REFRESH_SECONDS: Final = 30.0
 # Clock skew allowed between the IdP and this host.
@@ -181,32 +184,53 @@ class IdTokens:
     def _key_set(self, force: bool) -> KeySet:
         """The issuer's keys, read when first needed or (``force``) when a token names a new one;
         KeysUnavailable when they cannot be read then, or could not be less than
-        ``RETRY_SECONDS`` ago (the keys held before stay held)."""
-        with self._lock:
-            now = self._clock()
-            stale = force and now - self._fetched_at >= JWKS_REFRESH_SECONDS
-            if self._keys is None or stale:
-                if now - self._failed_at < RETRY_SECONDS:
-                    raise KeysUnavailable(
-                        "the identity provider's keys cannot be read (tried "
-                        f"{now - self._failed_at:.1f} s ago); ID tokens cannot be checked until "
-                        "it answers"
-                    )
-                try:
-                    base = self.settings.issuer.rstrip("/")
-                    meta = self._fetch(f"{base}/.well-known/openid-configuration")
-                    jwks = self._fetch(str(meta["jwks_uri"]))
-                    self._keys = KeySet.import_key_set(cast(KeySetSerialization, jwks))
-                except (httpx.HTTPError, JoseError, KeyError, TypeError, ValueError) as exc:
-                    if not self._failing:
-                        log.error("the identity provider's keys cannot be read: %s", exc)
-                    self._failing, self._failed_at = True, now
-                    raise KeysUnavailable(
-                        f"the identity provider's keys cannot be read ({type(exc).__name__}); "
-                        "ID tokens cannot be checked until it answers"
-                    ) from None
-                if self._failing:
-                    log.warning("the identity provider's keys are read again")
-                self._failing = False
-                self._fetched_at = now
+        ``RETRY_SECONDS`` ago, or another token's read of them is still under way after
+        ``WAIT_SECONDS`` (the keys held before stay held).
+
+        Keys held are handed out without the lock: a read under way (up to two 5 s requests to
+        a slow provider) holds up no token the held keys can check.
+        """
+        keys = self._keys
+        if keys is not None and not force:
+            return keys
+        if not self._lock.acquire(timeout=WAIT_SECONDS):
+            raise KeysUnavailable(
+                "the identity provider's keys cannot be read (another read has waited on it "
+                f"over {WAIT_SECONDS:g} s); ID tokens cannot be checked until it answers"
+            )
+        try:
+            return self._read_keys(force)
+        finally:
+            self._lock.release()
+
+    def _read_keys(self, force: bool) -> KeySet:
+        """``_key_set`` with the lock held."""
+        now = self._clock()
+        stale = force and now - self._fetched_at >= JWKS_REFRESH_SECONDS
+        if self._keys is not None and not stale:
             return self._keys
+        if now - self._failed_at < RETRY_SECONDS:
+            raise KeysUnavailable(
+                "the identity provider's keys cannot be read (tried "
+                f"{now - self._failed_at:.1f} s ago); ID tokens cannot be checked until it answers"
+            )
+        try:
+            base = self.settings.issuer.rstrip("/")
+            meta = self._fetch(f"{base}/.well-known/openid-configuration")
+            jwks = self._fetch(str(meta["jwks_uri"]))
+            keys = KeySet.import_key_set(cast(KeySetSerialization, jwks))
+        except (httpx.HTTPError, JoseError, KeyError, TypeError, ValueError) as exc:
+            if not self._failing:
+                log.error("the identity provider's keys cannot be read: %s", exc)
+            # (When the read ended, not began: the tokens that waited for it at the lock are
+            # then answered at once.)
+            self._failing, self._failed_at = True, self._clock()
+            raise KeysUnavailable(
+                f"the identity provider's keys cannot be read ({type(exc).__name__}); "
+                "ID tokens cannot be checked until it answers"
+            ) from None
+        if self._failing:
+            log.warning("the identity provider's keys are read again")
+        self._failing = False
+        self._keys, self._fetched_at = keys, now
+        return keys

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from infermeter.config import DashboardSettings, OidcSettings, load_config
 from infermeter.oidc import RETRY_SECONDS
 from infermeter.serving import free_port, server as serve
 from tests.conftest import config_ledger
+from tests.dashboards.records import ADMIN_KEY
 from tests.dashboards.stack import server_thread
 from tests.http_stub import Answer, serving
 
@@ -46,6 +48,8 @@ class Provider:
         self.url = ""
         # The paths asked for, in order.
         self.asked: list[str] = []
+        # Seconds each answer takes (a provider that hangs).
+        self.delay = 0.0
 
     def publish(self, jwks_uri: str | None = None) -> None:
         """Answer as a working provider does (keys at ``jwks_uri``, default its own)."""
@@ -61,6 +65,7 @@ def provider() -> Iterator[Provider]:
 
     def answer(path: str) -> Answer:
         idp.asked.append(path)
+        time.sleep(idp.delay)
         status, body = idp.answers.get(path, (404, b""))
         return status, body, "application/json"
 
@@ -165,3 +170,32 @@ def test_a_wrong_token_stays_401_with_the_keys_in_hand(tmp_path: Path) -> None:
         idp.answers.update({"/jwks": (500, b""), DISCOVERY: (500, b"")})
         assert read(url, token(idp)).status_code == 200  # the keys held still check
         assert read(url, wrong["another key"]).status_code == 401
+
+
+def test_a_burst_of_tokens_while_the_provider_hangs_holds_up_no_key(tmp_path: Path) -> None:
+    """50 ID tokens at once while the provider takes 6 s to answer (past billing's 5 s read):
+    a read with an API key meanwhile is answered at once, and every token within seconds. Before,
+    each token waited its turn at the lock for its own 5 s read, filling the threads billing's
+    routes run on: the key's read took 106 s, the last token's about as long."""
+    with provider() as idp, billing(tmp_path, idp) as url:
+        good = token(idp)
+        idp.delay = 6.0
+        answers: list[int] = []
+
+        def ask() -> None:
+            answers.append(read(url, good).status_code)
+
+        burst = [threading.Thread(target=ask) for _ in range(50)]
+        began = time.monotonic()
+        for thread in burst:
+            thread.start()
+        time.sleep(1.0)
+        keyed = httpx.get(
+            f"{url}/v1/query", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=300
+        )
+        assert keyed.status_code == 200, keyed.text
+        assert time.monotonic() - began < 4.0
+        for thread in burst:
+            thread.join(60)
+        assert answers == [503] * 50
+        assert time.monotonic() - began < 15.0

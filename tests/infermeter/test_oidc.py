@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from infermeter.config import DEFAULT_CONFIG, ConfigError, OidcSettings, load_co
 from infermeter.oidc import (
     JWKS_REFRESH_SECONDS,
     RETRY_SECONDS,
+    WAIT_SECONDS,
     IdTokens,
     KeysUnavailable,
     Unmapped,
@@ -240,6 +243,53 @@ def test_after_a_failed_read_the_keys_are_not_tried_again_for_a_while() -> None:
     with pytest.raises(KeysUnavailable):
         tokens.caller(_signed())
     assert len(reads) == 2
+
+
+def test_a_read_under_way_holds_up_no_token_the_held_keys_check() -> None:
+    """A token naming a new key has the keys read again, and the provider hangs: meanwhile a
+    token the held keys check passes at once, and another that needs the keys read waits at most
+    ``WAIT_SECONDS`` for the read under way before it is KeysUnavailable."""
+    rotated = RSAKey.generate_key(2048, parameters={"kid": "k2"}, private=True)
+    hang, entered, released = threading.Event(), threading.Event(), threading.Event()
+    now = [float(NOW)]
+
+    def fetch(url: str) -> dict[str, Any]:
+        if hang.is_set():
+            entered.set()
+            released.wait(30)
+            raise httpx.ReadTimeout("timed out")
+        return _published(url)
+
+    settings = OidcSettings(issuer=ISSUER, client_id="dash", groups={"ops": "admin"})
+    tokens = IdTokens(settings, fetch=fetch, clock=lambda: now[0])
+    assert tokens.caller(_signed()).name == ADMIN  # the keys are read and held
+    now[0] += JWKS_REFRESH_SECONDS
+    claims = {"iss": ISSUER, "aud": "dash", "sub": "s1", "groups": ["ops"], "exp": NOW + 600}
+    fresh = jwt.encode({"alg": "RS256", "kid": "k2"}, claims, rotated)
+    hang.set()
+    outcome: list[BaseException] = []
+
+    def read_again() -> None:
+        try:
+            tokens.caller(fresh)
+        except KeysUnavailable as exc:
+            outcome.append(exc)
+
+    reading = threading.Thread(target=read_again)
+    reading.start()
+    try:
+        assert entered.wait(10)
+        began = time.monotonic()
+        assert tokens.caller(_signed()).name == ADMIN
+        assert time.monotonic() - began < 0.5
+        began = time.monotonic()
+        with pytest.raises(KeysUnavailable, match="another read"):
+            tokens.caller(fresh)
+        assert WAIT_SECONDS <= time.monotonic() - began < WAIT_SECONDS + 1.0
+    finally:
+        released.set()
+        reading.join(35)
+    assert len(outcome) == 1  # the hung read's own token, unjudged
 
 
 def test_keys_that_cannot_be_read_leave_a_token_unjudged() -> None:
