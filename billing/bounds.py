@@ -3,7 +3,7 @@
 A GPU sample is money: its interval is GPU time at the price book's rate, its energy is kWh at
 the energy price. Types and signs are not enough (one finite ``energy_joules`` of 1e15 on an
 L40S billed $52.5M), so every sample is held to what the board it names can physically do
-(``billing.boards``), and engine samples to what a counter or a gauge can hold. The checks
+(``infermeter.boards``), and engine samples to what a counter or a gauge can hold. The checks
 themselves are SQL in ``billing.ingest_sql``; this module says what the limits are and puts
 them where that SQL reads them (macros ``_board_watts`` and ``_max_measured_seconds``, made per connection).
 
@@ -29,7 +29,13 @@ from typing import Final
 
 import duckdb
 
-from billing.boards import UNKNOWN_BOARD_WATTS, max_watts
+from infermeter.boards import (
+    COUNTER_SLACK_SECONDS,
+    POWER_MARGIN,
+    UNKNOWN_BOARD_WATTS,
+    configured_watts,
+    max_watts,
+)
 from infermeter.config import Config
 from infermeter.records import MAX_ENGINE_REQUESTS
 
@@ -46,11 +52,6 @@ __all__ = [
     "bounds_tables",
 ]
 
-# A reading may run this far over the board's power limit (transients, meter error).
-POWER_MARGIN: Final = 0.25
-# dcgm-exporter refreshes a board's energy counter every 30 s by default: one interval may carry
-# the increase of up to that much more time than its own length. Twice that, for a slow exporter.
-COUNTER_SLACK_SECONDS: Final = 60.0
 # The longest interval the collector measures in any configuration with the defaults' gap
 # limit (3 intervals of 10 s) or a restored reading (at most 10 minutes old): a longer measured
 # interval is not one the collector made. A configuration with a longer gap limit raises it.
@@ -69,7 +70,7 @@ MAX_BOARD_MIB: Final = float(1 << 20)
 class SampleBounds:
     """The limits ingest holds samples to; the defaults need no configuration.
 
-    ``board_watts``: overrides of ``billing.boards``' table (name -> W). ``max_measured_seconds``:
+    ``board_watts``: overrides of ``infermeter.boards``' table (name -> W). ``max_measured_seconds``:
     the longest measured interval taken.
     """
 
@@ -83,11 +84,9 @@ class SampleBounds:
         The simulator's stand-in boards (``simulator.gpus``) draw up to their ``max_watts``;
         ``billing.gpu_max_watts`` has the last word over both them and the table.
         """
-        watts = {name: gpu.max_watts for name, gpu in config.simulator.gpus.items()}
-        watts.update(config.billing.gpu_max_watts)
         c = config.collector
         gap_limit = c.gap_after_intervals * c.scrape_interval_seconds
-        return cls(watts, max(MAX_MEASURED_SECONDS, gap_limit))
+        return cls(configured_watts(config), max(MAX_MEASURED_SECONDS, gap_limit))
 
     def limits(self) -> dict[str, float]:
         """Every board's power limit (W) by ``board_key``; ``""`` is a board no entry names."""
@@ -95,7 +94,7 @@ class SampleBounds:
 
 
 def board_key_sql(column: str) -> str:
-    """SQL for ``billing.boards.board_key`` of ``column``."""
+    """SQL for ``infermeter.boards.board_key`` of ``column``."""
     spaced = f"replace(replace(replace({column}, ' ', ''), '-', ''), '_', '')"
     return f"regexp_replace(upper({spaced}), '^NVIDIA', '')"
 

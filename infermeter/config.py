@@ -811,7 +811,7 @@ class BillingSettings(_Strict):
     # The share of a replica group's engine tokens in the last whole hour that no usage record
     # carries, over which the rendered rules raise InfermeterTokensUnattributed.
     reconciliation_alert_share: Annotated[float, Field(ge=0, le=1)] = 0.02
-    # Board power limits (W) by GPU model, over billing.boards' table: a GPU sample drawing
+    # Board power limits (W) by GPU model, over infermeter.boards' table: a GPU sample drawing
     # more (with a margin) is refused at ingest as no board can draw it (billing.bounds).
     gpu_max_watts: dict[str, Positive] = Field(default_factory=dict)
     # Raw usage and samples older than this leave the ledger for a Parquet archive (billing.archive).

@@ -16,10 +16,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from billing.api import create_app
-from billing.boards import UNKNOWN_BOARD_WATTS, board_watts
 from billing.bounds import COUNTER_SLACK_SECONDS, POWER_MARGIN, SampleBounds
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
+from infermeter.boards import UNKNOWN_BOARD_WATTS, board_watts
 from infermeter.config import Config
 from infermeter.months import month_bounds, month_of
 from tests.billing.conftest import NOV, OCT, batch, gpu_samples

@@ -3,7 +3,9 @@
 A GPU sample says how much power a board drew and how much energy over an interval; billing
 turns energy into money. One sample claiming more than any board can draw (``energy_joules``
 1e15 on an L40S bills $52.5M) must be refused, not billed, so billing checks every sample
-against the board's power limit with a margin (``billing.ingest_sql``).
+against the board's power limit with a margin (``billing.ingest_sql``). The collector holds
+the energy counter it reads to the same limit (``collectors.energy``), so a counter that jumps
+is measured from power instead of shipping a sample billing would refuse, its GPU time and all.
 
 The table holds the board power limits NVIDIA publishes for the common data-centre models
 (the TDP/TGP of each form factor). The names are what a configuration or dcgm-exporter calls
@@ -20,9 +22,27 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-__all__ = ["BOARD_WATTS", "UNKNOWN_BOARD_WATTS", "board_key", "board_watts", "max_watts"]
+if TYPE_CHECKING:
+    from infermeter.config import Config
+
+__all__ = [
+    "BOARD_WATTS",
+    "COUNTER_SLACK_SECONDS",
+    "POWER_MARGIN",
+    "UNKNOWN_BOARD_WATTS",
+    "board_key",
+    "board_watts",
+    "configured_watts",
+    "max_watts",
+]
+
+# A reading may run this far over the board's power limit (transients, meter error).
+POWER_MARGIN: Final = 0.25
+# dcgm-exporter refreshes a board's energy counter every 30 s by default: one interval may carry
+# the increase of up to that much more time than its own length. Twice that, for a slow exporter.
+COUNTER_SLACK_SECONDS: Final = 60.0
 
 # Board power limits in watts, by the names boards go by.
 BOARD_WATTS: Final[Mapping[str, float]] = MappingProxyType(
@@ -122,3 +142,12 @@ def max_watts(overrides: Mapping[str, float] | None = None) -> dict[str, float]:
     limits = dict(_BY_KEY)
     limits.update({board_key(name): float(watts) for name, watts in (overrides or {}).items()})
     return limits
+
+
+def configured_watts(config: Config) -> dict[str, float]:
+    """The overrides ``config`` makes of the table (name -> W): the simulator's stand-in boards
+    (``simulator.gpus``) draw up to their ``max_watts``; ``billing.gpu_max_watts`` has the last
+    word over both them and the table."""
+    watts = {name: gpu.max_watts for name, gpu in config.simulator.gpus.items()}
+    watts.update(config.billing.gpu_max_watts)
+    return watts
