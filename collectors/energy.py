@@ -7,13 +7,20 @@ the board's counter and gets its share of the board's increase: the counter is d
 before it is split, so a share that changes between readings (a GPU instance created or
 destroyed) splits one interval's increase differently, and never turns since-boot energy into
 an interval's. Without a counter, power is integrated over the interval
-(trapezoid rule). An interval longer than the gap limit (``gap_after_intervals`` scrape
+(trapezoid rule). A counter increase no board could draw in the interval (more than its power
+limit over the interval and the exporter's refresh slack: a counter that jumped, or a fall that
+is no reset to zero) is no measurement: power measures that interval instead, and the flag says
+so. Taken as read, such an increase (a jump of 1e12 mJ, or a since-boot counter after it) was
+refused by billing's bounds, and the interval's GPU time with it. An interval longer than the gap limit (``gap_after_intervals`` scrape
 intervals) is a gap: nobody knows what was drawn, so energy is ``None``, never guessed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from infermeter.boards import COUNTER_SLACK_SECONDS
 
 __all__ = ["Energy", "Point", "counter_increase", "interval_energy", "next_baseline"]
 
@@ -29,11 +36,16 @@ class Point:
 
 @dataclass(frozen=True, slots=True)
 class Energy:
-    """Energy over one interval; ``joules`` is None exactly when ``gap`` is true."""
+    """Energy over one interval; ``joules`` is None exactly when ``gap`` is true.
+
+    ``counter_refused``: the counters' increase was more than the board can draw, so ``joules``
+    came from power.
+    """
 
     joules: float | None
     interval_seconds: float
     gap: bool = False
+    counter_refused: bool = False
 
 
 def counter_increase(previous: float, current: float) -> float:
@@ -51,12 +63,18 @@ def next_baseline(previous: Point | None, current: Point) -> Point:
 
 
 def interval_energy(
-    previous: Point | None, current: Point, gap_seconds: float, share: float = 1.0
+    previous: Point | None,
+    current: Point,
+    gap_seconds: float,
+    share: float = 1.0,
+    max_watts: float = math.inf,
 ) -> Energy:
     """Joules drawn from ``previous`` to ``current``; the first reading starts at 0 s, 0 J.
 
     ``share`` is the part of the board the readings stand for. Their counter is the board's, so
     its increase is multiplied by it; their power is their own already, so it is not.
+    ``max_watts`` is the most the board can draw: a counter increase above it over the interval
+    plus ``COUNTER_SLACK_SECONDS`` (the exporter's refresh) is refused, and power measures.
     """
     if previous is None:
         return Energy(0.0, 0.0)
@@ -67,5 +85,11 @@ def interval_energy(
         return Energy(None, dt, gap=True)
     if previous.energy_mj is not None and current.energy_mj is not None:
         increase = counter_increase(previous.energy_mj, current.energy_mj)
-        return Energy(increase * share / 1000.0, dt)
-    return Energy((previous.power_watts + current.power_watts) / 2.0 * dt, dt)
+        if increase <= max_watts * (dt + COUNTER_SLACK_SECONDS) * 1000.0:
+            return Energy(increase * share / 1000.0, dt)
+        return Energy(_trapezoid(previous, current, dt), dt, counter_refused=True)
+    return Energy(_trapezoid(previous, current, dt), dt)
+
+
+def _trapezoid(previous: Point, current: Point, dt: float) -> float:
+    return (previous.power_watts + current.power_watts) / 2.0 * dt

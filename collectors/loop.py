@@ -46,6 +46,13 @@ from collectors.sources import (
     ScrapeError,
     screen_gpu_readings,
 )
+from infermeter.boards import (
+    POWER_MARGIN,
+    UNKNOWN_BOARD_WATTS,
+    board_key,
+    configured_watts,
+    max_watts,
+)
 from infermeter.config import Config
 from infermeter.ids import sample_id
 from infermeter.records import EngineSample, GpuSample
@@ -167,6 +174,9 @@ class FleetCollector:
         self.placements: Placements | None = None
         # The pod-name rule for pods discovery has not placed (yet): all but Kubernetes discovery.
         self._name_rule = config.collector.discovery != "kubernetes"
+        # What each board can draw (W), by ``board_key``: billing holds samples to it, so the
+        # collector holds its readings to it too (``_gpu_samples``).
+        self._board_watts = max_watts(configured_watts(config))
         # httpx's connection pool does work in proportion to its connections on every request,
         # so a round of 128 scrapes at once cost more CPU than the parsing (docs/benchmarks.md).
         self._limit = asyncio.Semaphore(max_concurrent_scrapes)
@@ -254,8 +264,8 @@ class FleetCollector:
                 kept = [r for r in result[1] if homes.get(r.uuid, source.target) == source.target]
                 self._note_duplicates(source, result[1], homes)
                 readings, refused = screen_gpu_readings(kept)
+                batch.gpus.extend(self._gpu_samples(source.target, result[0], readings, refused))
                 self._note_refused(source, refused)
-                batch.gpus.extend(self._gpu_samples(source.target, result[0], readings))
             else:
                 self.gpus.pop(source.target, None)
         for esource, result in zip(engine_due, results[len(gpu_due) :], strict=True):
@@ -441,13 +451,19 @@ class FleetCollector:
         state.refusing = first
 
     def _gpu_samples(
-        self, target: str, stamp: Stamp, readings: list[GpuReading]
+        self, target: str, stamp: Stamp, readings: list[GpuReading], refused: list[str]
     ) -> list[GpuSample]:
         """One sample per reading, joined to its owner.
 
         A board several pods share by time-slicing is read once per pod (dcgm-exporter repeats it
         with each pod's labels): its interval is measured once and each pod's sample stands for
         an equal part of it (``share``, power and energy), so the board counts once.
+
+        Each reading is held to what its board can draw (``infermeter.boards``, as billing holds
+        the samples): a power above it leaves the GPU out of the round, as a NaN does, and a
+        counter increase above it over the interval is measured from power; either is appended
+        to ``refused``. Shipped as read, billing refused the sample, and its GPU time was no
+        one's, idle capacity included.
         """
         node = next((n for n in self.config.nodes if n.name == target), None)
         t = stamp.wall
@@ -462,13 +478,32 @@ class FleetCollector:
                 r, self.config.replicas, self.placements, self._name_rule
             )
             replica = owner.replica
+            gpu_model = replica.gpu_model if replica else (node.gpu_model if node else None)
+            gpu_model = gpu_model or r.model_name
+            most = self._board_watts.get(board_key(gpu_model), UNKNOWN_BOARD_WATTS)
+            most *= 1 + POWER_MARGIN
+            if r.power_watts > most * r.share:
+                refused.append(
+                    f"{r.node}/{r.slot} power_watts={r.power_watts!r} (over the {most:g} W "
+                    f"{gpu_model or 'a board'} can draw)"
+                )
+                continue
             energy = measured.get(r.key)
             if energy is None:
                 point = Point(stamp.monotonic, r.power_watts, r.energy_mj)
                 previous = self._last.get(r.key) or _slice_start(boards.get(r.key[:2]), point)
                 energy = measured[r.key] = interval_energy(
-                    previous, point, self.gap_seconds, r.share
+                    previous, point, self.gap_seconds, r.share, most
                 )
+                if energy.counter_refused:
+                    # Not believed, the counter starts no interval: the next is measured from
+                    # power too, then the counter takes over again from the reading after.
+                    refused.append(
+                        f"{r.node}/{r.slot} energy_mj={r.energy_mj!r} (an increase over "
+                        f"{energy.interval_seconds:g} s more than {gpu_model or 'a board'} "
+                        "can draw)"
+                    )
+                    point = Point(point.t, point.power_watts, None)
                 self._last[r.key] = next_baseline(self._last.get(r.key), point)
                 if energy.gap:
                     self.gaps_total += 1
@@ -481,7 +516,6 @@ class FleetCollector:
                     self.replica_energy_joules[replica.id] = (
                         self.replica_energy_joules.get(replica.id, 0.0) + joules
                     )
-            gpu_model = replica.gpu_model if replica else (node.gpu_model if node else None)
             # A shared board's samples differ by pod only: the pod is part of their ids.
             sharer = (r.pod or "-",) if holders[r.key] > 1 else ()
             out.append(
@@ -490,7 +524,7 @@ class FleetCollector:
                     node=r.node,
                     gpu=r.slot,
                     uuid=r.uuid,
-                    gpu_model=gpu_model or r.model_name,
+                    gpu_model=gpu_model,
                     replica=replica.id if replica else None,
                     model=replica.model if replica else None,
                     instance=owner.instance,

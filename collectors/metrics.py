@@ -221,7 +221,8 @@ class FleetMetrics(Collector):
         )
         refused = CounterMetricFamily(
             "infermeter_collector_refused_values",
-            "Values the target sent that cannot be true (NaN, infinite, negative), not used.",
+            "Values the target sent that cannot be true (NaN, infinite, negative, more than the "
+            "board can draw), not used.",
             labels=TARGET_LABELS,
         )
         duplicates = CounterMetricFamily(

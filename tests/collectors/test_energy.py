@@ -72,3 +72,19 @@ def test_the_baseline_moves_only_to_a_later_reading(previous, current, kept):
 def test_backoff_doubles_up_to_the_cap(failures, wait):
     """One interval after the first failure, doubling after each further one, capped."""
     assert backoff_seconds(failures, 10.0, 300.0) == wait
+
+
+@pytest.mark.parametrize(
+    ("previous", "current", "expected"),
+    [
+        # 875 W for 10 + 60 s is 61.25 kJ: a counter within it is the measure.
+        (Point(100, 300, 5e9), Point(110, 300, 5e9 + 61_250_000), Energy(61_250.0, 10.0)),
+        (Point(100, 300, 5e9), Point(110, 300, 5e9 + 1e12), Energy(3000.0, 10.0, False, True)),
+        (Point(100, 300, 5e9), Point(110, 300, 4.9e9), Energy(3000.0, 10.0, False, True)),
+        (Point(100, 300, 5e9), Point(110, 300, 2e6), Energy(2000.0, 10.0)),
+    ],
+    ids=["within", "jump", "back-not-to-zero", "reset"],
+)
+def test_a_counter_increase_no_board_can_draw_is_measured_from_power(previous, current, expected):
+    """Over the board's most (W) for the interval and the refresh slack: power measures it."""
+    assert interval_energy(previous, current, GAP, max_watts=875.0) == expected
