@@ -52,20 +52,23 @@ def dcgm_readings(text: str, node: str) -> list[GpuReading]:
     with that pod's labels: it gives one reading per pod (the same board values, each pod's
     labels), so the loop can split the board among them. Keyed by board alone, the first pod's
     labels won and that pod paid for the whole board. A series without pod labels holds for
-    every pod of its board.
+    every pod of its board. A field given twice for one GPU (and pod) with different values is
+    named in the reading's ``conflicts``, which refuse it: taken as read, the last line won,
+    silently, and which series was true nobody knew.
     """
     samples = parse_samples(text, DCGM_FIELDS)
     board_rows: dict[_Board, dict[str, float]] = defaultdict(dict)
     pod_rows: dict[_Board, dict[_Pod, dict[str, float]]] = defaultdict(dict)
     labels: dict[tuple[_Board, _Pod | None], dict[str, str]] = {}
+    conflicts: dict[tuple[_Board, _Pod | None], list[str]] = defaultdict(list)
     for name, found in samples.items():
         for lab, value in found:
             board = (lab.get("UUID", ""), lab.get("GPU_I_ID", ""))
             pod = (lab.get("namespace", ""), lab["pod"]) if lab.get("pod") else None
-            if pod is None:
-                board_rows[board][name] = value
-            else:
-                pod_rows[board].setdefault(pod, {})[name] = value
+            row = board_rows[board] if pod is None else pod_rows[board].setdefault(pod, {})
+            if name in row and row[name] != value:
+                conflicts[(board, pod)].append(f"{name} {row[name]!r} and {value!r}")
+            row[name] = value
             labels.setdefault((board, pod), lab)
     if not labels:
         raise ExpositionError("no DCGM_FI_ GPU metrics in the page")
@@ -73,7 +76,11 @@ def dcgm_readings(text: str, node: str) -> list[GpuReading]:
     for board in dict.fromkeys(board for board, _ in labels):  # in the page's order
         shared = board_rows.get(board, {})
         for pod, own in pod_rows.get(board, {None: {}}).items():
-            readings.append(_reading(node, labels[(board, pod)], {**shared, **own}))
+            reading = _reading(node, labels[(board, pod)], {**shared, **own})
+            twice = tuple(conflicts.get((board, None), ()))
+            if pod is not None:
+                twice += tuple(conflicts.get((board, pod), ()))
+            readings.append(replace(reading, conflicts=twice) if twice else reading)
     return _split_mig_board_values(readings)
 
 

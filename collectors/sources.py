@@ -55,6 +55,9 @@ class GpuReading:
     # The part of the board this reading stands for: 1 for a whole GPU, a MIG slice's compute
     # share of its board (its power and energy are that share of the board's).
     share: float = 1.0
+    # Fields the page gave this GPU twice with different values (``<field> <a> and <b>``): which
+    # is true cannot be told, so the reading is refused (``screen_gpu_readings``).
+    conflicts: tuple[str, ...] = ()
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -101,7 +104,8 @@ def screen_gpu_readings(readings: list[GpuReading]) -> tuple[list[GpuReading], l
 
     - an energy counter refused is treated as missing: the board is measured from its power, as
       a board without a counter is, so its time and energy are still billed;
-    - any other measure refused (power, utilization, memory) leaves the GPU out of this round.
+    - any other measure refused (power, utilization, memory), a utilization over 1, or a field
+      the page gave twice with different values (``conflicts``), leaves the GPU out of this round.
       There is no "unknown" to put in its place, and a zero would be invented (a counter-less
       board's energy is integrated from its power). Its previous reading stays the baseline, so
       the next good reading measures the whole interval from the counter, or past the gap limit
@@ -111,6 +115,9 @@ def screen_gpu_readings(readings: list[GpuReading]) -> tuple[list[GpuReading], l
     refused: list[str] = []
     for r in readings:
         bad = [f"{f}={getattr(r, f)!r}" for f in _GPU_MEASURES if not _believable(getattr(r, f))]
+        if _believable(r.utilization) and r.utilization > 1.0:
+            bad.append(f"utilization={r.utilization!r} (over 1)")
+        bad.extend(f"{c} (two series for one GPU)" for c in r.conflicts)
         counter_bad = r.energy_mj is not None and not _believable(r.energy_mj)
         refused.extend(f"{r.node}/{r.slot} {b}" for b in bad)
         if counter_bad:

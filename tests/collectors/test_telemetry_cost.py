@@ -182,3 +182,33 @@ async def test_a_power_no_board_can_draw_leaves_the_gpu_out_of_the_round(config,
     assert run.billed() == (10.0, 3000.0)
     assert run.refused_values == 1
     assert run.reconciles()
+
+
+async def test_a_gpu_given_twice_with_different_values_is_refused_not_billed(config, tmp_path):
+    """A page with two energy counters for one GPU (two exporters' lines merged, a stale series
+    beside the live one): which is true cannot be told, so the GPU is left out of that round,
+    with a reason naming the field and both values, and the next page measures across it. The
+    same line twice with the same value is one reading. Before, the last line won, silently:
+    here 3 kJ billed for 5 s at 300 W."""
+    doubled = page(BASE + STEP) + page(BASE + 2 * STEP).splitlines(keepends=True)[2]
+    same = page(BASE + 3 * STEP) * 2
+    pages = [page(BASE), doubled, page(BASE + 2 * STEP), same]
+    run = await run_pages(config, tmp_path, pages)
+    assert run.rejected == []
+    assert run.energy == [(0.0, 0.0), (10.0, 3000.0), (5.0, 1500.0)]
+    assert run.billed() == (15.0, 4500.0)
+    assert run.refused_values == 1
+    assert run.reconciles()
+
+
+async def test_a_utilization_over_100_percent_leaves_the_gpu_out_of_the_round(config, tmp_path):
+    """DCGM_FI_DEV_GPU_UTIL 150 is no percentage: refused, the next reading measures across it.
+    Before, billing refused the sample (utilization over 1) and its GPU time was no one's."""
+    over = page(BASE + STEP).replace(b"DCGM_FI_DEV_GPU_UTIL{" + H100.encode() + b"} 50", b"")
+    over = b"DCGM_FI_DEV_GPU_UTIL{" + H100.encode() + b"} 150\n" + over.lstrip(b"\n")
+    run = await run_pages(config, tmp_path, [page(BASE), over, page(BASE + 2 * STEP)])
+    assert run.rejected == []
+    assert run.energy == [(0.0, 0.0), (10.0, 3000.0)]
+    assert run.billed() == (10.0, 3000.0)
+    assert run.refused_values == 1
+    assert run.reconciles()
