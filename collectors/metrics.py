@@ -222,7 +222,7 @@ class FleetMetrics(Collector):
         refused = CounterMetricFamily(
             "infermeter_collector_refused_values",
             "Values the target sent that cannot be true (NaN, infinite, negative, more than the "
-            "board can draw), not used.",
+            "board can draw, a GPU's field given twice with different values), not used.",
             labels=TARGET_LABELS,
         )
         duplicates = CounterMetricFamily(

@@ -3,6 +3,7 @@ ingested by billing over HTTP into a DuckDB file, and the month's statement read
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import AsyncIterator
@@ -12,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from billing.api import create_app
 from collectors.dcgm import DcgmSource
 from collectors.loop import Batch, FleetCollector
 from infermeter.config import Config
 from infermeter.months import month_of
+from tests.billing.conftest import usage
 from tests.collectors.fakes import Receive, Scope, Send, text_app
 from tests.conftest import config_ledger
 from tests.servers import serving
@@ -78,8 +81,17 @@ async def _billing(config: Config, path: Path) -> AsyncIterator[str]:
         ledger.close()
 
 
-async def run_pages(config: Config, tmp_path: Path, pages: list[bytes], step: float = 5.0) -> Run:
-    """Serve ``pages`` one per round ``step`` s apart, ship each round's samples to billing."""
+async def run_pages(
+    config: Config,
+    tmp_path: Path,
+    pages: list[bytes],
+    step: float = 5.0,
+    usage: list[dict[str, Any]] | None = None,
+) -> Run:
+    """Serve ``pages`` one per round ``step`` s apart, ship each round's samples to billing.
+
+    ``usage``: records to ingest too, their times counted from the first page's (``start``).
+    """
     served = list(pages)
 
     async def exporter(scope: Scope, receive: Receive, send: Send) -> None:
@@ -110,6 +122,18 @@ async def run_pages(config: Config, tmp_path: Path, pages: list[bytes], step: fl
                 out.rejected.extend(answer.json()["rejected"])
                 out.quarantined.extend(answer.json()["quarantined"])
             t[0] += step
+        if usage:
+            shifted = [
+                u | {k: u[k] + start for k in ("received_at", "first_token_at", "finished_at")}
+                for u in usage
+            ]
+            answer = await client.post(
+                "/v1/ingest",
+                json={"usage": shifted},
+                headers={"Authorization": f"Bearer {INGEST}"},
+            )
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["accepted"] == len(usage), answer.text
         month = month_of(start)
         got = await client.get(
             f"/v1/chargeback/{month}", headers={"Authorization": f"Bearer {ADMIN}"}
@@ -211,4 +235,61 @@ async def test_a_utilization_over_100_percent_leaves_the_gpu_out_of_the_round(co
     assert run.energy == [(0.0, 0.0), (10.0, 3000.0)]
     assert run.billed() == (10.0, 3000.0)
     assert run.refused_values == 1
+    assert run.reconciles()
+
+
+def stamped(body: bytes, ms: int) -> bytes:
+    """``body`` with every sample stamped at ``ms`` (the text format's optional timestamp)."""
+    return b"".join(line.rstrip(b"\n") + b" %d\n" % ms for line in body.splitlines())
+
+
+async def test_an_exporters_own_timestamps_far_off_are_not_read(config, tmp_path):
+    """Samples stamped by the exporter in 2286 and in 1970: the collector stamps each sample on
+    its own clock and measures intervals on its monotonic one, so the timestamps move nothing;
+    billing, which refuses a sample from the future, bills every second."""
+    pages = [
+        stamped(page(BASE), 9_999_999_999_999),
+        stamped(page(BASE + STEP), 1),
+        stamped(page(BASE + 2 * STEP), 9_999_999_999_999),
+    ]
+    run = await run_pages(config, tmp_path, pages)
+    assert run.rejected == []
+    assert run.energy == [(0.0, 0.0), (5.0, 1500.0), (5.0, 1500.0)]
+    times = [s["timestamp"] for s in run.samples]
+    assert [b - a for a, b in itertools.pairwise(times)] == [5.0, 5.0]
+    assert time.time() - 7200 < times[0] < time.time()
+    assert run.billed() == (10.0, 3000.0)
+    assert run.reconciles()
+
+
+def gpus_page(counters: dict[str, float]) -> bytes:
+    """node-a's page with an H100 at each index of ``counters``, its counter at the value."""
+    return b"".join(
+        page(mj, labels=H100.replace('gpu="0"', f'gpu="{i}"').replace("h100-0", f"h100-{i}"))
+        for i, mj in counters.items()
+    )
+
+
+async def test_idle_and_unallocated_gpus_are_on_the_statement_and_it_sums_to_the_cent(
+    config, tmp_path
+):
+    """Three H100s of node-a for 50 s: large-0 (GPUs 0 and 1) serves one request of search for
+    20 s, GPU 5 is no replica's. Every GPU-second and joule is on the statement: search pays
+    its share, large-0's idle goes to its payers (``spread``), GPU 5 to the platform as
+    (unallocated), and the lines sum to the fleet cost to the cent."""
+    pages = [gpus_page(dict.fromkeys(("0", "1", "5"), BASE + i * STEP)) for i in range(11)]
+    request = usage(team="search", start=10.0, seconds=20.0, replica="large-0", model="chat-large")
+    run = await run_pages(config, tmp_path, pages, usage=[request])
+    assert run.rejected == []
+    assert run.billed() == (150.0, 45000.0)
+    lines = {(line["team"], line["model"]): line for line in run.statement["lines"]}
+    assert set(lines) == {("search", "chat-large"), ("platform", "(unallocated)")}
+    # search held large-0 (two GPUs) for 20 s of the minute: 20/60 of its 100 GPU-seconds.
+    assert lines["search", "chat-large"]["gpu_hours"] == pytest.approx(100 / 3 / 3600)
+    # Its idle (the rest of large-0) goes to search, the one payer; GPU 5 is the platform's.
+    assert lines["search", "chat-large"]["idle_cents"] > 0
+    assert lines["platform", "(unallocated)"]["idle_cents"] > 0
+    # 150 GPU-seconds at $3.90 an hour and 45 kJ at $0.14 x 1.35 a kWh: 16.49 cents.
+    assert run.statement["fleet_cents"] == sum(p["list_cents"] for p in run.statement["pools"])
+    assert run.statement["fleet_cents"] == 16
     assert run.reconciles()
