@@ -53,8 +53,8 @@ def dcgm_readings(text: str, node: str) -> list[GpuReading]:
     labels), so the loop can split the board among them. Keyed by board alone, the first pod's
     labels won and that pod paid for the whole board. A series without pod labels holds for
     every pod of its board. A field given twice for one GPU (and pod) with different values is
-    named in the reading's ``conflicts``, which refuse it: taken as read, the last line won,
-    silently, and which series was true nobody knew.
+    named in the ``conflicts`` of every reading of that board, which refuse them: taken as read,
+    the last line won, silently, and which series was true nobody knew.
     """
     samples = parse_samples(text, DCGM_FIELDS)
     board_rows: dict[_Board, dict[str, float]] = defaultdict(dict)
@@ -72,15 +72,17 @@ def dcgm_readings(text: str, node: str) -> list[GpuReading]:
             labels.setdefault((board, pod), lab)
     if not labels:
         raise ExpositionError("no DCGM_FI_ GPU metrics in the page")
+    # A board's values are one whichever pod's series holds them: a conflict in any refuses all
+    # its readings, so no pod of a time-sliced board pays another's part of a round.
+    twice: dict[_Board, tuple[str, ...]] = defaultdict(tuple)
+    for (where, _), lines in conflicts.items():
+        twice[where] += tuple(lines)
     readings = []
     for board in dict.fromkeys(board for board, _ in labels):  # in the page's order
         shared = board_rows.get(board, {})
         for pod, own in pod_rows.get(board, {None: {}}).items():
             reading = _reading(node, labels[(board, pod)], {**shared, **own})
-            twice = tuple(conflicts.get((board, None), ()))
-            if pod is not None:
-                twice += tuple(conflicts.get((board, pod), ()))
-            readings.append(replace(reading, conflicts=twice) if twice else reading)
+            readings.append(replace(reading, conflicts=twice[board]) if twice[board] else reading)
     return _split_mig_board_values(readings)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from collectors.dcgm import DCGM_FIELDS, MAX_PAGE_BYTES, DcgmSource, dcgm_readings
 from collectors.exposition import MAX_LINES, ExpositionError, parse_samples
-from collectors.sources import ScrapeError
+from collectors.sources import ScrapeError, screen_gpu_readings
 from collectors.vllm import VllmSource
 from simulator.dcgm import DcgmGpu, render
 from tests.collectors.fakes import Receive, Scope, Send, shared_board_page
@@ -170,3 +170,23 @@ def test_a_time_sliced_mig_slice_keeps_its_compute_share():
         ("3/1", "pod-b", 0.25, 75.0),
         ("3/2", None, 0.75, 225.0),
     ]
+
+
+def test_a_field_given_twice_with_different_values_is_named_on_every_reading_of_its_board():
+    """One pod's series of a time-sliced board repeats its energy counter with another value:
+    every reading of that board carries the conflict (so no pod pays another's part of the
+    round), the other board none; the same line twice with the same value is no conflict."""
+    page = shared_board_page(5_000_000)
+    again = 'DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{gpu="3",UUID="GPU-3333",modelName="NVIDIA L40S",'
+    again += 'namespace="ns",pod="pod-b",container="vllm"}'
+    other = 'DCGM_FI_DEV_POWER_USAGE{gpu="4",UUID="GPU-4444",modelName="NVIDIA L40S"} 200\n'
+    readings = dcgm_readings(page + f"{again} 5000000\n{again} 6000000\n" + other * 2, "node-a")
+    conflict = ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION 5000000.0 and 6000000.0",)
+    assert [(r.pod, r.uuid, r.conflicts) for r in readings] == [
+        ("pod-a", "GPU-3333", conflict),
+        ("pod-b", "GPU-3333", conflict),
+        (None, "GPU-4444", ()),
+    ]
+    fit, refused = screen_gpu_readings(readings)
+    assert [r.uuid for r in fit] == ["GPU-4444"]
+    assert refused == [f"node-a/3 {conflict[0]} (two series for one GPU)"] * 2
