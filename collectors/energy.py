@@ -6,13 +6,14 @@ the increase is the new value. A reading that stands for part of its board (a MI
 the board's counter and gets its share of the board's increase: the counter is differenced
 before it is split, so a share that changes between readings (a GPU instance created or
 destroyed) splits one interval's increase differently, and never turns since-boot energy into
-an interval's. Without a counter, power is integrated over the interval
-(trapezoid rule). A counter increase no board could draw in the interval (more than its power
-limit over the interval and the exporter's refresh slack: a counter that jumped, or a fall that
-is no reset to zero) is no measurement: power measures that interval instead, and the flag says
-so. Taken as read, such an increase (a jump of 1e12 mJ, or a since-boot counter after it) was
-refused by billing's bounds, and the interval's GPU time with it. An interval longer than the gap limit (``gap_after_intervals`` scrape
-intervals) is a gap: nobody knows what was drawn, so energy is ``None``, never guessed.
+an interval's. Without a counter, power is integrated over the interval (trapezoid rule).
+A counter increase no board could draw in the interval (more than its power limit over the
+interval and the exporter's refresh slack: a counter that jumped, or a fall that is no reset
+to zero) is no measurement: power measures that interval instead, and the flag says so. Taken
+as read, such an increase (a jump of 1e12 mJ, or a since-boot counter after it) was refused by
+billing's bounds, and the interval's GPU time with it. An interval longer than the gap limit
+(``gap_after_intervals`` scrape intervals) is a gap: nobody knows what was drawn, so energy is
+``None``, never guessed.
 """
 
 from __future__ import annotations
