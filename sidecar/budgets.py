@@ -221,6 +221,10 @@ class BudgetGate:
     # Per team, its projects' budgets (USD a month) and month-to-date spend.
     project_budgets: dict[str, dict[str, float]] = field(default_factory=dict)
     project_spent: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The overrides granted through this sidecar, by team: written into Redis again at each
+    # refresh that does not find them there (Redis restarted empty, the hash flushed or evicted,
+    # Redis down when granted), until they end.
+    granted: dict[str, Override] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics = BudgetMetrics(self.registry)
@@ -278,7 +282,8 @@ class BudgetGate:
 
     async def grant(self, override: Override) -> None:
         """Record an override: in the ledger's spool first (SpoolError: not granted), then
-        logged, counted, and shared through Redis when there is one."""
+        logged, counted, and shared through Redis when there is one (when Redis does not answer,
+        at the next refresh that reaches it)."""
         if self.ledger is not None:
             await self.ledger.append(override_record(override, self.instance).to_json())
         log.warning(
@@ -289,12 +294,28 @@ class BudgetGate:
         )
         self.metrics.overrides.labels(override.team).inc()
         self.overrides = {**self.overrides, override.team: override}
+        self.granted = {**self.granted, override.team: override}
         if self.redis is not None:
-            # redis-py types its commands for both its sync and asyncio clients.
-            await cast(
-                "Awaitable[int]",
-                self.redis.hset(self.key, override.team, override.to_json().decode()),
-            )
+            from redis.exceptions import RedisError  # loaded with the client
+
+            try:
+                await self._share(override)
+            except (RedisError, OSError) as exc:
+                log.warning(
+                    "budget override for team %s not yet in Redis, written at the next refresh "
+                    "that reaches it: %s",
+                    override.team,
+                    exc,
+                )
+
+    async def _share(self, override: Override) -> None:
+        """Write ``override`` into Redis's hash of overrides."""
+        assert self.redis is not None
+        # redis-py types its commands for both its sync and asyncio clients.
+        await cast(
+            "Awaitable[int]",
+            self.redis.hset(self.key, override.team, override.to_json().decode()),
+        )
 
     async def refresh(self) -> None:
         """Read billing's spend (and the shared overrides); keep the last ones on failure."""
@@ -341,6 +362,20 @@ class BudgetGate:
                 dropped,
             )
         self._dropping = bool(dropped)
+        # Redis keeps nothing across a restart (no persistence) and may lose the hash: each
+        # override granted here and still in force is written back when Redis lacks it (or
+        # holds an earlier end for its team), so no sidecar takes it back before its end.
+        now = time.time()
+        self.granted = {t: o for t, o in self.granted.items() if o.until > now}
+        for team, own in self.granted.items():
+            held = found.get(team)
+            if held is not None and held.until >= own.until:
+                continue
+            try:
+                await self._share(own)
+            except (RedisError, OSError) as exc:
+                log.warning("budget override for team %s not written back to Redis: %s", team, exc)
+            found[team] = own
         self.overrides = found
 
     async def run(self) -> None:

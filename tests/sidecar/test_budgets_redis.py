@@ -1,0 +1,211 @@
+"""Budgets when the shared Redis misbehaves: real ``infermeter sidecar`` processes for small-0
+and small-1 over HTTP, a real redis-server of this module's own (no persistence, as deployed),
+the simulator as their replica and billing's ``GET /v1/spend`` over a spend the test sets.
+
+A team's spend is billing's (the ledger of record), never Redis's, so nothing Redis loses lets a
+team past its budget. What Redis holds for budgets is the admins' overrides: an override granted
+through one sidecar lets the team past its budget on every sidecar, until its end, whether Redis
+restarted empty, lost the hash, or did not answer when it was granted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+import pytest
+import yaml
+
+from infermeter.config import DEFAULT_CONFIG, Config
+from infermeter.serving import free_port
+from simulator.replica import ReplicaSim, replica_spec
+from tests.redis_server import RedisServer
+from tests.servers import serving, sidecar_process
+from tests.sidecar.conftest import KEYS
+from tests.sidecar.test_budgets import ADMIN, FakeSpend
+
+CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+SEARCH = {"authorization": f"Bearer {KEYS['search']}"}
+OVERRIDES = "infermeter:budget-overrides"
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """This module's redis-server, killed and restarted empty by its tests."""
+    server = RedisServer(tmp_path_factory.mktemp("redis-budgets"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def fresh(redis: RedisServer) -> RedisServer:
+    """The module's redis-server, running and empty."""
+    if redis.process is None:
+        redis.start()
+    redis.flush()
+    return redis
+
+
+class _Fleet:
+    """small-0's and small-1's sidecars as processes, one simulated replica, overrides in Redis."""
+
+    def __init__(self, tmp_path: Path, redis: RedisServer, billing: str) -> None:
+        self.up_port = free_port()
+        self.urls: list[str] = []
+        data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
+        for r in data["replicas"]:
+            if r["id"] in ("small-0", "small-1"):
+                port = free_port()
+                r.update(
+                    upstream_url=f"http://127.0.0.1:{self.up_port}",
+                    sidecar_listen=f"127.0.0.1:{port}",
+                )
+                self.urls.append(f"http://127.0.0.1:{port}")
+        data["teams"][0]["budget_usd_per_month"] = 100.0
+        data["sidecar"] = {
+            "spool_dir": str(tmp_path / "spool"),
+            "budgets": {"spend_url": billing, "refresh_seconds": 0.1},
+            "shared_limits": {"redis_url": redis.url, "timeout_millis": 500, "retry_seconds": 0.2},
+        }
+        self.config = Config.model_validate(data)
+        self.path = tmp_path / "infermeter.yaml"
+        self.path.write_text(yaml.safe_dump(data))
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[list[str]]:
+        """Both sidecars up in front of the simulated replica; yields their URLs."""
+        procs: list[subprocess.Popen[bytes]] = []
+        async with serving(ReplicaSim(replica_spec(self.config, "small-0")), self.up_port):
+            try:
+                for replica, url in zip(("small-0", "small-1"), self.urls, strict=True):
+                    procs.append(
+                        await asyncio.to_thread(sidecar_process, str(self.path), url, replica)
+                    )
+                yield self.urls
+            finally:
+                for p in procs:
+                    p.kill()
+                    await asyncio.to_thread(p.wait)
+
+
+async def _statuses(c: httpx.AsyncClient, urls: list[str]) -> list[int]:
+    """The status of one chat request of team search to each sidecar."""
+    return [
+        (await c.post(f"{u}/v1/chat/completions", json=CHAT, headers=SEARCH)).status_code
+        for u in urls
+    ]
+
+
+async def _until(c: httpx.AsyncClient, urls: list[str], want: list[int], seconds: float) -> float:
+    """Seconds until every sidecar answers ``want``; AssertionError with the last answers after
+    ``seconds``."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    got: list[int] = []
+    while loop.time() - start < seconds:
+        got = await _statuses(c, urls)
+        if got == want:
+            return loop.time() - start
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"answers {got}, not {want}, after {seconds} s")
+
+
+async def _override(c: httpx.AsyncClient, url: str) -> httpx.Response:
+    return await c.post(
+        f"{url}/v1/admin/budget-overrides",
+        headers=ADMIN,
+        json={"team": "search", "minutes": 30, "reason": "launch week"},
+    )
+
+
+@pytest.mark.timeout(120)
+async def test_an_override_outlives_a_redis_restarted_empty(tmp_path, fresh):
+    """search past its budget, let past it through small-0: both sidecars serve it. Redis is
+    killed and started again empty (no persistence, as deployed): both still serve it, and the
+    override is back in Redis."""
+    spend = FakeSpend()
+    spend.spent["search"] = 100.5
+    async with serving(spend.app(), lifespan="off") as billing:
+        fleet = _Fleet(tmp_path, fresh, billing)
+        async with fleet.running() as urls, httpx.AsyncClient(timeout=30) as c:
+            await _until(c, urls, [429, 429], 10)
+            granted = await _override(c, urls[0])
+            assert granted.status_code == 201, granted.text
+            await _until(c, urls, [200, 200], 5)
+            fresh.kill()
+            fresh.start()
+            # Several refreshes of each sidecar (0.1 s) after Redis answers again, empty.
+            await asyncio.sleep(1.5)
+            after = [await _statuses(c, urls) for _ in range(5)]
+            with contextlib.closing(_raw(fresh)) as raw:
+                stored = raw.hkeys()
+    assert after == [[200, 200]] * 5
+    assert stored == [b"search"]
+
+
+@pytest.mark.timeout(120)
+async def test_a_redis_restarted_empty_lifts_no_budget(tmp_path, fresh):
+    """search past its budget on both sidecars; Redis killed and started again empty, and its
+    keys flushed later: the team is still refused on both, at every request (the spend is
+    billing's, read every refresh, and never Redis's)."""
+    spend = FakeSpend()
+    spend.spent["search"] = 100.5
+    async with serving(spend.app(), lifespan="off") as billing:
+        fleet = _Fleet(tmp_path, fresh, billing)
+        async with fleet.running() as urls, httpx.AsyncClient(timeout=30) as c:
+            await _until(c, urls, [429, 429], 10)
+            fresh.kill()
+            during = [await _statuses(c, urls) for _ in range(3)]
+            fresh.start()
+            after = [await _statuses(c, urls) for _ in range(10)]
+            fresh.flush()
+            flushed = [await _statuses(c, urls) for _ in range(10)]
+    assert during == [[429, 429]] * 3
+    assert after == [[429, 429]] * 10
+    assert flushed == [[429, 429]] * 10
+
+
+@pytest.mark.timeout(120)
+async def test_an_override_granted_while_redis_is_down_reaches_every_sidecar(tmp_path, fresh):
+    """Redis does not answer when the admin grants the override through small-0: it is granted
+    (201: it is in the ledger's spool, as the answer says), and once Redis answers again small-1
+    serves the team too, and small-0 does not take it back."""
+    spend = FakeSpend()
+    spend.spent["search"] = 100.5
+    async with serving(spend.app(), lifespan="off") as billing:
+        fleet = _Fleet(tmp_path, fresh, billing)
+        async with fleet.running() as urls, httpx.AsyncClient(timeout=30) as c:
+            await _until(c, urls, [429, 429], 10)
+            fresh.kill()
+            granted = await _override(c, urls[0])
+            during = await _statuses(c, urls)
+            fresh.start()
+            await _until(c, urls, [200, 200], 5)
+            await asyncio.sleep(1.0)
+            after = [await _statuses(c, urls) for _ in range(5)]
+    assert granted.status_code == 201, granted.text
+    assert during == [200, 429]
+    assert after == [[200, 200]] * 5
+
+
+class _raw:
+    """A blocking RESP connection to ``server``, enough for HKEYS of the overrides."""
+
+    def __init__(self, server: RedisServer) -> None:
+        import redis as redis_py
+
+        self.client = redis_py.Redis.from_url(server.url)
+
+    def hkeys(self) -> list[bytes]:
+        return sorted(cast("list[bytes]", self.client.hkeys(OVERRIDES)))
+
+    def close(self) -> None:
+        self.client.close()
