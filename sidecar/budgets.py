@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from infermeter.auth import ADMIN, AuthError, KeyRing, bearer_key
 from infermeter.config import BudgetSettings, Config
 from infermeter.errors import error_body
 from infermeter.ids import sample_id
+from infermeter.months import month_of
 from infermeter.records import MAX_OVERRIDE_REASON, BudgetOverride
 from infermeter.spool import Spool, SpoolError
 
@@ -51,10 +53,13 @@ __all__ = [
     "parse_project_spend",
     "parse_spend",
     "project_budgets",
+    "spend_month",
     "stored_overrides",
 ]
 
 log = logging.getLogger("infermeter.sidecar")
+# A month as billing names it.
+_MONTH: Final = re.compile(r"\d{4}-\d{2}")
 
 
 class BudgetExceeded(Exception):
@@ -152,6 +157,16 @@ def parse_project_spend(body: Any) -> dict[str, dict[str, float]]:
     return out
 
 
+def spend_month(body: Any) -> str | None:
+    """The month of a ``GET /v1/spend`` answer (``parse_spend`` checked it): its rows' ``month``
+    when every row names the same one, None otherwise (no rows, or a billing naming none)."""
+    months = {row.get("month") for row in body}
+    if len(months) != 1:
+        return None
+    month = months.pop()
+    return month if isinstance(month, str) and _MONTH.fullmatch(month) else None
+
+
 def parse_spend(body: Any) -> dict[str, float]:
     """Spend per team from a ``GET /v1/spend`` answer; ValueError when it is not one."""
     if not isinstance(body, list):
@@ -225,6 +240,11 @@ class BudgetGate:
     # refresh that does not find them there (Redis restarted empty, the hash flushed or evicted,
     # Redis down when granted), until they end.
     granted: dict[str, Override] = field(default_factory=dict)
+    # The month billing's spend is of (None: its answer named none), and the last spend read of
+    # the month before, kept once billing's answer turned to the next: a request is judged by the
+    # month this sidecar's clock puts it in, which is the month billing charges it to.
+    month: str | None = None
+    earlier: tuple[str, dict[str, float], dict[str, dict[str, float]]] | None = None
 
     def __post_init__(self) -> None:
         self.metrics = BudgetMetrics(self.registry)
@@ -244,8 +264,9 @@ class BudgetGate:
     def check(self, team: str, model: str, project: str | None = None) -> Verdict:
         """The verdict for a request of ``team`` (for ``project``) for ``model``;
         BudgetExceeded past the team's budget, ProjectBudgetExceeded past the project's."""
-        spent = self.spent.get(team)
-        if spent is None:
+        now = time.time()
+        snapshot = self._spend_of(month_of(now))
+        if snapshot is None or (spent := snapshot[0].get(team)) is None:
             return Verdict()
         try:
             verdict = judge(
@@ -255,10 +276,10 @@ class BudgetGate:
                 self.budgets.get(team, 0.0),
                 self.settings,
                 self.overrides.get(team),
-                time.time(),
+                now,
             )
             if project is not None and verdict.state in ("ok", "soft"):
-                self._check_project(team, model, project)
+                self._check_project(team, model, project, snapshot[1])
         except BudgetExceeded as exc:
             state = "project_refused" if isinstance(exc, ProjectBudgetExceeded) else "refused"
             self.metrics.decisions.labels(team, state).inc()
@@ -267,11 +288,23 @@ class BudgetGate:
             self.metrics.decisions.labels(team, verdict.state).inc()
         return verdict
 
-    def _check_project(self, team: str, model: str, project: str) -> None:
+    def _spend_of(self, month: str) -> tuple[dict[str, float], dict[str, dict[str, float]]] | None:
+        """The spend (by team, and by team and project) of ``month`` as last read from billing;
+        None for a month billing's spend was not read of: one after it has nothing spent yet
+        (billing's clock has not reached it, or its answer is not read yet)."""
+        if self.month is None or self.month == month:
+            return self.spent, self.project_spent
+        if self.earlier is not None and self.earlier[0] == month:
+            return self.earlier[1], self.earlier[2]
+        return None
+
+    def _check_project(
+        self, team: str, model: str, project: str, project_spent: dict[str, dict[str, float]]
+    ) -> None:
         """ProjectBudgetExceeded when ``project`` has a budget, its spend reached it, and the
         settings refuse ``model`` past a budget (an override of the team lets it in too)."""
         budget = self.project_budgets.get(team, {}).get(project, 0.0)
-        spent = self.project_spent.get(team, {}).get(project)
+        spent = project_spent.get(team, {}).get(project)
         if budget <= 0 or spent is None:
             return
         # Its warning headers are not given: the team's are (one set per response).
@@ -334,6 +367,10 @@ class BudgetGate:
         except (httpx.HTTPError, ValueError) as exc:
             log.warning("budget spend unreadable, keeping the last one: %s", exc)
             return
+        month = spend_month(body)
+        if month is not None and self.month is not None and month > self.month:
+            self.earlier = (self.month, self.spent, self.project_spent)
+        self.month = month
         self.spent, self.read_at = spent, time.monotonic()
         self.project_spent = parse_project_spend(body)
         for team, value in spent.items():

@@ -1,0 +1,158 @@
+"""The month boundary seen by two sidecars whose clocks are apart: real ``infermeter sidecar``
+processes over HTTP, one whose clock reads the last minute of a month and one whose clock reads
+the first second of the next, the simulator as their replica and billing's ``GET /v1/spend``
+answering one month's spend, then the next's, as billing's does when its own clock turns.
+
+Billing puts a request in the month its usage record's times fall in, and those times are the
+sidecar's clock (``received_at``, ``finished_at``); so a sidecar judges a request by the spend of
+the month its own clock puts the request in: the month billing charges it to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import yaml
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from infermeter.config import DEFAULT_CONFIG, Config
+from infermeter.months import month_bounds, month_of, next_month
+from infermeter.serving import free_port
+from simulator.replica import ReplicaSim, replica_spec
+from tests.servers import serving, wait_healthy
+from tests.sidecar.conftest import KEYS
+
+CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+SEARCH = {"authorization": f"Bearer {KEYS['search']}"}
+# The next month's first second: where the two clocks fall either side.
+BOUNDARY = month_bounds(next_month(month_of(time.time())))[0]
+OLD, NEW = month_of(BOUNDARY - 1), month_of(BOUNDARY)
+# A sidecar's clock, started ``offset`` seconds from the real one (Python's ``time.time``, which
+# stamps its records).
+SKEWED = (
+    "import runpy, sys, time; _real = time.time; _off = float(sys.argv.pop(1)); "
+    "time.time = lambda: _real() + _off; sys.argv[0] = 'launcher'; "
+    "runpy.run_module('launcher', run_name='__main__', alter_sys=True)"
+)
+
+
+class MonthSpend:
+    """Billing's ``GET /v1/spend``: each team's spend in ``month``, the month billing's clock is in."""
+
+    def __init__(self, month: str, spent: dict[str, float]) -> None:
+        self.month, self.spent = month, spent
+
+    def app(self) -> Starlette:
+        async def handle(request: Request) -> JSONResponse:
+            return JSONResponse(
+                [
+                    {"team": t, "month": self.month, "spent_usd": s, "budget_usd": 100.0}
+                    for t, s in self.spent.items()
+                ]
+            )
+
+        return Starlette(routes=[Route("/v1/spend", handle)])
+
+
+class _Fleet:
+    """small-0 with its clock ``offsets[0]`` seconds off, small-1 ``offsets[1]``."""
+
+    def __init__(self, tmp_path: Path, billing: str) -> None:
+        self.up_port = free_port()
+        self.urls: list[str] = []
+        data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
+        for r in data["replicas"]:
+            if r["id"] in ("small-0", "small-1"):
+                port = free_port()
+                r.update(
+                    upstream_url=f"http://127.0.0.1:{self.up_port}",
+                    sidecar_listen=f"127.0.0.1:{port}",
+                )
+                self.urls.append(f"http://127.0.0.1:{port}")
+        data["teams"][0]["budget_usd_per_month"] = 100.0
+        data["sidecar"] = {
+            "spool_dir": str(tmp_path / "spool"),
+            "budgets": {"spend_url": billing, "refresh_seconds": 0.1},
+        }
+        self.spool = tmp_path / "spool"
+        self.config = Config.model_validate(data)
+        self.path = tmp_path / "infermeter.yaml"
+        self.path.write_text(yaml.safe_dump(data))
+
+    @contextlib.asynccontextmanager
+    async def running(self, offsets: tuple[float, float]) -> AsyncIterator[list[str]]:
+        """Both sidecars up in front of the simulated replica; yields their URLs."""
+        procs: list[subprocess.Popen[bytes]] = []
+        async with serving(ReplicaSim(replica_spec(self.config, "small-0")), self.up_port):
+            try:
+                for replica, url, offset in zip(
+                    ("small-0", "small-1"), self.urls, offsets, strict=True
+                ):
+                    argv = [sys.executable, "-c", SKEWED, repr(offset)]
+                    argv += ["sidecar", "--config", str(self.path), "--replica", replica]
+                    procs.append(subprocess.Popen(argv))
+                    await asyncio.to_thread(wait_healthy, procs[-1], url, 30.0, replica)
+                yield self.urls
+            finally:
+                for p in procs:
+                    p.kill()
+                    await asyncio.to_thread(p.wait)
+
+    def months(self, replica: str) -> list[str]:
+        """The months of the ``received_at`` of ``replica``'s usage records so far."""
+        lines = b"".join(
+            p.read_bytes() for p in sorted((self.spool / replica).rglob("seg-*.jsonl"))
+        ).splitlines()
+        out = []
+        for line in lines:
+            record = orjson.loads(line)
+            record = record.get("record", record)
+            if "received_at" in record:
+                out.append(month_of(record["received_at"]))
+        return out
+
+
+async def _statuses(c: httpx.AsyncClient, urls: list[str]) -> list[int]:
+    return [
+        (await c.post(f"{u}/v1/chat/completions", json=CHAT, headers=SEARCH)).status_code
+        for u in urls
+    ]
+
+
+@pytest.mark.timeout(120)
+async def test_each_sidecar_judges_a_request_by_the_month_billing_charges_it_to(tmp_path):
+    """search spent 100.5 of its 100 in the month ending; small-0's clock reads its last minute,
+    small-1's the next month's first second. While billing still answers the old month, small-0
+    refuses search (billing charges its request to the old month) and small-1 serves it (the new
+    month has nothing spent). Once billing answers the new month, small-0 still refuses it: its
+    request is still the old month's, which is past its budget."""
+    now = time.time()
+    offsets = (BOUNDARY - 60 - now, BOUNDARY + 1 - now)
+    spend = MonthSpend(OLD, {"search": 100.5})
+    async with serving(spend.app(), lifespan="off") as billing:
+        fleet = _Fleet(tmp_path, billing)
+        async with fleet.running(offsets) as urls, httpx.AsyncClient(timeout=30) as c:
+            await asyncio.sleep(0.5)  # both have read billing's spend
+            before = [await _statuses(c, urls) for _ in range(3)]
+            spend.month, spend.spent = NEW, {"search": 0.0}
+            await asyncio.sleep(0.5)
+            after = [await _statuses(c, urls) for _ in range(3)]
+            await asyncio.sleep(0.3)  # the records of the last requests are written
+    assert before == [[429, 200]] * 3
+    assert after == [[429, 200]] * 3
+    # Billing's month for each: the month of the record's times, the sidecar's clock.
+    assert set(fleet.months("small-0")) == {OLD}
+    assert set(fleet.months("small-1")) == {NEW}
