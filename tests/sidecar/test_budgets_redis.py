@@ -196,6 +196,33 @@ async def test_an_override_granted_while_redis_is_down_reaches_every_sidecar(tmp
     assert after == [[200, 200]] * 5
 
 
+@pytest.mark.timeout(120)
+async def test_a_paused_redis_holds_back_neither_the_spend_nor_an_override(tmp_path, fresh):
+    """Redis stopped (SIGSTOP: connections open, nothing answered) while search is under its
+    budget: its spend passing the budget is still enforced on both sidecars within a few
+    refreshes (billing's spend is read before Redis's overrides, each call bounded by
+    ``timeout_millis``); an override granted meanwhile is a 201 on small-0 at once, and reaches
+    small-1 once Redis answers again."""
+    spend = FakeSpend()
+    spend.spent["search"] = 50.0
+    async with serving(spend.app(), lifespan="off") as billing:
+        fleet = _Fleet(tmp_path, fresh, billing)
+        async with fleet.running() as urls, httpx.AsyncClient(timeout=30) as c:
+            await _until(c, urls, [200, 200], 10)
+            fresh.pause()
+            try:
+                spend.spent["search"] = 100.5
+                refused_in = await _until(c, urls, [429, 429], 10)
+                granted = await _override(c, urls[0])
+                during = await _statuses(c, urls)
+            finally:
+                fresh.resume()
+            await _until(c, urls, [200, 200], 5)
+    assert refused_in < 3.0
+    assert granted.status_code == 201, granted.text
+    assert during == [200, 429]
+
+
 class _raw:
     """A blocking RESP connection to ``server``, enough for HKEYS of the overrides."""
 
