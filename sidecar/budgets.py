@@ -400,19 +400,25 @@ class BudgetGate:
             )
         self._dropping = bool(dropped)
         # Redis keeps nothing across a restart (no persistence) and may lose the hash: each
-        # override granted here and still in force is written back when Redis lacks it (or
-        # holds an earlier end for its team), so no sidecar takes it back before its end.
+        # override granted here and still in force is written back when Redis holds none for
+        # its team, or one granted before it, so no sidecar takes it back before its end. One
+        # granted after it, through any sidecar, replaces it (the last grant decides, as it
+        # does when both are in Redis).
         now = time.time()
-        self.granted = {t: o for t, o in self.granted.items() if o.until > now}
+        kept: dict[str, Override] = {}
         for team, own in self.granted.items():
-            held = found.get(team)
-            if held is not None and held.until >= own.until:
+            held = _granted_at(stored.get(team.encode()))
+            if own.until <= now or (held is not None and held > own.granted_at):
+                continue
+            kept[team] = own
+            if held == own.granted_at:
                 continue
             try:
                 await self._share(own)
             except (RedisError, OSError) as exc:
                 log.warning("budget override for team %s not written back to Redis: %s", team, exc)
             found[team] = own
+        self.granted = kept
         self.overrides = found
 
     async def run(self) -> None:
@@ -467,6 +473,18 @@ def stored_overrides(
         if data["until"] > now:
             found[team] = Override(team, float(data["until"]), data["reason"], data["granted_at"])
     return found, dropped
+
+
+def _granted_at(value: bytes | None) -> float | None:
+    """When the override stored as ``value`` was granted; None for none, or no override."""
+    if value is None:
+        return None
+    try:
+        data = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    at = data.get("granted_at") if isinstance(data, dict) else None
+    return float(at) if isinstance(at, int | float) else None
 
 
 def parse_override(raw: bytes, teams: frozenset[str], now: float) -> Override:

@@ -118,11 +118,11 @@ async def _until(c: httpx.AsyncClient, urls: list[str], want: list[int], seconds
     raise AssertionError(f"answers {got}, not {want}, after {seconds} s")
 
 
-async def _override(c: httpx.AsyncClient, url: str) -> httpx.Response:
+async def _override(c: httpx.AsyncClient, url: str, minutes: float = 30) -> httpx.Response:
     return await c.post(
         f"{url}/v1/admin/budget-overrides",
         headers=ADMIN,
-        json={"team": "search", "minutes": 30, "reason": "launch week"},
+        json={"team": "search", "minutes": minutes, "reason": "launch week"},
     )
 
 
@@ -221,6 +221,26 @@ async def test_a_paused_redis_holds_back_neither_the_spend_nor_an_override(tmp_p
     assert refused_in < 3.0
     assert granted.status_code == 201, granted.text
     assert during == [200, 429]
+
+
+@pytest.mark.timeout(120)
+async def test_the_last_override_granted_decides_on_every_sidecar(tmp_path, fresh):
+    """A 30-minute override granted through small-0, then one of 3 seconds through small-1 (the
+    admin cutting it short): small-0 does not write its own back over the later one, so once the
+    later one ends both sidecars refuse the team again."""
+    spend = FakeSpend()
+    spend.spent["search"] = 100.5
+    async with serving(spend.app(), lifespan="off") as billing:
+        fleet = _Fleet(tmp_path, fresh, billing)
+        async with fleet.running() as urls, httpx.AsyncClient(timeout=30) as c:
+            await _until(c, urls, [429, 429], 10)
+            first = await _override(c, urls[0])
+            await _until(c, urls, [200, 200], 5)
+            second = await _override(c, urls[1], minutes=0.05)
+            await asyncio.sleep(3.5)
+            after = [await _statuses(c, urls) for _ in range(5)]
+    assert (first.status_code, second.status_code) == (201, 201)
+    assert after == [[429, 429]] * 5
 
 
 class _raw:
