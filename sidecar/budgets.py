@@ -32,7 +32,7 @@ from infermeter.auth import ADMIN, AuthError, KeyRing, bearer_key
 from infermeter.config import BudgetSettings, Config
 from infermeter.errors import error_body
 from infermeter.ids import sample_id
-from infermeter.months import month_of
+from infermeter.months import month_bounds, month_of
 from infermeter.records import MAX_OVERRIDE_REASON, BudgetOverride
 from infermeter.spool import Spool, SpoolError
 
@@ -248,6 +248,8 @@ class BudgetGate:
 
     def __post_init__(self) -> None:
         self.metrics = BudgetMetrics(self.registry)
+        # The month requests were last judged in, and its bounds (Unix seconds).
+        self._month_cache: tuple[float, float, str] = (0.0, 0.0, "")
         # Entries of Redis's overrides were left out at the last read (said once until clean).
         self._dropping = False
         self.metrics.age.set_function(
@@ -265,7 +267,7 @@ class BudgetGate:
         """The verdict for a request of ``team`` (for ``project``) for ``model``;
         BudgetExceeded past the team's budget, ProjectBudgetExceeded past the project's."""
         now = time.time()
-        snapshot = self._spend_of(month_of(now))
+        snapshot = self._spend_of(self._month_at(now))
         if snapshot is None or (spent := snapshot[0].get(team)) is None:
             return Verdict()
         try:
@@ -287,6 +289,15 @@ class BudgetGate:
         if verdict.state != "ok":
             self.metrics.decisions.labels(team, verdict.state).inc()
         return verdict
+
+    def _month_at(self, now: float) -> str:
+        """``month_of(now)``, its bounds kept so that a request costs two comparisons."""
+        start, end, month = self._month_cache
+        if not start <= now < end:
+            month = month_of(now)
+            start, end = month_bounds(month)
+            self._month_cache = (start, end, month)
+        return month
 
     def _spend_of(self, month: str) -> tuple[dict[str, float], dict[str, dict[str, float]]] | None:
         """The spend (by team, and by team and project) of ``month`` as last read from billing;
