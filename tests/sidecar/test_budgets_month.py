@@ -132,6 +132,16 @@ async def _statuses(c: httpx.AsyncClient, urls: list[str]) -> list[int]:
     ]
 
 
+async def _read(c: httpx.AsyncClient, url: str) -> None:
+    """Return once the sidecar at ``url`` refuses search (it has read billing's spend)."""
+    for _ in range(200):
+        r = await c.post(f"{url}/v1/chat/completions", json=CHAT, headers=SEARCH)
+        if r.status_code == 429:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the sidecar never read billing's spend")
+
+
 @pytest.mark.timeout(120)
 async def test_each_sidecar_judges_a_request_by_the_month_billing_charges_it_to(tmp_path):
     """search spent 100.5 of its 100 in the month ending; small-0's clock reads its last minute,
@@ -145,10 +155,10 @@ async def test_each_sidecar_judges_a_request_by_the_month_billing_charges_it_to(
     async with serving(spend.app(), lifespan="off") as billing:
         fleet = _Fleet(tmp_path, billing)
         async with fleet.running(offsets) as urls, httpx.AsyncClient(timeout=30) as c:
-            await asyncio.sleep(0.5)  # both have read billing's spend
+            await _read(c, urls[0])  # small-0 has read billing's spend (small-1 refuses nothing)
             before = [await _statuses(c, urls) for _ in range(3)]
             spend.month, spend.spent = NEW, {"search": 0.0}
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(1.0)  # ten refreshes of each
             after = [await _statuses(c, urls) for _ in range(3)]
             await asyncio.sleep(0.3)  # the records of the last requests are written
     assert before == [[429, 200]] * 3
