@@ -99,15 +99,21 @@ async def run(
             payload = command(
                 "EVALSHA",
                 sha,
-                2,
+                4,
                 "f:{t}:b",
                 "f:{t}:c",
+                "f:{t}:x",
+                "f:{t}:p",
                 10**9,
                 10**12,
                 10**6,
                 100,
                 f"{n}:{seq}",
                 30000,
+                0,
+                0,
+                "bench",
+                0,
                 0,
             )
             t0 = time.perf_counter()

@@ -54,7 +54,7 @@ import logging
 import math
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -134,6 +134,36 @@ class _Owed:
         """What is owed now: the requests and tokens of the last ``_OWED_SECONDS``."""
         recent = [v for s, v in self.slots.items() if s > now - _OWED_SECONDS]
         return sum(v[0] for v in recent), sum(v[1] for v in recent)
+
+
+class _Recent:
+    """What this sidecar admitted through Redis for one scope over the last ``_OWED_SECONDS``:
+    requests, and tokens as reserved then settled; running sums, by the second."""
+
+    def __init__(self) -> None:
+        self.slots: deque[tuple[int, int, int]] = deque()
+        self.requests = 0
+        self.tokens = 0
+
+    def add(self, now: float, requests: int, tokens: int) -> None:
+        """Count ``requests`` and ``tokens`` at now's second."""
+        self.total(now)
+        second = int(now)
+        if self.slots and self.slots[-1][0] == second:
+            _, r, t = self.slots.pop()
+            self.slots.append((second, r + requests, t + tokens))
+        else:
+            self.slots.append((second, requests, tokens))
+        self.requests += requests
+        self.tokens += tokens
+
+    def total(self, now: float) -> tuple[int, int]:
+        """The requests and tokens of the last ``_OWED_SECONDS`` (never below nothing)."""
+        while self.slots and self.slots[0][0] <= now - _OWED_SECONDS:
+            _, r, t = self.slots.popleft()
+            self.requests -= r
+            self.tokens -= t
+        return max(0, self.requests), max(0, self.tokens)
 
 
 @dataclass(frozen=True)
@@ -258,6 +288,8 @@ class SharedTeamLimiter:
         self._held: dict[str, set[str]] = defaultdict(set)
         self._queued: list[_Queued] = []
         self._owed: dict[str, _Owed] = defaultdict(_Owed)
+        # What was admitted through Redis, by scope: paid again if Redis loses the scope's state.
+        self._recent: dict[str, _Recent] = defaultdict(_Recent)
         self._wake = asyncio.Event()
         self._closed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -272,10 +304,11 @@ class SharedTeamLimiter:
             return f"{team}/{self.replica_id}"
         return team
 
-    def _keys(self, scope: str) -> tuple[str, str, str]:
-        """The scope's buckets, its admissions in flight and its withdrawn admissions."""
+    def _keys(self, scope: str) -> tuple[str, str, str, str]:
+        """The scope's buckets, its admissions in flight, its withdrawn admissions and the
+        sidecars that paid for its state."""
         base = f"{self.settings.key_prefix}:{{{scope}}}"
-        return f"{base}:b", f"{base}:c", f"{base}:x"
+        return f"{base}:b", f"{base}:c", f"{base}:x", f"{base}:p"
 
     async def admit(self, team: str, reserve_tokens: int) -> Admission:
         """One atomic round trip to Redis; the failure policy when it does not answer in time."""
@@ -299,6 +332,8 @@ class SharedTeamLimiter:
         member = f"{self._id}:{next(self._seq)}"
         owed_requests, owed_tokens = self._take_owed(scope)
         rpm, tpm = lim.requests_per_minute or 0, lim.tokens_per_minute or 0
+        recent = self._recent[scope]
+        recent_requests, recent_tokens = recent.total(time.monotonic())
         args: list[int | str] = [
             rpm,
             tpm,
@@ -308,6 +343,9 @@ class SharedTeamLimiter:
             self._lease_ms,
             owed_requests,
             owed_tokens,
+            self._id,
+            recent_requests,
+            recent_tokens,
         ]
         try:
             result = await self.resp.evalsha(_ADMIT, self._keys(scope), args)
@@ -339,6 +377,7 @@ class SharedTeamLimiter:
         headers = shared_headers(lim, requests, tokens)
         if not admitted:
             raise LimitExceeded(_REASONS[reason], retry_ms / 1000, headers)
+        recent.add(time.monotonic(), 1, reserve_tokens)
         self._held[scope].add(member)
         return SharedAdmission(team, reserve_tokens, headers, scope=scope, member=member)
 
@@ -355,6 +394,9 @@ class SharedTeamLimiter:
             return
         admission.settled = True
         self._held[admission.scope].discard(admission.member)
+        self._recent[admission.scope].add(
+            time.monotonic(), 0, used_tokens - admission.reserved_tokens
+        )
         delta = admission.reserved_tokens - used_tokens if lim.tokens_per_minute else 0
         self._queue(
             _SETTLE,
@@ -379,6 +421,7 @@ class SharedTeamLimiter:
             return
         admission.settled = True
         self._held[admission.scope].discard(admission.member)
+        self._recent[admission.scope].add(time.monotonic(), -1, -admission.reserved_tokens)
         self._queue(
             _UNDO,
             admission.scope,
@@ -512,7 +555,7 @@ class SharedTeamLimiter:
         self._wake.set()
 
     def _command(self, q: _Queued) -> tuple[int | str, ...]:
-        keys = self._keys(q.scope)[: 2 if q.script is _SETTLE else 3]
+        keys = self._keys(q.scope)[: 4 if q.script is _SETTLE else 3]
         return ("EVALSHA", q.script.sha, len(keys), *keys, *q.args)
 
     async def _flush(self) -> None:

@@ -16,6 +16,13 @@ they live on one shard:
   finds its member there and does nothing. An admission that carried a debt (what its sidecar
   admitted on its own during an outage) marks its member here as well, so that a withdrawal
   sent after it never takes that debt a second time.
+- ``<prefix>:{<scope>}:p`` holds the sidecars that have paid for the scope's state as Redis
+  holds it: a sidecar's first admission into it takes from the buckets what that sidecar admitted
+  through Redis in the last minute (nothing, for a sidecar new to the scope). Redis restarted
+  empty, flushed or evicting reads lost buckets as full; the hash is lost with them, so every
+  sidecar then pays, once, what the lost buckets held of it. The hash lives two minutes past the
+  scope's last admission or settlement: when it expires by itself no sidecar admitted or settled
+  anything in the minute before, and the payments are nothing.
 
 Every clock reading is Redis's own ``TIME``, so sidecars with skewed clocks still share one bucket
 exactly. Each key expires by itself: the buckets when they would be full again (a missing bucket
@@ -79,10 +86,12 @@ local function store(key, r, rpm, tk, tpm, now)
 end
 """
 
-# KEYS: buckets, in flight, withdrawn. ARGV: rpm, tpm, max_concurrent (0 = none), reserve,
+# KEYS: buckets, in flight, withdrawn, paid. ARGV: rpm, tpm, max_concurrent (0 = none), reserve,
 # member, lease_ms, owed requests, owed tokens (what the sidecar admitted on its own during its
 # last outage: taken whatever the decision, and the member then marked as run, so that an UNDO
-# sent after a timeout knows not to take it again).
+# sent after a timeout knows not to take it again), the sidecar's id, and the requests and tokens
+# it admitted through Redis in the last minute (owed too when the paid hash does not hold the id:
+# Redis lost the scope's state since the sidecar's last admission).
 # Returns {admitted, reason (0 none, 1 concurrency, 2 requests, 3 tokens, 4 withdrawn), retry_ms,
 # requests level, tokens level, in flight}; levels as strings (Lua numbers would be truncated).
 ADMIT = (
@@ -94,6 +103,10 @@ local owed_r, owed_t = tonumber(ARGV[7]), tonumber(ARGV[8])
 if redis.call('ZSCORE', KEYS[3], member) then
   return {0, 4, 0, '0', '0', 0}
 end
+if redis.call('HSETNX', KEYS[4], ARGV[9], 1) == 1 then
+  owed_r, owed_t = owed_r + tonumber(ARGV[10]), owed_t + tonumber(ARGV[11])
+end
+redis.call('PEXPIRE', KEYS[4], 120000)
 local now = now_ms()
 local r, tk = read(KEYS[1], rpm, tpm, now)
 local changed = owed_r ~= 0 or owed_t ~= 0
@@ -126,14 +139,17 @@ return {reason == 0 and 1 or 0, reason, retry, tostring(r), tostring(tk), n}
 """
 )
 
-# KEYS: buckets, in flight. ARGV: rpm, tpm, tokens to give back (reserved - used; negative takes
-# more), member. Frees the slot and replaces the reservation by the real usage, once: a member
-# already gone (settled, or its lease lapsed) changes nothing. Returns 1 when it acted, else 0.
+# KEYS: buckets, in flight, withdrawn (unused), paid. ARGV: rpm, tpm, tokens to give back
+# (reserved - used; negative takes more), member. Frees the slot and replaces the reservation by
+# the real usage, once: a member already gone (settled, or its lease lapsed) changes nothing.
+# The paid hash lives on two minutes from a settlement too, so it never expires while a sidecar
+# counts a settlement of the last minute. Returns 1 when it acted, else 0.
 SETTLE = (
     _BUCKETS
     + """
 local rpm, tpm, delta = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 if redis.call('ZREM', KEYS[2], ARGV[4]) == 0 then return 0 end
+redis.call('PEXPIRE', KEYS[4], 120000)
 if tpm > 0 and delta ~= 0 then
   local now = now_ms()
   local r, tk = read(KEYS[1], rpm, tpm, now)
