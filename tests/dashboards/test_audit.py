@@ -57,6 +57,7 @@ def test_sign_ins_their_failures_and_sign_outs_are_on_the_audit_trail(
                         {"id": "logout", "property": "n_clicks", "value": 1},
                         {"id": "login-button", "property": "n_clicks", "value": 1},
                         {"id": "login-key", "property": "n_submit", "value": None},
+                        {"id": "tick", "property": "n_intervals", "value": None},
                     ],
                     [
                         {"id": "login-key", "property": "value", "value": ""},
