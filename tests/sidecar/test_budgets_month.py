@@ -11,42 +11,27 @@ the month its own clock puts the request in: the month billing charges it to.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import orjson
 import pytest
-import yaml
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from infermeter.config import DEFAULT_CONFIG, Config
 from infermeter.months import month_bounds, month_of, next_month
-from infermeter.serving import free_port
-from simulator.replica import ReplicaSim, replica_spec
-from tests.servers import serving, wait_healthy
+from tests.servers import serving
 from tests.sidecar.conftest import KEYS
+from tests.sidecar.two_sidecars import TwoSidecars
 
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 SEARCH = {"authorization": f"Bearer {KEYS['search']}"}
 # The next month's first second: where the two clocks fall either side.
 BOUNDARY = month_bounds(next_month(month_of(time.time())))[0]
 OLD, NEW = month_of(BOUNDARY - 1), month_of(BOUNDARY)
-# A sidecar's clock, started ``offset`` seconds from the real one (Python's ``time.time``, which
-# stamps its records).
-SKEWED = (
-    "import runpy, sys, time; _real = time.time; _off = float(sys.argv.pop(1)); "
-    "time.time = lambda: _real() + _off; sys.argv[0] = 'launcher'; "
-    "runpy.run_module('launcher', run_name='__main__', alter_sys=True)"
-)
 
 
 class MonthSpend:
@@ -67,62 +52,24 @@ class MonthSpend:
         return Starlette(routes=[Route("/v1/spend", handle)])
 
 
-class _Fleet:
-    """small-0 with its clock ``offsets[0]`` seconds off, small-1 ``offsets[1]``."""
+def _fleet(tmp_path: Path, billing: str) -> TwoSidecars:
+    """small-0's and small-1's sidecars, search's budget $100 read from ``billing``."""
+    sidecar = {"budgets": {"spend_url": billing, "refresh_seconds": 0.1}}
+    return TwoSidecars(tmp_path, sidecar, {"budget_usd_per_month": 100.0})
 
-    def __init__(self, tmp_path: Path, billing: str) -> None:
-        self.up_port = free_port()
-        self.urls: list[str] = []
-        data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
-        for r in data["replicas"]:
-            if r["id"] in ("small-0", "small-1"):
-                port = free_port()
-                r.update(
-                    upstream_url=f"http://127.0.0.1:{self.up_port}",
-                    sidecar_listen=f"127.0.0.1:{port}",
-                )
-                self.urls.append(f"http://127.0.0.1:{port}")
-        data["teams"][0]["budget_usd_per_month"] = 100.0
-        data["sidecar"] = {
-            "spool_dir": str(tmp_path / "spool"),
-            "budgets": {"spend_url": billing, "refresh_seconds": 0.1},
-        }
-        self.spool = tmp_path / "spool"
-        self.config = Config.model_validate(data)
-        self.path = tmp_path / "infermeter.yaml"
-        self.path.write_text(yaml.safe_dump(data))
 
-    @contextlib.asynccontextmanager
-    async def running(self, offsets: tuple[float, float]) -> AsyncIterator[list[str]]:
-        """Both sidecars up in front of the simulated replica; yields their URLs."""
-        procs: list[subprocess.Popen[bytes]] = []
-        async with serving(ReplicaSim(replica_spec(self.config, "small-0")), self.up_port):
-            try:
-                for replica, url, offset in zip(
-                    ("small-0", "small-1"), self.urls, offsets, strict=True
-                ):
-                    argv = [sys.executable, "-c", SKEWED, repr(offset)]
-                    argv += ["sidecar", "--config", str(self.path), "--replica", replica]
-                    procs.append(subprocess.Popen(argv))
-                    await asyncio.to_thread(wait_healthy, procs[-1], url, 30.0, replica)
-                yield self.urls
-            finally:
-                for p in procs:
-                    p.kill()
-                    await asyncio.to_thread(p.wait)
-
-    def months(self, replica: str) -> list[str]:
-        """The months of the ``received_at`` of ``replica``'s usage records so far."""
-        lines = b"".join(
-            p.read_bytes() for p in sorted((self.spool / replica).rglob("seg-*.jsonl"))
-        ).splitlines()
-        out = []
-        for line in lines:
-            record = orjson.loads(line)
-            record = record.get("record", record)
-            if "received_at" in record:
-                out.append(month_of(record["received_at"]))
-        return out
+def _months(fleet: TwoSidecars, replica: str) -> list[str]:
+    """The months of the ``received_at`` of ``replica``'s usage records so far."""
+    lines = b"".join(
+        p.read_bytes() for p in sorted((fleet.spool / replica).rglob("seg-*.jsonl"))
+    ).splitlines()
+    out = []
+    for line in lines:
+        record = orjson.loads(line)
+        record = record.get("record", record)
+        if "received_at" in record:
+            out.append(month_of(record["received_at"]))
+    return out
 
 
 async def _statuses(c: httpx.AsyncClient, urls: list[str]) -> list[int]:
@@ -153,7 +100,7 @@ async def test_each_sidecar_judges_a_request_by_the_month_billing_charges_it_to(
     offsets = (BOUNDARY - 60 - now, BOUNDARY + 1 - now)
     spend = MonthSpend(OLD, {"search": 100.5})
     async with serving(spend.app(), lifespan="off") as billing:
-        fleet = _Fleet(tmp_path, billing)
+        fleet = _fleet(tmp_path, billing)
         async with fleet.running(offsets) as urls, httpx.AsyncClient(timeout=30) as c:
             await _read(c, urls[0])  # small-0 has read billing's spend (small-1 refuses nothing)
             before = [await _statuses(c, urls) for _ in range(3)]
@@ -164,5 +111,5 @@ async def test_each_sidecar_judges_a_request_by_the_month_billing_charges_it_to(
     assert before == [[429, 200]] * 3
     assert after == [[429, 200]] * 3
     # Billing's month for each: the month of the record's times, the sidecar's clock.
-    assert set(fleet.months("small-0")) == {OLD}
-    assert set(fleet.months("small-1")) == {NEW}
+    assert set(_months(fleet, "small-0")) == {OLD}
+    assert set(_months(fleet, "small-1")) == {NEW}

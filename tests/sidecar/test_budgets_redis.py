@@ -12,22 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import httpx
 import pytest
-import yaml
 
-from infermeter.config import DEFAULT_CONFIG, Config
-from infermeter.serving import free_port
-from simulator.replica import ReplicaSim, replica_spec
 from tests.redis_server import RedisServer
-from tests.servers import serving, sidecar_process
+from tests.servers import serving
 from tests.sidecar.conftest import KEYS
 from tests.sidecar.test_budgets import ADMIN, FakeSpend
+from tests.sidecar.two_sidecars import TwoSidecars
 
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 SEARCH = {"authorization": f"Bearer {KEYS['search']}"}
@@ -54,46 +50,24 @@ def fresh(redis: RedisServer) -> RedisServer:
     return redis
 
 
-class _Fleet:
-    """small-0's and small-1's sidecars as processes, one simulated replica, overrides in Redis."""
-
-    def __init__(self, tmp_path: Path, redis: RedisServer, billing: str) -> None:
-        self.up_port = free_port()
-        self.urls: list[str] = []
-        data: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
-        for r in data["replicas"]:
-            if r["id"] in ("small-0", "small-1"):
-                port = free_port()
-                r.update(
-                    upstream_url=f"http://127.0.0.1:{self.up_port}",
-                    sidecar_listen=f"127.0.0.1:{port}",
-                )
-                self.urls.append(f"http://127.0.0.1:{port}")
-        data["teams"][0]["budget_usd_per_month"] = 100.0
-        data["sidecar"] = {
-            "spool_dir": str(tmp_path / "spool"),
+@contextlib.asynccontextmanager
+async def _fleet(
+    tmp_path: Path, redis: RedisServer, spent: float
+) -> AsyncIterator[tuple[FakeSpend, list[str], httpx.AsyncClient]]:
+    """small-0's and small-1's sidecars, overrides in ``redis``, search's budget $100 of which
+    billing says ``spent``; yields billing's spend, the sidecars' URLs and a client, once both
+    sidecars judge search by that spend (429 past the budget, else 200)."""
+    spend = FakeSpend()
+    spend.spent["search"] = spent
+    async with serving(spend.app(), lifespan="off") as billing:
+        sidecar = {
             "budgets": {"spend_url": billing, "refresh_seconds": 0.1},
             "shared_limits": {"redis_url": redis.url, "timeout_millis": 500, "retry_seconds": 0.2},
         }
-        self.config = Config.model_validate(data)
-        self.path = tmp_path / "infermeter.yaml"
-        self.path.write_text(yaml.safe_dump(data))
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[list[str]]:
-        """Both sidecars up in front of the simulated replica; yields their URLs."""
-        procs: list[subprocess.Popen[bytes]] = []
-        async with serving(ReplicaSim(replica_spec(self.config, "small-0")), self.up_port):
-            try:
-                for replica, url in zip(("small-0", "small-1"), self.urls, strict=True):
-                    procs.append(
-                        await asyncio.to_thread(sidecar_process, str(self.path), url, replica)
-                    )
-                yield self.urls
-            finally:
-                for p in procs:
-                    p.kill()
-                    await asyncio.to_thread(p.wait)
+        fleet = TwoSidecars(tmp_path, sidecar, {"budget_usd_per_month": 100.0})
+        async with fleet.running() as urls, httpx.AsyncClient(timeout=30) as c:
+            await _until(c, urls, [429, 429] if spent > 100 else [200, 200], 10)
+            yield spend, urls, c
 
 
 async def _statuses(c: httpx.AsyncClient, urls: list[str]) -> list[int]:
@@ -131,22 +105,17 @@ async def test_an_override_outlives_a_redis_restarted_empty(tmp_path, fresh):
     """search past its budget, let past it through small-0: both sidecars serve it. Redis is
     killed and started again empty (no persistence, as deployed): both still serve it, and the
     override is back in Redis."""
-    spend = FakeSpend()
-    spend.spent["search"] = 100.5
-    async with serving(spend.app(), lifespan="off") as billing:
-        fleet = _Fleet(tmp_path, fresh, billing)
-        async with fleet.running() as urls, httpx.AsyncClient(timeout=30) as c:
-            await _until(c, urls, [429, 429], 10)
-            granted = await _override(c, urls[0])
-            assert granted.status_code == 201, granted.text
-            await _until(c, urls, [200, 200], 5)
-            fresh.kill()
-            fresh.start()
-            # Several refreshes of each sidecar (0.1 s) after Redis answers again, empty.
-            await asyncio.sleep(1.5)
-            after = [await _statuses(c, urls) for _ in range(5)]
-            with contextlib.closing(_raw(fresh)) as raw:
-                stored = raw.hkeys()
+    async with _fleet(tmp_path, fresh, 100.5) as (_, urls, c):
+        granted = await _override(c, urls[0])
+        assert granted.status_code == 201, granted.text
+        await _until(c, urls, [200, 200], 5)
+        fresh.kill()
+        fresh.start()
+        # Several refreshes of each sidecar (0.1 s) after Redis answers again, empty.
+        await asyncio.sleep(1.5)
+        after = [await _statuses(c, urls) for _ in range(5)]
+        with contextlib.closing(_raw(fresh)) as raw:
+            stored = raw.hkeys()
     assert after == [[200, 200]] * 5
     assert stored == [b"search"]
 
@@ -156,18 +125,13 @@ async def test_a_redis_restarted_empty_lifts_no_budget(tmp_path, fresh):
     """search past its budget on both sidecars; Redis killed and started again empty, and its
     keys flushed later: the team is still refused on both, at every request (the spend is
     billing's, read every refresh, and never Redis's)."""
-    spend = FakeSpend()
-    spend.spent["search"] = 100.5
-    async with serving(spend.app(), lifespan="off") as billing:
-        fleet = _Fleet(tmp_path, fresh, billing)
-        async with fleet.running() as urls, httpx.AsyncClient(timeout=30) as c:
-            await _until(c, urls, [429, 429], 10)
-            fresh.kill()
-            during = [await _statuses(c, urls) for _ in range(3)]
-            fresh.start()
-            after = [await _statuses(c, urls) for _ in range(10)]
-            fresh.flush()
-            flushed = [await _statuses(c, urls) for _ in range(10)]
+    async with _fleet(tmp_path, fresh, 100.5) as (_, urls, c):
+        fresh.kill()
+        during = [await _statuses(c, urls) for _ in range(3)]
+        fresh.start()
+        after = [await _statuses(c, urls) for _ in range(10)]
+        fresh.flush()
+        flushed = [await _statuses(c, urls) for _ in range(10)]
     assert during == [[429, 429]] * 3
     assert after == [[429, 429]] * 10
     assert flushed == [[429, 429]] * 10
@@ -178,19 +142,14 @@ async def test_an_override_granted_while_redis_is_down_reaches_every_sidecar(tmp
     """Redis does not answer when the admin grants the override through small-0: it is granted
     (201: it is in the ledger's spool, as the answer says), and once Redis answers again small-1
     serves the team too, and small-0 does not take it back."""
-    spend = FakeSpend()
-    spend.spent["search"] = 100.5
-    async with serving(spend.app(), lifespan="off") as billing:
-        fleet = _Fleet(tmp_path, fresh, billing)
-        async with fleet.running() as urls, httpx.AsyncClient(timeout=30) as c:
-            await _until(c, urls, [429, 429], 10)
-            fresh.kill()
-            granted = await _override(c, urls[0])
-            during = await _statuses(c, urls)
-            fresh.start()
-            await _until(c, urls, [200, 200], 5)
-            await asyncio.sleep(1.0)
-            after = [await _statuses(c, urls) for _ in range(5)]
+    async with _fleet(tmp_path, fresh, 100.5) as (_, urls, c):
+        fresh.kill()
+        granted = await _override(c, urls[0])
+        during = await _statuses(c, urls)
+        fresh.start()
+        await _until(c, urls, [200, 200], 5)
+        await asyncio.sleep(1.0)
+        after = [await _statuses(c, urls) for _ in range(5)]
     assert granted.status_code == 201, granted.text
     assert during == [200, 429]
     assert after == [[200, 200]] * 5
@@ -203,21 +162,16 @@ async def test_a_paused_redis_holds_back_neither_the_spend_nor_an_override(tmp_p
     refreshes (billing's spend is read before Redis's overrides, each call bounded by
     ``timeout_millis``); an override granted meanwhile is a 201 on small-0 at once, and reaches
     small-1 once Redis answers again."""
-    spend = FakeSpend()
-    spend.spent["search"] = 50.0
-    async with serving(spend.app(), lifespan="off") as billing:
-        fleet = _Fleet(tmp_path, fresh, billing)
-        async with fleet.running() as urls, httpx.AsyncClient(timeout=30) as c:
-            await _until(c, urls, [200, 200], 10)
-            fresh.pause()
-            try:
-                spend.spent["search"] = 100.5
-                refused_in = await _until(c, urls, [429, 429], 10)
-                granted = await _override(c, urls[0])
-                during = await _statuses(c, urls)
-            finally:
-                fresh.resume()
-            await _until(c, urls, [200, 200], 5)
+    async with _fleet(tmp_path, fresh, 50.0) as (spend, urls, c):
+        fresh.pause()
+        try:
+            spend.spent["search"] = 100.5
+            refused_in = await _until(c, urls, [429, 429], 10)
+            granted = await _override(c, urls[0])
+            during = await _statuses(c, urls)
+        finally:
+            fresh.resume()
+        await _until(c, urls, [200, 200], 5)
     assert refused_in < 3.0
     assert granted.status_code == 201, granted.text
     assert during == [200, 429]
@@ -228,17 +182,12 @@ async def test_the_last_override_granted_decides_on_every_sidecar(tmp_path, fres
     """A 30-minute override granted through small-0, then one of 3 seconds through small-1 (the
     admin cutting it short): small-0 does not write its own back over the later one, so once the
     later one ends both sidecars refuse the team again."""
-    spend = FakeSpend()
-    spend.spent["search"] = 100.5
-    async with serving(spend.app(), lifespan="off") as billing:
-        fleet = _Fleet(tmp_path, fresh, billing)
-        async with fleet.running() as urls, httpx.AsyncClient(timeout=30) as c:
-            await _until(c, urls, [429, 429], 10)
-            first = await _override(c, urls[0])
-            await _until(c, urls, [200, 200], 5)
-            second = await _override(c, urls[1], minutes=0.05)
-            await asyncio.sleep(3.5)
-            after = [await _statuses(c, urls) for _ in range(5)]
+    async with _fleet(tmp_path, fresh, 100.5) as (_, urls, c):
+        first = await _override(c, urls[0])
+        await _until(c, urls, [200, 200], 5)
+        second = await _override(c, urls[1], minutes=0.05)
+        await asyncio.sleep(3.5)
+        after = [await _statuses(c, urls) for _ in range(5)]
     assert (first.status_code, second.status_code) == (201, 201)
     assert after == [[429, 429]] * 5
 
