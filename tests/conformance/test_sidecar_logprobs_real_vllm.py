@@ -142,6 +142,22 @@ async def _record(app: Any, via: httpx.Response) -> dict[str, Any]:
     return record
 
 
+def _metered_as_vllm(
+    record: dict[str, Any], usage: dict[str, Any], body: dict[str, Any], moved: tuple[float, float]
+) -> None:
+    """The record is ok and holds vLLM's usage, and vLLM's counters moved by it (its prompt
+    counter once per choice)."""
+    assert record["status"] == "ok"
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert moved == (
+        record["prompt_tokens"] * int(str(body.get("n", 1))),
+        record["completion_tokens"],
+    )
+
+
 @pytest.mark.parametrize("name", sorted(REQUESTS))
 async def test_a_whole_answer_with_logprobs_is_vllms_own_and_metered_exactly(
     real_vllm, sidecar, name
@@ -159,15 +175,7 @@ async def test_a_whole_answer_with_logprobs_is_vllms_own_and_metered_exactly(
     assert _same(via.content, direct.content)
     usage = direct.json()["usage"]
     record = await _record(app, via)
-    assert record["status"] == "ok"
-    assert (record["prompt_tokens"], record["completion_tokens"]) == (
-        usage["prompt_tokens"],
-        usage["completion_tokens"],
-    )
-    assert moved == (
-        record["prompt_tokens"] * int(str(body.get("n", 1))),
-        record["completion_tokens"],
-    )
+    _metered_as_vllm(record, usage, body, moved)
     assert _choices(body) == len(via.json()["choices"])
 
 
@@ -198,15 +206,7 @@ async def test_a_stream_with_logprobs_is_vllms_own_and_metered_exactly(
     assert _same(via.content, direct.content)
     usage = _final_usage(counted.content)
     record = await _record(app, via)
-    assert record["status"] == "ok"
-    assert (record["prompt_tokens"], record["completion_tokens"]) == (
-        usage["prompt_tokens"],
-        usage["completion_tokens"],
-    )
-    assert moved == (
-        record["prompt_tokens"] * int(str(body.get("n", 1))),
-        record["completion_tokens"],
-    )
+    _metered_as_vllm(record, usage, body, moved)
 
 
 async def test_streamed_prompt_logprobs_get_vllms_refusal(real_vllm, sidecar):
