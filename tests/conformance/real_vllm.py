@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from infermeter.serving import free_port
 
@@ -54,6 +55,7 @@ __all__ = [
     "free_port",
     "server_command",
     "start_real_vllm",
+    "token_counters",
 ]
 
 #: Module run with ``python -m`` to start the OpenAI-compatible server (see module docstring).
@@ -284,3 +286,18 @@ def ensure_vllm_ready(project_root: Path) -> tuple[Path, Path]:
         timeout_s=600.0,
     )
     return venv_dir, model_dir
+
+
+async def token_counters(url: str, client: httpx.AsyncClient | None = None) -> tuple[float, float]:
+    """vLLM's ``vllm:prompt_tokens_total`` and ``vllm:generation_tokens_total`` at ``url`` now."""
+    async with contextlib.AsyncExitStack() as stack:
+        if client is None:
+            client = await stack.enter_async_context(httpx.AsyncClient())
+        text = (await client.get(f"{url}/metrics")).text
+    values = {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+    }
+    return values["vllm:prompt_tokens_total"], values["vllm:generation_tokens_total"]

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conformance.real_vllm import token_counters
 from tests.conformance.sidecar_front import spooled_records
 
 pytestmark = pytest.mark.real_vllm
@@ -71,17 +71,6 @@ REQUESTS = {
 STREAMED = [k for k in REQUESTS if k != "completions-prompt-logprobs"]
 
 
-async def _counters(client: httpx.AsyncClient, url: str) -> tuple[float, float]:
-    text = (await client.get(f"{url}/metrics")).text
-    values = {
-        s.name: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
-    }
-    return values["vllm:prompt_tokens_total"], values["vllm:generation_tokens_total"]
-
-
 def _choices(body: dict[str, Any]) -> int:
     """Sequences vLLM ran for ``body``: prompts x n."""
     prompt = body.get("prompt")
@@ -126,9 +115,9 @@ async def _pair(
     tried for one that draws the same tokens, whose bytes are then compared.
     """
     for _ in range(3):
-        before = await _counters(client, vllm)
+        before = await token_counters(vllm, client)
         via = await client.post(f"{url}{path}", json={**body, "model": "chat-small"}, headers=KEY)
-        after = await _counters(client, vllm)
+        after = await token_counters(vllm, client)
         direct = await client.post(f"{vllm}{path}", json={**body, "model": "tiny"})
         if via.status_code != 200 or _same(via.content, direct.content):
             break

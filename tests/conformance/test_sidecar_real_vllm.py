@@ -6,8 +6,8 @@ import asyncio
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conformance.real_vllm import token_counters
 from tests.conformance.sidecar_front import spooled_records
 
 pytestmark = pytest.mark.real_vllm
@@ -15,22 +15,10 @@ pytestmark = pytest.mark.real_vllm
 MSG = [{"role": "user", "content": "Hello world 123"}]
 
 
-async def _counters(url: str) -> tuple[float, float]:
-    async with httpx.AsyncClient() as c:
-        text = (await c.get(f"{url}/metrics")).text
-    values = {
-        s.name: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
-    }
-    return values["vllm:prompt_tokens_total"], values["vllm:generation_tokens_total"]
-
-
 async def test_records_equal_real_vllm_counters(real_vllm, sidecar):
     """Streamed, non-streamed and refused requests: record totals equal vLLM's counter deltas."""
     url, app = sidecar
-    before = await _counters(real_vllm)
+    before = await token_counters(real_vllm)
     async with httpx.AsyncClient(
         base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=120
     ) as c:
@@ -52,7 +40,7 @@ async def test_records_equal_real_vllm_counters(real_vllm, sidecar):
             json={"model": "chat-small", "prompt": "Hello world", "max_tokens": 6},
         )
     assert [r.status_code for r in responses] + [text.status_code] == [200, 200, 200, 400, 200]
-    after = await _counters(real_vllm)
+    after = await token_counters(real_vllm)
     records = await spooled_records(app)
     assert len(records) == 5
     assert sum(r["prompt_tokens"] for r in records) == after[0] - before[0]
@@ -66,7 +54,7 @@ async def test_records_of_several_choices_count_prompts_as_real_vllm_does(real_v
     counter moved by, so reconciliation finds nothing unattributed.
     """
     url, app = sidecar
-    before = await _counters(real_vllm)
+    before = await token_counters(real_vllm)
     async with httpx.AsyncClient(
         base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=120
     ) as c:
@@ -92,7 +80,7 @@ async def test_records_of_several_choices_count_prompts_as_real_vllm_does(real_v
         for path, body in sent:
             response = await c.post(path, json=body)
             assert response.status_code == 200, response.text
-    after = await _counters(real_vllm)
+    after = await token_counters(real_vllm)
     records = await spooled_records(app)
     assert [r["choices"] for r in records] == [2, 3, 2]
     assert sum(r["prompt_tokens"] * r["choices"] for r in records) == after[0] - before[0]
@@ -115,7 +103,7 @@ async def test_aborted_stream_difference_is_small_and_reported(real_vllm, sideca
     }
     for _attempt in range(5):
         seen_before = {r["request_id"] for r in await spooled_records(app)}
-        before = await _counters(real_vllm)
+        before = await token_counters(real_vllm)
         async with (
             httpx.AsyncClient(
                 base_url=url, headers={"authorization": "Bearer im-demo-search"}, timeout=120
@@ -126,7 +114,7 @@ async def test_aborted_stream_difference_is_small_and_reported(real_vllm, sideca
                 if '"content":"' in line and '"role"' not in line:
                     break
         await asyncio.sleep(2.0)
-        after = await _counters(real_vllm)
+        after = await token_counters(real_vllm)
         (record,) = [r for r in await spooled_records(app) if r["request_id"] not in seen_before]
         if record["status"] == "client_aborted":
             break
