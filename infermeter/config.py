@@ -564,6 +564,10 @@ class SidecarSettings(_Strict):
     # Non-streamed completions are asked of vLLM as streams with continuous usage and answered
     # whole (``sidecar.assemble``), so a client that leaves is metered; false relays them as sent.
     non_streamed_via_stream: bool = True
+    # A non-streamed request relayed whole (not answerable from vLLM's stream: tools, prompt
+    # log-probabilities, beam search, ...) whose client leaves: "finish" reads vLLM's answer to its
+    # end and bills its usage; "abort" closes the connection, so vLLM stops, billed 0 tokens.
+    whole_hang_up: Literal["finish", "abort"] = "finish"
     # No effect: the relay has one upstream transport (sidecar.pool). Kept so configs that set it
     # still load; false logs a warning at start (docs/sidecar.md).
     protocol_relay: bool = True

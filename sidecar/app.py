@@ -235,6 +235,7 @@ class Sidecar:
             self.journal,
             self.drain,
             settings.non_streamed_via_stream,
+            settings.whole_hang_up == "finish",
         )
         if not settings.protocol_relay:
             log.warning(

@@ -50,7 +50,9 @@ log = logging.getLogger("infermeter.sidecar")
 
 _T = TypeVar("_T")
 # How a non-streamed exchange raced against the client and the drain ended (``Relay._race``).
-_Ended = Literal["done", "left", "cut"]
+# How a non-streamed wait ended: the answer, the client leaving (aborted), the drain's cut, or
+# the answer read to its end after the client left (``sidecar.whole_hang_up: finish``).
+_Ended = Literal["done", "left", "cut", "finished"]
 # A non-streamed exchange's outcome: the response and its body (None: read into an assembler).
 _Exchanged = tuple[WholeSink, bytes | None]
 
@@ -83,6 +85,7 @@ class Relay:
         journal: AdmissionJournal,
         drain: Drain,
         assemble: bool,
+        finish_whole: bool = True,
     ) -> None:
         self.upstream = upstream
         self.accounting = accounting
@@ -90,6 +93,9 @@ class Relay:
         self.drain = drain
         # ``sidecar.non_streamed_via_stream``: read whole answers as streams when possible.
         self.assemble = assemble
+        # ``sidecar.whole_hang_up``: finish (True) a request relayed whole whose client left, to
+        # bill vLLM's usage, or abort it (False), billed nothing.
+        self.finish_whole = finish_whole
         self.pools = pools
         # Billing's cost rates (``sidecar.rates``), for the estimate on each answer; None: none.
         self.rates: RatePoller | None = None
@@ -322,10 +328,11 @@ class Relay:
             sink = await self._exchange(call, body, headers, None)
             return sink, b"".join(sink.parts)
 
+        finish = self.finish_whole
         if raw is not None:
-            work, ended = await self._whole_raw(call, body, headers, None, raw)
+            work, ended = await self._whole_raw(call, body, headers, None, raw, finish=finish)
         else:
-            work, ended = await self._race(exchange(), receive)
+            work, ended = await self._race(exchange(), receive, finish=finish)
         if ended == "cut":
             return await self._cut(call, work, send)
         if ended == "left":
@@ -344,20 +351,25 @@ class Relay:
                 "upstream_error",
                 RequestStatus.UPSTREAM_ERROR,
             ) from None
-        usage, status, finish = whole_outcome(response.status, content)
+        usage, status, reason = whole_outcome(response.status, content)
         call.response_id = response_id(content)
+        if ended == "finished":
+            # The client left while vLLM generated; the answer was read to its end for its usage.
+            with contextlib.suppress(SpoolError):
+                self.accounting.record(call, RequestStatus.CLIENT_ABORTED, 499, usage, None, reason)
+            return usage, RequestStatus.CLIENT_ABORTED, 499, reason
         try:
-            self.accounting.record(call, status, response.status, usage, None, finish)
+            self.accounting.record(call, status, response.status, usage, None, reason)
         except SpoolError:
             raise Refusal(503, *_WITHHELD) from None
         content, cost = self._costed(call, response.status, usage, content)
         await respond(
             send, response.status, content, [*whole_headers(call, response.raw_headers), *cost]
         )
-        return usage, status, response.status, finish
+        return usage, status, response.status, reason
 
     async def _race(
-        self, exchange: Coroutine[Any, Any, _T], receive: Receive
+        self, exchange: Coroutine[Any, Any, _T], receive: Receive, finish: bool = False
     ) -> tuple[asyncio.Task[_T], _Ended]:
         """Run a non-streamed ``exchange`` against ASGI's disconnect and the drain's cut (for a
         server that gives no raw writer; ``_whole_raw`` otherwise).
@@ -365,16 +377,21 @@ class Relay:
         vLLM sends nothing, not even headers, until a non-streamed completion is done, so the
         whole exchange is raced. ``left``: the client hung up, and the exchange was cancelled,
         which closes the upstream connection and makes vLLM abort the request. ``cut``: the
-        drain ran out with the exchange still running (the caller ends it, ``_cut``).
+        drain ran out with the exchange still running (the caller ends it, ``_cut``). With
+        ``finish``, a client leaving does not end the exchange: it runs to its end (``finished``)
+        or to the drain's cut.
         """
         loop = asyncio.get_running_loop()
         work = loop.create_task(exchange)
         watcher = loop.create_task(wait_disconnect(receive))
         await self.drain.until_first(work, watcher)
+        left = watcher.done()
+        if left and finish and not work.done():
+            await self.drain.until_first(work)
         watcher.cancel()
         if work.done():
-            return work, "done"
-        if not watcher.done():
+            return work, "finished" if left else "done"
+        if not left or finish:
             return work, "cut"
         work.cancel()
         with contextlib.suppress(asyncio.CancelledError, *UPSTREAM_ERRORS, Refusal):
@@ -462,6 +479,13 @@ class Relay:
         if whole is not None:
             call.response_id = response_id(whole)
         finish = assembler.finish_reason
+        if ended == "finished":
+            # The client left as the answer ended: it got none of it.
+            with contextlib.suppress(SpoolError):
+                self.accounting.record(
+                    call, RequestStatus.CLIENT_ABORTED, 499, out.usage, None, finish
+                )
+            return out.usage, RequestStatus.CLIENT_ABORTED, 499, finish
         try:
             self.accounting.record(call, out.status, out.http_status, out.usage, None, finish)
         except SpoolError:
@@ -485,6 +509,7 @@ class Relay:
         assembler: Assembler | None,
         raw: RawWriter,
         slot: Slot | None = None,
+        finish: bool = False,
     ) -> tuple[asyncio.Future[_Exchanged], _Ended]:
         """A whole exchange on the protocol pool, waited for as a stream is (``relay_stream``).
 
@@ -492,7 +517,8 @@ class Relay:
         listener) and the drain's cut all resolve the sink's one future ``finished``: no task
         and no race. What ``_race`` gives, as a future already done: the exchange's outcome (or
         error) and how the wait ended; on ``left`` and ``cut`` the connection is closed, which
-        makes vLLM abort the request.
+        makes vLLM abort the request. With ``finish``, the client's connection closing is not
+        listened to: the answer is read to its end (``finished`` if the client left meanwhile).
         """
         loop = asyncio.get_running_loop()
         work: asyncio.Future[_Exchanged] = loop.create_future()
@@ -504,9 +530,10 @@ class Relay:
             return work, "done"
         self._batched(call, sink, conn)
         finished = sink.finished
-        raw.listener = sink
-        if raw.lost.done():
-            sink.writer_lost()
+        if not finish:
+            raw.listener = sink
+            if raw.lost.done():
+                sink.writer_lost()
         try:
             if self.drain.watch(finished):
                 await finished
@@ -526,7 +553,7 @@ class Relay:
             work.set_result((sink, None if sink.streamed else b"".join(sink.parts)))
         else:
             work.set_exception(_whole_failure(sink, ended))
-        return work, "done"
+        return work, "finished" if raw.lost.done() else "done"
 
     def _batched(self, call: Call, sink: WholeSink, conn: Connection) -> None:
         """Read an assembled answer in batches: once its slot has the stream's first events

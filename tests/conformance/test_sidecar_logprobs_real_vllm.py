@@ -210,3 +210,53 @@ async def test_streamed_prompt_logprobs_get_vllms_refusal(real_vllm, sidecar):
     assert via.json() == direct.json()
     (record,) = await spooled_records(app)
     assert record["status"] == "bad_request"
+
+
+async def test_a_hang_up_on_a_request_relayed_whole_is_billed_vllms_whole_answer(
+    real_vllm, sidecar
+):
+    """Prompt log-probabilities are relayed whole (no chunk has them), so vLLM sends nothing
+    before the end: a client that leaves half-way is not aborted (``whole_hang_up: finish``),
+    and its record holds the usage of vLLM's whole answer, equal to how far vLLM's counters
+    moved. Aborted, it was recorded with no tokens."""
+    import asyncio
+    import time
+
+    url, app = sidecar
+    path, body = REQUESTS["completions-prompt-logprobs"]
+    body = {**body, "max_tokens": 400, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=120) as c:
+        # The client leaves at an eighth of the quicker of two whole answers' time: the test's
+        # loop, which serves the sidecar too, may stall on a busy machine, and a client whose
+        # timer fires late, with the answer already in, would be answered.
+        took = 1e9
+        for _ in range(2):
+            began = time.monotonic()
+            direct = await c.post(f"{real_vllm}{path}", json={**body, "model": "tiny"})
+            took = min(took, time.monotonic() - began)
+        assert direct.json()["usage"]["completion_tokens"] == 400
+        before = await token_counters(real_vllm, c)
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post(
+                f"{url}{path}",
+                json={**body, "model": "chat-small"},
+                headers=KEY,
+                timeout=took / 8,
+            )
+        records: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 30 + 3 * took
+        while not records and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            records = await spooled_records(app)
+        after = await token_counters(real_vllm, c)
+    (record,) = records
+    assert (record["status"], record["http_status"], record["usage_exact"]) == (
+        "client_aborted",
+        499,
+        True,
+    )
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (
+        direct.json()["usage"]["prompt_tokens"],
+        400,
+    )
+    assert (after[0] - before[0], after[1] - before[1]) == (record["prompt_tokens"], 400)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from typing import Any
 
 import httpx
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.sidecar.conftest import Stack
 from tests.sidecar.test_proxy_accounting import _breaks_mid_stream, _engine_dies, _engine_stalls
 
 # The relay runs on uvloop in the sidecar process and on either loop in tests (conftest).
@@ -243,9 +245,50 @@ async def test_upstream_breaking_mid_answer_is_an_error_with_the_usage_so_far(
     assert (record["prompt_tokens"], record["completion_tokens"]) == (10, 3)
 
 
-async def test_with_the_switch_off_a_hang_up_is_aborted_but_not_counted(stack_factory):
-    """``non_streamed_via_stream: false`` relays the request as sent: aborted, tokens unknown."""
+async def _records_after(stack: Stack, count: int, seconds: float = 5.0) -> list[dict[str, Any]]:
+    """The spool's records once ``count`` are there (a finished answer is recorded at its end)."""
+    deadline = time.monotonic() + seconds
+    records: list[dict[str, Any]] = await stack.records()
+    while len(records) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        records = await stack.records()
+    return records
+
+
+async def test_with_the_switch_off_a_hang_up_is_finished_and_billed_in_full(stack_factory):
+    """``non_streamed_via_stream: false`` relays the request as sent, so nothing of it comes
+    before its end: a client that leaves does not abort it (``whole_hang_up: finish``, the
+    default), and its record holds the usage of vLLM's whole answer, which vLLM's counters
+    confirm. Aborted, it was recorded with no tokens."""
     stack = await stack_factory(**{"sidecar.non_streamed_via_stream": False})
+    before = await _engine(stack.upstream)
+    async with stack.client(timeout=0.2) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post(
+                "/v1/chat/completions", json={**CHAT, "max_tokens": 400, "ignore_eos": True}
+            )
+    (record,) = await _records_after(stack, 1)
+    after = await _engine(stack.upstream)
+    assert (record["status"], record["http_status"], record["usage_exact"]) == (
+        "client_aborted",
+        499,
+        True,
+    )
+    assert (record["completion_tokens"], record["finish_reason"]) == (400, "length")
+    assert record["response_id"].startswith("chatcmpl-")
+    assert after["vllm:num_requests_running"] == 0
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (
+        after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"],
+        after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"],
+    )
+
+
+async def test_a_hang_up_on_a_request_relayed_whole_may_abort_it_instead(stack_factory):
+    """``whole_hang_up: abort``: the connection closes as the client leaves, vLLM stops, and
+    the record has no tokens (vLLM sends none before a whole answer's end)."""
+    stack = await stack_factory(
+        **{"sidecar.non_streamed_via_stream": False, "sidecar.whole_hang_up": "abort"}
+    )
     async with stack.client(timeout=0.4) as c:
         with pytest.raises(httpx.ReadTimeout):
             await c.post(
@@ -259,6 +302,37 @@ async def test_with_the_switch_off_a_hang_up_is_aborted_but_not_counted(stack_fa
         False,
         0,
     )
+
+
+async def test_a_hang_up_on_a_request_relayed_whole_is_finished_behind_plain_uvicorn(
+    stack_factory,
+):
+    """Behind a server that gives no raw writer (the ASGI disconnect is awaited instead), the
+    request relayed whole runs to its end after its client left and is billed in full too."""
+    import uvicorn
+
+    from infermeter.serving import free_port
+    from tests.servers import running
+
+    stack = await stack_factory(**{"sidecar.non_streamed_via_stream": False})
+    before = await _engine(stack.upstream)
+    body = {**CHAT, "max_tokens": 400, "ignore_eos": True}
+    config = uvicorn.Config(
+        stack.sidecar, "127.0.0.1", free_port(), lifespan="off", log_level="warning"
+    )
+    async with running(uvicorn.Server(config)) as url:
+        key = {"authorization": "Bearer im-demo-search"}
+        async with httpx.AsyncClient(base_url=url, headers=key, timeout=0.2) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post("/v1/chat/completions", json=body)
+        (record,) = await _records_after(stack, 1)
+    after = await _engine(stack.upstream)
+    assert (record["status"], record["usage_exact"], record["completion_tokens"]) == (
+        "client_aborted",
+        True,
+        400,
+    )
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 400
 
 
 async def test_a_hang_up_without_the_raw_writer_is_billed_what_vllm_sent(stack):
