@@ -436,6 +436,9 @@ class ScalingPolicy(_Strict):
     max_replicas: Annotated[int, Field(gt=0)] | None = None
     scale_up_queue_depth: Annotated[int, Field(ge=0)] = 10
     scale_up_after_seconds: Positive = 30
+    # The most replicas one tick of the sustained-queue rule adds; None: max(replicas serving,
+    # 4), an HPA's default scale-up policy. At most 10,000, the most a decision may ask for.
+    max_scale_up_step: Annotated[int, Field(gt=0, le=10_000)] | None = None
     scale_down_gpu_utilization: Annotated[float, Field(ge=0, le=1)] = 0.30
     scale_down_after_seconds: Positive = 300
     cooldown_seconds: NonNegative = 180

@@ -8,7 +8,10 @@ every rule is tested by feeding it a sequence of observations.
 Rules, in the order they are applied (defaults from ``scaling`` in the configuration):
 
 1. **Sustained queue**: requests waiting (summed over the model's replicas) above
-   ``scale_up_queue_depth`` for ``scale_up_after_seconds`` adds one replica. A brief burst does not.
+   ``scale_up_queue_depth`` for ``scale_up_after_seconds`` adds one replica for every
+   ``scale_up_queue_depth`` requests (or part of them) waiting beyond ``scale_up_queue_depth``,
+   at most ``max_scale_up_step`` (default: max(replicas serving, 4), as an HPA's default
+   scale-up policy). A brief burst does not.
 2. **SLA**: TTFT p95 above the model's ``sla.ttft_p95_seconds`` adds one replica at once (the
    p95 is already an aggregate over a window, so it is not debounced again).
 3. **Idle**: mean GPU utilization below ``scale_down_gpu_utilization`` for
@@ -21,7 +24,8 @@ Rules, in the order they are applied (defaults from ``scaling`` in the configura
    scales up again after a scale-up (the replicas asked for are still starting). A scale-up right
    after a scale-down is allowed: a latency breach must not wait.
 6. **Clamp**: at least ``min_replicas``, at most ``max_replicas`` and the budget cap; the budget
-   wins over the minimum, since it is the one limit that costs money to break.
+   wins over the minimum, since it is the one limit that costs money to break. Never more than
+   10,000, the most replicas a decision may ask for (``MAX_SCALED_REPLICAS``).
 
 A rule steps from the count last asked for, not from the replicas seen serving (a scale-up from
 those seen, and never below the count asked for): an engine whose page could not be read this
@@ -40,8 +44,10 @@ from dataclasses import dataclass, field, replace
 
 from infermeter.config import Config, ScalingPolicy
 from infermeter.pricing import budget_replica_cost, replicas_within
+from infermeter.records import MAX_SCALED_REPLICAS
 
 __all__ = [
+    "HPA_MIN_SCALE_UP_STEP",
     "Decision",
     "DemandHistory",
     "ModelLimits",
@@ -52,7 +58,13 @@ __all__ = [
     "evaluate",
     "model_limits",
     "params_from_config",
+    "queue_step",
+    "scale_up_step_bound",
 ]
+
+# Kubernetes' default HPA scale-up policy adds at most max(100% of the current replicas, 4 pods)
+# per 15 s; the step bound when ``max_scale_up_step`` is not set follows it.
+HPA_MIN_SCALE_UP_STEP = 4
 
 
 @dataclass(frozen=True)
@@ -204,10 +216,10 @@ def decide(
     now, current = obs.time, obs.current_replicas
     reasons: list[str] = []
     state = _track_timers(s, state, obs)
-    up = _scale_up_reasons(s, limits, state, obs, reasons)
-    down = not up and state.queue_high_since is None and _idle_for_long(s, state, obs, reasons)
+    step = _scale_up_step(s, limits, state, obs, reasons)
+    down = not step and state.queue_high_since is None and _idle_for_long(s, state, obs, reasons)
     base = _in_force(state, current)
-    desired = _step_up(current, base, reasons) if up else base - 1 if down else base
+    desired = _step_up(current, base, step, reasons) if step else base - 1 if down else base
 
     history, predicted = _predict(params, state.history, obs)
     if predicted is not None:
@@ -242,16 +254,42 @@ def _in_force(state: ModelState, current: int) -> int:
     return state.last_desired if state.last_desired is not None else current
 
 
-def _step_up(current: int, base: int, reasons: list[str]) -> int:
-    """One more than the replicas seen serving, never less than the count in force.
+def _step_up(current: int, base: int, step: int, reasons: list[str]) -> int:
+    """``step`` more than the replicas seen serving, never less than the count in force.
 
     Counted from those seen, like an HPA's scale-up (a replica with no metrics counts as idle
     there): replicas asked for and not serving yet are already the answer to the signal.
     """
-    if current + 1 <= base:
+    if current + step <= base:
         reasons.append(f"holding {base}: {base - current} asked for and not seen serving yet")
         return base
-    return current + 1
+    return current + step
+
+
+def queue_step(queue_depth: float, threshold: int, bound: int) -> int:
+    """Replicas a sustained queue asks for beyond those serving: from 1 to ``bound``.
+
+    ``threshold`` (``scale_up_queue_depth``) is what the model may hold waiting, summed over its
+    replicas, and more than it is worth one replica (the rule's meaning since it added one). So
+    each further ``threshold`` waiting, or part of it, is one replica more:
+    ``ceil((queue - threshold) / threshold)``, which is one just over the threshold, as before,
+    and nine at ten times it. A threshold of 0 makes each waiting request a replica's worth.
+    Compared before rounding, so a queue no engine could hold cannot overflow the count.
+    """
+    wanted = (queue_depth - threshold) / max(threshold, 1)
+    return bound if wanted >= bound else max(1, math.ceil(wanted))
+
+
+def scale_up_step_bound(s: ScalingPolicy, current: int) -> int:
+    """The most replicas one tick's queue rule may add, ``current`` serving.
+
+    ``max_scale_up_step`` when set, else max(``current``, 4): an HPA's default scale-up policy,
+    which at most doubles a fleet, or adds 4 to a small one, per period. A step per tick, not per
+    burst: the cool-down holds the next one until the replicas asked for have had time to start.
+    """
+    if s.max_scale_up_step is not None:
+        return s.max_scale_up_step
+    return max(current, HPA_MIN_SCALE_UP_STEP)
 
 
 def _track_timers(s: ScalingPolicy, state: ModelState, obs: Observation) -> ModelState:
@@ -266,18 +304,19 @@ def _track_timers(s: ScalingPolicy, state: ModelState, obs: Observation) -> Mode
     return replace(state, queue_high_since=queue_since, idle_since=idle_since)
 
 
-def _scale_up_reasons(
+def _scale_up_step(
     s: ScalingPolicy, limits: ModelLimits, state: ModelState, obs: Observation, reasons: list[str]
-) -> bool:
-    up = False
+) -> int:
+    """Replicas the scale-up rules ask for beyond those serving (0: none), with their reasons.
+
+    The larger of the two rules' steps: the queue's, proportional to it, and the SLA's one (a
+    TTFT p95 says the model is late, not by how many replicas).
+    """
+    step = 0
     if state.queue_high_since is not None:
         held = obs.time - state.queue_high_since
         if held >= s.scale_up_after_seconds:
-            reasons.append(
-                f"queue {obs.queue_depth:g} > {s.scale_up_queue_depth} for {held:.0f} s "
-                f"(>= {s.scale_up_after_seconds:g} s): scale up"
-            )
-            up = True
+            step = _queue_scale_up(s, obs, held, reasons)
         else:
             reasons.append(
                 f"queue {obs.queue_depth:g} > {s.scale_up_queue_depth} for only {held:.0f} s "
@@ -288,8 +327,29 @@ def _scale_up_reasons(
         reasons.append(
             f"TTFT p95 {ttft:.3g} s over the SLA {limits.sla_ttft_p95_seconds:g} s: scale up"
         )
-        up = True
-    return up
+        step = max(step, 1)
+    return step
+
+
+def _queue_scale_up(s: ScalingPolicy, obs: Observation, held: float, reasons: list[str]) -> int:
+    """The sustained-queue rule's step, and the reason that shows its sum."""
+    bound = scale_up_step_bound(s, obs.current_replicas)
+    step = queue_step(obs.queue_depth, s.scale_up_queue_depth, bound)
+    depth, serving = s.scale_up_queue_depth, obs.current_replicas
+    why = f"one per {depth} waiting beyond {depth}" if depth else "one per request waiting"
+    if step == bound and queue_step(obs.queue_depth, depth, bound + 1) > bound:
+        limit = (
+            f"max_scale_up_step {bound}"
+            if s.max_scale_up_step is not None
+            else f"max({serving} serving, {HPA_MIN_SCALE_UP_STEP})"
+        )
+        why += f", at most {limit} a tick"
+    reasons.append(
+        f"queue {obs.queue_depth:g} > {depth} for {held:.0f} s "
+        f"(>= {s.scale_up_after_seconds:g} s): scale up to {serving + step} "
+        f"({serving} serving + {step}: {why})"
+    )
+    return step
 
 
 def _idle_for_long(
@@ -393,6 +453,11 @@ def _clamp(limits: ModelLimits, desired: int, reasons: list[str]) -> int:
     if limits.max_replicas is not None and desired > limits.max_replicas:
         reasons.append(f"capped at {limits.max_replicas}: {limits.max_reason}")
         desired = limits.max_replicas
+    if desired > MAX_SCALED_REPLICAS:
+        # Without max_replicas or a budget cap, a queue step doubling the fleet every cool-down
+        # would pass the count billing keeps and the history file holds (0..10,000).
+        reasons.append(f"capped at {MAX_SCALED_REPLICAS:,}: the most a decision may ask for")
+        desired = MAX_SCALED_REPLICAS
     return desired
 
 

@@ -79,8 +79,8 @@ async def test_a_restarted_autoscaler_steps_from_the_count_it_last_asked_for(
     reader = Script()
     first = scaler(config, path, reader, save_seconds=3600.0)
     desired = []
-    for t in (0.0, 15.0, 30.0, 45.0):
-        reader.next = {"chat-small": Observation(t, 4, 50.0)}
+    for t in (0.0, 15.0, 30.0, 45.0):  # 15 waiting: 5 beyond the threshold, one replica's worth
+        reader.next = {"chat-small": Observation(t, 4, 15.0)}
         desired.append((await first.tick())["chat-small"].desired)
     assert desired[-1] == 5
     calm = {"chat-small": Observation(60.0, 4, 0.0)}
@@ -109,15 +109,15 @@ async def test_a_restart_after_a_scale_up_keeps_its_cool_down(
     path = tmp_path / "history.json"
     reader = Script()
     first = scaler(config, path, reader, save_seconds=3600.0)
-    for t in (0.0, 15.0, 30.0, 45.0):
-        reader.next = {"chat-small": Observation(t, 4, 50.0)}
+    for t in (0.0, 15.0, 30.0, 45.0):  # 15 waiting: 5 beyond the threshold, one replica's worth
+        reader.next = {"chat-small": Observation(t, 4, 15.0)}
         decision = (await first.tick())["chat-small"]
     assert decision.desired == 5
     restarted, forgetful = scaler(config, path, Script()), scaler(config, tmp_path / "x", Script())
     forgetful.states["chat-small"] = ModelState(last_desired=5)  # (only the change is missing)
     runs: list[list[int]] = [[], [], []]
     for t in range(60, 300, 15):
-        busy = {"chat-small": Observation(float(t), 4 if t < 120 else 5, 50.0)}
+        busy = {"chat-small": Observation(float(t), 4 if t < 120 else 5, 15.0)}
         for run, autoscaler in zip(runs, (first, restarted, forgetful), strict=True):
             autoscaler.reader = Script()
             autoscaler.reader.next = busy

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import yaml
 
 from alerts.autoscale.policy import (
     Decision,
@@ -16,9 +18,10 @@ from alerts.autoscale.policy import (
     PolicyParams,
     decide,
     model_limits,
+    params_from_config,
 )
 from alerts.rules import check
-from infermeter.config import Config, ScalingPolicy
+from infermeter.config import DEFAULT_CONFIG, Config, ConfigError, ScalingPolicy, load_config
 
 SCALING = ScalingPolicy()  # the users' policy: min 2, queue > 10 for 30 s, util < 30% for 5 min
 PARAMS = PolicyParams(scaling=SCALING, predictive=False)
@@ -57,6 +60,136 @@ def test_a_sustained_queue_scales_up_by_one():
     decisions, _ = run([obs(0, queue=11), obs(15, queue=12), obs(30, queue=12)])
     assert [d.desired for d in decisions] == [3, 3, 4]
     assert "queue 12 > 10 for 30 s" in decisions[-1].reasons[0]
+
+
+@pytest.mark.parametrize(
+    ("current", "queue", "desired"),
+    [
+        (10, 100, 19),  # ten times the threshold: nine thresholds' worth beyond it, at once
+        (10, 101, 20),  # part of a further threshold's worth is a replica more
+        (10, 20, 11),  # up to twice the threshold: one, as before
+        (10, 21, 12),
+        (4, 40.5, 8),  # a fractional queue (Prometheus's sum) rounds up
+    ],
+)
+def test_a_sustained_queue_asks_for_replicas_in_proportion_to_it(current, queue, desired):
+    """One replica per ``scale_up_queue_depth`` waiting beyond it, in one tick, from those serving."""
+    decisions, _ = run(
+        [obs(0, current=current, queue=queue), obs(30, current=current, queue=queue)]
+    )
+    assert [d.desired for d in decisions] == [current, desired]
+    step = desired - current
+    assert (
+        f"queue {queue:g} > 10 for 30 s (>= 30 s): scale up to {desired} "
+        f"({current} serving + {step}: one per 10 waiting beyond 10)"
+    ) in decisions[-1].reasons
+
+
+@pytest.mark.parametrize(
+    ("current", "step"),
+    # An HPA's default scale-up policy: at most max(100% of the replicas, 4) per period.
+    [(2, 4), (3, 4), (4, 4), (6, 6), (12, 12)],
+)
+def test_the_queue_step_is_at_most_max_of_the_replicas_serving_and_4(current, step):
+    """A backlog of hundreds adds at most max(serving, 4) replicas in a tick, and says so."""
+    decisions, _ = run([obs(0, current=current, queue=900), obs(30, current=current, queue=900)])
+    assert decisions[-1].desired == current + step
+    assert f"at most max({current} serving, 4) a tick" in decisions[-1].reasons[0]
+
+
+@pytest.mark.parametrize(("bound", "desired"), [(1, 4), (2, 5), (50, 12)])
+def test_max_scale_up_step_bounds_the_queue_step(bound, desired):
+    """``max_scale_up_step`` replaces the default bound; 1 is the rule as it was (one a tick)."""
+    params = replace(PARAMS, scaling=SCALING.model_copy(update={"max_scale_up_step": bound}))
+    decisions, _ = run([obs(0, queue=100), obs(30, queue=100)], params=params)
+    assert decisions[-1].desired == desired
+    capped = f"at most max_scale_up_step {bound} a tick"
+    assert (capped in decisions[-1].reasons[0]) == (bound < 9)
+
+
+def test_a_ttft_breach_beside_a_sustained_queue_takes_the_queue_step():
+    """The two scale-up rules do not add up: the larger step, the queue's, is asked for."""
+    decisions, _ = run([obs(0, current=10, queue=50), obs(30, current=10, queue=50, ttft=3.0)])
+    assert decisions[-1].desired == 14
+    assert any("TTFT p95 3 s over the SLA" in r for r in decisions[-1].reasons)
+
+
+def test_a_proportional_step_is_clamped_to_max_replicas_and_the_budget():
+    """A queue asking for 4 more than 6 serving gets the 8 the bound allows, and says why."""
+    limits = replace(LIMITS, max_replicas=8, max_reason="budget cap pays for 8")
+    decisions, _ = run([obs(0, current=6, queue=50), obs(30, current=6, queue=50)], limits=limits)
+    assert decisions[-1].desired == 8
+    assert "capped at 8: budget cap pays for 8" in decisions[-1].reasons
+
+
+def test_no_step_asks_for_more_than_ten_thousand_replicas():
+    """Without max_replicas, 6,000 serving and a long queue ask for the 10,000 billing keeps."""
+    decisions, _ = run([obs(0, current=6000, queue=1e9), obs(30, current=6000, queue=1e9)])
+    assert decisions[-1].desired == 10_000
+    assert "capped at 10,000: the most a decision may ask for" in decisions[-1].reasons
+
+
+def test_a_proportional_step_waits_out_the_cool_down_then_steps_again():
+    """After 3 -> 7 the queue holds 7 for cool-down's 180 s, then steps from those serving."""
+    held = [obs(t, current=c, queue=500) for t, c in [(0, 3), (30, 3), (90, 3), (180, 5)]]
+    decisions, _ = run([*held, obs(210, current=7, queue=500)])
+    assert [d.desired for d in decisions] == [3, 7, 7, 7, 14]
+    assert any("cool-down: last change 150 s ago" in r for r in decisions[3].reasons)
+
+
+def test_a_proportional_step_counts_the_replicas_still_starting():
+    """Ten asked for, three serving: a queue asking for four more holds the ten."""
+    state = ModelState(last_change_time=0.0, last_change_direction=1, last_desired=10)
+    decisions, _ = run(
+        [obs(10_000, current=3, queue=50), obs(10_030, current=3, queue=50)], state=state
+    )
+    assert [d.desired for d in decisions] == [10, 10]
+    assert "holding 10: 7 asked for and not seen serving yet" in decisions[-1].reasons
+
+
+def test_a_threshold_of_zero_counts_each_waiting_request_as_a_replica():
+    """``scale_up_queue_depth: 0`` has no threshold's worth to divide by: one replica a request."""
+    params = replace(PARAMS, scaling=SCALING.model_copy(update={"scale_up_queue_depth": 0}))
+    decisions, _ = run([obs(0, queue=2), obs(30, queue=2)], params=params)
+    assert decisions[-1].desired == 5
+    assert "(3 serving + 2: one per request waiting)" in decisions[-1].reasons[0]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (0, "scaling.max_scale_up_step = 0: Input should be greater than 0"),
+        (-4, "scaling.max_scale_up_step = -4: Input should be greater than 0"),
+        (10_001, "scaling.max_scale_up_step = 10001: Input should be less than or equal to 10000"),
+        (2.5, "scaling.max_scale_up_step = 2.5: Input should be a valid integer"),
+        ("many", "scaling.max_scale_up_step = 'many': Input should be a valid integer"),
+    ],
+)
+def test_a_bad_max_scale_up_step_names_the_file_key_and_value(tmp_path, value, message):
+    """The new key is refused like the other scaling keys: file, key, value and why."""
+    path = _config_file(tmp_path, value)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert str(info.value).startswith(f"{path}: ")
+    assert message in str(info.value)
+
+
+def test_max_scale_up_step_reaches_the_policy(tmp_path):
+    """A valid ``scaling.max_scale_up_step`` is what the policy's parameters carry; unset, None."""
+    params = params_from_config(load_config(_config_file(tmp_path, 3), environ={}))
+    assert params.scaling.max_scale_up_step == 3
+    assert (
+        params_from_config(load_config(DEFAULT_CONFIG, environ={})).scaling.max_scale_up_step
+        is None
+    )
+
+
+def _config_file(tmp_path: Path, max_scale_up_step: object) -> Path:
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["scaling"]["max_scale_up_step"] = max_scale_up_step
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
 
 
 def test_a_queue_at_the_threshold_is_not_over_it():

@@ -62,6 +62,33 @@ def test_yesterdays_history_cuts_minutes_over_sla(config: Config) -> None:
     assert any("ahead" in r for e in predictive.events for r in e.reasons)
 
 
+def _burst(config: Config, model: str, step: int | None) -> ModelReport:
+    """Five hours at one replica's capacity, but for two at seven times it (reactive rules)."""
+    scaling = config.scaling.model_copy(update={"max_scale_up_step": step})
+    params = replace(params_from_config(config), scaling=scaling, predictive=False)
+    engine = engine_for(config, model)
+    rate = engine.tokens_per_second
+    demand = [DemandPoint(60.0 * i, rate * (7.0 if 60 <= i < 180 else 1.0)) for i in range(300)]
+    return replay_model(params, model_limits(config, model), engine, demand, 0.0, 60)
+
+
+@pytest.mark.parametrize(
+    ("step", "figures"),
+    # (minutes over the SLA, peak replicas, GPU-hours); max_scale_up_step 1 is the rule as it was
+    # (one replica a tick), the figures docs/autoscaling.md gives for the three.
+    [(1, (44, 13, 71.3)), (4, (21, 15, 87.3)), (None, (18, 24, 142.3))],
+)
+def test_a_burst_is_caught_up_sooner_by_a_step_in_proportion_to_the_queue(
+    config: Config, step: int | None, figures: tuple[int, int, float]
+) -> None:
+    """A queue of thousands asks for max(serving, 4) replicas a cool-down rather than one: under
+    half the minutes over the SLA, for an overshoot the idle rule then walks back."""
+    report = _burst(config, "chat-large", step)
+    measured = (round(report.minutes_over_sla), report.peak_replicas, round(report.gpu_hours, 1))
+    assert measured == figures
+    assert report.fixed_minutes_over_sla == 0
+
+
 def test_an_idle_day_stays_at_min_replicas(config: Config) -> None:
     """No demand: the policy holds min_replicas, the fixed fleet is min_replicas, no events."""
     demand = [DemandPoint(60.0 * i, 0.0) for i in range(1440)]
