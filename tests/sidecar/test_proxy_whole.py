@@ -304,61 +304,54 @@ async def test_a_hang_up_on_a_request_relayed_whole_may_abort_it_instead(stack_f
     )
 
 
-async def test_a_hang_up_on_a_request_relayed_whole_is_finished_behind_plain_uvicorn(
-    stack_factory,
-):
-    """Behind a server that gives no raw writer (the ASGI disconnect is awaited instead), the
-    request relayed whole runs to its end after its client left and is billed in full too."""
+async def _hang_up_behind_uvicorn(
+    stack: Stack, max_tokens: int, timeout: float
+) -> tuple[dict[str, Any], float]:
+    """Behind a server that gives no raw writer (plain uvicorn: the ASGI disconnect is awaited
+    instead), a non-streamed request whose client gives up after ``timeout``: its record, and
+    the tokens vLLM generated meanwhile."""
     import uvicorn
 
     from infermeter.serving import free_port
     from tests.servers import running
 
-    stack = await stack_factory(**{"sidecar.non_streamed_via_stream": False})
     before = await _engine(stack.upstream)
-    body = {**CHAT, "max_tokens": 400, "ignore_eos": True}
+    body = {**CHAT, "max_tokens": max_tokens, "ignore_eos": True}
     config = uvicorn.Config(
         stack.sidecar, "127.0.0.1", free_port(), lifespan="off", log_level="warning"
     )
     async with running(uvicorn.Server(config)) as url:
         key = {"authorization": "Bearer im-demo-search"}
-        async with httpx.AsyncClient(base_url=url, headers=key, timeout=0.2) as c:
+        async with httpx.AsyncClient(base_url=url, headers=key, timeout=timeout) as c:
             with pytest.raises(httpx.ReadTimeout):
                 await c.post("/v1/chat/completions", json=body)
         (record,) = await _records_after(stack, 1)
+        await asyncio.sleep(0.3)
     after = await _engine(stack.upstream)
+    assert after["vllm:num_requests_running"] == 0
+    return record, after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+
+
+async def test_a_hang_up_on_a_request_relayed_whole_is_finished_behind_plain_uvicorn(
+    stack_factory,
+):
+    """Behind plain uvicorn too, the request relayed whole runs to its end after its client
+    left and is billed in full."""
+    stack = await stack_factory(**{"sidecar.non_streamed_via_stream": False})
+    record, generated = await _hang_up_behind_uvicorn(stack, 400, 0.2)
     assert (record["status"], record["usage_exact"], record["completion_tokens"]) == (
         "client_aborted",
         True,
         400,
     )
-    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 400
+    assert generated == 400
 
 
 async def test_a_hang_up_without_the_raw_writer_is_billed_what_vllm_sent(stack):
-    """Behind a server that gives no raw writer (plain uvicorn: the ASGI disconnect is awaited
-    instead), a non-streamed request whose client leaves is still billed what vLLM had sent:
-    read from the kernel before the close, where the batched reading leaves it."""
-    import uvicorn
-
-    from infermeter.serving import free_port
-    from tests.servers import running
-
-    before = await _engine(stack.upstream)
-    body = {**CHAT, "max_tokens": 3000, "ignore_eos": True}
-    config = uvicorn.Config(
-        stack.sidecar, "127.0.0.1", free_port(), lifespan="off", log_level="warning"
-    )
-    async with running(uvicorn.Server(config)) as url:
-        key = {"authorization": "Bearer im-demo-search"}
-        async with httpx.AsyncClient(base_url=url, headers=key, timeout=0.6) as c:
-            with pytest.raises(httpx.ReadTimeout):
-                await c.post("/v1/chat/completions", json=body)
-        await asyncio.sleep(0.3)
-    after = await _engine(stack.upstream)
-    (record,) = await stack.records()
-    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    """Behind plain uvicorn, a non-streamed request read from vLLM's stream whose client leaves
+    is still billed what vLLM had sent: read from the kernel before the close, where the
+    batched reading leaves it."""
+    record, generated = await _hang_up_behind_uvicorn(stack, 3000, 0.6)
     assert (record["status"], record["usage_exact"]) == ("client_aborted", True)
-    assert after["vllm:num_requests_running"] == 0
     assert generated > 20
     assert 0 <= generated - record["completion_tokens"] <= 3
