@@ -11,7 +11,8 @@ Rules, in the order they are applied (defaults from ``scaling`` in the configura
    ``scale_up_queue_depth`` for ``scale_up_after_seconds`` adds one replica for every
    ``scale_up_queue_depth`` requests (or part of them) waiting beyond ``scale_up_queue_depth``,
    at most ``max_scale_up_step`` (default: max(replicas serving, 4), as an HPA's default
-   scale-up policy). A brief burst does not.
+   scale-up policy); one replica while the queue is below what it was at the last scale-up (it
+   is draining). A brief burst does not.
 2. **SLA**: TTFT p95 above the model's ``sla.ttft_p95_seconds`` adds one replica at once (the
    p95 is already an aggregate over a window, so it is not debounced again).
 3. **Idle**: mean GPU utilization below ``scale_down_gpu_utilization`` for
@@ -155,6 +156,8 @@ class ModelState:
     last_change_direction: int = 0
     last_desired: int | None = None
     history: DemandHistory = field(default_factory=DemandHistory)
+    # The queue when the last scale-up was asked for (None: none since the process started).
+    queue_at_scale_up: float | None = None
 
 
 def params_from_config(config: Config, day_seconds: float = 86400.0) -> PolicyParams:
@@ -236,6 +239,7 @@ def decide(
             last_change_time=now,
             last_change_direction=1 if desired > previous else -1,
             idle_since=None,
+            queue_at_scale_up=obs.queue_depth if desired > previous else None,
         )
     state = replace(state, last_desired=desired)
     if not reasons:
@@ -316,7 +320,7 @@ def _scale_up_step(
     if state.queue_high_since is not None:
         held = obs.time - state.queue_high_since
         if held >= s.scale_up_after_seconds:
-            step = _queue_scale_up(s, obs, held, reasons)
+            step = _queue_scale_up(s, state, obs, held, reasons)
         else:
             reasons.append(
                 f"queue {obs.queue_depth:g} > {s.scale_up_queue_depth} for only {held:.0f} s "
@@ -331,8 +335,23 @@ def _scale_up_step(
     return step
 
 
-def _queue_scale_up(s: ScalingPolicy, obs: Observation, held: float, reasons: list[str]) -> int:
-    """The sustained-queue rule's step, and the reason that shows its sum."""
+def _queue_scale_up(
+    s: ScalingPolicy, state: ModelState, obs: Observation, held: float, reasons: list[str]
+) -> int:
+    """The sustained-queue rule's step, and the reason that shows its sum.
+
+    A queue below what it was when the last scale-up was asked for is draining: the replicas
+    added are catching up with it, and what is left of it says nothing of how many more are
+    needed, so it adds one replica, as the rule did before its step was in proportion.
+    """
+    draining = state.queue_at_scale_up is not None and obs.queue_depth < state.queue_at_scale_up
+    if draining:
+        reasons.append(
+            f"queue {obs.queue_depth:g} > {s.scale_up_queue_depth} for {held:.0f} s "
+            f"(>= {s.scale_up_after_seconds:g} s), down from {state.queue_at_scale_up:g} at the "
+            f"last scale-up: scale up to {obs.current_replicas + 1} (one while it drains)"
+        )
+        return 1
     bound = scale_up_step_bound(s, obs.current_replicas)
     step = queue_step(obs.queue_depth, s.scale_up_queue_depth, bound)
     depth, serving = s.scale_up_queue_depth, obs.current_replicas

@@ -147,6 +147,40 @@ def test_a_proportional_step_counts_the_replicas_still_starting():
     assert "holding 10: 7 asked for and not seen serving yet" in decisions[-1].reasons
 
 
+def test_a_queue_draining_since_the_last_scale_up_adds_one_replica_at_a_time():
+    """3 -> 7 on a queue of 500; after the cool-down the queue is down to 300, above the
+    threshold still, but draining: one replica more, not the step of 300 waiting, which the
+    replicas just added would have made an overshoot."""
+    held = [obs(t, current=c, queue=500) for t, c in [(0, 3), (30, 3), (90, 3), (180, 5)]]
+    decisions, state = run([*held, obs(210, current=7, queue=300)])
+    assert [d.desired for d in decisions] == [3, 7, 7, 7, 8]
+    assert (
+        "queue 300 > 10 for 210 s (>= 30 s), down from 500 at the last scale-up: "
+        "scale up to 8 (one while it drains)"
+    ) in decisions[-1].reasons
+    assert state.queue_at_scale_up == 300
+
+
+def test_a_queue_grown_since_the_last_scale_up_gets_the_whole_step_again():
+    """The same, but the queue grew to 700: the replicas added did not catch up, the step is in
+    proportion again (max(7 serving, 4) here)."""
+    held = [obs(t, current=c, queue=500) for t, c in [(0, 3), (30, 3), (90, 3), (180, 5)]]
+    decisions, _ = run([*held, obs(210, current=7, queue=700)])
+    assert decisions[-1].desired == 14
+
+
+def test_a_scale_down_forgets_the_queue_of_the_last_scale_up():
+    """A scale-up on a queue of 500, then an idle scale-down: a queue of 100 afterwards is
+    judged afresh, the step in proportion to it (below 500, it would have been one)."""
+    state = ModelState(
+        last_change_time=0.0, last_change_direction=1, last_desired=4, queue_at_scale_up=500
+    )
+    idle = [obs(t, current=4, util=0.1) for t in (1_000, 1_150, 1_300)]
+    busy = [obs(t, current=3, queue=100) for t in (1_330, 1_360)]
+    decisions, _ = run([*idle, *busy], state=state)
+    assert [d.desired for d in decisions] == [4, 4, 3, 3, 7]
+
+
 def test_a_threshold_of_zero_counts_each_waiting_request_as_a_replica():
     """``scale_up_queue_depth: 0`` has no threshold's worth to divide by: one replica a request."""
     params = replace(PARAMS, scaling=SCALING.model_copy(update={"scale_up_queue_depth": 0}))
