@@ -49,9 +49,9 @@ __all__ = ["JSON", "DirectStream", "Relay", "Whole"]
 log = logging.getLogger("infermeter.sidecar")
 
 _T = TypeVar("_T")
-# How a non-streamed exchange raced against the client and the drain ended (``Relay._race``).
-# How a non-streamed wait ended: the answer, the client leaving (aborted), the drain's cut, or
-# the answer read to its end after the client left (``sidecar.whole_hang_up: finish``).
+# How a non-streamed wait ended (``Relay._race``, ``Relay._whole_raw``): the answer, the client
+# leaving (aborted), the drain's cut, or the answer read to its end after the client left
+# (``sidecar.whole_hang_up: finish``, or the client leaving as the answer ended).
 _Ended = Literal["done", "left", "cut", "finished"]
 # A non-streamed exchange's outcome: the response and its body (None: read into an assembler).
 _Exchanged = tuple[WholeSink, bytes | None]
