@@ -12,6 +12,9 @@ The override is first written to its own spool (``<spool>/budget-overrides``, sh
 ``budget_overrides`` into the ledger; one that cannot be written is not granted), then logged,
 counted, stored in Redis when the fleet shares one (every sidecar reads it
 at its next refresh) and marks each response it lets through with ``x-infermeter-budget-override``.
+An admin may grant one at billing too (``POST /v1/admin/budget-overrides`` there): billing serves
+those with the spend, so every sidecar takes them at its next refresh, with or without Redis.
+Per team the last grant decides, wherever it was made.
 """
 
 from __future__ import annotations
@@ -31,9 +34,15 @@ from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
 from infermeter.auth import ADMIN, AuthError, KeyRing, bearer_key
 from infermeter.config import BudgetSettings, Config
 from infermeter.errors import error_body
-from infermeter.ids import sample_id
 from infermeter.months import month_bounds, month_of
-from infermeter.records import MAX_OVERRIDE_REASON, BudgetOverride
+from infermeter.overrides import (
+    MAX_OVERRIDE_SECONDS,
+    Override,
+    latest,
+    override_record,
+    parse_override,
+)
+from infermeter.records import MAX_OVERRIDE_REASON
 from infermeter.spool import Spool, SpoolError
 
 if TYPE_CHECKING:
@@ -47,6 +56,7 @@ __all__ = [
     "Override",
     "ProjectBudgetExceeded",
     "Verdict",
+    "billed_overrides",
     "budget_gate",
     "judge",
     "parse_override",
@@ -85,20 +95,6 @@ class ProjectBudgetExceeded(BudgetExceeded):
         )
         self.team, self.spent_usd, self.budget_usd = team, spent_usd, budget_usd
         self.project = project
-
-
-@dataclass(frozen=True)
-class Override:
-    """An admin's permission for a team to spend past its budget until ``until`` (epoch s)."""
-
-    team: str
-    until: float
-    reason: str
-    granted_at: float
-
-    def to_json(self) -> bytes:
-        """The stored form."""
-        return orjson.dumps(self.__dict__)
 
 
 @dataclass(frozen=True)
@@ -245,6 +241,10 @@ class BudgetGate:
     # month this sidecar's clock puts it in, which is the month billing charges it to.
     month: str | None = None
     earlier: tuple[str, dict[str, float], dict[str, dict[str, float]]] | None = None
+    # The overrides billing's admin granted (``POST /v1/admin/budget-overrides`` on billing), as
+    # the last spend read carried them: in no Redis, so neither Redis nor its loss is needed for
+    # them to reach every sidecar, within one refresh.
+    billed: dict[str, Override] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics = BudgetMetrics(self.registry)
@@ -337,7 +337,7 @@ class BudgetGate:
             override.reason,
         )
         self.metrics.overrides.labels(override.team).inc()
-        self.overrides = {**self.overrides, override.team: override}
+        self.overrides = latest(self.overrides, {override.team: override})
         self.granted = {**self.granted, override.team: override}
         if self.redis is not None:
             from redis.exceptions import RedisError  # loaded with the client
@@ -384,6 +384,7 @@ class BudgetGate:
         self.month = month
         self.spent, self.read_at = spent, time.monotonic()
         self.project_spent = parse_project_spend(body)
+        self.billed = billed_overrides(body, frozenset(self.budgets), time.time())
         for team, value in spent.items():
             budget = self.budgets.get(team, 0.0)
             if budget > 0:
@@ -392,7 +393,12 @@ class BudgetGate:
         await self._read_overrides()
 
     async def _read_overrides(self) -> None:
+        """The overrides in force: per team the last granted of billing's, Redis's and this
+        sidecar's own (without Redis: billing's and its own)."""
         if self.redis is None:
+            now = time.time()
+            self.granted = {t: o for t, o in self.granted.items() if o.until > now}
+            self.overrides = latest(self.granted, self.billed)
             return
         from redis.exceptions import RedisError  # loaded with the client
 
@@ -400,6 +406,7 @@ class BudgetGate:
             stored = await cast("Awaitable[dict[bytes, bytes]]", self.redis.hgetall(self.key))
         except (RedisError, OSError) as exc:
             log.warning("budget overrides unreadable in Redis, keeping the last ones: %s", exc)
+            self.overrides = latest(self.overrides, self.billed)
             return
         found, dropped = stored_overrides(stored, frozenset(self.budgets), time.time())
         if dropped and not self._dropping:
@@ -430,7 +437,7 @@ class BudgetGate:
                 log.warning("budget override for team %s not written back to Redis: %s", team, exc)
             found[team] = own
         self.granted = kept
-        self.overrides = found
+        self.overrides = latest(found, self.billed)
 
     async def run(self) -> None:
         """Refresh until cancelled."""
@@ -442,10 +449,6 @@ class BudgetGate:
         """Close the HTTP client."""
         if self.client is not None:
             await self.client.aclose()
-
-
-# The longest override an admin may grant (``parse_override``): one month.
-MAX_OVERRIDE_SECONDS: Final = 44640 * 60
 
 
 def stored_overrides(
@@ -486,6 +489,32 @@ def stored_overrides(
     return found, dropped
 
 
+def billed_overrides(body: Any, teams: frozenset[str], now: float) -> dict[str, Override]:
+    """The overrides in force that billing's admin granted, from a ``GET /v1/spend`` answer
+    (``parse_spend`` checked it): each row's ``override``, ``{"until", "issued_at", "reason"}``.
+
+    A billing of the previous version sends none, and then there are none. An entry is taken
+    only as billing's route could have granted it (a team of ``teams``, an end in the future at
+    most a month away, a bounded reason); any other is left out, never raised, so that the spend
+    beside it is still read.
+    """
+    found: dict[str, Override] = {}
+    for row in body:
+        data, team = row.get("override"), row["team"]
+        if not (
+            team in teams
+            and isinstance(data, dict)
+            and isinstance(data.get("until"), int | float)
+            and isinstance(data.get("issued_at"), int | float)
+            and isinstance(data.get("reason"), str)
+            and len(data["reason"]) <= MAX_OVERRIDE_REASON
+            and now < data["until"] <= now + MAX_OVERRIDE_SECONDS
+        ):
+            continue
+        found[team] = Override(team, float(data["until"]), data["reason"], float(data["issued_at"]))
+    return found
+
+
 def _granted_at(value: bytes | None) -> float | None:
     """When the override stored as ``value`` was granted; None for none, or no override."""
     if value is None:
@@ -496,36 +525,6 @@ def _granted_at(value: bytes | None) -> float | None:
         return None
     at = data.get("granted_at") if isinstance(data, dict) else None
     return float(at) if isinstance(at, int | float) else None
-
-
-def parse_override(raw: bytes, teams: frozenset[str], now: float) -> Override:
-    """An override from an admin's request body; ValueError naming what is wrong."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ValueError(f"body is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ValueError("body must be a JSON object")
-    team, minutes, reason = body.get("team"), body.get("minutes"), body.get("reason")
-    if team not in teams:
-        raise ValueError(f"team: {team!r} is not a configured team")
-    if not isinstance(minutes, int | float) or not 0 < minutes * 60 <= MAX_OVERRIDE_SECONDS:
-        raise ValueError(f"minutes: {minutes!r} must be a number in (0, 44640] (one month)")
-    if not isinstance(reason, str) or not reason.strip():
-        raise ValueError("reason: an override needs a reason, for the record")
-    return Override(str(team), now + float(minutes) * 60, reason.strip()[:MAX_OVERRIDE_REASON], now)
-
-
-def override_record(override: Override, instance: str) -> BudgetOverride:
-    """The ledger's record of ``override``, granted through ``instance``."""
-    return BudgetOverride(
-        override_id=sample_id(override.granted_at, instance, override.team),
-        team=override.team,
-        admin_reason=override.reason,
-        until=override.until,
-        issued_at=override.granted_at,
-        issued_by=instance,
-    )
 
 
 def budget_gate(

@@ -1,0 +1,78 @@
+"""Budget overrides as an admin asks for them: one parser for every service that grants them.
+
+An admin grants an override at a sidecar (applied there at once, shared through Redis) or at
+billing (served to every sidecar with the spend). Both take the same body, ``{"team": ...,
+"minutes": ..., "reason": ...}``, with the same bounds, so the rule lives here, in the core,
+which both may import (billing never imports the sidecar).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import orjson
+
+from infermeter.ids import sample_id
+from infermeter.records import MAX_OVERRIDE_REASON, BudgetOverride
+
+__all__ = ["MAX_OVERRIDE_SECONDS", "Override", "latest", "override_record", "parse_override"]
+
+# The longest override an admin may grant (``parse_override``): one month.
+MAX_OVERRIDE_SECONDS: Final = 44640 * 60
+
+
+@dataclass(frozen=True)
+class Override:
+    """An admin's permission for a team to spend past its budget until ``until`` (epoch s)."""
+
+    team: str
+    until: float
+    reason: str
+    granted_at: float
+
+    def to_json(self) -> bytes:
+        """The stored form."""
+        return orjson.dumps(self.__dict__)
+
+
+def parse_override(raw: bytes, teams: frozenset[str], now: float) -> Override:
+    """An override from an admin's request body; ValueError naming what is wrong."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    team, minutes, reason = body.get("team"), body.get("minutes"), body.get("reason")
+    if team not in teams:
+        raise ValueError(f"team: {team!r} is not a configured team")
+    if not isinstance(minutes, int | float) or not 0 < minutes * 60 <= MAX_OVERRIDE_SECONDS:
+        raise ValueError(f"minutes: {minutes!r} must be a number in (0, 44640] (one month)")
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError("reason: an override needs a reason, for the record")
+    return Override(str(team), now + float(minutes) * 60, reason.strip()[:MAX_OVERRIDE_REASON], now)
+
+
+def override_record(override: Override, issued_by: str) -> BudgetOverride:
+    """The ledger's record of ``override``, issued by ``issued_by`` (an instance, or billing)."""
+    return BudgetOverride(
+        override_id=sample_id(override.granted_at, issued_by, override.team),
+        team=override.team,
+        admin_reason=override.reason,
+        until=override.until,
+        issued_at=override.granted_at,
+        issued_by=issued_by,
+    )
+
+
+def latest(*sources: dict[str, Override]) -> dict[str, Override]:
+    """Per team, the override granted last among ``sources`` (by ``granted_at``; on a tie the
+    later source's): wherever an admin granted them, the last grant decides."""
+    out: dict[str, Override] = {}
+    for source in sources:
+        for team, found in source.items():
+            held = out.get(team)
+            if held is None or found.granted_at >= held.granted_at:
+                out[team] = found
+    return out
