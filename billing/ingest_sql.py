@@ -24,6 +24,7 @@ from billing.buckets import bucket_sql
 from billing.columns import COLUMN_TYPES, sql_default
 from billing.schema import EDGE_SECONDS, HOUR_SECONDS, SLOT_SECONDS
 from billing.trust_sql import record_json_sql, trusted_sql
+from infermeter.overrides import ISSUED_BY_BILLING
 from infermeter.records import (
     BILLABLE_STATUSES,
     BUDGET_OVERRIDES,
@@ -224,6 +225,10 @@ CHECKS: Final[Mapping[str, tuple[tuple[str, str], ...]]] = {
             f"'admin_reason: longer than {MAX_OVERRIDE_REASON} characters'",
         ),
         ("issued_by = ''", "'issued_by: empty'"),
+        (
+            f"starts_with(issued_by, '{ISSUED_BY_BILLING}')",
+            "'issued_by: billing''s own grants are never ingested'",
+        ),
         ("issued_at < 946684800", "'issued_at: not Unix seconds (before 2000)'"),
         ("issued_at > $now + $skew", "'timestamp in the future: issued_at'"),
         ("until <= issued_at", "'until is not after issued_at'"),

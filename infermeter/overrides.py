@@ -16,8 +16,18 @@ import orjson
 from infermeter.ids import sample_id
 from infermeter.records import MAX_OVERRIDE_REASON, BudgetOverride
 
-__all__ = ["MAX_OVERRIDE_SECONDS", "Override", "latest", "override_record", "parse_override"]
+__all__ = [
+    "ISSUED_BY_BILLING",
+    "MAX_OVERRIDE_SECONDS",
+    "Override",
+    "latest",
+    "override_record",
+    "parse_override",
+]
 
+# How the ledger rows of the overrides billing's admin granted begin their ``issued_by``
+# (``billing:@admin``); billing ingests no record so named, whoever ships it.
+ISSUED_BY_BILLING: Final = "billing:"
 # The longest override an admin may grant (``parse_override``): one month.
 MAX_OVERRIDE_SECONDS: Final = 44640 * 60
 

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from billing import audit, closing, parquet_export
+from billing import audit, closing, overrides, parquet_export
 from billing.breakdown import with_tags
 from billing.routes.breakdown import with_projects
 from billing.routes.dependencies import (
@@ -130,10 +130,29 @@ async def spend(who: Spender, svc: ServicesDep, request: Request) -> list[dict[s
     From the cached statement of the month, at most ``billing.statement_ttl_seconds`` old (the
     sidecars of a large fleet all ask for it). Each row's ``as_of`` is when the ledger was read;
     the forecast is extrapolated from then. A team that budgets its projects has ``projects``
-    too: USD per project (``billing.breakdown``), what the sidecars refuse a project by.
+    too: USD per project (``billing.breakdown``), what the sidecars refuse a project by. A team
+    billing's admin let past its budget has ``override`` too (``billing.overrides.in_force``):
+    read from the ledger at each ask, so every sidecar takes a grant at its next refresh.
     """
     entry = await compute(svc, svc.statements.current)
-    return await with_projects(request, svc, entry, spend_rows(entry, svc.config, who.team))
+    rows = await with_projects(request, svc, entry, spend_rows(entry, svc.config, who.team))
+    return with_overrides(rows, await run_in_threadpool(_in_force, svc, time.time()))
+
+
+def _in_force(svc: Services, now: float) -> dict[str, dict[str, Any]]:
+    with svc.ledger.reader() as cur:
+        return overrides.in_force(cur, now)
+
+
+def with_overrides(
+    rows: list[dict[str, Any]], in_force: dict[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """``rows``, each team's with its ``override`` in force, if any. A key the rows had before
+    is never changed, so a sidecar of the previous version reads the answer as it did."""
+    return [
+        row | {"override": in_force[row["team"]]} if row["team"] in in_force else row
+        for row in rows
+    ]
 
 
 @router.post("/v1/admin/export", responses=errors(*READ))

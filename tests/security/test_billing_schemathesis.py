@@ -131,7 +131,13 @@ def checks_for(case: Any) -> list[Any]:
     ) and bool(case.query)
     # A key is issued for a team the configuration names, with one expiry form, a rotation's
     # grace at most a week: rules between a body and the configuration.
-    ranged = ranged or case.path in ("/v1/keys", "/v1/keys/{key_id}/rotate")
+    # An override is granted to a team the configuration names, with a reason that is not
+    # blank: the same rules between a body and the configuration.
+    ranged = ranged or case.path in (
+        "/v1/keys",
+        "/v1/keys/{key_id}/rotate",
+        "/v1/admin/budget-overrides",
+    )
     return [c for c in CHECKS if c is not positive_data_acceptance or not (arrow or ranged)]
 
 

@@ -64,6 +64,7 @@ MAY = {
     ("GET", "/v1/months"): {"admin", "finance", "viewer"},
     ("POST", f"/v1/months/{MONTH}/close"): {"admin", "finance"},
     ("POST", "/v1/admin/export"): {"admin"},
+    ("POST", "/v1/admin/budget-overrides"): {"admin"},
     ("GET", "/v1/invoices"): {"admin", "finance", "viewer"},
     ("POST", "/v1/invoices"): {"admin", "finance"},
     ("POST", "/v1/keys search"): {"admin", "lead"},

@@ -1,0 +1,103 @@
+"""``POST /v1/admin/budget-overrides``: the admin lets a team past its budget, at billing.
+
+The same body and bounds as the sidecar's route (``infermeter.overrides.parse_override``). The
+override is kept in the ledger (``budget_overrides``, ``issued_by`` ``billing:<who>``) with its
+event on the audit trail, and every sidecar takes it with its next spend read (``GET /v1/spend``
+carries it on the team's row), with or without Redis. The admin only: a team key, the
+spend_reader and any writer credential are refused.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Final
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from billing import overrides
+from billing.routes.body import read_body
+from billing.routes.dependencies import Manager, ServicesDep
+from billing.routes.openapi import READ, errors
+from infermeter.audit import audit_event
+from infermeter.errors import BadRequest
+from infermeter.overrides import Override, parse_override
+from infermeter.records import BudgetOverride
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+# An override's body is three short fields; the sidecar's route takes at most 64 KiB too.
+_MAX_BODY: Final = 64 * 1024
+_FIELDS: Final = ("team", "minutes", "reason")
+_EXTRA: Final = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": list(_FIELDS),
+                    "properties": {
+                        "team": {"type": "string"},
+                        "minutes": {"type": "number", "exclusiveMinimum": 0, "maximum": 44640},
+                        "reason": {"type": "string", "minLength": 1},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+def _field_of(message: str) -> str | None:
+    """The field a ``parse_override`` message names (it begins ``<field>:``), if any."""
+    name = message.partition(":")[0]
+    return name if name in _FIELDS else None
+
+
+def _shown(override: Override, record: BudgetOverride) -> dict[str, Any]:
+    """The answer: the override as the sidecar's route shows it, with its id and issuer."""
+    return {
+        "team": override.team,
+        "until": override.until,
+        "reason": override.reason,
+        "granted_at": override.granted_at,
+        "override_id": record.override_id,
+        "issued_by": record.issued_by,
+    }
+
+
+@router.post(
+    "/v1/admin/budget-overrides",
+    status_code=201,
+    responses=errors(400, *READ, 503),
+    openapi_extra=_EXTRA,
+)
+async def grant(who: Manager, request: Request, svc: ServicesDep) -> Response:
+    """Let a team past its budget for ``minutes`` (admin): every sidecar within one spend
+    refresh. On the audit trail as ``budget.override``."""
+    raw = await read_body(request, _MAX_BODY, 30.0)
+    now = time.time()
+    teams = frozenset(t.name for t in svc.config.teams)
+    try:
+        override = parse_override(raw, teams, now)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param=_field_of(str(exc)), code="invalid_override") from None
+    issued_by = overrides.issuer(who.who)
+    event = audit_event(
+        "budget.override",
+        who.who,
+        who.role,
+        "billing",
+        target=f"team:{override.team}",
+        detail={"until": override.until, "issued_by": issued_by},
+        why=override.reason,
+        address=request.client.host if request.client else None,
+        at=now,
+    )
+    record = await run_in_threadpool(overrides.grant, svc.ledger, override, issued_by, event, now)
+    return Response(orjson.dumps(_shown(override, record)), 201, media_type="application/json")
