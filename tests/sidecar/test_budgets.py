@@ -15,10 +15,12 @@ from starlette.routing import Route
 from billing import queries
 from billing.ledger import Ledger
 from infermeter.config import BudgetSettings
+from infermeter.overrides import MAX_OVERRIDE_SECONDS, latest
 from infermeter.spooldir import BUDGET_OVERRIDES
 from sidecar.budgets import (
     BudgetExceeded,
     Override,
+    billed_overrides,
     judge,
     parse_override,
     parse_spend,
@@ -111,6 +113,44 @@ def test_parse_spend_refuses_an_answer_of_another_shape():
     assert parse_spend([{"team": "a", "spent_usd": 1.5}]) == {"a": 1.5}
     with pytest.raises(ValueError, match="spent_usd"):
         parse_spend([{"team": "a"}])
+
+
+def test_the_overrides_billing_serves_are_read_with_the_spend_and_bounded():
+    """Each row's ``override`` (billing's admin's grant) is taken as billing's route could have
+    granted it; any other entry is left out and the spend beside it still read; an answer
+    without overrides (a billing of the previous version) has none."""
+    now = 1_000_000.0
+    good = {"until": now + 60, "issued_at": now - 1, "reason": "launch"}
+    rows = [
+        {"team": "search", "spent_usd": 5.0, "override": good},
+        {"team": "assistant", "spent_usd": 1.0, "override": {**good, "until": now - 1}},
+        {"team": "research", "spent_usd": 1.0, "override": {**good, "reason": "x" * 501}},
+        {
+            "team": "analytics",
+            "spent_usd": 1.0,
+            "override": {**good, "until": now + 2 * MAX_OVERRIDE_SECONDS},
+        },
+        {"team": "nobody", "spent_usd": 1.0, "override": good},
+        {"team": "other", "spent_usd": 1.0, "override": "always"},
+    ]
+    teams = frozenset({"search", "assistant", "research", "analytics", "other"})
+    assert parse_spend(rows)["search"] == 5.0
+    assert billed_overrides(rows, teams, now) == {
+        "search": Override("search", now + 60, "launch", now - 1)
+    }
+    assert billed_overrides([{"team": "search", "spent_usd": 5.0}], teams, now) == {}
+
+
+def test_the_last_grant_decides_wherever_it_was_made():
+    """Per team the override granted last wins, whichever source holds it."""
+    sidecar = {"search": Override("search", 500.0, "at a sidecar", 10.0)}
+    billing = {
+        "search": Override("search", 100.0, "at billing, later, shorter", 20.0),
+        "assistant": Override("assistant", 900.0, "at billing", 5.0),
+    }
+    assert latest(sidecar, billing) == billing
+    newer = {"search": Override("search", 700.0, "at a sidecar, last", 30.0)}
+    assert latest(sidecar, billing, newer)["search"] == newer["search"]
 
 
 async def wait_for(predicate: Any, seconds: float = 3.0) -> None:
