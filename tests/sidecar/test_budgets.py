@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import orjson
@@ -151,6 +152,28 @@ def test_the_last_grant_decides_wherever_it_was_made():
     assert latest(sidecar, billing) == billing
     newer = {"search": Override("search", 700.0, "at a sidecar, last", 30.0)}
     assert latest(sidecar, billing, newer)["search"] == newer["search"]
+
+
+async def test_without_redis_a_sidecar_applies_the_last_of_billing_s_grants_and_its_own():
+    """No Redis: at each refresh the overrides in force are billing's and this sidecar's own,
+    per team the last granted; its own grants that ended are let go."""
+    from prometheus_client import CollectorRegistry
+
+    from sidecar.budgets import BudgetGate
+
+    now = time.time()
+    gate = BudgetGate(BudgetSettings(), {"search": 100.0, "assistant": 100.0}, CollectorRegistry())
+    own = Override("search", now + 600, "at this sidecar", now - 20)
+    ended = Override("assistant", now - 1, "at this sidecar, ended", now - 90)
+    gate.granted = {"search": own, "assistant": ended}
+    gate.billed = {"assistant": Override("assistant", now + 60, "at billing", now - 100)}
+    await gate._read_overrides()
+    assert gate.overrides == {"search": own, "assistant": gate.billed["assistant"]}
+    assert gate.granted == {"search": own}
+    later = Override("search", now + 30, "at billing, last", now - 5)
+    gate.billed = {"search": later}
+    await gate._read_overrides()
+    assert gate.overrides == {"search": later}
 
 
 async def wait_for(predicate: Any, seconds: float = 3.0) -> None:
