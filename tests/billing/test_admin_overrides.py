@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ def strict() -> Config:
 
 
 @pytest.fixture
-def ledger(strict: Config, tmp_path: Path) -> AsyncIterator[Ledger]:
+def ledger(strict: Config, tmp_path: Path) -> Iterator[Ledger]:
     """A ledger file that knows the demo fleet, as the billing service opens it."""
     led = config_ledger(
         strict,
