@@ -28,7 +28,7 @@ from infermeter.overrides import (
 )
 from infermeter.records import BudgetOverride
 
-__all__ = ["ISSUED_BY_BILLING", "grant", "in_force", "issuer"]
+__all__ = ["ISSUED_BY_BILLING", "grant", "in_force", "issuer", "keep"]
 
 
 def issuer(who: str) -> str:
@@ -44,21 +44,26 @@ def grant(
     transaction (both or neither); the row kept."""
     record = override_record(override, issued_by)
     with ledger.writing() as cur:
-        cur.execute(
-            "INSERT INTO budget_overrides (override_id, team, admin_reason, until, issued_at, "
-            "issued_by, ingested_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [
-                record.override_id,
-                record.team,
-                record.admin_reason,
-                record.until,
-                record.issued_at,
-                record.issued_by,
-                now,
-            ],
-        )
+        keep(cur, record, now)
         audit.append(cur, [event], now)
     return record
+
+
+def keep(cur: duckdb.DuckDBPyConnection, record: BudgetOverride, now: float) -> None:
+    """Insert ``record`` into ``budget_overrides``, kept at ``now``, in the caller's transaction."""
+    cur.execute(
+        "INSERT INTO budget_overrides (override_id, team, admin_reason, until, issued_at, "
+        "issued_by, ingested_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        [
+            record.override_id,
+            record.team,
+            record.admin_reason,
+            record.until,
+            record.issued_at,
+            record.issued_by,
+            now,
+        ],
+    )
 
 
 def in_force(cur: duckdb.DuckDBPyConnection, now: float) -> dict[str, dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Budget overrides granted at billing by its admin, and the ones ``GET /v1/spend`` serves.
 
-Real billing on loopback over a DuckDB file that knows the demo fleet, holding the writer
+Real billing on loopback over a DuckDB ledger that knows the demo fleet, holding the writer
 secret, so a sidecar's instance credential ships overrides through ingest as in a cluster. Billing
 serves the sidecars only the overrides its own admin granted: a row a sidecar shipped (any pod's
 credential may ship one) is kept for the record and never served to the fleet.
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,13 +17,11 @@ import pytest
 
 from billing import overrides
 from billing.ledger import Ledger
-from billing.quarantine import KnownFleet
-from infermeter.config import Config, load_config
+from infermeter.config import load_config
 from infermeter.ids import sample_id
 from infermeter.overrides import Override, override_record
 from infermeter.records import BudgetOverride
-from infermeter.tags import project_rules
-from tests.conftest import config_ledger
+from tests.security import writers as writer_fixtures
 from tests.security.writers import SMALL_0, bearer, billing, post
 
 ADMIN, SEARCH, SPEND, INGEST = "im-demo-admin", "im-demo-search", "im-demo-spend", "im-demo-ingest"
@@ -33,30 +29,8 @@ ROUTE = "/v1/admin/budget-overrides"
 GRANT = {"team": "search", "minutes": 30, "reason": "launch week, ticket FIN-12"}
 
 
-@pytest.fixture
-def strict() -> Config:
-    """The embedded demo configuration as it ships (no shared ingest token)."""
-    return load_config(None, environ={})
-
-
-@pytest.fixture
-def ledger(strict: Config, tmp_path: Path) -> Iterator[Ledger]:
-    """A ledger file that knows the demo fleet, as the billing service opens it."""
-    led = config_ledger(
-        strict,
-        tmp_path / "ledger.duckdb",
-        fleet=KnownFleet.of(strict),
-        projects=project_rules(strict),
-    )
-    yield led
-    led.close()
-
-
-@pytest.fixture
-async def url(strict: Config, ledger: Ledger) -> AsyncIterator[str]:
-    """Billing on loopback with the writer secret."""
-    async with billing(strict, ledger) as base:
-        yield base
+# The demo configuration as it ships, a ledger of its fleet and billing over it (writer secret on).
+strict, ledger, url = writer_fixtures.strict, writer_fixtures.ledger, writer_fixtures.url
 
 
 async def grant(url: str, token: str, body: Any = None, **kw: Any) -> httpx.Response:
@@ -219,19 +193,7 @@ def test_the_last_grant_decides_and_an_ended_one_is_not_served(ledger):
     ]
     for override, by in grants:
         with ledger.writing() as cur:
-            record = override_record(override, by)
-            cur.execute(
-                "INSERT INTO budget_overrides VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [
-                    record.override_id,
-                    record.team,
-                    record.admin_reason,
-                    record.until,
-                    record.issued_at,
-                    record.issued_by,
-                    now,
-                ],
-            )
+            overrides.keep(cur, override_record(override, by), now)
     with ledger.reader() as cur:
         found = overrides.in_force(cur, now)
     assert found == {"assistant": {"until": now + 300, "issued_at": now - 10, "reason": "second"}}
