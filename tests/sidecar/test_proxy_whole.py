@@ -255,18 +255,19 @@ async def _records_after(stack: Stack, count: int, seconds: float = 5.0) -> list
     return records
 
 
-async def test_with_the_switch_off_a_hang_up_is_finished_and_billed_in_full(stack_factory):
+@pytest.mark.parametrize("n", [1, 2])
+async def test_with_the_switch_off_a_hang_up_is_finished_and_billed_in_full(stack_factory, n):
     """``non_streamed_via_stream: false`` relays the request as sent, so nothing of it comes
     before its end: a client that leaves does not abort it (``whole_hang_up: finish``, the
-    default), and its record holds the usage of vLLM's whole answer, which vLLM's counters
-    confirm. Aborted, it was recorded with no tokens."""
+    default), and its record holds the usage of vLLM's whole answer, every choice's tokens and
+    each prompt once per choice, as vLLM's counters confirm. Aborted, it was recorded with no
+    tokens."""
     stack = await stack_factory(**{"sidecar.non_streamed_via_stream": False})
     before = await _engine(stack.upstream)
+    body = {**CHAT, "max_tokens": 400, "ignore_eos": True, "n": n}
     async with stack.client(timeout=0.2) as c:
         with pytest.raises(httpx.ReadTimeout):
-            await c.post(
-                "/v1/chat/completions", json={**CHAT, "max_tokens": 400, "ignore_eos": True}
-            )
+            await c.post("/v1/chat/completions", json=body)
     (record,) = await _records_after(stack, 1)
     after = await _engine(stack.upstream)
     assert (record["status"], record["http_status"], record["usage_exact"]) == (
@@ -274,10 +275,10 @@ async def test_with_the_switch_off_a_hang_up_is_finished_and_billed_in_full(stac
         499,
         True,
     )
-    assert (record["completion_tokens"], record["finish_reason"]) == (400, "length")
+    assert (record["completion_tokens"], record["finish_reason"]) == (400 * n, "length")
     assert record["response_id"].startswith("chatcmpl-")
     assert after["vllm:num_requests_running"] == 0
-    assert (record["prompt_tokens"], record["completion_tokens"]) == (
+    assert (record["prompt_tokens"] * n, record["completion_tokens"]) == (
         after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"],
         after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"],
     )
