@@ -258,7 +258,11 @@ async def test_a_pod_killed_while_billing_is_down_is_billed_once_when_billing_re
                 proc = await asyncio.to_thread(_start_sidecar, path, url)
                 async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as c:
                     await wave(c, 40)
-                    await asyncio.sleep(3)  # some of it is shipped while billing is up
+                    # Some of it is shipped while billing is up (waited for, not timed: a busy
+                    # machine's shipper took more than the 3 s this once slept).
+                    deadline = time.monotonic() + 30
+                    while not _ledger_ids(ledger) and time.monotonic() < deadline:
+                        await asyncio.sleep(0.2)
             shipped_before = set(_ledger_ids(ledger))
             async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as c:
                 await wave(c, 40)  # served while billing is down: spooled only
