@@ -28,7 +28,7 @@ from infermeter.overrides import (
 )
 from infermeter.records import BudgetOverride
 
-__all__ = ["ISSUED_BY_BILLING", "grant", "in_force", "issuer", "keep"]
+__all__ = ["ISSUED_BY_BILLING", "grant", "issuer", "keep", "last_grants"]
 
 
 def issuer(who: str) -> str:
@@ -66,13 +66,16 @@ def keep(cur: duckdb.DuckDBPyConnection, record: BudgetOverride, now: float) -> 
     )
 
 
-def in_force(cur: duckdb.DuckDBPyConnection, now: float) -> dict[str, dict[str, Any]]:
-    """Per team, the last override billing's admin granted, if it has not ended: ``{"until",
-    "issued_at", "reason"}``, as ``GET /v1/spend`` carries it.
+def last_grants(cur: duckdb.DuckDBPyConnection, now: float) -> dict[str, dict[str, Any]]:
+    """Per team, the last override billing's admin granted in the last month, ended or not:
+    ``{"until", "issued_at", "reason"}``, as ``GET /v1/spend`` carries it.
 
-    The last grant decides: a later, shorter grant ends the team's override at its own end, and
-    an earlier, longer one does not come back after it. Rows issued more than a month ago are
-    not read: no override lasts longer (``MAX_OVERRIDE_SECONDS``).
+    The last grant decides, also once it has ended: a sidecar lets a team past its budget only
+    while that grant is in force, and takes no earlier grant (its own, Redis's) in its place.
+    So a revocation (``minutes`` 0) or a later, shorter grant ends every earlier one, fleet-wide,
+    and an earlier, longer one never comes back after it. Rows issued more than a month ago are
+    not read: no override lasts longer (``MAX_OVERRIDE_SECONDS``), so none of them can still be
+    in force nor shadow one that is.
     """
     rows = cur.execute(
         "SELECT team, until, issued_at, admin_reason FROM budget_overrides "
@@ -83,5 +86,4 @@ def in_force(cur: duckdb.DuckDBPyConnection, now: float) -> dict[str, dict[str, 
     return {
         team: {"until": until, "issued_at": issued_at, "reason": reason}
         for team, until, issued_at, reason in rows
-        if until > now
     }

@@ -4,6 +4,10 @@ An admin grants an override at a sidecar (applied there at once, shared through 
 billing (served to every sidecar with the spend). Both take the same body, ``{"team": ...,
 "minutes": ..., "reason": ...}``, with the same bounds, so the rule lives here, in the core,
 which both may import (billing never imports the sidecar).
+
+Per team the last grant decides, wherever it was made, also once it has ended: a grant of
+``minutes`` 0 (a revocation) or a short grant that ran out ends every grant made before it, so
+a mistaken month-long override is taken back by granting again, not by waiting for its end.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ class Override:
     reason: str
     granted_at: float
 
+    def in_force(self, now: float) -> bool:
+        """True while the override lets its team past its budget (a revocation never does)."""
+        return self.until > now
+
     def to_json(self) -> bytes:
         """The stored form."""
         return orjson.dumps(self.__dict__)
@@ -57,8 +65,15 @@ def parse_override(raw: bytes, teams: frozenset[str], now: float) -> Override:
     team, minutes, reason = body.get("team"), body.get("minutes"), body.get("reason")
     if team not in teams:
         raise ValueError(f"team: {team!r} is not a configured team")
-    if not isinstance(minutes, int | float) or not 0 < minutes * 60 <= MAX_OVERRIDE_SECONDS:
-        raise ValueError(f"minutes: {minutes!r} must be a number in (0, 44640] (one month)")
+    if (
+        isinstance(minutes, bool)
+        or not isinstance(minutes, int | float)
+        or not 0 <= minutes * 60 <= MAX_OVERRIDE_SECONDS
+    ):
+        raise ValueError(
+            f"minutes: {minutes!r} must be a number in [0, 44640] (one month; 0 revokes: the "
+            "team's override ends now)"
+        )
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError("reason: an override needs a reason, for the record")
     return Override(str(team), now + float(minutes) * 60, reason.strip()[:MAX_OVERRIDE_REASON], now)

@@ -14,7 +14,9 @@ counted, stored in Redis when the fleet shares one (every sidecar reads it
 at its next refresh) and marks each response it lets through with ``x-infermeter-budget-override``.
 An admin may grant one at billing too (``POST /v1/admin/budget-overrides`` there): billing serves
 those with the spend, so every sidecar takes them at its next refresh, with or without Redis.
-Per team the last grant decides, wherever it was made.
+Per team the last grant decides, wherever it was made, also once it has ended: a grant of
+``minutes`` 0 revokes (the team's override ends now), and neither it nor a short grant that ran
+out lets an earlier, longer grant back.
 """
 
 from __future__ import annotations
@@ -215,7 +217,8 @@ class BudgetMetrics:
 
 @dataclass
 class BudgetGate:
-    """The budget state of one sidecar: a spend snapshot and the overrides in force."""
+    """The budget state of one sidecar: a spend snapshot and each team's last override (in
+    force or ended: an ended one, a revocation, stands in for every grant made before it)."""
 
     settings: BudgetSettings
     budgets: dict[str, float]
@@ -234,7 +237,8 @@ class BudgetGate:
     project_spent: dict[str, dict[str, float]] = field(default_factory=dict)
     # The overrides granted through this sidecar, by team: written into Redis again at each
     # refresh that does not find them there (Redis restarted empty, the hash flushed or evicted,
-    # Redis down when granted), until they end.
+    # Redis down when granted), until a later grant replaces them or a month has passed (ended
+    # ones too: a revocation lost with Redis would let an earlier grant back).
     granted: dict[str, Override] = field(default_factory=dict)
     # The month billing's spend is of (None: its answer named none), and the last spend read of
     # the month before, kept once billing's answer turned to the next: a request is judged by the
@@ -331,9 +335,11 @@ class BudgetGate:
         if self.ledger is not None:
             await self.ledger.append(override_record(override, self.instance).to_json())
         log.warning(
-            "budget override for team %s until %s: %s",
+            "budget override for team %s %s: %s",
             override.team,
-            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(override.until)),
+            "revoked"
+            if override.until <= override.granted_at
+            else "until " + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(override.until)),
             override.reason,
         )
         self.metrics.overrides.labels(override.team).inc()
@@ -393,11 +399,11 @@ class BudgetGate:
         await self._read_overrides()
 
     async def _read_overrides(self) -> None:
-        """The overrides in force: per team the last granted of billing's, Redis's and this
-        sidecar's own (without Redis: billing's and its own)."""
+        """Per team the last override granted among billing's, Redis's and this sidecar's own
+        (without Redis: billing's and its own), ended or not: the last grant decides."""
         if self.redis is None:
-            now = time.time()
-            self.granted = {t: o for t, o in self.granted.items() if o.until > now}
+            since = time.time() - MAX_OVERRIDE_SECONDS
+            self.granted = {t: o for t, o in self.granted.items() if o.granted_at > since}
             self.overrides = latest(self.granted, self.billed)
             return
         from redis.exceptions import RedisError  # loaded with the client
@@ -418,15 +424,20 @@ class BudgetGate:
             )
         self._dropping = bool(dropped)
         # Redis keeps nothing across a restart (no persistence) and may lose the hash: each
-        # override granted here and still in force is written back when Redis holds none for
-        # its team, or one granted before it, so no sidecar takes it back before its end. One
-        # granted after it, through any sidecar, replaces it (the last grant decides, as it
-        # does when both are in Redis).
-        now = time.time()
+        # override granted here in the last month is written back when Redis holds none for its
+        # team, or one granted before it, so no sidecar takes it back before its end, nor lets
+        # an earlier grant back after a revocation. One granted after it, through any sidecar or
+        # at billing, replaces it (the last grant decides, as it does when both are in Redis).
+        since = time.time() - MAX_OVERRIDE_SECONDS
         kept: dict[str, Override] = {}
         for team, own in self.granted.items():
             held = _granted_at(stored.get(team.encode()))
-            if own.until <= now or (held is not None and held > own.granted_at):
+            billed = self.billed.get(team)
+            if (
+                own.granted_at <= since
+                or (held is not None and held > own.granted_at)
+                or (billed is not None and billed.granted_at > own.granted_at)
+            ):
                 continue
             kept[team] = own
             if held == own.granted_at:
@@ -454,11 +465,13 @@ class BudgetGate:
 def stored_overrides(
     stored: dict[bytes, bytes], teams: frozenset[str], now: float
 ) -> tuple[dict[str, Override], int]:
-    """The overrides in force among those read from Redis, and how many entries were left out.
+    """Each team's override read from Redis, in force or ended (an ended one, a revocation,
+    shadows every grant made before it), and how many entries were left out.
 
     Redis takes writes from every pod holding its password, so an entry counts only if a sidecar
     could have written it: a field naming a team of ``teams`` (one with a budget), a JSON object
-    of that team with a number ``until`` in the future and at most a month away, a reason of at
+    of that team with a number ``until`` no earlier than its ``granted_at`` and at most a month
+    away, a reason of at
     most ``MAX_OVERRIDE_REASON`` characters, a number ``granted_at``. A malformed entry is left
     out, never raised: the refresh that reads them also reads billing's spend.
     """
@@ -480,23 +493,25 @@ def stored_overrides(
             and isinstance(data["granted_at"], int | float)
             and isinstance(data["reason"], str)
             and len(data["reason"]) <= MAX_OVERRIDE_REASON
-            and data["until"] <= now + MAX_OVERRIDE_SECONDS
+            and data["granted_at"] <= data["until"] <= now + MAX_OVERRIDE_SECONDS
         ):
             dropped += 1
             continue
-        if data["until"] > now:
-            found[team] = Override(team, float(data["until"]), data["reason"], data["granted_at"])
+        found[team] = Override(team, float(data["until"]), data["reason"], data["granted_at"])
     return found, dropped
 
 
 def billed_overrides(body: Any, teams: frozenset[str], now: float) -> dict[str, Override]:
-    """The overrides in force that billing's admin granted, from a ``GET /v1/spend`` answer
-    (``parse_spend`` checked it): each row's ``override``, ``{"until", "issued_at", "reason"}``.
+    """The last override billing's admin granted each team, in force or ended, from a
+    ``GET /v1/spend`` answer (``parse_spend`` checked it): each row's ``override``, ``{"until",
+    "issued_at", "reason"}``. An ended one (a revocation) stands in for every grant made before
+    it, here, at any sidecar or in Redis.
 
-    A billing of the previous version sends none, and then there are none. An entry is taken
-    only as billing's route could have granted it (a team of ``teams``, an end in the future at
-    most a month away, a bounded reason); any other is left out, never raised, so that the spend
-    beside it is still read.
+    A billing of the previous version sends none, and then there are none (and one before
+    revocations sends only overrides in force). An entry is taken only as billing's route could
+    have granted it (a team of ``teams``, an end no earlier than its grant and at most a month
+    away, a bounded reason); any other is left out, never raised, so that the spend beside it is
+    still read.
     """
     found: dict[str, Override] = {}
     for row in body:
@@ -508,7 +523,7 @@ def billed_overrides(body: Any, teams: frozenset[str], now: float) -> dict[str, 
             and isinstance(data.get("issued_at"), int | float)
             and isinstance(data.get("reason"), str)
             and len(data["reason"]) <= MAX_OVERRIDE_REASON
-            and now < data["until"] <= now + MAX_OVERRIDE_SECONDS
+            and data["issued_at"] <= data["until"] <= now + MAX_OVERRIDE_SECONDS
         ):
             continue
         found[team] = Override(team, float(data["until"]), data["reason"], float(data["issued_at"]))

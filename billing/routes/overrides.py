@@ -3,8 +3,9 @@
 The same body and bounds as the sidecar's route (``infermeter.overrides.parse_override``). The
 override is kept in the ledger (``budget_overrides``, ``issued_by`` ``billing:<who>``) with its
 event on the audit trail, and every sidecar takes it with its next spend read (``GET /v1/spend``
-carries it on the team's row), with or without Redis. The admin only: a team key, the
-spend_reader and any writer credential are refused.
+carries it on the team's row), with or without Redis. ``minutes`` 0 revokes: the team's last
+grant then has ended, and ends every grant made before it, at billing, at a sidecar or in Redis.
+The admin only: a team key, the spend_reader and any writer credential are refused.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ _EXTRA: Final = {
                     "required": list(_FIELDS),
                     "properties": {
                         "team": {"type": "string"},
-                        "minutes": {"type": "number", "exclusiveMinimum": 0, "maximum": 44640},
+                        "minutes": {"type": "number", "minimum": 0, "maximum": 44640},
                         "reason": {"type": "string", "minLength": 1},
                     },
                 }
@@ -78,8 +79,10 @@ def _shown(override: Override, record: BudgetOverride) -> dict[str, Any]:
     openapi_extra=_EXTRA,
 )
 async def grant(who: Manager, request: Request, svc: ServicesDep) -> Response:
-    """Let a team past its budget for ``minutes`` (admin): every sidecar within one spend
-    refresh. On the audit trail as ``budget.override``."""
+    """Let a team past its budget for ``minutes`` (admin), or revoke its override (``minutes``
+    0): every sidecar within one spend refresh, the last grant deciding wherever the earlier
+    ones were made. On the audit trail as ``budget.override`` (a revocation's ``until`` is its
+    own time)."""
     raw = await read_body(request, _MAX_BODY, 30.0)
     now = time.time()
     teams = frozenset(t.name for t in svc.config.teams)

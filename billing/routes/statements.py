@@ -131,27 +131,29 @@ async def spend(who: Spender, svc: ServicesDep, request: Request) -> list[dict[s
     sidecars of a large fleet all ask for it). Each row's ``as_of`` is when the ledger was read;
     the forecast is extrapolated from then. A team that budgets its projects has ``projects``
     too: USD per project (``billing.breakdown``), what the sidecars refuse a project by. A team
-    billing's admin let past its budget has ``override`` too (``billing.overrides.in_force``):
-    read from the ledger at each ask, so every sidecar takes a grant at its next refresh.
+    billing's admin granted an override in the last month has ``override`` too, the last one,
+    ended or not (``billing.overrides.last_grants``: an ended one ends the earlier ones): read
+    from the ledger at each ask, so every sidecar takes a grant or a revocation at its next
+    refresh.
     """
     entry = await compute(svc, svc.statements.current)
     rows = await with_projects(request, svc, entry, spend_rows(entry, svc.config, who.team))
-    return with_overrides(rows, await run_in_threadpool(_in_force, svc, time.time()))
+    return with_overrides(rows, await run_in_threadpool(_last_grants, svc, time.time()))
 
 
-def _in_force(svc: Services, now: float) -> dict[str, dict[str, Any]]:
+def _last_grants(svc: Services, now: float) -> dict[str, dict[str, Any]]:
     with svc.ledger.reader() as cur:
-        return overrides.in_force(cur, now)
+        return overrides.last_grants(cur, now)
 
 
 def with_overrides(
-    rows: list[dict[str, Any]], in_force: dict[str, dict[str, Any]]
+    rows: list[dict[str, Any]], grants: dict[str, dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """``rows``, each team's with its ``override`` in force, if any. A key the rows had before
-    is never changed, so a sidecar of the previous version reads the answer as it did."""
+    """``rows``, each team's with its last ``override``, if any. A key the rows had before is
+    never changed, so a sidecar of the previous version reads the answer as it did (and takes
+    no ended override: it checks the end)."""
     return [
-        row | {"override": in_force[row["team"]]} if row["team"] in in_force else row
-        for row in rows
+        row | {"override": grants[row["team"]]} if row["team"] in grants else row for row in rows
     ]
 
 

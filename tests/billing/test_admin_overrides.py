@@ -19,7 +19,7 @@ from billing import overrides
 from billing.ledger import Ledger
 from infermeter.config import load_config
 from infermeter.ids import sample_id
-from infermeter.overrides import Override, override_record
+from infermeter.overrides import MAX_OVERRIDE_SECONDS, Override, override_record
 from infermeter.records import BudgetOverride
 from tests.security import writers as writer_fixtures
 from tests.security.writers import SMALL_0, bearer, billing, post
@@ -104,7 +104,8 @@ async def test_no_credential_but_the_admin_grants_one(url, ledger, token, status
         (b"[1]", None),
         ({"team": "nobody", "minutes": 5, "reason": "x"}, "team"),
         ({"minutes": 5, "reason": "x"}, "team"),
-        ({"team": "search", "minutes": 0, "reason": "x"}, "minutes"),
+        ({"team": "search", "minutes": -0.5, "reason": "x"}, "minutes"),
+        ({"team": "search", "minutes": True, "reason": "x"}, "minutes"),
         ({"team": "search", "minutes": 44641, "reason": "x"}, "minutes"),
         ({"team": "search", "minutes": "5", "reason": "x"}, "minutes"),
         ({"team": "search", "minutes": 5, "reason": "  "}, "reason"),
@@ -135,13 +136,49 @@ async def test_a_body_over_the_bound_is_413(url, ledger):
     assert rows(ledger, "SELECT count(*) FROM budget_overrides") == [(0,)]
 
 
-async def test_an_override_is_served_while_in_force_and_not_after_its_end(url):
-    """Granted for 0.02 minutes (1.2 s): in /v1/spend at once, gone from it after its end."""
+async def test_an_override_is_served_in_force_then_ended(url):
+    """Granted for 0.02 minutes (1.2 s): in /v1/spend at once, and still there after its end,
+    ended (its ``until`` past): as the team's last grant it ends any earlier one at every
+    sidecar."""
     r = await grant(url, ADMIN, {**GRANT, "minutes": 0.02})
     assert r.status_code == 201, r.text
-    assert set(await spend_overrides(url)) == {"search"}
-    await asyncio.sleep(max(0.0, r.json()["until"] - time.time()) + 0.2)
-    assert await spend_overrides(url) == {}
+    served = {
+        "until": r.json()["until"],
+        "issued_at": r.json()["granted_at"],
+        "reason": GRANT["reason"],
+    }
+    assert await spend_overrides(url) == {"search": served}
+    await asyncio.sleep(max(0.0, served["until"] - time.time()) + 0.2)
+    assert await spend_overrides(url) == {"search": served}
+    assert served["until"] < time.time()
+
+
+async def test_minutes_0_revokes_the_team_s_override(url, ledger):
+    """A month-long grant, then ``minutes`` 0: the revocation is the team's last grant, served
+    ended (``until`` its own time); both are in the ledger and on the audit trail."""
+    month = await grant(url, ADMIN, {**GRANT, "minutes": 44640})
+    assert month.status_code == 201, month.text
+    revoked = await grant(url, ADMIN, {**GRANT, "minutes": 0, "reason": "granted by mistake"})
+    assert revoked.status_code == 201, revoked.text
+    body = revoked.json()
+    assert body["until"] == body["granted_at"] > month.json()["granted_at"]
+    assert await spend_overrides(url) == {
+        "search": {
+            "until": body["until"],
+            "issued_at": body["until"],
+            "reason": "granted by mistake",
+        }
+    }
+    assert rows(
+        ledger, "SELECT admin_reason, until - issued_at FROM budget_overrides ORDER BY issued_at"
+    ) == [
+        (GRANT["reason"], 44640 * 60.0),
+        ("granted by mistake", 0.0),
+    ]
+    assert rows(ledger, "SELECT action, why FROM audit_events ORDER BY occurred_at") == [
+        ("budget.override", GRANT["reason"]),
+        ("budget.override", "granted by mistake"),
+    ]
 
 
 def _shipped(team: str = "search", issued_by: str = "small-0") -> dict[str, Any]:
@@ -180,9 +217,10 @@ async def test_no_writer_can_ship_an_override_named_as_billing_s(strict, ledger,
     assert await spend_overrides(url) == {}
 
 
-def test_the_last_grant_decides_and_an_ended_one_is_not_served(ledger):
-    """Per team the last grant at billing is served, if in force: a later, shorter grant that
-    has ended takes the team's override with it; sidecars' rows never count."""
+def test_the_last_grant_decides_ended_or_not(ledger):
+    """Per team the last grant at billing in the last month is served, in force or ended: a
+    later, shorter grant that has ended is served, so the earlier, longer one never comes back;
+    a grant older than a month is not read; sidecars' rows never count."""
     now = time.time()
     grants = [
         (Override("search", now + 3600, "long", now - 100), "billing:@admin"),
@@ -190,10 +228,14 @@ def test_the_last_grant_decides_and_an_ended_one_is_not_served(ledger):
         (Override("assistant", now + 600, "first", now - 100), "billing:@admin"),
         (Override("assistant", now + 300, "second", now - 10), "billing:@admin"),
         (Override("assistant", now + 3000, "a pod's", now - 1), "small-0"),
+        (Override("ops", now - 10, "long ago", now - 10 - MAX_OVERRIDE_SECONDS), "billing:@admin"),
     ]
     for override, by in grants:
         with ledger.writing() as cur:
             overrides.keep(cur, override_record(override, by), now)
     with ledger.reader() as cur:
-        found = overrides.in_force(cur, now)
-    assert found == {"assistant": {"until": now + 300, "issued_at": now - 10, "reason": "second"}}
+        found = overrides.last_grants(cur, now)
+    assert found == {
+        "search": {"until": now - 1, "issued_at": now - 50, "reason": "short, ended"},
+        "assistant": {"until": now + 300, "issued_at": now - 10, "reason": "second"},
+    }

@@ -99,7 +99,9 @@ def test_an_override_in_force_lets_a_team_past_its_budget_and_an_expired_one_doe
     [
         (b"{", "not JSON"),
         (b'{"team": "nobody", "minutes": 5, "reason": "x"}', "not a configured team"),
-        (b'{"team": "search", "minutes": 0, "reason": "x"}', "minutes"),
+        (b'{"team": "search", "minutes": -1, "reason": "x"}', "minutes"),
+        (b'{"team": "search", "minutes": true, "reason": "x"}', "minutes"),
+        (b'{"team": "search", "minutes": 44641, "reason": "x"}', "minutes"),
         (b'{"team": "search", "minutes": 5, "reason": " "}', "needs a reason"),
     ],
 )
@@ -107,6 +109,22 @@ def test_parse_override_names_what_is_wrong(body, message):
     """A bad override request is refused with the field at fault."""
     with pytest.raises(ValueError, match=message):
         parse_override(body, frozenset({"search"}), 0.0)
+
+
+def test_minutes_0_is_a_revocation_never_in_force():
+    """``minutes`` 0 asks for an override that ends as it is granted: the team's last grant,
+    which lets it past its budget at no time, and which ``latest`` prefers to any earlier one."""
+    revoked = parse_override(
+        b'{"team": "search", "minutes": 0, "reason": "granted by mistake"}',
+        frozenset({"search"}),
+        1000.0,
+    )
+    assert revoked == Override("search", 1000.0, "granted by mistake", 1000.0)
+    assert not revoked.in_force(1000.0)
+    month = {"search": Override("search", 1000.0 + MAX_OVERRIDE_SECONDS, "a month", 900.0)}
+    assert latest(month, {"search": revoked}) == {"search": revoked}
+    with pytest.raises(BudgetExceeded):
+        judge("search", "m", 200.0, 100.0, BudgetSettings(), revoked, 1000.0)
 
 
 def test_parse_spend_refuses_an_answer_of_another_shape():
@@ -117,14 +135,16 @@ def test_parse_spend_refuses_an_answer_of_another_shape():
 
 
 def test_the_overrides_billing_serves_are_read_with_the_spend_and_bounded():
-    """Each row's ``override`` (billing's admin's grant) is taken as billing's route could have
-    granted it; any other entry is left out and the spend beside it still read; an answer
-    without overrides (a billing of the previous version) has none."""
+    """Each row's ``override`` (billing's admin's last grant, in force or ended) is taken as
+    billing's route could have granted it; any other entry is left out and the spend beside it
+    still read; an answer without overrides (a billing of the previous version) has none."""
     now = 1_000_000.0
     good = {"until": now + 60, "issued_at": now - 1, "reason": "launch"}
+    revoked = {"until": now - 30, "issued_at": now - 30, "reason": "taken back"}
     rows = [
         {"team": "search", "spent_usd": 5.0, "override": good},
-        {"team": "assistant", "spent_usd": 1.0, "override": {**good, "until": now - 1}},
+        {"team": "assistant", "spent_usd": 1.0, "override": revoked},
+        {"team": "ops", "spent_usd": 1.0, "override": {**good, "until": now - 2}},
         {"team": "research", "spent_usd": 1.0, "override": {**good, "reason": "x" * 501}},
         {
             "team": "analytics",
@@ -134,10 +154,11 @@ def test_the_overrides_billing_serves_are_read_with_the_spend_and_bounded():
         {"team": "nobody", "spent_usd": 1.0, "override": good},
         {"team": "other", "spent_usd": 1.0, "override": "always"},
     ]
-    teams = frozenset({"search", "assistant", "research", "analytics", "other"})
+    teams = frozenset({"search", "assistant", "ops", "research", "analytics", "other"})
     assert parse_spend(rows)["search"] == 5.0
     assert billed_overrides(rows, teams, now) == {
-        "search": Override("search", now + 60, "launch", now - 1)
+        "search": Override("search", now + 60, "launch", now - 1),
+        "assistant": Override("assistant", now - 30, "taken back", now - 30),
     }
     assert billed_overrides([{"team": "search", "spent_usd": 5.0}], teams, now) == {}
 
@@ -155,8 +176,9 @@ def test_the_last_grant_decides_wherever_it_was_made():
 
 
 async def test_without_redis_a_sidecar_applies_the_last_of_billing_s_grants_and_its_own():
-    """No Redis: at each refresh the overrides in force are billing's and this sidecar's own,
-    per team the last granted; its own grants that ended are let go."""
+    """No Redis: at each refresh a team's override is the last granted of billing's and this
+    sidecar's own, ended or not: an own grant that ended still stands in for billing's earlier
+    one; its own grants are let go a month after they were granted."""
     from prometheus_client import CollectorRegistry
 
     from sidecar.budgets import BudgetGate
@@ -165,15 +187,20 @@ async def test_without_redis_a_sidecar_applies_the_last_of_billing_s_grants_and_
     gate = BudgetGate(BudgetSettings(), {"search": 100.0, "assistant": 100.0}, CollectorRegistry())
     own = Override("search", now + 600, "at this sidecar", now - 20)
     ended = Override("assistant", now - 1, "at this sidecar, ended", now - 90)
-    gate.granted = {"search": own, "assistant": ended}
+    old = Override(
+        "ops", now - MAX_OVERRIDE_SECONDS + 10, "a month ago", now - MAX_OVERRIDE_SECONDS
+    )
+    gate.granted = {"search": own, "assistant": ended, "ops": old}
     gate.billed = {"assistant": Override("assistant", now + 60, "at billing", now - 100)}
     await gate._read_overrides()
-    assert gate.overrides == {"search": own, "assistant": gate.billed["assistant"]}
-    assert gate.granted == {"search": own}
+    assert gate.overrides == {"search": own, "assistant": ended}
+    assert gate.granted == {"search": own, "assistant": ended}
+    with pytest.raises(BudgetExceeded):
+        judge("assistant", "m", 200.0, 100.0, BudgetSettings(), gate.overrides["assistant"], now)
     later = Override("search", now + 30, "at billing, last", now - 5)
     gate.billed = {"search": later}
     await gate._read_overrides()
-    assert gate.overrides == {"search": later}
+    assert gate.overrides == {"search": later, "assistant": ended}
 
 
 async def wait_for(predicate: Any, seconds: float = 3.0) -> None:
@@ -280,6 +307,7 @@ def _override(team: str = "search", **changes: Any) -> bytes:
         (b"search", b"[1, 2]"),
         (b"search", _override(until=NOW + 40 * 86400)),  # past a month: no admin granted that
         (b"search", _override(until="soon")),
+        (b"search", _override(until=NOW - 1)),  # ends before it was granted
         (b"search", _override(team="assistant")),  # filed under another team
         (b"search", _override(reason="x" * 10_000)),
         (b"search", _override(extra=1)),
@@ -297,12 +325,14 @@ def test_an_override_no_sidecar_could_have_granted_is_left_out(field, value):
     assert found["assistant"].until == NOW + 600
 
 
-def test_an_ended_override_is_not_in_force_and_not_counted_as_malformed():
-    """An override whose end has passed is simply over."""
+def test_an_ended_override_is_read_not_in_force_and_not_counted_as_malformed():
+    """An override whose end has passed is over, and still read: as the team's last grant it
+    stands in for every earlier one (a revocation ends as it is granted)."""
     found, dropped = stored_overrides(
-        {b"search": _override(until=NOW - 1)}, frozenset({"search"}), NOW
+        {b"search": _override(until=NOW - 1, granted_at=NOW - 1)}, frozenset({"search"}), NOW
     )
-    assert (found, dropped) == ({}, 0)
+    assert (found, dropped) == ({"search": Override("search", NOW - 1, "launch", NOW - 1)}, 0)
+    assert not found["search"].in_force(NOW)
 
 
 async def test_garbage_among_the_overrides_in_redis_does_not_stop_the_budgets(

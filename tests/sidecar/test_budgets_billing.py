@@ -83,6 +83,15 @@ async def _answers(c: httpx.AsyncClient, urls: list[str]) -> list[httpx.Response
     return [await c.post(f"{u}/v1/chat/completions", json=CHAT, headers=SEARCH) for u in urls]
 
 
+async def _rounds(c: httpx.AsyncClient, urls: list[str]) -> list[list[httpx.Response]]:
+    """Five rounds of answers over half a second: several spend refreshes of each sidecar."""
+    rounds = []
+    for _ in range(5):
+        rounds.append(await _answers(c, urls))
+        await asyncio.sleep(0.1)
+    return rounds
+
+
 async def _until(c: httpx.AsyncClient, urls: list[str], want: list[int], seconds: float) -> float:
     """Seconds until every sidecar answers search ``want``; AssertionError after ``seconds``."""
     loop = asyncio.get_running_loop()
@@ -96,12 +105,15 @@ async def _until(c: httpx.AsyncClient, urls: list[str], want: list[int], seconds
     raise AssertionError(f"answers {got}, not {want}, after {seconds} s")
 
 
-async def _grant(c: httpx.AsyncClient, billing: str) -> httpx.Response:
-    return await c.post(
-        f"{billing}/v1/admin/budget-overrides",
+async def _grant(c: httpx.AsyncClient, at: str, minutes: float = 30) -> httpx.Response:
+    """The admin grants search an override of ``minutes`` at ``at`` (billing or a sidecar)."""
+    r = await c.post(
+        f"{at}/v1/admin/budget-overrides",
         headers=ADMIN,
-        json={"team": "search", "minutes": 30, "reason": "launch week"},
+        json={"team": "search", "minutes": minutes, "reason": "launch week"},
     )
+    assert r.status_code == 201, r.text
+    return r
 
 
 @pytest.mark.timeout(120)
@@ -111,7 +123,6 @@ async def test_an_override_granted_at_billing_reaches_both_sidecars_without_redi
     async with _fleet(tmp_path, {}) as (billing, urls), httpx.AsyncClient(timeout=30) as c:
         await _until(c, urls, [429, 429], 15)
         granted = await _grant(c, billing)
-        assert granted.status_code == 201, granted.text
         took = await _until(c, urls, [200, 200], 5)
         answers = [await _answers(c, urls) for _ in range(5)]
     until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(granted.json()["until"]))
@@ -132,8 +143,7 @@ async def test_an_override_granted_at_billing_outlives_redis_losing_its_keys(tmp
     }
     async with _fleet(tmp_path, shared) as (billing, urls), httpx.AsyncClient(timeout=30) as c:
         await _until(c, urls, [429, 429], 15)
-        granted = await _grant(c, billing)
-        assert granted.status_code == 201, granted.text
+        await _grant(c, billing)
         await _until(c, urls, [200, 200], 5)
         redis.flush()
         await asyncio.sleep(0.5)
@@ -145,3 +155,55 @@ async def test_an_override_granted_at_billing_outlives_redis_losing_its_keys(tmp
     for rounds in (flushed, restarted):
         assert [[r.status_code for r in round_] for round_ in rounds] == [[200, 200]] * 5
         assert all(OVERRIDE in r.headers for round_ in rounds for r in round_)
+
+
+@pytest.mark.timeout(120)
+async def test_a_grant_at_billing_that_ended_does_not_let_a_sidecar_s_earlier_grant_back(tmp_path):
+    """No Redis: small-0's admin grants search a month; only small-0 serves it. Billing's admin
+    grants 1.2 s: both serve it; once it has ended, both refuse search (small-0's month does not
+    come back: the last grant decided). Then a month at billing and its revocation (``minutes``
+    0): both refuse again within a refresh."""
+    async with _fleet(tmp_path, {}) as (billing, urls), httpx.AsyncClient(timeout=30) as c:
+        await _until(c, urls, [429, 429], 15)
+        await _grant(c, urls[0], 44640)
+        await _until(c, urls, [200, 429], 5)
+        short = await _grant(c, billing, 0.02)
+        await _until(c, urls, [200, 200], 5)
+        # Past its end by five refreshes: each sidecar has read billing's spend since.
+        await asyncio.sleep(max(0.0, short.json()["until"] - time.time()) + 0.5)
+        ended = await _rounds(c, urls)
+        await _grant(c, billing, 44640)
+        await _until(c, urls, [200, 200], 5)
+        await _grant(c, billing, 0)
+        took = await _until(c, urls, [429, 429], 5)
+        revoked = await _rounds(c, urls)
+    print(f"both sidecars refuse search {took:.2f} s after the revocation at billing")
+    for rounds in (ended, revoked):
+        assert [[r.status_code for r in round_] for round_ in rounds] == [[429, 429]] * 5
+
+
+@pytest.mark.timeout(120)
+async def test_a_revocation_at_billing_ends_a_grant_shared_in_redis_and_redis_losing_it(
+    tmp_path, redis
+):
+    """With Redis: small-0's admin grants search a month, shared through Redis: both serve it.
+    Billing's admin revokes it (``minutes`` 0): both refuse search within a refresh, and still
+    after Redis is flushed (small-0 does not write its grant back over the revocation)."""
+    if redis.process is None:
+        redis.start()
+    redis.flush()
+    shared = {
+        "shared_limits": {"redis_url": redis.url, "timeout_millis": 500, "retry_seconds": 0.2}
+    }
+    async with _fleet(tmp_path, shared) as (billing, urls), httpx.AsyncClient(timeout=30) as c:
+        await _until(c, urls, [429, 429], 15)
+        await _grant(c, urls[0], 44640)
+        await _until(c, urls, [200, 200], 5)
+        await _grant(c, billing, 0)
+        await _until(c, urls, [429, 429], 5)
+        revoked = await _rounds(c, urls)
+        redis.flush()
+        await asyncio.sleep(0.5)
+        flushed = await _rounds(c, urls)
+    for rounds in (revoked, flushed):
+        assert [[r.status_code for r in round_] for round_ in rounds] == [[429, 429]] * 5
