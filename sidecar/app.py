@@ -178,8 +178,6 @@ class Sidecar:
             {t.name: t.budget_usd_per_month for t in config.teams},
             self.metrics.registry,
             env_value(settings.budgets.spend_token_env),
-            self.limiter.redis,
-            settings.shared_limits.key_prefix,
             self.override_spool,
             self.identity.instance,
             project_budgets(config),
@@ -437,14 +435,19 @@ class Sidecar:
         if self.fair is not None:
             self.fair.priorities = {t.name: t.priority for t in config.teams}
 
-    async def _audit_override(self, override: Override, address: str | None) -> None:
-        """The override granted, on the audit trail (after it is in the ledger's spool)."""
+    async def _audit_override(self, override: Override, address: str | None, fleet: bool) -> None:
+        """The override granted, on the audit trail (after it is kept: by billing, or in the
+        ledger's spool); ``fleet``: billing took it, for every sidecar."""
         await self.audit.note(
             "budget.override",
             ADMIN,
             "admin",
             target=f"team:{override.team}",
-            detail={"until": override.until, "instance": self.identity.instance},
+            detail={
+                "until": override.until,
+                "instance": self.identity.instance,
+                "scope": "fleet" if fleet else "sidecar",
+            },
             why=override.reason,
             address=address,
         )

@@ -7,13 +7,16 @@ costs the request path no I/O. Past ``soft_share`` of its budget a team's respon
 request (429 ``budget_exceeded``), refuse only models outside ``priority_models``, or warn only.
 A team without a budget (0) is never refused.
 
-An admin may let a team past its budget until a given time (``POST /v1/admin/budget-overrides``).
-The override is first written to its own spool (``<spool>/budget-overrides``, shipped as
-``budget_overrides`` into the ledger; one that cannot be written is not granted), then logged,
-counted, stored in Redis when the fleet shares one (every sidecar reads it
-at its next refresh) and marks each response it lets through with ``x-infermeter-budget-override``.
-An admin may grant one at billing too (``POST /v1/admin/budget-overrides`` there): billing serves
-those with the spend, so every sidecar takes them at its next refresh, with or without Redis.
+An admin may let a team past its budget until a given time (``POST /v1/admin/budget-overrides``,
+at billing or at a sidecar). Billing is the one place an override is kept for the fleet: it
+serves each team's last grant with the spend, so every sidecar takes it at its next refresh. A
+sidecar asked for one passes the admin's request on to billing (the admin's own credential: billing
+checks it again) and applies billing's grant at once; only when billing does not take it (not
+reachable, or refusing the credential) is the override this sidecar's alone, written to its own
+spool (``<spool>/budget-overrides``, shipped as ``budget_overrides`` into the ledger; one that
+cannot be written is not granted), and the answer says so. Redis carries no override: any pod
+holding its password could have written one for any team, and every sidecar took it. Each
+response an override lets through carries ``x-infermeter-budget-override``.
 Per team the last grant decides, wherever it was made, also once it has ended: a grant of
 ``minutes`` 0 revokes (the team's override ends now), and neither it nor a short grant that ran
 out lets an earlier, longer grant back.
@@ -27,7 +30,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -49,7 +52,6 @@ from infermeter.spool import Spool, SpoolError
 
 if TYPE_CHECKING:
     import httpx
-    import redis.asyncio as aioredis
 
 __all__ = [
     "MAX_OVERRIDE_SECONDS",
@@ -66,12 +68,13 @@ __all__ = [
     "parse_spend",
     "project_budgets",
     "spend_month",
-    "stored_overrides",
 ]
 
 log = logging.getLogger("infermeter.sidecar")
 # A month as billing names it.
 _MONTH: Final = re.compile(r"\d{4}-\d{2}")
+# How long an admin's grant waits for billing before it holds on this sidecar only.
+_GRANT_TIMEOUT_SECONDS: Final = 5.0
 
 
 class BudgetExceeded(Exception):
@@ -224,8 +227,6 @@ class BudgetGate:
     budgets: dict[str, float]
     registry: CollectorRegistry
     spend_token: str | None = None
-    redis: aioredis.Redis | None = None
-    key: str = "infermeter:budget-overrides"
     spent: dict[str, float] = field(default_factory=dict)
     overrides: dict[str, Override] = field(default_factory=dict)
     read_at: float | None = None
@@ -235,27 +236,24 @@ class BudgetGate:
     # Per team, its projects' budgets (USD a month) and month-to-date spend.
     project_budgets: dict[str, dict[str, float]] = field(default_factory=dict)
     project_spent: dict[str, dict[str, float]] = field(default_factory=dict)
-    # The overrides granted through this sidecar, by team: written into Redis again at each
-    # refresh that does not find them there (Redis restarted empty, the hash flushed or evicted,
-    # Redis down when granted), until a later grant replaces them or a month has passed (ended
-    # ones too: a revocation lost with Redis would let an earlier grant back).
+    # The overrides billing did not take, granted through this sidecar for itself alone, by
+    # team: kept for a month (ended ones too: as a team's last grant, one stands in for every
+    # earlier one), unless a later grant replaces them.
     granted: dict[str, Override] = field(default_factory=dict)
     # The month billing's spend is of (None: its answer named none), and the last spend read of
     # the month before, kept once billing's answer turned to the next: a request is judged by the
     # month this sidecar's clock puts it in, which is the month billing charges it to.
     month: str | None = None
     earlier: tuple[str, dict[str, float], dict[str, dict[str, float]]] | None = None
-    # The overrides billing's admin granted (``POST /v1/admin/budget-overrides`` on billing), as
-    # the last spend read carried them: in no Redis, so neither Redis nor its loss is needed for
-    # them to reach every sidecar, within one refresh.
+    # The overrides billing granted (asked at billing or through a sidecar), as the last spend
+    # read carried them, with any this sidecar passed on since: every sidecar's, within one
+    # refresh.
     billed: dict[str, Override] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics = BudgetMetrics(self.registry)
         # The month requests were last judged in, and its bounds (Unix seconds).
         self._month_cache: tuple[float, float, str] = (0.0, 0.0, "")
-        # Entries of Redis's overrides were left out at the last read (said once until clean).
-        self._dropping = False
         self.metrics.age.set_function(
             lambda: -1.0 if self.read_at is None else time.monotonic() - self.read_at
         )
@@ -328,44 +326,60 @@ class BudgetGate:
         except BudgetExceeded:
             raise ProjectBudgetExceeded(team, project, spent, budget) from None
 
-    async def grant(self, override: Override) -> None:
-        """Record an override: in the ledger's spool first (SpoolError: not granted), then
-        logged, counted, and shared through Redis when there is one (when Redis does not answer,
-        at the next refresh that reaches it)."""
-        if self.ledger is not None:
-            await self.ledger.append(override_record(override, self.instance).to_json())
+    async def grant(self, override: Override, raw: bytes, authorization: str) -> str | None:
+        """Grant ``override``, which the admin asked for with body ``raw`` and header
+        ``authorization``: passed on to billing, else this sidecar's alone.
+
+        Returns None when billing took it (every sidecar applies it at its next refresh; this
+        one at once, as billing recorded it), else why it holds on this sidecar only: then it is
+        written to the ledger's spool first (SpoolError: not granted).
+        """
+        taken, why = await self._grant_at_billing(override.team, raw, authorization)
+        if taken is not None:
+            override = taken
+            self.billed = latest(self.billed, {taken.team: taken})
+        else:
+            if self.ledger is not None:
+                await self.ledger.append(override_record(override, self.instance).to_json())
+            self.granted = {**self.granted, override.team: override}
         log.warning(
-            "budget override for team %s %s: %s",
+            "budget override for team %s %s (%s): %s",
             override.team,
             "revoked"
             if override.until <= override.granted_at
             else "until " + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(override.until)),
+            "every sidecar, kept by billing" if why is None else f"this sidecar only: {why}",
             override.reason,
         )
         self.metrics.overrides.labels(override.team).inc()
         self.overrides = latest(self.overrides, {override.team: override})
-        self.granted = {**self.granted, override.team: override}
-        if self.redis is not None:
-            from redis.exceptions import RedisError  # loaded with the client
+        return why
 
-            try:
-                await self._share(override)
-            except (RedisError, OSError) as exc:
-                log.warning(
-                    "budget override for team %s not yet in Redis, written at the next refresh "
-                    "that reaches it: %s",
-                    override.team,
-                    exc,
-                )
+    async def _grant_at_billing(
+        self, team: str, raw: bytes, authorization: str
+    ) -> tuple[Override | None, str | None]:
+        """The admin's request passed on to billing's ``POST /v1/admin/budget-overrides``:
+        billing's grant, or None and why billing did not take it."""
+        if self.settings.spend_url is None or self.client is None:
+            return None, "no billing to keep it (budgets.spend_url is not set)"
+        import httpx  # loaded with the client
 
-    async def _share(self, override: Override) -> None:
-        """Write ``override`` into Redis's hash of overrides."""
-        assert self.redis is not None
-        # redis-py types its commands for both its sync and asyncio clients.
-        await cast(
-            "Awaitable[int]",
-            self.redis.hset(self.key, override.team, override.to_json().decode()),
-        )
+        url = self.settings.spend_url.rstrip("/") + "/v1/admin/budget-overrides"
+        try:
+            r = await self.client.post(
+                url,
+                content=raw,
+                headers={"authorization": authorization, "content-type": "application/json"},
+                timeout=_GRANT_TIMEOUT_SECONDS,
+            )
+        except httpx.HTTPError as exc:
+            return None, f"billing did not answer: {exc!r}"
+        if r.status_code != 201:
+            return None, f"billing answered {r.status_code}"
+        taken = _billed_grant(r.content, team, frozenset(self.budgets), time.time())
+        if taken is None:
+            return None, "billing's answer is not an override of the team"
+        return taken, None
 
     async def refresh(self) -> None:
         """Read billing's spend (and the shared overrides); keep the last ones on failure."""
@@ -396,59 +410,14 @@ class BudgetGate:
             if budget > 0:
                 self.metrics.used.labels(team).set(value / budget)
                 self.metrics.remaining.labels(team).set(max(0.0, budget - value))
-        await self._read_overrides()
+        self._read_overrides()
 
-    async def _read_overrides(self) -> None:
-        """Per team the last override granted among billing's, Redis's and this sidecar's own
-        (without Redis: billing's and its own), ended or not: the last grant decides."""
-        if self.redis is None:
-            since = time.time() - MAX_OVERRIDE_SECONDS
-            self.granted = {t: o for t, o in self.granted.items() if o.granted_at > since}
-            self.overrides = latest(self.granted, self.billed)
-            return
-        from redis.exceptions import RedisError  # loaded with the client
-
-        try:
-            stored = await cast("Awaitable[dict[bytes, bytes]]", self.redis.hgetall(self.key))
-        except (RedisError, OSError) as exc:
-            log.warning("budget overrides unreadable in Redis, keeping the last ones: %s", exc)
-            self.overrides = latest(self.overrides, self.billed)
-            return
-        found, dropped = stored_overrides(stored, frozenset(self.budgets), time.time())
-        if dropped and not self._dropping:
-            log.warning(
-                "budget overrides: %d entries in Redis are not overrides a sidecar could have "
-                "granted (a team without a budget, a malformed value, an end past a month); "
-                "left out",
-                dropped,
-            )
-        self._dropping = bool(dropped)
-        # Redis keeps nothing across a restart (no persistence) and may lose the hash: each
-        # override granted here in the last month is written back when Redis holds none for its
-        # team, or one granted before it, so no sidecar takes it back before its end, nor lets
-        # an earlier grant back after a revocation. One granted after it, through any sidecar or
-        # at billing, replaces it (the last grant decides, as it does when both are in Redis).
+    def _read_overrides(self) -> None:
+        """Per team the last override granted among billing's and this sidecar's own, ended
+        or not: the last grant decides. Its own are let go a month after they were granted."""
         since = time.time() - MAX_OVERRIDE_SECONDS
-        kept: dict[str, Override] = {}
-        for team, own in self.granted.items():
-            held = _granted_at(stored.get(team.encode()))
-            billed = self.billed.get(team)
-            if (
-                own.granted_at <= since
-                or (held is not None and held > own.granted_at)
-                or (billed is not None and billed.granted_at > own.granted_at)
-            ):
-                continue
-            kept[team] = own
-            if held == own.granted_at:
-                continue
-            try:
-                await self._share(own)
-            except (RedisError, OSError) as exc:
-                log.warning("budget override for team %s not written back to Redis: %s", team, exc)
-            found[team] = own
-        self.granted = kept
-        self.overrides = latest(found, self.billed)
+        self.granted = {t: o for t, o in self.granted.items() if o.granted_at > since}
+        self.overrides = latest(self.granted, self.billed)
 
     async def run(self) -> None:
         """Refresh until cancelled."""
@@ -460,45 +429,6 @@ class BudgetGate:
         """Close the HTTP client."""
         if self.client is not None:
             await self.client.aclose()
-
-
-def stored_overrides(
-    stored: dict[bytes, bytes], teams: frozenset[str], now: float
-) -> tuple[dict[str, Override], int]:
-    """Each team's override read from Redis, in force or ended (an ended one, a revocation,
-    shadows every grant made before it), and how many entries were left out.
-
-    Redis takes writes from every pod holding its password, so an entry counts only if a sidecar
-    could have written it: a field naming a team of ``teams`` (one with a budget), a JSON object
-    of that team with a number ``until`` no earlier than its ``granted_at`` and at most a month
-    away, a reason of at
-    most ``MAX_OVERRIDE_REASON`` characters, a number ``granted_at``. A malformed entry is left
-    out, never raised: the refresh that reads them also reads billing's spend.
-    """
-    found: dict[str, Override] = {}
-    dropped = 0
-    for name, value in stored.items():
-        try:
-            team = name.decode()
-            data = orjson.loads(value)
-        except (UnicodeDecodeError, orjson.JSONDecodeError):
-            dropped += 1
-            continue
-        if not (
-            team in teams
-            and isinstance(data, dict)
-            and data.keys() == {"team", "until", "reason", "granted_at"}
-            and data["team"] == team
-            and isinstance(data["until"], int | float)
-            and isinstance(data["granted_at"], int | float)
-            and isinstance(data["reason"], str)
-            and len(data["reason"]) <= MAX_OVERRIDE_REASON
-            and data["granted_at"] <= data["until"] <= now + MAX_OVERRIDE_SECONDS
-        ):
-            dropped += 1
-            continue
-        found[team] = Override(team, float(data["until"]), data["reason"], data["granted_at"])
-    return found, dropped
 
 
 def billed_overrides(body: Any, teams: frozenset[str], now: float) -> dict[str, Override]:
@@ -530,16 +460,17 @@ def billed_overrides(body: Any, teams: frozenset[str], now: float) -> dict[str, 
     return found
 
 
-def _granted_at(value: bytes | None) -> float | None:
-    """When the override stored as ``value`` was granted; None for none, or no override."""
-    if value is None:
-        return None
+def _billed_grant(body: bytes, team: str, teams: frozenset[str], now: float) -> Override | None:
+    """The override billing's route answered a grant with (``billing.routes.overrides``), taken
+    as ``billed_overrides`` takes one from the spend; None for anything else."""
     try:
-        data = orjson.loads(value)
+        data = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
-    at = data.get("granted_at") if isinstance(data, dict) else None
-    return float(at) if isinstance(at, int | float) else None
+    if not isinstance(data, dict) or data.get("team") != team:
+        return None
+    row = {"team": team, "override": {**data, "issued_at": data.get("granted_at")}}
+    return billed_overrides([row], teams, now).get(team)
 
 
 def budget_gate(
@@ -547,21 +478,17 @@ def budget_gate(
     budgets: dict[str, float],
     registry: CollectorRegistry,
     token: str | None,
-    redis: aioredis.Redis | None,
-    key_prefix: str,
     ledger: Spool | None = None,
     instance: str = "",
     project_budgets: dict[str, dict[str, float]] | None = None,
 ) -> BudgetGate:
-    """The sidecar's budget gate; overrides are shared through ``redis`` when there is one and
-    written to ``ledger`` (a spool shipped as ``budget_overrides``) as ``instance`` issued them."""
+    """The sidecar's budget gate; the overrides billing does not take are written to ``ledger``
+    (a spool shipped as ``budget_overrides``) as ``instance`` issued them."""
     return BudgetGate(
         settings,
         budgets,
         registry,
         token,
-        redis,
-        f"{key_prefix}:budget-overrides",
         ledger=ledger,
         instance=instance,
         project_budgets=project_budgets or {},
@@ -578,8 +505,9 @@ def project_budgets(config: Config) -> dict[str, dict[str, float]]:
 
 
 _JSON = (b"content-type", b"application/json")
-# What hears of an override granted: the override and the client's address.
-Audit = Callable[["Override", str | None], Awaitable[None]]
+# What hears of an override granted: the override, the client's address and whether billing
+# took it (every sidecar's) or it holds on this sidecar only.
+Audit = Callable[["Override", str | None, bool], Awaitable[None]]
 
 
 async def serve_override(
@@ -592,10 +520,14 @@ async def serve_override(
 ) -> None:
     """``POST /v1/admin/budget-overrides``: the admin grants a team an override (201), else 400/401.
 
-    ``audit``: told of each override granted, with the client's address (the audit trail).
+    The answer is the override as granted, with ``scope``: ``fleet`` when billing took it (every
+    sidecar applies it at its next spend refresh), ``sidecar`` when it holds here only (``note``
+    says why). ``audit``: told of each override granted, with the client's address and its scope
+    (the audit trail).
     """
+    authorization = header(scope, b"authorization")
     try:
-        role = control.team_for(bearer_key(header(scope, b"authorization")))
+        role = control.team_for(bearer_key(authorization))
     except AuthError:
         role = None
     if role != ADMIN:
@@ -623,7 +555,7 @@ async def serve_override(
         )
         return
     try:
-        await gate.grant(override)
+        why = await gate.grant(override, raw or b"", authorization or "")
     except SpoolError as exc:
         log.error("budget override for team %s not granted: not recorded: %s", override.team, exc)
         await respond(
@@ -638,7 +570,14 @@ async def serve_override(
             [_JSON],
         )
         return
+    granted = gate.overrides[override.team]
     if audit is not None:
         client = scope.get("client")
-        await audit(override, client[0] if client else None)
-    await respond(send, 201, override.to_json(), [_JSON])
+        await audit(granted, client[0] if client else None, why is None)
+    shown: dict[str, Any] = {**granted.__dict__, "scope": "sidecar" if why else "fleet"}
+    if why is not None:
+        shown["note"] = (
+            f"Billing did not take the override ({why}): it holds on this sidecar only. Grant "
+            "it at billing for every sidecar."
+        )
+    await respond(send, 201, orjson.dumps(shown), [_JSON])

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
+import redis as redis_py
 
 from billing.api import create_app
 from infermeter.serving import free_port
@@ -105,6 +107,20 @@ async def _until(c: httpx.AsyncClient, urls: list[str], want: list[int], seconds
     raise AssertionError(f"answers {got}, not {want}, after {seconds} s")
 
 
+async def _overrides(c: httpx.AsyncClient, billing: str) -> list[dict[str, Any]]:
+    """The ledger's budget overrides, as billing's admin lists them."""
+    now = time.time()
+    r = await c.get(
+        f"{billing}/v1/query/budget_overrides",
+        params={"from": now - 3600, "to": now + 3600},
+        headers=ADMIN,
+    )
+    assert r.status_code == 200, r.text
+    columns = r.json()["columns"]
+    rows = [dict(zip(columns, row, strict=True)) for row in r.json()["rows"]]
+    return sorted(rows, key=lambda row: row["issued_at"])
+
+
 async def _grant(c: httpx.AsyncClient, at: str, minutes: float = 30) -> httpx.Response:
     """The admin grants search an override of ``minutes`` at ``at`` (billing or a sidecar)."""
     r = await c.post(
@@ -158,52 +174,73 @@ async def test_an_override_granted_at_billing_outlives_redis_losing_its_keys(tmp
 
 
 @pytest.mark.timeout(120)
-async def test_a_grant_at_billing_that_ended_does_not_let_a_sidecar_s_earlier_grant_back(tmp_path):
-    """No Redis: small-0's admin grants search a month; only small-0 serves it. Billing's admin
-    grants 1.2 s: both serve it; once it has ended, both refuse search (small-0's month does not
-    come back: the last grant decided). Then a month at billing and its revocation (``minutes``
-    0): both refuse again within a refresh."""
+async def test_an_override_asked_at_a_sidecar_is_billing_s_for_both_sidecars(tmp_path):
+    """No Redis: the admin asks small-0 for a month for search. small-0 passes it on to billing
+    (the admin's own credential), so it is billing's grant: the answer says ``fleet``, the
+    ledger holds billing's row and no pod's, and both sidecars serve search. Revoked through
+    small-1 (``minutes`` 0): both refuse it again within a refresh."""
     async with _fleet(tmp_path, {}) as (billing, urls), httpx.AsyncClient(timeout=30) as c:
         await _until(c, urls, [429, 429], 15)
-        await _grant(c, urls[0], 44640)
-        await _until(c, urls, [200, 429], 5)
-        short = await _grant(c, billing, 0.02)
-        await _until(c, urls, [200, 200], 5)
-        # Past its end by five refreshes: each sidecar has read billing's spend since.
-        await asyncio.sleep(max(0.0, short.json()["until"] - time.time()) + 0.5)
-        ended = await _rounds(c, urls)
-        await _grant(c, billing, 44640)
-        await _until(c, urls, [200, 200], 5)
-        await _grant(c, billing, 0)
-        took = await _until(c, urls, [429, 429], 5)
-        revoked = await _rounds(c, urls)
-    print(f"both sidecars refuse search {took:.2f} s after the revocation at billing")
-    for rounds in (ended, revoked):
-        assert [[r.status_code for r in round_] for round_ in rounds] == [[429, 429]] * 5
+        month = await _grant(c, urls[0], 44640)
+        took = await _until(c, urls, [200, 200], 5)
+        served = await _rounds(c, urls)
+        revoked = await _grant(c, urls[1], 0)
+        await _until(c, urls, [429, 429], 5)
+        refused = await _rounds(c, urls)
+        kept = await _overrides(c, billing)
+    print(f"both sidecars serve search {took:.2f} s after the grant at small-0")
+    assert (month.json()["scope"], revoked.json()["scope"]) == ("fleet", "fleet")
+    assert "note" not in month.json()
+    assert [[r.status_code for r in round_] for round_ in served] == [[200, 200]] * 5
+    assert [[r.status_code for r in round_] for round_ in refused] == [[429, 429]] * 5
+    assert [(row["issued_by"], row["until"] - row["issued_at"]) for row in kept] == [
+        ("billing:@admin", 44640 * 60),
+        ("billing:@admin", 0),
+    ]
 
 
 @pytest.mark.timeout(120)
-async def test_a_revocation_at_billing_ends_a_grant_shared_in_redis_and_redis_losing_it(
-    tmp_path, redis
-):
-    """With Redis: small-0's admin grants search a month, shared through Redis: both serve it.
-    Billing's admin revokes it (``minutes`` 0): both refuse search within a refresh, and still
-    after Redis is flushed (small-0 does not write its grant back over the revocation)."""
+async def test_a_grant_that_ended_does_not_let_an_earlier_one_back(tmp_path):
+    """No Redis: a month for search asked at small-0 (billing's), then 1.2 s granted at billing:
+    both serve search; once the short one has ended, both refuse it (the month does not come
+    back: the last grant decided)."""
+    async with _fleet(tmp_path, {}) as (billing, urls), httpx.AsyncClient(timeout=30) as c:
+        await _until(c, urls, [429, 429], 15)
+        await _grant(c, urls[0], 44640)
+        await _until(c, urls, [200, 200], 5)
+        short = await _grant(c, billing, 0.02)
+        # Past its end by five refreshes: each sidecar has read billing's spend since.
+        await asyncio.sleep(max(0.0, short.json()["until"] - time.time()) + 0.5)
+        ended = await _rounds(c, urls)
+    assert [[r.status_code for r in round_] for round_ in ended] == [[429, 429]] * 5
+
+
+@pytest.mark.timeout(120)
+async def test_an_override_needs_no_redis_and_redis_holds_none(tmp_path, redis):
+    """With Redis configured but killed: a month for search asked at small-0 is served by both
+    sidecars; Redis started again empty holds no override, and a day-long one a pod writes into
+    the hash where overrides were once shared is taken by no sidecar after a revocation at
+    small-1 (both refuse search)."""
     if redis.process is None:
         redis.start()
     redis.flush()
     shared = {
         "shared_limits": {"redis_url": redis.url, "timeout_millis": 500, "retry_seconds": 0.2}
     }
-    async with _fleet(tmp_path, shared) as (billing, urls), httpx.AsyncClient(timeout=30) as c:
+    async with _fleet(tmp_path, shared) as (_, urls), httpx.AsyncClient(timeout=30) as c:
         await _until(c, urls, [429, 429], 15)
+        redis.kill()
         await _grant(c, urls[0], 44640)
         await _until(c, urls, [200, 200], 5)
-        await _grant(c, billing, 0)
-        await _until(c, urls, [429, 429], 5)
-        revoked = await _rounds(c, urls)
-        redis.flush()
+        redis.start()
         await asyncio.sleep(0.5)
-        flushed = await _rounds(c, urls)
-    for rounds in (revoked, flushed):
-        assert [[r.status_code for r in round_] for round_ in rounds] == [[429, 429]] * 5
+        with contextlib.closing(redis_py.Redis.from_url(redis.url)) as raw:
+            held = raw.keys("*budget-overrides*")
+            await _grant(c, urls[1], 0)
+            now = time.time()
+            forged = {"team": "search", "until": now + 86400, "reason": "x", "granted_at": now}
+            raw.hset("infermeter:budget-overrides", "search", orjson.dumps(forged).decode())
+        await _until(c, urls, [429, 429], 5)
+        refused = await _rounds(c, urls)
+    assert held == []
+    assert [[r.status_code for r in round_] for round_ in refused] == [[429, 429]] * 5

@@ -3,9 +3,7 @@ and small-1 over HTTP, a real redis-server of this module's own (no persistence,
 the simulator as their replica and billing's ``GET /v1/spend`` over a spend the test sets.
 
 A team's spend is billing's (the ledger of record), never Redis's, so nothing Redis loses lets a
-team past its budget. What Redis holds for budgets is the admins' overrides: an override granted
-through one sidecar lets the team past its budget on every sidecar, until its end, whether Redis
-restarted empty, lost the hash, or did not answer when it was granted.
+team past its budget; and Redis holds no override (billing keeps them: ``test_budgets_billing``).
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import cast
 
 import httpx
 import pytest
@@ -22,12 +19,11 @@ import pytest
 from tests.redis_server import RedisServer
 from tests.servers import serving
 from tests.sidecar.conftest import KEYS
-from tests.sidecar.test_budgets import ADMIN, FakeSpend
+from tests.sidecar.test_budgets import FakeSpend
 from tests.sidecar.two_sidecars import TwoSidecars
 
 CHAT = {"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 SEARCH = {"authorization": f"Bearer {KEYS['search']}"}
-OVERRIDES = "infermeter:budget-overrides"
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +50,7 @@ def fresh(redis: RedisServer) -> RedisServer:
 async def _fleet(
     tmp_path: Path, redis: RedisServer, spent: float
 ) -> AsyncIterator[tuple[FakeSpend, list[str], httpx.AsyncClient]]:
-    """small-0's and small-1's sidecars, overrides in ``redis``, search's budget $100 of which
+    """small-0's and small-1's sidecars, limits shared in ``redis``, search's budget $100 of which
     billing says ``spent``; yields billing's spend, the sidecars' URLs and a client, once both
     sidecars judge search by that spend (429 past the budget, else 200)."""
     spend = FakeSpend()
@@ -92,34 +88,6 @@ async def _until(c: httpx.AsyncClient, urls: list[str], want: list[int], seconds
     raise AssertionError(f"answers {got}, not {want}, after {seconds} s")
 
 
-async def _override(c: httpx.AsyncClient, url: str, minutes: float = 30) -> httpx.Response:
-    return await c.post(
-        f"{url}/v1/admin/budget-overrides",
-        headers=ADMIN,
-        json={"team": "search", "minutes": minutes, "reason": "launch week"},
-    )
-
-
-@pytest.mark.timeout(120)
-async def test_an_override_outlives_a_redis_restarted_empty(tmp_path, fresh):
-    """search past its budget, let past it through small-0: both sidecars serve it. Redis is
-    killed and started again empty (no persistence, as deployed): both still serve it, and the
-    override is back in Redis."""
-    async with _fleet(tmp_path, fresh, 100.5) as (_, urls, c):
-        granted = await _override(c, urls[0])
-        assert granted.status_code == 201, granted.text
-        await _until(c, urls, [200, 200], 5)
-        fresh.kill()
-        fresh.start()
-        # Several refreshes of each sidecar (0.1 s) after Redis answers again, empty.
-        await asyncio.sleep(1.5)
-        after = [await _statuses(c, urls) for _ in range(5)]
-        with contextlib.closing(_raw(fresh)) as raw:
-            stored = raw.hkeys()
-    assert after == [[200, 200]] * 5
-    assert stored == [b"search"]
-
-
 @pytest.mark.timeout(120)
 async def test_a_redis_restarted_empty_lifts_no_budget(tmp_path, fresh):
     """search past its budget on both sidecars; Redis killed and started again empty, and its
@@ -138,70 +106,15 @@ async def test_a_redis_restarted_empty_lifts_no_budget(tmp_path, fresh):
 
 
 @pytest.mark.timeout(120)
-async def test_an_override_granted_while_redis_is_down_reaches_every_sidecar(tmp_path, fresh):
-    """Redis does not answer when the admin grants the override through small-0: it is granted
-    (201: it is in the ledger's spool, as the answer says), and once Redis answers again small-1
-    serves the team too, and small-0 does not take it back."""
-    async with _fleet(tmp_path, fresh, 100.5) as (_, urls, c):
-        fresh.kill()
-        granted = await _override(c, urls[0])
-        during = await _statuses(c, urls)
-        fresh.start()
-        await _until(c, urls, [200, 200], 5)
-        await asyncio.sleep(1.0)
-        after = [await _statuses(c, urls) for _ in range(5)]
-    assert granted.status_code == 201, granted.text
-    assert during == [200, 429]
-    assert after == [[200, 200]] * 5
-
-
-@pytest.mark.timeout(120)
-async def test_a_paused_redis_holds_back_neither_the_spend_nor_an_override(tmp_path, fresh):
+async def test_a_paused_redis_holds_back_no_spend(tmp_path, fresh):
     """Redis stopped (SIGSTOP: connections open, nothing answered) while search is under its
     budget: its spend passing the budget is still enforced on both sidecars within a few
-    refreshes (billing's spend is read before Redis's overrides, each call bounded by
-    ``timeout_millis``); an override granted meanwhile is a 201 on small-0 at once, and reaches
-    small-1 once Redis answers again."""
+    refreshes (the budgets read nothing from Redis)."""
     async with _fleet(tmp_path, fresh, 50.0) as (spend, urls, c):
         fresh.pause()
         try:
             spend.spent["search"] = 100.5
             refused_in = await _until(c, urls, [429, 429], 10)
-            granted = await _override(c, urls[0])
-            during = await _statuses(c, urls)
         finally:
             fresh.resume()
-        await _until(c, urls, [200, 200], 5)
     assert refused_in < 3.0
-    assert granted.status_code == 201, granted.text
-    assert during == [200, 429]
-
-
-@pytest.mark.timeout(120)
-async def test_the_last_override_granted_decides_on_every_sidecar(tmp_path, fresh):
-    """A 30-minute override granted through small-0, then one of 3 seconds through small-1 (the
-    admin cutting it short): small-0 does not write its own back over the later one, so once the
-    later one ends both sidecars refuse the team again."""
-    async with _fleet(tmp_path, fresh, 100.5) as (_, urls, c):
-        first = await _override(c, urls[0])
-        await _until(c, urls, [200, 200], 5)
-        second = await _override(c, urls[1], minutes=0.05)
-        await asyncio.sleep(3.5)
-        after = [await _statuses(c, urls) for _ in range(5)]
-    assert (first.status_code, second.status_code) == (201, 201)
-    assert after == [[429, 429]] * 5
-
-
-class _raw:
-    """A blocking RESP connection to ``server``, enough for HKEYS of the overrides."""
-
-    def __init__(self, server: RedisServer) -> None:
-        import redis as redis_py
-
-        self.client = redis_py.Redis.from_url(server.url)
-
-    def hkeys(self) -> list[bytes]:
-        return sorted(cast("list[bytes]", self.client.hkeys(OVERRIDES)))
-
-    def close(self) -> None:
-        self.client.close()
