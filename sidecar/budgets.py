@@ -326,13 +326,16 @@ class BudgetGate:
         except BudgetExceeded:
             raise ProjectBudgetExceeded(team, project, spent, budget) from None
 
-    async def grant(self, override: Override, raw: bytes, authorization: str) -> str | None:
+    async def grant(
+        self, override: Override, raw: bytes, authorization: str
+    ) -> tuple[Override, str | None]:
         """Grant ``override``, which the admin asked for with body ``raw`` and header
         ``authorization``: passed on to billing, else this sidecar's alone.
 
-        Returns None when billing took it (every sidecar applies it at its next refresh; this
-        one at once, as billing recorded it), else why it holds on this sidecar only: then it is
-        written to the ledger's spool first (SpoolError: not granted).
+        Returns the override granted and None when billing took it (as billing recorded it:
+        every sidecar applies it at its next refresh, this one at once), else ``override`` and
+        why it holds on this sidecar only: then it is written to the ledger's spool first
+        (SpoolError: not granted).
         """
         taken, why = await self._grant_at_billing(override.team, raw, authorization)
         if taken is not None:
@@ -353,7 +356,7 @@ class BudgetGate:
         )
         self.metrics.overrides.labels(override.team).inc()
         self.overrides = latest(self.overrides, {override.team: override})
-        return why
+        return override, why
 
     async def _grant_at_billing(
         self, team: str, raw: bytes, authorization: str
@@ -555,7 +558,7 @@ async def serve_override(
         )
         return
     try:
-        why = await gate.grant(override, raw or b"", authorization or "")
+        granted, why = await gate.grant(override, raw or b"", authorization or "")
     except SpoolError as exc:
         log.error("budget override for team %s not granted: not recorded: %s", override.team, exc)
         await respond(
@@ -570,7 +573,6 @@ async def serve_override(
             [_JSON],
         )
         return
-    granted = gate.overrides[override.team]
     if audit is not None:
         client = scope.get("client")
         await audit(granted, client[0] if client else None, why is None)

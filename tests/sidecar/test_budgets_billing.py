@@ -197,6 +197,10 @@ async def test_an_override_asked_at_a_sidecar_is_billing_s_for_both_sidecars(tmp
         ("billing:@admin", 44640 * 60),
         ("billing:@admin", 0),
     ]
+    # Each answer is the override as billing kept it.
+    assert [(r.json()["until"], r.json()["granted_at"]) for r in (month, revoked)] == [
+        (row["until"], row["issued_at"]) for row in kept
+    ]
 
 
 @pytest.mark.timeout(120)
