@@ -174,12 +174,21 @@ def parse_number(text: str) -> float | None:
         return None
 
 
-def as_of(t: float, tz: str | None) -> str:
-    """A time the viewer reads in their own zone: ``14:03:22``."""
+def moment(t: float, tz: str | None) -> str:
+    """A time up to a month away, in the viewer's own zone: ``2026-12-08 14:03``."""
+    return _in_zone(t, tz).strftime("%Y-%m-%d %H:%M")
+
+
+def _in_zone(t: float, tz: str | None) -> dt.datetime:
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
     try:
         zone = ZoneInfo(tz or "UTC")
     except (ZoneInfoNotFoundError, ValueError):
         zone = ZoneInfo("UTC")
-    return dt.datetime.fromtimestamp(t, zone).strftime("%H:%M:%S")
+    return dt.datetime.fromtimestamp(t, zone)
+
+
+def as_of(t: float, tz: str | None) -> str:
+    """A time the viewer reads in their own zone: ``14:03:22``."""
+    return _in_zone(t, tz).strftime("%H:%M:%S")

@@ -20,14 +20,14 @@ from starlette.concurrency import run_in_threadpool
 
 from billing import overrides
 from billing.routes.body import read_body
-from billing.routes.dependencies import Manager, ServicesDep
+from billing.routes.dependencies import Manager, Services, ServicesDep
 from billing.routes.openapi import READ, errors
 from infermeter.audit import audit_event
 from infermeter.errors import BadRequest
 from infermeter.overrides import Override, parse_override
 from infermeter.records import BudgetOverride
 
-__all__ = ["router"]
+__all__ = ["router", "with_overrides"]
 
 router = APIRouter()
 
@@ -104,3 +104,19 @@ async def grant(who: Manager, request: Request, svc: ServicesDep) -> Response:
     )
     record = await run_in_threadpool(overrides.grant, svc.ledger, override, issued_by, event, now)
     return Response(orjson.dumps(_shown(override, record)), 201, media_type="application/json")
+
+
+def _last_grants(svc: Services, now: float) -> dict[str, dict[str, Any]]:
+    with svc.ledger.reader() as cur:
+        return overrides.last_grants(cur, now)
+
+
+async def with_overrides(svc: Services, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Spend ``rows``, each team's with its last ``override`` (``billing.overrides.last_grants``),
+    if any: read from the ledger at each ask, so that a grant or a revocation is in the next
+    answer. A key the rows had before is never changed, so a sidecar of the previous version
+    reads the answer as it did (and takes no ended override: it checks the end)."""
+    grants = await run_in_threadpool(_last_grants, svc, time.time())
+    return [
+        row | {"override": grants[row["team"]]} if row["team"] in grants else row for row in rows
+    ]

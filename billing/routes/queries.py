@@ -23,6 +23,7 @@ from billing.rollups import Rollups
 from billing.routes.dependencies import Asker, Month, Reader, ServicesDep, compute
 from billing.routes.errors import error_response
 from billing.routes.openapi import READ, errors
+from billing.routes.overrides import with_overrides
 from billing.routes.responses import json_response, lifetime_headers, spend_rows
 from infermeter.auth import SCRAPERS, Caller, Forbidden
 from infermeter.errors import BadRequest
@@ -68,9 +69,10 @@ async def statement(who: Reader, month: Month, svc: ServicesDep) -> Response:
 
 @router.get("/v1/query/spend", responses=errors(*READ))
 async def spend(who: Reader, svc: ServicesDep) -> Response:
-    """Month-to-date spend, budget and forecast (as ``/v1/spend``), from the cached statement."""
+    """Month-to-date spend, budget and forecast (as ``/v1/spend``), from the cached statement,
+    with each team's last budget override (``override``, as ``/v1/spend`` has it)."""
     entry = await compute(svc, svc.statements.current)
-    body = spend_rows(entry, svc.config, who.scope)
+    body = await with_overrides(svc, spend_rows(entry, svc.config, who.scope))
     return json_response(body, lifetime_headers(entry, time.time()))
 
 

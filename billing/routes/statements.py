@@ -17,7 +17,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from billing import audit, closing, overrides, parquet_export
+from billing import audit, closing, parquet_export
 from billing.breakdown import with_tags
 from billing.routes.breakdown import with_projects
 from billing.routes.dependencies import (
@@ -32,6 +32,7 @@ from billing.routes.dependencies import (
     compute,
 )
 from billing.routes.openapi import CSV, READ, errors, text
+from billing.routes.overrides import with_overrides
 from billing.routes.responses import download, json_response, spend_rows
 from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
@@ -138,23 +139,7 @@ async def spend(who: Spender, svc: ServicesDep, request: Request) -> list[dict[s
     """
     entry = await compute(svc, svc.statements.current)
     rows = await with_projects(request, svc, entry, spend_rows(entry, svc.config, who.team))
-    return with_overrides(rows, await run_in_threadpool(_last_grants, svc, time.time()))
-
-
-def _last_grants(svc: Services, now: float) -> dict[str, dict[str, Any]]:
-    with svc.ledger.reader() as cur:
-        return overrides.last_grants(cur, now)
-
-
-def with_overrides(
-    rows: list[dict[str, Any]], grants: dict[str, dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """``rows``, each team's with its last ``override``, if any. A key the rows had before is
-    never changed, so a sidecar of the previous version reads the answer as it did (and takes
-    no ended override: it checks the end)."""
-    return [
-        row | {"override": grants[row["team"]]} if row["team"] in grants else row for row in rows
-    ]
+    return await with_overrides(svc, rows)
 
 
 @router.post("/v1/admin/export", responses=errors(*READ))

@@ -1,5 +1,5 @@
-"""Teams: month-to-date spend against budget with a forecast, usage, unit cost and energy, and
-each team's spend by project and end user.
+"""Teams: month-to-date spend against budget with a forecast, the budget overrides in force,
+usage, unit cost and energy, and each team's spend by project and end user.
 
 Every figure here comes from the money snapshot the summary row fetched (``money`` store):
 the same spend and statement, at the same moment, as the tiles above it.
@@ -12,6 +12,7 @@ as requests or completions of its own, which it has none of.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import plotly.graph_objects as go  # type: ignore[import-untyped]
@@ -23,7 +24,7 @@ from dashboards.components import frame_table, graph, note, page
 from dashboards.context import Context
 from dashboards.data import statement_from_json
 from dashboards.figures import budget_figure, empty_figure
-from dashboards.formatting import as_of
+from dashboards.formatting import as_of, moment
 
 PATH = "/teams"
 TITLE = "Teams"
@@ -33,6 +34,7 @@ _SPEND_COLUMNS = (
     "forecast_usd",
     "budget_usd",
     "budget_used_pct",
+    "budget_override",
     "requests",
     "prompt_tokens",
     "completion_tokens",
@@ -61,8 +63,28 @@ def platform_label(platform: str) -> str:
     return f"{platform} (idle capacity, unattributed tokens)"
 
 
-def spend_frame(spend: list[dict[str, Any]], lines: pl.DataFrame, platform: str) -> pl.DataFrame:
-    """One row per team: spend, budget, forecast, and the month's requests, tokens and energy.
+def override_text(row: dict[str, Any], now: float, tz: str | None) -> str | None:
+    """What a spend row's ``override`` (billing's last grant for the team) means at ``now``:
+    ``until <its end>`` while it lets the team past its budget; None when there is none, it
+    has ended, or it was a revocation."""
+    grant = row.get("override")
+    if not isinstance(grant, dict):
+        return None
+    until = grant.get("until")
+    if not isinstance(until, int | float) or until <= now:
+        return None
+    return f"until {moment(until, tz)}"
+
+
+def spend_frame(
+    spend: list[dict[str, Any]],
+    lines: pl.DataFrame,
+    platform: str,
+    now: float = 0.0,
+    tz: str | None = None,
+) -> pl.DataFrame:
+    """One row per team: spend, budget, forecast, the override letting it past its budget at
+    ``now`` (its end in zone ``tz``), and the month's requests, tokens and energy.
 
     Tokens of unattributed lines are counted apart; the platform account's row has no requests,
     prompts, completions or budget of its own (missing, not zero).
@@ -81,13 +103,14 @@ def spend_frame(spend: list[dict[str, Any]], lines: pl.DataFrame, platform: str)
         pl.col("energy_kwh").sum().round(4),
     )
     frame = pl.DataFrame(
-        spend,
+        [{**row, "budget_override": override_text(row, now, tz)} for row in spend],
         schema={
             "team": pl.String,
             "month": pl.String,
             "spent_usd": pl.Float64,
             "budget_usd": pl.Float64,
             "forecast_usd": pl.Float64,
+            "budget_override": pl.String,
         },
     )
     counts = ("requests", "prompt_tokens", "completion_tokens", "unattributed_tokens", "energy_kwh")
@@ -178,7 +201,9 @@ def _spend_table(frame: pl.DataFrame) -> html.Div:
         frame,
         "teams-table",
         _SPEND_COLUMNS,
-        total=_SPEND_COLUMNS[1:4] + _SPEND_COLUMNS[5:],
+        total=tuple(
+            c for c in _SPEND_COLUMNS[1:] if c not in ("budget_used_pct", "budget_override")
+        ),
         total_values={"budget_used_pct": used},
     )
 
@@ -232,7 +257,10 @@ def register(app: Dash, ctx: Context) -> None:
         if not money:
             return [note("Waiting for billing's figures..."), None, empty_figure("", ""), None]
         lines = statement_from_json(money["statement"]).lines
-        frame = spend_frame(money["spend"], lines, ctx.config.billing.platform_account)
+        platform = ctx.config.billing.platform_account
+        # Billing reads its overrides at each ask for the spend: judged at this moment, not
+        # at the statement's.
+        frame = spend_frame(money["spend"], lines, platform, time.time(), tz)
         status = html.P(
             f"Month to date: {money['month']}, as of {as_of(money['as_of'], tz)}", id="teams-month"
         )

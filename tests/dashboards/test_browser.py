@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
+from billing import overrides
 from billing.chargeback import Chargeback
 from billing.ledger import Ledger
 from dashboards.formatting import MISSING, parse_number
@@ -27,6 +29,7 @@ from exporters.chargeback_csv import chargeback_frame, write_csv
 from exporters.focus import focus_frame
 from infermeter.config import Config
 from infermeter.months import month_of
+from infermeter.overrides import Override, override_record
 from tests.dashboards import records
 from tests.dashboards.records import ADMIN_KEY, REPLICAS, TEAM_KEYS
 from tests.dashboards.stack import (
@@ -317,3 +320,36 @@ def test_tables_sort_by_a_clicked_header(stack):
     assert shown == sorted(shown, reverse=True)
     assert total(stack, "chargeback-lines", "total_usd") == before
     finish(stack, "chargeback-sorted")
+
+
+def test_the_teams_page_shows_an_override_in_force_and_no_revoked_one(stack):
+    """Billing's admin let research past its budget for an hour and revoked analytics' override:
+    the teams table shows research's override with its end in the viewer's zone, analytics'
+    none (a revocation lets no one past), nor any other team's."""
+    now = time.time()
+    grants = [
+        Override("research", now + 3600, "quarter-end batch", now - 5),
+        Override("analytics", now + 3600, "granted by mistake", now - 60),
+        Override("analytics", now - 30, "revoked", now - 30),
+    ]
+    with stack.ledger.writing() as cur:
+        for grant in grants:
+            overrides.keep(cur, override_record(grant, "billing:@admin"), now)
+    sign_in(stack, ADMIN_KEY, "/teams")
+    wait(stack, "#teams-table")
+    WebDriverWait(stack.driver, 20, poll_frequency=0.1).until(
+        lambda _: any(
+            text.startswith("until") for text in column(stack, "teams-table", "budget_override")
+        )
+    )
+    shown = dict(
+        zip(
+            column(stack, "teams-table", "team"),
+            column(stack, "teams-table", "budget_override"),
+            strict=True,
+        )
+    )
+    end = dt.datetime.fromtimestamp(now + 3600, ZoneInfo(VIEWER_TZ)).strftime("%Y-%m-%d %H:%M")
+    assert shown["research"] == f"until {end}"
+    assert {team for team, text in shown.items() if text != MISSING} == {"research"}
+    finish(stack, "teams-override")
