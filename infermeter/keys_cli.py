@@ -13,6 +13,7 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any, Final
 
+from infermeter.admin_calls import TOKEN_ENVS, call, shown, token
 from infermeter.commands import CommandError, Subparsers, add_config
 
 if TYPE_CHECKING:
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
 
 __all__ = ["parse_duration", "register"]
 
-TOKEN_ENVS: Final = ("INFERMETER_TOKEN", "INFERMETER_ADMIN_TOKEN")
 _DURATION: Final = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)$")
 _UNITS: Final = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -104,9 +104,7 @@ def _keys(args: argparse.Namespace, config: Config) -> int:
         return _signer(
             env_value(config.billing.writer_secret_env), config.billing.writer_secret_env
         )
-    token = next((t for v in TOKEN_ENVS if (t := env_value(v))), None)
-    if token is None:
-        raise CommandError(f"set ${TOKEN_ENVS[0]} to the admin token or a team lead's key")
+    bearer = token()
     url = (args.billing_url or config.billing.url).rstrip("/")
     if args.action == "create":
         body = {
@@ -125,20 +123,20 @@ def _keys(args: argparse.Namespace, config: Config) -> int:
             }.items()
             if v is not None
         }
-        return _issued(_call(url, token, "POST", "/v1/keys", body))
+        return _issued(call(url, bearer, "POST", "/v1/keys", body))
     if args.action == "list":
-        found = _call(url, token, "GET", "/v1/keys" + ("?revoked=true" if args.revoked else ""))
+        found = call(url, bearer, "GET", "/v1/keys" + ("?revoked=true" if args.revoked else ""))
         _table(found["keys"])
         return 0
     if args.action == "revoke":
-        gone = _call(url, token, "POST", f"/v1/keys/{args.key_id}/revoke", {"reason": args.reason})
+        gone = call(url, bearer, "POST", f"/v1/keys/{args.key_id}/revoke", {"reason": args.reason})
         print(
             f"revoked {gone['key_id']} (team {gone['team'] or '-'}, role {gone['role']})",
             file=sys.stderr,
         )
         return 0
     body = {"reason": args.reason, "grace_seconds": args.grace}
-    return _issued(_call(url, token, "POST", f"/v1/keys/{args.key_id}/rotate", body))
+    return _issued(call(url, bearer, "POST", f"/v1/keys/{args.key_id}/rotate", body))
 
 
 def _signer(secret: str | None, variable: str) -> int:
@@ -161,24 +159,6 @@ def _issued(found: dict[str, Any]) -> int:
     return 0
 
 
-def _call(url: str, token: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    import httpx
-
-    try:
-        answer = httpx.request(
-            method, url + path, json=body, timeout=30, headers={"authorization": f"Bearer {token}"}
-        )
-    except httpx.HTTPError as exc:
-        raise CommandError(f"billing at {url} did not answer: {exc}", code=1) from None
-    if answer.status_code >= 400:
-        try:
-            message = answer.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = answer.text[:200]
-        raise CommandError(f"billing refused: HTTP {answer.status_code}: {message}")
-    return answer.json()
-
-
 def _table(keys: list[dict[str, Any]]) -> None:
     columns = (
         "key_id",
@@ -193,18 +173,8 @@ def _table(keys: list[dict[str, Any]]) -> None:
         "max_concurrent",
         "budget_usd_per_month",
     )
-    rows = [[_shown(k.get(c)) for c in columns] for k in keys]
+    rows = [[shown(k.get(c)) for c in columns] for k in keys]
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
     for line in ([list(columns)], rows):
         for row in line:
             print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-
-
-def _shown(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float) and value > 946684800:
-        import time
-
-        return time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(value))
-    return str(value)

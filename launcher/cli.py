@@ -107,6 +107,12 @@ def _keys(sub: Subparsers) -> None:
     keys_cli.register(sub)
 
 
+def _budgets(sub: Subparsers) -> None:
+    from infermeter import budgets_cli
+
+    budgets_cli.register(sub)
+
+
 def _spool(sub: Subparsers) -> None:
     from infermeter import spool_cli
 
@@ -128,6 +134,7 @@ PARTS: tuple[tuple[Registrar, tuple[str, ...]], ...] = (
     (_dashboards, ("dashboard", "plan")),
     (_credentials, ("credential",)),
     (_keys, ("keys",)),
+    (_budgets, ("budgets",)),
     (_spool, ("spool",)),
 )
 
