@@ -94,8 +94,12 @@ def demo_environment(config: Config) -> dict[str, str]:
         # The autoscaler reads the collector's and the sidecars' /metrics with the reader key.
         config.autoscale.metrics_token_env: DEMO_METRICS_TOKEN,
         # The sidecars read spend and the keys issued at run time with the spend_reader token,
-        # not the admin's.
+        # not the admin's: from the demo's billing, so budgets are enforced (and an override
+        # asked at a sidecar is billing's, for every sidecar).
         config.sidecar.budgets.spend_token_env: DEMO_SPEND_TOKEN,
+        "INFERMETER__SIDECAR__BUDGETS__SPEND_URL": (
+            config.sidecar.budgets.spend_url or config.billing.url
+        ),
     }
     # Spare GPUs on every node, for the instances the autoscaler starts (every child must agree).
     env.update(fleet.spare_gpu_overrides(config))

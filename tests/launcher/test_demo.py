@@ -37,6 +37,8 @@ def test_demo_environment_points_every_writer_at_the_demos_billing(tmp_path):
     assert env["INFERMETER__COLLECTOR__ADOPT_SPOOLS_DIR"] == config.sidecar.spool_dir
     assert env[config.autoscale.metrics_token_env] == DEMO_METRICS_TOKEN
     assert env[config.sidecar.budgets.spend_token_env] == DEMO_SPEND_TOKEN
+    # Budgets enforced from the demo's billing, where an override asked at a sidecar is kept.
+    assert env["INFERMETER__SIDECAR__BUDGETS__SPEND_URL"] == config.billing.url
     assert set(fleet.spare_gpu_overrides(config).items()) <= set(env.items())
 
 
