@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import gc
+import struct
+import termios
 import time
 
 import pytest
@@ -263,16 +266,31 @@ async def test_a_batched_answer_is_read_at_its_end_in_one_piece():
     assert batched.reads <= 2
 
 
+async def _until_queued(conn: Connection, nbytes: int, seconds: float = 10.0) -> None:
+    """Wait until the kernel holds ``nbytes`` the loop has not read on ``conn`` (FIONREAD)."""
+    assert conn.transport is not None
+    fd = conn.transport.get_extra_info("socket").fileno()
+    deadline = time.monotonic() + seconds
+    while True:
+        queued = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        if queued >= nbytes:
+            return
+        assert time.monotonic() < deadline, f"{queued} bytes queued after {seconds} s"
+        await asyncio.sleep(0.01)
+
+
 async def test_pull_reads_what_a_batched_connection_holds():
     """``pull`` parses the pieces waiting below the mark (the tokens so far, for a tick)."""
     async with serving(_tokens, lifespan="off") as url:
         pool = Pool(*host_port(url), 1.0, 10.0)
         sink = _Counting()
         await _batched(pool, sink)
-        await asyncio.sleep(0.2)
+        (conn,) = pool._all
+        # The head and a dozen pieces or more waiting in the kernel (a fixed sleep of 0.2 s
+        # was not enough on a busy machine).
+        await _until_queued(conn, 300)
         before = b"".join(sink.parts)
         sink.upstream = None  # (not a sink's pull: the connection's own)
-        (conn,) = pool._all
         conn.pull()
         after = b"".join(sink.parts)
         await asyncio.wait_for(asyncio.shield(sink.finished), 5)
