@@ -385,7 +385,7 @@ class BudgetGate:
         return taken, None
 
     async def refresh(self) -> None:
-        """Read billing's spend (and the shared overrides); keep the last ones on failure."""
+        """Read billing's spend (and its overrides); keep the last ones on failure."""
         if self.settings.spend_url is None or self.client is None:
             return
         import httpx  # loaded with the client
@@ -438,7 +438,7 @@ def billed_overrides(body: Any, teams: frozenset[str], now: float) -> dict[str, 
     """The last override billing's admin granted each team, in force or ended, from a
     ``GET /v1/spend`` answer (``parse_spend`` checked it): each row's ``override``, ``{"until",
     "issued_at", "reason"}``. An ended one (a revocation) stands in for every grant made before
-    it, here, at any sidecar or in Redis.
+    it, at billing or at any sidecar.
 
     A billing of the previous version sends none, and then there are none (and one before
     revocations sends only overrides in force). An entry is taken only as billing's route could
