@@ -41,11 +41,15 @@ PALETTE: Final = (
 )
 YAxis = Literal["number", "share", "fraction"]
 _HEIGHT: Final = 300
-_MARGIN: Final = {"l": 60, "r": 16, "t": 56, "b": 72}
-# Under the plot, below the date labels of the time axis (which take two lines, about 36 px),
-# never on them: anchored by its top a quarter of the plot's height under the axis (at least
-# 40 px when two rows of legend shrink the plot), and the bottom margin holds one row of it.
-_LEGEND: Final = {"orientation": "h", "yanchor": "top", "y": -0.27, "x": 0}
+# The bottom margin holds the time axis's labels, which take two lines (about 36 px) where the
+# range crosses a date.
+_MARGIN: Final = {"l": 60, "r": 16, "t": 56, "b": 56}
+# At the chart's bottom edge (``yref`` container), under the bottom margin and so under the
+# axis's labels whatever the rows of legend: Plotly reserves the legend's height below the
+# margin and shrinks the plot. Anchored to the plot by a fraction of its height instead, it
+# covered the date labels when two or three rows of legend had shrunk the plot (a team's view
+# at 1280 px, the range crossing midnight in the viewer's zone).
+_LEGEND: Final = {"orientation": "h", "yref": "container", "yanchor": "bottom", "y": 0, "x": 0}
 
 
 def colours_for(names: Sequence[str]) -> dict[str, str]:
