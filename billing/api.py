@@ -24,6 +24,7 @@ from billing.metrics import (
     IngestCounters,
     InstanceCollector,
     LedgerCollector,
+    OverrideCollector,
     QuarantineCollector,
     ReconciliationCollector,
     SpendCollector,
@@ -96,6 +97,7 @@ def create_app(
     registry.register(InstanceCollector(ledger, heartbeat_seconds(config), live_bound(config)))
     registry.register(ReconciliationCollector(ledger))
     registry.register(QuarantineCollector(ledger))
+    registry.register(OverrideCollector(ledger))
     if writer_secret is None:
         writer_secret = (env_value(b.writer_secret_env) or "").encode() or None
     ring = keyring(config)

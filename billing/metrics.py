@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from billing import quarantine, reconciled, registry
+from billing import overrides, quarantine, reconciled, registry
 from billing.chargeback import Chargeback
 from billing.ledger import IngestResult, Ledger
 from billing.lifetimes import LiveBound
@@ -31,6 +31,7 @@ __all__ = [
     "IngestCounters",
     "InstanceCollector",
     "LedgerCollector",
+    "OverrideCollector",
     "QuarantineCollector",
     "ReconciliationCollector",
     "SpendCollector",
@@ -225,6 +226,35 @@ class QuarantineCollector(Collector):
         )
         for kind, reason, count in quarantine.quarantine_counts(self.ledger):
             family.add_metric([kind, reason], count)
+        yield family
+
+
+class OverrideCollector(Collector):
+    """infermeter_team_budget_override_until_seconds{team}: when the override letting a team
+    past its budget ends (Unix seconds), for each team whose last grant is in force.
+
+    Read from the ledger at scrape time (``billing.overrides.last_grants``): a revocation or a
+    grant that ran out removes the team's sample, as it ends the override on every sidecar.
+    """
+
+    def __init__(self, ledger: Ledger, clock: Callable[[], float] = time.time) -> None:
+        self.ledger = ledger
+        self.clock = clock
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """One sample per team with an override in force."""
+        family = GaugeMetricFamily(
+            "infermeter_team_budget_override_until_seconds",
+            "When the admin's override letting the team past its budget ends, Unix seconds "
+            "(teams with none in force have no sample).",
+            labels=["team"],
+        )
+        now = self.clock()
+        with self.ledger.reader() as cur:
+            grants = overrides.last_grants(cur, now)
+        for team, grant in sorted(grants.items()):
+            if grant["until"] > now:
+                family.add_metric([team], grant["until"])
         yield family
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from billing import overrides
 from billing.ledger import Ledger
@@ -239,3 +240,25 @@ def test_the_last_grant_decides_ended_or_not(ledger):
         "search": {"until": now - 1, "issued_at": now - 50, "reason": "short, ended"},
         "assistant": {"until": now + 300, "issued_at": now - 10, "reason": "second"},
     }
+
+
+async def test_billing_s_metrics_show_the_override_in_force_until_its_revocation(url):
+    """``infermeter_team_budget_override_until_seconds{team}``: search's end while its grant is
+    in force, no sample once revoked; no other team has one."""
+
+    async def gauges() -> dict[str, float]:
+        async with httpx.AsyncClient(base_url=url) as client:
+            r = await client.get("/metrics", headers=bearer("im-demo-metrics"))
+        assert r.status_code == 200, r.text
+        found = {}
+        for family in text_string_to_metric_families(r.text):
+            if family.name == "infermeter_team_budget_override_until_seconds":
+                found = {s.labels["team"]: s.value for s in family.samples}
+        return found
+
+    assert await gauges() == {}
+    granted = await grant(url, ADMIN)
+    assert await gauges() == {"search": pytest.approx(granted.json()["until"])}
+    revoked = await grant(url, ADMIN, {**GRANT, "minutes": 0})
+    assert revoked.status_code == 201, revoked.text
+    assert await gauges() == {}
