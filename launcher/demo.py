@@ -12,6 +12,7 @@ Imported to build the parser; the fleet and the configuration are imported by th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import TYPE_CHECKING
 
 from infermeter.commands import Subparsers, add_config, config_path
@@ -114,12 +115,20 @@ def _demo(args: argparse.Namespace, config: Config) -> int:
     args.via_sidecars = True
     args.duration = None
     children = [fleet.billing_child(config, path)]
-    children += fleet.simulator_children(config, path) + fleet.sidecar_children(config, path)
+    children += fleet.simulator_children(config, path)
+    # The sidecars once billing answers: their first reads of its spend, rates and issued keys
+    # then find it (started together, each warned that billing did not answer, once).
+    sidecars = fleet.sidecar_children(config, path)
+    if sidecars:
+        sidecars[0] = dataclasses.replace(sidecars[0], after_ready=True)
+    children += sidecars
     # One base URL for every model: vLLM's router in front of the sidecars.
     children.append(fleet.front_door_child(path, args.front_door, args.front_door_metrics_port))
     children.append(fleet.collector_child(config, path))
     children.append(fleet.dashboard_child(config, path))
-    children.append(fleet.autoscaler_child(config, path, args.day_seconds))
+    # The autoscaler once the collector (and the rest) answer: its first read finds their /metrics.
+    autoscaler = fleet.autoscaler_child(config, path, args.day_seconds)
+    children.append(dataclasses.replace(autoscaler, after_ready=True))
     children.append(fleet.traffic_child(path, args))
     children = fleet.with_environment(children, demo_environment(config))
     secret = env_value(config.billing.writer_secret_env) or DEMO_WRITER_SECRET

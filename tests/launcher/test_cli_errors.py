@@ -19,11 +19,14 @@ from launcher.cli import build_parser, main
 
 # A value for every required option of every subcommand, so the command gets past argparse.
 REQUIRED = {
+    "--for": "2h",
     "--month": "2026-11",
     "--out": "out",
     "--params": "8",
+    "--reason": "launch week",
     "--replica": "large-0",
     "--role": "collector",
+    "--team": "search",
 }
 # A value for every required positional argument, by its name.
 POSITIONAL = {
