@@ -7,16 +7,36 @@ A refusal or an unreachable billing is a ``CommandError``: one line, billing's o
 
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Any, Final
 
-from infermeter.commands import CommandError
+from infermeter.commands import CommandError, Handler, Subparsers, add_config
 
-__all__ = ["TOKEN_ENVS", "call", "shown", "token"]
+__all__ = ["TOKEN_ENVS", "action", "admin_command", "call", "shown", "stamp", "token"]
 
 TOKEN_ENVS: Final = ("INFERMETER_TOKEN", "INFERMETER_ADMIN_TOKEN")
 # Numbers above this (2000-01-01) in a listing are times, printed as such.
 _EPOCH_2000: Final = 946684800
+
+
+def admin_command(
+    subparsers: Subparsers, name: str, help_text: str, description: str, handler: Handler
+) -> Subparsers:
+    """Add command ``name`` (``--config``, ``--billing-url``, ``handler``) and return its
+    actions' subparsers: each action added to it takes ``--config`` too (``action``)."""
+    cmd = subparsers.add_parser(name, help=help_text, description=description)
+    add_config(cmd)
+    cmd.add_argument("--billing-url", help="billing's URL (default: billing.url)")
+    cmd.set_defaults(handler=handler)
+    return cmd.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+
+def action(actions: Subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
+    """Add action ``name`` to an ``admin_command``'s actions, with ``--config``."""
+    parser = actions.add_parser(name, help=help_text)
+    add_config(parser, nested=True)
+    return parser
 
 
 def token(who: str = "the admin token or a team lead's key") -> str:

@@ -15,8 +15,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from infermeter.admin_calls import TOKEN_ENVS, call, shown, stamp, token
-from infermeter.commands import Subparsers, add_config
+from infermeter.admin_calls import TOKEN_ENVS, action, admin_command, call, shown, stamp, token
+from infermeter.commands import Subparsers
 from infermeter.keys_cli import parse_duration
 
 if TYPE_CHECKING:
@@ -29,22 +29,17 @@ _ROUTE = "/v1/admin/budget-overrides"
 
 def register(subparsers: Subparsers) -> None:
     """Add ``budgets`` and its actions."""
-    cmd = subparsers.add_parser(
+    actions = admin_command(
+        subparsers,
         "budgets",
-        help="list the teams' budgets; let a team past its budget for a while, or revoke that",
-        description=(
-            "The teams' month-to-date spend against their budgets, and the admin's overrides "
-            "(billing's /v1/admin/budget-overrides: every sidecar applies one at its next spend "
-            f"refresh). Runs with the admin token in ${TOKEN_ENVS[0]} (else ${TOKEN_ENVS[1]})."
-        ),
+        "list the teams' budgets; let a team past its budget for a while, or revoke that",
+        "The teams' month-to-date spend against their budgets, and the admin's overrides "
+        "(billing's /v1/admin/budget-overrides: every sidecar applies one at its next spend "
+        f"refresh). Runs with the admin token in ${TOKEN_ENVS[0]} (else ${TOKEN_ENVS[1]}).",
+        _budgets,
     )
-    add_config(cmd)
-    cmd.add_argument("--billing-url", help="billing's URL (default: billing.url)")
-    actions = cmd.add_subparsers(dest="action", metavar="ACTION", required=True)
-    listing = actions.add_parser("list", help="each team's spend, budget and last override")
-    add_config(listing, nested=True)
-    grant = actions.add_parser("override", help="let a team past its budget for a while")
-    add_config(grant, nested=True)
+    action(actions, "list", "each team's spend, budget and last override")
+    grant = action(actions, "override", "let a team past its budget for a while")
     grant.add_argument("--team", required=True)
     grant.add_argument(
         "--for",
@@ -55,11 +50,9 @@ def register(subparsers: Subparsers) -> None:
         help="how long (90m, 12h, 7d; at most a month)",
     )
     grant.add_argument("--reason", required=True, help="why, for the ledger and the audit trail")
-    revoke = actions.add_parser("revoke", help="end a team's override now")
-    add_config(revoke, nested=True)
+    revoke = action(actions, "revoke", "end a team's override now")
     revoke.add_argument("--team", required=True)
     revoke.add_argument("--reason", required=True, help="why, for the ledger and the audit trail")
-    cmd.set_defaults(handler=_budgets)
 
 
 def _budgets(args: argparse.Namespace, config: Config) -> int:

@@ -13,8 +13,8 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any, Final
 
-from infermeter.admin_calls import TOKEN_ENVS, call, shown, token
-from infermeter.commands import CommandError, Subparsers, add_config
+from infermeter.admin_calls import TOKEN_ENVS, action, admin_command, call, shown, token
+from infermeter.commands import CommandError, Subparsers
 
 if TYPE_CHECKING:
     from infermeter.config import Config
@@ -35,20 +35,16 @@ def parse_duration(text: str) -> float:
 
 def register(subparsers: Subparsers) -> None:
     """Add ``keys`` and its actions."""
-    cmd = subparsers.add_parser(
+    actions = admin_command(
+        subparsers,
         "keys",
-        help="issue, list, rotate and revoke API keys at run time (billing's /v1/keys)",
-        description=(
-            "Manage the API keys billing issues at run time: per team, with an optional member, "
-            "project, expiry, limits and budget. Runs with the admin token, or a team lead's key, "
-            f"in ${TOKEN_ENVS[0]} (else ${TOKEN_ENVS[1]}). A new key is printed once."
-        ),
+        "issue, list, rotate and revoke API keys at run time (billing's /v1/keys)",
+        "Manage the API keys billing issues at run time: per team, with an optional member, "
+        "project, expiry, limits and budget. Runs with the admin token, or a team lead's key, "
+        f"in ${TOKEN_ENVS[0]} (else ${TOKEN_ENVS[1]}). A new key is printed once.",
+        _keys,
     )
-    add_config(cmd)
-    cmd.add_argument("--billing-url", help="billing's URL (default: billing.url)")
-    actions = cmd.add_subparsers(dest="action", metavar="ACTION", required=True)
-    create = actions.add_parser("create", help="issue a key; its secret is printed once")
-    add_config(create, nested=True)
+    create = action(actions, "create", "issue a key; its secret is printed once")
     create.add_argument("--team", help="the team the key is for (member and lead keys)")
     create.add_argument(
         "--role", default="member", choices=("member", "lead", "finance", "viewer", "spend_reader")
@@ -68,32 +64,29 @@ def register(subparsers: Subparsers) -> None:
         "--budget-usd", type=float, metavar="USD", help="a monthly budget of its own"
     )
     create.add_argument("--reason", default="", help="why, for the audit trail")
-    signer = actions.add_parser(
+    action(
+        actions,
         "signer",
-        help="print billing's public key for the issued keys' set in Redis, from the writer "
+        "print billing's public key for the issued keys' set in Redis, from the writer "
         "secret (for sidecar.shared_limits.key_signer)",
     )
-    add_config(signer, nested=True)
-    listing = actions.add_parser("list", help="the keys you manage (never a secret)")
-    add_config(listing, nested=True)
+    listing = action(actions, "list", "the keys you manage (never a secret)")
     listing.add_argument("--revoked", action="store_true", help="revoked keys too")
     for name, text in (
         ("revoke", "revoke a key now"),
         ("rotate", "issue a key in place of another; the new secret is printed"),
     ):
-        action = actions.add_parser(name, help=text)
-        add_config(action, nested=True)
-        action.add_argument("key_id", metavar="KEY_ID")
-        action.add_argument("--reason", default="", help="why, for the audit trail")
+        one = action(actions, name, text)
+        one.add_argument("key_id", metavar="KEY_ID")
+        one.add_argument("--reason", default="", help="why, for the audit trail")
         if name == "rotate":
-            action.add_argument(
+            one.add_argument(
                 "--grace",
                 type=parse_duration,
                 default=0.0,
                 metavar="DURATION",
                 help="how long the old key keeps working (at most 7d)",
             )
-    cmd.set_defaults(handler=_keys)
 
 
 def _keys(args: argparse.Namespace, config: Config) -> int:

@@ -4,29 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from billing.api import create_app
 from infermeter.budgets_cli import override_state
-from infermeter.config import Config
 from launcher.cli import main
-from tests.conftest import config_ledger
-from tests.servers import serving
-
-
-@pytest.fixture
-async def billing(config: Config, tmp_path: Path) -> AsyncIterator[str]:
-    """Billing over a ledger file, on a loopback port."""
-    ledger = config_ledger(config, tmp_path / "ledger.duckdb")
-    try:
-        async with serving(create_app(config, ledger), lifespan="off") as url:
-            yield url
-    finally:
-        ledger.close()
 
 
 async def budgets(capsys: pytest.CaptureFixture[str], url: str, *argv: str) -> tuple[int, str, str]:

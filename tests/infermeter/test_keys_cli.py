@@ -4,29 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from billing.api import create_app
-from infermeter.config import Config
 from infermeter.keys_cli import parse_duration
 from launcher.cli import main
-from tests.conftest import config_ledger
-from tests.servers import serving
-
-
-@pytest.fixture
-async def billing(config: Config, tmp_path: Path) -> AsyncIterator[str]:
-    """Billing over a ledger file, on a loopback port."""
-    ledger = config_ledger(config, tmp_path / "ledger.duckdb")
-    try:
-        async with serving(create_app(config, ledger), lifespan="off") as url:
-            yield url
-    finally:
-        ledger.close()
 
 
 async def keys(capsys: pytest.CaptureFixture[str], url: str, *argv: str) -> tuple[int, str, str]:

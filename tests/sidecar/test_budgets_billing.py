@@ -54,6 +54,15 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
         server.kill()
 
 
+@pytest.fixture
+def shared(redis: RedisServer) -> dict[str, Any]:
+    """The module's redis-server, running and empty, as the sidecars' shared limits."""
+    if redis.process is None:
+        redis.start()
+    redis.flush()
+    return {"shared_limits": {"redis_url": redis.url, "timeout_millis": 500, "retry_seconds": 0.2}}
+
+
 @contextlib.asynccontextmanager
 async def _fleet(tmp_path: Path, sidecar: dict[str, Any]) -> AsyncIterator[tuple[str, list[str]]]:
     """Billing over a ledger file in which search spent this month (ten minutes of small-0's GPU,
@@ -148,15 +157,11 @@ async def test_an_override_granted_at_billing_reaches_both_sidecars_without_redi
 
 
 @pytest.mark.timeout(120)
-async def test_an_override_granted_at_billing_outlives_redis_losing_its_keys(tmp_path, redis):
+async def test_an_override_granted_at_billing_outlives_redis_losing_its_keys(
+    tmp_path, redis, shared
+):
     """With Redis: granted at billing, served by both; Redis flushed, then killed and started
     again empty: both still serve search, every answer marked as overridden."""
-    if redis.process is None:
-        redis.start()
-    redis.flush()
-    shared = {
-        "shared_limits": {"redis_url": redis.url, "timeout_millis": 500, "retry_seconds": 0.2}
-    }
     async with _fleet(tmp_path, shared) as (billing, urls), httpx.AsyncClient(timeout=30) as c:
         await _until(c, urls, [429, 429], 15)
         await _grant(c, billing)
@@ -220,17 +225,11 @@ async def test_a_grant_that_ended_does_not_let_an_earlier_one_back(tmp_path):
 
 
 @pytest.mark.timeout(120)
-async def test_an_override_needs_no_redis_and_redis_holds_none(tmp_path, redis):
+async def test_an_override_needs_no_redis_and_redis_holds_none(tmp_path, redis, shared):
     """With Redis configured but killed: a month for search asked at small-0 is served by both
     sidecars; Redis started again empty holds no override, and a day-long one a pod writes into
     the hash where overrides were once shared is taken by no sidecar after a revocation at
     small-1 (both refuse search)."""
-    if redis.process is None:
-        redis.start()
-    redis.flush()
-    shared = {
-        "shared_limits": {"redis_url": redis.url, "timeout_millis": 500, "retry_seconds": 0.2}
-    }
     async with _fleet(tmp_path, shared) as (_, urls), httpx.AsyncClient(timeout=30) as c:
         await _until(c, urls, [429, 429], 15)
         redis.kill()
