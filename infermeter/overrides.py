@@ -1,9 +1,9 @@
 """Budget overrides as an admin asks for them: one parser for every service that grants them.
 
-An admin grants an override at a sidecar (applied there at once, shared through Redis) or at
-billing (served to every sidecar with the spend). Both take the same body, ``{"team": ...,
-"minutes": ..., "reason": ...}``, with the same bounds, so the rule lives here, in the core,
-which both may import (billing never imports the sidecar).
+An admin grants an override at billing (served to every sidecar with the spend) or at a sidecar
+(passed on to billing with the admin's credential, and applied there at once). Both take the
+same body, ``{"team": ..., "minutes": ..., "reason": ...}``, with the same bounds, so the rule
+lives here, in the core, which both may import (billing never imports the sidecar).
 
 Per team the last grant decides, wherever it was made, also once it has ended: a grant of
 ``minutes`` 0 (a revocation) or a short grant that ran out ends every grant made before it, so

@@ -135,7 +135,7 @@ def judge(
     )
     if not refused:
         return Verdict(used + warning, state="hard")
-    if override is not None and override.until > now:
+    if override is not None and override.in_force(now):
         until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(override.until))
         return Verdict((*used, ("x-infermeter-budget-override", until)), True, "override")
     raise BudgetExceeded(team, spent_usd, budget_usd)

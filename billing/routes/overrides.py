@@ -4,7 +4,7 @@ The same body and bounds as the sidecar's route (``infermeter.overrides.parse_ov
 override is kept in the ledger (``budget_overrides``, ``issued_by`` ``billing:<who>``) with its
 event on the audit trail, and every sidecar takes it with its next spend read (``GET /v1/spend``
 carries it on the team's row), with or without Redis. ``minutes`` 0 revokes: the team's last
-grant then has ended, and ends every grant made before it, at billing, at a sidecar or in Redis.
+grant then has ended, and ends every grant made before it, at billing or at a sidecar.
 The admin only: a team key, the spend_reader and any writer credential are refused.
 """
 
