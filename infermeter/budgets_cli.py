@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from infermeter.admin_calls import TOKEN_ENVS, action, admin_command, call, shown, stamp, token
 from infermeter.commands import Subparsers
 from infermeter.keys_cli import parse_duration
+from infermeter.overrides import grant_state
 
 if TYPE_CHECKING:
     from infermeter.config import Config
@@ -79,13 +80,8 @@ def _budgets(args: argparse.Namespace, config: Config) -> int:
 def override_state(row: dict[str, Any], now: float) -> str:
     """What a spend row's last override means at ``now``: ``until <end>`` while in force,
     ``revoked <when>`` for a revocation, ``ended <when>`` for one that ran out, ``-`` for none."""
-    grant = row.get("override")
-    if not isinstance(grant, dict):
-        return "-"
-    until, issued = float(grant["until"]), float(grant["issued_at"])
-    if until > now:
-        return f"until {stamp(until)}"
-    return f"{'revoked' if until <= issued else 'ended'} {stamp(until)}"
+    state = grant_state(row.get("override"), now)
+    return "-" if state is None else f"{state[0]} {stamp(state[1])}"
 
 
 def _table(rows: list[dict[str, Any]], now: float) -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "ISSUED_BY_BILLING",
     "MAX_OVERRIDE_SECONDS",
     "Override",
+    "grant_state",
     "latest",
     "override_record",
     "parse_override",
@@ -101,3 +102,18 @@ def latest(*sources: dict[str, Override]) -> dict[str, Override]:
             if held is None or found.granted_at >= held.granted_at:
                 out[team] = found
     return out
+
+
+def grant_state(grant: object, now: float) -> tuple[str, float] | None:
+    """What a team's last grant as billing serves it (a spend row's ``override``: ``{"until",
+    "issued_at", "reason"}``) means at ``now``: ``("until", end)`` while it lets the team past
+    its budget, ``("revoked", when)`` for a revocation (``minutes`` 0), ``("ended", when)`` for
+    one that ran out; None for no grant, or anything that is not one."""
+    if not isinstance(grant, dict):
+        return None
+    until, issued = grant.get("until"), grant.get("issued_at")
+    if not isinstance(until, int | float) or not isinstance(issued, int | float):
+        return None
+    if until > now:
+        return "until", float(until)
+    return ("revoked" if until <= issued else "ended"), float(until)

@@ -25,6 +25,7 @@ from dashboards.context import Context
 from dashboards.data import statement_from_json
 from dashboards.figures import budget_figure, empty_figure
 from dashboards.formatting import as_of, moment
+from infermeter.overrides import grant_state
 
 PATH = "/teams"
 TITLE = "Teams"
@@ -67,13 +68,8 @@ def override_text(row: dict[str, Any], now: float, tz: str | None) -> str | None
     """What a spend row's ``override`` (billing's last grant for the team) means at ``now``:
     ``until <its end>`` while it lets the team past its budget; None when there is none, it
     has ended, or it was a revocation."""
-    grant = row.get("override")
-    if not isinstance(grant, dict):
-        return None
-    until = grant.get("until")
-    if not isinstance(until, int | float) or until <= now:
-        return None
-    return f"until {moment(until, tz)}"
+    state = grant_state(row.get("override"), now)
+    return f"until {moment(state[1], tz)}" if state is not None and state[0] == "until" else None
 
 
 def spend_frame(
