@@ -8,8 +8,12 @@ import time
 import httpx
 import pytest
 
+from billing.api import create_app
 from infermeter.budgets_cli import override_state
 from launcher.cli import main
+from tests.billing.conftest import batch, gpu_samples, usage
+from tests.conftest import config_ledger
+from tests.servers import serving
 
 
 async def budgets(capsys: pytest.CaptureFixture[str], url: str, *argv: str) -> tuple[int, str, str]:
@@ -109,3 +113,58 @@ def test_override_state(override, state):
     """In force until its end; a grant of 0 minutes is a revocation; one that ran out ended."""
     row = {"team": "search"} | ({"override": override} if override else {})
     assert override_state(row, 1000.0) == state
+
+
+@pytest.fixture
+async def priced_billing(config, tmp_path):
+    """Billing over a ledger that holds this month's last ten minutes of one GPU's samples
+    and two teams' requests in them, their budgets a few cents, so ``list`` shows a
+    share of each spent (assistant's past its budget)."""
+    budgets = {"search": 0.5, "assistant": 0.04}
+    config = config.model_copy(
+        update={
+            "teams": [
+                t.model_copy(update={"budget_usd_per_month": budgets[t.name]})
+                if t.name in budgets
+                else t
+                for t in config.teams
+            ]
+        }
+    )
+    now = time.time()
+    ledger = config_ledger(config, tmp_path / "ledger.duckdb")
+    ledger.ingest(batch("gpu_samples", gpu_samples(start=now - 700, seconds=600)), now=now)
+    ledger.ingest(
+        batch("usage", [usage("search", now - 650, 300), usage("assistant", now - 600, 100)]),
+        now=now,
+    )
+    try:
+        async with serving(create_app(config, ledger), lifespan="off") as url:
+            yield url
+    finally:
+        ledger.close()
+
+
+async def test_list_shows_each_team_s_spend_against_its_budget(priced_billing, capsys, monkeypatch):
+    """Spent and used as billing's month-to-date spend gives them: the share of the budget
+    (past 100% when the team is over it), none for a team without a budget."""
+    monkeypatch.setenv("INFERMETER_ADMIN_TOKEN", "im-demo-admin")
+    async with httpx.AsyncClient(base_url=priced_billing) as client:
+        rows = (
+            await client.get("/v1/spend", headers={"authorization": "Bearer im-demo-admin"})
+        ).json()
+    spend = {row["team"]: row for row in rows}
+    assert spend["search"]["spent_usd"] > 0
+    assert spend["assistant"]["spent_usd"] > 0
+    code, out, err = await budgets(capsys, priced_billing, "list")
+    assert code == 0, err
+    shown = listed(out)
+    for team in ("search", "assistant"):
+        row = spend[team]
+        assert shown[team][0] == f"{row['spent_usd']:.2f}"
+        assert shown[team][2] == f"{100 * row['spent_usd'] / row['budget_usd']:.1f}%"
+    assert (shown["search"][1], shown["assistant"][1]) == ("0.50", "0.04")
+    assert (
+        0 < float(shown["search"][2].rstrip("%")) < 100 < float(shown["assistant"][2].rstrip("%"))
+    )
+    assert shown["research"][:3] == ["0.00", "2000.00", "0.0%"]
