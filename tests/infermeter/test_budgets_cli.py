@@ -8,12 +8,11 @@ import time
 import httpx
 import pytest
 
-from billing.api import create_app
 from infermeter.budgets_cli import override_state
 from launcher.cli import main
 from tests.billing.conftest import batch, gpu_samples, usage
 from tests.conftest import config_ledger
-from tests.servers import serving
+from tests.infermeter.conftest import billing_over
 
 
 async def budgets(capsys: pytest.CaptureFixture[str], url: str, *argv: str) -> tuple[int, str, str]:
@@ -138,11 +137,8 @@ async def priced_billing(config, tmp_path):
         batch("usage", [usage("search", now - 650, 300), usage("assistant", now - 600, 100)]),
         now=now,
     )
-    try:
-        async with serving(create_app(config, ledger), lifespan="off") as url:
-            yield url
-    finally:
-        ledger.close()
+    async with billing_over(config, ledger) as url:
+        yield url
 
 
 async def test_list_shows_each_team_s_spend_against_its_budget(priced_billing, capsys, monkeypatch):
