@@ -23,9 +23,11 @@ from infermeter.records import MAX_OVERRIDE_REASON, BudgetOverride
 __all__ = [
     "ISSUED_BY_BILLING",
     "MAX_OVERRIDE_SECONDS",
+    "OVERRIDE_FIELDS",
     "Override",
     "grant_state",
     "latest",
+    "override_field",
     "override_record",
     "parse_override",
 ]
@@ -33,6 +35,8 @@ __all__ = [
 # How the ledger rows of the overrides billing's admin granted begin their ``issued_by``
 # (``billing:@admin``); billing ingests no record so named, whoever ships it.
 ISSUED_BY_BILLING: Final = "billing:"
+# The fields of an override's body, all required.
+OVERRIDE_FIELDS: Final = ("team", "minutes", "reason")
 # The longest override an admin may grant (``parse_override``): one month.
 MAX_OVERRIDE_SECONDS: Final = 44640 * 60
 
@@ -64,7 +68,7 @@ def parse_override(raw: bytes, teams: frozenset[str], now: float) -> Override:
     if not isinstance(body, dict):
         raise ValueError("body must be a JSON object")
     team, minutes, reason = body.get("team"), body.get("minutes"), body.get("reason")
-    if team not in teams:
+    if not isinstance(team, str) or team not in teams:
         raise ValueError(f"team: {team!r} is not a configured team")
     if (
         isinstance(minutes, bool)
@@ -77,7 +81,19 @@ def parse_override(raw: bytes, teams: frozenset[str], now: float) -> Override:
         )
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError("reason: an override needs a reason, for the record")
-    return Override(str(team), now + float(minutes) * 60, reason.strip()[:MAX_OVERRIDE_REASON], now)
+    if len(reason.strip()) > MAX_OVERRIDE_REASON:
+        # Refused, not cut: the record would otherwise keep a reason the admin did not write.
+        raise ValueError(
+            f"reason: {len(reason.strip())} characters; at most {MAX_OVERRIDE_REASON} are kept"
+        )
+    return Override(team, now + float(minutes) * 60, reason.strip(), now)
+
+
+def override_field(message: str) -> str | None:
+    """The body field a ``parse_override`` message names (it begins ``<field>:``), if any: the
+    ``param`` of the error answered for it."""
+    name = message.partition(":")[0]
+    return name if name in OVERRIDE_FIELDS else None
 
 
 def override_record(override: Override, issued_by: str) -> BudgetOverride:

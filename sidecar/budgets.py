@@ -11,8 +11,9 @@ An admin may let a team past its budget until a given time (``POST /v1/admin/bud
 at billing or at a sidecar). Billing is the one place an override is kept for the fleet: it
 serves each team's last grant with the spend, so every sidecar takes it at its next refresh. A
 sidecar asked for one passes the admin's request on to billing (the admin's own credential: billing
-checks it again) and applies billing's grant at once; only when billing does not take it (not
-reachable, or refusing the credential) is the override this sidecar's alone, written to its own
+checks it again) and applies billing's grant at once. When billing refuses it (the body, the
+credential), nothing is granted; only when billing does not answer it (not reachable, failing,
+an earlier billing without the route) is the override this sidecar's alone, written to its own
 spool (``<spool>/budget-overrides``, shipped as ``budget_overrides`` into the ledger; one that
 cannot be written is not granted), and the answer says so. Redis carries no override: any pod
 holding its password could have written one for any team, and every sidecar took it. Each
@@ -39,11 +40,13 @@ from infermeter.asgi import Receive, Scope, Send, header, read_body, respond
 from infermeter.auth import ADMIN, AuthError, KeyRing, bearer_key
 from infermeter.config import BudgetSettings, Config
 from infermeter.errors import error_body
+from infermeter.http_guard import BODY_COMPLETE
 from infermeter.months import month_bounds, month_of
 from infermeter.overrides import (
     MAX_OVERRIDE_SECONDS,
     Override,
     latest,
+    override_field,
     override_record,
     parse_override,
 )
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_OVERRIDE_SECONDS",
+    "BillingRefused",
     "BudgetExceeded",
     "BudgetGate",
     "Override",
@@ -75,6 +79,39 @@ log = logging.getLogger("infermeter.sidecar")
 _MONTH: Final = re.compile(r"\d{4}-\d{2}")
 # How long an admin's grant waits for billing before it holds on this sidecar only.
 _GRANT_TIMEOUT_SECONDS: Final = 5.0
+# Billing's answers to a grant passed on that are its refusal of the request itself: the body
+# (a team it does not know, a bound) or the credential. Any other (no such route in an earlier
+# billing, a time-out, billing failing) leaves the override to this sidecar alone.
+_REFUSALS: Final = frozenset({400, 401, 403, 413, 422})
+
+
+class BillingRefused(Exception):
+    """Billing refused an override passed on to it: its status and its answer's body."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"billing refused the override: HTTP {status}")
+        self.status = status
+        self.body = body
+
+    def answer(self) -> bytes:
+        """The error to answer the admin with: billing's own when it is an OpenAI-style error
+        (its message prefixed with where it comes from), else one saying billing refused."""
+        try:
+            error = orjson.loads(self.body)["error"]
+            message, kind = error["message"], error["type"]
+            code, param = error.get("code"), error.get("param")
+        except (orjson.JSONDecodeError, TypeError, KeyError):
+            message, kind, code, param = "", "invalid_request_error", None, None
+        if not all(isinstance(v, str) for v in (message, kind)) or len(message) > 1000:
+            message, kind = "", "invalid_request_error"
+        return error_body(
+            self.status,
+            f"Billing refused the override (HTTP {self.status})"
+            + (f": {message}" if message else "."),
+            kind,
+            code if isinstance(code, str) else "override_refused",
+            param if isinstance(param, str) else None,
+        )
 
 
 class BudgetExceeded(Exception):
@@ -335,7 +372,8 @@ class BudgetGate:
         Returns the override granted and None when billing took it (as billing recorded it:
         every sidecar applies it at its next refresh, this one at once), else ``override`` and
         why it holds on this sidecar only: then it is written to the ledger's spool first
-        (SpoolError: not granted).
+        (SpoolError: not granted). BillingRefused when billing answered that the request is not
+        one it grants (the body, or the credential): nothing is granted then, here either.
         """
         taken, why = await self._grant_at_billing(override.team, raw, authorization)
         if taken is not None:
@@ -377,6 +415,8 @@ class BudgetGate:
             )
         except httpx.HTTPError as exc:
             return None, f"billing did not answer: {exc!r}"
+        if r.status_code in _REFUSALS:
+            raise BillingRefused(r.status_code, r.content)
         if r.status_code != 201:
             return None, f"billing answered {r.status_code}"
         taken = _billed_grant(r.content, team, frozenset(self.budgets), time.time())
@@ -508,9 +548,23 @@ def project_budgets(config: Config) -> dict[str, dict[str, float]]:
 
 
 _JSON = (b"content-type", b"application/json")
+# An override's body is three short fields (billing's route takes as much).
+_MAX_OVERRIDE_BODY: Final = 64 * 1024
+_BODY_TIMEOUT_SECONDS: Final = 30.0
 # What hears of an override granted: the override, the client's address and whether billing
 # took it (every sidecar's) or it holds on this sidecar only.
 Audit = Callable[["Override", str | None, bool], Awaitable[None]]
+
+
+async def _error(
+    send: Send,
+    status: int,
+    message: str,
+    code: str,
+    param: str | None = None,
+    kind: str = "invalid_request_error",
+) -> None:
+    await respond(send, status, error_body(status, message, kind, code, param), [_JSON])
 
 
 async def serve_override(
@@ -521,12 +575,15 @@ async def serve_override(
     send: Send,
     audit: Audit | None = None,
 ) -> None:
-    """``POST /v1/admin/budget-overrides``: the admin grants a team an override (201), else 400/401.
+    """``POST /v1/admin/budget-overrides``: the admin grants a team an override (201).
 
     The answer is the override as granted, with ``scope``: ``fleet`` when billing took it (every
     sidecar applies it at its next spend refresh), ``sidecar`` when it holds here only (``note``
-    says why). ``audit``: told of each override granted, with the client's address and its scope
-    (the audit trail).
+    says why). Else an OpenAI-style error: 401 without the admin token, 400 for a body that is
+    not an override (``param`` naming the field), 408 and 413 for a body too slow or too large,
+    billing's own status and message when billing refused the override (nothing is granted
+    then), 503 when it could not be recorded. ``audit``: told of each override granted, with the
+    client's address and its scope (the audit trail).
     """
     authorization = header(scope, b"authorization")
     try:
@@ -534,43 +591,46 @@ async def serve_override(
     except AuthError:
         role = None
     if role != ADMIN:
-        await respond(
-            send,
-            401,
-            error_body(
-                401,
-                "A budget override needs the admin token.",
-                "invalid_request_error",
-                "invalid_api_key",
-            ),
-            [_JSON],
+        await _error(send, 401, "A budget override needs the admin token.", "invalid_api_key")
+        return
+    try:
+        raw = await read_body(
+            receive,
+            _MAX_OVERRIDE_BODY,
+            _BODY_TIMEOUT_SECONDS,
+            scope.get("extensions", {}).get(BODY_COMPLETE, False),
+        )
+    except TimeoutError:
+        await _error(send, 408, "The request body did not arrive in time.", "request_timeout")
+        return
+    if raw is None:
+        await _error(
+            send, 413, f"Request body exceeds {_MAX_OVERRIDE_BODY} bytes.", "request_too_large"
         )
         return
-    raw = await read_body(receive, 64 * 1024, 30.0)
     try:
-        override = parse_override(raw or b"", frozenset(gate.budgets), time.time())
+        override = parse_override(raw, frozenset(gate.budgets), time.time())
     except ValueError as exc:
-        await respond(
-            send,
-            400,
-            error_body(400, str(exc), "invalid_request_error", "invalid_override"),
-            [_JSON],
-        )
+        await _error(send, 400, str(exc), "invalid_override", override_field(str(exc)))
         return
     try:
-        granted, why = await gate.grant(override, raw or b"", authorization or "")
+        granted, why = await gate.grant(override, raw, authorization or "")
+    except BillingRefused as refused:
+        log.warning(
+            "budget override for team %s not granted: billing answered %d",
+            override.team,
+            refused.status,
+        )
+        await respond(send, refused.status, refused.answer(), [_JSON])
+        return
     except SpoolError as exc:
         log.error("budget override for team %s not granted: not recorded: %s", override.team, exc)
-        await respond(
+        await _error(
             send,
             503,
-            error_body(
-                503,
-                "The override could not be recorded; it was not granted.",
-                "server_error",
-                "override_not_recorded",
-            ),
-            [_JSON],
+            "The override could not be recorded; it was not granted.",
+            "override_not_recorded",
+            kind="server_error",
         )
         return
     if audit is not None:

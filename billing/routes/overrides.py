@@ -24,8 +24,8 @@ from billing.routes.dependencies import Manager, Services, ServicesDep
 from billing.routes.openapi import READ, errors
 from infermeter.audit import audit_event
 from infermeter.errors import BadRequest
-from infermeter.overrides import Override, parse_override
-from infermeter.records import BudgetOverride
+from infermeter.overrides import OVERRIDE_FIELDS, Override, override_field, parse_override
+from infermeter.records import MAX_OVERRIDE_REASON, BudgetOverride
 
 __all__ = ["router", "with_overrides"]
 
@@ -33,7 +33,6 @@ router = APIRouter()
 
 # An override's body is three short fields; the sidecar's route takes at most 64 KiB too.
 _MAX_BODY: Final = 64 * 1024
-_FIELDS: Final = ("team", "minutes", "reason")
 _EXTRA: Final = {
     "requestBody": {
         "required": True,
@@ -41,23 +40,21 @@ _EXTRA: Final = {
             "application/json": {
                 "schema": {
                     "type": "object",
-                    "required": list(_FIELDS),
+                    "required": list(OVERRIDE_FIELDS),
                     "properties": {
                         "team": {"type": "string"},
                         "minutes": {"type": "number", "minimum": 0, "maximum": 44640},
-                        "reason": {"type": "string", "minLength": 1},
+                        "reason": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": MAX_OVERRIDE_REASON,
+                        },
                     },
                 }
             }
         },
     }
 }
-
-
-def _field_of(message: str) -> str | None:
-    """The field a ``parse_override`` message names (it begins ``<field>:``), if any."""
-    name = message.partition(":")[0]
-    return name if name in _FIELDS else None
 
 
 def _shown(override: Override, record: BudgetOverride) -> dict[str, Any]:
@@ -89,7 +86,9 @@ async def grant(who: Manager, request: Request, svc: ServicesDep) -> Response:
     try:
         override = parse_override(raw, teams, now)
     except ValueError as exc:
-        raise BadRequest(str(exc), param=_field_of(str(exc)), code="invalid_override") from None
+        raise BadRequest(
+            str(exc), param=override_field(str(exc)), code="invalid_override"
+        ) from None
     issued_by = overrides.issuer(who.who)
     event = audit_event(
         "budget.override",

@@ -111,10 +111,14 @@ async def test_no_credential_but_the_admin_grants_one(url, ledger, token, status
         ({"team": "search", "minutes": "5", "reason": "x"}, "minutes"),
         ({"team": "search", "minutes": 5, "reason": "  "}, "reason"),
         ({"team": "search", "minutes": 5}, "reason"),
+        ({"team": ["search"], "minutes": 5, "reason": "x"}, "team"),
+        ({"team": {"search": 1}, "minutes": 5, "reason": "x"}, "team"),
+        ({"team": "search", "minutes": 5, "reason": "x" * 501}, "reason"),
     ],
 )
 async def test_a_bad_body_is_400_naming_the_field(url, ledger, body, param):
-    """The sidecar's checks, answered in billing's error shape with ``param``; nothing kept."""
+    """The sidecar's checks, answered in billing's error shape with ``param``; nothing kept (a
+    team that is not a string is no server error, a reason too long to keep is not cut)."""
     async with httpx.AsyncClient(base_url=url) as client:
         if isinstance(body, bytes):
             r = await client.post(ROUTE, content=body, headers=bearer(ADMIN))

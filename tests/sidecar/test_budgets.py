@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from billing import queries
 from billing.ledger import Ledger
 from infermeter.config import BudgetSettings
-from infermeter.overrides import MAX_OVERRIDE_SECONDS, latest
+from infermeter.overrides import MAX_OVERRIDE_SECONDS, latest, override_field
 from infermeter.spooldir import BUDGET_OVERRIDES
 from sidecar.budgets import (
     BudgetExceeded,
@@ -35,11 +36,14 @@ ADMIN = {"authorization": "Bearer im-demo-admin"}
 class FakeSpend:
     """Billing's ``GET /v1/spend`` over a mutable spend per team."""
 
-    def __init__(self) -> None:
+    def __init__(self, grant_answer: tuple[int, bytes] | None = None) -> None:
         self.spent: dict[str, float] = {}
+        # What billing's override route answers, when it has one (an earlier billing has none).
+        self.grant_answer = grant_answer
+        self.grants: list[bytes] = []
 
     def app(self) -> Starlette:
-        """The ASGI app serving /v1/spend."""
+        """The ASGI app serving /v1/spend (and the override route, with ``grant_answer``)."""
 
         async def handle(request: Request) -> JSONResponse:
             rows = [
@@ -54,7 +58,16 @@ class FakeSpend:
             ]
             return JSONResponse(rows)
 
-        return Starlette(routes=[Route("/v1/spend", handle)])
+        async def grant(request: Request) -> Response:
+            assert self.grant_answer is not None
+            self.grants.append(await request.body())
+            status, body = self.grant_answer
+            return Response(body, status, media_type="application/json")
+
+        routes = [Route("/v1/spend", handle)]
+        if self.grant_answer is not None:
+            routes.append(Route("/v1/admin/budget-overrides", grant, methods=["POST"]))
+        return Starlette(routes=routes)
 
 
 @pytest.mark.parametrize(
@@ -94,20 +107,26 @@ def test_an_override_in_force_lets_a_team_past_its_budget_and_an_expired_one_doe
 
 
 @pytest.mark.parametrize(
-    ("body", "message"),
+    ("body", "message", "field"),
     [
-        (b"{", "not JSON"),
-        (b'{"team": "nobody", "minutes": 5, "reason": "x"}', "not a configured team"),
-        (b'{"team": "search", "minutes": -1, "reason": "x"}', "minutes"),
-        (b'{"team": "search", "minutes": true, "reason": "x"}', "minutes"),
-        (b'{"team": "search", "minutes": 44641, "reason": "x"}', "minutes"),
-        (b'{"team": "search", "minutes": 5, "reason": " "}', "needs a reason"),
+        (b"{", "not JSON", None),
+        (b'{"team": "nobody", "minutes": 5, "reason": "x"}', "not a configured team", "team"),
+        (b'{"team": ["search"], "minutes": 5, "reason": "x"}', "not a configured team", "team"),
+        (b'{"team": {"a": 1}, "minutes": 5, "reason": "x"}', "not a configured team", "team"),
+        (b'{"team": "search", "minutes": -1, "reason": "x"}', "minutes", "minutes"),
+        (b'{"team": "search", "minutes": true, "reason": "x"}', "minutes", "minutes"),
+        (b'{"team": "search", "minutes": 44641, "reason": "x"}', "minutes", "minutes"),
+        (b'{"team": "search", "minutes": 5, "reason": " "}', "needs a reason", "reason"),
+        (b'{"team": "search", "minutes": 5, "reason": "' + b"x" * 501 + b'"}', "at most", "reason"),
     ],
 )
-def test_parse_override_names_what_is_wrong(body, message):
-    """A bad override request is refused with the field at fault."""
-    with pytest.raises(ValueError, match=message):
+def test_parse_override_names_what_is_wrong(body, message, field):
+    """A bad override request is refused with the field at fault, its ``param`` (a team of
+    another type and a reason too long to keep whole too: neither is a server error, and a
+    reason is never cut short)."""
+    with pytest.raises(ValueError, match=message) as refused:
         parse_override(body, frozenset({"search"}), 0.0)
+    assert override_field(str(refused.value)) == field
 
 
 def test_minutes_0_is_a_revocation_never_in_force():
@@ -320,3 +339,88 @@ async def test_an_override_a_pod_writes_into_redis_lifts_no_budget(stack_factory
 
             await wait_for(served, 1.0)  # the spend is still read after the garbage
     assert stack.sidecar.budgets.overrides == {}
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "message", "code"),
+    [
+        (
+            400,
+            b'{"error": {"message": "team: \'search\' is not a configured team", '
+            b'"type": "invalid_request_error", "param": "team", "code": "invalid_override"}}',
+            "Billing refused the override (HTTP 400): team: 'search' is not a configured team",
+            "invalid_override",
+        ),
+        (
+            403,
+            b"<html>forbidden</html>",
+            "Billing refused the override (HTTP 403).",
+            "override_refused",
+        ),
+    ],
+)
+async def test_an_override_billing_refuses_is_granted_nowhere(
+    stack_factory, redis_server, status, body, message, code
+):
+    """Billing refuses the admin's request passed on to it (a team it does not know, the
+    credential): the admin gets billing's status and reason, and the sidecar grants nothing of
+    its own (no spool record, the team still refused past its budget)."""
+    spend = FakeSpend(grant_answer=(status, body))
+    async with serving(spend.app(), lifespan="off") as billing:
+        stack = await budget_stack(stack_factory, billing, redis_server.url)
+        async with stack.client() as c:
+            spend.spent["search"] = 100.5
+
+            async def refused() -> bool:
+                r = await c.post("/v1/chat/completions", json=CHAT)
+                return bool(r.status_code == 429)
+
+            await wait_for(refused)
+            asked = await c.post(
+                "/v1/admin/budget-overrides",
+                headers=ADMIN,
+                json={"team": "search", "minutes": 5, "reason": "launch"},
+            )
+            after = await c.post("/v1/chat/completions", json=CHAT)
+    assert len(spend.grants) == 1
+    assert asked.status_code == status
+    assert asked.json()["error"]["message"] == message
+    assert asked.json()["error"]["code"] == code
+    assert after.status_code == 429
+    assert not list((stack.spool / BUDGET_OVERRIDES).glob("seg-*.jsonl"))
+
+
+async def test_an_override_request_the_sidecar_cannot_read_is_a_clear_error(
+    stack_factory, monkeypatch
+):
+    """A body over 64 KiB is 413, one that does not arrive in time 408, one that is not an
+    override 400 naming the field: OpenAI-style errors, never the server's 500."""
+    monkeypatch.setattr("sidecar.budgets._BODY_TIMEOUT_SECONDS", 0.3)
+    stack = await stack_factory()
+    async with stack.client() as c:
+        large = await c.post(
+            "/v1/admin/budget-overrides",
+            headers=ADMIN,
+            content=b'{"team": "search", "reason": "' + b"x" * 70_000 + b'"}',
+        )
+        listed = await c.post(
+            "/v1/admin/budget-overrides",
+            headers=ADMIN,
+            json={"team": ["search"], "minutes": 5, "reason": "x"},
+        )
+
+        parts = (b'{"team": "search", ', b'"minutes": 5, "reason": "x"}')
+
+        async def trickle() -> AsyncIterator[bytes]:
+            yield parts[0]
+            await asyncio.sleep(2)
+            yield parts[1]
+
+        slow = await c.post(
+            "/v1/admin/budget-overrides",
+            headers={**ADMIN, "content-length": str(len(b"".join(parts)))},
+            content=trickle(),
+        )
+    assert (large.status_code, large.json()["error"]["code"]) == (413, "request_too_large")
+    assert (listed.status_code, listed.json()["error"]["param"]) == (400, "team")
+    assert (slow.status_code, slow.json()["error"]["code"]) == (408, "request_timeout")
