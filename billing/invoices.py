@@ -277,10 +277,15 @@ def _ragged_row(text: str) -> str | None:
     """Where a CSV file polars refused has a row of the wrong width ("row 3: 22 fields, the
     header 21"), read again by the standard library to name it; None if none is."""
     reader = csv.reader(io.StringIO(text, newline=""))
-    header = next(reader, [])
-    for row, fields in enumerate(reader, start=1):
-        if fields and len(fields) != len(header):
-            return f"row {row}: {len(fields)} fields, the header {len(header)}"
+    try:
+        header = next(reader, [])
+        for row, fields in enumerate(reader, start=1):
+            if fields and len(fields) != len(header):
+                return f"row {row}: {len(fields)} fields, the header {len(header)}"
+    except csv.Error as exc:
+        # What the standard library cannot read either (a field past its size limit, a quote
+        # left open before a NUL): said as it says it, for the refusal.
+        return f"line {reader.line_num}: {exc}"
     return None
 
 

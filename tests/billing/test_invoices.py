@@ -590,3 +590,14 @@ def test_the_command_imports_through_the_service_and_into_a_file(
         assert done.returncode == 0, done.stderr
         assert "2026-10  h100-reserved                  1,150.00        4\n" in done.stdout
         assert "claimed by no pool: 2 items, 13.00 USD" in done.stdout
+
+
+def test_a_file_neither_reader_can_read_is_refused_not_a_server_error(
+    pools: list[NodePool],
+) -> None:
+    """A quoted field left open past the standard reader's field limit (128 KiB), which polars
+    refuses too: an InvoiceError naming the file and the line, so the route answers 400."""
+    text = b'a,b\n"' + b"q" * 200_000 + b"\n1,2,3\n"
+    message = _bad(text, pools)
+    assert message.startswith("invoice.csv: line ")
+    assert "field larger than field limit" in message
