@@ -146,7 +146,11 @@ class KeyBook:
                 f"key {key_id} is revoked or expired: issue a new one", code="invalid_value"
             )
         if not 0 <= grace_seconds <= MAX_GRACE_SECONDS:
-            raise BadRequest("grace_seconds: from 0 to 604800 (a week)", code="invalid_value")
+            raise BadRequest(
+                "grace_seconds: from 0 to 604800 (a week)",
+                param="grace_seconds",
+                code="invalid_value",
+            )
         fresh, secret = rotated(old, caller, now)
         bound = self._issuer_expiry(caller)
         if bound is not None:

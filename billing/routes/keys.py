@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import orjson
 from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -190,10 +190,19 @@ def _created(body: dict[str, Any]) -> Response:
 
 
 def _change(body: dict[str, Any]) -> Change:
+    """The body as a key change, strictly (``"10"`` is not a number of seconds); BadRequest
+    naming the first field at fault, in one line."""
     try:
-        return Change.model_validate(body)
-    except ValueError as exc:
-        raise BadRequest(f"not a key change: {exc}", code="invalid_value") from None
+        return Change.model_validate(body, strict=True)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        message = first["msg"] if first["type"] != "extra_forbidden" else "unknown field"
+        raise BadRequest(
+            f"{param}: {message}" if param else f"not a key change: {message}",
+            param=param,
+            code="invalid_value",
+        ) from None
 
 
 def _not_found(exc: KeyNotFoundError) -> Exception:

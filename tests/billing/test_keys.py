@@ -329,3 +329,33 @@ async def test_no_key_a_lead_issues_outlives_the_leads_own_key(billing):
     }
     assert revoked[f"key:{made.json()['key_id']}"]["actor"] == "@admin"
     assert f"key:{lead['key_id']}" in revoked[f"key:{made.json()['key_id']}"]["why"]
+
+
+@pytest.mark.parametrize(
+    ("action", "body", "param", "message"),
+    [
+        ("rotate", {"grace_seconds": "abc"}, "grace_seconds", "grace_seconds: Input should be"),
+        ("rotate", {"grace_seconds": "10"}, "grace_seconds", "grace_seconds: Input should be"),
+        ("rotate", {"grace_seconds": 604801}, "grace_seconds", "grace_seconds: from 0 to 604800"),
+        ("revoke", {"reason": 7}, "reason", "reason: Input should be a valid string"),
+        ("revoke", {"reson": "typo"}, "reson", "reson: unknown field"),
+    ],
+)
+async def test_a_bad_key_change_is_one_line_naming_its_field(billing, action, body, param, message):
+    """A revocation or rotation whose body is not a key change: 400 with the field as ``param``
+    and one line saying what is wrong with it (a number as text is refused, not read); the key
+    still works."""
+    url, _ = billing
+    async with httpx.AsyncClient(base_url=url) as client:
+        made = (await issue(client, ADMIN, team="search")).json()
+        r = await client.post(
+            f"/v1/keys/{made['key_id']}/{action}", json=body, headers=bearer(ADMIN)
+        )
+        still = await client.get("/v1/spend", headers=bearer(made["key"]))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_value")
+    assert error["message"].startswith(message)
+    assert "\n" not in error["message"]
+    assert "pydantic" not in error["message"]
+    assert still.status_code == 200
