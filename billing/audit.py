@@ -54,15 +54,23 @@ def read(
     end: float,
     actions: Sequence[str] = (),
     limit: int = MAX_READ,
+    after: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The events of ``start``..``end`` (of ``actions`` when given), oldest first."""
+    """The events of ``start``..``end`` (of ``actions`` when given), oldest first, at most
+    ``limit`` (the routes read ``MAX_READ`` and one more, to know whether there are more).
+    ``after``: an event id; events at ``start`` itself are
+    then those ordered after it (``event_id``), so that a read continued from the last event
+    of the one before (its ``occurred_at`` and id) gives every event once."""
     where = "occurred_at >= ? AND occurred_at < ?"
     params: list[Any] = [start, end]
+    if after is not None:
+        where += " AND (occurred_at > ? OR event_id > ?)"
+        params += [start, after]
     if actions:
         where += f" AND action IN ({', '.join('?' * len(actions))})"
         params += list(actions)
     found = cur.execute(
         f"SELECT {_NAMES} FROM audit_events WHERE {where} ORDER BY occurred_at, event_id LIMIT ?",
-        [*params, min(limit, MAX_READ)],
+        [*params, limit],
     ).fetchall()
     return [dict(zip(COLUMNS, row, strict=True)) for row in found]

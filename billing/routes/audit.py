@@ -16,6 +16,7 @@ import csv
 import io
 import time
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import orjson
 from fastapi import APIRouter, Query, Request
@@ -32,6 +33,7 @@ from billing.routes.responses import download, json_response
 from infermeter.audit import (
     ACTIONS,
     MAX_BATCH_EVENTS,
+    MAX_TEXT,
     AuditEvent,
     AuditEventError,
     may_record,
@@ -122,16 +124,32 @@ def _range(start: float | None, end: float | None) -> tuple[float, float]:
     return start, end
 
 
-def _read(svc: Services, start: float, end: float, actions: list[str]) -> list[dict[str, Any]]:
+def _read(
+    svc: Services, start: float, end: float, actions: list[str], after: str | None
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The events of the range, at most ``audit.MAX_READ``, and where the next read begins
+    (``{"from", "after"}``: the last event's time and id) when there are more; None when not."""
     unknown = sorted(set(actions) - ACTIONS)
     if unknown:
         raise BadRequest(f"unknown action(s): {', '.join(unknown)}", code="invalid_value")
     with svc.ledger.reader() as cur:
-        return audit.read(cur, start, end, actions)
+        found = audit.read(cur, start, end, actions, audit.MAX_READ + 1, after)
+    if len(found) <= audit.MAX_READ:
+        return found, None
+    found = found[: audit.MAX_READ]
+    return found, {"from": found[-1]["occurred_at"], "after": found[-1]["event_id"]}
 
 
 From = Annotated[float | None, Query(alias="from", allow_inf_nan=False)]
 To = Annotated[float | None, Query(alias="to", allow_inf_nan=False)]
+After = Annotated[
+    str | None,
+    Query(
+        max_length=MAX_TEXT,
+        description="The id of the last event read: events at ``from`` after it in the order "
+        "(``next`` of the answer before)",
+    ),
+]
 Actions = Annotated[
     list[str] | None,
     Query(alias="action", json_schema_extra={"items": {"type": "string", "enum": sorted(ACTIONS)}}),
@@ -140,28 +158,47 @@ Actions = Annotated[
 
 @router.get("/v1/audit", responses=errors(400, *READ))
 async def read(
-    _: Auditor, svc: ServicesDep, start: From = None, end: To = None, action: Actions = None
+    _: Auditor,
+    svc: ServicesDep,
+    start: From = None,
+    end: To = None,
+    action: Actions = None,
+    after: After = None,
 ) -> dict[str, Any]:
-    """The events of ``from``..``to`` (Unix seconds; default: the last 30 days), oldest first."""
+    """The events of ``from``..``to`` (Unix seconds; default: the last 30 days), oldest first,
+    at most 10,000: when there are more, ``next`` holds the ``from`` and ``after`` that read on
+    (never a silent cut; ``next`` is null when every event is in the answer)."""
     start, end = _range(start, end)
-    found = await run_in_threadpool(_read, svc, start, end, action or [])
-    return {"from": start, "to": end, "events": found}
+    found, more = await run_in_threadpool(_read, svc, start, end, action or [], after)
+    return {"from": start, "to": end, "events": found, "next": more}
 
 
 @router.get("/v1/audit.csv", responses=text(CSV, "The audit trail as CSV.") | errors(400, *READ))
 async def export(
-    _: Auditor, svc: ServicesDep, start: From = None, end: To = None, action: Actions = None
+    _: Auditor,
+    svc: ServicesDep,
+    start: From = None,
+    end: To = None,
+    action: Actions = None,
+    after: After = None,
 ) -> Response:
     """The same events as a CSV file, for an auditor's spreadsheet (cells that a spreadsheet
-    would run as a formula are prefixed with ``'``)."""
+    would run as a formula are prefixed with ``'``). When there are more than 10,000, the
+    headers ``x-infermeter-next-from`` and ``x-infermeter-next-after`` (percent-encoded) say
+    where the next file begins."""
     start, end = _range(start, end)
-    found = await run_in_threadpool(_read, svc, start, end, action or [])
+    found, more = await run_in_threadpool(_read, svc, start, end, action or [], after)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(audit.COLUMNS)
     for row in found:
         writer.writerow([_cell(row[c]) for c in audit.COLUMNS])
-    return download(out.getvalue(), f"audit-{int(start)}-{int(end)}.csv")
+    response = download(out.getvalue(), f"audit-{int(start)}-{int(end)}.csv")
+    if more is not None:
+        response.headers["x-infermeter-next-from"] = repr(more["from"])
+        # Percent-encoded: an id is any string a writer gave (a header must be plain ASCII).
+        response.headers["x-infermeter-next-after"] = quote(more["after"], safe="")
+    return response
 
 
 def _cell(value: Any) -> Any:

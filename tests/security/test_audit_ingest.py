@@ -86,3 +86,31 @@ async def test_a_pod_records_only_the_actions_of_its_role(ledger, url):
     assert from_dashboard["kept"] == 1
     assert [r["id"] for r in from_dashboard["rejected"]] == ["#2"]
     assert sorted(e["action"] for e in await trail(url)) == ["budget.override", "signin.failed"]
+
+
+async def test_a_trail_longer_than_one_read_says_where_the_next_begins(ledger, url, monkeypatch):
+    """Reads are bounded (here at 3 events): an answer that is not the whole range says so with
+    ``next`` (the CSV with its headers), and reading on from it gives every event once, events
+    of one same second split across two answers included; the last answer's ``next`` is null."""
+    monkeypatch.setattr("billing.audit.MAX_READ", 3)
+    at = time.time() - 60
+    times = [at, at + 1, at + 2, at + 2, at + 2, at + 2, at + 3]
+    sent = [event(n=i, occurred_at=t) for i, t in enumerate(times)]
+    assert (await send(url, sent, SMALL_0)).status_code == 200
+    seen: list[str] = []
+    query: dict[str, Any] = {"from": at - 1}
+    async with httpx.AsyncClient(base_url=url) as client:
+        csv = await client.get("/v1/audit.csv", params=query, headers=ADMIN)
+        for _ in range(len(sent)):
+            answer = (await client.get("/v1/audit", params=query, headers=ADMIN)).json()
+            assert len(answer["events"]) <= 3
+            seen += [e["event_id"] for e in answer["events"]]
+            if answer["next"] is None:
+                break
+            query = answer["next"]
+    assert seen == [
+        e["event_id"] for e in sorted(sent, key=lambda e: (e["occurred_at"], e["event_id"]))
+    ]
+    assert len(csv.text.splitlines()) == 1 + 3
+    assert float(csv.headers["x-infermeter-next-from"]) == at + 2
+    assert csv.headers["x-infermeter-next-after"] == seen[2]
