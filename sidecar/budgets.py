@@ -364,10 +364,10 @@ class BudgetGate:
             raise ProjectBudgetExceeded(team, project, spent, budget) from None
 
     async def grant(
-        self, override: Override, raw: bytes, authorization: str
+        self, override: Override, raw: bytes, authorization: str, address: str | None = None
     ) -> tuple[Override, str | None]:
         """Grant ``override``, which the admin asked for with body ``raw`` and header
-        ``authorization``: passed on to billing, else this sidecar's alone.
+        ``authorization`` (from ``address``): passed on to billing, else this sidecar's alone.
 
         Returns the override granted and None when billing took it (as billing recorded it:
         every sidecar applies it at its next refresh, this one at once), else ``override`` and
@@ -375,7 +375,7 @@ class BudgetGate:
         (SpoolError: not granted). BillingRefused when billing answered that the request is not
         one it grants (the body, or the credential): nothing is granted then, here either.
         """
-        taken, why = await self._grant_at_billing(override.team, raw, authorization)
+        taken, why = await self._grant_at_billing(override.team, raw, authorization, address)
         if taken is not None:
             override = taken
             self.billed = latest(self.billed, {taken.team: taken})
@@ -397,10 +397,11 @@ class BudgetGate:
         return override, why
 
     async def _grant_at_billing(
-        self, team: str, raw: bytes, authorization: str
+        self, team: str, raw: bytes, authorization: str, address: str | None
     ) -> tuple[Override | None, str | None]:
         """The admin's request passed on to billing's ``POST /v1/admin/budget-overrides``:
-        billing's grant, or None and why billing did not take it."""
+        billing's grant, or None and why billing did not take it. The admin's ``address`` goes
+        with it (``x-forwarded-for``), for billing's audit trail."""
         if self.settings.spend_url is None or self.client is None:
             return None, "no billing to keep it (budgets.spend_url is not set)"
         import httpx  # loaded with the client
@@ -410,7 +411,11 @@ class BudgetGate:
             r = await self.client.post(
                 url,
                 content=raw,
-                headers={"authorization": authorization, "content-type": "application/json"},
+                headers={
+                    "authorization": authorization,
+                    "content-type": "application/json",
+                    **({"x-forwarded-for": address} if address else {}),
+                },
                 timeout=_GRANT_TIMEOUT_SECONDS,
             )
         except httpx.HTTPError as exc:
@@ -613,8 +618,10 @@ async def serve_override(
     except ValueError as exc:
         await _error(send, 400, str(exc), "invalid_override", override_field(str(exc)))
         return
+    client = scope.get("client")
+    address = client[0] if client else None
     try:
-        granted, why = await gate.grant(override, raw, authorization or "")
+        granted, why = await gate.grant(override, raw, authorization or "", address)
     except BillingRefused as refused:
         log.warning(
             "budget override for team %s not granted: billing answered %d",
@@ -634,8 +641,7 @@ async def serve_override(
         )
         return
     if audit is not None:
-        client = scope.get("client")
-        await audit(granted, client[0] if client else None, why is None)
+        await audit(granted, address, why is None)
     shown: dict[str, Any] = {**granted.__dict__, "scope": "sidecar" if why else "fleet"}
     if why is not None:
         shown["note"] = (

@@ -10,6 +10,7 @@ The admin only: a team key, the spend_reader and any writer credential are refus
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from typing import Any, Final
 
@@ -57,6 +58,20 @@ _EXTRA: Final = {
 }
 
 
+def _forwarded_for(value: str | None) -> dict[str, str]:
+    """``{"forwarded_for": address}``: the client address a sidecar (or a proxy in front of
+    billing) says the admin's request came from, when the header holds one valid IP address.
+
+    It is what the caller says, kept beside ``address`` (the peer billing saw), never in its
+    place: a sidecar passing a grant on holds the admin's credential, not proof of where the
+    admin was. A header of anything else is left out, not kept as text."""
+    first = (value or "").split(",")[0].strip()
+    try:
+        return {"forwarded_for": str(ipaddress.ip_address(first))}
+    except ValueError:
+        return {}
+
+
 def _shown(override: Override, record: BudgetOverride) -> dict[str, Any]:
     """The answer: the override as the sidecar's route shows it, with its id and issuer."""
     return {
@@ -96,7 +111,8 @@ async def grant(who: Manager, request: Request, svc: ServicesDep) -> Response:
         who.role,
         "billing",
         target=f"team:{override.team}",
-        detail={"until": override.until, "issued_by": issued_by},
+        detail={"until": override.until, "issued_by": issued_by}
+        | _forwarded_for(request.headers.get("x-forwarded-for")),
         why=override.reason,
         address=request.client.host if request.client else None,
         at=now,

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -266,3 +267,25 @@ async def test_billing_s_metrics_show_the_override_in_force_until_its_revocation
     revoked = await grant(url, ADMIN, {**GRANT, "minutes": 0})
     assert revoked.status_code == 201, revoked.text
     assert await gauges() == {}
+
+
+@pytest.mark.parametrize(
+    ("forwarded", "kept"),
+    [
+        ("10.1.2.3", "10.1.2.3"),
+        ("2001:db8::7, 10.0.0.9", "2001:db8::7"),
+        ("<script>", None),
+        (None, None),
+    ],
+)
+async def test_a_grant_passed_on_keeps_the_address_it_was_asked_from(url, ledger, forwarded, kept):
+    """A sidecar passing an admin's grant on says where the admin asked from
+    (``x-forwarded-for``): the event keeps it as ``forwarded_for`` beside the peer billing saw
+    (the sidecar), one IP address or nothing, never the header's text."""
+    headers = bearer(ADMIN) | ({"x-forwarded-for": forwarded} if forwarded else {})
+    async with httpx.AsyncClient(base_url=url) as client:
+        r = await client.post(ROUTE, json=GRANT, headers=headers)
+    assert r.status_code == 201, r.text
+    [(address, detail)] = rows(ledger, "SELECT address, detail FROM audit_events")
+    assert address == "127.0.0.1"
+    assert orjson.loads(detail).get("forwarded_for") == kept

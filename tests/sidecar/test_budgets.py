@@ -40,7 +40,7 @@ class FakeSpend:
         self.spent: dict[str, float] = {}
         # What billing's override route answers, when it has one (an earlier billing has none).
         self.grant_answer = grant_answer
-        self.grants: list[bytes] = []
+        self.grants: list[tuple[bytes, dict[str, str]]] = []
 
     def app(self) -> Starlette:
         """The ASGI app serving /v1/spend (and the override route, with ``grant_answer``)."""
@@ -60,7 +60,7 @@ class FakeSpend:
 
         async def grant(request: Request) -> Response:
             assert self.grant_answer is not None
-            self.grants.append(await request.body())
+            self.grants.append((await request.body(), dict(request.headers)))
             status, body = self.grant_answer
             return Response(body, status, media_type="application/json")
 
@@ -424,3 +424,25 @@ async def test_an_override_request_the_sidecar_cannot_read_is_a_clear_error(
     assert (large.status_code, large.json()["error"]["code"]) == (413, "request_too_large")
     assert (listed.status_code, listed.json()["error"]["param"]) == (400, "team")
     assert (slow.status_code, slow.json()["error"]["code"]) == (408, "request_timeout")
+
+
+async def test_a_grant_billing_takes_is_passed_on_as_the_admin_asked_it(
+    stack_factory, redis_server
+):
+    """The admin's body and credential go to billing as they came, with the admin's address
+    (``x-forwarded-for``, for billing's audit trail); billing's grant is the answer, ``fleet``."""
+    now = time.time()
+    taken = {"team": "search", "until": now + 300, "reason": "launch", "granted_at": now}
+    spend = FakeSpend(grant_answer=(201, orjson.dumps(taken)))
+    body = b'{"team": "search", "minutes": 5, "reason": "launch"}'
+    async with serving(spend.app(), lifespan="off") as billing:
+        stack = await budget_stack(stack_factory, billing, redis_server.url)
+        async with stack.client() as c:
+            asked = await c.post("/v1/admin/budget-overrides", headers=ADMIN, content=body)
+    [(sent, headers)] = spend.grants
+    assert asked.status_code == 201, asked.text
+    assert asked.json()["scope"] == "fleet"
+    assert asked.json()["until"] == taken["until"]
+    assert sent == body
+    assert headers["authorization"] == ADMIN["authorization"]
+    assert headers["x-forwarded-for"] == "127.0.0.1"
