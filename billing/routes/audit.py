@@ -15,11 +15,12 @@ from __future__ import annotations
 import csv
 import io
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import quote
 
 import orjson
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
@@ -124,16 +125,16 @@ def _range(start: float | None, end: float | None) -> tuple[float, float]:
     return start, end
 
 
-def _read(
-    svc: Services, start: float, end: float, actions: list[str], after: str | None
-) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """The events of the range, at most ``audit.MAX_READ``, and where the next read begins
+def _read(svc: Services, asked: _Reading) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The events asked for, at most ``audit.MAX_READ``, and where the next read begins
     (``{"from", "after"}``: the last event's time and id) when there are more; None when not."""
-    unknown = sorted(set(actions) - ACTIONS)
+    unknown = sorted(set(asked.actions) - ACTIONS)
     if unknown:
         raise BadRequest(f"unknown action(s): {', '.join(unknown)}", code="invalid_value")
     with svc.ledger.reader() as cur:
-        found = audit.read(cur, start, end, actions, audit.MAX_READ + 1, after)
+        found = audit.read(
+            cur, asked.start, asked.end, asked.actions, audit.MAX_READ + 1, asked.after
+        )
     if len(found) <= audit.MAX_READ:
         return found, None
     found = found[: audit.MAX_READ]
@@ -156,44 +157,48 @@ Actions = Annotated[
 ]
 
 
+@dataclass(frozen=True)
+class _Reading:
+    """What a read of the trail asks for: its range, actions and where it reads on from."""
+
+    start: float
+    end: float
+    actions: list[str]
+    after: str | None
+
+
+def _reading(
+    start: From = None, end: To = None, action: Actions = None, after: After = None
+) -> _Reading:
+    start, end = _range(start, end)
+    return _Reading(start, end, action or [], after)
+
+
+Reading = Annotated[_Reading, Depends(_reading)]
+
+
 @router.get("/v1/audit", responses=errors(400, *READ))
-async def read(
-    _: Auditor,
-    svc: ServicesDep,
-    start: From = None,
-    end: To = None,
-    action: Actions = None,
-    after: After = None,
-) -> dict[str, Any]:
+async def read(_: Auditor, svc: ServicesDep, asked: Reading) -> dict[str, Any]:
     """The events of ``from``..``to`` (Unix seconds; default: the last 30 days), oldest first,
     at most 10,000: when there are more, ``next`` holds the ``from`` and ``after`` that read on
     (never a silent cut; ``next`` is null when every event is in the answer)."""
-    start, end = _range(start, end)
-    found, more = await run_in_threadpool(_read, svc, start, end, action or [], after)
-    return {"from": start, "to": end, "events": found, "next": more}
+    found, more = await run_in_threadpool(_read, svc, asked)
+    return {"from": asked.start, "to": asked.end, "events": found, "next": more}
 
 
 @router.get("/v1/audit.csv", responses=text(CSV, "The audit trail as CSV.") | errors(400, *READ))
-async def export(
-    _: Auditor,
-    svc: ServicesDep,
-    start: From = None,
-    end: To = None,
-    action: Actions = None,
-    after: After = None,
-) -> Response:
+async def export(_: Auditor, svc: ServicesDep, asked: Reading) -> Response:
     """The same events as a CSV file, for an auditor's spreadsheet (cells that a spreadsheet
     would run as a formula are prefixed with ``'``). When there are more than 10,000, the
     headers ``x-infermeter-next-from`` and ``x-infermeter-next-after`` (percent-encoded) say
     where the next file begins."""
-    start, end = _range(start, end)
-    found, more = await run_in_threadpool(_read, svc, start, end, action or [], after)
+    found, more = await run_in_threadpool(_read, svc, asked)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(audit.COLUMNS)
     for row in found:
         writer.writerow([_cell(row[c]) for c in audit.COLUMNS])
-    response = download(out.getvalue(), f"audit-{int(start)}-{int(end)}.csv")
+    response = download(out.getvalue(), f"audit-{int(asked.start)}-{int(asked.end)}.csv")
     if more is not None:
         response.headers["x-infermeter-next-from"] = repr(more["from"])
         # Percent-encoded: an id is any string a writer gave (a header must be plain ASCII).
