@@ -167,8 +167,11 @@ def chargeback_frame(statement: Statement, budgets_usd: Mapping[str, float]) -> 
         _percent(pl.col("team_cents"), pl.col("team_budget_usd")).alias("team_budget_used_percent"),
         *_SPLITS,
     )
+    # The total's share is of the teams that have a budget, over their budgets: the cents of a
+    # team without one (and the platform's idle and unused lines) are in no budget.
+    budgeted = lines.filter(pl.col("budget_usd") > 0)["total_cents"].sum()
     total = _total_row(lines, statement.month).with_columns(
-        _percent(pl.col("total_cents"), pl.col("team_budget_usd")).alias("team_budget_used_percent")
+        _percent(pl.lit(budgeted), pl.col("team_budget_usd")).alias("team_budget_used_percent")
     )
     frame = pl.concat([body, total], how="diagonal_relaxed")
     return frame.select(

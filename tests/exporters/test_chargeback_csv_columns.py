@@ -71,3 +71,16 @@ def test_the_chargeback_csv_defuses_a_project_and_keeps_plain_lines_working() ->
     assert [(r["pool"], r["pricing_category"], r["project"], r["basis"]) for r in parsed] == [
         ("", "", "", "list")
     ] * 2
+
+
+def test_the_total_row_s_budget_share_is_the_budgeted_teams_over_their_budgets() -> None:
+    """With budgets for assistant and search only, the total row's percentage is their cost over
+    their budgets: research (no budget) and any platform line are in no budget."""
+    budgets = {"assistant": 1000.0, "search": 4000.0}
+    rows = chargeback_frame(month.statement(), budgets).to_dicts()
+    *lines, total = rows
+    budgeted = sum(round(r["total_usd"] * 100) for r in lines if r["team"] in budgets)
+    unbudgeted = [r for r in lines if r["team"] not in budgets and r["total_usd"]]
+    assert unbudgeted, "the worked month has cost outside any budget"
+    assert total["team_budget_usd"] == 5000.0
+    assert total["team_budget_used_percent"] == round(budgeted / 5000.0, 2)
