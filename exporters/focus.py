@@ -240,8 +240,15 @@ def _allocation_columns(config: Config) -> list[pl.Expr]:
     ]
 
 
-def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> pl.DataFrame:
-    """The statement as FOCUS ``version`` ("1.0", "1.2" or "1.3") rows."""
+def focus_frame(
+    statement: Statement, config: Config, version: str = "1.0", team: str | None = None
+) -> pl.DataFrame:
+    """The statement as FOCUS ``version`` ("1.0", "1.2" or "1.3") rows; with ``team``, only
+    that team's rows of the whole statement's file.
+
+    A team's file is cut from the whole one, not made from the team's lines alone: a row's
+    ``AllocatedRatio`` is its share of the instance's cost over every team that used the
+    instance, which the team's own lines cannot give."""
     if version not in FOCUS_VERSIONS:
         raise ValueError(f"FOCUS version {version!r} is not supported; use 1.0, 1.2 or 1.3")
     start, end = month_bounds(statement.month)
@@ -372,6 +379,8 @@ def focus_frame(statement: Statement, config: Config, version: str = "1.0") -> p
         )
     else:
         frame = frame.drop(ALLOCATION_COLUMNS)
+    if team is not None:
+        frame = frame.filter(pl.col("x_Team") == team)
     text_columns = [
         c
         for c, t in frame.schema.items()

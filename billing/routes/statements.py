@@ -95,11 +95,12 @@ async def chargeback_focus(
     svc: ServicesDep,
     version: Annotated[str, Query(pattern=r"^1\.[023]$")] = "1.0",
 ) -> Response:
-    """The FinOps FOCUS file, a row per line and instance: every line for the admin, a team's own for a team."""
-    statement = await _statement(svc, month, who)
+    """The FinOps FOCUS file, a row per line and instance: every line for the admin, a team's own
+    for a team (cut from the whole file: its allocation ratios are of the instances' whole cost)."""
+    statement = await compute(svc, svc.statements.statement, month)
     statement = await compute(svc, svc.chargeback.by_instance, statement)
     statement = await compute(svc, with_tags, svc.ledger, statement, svc.config)
-    text = write_csv(focus_frame(statement, svc.config, version))
+    text = write_csv(focus_frame(statement, svc.config, version, who.team))
     return download(text, f"focus-{version}-{month}.csv")
 
 

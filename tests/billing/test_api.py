@@ -303,25 +303,36 @@ async def test_cross_team_views_need_the_admin_credential(billing, path):
 
 
 async def test_a_teams_files_hold_only_its_own_lines(billing):
-    """search's key gets the CSV and FOCUS rows of search only, as the admin's files have them."""
+    """search's key gets the CSV and FOCUS rows of search only, as the admin's files have them
+    (FOCUS 1.3's allocation ratios too: a row's share of its instance's whole cost, other teams'
+    use of it included)."""
     await _seed(billing)
+    paths = (
+        "/v1/chargeback/2026-11.csv",
+        "/v1/chargeback/2026-11.focus.csv",
+        "/v1/chargeback/2026-11.focus.csv?version=1.3",
+    )
     async with httpx.AsyncClient(base_url=billing) as client:
         files = {}
         for key in (SEARCH, ADMIN):
-            for path in ("/v1/chargeback/2026-11.csv", "/v1/chargeback/2026-11.focus.csv"):
+            for path in paths:
                 response = await client.get(path, headers=bearer(key))
                 assert response.status_code == 200, response.text
                 rows = csv.DictReader(io.StringIO(response.text))
                 # The CSV's last row is the file's own total, which differs by design.
                 files[key, path] = [r for r in rows if r.get("line_type") != "total"]
-    for path, team_column in (
-        ("/v1/chargeback/2026-11.csv", "team"),
-        ("/v1/chargeback/2026-11.focus.csv", "x_Team"),
-    ):
+    for path in paths:
+        team_column = "x_Team" if "focus" in path else "team"
         mine, everything = files[SEARCH, path], files[ADMIN, path]
         assert {row[team_column] for row in mine} == {"search"}
         assert mine == [row for row in everything if row[team_column] == "search"]
         assert {row[team_column] for row in everything} == {"search", "assistant"}
+    ratios = [
+        orjson.loads(row["AllocatedMethodDetails"])["Elements"][0]["AllocatedRatio"]
+        for row in files[SEARCH, paths[2]]
+    ]
+    assert ratios
+    assert all(0 < r < 1 for r in ratios)
 
 
 async def test_spend_shows_a_team_only_itself(billing):
