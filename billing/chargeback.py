@@ -134,6 +134,7 @@ class Chargeback:
             own = lines.filter(pl.col("for_month") == month)
             adjust = int(lines.filter(pl.col("for_month") != month)["total_cents"].sum())
             basis, pools = closing.issued_basis(self.ledger, month)
+            usage = closing.issued_usage_lines(self.ledger, month=month)
             return Statement(
                 month,
                 True,
@@ -143,11 +144,13 @@ class Chargeback:
                 self.unreconciled(month),
                 self.quarantined(month),
                 basis=basis,
+                usage_lines=None if usage is None or usage.equals(lines) else usage,
                 pools=pools,
                 cache=self._cache(month, own),
             )
         now = self._cents(month)
         adjustments = []
+        usage_adjustments = []
         adjust_cents = 0
         parts = [now.parts]
         for earlier in closing.dirty_closed_months(self.ledger, before=month):
@@ -158,7 +161,17 @@ class Chargeback:
             adjustments.append(diff)
             adjust_cents += int(diff["total_cents"].sum())
             parts.append(again.parts)
+            usage_adjustments.append(self._usage_adjustment(month, earlier, again, diff))
         all_lines = pl.concat([now.lines, *adjustments]) if adjustments else now.lines
+        usage_lines = now.usage_lines
+        if usage_lines is not None or any(
+            not u.equals(d) for u, d in zip(usage_adjustments, adjustments, strict=True)
+        ):
+            # The adjustments on the usage basis too, so that their rows in the files carry
+            # their list cost (each is its billed cost on the list basis, or when the earlier
+            # month was closed before its usage lines were kept).
+            own = now.lines if usage_lines is None else usage_lines
+            usage_lines = pl.concat([own, *usage_adjustments], how="vertical_relaxed")
         return Statement(
             month,
             False,
@@ -168,11 +181,23 @@ class Chargeback:
             self.unreconciled(month) if now.unreconciled is None else now.unreconciled,
             self.quarantined(month),
             basis=now.basis,
-            usage_lines=now.usage_lines,
+            usage_lines=usage_lines,
             pools=now.pools,
             cache=self._cache(month, now.lines),
             instance_parts=_concat(parts),
         )
+
+    def _usage_adjustment(
+        self, month: str, earlier: str, again: _Month, billed: pl.DataFrame
+    ) -> pl.DataFrame:
+        """The adjustment of ``earlier`` on the usage basis: what it says now on that basis
+        minus what was issued for it on that basis; ``billed`` (the adjustment as billed) when
+        what was issued on that basis is not known (a month closed before it was kept)."""
+        issued = closing.issued_usage_lines(self.ledger, for_month=earlier)
+        if issued is None:
+            return billed
+        now = again.lines if again.usage_lines is None else again.usage_lines
+        return adjustment_lines(month, earlier, now, issued)
 
     def _cache(self, month: str, lines: pl.DataFrame) -> pl.DataFrame:
         """``month``'s prompt-cache hits and savings per team and model (``billing.cache``)."""
@@ -235,6 +260,7 @@ class Chargeback:
             statement.basis,
             statement.pools,
             partial(closed_hours.write_hours, month=month, frames=hours),
+            statement.usage_lines,
         )
         return self.statement(month)
 

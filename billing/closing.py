@@ -27,6 +27,7 @@ __all__ = [
     "issued_hours",
     "issued_lines",
     "issued_lines_sql",
+    "issued_usage_lines",
     "latest_month",
     "month_state",
     "months",
@@ -95,6 +96,28 @@ def issued_lines(
     return frame
 
 
+def issued_usage_lines(
+    ledger: Keeper, month: str | None = None, for_month: str | None = None
+) -> pl.DataFrame | None:
+    """Frozen lines on the usage basis, as ``issued_lines`` selects them; None when a month they
+    are read for (``for_month``, else ``month``) was closed before they were kept: then what
+    was issued on that basis is not known.
+
+    Months close in order, so a month whose own usage lines were kept has every adjustment
+    issued for it on that basis kept too."""
+    sql, params = issued_lines_sql(month, for_month)
+    sql = sql.replace("FROM statement_lines", "FROM statement_usage_lines", 1)
+    which = for_month if for_month is not None else month
+    with ledger.reader() as cur:
+        kept = cur.execute(
+            "SELECT 1 FROM statement_usage_months WHERE month = ?", [which]
+        ).fetchall()
+        if not kept:
+            return None
+        frame: pl.DataFrame = cur.sql(sql, params=params).pl()
+    return frame
+
+
 def issued_basis(ledger: Keeper, month: str) -> tuple[str, pl.DataFrame]:
     """A closed month's basis and node pools, as frozen with it (``list`` and none if it was
     closed before bases were kept)."""
@@ -117,9 +140,11 @@ def freeze(
     basis: str = "list",
     pools: pl.DataFrame | None = None,
     hours: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
+    usage_lines: pl.DataFrame | None = None,
 ) -> None:
-    """Close ``month``: store its statement lines, basis and node pools, and clear the late
-    flag of ``adjusted``, in one transaction (``LedgerError`` when it is closed already).
+    """Close ``month``: store its statement lines, basis, node pools and lines on the usage
+    basis (``usage_lines``; None: the statement lines, as on the list basis), and clear the
+    late flag of ``adjusted``, in one transaction (``LedgerError`` when it is closed already).
 
     ``hours`` writes the month's hourly rows on the same cursor (``billing.closed_hours``), so
     a month is never closed without them nor they kept for a month left open.
@@ -130,11 +155,16 @@ def freeze(
         if row is not None and row[0] is not None:
             raise LedgerError(f"month {month} is already closed")
         cur.execute("INSERT INTO months (month) VALUES (?) ON CONFLICT DO NOTHING", [month])
-        cur.register("_lines", lines)
-        try:
-            cur.execute(f"INSERT INTO statement_lines SELECT {_LINE_COLUMNS} FROM _lines")
-        finally:
-            cur.unregister("_lines")
+        for table, frame in (
+            ("statement_lines", lines),
+            ("statement_usage_lines", lines if usage_lines is None else usage_lines),
+        ):
+            cur.register("_lines", frame)
+            try:
+                cur.execute(f"INSERT INTO {table} SELECT {_LINE_COLUMNS} FROM _lines")
+            finally:
+                cur.unregister("_lines")
+        cur.execute("INSERT INTO statement_usage_months VALUES (?)", [month])
         cur.execute("INSERT INTO statement_bases VALUES (?, ?, ?)", [month, basis, frozen])
         if hours is not None:
             hours(cur)

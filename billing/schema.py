@@ -815,6 +815,17 @@ CREATE TABLE IF NOT EXISTS reconciliation_built (
 );
 """
 
+# A closed month's lines on the usage basis (the price book's prices), frozen with its
+# statement lines so that its files keep what matching the invoices moved (FOCUS's ListCost
+# beside BilledCost), and so that a late record's adjustment is made on both bases. Every month
+# closed from this version on is in statement_usage_months (its lines here, the same as its
+# statement lines on the list basis); a month closed before it has none, and its files show
+# list cost equal to billed cost, as they did.
+_STATEMENT_USAGE_LINES = """
+CREATE TABLE statement_usage_lines AS SELECT * FROM statement_lines LIMIT 0;
+CREATE TABLE statement_usage_months (month VARCHAR PRIMARY KEY);
+"""
+
 MIGRATIONS: Final[tuple[str, ...]] = (
     _V1,
     _V2,
@@ -838,6 +849,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     _CLOSED_HOURS,
     _LIFETIME_HOURS,
     _RECONCILIATION_HOURS,
+    _STATEMENT_USAGE_LINES,
 )
 LATEST_VERSION: Final = len(MIGRATIONS)
 # The migration that makes ``usage_tags`` (its backfill runs with it).

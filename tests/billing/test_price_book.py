@@ -601,6 +601,53 @@ def test_the_statement_reconciles_to_the_invoice_and_keeps_the_usage_basis(
     assert closed.pools.row(0, named=True)["invoice_cents"] == 214
 
 
+def test_a_closed_month_and_its_corrections_keep_their_list_cost_in_focus(
+    ledger: Any, lab_config: Any
+) -> None:
+    """October on its invoice ($2.14 for $2.00 at list): its FOCUS file says BilledCost 2.14
+    against ListCost 2.00, open and once closed (the usage basis is frozen with the month). A
+    record for October that arrives after it closed moves the teams' shares on both bases:
+    November's correction rows carry the billed difference and their list difference, the
+    usage basis's adjustment, not zero."""
+    from billing.chargeback import Chargeback
+    from exporters.focus import focus_frame
+    from tests.billing.conftest import NOV, OCT, batch, usage
+    from tests.billing.test_months import AFTER_OCT, DEC, _fill
+
+    def costs(frame: pl.DataFrame) -> tuple[float, float]:
+        return float(frame["BilledCost"].sum()), float(frame["ListCost"].sum())
+
+    _fill(ledger, OCT)
+    cb = Chargeback(ledger, lab_config)
+    _import(
+        ledger,
+        lab_config,
+        _invoice("2026-10-01T00:00:00Z", "2026-11-01T00:00:00Z", "2.14"),
+        AFTER_OCT,
+    )
+    opened = focus_frame(cb.statement("2026-10"), lab_config, "1.2")
+    assert costs(opened) == (2.14, 2.00)
+    closed = focus_frame(cb.close("2026-10", now=AFTER_OCT), lab_config, "1.2")
+    assert costs(closed) == (2.14, 2.00)
+    assert closed.sort("x_Team").select("x_Team", "BilledCost", "ListCost").rows() == (
+        opened.sort("x_Team").select("x_Team", "BilledCost", "ListCost").rows()
+    )
+
+    ledger.ingest(batch("usage", [usage("research", OCT + 4000, 900)]), now=DEC)
+    _fill(ledger, NOV)
+    nov = cb.statement("2026-11")
+    assert nov.usage_lines is not None
+    listed = nov.usage_lines.filter(pl.col("for_month") == "2026-10")
+    assert listed.height
+    rows = focus_frame(nov, lab_config, "1.2").filter(pl.col("ChargeClass") == "Correction")
+    by_team = dict(rows.group_by("x_Team").agg(pl.col("ListCost").sum()).iter_rows())
+    expected = dict(listed.group_by("team").agg(pl.col("total_cents").sum()).iter_rows())
+    assert {t: round(float(v) * 100) for t, v in by_team.items()} == {
+        t: expected.get(t, 0) for t in by_team
+    }
+    assert any(by_team.values())
+
+
 def test_an_invoice_reissued_after_close_becomes_an_adjustment(
     ledger: Any, lab_config: Any
 ) -> None:
