@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Final, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -84,9 +84,37 @@ DEFAULT_CONFIG = Path(__file__).with_name("defaults.yaml")
 # libyaml's parser under PyYAML's safe constructor (the same types, tags refused alike), when the
 # installed PyYAML was built with it: a fleet's file with 1,000 teams is read in 73 ms instead of
 # 370 (``bench.config_load``, docs/benchmarks.md).
-_YAML_LOADER: type[yaml.SafeLoader] | type[yaml.CSafeLoader] = getattr(
+_BASE_LOADER: type[yaml.SafeLoader] | type[yaml.CSafeLoader] = getattr(
     yaml, "CSafeLoader", yaml.SafeLoader
 )
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _Loader(_BASE_LOADER):  # type: ignore[valid-type,misc]
+    """The safe loader, refusing a key given twice in one mapping: YAML keeps the last of them
+    silently, so a second ``billing:`` section appended to a file would replace the first
+    whole (its tokens and URLs gone) without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue  # keys merged in (<<) may be given again: that is what merging is for
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {key!r} (first given on line {seen[key] + 1})",
+                    key_node.start_mark,
+                )
+            if isinstance(key, str | int | float | bool):
+                seen[key] = key_node.start_mark.line
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
+
+
+_YAML_LOADER = _Loader
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")]
 HASH_HINT = (
@@ -132,7 +160,7 @@ class ConfigError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class TeamLimits(_Strict):
@@ -247,6 +275,27 @@ class Model(_Strict):
 
 
 Url = Annotated[str, StringConstraints(pattern=r"^https?://[^/\s]+(/\S*)?$")]
+RedisUrl = Annotated[str, StringConstraints(pattern=r"^(rediss?|unix)://\S+$")]
+
+
+def listen_address(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) as the servers bind it; ValueError saying what
+    is expected otherwise (a port out of range would fail only when the server starts)."""
+    host, sep, port = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or any(c.isspace() or c in "/[]" for c in host):
+        raise ValueError("not HOST:PORT (such as 127.0.0.1:8080 or [::1]:8080)")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError("the port must be a number from 1 to 65535")
+    return host, int(port)
+
+
+def _listen(value: str) -> str:
+    listen_address(value)
+    return value
+
+
+Listen = Annotated[str, AfterValidator(_listen)]
 
 
 class Replica(_Strict):
@@ -255,7 +304,7 @@ class Replica(_Strict):
     id: Name
     model: Name
     upstream_url: Url
-    sidecar_listen: str | None = None
+    sidecar_listen: Listen | None = None
     # Where the collector reads vLLM's /metrics. When vLLM listens on loopback only (it should:
     # vLLM serves some routes without its API key), that is the sidecar's /engine/metrics.
     engine_metrics_url: Url | None = None
@@ -286,7 +335,7 @@ class Node(_Strict):
     """A GPU host; ``dcgm_exporter_url`` is scraped by the collector when set."""
 
     name: Name
-    dcgm_exporter_url: str | None = None
+    dcgm_exporter_url: Url | None = None
     gpu_model: Name | None = None
     gpu_count: Annotated[int, Field(ge=0)] = 0
 
@@ -348,7 +397,9 @@ class PoolPrice(_Strict):
     pue: Annotated[float, Field(ge=1.0, le=3.0)] | None = None
     sku: Annotated[str, StringConstraints(max_length=128)] | None = None
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False
+    )
 
     @model_validator(mode="after")
     def _complete(self) -> PoolPrice:
@@ -499,7 +550,7 @@ class GatewaySettings(_Strict):
 class SharedLimitsSettings(_Strict):
     """Team limits held fleet-wide in Redis; without ``redis_url`` each sidecar keeps its own."""
 
-    redis_url: str | None = None
+    redis_url: RedisUrl | None = None
     # The Redis password (AUTH) is read from this variable, never written in the URL.
     password_env: str = "INFERMETER_REDIS_PASSWORD"
     key_prefix: str = "infermeter"
@@ -515,7 +566,7 @@ class SharedLimitsSettings(_Strict):
     # A concurrency slot not renewed for this long is free again (a sidecar killed holding it).
     lease_seconds: Positive = 30.0
     # Billing's instance registry, for the number of live instances sharing a limit in fail_open.
-    registry_url: str | None = None
+    registry_url: Url | None = None
     registry_token_env: str = "INFERMETER_REGISTRY_TOKEN"
     instances_refresh_seconds: Positive = 30.0
     # Billing's public key for the issued keys' set it writes here (``infermeter keys signer``
@@ -528,7 +579,7 @@ class SharedLimitsSettings(_Strict):
 class BudgetSettings(_Strict):
     """Budgets enforced by the sidecars from billing's month-to-date spend (``GET /v1/spend``)."""
 
-    spend_url: str | None = None
+    spend_url: Url | None = None
     spend_token_env: str = "INFERMETER_SPEND_TOKEN"
     refresh_seconds: Annotated[float, Field(gt=0, le=60)] = 30.0
     # Past this share of the monthly budget, responses carry x-infermeter-budget-warning.
@@ -543,7 +594,7 @@ class SidecarSettings(_Strict):
     """How every sidecar relays, limits and meters."""
 
     spool_dir: str = "var/spool"
-    ingest_url: str | None = None
+    ingest_url: Url | None = None
     # The instance's own writer credential (``infermeter.writers``): it seals the spool lines and
     # ships them. Unset: the shared ingest token in ingest_token_env, if billing still takes it.
     credential_env: str = "INFERMETER_WRITER_CREDENTIAL"
@@ -605,7 +656,7 @@ class RegistryDiscovery(_Strict):
     """Engine targets from billing's instance registry (``GET /v1/instances?state=live``)."""
 
     # Default: billing.url. Asked with the metrics token (collector.metrics_token_env).
-    url: str | None = None
+    url: Url | None = None
     refresh_seconds: Positive = 30.0
     timeout_seconds: Positive = 5.0
 
@@ -618,7 +669,7 @@ class KubernetesDiscovery(_Strict):
     as in a DaemonSet), only the pods on that node are watched.
     """
 
-    api_url: str | None = None
+    api_url: Url | None = None
     token_env: str = "INFERMETER_KUBERNETES_TOKEN"
     ca_file: str | None = None
     namespace: Name = "default"
@@ -637,14 +688,14 @@ class KubernetesDiscovery(_Strict):
 class CollectorSettings(_Strict):
     """How ``infermeter collect`` scrapes GPUs and engines and where it sends samples."""
 
-    listen: str = "127.0.0.1:19500"
+    listen: Listen = "127.0.0.1:19500"
     scrape_interval_seconds: Positive = 10.0
     scrape_timeout_seconds: Positive = 3.0
     gap_after_intervals: Annotated[float, Field(gt=1)] = 3.0
     max_backoff_seconds: Positive = 300.0
     source: Literal["dcgm", "nvml"] = "dcgm"
     spool_dir: str = "var/collector-spool"
-    ingest_url: str | None = None
+    ingest_url: Url | None = None
     # The collector's writer credential, for the nodes it reads (``infermeter.writers``).
     credential_env: str = "INFERMETER_WRITER_CREDENTIAL"
     ingest_token_env: str = "INFERMETER_INGEST_TOKEN"
@@ -658,7 +709,7 @@ class CollectorSettings(_Strict):
     drain_ship_seconds: NonNegative = 5.0
     # This node's dcgm-exporter, for a collector that runs on every node (a DaemonSet): scraped
     # instead of nodes[].dcgm_exporter_url, under the node name in $NODE_NAME (else the host name).
-    dcgm_exporter_url: str | None = None
+    dcgm_exporter_url: Url | None = None
     # The variable holding this node's name (the downward API's spec.nodeName in a DaemonSet).
     node_name_env: str = "NODE_NAME"
     # Where the vLLM engines to scrape come from: replicas[] (static), billing's instance
@@ -771,8 +822,8 @@ class FederationSettings(_Strict):
 class BillingSettings(_Strict):
     """The billing service: the only process that writes the DuckDB ledger."""
 
-    listen: str = "127.0.0.1:19600"
-    url: str = "http://127.0.0.1:19600"
+    listen: Listen = "127.0.0.1:19600"
+    url: Url = "http://127.0.0.1:19600"
     database: str = "var/infermeter.duckdb"
     memory_limit: Annotated[
         str, StringConstraints(pattern=r"^[0-9]+(\.[0-9]+)? *(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
@@ -888,11 +939,11 @@ class OidcSettings(_Strict):
 class DashboardSettings(_Strict):
     """The Dash web app: where it listens and where it reads its data."""
 
-    listen: str = "127.0.0.1:19800"
-    billing_url: str | None = None
-    metrics_urls: list[str] = Field(default_factory=list)
+    listen: Listen = "127.0.0.1:19800"
+    billing_url: Url | None = None
+    metrics_urls: list[Url] = Field(default_factory=list)
     # Prometheus's HTTP API (http://host:9090): the alerts that fired are marked on the charts.
-    prometheus_url: str | None = None
+    prometheus_url: Url | None = None
     refresh_seconds: Positive = 10.0
     # A request body over this is answered 413 before it is read (a callback's is a few KiB).
     max_body_bytes: Annotated[int, Field(gt=0)] = 1 << 20
@@ -946,7 +997,7 @@ class KubernetesHookSettings(_Strict):
     """
 
     enabled: bool = False
-    api_url: str | None = None
+    api_url: Url | None = None
     token_env: str = "INFERMETER_KUBERNETES_TOKEN"
     ca_file: str | None = None
     namespace: str = "default"
@@ -979,16 +1030,16 @@ class LocalHookSettings(_Strict):
 class AutoscaleSettings(_Strict):
     """The autoscaler (``infermeter autoscale run``): its inputs, hooks and predictive term."""
 
-    listen: str = "127.0.0.1:19700"
+    listen: Listen = "127.0.0.1:19700"
     interval_seconds: Positive = 15.0
-    collector_url: str | None = None
-    sidecar_urls: list[str] = Field(default_factory=list)
+    collector_url: Url | None = None
+    sidecar_urls: list[Url] = Field(default_factory=list)
     metrics_token_env: str = "INFERMETER_METRICS_TOKEN"
-    prometheus_url: str | None = None
+    prometheus_url: Url | None = None
     prometheus_queries: dict[
         Literal["current", "queue", "utilization", "ttft_p95", "tokens_per_gpu"], str
     ] = Field(default_factory=dict)
-    webhook_url: str | None = None
+    webhook_url: Url | None = None
     webhook_secret_env: str = "INFERMETER_WEBHOOK_SECRET"
     webhook_timeout_seconds: Positive = 5.0
     kubernetes: KubernetesHookSettings = KubernetesHookSettings()
@@ -1004,7 +1055,7 @@ class AutoscaleSettings(_Strict):
     # Each change of a model's desired count is spooled here and shipped to billing's ingest
     # (kind scaling_decisions) when ingest_url is set; one autoscaler per directory.
     spool_dir: str = "var/autoscale-spool"
-    ingest_url: str | None = None
+    ingest_url: Url | None = None
     # The autoscaler's writer credential (``infermeter.writers``).
     credential_env: str = "INFERMETER_WRITER_CREDENTIAL"
     ingest_token_env: str = "INFERMETER_INGEST_TOKEN"
@@ -1193,6 +1244,11 @@ def load_config(
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(source, [f"cannot read file: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            source, [f"line {line}: not UTF-8 text (byte {exc.object[exc.start]:#04x})"]
+        ) from None
     try:
         raw = yaml.load(text, Loader=_YAML_LOADER)  # a safe loader (_YAML_LOADER)
     except yaml.YAMLError as exc:
@@ -1233,7 +1289,14 @@ def apply_env_overrides(
         if not parts:
             continue
         try:
-            path = _set_path(raw, parts, yaml.safe_load(environ[var]))
+            value = yaml.load(environ[var], Loader=_YAML_LOADER)  # a safe loader
+        except yaml.YAMLError as exc:
+            reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(
+                f"environment variable {var}", [f"malformed YAML value: {reason}"]
+            ) from None
+        try:
+            path = _set_path(raw, parts, value)
         except (KeyError, IndexError, TypeError) as exc:
             reason = exc.args[0] if exc.args else exc
             raise ConfigError(f"environment variable {var}", [f"no such key: {reason}"]) from None
@@ -1338,12 +1401,21 @@ def _keys_at(loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+# What a pattern of a field asks for, said in words (pydantic gives the regular expression).
+_PATTERNS: Final = {
+    r"^https?://[^/\s]+(/\S*)?$": "an http:// or https:// URL expected (such as http://host:8000)",
+    r"^(rediss?|unix)://\S+$": "a redis://, rediss:// or unix:// URL expected",
+}
+
+
 def _describe(err: Any, raw: Any) -> str:
     """Turn one pydantic error into ``key.path = value: reason``."""
     path = ""
     for part in err["loc"]:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     reason = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "string_pattern_mismatch":
+        reason = _PATTERNS.get(str(err.get("ctx", {}).get("pattern")), reason)
     if err["type"] == "extra_forbidden":
         return f"{path}: unknown key{_did_you_mean(str(err['loc'][-1]), _keys_at(err['loc'][:-1]))}"
     if err["type"] == "missing":
