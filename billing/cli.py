@@ -15,21 +15,20 @@ from typing import TYPE_CHECKING
 from billing import upkeep_cli
 from billing.cli_common import ADMIN_TOKEN_ENV, admin_client, call, ledger_file, ledger_problem
 from billing.efficiency import cli as efficiency_cli
-from infermeter.commands import CommandError, Subparsers, add_config, billing_refused, fail
-from infermeter.months import check_month
+from infermeter.commands import (
+    CommandError,
+    Subparsers,
+    add_config,
+    billing_refused,
+    fail,
+    listen_arg,
+    month_arg,
+)
 
 if TYPE_CHECKING:
     from infermeter.config import Config
 
 __all__ = ["register"]
-
-
-def month_arg(text: str) -> str:
-    """``--month``: a usage error naming the value unless it is ``YYYY-MM``."""
-    try:
-        return check_month(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(sub: Subparsers) -> None:
@@ -45,7 +44,10 @@ def register(sub: Subparsers) -> None:
     )
     add_config(bill)
     bill.add_argument(
-        "--listen", metavar="HOST:PORT", help="where to listen (default: billing.listen)"
+        "--listen",
+        type=listen_arg,
+        metavar="HOST:PORT",
+        help="where to listen (default: billing.listen)",
     )
     bill.add_argument(
         "--database", metavar="PATH", help="the ledger file (default: billing.database)"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from infermeter.commands import CommandError
@@ -51,10 +52,20 @@ def ledger_problem(path: str, reason: str) -> str:
 
 @contextmanager
 def ledger_file(config: Config, database: str) -> Iterator[Ledger]:
-    """The ledger file, open for the block; a file that cannot be opened is a one-line error."""
+    """The ledger file, open for the block; a file that cannot be opened is a one-line error.
+
+    Every command that reads ``--database`` works on a ledger billing has kept: a path with no
+    file is refused (a mistyped path would otherwise be made a new, empty ledger and read as
+    a month with nothing in it)."""
     from billing.ledger import LedgerError
     from billing.serve import open_ledger
 
+    if not Path(database).is_file():
+        raise CommandError(
+            f"no ledger file at {database} (--database): give the file billing keeps "
+            "(billing.database), with the service stopped",
+            code=2,
+        )
     try:
         ledger = open_ledger(config, database)
     except LedgerError as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from infermeter.commands import Subparsers, add_config
+from infermeter.commands import Subparsers, add_config, listen_arg
 
 if TYPE_CHECKING:
     from infermeter.config import Config
@@ -31,7 +31,10 @@ def register(subparsers: Subparsers) -> None:
     )
     add_config(col)
     col.add_argument(
-        "--listen", metavar="HOST:PORT", help="where to serve /metrics (default: collector.listen)"
+        "--listen",
+        type=listen_arg,
+        metavar="HOST:PORT",
+        help="where to serve /metrics (default: collector.listen)",
     )
     col.set_defaults(handler=_collect)
 

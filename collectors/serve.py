@@ -25,7 +25,7 @@ from collectors.sources import EngineSource, GpuSource
 from collectors.targets import EngineTarget, PodRules, placements, static_targets
 from collectors.vllm import VllmSource
 from infermeter.config import Config, env_value, process_environment
-from infermeter.kubernetes import in_cluster_api
+from infermeter.kubernetes import ca_verify, in_cluster_api
 from infermeter.otlp import metrics_export_configured, otlp_settings
 from infermeter.serving import ensure_free, host_port, server
 from infermeter.shipper import Shipper, ShipperMetrics, last_shipment
@@ -136,7 +136,7 @@ def pod_watcher(
     token_file = None
     if k.api_url:
         api_url, token = k.api_url, environ.get(k.token_env) or None
-        client = httpx.AsyncClient(verify=k.ca_file or True)
+        client = httpx.AsyncClient(verify=ca_verify(k.ca_file, "ca_file"))
     else:
         api_url, token_file, context = in_cluster_api(environ)
         token = None

@@ -11,7 +11,7 @@ import math
 from typing import TYPE_CHECKING
 
 from dashboards.formatting import MISSING
-from infermeter.commands import Subparsers, add_config, fail
+from infermeter.commands import Subparsers, add_config, fail, listen_arg, url_arg
 from infermeter.planner import BYTES_PER_PARAM, GPUS_GB, PRESETS, ModelShape, Plan, plan
 
 if TYPE_CHECKING:
@@ -33,10 +33,14 @@ def register(subparsers: Subparsers) -> None:
     )
     add_config(dash)
     dash.add_argument(
-        "--listen", metavar="HOST:PORT", help="where to serve (default: dashboard.listen)"
+        "--listen",
+        type=listen_arg,
+        metavar="HOST:PORT",
+        help="where to serve (default: dashboard.listen)",
     )
     dash.add_argument(
         "--billing-url",
+        type=url_arg,
         metavar="URL",
         help="the billing service (default: dashboard.billing_url, else billing.url)",
     )

@@ -11,7 +11,7 @@ import argparse
 import time
 from typing import Any, Final
 
-from infermeter.commands import CommandError, Handler, Subparsers, add_config
+from infermeter.commands import CommandError, Handler, Subparsers, add_config, url_arg
 
 __all__ = ["TOKEN_ENVS", "action", "admin_command", "call", "shown", "stamp", "token"]
 
@@ -27,7 +27,7 @@ def admin_command(
     actions' subparsers: each action added to it takes ``--config`` too (``action``)."""
     cmd = subparsers.add_parser(name, help=help_text, description=description)
     add_config(cmd)
-    cmd.add_argument("--billing-url", help="billing's URL (default: billing.url)")
+    cmd.add_argument("--billing-url", type=url_arg, help="billing's URL (default: billing.url)")
     cmd.set_defaults(handler=handler)
     return cmd.add_subparsers(dest="action", metavar="ACTION", required=True)
 

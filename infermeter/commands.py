@@ -28,6 +28,10 @@ __all__ = [
     "billing_refused",
     "config_path",
     "fail",
+    "listen_arg",
+    "month_arg",
+    "port_arg",
+    "url_arg",
 ]
 
 #: What a subcommand's parser sets as its ``handler`` default: the exit code of the command.
@@ -96,3 +100,48 @@ def billing_refused(answer: _Answer) -> int:
     except (ValueError, KeyError, TypeError):
         message = answer.text[:300]
     return fail(f"billing answered {answer.status_code}: {message}", code=1)
+
+
+def listen_arg(value: str) -> str:
+    """An ``argparse`` type for ``--listen``: ``HOST:PORT`` checked as the configuration checks
+    it, so a port out of range is a usage error, not a traceback when the server binds."""
+    from infermeter.config import listen_address
+
+    try:
+        listen_address(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r}: {exc}") from None
+    return value
+
+
+def url_arg(value: str) -> str:
+    """An ``argparse`` type for a URL option: ``http://`` or ``https://`` and a host."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: an http:// or https:// URL expected (such as http://127.0.0.1:8000)"
+        )
+    try:
+        parts.port  # noqa: B018 (raises for a port out of range)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: the port must be from 1 to 65535") from None
+    return value
+
+
+def port_arg(value: str) -> int:
+    """An ``argparse`` type for a port option: a number from 1 to 65535."""
+    if not value.isdigit() or not 1 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r}: a port from 1 to 65535 expected")
+    return int(value)
+
+
+def month_arg(text: str) -> str:
+    """An ``argparse`` type for ``--month``: a usage error naming the value unless ``YYYY-MM``."""
+    from infermeter.months import check_month
+
+    try:
+        return check_month(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

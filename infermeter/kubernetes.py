@@ -14,7 +14,13 @@ from pathlib import Path
 
 from infermeter.config import process_environment
 
-__all__ = ["SERVICE_ACCOUNT_DIR", "KubernetesApiError", "bearer", "in_cluster_api"]
+__all__ = [
+    "SERVICE_ACCOUNT_DIR",
+    "KubernetesApiError",
+    "bearer",
+    "ca_verify",
+    "in_cluster_api",
+]
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -35,6 +41,19 @@ def in_cluster_api(
         host = f"[{host}]"
     context = ssl.create_default_context(cafile=str(account_dir / "ca.crt"))
     return f"https://{host}:{port}", account_dir / "token", context
+
+
+def ca_verify(ca_file: str | None, key: str) -> ssl.SSLContext | bool:
+    """What a client to a configured ``api_url`` verifies its certificate with: ``ca_file``'s
+    CAs, else the system's. KubernetesApiError naming ``key`` (the setting) when the file cannot
+    be read as CA certificates: found at start, not at the first call, hours later."""
+    if ca_file is None:
+        return True
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        reason = exc.strerror or str(exc)
+        raise KubernetesApiError(f"{key} = {ca_file!r}: {reason}") from None
 
 
 def bearer(token: str | None, token_file: Path | None) -> dict[str, str]:

@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
-from infermeter.commands import Subparsers, add_config, config_path
+from infermeter.commands import Subparsers, add_config, config_path, listen_arg, port_arg
 from infermeter.writers import DEMO_SECRET
 
 if TYPE_CHECKING:
@@ -56,13 +56,14 @@ def register(subparsers: Subparsers) -> None:
     )
     demo.add_argument(
         "--front-door",
+        type=listen_arg,
         default="127.0.0.1:18100",
         metavar="HOST:PORT",
         help="where vLLM's router serves every model (the one base URL; default %(default)s)",
     )
     demo.add_argument(
         "--front-door-metrics-port",
-        type=int,
+        type=port_arg,
         default=18190,
         metavar="PORT",
         help="where the router serves its own metrics (default %(default)s)",

@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infermeter.commands import Subparsers, add_config, config_path, fail
+from infermeter.commands import Subparsers, add_config, config_path, fail, listen_arg, url_arg
 
 if TYPE_CHECKING:
     from infermeter.config import Config
@@ -34,11 +34,15 @@ def register(subparsers: Subparsers) -> None:
     )
     side.add_argument(
         "--listen",
+        type=listen_arg,
         metavar="HOST:PORT",
         help="where to listen (default: the replica's sidecar_listen)",
     )
     side.add_argument(
-        "--upstream", metavar="URL", help="the vLLM server (default: the replica's upstream_url)"
+        "--upstream",
+        type=url_arg,
+        metavar="URL",
+        help="the vLLM server (default: the replica's upstream_url)",
     )
     side.add_argument(
         "--spool-dir",
@@ -49,6 +53,7 @@ def register(subparsers: Subparsers) -> None:
     )
     side.add_argument(
         "--engine-metrics-listen",
+        type=listen_arg,
         metavar="HOST:PORT",
         help="also serve vLLM's /metrics here, and nothing else, without a token (for an "
         "endpoint picker; keep the port to it with a NetworkPolicy)",

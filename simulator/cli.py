@@ -13,7 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infermeter.commands import Subparsers, add_config, config_path, fail
+from infermeter.commands import Subparsers, add_config, config_path, fail, listen_arg
 
 if TYPE_CHECKING:
     from infermeter.config import Config
@@ -45,6 +45,7 @@ def register(subparsers: Subparsers, run_fleet: FleetRunner) -> None:
     )
     sim.add_argument(
         "--listen",
+        type=listen_arg,
         metavar="HOST:PORT",
         help="with --replica: listen here instead of the replica's upstream_url",
     )

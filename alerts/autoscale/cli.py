@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infermeter.commands import Subparsers, add_config, config_path, fail
+from infermeter.commands import Subparsers, add_config, config_path, fail, listen_arg, url_arg
 
 if TYPE_CHECKING:
     from infermeter.config import Config
@@ -40,10 +40,14 @@ def register(subparsers: Subparsers) -> None:
     )
     add_config(run)
     run.add_argument(
-        "--listen", metavar="HOST:PORT", help="where to serve /metrics (default: autoscale.listen)"
+        "--listen",
+        type=listen_arg,
+        metavar="HOST:PORT",
+        help="where to serve /metrics (default: autoscale.listen)",
     )
     run.add_argument(
         "--prometheus",
+        type=url_arg,
         metavar="URL",
         help="read inputs from this Prometheus server (default: autoscale.prometheus_url)",
     )

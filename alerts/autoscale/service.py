@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import httpx
 from prometheus_client import CollectorRegistry, make_asgi_app
@@ -71,6 +71,7 @@ from infermeter.asgi import Receive, Scope, Send, idle_lifespan, respond
 from infermeter.audit_spool import AUDIT_DIR, AuditLog
 from infermeter.config import Config, env_value, process_environment
 from infermeter.exposure import public_key_problems
+from infermeter.kubernetes import KubernetesApiError, ca_verify
 from infermeter.reload import Reloader
 from infermeter.serving import ensure_free, host_port, server
 from infermeter.shipper import last_shipment
@@ -393,7 +394,10 @@ def build_hooks(
     k = a.kubernetes
     if k.enabled:
         if k.api_url:
-            verify: Any = k.ca_file or True
+            try:
+                verify = ca_verify(k.ca_file, "autoscale.kubernetes.ca_file")
+            except KubernetesApiError as exc:
+                raise HookError(str(exc)) from None
             kube = httpx.AsyncClient(verify=verify, timeout=10.0)
             hooks.append(
                 KubernetesScaleHook(

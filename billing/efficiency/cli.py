@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from billing.cli_common import ADMIN_TOKEN_ENV, admin_token
-from infermeter.commands import Subparsers, add_config, billing_refused, fail
+from infermeter.commands import Subparsers, add_config, billing_refused, fail, month_arg, url_arg
 
 if TYPE_CHECKING:
     from infermeter.config import Config
@@ -36,17 +36,19 @@ def register(sub: Subparsers) -> None:
         ),
     )
     add_config(advise)
-    advise.add_argument("--month", metavar="YYYY-MM", help="default: the current month (UTC)")
+    advise.add_argument(
+        "--month", metavar="YYYY-MM", type=month_arg, help="default: the current month (UTC)"
+    )
     advise.add_argument("--format", choices=("table", "json"), default="table")
     advise.add_argument("--database", metavar="PATH", help="read this ledger file instead")
-    advise.add_argument("--billing-url", metavar="URL", help="default: billing.url")
+    advise.add_argument("--billing-url", metavar="URL", type=url_arg, help="default: billing.url")
     advise.set_defaults(handler=_advise)
 
 
 def _advise(args: argparse.Namespace, config: Config) -> int:
-    from infermeter.months import check_month, month_of
+    from infermeter.months import month_of
 
-    month = check_month(args.month) if args.month else month_of(time.time())
+    month = args.month or month_of(time.time())
     if args.database:
         report = _from_file(config, args.database, month)
     else:
@@ -62,15 +64,11 @@ def _advise(args: argparse.Namespace, config: Config) -> int:
 
 
 def _from_file(config: Config, database: str, month: str) -> dict[str, Any]:
+    from billing.cli_common import ledger_file
     from billing.efficiency.store import read_report
-    from billing.serve import open_ledger
 
-    ledger = open_ledger(config, database)
-    try:
-        with ledger.reader() as cursor:
-            report = read_report(cursor, config, month, time.time())
-    finally:
-        ledger.close()
+    with ledger_file(config, database) as ledger, ledger.reader() as cursor:
+        report = read_report(cursor, config, month, time.time())
     body: dict[str, Any] = orjson.loads(orjson.dumps(report.to_json()))
     return body
 

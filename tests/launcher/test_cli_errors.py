@@ -119,6 +119,34 @@ def test_missing_config_file_is_one_line(path, tmp_path, capsys):
         ),
         (["plan", "--params", "13"], "no model shape for 13B parameters: give --preset"),
         (["billing", "export", "--out", "x"], "export reads the ledger file"),
+        (
+            ["advise", "--month", "2026-13"],
+            "argument --month: month '2026-13' is not of the form YYYY-MM",
+        ),
+        (
+            ["billing", "--listen", "127.0.0.1:99999"],
+            "argument --listen: '127.0.0.1:99999': the port must be a number from 1 to 65535",
+        ),
+        (
+            ["collect", "--listen", "nohost"],
+            "argument --listen: 'nohost': not HOST:PORT (such as 127.0.0.1:8080 or [::1]:8080)",
+        ),
+        (
+            ["sidecar", "--replica", "small-0", "--upstream", "notaurl"],
+            "argument --upstream: 'notaurl': an http:// or https:// URL expected",
+        ),
+        (
+            ["dashboard", "--billing-url", "http://127.0.0.1:99999"],
+            "argument --billing-url: 'http://127.0.0.1:99999': the port must be from 1 to 65535",
+        ),
+        (
+            ["demo", "--front-door-metrics-port", "99999"],
+            "argument --front-door-metrics-port: '99999': a port from 1 to 65535 expected",
+        ),
+        (
+            ["demo", "--front-door", "127.0.0.1:0"],
+            "argument --front-door: '127.0.0.1:0': the port must be a number from 1 to 65535",
+        ),
     ],
 )
 def test_bad_values_are_one_line(argv, message, capsys):
@@ -251,7 +279,6 @@ def test_a_key_cut_short_suggests_the_full_key(tmp_path, capsys):
     "argv",
     [
         ["alerts", "render", "--out", "/proc/no-such-dir/rules"],
-        ["billing", "close", "--month", "2026-11", "--database", "/proc/no-such-dir/l.duckdb"],
     ],
 )
 def test_an_unusable_path_is_one_line(argv, capsys):
@@ -260,3 +287,93 @@ def test_an_unusable_path_is_one_line(argv, capsys):
     assert code == 1
     assert one_line(lines).startswith("infermeter: ")
     assert "/proc/no-such-dir" in one_line(lines)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["chargeback", "--month", "2026-11"],
+        ["advise", "--month", "2026-11"],
+        ["billing", "close", "--month", "2026-10"],
+        ["billing", "export", "--out", "x"],
+    ],
+)
+def test_a_ledger_path_with_no_file_is_refused_not_made(argv, tmp_path, capsys):
+    """A mistyped ``--database`` is one line naming it, exit 2, and no empty ledger is made in
+    its place (it would be read as a month with nothing in it)."""
+    typo = tmp_path / "ledgr.duckdb"
+    code, lines = run([*argv, "--database", str(typo)], capsys)
+    assert code == 2
+    assert one_line(lines).startswith(f"infermeter: no ledger file at {typo} (--database)")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            b"billing:\n  listen: 127.0.0.1:1\n",
+            "line 97, column 1: malformed YAML: duplicate key 'billing' (first given on line 76)",
+        ),
+        (b"teams: [\xe9]\n", "line 97: not UTF-8 text (byte 0xe9)"),
+    ],
+)
+def test_a_file_yaml_would_read_wrongly_is_refused_naming_the_line(text, message, tmp_path, capsys):
+    """A section given twice (YAML would keep the second whole, the first's tokens gone) and a
+    byte that is not UTF-8: one line naming the file and the line, no traceback."""
+    path = tmp_path / "own.yaml"
+    path.write_bytes(DEFAULT_CONFIG.read_bytes() + text)
+    code, lines = run(["plan", "--params", "8", "--config", str(path)], capsys)
+    assert code == 2
+    assert one_line(lines) == f"infermeter: config error: {path}: {message}"
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "message"),
+    [
+        (
+            "INFERMETER__PRICES__PUE",
+            "[1,",
+            "INFERMETER__PRICES__PUE: malformed YAML value: did not find expected node content",
+        ),
+        (
+            "INFERMETER__PRICES__PUE",
+            "!!python/object:os.system {}",
+            "INFERMETER__PRICES__PUE: malformed YAML value: could not determine a constructor",
+        ),
+        (
+            "INFERMETER__BILLING__LISTEN",
+            "127.0.0.1:99999",
+            "INFERMETER__BILLING__LISTEN: billing.listen = '127.0.0.1:99999': the port must be a "
+            "number from 1 to 65535",
+        ),
+        (
+            "INFERMETER__SIDECAR__INGEST_URL",
+            "127.0.0.1:29600",
+            "INFERMETER__SIDECAR__INGEST_URL: sidecar.ingest_url = '127.0.0.1:29600': an http:// or "
+            "https:// URL expected (such as http://host:8000)",
+        ),
+        (
+            "INFERMETER__SIDECAR__SHARED_LIMITS__REDIS_URL",
+            "localhost:6379",
+            "INFERMETER__SIDECAR__SHARED_LIMITS__REDIS_URL: sidecar.shared_limits.redis_url = "
+            "'localhost:6379': a redis://, rediss:// or unix:// URL expected",
+        ),
+        (
+            "INFERMETER__PRICES__USD_PER_GPU_HOUR__H100",
+            ".inf",
+            "INFERMETER__PRICES__USD_PER_GPU_HOUR__H100: prices.usd_per_gpu_hour.H100 = inf: Input "
+            "should be a finite number",
+        ),
+    ],
+)
+def test_a_value_that_would_fail_only_at_run_time_is_refused_at_load(
+    var, value, message, capsys, monkeypatch
+):
+    """Listen addresses, URLs and numbers are checked when the configuration is read: a port
+    out of range, a URL without its scheme, an infinite price or a YAML value that does not
+    parse is one line naming the variable, not a traceback or a service retrying for ever."""
+    monkeypatch.setenv(var, value)
+    code, lines = run(["plan", "--params", "8"], capsys)
+    assert code == 2
+    assert one_line(lines).startswith(f"infermeter: config error: environment variable {message}")
