@@ -496,6 +496,14 @@ class ScalingPolicy(_Strict):
     startup_seconds: NonNegative = 180
     monthly_budget_cap_usd: NonNegative | None = None
 
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> ScalingPolicy:
+        if self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas {self.min_replicas} is above max_replicas {self.max_replicas}"
+            )
+        return self
+
 
 class GpuProfile(_Strict):
     """Electrical and memory facts of a GPU model, used by the simulator's power model."""
@@ -1148,10 +1156,43 @@ class Config(_Strict):
             problems.append(
                 f"billing.platform_account {self.billing.platform_account!r} is also a team name"
             )
+        problems += self._names_that_match_nothing(models)
         problems += shared_credentials(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _names_that_match_nothing(self, models: Mapping[str, Model]) -> list[str]:
+        """Settings naming a model or replica the configuration does not have, and a GPU two
+        replicas claim: each would be read as nothing (a hook that never scales its model, a
+        GPU whose cost goes to the replica that named it first) rather than fail. (Node pools
+        may name nodes the file does not list: a cluster's nodes are discovered.)"""
+        problems = []
+        replicas = {r.id for r in self.replicas}
+        for model in self.autoscale.kubernetes.deployments:
+            if model not in models:
+                problems.append(f"autoscale.kubernetes.deployments[{model!r}]: no such model")
+        for model, group in self.autoscale.local.groups.items():
+            if model not in models:
+                problems.append(f"autoscale.local.groups[{model!r}]: no such model")
+            if group not in replicas:
+                problems.append(f"autoscale.local.groups[{model!r}] = {group!r}: no such replica")
+        for i, model in enumerate(self.sidecar.budgets.priority_models):
+            if model not in models:
+                problems.append(f"sidecar.budgets.priority_models[{i}] = {model!r}: no such model")
+        for model in self.simulator.engines:
+            if model not in models:
+                problems.append(f"simulator.engines[{model!r}]: no such model")
+        owner: dict[tuple[str, str], str] = {}
+        for r in self.replicas:
+            for gpu in r.gpus:
+                first = owner.setdefault((r.node, str(gpu)), r.id)
+                if first != r.id:
+                    problems.append(
+                        f"replica {r.id!r}: GPU {gpu} of node {r.node!r} is also replica "
+                        f"{first!r}'s (its samples, and their cost, go to one of them only)"
+                    )
+        return problems
 
     @property
     def statement_ttl_seconds(self) -> float:

@@ -211,3 +211,55 @@ def test_team_workload_is_one_of_three(tmp_path):
         "teams[0].workload = 'nightly': Input should be 'auto', 'interactive' or 'batch'"
         in _error(tmp_path, data)
     )
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (
+            {"scaling": {"min_replicas": 5, "max_replicas": 1}},
+            "scaling: min_replicas 5 is above max_replicas 1",
+        ),
+        (
+            {"autoscale": {"kubernetes": {"deployments": {"chat-smal": "vllm-small"}}}},
+            "autoscale.kubernetes.deployments['chat-smal']: no such model",
+        ),
+        (
+            {"autoscale": {"local": {"groups": {"chat-small": "small-9"}}}},
+            "autoscale.local.groups['chat-small'] = 'small-9': no such replica",
+        ),
+        (
+            {"sidecar": {"budgets": {"priority_models": ["chat-larg"]}}},
+            "sidecar.budgets.priority_models[0] = 'chat-larg': no such model",
+        ),
+        (
+            {"simulator": {"engines": {"chat-smal": {}}}},
+            "simulator.engines['chat-smal']: no such model",
+        ),
+    ],
+)
+def test_a_setting_naming_what_the_fleet_lacks_is_rejected(tmp_path, change, problem):
+    """A name that matches nothing would be read as nothing (a hook that never scales its
+    model, a budget's priority that lets nothing through): refused, naming the setting and the
+    name."""
+    data = _base()
+    for section, value in change.items():
+        merged = data.get(section, {})
+        for key, inner in value.items():
+            merged[key] = (
+                {**merged.get(key, {}), **inner}
+                if isinstance(inner, dict) and isinstance(merged.get(key), dict)
+                else inner
+            )
+        data[section] = merged
+    assert problem in _error(tmp_path, data)
+
+
+def test_two_replicas_claiming_one_gpu_are_rejected(tmp_path):
+    """small-1 on node-b's GPU 0, which small-0 has: the samples of that GPU, and their cost,
+    would go to one of them only."""
+    data = _base()
+    data["replicas"][2]["gpus"] = [0]
+    assert "replica 'small-1': GPU 0 of node 'node-b' is also replica 'small-0''s" in _error(
+        tmp_path, data
+    )
