@@ -25,7 +25,8 @@ import re
 from collections.abc import Mapping
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal, get_args
+from types import UnionType
+from typing import Annotated, Any, Final, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -1337,7 +1338,7 @@ def apply_env_overrides(
                 f"environment variable {var}", [f"malformed YAML value: {reason}"]
             ) from None
         try:
-            path = _set_path(raw, parts, value)
+            path = _set_path(raw, parts, value, Config)
         except (KeyError, IndexError, TypeError) as exc:
             reason = exc.args[0] if exc.args else exc
             raise ConfigError(f"environment variable {var}", [f"no such key: {reason}"]) from None
@@ -1367,24 +1368,71 @@ def _norm(text: str) -> str:
     return re.sub(r"[^a-z0-9]", "_", text.lower())
 
 
-def _set_path(node: Any, parts: list[str], value: Any) -> list[str | int]:
-    """Set ``value`` at ``parts`` below ``node``; the key path it went to (list entries by index)."""
+def _set_path(node: Any, parts: list[str], value: Any, shape: Any = None) -> list[str | int]:
+    """Set ``value`` at ``parts`` below ``node``; the key path it went to (list entries by index).
+
+    ``shape``: what the settings declare at ``node`` (``Config`` at the top; None: not known,
+    as below a key the settings do not have, which validation then refuses). A key the node
+    does not hold yet is a field's name, lower-cased, below a section; below a mapping of names
+    (GPU models' prices, a model's deployment) it is kept as the variable spells it, since
+    ``B200`` and ``b200`` are two GPU models."""
     head, rest = parts[0], parts[1:]
     if isinstance(node, dict):
-        key = next((k for k in node if _norm(str(k)) == _norm(head)), head.lower())
+        fields = _fields(shape)
+        new = head if fields is None and shape is not None else head.lower()
+        key = next((k for k in node if _norm(str(k)) == _norm(head)), new)
+        inner = _inner(shape, str(key))
         if not rest:
             node[key] = value
             return [key]
         if key not in node:
             node[key] = {}
-        return [key, *_set_path(node[key], rest, value)]
+        return [key, *_set_path(node[key], rest, value, inner)]
     if isinstance(node, list):
         index = _list_index(node, head)
         if not rest:
             node[index] = value
             return [index]
-        return [index, *_set_path(node[index], rest, value)]
+        return [index, *_set_path(node[index], rest, value, _inner(shape, None))]
     raise TypeError(f"{head!r} is below a plain value")
+
+
+def _unwrapped(shape: Any) -> Any:
+    """``shape`` without ``Optional`` and ``Annotated``: the model, mapping or list it is."""
+    while True:
+        origin = get_origin(shape)
+        if origin is Annotated:
+            shape = get_args(shape)[0]
+        elif origin in (Union, UnionType):
+            options = [a for a in get_args(shape) if a is not type(None)]
+            if len(options) != 1:
+                return None
+            shape = options[0]
+        else:
+            return shape
+
+
+def _fields(shape: Any) -> dict[str, Any] | None:
+    """The fields of ``shape`` when it is a section (a settings model), else None."""
+    shape = _unwrapped(shape)
+    if isinstance(shape, type) and issubclass(shape, BaseModel):
+        return {n: f.annotation for n, f in shape.model_fields.items()}
+    return None
+
+
+def _inner(shape: Any, key: str | None) -> Any:
+    """What the settings declare below ``shape`` at ``key`` (a field, or any key of a mapping,
+    or any entry of a list when ``key`` is None); None when unknown."""
+    fields = _fields(shape)
+    if fields is not None:
+        return fields.get(key or "")
+    shape = _unwrapped(shape)
+    args = get_args(shape)
+    if get_origin(shape) is dict and len(args) == 2:
+        return args[1]
+    if get_origin(shape) is list and args:
+        return args[0]
+    return None
 
 
 def _list_index(items: list[Any], head: str) -> int:

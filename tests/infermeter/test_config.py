@@ -263,3 +263,21 @@ def test_two_replicas_claiming_one_gpu_are_rejected(tmp_path):
     assert "replica 'small-1': GPU 0 of node 'node-b' is also replica 'small-0''s" in _error(
         tmp_path, data
     )
+
+
+def test_an_override_adds_a_mapping_key_as_spelled_and_a_field_in_lower_case():
+    """``…__USD_PER_GPU_HOUR__B200`` prices GPU model ``B200`` (a name, kept as the variable
+    spells it: a replica of B200 is then priced); ``…__BILLING__STATEMENT_TTL_SECONDS`` sets the
+    field ``statement_ttl_seconds``."""
+    config = load_config(
+        DEFAULT_CONFIG,
+        environ={
+            "INFERMETER__PRICES__USD_PER_GPU_HOUR__B200": "5",
+            "INFERMETER__REPLICAS__SMALL_0__GPU_MODEL": "B200",
+            "INFERMETER__BILLING__STATEMENT_TTL_SECONDS": "5",
+        },
+    )
+    assert config.prices.usd_per_gpu_hour["B200"] == 5.0
+    assert "b200" not in config.prices.usd_per_gpu_hour
+    assert config.replica("small-0").gpu_model == "B200"
+    assert config.billing.statement_ttl_seconds == 5.0
