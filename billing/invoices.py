@@ -232,11 +232,22 @@ def parse_invoice(
     sums = _Sums(pools, include_tax)
     for item in _items(frame, source):
         sums.add(item)
+    totals = sums.totals()
+    for total in totals:
+        if total.billed_cents < 0:
+            # An imported file replaces its pools' months whole: a credit-only file would stand
+            # for the month's invoice, and a negative invoice would scale every team's cost
+            # below zero.
+            raise InvoiceError(
+                f"{source}: node pool {total.pool}'s total for {total.month} is "
+                f"{total.billed_cents / 100:.2f} USD, below zero: import a credit in the file of the "
+                "invoice it reduces (a file replaces its pools' months whole)"
+            )
     return Invoice(
         source=source,
         sha256=hashlib.sha256(data).hexdigest(),
         rows=frame.height,
-        totals=sums.totals(),
+        totals=totals,
         unmatched=_summary(sums.unmatched),
         excluded=_summary(sums.excluded),
     )

@@ -601,3 +601,13 @@ def test_a_file_neither_reader_can_read_is_refused_not_a_server_error(
     message = _bad(text, pools)
     assert message.startswith("invoice.csv: line ")
     assert "field larger than field limit" in message
+
+
+def test_a_pool_s_month_billed_below_zero_is_refused(pools: list[NodePool]) -> None:
+    """A credit-only file: imported, it would stand for the pool's month (a file replaces its
+    pools' months whole) and scale every team's cost below zero. Refused, naming the pool."""
+    header, *rows = FOCUS_1_0_CSV.decode().splitlines()
+    credit = [r for r in rows if ",Credit," in r]
+    message = _bad(("\n".join([header, *credit]) + "\n").encode(), pools)
+    assert message.startswith("invoice.csv: node pool h100-reserved's total for 2026-10 is -50.00")
+    assert "below zero" in message
