@@ -88,7 +88,13 @@ def dcgm_readings(text: str, node: str) -> list[GpuReading]:
 
 def _reading(node: str, lab: dict[str, str], row: dict[str, float]) -> GpuReading:
     utilization = row[UTIL] / 100.0 if UTIL in row else row.get(GR_ACTIVE, 0.0)
+    missing = (
+        *(("UUID",) if not lab.get("UUID") else ()),
+        *(("power",) if POWER not in row else ()),
+        *(("utilization",) if UTIL not in row and GR_ACTIVE not in row else ()),
+    )
     return GpuReading(
+        missing=missing,
         node=node,
         gpu=lab.get("gpu", ""),
         uuid=lab.get("UUID", ""),
@@ -216,7 +222,10 @@ async def fetch_text(
         raise ScrapeError(
             f"{url}: {type(exc).__name__}: {str(exc) or 'connection failed'}"
         ) from None
-    return body.decode(response.encoding or "utf-8", errors="replace")
+    # UTF-8 whatever charset the server names: the exposition format is UTF-8, and a charset
+    # such as punycode decodes in time quadratic in the page, on the event loop, where the
+    # scrape's timeout cannot stop it (an 8 MiB page would hold every scrape for minutes).
+    return body.decode("utf-8", errors="replace")
 
 
 async def _read_capped(url: str, response: httpx.Response, max_bytes: int) -> bytes:

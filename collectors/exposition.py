@@ -48,7 +48,10 @@ def parse_samples(
         raise ExpositionError(f"more than the {max_lines:,} lines a metrics page may have")
     out: dict[str, list[Sample]] = {name: [] for name in wanted}
     seen: dict[str, dict[str, str]] = {}
-    for number, line in enumerate(text.splitlines(), 1):
+    # Split as counted (a line ends at a line feed only): ``splitlines`` would also split at
+    # CR and other separators, so a page of them would pass the count and be split into
+    # millions of lines.
+    for number, line in enumerate(text.split("\n"), 1):
         if not line or line[0] == "#":
             continue
         end = line.find("{")

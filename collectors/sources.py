@@ -58,6 +58,9 @@ class GpuReading:
     # Fields the page gave this GPU twice with different values (``<field> <a> and <b>``): which
     # is true cannot be told, so the reading is refused (``screen_gpu_readings``).
     conflicts: tuple[str, ...] = ()
+    # Measures the page did not give this GPU (``power``, ``utilization``, ``UUID``): a zero in
+    # their place would be invented, so the reading is refused (``screen_gpu_readings``).
+    missing: tuple[str, ...] = ()
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -104,8 +107,10 @@ def screen_gpu_readings(readings: list[GpuReading]) -> tuple[list[GpuReading], l
 
     - an energy counter refused is treated as missing: the board is measured from its power, as
       a board without a counter is, so its time and energy are still billed;
-    - any other measure refused (power, utilization, memory), a utilization over 1, or a field
-      the page gave twice with different values (``conflicts``), leaves the GPU out of this round.
+    - any other measure refused (power, utilization, memory), a utilization over 1, a field
+      the page gave twice with different values (``conflicts``), or a power, utilization or
+      UUID the page did not give at all (``missing``: dcgm-exporter leaves out a field DCGM
+      returned blank, as on a faulty board), leaves the GPU out of this round.
       There is no "unknown" to put in its place, and a zero would be invented (a counter-less
       board's energy is integrated from its power). Its previous reading stays the baseline, so
       the next good reading measures the whole interval from the counter, or past the gap limit
@@ -118,6 +123,7 @@ def screen_gpu_readings(readings: list[GpuReading]) -> tuple[list[GpuReading], l
         if _believable(r.utilization) and r.utilization > 1.0:
             bad.append(f"utilization={r.utilization!r} (over 1)")
         bad.extend(f"{c} (two series for one GPU)" for c in r.conflicts)
+        bad.extend(f"{m} missing from the page" for m in r.missing)
         counter_bad = r.energy_mj is not None and not _believable(r.energy_mj)
         refused.extend(f"{r.node}/{r.slot} {b}" for b in bad)
         if counter_bad:

@@ -56,8 +56,10 @@ async def hanging_app(scope: Scope, receive: Receive, send: Send) -> None:
         await asyncio.Event().wait()
 
 
-def text_app(body: bytes, status: int = 200) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    """An HTTP server that answers every request with ``body``."""
+def text_app(
+    body: bytes, status: int = 200, content_type: bytes = b"text/plain"
+) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """An HTTP server that answers every request with ``body`` (as ``content_type``)."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -66,7 +68,7 @@ def text_app(body: bytes, status: int = 200) -> Callable[[Scope, Receive, Send],
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [(b"content-type", b"text/plain")],
+                "headers": [(b"content-type", content_type)],
             }
         )
         await send({"type": "http.response.body", "body": body})

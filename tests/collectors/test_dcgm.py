@@ -180,6 +180,7 @@ def test_a_field_given_twice_with_different_values_is_named_on_every_reading_of_
     again = 'DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{gpu="3",UUID="GPU-3333",modelName="NVIDIA L40S",'
     again += 'namespace="ns",pod="pod-b",container="vllm"}'
     other = 'DCGM_FI_DEV_POWER_USAGE{gpu="4",UUID="GPU-4444",modelName="NVIDIA L40S"} 200\n'
+    other += 'DCGM_FI_DEV_GPU_UTIL{gpu="4",UUID="GPU-4444",modelName="NVIDIA L40S"} 50\n'
     readings = dcgm_readings(page + f"{again} 5000000\n{again} 6000000\n" + other * 2, "node-a")
     conflict = ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION 5000000.0 and 6000000.0",)
     assert [(r.pod, r.uuid, r.conflicts) for r in readings] == [
@@ -190,3 +191,23 @@ def test_a_field_given_twice_with_different_values_is_named_on_every_reading_of_
     fit, refused = screen_gpu_readings(readings)
     assert [r.uuid for r in fit] == ["GPU-4444"]
     assert refused == [f"node-a/3 {conflict[0]} (two series for one GPU)"] * 2
+
+
+def test_a_gpu_the_page_gives_no_power_utilization_or_uuid_is_refused_not_zeroed():
+    """dcgm-exporter leaves out a field DCGM returned blank (a faulty board), and an XID-only
+    series names no UUID: read as 0 W and 0 % (a board billed as idle, its energy from a power
+    of nothing) or as a GPU of its own, they would invent figures. Each such reading is
+    refused, naming what is missing; a whole board beside them is kept."""
+    whole = 'DCGM_FI_DEV_POWER_USAGE{gpu="0",UUID="GPU-0"} 200\nDCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-0"} 50\n'
+    no_power = 'DCGM_FI_DEV_GPU_UTIL{gpu="1",UUID="GPU-1"} 50\n'
+    no_util = 'DCGM_FI_DEV_POWER_USAGE{gpu="2",UUID="GPU-2"} 150\n'
+    no_uuid = 'DCGM_FI_DEV_XID_ERRORS{gpu="3"} 0\n'
+    fit, refused = screen_gpu_readings(dcgm_readings(whole + no_power + no_util + no_uuid, "n"))
+    assert [(r.uuid, r.power_watts, r.utilization) for r in fit] == [("GPU-0", 200.0, 0.5)]
+    assert refused == [
+        "n/1 power missing from the page",
+        "n/2 utilization missing from the page",
+        "n/3 UUID missing from the page",
+        "n/3 power missing from the page",
+        "n/3 utilization missing from the page",
+    ]

@@ -12,7 +12,8 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from collectors.dcgm import DcgmSource, dcgm_readings
+from collectors.dcgm import DcgmSource, dcgm_readings, fetch_text
+from collectors.exposition import ExpositionError, parse_samples
 from collectors.loop import Batch, FleetCollector, board_homes
 from collectors.metrics import FleetMetrics
 from collectors.serve import SpoolSink, build_collector
@@ -371,6 +372,7 @@ async def test_a_hostile_engine_page_costs_no_other_target_its_samples(config):
     good = b"vllm:num_requests_running 1\nvllm:num_requests_waiting 2\n"
     evil = good + 'vllm:cache_config_info{num_gpu_blocks="\u00b2",block_size="16"} 1\n'.encode()
     dcgm = b'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-a"} 50\nDCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-a"} NaN\n'
+    dcgm += b'DCGM_FI_DEV_POWER_USAGE{gpu="0",UUID="GPU-a"} 100\n'
     async with (
         serving(text_app(good)) as good_url,
         serving(text_app(evil)) as evil_url,
@@ -772,3 +774,22 @@ def test_each_board_has_one_home_the_holder_first_then_the_configuration_order()
     assert board_homes(reports, {}) == {"GPU-1": "node-a"}
     assert board_homes(reports, {"GPU-1": "node-b"}) == {"GPU-1": "node-b"}
     assert board_homes(reports, {"GPU-1": "node-c"}) == {"GPU-1": "node-a"}
+
+
+async def test_a_page_in_a_charset_slow_to_decode_is_read_as_utf_8():
+    """A target naming ``charset=punycode`` (whose decoding takes time quadratic in the page,
+    on the event loop, where no timeout stops it: minutes for a page under the size cap): the
+    page is read as UTF-8, the exposition format's encoding, whatever the server names."""
+    page = b"vllm:num_requests_running 1\n# " + b"a" * 2_000 + b"\n"
+    app = text_app(page, content_type=b"text/plain; charset=punycode")
+    async with serving(app) as url, httpx.AsyncClient() as client:
+        text = await fetch_text(client, f"{url}/metrics", 5.0)
+    assert text == page.decode()
+
+
+def test_a_page_split_by_carriage_returns_is_one_line_not_millions():
+    """Lines end at a line feed, as they are counted against the limit: twenty samples joined
+    by CRs are one line of garbage, not twenty samples past a limit of ten (a page of millions
+    of CRs would otherwise be split into millions of strings, on the event loop)."""
+    with pytest.raises(ExpositionError, match="line 1 has a bad value"):
+        parse_samples("vllm:num_requests_running 1\r" * 20, {"vllm:num_requests_running"}, 10)
