@@ -193,6 +193,7 @@ class FleetCollector:
         next_round = loop.time()
         done = 0
         while rounds is None or done < rounds:
+            before = dict(self._last)
             try:
                 batch = await self.scrape_once()
             except Exception:
@@ -202,7 +203,7 @@ class FleetCollector:
                 self.round_errors_total += 1
                 batch = Batch()
             if sink is not None and (batch.gpus or batch.engines):
-                await self._deliver(sink, batch)
+                await self._deliver(sink, batch, before)
             done += 1
             next_round += interval
             await asyncio.sleep(max(0.0, next_round - loop.time()))
@@ -217,7 +218,13 @@ class FleetCollector:
         for key, point in shifted(baseline.read(now), self.monotonic() - now).items():
             self._last.setdefault(key, point)
 
-    async def _deliver(self, sink: Sink, batch: Batch) -> None:
+    async def _deliver(
+        self, sink: Sink, batch: Batch, before: dict[Key, Point] | None = None
+    ) -> None:
+        """Spool ``batch``; ``before``: each GPU's last reading before the round made it. A
+        batch that cannot be spooled puts them back, so the next round measures its GPUs from
+        what was last spooled: the interval lost with the batch is in the next one (or a gap
+        past the gap limit), never billed by no one."""
         try:
             await sink(batch)
         except (SpoolError, OSError, ValueError) as exc:
@@ -227,6 +234,8 @@ class FleetCollector:
                 len(batch.gpus) + len(batch.engines),
                 exc,
             )
+            if before is not None:
+                self._last = before
             return
         # Only once the samples are on disk: the next start measures from what was spooled.
         # A GPU the last page left out is not kept: the next process could not tell its

@@ -22,7 +22,7 @@ from collectors.targets import EngineTarget, placements
 from collectors.vllm import VllmSource
 from infermeter.config import Config
 from infermeter.records import GpuSample
-from infermeter.spool import read_segment
+from infermeter.spool import SpoolError, read_segment
 from simulator.replica import ReplicaSim, replica_spec
 from tests.collectors.fakes import (
     FakeGpuSource,
@@ -793,3 +793,31 @@ def test_a_page_split_by_carriage_returns_is_one_line_not_millions():
     of CRs would otherwise be split into millions of strings, on the event loop)."""
     with pytest.raises(ExpositionError, match="line 1 has a bad value"):
         parse_samples("vllm:num_requests_running 1\r" * 20, {"vllm:num_requests_running"}, 10)
+
+
+async def test_a_round_that_cannot_be_spooled_is_measured_in_the_next(fleet_config):
+    """The disk refuses the second round's samples: the third round measures the board from
+    the last reading spooled, so the energy of both intervals is in what was spooled (the
+    counter's whole rise), not lost with the batch."""
+    readings: list[list[GpuReading] | ScrapeError] = [
+        [reading(energy_mj=mj)] for mj in (1_000_000.0, 2_000_000.0, 3_000_000.0)
+    ]
+    spooled: list[Batch] = []
+    calls = 0
+
+    async def sink(batch: Batch) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise SpoolError("disk full")
+        spooled.append(batch)
+
+    collector = FleetCollector(
+        fleet_config(scrape_interval_seconds=0.05, gap_after_intervals=10),
+        [FakeGpuSource("node-a", readings)],
+        [],
+    )
+    await asyncio.wait_for(collector.run(sink, rounds=3), 10)
+    assert collector.sink_errors_total == 1
+    joules = [s.energy_joules for b in spooled for s in b.gpus if s.energy_joules]
+    assert sum(joules) == pytest.approx(2_000.0)
