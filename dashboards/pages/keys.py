@@ -10,6 +10,7 @@ token is what billing sees, so the audit trail names the person who issued or re
 from __future__ import annotations
 
 import datetime as dt
+import math
 import re
 import time
 from typing import Any, Final, Literal
@@ -70,7 +71,9 @@ def layout(ctx: Context) -> html.Div:
         _field("Project", dcc.Input(id="keys-project", placeholder="optional"), "10em"),
         _field(
             "Expires in days",
-            dcc.Input(id="keys-days", type="number", min=1, placeholder="never"),
+            # Text, read here: a number field hands the callback nothing for a value the
+            # browser finds invalid (0, 0.5 under min 1), and nothing meant "never expires".
+            dcc.Input(id="keys-days", placeholder="never"),
             "9em",
         ),
         _field("Why", dcc.Input(id="keys-reason", placeholder="for the audit trail"), "16em"),
@@ -113,11 +116,14 @@ def key_request(
     role: str | None,
     member: str | None,
     project: str | None,
-    days: float | None,
+    days: str | float | None,
     reason: str | None,
 ) -> dict[str, Any]:
     """The body of ``POST /v1/keys`` from the form: a team's role takes the team (the signed-in
-    team's when none is picked), the others none; empty fields are left out."""
+    team's when none is picked), the others none; empty fields are left out.
+
+    ValueError for an expiry that is not a positive number of days (the form says it): only an
+    empty field means a key that never expires."""
     role = role or "member"
     body: dict[str, Any] = {"role": role, "reason": (reason or "").strip()}
     if role in _TEAM_ROLES:
@@ -125,8 +131,18 @@ def key_request(
     for name, value in (("member", member), ("project", project)):
         if value and value.strip():
             body[name] = value.strip()
-    if days:
-        body["expires_in_seconds"] = float(days) * _DAY_SECONDS
+    text = "" if days is None else str(days).strip()
+    if text:
+        try:
+            count = float(text)
+        except ValueError:
+            count = math.nan
+        if not (math.isfinite(count) and count > 0):
+            raise ValueError(
+                f"Expires in days: {text!r} is not a positive number of days (such as 0.5 or "
+                "30); leave it empty for a key that never expires."
+            )
+        body["expires_in_seconds"] = count * _DAY_SECONDS
     return body
 
 
@@ -161,13 +177,15 @@ def keys_frame(keys: list[dict[str, Any]], now: float, tz: str | None) -> pl.Dat
     return pl.DataFrame(rows, schema=schema).sort("_at", descending=True).drop("_at")
 
 
-def _secret(answer: dict[str, Any], what: str) -> Any:
-    """The new secret, once, with what it is for."""
+def _secret(answer: dict[str, Any], what: str, tz: str | None = None) -> Any:
+    """The new secret, once, with what it is for and when it expires (or that it never does)."""
+    expires = answer.get("expires_at")
+    ends = "It never expires." if expires is None else f"It expires {when(expires, tz)}."
     return html.Div(
         [
             note(
                 f"{what} {answer['key_id']}: copy the key now. It is shown this once; billing "
-                "keeps only its digest."
+                f"keeps only its digest. {ends}"
             ),
             html.Pre(answer["key"], id="keys-secret-value"),
         ]
@@ -218,6 +236,7 @@ def register(app: Dash, ctx: Context) -> None:
         State("keys-change-reason", "value"),
         State("keys-changed", "data"),
         State("auth", "data"),
+        State("tz", "data"),
         prevent_initial_call=True,
     )
     def act(
@@ -228,12 +247,13 @@ def register(app: Dash, ctx: Context) -> None:
         role: str | None,
         member: str | None,
         project: str | None,
-        days: float | None,
+        days: str | None,
         reason: str | None,
         key_id: str | None,
         change_reason: str | None,
         changed: int | None,
         auth: Any,
+        tz: str | None,
     ) -> tuple[Any, Any]:
         session = ctx.session(auth)
         if session is None:
@@ -241,8 +261,12 @@ def register(app: Dash, ctx: Context) -> None:
         action = callback_context.triggered_id
         try:
             if action == "keys-issue":
-                body = key_request(session, team, role, member, project, days, reason)
-                shown = _secret(ctx.client.issue_key(session.token, body), "Issued key")
+                try:
+                    body = key_request(session, team, role, member, project, days, reason)
+                except ValueError as exc:
+                    return note(str(exc), "error"), no_update
+                answer = ctx.client.issue_key(session.token, body)
+                shown = _secret(answer, "Issued key", tz)
             else:
                 wanted = (key_id or "").strip()
                 if not _KEY_ID.fullmatch(wanted):
@@ -256,7 +280,7 @@ def register(app: Dash, ctx: Context) -> None:
                 shown = (
                     note(f"Revoked key {wanted}.")
                     if verb == "revoke"
-                    else _secret(answer, f"Rotated key {wanted}; the new key is")
+                    else _secret(answer, f"Rotated key {wanted}; the new key is", tz)
                 )
         except BillingError as exc:
             return note(f"Refused: {exc}", "error"), no_update

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from dashboards.pages.keys import key_request, keys_frame
 from dashboards.sessions import Session
 
@@ -65,3 +67,15 @@ def test_keys_are_listed_newest_first_with_their_state() -> None:
     assert frame["state"].to_list() == ["revoked", "active", "expired"]
     assert frame["expires"].to_list()[1] == "never"
     assert frame["created"].to_list()[0] == "2027-01-15 13:28"
+
+
+def test_an_expiry_that_is_not_a_positive_number_of_days_is_refused_not_never() -> None:
+    """Half a day is half a day; 0, a negative, text or an infinity is refused with what to
+    type: a number field handed the form nothing for them, and nothing meant "never"."""
+    assert key_request(LEAD, None, "member", None, None, " 0.5 ", None)["expires_in_seconds"] == (
+        43_200.0
+    )
+    assert "expires_in_seconds" not in key_request(LEAD, None, "member", None, None, "", None)
+    for days in ("0", "-1", "soon", "inf", "nan"):
+        with pytest.raises(ValueError, match="not a positive number of days"):
+            key_request(LEAD, None, "member", None, None, days, None)
