@@ -369,7 +369,6 @@ def create_app(
             why = "unknown key" if exc.status == 401 else "a service's key"
             heard("signin.failed", "unknown", "", address=address, why=why, outcome="refused")
             return None, True, _refused(signins, address, exc.status), no_update
-        signins.succeeded(address)
         caller = who["caller"]
         heard(
             "signin.succeeded",

@@ -3,6 +3,9 @@
 A key is a bearer credential for billing, so a sign-in form that answers as fast as it is asked
 is an oracle for guessing keys. After ``max_failures`` failed sign-ins from one address within
 ``window_seconds``, that address is refused for ``lockout_seconds`` without billing being asked.
+A sign-in that succeeds clears no failures: a holder of one valid key could otherwise guess
+others for ever, a few at a time, signing in with its own between them. The failures run out
+with their window.
 
 The address is the TCP peer the WSGI server reports: behind a reverse proxy every viewer shares
 the proxy's address unless the operator wraps the app in a trusted proxy-header middleware.
@@ -96,8 +99,3 @@ class SignInThrottle:
             while len(self._by_address) > self.policy.max_addresses:
                 self._by_address.popitem(last=False)
         return attempts
-
-    def succeeded(self, address: str) -> None:
-        """Forget the failures of ``address``: its user holds a valid key."""
-        with self._lock:
-            self._by_address.pop(address, None)

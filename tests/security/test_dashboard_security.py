@@ -282,16 +282,27 @@ def test_the_lockout_ends_after_its_time():
     assert throttle.failed("10.0.0.1").retry_after(clock()) == 0
 
 
-def test_addresses_are_throttled_separately_and_success_forgets():
-    """One address's failures do not lock out another, and a success clears its own count."""
+def test_addresses_are_throttled_separately():
+    """One address's failures do not lock out another."""
     throttle = SignInThrottle(ThrottlePolicy(max_failures=2), Clock())
     throttle.failed("10.0.0.1")
     throttle.failed("10.0.0.1")
     throttle.failed("10.0.0.2")
     assert throttle.retry_after("10.0.0.1") > 0
     assert throttle.retry_after("10.0.0.2") == 0
-    throttle.succeeded("10.0.0.2")
-    assert throttle.failed("10.0.0.2").failures == 1
+
+
+def test_signing_in_with_a_key_of_ones_own_clears_no_failures(config, billing):
+    """A holder of a valid key who guesses others: four wrong keys, a sign-in with its own,
+    four more. Had the sign-in cleared the count, the guesses would go on for ever, four at
+    a time; the address is locked out at the fifth wrong key within the window."""
+    throttle = SignInThrottle(ThrottlePolicy(max_failures=5, lockout_seconds=60), Clock())
+    with dashboard(config, billing, throttle) as url:
+        for _ in range(4):
+            assert "session" not in (sign_in(url, "im-not-a-key")["auth"]["data"] or {})
+        assert "session" in sign_in(url, ADMIN_KEY)["auth"]["data"]
+        sign_in(url, "im-not-a-key")
+        assert "try again in 60 s" in sign_in(url, ADMIN_KEY)["login-error"]["children"]
 
 
 def test_remembered_addresses_are_bounded():
