@@ -103,11 +103,27 @@ class ModelShape:
             if value not in BYTES_PER_PARAM:
                 known = ", ".join(BYTES_PER_PARAM)
                 raise ValueError(f"{name} {value!r} is not one of {known}")
-        if self.params_billions <= 0:
-            raise ValueError(f"params_billions must be positive, not {self.params_billions}")
-        for name in ("context_tokens", "concurrency", "layers", "kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if not 0 < self.params_billions <= _MAX_PARAMS_BILLIONS:
+            raise ValueError(
+                f"params_billions must be positive and at most {_MAX_PARAMS_BILLIONS:,}, "
+                f"not {self.params_billions}"
+            )
+        for name, most in _MOST.items():
+            if not 1 <= getattr(self, name) <= most:
+                raise ValueError(
+                    f"{name} must be at least 1 and at most {most:,}, not {getattr(self, name)}"
+                )
+
+
+# Bounds past any model or deployment: a figure beyond them is a typing slip (or 1e999).
+_MAX_PARAMS_BILLIONS = 100_000
+_MOST = {
+    "context_tokens": 100_000_000,
+    "concurrency": 1_000_000,
+    "layers": 100_000,
+    "kv_heads": 100_000,
+    "head_dim": 100_000,
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import polars as pl
-from dash import Dash, Input, Output, dcc, html
+from dash import Dash, Input, Output, State, dcc, html
 
 from dashboards.components import frame_table, note, page
 from dashboards.context import Context
@@ -121,8 +121,13 @@ def register(app: Dash, ctx: Context) -> None:
         Input("plan-precision", "value"),
         Input("plan-kv-precision", "value"),
         *(Input(f"plan-{f}", "value") for f in _FIELDS),
+        State("auth", "data"),
     )
-    def compute(precision: str, kv_precision: str, *values: Any) -> tuple[Any, Any]:
+    def compute(precision: str, kv_precision: str, *fields: Any) -> tuple[Any, Any]:
+        *values, auth = fields
+        if ctx.session(auth) is None:
+            # The price book is the platform's: signed out, no figures (as every page).
+            return note("Sign in to plan."), None
         if any(v is None for v in values):
             return note("Fill in every field."), None
         params, context, concurrency, layers, kv_heads, head_dim = values
@@ -137,7 +142,7 @@ def register(app: Dash, ctx: Context) -> None:
                 int(head_dim),
                 kv_precision,
             )
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:  # OverflowError: int() of an infinity
             return note(str(exc), "error"), None
         result = plan(shape, prices)
         summary = html.P(

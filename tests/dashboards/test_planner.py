@@ -107,6 +107,9 @@ def test_overhead_is_a_tenth_of_weights_and_cache():
         ({"precision": "fp4"}, "precision 'fp4' is not one of"),
         ({"params": 0}, "params_billions must be positive"),
         ({"context": 0}, "context_tokens must be at least 1"),
+        ({"params": float("inf")}, "params_billions must be positive and at most 100,000"),
+        ({"params": float("nan")}, "params_billions must be positive and at most 100,000"),
+        ({"context": 10**12}, "context_tokens must be at least 1 and at most 100,000,000"),
     ],
 )
 def test_bad_input_is_refused_with_its_name(kwargs, message):

@@ -764,3 +764,33 @@ def test_hand_made_callbacks_with_a_bad_month_or_day_are_answered_not_a_500(url)
         [{"id": "tz", "property": "data", "value": "UTC"}],
     )
     assert "YYYY-MM-DD" in str(allocation["alloc-status"]["children"])
+
+
+PLAN = "..plan-summary.children...plan-table.children.."
+
+
+def plan_reply(url: str, auth: Any) -> dict[str, Any]:
+    """The planner's callback for a 70B model, as the page sends it, with ``auth``."""
+    fields = {"params": 70, "context": 8192, "concurrency": 16, "layers": 80}
+    fields |= {"kv-heads": 8, "head-dim": 128}
+    return callback(
+        url,
+        PLAN,
+        [
+            {"id": "plan-precision", "property": "value", "value": "fp16"},
+            {"id": "plan-kv-precision", "property": "value", "value": "fp16"},
+            *({"id": f"plan-{k}", "property": "value", "value": v} for k, v in fields.items()),
+        ],
+        [{"id": "auth", "property": "data", "value": auth}],
+    )
+
+
+def test_the_planner_gives_no_prices_to_a_caller_not_signed_in(url):
+    """The price book is the platform's: posted without a session (or with a made-up one), the
+    planner's callback says to sign in and gives no table; signed in, its figures."""
+    for auth in (None, {"session": "made-up-" + "x" * 40}):
+        reply = plan_reply(url, auth)
+        assert "Sign in to plan." in str(reply["plan-summary"]["children"])
+        assert reply["plan-table"]["children"] is None
+    session = sign_in(url, ADMIN_KEY)["auth"]["data"]
+    assert "GB per replica" in str(plan_reply(url, session)["plan-summary"]["children"])
