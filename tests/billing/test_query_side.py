@@ -63,6 +63,8 @@ def keeper() -> ScratchKeeper:
         "gpu_hours DOUBLE, energy_kwh DOUBLE, compute_cents BIGINT, energy_cents BIGINT, "
         "idle_cents BIGINT, total_cents BIGINT)"
     )
+    keeper.con.execute("CREATE TABLE statement_usage_lines AS SELECT * FROM statement_lines")
+    keeper.con.execute("CREATE TABLE statement_usage_months (month VARCHAR PRIMARY KEY)")
     return keeper
 
 
@@ -78,6 +80,9 @@ def test_a_month_is_frozen_once_through_the_keepers_writing_transaction(
         closing.freeze(keeper, "2026-10", lines, [], now=OCT + 41 * 86400)
     assert keeper.writes == 1
     assert closing.issued_basis(keeper, "2026-10")[0] == "list"
+    # Its lines on the usage basis are kept in the same transaction (here, on the list basis,
+    # the statement lines themselves).
+    assert closing.issued_usage_lines(keeper, month="2026-10") is not None
 
 
 @pytest.mark.parametrize(
