@@ -82,7 +82,13 @@ def install_oidc(
     # The flow's state lives only from the click to the callback: a key made per process is
     # enough (a restart in between asks the person to click again).
     server.secret_key = server.secret_key or secrets.token_bytes(32)
-    server.config.update(SESSION_COOKIE_HTTPONLY=True, SESSION_COOKIE_SAMESITE="Lax")
+    # Secure when the dashboard is reached over https (its redirect URL says so): the cookie
+    # names the sign-in under way, and sent on a plain-http request to the same host, anyone
+    # watching the network could take it. Not set for http, where no browser would send it.
+    secure = (settings.redirect_url or "").startswith("https://")
+    server.config.update(
+        SESSION_COOKIE_HTTPONLY=True, SESSION_COOKIE_SAMESITE="Lax", SESSION_COOKIE_SECURE=secure
+    )
     secret = environ.get(settings.client_secret_env) or None
     oauth = OAuth(server)
     client: Any = oauth.register(
