@@ -44,9 +44,13 @@ def _or_na(share: float | None) -> str:
 
 def _spend_tile(spend: Sequence[dict[str, Any]]) -> Tile:
     spent = sum(float(s["spent_usd"]) for s in spend)
-    budget = sum(float(s["budget_usd"]) for s in spend)
+    budgeted = [s for s in spend if float(s["budget_usd"]) > 0]
+    budget = sum(float(s["budget_usd"]) for s in budgeted)
     forecast = sum(float(s["forecast_usd"]) for s in spend)
-    of_budget = f" of {usd(budget)} budget" if budget > 0 else " (no budget set)"
+    # The budgets against what the teams that have them spent (as the chargeback CSV's total):
+    # all spend over them read as a team over its budget when it was the platform's idle time.
+    within = usd(sum(float(s["spent_usd"]) for s in budgeted))
+    of_budget = f" {within} of {usd(budget)} budgeted" if budget > 0 else " (no budget set)"
     return Tile(
         "spend",
         "Spend, month to date",

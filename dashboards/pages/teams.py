@@ -190,9 +190,17 @@ def _tags_table(frame: pl.DataFrame) -> html.Div:
     )
 
 
+def budget_used_percent(frame: pl.DataFrame) -> float | None:
+    """The total row's share of budget used, as the chargeback CSV's: the teams with a budget,
+    over their budgets (a team without one, and the platform's idle capacity, are in no
+    budget); None when no team has one."""
+    budgeted = frame.filter(pl.col("budget_usd").fill_null(0) > 0)
+    budget = float(budgeted["budget_usd"].sum()) if budgeted.height else 0.0
+    return 100 * float(budgeted["spent_usd"].sum()) / budget if budget > 0 else None
+
+
 def _spend_table(frame: pl.DataFrame) -> html.Div:
-    budget = float(frame["budget_usd"].sum()) if frame.height else 0.0
-    used = 100 * float(frame["spent_usd"].sum()) / budget if budget > 0 else None
+    used = budget_used_percent(frame)
     return frame_table(
         frame,
         "teams-table",

@@ -10,6 +10,7 @@ import pytest
 from dashboards.components import csv_table, frame_table
 from dashboards.figures import colours_for, complete_buckets, empty_figure, line_figure
 from dashboards.formatting import MISSING, compact, format_cell, kind_of, label, parse_number, usd
+from dashboards.pages.teams import budget_used_percent
 from dashboards.summary import tiles
 
 X_RANGE = (dt.datetime(2026, 12, 1, 10), dt.datetime(2026, 12, 1, 11))
@@ -139,7 +140,8 @@ def test_a_model_has_one_colour_everywhere():
 
 
 def test_summary_tiles_add_up_what_billing_answered():
-    """Spend, requests, tokens, SLA share, GPU use and idle share from billing's rows."""
+    """Spend, requests, tokens, SLA share, GPU use and idle share from billing's rows (the
+    budget against what the teams that have one spent: b's dollar is in no budget)."""
     spend = [
         {"team": "a", "spent_usd": 2.0, "budget_usd": 10.0, "forecast_usd": 5.0},
         {"team": "b", "spent_usd": 1.0, "budget_usd": 0.0, "forecast_usd": 2.5},
@@ -153,7 +155,7 @@ def test_summary_tiles_add_up_what_billing_answered():
     found = {t.key: t for t in tiles(spend, lines, usage, sla, gpus, "the last hour")}
     assert (found["spend"].value, found["spend"].detail) == (
         "$3.00",
-        "of $10.00 budget; forecast $7.50 at month end",
+        "$2.00 of $10.00 budgeted; forecast $7.50 at month end",
     )
     assert found["requests"].raw == 7
     assert found["tokens"].raw == 330
@@ -172,3 +174,17 @@ def test_an_empty_table_is_a_sentence():
     assert shown.children.children == "No usage this month yet."
     only_total = "month,team,line_type,total_usd\n2026-12,,total,0\n"
     assert csv_table(only_total, "c").children.children == "No charges for this month yet."
+
+
+def test_the_teams_total_share_of_budget_is_the_budgeted_teams_over_their_budgets():
+    """Team a spent $50 of $100, team b $50 without a budget, the platform $20: the total row
+    says 50 %, as the chargeback CSV's total does, not 120 % (every dollar over a's budget)."""
+    frame = pl.DataFrame(
+        {
+            "team": ["a", "b", "platform"],
+            "spent_usd": [50.0, 50.0, 20.0],
+            "budget_usd": [100.0, 0.0, None],
+        }
+    )
+    assert budget_used_percent(frame) == 50.0
+    assert budget_used_percent(frame.filter(pl.col("team") != "a")) is None
