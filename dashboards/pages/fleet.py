@@ -184,7 +184,9 @@ def _replicas(
             "model": name,
             "configured": configured,
             "live": "admin only",
-            "desired": _desired(model, name, scraped),
+            # The autoscaler's decision weighs every team's load: the admin's, as billing's
+            # fleet view is (its gauge is not a way around that).
+            "desired": "admin only" if fleet is None else _desired(model, name, scraped),
         }
         if fleet is not None:
             last = model.get("last_decision") if model else None

@@ -247,6 +247,8 @@ def test_a_three_instance_group_shows_three_live_the_desired_count_and_why(
         wait(p, "#fleet-instances-sentence", "admin only")
         team_rows = {r["model"]: r for r in table(p, "fleet-replicas-table")}
         assert team_rows["chat-small"]["live"] == "admin only"
+        # The autoscaler's decision weighs every team's load: the admin's, as the live count.
+        assert team_rows["chat-small"]["desired"] == "admin only"
         finish(p, "fleet-instances-team")
 
 
