@@ -37,7 +37,7 @@ from infermeter.boards import (
     max_watts,
 )
 from infermeter.config import Config
-from infermeter.records import MAX_ENGINE_REQUESTS
+from infermeter.records import MAX_ENGINE_COUNTER, MAX_ENGINE_REQUESTS
 
 __all__ = [
     "COUNTER_SLACK_SECONDS",
@@ -59,7 +59,7 @@ MAX_MEASURED_SECONDS: Final = 600.0
 # A gap (nothing measured in between) counts its time; at most a day, as before the bounds.
 MAX_GAP_SECONDS: Final = 86_400.0
 # Engine counters: a trillion tokens a day for thirty years; exact in a double.
-MAX_COUNTER: Final = 1e15
+MAX_COUNTER: Final = MAX_ENGINE_COUNTER
 # Requests running or waiting on one engine (the autoscaler holds its readings to it too).
 MAX_REQUESTS: Final = MAX_ENGINE_REQUESTS
 # Memory of one board (or slice), used plus free: 1 TiB.

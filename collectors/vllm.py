@@ -12,12 +12,14 @@ sizes batches against). A replica with several engines (data parallel) reports o
 from __future__ import annotations
 
 import math
+from typing import Final
 
 import httpx
 
 from collectors.dcgm import fetch_text
 from collectors.exposition import ExpositionError, Sample, parse_samples
 from collectors.sources import EngineReading, ScrapeError
+from infermeter.records import MAX_ENGINE_COUNTER, MAX_ENGINE_REQUESTS
 
 __all__ = ["VLLM_FIELDS", "VllmSource", "engine_reading", "kv_cache_tokens"]
 
@@ -40,6 +42,7 @@ def engine_reading(text: str) -> EngineReading:
     if not s["vllm:num_requests_running"]:
         raise ExpositionError("no vllm:num_requests_running in the page")
     _refuse_impossible(s)
+    _refuse_repeated(s)
     kv = [v for _, v in s["vllm:kv_cache_usage_perc"]]
     return EngineReading(
         requests_running=_sum(s["vllm:num_requests_running"]),
@@ -86,8 +89,13 @@ def _whole_number(text: str) -> int | None:
     return int(text)
 
 
-# Past 2**53 a float no longer holds every whole number: no count an engine keeps gets there.
-_MAX_COUNT = float(2**53)
+# Billing's bounds (``billing.bounds``): a reading past them would be refused at ingest, its
+# token counters with it, so the page is refused here, its engine marked down with the reason.
+_MOST: Final = {
+    "vllm:num_requests_running": float(MAX_ENGINE_REQUESTS),
+    "vllm:num_requests_waiting": float(MAX_ENGINE_REQUESTS),
+    "vllm:kv_cache_usage_perc": 1.0,
+}
 
 
 def _refuse_impossible(s: dict[str, list[Sample]]) -> None:
@@ -102,9 +110,22 @@ def _refuse_impossible(s: dict[str, list[Sample]]) -> None:
     for name, found in s.items():
         if name == "vllm:cache_config_info":
             continue
+        most = _MOST.get(name, MAX_ENGINE_COUNTER)
         for _, value in found:
-            if not (math.isfinite(value) and 0.0 <= value <= _MAX_COUNT):
-                raise ExpositionError(f"{name} is {value!r}: a count cannot be")
+            if not (math.isfinite(value) and 0.0 <= value <= most):
+                raise ExpositionError(f"{name} is {value!r}: a count cannot be (0 to {most:g})")
+
+
+def _refuse_repeated(s: dict[str, list[Sample]]) -> None:
+    """ExpositionError when a series (a name and its labels) is given twice: summed, two lines
+    of 100 read as 200 (a stale series beside the live one), and which is true cannot be told."""
+    for name, found in s.items():
+        seen: set[tuple[tuple[str, str], ...]] = set()
+        for labels, _ in found:
+            key = tuple(sorted(labels.items()))
+            if key in seen:
+                raise ExpositionError(f"{name}{dict(key)} is given twice")
+            seen.add(key)
 
 
 def _sum(samples: list[Sample]) -> float:

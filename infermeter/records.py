@@ -29,6 +29,7 @@ __all__ = [
     "INSTANCES",
     "KINDS",
     "MAX_DECISION_REASONS",
+    "MAX_ENGINE_COUNTER",
     "MAX_ENGINE_REQUESTS",
     "MAX_OVERRIDE_REASON",
     "MAX_SCALED_REPLICAS",
@@ -211,6 +212,10 @@ class EngineSample(_Record):
 # Requests running or waiting on one engine: no vLLM engine holds more, so a page saying more is
 # broken or hostile (billing's ingest refuses such a sample, the autoscaler such a reading).
 MAX_ENGINE_REQUESTS: Final = 1_000_000
+# An engine's token and event counters: a trillion tokens a day for thirty years, exact in a
+# double (billing's ingest refuses a sample past it, so the collector reads such a page as
+# broken).
+MAX_ENGINE_COUNTER: Final = 1e15
 
 
 class InstanceEventType(StrEnum):

@@ -84,3 +84,32 @@ def test_an_impossible_count_refuses_the_page_naming_the_series(value):
     text = f"vllm:num_requests_running 1\nvllm:num_requests_waiting {value}\n"
     with pytest.raises(ExpositionError, match="vllm:num_requests_waiting is"):
         engine_reading(text)
+
+
+@pytest.mark.parametrize(
+    ("line", "series"),
+    [
+        ("vllm:num_requests_waiting 2000000", "vllm:num_requests_waiting"),
+        ('vllm:kv_cache_usage_perc{engine="0"} 7.5', "vllm:kv_cache_usage_perc"),
+        ('vllm:generation_tokens_total{engine="0"} 5e15', "vllm:generation_tokens_total"),
+    ],
+)
+def test_a_count_past_billings_bounds_refuses_the_page(line, series):
+    """Two million waiting requests, a KV cache 750 % used, a counter of 5e15 tokens: billing's
+    ingest refuses such a sample (and its token counters with it), so the page is refused here,
+    the engine down with the series named, not shipped to be rejected."""
+    with pytest.raises(ExpositionError, match=f"{series} is"):
+        engine_reading(f"vllm:num_requests_running 1\n{line}\n")
+
+
+def test_a_series_given_twice_refuses_the_page():
+    """Two lines of one series (a stale one beside the live one) were summed, 100 and 100 read
+    as 200: which is true cannot be told, so the page is refused naming it; two engines'
+    series (told apart by their labels) are still summed."""
+    twice = 'vllm:num_requests_running{engine="0"} 100\n' * 2
+    with pytest.raises(ExpositionError, match=r"vllm:num_requests_running.*is given twice"):
+        engine_reading(twice)
+    engines = (
+        'vllm:num_requests_running{engine="0"} 100\nvllm:num_requests_running{engine="1"} 100\n'
+    )
+    assert engine_reading(engines).requests_running == 200
