@@ -8,7 +8,9 @@ without it. A missing library, a missing driver or no GPU is a ``ScrapeError`` w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -32,6 +34,19 @@ def load_nvml(module: str = "pynvml") -> ModuleType:
     return nvml
 
 
+def _settle(
+    future: asyncio.Future[list[GpuReading]],
+    result: list[GpuReading] | None,
+    error: BaseException | None,
+) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result or [])
+
+
 class NvmlSource:
     """Every GPU of this machine, read through NVML in a worker thread."""
 
@@ -41,10 +56,34 @@ class NvmlSource:
         self.target = node
         self.module = module
         self._nvml: ModuleType | None = None
+        self._running: asyncio.Future[list[GpuReading]] | None = None
 
     async def read(self) -> list[GpuReading]:
-        """Read every device now."""
-        return await asyncio.to_thread(self._read)
+        """Read every device now, in a thread of its own; ScrapeError while an earlier read has
+        not returned.
+
+        A driver call that hangs (a faulty board) holds that one thread, a daemon's, so the
+        process still stops: in the shared pool, a read given up on by the scrape's timeout
+        went on holding a thread, each retry took another, and once the pool was full nothing
+        else ran in it (the shipper, the baseline file), nor could the process exit.
+        """
+        if self._running is not None and not self._running.done():
+            raise ScrapeError("NVML: the last read has not returned (a driver call hangs)")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[GpuReading]] = loop.create_future()
+
+        def work() -> None:
+            try:
+                outcome: tuple[list[GpuReading] | None, BaseException | None] = (self._read(), None)
+            except BaseException as exc:  # handed to the awaiting task, which raises it
+                outcome = (None, exc)
+            with contextlib.suppress(RuntimeError):  # the loop closed while the call hung
+                loop.call_soon_threadsafe(_settle, future, *outcome)
+
+        self._running = future
+        threading.Thread(target=work, name=f"nvml-{self.target}", daemon=True).start()
+        # Shielded: a timeout gives up waiting, and the read stays the one running.
+        return await asyncio.shield(future)
 
     def _read(self) -> list[GpuReading]:
         if self._nvml is None:
