@@ -54,11 +54,13 @@ def _field(name: str, control: Any, width: str) -> html.Div:
 
 def layout(ctx: Context) -> html.Div:
     """The keys page's frame; ``register`` fills it."""
-    teams = [{"label": t.name, "value": t.name} for t in ctx.config.teams]
     roles = [{"label": r, "value": r} for r in ROLES]
     issue = [
         _field(
-            "Team", dcc.Dropdown(id="keys-team", options=teams, placeholder="(your team)"), "10em"
+            # Filled for the signed-in caller (``team_options``): a team sees its own name only.
+            "Team",
+            dcc.Dropdown(id="keys-team", options=[], placeholder="(your team)"),
+            "10em",
         ),
         _field(
             "Role",
@@ -192,8 +194,22 @@ def _secret(answer: dict[str, Any], what: str, tz: str | None = None) -> Any:
     )
 
 
+def team_options(session: Session | None, teams: list[str]) -> list[dict[str, str]]:
+    """The teams the form offers: every one to the admin, a team's own to a team's key (the
+    other teams' names are not its to read), none signed out."""
+    if session is None:
+        return []
+    names = teams if session.is_admin else [t for t in teams if t == session.team]
+    return [{"label": t, "value": t} for t in names]
+
+
 def register(app: Dash, ctx: Context) -> None:
     """The keys page's callbacks: the listing, and the issue, revoke and rotate buttons."""
+    teams = [t.name for t in ctx.config.teams]
+
+    @app.callback(Output("keys-team", "options"), Input("auth", "data"))
+    def options(auth: Any) -> list[dict[str, str]]:
+        return team_options(ctx.session(auth), teams)
 
     @app.callback(
         Output("keys-status", "children"),

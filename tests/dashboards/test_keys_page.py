@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from dashboards.pages.keys import key_request, keys_frame
+from dashboards.pages.keys import key_request, keys_frame, team_options
 from dashboards.sessions import Session
 
 LEAD = Session("token", "search", "search", False, person="lia@example.com")
@@ -79,3 +79,12 @@ def test_an_expiry_that_is_not_a_positive_number_of_days_is_refused_not_never() 
     for days in ("0", "-1", "soon", "inf", "nan"):
         with pytest.raises(ValueError, match="not a positive number of days"):
             key_request(LEAD, None, "member", None, None, days, None)
+
+
+def test_the_form_offers_a_team_its_own_name_only() -> None:
+    """The admin picks any team; a lead's form offers its own team, not the others' names;
+    signed out, none."""
+    teams = ["search", "assistant", "research"]
+    assert [o["value"] for o in team_options(ADMIN, teams)] == teams
+    assert team_options(LEAD, teams) == [{"label": "search", "value": "search"}]
+    assert team_options(None, teams) == []
