@@ -111,6 +111,11 @@ class WsgiServer:
         """
         self.graceful_seconds = graceful_seconds
         self._stop = threading.Event()
+        # ``stop`` wakes the loop through waitress's trigger, which ``serve`` closes once done:
+        # the lock keeps the two apart (a stop from another thread that ran late wrote into a
+        # closed descriptor, EBADF, or into whatever the number had been given to since).
+        self._trigger_lock = threading.RLock()  # re-entered by a signal handler in its thread
+        self._trigger_closed = False
         self._map: dict[int, Any] = {}
         self._server: TcpWSGIServer = create_server(
             app,
@@ -151,12 +156,16 @@ class WsgiServer:
         ):
             wasyncore.loop(_TICK_SECONDS, True, self._map, count=1)
         server.task_dispatcher.shutdown(cancel_pending=True, timeout=self.graceful_seconds)
-        server.trigger.close()
+        with self._trigger_lock:
+            self._trigger_closed = True
+            server.trigger.close()
         wasyncore.close_all(self._map)
 
     def stop(self) -> None:
         """Ask ``serve`` to finish (from any thread or a signal handler); it returns once done."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._server.pull_trigger()
+        with self._trigger_lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+            if not self._trigger_closed:
+                self._server.pull_trigger()

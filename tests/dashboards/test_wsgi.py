@@ -89,3 +89,26 @@ def test_stop_lets_a_request_in_flight_finish_and_refuses_new_ones(served):
     assert not thread.is_alive()
     with pytest.raises(httpx.ConnectError):
         httpx.get(url, timeout=2)
+
+
+def test_a_stop_that_runs_late_never_writes_to_the_closed_trigger():
+    """``stop`` sets the flag, and the loop may see it and close waitress's trigger before
+    ``stop`` pulls it (a thread descheduled under load): here the flag's ``set`` waits for the
+    loop to finish, as the worst scheduling would. The pull comes first or not at all: no
+    write to a closed descriptor (EBADF, or whatever the number was given to since)."""
+    port = free_port()
+    server = WsgiServer(slow_app, "127.0.0.1", port, LIMITS, threads=1, graceful_seconds=0.1)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    assert server.started.wait(10)
+
+    class LateEvent(threading.Event):
+        def set(self) -> None:
+            super().set()
+            thread.join(1.0)  # the loop runs to its end meanwhile, if nothing holds it
+
+    late = LateEvent()
+    server._stop = late
+    server.stop()
+    thread.join(10)
+    assert not thread.is_alive()
