@@ -42,9 +42,14 @@ class PortInUseError(Exception):
 
 
 def host_port(url_or_addr: str) -> tuple[str, int]:
-    """``http://h:p/x`` or ``h:p`` -> ``(h, p)``."""
+    """``http://h:p/x`` or ``h:p`` -> ``(h, p)``; ValueError saying what is wrong.
+
+    A bare ``h:p`` is read by the rule the configuration and the ``--listen`` options check
+    (``infermeter.config.listen_address``), so what passed those binds."""
     if "://" not in url_or_addr:
-        url_or_addr = f"http://{url_or_addr}"
+        from infermeter.config import listen_address
+
+        return listen_address(url_or_addr)
     parts = urlsplit(url_or_addr)
     if parts.hostname is None or parts.port is None:
         raise ValueError(f"{url_or_addr!r} has no host and port")
